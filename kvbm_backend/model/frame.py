@@ -1,0 +1,140 @@
+"""The stored frame: a self-describing 4 KiB header, then the payload padded to 4 KiB.
+
+The byte format is specified in ``docs/format.md`` (format version :data:`FORMAT_VERSION`); this
+module is its only implementation. Readers reject unknown versions, bad magic, bad header checks and
+identity mismatches with :class:`FrameError` (callers count these as misses, never serve them).
+"""
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass, field
+
+import xxhash
+
+from .layout import KvLayout
+from .namespace import BlockKey
+
+MAGIC = b"KVBMFRM\x00"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+ALIGN = 4096
+
+FLAG_ENCRYPTED = 0x1  # payload is AES-256-GCM ciphertext; integrity holds the GCM tag
+FLAG_CHECKSUM = 0x2  # integrity holds xxh3_128 of the plaintext payload
+
+# magic, version, flags, header_len, ns_fp, tenant_tag, rank, world, seq_hash,
+# num_layers, outer_dim, dtype_bytes, page_size, inner_dim, payload_len, stored_len,
+# key_id, key_version, nonce, reserved, integrity, created_ns
+_FMT = "<8sHHI8s16sIIQIHHIIQQII12s4s16sQ"
+_FIXED = struct.calcsize(_FMT)  # 136
+_CHECK = struct.Struct("<Q")
+assert _FIXED == 136
+
+
+class FrameError(ValueError):
+    """A frame that must not be served. ``reason`` is a short counter label
+    (``magic``, ``version``, ``header_check``, ``identity``, ``layout``, ``length``, ``integrity``)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def slot_bytes(stored_len: int) -> int:
+    """Bytes a frame occupies: header plus the stored payload padded to 4 KiB."""
+    return HEADER_BYTES + align_up(stored_len)
+
+
+def payload_checksum(data) -> bytes:
+    """xxh3_128 of the payload bytes (16 bytes, big-endian digest as xxhash gives it)."""
+    return xxhash.xxh3_128_digest(data)
+
+
+@dataclass
+class FrameHeader:
+    ns_fp: bytes  # 8 bytes (Namespace.fingerprint_bytes)
+    tenant_tag: bytes  # 16 bytes
+    rank: int
+    world: int
+    seq_hash: int
+    num_layers: int
+    outer_dim: int
+    dtype_bytes: int
+    page_size: int
+    inner_dim: int
+    payload_len: int
+    stored_len: int
+    flags: int = FLAG_CHECKSUM
+    key_id: int = 0
+    key_version: int = 0
+    nonce: bytes = b"\x00" * 12
+    integrity: bytes = b"\x00" * 16
+    created_ns: int = field(default_factory=time.time_ns)
+    version: int = FORMAT_VERSION
+
+    @classmethod
+    def for_block(cls, key: BlockKey, layout: KvLayout, world: int, tenant_tag: bytes, **kw) -> "FrameHeader":
+        return cls(ns_fp=bytes.fromhex(key.namespace), tenant_tag=tenant_tag, rank=key.rank, world=world,
+                   seq_hash=key.seq_hash, num_layers=layout.num_layers, outer_dim=layout.outer_dim,
+                   dtype_bytes=layout.dtype_bytes, page_size=layout.page_size, inner_dim=layout.inner_dim,
+                   payload_len=kw.pop("payload_len", layout.bytes_per_block),
+                   stored_len=kw.pop("stored_len", layout.bytes_per_block), **kw)
+
+    def identity_bytes(self) -> bytes:
+        """Namespace, tenant, rank, world, sequence hash and layout: bound as AEAD additional data."""
+        return struct.pack("<8s16sIIQIHHIIQ", self.ns_fp, self.tenant_tag, self.rank, self.world, self.seq_hash,
+                           self.num_layers, self.outer_dim, self.dtype_bytes, self.page_size, self.inner_dim,
+                           self.payload_len)
+
+    def pack(self) -> bytes:
+        """The 4096-byte header."""
+        fixed = struct.pack(_FMT, MAGIC, self.version, self.flags, HEADER_BYTES, self.ns_fp, self.tenant_tag,
+                            self.rank, self.world, self.seq_hash, self.num_layers, self.outer_dim,
+                            self.dtype_bytes, self.page_size, self.inner_dim, self.payload_len,
+                            self.stored_len, self.key_id, self.key_version, self.nonce, b"\x00" * 4,
+                            self.integrity, self.created_ns)
+        check = _CHECK.pack(xxhash.xxh3_64_intdigest(fixed))
+        return fixed + check + b"\x00" * (HEADER_BYTES - _FIXED - 8)
+
+    @classmethod
+    def unpack(cls, buf) -> "FrameHeader":
+        """Parse a header. Raises FrameError on bad magic, unknown version or a failed header check."""
+        mv = memoryview(buf)
+        if len(mv) < _FIXED + 8:
+            raise FrameError("length", f"header of {len(mv)} bytes")
+        fixed = bytes(mv[:_FIXED])
+        if fixed[:8] != MAGIC:
+            raise FrameError("magic")
+        (_m, version, flags, hlen, ns_fp, ttag, rank, world, seq, nl, od, db, ps, inner, plen, slen, kid, kver,
+         nonce, _r, integ, created) = struct.unpack(_FMT, fixed)
+        if version != FORMAT_VERSION:
+            raise FrameError("version", f"frame format {version}, this reader knows {FORMAT_VERSION}")
+        if _CHECK.unpack(bytes(mv[_FIXED:_FIXED + 8]))[0] != xxhash.xxh3_64_intdigest(fixed):
+            raise FrameError("header_check")
+        if hlen != HEADER_BYTES:
+            raise FrameError("length", f"header_len {hlen}")
+        return cls(ns_fp=ns_fp, tenant_tag=ttag, rank=rank, world=world, seq_hash=seq, num_layers=nl, outer_dim=od,
+                   dtype_bytes=db, page_size=ps, inner_dim=inner, payload_len=plen, stored_len=slen, flags=flags,
+                   key_id=kid, key_version=kver, nonce=nonce, integrity=integ, created_ns=created, version=version)
+
+    def check_identity(self, key: BlockKey, layout: KvLayout, tenant_tag: bytes) -> None:
+        """Raise FrameError('identity'/'layout') unless this header names exactly ``key`` in ``layout``."""
+        if (self.ns_fp != bytes.fromhex(key.namespace) or self.tenant_tag != tenant_tag
+                or self.rank != key.rank or self.seq_hash != key.seq_hash):
+            raise FrameError("identity", "header names another block")
+        if (self.num_layers, self.outer_dim, self.dtype_bytes, self.page_size, self.inner_dim) != (
+                layout.num_layers, layout.outer_dim, layout.dtype_bytes, layout.page_size, layout.inner_dim):
+            raise FrameError("layout", "header layout differs from the namespace's")
+        if self.payload_len != layout.bytes_per_block:
+            raise FrameError("length", f"payload_len {self.payload_len} != block {layout.bytes_per_block}")
+
+
+def verify_payload(hdr: FrameHeader, payload) -> None:
+    """Raise FrameError('integrity') unless the plaintext payload matches the header's checksum."""
+    if hdr.flags & FLAG_CHECKSUM and payload_checksum(payload) != hdr.integrity:
+        raise FrameError("integrity", "payload checksum mismatch")

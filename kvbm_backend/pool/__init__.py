@@ -1,0 +1,1 @@
+"""Block pools: one :class:`~kvbm_backend.pool.base.BlockPool` protocol for G3 and G4."""
