@@ -22,14 +22,15 @@ ALIGN = 4096
 
 FLAG_ENCRYPTED = 0x1  # payload is AES-256-GCM ciphertext; integrity holds the GCM tag
 FLAG_CHECKSUM = 0x2  # integrity holds xxh3_128 of the plaintext payload
+FLAG_DEVCHECK = 0x4  # dev_check holds device_checksum() of the plaintext payload (verifiable on a GPU)
 
 # magic, version, flags, header_len, ns_fp, tenant_tag, rank, world, seq_hash,
 # num_layers, outer_dim, dtype_bytes, page_size, inner_dim, payload_len, stored_len,
-# key_id, key_version, nonce, reserved, integrity, created_ns
-_FMT = "<8sHHI8s16sIIQIHHIIQQII12s4s16sQ"
-_FIXED = struct.calcsize(_FMT)  # 136
+# key_id, key_version, nonce, reserved, integrity, created_ns, dev_check
+_FMT = "<8sHHI8s16sIIQIHHIIQQII12s4s16sQQ"
+_FIXED = struct.calcsize(_FMT)  # 144
 _CHECK = struct.Struct("<Q")
-assert _FIXED == 136
+assert _FIXED == 144
 
 
 class FrameError(ValueError):
@@ -75,6 +76,7 @@ class FrameHeader:
     nonce: bytes = b"\x00" * 12
     integrity: bytes = b"\x00" * 16
     created_ns: int = field(default_factory=time.time_ns)
+    dev_check: int = 0
     version: int = FORMAT_VERSION
 
     @classmethod
@@ -97,7 +99,7 @@ class FrameHeader:
                             self.rank, self.world, self.seq_hash, self.num_layers, self.outer_dim,
                             self.dtype_bytes, self.page_size, self.inner_dim, self.payload_len,
                             self.stored_len, self.key_id, self.key_version, self.nonce, b"\x00" * 4,
-                            self.integrity, self.created_ns)
+                            self.integrity, self.created_ns, self.dev_check)
         check = _CHECK.pack(xxhash.xxh3_64_intdigest(fixed))
         return fixed + check + b"\x00" * (HEADER_BYTES - _FIXED - 8)
 
@@ -111,7 +113,7 @@ class FrameHeader:
         if fixed[:8] != MAGIC:
             raise FrameError("magic")
         (_m, version, flags, hlen, ns_fp, ttag, rank, world, seq, nl, od, db, ps, inner, plen, slen, kid, kver,
-         nonce, _r, integ, created) = struct.unpack(_FMT, fixed)
+         nonce, _r, integ, created, devc) = struct.unpack(_FMT, fixed)
         if version != FORMAT_VERSION:
             raise FrameError("version", f"frame format {version}, this reader knows {FORMAT_VERSION}")
         if _CHECK.unpack(bytes(mv[_FIXED:_FIXED + 8]))[0] != xxhash.xxh3_64_intdigest(fixed):
@@ -120,7 +122,8 @@ class FrameHeader:
             raise FrameError("length", f"header_len {hlen}")
         return cls(ns_fp=ns_fp, tenant_tag=ttag, rank=rank, world=world, seq_hash=seq, num_layers=nl, outer_dim=od,
                    dtype_bytes=db, page_size=ps, inner_dim=inner, payload_len=plen, stored_len=slen, flags=flags,
-                   key_id=kid, key_version=kver, nonce=nonce, integrity=integ, created_ns=created, version=version)
+                   key_id=kid, key_version=kver, nonce=nonce, integrity=integ, created_ns=created, dev_check=devc,
+                   version=version)
 
     def check_identity(self, key: BlockKey, layout: KvLayout, tenant_tag: bytes) -> None:
         """Raise FrameError('identity'/'layout') unless this header names exactly ``key`` in ``layout``."""
@@ -132,6 +135,24 @@ class FrameHeader:
             raise FrameError("layout", "header layout differs from the namespace's")
         if self.payload_len != layout.bytes_per_block:
             raise FrameError("length", f"payload_len {self.payload_len} != block {layout.bytes_per_block}")
+
+
+def device_checksum(payload) -> int:
+    """Position-weighted sum of the payload's little-endian u32 words, mod 2**64:
+    ``sum((i + 1) * w[i])`` (a trailing partial word is zero-padded).
+
+    Chosen because it is computable with plain integer tensor ops on a GPU (torch int64 arithmetic
+    wraps identically), so a block read straight into HBM can be verified where it landed; it detects
+    bit flips, truncation and reordered words. Host paths use the xxh3_128 ``integrity`` value.
+    """
+    import numpy as np
+    b = np.frombuffer(payload, dtype=np.uint8)
+    pad = (-len(b)) % 4
+    if pad:
+        b = np.concatenate([b, np.zeros(pad, np.uint8)])
+    w = b.view("<u4").astype(np.uint64)
+    with np.errstate(over="ignore"):
+        return int((w * np.arange(1, len(w) + 1, dtype=np.uint64)).sum(dtype=np.uint64))
 
 
 def verify_payload(hdr: FrameHeader, payload) -> None:
