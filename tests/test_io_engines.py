@@ -1,0 +1,209 @@
+"""I/O engines on real files: round trips (O_DIRECT and buffered), short reads at EOF, errors through
+the Future, file helpers and the O_DIRECT probe."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kvbm_backend.io import IoOp, make_engine, open_file, probe_o_direct
+from kvbm_backend.memory import aligned_empty, aligned_zeros
+from kvbm_backend.transfer import Extent, coalesce
+
+K4 = 4096
+MiB = 1 << 20
+ENGINE_NAMES = ["posix"]
+
+
+def _rand(rng, n):
+    a = aligned_empty(n)
+    a[:] = rng.integers(0, 256, n, dtype=np.uint8)
+    return a
+
+
+@pytest.fixture(params=ENGINE_NAMES)
+def engine(request):
+    eng = make_engine(request.param, threads=4)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_round_trip_blocks_through_planner(engine, tmp_path, o_direct):
+    """Random blocks -> coalesced writes into 2 files -> coalesced reads into fresh buffers: equal."""
+    rng = np.random.default_rng(1)
+    block = 48 * K4  # 192 KiB: io_size 1 MiB cuts runs at buffer boundaries (5 blocks per op)
+    fds = [open_file(str(tmp_path / f"slab{i}"), o_direct=o_direct, size=64 * block) for i in range(2)]
+    try:
+        slots = rng.permutation(64)[:40]
+        src = [_rand(rng, block) for _ in slots]
+        ext = [Extent(fds[s % 2], int(s // 2) * block, [b]) for s, b in zip(slots, src)]
+        ops = coalesce(ext, MiB, write=True)
+        assert len(ops) < len(ext)  # adjacent slots merged
+        got = engine.submit(ops).result(timeout=60)
+        assert got == [op.nbytes for op in ops]
+
+        dst = [aligned_zeros(block) for _ in slots]
+        ext = [Extent(fds[s % 2], int(s // 2) * block, [b]) for s, b in zip(slots, dst)]
+        rops = coalesce(ext, MiB, write=False)
+        assert engine.submit(rops).result(timeout=60) == [op.nbytes for op in rops]
+        for a, b in zip(src, dst):
+            assert np.array_equal(a, b)
+        # the bytes are really in the files (read with plain os.pread, no engine)
+        s0 = int(slots[0])
+        with open(tmp_path / f"slab{s0 % 2}", "rb") as f:
+            f.seek(int(s0 // 2) * block)
+            assert f.read(block) == src[0].tobytes()
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_iovec_op_and_large_op(engine, tmp_path):
+    """One op with many iovecs and one 8 MiB op, both directions."""
+    rng = np.random.default_rng(2)
+    fd = open_file(str(tmp_path / "f"), o_direct=True)
+    try:
+        small = [_rand(rng, K4 * (1 + i % 3)) for i in range(300)]
+        big = _rand(rng, 8 * MiB)
+        off2 = sum(b.nbytes for b in small)
+        w = [IoOp(fd, 0, small, write=True), IoOp(fd, off2, [big], write=True)]
+        assert engine.submit(w).result(timeout=60) == [off2, big.nbytes]
+        back_small = [aligned_zeros(b.nbytes) for b in small]
+        back_big = aligned_zeros(big.nbytes)
+        r = [IoOp(fd, 0, back_small, write=False), IoOp(fd, off2, [back_big], write=False)]
+        assert engine.submit(r).result(timeout=60) == [off2, big.nbytes]
+        assert all(np.array_equal(a, b) for a, b in zip(small, back_small))
+        assert np.array_equal(big, back_big)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_short_read_at_eof(engine, tmp_path, o_direct):
+    """Reading past the end returns the short count (not an error); bytes before EOF are right."""
+    p = tmp_path / "short"
+    data = np.random.default_rng(3).integers(0, 256, 3 * K4 + 100, dtype=np.uint8)
+    p.write_bytes(data.tobytes())  # 12388 bytes: the tail is not a 4 KiB multiple
+    fd = open_file(str(p), o_direct=o_direct, create=False)
+    try:
+        a, b = aligned_zeros(2 * K4), aligned_zeros(4 * K4)
+        ops = [IoOp(fd, 0, [a, b], write=False),  # 24 KiB asked, 12388 there
+               IoOp(fd, 8 * K4, [aligned_zeros(K4)], write=False)]  # wholly past EOF
+        assert engine.submit(ops).result(timeout=30) == [data.size, 0]
+        assert np.array_equal(np.concatenate([a, b])[: data.size], data)
+    finally:
+        os.close(fd)
+
+
+def test_misaligned_o_direct_raises_einval_in_future(engine, tmp_path):
+    fd = open_file(str(tmp_path / "f"), o_direct=True, size=4 * K4)
+    try:
+        buf = aligned_empty(2 * K4)
+        bad = buf[1:1 + K4]  # address off by one byte
+        f = engine.submit([IoOp(fd, 0, [aligned_zeros(K4)], write=True), IoOp(fd, K4, [bad], write=True)])
+        with pytest.raises(OSError) as ei:
+            f.result(timeout=30)
+        assert ei.value.errno == errno.EINVAL
+        f = engine.submit([IoOp(fd, 100, [buf[:K4]], write=False)])  # misaligned offset
+        with pytest.raises(OSError) as ei:
+            f.result(timeout=30)
+        assert ei.value.errno == errno.EINVAL
+        # the engine still works after an error
+        ok = aligned_zeros(K4)
+        assert engine.submit([IoOp(fd, 0, [ok], write=False)]).result(timeout=30) == [K4]
+    finally:
+        os.close(fd)
+
+
+def test_bad_fd_raises(engine):
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    with pytest.raises(OSError):
+        engine.submit([IoOp(r, 0, [aligned_zeros(K4)], write=False)]).result(timeout=30)
+
+
+def test_submit_does_not_block(tmp_path):
+    """submit returns before the I/O finishes: with 1 thread and 64 x 1 MiB O_DIRECT writes queued,
+    the call itself takes far less time than the work it queued."""
+    eng = make_engine("posix", threads=1)
+    fd = open_file(str(tmp_path / "f"), o_direct=True)
+    try:
+        bufs = [aligned_zeros(MiB) for _ in range(64)]
+        ops = [IoOp(fd, i * MiB, [b], write=True) for i, b in enumerate(bufs)]
+        t0 = time.perf_counter()
+        fut = eng.submit(ops)
+        t_submit = time.perf_counter() - t0
+        fut.result(timeout=60)
+        t_all = time.perf_counter() - t0
+        assert t_submit < t_all / 4, (t_submit, t_all)
+        assert os.fstat(fd).st_size == 64 * MiB
+    finally:
+        eng.close()
+        os.close(fd)
+
+
+def test_empty_submit_and_closed_engine():
+    eng = make_engine("posix")
+    assert eng.submit([]).result(timeout=5) == []
+    eng.close()
+    with pytest.raises(OSError, match="closed"):
+        eng.submit([IoOp(0, 0, [aligned_zeros(K4)], write=False)]).result(timeout=5)
+
+
+def test_make_engine_names():
+    assert make_engine("auto").name in ("posix", "nixl")
+    with pytest.raises(ValueError, match="unknown I/O engine 'bogus'"):
+        make_engine("bogus")
+
+
+def test_open_file_preallocates(tmp_path):
+    fd = open_file(str(tmp_path / "pre"), o_direct=True, size=3 * MiB)
+    try:
+        st = os.fstat(fd)
+        assert st.st_size == 3 * MiB
+        assert st.st_blocks * 512 >= 3 * MiB  # really allocated, not sparse
+    finally:
+        os.close(fd)
+    with pytest.raises(FileNotFoundError):
+        open_file(str(tmp_path / "missing"), o_direct=False, create=False)
+    with pytest.raises(ValueError, match="size"):
+        open_file(str(tmp_path / "neg"), o_direct=False, size=-1)
+
+
+def test_probe_o_direct_disk(tmp_path):
+    assert probe_o_direct(str(tmp_path)) is True
+    assert os.listdir(tmp_path) == []  # probe file removed
+    with pytest.raises(OSError):
+        probe_o_direct(str(tmp_path / "nope"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm tmpfs here")
+def test_probe_o_direct_tmpfs_matches_kernel():
+    """tmpfs refuses O_DIRECT (EINVAL) before Linux 6.6 and accepts it since (shmem direct I/O)."""
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    assert probe_o_direct("/dev/shm") is ((major, minor) >= (6, 6))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) to mount a private ramfs")
+def test_probe_o_direct_false_on_ramfs(tmp_path):
+    """ramfs has no direct I/O at all: the probe must say False (run in a private mount namespace so
+    the host's mount table is untouched)."""
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    code = "import sys; from kvbm_backend.io import probe_o_direct; print(probe_o_direct(sys.argv[1]))"
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+           f'mount -t ramfs none "$1" && exec "{sys.executable}" -c "{code}" "$1"', "sh", str(mnt)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if r.returncode != 0 and "mount" in r.stderr and "False" not in r.stdout:
+        pytest.skip(f"cannot mount ramfs in a private namespace here: {r.stderr.strip()[:200]}")
+    assert r.stdout.strip() == "False", r.stderr
