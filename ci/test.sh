@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The README's test command: installs into .venv if needed, then runs the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/kvbm-backend ] && [ -z "${KVBM_REINSTALL:-}" ] || bash ci/install.sh
+export PYTHONUNBUFFERED=1
+set +e
+.venv/bin/python -m pytest -ra --durations=15 "$@"
+rc=$?
+set -e
+# pytest exit 5 = no tests collected: that is a failure for CI, never a pass.
+exit $rc

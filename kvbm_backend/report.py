@@ -1,0 +1,84 @@
+"""Printing and plotting of benchmark / demo JSON results (rich tables, matplotlib PNGs)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return json.dumps(v, sort_keys=True)[:100]
+    return str(v)
+
+
+def print_kv_table(result: dict, title: str | None = None, console: Console | None = None) -> None:
+    """Print a flat dict as a two-column table; a dict of dicts as one row per key."""
+    console = console or Console()
+    rows = list(result.items())
+    if rows and all(isinstance(v, dict) for _, v in rows):
+        cols = sorted({c for _, v in rows for c in v})
+        t = Table(title=title)
+        t.add_column("name")
+        for c in cols:
+            t.add_column(c, justify="right")
+        for k, v in rows:
+            t.add_row(str(k), *(_fmt(v.get(c, "")) for c in cols))
+    else:
+        t = Table(title=title, show_header=False)
+        t.add_column("key")
+        t.add_column("value", justify="right")
+        for k, v in rows:
+            t.add_row(str(k), _fmt(v))
+    console.print(t)
+
+
+# (label, ours key, baseline key) pairs recognised in bench JSON
+_PAIRS = [
+    ("write GB/s", "write_gbps", "baseline_write_gbps"),
+    ("read GB/s", "read_gbps", "baseline_read_gbps"),
+    ("write GB/s", "ours_write_gbps", "vllm_fs_write_gbps"),
+    ("read GB/s", "ours_read_gbps", "vllm_fs_read_gbps"),
+]
+
+
+def plot_results(files: Iterable[str], out: str) -> None:
+    """Plot each JSON file: demo results (TTFT p50/p90 per config) or bench results (ours vs the
+    in-run baseline). Writes one PNG with one panel per file. Raises ValueError for an unknown shape."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = [(Path(f).name, json.loads(Path(f).read_text())) for f in files]
+    fig, axes = plt.subplots(1, len(data), figsize=(6 * len(data), 4.2), squeeze=False)
+    for ax, (name, d) in zip(axes[0], data):
+        if "configs" in d:
+            names = list(d["configs"])
+            p50 = [d["configs"][n].get("ttft_p50_s", 0) for n in names]
+            p90 = [d["configs"][n].get("ttft_p90_s", 0) for n in names]
+            x = range(len(names))
+            ax.bar([i - 0.2 for i in x], p50, 0.4, label="TTFT p50")
+            ax.bar([i + 0.2 for i in x], p90, 0.4, label="TTFT p90")
+            ax.set_xticks(list(x), names)
+            ax.set_ylabel("seconds")
+            ax.set_title(f"{name}: TTFT per configuration")
+        else:
+            pairs = [(lbl, d[a], d[b], a.startswith("ours")) for lbl, a, b in _PAIRS if a in d and b in d]
+            if not pairs:
+                raise ValueError(f"{name}: neither demo ('configs') nor bench (*_gbps) results")
+            base_label = "vLLM fs tier" if pairs[0][3] else "O_DIRECT baseline"
+            x = range(len(pairs))
+            ax.bar([i - 0.2 for i in x], [p[1] for p in pairs], 0.4, label="kvbm_backend")
+            ax.bar([i + 0.2 for i in x], [p[2] for p in pairs], 0.4, label=base_label)
+            ax.set_xticks(list(x), [p[0] for p in pairs])
+            ax.set_ylabel("GB/s (1e9 B/s)")
+            ax.set_title(f"{name}: {d.get('tier', '')} {d.get('engine', '')}".strip())
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
