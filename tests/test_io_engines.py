@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 
 from kvbm_backend.io import IoOp, make_engine, open_file, probe_o_direct
+from kvbm_backend.io.nixl_engine import nixl_unavailable_reason
 from kvbm_backend.memory import aligned_empty, aligned_zeros
 from kvbm_backend.transfer import Extent, coalesce
 
 K4 = 4096
 MiB = 1 << 20
-ENGINE_NAMES = ["posix"]
+NIXL_SKIP = nixl_unavailable_reason()
+ENGINE_NAMES = ["posix", pytest.param("nixl", marks=pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP)))]
 
 
 def _rand(rng, n):
@@ -130,6 +132,39 @@ def test_bad_fd_raises(engine):
         engine.submit([IoOp(r, 0, [aligned_zeros(K4)], write=False)]).result(timeout=30)
 
 
+def test_failed_io_raises_and_engine_recovers(engine, tmp_path):
+    """A write to a read-only fd fails (EBADF from the kernel; NIXL says EIO) and the next op works."""
+    p = tmp_path / "ro"
+    p.write_bytes(bytes(2 * K4))
+    ro = os.open(p, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError):
+            engine.submit([IoOp(ro, 0, [aligned_zeros(K4)], write=True)]).result(timeout=30)
+        back = aligned_empty(2 * K4)
+        back[:] = 1
+        assert engine.submit([IoOp(ro, 0, [back], write=False)]).result(timeout=30) == [2 * K4]
+        assert not back.any()
+    finally:
+        os.close(ro)
+
+
+def test_many_concurrent_submits(engine, tmp_path):
+    """Several callers' jobs in flight at once, more ops than the queue depth: all land correctly."""
+    rng = np.random.default_rng(4)
+    fd = open_file(str(tmp_path / "f"), o_direct=True)
+    try:
+        blocks = [_rand(rng, 16 * K4) for _ in range(200)]
+        futs = [engine.submit([IoOp(fd, (j * 20 + i) * 16 * K4, [blocks[j * 20 + i]], write=True)
+                               for i in range(20)]) for j in range(10)]
+        assert all(f.result(timeout=60) == [16 * K4] * 20 for f in futs)
+        back = [aligned_zeros(16 * K4) for _ in blocks]
+        ops = coalesce([Extent(fd, i * 16 * K4, [b]) for i, b in enumerate(back)], 256 * K4, write=False)
+        assert engine.submit(ops).result(timeout=60) == [op.nbytes for op in ops]
+        assert all(np.array_equal(a, b) for a, b in zip(blocks, back))
+    finally:
+        os.close(fd)
+
+
 def test_submit_does_not_block(tmp_path):
     """submit returns before the I/O finishes: with 1 thread and 64 x 1 MiB O_DIRECT writes queued,
     the call itself takes far less time than the work it queued."""
@@ -159,7 +194,9 @@ def test_empty_submit_and_closed_engine():
 
 
 def test_make_engine_names():
-    assert make_engine("auto").name in ("posix", "nixl")
+    eng = make_engine("auto")
+    assert eng.name in ("posix", "nixl")
+    eng.close()
     with pytest.raises(ValueError, match="unknown I/O engine 'bogus'"):
         make_engine("bogus")
 
