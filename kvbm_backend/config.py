@@ -65,6 +65,10 @@ class KeyringConfig(_M):
     """Keyring file (created ``0600``; group/world-readable files are refused)."""
     kek_env: str = "KVBM_BACKEND_KEK"
     """Env var with the 32-byte key-encryption key, base64; else the keyring file's own KEK file."""
+    kek_file: str | None = None
+    """KEK file (base64, mode 0600) used when ``kek_env`` is unset; default ``{path}.kek``."""
+    rotate_after_uses: int = Field(2 ** 31, ge=1, le=2 ** 32)
+    """Encryptions per data key version before automatic rotation (SP 800-38D: <= 2**32, random nonces)."""
 
 
 class G4Config(_M):
@@ -83,6 +87,10 @@ class G4Config(_M):
     breaker_failures: int = Field(5, ge=1)
     breaker_reset_s: float = Field(5.0, gt=0)
     dir_fanout: int = Field(256, ge=1, le=4096)
+    retries: int = Field(1, ge=0, le=10)
+    """Extra attempts for a failed S3 request (botocore standard retries), each bounded by timeout_s."""
+    fsync: bool = True
+    """file:// stores: fsync object and directory before publishing (invariant 2)."""
 
 
 class MetricsConfig(_M):
