@@ -1,0 +1,148 @@
+"""Prometheus metrics for the pools, with KVBM's names where KVBM has one.
+
+KVBM's own names (dynamo ``lib/runtime/src/metrics/prometheus_names.rs``, module ``kvbm``, exported
+with the ``kvbm_`` prefix by KVBM's metrics server) that mean the same thing here:
+
+* ``kvbm_offload_blocks_h2d``: blocks offloaded host -> disk (G3 puts written).
+* ``kvbm_onboard_blocks_d2d``: blocks onboarded disk -> device (G3 gets verified; here they land in the
+  caller's buffer on the way to the device).
+* ``kvbm_offload_blocks_d2o`` / ``kvbm_onboard_blocks_o2d``: the same for object storage (G4).
+* ``kvbm_matched_tokens``: tokens matched by prefix lookups.
+* ``kvbm_disk_cache_hit_rate`` / ``kvbm_object_cache_hit_rate``: hit rate (0-1) over a sliding window of
+  lookups (KVBM uses a sliding window too; ours is the last :data:`HIT_RATE_WINDOW` looked-up blocks).
+* ``kvbm_object_read_failures`` / ``kvbm_object_write_failures``.
+
+Everything KVBM has no name for is ``kvbm_backend_<tier>_*`` (dropped offloads by reason, corrupt
+blocks by reason, evictions, bytes, capacity).
+
+Metric objects are created idempotently per :class:`~prometheus_client.CollectorRegistry` (the
+``prometheus_client`` library refuses duplicate registration), so several pools in one process share
+one set of series in the default registry; tests pass their own registry (:func:`new_registry`).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, start_http_server
+
+KVBM_PREFIX = "kvbm_"
+HIT_RATE_WINDOW = 10_000  # looked-up blocks in the sliding hit-rate window
+
+_lock = threading.Lock()
+_by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, dict]" = weakref.WeakKeyDictionary()
+
+
+def new_registry() -> CollectorRegistry:
+    """A private registry (tests, several independent pools)."""
+    return CollectorRegistry(auto_describe=True)
+
+
+def _get(registry: CollectorRegistry | None, cls, name: str, doc: str, labels: tuple[str, ...] = ()):
+    reg = REGISTRY if registry is None else registry
+    with _lock:
+        known = _by_registry.setdefault(reg, {})
+        m = known.get(name)
+        if m is None:
+            m = cls(name, doc, labelnames=labels, registry=reg)
+            known[name] = m
+        elif not isinstance(m, cls):
+            raise ValueError(f"metric {name}: registered as {type(m).__name__}, asked for {cls.__name__}")
+        return m
+
+
+def counter(name: str, doc: str, labels: tuple[str, ...] = (), registry: CollectorRegistry | None = None) -> Counter:
+    """Get or create a Counter ``name`` in ``registry`` (default: the process registry).
+    Note prometheus-client exposes counters with a ``_total`` suffix."""
+    return _get(registry, Counter, name, doc, labels)
+
+
+def gauge(name: str, doc: str, labels: tuple[str, ...] = (), registry: CollectorRegistry | None = None) -> Gauge:
+    """Get or create a Gauge ``name`` in ``registry``."""
+    return _get(registry, Gauge, name, doc, labels)
+
+
+def sample_value(registry: CollectorRegistry | None, name: str, labels: dict | None = None) -> float | None:
+    """Current value of one sample (e.g. ``kvbm_offload_blocks_h2d_total``), None if absent."""
+    reg = REGISTRY if registry is None else registry
+    return reg.get_sample_value(name, labels or {})
+
+
+def serve(port: int, registry: CollectorRegistry | None = None, addr: str = "127.0.0.1"):
+    """Serve ``/metrics`` over HTTP on ``addr:port`` (a daemon thread). Returns (server, thread)."""
+    return start_http_server(port, addr=addr, registry=REGISTRY if registry is None else registry)
+
+
+class HitRate:
+    """Sliding-window hit rate over the last ``window`` looked-up blocks, mirrored into a Gauge."""
+
+    def __init__(self, g: Gauge, window: int = HIT_RATE_WINDOW):
+        self._g = g
+        self._win: collections.deque = collections.deque()
+        self._window = window
+        self._hits = 0
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def record(self, requested: int, hit: int) -> None:
+        """One lookup: ``requested`` blocks asked for, ``hit`` of them found."""
+        if requested <= 0:
+            return
+        with self._lock:
+            self._win.append((requested, hit))
+            self._n += requested
+            self._hits += hit
+            while self._n > self._window and len(self._win) > 1:
+                r, h = self._win.popleft()
+                self._n -= r
+                self._hits -= h
+            self._g.set(self._hits / self._n if self._n else 0.0)
+
+    @property
+    def value(self) -> float:
+        with self._lock:
+            return self._hits / self._n if self._n else 0.0
+
+
+class TierMetrics:
+    """The series one tier's pool updates.
+
+    Args:
+        tier: ``g3`` or ``g4`` (lower case; used in our own names ``kvbm_backend_<tier>_*``).
+        registry: where to register (None: the process registry).
+
+    KVBM-named series: ``offload_blocks`` (``kvbm_offload_blocks_h2d`` for g3, ``_d2o`` for g4),
+    ``onboard_blocks`` (``kvbm_onboard_blocks_d2d`` / ``_o2d``), ``matched_tokens``, ``hit_rate``.
+    Ours: ``offloads_dropped{reason}``, ``corrupt{reason}``, ``misses{reason}``, ``evictions``,
+    ``bytes_written``, ``bytes_read``, ``capacity_bytes``, ``used_bytes``, ``blocks``, ``degraded``.
+    """
+
+    _KVBM = {"g3": ("offload_blocks_h2d", "onboard_blocks_d2d", "disk_cache_hit_rate"),
+             "g4": ("offload_blocks_d2o", "onboard_blocks_o2d", "object_cache_hit_rate")}
+
+    def __init__(self, tier: str, registry: CollectorRegistry | None = None):
+        tier = tier.lower()
+        if tier not in self._KVBM:
+            raise ValueError(f"tier: expected g3 or g4, got {tier!r}")
+        off, on, hr = self._KVBM[tier]
+        r = registry
+        p = f"kvbm_backend_{tier}_"
+        self.registry = REGISTRY if registry is None else registry
+        self.offload_blocks = counter(KVBM_PREFIX + off, f"Blocks offloaded to {tier.upper()} (durable, published)",
+                                      registry=r)
+        self.onboard_blocks = counter(KVBM_PREFIX + on, f"Blocks onboarded from {tier.upper()} (verified)", registry=r)
+        self.matched_tokens = counter(KVBM_PREFIX + "matched_tokens", "Tokens matched by prefix lookups", registry=r)
+        self.hit_rate = HitRate(gauge(KVBM_PREFIX + hr, f"{tier.upper()} lookup hit rate (0-1), sliding window",
+                                      registry=r))
+        self.offloads_dropped = counter(p + "offloads_dropped", "Offload blocks dropped, by reason", ("reason",), r)
+        self.corrupt = counter(p + "corrupt_blocks", "Stored blocks that failed verification, by reason",
+                               ("reason",), r)
+        self.misses = counter(p + "load_misses", "Blocks asked for and not served, by reason", ("reason",), r)
+        self.evictions = counter(p + "evictions", "Blocks evicted (LRU) to make room", registry=r)
+        self.bytes_written = counter(p + "bytes_written", "Bytes written (frames incl. headers)", registry=r)
+        self.bytes_read = counter(p + "bytes_read", "Bytes read (frames incl. headers)", registry=r)
+        self.capacity_bytes = gauge(p + "capacity_bytes", "Slot bytes the tier may use now", registry=r)
+        self.used_bytes = gauge(p + "used_bytes", "Slot bytes holding published blocks", registry=r)
+        self.blocks = gauge(p + "blocks", "Published blocks", registry=r)
+        self.degraded = gauge(p + "degraded", "1 while the tier stopped admitting (ENOSPC, store down)", registry=r)

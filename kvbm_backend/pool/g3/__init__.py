@@ -1,0 +1,5 @@
+"""G3: KV blocks in slab files on local/pooled SSD or a mounted filesystem (see :mod:`.pool`)."""
+from .pool import G3Pool
+from .slabs import G3LockedError
+
+__all__ = ["G3Pool", "G3LockedError"]

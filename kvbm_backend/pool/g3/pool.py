@@ -1,0 +1,774 @@
+"""G3Pool: KV blocks in fixed slots of slab files on local/pooled SSD or a mounted filesystem.
+
+Data flow (DESIGN.md): pool -> :mod:`kvbm_backend.transfer` (extents coalesced into ~``io_size_bytes``
+ops) -> :mod:`kvbm_backend.io` engine (positioned scatter/gather I/O) -> slab files.
+
+Invariants kept here (each has tests in ``tests/test_g3_*.py``):
+
+1. Never wrong KV: a get is a hit only after the slot's header names exactly the requested key in
+   this namespace's layout and the payload's xxh3_128 verifies in the caller's buffer. Anything else
+   (corrupt, short, identity, io_error, timeout) is a miss, counted by reason; bad slots are dropped.
+2. Publish after durable: the index entry and the journal record appear only after the slot's bytes
+   were written and ``fdatasync``'ed (``g3.fsync``).
+3. Never stall: ``put``/``get``/``lookup_prefix``/``delete`` return Futures at once; offloads wait in
+   a bounded write-behind queue (``g3.write_queue_blocks``) and overflow is dropped and counted; loads
+   past ``g3.load_timeout_s`` are misses.
+4. Capacity is real: slots never exceed ``g3.capacity_gb`` nor the filesystem's free space above
+   ``g3.min_free_fraction`` (checked at open and before every file growth); ENOSPC/EDQUOT releases every
+   reservation of the batch and degrades the tier (no admission for :attr:`G3Pool.degrade_s` seconds,
+   then statvfs is re-read) instead of raising.
+6. Warm restart: the journal (:mod:`.journal`) is replayed at open and every entry's slot header is
+   read and checked before it is served again; unverifiable entries are dropped and counted.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ...config import G3Config
+from ...io import fdatasync, make_engine
+from ...memory import aligned_empty, is_aligned
+from ...metrics import TierMetrics
+from ...model import frame
+from ...model.frame import FrameError, FrameHeader
+from ...model.layout import KvLayout
+from ...model.namespace import BlockKey, Namespace, tenant_tag
+from ...transfer import Extent, coalesce
+from ..base import GetResult, PutResult, completed
+from . import journal as jr
+from .admission import make_admission
+from .index import LruIndex
+from .slabs import SlabSet
+
+log = logging.getLogger(__name__)
+
+HDR = frame.HEADER_BYTES
+_NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+# FrameError.reason -> miss reason
+_MISS_REASON = {"magic": "corrupt", "version": "corrupt", "header_check": "corrupt", "integrity": "corrupt",
+                "length": "corrupt", "identity": "identity", "layout": "identity"}
+
+
+def cut_at(bufs: list[np.ndarray], offset: int, io_size: int) -> list[np.ndarray]:
+    """Split ``bufs`` (mapped to file bytes from ``offset``) at absolute file offsets that are multiples
+    of ``io_size``, so :func:`coalesce` packs adjacent slots into ops of exactly ``io_size`` bytes."""
+    out = []
+    pos = offset
+    for b in bufs:
+        n = b.nbytes
+        start = 0
+        while start < n:
+            take = min(n - start, (pos // io_size + 1) * io_size - pos)
+            out.append(b[start:start + take] if (start or take != n) else b)
+            start += take
+            pos += take
+    return out
+
+
+@dataclass
+class _Job:
+    keys: list
+    blocks: list
+    future: Future
+    result: PutResult
+
+
+@dataclass
+class _Read:
+    future: Future
+    n: int
+    present: list  # (i, key, slot, hdr view, payload view, staging or None, out)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    resolved: bool = False
+    timed_out: bool = False
+
+
+class _Deadlines:
+    """One thread calling ``fn()`` at deadlines (cheap per call, no thread per request)."""
+
+    def __init__(self) -> None:
+        self._heap: list = []
+        self._cv = threading.Condition()
+        self._seq = itertools.count()
+        self._stop = False
+        self._t = threading.Thread(target=self._run, name="kvbm-g3-deadlines", daemon=True)
+        self._t.start()
+
+    def add(self, at: float, fn) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (at, next(self._seq), fn))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cv.wait(None if not self._heap else max(0.0, self._heap[0][0] - time.monotonic()))
+                if self._stop:
+                    return
+                _, _, fn = heapq.heappop(self._heap)
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a timer callback must not kill the thread
+                log.exception("G3 deadline callback failed")
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._t.join(timeout=5)
+
+
+class G3Pool:
+    """The G3 tier: a :class:`~kvbm_backend.pool.base.BlockPool` over slab files.
+
+    Args:
+        cfg: ``g3`` section of the config (paths, capacity_gb, files_per_path, io_size_bytes, engine,
+            o_direct, io_threads, write_queue_blocks, min_free_fraction, fsync, admission, load_timeout_s).
+        namespace: what the blocks mean; keys of another namespace are misses.
+        engine: an I/O engine to use (not closed by the pool); default ``make_engine(cfg.engine,
+            cfg.io_threads)`` (closed by :meth:`close`).
+        registry: a prometheus ``CollectorRegistry`` for the metrics (default: the process registry).
+
+    Raises:
+        G3LockedError: a directory is held by another pool/process (G3 is private to one worker).
+        ValueError: no room for a single slot (capacity or free space).
+        OSError: a directory cannot be created or written.
+    """
+
+    tier = "G3"
+    degrade_s = 5.0  # seconds without admission after ENOSPC
+    max_batch_bytes = 256 << 20  # queued offloads merged into one write batch (one fdatasync per file)
+
+    def __init__(self, cfg: G3Config, namespace: Namespace, *, engine=None, registry=None):
+        self.cfg = cfg
+        self.namespace = namespace
+        self._layout = namespace.layout
+        self.fp = namespace.fingerprint
+        self.block_bytes = self._layout.bytes_per_block
+        self.slot_bytes = frame.slot_bytes(self.block_bytes)
+        self._stored_padded = frame.align_up(self.block_bytes)
+        self._io_size = max(4096, cfg.io_size_bytes // 4096 * 4096)
+        self._run = max(1, -(-self._io_size // self.slot_bytes))
+        self._zero_pad = np.zeros(self._stored_padded - self.block_bytes, np.uint8)
+        self._scratch_pad = np.zeros(self._stored_padded - self.block_bytes, np.uint8)
+        self.metrics = TierMetrics("g3", registry)
+        self._c: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._pending = 0
+        self._writing = 0
+        self._inflight: set[BlockKey] = set()
+        self._cancelled: set[BlockKey] = set()
+        self._reserved = 0
+        self._degraded_until = 0.0
+        self._closed = False
+        self.index = LruIndex()
+        self.admission = make_admission(cfg.admission)
+        self._own_engine = engine is None
+        self.slabs = SlabSet(cfg.paths, namespace, self.slot_bytes, int(cfg.capacity_gb * 1e9), cfg.files_per_path,
+                             cfg.o_direct, cfg.min_free_fraction)
+        try:
+            self.engine = engine if engine is not None else make_engine(cfg.engine, threads=cfg.io_threads)
+            self.journal = jr.Journal(self.slabs.paths[0], self.fp)
+            self._restore()
+        except BaseException:
+            self.slabs.close()
+            raise
+        self._sync_pool = ThreadPoolExecutor(max_workers=min(16, max(1, len(self.slabs.files))),
+                                             thread_name_prefix="kvbm-g3-sync")
+        self._deadlines = _Deadlines()
+        self._writer = threading.Thread(target=self._write_loop, name="kvbm-g3-writer", daemon=True)
+        self._writer.start()
+        self._update_gauges()
+
+    # ---- BlockPool -------------------------------------------------------------------------
+    @property
+    def layout(self) -> KvLayout:
+        return self._layout
+
+    def _check_keys(self, keys: Sequence[BlockKey], bufs: Sequence[np.ndarray] | None, what: str,
+                    writable: bool = False) -> None:
+        if bufs is not None and len(keys) != len(bufs):
+            raise ValueError(f"{what}: {len(keys)} keys but {len(bufs)} buffers")
+        if bufs is None:
+            return
+        for i, b in enumerate(bufs):
+            if not isinstance(b, np.ndarray) or b.dtype != np.uint8 or b.ndim != 1 or not b.flags.c_contiguous:
+                raise ValueError(f"{what}: buffer {i} must be a contiguous 1-D uint8 numpy array "
+                                 f"(got {type(b).__name__} {getattr(b, 'dtype', '')} {getattr(b, 'shape', '')})")
+            if b.nbytes != self.block_bytes:
+                raise ValueError(f"{what}: buffer {i} holds {b.nbytes} bytes; this namespace's block is "
+                                 f"{self.block_bytes} bytes")
+            if writable and not b.flags.writeable:
+                raise ValueError(f"{what}: buffer {i} is read-only")
+
+    def contains(self, key: BlockKey) -> bool:
+        """True if ``key`` is published in the index (no I/O; the payload is verified only by get)."""
+        with self._lock:
+            return key in self.index
+
+    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future:
+        """Future of the number of leading ``keys`` held (index only). Found entries become most
+        recently used."""
+        n = 0
+        with self._lock:
+            for k in keys:
+                if k.namespace != self.fp or self.index.get(k, touch=True) is None:
+                    break
+                n += 1
+            self._c["lookup_blocks"] += len(keys)
+            self._c["lookup_hits"] += n
+        self.metrics.matched_tokens.inc(n * self._layout.page_size)
+        self.metrics.hit_rate.record(len(keys), n)
+        return completed(n)
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future:
+        """Offload ``blocks[i]`` (``block_bytes`` uint8 each) under ``keys[i]``; returns Future[PutResult]
+        at once. Keys already held or in flight and blocks the admission filter turns away are
+        ``skipped``; blocks beyond the queue bound, while degraded, or without room are ``dropped``.
+        The buffers are read until the Future completes.
+
+        Raises:
+            ValueError: mismatched lengths, a wrong-sized buffer, or a key of another namespace.
+        """
+        keys = list(keys)
+        blocks = list(blocks)
+        self._check_keys(keys, blocks, "put")
+        for k in keys:
+            if k.namespace != self.fp:
+                raise ValueError(f"put: key namespace {k.namespace} is not this pool's namespace {self.fp}")
+        res = PutResult()
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        take_k, take_b = [], []
+        with self._lock:
+            now = time.monotonic()
+            if self._degraded_until and now >= self._degraded_until:
+                self._degraded_until = 0.0
+                self.slabs.recheck_space()
+                self.metrics.degraded.set(0)
+            seen = set()
+            cands = []
+            for k, b in zip(keys, blocks):
+                if k in seen or k in self.index or k in self._inflight:
+                    res.skipped += 1
+                    self._c["offloads_skipped_present"] += 1
+                    continue
+                seen.add(k)
+                if not self.admission.admit(k):
+                    res.skipped += 1
+                    self._c["offloads_skipped_admission"] += 1
+                    continue
+                cands.append((k, b))
+            if self._closed:
+                reason, room = "closed", 0
+            elif self._degraded_until:
+                reason, room = "degraded", 0
+            else:
+                reason, room = "queue_full", max(0, self.cfg.write_queue_blocks - self._pending)
+            for k, b in cands[:room]:
+                take_k.append(k)
+                take_b.append(b)
+            dropped = len(cands) - len(take_k)
+            if dropped:
+                res.dropped += dropped
+                self._drop(reason, dropped)
+            if take_k:
+                self._pending += len(take_k)
+                self._inflight.update(take_k)
+                self._queue.append(_Job(take_k, take_b, fut, res))
+                self._cv.notify_all()
+        if not take_k:
+            fut.set_result(res)
+        return fut
+
+    def get(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray]) -> Future:
+        """Onboard ``keys[i]`` into ``out[i]``; Future[GetResult] at once. ``ok[i]`` is True only for a
+        verified block. Absent, foreign, corrupt, short, mismatched, failed or late (past
+        ``load_timeout_s``) blocks are misses; bad slots are dropped. After a timeout the read may still
+        land in ``out`` (only bytes of the requested key's slot, which stays pinned until then).
+
+        Raises:
+            ValueError: mismatched lengths or a wrong-sized / read-only buffer.
+        """
+        keys = list(keys)
+        out = list(out)
+        self._check_keys(keys, out, "get", writable=True)
+        n = len(keys)
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        present = []
+        with self._lock:
+            for i, k in enumerate(keys):
+                slot = self.index.get(k, touch=True) if k.namespace == self.fp else None
+                if slot is None:
+                    continue
+                self.index.pin(slot)
+                present.append([i, k, slot])
+            absent = n - len(present)
+            if absent:
+                self._miss("absent", absent)
+        if not present:
+            fut.set_result(GetResult(ok=[False] * n))
+            return fut
+        hdrs = aligned_empty(len(present) * HDR)
+        extents = []
+        for j, p in enumerate(present):
+            i, k, (fi, si) = p
+            f = self.slabs.by_index[fi]
+            h = hdrs[j * HDR:(j + 1) * HDR]
+            dst = out[i]
+            staging = None
+            if f.o_direct and not is_aligned(dst):
+                staging = aligned_empty(self._stored_padded)
+                bufs = [h, staging]
+                payload = staging[:self.block_bytes]
+            else:
+                bufs = [h, dst] + ([self._scratch_pad] if self._scratch_pad.nbytes else [])
+                payload = dst
+            p.extend([h, payload, staging, dst])
+            off = si * self.slot_bytes
+            extents.append(Extent(f.fd, off, cut_at(bufs, off, self._io_size)))
+        st = _Read(future=fut, n=n, present=present)
+        try:
+            ops = coalesce(extents, self._io_size, write=False)
+            ef = self.engine.submit(ops)
+        except Exception as e:  # noqa: BLE001 - engine refused: every present block is a miss
+            ef = Future()
+            ef.set_exception(e)
+        self._deadlines.add(time.monotonic() + self.cfg.load_timeout_s, lambda: self._read_timeout(st))
+        ef.add_done_callback(lambda f: self._read_done(st, f))
+        return fut
+
+    def delete(self, keys: Sequence[BlockKey]) -> Future:
+        """Remove blocks (queued offloads of these keys are cancelled). Future of how many were held."""
+        n = 0
+        recs = []
+        with self._lock:
+            for k in keys:
+                if k in self._inflight:
+                    self._cancelled.add(k)
+                slot = self.index.get(k)
+                if slot is None:
+                    continue
+                n += 1
+                free = self.index.remove(k)
+                if free is not None:
+                    self.slabs.release([free])
+                recs.append(jr.encode(jr.DEL, k))
+            self._journal_append(recs)
+            self._c["deleted"] += n
+        self._update_gauges()
+        return completed(n)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued offload is written and published (or dropped).
+
+        Raises:
+            TimeoutError: still pending after ``timeout`` seconds.
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._pending or self._writing:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"G3 flush: {self._pending} offload blocks still pending after {timeout} s")
+                self._cv.wait(left)
+
+    def stats(self) -> dict:
+        """Counters and gauges. Sizes in bytes; ``*_blocks``/counts in blocks."""
+        with self._lock:
+            c = dict(self._c)
+            d = {
+                "tier": self.tier,
+                "namespace": self.fp,
+                "paths": list(self.slabs.paths),
+                "files": len(self.slabs.files),
+                "o_direct": dict(self.slabs.o_direct),
+                "engine": getattr(self.engine, "name", type(self.engine).__name__),
+                "block_bytes": self.block_bytes,
+                "slot_bytes": self.slot_bytes,
+                "io_size_bytes": self._io_size,
+                "blocks": len(self.index),
+                "used_bytes": len(self.index) * self.slot_bytes,
+                "capacity_blocks": self.slabs.capacity_slots,
+                "capacity_bytes": self.slabs.capacity_slots * self.slot_bytes,
+                "configured_capacity_blocks": self.slabs.max_capacity_slots,
+                "free_slots": self.slabs.free_slots(),
+                "reserved_slots": self._reserved,
+                "pinned_slots": self.index.pinned,
+                "deferred_free_slots": self.index.deferred,
+                "pending_blocks": self._pending,
+                "degraded": bool(self._degraded_until),
+                "admission": self.admission.policy,
+                "foreign_files": list(self.slabs.foreign_files),
+                "journal_records": self.journal.records,
+            }
+        for name in ("offloads_written", "offloads_skipped_present", "offloads_skipped_admission", "offloads_dropped",
+                     "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
+                     "restored_blocks", "restore_dropped", "lookup_blocks", "lookup_hits", "deleted", "late_reads"):
+            d[name] = c.get(name, 0)
+        d["dropped_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("dropped:")}
+        d["misses_by_reason"] = {k[5:]: v for k, v in c.items() if k.startswith("miss:")}
+        d["corrupt_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("corrupt:")}
+        d["restore_dropped_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("restore:")}
+        d["hit_rate"] = d["lookup_hits"] / d["lookup_blocks"] if d["lookup_blocks"] else 0.0
+        return d
+
+    def slot_accounting(self) -> dict:
+        """Every slot below each file's cap is exactly one of: published, pinned-deferred, reserved,
+        free. ``leaked`` must be 0 (tests assert it)."""
+        with self._lock:
+            cap = self.slabs.capacity_slots
+            free = self.slabs.free_slots()
+            used = sum(1 for _, (fi, si) in self.index.items() if si < self.slabs.by_index[fi].cap_slots)
+            return {"capacity": cap, "used": used, "free": free, "reserved": self._reserved,
+                    "deferred": self.index.deferred,
+                    "leaked": cap - used - free - self._reserved - self.index.deferred}
+
+    def close(self) -> None:
+        """Write what is queued (bounded by ~``load_timeout_s`` + 10 s, the rest is dropped), then
+        release files, the directory locks and threads. Idempotent."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        self._writer.join(timeout=self.cfg.load_timeout_s + 10)
+        with self._lock:
+            jobs = list(self._queue)
+            self._queue.clear()
+        for job in jobs:  # writer did not get to them in time
+            self._finish_job_dropped(job, "closed")
+        self._deadlines.close()
+        self._sync_pool.shutdown(wait=True)
+        if self._own_engine:
+            self.engine.close()
+        with self._lock:
+            self.journal.close()
+            self.slabs.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- internals: counting ------------------------------------------------------------------
+    def _drop(self, reason: str, n: int) -> None:
+        self._c["offloads_dropped"] += n
+        self._c["dropped:" + reason] += n
+        self.metrics.offloads_dropped.labels(reason).inc(n)
+
+    def _miss(self, reason: str, n: int = 1) -> None:
+        self._c["misses"] += n
+        self._c["miss:" + reason] += n
+        self.metrics.misses.labels(reason).inc(n)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.blocks.set(len(self.index))
+        m.used_bytes.set(len(self.index) * self.slot_bytes)
+        m.capacity_bytes.set(self.slabs.capacity_slots * self.slot_bytes)
+
+    def _journal_append(self, recs: list[bytes]) -> None:
+        self.journal.append(recs)
+        if self.journal.records > max(65536, 4 * len(self.index)):
+            self.journal.rewrite(self.index.items())
+
+    # ---- internals: restore -------------------------------------------------------------------
+    def _restore(self) -> None:
+        entries, info = self.journal.load()
+        if info["bad_header"]:
+            log.warning("G3: journal %s is not this namespace's; ignored", self.journal.path)
+        if info["torn_bytes"]:
+            log.warning("G3: journal %s: %d torn bytes at the tail ignored", self.journal.path, info["torn_bytes"])
+        cand = []
+        for key, (fi, si) in entries.items():
+            f = self.slabs.by_index.get(fi)
+            if f is None or si >= f.max_slots:
+                self._c["restore:capacity"] += 1
+            elif (si + 1) * self.slot_bytes > f.size_slots * self.slot_bytes:
+                self._c["restore:short"] += 1
+            else:
+                cand.append((key, (fi, si)))
+        good = []
+        chunk = 4096
+        for c0 in range(0, len(cand), chunk):
+            part = cand[c0:c0 + chunk]
+            hdrs = aligned_empty(len(part) * HDR)
+            exts = [Extent(self.slabs.by_index[fi].fd, si * self.slot_bytes, [hdrs[j * HDR:(j + 1) * HDR]])
+                    for j, (_, (fi, si)) in enumerate(part)]
+            try:
+                self.engine.submit(coalesce(exts, self._io_size, write=False)).result()
+            except OSError as e:
+                log.warning("G3 restore: header reads failed (%s); %d entries dropped", e, len(part))
+                self._c["restore:io_error"] += len(part)
+                continue
+            for j, (key, slot) in enumerate(part):
+                try:
+                    h = FrameHeader.unpack(hdrs[j * HDR:(j + 1) * HDR])
+                    h.check_identity(key, self._layout, tenant_tag(key.tenant))
+                    if h.stored_len != self.block_bytes or not h.flags & frame.FLAG_CHECKSUM:
+                        raise FrameError("length", "stored length / checksum flag")
+                except FrameError as e:
+                    self._c["restore:" + e.reason] += 1
+                    continue
+                good.append((key, slot))
+        used: dict[int, set[int]] = collections.defaultdict(set)
+        for key, slot in good:
+            self.index.put(key, slot)
+            used[slot[0]].add(slot[1])
+        self.slabs.restore(used)
+        self._c["restored_blocks"] = len(good)
+        self._c["restore_dropped"] = len(entries) - len(good)
+        self.journal.rewrite(self.index.items())
+
+    # ---- internals: write path ----------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                jobs = [self._queue.popleft()]
+                nbytes = len(jobs[0].keys) * self.slot_bytes
+                while self._queue and nbytes + len(self._queue[0].keys) * self.slot_bytes <= self.max_batch_bytes:
+                    j = self._queue.popleft()
+                    jobs.append(j)
+                    nbytes += len(j.keys) * self.slot_bytes
+                self._writing += 1
+            try:
+                self._write_batch(jobs)
+            except Exception:  # noqa: BLE001 - a bug must not hang futures or kill the writer
+                log.exception("G3 writer: batch failed")
+                for job in jobs:
+                    if not job.future.done():
+                        self._finish_job_dropped(job, "error")
+            finally:
+                with self._cv:
+                    self._writing -= 1
+                    self._cv.notify_all()
+
+    def _finish_job_dropped(self, job: _Job, reason: str) -> None:
+        with self._cv:
+            n = len(job.keys)
+            self._pending -= n
+            self._inflight.difference_update(job.keys)
+            self._cancelled.difference_update(job.keys)
+            job.result.dropped += n
+            self._drop(reason, n)
+            self._cv.notify_all()
+        if not job.future.done():
+            job.future.set_result(job.result)
+
+    def _write_batch(self, jobs: list[_Job]) -> None:
+        items = []  # (job, key, block)
+        for job in jobs:
+            items.extend((job, k, b) for k, b in zip(job.keys, job.blocks))
+        evicted_recs = 0
+        with self._lock:
+            live = []
+            for it in items:
+                if it[1] in self._cancelled:
+                    it[0].result.skipped += 1
+                else:
+                    live.append(it)
+            slots = self.slabs.allocate(len(live), self._run)
+            if len(slots) < len(live):
+                ev = self.index.evict(len(live) - len(slots))
+                for _, s in ev:
+                    self.slabs.release([s])
+                evicted_recs = len(ev)
+                slots += self.slabs.allocate(len(live) - len(slots), self._run)
+            self._reserved += len(slots)
+            self._c["evictions"] += evicted_recs
+        if evicted_recs:
+            self.metrics.evictions.inc(evicted_recs)
+        nospace = live[len(slots):]
+        live = live[:len(slots)]
+        try:
+            if live:
+                self._write_slots(live, slots)
+            err = None
+        except OSError as e:
+            err = e
+        # publish (or release) under the lock
+        written_by_job: collections.Counter = collections.Counter()
+        with self._cv:
+            self._reserved -= len(slots)
+            if err is not None:
+                self.slabs.release(slots)
+                reason = "enospc" if err.errno in _NOSPACE else "io_error"
+                self._c["enospc" if reason == "enospc" else "write_errors"] += 1
+                if reason == "enospc":
+                    self._degraded_until = time.monotonic() + self.degrade_s
+                    self.metrics.degraded.set(1)
+                    log.warning("G3: %s; tier degraded for %.1f s, %d blocks dropped", err, self.degrade_s, len(live))
+                else:
+                    log.warning("G3: write failed (%s); %d blocks dropped", err, len(live))
+                for job, k, _ in live:
+                    job.result.dropped += 1
+                self._drop(reason, len(live))
+            else:
+                recs = []
+                for (job, k, _), slot in zip(live, slots):
+                    if k in self._cancelled:
+                        self.slabs.release([slot])
+                        job.result.skipped += 1
+                        continue
+                    self.index.put(k, slot)
+                    recs.append(jr.encode(jr.PUT, k, slot))
+                    written_by_job[id(job)] += 1
+                    job.result.written += 1
+                self._journal_append(recs)
+                n = len(recs)
+                self._c["offloads_written"] += n
+                self._c["bytes_written"] += n * self.slot_bytes
+                self.metrics.offload_blocks.inc(n)
+                self.metrics.bytes_written.inc(n * self.slot_bytes)
+            for job, k, _ in nospace:
+                job.result.dropped += 1
+            if nospace:
+                self._drop("no_space", len(nospace))
+            for job in jobs:
+                self._pending -= len(job.keys)
+                self._inflight.difference_update(job.keys)
+                self._cancelled.difference_update(job.keys)
+            self._update_gauges()
+            self._cv.notify_all()
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_result(job.result)
+
+    def _write_slots(self, live: list, slots: list) -> None:
+        """Grow files, write frames, fdatasync. Raises OSError (ENOSPC, EIO, ...)."""
+        top: dict[int, int] = {}
+        for fi, si in slots:
+            top[fi] = max(top.get(fi, -1), si)
+        for fi, si in top.items():
+            self.slabs.ensure_size(fi, si)
+        hdrs = aligned_empty(len(live) * HDR)
+        extents = []
+        for j, ((job, key, block), (fi, si)) in enumerate(zip(live, slots)):
+            f = self.slabs.by_index[fi]
+            h = FrameHeader.for_block(key, self._layout, self.namespace.tp_world_size, tenant_tag(key.tenant),
+                                      integrity=frame.payload_checksum(block), flags=frame.FLAG_CHECKSUM)
+            hv = hdrs[j * HDR:(j + 1) * HDR]
+            hv[:] = np.frombuffer(h.pack(), np.uint8)
+            if f.o_direct and not is_aligned(block):
+                st = aligned_empty(self._stored_padded)
+                st[:self.block_bytes] = block
+                st[self.block_bytes:] = 0
+                bufs = [hv, st]
+            else:
+                bufs = [hv, block] + ([self._zero_pad] if self._zero_pad.nbytes else [])
+            off = si * self.slot_bytes
+            extents.append(Extent(f.fd, off, cut_at(bufs, off, self._io_size)))
+        self.engine.submit(coalesce(extents, self._io_size, write=True)).result()
+        if self.cfg.fsync:
+            fds = [self.slabs.by_index[fi].fd for fi in top]
+            for fut in [self._sync_pool.submit(fdatasync, fd) for fd in fds]:
+                fut.result()
+
+    # ---- internals: read path -----------------------------------------------------------------
+    def _read_timeout(self, st: _Read) -> None:
+        with st.lock:
+            if st.resolved:
+                return
+            st.resolved = True
+            st.timed_out = True
+        with self._lock:
+            self._miss("timeout", len(st.present))
+        st.future.set_result(GetResult(ok=[False] * st.n))
+
+    def _read_done(self, st: _Read, ef: Future) -> None:
+        exc = ef.exception()
+        sizes: dict[int, int] = {}
+        ok = [False] * st.n
+        bad = []  # (key, slot, reason)
+        bad_detail = []  # FrameError reasons
+        for i, k, slot, h, payload, staging, dst in st.present:
+            f = self.slabs.by_index.get(slot[0])
+            reason = None
+            if exc is not None or f is None:
+                reason = "io_error"
+            else:
+                if f.fd not in sizes:
+                    try:
+                        sizes[f.fd] = os.fstat(f.fd).st_size
+                    except OSError:
+                        sizes[f.fd] = 0
+                if (slot[1] + 1) * self.slot_bytes > sizes[f.fd]:
+                    reason = "short"
+                else:
+                    try:
+                        hdr = FrameHeader.unpack(h)
+                        hdr.check_identity(k, self._layout, tenant_tag(k.tenant))
+                        if hdr.stored_len != self.block_bytes:
+                            raise FrameError("length", f"stored_len {hdr.stored_len}")
+                        if not hdr.flags & frame.FLAG_CHECKSUM:
+                            raise FrameError("integrity", "frame carries no checksum")
+                        frame.verify_payload(hdr, payload)
+                    except FrameError as e:
+                        reason = _MISS_REASON.get(e.reason, "corrupt")
+                        bad_detail.append(e.reason)
+            if reason is None:
+                ok[i] = True
+            else:
+                bad.append((k, slot, reason))
+        with st.lock:
+            late = st.resolved
+            st.resolved = True
+        if not late:
+            for i, k, slot, h, payload, staging, dst in st.present:
+                if ok[i] and staging is not None:
+                    dst[:] = staging[:self.block_bytes]
+        hits = sum(ok)
+        with self._lock:
+            recs = []
+            for i, k, slot, *_ in st.present:
+                free = self.index.unpin(slot)
+                if free is not None:
+                    self.slabs.release([free])
+            for k, slot, reason in bad:
+                if reason in ("corrupt", "identity", "short", "io_error"):
+                    free = self.index.remove(k, slot)
+                    if free is not None:
+                        self.slabs.release([free])
+                    recs.append(jr.encode(jr.DEL, k))
+                    self._c["corrupt"] += reason != "io_error"
+            for r in bad_detail:
+                self._c["corrupt:" + r] += 1
+                self.metrics.corrupt.labels(r).inc()
+            self._journal_append(recs)
+            self._c["bytes_read"] += len(st.present) * self.slot_bytes
+            if late:
+                self._c["late_reads"] += len(st.present)
+            else:
+                self._c["hits"] += hits
+            if not late:
+                for _, _, reason in bad:
+                    self._miss(reason)
+            self._update_gauges()
+        self.metrics.bytes_read.inc(len(st.present) * self.slot_bytes)
+        if not late:
+            self.metrics.onboard_blocks.inc(hits)
+            st.future.set_result(GetResult(ok=ok))
+        if bad:
+            log.warning("G3: %d block(s) failed verification and were dropped: %s", len(bad),
+                        collections.Counter(r for _, _, r in bad))

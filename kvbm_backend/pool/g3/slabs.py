@@ -1,0 +1,295 @@
+"""G3 slab files: directories, locks, namespace files, capacity, lazy growth and slot allocation.
+
+A pool owns ``files_per_path`` slab files in each configured directory, named
+``g3-<namespace fingerprint>-<k>.slab``. A slab file is an array of fixed slots of
+``frame.slot_bytes(layout.bytes_per_block)`` bytes (4 KiB header + payload padded to 4 KiB), slot ``i``
+at byte ``i * slot_bytes``. Files grow lazily in chunks (``posix_fallocate``) and each growth first
+re-checks ``statvfs`` so the filesystem keeps ``min_free_fraction`` free (invariant 4).
+
+Each directory gets ``namespace.json`` (the owner's :meth:`Namespace.canonical_json`, written under a
+unique temp name and renamed) and ``.kvbm-g3.lock`` (``flock``: a second process, or a second pool in
+this one, opening the directory is refused with :class:`G3LockedError`). Slab files of another
+namespace are never opened: they are listed in :attr:`SlabSet.foreign_files` and logged.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import heapq
+import logging
+import os
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from ...io import open_file, probe_o_direct
+from ...model.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".kvbm-g3.lock"
+GROW_BYTES = 64 << 20  # growth chunk per slab file
+_SLAB_RE = re.compile(r"^g3-([0-9a-f]{16})-(\d+)\.slab$")
+
+
+class G3LockedError(RuntimeError):
+    """Another process (or pool) has this G3 directory open; G3 is private to one worker."""
+
+
+def fs_space(directory: str) -> tuple[int, int]:
+    """``(available_bytes, total_bytes)`` of the filesystem holding ``directory`` (statvfs, unprivileged)."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+@dataclass
+class SlabFile:
+    index: int  # global file index (journal records use it)
+    path: str
+    directory: str
+    fd: int
+    o_direct: bool
+    slot_bytes: int
+    max_slots: int  # configured share of capacity, slots
+    size_slots: int = 0  # slots the file currently covers (allocated bytes // slot_bytes)
+    cap_slots: int = 0  # slots usable now (max_slots, lowered when the filesystem is short)
+    next_unused: int = 0  # high-water mark: slots >= this were never handed out in this run
+    free: list = field(default_factory=list)  # heap of released slot indexes < next_unused
+
+    def free_count(self) -> int:
+        return sum(1 for s in self.free if s < self.cap_slots) + max(0, self.cap_slots - self.next_unused)
+
+
+class SlabSet:
+    """The slab files of one pool and their slot allocator (not thread-safe: the pool locks).
+
+    Raises (constructor):
+        G3LockedError: a directory is in use by another pool.
+        ValueError: no directory, or the capacity (configured, or the free space left above the watermark)
+            is smaller than one slot per directory.
+        OSError: a directory cannot be created or written.
+    """
+
+    def __init__(self, paths: list[str], namespace: Namespace, slot_bytes: int, capacity_bytes: int,
+                 files_per_path: int, o_direct: str, min_free_fraction: float):
+        if not paths:
+            raise ValueError("g3.paths: at least one directory is needed")
+        self.namespace = namespace
+        self.fp = namespace.fingerprint
+        self.slot_bytes = slot_bytes
+        self.min_free_fraction = min_free_fraction
+        self.paths = [os.path.abspath(p) for p in paths]
+        self.files: list[SlabFile] = []
+        self.foreign_files: list[str] = []
+        self.o_direct: dict[str, bool] = {}
+        self._lock_fds: list[int] = []
+        self._rr = 0
+        try:
+            self._open(capacity_bytes, files_per_path, o_direct)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def _lock(self, d: str) -> None:
+        fd = os.open(os.path.join(d, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise G3LockedError(
+                f"G3 directory {d} is in use by another pool (lock {LOCK_NAME} held; holder: {holder}). "
+                "G3 is private to one worker: give each worker its own directory.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        self._lock_fds.append(fd)
+
+    def _write_namespace(self, d: str) -> None:
+        body = self.namespace.canonical_json() + "\n"
+        for name in ("namespace.json", f"namespace-{self.fp}.json"):
+            target = os.path.join(d, name)
+            try:
+                with open(target) as f:
+                    if f.read() == body:
+                        continue
+            except FileNotFoundError:
+                pass
+            tmp = os.path.join(d, f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+            with open(tmp, "w") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+
+    def _open(self, capacity_bytes: int, files_per_path: int, o_direct: str) -> None:
+        budgets = []
+        for d in self.paths:
+            os.makedirs(d, exist_ok=True)
+            self._lock(d)
+            self._write_namespace(d)
+            own = 0
+            for name in sorted(os.listdir(d)):
+                m = _SLAB_RE.match(name)
+                if not m:
+                    continue
+                if m.group(1) != self.fp:
+                    self.foreign_files.append(os.path.join(d, name))
+                    continue
+                own += os.stat(os.path.join(d, name)).st_blocks * 512
+            if o_direct == "on":
+                od = True
+            elif o_direct == "off":
+                od = False
+            else:
+                od = probe_o_direct(d)
+            self.o_direct[d] = od
+            avail, total = fs_space(d)
+            room = own + avail - int(self.min_free_fraction * total)
+            budgets.append(max(0, min(capacity_bytes // len(self.paths), room)))
+        if self.foreign_files:
+            log.warning("G3: ignoring %d slab file(s) of another namespace (not %s): %s", len(self.foreign_files),
+                        self.fp, ", ".join(self.foreign_files[:4]))
+        for pi, d in enumerate(self.paths):
+            per_file = budgets[pi] // self.slot_bytes // files_per_path
+            if per_file == 0 and budgets[pi] >= self.slot_bytes:
+                per_file = 1
+            for k in range(files_per_path):
+                path = os.path.join(d, f"g3-{self.fp}-{k}.slab")
+                if per_file == 0 and not os.path.exists(path):
+                    continue
+                fd = open_file(path, o_direct=self.o_direct[d], create=True)
+                size = os.fstat(fd).st_size
+                f = SlabFile(index=pi * files_per_path + k, path=path, directory=d, fd=fd,
+                             o_direct=self.o_direct[d], slot_bytes=self.slot_bytes, max_slots=per_file,
+                             size_slots=size // self.slot_bytes)
+                f.cap_slots = per_file
+                self.files.append(f)
+        if not any(f.max_slots for f in self.files):
+            raise ValueError(
+                f"g3.capacity_gb: room for no slot of {self.slot_bytes} bytes in {', '.join(self.paths)} "
+                f"(configured {capacity_bytes} bytes; free space above the {self.min_free_fraction:.0%} "
+                "watermark counts too)")
+        self.by_index = {f.index: f for f in self.files}
+
+    def restore(self, used: dict[int, set[int]]) -> None:
+        """After a journal replay: mark ``used[file_index]`` slots taken and everything else below the
+        file's size free."""
+        for f in self.files:
+            taken = used.get(f.index, set())
+            f.next_unused = max(min(f.size_slots, f.cap_slots), max(taken, default=-1) + 1)
+            f.free = [s for s in range(f.next_unused) if s not in taken]
+            heapq.heapify(f.free)
+
+    # ---- capacity ----------------------------------------------------------------------------
+    @property
+    def capacity_slots(self) -> int:
+        return sum(f.cap_slots for f in self.files)
+
+    @property
+    def max_capacity_slots(self) -> int:
+        return sum(f.max_slots for f in self.files)
+
+    def free_slots(self) -> int:
+        return sum(f.free_count() for f in self.files)
+
+    def recheck_space(self) -> None:
+        """Re-read statvfs and let files grow again up to their configured share where space returned."""
+        for f in self.files:
+            avail, total = fs_space(f.directory)
+            room = avail - int(self.min_free_fraction * total)
+            growable = max(0, room) // self.slot_bytes
+            f.cap_slots = max(min(f.max_slots, f.size_slots + growable), min(f.cap_slots, f.size_slots))
+
+    # ---- allocation --------------------------------------------------------------------------
+    def _take(self, f: SlabFile, n: int) -> list[int]:
+        """Up to ``n`` slots of file ``f``: contiguous from the high-water mark when possible."""
+        out: list[int] = []
+        room = f.cap_slots - f.next_unused
+        if room > 0:
+            k = min(n, room)
+            out.extend(range(f.next_unused, f.next_unused + k))
+            f.next_unused += k
+        while len(out) < n and f.free:
+            s = heapq.heappop(f.free)
+            if s < f.cap_slots:
+                out.append(s)
+            elif s < f.next_unused:
+                pass  # beyond a lowered cap: dropped from the free list until space returns
+        return out
+
+    def allocate(self, n: int, run: int) -> list[tuple[int, int]]:
+        """Reserve up to ``n`` slots, ``run`` adjacent slots per file before moving to the next file
+        (round-robin striping). Returns (file index, slot) pairs in order; fewer than ``n`` when full."""
+        out: list[tuple[int, int]] = []
+        nf = len(self.files)
+        misses = 0
+        while len(out) < n and misses < nf:
+            f = self.files[self._rr % nf]
+            self._rr += 1
+            got = self._take(f, min(run, n - len(out)))
+            if not got:
+                misses += 1
+                continue
+            misses = 0
+            out.extend((f.index, s) for s in got)
+        return out
+
+    def release(self, slots) -> None:
+        """Give slots back (never published, dropped or evicted)."""
+        for fi, s in slots:
+            f = self.by_index.get(fi)
+            if f is not None and s < f.next_unused:
+                heapq.heappush(f.free, s)
+
+    def ensure_size(self, fi: int, upto_slot: int) -> None:
+        """Grow file ``fi`` so slot ``upto_slot`` exists (chunked ``posix_fallocate``).
+
+        Raises:
+            OSError(ENOSPC): the filesystem watermark would be crossed (the file's cap is lowered to its
+                current size) or the allocation itself failed.
+        """
+        f = self.by_index[fi]
+        if upto_slot < f.size_slots:
+            return
+        want = min(max(upto_slot + 1, f.size_slots + max(1, GROW_BYTES // self.slot_bytes)), f.max_slots)
+        want = max(want, upto_slot + 1)
+        grow = (want - f.size_slots) * self.slot_bytes
+        avail, total = fs_space(f.directory)
+        room = avail - int(self.min_free_fraction * total)
+        if grow > room:
+            need_min = (upto_slot + 1 - f.size_slots) * self.slot_bytes
+            if need_min > room:
+                f.cap_slots = min(f.cap_slots, f.size_slots)
+                raise OSError(errno.ENOSPC, f"G3: growing {f.path} by {need_min} bytes would cross the "
+                                            f"{self.min_free_fraction:.0%} free-space watermark")
+            want = upto_slot + 1 + max(0, room - need_min) // self.slot_bytes
+            want = min(want, f.max_slots)
+            grow = (want - f.size_slots) * self.slot_bytes
+        try:
+            os.posix_fallocate(f.fd, f.size_slots * self.slot_bytes, grow)
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                os.ftruncate(f.fd, want * self.slot_bytes)
+            else:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    f.cap_slots = min(f.cap_slots, max(f.size_slots, upto_slot))
+                raise
+        f.size_slots = want
+
+    # ---- teardown ----------------------------------------------------------------------------
+    def close(self) -> None:
+        for f in self.files:
+            try:
+                os.close(f.fd)
+            except OSError:
+                pass
+        self.files = []
+        for fd in self._lock_fds:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+            except OSError:
+                pass
+        self._lock_fds = []
+
