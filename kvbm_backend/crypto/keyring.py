@@ -1,0 +1,456 @@
+"""Per-tenant data keys, wrapped by a key-encryption key (KEK), in a versioned keyring file.
+
+File format (JSON, ``"format": "kvbm-backend-keyring/1"``), written atomically with mode 0600 under an
+advisory lock (``PATH.lock``) so several worker processes on one host can share it::
+
+    {"format": "kvbm-backend-keyring/1", "kek_id": "<16 hex>", "pseudonym_key": "<b64 wrapped>",
+     "tenants": {"<tenant id>": {"pseudonym": "<32 hex>", "key_id": <u32>, "current": <version>,
+                                  "versions": {"1": {"wrapped": "<b64>", "created": "<ISO-8601 UTC>",
+                                                     "uses": <int>}}}},
+     "revoked": {"<pseudonym hex>": {"revoked_at": <epoch s>}}}
+
+* Data keys are 256-bit AES-GCM keys, wrapped with AES key wrap (RFC 3394) under the KEK. The KEK
+  comes from a :class:`KeyProvider`: :class:`LocalKek` reads it from an env var (base64 of 32 bytes)
+  or a KEK file; a KMS-backed provider only has to implement ``wrap``/``unwrap``.
+* ``rotate`` adds a version used for new writes; older versions stay for reads. ``rewrap`` re-wraps
+  every key under a new KEK without touching stored blocks. ``revoke`` deletes a tenant's keys
+  (crypto-shred) and records its pseudonym and time so ``kvbm-backend gc`` can reclaim its blocks.
+* Use counts per key version are kept in memory and merged into the file periodically and at
+  :meth:`Keyring.close`; a version is rotated automatically once it reaches ``rotate_after_uses``
+  encryptions (default 2**31, half the SP 800-38D 8.3 limit of 2**32 for random 96-bit nonces).
+* Tenant ids appear only inside the keyring; stored names and frames carry the pseudonym
+  ``HMAC-SHA256(pseudonym_key, tenant)[:16]``. Nothing here prints or logs key material.
+
+Errors are :class:`KeyringError` with a message naming the file or variable at fault.
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import stat
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
+
+FORMAT = "kvbm-backend-keyring/1"
+KEY_BYTES = 32
+NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
+DEFAULT_ROTATE_AFTER = 2 ** 31
+UNKEYED_PSEUDONYM_KEY = b"kvbm-backend/unkeyed-tenant-pseudonym/v1"
+
+
+class KeyringError(ValueError):
+    """Keyring trouble: unreadable, insecure mode, wrong KEK, unknown tenant. Names the file/variable."""
+
+
+@runtime_checkable
+class KeyProvider(Protocol):
+    """Wraps and unwraps data keys under a key-encryption key it never reveals (KMS-shaped).
+
+    ``key_id`` is a non-secret identifier stored in the keyring so a wrong KEK is reported clearly.
+    ``unwrap`` raises KeyringError when the wrapped key was not made by this KEK.
+    """
+
+    key_id: str
+
+    def wrap(self, key: bytes) -> bytes: ...
+
+    def unwrap(self, wrapped: bytes) -> bytes: ...
+
+
+class LocalKek:
+    """A 256-bit KEK held in process memory (from env or a 0600 file); AES key wrap, RFC 3394."""
+
+    def __init__(self, kek: bytes, source: str = "memory"):
+        if len(kek) != KEY_BYTES:
+            raise KeyringError(f"{source}: KEK must be {KEY_BYTES} bytes, got {len(kek)}")
+        self._kek = kek
+        self.source = source
+        self.key_id = hmac.new(kek, b"kvbm-backend kek id", hashlib.sha256).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"LocalKek(source={self.source!r}, key_id={self.key_id!r})"
+
+    def wrap(self, key: bytes) -> bytes:
+        return aes_key_wrap(self._kek, key)
+
+    def unwrap(self, wrapped: bytes) -> bytes:
+        try:
+            return aes_key_unwrap(self._kek, wrapped)
+        except InvalidUnwrap:
+            raise KeyringError(f"KEK from {self.source} does not unwrap this key (wrong KEK?)") from None
+
+    @classmethod
+    def from_env(cls, var: str) -> "LocalKek":
+        raw = os.environ.get(var)
+        if raw is None:
+            raise KeyringError(f"${var}: not set")
+        try:
+            kek = base64.b64decode(raw.strip(), validate=True)
+        except ValueError:
+            raise KeyringError(f"${var}: not valid base64") from None
+        return cls(kek, source=f"${var}")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "LocalKek":
+        p = Path(path)
+        _check_private(p, "KEK file")
+        try:
+            kek = base64.b64decode(p.read_text().strip(), validate=True)
+        except ValueError:
+            raise KeyringError(f"KEK file {p}: not valid base64") from None
+        return cls(kek, source=f"KEK file {p}")
+
+    @staticmethod
+    def generate_file(path: str | os.PathLike) -> "LocalKek":
+        """Create a new random KEK file (mode 0600, exclusive). Raises KeyringError if it exists."""
+        p = Path(path)
+        kek = secrets.token_bytes(KEY_BYTES)
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise KeyringError(f"KEK file {p}: already exists") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(base64.b64encode(kek).decode() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return LocalKek(kek, source=f"KEK file {p}")
+
+
+def generate_kek_b64() -> str:
+    """A fresh random KEK, base64 (for ``export KVBM_BACKEND_KEK=...``)."""
+    return base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode()
+
+
+def _check_private(p: Path, what: str) -> None:
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise KeyringError(f"{what} {p}: not found") from None
+    if st.st_mode & 0o077:
+        raise KeyringError(f"{what} {p}: mode {stat.S_IMODE(st.st_mode):04o} lets group/others read it; "
+                           f"refusing to use it (run: chmod 600 {p})")
+
+
+def provider_for(path: str | os.PathLike, kek_env: str = "KVBM_BACKEND_KEK", kek_file: str | None = None,
+                 create: bool = True) -> KeyProvider:
+    """The KEK for keyring ``path``: ``$kek_env`` when set, else ``kek_file`` (default ``PATH.kek``).
+
+    A missing KEK file is generated (0600) only when the keyring itself does not exist yet and
+    ``create`` is true; otherwise KeyringError names what is missing.
+    """
+    if os.environ.get(kek_env):
+        return LocalKek.from_env(kek_env)
+    kf = Path(kek_file) if kek_file else Path(f"{path}.kek")
+    if kf.exists():
+        return LocalKek.from_file(kf)
+    if create and not Path(path).exists():
+        kf.parent.mkdir(parents=True, exist_ok=True)
+        return LocalKek.generate_file(kf)
+    raise KeyringError(f"keyring {path}: no KEK (set ${kek_env} to a base64 32-byte key or provide {kf})")
+
+
+class DataKey:
+    """One tenant data key version. ``repr`` never shows the key bytes."""
+
+    __slots__ = ("key_id", "version", "key")
+
+    def __init__(self, key_id: int, version: int, key: bytes):
+        self.key_id, self.version, self.key = key_id, version, key
+
+    def __repr__(self) -> str:
+        return f"DataKey(key_id={self.key_id}, version={self.version}, key=<redacted>)"
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+def _unb64(s: str) -> bytes:
+    return base64.b64decode(s)
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+
+
+class Keyring:
+    """A keyring file plus its KEK provider. Thread-safe; several processes may share the file.
+
+    Args:
+        path: the keyring JSON file.
+        provider: the KEK (:func:`provider_for` builds one from config).
+        create: create an empty keyring when ``path`` does not exist (else KeyringError).
+        rotate_after_uses: encryptions per key version before automatic rotation (<= 2**32).
+        persist_every_s: how often use counts are merged into the file (also at :meth:`close`).
+    """
+
+    def __init__(self, path: str | os.PathLike, provider: KeyProvider, *, create: bool = True,
+                 rotate_after_uses: int = DEFAULT_ROTATE_AFTER, persist_every_s: float = 30.0,
+                 reload_every_s: float = 2.0):
+        if not 1 <= rotate_after_uses <= NIST_GCM_RANDOM_NONCE_LIMIT:
+            raise KeyringError(f"rotate_after_uses: must be in [1, 2**32], got {rotate_after_uses}")
+        self.path = Path(path)
+        self.provider = provider
+        self.rotate_after = rotate_after_uses
+        self.persist_every_s = persist_every_s
+        self.reload_every_s = reload_every_s
+        self._mu = threading.RLock()
+        self._doc: dict = {}
+        self._keys: dict[tuple[int, int], bytes] = {}  # (key_id, version) -> unwrapped key
+        self._delta: dict[tuple[str, int], int] = {}  # (tenant, version) -> uses not yet persisted
+        self._pseudonym_key = b""
+        self._stamp: tuple | None = None
+        self._last_check = 0.0
+        self._last_persist = time.monotonic()
+        if self.path.exists():
+            with self._locked():
+                self._load()
+        elif create:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._locked():
+                if self.path.exists():
+                    self._load()
+                else:
+                    pk = secrets.token_bytes(KEY_BYTES)
+                    self._doc = {"format": FORMAT, "kek_id": provider.key_id, "pseudonym_key": _b64(provider.wrap(pk)),
+                                 "tenants": {}, "revoked": {}}
+                    self._write()
+                    self._load()
+        else:
+            raise KeyringError(f"keyring {self.path}: not found")
+
+    @classmethod
+    def from_config(cls, cfg, *, create: bool = True) -> "Keyring":
+        """Open the keyring a :class:`kvbm_backend.config.KeyringConfig` names. Raises KeyringError."""
+        if not cfg.path:
+            raise KeyringError("g4.keyring.path: required when g4.encrypt is true (a keyring file, created 0600)")
+        prov = provider_for(cfg.path, cfg.kek_env, getattr(cfg, "kek_file", None), create=create)
+        return cls(cfg.path, prov, create=create,
+                   rotate_after_uses=getattr(cfg, "rotate_after_uses", DEFAULT_ROTATE_AFTER))
+
+    # ---- file handling ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self):
+        lock_path = f"{self.path}.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _load(self) -> None:
+        _check_private(self.path, "keyring")
+        try:
+            doc = json.loads(self.path.read_text())
+        except ValueError as e:
+            raise KeyringError(f"keyring {self.path}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise KeyringError(f"keyring {self.path}: format {doc.get('format') if isinstance(doc, dict) else None!r}, "
+                               f"this reader knows {FORMAT!r}")
+        if doc.get("kek_id") != self.provider.key_id:
+            raise KeyringError(f"keyring {self.path}: wrapped under KEK {doc.get('kek_id')}, "
+                               f"but the KEK given ({getattr(self.provider, 'source', 'provider')}) is {self.provider.key_id}")
+        pk = self.provider.unwrap(_unb64(doc["pseudonym_key"]))
+        keys = {}
+        for t in doc.get("tenants", {}).values():
+            for v, ent in t["versions"].items():
+                keys[(int(t["key_id"]), int(v))] = self.provider.unwrap(_unb64(ent["wrapped"]))
+        self._doc, self._keys, self._pseudonym_key = doc, keys, pk
+        st = self.path.stat()
+        self._stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        self._last_check = time.monotonic()
+
+    def _write(self) -> None:
+        """Atomic replace: unique temp in the same directory, fsync, rename, fsync the directory."""
+        tmp = self.path.parent / f".{self.path.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._doc, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        dfd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _mutate(self, fn):
+        """Reload under the file lock, merge pending use counts, apply ``fn(doc)``, write, reload."""
+        with self._mu, self._locked():
+            if self.path.exists():
+                self._load()
+            self._merge_delta()
+            out = fn(self._doc)
+            self._write()
+            self._load()
+            return out
+
+    def _merge_delta(self) -> None:
+        for (tenant, ver), n in self._delta.items():
+            t = self._doc["tenants"].get(tenant)
+            if t and str(ver) in t["versions"]:
+                t["versions"][str(ver)]["uses"] = int(t["versions"][str(ver)].get("uses", 0)) + n
+        self._delta = {}
+        self._last_persist = time.monotonic()
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self._last_check < self.reload_every_s:
+            return
+        self._last_check = now
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return
+        if (st.st_mtime_ns, st.st_size, st.st_ino) != self._stamp:
+            with self._locked():
+                self._load()
+
+    # ---- tenants ---------------------------------------------------------------------------
+    def pseudonym(self, tenant: str) -> bytes:
+        """16-byte pseudonym of ``tenant``: HMAC-SHA256(pseudonym key, UTF-8 tenant id)[:16]."""
+        return hmac.new(self._pseudonym_key, tenant.encode(), hashlib.sha256).digest()[:16]
+
+    def _new_version(self, doc: dict, tenant: str) -> None:
+        t = doc["tenants"][tenant]
+        v = max((int(x) for x in t["versions"]), default=0) + 1
+        t["versions"][str(v)] = {"wrapped": _b64(self.provider.wrap(secrets.token_bytes(KEY_BYTES))),
+                                 "created": _now_iso(), "uses": 0}
+        t["current"] = v
+
+    def create(self, tenant: str) -> dict:
+        """Create the tenant's first data key (no-op if it has one). Returns its :meth:`info` row."""
+        def fn(doc):
+            if tenant not in doc["tenants"]:
+                used = {int(t["key_id"]) for t in doc["tenants"].values()}
+                kid = 0
+                while kid == 0 or kid in used:
+                    kid = secrets.randbits(32)
+                doc["tenants"][tenant] = {"pseudonym": self.pseudonym(tenant).hex(), "key_id": kid, "current": 0,
+                                          "versions": {}}
+                self._new_version(doc, tenant)
+        self._mutate(fn)
+        return self.info(tenant)
+
+    def rotate(self, tenant: str) -> dict:
+        """New data key version for new writes; older versions stay readable. KeyringError if unknown."""
+        def fn(doc):
+            if tenant not in doc["tenants"]:
+                raise KeyringError(f"keyring {self.path}: no tenant {tenant!r}")
+            self._new_version(doc, tenant)
+        self._mutate(fn)
+        return self.info(tenant)
+
+    def revoke(self, tenant: str) -> dict:
+        """Delete every key of ``tenant`` (crypto-shred) and record its pseudonym as revoked now."""
+        def fn(doc):
+            if tenant not in doc["tenants"]:
+                raise KeyringError(f"keyring {self.path}: no tenant {tenant!r}")
+            ps = doc["tenants"].pop(tenant)["pseudonym"]
+            doc.setdefault("revoked", {})[ps] = {"revoked_at": time.time()}
+            return ps
+        ps = self._mutate(fn)
+        return {"tenant": tenant, "pseudonym": ps, "revoked": True}
+
+    def rewrap(self, new_provider: KeyProvider) -> int:
+        """Re-wrap every key under ``new_provider``'s KEK (no block is rewritten). Returns keys re-wrapped."""
+        with self._mu, self._locked():
+            self._load()
+            self._merge_delta()
+            doc = self._doc
+            n = 0
+            doc["pseudonym_key"] = _b64(new_provider.wrap(self._pseudonym_key))
+            for t in doc["tenants"].values():
+                for v, ent in t["versions"].items():
+                    ent["wrapped"] = _b64(new_provider.wrap(self._keys[(int(t["key_id"]), int(v))]))
+                    n += 1
+            doc["kek_id"] = new_provider.key_id
+            self.provider = new_provider
+            self._write()
+            self._load()
+            return n
+
+    def info(self, tenant: str | None = None) -> list[dict] | dict:
+        """Tenants, versions, use counts, created dates; never key material."""
+        with self._mu:
+            rows = []
+            for name, t in sorted(self._doc["tenants"].items()):
+                vers = []
+                for v, ent in sorted(t["versions"].items(), key=lambda kv: int(kv[0])):
+                    uses = int(ent.get("uses", 0)) + self._delta.get((name, int(v)), 0)
+                    vers.append({"version": int(v), "created": ent["created"], "uses": uses,
+                                 "current": int(v) == t["current"]})
+                rows.append({"tenant": name, "pseudonym": t["pseudonym"], "key_id": t["key_id"],
+                             "current_version": t["current"], "versions": vers})
+            if tenant is not None:
+                for r in rows:
+                    if r["tenant"] == tenant:
+                        return r
+                raise KeyringError(f"keyring {self.path}: no tenant {tenant!r}")
+            return rows
+
+    def revoked(self) -> dict[str, float]:
+        """Pseudonym hex -> revocation time (epoch seconds) of revoked tenants."""
+        with self._mu:
+            self._maybe_reload()
+            return {k: float(v["revoked_at"]) for k, v in self._doc.get("revoked", {}).items()}
+
+    # ---- hot path --------------------------------------------------------------------------
+    def write_key(self, tenant: str) -> DataKey:
+        """The current data key of ``tenant`` for one encryption (created on first use), counting the
+        use and rotating first if the version reached ``rotate_after_uses``."""
+        with self._mu:
+            self._maybe_reload()
+            t = self._doc["tenants"].get(tenant)
+            if t is None:
+                self.create(tenant)
+                t = self._doc["tenants"][tenant]
+            ver = t["current"]
+            uses = int(t["versions"][str(ver)].get("uses", 0)) + self._delta.get((tenant, ver), 0)
+            if uses >= self.rotate_after:
+                self.rotate(tenant)
+                t = self._doc["tenants"][tenant]
+                ver = t["current"]
+            self._delta[(tenant, ver)] = self._delta.get((tenant, ver), 0) + 1
+            if time.monotonic() - self._last_persist > self.persist_every_s:
+                self.flush()
+            return DataKey(int(t["key_id"]), ver, self._keys[(int(t["key_id"]), ver)])
+
+    def read_key(self, key_id: int, version: int) -> bytes | None:
+        """The data key a frame names, or None if this keyring does not hold it (revoked/foreign)."""
+        with self._mu:
+            k = self._keys.get((key_id, version))
+            if k is None:
+                self._maybe_reload()
+                k = self._keys.get((key_id, version))
+            return k
+
+    def flush(self) -> None:
+        """Merge in-memory use counts into the file (under the lock)."""
+        with self._mu:
+            if self._delta:
+                self._mutate(lambda doc: None)
+
+    def close(self) -> None:
+        self.flush()

@@ -1,0 +1,163 @@
+"""``kvbm-backend gc`` and ``kvbm-backend keys create|rotate|revoke|list|rewrap``.
+
+No command prints key material: ``keys list`` shows tenants, pseudonyms, key ids, versions, use
+counts and creation dates only.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)
+keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                       help="Per-tenant G4 data keys: create, rotate, revoke (crypto-shred), list, rewrap.")
+
+
+def _fail(msg: str) -> None:
+    console.print(f"[red]error:[/red] {msg}")
+    raise typer.Exit(2)
+
+
+def _out(obj, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    else:
+        console.print_json(json.dumps(obj), ) if not isinstance(obj, list) else _table(obj)
+
+
+def _table(rows: list[dict]) -> None:
+    t = Table("tenant", "pseudonym", "key_id", "version", "current", "uses", "created")
+    for r in rows:
+        for v in r["versions"]:
+            t.add_row(r["tenant"] or "(none)", r["pseudonym"], str(r["key_id"]), str(v["version"]),
+                      "*" if v["current"] else "", str(v["uses"]), v["created"])
+    Console().print(t)
+
+
+def _open(keyring: str, kek_env: str, kek_file: Optional[str], create: bool):
+    from ..crypto.keyring import Keyring, provider_for
+    prov = provider_for(keyring, kek_env, kek_file, create=create)
+    return Keyring(keyring, prov, create=create)
+
+
+_KR = typer.Option(..., "--keyring", help="keyring file (JSON, mode 0600)")
+_ENV = typer.Option("KVBM_BACKEND_KEK", "--kek-env", help="env var holding the base64 KEK")
+_KF = typer.Option(None, "--kek-file", help="KEK file (default KEYRING.kek) when the env var is unset")
+
+
+@keys_app.command("create")
+def keys_create(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant"), kek_env: str = _ENV,
+                kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Create a tenant's data key (and the keyring and its KEK file if they do not exist)."""
+    from ..crypto.keyring import KeyringError
+    try:
+        _out(_open(keyring, kek_env, kek_file, True).create(tenant), as_json)
+    except KeyringError as e:
+        _fail(str(e))
+
+
+@keys_app.command("rotate")
+def keys_rotate(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "--tenant", help="default: all"),
+                kek_env: str = _ENV, kek_file: Optional[str] = _KF,
+                as_json: bool = typer.Option(False, "--json")) -> None:
+    """New data key version for new writes; old versions stay for reads. No block is rewritten."""
+    from ..crypto.keyring import KeyringError
+    try:
+        kr = _open(keyring, kek_env, kek_file, False)
+        names = [tenant] if tenant is not None else [r["tenant"] for r in kr.info()]
+        _out([kr.rotate(t) for t in names], as_json)
+    except KeyringError as e:
+        _fail(str(e))
+
+
+@keys_app.command("revoke")
+def keys_revoke(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant"), kek_env: str = _ENV,
+                kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Delete every key of the tenant (crypto-shred: its blocks become unreadable; gc reclaims them)."""
+    from ..crypto.keyring import KeyringError
+    try:
+        _out(_open(keyring, kek_env, kek_file, False).revoke(tenant), as_json)
+    except KeyringError as e:
+        _fail(str(e))
+
+
+@keys_app.command("list")
+def keys_list(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "--tenant"), kek_env: str = _ENV,
+              kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Tenants, versions, use counts and created dates (never key material)."""
+    from ..crypto.keyring import KeyringError
+    try:
+        kr = _open(keyring, kek_env, kek_file, False)
+        info = kr.info(tenant)
+        _out(info if isinstance(info, list) else [info], as_json)
+    except KeyringError as e:
+        _fail(str(e))
+
+
+@keys_app.command("rewrap")
+def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
+                    None, help="new KEK file (created 0600 if absent)"),
+                new_kek_env: Optional[str] = typer.Option(None, help="env var with the new base64 KEK"),
+                kek_env: str = _ENV, kek_file: Optional[str] = _KF,
+                as_json: bool = typer.Option(False, "--json")) -> None:
+    """Re-wrap every key under a new KEK (KEK rotation) without rewriting any block."""
+    from pathlib import Path
+
+    from ..crypto.keyring import KeyringError, LocalKek
+    if bool(new_kek_file) == bool(new_kek_env):
+        _fail("keys rewrap: give exactly one of --new-kek-file or --new-kek-env")
+    try:
+        kr = _open(keyring, kek_env, kek_file, False)
+        if new_kek_env:
+            new = LocalKek.from_env(new_kek_env)
+        elif Path(new_kek_file).exists():
+            new = LocalKek.from_file(new_kek_file)
+        else:
+            new = LocalKek.generate_file(new_kek_file)
+        n = kr.rewrap(new)
+        _out({"rewrapped_keys": n, "kek_id": new.key_id}, as_json)
+    except KeyringError as e:
+        _fail(str(e))
+
+
+def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
+       endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint URL"),
+       region: Optional[str] = typer.Option(None),
+       max_age_s: Optional[float] = typer.Option(None, help="delete blocks older than this (seconds)"),
+       target_gb: Optional[float] = typer.Option(None, help="then delete oldest until at most this (GB = 1e9 B)"),
+       tenant: Optional[str] = typer.Option(None, help="only this tenant (id with --keyring, or pseudonym hex)"),
+       keyring: Optional[str] = typer.Option(None, help="keyring: revoked tenants are reclaimed, --tenant mapped"),
+       kek_env: str = _ENV, kek_file: Optional[str] = _KF,
+       temp_grace_s: float = typer.Option(3600.0, help="writer temp files younger than this are never touched"),
+       dry_run: bool = typer.Option(False, "--dry-run", help="report, delete nothing"),
+       as_json: bool = typer.Option(False, "--json")) -> None:
+    """Remove G4 blocks by age and/or to a capacity target (oldest first), per tenant too, and the
+    blocks of revoked tenants. Safe while workers run."""
+    from ..crypto.keyring import KeyringError
+    from .gc import run_gc
+    from .store import open_store
+    if max_age_s is None and target_gb is None and keyring is None:
+        _fail("gc: give --max-age-s and/or --target-gb (and/or --keyring to reclaim revoked tenants)")
+    try:
+        store = open_store(url, endpoint_url=endpoint_url, region=region, timeout_s=10.0)
+        kr = _open(keyring, kek_env, kek_file, False) if keyring else None
+        res = run_gc(store, keyring=kr, max_age_s=max_age_s,
+                     target_bytes=None if target_gb is None else int(target_gb * 1e9), tenant=tenant,
+                     temp_grace_s=temp_grace_s, dry_run=dry_run)
+    except (ValueError, KeyringError, OSError) as e:
+        _fail(str(e))
+    if as_json:
+        sys.stdout.write(json.dumps(res, indent=2, sort_keys=True) + "\n")
+    else:
+        console.print_json(json.dumps(res))
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``gc`` and the ``keys`` sub-app to the ``kvbm-backend`` CLI."""
+    app.command("gc")(gc)
+    app.add_typer(keys_app, name="keys")

@@ -1,0 +1,576 @@
+"""G4Pool: the persistent, shared, per-tenant encrypted block pool on S3 or a shared POSIX mount.
+
+Each block is one object (``docs/format.md`` frame: 4 KiB header + payload, no padding) named
+``{prefix}/{ns_fp}/{tenant_pseudonym}/{rank}/{fanout}/{seq_hash:016x}`` (:mod:`.naming`). No state
+that lives only in one process is needed to read G4: a new pool, on any node, finds blocks by name.
+
+* Encrypted (default): AES-256-GCM under the tenant's data key (:mod:`kvbm_backend.crypto`), random
+  96-bit nonce in the header, tag in ``integrity``, AAD = the expected header identity, so a blob
+  swapped to another name or tenant fails to open. ``encrypt=False`` stores xxh3_128 checksummed
+  plaintext and ``stats()["encrypted"]`` says so.
+* Never blocks the caller: every call returns a Future at once; requests run on a pool of
+  ``max_inflight`` threads. Loads and lookups resolve within ``timeout_s * (1 + retries)`` seconds:
+  what is not back by then is a miss (``miss_timeout``), and a late reply never touches the
+  caller's buffer. Offloads beyond ``write_queue_blocks`` pending blocks are dropped and counted.
+* A circuit breaker (:mod:`.breaker`) turns a dead store into immediate misses/drops and probes it
+  every ``breaker_reset_s`` seconds; the pool recovers by itself.
+* Corrupt, truncated, swapped or foreign objects are misses, counted under ``corrupt_<reason>`` and
+  deleted (a corrupt object would otherwise block re-publishing forever under create-exclusive).
+  Objects sealed under keys this keyring does not hold (revoked or foreign tenants) are misses
+  (``miss_no_key``) and are left for ``kvbm-backend gc``.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import numpy as np
+
+from ..crypto.aead import AeadError, new_nonce, open_into, seal_into
+from ..crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError
+from ..model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader,
+                           payload_checksum)
+from ..model.layout import KvLayout
+from ..model.namespace import BlockKey, Namespace
+from ..pool.base import GetResult, PutResult, completed
+from .breaker import CircuitBreaker
+from .naming import block_name, namespace_name
+from .store import ObjectStore, StoreUnavailable, open_store
+
+# Reasons for which an object is deleted when read (it can never become a hit).
+_DELETE_ON = {"magic", "header_check", "identity", "layout", "length", "integrity"}
+
+
+class _Batch:
+    """One get/lookup batch: per-slot results, guarded so a late reply never writes after close."""
+
+    def __init__(self, n: int):
+        self.future: Future = Future()
+        self.mu = threading.Lock()
+        self.slot_mu = [threading.Lock() for _ in range(n)]
+        self.closed = False
+        self.remaining = n
+        self.ok = [False] * n
+        self.done = [False] * n
+
+
+class _Deadlines:
+    """One thread that expires batches at their deadlines (no thread per request)."""
+
+    def __init__(self):
+        self._heap: list = []
+        self._cv = threading.Condition()
+        self._seq = itertools.count()
+        self._stop = False
+        self._t = threading.Thread(target=self._run, name="g4-deadlines", daemon=True)
+        self._t.start()
+
+    def add(self, deadline: float, fn) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (deadline, next(self._seq), fn))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cv.wait(None if not self._heap else max(0.0, self._heap[0][0] - time.monotonic()))
+                if self._stop:
+                    return
+                _, _, fn = heapq.heappop(self._heap)
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - an expiry must never kill the watcher
+                pass
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._t.join(5)
+
+
+class G4Pool:
+    """BlockPool over an object store (tier ``"G4"``).
+
+    Args:
+        cfg: :class:`kvbm_backend.config.G4Config` (``url`` required; ``keyring.path`` required
+            when ``encrypt``).
+        namespace: what the blocks mean; keys of other namespaces are misses.
+        registry: optional ``prometheus_client`` registry; the pool's :meth:`stats` are exported as
+            ``kvbm_g4_*`` gauges.
+        store, keyring: injected instances (tests, benchmarks); built from ``cfg`` when None.
+    Raises:
+        ValueError / KeyringError with the field at fault (missing URL, keyring, bad KEK, ...).
+    """
+
+    tier = "G4"
+
+    def __init__(self, cfg, namespace: Namespace, *, registry=None, store: ObjectStore | None = None,
+                 keyring: Keyring | None = None):
+        self.cfg = cfg
+        self.namespace = namespace
+        self._layout = namespace.layout
+        self._bpb = namespace.layout.bytes_per_block
+        self._world = namespace.tp_world_size
+        self._fp = namespace.fingerprint
+        self.encrypt = bool(cfg.encrypt)
+        if store is None and not cfg.url:
+            raise ValueError("g4.url: required (s3://BUCKET/PREFIX or file:///path)")
+        self.keyring = keyring
+        if self.keyring is None and (self.encrypt or cfg.keyring.path):
+            self.keyring = Keyring.from_config(cfg.keyring)
+        self._own_store = store is None
+        self.store = store or open_store(cfg.url, endpoint_url=cfg.endpoint_url, region=cfg.region,
+                                         timeout_s=cfg.timeout_s, max_inflight=cfg.max_inflight,
+                                         retries=cfg.retries, fsync=cfg.fsync)
+        self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
+        self._io = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-io")
+        self._deadlines = _Deadlines()
+        self._load_bound_s = cfg.timeout_s * (1 + cfg.retries) + 0.05
+        self._mu = threading.Lock()
+        self._c: dict[str, int] = {}
+        self._pseudonyms: dict[str, str] = {}
+        self._pending_put_blocks = 0
+        self._put_futures: set[Future] = set()
+        self._closed = False
+        self._ns_written = False
+        self._io.submit(self._write_namespace_json)
+        if registry is not None:
+            self._register_metrics(registry)
+
+    # ---- BlockPool ------------------------------------------------------------------------
+    @property
+    def layout(self) -> KvLayout:
+        return self._layout
+
+    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future:
+        """Number of leading ``keys`` present (HEAD requests in growing parallel waves, stopping at the
+        first absent one). A store that does not answer within the load bound counts as absent."""
+        keys = list(keys)
+        self._count("lookups")
+        if not keys or self._closed:
+            return completed(0)
+        b = _Batch(len(keys))
+        b.count = 0  # leading confirmed
+        self._deadlines.add(time.monotonic() + self._load_bound_s, lambda: self._expire_lookup(b))
+        self._lookup_wave(b, keys, 0, min(8, len(keys)))
+        return b.future
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future:
+        """Offload blocks (1-D uint8 arrays of ``layout.bytes_per_block`` bytes). The future gives a
+        :class:`PutResult`; storage trouble drops and counts, never raises. Raises ValueError at once
+        for mismatched lengths or wrong-sized buffers (caller bugs)."""
+        keys, blocks = list(keys), list(blocks)
+        if len(keys) != len(blocks):
+            raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
+        for blk in blocks:
+            if blk.nbytes != self._bpb:
+                raise ValueError(f"put: block buffer of {blk.nbytes} bytes, layout needs {self._bpb}")
+        res = PutResult()
+        if not keys:
+            return completed(res)
+        if self._closed:
+            res.dropped = len(keys)
+            self._count("dropped_closed", len(keys))
+            return completed(res)
+        with self._mu:
+            room = max(0, self.cfg.write_queue_blocks - self._pending_put_blocks)
+            take = min(room, len(keys))
+            self._pending_put_blocks += take
+        if take < len(keys):
+            res.dropped += len(keys) - take
+            self._count("dropped_queue_full", len(keys) - take)
+        if take == 0:
+            return completed(res)
+        fut: Future = Future()
+        state = {"left": take}
+        mu = threading.Lock()
+
+        def one_done(kind: str) -> None:
+            with mu:
+                setattr(res, kind, getattr(res, kind) + 1)
+                state["left"] -= 1
+                last = state["left"] == 0
+            with self._mu:
+                self._pending_put_blocks -= 1
+            if last:
+                fut.set_result(res)
+
+        for k, blk in zip(keys[:take], blocks[:take]):
+            self._io.submit(self._put_one, k, blk, one_done)
+        with self._mu:
+            self._put_futures.add(fut)
+        fut.add_done_callback(self._forget_put)
+        return fut
+
+    def get(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray]) -> Future:
+        """Load ``keys[i]`` into ``out[i]``; the future gives a :class:`GetResult` within the load bound.
+        ``ok[i]`` is True only after header identity and GCM tag (or xxh3) verified in ``out[i]``."""
+        keys, out = list(keys), list(out)
+        if len(keys) != len(out):
+            raise ValueError(f"get: {len(keys)} keys but {len(out)} buffers")
+        for o in out:
+            if o.nbytes != self._bpb:
+                raise ValueError(f"get: out buffer of {o.nbytes} bytes, layout needs {self._bpb}")
+        self._count("gets", len(keys))
+        if not keys or self._closed:
+            self._count("miss_closed", len(keys) if keys else 0)
+            return completed(GetResult([False] * len(keys)))
+        b = _Batch(len(keys))
+        self._deadlines.add(time.monotonic() + self._load_bound_s, lambda: self._expire_get(b))
+        for i, (k, o) in enumerate(zip(keys, out)):
+            self._io.submit(self._get_one, b, i, k, o)
+        return b.future
+
+    def delete(self, keys: Sequence[BlockKey]) -> Future:
+        """Remove blocks; the future gives how many were present (HEAD then DELETE each)."""
+        keys = list(keys)
+        if not keys:
+            return completed(0)
+
+        def run() -> int:
+            n = 0
+            for k in keys:
+                if k.namespace != self._fp:
+                    continue
+                name = self._name(k)
+                try:
+                    if self.store.head(name) is not None:
+                        n += 1
+                        self.store.delete(name)
+                except OSError:
+                    self._count("delete_errors")
+            self._count("deleted", n)
+            return n
+        return self._io.submit(run)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every offload queued so far has finished (written, skipped or dropped).
+        Returns False if ``timeout`` seconds passed first."""
+        with self._mu:
+            futs = list(self._put_futures)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for f in futs:
+            try:
+                f.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - TimeoutError
+                return False
+        return True
+
+    def stats(self) -> dict:
+        with self._mu:
+            s = dict(self._c)
+            s["pending_put_blocks"] = self._pending_put_blocks
+        s.update({"tier": self.tier, "encrypted": self.encrypt, "url": self.store.url,
+                  "pseudonym_keyed": self.keyring is not None, "namespace": self._fp,
+                  "breaker_state": self.breaker.state, "breaker_opens": self.breaker.opens,
+                  "breaker_rejected": self.breaker.rejected,
+                  "corrupt": sum(v for k, v in s.items() if k.startswith("corrupt_")),
+                  "misses": sum(v for k, v in s.items() if k.startswith("miss_")),
+                  "dropped": sum(v for k, v in s.items() if k.startswith("dropped_"))})
+        for k in ("hits", "written", "skipped_exists", "bytes_written", "bytes_read"):
+            s.setdefault(k, 0)
+        return s
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait (bounded: ``timeout``, default ``2 * timeout_s``) for queued offloads, then drop the
+        rest, persist keyring use counts, and stop threads."""
+        if self._closed:
+            return
+        self.flush(2 * self.cfg.timeout_s if timeout is None else timeout)
+        self._closed = True
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self._deadlines.close()
+        if self.keyring is not None:
+            try:
+                self.keyring.close()
+            except (OSError, KeyringError):
+                pass
+        if self._own_store:
+            self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- internals ------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._mu:
+                self._c[name] = self._c.get(name, 0) + n
+
+    def _forget_put(self, f: Future) -> None:
+        with self._mu:
+            self._put_futures.discard(f)
+
+    def pseudonym(self, tenant: str) -> bytes:
+        """16-byte tenant pseudonym: keyed HMAC under the keyring's pseudonym key (unkeyed HMAC only
+        for unencrypted pools without a keyring; ``stats()["pseudonym_keyed"]`` says which)."""
+        if self.keyring is not None:
+            return self.keyring.pseudonym(tenant)
+        import hashlib
+        import hmac
+        return hmac.new(UNKEYED_PSEUDONYM_KEY, tenant.encode(), hashlib.sha256).digest()[:16]
+
+    def _tag(self, tenant: str) -> str:
+        t = self._pseudonyms.get(tenant)
+        if t is None:
+            t = self._pseudonyms[tenant] = self.pseudonym(tenant).hex()
+        return t
+
+    def _name(self, key: BlockKey) -> str:
+        return block_name(self._fp, self._tag(key.tenant), key.rank, key.seq_hash, self.cfg.dir_fanout)
+
+    def object_name(self, key: BlockKey) -> str:
+        """The store-relative object name of ``key`` (for tools and tests)."""
+        return self._name(key)
+
+    def _expected_header(self, key: BlockKey) -> FrameHeader:
+        return FrameHeader.for_block(key, self._layout, self._world, bytes.fromhex(self._tag(key.tenant)))
+
+    def _write_namespace_json(self) -> None:
+        try:
+            if self.store.head(namespace_name(self._fp)) is None:
+                self.store.put_if_absent(namespace_name(self._fp), self.namespace.canonical_json().encode())
+            self._ns_written = True
+        except OSError:
+            self._count("namespace_json_errors")
+
+    def _seal(self, key: BlockKey, block: np.ndarray) -> bytearray:
+        hdr = self._expected_header(key)
+        buf = bytearray(HEADER_BYTES + self._bpb)
+        payload = memoryview(buf)[HEADER_BYTES:]
+        src = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
+        if self.encrypt:
+            dk = self.keyring.write_key(key.tenant)
+            hdr.flags, hdr.key_id, hdr.key_version, hdr.nonce = FLAG_ENCRYPTED, dk.key_id, dk.version, new_nonce()
+            hdr.integrity = seal_into(dk.key, hdr.nonce, hdr.identity_bytes(), src, payload)
+        else:
+            payload[:] = src
+            hdr.flags, hdr.integrity = FLAG_CHECKSUM, payload_checksum(src)
+        buf[:HEADER_BYTES] = hdr.pack()
+        return buf
+
+    def _put_one(self, key: BlockKey, block: np.ndarray, done) -> None:
+        kind = "dropped"
+        try:
+            if key.namespace != self._fp:
+                self._count("skipped_foreign")
+                kind = "skipped"
+                return
+            if not self.breaker.allow():
+                self._count("dropped_breaker")
+                return
+            try:
+                buf = self._seal(key, block)
+            except KeyringError:
+                self._count("dropped_keyring")
+                return
+            try:
+                created = self.store.put_if_absent(self._name(key), buf)
+            except StoreUnavailable:
+                self.breaker.failure()
+                self._count("dropped_unavailable")
+                return
+            except OSError:
+                self.breaker.success()  # the store answered (e.g. 403): not an outage
+                self._count("dropped_error")
+                return
+            self.breaker.success()
+            if created:
+                kind = "written"
+                self._count("written")
+                self._count("bytes_written", len(buf))
+            else:
+                kind = "skipped"
+                self._count("skipped_exists")
+        except Exception:  # noqa: BLE001 - never let an offload raise
+            self._count("dropped_error")
+            kind = "dropped"
+        finally:
+            done(kind)
+
+    def _finish_slot(self, b: _Batch, i: int) -> None:
+        with b.mu:
+            b.done[i] = True
+            b.remaining -= 1
+            last = b.remaining == 0 and not b.closed
+            if last:
+                b.closed = True
+        if last:
+            b.future.set_result(GetResult(list(b.ok)))
+
+    def _expire_get(self, b: _Batch) -> None:
+        with b.mu:
+            if b.closed:
+                return
+            b.closed = True
+            late = [i for i, d in enumerate(b.done) if not d]
+        for i in late:  # wait out a copy in progress; after this no slot is written
+            with b.slot_mu[i]:
+                pass
+        self._count("miss_timeout", sum(1 for i in late if not b.ok[i]))
+        b.future.set_result(GetResult(list(b.ok)))
+
+    def _get_one(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray) -> None:
+        try:
+            if b.closed:
+                return
+            miss = self._load(b, i, key, out)
+            if miss:
+                self._count(miss)
+            else:
+                self._count("hits")
+        except Exception:  # noqa: BLE001 - a read never raises to the caller
+            self._count("miss_error")
+        finally:
+            self._finish_slot(b, i)
+
+    def _load(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray) -> str | None:
+        """Fetch, check and open one block into ``out``. Returns None on a hit, else a miss counter."""
+        if key.namespace != self._fp:
+            return "miss_foreign_namespace"
+        if not self.breaker.allow():
+            return "miss_breaker"
+        name = self._name(key)
+        try:
+            data = self.store.get(name)
+        except StoreUnavailable:
+            self.breaker.failure()
+            return "miss_unavailable"
+        except OSError:
+            self.breaker.success()
+            return "miss_error"
+        self.breaker.success()
+        if data is None:
+            return "miss_absent"
+        exp = self._expected_header(key)
+        try:
+            if len(data) < HEADER_BYTES:
+                raise FrameError("length", f"object of {len(data)} bytes")
+            hdr = FrameHeader.unpack(memoryview(data)[:HEADER_BYTES])
+            hdr.check_identity(key, self._layout, exp.tenant_tag)
+            if hdr.world != self._world:
+                raise FrameError("identity", f"world {hdr.world} != {self._world}")
+            if hdr.stored_len != hdr.payload_len or len(data) != HEADER_BYTES + hdr.stored_len:
+                raise FrameError("length", f"object {len(data)} bytes, header says {HEADER_BYTES}+{hdr.stored_len}")
+            payload = memoryview(data)[HEADER_BYTES:]
+            dst = memoryview(out.reshape(-1).view(np.uint8))
+            if hdr.flags & FLAG_ENCRYPTED:
+                dkey = self.keyring.read_key(hdr.key_id, hdr.key_version) if self.keyring else None
+                if dkey is None:
+                    return "miss_no_key"
+                with b.slot_mu[i]:
+                    if b.closed:
+                        return "miss_timeout"
+                    try:
+                        open_into(dkey, hdr.nonce, exp.identity_bytes(), hdr.integrity, payload, dst)
+                    except AeadError:
+                        raise FrameError("integrity", "GCM tag did not verify") from None
+                    b.ok[i] = True
+            elif self.encrypt:
+                return "miss_unencrypted_object"  # an encrypted pool serves only authenticated blocks
+            elif hdr.flags & FLAG_CHECKSUM:
+                with b.slot_mu[i]:
+                    if b.closed:
+                        return "miss_timeout"
+                    dst[:] = payload
+                    if payload_checksum(dst) != hdr.integrity:
+                        raise FrameError("integrity", "payload checksum mismatch")
+                    b.ok[i] = True
+            else:
+                raise FrameError("integrity", "frame has neither checksum nor AEAD tag")
+        except FrameError as e:
+            self._count(f"corrupt_{e.reason}")
+            if e.reason in _DELETE_ON:
+                try:
+                    self.store.delete(name)
+                    self._count("deleted_corrupt")
+                except OSError:
+                    pass
+            return "miss_corrupt"
+        self._count("bytes_read", len(data))
+        return None
+
+    # lookups: HEAD waves of growing size
+    def _lookup_wave(self, b: _Batch, keys: list, start: int, width: int) -> None:
+        end = min(len(keys), start + width)
+        wave = {"left": end - start}
+        mu = threading.Lock()
+
+        def head_one(i: int) -> None:
+            present = False
+            try:
+                k = keys[i]
+                if k.namespace == self._fp and not b.closed and self.breaker.allow():
+                    try:
+                        present = self.store.head(self._name(k)) is not None
+                        self.breaker.success()
+                    except StoreUnavailable:
+                        self.breaker.failure()
+                        self._count("lookup_unavailable")
+                    except OSError:
+                        self.breaker.success()
+            except Exception:  # noqa: BLE001
+                present = False
+            b.ok[i] = present
+            b.done[i] = True
+            with mu:
+                wave["left"] -= 1
+                last = wave["left"] == 0
+            if last:
+                self._wave_done(b, keys, start, end)
+
+        for i in range(start, end):
+            self._io.submit(head_one, i)
+
+    def _wave_done(self, b: _Batch, keys: list, start: int, end: int) -> None:
+        with b.mu:
+            if b.closed:
+                return
+            n = start
+            while n < end and b.ok[n]:
+                n += 1
+            b.count = n
+            finished = n < end or end == len(keys)
+            if finished:
+                b.closed = True
+        if finished:
+            self._count("lookup_hits", n)
+            b.future.set_result(n)
+        else:
+            self._lookup_wave(b, keys, end, min(2 * (end - start), self.cfg.max_inflight))
+
+    def _expire_lookup(self, b: _Batch) -> None:
+        with b.mu:
+            if b.closed:
+                return
+            b.closed = True
+            n = 0
+            while n < len(b.ok) and b.done[n] and b.ok[n]:
+                n += 1
+        self._count("lookup_timeout")
+        b.future.set_result(n)
+
+    def _register_metrics(self, registry) -> None:
+        from prometheus_client.core import GaugeMetricFamily
+
+        pool = self
+
+        class _Collector:
+            def collect(self):
+                for k, v in pool.stats().items():
+                    if isinstance(v, bool):
+                        v = int(v)
+                    if isinstance(v, (int, float)):
+                        yield GaugeMetricFamily(f"kvbm_g4_{k}", f"G4 pool {k}", value=v)
+
+        registry.register(_Collector())

@@ -1,0 +1,157 @@
+"""S3-compatible object store on boto3 (any S3 server: AWS, SeaweedFS, MinIO, Ceph RGW, VAST, ...).
+
+* Endpoint, region and credentials: ``endpoint_url``/``region`` arguments, else the standard AWS
+  chain (env ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles, IMDS).
+* One thread-safe client with ``max_inflight`` pooled connections; callers run requests from their
+  own thread pool so that many are in flight.
+* Bounded time: botocore connect and read timeouts = ``timeout_s``; ``retries`` extra attempts in
+  botocore's ``standard`` mode. Timeouts, connection errors and 5xx raise StoreUnavailable.
+* Create-exclusive publish: ``PUT`` with ``If-None-Match: *``; 412 PreconditionFailed (or 409
+  ConditionalRequestConflict) means another writer published it first, which is success. Servers
+  that reject the header (501 NotImplemented) fall back to HEAD-then-PUT (whole-object PUTs are
+  atomic on S3, so even then no reader sees a torn object).
+* botocore's optional CRC request/response checksums are off (``when_required``): every frame carries
+  its own xxh3 or GCM tag, verified where the bytes land.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from .store import ObjectInfo, ObjectStore, StoreUnavailable
+
+_MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchObject"}
+_EXISTS = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+
+
+def _code(e: ClientError) -> tuple[str, int]:
+    return (str(e.response.get("Error", {}).get("Code", "")),
+            int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0))
+
+
+class S3Store(ObjectStore):
+    """Objects under ``s3://bucket/prefix/``.
+
+    Args:
+        bucket: bucket name. prefix: key prefix (no leading/trailing ``/``), may be empty.
+        endpoint_url: e.g. ``http://127.0.0.1:8333``; None for AWS or ``AWS_ENDPOINT_URL``.
+        timeout_s: connect and read timeout per request, seconds.
+        max_inflight: HTTP connections in the pool.
+        retries: extra attempts per request.
+    """
+
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, region: str | None = None,
+                 timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, client=None):
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.endpoint_url = endpoint_url
+        cfg = Config(connect_timeout=timeout_s, read_timeout=timeout_s, max_pool_connections=max_inflight,
+                     retries={"total_max_attempts": 1 + retries, "mode": "standard"},
+                     request_checksum_calculation="when_required", response_checksum_validation="when_required",
+                     s3={"addressing_style": "path"} if endpoint_url else None)
+        self.client = client or boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region,
+                                                                config=cfg)
+        self.supports_conditional_put = True
+        self._mu = threading.Lock()
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _unavailable(self, op: str, name: str, e: Exception) -> StoreUnavailable:
+        return StoreUnavailable(f"{op} {self.url}/{name}: {type(e).__name__}: {e}")
+
+    def put_if_absent(self, name: str, data) -> bool:
+        key = self._key(name)
+        if self.supports_conditional_put:
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*")
+                return True
+            except ClientError as e:
+                code, status = _code(e)
+                if code in _EXISTS or str(status) in _EXISTS:
+                    return False
+                if status == 501 or code == "NotImplemented":
+                    self.supports_conditional_put = False
+                else:
+                    raise self._err("put", name, e) from None
+            except BotoCoreError as e:
+                raise self._unavailable("put", name, e) from None
+        if self.head(name) is not None:
+            return False
+        self.put(name, data)
+        return True
+
+    def _err(self, op: str, name: str, e: ClientError) -> Exception:
+        code, status = _code(e)
+        if status >= 500 or status == 429 or code in ("SlowDown", "RequestTimeout"):
+            return self._unavailable(op, name, e)
+        return OSError(f"{op} {self.url}/{name}: {code} (HTTP {status})")
+
+    def put(self, name: str, data) -> None:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+        except ClientError as e:
+            raise self._err("put", name, e) from None
+        except BotoCoreError as e:
+            raise self._unavailable("put", name, e) from None
+
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
+        kw = {}
+        if offset or length is not None:
+            kw["Range"] = f"bytes={offset}-" + (str(offset + length - 1) if length is not None else "")
+        try:
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(name), **kw)
+            return resp["Body"].read()
+        except ClientError as e:
+            code, status = _code(e)
+            if code in _MISSING or status == 404:
+                return None
+            if code == "InvalidRange" or status == 416:
+                return b""
+            raise self._err("get", name, e) from None
+        except BotoCoreError as e:
+            raise self._unavailable("get", name, e) from None
+
+    def head(self, name: str) -> int | None:
+        try:
+            return int(self.client.head_object(Bucket=self.bucket, Key=self._key(name))["ContentLength"])
+        except ClientError as e:
+            code, status = _code(e)
+            if code in _MISSING or status == 404:
+                return None
+            raise self._err("head", name, e) from None
+        except BotoCoreError as e:
+            raise self._unavailable("head", name, e) from None
+
+    def delete(self, name: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
+        except ClientError as e:
+            code, status = _code(e)
+            if code in _MISSING or status == 404:
+                return
+            raise self._err("delete", name, e) from None
+        except BotoCoreError as e:
+            raise self._unavailable("delete", name, e) from None
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
+            for page in pages:
+                for o in page.get("Contents", []):
+                    yield ObjectInfo(o["Key"][len(base):], int(o["Size"]), o["LastModified"].timestamp())
+        except ClientError as e:
+            code, status = _code(e)
+            if code == "NoSuchBucket":
+                raise OSError(f"list {self.url}: bucket {self.bucket!r} does not exist") from None
+            raise self._err("list", prefix, e) from None
+        except BotoCoreError as e:
+            raise self._unavailable("list", prefix, e) from None
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,89 @@
+"""The object store interface G4 sits on: whole-object create-exclusive puts, ranged gets, listing.
+
+Implementations: :class:`~kvbm_backend.g4.s3_store.S3Store` (S3-compatible servers) and
+:class:`~kvbm_backend.g4.fs_store.FsStore` (shared POSIX mounts). Names are ``/``-separated relative
+keys (see :mod:`kvbm_backend.g4.naming`); a store adds its own bucket/prefix/root.
+
+Contract: an object is either absent or complete (never torn); ``put_if_absent`` of an existing name
+leaves it untouched and returns False (losing a race is success). Errors that mean "the store is not
+answering" (connection refused, timeouts, 5xx, EIO) raise :class:`StoreUnavailable`; absent objects are
+``None``/``False`` results, never exceptions.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterator
+from urllib.parse import urlparse
+
+
+class StoreUnavailable(OSError):
+    """The store did not answer in time or failed (counts towards the circuit breaker)."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    name: str  # relative key
+    size: int  # bytes
+    mtime: float  # epoch seconds (S3 LastModified, POSIX st_mtime)
+
+
+class ObjectStore(ABC):
+    url: str
+    supports_conditional_put: bool = True
+
+    @abstractmethod
+    def put_if_absent(self, name: str, data) -> bool:
+        """Publish ``data`` (bytes-like) under ``name`` only if absent. True if this call created it,
+        False if it already existed. Raises StoreUnavailable."""
+
+    @abstractmethod
+    def put(self, name: str, data) -> None:
+        """Create or replace ``name`` atomically (small metadata such as namespace.json)."""
+
+    @abstractmethod
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
+        """Bytes ``[offset, offset+length)`` of ``name`` (to the end when ``length`` is None), or None
+        if absent. May return fewer bytes than asked for when the object is shorter."""
+
+    @abstractmethod
+    def head(self, name: str) -> int | None:
+        """Size in bytes, or None if absent."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove ``name`` (absent is fine)."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Published objects whose name starts with ``prefix`` (no temp files)."""
+
+    def list_temps(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Unpublished writer temp files (POSIX stores only; S3 has none)."""
+        return iter(())
+
+    def close(self) -> None:
+        pass
+
+
+def open_store(url: str, *, endpoint_url: str | None = None, region: str | None = None, timeout_s: float = 2.0,
+               max_inflight: int = 32, retries: int = 1, fsync: bool = True) -> ObjectStore:
+    """Build the store a URL names: ``s3://BUCKET[/PREFIX]`` or ``file:///abs/path``.
+
+    Raises ValueError naming the URL when the scheme or form is wrong.
+    """
+    if not url:
+        raise ValueError("g4.url: empty; expected s3://BUCKET/PREFIX or file:///path")
+    u = urlparse(url)
+    if u.scheme == "s3":
+        if not u.netloc:
+            raise ValueError(f"g4.url {url!r}: s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
+        from .s3_store import S3Store
+        return S3Store(u.netloc, u.path.strip("/"), endpoint_url=endpoint_url, region=region, timeout_s=timeout_s,
+                       max_inflight=max_inflight, retries=retries)
+    if u.scheme == "file":
+        if u.netloc not in ("", "localhost") or not u.path.startswith("/"):
+            raise ValueError(f"g4.url {url!r}: file URLs must be absolute, file:///path")
+        from .fs_store import FsStore
+        return FsStore(u.path, fsync=fsync)
+    raise ValueError(f"g4.url {url!r}: scheme {u.scheme!r} not supported; use s3:// or file://")
