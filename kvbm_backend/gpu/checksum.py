@@ -1,0 +1,154 @@
+""":func:`kvbm_backend.model.frame.device_checksum` re-implemented with torch integer ops, so a block
+read straight into HBM is verified where it landed (the payload never comes back to the host).
+
+The checksum (format in ``docs/format.md``, reference implementation in ``model/frame.py``) is
+``sum((i + 1) * w[i]) mod 2**64`` over the payload's little-endian u32 words ``w`` (a trailing
+partial word zero-padded). A straight int64 product would overflow, and signed overflow is not a
+defined result in torch's C++ kernels, so this version never overflows: each word is split into
+16-bit halves, products ``half * (i + 1)`` (< 2**47) are summed in chunks of :data:`CHUNK_WORDS`
+words (< 2**62 per chunk), chunk sums are split into 32-bit limbs and summed again (exact while
+there are fewer than 2**31 chunks). Four int64 numbers per block come back to the host and are
+combined there mod 2**64. Exact for payloads below 8 GiB (indices below 2**31).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+CHUNK_WORDS = 1 << 15  # 2**15 words * 2**47 < 2**62: a chunk sum fits int64 exactly
+_MAX_WORDS = (1 << 31) - 1
+_MASK64 = (1 << 64) - 1
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _words_u32_as_i64(t):
+    """1-D int64 tensor of the payload's little-endian u32 words (zero-padded trailing word)."""
+    torch = _torch()
+    if sys.byteorder != "little":
+        raise RuntimeError("device_checksum_torch: big-endian hosts are not supported")
+    b = t.reshape(-1)
+    if b.dtype != torch.uint8:
+        b = b.contiguous().view(torch.uint8)
+    pad = (-b.numel()) % 4
+    if pad:
+        b = torch.cat([b, torch.zeros(pad, dtype=torch.uint8, device=b.device)])
+    b = b.contiguous()
+    if b.data_ptr() % 4:
+        b = b.clone()  # .view(int32) needs 4-byte alignment
+    return b.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _limb_sums(words, base_index: int = 0):
+    """int64 tensor [4]: sums of the 32-bit limbs of chunk sums of ``lo*(i+1)`` and ``hi*(i+1)``."""
+    torch = _torch()
+    n = words.numel()
+    if n > _MAX_WORDS:
+        raise ValueError(f"device_checksum_torch: payload of {n * 4} bytes is over the 8 GiB limit")
+    pad = (-n) % CHUNK_WORDS
+    idx = torch.arange(base_index + 1, base_index + n + 1, dtype=torch.int64, device=words.device)
+    if pad:
+        words = torch.cat([words, torch.zeros(pad, dtype=torch.int64, device=words.device)])
+        idx = torch.cat([idx, torch.zeros(pad, dtype=torch.int64, device=words.device)])
+    words = words.view(-1, CHUNK_WORDS)
+    idx = idx.view(-1, CHUNK_WORDS)
+    lo = ((words & 0xFFFF) * idx).sum(dim=1)  # each chunk < 2**62
+    hi = ((words >> 16) * idx).sum(dim=1)
+    m = 0xFFFFFFFF
+    return torch.stack([(lo & m).sum(), (lo >> 32).sum(), (hi & m).sum(), (hi >> 32).sum()])
+
+
+def _combine(l0: int, l1: int, h0: int, h1: int) -> int:
+    return (l0 + (l1 << 32) + ((h0 + (h1 << 32)) << 16)) & _MASK64
+
+
+def device_checksum_torch(tensor) -> int:
+    """``frame.device_checksum`` of the bytes of ``tensor``, computed where the tensor lives.
+
+    Args:
+        tensor: any contiguous torch tensor (CPU or CUDA); its raw bytes are the payload
+            (``numel * element_size`` bytes, in memory order).
+    Returns:
+        The checksum, an int in ``[0, 2**64)``, equal to ``frame.device_checksum(bytes)``.
+    Raises:
+        ValueError: payload of 8 GiB or more. RuntimeError: big-endian host.
+    """
+    torch = _torch()
+    if not tensor.is_contiguous():
+        raise ValueError("device_checksum_torch: tensor must be contiguous (its bytes are the payload)")
+    if tensor.numel() == 0:
+        return 0
+    words = _words_u32_as_i64(tensor)
+    sums = _limb_sums(words).cpu().tolist()
+    return _combine(*sums)
+
+
+def device_checksums_torch(blocks, payload_offset: int, payload_len: int,
+                           max_words_per_pass: int = 1 << 24) -> list[int]:
+    """Checksums of ``payload_len`` bytes at ``payload_offset`` in each row of a 2-D uint8 tensor.
+
+    Used to verify a batch of frames read into one device staging buffer with a single device-to-host
+    sync (4 int64 per row come back).
+
+    Args:
+        blocks: uint8 tensor ``[n, row_bytes]`` (CPU or CUDA), contiguous.
+        payload_offset: bytes into each row where the payload starts (multiple of 4).
+        payload_len: payload bytes per row (multiple of 4).
+        max_words_per_pass: bounds the int64 temporaries (about 48 bytes of device memory per word).
+    Returns:
+        one checksum per row.
+    Raises:
+        ValueError: bad shape, dtype, or offsets not multiples of 4.
+    """
+    torch = _torch()
+    if blocks.dim() != 2 or blocks.dtype != torch.uint8:
+        raise ValueError(f"device_checksums_torch: need a 2-D uint8 tensor, got {tuple(blocks.shape)} {blocks.dtype}")
+    if payload_offset % 4 or payload_len % 4:
+        raise ValueError(f"device_checksums_torch: payload_offset {payload_offset} and payload_len {payload_len} "
+                         "must be multiples of 4 bytes")
+    n, row = blocks.shape
+    if payload_offset + payload_len > row:
+        raise ValueError(f"device_checksums_torch: payload [{payload_offset}, {payload_offset + payload_len}) "
+                         f"exceeds row of {row} bytes")
+    if n == 0:
+        return []
+    nw = payload_len // 4
+    if nw > _MAX_WORDS:
+        raise ValueError("device_checksums_torch: payload of 8 GiB or more")
+    if nw == 0:
+        return [0] * n
+    if sys.byteorder != "little":
+        raise RuntimeError("device_checksums_torch: big-endian hosts are not supported")
+    pay = blocks[:, payload_offset:payload_offset + payload_len]
+    if pay.data_ptr() % 4 or (row % 4):
+        pay = pay.contiguous().clone()
+    m = 0xFFFFFFFF
+    out = []
+    rows_per_pass = max(1, max_words_per_pass // nw)
+    for r0 in range(0, n, rows_per_pass):
+        part = pay[r0:r0 + rows_per_pass]
+        w = part.contiguous().view(torch.int32).to(torch.int64) & m  # [r, nw]
+        r = w.shape[0]
+        pad = (-nw) % CHUNK_WORDS
+        idx = torch.arange(1, nw + 1, dtype=torch.int64, device=w.device)
+        if pad:
+            w = torch.cat([w, torch.zeros(r, pad, dtype=torch.int64, device=w.device)], dim=1)
+            idx = torch.cat([idx, torch.zeros(pad, dtype=torch.int64, device=w.device)])
+        w = w.view(r, -1, CHUNK_WORDS)
+        idx = idx.view(1, -1, CHUNK_WORDS)
+        lo = ((w & 0xFFFF) * idx).sum(dim=2)  # [r, chunks]
+        hi = ((w >> 16) * idx).sum(dim=2)
+        sums = torch.stack([(lo & m).sum(1), (lo >> 32).sum(1), (hi & m).sum(1), (hi >> 32).sum(1)], dim=1)
+        out.extend(_combine(*s) for s in sums.cpu().tolist())
+    return out
+
+
+def checksums_match(blocks, payload_offset: int, payload_len: int, expected: Sequence[int]) -> list[bool]:
+    """``device_checksums_torch(...)[i] == expected[i]`` for each row."""
+    got = device_checksums_torch(blocks, payload_offset, payload_len)
+    if len(got) != len(expected):
+        raise ValueError(f"checksums_match: {len(got)} rows, {len(expected)} expected values")
+    return [g == (e & _MASK64) for g, e in zip(got, expected)]
