@@ -1,0 +1,122 @@
+"""Run the real vLLM engine on token-id prompts, one request at a time, and report outputs and TTFT.
+
+Meant to run in its own process (vLLM spawns helpers and keeps global state)::
+
+    python -m kvbm_backend.engine_run SPEC.json
+
+SPEC (JSON) fields:
+
+* ``model_dir`` (str): a directory from :func:`kvbm_backend.engine_model.write_model_dir`.
+* ``prompts`` (list of token-id lists), ``max_tokens`` (int, default 4), ``cache_salts`` (optional list).
+* ``connector``: null (engine prefix cache only) or ``{"extra": kv_connector_extra_config,
+  "multi_with": optional extra connector dict for vLLM's MultiConnector}``.
+* ``block_size`` (tokens, default 32: the CPU backend needs a multiple of 32), ``dtype``
+  (default bfloat16), ``kvcache_gib`` (engine KV budget via ``VLLM_CPU_KVCACHE_SPACE``, GiB, may be
+  fractional: set in the parent's env), ``num_gpu_blocks`` (optional override: a small budget makes
+  blocks leave the engine), ``max_model_len`` (default 8192), ``seed`` (default 0).
+* ``warmup`` (bool, default true): one throwaway request first (kernel/JIT warm-up, not timed).
+* ``out`` (str): where the result JSON goes.
+
+Result JSON: ``outputs`` (greedy token ids per prompt), ``ttft_s`` (vLLM's ``first_token_latency``
+per request, seconds: arrival to first token, loads included), ``e2e_s`` (wall seconds per
+``generate`` call), ``init_s``, ``connector_stats`` (:mod:`kvbm_backend.integrations.vllm.stats`),
+``pool_stats`` (G3/G4 ``stats()``), ``kv_cache_shape``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def run(spec: dict) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    conn = spec.get("connector")
+    ktc = None
+    if conn is not None:
+        ours = {"kv_connector": "KvbmBackendConnector",
+                "kv_connector_module_path": "kvbm_backend.integrations.vllm.connector",
+                "kv_role": "kv_both", "kv_connector_extra_config": conn.get("extra", {})}
+        if conn.get("multi_with"):
+            ktc = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                   "kv_connector_extra_config": {"connectors": [ours, conn["multi_with"]]}}
+        else:
+            ktc = dict(ours, kv_load_failure_policy="recompute")
+    kw = {}
+    bs = int(spec.get("block_size", 32))
+    max_len = int(spec.get("max_model_len", 8192))
+    if spec.get("num_gpu_blocks"):
+        kw["num_gpu_blocks_override"] = int(spec["num_gpu_blocks"])
+        max_len = min(max_len, (int(spec["num_gpu_blocks"]) - 1) * bs)  # one block is vLLM's null block
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True,
+              dtype=spec.get("dtype", "bfloat16"), enforce_eager=True, block_size=bs,
+              max_model_len=max_len, seed=int(spec.get("seed", 0)),
+              gpu_memory_utilization=0.1, disable_log_stats=False, kv_transfer_config=ktc,
+              enable_prefix_caching=True, max_num_batched_tokens=int(spec.get("max_num_batched_tokens", max(max_len, 2048))), **kw)
+    init_s = time.perf_counter() - t0
+    sp = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 4)), detokenize=False, seed=0)
+    prompts = spec["prompts"]
+    salts = spec.get("cache_salts") or [None] * len(prompts)
+    if spec.get("warmup", True):
+        llm.generate([TokensPrompt(prompt_token_ids=[7] * 40)], SamplingParams(temperature=0.0, max_tokens=1,
+                     detokenize=False), use_tqdm=False)
+    outs, ttft, e2e = [], [], []
+    progress = spec.get("progress_file")
+    for i, (p, salt) in enumerate(zip(prompts, salts)):
+        tp = TokensPrompt(prompt_token_ids=list(p))
+        if salt:
+            tp["cache_salt"] = salt
+        t = time.perf_counter()
+        o = llm.generate([tp], sp, use_tqdm=False)[0]
+        e2e.append(time.perf_counter() - t)
+        outs.append(list(o.outputs[0].token_ids))
+        m = o.metrics
+        ttft.append(float(m.first_token_latency) if m is not None and getattr(m, "first_token_latency", None)
+                    else e2e[-1])
+        if progress:
+            with open(progress, "a") as f:
+                f.write(f"{i + 1}\n")
+    result = {"outputs": outs, "ttft_s": ttft, "e2e_s": e2e, "init_s": init_s}
+    if conn is not None:
+        from .integrations.vllm import stats
+        # Let background offloads finish before the stats are read (bounded).
+        from .integrations import tiers
+        pools = {}
+        for ent in list(tiers._shared.values()):
+            for name, p in (("g3", ent[0]), ("g4", ent[1])):
+                if p is None:
+                    continue
+                if hasattr(p, "flush"):
+                    try:
+                        p.flush(timeout=30.0)
+                    except Exception as e:  # noqa: BLE001
+                        pools[f"{name}_flush_error"] = str(e)
+                pools[name] = p.stats()
+        time.sleep(0.05)
+        result["connector_stats"] = stats.snapshot()
+        result["pool_stats"] = pools
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m kvbm_backend.engine_run SPEC.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(spec["out"], "w") as f:
+        json.dump(result, f, default=str)
+    sys.stdout.flush()
+    # vLLM's engine threads can keep the interpreter alive; the result is on disk.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

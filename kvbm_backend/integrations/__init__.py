@@ -1,0 +1,1 @@
+"""Integrations with serving engines: the vLLM KV connector (:mod:`.vllm`), tier opening (:mod:`.tiers`)."""

@@ -1,0 +1,258 @@
+"""``KvbmBackendConnector``: vLLM ``KVConnectorBase_V1`` over the G3 and G4 pools.
+
+Load it with::
+
+    kv_transfer_config = {
+        "kv_connector": "KvbmBackendConnector",
+        "kv_connector_module_path": "kvbm_backend.integrations.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",      # a failed load is recomputed, not an error
+        "kv_connector_extra_config": {
+            "kvbm_backend": {"model": "...", "g3": {"paths": ["/nvme/kvbm"]}, "g4": {...}},
+            # or "config_file": "/etc/kvbm/backend.yaml"
+        },
+    }
+
+``kv_connector_extra_config`` keys (anything else is a :class:`ConfigError` naming the key):
+
+* ``kvbm_backend`` (dict or inline JSON string) or ``config_file`` (YAML/TOML/JSON path): the
+  :class:`~kvbm_backend.config.KvbmBackendConfig` tree (environment overrides apply on top).
+* ``stats_path``: write the connector counters (:mod:`.stats`) there as JSON.
+* ``save`` / ``load`` (bool, default true): offload computed blocks / serve prefix hits.
+* ``save_to_g4`` (bool, default true): write-through to G4 as well as G3.
+* ``promote_to_g3`` (bool, default true): blocks loaded from G4 are also written into G3.
+* ``max_pending_save_bytes`` (int bytes, default 1 GiB): host staging bound for offloads.
+
+Roles: :class:`~.scheduler_side.SchedulerSide` (lookup G3 then G4, load/save plans) and
+:class:`~.worker_side.WorkerSide` (gather/scatter, background I/O). Both open the pools through
+:func:`kvbm_backend.integrations.tiers.shared_tiers`, so with TP 1 (worker in the engine-core process)
+they share one pool object and one index.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ...config import ConfigError, KvbmBackendConfig, load_config
+from ...model.layout import KvLayout
+from ...model.namespace import Namespace
+from ..tiers import release_tiers, shared_tiers
+from . import stats
+from .kv_io import EngineKv, torch_dtype_name
+from .metadata import KvbmConnectorMetadata
+from .scheduler_side import SchedulerSide
+from .worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvbm_backend.connector")
+
+EXTRA_KEYS = {"kvbm_backend", "config_file", "stats_path", "save", "load", "save_to_g4", "promote_to_g3",
+              "max_pending_save_bytes"}
+
+
+def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
+    """Split ``kv_connector_extra_config`` into the backend config and the connector options.
+
+    Raises:
+        ConfigError: an unknown key, both or neither-typed config sources, or an invalid field
+            (the message names it, e.g. ``kv_connector_extra_config.kvbm_backend: g3.capacity_gb: ...``).
+    """
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - EXTRA_KEYS)
+    if unknown:
+        raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(EXTRA_KEYS)}")
+    if "kvbm_backend" in extra and "config_file" in extra:
+        raise ConfigError("kv_connector_extra_config: give either 'kvbm_backend' or 'config_file', not both")
+    try:
+        if "config_file" in extra:
+            cfg = load_config(str(extra["config_file"]))
+        else:
+            src = extra.get("kvbm_backend")
+            if src is not None and not isinstance(src, (dict, str)):
+                raise ConfigError(f"kv_connector_extra_config.kvbm_backend: expected a mapping or JSON string, "
+                                  f"got {type(src).__name__}")
+            cfg = load_config(src)
+    except ConfigError as e:
+        which = "config_file" if "config_file" in extra else "kvbm_backend"
+        raise ConfigError(f"kv_connector_extra_config.{which}: {e}") from None
+    opts = {"stats_path": extra.get("stats_path"), "save": extra.get("save", True), "load": extra.get("load", True),
+            "save_to_g4": extra.get("save_to_g4", True), "promote_to_g3": extra.get("promote_to_g3", True),
+            "max_pending_save_bytes": extra.get("max_pending_save_bytes", 1 << 30)}
+    for k in ("save", "load", "save_to_g4", "promote_to_g3"):
+        if not isinstance(opts[k], bool):
+            raise ConfigError(f"kv_connector_extra_config.{k}: expected true/false, got {opts[k]!r}")
+    if not isinstance(opts["max_pending_save_bytes"], int) or opts["max_pending_save_bytes"] <= 0:
+        raise ConfigError(f"kv_connector_extra_config.max_pending_save_bytes: expected a positive integer "
+                          f"(bytes), got {opts['max_pending_save_bytes']!r}")
+    return cfg, opts
+
+
+def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Namespace:
+    """The Namespace of this engine's KV: model (``cfg.model``, else vLLM's served model name),
+    revision, per-rank KvLayout from the KV cache spec (layers, KV heads per rank, head size, dtype,
+    ``page_size`` = vLLM ``block_size``) and the TP degree.
+
+    Raises ValueError for KV caches the connector cannot carry (several KV groups, non-attention or
+    MLA specs)."""
+    groups = [g for g in kv_cache_config.kv_cache_groups if not getattr(g, "host_resident", False)]
+    if len(groups) != 1:
+        raise ValueError(f"kv cache: {len(groups)} KV cache groups; KvbmBackendConnector supports one "
+                         "(uniform full attention)")
+    spec = groups[0].kv_cache_spec
+    for a in ("num_kv_heads", "head_size", "block_size", "dtype"):
+        if not hasattr(spec, a):
+            raise ValueError(f"kv cache spec {type(spec).__name__}: no {a}; only standard attention is supported")
+    if getattr(spec, "use_mla", False):
+        raise ValueError("kv cache: MLA is not supported by KvbmBackendConnector yet")
+    layout = KvLayout(num_layers=len(groups[0].layer_names), outer_dim=2, page_size=int(spec.block_size),
+                      inner_dim=int(spec.num_kv_heads) * int(spec.head_size), dtype=torch_dtype_name(spec.dtype))
+    model = cfg.model
+    if model == "unknown":
+        names = vllm_config.model_config.served_model_name
+        model = names[0] if isinstance(names, (list, tuple)) else (names or vllm_config.model_config.model)
+    revision = cfg.revision
+    return Namespace(model=str(model), layout=layout, revision=revision,
+                     tp_world_size=int(vllm_config.parallel_config.tensor_parallel_size))
+
+
+class KvbmBackendConnector(KVConnectorBase_V1):
+    """vLLM KV connector serving prefix hits from G3/G4 and offloading computed blocks to them."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.cfg, self.opts = config_from_extra(extra)
+        self.ns = namespace_from_vllm(self.cfg, vllm_config, kv_cache_config)
+        self.block_size = self.ns.layout.page_size
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("kvbm_backend: kv_load_failure_policy=%r; set 'recompute' so that a failed or corrupt "
+                        "load is recomputed instead of failing the request",
+                        self._kv_transfer_config.kv_load_failure_policy)
+        self.g3, self.g4 = shared_tiers(self.cfg, self.ns)
+        self._writer = stats.StatsWriter(self.opts["stats_path"], extra=self._pool_stats)
+        self.sched: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.sched = SchedulerSide(self.ns, self.block_size, self.g3, self.g4, default_tenant=self.cfg.tenant,
+                                       lookup_timeout_s=max(self.cfg.g4.timeout_s, 0.5),
+                                       save=self.opts["save"], load=self.opts["load"])
+        else:
+            rank = 0
+            if self.ns.tp_world_size > 1:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+                rank = get_tensor_model_parallel_rank()
+            self.worker = WorkerSide(self.ns, rank, self.g3, self.g4,
+                                     load_timeout_s=self.cfg.g3.load_timeout_s + self.cfg.g4.timeout_s,
+                                     promote_to_g3=self.opts["promote_to_g3"], save_to_g4=self.opts["save_to_g4"],
+                                     max_pending_save_bytes=self.opts["max_pending_save_bytes"])
+        self._closed = False
+        log.info("kvbm_backend connector (%s): namespace %s %s, G3=%s G4=%s", role.name, self.ns.fingerprint,
+                 json.dumps(self.ns.to_dict()), self.g3 is not None, self.g4 is not None)
+
+    def _pool_stats(self) -> dict:
+        out = {}
+        for name, p in (("g3", self.g3), ("g4", self.g4)):
+            if p is not None:
+                out[name] = p.stats()
+        return out
+
+    # ---- worker role ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        names = list(self._kv_cache_config.kv_cache_groups[0].layer_names)
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"kv caches: layers {missing[:3]} of the KV cache group were not registered")
+        t0 = kv_caches[names[0]]
+        log.info("kvbm_backend: KV cache tensor per layer: shape %s stride %s dtype %s device %s",
+                 tuple(t0.shape), t0.stride(), t0.dtype, t0.device)
+        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        kv = EngineKv.from_tensors([kv_caches[n] for n in names], num_blocks=int(self._kv_cache_config.num_blocks),
+                                   block_size=self.block_size,
+                                   num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size))
+        self.worker.register(kv)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KvbmConnectorMetadata) and meta.loads:
+            self.worker.start_loads(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous (whole requests, between steps)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks are gathered once per step in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KvbmConnectorMetadata) and meta.saves:
+            self.worker.save(meta.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        recv = self.worker.get_finished() if self.worker is not None else set()
+        self._writer.maybe_write()
+        return None, (recv or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.worker is not None:
+            self.worker.shutdown()
+        for p in (self.g3, self.g4):
+            if p is not None and hasattr(p, "flush"):
+                try:
+                    p.flush(timeout=10.0)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("kvbm_backend: flush failed: %s", e)
+        self._writer.maybe_write(force=True)
+        release_tiers(self.cfg, self.ns)
+
+    # ---- scheduler role -------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        if num_external_tokens == 0:
+            return {}
+        return {CacheHitSource.DISK: num_external_tokens}
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.sched.request_finished(request, block_ids)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    def __del__(self) -> None:  # best effort: vLLM does not always call shutdown() on exit
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,151 @@
+"""Gather vLLM's paged per-layer KV into KVBM block buffers, and scatter them back.
+
+A KVBM block of one TP rank is FullyContiguous ``[layer, outer(K,V), page, inner]`` with
+``inner = kv_heads_per_rank * head_dim`` (:mod:`kvbm_backend.model.layout`). vLLM keeps one tensor
+per attention layer whose layout depends on the attention backend:
+
+* ``"cpu"``: vLLM's CPU backend (``vllm/v1/attention/backends/cpu_attn.py``), tensor
+  ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, which the backend views as
+  ``[num_blocks, heads, 2 * block_size, head_dim]`` and splits K (first ``block_size`` rows) and V
+  (next ``block_size`` rows). So one engine block is ``[heads, 2(K,V), page, head_dim]``.
+* ``"kv_first"``: FlashAttention / FlashInfer / Triton NHD, tensor
+  ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+* ``"block_first"``: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+
+:class:`EngineKv` detects which one it has from the shapes (raising ``ValueError`` naming the shape
+when it is none of these) and moves blocks with torch indexing, on whatever device the tensors are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ...model.layout import KvLayout
+
+_TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                      torch.uint8: "uint8", torch.int8: "int8"}
+for _n in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _n):
+        _TORCH_DTYPE_NAMES[getattr(torch, _n)] = _n
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``. Raises ValueError for dtypes KV caches do not use."""
+    try:
+        return _TORCH_DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"kv cache dtype: {dtype} is not supported") from None
+
+
+def detect_engine_layout(shape: Sequence[int], num_blocks: int, block_size: int, num_kv_heads: int,
+                         head_dim: int) -> str:
+    """Name the engine layout of one layer's KV tensor (see module docstring).
+
+    Raises ValueError naming the shape when it matches none of the known layouts.
+    """
+    s = tuple(int(x) for x in shape)
+    if s == (num_blocks, num_kv_heads, block_size, 2 * head_dim):
+        return "cpu"
+    if s == (2, num_blocks, block_size, num_kv_heads, head_dim):
+        return "kv_first"
+    if s == (num_blocks, 2, block_size, num_kv_heads, head_dim):
+        return "block_first"
+    raise ValueError(f"kv cache tensor shape {s}: not a known vLLM layout for num_blocks={num_blocks}, "
+                     f"block_size={block_size}, kv_heads={num_kv_heads}, head_dim={head_dim}")
+
+
+@dataclass
+class EngineKv:
+    """The engine's registered KV tensors (one per layer, in layer order) and their geometry.
+
+    Attributes:
+        tensors: per-layer KV tensors, all of one layout/dtype/device.
+        layout: the per-rank KvLayout of one block (``page_size`` = vLLM ``block_size``).
+        engine_layout: ``"cpu"``, ``"kv_first"`` or ``"block_first"``.
+        num_kv_heads, head_dim: per rank.
+    """
+
+    tensors: list[torch.Tensor]
+    layout: KvLayout
+    engine_layout: str
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int,
+                     num_kv_heads: int, head_dim: int) -> "EngineKv":
+        if not tensors:
+            raise ValueError("kv caches: no attention layers registered")
+        ts = list(tensors)
+        lay = detect_engine_layout(ts[0].shape, num_blocks, block_size, num_kv_heads, head_dim)
+        for t in ts:
+            if tuple(t.shape) != tuple(ts[0].shape) or t.dtype != ts[0].dtype:
+                raise ValueError(f"kv caches: layers differ in shape/dtype ({tuple(t.shape)} {t.dtype} vs "
+                                 f"{tuple(ts[0].shape)} {ts[0].dtype})")
+        kvl = KvLayout(num_layers=len(ts), outer_dim=2, page_size=block_size, inner_dim=num_kv_heads * head_dim,
+                       dtype=torch_dtype_name(ts[0].dtype))
+        return cls(ts, kvl, lay, num_kv_heads, head_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    def _engine_blocks_as_kvbm(self, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Selected blocks of one layer as ``[n, 2, page, heads, head_dim]`` (a gathered copy)."""
+        H, D, N = self.num_kv_heads, self.head_dim, self.layout.page_size
+        if self.engine_layout == "cpu":
+            # [nb, H, N, 2D] == [nb, H, 2, N, D] in memory -> [n, 2, N, H, D]
+            return t.index_select(0, idx).view(-1, H, 2, N, D).permute(0, 2, 3, 1, 4)
+        if self.engine_layout == "kv_first":
+            return t.index_select(1, idx).permute(1, 0, 2, 3, 4)
+        return t.index_select(0, idx)
+
+    def block_view(self, staging: torch.Tensor, n: int) -> torch.Tensor:
+        """View ``n`` contiguous KVBM blocks (uint8, ``n * bytes_per_block``) as
+        ``[n, layers, 2, page, heads, head_dim]`` of the KV dtype."""
+        L, N = self.layout.num_layers, self.layout.page_size
+        return staging.view(self.tensors[0].dtype).view(n, L, 2, N, self.num_kv_heads, self.head_dim)
+
+    def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
+        """Copy engine blocks ``block_ids`` into ``staging`` (uint8 tensor of
+        ``len(block_ids) * bytes_per_block`` bytes, any device), block i at ``i * bytes_per_block``."""
+        n = len(block_ids)
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        dst = self.block_view(staging, n)
+        for li, t in enumerate(self.tensors):
+            dst[:, li].copy_(self._engine_blocks_as_kvbm(t, idx))
+
+    def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Inverse of :meth:`gather`: write block i of ``staging`` into engine block ``block_ids[i]``."""
+        n = len(block_ids)
+        if n == 0:
+            return
+        H, D, N = self.num_kv_heads, self.head_dim, self.layout.page_size
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        src = self.block_view(staging, n)
+        if src.device != self.device:
+            src = src.to(self.device, non_blocking=False)
+        for li, t in enumerate(self.tensors):
+            s = src[:, li]  # [n, 2, N, H, D]
+            if self.engine_layout == "cpu":
+                t.view(-1, H, 2, N, D).index_copy_(0, idx, s.permute(0, 3, 1, 2, 4).contiguous())
+            elif self.engine_layout == "kv_first":
+                t.index_copy_(1, idx, s.permute(1, 0, 2, 3, 4).contiguous())
+            else:
+                t.index_copy_(0, idx, s.contiguous())
+
+
+def numpy_staging(nbytes: int) -> tuple[np.ndarray, torch.Tensor]:
+    """A 4 KiB-aligned host buffer as numpy (for the pools) and as a torch uint8 tensor sharing memory."""
+    from ...memory import aligned_empty
+    arr = aligned_empty(nbytes)
+    return arr, torch.from_numpy(arr)
+
+
+def split_blocks(arr: np.ndarray, layout: KvLayout, n: int) -> list[np.ndarray]:
+    """The ``n`` per-block 1-D uint8 views of a staging buffer (the pools' block buffers)."""
+    b = layout.bytes_per_block
+    return [arr[i * b:(i + 1) * b] for i in range(n)]

@@ -1,0 +1,41 @@
+"""What the scheduler-side connector tells the worker side each engine step (picklable dataclasses)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class LoadJob:
+    """Load ``len(block_ids)`` consecutive blocks of one request from G3/G4 into engine blocks.
+
+    Attributes:
+        req_id: vLLM request id (reported in ``finished_recving`` once done, failed or not).
+        block_ids: destination engine block ids, in sequence order.
+        seq_hashes: KVBM sequence hash of each block (u64).
+        tiers: ``"G3"`` or ``"G4"`` per block: where the scheduler's lookup found it.
+        tenant: the request's tenant (its ``cache_salt``, else the configured default).
+    """
+
+    req_id: str
+    block_ids: list[int]
+    seq_hashes: list[int]
+    tiers: list[str]
+    tenant: str
+
+
+@dataclass
+class SaveJob:
+    """Offload engine blocks ``block_ids`` (full blocks computed this step) under ``seq_hashes``."""
+
+    req_id: str
+    block_ids: list[int]
+    seq_hashes: list[int]
+    tenant: str
+
+
+@dataclass
+class KvbmConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)

@@ -1,0 +1,223 @@
+"""Scheduler role of the connector: prefix lookup (G3 then G4), load plans, save plans.
+
+Identity: KVBM sequence hashes (:mod:`kvbm_backend.model.hashing`) over the request's prompt tokens in
+vLLM-``block_size`` blocks, salted by ``salt_hash(salt_bytes(cache_salt, lora_name))``; the tenant is
+the request's ``cache_salt`` (else the configured default tenant). So a block written by one worker is
+found by any other worker of the same namespace, and after restarts.
+
+Lookups never block the scheduler: they run on the pools' threads; until a request's lookup is done,
+``get_num_new_matched_tokens`` answers None ("ask again next step"), and a lookup that outlives the
+tier's timeout counts as a miss beyond what is already known.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...model.hashing import salt_bytes, salt_hash, sequence_hashes
+from ...model.namespace import Namespace
+from ...pool.base import BlockPool
+from . import stats
+from .metadata import KvbmConnectorMetadata, LoadJob, SaveJob
+
+log = logging.getLogger("kvbm_backend.connector")
+
+
+class _Lookup:
+    """G3 prefix lookup, then G4 over the keys G3 lacks; resolves to ``(g3_blocks, g4_blocks)``."""
+
+    def __init__(self, keys_by_rank: list[list], g3: BlockPool | None, g4: BlockPool | None, timeout_s: float):
+        self.deadline = time.monotonic() + timeout_s
+        self.keys_by_rank = keys_by_rank
+        self.g3, self.g4 = g3, g4
+        self.p3: int | None = None
+        self.p4: int | None = None
+        n = len(keys_by_rank[0]) if keys_by_rank else 0
+        self.n = n
+        if n == 0:
+            self.p3, self.p4 = 0, 0
+            return
+        if g3 is None:
+            self.p3 = 0
+            self._start_g4()
+        else:
+            self._g3f = [g3.lookup_prefix(k) for k in keys_by_rank]
+
+    def _start_g4(self) -> None:
+        if self.g4 is None or self.p3 >= self.n:
+            self.p4 = 0
+            return
+        self._g4f = [self.g4.lookup_prefix(k[self.p3:]) for k in self.keys_by_rank]
+
+    @staticmethod
+    def _min_done(futs: list[Future]) -> int | None:
+        if not all(f.done() for f in futs):
+            return None
+        vals = []
+        for f in futs:
+            try:
+                vals.append(int(f.result()))
+            except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
+                log.warning("kvbm_backend: lookup failed: %s", e)
+                stats.add(lookup_errors=1)
+                vals.append(0)
+        return min(vals) if vals else 0
+
+    def poll(self) -> tuple[int, int] | None:
+        """``(g3_blocks, g4_blocks)`` once known; None while still running (before the deadline)."""
+        late = time.monotonic() > self.deadline
+        if self.p3 is None:
+            v = self._min_done(self._g3f)
+            if v is None and not late:
+                return None
+            if v is None:
+                stats.add(lookup_timeouts=1)
+            self.p3 = min(v or 0, self.n)
+            self._start_g4()
+        if self.p4 is None:
+            v = self._min_done(self._g4f)
+            if v is None and not late:
+                return None
+            if v is None:
+                stats.add(lookup_timeouts=1)
+            self.p4 = min(v or 0, self.n - self.p3)
+        return self.p3, self.p4
+
+
+@dataclass
+class _Req:
+    req_id: str
+    tenant: str
+    hashes: list[int]                 # sequence hashes of every full prompt block
+    lookup_blocks: int                # blocks that may be served from outside: (prompt_len - 1) // bs
+    lookup: _Lookup | None = None
+    n_local: int = 0                  # blocks the engine's own prefix cache had at the last query
+    planned: tuple[int, int] | None = None  # (first, end) block range being loaded
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int | None = None     # blocks [0, saved_upto) are stored or owned by someone else
+    counted: bool = False
+
+
+class SchedulerSide:
+    """State and decisions of the scheduler-role connector (one per engine)."""
+
+    def __init__(self, namespace: Namespace, block_size: int, g3: BlockPool | None, g4: BlockPool | None,
+                 default_tenant: str = "", lookup_timeout_s: float = 2.0, save: bool = True, load: bool = True):
+        self.ns, self.bs = namespace, block_size
+        self.g3, self.g4 = g3, g4
+        self.default_tenant = default_tenant
+        self.lookup_timeout_s = lookup_timeout_s
+        self.save_enabled, self.load_enabled = save, load
+        self._reqs: dict[str, _Req] = {}
+        self._loads: list[LoadJob] = []
+        self._hit_source: dict[str, dict[str, int]] = {}
+
+    # ---- identity ------------------------------------------------------------------------------
+    def _state(self, request: Any) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            lora = getattr(getattr(request, "lora_request", None), "lora_name", None)
+            cache_salt = getattr(request, "cache_salt", None)
+            salt = salt_hash(salt_bytes(cache_salt, lora))
+            toks = list(request.prompt_token_ids or [])
+            hashes = sequence_hashes(toks, self.bs, salt=salt) if toks else []
+            st = _Req(request.request_id, cache_salt or self.default_tenant, hashes,
+                      lookup_blocks=max(0, (len(toks) - 1) // self.bs))
+            self._reqs[request.request_id] = st
+        return st
+
+    def _keys_by_rank(self, st: _Req, n: int) -> list[list]:
+        return [self.ns.keys(st.hashes[:n], st.tenant, r) for r in range(self.ns.tp_world_size)]
+
+    # ---- vLLM scheduler hooks --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.load_enabled or (self.g3 is None and self.g4 is None):
+            return 0, False
+        st = self._state(request)
+        st.n_local = num_computed_tokens // self.bs
+        if st.lookup_blocks <= st.n_local:
+            return 0, False
+        if st.lookup is None:
+            st.lookup = _Lookup(self._keys_by_rank(st, st.lookup_blocks), self.g3, self.g4, self.lookup_timeout_s)
+        res = st.lookup.poll()
+        if res is None:
+            return None, False
+        p3, p4 = res
+        if not st.counted:
+            st.counted = True
+            stats.add(lookup_requests=1, lookup_blocks=st.lookup_blocks, local_hit_blocks=st.n_local,
+                      g3_found_blocks=p3, g4_found_blocks=p4)
+        total = p3 + p4
+        if total <= st.n_local:
+            return 0, False
+        return (total - st.n_local) * self.bs, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        st = self._reqs[request.request_id]
+        p3, p4 = st.lookup.poll() or (0, 0)
+        first = st.n_local
+        end = first + num_external_tokens // self.bs
+        block_ids = list(blocks.get_block_ids()[0])
+        tiers = ["G3" if i < p3 else "G4" for i in range(first, end)]
+        self._loads.append(LoadJob(request.request_id, block_ids[first:end], st.hashes[first:end], tiers, st.tenant))
+        st.planned = (first, end)
+        n3 = tiers.count("G3")
+        self._hit_source[request.request_id] = {"G3": n3 * self.bs, "G4": (len(tiers) - n3) * self.bs}
+        stats.add(load_planned_requests=1, load_planned_blocks=end - first, load_planned_g3_blocks=n3,
+                  load_planned_g4_blocks=len(tiers) - n3)
+
+    def hit_sources(self, request_id: str) -> dict[str, int]:
+        """Tokens planned from each tier for a request (``{"G3": t, "G4": t}``)."""
+        return self._hit_source.get(request_id, {})
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
+        meta = KvbmConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if not self.save_enabled or (self.g3 is None and self.g4 is None):
+            return meta
+        sched = scheduler_output.num_scheduled_tokens
+        for nr in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(nr.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(nr.block_ids[0])
+            if st.saved_upto is None:
+                st.saved_upto = nr.num_computed_tokens // self.bs
+            self._plan_save(meta, st, nr.num_computed_tokens + sched.get(nr.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if rid in resumed:
+                st.block_ids = list(nb[0]) if nb is not None else []
+            elif nb is not None:
+                st.block_ids.extend(nb[0])
+            if st.saved_upto is None:
+                st.saved_upto = cached.num_computed_tokens[i] // self.bs
+            self._plan_save(meta, st, cached.num_computed_tokens[i] + sched.get(rid, 0))
+        return meta
+
+    def _plan_save(self, meta: KvbmConnectorMetadata, st: _Req, computed_after: int) -> None:
+        full = min(computed_after // self.bs, len(st.hashes), len(st.block_ids))
+        if st.saved_upto is None or full <= st.saved_upto:
+            return
+        a = st.saved_upto
+        meta.saves.append(SaveJob(st.req_id, st.block_ids[a:full], st.hashes[a:full], st.tenant))
+        st.saved_upto = full
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Saves are gathered into host staging inside the step that computed them (the worker's
+        ``wait_for_save``), so no engine block has to outlive its request: always ``(False, None)``.
+        An in-flight load keeps its blocks through vLLM's WAITING_FOR_REMOTE_KVS handling until the
+        worker reports the request in ``finished_recving``."""
+        self._reqs.pop(request.request_id, None)
+        self._hit_source.pop(request.request_id, None)
+        return False, None

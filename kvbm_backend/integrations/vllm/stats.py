@@ -1,0 +1,68 @@
+"""Counters of the vLLM connector, one set per process (both connector roles add to it).
+
+Read them with :func:`snapshot` (a plain dict: counts of blocks/requests/jobs, ``*_bytes`` in bytes,
+``*_s`` in seconds); the connector also writes the snapshot as JSON to ``stats_path`` (from
+``kv_connector_extra_config``) on shutdown and every ``stats_interval_s`` while counters change.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import Counter
+
+_lock = threading.Lock()
+_counts: Counter = Counter()
+
+
+def add(**kw: float) -> None:
+    """Add to named counters (``add(load_blocks_ok=3, load_bytes=393216)``)."""
+    with _lock:
+        for k, v in kw.items():
+            _counts[k] += v
+
+
+def snapshot() -> dict:
+    """All counters as a dict (missing counters read as 0 by :func:`get`)."""
+    with _lock:
+        return dict(_counts)
+
+
+def get(name: str) -> float:
+    with _lock:
+        return _counts.get(name, 0)
+
+
+def reset() -> None:
+    with _lock:
+        _counts.clear()
+
+
+class StatsWriter:
+    """Writes :func:`snapshot` (plus ``extra()``) to a JSON file, atomically, at most every ``interval_s``."""
+
+    def __init__(self, path: str | None, interval_s: float = 0.5, extra=None):
+        self.path, self.interval_s, self.extra = path, interval_s, extra
+        self._last = 0.0
+        self._last_snap: dict | None = None
+
+    def maybe_write(self, force: bool = False) -> None:
+        if not self.path:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < self.interval_s:
+            return
+        snap = snapshot()
+        if self.extra is not None:
+            try:
+                snap["pools"] = self.extra()
+            except Exception as e:  # noqa: BLE001 - stats must never break the engine
+                snap["pools"] = {"error": str(e)}
+        if not force and snap == self._last_snap:
+            return
+        self._last, self._last_snap = now, snap
+        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(snap, f, indent=1, sort_keys=True, default=str)
+        os.replace(tmp, self.path)

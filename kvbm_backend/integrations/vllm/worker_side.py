@@ -1,0 +1,275 @@
+"""Worker role of the connector: gather computed blocks for saves, load + verify + scatter for loads.
+
+Saves: in ``wait_for_save`` (after the step's forward wrote its KV) the blocks named by the step's
+:class:`SaveJob` s are gathered from the engine's per-layer paged tensors into one 4 KiB-aligned host
+staging buffer (a memory copy, bounded by ``max_pending_save_bytes``), then handed to ``G3.put`` and
+``G4.put``, which return at once; storage never runs on the forward path. When pending saves already
+hold ``max_pending_save_bytes`` of staging, new saves are dropped and counted (DESIGN invariant 3).
+
+Loads: ``start_load_kv`` submits ``G3.get`` / ``G4.get`` into host staging (or, on CUDA, H6's device
+path: :class:`kvbm_backend.gpu.DeviceLoader` / :func:`kvbm_backend.gpu.load_via_host`) on a
+background thread. A block counts as loaded only when the pool verified it (``GetResult.ok``); the
+verified prefix is scattered into the engine blocks, and every block from the first failure on is
+reported by ``get_block_ids_with_load_errors`` so vLLM recomputes it (never wrong KV). A load still
+running after ``load_timeout_s`` is reported finished with all its unscattered blocks failed; its late
+bytes land only in the abandoned staging buffer.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ...model.namespace import Namespace
+from ...pool.base import BlockPool, GetResult, PutResult
+from . import stats
+from .kv_io import EngineKv, numpy_staging, split_blocks
+from .metadata import LoadJob, SaveJob
+
+log = logging.getLogger("kvbm_backend.connector")
+
+
+@dataclass
+class _Load:
+    job: LoadJob
+    deadline: float
+    state: str = "pending"           # pending -> done | timed_out
+    ok_prefix: int = 0               # blocks scattered into the engine
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    t0: float = field(default_factory=time.monotonic)
+
+
+class WorkerSide:
+    """State of the worker-role connector (one per worker / TP rank)."""
+
+    def __init__(self, namespace: Namespace, rank: int, g3: BlockPool | None, g4: BlockPool | None, *,
+                 load_timeout_s: float = 5.0, promote_to_g3: bool = True,
+                 max_pending_save_bytes: int = 1 << 30, save_to_g4: bool = True):
+        self.ns, self.rank, self.g3, self.g4 = namespace, rank, g3, g4
+        self.load_timeout_s = load_timeout_s
+        self.promote_to_g3 = promote_to_g3
+        self.save_to_g4 = save_to_g4
+        self.max_pending_save_bytes = max_pending_save_bytes
+        self.kv: EngineKv | None = None
+        self._loads: dict[str, _Load] = {}
+        self._finished_recv: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._lock = threading.Lock()
+        self._exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-load")
+        self._pending_save_bytes = 0
+        self._device_loader = None
+
+    # ---- registration --------------------------------------------------------------------------
+    def register(self, kv: EngineKv) -> None:
+        if kv.layout != self.ns.layout:
+            raise ValueError(f"kv caches: engine block layout {kv.layout} differs from the namespace layout "
+                             f"{self.ns.layout}")
+        self.kv = kv
+        log.info("kvbm_backend: registered %d layers, engine layout %s, %d bytes per block, device %s",
+                 kv.layout.num_layers, kv.engine_layout, kv.layout.bytes_per_block, kv.device)
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.kv is not None and self.kv.device.type == "cuda"
+
+    # ---- saves ----------------------------------------------------------------------------------
+    def save(self, jobs: list[SaveJob]) -> None:
+        """Gather ``jobs``' blocks into host staging now (memory copy), store them in the background."""
+        if not jobs or self.kv is None or (self.g3 is None and self.g4 is None):
+            return
+        bpb = self.kv.layout.bytes_per_block
+        for job in jobs:
+            n = len(job.block_ids)
+            if n == 0:
+                continue
+            nbytes = n * bpb
+            with self._lock:
+                if self._pending_save_bytes + nbytes > self.max_pending_save_bytes:
+                    stats.add(save_dropped_blocks=n)
+                    continue
+                self._pending_save_bytes += nbytes
+            t0 = time.perf_counter()
+            arr, host = numpy_staging(nbytes)
+            if self.on_cuda:
+                dev = torch.empty(nbytes, dtype=torch.uint8, device=self.kv.device)
+                self.kv.gather(job.block_ids, dev)
+                host.copy_(dev)
+            else:
+                self.kv.gather(job.block_ids, host)
+            stats.add(save_jobs=1, save_blocks=n, save_gather_s=time.perf_counter() - t0)
+            keys = self.ns.keys(job.seq_hashes, job.tenant, self.rank)
+            blocks = split_blocks(arr, self.kv.layout, n)
+            self._put_all(keys, blocks, arr, nbytes, g4=self.save_to_g4)
+
+    def _put_all(self, keys, blocks, arr: np.ndarray, nbytes: int, g3: bool = True, g4: bool = True) -> None:
+        futs: list[tuple[str, Future]] = []
+        if g3 and self.g3 is not None:
+            futs.append(("g3", self._safe_put(self.g3, keys, blocks)))
+        if g4 and self.g4 is not None:
+            futs.append(("g4", self._safe_put(self.g4, keys, blocks)))
+        if not futs:
+            with self._lock:
+                self._pending_save_bytes -= nbytes
+            return
+        remaining = [len(futs)]
+        rlock = threading.Lock()
+
+        def done(tier: str, f: Future, _arr=arr) -> None:  # _arr keeps the staging alive
+            try:
+                r: PutResult = f.result()
+                stats.add(**{f"{tier}_put_written_blocks": r.written, f"{tier}_put_skipped_blocks": r.skipped,
+                             f"{tier}_put_dropped_blocks": r.dropped,
+                             f"{tier}_put_written_bytes": r.written * self.ns.layout.bytes_per_block})
+            except Exception as e:  # noqa: BLE001 - a failed offload is a dropped offload
+                log.warning("kvbm_backend: %s put failed: %s", tier, e)
+                stats.add(**{f"{tier}_put_errors": 1, f"{tier}_put_dropped_blocks": len(keys)})
+            with rlock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                with self._lock:
+                    self._pending_save_bytes -= nbytes
+
+        for tier, f in futs:
+            f.add_done_callback(lambda f, t=tier: done(t, f))
+
+    @staticmethod
+    def _safe_put(pool: BlockPool, keys, blocks) -> Future:
+        try:
+            return pool.put(keys, blocks)
+        except Exception as e:  # noqa: BLE001 - storage trouble never reaches the engine
+            f: Future = Future()
+            f.set_exception(e)
+            return f
+
+    # ---- loads ----------------------------------------------------------------------------------
+    def start_loads(self, jobs: list[LoadJob]) -> None:
+        for job in jobs:
+            ld = _Load(job, time.monotonic() + self.load_timeout_s)
+            with self._lock:
+                self._loads[job.req_id] = ld
+            stats.add(load_jobs=1, load_blocks_requested=len(job.block_ids))
+            self._exec.submit(self._run_load, ld)
+
+    def _get(self, pool: BlockPool, keys, out, timeout: float) -> list[bool]:
+        try:
+            r: GetResult = pool.get(keys, out).result(timeout=max(0.0, timeout))
+            ok = list(r.ok)
+            return ok + [False] * (len(keys) - len(ok))
+        except Exception as e:  # noqa: BLE001 - late or failed read: a miss
+            log.warning("kvbm_backend: %s get of %d blocks failed: %s", pool.tier, len(keys), e)
+            stats.add(load_get_errors=1)
+            return [False] * len(keys)
+
+    def _run_load(self, ld: _Load) -> None:
+        job, kv = ld.job, self.kv
+        n = len(job.block_ids)
+        ok = [False] * n
+        try:
+            assert kv is not None, "load before register_kv_caches"
+            bpb = kv.layout.bytes_per_block
+            keys = self.ns.keys(job.seq_hashes, job.tenant, self.rank)
+            i3 = [i for i, t in enumerate(job.tiers) if t == "G3"]
+            i4 = [i for i, t in enumerate(job.tiers) if t != "G3"]
+            if self.on_cuda:
+                ok, staging_dev = self._load_cuda(keys, i3, i4, ld)
+            else:
+                arr, host = numpy_staging(n * bpb)
+                blocks = split_blocks(arr, kv.layout, n)
+                for tier_idx, pool in ((i3, self.g3), (i4, self.g4)):
+                    if not tier_idx:
+                        continue
+                    if pool is None:
+                        continue
+                    res = self._get(pool, [keys[i] for i in tier_idx], [blocks[i] for i in tier_idx],
+                                    ld.deadline - time.monotonic())
+                    for i, good in zip(tier_idx, res):
+                        ok[i] = bool(good)
+                    if not all(res):
+                        break  # the prefix ends here; later tiers would not be used
+                staging_dev = host
+            prefix = 0
+            while prefix < n and ok[prefix]:
+                prefix += 1
+            t0 = time.perf_counter()
+            with ld.lock:
+                if ld.state != "pending":
+                    return  # timed out: nothing goes into the engine
+                if prefix:
+                    kv.scatter(staging_dev[:prefix * bpb], job.block_ids[:prefix])
+                ld.ok_prefix = prefix
+                ld.state = "done"
+            n3 = sum(1 for i in range(prefix) if job.tiers[i] == "G3")
+            stats.add(load_blocks_ok=prefix, load_g3_blocks_ok=n3, load_g4_blocks_ok=prefix - n3,
+                      load_blocks_failed=n - prefix, load_bytes=prefix * bpb,
+                      load_scatter_s=time.perf_counter() - t0, load_wall_s=time.monotonic() - ld.t0)
+            if self.promote_to_g3 and self.g3 is not None and prefix > n3 and not self.on_cuda:
+                # Blocks found only in G4 are promoted into G3 (async; staging kept alive by the put).
+                idx = [i for i in range(prefix) if job.tiers[i] != "G3"]
+                pk = [keys[i] for i in idx]
+                pb = [split_blocks(arr, kv.layout, n)[i] for i in idx]
+                stats.add(promote_blocks=len(idx))
+                self._put_all(pk, pb, arr, 0, g3=True, g4=False)
+        except Exception as e:  # noqa: BLE001 - any failure is a miss, never wrong KV
+            log.exception("kvbm_backend: load for %s failed: %s", job.req_id, e)
+            stats.add(load_errors=1)
+            with ld.lock:
+                if ld.state == "pending":
+                    ld.state = "done"
+                    ld.ok_prefix = 0
+                    stats.add(load_blocks_failed=n)
+
+    def _load_cuda(self, keys, i3, i4, ld: _Load):
+        """CUDA engine: load through H6's device path (G3: DeviceLoader, verified on the device;
+        G4: load_via_host, decrypted and verified on the host, one H2D copy)."""
+        from ... import gpu
+        kv = self.kv
+        n, bpb = len(keys), kv.layout.bytes_per_block
+        staging = torch.empty((n, bpb), dtype=torch.uint8, device=kv.device)
+        ok = [False] * n
+        if i3 and self.g3 is not None:
+            if self._device_loader is None:
+                self._device_loader = gpu.DeviceLoader(self.g3, kv.layout, kv.device, timeout_s=self.load_timeout_s)
+            res = self._device_loader.load([keys[i] for i in i3], [staging[i] for i in i3])
+            for i, good in zip(i3, res):
+                ok[i] = bool(good)
+        if i4 and self.g4 is not None and all(ok[i] for i in i3):
+            res = gpu.load_via_host(self.g4, [keys[i] for i in i4], [staging[i] for i in i4],
+                                    timeout_s=max(0.01, ld.deadline - time.monotonic()))
+            for i, good in zip(i4, res):
+                ok[i] = bool(good)
+        return ok, staging.view(-1)
+
+    def get_finished(self) -> set[str]:
+        """Request ids whose loads are over (done, failed or timed out); their failed block ids are
+        added to :meth:`load_errors` in the same call."""
+        now = time.monotonic()
+        out: set[str] = set()
+        with self._lock:
+            items = list(self._loads.items())
+        for rid, ld in items:
+            with ld.lock:
+                if ld.state == "pending" and now > ld.deadline:
+                    ld.state = "timed_out"
+                    ld.ok_prefix = 0
+                    stats.add(load_timeouts=1, load_blocks_failed=len(ld.job.block_ids))
+                if ld.state == "pending":
+                    continue
+                failed = ld.job.block_ids[ld.ok_prefix:]
+            self._load_errors.update(failed)
+            out.add(rid)
+            with self._lock:
+                self._loads.pop(rid, None)
+        return out
+
+    def load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def shutdown(self) -> None:
+        self._exec.shutdown(wait=True, cancel_futures=False)
