@@ -111,8 +111,13 @@ def doctor(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """GPU, driver, cuFile/GDS, kvikio, NIXL plugins, O_DIRECT per path, and the engine chosen."""
-    from .doctor import run_doctor
-    _emit(run_doctor(paths=path, config=config), as_json)
+    from .config import ConfigError
+    from .doctor import print_doctor, run_doctor
+    try:
+        result = run_doctor(paths=path, config=config)
+    except ConfigError as e:
+        _fail(str(e))
+    _emit(result, as_json, table_fn=print_doctor)
 
 
 @app.command()

@@ -1,0 +1,378 @@
+"""``kvbm-backend doctor``: what this machine can do for the G3/G4 pools and the GPU path, probed,
+not assumed.
+
+Sections of the result (:func:`run_doctor`):
+
+* ``gpu``: torch and its CUDA build, devices, ``libcuda.so.1`` loadable + ``cuInit``, ``nvidia-smi``.
+* ``gds``: the ``nvidia-fs`` kernel module (``/proc/driver/nvidia-fs``), ``cufile.json`` (path from
+  ``CUFILE_ENV_PATH_JSON`` or ``/etc/cufile.json``; the keys that decide GDS vs compat), libcufile.
+* ``kvikio``: installed/version, compat mode (setting and kvikio's decision), usable here + reason.
+* ``nixl``: version, every plugin NIXL's agent lists with whether its library loads (and what is
+  missing), whether the POSIX backend starts, whether GDS_MT is usable.
+* ``paths``: per given or configured path: filesystem type, O_DIRECT (a real aligned write/read probe
+  via :func:`kvbm_backend.io.probe_o_direct`), free and total bytes. A missing directory is probed at
+  its nearest existing ancestor (where the pool would create it) and says so.
+* ``engine``: the G3 I/O engine ``make_engine`` will build from the config and why; the device load
+  path (``gds`` / ``kvikio-compat`` / ``pinned-bounce`` / none) and why.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+from typing import Any
+
+CUFILE_KEYS = (
+    "properties.allow_compat_mode", "properties.use_poll_mode", "properties.poll_mode_max_size_kb",
+    "properties.max_direct_io_size_kb", "properties.max_device_cache_size_kb",
+    "properties.max_device_pinned_mem_size_kb", "properties.use_pci_p2pdma", "properties.gds_rdma_write_support",
+    "execution.max_io_threads", "execution.parallel_io", "execution.max_io_queue_depth",
+    "fs.generic.posix_unaligned_writes", "fs.lustre.posix_gds_min_kb", "fs.nfs.posix_gds_min_kb", "logging.level",
+)
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+# ---- GPU and driver ------------------------------------------------------------------------------
+def gpu_info() -> dict:
+    """torch / CUDA / driver facts. Never raises."""
+    out: dict[str, Any] = {}
+    try:
+        import torch
+        out["torch"] = torch.__version__
+        out["torch_cuda_build"] = torch.version.cuda
+        out["cuda_available"] = bool(torch.cuda.is_available())
+        devs = []
+        if out["cuda_available"]:
+            for i in range(torch.cuda.device_count()):
+                p = torch.cuda.get_device_properties(i)
+                devs.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
+                             "capability": f"{p.major}.{p.minor}"})
+        out["devices"] = devs
+    except Exception as e:  # noqa: BLE001
+        out["torch"] = None
+        out["cuda_available"] = False
+        out["torch_error"] = _err(e)
+        out["devices"] = []
+    from .io.kvikio_engine import _libcuda_status
+    ok, why = _libcuda_status()
+    out["libcuda_loadable"] = ok or not why.startswith("libcuda.so.1 not loadable")
+    out["cuinit_ok"] = ok
+    out["driver_detail"] = "libcuda.so.1 loaded, cuInit(0) succeeded" if ok else why
+    smi = shutil.which("nvidia-smi")
+    out["nvidia_smi"] = smi
+    if smi:
+        try:
+            r = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20)
+            out["nvidia_smi_output"] = (r.stdout or r.stderr).strip()
+        except (OSError, subprocess.SubprocessError) as e:
+            out["nvidia_smi_output"] = _err(e)
+    return out
+
+
+# ---- cuFile / GDS --------------------------------------------------------------------------------
+def _strip_json_comments(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return "\n".join(re.sub(r'^((?:[^"\n]|"(?:\\.|[^"\\])*")*?)\s*//.*$', r"\1", ln) for ln in text.splitlines())
+
+
+def cufile_json_info(path: str | None = None) -> dict:
+    """Locate and read cufile.json (JSON with ``//`` comments, as NVIDIA ships it): ``path``,
+    ``source`` (env or default), ``exists``, ``keys`` (the subset of :data:`CUFILE_KEYS` present) or
+    ``error``."""
+    src = "argument" if path else ("CUFILE_ENV_PATH_JSON" if os.environ.get("CUFILE_ENV_PATH_JSON") else "default")
+    path = path or os.environ.get("CUFILE_ENV_PATH_JSON") or "/etc/cufile.json"
+    out: dict[str, Any] = {"path": path, "source": src, "exists": os.path.isfile(path)}
+    if not out["exists"]:
+        return out
+    try:
+        with open(path) as f:
+            data = json.loads(_strip_json_comments(f.read()))
+    except (OSError, ValueError) as e:
+        out["error"] = _err(e)
+        return out
+    keys = {}
+    for k in CUFILE_KEYS:
+        d: Any = data
+        for part in k.split("."):
+            if not isinstance(d, dict) or part not in d:
+                d = None
+                break
+            d = d[part]
+        if d is not None:
+            keys[k] = d
+    out["keys"] = keys
+    return out
+
+
+def gds_info() -> dict:
+    out: dict[str, Any] = {}
+    ver = "/proc/driver/nvidia-fs/version"
+    if os.path.exists("/proc/driver/nvidia-fs"):
+        try:
+            with open(ver) as f:
+                out["nvidia_fs"] = f"loaded ({f.read().strip().splitlines()[0]})"
+        except OSError:
+            out["nvidia_fs"] = "loaded (/proc/driver/nvidia-fs present)"
+        out["nvidia_fs_loaded"] = True
+    else:
+        loaded = os.path.isdir("/sys/module/nvidia_fs")
+        out["nvidia_fs_loaded"] = loaded
+        out["nvidia_fs"] = ("module present in /sys/module, /proc/driver/nvidia-fs missing" if loaded else
+                            "not loaded (/proc/driver/nvidia-fs missing): cuFile can only run in compat mode")
+    out["cufile_json"] = cufile_json_info()
+    try:
+        import kvikio.cufile_driver as cfd
+        maj, mnr = cfd.libcufile_version()
+        out["libcufile"] = f"{maj}.{mnr}" if (maj, mnr) != (0, 0) else "not found"
+    except Exception as e:  # noqa: BLE001
+        out["libcufile"] = f"unknown ({_err(e)})"
+    return out
+
+
+# ---- kvikio --------------------------------------------------------------------------------------
+def kvikio_info() -> dict:
+    from .io.kvikio_engine import kvikio_available, kvikio_mode
+    out = kvikio_mode()
+    ok, why = kvikio_available()
+    out["usable"] = ok
+    out["usable_detail"] = why
+    return out
+
+
+# ---- NIXL ----------------------------------------------------------------------------------------
+def nixl_info() -> dict:
+    out: dict[str, Any] = {}
+    try:
+        import nixl._api  # noqa: F401 - configures the "nixl" logger on import; quieten it afterwards
+    except Exception:  # noqa: BLE001 - reported below
+        pass
+    nl = logging.getLogger("nixl")
+    old = nl.level
+    nl.setLevel(logging.ERROR)  # NIXL logs INFO/WARNING for every agent and unavailable plugin
+    try:
+        try:
+            from importlib.metadata import version
+            out["version"] = version("nixl-cu12")
+        except Exception:  # noqa: BLE001
+            out["version"] = None
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except Exception as e:  # noqa: BLE001
+            out["installed"] = False
+            out["error"] = _err(e)
+            return out
+        out["installed"] = True
+        from .io.nixl_gds import gds_mt_available, plugin_load_error
+        try:
+            agent = nixl_agent(f"kvbm-doctor-{os.getpid()}", nixl_agent_config(enable_prog_thread=False, backends=[]))
+            names = list(agent.get_plugin_list())
+        except Exception as e:  # noqa: BLE001
+            out["error"] = _err(e)
+            names = []
+        plugins = {}
+        for n in names:
+            err = plugin_load_error(n)
+            plugins[n] = "loads" if err is None else f"does not load: {err}"
+        out["plugins"] = plugins
+        try:
+            from .io.nixl_engine import nixl_unavailable_reason
+            r = nixl_unavailable_reason()
+        except ImportError as e:
+            r = _err(e)
+        out["posix_backend"] = "starts" if r is None else r
+        ok, why = gds_mt_available()
+        out["gds_mt"] = f"usable ({why})" if ok else f"not usable: {why}"
+        out["gds_mt_usable"] = ok
+        return out
+    finally:
+        nl.setLevel(old)
+
+
+# ---- paths ---------------------------------------------------------------------------------------
+def _mounts() -> list[tuple[str, str, str]]:
+    out = []
+    try:
+        with open("/proc/self/mounts") as f:
+            for ln in f:
+                p = ln.split()
+                if len(p) >= 3:
+                    out.append((p[1].replace("\\040", " "), p[2], p[0]))
+    except OSError:
+        pass
+    return out
+
+
+def fs_type(path: str) -> str:
+    """Filesystem type of the mount holding ``path`` (longest matching mount point in /proc/self/mounts)."""
+    rp = os.path.realpath(path)
+    best, typ = "", "unknown"
+    for mnt, t, _dev in _mounts():
+        if (rp == mnt or rp.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, typ = mnt, t
+    return typ
+
+
+def path_info(path: str) -> dict:
+    """O_DIRECT (real probe), filesystem type, free/total bytes of one directory. Never raises."""
+    from .io import probe_o_direct
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    ap = os.path.abspath(os.path.expanduser(path))
+    out: dict[str, Any] = {"path": path, "exists": os.path.isdir(ap)}
+    probe = ap
+    while not os.path.isdir(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if probe != ap:
+        out["probed_at"] = probe
+        out["note"] = "missing: probed at the nearest existing ancestor (the pool creates it)"
+    out["fs_type"] = fs_type(probe)
+    try:
+        st = os.statvfs(probe)
+        out["free_bytes"] = st.f_bavail * st.f_frsize
+        out["total_bytes"] = st.f_blocks * st.f_frsize
+    except OSError as e:
+        out["free_bytes"] = None
+        out["statvfs_error"] = _err(e)
+    try:
+        out["o_direct"] = bool(probe_o_direct(probe))
+    except OSError as e:
+        out["o_direct"] = None
+        out["o_direct_error"] = f"cannot probe ({_err(e)})"
+    return out
+
+
+# ---- engine choice -------------------------------------------------------------------------------
+def engine_choice(cfg, gpu: dict, kvk: dict, nixl: dict, paths: list[dict]) -> dict:
+    from .io import AUTO_ENGINE
+    want = cfg.g3.engine
+    name = AUTO_ENGINE if want == "auto" else want
+    out: dict[str, Any] = {"g3_engine_configured": want}
+    if want == "auto":
+        why = (f"auto = {AUTO_ENGINE} (kvbm_backend.io.AUTO_ENGINE, chosen by measurement: see "
+               "kvbm_backend/io/__init__.py)")
+    else:
+        why = "configured"
+    if name == "nixl" and nixl.get("posix_backend") != "starts":
+        why += f"; WILL FAIL: {nixl.get('posix_backend') or nixl.get('error')}"
+    if name == "kvikio" and not kvk.get("usable"):
+        why += f"; WILL FAIL: {kvk.get('usable_detail')}"
+    out["g3_engine"] = name
+    out["g3_engine_why"] = why
+    od = cfg.g3.o_direct
+    out["o_direct_setting"] = od
+    out["o_direct_used"] = {p["path"]: (p.get("o_direct") if od == "auto" else od == "on") for p in paths}
+    if not gpu.get("cuda_available"):
+        out["device_path"] = "none"
+        out["device_path_why"] = ("no CUDA device: the connector loads KV through host buffers (pool get), no "
+                                  "storage->HBM path here")
+    elif not kvk.get("usable"):
+        out["device_path"] = "pinned-bounce"
+        out["device_path_why"] = f"kvikio unusable ({kvk.get('usable_detail')}): pinned host bounce + H2D copy"
+    else:
+        probe_dir = next((p.get("probed_at", p["path"]) for p in paths if p.get("o_direct") is not None), None)
+        if probe_dir is None:
+            out["device_path"] = kvk.get("io")
+            out["device_path_why"] = "not probed (no writable path): " + str(kvk.get("reason"))
+        else:
+            from .gpu.loader import probe_device_path
+            try:
+                r = probe_device_path(probe_dir, "cuda")
+                out["device_path"], out["device_path_why"] = r.mode, f"probed in {probe_dir}: {r.reason}"
+            except Exception as e:  # noqa: BLE001
+                out["device_path"], out["device_path_why"] = "pinned-bounce", f"probe failed: {_err(e)}"
+    out["nixl_gds_mt"] = "selectable" if nixl.get("gds_mt_usable") else "not selected: " + str(nixl.get("gds_mt"))
+    return out
+
+
+def run_doctor(paths: list[str], config: str | None = None) -> dict:
+    """Probe this machine.
+
+    Args:
+        paths: directories to probe (G3 directories, ``file://`` G4 roots); the config's G3 paths and
+            file:// G4 URL are added.
+        config: a config file (YAML/TOML/JSON) or inline JSON; None: defaults plus environment.
+    Returns:
+        ``{"gpu", "gds", "kvikio", "nixl", "paths", "engine", "config"}`` (see the module docstring);
+        JSON-serialisable.
+    Raises:
+        ConfigError: the config is invalid (message names the field).
+    """
+    from .config import load_config
+    cfg = load_config(config)
+    all_paths = list(dict.fromkeys(list(paths) + list(cfg.g3.paths if (cfg.g3.enabled and (config or not paths)) else [])
+                                   + ([cfg.g4.url] if cfg.g4.enabled and (cfg.g4.url or "").startswith("file://") else [])))
+    gpu = gpu_info()
+    gds = gds_info()
+    kvk = kvikio_info()
+    nixl = nixl_info()
+    pinfo = [path_info(p) for p in all_paths]
+    return {"gpu": gpu, "gds": gds, "kvikio": kvk, "nixl": nixl, "paths": pinfo,
+            "engine": engine_choice(cfg, gpu, kvk, nixl, pinfo), "config": config}
+
+
+# ---- rendering -----------------------------------------------------------------------------------
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return "[green]yes[/green]" if v else "[red]no[/red]"
+    if v is None:
+        return "-"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, sort_keys=True)
+    return str(v)
+
+
+def _gb(n) -> str:
+    return "-" if n is None else f"{n / 1e9:,.1f} GB"
+
+
+def print_doctor(result: dict, console=None) -> None:
+    """Rich tables of a :func:`run_doctor` result (stdout)."""
+    from rich.console import Console
+    from rich.table import Table
+    console = console or Console()
+    for section in ("gpu", "gds", "kvikio", "nixl"):
+        t = Table(title=section.upper(), show_header=False, title_justify="left")
+        t.add_column("key", style="bold")
+        t.add_column("value", overflow="fold")
+        for k, v in result.get(section, {}).items():
+            if k == "plugins" and isinstance(v, dict):
+                for pn, pv in v.items():
+                    t.add_row(f"plugin {pn}", pv)
+            elif k == "cufile_json" and isinstance(v, dict):
+                t.add_row("cufile.json", f"{v['path']} ({v['source']}): " + ("present" if v["exists"] else "absent"))
+                for kk, vv in (v.get("keys") or {}).items():
+                    t.add_row(f"  {kk}", _fmt(vv))
+                if v.get("error"):
+                    t.add_row("  error", v["error"])
+            elif k == "devices":
+                for d in v:
+                    t.add_row(f"cuda:{d['index']}", f"{d['name']}, {d['memory_gib']} GiB, sm {d['capability']}")
+                if not v:
+                    t.add_row("devices", "none")
+            else:
+                t.add_row(k, _fmt(v))
+        console.print(t)
+    t = Table(title="PATHS", title_justify="left")
+    for c in ("path", "fs", "O_DIRECT", "free", "total", "note"):
+        t.add_column(c)
+    for p in result.get("paths", []):
+        t.add_row(p["path"], p.get("fs_type", "?"), _fmt(p.get("o_direct")), _gb(p.get("free_bytes")),
+                  _gb(p.get("total_bytes")), p.get("note") or p.get("o_direct_error") or "")
+    console.print(t)
+    t = Table(title="ENGINE", show_header=False, title_justify="left")
+    t.add_column("key", style="bold")
+    t.add_column("value", overflow="fold")
+    for k, v in result.get("engine", {}).items():
+        t.add_row(k, _fmt(v))
+    console.print(t)
