@@ -244,3 +244,48 @@ def test_probe_o_direct_false_on_ramfs(tmp_path):
     if r.returncode != 0 and "mount" in r.stderr and "False" not in r.stdout:
         pytest.skip(f"cannot mount ramfs in a private namespace here: {r.stderr.strip()[:200]}")
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_baseline_and_engine_comparison_run(tmp_path):
+    """The benchmark functions measure real I/O (small sizes here), verify the bytes, and report ratios
+    against the baseline of the same run."""
+    from kvbm_backend.bench.baseline import odirect_baseline
+    from kvbm_backend.bench.engines import compare_engines
+
+    b = odirect_baseline(str(tmp_path), 8 * MiB, 256 * K4, 4)
+    assert b["o_direct"] is True
+    assert b["write_s"] > 0 and b["read_s"] > 0
+    assert b["write_gbps"] == pytest.approx(8 * MiB / b["write_s"] / 1e9)
+    variants = ("posix",) if NIXL_SKIP else ("posix", "nixl", "nixl_batched")
+    res = compare_engines(str(tmp_path), 8 * MiB, 256 * K4, 4, variants=variants)
+    for v in variants:
+        assert res[v]["write_ratio"] == pytest.approx(res[v]["write_gbps"] / res["baseline"]["write_gbps"])
+        assert res[v]["read_gbps"] > 0
+    assert os.listdir(tmp_path) == []  # temp files removed
+    with pytest.raises(ValueError, match="io_size"):
+        odirect_baseline(str(tmp_path), 8 * MiB, 1000, 4)
+    with pytest.raises(ValueError, match="total_bytes"):
+        odirect_baseline(str(tmp_path), 8 * MiB + K4, 256 * K4, 4)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_baseline_buffered_fallback_where_o_direct_refused(tmp_path):
+    """On a ramfs (no O_DIRECT) the baseline runs buffered and says so: run in a private mount
+    namespace; skipped where that is not possible."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to mount a private ramfs")
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    code = ("import sys, json; from kvbm_backend.bench.baseline import odirect_baseline; "
+            "print(json.dumps(odirect_baseline(sys.argv[1], 4 << 20, 1 << 20, 2)))")
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+           f'mount -t ramfs none "$1" && exec "{sys.executable}" -c "{code}" "$1"', "sh", str(mnt)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if r.returncode != 0 and "mount" in r.stderr and not r.stdout:
+        pytest.skip(f"cannot mount ramfs in a private namespace here: {r.stderr.strip()[:200]}")
+    import json
+
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["o_direct"] is False
+    assert res["read_gbps"] > 0

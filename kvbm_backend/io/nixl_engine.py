@@ -67,6 +67,7 @@ class _Job:
     error: BaseException | None = None
     groups_left: int = 0
     regs: list = field(default_factory=list)
+    dlists: list = field(default_factory=list)
 
 
 class NixlEngine:
@@ -183,7 +184,7 @@ class NixlEngine:
             if progressed:
                 sleep = 0.0
             elif inflight:
-                sleep = min(1e-3, max(2e-5, sleep * 2))
+                sleep = min(2e-4, max(2e-5, sleep * 2))
                 time.sleep(sleep)
 
     def _start(self, job: _Job) -> list:
@@ -218,42 +219,43 @@ class NixlEngine:
             self._finish(job, OSError(errno.EIO, f"NIXL registration failed: {type(e).__name__}: {e}"))
             return []
 
-        groups = []
-        idx: list[int] = []
+        # one descriptor per buffer, at consecutive file offsets; both lists prepared once per job
         local: list = []
         remote: list = []
-
-        def cut() -> None:
-            nonlocal idx, local, remote
-            if idx:
-                groups.append((job, idx, local, remote))
-            idx, local, remote = [], [], []
-
+        groups = []
+        g_idx: list[int] = []
+        g_first = 0
         for i in nixl_ops:
             op = job.ops[i]
             n = sum(1 for b in op.bufs if b.nbytes)
-            if local and len(local) + n > self.queue_depth:
-                cut()
+            if g_idx and len(local) - g_first + n > self.queue_depth:
+                groups.append((job, g_idx, list(range(g_first, len(local)))))
+                g_idx, g_first = [], len(local)
             pos = op.offset
             for b in op.bufs:
                 if b.nbytes:
                     local.append((b.ctypes.data, b.nbytes, 0))
                     remote.append((pos, b.nbytes, op.fd))
                     pos += b.nbytes
-            idx.append(i)
-        cut()
+            g_idx.append(i)
+        groups.append((job, g_idx, list(range(g_first, len(local)))))
+        try:
+            job.dlists.append(agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM"))
+            job.dlists.append(agent.prep_xfer_dlist(self._agent_name, remote, "FILE"))
+        except Exception as e:  # noqa: BLE001
+            self._finish(job, OSError(errno.EIO, f"NIXL could not prepare descriptors: {type(e).__name__}: {e}"))
+            return []
         job.groups_left = len(groups)
         return groups
 
-    def _post(self, job: _Job, idx: list[int], local: list, remote: list):
+    def _post(self, job: _Job, idx: list[int], descs: list[int]):
         if job.error is not None:  # an earlier group failed: skip the rest, still count it down
             self._group_done(job, idx, None, ok=False)
             return job, idx, None
         agent = self._agent
         op_type = "WRITE" if job.ops[idx[0]].write else "READ"
         try:
-            handle = agent.initialize_xfer(op_type, agent.get_xfer_descs(local, "DRAM"),
-                                           agent.get_xfer_descs(remote, "FILE"), self._agent_name)
+            handle = agent.make_prepped_xfer(op_type, job.dlists[0], descs, job.dlists[1], descs)
         except Exception as e:  # noqa: BLE001
             self._group_done(job, idx, OSError(errno.EIO, f"NIXL could not create the {op_type} transfer: "
                                                          f"{type(e).__name__}: {e}"))
@@ -296,6 +298,12 @@ class NixlEngine:
             self._finish(job, job.error)
 
     def _finish(self, job: _Job, err: BaseException | None) -> None:
+        for dl in job.dlists:
+            try:
+                self._agent.release_dlist_handle(dl)
+            except Exception:  # noqa: BLE001
+                pass
+        job.dlists.clear()
         for reg in job.regs:
             try:
                 self._agent.deregister_memory(reg)

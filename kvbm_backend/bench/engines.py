@@ -1,0 +1,145 @@
+"""Engine comparison: the same write+fdatasync / read through each I/O engine vs the raw baseline.
+
+Run: ``python -m kvbm_backend.bench.engines [DIR] [--total-mib 256] [--io-kib 1024] [--inflight 8]
+[--repeats 3]`` (prints JSON). Used to choose ``make_engine("auto")`` (see :mod:`kvbm_backend.io`).
+
+Variants: ``posix`` (thread pool, ``inflight`` threads), ``nixl`` (NIXL POSIX/AIO, ``inflight``
+transfers of one 1-op descriptor each: the same I/Os in flight as the baseline), ``nixl_batched``
+(NIXL POSIX/AIO, 64 descriptors per transfer: NIXL's strength, many more I/Os in the kernel queue),
+``nixl_uring`` (as ``nixl`` with io_uring). Each runs on its own fresh temp file; reads are checked
+against what was written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from ..io import make_engine
+from ..io.base import IoOp
+from ..io.probe import fdatasync, open_file, probe_o_direct
+from ..memory import aligned_empty
+from .baseline import check_sizes, drop_cache, odirect_baseline, random_aligned
+
+VARIANTS = ("posix", "nixl", "nixl_batched", "nixl_uring")
+
+
+def _engine(variant: str, inflight: int):
+    if variant == "posix":
+        return make_engine("posix", threads=inflight)
+    from ..io.nixl_engine import NixlEngine
+
+    if variant == "nixl":
+        return NixlEngine(threads=inflight, queue_depth=1)
+    if variant == "nixl_batched":
+        return NixlEngine(threads=inflight, queue_depth=64)
+    if variant == "nixl_uring":
+        return NixlEngine(threads=inflight, queue_depth=1, mode="uring")
+    raise ValueError(f"unknown engine variant {variant!r}; expected one of {VARIANTS}")
+
+
+def engine_run(variant: str, directory: str, total_bytes: int, io_size: int, inflight: int) -> dict:
+    """One write (+ one fdatasync, timed) and one read of ``total_bytes`` through an engine variant.
+
+    Returns ``{"write_gbps", "read_gbps", "write_s", "read_s"}`` (GB = 1e9 bytes).
+    Raises RuntimeError if the bytes read back differ; OSError from the engine.
+    """
+    n = check_sizes(total_bytes, io_size, inflight)
+    o_direct = probe_o_direct(directory)
+    src = random_aligned(total_bytes, seed=2)
+    dst = aligned_empty(total_bytes)
+    fd_tmp, path = tempfile.mkstemp(prefix=f".kvbm-bench-{variant}-", dir=directory)
+    os.close(fd_tmp)
+    fd = open_file(path, o_direct=o_direct, create=False)
+    eng = _engine(variant, inflight)
+    try:
+        w = [IoOp(fd, i * io_size, [src[i * io_size:(i + 1) * io_size]], write=True) for i in range(n)]
+        r = [IoOp(fd, i * io_size, [dst[i * io_size:(i + 1) * io_size]], write=False) for i in range(n)]
+        t0 = time.perf_counter()
+        eng.submit(w).result()
+        fdatasync(fd)
+        write_s = time.perf_counter() - t0
+        if not o_direct:
+            drop_cache(fd)
+        t0 = time.perf_counter()
+        got = eng.submit(r).result()
+        read_s = time.perf_counter() - t0
+        if sum(got) != total_bytes or not np.array_equal(src, dst):
+            raise RuntimeError(f"engine {variant} read back different bytes than it wrote")
+    finally:
+        eng.close()
+        os.close(fd)
+        os.unlink(path)
+    return {"write_gbps": total_bytes / write_s / 1e9, "read_gbps": total_bytes / read_s / 1e9,
+            "write_s": write_s, "read_s": read_s}
+
+
+def compare_engines(directory: str, total_bytes: int, io_size: int, inflight: int, *,
+                    repeats: int = 1, variants: tuple[str, ...] = VARIANTS) -> dict:
+    """Baseline and every engine variant, interleaved ``repeats`` times; medians are reported.
+
+    Returns ``{"params": {...}, "baseline": {...}, VARIANT: {..., "write_ratio", "read_ratio"}, ...}``
+    where ratios are the variant's GB/s over the baseline's (median of the same run). A variant that
+    cannot run here (NIXL missing) appears as ``{"error": reason}``.
+
+    Raises:
+        ValueError: bad sizes (see :func:`kvbm_backend.bench.baseline.check_sizes`) or ``repeats`` < 1.
+    """
+    check_sizes(total_bytes, io_size, inflight)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    runs: dict[str, list[dict]] = {"baseline": [], **{v: [] for v in variants}}
+    errors: dict[str, str] = {}
+    o_direct = None
+    for _ in range(repeats):
+        b = odirect_baseline(directory, total_bytes, io_size, inflight)
+        o_direct = b["o_direct"]
+        runs["baseline"].append(b)
+        for v in variants:
+            if v in errors:
+                continue
+            try:
+                runs[v].append(engine_run(v, directory, total_bytes, io_size, inflight))
+            except RuntimeError as e:
+                if "unavailable" not in str(e):
+                    raise
+                errors[v] = str(e)
+
+    def med(rs: list[dict]) -> dict:
+        return {k: statistics.median(r[k] for r in rs) for k in ("write_gbps", "read_gbps", "write_s", "read_s")}
+
+    out: dict = {"params": {"directory": directory, "total_bytes": total_bytes, "io_size": io_size,
+                            "inflight": inflight, "repeats": repeats, "o_direct": o_direct,
+                            "cpus": os.cpu_count()}}
+    base = med(runs["baseline"])
+    out["baseline"] = base
+    for v in variants:
+        if v in errors:
+            out[v] = {"error": errors[v]}
+            continue
+        m = med(runs[v])
+        m["write_ratio"] = m["write_gbps"] / base["write_gbps"]
+        m["read_ratio"] = m["read_gbps"] / base["read_gbps"]
+        out[v] = m
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("directory", nargs="?", default=tempfile.gettempdir())
+    p.add_argument("--total-mib", type=int, default=256)
+    p.add_argument("--io-kib", type=int, default=1024)
+    p.add_argument("--inflight", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    res = compare_engines(a.directory, a.total_mib << 20, a.io_kib << 10, a.inflight, repeats=a.repeats)
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
