@@ -1,0 +1,544 @@
+"""Our G3 and G4 pools as vLLM ``secondary_tiers`` (``OffloadingConnector`` + ``TieringOffloadingSpec``).
+
+vLLM (0.32, ``vllm/v1/kv_offload/tiering/base.py``) defines :class:`SecondaryTierManager`: a tier below
+the CPU *primary* tier. Every call runs on the scheduler thread and must not block; data moves in
+asynchronous jobs between the primary tier's host buffer (a ``memoryview`` of shape
+``(num_chunks, row_stride)``) and the tier; finished jobs are polled with ``get_finished_jobs()``.
+:class:`G3Tier` and :class:`G4Tier` implement it on :class:`kvbm_backend.pool.base.BlockPool`. They are
+loaded out of tree (no vLLM patch) with::
+
+    "secondary_tiers": [{"type": "G3Tier", "module_path": "kvbm_backend.integrations.vllm.tiering",
+                         "config": "/etc/kvbm-backend.yaml", "g3": {"paths": ["/nvme/kvbm"]},
+                         "num_kv_heads": 8}]
+
+Tier keyword arguments (every other key of the tier's dict reaches ``__init__``, see
+``SecondaryTierFactory.create_secondary_tier``):
+
+* ``config``: kvbm-backend config, a YAML/TOML/JSON file path or a dict (:func:`load_config`).
+* ``g3`` / ``g4``: dict merged over that config's ``g3`` / ``g4`` section (e.g. ``paths``, ``url``).
+* ``tenant``: default tenant; a request's ``kv_transfer_params["kvbm_tenant"]`` overrides it.
+* ``num_kv_heads`` (per rank), ``head_dim``, ``mla`` or ``layout`` (a preset in ``layouts/``):
+  the geometry needed to map vLLM's page to KVBM's block (below). ``head_dim`` and ``mla`` default
+  from the byte sizes when ``num_kv_heads`` is given.
+* ``kv_cache_layout``: vLLM ``KVCacheLayout`` name; default the engine's resolved one, else ``LBNHC``.
+* ``enable_kv_events`` (emit ``OffloadingEvent`` for stored blocks), ``locality`` (``LOCAL``/``REMOTE``),
+  ``io_threads`` (jobs in flight), ``job_timeout_s`` (past it a job fails; the pool's own timeouts
+  usually fire first).
+
+Keys: vLLM's ``OffloadKey`` (block hash bytes + 4-byte KV-group index) becomes the 64-bit sequence
+hash ``xxh3_64(offload_key)`` of a :class:`BlockKey` in a namespace with ``hash_scheme =
+"vllm-block-hash"`` (model = vLLM's model name, TP world size = the ranks sharing one primary chunk).
+vLLM's cache salt is already inside its block hash; the tenant only selects G4's key and prefix.
+
+Mapping of the primary buffer to FullyContiguous blocks (vLLM 0.32, direct layout):
+
+* Chunk ``c`` is row ``c`` of the primary view, ``row_stride`` bytes (page-aligned, may pad). The row
+  holds one slice per rank: ``[rank0 | rank1 | ... | pad]``, each ``P = cpu_page_size_per_worker =
+  worker_kv_bytes_per_block * blocks_per_chunk`` bytes (``SharedOffloadRegion.create_next_worker_view``).
+  With ``replicated_layout`` (MLA) there is one slice. Rank ``r``'s slice is our block of rank ``r``.
+* Inside a rank's slice vLLM concatenates its KV tensors' chunk pages. Layer-compact layouts
+  (``LBHNC``, ``LBNHC``: one tensor per layer) give ``[layer, sub_block, page]``; block-outermost
+  layouts (``BLHNC``, ``BLNHC``: one cross-layer tensor) give ``[sub_block, layer, page]``.
+* A page (one layer, one GPU block) is vLLM's logical ``[H, N, C]`` (RFC #42082) in physical order
+  ``[H, N, C]`` (``*HNC``) or ``[N, H, C]`` (``*NHC``); ``C = (K head_dim | V head_dim) * dtype`` bytes,
+  i.e. ``[outer=2, head_dim]`` (MLA: ``outer=1``, the latent).
+* Our block is KVBM FullyContiguous ``[layer, outer, token, heads*head_dim]`` with ``token =
+  sub_block * tokens_per_block + n`` (``page_size = blocks_per_chunk * tokens_per_block``).
+
+:class:`PrimaryGeometry` does this permutation (one copy, in the tier's I/O threads, ~10 GB/s with
+numpy) on store and its exact inverse on load, so a load returns the primary's bytes exactly whatever
+the layout. ``LHBNC``/``BHLNC`` (heads outside the block), canonical layout, padded pages and hybrid
+(several KV-group) models are refused with a ValueError naming the setting.
+
+Never wrong KV: a chunk is copied into the primary only after every rank's block was verified by
+the pool (header identity + integrity in our staging buffer); failed chunks are reported failed
+(``JobResult.success=False`` with ``successful_keys`` the verified ones), their lookup verdict is
+forced to miss, and the primary slot stays untouched.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import xxhash
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
+
+from ...config import ConfigError, KvbmBackendConfig, load_config
+from ...memory import aligned_empty
+from ...model.layout import KvLayout, dtype_bytes
+from ...model.namespace import BlockKey, Namespace
+
+log = logging.getLogger(__name__)
+
+__all__ = ["G3Tier", "G4Tier", "KvbmSecondaryTier", "PrimaryGeometry", "offload_key_hash"]
+
+MODULE_PATH = __name__
+
+_LAYER_MAJOR = {"LBHNC": "HNC", "LBNHC": "NHC"}
+_BLOCK_MAJOR = {"BLHNC": "HNC", "BLNHC": "NHC"}
+_FC_AXES = ("L", "O", "J", "N", "H", "D")
+
+
+def offload_key_hash(key: bytes) -> int:
+    """Stable 64-bit sequence hash of a vLLM ``OffloadKey`` (block hash bytes + 4-byte group index):
+    ``xxh3_64(key)``, seed 0. Independent of ``PYTHONHASHSEED`` and of the process."""
+    return xxhash.xxh3_64_intdigest(bytes(key))
+
+
+@dataclass(frozen=True)
+class PrimaryGeometry:
+    """How one rank's slice of a vLLM primary chunk maps to one KVBM FullyContiguous block.
+
+    Attributes (sizes per rank):
+        num_layers, num_kv_heads, head_dim (elements), dtype: KV geometry.
+        outer_dim: 2 (K, V) or 1 (MLA).
+        tokens_per_block: vLLM GPU block size (tokens); blocks_per_chunk: GPU blocks per chunk.
+        copies: rank slices per primary row (TP world size, 1 when replicated).
+        rank_bytes: bytes of one rank's slice (``cpu_page_size_per_worker``).
+        kv_cache_layout: vLLM KVCacheLayout name (see module docstring).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    outer_dim: int
+    dtype: str
+    tokens_per_block: int
+    blocks_per_chunk: int
+    copies: int
+    rank_bytes: int
+    kv_cache_layout: str = "LBNHC"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_layout not in _LAYER_MAJOR and self.kv_cache_layout not in _BLOCK_MAJOR:
+            raise ValueError(
+                f"kv_cache_layout: {self.kv_cache_layout!r} is not supported by the kvbm tiers "
+                f"(supported: {sorted({**_LAYER_MAJOR, **_BLOCK_MAJOR})}; heads outside the block cannot "
+                "be mapped to one block)")
+        want = (self.num_layers * self.outer_dim * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+                * self.tokens_per_block * self.blocks_per_chunk)
+        if want != self.rank_bytes:
+            raise ValueError(
+                f"num_kv_heads/head_dim: layers {self.num_layers} x outer {self.outer_dim} x heads "
+                f"{self.num_kv_heads} x head_dim {self.head_dim} x {dtype_bytes(self.dtype)} B x tokens "
+                f"{self.tokens_per_block} x blocks_per_chunk {self.blocks_per_chunk} = {want} B, but vLLM's "
+                f"primary chunk holds {self.rank_bytes} B per rank (padded pages are not supported)")
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        """The per-rank KvLayout of the stored block: page_size = tokens_per_block * blocks_per_chunk."""
+        return KvLayout(self.num_layers, self.outer_dim, self.tokens_per_block * self.blocks_per_chunk,
+                        self.num_kv_heads * self.head_dim, self.dtype)
+
+    def _axes(self) -> tuple[tuple[str, ...], dict[str, int]]:
+        if self.kv_cache_layout in _LAYER_MAJOR:
+            outer, page = ("L", "J"), _LAYER_MAJOR[self.kv_cache_layout]
+        else:
+            outer, page = ("J", "L"), _BLOCK_MAJOR[self.kv_cache_layout]
+        page_axes = ("H", "N") if page == "HNC" else ("N", "H")
+        sizes = {"L": self.num_layers, "J": self.blocks_per_chunk, "H": self.num_kv_heads,
+                 "N": self.tokens_per_block, "O": self.outer_dim, "D": self.head_dim * dtype_bytes(self.dtype)}
+        return outer + page_axes + ("O", "D"), sizes
+
+    def engine_to_block(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy one rank's primary slice ``src`` (``rank_bytes`` uint8) into ``dst`` as the FullyContiguous
+        block ``[layer, outer, token, heads*head_dim]``."""
+        axes, s = self._axes()
+        perm = [axes.index(a) for a in _FC_AXES]
+        np.copyto(dst.reshape([s[a] for a in _FC_AXES]), src.reshape([s[a] for a in axes]).transpose(perm))
+
+    def block_to_engine(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Exact inverse of :meth:`engine_to_block`: FullyContiguous ``src`` into the primary slice ``dst``."""
+        axes, s = self._axes()
+        perm = [_FC_AXES.index(a) for a in axes]
+        np.copyto(dst.reshape([s[a] for a in axes]), src.reshape([s[a] for a in _FC_AXES]).transpose(perm))
+
+    @classmethod
+    def from_spec(cls, spec: Any, *, num_kv_heads: int | None = None, head_dim: int | None = None,
+                  mla: bool | None = None, layout: str | None = None,
+                  kv_cache_layout: str | None = None) -> "PrimaryGeometry":
+        """Derive the geometry from vLLM's ``OffloadingSpec`` (``spec.config``: groups, model dtype,
+        parallel, ``kv_cache_layout``; ``spec.cpu_page_size_per_worker``) plus what vLLM does not say on
+        the scheduler side: heads per rank (``num_kv_heads``) or a ``layout`` preset.
+
+        Raises ValueError naming the missing or inconsistent setting.
+        """
+        cfg = spec.config
+        if getattr(cfg, "canonical_layout", False):
+            raise ValueError("canonical_layout: the kvbm tiers store vLLM's direct layout; remove "
+                             "canonical_layout from kv_connector_extra_config")
+        if len(cfg.groups) != 1:
+            raise ValueError(f"kv cache groups: the kvbm tiers support one KV cache group (full attention), "
+                             f"this model has {len(cfg.groups)}")
+        num_layers = len(cfg.groups[0].layer_names)
+        tpb = int(cfg.groups[0].tokens_per_block)
+        bpc = int(spec.blocks_per_chunk)
+        dtype = str(cfg.model.dtype).removeprefix("torch.")
+        if dtype == "auto":
+            dtype = "bfloat16"
+        replicated = bool(getattr(spec, "replicated_layout", False))
+        copies = 1 if replicated else int(cfg.parallel.world_size)
+        rank_bytes = int(spec.cpu_page_size_per_worker)
+        if layout is not None:
+            from ...model.presets import load_preset
+            p = load_preset(layout)
+            num_kv_heads = p.kv_heads_per_rank(max(1, int(cfg.parallel.tp_size)))
+            head_dim, mla = p.head_dim, p.mla
+            dtype = p.dtype if dtype in ("", "auto") else dtype
+        if mla:
+            num_kv_heads, outer = 1, 1
+        else:
+            outer = 2
+        if num_kv_heads is None:
+            raise ValueError("num_kv_heads: the secondary tier config must give 'num_kv_heads' (KV heads per "
+                             "rank) or 'layout' (a preset) to map vLLM's [H, N, K|V] page to KVBM's block")
+        if head_dim is None:
+            denom = num_layers * outer * int(num_kv_heads) * dtype_bytes(dtype) * tpb * bpc
+            if denom <= 0 or rank_bytes % denom:
+                raise ValueError(f"head_dim: cannot derive from {rank_bytes} B per rank chunk with "
+                                 f"{num_layers} layers x {num_kv_heads} heads; set 'head_dim'")
+            head_dim = rank_bytes // denom
+        kvl = kv_cache_layout or getattr(cfg, "kv_cache_layout", None) or "LBNHC"
+        return cls(num_layers=num_layers, num_kv_heads=int(num_kv_heads), head_dim=int(head_dim), outer_dim=outer,
+                   dtype=dtype, tokens_per_block=tpb, blocks_per_chunk=bpc, copies=copies, rank_bytes=rank_bytes,
+                   kv_cache_layout=str(kvl).upper())
+
+
+class _Staging:
+    """Free list of 4 KiB-aligned, pre-faulted block buffers (``nbytes`` each), at most ``max_bytes``
+    kept. Fresh large allocations cost page faults and zeroing on every job; reuse avoids both."""
+
+    def __init__(self, nbytes: int, max_bytes: int = 256 << 20) -> None:
+        self.nbytes = nbytes
+        self._keep = max(1, max_bytes // max(1, nbytes))
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list[np.ndarray]:
+        with self._lock:
+            k = min(n, len(self._free))
+            out = [self._free.pop() for _ in range(k)]
+        out.extend(aligned_empty(self.nbytes) for _ in range(n - k))
+        return out
+
+    def give(self, bufs: list[np.ndarray]) -> None:
+        with self._lock:
+            room = self._keep - len(self._free)
+            if room > 0:
+                self._free.extend(bufs[:room])
+
+
+class _PoolLookup(AsyncLookupManager):
+    """vLLM's async lookup machinery (background thread, one batch per step) over pool index lookups."""
+
+    def __init__(self, tier: "KvbmSecondaryTier", tier_type: str) -> None:
+        self._tier = tier
+        super().__init__(tier_type=tier_type)
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        t = self._tier
+        tenant = t._tenant_of(req_context)
+        futs = [t.pool.lookup_prefix(t._block_keys(k, tenant)) for k in keys]
+        out = []
+        for f in futs:
+            try:
+                out.append(f.result(timeout=t._job_timeout_s) == t.geometry.copies)
+            except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
+                log.debug("lookup failed: %s", e)
+                out.append(False)
+        return out
+
+
+class KvbmSecondaryTier(SecondaryTierManager):
+    """A kvbm-backend BlockPool as a vLLM secondary tier. Subclasses set ``pool_tier`` and ``_make_pool``.
+
+    All SecondaryTierManager methods are non-blocking except ``drain_jobs`` (by contract) and
+    ``shutdown``. Jobs run on ``io_threads`` threads: gather/convert from the primary, then the pool's
+    put/get futures. Raises ValueError/ConfigError at construction for bad settings (naming the field).
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+    pool_tier: ClassVar[str] = ""
+    default_locality: ClassVar[str] = "LOCAL"
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str, *,
+                 config: str | dict | None = None, g3: dict | None = None, g4: dict | None = None,
+                 tenant: str | None = None, revision: str | None = None, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, mla: bool | None = None, layout: str | None = None,
+                 kv_cache_layout: str | None = None, enable_kv_events: bool = False,
+                 locality: str | None = None, io_threads: int = 8, job_timeout_s: float = 60.0,
+                 backpressure_detector: Any = None) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality or self.default_locality)
+        self.geometry = PrimaryGeometry.from_spec(offloading_spec, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                                  mla=mla, layout=layout, kv_cache_layout=kv_cache_layout)
+        self.config = self._load_config(config, g3=g3, g4=g4)
+        self._tenant = self.config.tenant if tenant is None else str(tenant)
+        if io_threads < 1:
+            raise ValueError(f"io_threads: must be >= 1, got {io_threads}")
+        if job_timeout_s <= 0:
+            raise ValueError(f"job_timeout_s: must be > 0, got {job_timeout_s}")
+        self._job_timeout_s = float(job_timeout_s)
+        self.namespace = Namespace(model=str(offloading_spec.config.model.name),
+                                   revision=revision or self.config.revision, layout=self.geometry.kv_layout,
+                                   tp_world_size=self.geometry.copies, hash_scheme="vllm-block-hash")
+        view = primary_kv_view
+        assert view.strides is not None
+        self._row_stride = int(view.strides[0])
+        if self.geometry.copies * self.geometry.rank_bytes > self._row_stride:
+            raise ValueError(f"primary row: {self._row_stride} B < {self.geometry.copies} ranks x "
+                             f"{self.geometry.rank_bytes} B")
+        self._primary = np.asarray(view).view(np.uint8).reshape(-1, self._row_stride)
+        self.pool = self._make_pool(self.config, self.namespace)
+        self._events: list[OffloadingEvent] | None = None
+        if enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self._events = []
+            else:
+                log.warning("enable_kv_events set on tier %s but KV cache events are disabled globally", tier_type)
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: dict[JobId, tuple[list[OffloadKey], bool]] = {}  # job -> (keys, is_store)
+        self._outstanding = 0
+        self._cv = threading.Condition()
+        self._closed = False
+        self._staging = _Staging(self.geometry.rank_bytes)
+        self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"kvbm_{tier_type}")
+        self._lookup = _PoolLookup(self, tier_type)
+        self._counters = {"stores": 0, "stores_failed": 0, "loads": 0, "loads_failed": 0,
+                          "chunks_stored": 0, "chunks_loaded": 0, "chunks_load_failed": 0}
+
+    # ---- construction helpers ------------------------------------------------------------------
+    def _load_config(self, config: str | dict | None, *, g3: dict | None, g4: dict | None) -> KvbmBackendConfig:
+        cfg = load_config(config)
+        data = cfg.model_dump()
+        for name, override in (("g3", g3), ("g4", g4)):
+            if override is not None:
+                if not isinstance(override, dict):
+                    raise ConfigError(f"{name}: expected a mapping of {name} settings, got {override!r}")
+                data[name] = {**data[name], **override}
+        # vLLM's primary tier already decides what is offloaded (tiering has no store_threshold):
+        # store every cascaded chunk unless the config chose an admission policy itself.
+        g3_set = (g3 or {}).get("admission") is not None or "admission" in cfg.g3.model_fields_set
+        if not g3_set:
+            data["g3"]["admission"] = {**data["g3"]["admission"], "policy": "all"}
+        return load_config(data, use_env=False)
+
+    def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
+        raise NotImplementedError
+
+    def _count(self, name: str, n: int) -> None:
+        with self._cv:
+            self._counters[name] += n
+
+    # ---- keys ----------------------------------------------------------------------------------
+    def _tenant_of(self, req_context: ReqContext | None) -> str:
+        params = getattr(req_context, "kv_transfer_params", None)
+        if isinstance(params, dict) and params.get("kvbm_tenant") is not None:
+            return str(params["kvbm_tenant"])
+        return self._tenant
+
+    def _block_keys(self, key: OffloadKey, tenant: str) -> list[BlockKey]:
+        h = offload_key_hash(key)
+        return [self.namespace.key(h, tenant, r) for r in range(self.geometry.copies)]
+
+    def _slice(self, chunk_id: int, rank: int) -> np.ndarray:
+        p = self.geometry.rank_bytes
+        return self._primary[int(chunk_id), rank * p:(rank + 1) * p]
+
+    # ---- SecondaryTierManager ------------------------------------------------------------------
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT if every rank's block is in the pool index, MISS if not, RETRY while the async index
+        lookup (posted at the end of this step) has not answered."""
+        r = self._lookup.lookup(key, req_context)
+        if r is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if r else LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, self._run_store)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, self._run_load)
+
+    def _submit(self, job: TransferJob, fn) -> None:
+        keys = list(job.keys)
+        if len(keys) != len(job.chunk_ids):
+            raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(job.chunk_ids)} chunk_ids")
+        self._jobs[job.job_id] = (keys, fn == self._run_store)
+        with self._cv:
+            self._outstanding += 1
+        try:
+            self._executor.submit(self._guard, fn, job, keys)
+        except RuntimeError:  # executor shut down: report the job failed, never lose it
+            self._finish(JobResult(job_id=job.job_id, success=False))
+
+    def _finish(self, result: JobResult) -> None:
+        self._results.put(result)
+        with self._cv:
+            self._outstanding -= 1
+            self._cv.notify_all()
+
+    def _guard(self, fn, job: TransferJob, keys: list[OffloadKey]) -> None:
+        t0 = time.perf_counter()
+        try:
+            result = fn(job, keys)
+        except Exception as e:  # noqa: BLE001 - any failure is a failed job, never a lost one
+            log.warning("%s job %s failed: %s", self.tier_type, job.job_id, e)
+            result = JobResult(job_id=job.job_id, success=False)
+        result.transfer_time = time.perf_counter() - t0
+        self._finish(result)
+
+    def _run_store(self, job: TransferJob, keys: list[OffloadKey]) -> JobResult:
+        g = self.geometry
+        tenant = self._tenant_of(job.req_context)
+        bkeys: list[BlockKey] = []
+        bufs = self._staging.take(len(keys) * g.copies)
+        for i, (key, cid) in enumerate(zip(keys, job.chunk_ids)):
+            for r, bk in enumerate(self._block_keys(key, tenant)):
+                g.engine_to_block(self._slice(cid, r), bufs[i * g.copies + r])
+                bkeys.append(bk)
+        # on a timeout the pool may still read the buffers: they are then not reused
+        res = self.pool.put(bkeys, bufs).result(timeout=self._job_timeout_s)
+        self._staging.give(bufs)
+        ok = res.dropped == 0 and res.written + res.skipped == len(bkeys)
+        self._count("stores", 1)
+        if ok:
+            self._count("chunks_stored", len(keys))
+        else:
+            self._count("stores_failed", 1)
+        return JobResult(job_id=job.job_id, success=ok, transfer_bytes=len(keys) * g.copies * g.rank_bytes)
+
+    def _run_load(self, job: TransferJob, keys: list[OffloadKey]) -> JobResult:
+        g = self.geometry
+        tenant = self._tenant_of(job.req_context)
+        bkeys: list[BlockKey] = []
+        bufs = self._staging.take(len(keys) * g.copies)
+        for key in keys:
+            bkeys.extend(self._block_keys(key, tenant))
+        res = self.pool.get(bkeys, bufs).result(timeout=self._job_timeout_s)
+        if len(res.ok) != len(bkeys):
+            raise RuntimeError(f"pool returned {len(res.ok)} results for {len(bkeys)} blocks")
+        good: list[OffloadKey] = []
+        for i, (key, cid) in enumerate(zip(keys, job.chunk_ids)):
+            if all(res.ok[i * g.copies:(i + 1) * g.copies]):
+                for r in range(g.copies):
+                    g.block_to_engine(bufs[i * g.copies + r], self._slice(cid, r))
+                good.append(key)
+        self._staging.give(bufs)
+        self._count("loads", 1)
+        self._count("chunks_loaded", len(good))
+        if len(good) == len(keys):
+            return JobResult(job_id=job.job_id, success=True, transfer_bytes=len(keys) * g.copies * g.rank_bytes)
+        self._count("loads_failed", 1)
+        self._count("chunks_load_failed", len(keys) - len(good))
+        return JobResult(job_id=job.job_id, success=False, successful_keys=tuple(good) if good else None,
+                         transfer_bytes=len(good) * g.copies * g.rank_bytes)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        out: list[JobResult] = []
+        while True:
+            try:
+                res: JobResult = self._results.get_nowait()
+            except queue.Empty:
+                break
+            keys, is_store = self._jobs.pop(res.job_id, ([], False))
+            out.append(res)
+            if not res.success and not is_store:
+                # Force the cached verdict of the chunks not loaded to miss, so the scheduler does not
+                # re-issue a doomed promotion (the livelock vLLM's fs tier guards against, #49176).
+                good = set(res.successful_keys or ())
+                self._lookup.mark_miss([k for k in keys if k not in good])
+            elif res.success and is_store and self._events is not None:
+                self._events.append(OffloadingEvent(keys=list(keys), medium=self.medium, removed=False,
+                                                    locality=self.locality))
+        return out
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events:
+            ev, self._events = self._events, []
+            yield from ev
+
+    def has_pending_work(self) -> bool:
+        with self._cv:
+            return self._outstanding > 0 or not self._results.empty()
+
+    def drain_jobs(self) -> None:
+        """Block until every submitted job has finished (results stay queued for get_finished_jobs)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._outstanding == 0)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookup.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookup.flush()
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext):
+        return
+
+    def shutdown(self) -> None:
+        """Stop lookups, wait for jobs in flight, close the pool, release the primary buffer."""
+        if self._closed:
+            return
+        self._closed = True
+        self._lookup.shutdown()
+        self.drain_jobs()
+        self._executor.shutdown(wait=True)
+        try:
+            self.pool.close()
+        finally:
+            self._primary = None  # drop our export of vLLM's memoryview so its mmap can close
+
+    def kvbm_stats(self) -> dict:
+        """Tier counters (jobs, chunks) plus the pool's own ``stats()``."""
+        with self._cv:
+            tier = dict(self._counters)
+        return {"tier": tier, "pool": self.pool.stats()}
+
+
+class G3Tier(KvbmSecondaryTier):
+    """G3 (local NVMe / mounted filesystem) pool as a vLLM secondary tier (``type: G3Tier``)."""
+
+    pool_tier = "G3"
+    default_locality = "LOCAL"
+
+    def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
+        from ...pool.g3 import G3Pool
+        return G3Pool(cfg.g3, namespace)
+
+
+class G4Tier(KvbmSecondaryTier):
+    """G4 (shared S3 / shared POSIX, per-tenant encrypted) pool as a vLLM secondary tier (``type: G4Tier``)."""
+
+    pool_tier = "G4"
+    default_locality = "REMOTE"
+
+    def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
+        try:
+            from ...g4 import G4Pool
+        except ImportError:
+            from ...g4.pool import G4Pool
+        if not cfg.g4.url:
+            raise ConfigError("g4.url: required for G4Tier (s3://BUCKET/PREFIX or file:///shared/path)")
+        return G4Pool(cfg.g4.model_copy(update={"enabled": True}), namespace)
