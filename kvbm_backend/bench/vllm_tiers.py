@@ -1,0 +1,297 @@
+"""Peer comparison: our G3 tier vs vLLM's own ``FileSystemTierManager``, through vLLM's tiering manager.
+
+``kvbm-backend bench --tier vllm-tiers --path DIR --layout NAME [--blocks N] [--json]``
+
+Both tiers are driven the same way in one run, with no engine: vLLM's real ``TieringOffloadingSpec``
+builds its ``TieringOffloadingManager`` with the CPU primary tier (a host mmap in ``/dev/shm``) and
+one secondary tier (``{"type": "fs", "root_dir": ...}`` or ``{"type": "G3Tier", "module_path": ...}``);
+:class:`TieringHarness` plays the scheduler: ``prepare_store`` + fill the primary chunks +
+``complete_store`` (which cascades every chunk to the secondary tier), polling ``on_schedule_end``
+until idle; then ``reset_cache`` empties the primary and ``lookup`` / ``on_schedule_end`` promote
+every chunk back from the secondary tier, and the bytes are checked.
+
+Numbers (medians of :data:`ROUNDS` rounds that alternate which tier goes first, fresh keys each
+round; the per-round values are in ``*_rounds``): ``*_write_gbps`` = chunk bytes / seconds from the first ``complete_store`` until every
+cascade job finished; ``*_read_gbps`` = chunk bytes / seconds from the first ``lookup`` until every
+chunk is a primary HIT (lookup + promotion). GB = 1e9 bytes. Block = one primary chunk of
+``layout.bytes_per_block`` (one vLLM block of ``page_size`` tokens, TP 1). Before each read phase the
+page cache is dropped for every file under the tier's directory (``fsync`` then ``posix_fadvise
+DONTNEED``), so a buffered reader also reads from the device; ``*_o_direct`` says whether the tier
+used O_DIRECT. Our G3 tier fsyncs before publishing (its invariant); vLLM's fs tier does not (it writes with O_DIRECT and renames, no fsync), so ``ours_nofsync_*`` runs
+our tier with ``g3.fsync: false`` as the same-durability comparison.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from . import BenchOptions
+
+TIERING_MODULE = "kvbm_backend.integrations.vllm.tiering"
+ROUNDS = 3  # alternating rounds per tier; the medians are reported
+
+
+def offloading_config(*, secondary_tiers: list[dict], num_layers: int, num_kv_heads: int, head_dim: int,
+                      dtype: str = "bfloat16", tokens_per_block: int = 16, blocks_per_chunk: int = 1,
+                      chunks: int = 64, world_size: int = 1, kv_cache_layout: str | None = "LBNHC",
+                      enable_kv_cache_events: bool = False, model: str = "kvbm-bench", engine_id: str | None = None,
+                      extra: dict | None = None):
+    """vLLM's ``OffloadingConfig`` for a one-group (full attention) model, as the OffloadingConnector
+    would build it (``offloading/config.py``): ``worker_kv_bytes_per_block = layers * heads *
+    tokens_per_block * (2 * head_dim) * dtype bytes``; ``cpu_bytes_to_use`` sized for ``chunks`` chunks."""
+    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+                                           OffloadingModelConfig, OffloadingParallelConfig)
+
+    from ..model.layout import dtype_bytes
+    worker_bytes = num_layers * num_kv_heads * tokens_per_block * 2 * head_dim * dtype_bytes(dtype)
+    chunk_bytes = worker_bytes * blocks_per_chunk * world_size
+    chunk_bytes += (-chunk_bytes) % 4096
+    extra_config: dict[str, Any] = {"cpu_bytes_to_use": chunks * chunk_bytes, "secondary_tiers": secondary_tiers}
+    extra_config.update(extra or {})
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=tokens_per_block,
+                                      layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(num_layers)),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=worker_bytes, enable_kv_cache_events=enable_kv_cache_events,
+        extra_config=extra_config, engine_id=engine_id or f"kvbm-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(rank=0, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1,
+                                          dcp_size=1, data_parallel_index=0, data_parallel_size=1,
+                                          data_parallel_rank_local=None, is_parallelism_agnostic=False),
+        kv_cache_layout=kv_cache_layout)
+
+
+class TieringHarness:
+    """vLLM's real ``TieringOffloadingSpec`` / ``TieringOffloadingManager`` driven like its scheduler
+    would, with a host primary buffer and no engine. ``config`` is an ``OffloadingConfig``."""
+
+    def __init__(self, config) -> None:
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+        self.spec = TieringOffloadingSpec(config)
+        self.manager = self.spec.get_manager()
+        view = self.manager.primary_tier.get_kv_memoryview()
+        self.row_stride = int(view.strides[0])
+        self.primary = np.asarray(view).view(np.uint8).reshape(-1, self.row_stride)
+        self.chunk_bytes = int(self.spec.cpu_page_size_per_worker) * (
+            1 if self.spec.replicated_layout else config.parallel.world_size)
+        self._n = 0
+
+    @property
+    def tier(self):
+        return self.manager.secondary_tiers[0]
+
+    def context(self, req_id: str | None = None, kv_transfer_params: dict | None = None):
+        from vllm.v1.kv_offload.base import ReqContext
+        self._n += 1
+        return ReqContext(req_id=req_id or f"req-{self._n}", kv_transfer_params=kv_transfer_params)
+
+    def step(self) -> None:
+        from vllm.v1.kv_offload.base import ScheduleEndContext
+        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+
+    def wait_idle(self, timeout: float = 120.0, poll_s: float = 0.0005) -> None:
+        """Step until no tier job is pending. Raises TimeoutError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.step()
+            if not self.manager.has_pending_work():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError("tiering manager still has pending work")
+            time.sleep(poll_s)
+
+    def store(self, keys: list[bytes], payloads: list[np.ndarray], ctx=None, finish: bool = True) -> list[int]:
+        """Offload ``payloads[i]`` (``chunk_bytes`` uint8 each) under ``keys[i]``: GPU->primary is
+        simulated by writing the primary chunk, then ``complete_store`` cascades to the secondary tiers.
+        Returns the primary chunk ids. Does not wait for the cascade (see :meth:`wait_idle`)."""
+        ctx = ctx or self.context()
+        self.manager.on_new_request(ctx)
+        out = self.manager.prepare_store(keys, ctx)
+        if out is None:
+            raise RuntimeError("primary tier is full")
+        ids = [int(c) for c in out.store_spec.chunk_ids]
+        pos = {k: i for i, k in enumerate(keys)}
+        for k, cid in zip(out.keys_to_store, ids):
+            self.primary[cid, :self.chunk_bytes] = payloads[pos[k]]
+        self.manager.complete_store(out.keys_to_store, ctx, True)
+        if finish:
+            self.manager.on_request_finished(ctx)
+        return ids
+
+    def lookup_prefix(self, keys: list[bytes], ctx=None, timeout: float = 60.0, poll_s: float = 0.0005) -> int:
+        """Step lookups until the prefix resolves, as vLLM's ``OffloadingConnectorScheduler.
+        _maximal_prefix_lookup`` does (scan on through HIT_PENDING and RETRY so every chunk's lookup
+        and promotion start in one step; stop at MISS). Returns how many leading keys are primary
+        HITs (promoted from a secondary tier where needed). Raises TimeoutError."""
+        from vllm.v1.kv_offload.base import LookupResult
+        ctx = ctx or self.context()
+        deadline = time.monotonic() + timeout
+        while True:
+            n, defer = 0, False
+            for k in keys:
+                r = self.manager.lookup(k, ctx)
+                if r is LookupResult.MISS:
+                    break
+                if r is LookupResult.HIT:
+                    n += 1
+                elif r is LookupResult.HIT_PENDING:
+                    n += 1
+                    defer = True
+                else:  # RETRY
+                    defer = True
+            if not defer:
+                return n
+            self.step()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"lookup unresolved after {timeout}s ({n} hits so far)")
+            time.sleep(poll_s)
+
+    def load(self, keys: list[bytes], ctx=None, timeout: float = 60.0) -> list[np.ndarray]:
+        """Look ``keys`` up (promoting from secondary tiers) and return copies of the leading HIT chunks'
+        bytes (``chunk_bytes`` each); the list is shorter than ``keys`` on a miss."""
+        ctx = ctx or self.context()
+        self.manager.on_new_request(ctx)
+        n = self.lookup_prefix(keys, ctx, timeout)
+        out: list[np.ndarray] = []
+        if n:
+            spec = self.manager.prepare_load(keys[:n], ctx)
+            out = [self.primary[int(c), :self.chunk_bytes].copy() for c in spec.chunk_ids]
+            self.manager.complete_load(keys[:n], ctx)
+        self.manager.on_request_finished(ctx)
+        self.step()
+        return out
+
+    def reset_primary(self) -> None:
+        """vLLM's ``reset_cache``: drain the tiers, empty the primary tier (secondary data stays)."""
+        self.manager.reset_cache()
+
+    def shutdown(self) -> None:
+        self.primary = None
+        self.manager.shutdown()
+
+
+def _drop_cache(directory: str) -> int:
+    """fsync and ``posix_fadvise(DONTNEED)`` every regular file under ``directory``; returns the count."""
+    n = 0
+    for root, _, files in os.walk(directory):
+        for f in files:
+            p = os.path.join(root, f)
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return n
+
+
+def _key(i: int, run: str) -> bytes:
+    import hashlib
+    from vllm.v1.kv_offload.base import make_offload_key
+    return make_offload_key(hashlib.sha256(f"{run}:{i}".encode()).digest(), 0)
+
+
+def _one_tier(name: str, tier_cfg: dict, geo: dict, keys: list[bytes], payloads: list[np.ndarray], root: str,
+              batch: int) -> dict:
+    h = TieringHarness(offloading_config(secondary_tiers=[tier_cfg], chunks=len(keys) + 8, **geo))
+    try:
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), batch):
+            h.store(keys[i:i + batch], payloads[i:i + batch])
+            h.step()
+        h.wait_idle(timeout=600)
+        t_write = time.perf_counter() - t0
+        o_direct = bool(getattr(h.tier, "_use_o_direct", False))
+        if hasattr(h.tier, "kvbm_stats"):
+            od = h.tier.kvbm_stats()["pool"].get("o_direct", {})
+            o_direct = all(od.values()) if isinstance(od, dict) and od else bool(od)
+        h.reset_primary()
+        files = _drop_cache(root)
+        got: list[np.ndarray] = []
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), batch):
+            got.extend(h.load(keys[i:i + batch], timeout=600))
+        t_read = time.perf_counter() - t0
+        ok = len(got) == len(keys) and all(np.array_equal(a, b) for a, b in zip(got, payloads))
+        nbytes = len(keys) * h.chunk_bytes
+        return {f"{name}_write_gbps": nbytes / t_write / 1e9, f"{name}_read_gbps": nbytes / t_read / 1e9,
+                f"{name}_write_s": t_write, f"{name}_read_s": t_read, f"{name}_o_direct": o_direct,
+                f"{name}_read_cache_dropped": files > 0, f"{name}_read_verified": ok,
+                f"{name}_blocks_read": len(got)}
+    finally:
+        h.shutdown()
+
+
+def run(opts: BenchOptions) -> dict:
+    """Run the comparison (see module docstring). Raises ValueError on bad options."""
+    from ..model.presets import load_preset
+    if not opts.path:
+        raise ValueError("--path: required for --tier vllm-tiers (a directory on the disk to test)")
+    if opts.blocks < 1:
+        raise ValueError(f"--blocks: must be >= 1, got {opts.blocks}")
+    preset = load_preset(opts.layout)
+    layout = preset.layout(page_size=opts.page_size, tp=opts.tp)
+    heads = preset.kv_heads_per_rank(opts.tp)
+    if preset.mla:
+        raise ValueError(f"--layout: {opts.layout} is MLA; vLLM's fs tier comparison uses a K/V layout")
+    geo = dict(num_layers=layout.num_layers, num_kv_heads=heads, head_dim=preset.head_dim, dtype=layout.dtype,
+               tokens_per_block=opts.page_size)
+    base = os.path.join(opts.path, f"kvbm-vllm-tiers-{uuid.uuid4().hex[:8]}")
+    fs_root = os.path.join(base, "vllm-fs")
+    g3_roots = {"ours": os.path.join(base, "kvbm-g3"), "ours_nofsync": os.path.join(base, "kvbm-g3-nofsync")}
+    for d in (fs_root, *g3_roots.values()):
+        os.makedirs(d)
+    rng = np.random.default_rng(0)
+    payloads = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8) for _ in range(opts.blocks)]
+    batch = 16
+    threads = max(1, opts.threads)
+    capacity_gb = max(1.0, 2.5 * ROUNDS * opts.blocks * layout.bytes_per_block / 1e9)
+    result: dict[str, Any] = {"layout": opts.layout, "block_bytes": layout.bytes_per_block, "blocks": opts.blocks,
+                              "chunks_per_store_job": batch, "path": opts.path, "rounds": ROUNDS}
+    rounds: dict[str, list[dict]] = {"vllm_fs": [], "ours": [], "ours_nofsync": []}
+    try:
+        for rnd in range(ROUNDS):  # alternate the tiers so drift of a virtual disk hits both alike
+            run_id = uuid.uuid4().hex  # fresh keys (new files / slots) every round
+            keys = [_key(i, run_id) for i in range(opts.blocks)]
+            order = ("vllm_fs", "ours", "ours_nofsync") if rnd % 2 == 0 else ("ours_nofsync", "ours", "vllm_fs")
+            for name in order:
+                if name == "vllm_fs":
+                    cfg = {"type": "fs", "root_dir": fs_root, "n_read_threads": threads, "n_write_threads": threads}
+                    root = fs_root
+                else:
+                    g3_root = g3_roots[name]
+                    cfg = {"type": "G3Tier", "module_path": TIERING_MODULE, "num_kv_heads": heads,
+                           "io_threads": threads, "config": {"model": opts.layout},
+                           "g3": {"paths": [g3_root], "capacity_gb": capacity_gb, "io_size_bytes": opts.io_size_bytes,
+                                  "engine": opts.engine, "io_threads": threads,
+                                  "fsync": name == "ours"}}
+                    root = g3_root
+                rounds[name].append(_one_tier(name, cfg, geo, keys, payloads, root, batch))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    for name, rs in rounds.items():
+        for metric in ("write_gbps", "read_gbps"):
+            vals = [r[f"{name}_{metric}"] for r in rs]
+            result[f"{name}_{metric}"] = float(np.median(vals))
+            result[f"{name}_{metric}_rounds"] = vals
+        for flag in ("o_direct", "read_cache_dropped", "read_verified"):
+            result[f"{name}_{flag}"] = all(r[f"{name}_{flag}"] for r in rs)
+    result["write_ratio"] = result["ours_write_gbps"] / result["vllm_fs_write_gbps"]
+    result["write_ratio_same_durability"] = result["ours_nofsync_write_gbps"] / result["vllm_fs_write_gbps"]
+    result["read_ratio"] = result["ours_read_gbps"] / result["vllm_fs_read_gbps"]
+    result["note"] = (f"medians of {ROUNDS} alternating rounds; same chunks through vLLM's TieringOffloadingManager; page cache dropped (fsync + "
+                      "posix_fadvise DONTNEED) for both tiers' files before reads; ours fsyncs before publish, "
+                      "vLLM's fs tier does not")
+    return result
