@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Aggregated Dynamo vLLM worker: Dynamo's KVBM (DynamoConnector) keeps G1/G2 (GPU + pinned host),
+# kvbm-backend serves G3/G4 when KVBM misses. vLLM's MultiConnector asks its connectors in list order
+# for prefix hits (the first with hits loads) and saves to all of them.
+# KVBM's own disk tier is left off (no DYN_KVBM_DISK_CACHE_GB): G3 is ours.
+set -euo pipefail
+MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
+export DYN_KVBM_CPU_CACHE_GB="${DYN_KVBM_CPU_CACHE_GB:-64}"
+unset DYN_KVBM_DISK_CACHE_GB
+
+KV_TRANSFER_CONFIG='{
+  "kv_connector": "MultiConnector",
+  "kv_role": "kv_both",
+  "kv_load_failure_policy": "recompute",
+  "kv_connector_extra_config": {
+    "connectors": [
+      {"kv_connector": "DynamoConnector",
+       "kv_connector_module_path": "kvbm.vllm_integration.connector",
+       "kv_role": "kv_both"},
+      {"kv_connector": "KvbmBackendConnector",
+       "kv_connector_module_path": "kvbm_backend.integrations.vllm.connector",
+       "kv_role": "kv_both",
+       "kv_connector_extra_config": {"config_file": "/etc/kvbm-backend/kvbm-backend.yaml"}}
+    ]
+  }
+}'
+
+exec python -m dynamo.vllm \
+  --model "$MODEL" \
+  --enable-prefix-caching \
+  --kv-transfer-config "$KV_TRANSFER_CONFIG"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Disaggregated serving, DECODE worker: receives prefill KV over NIXL. kvbm-backend is composed here
+# too so blocks produced while decoding (multi-turn continuations) are offloaded to G3/G4.
+set -euo pipefail
+MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
+export VLLM_NIXL_SIDE_CHANNEL_PORT="${VLLM_NIXL_SIDE_CHANNEL_PORT:-20098}"
+
+KV_TRANSFER_CONFIG='{
+  "kv_connector": "MultiConnector",
+  "kv_role": "kv_both",
+  "kv_load_failure_policy": "recompute",
+  "kv_connector_extra_config": {
+    "connectors": [
+      {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+      {"kv_connector": "KvbmBackendConnector",
+       "kv_connector_module_path": "kvbm_backend.integrations.vllm.connector",
+       "kv_role": "kv_both",
+       "kv_connector_extra_config": {"config_file": "/etc/kvbm-backend/kvbm-backend.yaml"}}
+    ]
+  }
+}'
+
+exec python -m dynamo.vllm \
+  --model "$MODEL" \
+  --disaggregation-mode decode \
+  --kv-transfer-config "$KV_TRANSFER_CONFIG"

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Disaggregated serving, PREFILL worker: NixlConnector hands KV to the decode worker, kvbm-backend
+# keeps prefixes in G3/G4 so a returning prompt is loaded instead of recomputed.
+# Run one Dynamo frontend (python -m dynamo.frontend) and disagg_decode.sh beside it.
+set -euo pipefail
+MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
+export VLLM_NIXL_SIDE_CHANNEL_PORT="${VLLM_NIXL_SIDE_CHANNEL_PORT:-20097}"
+
+KV_TRANSFER_CONFIG='{
+  "kv_connector": "MultiConnector",
+  "kv_role": "kv_both",
+  "kv_load_failure_policy": "recompute",
+  "kv_connector_extra_config": {
+    "connectors": [
+      {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+      {"kv_connector": "KvbmBackendConnector",
+       "kv_connector_module_path": "kvbm_backend.integrations.vllm.connector",
+       "kv_role": "kv_both",
+       "kv_connector_extra_config": {"config_file": "/etc/kvbm-backend/kvbm-backend.yaml"}}
+    ]
+  }
+}'
+
+exec python -m dynamo.vllm \
+  --model "$MODEL" \
+  --disaggregation-mode prefill \
+  --enable-prefix-caching \
+  --kv-transfer-config "$KV_TRANSFER_CONFIG"

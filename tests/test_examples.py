@@ -1,0 +1,115 @@
+"""Every config in examples/ is parsed and loaded (not run): shell scripts pass ``bash -n``, the JSON
+they embed is extracted and becomes vLLM's real ``KVTransferConfig`` (MultiConnector children too),
+our connector/tier module paths import and hold the named classes, and kvbm-backend YAML loads with
+``load_config``."""
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvbm_backend.config import load_config
+
+EX = Path(__file__).resolve().parents[1] / "examples"
+SCRIPTS = sorted(EX.rglob("*.sh"))
+OURS = {"kvbm_backend.integrations.vllm.connector", "kvbm_backend.integrations.vllm.tiering"}
+JSON_VAR = re.compile(r"^(\w+_CONFIG)='(\{.*?\})'\s*$", re.S | re.M)
+
+
+def kv_transfer_configs_in(text: str) -> list[dict]:
+    return [json.loads(m.group(2)) for m in JSON_VAR.finditer(text)]
+
+
+def check_kv_transfer_config(d: dict) -> list[str]:
+    """Build vLLM's KVTransferConfig from ``d`` (and each MultiConnector child); import our modules.
+    Returns the connector names seen."""
+    from vllm.config import KVTransferConfig
+    ktc = KVTransferConfig(**d)
+    names = [ktc.kv_connector]
+    extra = ktc.kv_connector_extra_config
+    if ktc.kv_connector == "MultiConnector":
+        children = extra["connectors"]
+        assert isinstance(children, list) and len(children) >= 2
+        for child in children:
+            names += check_kv_transfer_config(child)
+    if ktc.kv_connector_module_path in OURS:
+        mod = importlib.import_module(ktc.kv_connector_module_path)
+        assert hasattr(mod, ktc.kv_connector), f"{ktc.kv_connector} not in {ktc.kv_connector_module_path}"
+        ours = extra.get("kvbm_backend")
+        if ours is not None:
+            load_config(ours, use_env=False)
+        if extra.get("config_file"):
+            assert extra["config_file"].endswith((".yaml", ".yml", ".toml", ".json"))
+    if ktc.kv_connector == "OffloadingConnector":
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+        assert OffloadingSpecFactory.get_spec_cls(extra).__name__ == extra["spec_name"]
+        for tier in extra["secondary_tiers"]:
+            cls = SecondaryTierFactory.get_tier_class(tier)
+            assert cls.__module__ in OURS and cls.__name__ == tier["type"]
+            for section in ("g3", "g4"):
+                if section in tier:
+                    load_config({section: tier[section]}, use_env=False)
+            if "layout" in tier:
+                from kvbm_backend.model.presets import load_preset
+                load_preset(tier["layout"])
+    return names
+
+
+def test_examples_exist():
+    names = {p.relative_to(EX).as_posix() for p in EX.rglob("*") if p.is_file()}
+    for want in ("kvbm-backend.yaml", "dynamo/agg_kvbm_backend.sh", "dynamo/agg_kvbm_multi.sh",
+                 "dynamo/disagg_prefill.sh", "dynamo/disagg_decode.sh", "vllm/serve_kvbm_backend.sh",
+                 "vllm/serve_tiering.sh", "k8s/worker.yaml", "README.md"):
+        assert want in names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.relative_to(EX).as_posix())
+def test_script_syntax_and_embedded_config(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    configs = kv_transfer_configs_in(text)
+    assert configs, f"{script.name}: no KV_TRANSFER_CONFIG='{{...}}' block"
+    assert '--kv-transfer-config "$KV_TRANSFER_CONFIG"' in text
+    code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+    assert "--connector" not in code  # `--connector kvbm` is rejected by Dynamo 1.6
+    names = [n for c in configs for n in check_kv_transfer_config(c)]
+    assert "KvbmBackendConnector" in names or "OffloadingConnector" in names
+    if "dynamo" in script.parts:
+        assert "python -m dynamo.vllm" in text
+    if "multi" in script.name:
+        assert names[:3] == ["MultiConnector", "DynamoConnector", "KvbmBackendConnector"]
+        dyn = configs[0]["kv_connector_extra_config"]["connectors"][0]
+        assert dyn["kv_connector_module_path"] == "kvbm.vllm_integration.connector"
+    if "disagg" in script.name:
+        assert names[:3] == ["MultiConnector", "NixlConnector", "KvbmBackendConnector"]
+        assert "--disaggregation-mode" in text
+
+
+def test_kvbm_backend_yaml_loads():
+    cfg = load_config(EX / "kvbm-backend.yaml", use_env=False)
+    assert cfg.g3.paths and cfg.g4.enabled and cfg.g4.url.startswith("s3://") and cfg.g4.encrypt
+
+
+def test_kubernetes_worker():
+    docs = [d for d in yaml.safe_load_all((EX / "k8s" / "worker.yaml").read_text()) if d]
+    kinds = {d["kind"]: d for d in docs}
+    assert {"ConfigMap", "Deployment"} <= set(kinds)
+    load_config(yaml.safe_load(kinds["ConfigMap"]["data"]["kvbm-backend.yaml"]), use_env=False)
+    pod = kinds["Deployment"]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["command"] == ["python", "-m", "dynamo.vllm"]
+    ktc = json.loads(c["args"][c["args"].index("--kv-transfer-config") + 1])
+    assert "KvbmBackendConnector" in check_kv_transfer_config(ktc)
+    secret_env = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in c["env"] if "valueFrom" in e}
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "KVBM_BACKEND_KEK"} <= set(secret_env)
+    vols = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert "hostPath" in vols["g3"] or "persistentVolumeClaim" in vols["g3"]
+    cm = yaml.safe_load(kinds["ConfigMap"]["data"]["kvbm-backend.yaml"])
+    assert cm["g3"]["paths"] == [mounts["g3"]]
