@@ -252,7 +252,8 @@ class SlabSet:
         f = self.by_index[fi]
         if upto_slot < f.size_slots:
             return
-        want = min(max(upto_slot + 1, f.size_slots + max(1, GROW_BYTES // self.slot_bytes)), f.max_slots)
+        chunk = max(1, min(GROW_BYTES // self.slot_bytes, f.max_slots // 8))  # lazy: at most 1/8 of the share
+        want = min(max(upto_slot + 1, f.size_slots + chunk), f.max_slots)
         want = max(want, upto_slot + 1)
         grow = (want - f.size_slots) * self.slot_bytes
         avail, total = fs_space(f.directory)

@@ -1,0 +1,273 @@
+"""``kvbm-backend replay``: run a Mooncake-format request trace through the G3 pool.
+
+Trace format (``../shared/data/README.md``): one JSON object per line with ``input_length`` (tokens)
+and ``hash_ids`` (one id per 512-token block; equal ids at equal positions are a shared prefix).
+
+Tokens: trace block ``id`` stands for the 512 tokens ``numpy.random.default_rng(id).integers(0,
+32000, 512, dtype=uint32)``; a request's tokens are the concatenation over its ids cut to
+``input_length`` (so a partial last block is the leading tokens of that function). Only full pages
+of ``page_size`` tokens exist as blocks; their keys are KVBM sequence hashes
+(:func:`kvbm_backend.model.hashing.sequence_hashes`, no salt, tenant ``""``, rank 0).
+
+Per request, in trace order: look up its pages in order and count hits up to the first miss (real
+mode: the hit pages are read back and their bytes compared with what was stored for the key, a
+mismatch raises), then store all its pages (present ones are skipped by the pool, the admission
+filter applies) and wait for the writes (so results do not depend on disk speed).
+
+Real mode writes real frames (payload = a deterministic function of the key) into a fresh
+``replay-<random>`` directory under ``g3_path``, removed at the end. ``simulate`` drives the same
+LRU index and admission code with no I/O, for capacity planning at full scale; its capacity is the
+configured one (free disk space is not consulted).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from .config import AdmissionConfig, G3Config
+from .model import frame
+from .model.hashing import sequence_hashes
+from .model.namespace import Namespace
+from .model.presets import load_preset
+
+TRACE_BLOCK_TOKENS = 512
+VOCAB = 32000
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def block_tokens(hash_id: int) -> np.ndarray:
+    """The 512 token ids (uint32) trace block ``hash_id`` stands for."""
+    return np.random.default_rng(int(hash_id)).integers(0, VOCAB, TRACE_BLOCK_TOKENS, dtype=np.uint32)
+
+
+def request_tokens(hash_ids: list[int], input_length: int) -> np.ndarray:
+    """A request's token ids: the blocks' tokens concatenated, cut to ``input_length``."""
+    if not hash_ids:
+        return np.zeros(0, np.uint32)
+    return np.concatenate([block_tokens(h) for h in hash_ids])[:input_length]
+
+
+def load_trace(path: str, limit: int | None = None) -> list[dict]:
+    """Read a Mooncake JSONL trace. Raises ValueError naming the line of a malformed record."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--trace: no file {path}")
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                ids = [int(x) for x in r["hash_ids"]]
+                length = int(r["input_length"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--trace {path} line {n}: not a Mooncake record ({e})") from None
+            if length < 0 or length > len(ids) * TRACE_BLOCK_TOKENS:
+                raise ValueError(f"--trace {path} line {n}: input_length {length} does not fit "
+                                 f"{len(ids)} blocks of {TRACE_BLOCK_TOKENS} tokens")
+            out.append({"hash_ids": ids, "input_length": length})
+    return out
+
+
+class KeyMaker:
+    """Sequence hashes of a request's full pages, memoised per (parent sequence hash, trace block)
+    when ``page_size`` divides 512 (trace blocks are then whole pages); exact either way."""
+
+    def __init__(self, page_size: int, memo_entries: int = 200_000):
+        self.page_size = page_size
+        self._aligned = TRACE_BLOCK_TOKENS % page_size == 0
+        self._memo: OrderedDict = OrderedDict()
+        self._memo_entries = memo_entries
+
+    def seq_hashes(self, hash_ids: list[int], input_length: int) -> list[int]:
+        ps = self.page_size
+        if not self._aligned:
+            return sequence_hashes(request_tokens(hash_ids, input_length), ps)
+        out: list[int] = []
+        parent = None
+        left = input_length
+        for h in hash_ids:
+            if left <= 0:
+                break
+            if left >= TRACE_BLOCK_TOKENS:
+                mk = (parent, h)
+                hs = self._memo.get(mk)
+                if hs is None:
+                    hs = sequence_hashes(block_tokens(h), ps, parent=parent)
+                    self._memo[mk] = hs
+                    if len(self._memo) > self._memo_entries:
+                        self._memo.popitem(last=False)
+                out.extend(hs)
+                left -= TRACE_BLOCK_TOKENS
+                parent = hs[-1]
+            else:
+                out.extend(sequence_hashes(block_tokens(h)[:left], ps, parent=parent))
+                left = 0
+        return out
+
+
+def payload_for(seq_hash: int, base: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Deterministic block bytes for a key: ``base ^ mix(seq_hash)`` as u64 words, into ``out``."""
+    np.bitwise_xor(base, np.uint64(xxhash.xxh3_64_intdigest(seq_hash.to_bytes(8, "little"))), out=out.view(np.uint64))
+    return out
+
+
+class _SimPool:
+    """The pool's index, eviction and admission without I/O (``--simulate``)."""
+
+    def __init__(self, capacity_blocks: int, admission_cfg: AdmissionConfig, slot_bytes: int):
+        from .pool.g3.admission import make_admission
+        from .pool.g3.index import LruIndex
+        self.index = LruIndex()
+        self.admission = make_admission(admission_cfg)
+        self.capacity = capacity_blocks
+        self.slot_bytes = slot_bytes
+        self.evictions = 0
+        self.written = 0
+
+    def lookup_prefix(self, keys) -> int:
+        n = 0
+        for k in keys:
+            if self.index.get(k, touch=True) is None:
+                break
+            n += 1
+        return n
+
+    def put(self, keys) -> None:
+        for k in keys:
+            if k in self.index or not self.admission.admit(k):
+                continue
+            if len(self.index) >= self.capacity:
+                self.evictions += len(self.index.evict(1))
+            self.index.put(k, (0, 0))
+            self.written += 1
+
+
+def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: str | None = None,
+               g3_capacity_gb: float = 1.0, admit_all: bool = False, limit: int | None = None,
+               simulate: bool = False, progress: bool = False) -> dict:
+    """Replay ``trace`` (see module doc). Returns a JSON-able dict with ``requests``, ``lookup_blocks``,
+    ``hit_blocks``, ``hit_rate``, ``bytes_written``, ``bytes_read`` (frame bytes incl. 4 KiB headers),
+    ``prefill_tokens_saved`` (hit blocks x page size), ``offloads_dropped``, ``evictions``,
+    ``stored_blocks``, ``capacity_blocks``, ``elapsed_s`` and the settings.
+
+    Raises:
+        ValueError: a missing/malformed trace, unknown layout, page size < 1, capacity <= 0, or no
+            ``g3_path`` in real mode.
+        RuntimeError: a hit served bytes other than those stored for its key (never expected).
+    """
+    if page_size < 1:
+        raise ValueError(f"--page-size: must be >= 1, got {page_size}")
+    if g3_capacity_gb <= 0:
+        raise ValueError(f"--g3-capacity-gb: must be > 0, got {g3_capacity_gb}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"--limit: must be >= 0, got {limit}")
+    if not simulate and not g3_path:
+        raise ValueError("--g3-path: a directory is needed unless --simulate")
+    lay = load_preset(layout).layout(page_size=page_size)
+    ns = Namespace(model=f"replay/{layout}", layout=lay)
+    reqs = load_trace(trace, limit)
+    admission = AdmissionConfig(policy="all" if admit_all else "frequency")
+    bb = lay.bytes_per_block
+    sb = frame.slot_bytes(bb)
+    km = KeyMaker(page_size)
+    chunk = max(1, min(4096, (64 << 20) // bb))
+    t_start = time.perf_counter()
+
+    pool = sim = run_dir = None
+    if simulate:
+        sim = _SimPool(int(g3_capacity_gb * 1e9) // sb, admission, sb)
+    else:
+        from .memory import aligned_empty
+        from .metrics import new_registry
+        from .pool.g3 import G3Pool
+        run_dir = os.path.join(g3_path, f"replay-{uuid.uuid4().hex[:12]}")
+        cfg = G3Config(paths=[run_dir], capacity_gb=g3_capacity_gb, admission=admission,
+                       write_queue_blocks=max(chunk, 1), files_per_path=4)
+        pool = G3Pool(cfg, ns, registry=new_registry())
+        base = (np.arange(bb // 8, dtype=np.uint64) * _MIX) if bb % 8 == 0 else None
+        if base is None:
+            raise ValueError(f"layout {layout}: block of {bb} bytes is not a multiple of 8")
+        wbufs = [aligned_empty(bb) for _ in range(chunk)]
+        rbufs = [aligned_empty(bb) for _ in range(chunk)]
+        expect = aligned_empty(bb)
+
+    lookup_blocks = hit_blocks = 0
+    bar = None
+    if progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        bar = Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TextColumn("hit {task.fields[hr]}"),
+                       TimeRemainingColumn(), transient=True)
+        bar.start()
+        task = bar.add_task("replay", total=len(reqs), hr="-")
+    try:
+        for ri, r in enumerate(reqs):
+            keys = ns.keys(km.seq_hashes(r["hash_ids"], r["input_length"]))
+            lookup_blocks += len(keys)
+            if sim is not None:
+                hits = sim.lookup_prefix(keys)
+                sim.put(keys)
+            else:
+                n = pool.lookup_prefix(keys).result()
+                hits = 0
+                for c0 in range(0, n, chunk):
+                    part = keys[c0:min(n, c0 + chunk)]
+                    got = pool.get(part, rbufs[:len(part)]).result()
+                    ph = got.prefix_hits
+                    for j in range(ph):
+                        payload_for(part[j].seq_hash, base, expect)
+                        if not np.array_equal(rbufs[j], expect):
+                            raise RuntimeError(f"replay: request {ri} page {c0 + j}: G3 served bytes that differ "
+                                               "from those stored for the key")
+                    hits += ph
+                    if ph < len(part):
+                        break
+                for c0 in range(0, len(keys), chunk):
+                    part = keys[c0:c0 + chunk]
+                    bufs = [payload_for(k.seq_hash, base, wbufs[j]) for j, k in enumerate(part)]
+                    pool.put(part, bufs).result()
+            hit_blocks += hits
+            if bar is not None:
+                bar.update(task, advance=1, hr=f"{hit_blocks / lookup_blocks:.1%}" if lookup_blocks else "-")
+    finally:
+        if bar is not None:
+            bar.stop()
+        st = None
+        if pool is not None:
+            st = pool.stats()
+            pool.close()
+            shutil.rmtree(run_dir, ignore_errors=True)
+    out = {
+        "trace": trace,
+        "layout": layout,
+        "page_size": page_size,
+        "block_bytes": bb,
+        "slot_bytes": sb,
+        "simulate": simulate,
+        "admission": admission.policy,
+        "g3_capacity_gb": g3_capacity_gb,
+        "requests": len(reqs),
+        "lookup_blocks": lookup_blocks,
+        "hit_blocks": hit_blocks,
+        "hit_rate": hit_blocks / lookup_blocks if lookup_blocks else 0.0,
+        "prefill_tokens_saved": hit_blocks * page_size,
+        "elapsed_s": time.perf_counter() - t_start,
+    }
+    if sim is not None:
+        out.update(bytes_written=sim.written * sb, bytes_read=hit_blocks * sb, offloads_dropped=0,
+                   evictions=sim.evictions, stored_blocks=len(sim.index), capacity_blocks=sim.capacity,
+                   corrupt_blocks=0)
+    else:
+        out.update(bytes_written=st["bytes_written"], bytes_read=st["bytes_read"],
+                   offloads_dropped=st["offloads_dropped"], evictions=st["evictions"], stored_blocks=st["blocks"],
+                   capacity_blocks=st["capacity_blocks"], corrupt_blocks=st["corrupt"])
+    return out
