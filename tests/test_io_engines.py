@@ -289,3 +289,51 @@ def test_baseline_buffered_fallback_where_o_direct_refused(tmp_path):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["o_direct"] is False
     assert res["read_gbps"] > 0
+
+
+@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+def test_nixl_driver_failure_fails_futures_not_hangs(tmp_path):
+    """If the NIXL driver thread dies (here: a bug injected into its job set-up), every queued Future
+    fails with OSError instead of hanging, and later submits fail at once."""
+    from kvbm_backend.io.nixl_engine import NixlEngine
+
+    eng = NixlEngine(threads=2)
+    fd = open_file(str(tmp_path / "f"), o_direct=True, size=MiB)
+    try:
+        assert eng.submit([IoOp(fd, 0, [aligned_zeros(K4)], write=True)]).result(timeout=30) == [K4]
+        def bug(job):
+            raise ZeroDivisionError("injected driver bug")
+
+        eng._start = bug
+        f1 = eng.submit([IoOp(fd, 0, [aligned_zeros(K4)], write=True)])
+        with pytest.raises(OSError, match="driver stopped"):
+            f1.result(timeout=30)
+        with pytest.raises(OSError):
+            eng.submit([IoOp(fd, 0, [aligned_zeros(K4)], write=False)]).result(timeout=30)
+    finally:
+        eng.close()
+        os.close(fd)
+
+
+@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+@pytest.mark.parametrize("queue_depth,threads", [(1, 1), (3, 2), (1024, 8)])
+def test_nixl_grouping_round_trip(tmp_path, queue_depth, threads):
+    """Ops with more buffers than the per-transfer descriptor limit, and many small ops, are split
+    into NIXL transfers correctly for any queue depth / transfers in flight."""
+    rng = np.random.default_rng(5)
+    eng = make_engine("nixl", threads=threads, queue_depth=queue_depth)
+    fd = open_file(str(tmp_path / "f"), o_direct=True)
+    try:
+        bufs = [_rand(rng, K4 * (1 + i % 4)) for i in range(40)]
+        ops = [IoOp(fd, 0, bufs[:7], write=True)]  # 7 buffers in one op
+        pos = sum(b.nbytes for b in bufs[:7])
+        for b in bufs[7:]:
+            ops.append(IoOp(fd, pos, [b], write=True))
+            pos += b.nbytes
+        assert eng.submit(ops).result(timeout=30) == [op.nbytes for op in ops]
+        back = aligned_zeros(pos)
+        assert eng.submit(coalesce([Extent(fd, 0, [back])], 5 * K4, write=False)).result(timeout=30)
+        assert np.array_equal(back, np.concatenate(bufs))
+    finally:
+        eng.close()
+        os.close(fd)

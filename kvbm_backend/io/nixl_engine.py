@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -36,6 +37,7 @@ from typing import Sequence
 from .base import IoOp
 from .posix import run_op
 
+log = logging.getLogger(__name__)
 ALIGN = 4096
 MODES = {"aio": {"use_aio": "true"}, "uring": {"use_uring": "true"}}
 DEFAULT_MODE = "aio"
@@ -107,6 +109,7 @@ class NixlEngine:
             raise RuntimeError(f"nixl engine unavailable: POSIX backend failed to start ({type(e).__name__}: {e})") from e
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._starting: _Job | None = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._drive, name="kvbm-nixl-io", daemon=True)
         self._thread.start()
@@ -140,8 +143,30 @@ class NixlEngine:
 
     # -- driver thread -----------------------------------------------------------------------------
     def _drive(self) -> None:
-        pending: list = []  # (job, op indices, local descs, file descs, op_type) not yet posted
+        pending: list = []  # (job, op indices, descriptor indices) not yet posted
         inflight: list = []  # (job, op indices, handle)
+        try:
+            self._loop(pending, inflight)
+        except BaseException as e:  # a bug here must fail the callers' Futures, never hang them
+            with self._lock:
+                self._closed = True
+            err = OSError(errno.EIO, f"nixl engine driver stopped: {type(e).__name__}: {e}")
+            jobs = {id(j): j for j, *_ in pending + inflight}
+            if self._starting is not None:
+                jobs[id(self._starting)] = self._starting
+            while True:
+                try:
+                    j = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if j is not None:
+                    jobs[id(j)] = j
+            for j in jobs.values():
+                if not j.future.done():
+                    j.future.set_exception(err)
+            log.error("nixl engine driver stopped; %d jobs failed", len(jobs), exc_info=True)
+
+    def _loop(self, pending: list, inflight: list) -> None:
         stopping = False
         sleep = 0.0
         while True:
@@ -154,7 +179,9 @@ class NixlEngine:
                 if job is None:
                     stopping = True
                     break
+                self._starting = job
                 pending.extend(self._start(job))
+                self._starting = None
             if stopping and not pending and not inflight:
                 return
             progressed = False
@@ -180,7 +207,7 @@ class NixlEngine:
                     self._group_done(job, idx, None)
                 else:
                     self._group_done(job, idx, self._nixl_error(job, idx, err))
-            inflight = still
+            inflight[:] = still
             if progressed:
                 sleep = 0.0
             elif inflight:
