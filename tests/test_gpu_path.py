@@ -320,3 +320,30 @@ def test_gpu_nixl_gds_mt_device_read(tmp_path):
     finally:
         eng.close()
         os.close(fd)
+
+
+# ---- the device benchmark script ---------------------------------------------------------------
+
+def _bench(*args, tmp_path):
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "gpu_bench.py"), "--out", str(tmp_path),
+                           *args], capture_output=True, text=True, timeout=240, cwd=repo)
+
+
+def test_gpu_bench_connector_section_runs_on_cpu(tmp_path):
+    import json
+    r = _bench("--smoke-cpu", "--file-gib", "0.02", "--workdir", str(tmp_path), tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "gpu_bench-smoke-cpu.json").read_text())["connector_load"]
+    h = res["host"]
+    assert h["bytes_ok"] and h["corrupt_dst_untouched"] and h["miss_is_the_corrupted_block"]
+    assert h["loaded"] == res["blocks"] - 1
+
+
+@pytest.mark.skipif(CUDA_OK, reason="a CUDA device is present: the no-GPU refusal cannot be seen")
+def test_gpu_bench_refuses_without_gpu(tmp_path):
+    r = _bench(tmp_path=tmp_path)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr
+    assert list(tmp_path.iterdir()) == []

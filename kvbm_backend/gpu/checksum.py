@@ -130,7 +130,7 @@ def device_checksums_torch(blocks, payload_offset: int, payload_len: int,
     rows_per_pass = max(1, max_words_per_pass // nw)
     for r0 in range(0, n, rows_per_pass):
         part = pay[r0:r0 + rows_per_pass]
-        w = part.contiguous().view(torch.int32).to(torch.int64) & m  # [r, nw]
+        w = part.view(torch.int32).to(torch.int64) & m  # [r, nw] (last dim contiguous: no copy before)
         r = w.shape[0]
         pad = (-nw) % CHUNK_WORDS
         idx = torch.arange(1, nw + 1, dtype=torch.int64, device=w.device)
