@@ -75,13 +75,13 @@ def test_roundtrip_lookup_and_names(target):
         meta = parse_block_name(name)
         assert meta == {"ns": ns.fingerprint, "tenant": p.pseudonym("alice").hex(), "rank": 0, "seq_hash": 11}
         assert "alice" not in name and name.split("/")[3] == f"{11 % 16:x}"
-        raw = p.store.get(name)
+        raw = bytes(p.store.get(name))
         hdr = FrameHeader.unpack(raw[:HEADER_BYTES])
         assert hdr.flags == FLAG_ENCRYPTED and len(raw) == HEADER_BYTES + ns.layout.bytes_per_block
         assert hdr.tenant_tag == p.pseudonym("alice") and hdr.key_version == 1
         assert bytes(_blocks([11], "alice")[0][:64]) not in raw  # ciphertext, not plaintext
         # the namespace's canonical JSON beside the data
-        assert json.loads(p.store.get(namespace_name(ns.fingerprint))) == json.loads(ns.canonical_json())
+        assert json.loads(bytes(p.store.get(namespace_name(ns.fingerprint)))) == json.loads(ns.canonical_json())
         assert p.delete(keys[:1]).result(timeout=30) == 1
         assert p.lookup_prefix(keys).result(timeout=30) == 0
         st = p.stats()
@@ -108,14 +108,14 @@ def test_corrupt_swapped_truncated_objects_never_served(target):
         p.put(ns.keys([300], tenant="b"), _blocks([300], "b")).result(timeout=30)
         st = p.store
         name = lambda s, t="a": p.object_name(ns.key(s, tenant=t))  # noqa: E731
-        raw = {s: st.get(name(s)) for s in seqs}
+        raw = {s: bytes(st.get(name(s))) for s in seqs}
         # 200: payload bit flip; 201: header bit flip; 202: truncated; 203 <- 204 swapped;
         # 205 <- tenant b's block 300 moved into tenant a's name; 206 intact.
         st.put(name(200), raw[200][:-100] + bytes([raw[200][-100] ^ 0x10]) + raw[200][-99:])
         st.put(name(201), raw[201][:40] + bytes([raw[201][40] ^ 1]) + raw[201][41:])
         st.put(name(202), raw[202][: HEADER_BYTES + 1000])
         st.put(name(203), raw[204])
-        st.put(name(205), st.get(name(300, "b")))
+        st.put(name(205), bytes(st.get(name(300, "b"))))
         ok = _read(p, seqs, "a")
         assert ok == [False, False, False, False, True, False, True]
         s = p.stats()
@@ -133,7 +133,7 @@ def test_swap_with_forged_header_fails_aead(target):
     ns = namespace()
     with _pool(target) as p:
         p.put(ns.keys([400, 401], tenant="a"), _blocks([400, 401], "a")).result(timeout=30)
-        raw = p.store.get(p.object_name(ns.key(401, tenant="a")))
+        raw = bytes(p.store.get(p.object_name(ns.key(401, tenant="a"))))
         hdr = FrameHeader.unpack(raw[:HEADER_BYTES])
         hdr.seq_hash = 400
         p.store.put(p.object_name(ns.key(400, tenant="a")), hdr.pack() + raw[HEADER_BYTES:])
@@ -173,7 +173,7 @@ def test_rotation_and_crypto_shred_then_gc(target):
         p.put(ns.keys([700], tenant="bob"), _blocks([700], "bob")).result(timeout=30)
         p.keyring.rotate("alice")
         p.put(ns.keys([602], tenant="alice"), _blocks([602], "alice")).result(timeout=30)
-        vers = [FrameHeader.unpack(p.store.get(p.object_name(ns.key(s, tenant="alice")))[:HEADER_BYTES]).key_version
+        vers = [FrameHeader.unpack(bytes(p.store.get(p.object_name(ns.key(s, tenant="alice"))))[:HEADER_BYTES]).key_version
                 for s in (600, 601, 602)]
         assert vers == [1, 1, 2]
         assert _read(p, [600, 601, 602], "alice") == [True] * 3  # old versions still read
@@ -197,7 +197,7 @@ def test_unencrypted_only_when_explicit_and_stats_say_so(target, tmp_path):
         assert _read(p, [800], "t") == [True]
         st = p.stats()
         assert st["encrypted"] is False and st["pseudonym_keyed"] is False
-        raw = p.store.get(p.object_name(ns.key(800, tenant="t")))
+        raw = bytes(p.store.get(p.object_name(ns.key(800, tenant="t"))))
         assert FrameHeader.unpack(raw[:HEADER_BYTES]).flags == FLAG_CHECKSUM
         bad = bytearray(raw)
         bad[-1] ^= 0xFF

@@ -42,8 +42,8 @@ class ObjectStore(ABC):
         """Create or replace ``name`` atomically (small metadata such as namespace.json)."""
 
     @abstractmethod
-    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
-        """Bytes ``[offset, offset+length)`` of ``name`` (to the end when ``length`` is None), or None
+    def get(self, name: str, offset: int = 0, length: int | None = None):
+        """Bytes-like (bytes, bytearray or memoryview) ``[offset, offset+length)`` of ``name`` (to the end when ``length`` is None), or None
         if absent. May return fewer bytes than asked for when the object is shorter."""
 
     @abstractmethod
