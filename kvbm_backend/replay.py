@@ -34,7 +34,7 @@ import xxhash
 from .config import AdmissionConfig, G3Config
 from .model import frame
 from .model.hashing import sequence_hashes
-from .model.namespace import Namespace
+from .model.namespace import BlockKey, Namespace
 from .model.presets import load_preset
 
 TRACE_BLOCK_TOKENS = 512
@@ -175,6 +175,7 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
         raise ValueError("--g3-path: a directory is needed unless --simulate")
     lay = load_preset(layout).layout(page_size=page_size)
     ns = Namespace(model=f"replay/{layout}", layout=lay)
+    fp = ns.fingerprint
     reqs = load_trace(trace, limit)
     admission = AdmissionConfig(policy="all" if admit_all else "frequency")
     bb = lay.bytes_per_block
@@ -211,7 +212,7 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
         task = bar.add_task("replay", total=len(reqs), hr="-")
     try:
         for ri, r in enumerate(reqs):
-            keys = ns.keys(km.seq_hashes(r["hash_ids"], r["input_length"]))
+            keys = [BlockKey(fp, "", 0, h) for h in km.seq_hashes(r["hash_ids"], r["input_length"])]
             lookup_blocks += len(keys)
             if sim is not None:
                 hits = sim.lookup_prefix(keys)

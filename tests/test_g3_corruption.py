@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.memory import aligned_empty
 from kvbm_backend.model import frame
+from kvbm_backend.pool.g3 import G3Pool
 
 BB = LAYOUT.bytes_per_block
 SLOT = frame.slot_bytes(BB)
@@ -38,7 +40,9 @@ def _get(pool, keys):
     return got.ok
 
 
-def test_payload_and_header_bit_flips_live(tmp_path):
+@pytest.mark.parametrize("gather", [True, False], ids=["staged", "zero-copy"])
+def test_payload_and_header_bit_flips_live(tmp_path, gather, monkeypatch):
+    monkeypatch.setattr(G3Pool, "gather_below", (1 << 30) if gather else 0)
     with open_pool(tmp_path) as pool:
         keys, where = _setup(pool)
         p, s = where[keys[0]]

@@ -65,9 +65,12 @@ def read_back(pool, keys, aligned=True):
     return got
 
 
+@pytest.mark.parametrize("gather", [True, False], ids=["staged", "zero-copy"])
 @pytest.mark.parametrize("o_direct", ["auto", "off"])
-def test_round_trip_aligned_and_unaligned(tmp_path, o_direct):
+def test_round_trip_aligned_and_unaligned(tmp_path, o_direct, gather, monkeypatch):
+    monkeypatch.setattr(G3Pool, "gather_below", (1 << 30) if gather else 0)
     with open_pool(tmp_path, o_direct=o_direct) as pool:
+        assert pool._gather is gather
         assert isinstance(pool, BlockPool) and pool.tier == "G3"
         keys, res = put_all(pool, range(1, 41))
         assert (res.written, res.skipped, res.dropped) == (40, 0, 0)

@@ -149,7 +149,8 @@ class G3Pool:
 
     tier = "G3"
     degrade_s = 5.0  # seconds without admission after ENOSPC
-    max_batch_bytes = 256 << 20  # queued offloads merged into one write batch (one fdatasync per file)
+    max_batch_bytes = 256 << 20
+    gather_below = 256 << 10  # blocks smaller than this (bytes) are staged, see __init__  # queued offloads merged into one write batch (one fdatasync per file)
 
     def __init__(self, cfg: G3Config, namespace: Namespace, *, engine=None, registry=None):
         self.cfg = cfg
@@ -161,6 +162,9 @@ class G3Pool:
         self._stored_padded = frame.align_up(self.block_bytes)
         self._io_size = max(4096, cfg.io_size_bytes // 4096 * 4096)
         self._run = max(1, -(-self._io_size // self.slot_bytes))
+        # small or unaligned blocks are gathered into one staged slot image per batch (a copy, but one
+        # iovec per I/O); large aligned blocks go zero-copy from/to the caller's buffers
+        self._gather = self.block_bytes < self.gather_below or self.block_bytes % frame.ALIGN != 0
         self._zero_pad = np.zeros(self._stored_padded - self.block_bytes, np.uint8)
         self._scratch_pad = np.zeros(self._stored_padded - self.block_bytes, np.uint8)
         self.metrics = TierMetrics("g3", registry)
@@ -324,24 +328,29 @@ class G3Pool:
         if not present:
             fut.set_result(GetResult(ok=[False] * n))
             return fut
-        hdrs = aligned_empty(len(present) * HDR)
-        extents = []
-        for j, p in enumerate(present):
-            i, k, (fi, si) = p
-            f = self.slabs.by_index[fi]
-            h = hdrs[j * HDR:(j + 1) * HDR]
-            dst = out[i]
-            staging = None
-            if f.o_direct and not is_aligned(dst):
-                staging = aligned_empty(self._stored_padded)
-                bufs = [h, staging]
-                payload = staging[:self.block_bytes]
-            else:
-                bufs = [h, dst] + ([self._scratch_pad] if self._scratch_pad.nbytes else [])
-                payload = dst
-            p.extend([h, payload, staging, dst])
-            off = si * self.slot_bytes
-            extents.append(Extent(f.fd, off, cut_at(bufs, off, self._io_size)))
+        if self._gather:
+            stage = aligned_empty(len(present) * self.slot_bytes)
+            for j, p in enumerate(present):
+                v = stage[j * self.slot_bytes:(j + 1) * self.slot_bytes]
+                p.extend([v[:HDR], v[HDR:HDR + self.block_bytes], True, out[p[0]]])
+            extents = self._run_extents([p[2] for p in present], stage)
+        else:
+            hdrs = aligned_empty(len(present) * HDR)
+            extents = []
+            for j, p in enumerate(present):
+                i, k, (fi, si) = p
+                f = self.slabs.by_index[fi]
+                h = hdrs[j * HDR:(j + 1) * HDR]
+                dst = out[i]
+                if f.o_direct and not is_aligned(dst):
+                    staging = aligned_empty(self._stored_padded)
+                    bufs = [h, staging]
+                    p.extend([h, staging[:self.block_bytes], True, dst])
+                else:
+                    bufs = [h, dst] + ([self._scratch_pad] if self._scratch_pad.nbytes else [])
+                    p.extend([h, dst, None, dst])
+                off = si * self.slot_bytes
+                extents.append(Extent(f.fd, off, cut_at(bufs, off, self._io_size)))
         st = _Read(future=fut, n=n, present=present)
         try:
             ops = coalesce(extents, self._io_size, write=False)
@@ -662,28 +671,56 @@ class G3Pool:
             top[fi] = max(top.get(fi, -1), si)
         for fi, si in top.items():
             self.slabs.ensure_size(fi, si)
-        hdrs = aligned_empty(len(live) * HDR)
-        extents = []
+        sb, bb = self.slot_bytes, self.block_bytes
+        if self._gather:  # small blocks: one staged slot image per batch, one iovec per I/O
+            stage = aligned_empty(len(live) * sb)
+        else:
+            hdrs = aligned_empty(len(live) * HDR)
+            extents = []
         for j, ((job, key, block), (fi, si)) in enumerate(zip(live, slots)):
-            f = self.slabs.by_index[fi]
             h = FrameHeader.for_block(key, self._layout, self.namespace.tp_world_size, tenant_tag(key.tenant),
                                       integrity=frame.payload_checksum(block), flags=frame.FLAG_CHECKSUM)
+            if self._gather:
+                v = stage[j * sb:(j + 1) * sb]
+                v[:HDR] = np.frombuffer(h.pack(), np.uint8)
+                v[HDR:HDR + bb] = block
+                v[HDR + bb:] = 0
+                continue
+            f = self.slabs.by_index[fi]
             hv = hdrs[j * HDR:(j + 1) * HDR]
             hv[:] = np.frombuffer(h.pack(), np.uint8)
             if f.o_direct and not is_aligned(block):
                 st = aligned_empty(self._stored_padded)
-                st[:self.block_bytes] = block
-                st[self.block_bytes:] = 0
+                st[:bb] = block
+                st[bb:] = 0
                 bufs = [hv, st]
             else:
                 bufs = [hv, block] + ([self._zero_pad] if self._zero_pad.nbytes else [])
-            off = si * self.slot_bytes
+            off = si * sb
             extents.append(Extent(f.fd, off, cut_at(bufs, off, self._io_size)))
+        if self._gather:
+            extents = self._run_extents(slots, stage)
         self.engine.submit(coalesce(extents, self._io_size, write=True)).result()
         if self.cfg.fsync:
             fds = [self.slabs.by_index[fi].fd for fi in top]
             for fut in [self._sync_pool.submit(fdatasync, fd) for fd in fds]:
                 fut.result()
+
+    def _run_extents(self, slots: list, stage: np.ndarray) -> list:
+        """Extents for slots staged in order in ``stage`` (slot j at ``j * slot_bytes``): runs of
+        adjacent slots of one file become one buffer, cut at ``io_size`` file boundaries."""
+        sb = self.slot_bytes
+        out = []
+        j0 = 0
+        n = len(slots)
+        for j in range(1, n + 1):
+            if j < n and slots[j][0] == slots[j - 1][0] and slots[j][1] == slots[j - 1][1] + 1:
+                continue
+            fi, si = slots[j0]
+            off = si * sb
+            out.append(Extent(self.slabs.by_index[fi].fd, off, cut_at([stage[j0 * sb:j * sb]], off, self._io_size)))
+            j0 = j
+        return out
 
     # ---- internals: read path -----------------------------------------------------------------
     def _read_timeout(self, st: _Read) -> None:
@@ -737,7 +774,7 @@ class G3Pool:
         if not late:
             for i, k, slot, h, payload, staging, dst in st.present:
                 if ok[i] and staging is not None:
-                    dst[:] = staging[:self.block_bytes]
+                    dst[:] = payload
         hits = sum(ok)
         with self._lock:
             recs = []
