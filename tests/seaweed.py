@@ -138,7 +138,7 @@ class SeaweedServer:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(3)
+                self.proc.wait(2)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
@@ -163,10 +163,22 @@ def main(argv: list[str]) -> int:
         return 0
     pidf = d / "weed.pid"
     if pidf.exists():
-        try:
-            os.killpg(int(pidf.read_text()), signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        pid = int(pidf.read_text())
+        for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                break
+            end = time.monotonic() + wait_s
+            while time.monotonic() < end:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                continue
+            break
         pidf.unlink()
     return 0
 
