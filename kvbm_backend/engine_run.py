@@ -65,7 +65,7 @@ def run(spec: dict) -> dict:
     if spec.get("warmup", True):
         llm.generate([TokensPrompt(prompt_token_ids=[7] * 40)], SamplingParams(temperature=0.0, max_tokens=1,
                      detokenize=False), use_tqdm=False)
-    outs, ttft, e2e = [], [], []
+    outs, ttft, e2e, cached = [], [], [], []
     progress = spec.get("progress_file")
     for i, (p, salt) in enumerate(zip(prompts, salts)):
         tp = TokensPrompt(prompt_token_ids=list(p))
@@ -75,13 +75,15 @@ def run(spec: dict) -> dict:
         o = llm.generate([tp], sp, use_tqdm=False)[0]
         e2e.append(time.perf_counter() - t)
         outs.append(list(o.outputs[0].token_ids))
+        cached.append(int(o.num_cached_tokens or 0))
         m = o.metrics
         ttft.append(float(m.first_token_latency) if m is not None and getattr(m, "first_token_latency", None)
                     else e2e[-1])
         if progress:
             with open(progress, "a") as f:
                 f.write(f"{i + 1}\n")
-    result = {"outputs": outs, "ttft_s": ttft, "e2e_s": e2e, "init_s": init_s}
+    result = {"outputs": outs, "ttft_s": ttft, "e2e_s": e2e, "init_s": init_s, "cached_tokens": cached,
+              "prompt_tokens": [len(p) for p in prompts]}
     if conn is not None:
         from .integrations.vllm import stats
         # Let background offloads finish before the stats are read (bounded).

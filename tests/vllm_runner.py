@@ -29,13 +29,16 @@ def prompts(n: int, length: int, shared_prefix: int = 0, seed: int = 0, vocab: i
     return [pre + rng.integers(3, vocab, length - shared_prefix).tolist() for _ in range(n)]
 
 
-def connector_extra(workdir: Path, g4_url: str | None = None, **g4_kw) -> dict:
-    """``kv_connector_extra_config`` for a G3 dir (admit every block) and optionally a G4 URL."""
+def connector_extra(workdir: Path, g4_url: str | None = None, keyring: Path | None = None, **g4_kw) -> dict:
+    """``kv_connector_extra_config`` for a G3 dir (admit every block) and optionally a G4 URL.
+
+    The G4 keyring (tenant data keys) defaults to ``workdir/../g4-keyring.json``: engines that are to
+    read each other's G4 blocks must share it, as the workers of one fleet do."""
     cfg = {"model": "kvbm-backend/tiny-llama", "g3": {"paths": [str(workdir / "g3")], "capacity_gb": 0.5,
                                                       "files_per_path": 2, "admission": {"policy": "all"}}}
     if g4_url:
         g4 = {"enabled": True, "url": g4_url, "encrypt": True,
-              "keyring": {"path": str(workdir / "keyring.json")}}
+              "keyring": {"path": str(keyring or (workdir.parent / "g4-keyring.json"))}}
         g4.update(g4_kw)
         cfg["g4"] = g4
     return {"kvbm_backend": cfg, "stats_path": str(workdir / "connector-stats.json")}

@@ -1,0 +1,139 @@
+"""End to end on the real vLLM CPU engine (tiny Llama, dummy weights), each engine in its own process.
+
+* Blocks saved through the connector are loaded by a FRESH engine process (G3), and by one whose G3 is
+  empty (G4 only: the restart case), with greedy outputs identical to the engine that computed them,
+  and the load path really used (connector counters).
+* A corrupted stored block is a miss and is recomputed: identical outputs, the corruption counted.
+* A stopped (SIGSTOPped) G4 server costs at most its timeout: outputs identical, TTFT bounded.
+* Composition through vLLM's MultiConnector with vLLM's own ExampleConnector.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_runner import connector_extra, prompts, run_engine, vllm_available  # noqa: E402
+
+from kvbm_backend.engine_model import TINY, write_model_dir  # noqa: E402
+from kvbm_backend.model import frame  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+_why = vllm_available()
+if _why:
+    pytestmark.append(pytest.mark.skip(reason=f"vLLM engine not importable: {_why}"))
+
+NUM_BLOCKS = 48  # engine KV budget (blocks of 32 tokens): small, so blocks leave the engine
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_dir(tmp_path_factory.mktemp("model"), TINY)
+
+
+def _prompts():
+    # two families sharing a 320-token prefix, 700 tokens each (21 full blocks of 32)
+    return prompts(2, 700, shared_prefix=320, seed=11) + prompts(2, 700, shared_prefix=320, seed=12)
+
+
+def test_fresh_engine_and_restart_load_saved_blocks(tmp_path, model_dir):
+    ps = _prompts()
+    g4 = f"file://{tmp_path / 'g4'}"
+    a = run_engine(tmp_path, "writer", model_dir, ps, {"extra": connector_extra(tmp_path / "w", g4)},
+                   num_gpu_blocks=NUM_BLOCKS)
+    sa = a["connector_stats"]
+    assert sa.get("g3_put_written_blocks", 0) >= 4 * 21 - 2 * 10, sa  # shared prefix is written once
+    assert sa.get("g4_put_written_blocks", 0) > 0, sa
+
+    # A fresh engine process on the same G3 directory: prefix hits load from G3.
+    b = run_engine(tmp_path, "reader", model_dir, ps, {"extra": connector_extra(tmp_path / "w", g4)},
+                   num_gpu_blocks=NUM_BLOCKS)
+    sb = b["connector_stats"]
+    assert b["outputs"] == a["outputs"]
+    assert sb.get("load_g3_blocks_ok", 0) >= 4 * 21 - 2 * 10 - 2, sb  # all but the shared (local) prefix
+    assert sb.get("load_blocks_failed", 0) == 0, sb
+    assert b["pool_stats"]["g3"]["hits"] > 0
+
+    # The returning user: a fresh process with an EMPTY G3, reading G4 only.
+    c = run_engine(tmp_path, "restart", model_dir, ps, {"extra": connector_extra(tmp_path / "fresh", g4)},
+                   num_gpu_blocks=NUM_BLOCKS)
+    sc = c["connector_stats"]
+    assert c["outputs"] == a["outputs"]
+    assert sc.get("load_g4_blocks_ok", 0) > 0, sc
+    assert sc.get("load_blocks_failed", 0) == 0, sc
+
+
+def _corrupt_payloads(g3_dir: Path, block_bytes: int, every: int = 3) -> int:
+    """Flip one payload byte in every ``every``-th slot of every slab file; returns slots touched."""
+    slot = frame.slot_bytes(block_bytes)
+    n = 0
+    for f in sorted(g3_dir.glob("*.slab")):
+        size = f.stat().st_size
+        with open(f, "r+b") as fh:
+            for s in range(size // slot):
+                if s % every != 1:
+                    continue
+                off = s * slot + frame.HEADER_BYTES + 1000
+                fh.seek(off)
+                b = fh.read(1)
+                fh.seek(off)
+                fh.write(bytes([b[0] ^ 0x5A]))
+                n += 1
+    return n
+
+
+def test_corrupt_block_is_a_miss_never_wrong_output(tmp_path, model_dir):
+    ps = _prompts()[:2]
+    extra = connector_extra(tmp_path / "w")
+    a = run_engine(tmp_path, "writer", model_dir, ps, {"extra": extra}, num_gpu_blocks=NUM_BLOCKS)
+    block_bytes = TINY.kv_bytes_per_token * 32
+    touched = _corrupt_payloads(tmp_path / "w" / "g3", block_bytes)
+    assert touched > 0
+    b = run_engine(tmp_path, "reader", model_dir, ps, {"extra": extra}, num_gpu_blocks=NUM_BLOCKS)
+    sb = b["connector_stats"]
+    assert b["outputs"] == a["outputs"]
+    assert sb.get("load_blocks_failed", 0) > 0, sb       # corrupt blocks were not served ...
+    assert b["pool_stats"]["g3"]["corrupt"] > 0, b["pool_stats"]  # ... and were counted as corrupt
+    assert sb.get("load_blocks_ok", 0) > 0, sb           # the verified prefix before them was used
+
+
+def test_stopped_g4_costs_at_most_its_timeout(tmp_path, model_dir, seaweed_restartable, s3_prefix):
+    srv = seaweed_restartable
+    ps = _prompts()[:3]
+    g4 = f"s3://kvbm-test/{s3_prefix}"
+    kw = {"endpoint_url": srv.endpoint, "timeout_s": 0.5, "retries": 0}
+    a = run_engine(tmp_path, "writer", model_dir, ps, {"extra": connector_extra(tmp_path / "w", g4, **kw)},
+                   num_gpu_blocks=NUM_BLOCKS)
+    assert a["connector_stats"].get("g4_put_written_blocks", 0) > 0, a["connector_stats"]
+    base = run_engine(tmp_path, "baseline", model_dir, ps, None, num_gpu_blocks=NUM_BLOCKS)
+    os.killpg(srv.proc.pid, signal.SIGSTOP)  # hung, not refused: the worst case for a client
+    try:
+        b = run_engine(tmp_path, "stopped", model_dir, ps,
+                       {"extra": connector_extra(tmp_path / "fresh", g4, **kw)}, num_gpu_blocks=NUM_BLOCKS)
+    finally:
+        os.killpg(srv.proc.pid, signal.SIGCONT)
+    assert b["outputs"] == a["outputs"] == base["outputs"]
+    sb = b["connector_stats"]
+    assert sb.get("load_g4_blocks_ok", 0) == 0, sb
+    # Each request pays at most the G4 bound (timeout x (retries + 1), plus slack for 2 busy cores).
+    bound = kw["timeout_s"] * (kw["retries"] + 1) + 1.5
+    for t_b, t_base in zip(b["ttft_s"], base["ttft_s"]):
+        assert t_b <= t_base + bound, (b["ttft_s"], base["ttft_s"])
+
+
+def test_multiconnector_with_vllm_example_connector(tmp_path, model_dir):
+    ps = _prompts()[:2]
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "example")}}
+    conn = {"extra": connector_extra(tmp_path / "w"), "multi_with": example}
+    a = run_engine(tmp_path, "multi-writer", model_dir, ps, conn, num_gpu_blocks=NUM_BLOCKS)
+    assert a["connector_stats"].get("g3_put_written_blocks", 0) > 0, a["connector_stats"]
+    assert any((tmp_path / "example").iterdir())  # the other connector saved too
+    b = run_engine(tmp_path, "multi-reader", model_dir, ps, conn, num_gpu_blocks=NUM_BLOCKS)
+    assert b["outputs"] == a["outputs"]
+    assert b["connector_stats"].get("load_g3_blocks_ok", 0) > 0, b["connector_stats"]

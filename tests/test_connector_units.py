@@ -1,0 +1,136 @@
+"""Connector pieces without an engine: KV gather/scatter against the KVBM block layout, config errors,
+the namespace derived from vLLM's KV cache spec, and the scheduler-side plans against real G3 pools."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvbm_backend.config import ConfigError
+from kvbm_backend.integrations.vllm.connector import config_from_extra
+from kvbm_backend.integrations.vllm.kv_io import EngineKv, detect_engine_layout, numpy_staging, split_blocks
+from kvbm_backend.model.layout import KvLayout, engine_page_to_region
+
+L, NB, H, N, D = 3, 10, 2, 32, 64
+
+
+def _cpu_kv(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(NB, H, N, 2 * D, generator=g).to(dtype) for _ in range(L)]
+
+
+def test_cpu_layout_gather_matches_kvbm_block_semantics():
+    ts = _cpu_kv()
+    kv = EngineKv.from_tensors(ts, NB, N, H, D)
+    assert kv.engine_layout == "cpu"
+    assert kv.layout == KvLayout(L, 2, N, H * D, "float32")
+    arr, host = numpy_staging(2 * kv.layout.bytes_per_block)
+    kv.gather([7, 3], host)
+    blk = kv.layout.view(split_blocks(arr, kv.layout, 2)[1]).view(np.float32)  # [L, 2, N, H*D] of block 3
+    for li in range(L):
+        # the CPU backend's own view: [nb, H, 2N, D] split into K (rows < N) and V (rows >= N)
+        page = ts[li].view(NB, H, 2 * N, D)[3]
+        k_nhd = page[:, :N].permute(1, 0, 2).numpy()  # [N, H, D]
+        v_nhd = page[:, N:].permute(1, 0, 2).numpy()
+        np.testing.assert_array_equal(blk[li, 0], engine_page_to_region(k_nhd, "NHD"))
+        np.testing.assert_array_equal(blk[li, 1], engine_page_to_region(v_nhd, "NHD"))
+
+
+@pytest.mark.parametrize("shape_kind", ["cpu", "kv_first", "block_first"])
+def test_scatter_inverts_gather(shape_kind):
+    g = torch.Generator().manual_seed(1)
+    shape = {"cpu": (NB, H, N, 2 * D), "kv_first": (2, NB, N, H, D), "block_first": (NB, 2, N, H, D)}[shape_kind]
+    src = [torch.randn(*shape, generator=g).to(torch.bfloat16) for _ in range(L)]
+    dst = [torch.zeros_like(t) for t in src]
+    a = EngineKv.from_tensors(src, NB, N, H, D)
+    b = EngineKv.from_tensors(dst, NB, N, H, D)
+    assert a.engine_layout == shape_kind
+    _, host = numpy_staging(3 * a.layout.bytes_per_block)
+    a.gather([1, 4, 9], host)
+    b.scatter(host, [2, 5, 0])
+    for s, d in zip(src, dst):
+        blk_axis = 1 if shape_kind == "kv_first" else 0
+        for i, j in ((1, 2), (4, 5), (9, 0)):
+            assert torch.equal(s.select(blk_axis, i), d.select(blk_axis, j))
+        untouched = [k for k in range(NB) if k not in (2, 5, 0)]
+        assert all(not d.select(blk_axis, k).any() for k in untouched)
+
+
+def test_unknown_engine_layout_names_the_shape():
+    with pytest.raises(ValueError, match=r"shape \(10, 64, 2\)"):
+        detect_engine_layout((10, 64, 2), NB, N, H, D)
+
+
+def test_extra_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key"):
+        config_from_extra({"kvbm": {}})
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config.kvbm_backend: g3.capacity_gb"):
+        config_from_extra({"kvbm_backend": {"g3": {"capacity_gb": -1}}})
+    with pytest.raises(ConfigError, match="config_file"):
+        config_from_extra({"config_file": str(tmp_path / "missing.yaml")})
+    with pytest.raises(ConfigError, match="max_pending_save_bytes"):
+        config_from_extra({"max_pending_save_bytes": "lots"})
+    with pytest.raises(ConfigError, match="either"):
+        config_from_extra({"kvbm_backend": {}, "config_file": "x.yaml"})
+    f = tmp_path / "c.json"
+    f.write_text('{"model": "m", "g3": {"paths": ["/tmp/x"]}}')
+    cfg, opts = config_from_extra({"config_file": str(f), "save": False})
+    assert cfg.model == "m" and opts["save"] is False and opts["load"] is True
+
+
+class _Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+def test_scheduler_plans_g3_then_g4_and_saves_only_new_blocks(tmp_path):
+    """Scheduler side against real pools: a prefix of 3 blocks in G3, the next 2 only in G4."""
+    from kvbm_backend.config import load_config
+    from kvbm_backend.integrations.tiers import open_tiers
+    from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+    from kvbm_backend.model.hashing import sequence_hashes
+    from kvbm_backend.model.namespace import Namespace
+
+    lay = KvLayout(2, 2, 32, 64, "bfloat16")
+    ns = Namespace("m", lay)
+    cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1,
+                              "admission": {"policy": "all"}},
+                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+    g3, g4 = open_tiers(cfg, ns)
+    try:
+        toks = list(range(100, 100 + 32 * 6 + 5))  # 6 full blocks + 5 tokens
+        hs = sequence_hashes(toks, 32)
+        blk = [np.full(lay.bytes_per_block, i, np.uint8) for i in range(6)]
+        assert g3.put(ns.keys(hs[:3]), blk[:3]).result(10).written == 3
+        assert g4.put(ns.keys(hs[:5]), blk[:5]).result(10).written == 5
+        g3.flush(10)
+        s = SchedulerSide(ns, 32, g3, g4)
+        req = SimpleNamespace(request_id="r1", prompt_token_ids=toks, cache_salt=None, lora_request=None)
+        n, is_async = None, False
+        for _ in range(200):
+            n, is_async = s.get_num_new_matched_tokens(req, 32)  # engine already has block 0
+            if n is not None:
+                break
+            import time
+            time.sleep(0.01)
+        assert (n, is_async) == (4 * 32, True)
+        s.update_state_after_alloc(req, _Blocks([10, 11, 12, 13, 14, 15, 16]), 4 * 32)
+        out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="r1", block_ids=([10, 11, 12, 13, 14, 15, 16],),
+                                                                  num_computed_tokens=5 * 32)],
+                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                                    resumed_req_ids=set()),
+                              num_scheduled_tokens={"r1": 37})
+        meta = s.build_connector_meta(out)
+        (ld,) = meta.loads
+        assert ld.block_ids == [11, 12, 13, 14] and ld.tiers == ["G3", "G3", "G4", "G4"] and ld.seq_hashes == hs[1:5]
+        (sv,) = meta.saves  # only block 5 (the one computed this step) is saved
+        assert sv.block_ids == [15] and sv.seq_hashes == [hs[5]]
+        assert s.request_finished(req, []) == (False, None)
+    finally:
+        g3.close()
+        g4.close()
