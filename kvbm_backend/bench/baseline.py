@@ -63,6 +63,7 @@ def odirect_baseline(directory: str, total_bytes: int, io_size: int, inflight: i
     o_direct = probe_o_direct(directory)
     src = random_aligned(total_bytes, seed=1)
     dst = aligned_empty(total_bytes)
+    dst[:] = 0  # fault the pages in before timing (both baseline and engines)
     fd_tmp, path = tempfile.mkstemp(prefix=".kvbm-baseline-", dir=directory)
     os.close(fd_tmp)
     fd = open_file(path, o_direct=o_direct, create=False)

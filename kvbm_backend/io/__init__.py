@@ -1,20 +1,28 @@
 """I/O engines: positioned scatter/gather I/O on file descriptors (see :mod:`.base` for IoOp/IoEngine).
 
 ``make_engine("auto")`` picks ``nixl`` (NIXL POSIX backend, libaio, 64 descriptors per transfer,
-``threads`` transfers in flight) where NIXL's POSIX plugin loads, else ``posix``. Why, measured with
-``python -m kvbm_backend.bench.engines /tmp --total-mib 128|256 --io-kib 64|1024 --inflight 8
---repeats 3|5`` on the 2-vCPU dev VM (virtual disk, O_DIRECT, other work running; ratios are
-GB/s over raw O_DIRECT pwrite/pread with 8 threads in the same run; medians):
+``threads`` transfers in flight) where NIXL's POSIX plugin loads, else ``posix``. Why: measured with
+``python -m kvbm_backend.bench.engines /tmp --total-mib 256 --io-kib 1024 --inflight 8 --repeats 5``
+(and ``--total-mib 128 --io-kib 64``) on the 2-vCPU dev VM (virtual disk, O_DIRECT, other work
+running, load ~5). GB/s are medians of 5 interleaved runs; ratio = engine / raw O_DIRECT
+pwrite+fdatasync / pread with 8 threads in the same run:
 
-    io size   posix write / read      nixl 1 desc/transfer    nixl batched (auto)
-    64 KiB    0.55-1.03 / 0.93-1.17   0.73-1.20 / 0.60-0.89   0.22-4.6 / 1.17-2.64
-    1 MiB     0.97-1.24 / 0.95-1.39   1.00-1.28 / 0.98-1.22   1.03-1.91 / 1.09-1.58
+    1 MiB I/O    write GB/s (ratio)   read GB/s (ratio)
+    baseline     1.40                 2.23
+    posix        2.06 (1.47)          2.85 (1.28)
+    nixl qd1     1.84 (1.32)          2.28 (1.02)    1 descriptor per transfer: 8 I/Os in flight
+    nixl (auto)  2.52 (1.80)          2.38 (1.07)    64 descriptors per transfer
+    64 KiB I/O
+    baseline     0.41                 1.27
+    posix        0.36 (0.89)          1.16 (0.91)
+    nixl qd1     0.42 (1.04)          0.82 (0.65)
+    nixl (auto)  1.98 (4.85)          1.83 (1.44)
 
-(4 runs each; "1 desc/transfer" keeps the same 8 I/Os in flight as the baseline.)
-The thread pool matches the baseline (it *is* the baseline plus a Future); NIXL wins by keeping many
-more I/Os in the kernel's AIO queue from one thread (no per-I/O thread hop). One 64 KiB run saw NIXL
-batched writes at 0.22x on a fresh file (3 later runs: 2.5-4.6x); the posix engine stays the
-fallback and an explicit choice (``posix``) with exact errnos and no native dependency.
+NIXL wins by keeping many more I/Os in the kernel's AIO queue from one thread (no per-I/O thread
+hop); the gain is large for small I/Os and for writes. Runs on this shared VM vary by up to 2x
+(earlier runs: auto/baseline 1.03-1.91 write, 1.09-1.58 read at 1 MiB; once 0.22x writes at 64 KiB on
+a fresh file, not repeated in 6 later runs). ``posix`` stays the fallback and an explicit choice, with
+exact errnos and no native dependency. NIXL's io_uring mode was slower here (0.47-1.0x reads).
 """
 from __future__ import annotations
 
