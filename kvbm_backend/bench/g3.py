@@ -31,7 +31,7 @@ from ..model.presets import load_preset
 from . import BenchOptions
 from .baseline import odirect_baseline, random_aligned
 
-ROUNDS = 2
+ROUNDS = 3
 
 
 def _cpu() -> float:

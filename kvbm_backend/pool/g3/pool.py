@@ -90,8 +90,17 @@ class _Read:
     n: int
     present: list  # (i, key, slot, hdr view, payload view, staging or None, out)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    left: int = 1  # chunks not yet verified
+    out: list = field(default_factory=list)
+    todo: collections.deque = field(default_factory=collections.deque)  # chunks not yet submitted
     resolved: bool = False
     timed_out: bool = False
+    ok: list = field(default_factory=list)
+    bad: list = field(default_factory=list)
+    bad_detail: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.ok = [False] * self.n
 
 
 class _Deadlines:
@@ -150,6 +159,8 @@ class G3Pool:
     tier = "G3"
     degrade_s = 5.0  # seconds without admission after ENOSPC
     max_batch_bytes = 256 << 20
+    chunk_bytes = 16 << 20  # a get/put batch is submitted in pieces of about this many bytes
+    chunks_in_flight = 4  # pieces of one batch in flight at once
     gather_below = 256 << 10  # blocks smaller than this (bytes) are staged, see __init__  # queued offloads merged into one write batch (one fdatasync per file)
 
     def __init__(self, cfg: G3Config, namespace: Namespace, *, engine=None, registry=None):
@@ -328,38 +339,11 @@ class G3Pool:
         if not present:
             fut.set_result(GetResult(ok=[False] * n))
             return fut
-        if self._gather:
-            stage = aligned_empty(len(present) * self.slot_bytes)
-            for j, p in enumerate(present):
-                v = stage[j * self.slot_bytes:(j + 1) * self.slot_bytes]
-                p.extend([v[:HDR], v[HDR:HDR + self.block_bytes], True, out[p[0]]])
-            extents = self._run_extents([p[2] for p in present], stage)
-        else:
-            hdrs = aligned_empty(len(present) * HDR)
-            extents = []
-            for j, p in enumerate(present):
-                i, k, (fi, si) = p
-                f = self.slabs.by_index[fi]
-                h = hdrs[j * HDR:(j + 1) * HDR]
-                dst = out[i]
-                if f.o_direct and not is_aligned(dst):
-                    staging = aligned_empty(self._stored_padded)
-                    bufs = [h, staging]
-                    p.extend([h, staging[:self.block_bytes], True, dst])
-                else:
-                    bufs = [h, dst] + ([self._scratch_pad] if self._scratch_pad.nbytes else [])
-                    p.extend([h, dst, None, dst])
-                off = si * self.slot_bytes
-                extents.append(Extent(f.fd, off, cut_at(bufs, off, self._io_size)))
-        st = _Read(future=fut, n=n, present=present)
-        try:
-            ops = coalesce(extents, self._io_size, write=False)
-            ef = self.engine.submit(ops)
-        except Exception as e:  # noqa: BLE001 - engine refused: every present block is a miss
-            ef = Future()
-            ef.set_exception(e)
+        chunks = self._chunks(present)
+        st = _Read(future=fut, n=n, present=present, left=len(chunks), out=out, todo=collections.deque(chunks))
         self._deadlines.add(time.monotonic() + self.cfg.load_timeout_s, lambda: self._read_timeout(st))
-        ef.add_done_callback(lambda f: self._read_done(st, f))
+        for _ in range(min(self.chunks_in_flight, len(chunks))):
+            self._read_submit_next(st)
         return fut
 
     def delete(self, keys: Sequence[BlockKey]) -> Future:
@@ -614,7 +598,7 @@ class G3Pool:
             if live:
                 self._write_slots(live, slots)
             err = None
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - OSError from storage; anything else is dropped the same way
             err = e
         # publish (or release) under the lock
         written_by_job: collections.Counter = collections.Counter()
@@ -622,7 +606,7 @@ class G3Pool:
             self._reserved -= len(slots)
             if err is not None:
                 self.slabs.release(slots)
-                reason = "enospc" if err.errno in _NOSPACE else "io_error"
+                reason = "enospc" if getattr(err, "errno", None) in _NOSPACE else "io_error"
                 self._c["enospc" if reason == "enospc" else "write_errors"] += 1
                 if reason == "enospc":
                     self._degraded_until = time.monotonic() + self.degrade_s
@@ -671,8 +655,35 @@ class G3Pool:
             top[fi] = max(top.get(fi, -1), si)
         for fi, si in top.items():
             self.slabs.ensure_size(fi, si)
+        futs = []
+        idx = list(range(len(live)))
+        for ch in self._chunks(idx):
+            if len(futs) >= self.chunks_in_flight:
+                futs[len(futs) - self.chunks_in_flight].exception()  # wait: bounded window in flight
+            try:
+                futs.append(self.engine.submit(coalesce(self._write_extents([live[j] for j in ch],
+                                                                            [slots[j] for j in ch]),
+                                                        self._io_size, write=True)))
+            except BaseException:
+                for f in futs:  # the buffers stay in use until every submitted op is finished
+                    f.exception()
+                raise
+        err = None
+        for f in futs:
+            e = f.exception()
+            if e is not None and err is None:
+                err = e
+        if err is not None:
+            raise err
+        if self.cfg.fsync:
+            fds = [self.slabs.by_index[fi].fd for fi in top]
+            for fut in [self._sync_pool.submit(fdatasync, fd) for fd in fds]:
+                fut.result()
+
+    def _write_extents(self, live: list, slots: list) -> list:
+        """Frames (header with the payload's xxh3_128, payload, zero pad) of ``live`` blocks into ``slots``."""
         sb, bb = self.slot_bytes, self.block_bytes
-        if self._gather:  # small blocks: one staged slot image per batch, one iovec per I/O
+        if self._gather:  # small blocks: one staged slot image per chunk, one iovec per I/O
             stage = aligned_empty(len(live) * sb)
         else:
             hdrs = aligned_empty(len(live) * HDR)
@@ -698,13 +709,40 @@ class G3Pool:
                 bufs = [hv, block] + ([self._zero_pad] if self._zero_pad.nbytes else [])
             off = si * sb
             extents.append(Extent(f.fd, off, cut_at(bufs, off, self._io_size)))
+        return self._run_extents(slots, stage) if self._gather else extents
+
+    def _chunks(self, items: list) -> list[list]:
+        """Split a batch into pieces of ~``chunk_bytes`` submitted separately, so checksums of early
+        pieces are computed while later pieces are still on the wire."""
+        per = max(1, self.chunk_bytes // self.slot_bytes)
+        return [items[i:i + per] for i in range(0, len(items), per)]
+
+    def _read_extents(self, ch: list, out: list) -> list:
+        """Extents reading the chunk's slots; appends (hdr view, payload view, copy-out flag, dst) to
+        each entry ``[i, key, slot]``."""
         if self._gather:
-            extents = self._run_extents(slots, stage)
-        self.engine.submit(coalesce(extents, self._io_size, write=True)).result()
-        if self.cfg.fsync:
-            fds = [self.slabs.by_index[fi].fd for fi in top]
-            for fut in [self._sync_pool.submit(fdatasync, fd) for fd in fds]:
-                fut.result()
+            stage = aligned_empty(len(ch) * self.slot_bytes)
+            for j, p in enumerate(ch):
+                v = stage[j * self.slot_bytes:(j + 1) * self.slot_bytes]
+                p.extend([v[:HDR], v[HDR:HDR + self.block_bytes], True, out[p[0]]])
+            return self._run_extents([p[2] for p in ch], stage)
+        hdrs = aligned_empty(len(ch) * HDR)
+        extents = []
+        for j, p in enumerate(ch):
+            i, k, (fi, si) = p
+            f = self.slabs.by_index[fi]
+            h = hdrs[j * HDR:(j + 1) * HDR]
+            dst = out[i]
+            if f.o_direct and not is_aligned(dst):
+                staging = aligned_empty(self._stored_padded)
+                bufs = [h, staging]
+                p.extend([h, staging[:self.block_bytes], True, dst])
+            else:
+                bufs = [h, dst] + ([self._scratch_pad] if self._scratch_pad.nbytes else [])
+                p.extend([h, dst, None, dst])
+            off = si * self.slot_bytes
+            extents.append(Extent(f.fd, off, cut_at(bufs, off, self._io_size)))
+        return extents
 
     def _run_extents(self, slots: list, stage: np.ndarray) -> list:
         """Extents for slots staged in order in ``stage`` (slot j at ``j * slot_bytes``): runs of
@@ -733,13 +771,28 @@ class G3Pool:
             self._miss("timeout", len(st.present))
         st.future.set_result(GetResult(ok=[False] * st.n))
 
-    def _read_done(self, st: _Read, ef: Future) -> None:
+    def _read_submit_next(self, st: _Read) -> None:
+        """Submit the read's next chunk (at most ``chunks_in_flight`` are in flight per batch)."""
+        with st.lock:
+            if not st.todo:
+                return
+            ch = st.todo.popleft()
+        try:
+            ops = coalesce(self._read_extents(ch, st.out), self._io_size, write=False)
+            ef = self.engine.submit(ops)
+        except Exception as e:  # noqa: BLE001 - engine refused: the chunk's blocks are misses
+            ef = Future()
+            ef.set_exception(e)
+        ef.add_done_callback(lambda f, ch=ch: self._read_chunk_done(st, ch, f))
+
+    def _read_chunk_done(self, st: _Read, ch: list, ef: Future) -> None:
+        """Verify one chunk's blocks where they landed; the last chunk finishes the read."""
         exc = ef.exception()
         sizes: dict[int, int] = {}
-        ok = [False] * st.n
+        ok = st.ok
         bad = []  # (key, slot, reason)
         bad_detail = []  # FrameError reasons
-        for i, k, slot, h, payload, staging, dst in st.present:
+        for i, k, slot, h, payload, staging, dst in ch:
             f = self.slabs.by_index.get(slot[0])
             reason = None
             if exc is not None or f is None:
@@ -768,6 +821,17 @@ class G3Pool:
                 ok[i] = True
             else:
                 bad.append((k, slot, reason))
+        self._read_submit_next(st)
+        with st.lock:
+            st.bad.extend(bad)
+            st.bad_detail.extend(bad_detail)
+            st.left -= 1
+            last = st.left == 0
+        if last:
+            self._read_finish(st)
+
+    def _read_finish(self, st: _Read) -> None:
+        ok, bad, bad_detail = st.ok, st.bad, st.bad_detail
         with st.lock:
             late = st.resolved
             st.resolved = True
