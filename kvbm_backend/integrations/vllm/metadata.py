@@ -3,7 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # the worker-side I/O (and its GPU check) runs without vLLM installed
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
 
 
 @dataclass
