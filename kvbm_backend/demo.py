@@ -76,6 +76,9 @@ def select_requests(trace: str | Path, n: int, turns_per_conv: int = 3, block_to
             continue
         chosen.extend(turns[:min(turns_per_conv, n - len(chosen))])
     chosen.sort()
+    if len(chosen) < n:
+        raise ValueError(f"--trace {trace}: only {len(chosen)} multi-turn requests of >= {min_tokens} scaled tokens; "
+                         f"asked for {n}")
     cache: dict[int, np.ndarray] = {}
     prompts = []
     lengths = []

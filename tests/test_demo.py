@@ -42,7 +42,7 @@ def test_select_requests_scales_and_derives_tokens_like_replay(tmp_path):
     assert second[:len(first)] == first
     assert first[:16] == [int(x) % 2048 for x in block_tokens(0)[:16]]
     assert len(first) == -(-(512 * 4 - 100) * 16 // 512)
-    with pytest.raises(ValueError, match="only 6 multi-turn"):
+    with pytest.raises(ValueError, match="only 9 multi-turn"):
         select_requests(tr, 20, turns_per_conv=3, block_tokens=16, min_tokens=32)
     with pytest.raises(ValueError, match="--trace"):
         run_demo(trace=str(tmp_path / "missing.jsonl"), json_path=None, plot=None)
