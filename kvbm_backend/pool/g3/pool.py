@@ -159,8 +159,8 @@ class G3Pool:
     tier = "G3"
     degrade_s = 5.0  # seconds without admission after ENOSPC
     max_batch_bytes = 256 << 20
-    chunk_bytes = 16 << 20  # a get/put batch is submitted in pieces of about this many bytes
-    chunks_in_flight = 4  # pieces of one batch in flight at once
+    chunk_bytes = 64 << 20  # a get/put batch is submitted in pieces of about this many bytes (measured: 16-128 MiB)
+    chunks_in_flight = 3  # pieces of one batch in flight at once
     gather_below = 256 << 10  # blocks smaller than this (bytes) are staged, see __init__  # queued offloads merged into one write batch (one fdatasync per file)
 
     def __init__(self, cfg: G3Config, namespace: Namespace, *, engine=None, registry=None):
