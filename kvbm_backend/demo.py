@@ -168,6 +168,7 @@ def _summary(res: dict, base: dict | None, bs: int) -> dict:
                               "written_g3": int(cs.get("g3_put_written_bytes", 0)),
                               "written_g4": int(cs.get("g4_put_written_bytes", 0))}
         out["connector_stats"] = cs
+        out["connector_info"] = res.get("connector_info")
         ps = res.get("pool_stats") or {}
         out["pool_stats"] = {k: {kk: v for kk, v in (ps.get(k) or {}).items()
                                  if kk in ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "blocks",

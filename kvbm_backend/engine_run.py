@@ -11,16 +11,20 @@ SPEC (JSON) fields:
 * ``connector``: null (engine prefix cache only) or ``{"extra": kv_connector_extra_config,
   "multi_with": optional extra connector dict for vLLM's MultiConnector}``.
 * ``block_size`` (tokens, default 32: the CPU backend needs a multiple of 32), ``dtype``
-  (default bfloat16), ``kvcache_gib`` (engine KV budget via ``VLLM_CPU_KVCACHE_SPACE``, GiB, may be
-  fractional: set in the parent's env), ``num_gpu_blocks`` (optional override: a small budget makes
-  blocks leave the engine), ``max_model_len`` (default 8192), ``seed`` (default 0).
+  (default bfloat16), ``num_gpu_blocks`` (engine KV budget in blocks, vLLM's
+  ``num_gpu_blocks_override``: a small budget makes blocks leave the engine; the process env's
+  ``VLLM_CPU_KVCACHE_SPACE``, whole GiB, must cover it), ``max_model_len`` (default 8192, cut to
+  ``(num_gpu_blocks - 1) * block_size``), ``seed`` (default 0).
 * ``warmup`` (bool, default true): one throwaway request first (kernel/JIT warm-up, not timed).
 * ``out`` (str): where the result JSON goes.
 
 Result JSON: ``outputs`` (greedy token ids per prompt), ``ttft_s`` (vLLM's ``first_token_latency``
 per request, seconds: arrival to first token, loads included), ``e2e_s`` (wall seconds per
-``generate`` call), ``init_s``, ``connector_stats`` (:mod:`kvbm_backend.integrations.vllm.stats`),
-``pool_stats`` (G3/G4 ``stats()``), ``kv_cache_shape``.
+``generate`` call), ``cached_tokens`` (vLLM's ``num_cached_tokens`` per request: prompt tokens not
+computed, engine prefix cache plus connector loads), ``prompt_tokens``, ``init_s``, and with a
+connector ``connector_stats`` (:mod:`kvbm_backend.integrations.vllm.stats`), ``connector_info`` (KV cache
+tensor shape per layer, engine layout, bytes per block, namespace) and ``pool_stats``
+(G3/G4 ``stats()`` after a bounded flush).
 """
 from __future__ import annotations
 
@@ -101,6 +105,7 @@ def run(spec: dict) -> dict:
                 pools[name] = p.stats()
         time.sleep(0.05)
         result["connector_stats"] = stats.snapshot()
+        result["connector_info"] = stats.info()
         result["pool_stats"] = pools
     return result
 

@@ -110,14 +110,14 @@ def test_stopped_g4_costs_at_most_its_timeout(tmp_path, model_dir, seaweed_resta
     a = run_engine(tmp_path, "writer", model_dir, ps, {"extra": connector_extra(tmp_path / "w", g4, **kw)},
                    num_gpu_blocks=NUM_BLOCKS)
     assert a["connector_stats"].get("g4_put_written_blocks", 0) > 0, a["connector_stats"]
-    base = run_engine(tmp_path, "baseline", model_dir, ps, None, num_gpu_blocks=NUM_BLOCKS)
+    base = a  # the writer computed every block itself (fresh stores): the reference TTFTs
     os.killpg(srv.proc.pid, signal.SIGSTOP)  # hung, not refused: the worst case for a client
     try:
         b = run_engine(tmp_path, "stopped", model_dir, ps,
                        {"extra": connector_extra(tmp_path / "fresh", g4, **kw)}, num_gpu_blocks=NUM_BLOCKS)
     finally:
         os.killpg(srv.proc.pid, signal.SIGCONT)
-    assert b["outputs"] == a["outputs"] == base["outputs"]
+    assert b["outputs"] == a["outputs"]
     sb = b["connector_stats"]
     assert sb.get("load_g4_blocks_ok", 0) == 0, sb
     # Each request pays at most the G4 bound (timeout x (retries + 1), plus slack for 2 busy cores).

@@ -141,6 +141,11 @@ class KvbmBackendConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg, self.opts = config_from_extra(extra)
         self.ns = namespace_from_vllm(self.cfg, vllm_config, kv_cache_config)
+        if self.ns.tp_world_size > 1:
+            # G3 directories are private to one process (the pool holds a lock), and with TP > 1 vLLM
+            # runs the scheduler and each rank's worker in separate processes.
+            raise ValueError(f"KvbmBackendConnector: tensor_parallel_size={self.ns.tp_world_size} is not supported "
+                             "yet (TP 1 only: scheduler and worker share one process and one G3 pool)")
         self.block_size = self.ns.layout.page_size
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvbm_backend: kv_load_failure_policy=%r; set 'recompute' so that a failed or corrupt "
@@ -189,6 +194,9 @@ class KvbmBackendConnector(KVConnectorBase_V1):
                                    block_size=self.block_size,
                                    num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size))
         self.worker.register(kv)
+        stats.set_info(kv_cache_shape=list(t0.shape), kv_cache_dtype=str(t0.dtype), kv_cache_device=str(t0.device),
+                       engine_layout=kv.engine_layout, bytes_per_block=kv.layout.bytes_per_block,
+                       namespace=self.ns.fingerprint, num_layers=kv.layout.num_layers)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata

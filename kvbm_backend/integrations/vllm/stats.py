@@ -34,6 +34,20 @@ def get(name: str) -> float:
         return _counts.get(name, 0)
 
 
+_info: dict = {}
+
+
+def set_info(**kw) -> None:
+    """Record descriptive facts (``kv_cache_shape``, ``engine_layout``, ``namespace``, ...)."""
+    with _lock:
+        _info.update(kw)
+
+
+def info() -> dict:
+    with _lock:
+        return dict(_info)
+
+
 def reset() -> None:
     with _lock:
         _counts.clear()
@@ -54,6 +68,7 @@ class StatsWriter:
         if not force and now - self._last < self.interval_s:
             return
         snap = snapshot()
+        snap["info"] = info()
         if self.extra is not None:
             try:
                 snap["pools"] = self.extra()

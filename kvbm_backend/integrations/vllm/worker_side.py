@@ -212,7 +212,7 @@ class WorkerSide:
                 # Blocks found only in G4 are promoted into G3 (async; staging kept alive by the put).
                 idx = [i for i in range(prefix) if job.tiers[i] != "G3"]
                 pk = [keys[i] for i in idx]
-                pb = [split_blocks(arr, kv.layout, n)[i] for i in idx]
+                pb = [blocks[i] for i in idx]
                 stats.add(promote_blocks=len(idx))
                 self._put_all(pk, pb, arr, 0, g3=True, g4=False)
         except Exception as e:  # noqa: BLE001 - any failure is a miss, never wrong KV
