@@ -143,16 +143,13 @@ def plot(files: list[str] = typer.Argument(..., help="benchmark or demo JSON fil
     console.print(f"wrote {out}")
 
 
-def _register_optional() -> None:
+def _register_g4_commands() -> None:
     # G4 commands (gc, keys) live with the G4 code.
-    try:
-        from .g4.cli import register
-    except ImportError:
-        return
+    from .g4.cli import register
     register(app)
 
 
-_register_optional()
+_register_g4_commands()
 
 if __name__ == "__main__":
     app()
