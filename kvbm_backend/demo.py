@@ -307,13 +307,19 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
                       "-" if loaded is None else f"{loaded / 1e6:.1f}",
                       "[green]yes[/green]" if c["outputs_identical"] else "[red]NO[/red]")
     console.print(table)
+    same = all(c["outputs_identical"] for c in out["configs"].values())
+    console.print(f"TTFT p50: kvbm_backend {out['configs']['kvbm_backend']['ttft_p50_speedup_vs_baseline']:.1f}x "
+                  f"below baseline, restart {out['configs']['restart']['ttft_p50_speedup_vs_baseline']:.1f}x; "
+                  + ("all greedy outputs identical to baseline" if same else "[red]OUTPUTS DIFFER from baseline[/red]"))
+    remove = own_tmp and not keep_workdir
+    out["workdir_kept"] = not remove
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2, sort_keys=True))
         console.print(f"wrote {json_path}")
     if plot:
         plot_demo(out, plot)
         console.print(f"wrote {plot}")
-    if own_tmp and not keep_workdir:
+    if remove:
         import shutil
         shutil.rmtree(wd, ignore_errors=True)
         out["workdir"] = None
