@@ -264,7 +264,12 @@ def engine_choice(cfg, gpu: dict, kvk: dict, nixl: dict, paths: list[dict]) -> d
     else:
         why = "configured"
     if name == "nixl" and nixl.get("posix_backend") != "starts":
-        why += f"; WILL FAIL: {nixl.get('posix_backend') or nixl.get('error')}"
+        reason = nixl.get("posix_backend") or nixl.get("error")
+        if want == "auto":  # make_engine("auto") falls back to posix where NIXL cannot start
+            name = "posix"
+            why += f"; NIXL cannot start here ({reason}), so auto falls back to posix"
+        else:
+            why += f"; WILL FAIL: {reason}"
     if name == "kvikio" and not kvk.get("usable"):
         why += f"; WILL FAIL: {kvk.get('usable_detail')}"
     out["g3_engine"] = name

@@ -337,3 +337,89 @@ def test_nixl_grouping_round_trip(tmp_path, queue_depth, threads):
     finally:
         eng.close()
         os.close(fd)
+
+
+@pytest.mark.parametrize("engine_name", ENGINE_NAMES)
+def test_concurrent_submits_across_files_round_trip(tmp_path, engine_name):
+    """Regression (NIXL 1.5.1 shared fd registration): 32 jobs of 16 x 256 KiB O_DIRECT writes over 4
+    files, all submitted at once on one engine, then 32 jobs of reads (each job reading another job's
+    blocks, so jobs on the same fds overlap in time): every job succeeds and every byte comes back.
+    Before the fix, a finished nixl job deregistered an fd registration that later jobs' prepared
+    transfers still pointed at, and 24 of 32 writes failed with EBADF from io_submit."""
+    rng = np.random.default_rng(6)
+    n_jobs, per_job, size, n_files = 32, 16, 64 * K4, 4  # 256 KiB blocks, 128 MiB in all
+    eng = make_engine(engine_name, threads=8)
+    fds = [open_file(str(tmp_path / f"f{i}"), o_direct=True, size=n_jobs * per_job * size // n_files)
+           for i in range(n_files)]
+    try:
+        src = [_rand(rng, size) for _ in range(n_jobs * per_job)]
+
+        def where(k):  # block k -> (fd, offset): round-robin over the files
+            return fds[k % n_files], (k // n_files) * size
+
+        def job_ops(j, bufs, write):
+            return [IoOp(*where(j * per_job + i), [bufs[j * per_job + i]], write) for i in range(per_job)]
+
+        futs = [eng.submit(job_ops(j, src, True)) for j in range(n_jobs)]
+        errors = []
+        for f in futs:
+            try:
+                assert f.result(timeout=120) == [size] * per_job
+            except OSError as e:
+                errors.append(e)
+        assert not errors, f"{len(errors)} of {n_jobs} write jobs failed, first: {errors[0]}"
+        back = [aligned_zeros(size) for _ in src]
+        order = rng.permutation(n_jobs)
+        futs = [eng.submit(job_ops(int(j), back, False)) for j in order]
+        assert all(f.result(timeout=120) == [size] * per_job for f in futs)
+        bad = [k for k, (a, b) in enumerate(zip(src, back)) if not np.array_equal(a, b)]
+        assert not bad, f"{len(bad)} blocks differ, first {bad[:5]}"
+        if engine_name == "nixl":
+            assert len(eng._files) == 0  # every shared fd registration released with its last job
+    finally:
+        eng.close()
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+def test_nixl_logs_stay_off_stdout(tmp_path):
+    """A process that uses the nixl engine prints only its own output on stdout: NIXL's INFO lines
+    are quietened and its warnings go to stderr (NIXL 1.5.1 logs INFO to stdout by default)."""
+    code = (
+        "import json, logging, os, sys\n"
+        "from kvbm_backend.io import IoOp, make_engine, open_file\n"
+        "from kvbm_backend.memory import aligned_zeros\n"
+        "eng = make_engine('nixl')\n"
+        "fd = open_file(os.path.join(sys.argv[1], 'f'), o_direct=True, size=1 << 20)\n"
+        "n = eng.submit([IoOp(fd, 0, [aligned_zeros(1 << 20)], True)]).result(timeout=60)\n"
+        "logging.getLogger('nixl.api').warning('probe-warning')\n"
+        "eng.close()\n"
+        "print(json.dumps({'engine': eng.name, 'bytes': n}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    import json
+
+    assert json.loads(r.stdout) == {"engine": "nixl", "bytes": [1 << 20]}, r.stdout
+    assert "probe-warning" in r.stderr
+    assert "NIXL INFO" not in r.stderr + r.stdout
+
+
+def test_doctor_engine_choice_says_auto_falls_back_to_posix():
+    """doctor: with g3.engine=auto and NIXL unable to start, auto really builds posix (make_engine's
+    fallback), so doctor reports posix and why; an explicit nixl still says it will fail."""
+    from kvbm_backend.config import KvbmBackendConfig
+    from kvbm_backend.doctor import engine_choice
+    from kvbm_backend.io import AUTO_ENGINE
+
+    nixl = {"posix_backend": "failed: injected reason"}
+    out = engine_choice(KvbmBackendConfig.model_validate({"g3": {"engine": "auto"}}), {}, {}, nixl, [])
+    if AUTO_ENGINE == "nixl":
+        assert out["g3_engine"] == "posix"
+        assert "falls back to posix" in out["g3_engine_why"] and "injected reason" in out["g3_engine_why"]
+    assert "WILL FAIL" not in out["g3_engine_why"]
+    out = engine_choice(KvbmBackendConfig.model_validate({"g3": {"engine": "nixl"}}), {}, {}, nixl, [])
+    assert out["g3_engine"] == "nixl" and "WILL FAIL: failed: injected reason" in out["g3_engine_why"]

@@ -19,6 +19,24 @@ Semantics kept equal to the posix engine (facts measured here, NIXL 1.5.1, see D
 * The POSIX backend's I/O queue is picked by ``mode``: ``aio`` (libaio, NIXL's default), ``uring``
   or ``posix_aio``. ``posix_aio`` is refused: its queue stays broken after one failed I/O (every
   later transfer fails), checked here.
+
+File registrations are shared and reference-counted per fd (:class:`_FileRegs`). Why (root cause of
+"io_submit rejected I/O: Bad file descriptor" under concurrent submits, NIXL 1.5.1 source
+``src/plugins/posix/posix_backend.cpp``): registering a ``FILE_SEG`` fd allocates a
+``nixlPosixFileMD`` holding the fd; ``prep_xfer_dlist`` copies a pointer to the *first matching*
+registration of that fd into the prepared list, and ``postXfer`` reads the fd back through that
+pointer when the transfer is posted. NIXL accepts the same fd registered twice, so with one
+registration per job, job A's ``deregister_memory`` freed the metadata that job B's prepared list
+still pointed at; B then posted whatever the freed memory held as its fd (EBADF here; it could as
+well be another open file). Now one registration per fd exists while any job uses it and it is
+deregistered only after the last such job has released its prepared lists. ``DRAM_SEG``
+registrations carry no metadata in the POSIX backend (``out = nullptr``), so per-job DRAM
+registrations, even of overlapping buffers, are safe. The backend's one I/O queue has
+``ios_pool_size`` (65536) I/O slots shared by all transfers; descriptors in flight are kept below it.
+
+Logging: NIXL's Python logger writes INFO to *stdout* and its C++ core reads ``NIXL_LOG_LEVEL``;
+:func:`quiet_nixl_logging` (run before any agent is created here) sets ``NIXL_LOG_LEVEL=WARN`` unless
+the user set it, and moves NIXL's console handler to stderr, so JSON on stdout stays clean.
 """
 from __future__ import annotations
 
@@ -28,6 +46,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -42,10 +61,83 @@ ALIGN = 4096
 MODES = {"aio": {"use_aio": "true"}, "uring": {"use_uring": "true"}}
 DEFAULT_MODE = "aio"
 _ids = itertools.count()
+IOS_POOL_SIZE = 65536  # NIXL 1.5.1 POSIX ``ios_pool_size`` default (agent.get_plugin_params("POSIX"))
+
+
+def quiet_nixl_logging() -> None:
+    """Keep NIXL's log lines off stdout for the whole process; warnings and errors go to stderr.
+
+    NIXL 1.5.1 configures the ``nixl`` Python logger on import (level INFO, handler on
+    ``sys.stdout``; ``nixl_cu12/logging.py``) and both it and the C++ core honour ``NIXL_LOG_LEVEL``
+    (TRACE/DEBUG/INFO/WARN/ERROR/FATAL). Sets ``NIXL_LOG_LEVEL=WARN`` unless already set (so a user's
+    explicit level wins, and child processes inherit it), imports NIXL, sets the logger to WARNING
+    (again unless the user chose a level) and points its console handlers at ``sys.stderr``.
+    Idempotent; does nothing when NIXL cannot be imported.
+    """
+    user_level = os.environ.get("NIXL_LOG_LEVEL")
+    if user_level is None:
+        os.environ["NIXL_LOG_LEVEL"] = "WARN"
+    try:
+        import nixl._api  # noqa: F401 - configures the "nixl" logger
+    except Exception:  # noqa: BLE001 - NIXL missing: nothing to quieten
+        return
+    nl = logging.getLogger("nixl")
+    if user_level is None and nl.level < logging.WARNING:
+        nl.setLevel(logging.WARNING)
+    for h in nl.handlers:
+        if type(h) is logging.StreamHandler and h.stream is not sys.stderr:
+            h.setStream(sys.stderr)
+
+
+class _FileRegs:
+    """One NIXL ``FILE`` registration per fd, shared by the jobs using it (see module docstring).
+
+    ``acquire(fds)`` registers the fds not yet registered and counts a use of each; ``release(fds)``
+    drops one use each and deregisters an fd's registration when its last use ends. Called only from
+    the driver thread. Raises whatever NIXL's ``register_memory`` raises (the counts are unchanged).
+    """
+
+    def __init__(self, agent):
+        self._agent = agent
+        self._regs: dict[int, list] = {}  # fd -> [NIXL registration, uses]
+
+    def acquire(self, fds) -> None:
+        new = [fd for fd in fds if fd not in self._regs]
+        added: list[int] = []
+        try:
+            for fd in new:
+                self._regs[fd] = [self._agent.register_memory([(0, 0, fd, "")], "FILE"), 0]
+                added.append(fd)
+        except BaseException:
+            for fd in added:
+                self._deregister(fd)
+            raise
+        for fd in fds:
+            self._regs[fd][1] += 1
+
+    def release(self, fds) -> None:
+        for fd in fds:
+            ent = self._regs.get(fd)
+            if ent is None:
+                continue
+            ent[1] -= 1
+            if ent[1] <= 0:
+                self._deregister(fd)
+
+    def _deregister(self, fd: int) -> None:
+        reg, _ = self._regs.pop(fd)
+        try:
+            self._agent.deregister_memory(reg)
+        except Exception:  # noqa: BLE001 - nothing to do; NIXL logs it
+            pass
+
+    def __len__(self) -> int:
+        return len(self._regs)
 
 
 def nixl_unavailable_reason() -> str | None:
     """None if NIXL's POSIX plugin loads here, else why not (for skips, ``doctor`` and errors)."""
+    quiet_nixl_logging()
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except Exception as e:  # noqa: BLE001 - any import failure is a reason
@@ -68,7 +160,8 @@ class _Job:
     results: list[int] = field(default_factory=list)
     error: BaseException | None = None
     groups_left: int = 0
-    regs: list = field(default_factory=list)
+    regs: list = field(default_factory=list)  # this job's DRAM registrations
+    fds: list = field(default_factory=list)  # fds whose shared FILE registration this job holds
     dlists: list = field(default_factory=list)
 
 
@@ -78,7 +171,8 @@ class NixlEngine:
     Args:
         threads: NIXL transfers in flight at once (>= 1).
         queue_depth: most descriptors (buffers) per NIXL transfer (default 64; NIXL's kernel queue is
-            256 deep).
+            256 deep; at most :data:`IOS_POOL_SIZE`). Descriptors in flight over all transfers are
+            kept at or below :data:`IOS_POOL_SIZE`; further transfers wait in the engine.
         mode: ``aio`` or ``uring`` (see module docstring).
 
     Raises:
@@ -92,10 +186,12 @@ class NixlEngine:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         queue_depth = 64 if queue_depth is None else queue_depth
-        if queue_depth < 1:
-            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+        if not 1 <= queue_depth <= IOS_POOL_SIZE:
+            raise ValueError(f"queue_depth must be in 1..{IOS_POOL_SIZE} (NIXL POSIX ios_pool_size), "
+                             f"got {queue_depth}")
         if mode not in MODES:
             raise ValueError(f"unknown NIXL POSIX mode {mode!r}; expected one of {sorted(MODES)}")
+        quiet_nixl_logging()
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except Exception as e:  # noqa: BLE001
@@ -107,6 +203,8 @@ class NixlEngine:
             self._agent.create_backend("POSIX", dict(MODES[mode]))
         except Exception as e:  # noqa: BLE001
             raise RuntimeError(f"nixl engine unavailable: POSIX backend failed to start ({type(e).__name__}: {e})") from e
+        self._files = _FileRegs(self._agent)
+        self._inflight_descs = 0  # descriptors posted and not yet finished, over all transfers
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._starting: _Job | None = None
@@ -144,7 +242,7 @@ class NixlEngine:
     # -- driver thread -----------------------------------------------------------------------------
     def _drive(self) -> None:
         pending: list = []  # (job, op indices, descriptor indices) not yet posted
-        inflight: list = []  # (job, op indices, handle)
+        inflight: list = []  # (job, op indices, handle, descriptor count)
         try:
             self._loop(pending, inflight)
         except BaseException as e:  # a bug here must fail the callers' Futures, never hang them
@@ -185,13 +283,16 @@ class NixlEngine:
             if stopping and not pending and not inflight:
                 return
             progressed = False
-            while pending and len(inflight) < self.threads:
-                job, idx, handle = self._post(*pending.pop(0))
+            while (pending and len(inflight) < self.threads
+                   and self._inflight_descs + len(pending[0][2]) <= IOS_POOL_SIZE):
+                job, idx, descs = pending.pop(0)
+                handle = self._post(job, idx, descs)
                 if handle is not None:
-                    inflight.append((job, idx, handle))
+                    inflight.append((job, idx, handle, len(descs)))
+                    self._inflight_descs += len(descs)
                 progressed = True
             still = []
-            for job, idx, handle in inflight:
+            for job, idx, handle, ndesc in inflight:
                 try:
                     state = self._agent.check_xfer_state(handle)
                 except Exception as e:  # noqa: BLE001 - NIXL raises its own types
@@ -199,10 +300,11 @@ class NixlEngine:
                 else:
                     err = None
                 if state == "PROC":
-                    still.append((job, idx, handle))
+                    still.append((job, idx, handle, ndesc))
                     continue
                 progressed = True
                 self._release(handle)
+                self._inflight_descs -= ndesc
                 if state == "DONE":
                     self._group_done(job, idx, None)
                 else:
@@ -238,7 +340,8 @@ class NixlEngine:
             bufs = [b for i in nixl_ops for b in job.ops[i].bufs if b.nbytes]
             fds = sorted({job.ops[i].fd for i in nixl_ops})
             job.regs.append(agent.register_memory([(b.ctypes.data, b.nbytes, 0, "") for b in bufs], "DRAM"))
-            job.regs.append(agent.register_memory([(0, 0, fd, "") for fd in fds], "FILE"))
+            self._files.acquire(fds)  # shared per fd: see the module docstring
+            job.fds = fds
         except OSError as e:
             self._finish(job, e)
             return []
@@ -276,9 +379,11 @@ class NixlEngine:
         return groups
 
     def _post(self, job: _Job, idx: list[int], descs: list[int]):
+        """Create and start one transfer; returns its handle while in progress, else None (done or
+        failed, already accounted to the job)."""
         if job.error is not None:  # an earlier group failed: skip the rest, still count it down
             self._group_done(job, idx, None, ok=False)
-            return job, idx, None
+            return None
         agent = self._agent
         op_type = "WRITE" if job.ops[idx[0]].write else "READ"
         try:
@@ -286,7 +391,7 @@ class NixlEngine:
         except Exception as e:  # noqa: BLE001
             self._group_done(job, idx, OSError(errno.EIO, f"NIXL could not create the {op_type} transfer: "
                                                          f"{type(e).__name__}: {e}"))
-            return job, idx, None
+            return None
         try:
             state = agent.transfer(handle)
         except Exception as e:  # noqa: BLE001
@@ -294,10 +399,10 @@ class NixlEngine:
         else:
             err = None
         if state == "PROC":
-            return job, idx, handle
+            return handle
         self._release(handle)
         self._group_done(job, idx, None if state == "DONE" else self._nixl_error(job, idx, err))
-        return job, idx, None
+        return None
 
     def _release(self, handle) -> None:
         try:
@@ -337,6 +442,8 @@ class NixlEngine:
             except Exception:  # noqa: BLE001
                 pass
         job.regs.clear()
+        self._files.release(job.fds)  # after the prepared lists that point at the registrations
+        job.fds = []
         if err is not None:
             job.future.set_exception(err)
         else:
