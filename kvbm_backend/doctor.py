@@ -172,6 +172,8 @@ def nixl_info() -> dict:
         out["installed"] = True
         from .io.nixl_gds import gds_mt_available, plugin_load_error
         try:
+            from .io.nixl_engine import quiet_nixl_logging
+            quiet_nixl_logging()
             agent = nixl_agent(f"kvbm-doctor-{os.getpid()}", nixl_agent_config(enable_prog_thread=False, backends=[]))
             names = list(agent.get_plugin_list())
         except Exception as e:  # noqa: BLE001

@@ -42,17 +42,6 @@ VOCAB = 32000
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _quiet_nixl() -> None:
-    """NIXL configures its logger (INFO, to stdout) on import; import it first, then quieten it so
-    ``--json`` output stays one JSON object."""
-    import logging
-    try:
-        import nixl._api  # noqa: F401
-    except Exception:  # noqa: BLE001 - NIXL missing: the posix engine is used
-        pass
-    logging.getLogger("nixl").setLevel(logging.WARNING)
-
-
 def block_tokens(hash_id: int) -> np.ndarray:
     """The 512 token ids (uint32) trace block ``hash_id`` stands for."""
     return np.random.default_rng(int(hash_id)).integers(0, VOCAB, TRACE_BLOCK_TOKENS, dtype=np.uint32)
@@ -185,7 +174,6 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
     if not simulate and not g3_path:
         raise ValueError("--g3-path: a directory is needed unless --simulate")
     lay = load_preset(layout).layout(page_size=page_size)
-    _quiet_nixl()
     ns = Namespace(model=f"replay/{layout}", layout=lay)
     fp = ns.fingerprint
     reqs = load_trace(trace, limit)

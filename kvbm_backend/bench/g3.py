@@ -34,17 +34,6 @@ from .baseline import odirect_baseline, random_aligned
 ROUNDS = 3
 
 
-def _quiet_nixl() -> None:
-    """NIXL configures its logger (INFO, to stdout) on import; import it first, then quieten it so
-    ``--json`` output stays one JSON object."""
-    import logging
-    try:
-        import nixl._api  # noqa: F401
-    except Exception:  # noqa: BLE001 - NIXL missing: the posix engine is used
-        pass
-    logging.getLogger("nixl").setLevel(logging.WARNING)
-
-
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -106,7 +95,6 @@ def run(opts: BenchOptions) -> dict:
     if opts.io_size_bytes <= 0 or opts.io_size_bytes % 4096:
         raise ValueError(f"--io-size: must be a positive multiple of 4096 bytes, got {opts.io_size_bytes}")
     lay = load_preset(opts.layout).layout(page_size=opts.page_size, tp=opts.tp)
-    _quiet_nixl()
     ns = Namespace(model=f"bench/{opts.layout}", layout=lay, tp_world_size=opts.tp)
     bb = lay.bytes_per_block
     n = opts.blocks

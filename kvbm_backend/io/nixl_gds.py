@@ -94,6 +94,8 @@ def gds_mt_available() -> tuple[bool, str]:
     if not ok:
         return False, why
     try:
+        from .nixl_engine import quiet_nixl_logging
+        quiet_nixl_logging()
         agent = nixl_agent(f"kvbm-gdsmt-probe-{os.getpid()}-{next(_ids)}",
                            nixl_agent_config(enable_prog_thread=False, backends=[]))
         agent.create_backend("GDS_MT", {})
@@ -131,6 +133,8 @@ class NixlGdsEngine:
         self.poll_s = poll_s
         self._agent_name = f"kvbm-{backend.lower()}-{os.getpid()}-{next(_ids)}"
         try:
+            from .nixl_engine import quiet_nixl_logging
+            quiet_nixl_logging()
             self._agent = nixl_agent(self._agent_name, nixl_agent_config(enable_prog_thread=False, backends=[]))
             self._agent.create_backend(backend, {})
         except Exception as e:  # noqa: BLE001
