@@ -88,7 +88,6 @@ def _write_pattern_file(path: str, nbytes: int, chunk: int = 64 << 20):
 
 
 def bench_file_to_hbm(res: dict, workdir: str, nbytes: int) -> None:
-    import numpy as np
     import torch
     from kvbm_backend.io.base import IoOp
     from kvbm_backend.io.kvikio_engine import KvikioEngine, kvikio_mode

@@ -17,7 +17,6 @@ Sections of the result (:func:`run_doctor`):
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os

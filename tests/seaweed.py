@@ -16,8 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 ANON_ENV = {"AWS_ACCESS_KEY_ID": "kvbmtest", "AWS_SECRET_ACCESS_KEY": "kvbmtest-secret",

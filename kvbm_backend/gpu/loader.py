@@ -26,7 +26,6 @@ Source seam (the G3 pool): ``locate(key) -> (path, offset, slot_len) | None``; o
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import tempfile
