@@ -15,7 +15,7 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 from vllm.v1.kv_offload.base import LookupResult, Medium, ScheduleEndContext, make_offload_key  # noqa: E402
 
 from kvbm_backend.bench.vllm_tiers import TieringHarness, offloading_config  # noqa: E402
-from kvbm_backend.integrations.vllm.tiering import PrimaryGeometry, offload_key_hash  # noqa: E402
+from kvbm_backend.integrations.vllm.tiering import G3Tier, PrimaryGeometry, offload_key_hash  # noqa: E402
 from kvbm_backend.model.frame import HEADER_BYTES  # noqa: E402
 
 MOD = "kvbm_backend.integrations.vllm.tiering"
@@ -98,8 +98,21 @@ def test_geometry_errors_name_the_setting(tmp_path, harnesses):
 
 
 # ---- store / load through vLLM's manager ------------------------------------------------------
-def test_store_then_load_through_vllm_tiering_manager(tmp_path, harnesses):
+CHUNK = 32 << 10  # bytes of one GEO chunk
+
+
+@pytest.fixture(params=["one_piece", "two_chunk_pieces"])
+def pieces(request, monkeypatch):
+    """Run a test with a job in one pool call, and with a job split into pieces of 2 chunks (several
+    pool.put / pool.get calls per job, pipelined)."""
+    if request.param == "two_chunk_pieces":
+        monkeypatch.setattr(G3Tier, "piece_bytes", 2 * CHUNK)
+    return request.param
+
+
+def test_store_then_load_through_vllm_tiering_manager(tmp_path, harnesses, pieces):
     h = harnesses([g3_tier(tmp_path / "g3", enable_kv_events=True)], enable_kv_cache_events=True)
+    assert h.chunk_bytes == CHUNK
     keys, data = keys_for(6, "a"), payloads(h, 6)
     h.store(keys, data)
     h.wait_idle()
@@ -158,7 +171,7 @@ def test_lookup_is_async_retry_then_hit_or_miss(tmp_path, harnesses):
     tier.on_request_finished(ctx)
 
 
-def test_failed_load_is_reported_failed_never_wrong_bytes(tmp_path, harnesses):
+def test_failed_load_is_reported_failed_never_wrong_bytes(tmp_path, harnesses, pieces):
     h = harnesses([g3_tier(tmp_path / "g3")])
     keys, data = keys_for(6, "c"), payloads(h, 6, seed=2)
     h.store(keys, data)
@@ -183,6 +196,9 @@ def test_failed_load_is_reported_failed_never_wrong_bytes(tmp_path, harnesses):
         np.testing.assert_array_equal(a, b)
     st = tier.kvbm_stats()
     assert st["tier"]["chunks_load_failed"] >= 1 and st["tier"]["loads_failed"] >= 1
+    # every verified chunk was loaded, also those after the corrupt one (with two-chunk pieces: chunk 2
+    # is in the second of three pieces, the third piece still lands)
+    assert st["tier"]["chunks_loaded"] == 5 and st["tier"]["chunks_load_failed"] == 1
     assert st["pool"]["corrupt"] >= 1
     # the failed key is a miss from now on (no promotion livelock), the others still load
     assert h.lookup_prefix(keys[2:3], timeout=10) == 0
