@@ -15,6 +15,9 @@ SPEC (JSON) fields:
   ``num_gpu_blocks_override``: a small budget makes blocks leave the engine; the process env's
   ``VLLM_CPU_KVCACHE_SPACE``, whole GiB, must cover it), ``max_model_len`` (default 8192, cut to
   ``(num_gpu_blocks - 1) * block_size``), ``seed`` (default 0).
+* ``multiprocessing`` (bool, default false): vLLM's engine core and (on CPU) its worker in their own
+  processes, as ``vllm serve`` runs them; counters are then read from the connector's ``stats_path``
+  files (``scheduler_stats`` from the scheduler's).
 * ``warmup`` (bool, default true): one throwaway request first (kernel/JIT warm-up, not timed).
 * ``out`` (str): where the result JSON goes.
 
@@ -35,7 +38,8 @@ import time
 
 
 def run(spec: dict) -> dict:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mp = bool(spec.get("multiprocessing", False))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mp else "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -88,7 +92,24 @@ def run(spec: dict) -> dict:
                 f.write(f"{i + 1}\n")
     result = {"outputs": outs, "ttft_s": ttft, "e2e_s": e2e, "init_s": init_s, "cached_tokens": cached,
               "prompt_tokens": [len(p) for p in prompts]}
-    if conn is not None:
+    if conn is not None and mp:
+        # Engine core and worker are other processes: shut them down (the connectors flush and write
+        # their stats files), then read the files.
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as e:  # noqa: BLE001
+            result["shutdown_error"] = str(e)
+        sp_ = conn.get("extra", {}).get("stats_path")
+        if sp_:
+            root, ext = os.path.splitext(sp_)
+            for key, path in (("connector_stats", sp_), ("scheduler_stats", f"{root}.scheduler{ext}")):
+                if os.path.isfile(path):
+                    with open(path) as f:
+                        d = json.load(f)
+                    result[key] = {k: v for k, v in d.items() if k not in ("pools", "info")}
+                    result.setdefault("pool_stats", d.get("pools", {}))
+                    result.setdefault("connector_info", d.get("info", {}))
+    elif conn is not None:
         from .integrations.vllm import stats
         # Let background offloads finish before the stats are read (bounded).
         from .integrations import tiers

@@ -137,3 +137,19 @@ def test_multiconnector_with_vllm_example_connector(tmp_path, model_dir):
     b = run_engine(tmp_path, "multi-reader", model_dir, ps, conn, num_gpu_blocks=NUM_BLOCKS)
     assert b["outputs"] == a["outputs"]
     assert b["connector_stats"].get("load_g3_blocks_ok", 0) > 0, b["connector_stats"]
+
+
+def test_mp_executor_scheduler_mirrors_worker_g3(tmp_path, model_dir):
+    """vLLM's ``mp`` executor (how ``vllm serve`` runs on CPU): the worker owns G3 in its own process,
+    the scheduler answers lookups from the worker's reports; a fresh engine still loads from G3."""
+    ps = _prompts()[:2]
+    extra = connector_extra(tmp_path / "w")
+    a = run_engine(tmp_path, "mp-writer", model_dir, ps, {"extra": extra}, num_gpu_blocks=NUM_BLOCKS,
+                   multiprocessing=True)
+    assert a["connector_stats"].get("g3_put_written_blocks", 0) > 0, a
+    assert a["connector_stats"].get("g3_reported_added", 0) > 0, a["connector_stats"]
+    b = run_engine(tmp_path, "mp-reader", model_dir, ps, {"extra": extra}, num_gpu_blocks=NUM_BLOCKS,
+                   multiprocessing=True)
+    assert b["outputs"] == a["outputs"]
+    assert b["connector_stats"].get("load_g3_blocks_ok", 0) >= 20, b["connector_stats"]
+    assert b["scheduler_stats"].get("load_planned_g3_blocks", 0) >= 20, b["scheduler_stats"]

@@ -24,14 +24,19 @@ Load it with::
 * ``max_pending_save_bytes`` (int bytes, default 1 GiB): host staging bound for offloads.
 
 Roles: :class:`~.scheduler_side.SchedulerSide` (lookup G3 then G4, load/save plans) and
-:class:`~.worker_side.WorkerSide` (gather/scatter, background I/O). Both open the pools through
-:func:`kvbm_backend.integrations.tiers.shared_tiers`, so with TP 1 (worker in the engine-core process)
-they share one pool object and one index.
+:class:`~.worker_side.WorkerSide` (gather/scatter, background I/O). With vLLM's ``uni`` executor
+(worker inside the engine-core process) both open the pools through
+:func:`kvbm_backend.integrations.tiers.shared_tiers` and share one pool object and one index. With
+the ``mp`` executor (``vllm serve`` on CPU, for one) the worker owns G3 and the scheduler answers G3
+lookups from a :class:`~.scheduler_side.G3Mirror` fed by the worker's reports
+(:class:`~.metadata.KvbmWorkerMeta`); G4, shared storage by design, is opened by both. In that mode
+the scheduler's counters go to ``<stats_path stem>.scheduler<ext>``.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,7 +54,7 @@ from ..tiers import release_tiers, shared_tiers
 from . import stats
 from .kv_io import EngineKv, torch_dtype_name
 from .metadata import KvbmConnectorMetadata
-from .scheduler_side import SchedulerSide
+from .scheduler_side import G3Mirror, SchedulerSide
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -151,8 +156,22 @@ class KvbmBackendConnector(KVConnectorBase_V1):
             log.warning("kvbm_backend: kv_load_failure_policy=%r; set 'recompute' so that a failed or corrupt "
                         "load is recomputed instead of failing the request",
                         self._kv_transfer_config.kv_load_failure_policy)
-        self.g3, self.g4 = shared_tiers(self.cfg, self.ns)
-        self._writer = stats.StatsWriter(self.opts["stats_path"], extra=self._pool_stats)
+        # vLLM's "uni" executor runs the worker inside the engine-core (scheduler) process: both roles
+        # share one pool object. Otherwise ("mp", e.g. `vllm serve` on CPU, or ray) the worker owns the
+        # process-private G3 directory and the scheduler mirrors its index from worker reports.
+        backend = vllm_config.parallel_config.distributed_executor_backend
+        self.split = backend not in (None, "uni", "external_launcher")
+        self._tier_cfg = self.cfg
+        if self.split and role == KVConnectorRole.SCHEDULER and self.cfg.g3.enabled:
+            self._tier_cfg = self.cfg.model_copy(update={"g3": self.cfg.g3.model_copy(update={"enabled": False})})
+        self.g3, self.g4 = shared_tiers(self._tier_cfg, self.ns)
+        if self._tier_cfg is not self.cfg:
+            self.g3 = G3Mirror(self.ns)
+        stats_path = self.opts["stats_path"]
+        if stats_path and self.split and role == KVConnectorRole.SCHEDULER:
+            root, ext = os.path.splitext(stats_path)
+            stats_path = f"{root}.scheduler{ext}"
+        self._writer = stats.StatsWriter(stats_path, extra=self._pool_stats)
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -167,7 +186,8 @@ class KvbmBackendConnector(KVConnectorBase_V1):
             self.worker = WorkerSide(self.ns, rank, self.g3, self.g4,
                                      load_timeout_s=self.cfg.g3.load_timeout_s + self.cfg.g4.timeout_s,
                                      promote_to_g3=self.opts["promote_to_g3"], save_to_g4=self.opts["save_to_g4"],
-                                     max_pending_save_bytes=self.opts["max_pending_save_bytes"])
+                                     max_pending_save_bytes=self.opts["max_pending_save_bytes"],
+                                     report_g3=self.split)
         self._closed = False
         log.info("kvbm_backend connector (%s): namespace %s %s, G3=%s G4=%s", role.name, self.ns.fingerprint,
                  json.dumps(self.ns.to_dict()), self.g3 is not None, self.g4 is not None)
@@ -235,7 +255,8 @@ class KvbmBackendConnector(KVConnectorBase_V1):
                 except Exception as e:  # noqa: BLE001
                     log.warning("kvbm_backend: flush failed: %s", e)
         self._writer.maybe_write(force=True)
-        release_tiers(self.cfg, self.ns)
+        self._writer.stop()
+        release_tiers(self._tier_cfg, self.ns)
 
     # ---- scheduler role -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -251,6 +272,14 @@ class KvbmBackendConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self.sched.build_connector_meta(scheduler_output)
+
+    def build_connector_worker_meta(self):
+        return self.worker.worker_meta() if self.worker is not None else None
+
+    def update_connector_output(self, connector_output) -> None:
+        if self.sched is not None:
+            self.sched.update_connector_output(getattr(connector_output, "kv_connector_worker_meta", None))
+        self._writer.maybe_write()
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.sched.request_finished(request, block_ids)

@@ -4,9 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 except ImportError:  # the worker-side I/O (and its GPU check) runs without vLLM installed
     class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
         pass
 
 
@@ -43,3 +46,21 @@ class SaveJob:
 class KvbmConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass
+class KvbmWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, when they run in different processes (vLLM's ``mp`` executor): changes to
+    the worker's G3 index, so the scheduler's :class:`~.scheduler_side.G3Mirror` can answer prefix
+    lookups without opening the (process-private) G3 directory.
+
+    Entries are ``(tenant, rank, seq_hash)``. ``snapshot`` marks the first report, whose ``added`` is
+    the whole index the worker found at start (G3 warm restart).
+    """
+
+    added: list[tuple[str, int, int]] = field(default_factory=list)
+    removed: list[tuple[str, int, int]] = field(default_factory=list)
+    snapshot: bool = False
+
+    def aggregate(self, other: "KvbmWorkerMeta") -> "KvbmWorkerMeta":
+        return KvbmWorkerMeta(self.added + other.added, self.removed + other.removed, self.snapshot or other.snapshot)

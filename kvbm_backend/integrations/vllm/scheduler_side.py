@@ -12,6 +12,7 @@ tier's timeout counts as a miss beyond what is already known.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -19,11 +20,53 @@ from typing import Any
 
 from ...model.hashing import salt_bytes, salt_hash, sequence_hashes
 from ...model.namespace import Namespace
-from ...pool.base import BlockPool
+from ...pool.base import BlockPool, completed
 from . import stats
-from .metadata import KvbmConnectorMetadata, LoadJob, SaveJob
+from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob
 
 log = logging.getLogger("kvbm_backend.connector")
+
+
+class G3Mirror:
+    """The scheduler's view of the worker's G3 index when the worker runs in another process.
+
+    Fed by :class:`KvbmWorkerMeta` reports (blocks published, blocks that failed to load, and a first
+    snapshot of the restored index). It can be stale only towards "present": a block the worker has
+    since evicted is planned, fails to load, is recomputed (never wrong KV) and reported removed.
+    """
+
+    tier = "G3"
+
+    def __init__(self, namespace: Namespace):
+        self.fp = namespace.fingerprint
+        self._keys: set[tuple[str, int, int]] = set()
+        self._lock = threading.Lock()
+        self.ready = False
+
+    def apply(self, meta: KvbmWorkerMeta) -> None:
+        with self._lock:
+            self._keys.difference_update(meta.removed)
+            self._keys.update(meta.added)
+            if meta.snapshot:
+                self.ready = True
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def lookup_prefix(self, keys) -> Future:
+        n = 0
+        with self._lock:
+            for k in keys:
+                if k.namespace != self.fp or (k.tenant, k.rank, k.seq_hash) not in self._keys:
+                    break
+                n += 1
+        return completed(n)
+
+    def stats(self) -> dict:
+        return {"tier": "G3", "mirror": True, "blocks": len(self._keys), "ready": self.ready}
+
+    def close(self) -> None:
+        return
 
 
 class _Lookup:
@@ -114,6 +157,8 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._hit_source: dict[str, dict[str, int]] = {}
+        self.mirror_wait_s = 10.0
+        self._first_query: float | None = None
 
     # ---- identity ------------------------------------------------------------------------------
     def _state(self, request: Any) -> _Req:
@@ -136,6 +181,12 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.load_enabled or (self.g3 is None and self.g4 is None):
             return 0, False
+        if isinstance(self.g3, G3Mirror) and not self.g3.ready:
+            # Wait (bounded) for the worker's first G3 report, so a restarted worker's blocks count.
+            now = time.monotonic()
+            self._first_query = self._first_query or now
+            if now - self._first_query < self.mirror_wait_s:
+                return None, False
         st = self._state(request)
         st.n_local = num_computed_tokens // self.bs
         if st.lookup_blocks <= st.n_local:
@@ -170,6 +221,10 @@ class SchedulerSide:
         self._hit_source[request.request_id] = {"G3": n3 * self.bs, "G4": (len(tiers) - n3) * self.bs}
         stats.add(load_planned_requests=1, load_planned_blocks=end - first, load_planned_g3_blocks=n3,
                   load_planned_g4_blocks=len(tiers) - n3)
+
+    def update_connector_output(self, worker_meta) -> None:
+        if isinstance(self.g3, G3Mirror) and isinstance(worker_meta, KvbmWorkerMeta):
+            self.g3.apply(worker_meta)
 
     def hit_sources(self, request_id: str) -> dict[str, int]:
         """Tokens planned from each tier for a request (``{"G3": t, "G4": t}``)."""

@@ -60,10 +60,29 @@ class StatsWriter:
         self.path, self.interval_s, self.extra = path, interval_s, extra
         self._last = 0.0
         self._last_snap: dict | None = None
+        self._wlock = threading.Lock()
+        self._stop = threading.Event()
+        if path:
+            # a daemon thread, so the file also catches what happens after the engine's last step
+            threading.Thread(target=self._loop, name="kvbm-stats", daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.maybe_write()
+            except Exception:  # noqa: BLE001 - stats must never break the engine
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
 
     def maybe_write(self, force: bool = False) -> None:
         if not self.path:
             return
+        with self._wlock:
+            self._write(force)
+
+    def _write(self, force: bool) -> None:
         now = time.monotonic()
         if not force and now - self._last < self.interval_s:
             return

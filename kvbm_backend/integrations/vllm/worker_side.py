@@ -29,7 +29,7 @@ from ...model.namespace import Namespace
 from ...pool.base import BlockPool, GetResult, PutResult
 from . import stats
 from .kv_io import EngineKv, numpy_staging, split_blocks
-from .metadata import LoadJob, SaveJob
+from .metadata import KvbmWorkerMeta, LoadJob, SaveJob
 
 log = logging.getLogger("kvbm_backend.connector")
 
@@ -49,7 +49,7 @@ class WorkerSide:
 
     def __init__(self, namespace: Namespace, rank: int, g3: BlockPool | None, g4: BlockPool | None, *,
                  load_timeout_s: float = 5.0, promote_to_g3: bool = True,
-                 max_pending_save_bytes: int = 1 << 30, save_to_g4: bool = True):
+                 max_pending_save_bytes: int = 1 << 30, save_to_g4: bool = True, report_g3: bool = False):
         self.ns, self.rank, self.g3, self.g4 = namespace, rank, g3, g4
         self.load_timeout_s = load_timeout_s
         self.promote_to_g3 = promote_to_g3
@@ -63,6 +63,11 @@ class WorkerSide:
         self._exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-load")
         self._pending_save_bytes = 0
         self._device_loader = None
+        # report_g3: the scheduler runs in another process and mirrors our G3 index (KvbmWorkerMeta)
+        self.report_g3 = report_g3 and g3 is not None
+        self._snapshot_sent = False
+        self._added: list[tuple[str, int, int]] = []
+        self._removed: list[tuple[str, int, int]] = []
 
     # ---- registration --------------------------------------------------------------------------
     def register(self, kv: EngineKv) -> None:
@@ -122,6 +127,10 @@ class WorkerSide:
         def done(tier: str, f: Future, _arr=arr) -> None:  # _arr keeps the staging alive
             try:
                 r: PutResult = f.result()
+                if tier == "g3" and self.report_g3:
+                    present = [(k.tenant, k.rank, k.seq_hash) for k in keys if self.g3.contains(k)]
+                    with self._lock:
+                        self._added.extend(present)
                 stats.add(**{f"{tier}_put_written_blocks": r.written, f"{tier}_put_skipped_blocks": r.skipped,
                              f"{tier}_put_dropped_blocks": r.dropped,
                              f"{tier}_put_written_bytes": r.written * self.ns.layout.bytes_per_block})
@@ -204,6 +213,11 @@ class WorkerSide:
                     kv.scatter(staging_dev[:prefix * bpb], job.block_ids[:prefix])
                 ld.ok_prefix = prefix
                 ld.state = "done"
+            if self.report_g3:
+                bad = [(keys[i].tenant, keys[i].rank, keys[i].seq_hash) for i in i3 if not ok[i]]
+                if bad:
+                    with self._lock:
+                        self._removed.extend(bad)
             n3 = sum(1 for i in range(prefix) if job.tiers[i] == "G3")
             stats.add(load_blocks_ok=prefix, load_g3_blocks_ok=n3, load_g4_blocks_ok=prefix - n3,
                       load_blocks_failed=n - prefix, load_bytes=prefix * bpb,
@@ -266,6 +280,30 @@ class WorkerSide:
             with self._lock:
                 self._loads.pop(rid, None)
         return out
+
+    def worker_meta(self) -> KvbmWorkerMeta | None:
+        """G3 index changes since the last call (first call: the whole restored index); None when the
+        scheduler shares our pool (same process) or nothing changed."""
+        if not self.report_g3:
+            return None
+        snap = not self._snapshot_sent
+        if snap:
+            self._snapshot_sent = True
+            fp = self.ns.fingerprint
+            keys = self.g3.keys() if hasattr(self.g3, "keys") else self._index_keys()
+            with self._lock:
+                self._added.extend((k.tenant, k.rank, k.seq_hash) for k in keys if k.namespace == fp)
+        with self._lock:
+            added, removed, self._added, self._removed = self._added, self._removed, [], []
+        if not (snap or added or removed):
+            return None
+        stats.add(g3_reported_added=len(added), g3_reported_removed=len(removed))
+        return KvbmWorkerMeta(added, removed, snap)
+
+    def _index_keys(self) -> list:
+        # G3Pool keeps its published keys in ``index`` under ``_lock`` (kvbm_backend/pool/g3/pool.py).
+        with self.g3._lock:
+            return [k for k, _ in self.g3.index.items()]
 
     def load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
