@@ -301,9 +301,7 @@ class WorkerSide:
         return KvbmWorkerMeta(added, removed, snap)
 
     def _index_keys(self) -> list:
-        # G3Pool keeps its published keys in ``index`` under ``_lock`` (kvbm_backend/pool/g3/pool.py).
-        with self.g3._lock:
-            return [k for k, _ in self.g3.index.items()]
+        return self.g3.keys()
 
     def load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()

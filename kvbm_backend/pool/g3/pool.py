@@ -346,6 +346,31 @@ class G3Pool:
             self._read_submit_next(st)
         return fut
 
+    def keys(self) -> list[BlockKey]:
+        """Snapshot of the published keys (index only, no I/O)."""
+        with self._lock:
+            return [k for k, _ in self.index.items()]
+
+    def locate(self, key: BlockKey) -> tuple[str, int, int, tuple] | None:
+        """Pin ``key``'s slot for a reader outside the pool (the device loader reads frames straight
+        into HBM) and return ``(slab path, byte offset of the frame header, slot bytes, pin token)``,
+        or None if absent. The slot is not evicted or reused until :meth:`release_slot` is called with
+        the token; the caller must verify header and payload itself (the frame is not trusted)."""
+        with self._lock:
+            slot = self.index.get(key, touch=True) if key.namespace == self.fp else None
+            if slot is None:
+                return None
+            self.index.pin(slot)
+            f = self.slabs.by_index[slot[0]]
+        return f.path, slot[1] * self.slot_bytes, self.slot_bytes, slot
+
+    def release_slot(self, token: tuple) -> None:
+        """Unpin a slot returned by :meth:`locate` (a slot evicted meanwhile is freed now)."""
+        with self._lock:
+            free = self.index.unpin(token)
+            if free is not None:
+                self.slabs.release([free])
+
     def delete(self, keys: Sequence[BlockKey]) -> Future:
         """Remove blocks (queued offloads of these keys are cancelled). Future of how many were held."""
         n = 0
