@@ -21,8 +21,6 @@ that lives only in one process is needed to read G4: a new pool, on any node, fi
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..pool.deadlines import Deadlines
 from ..crypto.aead import AeadError, new_nonce, open_into, seal_into
 from ..crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError
 from ..model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader,
@@ -56,42 +55,6 @@ class _Batch:
         self.remaining = n
         self.ok = [False] * n
         self.done = [False] * n
-
-
-class _Deadlines:
-    """One thread that expires batches at their deadlines (no thread per request)."""
-
-    def __init__(self):
-        self._heap: list = []
-        self._cv = threading.Condition()
-        self._seq = itertools.count()
-        self._stop = False
-        self._t = threading.Thread(target=self._run, name="g4-deadlines", daemon=True)
-        self._t.start()
-
-    def add(self, deadline: float, fn) -> None:
-        with self._cv:
-            heapq.heappush(self._heap, (deadline, next(self._seq), fn))
-            self._cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stop and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    self._cv.wait(None if not self._heap else max(0.0, self._heap[0][0] - time.monotonic()))
-                if self._stop:
-                    return
-                _, _, fn = heapq.heappop(self._heap)
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - an expiry must never kill the watcher
-                pass
-
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._t.join(5)
 
 
 class G4Pool:
@@ -130,7 +93,7 @@ class G4Pool:
                                          retries=cfg.retries, fsync=cfg.fsync)
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
         self._io = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-io")
-        self._deadlines = _Deadlines()
+        self._deadlines = Deadlines("g4-deadlines")
         self._load_bound_s = cfg.timeout_s * (1 + cfg.retries) + 0.05
         self._mu = threading.Lock()
         self._c: dict[str, int] = {}

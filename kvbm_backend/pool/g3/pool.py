@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import heapq
-import itertools
 import logging
 import os
 import threading
@@ -46,6 +44,7 @@ from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace, tenant_tag
 from ...transfer import Extent, coalesce
 from ..base import GetResult, PutResult, completed
+from ..deadlines import Deadlines
 from . import journal as jr
 from .admission import make_admission
 from .index import LruIndex
@@ -101,42 +100,6 @@ class _Read:
 
     def __post_init__(self):
         self.ok = [False] * self.n
-
-
-class _Deadlines:
-    """One thread calling ``fn()`` at deadlines (cheap per call, no thread per request)."""
-
-    def __init__(self) -> None:
-        self._heap: list = []
-        self._cv = threading.Condition()
-        self._seq = itertools.count()
-        self._stop = False
-        self._t = threading.Thread(target=self._run, name="kvbm-g3-deadlines", daemon=True)
-        self._t.start()
-
-    def add(self, at: float, fn) -> None:
-        with self._cv:
-            heapq.heappush(self._heap, (at, next(self._seq), fn))
-            self._cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stop and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    self._cv.wait(None if not self._heap else max(0.0, self._heap[0][0] - time.monotonic()))
-                if self._stop:
-                    return
-                _, _, fn = heapq.heappop(self._heap)
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - a timer callback must not kill the thread
-                log.exception("G3 deadline callback failed")
-
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._t.join(timeout=5)
 
 
 class G3Pool:
@@ -204,7 +167,7 @@ class G3Pool:
             raise
         self._sync_pool = ThreadPoolExecutor(max_workers=min(16, max(1, len(self.slabs.files))),
                                              thread_name_prefix="kvbm-g3-sync")
-        self._deadlines = _Deadlines()
+        self._deadlines = Deadlines("kvbm-g3-deadlines")
         self._writer = threading.Thread(target=self._write_loop, name="kvbm-g3-writer", daemon=True)
         self._writer.start()
         self._update_gauges()
