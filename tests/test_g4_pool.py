@@ -238,3 +238,18 @@ def test_bad_input_errors_are_clear(tmp_path):
             p.put(ns.keys([1]), [np.zeros(10, np.uint8)])
         with pytest.raises(ValueError, match="1 keys but 2 blocks"):
             p.put(ns.keys([1]), _blocks([1, 2], ""))
+
+
+def test_object_longer_than_a_block_is_a_length_miss(target):
+    """Extra bytes after the payload (longer than the read buffer on file://, whose reads go into
+    fixed-size bounce buffers) are detected as corrupt_length, never served, and deleted."""
+    ns = namespace()
+    with _pool(target) as p:
+        p.put(ns.keys([400, 401], tenant="a"), _blocks([400, 401], "a")).result(timeout=30)
+        name = p.object_name(ns.key(400, tenant="a"))
+        raw = bytes(p.store.get(name))
+        p.store.put(name, raw + b"\0" * 8192)
+        assert _read(p, [400, 401], "a") == [False, True]
+        s = p.stats()
+        assert s["corrupt_length"] == 1 and s["deleted_corrupt"] == 1
+        assert p.store.head(name) is None

@@ -13,6 +13,7 @@ created on demand (``exist_ok``), which is race-free.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import socket
@@ -137,6 +138,59 @@ class FsStore(ObjectStore):
         finally:
             os.close(fd)
 
+    reads_into = True
+
+    def get_into(self, name: str, buf) -> int | None:
+        """Read the first ``min(size, len(buf))`` bytes of ``name`` into ``buf``; returns the object's
+        size in bytes (None if absent; fewer if the file is shorter than ``fstat`` said).
+
+        O_DIRECT (no page cache, no copy) when ``buf`` is 4 KiB aligned in address and length and the
+        filesystem takes it; buffered otherwise. Pass huge-page-backed buffers
+        (:mod:`kvbm_backend.g4.bounce`) for full speed. Raises StoreUnavailable for EIO and the like.
+        """
+        mv = memoryview(buf).cast("B")
+        direct = self._direct is not False and len(mv) % 4096 == 0 and _address(mv) % 4096 == 0
+        try:
+            got = self._read_into(name, mv, direct)
+            if got is _NO_DIRECT:
+                got = self._read_into(name, mv, False)
+            return got
+        except OSError as e:
+            raise self._wrap("get", name, e) from None
+
+    def _read_into(self, name: str, mv: memoryview, direct: bool):
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        try:
+            fd = os.open(self._path(name), flags)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                self._direct = False
+                return _NO_DIRECT
+            raise
+        try:
+            size = os.fstat(fd).st_size
+            want = min(size, len(mv))
+            lim = -(-want // 4096) * 4096 if direct else want  # O_DIRECT lengths are whole 4 KiB blocks
+            got = 0
+            while got < want:
+                try:
+                    n = os.preadv(fd, [mv[got:lim]], got)
+                except OSError as e:
+                    if direct and e.errno == errno.EINVAL:
+                        self._direct = False
+                        return _NO_DIRECT
+                    raise
+                if n == 0:
+                    break
+                got += n
+            if direct:
+                self._direct = True
+            return size if got >= want else got
+        finally:
+            os.close(fd)
+
     def _get_direct(self, name: str):
         """Whole-object read with O_DIRECT into a 4 KiB-aligned buffer (bypasses the page cache, as
         the O_DIRECT baseline does). Returns _NO_DIRECT when the filesystem or size does not allow it."""
@@ -211,6 +265,12 @@ class FsStore(ObjectStore):
 
     def list_temps(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return self._walk(prefix, temps=True)
+
+
+def _address(mv: memoryview) -> int:
+    if mv.readonly:
+        return -1
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv)) if len(mv) else 0
 
 
 def _unlink(p: Path) -> None:

@@ -36,6 +36,7 @@ from ..model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameErr
 from ..model.layout import KvLayout
 from ..model.namespace import BlockKey, Namespace
 from ..pool.base import GetResult, PutResult, completed
+from .bounce import BouncePool
 from .breaker import CircuitBreaker
 from .naming import block_name, namespace_name
 from .store import ObjectStore, StoreUnavailable, open_store
@@ -93,6 +94,10 @@ class G4Pool:
                                          retries=cfg.retries, fsync=cfg.fsync)
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
         self._io = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-io")
+        # Stores that read straight into a buffer (file://) get reusable huge-page bounce buffers, one
+        # per I/O thread (see .bounce for the measured reason); others return their own bytes.
+        self._bounce = (BouncePool(HEADER_BYTES + self._bpb, cfg.max_inflight)
+                        if getattr(self.store, "reads_into", False) else None)
         self._deadlines = Deadlines("g4-deadlines")
         self._load_bound_s = cfg.timeout_s * (1 + cfg.retries) + 0.05
         self._mu = threading.Lock()
@@ -403,8 +408,21 @@ class G4Pool:
         if not self.breaker.allow():
             return "miss_breaker"
         name = self._name(key)
+        if self._bounce is None:
+            return self._load_from(b, i, key, out, name, None)
+        with self._bounce.slot() as buf:
+            return self._load_from(b, i, key, out, name, buf)
+
+    def _load_from(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray, name: str, buf) -> str | None:
+        """:meth:`_load` after the breaker: ``buf`` (bounce buffer of at least one object) or None
+        for a store that returns its own bytes."""
         try:
-            data = self.store.get(name)
+            if buf is None:
+                data = self.store.get(name)
+                size = None if data is None else len(data)
+            else:
+                size = self.store.get_into(name, buf)  # the object's true size, may exceed len(buf)
+                data = None if size is None else memoryview(buf)[:min(size, len(buf))]
         except StoreUnavailable:
             self.breaker.failure()
             return "miss_unavailable"
@@ -416,14 +434,14 @@ class G4Pool:
             return "miss_absent"
         exp = self._expected_header(key)
         try:
-            if len(data) < HEADER_BYTES:
-                raise FrameError("length", f"object of {len(data)} bytes")
+            if size < HEADER_BYTES:
+                raise FrameError("length", f"object of {size} bytes")
             hdr = FrameHeader.unpack(memoryview(data)[:HEADER_BYTES])
             hdr.check_identity(key, self._layout, exp.tenant_tag)
             if hdr.world != self._world:
                 raise FrameError("identity", f"world {hdr.world} != {self._world}")
-            if hdr.stored_len != hdr.payload_len or len(data) != HEADER_BYTES + hdr.stored_len:
-                raise FrameError("length", f"object {len(data)} bytes, header says {HEADER_BYTES}+{hdr.stored_len}")
+            if hdr.stored_len != hdr.payload_len or size != HEADER_BYTES + hdr.stored_len:
+                raise FrameError("length", f"object {size} bytes, header says {HEADER_BYTES}+{hdr.stored_len}")
             payload = memoryview(data)[HEADER_BYTES:]
             dst = memoryview(out.reshape(-1).view(np.uint8))
             if hdr.flags & FLAG_ENCRYPTED:
@@ -459,7 +477,7 @@ class G4Pool:
                 except OSError:
                     pass
             return "miss_corrupt"
-        self._count("bytes_read", len(data))
+        self._count("bytes_read", size)
         return None
 
     # lookups: HEAD waves of growing size

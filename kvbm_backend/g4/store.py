@@ -46,6 +46,25 @@ class ObjectStore(ABC):
         """Bytes-like (bytes, bytearray or memoryview) ``[offset, offset+length)`` of ``name`` (to the end when ``length`` is None), or None
         if absent. May return fewer bytes than asked for when the object is shorter."""
 
+    #: True when :meth:`get_into` reads straight into the caller's buffer (no intermediate copy), so
+    #: callers holding reusable buffers should prefer it to :meth:`get`.
+    reads_into = False
+
+    def get_into(self, name: str, buf) -> int | None:
+        """Read the first ``min(size, len(buf))`` bytes of ``name`` into ``buf`` (writable bytes-like).
+
+        Returns the object's full size in bytes (which may exceed ``len(buf)``; the rest is not read),
+        or None if absent. Raises StoreUnavailable like :meth:`get`. This default goes through
+        :meth:`get` and copies.
+        """
+        data = self.get(name)
+        if data is None:
+            return None
+        mv = memoryview(buf).cast("B")
+        n = min(len(data), len(mv))
+        mv[:n] = memoryview(data).cast("B")[:n]
+        return len(data)
+
     @abstractmethod
     def head(self, name: str) -> int | None:
         """Size in bytes, or None if absent."""

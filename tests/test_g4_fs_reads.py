@@ -1,0 +1,117 @@
+"""file:// store read path: ``FsStore.get_into`` (O_DIRECT into aligned buffers, buffered otherwise) and
+the huge-page bounce buffers G4Pool reads through. Real files in tmp_path."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kvbm_backend.g4.bounce import BouncePool, hugepage_empty
+from kvbm_backend.g4.fs_store import FsStore
+from kvbm_backend.g4.store import ObjectStore
+from kvbm_backend.memory import aligned_empty
+
+
+def _data(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096, (2 << 20) + 4096])
+def test_get_into_aligned_and_unaligned_buffers_read_the_same_bytes(tmp_path, size):
+    st = FsStore(tmp_path / "s")
+    data = _data(size, seed=size)
+    assert st.put_if_absent("a/b/obj", data)
+    cap = -(-max(size, 1) // 4096) * 4096
+    aligned = aligned_empty(cap)
+    aligned[:] = 0xEE
+    assert st.get_into("a/b/obj", aligned) == size
+    assert aligned[:size].tobytes() == data
+    unaligned = bytearray(size + 3)  # odd length: never O_DIRECT
+    assert st.get_into("a/b/obj", unaligned) == size
+    assert bytes(unaligned[:size]) == data
+    assert bytes(st.get("a/b/obj")) == data
+
+
+def test_get_into_object_longer_than_buffer_reports_true_size(tmp_path):
+    st = FsStore(tmp_path / "s")
+    data = _data(5 * 4096 + 7, seed=1)
+    st.put("x", data)
+    buf = aligned_empty(2 * 4096)
+    assert st.get_into("x", buf) == len(data)  # caller sees the object is longer than expected
+    assert buf.tobytes() == data[:2 * 4096]
+    small = bytearray(10)
+    assert st.get_into("x", small) == len(data)
+    assert bytes(small) == data[:10]
+
+
+def test_get_into_absent_is_none_and_bad_names_raise(tmp_path):
+    st = FsStore(tmp_path / "s")
+    assert st.get_into("nope/x", aligned_empty(4096)) is None
+    with pytest.raises(ValueError, match="'..'"):
+        st.get_into("../escape", aligned_empty(4096))
+
+
+def test_default_get_into_copies_through_get(tmp_path):
+    """Stores without their own get_into (S3) get the base class's get-and-copy."""
+    st = FsStore(tmp_path / "s")
+    st.put("o", b"0123456789")
+    buf = bytearray(4)
+    assert ObjectStore.get_into(st, "o", buf) == 10 and bytes(buf) == b"0123"
+    assert ObjectStore.get_into(st, "missing", buf) is None
+
+
+def test_hugepage_buffers_are_aligned_writable_and_thp_advised(tmp_path):
+    a = hugepage_empty(3 << 20)
+    assert a.nbytes == 3 << 20 and a.ctypes.data % (2 << 20) == 0
+    a[:] = 7
+    assert int(a.sum()) == 7 * (3 << 20)
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not os.path.exists(thp) or "[never]" in open(thp).read():
+        pytest.skip("transparent huge pages are off on this kernel: buffers stay 4 KiB pages")
+    smaps = open("/proc/self/smaps").read().split("\n")
+    addr = a.ctypes.data
+    for i, line in enumerate(smaps):
+        head = line.split(" ", 1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= addr < hi:
+                block = []
+                for ln in smaps[i + 1:]:
+                    h = ln.split(" ", 1)[0]
+                    if "-" in h and all(c in "0123456789abcdef-" for c in h):
+                        break
+                    block.append(ln)
+                elig = [ln for ln in block if ln.startswith("THPeligible:")]
+                assert elig and elig[0].split()[1] == "1", f"mapping not THP-eligible: {block}"
+                return
+    pytest.fail("buffer's mapping not found in /proc/self/smaps")
+
+
+def test_bounce_pool_lends_distinct_slots_and_overflows_without_waiting():
+    bp = BouncePool(5000, 2)
+    assert bp.slot_bytes == 8192
+    with bp.slot() as a, bp.slot() as b:
+        assert a.ctypes.data != b.ctypes.data and a.nbytes == b.nbytes == 8192
+        with bp.slot() as c:  # all lent: a fresh buffer, no blocking
+            assert c.nbytes == 8192 and bp.overflow == 1
+    seen = set()
+    mu = threading.Lock()
+
+    def use():
+        with bp.slot() as s:
+            with mu:
+                seen.add(s.ctypes.data)
+    ts = [threading.Thread(target=use) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    before = bp.overflow
+    with bp.slot() as a, bp.slot() as b:  # both arena slots came back: no overflow now
+        assert bp.overflow == before
+        arena = {bp._arena[:bp.slot_bytes].ctypes.data, bp._arena[bp.slot_bytes:].ctypes.data}
+        assert {a.ctypes.data, b.ctypes.data} == arena
+    with pytest.raises(ValueError, match="slots"):
+        BouncePool(4096, 0)
