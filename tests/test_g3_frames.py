@@ -1,0 +1,41 @@
+"""ChecksumFrames (the G3 fast frame path) makes exactly FrameHeader.pack's bytes and accepts only
+frames the full parser would accept for that key."""
+from __future__ import annotations
+
+import numpy as np
+
+from kvbm_backend.model import frame
+from kvbm_backend.model.frame import ChecksumFrames, FrameHeader
+from kvbm_backend.model.layout import KvLayout
+from kvbm_backend.model.namespace import Namespace, tenant_tag
+
+LAYOUT = KvLayout(num_layers=2, outer_dim=2, page_size=16, inner_dim=64, dtype="bfloat16")
+NS = Namespace(model="test/frames", layout=LAYOUT, tp_world_size=2)
+
+
+def test_header_bytes_identical_and_verify_strict():
+    k = NS.keys([0xDEADBEEF], tenant="acme", rank=1)[0]
+    pay = np.random.default_rng(1).integers(0, 256, LAYOUT.bytes_per_block, dtype=np.uint8)
+    tt = tenant_tag("acme")
+    ref = FrameHeader.for_block(k, LAYOUT, 2, tt, integrity=frame.payload_checksum(pay), flags=frame.FLAG_CHECKSUM,
+                                created_ns=123456789).pack()
+    cf = ChecksumFrames(bytes.fromhex(k.namespace), LAYOUT, 2)
+    buf = np.full(3 * 4096, 0xAB, np.uint8)  # a reused staging buffer: stale bytes everywhere
+    cf.write_header(memoryview(buf), 4096, tt, 1, 0xDEADBEEF, frame.payload_checksum(pay), 123456789)
+    assert bytes(buf[4096:8192]) == ref
+    assert (buf[:4096] == 0xAB).all() and (buf[8192:] == 0xAB).all()  # nothing outside the header touched
+    h = memoryview(buf)[4096:8192]
+    assert cf.verify(h, pay, tt, 1, 0xDEADBEEF)
+    assert not cf.verify(h, pay, tt, 1, 0xDEADBEF0)  # another sequence hash
+    assert not cf.verify(h, pay, tt, 0, 0xDEADBEEF)  # another rank
+    assert not cf.verify(h, pay, tenant_tag("other"), 1, 0xDEADBEEF)  # another tenant
+    bad = pay.copy()
+    bad[100] ^= 1
+    assert not cf.verify(h, bad, tt, 1, 0xDEADBEEF)  # payload bit flip
+    for pos in (3, 20, 60, 120, 130, 140, 146):  # any header bit flip in the checked part
+        b2 = buf[4096:8192].copy()
+        b2[pos] ^= 0x10
+        assert not cf.verify(memoryview(b2), pay, tt, 1, 0xDEADBEEF), pos
+    other_layout = KvLayout(num_layers=4, outer_dim=2, page_size=8, inner_dim=64, dtype="bfloat16")
+    assert other_layout.bytes_per_block == LAYOUT.bytes_per_block
+    assert not ChecksumFrames(bytes.fromhex(k.namespace), other_layout, 2).verify(h, pay, tt, 1, 0xDEADBEEF)
