@@ -1,0 +1,182 @@
+"""Invariant 2 under the pipelined writer: a block is published (index + journal) only after an
+fdatasync of its file that started after the block's bytes were written; a failed fdatasync drops
+the blocks it was to cover (and every unpublished block that wrote that file before), never
+publishes them. Real posix engine and real fdatasync; the engine and ``fdatasync`` are wrapped only
+to record the order of events (and, in the second test, to make one fdatasync fail with EIO as a
+failing disk would)."""
+from __future__ import annotations
+
+import errno
+import itertools
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from crash_writer import LAYOUT, NS, open_pool, payload
+from kvbm_backend.io import fdatasync as real_fdatasync
+from kvbm_backend.io.posix import PosixEngine
+from kvbm_backend.memory import aligned_empty
+from kvbm_backend.model import frame
+from kvbm_backend.pool.g3 import G3Pool
+from kvbm_backend.pool.g3 import pool as pool_mod
+from kvbm_backend.pool.g3.index import LruIndex
+
+SLOT = frame.slot_bytes(LAYOUT.bytes_per_block)
+
+
+class Log:
+    def __init__(self):
+        self.seq = itertools.count()
+        self.lock = threading.Lock()
+        self.events = []  # (seq, kind, payload)
+
+    def add(self, kind, what):
+        with self.lock:
+            self.events.append((next(self.seq), kind, what))
+
+
+class RecordingEngine(PosixEngine):
+    """The real posix engine; records each finished write op as (fd, start, end) byte ranges."""
+
+    def __init__(self, log: Log):
+        super().__init__(threads=4)
+        self.log = log
+
+    def submit(self, ops):
+        ops = list(ops)
+        inner = super().submit(ops)
+        out: Future = Future()
+
+        def done(f):
+            if f.exception() is None and ops and ops[0].write:
+                for op in ops:
+                    self.log.add("written", (op.fd, op.offset, op.offset + op.nbytes))
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result(f.result())
+
+        inner.add_done_callback(done)
+        return out
+
+
+class RecordingIndex(LruIndex):
+    def __init__(self, log: Log):
+        super().__init__()
+        self.log = log
+
+    def put(self, key, slot):
+        self.log.add("publish", (key, slot))
+        super().put(key, slot)
+
+
+def _pipelined(monkeypatch):
+    monkeypatch.setattr(G3Pool, "chunk_bytes", 3 * SLOT)
+    monkeypatch.setattr(G3Pool, "chunks_in_flight", 2)
+
+
+def test_publish_only_after_own_fdatasync_while_writes_overlap_syncs(tmp_path, monkeypatch):
+    _pipelined(monkeypatch)
+    log = Log()
+
+    def slow_sync(fd):
+        log.add("sync_start", fd)
+        time.sleep(0.01)  # a slow disk flush, so later pieces' writes land during it
+        real_fdatasync(fd)
+        log.add("sync_end", fd)
+
+    monkeypatch.setattr(pool_mod, "fdatasync", slow_sync)
+    eng = RecordingEngine(log)
+    try:
+        with open_pool(tmp_path, engine=eng, files_per_path=2) as pool:
+            pool.index = RecordingIndex(log)
+            keys = NS.keys(range(1, 61))
+            res = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60)
+            assert res.written == 60
+            ev = list(log.events)
+            checked = 0
+            for seq, kind, (key, (fi, si)) in ((s, k, w) for s, k, w in ev if k == "publish"):
+                fd = pool.slabs.by_index[fi].fd
+                lo, hi = si * SLOT, (si + 1) * SLOT
+                # the slot's bytes: every write covering them finished before ...
+                w = [s for s, k, x in ev if k == "written" and x[0] == fd and x[1] < hi and x[2] > lo and s < seq]
+                assert w, f"{key} published before its slot was written"
+                last_w = max(w)
+                # ... a sync of that file that started after them and ended before the publish
+                starts = [s for s, k, x in ev if k == "sync_start" and x == fd and last_w < s < seq]
+                ends = [s for s, k, x in ev if k == "sync_end" and x == fd and s < seq]
+                assert starts and any(e > min(starts) for e in ends), f"{key} published before its fdatasync"
+                checked += 1
+            assert checked == 60
+            # the pipeline really overlapped: some write finished while an fdatasync was running
+            open_syncs, overlapped = 0, False
+            for _, kind, _ in ev:
+                open_syncs += kind == "sync_start"
+                open_syncs -= kind == "sync_end"
+                overlapped |= kind == "written" and open_syncs > 0
+            assert overlapped, "no write landed during an fdatasync: the writer is not pipelined"
+            out = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
+            assert all(pool.get(keys, out).result(timeout=30).ok)
+            assert pool.slot_accounting()["leaked"] == 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("fail_call", [1, 2])
+def test_failed_fdatasync_never_publishes_what_it_covered(tmp_path, monkeypatch, fail_call):
+    _pipelined(monkeypatch)
+    log = Log()
+    calls = itertools.count(1)
+    failed_fds = []
+
+    def flaky_sync(fd):
+        n = next(calls)
+        log.add("sync_start", fd)
+        time.sleep(0.005)
+        if n == fail_call:
+            failed_fds.append(fd)
+            log.add("sync_fail", fd)
+            raise OSError(errno.EIO, "Input/output error (injected fdatasync failure)")
+        real_fdatasync(fd)
+        log.add("sync_end", fd)
+
+    monkeypatch.setattr(pool_mod, "fdatasync", flaky_sync)
+    eng = RecordingEngine(log)
+    try:
+        with open_pool(tmp_path, engine=eng, files_per_path=1) as pool:
+            pool.index = RecordingIndex(log)
+            keys = NS.keys(range(1, 61))
+            written = dropped = 0
+            for part in (keys[:30], keys[30:]):  # two puts: at least two fdatasync rounds
+                r = pool.put(part, [payload(k.seq_hash) for k in part]).result(timeout=60)
+                written, dropped = written + r.written, dropped + r.dropped
+            assert failed_fds
+            assert written + dropped == 60 and dropped >= 1
+            st = pool.stats()
+            assert st["write_errors"] == 1 and st["dropped_by_reason"] == {"io_error": dropped}
+            ev = list(log.events)
+            fail_seq = next(s for s, k, _ in ev if k == "sync_fail")
+            fd = pool.slabs.files[0].fd
+            published = {x[0] for _, k, x in ev if k == "publish"}
+            assert len(published) == written
+            # a block whose bytes were written before the failed sync started and that was not
+            # published before it failed is never published
+            for s, k, x in ev:
+                if k != "publish":
+                    continue
+                key, (fi, si) = x
+                lo, hi = si * SLOT, (si + 1) * SLOT
+                last_w = max(t for t, kk, y in ev if kk == "written" and y[0] == fd and y[1] < hi and y[2] > lo)
+                assert not (last_w < fail_seq < s), f"{key} published although the fdatasync covering it failed"
+            assert not any(pool.contains(k) for k in keys if k not in published)
+            assert pool.slot_accounting()["leaked"] == 0 and pool.stats()["reserved_slots"] == 0
+            out = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
+            got = pool.get(keys, out).result(timeout=30)
+            assert [k in published for k in keys] == got.ok
+            # the tier keeps working: the dropped blocks are written on the next offer
+            res2 = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60)
+            assert res2.written == dropped
+    finally:
+        eng.close()
