@@ -186,7 +186,6 @@ class _NixlObj:
         self.regs = []
 
     def _xfer(self, op: str, bufs, names) -> None:
-        import numpy as np  # noqa: F401
         local = [(b.ctypes.data, b.nbytes, 0) for b in bufs]
         objs = [(0, b.nbytes, i, f"{self.prefix}/{n}") for i, (b, n) in enumerate(zip(bufs, names))]
         reg_o = self.agent.register_memory(objs, "OBJ")
