@@ -169,3 +169,38 @@ def test_keys_cli_never_prints_key_material(tmp_path, monkeypatch):
     os.chmod(p, 0o644)
     bad = r.invoke(app, ["keys", "list", "--keyring", p])
     assert bad.exit_code == 2 and "chmod 600" in " ".join(bad.output.split())
+
+
+_CREATE_RACER = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[3])
+from kvbm_backend.crypto.keyring import Keyring, provider_for
+path, start = sys.argv[1], float(sys.argv[2])
+while time.time() < start:
+    time.sleep(0.0005)
+kr = Keyring(path, provider_for(path))
+print(json.dumps({"pseudonym": kr.pseudonym("alice").hex(), "kek": kr.provider.key_id}))
+"""
+
+
+def test_workers_starting_together_create_one_keyring(tmp_path, monkeypatch):
+    # CI caught this: 8 workers started at once on a fresh keyring path each tried to create the KEK
+    # file and 7 crashed with "already exists". All must start and agree on one KEK and keyring.
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    path = tmp_path / "kr.json"
+    start = time.time() + 2.0
+    root = str(Path(__file__).resolve().parents[1])
+    procs = [subprocess.Popen([sys.executable, "-c", _CREATE_RACER, str(path), str(start), root],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    outs = []
+    for p in procs:
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0, e
+        outs.append(json.loads(o))
+    assert len({o["pseudonym"] for o in outs}) == 1 and len({o["kek"] for o in outs}) == 1
+    assert _kr(path).pseudonym("alice").hex() == outs[0]["pseudonym"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["kr.json", "kr.json.kek", "kr.json.lock"]  # no temp left

@@ -115,18 +115,38 @@ class LocalKek:
 
     @staticmethod
     def generate_file(path: str | os.PathLike) -> "LocalKek":
-        """Create a new random KEK file (mode 0600, exclusive). Raises KeyringError if it exists."""
+        """Create a new random KEK file (mode 0600) atomically. Raises KeyringError if it exists.
+
+        The key is written to a unique temp name in the same directory, fsynced, then published with
+        ``link()`` (create-exclusive), so a reader never sees a half-written KEK file and two processes
+        creating it at once cannot both win.
+        """
         p = Path(path)
         kek = secrets.token_bytes(KEY_BYTES)
+        tmp = p.parent / f".{p.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            raise KeyringError(f"KEK file {p}: already exists") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(base64.b64encode(kek).decode() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+            with os.fdopen(fd, "w") as f:
+                f.write(base64.b64encode(kek).decode() + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, p)
+            except FileExistsError:
+                raise KeyringError(f"KEK file {p}: already exists") from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        _fsync_dir(p.parent)
         return LocalKek(kek, source=f"KEK file {p}")
+
+
+def _fsync_dir(d: Path) -> None:
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def generate_kek_b64() -> str:
@@ -158,7 +178,12 @@ def provider_for(path: str | os.PathLike, kek_env: str = "KVBM_BACKEND_KEK", kek
         return LocalKek.from_file(kf)
     if create and not Path(path).exists():
         kf.parent.mkdir(parents=True, exist_ok=True)
-        return LocalKek.generate_file(kf)
+        try:
+            return LocalKek.generate_file(kf)
+        except KeyringError:
+            if kf.exists():  # another process (a worker starting beside us) created it first: use theirs
+                return LocalKek.from_file(kf)
+            raise
     raise KeyringError(f"keyring {path}: no KEK (set ${kek_env} to a base64 32-byte key or provide {kf})")
 
 
@@ -289,11 +314,7 @@ class Keyring:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        dfd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _fsync_dir(self.path.parent)
 
     def _mutate(self, fn):
         """Reload under the file lock, merge pending use counts, apply ``fn(doc)``, write, reload."""
