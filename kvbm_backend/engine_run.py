@@ -7,7 +7,8 @@ Meant to run in its own process (vLLM spawns helpers and keeps global state)::
 SPEC (JSON) fields:
 
 * ``model_dir`` (str): a directory from :func:`kvbm_backend.engine_model.write_model_dir`.
-* ``prompts`` (list of token-id lists), ``max_tokens`` (int, default 4), ``cache_salts`` (optional list).
+* ``prompts`` (list of token-id lists), ``max_tokens`` (int, default 4), ``cache_salts`` (optional list),
+  ``ignore_eos`` (bool, default false: generate exactly ``max_tokens``).
 * ``connector``: null (engine prefix cache only) or ``{"extra": kv_connector_extra_config,
   "multi_with": optional extra connector dict for vLLM's MultiConnector}``.
 * ``block_size`` (tokens, default 32: the CPU backend needs a multiple of 32), ``dtype``
@@ -67,7 +68,8 @@ def run(spec: dict) -> dict:
               gpu_memory_utilization=0.1, disable_log_stats=False, kv_transfer_config=ktc,
               enable_prefix_caching=True, max_num_batched_tokens=int(spec.get("max_num_batched_tokens", max(max_len, 2048))), **kw)
     init_s = time.perf_counter() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 4)), detokenize=False, seed=0)
+    sp = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 4)), detokenize=False, seed=0,
+                        ignore_eos=bool(spec.get("ignore_eos", False)))
     prompts = spec["prompts"]
     salts = spec.get("cache_salts") or [None] * len(prompts)
     if spec.get("warmup", True):

@@ -153,3 +153,23 @@ def test_mp_executor_scheduler_mirrors_worker_g3(tmp_path, model_dir):
     assert b["outputs"] == a["outputs"]
     assert b["connector_stats"].get("load_g3_blocks_ok", 0) >= 20, b["connector_stats"]
     assert b["scheduler_stats"].get("load_planned_g3_blocks", 0) >= 20, b["scheduler_stats"]
+
+
+def test_next_turn_loads_the_previous_answer(tmp_path, model_dir):
+    """Multi-turn: turn 2's prompt is turn 1's prompt + turn 1's answer + a new message. A fresh engine
+    finds the KV of the answer too (decode blocks were saved), and its output equals a full recompute."""
+    p1 = prompts(1, 640, seed=21)[0]  # 20 full blocks
+    extra = connector_extra(tmp_path / "w")
+    a = run_engine(tmp_path, "turn1", model_dir, [p1], {"extra": extra}, num_gpu_blocks=NUM_BLOCKS,
+                   max_tokens=70, ignore_eos=True, warmup=False)
+    answer = a["outputs"][0]
+    assert len(answer) == 70
+    p2 = p1 + answer + prompts(1, 100, seed=22)[0]
+    b = run_engine(tmp_path, "turn2", model_dir, [p2], {"extra": extra}, num_gpu_blocks=NUM_BLOCKS, warmup=False)
+    sb = b["connector_stats"]
+    # computed KV of turn 1: 640 prompt + 69 answer tokens (the last sampled token is never fed back)
+    # = 22 full blocks; all of them come back, 2 of them filled by the answer
+    assert sb.get("load_g3_blocks_ok", 0) == (640 + 69) // 32, sb
+    assert b["cached_tokens"] == [(640 + 69) // 32 * 32]
+    ref = run_engine(tmp_path, "turn2-recompute", model_dir, [p2], None, num_gpu_blocks=NUM_BLOCKS)
+    assert b["outputs"] == ref["outputs"]

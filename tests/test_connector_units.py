@@ -134,3 +134,89 @@ def test_scheduler_plans_g3_then_g4_and_saves_only_new_blocks(tmp_path):
     finally:
         g3.close()
         g4.close()
+
+
+def _step(new=(), cached=(), sched=None):
+    """A SchedulerOutput-shaped object: ``new`` = [(req_id, block_ids, num_computed)],
+    ``cached`` = [(req_id, new_block_ids or None, num_computed)], ``sched`` = {req_id: tokens}."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(list(b),), num_computed_tokens=c) for r, b, c in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached],
+                                              new_block_ids=[(list(b),) if b is not None else None for _, b, _ in cached],
+                                              num_computed_tokens=[c for _, _, c in cached], resumed_req_ids=set()),
+        num_scheduled_tokens=dict(sched or {}))
+
+
+@pytest.mark.parametrize("save_decode", [True, False])
+def test_decode_blocks_are_saved_with_the_chained_identity(tmp_path, save_decode):
+    """Blocks filled by generated tokens are saved under the hashes a next turn's prompt will have
+    (prompt + answer), only once every token of the block is known and its KV computed."""
+    from kvbm_backend.config import load_config
+    from kvbm_backend.integrations.tiers import open_tiers
+    from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+    from kvbm_backend.model.hashing import salt_bytes, salt_hash, sequence_hashes
+    from kvbm_backend.model.namespace import Namespace
+
+    bs = 32
+    ns = Namespace("m", KvLayout(2, 2, bs, 64, "bfloat16"))
+    cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1}}, use_env=False)
+    g3, g4 = open_tiers(cfg, ns)
+    try:
+        s = SchedulerSide(ns, bs, g3, g4, save_decode=save_decode)
+        prompt = list(range(1000, 1000 + 2 * bs + 10))  # 2 full prompt blocks + 10 tokens
+        req = SimpleNamespace(request_id="r", prompt_token_ids=prompt, all_token_ids=list(prompt),
+                              cache_salt="alice", lora_request=None)
+        assert s.get_num_new_matched_tokens(req, 0) in ((0, False), (None, False))
+        s.update_state_after_alloc(req, _Blocks([1, 2, 3]), 0)
+        meta = s.build_connector_meta(_step(new=[("r", [1, 2, 3], 0)], sched={"r": len(prompt)}))
+        assert [sv.block_ids for sv in meta.saves] == [[1, 2]]
+        saved = list(meta.saves[0].seq_hashes)
+        # decode: one token per step; vLLM appends the sampled token before scheduling the next step
+        out = list(range(5000, 5000 + 2 * bs))
+        blocks = [1, 2, 3]
+        for i, t in enumerate(out):
+            req.all_token_ids.append(t)
+            n_tok = len(req.all_token_ids)
+            nb = None
+            if (n_tok - 1) // bs + 1 > len(blocks):
+                nb = [10 + len(blocks)]
+                blocks += nb
+            # computed before this step: every token but the newest; this step computes the newest
+            meta = s.build_connector_meta(_step(cached=[("r", nb, n_tok - 1)], sched={"r": 1}))
+            for sv in meta.saves:
+                assert sv.tenant == "alice"
+                saved += sv.seq_hashes
+                assert sv.block_ids == blocks[len(saved) - len(sv.seq_hashes):len(saved)]
+        full_known = len(req.all_token_ids) // bs
+        want = sequence_hashes(req.all_token_ids, bs, salt=salt_hash(salt_bytes("alice", None)))
+        if save_decode:
+            assert saved == want[:full_known] and full_known == 4  # the 2 answer-filled blocks too
+        else:
+            assert saved == want[:2]  # prompt blocks only
+        # async scheduling: a step may compute positions whose token ids are not known yet (the
+        # placeholder of the token being sampled); a block is never saved before all its ids are known
+        n_before = len(saved)
+        meta = s.build_connector_meta(_step(cached=[("r", [99], len(req.all_token_ids) + bs - 2)], sched={"r": 4}))
+        assert sum(len(sv.seq_hashes) for sv in meta.saves) == 0 and len(saved) == n_before
+    finally:
+        g3.close()
+
+
+def test_kv_connector_stats_report_worker_counter_deltas():
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.connector import KvbmBackendConnector
+
+    iv = stats.Interval()
+    iv.delta()
+    stats.add(load_blocks_ok=3, load_bytes=3 * 4096, lookup_requests=1, save_blocks=2)
+    d = iv.delta()
+    assert d == {"load_blocks_ok": 3, "load_bytes": 3 * 4096, "save_blocks": 2}  # scheduler counters excluded
+    assert iv.delta() == {}
+    a = KvbmBackendConnector.build_kv_connector_stats(d)
+    b = KvbmBackendConnector.build_kv_connector_stats({"load_blocks_ok": 1, "save_dropped_blocks": 4})
+    r = a.aggregate(b).reduce()
+    assert r["load_blocks_ok"] == 4 and r["save_dropped_blocks"] == 4 and not a.is_empty()
+    a.reset()
+    assert a.is_empty()
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    assert isinstance(a, KVConnectorStats)

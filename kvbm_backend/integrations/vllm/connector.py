@@ -19,6 +19,8 @@ Load it with::
   :class:`~kvbm_backend.config.KvbmBackendConfig` tree (environment overrides apply on top).
 * ``stats_path``: write the connector counters (:mod:`.stats`) there as JSON.
 * ``save`` / ``load`` (bool, default true): offload computed blocks / serve prefix hits.
+* ``save_decode`` (bool, default true): also offload blocks filled by generated tokens (the next turn
+  of a conversation then finds the previous answer's KV); false saves prompt blocks only.
 * ``save_to_g4`` (bool, default true): write-through to G4 as well as G3.
 * ``promote_to_g3`` (bool, default true): blocks loaded from G4 are also written into G3.
 * ``max_pending_save_bytes`` (int bytes, default 1 GiB): host staging bound for offloads.
@@ -67,8 +69,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvbm_backend.connector")
 
-EXTRA_KEYS = {"kvbm_backend", "config_file", "stats_path", "save", "load", "save_to_g4", "promote_to_g3",
-              "max_pending_save_bytes"}
+EXTRA_KEYS = {"kvbm_backend", "config_file", "stats_path", "save", "load", "save_decode", "save_to_g4",
+              "promote_to_g3", "max_pending_save_bytes"}
 
 
 def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
@@ -97,9 +99,10 @@ def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
         which = "config_file" if "config_file" in extra else "kvbm_backend"
         raise ConfigError(f"kv_connector_extra_config.{which}: {e}") from None
     opts = {"stats_path": extra.get("stats_path"), "save": extra.get("save", True), "load": extra.get("load", True),
+            "save_decode": extra.get("save_decode", True),
             "save_to_g4": extra.get("save_to_g4", True), "promote_to_g3": extra.get("promote_to_g3", True),
             "max_pending_save_bytes": extra.get("max_pending_save_bytes", 1 << 30)}
-    for k in ("save", "load", "save_to_g4", "promote_to_g3"):
+    for k in ("save", "load", "save_decode", "save_to_g4", "promote_to_g3"):
         if not isinstance(opts[k], bool):
             raise ConfigError(f"kv_connector_extra_config.{k}: expected true/false, got {opts[k]!r}")
     if not isinstance(opts["max_pending_save_bytes"], int) or opts["max_pending_save_bytes"] <= 0:
@@ -177,7 +180,8 @@ class KvbmBackendConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.sched = SchedulerSide(self.ns, self.block_size, self.g3, self.g4, default_tenant=self.cfg.tenant,
                                        lookup_timeout_s=max(self.cfg.g4.timeout_s, 0.5),
-                                       save=self.opts["save"], load=self.opts["load"])
+                                       save=self.opts["save"], load=self.opts["load"],
+                                       save_decode=self.opts["save_decode"])
         else:
             rank = 0
             if self.ns.tp_world_size > 1:
@@ -188,6 +192,7 @@ class KvbmBackendConnector(KVConnectorBase_V1):
                                      promote_to_g3=self.opts["promote_to_g3"], save_to_g4=self.opts["save_to_g4"],
                                      max_pending_save_bytes=self.opts["max_pending_save_bytes"],
                                      report_g3=self.split)
+        self._interval = stats.Interval()
         self._closed = False
         log.info("kvbm_backend connector (%s): namespace %s %s, G3=%s G4=%s", role.name, self.ns.fingerprint,
                  json.dumps(self.ns.to_dict()), self.g3 is not None, self.g4 is not None)
@@ -238,6 +243,18 @@ class KvbmBackendConnector(KVConnectorBase_V1):
         recv = self.worker.get_finished() if self.worker is not None else set()
         self._writer.maybe_write()
         return None, (recv or None)
+
+    def get_kv_connector_stats(self) -> stats.KvbmConnectorStats | None:
+        """Worker counters since the last call (vLLM aggregates them across workers and logs them as
+        "KV Transfer metrics" every logging interval); None when nothing happened."""
+        if self.worker is None:
+            return None
+        d = self._interval.delta()
+        return stats.KvbmConnectorStats(data=d) if d else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> stats.KvbmConnectorStats | None:
+        return stats.KvbmConnectorStats(data=dict(data)) if data is not None else stats.KvbmConnectorStats()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()

@@ -1,9 +1,15 @@
 """Scheduler role of the connector: prefix lookup (G3 then G4), load plans, save plans.
 
-Identity: KVBM sequence hashes (:mod:`kvbm_backend.model.hashing`) over the request's prompt tokens in
+Identity: KVBM sequence hashes (:mod:`kvbm_backend.model.hashing`) over the request's tokens in
 vLLM-``block_size`` blocks, salted by ``salt_hash(salt_bytes(cache_salt, lora_name))``; the tenant is
 the request's ``cache_salt`` (else the configured default tenant). So a block written by one worker is
 found by any other worker of the same namespace, and after restarts.
+
+Saves cover prompt blocks and, with ``save_decode`` (default), blocks filled by generated tokens too:
+the chain of hashes is extended as the request's ``all_token_ids`` grow, so the next turn of a chat
+(prompt = previous prompt + previous answer + new message) finds the previous answer's KV as well. A
+block is saved only when every one of its tokens is known (in ``all_token_ids``, never a speculative
+draft or an async-scheduling placeholder) and its KV is computed by the step being scheduled.
 
 Lookups never block the scheduler: they run on the pools' threads; until a request's lookup is done,
 ``get_num_new_matched_tokens`` answers None ("ask again next step"), and a lookup that outlives the
@@ -134,7 +140,7 @@ class _Lookup:
 class _Req:
     req_id: str
     tenant: str
-    hashes: list[int]                 # sequence hashes of every full prompt block
+    hashes: list[int]                 # sequence hashes of every full prompt block (then decode blocks)
     lookup_blocks: int                # blocks that may be served from outside: (prompt_len - 1) // bs
     lookup: _Lookup | None = None
     n_local: int = 0                  # blocks the engine's own prefix cache had at the last query
@@ -142,14 +148,18 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int | None = None     # blocks [0, saved_upto) are stored or owned by someone else
     counted: bool = False
+    request: Any = None               # vLLM Request (its all_token_ids grow during decode)
+    salt: int = 0
 
 
 class SchedulerSide:
     """State and decisions of the scheduler-role connector (one per engine)."""
 
     def __init__(self, namespace: Namespace, block_size: int, g3: BlockPool | None, g4: BlockPool | None,
-                 default_tenant: str = "", lookup_timeout_s: float = 2.0, save: bool = True, load: bool = True):
+                 default_tenant: str = "", lookup_timeout_s: float = 2.0, save: bool = True, load: bool = True,
+                 save_decode: bool = True):
         self.ns, self.bs = namespace, block_size
+        self.save_decode = save_decode
         self.g3, self.g4 = g3, g4
         self.default_tenant = default_tenant
         self.lookup_timeout_s = lookup_timeout_s
@@ -170,16 +180,33 @@ class SchedulerSide:
             toks = list(request.prompt_token_ids or [])
             hashes = sequence_hashes(toks, self.bs, salt=salt) if toks else []
             st = _Req(request.request_id, cache_salt or self.default_tenant, hashes,
-                      lookup_blocks=max(0, (len(toks) - 1) // self.bs))
+                      lookup_blocks=max(0, (len(toks) - 1) // self.bs), request=request, salt=salt)
             self._reqs[request.request_id] = st
         return st
+
+    def _extend_hashes(self, st: _Req, upto_blocks: int) -> None:
+        """Extend ``st.hashes`` over generated tokens up to ``upto_blocks`` full blocks, using only
+        tokens already in ``request.all_token_ids``."""
+        toks = getattr(st.request, "all_token_ids", None)
+        if toks is None:
+            return
+        upto = min(upto_blocks, len(toks) // self.bs)
+        have = len(st.hashes)
+        if upto <= have:
+            return
+        parent = st.hashes[-1] if st.hashes else None
+        st.hashes.extend(sequence_hashes(list(toks[have * self.bs:upto * self.bs]), self.bs, salt=st.salt,
+                                         parent=parent))
 
     def _keys_by_rank(self, st: _Req, n: int) -> list[list]:
         return [self.ns.keys(st.hashes[:n], st.tenant, r) for r in range(self.ns.tp_world_size)]
 
     # ---- vLLM scheduler hooks --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.load_enabled or (self.g3 is None and self.g4 is None):
+        if self.g3 is None and self.g4 is None:
+            return 0, False
+        if not self.load_enabled:
+            self._state(request)  # saves still need the request's identity
             return 0, False
         if isinstance(self.g3, G3Mirror) and not self.g3.ready:
             # Wait (bounded) for the worker's first G3 report, so a restarted worker's blocks count.
@@ -207,6 +234,9 @@ class SchedulerSide:
         return (total - st.n_local) * self.bs, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.g3 is None and self.g4 is None:
+            return
+        self._state(request)
         if num_external_tokens <= 0:
             return
         st = self._reqs[request.request_id]
@@ -261,7 +291,10 @@ class SchedulerSide:
         return meta
 
     def _plan_save(self, meta: KvbmConnectorMetadata, st: _Req, computed_after: int) -> None:
-        full = min(computed_after // self.bs, len(st.hashes), len(st.block_ids))
+        full = min(computed_after // self.bs, len(st.block_ids))
+        if self.save_decode and full > len(st.hashes):
+            self._extend_hashes(st, full)
+        full = min(full, len(st.hashes))
         if st.saved_upto is None or full <= st.saved_upto:
             return
         a = st.saved_upto

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 _lock = threading.Lock()
 _counts: Counter = Counter()
@@ -51,6 +52,54 @@ def info() -> dict:
 def reset() -> None:
     with _lock:
         _counts.clear()
+
+
+# counters the worker role adds (what moved between the engine and G3/G4), reported per interval to vLLM
+WORKER_PREFIXES = ("save_", "load_blocks", "load_g3_", "load_g4_", "load_jobs", "load_bytes", "load_errors",
+                   "load_timeouts", "load_get_errors", "g3_put_", "g4_put_", "promote_")
+
+
+class Interval:
+    """Per-interval deltas of the worker counters (for vLLM's ``get_kv_connector_stats``)."""
+
+    def __init__(self) -> None:
+        self._last: dict = {}
+
+    def delta(self) -> dict:
+        """Counters that changed since the previous call: ``{name: increase}`` (empty if none)."""
+        now = {k: v for k, v in snapshot().items() if k.startswith(WORKER_PREFIXES)}
+        d = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
+        self._last = now
+        return d
+
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats as _StatsBase
+except Exception:  # noqa: BLE001 - the class also works without vLLM (tools, tests)
+    @dataclass
+    class _StatsBase:  # type: ignore[no-redef]
+        data: dict = field(default_factory=dict)
+
+
+@dataclass
+class KvbmConnectorStats(_StatsBase):
+    """vLLM ``KVConnectorStats`` of this connector: ``data`` maps worker counter names (blocks,
+    ``*_bytes`` in bytes, ``*_s`` in seconds; see :data:`WORKER_PREFIXES`) to their increase over one
+    interval; :meth:`aggregate` sums workers' stats and :meth:`reduce` gives the sums."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other) -> "KvbmConnectorStats":
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 class StatsWriter:
