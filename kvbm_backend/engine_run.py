@@ -19,6 +19,10 @@ SPEC (JSON) fields:
 * ``multiprocessing`` (bool, default false): vLLM's engine core and (on CPU) its worker in their own
   processes, as ``vllm serve`` runs them; counters are then read from the connector's ``stats_path``
   files (``scheduler_stats`` from the scheduler's).
+* ``tensor_parallel_size`` (int, default 1): TP ranks, each a worker process (implies
+  ``multiprocessing``); on CPU, ``VLLM_CPU_OMP_THREADS_BIND`` is set to split this process's CPUs
+  between the ranks when the caller did not set it. Rank r > 0 writes its counters to
+  ``<stats_path stem>.rank<r><ext>`` (``rank_stats``: a list, rank 1 first).
 * ``warmup`` (bool, default true): one throwaway request first (kernel/JIT warm-up, not timed).
 * ``out`` (str): where the result JSON goes.
 
@@ -39,7 +43,13 @@ import time
 
 
 def run(spec: dict) -> dict:
-    mp = bool(spec.get("multiprocessing", False))
+    tp_size = int(spec.get("tensor_parallel_size", 1))
+    mp = bool(spec.get("multiprocessing", False)) or tp_size > 1
+    if tp_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        cpus = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cpus) // tp_size)
+        groups = [cpus[i * per:(i + 1) * per] or cpus[-1:] for i in range(tp_size)]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mp else "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -56,6 +66,8 @@ def run(spec: dict) -> dict:
         else:
             ktc = dict(ours, kv_load_failure_policy="recompute")
     kw = {}
+    if tp_size > 1:
+        kw.update(tensor_parallel_size=tp_size, distributed_executor_backend="mp")
     bs = int(spec.get("block_size", 32))
     max_len = int(spec.get("max_model_len", 8192))
     if spec.get("num_gpu_blocks"):
@@ -111,6 +123,12 @@ def run(spec: dict) -> dict:
                     result[key] = {k: v for k, v in d.items() if k not in ("pools", "info")}
                     result.setdefault("pool_stats", d.get("pools", {}))
                     result.setdefault("connector_info", d.get("info", {}))
+            for r in range(1, tp_size):
+                path = f"{root}.rank{r}{ext}"
+                if os.path.isfile(path):
+                    with open(path) as f:
+                        d = json.load(f)
+                    result.setdefault("rank_stats", []).append({k: v for k, v in d.items() if k != "info"})
     elif conn is not None:
         from .integrations.vllm import stats
         # Let background offloads finish before the stats are read (bounded).

@@ -173,3 +173,35 @@ def test_next_turn_loads_the_previous_answer(tmp_path, model_dir):
     assert b["cached_tokens"] == [(640 + 69) // 32 * 32]
     ref = run_engine(tmp_path, "turn2-recompute", model_dir, [p2], None, num_gpu_blocks=NUM_BLOCKS)
     assert b["outputs"] == ref["outputs"]
+
+
+def test_tensor_parallel_two_ranks_save_and_load_their_slices(tmp_path, model_dir):
+    """TP=2 (two worker processes, one KV head each): each rank offloads its own slice to its own G3
+    pool and to G4; a fresh TP=2 engine loads both ranks' slices from G3, and one with empty G3 dirs
+    loads them from G4; greedy outputs equal the engine that computed them."""
+    ps = _prompts()[:2]
+    g4 = f"file://{tmp_path / 'g4'}"
+    a = run_engine(tmp_path, "tp-writer", model_dir, ps, {"extra": connector_extra(tmp_path / "w", g4)},
+                   num_gpu_blocks=NUM_BLOCKS, tensor_parallel_size=2, warmup=False)
+    per_rank = [a["connector_stats"]] + a.get("rank_stats", [])
+    assert len(per_rank) == 2, a.get("rank_stats")
+    for st in per_rank:  # both ranks wrote their slices of every prompt block (shared prefix once)
+        assert st.get("g3_put_written_blocks", 0) >= 2 * 21 - 10, st
+    assert sorted(p.name for p in (tmp_path / "w" / "g3").iterdir()) == ["tp2-rank0", "tp2-rank1"]
+    names = [f for _, _, fs in os.walk(tmp_path / "g4") for f in fs if not f.endswith(".json")]
+    assert len(names) >= 2 * (2 * 21 - 10)  # one object per (block, rank)
+
+    b = run_engine(tmp_path, "tp-reader", model_dir, ps, {"extra": connector_extra(tmp_path / "w", g4)},
+                   num_gpu_blocks=NUM_BLOCKS, tensor_parallel_size=2, warmup=False)
+    assert b["outputs"] == a["outputs"]
+    for st in [b["connector_stats"]] + b.get("rank_stats", []):
+        assert st.get("load_g3_blocks_ok", 0) >= 2 * 21 - 12, st
+        assert st.get("load_blocks_failed", 0) == 0, st
+    assert b["scheduler_stats"].get("load_planned_g3_blocks", 0) >= 2 * 21 - 12, b["scheduler_stats"]
+
+    c = run_engine(tmp_path, "tp-restart", model_dir, ps, {"extra": connector_extra(tmp_path / "fresh", g4)},
+                   num_gpu_blocks=NUM_BLOCKS, tensor_parallel_size=2, warmup=False)
+    assert c["outputs"] == a["outputs"]
+    for st in [c["connector_stats"]] + c.get("rank_stats", []):
+        assert st.get("load_g4_blocks_ok", 0) >= 2 * 21 - 12, st
+        assert st.get("load_blocks_failed", 0) == 0, st

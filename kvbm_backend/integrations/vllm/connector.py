@@ -33,6 +33,14 @@ the ``mp`` executor (``vllm serve`` on CPU, for one) the worker owns G3 and the 
 lookups from a :class:`~.scheduler_side.G3Mirror` fed by the worker's reports
 (:class:`~.metadata.KvbmWorkerMeta`); G4, shared storage by design, is opened by both. In that mode
 the scheduler's counters go to ``<stats_path stem>.scheduler<ext>``.
+
+Tensor parallelism (TP = N > 1): every rank's worker is its own process and stores and loads only its
+slice of each block (its KV heads; one object per (block, rank) in G4) in a private G3 pool under
+``<path>/tp<N>-rank<r>`` with ``capacity_gb / N`` (:func:`rank_g3_config`). The scheduler looks a
+prefix up for every rank and takes the shortest (a block counts only when all ranks have their slice);
+a rank's failed load is reported through ``get_block_ids_with_load_errors``, which vLLM unions over
+ranks, so the block is recomputed on all of them. Rank r > 0 writes its counters to
+``<stats_path stem>.rank<r><ext>``. MLA and hybrid (several KV groups) models are refused.
 """
 from __future__ import annotations
 
@@ -139,6 +147,19 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
                      tp_world_size=int(vllm_config.parallel_config.tensor_parallel_size))
 
 
+def rank_g3_config(cfg: KvbmBackendConfig, rank: int, tp_world_size: int) -> KvbmBackendConfig:
+    """The G3 config of TP rank ``rank`` of ``tp_world_size``: each rank's worker process owns a private
+    pool in ``<path>/tp<N>-rank<r>`` under every configured path, with ``capacity_gb / N`` of the
+    configured capacity (``g3.capacity_gb`` is the node's budget for this engine, all ranks together).
+    A rank stores and loads only its own slice of each block (its KV heads; DESIGN.md: one object per
+    rank), so the ranks' pools never hold the same bytes."""
+    if tp_world_size <= 1 or not cfg.g3.enabled:
+        return cfg
+    g3 = cfg.g3.model_copy(update={"paths": [os.path.join(p, f"tp{tp_world_size}-rank{rank}") for p in cfg.g3.paths],
+                                   "capacity_gb": cfg.g3.capacity_gb / tp_world_size})
+    return cfg.model_copy(update={"g3": g3})
+
+
 class KvbmBackendConnector(KVConnectorBase_V1):
     """vLLM KV connector serving prefix hits from G3/G4 and offloading computed blocks to them."""
 
@@ -149,11 +170,10 @@ class KvbmBackendConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg, self.opts = config_from_extra(extra)
         self.ns = namespace_from_vllm(self.cfg, vllm_config, kv_cache_config)
-        if self.ns.tp_world_size > 1:
-            # G3 directories are private to one process (the pool holds a lock), and with TP > 1 vLLM
-            # runs the scheduler and each rank's worker in separate processes.
-            raise ValueError(f"KvbmBackendConnector: tensor_parallel_size={self.ns.tp_world_size} is not supported "
-                             "yet (TP 1 only: scheduler and worker share one process and one G3 pool)")
+        self.rank = 0
+        if self.ns.tp_world_size > 1 and role != KVConnectorRole.SCHEDULER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            self.rank = int(get_tensor_model_parallel_rank())
         self.block_size = self.ns.layout.page_size
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvbm_backend: kv_load_failure_policy=%r; set 'recompute' so that a failed or corrupt "
@@ -162,18 +182,24 @@ class KvbmBackendConnector(KVConnectorBase_V1):
         # vLLM's "uni" executor runs the worker inside the engine-core (scheduler) process: both roles
         # share one pool object. Otherwise ("mp", e.g. `vllm serve` on CPU, or ray) the worker owns the
         # process-private G3 directory and the scheduler mirrors its index from worker reports.
+        # With TP > 1 every rank's worker is its own process with its own G3 pool (rank_g3_config).
         backend = vllm_config.parallel_config.distributed_executor_backend
-        self.split = backend not in (None, "uni", "external_launcher")
+        self.split = backend not in (None, "uni", "external_launcher") or self.ns.tp_world_size > 1
         self._tier_cfg = self.cfg
         if self.split and role == KVConnectorRole.SCHEDULER and self.cfg.g3.enabled:
             self._tier_cfg = self.cfg.model_copy(update={"g3": self.cfg.g3.model_copy(update={"enabled": False})})
+        elif self.ns.tp_world_size > 1:
+            self._tier_cfg = rank_g3_config(self.cfg, self.rank, self.ns.tp_world_size)
         self.g3, self.g4 = shared_tiers(self._tier_cfg, self.ns)
-        if self._tier_cfg is not self.cfg:
+        if self.split and role == KVConnectorRole.SCHEDULER and self.cfg.g3.enabled:
             self.g3 = G3Mirror(self.ns)
         stats_path = self.opts["stats_path"]
         if stats_path and self.split and role == KVConnectorRole.SCHEDULER:
             root, ext = os.path.splitext(stats_path)
             stats_path = f"{root}.scheduler{ext}"
+        elif stats_path and self.rank > 0:
+            root, ext = os.path.splitext(stats_path)
+            stats_path = f"{root}.rank{self.rank}{ext}"
         self._writer = stats.StatsWriter(stats_path, extra=self._pool_stats)
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
@@ -183,11 +209,7 @@ class KvbmBackendConnector(KVConnectorBase_V1):
                                        save=self.opts["save"], load=self.opts["load"],
                                        save_decode=self.opts["save_decode"])
         else:
-            rank = 0
-            if self.ns.tp_world_size > 1:
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-                rank = get_tensor_model_parallel_rank()
-            self.worker = WorkerSide(self.ns, rank, self.g3, self.g4,
+            self.worker = WorkerSide(self.ns, self.rank, self.g3, self.g4,
                                      load_timeout_s=self.cfg.g3.load_timeout_s + self.cfg.g4.timeout_s,
                                      promote_to_g3=self.opts["promote_to_g3"], save_to_g4=self.opts["save_to_g4"],
                                      max_pending_save_bytes=self.opts["max_pending_save_bytes"],
