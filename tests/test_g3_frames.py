@@ -39,3 +39,39 @@ def test_header_bytes_identical_and_verify_strict():
     other_layout = KvLayout(num_layers=4, outer_dim=2, page_size=8, inner_dim=64, dtype="bfloat16")
     assert other_layout.bytes_per_block == LAYOUT.bytes_per_block
     assert not ChecksumFrames(bytes.fromhex(k.namespace), other_layout, 2).verify(h, pay, tt, 1, 0xDEADBEEF)
+
+
+def test_verify_many_agrees_with_verify_block_by_block():
+    """The batched check the G3 read path uses accepts exactly the frames :meth:`verify` accepts:
+    every block of a staged chunk with one fault of each kind (payload flip, header flips in the
+    identity, layout, length, integrity and header-check bytes, another key, another tenant) is
+    rejected and only it; good blocks pass. Rows of whole slots (stride > header) and packed headers."""
+    rng = np.random.default_rng(3)
+    bb = LAYOUT.bytes_per_block
+    sb = frame.slot_bytes(bb)
+    m = 24
+    keys = NS.keys([1000 + j for j in range(m)], tenant="acme", rank=1)
+    tt = tenant_tag("acme")
+    cf = ChecksumFrames(bytes.fromhex(keys[0].namespace), LAYOUT, 2)
+    stage = np.zeros(m * sb, np.uint8)
+    mv = memoryview(stage)
+    for j, k in enumerate(keys):
+        o = j * sb
+        stage[o + 4096:o + 4096 + bb] = rng.integers(0, 256, bb, dtype=np.uint8)
+        cf.write_header(mv, o, tt, 1, k.seq_hash, frame.payload_checksum(mv[o + 4096:o + 4096 + bb]), 7)
+    faults = {1: 4096 + 5, 3: 3, 5: 30, 7: 44, 9: 50, 11: 60, 13: 76, 15: 84, 17: 115, 19: 146}
+    for j, pos in faults.items():
+        stage[j * sb + pos] ^= 0x04
+    tags = [tt] * m
+    ranks = [1] * m
+    seqs = [k.seq_hash for k in keys]
+    seqs[21] += 1  # asked for another key
+    tags[23] = tenant_tag("other")  # asked for another tenant
+    payloads = [mv[j * sb + 4096:j * sb + 4096 + bb] for j in range(m)]
+    ref = [cf.verify(mv[j * sb:j * sb + 4096], payloads[j], tags[j], ranks[j], seqs[j]) for j in range(m)]
+    got = cf.verify_many(stage.reshape(m, sb), payloads, tags, ranks, seqs)
+    assert got.dtype == bool and got.tolist() == ref
+    assert [j for j in range(m) if not ref[j]] == sorted(list(faults) + [21, 23])
+    packed = np.ascontiguousarray(stage.reshape(m, sb)[:, :4096])  # headers packed apart from payloads
+    assert cf.verify_many(packed, payloads, tags, ranks, seqs).tolist() == ref
+    assert cf.verify_many(packed[:0], [], [], [], []).tolist() == []
