@@ -47,6 +47,15 @@ class CircuitBreaker:
             self.rejected += 1
             return False
 
+    def refuse_if_open(self) -> bool:
+        """True (counting a rejection) while ``open``; False when closed or half-open, so a caller can
+        refuse at once, before queueing work, and still let :meth:`allow` pick the half-open probe."""
+        with self._mu:
+            if self._state() == "open":
+                self.rejected += 1
+                return True
+            return False
+
     def success(self) -> None:
         with self._mu:
             self._consecutive = 0

@@ -13,7 +13,10 @@ that lives only in one process is needed to read G4: a new pool, on any node, fi
   what is not back by then is a miss (``miss_timeout``), and a late reply never touches the
   caller's buffer. Offloads beyond ``write_queue_blocks`` pending blocks are dropped and counted.
 * A circuit breaker (:mod:`.breaker`) turns a dead store into immediate misses/drops and probes it
-  every ``breaker_reset_s`` seconds; the pool recovers by itself.
+  every ``breaker_reset_s`` seconds; the pool recovers by itself. A get or lookup batch that expires
+  counts as a store failure too: a store that never answers (a hung NFS hard mount, where a read
+  blocks in the kernel and raises nothing) opens the breaker like one that refuses connections, so
+  later calls stop queueing behind the stuck I/O threads.
 * Corrupt, truncated, swapped or foreign objects are misses, counted under ``corrupt_<reason>`` and
   deleted (a corrupt object would otherwise block re-publishing forever under create-exclusive).
   Objects sealed under keys this keyring does not hold (revoked or foreign tenants) are misses
@@ -123,6 +126,8 @@ class G4Pool:
         self._count("lookups")
         if not keys or self._closed:
             return completed(0)
+        if self.breaker.refuse_if_open():  # answered here: never queued behind stuck I/O threads
+            return completed(0)
         b = _Batch(len(keys))
         b.count = 0  # leading confirmed
         self._deadlines.add(time.monotonic() + self._load_bound_s, lambda: self._expire_lookup(b))
@@ -145,6 +150,10 @@ class G4Pool:
         if self._closed:
             res.dropped = len(keys)
             self._count("dropped_closed", len(keys))
+            return completed(res)
+        if self.breaker.refuse_if_open():
+            res.dropped = len(keys)
+            self._count("dropped_breaker", len(keys))
             return completed(res)
         with self._mu:
             room = max(0, self.cfg.write_queue_blocks - self._pending_put_blocks)
@@ -188,6 +197,9 @@ class G4Pool:
         self._count("gets", len(keys))
         if not keys or self._closed:
             self._count("miss_closed", len(keys) if keys else 0)
+            return completed(GetResult([False] * len(keys)))
+        if self.breaker.refuse_if_open():
+            self._count("miss_breaker", len(keys))
             return completed(GetResult([False] * len(keys)))
         b = _Batch(len(keys))
         self._deadlines.add(time.monotonic() + self._load_bound_s, lambda: self._expire_get(b))
@@ -385,6 +397,8 @@ class G4Pool:
             with b.slot_mu[i]:
                 pass
         self._count("miss_timeout", sum(1 for i in late if not b.ok[i]))
+        if late:
+            self.breaker.failure()  # silence is a failure: nothing else reports a read hung in the kernel
         b.future.set_result(GetResult(list(b.ok)))
 
     def _get_one(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray) -> None:
@@ -538,6 +552,7 @@ class G4Pool:
             while n < len(b.ok) and b.done[n] and b.ok[n]:
                 n += 1
         self._count("lookup_timeout")
+        self.breaker.failure()
         b.future.set_result(n)
 
     def _register_metrics(self, registry) -> None:
