@@ -180,3 +180,54 @@ def test_failed_fdatasync_never_publishes_what_it_covered(tmp_path, monkeypatch,
             assert res2.written == dropped
     finally:
         eng.close()
+
+
+def test_reads_verified_off_the_completion_thread_next_chunk_not_waiting(tmp_path, monkeypatch):
+    """A get's chunks are verified on the pool's verifier thread: while one chunk's verification is
+    held up, the engine's completion thread is free and the following chunks are still submitted and
+    completed; every block is still verified (a corrupt one in a later chunk misses)."""
+    monkeypatch.setattr(G3Pool, "read_chunk_bytes", 3 * SLOT)
+    monkeypatch.setattr(G3Pool, "read_chunks_in_flight", 2)
+    log = Log()
+    release = threading.Event()
+    with open_pool(tmp_path, engine=PosixEngine(threads=4)) as pool:
+        keys = NS.keys(range(1, 13))  # 4 chunks of 3
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60).written == 12
+        f, s = pool.index.get(keys[10])
+        with open(pool.slabs.by_index[f].path, "r+b") as fh:
+            fh.seek(s * SLOT + frame.HEADER_BYTES + 3)
+            fh.write(b"\x5a\xa5")
+        real_submit = pool.engine.submit
+        real_verify = pool._frames.verify_many
+        first = []
+
+        def submit(ops):
+            log.add("submit", threading.current_thread().name)
+            return real_submit(ops)
+
+        def verify_many(*a, **kw):
+            if not first:
+                first.append(threading.current_thread().name)
+                log.add("verify_wait", None)
+                assert release.wait(30)  # the first chunk's verification is held up
+            log.add("verified", None)
+            return real_verify(*a, **kw)
+
+        monkeypatch.setattr(pool.engine, "submit", submit)
+        monkeypatch.setattr(pool._frames, "verify_many", verify_many)
+        outs = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
+        fut = pool.get(keys, outs)
+        deadline = time.monotonic() + 30
+        while sum(1 for _, k, _ in log.events if k == "submit") < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        kinds = [k for _, k, _ in log.events]
+        assert kinds.count("submit") == 4 and "verified" not in kinds  # all chunks went out meanwhile
+        assert not fut.done()
+        release.set()
+        res = fut.result(timeout=30)
+        assert res.ok == [True] * 10 + [False, True]
+        assert first[0].startswith("kvbm-g3-verify")
+        for o, k in zip(outs, keys):
+            if k != keys[10]:
+                assert (o == payload(k.seq_hash)).all()
+        assert pool.stats()["pinned_slots"] == 0 and pool.slot_accounting()["leaked"] == 0

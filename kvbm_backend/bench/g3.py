@@ -106,6 +106,7 @@ def run(opts: BenchOptions) -> dict:
         os.makedirs(r, exist_ok=True)
     src = random_aligned(-(-n * bb // 4096) * 4096, seed=7)
     dst = aligned_empty(src.nbytes)
+    dst[:] = 0  # fault the pages in before timing, as the baseline does with its read buffer
     pool_runs, base_runs = [], []
     progress = None
     if opts.progress:
