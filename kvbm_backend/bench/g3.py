@@ -9,7 +9,7 @@ reported (a virtual disk's throughput drifts between runs). Throughputs count pa
 (``blocks * block_bytes``; GB = 1e9 bytes); the pool also moves a 4 KiB header per block, the baseline
 moves ``blocks * slot_bytes`` rounded up to the I/O size.
 
-Reads defeat the page cache: O_DIRECT where the filesystem takes it, else the slab files' pages are
+The read buffers of both sides are faulted in before timing. Reads defeat the page cache: O_DIRECT where the filesystem takes it, else the slab files' pages are
 dropped with ``posix_fadvise(DONTNEED)`` before reading (``page_cache`` in the result says which).
 """
 from __future__ import annotations

@@ -8,6 +8,9 @@ Invariants kept here (each has tests in ``tests/test_g3_*.py``):
 1. Never wrong KV: a get is a hit only after the slot's header names exactly the requested key in
    this namespace's layout and the payload's xxh3_128 verifies in the caller's buffer. Anything else
    (corrupt, short, identity, io_error, timeout) is a miss, counted by reason; bad slots are dropped.
+   A get is read in chunks; each chunk is checked as a whole (:meth:`ChecksumFrames.verify_many`,
+   the same acceptance as the per-block check) on the pool's verifier thread, never on the I/O
+   engine's completion thread, and staged blocks are copied to the caller only after they verified.
 2. Publish after durable: the index entry and the journal record appear only after the slot's bytes
    were written and ``fdatasync``'ed (``g3.fsync``). The writer is pipelined (see "write path"
    below): a batch goes out in pieces, and a piece is published after an fdatasync of its files that
@@ -890,12 +893,6 @@ class G3Pool:
             off = si * sb
             extents.append(Extent(f.fd, off, cut_at(bufs, off, self._io_size)))
         return extents
-
-    def _chunks(self, items: list) -> list[list]:
-        """Split a batch into pieces of ~``chunk_bytes`` submitted separately, so checksums of early
-        pieces are computed while later pieces are still on the wire."""
-        per = max(1, self.chunk_bytes // self.slot_bytes)
-        return [items[i:i + per] for i in range(0, len(items), per)]
 
     @property
     def _piece_slots(self) -> int:
