@@ -74,6 +74,7 @@ class RecordingIndex(LruIndex):
 
 def _pipelined(monkeypatch):
     monkeypatch.setattr(G3Pool, "chunk_bytes", 3 * SLOT)
+    monkeypatch.setattr(G3Pool, "min_chunk_blocks", 1)
     monkeypatch.setattr(G3Pool, "chunks_in_flight", 2)
 
 
@@ -187,6 +188,7 @@ def test_reads_verified_off_the_completion_thread_next_chunk_not_waiting(tmp_pat
     held up, the engine's completion thread is free and the following chunks are still submitted and
     completed; every block is still verified (a corrupt one in a later chunk misses)."""
     monkeypatch.setattr(G3Pool, "read_chunk_bytes", 3 * SLOT)
+    monkeypatch.setattr(G3Pool, "min_chunk_blocks", 1)
     monkeypatch.setattr(G3Pool, "read_chunks_in_flight", 2)
     log = Log()
     release = threading.Event()

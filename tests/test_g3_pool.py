@@ -285,6 +285,7 @@ def test_batches_split_into_windowed_pieces(tmp_path, gather, monkeypatch):
     in a middle piece is still caught and only it misses."""
     monkeypatch.setattr(G3Pool, "gather_below", (1 << 30) if gather else 0)
     monkeypatch.setattr(G3Pool, "chunk_bytes", 3 * SLOT)
+    monkeypatch.setattr(G3Pool, "min_chunk_blocks", 1)
     monkeypatch.setattr(G3Pool, "chunks_in_flight", 2)
     with open_pool(tmp_path) as pool:
         keys, res = put_all(pool, range(1, 41))
