@@ -233,3 +233,33 @@ def test_reads_verified_off_the_completion_thread_next_chunk_not_waiting(tmp_pat
             if k != keys[10]:
                 assert (o == payload(k.seq_hash)).all()
         assert pool.stats()["pinned_slots"] == 0 and pool.slot_accounting()["leaked"] == 0
+
+
+def test_verifier_failure_is_a_miss_never_a_hang_or_a_hit(tmp_path, monkeypatch):
+    """If checking a chunk raises (a bug), its blocks are misses (counted io_error), the get still
+    completes, nothing stays pinned, and staged bytes of unchecked blocks are not copied out."""
+    monkeypatch.setattr(G3Pool, "read_chunk_bytes", 3 * SLOT)
+    monkeypatch.setattr(G3Pool, "min_chunk_blocks", 1)
+    with open_pool(tmp_path, engine=PosixEngine(threads=2)) as pool:
+        keys = NS.keys(range(1, 7))  # 2 chunks of 3
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60).written == 6
+        real_verify = pool._frames.verify_many
+        calls = []
+
+        def verify_many(headers, payloads, *a):
+            calls.append(len(payloads))
+            if len(calls) == 1:
+                raise RuntimeError("bug in the checker")
+            return real_verify(headers, payloads, *a)
+
+        monkeypatch.setattr(pool._frames, "verify_many", verify_many)
+        outs = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
+        for o in outs:
+            o[:] = 0xEE
+        res = pool.get(keys, outs).result(timeout=30)
+        assert sum(res.ok) == 3 and calls == [3, 3]
+        for ok, o, k in zip(res.ok, outs, keys):
+            assert (o == payload(k.seq_hash)).all() if ok else (o == 0xEE).all()
+        st = pool.stats()
+        assert st["misses_by_reason"].get("io_error") == 3
+        assert st["pinned_slots"] == 0 and pool.slot_accounting()["leaked"] == 0
