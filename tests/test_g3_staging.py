@@ -2,7 +2,8 @@
 and a change of the sizes in use does not leave the free list full of stale sizes."""
 from __future__ import annotations
 
-from kvbm_backend.pool.g3.staging import HUGE, StagingPool, populated
+from kvbm_backend.memory import HUGE
+from kvbm_backend.pool.g3.staging import StagingPool, populated
 
 
 def test_populated_is_huge_page_aligned_and_writable():

@@ -8,7 +8,8 @@ import threading
 import numpy as np
 import pytest
 
-from kvbm_backend.g4.bounce import BouncePool, hugepage_empty
+from kvbm_backend.g4.bounce import BouncePool
+from kvbm_backend.memory import hugepage_empty
 from kvbm_backend.g4.fs_store import FsStore
 from kvbm_backend.g4.store import ObjectStore
 from kvbm_backend.memory import aligned_empty
