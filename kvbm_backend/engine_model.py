@@ -1,16 +1,19 @@
-"""Small Llama model configs for running the real vLLM engine with dummy weights.
+"""Small model configs (Llama; DeepSeek-V2 MLA) for running the real vLLM engine without real weights.
 
 vLLM loads a model from a directory holding a Hugging Face ``config.json``; with
 ``load_format="dummy"`` it never reads weights and with ``skip_tokenizer_init=True`` (token-id
 prompts) it needs no tokenizer. :func:`write_model_dir` writes such a directory.
 
-Two shapes are used:
+Three shapes are used:
 
 * :data:`TINY` (CI): 4 layers, hidden 256, 4 query heads, 2 KV heads of 64, vocab 2048:
   ``layouts/tiny.toml`` geometry, 2,048 bytes of bf16 KV per token.
 * :data:`DEMO` (``kvbm-backend demo``): more layers and a wider MLP so that a prefill costs more
   than reading its KV back (KV bytes per token grow with layers x KV heads, compute with
   layers x hidden^2); same head geometry so the KV block stays small.
+* :data:`TINY_MLA` (CI, MLA): a 2-layer DeepSeek-V2-architecture model, one 576-wide latent per token
+  and layer (2,304 bytes of bf16 KV per token); run it with the weights of :func:`write_mla_weights`
+  (``load_format="safetensors"``), since dummy weights make outputs blind to the KV.
 """
 from __future__ import annotations
 
@@ -80,3 +83,122 @@ def write_model_dir(path: str | Path, model: TinyLlama = TINY, dtype: str = "bfl
     (p / "config.json").write_text(json.dumps(model.hf_config(dtype), indent=2))
     (p / "kvbm_model.json").write_text(json.dumps(asdict(model), indent=2))
     return p
+
+
+@dataclass(frozen=True)
+class TinyDeepseekMla:
+    """A DeepSeek-V2-architecture (MLA) config: one compressed latent KV per token and layer.
+
+    The latent is ``kv_lora_rank + qk_rope_head_dim`` elements (512 + 64 = 576, as in DeepSeek-V2/V3/R1:
+    vLLM's CPU MLA backend ``vllm/v1/attention/backends/mla/cpu_mla.py`` supports only head size 576
+    and block size 16, and the CPU platform turns the engine's prefix caching and chunked prefill off
+    for MLA). Dense MLP in every layer (``first_k_dense_replace = num_hidden_layers``: no MoE), no
+    query LoRA (``q_lora_rank`` None). Sizes are counts or widths (elements).
+    """
+
+    num_hidden_layers: int = 2
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_attention_heads: int = 4
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    vocab_size: int = 2048
+    max_position_embeddings: int = 16384
+    name: str = "kvbm-backend/tiny-deepseek-mla"
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements of one token's latent per layer: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes per token in bf16 (2 bytes), on every TP rank: ``layers * latent_dim * 2``."""
+        return self.num_hidden_layers * self.latent_dim * 2
+
+    def hf_config(self, dtype: str = "bfloat16") -> dict:
+        """The ``config.json`` dict (Hugging Face ``DeepseekV2Config`` fields)."""
+        return {
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_attention_heads,
+            "kv_lora_rank": self.kv_lora_rank,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": self.num_hidden_layers,
+            "moe_layer_freq": 1,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": dtype,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "initializer_range": 0.02,
+            "attention_bias": False,
+        }
+
+
+TINY_MLA = TinyDeepseekMla()
+
+
+def write_mla_weights(path: str | Path, model: TinyDeepseekMla = TINY_MLA, std: float = 2.0, seed: int = 0,
+                      dtype: str = "bfloat16") -> Path:
+    """Write random weights for ``model`` as ``model.safetensors`` (DeepSeek-V2 checkpoint names) into
+    ``path``; returns the file path. Load with ``load_format="safetensors"``.
+
+    Why: vLLM's ``load_format="dummy"`` draws every weight (norms included) from U(-1e-3, 1e-3), so
+    attention outputs are ~0 and greedy tokens depend only on the last token: a test comparing
+    outputs then cannot see wrong KV. Projection weights here are N(0, ``std`` / sqrt(fan_in)), embeddings
+    N(0, 1) and norm weights 1; ``std`` 2 makes attention sharp enough that the cached latents decide the
+    greedy tokens (measured on the CPU engine with 300-token prompts, 288 tokens loaded: zeroing the
+    loaded latents, swapping the two layers' latents or zeroing only their 64 rope dims each changed
+    the first greedy token of all three prompts; with ``std`` 0.5, or vLLM's dummy weights, none of
+    the three changed any of 8 greedy tokens).
+    Deterministic for a given ``seed``.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    m = model
+    g = torch.Generator().manual_seed(seed)
+    tdt = getattr(torch, dtype)
+
+    def w(out_f: int, in_f: int) -> torch.Tensor:
+        return (torch.randn(out_f, in_f, generator=g) * (std / in_f ** 0.5)).to(tdt)
+
+    h, nh, i_ = m.hidden_size, m.num_attention_heads, m.intermediate_size
+    t = {"model.embed_tokens.weight": torch.randn(m.vocab_size, h, generator=g).to(tdt),
+         "model.norm.weight": torch.ones(h, dtype=tdt),
+         "lm_head.weight": w(m.vocab_size, h)}
+    for li in range(m.num_hidden_layers):
+        p = f"model.layers.{li}."
+        t.update({
+            p + "input_layernorm.weight": torch.ones(h, dtype=tdt),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=tdt),
+            p + "self_attn.q_proj.weight": w(nh * (m.qk_nope_head_dim + m.qk_rope_head_dim), h),
+            p + "self_attn.kv_a_proj_with_mqa.weight": w(m.kv_lora_rank + m.qk_rope_head_dim, h),
+            p + "self_attn.kv_a_layernorm.weight": torch.ones(m.kv_lora_rank, dtype=tdt),
+            p + "self_attn.kv_b_proj.weight": w(nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            p + "self_attn.o_proj.weight": w(h, nh * m.v_head_dim),
+            p + "mlp.gate_proj.weight": w(i_, h),
+            p + "mlp.up_proj.weight": w(i_, h),
+            p + "mlp.down_proj.weight": w(h, i_),
+        })
+    f = Path(path) / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in t.items()}, str(f))
+    return f

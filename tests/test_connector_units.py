@@ -220,3 +220,91 @@ def test_kv_connector_stats_report_worker_counter_deltas():
     assert a.is_empty()
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     assert isinstance(a, KVConnectorStats)
+
+
+# ---- MLA (DeepSeek-V2/V3/R1): one latent per token, KVBM outer_dim 1 --------------------------------
+MLA_C = 576  # kv_lora_rank 512 + qk_rope_head_dim 64
+
+
+@pytest.mark.parametrize("shape", [(NB, 1, 16, MLA_C), (NB, 16, MLA_C)], ids=["vllm032-4d", "3d"])
+def test_mla_gather_matches_kvbm_block_semantics_and_scatter_inverts(shape):
+    """vLLM 0.32's CPU MLA cache is ``[num_blocks, 1, block_size, 576]`` per layer (older / GPU MLA
+    backends: ``[num_blocks, block_size, 576]``); the KVBM block is ``[layer, 1, page, 576]``."""
+    g = torch.Generator().manual_seed(2)
+    src = [torch.randn(*shape, generator=g).to(torch.bfloat16) for _ in range(L)]
+    kv = EngineKv.from_tensors(src, NB, 16, 1, MLA_C)  # MLA decided from the shape
+    assert kv.engine_layout == "mla"
+    assert kv.layout == KvLayout(L, 1, 16, MLA_C, "bfloat16")
+    assert kv.layout.bytes_per_block == L * 16 * MLA_C * 2
+    arr, host = numpy_staging(3 * kv.layout.bytes_per_block)
+    kv.gather([8, 0, 5], host)
+    blocks = split_blocks(arr, kv.layout, 3)
+    for bi, eb in enumerate([8, 0, 5]):
+        blk = kv.layout.view(blocks[bi])  # [L, 1, page, 576 * 2 bytes]
+        for li in range(L):
+            page = src[li][eb].reshape(16, MLA_C)  # token-major latent rows
+            want = page.contiguous().view(torch.uint8).numpy()
+            np.testing.assert_array_equal(blk[li, 0], want)
+    dst = [torch.zeros_like(t) for t in src]
+    EngineKv.from_tensors(dst, NB, 16, 1, MLA_C, mla=True).scatter(host, [1, 2, 3])
+    for s, d in zip(src, dst):
+        for i, j in ((8, 1), (0, 2), (5, 3)):
+            assert torch.equal(s[i], d[j])
+        assert all(not d[k].any() for k in range(NB) if k not in (1, 2, 3))
+
+
+def test_mla_non_contiguous_engine_tensor_round_trips():
+    """Layer views into one shared buffer with a block stride larger than the block (vLLM's
+    layer-interleaved allocations) gather and scatter through their strides."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(NB, L, 16, MLA_C, generator=g).to(torch.float16)  # block-major across layers
+    src = [base[:, li].unsqueeze(1) for li in range(L)]  # [NB, 1, 16, 576], not contiguous
+    assert not src[0].is_contiguous()
+    kv = EngineKv.from_tensors(src, NB, 16, 1, MLA_C, mla=True)
+    _, host = numpy_staging(2 * kv.layout.bytes_per_block)
+    kv.gather([4, 9], host)
+    base2 = torch.zeros_like(base)
+    dst = [base2[:, li].unsqueeze(1) for li in range(L)]
+    EngineKv.from_tensors(dst, NB, 16, 1, MLA_C, mla=True).scatter(host, [4, 9])
+    assert torch.equal(base2[[4, 9]], base[[4, 9]])
+    assert not base2[[0, 1, 2, 3, 5, 6, 7, 8]].any()
+
+
+def test_mla_wrong_shape_or_heads_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"shape \(10, 1, 16, 512\): not a known vLLM MLA layout"):
+        detect_engine_layout((NB, 1, 16, 512), NB, 16, 1, MLA_C, mla=True)
+    with pytest.raises(ValueError, match="num_kv_heads=2"):
+        detect_engine_layout((NB, 1, 16, MLA_C), NB, 16, 2, MLA_C, mla=True)
+    # a K/V cache is never taken for MLA, nor MLA for K/V
+    assert detect_engine_layout((NB, 1, 16, 2 * MLA_C), NB, 16, 1, MLA_C) == "cpu"
+    with pytest.raises(ValueError, match="not a known vLLM MLA layout"):
+        detect_engine_layout((NB, 1, 16, 2 * MLA_C), NB, 16, 1, MLA_C, mla=True)
+
+
+def _vllm_cfgs(spec, tp=1, layers=2):
+    """(vllm_config, kv_cache_config) stand-ins holding only what namespace_from_vllm reads, around a
+    real vLLM KV cache spec."""
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    kcc = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)])
+    vc = SimpleNamespace(model_config=SimpleNamespace(served_model_name="m", model="m"),
+                         parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+    return vc, kcc
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_namespace_from_vllm_mla_spec_is_one_replicated_latent(tp):
+    """vLLM's own MLAAttentionSpec (what the CPU engine builds for DeepSeek-V2: num_kv_heads=1,
+    head_size=576, block_size=16) gives outer_dim 1, inner_dim 576 on every rank; a K/V spec of the same
+    numbers gives outer_dim 2, so the two never share a namespace."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from kvbm_backend.config import KvbmBackendConfig
+    from kvbm_backend.integrations.vllm.connector import namespace_from_vllm
+    cfg = KvbmBackendConfig(model="m")
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=MLA_C, dtype=torch.bfloat16)
+    ns = namespace_from_vllm(cfg, *_vllm_cfgs(mla, tp=tp))
+    assert ns.layout == KvLayout(2, 1, 16, MLA_C, "bfloat16") and ns.tp_world_size == tp
+    assert ns.layout.bytes_per_token == 2 * MLA_C * 2
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=MLA_C, dtype=torch.bfloat16)
+    ns_kv = namespace_from_vllm(cfg, *_vllm_cfgs(full, tp=tp))
+    assert ns_kv.layout.outer_dim == 2 and ns_kv.fingerprint != ns.fingerprint

@@ -40,7 +40,9 @@ slice of each block (its KV heads; one object per (block, rank) in G4) in a priv
 prefix up for every rank and takes the shortest (a block counts only when all ranks have their slice);
 a rank's failed load is reported through ``get_block_ids_with_load_errors``, which vLLM unions over
 ranks, so the block is recomputed on all of them. Rank r > 0 writes its counters to
-``<stats_path stem>.rank<r><ext>``. MLA and hybrid (several KV groups) models are refused.
+``<stats_path stem>.rank<r><ext>``. MLA models (DeepSeek-V2/V3/R1: one latent per token, KVBM
+``outer_dim`` 1) are carried; their latent is the same on every TP rank and each rank keeps its own
+copy. Hybrid (several KV groups) models are refused.
 """
 from __future__ import annotations
 
@@ -124,8 +126,13 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
     revision, per-rank KvLayout from the KV cache spec (layers, KV heads per rank, head size, dtype,
     ``page_size`` = vLLM ``block_size``) and the TP degree.
 
-    Raises ValueError for KV caches the connector cannot carry (several KV groups, non-attention or
-    MLA specs)."""
+    MLA (vLLM ``MLAAttentionSpec``, e.g. DeepSeek-V2/V3/R1): one latent per token, ``outer_dim = 1``,
+    ``inner_dim = head_size`` (``kv_lora_rank + qk_rope_head_dim``, 576 for DeepSeek), the same on every
+    TP rank (replicated, not split); with TP > 1 every rank still stores and loads its own copy under
+    its own rank's key, like K/V slices.
+
+    Raises ValueError for KV caches the connector cannot carry (several KV groups, non-attention
+    specs, an MLA spec with more than one KV head)."""
     groups = [g for g in kv_cache_config.kv_cache_groups if not getattr(g, "host_resident", False)]
     if len(groups) != 1:
         raise ValueError(f"kv cache: {len(groups)} KV cache groups; KvbmBackendConnector supports one "
@@ -134,10 +141,14 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
     for a in ("num_kv_heads", "head_size", "block_size", "dtype"):
         if not hasattr(spec, a):
             raise ValueError(f"kv cache spec {type(spec).__name__}: no {a}; only standard attention is supported")
-    if getattr(spec, "use_mla", False):
-        raise ValueError("kv cache: MLA is not supported by KvbmBackendConnector yet")
-    layout = KvLayout(num_layers=len(groups[0].layer_names), outer_dim=2, page_size=int(spec.block_size),
-                      inner_dim=int(spec.num_kv_heads) * int(spec.head_size), dtype=torch_dtype_name(spec.dtype))
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    mla = isinstance(spec, MLAAttentionSpec) or bool(getattr(spec, "use_mla", False))
+    if mla and int(spec.num_kv_heads) != 1:
+        raise ValueError(f"kv cache spec {type(spec).__name__}: MLA with num_kv_heads={spec.num_kv_heads}; "
+                         "expected one latent per token (num_kv_heads=1)")
+    layout = KvLayout(num_layers=len(groups[0].layer_names), outer_dim=1 if mla else 2,
+                      page_size=int(spec.block_size), inner_dim=int(spec.num_kv_heads) * int(spec.head_size),
+                      dtype=torch_dtype_name(spec.dtype))
     model = cfg.model
     if model == "unknown":
         names = vllm_config.model_config.served_model_name

@@ -11,9 +11,19 @@ per attention layer whose layout depends on the attention backend:
 * ``"kv_first"``: FlashAttention / FlashInfer / Triton NHD, tensor
   ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
 * ``"block_first"``: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+* ``"mla"`` (DeepSeek-V2/V3/R1 style Multi-head Latent Attention): one compressed latent per token,
+  ``head_dim = kv_lora_rank + qk_rope_head_dim`` (576 for DeepSeek), no K/V split, the same on every
+  TP rank. vLLM 0.32 allocates it as ``[num_blocks, 1, block_size, head_dim]`` (its logical
+  ``[blocks, kv_heads=1, page, head]`` view; measured on the CPU MLA backend
+  ``vllm/v1/attention/backends/mla/cpu_mla.py``: shape ``(64, 1, 16, 576)``, strides
+  ``(9216, 576, 576, 1)``, bf16, ``MLAAttentionSpec(num_kv_heads=1, head_size=576, block_size=16)``);
+  older vLLM and the GPU MLA backends use ``[num_blocks, block_size, head_dim]``. Both are accepted.
+  The KVBM block is then ``[layer, outer=1, page, head_dim]`` (KVBM ``LayoutConfig`` with
+  ``outer_dim = 1``).
 
 :class:`EngineKv` detects which one it has from the shapes (raising ``ValueError`` naming the shape
-when it is none of these) and moves blocks with torch indexing, on whatever device the tensors are.
+when it is none of these) and moves blocks with torch indexing (any strides), on whatever device the
+tensors are.
 """
 from __future__ import annotations
 
@@ -41,12 +51,23 @@ def torch_dtype_name(dtype: torch.dtype) -> str:
 
 
 def detect_engine_layout(shape: Sequence[int], num_blocks: int, block_size: int, num_kv_heads: int,
-                         head_dim: int) -> str:
+                         head_dim: int, mla: bool = False) -> str:
     """Name the engine layout of one layer's KV tensor (see module docstring).
 
+    Args:
+        mla: the KV cache is an MLA latent cache (``num_kv_heads`` must then be 1 and ``head_dim`` the
+            latent width, e.g. 576); only the ``"mla"`` layout matches then, and only it matches MLA.
     Raises ValueError naming the shape when it matches none of the known layouts.
     """
     s = tuple(int(x) for x in shape)
+    if mla:
+        if num_kv_heads != 1:
+            raise ValueError(f"kv cache: MLA has one latent per token, got num_kv_heads={num_kv_heads}")
+        if s in ((num_blocks, block_size, head_dim), (num_blocks, 1, block_size, head_dim)):
+            return "mla"
+        raise ValueError(f"kv cache tensor shape {s}: not a known vLLM MLA layout for num_blocks={num_blocks}, "
+                         f"block_size={block_size}, latent head_size={head_dim} (expected "
+                         f"{(num_blocks, 1, block_size, head_dim)} or {(num_blocks, block_size, head_dim)})")
     if s == (num_blocks, num_kv_heads, block_size, 2 * head_dim):
         return "cpu"
     if s == (2, num_blocks, block_size, num_kv_heads, head_dim):
@@ -63,9 +84,10 @@ class EngineKv:
 
     Attributes:
         tensors: per-layer KV tensors, all of one layout/dtype/device.
-        layout: the per-rank KvLayout of one block (``page_size`` = vLLM ``block_size``).
-        engine_layout: ``"cpu"``, ``"kv_first"`` or ``"block_first"``.
-        num_kv_heads, head_dim: per rank.
+        layout: the per-rank KvLayout of one block (``page_size`` = vLLM ``block_size``; ``outer_dim``
+            1 for MLA, else 2).
+        engine_layout: ``"cpu"``, ``"kv_first"``, ``"block_first"`` or ``"mla"``.
+        num_kv_heads, head_dim: per rank (MLA: 1 and the latent width).
     """
 
     tensors: list[torch.Tensor]
@@ -76,16 +98,28 @@ class EngineKv:
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int,
-                     num_kv_heads: int, head_dim: int) -> "EngineKv":
+                     num_kv_heads: int, head_dim: int, mla: bool | None = None) -> "EngineKv":
+        """Wrap the per-layer tensors.
+
+        Args:
+            mla: True for an MLA latent cache, False for K/V caches, None to decide from the shape
+                (MLA when ``num_kv_heads == 1`` and the tensor is ``[num_blocks, (1,) block_size,
+                head_dim]``, which no K/V layout matches).
+        Raises ValueError for no tensors, an unknown shape (named), or layers that differ.
+        """
         if not tensors:
             raise ValueError("kv caches: no attention layers registered")
         ts = list(tensors)
-        lay = detect_engine_layout(ts[0].shape, num_blocks, block_size, num_kv_heads, head_dim)
+        if mla is None:
+            mla = num_kv_heads == 1 and tuple(ts[0].shape) in (
+                (num_blocks, block_size, head_dim), (num_blocks, 1, block_size, head_dim))
+        lay = detect_engine_layout(ts[0].shape, num_blocks, block_size, num_kv_heads, head_dim, mla=mla)
         for t in ts:
             if tuple(t.shape) != tuple(ts[0].shape) or t.dtype != ts[0].dtype:
                 raise ValueError(f"kv caches: layers differ in shape/dtype ({tuple(t.shape)} {t.dtype} vs "
                                  f"{tuple(ts[0].shape)} {ts[0].dtype})")
-        kvl = KvLayout(num_layers=len(ts), outer_dim=2, page_size=block_size, inner_dim=num_kv_heads * head_dim,
+        kvl = KvLayout(num_layers=len(ts), outer_dim=1 if mla else 2, page_size=block_size,
+                       inner_dim=num_kv_heads * head_dim,
                        dtype=torch_dtype_name(ts[0].dtype))
         return cls(ts, kvl, lay, num_kv_heads, head_dim)
 
@@ -94,8 +128,10 @@ class EngineKv:
         return self.tensors[0].device
 
     def _engine_blocks_as_kvbm(self, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Selected blocks of one layer as ``[n, 2, page, heads, head_dim]`` (a gathered copy)."""
+        """Selected blocks of one layer as ``[n, outer, page, heads, head_dim]`` (a gathered copy)."""
         H, D, N = self.num_kv_heads, self.head_dim, self.layout.page_size
+        if self.engine_layout == "mla":
+            return t.index_select(0, idx).reshape(-1, 1, N, 1, D)
         if self.engine_layout == "cpu":
             # [nb, H, N, 2D] == [nb, H, 2, N, D] in memory -> [n, 2, N, H, D]
             return t.index_select(0, idx).view(-1, H, 2, N, D).permute(0, 2, 3, 1, 4)
@@ -105,9 +141,9 @@ class EngineKv:
 
     def block_view(self, staging: torch.Tensor, n: int) -> torch.Tensor:
         """View ``n`` contiguous KVBM blocks (uint8, ``n * bytes_per_block``) as
-        ``[n, layers, 2, page, heads, head_dim]`` of the KV dtype."""
-        L, N = self.layout.num_layers, self.layout.page_size
-        return staging.view(self.tensors[0].dtype).view(n, L, 2, N, self.num_kv_heads, self.head_dim)
+        ``[n, layers, outer, page, heads, head_dim]`` of the KV dtype (``outer`` 2, or 1 for MLA)."""
+        L, O, N = self.layout.num_layers, self.layout.outer_dim, self.layout.page_size
+        return staging.view(self.tensors[0].dtype).view(n, L, O, N, self.num_kv_heads, self.head_dim)
 
     def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         """Copy engine blocks ``block_ids`` into ``staging`` (uint8 tensor of
@@ -129,8 +165,10 @@ class EngineKv:
         if src.device != self.device:
             src = src.to(self.device, non_blocking=False)
         for li, t in enumerate(self.tensors):
-            s = src[:, li]  # [n, 2, N, H, D]
-            if self.engine_layout == "cpu":
+            s = src[:, li]  # [n, outer, N, H, D]
+            if self.engine_layout == "mla":
+                t.index_copy_(0, idx, s.reshape(n, *t.shape[1:]))
+            elif self.engine_layout == "cpu":
                 t.view(-1, H, 2, N, D).index_copy_(0, idx, s.permute(0, 3, 1, 2, 4).contiguous())
             elif self.engine_layout == "kv_first":
                 t.index_copy_(1, idx, s.permute(1, 0, 2, 3, 4).contiguous())
