@@ -308,3 +308,34 @@ def test_namespace_from_vllm_mla_spec_is_one_replicated_latent(tp):
     full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=MLA_C, dtype=torch.bfloat16)
     ns_kv = namespace_from_vllm(cfg, *_vllm_cfgs(full, tp=tp))
     assert ns_kv.layout.outer_dim == 2 and ns_kv.fingerprint != ns.fingerprint
+
+
+def test_prometheus_counters_follow_connector_stats():
+    """vLLM's MultiConnector asserts that a member connector that reports stats has Prometheus
+    metrics (build_prom_metrics); they count in KVBM terms per engine."""
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+    from kvbm_backend.integrations.vllm.connector import KvbmBackendConnector
+    from kvbm_backend.integrations.vllm.stats import PROM_COUNTERS
+
+    prom = KvbmBackendConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None),
+                                                   {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+                                                   ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    try:
+        stats = KvbmBackendConnector.build_kv_connector_stats({"load_blocks_ok": 5, "load_bytes": 5 << 20,
+                                                               "save_dropped_blocks": 1, "g4_put_dropped_blocks": 2})
+        prom.observe(stats.data, engine_idx=1)
+        prom.observe(stats, engine_idx=1)  # MultiConnector may hand over the stats object itself
+
+        def val(name, engine):
+            return REGISTRY.get_sample_value(f"{name}_total", {"model_name": "m", "engine": engine})
+        assert val("vllm:kvbm_backend_onboard_blocks", "1") == 10
+        assert val("vllm:kvbm_backend_onboard_bytes", "1") == 10 << 20
+        assert val("vllm:kvbm_backend_offload_dropped_blocks", "1") == 6
+        assert val("vllm:kvbm_backend_onboard_blocks", "0") == 0
+    finally:
+        for name, _, _ in PROM_COUNTERS:
+            for c in list(REGISTRY._names_to_collectors.values()):
+                if getattr(c, "_name", None) == name:
+                    REGISTRY.unregister(c)
+                    break

@@ -289,6 +289,12 @@ class KvbmBackendConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> stats.KvbmConnectorStats | None:
         return stats.KvbmConnectorStats(data=dict(data)) if data is not None else stats.KvbmConnectorStats()
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> stats.KvbmPromMetrics:
+        """Prometheus counters for the stats of :meth:`get_kv_connector_stats` (``vllm:kvbm_backend_*``)."""
+        return stats.KvbmPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
 

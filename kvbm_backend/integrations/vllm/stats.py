@@ -102,6 +102,57 @@ class KvbmConnectorStats(_StatsBase):
         return not any(self.data.values())
 
 
+# vLLM Prometheus counters fed from KvbmConnectorStats: (metric name, help, counters summed into it).
+# Named in KVBM's terms (offload = engine -> G3/G4, onboard = G3/G4 -> engine).
+PROM_COUNTERS = (
+    ("vllm:kvbm_backend_onboard_blocks", "KV blocks loaded from G3/G4 into the engine (verified)",
+     ("load_blocks_ok",)),
+    ("vllm:kvbm_backend_onboard_failed_blocks", "KV blocks whose load failed (recomputed)", ("load_blocks_failed",)),
+    ("vllm:kvbm_backend_onboard_bytes", "bytes loaded from G3/G4 into the engine", ("load_bytes",)),
+    ("vllm:kvbm_backend_offload_blocks", "KV blocks gathered from the engine for offload", ("save_blocks",)),
+    ("vllm:kvbm_backend_offload_dropped_blocks", "offloads dropped (staging full, queue full, tier down)",
+     ("save_dropped_blocks", "g3_put_dropped_blocks", "g4_put_dropped_blocks")),
+    ("vllm:kvbm_backend_g3_written_blocks", "KV blocks published in G3", ("g3_put_written_blocks",)),
+    ("vllm:kvbm_backend_g4_written_blocks", "KV blocks published in G4", ("g4_put_written_blocks",)),
+)
+
+
+class _PromBase:  # replaced by vLLM's KVConnectorPromMetrics when vLLM is importable
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from prometheus_client import Counter
+        self._counter_cls = metric_types.get(Counter, Counter)
+        self._labelnames = labelnames
+        self.per_engine_labelvalues = per_engine_labelvalues
+
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics as _PromBase  # noqa: F811
+except Exception:  # noqa: BLE001
+    pass
+
+
+class KvbmPromMetrics(_PromBase):
+    """vLLM ``KVConnectorPromMetrics`` of this connector: the counters of :data:`PROM_COUNTERS`, one
+    child per engine (vLLM's ``model_name``/``engine`` labels), increased by each interval's
+    :class:`KvbmConnectorStats`. vLLM's MultiConnector requires it of every member connector that
+    reports stats."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = []
+        for name, doc, keys in PROM_COUNTERS:
+            c = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            per_engine = {i: c.labels(*lv) for i, lv in per_engine_labelvalues.items()}
+            self._counters.append((per_engine, keys))
+
+    def observe(self, transfer_stats_data, engine_idx: int = 0) -> None:
+        data = getattr(transfer_stats_data, "data", transfer_stats_data) or {}
+        for per_engine, keys in self._counters:
+            v = sum(data.get(k, 0) for k in keys)
+            if v > 0 and engine_idx in per_engine:
+                per_engine[engine_idx].inc(v)
+
+
 class StatsWriter:
     """Writes :func:`snapshot` (plus ``extra()``) to a JSON file, atomically, at most every ``interval_s``."""
 
