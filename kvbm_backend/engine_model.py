@@ -1,8 +1,10 @@
-"""Small model configs (Llama; DeepSeek-V2 MLA) for running the real vLLM engine without real weights.
+"""Small model configs (Llama; DeepSeek-V2 MLA) with random weights, for running the real vLLM engine
+without a real checkpoint.
 
-vLLM loads a model from a directory holding a Hugging Face ``config.json``; with
-``load_format="dummy"`` it never reads weights and with ``skip_tokenizer_init=True`` (token-id
-prompts) it needs no tokenizer. :func:`write_model_dir` writes such a directory.
+vLLM loads a model from a directory holding a Hugging Face ``config.json`` and weights; with
+``skip_tokenizer_init=True`` (token-id prompts) it needs no tokenizer. :func:`write_model_dir` writes
+such a directory with random weights scaled so that the KV cache decides the output (vLLM's own
+``load_format="dummy"`` weights do not: see :func:`write_model_dir`).
 
 Three shapes are used:
 
@@ -72,16 +74,27 @@ DEMO = TinyLlama(num_hidden_layers=8, hidden_size=1024, intermediate_size=4096, 
                  num_key_value_heads=2, head_dim=64, name="kvbm-backend/demo-llama")
 
 
-def write_model_dir(path: str | Path, model: TinyLlama = TINY, dtype: str = "bfloat16") -> Path:
-    """Write ``config.json`` (and a ``kvbm_model.json`` note) into ``path``; returns the path.
+def write_model_dir(path: str | Path, model: TinyLlama = TINY, dtype: str = "bfloat16",
+                    weights_seed: int | None = 0) -> Path:
+    """Write ``config.json``, a ``kvbm_model.json`` note and, unless ``weights_seed`` is None, random
+    weights (:func:`write_llama_weights`, ``model.safetensors``) into ``path``; returns the path.
+    Existing files are overwritten.
 
-    The directory is what ``vllm.LLM(model=path, load_format="dummy", skip_tokenizer_init=True)``
-    takes. Existing files are overwritten.
+    The directory is what ``vllm.LLM(model=path, load_format="safetensors", skip_tokenizer_init=True)``
+    takes (:mod:`kvbm_backend.engine_run` picks that format when the weights file is there). vLLM's
+    ``load_format="dummy"`` draws every weight from U(-1e-3, 1e-3): attention output is then ~0 and
+    the greedy tokens do not depend on the KV cache at all (measured: loading all-zero KV for 33
+    blocks of the tiny Llama left every output token unchanged), so "outputs identical" would prove
+    nothing. With these weights a foreign KV changes the output (``tests/test_connector_e2e.py``).
+    A config written for an MLA model (:class:`TinyDeepseekMla`) gets no weights here: use
+    :func:`write_mla_weights`.
     """
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
     (p / "config.json").write_text(json.dumps(model.hf_config(dtype), indent=2))
     (p / "kvbm_model.json").write_text(json.dumps(asdict(model), indent=2))
+    if weights_seed is not None and isinstance(model, TinyLlama):
+        write_llama_weights(p, model, seed=weights_seed, dtype=dtype)
     return p
 
 
@@ -156,6 +169,47 @@ class TinyDeepseekMla:
 TINY_MLA = TinyDeepseekMla()
 
 
+def _save_random(path: str | Path, shapes: dict[str, tuple], std: float, seed: int, dtype: str) -> Path:
+    """Write ``model.safetensors`` into ``path``: 2-D projections N(0, ``std`` / sqrt(fan_in)),
+    ``*embed_tokens*`` N(0, 1), 1-D (norm) weights 1. Deterministic for ``seed``. Returns the file."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tdt = getattr(torch, dtype)
+    t = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            t[name] = torch.ones(shape, dtype=tdt)
+        elif "embed_tokens" in name:
+            t[name] = torch.randn(shape, generator=g).to(tdt)
+        else:
+            t[name] = (torch.randn(shape, generator=g) * (std / shape[1] ** 0.5)).to(tdt)
+    f = Path(path) / "model.safetensors"
+    save_file(t, str(f))
+    return f
+
+
+def write_llama_weights(path: str | Path, model: TinyLlama = TINY, std: float = 2.0, seed: int = 0,
+                        dtype: str = "bfloat16") -> Path:
+    """Random weights for ``model`` as ``model.safetensors`` (Llama checkpoint names) in ``path``;
+    returns the file. Why not vLLM's ``load_format="dummy"``: see :func:`write_model_dir`."""
+    h, i_, hd = model.hidden_size, model.intermediate_size, model.head_dim
+    shapes = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (model.vocab_size, h)}
+    for li in range(model.num_hidden_layers):
+        p = f"model.layers.{li}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (model.num_attention_heads * hd, h),
+            p + "self_attn.k_proj.weight": (model.num_key_value_heads * hd, h),
+            p + "self_attn.v_proj.weight": (model.num_key_value_heads * hd, h),
+            p + "self_attn.o_proj.weight": (h, model.num_attention_heads * hd),
+            p + "mlp.gate_proj.weight": (i_, h), p + "mlp.up_proj.weight": (i_, h),
+            p + "mlp.down_proj.weight": (h, i_)})
+    return _save_random(path, shapes, std, seed, dtype)
+
+
 def write_mla_weights(path: str | Path, model: TinyDeepseekMla = TINY_MLA, std: float = 2.0, seed: int = 0,
                       dtype: str = "bfloat16") -> Path:
     """Write random weights for ``model`` as ``model.safetensors`` (DeepSeek-V2 checkpoint names) into
@@ -171,34 +225,19 @@ def write_mla_weights(path: str | Path, model: TinyDeepseekMla = TINY_MLA, std: 
     the three changed any of 8 greedy tokens).
     Deterministic for a given ``seed``.
     """
-    import torch
-    from safetensors.torch import save_file
-
     m = model
-    g = torch.Generator().manual_seed(seed)
-    tdt = getattr(torch, dtype)
-
-    def w(out_f: int, in_f: int) -> torch.Tensor:
-        return (torch.randn(out_f, in_f, generator=g) * (std / in_f ** 0.5)).to(tdt)
-
     h, nh, i_ = m.hidden_size, m.num_attention_heads, m.intermediate_size
-    t = {"model.embed_tokens.weight": torch.randn(m.vocab_size, h, generator=g).to(tdt),
-         "model.norm.weight": torch.ones(h, dtype=tdt),
-         "lm_head.weight": w(m.vocab_size, h)}
+    shapes = {"model.embed_tokens.weight": (m.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (m.vocab_size, h)}
     for li in range(m.num_hidden_layers):
         p = f"model.layers.{li}."
-        t.update({
-            p + "input_layernorm.weight": torch.ones(h, dtype=tdt),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=tdt),
-            p + "self_attn.q_proj.weight": w(nh * (m.qk_nope_head_dim + m.qk_rope_head_dim), h),
-            p + "self_attn.kv_a_proj_with_mqa.weight": w(m.kv_lora_rank + m.qk_rope_head_dim, h),
-            p + "self_attn.kv_a_layernorm.weight": torch.ones(m.kv_lora_rank, dtype=tdt),
-            p + "self_attn.kv_b_proj.weight": w(nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
-            p + "self_attn.o_proj.weight": w(h, nh * m.v_head_dim),
-            p + "mlp.gate_proj.weight": w(i_, h),
-            p + "mlp.up_proj.weight": w(i_, h),
-            p + "mlp.down_proj.weight": w(h, i_),
-        })
-    f = Path(path) / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in t.items()}, str(f))
-    return f
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nh * (m.qk_nope_head_dim + m.qk_rope_head_dim), h),
+            p + "self_attn.kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+            p + "self_attn.kv_a_layernorm.weight": (m.kv_lora_rank,),
+            p + "self_attn.kv_b_proj.weight": (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            p + "self_attn.o_proj.weight": (h, nh * m.v_head_dim),
+            p + "mlp.gate_proj.weight": (i_, h), p + "mlp.up_proj.weight": (i_, h),
+            p + "mlp.down_proj.weight": (h, i_)})
+    return _save_random(path, shapes, std, seed, dtype)

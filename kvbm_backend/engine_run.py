@@ -7,8 +7,9 @@ Meant to run in its own process (vLLM spawns helpers and keeps global state)::
 SPEC (JSON) fields:
 
 * ``model_dir`` (str): a directory from :func:`kvbm_backend.engine_model.write_model_dir`.
-* ``load_format`` (str, default ``"dummy"``: random weights, no files read): vLLM's load format;
-  ``"safetensors"`` loads the weights :func:`kvbm_backend.engine_model.write_mla_weights` wrote.
+* ``load_format`` (str): vLLM's load format; default ``"safetensors"`` when ``model_dir`` holds the
+  ``model.safetensors`` that :mod:`kvbm_backend.engine_model` writes, else ``"dummy"`` (vLLM's own
+  near-zero random weights, with which outputs do not depend on the KV cache).
 * ``prompts`` (list of token-id lists), ``max_tokens`` (int, default 4), ``cache_salts`` (optional list),
   ``ignore_eos`` (bool, default false: generate exactly ``max_tokens``).
 * ``connector``: null (engine prefix cache only) or ``{"extra": kv_connector_extra_config,
@@ -44,6 +45,10 @@ import sys
 import time
 
 
+def _default_load_format(model_dir: str) -> str:
+    return "safetensors" if os.path.isfile(os.path.join(model_dir, "model.safetensors")) else "dummy"
+
+
 def run(spec: dict) -> dict:
     tp_size = int(spec.get("tensor_parallel_size", 1))
     mp = bool(spec.get("multiprocessing", False)) or tp_size > 1
@@ -76,7 +81,7 @@ def run(spec: dict) -> dict:
         kw["num_gpu_blocks_override"] = int(spec["num_gpu_blocks"])
         max_len = min(max_len, (int(spec["num_gpu_blocks"]) - 1) * bs)  # one block is vLLM's null block
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model_dir"], load_format=spec.get("load_format", "dummy"), skip_tokenizer_init=True,
+    llm = LLM(model=spec["model_dir"], load_format=spec.get("load_format") or _default_load_format(spec["model_dir"]), skip_tokenizer_init=True,
               dtype=spec.get("dtype", "bfloat16"), enforce_eager=True, block_size=bs,
               max_model_len=max_len, seed=int(spec.get("seed", 0)),
               gpu_memory_utilization=0.1, disable_log_stats=False, kv_transfer_config=ktc,

@@ -67,6 +67,18 @@ def test_fresh_engine_and_restart_load_saved_blocks(tmp_path, model_dir):
     assert sc.get("load_g4_blocks_ok", 0) > 0, sc
     assert sc.get("load_blocks_failed", 0) == 0, sc
 
+    # Negative control: the equal outputs above are not luck. An engine with OTHER weights under the
+    # same namespace loads model A's KV for prompt 0 and answers differently from its own recompute of
+    # the same prompt (under another cache_salt: another tenant, so no hit). Needs real random weights:
+    # with vLLM's dummy weights the output ignores the KV (engine_model.write_model_dir).
+    model_b = write_model_dir(tmp_path / "model-b", TINY, weights_seed=1)
+    extra = connector_extra(tmp_path / "w", g4)
+    extra["save"] = False
+    d = run_engine(tmp_path, "foreign", model_b, [ps[0], ps[0]], {"extra": extra}, num_gpu_blocks=NUM_BLOCKS,
+                   cache_salts=[None, "other-tenant"], warmup=False)
+    assert d["cached_tokens"] == [21 * 32, 0], d["cached_tokens"]
+    assert d["outputs"][0] != d["outputs"][1], d["outputs"]
+
 
 def _corrupt_payloads(g3_dir: Path, block_bytes: int, every: int = 3) -> int:
     """Flip one payload byte in every ``every``-th slot of every slab file; returns slots touched."""
