@@ -16,10 +16,17 @@ ids give equal tokens, as in ``replay``), lengths are scaled by ``block_tokens /
 The engine's KV budget holds about one request, so a conversation's earlier turns have left the engine
 by the time it returns. The scaling is printed and written to the JSON.
 
-Model: :data:`kvbm_backend.engine_model.DEMO` (dummy weights), chosen so a prefill costs clearly more
-than reading the same KV back (KV bytes grow with layers x KV heads, compute with layers x hidden^2):
-a 4-layer hidden-256 model prefills 2,000 tokens in ~0.1-0.4 s on 2 cores, too cheap for storage to
-matter much; the demo model has 8 layers, hidden 1024, 2 KV heads of 64 (4 KiB of KV per token).
+Model: :data:`kvbm_backend.engine_model.DEMO` with random weights
+(:func:`~kvbm_backend.engine_model.write_model_dir`: vLLM's own dummy weights make outputs ignore the
+KV, so "outputs identical" would prove nothing), in float32 (:data:`DTYPE`), chosen so a prefill costs
+clearly more than reading the same KV back (KV bytes grow with layers x KV heads, compute with
+layers x hidden^2): a 4-layer hidden-256 model prefills 2,000 tokens in ~0.1-0.4 s on 2 cores, too cheap
+for storage to matter much; the demo model has 8 layers, hidden 1024, 2 KV heads of 64 (8 KiB of KV
+per token in float32). Why float32: in bfloat16, vLLM's CPU prefill over a cached prefix is not
+bit-equal to a full prefill, and with this model that flips greedy tokens even with vLLM's own prefix
+cache and no connector (measured: a 3,072-token prompt, 3,040 tokens from the engine's prefix cache,
+first token 229 vs 940 from a full prefill); in float32 both paths give the same tokens, so an output
+that differs from ``baseline`` means different KV.
 
 TTFT is vLLM's per-request ``first_token_latency`` (arrival to first token, loads included), one
 request at a time. Outputs are greedy (temperature 0, 4 tokens) and compared with ``baseline``'s.
@@ -43,6 +50,7 @@ from .engine_model import DEMO, write_model_dir
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_SIZE = 32  # vLLM CPU attention needs a multiple of 32
+DTYPE = "float32"  # see the module docstring: bfloat16 prefill over a cached prefix is not bit-equal here
 
 
 def default_trace() -> Path:
@@ -252,7 +260,7 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
                   f"capped at {max_tokens_per_request}; mean input {scaling['trace_input_tokens_mean']:.0f} -> "
                   f"{scaling['demo_input_tokens_mean']:.0f} tokens")
     console.print(f"  model: Llama {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
-                  f"{model.num_key_value_heads} KV heads x {model.head_dim}, dummy weights; engine KV budget "
+                  f"{model.num_key_value_heads} KV heads x {model.head_dim}, random weights, {DTYPE}; engine KV budget "
                   f"{num_blocks} blocks x {BLOCK_SIZE} tokens ({num_blocks * BLOCK_SIZE} tokens)")
     console.print(f"  G3: {wd}/g3-*   G4: {g4_url}   workdir: {wd}")
 
@@ -267,7 +275,7 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
         return {"kvbm_backend": cfg, "stats_path": str(wd / f"{g3_dir}-stats.json")}
 
     base_spec = {"model_dir": str(model_dir), "prompts": prompts, "max_tokens": 4, "block_size": BLOCK_SIZE,
-                 "num_gpu_blocks": num_blocks, "max_model_len": max_len, "dtype": "bfloat16"}
+                 "num_gpu_blocks": num_blocks, "max_model_len": max_len, "dtype": DTYPE}
     runs = [("baseline", None), ("kvbm_backend", {"extra": extra("g3-run")}),
             ("restart", {"extra": extra("g3-restart")})]
     results: dict[str, dict] = {}
