@@ -55,14 +55,14 @@ def test_fresh_engine_and_restart_load_saved_blocks(tmp_path, model_dir):
     ps = _prompts()
     g4 = f"file://{tmp_path / 'g4'}"
     a = _run(tmp_path, "writer", model_dir, ps, {"extra": connector_extra(tmp_path / "w", g4)},
-                   num_gpu_blocks=NUM_BLOCKS)
+             num_gpu_blocks=NUM_BLOCKS)
     sa = a["connector_stats"]
     assert sa.get("g3_put_written_blocks", 0) >= 4 * 21 - 2 * 10, sa  # shared prefix is written once
     assert sa.get("g4_put_written_blocks", 0) > 0, sa
 
     # A fresh engine process on the same G3 directory: prefix hits load from G3.
     b = _run(tmp_path, "reader", model_dir, ps, {"extra": connector_extra(tmp_path / "w", g4)},
-                   num_gpu_blocks=NUM_BLOCKS)
+             num_gpu_blocks=NUM_BLOCKS)
     sb = b["connector_stats"]
     assert b["outputs"] == a["outputs"]
     assert sb.get("load_g3_blocks_ok", 0) >= 4 * 21 - 2 * 10 - 2, sb  # all but the shared (local) prefix
@@ -71,7 +71,7 @@ def test_fresh_engine_and_restart_load_saved_blocks(tmp_path, model_dir):
 
     # The returning user: a fresh process with an EMPTY G3, reading G4 only.
     c = _run(tmp_path, "restart", model_dir, ps, {"extra": connector_extra(tmp_path / "fresh", g4)},
-                   num_gpu_blocks=NUM_BLOCKS)
+             num_gpu_blocks=NUM_BLOCKS)
     sc = c["connector_stats"]
     assert c["outputs"] == a["outputs"]
     assert sc.get("load_g4_blocks_ok", 0) > 0, sc
@@ -85,7 +85,7 @@ def test_fresh_engine_and_restart_load_saved_blocks(tmp_path, model_dir):
     extra = connector_extra(tmp_path / "w", g4)
     extra["save"] = False
     d = _run(tmp_path, "foreign", model_b, [ps[0], ps[0]], {"extra": extra}, num_gpu_blocks=NUM_BLOCKS,
-                   cache_salts=[None, "other-tenant"], warmup=False)
+             cache_salts=[None, "other-tenant"], warmup=False)
     assert d["cached_tokens"] == [21 * 32, 0], d["cached_tokens"]
     assert d["outputs"][0] != d["outputs"][1], d["outputs"]
 
@@ -131,7 +131,7 @@ def test_stopped_g4_costs_at_most_its_timeout(tmp_path, model_dir, seaweed_resta
     g4 = f"s3://kvbm-test/{s3_prefix}"
     kw = {"endpoint_url": srv.endpoint, "timeout_s": 0.5, "retries": 0}
     a = _run(tmp_path, "writer", model_dir, ps, {"extra": connector_extra(tmp_path / "w", g4, **kw)},
-                   num_gpu_blocks=NUM_BLOCKS)
+             num_gpu_blocks=NUM_BLOCKS)
     assert a["connector_stats"].get("g4_put_written_blocks", 0) > 0, a["connector_stats"]
     base = a  # the writer computed every block itself (fresh stores): the reference TTFTs
     os.killpg(srv.proc.pid, signal.SIGSTOP)  # hung, not refused: the worst case for a client
@@ -168,11 +168,11 @@ def test_mp_executor_scheduler_mirrors_worker_g3(tmp_path, model_dir):
     ps = _prompts()[:2]
     extra = connector_extra(tmp_path / "w")
     a = _run(tmp_path, "mp-writer", model_dir, ps, {"extra": extra}, num_gpu_blocks=NUM_BLOCKS,
-                   multiprocessing=True)
+             multiprocessing=True)
     assert a["connector_stats"].get("g3_put_written_blocks", 0) > 0, a
     assert a["connector_stats"].get("g3_reported_added", 0) > 0, a["connector_stats"]
     b = _run(tmp_path, "mp-reader", model_dir, ps, {"extra": extra}, num_gpu_blocks=NUM_BLOCKS,
-                   multiprocessing=True)
+             multiprocessing=True)
     assert b["outputs"] == a["outputs"]
     assert b["connector_stats"].get("load_g3_blocks_ok", 0) >= 20, b["connector_stats"]
     assert b["scheduler_stats"].get("load_planned_g3_blocks", 0) >= 20, b["scheduler_stats"]
@@ -184,7 +184,7 @@ def test_next_turn_loads_the_previous_answer(tmp_path, model_dir):
     p1 = prompts(1, 640, seed=21)[0]  # 20 full blocks
     extra = connector_extra(tmp_path / "w")
     a = _run(tmp_path, "turn1", model_dir, [p1], {"extra": extra}, num_gpu_blocks=NUM_BLOCKS,
-                   max_tokens=70, ignore_eos=True, warmup=False)
+             max_tokens=70, ignore_eos=True, warmup=False)
     answer = a["outputs"][0]
     assert len(answer) == 70
     p2 = p1 + answer + prompts(1, 100, seed=22)[0]
@@ -205,7 +205,7 @@ def test_tensor_parallel_two_ranks_save_and_load_their_slices(tmp_path, model_di
     ps = _prompts()[:2]
     g4 = f"file://{tmp_path / 'g4'}"
     a = _run(tmp_path, "tp-writer", model_dir, ps, {"extra": connector_extra(tmp_path / "w", g4)},
-                   num_gpu_blocks=NUM_BLOCKS, tensor_parallel_size=2, warmup=False)
+             num_gpu_blocks=NUM_BLOCKS, tensor_parallel_size=2, warmup=False)
     per_rank = [a["connector_stats"]] + a.get("rank_stats", [])
     assert len(per_rank) == 2, a.get("rank_stats")
     for st in per_rank:  # both ranks wrote their slices of every prompt block (shared prefix once)
@@ -215,7 +215,7 @@ def test_tensor_parallel_two_ranks_save_and_load_their_slices(tmp_path, model_di
     assert len(names) >= 2 * (2 * 21 - 10)  # one object per (block, rank)
 
     b = _run(tmp_path, "tp-reader", model_dir, ps, {"extra": connector_extra(tmp_path / "w", g4)},
-                   num_gpu_blocks=NUM_BLOCKS, tensor_parallel_size=2, warmup=False)
+             num_gpu_blocks=NUM_BLOCKS, tensor_parallel_size=2, warmup=False)
     assert b["outputs"] == a["outputs"]
     for st in [b["connector_stats"]] + b.get("rank_stats", []):
         assert st.get("load_g3_blocks_ok", 0) >= 2 * 21 - 12, st
@@ -223,7 +223,7 @@ def test_tensor_parallel_two_ranks_save_and_load_their_slices(tmp_path, model_di
     assert b["scheduler_stats"].get("load_planned_g3_blocks", 0) >= 2 * 21 - 12, b["scheduler_stats"]
 
     c = _run(tmp_path, "tp-restart", model_dir, ps, {"extra": connector_extra(tmp_path / "fresh", g4)},
-                   num_gpu_blocks=NUM_BLOCKS, tensor_parallel_size=2, warmup=False)
+             num_gpu_blocks=NUM_BLOCKS, tensor_parallel_size=2, warmup=False)
     assert c["outputs"] == a["outputs"]
     for st in [c["connector_stats"]] + c.get("rank_stats", []):
         assert st.get("load_g4_blocks_ok", 0) >= 2 * 21 - 12, st
