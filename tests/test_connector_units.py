@@ -339,3 +339,11 @@ def test_prometheus_counters_follow_connector_stats():
                 if getattr(c, "_name", None) == name:
                     REGISTRY.unregister(c)
                     break
+
+
+def test_replicated_mla_blocks_share_one_g4_name_per_block():
+    from kvbm_backend.model.namespace import Namespace
+    mla = Namespace("m", KvLayout(2, 1, 16, 576, "bfloat16"), tp_world_size=4)
+    kv = Namespace("m", KvLayout(2, 2, 16, 64, "bfloat16"), tp_world_size=4)
+    assert [mla.shared_rank(r) for r in range(4)] == [0, 0, 0, 0]
+    assert [kv.shared_rank(r) for r in range(4)] == [0, 1, 2, 3]

@@ -75,6 +75,12 @@ class Namespace:
     def keys(self, seq_hashes, tenant: str = "", rank: int = 0) -> list["BlockKey"]:
         return [self.key(h, tenant, rank) for h in seq_hashes]
 
+    def shared_rank(self, rank: int) -> int:
+        """The rank whose key names TP rank ``rank``'s block in shared storage (G4): 0 when every rank
+        holds the same bytes (MLA: ``layout.outer_dim == 1``, the latent is replicated, KVBM
+        ``LayoutConfig``), so such a block is stored once rather than once per rank; else ``rank``."""
+        return 0 if self.layout.outer_dim == 1 else rank
+
 
 class BlockKey(NamedTuple):
     """(namespace fingerprint, tenant, TP rank, sequence hash): one rank's block."""

@@ -41,8 +41,10 @@ prefix up for every rank and takes the shortest (a block counts only when all ra
 a rank's failed load is reported through ``get_block_ids_with_load_errors``, which vLLM unions over
 ranks, so the block is recomputed on all of them. Rank r > 0 writes its counters to
 ``<stats_path stem>.rank<r><ext>``. MLA models (DeepSeek-V2/V3/R1: one latent per token, KVBM
-``outer_dim`` 1) are carried; their latent is the same on every TP rank and each rank keeps its own
-copy. Hybrid (several KV groups) models are refused.
+``outer_dim`` 1) are carried; their latent is the same on every TP rank: each rank keeps its own copy
+in its G3 pool, and G4 holds one object per block under rank 0's key
+(:meth:`~kvbm_backend.model.namespace.Namespace.shared_rank`), written by rank 0 and read by all.
+Hybrid (several KV groups) models are refused.
 """
 from __future__ import annotations
 

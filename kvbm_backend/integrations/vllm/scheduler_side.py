@@ -78,9 +78,11 @@ class G3Mirror:
 class _Lookup:
     """G3 prefix lookup, then G4 over the keys G3 lacks; resolves to ``(g3_blocks, g4_blocks)``."""
 
-    def __init__(self, keys_by_rank: list[list], g3: BlockPool | None, g4: BlockPool | None, timeout_s: float):
+    def __init__(self, keys_by_rank: list[list], g3: BlockPool | None, g4: BlockPool | None, timeout_s: float,
+                 g4_keys_by_rank: list[list] | None = None):
         self.deadline = time.monotonic() + timeout_s
         self.keys_by_rank = keys_by_rank
+        self.g4_keys_by_rank = keys_by_rank if g4_keys_by_rank is None else g4_keys_by_rank
         self.g3, self.g4 = g3, g4
         self.p3: int | None = None
         self.p4: int | None = None
@@ -99,7 +101,7 @@ class _Lookup:
         if self.g4 is None or self.p3 >= self.n:
             self.p4 = 0
             return
-        self._g4f = [self.g4.lookup_prefix(k[self.p3:]) for k in self.keys_by_rank]
+        self._g4f = [self.g4.lookup_prefix(k[self.p3:]) for k in self.g4_keys_by_rank]
 
     @staticmethod
     def _min_done(futs: list[Future]) -> int | None:
@@ -201,6 +203,11 @@ class SchedulerSide:
     def _keys_by_rank(self, st: _Req, n: int) -> list[list]:
         return [self.ns.keys(st.hashes[:n], st.tenant, r) for r in range(self.ns.tp_world_size)]
 
+    def _g4_keys_by_rank(self, st: _Req, n: int) -> list[list]:
+        """G4 keys of every rank's slice, each distinct list once (replicated MLA blocks: one list)."""
+        ranks = sorted({self.ns.shared_rank(r) for r in range(self.ns.tp_world_size)})
+        return [self.ns.keys(st.hashes[:n], st.tenant, r) for r in ranks]
+
     # ---- vLLM scheduler hooks --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.g3 is None and self.g4 is None:
@@ -219,7 +226,8 @@ class SchedulerSide:
         if st.lookup_blocks <= st.n_local:
             return 0, False
         if st.lookup is None:
-            st.lookup = _Lookup(self._keys_by_rank(st, st.lookup_blocks), self.g3, self.g4, self.lookup_timeout_s)
+            st.lookup = _Lookup(self._keys_by_rank(st, st.lookup_blocks), self.g3, self.g4, self.lookup_timeout_s,
+                                g4_keys_by_rank=self._g4_keys_by_rank(st, st.lookup_blocks))
         res = st.lookup.poll()
         if res is None:
             return None, False

@@ -109,14 +109,21 @@ class WorkerSide:
             stats.add(save_jobs=1, save_blocks=n, save_gather_s=time.perf_counter() - t0)
             keys = self.ns.keys(job.seq_hashes, job.tenant, self.rank)
             blocks = split_blocks(arr, self.kv.layout, n)
-            self._put_all(keys, blocks, arr, nbytes, g4=self.save_to_g4)
+            # A replicated block (MLA) goes to G4 once, from the rank whose key names it.
+            g4 = self.save_to_g4 and self.ns.shared_rank(self.rank) == self.rank
+            self._put_all(keys, blocks, arr, nbytes, g4=g4)
+
+    def _g4_keys(self, keys: list) -> list:
+        """``keys`` as named in G4 (:meth:`Namespace.shared_rank`)."""
+        r = self.ns.shared_rank(self.rank)
+        return keys if r == self.rank else [k._replace(rank=r) for k in keys]
 
     def _put_all(self, keys, blocks, arr: np.ndarray, nbytes: int, g3: bool = True, g4: bool = True) -> None:
         futs: list[tuple[str, Future]] = []
         if g3 and self.g3 is not None:
             futs.append(("g3", self._safe_put(self.g3, keys, blocks)))
         if g4 and self.g4 is not None:
-            futs.append(("g4", self._safe_put(self.g4, keys, blocks)))
+            futs.append(("g4", self._safe_put(self.g4, self._g4_keys(keys), blocks)))
         if not futs:
             with self._lock:
                 self._pending_save_bytes -= nbytes
@@ -195,8 +202,9 @@ class WorkerSide:
                         continue
                     if pool is None:
                         continue
-                    res = self._get(pool, [keys[i] for i in tier_idx], [blocks[i] for i in tier_idx],
-                                    ld.deadline - time.monotonic())
+                    tkeys = [keys[i] for i in tier_idx]
+                    res = self._get(pool, tkeys if pool is self.g3 else self._g4_keys(tkeys),
+                                    [blocks[i] for i in tier_idx], ld.deadline - time.monotonic())
                     for i, good in zip(tier_idx, res):
                         ok[i] = bool(good)
                     if not all(res):
@@ -253,7 +261,7 @@ class WorkerSide:
             for i, good in zip(i3, res):
                 ok[i] = bool(good)
         if i4 and self.g4 is not None and all(ok[i] for i in i3):
-            res = gpu.load_via_host(self.g4, [keys[i] for i in i4], [staging[i] for i in i4],
+            res = gpu.load_via_host(self.g4, self._g4_keys([keys[i] for i in i4]), [staging[i] for i in i4],
                                     timeout_s=max(0.01, ld.deadline - time.monotonic()))
             for i, good in zip(i4, res):
                 ok[i] = bool(good)
