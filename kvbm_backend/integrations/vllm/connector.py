@@ -130,8 +130,8 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
 
     MLA (vLLM ``MLAAttentionSpec``, e.g. DeepSeek-V2/V3/R1): one latent per token, ``outer_dim = 1``,
     ``inner_dim = head_size`` (``kv_lora_rank + qk_rope_head_dim``, 576 for DeepSeek), the same on every
-    TP rank (replicated, not split); with TP > 1 every rank still stores and loads its own copy under
-    its own rank's key, like K/V slices.
+    TP rank (replicated, not split); with TP > 1 every rank keeps its own copy in its G3 pool under its
+    own rank's key, and G4 holds one copy under rank 0's key (``Namespace.shared_rank``).
 
     Raises ValueError for KV caches the connector cannot carry (several KV groups, non-attention
     specs, an MLA spec with more than one KV head)."""
