@@ -6,6 +6,7 @@ Engines (``posix``: thread pool over ``os.preadv``/``os.pwritev``; ``nixl``: NIX
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -28,6 +29,35 @@ class IoOp:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.bufs)
+
+
+def gather(futs: Sequence[Future]) -> Future:
+    """One Future for many: resolves, once every one of ``futs`` is done, to their results in order,
+    or raises the exception of the lowest-index failed one (only after all finished, so the caller may
+    reuse its buffers as soon as it is done). An empty list resolves at once to ``[]``."""
+    futs = list(futs)
+    out: Future = Future()
+    out.set_running_or_notify_cancel()
+    if not futs:
+        out.set_result([])
+        return out
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def one_done(_f: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        err = next((f.exception() for f in futs if f.exception() is not None), None)
+        if err is not None:
+            out.set_exception(err)
+        else:
+            out.set_result([f.result() for f in futs])
+
+    for f in futs:
+        f.add_done_callback(one_done)
+    return out
 
 
 class IoEngine(Protocol):

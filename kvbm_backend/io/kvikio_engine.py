@@ -26,7 +26,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
-from .base import IoOp
+from .base import IoOp, gather
 
 NO_DRIVER_REASON = "libcuda.so.1 not loadable: kvikio needs the NVIDIA driver for file I/O"
 
@@ -221,31 +221,7 @@ class KvikioEngine:
         OSError (``EIO`` wrapping kvikio's RuntimeError) of the lowest-index failed op."""
         if self._closed:
             raise RuntimeError("KvikioEngine is closed")
-        ops = list(ops)
-        out: Future = Future()
-        out.set_running_or_notify_cancel()
-        if not ops:
-            out.set_result([])
-            return out
-        futs = [self._dispatch.submit(self._run_op, op) for op in ops]
-        remaining = [len(futs)]
-        lock = threading.Lock()
-
-        def _one_done(_f):
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if not last:
-                return
-            for f in futs:
-                if f.exception() is not None:
-                    out.set_exception(f.exception())
-                    return
-            out.set_result([f.result() for f in futs])
-
-        for f in futs:
-            f.add_done_callback(_one_done)
-        return out
+        return gather([self._dispatch.submit(self._run_op, op) for op in ops])
 
     # -- device buffers ------------------------------------------------------------------------
     def read_to_device(self, fd: int, dev_buf, size: int, file_offset: int) -> int:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
-from .base import IoOp
+from .base import IoOp, gather
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
@@ -73,40 +72,15 @@ class PosixEngine:
         """Queue ``ops``; returns at once. The Future resolves to bytes per op (in order) after every op
         has finished, or raises the OSError of the lowest-index failed op (also only after all ops
         have finished, so the caller may reuse its buffers as soon as the Future is done)."""
-        ops = list(ops)
-        out: Future = Future()
-        out.set_running_or_notify_cancel()
-        if not ops:
-            out.set_result([])
-            return out
-        results: list = [None] * len(ops)
-        errors: list = [None] * len(ops)
-        left = [len(ops)]
-        lock = threading.Lock()
-
-        def done(i: int, f: Future) -> None:
-            try:
-                results[i] = f.result()
-            except BaseException as e:  # noqa: BLE001 - re-raised through the Future
-                errors[i] = e
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                err = next((e for e in errors if e is not None), None)
-                if err is not None:
-                    out.set_exception(err)
-                else:
-                    out.set_result(results)
-
-        for i, op in enumerate(ops):
+        futs = []
+        for op in ops:
             try:
                 f = self._pool.submit(run_op, op)
             except RuntimeError as e:  # pool shut down
                 f = Future()
                 f.set_exception(OSError(errno.EBADF, f"posix engine is closed: {e}"))
-            f.add_done_callback(lambda f, i=i: done(i, f))
-        return out
+            futs.append(f)
+        return gather(futs)
 
     def close(self) -> None:
         """Wait for queued ops, then stop the threads. Later submits fail with EBADF."""
