@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from typing import Optional
 
 import typer
@@ -26,8 +27,20 @@ def _fail(msg: str) -> None:
 def _out(obj, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    elif isinstance(obj, list):
+        _table(obj)
     else:
-        console.print_json(json.dumps(obj), ) if not isinstance(obj, list) else _table(obj)
+        console.print_json(json.dumps(obj))
+
+
+@contextmanager
+def _keyring_errors():
+    """A KeyringError (wrong KEK, insecure file mode, unknown tenant...) becomes a one-line error, exit 2."""
+    from ..crypto.keyring import KeyringError
+    try:
+        yield
+    except KeyringError as e:
+        _fail(str(e))
 
 
 def _table(rows: list[dict]) -> None:
@@ -54,11 +67,8 @@ _KF = typer.Option(None, "--kek-file", help="KEK file (default KEYRING.kek) when
 def keys_create(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant"), kek_env: str = _ENV,
                 kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json")) -> None:
     """Create a tenant's data key (and the keyring and its KEK file if they do not exist)."""
-    from ..crypto.keyring import KeyringError
-    try:
+    with _keyring_errors():
         _out(_open(keyring, kek_env, kek_file, True).create(tenant), as_json)
-    except KeyringError as e:
-        _fail(str(e))
 
 
 @keys_app.command("rotate")
@@ -66,37 +76,28 @@ def keys_rotate(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "
                 kek_env: str = _ENV, kek_file: Optional[str] = _KF,
                 as_json: bool = typer.Option(False, "--json")) -> None:
     """New data key version for new writes; old versions stay for reads. No block is rewritten."""
-    from ..crypto.keyring import KeyringError
-    try:
+    with _keyring_errors():
         kr = _open(keyring, kek_env, kek_file, False)
         names = [tenant] if tenant is not None else [r["tenant"] for r in kr.info()]
         _out([kr.rotate(t) for t in names], as_json)
-    except KeyringError as e:
-        _fail(str(e))
 
 
 @keys_app.command("revoke")
 def keys_revoke(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant"), kek_env: str = _ENV,
                 kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json")) -> None:
     """Delete every key of the tenant (crypto-shred: its blocks become unreadable; gc reclaims them)."""
-    from ..crypto.keyring import KeyringError
-    try:
+    with _keyring_errors():
         _out(_open(keyring, kek_env, kek_file, False).revoke(tenant), as_json)
-    except KeyringError as e:
-        _fail(str(e))
 
 
 @keys_app.command("list")
 def keys_list(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "--tenant"), kek_env: str = _ENV,
               kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json")) -> None:
     """Tenants, versions, use counts and created dates (never key material)."""
-    from ..crypto.keyring import KeyringError
-    try:
+    with _keyring_errors():
         kr = _open(keyring, kek_env, kek_file, False)
         info = kr.info(tenant)
         _out(info if isinstance(info, list) else [info], as_json)
-    except KeyringError as e:
-        _fail(str(e))
 
 
 @keys_app.command("rewrap")
@@ -108,10 +109,10 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
     """Re-wrap every key under a new KEK (KEK rotation) without rewriting any block."""
     from pathlib import Path
 
-    from ..crypto.keyring import KeyringError, LocalKek
+    from ..crypto.keyring import LocalKek
     if bool(new_kek_file) == bool(new_kek_env):
         _fail("keys rewrap: give exactly one of --new-kek-file or --new-kek-env")
-    try:
+    with _keyring_errors():
         kr = _open(keyring, kek_env, kek_file, False)
         if new_kek_env:
             new = LocalKek.from_env(new_kek_env)
@@ -121,8 +122,6 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
             new = LocalKek.generate_file(new_kek_file)
         n = kr.rewrap(new)
         _out({"rewrapped_keys": n, "kek_id": new.key_id}, as_json)
-    except KeyringError as e:
-        _fail(str(e))
 
 
 def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
