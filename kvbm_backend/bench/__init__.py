@@ -1,7 +1,26 @@
 """Benchmarks: each tier's module exposes ``run(opts: BenchOptions) -> dict`` (JSON-able result)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable, Iterator
+
+
+@contextmanager
+def rounds_progress(enabled: bool, label: str, total: int) -> Iterator[Callable[[], None]]:
+    """A transient rich progress bar of ``total`` steps (nothing when not ``enabled``); yields the
+    function that advances it by one step."""
+    if not enabled:
+        yield lambda: None
+        return
+    from rich.progress import Progress
+    progress = Progress(transient=True)
+    task = progress.add_task(label, total=total)
+    progress.start()
+    try:
+        yield lambda: progress.advance(task)
+    finally:
+        progress.stop()
 
 
 @dataclass

@@ -28,7 +28,7 @@ from ..metrics import new_registry
 from ..model.frame import slot_bytes
 from ..model.namespace import Namespace
 from ..model.presets import load_preset
-from . import BenchOptions
+from . import BenchOptions, rounds_progress
 from .baseline import odirect_baseline, random_aligned
 
 ROUNDS = 3
@@ -108,13 +108,7 @@ def run(opts: BenchOptions) -> dict:
     dst = aligned_empty(src.nbytes)
     dst[:] = 0  # fault the pages in before timing, as the baseline does with its read buffer
     pool_runs, base_runs = [], []
-    progress = None
-    if opts.progress:
-        from rich.progress import Progress
-        progress = Progress(transient=True)
-        progress.start()
-        task = progress.add_task("bench g3", total=2 * ROUNDS)
-    try:
+    with rounds_progress(opts.progress, "bench g3", 2 * ROUNDS) as advance:
         for _ in range(ROUNDS):
             dirs = [os.path.join(r, f"kvbm-bench-g3-{uuid.uuid4().hex[:8]}") for r in roots]
             try:
@@ -122,14 +116,9 @@ def run(opts: BenchOptions) -> dict:
             finally:
                 for d in dirs:
                     shutil.rmtree(d, ignore_errors=True)
-            if progress:
-                progress.advance(task)
+            advance()
             base_runs.append(odirect_baseline(roots[0], base_total, io, opts.threads))
-            if progress:
-                progress.advance(task)
-    finally:
-        if progress:
-            progress.stop()
+            advance()
     payload = n * bb
     best_w = min(r["write_s"] for r in pool_runs)
     best_r = min(r["read_s"] for r in pool_runs)

@@ -34,7 +34,7 @@ from ..memory import aligned_empty
 from ..model.frame import HEADER_BYTES, slot_bytes
 from ..model.namespace import Namespace
 from ..model.presets import load_preset
-from . import BenchOptions
+from . import BenchOptions, rounds_progress
 from .baseline import random_aligned
 
 ROUNDS = 2
@@ -163,34 +163,25 @@ def run(opts: BenchOptions) -> dict:
     keyring = os.path.join(kdir, "keyring.json")
     runs: dict[bool, list] = {True: [], False: []}
     base_runs = []
-    progress = None
-    if opts.progress:
-        from rich.progress import Progress
-        progress = Progress(transient=True)
-        progress.start()
-        task = progress.add_task("bench g4", total=3 * ROUNDS)
     try:
         gcm = gcm_gbps_per_core()
-        for _ in range(ROUNDS):
-            for enc in (opts.encrypt, not opts.encrypt):
-                runs[enc].append(_pool_round(f"{base}/kvbm-bench-g4-{uuid.uuid4().hex[:8]}", ns, opts, enc, keyring,
-                                             src, dst))
-                if progress:
-                    progress.advance(task)
-            if u.scheme == "s3":
-                base_runs.append(_s3_baseline(f"{base}/kvbm-bench-g4-base-{uuid.uuid4().hex[:8]}", opts,
-                                              HEADER_BYTES + bb, n))
-            else:
-                from .baseline import odirect_baseline
-                os.makedirs(u.path, exist_ok=True)
-                io = opts.io_size_bytes
-                total = -(-n * slot_bytes(bb) // io) * io
-                base_runs.append(odirect_baseline(u.path, total, io, opts.threads))
-            if progress:
-                progress.advance(task)
+        with rounds_progress(opts.progress, "bench g4", 3 * ROUNDS) as advance:
+            for _ in range(ROUNDS):
+                for enc in (opts.encrypt, not opts.encrypt):
+                    runs[enc].append(_pool_round(f"{base}/kvbm-bench-g4-{uuid.uuid4().hex[:8]}", ns, opts, enc,
+                                                 keyring, src, dst))
+                    advance()
+                if u.scheme == "s3":
+                    base_runs.append(_s3_baseline(f"{base}/kvbm-bench-g4-base-{uuid.uuid4().hex[:8]}", opts,
+                                                  HEADER_BYTES + bb, n))
+                else:
+                    from .baseline import odirect_baseline
+                    os.makedirs(u.path, exist_ok=True)
+                    io = opts.io_size_bytes
+                    total = -(-n * slot_bytes(bb) // io) * io
+                    base_runs.append(odirect_baseline(u.path, total, io, opts.threads))
+                advance()
     finally:
-        if progress:
-            progress.stop()
         shutil.rmtree(kdir, ignore_errors=True)
     payload = n * bb
 
