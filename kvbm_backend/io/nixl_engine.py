@@ -86,7 +86,13 @@ def quiet_nixl_logging() -> None:
         nl.setLevel(logging.WARNING)
     for h in nl.handlers:
         if type(h) is logging.StreamHandler and h.stream is not sys.stderr:
-            h.setStream(sys.stderr)
+            # not h.setStream(): it flushes the old stream, which raises if that was closed (a
+            # replaced sys.stdout, e.g. after an earlier in-process CLI run); nothing is lost.
+            h.acquire()
+            try:
+                h.stream = sys.stderr
+            finally:
+                h.release()
 
 
 class _FileRegs:
