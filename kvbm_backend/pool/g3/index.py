@@ -3,46 +3,112 @@
 A slot being read is pinned; eviction never picks a pinned slot, and a pinned slot that is deleted
 or found corrupt is freed only when its last reader unpins it, so a reader is never handed a slot
 that is being overwritten. Not thread-safe: the pool holds its lock around every call.
+
+Tenant pseudonyms: the journal stores a block's tenant as its 16-byte tag (``tenant_tag``, the value
+the frame header holds), never the tenant string. A restored entry whose tag is not a known tenant's
+(only ``""``, the unsalted tenant, is known at restore) is kept under a :class:`TagKey`
+``(namespace, tag, rank, seq_hash)``, in its LRU place. The first :meth:`LruIndex.get` / ``in`` /
+:meth:`LruIndex.remove` / :meth:`LruIndex.put` with the real :class:`BlockKey` that misses looks the
+tag form up and re-keys the entry under the BlockKey ("adoption", which makes it most recently used);
+that fallback costs one tag hash per miss, and only while tag-keyed entries remain.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
-from ...model.namespace import BlockKey
+from ...model.namespace import BlockKey, tenant_tag
 
 Slot = tuple[int, int]
 
 
+class TagKey(NamedTuple):
+    """A restored key whose tenant string is not known yet (the journal holds only the tenant tag)."""
+
+    namespace: str
+    tag: bytes
+    rank: int
+    seq_hash: int
+
+    @property
+    def tenant(self) -> str:
+        """A placeholder naming the tag (never equal to a real key's tenant in lookups)."""
+        return f"<tenant tag {self.tag.hex()}>"
+
+
+_KNOWN = {tenant_tag(""): ""}  # tags resolved at restore: the unsalted tenant
+_tags: dict[str, bytes] = {}
+
+
+def tag_of(tenant: str) -> bytes:
+    """``tenant_tag(tenant)``, cached (bounded)."""
+    t = _tags.get(tenant)
+    if t is None:
+        if len(_tags) > 4096:
+            _tags.clear()
+        t = _tags[tenant] = tenant_tag(tenant)
+    return t
+
+
 class LruIndex:
     def __init__(self) -> None:
-        self._map: "OrderedDict[BlockKey, Slot]" = OrderedDict()
+        self._map: "OrderedDict[BlockKey | TagKey, Slot]" = OrderedDict()
         self._pins: dict[Slot, int] = {}
         self._deferred: set[Slot] = set()  # removed from the map while pinned: free on last unpin
+        self._tagged = 0  # entries still keyed by TagKey (restored, tenant not seen yet)
 
     def __len__(self) -> int:
         return len(self._map)
 
+    def _adopt(self, key: BlockKey) -> Slot | None:
+        """Re-key the restored TagKey entry of ``key`` (if any) under ``key``; it becomes most recently
+        used (it is being used; an OrderedDict cannot re-key in place in O(1))."""
+        s = self._map.pop(TagKey(key.namespace, tag_of(key.tenant), key.rank, key.seq_hash), None)
+        if s is None:
+            return None
+        self._map[key] = s
+        self._tagged -= 1
+        return s
+
     def __contains__(self, key: BlockKey) -> bool:
-        return key in self._map
+        return key in self._map or (self._tagged > 0 and self._adopt(key) is not None)
 
     def get(self, key: BlockKey, touch: bool = False) -> Slot | None:
         s = self._map.get(key)
+        if s is None and self._tagged > 0:
+            s = self._adopt(key)
         if s is not None and touch:
             self._map.move_to_end(key)
         return s
 
     def put(self, key: BlockKey, slot: Slot) -> None:
+        if self._tagged > 0 and self._map.pop(TagKey(key.namespace, tag_of(key.tenant), key.rank, key.seq_hash),
+                                              None) is not None:
+            self._tagged -= 1
+        self._map[key] = slot
+        self._map.move_to_end(key)
+
+    def restore(self, key: "BlockKey | TagKey", slot: Slot) -> None:
+        """Insert a journal entry (oldest first) at restore: a TagKey of a known tag becomes its BlockKey."""
+        if isinstance(key, TagKey):
+            tenant = _KNOWN.get(key.tag)
+            if tenant is not None:
+                key = BlockKey(key.namespace, tenant, key.rank, key.seq_hash)
+            elif key not in self._map:
+                self._tagged += 1
         self._map[key] = slot
         self._map.move_to_end(key)
 
     def items(self):
-        """(key, slot) oldest first."""
+        """(key, slot) oldest first; restored keys whose tenant was not seen yet are :class:`TagKey`."""
         return list(self._map.items())
 
     def remove(self, key: BlockKey, slot: Slot | None = None) -> Slot | None:
         """Remove ``key`` (only if it still maps to ``slot`` when given). Returns the slot to free now,
         or None (absent, or pinned: freed by the last :meth:`unpin`)."""
         s = self._map.get(key)
+        if s is None and self._tagged > 0:
+            s = self._adopt(key)
         if s is None or (slot is not None and s != slot):
             return None
         del self._map[key]
@@ -84,4 +150,6 @@ class LruIndex:
                 out.append((key, slot))
         for key, _ in out:
             del self._map[key]
+            if type(key) is TagKey:
+                self._tagged -= 1
         return out

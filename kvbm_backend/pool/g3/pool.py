@@ -21,7 +21,12 @@ Invariants kept here (each has tests in ``tests/test_g3_*.py``):
 4. Capacity is real: slots never exceed ``g3.capacity_gb`` nor the filesystem's free space above
    ``g3.min_free_fraction`` (checked at open and before every file growth); ENOSPC/EDQUOT releases every
    reservation of the batch and degrades the tier (no admission for :attr:`G3Pool.degrade_s` seconds,
-   then statvfs is re-read) instead of raising.
+   then statvfs is re-read) instead of raising. The metadata path fails the same way: a journal
+   append/rewrite or namespace/lock file write that fails (ENOSPC or anything) never raises and never
+   leaves a Future unresolved; blocks of a failed journal append are not published (dropped, counted,
+   slots released), a ``delete`` keeps its index removal, the tier degrades and the journal is
+   rewritten from the index once it can be; a pool opened on a full disk serves what it has and admits
+   nothing until space returns.
 6. Warm restart: the journal (:mod:`.journal`) is replayed at open and every entry's slot header is
    read and checked before it is served again; unverifiable entries are dropped and counted.
 """
@@ -53,7 +58,7 @@ from ..base import GetResult, PutResult, completed
 from ..deadlines import Deadlines
 from . import journal as jr
 from .admission import make_admission
-from .index import LruIndex
+from .index import LruIndex, TagKey
 from .slabs import SlabSet
 from .staging import shared_staging
 
@@ -146,6 +151,9 @@ class G3Pool:
 
     Raises:
         G3LockedError: a directory is held by another pool/process (G3 is private to one worker).
+        G3PathError: a directory is another uid's or writable by group/others, or a G3 file name holds a
+            symbolic link / directory / non-file (the message names the path and the fix).
+        JournalPathError: the journal path is a directory, a symbolic link or another non-file.
         ValueError: no room for a single slot (capacity or free space).
         OSError: a directory cannot be created or written.
     """
@@ -215,8 +223,12 @@ class G3Pool:
                              cfg.o_direct, cfg.min_free_fraction)
         try:
             self.engine = engine if engine is not None else make_engine(cfg.engine, threads=cfg.io_threads)
-            self.journal = jr.Journal(self.slabs.paths[0], self.fp)
+            self._journal_dirty = False  # records were lost (failed append/rewrite): rewrite before appending
+            self._journal_reason = "enospc"  # drop reason of the last journal failure
+            self.journal = jr.Journal(self.slabs.paths[0], self.fp, dir_fd=self.slabs.dir_fd(self.slabs.paths[0]))
             self._restore()
+            if self.slabs.metadata_errors:  # full disk at open (namespace / lock file): opened degraded
+                self._journal_failed(OSError(errno.ENOSPC, "; ".join(self.slabs.metadata_errors)), dirty=False)
         except BaseException:
             self.slabs.close()
             raise
@@ -399,7 +411,9 @@ class G3Pool:
                 self.slabs.release([free])
 
     def delete(self, keys: Sequence[BlockKey]) -> Future:
-        """Remove blocks (queued offloads of these keys are cancelled). Future of how many were held."""
+        """Remove blocks (queued offloads of these keys are cancelled). Future of how many were held.
+        Never raises for storage trouble: the index removal stands; a DEL record that cannot be
+        journaled degrades the tier and the journal is rewritten from the index once it can be."""
         n = 0
         recs = []
         with self._lock:
@@ -511,6 +525,13 @@ class G3Pool:
             self.engine.close()
         self._verifier.shutdown(wait=True)  # after the engine: its last callbacks may still queue here
         with self._lock:
+            if self._journal_dirty:  # last chance to persist removals a failed append lost
+                try:
+                    self.journal.rewrite(self.index.items())
+                    self._journal_dirty = False
+                except OSError as e:
+                    log.warning("G3: journal %s could not be repaired at close (%s); a restart may find "
+                                "deleted blocks again (each is re-verified before use)", self.journal.path, e)
             self.journal.close()
             self.slabs.close()
 
@@ -537,10 +558,46 @@ class G3Pool:
         m.used_bytes.set(len(self.index) * self.slot_bytes)
         m.capacity_bytes.set(self.slabs.capacity_slots * self.slot_bytes)
 
-    def _journal_append(self, recs: list[bytes]) -> None:
-        self.journal.append(recs)
+    def _journal_append(self, recs: list[bytes]) -> bool:
+        """Journal ``recs`` (the caller holds the lock). Never raises: a failed append or rewrite (ENOSPC,
+        EIO, anything) goes to :meth:`_journal_failed` (tier degraded, journal marked for repair) and
+        False is returned (``recs`` not journaled). A journal marked for repair (or one that could not be
+        opened) is first rewritten from the index, with any namespace file still unwritten: records lost
+        earlier (DELs) are repaired there."""
+        if not recs:
+            return True
+        try:
+            if self._journal_dirty or self.journal.broken or self.journal.fd is None:
+                self.slabs.write_pending_namespaces()
+                self.journal.rewrite(self.index.items())
+                self._journal_dirty = False
+                log.warning("G3: journal %s rewritten from the index (repaired)", self.journal.path)
+            self.journal.append(recs)
+        except Exception as e:  # noqa: BLE001 - storage trouble (or a bug) must not hang callers
+            self._journal_failed(e)
+            return False
         if self.journal.records > max(65536, 4 * len(self.index)):
-            self.journal.rewrite(self.index.items())
+            try:
+                self.journal.rewrite(self.index.items())
+            except Exception as e:  # noqa: BLE001 - compaction failed: the appended journal stays valid
+                self._journal_failed(e, dirty=False)
+        return True
+
+    def _journal_failed(self, e: BaseException, dirty: bool = True) -> None:
+        """The metadata path failed (caller holds the lock): degrade like slab ENOSPC (no admission for
+        :attr:`degrade_s`, then statvfs is re-read) and, when ``dirty``, rewrite the journal before the
+        next append."""
+        nospace = getattr(e, "errno", None) in _NOSPACE
+        self._journal_reason = "enospc" if nospace else "journal_error"
+        self._journal_dirty = self._journal_dirty or dirty
+        self._c["journal_errors"] += 1
+        self._c["enospc" if nospace else "write_errors"] += 1
+        first = not self._degraded_until
+        self._degraded_until = time.monotonic() + self.degrade_s
+        self.metrics.degraded.set(1)
+        if first or not isinstance(e, OSError):
+            log.warning("G3: journal %s: %s; tier degraded for %.1f s (no admission), the journal is rewritten "
+                        "once it can be", self.journal.path, e, self.degrade_s, exc_info=not isinstance(e, OSError))
 
     # ---- internals: restore -------------------------------------------------------------------
     def _restore(self) -> None:
@@ -549,6 +606,9 @@ class G3Pool:
             log.warning("G3: journal %s is not this namespace's; ignored", self.journal.path)
         if info["torn_bytes"]:
             log.warning("G3: journal %s: %d torn bytes at the tail ignored", self.journal.path, info["torn_bytes"])
+        if info["version"] == 1:
+            log.info("G3: journal %s is format version 1 (tenant ids in clear); rewritten as version 2",
+                     self.journal.path)
         cand = []
         for key, (fi, si) in entries.items():
             f = self.slabs.by_index.get(fi)
@@ -574,7 +634,7 @@ class G3Pool:
             for j, (key, slot) in enumerate(part):
                 try:
                     h = FrameHeader.unpack(hdrs[j * HDR:(j + 1) * HDR])
-                    h.check_identity(key, self._layout, tenant_tag(key.tenant))
+                    h.check_identity(key, self._layout, key.tag if type(key) is TagKey else tenant_tag(key.tenant))
                     if h.stored_len != self.block_bytes or not h.flags & frame.FLAG_CHECKSUM:
                         raise FrameError("length", "stored length / checksum flag")
                 except FrameError as e:
@@ -583,12 +643,15 @@ class G3Pool:
                 good.append((key, slot))
         used: dict[int, set[int]] = collections.defaultdict(set)
         for key, slot in good:
-            self.index.put(key, slot)
+            self.index.restore(key, slot)
             used[slot[0]].add(slot[1])
         self.slabs.restore(used)
         self._c["restored_blocks"] = len(good)
         self._c["restore_dropped"] = len(entries) - len(good)
-        self.journal.rewrite(self.index.items())
+        try:
+            self.journal.rewrite(self.index.items())
+        except OSError as e:  # full disk at open: serve what is here, admit nothing until it can be written
+            self._journal_failed(e)
 
     # ---- internals: write path ----------------------------------------------------------------
     # Pipeline (invariant 2 kept per piece): the writer thread takes queued offloads as a batch,
@@ -801,6 +864,10 @@ class G3Pool:
         done: list = []
         with self._cv:
             recs = []
+            pub_j: list = []  # publishable blocks (journaled first, then put in the index)
+            pub_k: list = []
+            pub_s: list = []
+            finished: list = []
             for pc in pieces:
                 self._reserved -= len(pc.slots)
                 err = pc.error
@@ -814,9 +881,10 @@ class G3Pool:
                             self.slabs.release([slot])
                             job.result.skipped += 1
                             continue
-                        self.index.put(k, slot)
+                        pub_j.append(job)
+                        pub_k.append(k)
+                        pub_s.append(slot)
                         recs.append(jr.encode(jr.PUT, k, slot))
-                        job.result.written += 1
                 else:
                     self.slabs.release(pc.slots)
                     reason = "enospc" if getattr(err, "errno", None) in _NOSPACE else "io_error"
@@ -835,9 +903,21 @@ class G3Pool:
                     self._drop(reason, len(pc.jobs))
                 pc.batch.left -= 1
                 if pc.batch.left == 0:
-                    done.extend(self._batch_done_locked(pc.batch))
+                    finished.append(pc.batch)
+            if recs and not self._journal_append(recs):
+                # not journaled, so not published: dropped, counted, slots released (tier degraded)
+                self.slabs.release(pub_s)
+                for job in pub_j:
+                    job.result.dropped += 1
+                self._drop(self._journal_reason, len(pub_s))
+                recs = []
+            else:
+                for job, k, slot in zip(pub_j, pub_k, pub_s):
+                    self.index.put(k, slot)
+                    job.result.written += 1
+            for b in finished:
+                done.extend(self._batch_done_locked(b))
             if recs:
-                self._journal_append(recs)
                 n = len(recs)
                 self._c["offloads_written"] += n
                 self._c["bytes_written"] += n * self.slot_bytes

@@ -10,6 +10,18 @@ Each directory gets ``namespace.json`` (the owner's :meth:`Namespace.canonical_j
 unique temp name and renamed) and ``.kvbm-g3.lock`` (``flock``: a second process, or a second pool in
 this one, opening the directory is refused with :class:`G3LockedError`). Slab files of another
 namespace are never opened: they are listed in :attr:`SlabSet.foreign_files` and logged.
+
+Access (G3 holds plaintext KV): directories are created 0700 and files 0600 (older files found with
+wider modes are narrowed to 0600). A directory must be owned by this process's uid and not writable by
+group or others, else :class:`G3PathError` names it and the fix (``chmod 700 DIR``). Every file is
+opened relative to the directory's verified fd with ``O_NOFOLLOW`` and must be a regular file of this
+uid: a symlink (or anything else) planted under a G3 name is refused with :class:`G3PathError`, never
+followed, and its target is left untouched.
+
+Full disk at open: a namespace file or the lock's pid line that cannot be written (ENOSPC/EDQUOT) does
+not fail the open; it is listed in :attr:`SlabSet.metadata_errors` (the pool opens degraded) and the
+namespace files are written again by :meth:`SlabSet.write_pending_namespaces`. A lock file that
+cannot be created on a full filesystem is replaced by an ``flock`` on the directory itself.
 """
 from __future__ import annotations
 
@@ -19,10 +31,11 @@ import heapq
 import logging
 import os
 import re
+import stat
 import uuid
 from dataclasses import dataclass, field
 
-from ...io import open_file, probe_o_direct
+from ...io import probe_o_direct
 from ...model.namespace import Namespace
 
 log = logging.getLogger(__name__)
@@ -34,6 +47,14 @@ _SLAB_RE = re.compile(r"^g3-([0-9a-f]{16})-(\d+)\.slab$")
 
 class G3LockedError(RuntimeError):
     """Another process (or pool) has this G3 directory open; G3 is private to one worker."""
+
+
+class G3PathError(RuntimeError):
+    """A G3 directory or file is unsafe or not what G3 expects (wrong owner, writable by others, a
+    symbolic link or a non-file under a G3 name); the message names the path and the fix."""
+
+
+_NOSPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def fs_space(directory: str) -> tuple[int, int]:
@@ -65,6 +86,8 @@ class SlabSet:
 
     Raises (constructor):
         G3LockedError: a directory is in use by another pool.
+        G3PathError: a directory is not this uid's or is writable by group/others, or a G3 file name
+            holds a symbolic link, a directory or another non-file.
         ValueError: no directory, or the capacity (configured, or the free space left above the watermark)
             is smaller than one slot per directory.
         OSError: a directory cannot be created or written.
@@ -83,6 +106,9 @@ class SlabSet:
         self.foreign_files: list[str] = []
         self.o_direct: dict[str, bool] = {}
         self._lock_fds: list[int] = []
+        self._dir_fds: dict[str, int] = {}  # directory -> verified O_DIRECTORY fd (files open relative to it)
+        self.metadata_errors: list[str] = []  # metadata writes that failed at open (full disk)
+        self._ns_pending: set[str] = set()  # directories whose namespace files could not be written
         self._rr = 0
         try:
             self._open(capacity_bytes, files_per_path, o_direct)
@@ -91,58 +117,201 @@ class SlabSet:
             raise
 
     # ---- set-up ------------------------------------------------------------------------------
+    def _open_dir(self, d: str) -> int:
+        """Create ``d`` (0700) if missing, open it and check owner and mode; returns its fd."""
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            uid = os.geteuid()
+            if st.st_uid != uid:
+                raise G3PathError(
+                    f"G3 directory {d} is owned by uid {st.st_uid}, not by this process (uid {uid}): G3 holds "
+                    f"plaintext KV and must live in a directory of its own user (chown {uid} {d}; chmod 700 {d}).")
+            if st.st_mode & 0o022:
+                raise G3PathError(
+                    f"G3 directory {d} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
+                    f"anyone could plant files or links there. Fix: chmod 700 {d}")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._dir_fds[d] = fd
+        return fd
+
+    def dir_fd(self, d: str) -> int:
+        """The verified fd of directory ``d`` (one of :attr:`paths`)."""
+        return self._dir_fds[d]
+
+    def open_in(self, d: str, name: str, flags: int) -> int:
+        """Open ``name`` in directory ``d`` relative to its verified fd, never following a symlink
+        (``O_NOFOLLOW``); created files are 0600, older files with wider modes are narrowed to 0600.
+
+        Raises:
+            G3PathError: ``name`` is a symbolic link, a directory or another non-file, or another
+                user's file.
+            OSError: anything else (ENOENT without ``O_CREAT``, ENOSPC, EINVAL for O_DIRECT...).
+        """
+        path = os.path.join(d, name)
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            flags |= os.O_NONBLOCK  # a FIFO planted under a G3 name must not block the open
+        try:
+            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fds[d])
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise G3PathError(
+                    f"G3 file {path} is a symbolic link: refused (G3 never follows links in its directory; a "
+                    f"planted link could redirect its writes). Remove it: rm {path}") from None
+            if e.errno == errno.EISDIR:
+                raise G3PathError(f"G3 file {path} is a directory, not a file: remove or rename it") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+                raise G3PathError(f"G3 file {path} is {kind}: remove or rename it")
+            if st.st_uid != os.geteuid():
+                raise G3PathError(f"G3 file {path} belongs to uid {st.st_uid}, not to this process "
+                                  f"(uid {os.geteuid()}): remove it or fix its owner")
+            if st.st_mode & 0o077:
+                os.fchmod(fd, 0o600)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _exists(self, d: str, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self._dir_fds[d], follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
     def _lock(self, d: str) -> None:
-        fd = os.open(os.path.join(d, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = self.open_in(d, LOCK_NAME, os.O_RDWR | os.O_CREAT)
+        except OSError as e:
+            if e.errno not in _NOSPACE:
+                raise
+            # full filesystem and no lock file yet (nobody holds one): lock the directory itself
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self.metadata_errors.append(f"{os.path.join(d, LOCK_NAME)}: {e.strerror}")
+            log.warning("G3: cannot create the lock file in %s (%s); holding a lock on the directory instead",
+                        d, e.strerror)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            except OSError:
+                holder = "unknown"
             os.close(fd)
             raise G3LockedError(
                 f"G3 directory {d} is in use by another pool (lock {LOCK_NAME} held; holder: {holder}). "
                 "G3 is private to one worker: give each worker its own directory.") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
         self._lock_fds.append(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        except OSError as e:  # informational only (the flock is the lock); EISDIR for a directory lock
+            if e.errno not in (errno.EISDIR, errno.EINVAL, errno.EBADF):
+                log.warning("G3: cannot write the holder's pid into %s (%s)", os.path.join(d, LOCK_NAME), e.strerror)
 
     def _write_namespace(self, d: str) -> None:
-        body = self.namespace.canonical_json() + "\n"
+        """Write the namespace files of ``d`` unless they already hold this namespace.
+
+        Raises:
+            G3PathError: a namespace file is a link, a directory or another non-file.
+            OSError: writing failed (ENOSPC...); the temp file is removed.
+        """
+        body = (self.namespace.canonical_json() + "\n").encode()
         for name in ("namespace.json", f"namespace-{self.fp}.json"):
             target = os.path.join(d, name)
             try:
-                with open(target) as f:
-                    if f.read() == body:
-                        continue
+                fd = self.open_in(d, name, os.O_RDONLY)
             except FileNotFoundError:
-                pass
-            tmp = os.path.join(d, f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-            with open(tmp, "w") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
+                old = None
+            else:
+                try:
+                    old = os.read(fd, len(body) + 1)
+                finally:
+                    os.close(fd)
+            if old == body:
+                continue
+            if old is not None:
+                try:
+                    old.decode()
+                except UnicodeDecodeError:
+                    log.warning("G3: %s is not UTF-8 text (not a namespace file of kvbm-backend); replacing it "
+                                "with this pool's namespace", target)
+            tmp = f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+            dfd = self._dir_fds[d]
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            try:
+                try:
+                    mv = memoryview(body)
+                    while mv:
+                        mv = mv[os.write(fd, mv):]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise
+
+    def _namespace_or_defer(self, d: str) -> None:
+        try:
+            self._write_namespace(d)
+            self._ns_pending.discard(d)
+        except OSError as e:
+            if e.errno not in _NOSPACE:
+                raise
+            if d not in self._ns_pending:
+                self._ns_pending.add(d)
+                self.metadata_errors.append(f"{os.path.join(d, 'namespace.json')}: {e.strerror}")
+                log.warning("G3: cannot write the namespace files in %s (%s); written once space returns",
+                            d, e.strerror)
+
+    def write_pending_namespaces(self) -> None:
+        """Write the namespace files that could not be written at open (no-op when none).
+
+        Raises:
+            OSError: still failing (ENOSPC...).
+        """
+        for d in sorted(self._ns_pending):
+            self._write_namespace(d)
+            self._ns_pending.discard(d)
 
     def _open(self, capacity_bytes: int, files_per_path: int, o_direct: str) -> None:
         budgets = []
         for d in self.paths:
-            os.makedirs(d, exist_ok=True)
+            dfd = self._open_dir(d)
             self._lock(d)
-            self._write_namespace(d)
+            self._namespace_or_defer(d)
             own = 0
-            for name in sorted(os.listdir(d)):
+            for name in sorted(os.listdir(dfd)):
                 m = _SLAB_RE.match(name)
                 if not m:
                     continue
                 if m.group(1) != self.fp:
                     self.foreign_files.append(os.path.join(d, name))
                     continue
-                own += os.stat(os.path.join(d, name)).st_blocks * 512
+                own += os.stat(name, dir_fd=dfd, follow_symlinks=False).st_blocks * 512
             if o_direct == "on":
                 od = True
             elif o_direct == "off":
                 od = False
             else:
-                od = probe_o_direct(d)
+                try:
+                    od = probe_o_direct(d)
+                except OSError as e:
+                    if e.errno not in _NOSPACE:
+                        raise
+                    od = False  # full disk: the probe cannot write; buffered I/O works everywhere
+                    log.warning("G3: cannot probe O_DIRECT in %s (%s); using buffered I/O", d, e.strerror)
             self.o_direct[d] = od
             avail, total = fs_space(d)
             room = own + avail - int(self.min_free_fraction * total)
@@ -155,10 +324,11 @@ class SlabSet:
             if per_file == 0 and budgets[pi] >= self.slot_bytes:
                 per_file = 1
             for k in range(files_per_path):
-                path = os.path.join(d, f"g3-{self.fp}-{k}.slab")
-                if per_file == 0 and not os.path.exists(path):
+                name = f"g3-{self.fp}-{k}.slab"
+                path = os.path.join(d, name)
+                if per_file == 0 and not self._exists(d, name):
                     continue
-                fd = open_file(path, o_direct=self.o_direct[d], create=True)
+                fd = self.open_in(d, name, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.o_direct[d] else 0))
                 size = os.fstat(fd).st_size
                 f = SlabFile(index=pi * files_per_path + k, path=path, directory=d, fd=fd,
                              o_direct=self.o_direct[d], slot_bytes=self.slot_bytes, max_slots=per_file,
@@ -293,4 +463,10 @@ class SlabSet:
             except OSError:
                 pass
         self._lock_fds = []
+        for fd in self._dir_fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._dir_fds = {}
 
