@@ -68,7 +68,22 @@ class KeyringConfig(_M):
     kek_file: str | None = None
     """KEK file (base64, mode 0600) used when ``kek_env`` is unset; default ``{path}.kek``."""
     rotate_after_uses: int = Field(2 ** 31, ge=1, le=2 ** 32)
-    """Encryptions per data key version before automatic rotation (SP 800-38D: <= 2**32, random nonces)."""
+    """Encryptions per data key version before automatic rotation (SP 800-38D: <= 2**32, random nonces).
+    A read-only keyring cannot rotate: it stops writing with a version after this many encryptions in
+    the process (offloads dropped, ``dropped_keyring``) until the operator runs ``keys rotate``."""
+    auto_create_tenants: bool = True
+    """A worker's first write for an unknown tenant creates its data key (writable keyrings only).
+    Never re-creates a revoked tenant. Off: offloads of unknown tenants are dropped
+    (``dropped_unknown_tenant``, logged once per tenant pseudonym) and their loads are misses; tenants
+    then come only from ``kvbm-backend keys create``."""
+    read_only: bool | None = None
+    """Never write the keyring (no lock file, no creation, no rotation, use counts per process).
+    None: read-only when its directory cannot be written (a read-only mount, a Kubernetes Secret or
+    ConfigMap volume)."""
+    reload_interval_s: float = Field(2.0, gt=0, le=300)
+    """The keyring file is re-read when it changed (mtime/ctime/size/inode), checked at most this often:
+    a revocation, rotation or new tenant reaches running workers within this many seconds of the file
+    changing at ``path``."""
 
 
 class G4Config(_M):

@@ -20,6 +20,18 @@ advisory lock (``PATH.lock``) so several worker processes on one host can share 
   encryptions (default 2**31, half the SP 800-38D 8.3 limit of 2**32 for random 96-bit nonces).
 * Tenant ids appear only inside the keyring; stored names and frames carry the pseudonym
   ``HMAC-SHA256(pseudonym_key, tenant)[:16]``. Nothing here prints or logs key material.
+* **Read-only keyrings** (a read-only mount, a Kubernetes Secret/ConfigMap volume, or
+  ``read_only=True``): no write, no lock file, no key creation or rotation; use counts stay in memory
+  (per process). Every keyring, read-only or not, re-reads the file when its mtime/ctime/size/inode
+  changed, checked at most every ``reload_every_s`` seconds on use: a change (revocation, new tenant,
+  rotation) reaches a running process within ``reload_every_s`` of being visible at ``path``. A file
+  that stops loading (missing, unparsable, insecure mode, other KEK) fails closed: no key is served
+  until it loads again.
+* **Tenants are created explicitly** (:meth:`Keyring.create`, ``kvbm-backend keys create``), or on
+  first write only when ``auto_create_tenants`` and the keyring is writable. A revoked tenant is never
+  re-created implicitly: :meth:`write_key` raises :class:`TenantRevoked` until an explicit ``create``.
+* A data key serves only its own tenant: :meth:`read_key` with ``tenant`` returns None for a key id
+  that belongs to another tenant (a blob sealed with B's key under A's name is not A's).
 
 Errors are :class:`KeyringError` with a message naming the file or variable at fault.
 """
@@ -31,6 +43,7 @@ import fcntl
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import socket
@@ -50,9 +63,35 @@ NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
 DEFAULT_ROTATE_AFTER = 2 ** 31
 UNKEYED_PSEUDONYM_KEY = b"kvbm-backend/unkeyed-tenant-pseudonym/v1"
 
+log = logging.getLogger(__name__)
+
 
 class KeyringError(ValueError):
     """Keyring trouble: unreadable, insecure mode, wrong KEK, unknown tenant. Names the file/variable."""
+
+
+class UnknownTenant(KeyringError):
+    """No data key for the tenant, and this keyring may not create one (read-only or
+    ``auto_create_tenants`` off)."""
+
+
+class TenantRevoked(KeyringError):
+    """The tenant was revoked; only an explicit :meth:`Keyring.create` (``keys create``) brings it back."""
+
+
+def dir_is_read_only(path: str | os.PathLike) -> bool:
+    """True when the directory holding keyring ``path`` cannot be written: a read-only filesystem
+    (also for root: ``statvfs`` ``ST_RDONLY`` / ``EROFS``) or no write permission. A directory that
+    does not exist yet is not read-only (it will be created)."""
+    d = Path(path).parent
+    if not d.exists():
+        return False
+    try:
+        if os.statvfs(d).f_flag & os.ST_RDONLY:
+            return True
+    except OSError:
+        pass
+    return not os.access(d, os.W_OK)
 
 
 @runtime_checkable
@@ -154,14 +193,20 @@ def generate_kek_b64() -> str:
     return base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode()
 
 
-def _check_private(p: Path, what: str) -> None:
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise KeyringError(f"{what} {p}: not found") from None
+def _check_private(p: Path, what: str, st: os.stat_result | None = None) -> None:
+    if st is None:
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            raise KeyringError(f"{what} {p}: not found") from None
     if st.st_mode & 0o077:
         raise KeyringError(f"{what} {p}: mode {stat.S_IMODE(st.st_mode):04o} lets group/others read it; "
-                           f"refusing to use it (run: chmod 600 {p})")
+                           f"refusing to use it (run: chmod 600 {p}; a Kubernetes Secret volume: defaultMode: 0400)")
+
+
+def _stamp(st: os.stat_result) -> tuple:
+    """What identifies one version of the keyring file (an atomic replace changes the inode)."""
+    return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev)
 
 
 def provider_for(path: str | os.PathLike, kek_env: str = "KVBM_BACKEND_KEK", kek_file: str | None = None,
@@ -220,11 +265,17 @@ class Keyring:
         create: create an empty keyring when ``path`` does not exist (else KeyringError).
         rotate_after_uses: encryptions per key version before automatic rotation (<= 2**32).
         persist_every_s: how often use counts are merged into the file (also at :meth:`close`).
+        reload_every_s: the file is checked for changes at most this often (on use); the bound within
+            which a revocation, rotation or new tenant reaches this process.
+        read_only: never write (no lock file, no creation, no rotation; use counts in memory);
+            None: read-only when the keyring's directory cannot be written (:func:`dir_is_read_only`).
+        auto_create_tenants: :meth:`write_key` creates a data key for an unknown tenant (writable
+            keyrings only; never for a revoked tenant). Off: :class:`UnknownTenant`.
     """
 
     def __init__(self, path: str | os.PathLike, provider: KeyProvider, *, create: bool = True,
                  rotate_after_uses: int = DEFAULT_ROTATE_AFTER, persist_every_s: float = 30.0,
-                 reload_every_s: float = 2.0):
+                 reload_every_s: float = 2.0, read_only: bool | None = None, auto_create_tenants: bool = True):
         if not 1 <= rotate_after_uses <= NIST_GCM_RANDOM_NONCE_LIMIT:
             raise KeyringError(f"rotate_after_uses: must be in [1, 2**32], got {rotate_after_uses}")
         self.path = Path(path)
@@ -232,17 +283,24 @@ class Keyring:
         self.rotate_after = rotate_after_uses
         self.persist_every_s = persist_every_s
         self.reload_every_s = reload_every_s
+        self.read_only = dir_is_read_only(self.path) if read_only is None else bool(read_only)
+        self.auto_create_tenants = bool(auto_create_tenants)
         self._mu = threading.RLock()
         self._doc: dict = {}
         self._keys: dict[tuple[int, int], bytes] = {}  # (key_id, version) -> unwrapped key
+        self._owner: dict[int, str] = {}  # key_id -> tenant
         self._delta: dict[tuple[str, int], int] = {}  # (tenant, version) -> uses not yet persisted
         self._pseudonym_key = b""
         self._stamp: tuple | None = None
+        self._error: str | None = None  # set while the file does not load: fail closed
+        self._logged_errors: set[str] = set()
         self._last_check = 0.0
         self._last_persist = time.monotonic()
         if self.path.exists():
-            with self._locked():
-                self._load()
+            self._load()  # writers publish with an atomic rename: reading needs no lock
+        elif self.read_only:
+            raise KeyringError(f"keyring {self.path}: not found (read-only keyring: create it where it is writable "
+                               "with `kvbm-backend keys create`, then mount it)")
         elif create:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._locked():
@@ -262,9 +320,14 @@ class Keyring:
         """Open the keyring a :class:`kvbm_backend.config.KeyringConfig` names. Raises KeyringError."""
         if not cfg.path:
             raise KeyringError("g4.keyring.path: required when g4.encrypt is true (a keyring file, created 0600)")
-        prov = provider_for(cfg.path, cfg.kek_env, getattr(cfg, "kek_file", None), create=create)
+        ro = getattr(cfg, "read_only", None)
+        if ro is None:
+            ro = dir_is_read_only(cfg.path)
+        prov = provider_for(cfg.path, cfg.kek_env, getattr(cfg, "kek_file", None), create=create and not ro)
         return cls(cfg.path, prov, create=create,
-                   rotate_after_uses=getattr(cfg, "rotate_after_uses", DEFAULT_ROTATE_AFTER))
+                   rotate_after_uses=getattr(cfg, "rotate_after_uses", DEFAULT_ROTATE_AFTER),
+                   reload_every_s=getattr(cfg, "reload_interval_s", 2.0), read_only=ro,
+                   auto_create_tenants=getattr(cfg, "auto_create_tenants", True))
 
     # ---- file handling ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -279,9 +342,19 @@ class Keyring:
             os.close(fd)
 
     def _load(self) -> None:
-        _check_private(self.path, "keyring")
+        """Read, check and unwrap the file. The change stamp comes from the same open file, so a
+        replacement during the read is seen by the next check."""
         try:
-            doc = json.loads(self.path.read_text())
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                _check_private(self.path, "keyring", st)
+                text = f.read()
+        except FileNotFoundError:
+            raise KeyringError(f"keyring {self.path}: not found") from None
+        except OSError as e:
+            raise KeyringError(f"keyring {self.path}: {e.strerror or e}") from None
+        try:
+            doc = json.loads(text)
         except ValueError as e:
             raise KeyringError(f"keyring {self.path}: not valid JSON ({e})") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -290,14 +363,20 @@ class Keyring:
         if doc.get("kek_id") != self.provider.key_id:
             raise KeyringError(f"keyring {self.path}: wrapped under KEK {doc.get('kek_id')}, "
                                f"but the KEK given ({getattr(self.provider, 'source', 'provider')}) is {self.provider.key_id}")
-        pk = self.provider.unwrap(_unb64(doc["pseudonym_key"]))
-        keys = {}
-        for t in doc.get("tenants", {}).values():
-            for v, ent in t["versions"].items():
-                keys[(int(t["key_id"]), int(v))] = self.provider.unwrap(_unb64(ent["wrapped"]))
-        self._doc, self._keys, self._pseudonym_key = doc, keys, pk
-        st = self.path.stat()
-        self._stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        try:
+            pk = self.provider.unwrap(_unb64(doc["pseudonym_key"]))
+            keys, owner = {}, {}
+            for name, t in doc.get("tenants", {}).items():
+                owner[int(t["key_id"])] = name
+                for v, ent in t["versions"].items():
+                    keys[(int(t["key_id"]), int(v))] = self.provider.unwrap(_unb64(ent["wrapped"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, KeyringError):
+                raise
+            raise KeyringError(f"keyring {self.path}: malformed entry ({type(e).__name__}: {e})") from None
+        self._doc, self._keys, self._owner, self._pseudonym_key = doc, keys, owner, pk
+        self._stamp = _stamp(st)
+        self._error = None
         self._last_check = time.monotonic()
 
     def _write(self) -> None:
@@ -316,8 +395,14 @@ class Keyring:
             raise
         _fsync_dir(self.path.parent)
 
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise KeyringError(f"keyring {self.path}: read-only here (read-only mount or g4.keyring.read_only); "
+                               "change it where it is writable (`kvbm-backend keys ...`)")
+
     def _mutate(self, fn):
         """Reload under the file lock, merge pending use counts, apply ``fn(doc)``, write, reload."""
+        self._check_writable()
         with self._mu, self._locked():
             if self.path.exists():
                 self._load()
@@ -336,17 +421,36 @@ class Keyring:
         self._last_persist = time.monotonic()
 
     def _maybe_reload(self) -> None:
+        """Re-read the file if it changed (checked at most every ``reload_every_s``). A file that does
+        not load fails closed (:attr:`error` set, no key served) and is retried on the next check."""
         now = time.monotonic()
         if now - self._last_check < self.reload_every_s:
             return
         self._last_check = now
         try:
-            st = self.path.stat()
-        except FileNotFoundError:
+            changed = _stamp(self.path.stat()) != self._stamp
+        except OSError:
+            changed = True
+        if not changed and self._error is None:
             return
-        if (st.st_mtime_ns, st.st_size, st.st_ino) != self._stamp:
-            with self._locked():
-                self._load()
+        try:
+            self._load()
+        except KeyringError as e:
+            self._fail(str(e))
+        except Exception as e:  # noqa: BLE001 - e.g. a KMS provider's error: fail closed, never raise here
+            self._fail(f"keyring {self.path}: {type(e).__name__}: {e}")
+
+    def _fail(self, msg: str) -> None:
+        self._error = msg
+        self._last_check = time.monotonic()
+        if msg not in self._logged_errors and len(self._logged_errors) < 64:
+            self._logged_errors.add(msg)
+            log.error("%s; serving no G4 keys until it loads again", msg)
+
+    @property
+    def error(self) -> str | None:
+        """Why the keyring file does not load right now (None when it does)."""
+        return self._error
 
     # ---- tenants ---------------------------------------------------------------------------
     def pseudonym(self, tenant: str) -> bytes:
@@ -360,10 +464,17 @@ class Keyring:
                                  "created": _now_iso(), "uses": 0}
         t["current"] = v
 
-    def create(self, tenant: str) -> dict:
-        """Create the tenant's first data key (no-op if it has one). Returns its :meth:`info` row."""
+    def create(self, tenant: str, *, implicit: bool = False) -> dict:
+        """Create the tenant's first data key (no-op if it has one). Returns its :meth:`info` row.
+
+        Explicit (operator) creation also re-creates a revoked tenant, with a new key id (its old
+        blocks stay unreadable; the revocation record stays for ``gc``). ``implicit`` (a worker's
+        first write) raises :class:`TenantRevoked` for a revoked tenant, checked under the file lock."""
         def fn(doc):
             if tenant not in doc["tenants"]:
+                if implicit and self.pseudonym(tenant).hex() in doc.get("revoked", {}):
+                    raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} (pseudonym) was "
+                                        "revoked; only `kvbm-backend keys create` re-creates it")
                 used = {int(t["key_id"]) for t in doc["tenants"].values()}
                 kid = 0
                 while kid == 0 or kid in used:
@@ -396,6 +507,7 @@ class Keyring:
 
     def rewrap(self, new_provider: KeyProvider) -> int:
         """Re-wrap every key under ``new_provider``'s KEK (no block is rewritten). Returns keys re-wrapped."""
+        self._check_writable()
         with self._mu, self._locked():
             self._load()
             self._merge_delta()
@@ -437,40 +549,81 @@ class Keyring:
             self._maybe_reload()
             return {k: float(v["revoked_at"]) for k, v in self._doc.get("revoked", {}).items()}
 
-    # ---- hot path --------------------------------------------------------------------------
-    def write_key(self, tenant: str) -> DataKey:
-        """The current data key of ``tenant`` for one encryption (created on first use), counting the
-        use and rotating first if the version reached ``rotate_after_uses``."""
+    def tenant_state(self, tenant: str) -> str:
+        """``"active"`` (has a data key), ``"revoked"``, ``"unknown"``, or ``"unavailable"`` (the file
+        does not load right now), as of the last reload (at most ``reload_every_s`` old)."""
         with self._mu:
             self._maybe_reload()
+            if self._error is not None:
+                return "unavailable"
+            if tenant in self._doc["tenants"]:
+                return "active"
+            if self.pseudonym(tenant).hex() in self._doc.get("revoked", {}):
+                return "revoked"
+            return "unknown"
+
+    def key_owner(self, key_id: int) -> str | None:
+        """The tenant whose data key has ``key_id`` (None: no current tenant has it)."""
+        with self._mu:
+            return self._owner.get(int(key_id))
+
+    # ---- hot path --------------------------------------------------------------------------
+    def write_key(self, tenant: str) -> DataKey:
+        """The current data key of ``tenant`` for one encryption, counting the use and rotating first
+        if the version reached ``rotate_after_uses``.
+
+        An unknown tenant is created only when ``auto_create_tenants`` and the keyring is writable
+        (else :class:`UnknownTenant`); a revoked one never (:class:`TenantRevoked`). A read-only keyring
+        refuses a version that reached ``rotate_after_uses`` encryptions in this process (KeyringError:
+        rotate it with ``keys rotate``). A keyring file that does not load: KeyringError."""
+        with self._mu:
+            self._maybe_reload()
+            if self._error is not None:
+                raise KeyringError(self._error)
             t = self._doc["tenants"].get(tenant)
             if t is None:
-                self.create(tenant)
-                t = self._doc["tenants"][tenant]
+                if self.pseudonym(tenant).hex() in self._doc.get("revoked", {}):
+                    raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} (pseudonym) was "
+                                        "revoked; only `kvbm-backend keys create` re-creates it")
+                if self.read_only or not self.auto_create_tenants:
+                    why = "read-only" if self.read_only else "g4.keyring.auto_create_tenants is off"
+                    raise UnknownTenant(f"keyring {self.path}: no key for tenant {self.pseudonym(tenant).hex()} "
+                                        f"(pseudonym) and {why}; create it with `kvbm-backend keys create`")
+                self.create(tenant, implicit=True)
+                t = self._doc["tenants"].get(tenant)
+                if t is None:  # revoked between our reload and the locked re-read
+                    raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} was revoked")
             ver = t["current"]
             uses = int(t["versions"][str(ver)].get("uses", 0)) + self._delta.get((tenant, ver), 0)
             if uses >= self.rotate_after:
+                if self.read_only:
+                    raise KeyringError(f"keyring {self.path}: key version {ver} of tenant {t['pseudonym']} (pseudonym) "
+                                       f"reached {self.rotate_after} encryptions and this keyring is read-only; "
+                                       "rotate it with `kvbm-backend keys rotate`")
                 self.rotate(tenant)
                 t = self._doc["tenants"][tenant]
                 ver = t["current"]
             self._delta[(tenant, ver)] = self._delta.get((tenant, ver), 0) + 1
-            if time.monotonic() - self._last_persist > self.persist_every_s:
+            if not self.read_only and time.monotonic() - self._last_persist > self.persist_every_s:
                 self.flush()
             return DataKey(int(t["key_id"]), ver, self._keys[(int(t["key_id"]), ver)])
 
-    def read_key(self, key_id: int, version: int) -> bytes | None:
-        """The data key a frame names, or None if this keyring does not hold it (revoked/foreign)."""
+    def read_key(self, key_id: int, version: int, tenant: str | None = None) -> bytes | None:
+        """The data key a frame names, or None if this keyring does not hold it (revoked/foreign), the
+        file does not load right now, or (with ``tenant``) the key id belongs to another tenant."""
         with self._mu:
-            k = self._keys.get((key_id, version))
-            if k is None:
-                self._maybe_reload()
-                k = self._keys.get((key_id, version))
-            return k
+            self._maybe_reload()
+            if self._error is not None:
+                return None
+            if tenant is not None and self._owner.get(int(key_id)) != tenant:
+                return None
+            return self._keys.get((int(key_id), int(version)))
 
     def flush(self) -> None:
-        """Merge in-memory use counts into the file (under the lock)."""
+        """Merge in-memory use counts into the file (under the lock). Read-only keyrings keep them in
+        memory (this process's counts)."""
         with self._mu:
-            if self._delta:
+            if self._delta and not self.read_only:
                 self._mutate(lambda doc: None)
 
     def close(self) -> None:

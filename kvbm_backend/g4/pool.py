@@ -20,10 +20,19 @@ that lives only in one process is needed to read G4: a new pool, on any node, fi
 * Corrupt, truncated, swapped or foreign objects are misses, counted under ``corrupt_<reason>`` and
   deleted (a corrupt object would otherwise block re-publishing forever under create-exclusive).
   Objects sealed under keys this keyring does not hold (revoked or foreign tenants) are misses
-  (``miss_no_key``) and are left for ``kvbm-backend gc``.
+  (``miss_no_key``) and are left for ``kvbm-backend gc``. An object sealed under another tenant's
+  key id (a blob sealed with B's key under A's name and identity) is ``corrupt_key_owner``.
+* Tenants (encrypted pools): loads and lookups of a revoked tenant, or while the keyring file does
+  not load, are misses without store I/O (``miss_revoked_tenant``, ``miss_keyring_unavailable``); an
+  unknown tenant's loads are misses too (no key: ``miss_no_key``, or absent); offloads are
+  dropped (``dropped_revoked_tenant``, ``dropped_unknown_tenant``, ``dropped_keyring``), logged once
+  per tenant pseudonym (never the tenant id: it is the request's cache_salt). The keyring re-reads
+  its file at most every ``g4.keyring.reload_interval_s``: a revocation reaches a running pool within
+  that bound (plus requests already in flight).
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +42,7 @@ import numpy as np
 
 from ..pool.deadlines import Deadlines
 from ..crypto.aead import AeadError, new_nonce, open_into, seal_into
-from ..crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError
+from ..crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError, TenantRevoked, UnknownTenant
 from ..model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader,
                            payload_checksum)
 from ..model.layout import KvLayout
@@ -44,8 +53,11 @@ from .breaker import CircuitBreaker
 from .naming import block_name, namespace_name
 from .store import ObjectStore, StoreUnavailable, open_store
 
+log = logging.getLogger(__name__)
+
 # Reasons for which an object is deleted when read (it can never become a hit).
-_DELETE_ON = {"magic", "header_check", "identity", "layout", "length", "integrity"}
+_DELETE_ON = {"magic", "header_check", "identity", "layout", "length", "integrity", "key_owner"}
+_MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most this many distinct ones
 
 
 class _Batch:
@@ -106,6 +118,7 @@ class G4Pool:
         self._mu = threading.Lock()
         self._c: dict[str, int] = {}
         self._pseudonyms: dict[str, str] = {}
+        self._logged_tenants: set[tuple[str, str]] = set()
         self._pending_put_blocks = 0
         self._put_futures: set[Future] = set()
         self._closed = False
@@ -248,6 +261,8 @@ class G4Pool:
             s["pending_put_blocks"] = self._pending_put_blocks
         s.update({"tier": self.tier, "encrypted": self.encrypt, "url": self.store.url,
                   "pseudonym_keyed": self.keyring is not None, "namespace": self._fp,
+                  "keyring_read_only": bool(self.keyring is not None and self.keyring.read_only),
+                  "keyring_ok": bool(self.keyring is None or self.keyring.error is None),
                   "breaker_state": self.breaker.state, "breaker_opens": self.breaker.opens,
                   "breaker_rejected": self.breaker.rejected,
                   "corrupt": sum(v for k, v in s.items() if k.startswith("corrupt_")),
@@ -350,8 +365,11 @@ class G4Pool:
                 return
             try:
                 buf = self._seal(key, block)
-            except KeyringError:
-                self._count("dropped_keyring")
+            except KeyringError as e:
+                reason = ("dropped_revoked_tenant" if isinstance(e, TenantRevoked) else
+                          "dropped_unknown_tenant" if isinstance(e, UnknownTenant) else "dropped_keyring")
+                self._count(reason)
+                self._log_tenant_once(reason, key.tenant, e)
                 return
             try:
                 created = self.store.put_if_absent(self._name(key), buf)
@@ -415,10 +433,34 @@ class G4Pool:
         finally:
             self._finish_slot(b, i)
 
+    def _tenant_miss(self, tenant: str) -> str | None:
+        """A miss counter, without store I/O, when an encrypted pool's keyring says ``tenant`` is
+        revoked or the keyring file does not load; else None. (An unknown tenant's objects still get
+        read and counted by what they are: absent, plaintext, or ``miss_no_key``.)"""
+        if not self.encrypt or self.keyring is None:
+            return None
+        state = self.keyring.tenant_state(tenant)
+        if state == "revoked":
+            return "miss_revoked_tenant"
+        return "miss_keyring_unavailable" if state == "unavailable" else None
+
+    def _log_tenant_once(self, reason: str, tenant: str, err: Exception) -> None:
+        tag = (reason, self._tag(tenant))
+        with self._mu:
+            if tag in self._logged_tenants or len(self._logged_tenants) > _MAX_LOGGED_TENANTS:
+                return
+            self._logged_tenants.add(tag)
+            last = len(self._logged_tenants) > _MAX_LOGGED_TENANTS
+        log.warning("G4: offload for tenant pseudonym %s %s (%s): %s%s", tag[1], reason, self._fp, err,
+                    "; further tenants are counted, not logged" if last else "")
+
     def _load(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray) -> str | None:
         """Fetch, check and open one block into ``out``. Returns None on a hit, else a miss counter."""
         if key.namespace != self._fp:
             return "miss_foreign_namespace"
+        no_key = self._tenant_miss(key.tenant)
+        if no_key:
+            return no_key
         if not self.breaker.allow():
             return "miss_breaker"
         name = self._name(key)
@@ -459,8 +501,11 @@ class G4Pool:
             payload = memoryview(data)[HEADER_BYTES:]
             dst = memoryview(out.reshape(-1).view(np.uint8))
             if hdr.flags & FLAG_ENCRYPTED:
-                dkey = self.keyring.read_key(hdr.key_id, hdr.key_version) if self.keyring else None
+                dkey = (self.keyring.read_key(hdr.key_id, hdr.key_version, tenant=key.tenant)
+                        if self.keyring else None)
                 if dkey is None:
+                    if self.keyring is not None and self.keyring.key_owner(hdr.key_id) not in (None, key.tenant):
+                        raise FrameError("key_owner", "sealed under another tenant's data key")
                     return "miss_no_key"
                 with b.slot_mu[i]:
                     if b.closed:
@@ -504,7 +549,8 @@ class G4Pool:
             present = False
             try:
                 k = keys[i]
-                if k.namespace == self._fp and not b.closed and self.breaker.allow():
+                if (k.namespace == self._fp and not b.closed and self._tenant_miss(k.tenant) is None
+                        and self.breaker.allow()):
                     try:
                         present = self.store.head(self._name(k)) is not None
                         self.breaker.success()
