@@ -113,3 +113,15 @@ def test_kubernetes_worker():
     assert "hostPath" in vols["g3"] or "persistentVolumeClaim" in vols["g3"]
     cm = yaml.safe_load(kinds["ConfigMap"]["data"]["kvbm-backend.yaml"])
     assert cm["g3"]["paths"] == [mounts["g3"]]
+    # G4 keyring (issue 10): shared by every pod, so pods read each other's blocks and a restarted pod
+    # finds its own: a Secret/ConfigMap mounted read-only (not an emptyDir), KEK from a Secret.
+    kr = load_config(cm, use_env=False).g4.keyring
+    kr_mount = next(m for m in c["volumeMounts"] if m["name"] == "keyring")
+    kr_vol = vols["keyring"]
+    assert "emptyDir" not in kr_vol and ("secret" in kr_vol or "configMap" in kr_vol)
+    src = kr_vol.get("secret") or kr_vol["configMap"]
+    assert src.get("defaultMode") is not None and src["defaultMode"] & 0o077 == 0  # 0600 check passes
+    assert kr_mount.get("readOnly") is True and "subPath" not in kr_mount  # subPath never sees updates
+    assert str(Path(kr.path).parent) == kr_mount["mountPath"]
+    assert kr.auto_create_tenants is False
+    assert kr.kek_env in secret_env and "fsGroup" not in (pod.get("securityContext") or {})
