@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from kvbm_backend.cli import app
 from kvbm_backend.crypto.aead import AeadError, new_nonce, open_into, seal_into
-from kvbm_backend.crypto.keyring import Keyring, KeyringError, LocalKek, generate_kek_b64, provider_for
+from kvbm_backend.crypto.keyring import (Keyring, KeyringError, LocalKek, UnknownTenant, generate_kek_b64,
+                                         provider_for)
 
 
 def _kr(path, **kw) -> Keyring:
@@ -204,3 +205,21 @@ def test_workers_starting_together_create_one_keyring(tmp_path, monkeypatch):
     assert len({o["pseudonym"] for o in outs}) == 1 and len({o["kek"] for o in outs}) == 1
     assert _kr(path).pseudonym("alice").hex() == outs[0]["pseudonym"]
     assert sorted(f.name for f in tmp_path.iterdir()) == ["kr.json", "kr.json.kek", "kr.json.lock"]  # no temp left
+
+
+def test_keyring_config_read_only_auto_create_and_reload_interval(tmp_path, monkeypatch):
+    from kvbm_backend.config import KeyringConfig
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    p = tmp_path / "kr.json"
+    with pytest.raises(KeyringError, match="no KEK|not found"):
+        Keyring.from_config(KeyringConfig(path=str(p), read_only=True))
+    assert list(tmp_path.iterdir()) == []  # a read-only keyring generates nothing: no KEK, keyring or lock
+    _kr(p).create("alice")
+    kr = Keyring.from_config(KeyringConfig(path=str(p), auto_create_tenants=False, reload_interval_s=7))
+    assert not kr.read_only and kr.reload_every_s == 7
+    with pytest.raises(UnknownTenant, match="auto_create_tenants is off"):
+        kr.write_key("bob")
+    assert kr.write_key("alice").version == 1
+    assert list(json.loads(p.read_text())["tenants"]) == ["alice"]
+    ro = Keyring.from_config(KeyringConfig(path=str(p), read_only=True))
+    assert ro.read_only and ro.tenant_state("alice") == "active" and ro.tenant_state("bob") == "unknown"

@@ -293,3 +293,36 @@ def test_shared_keyring_on_read_only_mount(tmp_path, monkeypatch):
         assert not any(n.endswith(".tmp") for n in after)
     finally:
         subprocess.run(["umount", str(ro)], check=False)
+
+
+def test_kubernetes_secret_volume_update_is_seen(tmp_path, monkeypatch):
+    """A Secret volume as the kubelet writes it: ``keyring.json -> ..data/keyring.json`` and
+    ``..data -> ..<timestamp>``, files 0400; an update writes a new timestamp directory and renames a
+    new ``..data`` symlink over the old one. The worker's read-only keyring follows it."""
+    op_path = tmp_path / "operator" / "keyring.json"
+    op = _operator(op_path)
+    op.create("alice")
+    op.create("bob")
+    vol = tmp_path / "secret-volume"
+    vol.mkdir()
+
+    def publish(ts: str) -> None:  # kubelet AtomicWriter, in short
+        d = vol / f"..{ts}"
+        d.mkdir()
+        (d / "keyring.json").write_bytes(op_path.read_bytes())
+        os.chmod(d / "keyring.json", 0o400)
+        os.symlink(f"..{ts}", vol / "..data_tmp")
+        os.replace(vol / "..data_tmp", vol / "..data")
+
+    publish("2025_01_01_00_00_00.1")
+    os.symlink("..data/keyring.json", vol / "keyring.json")
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    kr = Keyring(vol / "keyring.json", provider_for(op_path, create=False), read_only=True, reload_every_s=0.2)
+    bob = kr.write_key("bob")
+    assert kr.read_key(bob.key_id, bob.version, tenant="bob") == bob.key
+    op.revoke("bob")
+    publish("2025_01_01_00_01_00.2")
+    _until(lambda: kr.read_key(bob.key_id, bob.version, tenant="bob") is None, 0.2 + SLACK_S)
+    with pytest.raises(TenantRevoked):
+        kr.write_key("bob")
+    assert kr.write_key("alice").version == 1
