@@ -58,6 +58,17 @@ class G3Config(_M):
     """fdatasync before publishing (invariant 2). Off only for throwaway benchmarks."""
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     load_timeout_s: float = Field(5.0, gt=0)
+    device_path: Literal["auto", "gds", "kvikio-compat", "pinned-bounce"] = "auto"
+    """How G3 slots reach a CUDA device on a load (``get`` into device tensors): ``auto`` probes at
+    start-up in the first path (kvikio read + compare: ``gds`` where cuFile has GDS, ``kvikio-compat``
+    where it runs in compat mode, else ``pinned-bounce``), and logs the choice; ``gds`` /
+    ``kvikio-compat`` still probe and fall back (logged) if the probe fails; ``pinned-bounce`` skips
+    kvikio (``preadv`` into pinned host memory, then one H2D copy per pass)."""
+    device_checksum: Literal["auto", "on", "off"] = "auto"
+    """Frames carry the device-verifiable checksum (``FLAG_DEVCHECK``, docs/format.md): ``auto``
+    when the engine's KV cache is on a CUDA device (computed there at save time, at no host cost; a
+    device load then verifies in HBM), ``on`` always (a CPU engine computes it with torch on the
+    host), ``off`` never (device loads then copy each payload back to the host for its xxh3_128)."""
 
 
 class KeyringConfig(_M):

@@ -1,28 +1,35 @@
-"""Device load path: stored frames -> device staging buffer -> verified on the device -> caller's tensors.
+"""Device load path: G3 slots -> device staging -> verified on the device -> caller's tensors.
 
-Data path per :meth:`DeviceLoader.load` batch (invariant 1 of DESIGN.md, "never wrong KV"):
+This is what ``G3Pool.get(keys, tensors)`` runs (:meth:`kvbm_backend.pool.g3.pool.G3Pool.device_reader`):
+the connector, the tiering tier and the benchmark reach it through the pool, never by wiring their own.
 
-1. ``source.locate(key)`` gives each block's frame location ``(path, offset, slot_len)`` (G3 slot:
-   4 KiB header + payload padded to 4 KiB). Adjacent slots of one file are merged into one read.
-2. The frames are read into a device staging tensor ``[n, slot_len]`` (uint8):
-   ``gds`` / ``kvikio-compat`` -- kvikio ``CuFile.pread`` straight into device memory (GDS DMA, or
-   kvikio's own pinned bounce buffer in compat mode); ``pinned-bounce`` -- ``preadv`` into a pinned
-   host tensor, then one host-to-device copy; ``host`` -- the device is the CPU (same code, no copy).
-   Which one is decided by :func:`probe_device_path` at start-up (a real write/read/compare in the
+Data path per :meth:`DeviceLoader.load` (invariant 1 of DESIGN.md, "never wrong KV"):
+
+1. ``source.lease(keys)`` pins each block's slot and gives a typed
+   :class:`~kvbm_backend.pool.base.SlotLease` ``(key, path, offset, slot_len, token)`` (G3 slot: 4 KiB
+   header + payload padded to 4 KiB); every lease goes back through ``source.release`` when the call
+   ends, whatever happened. Anything but a ``SlotLease`` or None from ``lease`` is a wiring bug and
+   raises ``TypeError`` (never a silent miss).
+2. Leases are cut into passes of at most ``staging_bytes``; a pass's adjacent slots of one file form
+   runs, and runs are cut at slot boundaries into reads of about ``io_bytes`` so many reads are in
+   flight at once (``threads``). Passes are pipelined over a ring of two staging buffers: the reads
+   of pass k+1 are on the wire while pass k is verified and copied out.
+   ``gds`` / ``kvikio-compat`` -- kvikio ``CuFile.pread`` straight into device staging (GDS DMA, or
+   kvikio's own pinned bounce buffer in compat mode); ``pinned-bounce`` -- ``preadv`` into a pinned host
+   buffer, then one host-to-device copy per pass; ``host`` -- the device is the CPU (same code, no copy).
+   The mode is decided by :func:`probe_device_path` at start-up (a real write/read/compare in the
    pool's directory) and reported in :attr:`DeviceLoader.mode` / :attr:`DeviceLoader.mode_reason`.
 3. The 4 KiB headers (only) come to the host: magic, version, header check, identity (namespace,
-   tenant, rank, sequence hash) and layout are checked (:class:`~kvbm_backend.model.frame.FrameHeader`).
+   tenant, rank, world, sequence hash), layout and lengths are checked
+   (:class:`~kvbm_backend.model.frame.FrameHeader`).
 4. Payload integrity is checked where the bytes landed: frames with ``FLAG_DEVCHECK`` are verified on
-   the device with :func:`~kvbm_backend.gpu.checksum.device_checksums_torch` (one sync per batch);
+   the device with :func:`~kvbm_backend.gpu.checksum.device_checksums_torch` (one sync per pass);
    frames with only the xxh3_128 ``FLAG_CHECKSUM`` are copied to the host and checked there (counted as
    ``host_verified``); encrypted or unchecked frames are misses (``unverifiable``).
 5. Only verified payloads are copied into ``dst[i]``; a failed probe, failed/short/late I/O, a bad
    header or a checksum mismatch leaves ``dst[i]`` untouched and returns ``False`` (a miss, counted;
-   corrupt slots are reported to ``source.drop_corrupt(key, reason)`` where the source has it).
-
-Source seam (the G3 pool): ``locate(key) -> (path, offset, slot_len) | None``; optionally
-``release(key)`` (called after the read, for pools that pin slots while they are read) and
-``drop_corrupt(key, reason)``.
+   corrupt slots are reported to ``source.drop_corrupt(key, reason)``). Device work runs on the
+   loader's own CUDA stream, so loads never queue behind (or in front of) the engine's compute.
 """
 from __future__ import annotations
 
@@ -33,33 +40,19 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 from ..model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader
 from ..model.frame import payload_checksum
 from ..model.layout import KvLayout
 from ..model.namespace import BlockKey, tenant_tag
+from ..pool.base import SlotLease, SlotLeaseSource
 from .checksum import device_checksums_torch
 
 log = logging.getLogger(__name__)
 
 MODES = ("gds", "kvikio-compat", "pinned-bounce", "host")
 PROBE_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class SlotLocation:
-    """Where a stored frame is: ``path`` of the slab file, ``offset`` (bytes, 4 KiB multiple) of the
-    frame's header, ``slot_len`` (bytes: ``frame.slot_bytes(stored_len)``)."""
-
-    path: str
-    offset: int
-    slot_len: int
-
-
-class SlotSource(Protocol):
-    def locate(self, key: BlockKey) -> "tuple[str, int, int] | SlotLocation | None":
-        """The frame location of ``key`` or None (a miss). Pools that pin slots pin here."""
 
 
 @dataclass
@@ -130,59 +123,83 @@ def probe_device_path(directory: str, device, prefer: str = "auto") -> ProbeResu
     return ProbeResult("kvikio-compat", f"kvikio probe read verified; {info.get('reason', 'compat mode')}", info)
 
 
-def _as_loc(x) -> SlotLocation | None:
-    if x is None:
-        return None
-    if isinstance(x, SlotLocation):
-        return x
-    p, o, n = x
-    return SlotLocation(str(p), int(o), int(n))
+@dataclass
+class _Pass:
+    """One pass: leases ``rows`` (indexes into the call's keys) read into ``staging`` rows 0..n-1."""
+    rows: list
+    leases: list
+    slot_len: int
+    staging: object  # torch uint8 [n, slot_len] on the device (host mode: the CPU)
+    host: object  # pinned/host torch uint8 [n, slot_len] the reads land in (None: kvikio reads to the device)
+    ring: int  # ring slot the buffers came from
+    futs: list  # (row0, nrows, future) per read
+    status: list  # per pass row: None (read in full) or a reason
 
 
 class DeviceLoader:
-    """Loads stored frames into device tensors, verifying them on the device first.
+    """Loads G3 frames into device tensors, verifying them where they land first.
+
+    Use through :meth:`kvbm_backend.pool.g3.pool.G3Pool.get` with tensor destinations (the pool owns one
+    loader per device). Thread-safe: concurrent :meth:`load` calls are serialised (one I/O pipeline
+    per device keeps the storage queue full; two would only compete for it).
 
     Args:
-        source: the pool's slot locator (see module docstring).
+        source: a :class:`~kvbm_backend.pool.base.SlotLeaseSource` (the G3 pool); checked here.
         layout: the namespace's :class:`KvLayout`; ``dst`` tensors hold ``layout.bytes_per_block`` bytes.
         device: torch device for staging (``cuda:N``; ``cpu`` runs the same path on the host).
         probe_dir: directory for the start-up probe (a pool directory); default: none, which on CUDA
             means ``pinned-bounce`` unless ``mode`` forces otherwise.
         mode: ``auto`` (probe) or one of :data:`MODES`.
+        world: the TP world size frames must name (None: not checked).
         tenant_tag_fn: expected 16-byte frame tenant tag of a key (default: G3's
             :func:`~kvbm_backend.model.namespace.tenant_tag` of ``key.tenant``).
-        staging_bytes: most device staging bytes per pass (bounds extra HBM; default 256 MiB).
-        timeout_s: a batch's reads not done by then are misses (their staging is kept until the I/O
+        staging_bytes: most device staging bytes per pass (two passes in flight: at most twice this
+            in extra HBM, plus as much pinned host memory in ``pinned-bounce``; default 256 MiB).
+        io_bytes: bytes per read (cut at slot boundaries; at least one slot).
+        timeout_s: a call's reads not done by then are misses (their buffers are kept until the I/O
             finishes, never reused early).
-        threads: reads in flight (bounce path) / kvikio pool size.
+        threads: reads in flight (bounce/host path) / kvikio thread pool size.
     Raises:
-        ValueError: bad arguments.
+        TypeError: ``source`` is not a SlotLeaseSource. ValueError: bad arguments.
     """
 
-    def __init__(self, source: SlotSource, layout: KvLayout, device="cuda", *, probe_dir: str | None = None,
-                 mode: str = "auto", tenant_tag_fn: Callable[[BlockKey], bytes] | None = None,
-                 staging_bytes: int = 256 << 20, timeout_s: float = 5.0, threads: int = 8):
+    def __init__(self, source: SlotLeaseSource, layout: KvLayout, device="cuda", *, probe_dir: str | None = None,
+                 mode: str = "auto", world: int | None = None,
+                 tenant_tag_fn: Callable[[BlockKey], bytes] | None = None,
+                 staging_bytes: int = 256 << 20, io_bytes: int = 8 << 20, timeout_s: float = 5.0, threads: int = 8):
         torch = _torch()
+        if not isinstance(source, SlotLeaseSource):
+            missing = [m for m in ("lease", "release", "drop_corrupt") if not callable(getattr(source, m, None))]
+            raise TypeError(f"DeviceLoader: source {type(source).__name__} is not a SlotLeaseSource "
+                            f"(missing {missing}); pass the G3 pool itself")
         if mode not in ("auto",) + MODES:
             raise ValueError(f"mode: expected auto or one of {MODES}, got {mode!r}")
         if staging_bytes < 4096:
             raise ValueError(f"staging_bytes: at least 4096 bytes, got {staging_bytes}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s: must be > 0 seconds, got {timeout_s}")
+        if io_bytes < 4096:
+            raise ValueError(f"io_bytes: at least 4096 bytes, got {io_bytes}")
+        if not timeout_s > 0 or timeout_s == float("inf"):
+            raise ValueError(f"timeout_s: must be a finite number > 0 seconds, got {timeout_s}")
+        if threads < 1:
+            raise ValueError(f"threads: at least 1, got {threads}")
         self.source = source
         self.layout = layout
+        self.world = world
         self.device = torch.device(device)
         self.tenant_tag_fn = tenant_tag_fn or (lambda k: tenant_tag(k.tenant))
         self.staging_bytes = staging_bytes
+        self.io_bytes = io_bytes
         self.timeout_s = timeout_s
         self.threads = threads
         self.counters: Counter = Counter()
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._abandoned: list = []  # (futures, tensors) of timed-out reads, kept alive until done
+        self._call_lock = threading.Lock()
+        self._abandoned: list = []  # (futures, buffers) of timed-out reads, kept alive until done
+        self._ring: dict = {}  # (ring slot) -> (staging, host) buffers reused across calls
         self._engine = None
         self._pool = None
-        self._pinned = None  # reusable pinned bounce buffer (pinned-bounce mode)
+        self._stream = None
         if self.device.type == "cpu":
             probe = ProbeResult("host", "device is the CPU: frames are read into host memory and verified there")
         elif mode == "pinned-bounce":
@@ -199,7 +216,9 @@ class DeviceLoader:
             self._engine = KvikioEngine(threads=threads)
         else:
             from concurrent.futures import ThreadPoolExecutor
-            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-dev-bounce")
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-dev-read")
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)
         log.info("device load path: %s (%s)", self.mode, self.mode_reason)
 
     # -- files -------------------------------------------------------------------------------
@@ -207,12 +226,12 @@ class DeviceLoader:
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                 self._fds[path] = fd
             return fd
 
     # -- public ------------------------------------------------------------------------------
-    def load(self, keys: Sequence[BlockKey], dst: Sequence) -> list[bool]:
+    def load(self, keys: Sequence[BlockKey], dst: Sequence, reasons: list | None = None) -> list[bool]:
         """Load ``keys[i]`` into ``dst[i]``.
 
         Args:
@@ -221,70 +240,81 @@ class DeviceLoader:
                 (any dtype; its bytes are overwritten with the FullyContiguous block
                 ``[layer, outer, page, inner]``), e.g. rows of a staging tensor that the connector then
                 scatters into the engine's paged KV.
+            reasons: if given, a list that receives one entry per key: None (loaded) or why not
+                (``not_found``, ``io_error``, ``short``, ``timeout``, ``unverifiable``, or a corrupt
+                reason: ``devcheck``, ``integrity``, ``identity``, ``layout``, ``length``, ``magic``,
+                ``version``, ``header_check``).
         Returns:
             ``ok[i]``: True only if the frame was found, read in full, its header identity matched and
             its payload checksum verified on :attr:`device`; only then was ``dst[i]`` written.
         Raises:
             ValueError: ``len(keys) != len(dst)``, or a ``dst`` tensor of the wrong size, device or
-            layout (programming errors, not storage trouble).
+                layout (programming errors, not storage trouble).
+            TypeError: the source returned something other than SlotLease/None (a wiring bug).
         """
-        torch = _torch()
         if len(keys) != len(dst):
             raise ValueError(f"load: {len(keys)} keys but {len(dst)} destination tensors")
         bpb = self.layout.bytes_per_block
         for i, t in enumerate(dst):
             if t.device != self.device and not (t.device.type == self.device.type == "cuda"
-                                                and self.device.index is None):
+                                                and (self.device.index is None or t.device.index is None)):
                 raise ValueError(f"dst[{i}]: on {t.device}, loader stages on {self.device}")
             if not t.is_contiguous() or t.numel() * t.element_size() != bpb:
                 raise ValueError(f"dst[{i}]: need a contiguous tensor of {bpb} bytes, got "
                                  f"{t.numel() * t.element_size()} bytes contiguous={t.is_contiguous()}")
-        ok = [False] * len(keys)
-        locs: list[SlotLocation | None] = []
-        for k in keys:
-            try:
-                locs.append(_as_loc(self.source.locate(k)))
-            except Exception as e:  # noqa: BLE001 - a source failure is a miss
-                log.warning("locate failed for %s: %s", k, e)
-                locs.append(None)
-        for i, l in enumerate(locs):
-            if l is None:
-                self.counters["not_found"] += 1
-        todo = [i for i, l in enumerate(locs) if l is not None]
+        n = len(keys)
+        why: list = ["not_found"] * n
+        if n == 0:
+            return []
+        leases = self.source.lease(list(keys))
+        if len(leases) != n:
+            raise TypeError(f"DeviceLoader: source.lease returned {len(leases)} leases for {n} keys")
+        held = []
+        for i, ls in enumerate(leases):
+            if ls is None:
+                continue
+            if not isinstance(ls, SlotLease):
+                # release what is typed before raising: a wiring bug must not leak pins
+                self.source.release([x for x in leases if isinstance(x, SlotLease)])
+                raise TypeError(f"DeviceLoader: source.lease returned {type(ls).__name__} for key {i}; "
+                                "expected SlotLease or None")
+            if ls.key != keys[i]:
+                self.source.release([x for x in leases if isinstance(x, SlotLease)])
+                raise TypeError(f"DeviceLoader: lease {i} is for {ls.key}, not {keys[i]}")
+            held.append(i)
+        self.counters["not_found"] += n - len(held)
         try:
-            # batches of rows with one slot_len, bounded by staging_bytes
-            while todo:
-                slot_len = locs[todo[0]].slot_len
-                per = max(1, self.staging_bytes // slot_len)
-                batch = [i for i in todo if locs[i].slot_len == slot_len][:per]
-                bset = set(batch)
-                todo = [i for i in todo if i not in bset]
-                for i, good in zip(batch, self._load_batch([keys[i] for i in batch], [locs[i] for i in batch],
-                                                           [dst[i] for i in batch], slot_len)):
-                    ok[i] = good
+            with self._call_lock:
+                self._load_rows(keys, leases, held, dst, why)
         finally:
-            rel = getattr(self.source, "release", None)
-            if rel is not None:
-                for k, l in zip(keys, locs):
-                    if l is not None:
-                        try:
-                            rel(k)
-                        except Exception as e:  # noqa: BLE001
-                            log.warning("release failed for %s: %s", k, e)
+            try:
+                self.source.release([leases[i] for i in held])
+            except Exception as e:  # noqa: BLE001 - never mask the load's result
+                log.warning("releasing %d slot leases failed: %s", len(held), e)
+        ok = [w is None for w in why]
         self.counters["loaded"] += sum(ok)
-        self.counters["missed"] += len(ok) - sum(ok)
+        self.counters["missed"] += n - sum(ok)
+        if reasons is not None:
+            reasons[:] = why
         return ok
 
     def stats(self) -> dict:
         """Counters: ``loaded``, ``missed``, ``not_found``, ``io_error``, ``short``, ``timeout``,
         ``corrupt_<reason>`` (FrameError reasons, ``devcheck``), ``unverifiable``, ``host_verified``,
-        ``bytes_read``; plus ``mode`` and ``mode_reason``."""
+        ``bytes_read``, ``passes``; plus ``mode`` and ``mode_reason``."""
         d = dict(self.counters)
         d.update(mode=self.mode, mode_reason=self.mode_reason)
         return d
 
     def close(self) -> None:
+        """Wait for reads in flight, release files, threads and buffers. Idempotent."""
         if self._engine is not None:
+            for fs, _ in self._abandoned:
+                for f in fs:
+                    try:
+                        f.get() if not hasattr(f, "result") else f.result()
+                    except Exception:  # noqa: BLE001
+                        pass
             for fd in list(self._fds.values()):
                 self._engine.forget_fd(fd)
             self._engine.close()
@@ -292,6 +322,8 @@ class DeviceLoader:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._abandoned = []
+        self._ring = {}
         with self._lock:
             fds, self._fds = list(self._fds.values()), {}
         for fd in fds:
@@ -299,53 +331,71 @@ class DeviceLoader:
 
     # -- internals ---------------------------------------------------------------------------
     @staticmethod
-    def _runs(locs: list[SlotLocation]) -> list[tuple[int, int]]:
-        """[(first row, row count)] of rows whose slots are adjacent in one file."""
+    def _runs(leases: list, max_rows: int | None = None) -> list[tuple[int, int]]:
+        """[(first row, row count)] of rows whose slots are adjacent in one file, each run cut after
+        ``max_rows`` rows (one read each)."""
         runs = []
         s = 0
-        for r in range(1, len(locs) + 1):
-            if (r == len(locs) or locs[r].path != locs[r - 1].path
-                    or locs[r].offset != locs[r - 1].offset + locs[r - 1].slot_len):
+        for r in range(1, len(leases) + 1):
+            if (r == len(leases) or leases[r].path != leases[r - 1].path
+                    or leases[r].offset != leases[r - 1].offset + leases[r - 1].slot_len
+                    or (max_rows is not None and r - s >= max_rows)):
                 runs.append((s, r - s))
                 s = r
         return runs
 
-    def _read(self, locs, staging, slot_len) -> list[str | None]:
-        """Read every frame into ``staging`` rows; per row None (read in full) or the failure reason."""
-        torch = _torch()
-        runs = self._runs(locs)
-        status: list[str | None] = ["io_error"] * len(locs)
-        deadline = time.monotonic() + self.timeout_s
-        host = None
-        if self.mode in ("pinned-bounce", "host"):
-            if self.mode == "host":
-                host = staging
-            else:
-                host = self._pinned
-                if host is None or host.numel() < staging.numel():
-                    host = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
-                    self._pinned = host
-                host = host[:staging.numel()].view(staging.shape)
-            host_np = host.numpy()
-            from ..io.base import IoOp
-            from ..io.posix import run_op
+    def _passes(self, leases: list, held: list) -> list[tuple[list, int]]:
+        """Rows grouped into passes: one slot length each, at most ``staging_bytes`` of staging."""
+        out = []
+        todo = list(held)
+        while todo:
+            slot_len = leases[todo[0]].slot_len
+            per = max(1, self.staging_bytes // slot_len)
+            same = [i for i in todo if leases[i].slot_len == slot_len]
+            for a in range(0, len(same), per):
+                out.append((same[a:a + per], slot_len))
+            sset = set(same)
+            todo = [i for i in todo if i not in sset]
+        return out
 
-            def one(r0, n):
-                fd = self._fd(locs[r0].path)
-                return run_op(IoOp(fd, locs[r0].offset, [host_np[r0:r0 + n].reshape(-1)], write=False))
-            futs = [(r0, n, self._pool.submit(one, r0, n)) for r0, n in runs]
-        else:
-            futs = []
-            for r0, n in runs:
-                try:
-                    f = self._engine.read_to_device_async(self._fd(locs[r0].path), staging[r0:r0 + n].reshape(-1),
-                                                          n * slot_len, locs[r0].offset)
-                    futs.append((r0, n, f))
-                except Exception as e:  # noqa: BLE001
-                    log.warning("kvikio read submit failed: %s", e)
-                    self.counters["io_error"] += n
+    def _buffers(self, ring: int, n: int, slot_len: int):
+        """(staging, host) for a pass of ``n`` rows from ring slot ``ring`` (grown as needed)."""
+        torch = _torch()
+        need = n * slot_len
+        buf = self._ring.get(ring)
+        if buf is None or buf[0].numel() < need:
+            if self.mode == "host":
+                st = torch.empty(need, dtype=torch.uint8)
+                host = st
+            else:
+                st = torch.empty(need, dtype=torch.uint8, device=self.device)
+                host = torch.empty(need, dtype=torch.uint8, pin_memory=True) if self.mode == "pinned-bounce" else None
+            buf = self._ring[ring] = (st, host)
+        st, host = buf
+        return (st[:need].view(n, slot_len), None if host is None else host[:need].view(n, slot_len))
+
+    def _submit(self, p: _Pass) -> None:
+        """Put the pass's reads on the wire (returns at once)."""
+        rows_per_io = max(1, self.io_bytes // p.slot_len)
+        for r0, nr in self._runs(p.leases, rows_per_io):
+            ls = p.leases[r0]
+            try:
+                fd = self._fd(ls.path)
+                if p.host is not None:
+                    f = self._pool.submit(os.preadv, fd, [p.host[r0:r0 + nr].numpy().reshape(-1)], ls.offset)
+                else:
+                    f = self._engine.read_to_device_async(fd, p.staging[r0:r0 + nr].reshape(-1), nr * p.slot_len,
+                                                          ls.offset)
+            except Exception as e:  # noqa: BLE001 - a read that cannot start: its rows are misses
+                log.warning("frame read submit failed (%d rows at %s:%d): %s", nr, ls.path, ls.offset, e)
+                self.counters["io_error"] += nr
+                continue
+            p.futs.append((r0, nr, f))
+
+    def _reap(self, p: _Pass, deadline: float) -> None:
+        """Wait for the pass's reads (until ``deadline``); fill ``p.status``."""
         pending = []
-        for r0, n, f in futs:
+        for r0, nr, f in p.futs:
             left = deadline - time.monotonic()
             try:
                 if hasattr(f, "result"):  # concurrent.futures
@@ -357,58 +407,96 @@ class DeviceLoader:
                         raise TimeoutError
                     got = f.get()
             except TimeoutError:
-                self.counters["timeout"] += n
-                for r in range(r0, r0 + n):
-                    status[r] = "timeout"
+                self.counters["timeout"] += nr
+                for r in range(r0, r0 + nr):
+                    p.status[r] = "timeout"
                 pending.append(f)
                 continue
             except Exception as e:  # noqa: BLE001 - I/O failure: a miss
-                log.warning("frame read failed (%s rows at %s:%d): %s", n, locs[r0].path, locs[r0].offset, e)
-                self.counters["io_error"] += n
+                log.warning("frame read failed (%d rows at %s:%d): %s", nr, p.leases[r0].path,
+                            p.leases[r0].offset, e)
+                self.counters["io_error"] += nr
                 continue
             self.counters["bytes_read"] += got
-            full = got // slot_len
-            for r in range(r0, r0 + n):
-                status[r] = None if r - r0 < full else "short"
-            if full < n:
-                self.counters["short"] += n - full
-        if pending:  # keep buffers alive until the I/O ends; never hand them out again
-            self._abandoned.append((pending, staging, host))
-            self._pinned = None
+            full = got // p.slot_len
+            for r in range(r0, r0 + nr):
+                p.status[r] = None if r - r0 < full else "short"
+            if full < nr:
+                self.counters["short"] += nr - full
+        if pending:  # keep the buffers alive until the I/O ends; never hand them out again
+            self._abandoned.append((pending, self._ring.pop(p.ring, None)))
         self._abandoned = [a for a in self._abandoned if not all(
             (x.done() if hasattr(x, "done") else True) for x in a[0])]
-        if host is not None and self.mode == "pinned-bounce" and not pending:
-            staging.copy_(host, non_blocking=True)
-        elif host is not None and self.mode == "pinned-bounce":
-            rows = [r for r, s in enumerate(status) if s is None]
-            for r in rows:
-                staging[r].copy_(host[r], non_blocking=True)
-        return status
 
-    def _load_batch(self, keys, locs, dst, slot_len) -> list[bool]:
+    def _load_rows(self, keys, leases, held, dst, why) -> None:
         torch = _torch()
-        n = len(keys)
         bpb = self.layout.bytes_per_block
-        if slot_len < HEADER_BYTES + bpb or slot_len % 4096:
-            for _ in keys:
-                self.counters["corrupt_length"] += 1
-            return [False] * n
-        if self.mode == "host":
-            staging = torch.empty((n, slot_len), dtype=torch.uint8)
+        deadline = time.monotonic() + self.timeout_s
+        passes = []
+        for rows, slot_len in self._passes(leases, held):
+            if slot_len < HEADER_BYTES + bpb or slot_len % 4096:
+                self.counters["corrupt_length"] += len(rows)
+                for i in rows:
+                    why[i] = "length"
+                continue
+            passes.append((rows, slot_len))
+        prev: _Pass | None = None
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else _null()
+        with ctx:
+            for k in range(len(passes) + 1):
+                cur = None
+                if k < len(passes):
+                    rows, slot_len = passes[k]
+                    ring = k % 2
+                    staging, host = self._buffers(ring, len(rows), slot_len)
+                    cur = _Pass(rows, [leases[i] for i in rows], slot_len, staging, host, ring, [],
+                                ["io_error"] * len(rows))
+                    if time.monotonic() < deadline:
+                        self._submit(cur)
+                    else:
+                        cur.status = ["timeout"] * len(rows)
+                        self.counters["timeout"] += len(rows)
+                    self.counters["passes"] += 1
+                if prev is not None:
+                    self._finish(prev, keys, dst, why, deadline)
+                prev = cur
+
+    def _finish(self, p: _Pass, keys, dst, why, deadline: float) -> None:
+        """Reap, verify and copy out one pass (its ring buffers are free again on return)."""
+        torch = _torch()
+        self._reap(p, deadline)
+        n = len(p.rows)
+        bpb = self.layout.bytes_per_block
+        staging = p.staging
+        for r in range(n):
+            why[p.rows[r]] = p.status[r]
+        good = [r for r in range(n) if p.status[r] is None]
+        if not good:
+            return
+        if p.host is not None and p.status.count(None) == n:
+            staging.copy_(p.host, non_blocking=True)  # the one H2D copy of the pass
+        elif p.host is not None:
+            for r in good:
+                staging[r].copy_(p.host[r], non_blocking=True)
+        # headers come to the host (pinned-bounce: already there)
+        if p.host is not None:
+            headers = p.host[:, :HEADER_BYTES].numpy()
+        elif self.device.type == "cpu":
+            headers = staging[:, :HEADER_BYTES].numpy()
         else:
-            staging = torch.empty((n, slot_len), dtype=torch.uint8, device=self.device)
-        status = self._read(locs, staging, slot_len)
-        good_rows = [r for r in range(n) if status[r] is None]
-        if not good_rows:
-            return [False] * n
-        headers = staging[:, :HEADER_BYTES].cpu().numpy() if self.device.type != "cpu" else staging[:, :HEADER_BYTES].numpy()
+            headers = staging[:, :HEADER_BYTES].cpu().numpy()
         devcheck_rows, expect, host_rows = [], [], []
-        for r in good_rows:
+        for r in good:
+            i = p.rows[r]
             try:
                 h = FrameHeader.unpack(headers[r])
-                h.check_identity(keys[r], self.layout, self.tenant_tag_fn(keys[r]))
+                h.check_identity(keys[i], self.layout, self.tenant_tag_fn(keys[i]))
+                if self.world is not None and h.world != self.world:
+                    raise FrameError("identity", f"frame of TP world {h.world}, expected {self.world}")
+                if h.stored_len != bpb or HEADER_BYTES + h.stored_len > p.slot_len:
+                    raise FrameError("length", f"stored_len {h.stored_len} != block {bpb}")
                 if h.flags & FLAG_ENCRYPTED:
-                    raise FrameError("unverifiable", "encrypted frame on the device path (G4: use load_via_host)")
+                    raise FrameError("unverifiable", "encrypted frame on the device path (G4 loads go through the host)")
                 if h.flags & FLAG_DEVCHECK:
                     devcheck_rows.append(r)
                     expect.append(h.dev_check)
@@ -417,37 +505,48 @@ class DeviceLoader:
                 else:
                     raise FrameError("unverifiable", "frame carries no checksum")
             except FrameError as e:
-                status[r] = e.reason
-        ok = [False] * n
+                p.status[r] = e.reason
+        ok_rows = []
         if devcheck_rows:
             rows_t = staging[devcheck_rows] if len(devcheck_rows) != n else staging
-            got = device_checksums_torch(rows_t, HEADER_BYTES, bpb)
+            got = device_checksums_torch(rows_t, HEADER_BYTES, bpb)  # one sync for the pass
             for r, g, e in zip(devcheck_rows, got, expect):
                 if g == e:
-                    ok[r] = True
+                    ok_rows.append(r)
                 else:
-                    status[r] = "devcheck"
+                    p.status[r] = "devcheck"
         for r, h in host_rows:
-            pay = staging[r, HEADER_BYTES:HEADER_BYTES + bpb]
-            pay_h = pay.cpu().numpy() if self.device.type != "cpu" else pay.numpy()
+            pay = p.host[r, HEADER_BYTES:HEADER_BYTES + bpb] if p.host is not None else \
+                staging[r, HEADER_BYTES:HEADER_BYTES + bpb]
+            pay_h = pay.numpy() if pay.device.type == "cpu" else pay.cpu().numpy()
             if payload_checksum(pay_h) == h.integrity:
-                ok[r] = True
+                ok_rows.append(r)
                 self.counters["host_verified"] += 1
             else:
-                status[r] = "integrity"
+                p.status[r] = "integrity"
+        for r in ok_rows:
+            d = dst[p.rows[r]]
+            d = d.view(-1) if d.dtype == torch.uint8 else d.view(-1).view(torch.uint8)
+            d.copy_(staging[r, HEADER_BYTES:HEADER_BYTES + bpb], non_blocking=True)
         for r in range(n):
-            if ok[r]:
-                d = dst[r].view(-1).view(torch.uint8) if dst[r].dtype != torch.uint8 else dst[r].view(-1)
-                d.copy_(staging[r, HEADER_BYTES:HEADER_BYTES + bpb], non_blocking=True)
-            elif status[r] not in (None, "io_error", "short", "timeout"):
-                reason = status[r]
-                self.counters["unverifiable" if reason == "unverifiable" else f"corrupt_{reason}"] += 1
-                drop = getattr(self.source, "drop_corrupt", None)
-                if drop is not None and reason != "unverifiable":
-                    try:
-                        drop(keys[r], reason)
-                    except Exception as e:  # noqa: BLE001
-                        log.warning("drop_corrupt failed for %s: %s", keys[r], e)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return ok
+            i = p.rows[r]
+            why[i] = p.status[r]
+            reason = p.status[r]
+            if reason in (None, "io_error", "short", "timeout"):
+                continue
+            self.counters["unverifiable" if reason == "unverifiable" else f"corrupt_{reason}"] += 1
+            if reason != "unverifiable":
+                try:
+                    self.source.drop_corrupt(keys[i], reason)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("drop_corrupt failed for %s: %s", keys[i], e)
+        if self._stream is not None:
+            self._stream.synchronize()  # dst written; staging free for the pass after next
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -166,12 +166,15 @@ _PREFIX = struct.Struct("<8sHHI8s16sIIQIHHIIQQ")  # magic .. stored_len: 88 byte
 _OFF_INTEGRITY = 112  # offset of the 16-byte integrity field in the header
 assert _PREFIX.size == 88 and _FIXED_STRUCT.size == _FIXED
 _HEADER_TAIL = bytes(HEADER_BYTES - _FIXED - 8)
+_FLAGS_DEV = struct.pack("<H", FLAG_CHECKSUM | FLAG_DEVCHECK)
 
 
 class ChecksumFrames:
-    """Fast writer/checker of plaintext, checksummed frames (``flags == FLAG_CHECKSUM``) of one
-    namespace and layout: the same bytes :meth:`FrameHeader.pack` makes, without building a
-    :class:`FrameHeader` per block (a pool's per-block CPU on small blocks).
+    """Fast writer/checker of plaintext, checksummed frames (``flags`` = ``FLAG_CHECKSUM``, or
+    ``FLAG_CHECKSUM | FLAG_DEVCHECK`` when the writer also has the payload's :func:`device_checksum`)
+    of one namespace and layout: the same bytes :meth:`FrameHeader.pack` makes, without building a
+    :class:`FrameHeader` per block (a pool's per-block CPU on small blocks). Both flag sets are
+    accepted by :meth:`verify` / :meth:`verify_many` (host readers check the xxh3_128 either way).
 
     Args:
         ns_fp: the namespace fingerprint (8 bytes).
@@ -187,14 +190,18 @@ class ChecksumFrames:
         self._world = world
 
     def write_header(self, buf, offset: int, tenant_tag: bytes, rank: int, seq_hash: int, integrity: bytes,
-                     created_ns: int) -> None:
+                     created_ns: int, dev_check: int | None = None) -> None:
         """Write the full 4096-byte header of one block at ``buf[offset:offset + 4096]`` (a writable
         buffer, e.g. a memoryview of a staging array). ``integrity``: :func:`payload_checksum` of the
-        payload (16 bytes)."""
+        payload (16 bytes). ``dev_check``: the payload's :func:`device_checksum` (an int in
+        ``[0, 2**64)``) if the writer has it: the frame then also carries ``FLAG_DEVCHECK`` and can be
+        verified where it lands on a GPU without coming back to the host."""
         a = self._args
-        _FIXED_STRUCT.pack_into(buf, offset, MAGIC, FORMAT_VERSION, FLAG_CHECKSUM, HEADER_BYTES, self._ns_fp,
+        flags = FLAG_CHECKSUM if dev_check is None else FLAG_CHECKSUM | FLAG_DEVCHECK
+        _FIXED_STRUCT.pack_into(buf, offset, MAGIC, FORMAT_VERSION, flags, HEADER_BYTES, self._ns_fp,
                                 tenant_tag, rank, self._world, seq_hash, a[0], a[1], a[2], a[3], a[4], a[5], a[6],
-                                0, 0, b"\x00" * 12, b"\x00" * 4, integrity, created_ns, 0)
+                                0, 0, b"\x00" * 12, b"\x00" * 4, integrity, created_ns,
+                                0 if dev_check is None else dev_check & 0xFFFFFFFFFFFFFFFF)
         _CHECK.pack_into(buf, offset + _FIXED, xxhash.xxh3_64_intdigest(buf[offset:offset + _FIXED]))
         buf[offset + _FIXED + 8:offset + HEADER_BYTES] = _HEADER_TAIL
 
@@ -211,7 +218,8 @@ class ChecksumFrames:
         :meth:`FrameHeader.check_identity` and :func:`verify_payload` to name the reason (a frame that
         passes here passes those too)."""
         hb = bytes(header[:_FIXED + 8])
-        if hb[:88] != self.prefix(tenant_tag, rank, seq_hash):
+        want = self.prefix(tenant_tag, rank, seq_hash)
+        if hb[:88] != want and hb[:88] != want[:10] + _FLAGS_DEV + want[12:]:
             return False
         if _CHECK.unpack_from(hb, _FIXED)[0] != xxhash.xxh3_64_intdigest(hb[:_FIXED]):
             return False
@@ -235,13 +243,17 @@ class ChecksumFrames:
         m = len(payloads)
         if m == 0:
             return np.zeros(0, bool)
+        dev_flags = np.frombuffer(_FLAGS_DEV, np.uint8)
         h = headers[:m]
         exp = np.empty((m, _PREFIX.size), np.uint8)
         exp[:] = np.frombuffer(self.prefix(b"\x00" * 16, 0, 0), np.uint8)
         exp[:, 24:40] = np.frombuffer(b"".join(tenant_tags), np.uint8).reshape(m, 16)
         exp[:, 40:44] = np.asarray(ranks, dtype="<u4").view(np.uint8).reshape(m, 4)
         exp[:, 48:56] = np.fromiter(seq_hashes, dtype="<u8", count=m).view(np.uint8).reshape(m, 8)
-        ok = (h[:, :_PREFIX.size] == exp).all(axis=1)
+        # flags (bytes 10-11) may be FLAG_CHECKSUM or FLAG_CHECKSUM | FLAG_DEVCHECK
+        flags = h[:, 10:12]
+        ok = (h[:, :10] == exp[:, :10]).all(axis=1) & (h[:, 12:_PREFIX.size] == exp[:, 12:]).all(axis=1)
+        ok &= ((flags == exp[0, 10:12]).all(axis=1) | (flags == dev_flags).all(axis=1))
         flat = memoryview(np.ascontiguousarray(h[:, :_FIXED + 8]).reshape(-1))
         row = _FIXED + 8
         d64 = xxhash.xxh3_64_intdigest

@@ -5,6 +5,17 @@ namespace is a miss. All data-moving calls return ``concurrent.futures.Future`` 
 blocks the caller's thread. Host block buffers are 1-D ``uint8`` numpy arrays of exactly
 ``layout.bytes_per_block`` bytes (FullyContiguous ``[layer, outer, page, inner]``); 4 KiB-aligned
 buffers (:func:`kvbm_backend.memory.aligned_empty`) take the zero-copy O_DIRECT path.
+
+Device destinations (the one seam for loads into HBM): ``get(keys, out)`` also takes ``out`` as
+contiguous torch tensors of ``layout.bytes_per_block`` bytes each, all on one device (``cuda:N``, or
+``cpu``, which runs the same code in host mode). The pool then moves and verifies the bytes itself
+(G3: slots read straight into device staging by kvikio/GDS or a pinned bounce, verified on the device,
+see :class:`kvbm_backend.gpu.loader.DeviceLoader`; G4: decrypted and verified on the host, one H2D
+copy, :func:`kvbm_backend.gpu.host_path.load_via_host`). ``ok[i]`` keeps its meaning: True only where
+block i verified where it landed; a miss leaves ``out[i]`` untouched.
+
+Readers outside a pool (the device loader) read G3 slots through the typed :class:`SlotLeaseSource`
+protocol: ``lease`` pins slots and ``release`` unpins them, both owned by the pool.
 """
 from __future__ import annotations
 
@@ -60,9 +71,10 @@ class BlockPool(Protocol):
         """Offload: store ``blocks[i]`` under ``keys[i]``, asynchronously and bounded. The pool reads the
         buffers until the future completes. Never raises for storage trouble: drops and counts."""
 
-    def get(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray]) -> Future[GetResult]:
-        """Onboard: read ``keys[i]`` into ``out[i]``. Failed, short, corrupt, foreign or late reads are
-        misses (``ok[i] = False``); corrupt slots/objects are dropped and counted."""
+    def get(self, keys: Sequence[BlockKey], out: Sequence) -> Future[GetResult]:
+        """Onboard: read ``keys[i]`` into ``out[i]`` (numpy host buffers, or torch tensors on one
+        device: see the module docstring). Failed, short, corrupt, foreign or late reads are misses
+        (``ok[i] = False``, ``out[i]`` untouched); corrupt slots/objects are dropped and counted."""
 
     def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Remove blocks; the future gives how many were present."""
@@ -72,6 +84,51 @@ class BlockPool(Protocol):
 
     def close(self) -> None:
         """Flush or drop pending offloads (bounded), release files and threads."""
+
+
+@dataclass(frozen=True)
+class SlotLease:
+    """A pinned G3 slot that a reader outside the pool may read until it hands the lease back.
+
+    Attributes:
+        key: the block the slot holds (the reader still checks the frame header names it).
+        path: slab file path.
+        offset: byte offset of the frame header in the file (a 4 KiB multiple).
+        slot_len: bytes of the frame (header + payload padded to 4 KiB: ``frame.slot_bytes``).
+        token: the pool's pin handle; opaque to the reader.
+    """
+
+    key: BlockKey
+    path: str
+    offset: int
+    slot_len: int
+    token: object = None
+
+
+@runtime_checkable
+class SlotLeaseSource(Protocol):
+    """A pool whose blocks sit in fixed file slots that another reader may read in place (G3).
+
+    Contract: every lease returned by :meth:`lease` is handed back exactly once with :meth:`release`;
+    until then the slot is neither evicted nor rewritten. Nothing in a slot is trusted: the reader
+    checks header identity and integrity itself (:mod:`kvbm_backend.model.frame`) and reports bad
+    slots with :meth:`drop_corrupt`. None of the three calls does I/O or blocks on storage.
+    """
+
+    def lease(self, keys: Sequence[BlockKey]) -> list[SlotLease | None]:
+        """Pin the slots of ``keys``; None for absent or foreign keys (misses, counted by the pool)."""
+
+    def release(self, leases: Sequence[SlotLease]) -> None:
+        """Unpin leases from :meth:`lease` (a slot evicted meanwhile is freed now)."""
+
+    def drop_corrupt(self, key: BlockKey, reason: str) -> None:
+        """The slot of ``key`` failed verification (``reason``: a FrameError reason): remove it."""
+
+
+def is_tensor_batch(bufs: Sequence) -> bool:
+    """True when ``bufs`` are torch tensors (the device-destination form of ``get``), without
+    importing torch; False for numpy buffers or an empty list."""
+    return bool(bufs) and type(bufs[0]).__module__.startswith("torch")
 
 
 def completed(value) -> Future:

@@ -226,7 +226,7 @@ class KvbmBackendConnector(KVConnectorBase_V1):
                                      load_timeout_s=self.cfg.g3.load_timeout_s + self.cfg.g4.timeout_s,
                                      promote_to_g3=self.opts["promote_to_g3"], save_to_g4=self.opts["save_to_g4"],
                                      max_pending_save_bytes=self.opts["max_pending_save_bytes"],
-                                     report_g3=self.split)
+                                     report_g3=self.split, device_checksum=self.cfg.g3.device_checksum)
         self._interval = stats.Interval()
         self._closed = False
         log.info("kvbm_backend connector (%s): namespace %s %s, G3=%s G4=%s", role.name, self.ns.fingerprint,

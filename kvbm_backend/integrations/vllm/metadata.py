@@ -54,13 +54,25 @@ class KvbmWorkerMeta(KVConnectorWorkerMetadata):
     the worker's G3 index, so the scheduler's :class:`~.scheduler_side.G3Mirror` can answer prefix
     lookups without opening the (process-private) G3 directory.
 
-    Entries are ``(tenant, rank, seq_hash)``. ``snapshot`` marks the first report, whose ``added`` is
-    the whole index the worker found at start (G3 warm restart).
+    Entries are ``(tenant tag, rank, seq_hash)`` (:func:`mirror_id`): the tenant's 16-byte tag, not its
+    name, because G3's journal keeps only the tag (tenant ids are pseudonymised at rest), so a block
+    restored after a restart is known by tag until its tenant asks for it again. ``snapshot`` marks the
+    first report, whose ``added`` is the whole index the worker found at start (G3 warm restart).
     """
 
-    added: list[tuple[str, int, int]] = field(default_factory=list)
-    removed: list[tuple[str, int, int]] = field(default_factory=list)
+    added: list[tuple[bytes, int, int]] = field(default_factory=list)
+    removed: list[tuple[bytes, int, int]] = field(default_factory=list)
     snapshot: bool = False
 
     def aggregate(self, other: "KvbmWorkerMeta") -> "KvbmWorkerMeta":
         return KvbmWorkerMeta(self.added + other.added, self.removed + other.removed, self.snapshot or other.snapshot)
+
+
+def mirror_id(key) -> tuple[bytes, int, int]:
+    """``(tenant tag, rank, seq_hash)`` of a G3 key: a :class:`~kvbm_backend.model.namespace.BlockKey`
+    (tag of its tenant) or a restored tag-only key (``.tag``, see ``pool/g3/index.py``)."""
+    tag = getattr(key, "tag", None)
+    if tag is None:
+        from ...pool.g3.index import tag_of
+        tag = tag_of(key.tenant)
+    return (tag, key.rank, key.seq_hash)

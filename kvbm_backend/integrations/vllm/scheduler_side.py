@@ -28,7 +28,7 @@ from ...model.hashing import salt_bytes, salt_hash, sequence_hashes
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool, completed
 from . import stats
-from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob
+from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
 
 log = logging.getLogger("kvbm_backend.connector")
 
@@ -45,7 +45,7 @@ class G3Mirror:
 
     def __init__(self, namespace: Namespace):
         self.fp = namespace.fingerprint
-        self._keys: set[tuple[str, int, int]] = set()
+        self._keys: set[tuple[bytes, int, int]] = set()  # metadata.mirror_id: (tenant tag, rank, seq_hash)
         self._lock = threading.Lock()
         self.ready = False
 
@@ -63,7 +63,7 @@ class G3Mirror:
         n = 0
         with self._lock:
             for k in keys:
-                if k.namespace != self.fp or (k.tenant, k.rank, k.seq_hash) not in self._keys:
+                if k.namespace != self.fp or mirror_id(k) not in self._keys:
                     break
                 n += 1
         return completed(n)

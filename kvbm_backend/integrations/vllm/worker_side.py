@@ -6,13 +6,20 @@ staging buffer (a memory copy, bounded by ``max_pending_save_bytes``), then hand
 ``G4.put``, which return at once; storage never runs on the forward path. When pending saves already
 hold ``max_pending_save_bytes`` of staging, new saves are dropped and counted (DESIGN invariant 3).
 
-Loads: ``start_load_kv`` submits ``G3.get`` / ``G4.get`` into host staging (or, on CUDA, H6's device
-path: :class:`kvbm_backend.gpu.DeviceLoader` / :func:`kvbm_backend.gpu.load_via_host`) on a
-background thread. A block counts as loaded only when the pool verified it (``GetResult.ok``); the
-verified prefix is scattered into the engine blocks, and every block from the first failure on is
-reported by ``get_block_ids_with_load_errors`` so vLLM recomputes it (never wrong KV). A load still
-running after ``load_timeout_s`` is reported finished with all its unscattered blocks failed; its late
-bytes land only in the abandoned staging buffer.
+Loads: ``start_load_kv`` runs, on a background thread, ``G3.get`` / ``G4.get`` with the rows of one
+staging tensor on the engine's KV device as destinations: the pools' seam for device loads
+(:mod:`kvbm_backend.pool.base`). The same code runs on a CUDA engine (G3: slots read into HBM with
+kvikio/GDS or a pinned bounce and verified on the GPU; G4: decrypted on the host, one H2D copy) and on
+the CPU engine (the same device reader in host mode), so the CPU tests exercise the GPU wiring. A block
+counts as loaded only when the pool verified it (``GetResult.ok``); the verified prefix is scattered
+into the engine blocks, and every block from the first failure on is reported by
+``get_block_ids_with_load_errors`` so vLLM recomputes it (never wrong KV). A load still running after
+``load_timeout_s`` is reported finished with all its unscattered blocks failed; its late bytes land
+only in the abandoned staging buffer. Blocks loaded from G4 are promoted into G3 (``promote_to_g3``),
+past G3's admission filter: a block asked for again is by definition a repeat sighting.
+
+Frames written for device loads carry the device-verifiable checksum (``device_checksum``: ``auto`` =
+on a CUDA engine, computed on the GPU where the blocks were gathered).
 """
 from __future__ import annotations
 
@@ -25,11 +32,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ...gpu.checksum import device_checksums_torch
+from ...gpu.host_path import device_blocks_to_host
 from ...model.namespace import Namespace
-from ...pool.base import BlockPool, GetResult, PutResult
+from ...pool.base import BlockPool, GetResult, PutResult, SlotLeaseSource
 from . import stats
 from .kv_io import EngineKv, numpy_staging, split_blocks
-from .metadata import KvbmWorkerMeta, LoadJob, SaveJob
+from .metadata import KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
 
 log = logging.getLogger("kvbm_backend.connector")
 
@@ -49,8 +58,12 @@ class WorkerSide:
 
     def __init__(self, namespace: Namespace, rank: int, g3: BlockPool | None, g4: BlockPool | None, *,
                  load_timeout_s: float = 5.0, promote_to_g3: bool = True,
-                 max_pending_save_bytes: int = 1 << 30, save_to_g4: bool = True, report_g3: bool = False):
+                 max_pending_save_bytes: int = 1 << 30, save_to_g4: bool = True, report_g3: bool = False,
+                 device_checksum: str = "auto"):
+        if device_checksum not in ("auto", "on", "off"):
+            raise ValueError(f"device_checksum: expected auto, on or off, got {device_checksum!r}")
         self.ns, self.rank, self.g3, self.g4 = namespace, rank, g3, g4
+        self.device_checksum = device_checksum
         self.load_timeout_s = load_timeout_s
         self.promote_to_g3 = promote_to_g3
         self.save_to_g4 = save_to_g4
@@ -62,12 +75,11 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-load")
         self._pending_save_bytes = 0
-        self._device_loader = None
         # report_g3: the scheduler runs in another process and mirrors our G3 index (KvbmWorkerMeta)
         self.report_g3 = report_g3 and g3 is not None
         self._snapshot_sent = False
-        self._added: list[tuple[str, int, int]] = []
-        self._removed: list[tuple[str, int, int]] = []
+        self._added: list[tuple[bytes, int, int]] = []  # (tenant tag, rank, seq_hash): see KvbmWorkerMeta
+        self._removed: list[tuple[bytes, int, int]] = []
 
     # ---- registration --------------------------------------------------------------------------
     def register(self, kv: EngineKv) -> None:
@@ -77,6 +89,17 @@ class WorkerSide:
         self.kv = kv
         log.info("kvbm_backend: registered %d layers, engine layout %s, %d bytes per block, device %s",
                  kv.layout.num_layers, kv.engine_layout, kv.layout.bytes_per_block, kv.device)
+        if isinstance(self.g3, SlotLeaseSource):
+            # probe the G3 -> device path now (logged once by the pool), not on the first request
+            rd = self.g3.device_reader(kv.device)
+            stats.set_info(g3_device_path=rd.mode, g3_device_path_reason=rd.mode_reason)
+        log.info("kvbm_backend: device checksum on saved frames: %s (device_checksum=%s)",
+                 self.dev_checks_on, self.device_checksum)
+
+    @property
+    def dev_checks_on(self) -> bool:
+        """Whether saved G3 frames carry ``FLAG_DEVCHECK`` (see ``g3.device_checksum``)."""
+        return self.device_checksum == "on" or (self.device_checksum == "auto" and self.on_cuda)
 
     @property
     def on_cuda(self) -> bool:
@@ -100,28 +123,39 @@ class WorkerSide:
                 self._pending_save_bytes += nbytes
             t0 = time.perf_counter()
             arr, host = numpy_staging(nbytes)
+            checks = None
             if self.on_cuda:
                 dev = torch.empty(nbytes, dtype=torch.uint8, device=self.kv.device)
                 self.kv.gather(job.block_ids, dev)
+                if self.dev_checks_on and self.g3 is not None:
+                    checks = device_checksums_torch(dev.view(n, bpb), 0, bpb)  # on the GPU
                 host.copy_(dev)
             else:
                 self.kv.gather(job.block_ids, host)
+                if self.dev_checks_on and self.g3 is not None:
+                    checks = device_checksums_torch(host.view(n, bpb), 0, bpb)
             stats.add(save_jobs=1, save_blocks=n, save_gather_s=time.perf_counter() - t0)
             keys = self.ns.keys(job.seq_hashes, job.tenant, self.rank)
             blocks = split_blocks(arr, self.kv.layout, n)
             # A replicated block (MLA) goes to G4 once, from the rank whose key names it.
             g4 = self.save_to_g4 and self.ns.shared_rank(self.rank) == self.rank
-            self._put_all(keys, blocks, arr, nbytes, g4=g4)
+            self._put_all(keys, blocks, arr, nbytes, g4=g4, dev_checks=checks)
 
     def _g4_keys(self, keys: list) -> list:
         """``keys`` as named in G4 (:meth:`Namespace.shared_rank`)."""
         r = self.ns.shared_rank(self.rank)
         return keys if r == self.rank else [k._replace(rank=r) for k in keys]
 
-    def _put_all(self, keys, blocks, arr: np.ndarray, nbytes: int, g3: bool = True, g4: bool = True) -> None:
+    def _put_all(self, keys, blocks, arr, nbytes: int, g3: bool = True, g4: bool = True,
+                 dev_checks: list | None = None, promote: bool = False) -> None:
         futs: list[tuple[str, Future]] = []
         if g3 and self.g3 is not None:
-            futs.append(("g3", self._safe_put(self.g3, keys, blocks)))
+            kw = {}
+            if dev_checks is not None:
+                kw["dev_checks"] = dev_checks
+            if promote:
+                kw["bypass_admission"] = True
+            futs.append(("g3", self._safe_put(self.g3, keys, blocks, **kw)))
         if g4 and self.g4 is not None:
             futs.append(("g4", self._safe_put(self.g4, self._g4_keys(keys), blocks)))
         if not futs:
@@ -135,7 +169,7 @@ class WorkerSide:
             try:
                 r: PutResult = f.result()
                 if tier == "g3" and self.report_g3:
-                    present = [(k.tenant, k.rank, k.seq_hash) for k in keys if self.g3.contains(k)]
+                    present = [mirror_id(k) for k in keys if self.g3.contains(k)]
                     with self._lock:
                         self._added.extend(present)
                 stats.add(**{f"{tier}_put_written_blocks": r.written, f"{tier}_put_skipped_blocks": r.skipped,
@@ -155,9 +189,9 @@ class WorkerSide:
             f.add_done_callback(lambda f, t=tier: done(t, f))
 
     @staticmethod
-    def _safe_put(pool: BlockPool, keys, blocks) -> Future:
+    def _safe_put(pool: BlockPool, keys, blocks, **kw) -> Future:
         try:
-            return pool.put(keys, blocks)
+            return pool.put(keys, blocks, **kw)
         except Exception as e:  # noqa: BLE001 - storage trouble never reaches the engine
             f: Future = Future()
             f.set_exception(e)
@@ -192,24 +226,20 @@ class WorkerSide:
             keys = self.ns.keys(job.seq_hashes, job.tenant, self.rank)
             i3 = [i for i, t in enumerate(job.tiers) if t == "G3"]
             i4 = [i for i, t in enumerate(job.tiers) if t != "G3"]
-            if self.on_cuda:
-                ok, staging_dev = self._load_cuda(keys, i3, i4, ld)
-            else:
-                arr, host = numpy_staging(n * bpb)
-                blocks = split_blocks(arr, kv.layout, n)
-                for tier_idx, pool in ((i3, self.g3), (i4, self.g4)):
-                    if not tier_idx:
-                        continue
-                    if pool is None:
-                        continue
-                    tkeys = [keys[i] for i in tier_idx]
-                    res = self._get(pool, tkeys if pool is self.g3 else self._g4_keys(tkeys),
-                                    [blocks[i] for i in tier_idx], ld.deadline - time.monotonic())
-                    for i, good in zip(tier_idx, res):
-                        ok[i] = bool(good)
-                    if not all(res):
-                        break  # the prefix ends here; later tiers would not be used
-                staging_dev = host
+            # One staging tensor on the engine's KV device; its rows are the pools' destinations (the
+            # pool seam for device loads: G3 verifies in place on the device, G4 on the host + one H2D).
+            staging = torch.empty((n, bpb), dtype=torch.uint8, device=kv.device)
+            rows = list(staging.unbind(0))
+            for tier_idx, pool in ((i3, self.g3), (i4, self.g4)):
+                if not tier_idx or pool is None:
+                    continue
+                tkeys = [keys[i] for i in tier_idx]
+                res = self._get(pool, tkeys if pool is self.g3 else self._g4_keys(tkeys),
+                                [rows[i] for i in tier_idx], ld.deadline - time.monotonic())
+                for i, good in zip(tier_idx, res):
+                    ok[i] = bool(good)
+                if not all(res):
+                    break  # the prefix ends here; later tiers would not be used
             prefix = 0
             while prefix < n and ok[prefix]:
                 prefix += 1
@@ -218,11 +248,11 @@ class WorkerSide:
                 if ld.state != "pending":
                     return  # timed out: nothing goes into the engine
                 if prefix:
-                    kv.scatter(staging_dev[:prefix * bpb], job.block_ids[:prefix])
+                    kv.scatter(staging.view(-1)[:prefix * bpb], job.block_ids[:prefix])
                 ld.ok_prefix = prefix
                 ld.state = "done"
             if self.report_g3:
-                bad = [(keys[i].tenant, keys[i].rank, keys[i].seq_hash) for i in i3 if not ok[i]]
+                bad = [mirror_id(keys[i]) for i in i3 if not ok[i]]
                 if bad:
                     with self._lock:
                         self._removed.extend(bad)
@@ -230,13 +260,9 @@ class WorkerSide:
             stats.add(load_blocks_ok=prefix, load_g3_blocks_ok=n3, load_g4_blocks_ok=prefix - n3,
                       load_blocks_failed=n - prefix, load_bytes=prefix * bpb,
                       load_scatter_s=time.perf_counter() - t0, load_wall_s=time.monotonic() - ld.t0)
-            if self.promote_to_g3 and self.g3 is not None and prefix > n3 and not self.on_cuda:
-                # Blocks found only in G4 are promoted into G3 (async; staging kept alive by the put).
-                idx = [i for i in range(prefix) if job.tiers[i] != "G3"]
-                pk = [keys[i] for i in idx]
-                pb = [blocks[i] for i in idx]
-                stats.add(promote_blocks=len(idx))
-                self._put_all(pk, pb, arr, 0, g3=True, g4=False)
+            if self.promote_to_g3 and self.g3 is not None and prefix > n3:
+                self._promote([keys[i] for i in range(prefix) if job.tiers[i] != "G3"],
+                              [rows[i] for i in range(prefix) if job.tiers[i] != "G3"])
         except Exception as e:  # noqa: BLE001 - any failure is a miss, never wrong KV
             log.exception("kvbm_backend: load for %s failed: %s", job.req_id, e)
             stats.add(load_errors=1)
@@ -246,26 +272,21 @@ class WorkerSide:
                     ld.ok_prefix = 0
                     stats.add(load_blocks_failed=n)
 
-    def _load_cuda(self, keys, i3, i4, ld: _Load):
-        """CUDA engine: load through H6's device path (G3: DeviceLoader, verified on the device;
-        G4: load_via_host, decrypted and verified on the host, one H2D copy)."""
-        from ... import gpu
-        kv = self.kv
-        n, bpb = len(keys), kv.layout.bytes_per_block
-        staging = torch.empty((n, bpb), dtype=torch.uint8, device=kv.device)
-        ok = [False] * n
-        if i3 and self.g3 is not None:
-            if self._device_loader is None:
-                self._device_loader = gpu.DeviceLoader(self.g3, kv.layout, kv.device, timeout_s=self.load_timeout_s)
-            res = self._device_loader.load([keys[i] for i in i3], [staging[i] for i in i3])
-            for i, good in zip(i3, res):
-                ok[i] = bool(good)
-        if i4 and self.g4 is not None and all(ok[i] for i in i3):
-            res = gpu.load_via_host(self.g4, self._g4_keys([keys[i] for i in i4]), [staging[i] for i in i4],
-                                    timeout_s=max(0.01, ld.deadline - time.monotonic()))
-            for i, good in zip(i4, res):
-                ok[i] = bool(good)
-        return ok, staging.view(-1)
+    def _promote(self, keys: list, rows: list) -> None:
+        """Write blocks that were loaded from G4 into G3 (async), past G3's admission filter. ``rows``:
+        verified staging rows on the engine's device (a CUDA engine copies them to pinned host first)."""
+        bpb = self.kv.layout.bytes_per_block
+        checks = None
+        if self.dev_checks_on:
+            checks = device_checksums_torch(torch.stack(rows) if len(rows) > 1 else rows[0].view(1, -1), 0, bpb)
+        if rows[0].device.type == "cuda":
+            blocks = device_blocks_to_host(rows, bpb)
+            keep = blocks
+        else:
+            blocks = [r.numpy() for r in rows]
+            keep = rows
+        stats.add(promote_blocks=len(keys))
+        self._put_all(keys, blocks, keep, 0, g3=True, g4=False, dev_checks=checks, promote=True)
 
     def get_finished(self) -> set[str]:
         """Request ids whose loads are over (done, failed or timed out); their failed block ids are
@@ -300,7 +321,9 @@ class WorkerSide:
             fp = self.ns.fingerprint
             keys = self.g3.keys() if hasattr(self.g3, "keys") else self._index_keys()
             with self._lock:
-                self._added.extend((k.tenant, k.rank, k.seq_hash) for k in keys if k.namespace == fp)
+                # restored entries of tenants not seen since the restart are keyed by tag only: the
+                # mirror is keyed by tag, so they are reported too (and hits after a restart)
+                self._added.extend(mirror_id(k) for k in keys if k.namespace == fp)
         with self._lock:
             added, removed, self._added, self._removed = self._added, self._removed, [], []
         if not (snap or added or removed):

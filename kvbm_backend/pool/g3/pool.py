@@ -54,7 +54,7 @@ from ...model.frame import ChecksumFrames, FrameError, FrameHeader
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace, tenant_tag
 from ...transfer import Extent, coalesce
-from ..base import GetResult, PutResult, completed
+from ..base import GetResult, PutResult, SlotLease, completed, is_tensor_batch
 from ..deadlines import Deadlines
 from . import journal as jr
 from .admission import make_admission
@@ -93,6 +93,7 @@ class _Job:
     blocks: list
     future: Future
     result: PutResult
+    checks: list | None = None  # per block: device_checksum of the payload, or None
 
 
 @dataclass
@@ -113,6 +114,7 @@ class _Piece:
     keys: list
     blocks: list
     slots: list  # (file index, slot), one per block
+    checks: list | None = None  # per block: device_checksum or None (None: no block has one)
     files: tuple = ()  # file indexes written
     gens: tuple = ()  # the files' fdatasync error generations when the piece was submitted
     error: BaseException | None = None
@@ -238,6 +240,9 @@ class G3Pool:
         # posting and reaping I/O while a chunk's headers/checksums are checked and copied out
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-g3-verify")
         self._deadlines = Deadlines("kvbm-g3-deadlines")
+        self._device_readers: dict = {}  # str(device) -> DeviceLoader (device_reader)
+        self._device_lock = threading.Lock()
+        self._device_exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-g3-device")
         self._writer = threading.Thread(target=self._write_loop, name="kvbm-g3-writer", daemon=True)
         self._syncer = threading.Thread(target=self._sync_loop, name="kvbm-g3-syncer", daemon=True)
         self._writer.start()
@@ -285,11 +290,19 @@ class G3Pool:
         self.metrics.hit_rate.record(len(keys), n)
         return completed(n)
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future:
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray], *,
+            dev_checks: Sequence[int] | None = None, bypass_admission: bool = False) -> Future:
         """Offload ``blocks[i]`` (``block_bytes`` uint8 each) under ``keys[i]``; returns Future[PutResult]
         at once. Keys already held or in flight and blocks the admission filter turns away are
         ``skipped``; blocks beyond the queue bound, while degraded, or without room are ``dropped``.
         The buffers are read until the Future completes.
+
+        Args:
+            dev_checks: optional :func:`~kvbm_backend.model.frame.device_checksum` of each block (the
+                connector computes them on the GPU where the blocks were gathered): their frames then
+                carry ``FLAG_DEVCHECK`` and device loads verify them in HBM without a host copy.
+            bypass_admission: store without asking the admission filter (promotion of blocks just
+                loaded from G4: a block asked for again is a repeat sighting by definition).
 
         Raises:
             ValueError: mismatched lengths, a wrong-sized buffer, or a key of another namespace.
@@ -297,6 +310,9 @@ class G3Pool:
         keys = list(keys)
         blocks = list(blocks)
         self._check_keys(keys, blocks, "put")
+        checks = None if dev_checks is None else [int(c) for c in dev_checks]
+        if checks is not None and len(checks) != len(keys):
+            raise ValueError(f"put: {len(keys)} keys but {len(checks)} dev_checks")
         for k in keys:
             if k.namespace != self.fp:
                 raise ValueError(f"put: key namespace {k.namespace} is not this pool's namespace {self.fp}")
@@ -310,19 +326,21 @@ class G3Pool:
                 self.slabs.recheck_space()
                 self.metrics.degraded.set(0)
             seen = set()
-            ck, cb = [], []
-            for k, b in zip(keys, blocks):
+            ck, cb, cc = [], [], []
+            for j, (k, b) in enumerate(zip(keys, blocks)):
                 if k in seen or k in self.index or k in self._inflight:
                     res.skipped += 1
                     self._c["offloads_skipped_present"] += 1
                     continue
                 seen.add(k)
-                if not self.admission.admit(k):
+                if not bypass_admission and not self.admission.admit(k):
                     res.skipped += 1
                     self._c["offloads_skipped_admission"] += 1
                     continue
                 ck.append(k)
                 cb.append(b)
+                if checks is not None:
+                    cc.append(checks[j])
             if self._closed:
                 reason, room = "closed", 0
             elif self._degraded_until:
@@ -337,23 +355,32 @@ class G3Pool:
             if take_k:
                 self._pending += len(take_k)
                 self._inflight.update(take_k)
-                self._queue.append(_Job(take_k, take_b, fut, res))
+                self._queue.append(_Job(take_k, take_b, fut, res, cc[:room] if checks is not None else None))
                 self._cv.notify_all()
         if not take_k:
             fut.set_result(res)
         return fut
 
-    def get(self, keys: Sequence[BlockKey], out: Sequence[np.ndarray]) -> Future:
+    def get(self, keys: Sequence[BlockKey], out: Sequence) -> Future:
         """Onboard ``keys[i]`` into ``out[i]``; Future[GetResult] at once. ``ok[i]`` is True only for a
         verified block. Absent, foreign, corrupt, short, mismatched, failed or late (past
         ``load_timeout_s``) blocks are misses; bad slots are dropped. After a timeout the read may still
         land in ``out`` (only bytes of the requested key's slot, which stays pinned until then).
 
+        ``out`` is either 1-D uint8 numpy buffers (the host pipeline below) or torch tensors on one
+        device (:meth:`device_reader`: slots leased, read straight into device staging, verified on the
+        device, copied into ``out[i]`` only once verified; a late read never lands in ``out``).
+
         Raises:
-            ValueError: mismatched lengths or a wrong-sized / read-only buffer.
+            ValueError: mismatched lengths or a wrong-sized / read-only buffer (numpy); for tensors the
+                future raises ValueError for a tensor of the wrong size, device or layout.
         """
         keys = list(keys)
         out = list(out)
+        if is_tensor_batch(out):
+            if len(keys) != len(out):
+                raise ValueError(f"get: {len(keys)} keys but {len(out)} buffers")
+            return self._get_tensors(keys, out)
         self._check_keys(keys, out, "get", writable=True)
         n = len(keys)
         fut: Future = Future()
@@ -390,25 +417,118 @@ class G3Pool:
         with self._lock:
             return [k for k, _ in self.index.items()]
 
-    def locate(self, key: BlockKey) -> tuple[str, int, int, tuple] | None:
-        """Pin ``key``'s slot for a reader outside the pool (the device loader reads frames straight
-        into HBM) and return ``(slab path, byte offset of the frame header, slot bytes, pin token)``,
-        or None if absent. The slot is not evicted or reused until :meth:`release_slot` is called with
-        the token; the caller must verify header and payload itself (the frame is not trusted)."""
+    # ---- SlotLeaseSource: in-place reads by the device loader ---------------------------------
+    def lease(self, keys: Sequence[BlockKey]) -> list[SlotLease | None]:
+        """Pin the slots of ``keys`` for a reader outside the pool (the device loader reads frames
+        straight into HBM); None for absent or foreign keys (counted as ``absent`` misses). Every
+        lease must go back through :meth:`release`; until then the slot is not evicted or reused. The
+        reader verifies header and payload itself (the frame is not trusted)."""
+        out: list[SlotLease | None] = []
+        absent = 0
         with self._lock:
-            slot = self.index.get(key, touch=True) if key.namespace == self.fp else None
-            if slot is None:
-                return None
-            self.index.pin(slot)
-            f = self.slabs.by_index[slot[0]]
-        return f.path, slot[1] * self.slot_bytes, self.slot_bytes, slot
+            get, pin, files = self.index.get, self.index.pin, self.slabs.by_index
+            for k in keys:
+                slot = get(k, touch=True) if k.namespace == self.fp else None
+                if slot is None:
+                    out.append(None)
+                    absent += 1
+                    continue
+                pin(slot)
+                out.append(SlotLease(k, files[slot[0]].path, slot[1] * self.slot_bytes, self.slot_bytes, slot))
+            if absent:
+                self._miss("absent", absent)
+        return out
 
-    def release_slot(self, token: tuple) -> None:
-        """Unpin a slot returned by :meth:`locate` (a slot evicted meanwhile is freed now)."""
+    def release(self, leases: Sequence[SlotLease]) -> None:
+        """Unpin leases from :meth:`lease` (a slot evicted meanwhile is freed now)."""
         with self._lock:
-            free = self.index.unpin(token)
-            if free is not None:
-                self.slabs.release([free])
+            for ls in leases:
+                free = self.index.unpin(ls.token)
+                if free is not None:
+                    self.slabs.release([free])
+
+    def drop_corrupt(self, key: BlockKey, reason: str) -> None:
+        """A reader outside the pool found ``key``'s slot bad (``reason``, a FrameError reason):
+        remove it from the index and journal (the slot is freed once its last lease is released)."""
+        with self._lock:
+            self._c["corrupt"] += 1
+            self._c["corrupt:" + reason] += 1
+            self._miss(_MISS_REASON.get(reason, "corrupt"))
+        self.metrics.corrupt.labels(reason).inc()
+        self.delete([key])
+
+    def device_reader(self, device):
+        """The pool's :class:`~kvbm_backend.gpu.loader.DeviceLoader` for ``device`` (created on first
+        use: the device path is probed in this pool's first directory and logged once; ``g3.device_path``
+        forces a mode). ``get(keys, tensors)`` uses it; callers may call this at start-up so the probe
+        and its log line happen before the first request.
+
+        Raises:
+            RuntimeError: the pool is closed. ImportError: torch is not installed.
+        """
+        import torch
+
+        from ...gpu.loader import DeviceLoader
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        with self._device_lock:  # one probe per device, never under the pool lock (the probe does I/O)
+            if self._closed:
+                raise RuntimeError("G3 pool is closed")
+            rd = self._device_readers.get(str(dev))
+            if rd is None:
+                rd = DeviceLoader(self, self._layout, dev, probe_dir=self.slabs.paths[0], mode=self.cfg.device_path,
+                                  world=self.namespace.tp_world_size, timeout_s=self.cfg.load_timeout_s, threads=self.cfg.io_threads,
+                                  io_bytes=max(self._io_size, 4 << 20))
+                self._device_readers[str(dev)] = rd
+                log.info("G3 %s: device loads into %s: %s (%s)", self.slabs.paths[0], dev, rd.mode, rd.mode_reason)
+        return rd
+
+    def _get_tensors(self, keys: list, out: list) -> Future:
+        """``get`` into torch tensors: the device reader on the pool's device-load thread."""
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        try:
+            rd = self.device_reader(out[0].device)
+        except Exception as e:  # noqa: BLE001 - no device path: every block is a miss, said once per call
+            log.warning("G3: device load of %d blocks impossible: %s", len(keys), e)
+            fut.set_result(GetResult(ok=[False] * len(keys)))
+            return fut
+
+        def run() -> None:
+            why: list = []
+            try:
+                ok = rd.load(keys, out, why)
+            except (ValueError, TypeError):
+                raise  # bad destination tensors or a wiring bug: the caller must see it
+            except Exception as e:  # noqa: BLE001 - storage trouble: misses
+                log.warning("G3: device load of %d blocks failed: %s", len(keys), e)
+                ok, why = [False] * len(keys), ["io_error"] * len(keys)
+            hits = sum(ok)
+            with self._lock:
+                self._c["hits"] += hits
+                self._c["device_loads"] += len(keys)
+                self._c["device_hits"] += hits
+                # absent keys were counted by lease(), corrupt slots by drop_corrupt()
+                for r in why:
+                    if r in ("io_error", "short", "timeout", "unverifiable"):
+                        self._miss(r)
+            self.metrics.onboard_blocks.inc(hits)
+            fut.set_result(GetResult(ok=list(ok)))
+
+        def guarded() -> None:
+            try:
+                run()
+            except BaseException as e:  # noqa: BLE001 - ValueError (bad tensors) reaches the caller
+                if not fut.done():
+                    fut.set_exception(e)
+
+        try:
+            self._device_exec.submit(guarded)
+        except RuntimeError as e:  # executor shut down: pool closing
+            fut.set_result(GetResult(ok=[False] * len(keys)))
+            log.warning("G3: device load refused: %s", e)
+        return fut
 
     def delete(self, keys: Sequence[BlockKey]) -> Future:
         """Remove blocks (queued offloads of these keys are cancelled). Future of how many were held.
@@ -478,13 +598,16 @@ class G3Pool:
             }
         for name in ("offloads_written", "offloads_skipped_present", "offloads_skipped_admission", "offloads_dropped",
                      "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
-                     "restored_blocks", "restore_dropped", "lookup_blocks", "lookup_hits", "deleted", "late_reads"):
+                     "restored_blocks", "restore_dropped", "lookup_blocks", "lookup_hits", "deleted", "late_reads",
+                     "device_loads", "device_hits"):
             d[name] = c.get(name, 0)
         d["dropped_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("dropped:")}
         d["misses_by_reason"] = {k[5:]: v for k, v in c.items() if k.startswith("miss:")}
         d["corrupt_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("corrupt:")}
         d["restore_dropped_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("restore:")}
         d["hit_rate"] = d["lookup_hits"] / d["lookup_blocks"] if d["lookup_blocks"] else 0.0
+        d["device_paths"] = {dev: {"mode": rd.mode, "reason": rd.mode_reason}
+                             for dev, rd in list(self._device_readers.items())}
         return d
 
     def slot_accounting(self) -> dict:
@@ -520,6 +643,11 @@ class G3Pool:
             self._cv.notify_all()
         self._syncer.join(timeout=max(0.0, end - time.monotonic()) + 1)
         self._deadlines.close()
+        self._device_exec.shutdown(wait=True)
+        with self._device_lock:
+            for rd in list(self._device_readers.values()):
+                rd.close()
+            self._device_readers.clear()
         self._sync_pool.shutdown(wait=True)
         if self._own_engine:
             self.engine.close()
@@ -724,25 +852,30 @@ class G3Pool:
 
     def _start_batch(self, batch: "_Batch") -> None:
         """Reserve slots for the batch's blocks and submit its pieces (returns once all are submitted)."""
-        lj: list = []  # per live block: job, key, block (parallel lists)
+        lj: list = []  # per live block: job, key, block, device checksum (parallel lists)
         lk: list = []
         lb: list = []
+        lc: list = []
+        any_checks = any(job.checks is not None for job in batch.jobs)
         evicted_recs = 0
         with self._lock:
             cancelled = self._cancelled
             for job in batch.jobs:
+                jc = job.checks if job.checks is not None else [None] * len(job.keys)
                 if not cancelled:
                     lj.extend([job] * len(job.keys))
                     lk.extend(job.keys)
                     lb.extend(job.blocks)
+                    lc.extend(jc)
                     continue
-                for k, b in zip(job.keys, job.blocks):
+                for k, b, c in zip(job.keys, job.blocks, jc):
                     if k in cancelled:
                         job.result.skipped += 1
                     else:
                         lj.append(job)
                         lk.append(k)
                         lb.append(b)
+                        lc.append(c)
             n = len(lk)
             slots = self.slabs.allocate(n, self._run)
             if len(slots) < n:
@@ -758,9 +891,10 @@ class G3Pool:
                 job.result.dropped += 1
             if n > m:
                 self._drop("no_space", n - m)
-                del lj[m:], lk[m:], lb[m:]
+                del lj[m:], lk[m:], lb[m:], lc[m:]
             per = self._piece_slots
-            pieces = [_Piece(batch, lj[a:a + per], lk[a:a + per], lb[a:a + per], slots[a:a + per])
+            pieces = [_Piece(batch, lj[a:a + per], lk[a:a + per], lb[a:a + per], slots[a:a + per],
+                             lc[a:a + per] if any_checks else None)
                       for a in range(0, m, per)]
             batch.left += len(pieces)
         if evicted_recs:
@@ -954,8 +1088,9 @@ class G3Pool:
                 s2[:, HDR + bb:] = 0
             mv = memoryview(stage)
             off = 0
-            for key, block in zip(pc.keys, pc.blocks):
-                wh(mv, off, self._tag(key.tenant), key.rank, key.seq_hash, digest(block), now)
+            checks = pc.checks or [None] * m
+            for key, block, dc in zip(pc.keys, pc.blocks, checks):
+                wh(mv, off, self._tag(key.tenant), key.rank, key.seq_hash, digest(block), now, dc)
                 off += sb
             return self._run_extents(pc.slots, stage[:m * sb])
         hdrs = self._staging.take(self._piece_slots * HDR)
@@ -963,9 +1098,10 @@ class G3Pool:
         mv = memoryview(hdrs)
         extents = []
         files = self.slabs.by_index
-        for j, (key, block, (fi, si)) in enumerate(zip(pc.keys, pc.blocks, pc.slots)):
+        checks = pc.checks or [None] * m
+        for j, (key, block, (fi, si), dc) in enumerate(zip(pc.keys, pc.blocks, pc.slots, checks)):
             f = files[fi]
-            wh(mv, j * HDR, self._tag(key.tenant), key.rank, key.seq_hash, digest(block), now)
+            wh(mv, j * HDR, self._tag(key.tenant), key.rank, key.seq_hash, digest(block), now, dc)
             hv = hdrs[j * HDR:(j + 1) * HDR]
             if f.o_direct and not is_aligned(block):
                 st = aligned_empty(self._stored_padded)
