@@ -1,16 +1,58 @@
-"""``kvbm-backend`` command line. Each command lives in its own module; this file only parses options."""
+"""``kvbm-backend`` command line. Each command lives in its own module; this file only parses options.
+
+Every error an operator can cause (a bad value, a missing file, a usage mistake) is one line on stderr,
+``error: --option: what is wrong (got VALUE)``, and exit code 2; tracebacks are left to real bugs.
+"""
 from __future__ import annotations
 
 import json
+import math
 import sys
+from contextlib import contextmanager
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
+from typer.core import TyperGroup
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="G3/G4 KV-cache block pools for NVIDIA Dynamo KVBM and vLLM.")
 console = Console(stderr=True)
+
+
+def error_line(msg: str) -> None:
+    """Print ``error: MSG`` as one line on stderr (never wrapped, no markup)."""
+    console.print(Text.assemble(("error:", "red"), " ", " ".join(str(msg).split())), soft_wrap=True,
+                  highlight=False)
+
+
+@contextmanager
+def _one_line_usage_errors():
+    try:
+        yield
+    except typer.TyperException as e:  # typer's (vendored) click usage errors derive from it
+        if type(e).__name__ == "NoArgsIsHelpError":  # typer prints the help itself
+            raise
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        error_line(e.format_message() + hint)
+        raise typer.Exit(2) from None
+
+
+class _OneLineErrorsGroup(TyperGroup):
+    """Click usage errors (missing option, a value of the wrong type, unknown command or option) as one
+    ``error:`` line, exit 2, instead of the usage text and a framed panel."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with _one_line_usage_errors():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx):
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=_OneLineErrorsGroup,
+                  help="G3/G4 KV-cache block pools for NVIDIA Dynamo KVBM and vLLM.")
 
 
 def _emit(result: dict, as_json: bool, table_fn=None) -> None:
@@ -24,8 +66,60 @@ def _emit(result: dict, as_json: bool, table_fn=None) -> None:
 
 
 def _fail(msg: str) -> None:
-    console.print(f"[red]error:[/red] {msg}")
+    error_line(msg)
     raise typer.Exit(2)
+
+
+def _int_at_least(name: str, value: Optional[int], lo: int) -> None:
+    if value is not None and value < lo:
+        _fail(f"{name}: must be >= {lo} (got {value})")
+
+
+def _finite(name: str, value: Optional[float], *, gt: Optional[float] = None, ge: Optional[float] = None) -> None:
+    """``value`` (None: not given) must be finite and > gt / >= ge."""
+    if value is None:
+        return
+    if not math.isfinite(value):
+        _fail(f"{name}: must be a finite number (got {value})")
+    if gt is not None and not value > gt:
+        _fail(f"{name}: must be > {gt:g} (got {value:g})")
+    if ge is not None and not value >= ge:
+        _fail(f"{name}: must be >= {ge:g} (got {value:g})")
+
+
+def _writable_dirs(name: str, value: Optional[str], sep: Optional[str] = None) -> None:
+    """Each directory named (``sep``-separated) exists as a writable directory or can be created."""
+    from .config import dir_problem
+    if value is None:
+        return
+    for d in ([x.strip() for x in value.split(sep) if x.strip()] if sep else [value]):
+        problem = dir_problem(d)
+        if problem:
+            _fail(f"{name}: {d}: {problem}")
+
+
+def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(f"{name}: expected {', '.join(choices[:-1])} or {choices[-1]} (got {value!r})")
+
+
+def _check_layout(layout: str, page_size: int, tp: int = 1) -> None:
+    """The preset exists, parses, and splits over ``tp`` ranks (messages name --layout / --tp)."""
+    from .model.presets import load_preset
+    try:
+        load_preset(layout).layout(page_size=page_size, tp=tp)
+    except ValueError as e:
+        msg = str(e)
+        if msg.startswith("tp: "):
+            _fail(f"--tp: {msg[4:]} (got {tp})")
+        _fail(f"--layout: {msg.removeprefix('layout: ').removeprefix('layout ')}")
+
+
+def _config_error_text(e: Exception) -> str:
+    from pydantic import ValidationError
+
+    from .config import _fmt_error
+    return _fmt_error(e) if isinstance(e, ValidationError) else str(e)
 
 
 @app.command()
@@ -47,6 +141,19 @@ def bench(
     """Write then read N blocks through a tier, with an in-run baseline of the same bytes."""
     from .bench import BenchOptions
     from .config import ConfigError
+    _one_of("--tier", tier, ("g3", "g4", "vllm-tiers"))
+    _int_at_least("--page-size", page_size, 1)
+    _int_at_least("--tp", tp, 1)
+    _int_at_least("--blocks", blocks, 1)
+    _int_at_least("--threads", threads, 1)
+    if io_size <= 0 or io_size % 4096:
+        _fail(f"--io-size: must be a positive multiple of 4096 bytes (got {io_size})")
+    if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
+        _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
+    _one_of("--engine", engine, ("auto", "posix", "nixl", "kvikio"))
+    _check_layout(layout, page_size, tp)
+    if tier != "g4":
+        _writable_dirs("--path", path, sep=",")
     opts = BenchOptions(tier=tier, layout=layout, page_size=page_size, tp=tp, blocks=blocks, path=path, url=url,
                         endpoint_url=endpoint_url, encrypt=encrypt, io_size_bytes=io_size, engine=engine,
                         threads=threads, progress=not as_json)
@@ -60,8 +167,10 @@ def bench(
         else:
             _fail(f"--tier: expected g3, g4 or vllm-tiers, got {tier!r}")
         result = run(opts)
-    except (ValueError, ConfigError) as e:
-        _fail(str(e))
+    except (ValueError, ConfigError) as e:  # pydantic's ValidationError is a ValueError
+        _fail(_config_error_text(e))
+    except OSError as e:
+        _fail(f"bench --tier {tier}: {e}")
     _emit(result, as_json)
 
 
@@ -79,12 +188,20 @@ def replay(
 ) -> None:
     """Replay a request trace through the G3 pool and report prefix hits."""
     from .replay import run_replay
+    _int_at_least("--page-size", page_size, 1)
+    _finite("--g3-capacity-gb", g3_capacity_gb, gt=0)
+    _int_at_least("--limit", limit, 0)
+    _check_layout(layout, page_size)
+    if not simulate:
+        _writable_dirs("--g3-path", g3_path)
     try:
         result = run_replay(trace=trace, layout=layout, page_size=page_size, g3_path=g3_path,
                             g3_capacity_gb=g3_capacity_gb, admit_all=admit_all, limit=limit, simulate=simulate,
                             progress=not as_json)
-    except ValueError as e:
-        _fail(str(e))
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        _fail(_config_error_text(e))
+    except OSError as e:
+        _fail(f"replay: {e}")
     _emit(result, as_json)
 
 
@@ -99,7 +216,22 @@ def demo(
     endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint for --g4 s3://..."),
 ) -> None:
     """The main job: a real vLLM engine on a real trace, baseline vs kvbm_backend vs restart."""
-    from .demo import run_demo
+    from pathlib import Path
+
+    from .demo import default_trace, run_demo
+    # checked here (before minutes of engine start-up) so that only real failures trace back
+    _int_at_least("--requests", requests, 2)
+    trace_path = Path(trace) if trace else default_trace()
+    if not trace_path.is_file():
+        _fail(f"--trace: no file {trace_path}" + ("" if trace else " (the default trace; give --trace FILE)"))
+    if g4 is not None and not g4.startswith(("s3://", "file:///")):
+        _fail(f"--g4: expected s3://BUCKET/PREFIX or file:///path (got {g4!r})")
+    if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
+        _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
+    _writable_dirs("--workdir", workdir)
+    for name, f in (("--json", json_path), ("--plot", plot)):
+        if f:
+            _writable_dirs(name, str(Path(f).absolute().parent))
     run_demo(json_path=json_path, plot=plot or None, trace=trace, requests=requests, workdir=workdir, g4=g4,
              endpoint_url=endpoint_url)
 
@@ -122,12 +254,19 @@ def doctor(
 
 @app.command()
 def layouts(page_size: int = typer.Option(16), tp: int = typer.Option(1), as_json: bool = typer.Option(False, "--json")) -> None:
-    """List model presets with bytes per token and per block."""
+    """List model presets with bytes per token and per block (a preset whose KV heads --tp does not
+    divide gets an ``error`` entry instead)."""
     from .model.presets import list_presets, load_preset
+    _int_at_least("--page-size", page_size, 1)
+    _int_at_least("--tp", tp, 1)
     rows = {}
     for n in list_presets():
         p = load_preset(n)
-        lay = p.layout(page_size=page_size, tp=tp)
+        try:
+            lay = p.layout(page_size=page_size, tp=tp)
+        except ValueError as e:
+            rows[n] = {"bytes_per_token_tp1": p.bytes_per_token, "error": str(e).removeprefix("tp: ")}
+            continue
         rows[n] = {"bytes_per_token_tp1": p.bytes_per_token, "bytes_per_block": lay.bytes_per_block,
                    "num_layers": lay.num_layers, "outer_dim": lay.outer_dim, "inner_dim": lay.inner_dim,
                    "dtype": lay.dtype}
@@ -138,8 +277,32 @@ def layouts(page_size: int = typer.Option(16), tp: int = typer.Option(1), as_jso
 def plot(files: list[str] = typer.Argument(..., help="benchmark or demo JSON files"),
          out: str = typer.Option("kvbm-plot.png", help="PNG to write")) -> None:
     """Plot benchmark/demo JSON results (throughput vs baseline, TTFT per config)."""
+    from pathlib import Path
+
     from .report import plot_results
-    plot_results(files, out)
+    for f in files:
+        try:
+            d = json.loads(Path(f).read_text())
+        except OSError as e:
+            _fail(f"FILES: {f}: {e.strerror or e}")
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            _fail(f"FILES: {f}: not JSON ({e})")
+        if not isinstance(d, dict):
+            _fail(f"FILES: {f}: expected a JSON object (bench or demo results), got {type(d).__name__}")
+    _writable_dirs("--out", str(Path(out).absolute().parent))
+    try:
+        import matplotlib.figure
+        supported = matplotlib.figure.Figure().canvas.get_supported_filetypes()
+    except ImportError as e:
+        _fail(f"plot: matplotlib is needed ({e})")
+    if Path(out).suffix.lower().lstrip(".") not in supported:
+        _fail(f"--out: unknown image format {Path(out).suffix or '(none)'!r}; use .png, .pdf or .svg (got {out!r})")
+    try:
+        plot_results(files, out)
+    except ValueError as e:  # a JSON object that is neither bench nor demo results
+        _fail(f"FILES: {e}")
+    except OSError as e:
+        _fail(f"--out: {e}")
     console.print(f"wrote {out}")
 
 

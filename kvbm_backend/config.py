@@ -8,17 +8,25 @@ Sources, later wins: defaults < file (YAML/TOML/JSON) or the dict inside vLLM's
 * Any field: ``KVBM_BACKEND__SECTION__FIELD`` (e.g. ``KVBM_BACKEND__G4__URL=s3://b/p``); values are
   parsed as JSON when they parse, else taken as strings.
 
-Errors are :class:`ConfigError` naming the field path (``g3.capacity_gb: ...``).
+Errors are :class:`ConfigError` naming the field path (``g3.capacity_gb: ...``, list items as
+``g3.paths[1]: ...``), and the environment variable when the value came from one.
+
+Strictness: every float must be finite (``inf``/``nan`` are refused everywhere: an infinite timeout
+would turn a slow store into a stalled decode); timeouts have upper bounds; G3 paths must be non-empty,
+and an enabled G3's paths are checked when the config is loaded: an existing path must be a writable
+directory, and a path to be created must not lie under a file.
 """
 from __future__ import annotations
 
 import json
 import os
+import stat
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic_core import PydanticCustomError
 
 
 class ConfigError(ValueError):
@@ -26,7 +34,50 @@ class ConfigError(ValueError):
 
 
 class _M(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float field of the tree is finite (inf / nan are validation errors)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def dir_problem(path: str) -> str | None:
+    """Why ``path`` cannot serve as a directory this process writes (G3 paths, bench ``--path``), or
+    None. An existing path must be a directory this process can write; a missing one is created later,
+    so only a file among its ancestors is a problem (a missing parent's permissions are not judged)."""
+    if not path.strip():
+        return "empty path (it would mean the current directory)"
+    try:
+        target = Path(os.path.abspath(path))
+    except ValueError as e:  # embedded NUL
+        return f"not a usable path: {e}"
+    for q in (target, *target.parents):
+        try:
+            st = q.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as e:
+            return f"cannot inspect {q}: {e.strerror}"
+        if not stat.S_ISDIR(st.st_mode):
+            kind = "a file" if stat.S_ISREG(st.st_mode) else "not a directory"
+            if q == target:
+                return f"is {kind}, not a directory"
+            return f"{q} is {kind}: the directory cannot be created under it"
+        if q == target and not os.access(q, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+            ro = bool(os.statvfs(q).f_flag & os.ST_RDONLY)
+            return f"directory is not writable by this process ({'read-only filesystem' if ro else f'uid {os.geteuid()}'})"
+        return None
+    return None  # not reached: / exists
+
+
+def _check_g3_path(p: str, info: ValidationInfo) -> str:
+    """One ``g3.paths`` entry: non-empty always; :func:`dir_problem` when G3 is enabled."""
+    if not p.strip():
+        raise PydanticCustomError("g3_path_empty", "empty path (G3 would open in the current directory)")
+    problem = dir_problem(p) if info.data.get("enabled", True) else None
+    if problem:
+        raise PydanticCustomError("g3_path", "{problem}", {"problem": problem})
+    return p
+
+
+G3Path = Annotated[str, AfterValidator(_check_g3_path)]
 
 
 class AdmissionConfig(_M):
@@ -39,8 +90,10 @@ class AdmissionConfig(_M):
 
 class G3Config(_M):
     enabled: bool = True
-    paths: list[str] = Field(default_factory=lambda: ["./kvbm-g3"])
-    """One directory per NVMe drive or mount point; slab files are spread across them."""
+    paths: list[G3Path] = Field(default_factory=lambda: ["./kvbm-g3"], min_length=1)
+    """One directory per NVMe drive or mount point; slab files are spread across them. Entries must be
+    non-empty; when G3 is enabled, an existing entry must be a directory this process can write and a
+    missing one must not lie under a file (checked at load: ``g3.paths[i]: ...``)."""
     capacity_gb: float = Field(10.0, gt=0)
     """Upper bound of slot bytes (GB = 1e9 bytes)."""
     files_per_path: int = Field(4, ge=1, le=256)
@@ -57,7 +110,9 @@ class G3Config(_M):
     fsync: bool = True
     """fdatasync before publishing (invariant 2). Off only for throwaway benchmarks."""
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
-    load_timeout_s: float = Field(5.0, gt=0)
+    load_timeout_s: float = Field(5.0, gt=0, le=120)
+    """A load not back within this many seconds is a miss (the engine recomputes). At most 120 s: a
+    load that waits longer is slower than recomputing any prefill, and decode must never stall."""
     device_path: Literal["auto", "gds", "kvikio-compat", "pinned-bounce"] = "auto"
     """How G3 slots reach a CUDA device on a load (``get`` into device tensors): ``auto`` probes at
     start-up in the first path (kvikio read + compare: ``gds`` where cuFile has GDS, ``kvikio-compat``
@@ -106,15 +161,22 @@ class G4Config(_M):
     encrypt: bool = True
     """Unencrypted G4 only when set false explicitly; stats report it."""
     keyring: KeyringConfig = Field(default_factory=KeyringConfig)
-    timeout_s: float = Field(2.0, gt=0)
-    """Per-request bound: past it a lookup/load is a miss and an offload is dropped."""
+    timeout_s: float = Field(2.0, gt=0, le=120)
+    """Per-attempt bound, seconds, at most 120. A request makes up to ``1 + retries`` attempts, so the
+    load bound is ``timeout_s x (1 + retries)``: a lookup/load resolves within it (the pool's deadline;
+    past it the blocks are misses and late replies are discarded). S3: the connect and read timeout
+    of each attempt, so an offload whose attempts all time out is dropped. ``file://`` calls have no
+    timeout of their own: the deadline bounds loads and lookups, and offloads queued behind a hung
+    mount are dropped once ``write_queue_blocks`` are pending."""
     max_inflight: int = Field(32, ge=1, le=1024)
     write_queue_blocks: int = Field(2048, ge=1)
     breaker_failures: int = Field(5, ge=1)
-    breaker_reset_s: float = Field(5.0, gt=0)
+    breaker_reset_s: float = Field(5.0, gt=0, le=3600)
+    """While the breaker is open, one probe request per this many seconds (at most an hour)."""
     dir_fanout: int = Field(256, ge=1, le=4096)
     retries: int = Field(1, ge=0, le=10)
-    """Extra attempts for a failed S3 request (botocore standard retries), each bounded by timeout_s."""
+    """Extra attempts for a failed S3 request (botocore standard retries), each bounded by timeout_s:
+    the load bound is ``timeout_s x (1 + retries)``."""
     fsync: bool = True
     """file:// stores: fsync object and directory before publishing (invariant 2)."""
 
@@ -134,11 +196,22 @@ class KvbmBackendConfig(_M):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
 
-def _fmt_error(e: ValidationError) -> str:
+def _fmt_loc(loc: tuple) -> str:
+    out = ""
+    for x in loc:
+        out += f"[{x}]" if isinstance(x, int) else (f".{x}" if out else str(x))
+    return out
+
+
+def _fmt_error(e: ValidationError, env_sources: dict[tuple, str] | None = None) -> str:
+    """``field.path: message (got value)``, ``; ``-joined; `` (from ENV_VAR)`` after the field path
+    when the value came from the environment."""
     parts = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+        loc = tuple(err["loc"])
+        src = next((v for k, v in (env_sources or {}).items() if loc[:len(k)] == k), None)
+        where = _fmt_loc(loc) + (f" (from {src})" if src else "")
+        parts.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
     return "; ".join(parts)
 
 
@@ -148,13 +221,27 @@ def _set_path(d: dict, path: list[str], value: Any) -> None:
     d[path[-1]] = value
 
 
-def env_overrides(environ: dict[str, str] | None = None) -> dict:
+def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, str] | None = None) -> dict:
+    """The overrides the environment gives, as a nested dict. ``sources`` (if given) is filled with
+    field path tuple -> environment variable name, for error messages.
+
+    Raises ConfigError naming ``DYN_KVBM_DISK_CACHE_DIR`` when it has an empty entry (``/a::/b``, a
+    leading or trailing ``:``), which would otherwise put G3 in the current directory."""
     env = os.environ if environ is None else environ
     out: dict = {}
+    sources = {} if sources is None else sources
     if env.get("DYN_KVBM_DISK_CACHE_DIR"):
-        _set_path(out, ["g3", "paths"], env["DYN_KVBM_DISK_CACHE_DIR"].split(":"))
+        raw = env["DYN_KVBM_DISK_CACHE_DIR"]
+        parts = raw.split(":")
+        bad = [i for i, x in enumerate(parts) if not x.strip()]
+        if bad:
+            raise ConfigError(f"DYN_KVBM_DISK_CACHE_DIR: empty path entry {bad[0]} ('::' or a leading/trailing"
+                              f" ':'); G3 would open in the current directory (got {raw!r})")
+        _set_path(out, ["g3", "paths"], parts)
+        sources[("g3", "paths")] = "DYN_KVBM_DISK_CACHE_DIR"
     if env.get("DYN_KVBM_DISK_CACHE_GB"):
         _set_path(out, ["g3", "capacity_gb"], env["DYN_KVBM_DISK_CACHE_GB"])
+        sources[("g3", "capacity_gb")] = "DYN_KVBM_DISK_CACHE_GB"
     for k, v in env.items():
         if k.startswith("KVBM_BACKEND__"):
             path = [p.lower() for p in k[len("KVBM_BACKEND__"):].split("__")]
@@ -163,6 +250,7 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict:
             except ValueError:
                 val = v
             _set_path(out, path, val)
+            sources[tuple(path)] = k
     return out
 
 
@@ -204,9 +292,10 @@ def load_config(source: str | Path | dict | None = None, *, environ: dict[str, s
             raise ConfigError(f"config file {p}: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping")
+    sources: dict[tuple, str] = {}
     if use_env:
-        data = _merge(data, env_overrides(environ))
+        data = _merge(data, env_overrides(environ, sources))
     try:
         return KvbmBackendConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_fmt_error(e)) from None
+        raise ConfigError(_fmt_error(e, sources)) from None

@@ -1,5 +1,10 @@
 """Config tree: sources, KVBM env names, errors that name the field."""
+import contextlib
 import json
+import os
+import re
+import subprocess
+import tempfile
 
 import pytest
 
@@ -52,3 +57,125 @@ def test_unreadable_file_named(tmp_path):
         load_config(p)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+# --- strictness (issue 10): finite floats, bounded timeouts, usable G3 paths -------------------------
+
+@pytest.mark.parametrize("field", ["g3.capacity_gb", "g3.load_timeout_s", "g3.min_free_fraction", "g4.timeout_s",
+                                   "g4.breaker_reset_s", "g4.keyring.reload_interval_s"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), "inf", "Infinity", "NaN"])
+def test_every_float_must_be_finite(field, value):
+    # an infinite timeout would turn a hung store into a stalled decode (invariant 3)
+    src: dict = {}
+    *parents, leaf = field.split(".")
+    d = src
+    for p in parents:
+        d = d.setdefault(p, {})
+    d[leaf] = value
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: Input should be a finite number \(got "):
+        load_config(src, use_env=False)
+
+
+@pytest.mark.parametrize("env", [{"KVBM_BACKEND__G4__TIMEOUT_S": "Infinity"}, {"KVBM_BACKEND__G4__TIMEOUT_S": "NaN"},
+                                 {"KVBM_BACKEND__G3__LOAD_TIMEOUT_S": "inf"}])
+def test_env_inf_nan_refused_and_env_named(env):
+    (name,) = env
+    with pytest.raises(ConfigError, match=rf"\(from {name}\): Input should be a finite number"):
+        load_config(None, environ=env)
+
+
+def test_kvbm_capacity_env_inf_refused():
+    with pytest.raises(ConfigError, match=r"^g3\.capacity_gb \(from DYN_KVBM_DISK_CACHE_GB\): .*finite"):
+        load_config(None, environ={"DYN_KVBM_DISK_CACHE_GB": "inf"})
+
+
+@pytest.mark.parametrize("field,value", [("g3.load_timeout_s", 121), ("g4.timeout_s", 1e6),
+                                         ("g4.breaker_reset_s", 86400)])
+def test_timeouts_have_upper_bounds(field, value):
+    section, leaf = field.split(".")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: Input should be less than or equal to"):
+        load_config({section: {leaf: value}}, use_env=False)
+    load_config({section: {leaf: 60}}, use_env=False)  # a long but sane value is fine
+
+
+@pytest.mark.parametrize("paths,idx", [([""], 0), (["/tmp", ""], 1), (["   "], 0)])
+def test_empty_g3_path_refused(paths, idx):
+    with pytest.raises(ConfigError, match=rf"^g3\.paths\[{idx}\]: empty path"):
+        load_config({"g3": {"paths": paths}}, use_env=False)
+    with pytest.raises(ConfigError, match=r"^g3\.paths: List should have at least 1 item"):
+        load_config({"g3": {"paths": []}}, use_env=False)
+
+
+@pytest.mark.parametrize("value", ["/a::/b", "/a:", ":/a", ":"])
+def test_kvbm_dir_env_with_empty_entry_refused(value):
+    with pytest.raises(ConfigError, match=r"^DYN_KVBM_DISK_CACHE_DIR: empty path entry .*current directory") as ei:
+        load_config(None, environ={"DYN_KVBM_DISK_CACHE_DIR": value})
+    assert repr(value) in str(ei.value)
+
+
+def test_g3_path_that_is_a_file_refused(tmp_path):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=rf"^g3\.paths\[1\]: is a file, not a directory \(got '{re.escape(str(f))}'\)"):
+        load_config({"g3": {"paths": [str(tmp_path / "ok"), str(f)]}}, use_env=False)
+    # under a file: mkdir would fail later with NotADirectoryError
+    with pytest.raises(ConfigError, match=rf"^g3\.paths\[0\]: {re.escape(str(f))} is a file: the directory cannot"):
+        load_config({"g3": {"paths": [str(f / "sub" / "g3")]}}, use_env=False)
+    # the KVBM env name is given when the value came from it
+    with pytest.raises(ConfigError, match=r"^g3\.paths\[1\] \(from DYN_KVBM_DISK_CACHE_DIR\): is a file"):
+        load_config(None, environ={"DYN_KVBM_DISK_CACHE_DIR": f"{tmp_path}:{f}"})
+    # a disabled G3 is not opened, so its paths are not inspected
+    assert load_config({"g3": {"enabled": False, "paths": [str(f)]}}, use_env=False).g3.paths == [str(f)]
+
+
+@contextlib.contextmanager
+def _effective_uid(uid: int | None):
+    """Run the body with effective uid/gid ``uid`` (None: unchanged); root gets its ids back after."""
+    if uid is None:
+        yield
+        return
+    os.setegid(uid)
+    os.seteuid(uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def test_g3_directory_not_writable_refused():
+    # Root bypasses directory permissions, so as root the load runs with the effective uid of `nobody`
+    # (65534; the check uses effective ids): a real permission check either way, never a mock.
+    uid = 65534 if os.geteuid() == 0 else None
+    d = tempfile.mkdtemp(prefix="kvbm-ro-", dir="/tmp")  # /tmp: reachable by `nobody` (pytest's tmp is 0700)
+    try:
+        os.chmod(d, 0o555)
+        with _effective_uid(uid), pytest.raises(ConfigError) as ei:
+            load_config({"g3": {"paths": [d]}}, use_env=False)
+        assert str(ei.value).startswith("g3.paths[0]: directory is not writable by this process"), ei.value
+        assert repr(d) in str(ei.value)
+        os.chmod(d, 0o777)
+        with _effective_uid(uid):
+            assert load_config({"g3": {"paths": [d]}}, use_env=False).g3.paths == [d]
+    finally:
+        os.chmod(d, 0o700)
+        os.rmdir(d)
+
+
+def test_g3_directory_on_read_only_mount_refused(tmp_path):
+    # A read-only filesystem stops root too (EROFS), and the message says which of the two it is.
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    src.mkdir()
+    ro.mkdir()
+    r = subprocess.run(["mount", "--bind", str(src), str(ro)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot bind-mount here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        r = subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount read-only here: {r.stderr.strip()}")
+        with pytest.raises(ConfigError, match=r"^g3\.paths\[0\]: directory is not writable by this process "
+                                              r"\(read-only filesystem\)"):
+            load_config({"g3": {"paths": [str(ro)]}}, use_env=False)
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)

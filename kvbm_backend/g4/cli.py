@@ -6,6 +6,7 @@ counts and creation dates only.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from contextlib import contextmanager
 from typing import Optional
@@ -13,6 +14,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 console = Console(stderr=True)
 keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -20,8 +22,22 @@ keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 
 def _fail(msg: str) -> None:
-    console.print(f"[red]error:[/red] {msg}")
+    """``error: MSG`` as one line on stderr (never wrapped, no markup), exit code 2."""
+    console.print(Text.assemble(("error:", "red"), " ", " ".join(str(msg).split())), soft_wrap=True,
+                  highlight=False)
     raise typer.Exit(2)
+
+
+def _finite(name: str, value: Optional[float], *, gt: Optional[float] = None, ge: Optional[float] = None) -> None:
+    """``value`` (None: not given) must be finite and > gt / >= ge."""
+    if value is None:
+        return
+    if not math.isfinite(value):
+        _fail(f"{name}: must be a finite number (got {value})")
+    if gt is not None and not value > gt:
+        _fail(f"{name}: must be > {gt:g} (got {value:g})")
+    if ge is not None and not value >= ge:
+        _fail(f"{name}: must be >= {ge:g} (got {value:g})")
 
 
 def _out(obj, as_json: bool) -> None:
@@ -35,12 +51,15 @@ def _out(obj, as_json: bool) -> None:
 
 @contextmanager
 def _keyring_errors():
-    """A KeyringError (wrong KEK, insecure file mode, unknown tenant...) becomes a one-line error, exit 2."""
+    """A KeyringError (wrong KEK, insecure file mode, unknown tenant...) or an OSError (a keyring or KEK
+    file that cannot be created or read) becomes a one-line error, exit 2."""
     from ..crypto.keyring import KeyringError
     try:
         yield
     except KeyringError as e:
         _fail(str(e))
+    except OSError as e:
+        _fail(f"keys: {e}")
 
 
 def _table(rows: list[dict]) -> None:
@@ -53,7 +72,17 @@ def _table(rows: list[dict]) -> None:
 
 
 def _open(keyring: str, kek_env: str, kek_file: Optional[str], create: bool):
+    from pathlib import Path
+
+    from ..config import dir_problem
     from ..crypto.keyring import Keyring, provider_for
+    for name, f in (("--keyring", keyring), ("--kek-file", kek_file)):
+        if f and create and not Path(f).exists():
+            problem = dir_problem(str(Path(f).absolute().parent))
+            if problem:
+                _fail(f"{name}: {f}: directory {Path(f).absolute().parent}: {problem}")
+        elif f and Path(f).is_dir():
+            _fail(f"{name}: {f}: is a directory, not a file")
     prov = provider_for(keyring, kek_env, kek_file, create=create)
     return Keyring(keyring, prov, create=create)
 
@@ -127,8 +156,8 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
 def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
        endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint URL"),
        region: Optional[str] = typer.Option(None),
-       max_age_s: Optional[float] = typer.Option(None, help="delete blocks older than this (seconds)"),
-       target_gb: Optional[float] = typer.Option(None, help="then delete oldest until at most this (GB = 1e9 B)"),
+       max_age_s: Optional[float] = typer.Option(None, help="delete blocks older than this (seconds, >= 0)"),
+       target_gb: Optional[float] = typer.Option(None, help="then delete oldest until at most this (GB = 1e9 B, >= 0)"),
        tenant: Optional[str] = typer.Option(None, help="only this tenant (id with --keyring, or pseudonym hex)"),
        keyring: Optional[str] = typer.Option(None, help="keyring: revoked tenants are reclaimed, --tenant mapped"),
        kek_env: str = _ENV, kek_file: Optional[str] = _KF,
@@ -142,8 +171,18 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
     from .store import open_store
     if max_age_s is None and target_gb is None and keyring is None:
         _fail("gc: give --max-age-s and/or --target-gb (and/or --keyring to reclaim revoked tenants)")
+    # a negative age or an infinite/NaN threshold is a mistake, never a policy (-1 would delete every
+    # block); 0 ("everything older than now") and --target-gb 0 ("empty it") are explicit
+    _finite("--max-age-s", max_age_s, ge=0)
+    _finite("--target-gb", target_gb, ge=0)
+    _finite("--temp-grace-s", temp_grace_s, ge=0)
+    if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
+        _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
     try:
         store = open_store(url, endpoint_url=endpoint_url, region=region, timeout_s=10.0)
+    except ValueError as e:  # scheme or form of the URL ("g4.url ...: ...")
+        _fail(f"--url: {str(e).removeprefix('g4.url').lstrip(': ')}")
+    try:
         kr = _open(keyring, kek_env, kek_file, False) if keyring else None
         res = run_gc(store, keyring=kr, max_age_s=max_age_s,
                      target_bytes=None if target_gb is None else int(target_gb * 1e9), tenant=tenant,

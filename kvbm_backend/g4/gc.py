@@ -7,6 +7,7 @@ Ages come from the store (S3 ``LastModified``, POSIX ``mtime``).
 """
 from __future__ import annotations
 
+import math
 import time
 
 from .naming import parse_block_name
@@ -30,8 +31,12 @@ def run_gc(store: ObjectStore, *, keyring=None, max_age_s: float | None = None, 
     Returns:
         dict of counts and bytes: scanned_*, deleted_* and per-reason ``deleted_by``.
     Raises:
-        ValueError when ``tenant`` cannot be resolved; StoreUnavailable when the store is down.
+        ValueError when ``tenant`` cannot be resolved or a threshold is negative, infinite or NaN
+        (before anything is listed or deleted); StoreUnavailable when the store is down.
     """
+    for name, v in (("max_age_s", max_age_s), ("target_bytes", target_bytes), ("temp_grace_s", temp_grace_s)):
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name}: must be a finite number >= 0 (got {v})")
     now = time.time() if now is None else now
     want = None
     if tenant is not None:
