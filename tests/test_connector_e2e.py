@@ -323,3 +323,22 @@ def test_mla_tensor_parallel_two_ranks_share_one_g4_copy_of_the_replicated_laten
         assert st.get("load_g4_blocks_ok", 0) >= 2 * 18 - 10, st  # the shared prefix may come from G3 after promotion
         assert st.get("load_blocks_failed", 0) == 0, st
     assert c["scheduler_stats"].get("load_planned_g4_blocks", 0) >= 2 * 18 - 10, c["scheduler_stats"]
+
+
+def test_prefix_seen_twice_in_the_engine_cache_reaches_g3(tmp_path, model_dir):
+    """KVBM's frequency admission stores a block on its second sighting. A prompt whose second sighting
+    is served by the engine's own prefix cache must still reach G3 (saved from the engine's blocks),
+    so a fresh engine then loads it from G3."""
+    p = prompts(1, 700, seed=21)
+    extra = connector_extra(tmp_path / "w")
+    extra["kvbm_backend"]["g3"]["admission"] = {"policy": "frequency"}
+    a = _run(tmp_path, "twice", model_dir, [p[0], p[0]], {"extra": extra}, num_gpu_blocks=NUM_BLOCKS,
+             warmup=False)
+    sa = a["connector_stats"]
+    assert a["cached_tokens"][1] >= 21 * 32 - 32, a["cached_tokens"]  # the second one: the engine's cache
+    assert sa.get("save_local_hit_blocks", 0) >= 20, sa
+    assert sa.get("g3_put_written_blocks", 0) >= 20, sa
+    b = _run(tmp_path, "fresh", model_dir, [p[0]], {"extra": extra}, num_gpu_blocks=NUM_BLOCKS, warmup=False)
+    sb = b["connector_stats"]
+    assert sb.get("load_g3_blocks_ok", 0) >= 20, sb
+    assert b["outputs"] == a["outputs"][:1]

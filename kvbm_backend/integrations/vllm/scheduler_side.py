@@ -146,6 +146,7 @@ class _Req:
     lookup_blocks: int                # blocks that may be served from outside: (prompt_len - 1) // bs
     lookup: _Lookup | None = None
     n_local: int = 0                  # blocks the engine's own prefix cache had at the last query
+    g3_local: int | None = None       # leading blocks of that local hit G3 already holds (None: unknown)
     planned: tuple[int, int] | None = None  # (first, end) block range being loaded
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int | None = None     # blocks [0, saved_upto) are stored or owned by someone else
@@ -224,6 +225,9 @@ class SchedulerSide:
         st = self._state(request)
         st.n_local = num_computed_tokens // self.bs
         if st.lookup_blocks <= st.n_local:
+            # served by the engine's own prefix cache: remember how much of it G3 holds, so blocks seen
+            # again only in the engine's cache still reach G3 (saved from the engine's blocks this step)
+            st.g3_local = self._g3_prefix(st, st.n_local)
             return 0, False
         if st.lookup is None:
             st.lookup = _Lookup(self._keys_by_rank(st, st.lookup_blocks), self.g3, self.g4, self.lookup_timeout_s,
@@ -232,6 +236,7 @@ class SchedulerSide:
         if res is None:
             return None, False
         p3, p4 = res
+        st.g3_local = min(p3, st.n_local)
         if not st.counted:
             st.counted = True
             stats.add(lookup_requests=1, lookup_blocks=st.lookup_blocks, local_hit_blocks=st.n_local,
@@ -240,6 +245,17 @@ class SchedulerSide:
         if total <= st.n_local:
             return 0, False
         return (total - st.n_local) * self.bs, True
+
+    def _g3_prefix(self, st: _Req, n: int) -> int | None:
+        """Leading blocks of ``st``'s first ``n`` that G3 holds for every rank (an index lookup, no
+        I/O); None without G3 or when the answer is not there at once."""
+        if self.g3 is None or n <= 0:
+            return None
+        try:
+            return min(f.result(timeout=0.05) for f in
+                       [self.g3.lookup_prefix(k) for k in self._keys_by_rank(st, n)])
+        except Exception:  # noqa: BLE001 - unknown: nothing extra is saved
+            return None
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.g3 is None and self.g4 is None:
@@ -281,6 +297,7 @@ class SchedulerSide:
             st.block_ids = list(nr.block_ids[0])
             if st.saved_upto is None:
                 st.saved_upto = nr.num_computed_tokens // self.bs
+                self._plan_local_save(meta, st)
             self._plan_save(meta, st, nr.num_computed_tokens + sched.get(nr.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
@@ -297,6 +314,17 @@ class SchedulerSide:
                 st.saved_upto = cached.num_computed_tokens[i] // self.bs
             self._plan_save(meta, st, cached.num_computed_tokens[i] + sched.get(rid, 0))
         return meta
+
+    def _plan_local_save(self, meta: KvbmConnectorMetadata, st: _Req) -> None:
+        """Blocks the engine's own prefix cache served (``[0, n_local)``) but G3 lacks from
+        ``g3_local`` on: offered to the pools from the engine's blocks (their KV is final). Without
+        this, a prefix used again while it is still in the engine's cache never reaches G3, because
+        only newly computed blocks are offered and G3's admission filter wants a second sighting."""
+        held, n_local = st.g3_local, min(st.n_local, len(st.block_ids), len(st.hashes))
+        if held is None or held >= n_local:
+            return
+        meta.saves.append(SaveJob(st.req_id, st.block_ids[held:n_local], st.hashes[held:n_local], st.tenant))
+        stats.add(save_local_hit_blocks=n_local - held)
 
     def _plan_save(self, meta: KvbmConnectorMetadata, st: _Req, computed_after: int) -> None:
         full = min(computed_after // self.bs, len(st.block_ids))
