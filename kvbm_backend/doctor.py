@@ -280,8 +280,11 @@ def engine_choice(cfg, gpu: dict, kvk: dict, nixl: dict, paths: list[dict]) -> d
     out["o_direct_used"] = {p["path"]: (p.get("o_direct") if od == "auto" else od == "on") for p in paths}
     if not gpu.get("cuda_available"):
         out["device_path"] = "none"
-        out["device_path_why"] = ("no CUDA device: the connector loads KV through host buffers (pool get), no "
-                                  "storage->HBM path here")
+        out["device_path_why"] = ("no CUDA device: the connector loads KV through the G3 pool's device reader in "
+                                  "host mode (same code, CPU tensors), no storage->HBM path here")
+    elif cfg.g3.device_path == "pinned-bounce":
+        out["device_path"] = "pinned-bounce"
+        out["device_path_why"] = "forced by g3.device_path"
     elif not kvk.get("usable"):
         out["device_path"] = "pinned-bounce"
         out["device_path_why"] = f"kvikio unusable ({kvk.get('usable_detail')}): pinned host bounce + H2D copy"
@@ -293,7 +296,7 @@ def engine_choice(cfg, gpu: dict, kvk: dict, nixl: dict, paths: list[dict]) -> d
         else:
             from .gpu.loader import probe_device_path
             try:
-                r = probe_device_path(probe_dir, "cuda")
+                r = probe_device_path(probe_dir, "cuda", prefer=cfg.g3.device_path)
                 out["device_path"], out["device_path_why"] = r.mode, f"probed in {probe_dir}: {r.reason}"
             except Exception as e:  # noqa: BLE001
                 out["device_path"], out["device_path_why"] = "pinned-bounce", f"probe failed: {_err(e)}"
