@@ -10,10 +10,18 @@ with the ``kvbm_`` prefix by KVBM's metrics server) that mean the same thing her
 * ``kvbm_matched_tokens``: tokens matched by prefix lookups.
 * ``kvbm_disk_cache_hit_rate`` / ``kvbm_object_cache_hit_rate``: hit rate (0-1) over a sliding window of
   lookups (KVBM uses a sliding window too; ours is the last :data:`HIT_RATE_WINDOW` looked-up blocks).
-* ``kvbm_object_read_failures`` / ``kvbm_object_write_failures``.
+* ``kvbm_object_read_failures`` / ``kvbm_object_write_failures``: G4 reads / offloads the store failed
+  (unavailable, timed out, or answered with an error such as a missing bucket); refusals by the open
+  circuit breaker are not failures of the store, they are ``kvbm_backend_g4_load_misses{reason="breaker"}``
+  / ``kvbm_backend_g4_offloads_dropped{reason="breaker"}``.
 
 Everything KVBM has no name for is ``kvbm_backend_<tier>_*`` (dropped offloads by reason, corrupt
-blocks by reason, evictions, bytes, capacity).
+blocks by reason, misses by reason, bytes, ``degraded``; G3 also evictions, capacity, used bytes and
+blocks). Every series listed here is updated by the pools (``tests/test_metrics.py``).
+
+Serving: :func:`serve_once` (called when an integration opens its tiers, with ``metrics.port`` /
+``metrics.addr``) starts one HTTP ``/metrics`` server per process and address; a port that cannot be
+bound is one ERROR log line naming ``metrics.port``, and the engine runs on without the endpoint.
 
 Metric objects are created idempotently per :class:`~prometheus_client.CollectorRegistry` (the
 ``prometheus_client`` library refuses duplicate registration), so several pools in one process share
@@ -22,6 +30,7 @@ one set of series in the default registry; tests pass their own registry (:func:
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import weakref
 
@@ -30,7 +39,11 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, start
 KVBM_PREFIX = "kvbm_"
 HIT_RATE_WINDOW = 10_000  # looked-up blocks in the sliding hit-rate window
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
+_serve_lock = threading.Lock()
+_servers: dict[tuple[str, int], tuple] = {}  # (addr, port) -> (server, thread): serving in this process
+_serve_failed: dict[tuple[str, int], str] = {}  # (addr, port) -> error, logged once
 _by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -74,6 +87,43 @@ def serve(port: int, registry: CollectorRegistry | None = None, addr: str = "127
     return start_http_server(port, addr=addr, registry=REGISTRY if registry is None else registry)
 
 
+def serve_once(port: int, addr: str = "0.0.0.0") -> bool:
+    """Serve the process registry's ``/metrics`` on ``addr:port`` unless this process already does.
+
+    True when serving. A port that cannot be bound (in use, no permission) logs one ERROR naming
+    ``metrics.port`` per (addr, port) and process and returns False: metrics are an aid, so the
+    engine runs on without the endpoint rather than failing to start.
+    """
+    key = (addr, int(port))
+    with _serve_lock:
+        if key in _servers:
+            return True
+        if key in _serve_failed:
+            return False
+        try:
+            _servers[key] = start_http_server(key[1], addr=addr, registry=REGISTRY)
+        except OSError as e:
+            _serve_failed[key] = str(e)
+            log.error("metrics.port %d: cannot serve Prometheus /metrics on %s:%d (%s); running on WITHOUT a "
+                      "metrics endpoint. Pick a free port (metrics.port, DYN_KVBM_METRICS_PORT or "
+                      "KVBM_BACKEND__METRICS__PORT); with several engine processes per pod only the first "
+                      "binds it", key[1], addr, key[1], e.strerror or e)
+            return False
+    log.info("kvbm_backend: serving Prometheus metrics on http://%s:%d/metrics", addr, key[1])
+    return True
+
+
+def stop_serving(port: int, addr: str = "0.0.0.0") -> None:
+    """Stop a server :func:`serve_once` started (tests); forgets a failed bind too."""
+    key = (addr, int(port))
+    with _serve_lock:
+        ent = _servers.pop(key, None)
+        _serve_failed.pop(key, None)
+    if ent is not None:
+        ent[0].shutdown()
+        ent[0].server_close()
+
+
 class HitRate:
     """Sliding-window hit rate over the last ``window`` looked-up blocks, mirrored into a Gauge."""
 
@@ -113,9 +163,11 @@ class TierMetrics:
         registry: where to register (None: the process registry).
 
     KVBM-named series: ``offload_blocks`` (``kvbm_offload_blocks_h2d`` for g3, ``_d2o`` for g4),
-    ``onboard_blocks`` (``kvbm_onboard_blocks_d2d`` / ``_o2d``), ``matched_tokens``, ``hit_rate``.
-    Ours: ``offloads_dropped{reason}``, ``corrupt{reason}``, ``misses{reason}``, ``evictions``,
-    ``bytes_written``, ``bytes_read``, ``capacity_bytes``, ``used_bytes``, ``blocks``, ``degraded``.
+    ``onboard_blocks`` (``kvbm_onboard_blocks_d2d`` / ``_o2d``), ``matched_tokens``, ``hit_rate``;
+    g4 only: ``read_failures``, ``write_failures`` (``kvbm_object_read_failures`` / ``_write_failures``).
+    Ours: ``offloads_dropped{reason}``, ``corrupt{reason}``, ``misses{reason}``, ``bytes_written``,
+    ``bytes_read``, ``degraded``; g3 only (G4 has no capacity or eviction of its own; ``gc`` trims
+    it): ``evictions``, ``capacity_bytes``, ``used_bytes``, ``blocks``. Attributes a tier lacks are None.
     """
 
     _KVBM = {"g3": ("offload_blocks_h2d", "onboard_blocks_d2d", "disk_cache_hit_rate"),
@@ -139,10 +191,18 @@ class TierMetrics:
         self.corrupt = counter(p + "corrupt_blocks", "Stored blocks that failed verification, by reason",
                                ("reason",), r)
         self.misses = counter(p + "load_misses", "Blocks asked for and not served, by reason", ("reason",), r)
-        self.evictions = counter(p + "evictions", "Blocks evicted (LRU) to make room", registry=r)
         self.bytes_written = counter(p + "bytes_written", "Bytes written (frames incl. headers)", registry=r)
         self.bytes_read = counter(p + "bytes_read", "Bytes read (frames incl. headers)", registry=r)
-        self.capacity_bytes = gauge(p + "capacity_bytes", "Slot bytes the tier may use now", registry=r)
-        self.used_bytes = gauge(p + "used_bytes", "Slot bytes holding published blocks", registry=r)
-        self.blocks = gauge(p + "blocks", "Published blocks", registry=r)
+        self.evictions = self.capacity_bytes = self.used_bytes = self.blocks = None
+        self.read_failures = self.write_failures = None
+        if tier == "g3":
+            self.evictions = counter(p + "evictions", "Blocks evicted (LRU) to make room", registry=r)
+            self.capacity_bytes = gauge(p + "capacity_bytes", "Slot bytes the tier may use now", registry=r)
+            self.used_bytes = gauge(p + "used_bytes", "Slot bytes holding published blocks", registry=r)
+            self.blocks = gauge(p + "blocks", "Published blocks", registry=r)
+        else:
+            self.read_failures = counter(KVBM_PREFIX + "object_read_failures",
+                                         "G4 block reads the store failed (unavailable, timeout, error)", registry=r)
+            self.write_failures = counter(KVBM_PREFIX + "object_write_failures",
+                                          "G4 block writes the store failed (unavailable, error)", registry=r)
         self.degraded = gauge(p + "degraded", "1 while the tier stopped admitting (ENOSPC, store down)", registry=r)

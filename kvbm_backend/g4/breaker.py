@@ -4,21 +4,42 @@ States: ``closed`` (all requests pass), ``open`` after ``failures`` consecutive 
 is refused at once for ``reset_s`` seconds: the caller turns it into a miss or a dropped offload),
 ``half_open`` (one probe request passes; success closes, failure re-opens for another ``reset_s``).
 Thread-safe.
+
+Operator logs (when ``name`` is given; ``kvbm_backend.g4.breaker`` logger), one line per state change,
+never one per request: a WARNING when it opens (what failed last, how long it stays open, the config
+fields), an INFO when it closes again (how long it was open, requests refused meanwhile). While the
+store stays down, failed probes repeat the WARNING at most every ``remind_s`` seconds.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 class CircuitBreaker:
-    def __init__(self, failures: int = 5, reset_s: float = 5.0, clock=time.monotonic):
+    """Args:
+        failures, reset_s: see the module doc (``g4.breaker_failures``, ``g4.breaker_reset_s``).
+        name: what the breaker guards, for its log lines (e.g. ``G4 s3://bucket/prefix``); None: no logs.
+        on_change: called with ``"open"`` / ``"closed"`` after each change (outside the lock).
+        remind_s: least seconds between repeated "still unavailable" warnings.
+    """
+
+    def __init__(self, failures: int = 5, reset_s: float = 5.0, clock=time.monotonic, *, name: str | None = None,
+                 on_change: Callable[[str], None] | None = None, remind_s: float = 300.0):
         if failures < 1 or reset_s <= 0:
             raise ValueError(f"breaker: failures >= 1 and reset_s > 0 required, got {failures}, {reset_s}")
         self.failures, self.reset_s, self._clock = failures, reset_s, clock
+        self.name, self._on_change, self.remind_s = name, on_change, remind_s
         self._mu = threading.Lock()
         self._consecutive = 0
         self._opened_at: float | None = None
+        self._first_opened: float | None = None  # start of the current outage
+        self._last_log = 0.0
+        self._rejected_at_open = 0
         self._probe_out = False
         self.opens = 0  # times it opened
         self.rejected = 0  # requests refused while open
@@ -58,15 +79,62 @@ class CircuitBreaker:
 
     def success(self) -> None:
         with self._mu:
+            was_open = self._opened_at is not None
+            down_s = 0.0 if self._first_opened is None else self._clock() - self._first_opened
+            refused = self.rejected - self._rejected_at_open
             self._consecutive = 0
-            self._opened_at = None
+            self._opened_at = self._first_opened = None
             self._probe_out = False
+        if was_open:
+            if self.name:
+                log.info("%s: store answering again, circuit breaker closed after %.1f s open (%d requests "
+                         "refused meanwhile as misses / dropped offloads)", self.name, down_s, refused)
+            if self._on_change:
+                self._on_change("closed")
 
-    def failure(self) -> None:
+    def failure(self, err: object = None) -> None:
+        """One failed (or expired) request; ``err`` (exception or text) is what the log line names."""
+        self._fail(err, force=False)
+
+    def trip(self, err: object = None) -> None:
+        """Open now, whatever the count (a start-up probe found the store unavailable)."""
+        self._fail(err, force=True)
+
+    def _fail(self, err: object, force: bool) -> None:
+        opened = remind = False
         with self._mu:
+            now = self._clock()
             self._consecutive += 1
-            if self._probe_out or (self._opened_at is None and self._consecutive >= self.failures):
+            if force or self._probe_out or (self._opened_at is None and self._consecutive >= self.failures):
                 if self._opened_at is None:
                     self.opens += 1
-                self._opened_at = self._clock()
+                    opened = True
+                    self._first_opened = self._last_log = now
+                    self._rejected_at_open = self.rejected
+                elif now - self._last_log >= self.remind_s:
+                    remind = True
+                    self._last_log = now
+                self._opened_at = now
             self._probe_out = False
+            consecutive, refused = self._consecutive, self.rejected - self._rejected_at_open
+            down_s = 0.0 if self._first_opened is None else now - self._first_opened
+        if opened:
+            if self.name:
+                why = "unavailable at start" if force else f"{consecutive} consecutive failures"
+                log.warning("%s: store unavailable, circuit breaker OPEN (%s; last: %s): loads are misses and "
+                            "offloads are dropped at once, one probe request every %.1f s "
+                            "(g4.breaker_failures=%d, g4.breaker_reset_s=%g)", self.name, why, _describe(err),
+                            self.reset_s, self.failures, self.reset_s)
+            if self._on_change:
+                self._on_change("open")
+        elif remind and self.name:
+            log.warning("%s: store still unavailable after %.0f s (last: %s); %d requests refused so far",
+                        self.name, down_s, _describe(err), refused)
+
+
+def _describe(err: object) -> str:
+    if err is None:
+        return "no detail"
+    if isinstance(err, BaseException):
+        return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    return str(err)

@@ -49,15 +49,19 @@ from ..model.layout import KvLayout
 from ..model.namespace import BlockKey, Namespace
 from ..pool.base import GetResult, PutResult, completed, is_tensor_batch
 from .bounce import BouncePool
+from ..metrics import TierMetrics
 from .breaker import CircuitBreaker
 from .naming import block_name, namespace_name
-from .store import ObjectStore, StoreUnavailable, open_store
+from .store import BucketMissing, ObjectStore, StoreUnavailable, open_store, redact_url
 
 log = logging.getLogger(__name__)
 
 # Reasons for which an object is deleted when read (it can never become a hit).
 _DELETE_ON = {"magic", "header_check", "identity", "layout", "length", "integrity", "key_owner"}
 _MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most this many distinct ones
+_STORE_ERROR_LOG_S = 300.0  # a store that keeps answering with an error (missing bucket, 403): one line per this
+_READ_FAILURES = {"unavailable", "error", "timeout"}  # miss reasons that are failed store reads
+_WRITE_FAILURES = {"unavailable", "error"}  # drop reasons that are failed store writes
 
 
 class _Batch:
@@ -80,8 +84,9 @@ class G4Pool:
         cfg: :class:`kvbm_backend.config.G4Config` (``url`` required; ``keyring.path`` required
             when ``encrypt``).
         namespace: what the blocks mean; keys of other namespaces are misses.
-        registry: optional ``prometheus_client`` registry; the pool's :meth:`stats` are exported as
-            ``kvbm_g4_*`` gauges.
+        registry: optional ``prometheus_client`` registry for the :class:`~kvbm_backend.metrics.TierMetrics`
+            series (default: the process registry); given, the pool's :meth:`stats` are also exported
+            there as ``kvbm_g4_*`` gauges.
         store, keyring: injected instances (tests, benchmarks); built from ``cfg`` when None.
     Raises:
         ValueError / KeyringError with the field at fault (missing URL, keyring, bad KEK, ...).
@@ -107,7 +112,12 @@ class G4Pool:
         self.store = store or open_store(cfg.url, endpoint_url=cfg.endpoint_url, region=cfg.region,
                                          timeout_s=cfg.timeout_s, max_inflight=cfg.max_inflight,
                                          retries=cfg.retries, fsync=cfg.fsync)
-        self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
+        self.metrics = TierMetrics("g4", registry)
+        where = f" at {redact_url(cfg.endpoint_url)}" if cfg.endpoint_url and self._own_store else ""
+        self.where = f"G4 {redact_url(self.store.url)}{where}"  # operator log lines name the store this way
+        self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, name=self.where,
+                                      on_change=lambda st: self.metrics.degraded.set(int(st == "open")))
+        self._store_errors_logged: dict[str, float] = {}  # kind -> when last logged
         self._io = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-io")
         # get() into torch tensors waits on its own host get here (never on an _io thread it needs)
         self._device_exec = ThreadPoolExecutor(2, thread_name_prefix="g4-device")
@@ -142,6 +152,7 @@ class G4Pool:
         if not keys or self._closed:
             return completed(0)
         if self.breaker.refuse_if_open():  # answered here: never queued behind stuck I/O threads
+            self._lookup_result(len(keys), 0)
             return completed(0)
         b = _Batch(len(keys))
         b.count = 0  # leading confirmed
@@ -329,6 +340,64 @@ class G4Pool:
         if n:
             with self._mu:
                 self._c[name] = self._c.get(name, 0) + n
+            self._export(name, n)
+
+    def _export(self, name: str, n: int) -> None:
+        """Mirror one stats counter into the Prometheus series (:class:`kvbm_backend.metrics.TierMetrics`)."""
+        m = self.metrics
+        kind, _, reason = name.partition("_")
+        if name == "written":
+            m.offload_blocks.inc(n)
+        elif name == "hits":
+            m.onboard_blocks.inc(n)
+        elif name == "bytes_written":
+            m.bytes_written.inc(n)
+        elif name == "bytes_read":
+            m.bytes_read.inc(n)
+        elif kind == "dropped":
+            m.offloads_dropped.labels(reason).inc(n)
+            if reason in _WRITE_FAILURES:
+                m.write_failures.inc(n)
+        elif kind == "miss":
+            m.misses.labels(reason).inc(n)
+            if reason in _READ_FAILURES:
+                m.read_failures.inc(n)
+        elif kind == "corrupt":
+            m.corrupt.labels(reason).inc(n)
+        elif name == "lookup_unavailable":
+            m.read_failures.inc(n)
+
+    def _lookup_result(self, requested: int, found: int) -> None:
+        self.metrics.matched_tokens.inc(found * self._layout.page_size)
+        self.metrics.hit_rate.record(requested, found)
+
+    def _store_error(self, e: OSError) -> None:
+        """The store answered with an error (not an outage): log it, at most once per kind per
+        ``_STORE_ERROR_LOG_S`` seconds. A missing bucket is named with how to create it."""
+        kind = "bucket_missing" if isinstance(e, BucketMissing) else "store_error"
+        now = time.monotonic()
+        with self._mu:
+            last = self._store_errors_logged.get(kind)
+            if last is not None and now - last < _STORE_ERROR_LOG_S:
+                return
+            self._store_errors_logged[kind] = now
+        if isinstance(e, BucketMissing):
+            ep = f" --endpoint-url {redact_url(self.cfg.endpoint_url)}" if self.cfg.endpoint_url else ""
+            log.error("%s: bucket %r does not exist: every G4 offload is dropped and every load misses until it "
+                      "is created (kvbm-backend never creates buckets). Create it, e.g. `aws s3 mb s3://%s%s`, "
+                      "or fix g4.url", self.where, e.bucket, e.bucket, ep)
+        else:
+            log.warning("%s: the store refuses requests: %s (offloads dropped as dropped_error, loads miss as "
+                        "miss_error; check credentials and permissions); repeated at most every %.0f s",
+                        self.where, e, _STORE_ERROR_LOG_S)
+
+    def _store_ok(self) -> None:
+        """A write succeeded: clear logged store errors (one INFO line when the bucket appeared)."""
+        with self._mu:
+            had = self._store_errors_logged.pop("bucket_missing", None)
+            self._store_errors_logged.clear()
+        if had is not None:
+            log.info("%s: bucket exists now, G4 offloads are stored again", self.where)
 
     def _forget_put(self, f: Future) -> None:
         with self._mu:
@@ -361,11 +430,16 @@ class G4Pool:
 
     def _write_namespace_json(self) -> None:
         try:
+            self.store.probe()  # start-up check: an unavailable store or missing bucket is logged now
             if self.store.head(namespace_name(self._fp)) is None:
                 self.store.put_if_absent(namespace_name(self._fp), self.namespace.canonical_json().encode())
             self._ns_written = True
-        except OSError:
+        except StoreUnavailable as e:
             self._count("namespace_json_errors")
+            self.breaker.trip(e)  # logs "unavailable at start"; probes every breaker_reset_s from now on
+        except OSError as e:
+            self._count("namespace_json_errors")
+            self._store_error(e)
 
     def _seal(self, key: BlockKey, block: np.ndarray) -> bytearray:
         hdr = self._expected_header(key)
@@ -402,15 +476,18 @@ class G4Pool:
                 return
             try:
                 created = self.store.put_if_absent(self._name(key), buf)
-            except StoreUnavailable:
-                self.breaker.failure()
+            except StoreUnavailable as e:
+                self.breaker.failure(e)
                 self._count("dropped_unavailable")
                 return
-            except OSError:
+            except OSError as e:
                 self.breaker.success()  # the store answered (e.g. 403): not an outage
                 self._count("dropped_error")
+                self._store_error(e)
                 return
             self.breaker.success()
+            if self._store_errors_logged:
+                self._store_ok()
             if created:
                 kind = "written"
                 self._count("written")
@@ -444,8 +521,8 @@ class G4Pool:
             with b.slot_mu[i]:
                 pass
         self._count("miss_timeout", sum(1 for i in late if not b.ok[i]))
-        if late:
-            self.breaker.failure()  # silence is a failure: nothing else reports a read hung in the kernel
+        if late:  # silence is a failure: nothing else reports a read hung in the kernel
+            self.breaker.failure(f"{len(late)} block reads got no reply within {self._load_bound_s:.2f} s")
         b.future.set_result(GetResult(list(b.ok)))
 
     def _get_one(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray) -> None:
@@ -508,8 +585,8 @@ class G4Pool:
             else:
                 size = self.store.get_into(name, buf)  # the object's true size, may exceed len(buf)
                 data = None if size is None else memoryview(buf)[:min(size, len(buf))]
-        except StoreUnavailable:
-            self.breaker.failure()
+        except StoreUnavailable as e:
+            self.breaker.failure(e)
             return "miss_unavailable"
         except OSError:
             self.breaker.success()
@@ -583,8 +660,8 @@ class G4Pool:
                     try:
                         present = self.store.head(self._name(k)) is not None
                         self.breaker.success()
-                    except StoreUnavailable:
-                        self.breaker.failure()
+                    except StoreUnavailable as e:
+                        self.breaker.failure(e)
                         self._count("lookup_unavailable")
                     except OSError:
                         self.breaker.success()
@@ -614,6 +691,7 @@ class G4Pool:
                 b.closed = True
         if finished:
             self._count("lookup_hits", n)
+            self._lookup_result(len(keys), n)
             b.future.set_result(n)
         else:
             self._lookup_wave(b, keys, end, min(2 * (end - start), self.cfg.max_inflight))
@@ -627,7 +705,8 @@ class G4Pool:
             while n < len(b.ok) and b.done[n] and b.ok[n]:
                 n += 1
         self._count("lookup_timeout")
-        self.breaker.failure()
+        self._lookup_result(len(b.ok), n)
+        self.breaker.failure(f"a lookup got no reply within {self._load_bound_s:.2f} s")
         b.future.set_result(n)
 
     def _register_metrics(self, registry) -> None:

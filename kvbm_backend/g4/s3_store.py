@@ -44,7 +44,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from .store import ObjectInfo, ObjectStore, StoreUnavailable
+from .store import BucketMissing, ObjectInfo, ObjectStore, StoreUnavailable
 
 _MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchObject"}
 _EXISTS = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
@@ -109,6 +109,8 @@ class S3Store(ObjectStore):
 
     def _err(self, op: str, name: str, e: ClientError) -> Exception:
         code, status = _code(e)
+        if code == "NoSuchBucket":
+            return self._bucket_missing()
         if status >= 500 or status == 429 or code in ("SlowDown", "RequestTimeout"):
             return self._unavailable(op, name, e)
         return OSError(f"{op} {self.url}/{name}: {code} (HTTP {status})")
@@ -174,6 +176,22 @@ class S3Store(ObjectStore):
             raise self._err("list", prefix, e) from None
         except BotoCoreError as e:
             raise self._unavailable("list", prefix, e) from None
+
+    def _bucket_missing(self) -> BucketMissing:
+        where = f" at {self.endpoint_url}" if self.endpoint_url else ""
+        return BucketMissing(f"{self.url}: bucket {self.bucket!r} does not exist{where}", self.bucket)
+
+    def probe(self) -> None:
+        """HEAD the bucket: 404 is :class:`BucketMissing`, 403 an OSError, no answer StoreUnavailable."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            code, status = _code(e)
+            if status == 404 or code in ("404", "NoSuchBucket", "NotFound"):
+                raise self._bucket_missing() from None
+            raise self._err("head-bucket", "", e) from None
+        except BotoCoreError as e:
+            raise self._unavailable("head-bucket", "", e) from None
 
     def close(self) -> None:
         self.client.close()

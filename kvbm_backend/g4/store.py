@@ -21,6 +21,15 @@ class StoreUnavailable(OSError):
     """The store did not answer in time or failed (counts towards the circuit breaker)."""
 
 
+class BucketMissing(OSError):
+    """The S3 bucket of ``g4.url`` does not exist (the store answered: not an outage). kvbm-backend
+    never creates buckets; ``bucket`` names it for the operator's log line."""
+
+    def __init__(self, msg: str, bucket: str):
+        super().__init__(msg)
+        self.bucket = bucket
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     name: str  # relative key
@@ -81,8 +90,26 @@ class ObjectStore(ABC):
         """Unpublished writer temp files (POSIX stores only; S3 has none)."""
         return iter(())
 
+    def probe(self) -> None:
+        """Check at start-up that the store answers (cheap; no object written). Raises
+        StoreUnavailable, BucketMissing or OSError (e.g. access denied). Default: nothing to check."""
+
     def close(self) -> None:
         pass
+
+
+def redact_url(url: str | None) -> str:
+    """``url`` without credentials or query (``https://user:secret@host/p?X-Amz-Signature=..`` ->
+    ``https://host/p``), for log lines and start-up summaries."""
+    if not url:
+        return ""
+    u = urlparse(url)
+    host = u.hostname or ""
+    if u.port:
+        host = f"{host}:{u.port}"
+    if u.scheme == "file" or not u.scheme:
+        return f"{u.scheme}://{u.path}" if u.scheme else url.split("?")[0]
+    return f"{u.scheme}://{host}{u.path}"
 
 
 def open_store(url: str, *, endpoint_url: str | None = None, region: str | None = None, timeout_s: float = 2.0,
