@@ -181,9 +181,26 @@ class G4Config(_M):
     """file:// stores: fsync object and directory before publishing (invariant 2)."""
 
 
+KVBM_METRICS_PORT = 6880  # Dynamo KVBM's default DYN_KVBM_METRICS_PORT
+
+
 class MetricsConfig(_M):
-    port: int | None = None
-    """Serve Prometheus metrics on this port (None: registry only)."""
+    enabled: bool | None = None
+    """Serve Prometheus ``/metrics`` (env ``DYN_KVBM_METRICS``, as in Dynamo KVBM). None: serve when
+    ``port`` is set; true without a port: on KVBM's default port 6880; false: never (registry only)."""
+    port: int | None = Field(None, ge=1, le=65535)
+    """Port of the ``/metrics`` endpoint (env ``DYN_KVBM_METRICS_PORT``), one server per process."""
+    addr: str = "0.0.0.0"
+    """Bind address. All interfaces by default: Prometheus scrapes a pod from elsewhere, at the pod IP
+    (the metrics hold counters only, no keys or tenant ids). ``127.0.0.1`` on a shared host where only
+    a local agent scrapes."""
+
+    @property
+    def serve_port(self) -> int | None:
+        """The port to serve on, or None when metrics are not served."""
+        if self.enabled is False:
+            return None
+        return self.port if self.port is not None else (KVBM_METRICS_PORT if self.enabled else None)
 
 
 class KvbmBackendConfig(_M):
@@ -242,6 +259,10 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
     if env.get("DYN_KVBM_DISK_CACHE_GB"):
         _set_path(out, ["g3", "capacity_gb"], env["DYN_KVBM_DISK_CACHE_GB"])
         sources[("g3", "capacity_gb")] = "DYN_KVBM_DISK_CACHE_GB"
+    for name, field in (("DYN_KVBM_METRICS", "enabled"), ("DYN_KVBM_METRICS_PORT", "port")):  # KVBM's names
+        if env.get(name):
+            _set_path(out, ["metrics", field], env[name])
+            sources[("metrics", field)] = name
     for k, v in env.items():
         if k.startswith("KVBM_BACKEND__"):
             path = [p.lower() for p in k[len("KVBM_BACKEND__"):].split("__")]

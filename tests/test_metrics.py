@@ -80,3 +80,146 @@ def test_hit_rate_window_slides():
     hr.record(100, 0)
     assert hr.value == 0.0  # the first lookup slid out of the 100-block window
     assert np.isclose(_val(reg, "kvbm_test_rate"), 0.0)
+
+
+# ---- metrics.port: served when the tiers open; every KVBM-named G4 series moves ----------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _tiers_cfg(tmp_path, **metrics_cfg):
+    from kvbm_backend.config import load_config
+    return load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.05, "admission": {"policy": "all"}},
+                        "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False},
+                        "metrics": metrics_cfg}, use_env=False)
+
+
+def test_metrics_port_serves_kvbm_series_when_tiers_open(tmp_path):
+    from g4_writer import namespace, payload as g4_payload
+    from kvbm_backend.integrations.tiers import open_tiers
+    port = _free_port()
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    g3, g4 = open_tiers(_tiers_cfg(tmp_path, port=port, addr="127.0.0.1"), ns)
+    try:
+        before = _scrape(port)
+        keys = ns.keys(range(1, 5), tenant="t")
+        blocks = [g4_payload(k.seq_hash, "t", bpb) for k in keys]
+        assert g3.put(keys, blocks).result(timeout=30).written == 4
+        assert g4.put(keys, blocks).result(timeout=30).written == 4
+        assert g3.get(keys, [aligned_empty(bpb) for _ in keys]).result(timeout=30).ok == [True] * 4
+        assert g4.get(keys, [aligned_empty(bpb) for _ in keys]).result(timeout=30).ok == [True] * 4
+        assert g4.lookup_prefix(keys).result(timeout=30) == 4
+        after = _scrape(port)
+    finally:
+        g3.close()
+        g4.close()
+        metrics.stop_serving(port, "127.0.0.1")
+    for name, delta in (("kvbm_offload_blocks_h2d_total", 4), ("kvbm_offload_blocks_d2o_total", 4),
+                        ("kvbm_onboard_blocks_d2d_total", 4), ("kvbm_onboard_blocks_o2d_total", 4),
+                        ("kvbm_matched_tokens_total", 4 * ns.layout.page_size)):
+        assert after[name] - before.get(name, 0.0) == delta, name
+    assert "kvbm_object_cache_hit_rate" in after and "kvbm_object_read_failures_total" in after
+
+
+def test_metrics_port_in_use_is_one_error_and_the_tiers_still_open(tmp_path, caplog):
+    import logging
+    from g4_writer import namespace
+    from kvbm_backend.integrations.tiers import open_tiers
+    caplog.set_level(logging.INFO, logger="kvbm_backend")
+    ns = namespace()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        try:
+            for sub in ("a", "b"):  # two configs (two lines), one bind attempt, one error
+                g3, g4 = open_tiers(_tiers_cfg(tmp_path / sub, port=port, addr="127.0.0.1"), ns)
+                assert g3 is not None and g4 is not None
+                g3.close()
+                g4.close()
+        finally:
+            metrics.stop_serving(port, "127.0.0.1")
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and f"metrics.port {port}" in errors[0] and "WITHOUT a metrics endpoint" in errors[0]
+    lines = [r.getMessage() for r in caplog.records if "kvbm_backend tiers open" in r.getMessage()]
+    assert len(lines) == 2 and all(f"NOT serving, port {port}" in x for x in lines)
+
+
+def test_dynamo_metrics_env_names():
+    from kvbm_backend.config import load_config
+    assert load_config(environ={"DYN_KVBM_METRICS": "true"}).metrics.serve_port == 6880  # KVBM's default
+    assert load_config(environ={"DYN_KVBM_METRICS": "1", "DYN_KVBM_METRICS_PORT": "9100"}).metrics.serve_port == 9100
+    assert load_config({"metrics": {"port": 9400}}, environ={"DYN_KVBM_METRICS": "false"}).metrics.serve_port is None
+    assert load_config({"metrics": {"port": 9400}}, environ={}).metrics.serve_port == 9400
+    assert load_config(environ={}).metrics.serve_port is None and load_config(environ={}).metrics.addr == "0.0.0.0"
+
+
+def test_every_g4_series_moves(tmp_path):
+    """Each series of TierMetrics("g4") is updated by G4Pool: the documented set, nothing dead."""
+    import os
+    import time
+    from g4_writer import namespace, payload as g4_payload
+    from kvbm_backend.config import G4Config
+    from kvbm_backend.g4.pool import G4Pool
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    reg = metrics.new_registry()
+    pool = G4Pool(G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False, write_queue_blocks=2, timeout_s=0.3,
+                           retries=0, breaker_failures=1, breaker_reset_s=60), ns, registry=reg)
+    fifo = None
+    try:
+        keys = ns.keys(range(1, 5), tenant="t")
+        blocks = [g4_payload(k.seq_hash, "t", bpb) for k in keys]
+        r = pool.put(keys, blocks).result(timeout=30)
+        assert r.written == 2 and r.dropped == 2  # queue_full
+        assert pool.lookup_prefix(keys).result(timeout=30) == 2
+        with open(pool.store._path(pool.object_name(keys[1])), "r+b") as f:  # corrupt one payload
+            f.seek(frame.HEADER_BYTES + 7)
+            f.write(b"\xff\x00\xff")
+        assert pool.get(keys, [aligned_empty(bpb) for _ in keys]).result(timeout=30).ok == [True, False, False, False]
+        other = ns.keys([50], tenant="u")[0]  # an object whose directory is a file: the store refuses the write
+        d = pool.store._path(pool.object_name(other)).parent
+        d.parent.mkdir(parents=True, exist_ok=True)
+        d.write_bytes(b"x")
+        assert pool.put([other], [g4_payload(50, "u", bpb)]).result(timeout=30).dropped == 1
+        fifo = pool.store._path(pool.object_name(ns.keys([60], tenant="t")[0]))  # a read that never returns
+        fifo.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(fifo)
+        assert pool.get(ns.keys([60], tenant="t"), [aligned_empty(bpb)]).result(timeout=30).ok == [False]
+        assert pool.breaker.state == "open"
+    finally:
+        if fifo is not None:  # release the blocked reader
+            time.sleep(0.1)
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pool.close(timeout=1)
+    m = metrics.TierMetrics("g4", reg)
+    for attr, sample, labels in (("offload_blocks", "kvbm_offload_blocks_d2o_total", {}),
+                                 ("onboard_blocks", "kvbm_onboard_blocks_o2d_total", {}),
+                                 ("matched_tokens", "kvbm_matched_tokens_total", {}),
+                                 ("hit_rate", "kvbm_object_cache_hit_rate", {}),
+                                 ("read_failures", "kvbm_object_read_failures_total", {}),
+                                 ("write_failures", "kvbm_object_write_failures_total", {}),
+                                 ("offloads_dropped", "kvbm_backend_g4_offloads_dropped_total", {"reason": "queue_full"}),
+                                 ("corrupt", "kvbm_backend_g4_corrupt_blocks_total", {"reason": "integrity"}),
+                                 ("misses", "kvbm_backend_g4_load_misses_total", {"reason": "timeout"}),
+                                 ("bytes_written", "kvbm_backend_g4_bytes_written_total", {}),
+                                 ("bytes_read", "kvbm_backend_g4_bytes_read_total", {}),
+                                 ("degraded", "kvbm_backend_g4_degraded", {})):
+        assert getattr(m, attr) is not None
+        assert (metrics.sample_value(reg, sample, labels) or 0) > 0, sample
+    assert m.evictions is None and m.capacity_bytes is None  # G3-only series are not registered for G4
+    assert metrics.sample_value(reg, "kvbm_backend_g4_capacity_bytes") is None

@@ -5,16 +5,25 @@ process and (config, namespace): vLLM builds a scheduler-side and a worker-side 
 in the same process whenever the engine core runs its worker in-process (TP 1: vLLM's
 ``UniProcExecutor``); sharing the pool object there means the scheduler's prefix lookups see every
 block the worker has published, through one index.
+
+Whoever opens pools (:func:`open_tiers`, the vLLM tiering tiers) calls :func:`announce_tiers`: once per
+process and (config, tiers) it logs one INFO line with the effective configuration (``kvbm_backend.tiers``
+logger; no credentials, no key material) and starts the Prometheus ``/metrics`` server when
+``metrics.port`` / ``DYN_KVBM_METRICS`` ask for one (:func:`kvbm_backend.metrics.serve_once`: a port
+in use is one ERROR line naming ``metrics.port``, and the engine runs on without metrics).
 """
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
 
+from .. import metrics
 from ..config import KvbmBackendConfig
 from ..model.namespace import Namespace
 from ..pool.base import BlockPool
 
+log = logging.getLogger("kvbm_backend.tiers")
 
 def _import_first(paths: list[tuple[str, str]]):
     errors = []
@@ -50,7 +59,73 @@ def open_tiers(cfg: KvbmBackendConfig, namespace: Namespace) -> tuple[BlockPool 
             if g3 is not None:
                 g3.close()
             raise
+    announce_tiers(cfg, g3=g3, g4=g4)
     return g3, g4
+
+
+_announced: set[str] = set()
+_announce_lock = threading.Lock()  # not _lock: shared_tiers holds that while it opens pools
+
+
+def announce_tiers(cfg: KvbmBackendConfig, *, g3: BlockPool | None = None, g4: BlockPool | None = None) -> None:
+    """Start the metrics endpoint (once per process) and log the start-up line (once per process,
+    config and set of open tiers). Never raises: metrics and logs must not stop an engine."""
+    try:
+        port = cfg.metrics.serve_port
+        serving = metrics.serve_once(port, cfg.metrics.addr) if port is not None else None
+        key = f"{cfg.model_dump_json()}|g3={g3 is not None}|g4={g4 is not None}"
+        with _announce_lock:
+            if key in _announced:
+                return
+            _announced.add(key)
+        log.info("%s", startup_line(cfg, g3=g3, g4=g4, metrics_serving=serving))
+    except Exception:  # noqa: BLE001 - a bug here is logged, the pools stay open
+        log.exception("kvbm_backend: start-up summary failed")
+
+
+def startup_line(cfg: KvbmBackendConfig, *, g3=None, g4=None, metrics_serving: bool | None = None) -> str:
+    """The effective configuration in one line: what an operator checks first in a worker's log."""
+    parts = [f"model={cfg.model}@{cfg.revision}"]
+    if g3 is not None:
+        c = cfg.g3
+        st = _stats(g3)
+        adm = c.admission.policy + (f"(min_sightings={c.admission.min_sightings})"
+                                    if c.admission.policy == "frequency" else "")
+        parts.append(f"G3 paths={list(st.get('paths') or c.paths)} capacity_gb={c.capacity_gb:g} "
+                     f"engine={st.get('engine', c.engine)} o_direct={st.get('o_direct', c.o_direct)} "
+                     f"fsync={c.fsync} admission={adm} load_timeout_s={c.load_timeout_s:g} "
+                     f"write_queue_blocks={c.write_queue_blocks}")
+    else:
+        parts.append("G3 off")
+    if g4 is not None:
+        from ..g4.store import redact_url
+        c = cfg.g4
+        st = _stats(g4)
+        kr = "none"
+        if c.keyring.path:
+            kr = c.keyring.path + (" (read-only)" if st.get("keyring_read_only") else "")
+        ep = f" endpoint={redact_url(c.endpoint_url)}" if c.endpoint_url else ""
+        parts.append(f"G4 url={redact_url(st.get('url') or c.url)}{ep} encryption={'on' if c.encrypt else 'OFF'} "
+                     f"keyring={kr} timeout_s={c.timeout_s:g} retries={c.retries} "
+                     f"breaker={c.breaker_failures} failures/{c.breaker_reset_s:g}s "
+                     f"write_queue_blocks={c.write_queue_blocks}")
+    else:
+        parts.append("G4 off")
+    port = cfg.metrics.serve_port
+    if port is None:
+        parts.append("metrics: no endpoint (metrics.port unset)")
+    elif metrics_serving is False:
+        parts.append(f"metrics: NOT serving, port {port} could not be bound (see the error above)")
+    else:
+        parts.append(f"metrics=http://{cfg.metrics.addr}:{port}/metrics")
+    return "kvbm_backend tiers open: " + "; ".join(parts)
+
+
+def _stats(pool) -> dict:
+    try:
+        return pool.stats()
+    except Exception:  # noqa: BLE001
+        return {}
 
 
 _lock = threading.Lock()

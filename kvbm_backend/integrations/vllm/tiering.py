@@ -87,6 +87,7 @@ from ...config import ConfigError, KvbmBackendConfig, load_config
 from ...memory import aligned_empty
 from ...model.layout import KvLayout, dtype_bytes
 from ...model.namespace import BlockKey, Namespace
+from ..tiers import announce_tiers
 
 log = logging.getLogger(__name__)
 
@@ -329,6 +330,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
                              f"{self.geometry.rank_bytes} B")
         self._primary = np.asarray(view).view(np.uint8).reshape(-1, self._row_stride)
         self.pool = self._make_pool(self.config, self.namespace)
+        announce_tiers(self.config, **{self.pool_tier.lower(): self.pool})  # start-up line, metrics endpoint
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
