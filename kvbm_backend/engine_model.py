@@ -75,9 +75,10 @@ DEMO = TinyLlama(num_hidden_layers=8, hidden_size=1024, intermediate_size=4096, 
 
 
 def write_model_dir(path: str | Path, model: TinyLlama = TINY, dtype: str = "bfloat16",
-                    weights_seed: int | None = 0) -> Path:
-    """Write ``config.json``, a ``kvbm_model.json`` note and, unless ``weights_seed`` is None, random
-    weights (:func:`write_llama_weights`, ``model.safetensors``) into ``path``; returns the path.
+                    weights_seed: int | None = 0, tokenizer: bool = True) -> Path:
+    """Write ``config.json``, a ``kvbm_model.json`` note, unless ``weights_seed`` is None random
+    weights (:func:`write_llama_weights`, ``model.safetensors``) and, with ``tokenizer``, a small real
+    tokenizer (:func:`write_tokenizer`: what Dynamo's frontend needs) into ``path``; returns the path.
     Existing files are overwritten.
 
     The directory is what ``vllm.LLM(model=path, load_format="safetensors", skip_tokenizer_init=True)``
@@ -95,6 +96,69 @@ def write_model_dir(path: str | Path, model: TinyLlama = TINY, dtype: str = "bfl
     (p / "kvbm_model.json").write_text(json.dumps(asdict(model), indent=2))
     if weights_seed is not None and isinstance(model, TinyLlama):
         write_llama_weights(p, model, seed=weights_seed, dtype=dtype)
+    if tokenizer:
+        write_tokenizer(p, model.vocab_size)
+    return p
+
+
+# Special tokens of the tiny tokenizer; ids match the model configs' bos/eos (1/2), 0 is padding.
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def _tokenizer_corpus(n_words: int = 6000, seed: int = 7) -> list[str]:
+    """A fixed pseudo-English corpus (syllable words from a seeded generator, plus ASCII punctuation and
+    digits) to train the tiny BPE on: deterministic, no download."""
+    import random
+    rng = random.Random(seed)
+    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "th",
+              "ch", "sh", "tr", "pl", "gr"]
+    vowels = ["a", "e", "i", "o", "u", "ea", "ou", "ai", "io"]
+    codas = ["", "", "n", "r", "s", "t", "l", "nd", "ng", "st", "ck"]
+    words = ["".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
+                     for _ in range(rng.choice((1, 1, 2, 2, 3)))) for _ in range(n_words)]
+    lines, punct = [], [".", ",", "?", "!", ":", ";", "-", "'", '"', "(", ")"]
+    for i in range(0, n_words, 12):
+        ws = words[i:i + 12]
+        lines.append(" ".join(ws) + rng.choice(punct) + f" {rng.randrange(10000)}")
+        lines.append(" ".join(w.capitalize() for w in ws[:4]))
+    lines.append("".join(chr(c) for c in range(32, 127)))
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 2048):
+    """A byte-level BPE ``tokenizers.Tokenizer`` with ``vocab_size`` ids (all the model's embedding rows),
+    trained here on :func:`_tokenizer_corpus`: any text encodes (bytes), any id decodes. Deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=1)
+    tok.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:  # a corpus too small for the vocab: fail, never a short vocab
+        raise ValueError(f"tiny tokenizer has {tok.get_vocab_size()} ids, want {vocab_size}")
+    return tok
+
+
+def write_tokenizer(path: str | Path, vocab_size: int = 2048) -> Path:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` (with a chat template), ``special_tokens_map.json``
+    and ``generation_config.json`` into ``path`` so Hugging Face ``AutoTokenizer`` and Dynamo's frontend
+    (which tokenizes the text of OpenAI requests) load the model directory like a hub checkpoint."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(vocab_size).save(str(p / "tokenizer.json"))
+    specials = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+    (p / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 16384, "add_bos_token": False,
+        "add_eos_token": False, "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE,
+        **specials}, indent=2))
+    (p / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
+    (p / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
+                                                          "pad_token_id": 0}, indent=2))
     return p
 
 

@@ -16,7 +16,12 @@ import yaml
 from kvbm_backend.config import load_config
 
 EX = Path(__file__).resolve().parents[1] / "examples"
-SCRIPTS = sorted(EX.rglob("*.sh"))
+FRONTEND = EX / "dynamo" / "frontend.sh"  # no KV config: checked by test_dynamo_frontend_script
+SCRIPTS = sorted(p for p in EX.rglob("*.sh") if p != FRONTEND)
+# Dynamo workers start through our launcher: `python -m dynamo.vllm` plus version-guarded compat shims
+# (kvbm_backend/integrations/dynamo/compat.py); test_dynamo_worker_launcher checks it is exactly that.
+DYNAMO_WORKER = '"$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker'
+KTC = 'KV_TRANSFER_CONFIG="$("$PYTHON" -m kvbm_backend.integrations.dynamo.ktc "$KV_TRANSFER_CONFIG")"'
 OURS = {"kvbm_backend.integrations.vllm.connector", "kvbm_backend.integrations.vllm.tiering"}
 JSON_VAR = re.compile(r"^(\w+_CONFIG)='(\{.*?\})'\s*$", re.S | re.M)
 
@@ -64,7 +69,8 @@ def check_kv_transfer_config(d: dict) -> list[str]:
 def test_examples_exist():
     names = {p.relative_to(EX).as_posix() for p in EX.rglob("*") if p.is_file()}
     for want in ("kvbm-backend.yaml", "dynamo/agg_kvbm_backend.sh", "dynamo/agg_kvbm_multi.sh",
-                 "dynamo/disagg_prefill.sh", "dynamo/disagg_decode.sh", "vllm/serve_kvbm_backend.sh",
+                 "dynamo/disagg_prefill.sh", "dynamo/disagg_decode.sh", "dynamo/frontend.sh",
+                 "vllm/serve_kvbm_backend.sh",
                  "vllm/serve_tiering.sh", "k8s/worker.yaml", "README.md"):
         assert want in names
 
@@ -81,7 +87,8 @@ def test_script_syntax_and_embedded_config(script):
     names = [n for c in configs for n in check_kv_transfer_config(c)]
     assert "KvbmBackendConnector" in names or "OffloadingConnector" in names
     if "dynamo" in script.parts:
-        assert "python -m dynamo.vllm" in text
+        assert f"exec {DYNAMO_WORKER}" in text and '"$@"' in code
+        assert KTC in text  # KVBM_BACKEND_CONFIG_FILE / _STATS_PATH reach the JSON (tests/test_dynamo_e2e.py)
     if "multi" in script.name:
         assert names[:3] == ["MultiConnector", "DynamoConnector", "KvbmBackendConnector"]
         dyn = configs[0]["kv_connector_extra_config"]["connectors"][0]
@@ -89,6 +96,41 @@ def test_script_syntax_and_embedded_config(script):
     if "disagg" in script.name:
         assert names[:3] == ["MultiConnector", "NixlConnector", "KvbmBackendConnector"]
         assert "--disaggregation-mode" in text
+
+
+def test_dynamo_frontend_script():
+    subprocess.run(["bash", "-n", str(FRONTEND)], check=True)
+    text = FRONTEND.read_text()
+    assert '-m dynamo.frontend' in text and '"$@"' in text and "HTTP_PORT" in text
+
+
+def test_dynamo_worker_launcher():
+    """The launcher is `python -m dynamo.vllm`: it runs dynamo.vllm's __main__ steps after the shims."""
+    import ast
+    src = (Path(__file__).resolve().parents[1] / "kvbm_backend/integrations/dynamo/vllm_worker.py").read_text()
+    tree = ast.parse(src)
+    imported = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert ("dynamo.vllm.main", "main") in imported
+    assert ("dynamo.common.snapshot.restore_context", "maybe_run_restore_standby_mode") in imported
+    assert "compat.apply()" in src
+
+
+def test_ktc_env_overrides():
+    from kvbm_backend.integrations.dynamo.ktc import apply_env
+    ours = {"kv_connector": "KvbmBackendConnector", "kv_connector_module_path": "kvbm_backend.integrations.vllm.connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": "/etc/x.yaml"}}
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}, ours]}}
+    assert apply_env(multi, {}) == multi
+    env = {"KVBM_BACKEND_CONFIG_FILE": "/tmp/k.yaml", "KVBM_BACKEND_STATS_PATH": "/tmp/s.json"}
+    out = apply_env(multi, env)
+    nixl, mine = out["kv_connector_extra_config"]["connectors"]
+    assert mine["kv_connector_extra_config"] == {"config_file": "/tmp/k.yaml", "stats_path": "/tmp/s.json"}
+    assert nixl == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    inline = {**ours, "kv_connector_extra_config": {"kvbm_backend": {"model": "m"}}}
+    assert apply_env(inline, env)["kv_connector_extra_config"] == {"config_file": "/tmp/k.yaml",
+                                                                   "stats_path": "/tmp/s.json"}
+    check_kv_transfer_config(out)
 
 
 def test_kvbm_backend_yaml_loads():

