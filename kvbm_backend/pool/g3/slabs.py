@@ -101,6 +101,12 @@ class SlabSet:
         self.fp = namespace.fingerprint
         self.slot_bytes = slot_bytes
         self.min_free_fraction = min_free_fraction
+        # Bytes slab files never take, whatever min_free_fraction says: the journal (43-byte records,
+        # rewritten past 4x the index: ~172 B per slot at worst, plus the rewrite's new file) and the
+        # namespace/lock files live beside the slabs. Without it a pool with min_free_fraction 0 filled
+        # its filesystem with slabs, then every journal append failed: degraded for good, nothing
+        # written and nothing evicted (fault campaign, benchmarks/faults.py enospc self_fill).
+        self._capacity_bytes = capacity_bytes
         self.paths = [os.path.abspath(p) for p in paths]
         self.files: list[SlabFile] = []
         self.foreign_files: list[str] = []
@@ -314,11 +320,12 @@ class SlabSet:
                     log.warning("G3: cannot probe O_DIRECT in %s (%s); using buffered I/O", d, e.strerror)
             self.o_direct[d] = od
             avail, total = fs_space(d)
-            room = own + avail - int(self.min_free_fraction * total)
+            room = own + avail - self._keep_free(total)
             budgets.append(max(0, min(capacity_bytes // len(self.paths), room)))
         if self.foreign_files:
             log.warning("G3: ignoring %d slab file(s) of another namespace (not %s): %s", len(self.foreign_files),
                         self.fp, ", ".join(self.foreign_files[:4]))
+        cap_per_file = capacity_bytes // len(self.paths) // self.slot_bytes // files_per_path
         for pi, d in enumerate(self.paths):
             per_file = budgets[pi] // self.slot_bytes // files_per_path
             if per_file == 0 and budgets[pi] >= self.slot_bytes:
@@ -326,14 +333,19 @@ class SlabSet:
             for k in range(files_per_path):
                 name = f"g3-{self.fp}-{k}.slab"
                 path = os.path.join(d, name)
-                if per_file == 0 and not self._exists(d, name):
+                if not self._exists(d, name) and per_file == 0:
                     continue
                 fd = self.open_in(d, name, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.o_direct[d] else 0))
                 size = os.fstat(fd).st_size
+                # Space a slab file already holds is the pool's own: the even share of the free-space
+                # budget never cuts a file below its current size (blocks need not be spread evenly
+                # over the files, and on a full disk the share is small), only the configured capacity
+                # does. Growth beyond the current size is still checked against statvfs (ensure_size).
+                mine = max(per_file, min(size // self.slot_bytes, max(cap_per_file, 1)))
                 f = SlabFile(index=pi * files_per_path + k, path=path, directory=d, fd=fd,
-                             o_direct=self.o_direct[d], slot_bytes=self.slot_bytes, max_slots=per_file,
+                             o_direct=self.o_direct[d], slot_bytes=self.slot_bytes, max_slots=mine,
                              size_slots=size // self.slot_bytes)
-                f.cap_slots = per_file
+                f.cap_slots = mine
                 self.files.append(f)
         if not any(f.max_slots for f in self.files):
             raise ValueError(
@@ -367,7 +379,7 @@ class SlabSet:
         """Re-read statvfs and let files grow again up to their configured share where space returned."""
         for f in self.files:
             avail, total = fs_space(f.directory)
-            room = avail - int(self.min_free_fraction * total)
+            room = avail - self._keep_free(total)
             growable = max(0, room) // self.slot_bytes
             f.cap_slots = max(min(f.max_slots, f.size_slots + growable), min(f.cap_slots, f.size_slots))
 
@@ -412,6 +424,13 @@ class SlabSet:
             if f is not None and s < f.next_unused:
                 heapq.heappush(f.free, s)
 
+    def _keep_free(self, total: int) -> int:
+        """Bytes of a filesystem of ``total`` bytes that slab growth leaves free: the
+        ``min_free_fraction`` watermark, and never less than the metadata reserve (256 KiB plus 256
+        bytes per slot the pool can have on that filesystem)."""
+        slots = min(self._capacity_bytes, total) // max(1, self.slot_bytes)
+        return max(int(self.min_free_fraction * total), (256 << 10) + 256 * slots)
+
     def ensure_size(self, fi: int, upto_slot: int) -> None:
         """Grow file ``fi`` so slot ``upto_slot`` exists (chunked ``posix_fallocate``).
 
@@ -427,13 +446,13 @@ class SlabSet:
         want = max(want, upto_slot + 1)
         grow = (want - f.size_slots) * self.slot_bytes
         avail, total = fs_space(f.directory)
-        room = avail - int(self.min_free_fraction * total)
+        room = avail - self._keep_free(total)
         if grow > room:
             need_min = (upto_slot + 1 - f.size_slots) * self.slot_bytes
             if need_min > room:
                 f.cap_slots = min(f.cap_slots, f.size_slots)
                 raise OSError(errno.ENOSPC, f"G3: growing {f.path} by {need_min} bytes would cross the "
-                                            f"{self.min_free_fraction:.0%} free-space watermark")
+                                            f"{self.min_free_fraction:.0%} free-space watermark (or the metadata reserve)")
             want = upto_slot + 1 + max(0, room - need_min) // self.slot_bytes
             want = min(want, f.max_slots)
             grow = (want - f.size_slots) * self.slot_bytes
