@@ -114,3 +114,42 @@ def test_alias_is_a_no_op_where_a_vllm_distribution_exists(monkeypatch):
     import importlib.metadata as md
     monkeypatch.setattr(md, "version", lambda name: "9.9.9" if name == "vllm" else "1.0")
     assert _vllm_version_alias() is False and md.version("vllm") == "9.9.9"
+
+
+def test_bad_connector_config_stops_the_launch_with_one_line(tmp_path):
+    """Shipped-example shape with G4 encryption but no keyring: vLLM's workers would fail and vLLM's API
+    server would stay up (seen: 400 s until killed). The launcher's preflight exits 2 first."""
+    cfg = tmp_path / "bad.json"
+    cfg.write_text(json.dumps({"model": "m", "g3": {"paths": [str(tmp_path / "g3")]},
+                               "g4": {"enabled": True, "url": "s3://b/p", "endpoint_url": "http://127.0.0.1:9"}}))
+    env = dict(os.environ, MODEL=str(tmp_path / "no-model"), PYTHON=sys.executable, KVBM_BACKEND_CONFIG_FILE=str(cfg),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(REPO / "examples" / "vllm" / "serve_kvbm_backend.sh")], capture_output=True,
+                       text=True, env=env, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("kvbm-backend: error:")]
+    assert len(err) == 1 and "g4.keyring.path" in err[0] and "Traceback" not in r.stderr
+    assert time.monotonic() - t0 < 120
+
+
+def test_preflight_checks_every_connector_of_ours(tmp_path):
+    from kvbm_backend.integrations.preflight import check_argv
+    good = {"model": "m", "g3": {"paths": [str(tmp_path / "g3")]}}
+    ours = {"kv_connector": "KvbmBackendConnector", "kv_connector_module_path": "kvbm_backend.integrations.vllm.connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"kvbm_backend": good}}
+    assert check_argv(["serve", "m", "--kv-transfer-config", json.dumps(ours)]) is None
+    assert check_argv(["serve", "m"]) is None
+    (tmp_path / "afile").write_text("x")
+    bad = json.loads(json.dumps(ours))
+    bad["kv_connector_extra_config"]["kvbm_backend"]["g3"]["paths"] = [str(tmp_path / "afile")]
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}, bad]}}
+    why = check_argv(["serve", "m", f"--kv-transfer-config={json.dumps(multi)}"])
+    assert why and "g3.paths[0]" in why, why
+    assert "not JSON" in check_argv(["--kv-transfer-config", "{nope"])
+    # a keyring that opens passes (created on first use, as the pool would)
+    ok4 = json.loads(json.dumps(ours))
+    ok4["kv_connector_extra_config"]["kvbm_backend"]["g4"] = {
+        "enabled": True, "url": f"file://{tmp_path / 'g4'}", "keyring": {"path": str(tmp_path / "k" / "keyring.json")}}
+    assert check_argv(["--kv-transfer-config", json.dumps(ok4)]) is None

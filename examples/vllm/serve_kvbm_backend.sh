@@ -22,7 +22,8 @@ KV_TRANSFER_CONFIG='{
       "model": "meta-llama/Llama-3.1-8B-Instruct",
       "g3": {"paths": ["/mnt/nvme0/kvbm"], "capacity_gb": 500},
       "g4": {"enabled": true, "url": "s3://kvbm-g4/llama-3.1-8b",
-             "endpoint_url": "http://minio.storage.svc:9000", "encrypt": true}
+             "endpoint_url": "http://minio.storage.svc:9000", "encrypt": true,
+             "keyring": {"path": "/var/lib/kvbm/keyring.json"}}
     }
   }
 }'

@@ -16,6 +16,8 @@ APPLIED = compat.apply()
 
 
 def main() -> None:
+    from ..preflight import exit_if_bad
+    exit_if_bad()  # a connector config that cannot start stops here (see integrations/preflight.py)
     if APPLIED:
         logging.getLogger("kvbm_backend.dynamo").warning("kvbm-backend compat shims applied: %s", ", ".join(APPLIED))
     from dynamo.common.snapshot.restore_context import maybe_run_restore_standby_mode

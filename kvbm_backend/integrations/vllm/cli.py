@@ -42,6 +42,8 @@ def _vllm_version_alias() -> bool:
 
 def main() -> None:
     _vllm_version_alias()
+    from ..preflight import exit_if_bad
+    exit_if_bad()  # a connector config that cannot start stops here, not inside vLLM's workers
     from vllm.entrypoints.cli.main import main as vllm_main
     sys.exit(vllm_main())
 
