@@ -4,7 +4,9 @@ Sources, later wins: defaults < file (YAML/TOML/JSON) or the dict inside vLLM's
 ``kv_connector_extra_config`` < environment. Environment names:
 
 * KVBM's own: ``DYN_KVBM_DISK_CACHE_DIR`` (G3 directory, ``:``-separated for several),
-  ``DYN_KVBM_DISK_CACHE_GB`` (G3 capacity, GB = 1e9 bytes).
+  ``DYN_KVBM_DISK_CACHE_GB`` (G3 capacity, GB = 1e9 bytes), ``DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER``
+  (true: ``g3.admission.policy = all``, KVBM's switch for its disk-offload frequency filter),
+  ``DYN_KVBM_METRICS`` / ``DYN_KVBM_METRICS_PORT``.
 * Any field: ``KVBM_BACKEND__SECTION__FIELD`` (e.g. ``KVBM_BACKEND__G4__URL=s3://b/p``); values are
   parsed as JSON when they parse, else taken as strings.
 
@@ -263,6 +265,13 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
         if env.get(name):
             _set_path(out, ["metrics", field], env[name])
             sources[("metrics", field)] = name
+    raw = env.get("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "").strip().lower()
+    if raw:  # KVBM's switch for its disk-offload frequency filter
+        if raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ConfigError(f"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER: expected true/false, got {raw!r}")
+        if raw in ("1", "true", "yes", "on"):
+            _set_path(out, ["g3", "admission", "policy"], "all")
+            sources[("g3", "admission", "policy")] = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"
     for k, v in env.items():
         if k.startswith("KVBM_BACKEND__"):
             path = [p.lower() for p in k[len("KVBM_BACKEND__"):].split("__")]

@@ -179,3 +179,15 @@ def test_g3_directory_on_read_only_mount_refused(tmp_path):
             load_config({"g3": {"paths": [str(ro)]}}, use_env=False)
     finally:
         subprocess.run(["umount", str(ro)], check=False)
+
+
+def test_dynamo_kvbm_disable_disk_offload_filter_env():
+    from kvbm_backend.config import ConfigError, load_config
+    assert load_config({}, environ={"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true"}).g3.admission.policy == "all"
+    assert load_config({}, environ={"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "0"}).g3.admission.policy == "frequency"
+    # KVBM_BACKEND__ names win over KVBM's (documented precedence)
+    env = {"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "1", "KVBM_BACKEND__G3__ADMISSION__POLICY": "frequency"}
+    assert load_config({}, environ=env).g3.admission.policy == "frequency"
+    import pytest as _pt
+    with _pt.raises(ConfigError, match="DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"):
+        load_config({}, environ={"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "maybe"})
