@@ -6,23 +6,18 @@ Every error an operator can cause (a bad value, a missing file, a usage mistake)
 from __future__ import annotations
 
 import json
-import math
 import sys
 from contextlib import contextmanager
 from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.text import Text
 from typer.core import TyperGroup
+
+from .cli_checks import error_line, finite as _finite
 
 console = Console(stderr=True)
 
-
-def error_line(msg: str) -> None:
-    """Print ``error: MSG`` as one line on stderr (never wrapped, no markup)."""
-    console.print(Text.assemble(("error:", "red"), " ", " ".join(str(msg).split())), soft_wrap=True,
-                  highlight=False)
 
 
 @contextmanager
@@ -73,18 +68,6 @@ def _fail(msg: str) -> None:
 def _int_at_least(name: str, value: Optional[int], lo: int) -> None:
     if value is not None and value < lo:
         _fail(f"{name}: must be >= {lo} (got {value})")
-
-
-def _finite(name: str, value: Optional[float], *, gt: Optional[float] = None, ge: Optional[float] = None) -> None:
-    """``value`` (None: not given) must be finite and > gt / >= ge."""
-    if value is None:
-        return
-    if not math.isfinite(value):
-        _fail(f"{name}: must be a finite number (got {value})")
-    if gt is not None and not value > gt:
-        _fail(f"{name}: must be > {gt:g} (got {value:g})")
-    if ge is not None and not value >= ge:
-        _fail(f"{name}: must be >= {ge:g} (got {value:g})")
 
 
 def _writable_dirs(name: str, value: Optional[str], sep: Optional[str] = None) -> None:

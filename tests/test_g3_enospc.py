@@ -38,6 +38,16 @@ class EnospcEngine(PosixEngine):
         return super().submit(ops)
 
 
+def _fill(path):
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\xff" * 65536)
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
 def _put(pool, seqs):
     keys = NS.keys(seqs)
     return keys, pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=30)
@@ -101,13 +111,7 @@ def test_real_small_filesystem_full(small_fs):
         _, r = _put(pool, range(1, 5))
         assert r.written == 4
         filler = small_fs / "filler"
-        with open(filler, "wb") as f:  # someone else fills the filesystem
-            try:
-                while True:
-                    f.write(b"\xff" * 65536)
-                    f.flush()
-            except OSError as e:
-                assert e.errno == errno.ENOSPC
+        _fill(filler)  # someone else fills the filesystem
         # the slab file grew lazily (1/8 of its share), so these need growth: refused, ENOSPC
         keys, r = _put(pool, range(1000, 1000 + 400))
         assert r.written + r.dropped == 400 and r.dropped > 0
@@ -122,16 +126,6 @@ def test_real_small_filesystem_full(small_fs):
         _, r = _put(pool, range(5000, 5010))
         assert r.written == 10, pool.stats()
         assert pool.slot_accounting()["leaked"] == 0
-
-
-def _fill(path):
-    with open(path, "wb") as f:
-        try:
-            while True:
-                f.write(b"\xff" * 65536)
-                f.flush()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
 
 
 def test_reopen_on_a_full_disk_keeps_every_verified_block(small_fs):

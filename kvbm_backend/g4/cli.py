@@ -6,7 +6,6 @@ counts and creation dates only.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from contextlib import contextmanager
 from typing import Optional
@@ -14,30 +13,13 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
-from rich.text import Text
+
+from ..cli_checks import fail as _fail, finite as _finite
 
 console = Console(stderr=True)
+
 keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="Per-tenant G4 data keys: create, rotate, revoke (crypto-shred), list, rewrap.")
-
-
-def _fail(msg: str) -> None:
-    """``error: MSG`` as one line on stderr (never wrapped, no markup), exit code 2."""
-    console.print(Text.assemble(("error:", "red"), " ", " ".join(str(msg).split())), soft_wrap=True,
-                  highlight=False)
-    raise typer.Exit(2)
-
-
-def _finite(name: str, value: Optional[float], *, gt: Optional[float] = None, ge: Optional[float] = None) -> None:
-    """``value`` (None: not given) must be finite and > gt / >= ge."""
-    if value is None:
-        return
-    if not math.isfinite(value):
-        _fail(f"{name}: must be a finite number (got {value})")
-    if gt is not None and not value > gt:
-        _fail(f"{name}: must be > {gt:g} (got {value:g})")
-    if ge is not None and not value >= ge:
-        _fail(f"{name}: must be >= {ge:g} (got {value:g})")
 
 
 def _out(obj, as_json: bool) -> None:

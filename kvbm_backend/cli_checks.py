@@ -1,0 +1,36 @@
+"""Argument checks shared by the ``kvbm-backend`` command line (``cli.py``) and its G4 commands
+(``g4/cli.py``): every operator error is one line on stderr naming the argument, exit code 2."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+console = Console(stderr=True)
+
+
+def error_line(msg: str) -> None:
+    """Print ``error: MSG`` as one line on stderr (never wrapped, no markup)."""
+    console.print(Text.assemble(("error:", "red"), " ", " ".join(str(msg).split())), soft_wrap=True,
+                  highlight=False)
+
+
+def fail(msg: str) -> None:
+    """:func:`error_line`, then exit code 2."""
+    error_line(msg)
+    raise typer.Exit(2)
+
+
+def finite(name: str, value: Optional[float], *, gt: Optional[float] = None, ge: Optional[float] = None) -> None:
+    """``value`` (None: not given) must be finite and > gt / >= ge, else :func:`fail` naming ``name``."""
+    if value is None:
+        return
+    if not math.isfinite(value):
+        fail(f"{name}: must be a finite number (got {value})")
+    if gt is not None and not value > gt:
+        fail(f"{name}: must be > {gt:g} (got {value:g})")
+    if ge is not None and not value >= ge:
+        fail(f"{name}: must be >= {ge:g} (got {value:g})")
