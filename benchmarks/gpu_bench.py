@@ -267,7 +267,7 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
         modes = ["auto", "pinned-bounce"] if device != "cpu" else ["auto"]
         for i, mode in enumerate(modes):
             cfg = G3Config(paths=[g3dir], capacity_gb=n * (bpb + 8192) / 1e9 * 1.1 + 0.1, files_per_path=4,
-                           admission={"policy": "all"}, load_timeout_s=600, device_path=mode)
+                           admission={"policy": "all"}, load_timeout_s=120, device_path=mode)
             g3 = G3Pool(cfg, ns)
             # device_checksum "on": what "auto" does on a CUDA engine, also on the CPU smoke run
             w = WorkerSide(ns, 0, g3, None, load_timeout_s=600, device_checksum="on")
@@ -319,7 +319,7 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
         for enc in (False, True):
             g4dir = os.path.join(wd, "kvbm-g4")
             shutil.rmtree(g4dir, ignore_errors=True)
-            cfg4 = G4Config(enabled=True, url=f"file://{g4dir}", encrypt=enc, timeout_s=600, max_inflight=64,
+            cfg4 = G4Config(enabled=True, url=f"file://{g4dir}", encrypt=enc, timeout_s=120, max_inflight=64,
                             keyring={"path": os.path.join(wd, "kvbm-keys", "keyring.json")})
             g4 = G4Pool(cfg4, ns)
             w = WorkerSide(ns, 0, None, g4, load_timeout_s=600)
