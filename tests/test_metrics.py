@@ -199,12 +199,15 @@ def test_every_g4_series_moves(tmp_path):
         fifo = pool.store._path(pool.object_name(ns.keys([60], tenant="t")[0]))  # a read that never returns
         fifo.parent.mkdir(parents=True, exist_ok=True)
         os.mkfifo(fifo)
+        os.link(fifo, f"{fifo}.hold")  # our handle to release the blocked reader later
         assert pool.get(ns.keys([60], tenant="t"), [aligned_empty(bpb)]).result(timeout=30).ok == [False]
         assert pool.breaker.state == "open"
     finally:
-        if fifo is not None:  # release the blocked reader
-            time.sleep(0.1)
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        if fifo is not None:  # release the blocked reader; the path is gone first, so a retry of the
+            time.sleep(0.1)  # open (the store's non-O_DIRECT fallback) finds nothing instead of blocking
+            os.unlink(fifo)  # again - a reader stuck forever keeps pytest from exiting
+            os.close(os.open(f"{fifo}.hold", os.O_WRONLY | os.O_NONBLOCK))
+            os.unlink(f"{fifo}.hold")
         pool.close(timeout=1)
     m = metrics.TierMetrics("g4", reg)
     for attr, sample, labels in (("offload_blocks", "kvbm_offload_blocks_d2o_total", {}),
