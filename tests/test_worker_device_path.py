@@ -244,7 +244,7 @@ def test_g3_lease_pins_until_release_and_counts_absent(tmp_path):
 def test_device_checksum_setting_decides_the_frame_flags(tmp_path):
     """``g3.device_checksum``: ``on`` writes FLAG_DEVCHECK from a CPU engine, ``off`` never, ``auto``
     only for a CUDA engine (so here: not)."""
-    from kvbm_backend.integrations.vllm.connector import config_from_extra
+    from kvbm_backend.integrations.vllm.extra_config import config_from_extra
     cfg, _ = config_from_extra({"kvbm_backend": {"g3": {"device_checksum": "off", "device_path": "pinned-bounce"}}})
     assert cfg.g3.device_checksum == "off" and cfg.g3.device_path == "pinned-bounce"
     for setting, want in (("on", FLAG_CHECKSUM | FLAG_DEVCHECK), ("off", FLAG_CHECKSUM), ("auto", FLAG_CHECKSUM)):

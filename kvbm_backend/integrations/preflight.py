@@ -47,7 +47,7 @@ def check_extra(extra: dict) -> None:
     """Raise :class:`~kvbm_backend.config.ConfigError` (field named) if the connector's
     ``kv_connector_extra_config`` cannot start."""
     from ..config import ConfigError
-    from .vllm.connector import config_from_extra
+    from .vllm.extra_config import config_from_extra
     cfg, _ = config_from_extra(extra)
     if cfg.g4.enabled and cfg.g4.encrypt:
         from ..crypto.keyring import Keyring, KeyringError

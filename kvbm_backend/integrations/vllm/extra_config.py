@@ -1,0 +1,50 @@
+"""``kv_connector_extra_config`` of :class:`~kvbm_backend.integrations.vllm.connector.KvbmBackendConnector`:
+the backend config and the connector's own options, checked.
+
+No vLLM import here: the launchers' preflight and the tests on machines without vLLM (the lent GPU)
+read the same settings the connector does.
+"""
+from __future__ import annotations
+
+from ...config import ConfigError, KvbmBackendConfig, load_config
+
+EXTRA_KEYS = {"kvbm_backend", "config_file", "stats_path", "save", "load", "save_decode", "save_to_g4",
+              "promote_to_g3", "max_pending_save_bytes"}
+
+
+def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
+    """Split ``kv_connector_extra_config`` into the backend config and the connector options.
+
+    Raises:
+        ConfigError: an unknown key, both or neither-typed config sources, or an invalid field
+            (the message names it, e.g. ``kv_connector_extra_config.kvbm_backend: g3.capacity_gb: ...``).
+    """
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - EXTRA_KEYS)
+    if unknown:
+        raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(EXTRA_KEYS)}")
+    if "kvbm_backend" in extra and "config_file" in extra:
+        raise ConfigError("kv_connector_extra_config: give either 'kvbm_backend' or 'config_file', not both")
+    try:
+        if "config_file" in extra:
+            cfg = load_config(str(extra["config_file"]))
+        else:
+            src = extra.get("kvbm_backend")
+            if src is not None and not isinstance(src, (dict, str)):
+                raise ConfigError(f"kv_connector_extra_config.kvbm_backend: expected a mapping or JSON string, "
+                                  f"got {type(src).__name__}")
+            cfg = load_config(src)
+    except ConfigError as e:
+        which = "config_file" if "config_file" in extra else "kvbm_backend"
+        raise ConfigError(f"kv_connector_extra_config.{which}: {e}") from None
+    opts = {"stats_path": extra.get("stats_path"), "save": extra.get("save", True), "load": extra.get("load", True),
+            "save_decode": extra.get("save_decode", True),
+            "save_to_g4": extra.get("save_to_g4", True), "promote_to_g3": extra.get("promote_to_g3", True),
+            "max_pending_save_bytes": extra.get("max_pending_save_bytes", 1 << 30)}
+    for k in ("save", "load", "save_decode", "save_to_g4", "promote_to_g3"):
+        if not isinstance(opts[k], bool):
+            raise ConfigError(f"kv_connector_extra_config.{k}: expected true/false, got {opts[k]!r}")
+    if not isinstance(opts["max_pending_save_bytes"], int) or opts["max_pending_save_bytes"] <= 0:
+        raise ConfigError(f"kv_connector_extra_config.max_pending_save_bytes: expected a positive integer "
+                          f"(bytes), got {opts['max_pending_save_bytes']!r}")
+    return cfg, opts
