@@ -72,3 +72,49 @@ def test_bad_arguments_are_named():
         device_checksums_torch(torch.zeros(2, 64, dtype=torch.uint8), 32, 64)
     with pytest.raises(ValueError, match="2-D uint8"):
         device_checksums_torch(torch.zeros(64, dtype=torch.uint8), 0, 64)
+
+
+_INTERPRET_CHECK = r"""
+import numpy as np, torch
+from kvbm_backend.gpu import checksum_triton as ct
+from kvbm_backend.gpu.checksum import _combine
+from kvbm_backend.model.frame import device_checksum
+assert ct.IMPORT_ERROR is None, ct.IMPORT_ERROR
+rng = np.random.default_rng(3)
+cases = [(3, 3 * ct.BLOCK_WORDS * 4 + 8, 4), (2, ct.BLOCK_WORDS * 4, 0), (1, 12, 8), (2, 2 * 1024 * 1024, 4096)]
+for n, plen, off in cases:
+    b = rng.integers(0, 256, (n, off + plen + 4), dtype=np.uint8)
+    b[0, off:off + 64] = 255  # the largest words: the int64 sums must not overflow
+    w = torch.from_numpy(b)[:, off:off + plen].view(torch.int32)
+    got = [_combine(*s) for s in ct.limb_sums(w).tolist()]
+    assert got == [device_checksum(b[i, off:off + plen].tobytes()) for i in range(n)], (n, plen, off)
+print("ok")
+"""
+
+
+def test_fused_triton_kernel_matches_the_reference_in_the_interpreter():
+    """The Triton kernel's arithmetic, run by Triton's CPU interpreter (the same kernel source the GPU
+    compiles), equals ``frame.device_checksum`` - incl. payloads that are not whole programs and the
+    largest word values."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _INTERPRET_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not _cuda_ok(), reason="no CUDA device: the compiled Triton kernel cannot run here")
+def test_fused_kernel_is_verified_and_used_on_cuda():
+    """On a CUDA device the fused kernel passes its self-check (against the torch ops) and gives the
+    reference checksums for frames in a loader-like staging layout (4 KiB header + 2 MiB payload)."""
+    pytest.importorskip("triton")
+    from kvbm_backend.gpu import checksum_triton
+    rng = np.random.default_rng(11)
+    rows = rng.integers(0, 256, (5, 4096 + (2 << 20)), dtype=np.uint8)
+    t = torch.from_numpy(rows).cuda()
+    want = [device_checksum(rows[i, 4096:].tobytes()) for i in range(5)]
+    assert device_checksums_torch(t, 4096, 2 << 20) == want
+    assert checksum_triton.usable(t.device, None) == (True, "triton kernel verified")
+    assert device_checksums_torch(t, 4096, 2 << 20, fused=False) == want

@@ -87,17 +87,19 @@ def device_checksum_torch(tensor) -> int:
 
 
 def device_checksums_torch(blocks, payload_offset: int, payload_len: int,
-                           max_words_per_pass: int = 1 << 24) -> list[int]:
+                           max_words_per_pass: int = 1 << 24, fused: bool = True) -> list[int]:
     """Checksums of ``payload_len`` bytes at ``payload_offset`` in each row of a 2-D uint8 tensor.
 
     Used to verify a batch of frames read into one device staging buffer with a single device-to-host
-    sync (4 int64 per row come back).
+    sync for the whole batch (4 int64 per row come back), however many slices bound the temporaries.
 
     Args:
         blocks: uint8 tensor ``[n, row_bytes]`` (CPU or CUDA), contiguous.
         payload_offset: bytes into each row where the payload starts (multiple of 4).
         payload_len: payload bytes per row (multiple of 4).
         max_words_per_pass: bounds the int64 temporaries (about 48 bytes of device memory per word).
+        fused: on CUDA, use the one-pass Triton kernel (:mod:`kvbm_backend.gpu.checksum_triton`) once it
+            has been checked against these torch ops on the device; False: always the torch ops.
     Returns:
         one checksum per row.
     Raises:
@@ -125,8 +127,14 @@ def device_checksums_torch(blocks, payload_offset: int, payload_len: int,
     pay = blocks[:, payload_offset:payload_offset + payload_len]
     if pay.data_ptr() % 4 or (row % 4):
         pay = pay.contiguous().clone()
+    if pay.device.type == "cuda" and fused:
+        from . import checksum_triton
+        ok, _ = checksum_triton.usable(pay.device, lambda b, o, n_: device_checksums_torch(b, o, n_, fused=False))
+        if ok:
+            sums = checksum_triton.limb_sums(pay.view(torch.int32))
+            return [_combine(*s) for s in sums.cpu().tolist()]  # the one device-to-host sync
     m = 0xFFFFFFFF
-    out = []
+    parts = []
     rows_per_pass = max(1, max_words_per_pass // nw)
     for r0 in range(0, n, rows_per_pass):
         part = pay[r0:r0 + rows_per_pass]
@@ -141,9 +149,10 @@ def device_checksums_torch(blocks, payload_offset: int, payload_len: int,
         idx = idx.view(1, -1, CHUNK_WORDS)
         lo = ((w & 0xFFFF) * idx).sum(dim=2)  # [r, chunks]
         hi = ((w >> 16) * idx).sum(dim=2)
-        sums = torch.stack([(lo & m).sum(1), (lo >> 32).sum(1), (hi & m).sum(1), (hi >> 32).sum(1)], dim=1)
-        out.extend(_combine(*s) for s in sums.cpu().tolist())
-    return out
+        parts.append(torch.stack([(lo & m).sum(1), (lo >> 32).sum(1), (hi & m).sum(1), (hi >> 32).sum(1)], dim=1))
+        del w, lo, hi  # the next slice reuses this memory
+    sums = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return [_combine(*s) for s in sums.cpu().tolist()]  # the one device-to-host sync
 
 
 def checksums_match(blocks, payload_offset: int, payload_len: int, expected: Sequence[int]) -> list[bool]:
