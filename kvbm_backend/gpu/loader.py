@@ -12,11 +12,12 @@ Data path per :meth:`DeviceLoader.load` (invariant 1 of DESIGN.md, "never wrong 
    raises ``TypeError`` (never a silent miss).
 2. Leases are cut into passes of at most ``staging_bytes``; a pass's adjacent slots of one file form
    runs, and runs are cut at slot boundaries into reads of about ``io_bytes`` so many reads are in
-   flight at once (``threads``). Passes are pipelined over a ring of two staging buffers: the reads
-   of pass k+1 are on the wire while pass k is verified and copied out.
+   flight at once (``threads``). Passes are pipelined over a ring of ``depth`` staging buffers: the
+   reads of passes k+1 .. k+depth-1 are on the wire while pass k is verified and copied out.
    ``gds`` / ``kvikio-compat`` -- kvikio ``CuFile.pread`` straight into device staging (GDS DMA, or
    kvikio's own pinned bounce buffer in compat mode); ``pinned-bounce`` -- ``preadv`` into a pinned host
-   buffer, then one host-to-device copy per pass; ``host`` -- the device is the CPU (same code, no copy).
+   buffer, then each read's host-to-device copy from its reader thread on that thread's own CUDA stream
+   (copies overlap the other reads); ``host`` -- the device is the CPU (same code, no copy).
    The mode is decided by :func:`probe_device_path` at start-up (a real write/read/compare in the
    pool's directory) and reported in :attr:`DeviceLoader.mode` / :attr:`DeviceLoader.mode_reason`.
 3. The 4 KiB headers (only) come to the host: magic, version, header check, identity (namespace,
@@ -33,12 +34,13 @@ Data path per :meth:`DeviceLoader.load` (invariant 1 of DESIGN.md, "never wrong 
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -153,8 +155,10 @@ class DeviceLoader:
         world: the TP world size frames must name (None: not checked).
         tenant_tag_fn: expected 16-byte frame tenant tag of a key (default: G3's
             :func:`~kvbm_backend.model.namespace.tenant_tag` of ``key.tenant``).
-        staging_bytes: most device staging bytes per pass (two passes in flight: at most twice this
-            in extra HBM, plus as much pinned host memory in ``pinned-bounce``; default 256 MiB).
+        staging_bytes: most device staging bytes per pass (``depth`` passes in flight: at most
+            ``depth * staging_bytes`` of extra HBM, plus as much pinned host memory in ``pinned-bounce``;
+            default 128 MiB).
+        depth: passes in flight (ring of staging buffers, at least 2; default 4).
         io_bytes: bytes per read (cut at slot boundaries; at least one slot).
         timeout_s: a call's reads not done by then are misses (their buffers are kept until the I/O
             finishes, never reused early).
@@ -166,7 +170,8 @@ class DeviceLoader:
     def __init__(self, source: SlotLeaseSource, layout: KvLayout, device="cuda", *, probe_dir: str | None = None,
                  mode: str = "auto", world: int | None = None,
                  tenant_tag_fn: Callable[[BlockKey], bytes] | None = None,
-                 staging_bytes: int = 256 << 20, io_bytes: int = 8 << 20, timeout_s: float = 5.0, threads: int = 8):
+                 staging_bytes: int = 128 << 20, depth: int = 4, io_bytes: int = 8 << 20, timeout_s: float = 5.0,
+                 threads: int = 8):
         torch = _torch()
         if not isinstance(source, SlotLeaseSource):
             missing = [m for m in ("lease", "release", "drop_corrupt") if not callable(getattr(source, m, None))]
@@ -176,6 +181,8 @@ class DeviceLoader:
             raise ValueError(f"mode: expected auto or one of {MODES}, got {mode!r}")
         if staging_bytes < 4096:
             raise ValueError(f"staging_bytes: at least 4096 bytes, got {staging_bytes}")
+        if depth < 2:
+            raise ValueError(f"depth: at least 2 passes in flight, got {depth}")
         if io_bytes < 4096:
             raise ValueError(f"io_bytes: at least 4096 bytes, got {io_bytes}")
         if not timeout_s > 0 or timeout_s == float("inf"):
@@ -188,13 +195,17 @@ class DeviceLoader:
         self.device = torch.device(device)
         self.tenant_tag_fn = tenant_tag_fn or (lambda k: tenant_tag(k.tenant))
         self.staging_bytes = staging_bytes
+        self.depth = depth
         self.io_bytes = io_bytes
         self.timeout_s = timeout_s
         self.threads = threads
         self.counters: Counter = Counter()
         self._fds: dict[str, int] = {}
+        self._buffered: set = set()  # paths whose filesystem refused O_DIRECT
+        self._stale_fds: list = []
         self._lock = threading.Lock()
         self._call_lock = threading.Lock()
+        self._tls = threading.local()  # per reader thread: its CUDA stream for bounce copies
         self._abandoned: list = []  # (futures, buffers) of timed-out reads, kept alive until done
         self._ring: dict = {}  # (ring slot) -> (staging, host) buffers reused across calls
         self._engine = None
@@ -223,12 +234,36 @@ class DeviceLoader:
 
     # -- files -------------------------------------------------------------------------------
     def _fd(self, path: str) -> int:
+        """The read fd of ``path``: O_DIRECT on the bounce/host paths where the filesystem takes it
+        (reads DMA into the aligned staging, no page-cache copy: the storage's own rate), else buffered
+        (kvikio opens its own handles from this fd)."""
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+                if self._engine is None and path not in self._buffered:
+                    try:
+                        fd = os.open(path, flags | os.O_DIRECT)
+                        self.counters["files_o_direct"] += 1
+                    except OSError as e:
+                        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                            raise
+                        self._buffered.add(path)
+                if fd is None:
+                    fd = os.open(path, flags)
+                    self.counters["files_buffered"] += 1
                 self._fds[path] = fd
             return fd
+
+    def _fall_back_to_buffered(self, path: str, fd: int) -> None:
+        """The filesystem opened ``path`` with O_DIRECT but refused the read (EINVAL): buffered from now
+        on (the old fd stays open until :meth:`close`, another reader may still be using it)."""
+        with self._lock:
+            if self._fds.get(path) == fd and path not in self._buffered:
+                self._buffered.add(path)
+                self._stale_fds.append(self._fds.pop(path))
+                self.counters["files_o_direct"] -= 1
+                log.info("device reads of %s: O_DIRECT refused by the filesystem, buffered reads", path)
 
     # -- public ------------------------------------------------------------------------------
     def load(self, keys: Sequence[BlockKey], dst: Sequence, reasons: list | None = None) -> list[bool]:
@@ -301,9 +336,18 @@ class DeviceLoader:
     def stats(self) -> dict:
         """Counters: ``loaded``, ``missed``, ``not_found``, ``io_error``, ``short``, ``timeout``,
         ``corrupt_<reason>`` (FrameError reasons, ``devcheck``), ``unverifiable``, ``host_verified``,
-        ``bytes_read``, ``passes``; plus ``mode`` and ``mode_reason``."""
+        ``bytes_read``, ``passes``, ``files_o_direct`` / ``files_buffered`` (how slab files are read on
+        the bounce/host paths); seconds the caller's thread spent waiting for reads (``read_wait_s``),
+        verifying and copying out on the device (``verify_s``) and in whole calls (``load_s``); plus
+        ``mode`` and ``mode_reason`` (kvikio paths: ``kvikio_direct_reads``, whether kvikio reads with
+        O_DIRECT)."""
         d = dict(self.counters)
+        for k in ("read_wait_s", "verify_s", "load_s"):
+            if k in d:
+                d[k] = round(d[k], 6)
         d.update(mode=self.mode, mode_reason=self.mode_reason)
+        if self._engine is not None:
+            d["kvikio_direct_reads"] = self._engine.direct_reads
         return d
 
     def close(self) -> None:
@@ -325,7 +369,8 @@ class DeviceLoader:
         self._abandoned = []
         self._ring = {}
         with self._lock:
-            fds, self._fds = list(self._fds.values()), {}
+            fds, self._fds = list(self._fds.values()) + self._stale_fds, {}
+            self._stale_fds = []
         for fd in fds:
             os.close(fd)
 
@@ -365,7 +410,8 @@ class DeviceLoader:
         buf = self._ring.get(ring)
         if buf is None or buf[0].numel() < need:
             if self.mode == "host":
-                st = torch.empty(need, dtype=torch.uint8)
+                from ..memory import aligned_empty
+                st = torch.from_numpy(aligned_empty(need))  # 4 KiB aligned: O_DIRECT reads land here
                 host = st
             else:
                 st = torch.empty(need, dtype=torch.uint8, device=self.device)
@@ -382,7 +428,8 @@ class DeviceLoader:
             try:
                 fd = self._fd(ls.path)
                 if p.host is not None:
-                    f = self._pool.submit(os.preadv, fd, [p.host[r0:r0 + nr].numpy().reshape(-1)], ls.offset)
+                    f = self._pool.submit(self._read_bounce, ls.path, fd, p.host[r0:r0 + nr], p.staging[r0:r0 + nr],
+                                          ls.offset)
                 else:
                     f = self._engine.read_to_device_async(fd, p.staging[r0:r0 + nr].reshape(-1), nr * p.slot_len,
                                                           ls.offset)
@@ -391,6 +438,28 @@ class DeviceLoader:
                 self.counters["io_error"] += nr
                 continue
             p.futs.append((r0, nr, f))
+
+    def _read_bounce(self, path: str, fd: int, host, dev, offset: int) -> int:
+        """One read of the bounce path (a reader thread): ``preadv`` into pinned host rows, then their
+        host-to-device copy on this thread's own CUDA stream, so copies overlap the other reads (host
+        mode: the rows are the staging, no copy). Returns the bytes read."""
+        buf = host.numpy().reshape(-1)
+        try:
+            got = os.preadv(fd, [buf], offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL or path in self._buffered:
+                raise
+            self._fall_back_to_buffered(path, fd)
+            got = os.preadv(self._fd(path), [buf], offset)
+        if got and dev.data_ptr() != host.data_ptr():
+            torch = _torch()
+            s = getattr(self._tls, "stream", None)
+            if s is None:
+                s = self._tls.stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(s):
+                dev.view(-1)[:got].copy_(host.view(-1)[:got], non_blocking=True)
+            s.synchronize()
+        return got
 
     def _reap(self, p: _Pass, deadline: float) -> None:
         """Wait for the pass's reads (until ``deadline``); fill ``p.status``."""
@@ -440,31 +509,43 @@ class DeviceLoader:
                     why[i] = "length"
                 continue
             passes.append((rows, slot_len))
-        prev: _Pass | None = None
+        inflight: deque = deque()
+        t0 = time.perf_counter()
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else _null()
         with ctx:
-            for k in range(len(passes) + 1):
-                cur = None
-                if k < len(passes):
-                    rows, slot_len = passes[k]
-                    ring = k % 2
-                    staging, host = self._buffers(ring, len(rows), slot_len)
-                    cur = _Pass(rows, [leases[i] for i in rows], slot_len, staging, host, ring, [],
-                                ["io_error"] * len(rows))
-                    if time.monotonic() < deadline:
-                        self._submit(cur)
-                    else:
-                        cur.status = ["timeout"] * len(rows)
-                        self.counters["timeout"] += len(rows)
-                    self.counters["passes"] += 1
-                if prev is not None:
-                    self._finish(prev, keys, dst, why, deadline)
-                prev = cur
+            for k, (rows, slot_len) in enumerate(passes):
+                if len(inflight) == self.depth:  # the ring slot of pass k - depth is free after this
+                    self._finish(inflight.popleft(), keys, dst, why, deadline)
+                ring = k % self.depth
+                staging, host = self._buffers(ring, len(rows), slot_len)
+                cur = _Pass(rows, [leases[i] for i in rows], slot_len, staging, host, ring, [],
+                            ["io_error"] * len(rows))
+                if time.monotonic() < deadline:
+                    self._submit(cur)
+                else:
+                    cur.status = ["timeout"] * len(rows)
+                    self.counters["timeout"] += len(rows)
+                self.counters["passes"] += 1
+                inflight.append(cur)
+            while inflight:
+                self._finish(inflight.popleft(), keys, dst, why, deadline)
+        self.counters["load_s"] += time.perf_counter() - t0
 
     def _finish(self, p: _Pass, keys, dst, why, deadline: float) -> None:
         """Reap, verify and copy out one pass (its ring buffers are free again on return)."""
         torch = _torch()
+        t0 = time.perf_counter()
         self._reap(p, deadline)
+        t1 = time.perf_counter()
+        self.counters["read_wait_s"] += t1 - t0
+        try:
+            self._verify_copy(p, keys, dst, why)
+        finally:
+            self.counters["verify_s"] += time.perf_counter() - t1
+
+    def _verify_copy(self, p: _Pass, keys, dst, why) -> None:
+        """Check headers and payloads of a read pass; copy the verified payloads into ``dst``."""
+        torch = _torch()
         n = len(p.rows)
         bpb = self.layout.bytes_per_block
         staging = p.staging
@@ -473,11 +554,6 @@ class DeviceLoader:
         good = [r for r in range(n) if p.status[r] is None]
         if not good:
             return
-        if p.host is not None and p.status.count(None) == n:
-            staging.copy_(p.host, non_blocking=True)  # the one H2D copy of the pass
-        elif p.host is not None:
-            for r in good:
-                staging[r].copy_(p.host[r], non_blocking=True)
         # headers come to the host (pinned-bounce: already there)
         if p.host is not None:
             headers = p.host[:, :HEADER_BYTES].numpy()
@@ -524,10 +600,10 @@ class DeviceLoader:
                 self.counters["host_verified"] += 1
             else:
                 p.status[r] = "integrity"
-        for r in ok_rows:
-            d = dst[p.rows[r]]
-            d = d.view(-1) if d.dtype == torch.uint8 else d.view(-1).view(torch.uint8)
-            d.copy_(staging[r, HEADER_BYTES:HEADER_BYTES + bpb], non_blocking=True)
+        if ok_rows:  # one multi-tensor copy for the pass (not one launch per block)
+            dsts = [_bytes_view(dst[p.rows[r]]) for r in ok_rows]
+            srcs = [staging[r, HEADER_BYTES:HEADER_BYTES + bpb] for r in ok_rows]
+            _copy_all(dsts, srcs)
         for r in range(n):
             i = p.rows[r]
             why[i] = p.status[r]
@@ -542,6 +618,25 @@ class DeviceLoader:
                     log.warning("drop_corrupt failed for %s: %s", keys[i], e)
         if self._stream is not None:
             self._stream.synchronize()  # dst written; staging free for the pass after next
+
+
+def _bytes_view(t):
+    """1-D uint8 view of a contiguous tensor's bytes."""
+    torch = _torch()
+    t = t.view(-1)
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _copy_all(dsts: list, srcs: list) -> None:
+    """``dsts[i].copy_(srcs[i])`` for all i on the current stream, fused where torch can
+    (``torch._foreach_copy_``), else one copy per pair."""
+    torch = _torch()
+    fused = getattr(torch, "_foreach_copy_", None)
+    if fused is not None and len(dsts) > 1:
+        fused(dsts, srcs, non_blocking=True)
+        return
+    for d, s in zip(dsts, srcs):
+        d.copy_(s, non_blocking=True)
 
 
 class _null:

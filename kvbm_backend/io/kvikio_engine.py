@@ -142,6 +142,9 @@ class KvikioEngine:
         RuntimeError: kvikio cannot do I/O here; the message is :func:`kvikio_available`'s reason.
         ValueError: ``threads < 1``.
 
+    Compat-mode (POSIX) reads use O_DIRECT for page-aligned pieces where kvikio supports it
+    (``auto_direct_io_read``, process-wide; :attr:`direct_reads` says whether it is on).
+
     File descriptors in :class:`IoOp` are reopened by kvikio through ``/proc/self/fd/N`` (cuFile
     opens files by path; the reopened handle names the same inode, so the caller's ``fdatasync``
     on its own fd covers bytes written here). Handles are cached per (fd, device, inode).
@@ -163,6 +166,14 @@ class KvikioEngine:
             kvikio.defaults.set("num_threads", threads)
         except Exception:  # noqa: BLE001 - older kvikio: keep its default pool
             pass
+        # POSIX (compat-mode) reads through O_DIRECT where offsets/sizes are page aligned (G3 slots
+        # are): the storage's own rate, no page-cache copy. kvikio >= 25.08 ("auto_direct_io_read");
+        # older versions read buffered.
+        try:
+            kvikio.defaults.set("auto_direct_io_read", True)
+            self.direct_reads = bool(kvikio.defaults.get("auto_direct_io_read"))
+        except Exception:  # noqa: BLE001
+            self.direct_reads = False
         self._handles: dict[int, tuple[int, int, object]] = {}
         self._lock = threading.Lock()
         self._dispatch = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-kvikio")

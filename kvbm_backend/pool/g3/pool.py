@@ -479,7 +479,7 @@ class G3Pool:
             if rd is None:
                 rd = DeviceLoader(self, self._layout, dev, probe_dir=self.slabs.paths[0], mode=self.cfg.device_path,
                                   world=self.namespace.tp_world_size, timeout_s=self.cfg.load_timeout_s, threads=self.cfg.io_threads,
-                                  io_bytes=max(self._io_size, 4 << 20))
+                                  io_bytes=max(self._io_size, 16 << 20))
                 self._device_readers[str(dev)] = rd
                 log.info("G3 %s: device loads into %s: %s (%s)", self.slabs.paths[0], dev, rd.mode, rd.mode_reason)
         return rd
