@@ -7,6 +7,7 @@ directory or prefix holds. Blocks of another namespace are never hits.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -53,12 +54,13 @@ class Namespace:
     def canonical_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """16 lowercase hex chars: first 64 bits of xxh3_128(canonical JSON)."""
+        """16 lowercase hex chars: first 64 bits of xxh3_128(canonical JSON). Computed once per instance
+        (the fields are frozen; every key names it)."""
         return xxhash.xxh3_128_hexdigest(self.canonical_json().encode())[:16]
 
-    @property
+    @functools.cached_property
     def fingerprint_bytes(self) -> bytes:
         return bytes.fromhex(self.fingerprint)
 
@@ -73,7 +75,11 @@ class Namespace:
         return BlockKey(self.fingerprint, tenant, rank, seq_hash & ((1 << 64) - 1))
 
     def keys(self, seq_hashes, tenant: str = "", rank: int = 0) -> list["BlockKey"]:
-        return [self.key(h, tenant, rank) for h in seq_hashes]
+        """``[self.key(h, tenant, rank) for h in seq_hashes]``, with the checks done once."""
+        if not 0 <= rank < self.tp_world_size:
+            raise ValueError(f"rank: {rank} outside TP world size {self.tp_world_size}")
+        fp, m = self.fingerprint, (1 << 64) - 1
+        return [BlockKey(fp, tenant, rank, h & m) for h in seq_hashes]
 
     def shared_rank(self, rank: int) -> int:
         """The rank whose key names TP rank ``rank``'s block in shared storage (G4): 0 when every rank
