@@ -76,3 +76,31 @@ def seaweed_restartable(tmp_path):
 def s3_prefix(request):
     """A fresh object prefix per test."""
     return f"{request.node.name.replace('[', '-').replace(']', '')[:40]}-{uuid.uuid4().hex[:8]}"
+
+
+# ---- markers: the fast lane ------------------------------------------------------------------------
+# `bash ci/test.sh --fast` runs `-m "not slow and not vllm and not s3 and not gpu"` (the unit lane, for
+# edit-test loops); CI runs everything. The markers are applied here, from what a test uses, so a new
+# test cannot forget them: `s3` - a SeaweedFS fixture; `vllm` - a module that drives the vLLM engine;
+# `gpu` - a CUDA parametrisation or a test_gpu_* test; `slow` - modules and tests measured at more than
+# ~10 s on the 2-core CI VM (`ci/test.sh --durations=40`).
+_S3_FIXTURES = {"seaweed", "seaweed_restartable", "s3_prefix"}
+_VLLM_MODULES = {"test_connector_e2e", "test_connector_units", "test_demo", "test_examples", "test_tiering",
+                 "test_vllm_serve", "test_dynamo_e2e", "test_dynamo_router"}
+_SLOW_MODULES = {"test_faults_quick", "test_g3_crash", "test_g4_multiproc", "test_g4_outage", "test_g4_gc_bench",
+                 "test_g3_enospc", "test_keyring_revocation"}
+_SLOW_TESTS: set = set()  # "module::test name" of single slow tests in otherwise fast modules
+
+
+def pytest_collection_modifyitems(config, items):
+    for it in items:
+        mod = it.module.__name__.rsplit(".", 1)[-1] if getattr(it, "module", None) else ""
+        if _S3_FIXTURES & set(getattr(it, "fixturenames", ())):
+            it.add_marker(pytest.mark.s3)
+        if mod in _VLLM_MODULES:
+            it.add_marker(pytest.mark.vllm)
+        cs = getattr(it, "callspec", None)
+        if it.originalname.startswith("test_gpu_") or (cs is not None and "cuda" in cs.params.values()):
+            it.add_marker(pytest.mark.gpu)
+        if mod in _SLOW_MODULES or f"{mod}::{it.originalname}" in _SLOW_TESTS:
+            it.add_marker(pytest.mark.slow)
