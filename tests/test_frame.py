@@ -66,3 +66,32 @@ def test_device_checksum_definition():
     flipped = data.copy()
     flipped[0] ^= 1
     assert fr.device_checksum(flipped) != fr.device_checksum(data)
+
+
+def test_accept_is_every_readers_one_check():
+    """``frame.accept``: header damage, identity, layout, TP world, stored length and frame size each
+    give their reason; a frame that passes returns its header."""
+    key = NS.key(7, "t")
+    b = _frame(key, np.zeros(LAY.bytes_per_block, np.uint8))
+    bpb = LAY.bytes_per_block
+    h = fr.accept(b, key, LAY, tenant_tag("t"), world=1, stored_len=bpb, frame_bytes=fr.HEADER_BYTES + bpb, exact=True)
+    assert h.seq_hash == 7 and h.stored_len == bpb
+    assert fr.accept(b, key, LAY, tenant_tag("t"), frame_bytes=fr.slot_bytes(bpb)).world == 1  # a padded G3 slot
+    cases = [
+        (dict(key=NS.key(8, "t")), "identity"),
+        (dict(ttag=tenant_tag("u")), "identity"),
+        (dict(layout=KvLayout(2, 2, 16, 32)), "layout"),
+        (dict(world=2), "identity"),
+        (dict(stored_len=bpb + 16), "length"),
+        (dict(frame_bytes=fr.HEADER_BYTES + bpb - 1), "length"),
+        (dict(frame_bytes=fr.HEADER_BYTES + bpb + 4096, exact=True), "length"),
+        (dict(buf=b[:100]), "length"),
+        (dict(buf=b"\0" * len(b)), "magic"),
+    ]
+    for kw, reason in cases:
+        args = dict(buf=b, key=key, layout=LAY, ttag=tenant_tag("t"))
+        args.update(kw)
+        extra = {k: v for k, v in args.items() if k in ("world", "stored_len", "frame_bytes", "exact")}
+        with pytest.raises(fr.FrameError) as e:
+            fr.accept(args["buf"], args["key"], args["layout"], args["ttag"], **extra)
+        assert e.value.reason == reason, (kw, e.value.reason)

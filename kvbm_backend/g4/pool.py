@@ -43,7 +43,7 @@ import numpy as np
 from ..pool.deadlines import Deadlines
 from ..crypto.aead import AeadError, new_nonce, open_into, seal_into
 from ..crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError, TenantRevoked, UnknownTenant
-from ..model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader,
+from ..model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader, accept,
                            payload_checksum)
 from ..model.layout import KvLayout
 from ..model.namespace import BlockKey, Namespace
@@ -598,12 +598,8 @@ class G4Pool:
         try:
             if size < HEADER_BYTES:
                 raise FrameError("length", f"object of {size} bytes")
-            hdr = FrameHeader.unpack(memoryview(data)[:HEADER_BYTES])
-            hdr.check_identity(key, self._layout, exp.tenant_tag)
-            if hdr.world != self._world:
-                raise FrameError("identity", f"world {hdr.world} != {self._world}")
-            if hdr.stored_len != hdr.payload_len or size != HEADER_BYTES + hdr.stored_len:
-                raise FrameError("length", f"object {size} bytes, header says {HEADER_BYTES}+{hdr.stored_len}")
+            hdr = accept(memoryview(data)[:HEADER_BYTES], key, self._layout, exp.tenant_tag, world=self._world,
+                         stored_len=self._layout.bytes_per_block, frame_bytes=size, exact=True)
             payload = memoryview(data)[HEADER_BYTES:]
             dst = memoryview(out.reshape(-1).view(np.uint8))
             if hdr.flags & FLAG_ENCRYPTED:

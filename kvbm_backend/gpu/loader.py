@@ -44,8 +44,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader
-from ..model.frame import payload_checksum
+from ..model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, HEADER_BYTES, FrameError
+from ..model.frame import accept, payload_checksum
 from ..model.layout import KvLayout
 from ..model.namespace import BlockKey, tenant_tag
 from ..pool.base import SlotLease, SlotLeaseSource
@@ -533,7 +533,6 @@ class DeviceLoader:
 
     def _finish(self, p: _Pass, keys, dst, why, deadline: float) -> None:
         """Reap, verify and copy out one pass (its ring buffers are free again on return)."""
-        torch = _torch()
         t0 = time.perf_counter()
         self._reap(p, deadline)
         t1 = time.perf_counter()
@@ -545,7 +544,6 @@ class DeviceLoader:
 
     def _verify_copy(self, p: _Pass, keys, dst, why) -> None:
         """Check headers and payloads of a read pass; copy the verified payloads into ``dst``."""
-        torch = _torch()
         n = len(p.rows)
         bpb = self.layout.bytes_per_block
         staging = p.staging
@@ -565,12 +563,8 @@ class DeviceLoader:
         for r in good:
             i = p.rows[r]
             try:
-                h = FrameHeader.unpack(headers[r])
-                h.check_identity(keys[i], self.layout, self.tenant_tag_fn(keys[i]))
-                if self.world is not None and h.world != self.world:
-                    raise FrameError("identity", f"frame of TP world {h.world}, expected {self.world}")
-                if h.stored_len != bpb or HEADER_BYTES + h.stored_len > p.slot_len:
-                    raise FrameError("length", f"stored_len {h.stored_len} != block {bpb}")
+                h = accept(headers[r], keys[i], self.layout, self.tenant_tag_fn(keys[i]), world=self.world,
+                           stored_len=bpb, frame_bytes=p.slot_len)
                 if h.flags & FLAG_ENCRYPTED:
                     raise FrameError("unverifiable", "encrypted frame on the device path (G4 loads go through the host)")
                 if h.flags & FLAG_DEVCHECK:

@@ -137,6 +137,32 @@ class FrameHeader:
             raise FrameError("length", f"payload_len {self.payload_len} != block {layout.bytes_per_block}")
 
 
+def accept(buf, key: BlockKey, layout: KvLayout, tenant_tag: bytes, *, world: int | None = None,
+           stored_len: int | None = None, frame_bytes: int | None = None, exact: bool = False) -> FrameHeader:
+    """The frame check every reader runs before it trusts a stored block's header (G3 reads and
+    restore, G4 loads, the device loader): one implementation, so the checks cannot drift apart.
+
+    Parses the 4 KiB header at the start of ``buf`` (magic, version, header check, header length) and
+    requires that it names exactly ``key`` (namespace, ``tenant_tag``, rank, sequence hash) in ``layout``
+    (geometry and payload length), and, where given: TP ``world``, ``stored_len`` bytes stored, and a
+    frame that fits in ``frame_bytes`` (a G3 slot, a G4 object; ``exact``: the object is exactly header +
+    stored bytes). Payload integrity is the caller's (host checksum, AEAD tag, or device checksum).
+
+    Returns the parsed header. Raises FrameError with the reason (``magic``, ``version``,
+    ``header_check``, ``identity``, ``layout``, ``length``).
+    """
+    h = FrameHeader.unpack(buf)
+    h.check_identity(key, layout, tenant_tag)
+    if world is not None and h.world != world:
+        raise FrameError("identity", f"frame of TP world {h.world}, expected {world}")
+    if stored_len is not None and h.stored_len != stored_len:
+        raise FrameError("length", f"stored_len {h.stored_len} != {stored_len}")
+    if frame_bytes is not None and (HEADER_BYTES + h.stored_len > frame_bytes
+                                    or (exact and HEADER_BYTES + h.stored_len != frame_bytes)):
+        raise FrameError("length", f"frame of {frame_bytes} bytes, header says {HEADER_BYTES}+{h.stored_len}")
+    return h
+
+
 def device_checksum(payload) -> int:
     """Position-weighted sum of the payload's little-endian u32 words, mod 2**64:
     ``sum((i + 1) * w[i])`` (a trailing partial word is zero-padded).

@@ -50,7 +50,7 @@ from ...io import fdatasync, make_engine
 from ...memory import aligned_empty, is_aligned
 from ...metrics import TierMetrics
 from ...model import frame
-from ...model.frame import ChecksumFrames, FrameError, FrameHeader
+from ...model.frame import ChecksumFrames, FrameError
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace, tenant_tag
 from ...transfer import Extent, coalesce
@@ -761,10 +761,11 @@ class G3Pool:
                 continue
             for j, (key, slot) in enumerate(part):
                 try:
-                    h = FrameHeader.unpack(hdrs[j * HDR:(j + 1) * HDR])
-                    h.check_identity(key, self._layout, key.tag if type(key) is TagKey else tenant_tag(key.tenant))
-                    if h.stored_len != self.block_bytes or not h.flags & frame.FLAG_CHECKSUM:
-                        raise FrameError("length", "stored length / checksum flag")
+                    h = frame.accept(hdrs[j * HDR:(j + 1) * HDR], key, self._layout,
+                                     key.tag if type(key) is TagKey else tenant_tag(key.tenant),
+                                     world=self.namespace.tp_world_size, stored_len=self.block_bytes)
+                    if not h.flags & frame.FLAG_CHECKSUM:
+                        raise FrameError("length", "frame carries no checksum")
                 except FrameError as e:
                     self._c["restore:" + e.reason] += 1
                     continue
@@ -1286,10 +1287,9 @@ class G3Pool:
                 reason = "short" if slot[0] in files else "io_error"
             elif not good[j]:
                 try:  # slow path: name the reason (or accept a valid frame of another writer)
-                    hdr = FrameHeader.unpack(hdrs[j] if hviews is None else hviews[j])
-                    hdr.check_identity(k, self._layout, tenant_tag(k.tenant))
-                    if hdr.stored_len != self.block_bytes:
-                        raise FrameError("length", f"stored_len {hdr.stored_len}")
+                    hdr = frame.accept(hdrs[j] if hviews is None else hviews[j], k, self._layout,
+                                       tenant_tag(k.tenant), world=self.namespace.tp_world_size,
+                                       stored_len=self.block_bytes)
                     if not hdr.flags & frame.FLAG_CHECKSUM:
                         raise FrameError("integrity", "frame carries no checksum")
                     frame.verify_payload(hdr, payload)
