@@ -188,6 +188,111 @@ def replay(
     _emit(result, as_json)
 
 
+def _gb_list(name: str, value: str) -> list[float]:
+    """Comma-separated GB values (``1000,4000``), each finite and >= 0; else one error line naming ``name``."""
+    out = []
+    for part in value.split(","):
+        try:
+            v = float(part)
+        except ValueError:
+            _fail(f"{name}: expected comma-separated numbers of GB (got {value!r})")
+        _finite(name, v, ge=0)
+        out.append(v)
+    return out
+
+
+@app.command()
+def plan(
+    trace: Optional[str] = typer.Option(None, help="Mooncake-format JSONL trace (or --synthetic)"),
+    synthetic: bool = typer.Option(False, "--synthetic", help="generate a seeded multi-turn trace instead"),
+    users: int = typer.Option(100, help="synthetic: users"),
+    conversations_per_user: int = typer.Option(1, help="synthetic: conversations per user"),
+    turns: int = typer.Option(10, help="synthetic: turns (requests) per conversation"),
+    system_prompt_tokens: int = typer.Option(2048, help="synthetic: shared system prompt, tokens"),
+    turn_tokens: int = typer.Option(1024, help="synthetic: tokens each turn adds to the context"),
+    arrival_rate: float = typer.Option(1.0, help="synthetic: new conversations per second (Poisson)"),
+    think_s: float = typer.Option(60.0, help="synthetic: mean seconds between turns (exponential)"),
+    seed: int = typer.Option(0, help="synthetic: random seed"),
+    save_trace: Optional[str] = typer.Option(None, help="synthetic: also write the trace here (JSONL)"),
+    limit: Optional[int] = typer.Option(None, help="first N requests only"),
+    layout: str = typer.Option("llama-3.1-70b", help="model preset (see `layouts`)"),
+    tp: int = typer.Option(1, help="TP degree of a worker"),
+    page_size: int = typer.Option(16, help="tokens per block"),
+    nodes: int = typer.Option(1, help="nodes in the fleet"),
+    workers_per_node: int = typer.Option(1, help="workers (engine instances) per node"),
+    routing: str = typer.Option("prefix", help="prefix | round-robin"),
+    router_decay_s: float = typer.Option(60.0, help="prefix routing: time constant (s) of a worker's load"),
+    g3_capacity_gb: str = typer.Option("1000", help="G3 GB per node; a sweep: comma-separated"),
+    g4_capacity_gb: str = typer.Option("0", help="G4 GB, shared; comma-separated; 0 = no G4"),
+    g3_read_gbps: float = typer.Option(6.0, help="G3 read GB/s per node"),
+    g3_write_gbps: float = typer.Option(3.0, help="G3 write GB/s per node"),
+    g4_read_gbps: float = typer.Option(2.0, help="G4 read GB/s per worker"),
+    prefill_tokens_per_s: float = typer.Option(10000.0, help="prefill tokens/s per worker (recompute)"),
+    admit_all: bool = typer.Option(False, "--admit-all", help="store every block (default: second sighting)"),
+    out: Optional[str] = typer.Option(None, help="write the results JSON here"),
+    plot_out: Optional[str] = typer.Option(None, "--plot", help="write a PNG/PDF/SVG plot here"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Capacity planner: per-tier hit rates, bytes/s, SSD drive writes per day and TTFT saved over a
+    sweep of G3/G4 capacities, simulated from a trace with replay's G3 index and admission code."""
+    from pathlib import Path
+
+    from .plan import Fleet, SynthSpec, load_timed_trace, run_plan, synth_trace, write_trace
+    from .plan_report import plot_plan, print_plan
+    if (trace is None) == (not synthetic):
+        _fail("--trace: give a trace file or --synthetic (one of them)")
+    for name, v, lo in (("--users", users, 1), ("--conversations-per-user", conversations_per_user, 1),
+                        ("--turns", turns, 1), ("--system-prompt-tokens", system_prompt_tokens, 0),
+                        ("--turn-tokens", turn_tokens, 1), ("--limit", limit, 0), ("--tp", tp, 1),
+                        ("--page-size", page_size, 1), ("--nodes", nodes, 1),
+                        ("--workers-per-node", workers_per_node, 1)):
+        _int_at_least(name, v, lo)
+    _finite("--arrival-rate", arrival_rate, gt=0)
+    _finite("--think-s", think_s, ge=0)
+    for name, v in (("--g3-read-gbps", g3_read_gbps), ("--g3-write-gbps", g3_write_gbps),
+                    ("--g4-read-gbps", g4_read_gbps), ("--prefill-tokens-per-s", prefill_tokens_per_s)):
+        _finite(name, v, gt=0)
+    _finite("--router-decay-s", router_decay_s, gt=0)
+    _one_of("--routing", routing, ("prefix", "round-robin"))
+    g3s = _gb_list("--g3-capacity-gb", g3_capacity_gb)
+    if 0 in g3s:
+        _fail(f"--g3-capacity-gb: each capacity must be > 0 (got {g3_capacity_gb!r})")
+    g4s = _gb_list("--g4-capacity-gb", g4_capacity_gb)
+    _check_layout(layout, page_size, tp)
+    for name, f in (("--out", out), ("--plot", plot_out), ("--save-trace", save_trace)):
+        if f:
+            _writable_dirs(name, str(Path(f).absolute().parent))
+    if plot_out and Path(plot_out).suffix.lower() not in (".png", ".pdf", ".svg"):
+        _fail(f"--plot: unknown image format; use .png, .pdf or .svg (got {plot_out!r})")
+    spec = None
+    try:
+        if synthetic:
+            spec = SynthSpec(users=users, conversations_per_user=conversations_per_user, turns=turns,
+                             system_prompt_tokens=system_prompt_tokens, turn_tokens=turn_tokens,
+                             arrival_rate=arrival_rate, think_s=think_s, seed=seed)
+            reqs = synth_trace(spec)[:limit]
+            if save_trace:
+                write_trace(reqs, save_trace)
+            source = {"synthetic": spec.__dict__}
+        else:
+            reqs = load_timed_trace(trace, limit)
+            source = {"trace": trace, "limit": limit}
+        fleet = Fleet(nodes=nodes, workers_per_node=workers_per_node, g3_read_gbps=g3_read_gbps,
+                      g3_write_gbps=g3_write_gbps, g4_read_gbps=g4_read_gbps,
+                      prefill_tokens_per_s=prefill_tokens_per_s, routing=routing,
+                      router_decay_s=router_decay_s)
+        result = run_plan(reqs, layout, page_size, tp, fleet, g3s, g4s, admit_all=admit_all, source=source)
+        if out:
+            Path(out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        if plot_out:
+            plot_plan(result, plot_out)
+    except ValueError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"plan: {e}")
+    _emit(result, as_json, table_fn=print_plan)
+
+
 @app.command()
 def demo(
     json_path: str = typer.Option("kvbm-demo.json", "--json", help="where to write the results JSON"),
@@ -259,7 +364,7 @@ def layouts(page_size: int = typer.Option(16), tp: int = typer.Option(1), as_jso
 @app.command()
 def plot(files: list[str] = typer.Argument(..., help="benchmark or demo JSON files"),
          out: str = typer.Option("kvbm-plot.png", help="PNG to write")) -> None:
-    """Plot benchmark/demo JSON results (throughput vs baseline, TTFT per config)."""
+    """Plot benchmark/demo/plan JSON results (throughput vs baseline, TTFT per config, hit rate vs capacity)."""
     from pathlib import Path
 
     from .report import plot_results

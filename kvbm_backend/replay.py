@@ -65,17 +65,23 @@ def load_trace(path: str, limit: int | None = None) -> list[dict]:
                 break
             if not line.strip():
                 continue
-            try:
-                r = json.loads(line)
-                ids = [int(x) for x in r["hash_ids"]]
-                length = int(r["input_length"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"--trace {path} line {n}: not a Mooncake record ({e})") from None
-            if length < 0 or length > len(ids) * TRACE_BLOCK_TOKENS:
-                raise ValueError(f"--trace {path} line {n}: input_length {length} does not fit "
-                                 f"{len(ids)} blocks of {TRACE_BLOCK_TOKENS} tokens")
-            out.append({"hash_ids": ids, "input_length": length})
+            out.append(parse_record(line, path, n))
     return out
+
+
+def parse_record(line: str, path: str, n: int) -> dict:
+    """One trace line as ``{"hash_ids": [int], "input_length": int}``. Raises ValueError naming
+    ``path`` and line ``n`` when it is not a Mooncake record or its length does not fit its blocks."""
+    try:
+        r = json.loads(line)
+        ids = [int(x) for x in r["hash_ids"]]
+        length = int(r["input_length"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--trace {path} line {n}: not a Mooncake record ({e})") from None
+    if length < 0 or length > len(ids) * TRACE_BLOCK_TOKENS:
+        raise ValueError(f"--trace {path} line {n}: input_length {length} does not fit "
+                         f"{len(ids)} blocks of {TRACE_BLOCK_TOKENS} tokens")
+    return {"hash_ids": ids, "input_length": length}
 
 
 class KeyMaker:
@@ -121,8 +127,16 @@ def payload_for(seq_hash: int, base: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-class _SimPool:
-    """The pool's index, eviction and admission without I/O (``--simulate``)."""
+def capacity_blocks(capacity_bytes: float, slot_bytes: int) -> int:
+    """Slots of ``slot_bytes`` bytes that fit in ``capacity_bytes`` bytes (``int(capacity_bytes)`` // slot)."""
+    return int(capacity_bytes) // slot_bytes
+
+
+class SimPool:
+    """The pool's index, eviction and admission without I/O (``--simulate``; ``kvbm-backend plan``).
+
+    ``capacity_blocks`` slots (LRU eviction of one block per store beyond it), the admission filter of
+    ``admission_cfg``; keys are any hashables (replay: BlockKey, plan: sequence hashes)."""
 
     def __init__(self, capacity_blocks: int, admission_cfg: AdmissionConfig, slot_bytes: int):
         from .pool.g3.admission import make_admission
@@ -150,6 +164,9 @@ class _SimPool:
                 self.evictions += len(self.index.evict(1))
             self.index.put(k, (0, 0))
             self.written += 1
+
+
+_SimPool = SimPool  # the name this class had before ``plan`` used it
 
 
 def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: str | None = None,
@@ -186,7 +203,7 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
 
     pool = sim = run_dir = None
     if simulate:
-        sim = _SimPool(int(g3_capacity_gb * 1e9) // sb, admission, sb)
+        sim = SimPool(capacity_blocks(g3_capacity_gb * 1e9, sb), admission, sb)
     else:
         from .memory import aligned_empty
         from .metrics import new_registry

@@ -48,8 +48,9 @@ _PAIRS = [
 
 
 def plot_results(files: Iterable[str], out: str) -> None:
-    """Plot each JSON file: demo results (TTFT p50/p90 per config) or bench results (ours vs the
-    in-run baseline). Writes one PNG with one panel per file. Raises ValueError for an unknown shape."""
+    """Plot each JSON file: demo results (TTFT p50/p90 per config), bench results (ours vs the
+    in-run baseline) or ``plan`` results (hit rate per tier vs G3 capacity). Writes one PNG with one
+    panel per file. Raises ValueError for an unknown shape."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -57,6 +58,10 @@ def plot_results(files: Iterable[str], out: str) -> None:
     data = [(Path(f).name, json.loads(Path(f).read_text())) for f in files]
     fig, axes = plt.subplots(1, len(data), figsize=(6 * len(data), 4.2), squeeze=False)
     for ax, (name, d) in zip(axes[0], data):
+        if d.get("kind") == "plan":
+            from .plan_report import plot_plan_axes
+            plot_plan_axes(ax, None, d, name)
+            continue
         if "configs" in d:
             names = list(d["configs"])
             p50 = [d["configs"][n].get("ttft_p50_s", 0) for n in names]
