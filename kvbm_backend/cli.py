@@ -107,7 +107,8 @@ def _config_error_text(e: Exception) -> str:
 
 @app.command()
 def bench(
-    tier: str = typer.Option(..., help="g3 | g4 | vllm-tiers"),
+    tier: str = typer.Option(..., help="g3 | g4 | vllm-tiers | index (the in-memory G3 index; --blocks N "
+                                       "entries, default 1M and 10M)"),
     layout: str = typer.Option("llama-3.1-8b", help="model preset in layouts/ (see `layouts`)"),
     page_size: int = typer.Option(16, help="tokens per block"),
     tp: int = typer.Option(1, help="TP degree (block size is per rank)"),
@@ -124,7 +125,7 @@ def bench(
     """Write then read N blocks through a tier, with an in-run baseline of the same bytes."""
     from .bench import BenchOptions
     from .config import ConfigError
-    _one_of("--tier", tier, ("g3", "g4", "vllm-tiers"))
+    _one_of("--tier", tier, ("g3", "g4", "vllm-tiers", "index"))
     _int_at_least("--page-size", page_size, 1)
     _int_at_least("--tp", tp, 1)
     _int_at_least("--blocks", blocks, 1)
@@ -147,6 +148,8 @@ def bench(
             from .bench.g4 import run
         elif tier == "vllm-tiers":
             from .bench.vllm_tiers import run
+        elif tier == "index":
+            from .bench.index import run
         else:
             _fail(f"--tier: expected g3, g4 or vllm-tiers, got {tier!r}")
         result = run(opts)

@@ -25,7 +25,7 @@ def rounds_progress(enabled: bool, label: str, total: int) -> Iterator[Callable[
 
 @dataclass
 class BenchOptions:
-    tier: str  # g3 | g4 | vllm-tiers
+    tier: str  # g3 | g4 | vllm-tiers | index
     layout: str = "llama-3.1-8b"
     page_size: int = 16
     tp: int = 1

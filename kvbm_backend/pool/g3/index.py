@@ -99,6 +99,21 @@ class LruIndex:
         self._map[key] = slot
         self._map.move_to_end(key)
 
+    def restore_many(self, entries) -> None:
+        """:meth:`restore` of each (key, slot), oldest first."""
+        for key, slot in entries:
+            self.restore(key, slot)
+
+    def lookup_prefix(self, keys, namespace: str | None = None) -> int:
+        """How many leading ``keys`` are held (a key of another ``namespace``, when given, ends the
+        prefix); the found ones become most recently used (``get(k, touch=True)`` each)."""
+        n = 0
+        for k in keys:
+            if (namespace is not None and k.namespace != namespace) or self.get(k, touch=True) is None:
+                break
+            n += 1
+        return n
+
     def items(self):
         """(key, slot) oldest first; restored keys whose tenant was not seen yet are :class:`TagKey`."""
         return list(self._map.items())

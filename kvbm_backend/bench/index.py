@@ -1,0 +1,172 @@
+"""``kvbm-backend bench --tier index``: the in-memory G3 index, compact (numpy arrays,
+:class:`~kvbm_backend.pool.g3.compact_index.CompactLruIndex`) against the OrderedDict index
+(:class:`~kvbm_backend.pool.g3.index.LruIndex`) in the same run.
+
+Sizes: 1M and 10M entries by default; ``--blocks N`` (other than the default 256) measures N entries
+only. The OrderedDict index is measured at up to 1M entries (10M of them take several GB).
+
+Per size, per index:
+
+- ``bytes_per_block``: memory held by the index divided by its entries, measured with ``tracemalloc``
+  (traced bytes after the build minus before; the entries' keys count for the OrderedDict index, where
+  the index holds them). The compact index also reports ``array_bytes`` (its numpy arrays' ``nbytes``,
+  capacity included) and ``capacity``.
+- ``rebuild_s``: warm-restart build of the index from the journal's entries. Compact: from arrays
+  (``restore_arrays``: tags, ranks, seq hashes, files, slots), and ``rebuild_from_keys_s`` from (TagKey,
+  slot) pairs (``restore_many``, what the journal loader yields today; at most 1M). OrderedDict:
+  ``restore`` one by one. Journal file reading and decoding is not included.
+- ``prefix_lookup_ms``: ``lookup_prefix`` of an 8192-block prefix (all present, random start; the
+  pool's call: keys of one tenant, touched as found), median / p99 / max of ``LOOKUPS`` calls.
+- ``get_us``: ``get(key, touch=True)`` of one random present key (the pool's get/lease path), mean.
+- ``evict_ms``: ``evict(1024)`` on the full index, median of 5.
+
+Keys: random 64-bit sequence hashes, 8 tenants (one of them ``""``, the rest restored as tag entries),
+rank 0, 8 files. Times are wall-clock (``perf_counter``), on whatever else the machine runs.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+import tracemalloc
+
+import numpy as np
+
+from ..model.namespace import BlockKey, tenant_tag
+from ..pool.g3.compact_index import CompactLruIndex
+from ..pool.g3.index import LruIndex, TagKey
+from . import BenchOptions
+
+NS = "0123456789abcdef"
+TENANTS = [""] + [f"tenant-{i}" for i in range(7)]
+PREFIX = 8192
+LOOKUPS = 50
+OLD_MAX = 1_000_000
+KEYS_MAX = 1_000_000
+
+
+def _data(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    seqs = rng.integers(0, 2 ** 64, n, dtype=np.uint64, endpoint=False)
+    tenant = (np.arange(n) // PREFIX) % len(TENANTS)  # one tenant per 8K run (a sequence)
+    tagtab = np.frombuffer(b"".join(tenant_tag(t) for t in TENANTS), np.uint8).reshape(-1, 16)
+    return {"seqs": seqs, "tenant": tenant, "tags": tagtab[tenant], "ranks": np.zeros(n, np.int64),
+            "files": np.arange(n, dtype=np.int64) % 8, "slots": np.arange(n, dtype=np.int64) // 8}
+
+
+def _tag_entries(d, n: int) -> list:
+    tags = [tenant_tag(t) for t in TENANTS]
+    return [(TagKey(NS, tags[t], 0, s), (f, sl)) for t, s, f, sl in
+            zip(d["tenant"][:n].tolist(), d["seqs"][:n].tolist(), d["files"][:n].tolist(), d["slots"][:n].tolist())]
+
+
+def _prefixes(d, n: int, rng) -> list[list[BlockKey]]:
+    out = []
+    for _ in range(LOOKUPS):
+        run = int(rng.integers(0, max(1, n // PREFIX)))
+        a = run * PREFIX
+        b = min(n, a + PREFIX)
+        t = TENANTS[int(d["tenant"][a])]
+        out.append([BlockKey(NS, t, 0, s) for s in d["seqs"][a:b].tolist()])
+    return out
+
+
+def _measure(ix, d, n: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    pre = _prefixes(d, n, rng)
+    times = []
+    for keys in pre:
+        t0 = time.perf_counter()
+        got = ix.lookup_prefix(keys, NS)
+        times.append(time.perf_counter() - t0)
+        if got != len(keys):
+            raise RuntimeError(f"index bench: prefix lookup found {got} of {len(keys)} (index is wrong)")
+    times.sort()
+    pick = rng.integers(0, n, 10000)
+    gk = [BlockKey(NS, TENANTS[int(d["tenant"][i])], 0, int(d["seqs"][i])) for i in pick]
+    t0 = time.perf_counter()
+    for k in gk:
+        if ix.get(k, touch=True) is None:
+            raise RuntimeError("index bench: a present key was not found")
+    get_us = (time.perf_counter() - t0) / len(gk) * 1e6
+    ev = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        got = len(ix.evict(1024))
+        ev.append(time.perf_counter() - t0)
+    return {"prefix_blocks": PREFIX, "lookups": len(times),
+            "prefix_lookup_ms": {"median": round(statistics.median(times) * 1e3, 4),
+                                 "p99": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 4),
+                                 "max": round(times[-1] * 1e3, 4)},
+            "get_us": round(get_us, 3), "evict_ms": round(statistics.median(ev) * 1e3, 3)}
+
+
+def _compact(d, n: int) -> dict:
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    t0 = time.perf_counter()
+    ix = CompactLruIndex()
+    ix.restore_arrays(NS, d["tags"][:n], d["ranks"][:n], d["seqs"][:n], d["files"][:n], d["slots"][:n])
+    rebuild = time.perf_counter() - t0
+    cur, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    if len(ix) != n:
+        raise RuntimeError(f"index bench: {len(ix)} entries after restoring {n}")
+    out = {"entries": n, "bytes_per_block": round((cur - base) / n, 2), "index_bytes": cur - base,
+           "build_peak_bytes": peak - base, "array_bytes": ix.nbytes, "capacity": ix._cap,
+           "rebuild_s": round(rebuild, 3)}
+    if n <= KEYS_MAX:
+        ents = _tag_entries(d, n)
+        t0 = time.perf_counter()
+        ix2 = CompactLruIndex()
+        ix2.restore_many(ents)
+        out["rebuild_from_keys_s"] = round(time.perf_counter() - t0, 3)
+        del ents, ix2
+    out.update(_measure(ix, d, n, seed=1))
+    return out
+
+
+def _ordered(d, n: int) -> dict:
+    ents = _tag_entries(d, n)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    ix = LruIndex()
+    ix.restore_many(_tag_entries(d, n))  # keys made here count: the index holds them
+    cur = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del ix
+    gc.collect()
+    t0 = time.perf_counter()
+    ix = LruIndex()
+    ix.restore_many(ents)
+    rebuild = time.perf_counter() - t0
+    out = {"entries": n, "bytes_per_block": round((cur - base) / n, 2), "index_bytes": cur - base,
+           "rebuild_s": round(rebuild, 3)}
+    out.update(_measure(ix, d, n, seed=1))
+    return out
+
+
+def run(opts: BenchOptions) -> dict:
+    """Returns the JSON-able result (see the module docstring); sizes from ``opts.blocks``."""
+    sizes = [1_000_000, 10_000_000] if opts.blocks == 256 else [int(opts.blocks)]
+    d = _data(max(sizes))
+    res = {"tier": "index", "namespace_entries": "one namespace, 8 tenants, rank 0",
+           "memory_method": "tracemalloc (traced bytes after build minus before)", "prefix_blocks": PREFIX,
+           "cpu_count": os.cpu_count(), "compact": {}, "ordereddict": {}}
+    for n in sizes:
+        res["compact"][str(n)] = _compact(d, n)
+        gc.collect()
+    for n in sizes:
+        if n <= OLD_MAX:
+            res["ordereddict"][str(n)] = _ordered(d, n)
+            gc.collect()
+    big = str(max(sizes))
+    c = res["compact"][big]
+    res["targets"] = {"entries": max(sizes),
+                      "memory_under_1_gib": c["index_bytes"] < 1 << 30,
+                      "prefix_8k_under_1_ms": c["prefix_lookup_ms"]["median"] < 1.0,
+                      "rebuild_under_10_s": c["rebuild_s"] < 10.0}
+    return res

@@ -1,0 +1,711 @@
+"""A compact G3 index for 10M+ blocks: :class:`LruIndex`'s API and semantics in fixed-width numpy arrays.
+
+No Python object per entry. Per entry (arrays of the entry capacity, which grows by doubling):
+``seq`` uint64 (8 bytes), ``owner`` int32 (4: an interned (namespace, 16-byte tenant tag) pair),
+``rank`` uint32 (4), ``file`` uint16 (2), ``slot`` uint32 (4), ``flag`` uint8 (1: restored by tag and
+not adopted yet), ``lp`` int32 (4: the entry's position in the LRU log, -1 = free) = 27 bytes; plus the
+hash table, int32, a power of two of at least twice the entries (8-16 bytes per entry), and the LRU
+log, int32, at most about twice the entries after compaction (4-12 bytes per entry); freed entry
+indexes wait in an int32 stack for reuse.
+
+Identity is exact, never a hash-only match: a hit compares seq_hash, owner (namespace and tenant tag)
+and rank. The tenant is interned as its tag (``tenant_tag``, what the journal and the frame headers
+hold); a tag's tenant string is learned the first time a :class:`BlockKey` of that tenant is put or
+looked up, so entries can be reported as BlockKeys.
+
+Hash table: open addressing, linear probing, position = the top bits of a 64-bit mix of (owner, rank,
+seq), load at most 1/2; deletion shifts the cluster back (no tombstones). Batch lookups probe all keys
+at once (vectorised rounds); a bulk build sorts the entries by home position (one argsort) and places
+them with a running maximum.
+
+LRU order is a log of entry indexes, oldest first: touching an entry appends it and the older log
+position goes stale (``lp[entry]`` no longer points at it); the log is compacted when it fills. This
+makes a batch touch (a prefix lookup of 8K blocks) a few array assignments instead of a doubly-linked
+list walk. Eviction scans the log from its head, skipping stale and pinned entries.
+
+Semantics are :class:`.index.LruIndex`'s, including TagKey adoption (see that module): a restored entry
+whose tenant tag is not a known tenant's (only ``""`` is known at restore) is reported as a
+:class:`TagKey` by :meth:`items`/:meth:`evict` until the first ``get``/``in``/``remove``/``put``/
+``lookup_prefix`` with the real :class:`BlockKey`, which adopts it (and makes it most recently used).
+One difference: identity is unique here, so ``restore`` of a TagKey whose BlockKey is already present
+updates that entry (the OrderedDict index would hold both); the pool restores into an empty index only.
+
+Not thread-safe: the pool holds its lock around every call. A table grow rebuilds the table in one
+call (about 1 s at 10M entries, measured by ``kvbm-backend bench --tier index``).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from ...model.namespace import BlockKey, tenant_tag
+from .index import TagKey, tag_of
+
+Slot = tuple[int, int]
+
+_M64 = (1 << 64) - 1
+_K0, _K1, _K2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_U = np.uint64
+_KNOWN = {tenant_tag(""): ""}  # tags resolved at restore: the unsalted tenant
+_MIN_TAB_BITS = 10
+
+
+def _mix(owner: int, rank: int, seq: int) -> int:
+    """64-bit mix of one key (same value as :func:`_mix_v`)."""
+    x = (seq ^ ((((owner & 0xFFFFFFFF) << 32) | (rank & 0xFFFFFFFF)) * _K0)) & _M64
+    x ^= x >> 30
+    x = (x * _K1) & _M64
+    x ^= x >> 27
+    x = (x * _K2) & _M64
+    return x ^ (x >> 31)
+
+
+def _mix_v(owner: np.ndarray, rank: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """Vectorised :func:`_mix`: uint64 array of the keys' shape."""
+    with np.errstate(over="ignore"):
+        o = (owner.astype(np.int64).astype(_U) & _U(0xFFFFFFFF)) << _U(32)
+        x = seq.astype(_U, copy=False) ^ ((o | (rank.astype(np.int64).astype(_U) & _U(0xFFFFFFFF))) * _U(_K0))
+        x ^= x >> _U(30)
+        x *= _U(_K1)
+        x ^= x >> _U(27)
+        x *= _U(_K2)
+        x ^= x >> _U(31)
+    return x
+
+
+class _Items:
+    """Snapshot of (key, slot) pairs, oldest first (arrays copied at creation; keys made lazily)."""
+
+    def __init__(self, owners, tenants, own, rank, seq, file, slot, flag):
+        self._owners, self._tenants = owners, tenants
+        self._a = (own, rank, seq, file, slot, flag)
+
+    def __len__(self) -> int:
+        return len(self._a[0])
+
+    def __iter__(self) -> Iterator[tuple["BlockKey | TagKey", Slot]]:
+        owners, tenants = self._owners, self._tenants
+        n = len(self)
+        for c0 in range(0, n, 65536):
+            cols = [a[c0:c0 + 65536].tolist() for a in self._a]
+            for o, r, s, f, sl, fl in zip(*cols):
+                ns, tag = owners[o]
+                if fl:
+                    yield TagKey(ns, tag, r, s), (f, sl)
+                else:
+                    yield BlockKey(ns, tenants[o], r, s), (f, sl)
+
+    def __getitem__(self, i):
+        return list(self)[i]
+
+
+class CompactLruIndex:
+    """Key -> (file, slot) in LRU order with read pins, in numpy arrays (see the module docstring).
+
+    Args:
+        capacity: initial entry capacity (grows by doubling).
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        # interned (namespace, tag) owners; tenant string per owner once known
+        self._owners: list[tuple[str, bytes]] = []
+        self._tenants: list[str | None] = []
+        self._by_tag: dict[tuple[str, bytes], int] = {}
+        self._by_tenant: dict[str, dict[str, int]] = {}  # namespace -> tenant -> owner
+        self._n = 0
+        self._hi = 0  # entries [0, hi) were ever used
+        self._free = np.empty(64, np.int32)  # freed entry indexes, a stack of _nfree
+        self._nfree = 0
+        self._alloc_entries(max(16, int(capacity)))
+        self._set_table(np.zeros(1 << _MIN_TAB_BITS, np.int32))
+        self._set_log(np.empty(max(32, 2 * int(capacity)), np.int32))
+        self._head = self._tail = 0
+        self._pins: dict[Slot, int] = {}
+        self._deferred: set[Slot] = set()
+
+    # ---- storage ------------------------------------------------------------------------------
+    def _alloc_entries(self, cap: int, keep: int = 0) -> None:
+        specs = (("_seq", np.uint64), ("_own", np.int32), ("_rank", np.uint32), ("_file", np.uint16),
+                 ("_slot", np.uint32), ("_flag", np.uint8), ("_lp", np.int32))
+        for name, dt in specs:
+            a = np.empty(cap, dt)
+            if keep:
+                a[:keep] = getattr(self, name)[:keep]
+            setattr(self, name, a)
+        self._lp[keep:] = -1
+        self._cap = cap
+        # memoryviews: scalar reads/writes as Python ints (about twice as fast as numpy scalars)
+        self._vseq, self._vown, self._vrank = memoryview(self._seq), memoryview(self._own), memoryview(self._rank)
+        self._vfile, self._vslot = memoryview(self._file), memoryview(self._slot)
+        self._vflag, self._vlp = memoryview(self._flag), memoryview(self._lp)
+
+    def _grow_entries(self, need: int) -> None:
+        cap = self._cap
+        while cap < need:
+            cap *= 2
+        self._alloc_entries(cap, self._hi)
+
+    def _set_log(self, log: np.ndarray) -> None:
+        self._log = log
+        self._vlog = memoryview(log)
+
+    def _set_table(self, tab: np.ndarray) -> None:
+        self._tab = tab
+        self._vtab = memoryview(tab)
+        self._mask = len(tab) - 1
+        self._shift = 64 - (len(tab).bit_length() - 1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the index's arrays (entries, hash table, LRU log); interned strings excluded."""
+        return sum(getattr(self, a).nbytes for a in ("_seq", "_own", "_rank", "_file", "_slot", "_flag", "_lp",
+                                                      "_tab", "_log", "_free"))
+
+    # ---- owners -------------------------------------------------------------------------------
+    def _owner_of(self, key) -> tuple[int, bool]:
+        """(owner id or -1, key is a TagKey); never interns. A BlockKey whose tag is interned teaches
+        the owner its tenant string."""
+        if type(key) is TagKey:
+            return self._by_tag.get((key.namespace, key.tag), -1), True
+        d = self._by_tenant.get(key.namespace)
+        if d is not None:
+            o = d.get(key.tenant)
+            if o is not None:
+                return o, False
+        o = self._by_tag.get((key.namespace, tag_of(key.tenant)))
+        if o is None:
+            return -1, False
+        self._by_tenant.setdefault(key.namespace, {})[key.tenant] = o
+        self._tenants[o] = key.tenant
+        return o, False
+
+    def _intern(self, namespace: str, tag: bytes, tenant: str | None) -> int:
+        o = self._by_tag.get((namespace, tag))
+        if o is None:
+            o = len(self._owners)
+            if o >= 1 << 31:
+                raise OverflowError("more than 2**31 (namespace, tenant) pairs")
+            self._owners.append((namespace, tag))
+            self._tenants.append(_KNOWN.get(tag) if tenant is None else tenant)
+            self._by_tag[(namespace, tag)] = o
+            if self._tenants[o] is not None:
+                self._by_tenant.setdefault(namespace, {})[self._tenants[o]] = o
+        elif tenant is not None and self._tenants[o] is None:
+            self._tenants[o] = tenant
+            self._by_tenant.setdefault(namespace, {})[tenant] = o
+        return o
+
+    # ---- hash table (scalar) ------------------------------------------------------------------
+    def _find(self, o: int, rank: int, seq: int) -> tuple[int, int]:
+        """(entry or -1, table position of the entry or of the first empty cell on its probe path)."""
+        tab, mask = self._vtab, self._mask
+        seqa, owna, ranka = self._vseq, self._vown, self._vrank
+        p = _mix(o, rank, seq) >> self._shift
+        while True:
+            v = tab[p]
+            if v == 0:
+                return -1, p
+            e = v - 1
+            if seqa[e] == seq and owna[e] == o and ranka[e] == rank:
+                return e, p
+            p = (p + 1) & mask
+
+    def _home(self, e: int) -> int:
+        return _mix(self._vown[e], self._vrank[e], self._vseq[e]) >> self._shift
+
+    def _cell_of(self, e: int) -> int:
+        """Table position of live entry ``e``."""
+        tab, mask, v = self._vtab, self._mask, e + 1
+        p = self._home(e)
+        while tab[p] != v:
+            p = (p + 1) & mask
+        return p
+
+    def _tab_delete(self, i: int) -> None:
+        """Empty table cell ``i`` and shift the rest of its cluster back (linear-probing deletion)."""
+        tab, mask = self._vtab, self._mask
+        j = i
+        while True:
+            j = (j + 1) & mask
+            v = tab[j]
+            if v == 0:
+                break
+            k = self._home(v - 1)
+            if (i <= j and i < k <= j) or (i > j and (k > i or k <= j)):
+                continue  # its home lies in (i, j]: it stays
+            tab[i] = v
+            i = j
+        tab[i] = 0
+
+    def _tab_insert_at_home(self, e: int) -> None:
+        tab, mask = self._vtab, self._mask
+        p = self._home(e)
+        while tab[p] != 0:
+            p = (p + 1) & mask
+        tab[p] = e + 1
+
+    def _rebuild_table(self, bits: int) -> None:
+        """Build a table of ``2**bits`` cells from the live entries (one argsort by home position)."""
+        size = 1 << bits
+        shift = 64 - bits
+        tab = np.zeros(size, np.int32)
+        live = np.flatnonzero(self._lp[:self._hi] >= 0).astype(np.int64)
+        self._set_table(tab)
+        if not len(live):
+            return
+        home = (_mix_v(self._own[live], self._rank[live], self._seq[live]) >> _U(shift)).astype(np.int64)
+        o = np.argsort(home, kind="stable")
+        home = home[o]
+        live = live[o]
+        i = np.arange(len(live), dtype=np.int64)
+        final = i + np.maximum.accumulate(home - i)
+        ok = final < size
+        tab[final[ok]] = (live[ok] + 1).astype(np.int32)
+        for e in live[~ok].tolist():  # clusters running past the end wrap to the start
+            self._tab_insert_at_home(e)
+
+    def _table_room(self, extra: int) -> None:
+        need = self._n + extra
+        if 2 * need > len(self._tab):
+            bits = max(_MIN_TAB_BITS, (2 * need - 1).bit_length())
+            self._rebuild_table(bits)
+
+    # ---- entries and the LRU log --------------------------------------------------------------
+    def _new_entry(self, o: int, rank: int, seq: int, slot: Slot, flag: int, p: int) -> int:
+        """Insert an absent key (``p``: the empty cell :meth:`_find` returned for it, valid only while the
+        table is not rebuilt)."""
+        if 2 * (self._n + 1) > len(self._tab):
+            self._table_room(1)
+            p = self._find(o, rank, seq)[1]
+        if self._nfree:
+            self._nfree -= 1
+            e = int(self._free[self._nfree])
+        else:
+            if self._hi >= self._cap:
+                self._grow_entries(self._hi + 1)
+            e = self._hi
+            self._hi += 1
+        self._vseq[e] = seq
+        self._vown[e] = o
+        self._vrank[e] = rank
+        self._vfile[e] = slot[0]
+        self._vslot[e] = slot[1]
+        self._vflag[e] = flag
+        self._vtab[p] = e + 1
+        self._n += 1
+        self._touch(e)
+        return e
+
+    def _free_entry(self, e: int, p: int) -> None:
+        self._tab_delete(p)
+        self._vlp[e] = -1
+        if self._nfree == len(self._free):
+            self._free = np.concatenate([self._free, np.empty(len(self._free), np.int32)])
+        self._free[self._nfree] = e
+        self._nfree += 1
+        self._n -= 1
+
+    def _log_room(self, extra: int) -> None:
+        """Make room for ``extra`` appends: compact (drop stale positions) and grow when needed."""
+        if self._tail + extra <= len(self._log):
+            return
+        seg = self._log[self._head:self._tail]
+        live = seg[self._lp[seg] == np.arange(self._head, self._tail, dtype=np.int32)]
+        m = len(live)
+        size = len(self._log)
+        while 2 * (m + extra) > size:
+            size *= 2
+        if size >= 1 << 31:
+            raise OverflowError("LRU log over 2**31 positions")
+        log = self._log if size == len(self._log) else np.empty(size, np.int32)
+        log[:m] = live
+        self._lp[live] = np.arange(m, dtype=np.int32)
+        self._set_log(log)
+        self._head, self._tail = 0, m
+
+    def _touch(self, e: int) -> None:
+        t = self._tail
+        if t and self._vlp[e] == t - 1:
+            return  # already the most recently used
+        if t >= len(self._log):
+            self._log_room(1)
+            t = self._tail
+        self._vlog[t] = e
+        self._vlp[e] = t
+        self._tail = t + 1
+
+    def _touch_many(self, es: np.ndarray) -> None:
+        """Make ``es`` the most recently used, in order (a repeated entry ends at its last position)."""
+        m = len(es)
+        if not m:
+            return
+        self._log_room(m)
+        t = self._tail
+        self._log[t:t + m] = es
+        self._lp[es] = np.arange(t, t + m, dtype=np.int32)  # repeated index: the last value is assigned
+        self._tail = t + m
+
+    def _slot_of(self, e: int) -> Slot:
+        return self._vfile[e], self._vslot[e]
+
+    def _key_of(self, e: int) -> "BlockKey | TagKey":
+        o = self._vown[e]
+        ns, tag = self._owners[o]
+        if self._vflag[e]:
+            return TagKey(ns, tag, self._vrank[e], self._vseq[e])
+        return BlockKey(ns, self._tenants[o], self._vrank[e], self._vseq[e])
+
+    def _lookup(self, key) -> tuple[int, int]:
+        """(entry or -1, table cell) for a BlockKey (adopting a tag entry: MRU, reported as BlockKey from
+        now) or a TagKey (found only while its entry is not adopted, as in the OrderedDict index)."""
+        o, is_tag = self._owner_of(key)
+        if o < 0:
+            return -1, -1
+        e, p = self._find(o, key.rank, key.seq_hash)
+        if e < 0:
+            return -1, -1
+        if is_tag:
+            return (e, p) if self._vflag[e] else (-1, -1)
+        if self._vflag[e]:
+            self._vflag[e] = 0
+            self._touch(e)
+        return e, p
+
+    # ---- the LruIndex API ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._n
+
+    def __contains__(self, key) -> bool:
+        return self._lookup(key)[0] >= 0
+
+    def get(self, key, touch: bool = False) -> Slot | None:
+        """The (file, slot) of ``key`` or None; ``touch`` makes it most recently used."""
+        e = self._lookup(key)[0]
+        if e < 0:
+            return None
+        if touch:
+            self._touch(e)
+        return self._slot_of(e)
+
+    def put(self, key: BlockKey, slot: Slot) -> None:
+        """Map ``key`` to ``slot`` (replacing its slot if present); it becomes most recently used."""
+        o = self._intern(key.namespace, tag_of(key.tenant), key.tenant)
+        e, p = self._find(o, key.rank, key.seq_hash)
+        if e < 0:
+            self._new_entry(o, key.rank, key.seq_hash, slot, 0, p)
+            return
+        self._vfile[e], self._vslot[e], self._vflag[e] = slot[0], slot[1], 0
+        self._touch(e)
+
+    def restore(self, key: "BlockKey | TagKey", slot: Slot) -> None:
+        """Insert a journal entry (oldest first) at restore: a TagKey of a known tag becomes its BlockKey."""
+        if type(key) is TagKey:
+            tenant = _KNOWN.get(key.tag)
+            if tenant is None:
+                o = self._intern(key.namespace, key.tag, None)
+                e, p = self._find(o, key.rank, key.seq_hash)
+                if e < 0:
+                    self._new_entry(o, key.rank, key.seq_hash, slot, 1, p)
+                else:
+                    self._vfile[e], self._vslot[e] = slot
+                    self._touch(e)
+                return
+            key = BlockKey(key.namespace, tenant, key.rank, key.seq_hash)
+        self.put(key, slot)
+
+    def restore_many(self, entries: Iterable[tuple["BlockKey | TagKey", Slot]]) -> None:
+        """:meth:`restore` of each (key, slot), oldest first, in one vectorised build."""
+        entries = list(entries)
+        if not entries:
+            return
+        keys, slots = zip(*entries)
+        ns_col = [k.namespace for k in keys]
+        tags, flags, tenants = [], [], []
+        for k in keys:
+            if type(k) is TagKey:
+                t = _KNOWN.get(k.tag)
+                tags.append(k.tag)
+                tenants.append(t)
+                flags.append(t is None)
+            else:
+                tags.append(tag_of(k.tenant))
+                tenants.append(k.tenant)
+                flags.append(False)
+        owners = np.fromiter((self._intern(n, t, tn) for n, t, tn in zip(ns_col, tags, tenants)), np.int64,
+                             len(keys))
+        files, sis = zip(*slots)
+        self._restore_owners(owners, np.fromiter((k.rank for k in keys), np.int64, len(keys)),
+                             np.fromiter((k.seq_hash for k in keys), _U, len(keys)),
+                             np.asarray(files, np.int64), np.asarray(sis, np.int64),
+                             np.asarray(flags, np.uint8))
+
+    def restore_arrays(self, namespace: str, tags: np.ndarray, ranks: np.ndarray, seqs: np.ndarray,
+                       files: np.ndarray, slots: np.ndarray) -> None:
+        """Vectorised :meth:`restore` of N journal entries (oldest first; a repeated key keeps its last).
+
+        Args:
+            namespace: the namespace fingerprint of every entry.
+            tags: (N, 16) uint8, the tenant tags (``tenant_tag``); a tag other than ``""``'s is restored
+                as a :class:`TagKey` entry until adopted.
+            ranks, seqs, files, slots: (N,) integer arrays (rank < 2**32, seq_hash < 2**64 as uint64,
+                file < 2**16, slot < 2**32).
+
+        Raises:
+            ValueError: shapes disagree.
+        """
+        tags = np.ascontiguousarray(tags, np.uint8)
+        n = len(seqs)
+        if tags.shape != (n, 16) or not (len(ranks) == len(files) == len(slots) == n):
+            raise ValueError(f"restore_arrays: tags {tags.shape}, {len(ranks)} ranks, {n} seqs, "
+                             f"{len(files)} files, {len(slots)} slots")
+        if not n:
+            return
+        uniq, inv = np.unique(tags.view("V16").ravel(), return_inverse=True)
+        oid = np.empty(len(uniq), np.int64)
+        known = np.zeros(len(uniq), np.uint8)
+        for i, t in enumerate(uniq.tolist()):
+            t = bytes(t)
+            oid[i] = self._intern(namespace, t, None)
+            known[i] = t in _KNOWN
+        self._restore_owners(oid[inv], np.asarray(ranks, np.int64), np.asarray(seqs, _U),
+                             np.asarray(files, np.int64), np.asarray(slots, np.int64), 1 - known[inv])
+
+    def _restore_owners(self, own, rank, seq, file, slot, flag) -> None:
+        n = len(seq)
+        h = _mix_v(own, rank, seq)
+        # a repeated key keeps its last occurrence (stable sort: equal keys stay in input order)
+        o = np.argsort(h, kind="stable")
+        hs = h[o]
+        same = hs[1:] == hs[:-1]
+        if same.any():
+            a, b = o[:-1][same], o[1:][same]
+            eq = (own[a] == own[b]) & (rank[a] == rank[b]) & (seq[a] == seq[b])
+            if not eq.all():  # a 64-bit collision between different keys: dedupe exactly
+                order = np.lexsort((np.arange(n), seq, rank, own))
+                k = np.stack([own[order], rank[order], seq[order].astype(np.int64)])
+                last = np.ones(n, bool)
+                last[:-1] = (k[:, 1:] != k[:, :-1]).any(axis=0)
+                keep = np.sort(order[last])
+            else:
+                drop = np.zeros(n, bool)
+                drop[a] = True
+                keep = np.flatnonzero(~drop)
+            own, rank, seq, file, slot, flag = (x[keep] for x in (own, rank, seq, file, slot, flag))
+            n = len(keep)
+        if self._n:  # keys already present: update in place (pool restores into an empty index)
+            ex = self._find_many(own, rank, seq)
+            old = ex >= 0
+            if old.any():
+                eo = ex[old]
+                self._file[eo], self._slot[eo] = file[old], slot[old]
+            ents = ex.copy()
+        else:
+            old = np.zeros(n, bool)
+            ents = np.full(n, -1, np.int64)
+        new = ~old
+        m = int(new.sum())
+        if m:
+            take = min(m, self._nfree)
+            fe = self._free[self._nfree - take:self._nfree][::-1].astype(np.int64)
+            self._nfree -= take
+            rest = m - take
+            if self._hi + rest > self._cap:
+                self._grow_entries(self._hi + rest)
+            ne = np.concatenate([fe, np.arange(self._hi, self._hi + rest, dtype=np.int64)])
+            self._hi += rest
+            ents[new] = ne
+            self._seq[ne], self._own[ne], self._rank[ne] = seq[new], own[new], rank[new]
+            self._file[ne], self._slot[ne], self._flag[ne] = file[new], slot[new], flag[new]
+            self._lp[ne] = 0  # live (the touch below sets the real position)
+            self._n += m
+            self._touch_many(ents)
+            self._rebuild_table(max(_MIN_TAB_BITS, (2 * self._n - 1).bit_length()))
+        else:
+            self._touch_many(ents)
+
+    def _find_many(self, own, rank, seq: np.ndarray) -> np.ndarray:
+        """Entries of N keys (-1 where absent; a negative owner is absent), vectorised probing. ``own``
+        and ``rank`` are (N,) int64 arrays or one int64 for every key."""
+        n = len(seq)
+        res = np.full(n, -1, np.int64)
+        if not self._n:
+            return res
+        tab, mask = self._tab, self._mask
+        if own.ndim == 0 and rank.ndim == 0:  # one owner and rank (a sequence's prefix): scalar mix input
+            if own < 0:
+                return res
+            o, r = int(own), int(rank)
+            with np.errstate(over="ignore"):
+                c = _U((((o & 0xFFFFFFFF) << 32) | (r & 0xFFFFFFFF)) * _K0 & _M64)
+                x = seq ^ c
+                x ^= x >> _U(30)
+                x *= _U(_K1)
+                x ^= x >> _U(27)
+                x *= _U(_K2)
+                x ^= x >> _U(31)
+            pos = (x >> _U(self._shift)).astype(np.int64)
+            act = np.arange(n)
+            hit = np.zeros(n, bool)
+            while len(act) > 16:
+                e = tab[pos].astype(np.int64) - 1
+                occ = e >= 0
+                ec = np.where(occ, e, 0)
+                hit = occ & (self._seq[ec] == seq)
+                if hit.any():
+                    hi = np.flatnonzero(hit)
+                    eh = ec[hi]
+                    hit[hi] = (self._own[eh] == o) & (self._rank[eh] == r)
+                res[act[hit]] = e[hit]
+                go = np.flatnonzero(occ & ~hit)
+                act, seq = act[go], seq[go]
+                pos = (pos[go] + 1) & mask
+            for i, q in zip(act.tolist(), seq.tolist()):
+                res[i] = self._find(o, r, q)[0]
+            return res
+        own = np.broadcast_to(own, (n,))
+        rank = np.broadcast_to(rank, (n,))
+        act = np.flatnonzero(own >= 0)
+        if not len(act):
+            return res
+        own, rank, seq = own[act], rank[act], seq[act]
+        pos = (_mix_v(own, rank, seq) >> _U(self._shift)).astype(np.int64)
+        while len(act) > 16:
+            e = tab[pos].astype(np.int64) - 1
+            occ = e >= 0
+            ec = np.where(occ, e, 0)
+            hit = occ & (self._seq[ec] == seq)
+            if hit.any():  # the seq hash matched: check the rest of the identity
+                hi = np.flatnonzero(hit)
+                eh = ec[hi]
+                hit[hi] = (self._own[eh] == own[hi]) & (self._rank[eh] == rank[hi])
+            res[act[hit]] = e[hit]
+            go = np.flatnonzero(occ & ~hit)
+            act, own, rank, seq = act[go], own[go], rank[go], seq[go]
+            pos = (pos[go] + 1) & mask
+        for i, o, r, q in zip(act.tolist(), own.tolist(), rank.tolist(), seq.tolist()):  # a few long probes
+            res[i] = self._find(o, r, q)[0]
+        return res
+
+    def lookup_prefix(self, keys: Sequence[BlockKey], namespace: str | None = None) -> int:
+        """How many leading ``keys`` are held (a key of another ``namespace``, when given, ends the
+        prefix). The found ones become most recently used, in order (tag entries are adopted), exactly as
+        ``get(k, touch=True)`` one by one until the first miss would leave them."""
+        n = len(keys)
+        if n == 0:
+            return 0
+        if n <= 8:
+            i = 0
+            for k in keys:
+                if (namespace is not None and k.namespace != namespace) or self.get(k, touch=True) is None:
+                    break
+                i += 1
+            return i
+        ns_col, ten_col, rank_col, seq_col = zip(*keys)
+        if namespace is not None and ns_col.count(namespace) != n:
+            n = next(i for i, s in enumerate(ns_col) if s != namespace)
+            if n == 0:
+                return 0
+            keys = keys[:n]
+            ns_col, ten_col, rank_col, seq_col = ns_col[:n], ten_col[:n], rank_col[:n], seq_col[:n]
+        if ns_col.count(ns_col[0]) == n and ten_col.count(ten_col[0]) == n:
+            o = self._owner_of(keys[0])[0]
+            if o < 0:
+                return 0
+            own = np.int64(o)
+        else:
+            own = np.fromiter((self._owner_of(k)[0] for k in keys), np.int64, n)
+        r0 = rank_col[0]
+        rank = np.int64(r0) if rank_col.count(r0) == n else np.fromiter(rank_col, np.int64, n)
+        res = self._find_many(own, rank, np.fromiter(seq_col, _U, n))
+        miss = res < 0
+        m = int(np.argmax(miss)) if miss.any() else n
+        if m:
+            es = res[:m]
+            self._flag[es] = 0  # adopted (their owners learned the tenant in _owner_of)
+            self._touch_many(es)
+        return m
+
+    def items(self) -> _Items:
+        """Snapshot of (key, slot) oldest first (an iterable with ``len``); restored keys whose tenant was
+        not seen yet are :class:`TagKey`."""
+        seg = self._log[self._head:self._tail]
+        es = seg[self._lp[seg] == np.arange(self._head, self._tail, dtype=np.int32)]
+        return _Items(list(self._owners), list(self._tenants), self._own[es], self._rank[es], self._seq[es],
+                      self._file[es], self._slot[es], self._flag[es])
+
+    def remove(self, key: BlockKey, slot: Slot | None = None) -> Slot | None:
+        """Remove ``key`` (only if it still maps to ``slot`` when given). Returns the slot to free now,
+        or None (absent, or pinned: freed by the last :meth:`unpin`)."""
+        e, p = self._lookup(key)
+        if e < 0:
+            return None
+        s = self._slot_of(e)
+        if slot is not None and s != tuple(slot):
+            return None
+        self._free_entry(e, p)
+        if self._pins.get(s):
+            self._deferred.add(s)
+            return None
+        return s
+
+    def pin(self, slot: Slot) -> None:
+        self._pins[slot] = self._pins.get(slot, 0) + 1
+
+    def unpin(self, slot: Slot) -> Slot | None:
+        """Returns the slot if it must be freed now (it was removed while pinned)."""
+        n = self._pins.get(slot, 0) - 1
+        if n > 0:
+            self._pins[slot] = n
+            return None
+        self._pins.pop(slot, None)
+        if slot in self._deferred:
+            self._deferred.discard(slot)
+            return slot
+        return None
+
+    @property
+    def pinned(self) -> int:
+        return len(self._pins)
+
+    @property
+    def deferred(self) -> int:
+        return len(self._deferred)
+
+    def evict(self, n: int) -> list[tuple["BlockKey | TagKey", Slot]]:
+        """Remove up to ``n`` least recently used unpinned entries; returns them (oldest first)."""
+        out: list = []
+        if n <= 0 or not self._n:
+            return out
+        pinned = None
+        if self._pins:
+            pinned = np.array([(f << 32) | s for f, s in self._pins], np.int64)
+        victims: list[np.ndarray] = []
+        got = 0
+        pos = self._head
+        while got < n and pos < self._tail:
+            end = min(self._tail, pos + max(4096, 2 * (n - got)))
+            seg = self._log[pos:end]
+            cand = seg[self._lp[seg] == np.arange(pos, end, dtype=np.int32)]
+            if pinned is not None and len(cand):
+                code = (self._file[cand].astype(np.int64) << 32) | self._slot[cand].astype(np.int64)
+                cand = cand[~np.isin(code, pinned)]
+            cand = cand[:n - got]
+            victims.append(cand)
+            got += len(cand)
+            pos = end
+        for e in (np.concatenate(victims).tolist() if victims else []):
+            key = self._key_of(e)
+            s = self._slot_of(e)
+            self._free_entry(e, self._cell_of(e))
+            out.append((key, s))
+        # advance the head over stale positions
+        while self._head < self._tail:
+            end = min(self._tail, self._head + 4096)
+            seg = self._log[self._head:end]
+            ok = self._lp[seg] == np.arange(self._head, end, dtype=np.int32)
+            if ok.any():
+                self._head += int(np.argmax(ok))
+                break
+            self._head = end
+        return out

@@ -1,0 +1,213 @@
+"""The compact G3 index (numpy arrays) against the OrderedDict index it replaces: same results, same
+LRU order, same TagKey adoption, on random operation sequences (pins, restores, evictions)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from kvbm_backend.model.namespace import BlockKey, tenant_tag
+from kvbm_backend.pool.g3 import compact_index as ci
+from kvbm_backend.pool.g3.compact_index import CompactLruIndex
+from kvbm_backend.pool.g3.index import LruIndex, TagKey
+
+NS, NS2 = "ab" * 8, "cd" * 8
+TENANTS = ["", "alice", "bob", "carol"]
+
+
+def _state(ix):
+    return list(ix.items()), len(ix), ix.pinned, ix.deferred
+
+
+def _universe(rng, n):
+    big = [(1 << 64) - 1, 1 << 63, 0, 12345]
+    seqs = big + [rng.getrandbits(64) for _ in range(n // 8)]
+    return [BlockKey(rng.choice([NS, NS, NS, NS2]), rng.choice(TENANTS), rng.randrange(3), rng.choice(seqs))
+            for _ in range(n)]
+
+
+def _tag(k):
+    return TagKey(k.namespace, tenant_tag(k.tenant), k.rank, k.seq_hash)
+
+
+@pytest.fixture(params=[3, 10], ids=["tiny-table", "default-table"])
+def table_bits(request, monkeypatch):
+    monkeypatch.setattr(ci, "_MIN_TAB_BITS", request.param)  # tiny: dense clusters that wrap around
+    return request.param
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_match_the_ordereddict_index(seed, table_bits):
+    rng = random.Random(seed)
+    keys = sorted(set(_universe(rng, 120)))
+    rng.shuffle(keys)
+    old, new = LruIndex(), CompactLruIndex(capacity=16)
+    slot_no = [0]
+
+    def fresh():
+        slot_no[0] += 1
+        return (slot_no[0] % 5, slot_no[0])
+
+    # warm restart: tag entries of unknown tenants, "" tags become BlockKeys at once
+    restored = rng.sample(keys, 40)
+    ents = [(_tag(k) if rng.random() < 0.8 else k, fresh()) for k in restored]
+    ents += [(ents[3][0], fresh())]  # a repeated journal key: the last one wins
+    if seed % 2:
+        for k, s in ents:
+            old.restore(k, s)
+            new.restore(k, s)
+    else:
+        old.restore_many(ents)
+        new.restore_many(ents)
+    assert _state(new) == _state(old)
+    pins: list = []
+    for step in range(1500):
+        op = rng.random()
+        k = rng.choice(keys)
+        if op < 0.2:
+            s = fresh()
+            old.put(k, s)
+            new.put(k, s)
+        elif op < 0.35:
+            t = rng.random() < 0.5
+            assert new.get(k, touch=t) == old.get(k, touch=t)
+        elif op < 0.42:
+            assert (k in new) == (k in old)
+        elif op < 0.5:
+            s = old.get(k) if rng.random() < 0.7 else None
+            guard = s if rng.random() < 0.7 else (9, 9)
+            assert new.remove(k, guard) == old.remove(k, guard)
+        elif op < 0.55:
+            assert new.remove(k) == old.remove(k)
+        elif op < 0.65:
+            s = old.get(k)
+            if s is not None:
+                assert new.get(k) == s
+                old.pin(s)
+                new.pin(s)
+                pins.append(s)
+        elif op < 0.72 and pins:
+            s = pins.pop(rng.randrange(len(pins)))
+            assert new.unpin(s) == old.unpin(s)
+        elif op < 0.8:
+            n = rng.randrange(0, 6)
+            assert new.evict(n) == old.evict(n)
+        elif op < 0.95:
+            a = rng.randrange(len(keys))
+            ks = keys[a:a + rng.randrange(0, 30)]
+            if rng.random() < 0.3:
+                ks = ks + ks[:3]  # repeated keys
+            ns = rng.choice([None, NS])
+            assert new.lookup_prefix(ks, ns) == old.lookup_prefix(ks, ns)
+        else:
+            tk = _tag(k)
+            assert (tk in new) == (tk in old)
+        assert _state(new) == _state(old), step
+    while pins:
+        s = pins.pop()
+        assert new.unpin(s) == old.unpin(s)
+    assert new.evict(10 ** 6) == old.evict(10 ** 6)
+    assert _state(new) == _state(old) and len(new) == 0
+
+
+def test_lookup_prefix_touches_in_order_and_stops_at_first_miss():
+    ix = CompactLruIndex()
+    ks = [BlockKey(NS, "t", 0, i) for i in range(40)]
+    for i, k in enumerate(ks):
+        ix.put(k, (0, i))
+    assert ix.lookup_prefix(ks[10:20] + [BlockKey(NS, "t", 0, 999)] + ks[20:30]) == 10
+    assert ix.lookup_prefix(ks[30:40], namespace=NS2) == 0
+    assert ix.lookup_prefix(ks[:15] + [BlockKey(NS2, "t", 0, 1)], namespace=NS) == 15
+    order = [s[1] for _, s in ix.items()]
+    assert order == list(range(20, 40)) + list(range(15, 20)) + list(range(0, 15))
+    assert ix.lookup_prefix([BlockKey(NS, "nobody", 0, i) for i in range(20)]) == 0
+
+
+def test_tag_entries_are_adopted_by_the_real_key():
+    ix = CompactLruIndex()
+    k = BlockKey(NS, "alice", 0, 7)
+    ix.restore(_tag(k), (0, 1))
+    ix.restore(_tag(BlockKey(NS, "", 0, 8)), (0, 2))
+    ix.restore(_tag(BlockKey(NS, "alice", 0, 9)), (0, 4))
+    assert BlockKey(NS, "", 0, 8) in ix  # known tag: a BlockKey at once
+    assert [type(x) for x, _ in ix.items()] == [TagKey, BlockKey, TagKey]
+    assert _tag(k) in ix and ix.get(k) == (0, 1)
+    assert _tag(k) not in ix  # adopted: found by the BlockKey only, and most recently used
+    assert [x for x, _ in ix.items()] == [BlockKey(NS, "", 0, 8), _tag(BlockKey(NS, "alice", 0, 9)), k]
+    assert ix.remove(k) == (0, 1) and len(ix) == 2
+    ix.restore(_tag(k), (0, 3))
+    assert [s for _, s in ix.evict(5)] == [(0, 2), (0, 4), (0, 3)] and len(ix) == 0
+
+
+def test_pinned_slots_are_skipped_by_evict_and_freed_on_last_unpin():
+    ix = CompactLruIndex()
+    ks = [BlockKey(NS, "", 0, i) for i in range(6)]
+    for i, k in enumerate(ks):
+        ix.put(k, (1, i))
+    ix.pin((1, 0))
+    ix.pin((1, 0))
+    ix.pin((1, 2))
+    assert [s for _, s in ix.evict(2)] == [(1, 1), (1, 3)]
+    assert ix.remove(ks[0]) is None and ix.deferred == 1 and ix.pinned == 2
+    assert ix.unpin((1, 0)) is None and ix.unpin((1, 0)) == (1, 0) and ix.deferred == 0
+    assert ix.unpin((1, 2)) is None and ix.pinned == 0
+    assert [s for _, s in ix.evict(10)] == [(1, 2), (1, 4), (1, 5)]
+
+
+def test_restore_arrays_matches_restore_one_by_one():
+    rng = np.random.default_rng(5)
+    n = 5000
+    tenants = ["", "x", "y"]
+    tags = np.frombuffer(b"".join(tenant_tag(tenants[i % 3]) for i in range(n)), np.uint8).reshape(n, 16)
+    seqs = rng.integers(0, 2 ** 64, n, dtype=np.uint64)
+    seqs[100:200] = seqs[:100]  # repeated keys (same tag where i % 3 agrees): the last one wins
+    ranks = rng.integers(0, 2, n)
+    files, slots = rng.integers(0, 4, n), np.arange(n)
+    a, b = CompactLruIndex(), LruIndex()
+    a.restore_arrays(NS, tags, ranks, seqs, files, slots)
+    for i in range(n):
+        b.restore(TagKey(NS, bytes(tags[i]), int(ranks[i]), int(seqs[i])), (int(files[i]), int(slots[i])))
+    assert list(a.items()) == list(b.items()) and len(a) == len(b)
+    k = BlockKey(NS, "x", int(ranks[1]), int(seqs[1]))
+    assert a.get(k) == b.get(k) and list(a.items()) == list(b.items())
+    with pytest.raises(ValueError, match="restore_arrays"):
+        a.restore_arrays(NS, tags[:3], ranks, seqs, files, slots)
+
+
+def test_identity_is_exact_not_hash_only():
+    ix = CompactLruIndex()
+    ix.put(BlockKey(NS, "a", 0, 5), (0, 1))
+    for other in (BlockKey(NS, "b", 0, 5), BlockKey(NS, "a", 1, 5), BlockKey(NS2, "a", 0, 5),
+                  BlockKey(NS, "a", 0, 6)):
+        assert other not in ix and ix.get(other) is None and ix.remove(other) is None
+    assert ix.lookup_prefix([BlockKey(NS, "a", 0, 5)] * 9 + [BlockKey(NS, "b", 0, 5)]) == 9
+
+
+def test_growth_keeps_every_entry():
+    ix = CompactLruIndex(capacity=16)
+    ks = [BlockKey(NS, "t%d" % (i % 7), i % 2, i * 0x9E3779B97F4A7C15 % (1 << 64)) for i in range(20000)]
+    for i, k in enumerate(ks):
+        ix.put(k, (i % 3, i))
+    assert len(ix) == 20000 and ix.lookup_prefix(ks) == 20000
+    assert [s[1] for _, s in ix.items()] == list(range(20000))
+    ev = ix.evict(19990)
+    assert [s[1] for _, s in ev] == list(range(19990)) and len(ix) == 10
+    assert ix.lookup_prefix(ks[19990:]) == 10 and ix.get(ks[0]) is None
+    assert ix.nbytes > 0
+
+
+def test_bench_index_json():
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvbm_backend.cli import app
+    r = CliRunner().invoke(app, ["bench", "--tier", "index", "--blocks", "20000", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    c, o = d["compact"]["20000"], d["ordereddict"]["20000"]
+    for x in (c, o):
+        assert x["entries"] == 20000 and x["bytes_per_block"] > 0 and x["rebuild_s"] > 0
+        assert x["prefix_lookup_ms"]["median"] > 0 and x["get_us"] > 0
+    assert c["array_bytes"] > 0 and set(d["targets"]) >= {"memory_under_1_gib", "prefix_8k_under_1_ms"}
