@@ -284,7 +284,8 @@ def plan(
                       g3_write_gbps=g3_write_gbps, g4_read_gbps=g4_read_gbps,
                       prefill_tokens_per_s=prefill_tokens_per_s, routing=routing,
                       router_decay_s=router_decay_s)
-        result = run_plan(reqs, layout, page_size, tp, fleet, g3s, g4s, admit_all=admit_all, source=source)
+        result = run_plan(reqs, layout, page_size, tp, fleet, g3s, g4s, admit_all=admit_all, source=source,
+                          progress=not as_json)
         if out:
             Path(out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         if plot_out:

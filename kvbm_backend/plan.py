@@ -207,11 +207,36 @@ def _none_if(d: float | None, v: float) -> float | None:
     return None if not d else v / d
 
 
+def _simulate(requests, km, router, points, page_size, s_per_token, g3_s_per_block, g4_s_per_block,
+              unique, counts, bar, task) -> None:
+    """The per-request loop of :func:`run_plan` (see the module doc); accumulates into ``points``,
+    ``unique`` and ``counts`` ([pages looked up, input tokens])."""
+    for r in requests:
+        keys = km.seq_hashes(r["hash_ids"], r["input_length"])
+        w = router.route(r["hash_ids"], r["input_length"], r["timestamp"])
+        counts[0] += len(keys)
+        counts[1] += r["input_length"]
+        unique.update(keys)
+        for p in points:
+            g3p, g4p = p["g3"][w], p["g4"]
+            n3 = g3p.lookup_prefix(keys)
+            n4 = g4p.lookup_prefix(keys[n3:]) if g4p is not None else 0
+            g3p.put(keys)
+            if g4p is not None:
+                g4p.put(keys)
+            p["g3_hits"][w] += n3
+            p["g4_hits"] += n4
+            p["saved_s"] += ((n3 + n4) * page_size * s_per_token - n3 * g3_s_per_block - n4 * g4_s_per_block)
+        if bar is not None:
+            bar.update(task, advance=1)
+
+
 def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1, fleet: Fleet = Fleet(),
              g3_capacities_gb: list[float] = (1000.0,), g4_capacities_gb: list[float] = (0.0,),
-             admit_all: bool = False, source: dict | None = None) -> dict:
+             admit_all: bool = False, source: dict | None = None, progress: bool = False) -> dict:
     """Simulate ``requests`` (records with ``timestamp`` ms, ``input_length``, ``hash_ids``; trace
-    order) for every (G3 GB per node, G4 GB) pair of the sweep (G4 0 = no G4).
+    order) for every (G3 GB per node, G4 GB) pair of the sweep (G4 0 = no G4). ``progress``: a
+    transient rich progress bar on the terminal.
 
     Returns a JSON-able dict: the settings, ``requests``, ``span_s`` (trace span, None for one
     instant), ``worker_block_bytes`` (bytes of one stored block of one worker, all ranks, frames),
@@ -258,26 +283,25 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
     router = Router(fleet)
     km = KeyMaker(page_size)
     unique: set[int] = set()
-    lookups = tokens = 0
+    counts = [0, 0]  # pages looked up, input tokens
     g3_s_per_block = wb / (fleet.g3_read_gbps * 1e9)
     g4_s_per_block = wb / (fleet.g4_read_gbps * 1e9)
     s_per_token = 1.0 / fleet.prefill_tokens_per_s
-    for r in requests:
-        keys = km.seq_hashes(r["hash_ids"], r["input_length"])
-        w = router.route(r["hash_ids"], r["input_length"], r["timestamp"])
-        lookups += len(keys)
-        tokens += r["input_length"]
-        unique.update(keys)
-        for p in points:
-            g3p, g4p = p["g3"][w], p["g4"]
-            n3 = g3p.lookup_prefix(keys)
-            n4 = g4p.lookup_prefix(keys[n3:]) if g4p is not None else 0
-            g3p.put(keys)
-            if g4p is not None:
-                g4p.put(keys)
-            p["g3_hits"][w] += n3
-            p["g4_hits"] += n4
-            p["saved_s"] += ((n3 + n4) * page_size * s_per_token - n3 * g3_s_per_block - n4 * g4_s_per_block)
+    bar = None
+    if progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.console import Console
+        bar = Progress(TextColumn("plan"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True,
+                       console=Console(stderr=True))
+        bar.start()
+        task = bar.add_task("plan", total=len(requests))
+    try:
+        _simulate(requests, km, router, points, page_size, s_per_token, g3_s_per_block, g4_s_per_block,
+                  unique, counts, bar, task if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.stop()
+    lookups, tokens = counts
     ts = [r["timestamp"] for r in requests]
     span = (max(ts) - min(ts)) / 1000.0 if ts else 0.0
     span = span or None
