@@ -244,6 +244,8 @@ def plan(
     from .plan_report import plot_plan, print_plan
     if (trace is None) == (not synthetic):
         _fail("--trace: give a trace file or --synthetic (one of them)")
+    if save_trace and not synthetic:
+        _fail(f"--save-trace: only with --synthetic (got {save_trace!r})")
     for name, v, lo in (("--users", users, 1), ("--conversations-per-user", conversations_per_user, 1),
                         ("--turns", turns, 1), ("--system-prompt-tokens", system_prompt_tokens, 0),
                         ("--turn-tokens", turn_tokens, 1), ("--limit", limit, 0), ("--tp", tp, 1),

@@ -141,6 +141,7 @@ def test_cli_table_json_plot(tmp_path):
     (["--synthetic", "--layout", "nope"], "error: --layout: no preset"),
     (["--synthetic", "--plot", "x.gif"], "error: --plot: unknown image format"),
     (["--trace", "/no/such.jsonl"], "error: --trace: no file /no/such.jsonl"),
+    (["--trace", "t.jsonl", "--save-trace", "x.jsonl"], "error: --save-trace: only with --synthetic"),
 ])
 def test_cli_errors_one_line(args, expect):
     res = CliRunner().invoke(app, ["plan"] + args)
