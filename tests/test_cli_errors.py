@@ -45,7 +45,7 @@ CASES = [
     (["bench", "--tier", "g3", "--path", "{d}/g3", "--layout", "tiny", "--engine", "spdk"], "error: --engine:"),
     (["bench", "--tier", "g3", "--path", "{d}/g3", "--layout", "tiny", "--threads", "0"], "error: --threads:"),
     (["bench", "--tier", "g3", "--path", "{d}/g3", "--layout", "tiny", "--io-size", "100"], "error: --io-size:"),
-    (["bench", "--tier", "g5", "--layout", "tiny"], "error: --tier: expected g3, g4 or vllm-tiers (got 'g5')"),
+    (["bench", "--tier", "g5", "--layout", "tiny"], "error: --tier: expected g3, g4, vllm-tiers or index (got 'g5')"),
     (["bench", "--tier", "g4", "--url", "ftp://host/x", "--layout", "tiny"], "error: --url 'ftp://host/x'"),
     (["bench", "--tier", "g4", "--url", "s3://bkt/p", "--endpoint-url", "not-a-url", "--layout", "tiny"],
      "error: --endpoint-url:"),
