@@ -27,6 +27,14 @@ def _universe(rng, n):
             for _ in range(n)]
 
 
+def _check_table(ix):
+    """Every live entry is found from its home; the table holds exactly the live entries."""
+    live = np.flatnonzero(ix._lp[:ix._hi] >= 0)
+    assert len(live) == len(ix) == int((ix._tab != 0).sum())
+    for e in live.tolist():
+        assert ix._find(int(ix._own[e]), int(ix._rank[e]), int(ix._seq[e]))[0] == e
+
+
 def _tag(k):
     return TagKey(k.namespace, tenant_tag(k.tenant), k.rank, k.seq_hash)
 
@@ -91,8 +99,9 @@ def test_random_operations_match_the_ordereddict_index(seed, table_bits):
             s = pins.pop(rng.randrange(len(pins)))
             assert new.unpin(s) == old.unpin(s)
         elif op < 0.8:
-            n = rng.randrange(0, 6)
+            n = rng.randrange(0, 6) if rng.random() < 0.9 else rng.randrange(32, 80)  # bulk path from 32
             assert new.evict(n) == old.evict(n)
+            _check_table(new)
         elif op < 0.95:
             a = rng.randrange(len(keys))
             ks = keys[a:a + rng.randrange(0, 30)]
@@ -211,3 +220,42 @@ def test_bench_index_json():
         assert x["entries"] == 20000 and x["bytes_per_block"] > 0 and x["rebuild_s"] > 0
         assert x["prefix_lookup_ms"]["median"] > 0 and x["get_us"] > 0
     assert c["array_bytes"] > 0 and set(d["targets"]) >= {"memory_under_1_gib", "prefix_8k_under_1_ms"}
+
+
+def test_bulk_evict_keeps_the_table_consistent(table_bits):
+    rng = random.Random(3)
+    ix, old = CompactLruIndex(capacity=16), LruIndex()
+    ks = [BlockKey(NS, rng.choice(TENANTS), rng.randrange(2), rng.getrandbits(64)) for _ in range(3000)]
+    for i, k in enumerate(ks):
+        ix.put(k, (0, i))
+        old.put(k, (0, i))
+    for i in range(0, 3000, 7):
+        ix.pin((0, i))
+        old.pin((0, i))
+    for n in (40, 500, 33, 1200):
+        assert ix.evict(n) == old.evict(n)
+        _check_table(ix)
+        assert list(ix.items()) == list(old.items())
+    for i, k in enumerate(ks[:200]):  # freed entries are reused
+        ix.put(k, (1, i))
+        old.put(k, (1, i))
+    _check_table(ix)
+    assert list(ix.items()) == list(old.items())
+
+
+def test_restore_many_into_a_non_empty_index_matches():
+    rng = random.Random(9)
+    ks = [BlockKey(rng.choice([NS, NS2]), rng.choice(TENANTS), 0, rng.getrandbits(64)) for _ in range(300)]
+    a, b = CompactLruIndex(capacity=16), LruIndex()
+    first = [(_tag(k), (0, i)) for i, k in enumerate(ks[:200])]
+    a.restore_many(first)
+    b.restore_many(first)
+    a.evict(50)
+    b.evict(50)
+    again = [(_tag(k), (1, i)) for i, k in enumerate(ks[100:300])] + [(_tag(ks[150]), (2, 0))]
+    a.restore_many(again)
+    b.restore_many(again)
+    assert list(a.items()) == list(b.items()) and len(a) == len(b)
+    _check_table(a)
+    assert a.lookup_prefix(ks[250:300]) == b.lookup_prefix(ks[250:300]) == 50
+    assert list(a.items()) == list(b.items())

@@ -35,6 +35,7 @@ call (about 1 s at 10M entries, measured by ``kvbm-backend bench --tier index``)
 """
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -49,6 +50,7 @@ _K0, _K1, _K2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _U = np.uint64
 _KNOWN = {tenant_tag(""): ""}  # tags resolved at restore: the unsalted tenant
 _MIN_TAB_BITS = 10
+_G0, _G1, _G2, _G3 = (itemgetter(i) for i in range(4))
 
 
 def _mix(owner: int, rank: int, seq: int) -> int:
@@ -238,6 +240,49 @@ class CompactLruIndex:
             i = j
         tab[i] = 0
 
+    def _homes(self, es: np.ndarray) -> np.ndarray:
+        return (_mix_v(self._own[es], self._rank[es], self._seq[es]) >> _U(self._shift)).astype(np.int64)
+
+    def _tab_delete_many(self, es: np.ndarray) -> None:
+        """Remove live entries ``es`` (distinct, int64) from the table, vectorised: their cells and the
+        rest of their clusters are emptied, then the other entries of those cluster tails go back."""
+        tab, mask = self._tab, self._mask
+        pos = self._homes(es)
+        want = es + 1
+        cells = np.empty(len(es), np.int64)
+        act = np.arange(len(es))
+        while len(act):
+            ok = tab[pos] == want[act]
+            cells[act[ok]] = pos[ok]
+            go = ~ok
+            act = act[go]
+            pos = (pos[go] + 1) & mask
+        tab[cells] = 0
+        moved = []
+        cur = (cells + 1) & mask
+        while len(cur):  # cluster tails after the emptied cells, up to the next empty cell
+            cur = cur[tab[cur] != 0]
+            if not len(cur):
+                break
+            cur = np.unique(cur)  # two emptied cells of one cluster reach the same cells
+            moved.append(tab[cur].astype(np.int64) - 1)
+            tab[cur] = 0
+            cur = (cur + 1) & mask
+        if not moved:
+            return
+        m = np.concatenate(moved)
+        pos = self._homes(m)
+        while len(m):  # each goes to the first empty cell from its home (ties: one per cell per round)
+            free = np.flatnonzero(tab[pos] == 0)
+            if len(free):
+                cell, first = np.unique(pos[free], return_index=True)
+                win = free[first]
+                tab[cell] = (m[win] + 1).astype(np.int32)
+                keep = np.ones(len(m), bool)
+                keep[win] = False
+                m, pos = m[keep], pos[keep]
+            pos = (pos + 1) & mask
+
     def _tab_insert_at_home(self, e: int) -> None:
         tab, mask = self._vtab, self._mask
         p = self._home(e)
@@ -254,15 +299,21 @@ class CompactLruIndex:
         self._set_table(tab)
         if not len(live):
             return
-        home = (_mix_v(self._own[live], self._rank[live], self._seq[live]) >> _U(shift)).astype(np.int64)
-        o = np.argsort(home, kind="stable")
-        home = home[o]
-        live = live[o]
-        i = np.arange(len(live), dtype=np.int64)
+        home = _mix_v(self._own[live], self._rank[live], self._seq[live]) >> _U(shift)
+        o = np.argsort(home)
+        self._place_sorted(home[o], live[o])
+
+    def _place_sorted(self, home: np.ndarray, ents: np.ndarray) -> None:
+        """Fill the empty table with ``ents`` whose home cells ``home`` are sorted ascending: each goes to
+        the first free cell at or after its home (a running maximum), the overflow past the last cell
+        wraps to the start one by one."""
+        tab, size = self._tab, len(self._tab)
+        home = home.astype(np.int64)
+        i = np.arange(len(ents), dtype=np.int64)
         final = i + np.maximum.accumulate(home - i)
         ok = final < size
-        tab[final[ok]] = (live[ok] + 1).astype(np.int32)
-        for e in live[~ok].tolist():  # clusters running past the end wrap to the start
+        tab[final[ok]] = (ents[ok] + 1).astype(np.int32)
+        for e in ents[~ok].tolist():  # clusters running past the end wrap to the start
             self._tab_insert_at_home(e)
 
     def _table_room(self, extra: int) -> None:
@@ -415,30 +466,35 @@ class CompactLruIndex:
         self.put(key, slot)
 
     def restore_many(self, entries: Iterable[tuple["BlockKey | TagKey", Slot]]) -> None:
-        """:meth:`restore` of each (key, slot), oldest first, in one vectorised build."""
-        entries = list(entries)
-        if not entries:
+        """:meth:`restore` of each (key, slot), oldest first, in one vectorised build (a repeated key
+        keeps its last slot and place)."""
+        entries = entries if isinstance(entries, (list, tuple)) else list(entries)
+        n = len(entries)
+        if not n:
             return
-        keys, slots = zip(*entries)
-        ns_col = [k.namespace for k in keys]
-        tags, flags, tenants = [], [], []
-        for k in keys:
-            if type(k) is TagKey:
-                t = _KNOWN.get(k.tag)
-                tags.append(k.tag)
-                tenants.append(t)
-                flags.append(t is None)
+        keys = list(map(_G0, entries))  # columns by itemgetter: zip(*entries) is slow for millions
+        slots = list(map(_G1, entries))
+        ns_col, who_col, rank_col, seq_col = (list(map(g, keys)) for g in (_G0, _G1, _G2, _G3))
+        # who: a TagKey's tag (bytes) or a BlockKey's tenant (str)
+        nss = set(ns_col)
+        pairs = zip(ns_col, who_col) if len(nss) > 1 else None
+        owner_of: dict = {}
+        flag_of: dict = {}
+        for nk in (set(pairs) if pairs is not None else set(who_col)):
+            ns, who = nk if pairs is not None else (next(iter(nss)), nk)
+            if type(who) is bytes:
+                t = _KNOWN.get(who)
+                owner_of[nk] = self._intern(ns, who, t)
+                flag_of[nk] = t is None
             else:
-                tags.append(tag_of(k.tenant))
-                tenants.append(k.tenant)
-                flags.append(False)
-        owners = np.fromiter((self._intern(n, t, tn) for n, t, tn in zip(ns_col, tags, tenants)), np.int64,
-                             len(keys))
-        files, sis = zip(*slots)
-        self._restore_owners(owners, np.fromiter((k.rank for k in keys), np.int64, len(keys)),
-                             np.fromiter((k.seq_hash for k in keys), _U, len(keys)),
-                             np.asarray(files, np.int64), np.asarray(sis, np.int64),
-                             np.asarray(flags, np.uint8))
+                owner_of[nk] = self._intern(ns, tag_of(who), who)
+                flag_of[nk] = False
+        col = list(zip(ns_col, who_col)) if pairs is not None else who_col
+        file_col, slot_col = list(map(_G0, slots)), list(map(_G1, slots))
+        self._restore_owners(np.fromiter(map(owner_of.__getitem__, col), np.int64, n),
+                             np.fromiter(rank_col, np.int64, n), np.fromiter(seq_col, _U, n),
+                             np.fromiter(file_col, np.int64, n), np.fromiter(slot_col, np.int64, n),
+                             np.fromiter(map(flag_of.__getitem__, col), np.uint8, n))
 
     def restore_arrays(self, namespace: str, tags: np.ndarray, ranks: np.ndarray, seqs: np.ndarray,
                        files: np.ndarray, slots: np.ndarray) -> None:
@@ -461,48 +517,64 @@ class CompactLruIndex:
                              f"{len(files)} files, {len(slots)} slots")
         if not n:
             return
-        uniq, inv = np.unique(tags.view("V16").ravel(), return_inverse=True)
+        # intern the tags: runs of one tag first (a sequence's blocks are journaled together), then the
+        # distinct run tags
+        w = tags.view(np.uint64)  # (N, 2)
+        start = np.ones(n, bool)
+        start[1:] = (w[1:] != w[:-1]).any(axis=1)
+        runs = np.flatnonzero(start)
+        uniq, inv = np.unique(tags[runs].view("V16").ravel(), return_inverse=True)
         oid = np.empty(len(uniq), np.int64)
-        known = np.zeros(len(uniq), np.uint8)
+        flag = np.ones(len(uniq), np.uint8)
         for i, t in enumerate(uniq.tolist()):
             t = bytes(t)
             oid[i] = self._intern(namespace, t, None)
-            known[i] = t in _KNOWN
-        self._restore_owners(oid[inv], np.asarray(ranks, np.int64), np.asarray(seqs, _U),
-                             np.asarray(files, np.int64), np.asarray(slots, np.int64), 1 - known[inv])
+            flag[i] = t not in _KNOWN
+        run_of = np.cumsum(start) - 1
+        self._restore_owners(oid[inv][run_of], np.asarray(ranks, np.int64), np.asarray(seqs, _U),
+                             np.asarray(files, np.int64), np.asarray(slots, np.int64), flag[inv][run_of])
 
     def _restore_owners(self, own, rank, seq, file, slot, flag) -> None:
         n = len(seq)
         h = _mix_v(own, rank, seq)
-        # a repeated key keeps its last occurrence (stable sort: equal keys stay in input order)
-        o = np.argsort(h, kind="stable")
+        o = np.argsort(h)
         hs = h[o]
-        same = hs[1:] == hs[:-1]
-        if same.any():
-            a, b = o[:-1][same], o[1:][same]
-            eq = (own[a] == own[b]) & (rank[a] == rank[b]) & (seq[a] == seq[b])
-            if not eq.all():  # a 64-bit collision between different keys: dedupe exactly
-                order = np.lexsort((np.arange(n), seq, rank, own))
-                k = np.stack([own[order], rank[order], seq[order].astype(np.int64)])
-                last = np.ones(n, bool)
-                last[:-1] = (k[:, 1:] != k[:, :-1]).any(axis=0)
-                keep = np.sort(order[last])
-            else:
-                drop = np.zeros(n, bool)
-                drop[a] = True
-                keep = np.flatnonzero(~drop)
-            own, rank, seq, file, slot, flag = (x[keep] for x in (own, rank, seq, file, slot, flag))
+        if (hs[1:] == hs[:-1]).any():  # a repeated key (or a 64-bit mix collision): keep the last, exactly
+            order = np.lexsort((np.arange(n), seq, rank, own))
+            last = np.ones(n, bool)
+            last[:-1] = ((own[order][1:] != own[order][:-1]) | (rank[order][1:] != rank[order][:-1])
+                         | (seq[order][1:] != seq[order][:-1]))
+            keep = np.sort(order[last])
+            own, rank, seq, file, slot, flag, h = (x[keep] for x in (own, rank, seq, file, slot, flag, h))
             n = len(keep)
-        if self._n:  # keys already present: update in place (pool restores into an empty index)
-            ex = self._find_many(own, rank, seq)
-            old = ex >= 0
-            if old.any():
-                eo = ex[old]
-                self._file[eo], self._slot[eo] = file[old], slot[old]
-            ents = ex.copy()
-        else:
-            old = np.zeros(n, bool)
-            ents = np.full(n, -1, np.int64)
+            o = np.argsort(h)
+            hs = h[o]
+        if not self._n:  # the warm-restart case: a fresh build, one sort for dedupe and table
+            self._hi = self._nfree = 0
+            self._head = self._tail = 0
+            if n > self._cap:
+                self._alloc_entries(n + n // 8)
+            else:
+                self._lp[:] = -1
+            ents = np.arange(n, dtype=np.int64)
+            self._seq[:n], self._own[:n], self._rank[:n] = seq, own, rank
+            self._file[:n], self._slot[:n], self._flag[:n] = file, slot, flag
+            self._hi = self._n = n
+            if len(self._log) < 2 * n:
+                self._set_log(np.empty(2 * n, np.int32))
+            self._log[:n] = ents
+            self._lp[:n] = ents
+            self._tail = n
+            bits = max(_MIN_TAB_BITS, (2 * n - 1).bit_length())
+            self._set_table(np.zeros(1 << bits, np.int32))
+            self._place_sorted(hs >> _U(64 - bits), o)
+            return
+        ex = self._find_many(own, rank, seq)  # keys already present: updated in place
+        old = ex >= 0
+        if old.any():
+            eo = ex[old]
+            self._file[eo], self._slot[eo] = file[old], slot[old]
+        ents = ex.copy()
         new = ~old
         m = int(new.sum())
         if m:
@@ -694,11 +766,27 @@ class CompactLruIndex:
             victims.append(cand)
             got += len(cand)
             pos = end
-        for e in (np.concatenate(victims).tolist() if victims else []):
-            key = self._key_of(e)
-            s = self._slot_of(e)
-            self._free_entry(e, self._cell_of(e))
-            out.append((key, s))
+        vs = np.concatenate(victims).astype(np.int64) if victims else np.empty(0, np.int64)
+        if len(vs) < 32:
+            for e in vs.tolist():
+                key = self._key_of(e)
+                s = self._slot_of(e)
+                self._free_entry(e, self._cell_of(e))
+                out.append((key, s))
+        else:  # many: keys made from column lists, table cells emptied in one vectorised pass
+            owners, tenants = self._owners, self._tenants
+            for o, r, q, fl, f, sl in zip(self._own[vs].tolist(), self._rank[vs].tolist(), self._seq[vs].tolist(),
+                                          self._flag[vs].tolist(), self._file[vs].tolist(), self._slot[vs].tolist()):
+                ns, tag = owners[o]
+                out.append((TagKey(ns, tag, r, q) if fl else BlockKey(ns, tenants[o], r, q), (f, sl)))
+            self._tab_delete_many(vs)
+            self._lp[vs] = -1
+            k = len(vs)
+            while self._nfree + k > len(self._free):
+                self._free = np.concatenate([self._free, np.empty(len(self._free), np.int32)])
+            self._free[self._nfree:self._nfree + k] = vs
+            self._nfree += k
+            self._n -= k
         # advance the head over stale positions
         while self._head < self._tail:
             end = min(self._tail, self._head + 4096)
