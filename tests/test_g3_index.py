@@ -259,3 +259,21 @@ def test_restore_many_into_a_non_empty_index_matches():
     _check_table(a)
     assert a.lookup_prefix(ks[250:300]) == b.lookup_prefix(ks[250:300]) == 50
     assert list(a.items()) == list(b.items())
+
+
+def test_reserve_sizes_the_table_once():
+    ix = CompactLruIndex()
+    ix.put(BlockKey(NS, "", 0, 1), (0, 0))
+    ix.reserve(100_000)
+    size = len(ix._tab)
+    assert size >= ci._LOAD * 100_000 and ix.get(BlockKey(NS, "", 0, 1)) == (0, 0)
+    ks = [BlockKey(NS, "", 0, i) for i in range(2, 100_000, 7)]
+    for i, k in enumerate(ks):
+        ix.put(k, (0, i + 1))
+    ix.restore_many([(k, (1, i)) for i, k in enumerate(ks[:10])])
+    assert len(ix._tab) == size and ix.lookup_prefix(ks) == len(ks)
+    fresh = CompactLruIndex()
+    fresh.reserve(50_000)
+    fresh.restore_many([(k, (0, i)) for i, k in enumerate(ks)])  # a restore keeps the reserved size
+    assert len(fresh._tab) >= ci._LOAD * 50_000 and fresh.lookup_prefix(ks) == len(ks)
+    _check_table(fresh)

@@ -4,7 +4,7 @@ No Python object per entry. Per entry (arrays of the entry capacity, which grows
 ``seq`` uint64 (8 bytes), ``owner`` int32 (4: an interned (namespace, 16-byte tenant tag) pair),
 ``rank`` uint32 (4), ``file`` uint16 (2), ``slot`` uint32 (4), ``flag`` uint8 (1: restored by tag and
 not adopted yet), ``lp`` int32 (4: the entry's position in the LRU log, -1 = free) = 27 bytes; plus the
-hash table, int32, a power of two of at least twice the entries (8-16 bytes per entry), and the LRU
+hash table, int32, a power of two of at least 4 cells per entry (16-32 bytes per entry), and the LRU
 log, int32, at most about twice the entries after compaction (4-12 bytes per entry); freed entry
 indexes wait in an int32 stack for reuse.
 
@@ -14,7 +14,7 @@ hold); a tag's tenant string is learned the first time a :class:`BlockKey` of th
 looked up, so entries can be reported as BlockKeys.
 
 Hash table: open addressing, linear probing, position = the top bits of a 64-bit mix of (owner, rank,
-seq), load at most 1/2; deletion shifts the cluster back (no tombstones). Batch lookups probe all keys
+seq), load at most 1/4 (so a batch lookup needs few probing rounds); deletion shifts the cluster back (no tombstones). Batch lookups probe all keys
 at once (vectorised rounds); a bulk build sorts the entries by home position (one argsort) and places
 them with a running maximum.
 
@@ -50,6 +50,8 @@ _K0, _K1, _K2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _U = np.uint64
 _KNOWN = {tenant_tag(""): ""}  # tags resolved at restore: the unsalted tenant
 _MIN_TAB_BITS = 10
+RESERVE_MAX = 1 << 26  # reserve() sizes the table for at most 64M entries (1 GiB of address space)
+_LOAD = 4  # table cells per entry at least: load <= 1/4 keeps batch probing to a few rounds
 _G0, _G1, _G2, _G3 = (itemgetter(i) for i in range(4))
 
 
@@ -120,6 +122,7 @@ class CompactLruIndex:
         self._free = np.empty(64, np.int32)  # freed entry indexes, a stack of _nfree
         self._nfree = 0
         self._alloc_entries(max(16, int(capacity)))
+        self._min_bits = _MIN_TAB_BITS
         self._set_table(np.zeros(1 << _MIN_TAB_BITS, np.int32))
         self._set_log(np.empty(max(32, 2 * int(capacity)), np.int32))
         self._head = self._tail = 0
@@ -157,6 +160,18 @@ class CompactLruIndex:
         self._vtab = memoryview(tab)
         self._mask = len(tab) - 1
         self._shift = 64 - (len(tab).bit_length() - 1)
+
+    def reserve(self, n: int) -> None:
+        """Size the hash table for ``n`` entries now (at most ``RESERVE_MAX``), so that no ``put`` up to
+        ``n`` entries rebuilds it (a rebuild holds the caller for ~0.5 s per 1M entries). The table is
+        zero-filled lazily by the OS: untouched cells cost address space, not memory. 4 bytes per cell,
+        4 to 8 cells per entry."""
+        n = min(int(n), RESERVE_MAX)
+        bits = (_LOAD * max(1, n) - 1).bit_length()
+        if bits > self._min_bits:
+            self._min_bits = bits
+            if len(self._tab) < 1 << bits:
+                self._rebuild_table(bits)
 
     @property
     def nbytes(self) -> int:
@@ -318,15 +333,15 @@ class CompactLruIndex:
 
     def _table_room(self, extra: int) -> None:
         need = self._n + extra
-        if 2 * need > len(self._tab):
-            bits = max(_MIN_TAB_BITS, (2 * need - 1).bit_length())
+        if _LOAD * need > len(self._tab):
+            bits = max(self._min_bits, (_LOAD * need - 1).bit_length())
             self._rebuild_table(bits)
 
     # ---- entries and the LRU log --------------------------------------------------------------
     def _new_entry(self, o: int, rank: int, seq: int, slot: Slot, flag: int, p: int) -> int:
         """Insert an absent key (``p``: the empty cell :meth:`_find` returned for it, valid only while the
         table is not rebuilt)."""
-        if 2 * (self._n + 1) > len(self._tab):
+        if _LOAD * (self._n + 1) > len(self._tab):
             self._table_room(1)
             p = self._find(o, rank, seq)[1]
         if self._nfree:
@@ -565,7 +580,7 @@ class CompactLruIndex:
             self._log[:n] = ents
             self._lp[:n] = ents
             self._tail = n
-            bits = max(_MIN_TAB_BITS, (2 * n - 1).bit_length())
+            bits = max(self._min_bits, (_LOAD * n - 1).bit_length())
             self._set_table(np.zeros(1 << bits, np.int32))
             self._place_sorted(hs >> _U(64 - bits), o)
             return
@@ -592,7 +607,7 @@ class CompactLruIndex:
             self._lp[ne] = 0  # live (the touch below sets the real position)
             self._n += m
             self._touch_many(ents)
-            self._rebuild_table(max(_MIN_TAB_BITS, (2 * self._n - 1).bit_length()))
+            self._rebuild_table(max(self._min_bits, (_LOAD * self._n - 1).bit_length()))
         else:
             self._touch_many(ents)
 
@@ -619,7 +634,7 @@ class CompactLruIndex:
             pos = (x >> _U(self._shift)).astype(np.int64)
             act = np.arange(n)
             hit = np.zeros(n, bool)
-            while len(act) > 16:
+            while len(act) > 32:
                 e = tab[pos].astype(np.int64) - 1
                 occ = e >= 0
                 ec = np.where(occ, e, 0)
@@ -642,7 +657,7 @@ class CompactLruIndex:
             return res
         own, rank, seq = own[act], rank[act], seq[act]
         pos = (_mix_v(own, rank, seq) >> _U(self._shift)).astype(np.int64)
-        while len(act) > 16:
+        while len(act) > 32:
             e = tab[pos].astype(np.int64) - 1
             occ = e >= 0
             ec = np.where(occ, e, 0)
@@ -673,7 +688,9 @@ class CompactLruIndex:
                     break
                 i += 1
             return i
-        ns_col, ten_col, rank_col, seq_col = zip(*keys)
+        # columns by itemgetter: zip(*keys) makes one iterator object per key, and those allocations
+        # trigger the garbage collector (a full collection of a big process is tens of ms)
+        ns_col, ten_col, rank_col, seq_col = (list(map(g, keys)) for g in (_G0, _G1, _G2, _G3))
         if namespace is not None and ns_col.count(namespace) != n:
             n = next(i for i, s in enumerate(ns_col) if s != namespace)
             if n == 0:

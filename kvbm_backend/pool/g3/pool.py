@@ -225,6 +225,7 @@ class G3Pool:
         self.slabs = SlabSet(cfg.paths, namespace, self.slot_bytes, int(cfg.capacity_gb * 1e9), cfg.files_per_path,
                              cfg.o_direct, cfg.min_free_fraction)
         try:
+            self.index.reserve(self.slabs.max_capacity_slots)  # the index's hash table never grows while open
             self.engine = engine if engine is not None else make_engine(cfg.engine, threads=cfg.io_threads)
             self._journal_dirty = False  # records were lost (failed append/rewrite): rewrite before appending
             self._journal_reason = "enospc"  # drop reason of the last journal failure
