@@ -277,3 +277,17 @@ def test_reserve_sizes_the_table_once():
     fresh.restore_many([(k, (0, i)) for i, k in enumerate(ks)])  # a restore keeps the reserved size
     assert len(fresh._tab) >= ci._LOAD * 50_000 and fresh.lookup_prefix(ks) == len(ks)
     _check_table(fresh)
+
+
+def test_out_of_range_slots_are_refused_before_any_change():
+    ix = CompactLruIndex()
+    k = BlockKey(NS, "", 0, 1)
+    ix.put(k, (1, 2))
+    for bad in ((70000, 1), (0, -1), (0, 1 << 32)):
+        with pytest.raises(ValueError, match="field"):
+            ix.put(k, bad)
+    with pytest.raises(ValueError, match="field"):
+        ix.put(BlockKey(NS, "", -1, 1), (0, 0))
+    with pytest.raises(ValueError, match="field"):
+        ix.restore_many([(BlockKey(NS, "", 0, 5), (1 << 16, 0))])
+    assert list(ix.items()) == [(k, (1, 2))]

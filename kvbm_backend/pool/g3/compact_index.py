@@ -1,6 +1,7 @@
 """A compact G3 index for 10M+ blocks: :class:`LruIndex`'s API and semantics in fixed-width numpy arrays.
 
-No Python object per entry. Per entry (arrays of the entry capacity, which grows by doubling):
+No Python object per entry. Per entry (arrays of the entry capacity, which grows by doubling; a
+restore into an empty index sizes it at 1.125x the entries):
 ``seq`` uint64 (8 bytes), ``owner`` int32 (4: an interned (namespace, 16-byte tenant tag) pair),
 ``rank`` uint32 (4), ``file`` uint16 (2), ``slot`` uint32 (4), ``flag`` uint8 (1: restored by tag and
 not adopted yet), ``lp`` int32 (4: the entry's position in the LRU log, -1 = free) = 27 bytes; plus the
@@ -14,9 +15,10 @@ hold); a tag's tenant string is learned the first time a :class:`BlockKey` of th
 looked up, so entries can be reported as BlockKeys.
 
 Hash table: open addressing, linear probing, position = the top bits of a 64-bit mix of (owner, rank,
-seq), load at most 1/4 (so a batch lookup needs few probing rounds); deletion shifts the cluster back (no tombstones). Batch lookups probe all keys
-at once (vectorised rounds); a bulk build sorts the entries by home position (one argsort) and places
-them with a running maximum.
+seq), load at most 1/4 (so a batch lookup needs few probing rounds); deletion shifts the cluster back
+(no tombstones). Batch lookups probe all keys at once (vectorised rounds); a bulk build sorts the
+entries by home position (one argsort) and places them with a running maximum. Measured (``kvbm-backend
+bench --tier index``, 2-core VM): 65 bytes per entry at 10M entries.
 
 LRU order is a log of entry indexes, oldest first: touching an entry appends it and the older log
 position goes stale (``lp[entry]`` no longer points at it); the log is compacted when it fills. This
@@ -31,7 +33,8 @@ One difference: identity is unique here, so ``restore`` of a TagKey whose BlockK
 updates that entry (the OrderedDict index would hold both); the pool restores into an empty index only.
 
 Not thread-safe: the pool holds its lock around every call. A table grow rebuilds the table in one
-call (about 1 s at 10M entries, measured by ``kvbm-backend bench --tier index``).
+call (seconds at 10M entries: ``table_grow_s`` of the bench); the pool avoids it with :meth:`reserve`
+at open. Entry capacity growth copies the arrays (a memcpy).
 """
 from __future__ import annotations
 
@@ -76,6 +79,15 @@ def _mix_v(owner: np.ndarray, rank: np.ndarray, seq: np.ndarray) -> np.ndarray:
         x *= _U(_K2)
         x ^= x >> _U(31)
     return x
+
+
+def _check(key, slot: Slot) -> None:
+    """Before any change: the key's rank and the slot fit the arrays (and the journal's fields)."""
+    f, s = slot
+    if not (0 <= f <= 0xFFFF and 0 <= s <= 0xFFFFFFFF and 0 <= key.rank <= 0xFFFFFFFF
+            and 0 <= key.seq_hash <= _M64):
+        raise ValueError(f"index: rank {key.rank}, seq_hash {key.seq_hash}, slot {slot} outside the journal's field "
+                         f"widths (rank, slot < 2**32; file < 2**16; seq_hash < 2**64)")
 
 
 class _Items:
@@ -455,7 +467,14 @@ class CompactLruIndex:
         return self._slot_of(e)
 
     def put(self, key: BlockKey, slot: Slot) -> None:
-        """Map ``key`` to ``slot`` (replacing its slot if present); it becomes most recently used."""
+        """Map ``key`` to ``slot`` = (file index, slot index) (replacing its slot if present); it becomes
+        most recently used.
+
+        Raises:
+            ValueError: rank, file or slot index outside the journal's field widths (rank and slot
+                < 2**32, file < 2**16) or negative.
+        """
+        _check(key, slot)
         o = self._intern(key.namespace, tag_of(key.tenant), key.tenant)
         e, p = self._find(o, key.rank, key.seq_hash)
         if e < 0:
@@ -469,6 +488,7 @@ class CompactLruIndex:
         if type(key) is TagKey:
             tenant = _KNOWN.get(key.tag)
             if tenant is None:
+                _check(key, slot)
                 o = self._intern(key.namespace, key.tag, None)
                 e, p = self._find(o, key.rank, key.seq_hash)
                 if e < 0:
@@ -482,7 +502,11 @@ class CompactLruIndex:
 
     def restore_many(self, entries: Iterable[tuple["BlockKey | TagKey", Slot]]) -> None:
         """:meth:`restore` of each (key, slot), oldest first, in one vectorised build (a repeated key
-        keeps its last slot and place)."""
+        keeps its last slot and place).
+
+        Raises:
+            ValueError: a rank, file or slot index outside the journal's field widths.
+        """
         entries = entries if isinstance(entries, (list, tuple)) else list(entries)
         n = len(entries)
         if not n:
@@ -523,7 +547,7 @@ class CompactLruIndex:
                 file < 2**16, slot < 2**32).
 
         Raises:
-            ValueError: shapes disagree.
+            ValueError: shapes disagree, or a rank, file or slot index is outside the widths above.
         """
         tags = np.ascontiguousarray(tags, np.uint8)
         n = len(seqs)
@@ -551,6 +575,9 @@ class CompactLruIndex:
 
     def _restore_owners(self, own, rank, seq, file, slot, flag) -> None:
         n = len(seq)
+        for name, a, hi in (("rank", rank, 0xFFFFFFFF), ("file", file, 0xFFFF), ("slot", slot, 0xFFFFFFFF)):
+            if n and (int(a.min()) < 0 or int(a.max()) > hi):
+                raise ValueError(f"restore: {name} outside 0..{hi} (the journal's field width)")
         h = _mix_v(own, rank, seq)
         o = np.argsort(h)
         hs = h[o]
