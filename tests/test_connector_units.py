@@ -347,3 +347,130 @@ def test_replicated_mla_blocks_share_one_g4_name_per_block():
     kv = Namespace("m", KvLayout(2, 2, 16, 64, "bfloat16"), tp_world_size=4)
     assert [mla.shared_rank(r) for r in range(4)] == [0, 0, 0, 0]
     assert [kv.shared_rank(r) for r in range(4)] == [0, 1, 2, 3]
+
+
+def test_g3_contents_become_vllm_kv_events_the_router_can_match(tmp_path):
+    """G3 -> KV events: blocks a request finds in G3 (or saves and the worker reports written) are published
+    as vLLM ``BlockStored`` with ``medium="DISK"``, vLLM's own block hashes (as its GPU events carry them),
+    the blocks' token ids (the router hashes those itself) and the parent chain; a block G3 drops (deleted,
+    evicted, corrupt) is published ``BlockRemoved``; a block planned for saving but never written is not
+    published. Real G3 pool, real vLLM Request/hashing, Dynamo's router hash; no Dynamo process."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.request import Request
+
+    from kvbm_backend.config import load_config
+    from kvbm_backend.integrations.tiers import open_tiers
+    from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta
+    from kvbm_backend.integrations.vllm.scheduler_side import G3KvEvents, SchedulerSide
+    from kvbm_backend.integrations.vllm.worker_side import WorkerSide
+    from kvbm_backend.model.hashing import sequence_hashes
+    from kvbm_backend.model.namespace import Namespace
+
+    bs = 16
+    lay = KvLayout(2, 2, bs, 64, "bfloat16")
+    ns = Namespace("m", lay)
+    cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1,
+                              "admission": {"policy": "all"}}}, use_env=False)
+    g3, _ = open_tiers(cfg, ns)
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(bs, sha256_cbor)
+
+    def req(rid, toks):
+        return Request(rid, toks, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+
+    try:
+        toks = list(range(500, 500 + 4 * bs + 3))     # 4 full blocks
+        hs = sequence_hashes(toks, bs)
+        blk = [np.full(lay.bytes_per_block, i, np.uint8) for i in range(4)]
+        assert g3.put(ns.keys(hs[:3]), blk[:3]).result(10).written == 3  # G3 holds blocks 0-2
+        g3.flush(10)
+        worker = WorkerSide(ns, 0, g3, None, report_g3=True)
+        worker.reconcile_interval_s = 0.0
+        sched = SchedulerSide(ns, bs, g3, None)
+        sched.events = G3KvEvents(1, bs, FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=64,
+                                                           dtype=torch.bfloat16))
+        sched.update_connector_output(worker.worker_meta())  # the snapshot: nothing learned yet, no event
+        assert sched.take_events() == []
+
+        r = req("a", toks)
+        want = [maybe_convert_block_hash(h) for h in r.block_hashes]
+        for _ in range(200):
+            n, _ = sched.get_num_new_matched_tokens(r, 0)
+            if n is not None:
+                break
+            import time
+            time.sleep(0.01)
+        assert n == 3 * bs
+        (ev,) = sched.take_events()
+        assert isinstance(ev, BlockStored) and ev.medium == "DISK" and ev.locality == "LOCAL"
+        assert ev.block_hashes == want[:3] and ev.parent_block_hash is None and ev.block_size == bs
+        assert ev.token_ids == toks[:3 * bs] and ev.kv_cache_spec_kind is not None
+        # the router's own hash of the published tokens is the hash of the prompt's blocks (what it matches)
+        from dynamo._core import compute_block_hash_for_seq
+        assert compute_block_hash_for_seq(ev.token_ids, bs) == compute_block_hash_for_seq(toks, bs)[:3]
+        # the batch vLLM's ZMQ publisher sends round-trips through msgspec
+        import msgspec
+        raw = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[ev]))
+        back = msgspec.msgpack.decode(raw, type=KVEventBatch)
+        assert back.events[0].block_hashes == want[:3] and back.events[0].medium == "DISK"
+
+        # block 3 is planned for saving (learned) but not written: no event until the worker reports it
+        sched.update_state_after_alloc(r, _Blocks([1, 2, 3, 4, 5]), 0)
+        sched.build_connector_meta(_step(new=[("a", [1, 2, 3, 4, 5], 3 * bs)], sched={"a": bs + 3}))
+        sched.update_connector_output(worker.worker_meta())
+        assert sched.take_events() == []
+        assert g3.put(ns.keys(hs[3:4]), blk[3:4]).result(10).written == 1
+        g3.flush(10)
+        from kvbm_backend.integrations.vllm.metadata import mirror_id
+        worker._added.append(mirror_id(ns.keys(hs[3:4])[0]))  # what the worker's put callback records
+        sched.update_connector_output(worker.worker_meta())
+        (ev,) = sched.take_events()
+        assert isinstance(ev, BlockStored) and ev.block_hashes == want[3:4] and ev.parent_block_hash == want[2]
+        assert ev.token_ids == toks[3 * bs:4 * bs]
+
+        # G3 drops blocks by itself (here: deleted, as eviction and corrupt drops do): published removed
+        g3.delete(ns.keys(hs[1:3])).result(10)
+        meta = worker.worker_meta()
+        assert isinstance(meta, KvbmWorkerMeta) and len(meta.removed) == 2
+        sched.update_connector_output(meta)
+        (ev,) = sched.take_events()
+        assert isinstance(ev, BlockRemoved) and sorted(ev.block_hashes) == sorted(want[1:3]) and ev.medium == "DISK"
+        assert sched.events.published() == 2
+        # a removal of a block never published is not an event; nothing twice
+        sched.update_connector_output(KvbmWorkerMeta(removed=[mirror_id(ns.keys(hs[1:2])[0])]))
+        assert sched.take_events() == []
+        # the engine's prefix cache was reset (vLLM published AllBlocksCleared, which Dynamo's router applies
+        # to every tier): what G3 still holds (blocks 0 and 3) is published again
+        ev = sched.take_events(engine_cache_reset=True)
+        assert [e.block_hashes for e in ev] == [want[0:1], want[3:4]] and all(e.medium == "DISK" for e in ev)
+        assert ev[1].parent_block_hash == want[2] and ev[1].token_ids == toks[3 * bs:4 * bs]
+    finally:
+        g3.close()
+
+
+def test_g3_kv_events_need_every_tp_rank():
+    """With TP > 1 a block is a G3 hit only when every rank holds its slice: stored once all ranks report
+    it, removed as soon as one rank loses it."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta
+    from kvbm_backend.integrations.vllm.scheduler_side import G3KvEvents
+
+    ev = G3KvEvents(2, 4)
+    r = SimpleNamespace(block_hashes=[b"h0", b"h1"], all_token_ids=list(range(8)), lora_request=None,
+                        cache_salt=None, mm_features=[], prompt_embeds=None, num_prompt_tokens=8)
+    ev.learn("", r, [11, 12], 0, 2)
+    from kvbm_backend.pool.g3.index import tag_of
+    t = tag_of("")
+    ev.apply(KvbmWorkerMeta(added=[(t, 0, 11), (t, 0, 12)]))
+    assert ev.take() == []
+    ev.apply(KvbmWorkerMeta(added=[(t, 1, 11), (t, 1, 12)]))
+    (s,) = ev.take()
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as conv
+    assert isinstance(s, BlockStored) and s.block_hashes == [conv(b"h0"), conv(b"h1")] and s.token_ids == list(range(8))
+    ev.apply(KvbmWorkerMeta(removed=[(t, 1, 12)]))
+    (rm,) = ev.take()
+    assert isinstance(rm, BlockRemoved) and rm.block_hashes == [conv(b"h1")]

@@ -69,7 +69,7 @@ from . import stats
 from .extra_config import EXTRA_KEYS, config_from_extra  # noqa: F401 - re-exported
 from .kv_io import EngineKv, torch_dtype_name
 from .metadata import KvbmConnectorMetadata
-from .scheduler_side import G3Mirror, SchedulerSide
+from .scheduler_side import G3KvEvents, G3Mirror, SchedulerSide
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -157,6 +157,10 @@ class KvbmBackendConnector(KVConnectorBase_V1):
         # With TP > 1 every rank's worker is its own process with its own G3 pool (rank_g3_config).
         backend = vllm_config.parallel_config.distributed_executor_backend
         self.split = backend not in (None, "uni", "external_launcher") or self.ns.tp_world_size > 1
+        # vLLM publishes KV events (--kv-events-config enable_kv_cache_events): G3's contents go with them
+        # (G3KvEvents), so the worker reports its G3 index changes even when it shares the scheduler's pool
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        self.kv_events = bool(kv_events is not None and kv_events.enable_kv_cache_events and self.cfg.g3.enabled)
         self._tier_cfg = self.cfg
         if self.split and role == KVConnectorRole.SCHEDULER and self.cfg.g3.enabled:
             self._tier_cfg = self.cfg.model_copy(update={"g3": self.cfg.g3.model_copy(update={"enabled": False})})
@@ -180,16 +184,20 @@ class KvbmBackendConnector(KVConnectorBase_V1):
                                        lookup_timeout_s=max(self.cfg.g4.timeout_s, 0.5),
                                        save=self.opts["save"], load=self.opts["load"],
                                        save_decode=self.opts["save_decode"])
+            if self.kv_events:
+                self.sched.events = G3KvEvents(self.ns.tp_world_size, self.block_size,
+                                               kv_cache_config.kv_cache_groups[0].kv_cache_spec)
         else:
             self.worker = WorkerSide(self.ns, self.rank, self.g3, self.g4,
                                      load_timeout_s=self.cfg.g3.load_timeout_s + self.cfg.g4.timeout_s,
                                      promote_to_g3=self.opts["promote_to_g3"], save_to_g4=self.opts["save_to_g4"],
                                      max_pending_save_bytes=self.opts["max_pending_save_bytes"],
-                                     report_g3=self.split, device_checksum=self.cfg.g3.device_checksum)
+                                     report_g3=self.split or self.kv_events, device_checksum=self.cfg.g3.device_checksum)
         self._interval = stats.Interval()
         self._closed = False
-        log.info("kvbm_backend connector (%s): namespace %s %s, G3=%s G4=%s", role.name, self.ns.fingerprint,
-                 json.dumps(self.ns.to_dict()), self.g3 is not None, self.g4 is not None)
+        log.info("kvbm_backend connector (%s): namespace %s %s, G3=%s G4=%s, G3 KV events=%s", role.name,
+                 self.ns.fingerprint, json.dumps(self.ns.to_dict()), self.g3 is not None, self.g4 is not None,
+                 self.kv_events)
 
     def _pool_stats(self) -> dict:
         out = {}
@@ -300,6 +308,25 @@ class KvbmBackendConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.sched.request_finished(request, block_ids)
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        self._gpu_block_pool = gpu_block_pool
+        self._gpu_cache_map = id(getattr(gpu_block_pool, "cached_block_hash_to_block", None))
+
+    def take_events(self):
+        """G3 stored/removed blocks as vLLM KV events (``medium="DISK"``; :class:`~.scheduler_side.G3KvEvents`),
+        published by vLLM's scheduler with the engine's own when ``--kv-events-config`` enables them. After a
+        reset of the engine's prefix cache (vLLM's ``BlockPool.reset_prefix_cache`` replaces its hash map and
+        publishes ``AllBlocksCleared``, which Dynamo's router applies to every tier of the worker) G3's blocks
+        are published again."""
+        if self.sched is None:
+            return ()
+        reset = False
+        pool = getattr(self, "_gpu_block_pool", None)
+        if pool is not None:
+            m = id(getattr(pool, "cached_block_hash_to_block", None))
+            reset, self._gpu_cache_map = m != self._gpu_cache_map, m
+        return self.sched.take_events(engine_cache_reset=reset)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -80,6 +80,12 @@ class WorkerSide:
         self._snapshot_sent = False
         self._added: list[tuple[bytes, int, int]] = []  # (tenant tag, rank, seq_hash): see KvbmWorkerMeta
         self._removed: list[tuple[bytes, int, int]] = []
+        # what the scheduler was told is present: blocks G3 dropped by itself (evicted, corrupt) are found
+        # by a reconcile against the index when the pool's eviction/corruption counters move
+        self._present: set[tuple[bytes, int, int]] = set()
+        self._reconcile_sig: tuple | None = None
+        self._reconcile_at = 0.0
+        self.reconcile_interval_s = 0.5
 
     # ---- registration --------------------------------------------------------------------------
     def register(self, kv: EngineKv) -> None:
@@ -311,8 +317,8 @@ class WorkerSide:
         return out
 
     def worker_meta(self) -> KvbmWorkerMeta | None:
-        """G3 index changes since the last call (first call: the whole restored index); None when the
-        scheduler shares our pool (same process) or nothing changed."""
+        """G3 index changes since the last call (first call: the whole restored index); None when not
+        reporting (the scheduler shares our pool and publishes no KV events) or nothing changed."""
         if not self.report_g3:
             return None
         snap = not self._snapshot_sent
@@ -326,10 +332,40 @@ class WorkerSide:
                 self._added.extend(mirror_id(k) for k in keys if k.namespace == fp)
         with self._lock:
             added, removed, self._added, self._removed = self._added, self._removed, [], []
+        self._present.difference_update(removed)
+        self._present.update(added)
+        gone = self._reconcile()
+        if gone:  # the scheduler applies removals first: a block gone since it was added is not re-added
+            gs = set(gone)
+            added = [k for k in added if k not in gs]
+            removed.extend(gone)
+            stats.add(g3_reported_dropped=len(gone))
         if not (snap or added or removed):
             return None
         stats.add(g3_reported_added=len(added), g3_reported_removed=len(removed))
         return KvbmWorkerMeta(added, removed, snap)
+
+    def _reconcile(self) -> list[tuple[bytes, int, int]]:
+        """Blocks reported present that G3 no longer holds (evicted for capacity, dropped as corrupt or
+        unreadable): checked against the index when the pool's eviction/corruption counters moved or it
+        holds fewer blocks than reported, at most every ``reconcile_interval_s``."""
+        now = time.monotonic()
+        if not self._present or now - self._reconcile_at < self.reconcile_interval_s:
+            return []
+        self._reconcile_at = now
+        try:
+            s = self.g3.stats()
+        except Exception:  # noqa: BLE001 - no counters: compare every time
+            s = {}
+        sig = (s.get("evictions"), s.get("corrupt"), s.get("deleted"))
+        if sig == self._reconcile_sig and s.get("blocks", 0) >= len(self._present) and s:
+            return []
+        self._reconcile_sig = sig
+        fp = self.ns.fingerprint
+        current = {mirror_id(k) for k in self._index_keys() if k.namespace == fp}
+        gone = [k for k in self._present if k not in current]
+        self._present.difference_update(gone)
+        return gone
 
     def _index_keys(self) -> list:
         return self.g3.keys()
