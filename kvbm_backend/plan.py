@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -42,7 +41,7 @@ import numpy as np
 from .config import AdmissionConfig
 from .model import frame
 from .model.presets import load_preset
-from .replay import TRACE_BLOCK_TOKENS, KeyMaker, SimPool, capacity_blocks, parse_record
+from .replay import TRACE_BLOCK_TOKENS, KeyMaker, SimPool, capacity_blocks, load_trace, parse_record
 
 ROUTING = ("prefix", "round-robin")
 
@@ -113,23 +112,14 @@ def write_trace(records: list[dict], path: str) -> None:
 def load_timed_trace(path: str, limit: int | None = None) -> list[dict]:
     """Read a Mooncake JSONL trace with its timestamps (ms). Raises ValueError naming ``--trace`` and
     the line of a malformed record or one without a numeric ``timestamp``."""
-    if not os.path.isfile(path):
-        raise ValueError(f"--trace: no file {path}")
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            r = parse_record(line, path, n)
-            try:
-                ts = float(json.loads(line)["timestamp"])
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"--trace {path} line {n}: no numeric timestamp (ms)") from None
-            r["timestamp"] = ts
-            out.append(r)
-    return out
+    def parse(line: str, p: str, n: int) -> dict:
+        r = parse_record(line, p, n)
+        try:
+            r["timestamp"] = float(json.loads(line)["timestamp"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"--trace {p} line {n}: no numeric timestamp (ms)") from None
+        return r
+    return load_trace(path, limit, parse)
 
 
 @dataclass(frozen=True)

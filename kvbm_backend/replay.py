@@ -54,8 +54,11 @@ def request_tokens(hash_ids: list[int], input_length: int) -> np.ndarray:
     return np.concatenate([block_tokens(h) for h in hash_ids])[:input_length]
 
 
-def load_trace(path: str, limit: int | None = None) -> list[dict]:
-    """Read a Mooncake JSONL trace. Raises ValueError naming the line of a malformed record."""
+def load_trace(path: str, limit: int | None = None, parse=None) -> list[dict]:
+    """Read a Mooncake JSONL trace: up to ``limit`` records, each ``parse(line, path, line_number)``
+    (default :func:`parse_record`). Raises ValueError naming ``--trace`` and the line of a malformed
+    record (or a missing file)."""
+    parse = parse or parse_record
     if not os.path.isfile(path):
         raise ValueError(f"--trace: no file {path}")
     out = []
@@ -65,7 +68,7 @@ def load_trace(path: str, limit: int | None = None) -> list[dict]:
                 break
             if not line.strip():
                 continue
-            out.append(parse_record(line, path, n))
+            out.append(parse(line, path, n))
     return out
 
 

@@ -44,7 +44,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from ...model.namespace import BlockKey, tenant_tag
-from .index import TagKey, tag_of
+from .index import SlotPins, TagKey, tag_of
 
 Slot = tuple[int, int]
 
@@ -116,7 +116,7 @@ class _Items:
         return list(self)[i]
 
 
-class CompactLruIndex:
+class CompactLruIndex(SlotPins):
     """Key -> (file, slot) in LRU order with read pins, in numpy arrays (see the module docstring).
 
     Args:
@@ -764,29 +764,6 @@ class CompactLruIndex:
             self._deferred.add(s)
             return None
         return s
-
-    def pin(self, slot: Slot) -> None:
-        self._pins[slot] = self._pins.get(slot, 0) + 1
-
-    def unpin(self, slot: Slot) -> Slot | None:
-        """Returns the slot if it must be freed now (it was removed while pinned)."""
-        n = self._pins.get(slot, 0) - 1
-        if n > 0:
-            self._pins[slot] = n
-            return None
-        self._pins.pop(slot, None)
-        if slot in self._deferred:
-            self._deferred.discard(slot)
-            return slot
-        return None
-
-    @property
-    def pinned(self) -> int:
-        return len(self._pins)
-
-    @property
-    def deferred(self) -> int:
-        return len(self._deferred)
 
     def evict(self, n: int) -> list[tuple["BlockKey | TagKey", Slot]]:
         """Remove up to ``n`` least recently used unpinned entries; returns them (oldest first)."""

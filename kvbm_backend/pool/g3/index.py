@@ -50,7 +50,39 @@ def tag_of(tenant: str) -> bytes:
     return t
 
 
-class LruIndex:
+class SlotPins:
+    """Read pins of slots and the frees deferred until the last reader unpins (both index classes).
+    Subclasses set ``_pins: dict[Slot, int]`` and ``_deferred: set[Slot]`` and add a removed slot that
+    is pinned to ``_deferred`` instead of freeing it."""
+
+    _pins: dict
+    _deferred: set
+
+    def pin(self, slot: Slot) -> None:
+        self._pins[slot] = self._pins.get(slot, 0) + 1
+
+    def unpin(self, slot: Slot) -> Slot | None:
+        """Returns the slot if it must be freed now (it was removed while pinned)."""
+        n = self._pins.get(slot, 0) - 1
+        if n > 0:
+            self._pins[slot] = n
+            return None
+        self._pins.pop(slot, None)
+        if slot in self._deferred:
+            self._deferred.discard(slot)
+            return slot
+        return None
+
+    @property
+    def pinned(self) -> int:
+        return len(self._pins)
+
+    @property
+    def deferred(self) -> int:
+        return len(self._deferred)
+
+
+class LruIndex(SlotPins):
     def __init__(self) -> None:
         self._map: "OrderedDict[BlockKey | TagKey, Slot]" = OrderedDict()
         self._pins: dict[Slot, int] = {}
@@ -131,29 +163,6 @@ class LruIndex:
             self._deferred.add(s)
             return None
         return s
-
-    def pin(self, slot: Slot) -> None:
-        self._pins[slot] = self._pins.get(slot, 0) + 1
-
-    def unpin(self, slot: Slot) -> Slot | None:
-        """Returns the slot if it must be freed now (it was removed while pinned)."""
-        n = self._pins.get(slot, 0) - 1
-        if n > 0:
-            self._pins[slot] = n
-            return None
-        self._pins.pop(slot, None)
-        if slot in self._deferred:
-            self._deferred.discard(slot)
-            return slot
-        return None
-
-    @property
-    def pinned(self) -> int:
-        return len(self._pins)
-
-    @property
-    def deferred(self) -> int:
-        return len(self._deferred)
 
     def evict(self, n: int) -> list[tuple[BlockKey, Slot]]:
         """Remove up to ``n`` least recently used unpinned entries; returns them."""
