@@ -162,3 +162,33 @@ def test_bad_input_named():
         coalesce([Extent(1, 0, [a[::2]])], K4, write=True)
     with pytest.raises(TypeError, match="numpy"):
         coalesce([Extent(1, 0, [b"abc"])], K4, write=True)
+
+
+# ---- slot planning (transfer/slots.py): G3 slot runs -> extents cut at io_size -> ops ----------------
+def test_staged_slot_runs_become_io_size_ops_on_file_boundaries():
+    from kvbm_backend.transfer import plan_ops, staged_run_extents
+    slot = 5 * K4  # 20 KiB slots: io_size 64 KiB boundaries fall inside slots
+    slots = [(0, 2), (0, 3), (0, 4), (1, 0), (1, 1), (0, 9)]  # two runs in file 0, one in file 1
+    stage = aligned_empty(len(slots) * slot)
+    fds = {0: 30, 1: 31}
+    ext = staged_run_extents(slots, stage, slot, 16 * K4, fds.__getitem__)
+    assert [(e.fd, e.offset, e.nbytes) for e in ext] == [(30, 2 * slot, 3 * slot), (31, 0, 2 * slot),
+                                                        (30, 9 * slot, slot)]
+    ops = plan_ops(ext, 16 * K4, write=True)
+    for op in ops:  # at most io_size, 4 KiB aligned, views of stage
+        assert op.nbytes <= 16 * K4 and op.offset % K4 == 0 and op.nbytes % K4 == 0
+        assert all(np.shares_memory(b, stage) for b in op.bufs)
+    assert sum(op.nbytes for op in ops) == stage.nbytes
+
+
+def test_slot_extent_and_header_extents():
+    from kvbm_backend.transfer import cut_at, header_extents, slot_extent
+    hdr, body = aligned_empty(K4), aligned_empty(7 * K4)
+    e = slot_extent(5, 3, 8 * K4, [hdr, body], 16 * K4)
+    assert e.offset == 24 * K4 and [b.nbytes for b in e.bufs] == [K4, 7 * K4]  # 24..32 KiB: one window
+    e = slot_extent(5, 1, 8 * K4, [hdr, body], 12 * K4)  # 8..16 KiB crosses the 12 KiB boundary
+    assert [b.nbytes for b in e.bufs] == [K4, 3 * K4, 4 * K4]
+    assert cut_at([body], 0, 1 << 20)[0] is body  # uncut buffers are passed through as is
+    hdrs = aligned_empty(2 * K4)
+    ext = header_extents([(0, 4), (1, 2)], hdrs, 8 * K4, K4, {0: 3, 1: 4}.__getitem__)
+    assert [(x.fd, x.offset, x.nbytes) for x in ext] == [(3, 32 * K4, K4), (4, 16 * K4, K4)]

@@ -1,0 +1,368 @@
+"""G3 read pipeline: host gets (chunked reads verified on the verifier thread), slot leases and the
+device reader. Mixed into :class:`~kvbm_backend.pool.g3.pool.G3Pool` (pool lock, slots, engine,
+counters: see :mod:`.slots`). Invariant 1 (never wrong KV) is kept here.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ...memory import aligned_empty, is_aligned
+from ...model import frame
+from ...model.frame import FrameError
+from ...model.namespace import BlockKey, tenant_tag
+from ...transfer import plan_ops, slot_extent, staged_run_extents
+from ..base import GetResult, SlotLease
+from . import journal as jr
+from .slots import _MISS_REASON, HDR
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Read:
+    future: Future
+    n: int
+    slots: list  # slots of the present keys (pinned until the read finishes)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    left: int = 1  # chunks not yet verified
+    out: list = field(default_factory=list)
+    todo: collections.deque = field(default_factory=collections.deque)  # chunks not yet submitted
+    resolved: bool = False
+    timed_out: bool = False
+    ok: list = field(default_factory=list)
+    bad: list = field(default_factory=list)
+    bad_detail: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.ok = [False] * self.n
+
+
+
+class ReaderMixin:
+    """Read path of :class:`~kvbm_backend.pool.g3.pool.G3Pool`."""
+
+    # ---- SlotLeaseSource: in-place reads by the device loader ---------------------------------
+    def lease(self, keys: Sequence[BlockKey]) -> list[SlotLease | None]:
+        """Pin the slots of ``keys`` for a reader outside the pool (the device loader reads frames
+        straight into HBM); None for absent or foreign keys (counted as ``absent`` misses). Every
+        lease must go back through :meth:`release`; until then the slot is not evicted or reused. The
+        reader verifies header and payload itself (the frame is not trusted)."""
+        out: list[SlotLease | None] = []
+        absent = 0
+        with self._lock:
+            get, pin, files = self.index.get, self.index.pin, self.slabs.by_index
+            for k in keys:
+                slot = get(k, touch=True) if k.namespace == self.fp else None
+                if slot is None:
+                    out.append(None)
+                    absent += 1
+                    continue
+                pin(slot)
+                out.append(SlotLease(k, files[slot[0]].path, slot[1] * self.slot_bytes, self.slot_bytes, slot))
+            if absent:
+                self._miss("absent", absent)
+        return out
+
+    def release(self, leases: Sequence[SlotLease]) -> None:
+        """Unpin leases from :meth:`lease` (a slot evicted meanwhile is freed now)."""
+        with self._lock:
+            for ls in leases:
+                free = self.index.unpin(ls.token)
+                if free is not None:
+                    self.slabs.release([free])
+
+    def drop_corrupt(self, key: BlockKey, reason: str) -> None:
+        """A reader outside the pool found ``key``'s slot bad (``reason``, a FrameError reason):
+        remove it from the index and journal (the slot is freed once its last lease is released)."""
+        with self._lock:
+            self._c["corrupt"] += 1
+            self._c["corrupt:" + reason] += 1
+            self._miss(_MISS_REASON.get(reason, "corrupt"))
+        self.metrics.corrupt.labels(reason).inc()
+        self.delete([key])
+
+    def device_reader(self, device):
+        """The pool's :class:`~kvbm_backend.gpu.loader.DeviceLoader` for ``device`` (created on first
+        use: the device path is probed in this pool's first directory and logged once; ``g3.device_path``
+        forces a mode). ``get(keys, tensors)`` uses it; callers may call this at start-up so the probe
+        and its log line happen before the first request.
+
+        Raises:
+            RuntimeError: the pool is closed. ImportError: torch is not installed.
+        """
+        import torch
+
+        from ...gpu.loader import DeviceLoader
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        with self._device_lock:  # one probe per device, never under the pool lock (the probe does I/O)
+            if self._closed:
+                raise RuntimeError("G3 pool is closed")
+            rd = self._device_readers.get(str(dev))
+            if rd is None:
+                rd = DeviceLoader(self, self._layout, dev, probe_dir=self.slabs.paths[0], mode=self.cfg.device_path,
+                                  world=self.namespace.tp_world_size, timeout_s=self.cfg.load_timeout_s, threads=self.cfg.io_threads,
+                                  io_bytes=max(self._io_size, 16 << 20))
+                self._device_readers[str(dev)] = rd
+                log.info("G3 %s: device loads into %s: %s (%s)", self.slabs.paths[0], dev, rd.mode, rd.mode_reason)
+        return rd
+
+    def _get_tensors(self, keys: list, out: list) -> Future:
+        """``get`` into torch tensors: the device reader on the pool's device-load thread."""
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        try:
+            rd = self.device_reader(out[0].device)
+        except Exception as e:  # noqa: BLE001 - no device path: every block is a miss, said once per call
+            log.warning("G3: device load of %d blocks impossible: %s", len(keys), e)
+            fut.set_result(GetResult(ok=[False] * len(keys)))
+            return fut
+
+        def run() -> None:
+            why: list = []
+            try:
+                ok = rd.load(keys, out, why)
+            except (ValueError, TypeError):
+                raise  # bad destination tensors or a wiring bug: the caller must see it
+            except Exception as e:  # noqa: BLE001 - storage trouble: misses
+                log.warning("G3: device load of %d blocks failed: %s", len(keys), e)
+                ok, why = [False] * len(keys), ["io_error"] * len(keys)
+            hits = sum(ok)
+            with self._lock:
+                self._c["hits"] += hits
+                self._c["device_loads"] += len(keys)
+                self._c["device_hits"] += hits
+                # absent keys were counted by lease(), corrupt slots by drop_corrupt()
+                for r in why:
+                    if r in ("io_error", "short", "timeout", "unverifiable"):
+                        self._miss(r)
+            self.metrics.onboard_blocks.inc(hits)
+            fut.set_result(GetResult(ok=list(ok)))
+
+        def guarded() -> None:
+            try:
+                run()
+            except BaseException as e:  # noqa: BLE001 - ValueError (bad tensors) reaches the caller
+                if not fut.done():
+                    fut.set_exception(e)
+
+        try:
+            self._device_exec.submit(guarded)
+        except RuntimeError as e:  # executor shut down: pool closing
+            fut.set_result(GetResult(ok=[False] * len(keys)))
+            log.warning("G3: device load refused: %s", e)
+        return fut
+
+    @property
+    def _read_piece_slots(self) -> int:
+        return max(1, self.min_chunk_blocks, min(self.chunk_bytes, self.read_chunk_bytes) // self.slot_bytes)
+
+    def _read_extents(self, ch: tuple, out: list, stages: list) -> tuple[list, tuple | None]:
+        """Extents reading the chunk's slots (``ch`` = (indexes, keys, slots)) and, for unstaged
+        (large) blocks, ``(header views, payload views, staged flags, destinations)``. Staging buffers
+        taken from :attr:`_staging` go to ``stages``."""
+        sb, bb = self.slot_bytes, self.block_bytes
+        if self._gather:
+            stage = self._staging.take(self._read_piece_slots * sb)
+            stages.append(stage)
+            return staged_run_extents(ch[2], stage[:len(ch[2]) * sb], sb, self._io_size, self._fd_of), None
+        hdrs = self._staging.take(self._read_piece_slots * HDR)
+        stages.append(hdrs)
+        mv = memoryview(hdrs)
+        extents = []
+        files = self.slabs.by_index
+        hv, pv, staged, dsts = [], [], [], []
+        for j, (i, (fi, si)) in enumerate(zip(ch[0], ch[2])):
+            f = files[fi]
+            h = hdrs[j * HDR:(j + 1) * HDR]
+            dst = out[i]
+            hv.append(mv[j * HDR:(j + 1) * HDR])
+            dsts.append(dst)
+            if f.o_direct and not is_aligned(dst):
+                staging = aligned_empty(self._stored_padded)
+                bufs = [h, staging]
+                pv.append(staging[:bb])
+                staged.append(True)
+            else:
+                bufs = [h, dst] + ([self._scratch_pad] if self._scratch_pad.nbytes else [])
+                pv.append(dst)
+                staged.append(False)
+            extents.append(slot_extent(f.fd, si, sb, bufs, self._io_size))
+        return extents, (hv, pv, staged, dsts)
+
+    # ---- internals: read path -----------------------------------------------------------------
+    def _read_timeout(self, st: _Read) -> None:
+        with st.lock:
+            if st.resolved:
+                return
+            st.resolved = True
+            st.timed_out = True
+        with self._lock:
+            self._miss("timeout", len(st.slots))
+        st.future.set_result(GetResult(ok=[False] * st.n))
+
+    def _read_submit_next(self, st: _Read) -> None:
+        """Submit the read's next chunk (at most ``chunks_in_flight`` are in flight per batch)."""
+        with st.lock:
+            if not st.todo:
+                return
+            ch = st.todo.popleft()
+        stages: list = []
+        extra = None
+        try:
+            exts, extra = self._read_extents(ch, st.out, stages)
+            ef = self.engine.submit(plan_ops(exts, self._io_size, write=False))
+        except Exception as e:  # noqa: BLE001 - engine refused: the chunk's blocks are misses
+            ef = Future()
+            ef.set_exception(e)
+        ef.add_done_callback(lambda f: self._read_chunk_done(st, ch, extra, f, stages))
+
+    def _read_chunk_done(self, st: _Read, ch: tuple, extra, ef: Future, stages: list) -> None:
+        """Engine callback (the engine's completion thread): submit the read's next chunk at once, then
+        hand this chunk to the verifier thread, so I/O is never waiting on verification."""
+        self._read_submit_next(st)
+        exc = ef.exception()
+        try:
+            self._verifier.submit(self._read_verify, st, ch, extra, exc, stages)
+        except RuntimeError:  # verifier shut down (pool closing): verify here
+            self._read_verify(st, ch, extra, exc, stages)
+
+    def _read_verify(self, st: _Read, ch: tuple, extra, exc: BaseException | None, stages: list) -> None:
+        """Verify one chunk's blocks where they landed (headers and checksums checked for the whole
+        chunk at once), copy staged ones out; the last chunk finishes the read."""
+        bad: list = []  # (key, slot, reason)
+        bad_detail: list = []  # FrameError reasons
+        try:
+            self._verify_chunk(st, ch, extra, exc, stages, bad, bad_detail)
+        except Exception:  # noqa: BLE001 - a bug must not hang the read: the chunk's blocks miss
+            log.exception("G3: verifying a read chunk failed")
+            bad.clear()
+            for i, k, slot in zip(*ch):
+                st.ok[i] = False
+                bad.append((k, slot, "io_error"))
+        for b in stages:
+            self._staging.give(b)
+        with st.lock:
+            st.bad.extend(bad)
+            st.bad_detail.extend(bad_detail)
+            st.left -= 1
+            last = st.left == 0
+        if last:
+            self._read_finish(st)
+
+    def _verify_chunk(self, st: _Read, ch: tuple, extra, exc, stages: list, bad: list, bad_detail: list) -> None:
+        ok = st.ok
+        idx, keys, slots = ch
+        m = len(slots)
+        sb, bb = self.slot_bytes, self.block_bytes
+        files = self.slabs.by_index
+        if exc is not None:
+            bad.extend((k, slot, "io_error") for k, slot in zip(keys, slots))
+            return
+        # slots past the end of their file (truncated) are "short": checked per file, once per chunk
+        top: dict[int, int] = {}
+        for fi, si in slots:
+            if si > top.get(fi, -1):
+                top[fi] = si
+        limit: dict[int, int] = {}
+        for fi in top:
+            f = files.get(fi)
+            try:
+                limit[fi] = -1 if f is None else os.fstat(f.fd).st_size // sb - 1
+            except OSError:
+                limit[fi] = -1
+        all_there = all(top[fi] <= limit[fi] for fi in top)
+        tag = self._tag
+        if extra is None:  # staged: slot j at j * slot_bytes of the staging buffer
+            stage = stages[0]
+            hdrs = stage[:m * sb].reshape(m, sb)
+            mv = memoryview(stage)
+            payloads = [mv[o:o + bb] for o in range(HDR, m * sb, sb)]
+            hviews, staged, dsts = None, None, [st.out[i] for i in idx]
+        else:
+            hdrs = stages[0][:m * HDR].reshape(m, HDR)
+            hviews, payloads, staged, dsts = extra
+        good = self._frames.verify_many(hdrs, payloads, [tag(k.tenant) for k in keys], [k.rank for k in keys],
+                                        [k.seq_hash for k in keys])
+        if all_there and good.all():
+            if not st.resolved:
+                if staged is None:
+                    for d, pl in zip(dsts, payloads):
+                        d[:] = pl
+                else:
+                    for d, pl, sflag in zip(dsts, payloads, staged):
+                        if sflag:
+                            d[:] = pl
+            for i in idx:
+                ok[i] = True
+            return
+        for j in range(m):
+            i, k, slot = idx[j], keys[j], slots[j]
+            payload = payloads[j]
+            reason = None
+            if slot[1] > limit.get(slot[0], -1):
+                reason = "short" if slot[0] in files else "io_error"
+            elif not good[j]:
+                try:  # slow path: name the reason (or accept a valid frame of another writer)
+                    hdr = frame.accept(hdrs[j] if hviews is None else hviews[j], k, self._layout,
+                                       tenant_tag(k.tenant), world=self.namespace.tp_world_size,
+                                       stored_len=self.block_bytes)
+                    if not hdr.flags & frame.FLAG_CHECKSUM:
+                        raise FrameError("integrity", "frame carries no checksum")
+                    frame.verify_payload(hdr, payload)
+                except FrameError as e:
+                    reason = _MISS_REASON.get(e.reason, "corrupt")
+                    bad_detail.append(e.reason)
+            if reason is None:
+                ok[i] = True
+                if not st.resolved and (staged is None or staged[j]):
+                    dsts[j][:] = payload
+            else:
+                bad.append((k, slot, reason))
+
+    def _read_finish(self, st: _Read) -> None:
+        ok, bad, bad_detail = st.ok, st.bad, st.bad_detail
+        with st.lock:
+            late = st.resolved
+            st.resolved = True
+        hits = sum(ok)
+        with self._lock:
+            recs = []
+            for slot in st.slots:
+                free = self.index.unpin(slot)
+                if free is not None:
+                    self.slabs.release([free])
+            for k, slot, reason in bad:
+                if reason in ("corrupt", "identity", "short", "io_error"):
+                    free = self.index.remove(k, slot)
+                    if free is not None:
+                        self.slabs.release([free])
+                    recs.append(jr.encode(jr.DEL, k))
+                    self._c["corrupt"] += reason != "io_error"
+            for r in bad_detail:
+                self._c["corrupt:" + r] += 1
+                self.metrics.corrupt.labels(r).inc()
+            self._journal_append(recs)
+            self._c["bytes_read"] += len(st.slots) * self.slot_bytes
+            if late:
+                self._c["late_reads"] += len(st.slots)
+            else:
+                self._c["hits"] += hits
+            if not late:
+                for _, _, reason in bad:
+                    self._miss(reason)
+            self._update_gauges()
+        self.metrics.bytes_read.inc(len(st.slots) * self.slot_bytes)
+        if not late:
+            self.metrics.onboard_blocks.inc(hits)
+            st.future.set_result(GetResult(ok=ok))
+        if bad:
+            log.warning("G3: %d block(s) failed verification and were dropped: %s", len(bad),
+                        collections.Counter(r for _, _, r in bad))

@@ -1,0 +1,82 @@
+"""Slot I/O planning: fixed-size slots of slab files -> :class:`~.plan.Extent` s -> coalesced, aligned ops.
+
+A G3 pool stores one frame per slot: slot ``si`` of a slab file covers bytes ``[si * slot_bytes,
+(si + 1) * slot_bytes)``. A slot is named ``(file index, slot index)``; ``fd_of(file index)`` gives the
+file's descriptor. These helpers turn the slots of a write piece or a read chunk into extents, cut at
+absolute file offsets that are multiples of ``io_size`` so that :func:`~.plan.coalesce` packs adjacent
+slots into ops of exactly ``io_size`` bytes (4 KiB aligned when ``slot_bytes`` and ``io_size`` are).
+
+Two shapes:
+
+* staged (:func:`staged_run_extents`): the slots' frames lie back to back in one host buffer (slot ``j``
+  at ``j * slot_bytes``); each run of adjacent slots of one file becomes one extent over one buffer view
+  (one iovec per op);
+* per slot (:func:`slot_extent`): one slot's own buffers (header, payload, padding), zero copy.
+
+:func:`plan_ops` coalesces either into :class:`~kvbm_backend.io.base.IoOp` s.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..io.base import IoOp
+from .plan import Extent, coalesce
+
+Slot = tuple  # (file index, slot index)
+
+
+def cut_at(bufs: list[np.ndarray], offset: int, io_size: int) -> list[np.ndarray]:
+    """Split ``bufs`` (mapped to file bytes from ``offset``) at absolute file offsets that are multiples
+    of ``io_size`` (> 0 bytes), so :func:`coalesce` packs adjacent slots into ops of exactly ``io_size``
+    bytes. Returns views (never copies); an uncut buffer is returned as is."""
+    out = []
+    pos = offset
+    for b in bufs:
+        n = b.nbytes
+        start = 0
+        while start < n:
+            take = min(n - start, (pos // io_size + 1) * io_size - pos)
+            out.append(b[start:start + take] if (start or take != n) else b)
+            start += take
+            pos += take
+    return out
+
+
+def slot_extent(fd: int, slot_index: int, slot_bytes: int, bufs: list[np.ndarray], io_size: int) -> Extent:
+    """The extent of slot ``slot_index`` of ``fd`` (bytes from ``slot_index * slot_bytes``) over ``bufs``
+    (1-D uint8, in file order), cut at ``io_size`` file boundaries."""
+    off = slot_index * slot_bytes
+    return Extent(fd, off, cut_at(bufs, off, io_size))
+
+
+def staged_run_extents(slots: Sequence[Slot], stage: np.ndarray, slot_bytes: int, io_size: int,
+                       fd_of: Callable[[int], int]) -> list[Extent]:
+    """Extents for ``slots`` staged in order in ``stage`` (slot ``j`` at ``j * slot_bytes``; ``stage``
+    holds at least ``len(slots) * slot_bytes`` bytes): each maximal run of consecutive slots of one file
+    becomes one extent over one view of ``stage``, cut at ``io_size`` file boundaries."""
+    out = []
+    j0 = 0
+    n = len(slots)
+    for j in range(1, n + 1):
+        if j < n and slots[j][0] == slots[j - 1][0] and slots[j][1] == slots[j - 1][1] + 1:
+            continue
+        fi, si = slots[j0]
+        off = si * slot_bytes
+        out.append(Extent(fd_of(fi), off, cut_at([stage[j0 * slot_bytes:j * slot_bytes]], off, io_size)))
+        j0 = j
+    return out
+
+
+def header_extents(slots: Sequence[Slot], hdrs: np.ndarray, slot_bytes: int, header_bytes: int,
+                   fd_of: Callable[[int], int]) -> list[Extent]:
+    """Extents reading (or writing) only the first ``header_bytes`` of each slot: slot ``j``'s header
+    maps to ``hdrs[j * header_bytes:(j + 1) * header_bytes]``."""
+    return [Extent(fd_of(fi), si * slot_bytes, [hdrs[j * header_bytes:(j + 1) * header_bytes]])
+            for j, (fi, si) in enumerate(slots)]
+
+
+def plan_ops(extents: Sequence[Extent], io_size: int, write: bool) -> list[IoOp]:
+    """:func:`coalesce` (same arguments, same errors): adjacent extents merged, ops of ~``io_size``."""
+    return coalesce(extents, io_size, write)
