@@ -305,3 +305,127 @@ def write_mla_weights(path: str | Path, model: TinyDeepseekMla = TINY_MLA, std: 
             p + "mlp.gate_proj.weight": (i_, h), p + "mlp.up_proj.weight": (i_, h),
             p + "mlp.down_proj.weight": (h, i_)})
     return _save_random(path, shapes, std, seed, dtype)
+
+
+# ---- hybrid (sliding-window + full attention) models ------------------------------------------------
+
+@dataclass(frozen=True)
+class TinyHybrid:
+    """A small hybrid-attention config: some layers attend to a sliding window of ``sliding_window``
+    tokens, the others to the whole prefix (vLLM's hybrid KV cache manager puts them in separate KV
+    cache groups). ``layer_types`` lists ``"sliding_attention"`` / ``"full_attention"`` per layer (the
+    Hugging Face field). Sizes are counts or widths (elements); ``sliding_window`` is in tokens.
+
+    ``arch`` selects the Hugging Face architecture: ``"gpt_oss"`` (``GptOssForCausalLM``: alternating
+    sliding/full layers starting with sliding, attention sinks, MoE MLP with ``num_local_experts``
+    experts, ``num_experts_per_tok`` active; vLLM applies the window on even layers, which
+    ``layer_types`` must match) or ``"gemma3_text"`` (``Gemma3ForCausalLM``: ``N`` sliding layers then
+    one full layer, repeated; dense MLP).
+    """
+
+    arch: str = "gpt_oss"
+    num_hidden_layers: int = 4
+    hidden_size: int = 256
+    intermediate_size: int = 256
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    vocab_size: int = 2048
+    sliding_window: int = 64
+    layer_types: tuple[str, ...] = ("sliding_attention", "full_attention") * 2
+    num_local_experts: int = 4
+    num_experts_per_tok: int = 2
+    max_position_embeddings: int = 16384
+    name: str = "kvbm-backend/tiny-gpt-oss"
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types: {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if self.arch not in ("gpt_oss", "gemma3_text"):
+            raise ValueError(f"arch: {self.arch!r} is not gpt_oss or gemma3_text")
+
+    @property
+    def num_full_layers(self) -> int:
+        return sum(t == "full_attention" for t in self.layer_types)
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return self.num_hidden_layers - self.num_full_layers
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes per token and layer set in bf16 over ALL layers (what a non-hybrid cache holds):
+        ``layers * 2 * kv_heads * head_dim * 2``; sliding layers keep at most ``sliding_window`` tokens."""
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * 2
+
+    def hf_config(self, dtype: str = "bfloat16") -> dict:
+        """The ``config.json`` dict (Hugging Face ``GptOssConfig`` / ``Gemma3TextConfig`` fields)."""
+        common = {
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
+            "sliding_window": self.sliding_window, "layer_types": list(self.layer_types),
+            "tie_word_embeddings": False, "torch_dtype": dtype, "bos_token_id": 1, "eos_token_id": 2,
+            "pad_token_id": 0, "initializer_range": 0.02,
+        }
+        if self.arch == "gpt_oss":
+            return {**common, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                    "num_local_experts": self.num_local_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                    "experts_per_token": self.num_experts_per_tok, "attention_bias": True, "rms_norm_eps": 1e-5,
+                    "hidden_act": "silu", "swiglu_limit": 7.0, "rope_theta": 150000.0,
+                    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 4096}}
+        return {**common, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                "query_pre_attn_scalar": self.head_dim, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh",
+                "final_logit_softcapping": None, "attn_logit_softcapping": None}
+
+
+# gpt-oss-20b/120b shape in small: alternating sliding (even layers) / full attention, sinks, MoE.
+TINY_GPT_OSS = TinyHybrid()
+# Gemma 3 shape in small: two sliding layers then one full layer, twice (Gemma 3 uses five then one).
+TINY_GEMMA3 = TinyHybrid(arch="gemma3_text", num_hidden_layers=6, intermediate_size=512,
+                         layer_types=("sliding_attention", "sliding_attention", "full_attention") * 2,
+                         name="kvbm-backend/tiny-gemma3")
+
+
+def write_hybrid_model_dir(path: str | Path, model: TinyHybrid = TINY_GPT_OSS, dtype: str = "float32",
+                           weights_seed: int = 0, std: float = 2.0) -> Path:
+    """Write ``config.json``, ``kvbm_model.json`` and random weights (``model.safetensors``) of ``model``
+    into ``path``; returns the path. Load with ``load_format="safetensors"`` and token-id prompts.
+
+    The weights come from Hugging Face ``transformers`` (``AutoModelForCausalLM.from_config``, so the
+    checkpoint names are the architecture's own), then every projection is redrawn N(0, ``std`` /
+    sqrt(fan_in)) (MoE expert tensors ``[experts, in, out]``: fan_in = ``in``), embeddings N(0, 1);
+    biases, norms and attention sinks keep their initial values (0, or 1 for Llama-style norms).
+    Why: with transformers' default N(0, 0.02) or vLLM's dummy weights the logits are nearly flat, so
+    greedy tokens flip on rounding and do not depend on the cached KV (see :func:`write_model_dir`).
+    Deterministic for ``weights_seed``. Raises ImportError without ``transformers``.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    d = model.hf_config(dtype)
+    cfg = AutoConfig.for_model(**{k: v for k, v in d.items() if k != "torch_dtype"})
+    torch.manual_seed(weights_seed)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(weights_seed)
+    with torch.no_grad():
+        for name, t in m.named_parameters():
+            if "embed_tokens" in name:
+                t.copy_(torch.randn(t.shape, generator=g))
+            elif t.ndim == 2:  # nn.Linear [out, in]
+                t.copy_(torch.randn(t.shape, generator=g) * (std / t.shape[1] ** 0.5))
+            elif t.ndim == 3:  # experts [E, in, out]
+                t.copy_(torch.randn(t.shape, generator=g) * (std / t.shape[1] ** 0.5))
+    m.to(getattr(torch, dtype)).save_pretrained(str(p), safe_serialization=True)
+    cfg_json = json.loads((p / "config.json").read_text())
+    cfg_json["torch_dtype"] = dtype
+    (p / "config.json").write_text(json.dumps(cfg_json, indent=2))
+    (p / "kvbm_model.json").write_text(json.dumps(asdict(model), indent=2))
+    for f in p.glob("model-*.safetensors"):  # one shard expected; engine_run looks for model.safetensors
+        raise ValueError(f"{f}: sharded checkpoint; the tiny models fit one file")
+    return p

@@ -1,12 +1,14 @@
 """Namespace: what a stored block's bytes mean, and the BlockKey that names one block.
 
 A Namespace is model id + weights revision + dtype + KvLayout (incl. page_size) + TP world size +
-hash scheme. Its fingerprint (16 hex chars of xxh3_128 over the canonical JSON) prefixes every stored
+hash scheme, and for hybrid models (several vLLM KV cache groups: sliding-window and full-attention
+layers) the whole group structure plus which group the blocks belong to (:class:`KvGroup`). Its fingerprint (16 hex chars of xxh3_128 over the canonical JSON) prefixes every stored
 key; the canonical JSON is written beside the data (``namespace.json``) so an operator can read what a
 directory or prefix holds. Blocks of another namespace are never hits.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -17,6 +19,53 @@ import xxhash
 from .layout import KvLayout
 
 HASH_SCHEMES = ("kvbm-xxh3-v1", "vllm-block-hash")
+GROUP_KINDS = ("full", "sliding", "mla")
+
+
+@dataclass(frozen=True)
+class KvGroup:
+    """One KV cache group of a hybrid model (vLLM's ``KVCacheGroupSpec``): layers sharing one block table.
+
+    Attributes:
+        kind: ``"full"`` (full attention: a block is needed for every token of the prefix),
+            ``"sliding"`` (sliding-window attention: only the last ``sliding_window - 1`` tokens before a
+            resume point are read) or ``"mla"``.
+        layout: per-rank KvLayout of this group's block (its layers only).
+        sliding_window: window in tokens (``kind == "sliding"``), else None.
+    """
+
+    kind: str
+    layout: KvLayout
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"group.kind: {self.kind!r} not in {GROUP_KINDS}")
+        if (self.kind == "sliding") != (self.sliding_window is not None):
+            raise ValueError(f"group.sliding_window: {self.sliding_window!r} for kind {self.kind!r} "
+                             "(set for sliding groups only)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"group.sliding_window: must be >= 1 token, got {self.sliding_window}")
+
+    @property
+    def window_blocks(self) -> int | None:
+        """Blocks a sliding group needs before a resume point: ``ceil((sliding_window - 1) / page_size)``
+        (vLLM ``SlidingWindowManager._contiguous_blocks_for_hit``); None for other kinds."""
+        if self.sliding_window is None:
+            return None
+        return max(1, -(-(self.sliding_window - 1) // self.layout.page_size))
+
+    def to_dict(self) -> dict:
+        d = {"kind": self.kind, "layout": self.layout.to_dict()}
+        if self.sliding_window is not None:
+            d["sliding_window"] = self.sliding_window
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KvGroup":
+        sw = d.get("sliding_window")
+        return cls(kind=str(d["kind"]), layout=KvLayout.from_dict(d["layout"]),
+                   sliding_window=None if sw is None else int(sw))
 
 
 @dataclass(frozen=True)
@@ -30,6 +79,13 @@ class Namespace:
         tp_world_size: tensor-parallel degree the blocks were cut for.
         hash_scheme: ``kvbm-xxh3-v1`` (KVBM sequence hashes, :mod:`.hashing`) or
             ``vllm-block-hash`` (the engine's own block hash used as key).
+        groups: the KV cache groups of a hybrid model, or the one group of an all-sliding-window model
+            (empty for one full-attention or MLA group: the canonical JSON and the fingerprint are then
+            exactly those of a namespace written before groups existed). When set, ``layout`` is
+            ``groups[group].layout`` and the namespace names the blocks of group ``group``: each group
+            has its own fingerprint, every fingerprint covers the whole structure, and the sequence hash
+            of a block is the same in every group (KVBM identity over the token prefix).
+        group: index into ``groups`` of the blocks this namespace names (0 when ``groups`` is empty).
     """
 
     model: str
@@ -37,8 +93,21 @@ class Namespace:
     revision: str = "main"
     tp_world_size: int = 1
     hash_scheme: str = "kvbm-xxh3-v1"
+    groups: tuple[KvGroup, ...] = ()
+    group: int = 0
 
     def __post_init__(self) -> None:
+        if self.groups:
+            if len(self.groups) < 2 and self.groups[0].kind != "sliding":
+                raise ValueError("namespace.groups: set only for two or more KV cache groups, or one "
+                                 "sliding-window group")
+            if not 0 <= self.group < len(self.groups):
+                raise ValueError(f"namespace.group: {self.group} outside {len(self.groups)} groups")
+            if self.groups[self.group].layout != self.layout:
+                raise ValueError(f"namespace.layout: {self.layout} is not group {self.group}'s layout "
+                                 f"{self.groups[self.group].layout}")
+        elif self.group != 0:
+            raise ValueError(f"namespace.group: {self.group} without groups")
         if not self.model:
             raise ValueError("namespace.model: must not be empty")
         if self.tp_world_size < 1:
@@ -49,7 +118,19 @@ class Namespace:
     def to_dict(self) -> dict:
         return {"format": "kvbm-backend-namespace/1", "model": self.model, "revision": self.revision,
                 "dtype": self.layout.dtype, "layout": self.layout.to_dict(),
-                "tp_world_size": self.tp_world_size, "hash_scheme": self.hash_scheme}
+                "tp_world_size": self.tp_world_size, "hash_scheme": self.hash_scheme,
+                **({"groups": [g.to_dict() for g in self.groups], "group": self.group} if self.groups else {})}
+
+    def for_group(self, group: int) -> "Namespace":
+        """The namespace of group ``group``'s blocks (same model, revision, TP, structure). Raises
+        ValueError for an index outside ``groups`` (only 0 is valid without groups)."""
+        if not self.groups:
+            if group != 0:
+                raise ValueError(f"group: {group}, but the namespace has one KV cache group")
+            return self
+        if not 0 <= group < len(self.groups):
+            raise ValueError(f"group: {group} outside {len(self.groups)} groups")
+        return dataclasses.replace(self, layout=self.groups[group].layout, group=group)
 
     def canonical_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -67,7 +148,8 @@ class Namespace:
     @classmethod
     def from_dict(cls, d: dict) -> "Namespace":
         return cls(model=d["model"], revision=d.get("revision", "main"), layout=KvLayout.from_dict(d["layout"]),
-                   tp_world_size=int(d.get("tp_world_size", 1)), hash_scheme=d.get("hash_scheme", "kvbm-xxh3-v1"))
+                   tp_world_size=int(d.get("tp_world_size", 1)), hash_scheme=d.get("hash_scheme", "kvbm-xxh3-v1"),
+                   groups=tuple(KvGroup.from_dict(g) for g in d.get("groups") or ()), group=int(d.get("group", 0)))
 
     def key(self, seq_hash: int, tenant: str = "", rank: int = 0) -> "BlockKey":
         if not 0 <= rank < self.tp_world_size:

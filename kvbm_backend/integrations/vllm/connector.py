@@ -44,7 +44,25 @@ ranks, so the block is recomputed on all of them. Rank r > 0 writes its counters
 ``outer_dim`` 1) are carried; their latent is the same on every TP rank: each rank keeps its own copy
 in its G3 pool, and G4 holds one object per block under rank 0's key
 (:meth:`~kvbm_backend.model.namespace.Namespace.shared_rank`), written by rank 0 and read by all.
-Hybrid (several KV groups) models are refused.
+
+Hybrid models (vLLM's hybrid KV cache manager, several KV cache groups: gpt-oss's alternating
+sliding-window/full attention, Gemma 2/3, Llama 4's chunked... see below) are carried: the connector
+implements ``SupportsHMA``, so vLLM keeps its hybrid manager on (it turns it off for connectors that
+do not, storing every layer for every token). Each group has its own namespace (the structure of all
+groups plus the group's index and layout: :meth:`Namespace.for_group`), its own pools (G3 under
+``<path>/group<g>``, capacity split by weight: full-attention groups 1, sliding-window groups
+``sliding_capacity_weight``, default 0.25) and the same KVBM sequence hashes. Full-attention groups
+store every block; sliding-window groups store and load only the ``ceil((window - 1) / block_size)``
+blocks before a resume point (what vLLM's ``SlidingWindowManager`` reads; it null-blocks the rest). A
+hit of ``n`` blocks counts only when every group has what the engine reads at ``n``. Refused, with the
+reason: KV cache specs other than full attention, sliding window and MLA (Mamba/linear attention state,
+chunked local attention (Llama 4), cross-attention, sink/ring specs) and groups with different block
+sizes. With several groups a failed load is reported per request (vLLM 0.32 cannot map block-level
+errors back to requests then) and the request is recomputed whole; G3 KV events are not published for
+hybrid models.
+
+KV dtypes: bf16, fp16, fp32 and FP8 (``--kv-cache-dtype fp8``: e4m3 / e5m2); the dtype is part of the
+namespace, so an engine never loads blocks of another KV dtype.
 """
 from __future__ import annotations
 
@@ -58,19 +76,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...config import KvbmBackendConfig
 from ...model.layout import KvLayout
-from ...model.namespace import Namespace
+from ...model.namespace import KvGroup, Namespace
 from ..tiers import release_tiers, shared_tiers
 from . import stats
 from .extra_config import EXTRA_KEYS, config_from_extra  # noqa: F401 - re-exported
 from .kv_io import EngineKv, torch_dtype_name
 from .metadata import KvbmConnectorMetadata
-from .scheduler_side import G3KvEvents, G3Mirror, SchedulerSide
-from .worker_side import WorkerSide
+from .scheduler_side import G3KvEvents, G3Mirror, GroupTiers, SchedulerSide
+from .worker_side import GroupedWorkers, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,6 +102,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvbm_backend.connector")
 
+def _group_of(spec: Any, num_layers: int) -> KvGroup:
+    """A :class:`KvGroup` from one vLLM KV cache group's spec. Raises ValueError naming the spec for kinds
+    the connector cannot carry."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    for a in ("num_kv_heads", "head_size", "block_size", "dtype"):
+        if not hasattr(spec, a):
+            raise ValueError(f"kv cache spec {type(spec).__name__}: no {a}; only standard attention is supported")
+    kind = {FullAttentionSpec: "full", MLAAttentionSpec: "mla", SlidingWindowSpec: "sliding"}.get(type(spec))
+    if kind is None:
+        raise ValueError(f"kv cache spec {type(spec).__name__}: KvbmBackendConnector carries full attention, "
+                         "sliding-window attention and MLA groups only (state/linear-attention, chunked local, "
+                         "cross-attention and sink/ring caches are not KV blocks of a token prefix)")
+    mla = kind == "mla" or bool(getattr(spec, "use_mla", False))
+    if mla and int(spec.num_kv_heads) != 1:
+        raise ValueError(f"kv cache spec {type(spec).__name__}: MLA with num_kv_heads={spec.num_kv_heads}; "
+                         "expected one latent per token (num_kv_heads=1)")
+    layout = KvLayout(num_layers=num_layers, outer_dim=1 if mla else 2, page_size=int(spec.block_size),
+                      inner_dim=int(spec.num_kv_heads) * int(spec.head_size), dtype=torch_dtype_name(spec.dtype))
+    return KvGroup(kind=kind if not mla else "mla", layout=layout,
+                   sliding_window=int(spec.sliding_window) if kind == "sliding" else None)
+
+
 def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Namespace:
     """The Namespace of this engine's KV: model (``cfg.model``, else vLLM's served model name),
     revision, per-rank KvLayout from the KV cache spec (layers, KV heads per rank, head size, dtype,
@@ -92,31 +134,46 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
     TP rank (replicated, not split); with TP > 1 every rank keeps its own copy in its G3 pool under its
     own rank's key, and G4 holds one copy under rank 0's key (``Namespace.shared_rank``).
 
-    Raises ValueError for KV caches the connector cannot carry (several KV groups, non-attention
-    specs, an MLA spec with more than one KV head)."""
+    Several KV cache groups (vLLM's hybrid KV cache manager): the namespace records every group
+    (:class:`KvGroup`: kind full/sliding/mla, its layout, the window in tokens) and names group 0's
+    blocks; :meth:`Namespace.for_group` gives the others'. A uniform-spec model keeps the one-group
+    namespace (unchanged fingerprint).
+
+    Raises ValueError for KV caches the connector cannot carry (non-attention or chunked/cross/sink
+    specs, an MLA spec with more than one KV head, groups with different block sizes)."""
     groups = [g for g in kv_cache_config.kv_cache_groups if not getattr(g, "host_resident", False)]
-    if len(groups) != 1:
-        raise ValueError(f"kv cache: {len(groups)} KV cache groups; KvbmBackendConnector supports one "
-                         "(uniform full attention)")
-    spec = groups[0].kv_cache_spec
-    for a in ("num_kv_heads", "head_size", "block_size", "dtype"):
-        if not hasattr(spec, a):
-            raise ValueError(f"kv cache spec {type(spec).__name__}: no {a}; only standard attention is supported")
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
-    mla = isinstance(spec, MLAAttentionSpec) or bool(getattr(spec, "use_mla", False))
-    if mla and int(spec.num_kv_heads) != 1:
-        raise ValueError(f"kv cache spec {type(spec).__name__}: MLA with num_kv_heads={spec.num_kv_heads}; "
-                         "expected one latent per token (num_kv_heads=1)")
-    layout = KvLayout(num_layers=len(groups[0].layer_names), outer_dim=1 if mla else 2,
-                      page_size=int(spec.block_size), inner_dim=int(spec.num_kv_heads) * int(spec.head_size),
-                      dtype=torch_dtype_name(spec.dtype))
+    if not groups:
+        raise ValueError("kv cache: no KV cache groups (attention-free model); nothing to carry")
+    kgs = [_group_of(g.kv_cache_spec, len(g.layer_names)) for g in groups]
+    sizes = {k.layout.page_size for k in kgs}
+    if len(sizes) != 1:
+        raise ValueError(f"kv cache: KV cache groups with block sizes {sorted(sizes)}; KvbmBackendConnector "
+                         "needs one block size (a block's sequence hash covers block_size tokens)")
     model = cfg.model
     if model == "unknown":
         names = vllm_config.model_config.served_model_name
         model = names[0] if isinstance(names, (list, tuple)) else (names or vllm_config.model_config.model)
     revision = cfg.revision
-    return Namespace(model=str(model), layout=layout, revision=revision,
-                     tp_world_size=int(vllm_config.parallel_config.tensor_parallel_size))
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    if len(kgs) == 1 and kgs[0].kind != "sliding":
+        return Namespace(model=str(model), layout=kgs[0].layout, revision=revision, tp_world_size=tp)
+    # several groups, or one sliding-window group (every layer windowed, e.g. Mistral-7B-v0.1: vLLM
+    # null-blocks what the window left behind, so blocks are stored window-bounded as in a hybrid model)
+    return Namespace(model=str(model), layout=kgs[0].layout, revision=revision, tp_world_size=tp,
+                     groups=tuple(kgs), group=0)
+
+
+def group_g3_config(cfg: KvbmBackendConfig, ns: Namespace, group: int, sliding_weight: float = 0.25) -> KvbmBackendConfig:
+    """The G3 config of KV cache group ``group`` of a hybrid namespace: a private pool in
+    ``<path>/group<g>`` under every configured path, with a share of ``g3.capacity_gb`` weighted 1 for a
+    full-attention (or MLA) group and ``sliding_weight`` for a sliding-window group (which stores only
+    the window before each resume point). ``cfg`` unchanged for a one-group namespace."""
+    if not ns.groups or not cfg.g3.enabled:
+        return cfg
+    w = [sliding_weight if g.kind == "sliding" else 1.0 for g in ns.groups]
+    g3 = cfg.g3.model_copy(update={"paths": [os.path.join(p, f"group{group}") for p in cfg.g3.paths],
+                                   "capacity_gb": cfg.g3.capacity_gb * w[group] / sum(w)})
+    return cfg.model_copy(update={"g3": g3})
 
 
 def rank_g3_config(cfg: KvbmBackendConfig, rank: int, tp_world_size: int) -> KvbmBackendConfig:
@@ -132,8 +189,9 @@ def rank_g3_config(cfg: KvbmBackendConfig, rank: int, tp_world_size: int) -> Kvb
     return cfg.model_copy(update={"g3": g3})
 
 
-class KvbmBackendConnector(KVConnectorBase_V1):
-    """vLLM KV connector serving prefix hits from G3/G4 and offloading computed blocks to them."""
+class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector serving prefix hits from G3/G4 and offloading computed blocks to them
+    (``SupportsHMA``: hybrid models keep vLLM's hybrid KV cache manager; see the module doc)."""
 
     _cache_hit_source = CacheHitSource.DISK
 
@@ -161,14 +219,26 @@ class KvbmBackendConnector(KVConnectorBase_V1):
         # (G3KvEvents), so the worker reports its G3 index changes even when it shares the scheduler's pool
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self.kv_events = bool(kv_events is not None and kv_events.enable_kv_cache_events and self.cfg.g3.enabled)
+        self.hybrid = bool(self.ns.groups)
+        if self.kv_events and self.hybrid:
+            log.warning("kvbm_backend: G3 KV events are not published for hybrid models (%d KV cache groups)",
+                        len(self.ns.groups))
+            self.kv_events = False
         self._tier_cfg = self.cfg
         if self.split and role == KVConnectorRole.SCHEDULER and self.cfg.g3.enabled:
             self._tier_cfg = self.cfg.model_copy(update={"g3": self.cfg.g3.model_copy(update={"enabled": False})})
         elif self.ns.tp_world_size > 1:
             self._tier_cfg = rank_g3_config(self.cfg, self.rank, self.ns.tp_world_size)
-        self.g3, self.g4 = shared_tiers(self._tier_cfg, self.ns)
-        if self.split and role == KVConnectorRole.SCHEDULER and self.cfg.g3.enabled:
-            self.g3 = G3Mirror(self.ns)
+        # one (namespace, config, g3, g4) per KV cache group (one entry for a non-hybrid model)
+        self._groups: list[tuple[Namespace, KvbmBackendConfig, Any, Any]] = []
+        for gi in range(max(1, len(self.ns.groups))):
+            gns = self.ns.for_group(gi)
+            gcfg = group_g3_config(self._tier_cfg, self.ns, gi, self.opts["sliding_capacity_weight"])
+            g3, g4 = shared_tiers(gcfg, gns)
+            if self.split and role == KVConnectorRole.SCHEDULER and self.cfg.g3.enabled:
+                g3 = G3Mirror(gns)
+            self._groups.append((gns, gcfg, g3, g4))
+        self.g3, self.g4 = self._groups[0][2], self._groups[0][3]
         stats_path = self.opts["stats_path"]
         if stats_path and self.split and role == KVConnectorRole.SCHEDULER:
             root, ext = os.path.splitext(stats_path)
@@ -180,19 +250,25 @@ class KvbmBackendConnector(KVConnectorBase_V1):
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            groups = None
+            if self.hybrid:
+                groups = [GroupTiers(gns, g3, g4, gns.groups[gi].window_blocks)
+                          for gi, (gns, _, g3, g4) in enumerate(self._groups)]
             self.sched = SchedulerSide(self.ns, self.block_size, self.g3, self.g4, default_tenant=self.cfg.tenant,
                                        lookup_timeout_s=max(self.cfg.g4.timeout_s, 0.5),
                                        save=self.opts["save"], load=self.opts["load"],
-                                       save_decode=self.opts["save_decode"])
+                                       save_decode=self.opts["save_decode"], groups=groups)
             if self.kv_events:
                 self.sched.events = G3KvEvents(self.ns.tp_world_size, self.block_size,
                                                kv_cache_config.kv_cache_groups[0].kv_cache_spec)
         else:
-            self.worker = WorkerSide(self.ns, self.rank, self.g3, self.g4,
-                                     load_timeout_s=self.cfg.g3.load_timeout_s + self.cfg.g4.timeout_s,
-                                     promote_to_g3=self.opts["promote_to_g3"], save_to_g4=self.opts["save_to_g4"],
-                                     max_pending_save_bytes=self.opts["max_pending_save_bytes"],
-                                     report_g3=self.split or self.kv_events, device_checksum=self.cfg.g3.device_checksum)
+            ws = [WorkerSide(gns, self.rank, g3, g4,
+                             load_timeout_s=self.cfg.g3.load_timeout_s + self.cfg.g4.timeout_s,
+                             promote_to_g3=self.opts["promote_to_g3"], save_to_g4=self.opts["save_to_g4"],
+                             max_pending_save_bytes=self.opts["max_pending_save_bytes"],
+                             report_g3=self.split or self.kv_events, device_checksum=self.cfg.g3.device_checksum)
+                  for gns, _, g3, g4 in self._groups]
+            self.worker = GroupedWorkers(ws) if self.hybrid else ws[0]
         self._interval = stats.Interval()
         self._closed = False
         log.info("kvbm_backend connector (%s): namespace %s %s, G3=%s G4=%s, G3 KV events=%s", role.name,
@@ -201,29 +277,47 @@ class KvbmBackendConnector(KVConnectorBase_V1):
 
     def _pool_stats(self) -> dict:
         out = {}
-        for name, p in (("g3", self.g3), ("g4", self.g4)):
-            if p is not None:
-                out[name] = p.stats()
+        for gi, (_, _, g3, g4) in enumerate(self._groups):
+            for name, p in (("g3", g3), ("g4", g4)):
+                if p is not None:
+                    out[name if gi == 0 else f"{name}_group{gi}"] = p.stats()
         return out
 
     # ---- worker role ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Wrap each KV cache group's per-layer tensors (:class:`EngineKv`; hybrid models: one per group,
+        in vLLM's group order). Raises ValueError when a group's layer is missing or its tensors do not
+        match the namespace layout."""
         assert self.worker is not None
-        names = list(self._kv_cache_config.kv_cache_groups[0].layer_names)
-        missing = [n for n in names if n not in kv_caches]
-        if missing:
-            raise ValueError(f"kv caches: layers {missing[:3]} of the KV cache group were not registered")
-        t0 = kv_caches[names[0]]
-        log.info("kvbm_backend: KV cache tensor per layer: shape %s stride %s dtype %s device %s",
-                 tuple(t0.shape), t0.stride(), t0.dtype, t0.device)
-        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        kv = EngineKv.from_tensors([kv_caches[n] for n in names], num_blocks=int(self._kv_cache_config.num_blocks),
-                                   block_size=self.block_size,
-                                   num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size))
-        self.worker.register(kv)
+        groups = [g for g in self._kv_cache_config.kv_cache_groups if not getattr(g, "host_resident", False)]
+        kvs = []
+        for g in groups:
+            names = list(g.layer_names)
+            missing = [n for n in names if n not in kv_caches]
+            if missing:
+                raise ValueError(f"kv caches: layers {missing[:3]} of the KV cache group were not registered")
+            t0 = kv_caches[names[0]]
+            log.info("kvbm_backend: KV cache tensor per layer: shape %s stride %s dtype %s device %s",
+                     tuple(t0.shape), t0.stride(), t0.dtype, t0.device)
+            spec = g.kv_cache_spec
+            kvs.append(EngineKv.from_tensors([kv_caches[n] for n in names],
+                                             num_blocks=int(self._kv_cache_config.num_blocks),
+                                             block_size=self.block_size,
+                                             num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size)))
+        if self.hybrid:
+            self.worker.register(kvs)
+        else:
+            self.worker.register(kvs[0])
+        kv = kvs[0]
         stats.set_info(kv_cache_shape=list(t0.shape), kv_cache_dtype=str(t0.dtype), kv_cache_device=str(t0.device),
                        engine_layout=kv.engine_layout, bytes_per_block=kv.layout.bytes_per_block,
                        namespace=self.ns.fingerprint, num_layers=kv.layout.num_layers)
+        if self.hybrid:
+            stats.set_info(kv_cache_groups=[
+                {"kind": g.kind, "sliding_window": g.sliding_window, "window_blocks": g.window_blocks,
+                 "num_layers": k.layout.num_layers, "bytes_per_block": k.layout.bytes_per_block,
+                 "namespace": gns.fingerprint}
+                for g, k, (gns, _, _, _) in zip(self.ns.groups, kvs, self._groups)])
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -242,9 +336,21 @@ class KvbmBackendConnector(KVConnectorBase_V1):
             self.worker.save(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.hybrid:
+            return None, (self.get_transfer_results(finished_req_ids).finished_recving or None)
         recv = self.worker.get_finished() if self.worker is not None else set()
         self._writer.maybe_write()
         return None, (recv or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished loads. Hybrid models: a request with any failed block in any group is also in
+        ``failed_recving`` (vLLM 0.32 refuses block-level errors with several KV cache groups and
+        recomputes such a request from its first token); otherwise as ``get_finished``."""
+        if not self.hybrid:
+            return super().get_transfer_results(finished_req_ids)
+        done, failed = self.worker.take_finished() if self.worker is not None else (set(), set())
+        self._writer.maybe_write()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_kv_connector_stats(self) -> stats.KvbmConnectorStats | None:
         """Worker counters since the last call (vLLM aggregates them across workers and logs them as
@@ -265,7 +371,9 @@ class KvbmBackendConnector(KVConnectorBase_V1):
         return stats.KvbmPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.load_errors() if self.worker is not None else set()
+        if self.hybrid or self.worker is None:
+            return set()  # hybrid: failures go to failed_recving (get_transfer_results)
+        return self.worker.load_errors()
 
     def shutdown(self) -> None:
         if self._closed:
@@ -273,15 +381,17 @@ class KvbmBackendConnector(KVConnectorBase_V1):
         self._closed = True
         if self.worker is not None:
             self.worker.shutdown()
-        for p in (self.g3, self.g4):
-            if p is not None and hasattr(p, "flush"):
-                try:
-                    p.flush(timeout=10.0)
-                except Exception as e:  # noqa: BLE001
-                    log.warning("kvbm_backend: flush failed: %s", e)
+        for _, _, g3, g4 in self._groups:
+            for p in (g3, g4):
+                if p is not None and hasattr(p, "flush"):
+                    try:
+                        p.flush(timeout=10.0)
+                    except Exception as e:  # noqa: BLE001
+                        log.warning("kvbm_backend: flush failed: %s", e)
         self._writer.maybe_write(force=True)
         self._writer.stop()
-        release_tiers(self._tier_cfg, self.ns)
+        for gns, gcfg, _, _ in self._groups:
+            release_tiers(gcfg, gns)
 
     # ---- scheduler role -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -308,6 +418,12 @@ class KvbmBackendConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.sched.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: the request finished in every KV cache group. Saves were gathered in the
+        steps that computed them, so no block has to outlive the request: ``(False, None)``."""
+        return self.sched.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._gpu_block_pool = gpu_block_pool

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ...config import ConfigError, KvbmBackendConfig, load_config
 
 EXTRA_KEYS = {"kvbm_backend", "config_file", "stats_path", "save", "load", "save_decode", "save_to_g4",
-              "promote_to_g3", "max_pending_save_bytes"}
+              "promote_to_g3", "max_pending_save_bytes", "sliding_capacity_weight"}
 
 
 def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
@@ -40,11 +40,16 @@ def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
     opts = {"stats_path": extra.get("stats_path"), "save": extra.get("save", True), "load": extra.get("load", True),
             "save_decode": extra.get("save_decode", True),
             "save_to_g4": extra.get("save_to_g4", True), "promote_to_g3": extra.get("promote_to_g3", True),
-            "max_pending_save_bytes": extra.get("max_pending_save_bytes", 1 << 30)}
+            "max_pending_save_bytes": extra.get("max_pending_save_bytes", 1 << 30),
+            "sliding_capacity_weight": extra.get("sliding_capacity_weight", 0.25)}
     for k in ("save", "load", "save_decode", "save_to_g4", "promote_to_g3"):
         if not isinstance(opts[k], bool):
             raise ConfigError(f"kv_connector_extra_config.{k}: expected true/false, got {opts[k]!r}")
     if not isinstance(opts["max_pending_save_bytes"], int) or opts["max_pending_save_bytes"] <= 0:
         raise ConfigError(f"kv_connector_extra_config.max_pending_save_bytes: expected a positive integer "
                           f"(bytes), got {opts['max_pending_save_bytes']!r}")
+    w = opts["sliding_capacity_weight"]
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= 1:
+        raise ConfigError(f"kv_connector_extra_config.sliding_capacity_weight: expected a number in (0, 1] (a "
+                          f"sliding-window group's share of G3 capacity relative to a full-attention group), got {w!r}")
     return cfg, opts

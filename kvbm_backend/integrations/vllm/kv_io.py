@@ -24,6 +24,10 @@ per attention layer whose layout depends on the attention backend:
 :class:`EngineKv` detects which one it has from the shapes (raising ``ValueError`` naming the shape
 when it is none of these) and moves blocks with torch indexing (any strides), on whatever device the
 tensors are.
+
+FP8 KV caches (``--kv-cache-dtype fp8``: ``torch.float8_e4m3fn`` / ``float8_e5m2`` tensors) are moved as
+their bytes (``uint8`` views of the same storage; torch has no CPU ``index_copy_`` for float8): the
+stored block holds the engine's FP8 bytes unchanged, one byte per element.
 """
 from __future__ import annotations
 
@@ -127,6 +131,14 @@ class EngineKv:
     def device(self) -> torch.device:
         return self.tensors[0].device
 
+    @property
+    def _moved(self) -> list[torch.Tensor]:
+        """The tensors as moved: FP8 (any 1-byte float) as ``uint8`` views of the same memory."""
+        t0 = self.tensors[0]
+        if t0.element_size() == 1 and t0.dtype.is_floating_point:
+            return [t.view(torch.uint8) for t in self.tensors]
+        return self.tensors
+
     def _engine_blocks_as_kvbm(self, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Selected blocks of one layer as ``[n, outer, page, heads, head_dim]`` (a gathered copy)."""
         H, D, N = self.num_kv_heads, self.head_dim, self.layout.page_size
@@ -143,7 +155,7 @@ class EngineKv:
         """View ``n`` contiguous KVBM blocks (uint8, ``n * bytes_per_block``) as
         ``[n, layers, outer, page, heads, head_dim]`` of the KV dtype (``outer`` 2, or 1 for MLA)."""
         L, O, N = self.layout.num_layers, self.layout.outer_dim, self.layout.page_size
-        return staging.view(self.tensors[0].dtype).view(n, L, O, N, self.num_kv_heads, self.head_dim)
+        return staging.view(self._moved[0].dtype).view(n, L, O, N, self.num_kv_heads, self.head_dim)
 
     def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         """Copy engine blocks ``block_ids`` into ``staging`` (uint8 tensor of
@@ -151,7 +163,7 @@ class EngineKv:
         n = len(block_ids)
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         dst = self.block_view(staging, n)
-        for li, t in enumerate(self.tensors):
+        for li, t in enumerate(self._moved):
             dst[:, li].copy_(self._engine_blocks_as_kvbm(t, idx))
 
     def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
@@ -164,7 +176,7 @@ class EngineKv:
         src = self.block_view(staging, n)
         if src.device != self.device:
             src = src.to(self.device, non_blocking=False)
-        for li, t in enumerate(self.tensors):
+        for li, t in enumerate(self._moved):
             s = src[:, li]  # [n, outer, N, H, D]
             if self.engine_layout == "mla":
                 t.index_copy_(0, idx, s.reshape(n, *t.shape[1:]))

@@ -23,6 +23,8 @@ class LoadJob:
         seq_hashes: KVBM sequence hash of each block (u64).
         tiers: ``"G3"`` or ``"G4"`` per block: where the scheduler's lookup found it.
         tenant: the request's tenant (its ``cache_salt``, else the configured default).
+        group: vLLM KV cache group index of ``block_ids`` (hybrid models: one job per group; a
+            sliding-window group's job holds only the blocks of the window the engine will read).
     """
 
     req_id: str
@@ -30,16 +32,19 @@ class LoadJob:
     seq_hashes: list[int]
     tiers: list[str]
     tenant: str
+    group: int = 0
 
 
 @dataclass
 class SaveJob:
-    """Offload engine blocks ``block_ids`` (full blocks computed this step) under ``seq_hashes``."""
+    """Offload engine blocks ``block_ids`` (full blocks computed this step) of KV cache group ``group``
+    under ``seq_hashes``."""
 
     req_id: str
     block_ids: list[int]
     seq_hashes: list[int]
     tenant: str
+    group: int = 0
 
 
 @dataclass
@@ -58,14 +63,26 @@ class KvbmWorkerMeta(KVConnectorWorkerMetadata):
     name, because G3's journal keeps only the tag (tenant ids are pseudonymised at rest), so a block
     restored after a restart is known by tag until its tenant asks for it again. ``snapshot`` marks the
     first report, whose ``added`` is the whole index the worker found at start (G3 warm restart).
+
+    Hybrid models keep one G3 pool per KV cache group: this report is group 0's and ``others`` maps
+    every other group index to its own report.
     """
 
     added: list[tuple[bytes, int, int]] = field(default_factory=list)
     removed: list[tuple[bytes, int, int]] = field(default_factory=list)
     snapshot: bool = False
+    others: dict[int, "KvbmWorkerMeta"] = field(default_factory=dict)
 
     def aggregate(self, other: "KvbmWorkerMeta") -> "KvbmWorkerMeta":
-        return KvbmWorkerMeta(self.added + other.added, self.removed + other.removed, self.snapshot or other.snapshot)
+        others = dict(self.others)
+        for g, m in other.others.items():
+            others[g] = others[g].aggregate(m) if g in others else m
+        return KvbmWorkerMeta(self.added + other.added, self.removed + other.removed, self.snapshot or other.snapshot,
+                              others)
+
+    def for_group(self, group: int) -> "KvbmWorkerMeta | None":
+        """The report of KV cache group ``group`` (``self`` for 0), None when that group sent none."""
+        return self if group == 0 else self.others.get(group)
 
 
 def mirror_id(key) -> tuple[bytes, int, int]:

@@ -212,32 +212,41 @@ class G3KvEvents:
 
 
 class _Lookup:
-    """G3 prefix lookup, then G4 over the keys G3 lacks; resolves to ``(g3_blocks, g4_blocks)``."""
+    """G3 prefix lookup, then G4 over the keys G3 lacks; resolves to ``(g3_blocks, g4_blocks)``: the
+    shortest prefix over every key list (TP ranks, and KV cache groups of a hybrid model).
 
-    def __init__(self, keys_by_rank: list[list], g3: BlockPool | None, g4: BlockPool | None, timeout_s: float,
-                 g4_keys_by_rank: list[list] | None = None):
+    ``keys_by_rank`` / ``g3`` / ``g4`` / ``g4_keys_by_rank``: one pool pair for every list. Or ``e3`` /
+    ``e4``: ``(keys, pool)`` per list (hybrid models keep one pool per group); all lists are one length.
+    """
+
+    def __init__(self, keys_by_rank: list[list] | None, g3: BlockPool | None, g4: BlockPool | None,
+                 timeout_s: float, g4_keys_by_rank: list[list] | None = None, *,
+                 e3: list[tuple[list, BlockPool | None]] | None = None,
+                 e4: list[tuple[list, BlockPool | None]] | None = None):
         self.deadline = time.monotonic() + timeout_s
-        self.keys_by_rank = keys_by_rank
-        self.g4_keys_by_rank = keys_by_rank if g4_keys_by_rank is None else g4_keys_by_rank
-        self.g3, self.g4 = g3, g4
+        if e3 is None:
+            e3 = [(k, g3) for k in keys_by_rank or []]
+            e4 = [(k, g4) for k in (keys_by_rank if g4_keys_by_rank is None else g4_keys_by_rank) or []]
+        lens = [len(k) for k, _ in e3 + (e4 or [])]
+        self.n = n = lens[0] if lens else 0
+        self.e3 = [(k, p) for k, p in e3 if p is not None]
+        self.e4 = [(k, p) for k, p in (e4 or []) if p is not None]
         self.p3: int | None = None
         self.p4: int | None = None
-        n = len(keys_by_rank[0]) if keys_by_rank else 0
-        self.n = n
         if n == 0:
             self.p3, self.p4 = 0, 0
             return
-        if g3 is None:
+        if not self.e3:
             self.p3 = 0
             self._start_g4()
         else:
-            self._g3f = [g3.lookup_prefix(k) for k in keys_by_rank]
+            self._g3f = [p.lookup_prefix(k) for k, p in self.e3]
 
     def _start_g4(self) -> None:
-        if self.g4 is None or self.p3 >= self.n:
+        if not self.e4 or self.p3 >= self.n:
             self.p4 = 0
             return
-        self._g4f = [self.g4.lookup_prefix(k[self.p3:]) for k in self.g4_keys_by_rank]
+        self._g4f = [p.lookup_prefix(k[self.p3:]) for k, p in self.e4]
 
     @staticmethod
     def _min_done(futs: list[Future]) -> int | None:
@@ -275,6 +284,99 @@ class _Lookup:
 
 
 @dataclass
+class GroupTiers:
+    """One vLLM KV cache group as the connector stores it.
+
+    Attributes:
+        ns: the group's namespace (:meth:`Namespace.for_group`).
+        g3, g4: the group's pools (hybrid models: one pool per group), None when the tier is off.
+        window_blocks: None for a full-attention (or MLA) group, whose blocks are needed for the whole
+            prefix; for a sliding-window group the blocks needed before a resume point
+            (:attr:`~kvbm_backend.model.namespace.KvGroup.window_blocks`): only those are saved (at the end
+            of each step's computed range) and loaded (vLLM's ``SlidingWindowManager`` null-blocks the rest).
+    """
+
+    ns: Namespace
+    g3: BlockPool | None
+    g4: BlockPool | None
+    window_blocks: int | None = None
+
+
+class _HybridLookup:
+    """Prefix lookup for a hybrid model: the full-attention groups' prefix (G3 then G4, :class:`_Lookup`),
+    then for every sliding-window group the window of blocks before the candidate resume point ``n``.
+    A hit of ``n`` blocks counts only when every group has what the engine reads there; when a window
+    lacks a block the candidate moves to that block (a window ending later would contain it), at most
+    ``max_probes`` times. Resolves to ``(n, g3_full, windows)``: ``g3_full`` leading full-group blocks are
+    in G3 (the rest of ``[0, n)`` in G4), ``windows[g] = (start, k3)``: group ``g``'s blocks
+    ``[start, n)`` are loaded, the first ``k3`` from G3, the rest from G4."""
+
+    max_probes = 8
+
+    def __init__(self, sched: "SchedulerSide", st: "_Req"):
+        self.sched, self.st = sched, st
+        self.deadline = time.monotonic() + sched.lookup_timeout_s
+        n = st.lookup_blocks
+        full = [g for g in sched.groups if g.window_blocks is None]
+        self.full = _Lookup(None, None, None, sched.lookup_timeout_s,
+                            e3=[(k, g.g3) for g in full for k in sched._group_keys(g, st, 0, n)],
+                            e4=[(k, g.g4) for g in full for k in sched._group_keys(g, st, 0, n, g4=True)])
+        self.p3: int | None = None
+        self.cand: int | None = None
+        self.probes = 0
+        self.win: dict[int, _Lookup] = {}
+        self.result: tuple[int, int, dict[int, tuple[int, int]]] | None = None
+
+    def _start(self, n: int) -> None:
+        self.cand = n
+        self.probes += 1
+        self.win = {}
+        lo = self.st.n_local
+        for gi, g in enumerate(self.sched.groups):
+            if g.window_blocks is None:
+                continue
+            a = max(n - g.window_blocks, lo, 0)
+            self.win[gi] = _Lookup(None, None, None, max(0.0, self.deadline - time.monotonic()),
+                                   e3=[(k, g.g3) for k in self.sched._group_keys(g, self.st, a, n)],
+                                   e4=[(k, g.g4) for k in self.sched._group_keys(g, self.st, a, n, g4=True)])
+
+    def poll(self):
+        if self.result is not None:
+            return self.result
+        if self.p3 is None:
+            r = self.full.poll()
+            if r is None:
+                return None
+            self.p3 = r[0]
+            n = r[0] + r[1] if self.full.n else self.st.lookup_blocks
+            if n <= self.st.n_local:
+                self.result = (0, 0, {})
+                return self.result
+            self._start(n)
+        while True:
+            res = {gi: lk.poll() for gi, lk in self.win.items()}
+            if any(v is None for v in res.values()):
+                if time.monotonic() <= self.deadline:
+                    return None
+                stats.add(lookup_timeouts=1)
+                self.result = (0, 0, {})
+                return self.result
+            n = self.cand
+            bad = [self.win[gi].n - (v[0] + v[1]) for gi, v in res.items()]
+            if not any(bad):
+                wins = {gi: (n - self.win[gi].n, v[0]) for gi, v in res.items()}
+                self.result = (n, min(self.p3, n), wins)
+                return self.result
+            # the first missing block of a window: a hit must end at or before it
+            nxt = min(n - self.win[gi].n + v[0] + v[1] for gi, v in res.items() if self.win[gi].n != v[0] + v[1])
+            if nxt <= self.st.n_local or self.probes >= self.max_probes:
+                stats.add(lookup_window_misses=1)
+                self.result = (0, 0, {})
+                return self.result
+            self._start(nxt)
+
+
+@dataclass
 class _Req:
     req_id: str
     tenant: str
@@ -285,6 +387,8 @@ class _Req:
     g3_local: int | None = None       # leading blocks of that local hit G3 already holds (None: unknown)
     planned: tuple[int, int] | None = None  # (first, end) block range being loaded
     block_ids: list[int] = field(default_factory=list)
+    group_block_ids: list[list[int]] = field(default_factory=list)  # hybrid: per KV cache group
+    hybrid: tuple | None = None       # hybrid: _HybridLookup's result (n, g3_full, windows)
     saved_upto: int | None = None     # blocks [0, saved_upto) are stored or owned by someone else
     counted: bool = False
     request: Any = None               # vLLM Request (its all_token_ids grow during decode)
@@ -296,7 +400,13 @@ class SchedulerSide:
 
     def __init__(self, namespace: Namespace, block_size: int, g3: BlockPool | None, g4: BlockPool | None,
                  default_tenant: str = "", lookup_timeout_s: float = 2.0, save: bool = True, load: bool = True,
-                 save_decode: bool = True):
+                 save_decode: bool = True, groups: list[GroupTiers] | None = None):
+        """``groups``: the KV cache groups of a hybrid model (:class:`GroupTiers`, index = vLLM's group
+        index); None for one group (``namespace``, ``g3``, ``g4``). With several groups a hit counts only
+        when every group has what the engine reads (:class:`_HybridLookup`), and loads/saves are planned
+        per group (one :class:`LoadJob` / :class:`SaveJob` per group)."""
+        self.groups = list(groups) if groups else [GroupTiers(namespace, g3, g4, None)]
+        self.multi = len(self.groups) > 1 or any(g.window_blocks is not None for g in self.groups)
         self.ns, self.bs = namespace, block_size
         self.save_decode = save_decode
         self.g3, self.g4 = g3, g4
@@ -341,6 +451,14 @@ class SchedulerSide:
     def _keys_by_rank(self, st: _Req, n: int) -> list[list]:
         return [self.ns.keys(st.hashes[:n], st.tenant, r) for r in range(self.ns.tp_world_size)]
 
+    def _group_keys(self, g: GroupTiers, st: _Req, a: int, n: int, g4: bool = False) -> list[list]:
+        """Keys of blocks ``[a, n)`` of ``st`` in group ``g``'s namespace, one list per TP rank (``g4``:
+        per distinct G4 rank, :meth:`Namespace.shared_rank`)."""
+        ranks = range(g.ns.tp_world_size)
+        if g4:
+            ranks = sorted({g.ns.shared_rank(r) for r in ranks})
+        return [g.ns.keys(st.hashes[a:n], st.tenant, r) for r in ranks]
+
     def _g4_keys_by_rank(self, st: _Req, n: int) -> list[list]:
         """G4 keys of every rank's slice, each distinct list once (replicated MLA blocks: one list)."""
         ranks = sorted({self.ns.shared_rank(r) for r in range(self.ns.tp_world_size)})
@@ -369,12 +487,19 @@ class SchedulerSide:
                 self.events.learn(st.tenant, request, st.hashes, 0, st.g3_local)
             return 0, False
         if st.lookup is None:
-            st.lookup = _Lookup(self._keys_by_rank(st, st.lookup_blocks), self.g3, self.g4, self.lookup_timeout_s,
-                                g4_keys_by_rank=self._g4_keys_by_rank(st, st.lookup_blocks))
+            if self.multi:
+                st.lookup = _HybridLookup(self, st)
+            else:
+                st.lookup = _Lookup(self._keys_by_rank(st, st.lookup_blocks), self.g3, self.g4,
+                                    self.lookup_timeout_s, g4_keys_by_rank=self._g4_keys_by_rank(st, st.lookup_blocks))
         res = st.lookup.poll()
         if res is None:
             return None, False
-        p3, p4 = res
+        if self.multi:
+            st.hybrid = res
+            p3, p4 = res[1], res[0] - res[1]
+        else:
+            p3, p4 = res
         st.g3_local = min(p3, st.n_local)
         if self.events is not None and p3:
             self.events.learn(st.tenant, request, st.hashes, 0, p3)  # e.g. found again after a restart
@@ -393,6 +518,10 @@ class SchedulerSide:
         if self.g3 is None or n <= 0:
             return None
         try:
+            if self.multi:  # the full-attention groups' prefix (sliding windows are re-offered, see _plan_local_save)
+                return min([f.result(timeout=0.05) for f in
+                            [g.g3.lookup_prefix(k) for g in self.groups if g.window_blocks is None and g.g3 is not None
+                             for k in self._group_keys(g, st, 0, n)]] or [n])
             return min(f.result(timeout=0.05) for f in
                        [self.g3.lookup_prefix(k) for k in self._keys_by_rank(st, n)])
         except Exception:  # noqa: BLE001 - unknown: nothing extra is saved
@@ -405,6 +534,9 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         st = self._reqs[request.request_id]
+        if self.multi:
+            self._plan_hybrid_load(request, st, blocks, num_external_tokens)
+            return
         p3, p4 = st.lookup.poll() or (0, 0)
         first = st.n_local
         end = first + num_external_tokens // self.bs
@@ -417,8 +549,44 @@ class SchedulerSide:
         stats.add(load_planned_requests=1, load_planned_blocks=end - first, load_planned_g3_blocks=n3,
                   load_planned_g4_blocks=len(tiers) - n3)
 
+    def _plan_hybrid_load(self, request: Any, st: _Req, blocks: Any, num_external_tokens: int) -> None:
+        """One :class:`LoadJob` per KV cache group: full-attention groups load blocks ``[n_local, n)``,
+        sliding-window groups the blocks of their window before ``n`` that vLLM allocated (it null-blocks,
+        block id 0, what the window does not reach)."""
+        n, p3, wins = st.hybrid or (0, 0, {})
+        first = st.n_local
+        end = first + num_external_tokens // self.bs
+        ids = blocks.get_block_ids()
+        planned = g3n = 0
+        for gi, g in enumerate(self.groups):
+            gids = list(ids[gi])
+            if g.window_blocks is None:
+                pos = list(range(first, end))
+                tiers = ["G3" if i < p3 else "G4" for i in pos]
+            else:
+                start, k3 = wins.get(gi, (max(end - g.window_blocks, first), 0))
+                pos = [i for i in range(max(start, first), end) if i < len(gids) and gids[i] != 0]
+                tiers = ["G3" if i - start < k3 else "G4" for i in pos]
+            if not pos:
+                continue
+            self._loads.append(LoadJob(request.request_id, [gids[i] for i in pos], [st.hashes[i] for i in pos],
+                                       tiers, st.tenant, group=gi))
+            planned += len(pos)
+            g3n += tiers.count("G3")
+        st.planned = (first, end)
+        t3 = max(0, min(p3, end) - first) * self.bs  # full-attention blocks decide the tier of a token
+        self._hit_source[request.request_id] = {"G3": t3, "G4": (end - first) * self.bs - t3}
+        stats.add(load_planned_requests=1, load_planned_blocks=planned, load_planned_g3_blocks=g3n,
+                  load_planned_g4_blocks=planned - g3n)
+
     def update_connector_output(self, worker_meta) -> None:
         if not isinstance(worker_meta, KvbmWorkerMeta):
+            return
+        if self.multi:
+            for gi, g in enumerate(self.groups):
+                m = worker_meta.for_group(gi)
+                if m is not None and isinstance(g.g3, G3Mirror):
+                    g.g3.apply(m)
             return
         if isinstance(self.g3, G3Mirror):
             self.g3.apply(worker_meta)
@@ -447,6 +615,8 @@ class SchedulerSide:
             if st is None:
                 continue
             st.block_ids = list(nr.block_ids[0])
+            if self.multi:
+                st.group_block_ids = [list(b) for b in nr.block_ids]
             if st.saved_upto is None:
                 st.saved_upto = nr.num_computed_tokens // self.bs
                 self._plan_local_save(meta, st)
@@ -460,8 +630,13 @@ class SchedulerSide:
             nb = cached.new_block_ids[i]
             if rid in resumed:
                 st.block_ids = list(nb[0]) if nb is not None else []
+                if self.multi:
+                    st.group_block_ids = [list(b) for b in nb] if nb is not None else [[] for _ in self.groups]
             elif nb is not None:
                 st.block_ids.extend(nb[0])
+                if self.multi:
+                    for gl, b in zip(st.group_block_ids, nb):
+                        gl.extend(b)
             if st.saved_upto is None:
                 st.saved_upto = cached.num_computed_tokens[i] // self.bs
             self._plan_save(meta, st, cached.num_computed_tokens[i] + sched.get(rid, 0))
@@ -475,21 +650,43 @@ class SchedulerSide:
         held, n_local = st.g3_local, min(st.n_local, len(st.block_ids), len(st.hashes))
         if held is None or held >= n_local:
             return
+        if self.multi:
+            self._group_saves(meta, st, held, n_local)
+            stats.add(save_local_hit_blocks=n_local - held)
+            return
         meta.saves.append(SaveJob(st.req_id, st.block_ids[held:n_local], st.hashes[held:n_local], st.tenant))
         stats.add(save_local_hit_blocks=n_local - held)
         if self.events is not None:
             self.events.learn(st.tenant, st.request, st.hashes, held, n_local)
 
+    def _group_saves(self, meta: KvbmConnectorMetadata, st: _Req, a: int, end: int) -> None:
+        """Hybrid models: offer blocks ``[a, end)`` of every full-attention group, and of every
+        sliding-window group only the window a request resuming at ``end`` reads (``[end - window, end)``
+        within ``[a, end)``, engine blocks that are not vLLM's null block). Consecutive offers leave each
+        resume point's whole window stored (a window reaching before ``a`` was offered by earlier steps)."""
+        for gi, g in enumerate(self.groups):
+            gids = st.group_block_ids[gi] if gi < len(st.group_block_ids) else []
+            lo = a if g.window_blocks is None else max(a, end - g.window_blocks)
+            pos = [i for i in range(lo, min(end, len(gids))) if gids[i] != 0]
+            if pos:
+                meta.saves.append(SaveJob(st.req_id, [gids[i] for i in pos], [st.hashes[i] for i in pos], st.tenant,
+                                          group=gi))
+
     def _plan_save(self, meta: KvbmConnectorMetadata, st: _Req, computed_after: int) -> None:
         full = min(computed_after // self.bs, len(st.block_ids))
+        if self.multi:
+            full = min([full] + [len(b) for b in st.group_block_ids])
         if self.save_decode and full > len(st.hashes):
             self._extend_hashes(st, full)
         full = min(full, len(st.hashes))
         if st.saved_upto is None or full <= st.saved_upto:
             return
         a = st.saved_upto
-        meta.saves.append(SaveJob(st.req_id, st.block_ids[a:full], st.hashes[a:full], st.tenant))
         st.saved_upto = full
+        if self.multi:
+            self._group_saves(meta, st, a, full)
+            return
+        meta.saves.append(SaveJob(st.req_id, st.block_ids[a:full], st.hashes[a:full], st.tenant))
         if self.events is not None:
             self.events.learn(st.tenant, st.request, st.hashes, a, full)
 

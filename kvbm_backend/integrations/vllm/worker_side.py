@@ -72,6 +72,7 @@ class WorkerSide:
         self._loads: dict[str, _Load] = {}
         self._finished_recv: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_reqs: set[str] = set()  # requests whose load had a failed block (hybrid: failed_recving)
         self._lock = threading.Lock()
         self._exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-load")
         self._pending_save_bytes = 0
@@ -311,6 +312,8 @@ class WorkerSide:
                     continue
                 failed = ld.job.block_ids[ld.ok_prefix:]
             self._load_errors.update(failed)
+            if failed:
+                self._failed_reqs.add(rid)
             out.add(rid)
             with self._lock:
                 self._loads.pop(rid, None)
@@ -374,5 +377,87 @@ class WorkerSide:
         errs, self._load_errors = self._load_errors, set()
         return errs
 
+    def failed_requests(self) -> set[str]:
+        """Request ids reported by :meth:`get_finished` (this call or earlier) whose load failed in part
+        or whole, since the last call."""
+        out, self._failed_reqs = self._failed_reqs, set()
+        return out
+
     def shutdown(self) -> None:
         self._exec.shutdown(wait=True, cancel_futures=False)
+
+
+class GroupedWorkers:
+    """The worker role for a hybrid model: one :class:`WorkerSide` per vLLM KV cache group (each with
+    its group's namespace, pools and engine tensors), jobs routed by their ``group``.
+
+    A request's load is finished when every group that had a job for it finished. vLLM 0.32 cannot map
+    block-level load errors back to requests when there are several KV cache groups (its scheduler
+    raises on ``invalid_block_ids`` then), so a request with any failed block in any group is reported
+    in ``failed_recving`` (:meth:`take_finished`): vLLM recomputes it from its first token.
+    """
+
+    def __init__(self, workers: list[WorkerSide]):
+        if not workers:
+            raise ValueError("GroupedWorkers: no KV cache groups")
+        self.workers = workers
+        self._pending: dict[str, set[int]] = {}
+        self._failed: set[str] = set()
+        self._lock = threading.Lock()
+
+    def register(self, kvs: list[EngineKv]) -> None:
+        if len(kvs) != len(self.workers):
+            raise ValueError(f"kv caches: {len(kvs)} groups of tensors for {len(self.workers)} KV cache groups")
+        for w, kv in zip(self.workers, kvs):
+            w.register(kv)
+
+    def save(self, jobs: list[SaveJob]) -> None:
+        for gi, w in enumerate(self.workers):
+            mine = [j for j in jobs if j.group == gi]
+            if mine:
+                w.save(mine)
+
+    def start_loads(self, jobs: list[LoadJob]) -> None:
+        with self._lock:
+            for j in jobs:
+                self._pending.setdefault(j.req_id, set()).add(j.group)
+        for gi, w in enumerate(self.workers):
+            mine = [j for j in jobs if j.group == gi]
+            if mine:
+                w.start_loads(mine)
+
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        """``(finished, failed)``: requests whose loads are over in every group, and those of them with a
+        failed block (reported to vLLM as ``failed_recving``: recomputed whole)."""
+        done: set[str] = set()
+        with self._lock:
+            for gi, w in enumerate(self.workers):
+                for rid in w.get_finished():
+                    groups = self._pending.get(rid)
+                    if groups is not None:
+                        groups.discard(gi)
+                self._failed |= w.failed_requests()
+                w.load_errors()  # block ids are not reported with several groups (see class doc)
+            for rid, groups in list(self._pending.items()):
+                if not groups:
+                    del self._pending[rid]
+                    done.add(rid)
+            failed = self._failed & done
+            self._failed -= failed
+        return done, failed
+
+    def worker_meta(self) -> KvbmWorkerMeta | None:
+        metas = [w.worker_meta() for w in self.workers]
+        if all(m is None for m in metas):
+            return None
+        head = metas[0] or KvbmWorkerMeta()
+        head.others = {gi: m for gi, m in enumerate(metas) if gi and m is not None}
+        return head
+
+    @property
+    def kv(self) -> EngineKv | None:
+        return self.workers[0].kv
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()
