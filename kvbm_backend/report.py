@@ -49,8 +49,9 @@ _PAIRS = [
 
 def plot_results(files: Iterable[str], out: str) -> None:
     """Plot each JSON file: demo results (TTFT p50/p90 per config), bench results (ours vs the
-    in-run baseline) or ``plan`` results (hit rate per tier vs G3 capacity). Writes one PNG with one
-    panel per file. Raises ValueError for an unknown shape."""
+    in-run baseline), ``plan`` results (hit rate per tier vs G3 capacity) or ``scaling`` results
+    (``kind: "scaling"``: one line per ``series`` entry over the values of the key ``x`` names, e.g.
+    G4 GB/s vs workers). Writes one PNG with one panel per file. Raises ValueError for an unknown shape."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -62,7 +63,16 @@ def plot_results(files: Iterable[str], out: str) -> None:
             from .plan_report import plot_plan_axes
             plot_plan_axes(ax, None, d, name)
             continue
-        if "configs" in d:
+        if d.get("kind") == "scaling":  # {"x": "workers", "workers": [1, 2, 4], "series": {label: [y per x]}}
+            xs = d[d.get("x", "workers")]
+            for label, ys in d["series"].items():
+                ax.plot(xs, ys, marker="o", label=label)
+            ax.set_xticks(xs)
+            ax.set_xlabel(d.get("x", "workers"))
+            ax.set_ylabel("aggregate GB/s (1e9 B/s)")
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{name}: {d.get('tier', '')} ({d.get('mode', '')})".strip())
+        elif "configs" in d:
             names = list(d["configs"])
             p50 = [d["configs"][n].get("ttft_p50_s", 0) for n in names]
             p90 = [d["configs"][n].get("ttft_p90_s", 0) for n in names]

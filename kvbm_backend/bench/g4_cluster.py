@@ -56,6 +56,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+MODULE = "kvbm_backend.bench.g4_cluster"  # what workers and relays run (``python -m``)
 MODE_ENV = "KVBM_G4_CLUSTER_MODE"  # auto (default) | netns | loopback
 STATE_DIR = Path("/tmp/kvbm-g4c")
 BUCKET = "kvbm-cluster"
@@ -119,14 +120,14 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _pid_alive(pid: int) -> bool:
+def _start_time(pid: int) -> int | None:
+    """Kernel start time of ``pid`` (clock ticks since boot): with the pid, names one process even
+    after the pid is reused. None when there is no such process, or it is a zombie (dead)."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if f[0] == "Z" else int(f[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _kill_group(pid: int, sig=signal.SIGKILL) -> None:
@@ -146,7 +147,8 @@ def clean_stale() -> list[str]:
             st = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
-        if _pid_alive(st.get("owner", 0)):
+        owner, started = st.get("owner", 0), st.get("owner_start")
+        if _start_time(owner) == started:
             continue
         _teardown(st)
         f.unlink(missing_ok=True)
@@ -155,9 +157,10 @@ def clean_stale() -> list[str]:
 
 
 def _teardown(st: dict) -> None:
-    for pid in st.get("pids", []):
-        _kill_group(pid, signal.SIGCONT)
-        _kill_group(pid)
+    for pid, started in st.get("pids", []):
+        if _start_time(pid) == started:  # still the process we started (not a reused pid)
+            _kill_group(pid, signal.SIGCONT)
+            _kill_group(pid)
     for ns in st.get("netns", []):
         _ip("netns", "del", ns, check=False)
     if st.get("bridge"):
@@ -292,9 +295,10 @@ class G4Cluster:
 
     def _save_state(self) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        st = {"run_id": self.run_id, "owner": os.getpid(), "mode": self.mode, "bridge": self.bridge,
-              "netns": [h.ns for h in self.hosts.values() if h.ns],
-              "pids": [p.pid for p in self.procs.values()] + [w.proc.pid for w in self.workers]}
+        pids = [p.pid for p in self.procs.values()] + [w.proc.pid for w in self.workers]
+        st = {"run_id": self.run_id, "owner": os.getpid(), "owner_start": _start_time(os.getpid()),
+              "mode": self.mode, "bridge": self.bridge, "netns": [h.ns for h in self.hosts.values() if h.ns],
+              "pids": [[p, _start_time(p)] for p in pids]}
         tmp = self._state.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(st))
         os.replace(tmp, self._state)
@@ -531,14 +535,14 @@ class G4Cluster:
         endpoint = self.endpoint
         if self.mode == "loopback" and self.relays:
             port = _free_ports(1)[0]
-            self._spawn(f"relay{i}", h, [sys.executable, "-m", __name__, "relay", str(port), "127.0.0.1",
+            self._spawn(f"relay{i}", h, [sys.executable, "-m", MODULE, "relay", str(port), "127.0.0.1",
                                          str(self._ports["s3"])], self.dir / f"relay{i}.log")
             endpoint = f"http://127.0.0.1:{port}"
         env = {**os.environ, **AWS_ENV, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                              env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         log = self.dir / f"w{i}.log"
-        p = self._spawn(f"w{i}", h, [sys.executable, "-m", __name__, "worker", str(i)], log, env=env,
+        p = self._spawn(f"w{i}", h, [sys.executable, "-m", MODULE, "worker", str(i)], log, env=env,
                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         del self.procs[f"w{i}"]  # workers are stopped with self.workers
         self.workers.append(Worker(i, h, p, endpoint, log))
@@ -559,13 +563,12 @@ class G4Cluster:
             if kr.tenant_state(t) != "active":
                 kr.create(t)
 
-    def open_all(self, prefix: str, layout: str = "tiny", page_size: int = 16, workers=None, **cfg) -> None:
-        """Every (or the given) worker opens a G4Pool on ``s3://kvbm-cluster/prefix``."""
+    def open_all(self, prefix: str, layout: str = "tiny", page_size: int = 16, workers=None, **cfg) -> list[dict]:
+        """Every (or the given) worker opens a G4Pool on ``s3://kvbm-cluster/prefix``; their replies."""
         ws = [self.workers[i] for i in (range(len(self.workers)) if workers is None else workers)]
         for w in ws:
             w.send("open", cfg=self.g4_cfg(w.index, prefix, **cfg), layout=layout, page_size=page_size)
-        for w in ws:
-            w.recv(60)
+        return [w.recv(60) for w in ws]
 
 
 # ---- the worker process ----------------------------------------------------------------------------
@@ -721,8 +724,47 @@ def relay_main(listen_port: int, host: str, port: int) -> int:
 
 
 # ---- the bench ------------------------------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu_s(pid: int) -> float:
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / _TICK  # utime + stime of all its threads
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _machine_busy_s() -> float:
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(f[:8]) - f[3] - f[4]) / _TICK  # all but idle and iowait
+
+
+class _CpuWindow:
+    """CPU seconds per busy wall second ("cores busy") from ``start_at`` until :meth:`done`: the SeaweedFS
+    servers, the ``n`` workers, and the whole machine (which also counts anything else running here)."""
+
+    def __init__(self, cl: "G4Cluster", n: int, start_at: float):
+        self.servers = [p.pid for k, p in cl.procs.items() if not k.startswith("relay")]
+        self.workers = [w.proc.pid for w in cl.workers[:n]]
+        while time.time() < start_at:
+            time.sleep(0.0005)
+        self.t0 = time.time()
+        self.s0 = sum(map(_proc_cpu_s, self.servers))
+        self.w0 = sum(map(_proc_cpu_s, self.workers))
+        self.m0 = _machine_busy_s()
+
+    def done(self) -> dict:
+        wall = max(time.time() - self.t0, 1e-9)
+        sv = (sum(map(_proc_cpu_s, self.servers)) - self.s0) / wall
+        wk = (sum(map(_proc_cpu_s, self.workers)) - self.w0) / wall
+        return {"servers_cores": sv, "workers_cores": wk, "machine_cores": (_machine_busy_s() - self.m0) / wall,
+                "wall_s": wall, "cluster_cpu_s": (sv + wk) * wall, "loadavg_1m": os.getloadavg()[0]}
+
+
 def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: bool, inflight: int,
-          workdir: str | None = None, mode: str | None = None, rounds: int = 2, progress=print) -> dict:
+          workdir: str | None = None, mode: str | None = None, rounds: int = 2, replication: str = "001",
+          volumes: int = 3, progress=print) -> dict:
     """Aggregate G4 write/read GB/s for each worker count in ``counts`` (see the module doc)."""
     import tempfile
     own = workdir is None
@@ -731,40 +773,47 @@ def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: 
     points = []
     t_start = time.time()
     try:
-        with G4Cluster(wd, workers=n_max, mode=mode, relays=False) as cl:
+        with G4Cluster(wd, workers=n_max, volumes=volumes, mode=mode, relays=False, replication=replication) as cl:
             progress(f"cluster up: mode={cl.mode}" + (f" (fallback: {cl.fallback_reason})" if cl.fallback_reason
                                                       else f", bridge {cl.bridge} {cl.subnet}"))
+            cl.create_tenants("bench")
             for n in counts:
                 best = None
                 for r in range(rounds):
                     prefix = f"bench-{n}-{r}-{uuid.uuid4().hex[:6]}"
-                    cl.open_all(prefix, layout=layout, page_size=page_size, workers=range(n), encrypt=encrypt,
-                                max_inflight=inflight, timeout_s=60.0, retries=1,
-                                write_queue_blocks=max(blocks, 1))
+                    bpb = cl.open_all(prefix, layout=layout, page_size=page_size, workers=range(n), encrypt=encrypt,
+                                      max_inflight=inflight, timeout_s=60.0, retries=1,
+                                      write_queue_blocks=max(blocks, 1))[0]["bytes_per_block"]
                     seqs = [list(range(w * 100000 + 1, w * 100000 + blocks + 1)) for w in range(n)]
                     start = time.time() + 1.0 + 0.2 * n  # every worker has its blocks ready by then
                     for w in range(n):
                         cl.workers[w].send("write", seqs=seqs[w], tenant="bench", batch=True, start_at=start)
+                    cpu_w = _CpuWindow(cl, n, start)
                     wr = [cl.workers[w].recv(900) for w in range(n)]
+                    cpu_w = cpu_w.done()
                     if any(x["written"] != blocks for x in wr):
                         raise RuntimeError(f"bench: blocks not written: {wr}")
                     start = time.time() + 1.0
                     for w in range(n):  # worker w reads what worker w+1 wrote ("another host")
                         cl.workers[w].send("read", seqs=seqs[(w + 1) % n], tenant="bench", lookup=False,
                                            start_at=start)
+                    cpu_r = _CpuWindow(cl, n, start)
                     rd = [cl.workers[w].recv(900) for w in range(n)]
+                    cpu_r = cpu_r.done()
                     for w, x in enumerate(rd):
                         if not all(x["correct"]):
                             raise RuntimeError(f"bench: worker {w} read {sum(x['correct'])}/{blocks} correct blocks")
-                    bpb = cl.workers[0].call("open", cfg=cl.g4_cfg(0, prefix), layout=layout,
-                                             page_size=page_size)["bytes_per_block"]
                     total = n * blocks * bpb
                     w_s = max(x["end"] for x in wr) - min(x["t0"] for x in wr)
                     r_s = max(x["end"] for x in rd) - min(x["get_t0"] for x in rd)
                     pt = {"workers": n, "write_gbps": total / w_s / 1e9, "read_gbps": total / r_s / 1e9,
                           "write_s": w_s, "read_s": r_s, "payload_bytes": total, "block_bytes": bpb,
                           "per_worker_write_s": [x["elapsed_s"] for x in wr],
-                          "per_worker_read_s": [x["get_s"] for x in rd]}
+                          "per_worker_read_s": [x["get_s"] for x in rd], "write_cpu": cpu_w, "read_cpu": cpu_r,
+                          # payload GB per CPU second of the cluster's own processes (servers + workers):
+                          # what a machine with C free cores could reach is about C x this
+                          "write_gb_per_cpu_s": total / 1e9 / max(cpu_w["cluster_cpu_s"], 1e-9),
+                          "read_gb_per_cpu_s": total / 1e9 / max(cpu_r["cluster_cpu_s"], 1e-9)}
                     for w in range(n):
                         cl.workers[w].call("delete", seqs=seqs[w], tenant="bench")
                     if best is None:
@@ -773,9 +822,12 @@ def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: 
                     for k in ("write", "read"):
                         if pt[f"{k}_gbps"] > best[f"{k}_gbps"]:
                             best.update({f"{k}_gbps": pt[f"{k}_gbps"], f"{k}_s": pt[f"{k}_s"],
-                                         f"per_worker_{k}_s": pt[f"per_worker_{k}_s"]})
+                                         f"per_worker_{k}_s": pt[f"per_worker_{k}_s"], f"{k}_cpu": pt[f"{k}_cpu"],
+                                         f"{k}_gb_per_cpu_s": pt[f"{k}_gb_per_cpu_s"]})
                 points.append(best)
-                progress(f"{n} workers: write {best['write_gbps']:.3f} GB/s, read {best['read_gbps']:.3f} GB/s")
+                progress(f"{n} workers: write {best['write_gbps']:.3f} GB/s, read {best['read_gbps']:.3f} GB/s "
+                         f"(machine cores busy: write {best['write_cpu']['machine_cores']:.2f}, "
+                         f"read {best['read_cpu']['machine_cores']:.2f})")
             info = cl.info()
     finally:
         if own:
@@ -783,14 +835,16 @@ def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: 
     return {
         "kind": "scaling", "tier": "g4-cluster", "x": "workers",
         "series": {"write GB/s": [p["write_gbps"] for p in points], "read GB/s": [p["read_gbps"] for p in points]},
+        "gb_per_cluster_cpu_s": {"write": [p["write_gb_per_cpu_s"] for p in points],
+                                 "read": [p["read_gb_per_cpu_s"] for p in points]},
         "points": points, "workers": counts, "blocks_per_worker": blocks, "layout": layout,
-        "page_size": page_size, "encrypt": encrypt, "max_inflight_per_worker": inflight, "rounds": rounds,
+        "page_size": page_size, "encrypt": encrypt, "replication": replication, "volume_servers": volumes, "max_inflight_per_worker": inflight, "rounds": rounds,
         "best_of": "best round per point and direction",
         "mode": info["mode"], "fallback_reason": info["fallback_reason"], "cluster": info,
         "what": ("n workers (one process per host) write `blocks_per_worker` blocks each through G4Pool "
                  "at the same instant; aggregate GB/s = payload bytes / (last ack - start); then each reads and "
-                 "verifies the blocks the next worker wrote. SeaweedFS: 1 master, volume servers with "
-                 "replication 001 (every write stored twice), filer, S3 gateway, each on its own host."),
+                 f"verifies the blocks the next worker wrote. SeaweedFS: 1 master, {volumes} volume servers with "
+                 f"replication {replication}, filer, S3 gateway, each on its own host."),
         "machine": {"cpus": os.cpu_count(), "note": "every server and worker shares this machine's CPUs"},
         "wall_s": time.time() - t_start,
     }
@@ -818,6 +872,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--inflight", type=int, default=4, help="G4 max_inflight per worker")
     b.add_argument("--rounds", type=int, default=2)
     b.add_argument("--no-encrypt", action="store_true")
+    b.add_argument("--replication", default="001", help="SeaweedFS replica placement (001: 2 copies)")
+    b.add_argument("--volumes", type=int, default=3, help="volume servers")
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--plot", help="PNG to write (kvbm-backend plot)")
     a = ap.parse_args(argv)
@@ -842,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     counts = sorted({int(x) for x in a.workers.split(",") if x.strip()})
     res = bench(counts, a.blocks, a.layout, a.page_size, not a.no_encrypt, a.inflight, rounds=a.rounds,
-                progress=lambda s: print(s, file=sys.stderr, flush=True))
+                replication=a.replication, volumes=a.volumes, progress=lambda s: print(s, file=sys.stderr, flush=True))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps({k: res[k] for k in ("mode", "fallback_reason", "workers", "series")}, indent=1))
