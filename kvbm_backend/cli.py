@@ -349,7 +349,9 @@ def doctor(
 @app.command()
 def layouts(page_size: int = typer.Option(16), tp: int = typer.Option(1), as_json: bool = typer.Option(False, "--json")) -> None:
     """List model presets with bytes per token and per block (a preset whose KV heads --tp does not
-    divide gets an ``error`` entry instead)."""
+    divide gets an ``error`` entry instead). Hybrid presets (gpt-oss, Gemma) also state the full-attention
+    layers' bytes per token (every token) and the sliding-window layers' (at most ``sliding_window``
+    tokens per sequence) separately, per rank at --tp, with the KV of an 8K-token sequence."""
     from .model.presets import list_presets, load_preset
     _int_at_least("--page-size", page_size, 1)
     _int_at_least("--tp", tp, 1)
@@ -364,7 +366,25 @@ def layouts(page_size: int = typer.Option(16), tp: int = typer.Option(1), as_jso
         rows[n] = {"bytes_per_token_tp1": p.bytes_per_token, "bytes_per_block": lay.bytes_per_block,
                    "num_layers": lay.num_layers, "outer_dim": lay.outer_dim, "inner_dim": lay.inner_dim,
                    "dtype": lay.dtype}
-    _emit(rows, as_json)
+        if p.hybrid:
+            g = p.group_layouts(page_size=page_size, tp=tp)
+            rows[n].update({"full_layers": p.full_layers, "sliding_layers": p.sliding_layers,
+                            "sliding_window": p.sliding_window,
+                            "full_bytes_per_token": g["full"].bytes_per_token,
+                            "sliding_bytes_per_token": g["sliding"].bytes_per_token,
+                            "sliding_bytes_max": g["sliding"].bytes_per_token * p.sliding_window,
+                            "kv_bytes_8k_tokens": p.kv_bytes(8192, tp=tp)})
+    if as_json:
+        _emit(rows, as_json)
+        return
+    from .report import print_kv_table
+    hyb = ("full_layers", "sliding_layers", "sliding_window", "full_bytes_per_token", "sliding_bytes_per_token",
+           "sliding_bytes_max", "kv_bytes_8k_tokens")
+    print_kv_table({n: {k: v for k, v in r.items() if k not in hyb} for n, r in rows.items()})
+    hybrid = {n: {k: r[k] for k in hyb} for n, r in rows.items() if "full_layers" in r}
+    if hybrid:
+        print_kv_table(hybrid, title=f"hybrid models: full-attention layers (every token) and sliding-window "
+                                     f"layers (at most sliding_window tokens), bytes per rank at tp={tp}")
 
 
 @app.command()

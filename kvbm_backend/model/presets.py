@@ -2,6 +2,13 @@
 
 A preset gives layers, KV heads, head dim, dtype and MLA-or-not; :meth:`ModelPreset.layout` derives
 the per-rank :class:`KvLayout` for a page size and TP degree.
+
+Hybrid models (gpt-oss, Gemma 2/3) also give ``sliding_layers`` (how many of ``num_layers`` attend to a
+sliding window) and ``sliding_window`` (tokens), with the per-token KV bytes of the full-attention
+layers (``full_bytes_per_token``, every token of the prefix) and of the sliding layers
+(``sliding_bytes_per_token``, at most ``sliding_window`` tokens per sequence) stated separately and
+checked against the geometry. ``bytes_per_token`` stays the all-layers figure (what a cache that keeps
+every layer for every token holds, e.g. vLLM with its hybrid KV cache manager off).
 """
 from __future__ import annotations
 
@@ -31,6 +38,52 @@ class ModelPreset:
     dtype: str
     mla: bool
     bytes_per_token: int  # published full-model figure (TP 1), checked against the geometry
+    sliding_layers: int = 0           # layers with sliding-window attention (hybrid models)
+    sliding_window: int | None = None  # their window, tokens
+
+    @property
+    def full_layers(self) -> int:
+        """Layers attending to the whole prefix."""
+        return self.num_layers - self.sliding_layers
+
+    @property
+    def hybrid(self) -> bool:
+        return self.sliding_layers > 0
+
+    def _per_layer_bytes(self) -> int:
+        return (1 if self.mla else 2) * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        """KV bytes per token of the full-attention layers (TP 1): kept for every token of the prefix."""
+        return self.full_layers * self._per_layer_bytes()
+
+    @property
+    def sliding_bytes_per_token(self) -> int:
+        """KV bytes per token of the sliding-window layers (TP 1): needed for the last ``sliding_window``
+        tokens only."""
+        return self.sliding_layers * self._per_layer_bytes()
+
+    def kv_bytes(self, tokens: int, tp: int = 1) -> int:
+        """KV bytes one rank needs to resume a sequence of ``tokens`` tokens: every token of the
+        full-attention layers plus at most ``sliding_window`` tokens of the sliding layers."""
+        if tokens < 0:
+            raise ValueError(f"tokens: must be >= 0, got {tokens}")
+        per = self.kv_heads_per_rank(tp) / self.num_kv_heads if not self.mla else 1
+        window = tokens if self.sliding_window is None else min(tokens, self.sliding_window)
+        return int((self.full_bytes_per_token * tokens + self.sliding_bytes_per_token * window) * per)
+
+    def group_layouts(self, page_size: int = 16, tp: int = 1, dtype: str | None = None) -> dict[str, KvLayout]:
+        """Per-rank layouts of the full-attention layers (``"full"``) and, for a hybrid model, the sliding
+        ones (``"sliding"``). vLLM's hybrid KV cache manager cuts them into groups of equal layer count;
+        each group's block is its layers' slice of these."""
+        inner = self.kv_heads_per_rank(tp) * self.head_dim
+        out = {}
+        for kind, n in (("full", self.full_layers), ("sliding", self.sliding_layers)):
+            if n:
+                out[kind] = KvLayout(num_layers=n, outer_dim=1 if self.mla else 2, page_size=page_size,
+                                     inner_dim=inner, dtype=dtype or self.dtype)
+        return out
 
     def kv_heads_per_rank(self, tp: int) -> int:
         """KV heads held by one TP rank. MLA is replicated; with ``tp > num_kv_heads`` heads are
@@ -70,12 +123,21 @@ def load_preset(name: str) -> ModelPreset:
         p = ModelPreset(name=str(d["name"]), hf_id=str(d.get("hf_id", "")), num_layers=int(d["num_layers"]),
                         num_kv_heads=int(d["num_kv_heads"]), head_dim=int(d["head_dim"]),
                         dtype=str(d.get("dtype", "bfloat16")), mla=bool(d.get("mla", False)),
-                        bytes_per_token=int(d["bytes_per_token"]))
+                        bytes_per_token=int(d["bytes_per_token"]), sliding_layers=int(d.get("sliding_layers", 0)),
+                        sliding_window=int(d["sliding_window"]) if "sliding_window" in d else None)
     except KeyError as e:
         raise ValueError(f"layout {path}: missing field {e.args[0]!r}") from None
     if p.computed_bytes_per_token() != p.bytes_per_token:
         raise ValueError(f"layout {path}: bytes_per_token {p.bytes_per_token} != geometry "
                          f"{p.computed_bytes_per_token()}")
+    if not 0 <= p.sliding_layers < p.num_layers or (p.sliding_layers > 0) != (p.sliding_window is not None):
+        raise ValueError(f"layout {path}: sliding_layers {p.sliding_layers} and sliding_window {p.sliding_window}: "
+                         f"give both (0 <= sliding_layers < num_layers {p.num_layers}) or neither")
+    for f in ("full_bytes_per_token", "sliding_bytes_per_token"):
+        if p.hybrid and f not in d:
+            raise ValueError(f"layout {path}: missing field {f!r} (hybrid presets state both)")
+        if f in d and int(d[f]) != getattr(p, f):
+            raise ValueError(f"layout {path}: {f} {d[f]} != geometry {getattr(p, f)}")
     return p
 
 
