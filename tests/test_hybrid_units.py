@@ -268,3 +268,58 @@ def test_hybrid_presets_state_full_and_window_bounded_bytes():
     assert "full_bytes_per_token" not in rows["llama-3.1-8b"]
     r = CliRunner().invoke(app, ["layouts"], env={"COLUMNS": "200"})
     assert r.exit_code == 0 and "sliding_bytes_per_token" in r.output and "gemma-3-27b" in r.output
+
+
+def _hybrid_offloading_config(tmp_path, layers=(2, 2)):
+    """vLLM's OffloadingConfig as its offloading connector builds it for a two-group hybrid model under the
+    hybrid KV cache manager: one chunk = one group's layers (``worker_kv_bytes_per_block`` = the bytes of
+    one block id across the shared tensors = one group's layers)."""
+    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+                                           OffloadingModelConfig, OffloadingParallelConfig)
+    heads, hd, tpb = 2, 64, 16
+    worker_bytes = layers[0] * heads * tpb * 2 * hd * 2
+    tier = {"type": "G3Tier", "module_path": "kvbm_backend.integrations.vllm.tiering", "num_kv_heads": heads,
+            "io_threads": 2, "g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.05, "io_threads": 2}}
+    return OffloadingConfig(
+        groups=tuple(OffloadingGroupConfig(tokens_per_block=tpb, group_id=g,
+                                           layer_names=tuple(f"model.layers.{2 * i + g}.self_attn.attn"
+                                                             for i in range(n)))
+                     for g, n in enumerate(layers)),
+        worker_kv_bytes_per_block=worker_bytes, enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": 32 * worker_bytes, "secondary_tiers": [tier]}, engine_id="kvbm-hybrid-test",
+        model=OffloadingModelConfig(name="hybrid", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=tpb, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                                          is_parallelism_agnostic=False),
+        kv_cache_layout="LBNHC")
+
+
+def test_tiering_tier_stores_and_loads_every_group_of_a_hybrid_model(tmp_path):
+    """G3Tier under vLLM's real TieringOffloadingManager with two KV cache groups: chunks of both groups
+    (OffloadKeys differing only in the group index) round-trip exactly; the namespace records the groups."""
+    import hashlib
+    pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
+    from vllm.v1.kv_offload.base import make_offload_key
+    from kvbm_backend.bench.vllm_tiers import TieringHarness
+    h = TieringHarness(_hybrid_offloading_config(tmp_path))
+    try:
+        tier = h.tier
+        assert [g.kind for g in tier.namespace.groups] == ["vllm-offload"] * 2
+        assert tier.namespace.groups[1].layers == ("model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn")
+        assert tier.geometry.num_layers == 2
+        digests = [hashlib.sha256(f"h{i}".encode()).digest() for i in range(3)]
+        keys = [make_offload_key(d, g) for d in digests for g in (0, 1)]  # the same blocks in both groups
+        rng = np.random.default_rng(0)
+        data = [rng.integers(0, 256, h.chunk_bytes, dtype=np.uint8) for _ in keys]
+        h.store(keys, data)
+        h.wait_idle()
+        h.reset_primary()
+        got = h.load(keys)
+        assert len(got) == len(keys)
+        for a, b in zip(got, data):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        h.shutdown()
+    with pytest.raises(ValueError, match=r"same layer count.*layers \[1, 2\]"):
+        TieringHarness(_hybrid_offloading_config(tmp_path / "b", layers=(2, 1)))

@@ -19,7 +19,7 @@ import xxhash
 from .layout import KvLayout
 
 HASH_SCHEMES = ("kvbm-xxh3-v1", "vllm-block-hash")
-GROUP_KINDS = ("full", "sliding", "mla")
+GROUP_KINDS = ("full", "sliding", "mla", "vllm-offload")
 
 
 @dataclass(frozen=True)
@@ -29,14 +29,18 @@ class KvGroup:
     Attributes:
         kind: ``"full"`` (full attention: a block is needed for every token of the prefix),
             ``"sliding"`` (sliding-window attention: only the last ``sliding_window - 1`` tokens before a
-            resume point are read) or ``"mla"``.
+            resume point are read), ``"mla"``, or ``"vllm-offload"`` (a group as vLLM's offloading
+            connector hands its chunks to the tiering tiers: vLLM decides which blocks it offloads and
+            does not tell the tier the group's attention kind; ``layers`` names the group instead).
         layout: per-rank KvLayout of this group's block (its layers only).
         sliding_window: window in tokens (``kind == "sliding"``), else None.
+        layers: the group's layer names (recorded where the kind alone does not say what a block holds).
     """
 
     kind: str
     layout: KvLayout
     sliding_window: int | None = None
+    layers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -59,13 +63,15 @@ class KvGroup:
         d = {"kind": self.kind, "layout": self.layout.to_dict()}
         if self.sliding_window is not None:
             d["sliding_window"] = self.sliding_window
+        if self.layers:
+            d["layers"] = list(self.layers)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "KvGroup":
         sw = d.get("sliding_window")
         return cls(kind=str(d["kind"]), layout=KvLayout.from_dict(d["layout"]),
-                   sliding_window=None if sw is None else int(sw))
+                   sliding_window=None if sw is None else int(sw), layers=tuple(d.get("layers") or ()))
 
 
 @dataclass(frozen=True)

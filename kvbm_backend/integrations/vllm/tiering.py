@@ -48,8 +48,16 @@ Mapping of the primary buffer to FullyContiguous blocks (vLLM 0.32, direct layou
 
 :class:`PrimaryGeometry` does this permutation (one copy, in the tier's I/O threads, ~10 GB/s with
 numpy) on store and its exact inverse on load, so a load returns the primary's bytes exactly whatever
-the layout. ``LHBNC``/``BHLNC`` (heads outside the block), canonical layout, padded pages and hybrid
-(several KV-group) models are refused with a ValueError naming the setting.
+the layout. ``LHBNC``/``BHLNC`` (heads outside the block), canonical layout and padded pages are refused
+with a ValueError naming the setting.
+
+Hybrid models (vLLM's hybrid KV cache manager, several KV cache groups: gpt-oss, Gemma 2/3): vLLM's
+offloading connector decides per group which blocks it offloads (for a sliding-window group, the ones
+its window needs) and the ``OffloadKey`` carries the group index, so the tier stores what it is handed.
+A chunk of group ``g`` holds that group's layers (vLLM's uniform-page hybrid layout gives every group
+the same layer count and block size; anything else is refused with the counts). The namespace records
+the groups (:class:`~kvbm_backend.model.namespace.KvGroup` ``kind="vllm-offload"`` with each group's
+layer names), so a hybrid model's blocks never meet a one-group namespace.
 
 Never wrong KV: a chunk is copied into the primary only after every rank's block was verified by
 the pool (header identity + integrity in our staging buffer); failed chunks are reported failed
@@ -188,9 +196,14 @@ class PrimaryGeometry:
         if getattr(cfg, "canonical_layout", False):
             raise ValueError("canonical_layout: the kvbm tiers store vLLM's direct layout; remove "
                              "canonical_layout from kv_connector_extra_config")
-        if len(cfg.groups) != 1:
-            raise ValueError(f"kv cache groups: the kvbm tiers support one KV cache group (full attention), "
-                             f"this model has {len(cfg.groups)}")
+        if not cfg.groups:
+            raise ValueError("kv cache groups: none (attention-free model); nothing for the kvbm tiers to store")
+        counts = sorted({len(g.layer_names) for g in cfg.groups})
+        tpbs = sorted({int(g.tokens_per_block) for g in cfg.groups})
+        if len(counts) != 1 or len(tpbs) != 1:
+            raise ValueError(f"kv cache groups: the kvbm tiers need every KV cache group to have the same layer "
+                             f"count and block size (one chunk = one group's layers); got layers {counts}, "
+                             f"tokens_per_block {tpbs}")
         num_layers = len(cfg.groups[0].layer_names)
         tpb = int(cfg.groups[0].tokens_per_block)
         bpc = int(spec.blocks_per_chunk)
@@ -319,9 +332,16 @@ class KvbmSecondaryTier(SecondaryTierManager):
         if job_timeout_s <= 0:
             raise ValueError(f"job_timeout_s: must be > 0, got {job_timeout_s}")
         self._job_timeout_s = float(job_timeout_s)
+        groups = ()
+        if len(offloading_spec.config.groups) > 1:
+            from ...model.namespace import KvGroup
+            groups = tuple(KvGroup("vllm-offload", self.geometry.kv_layout, layers=tuple(g.layer_names))
+                           for g in offloading_spec.config.groups)
+        # one namespace for every group: the OffloadKey (and so the sequence hash) carries the group index
         self.namespace = Namespace(model=str(offloading_spec.config.model.name),
                                    revision=revision or self.config.revision, layout=self.geometry.kv_layout,
-                                   tp_world_size=self.geometry.copies, hash_scheme="vllm-block-hash")
+                                   tp_world_size=self.geometry.copies, hash_scheme="vllm-block-hash",
+                                   groups=groups)
         view = primary_kv_view
         assert view.strides is not None
         self._row_stride = int(view.strides[0])
