@@ -764,7 +764,7 @@ class _CpuWindow:
 
 def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: bool, inflight: int,
           workdir: str | None = None, mode: str | None = None, rounds: int = 2, replication: str = "001",
-          volumes: int = 3, progress=print) -> dict:
+          volumes: int = 3, read_passes: int = 3, progress=print) -> dict:
     """Aggregate G4 write/read GB/s for each worker count in ``counts`` (see the module doc)."""
     import tempfile
     own = workdir is None
@@ -795,25 +795,26 @@ def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: 
                         raise RuntimeError(f"bench: blocks not written: {wr}")
                     start = time.time() + 1.0
                     for w in range(n):  # worker w reads what worker w+1 wrote ("another host")
-                        cl.workers[w].send("read", seqs=seqs[(w + 1) % n], tenant="bench", lookup=False,
-                                           start_at=start)
+                        cl.workers[w].send("read", seqs=seqs[(w + 1) % n] * read_passes, tenant="bench",
+                                           lookup=False, start_at=start)
                     cpu_r = _CpuWindow(cl, n, start)
                     rd = [cl.workers[w].recv(900) for w in range(n)]
                     cpu_r = cpu_r.done()
                     for w, x in enumerate(rd):
                         if not all(x["correct"]):
-                            raise RuntimeError(f"bench: worker {w} read {sum(x['correct'])}/{blocks} correct blocks")
+                            raise RuntimeError(f"bench: worker {w} read {sum(x['correct'])}/{blocks * read_passes} "
+                                               "correct blocks")
                     total = n * blocks * bpb
                     w_s = max(x["end"] for x in wr) - min(x["t0"] for x in wr)
                     r_s = max(x["end"] for x in rd) - min(x["get_t0"] for x in rd)
-                    pt = {"workers": n, "write_gbps": total / w_s / 1e9, "read_gbps": total / r_s / 1e9,
+                    pt = {"workers": n, "write_gbps": total / w_s / 1e9, "read_gbps": read_passes * total / r_s / 1e9,
                           "write_s": w_s, "read_s": r_s, "payload_bytes": total, "block_bytes": bpb,
                           "per_worker_write_s": [x["elapsed_s"] for x in wr],
                           "per_worker_read_s": [x["get_s"] for x in rd], "write_cpu": cpu_w, "read_cpu": cpu_r,
                           # payload GB per CPU second of the cluster's own processes (servers + workers):
                           # what a machine with C free cores could reach is about C x this
                           "write_gb_per_cpu_s": total / 1e9 / max(cpu_w["cluster_cpu_s"], 1e-9),
-                          "read_gb_per_cpu_s": total / 1e9 / max(cpu_r["cluster_cpu_s"], 1e-9)}
+                          "read_gb_per_cpu_s": read_passes * total / 1e9 / max(cpu_r["cluster_cpu_s"], 1e-9)}
                     for w in range(n):
                         cl.workers[w].call("delete", seqs=seqs[w], tenant="bench")
                     if best is None:
@@ -838,13 +839,14 @@ def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: 
         "gb_per_cluster_cpu_s": {"write": [p["write_gb_per_cpu_s"] for p in points],
                                  "read": [p["read_gb_per_cpu_s"] for p in points]},
         "points": points, "workers": counts, "blocks_per_worker": blocks, "layout": layout,
-        "page_size": page_size, "encrypt": encrypt, "replication": replication, "volume_servers": volumes, "max_inflight_per_worker": inflight, "rounds": rounds,
+        "page_size": page_size, "encrypt": encrypt, "read_passes": read_passes, "replication": replication, "volume_servers": volumes, "max_inflight_per_worker": inflight, "rounds": rounds,
         "best_of": "best round per point and direction",
         "mode": info["mode"], "fallback_reason": info["fallback_reason"], "cluster": info,
         "what": ("n workers (one process per host) write `blocks_per_worker` blocks each through G4Pool "
                  "at the same instant; aggregate GB/s = payload bytes / (last ack - start); then each reads and "
-                 f"verifies the blocks the next worker wrote. SeaweedFS: 1 master, {volumes} volume servers with "
-                 f"replication {replication}, filer, S3 gateway, each on its own host."),
+                 f"verifies the blocks the next worker wrote, {read_passes} times over in one batch. SeaweedFS: "
+                 f"1 master, {volumes} volume servers with replication {replication}, filer, S3 gateway, each on "
+                 "its own host."),
         "machine": {"cpus": os.cpu_count(), "note": "every server and worker shares this machine's CPUs"},
         "wall_s": time.time() - t_start,
     }
@@ -874,6 +876,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-encrypt", action="store_true")
     b.add_argument("--replication", default="001", help="SeaweedFS replica placement (001: 2 copies)")
     b.add_argument("--volumes", type=int, default=3, help="volume servers")
+    b.add_argument("--read-passes", type=int, default=3, help="each worker reads the other's blocks this often")
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--plot", help="PNG to write (kvbm-backend plot)")
     a = ap.parse_args(argv)
@@ -898,7 +901,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     counts = sorted({int(x) for x in a.workers.split(",") if x.strip()})
     res = bench(counts, a.blocks, a.layout, a.page_size, not a.no_encrypt, a.inflight, rounds=a.rounds,
-                replication=a.replication, volumes=a.volumes, progress=lambda s: print(s, file=sys.stderr, flush=True))
+                replication=a.replication, volumes=a.volumes, read_passes=a.read_passes, progress=lambda s: print(s, file=sys.stderr, flush=True))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps({k: res[k] for k in ("mode", "fallback_reason", "workers", "series")}, indent=1))
