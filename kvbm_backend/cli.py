@@ -308,13 +308,18 @@ def demo(
     workdir: Optional[str] = typer.Option(None, help="G3/G4 directories go here (default: a temp dir)"),
     g4: Optional[str] = typer.Option(None, help="G4 URL (default: a local directory store)"),
     endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint for --g4 s3://..."),
+    engine: str = typer.Option("dynamo", help="dynamo: Dynamo frontend + dynamo.vllm workers, TTFT at the HTTP "
+                                              "client; direct: in-process vLLM engines"),
 ) -> None:
-    """The main job: a real vLLM engine on a real trace, baseline vs kvbm_backend vs restart."""
+    """The main job: a real vLLM engine on a real trace, baseline vs kvbm_backend vs restart, served through
+    NVIDIA Dynamo (default) or in-process (--engine direct)."""
     from pathlib import Path
 
     from .demo import default_trace, run_demo
     # checked here (before minutes of engine start-up) so that only real failures trace back
     _int_at_least("--requests", requests, 2)
+    if engine not in ("dynamo", "direct"):
+        _fail(f"--engine: expected dynamo or direct (got {engine!r})")
     trace_path = Path(trace) if trace else default_trace()
     if not trace_path.is_file():
         _fail(f"--trace: no file {trace_path}" + ("" if trace else " (the default trace; give --trace FILE)"))
@@ -327,7 +332,7 @@ def demo(
         if f:
             _writable_dirs(name, str(Path(f).absolute().parent))
     run_demo(json_path=json_path, plot=plot or None, trace=trace, requests=requests, workdir=workdir, g4=g4,
-             endpoint_url=endpoint_url)
+             endpoint_url=endpoint_url, engine=engine)
 
 
 @app.command()

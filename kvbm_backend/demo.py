@@ -1,6 +1,14 @@
 """``kvbm-backend demo``: the real vLLM engine on a real trace, ``baseline`` vs ``kvbm_backend`` vs ``restart``.
 
-What runs (each configuration is a fresh engine process, :mod:`kvbm_backend.engine_run`):
+Two ways to serve it (``--engine``):
+
+* ``dynamo`` (default): NVIDIA Dynamo's frontend and three ``dynamo.vllm`` workers started from
+  ``examples/dynamo/`` (:mod:`kvbm_backend.demo_dynamo`); a real OpenAI client streams each request, TTFT at
+  the client.
+* ``direct``: each configuration is a fresh in-process vLLM engine (:mod:`kvbm_backend.engine_run`), TTFT is
+  vLLM's own ``first_token_latency``.
+
+What runs:
 
 * ``baseline``: the engine's own prefix cache only.
 * ``kvbm_backend``: :class:`~kvbm_backend.integrations.vllm.connector.KvbmBackendConnector` with G3 (a
@@ -28,8 +36,10 @@ cache and no connector (measured: a 3,072-token prompt, 3,040 tokens from the en
 first token 229 vs 940 from a full prefill); in float32 both paths give the same tokens, so an output
 that differs from ``baseline`` means different KV.
 
-TTFT is vLLM's per-request ``first_token_latency`` (arrival to first token, loads included), one
-request at a time. Outputs are greedy (temperature 0, 4 tokens) and compared with ``baseline``'s.
+TTFT, one request at a time: with ``dynamo``, request sent -> first streamed token at the HTTP client; with
+``direct``, vLLM's per-request ``first_token_latency`` (arrival to first token, loads included). Outputs are
+greedy (temperature 0, 4 tokens) and compared with ``baseline``'s (token ids with ``direct``, the completion
+text with ``dynamo``).
 """
 from __future__ import annotations
 
@@ -213,7 +223,8 @@ def plot_demo(result: dict, path: str) -> None:
     ax2.set_title("per request")
     ax2.legend()
     m = result.get("model", {})
-    fig.suptitle(f"kvbm-backend demo: vLLM {result.get('engine', '')}, {m.get('num_hidden_layers')} layers, "
+    fig.suptitle(f"kvbm-backend demo: {result.get('engine', '')}, TTFT at {result.get('ttft_measured_at', 'engine')}, "
+                 f"{m.get('num_hidden_layers')} layers, "
                  f"hidden {m.get('hidden_size')}, {result['scaling']['conversations']} conversations / "
                  f"{len(p50) and len(result['configs'][names[0]]['ttft_s'])} requests")
     fig.tight_layout()
@@ -224,12 +235,14 @@ def plot_demo(result: dict, path: str) -> None:
 def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-demo.png", trace: str | None = None,
              requests: int = 24, workdir: str | None = None, g4: str | None = None,
              endpoint_url: str | None = None, block_tokens: int = 64, turns_per_conv: int = 3,
-             max_tokens_per_request: int = 3072, model=None, keep_workdir: bool | None = None) -> dict:
+             max_tokens_per_request: int = 3072, model=None, keep_workdir: bool | None = None,
+             engine: str = "dynamo") -> dict:
     """Run the three configurations and write ``json_path`` and ``plot``. Returns the result dict:
     ``{"configs": {"baseline"|"kvbm_backend"|"restart": {"ttft_p50_s", "ttft_p90_s", "hit_rate",
-    "outputs_identical", ...}}, "scaling": {...}, ...}``.
+    "outputs_identical", ...}}, "scaling": {...}, "serving": "dynamo"|"direct", ...}``.
 
-    Raises ValueError for a missing/malformed trace or a bad ``--g4`` URL.
+    ``engine``: ``"dynamo"`` (Dynamo frontend + workers, TTFT at the HTTP client) or ``"direct"`` (in-process
+    vLLM engines). Raises ValueError for a missing/malformed trace, a bad ``--g4`` URL or ``--engine``.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -245,6 +258,8 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
         raise ValueError(f"--g4: expected s3://BUCKET/PREFIX or file:///path, got {g4!r}")
     if requests < 2:
         raise ValueError(f"--requests: need at least 2, got {requests}")
+    if engine not in ("dynamo", "direct"):
+        raise ValueError(f"--engine: expected 'dynamo' or 'direct', got {engine!r}")
     prompts, scaling = select_requests(trace_path, requests, turns_per_conv, block_tokens, max_tokens_per_request,
                                        min_tokens=min(256, max_tokens_per_request // 2), vocab=model.vocab_size)
     own_tmp = workdir is None
@@ -279,22 +294,38 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
     runs = [("baseline", None), ("kvbm_backend", {"extra": extra("g3-run")}),
             ("restart", {"extra": extra("g3-restart")})]
     results: dict[str, dict] = {}
+    serving: dict = {}
     t_all = time.monotonic()
+    console.print(f"  serving: {engine}" + (" (Dynamo frontend + 3 dynamo.vllm workers from examples/dynamo/, "
+                                            "TTFT at the streaming HTTP client; workers start side by side, "
+                                            "1-3 min on 2 cores)" if engine == "dynamo" else
+                                            " (in-process vLLM engines, TTFT = vLLM first_token_latency)"))
     with Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         tasks = {name: progress.add_task(name, total=len(prompts), start=False) for name, _ in runs}
-        for name, conn in runs:
-            progress.start_task(tasks[name])
-            results[name] = _run_engine(name, dict(base_spec, connector=conn), wd, progress, tasks[name])
+        if engine == "dynamo":
+            from .demo_dynamo import run_dynamo
+            results, serving = run_dynamo(prompts, model_dir, wd, lambda g3: extra(g3)["kvbm_backend"],
+                                          block_size=BLOCK_SIZE, num_blocks=num_blocks, max_model_len=max_len,
+                                          dtype=DTYPE, max_tokens=base_spec["max_tokens"], progress=progress,
+                                          tasks=tasks)
+        else:
+            for name, conn in runs:
+                progress.start_task(tasks[name])
+                results[name] = _run_engine(name, dict(base_spec, connector=conn), wd, progress, tasks[name])
     base = results["baseline"]
     try:
         import vllm
-        engine = vllm.__version__
+        vllm_version = vllm.__version__
     except Exception:  # noqa: BLE001
-        engine = "unknown"
+        vllm_version = "unknown"
+    engine_s = (f"Dynamo {serving.get('dynamo', '?')} + vLLM {vllm_version} (CPU)" if engine == "dynamo"
+                else f"vLLM {vllm_version} (CPU), in-process")
     out = {"configs": {name: _summary(results[name], None if name == "baseline" else base, BLOCK_SIZE)
                        for name, _ in runs},
-           "scaling": scaling, "model": model.hf_config(), "engine": f"vllm {engine} (CPU)",
+           "serving": engine, "dynamo": serving or None,
+           "ttft_measured_at": "HTTP client (streaming)" if engine == "dynamo" else "engine (vLLM first_token_latency)",
+           "scaling": scaling, "model": model.hf_config(), "engine": engine_s,
            "block_size_tokens": BLOCK_SIZE, "engine_kv_blocks": num_blocks, "g4_url": g4_url,
            "workdir": str(wd), "wall_s": time.monotonic() - t_all}
     bp50 = out["configs"]["baseline"]["ttft_p50_s"]
@@ -302,7 +333,7 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
         c = out["configs"][name]
         c["ttft_p50_speedup_vs_baseline"] = bp50 / c["ttft_p50_s"] if c["ttft_p50_s"] > 0 else None
 
-    table = Table(title="kvbm-backend demo")
+    table = Table(title=f"kvbm-backend demo: {engine_s}, TTFT at {out['ttft_measured_at']}")
     for col in ("config", "TTFT p50 s", "TTFT p90 s", "hit rate", "engine / G3 / G4 hits", "loaded MB",
                 "outputs = baseline"):
         table.add_column(col)

@@ -92,6 +92,7 @@ CASES = [
     (["keys", "list"], "Missing option '--keyring'"),
     # demo: all refused before the engine starts
     (["demo", "--requests", "1"], "error: --requests: must be >= 2 (got 1)"),
+    (["demo", "--engine", "sglang"], "error: --engine: expected dynamo or direct (got 'sglang')"),
     (["demo", "--trace", "{d}/missing.jsonl"], "error: --trace: no file {d}/missing.jsonl"),
     (["demo", "--trace", "{d}/trace.jsonl", "--g4", "http://x/y"], "error: --g4:"),
     (["demo", "--trace", "{d}/trace.jsonl", "--workdir", "{d}/a-file"], "error: --workdir: {d}/a-file: is a file"),

@@ -46,18 +46,32 @@ def test_select_requests_scales_and_derives_tokens_like_replay(tmp_path):
         select_requests(tr, 20, turns_per_conv=3, block_tokens=16, min_tokens=32)
     with pytest.raises(ValueError, match="--trace"):
         run_demo(trace=str(tmp_path / "missing.jsonl"), json_path=None, plot=None)
+    with pytest.raises(ValueError, match="--engine"):
+        run_demo(trace=str(tr), json_path=None, plot=None, engine="sglang")
+
+
+def _dynamo_missing() -> str | None:
+    import importlib.util
+    if all(importlib.util.find_spec(m) for m in ("dynamo.frontend", "dynamo.vllm", "openai")):
+        return None
+    return "ai-dynamo / openai not installed (bash ci/install.sh)"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(bool(vllm_available()), reason="vLLM engine not importable")
-def test_demo_small_run_writes_json_and_plot(tmp_path):
+@pytest.mark.parametrize("engine", ["dynamo", "direct"])
+def test_demo_small_run_writes_json_and_plot(tmp_path, engine):
+    if engine == "dynamo" and _dynamo_missing():
+        pytest.skip(_dynamo_missing())
     tr = _trace(tmp_path / "t.jsonl")
     out_json, out_png = tmp_path / "demo.json", tmp_path / "demo.png"
     res = run_demo(json_path=str(out_json), plot=str(out_png), trace=str(tr), requests=6,
                    workdir=str(tmp_path / "wd"), block_tokens=64, turns_per_conv=2, max_tokens_per_request=768,
-                   model=TINY)
+                   model=TINY, engine=engine)
     data = json.loads(out_json.read_text())
+    assert data["serving"] == engine
+    assert data["ttft_measured_at"].startswith("HTTP client" if engine == "dynamo" else "engine")
     assert set(data["configs"]) == {"baseline", "kvbm_backend", "restart"}
     for name, c in data["configs"].items():
         for k in ("ttft_p50_s", "ttft_p90_s", "hit_rate", "outputs_identical"):

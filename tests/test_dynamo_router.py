@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from test_dynamo_e2e import (BLOCK, EX, READY_TIMEOUT_S, RUNTIME_ARGS, Proc, _dynamo_missing,
-                             _free_port, _get, _loopback_env, _prompt, _stats)
+from test_dynamo_e2e import BLOCK, _dynamo_missing, _prompt, _stats
+
+from kvbm_backend.integrations.dynamo.stack import READY_TIMEOUT_S, DynamoStack, clear_kv_blocks
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
 _why = _dynamo_missing()
@@ -50,56 +51,32 @@ class RouterStack:
 
     def __init__(self, root: Path, model_dir: Path):
         self.root, self.model_dir = root, model_dir
-        self.env = _loopback_env(root / "discovery")
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
         self.config = root / "kvbm-backend.yaml"
         self.config.write_text(json.dumps({"model": "kvbm-backend/tiny-llama",
                                            "g3": {"capacity_gb": 0.5, "files_per_path": 2,
                                                   "admission": {"policy": "all"}}}))
-        self.frontend = Proc("frontend", ["bash", str(EX / "frontend.sh"), *RUNTIME_ARGS, "--router-mode", "kv"],
-                             {**self.env, "HTTP_HOST": "127.0.0.1", "HTTP_PORT": str(self.port), "DYN_LOG": "info"},
-                             root / "frontend.log")
+        self.dyn = DynamoStack(root, ["--router-mode", "kv"], env={"DYN_LOG": "info"})
+        self.env, self.base, self.frontend = self.dyn.env, self.dyn.base, self.dyn.frontend
         self.workers: dict[str, dict] = {}
 
     def launch(self, name: str) -> None:
-        sysport = _free_port()
-        stats = self.root / f"{name}.stats.json"
-        env = {**self.env, "MODEL": str(self.model_dir), "KVBM_BACKEND_CONFIG_FILE": str(self.config),
-               "KVBM_BACKEND_STATS_PATH": str(stats), "DYN_KVBM_DISK_CACHE_DIR": str(self.root / f"g3-{name}"),
-               "DYN_KVBM_DISK_CACHE_GB": "0.5", "DYN_SYSTEM_PORT": str(sysport), "DYN_LOG": "info"}
-        argv = ["bash", str(EX / "agg_kvbm_backend.sh"), *RUNTIME_ARGS, "--dtype", "float32", "--block-size",
-                str(BLOCK), "--max-model-len", "4096", "--enforce-eager",
-                *kv_events_args(f"ipc://{self.root / f'kv-events-{name}'}")]
-        self.workers[name] = {"proc": Proc(name, argv, env, self.root / f"{name}.log"), "stats": stats,
-                              "system_port": sysport}
+        w = self.dyn.start_worker(name, "agg_kvbm_backend.sh", self.model_dir,
+                                  ["--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "4096",
+                                   "--enforce-eager", *kv_events_args(f"ipc://{self.root / f'kv-events-{name}'}")],
+                                  env={"KVBM_BACKEND_CONFIG_FILE": str(self.config),
+                                       "DYN_KVBM_DISK_CACHE_DIR": str(self.root / f"g3-{name}"),
+                                       "DYN_KVBM_DISK_CACHE_GB": "0.5"})
+        self.workers[name] = {"proc": w.proc, "stats": w.stats, "system_port": w.system_port}
 
     def wait_ready(self) -> None:
-        t0 = time.time()
-        pending = set(self.workers)
-        while pending and time.time() - t0 < READY_TIMEOUT_S:
-            for name in list(pending):
-                w = self.workers[name]
-                if not w["proc"].alive():
-                    raise RuntimeError(f"worker {name} exited rc={w['proc'].p.returncode}:\n{w['proc'].tail()}")
-                code, body = _get(f"http://127.0.0.1:{w['system_port']}/health")
-                if code == 200 and '"ready"' in body:
-                    pending.discard(name)
-            time.sleep(1)
-        if pending:
-            raise RuntimeError(f"workers {pending} not ready in {READY_TIMEOUT_S}s")
+        self.dyn.wait_ready(timeout_s=READY_TIMEOUT_S, model=str(self.model_dir))
         for name, w in self.workers.items():  # Dynamo's instance id of each worker (for nvext pins)
             m = re.search(r"KvEventPublisher for worker (\d+)", _plain(w["proc"].tail(5_000_000)))
             assert m, f"{name}: no KV event publisher in its log (is --kv-events-config on?)"
             w["id"] = int(m.group(1))
-        # the frontend lists the model once it has discovered the workers
-        while time.time() - t0 < READY_TIMEOUT_S and _get(f"{self.base}/v1/models")[1].count(str(self.model_dir)) < 1:
-            time.sleep(0.5)
 
     def close(self) -> None:
-        for w in self.workers.values():
-            w["proc"].stop()
-        self.frontend.stop()
+        self.dyn.close()
 
 
 @pytest.fixture(scope="module")
@@ -118,30 +95,7 @@ def router_stack(tmp_path_factory):
 
 def clear_kv_blocks_all(env: dict, n_workers: int) -> list:
     """Dynamo's ``clear_kv_blocks`` on every worker instance (``direct`` to each; ``round_robin`` reaches one)."""
-    import subprocess
-    import sys
-    code = f"""
-import asyncio, json
-from dynamo.runtime import DistributedRuntime
-async def main():
-    rt = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
-    cl = await rt.endpoint("dynamo.backend.clear_kv_blocks").client()
-    await cl.wait_for_instances()
-    for _ in range(100):
-        if len(cl.instance_ids()) >= {n_workers}:
-            break
-        await asyncio.sleep(0.1)
-    out = []
-    for iid in cl.instance_ids():
-        out += [r.data() if hasattr(r, "data") else r async for r in await cl.direct(None, iid)]
-    rt.shutdown()
-    print("RESULT" + json.dumps(out))
-asyncio.run(main())
-"""
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
-    assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads(line[-1][len("RESULT"):])
+    return clear_kv_blocks(env, n_workers)
 
 
 def _plain(text: str) -> str:
