@@ -17,7 +17,8 @@ from kvbm_backend.config import load_config
 
 EX = Path(__file__).resolve().parents[1] / "examples"
 FRONTEND = EX / "dynamo" / "frontend.sh"  # no KV config: checked by test_dynamo_frontend_script
-SCRIPTS = sorted(p for p in EX.rglob("*.sh") if p != FRONTEND)
+BASELINE = EX / "dynamo" / "agg.sh"  # no KV config either: the demo's baseline worker (test_dynamo_baseline_script)
+SCRIPTS = sorted(p for p in EX.rglob("*.sh") if p not in (FRONTEND, BASELINE))
 # Dynamo workers start through our launcher: `python -m dynamo.vllm` plus version-guarded compat shims
 # (kvbm_backend/integrations/dynamo/compat.py); test_dynamo_worker_launcher checks it is exactly that.
 DYNAMO_WORKER = '"$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker'
@@ -45,6 +46,8 @@ def check_kv_transfer_config(d: dict) -> list[str]:
     if ktc.kv_connector_module_path in OURS:
         mod = importlib.import_module(ktc.kv_connector_module_path)
         assert hasattr(mod, ktc.kv_connector), f"{ktc.kv_connector} not in {ktc.kv_connector_module_path}"
+        from kvbm_backend.integrations.vllm.extra_config import EXTRA_KEYS
+        assert set(extra) <= EXTRA_KEYS, f"unknown kv_connector_extra_config keys {set(extra) - EXTRA_KEYS}"
         ours = extra.get("kvbm_backend")
         if ours is not None:
             load_config(ours, use_env=False)
@@ -68,8 +71,9 @@ def check_kv_transfer_config(d: dict) -> list[str]:
 
 def test_examples_exist():
     names = {p.relative_to(EX).as_posix() for p in EX.rglob("*") if p.is_file()}
-    for want in ("kvbm-backend.yaml", "dynamo/agg_kvbm_backend.sh", "dynamo/agg_kvbm_multi.sh",
+    for want in ("kvbm-backend.yaml", "dynamo/agg.sh", "dynamo/agg_kvbm_backend.sh", "dynamo/agg_kvbm_multi.sh",
                  "dynamo/disagg_prefill.sh", "dynamo/disagg_decode.sh", "dynamo/frontend.sh",
+                 "dynamo/disagg_prefill_g4.sh", "dynamo/disagg_decode_g4.sh",
                  "vllm/serve_kvbm_backend.sh",
                  "vllm/serve_tiering.sh", "k8s/worker.yaml", "README.md"):
         assert want in names
@@ -93,7 +97,11 @@ def test_script_syntax_and_embedded_config(script):
         assert names[:3] == ["MultiConnector", "DynamoConnector", "KvbmBackendConnector"]
         dyn = configs[0]["kv_connector_extra_config"]["connectors"][0]
         assert dyn["kv_connector_module_path"] == "kvbm.vllm_integration.connector"
-    if "disagg" in script.name:
+    if "disagg" in script.name and script.name.endswith("_g4.sh"):  # handoff through G4: ours alone
+        assert names == ["KvbmBackendConnector"]
+        assert configs[0]["kv_connector_extra_config"]["handoff_wait_s"] > 0
+        assert "--disaggregation-mode" in text
+    elif "disagg" in script.name:
         assert names[:3] == ["MultiConnector", "NixlConnector", "KvbmBackendConnector"]
         assert "--disaggregation-mode" in text
 
@@ -102,6 +110,15 @@ def test_dynamo_frontend_script():
     subprocess.run(["bash", "-n", str(FRONTEND)], check=True)
     text = FRONTEND.read_text()
     assert '-m dynamo.frontend' in text and '"$@"' in text and "HTTP_PORT" in text
+
+
+def test_dynamo_baseline_script():
+    """agg.sh is the same launcher as agg_kvbm_backend.sh with no KV connector (the demo's baseline)."""
+    subprocess.run(["bash", "-n", str(BASELINE)], check=True)
+    text = BASELINE.read_text()
+    code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+    assert f"exec {DYNAMO_WORKER}" in text and '"$@"' in code and "--enable-prefix-caching" in code
+    assert "kv-transfer-config" not in code and not kv_transfer_configs_in(text)
 
 
 def test_dynamo_worker_launcher():

@@ -28,6 +28,11 @@ removes the need; :func:`apply` returns the names of the shims it applied (logge
    'KvbmBackendConnector' is not registered" and killed the worker's output handler (seen on
    ``disagg_prefill.sh``). The shim registers it lazily (module path + class name), as vLLM does for its own
    connectors. Waits for: MultiConnector resolving children through their ``kv_connector_module_path``.
+4. ``KvbmBackendConnector`` in Dynamo's PD protocol registry (``dynamo.vllm.kv_connector_protocols``): not a
+   work-around but Dynamo's extension point ("new connectors are one class + one registry entry"); without the
+   entry, a prefill worker whose only connector is ours (the G4-handoff form of disaggregated serving,
+   ``examples/dynamo/disagg_*_g4.sh``) refuses every request ("Unsupported kv_connector"). See
+   :mod:`.pd_protocol`. Waits for: a way to register a protocol from outside Dynamo (an entry point).
 """
 from __future__ import annotations
 
@@ -134,4 +139,7 @@ def apply() -> list[str]:
         done.append("vllm.get_engine_zmq_addresses")
     if _shim_register_connector():
         done.append("vllm.KVConnectorFactory+KvbmBackendConnector")
+    from .pd_protocol import register
+    if register():
+        done.append("dynamo.kv_connector_protocols+KvbmBackendConnector")
     return done

@@ -22,6 +22,9 @@ Load it with::
 * ``save_decode`` (bool, default true): also offload blocks filled by generated tokens (the next turn
   of a conversation then finds the previous answer's KV); false saves prompt blocks only.
 * ``save_to_g4`` (bool, default true): write-through to G4 as well as G3.
+* ``handoff_wait_s`` (seconds, default 5): disaggregated prefill/decode through the shared tiers
+  (:mod:`.handoff`, ``examples/dynamo/disagg_*_g4.sh``): how long a decode request waits for the blocks its
+  prefill worker said it offloaded before the engine computes what is missing.
 * ``promote_to_g3`` (bool, default true): blocks loaded from G4 are also written into G3.
 * ``max_pending_save_bytes`` (int bytes, default 1 GiB): host staging bound for offloads.
 
@@ -257,7 +260,8 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
             self.sched = SchedulerSide(self.ns, self.block_size, self.g3, self.g4, default_tenant=self.cfg.tenant,
                                        lookup_timeout_s=max(self.cfg.g4.timeout_s, 0.5),
                                        save=self.opts["save"], load=self.opts["load"],
-                                       save_decode=self.opts["save_decode"], groups=groups)
+                                       save_decode=self.opts["save_decode"], groups=groups,
+                                       handoff_wait_s=self.opts["handoff_wait_s"])
             if self.kv_events:
                 self.sched.events = G3KvEvents(self.ns.tp_world_size, self.block_size,
                                                kv_cache_config.kv_cache_groups[0].kv_cache_spec)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ...config import ConfigError, KvbmBackendConfig, load_config
 
 EXTRA_KEYS = {"kvbm_backend", "config_file", "stats_path", "save", "load", "save_decode", "save_to_g4",
-              "promote_to_g3", "max_pending_save_bytes", "sliding_capacity_weight"}
+              "promote_to_g3", "max_pending_save_bytes", "sliding_capacity_weight", "handoff_wait_s"}
 
 
 def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
@@ -41,10 +41,15 @@ def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
             "save_decode": extra.get("save_decode", True),
             "save_to_g4": extra.get("save_to_g4", True), "promote_to_g3": extra.get("promote_to_g3", True),
             "max_pending_save_bytes": extra.get("max_pending_save_bytes", 1 << 30),
-            "sliding_capacity_weight": extra.get("sliding_capacity_weight", 0.25)}
+            "sliding_capacity_weight": extra.get("sliding_capacity_weight", 0.25),
+            "handoff_wait_s": extra.get("handoff_wait_s", 5.0)}
     for k in ("save", "load", "save_decode", "save_to_g4", "promote_to_g3"):
         if not isinstance(opts[k], bool):
             raise ConfigError(f"kv_connector_extra_config.{k}: expected true/false, got {opts[k]!r}")
+    hw = opts["handoff_wait_s"]
+    if isinstance(hw, bool) or not isinstance(hw, (int, float)) or not 0 <= hw <= 600:
+        raise ConfigError(f"kv_connector_extra_config.handoff_wait_s: expected seconds in [0, 600], got {hw!r}")
+    opts["handoff_wait_s"] = float(hw)
     if not isinstance(opts["max_pending_save_bytes"], int) or opts["max_pending_save_bytes"] <= 0:
         raise ConfigError(f"kv_connector_extra_config.max_pending_save_bytes: expected a positive integer "
                           f"(bytes), got {opts['max_pending_save_bytes']!r}")

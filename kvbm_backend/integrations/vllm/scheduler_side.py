@@ -29,7 +29,7 @@ from typing import Any
 from ...model.hashing import salt_bytes, salt_hash, sequence_hashes
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool, completed
-from . import stats
+from . import handoff, stats
 from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
 
 log = logging.getLogger("kvbm_backend.connector")
@@ -395,16 +395,21 @@ class _Req:
     salt: int = 0
 
 
+HANDOFF_RETRY_S = 0.05  # a handed-off decode request looks at G3/G4 again at most this often (seconds)
+
+
 class SchedulerSide:
     """State and decisions of the scheduler-role connector (one per engine)."""
 
     def __init__(self, namespace: Namespace, block_size: int, g3: BlockPool | None, g4: BlockPool | None,
                  default_tenant: str = "", lookup_timeout_s: float = 2.0, save: bool = True, load: bool = True,
-                 save_decode: bool = True, groups: list[GroupTiers] | None = None):
+                 save_decode: bool = True, groups: list[GroupTiers] | None = None,
+                 handoff_wait_s: float = handoff.DEFAULT_WAIT_S):
         """``groups``: the KV cache groups of a hybrid model (:class:`GroupTiers`, index = vLLM's group
         index); None for one group (``namespace``, ``g3``, ``g4``). With several groups a hit counts only
         when every group has what the engine reads (:class:`_HybridLookup`), and loads/saves are planned
-        per group (one :class:`LoadJob` / :class:`SaveJob` per group)."""
+        per group (one :class:`LoadJob` / :class:`SaveJob` per group). ``handoff_wait_s``: how long a decode
+        request handed off by a prefill worker waits for the blocks it was promised (:mod:`.handoff`)."""
         self.groups = list(groups) if groups else [GroupTiers(namespace, g3, g4, None)]
         self.multi = len(self.groups) > 1 or any(g.window_blocks is not None for g in self.groups)
         self.ns, self.bs = namespace, block_size
@@ -419,6 +424,8 @@ class SchedulerSide:
         self.mirror_wait_s = 10.0
         self._first_query: float | None = None
         self.events: G3KvEvents | None = None  # set by the connector when vLLM publishes KV events
+        self.handoff = handoff.HandoffWaits(handoff_wait_s)
+        self._handoff_retry_at: dict[str, float] = {}
 
     # ---- identity ------------------------------------------------------------------------------
     def _state(self, request: Any) -> _Req:
@@ -466,6 +473,29 @@ class SchedulerSide:
 
     # ---- vLLM scheduler hooks --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: ``(tokens loadable beyond num_computed_tokens, async)``, or
+        ``(None, False)`` while the answer is not known yet (vLLM asks again next step; never blocks). A request
+        handed off by a prefill worker (:func:`.handoff.expected_blocks`) is answered only once the tiers show
+        the promised blocks, or ``handoff_wait_s`` after the first look (then with what is there)."""
+        want = handoff.expected_blocks(request, self.bs) if self.load_enabled else None
+        if want is None or (self.g3 is None and self.g4 is None):
+            return self._matched(request, num_computed_tokens)
+        rid = request.request_id
+        if time.monotonic() < self._handoff_retry_at.get(rid, 0.0):
+            return None, False
+        n, is_async = self._matched(request, num_computed_tokens)
+        if n is None:
+            return None, False
+        if self.handoff.should_wait(rid, (num_computed_tokens + n) // self.bs, want):
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.lookup = None  # fresh G3/G4 queries at the next look
+            self._handoff_retry_at[rid] = time.monotonic() + HANDOFF_RETRY_S
+            return None, False
+        self._handoff_retry_at.pop(rid, None)
+        return n, is_async
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.g3 is None and self.g4 is None:
             return 0, False
         if not self.load_enabled:
@@ -564,9 +594,13 @@ class SchedulerSide:
                 pos = list(range(first, end))
                 tiers = ["G3" if i < p3 else "G4" for i in pos]
             else:
-                start, k3 = wins.get(gi, (max(end - g.window_blocks, first), 0))
-                pos = [i for i in range(max(start, first), end) if i < len(gids) and gids[i] != 0]
-                tiers = ["G3" if i - start < k3 else "G4" for i in pos]
+                start, k3 = wins.get(gi, (end, 0))
+                # vLLM allocated (non-null) what the window at `end` reads; normally end == n and that is
+                # the probed window [start, n). Blocks outside it (vLLM took fewer tokens) were not probed:
+                # tried in G3, and a miss fails the load (recomputed), never wrong KV.
+                lo = max(end - g.window_blocks, first)
+                pos = [i for i in range(lo, end) if i < len(gids) and gids[i] != 0]
+                tiers = ["G3" if i < start or i - start < k3 else "G4" for i in pos]
             if not pos:
                 continue
             self._loads.append(LoadJob(request.request_id, [gids[i] for i in pos], [st.hashes[i] for i in pos],
@@ -697,4 +731,6 @@ class SchedulerSide:
         worker reports the request in ``finished_recving``."""
         self._reqs.pop(request.request_id, None)
         self._hit_source.pop(request.request_id, None)
-        return False, None
+        self.handoff.forget(request.request_id)
+        self._handoff_retry_at.pop(request.request_id, None)
+        return False, handoff.finished_params(request, self.bs)

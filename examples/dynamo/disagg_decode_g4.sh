@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Disaggregated serving through the shared tiers, DECODE worker: kvbm-backend alone, no KV transport between
+# the engines. The prefill worker offloads the prompt's blocks to G3/G4 and tells the decode worker how many
+# (vLLM kv_transfer_params, passed on by Dynamo); the decode worker onboards them from G4 (its own G3 after a
+# first load), waiting at most handoff_wait_s for the prefill worker's write-behind.
+# Both workers must share one G4 (S3 bucket or shared mount) and one keyring (g4.keyring in the YAML).
+# Pair: disagg_prefill_g4.sh + disagg_decode_g4.sh + frontend.sh (tests/test_dynamo_e2e.py runs all three).
+# Parameters (environment): MODEL, PYTHON, KVBM_BACKEND_CONFIG_FILE / KVBM_BACKEND_STATS_PATH (put into the JSON
+# below by kvbm_backend.integrations.dynamo.ktc), DYN_KVBM_DISK_CACHE_DIR / _GB, DYN_SYSTEM_PORT; further
+# arguments go to dynamo.vllm. Launcher: `python -m dynamo.vllm` with kvbm-backend's version-guarded shims,
+# which also register the connector's PD protocol with Dynamo (kvbm_backend/integrations/dynamo/pd_protocol.py).
+set -euo pipefail
+PYTHON="${PYTHON:-python}"
+MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
+export DYN_KVBM_DISK_CACHE_DIR="${DYN_KVBM_DISK_CACHE_DIR:-/mnt/nvme0/kvbm}"
+export DYN_KVBM_DISK_CACHE_GB="${DYN_KVBM_DISK_CACHE_GB:-800}"
+
+KV_TRANSFER_CONFIG='{
+  "kv_connector": "KvbmBackendConnector",
+  "kv_connector_module_path": "kvbm_backend.integrations.vllm.connector",
+  "kv_role": "kv_both",
+  "kv_load_failure_policy": "recompute",
+  "kv_connector_extra_config": {"config_file": "/etc/kvbm-backend/kvbm-backend.yaml", "handoff_wait_s": 5.0}
+}'
+KV_TRANSFER_CONFIG="$("$PYTHON" -m kvbm_backend.integrations.dynamo.ktc "$KV_TRANSFER_CONFIG")"
+
+exec "$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker \
+  --model "$MODEL" \
+  --disaggregation-mode decode \
+  --enable-prefix-caching \
+  --kv-transfer-config "$KV_TRANSFER_CONFIG" \
+  "$@"

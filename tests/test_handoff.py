@@ -1,0 +1,122 @@
+"""Prefill -> decode handoff through the shared tiers (:mod:`kvbm_backend.integrations.vllm.handoff`), on the
+scheduler-role connector (:class:`SchedulerSide`) with real G3/G4 pools and vLLM-shaped requests: the prefill
+side answers how many blocks it offloaded; the decode side asks vLLM to wait (``None``) until the tiers show
+them, bounded by ``handoff_wait_s``."""
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvbm_backend.config import ConfigError, load_config
+from kvbm_backend.integrations.tiers import open_tiers
+from kvbm_backend.integrations.vllm import stats
+from kvbm_backend.integrations.vllm.extra_config import config_from_extra
+from kvbm_backend.integrations.vllm.handoff import KEY, HandoffWaits
+from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+from kvbm_backend.model.hashing import sequence_hashes
+from kvbm_backend.model.layout import KvLayout
+from kvbm_backend.model.namespace import Namespace
+
+BS = 32
+TOKS = list(range(100, 100 + BS * 6 + 5))  # 6 full blocks + 5 tokens
+
+
+@pytest.fixture()
+def tiers(tmp_path):
+    lay = KvLayout(2, 2, BS, 64, "bfloat16")
+    ns = Namespace("m", lay)
+    cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1,
+                              "admission": {"policy": "all"}},
+                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+    g3, g4 = open_tiers(cfg, ns)
+    hs = sequence_hashes(TOKS, BS)
+    blocks = [np.full(lay.bytes_per_block, i, np.uint8) for i in range(6)]
+    yield ns, g3, g4, hs, blocks
+    g3.close()
+    g4.close()
+
+
+def _req(rid, params=None):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=TOKS, cache_salt=None, lora_request=None,
+                           kv_transfer_params=params)
+
+
+def _ask(s, req, until_s=5.0):
+    """Call like vLLM's scheduler (every step) until an answer; returns (answer, seconds, number of Nones)."""
+    t0, nones = time.monotonic(), 0
+    while time.monotonic() - t0 < until_s:
+        n, is_async = s.get_num_new_matched_tokens(req, 0)
+        if n is not None:
+            return (n, is_async), time.monotonic() - t0, nones
+        nones += 1
+        time.sleep(0.005)
+    raise AssertionError("no answer")
+
+
+def test_prefill_side_answers_the_blocks_it_offloaded(tiers):
+    ns, g3, g4, hs, blocks = tiers
+    s = SchedulerSide(ns, BS, g3, g4)
+    before = stats.get("handoff_offered_requests")
+    assert s.request_finished(_req("p1", {KEY: True}), []) == (False, {KEY: {"blocks": 6, "block_size": BS}})
+    assert stats.get("handoff_offered_requests") == before + 1
+    assert s.request_finished(_req("p2"), []) == (False, None)  # no handoff asked: nothing to say
+    # a prompt of exactly 6 blocks: the engine computes its last token, so only 5 blocks can be loaded
+    exact = SimpleNamespace(**{**vars(_req("p3", {KEY: True})), "prompt_token_ids": TOKS[:6 * BS]})
+    assert s.request_finished(exact, [])[1] == {KEY: {"blocks": 5, "block_size": BS}}
+
+
+def test_decode_side_waits_for_the_promised_blocks_then_loads_them(tiers):
+    ns, g3, g4, hs, blocks = tiers
+    assert g4.put(ns.keys(hs[:3]), blocks[:3]).result(10).written == 3  # the write-behind is behind
+    _, opts = config_from_extra({"kvbm_backend": {"model": "m"}, "handoff_wait_s": 10.0})
+    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=opts["handoff_wait_s"])
+    req = _req("d1", {KEY: {"blocks": 6, "block_size": BS}})
+    done = stats.get("handoff_complete_requests")
+    for _ in range(20):  # vLLM keeps asking; the answer stays "not yet" while 3 of 6 blocks are there
+        assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+        time.sleep(0.01)
+    assert g4.put(ns.keys(hs[3:6]), blocks[3:6]).result(10).written == 3  # ... and catches up
+    (n, is_async), _, _ = _ask(s, req)
+    assert (n, is_async) == (6 * BS, True)
+    assert stats.get("handoff_complete_requests") == done + 1
+
+
+def test_decode_side_wait_is_bounded_by_handoff_wait_s_and_logged_once(tiers, caplog):
+    ns, g3, g4, hs, blocks = tiers
+    assert g4.put(ns.keys(hs[:3]), blocks[:3]).result(10).written == 3
+    _, opts = config_from_extra({"kvbm_backend": {"model": "m"}, "handoff_wait_s": 0.3})
+    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=opts["handoff_wait_s"])
+    timeouts = stats.get("handoff_timeouts")
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
+        (n, _), took, nones = _ask(s, _req("d2", {KEY: {"blocks": 6, "block_size": BS}}))
+    assert n == 3 * BS  # what is there; the engine computes the rest
+    assert 0.3 <= took < 2.0 and nones > 0
+    assert stats.get("handoff_timeouts") == timeouts + 1
+    msgs = [r.getMessage() for r in caplog.records if "handoff" in r.getMessage()]
+    assert len(msgs) == 1 and "d2" in msgs[0] and "found 3 of the 6" in msgs[0], msgs
+    # the same engine with handoff_wait_s 0 answers at once
+    s0 = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=0.0)
+    (n0, _), _, _ = _ask(s0, _req("d3", {KEY: {"blocks": 6, "block_size": BS}}))
+    assert n0 == 3 * BS
+
+
+def test_no_wait_without_a_usable_handoff(tiers):
+    ns, g3, g4, hs, blocks = tiers
+    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=30.0)
+    for params in (None, {KEY: {"blocks": 6, "block_size": 16}}, {KEY: {"blocks": "x"}}, {KEY: True}):
+        (n, _), took, _ = _ask(s, _req(f"r{id(params)}", params))
+        assert n == 0 and took < 5.0  # nothing stored, nothing awaited
+    off = SchedulerSide(ns, BS, g3, g4, load=False, handoff_wait_s=30.0)  # loads off: nothing to wait for
+    assert off.get_num_new_matched_tokens(_req("r9", {KEY: {"blocks": 6, "block_size": BS}}), 0) == (0, False)
+
+
+def test_handoff_wait_s_is_checked():
+    for bad in (-1, "5", True, 601):
+        with pytest.raises(ConfigError, match="handoff_wait_s"):
+            config_from_extra({"kvbm_backend": {"model": "m"}, "handoff_wait_s": bad})
+    with pytest.raises(ValueError, match="handoff_wait_s"):
+        HandoffWaits(-0.5)
