@@ -49,9 +49,11 @@ in its G3 pool, and G4 holds one object per block under rank 0's key
 (:meth:`~kvbm_backend.model.namespace.Namespace.shared_rank`), written by rank 0 and read by all.
 
 Hybrid models (vLLM's hybrid KV cache manager, several KV cache groups: gpt-oss's alternating
-sliding-window/full attention, Gemma 2/3, Llama 4's chunked... see below) are carried: the connector
-implements ``SupportsHMA``, so vLLM keeps its hybrid manager on (it turns it off for connectors that
-do not, storing every layer for every token). Each group has its own namespace (the structure of all
+sliding-window/full attention, Gemma 2/3's sliding/full patterns, all-sliding models) are carried: the
+connector implements ``SupportsHMA``, so vLLM keeps its hybrid manager on (it turns it off for
+connectors that do not, and then keeps every layer for every token). Llama 4's chunked local attention
+runs with vLLM's hybrid manager off by default (``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE``
+unset): one full-attention group, carried like a dense model. Each group has its own namespace (the structure of all
 groups plus the group's index and layout: :meth:`Namespace.for_group`), its own pools (G3 under
 ``<path>/group<g>``, capacity split by weight: full-attention groups 1, sliding-window groups
 ``sliding_capacity_weight``, default 0.25) and the same KVBM sequence hashes. Full-attention groups
