@@ -11,7 +11,8 @@ Models (random weights, float32: see ``tests/test_connector_e2e.py`` for why flo
 
 What is checked (five engine processes in all, to keep CI time down): a restarted engine (empty G3) loads
 the gpt-oss-like model's blocks from G4, and a fresh engine process loads the Gemma-like model's blocks
-from G3, with greedy outputs identical to the engine that computed them; every group has its own
+from G3, with greedy outputs identical to the engine that computed them (a corrupt block in one group
+fails its request's load, which vLLM recomputes: identical too); every group has its own
 namespace, which records the group structure; sliding-window groups store and load only the window the
 engine reads (exact block counts); an engine with other weights that loads the gpt-oss-like KV from G3
 answers differently from its own recompute (the equal outputs are not luck).
@@ -117,10 +118,43 @@ def test_gpt_oss_like_restart_from_g4_and_foreign_weights_from_g3(tmp_path):
     assert d["outputs"][0] != d["outputs"][1], d["outputs"]
 
 
-def test_gemma3_like_fresh_engine_loads_from_g3(tmp_path):
+def _corrupt_block(g3_dir: Path, block_bytes: int, seq_hash: int) -> int:
+    """Flip a payload byte of the G3 slot holding ``seq_hash`` (frame header offset 48, u64 LE) in every
+    slab file of ``g3_dir``; returns slots touched."""
+    import struct
+
+    from kvbm_backend.model import frame
+    slot, n = frame.slot_bytes(block_bytes), 0
+    for f in sorted(g3_dir.glob("*.slab")):
+        with open(f, "r+b") as fh:
+            for s in range(f.stat().st_size // slot):
+                fh.seek(s * slot + 48)
+                if struct.unpack("<Q", fh.read(8))[0] != seq_hash:
+                    continue
+                off = s * slot + frame.HEADER_BYTES + 100
+                fh.seek(off)
+                b = fh.read(1)
+                fh.seek(off)
+                fh.write(bytes([b[0] ^ 0x5A]))
+                n += 1
+    return n
+
+
+def test_gemma3_like_fresh_engine_loads_from_g3_and_a_corrupt_window_block_is_recomputed(tmp_path):
+    """A fresh engine loads every prompt's prefix from G3 with identical outputs, except prompt 1, whose
+    last sliding-window block was corrupted on disk: its load fails in that group, vLLM is told the
+    request failed (several KV cache groups: failed_recving) and recomputes it; the connector does not
+    offer the doomed load again (no livelock) and the output is still identical."""
+    from kvbm_backend.model.hashing import sequence_hashes
     model_dir, ps, a, groups, hits, moved = _write(tmp_path, TINY_GEMMA3, "")
+    gi = next(i for i, g in enumerate(groups) if g["kind"] == "sliding")
+    victim = sequence_hashes(ps[1], BS)[hits[1] - 1]
+    assert _corrupt_block(tmp_path / "w" / "g3" / f"group{gi}", groups[gi]["bytes_per_block"], victim) == 1
     b = _run(tmp_path, "reader", model_dir, ps, connector_extra(tmp_path / "w"))
     sb = b["connector_stats"]
     assert b["outputs"] == a["outputs"]
-    assert b["cached_tokens"] == [n * BS for n in hits], b["cached_tokens"]
-    assert sb.get("load_g3_blocks_ok") == moved and sb.get("load_blocks_failed", 0) == 0, sb
+    assert [b["cached_tokens"][i] for i in (0, 2)] == [hits[0] * BS, hits[2] * BS], b["cached_tokens"]
+    assert b["cached_tokens"][1] < hits[1] * BS, b["cached_tokens"]
+    assert sb.get("load_failed_requests") == 1 and sb.get("load_blocks_failed", 0) >= 1, sb
+    ok_0_2 = _expected([ps[0], ps[2]], [g["window_blocks"] for g in groups])[1]
+    assert ok_0_2 <= sb.get("load_g3_blocks_ok", 0) < moved, sb

@@ -420,6 +420,9 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         if self.sched is not None:
             self.sched.update_connector_output(getattr(connector_output, "kv_connector_worker_meta", None))
+            failed = getattr(connector_output, "failed_recving", None)
+            if failed:
+                self.sched.load_failed(failed)
         self._writer.maybe_write()
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

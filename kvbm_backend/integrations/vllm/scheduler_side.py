@@ -389,6 +389,7 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     group_block_ids: list[list[int]] = field(default_factory=list)  # hybrid: per KV cache group
     hybrid: tuple | None = None       # hybrid: _HybridLookup's result (n, g3_full, windows)
+    no_load: bool = False             # a load of this request failed: it is recomputed, never reloaded
     saved_upto: int | None = None     # blocks [0, saved_upto) are stored or owned by someone else
     counted: bool = False
     request: Any = None               # vLLM Request (its all_token_ids grow during decode)
@@ -509,6 +510,8 @@ class SchedulerSide:
                 return None, False
         st = self._state(request)
         st.n_local = num_computed_tokens // self.bs
+        if st.no_load:
+            return 0, False
         if st.lookup_blocks <= st.n_local:
             # served by the engine's own prefix cache: remember how much of it G3 holds, so blocks seen
             # again only in the engine's cache still reach G3 (saved from the engine's blocks this step)
@@ -612,6 +615,17 @@ class SchedulerSide:
         self._hit_source[request.request_id] = {"G3": t3, "G4": (end - first) * self.bs - t3}
         stats.add(load_planned_requests=1, load_planned_blocks=planned, load_planned_g3_blocks=g3n,
                   load_planned_g4_blocks=planned - g3n)
+
+    def load_failed(self, req_ids) -> None:
+        """vLLM reported these requests' loads failed (``failed_recving``: hybrid models). vLLM recomputes
+        such a request from its first token and asks for a match again: answer 0 from now on (the same
+        load would fail again: a livelock) and offer its blocks again as they are recomputed."""
+        for rid in req_ids:
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            st.no_load, st.lookup, st.hybrid, st.saved_upto, st.planned = True, None, None, None, None
+            stats.add(load_failed_requests=1)
 
     def update_connector_output(self, worker_meta) -> None:
         if not isinstance(worker_meta, KvbmWorkerMeta):
