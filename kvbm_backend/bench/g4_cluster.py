@@ -91,7 +91,8 @@ def netns_unavailable_reason() -> str | None:
     ns, br, veth = f"kvprobe-{tag}", f"kvpb{tag}", f"kvpv{tag}"
     try:
         for args in (("netns", "add", ns), ("link", "add", br, "type", "bridge"),
-                     ("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)):
+                     ("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns),
+                     ("netns", "exec", ns, "ip", "link", "set", "lo", "up")):
             r = _ip(*args, check=False)
             if r.returncode:
                 return f"`ip {' '.join(args)}` failed: {r.stderr.strip()} (no CAP_NET_ADMIN?)"
@@ -251,7 +252,11 @@ class G4Cluster:
             if why and want == "netns":
                 raise RuntimeError(f"netns mode asked for but unavailable: {why}")
             self.fallback_reason = why
-        self.mode = "loopback" if self.fallback_reason else "netns"
+        self._want = want
+        self._reset("loopback" if self.fallback_reason else "netns", self.fallback_reason)
+
+    def _reset(self, mode: str, reason: str | None) -> None:
+        self.mode, self.fallback_reason = mode, reason
         self.run_id = uuid.uuid4().hex[:6]
         self.hosts: dict[str, Host] = {}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -304,6 +309,20 @@ class G4Cluster:
         os.replace(tmp, self._state)
 
     def start(self, timeout: float = 90.0) -> "G4Cluster":
+        """Start everything; raises RuntimeError with the log tail of what did not come up. In auto mode a
+        netns cluster that does not come up (a firewall on bridged traffic, say) is torn down and the
+        loopback one started instead, with the reason in :attr:`fallback_reason`."""
+        try:  # auto mode gives netns 45 s (it comes up in ~10 s on a busy 2-core VM) before falling back
+            return self._start(min(timeout, 45.0) if self._want == "auto" and self.mode == "netns" else timeout)
+        except Exception as e:  # noqa: BLE001 - auto mode: fall back, stating why
+            if self.mode != "netns" or self._want != "auto":
+                raise
+            self._reset("loopback", f"the netns cluster did not come up: {str(e)[:400]}")
+            for role in ("master", "filer", "s3", *[f"v{i}" for i in range(self.nvolumes)]):
+                shutil.rmtree(self.dir / role, ignore_errors=True)  # metadata naming the netns addresses
+            return self._start(timeout)
+
+    def _start(self, timeout: float) -> "G4Cluster":
         clean_stale()
         atexit.register(self.stop)
         try:
