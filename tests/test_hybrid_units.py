@@ -169,6 +169,10 @@ def test_hybrid_lookup_needs_every_group_and_only_the_window(hybrid_pools):
     assert got == [("a", 0, [41, 42], hs[4:6], ["G3"] * 2), ("a", 1, [51, 52, 53, 54, 55, 56], hs[:6], ["G3"] * 6),
                    ("b", 0, [61, 62], hb[2:4], ["G3"] * 2), ("b", 1, [71, 72, 73, 74], hb[:4], ["G3"] * 4)]
 
+    # vLLM reports a's load failed (failed_recving) and asks again: no second try of the same load
+    s.load_failed({"a"})
+    assert _matched(s, ra) == (0, False)
+
     # neither the window at 6, nor any other stored: no hit (a full prefix alone is not enough)
     toks_c = list(range(9000, 9000 + 6 * BS + 5))
     full.g3.put(full.ns.keys(sequence_hashes(toks_c, BS)[:6]), [blk] * 6).result(10)
