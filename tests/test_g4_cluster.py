@@ -44,9 +44,11 @@ def cluster(tmp_path_factory):
     assert cl.hosts and not any(p.poll() is None for p in cl.procs.values())
 
 
-def _open(cl, name: str) -> str:
+def _open(cl, name: str, timeout_s: float = 5.0) -> str:
+    """Pools on a fresh prefix. 5 s per attempt where no bound is measured (a loaded 2-core CI VM must
+    not turn a slow PUT into a failed test); the partition test uses 1 s and measures it."""
     prefix = f"{name}-{uuid.uuid4().hex[:6]}"
-    cl.open_all(prefix, timeout_s=TIMEOUT_S, retries=RETRIES, breaker_failures=3, breaker_reset_s=1.0)
+    cl.open_all(prefix, timeout_s=timeout_s, retries=RETRIES, breaker_failures=3, breaker_reset_s=1.0)
     return prefix
 
 
@@ -78,7 +80,7 @@ def test_blocks_written_on_one_host_load_on_the_others(cluster):
 
 def test_partitioned_worker_costs_at_most_its_timeout_and_recovers(cluster):
     cl = cluster
-    _open(cl, "part")
+    _open(cl, "part", TIMEOUT_S)
     cut = WORKERS - 1
     seqs = _seqs(0, 16)
     assert len(cl.workers[0].call("write", seqs=seqs)["acked"]) == 16
