@@ -16,10 +16,6 @@ case "$cmd" in
   up) dir=${1:?usage: g4_cluster.sh up DIR [--workers N] [--volumes N]}; shift
       exec "$PY" -m kvbm_backend.bench.g4_cluster up --dir "$dir" "$@" ;;
   clean) exec "$PY" -m kvbm_backend.bench.g4_cluster clean ;;
-  bench)
-    mode=$("$PY" -c 'from kvbm_backend.bench.g4_cluster import netns_unavailable_reason as r; print("loopback" if r() else "netns")')
-    out=benchmarks/results/g4_cluster-${mode}-$(date -u +%F)
-    "$PY" -m kvbm_backend.bench.g4_cluster bench --out "$out.json" --plot "$out.png" "$@"
-    echo "wrote $out.json $out.png" ;;
+  bench) exec "$PY" -m kvbm_backend.bench.g4_cluster bench --out-dir benchmarks/results "$@" ;;
   *) echo "usage: $0 test|bench|up DIR|clean" >&2; exit 2 ;;
 esac

@@ -896,8 +896,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--replication", default="001", help="SeaweedFS replica placement (001: 2 copies)")
     b.add_argument("--volumes", type=int, default=3, help="volume servers")
     b.add_argument("--read-passes", type=int, default=3, help="each worker reads the other's blocks this often")
-    b.add_argument("--out", required=True, help="JSON file to write")
+    b.add_argument("--out", help="JSON file to write")
     b.add_argument("--plot", help="PNG to write (kvbm-backend plot)")
+    b.add_argument("--out-dir", help="write g4_cluster-<mode>-<date>.json and .png here (mode as it ran)")
     a = ap.parse_args(argv)
     if a.cmd == "worker":
         return worker_main(a.index)
@@ -918,15 +919,21 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             cl.stop()
         return 0
+    if not (a.out or a.out_dir):
+        ap.error("bench: --out FILE.json or --out-dir DIR")
     counts = sorted({int(x) for x in a.workers.split(",") if x.strip()})
     res = bench(counts, a.blocks, a.layout, a.page_size, not a.no_encrypt, a.inflight, rounds=a.rounds,
                 replication=a.replication, volumes=a.volumes, read_passes=a.read_passes, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    if a.out_dir:
+        stem = Path(a.out_dir) / f"g4_cluster-{res['mode']}-{time.strftime('%Y-%m-%d', time.gmtime())}"
+        a.out, a.plot = a.out or f"{stem}.json", a.plot or f"{stem}.png"
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps({k: res[k] for k in ("mode", "fallback_reason", "workers", "series")}, indent=1))
     if a.plot:
         from ..report import plot_results
         plot_results([a.out], a.plot)
+    print(f"wrote {a.out}" + (f" {a.plot}" if a.plot else ""), file=sys.stderr)
     return 0
 
 
