@@ -26,7 +26,7 @@ the pool's ``timeout_s x (1 + retries)`` bound is what the worker pays.
 
 Cleanup: every process is in its own session and killed by process group; namespaces and the bridge
 are deleted in :meth:`G4Cluster.stop` (called from ``finally``/fixtures and at interpreter exit). Every
-run has a unique id; its state file ``/tmp/kvbm-g4c/<id>.json`` names the owner pid, and
+run has a unique id; its state file ``/tmp/kvbm-g4c-<uid>/<id>.json`` names the owner pid, and
 :func:`clean_stale` removes what runs whose owner died left behind (``ci/g4_cluster.sh clean``).
 
 The bench (:func:`bench`, ``python -m kvbm_backend.bench.g4_cluster bench``): for each worker count
@@ -58,7 +58,7 @@ from pathlib import Path
 
 MODULE = "kvbm_backend.bench.g4_cluster"  # what workers and relays run (``python -m``)
 MODE_ENV = "KVBM_G4_CLUSTER_MODE"  # auto (default) | netns | loopback
-STATE_DIR = Path("/tmp/kvbm-g4c")
+STATE_DIR = Path(f"/tmp/kvbm-g4c-{os.getuid()}")  # per user: a root-made one would refuse others
 BUCKET = "kvbm-cluster"
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "kvbmtest", "AWS_SECRET_ACCESS_KEY": "kvbmtest-secret",
            "AWS_DEFAULT_REGION": "us-east-1"}
