@@ -95,7 +95,7 @@ def netns_unavailable_reason() -> str | None:
                      ("netns", "exec", ns, "ip", "link", "set", "lo", "up")):
             r = _ip(*args, check=False)
             if r.returncode:
-                return f"`ip {' '.join(args)}` failed: {r.stderr.strip()} (no CAP_NET_ADMIN?)"
+                return f"`ip {' '.join(args)}` failed: {r.stderr.strip()} (no CAP_NET_ADMIN / CAP_SYS_ADMIN here?)"
         return None
     finally:
         _ip("link", "del", veth, check=False)
