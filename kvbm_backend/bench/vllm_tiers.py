@@ -19,7 +19,9 @@ the bytes are copied out of the primary and compared after the timed part). GB =
 page cache is dropped for every file under the tier's directory (``fsync`` then ``posix_fadvise
 DONTNEED``), so a buffered reader also reads from the device; ``*_o_direct`` says whether the tier
 used O_DIRECT. Our G3 tier fsyncs before publishing (its invariant); vLLM's fs tier does not (it writes with O_DIRECT and renames, no fsync), so ``ours_nofsync_*`` runs
-our tier with ``g3.fsync: false`` as the same-durability comparison.
+our tier with ``g3.fsync: false`` as the same-durability comparison. ``ours_sync_groups_rounds``: the
+group-commit barriers (fdatasync per slab file written + one journal append) our durable tier issued
+per round (``g3.group_commit_ms`` / ``g3.group_commit_bytes``).
 """
 from __future__ import annotations
 
@@ -225,9 +227,12 @@ def _one_tier(name: str, tier_cfg: dict, geo: dict, keys: list[bytes], payloads:
         h.wait_idle(timeout=600)
         t_write = time.perf_counter() - t0
         o_direct = bool(getattr(h.tier, "_use_o_direct", False))
+        sync_groups = None
         if hasattr(h.tier, "kvbm_stats"):
-            od = h.tier.kvbm_stats()["pool"].get("o_direct", {})
+            pst = h.tier.kvbm_stats()["pool"]
+            od = pst.get("o_direct", {})
             o_direct = all(od.values()) if isinstance(od, dict) and od else bool(od)
+            sync_groups = pst.get("sync_groups")
         h.reset_primary()
         files = _drop_cache(root)
         t0 = time.perf_counter()
@@ -241,7 +246,7 @@ def _one_tier(name: str, tier_cfg: dict, geo: dict, keys: list[bytes], payloads:
         return {f"{name}_write_gbps": nbytes / t_write / 1e9, f"{name}_read_gbps": nbytes / t_read / 1e9,
                 f"{name}_write_s": t_write, f"{name}_read_s": t_read, f"{name}_o_direct": o_direct,
                 f"{name}_read_cache_dropped": files > 0, f"{name}_read_verified": ok,
-                f"{name}_blocks_read": len(got)}
+                f"{name}_blocks_read": len(got), f"{name}_sync_groups": sync_groups}
     finally:
         h.shutdown()
 
@@ -298,6 +303,8 @@ def run(opts: BenchOptions) -> dict:
             vals = [r[f"{name}_{metric}"] for r in rs]
             result[f"{name}_{metric}"] = float(np.median(vals))
             result[f"{name}_{metric}_rounds"] = vals
+        if name != "vllm_fs":
+            result[f"{name}_sync_groups_rounds"] = [r[f"{name}_sync_groups"] for r in rs]
         for flag in ("o_direct", "read_cache_dropped", "read_verified"):
             result[f"{name}_{flag}"] = all(r[f"{name}_{flag}"] for r in rs)
     result["write_ratio"] = result["ours_write_gbps"] / result["vllm_fs_write_gbps"]

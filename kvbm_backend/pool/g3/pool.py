@@ -14,7 +14,9 @@ Invariants kept here (each has tests in ``tests/test_g3_*.py``):
 2. Publish after durable: the index entry and the journal record appear only after the slot's bytes
    were written and ``fdatasync``'ed (``g3.fsync``). The writer is pipelined (see "write path"
    below): a batch goes out in pieces, and a piece is published after an fdatasync of its files that
-   started after its writes finished, while later pieces are already being written.
+   started after its writes finished, while later pieces are already being written. Group commit: a
+   written piece waits (at most ``g3.group_commit_ms``, until ``g3.group_commit_bytes`` wait) for
+   pieces still in flight, so one barrier (fdatasync per file + one journal append) covers them all.
 3. Never stall: ``put``/``get``/``lookup_prefix``/``delete`` return Futures at once; offloads wait in
    a bounded write-behind queue (``g3.write_queue_blocks``) and overflow is dropped and counted; loads
    past ``g3.load_timeout_s`` are misses.
@@ -77,7 +79,8 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
 
     Args:
         cfg: ``g3`` section of the config (paths, capacity_gb, files_per_path, io_size_bytes, engine,
-            o_direct, io_threads, write_queue_blocks, min_free_fraction, fsync, admission, load_timeout_s).
+            o_direct, io_threads, write_queue_blocks, min_free_fraction, fsync, group_commit_ms,
+            group_commit_bytes, admission, load_timeout_s).
         namespace: what the blocks mean; keys of another namespace are misses.
         engine: an I/O engine to use (not closed by the pool); default ``make_engine(cfg.engine,
             cfg.io_threads)`` (closed by :meth:`close`).

@@ -122,7 +122,7 @@ class SlotsMixin:
         for name in ("offloads_written", "offloads_skipped_present", "offloads_skipped_admission", "offloads_dropped",
                      "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
                      "restored_blocks", "restore_dropped", "lookup_blocks", "lookup_hits", "deleted", "late_reads",
-                     "device_loads", "device_hits"):
+                     "device_loads", "device_hits", "sync_groups"):
             d[name] = c.get(name, 0)
         d["dropped_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("dropped:")}
         d["misses_by_reason"] = {k[5:]: v for k, v in c.items() if k.startswith("miss:")}

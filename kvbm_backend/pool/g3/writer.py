@@ -55,6 +55,7 @@ class _Piece:
     gens: tuple = ()  # the files' fdatasync error generations when the piece was submitted
     error: BaseException | None = None
     stage: list = field(default_factory=list)  # staging buffers, given back once written
+    ready_at: float = 0.0  # time.monotonic() when it was handed to the syncer
 
 
 
@@ -66,8 +67,11 @@ class WriterMixin:
     # reserves slots, cuts the batch into pieces of ~chunk_bytes and submits them, at most
     # ``chunks_in_flight`` being written at once across batches. A written piece goes to the syncer
     # thread, which fdatasyncs every file the ready pieces touched (one call per file per round: group
-    # commit) and only then publishes those pieces. So the next pieces' writes are in flight while
-    # earlier pieces' fdatasync runs. Syncs of one file never overlap (one round at a time): a failed
+    # commit) and only then publishes those pieces with one journal append. So the next pieces' writes
+    # are in flight while earlier pieces' fdatasync runs. A round waits for pieces still being written
+    # (bounded by g3.group_commit_ms / g3.group_commit_bytes, see _group_wait_locked) so that one
+    # barrier covers as many blocks as are on their way: durable writes cost a few barriers per
+    # second, not one per piece. Syncs of one file never overlap (one round at a time): a failed
     # fdatasync bumps the file's error generation and every piece submitted before that (still
     # unpublished) which wrote the file is dropped, so a write-back error reported to one caller is
     # never missed by another piece.
@@ -193,7 +197,8 @@ class WriterMixin:
                 pc.error = e
             with self._cv:
                 batch.failed = e
-                self._ready.extend(pieces)
+                for pc in pieces:
+                    self._to_ready_locked(pc)
                 self._cv.notify_all()
             return
         for pc in pieces:
@@ -202,7 +207,7 @@ class WriterMixin:
                     self._cv.wait()
                 if batch.failed is not None:  # an earlier piece failed: the rest is dropped unwritten
                     pc.error = batch.failed
-                    self._ready.append(pc)
+                    self._to_ready_locked(pc)
                     self._cv.notify_all()
                     continue
                 self._pieces_writing += 1
@@ -227,7 +232,7 @@ class WriterMixin:
                 pc.error = e
                 if pc.batch.failed is None:
                     pc.batch.failed = e
-            self._ready.append(pc)
+            self._to_ready_locked(pc)
             self._cv.notify_all()
 
     def _sync_loop(self) -> None:
@@ -237,7 +242,10 @@ class WriterMixin:
                     self._cv.wait()
                 if not self._ready:
                     return
+                if self.cfg.fsync:
+                    self._group_wait_locked()
                 ready, self._ready = self._ready, []
+                self._c["sync_groups"] += 1
             errs: dict[int, BaseException] = {}
             try:
                 if self.cfg.fsync:
@@ -251,6 +259,28 @@ class WriterMixin:
                 self._settle(ready, errs)
             except Exception:  # noqa: BLE001 - a bug must not kill the syncer (futures would hang)
                 log.exception("G3 syncer: settling pieces failed")
+
+    def _group_wait_locked(self) -> None:
+        """Group commit (caller holds ``self._cv``; ``self._ready`` is not empty): while pieces are still
+        being written (or queued to be), let the group grow so that one barrier covers them too, until the
+        oldest waiting piece has waited ``g3.group_commit_ms``, or ``g3.group_commit_bytes`` of slots are waiting, or
+        nothing is in flight any more (waiting longer would only add latency), or the pool closes."""
+        limit_s = self.cfg.group_commit_ms / 1e3
+        if limit_s <= 0:
+            return
+        end = self._ready[0].ready_at + limit_s
+        max_slots = self.cfg.group_commit_bytes // self.slot_bytes if self.cfg.group_commit_bytes else None
+        while (self._pieces_writing or self._queue) and not self._stop_sync and (
+                max_slots is None or sum(len(pc.slots) for pc in self._ready) < max_slots):
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            self._cv.wait(left)
+
+    def _to_ready_locked(self, pc: "_Piece") -> None:
+        """Hand a piece (written, or failed) to the syncer (caller holds ``self._cv``)."""
+        pc.ready_at = time.monotonic()
+        self._ready.append(pc)
 
     def _sync_files(self, files: list[int]) -> dict[int, BaseException]:
         """fdatasync each slab file (in parallel when several); returns {file index: error}."""
