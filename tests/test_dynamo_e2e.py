@@ -212,3 +212,46 @@ def test_aggregated_g3_after_clear_and_restart_and_g4_on_a_second_worker(stack):
     assert sb.get("load_blocks_failed", 0) == 0, sb
     stack.stop_worker(b)
 
+
+def test_disaggregated_prefill_decode_hand_off_through_g4(stack):
+    """Dynamo disaggregated serving, the G4-handoff form: frontend -> prefill worker (computes the prompt,
+    offloads it to G3 + G4, answers ``kv_transfer_params`` = how many blocks) -> decode worker (onboards them
+    from G4 into an empty engine and G3, waiting at most ``handoff_wait_s`` for the prefill's write-behind,
+    then decodes). Each worker has its own G3; G4 (SeaweedFS S3, encrypted) is shared."""
+    model = str(stack.model_dir)
+    prompts = [_prompt(i) for i in range(N_PROMPTS)]
+    dyn = DynamoStack(stack.root / "disagg")
+    try:
+        common = ["--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "4096", "--enforce-eager"]
+        cfg = json.loads(stack.config.read_text())  # a G4 of their own: nothing the aggregated workers wrote
+        cfg["g4"]["url"] = cfg["g4"]["url"].rstrip("/") + "-disagg"
+        cfg["g4"]["keyring"] = {"path": str(stack.root / "g4-keyring-disagg.json")}
+        (stack.root / "disagg.yaml").write_text(json.dumps(cfg))
+        env = {"KVBM_BACKEND_CONFIG_FILE": str(stack.root / "disagg.yaml"), "DYN_KVBM_DISK_CACHE_GB": "0.5"}
+        pre = dyn.start_worker("prefill", "disagg_prefill_g4.sh", stack.model_dir, common,
+                               env={**env, "DYN_KVBM_DISK_CACHE_DIR": str(stack.root / "g3-prefill")})
+        dec = dyn.start_worker("decode", "disagg_decode_g4.sh", stack.model_dir, common,
+                               env={**env, "DYN_KVBM_DISK_CACHE_DIR": str(stack.root / "g3-decode")})
+        dyn.wait_ready(timeout_s=READY_TIMEOUT_S, model=model)
+        if not COLD:  # run alone: the aggregated reference comes from an aggregated worker here
+            agg = stack.start_worker("worker-ref", stack.root / "g3-ref")
+            COLD.update({p: _stream(stack.base, model, p)["text"] for p in prompts})
+            stack.stop_worker(agg)
+        out = [stream_completion(dyn.base, model, p, max_tokens=MAX_TOKENS) for p in prompts]
+        _record("disaggregated_g4_handoff", out)
+        assert [r["text"] for r in out] == [COLD[p] for p in prompts]  # the aggregated worker's greedy tokens
+        loadable = sum((r["prompt_tokens"] - 1) // BLOCK for r in out)  # the engine computes at least 1 token
+        _wait_counters(pre, "handoff_offered_requests", N_PROMPTS)  # the scheduler's file (written every 0.5 s)
+        sp = _wait_counters(pre, "g4_put_written_blocks", loadable)
+        assert sp.get("handoff_offered_requests", 0) >= N_PROMPTS and sp.get("handoff_offered_blocks", 0) >= loadable, sp
+        assert sp.get("g4_put_written_blocks", 0) >= loadable, sp  # the prefill worker wrote them to G4
+        _wait_counters(dec, "load_g4_blocks_ok", loadable)
+        sd = _wait_counters(dec, "handoff_complete_requests", N_PROMPTS)
+        print("prefill:", {k: v for k, v in sp.items() if k.startswith(("handoff", "g4_put", "save"))})
+        print("decode:", {k: v for k, v in sd.items() if k.startswith(("handoff", "load"))})
+        assert sd.get("handoff_complete_requests", 0) == N_PROMPTS and sd.get("handoff_timeouts", 0) == 0, sd
+        assert sd.get("load_g4_blocks_ok", 0) >= loadable, sd  # every handed-off block came from G4
+        assert sp.get("load_blocks_ok", 0) == 0, sp  # ... where the prefill worker had put them: it computed all
+        assert sd.get("load_blocks_failed", 0) == 0, sd
+    finally:
+        dyn.close()
