@@ -111,11 +111,12 @@ class G3Config(_M):
     """statvfs watermark: never fill a filesystem beyond ``1 - min_free_fraction``."""
     fsync: bool = True
     """fdatasync before publishing (invariant 2). Off only for throwaway benchmarks."""
-    group_commit_ms: float = Field(50.0, ge=0, le=1000)
-    """Group commit (with ``fsync``): written offloads wait at most this many ms for offloads still being
-    written, so one durability barrier (an ``fdatasync`` per slab file written, then one journal append)
-    publishes them all. Bounds the publish latency grouping adds; a group never waits once nothing is
-    in flight. 0: a barrier as soon as anything is written."""
+    group_commit_ms: float = Field(100.0, ge=0, le=1000)
+    """Group commit (with ``fsync``): written offloads wait at most this many ms (and at most as long as
+    the previous barrier took) for offloads still being written, so one durability barrier (an
+    ``fdatasync`` per slab file written, then one journal append) publishes them all. Bounds the publish
+    latency grouping adds; a group never waits once nothing is in flight. 0: a barrier as soon as the
+    previous one ended (pieces written meanwhile still share it)."""
     group_commit_bytes: int = Field(256 << 20, ge=0)
     """Group commit: the barrier starts at once when this many slot bytes are written and waiting
     (bounds the blocks one barrier, or one failed ``fdatasync``, covers). 0: no byte bound."""

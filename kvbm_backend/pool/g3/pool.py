@@ -148,6 +148,7 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
         self._stop_sync = False
         self._ready: list[_Piece] = []  # written pieces waiting for the syncer
         self._pieces_writing = 0
+        self._last_barrier_s = 0.0  # seconds the last group's fdatasyncs took (bounds the next group's wait)
         self._err_gen: dict[int, int] = {}  # file index -> failed fdatasync count
         self._ttags: dict[str, bytes] = {}
         self._frames = ChecksumFrames(bytes.fromhex(self.fp), self._layout, namespace.tp_world_size)

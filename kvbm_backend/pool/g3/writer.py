@@ -251,7 +251,9 @@ class WriterMixin:
                 if self.cfg.fsync:
                     files = sorted({fi for pc in ready if pc.error is None for fi in pc.files})
                     if files:
+                        t0 = time.monotonic()
                         errs = self._sync_files(files)
+                        self._last_barrier_s = time.monotonic() - t0
             except Exception as e:  # noqa: BLE001 - never publish what was not synced
                 log.exception("G3 syncer: fdatasync round failed")
                 errs = {fi: e for pc in ready for fi in pc.files}
@@ -263,9 +265,11 @@ class WriterMixin:
     def _group_wait_locked(self) -> None:
         """Group commit (caller holds ``self._cv``; ``self._ready`` is not empty): while pieces are still
         being written (or queued to be), let the group grow so that one barrier covers them too, until the
-        oldest waiting piece has waited ``g3.group_commit_ms``, or ``g3.group_commit_bytes`` of slots are waiting, or
-        nothing is in flight any more (waiting longer would only add latency), or the pool closes."""
-        limit_s = self.cfg.group_commit_ms / 1e3
+        oldest waiting piece has waited as long as the last barrier took (never more time waiting than a
+        barrier costs: a slow flush is amortised over more blocks, a fast one is not delayed) and at most
+        ``g3.group_commit_ms``, or ``g3.group_commit_bytes`` of slots are waiting, or nothing is in flight
+        any more (waiting longer would only add latency), or the pool closes."""
+        limit_s = min(self.cfg.group_commit_ms / 1e3, self._last_barrier_s)
         if limit_s <= 0:
             return
         end = self._ready[0].ready_at + limit_s
