@@ -7,10 +7,11 @@ they cannot rot. A real OpenAI client streams; TTFT is measured at the client.
 * Aggregated: a long prompt is computed (cold), Dynamo's ``clear_kv_blocks`` endpoint empties the engine's
   prefix cache, the same prompt is then loaded from G3 (connector counters), then again by a restarted worker
   process; greedy outputs (temperature 0) identical throughout.
-* Two workers sharing G4: a second worker with an empty G3 of its own loads from G4 what the first wrote.
-* Disaggregated prefill/decode, the G4-handoff form (``disagg_prefill_g4.sh`` + ``disagg_decode_g4.sh``): the
-  prefill worker offloads each prompt to G4 and says how many blocks; the decode worker (its own empty G3)
-  onboards them and decodes; outputs identical to the aggregated worker's.
+* Two workers sharing G4, as disaggregated prefill/decode in the G4-handoff form (``disagg_prefill_g4.sh`` +
+  ``disagg_decode_g4.sh``): the prefill worker offloads each prompt to G4 and says how many blocks; the decode
+  worker (its own, empty G3) onboards from G4 what the other worker wrote and decodes; outputs identical to
+  the aggregated worker's. (This replaced a separate "second aggregated worker loads from G4" phase: the same
+  assertions, one worker start less in CI; ``kvbm-backend demo``'s ``restart`` worker does it too.)
 
 TTFT p50 per phase is printed and written to ``$KVBM_DYNAMO_E2E_REPORT`` when set.
 """
@@ -151,7 +152,7 @@ def _record(phase: str, results: list[dict]) -> None:
         Path(out).write_text(json.dumps(REPORT, indent=2))
 
 
-def test_aggregated_g3_after_clear_and_restart_and_g4_on_a_second_worker(stack):
+def test_aggregated_g3_after_clear_and_restart(stack):
     model = str(stack.model_dir)
     prompts = [_prompt(i) for i in range(N_PROMPTS)]
     a = stack.start_worker("worker-a", stack.root / "g3-a")
@@ -202,15 +203,6 @@ def test_aggregated_g3_after_clear_and_restart_and_g4_on_a_second_worker(stack):
     assert s2.get("load_blocks_failed", 0) == 0, s2
     stack.stop_worker(a2)
 
-    # Worker 2 of the fleet: its own, empty G3, the shared G4: loads what worker 1 wrote, same outputs.
-    b = stack.start_worker("worker-b", stack.root / "g3-b")
-    from_g4 = [_stream(stack.base, model, p) for p in prompts]
-    _record("second_worker_g4", from_g4)
-    assert [r["text"] for r in from_g4] == [r["text"] for r in cold]
-    sb = _wait_stats(b["stats"], "load_g4_blocks_ok", sum(full_blocks) - 2 * N_PROMPTS)
-    assert sb.get("load_g4_blocks_ok", 0) >= sum(full_blocks) - 2 * N_PROMPTS, sb
-    assert sb.get("load_blocks_failed", 0) == 0, sb
-    stack.stop_worker(b)
 
 
 def test_disaggregated_prefill_decode_hand_off_through_g4(stack):
