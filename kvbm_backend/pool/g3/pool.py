@@ -15,8 +15,9 @@ Invariants kept here (each has tests in ``tests/test_g3_*.py``):
    were written and ``fdatasync``'ed (``g3.fsync``). The writer is pipelined (see "write path"
    below): a batch goes out in pieces, and a piece is published after an fdatasync of its files that
    started after its writes finished, while later pieces are already being written. Group commit: a
-   written piece waits (at most ``g3.group_commit_ms``, until ``g3.group_commit_bytes`` wait) for
-   pieces still in flight, so one barrier (fdatasync per file + one journal append) covers them all.
+   written piece waits for pieces still in flight (no longer than the last barrier took, at most
+   ``g3.group_commit_ms``, until ``g3.group_commit_bytes`` wait), so one barrier (fdatasync per file +
+   one journal append) covers them all.
 3. Never stall: ``put``/``get``/``lookup_prefix``/``delete`` return Futures at once; offloads wait in
    a bounded write-behind queue (``g3.write_queue_blocks``) and overflow is dropped and counted; loads
    past ``g3.load_timeout_s`` are misses.
