@@ -27,6 +27,16 @@ advisory lock (``PATH.lock``) so several worker processes on one host can share 
   rotation) reaches a running process within ``reload_every_s`` of being visible at ``path``. A file
   that stops loading (missing, unparsable, insecure mode, other KEK) fails closed: no key is served
   until it loads again.
+* **Reload on a missing key.** When a read needs a key this keyring does not hold (:meth:`read_key`:
+  a key id it does not know, e.g. a tenant another worker just created on its first write, or a key
+  version newer than the loaded one, e.g. rotated by another worker), or :meth:`write_key` is about to
+  refuse a tenant it does not know, the same check runs at once instead of waiting for
+  ``reload_every_s``, and the key is looked up once more. These on-miss checks are rate-limited to
+  one per ``miss_reload_min_s`` (default 0.1 s) per keyring, so a flood of blocks under keys that
+  really are absent (revoked, foreign) costs at most one ``stat`` (and one re-read if the file
+  changed) per interval; a key still absent afterwards is a miss as before. Nothing else changes: a
+  revoked tenant's keys are not in the file, so it stays refused; a file that does not load still
+  fails closed. :meth:`stats` counts loads and on-miss checks.
 * **Tenants are created explicitly** (:meth:`Keyring.create`, ``kvbm-backend keys create``), or on
   first write only when ``auto_create_tenants`` and the keyring is writable. A revoked tenant is never
   re-created implicitly: :meth:`write_key` raises :class:`TenantRevoked` until an explicit ``create``.
@@ -61,6 +71,7 @@ FORMAT = "kvbm-backend-keyring/1"
 KEY_BYTES = 32
 NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
 DEFAULT_ROTATE_AFTER = 2 ** 31
+DEFAULT_MISS_RELOAD_MIN_S = 0.1  # on-miss keyring checks: at most one per this many seconds per keyring
 UNKEYED_PSEUDONYM_KEY = b"kvbm-backend/unkeyed-tenant-pseudonym/v1"
 
 log = logging.getLogger(__name__)
@@ -267,6 +278,8 @@ class Keyring:
         persist_every_s: how often use counts are merged into the file (also at :meth:`close`).
         reload_every_s: the file is checked for changes at most this often (on use); the bound within
             which a revocation, rotation or new tenant reaches this process.
+        miss_reload_min_s: the least time between two on-miss checks (a read needs a key this keyring
+            does not hold: the file is checked at once, then the key looked up once more).
         read_only: never write (no lock file, no creation, no rotation; use counts in memory);
             None: read-only when the keyring's directory cannot be written (:func:`dir_is_read_only`).
         auto_create_tenants: :meth:`write_key` creates a data key for an unknown tenant (writable
@@ -275,14 +288,18 @@ class Keyring:
 
     def __init__(self, path: str | os.PathLike, provider: KeyProvider, *, create: bool = True,
                  rotate_after_uses: int = DEFAULT_ROTATE_AFTER, persist_every_s: float = 30.0,
-                 reload_every_s: float = 2.0, read_only: bool | None = None, auto_create_tenants: bool = True):
+                 reload_every_s: float = 2.0, read_only: bool | None = None, auto_create_tenants: bool = True,
+                 miss_reload_min_s: float = DEFAULT_MISS_RELOAD_MIN_S):
         if not 1 <= rotate_after_uses <= NIST_GCM_RANDOM_NONCE_LIMIT:
             raise KeyringError(f"rotate_after_uses: must be in [1, 2**32], got {rotate_after_uses}")
+        if not miss_reload_min_s >= 0:
+            raise KeyringError(f"miss_reload_min_s: must be >= 0, got {miss_reload_min_s}")
         self.path = Path(path)
         self.provider = provider
         self.rotate_after = rotate_after_uses
         self.persist_every_s = persist_every_s
         self.reload_every_s = reload_every_s
+        self.miss_reload_min_s = float(miss_reload_min_s)
         self.read_only = dir_is_read_only(self.path) if read_only is None else bool(read_only)
         self.auto_create_tenants = bool(auto_create_tenants)
         self._mu = threading.RLock()
@@ -295,6 +312,8 @@ class Keyring:
         self._error: str | None = None  # set while the file does not load: fail closed
         self._logged_errors: set[str] = set()
         self._last_check = 0.0
+        self._last_miss_check = float("-inf")
+        self._n = {"loads": 0, "miss_reloads": 0, "miss_reload_loads": 0, "miss_reloads_limited": 0}
         self._last_persist = time.monotonic()
         if self.path.exists():
             self._load()  # writers publish with an atomic rename: reading needs no lock
@@ -378,6 +397,7 @@ class Keyring:
         self._stamp = _stamp(st)
         self._error = None
         self._last_check = time.monotonic()
+        self._n["loads"] += 1
 
     def _write(self) -> None:
         """Atomic replace: unique temp in the same directory, fsync, rename, fsync the directory."""
@@ -420,25 +440,39 @@ class Keyring:
         self._delta = {}
         self._last_persist = time.monotonic()
 
-    def _maybe_reload(self) -> None:
-        """Re-read the file if it changed (checked at most every ``reload_every_s``). A file that does
-        not load fails closed (:attr:`error` set, no key served) and is retried on the next check."""
+    def _maybe_reload(self, *, on_miss: bool = False) -> bool:
+        """Re-read the file if it changed. Periodic (the default): checked at most every
+        ``reload_every_s``. ``on_miss`` (a key this keyring does not hold was asked for): checked now,
+        unless another on-miss check ran less than ``miss_reload_min_s`` ago. A file that does not load
+        fails closed (:attr:`error` set, no key served) and is retried on the next check. Returns True
+        when a new version of the file was loaded. Caller holds ``_mu``."""
         now = time.monotonic()
-        if now - self._last_check < self.reload_every_s:
-            return
+        if on_miss:
+            if now - self._last_miss_check < self.miss_reload_min_s:
+                self._n["miss_reloads_limited"] += 1
+                return False
+            self._last_miss_check = now
+            self._n["miss_reloads"] += 1
+        elif now - self._last_check < self.reload_every_s:
+            return False
         self._last_check = now
         try:
             changed = _stamp(self.path.stat()) != self._stamp
         except OSError:
             changed = True
         if not changed and self._error is None:
-            return
+            return False
         try:
             self._load()
         except KeyringError as e:
             self._fail(str(e))
+            return False
         except Exception as e:  # noqa: BLE001 - e.g. a KMS provider's error: fail closed, never raise here
             self._fail(f"keyring {self.path}: {type(e).__name__}: {e}")
+            return False
+        if on_miss:
+            self._n["miss_reload_loads"] += 1
+        return True
 
     def _fail(self, msg: str) -> None:
         self._error = msg
@@ -451,6 +485,13 @@ class Keyring:
     def error(self) -> str | None:
         """Why the keyring file does not load right now (None when it does)."""
         return self._error
+
+    def stats(self) -> dict[str, int]:
+        """Counters: ``loads`` (file versions read, the first included), ``miss_reloads`` (on-miss
+        checks run), ``miss_reload_loads`` (of those, the ones that found and loaded a new version),
+        ``miss_reloads_limited`` (on-miss checks skipped by the ``miss_reload_min_s`` rate limit)."""
+        with self._mu:
+            return dict(self._n)
 
     # ---- tenants ---------------------------------------------------------------------------
     def pseudonym(self, tenant: str) -> bytes:
@@ -581,6 +622,11 @@ class Keyring:
             if self._error is not None:
                 raise KeyringError(self._error)
             t = self._doc["tenants"].get(tenant)
+            if t is None and (self.read_only or not self.auto_create_tenants):
+                if self._maybe_reload(on_miss=True):
+                    t = self._doc["tenants"].get(tenant)  # created elsewhere since our last reload
+                elif self._error is not None:
+                    raise KeyringError(self._error)
             if t is None:
                 if self.pseudonym(tenant).hex() in self._doc.get("revoked", {}):
                     raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} (pseudonym) was "
@@ -610,14 +656,24 @@ class Keyring:
 
     def read_key(self, key_id: int, version: int, tenant: str | None = None) -> bytes | None:
         """The data key a frame names, or None if this keyring does not hold it (revoked/foreign), the
-        file does not load right now, or (with ``tenant``) the key id belongs to another tenant."""
+        file does not load right now, or (with ``tenant``) the key id belongs to another tenant.
+
+        A key not held as of the last reload triggers an on-miss check of the file (rate-limited,
+        ``miss_reload_min_s``) and one more look-up: a tenant created, or a version rotated, by another
+        process is served as soon as the file holding it is visible at ``path``."""
         with self._mu:
             self._maybe_reload()
             if self._error is not None:
                 return None
-            if tenant is not None and self._owner.get(int(key_id)) != tenant:
-                return None
-            return self._keys.get((int(key_id), int(version)))
+            key = self._held_key(key_id, version, tenant)
+            if key is None and self._maybe_reload(on_miss=True):  # True: a new version loaded
+                key = self._held_key(key_id, version, tenant)
+            return key
+
+    def _held_key(self, key_id: int, version: int, tenant: str | None) -> bytes | None:
+        if tenant is not None and self._owner.get(int(key_id)) != tenant:
+            return None
+        return self._keys.get((int(key_id), int(version)))
 
     def flush(self) -> None:
         """Merge in-memory use counts into the file (under the lock). Read-only keyrings keep them in

@@ -302,6 +302,7 @@ class G4Pool:
                   "pseudonym_keyed": self.keyring is not None, "namespace": self._fp,
                   "keyring_read_only": bool(self.keyring is not None and self.keyring.read_only),
                   "keyring_ok": bool(self.keyring is None or self.keyring.error is None),
+                  **({f"keyring_{k}": v for k, v in self.keyring.stats().items()} if self.keyring is not None else {}),
                   "breaker_state": self.breaker.state, "breaker_opens": self.breaker.opens,
                   "breaker_rejected": self.breaker.rejected,
                   "corrupt": sum(v for k, v in s.items() if k.startswith("corrupt_")),
