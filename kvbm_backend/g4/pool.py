@@ -609,7 +609,8 @@ class G4Pool:
                 if dkey is None:
                     if self.keyring is not None and self.keyring.key_owner(hdr.key_id) not in (None, key.tenant):
                         raise FrameError("key_owner", "sealed under another tenant's data key")
-                    return "miss_no_key"
+                    # revoked, or the file stopped loading, since _tenant_miss looked: count it as such
+                    return self._tenant_miss(key.tenant) or "miss_no_key"
                 with b.slot_mu[i]:
                     if b.closed:
                         return "miss_timeout"
