@@ -163,10 +163,14 @@ class G4Pool:
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future:
         """Offload blocks (1-D uint8 arrays of ``layout.bytes_per_block`` bytes). The future gives a
         :class:`PutResult`; storage trouble drops and counts, never raises. Raises ValueError at once
-        for mismatched lengths or wrong-sized buffers (caller bugs)."""
+        for mismatched lengths, wrong-sized buffers or a key of another namespace (caller bugs; G3 does
+        the same)."""
         keys, blocks = list(keys), list(blocks)
         if len(keys) != len(blocks):
             raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
+        for k in keys:
+            if k.namespace != self._fp:
+                raise ValueError(f"put: key namespace {k.namespace} is not this pool's namespace {self._fp}")
         for blk in blocks:
             if blk.nbytes != self._bpb:
                 raise ValueError(f"put: block buffer of {blk.nbytes} bytes, layout needs {self._bpb}")
@@ -307,7 +311,8 @@ class G4Pool:
                   "breaker_rejected": self.breaker.rejected,
                   "corrupt": sum(v for k, v in s.items() if k.startswith("corrupt_")),
                   "misses": sum(v for k, v in s.items() if k.startswith("miss_")),
-                  "dropped": sum(v for k, v in s.items() if k.startswith("dropped_"))})
+                  "dropped": sum(v for k, v in s.items() if k.startswith("dropped_")),
+                  "skipped": sum(v for k, v in s.items() if k.startswith("skipped_"))})
         for k in ("hits", "written", "skipped_exists", "bytes_written", "bytes_read"):
             s.setdefault(k, 0)
         return s

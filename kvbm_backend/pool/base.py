@@ -56,6 +56,21 @@ class GetResult:
         return n
 
 
+STATS_CONTRACT = {
+    "tier": "'G3' or 'G4'",
+    "namespace": "the pool's namespace fingerprint",
+    "hits": "blocks a get verified and delivered",
+    "misses": "blocks a get did not deliver (absent, foreign, corrupt, late, failed)",
+    "corrupt": "blocks found corrupt (dropped, never served)",
+    "written": "blocks a put made durable and published",
+    "skipped": "blocks a put did not write: already stored, or not admitted",
+    "dropped": "blocks a put could not store (queue full, no space, store down)",
+    "bytes_read": "payload bytes read from storage",
+    "bytes_written": "payload bytes written to storage",
+}
+"""The ``stats()`` keys every pool reports (tests/test_pool_conformance.py checks G3, G4-file and G4-S3)."""
+
+
 @runtime_checkable
 class BlockPool(Protocol):
     tier: str  # "G3" or "G4"
@@ -79,8 +94,14 @@ class BlockPool(Protocol):
     def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Remove blocks; the future gives how many were present."""
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every offload queued so far has finished (written, skipped or dropped). Returns
+        False when ``timeout`` seconds passed first; never raises for storage trouble."""
+
     def stats(self) -> dict:
-        """Counters and gauges (blocks, bytes, hits, misses, corrupt, dropped, ...)."""
+        """Counters and gauges. Every pool reports at least :data:`STATS_CONTRACT` under those names
+        (block counts since open, bytes, the tier and the namespace fingerprint); more keys are the
+        tier's own (G3: slots, files, evictions; G4: breaker, keyring)."""
 
     def close(self) -> None:
         """Flush or drop pending offloads (bounded), release files and threads."""

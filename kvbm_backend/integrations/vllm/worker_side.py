@@ -328,7 +328,7 @@ class WorkerSide:
         if snap:
             self._snapshot_sent = True
             fp = self.ns.fingerprint
-            keys = self.g3.keys() if hasattr(self.g3, "keys") else self._index_keys()
+            keys = self._index_keys()
             with self._lock:
                 # restored entries of tenants not seen since the restart are keyed by tag only: the
                 # mirror is keyed by tag, so they are reported too (and hits after a restart)
@@ -371,6 +371,7 @@ class WorkerSide:
         return gone
 
     def _index_keys(self) -> list:
+        """The G3 pool's published keys (``G3Pool.keys``: an index snapshot, no I/O)."""
         return self.g3.keys()
 
     def load_errors(self) -> set[int]:

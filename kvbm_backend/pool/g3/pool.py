@@ -374,19 +374,17 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
         self._update_gauges()
         return completed(n)
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until every queued offload is written and published (or dropped).
-
-        Raises:
-            TimeoutError: still pending after ``timeout`` seconds.
-        """
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued offload is written and published (or dropped). Returns False when
+        offloads are still pending after ``timeout`` seconds (the BlockPool contract: never raises)."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self._pending or self._writing:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"G3 flush: {self._pending} offload blocks still pending after {timeout} s")
+                    return False
                 self._cv.wait(left)
+        return True
 
     def close(self) -> None:
         """Write what is queued (bounded by ~``load_timeout_s`` + 10 s, the rest is dropped), then

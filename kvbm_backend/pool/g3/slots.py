@@ -124,6 +124,9 @@ class SlotsMixin:
                      "restored_blocks", "restore_dropped", "lookup_blocks", "lookup_hits", "deleted", "late_reads",
                      "device_loads", "device_hits", "sync_groups"):
             d[name] = c.get(name, 0)
+        # the names every pool reports (pool.base.STATS_CONTRACT)
+        d["written"], d["dropped"] = d["offloads_written"], d["offloads_dropped"]
+        d["skipped"] = d["offloads_skipped_present"] + d["offloads_skipped_admission"]
         d["dropped_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("dropped:")}
         d["misses_by_reason"] = {k[5:]: v for k, v in c.items() if k.startswith("miss:")}
         d["corrupt_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("corrupt:")}

@@ -1,0 +1,154 @@
+"""One contract, every pool: the :class:`~kvbm_backend.pool.base.BlockPool` protocol exercised the same way
+against G3 (local files), G4 on a ``file://`` store and G4 on SeaweedFS S3, through ``open_tiers`` as the
+integrations open them. A behaviour that differs between the tiers fails here, not in a caller's ``hasattr``.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvbm_backend.config import load_config
+from kvbm_backend.integrations.tiers import open_tiers
+from kvbm_backend.memory import aligned_empty
+from kvbm_backend.model.hashing import sequence_hashes
+from kvbm_backend.model.layout import KvLayout
+from kvbm_backend.model.namespace import Namespace
+from kvbm_backend.pool.base import STATS_CONTRACT, BlockPool, GetResult, PutResult
+
+LAYOUT = KvLayout(2, 2, 16, 64, "bfloat16")
+NS = Namespace("conformance/model", LAYOUT)
+OTHER = Namespace("conformance/other-model", LAYOUT)
+N = 6
+
+
+def _cfg(kind: str, tmp_path, seaweed=None):
+    g3 = {"enabled": kind == "g3", "paths": [str(tmp_path / "g3")], "capacity_gb": 0.05, "files_per_path": 1,
+          "admission": {"policy": "all"}}
+    g4 = {"enabled": kind != "g3", "encrypt": True, "keyring": {"path": str(tmp_path / "keyring.json")},
+          "timeout_s": 5.0}
+    if kind == "g4-file":
+        g4["url"] = f"file://{tmp_path / 'g4'}"
+    elif kind == "g4-s3":
+        g4.update(url=seaweed.url(f"conformance-{os.getpid()}-{tmp_path.name}"), endpoint_url=seaweed.endpoint)
+    return load_config({"g3": g3, "g4": g4}, use_env=False)
+
+
+@pytest.fixture(params=["g3", "g4-file", pytest.param("g4-s3", marks=pytest.mark.s3)])
+def pool(request, tmp_path):
+    seaweed = request.getfixturevalue("seaweed") if request.param == "g4-s3" else None
+    g3, g4 = open_tiers(_cfg(request.param, tmp_path, seaweed), NS)
+    p = g3 if request.param == "g3" else g4
+    assert p is not None and (g3 is None or g4 is None)
+    yield p
+    p.close()
+
+
+def _blocks(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        b = aligned_empty(LAYOUT.bytes_per_block)
+        b[:] = rng.integers(0, 256, LAYOUT.bytes_per_block, dtype=np.uint8)
+        out.append(b)
+    return out
+
+
+def _keys(ns: Namespace, n: int = N, start: int = 0):
+    return ns.keys(sequence_hashes(list(range(start, start + n * LAYOUT.page_size)), LAYOUT.page_size))
+
+
+def _empty(n: int, fill: int = 0xAB) -> list[np.ndarray]:
+    out = []
+    for _ in range(n):
+        b = aligned_empty(LAYOUT.bytes_per_block)
+        b[:] = fill
+        out.append(b)
+    return out
+
+
+def test_pool_is_a_blockpool_bound_to_its_namespace(pool):
+    assert isinstance(pool, BlockPool)
+    assert pool.tier in ("G3", "G4")
+    assert pool.namespace == NS and pool.layout == LAYOUT
+
+
+def test_put_then_lookup_and_get_round_trip(pool):
+    keys, data = _keys(NS), _blocks(N)
+    r = pool.put(keys, data).result(30)
+    assert isinstance(r, PutResult) and (r.written, r.dropped) == (N, 0)
+    assert pool.lookup_prefix(keys).result(10) == N
+    out = _empty(N)
+    g = pool.get(keys, out).result(30)
+    assert isinstance(g, GetResult) and g.ok == [True] * N and g.prefix_hits == N
+    assert all(np.array_equal(a, b) for a, b in zip(out, data))
+
+
+def test_a_second_put_of_the_same_blocks_is_skipped(pool):
+    keys, data = _keys(NS), _blocks(N)
+    assert pool.put(keys, data).result(30).written == N
+    r = pool.put(keys, data).result(30)
+    assert (r.written, r.skipped, r.dropped) == (0, N, 0)
+
+
+def test_absent_keys_are_misses_and_leave_buffers_untouched(pool):
+    keys = _keys(NS)
+    assert pool.put(keys[:3], _blocks(3)).result(30).written == 3
+    assert pool.lookup_prefix(keys).result(10) == 3
+    out = _empty(N)
+    g = pool.get(keys, out).result(30)
+    assert g.ok == [True] * 3 + [False] * 3 and g.prefix_hits == 3
+    assert all((b == 0xAB).all() for b in out[3:])
+
+
+def test_another_namespace_is_a_miss_never_served(pool):
+    keys, data = _keys(NS), _blocks(N)
+    assert pool.put(keys, data).result(30).written == N
+    foreign = _keys(OTHER)  # same token ids, another model's namespace
+    assert pool.lookup_prefix(foreign).result(10) == 0
+    out = _empty(N)
+    assert pool.get(foreign, out).result(30).ok == [False] * N
+    assert all((b == 0xAB).all() for b in out)
+
+
+def test_delete_counts_what_was_there(pool):
+    keys = _keys(NS)
+    assert pool.put(keys[:4], _blocks(4)).result(30).written == 4
+    assert pool.delete(keys).result(30) == 4
+    assert pool.lookup_prefix(keys).result(10) == 0
+    assert pool.get(keys[:1], _empty(1)).result(30).ok == [False]
+
+
+def test_stats_name_the_same_counters(pool):
+    keys = _keys(NS)
+    assert pool.put(keys[:2], _blocks(2)).result(30).written == 2
+    assert pool.put(keys[:2], _blocks(2)).result(30).skipped == 2
+    pool.get(keys, _empty(N)).result(30)
+    st = pool.stats()
+    assert isinstance(st, dict)
+    missing = set(STATS_CONTRACT) - set(st)
+    assert not missing, f"{pool.tier} stats() lacks {sorted(missing)}: {sorted(st)}"
+    assert (st["tier"], st["namespace"]) == (pool.tier, NS.fingerprint)
+    assert st["written"] == 2 and st["skipped"] == 2 and st["dropped"] == 0
+    assert st["hits"] == 2 and st["misses"] == N - 2 and st["corrupt"] == 0
+    assert st["bytes_written"] >= 2 * LAYOUT.bytes_per_block and st["bytes_read"] >= 2 * LAYOUT.bytes_per_block
+
+
+def test_flush_waits_for_queued_offloads_and_says_whether_it_finished(pool):
+    keys = _keys(NS)
+    fut = pool.put(keys, _blocks(N))  # not waited on
+    assert pool.flush(timeout=30) is True
+    assert fut.done() and fut.result().written == N
+    assert pool.lookup_prefix(keys).result(10) == N
+    assert pool.flush(timeout=0) is True  # nothing queued: done at once
+
+
+def test_a_put_for_another_namespace_stores_nothing(pool):
+    """A caller bug (a key of another model's namespace) never lands in this pool: refused with ValueError
+    naming both namespaces, before anything is queued."""
+    with pytest.raises(ValueError, match="namespace"):
+        pool.put(_keys(OTHER, 2), _blocks(2))
+    assert pool.flush(timeout=10) is True
+    assert pool.lookup_prefix(_keys(OTHER, 2)).result(10) == 0
+    assert pool.stats()["written"] == 0
