@@ -18,197 +18,20 @@ tier's timeout counts as a miss beyond what is already known.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from array import array
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...model.hashing import salt_bytes, salt_hash, sequence_hashes
 from ...model.namespace import Namespace
-from ...pool.base import BlockPool, completed
+from ...pool.base import BlockPool
 from . import handoff, stats
-from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
+from .g3_mirror import G3Mirror
+from .kv_events import G3KvEvents
+from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob
 
 log = logging.getLogger("kvbm_backend.connector")
-
-
-class G3Mirror:
-    """The scheduler's view of the worker's G3 index when the worker runs in another process.
-
-    Fed by :class:`KvbmWorkerMeta` reports (blocks published, blocks that failed to load, and a first
-    snapshot of the restored index). It can be stale only towards "present": a block the worker has
-    since evicted is planned, fails to load, is recomputed (never wrong KV) and reported removed.
-    """
-
-    tier = "G3"
-
-    def __init__(self, namespace: Namespace):
-        self.fp = namespace.fingerprint
-        self._keys: set[tuple[bytes, int, int]] = set()  # metadata.mirror_id: (tenant tag, rank, seq_hash)
-        self._lock = threading.Lock()
-        self.ready = False
-
-    def apply(self, meta: KvbmWorkerMeta) -> None:
-        with self._lock:
-            self._keys.difference_update(meta.removed)
-            self._keys.update(meta.added)
-            if meta.snapshot:
-                self.ready = True
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def lookup_prefix(self, keys) -> Future:
-        n = 0
-        with self._lock:
-            for k in keys:
-                if k.namespace != self.fp or mirror_id(k) not in self._keys:
-                    break
-                n += 1
-        return completed(n)
-
-    def stats(self) -> dict:
-        return {"tier": "G3", "mirror": True, "blocks": len(self._keys), "ready": self.ready}
-
-    def close(self) -> None:
-        return
-
-
-class G3KvEvents:
-    """G3 contents as vLLM KV events (``BlockStored`` / ``BlockRemoved``, ``medium="DISK"``), returned by
-    the connector's ``take_events`` and published by vLLM's scheduler with its own (``--kv-events-config``),
-    so Dynamo's KV router counts this worker's G3 blocks (its ``disk_blocks``; Dynamo maps the medium
-    ``"DISK"`` to its ``StorageTier::Disk``) and prefers the worker whose G3 holds a prompt's prefix.
-
-    Identity: the router matches a prompt on per-block token hashes it computes itself from the event's
-    ``token_ids`` and chains blocks by the event's ``block_hashes`` / ``parent_block_hash``; for the chain to
-    continue from the engine's own (GPU) events these are vLLM's block hashes of the same blocks, as vLLM
-    publishes them (``maybe_convert_block_hash``). G3 is keyed by KVBM sequence hashes, which vLLM's hashes
-    cannot be computed from (vLLM hashes with SHA-256 over CBOR, KVBM with xxh3), so the scheduler learns
-    ``(tenant tag, seq_hash) -> (vLLM hash, parent, tokens)`` from the requests whose blocks it saves or
-    finds in G3, and translates the worker's G3 index reports (:class:`KvbmWorkerMeta`, also sent in the
-    shared-pool mode when events are on): a block is published stored once every TP rank reports it present
-    (written and indexed), and removed when any rank reports it gone (evicted, dropped as corrupt, failed to
-    load). A block found again after a worker restart is published when a request first looks it up.
-    G4 is not published: it is shared by every worker, so per-worker events would credit one worker with what
-    all of them can load. Memory: per published block its vLLM hash and tokens (~4 bytes per token), kept
-    for removal and re-publishing; learned-but-unwritten entries are capped at ``max_pending``.
-    """
-
-    MEDIUM = "DISK"
-
-    def __init__(self, tp_world_size: int, block_size: int, kv_cache_spec: Any = None, max_pending: int = 1 << 18):
-        from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: F401 - fail early without vLLM
-        self.tp, self.bs = tp_world_size, block_size
-        self.kind = self.window = None
-        if kv_cache_spec is not None:
-            from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
-            self.kind = get_kv_cache_spec_kind(kv_cache_spec).value
-            self.window = get_kv_cache_spec_sliding_window(kv_cache_spec)
-        self.max_pending = max_pending
-        self._info: OrderedDict[tuple[bytes, int], tuple] = OrderedDict()  # learned, not yet published
-        self._ranks: dict[tuple[bytes, int], set[int]] = {}    # ranks whose G3 holds the block
-        self._published: dict[tuple[bytes, int], tuple] = {}   # -> what was published (for removal, re-publish)
-        self._events: list = []
-        self._lock = threading.Lock()
-
-    def learn(self, tenant: str, request: Any, seq_hashes: list[int], first: int, end: int) -> None:
-        """Blocks ``[first, end)`` of ``request`` (KVBM ``seq_hashes``) are, or are about to be, in G3."""
-        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash
-        from ...pool.g3.index import tag_of
-        vh = list(getattr(request, "block_hashes", None) or [])
-        toks = getattr(request, "all_token_ids", None) or []
-        lora = getattr(request, "lora_request", None)
-        tag = tag_of(tenant)
-        end = min(end, len(seq_hashes), len(vh), len(toks) // self.bs)
-        with self._lock:
-            for i in range(max(first, 0), end):
-                k = (tag, seq_hashes[i])
-                if k in self._published or k in self._info:
-                    continue
-                extra, _ = generate_block_hash_extra_keys(request, i * self.bs, (i + 1) * self.bs, 0)
-                self._info[k] = (maybe_convert_block_hash(vh[i]), maybe_convert_block_hash(vh[i - 1]) if i else None,
-                                 array("I", toks[i * self.bs:(i + 1) * self.bs]), extra,
-                                 getattr(lora, "adapter_id", None), getattr(lora, "name", None))
-                self._maybe_store(k)
-            while len(self._info) > self.max_pending:  # learned but never written (dropped offloads)
-                self._info.popitem(last=False)
-
-    def apply(self, meta: Any) -> None:
-        """A worker's G3 index report (``(tenant tag, rank, seq_hash)`` entries added / removed)."""
-        with self._lock:
-            for tag, rank, seq in meta.removed:
-                k = (tag, seq)
-                r = self._ranks.get(k)
-                if r is not None:
-                    r.discard(rank)
-                    if not r:
-                        del self._ranks[k]
-                info = self._published.pop(k, None)
-                if info is not None:
-                    self._emit_removed(info[0])
-            for tag, rank, seq in meta.added:
-                k = (tag, seq)
-                self._ranks.setdefault(k, set()).add(rank)
-                self._maybe_store(k)
-
-    def _maybe_store(self, k) -> None:
-        if k in self._published or len(self._ranks.get(k, ())) < self.tp or k not in self._info:
-            return
-        info = self._published[k] = self._info.pop(k)
-        self._emit_stored(info)
-
-    def _emit_stored(self, info: tuple) -> None:
-        from vllm.distributed.kv_events import BlockStored
-        from vllm.v1.core.kv_cache_utils import to_event_extra_keys
-        h, parent, toks, extra, lora_id, lora_name = info
-        toks = list(toks)
-        ek = to_event_extra_keys([extra])[0] if extra is not None else None
-        last = self._events[-1] if self._events else None
-        if isinstance(last, BlockStored) and last.block_hashes[-1] == parent and last.lora_name == lora_name:
-            if ek is not None and last.extra_keys is None:
-                last.extra_keys = [None] * len(last.block_hashes)
-            if last.extra_keys is not None:
-                last.extra_keys.append(ek)
-            last.block_hashes.append(h)  # one event per run of consecutive blocks
-            last.token_ids.extend(toks)
-            return
-        self._events.append(BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=toks,
-                                        block_size=self.bs, lora_id=lora_id, medium=self.MEDIUM, lora_name=lora_name,
-                                        extra_keys=[ek] if ek is not None else None,
-                                        group_idx=0, kv_cache_spec_kind=self.kind,
-                                        kv_cache_spec_sliding_window=self.window, locality="LOCAL"))
-
-    def _emit_removed(self, h) -> None:
-        from vllm.distributed.kv_events import BlockRemoved
-        last = self._events[-1] if self._events else None
-        if isinstance(last, BlockRemoved):
-            last.block_hashes.append(h)
-            return
-        self._events.append(BlockRemoved(block_hashes=[h], medium=self.MEDIUM, group_idx=0, locality="LOCAL"))
-
-    def republish(self) -> None:
-        """Publish every block G3 holds again: vLLM's ``AllBlocksCleared`` (a reset of the engine's prefix
-        cache, e.g. Dynamo's ``clear_kv_blocks``) makes Dynamo's router forget the worker's blocks in every
-        tier, G3's included. Queued after the engine's own events of the step, so they follow the clear."""
-        with self._lock:
-            for info in self._published.values():
-                self._emit_stored(info)
-        stats.add(kv_events_republished=1)
-
-    def take(self) -> list:
-        with self._lock:
-            ev, self._events = self._events, []
-        if ev:
-            stats.add(kv_events_stored_blocks=sum(len(e.block_hashes) for e in ev if type(e).__name__ == "BlockStored"),
-                      kv_events_removed_blocks=sum(len(e.block_hashes) for e in ev if type(e).__name__ == "BlockRemoved"))
-        return ev
-
-    def published(self) -> int:
-        return len(self._published)
 
 
 class _Lookup:
