@@ -22,6 +22,11 @@ Per size, per index:
 - ``table_grow_s`` (compact): one rebuild of the hash table at twice its size, what a ``put`` that
   crosses a power of two pays once (under the pool lock).
 
+``mirror``: the scheduler's G3 mirror (:class:`~kvbm_backend.integrations.vllm.g3_mirror.G3Mirror`, 64-bit
+fingerprints in a numpy hash set) at the same sizes: ``bytes_per_block`` (its table's ``nbytes`` / blocks),
+``apply_s`` (the snapshot applied as 1M-entry reports: fingerprinting and table growth included, building
+the reports not) and ``prefix_lookup_ms`` (``lookup_prefix`` of the same 8192-key prefixes, all present).
+
 Keys: random 64-bit sequence hashes, 8 tenants (one of them ``""``, the rest restored as tag entries),
 rank 0, 8 files. Times are wall-clock (``perf_counter``), on whatever else the machine runs.
 """
@@ -154,15 +159,54 @@ def _ordered(d, n: int) -> dict:
     return out
 
 
+class _Ns:
+    fingerprint = NS
+
+
+def _mirror(d, n: int) -> dict:
+    from ..integrations.vllm.g3_mirror import G3Mirror  # imports vLLM (metadata classes): only here
+    from ..integrations.vllm.metadata import KvbmWorkerMeta
+    tags = [tenant_tag(t) for t in TENANTS]
+    m = G3Mirror(_Ns())
+    apply_s = 0.0
+    for a in range(0, n, 1_000_000):
+        b = min(n, a + 1_000_000)
+        meta = KvbmWorkerMeta(added=[(tags[t], 0, s) for t, s in
+                                     zip(d["tenant"][a:b].tolist(), d["seqs"][a:b].tolist())], snapshot=a == 0)
+        t0 = time.perf_counter()
+        m.apply(meta)
+        apply_s += time.perf_counter() - t0
+        del meta
+    if len(m) != n:
+        raise RuntimeError(f"index bench: mirror holds {len(m)} of {n}")
+    times = []
+    for keys in _prefixes(d, n, np.random.default_rng(1)):
+        t0 = time.perf_counter()
+        got = m.lookup_prefix(keys).result()
+        times.append(time.perf_counter() - t0)
+        if got != len(keys):
+            raise RuntimeError(f"index bench: mirror prefix lookup found {got} of {len(keys)}")
+    times.sort()
+    st = m.stats()
+    return {"entries": n, "bytes_per_block": round(st["bytes"] / n, 2), "array_bytes": st["bytes"],
+            "apply_s": round(apply_s, 3),
+            "prefix_lookup_ms": {"median": round(statistics.median(times) * 1e3, 4),
+                                 "p99": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 4),
+                                 "max": round(times[-1] * 1e3, 4)}}
+
+
 def run(opts: BenchOptions) -> dict:
     """Returns the JSON-able result (see the module docstring); sizes from ``opts.blocks``."""
     sizes = [1_000_000, 10_000_000] if opts.blocks == 256 else [int(opts.blocks)]
     d = _data(max(sizes))
     res = {"tier": "index", "namespace_entries": "one namespace, 8 tenants, rank 0",
            "memory_method": "tracemalloc (traced bytes after build minus before)", "prefix_blocks": PREFIX,
-           "cpu_count": os.cpu_count(), "compact": {}, "ordereddict": {}}
+           "cpu_count": os.cpu_count(), "compact": {}, "ordereddict": {}, "mirror": {}}
     for n in sizes:
         res["compact"][str(n)] = _compact(d, n)
+        gc.collect()
+    for n in sizes:
+        res["mirror"][str(n)] = _mirror(d, n)
         gc.collect()
     for n in sizes:
         if n <= OLD_MAX:
