@@ -34,6 +34,24 @@ def namespace() -> Namespace:
     return Namespace("kvbm-test/tiny", resolve_layout("tiny"))
 
 
+def put_blocks(pool, seqs, tenant):
+    """Put the :func:`payload` blocks of ``seqs`` for ``tenant``; the PutResult."""
+    ns = namespace()
+    return pool.put(ns.keys(seqs, tenant=tenant), [payload(s, tenant, ns.layout.bytes_per_block) for s in seqs]
+                    ).result(timeout=30)
+
+
+def read_checked(pool, seqs, tenant) -> list[bool]:
+    """Get ``seqs`` for ``tenant``; ``ok`` per block, asserting every block served holds its :func:`payload`."""
+    ns = namespace()
+    out = [np.zeros(ns.layout.bytes_per_block, np.uint8) for _ in seqs]
+    ok = pool.get(ns.keys(seqs, tenant=tenant), out).result(timeout=30).ok
+    for o, b, s in zip(ok, out, seqs):
+        if o:
+            assert np.array_equal(b, payload(s, tenant, ns.layout.bytes_per_block)), "wrong bytes served"
+    return ok
+
+
 def main(spec: dict) -> dict:
     if spec["mode"] == "race":
         store = open_store(spec["url"], endpoint_url=spec.get("endpoint_url"))

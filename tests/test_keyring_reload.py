@@ -13,11 +13,10 @@ import secrets
 import time
 import types
 
-import numpy as np
 import pytest
 
 import kvbm_backend.crypto.keyring as keyring_mod
-from g4_writer import namespace, payload
+from g4_writer import namespace, payload, put_blocks, read_checked
 from kvbm_backend.config import G4Config
 from kvbm_backend.crypto.aead import new_nonce, seal_into
 from kvbm_backend.crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenant, provider_for
@@ -39,20 +38,7 @@ def _pool(cfg) -> G4Pool:
     return G4Pool(G4Config(**cfg), namespace())
 
 
-def _put(pool, seqs, tenant):
-    ns = namespace()
-    return pool.put(ns.keys(seqs, tenant=tenant), [payload(s, tenant, ns.layout.bytes_per_block) for s in seqs]
-                    ).result(timeout=30)
-
-
-def _read(pool, seqs, tenant) -> list[bool]:
-    ns = namespace()
-    out = [np.zeros(ns.layout.bytes_per_block, np.uint8) for _ in seqs]
-    ok = pool.get(ns.keys(seqs, tenant=tenant), out).result(timeout=30).ok
-    for o, b, s in zip(ok, out, seqs):
-        if o:
-            assert np.array_equal(b, payload(s, tenant, ns.layout.bytes_per_block)), "wrong bytes served"
-    return ok
+_put, _read = put_blocks, read_checked
 
 
 class _Clock:

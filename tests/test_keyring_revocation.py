@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from g4_writer import namespace, payload
+from g4_writer import namespace, put_blocks, read_checked
 from kvbm_backend.cli import app
 from kvbm_backend.config import G4Config, KeyringConfig
 from kvbm_backend.crypto.aead import new_nonce, seal_into
@@ -45,20 +45,7 @@ def _pool(kw, **keyring_over) -> G4Pool:
     return G4Pool(G4Config(**d), namespace())
 
 
-def _put(pool, seqs, tenant):
-    ns = namespace()
-    return pool.put(ns.keys(seqs, tenant=tenant), [payload(s, tenant, ns.layout.bytes_per_block) for s in seqs]
-                    ).result(timeout=30)
-
-
-def _read(pool, seqs, tenant) -> list[bool]:
-    ns = namespace()
-    out = [np.zeros(ns.layout.bytes_per_block, np.uint8) for _ in seqs]
-    ok = pool.get(ns.keys(seqs, tenant=tenant), out).result(timeout=30).ok
-    for o, b, s in zip(ok, out, seqs):
-        if o:
-            assert np.array_equal(b, payload(s, tenant, ns.layout.bytes_per_block)), "wrong bytes served"
-    return ok
+_put, _read = put_blocks, read_checked
 
 
 def _operator(path) -> Keyring:
