@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..pool.deadlines import Deadlines
+from ..pool.deadlines import Deadline, Deadlines
 from ..crypto.aead import AeadError, new_nonce, open_into, seal_into
 from ..crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError, TenantRevoked, UnknownTenant
 from ..model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader, accept,
@@ -290,10 +290,10 @@ class G4Pool:
         Returns False if ``timeout`` seconds passed first."""
         with self._mu:
             futs = list(self._put_futures)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        end = Deadline(timeout)
         for f in futs:
             try:
-                f.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                f.result(end.left())
             except Exception:  # noqa: BLE001 - TimeoutError
                 return False
         return True

@@ -1,4 +1,9 @@
-"""One thread that calls ``fn()`` at deadlines: load timeouts of G3 and G4 without a thread per request."""
+"""Deadlines, one implementation for the whole project.
+
+:class:`Deadline`: a point in ``time.monotonic()`` time with the seconds left to it -- every bounded wait
+(flush, load, lookup, close) computes what it may still wait with it. :class:`Deadlines`: one thread that
+calls ``fn()`` at deadlines -- load timeouts of G3 and G4 without a thread per request.
+"""
 from __future__ import annotations
 
 import heapq
@@ -8,6 +13,28 @@ import threading
 import time
 
 log = logging.getLogger(__name__)
+
+
+class Deadline:
+    """A deadline ``timeout_s`` seconds from now (``None``: never).
+
+    Args:
+        timeout_s: seconds from now (>= 0 is meaningful; a negative value is already expired), or None.
+    """
+
+    __slots__ = ("at",)
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.at = None if timeout_s is None else time.monotonic() + timeout_s  # monotonic seconds
+
+    def left(self) -> float | None:
+        """Seconds left, never negative (0.0 once passed); None for no deadline. The value to pass as
+        ``timeout=`` to ``Future.result`` / ``Condition.wait`` / ``Thread.join``."""
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+    def expired(self) -> bool:
+        """True once the deadline has passed (never for None)."""
+        return self.at is not None and time.monotonic() >= self.at
 
 
 class Deadlines:

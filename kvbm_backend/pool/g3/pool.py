@@ -59,7 +59,7 @@ from ...model.frame import ChecksumFrames
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace
 from ..base import GetResult, PutResult, completed, is_tensor_batch
-from ..deadlines import Deadlines
+from ..deadlines import Deadline, Deadlines
 from . import journal as jr
 from .admission import make_admission
 from .compact_index import CompactLruIndex
@@ -377,13 +377,12 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued offload is written and published (or dropped). Returns False when
         offloads are still pending after ``timeout`` seconds (the BlockPool contract: never raises)."""
-        end = None if timeout is None else time.monotonic() + timeout
+        end = Deadline(timeout)
         with self._cv:
             while self._pending or self._writing:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
+                if end.expired():
                     return False
-                self._cv.wait(left)
+                self._cv.wait(end.left())
         return True
 
     def close(self) -> None:
@@ -400,13 +399,13 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
             self._queue.clear()
         for job in jobs:  # writer did not get to them in time
             self._finish_job_dropped(job, "closed")
-        end = time.monotonic() + self.cfg.load_timeout_s + 10
+        end = Deadline(self.cfg.load_timeout_s + 10)
         with self._cv:  # pieces still being written or synced settle first
-            while self._writing and time.monotonic() < end:
-                self._cv.wait(max(0.0, end - time.monotonic()))
+            while self._writing and not end.expired():
+                self._cv.wait(end.left())
             self._stop_sync = True
             self._cv.notify_all()
-        self._syncer.join(timeout=max(0.0, end - time.monotonic()) + 1)
+        self._syncer.join(timeout=end.left() + 1)
         self._deadlines.close()
         self._device_exec.shutdown(wait=True)
         with self._device_lock:
