@@ -23,6 +23,7 @@ from kvbm_backend.model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, HEADER_BYTES,
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace, tenant_tag
 from kvbm_backend.pool.base import SlotLease
+from kvbm_backend.transfer import contiguous_runs
 
 LAYOUT = KvLayout(num_layers=2, outer_dim=2, page_size=4, inner_dim=96, dtype="bfloat16")  # 3072 B/block
 NS = Namespace(model="test/gpu-path", revision="r1", layout=LAYOUT, tp_world_size=1)
@@ -99,8 +100,9 @@ def test_runs_merge_adjacent_slots_only(tmp_path):
     k = NS.key(1)
     locs = [SlotLease(k, "a", 0, SLOT), SlotLease(k, "a", SLOT, SLOT), SlotLease(k, "a", 5 * SLOT, SLOT),
             SlotLease(k, "b", 6 * SLOT, SLOT), SlotLease(k, "b", 7 * SLOT, SLOT), SlotLease(k, "b", 8 * SLOT, SLOT)]
-    assert DeviceLoader._runs(locs) == [(0, 2), (2, 1), (3, 3)]
-    assert DeviceLoader._runs(locs, max_rows=2) == [(0, 2), (2, 1), (3, 2), (5, 1)]  # one read per io_bytes
+    spans = [(x.path, x.offset, x.slot_len) for x in locs]  # what the loader plans its reads over
+    assert contiguous_runs(spans) == [(0, 2), (2, 1), (3, 3)]
+    assert contiguous_runs(spans, max_bytes=2 * SLOT) == [(0, 2), (2, 1), (3, 2), (5, 1)]  # one read per io_bytes
 
 
 @pytest.mark.parametrize("depth", [2, 3, 6])
