@@ -127,6 +127,26 @@ def test_reads_are_cut_into_io_sized_pieces_and_passes_pipelined(tmp_path, depth
         DeviceLoader(src, LAYOUT, "cpu", depth=1)
 
 
+def test_loader_staging_comes_from_the_one_buffer_pool_and_goes_back(tmp_path):
+    """The staging ring's host buffers are taken from the process-wide BufferPool (one per ring slot,
+    grown ones given back at once) and all given back on close."""
+    from kvbm_backend.gpu.staging import host_staging_pool
+    bp = host_staging_pool(False)  # the CPU device: "host" memory; CUDA: "pinned"
+    keys = NS.keys(range(500, 506))
+    pays = _blocks(6, seed=3)
+    src = FileSlots(tmp_path / "slab", keys, pays)
+    ld = DeviceLoader(src, LAYOUT, "cpu", staging_bytes=3 * SLOT, depth=2)
+    b0 = bp.stats()
+    assert ld.load(keys[:2], _dst(2)) == [True] * 2  # one pass of 2 rows: ring slot 0
+    dst = _dst(6)
+    assert ld.load(keys, dst) == [True] * 6  # 2 passes of 3 rows: slot 0 grown, slot 1 new
+    assert all(np.array_equal(d.numpy(), p) for d, p in zip(dst, pays))
+    b1 = bp.stats()
+    assert (b1["allocated"] + b1["reused"]) - (b0["allocated"] + b0["reused"]) == 3
+    ld.close()
+    assert bp.stats()["kept_bytes"] - b1["kept_bytes"] == 2 * 3 * SLOT
+
+
 def test_bounce_reads_use_o_direct_where_the_filesystem_takes_it(tmp_path):
     """The host/bounce path reads slab files with O_DIRECT when the filesystem takes it (the storage's
     own rate, no page-cache copy), else buffered; the bytes are the same either way."""

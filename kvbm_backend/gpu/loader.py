@@ -285,23 +285,28 @@ class DeviceLoader(PassReads, PassVerify):
         inflight: deque = deque()
         t0 = time.perf_counter()
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else _null()
-        with ctx:
-            for k, (rows, slot_len) in enumerate(passes):
-                if len(inflight) == self.depth:  # the ring slot of pass k - depth is free after this
+        try:
+            with ctx:
+                for k, (rows, slot_len) in enumerate(passes):
+                    if len(inflight) == self.depth:  # the ring slot of pass k - depth is free after this
+                        self._finish(inflight.popleft(), keys, dst, why, deadline)
+                    ring = k % self.depth
+                    staging, host = self._buffers(ring, len(rows), slot_len)
+                    cur = _Pass(rows, [leases[i] for i in rows], slot_len, staging, host, ring, [],
+                                ["io_error"] * len(rows))
+                    if not deadline.expired():
+                        self._submit(cur)
+                    else:
+                        cur.status = ["timeout"] * len(rows)
+                        self.counters["timeout"] += len(rows)
+                    self.counters["passes"] += 1
+                    inflight.append(cur)
+                while inflight:
                     self._finish(inflight.popleft(), keys, dst, why, deadline)
-                ring = k % self.depth
-                staging, host = self._buffers(ring, len(rows), slot_len)
-                cur = _Pass(rows, [leases[i] for i in rows], slot_len, staging, host, ring, [],
-                            ["io_error"] * len(rows))
-                if not deadline.expired():
-                    self._submit(cur)
-                else:
-                    cur.status = ["timeout"] * len(rows)
-                    self.counters["timeout"] += len(rows)
-                self.counters["passes"] += 1
-                inflight.append(cur)
-            while inflight:
-                self._finish(inflight.popleft(), keys, dst, why, deadline)
+        except BaseException:  # passes still in flight: their buffers must never be handed out again
+            for p in inflight:
+                self._abandoned.append(([f for _, _, f in p.futs], self._ring.pop(p.ring, None)))
+            raise
         self.counters["load_s"] += time.perf_counter() - t0
 
     def _finish(self, p: _Pass, keys, dst, why, deadline: Deadline) -> None:
