@@ -176,6 +176,14 @@ class BufferPool:
                 self._free.setdefault(n, []).append(buf)
                 self._kept += n
 
+    def raise_keep(self, keep_bytes: int) -> int:
+        """Raise the cap on kept free buffers to at least ``keep_bytes`` (bytes; never lowers it: a pool
+        shared by several users keeps what the most demanding one asked for). Returns the cap now.
+        Thread-safe."""
+        with self._lock:
+            self.keep_bytes = max(self.keep_bytes, int(keep_bytes))
+            return self.keep_bytes
+
     @contextmanager
     def lend(self, nbytes: int) -> Iterator[np.ndarray]:
         """:meth:`take` as a context manager: the buffer is given back on exit."""

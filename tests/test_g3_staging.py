@@ -3,7 +3,7 @@ and a change of the sizes in use does not leave the free list full of stale size
 from __future__ import annotations
 
 from kvbm_backend.memory import HUGE
-from kvbm_backend.pool.g3.staging import StagingPool, populated
+from kvbm_backend.pool.g3.staging import populated, staging_pool
 
 
 def test_populated_is_huge_page_aligned_and_writable():
@@ -14,7 +14,7 @@ def test_populated_is_huge_page_aligned_and_writable():
 
 
 def test_reuse_and_stale_sizes_released_over_cap():
-    pool = StagingPool(keep_bytes=4 << 20)
+    pool = staging_pool(keep_bytes=4 << 20)
     a = pool.take(2 << 20)
     b = pool.take(2 << 20)
     pool.give(a)

@@ -23,6 +23,7 @@ from kvbm_backend.model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, HEADER_BYTES,
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace, tenant_tag
 from kvbm_backend.pool.base import SlotLease
+from kvbm_backend.transfer import contiguous_runs
 
 LAYOUT = KvLayout(num_layers=2, outer_dim=2, page_size=4, inner_dim=96, dtype="bfloat16")  # 3072 B/block
 NS = Namespace(model="test/gpu-path", revision="r1", layout=LAYOUT, tp_world_size=1)
@@ -99,8 +100,9 @@ def test_runs_merge_adjacent_slots_only(tmp_path):
     k = NS.key(1)
     locs = [SlotLease(k, "a", 0, SLOT), SlotLease(k, "a", SLOT, SLOT), SlotLease(k, "a", 5 * SLOT, SLOT),
             SlotLease(k, "b", 6 * SLOT, SLOT), SlotLease(k, "b", 7 * SLOT, SLOT), SlotLease(k, "b", 8 * SLOT, SLOT)]
-    assert DeviceLoader._runs(locs) == [(0, 2), (2, 1), (3, 3)]
-    assert DeviceLoader._runs(locs, max_rows=2) == [(0, 2), (2, 1), (3, 2), (5, 1)]  # one read per io_bytes
+    spans = [(x.path, x.offset, x.slot_len) for x in locs]  # what the loader plans its reads over
+    assert contiguous_runs(spans) == [(0, 2), (2, 1), (3, 3)]
+    assert contiguous_runs(spans, max_bytes=2 * SLOT) == [(0, 2), (2, 1), (3, 2), (5, 1)]  # one read per io_bytes
 
 
 @pytest.mark.parametrize("depth", [2, 3, 6])
@@ -123,6 +125,26 @@ def test_reads_are_cut_into_io_sized_pieces_and_passes_pipelined(tmp_path, depth
     ld.close()
     with pytest.raises(ValueError, match="depth"):
         DeviceLoader(src, LAYOUT, "cpu", depth=1)
+
+
+def test_loader_staging_comes_from_the_one_buffer_pool_and_goes_back(tmp_path):
+    """The staging ring's host buffers are taken from the process-wide BufferPool (one per ring slot,
+    grown ones given back at once) and all given back on close."""
+    from kvbm_backend.gpu.staging import host_staging_pool
+    bp = host_staging_pool(False)  # the CPU device: "host" memory; CUDA: "pinned"
+    keys = NS.keys(range(500, 506))
+    pays = _blocks(6, seed=3)
+    src = FileSlots(tmp_path / "slab", keys, pays)
+    ld = DeviceLoader(src, LAYOUT, "cpu", staging_bytes=3 * SLOT, depth=2)
+    b0 = bp.stats()
+    assert ld.load(keys[:2], _dst(2)) == [True] * 2  # one pass of 2 rows: ring slot 0
+    dst = _dst(6)
+    assert ld.load(keys, dst) == [True] * 6  # 2 passes of 3 rows: slot 0 grown, slot 1 new
+    assert all(np.array_equal(d.numpy(), p) for d, p in zip(dst, pays))
+    b1 = bp.stats()
+    assert (b1["allocated"] + b1["reused"]) - (b0["allocated"] + b0["reused"]) == 3
+    ld.close()
+    assert bp.stats()["kept_bytes"] - b1["kept_bytes"] == 2 * 3 * SLOT
 
 
 def test_bounce_reads_use_o_direct_where_the_filesystem_takes_it(tmp_path):

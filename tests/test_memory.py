@@ -87,3 +87,14 @@ def test_lend_gives_back_on_error_and_threads_never_share_a_buffer():
 def test_bad_arguments_name_the_field(kw, field):
     with pytest.raises(ValueError, match=f"BufferPool.{field}"):
         BufferPool(**kw)
+
+
+def test_raise_keep_only_grows_the_cap_and_keeps_more():
+    bp = BufferPool("host", keep_bytes=4096)
+    assert bp.raise_keep(2 * 4096) == 2 * 4096
+    assert bp.raise_keep(4096) == 2 * 4096 and bp.keep_bytes == 2 * 4096  # never lowered
+    a, b = bp.take(4096), bp.take(4096)
+    bp.give(a)
+    bp.give(b)  # both kept under the raised cap
+    assert bp.stats()["kept_bytes"] == 2 * 4096
+    assert {bp.take(4096).ctypes.data, bp.take(4096).ctypes.data} == {a.ctypes.data, b.ctypes.data}

@@ -192,3 +192,46 @@ def test_slot_extent_and_header_extents():
     hdrs = aligned_empty(2 * K4)
     ext = header_extents([(0, 4), (1, 2)], hdrs, 8 * K4, K4, {0: 3, 1: 4}.__getitem__)
     assert [(x.fd, x.offset, x.nbytes) for x in ext] == [(3, 32 * K4, K4), (4, 16 * K4, K4)]
+
+
+# ---- device-loader planning (transfer/slots.py): leased slots -> runs (reads) and passes ---------------
+def test_contiguous_runs_merge_adjacent_spans_of_one_file_only():
+    from kvbm_backend.transfer import contiguous_runs
+    slot = 9 * K4
+    spans = [("a", 0, slot), ("a", slot, slot), ("a", 5 * slot, slot),  # gap after the second
+             ("b", 6 * slot, slot), ("b", 7 * slot, slot), ("b", 8 * slot, slot), ("a", 9 * slot, slot)]
+    assert contiguous_runs(spans) == [(0, 2), (2, 1), (3, 3), (6, 1)]  # another file never continues a run
+    assert contiguous_runs(spans, max_bytes=2 * slot) == [(0, 2), (2, 1), (3, 2), (5, 1), (6, 1)]
+    assert contiguous_runs(spans, max_bytes=slot // 2) == [(i, 1) for i in range(7)]  # >= one span per run
+    assert contiguous_runs([]) == []
+    # spans of other lengths: adjacency is by bytes, the cut by the run's bytes
+    assert contiguous_runs([(0, 0, K4), (0, K4, 3 * K4), (0, 4 * K4, K4), (0, 6 * K4, K4)],
+                           max_bytes=4 * K4) == [(0, 2), (2, 1), (3, 1)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_contiguous_runs_cover_every_span_once_and_match_staged_extents(seed):
+    from kvbm_backend.transfer import contiguous_runs, staged_run_extents
+    rng = np.random.default_rng(seed)
+    slot = 3 * K4
+    slots = [(int(rng.integers(0, 2)), int(rng.integers(0, 6))) for _ in range(int(rng.integers(1, 30)))]
+    spans = [(fi, si * slot, slot) for fi, si in slots]
+    cap = int(rng.integers(1, 5)) * slot
+    runs = contiguous_runs(spans, max_bytes=cap)
+    assert [j for f, c in runs for j in range(f, f + c)] == list(range(len(slots)))
+    for f, c in runs:
+        assert c == 1 or c * slot <= cap
+        assert all(slots[j][0] == slots[f][0] and slots[j][1] == slots[f][1] + j - f for j in range(f, f + c))
+    # staged_run_extents uses the same run rule (uncut)
+    ext = staged_run_extents(slots, aligned_empty(len(slots) * slot), slot, 1 << 30, lambda fi: fi)
+    assert [(e.fd, e.offset, e.nbytes) for e in ext] == [
+        (slots[f][0], slots[f][1] * slot, c * slot) for f, c in contiguous_runs(spans)]
+
+
+def test_group_passes_one_slot_length_each_bounded_by_staging():
+    from kvbm_backend.transfer import group_passes
+    rows = [(0, 8 * K4), (1, 8 * K4), (2, 4 * K4), (3, 8 * K4), (4, 4 * K4), (5, 8 * K4)]
+    assert group_passes(rows, 16 * K4) == [([0, 1], 8 * K4), ([3, 5], 8 * K4), ([2, 4], 4 * K4)]
+    assert group_passes(rows, K4) == [([0], 8 * K4), ([1], 8 * K4), ([3], 8 * K4), ([5], 8 * K4),
+                                      ([2], 4 * K4), ([4], 4 * K4)]  # a pass holds at least one row
+    assert group_passes([], K4) == []

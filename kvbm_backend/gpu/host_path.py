@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from ..model.namespace import BlockKey
+from .staging import host_staging_pool, take_rows
 
 
 def _torch():
@@ -22,11 +23,14 @@ def _torch():
 
 
 def _host_staging(n: int, nbytes: int, device):
-    """uint8 ``[n, nbytes]`` host tensor, pinned when the device is CUDA (4 KiB aligned rows when
-    ``nbytes`` is a 4 KiB multiple: pinned allocations are page aligned)."""
-    torch = _torch()
-    pin = torch.device(device).type == "cuda"
-    return torch.empty((n, nbytes), dtype=torch.uint8, pin_memory=pin)
+    """``(buf, rows)``: uint8 ``[n, nbytes]`` host rows from the staging pool (:mod:`.staging`),
+    pinned when the device is CUDA (4 KiB aligned rows when ``nbytes`` is a 4 KiB multiple); ``buf``
+    goes back with :func:`_give_staging` once nothing reads or writes the rows any more."""
+    return take_rows(host_staging_pool(_torch().device(device).type == "cuda"), n, nbytes)
+
+
+def _give_staging(buf: np.ndarray, device) -> None:
+    host_staging_pool(_torch().device(device).type == "cuda").give(buf)
 
 
 def check_dst(dst, nbytes: int, device) -> None:
@@ -71,27 +75,27 @@ def load_via_host(pool, keys: Sequence[BlockKey], dst: Sequence, *, timeout_s: f
     bpb = pool.layout.bytes_per_block
     device = dst[0].device
     check_dst(dst, bpb, device)
-    host = _host_staging(n, bpb, device)
+    buf, host = _host_staging(n, bpb, device)
     host_np = host.numpy()
     try:
         res = pool.get(list(keys), [host_np[r] for r in range(n)]).result(timeout=timeout_s)
         ok = [bool(x) for x in res.ok] + [False] * (n - len(res.ok))
     except Exception:  # noqa: BLE001 - storage trouble or late: misses (the pool logged and counted)
-        return [False] * n
-    if not any(ok):
-        return ok
-    if device.type == "cuda":
-        stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
-            dev_stage = host.to(device, non_blocking=True)  # the one H2D copy
+        return [False] * n  # the staging is not given back: a late read may still write into it
+    if any(ok):
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                dev_stage = host.to(device, non_blocking=True)  # the one H2D copy
+                for r in range(n):
+                    if ok[r]:
+                        _u8(dst[r]).copy_(dev_stage[r], non_blocking=True)
+            stream.synchronize()
+        else:
             for r in range(n):
                 if ok[r]:
-                    _u8(dst[r]).copy_(dev_stage[r], non_blocking=True)
-        stream.synchronize()
-    else:
-        for r in range(n):
-            if ok[r]:
-                _u8(dst[r]).copy_(host[r])
+                    _u8(dst[r]).copy_(host[r])
+    _give_staging(buf, device)  # the pool's get is done and the copies are synchronised
     return ok
 
 
@@ -110,7 +114,7 @@ def device_blocks_to_host(src: Sequence, nbytes: int) -> list[np.ndarray]:
         return []
     device = src[0].device
     check_dst(src, nbytes, device)
-    host = _host_staging(len(src), nbytes, device)
+    _, host = _host_staging(len(src), nbytes, device)  # the caller keeps the views: never given back
     for r, t in enumerate(src):
         host[r].copy_(_u8(t), non_blocking=device.type == "cuda")
     if device.type == "cuda":

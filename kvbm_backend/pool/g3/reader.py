@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ...memory import aligned_empty, is_aligned
+from ...memory import is_aligned
 from ...model import frame
 from ...model.frame import FrameError
 from ...model.namespace import BlockKey, tenant_tag
@@ -186,7 +186,8 @@ class ReaderMixin:
             hv.append(mv[j * HDR:(j + 1) * HDR])
             dsts.append(dst)
             if f.o_direct and not is_aligned(dst):
-                staging = aligned_empty(self._stored_padded)
+                staging = self._staging.take(self._stored_padded)  # aligned; back with the chunk's stages
+                stages.append(staging)
                 bufs = [h, staging]
                 pv.append(staging[:bb])
                 staged.append(True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from ...memory import aligned_empty, is_aligned
+from ...memory import is_aligned
 from ...transfer import plan_ops, slot_extent, staged_run_extents
 from ..base import PutResult
 from . import journal as jr
@@ -410,7 +410,8 @@ class WriterMixin:
             wh(mv, j * HDR, self._tag(key.tenant), key.rank, key.seq_hash, digest(block), now, dc)
             hv = hdrs[j * HDR:(j + 1) * HDR]
             if f.o_direct and not is_aligned(block):
-                st = aligned_empty(self._stored_padded)
+                st = self._staging.take(self._stored_padded)  # aligned; back once the piece is written
+                pc.stage.append(st)
                 st[:bb] = block
                 st[bb:] = 0
                 bufs = [hv, st]

@@ -1,0 +1,199 @@
+"""The read side of :class:`~kvbm_backend.gpu.loader.DeviceLoader`: slab files, the ring of staging
+buffers, a pass's reads on the wire (kvikio into the device, or ``preadv`` into pinned host memory and a
+host-to-device copy: the bounce path) and their reaping against the call's deadline.
+
+What is read is planned in :mod:`kvbm_backend.transfer` (:func:`~kvbm_backend.transfer.group_passes`,
+:func:`~kvbm_backend.transfer.contiguous_runs`); host staging comes from the one buffer pool
+(:mod:`.staging`, :class:`~kvbm_backend.memory.BufferPool`). Mixed into the loader: it uses the loader's
+``mode``, ``device``, ``io_bytes``, ``counters``, ``_engine`` (kvikio) or ``_pool`` (reader threads).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from ..pool.deadlines import Deadline
+from ..transfer import contiguous_runs
+from .probe import _torch
+from .staging import host_staging_pool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pass:
+    """One pass: leases ``rows`` (indexes into the call's keys) read into ``staging`` rows 0..n-1."""
+    rows: list
+    leases: list
+    slot_len: int
+    staging: object  # torch uint8 [n, slot_len] on the device (host mode: the CPU)
+    host: object  # pinned/host torch uint8 [n, slot_len] the reads land in (None: kvikio reads to the device)
+    ring: int  # ring slot the buffers came from
+    futs: list  # (row0, nrows, future) per read
+    status: list  # per pass row: None (read in full) or a reason
+
+
+def _done(f) -> bool:
+    return f.done() if hasattr(f, "done") else True
+
+
+class PassReads:
+    """Files, staging ring, submit and reap of :class:`~kvbm_backend.gpu.loader.DeviceLoader`.
+
+    State (set by the loader's ``__init__``): ``_fds``, ``_buffered``, ``_stale_fds``, ``_lock``,
+    ``_tls``, ``_abandoned`` (``(futures, ring entry)`` of timed-out reads, kept alive until done),
+    ``_ring`` (ring slot -> ``(staging, host, host buffer)``, reused across calls).
+    """
+
+    # -- files -------------------------------------------------------------------------------
+    def _fd(self, path: str) -> int:
+        """The read fd of ``path``: O_DIRECT on the bounce/host paths where the filesystem takes it
+        (reads DMA into the aligned staging, no page-cache copy: the storage's own rate), else buffered
+        (kvikio opens its own handles from this fd)."""
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+                if self._engine is None and path not in self._buffered:
+                    try:
+                        fd = os.open(path, flags | os.O_DIRECT)
+                        self.counters["files_o_direct"] += 1
+                    except OSError as e:
+                        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                            raise
+                        self._buffered.add(path)
+                if fd is None:
+                    fd = os.open(path, flags)
+                    self.counters["files_buffered"] += 1
+                self._fds[path] = fd
+            return fd
+
+    def _fall_back_to_buffered(self, path: str, fd: int) -> None:
+        """The filesystem opened ``path`` with O_DIRECT but refused the read (EINVAL): buffered from now
+        on (the old fd stays open until :meth:`close`, another reader may still be using it)."""
+        with self._lock:
+            if self._fds.get(path) == fd and path not in self._buffered:
+                self._buffered.add(path)
+                self._stale_fds.append(self._fds.pop(path))
+                self.counters["files_o_direct"] -= 1
+                log.info("device reads of %s: O_DIRECT refused by the filesystem, buffered reads", path)
+
+    # -- staging ring ------------------------------------------------------------------------
+    def _host_pool(self):
+        """The host staging pool of this loader's mode: pinned (``pinned-bounce``) or 4 KiB-aligned host
+        memory (``host``: O_DIRECT reads land in it and it is the staging itself)."""
+        return host_staging_pool(self.mode == "pinned-bounce")
+
+    def _buffers(self, ring: int, n: int, slot_len: int):
+        """(staging, host) for a pass of ``n`` rows from ring slot ``ring`` (grown as needed; the
+        smaller host buffer goes back to the pool: its pass was verified and copied out)."""
+        torch = _torch()
+        need = n * slot_len
+        buf = self._ring.get(ring)
+        if buf is None or buf[0].numel() < need:
+            if buf is not None:
+                self._give_ring(buf)
+            hbuf = None
+            if self.mode == "host":
+                hbuf = self._host_pool().take(need)
+                st = host = torch.from_numpy(hbuf)  # 4 KiB aligned: O_DIRECT reads land here
+            else:
+                st = torch.empty(need, dtype=torch.uint8, device=self.device)
+                host = None
+                if self.mode == "pinned-bounce":
+                    hbuf = self._host_pool().take(need)
+                    host = torch.from_numpy(hbuf)  # page-locked
+            buf = self._ring[ring] = (st, host, hbuf)
+        st, host, _ = buf
+        return (st[:need].view(n, slot_len), None if host is None else host[:need].view(n, slot_len))
+
+    def _give_ring(self, entry) -> None:
+        """Give a ring entry's host buffer back to the pool (nothing reads into it any more)."""
+        if entry is not None and entry[2] is not None:
+            self._host_pool().give(entry[2])
+
+    # -- reads -------------------------------------------------------------------------------
+    def _submit(self, p: _Pass) -> None:
+        """Put the pass's reads on the wire (returns at once): one read per run of adjacent slots of one
+        file, at most ``io_bytes`` each (at least one slot)."""
+        spans = [(ls.path, ls.offset, ls.slot_len) for ls in p.leases]
+        for r0, nr in contiguous_runs(spans, self.io_bytes):
+            ls = p.leases[r0]
+            try:
+                fd = self._fd(ls.path)
+                if p.host is not None:
+                    f = self._pool.submit(self._read_bounce, ls.path, fd, p.host[r0:r0 + nr], p.staging[r0:r0 + nr],
+                                          ls.offset)
+                else:
+                    f = self._engine.read_to_device_async(fd, p.staging[r0:r0 + nr].reshape(-1), nr * p.slot_len,
+                                                          ls.offset)
+            except Exception as e:  # noqa: BLE001 - a read that cannot start: its rows are misses
+                log.warning("frame read submit failed (%d rows at %s:%d): %s", nr, ls.path, ls.offset, e)
+                self.counters["io_error"] += nr
+                continue
+            p.futs.append((r0, nr, f))
+
+    def _read_bounce(self, path: str, fd: int, host, dev, offset: int) -> int:
+        """One read of the bounce path (a reader thread): ``preadv`` into pinned host rows, then their
+        host-to-device copy on this thread's own CUDA stream, so copies overlap the other reads (host
+        mode: the rows are the staging, no copy). Returns the bytes read."""
+        buf = host.numpy().reshape(-1)
+        try:
+            got = os.preadv(fd, [buf], offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL or path in self._buffered:
+                raise
+            self._fall_back_to_buffered(path, fd)
+            got = os.preadv(self._fd(path), [buf], offset)
+        if got and dev.data_ptr() != host.data_ptr():
+            torch = _torch()
+            s = getattr(self._tls, "stream", None)
+            if s is None:
+                s = self._tls.stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(s):
+                dev.view(-1)[:got].copy_(host.view(-1)[:got], non_blocking=True)
+            s.synchronize()
+        return got
+
+    def _reap(self, p: _Pass, deadline: Deadline) -> None:
+        """Wait for the pass's reads (until ``deadline``); fill ``p.status``."""
+        pending = []
+        for r0, nr, f in p.futs:
+            try:
+                if hasattr(f, "result"):  # concurrent.futures
+                    got = f.result(timeout=deadline.left())
+                else:  # kvikio IOFuture: poll to honour the deadline
+                    while not f.done() and not deadline.expired():
+                        time.sleep(0.0002)
+                    if not f.done():
+                        raise TimeoutError
+                    got = f.get()
+            except TimeoutError:
+                self.counters["timeout"] += nr
+                for r in range(r0, r0 + nr):
+                    p.status[r] = "timeout"
+                pending.append(f)
+                continue
+            except Exception as e:  # noqa: BLE001 - I/O failure: a miss
+                log.warning("frame read failed (%d rows at %s:%d): %s", nr, p.leases[r0].path,
+                            p.leases[r0].offset, e)
+                self.counters["io_error"] += nr
+                continue
+            self.counters["bytes_read"] += got
+            full = got // p.slot_len
+            for r in range(r0, r0 + nr):
+                p.status[r] = None if r - r0 < full else "short"
+            if full < nr:
+                self.counters["short"] += nr - full
+        if pending:  # keep the buffers alive until the I/O ends; never hand them out again
+            self._abandoned.append((pending, self._ring.pop(p.ring, None)))
+        keep = []
+        for fs, entry in self._abandoned:
+            if all(_done(x) for x in fs):
+                self._give_ring(entry)  # the late reads ended: the buffer is free again
+            else:
+                keep.append((fs, entry))
+        self._abandoned = keep

@@ -1,0 +1,114 @@
+"""The verify side of :class:`~kvbm_backend.gpu.loader.DeviceLoader`: a read pass's 4 KiB headers
+checked on the host (:func:`~kvbm_backend.model.frame.accept`), payloads checked where they landed (the
+device checksum on the device, else xxh3_128 on the host), verified payloads copied into the caller's
+tensors in one multi-tensor copy; corrupt slots reported to the source (invariant 1, never wrong KV).
+
+Mixed into the loader: it uses the loader's ``layout``, ``device``, ``world``, ``tenant_tag_fn``,
+``source``, ``counters`` and ``_stream``.
+"""
+from __future__ import annotations
+
+import logging
+
+from ..model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, HEADER_BYTES, FrameError
+from ..model.frame import accept, payload_checksum
+from .checksum import device_checksums_torch
+from .probe import _torch
+from .reads import _Pass
+
+log = logging.getLogger(__name__)
+
+
+class PassVerify:
+    """Header and payload checks and the copy-out of :class:`~kvbm_backend.gpu.loader.DeviceLoader`."""
+
+    def _verify_copy(self, p: _Pass, keys, dst, why) -> None:
+        """Check headers and payloads of a read pass; copy the verified payloads into ``dst``."""
+        n = len(p.rows)
+        bpb = self.layout.bytes_per_block
+        staging = p.staging
+        for r in range(n):
+            why[p.rows[r]] = p.status[r]
+        good = [r for r in range(n) if p.status[r] is None]
+        if not good:
+            return
+        # headers come to the host (pinned-bounce: already there)
+        if p.host is not None:
+            headers = p.host[:, :HEADER_BYTES].numpy()
+        elif self.device.type == "cpu":
+            headers = staging[:, :HEADER_BYTES].numpy()
+        else:
+            headers = staging[:, :HEADER_BYTES].cpu().numpy()
+        devcheck_rows, expect, host_rows = [], [], []
+        for r in good:
+            i = p.rows[r]
+            try:
+                h = accept(headers[r], keys[i], self.layout, self.tenant_tag_fn(keys[i]), world=self.world,
+                           stored_len=bpb, frame_bytes=p.slot_len)
+                if h.flags & FLAG_ENCRYPTED:
+                    raise FrameError("unverifiable", "encrypted frame on the device path (G4 loads go through the host)")
+                if h.flags & FLAG_DEVCHECK:
+                    devcheck_rows.append(r)
+                    expect.append(h.dev_check)
+                elif h.flags & FLAG_CHECKSUM:
+                    host_rows.append((r, h))
+                else:
+                    raise FrameError("unverifiable", "frame carries no checksum")
+            except FrameError as e:
+                p.status[r] = e.reason
+        ok_rows = []
+        if devcheck_rows:
+            rows_t = staging[devcheck_rows] if len(devcheck_rows) != n else staging
+            got = device_checksums_torch(rows_t, HEADER_BYTES, bpb)  # one sync for the pass
+            for r, g, e in zip(devcheck_rows, got, expect):
+                if g == e:
+                    ok_rows.append(r)
+                else:
+                    p.status[r] = "devcheck"
+        for r, h in host_rows:
+            pay = p.host[r, HEADER_BYTES:HEADER_BYTES + bpb] if p.host is not None else \
+                staging[r, HEADER_BYTES:HEADER_BYTES + bpb]
+            pay_h = pay.numpy() if pay.device.type == "cpu" else pay.cpu().numpy()
+            if payload_checksum(pay_h) == h.integrity:
+                ok_rows.append(r)
+                self.counters["host_verified"] += 1
+            else:
+                p.status[r] = "integrity"
+        if ok_rows:  # one multi-tensor copy for the pass (not one launch per block)
+            dsts = [_bytes_view(dst[p.rows[r]]) for r in ok_rows]
+            srcs = [staging[r, HEADER_BYTES:HEADER_BYTES + bpb] for r in ok_rows]
+            _copy_all(dsts, srcs)
+        for r in range(n):
+            i = p.rows[r]
+            why[i] = p.status[r]
+            reason = p.status[r]
+            if reason in (None, "io_error", "short", "timeout"):
+                continue
+            self.counters["unverifiable" if reason == "unverifiable" else f"corrupt_{reason}"] += 1
+            if reason != "unverifiable":
+                try:
+                    self.source.drop_corrupt(keys[i], reason)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("drop_corrupt failed for %s: %s", keys[i], e)
+        if self._stream is not None:
+            self._stream.synchronize()  # dst written; staging free for the pass after next
+
+
+def _bytes_view(t):
+    """1-D uint8 view of a contiguous tensor's bytes."""
+    torch = _torch()
+    t = t.view(-1)
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _copy_all(dsts: list, srcs: list) -> None:
+    """``dsts[i].copy_(srcs[i])`` for all i on the current stream, fused where torch can
+    (``torch._foreach_copy_``), else one copy per pair."""
+    torch = _torch()
+    fused = getattr(torch, "_foreach_copy_", None)
+    if fused is not None and len(dsts) > 1:
+        fused(dsts, srcs, non_blocking=True)
+        return
+    for d, s in zip(dsts, srcs):
+        d.copy_(s, non_blocking=True)
+
