@@ -50,7 +50,7 @@ def offloading_config(*, secondary_tiers: list[dict], num_layers: int, num_kv_he
     from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
                                            OffloadingModelConfig, OffloadingParallelConfig)
 
-    from ..model.layout import dtype_bytes
+    from kvbm_backend.model.layout import dtype_bytes
     worker_bytes = num_layers * num_kv_heads * tokens_per_block * 2 * head_dim * dtype_bytes(dtype)
     chunk_bytes = worker_bytes * blocks_per_chunk * world_size
     chunk_bytes += (-chunk_bytes) % 4096
@@ -253,7 +253,7 @@ def _one_tier(name: str, tier_cfg: dict, geo: dict, keys: list[bytes], payloads:
 
 def run(opts: BenchOptions) -> dict:
     """Run the comparison (see module docstring). Raises ValueError on bad options."""
-    from ..model.presets import load_preset
+    from kvbm_backend.model.presets import load_preset
     if not opts.path:
         raise ValueError("--path: required for --tier vllm-tiers (a directory on the disk to test)")
     if opts.blocks < 1:

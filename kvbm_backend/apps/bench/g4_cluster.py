@@ -12,7 +12,7 @@ One :class:`G4Cluster` starts, in this order:
   (data center ``dc1``, rack ``r1``), ``weed filer`` and ``weed s3`` (the S3 gateway). A write that
   SeaweedFS acknowledges has been written on both replicas (SeaweedFS replicates synchronously and
   fails the write when a replica fails), so killing one volume server loses no acknowledged object.
-* ``workers`` G4 worker processes (``python -m kvbm_backend.bench.g4_cluster worker``), each in its
+* ``workers`` G4 worker processes (``python -m kvbm_backend.apps.bench.g4_cluster worker``), each in its
   own host, each with its own :class:`~kvbm_backend.g4.pool.G4Pool` on one shared G4 namespace
   (``s3://kvbm-cluster/<prefix>``, one keyring file shared through the filesystem, as a fleet shares a
   KEK). They take JSON-line commands on stdin (:func:`worker_main`). In loopback mode each worker
@@ -29,7 +29,7 @@ are deleted in :meth:`G4Cluster.stop` (called from ``finally``/fixtures and at i
 run has a unique id; its state file ``/tmp/kvbm-g4c-<uid>/<id>.json`` names the owner pid, and
 :func:`clean_stale` removes what runs whose owner died left behind (``ci/g4_cluster.sh clean``).
 
-The bench (:func:`bench`, ``python -m kvbm_backend.bench.g4_cluster bench``): for each worker count
+The bench (:func:`bench`, ``python -m kvbm_backend.apps.bench.g4_cluster bench``): for each worker count
 n in ``--workers`` the first n workers write ``--blocks`` blocks each at the same instant (aggregate
 write GB/s = all payload bytes / time until the last worker's last block is acknowledged), then each
 reads and verifies the blocks another worker wrote (aggregate read GB/s likewise). GB = 1e9 bytes,
@@ -56,7 +56,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-MODULE = "kvbm_backend.bench.g4_cluster"  # what workers and relays run (``python -m``)
+MODULE = "kvbm_backend.apps.bench.g4_cluster"  # what workers and relays run (``python -m``)
 MODE_ENV = "KVBM_G4_CLUSTER_MODE"  # auto (default) | netns | loopback
 STATE_DIR = Path(f"/tmp/kvbm-g4c-{os.getuid()}")  # per user: a root-made one would refuse others
 BUCKET = "kvbm-cluster"
@@ -575,8 +575,8 @@ class G4Cluster:
         """Create the tenants' data keys in the shared keyring up front, as an operator's ``kvbm-backend
         keys create`` does. (A tenant a worker creates implicitly on its first write reaches the other
         workers' keyrings only within ``keyring.reload_interval_s``; until then their loads are misses.)"""
-        from ..config import KeyringConfig
-        from ..crypto.keyring import Keyring
+        from kvbm_backend.config import KeyringConfig
+        from kvbm_backend.crypto.keyring import Keyring
         kr = Keyring.from_config(KeyringConfig(path=str(self.dir / "keyring.json")))
         for t in tenants:
             if kr.tenant_state(t) != "active":
@@ -604,10 +604,10 @@ class _WorkerState:
         self.ns = None
 
     def open(self, cfg: dict, layout: str, page_size: int) -> dict:
-        from ..config import G4Config
-        from ..g4.pool import G4Pool
-        from ..model.namespace import Namespace
-        from ..model.presets import resolve_layout
+        from kvbm_backend.config import G4Config
+        from kvbm_backend.g4.pool import G4Pool
+        from kvbm_backend.model.namespace import Namespace
+        from kvbm_backend.model.presets import resolve_layout
         if self.pool is not None:
             self.pool.close()
         self.ns = Namespace(f"kvbm-cluster/{layout}", resolve_layout(layout, page_size=page_size))
@@ -872,7 +872,7 @@ def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvbm_backend.bench.g4_cluster", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvbm_backend.apps.bench.g4_cluster", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("worker")
     w.add_argument("index", type=int)
