@@ -305,7 +305,7 @@ def test_tiering_tier_stores_and_loads_every_group_of_a_hybrid_model(tmp_path):
     import hashlib
     pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
     from vllm.v1.kv_offload.base import make_offload_key
-    from kvbm_backend.apps.bench.vllm_tiers import TieringHarness
+    from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness
     h = TieringHarness(_hybrid_offloading_config(tmp_path))
     try:
         tier = h.tier

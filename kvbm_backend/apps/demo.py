@@ -314,11 +314,8 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
                 progress.start_task(tasks[name])
                 results[name] = _run_engine(name, dict(base_spec, connector=conn), wd, progress, tasks[name])
     base = results["baseline"]
-    try:
-        import vllm
-        vllm_version = vllm.__version__
-    except Exception:  # noqa: BLE001
-        vllm_version = "unknown"
+    from kvbm_backend.integrations.vllm.engine_run import vllm_version as _vllm_version
+    vllm_version = _vllm_version()
     engine_s = (f"Dynamo {serving.get('dynamo', '?')} + vLLM {vllm_version} (CPU)" if engine == "dynamo"
                 else f"vLLM {vllm_version} (CPU), in-process")
     out = {"configs": {name: _summary(results[name], None if name == "baseline" else base, BLOCK_SIZE)

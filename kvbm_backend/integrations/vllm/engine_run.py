@@ -155,6 +155,15 @@ def run(spec: dict) -> dict:
     return result
 
 
+def vllm_version() -> str:
+    """``vllm.__version__``, or ``"unknown"`` where vLLM does not import."""
+    try:
+        import vllm
+        return vllm.__version__
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
