@@ -57,7 +57,7 @@ import numpy as np
 
 from .engine_model import DEMO, write_model_dir
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_SIZE = 32  # vLLM CPU attention needs a multiple of 32
 DTYPE = "float32"  # see the module docstring: bfloat16 prefill over a cached prefix is not bit-equal here
