@@ -558,7 +558,7 @@ class G4Cluster:
                                          str(self._ports["s3"])], self.dir / f"relay{i}.log")
             endpoint = f"http://127.0.0.1:{port}"
         env = {**os.environ, **AWS_ENV, "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[4]),  # the repo root
                                              env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         log = self.dir / f"w{i}.log"
         p = self._spawn(f"w{i}", h, [sys.executable, "-m", MODULE, "worker", str(i)], log, env=env,
@@ -931,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps({k: res[k] for k in ("mode", "fallback_reason", "workers", "series")}, indent=1))
     if a.plot:
-        from ..report import plot_results
+        from kvbm_backend.apps.report import plot_results
         plot_results([a.out], a.plot)
     print(f"wrote {a.out}" + (f" {a.plot}" if a.plot else ""), file=sys.stderr)
     return 0
