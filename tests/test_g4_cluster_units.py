@@ -7,7 +7,7 @@ import subprocess
 import sys
 import uuid
 
-from kvbm_backend.apps.bench.g4_cluster import cluster as g
+from kvbm_backend.apps.bench.g4_cluster import hosts as g
 
 
 def test_forced_loopback_is_reported(monkeypatch):

@@ -2,7 +2,8 @@
 
 * the library (everything under ``kvbm_backend/`` outside ``apps/``) never imports ``kvbm_backend.apps``;
 * only ``kvbm_backend/integrations/`` imports vLLM or Dynamo (at module level or inside a function);
-* nothing below the integrations (pools, transfer, io, gpu, model, crypto, config...) imports them.
+* nothing below the integrations (pools, transfer, io, gpu, model, crypto, config...) imports them;
+* no module under ``apps/`` is over ~500 lines.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "kvbm_backend"
 ENGINE_PACKAGES = ("vllm", "dynamo")
+APPS_MAX_LINES = 520
 
 
 def _modules():
@@ -69,3 +71,9 @@ def test_nothing_below_integrations_imports_them():
            for name, ln in _imports(p, parts) if _under(name, "kvbm_backend.integrations")]
     assert not bad, "library modules import kvbm_backend.integrations (data flows downward only):\n" + "\n".join(bad)
 
+
+
+def test_apps_modules_stay_small():
+    big = [f"{p.relative_to(ROOT.parent)}: {n} lines" for p, parts in _modules() if _where(parts) == "apps"
+           for n in [len(p.read_text().splitlines())] if n > APPS_MAX_LINES]
+    assert not big, "modules under kvbm_backend/apps/ over ~500 lines (split them by job):\n" + "\n".join(big)
