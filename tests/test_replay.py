@@ -84,9 +84,9 @@ def test_small_capacity_fewer_hits_and_evictions(tmp_path, expected, micro):
 
 def test_default_admission_and_cli(tmp_path, expected):
     _, hits = expected
-    p = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "replay", "--trace", str(TRACE), "--layout", "tiny",
-                        "--g3-path", str(tmp_path), "--g3-capacity-gb", "1", "--limit", str(LIMIT), "--simulate",
-                        "--json"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "replay", "--trace", str(TRACE),
+                        "--layout", "tiny", "--g3-path", str(tmp_path), "--g3-capacity-gb", "1", "--limit", str(LIMIT),
+                        "--simulate", "--json"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     for k in ("requests", "lookup_blocks", "hit_blocks", "hit_rate", "bytes_written", "bytes_read",

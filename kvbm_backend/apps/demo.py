@@ -5,7 +5,8 @@ Two ways to serve it (``--engine``):
 * ``dynamo`` (default): NVIDIA Dynamo's frontend and three ``dynamo.vllm`` workers started from
   ``examples/dynamo/`` (:mod:`kvbm_backend.apps.demo_dynamo`); a real OpenAI client streams each request, TTFT at
   the client.
-* ``direct``: each configuration is a fresh in-process vLLM engine (:mod:`kvbm_backend.integrations.vllm.engine_run`), TTFT is
+* ``direct``: each configuration is a fresh in-process vLLM engine
+  (:mod:`kvbm_backend.integrations.vllm.engine_run`), TTFT is
   vLLM's own ``first_token_latency``.
 
 What runs:

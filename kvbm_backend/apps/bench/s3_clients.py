@@ -327,7 +327,8 @@ def run(endpoint: str, bucket: str, *, object_mib: float = 2, objects: int = 64,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvbm_backend.apps.bench.s3_clients", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvbm_backend.apps.bench.s3_clients",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--endpoint-url", default=os.environ.get("KVBM_TEST_S3_ENDPOINT"),
                     help="S3 endpoint, e.g. http://127.0.0.1:8333 (default: $KVBM_TEST_S3_ENDPOINT)")
     ap.add_argument("--bucket", default="kvbm-test")

@@ -5,7 +5,8 @@
 Both tiers are driven the same way in one run, with no engine: vLLM's real ``TieringOffloadingSpec``
 builds its ``TieringOffloadingManager`` with the CPU primary tier (a host mmap in ``/dev/shm``) and
 one secondary tier (``{"type": "fs", "root_dir": ...}`` or ``{"type": "G3Tier", "module_path": ...}``);
-:class:`~kvbm_backend.integrations.vllm.tiering_harness.TieringHarness` plays the scheduler: ``prepare_store`` + fill the primary chunks +
+:class:`~kvbm_backend.integrations.vllm.tiering_harness.TieringHarness` plays the scheduler:
+``prepare_store`` + fill the primary chunks +
 ``complete_store`` (which cascades every chunk to the secondary tier), polling ``on_schedule_end``
 until idle; then ``reset_cache`` empties the primary and ``lookup`` / ``on_schedule_end`` promote
 every chunk back from the secondary tier, and the bytes are checked.
