@@ -493,7 +493,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_bench: no CUDA device (torch.cuda.is_available() is False); nothing to measure", file=sys.stderr)
         return 2
-    from kvbm_backend.doctor import gds_info, gpu_info
+    from kvbm_backend.apps.doctor import gds_info, gpu_info
     os.makedirs(a.out, exist_ok=True)
     name = torch.cuda.get_device_name(0)
     res: dict = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "gpu": gpu_info(),
@@ -501,7 +501,7 @@ def main(argv=None) -> int:
     fn = os.path.join(a.out, "gpu_bench-" + re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower() + ".json")
     workdir = a.workdir or tempfile.mkdtemp(prefix="kvbm-gpu-bench-", dir=os.environ.get("TMPDIR", "/var/tmp"))
     res["workdir"] = workdir
-    from kvbm_backend.doctor import path_info
+    from kvbm_backend.apps.doctor import path_info
     res["workdir_info"] = path_info(workdir)
     nbytes = int(a.file_gib * GIB)
     skip = set(filter(None, a.skip.split(",")))

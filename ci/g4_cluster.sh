@@ -14,8 +14,8 @@ cmd=${1:-test}; shift || true
 case "$cmd" in
   test) exec "$PY" -m pytest -ra --durations=5 tests/test_g4_cluster.py "$@" ;;
   up) dir=${1:?usage: g4_cluster.sh up DIR [--workers N] [--volumes N]}; shift
-      exec "$PY" -m kvbm_backend.bench.g4_cluster up --dir "$dir" "$@" ;;
-  clean) exec "$PY" -m kvbm_backend.bench.g4_cluster clean ;;
-  bench) exec "$PY" -m kvbm_backend.bench.g4_cluster bench --out-dir benchmarks/results "$@" ;;
+      exec "$PY" -m kvbm_backend.apps.bench.g4_cluster up --dir "$dir" "$@" ;;
+  clean) exec "$PY" -m kvbm_backend.apps.bench.g4_cluster clean ;;
+  bench) exec "$PY" -m kvbm_backend.apps.bench.g4_cluster bench --out-dir benchmarks/results "$@" ;;
   *) echo "usage: $0 test|bench|up DIR|clean" >&2; exit 2 ;;
 esac

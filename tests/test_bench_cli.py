@@ -7,7 +7,7 @@ import json
 
 from typer.testing import CliRunner
 
-from kvbm_backend.cli import app
+from kvbm_backend.apps.cli import app
 
 G3_KEYS = {"block_bytes", "blocks", "io_size_bytes", "engine", "write_gbps", "read_gbps", "baseline_write_gbps",
            "baseline_read_gbps", "cpu_s_per_gb"}

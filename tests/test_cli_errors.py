@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvbm_backend.cli import app
+from kvbm_backend.apps.cli import app
 
 
 @pytest.fixture()

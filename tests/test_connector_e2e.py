@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_runner import connector_extra, prompts, run_engine, vllm_available  # noqa: E402
 
-from kvbm_backend.engine_model import TINY, write_model_dir  # noqa: E402
+from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
 from kvbm_backend.model import frame  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -233,7 +233,7 @@ def test_tensor_parallel_two_ranks_save_and_load_their_slices(tmp_path, model_di
 # ---- MLA (DeepSeek-V2 architecture): one 576-wide latent per token and layer ------------------------
 
 def _mla_model(path: Path, seed: int) -> Path:
-    from kvbm_backend.engine_model import TINY_MLA, write_mla_weights
+    from kvbm_backend.apps.engine_model import TINY_MLA, write_mla_weights
     d = write_model_dir(path, TINY_MLA)
     write_mla_weights(d, TINY_MLA, seed=seed)  # real random weights: vLLM's dummy ones ignore the KV
     return d
@@ -245,7 +245,7 @@ def test_mla_fresh_engine_and_restart_load_saved_latents(tmp_path):
     EMPTY G3 (G4), with greedy outputs identical to the engine that computed them. An engine with other
     weights under the same namespace that loads those latents answers differently from its own
     recompute: the loaded KV really drives the output (so equal outputs above are not luck)."""
-    from kvbm_backend.engine_model import TINY_MLA
+    from kvbm_backend.apps.engine_model import TINY_MLA
     model_a = _mla_model(tmp_path / "model-a", seed=0)
     ps = prompts(2, 300, shared_prefix=160, seed=11) + prompts(1, 300, seed=12)  # 18 full blocks each
     g4 = f"file://{tmp_path / 'g4'}"
@@ -294,7 +294,7 @@ def test_mla_tensor_parallel_two_ranks_share_one_g4_copy_of_the_replicated_laten
     but G4 (shared storage) holds ONE object per block, written by rank 0. A fresh TP=2 engine with
     EMPTY G3 dirs loads every full block on both ranks from those objects, and its greedy outputs equal
     the engine that computed them."""
-    from kvbm_backend.engine_model import TINY_MLA
+    from kvbm_backend.apps.engine_model import TINY_MLA
     model = _mla_model(tmp_path / "model", seed=0)
     ps = prompts(2, 300, shared_prefix=160, seed=11)  # 18 full blocks of 16 each, 10 shared
     g4 = f"file://{tmp_path / 'g4'}"

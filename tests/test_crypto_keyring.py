@@ -9,7 +9,7 @@ import stat
 import pytest
 from typer.testing import CliRunner
 
-from kvbm_backend.cli import app
+from kvbm_backend.apps.cli import app
 from kvbm_backend.crypto.aead import AeadError, new_nonce, open_into, seal_into
 from kvbm_backend.crypto.keyring import (Keyring, KeyringError, LocalKek, UnknownTenant, generate_kek_b64,
                                          provider_for)

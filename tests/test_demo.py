@@ -10,9 +10,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_runner import vllm_available  # noqa: E402
 
-from kvbm_backend.demo import run_demo, select_requests  # noqa: E402
-from kvbm_backend.engine_model import TINY  # noqa: E402
-from kvbm_backend.replay import block_tokens  # noqa: E402
+from kvbm_backend.apps.demo import run_demo, select_requests  # noqa: E402
+from kvbm_backend.apps.engine_model import TINY  # noqa: E402
+from kvbm_backend.apps.replay import block_tokens  # noqa: E402
 
 
 def _trace(path: Path) -> Path:

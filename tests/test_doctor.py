@@ -11,13 +11,13 @@ import sys
 
 import pytest
 
-from kvbm_backend.doctor import cufile_json_info, path_info, run_doctor
+from kvbm_backend.apps.doctor import cufile_json_info, path_info, run_doctor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cli(*args, env=None, cmd_prefix=()):
-    r = subprocess.run([*cmd_prefix, sys.executable, "-m", "kvbm_backend.cli", "doctor", *args],
+    r = subprocess.run([*cmd_prefix, sys.executable, "-m", "kvbm_backend.apps.cli", "doctor", *args],
                        capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
     return r
 
@@ -132,7 +132,7 @@ def test_ramfs_refuses_o_direct(tmp_path):
     if probe.returncode != 0:
         pytest.skip(f"cannot mount ramfs in a private mount namespace: {probe.stderr.strip()}")
     r = subprocess.run([unshare, "-m", "sh", "-c",
-                        f"mount -t ramfs none {mnt} && exec {sys.executable} -m kvbm_backend.cli doctor "
+                        f"mount -t ramfs none {mnt} && exec {sys.executable} -m kvbm_backend.apps.cli doctor "
                         f"--path {mnt} --json"], capture_output=True, text=True, timeout=180, cwd=REPO)
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)["paths"][0]

@@ -83,7 +83,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, seaweed):
-    from kvbm_backend.engine_model import TINY, write_model_dir
+    from kvbm_backend.apps.engine_model import TINY, write_model_dir
     root = tmp_path_factory.mktemp("dynamo")
     model_dir = write_model_dir(root / "model", TINY, dtype="float32")
     st = Stack(root, model_dir, seaweed, f"dynamo-e2e-{os.getpid()}-{int(time.time())}")

@@ -81,7 +81,7 @@ class RouterStack:
 
 @pytest.fixture(scope="module")
 def router_stack(tmp_path_factory):
-    from kvbm_backend.engine_model import TINY, write_model_dir
+    from kvbm_backend.apps.engine_model import TINY, write_model_dir
     root = tmp_path_factory.mktemp("dynamo-router")
     st = RouterStack(root, write_model_dir(root / "model", TINY, dtype="float32"))
     try:

@@ -176,7 +176,7 @@ def test_fp8_blocks_round_trip_through_the_connector_and_stay_out_of_bf16(tmp_pa
 
 def _run_fp8(tmp: Path, name: str, model_dir: Path, ps, extra: dict, **spec_kw) -> dict:
     """:func:`vllm_runner.run_engine` with ``kv_cache_dtype="fp8"``: this module run as a script wraps
-    ``vllm.LLM`` so that :mod:`kvbm_backend.engine_run` builds its engine with an FP8 KV cache."""
+    ``vllm.LLM`` so that :mod:`kvbm_backend.integrations.vllm.engine_run` builds its engine with an FP8 KV cache."""
     import json
     import os
     import subprocess
@@ -211,7 +211,7 @@ def test_fp8_kv_engine_fresh_engine_and_restart(tmp_path):
     a restarted one (empty G3) from G4, with outputs identical to the engine that computed the KV."""
     from vllm_runner import connector_extra, prompts
 
-    from kvbm_backend.engine_model import TINY, write_model_dir
+    from kvbm_backend.apps.engine_model import TINY, write_model_dir
     model_dir = write_model_dir(tmp_path / "model", TINY)
     ps = prompts(3, 400, seed=31)
     g4 = f"file://{tmp_path / 'g4'}"
@@ -229,6 +229,6 @@ def test_fp8_kv_engine_fresh_engine_and_restart(tmp_path):
 if __name__ == "__main__":  # the FP8 engine process of _run_fp8
     import functools
 
-    from kvbm_backend import engine_run
+    from kvbm_backend.integrations.vllm import engine_run
     vllm.LLM = functools.partial(vllm.LLM, kv_cache_dtype="fp8")
     sys.exit(engine_run.main(sys.argv[1:]))

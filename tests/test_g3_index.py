@@ -211,7 +211,7 @@ def test_bench_index_json():
 
     from typer.testing import CliRunner
 
-    from kvbm_backend.cli import app
+    from kvbm_backend.apps.cli import app
     r = CliRunner().invoke(app, ["bench", "--tier", "index", "--blocks", "20000", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)

@@ -1,4 +1,4 @@
-"""Multi-node G4 on a SeaweedFS cluster (``kvbm_backend/bench/g4_cluster.py``, docs/g4_cluster.md).
+"""Multi-node G4 on a SeaweedFS cluster (``kvbm_backend/apps/bench/g4_cluster/``, docs/g4_cluster.md).
 
 One cluster per module: master (replication 001), 3 volume servers, filer, S3 gateway and 4 G4
 worker processes, each in its own network namespace on a private bridge; where this machine cannot
@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 
-from kvbm_backend.bench.g4_cluster import G4Cluster, weed_binary
+from kvbm_backend.apps.bench.g4_cluster import G4Cluster, weed_binary
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import uuid
 
-from kvbm_backend.bench import g4_cluster as g
+from kvbm_backend.apps.bench.g4_cluster import hosts as g
 
 
 def test_forced_loopback_is_reported(monkeypatch):
@@ -40,7 +40,7 @@ def test_clean_stale_removes_dead_runs_and_never_kills_a_reused_pid():
 
 
 def test_scaling_json_plots(tmp_path):
-    from kvbm_backend.report import plot_results
+    from kvbm_backend.apps.report import plot_results
     d = {"kind": "scaling", "tier": "g4-cluster", "x": "workers", "workers": [1, 2, 4], "mode": "netns",
          "series": {"write GB/s": [0.05, 0.06, 0.06], "read GB/s": [0.2, 0.25, 0.3]}}
     (tmp_path / "s.json").write_text(json.dumps(d))

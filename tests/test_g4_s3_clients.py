@@ -1,4 +1,4 @@
-"""The S3 client bench (``python -m kvbm_backend.bench.s3_clients``) run briefly against the real
+"""The S3 client bench (``python -m kvbm_backend.apps.bench.s3_clients``) run briefly against the real
 SeaweedFS fixture server: its JSON has numbers for every client that can run here, and each client
 read back exactly what it wrote (the bench raises otherwise)."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from kvbm_backend.bench.s3_clients import CLIENTS, run
+from kvbm_backend.apps.bench.s3_clients import CLIENTS, run
 
 
 def test_s3_clients_bench_json(seaweed):
     env = {**os.environ}
-    r = subprocess.run([sys.executable, "-m", "kvbm_backend.bench.s3_clients", "--endpoint-url", seaweed.endpoint,
+    r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.bench.s3_clients", "--endpoint-url", seaweed.endpoint,
                         "--bucket", seaweed.bucket, "--object-mib", "0.25", "--objects", "4", "--inflight", "2",
                         "--runs", "1", "--json"], capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode == 0, r.stderr[-2000:]

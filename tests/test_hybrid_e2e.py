@@ -3,10 +3,10 @@ to end on the real vLLM CPU engine, each engine in its own process.
 
 Models (random weights, float32: see ``tests/test_connector_e2e.py`` for why float32):
 
-* gpt-oss-like (:data:`~kvbm_backend.engine_model.TINY_GPT_OSS`, ``GptOssForCausalLM``: alternating
+* gpt-oss-like (:data:`~kvbm_backend.apps.engine_model.TINY_GPT_OSS`, ``GptOssForCausalLM``: alternating
   sliding-window (64 tokens) / full attention, attention sinks, MoE MLP). vLLM's CPU engine runs it
   (sinks are native in its CPU attention kernel; the unquantized MoE runs on CPU).
-* Gemma-3-like (:data:`~kvbm_backend.engine_model.TINY_GEMMA3`, ``Gemma3ForCausalLM``: two sliding
+* Gemma-3-like (:data:`~kvbm_backend.apps.engine_model.TINY_GEMMA3`, ``Gemma3ForCausalLM``: two sliding
   layers then one full layer, twice).
 
 What is checked (five engine processes in all, to keep CI time down): a restarted engine (empty G3) loads
@@ -28,7 +28,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_runner import connector_extra, prompts, run_engine, vllm_available  # noqa: E402
 
-from kvbm_backend.engine_model import TINY_GEMMA3, TINY_GPT_OSS, write_hybrid_model_dir  # noqa: E402
+from kvbm_backend.apps.engine_model import TINY_GEMMA3, TINY_GPT_OSS, write_hybrid_model_dir  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

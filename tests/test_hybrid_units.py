@@ -249,7 +249,7 @@ def test_grouped_workers_report_a_failed_group_load_per_request(tmp_path):
 
 def test_hybrid_presets_state_full_and_window_bounded_bytes():
     from typer.testing import CliRunner
-    from kvbm_backend.cli import app
+    from kvbm_backend.apps.cli import app
     from kvbm_backend.model.presets import load_preset
     # per-layer K+V bytes per token (bf16) x layers, from each model's config.json
     want = {"gpt-oss-20b": (12, 12, 128, 2 * 8 * 64 * 2), "gpt-oss-120b": (18, 18, 128, 2 * 8 * 64 * 2),
@@ -305,7 +305,7 @@ def test_tiering_tier_stores_and_loads_every_group_of_a_hybrid_model(tmp_path):
     import hashlib
     pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
     from vllm.v1.kv_offload.base import make_offload_key
-    from kvbm_backend.bench.vllm_tiers import TieringHarness
+    from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness
     h = TieringHarness(_hybrid_offloading_config(tmp_path))
     try:
         tier = h.tier

@@ -246,8 +246,8 @@ def test_probe_o_direct_false_on_ramfs(tmp_path):
 def test_baseline_and_engine_comparison_run(tmp_path):
     """The benchmark functions measure real I/O (small sizes here), verify the bytes, and report ratios
     against the baseline of the same run."""
-    from kvbm_backend.bench.baseline import odirect_baseline
-    from kvbm_backend.bench.engines import compare_engines
+    from kvbm_backend.apps.bench.baseline import odirect_baseline
+    from kvbm_backend.apps.bench.engines import compare_engines
 
     b = odirect_baseline(str(tmp_path), 8 * MiB, 256 * K4, 4)
     assert b["o_direct"] is True
@@ -273,7 +273,7 @@ def test_baseline_buffered_fallback_where_o_direct_refused(tmp_path):
         pytest.skip("needs root and unshare(1) to mount a private ramfs")
     mnt = tmp_path / "ramfs"
     mnt.mkdir()
-    code = ("import sys, json; from kvbm_backend.bench.baseline import odirect_baseline; "
+    code = ("import sys, json; from kvbm_backend.apps.bench.baseline import odirect_baseline; "
             "print(json.dumps(odirect_baseline(sys.argv[1], 4 << 20, 1 << 20, 2)))")
     cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
            f'mount -t ramfs none "$1" && exec "{sys.executable}" -c "{code}" "$1"', "sh", str(mnt)]
@@ -409,7 +409,7 @@ def test_doctor_engine_choice_says_auto_falls_back_to_posix():
     """doctor: with g3.engine=auto and NIXL unable to start, auto really builds posix (make_engine's
     fallback), so doctor reports posix and why; an explicit nixl still says it will fail."""
     from kvbm_backend.config import KvbmBackendConfig
-    from kvbm_backend.doctor import engine_choice
+    from kvbm_backend.apps.doctor import engine_choice
     from kvbm_backend.io import AUTO_ENGINE
 
     nixl = {"posix_backend": "failed: injected reason"}

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from g4_writer import namespace, put_blocks, read_checked
-from kvbm_backend.cli import app
+from kvbm_backend.apps.cli import app
 from kvbm_backend.config import G4Config, KeyringConfig
 from kvbm_backend.crypto.aead import new_nonce, seal_into
 from kvbm_backend.crypto.keyring import (Keyring, KeyringError, TenantRevoked, UnknownTenant, dir_is_read_only,

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvbm_backend.cli import app
+from kvbm_backend.apps.cli import app
 from kvbm_backend.model import frame
 from kvbm_backend.model.presets import load_preset
-from kvbm_backend.plan import Fleet, Router, SynthSpec, load_timed_trace, run_plan, synth_trace, write_trace
-from kvbm_backend.replay import run_replay
+from kvbm_backend.apps.plan import Fleet, Router, SynthSpec, load_timed_trace, run_plan, synth_trace, write_trace
+from kvbm_backend.apps.replay import run_replay
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 LIMIT = 80

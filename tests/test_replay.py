@@ -11,7 +11,7 @@ import pytest
 
 from kvbm_backend.model import frame
 from kvbm_backend.model.presets import load_preset
-from kvbm_backend.replay import run_replay
+from kvbm_backend.apps.replay import run_replay
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 LIMIT = 80  # the first 40 requests of this trace share no prefix; 80 give ~3,000 hits
@@ -84,9 +84,9 @@ def test_small_capacity_fewer_hits_and_evictions(tmp_path, expected, micro):
 
 def test_default_admission_and_cli(tmp_path, expected):
     _, hits = expected
-    p = subprocess.run([sys.executable, "-m", "kvbm_backend.cli", "replay", "--trace", str(TRACE), "--layout", "tiny",
-                        "--g3-path", str(tmp_path), "--g3-capacity-gb", "1", "--limit", str(LIMIT), "--simulate",
-                        "--json"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "replay", "--trace", str(TRACE),
+                        "--layout", "tiny", "--g3-path", str(tmp_path), "--g3-capacity-gb", "1", "--limit", str(LIMIT),
+                        "--simulate", "--json"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     for k in ("requests", "lookup_blocks", "hit_blocks", "hit_rate", "bytes_written", "bytes_read",

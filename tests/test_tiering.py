@@ -14,7 +14,7 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
 from vllm.v1.kv_offload.base import LookupResult, Medium, ScheduleEndContext, make_offload_key  # noqa: E402
 
-from kvbm_backend.bench.vllm_tiers import TieringHarness, offloading_config  # noqa: E402
+from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness, offloading_config  # noqa: E402
 from kvbm_backend.integrations.vllm.tiering import G3Tier, PrimaryGeometry, offload_key_hash  # noqa: E402
 from kvbm_backend.model.frame import HEADER_BYTES  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Run the real vLLM CPU engine in a subprocess (``python -m kvbm_backend.engine_run``) for tests.
+"""Run the real vLLM CPU engine in a subprocess (``python -m kvbm_backend.integrations.vllm.engine_run``) for tests.
 
 Each engine gets its own process so pytest's process stays free of vLLM state and a "fresh engine"
 really is a new process (empty engine prefix cache, pools reopened from disk).
@@ -48,7 +48,8 @@ def run_engine(tmp: Path, name: str, model_dir: Path, prompt_list: list[list[int
                max_tokens: int = 4, kvcache_gib: int = 1, timeout: float = 300, env: dict | None = None,
                **spec_kw) -> dict:
     """Run one engine process over ``prompt_list`` (one request at a time) and return its result dict
-    (see :mod:`kvbm_backend.engine_run`). Raises RuntimeError with the process's output tail on failure."""
+    (see :mod:`kvbm_backend.integrations.vllm.engine_run`). Raises RuntimeError with the process's output tail on
+    failure."""
     spec = {"model_dir": str(model_dir), "prompts": prompt_list, "connector": connector, "max_tokens": max_tokens,
             "out": str(tmp / f"{name}.result.json"), **spec_kw}
     spec_path = tmp / f"{name}.spec.json"
@@ -58,8 +59,8 @@ def run_engine(tmp: Path, name: str, model_dir: Path, prompt_list: list[list[int
               "PYTHONPATH": str(REPO) + os.pathsep + e.get("PYTHONPATH", ""), "VLLM_LOGGING_LEVEL": "WARNING"})
     if env:
         e.update(env)
-    r = subprocess.run([sys.executable, "-m", "kvbm_backend.engine_run", str(spec_path)], capture_output=True,
-                       text=True, timeout=timeout, env=e, cwd=str(tmp))
+    r = subprocess.run([sys.executable, "-m", "kvbm_backend.integrations.vllm.engine_run", str(spec_path)],
+                       capture_output=True, text=True, timeout=timeout, env=e, cwd=str(tmp))
     out = Path(spec["out"])
     if r.returncode != 0 or not out.is_file():
         tail = (r.stdout + r.stderr)[-6000:]

@@ -2,7 +2,7 @@
 
 ``make_engine("auto")`` picks ``nixl`` (NIXL POSIX backend, libaio, 64 descriptors per transfer,
 ``threads`` transfers in flight) where NIXL's POSIX plugin loads, else ``posix``. Why: measured with
-``python -m kvbm_backend.bench.engines /tmp --total-mib 256 --io-kib 1024 --inflight 8 --repeats 5``
+``python -m kvbm_backend.apps.bench.engines /tmp --total-mib 256 --io-kib 1024 --inflight 8 --repeats 5``
 (and ``--total-mib 128 --io-kib 64``) on the 2-vCPU dev VM (virtual disk, O_DIRECT, other work
 running, load ~5). GB/s are medians of 5 interleaved runs; ratio = engine / raw O_DIRECT
 pwrite+fdatasync / pread with 8 threads in the same run:

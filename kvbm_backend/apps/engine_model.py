@@ -82,7 +82,7 @@ def write_model_dir(path: str | Path, model: TinyLlama = TINY, dtype: str = "bfl
     Existing files are overwritten.
 
     The directory is what ``vllm.LLM(model=path, load_format="safetensors", skip_tokenizer_init=True)``
-    takes (:mod:`kvbm_backend.engine_run` picks that format when the weights file is there). vLLM's
+    takes (:mod:`kvbm_backend.integrations.vllm.engine_run` picks that format when the weights file is there). vLLM's
     ``load_format="dummy"`` draws every weight from U(-1e-3, 1e-3): attention output is then ~0 and
     the greedy tokens do not depend on the KV cache at all (measured: loading all-zero KV for 33
     blocks of the tiny Llama left every output token unchanged), so "outputs identical" would prove

@@ -1,4 +1,4 @@
-"""Table and plot of ``kvbm-backend plan`` results (the dict :func:`kvbm_backend.plan.run_plan` returns)."""
+"""Table and plot of ``kvbm-backend plan`` results (the dict :func:`kvbm_backend.apps.plan.run_plan` returns)."""
 from __future__ import annotations
 
 from rich.console import Console

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..io.probe import fdatasync, open_file, probe_o_direct
-from ..memory import aligned_empty
+from kvbm_backend.io.probe import fdatasync, open_file, probe_o_direct
+from kvbm_backend.memory import aligned_empty
 
 ALIGN = 4096
 

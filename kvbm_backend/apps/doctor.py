@@ -59,7 +59,7 @@ def gpu_info() -> dict:
         out["cuda_available"] = False
         out["torch_error"] = _err(e)
         out["devices"] = []
-    from .io.kvikio_engine import _libcuda_status
+    from kvbm_backend.io.kvikio_engine import _libcuda_status
     ok, why = _libcuda_status()
     out["libcuda_loadable"] = ok or not why.startswith("libcuda.so.1 not loadable")
     out["cuinit_ok"] = ok
@@ -138,7 +138,7 @@ def gds_info() -> dict:
 
 # ---- kvikio --------------------------------------------------------------------------------------
 def kvikio_info() -> dict:
-    from .io.kvikio_engine import kvikio_available, kvikio_mode
+    from kvbm_backend.io.kvikio_engine import kvikio_available, kvikio_mode
     out = kvikio_mode()
     ok, why = kvikio_available()
     out["usable"] = ok
@@ -169,9 +169,9 @@ def nixl_info() -> dict:
             out["error"] = _err(e)
             return out
         out["installed"] = True
-        from .io.nixl_gds import gds_mt_available, plugin_load_error
+        from kvbm_backend.io.nixl_gds import gds_mt_available, plugin_load_error
         try:
-            from .io.nixl_engine import quiet_nixl_logging
+            from kvbm_backend.io.nixl_engine import quiet_nixl_logging
             quiet_nixl_logging()
             agent = nixl_agent(f"kvbm-doctor-{os.getpid()}", nixl_agent_config(enable_prog_thread=False, backends=[]))
             names = list(agent.get_plugin_list())
@@ -184,7 +184,7 @@ def nixl_info() -> dict:
             plugins[n] = "loads" if err is None else f"does not load: {err}"
         out["plugins"] = plugins
         try:
-            from .io.nixl_engine import nixl_unavailable_reason
+            from kvbm_backend.io.nixl_engine import nixl_unavailable_reason
             r = nixl_unavailable_reason()
         except ImportError as e:
             r = _err(e)
@@ -223,7 +223,7 @@ def fs_type(path: str) -> str:
 
 def path_info(path: str) -> dict:
     """O_DIRECT (real probe), filesystem type, free/total bytes of one directory. Never raises."""
-    from .io import probe_o_direct
+    from kvbm_backend.io import probe_o_direct
     if path.startswith("file://"):
         path = path[len("file://"):]
     ap = os.path.abspath(os.path.expanduser(path))
@@ -255,7 +255,7 @@ def path_info(path: str) -> dict:
 
 # ---- engine choice -------------------------------------------------------------------------------
 def engine_choice(cfg, gpu: dict, kvk: dict, nixl: dict, paths: list[dict]) -> dict:
-    from .io import AUTO_ENGINE
+    from kvbm_backend.io import AUTO_ENGINE
     want = cfg.g3.engine
     name = AUTO_ENGINE if want == "auto" else want
     out: dict[str, Any] = {"g3_engine_configured": want}
@@ -294,7 +294,7 @@ def engine_choice(cfg, gpu: dict, kvk: dict, nixl: dict, paths: list[dict]) -> d
             out["device_path"] = kvk.get("io")
             out["device_path_why"] = "not probed (no writable path): " + str(kvk.get("reason"))
         else:
-            from .gpu.loader import probe_device_path
+            from kvbm_backend.gpu.loader import probe_device_path
             try:
                 r = probe_device_path(probe_dir, "cuda", prefer=cfg.g3.device_path)
                 out["device_path"], out["device_path_why"] = r.mode, f"probed in {probe_dir}: {r.reason}"
@@ -317,7 +317,7 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
     Raises:
         ConfigError: the config is invalid (message names the field).
     """
-    from .config import load_config
+    from kvbm_backend.config import load_config
     cfg = load_config(config)
     all_paths = list(dict.fromkeys(list(paths) + list(cfg.g3.paths if (cfg.g3.enabled and (config or not paths)) else [])
                                    + ([cfg.g4.url] if cfg.g4.enabled and (cfg.g4.url or "").startswith("file://") else [])))

@@ -40,9 +40,9 @@ import tracemalloc
 
 import numpy as np
 
-from ..model.namespace import BlockKey, tenant_tag
-from ..pool.g3.compact_index import CompactLruIndex
-from ..pool.g3.index import LruIndex, TagKey
+from kvbm_backend.model.namespace import BlockKey, tenant_tag
+from kvbm_backend.pool.g3.compact_index import CompactLruIndex
+from kvbm_backend.pool.g3.index import LruIndex, TagKey
 from . import BenchOptions
 
 NS = "0123456789abcdef"
@@ -164,8 +164,8 @@ class _Ns:
 
 
 def _mirror(d, n: int) -> dict:
-    from ..integrations.vllm.g3_mirror import G3Mirror  # imports vLLM (metadata classes): only here
-    from ..integrations.vllm.metadata import KvbmWorkerMeta
+    from kvbm_backend.integrations.vllm.g3_mirror import G3Mirror  # imports vLLM (metadata classes): only here
+    from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta
     tags = [tenant_tag(t) for t in TENANTS]
     m = G3Mirror(_Ns())
     apply_s = 0.0

@@ -3,9 +3,10 @@
 Two ways to serve it (``--engine``):
 
 * ``dynamo`` (default): NVIDIA Dynamo's frontend and three ``dynamo.vllm`` workers started from
-  ``examples/dynamo/`` (:mod:`kvbm_backend.demo_dynamo`); a real OpenAI client streams each request, TTFT at
+  ``examples/dynamo/`` (:mod:`kvbm_backend.apps.demo_dynamo`); a real OpenAI client streams each request, TTFT at
   the client.
-* ``direct``: each configuration is a fresh in-process vLLM engine (:mod:`kvbm_backend.engine_run`), TTFT is
+* ``direct``: each configuration is a fresh in-process vLLM engine
+  (:mod:`kvbm_backend.integrations.vllm.engine_run`), TTFT is
   vLLM's own ``first_token_latency``.
 
 What runs:
@@ -19,13 +20,13 @@ What runs:
 Requests: conversations from a Mooncake-format trace (default ``../shared/data/mooncake_synthetic_trace.jsonl``
 relative to the repo root). Requests whose first hash id is shared (multi-turn conversations) are
 taken in trace order, a few turns per conversation; each 512-token trace block becomes
-``block_tokens`` tokens (the leading tokens of :func:`kvbm_backend.replay.block_tokens`, so equal hash
+``block_tokens`` tokens (the leading tokens of :func:`kvbm_backend.apps.replay.block_tokens`, so equal hash
 ids give equal tokens, as in ``replay``), lengths are scaled by ``block_tokens / 512`` and capped.
 The engine's KV budget holds about one request, so a conversation's earlier turns have left the engine
 by the time it returns. The scaling is printed and written to the JSON.
 
-Model: :data:`kvbm_backend.engine_model.DEMO` with random weights
-(:func:`~kvbm_backend.engine_model.write_model_dir`: vLLM's own dummy weights make outputs ignore the
+Model: :data:`kvbm_backend.apps.engine_model.DEMO` with random weights
+(:func:`~kvbm_backend.apps.engine_model.write_model_dir`: vLLM's own dummy weights make outputs ignore the
 KV, so "outputs identical" would prove nothing), in float32 (:data:`DTYPE`), chosen so a prefill costs
 clearly more than reading the same KV back (KV bytes grow with layers x KV heads, compute with
 layers x hidden^2): a 4-layer hidden-256 model prefills 2,000 tokens in ~0.1-0.4 s on 2 cores, too cheap
@@ -57,7 +58,7 @@ import numpy as np
 
 from .engine_model import DEMO, write_model_dir
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_SIZE = 32  # vLLM CPU attention needs a multiple of 32
 DTYPE = "float32"  # see the module docstring: bfloat16 prefill over a cached prefix is not bit-equal here
@@ -139,7 +140,7 @@ def _run_engine(name: str, spec: dict, workdir: Path, progress=None, task=None, 
     if env_extra:
         env.update(env_extra)
     log = open(workdir / f"{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvbm_backend.engine_run", str(spath)], stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "kvbm_backend.integrations.vllm.engine_run", str(spath)], stdout=log,
                             stderr=subprocess.STDOUT, env=env, cwd=str(workdir))
     t0 = time.monotonic()
     try:
@@ -314,11 +315,8 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
                 progress.start_task(tasks[name])
                 results[name] = _run_engine(name, dict(base_spec, connector=conn), wd, progress, tasks[name])
     base = results["baseline"]
-    try:
-        import vllm
-        vllm_version = vllm.__version__
-    except Exception:  # noqa: BLE001
-        vllm_version = "unknown"
+    from kvbm_backend.integrations.vllm.engine_run import vllm_version as _vllm_version
+    vllm_version = _vllm_version()
     engine_s = (f"Dynamo {serving.get('dynamo', '?')} + vLLM {vllm_version} (CPU)" if engine == "dynamo"
                 else f"vLLM {vllm_version} (CPU), in-process")
     out = {"configs": {name: _summary(results[name], None if name == "baseline" else base, BLOCK_SIZE)

@@ -2,13 +2,13 @@
 
 Meant to run in its own process (vLLM spawns helpers and keeps global state)::
 
-    python -m kvbm_backend.engine_run SPEC.json
+    python -m kvbm_backend.integrations.vllm.engine_run SPEC.json
 
 SPEC (JSON) fields:
 
-* ``model_dir`` (str): a directory from :func:`kvbm_backend.engine_model.write_model_dir`.
+* ``model_dir`` (str): a directory from :func:`kvbm_backend.apps.engine_model.write_model_dir`.
 * ``load_format`` (str): vLLM's load format; default ``"safetensors"`` when ``model_dir`` holds the
-  ``model.safetensors`` that :mod:`kvbm_backend.engine_model` writes, else ``"dummy"`` (vLLM's own
+  ``model.safetensors`` that :mod:`kvbm_backend.apps.engine_model` writes, else ``"dummy"`` (vLLM's own
   near-zero random weights, with which outputs do not depend on the KV cache).
 * ``prompts`` (list of token-id lists), ``max_tokens`` (int, default 4), ``cache_salts`` (optional list),
   ``ignore_eos`` (bool, default false: generate exactly ``max_tokens``).
@@ -137,9 +137,9 @@ def run(spec: dict) -> dict:
                         d = json.load(f)
                     result.setdefault("rank_stats", []).append({k: v for k, v in d.items() if k != "info"})
     elif conn is not None:
-        from .integrations.vllm import stats
+        from . import stats
         # Let background offloads finish before the stats are read (bounded).
-        from .integrations import tiers
+        from .. import tiers
         pools = {}
         for ent in list(tiers._shared.values()):
             for name, p in (("g3", ent[0]), ("g4", ent[1])):
@@ -155,10 +155,19 @@ def run(spec: dict) -> dict:
     return result
 
 
+def vllm_version() -> str:
+    """``vllm.__version__``, or ``"unknown"`` where vLLM does not import."""
+    try:
+        import vllm
+        return vllm.__version__
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m kvbm_backend.engine_run SPEC.json", file=sys.stderr)
+        print("usage: python -m kvbm_backend.integrations.vllm.engine_run SPEC.json", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         spec = json.load(f)

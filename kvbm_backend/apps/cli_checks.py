@@ -1,5 +1,5 @@
 """Argument checks shared by the ``kvbm-backend`` command line (``cli.py``) and its G4 commands
-(``g4/cli.py``): every operator error is one line on stderr naming the argument, exit code 2."""
+(``g4_cli.py``): every operator error is one line on stderr naming the argument, exit code 2."""
 from __future__ import annotations
 
 import math

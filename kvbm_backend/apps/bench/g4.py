@@ -4,7 +4,7 @@ taken in the same run:
 
 * S3: plain ``PUT``/``GET`` of objects of the same size (header + payload) with the same boto3
   client configuration and the same number of requests in flight (``--threads``).
-* file: plain O_DIRECT I/O (:func:`kvbm_backend.bench.baseline.odirect_baseline`), same I/O size
+* file: plain O_DIRECT I/O (:func:`kvbm_backend.apps.bench.baseline.odirect_baseline`), same I/O size
   and in-flight count.
 
 Both pool modes run in every invocation, encrypted (AES-256-GCM, per-tenant key from a throwaway
@@ -28,12 +28,12 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from ..config import G4Config
-from ..crypto.aead import gcm_gbps_per_core
-from ..memory import aligned_empty
-from ..model.frame import HEADER_BYTES, slot_bytes
-from ..model.namespace import Namespace
-from ..model.presets import load_preset
+from kvbm_backend.config import G4Config
+from kvbm_backend.crypto.aead import gcm_gbps_per_core
+from kvbm_backend.memory import aligned_empty
+from kvbm_backend.model.frame import HEADER_BYTES, slot_bytes
+from kvbm_backend.model.namespace import Namespace
+from kvbm_backend.model.presets import load_preset
 from . import BenchOptions, rounds_progress
 from .baseline import random_aligned
 
@@ -53,7 +53,7 @@ def _cfg(url: str, opts: BenchOptions, encrypt: bool, keyring: str, n: int) -> G
 
 
 def _cleanup(url: str, opts: BenchOptions) -> None:
-    from ..g4.store import open_store
+    from kvbm_backend.g4.store import open_store
     u = urlparse(url)
     if u.scheme == "file":
         shutil.rmtree(u.path, ignore_errors=True)
@@ -83,7 +83,7 @@ def _drop_page_cache(url: str) -> None:
 
 def _pool_round(url: str, ns: Namespace, opts: BenchOptions, encrypt: bool, keyring: str,
                 src: np.ndarray, dst: np.ndarray) -> dict:
-    from ..g4.pool import G4Pool
+    from kvbm_backend.g4.pool import G4Pool
 
     bb, n = ns.layout.bytes_per_block, opts.blocks
     pool = G4Pool(_cfg(url, opts, encrypt, keyring, n), ns)
@@ -113,7 +113,7 @@ def _pool_round(url: str, ns: Namespace, opts: BenchOptions, encrypt: bool, keyr
 
 def _s3_baseline(url: str, opts: BenchOptions, object_bytes: int, n: int) -> dict:
     """Plain PUT then GET of ``n`` objects of ``object_bytes`` with the pool's client config."""
-    from ..g4.store import open_store
+    from kvbm_backend.g4.store import open_store
     st = open_store(url, endpoint_url=opts.endpoint_url, timeout_s=BENCH_TIMEOUT_S, max_inflight=opts.threads,
                     retries=1)
     data = os.urandom(object_bytes)

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..cli_checks import fail as _fail, finite as _finite
+from .cli_checks import fail as _fail, finite as _finite
 
 console = Console(stderr=True)
 
@@ -35,7 +35,7 @@ def _out(obj, as_json: bool) -> None:
 def _keyring_errors():
     """A KeyringError (wrong KEK, insecure file mode, unknown tenant...) or an OSError (a keyring or KEK
     file that cannot be created or read) becomes a one-line error, exit 2."""
-    from ..crypto.keyring import KeyringError
+    from kvbm_backend.crypto.keyring import KeyringError
     try:
         yield
     except KeyringError as e:
@@ -56,8 +56,8 @@ def _table(rows: list[dict]) -> None:
 def _open(keyring: str, kek_env: str, kek_file: Optional[str], create: bool):
     from pathlib import Path
 
-    from ..config import dir_problem
-    from ..crypto.keyring import Keyring, provider_for
+    from kvbm_backend.config import dir_problem
+    from kvbm_backend.crypto.keyring import Keyring, provider_for
     for name, f in (("--keyring", keyring), ("--kek-file", kek_file)):
         if f and create and not Path(f).exists():
             problem = dir_problem(str(Path(f).absolute().parent))
@@ -120,7 +120,7 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
     """Re-wrap every key under a new KEK (KEK rotation) without rewriting any block."""
     from pathlib import Path
 
-    from ..crypto.keyring import LocalKek
+    from kvbm_backend.crypto.keyring import LocalKek
     if bool(new_kek_file) == bool(new_kek_env):
         _fail("keys rewrap: give exactly one of --new-kek-file or --new-kek-env")
     with _keyring_errors():
@@ -148,9 +148,9 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
        as_json: bool = typer.Option(False, "--json")) -> None:
     """Remove G4 blocks by age and/or to a capacity target (oldest first), per tenant too, and the
     blocks of revoked tenants. Safe while workers run."""
-    from ..crypto.keyring import KeyringError
-    from .gc import run_gc
-    from .store import open_store
+    from kvbm_backend.crypto.keyring import KeyringError
+    from kvbm_backend.g4.gc import run_gc
+    from kvbm_backend.g4.store import open_store
     if max_age_s is None and target_gb is None and keyring is None:
         _fail("gc: give --max-age-s and/or --target-gb (and/or --keyring to reclaim revoked tenants)")
     # a negative age or an infinite/NaN threshold is a mistake, never a policy (-1 would delete every

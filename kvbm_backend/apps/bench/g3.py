@@ -1,5 +1,5 @@
 """``kvbm-backend bench --tier g3``: write then read N blocks through :class:`G3Pool`, against plain
-O_DIRECT I/O of the same bytes in the same run (:func:`kvbm_backend.bench.baseline.odirect_baseline`,
+O_DIRECT I/O of the same bytes in the same run (:func:`kvbm_backend.apps.bench.baseline.odirect_baseline`,
 same I/O size, same number of I/Os in flight).
 
 The pool runs as in production: admission ``all`` (every block written), ``fsync`` on (a put's Future
@@ -22,12 +22,12 @@ import uuid
 
 import numpy as np
 
-from ..config import AdmissionConfig, G3Config
-from ..memory import aligned_empty
-from ..metrics import new_registry
-from ..model.frame import slot_bytes
-from ..model.namespace import Namespace
-from ..model.presets import load_preset
+from kvbm_backend.config import AdmissionConfig, G3Config
+from kvbm_backend.memory import aligned_empty
+from kvbm_backend.metrics import new_registry
+from kvbm_backend.model.frame import slot_bytes
+from kvbm_backend.model.namespace import Namespace
+from kvbm_backend.model.presets import load_preset
 from . import BenchOptions, rounds_progress
 from .baseline import odirect_baseline, random_aligned
 
@@ -40,7 +40,7 @@ def _cpu() -> float:
 
 
 def _pool_round(dirs: list[str], ns: Namespace, opts: BenchOptions, src: np.ndarray, dst: np.ndarray) -> dict:
-    from ..pool.g3 import G3Pool
+    from kvbm_backend.pool.g3 import G3Pool
 
     lay = ns.layout
     bb = lay.bytes_per_block

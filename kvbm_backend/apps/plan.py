@@ -6,8 +6,8 @@ blocks; ``../shared/data/README.md``) or a seeded synthetic one (:func:`synth_tr
 G3 capacity per node x G4 capacity: hit rates per tier, bytes read/written per second per tier, G3
 drive writes per day, and time to first token saved against recomputing the prefill.
 
-The simulation is ``replay --simulate``'s, reused (:class:`kvbm_backend.replay.SimPool`: the G3
-pool's LRU index and admission filter with no I/O; :class:`kvbm_backend.replay.KeyMaker`: the same
+The simulation is ``replay --simulate``'s, reused (:class:`kvbm_backend.apps.replay.SimPool`: the G3
+pool's LRU index and admission filter with no I/O; :class:`kvbm_backend.apps.replay.KeyMaker`: the same
 KVBM sequence hashes), so with one worker, TP 1 and no G4 the G3 hits equal ``replay``'s on the same
 trace, layout, page size and capacity (``tests/test_plan.py`` checks it against a real-bytes replay).
 
@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .config import AdmissionConfig
-from .model import frame
-from .model.presets import load_preset
+from kvbm_backend.config import AdmissionConfig
+from kvbm_backend.model import frame
+from kvbm_backend.model.presets import load_preset
 from .replay import TRACE_BLOCK_TOKENS, KeyMaker, SimPool, capacity_blocks, load_trace, parse_record
 
 ROUTING = ("prefix", "round-robin")

@@ -1,6 +1,6 @@
 """Which S3 client should G4 use? PUT/GET GB/s and client CPU s/GB of each candidate, one run, one server.
 
-``python -m kvbm_backend.bench.s3_clients --endpoint-url URL --bucket B [--object-mib 2] [--objects 64]
+``python -m kvbm_backend.apps.bench.s3_clients --endpoint-url URL --bucket B [--object-mib 2] [--objects 64]
 [--inflight 8] [--runs 3] [--json]``
 
 Candidates (each skipped with its reason when it cannot run here):
@@ -61,7 +61,7 @@ class _Boto3:
     name = "boto3"
 
     def __init__(self, endpoint: str, bucket: str, prefix: str, inflight: int):
-        from ..g4.s3_store import S3Store
+        from kvbm_backend.g4.s3_store import S3Store
         self.st = S3Store(bucket, prefix, endpoint_url=endpoint, timeout_s=TIMEOUT_S, max_inflight=inflight)
         self.ex = ThreadPoolExecutor(inflight)
 
@@ -209,7 +209,7 @@ class _NixlObj:
 
     def _bufs(self, datas):
         import numpy as np
-        from ..memory import aligned_empty
+        from kvbm_backend.memory import aligned_empty
         bufs = [aligned_empty(len(d)) for d in datas]
         for b, d in zip(bufs, datas):
             b[:] = np.frombuffer(d, np.uint8)
@@ -245,7 +245,7 @@ _MAKERS: dict[str, Callable] = {"boto3": _Boto3, "obstore": _Obstore, "obstore-a
 
 
 def _delete_prefix(endpoint: str, bucket: str, prefix: str) -> None:
-    from ..g4.s3_store import S3Store
+    from kvbm_backend.g4.s3_store import S3Store
     st = S3Store(bucket, prefix, endpoint_url=endpoint, timeout_s=TIMEOUT_S)
     try:
         names = [o.name for o in st.list("")]
@@ -327,7 +327,8 @@ def run(endpoint: str, bucket: str, *, object_mib: float = 2, objects: int = 64,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvbm_backend.bench.s3_clients", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvbm_backend.apps.bench.s3_clients",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--endpoint-url", default=os.environ.get("KVBM_TEST_S3_ENDPOINT"),
                     help="S3 endpoint, e.g. http://127.0.0.1:8333 (default: $KVBM_TEST_S3_ENDPOINT)")
     ap.add_argument("--bucket", default="kvbm-test")

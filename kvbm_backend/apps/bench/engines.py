@@ -1,6 +1,6 @@
 """Engine comparison: the same write+fdatasync / read through each I/O engine vs the raw baseline.
 
-Run: ``python -m kvbm_backend.bench.engines [DIR] [--total-mib 256] [--io-kib 1024] [--inflight 8]
+Run: ``python -m kvbm_backend.apps.bench.engines [DIR] [--total-mib 256] [--io-kib 1024] [--inflight 8]
 [--repeats 3]`` (prints JSON). Used to choose ``make_engine("auto")`` (see :mod:`kvbm_backend.io`).
 
 Variants: ``posix`` (thread pool, ``inflight`` threads), ``nixl`` (NIXL POSIX/AIO, ``inflight``
@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 
-from ..io import make_engine
-from ..io.base import IoOp
-from ..io.probe import fdatasync, open_file, probe_o_direct
-from ..memory import aligned_empty
+from kvbm_backend.io import make_engine
+from kvbm_backend.io.base import IoOp
+from kvbm_backend.io.probe import fdatasync, open_file, probe_o_direct
+from kvbm_backend.memory import aligned_empty
 from .baseline import check_sizes, drop_cache, odirect_baseline, random_aligned
 
 VARIANTS = ("posix", "nixl", "nixl_batched", "nixl_uring")
@@ -32,7 +32,7 @@ VARIANTS = ("posix", "nixl", "nixl_batched", "nixl_uring")
 def _engine(variant: str, inflight: int):
     if variant == "posix":
         return make_engine("posix", threads=inflight)
-    from ..io.nixl_engine import NixlEngine
+    from kvbm_backend.io.nixl_engine import NixlEngine
 
     if variant == "nixl":
         return NixlEngine(threads=inflight, queue_depth=1)
@@ -90,7 +90,7 @@ def compare_engines(directory: str, total_bytes: int, io_size: int, inflight: in
     cannot run here (NIXL missing) appears as ``{"error": reason}``.
 
     Raises:
-        ValueError: bad sizes (see :func:`kvbm_backend.bench.baseline.check_sizes`) or ``repeats`` < 1.
+        ValueError: bad sizes (see :func:`kvbm_backend.apps.bench.baseline.check_sizes`) or ``repeats`` < 1.
     """
     check_sizes(total_bytes, io_size, inflight)
     if repeats < 1:

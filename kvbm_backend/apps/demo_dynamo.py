@@ -53,12 +53,13 @@ def run_dynamo(prompts: list[list[int]], model_dir: Path, wd: Path, kvbm_config,
     ``kvbm_config(g3_dir: str) -> dict`` gives the ``kvbm_backend`` config of a worker whose G3 is
     ``<wd>/<g3_dir>`` (written to ``<wd>/<g3_dir>.yaml``, passed as ``KVBM_BACKEND_CONFIG_FILE``; G3 also as
     ``DYN_KVBM_DISK_CACHE_DIR``). ``num_blocks``: the engine KV budget (vLLM ``--num-gpu-blocks-override``).
-    Returns ``(results, info)``: per configuration the fields of :mod:`kvbm_backend.engine_run`'s result
+    Returns ``(results, info)``: per configuration the fields of
+    :mod:`kvbm_backend.integrations.vllm.engine_run`'s result
     (``outputs`` are the completion texts, ``ttft_s`` at the client, ``init_s`` the worker's start-up) and
     ``info`` (versions, worker start-up seconds, ports and log paths). Raises RuntimeError naming the log of
     a process that fails.
     """
-    from .integrations.dynamo.stack import DynamoStack, stream_completion
+    from kvbm_backend.integrations.dynamo.stack import DynamoStack, stream_completion
 
     engine_args = ["--dtype", dtype, "--block-size", str(block_size), "--max-model-len", str(max_model_len),
                    "--num-gpu-blocks-override", str(num_blocks), "--enforce-eager", "--seed", "0"]

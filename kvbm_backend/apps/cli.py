@@ -72,7 +72,7 @@ def _int_at_least(name: str, value: Optional[int], lo: int) -> None:
 
 def _writable_dirs(name: str, value: Optional[str], sep: Optional[str] = None) -> None:
     """Each directory named (``sep``-separated) exists as a writable directory or can be created."""
-    from .config import dir_problem
+    from kvbm_backend.config import dir_problem
     if value is None:
         return
     for d in ([x.strip() for x in value.split(sep) if x.strip()] if sep else [value]):
@@ -88,7 +88,7 @@ def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 def _check_layout(layout: str, page_size: int, tp: int = 1) -> None:
     """The preset exists, parses, and splits over ``tp`` ranks (messages name --layout / --tp)."""
-    from .model.presets import load_preset
+    from kvbm_backend.model.presets import load_preset
     try:
         load_preset(layout).layout(page_size=page_size, tp=tp)
     except ValueError as e:
@@ -101,7 +101,7 @@ def _check_layout(layout: str, page_size: int, tp: int = 1) -> None:
 def _config_error_text(e: Exception) -> str:
     from pydantic import ValidationError
 
-    from .config import _fmt_error
+    from kvbm_backend.config import _fmt_error
     return _fmt_error(e) if isinstance(e, ValidationError) else str(e)
 
 
@@ -124,7 +124,7 @@ def bench(
 ) -> None:
     """Write then read N blocks through a tier, with an in-run baseline of the same bytes."""
     from .bench import BenchOptions
-    from .config import ConfigError
+    from kvbm_backend.config import ConfigError
     _one_of("--tier", tier, ("g3", "g4", "vllm-tiers", "index"))
     _int_at_least("--page-size", page_size, 1)
     _int_at_least("--tp", tp, 1)
@@ -342,7 +342,7 @@ def doctor(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """GPU, driver, cuFile/GDS, kvikio, NIXL plugins, O_DIRECT per path, and the engine chosen."""
-    from .config import ConfigError
+    from kvbm_backend.config import ConfigError
     from .doctor import print_doctor, run_doctor
     try:
         result = run_doctor(paths=path, config=config)
@@ -357,7 +357,7 @@ def layouts(page_size: int = typer.Option(16), tp: int = typer.Option(1), as_jso
     divide gets an ``error`` entry instead). Hybrid presets (gpt-oss, Gemma) also state the full-attention
     layers' bytes per token (every token) and the sliding-window layers' (at most ``sliding_window``
     tokens per sequence) separately, per rank at --tp, with the KV of an 8K-token sequence."""
-    from .model.presets import list_presets, load_preset
+    from kvbm_backend.model.presets import list_presets, load_preset
     _int_at_least("--page-size", page_size, 1)
     _int_at_least("--tp", tp, 1)
     rows = {}
@@ -426,8 +426,8 @@ def plot(files: list[str] = typer.Argument(..., help="benchmark or demo JSON fil
 
 
 def _register_g4_commands() -> None:
-    # G4 commands (gc, keys) live with the G4 code.
-    from .g4.cli import register
+    # G4 commands (gc, keys): g4_cli.py.
+    from .g4_cli import register
     register(app)
 
 

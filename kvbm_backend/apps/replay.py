@@ -31,11 +31,11 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from .config import AdmissionConfig, G3Config
-from .model import frame
-from .model.hashing import sequence_hashes
-from .model.namespace import BlockKey, Namespace
-from .model.presets import load_preset
+from kvbm_backend.config import AdmissionConfig, G3Config
+from kvbm_backend.model import frame
+from kvbm_backend.model.hashing import sequence_hashes
+from kvbm_backend.model.namespace import BlockKey, Namespace
+from kvbm_backend.model.presets import load_preset
 
 TRACE_BLOCK_TOKENS = 512
 VOCAB = 32000
@@ -142,8 +142,8 @@ class SimPool:
     ``admission_cfg``; keys are any hashables (replay: BlockKey, plan: sequence hashes)."""
 
     def __init__(self, capacity_blocks: int, admission_cfg: AdmissionConfig, slot_bytes: int):
-        from .pool.g3.admission import make_admission
-        from .pool.g3.index import LruIndex
+        from kvbm_backend.pool.g3.admission import make_admission
+        from kvbm_backend.pool.g3.index import LruIndex
         self.index = LruIndex()
         self.admission = make_admission(admission_cfg)
         self.capacity = capacity_blocks
@@ -208,9 +208,9 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
     if simulate:
         sim = SimPool(capacity_blocks(g3_capacity_gb * 1e9, sb), admission, sb)
     else:
-        from .memory import aligned_empty
-        from .metrics import new_registry
-        from .pool.g3 import G3Pool
+        from kvbm_backend.memory import aligned_empty
+        from kvbm_backend.metrics import new_registry
+        from kvbm_backend.pool.g3 import G3Pool
         run_dir = os.path.join(g3_path, f"replay-{uuid.uuid4().hex[:12]}")
         cfg = G3Config(paths=[run_dir], capacity_gb=g3_capacity_gb, admission=admission,
                        write_queue_blocks=max(chunk, 1), files_per_path=4)
