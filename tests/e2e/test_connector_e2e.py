@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from vllm_runner import connector_extra, prompts, run_engine, vllm_available  # noqa: E402
+from tests.helpers.vllm_runner import connector_extra, prompts, run_engine, vllm_available
 
 from kvbm_backend.engine_model import TINY, write_model_dir  # noqa: E402
 from kvbm_backend.model import frame  # noqa: E402

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from vllm_runner import vllm_available  # noqa: E402
+from tests.helpers.vllm_runner import vllm_available
 
 from kvbm_backend.demo import run_demo, select_requests  # noqa: E402
 from kvbm_backend.engine_model import TINY  # noqa: E402

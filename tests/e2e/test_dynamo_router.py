@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from test_dynamo_e2e import BLOCK, _dynamo_missing, _prompt, _stats
+from tests.e2e.test_dynamo_e2e import BLOCK, _dynamo_missing, _prompt, _stats
 
 from kvbm_backend.integrations.dynamo.stack import READY_TIMEOUT_S, DynamoStack, clear_kv_blocks
 

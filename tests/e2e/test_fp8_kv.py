@@ -20,8 +20,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 vllm = pytest.importorskip("vllm")
 
 from vllm.config import KVTransferConfig  # noqa: E402
@@ -180,7 +178,7 @@ def _run_fp8(tmp: Path, name: str, model_dir: Path, ps, extra: dict, **spec_kw) 
     import json
     import os
     import subprocess
-    from vllm_runner import REPO
+    from tests.helpers.vllm_runner import REPO
     spec = {"model_dir": str(model_dir), "prompts": ps, "connector": {"extra": extra}, "max_tokens": 4,
             "out": str(tmp / f"{name}.result.json"), **spec_kw}
     sp = tmp / f"{name}.spec.json"
@@ -209,7 +207,7 @@ def _fp8_kv_refusal() -> str | None:
 def test_fp8_kv_engine_fresh_engine_and_restart(tmp_path):
     """A Llama with ``kv_cache_dtype="fp8"`` on the CPU engine: a fresh engine process loads from G3 and
     a restarted one (empty G3) from G4, with outputs identical to the engine that computed the KV."""
-    from vllm_runner import connector_extra, prompts
+    from tests.helpers.vllm_runner import connector_extra, prompts
 
     from kvbm_backend.engine_model import TINY, write_model_dir
     model_dir = write_model_dir(tmp_path / "model", TINY)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-WRITER = str(Path(__file__).parent / "g4_writer.py")
+WRITER = str(Path(__file__).parents[1] / "helpers" / "g4_writer.py")
 
 
 def _spawn(specs):

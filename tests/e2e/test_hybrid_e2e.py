@@ -1,7 +1,7 @@
 """Hybrid models (vLLM's hybrid KV cache manager: sliding-window and full-attention KV cache groups) end
 to end on the real vLLM CPU engine, each engine in its own process.
 
-Models (random weights, float32: see ``tests/test_connector_e2e.py`` for why float32):
+Models (random weights, float32: see ``tests/e2e/test_connector_e2e.py`` for why float32):
 
 * gpt-oss-like (:data:`~kvbm_backend.engine_model.TINY_GPT_OSS`, ``GptOssForCausalLM``: alternating
   sliding-window (64 tokens) / full attention, attention sinks, MoE MLP). vLLM's CPU engine runs it
@@ -20,13 +20,11 @@ answers differently from its own recompute (the equal outputs are not luck).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from vllm_runner import connector_extra, prompts, run_engine, vllm_available  # noqa: E402
+from tests.helpers.vllm_runner import connector_extra, prompts, run_engine, vllm_available
 
 from kvbm_backend.engine_model import TINY_GEMMA3, TINY_GPT_OSS, write_hybrid_model_dir  # noqa: E402
 

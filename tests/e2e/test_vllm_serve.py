@@ -20,13 +20,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from vllm_runner import vllm_available  # noqa: E402
+from tests.helpers.vllm_runner import vllm_available
 
 from kvbm_backend.engine_model import TINY, write_model_dir  # noqa: E402
 from kvbm_backend.integrations.vllm.cli import _vllm_version_alias  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(420)]
 _why = vllm_available()
 if _why:

@@ -1,6 +1,6 @@
 """Helpers for the G3 tests, and a writer process the crash test kills with SIGKILL.
 
-``python tests/crash_writer.py DIR START CAPACITY_GB`` opens a G3 pool on DIR (fsync on, admission
+``python tests/helpers/crash_writer.py DIR START CAPACITY_GB`` opens a G3 pool on DIR (fsync on, admission
 all) and writes batches of blocks with keys START, START+1, ... forever; after each put's Future
 completes (durable and published) it prints ``ACK <last key>`` and flushes stdout. Payloads are
 :func:`payload` of the key, so a reader can check every served byte.

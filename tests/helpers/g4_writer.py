@@ -1,4 +1,4 @@
-"""Helper process for multi-process G4 tests (run as ``python tests/g4_writer.py JSON``).
+"""Helper process for multi-process G4 tests (run as ``python tests/helpers/g4_writer.py JSON``).
 
 Modes:
   ``write``: open a G4Pool and put blocks ``seqs`` for ``tenant`` (payload = :func:`payload`), flush.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvbm_backend.config import G4Config  # noqa: E402
 from kvbm_backend.g4.pool import G4Pool  # noqa: E402

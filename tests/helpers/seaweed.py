@@ -4,8 +4,8 @@ Used by the session fixture in ``tests/conftest.py``, by ``ci/seaweedfs.sh`` and
 Every port (master, volume, filer, S3 and their gRPC ports) is picked free on 127.0.0.1, the server
 binds 127.0.0.1 only, and data lives in the given directory so a restart keeps the objects.
 
-Command line: ``python tests/seaweed.py start DIR`` prints ``KVBM_TEST_S3_ENDPOINT=http://...`` and
-leaves the server running (pid in ``DIR/weed.pid``); ``python tests/seaweed.py stop DIR`` stops it.
+Command line: ``python tests/helpers/seaweed.py start DIR`` prints ``KVBM_TEST_S3_ENDPOINT=http://...`` and
+leaves the server running (pid in ``DIR/weed.pid``); ``python tests/helpers/seaweed.py stop DIR`` stops it.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvbm_backend.doctor import cufile_json_info, path_info, run_doctor
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cli(*args, env=None, cmd_prefix=()):

@@ -15,7 +15,7 @@ import yaml
 
 from kvbm_backend.config import load_config
 
-EX = Path(__file__).resolve().parents[1] / "examples"
+EX = Path(__file__).resolve().parents[2] / "examples"
 FRONTEND = EX / "dynamo" / "frontend.sh"  # no KV config: checked by test_dynamo_frontend_script
 BASELINE = EX / "dynamo" / "agg.sh"  # no KV config either: the demo's baseline worker (test_dynamo_baseline_script)
 SCRIPTS = sorted(p for p in EX.rglob("*.sh") if p not in (FRONTEND, BASELINE))
@@ -92,7 +92,7 @@ def test_script_syntax_and_embedded_config(script):
     assert "KvbmBackendConnector" in names or "OffloadingConnector" in names
     if "dynamo" in script.parts:
         assert f"exec {DYNAMO_WORKER}" in text and '"$@"' in code
-        assert KTC in text  # KVBM_BACKEND_CONFIG_FILE / _STATS_PATH reach the JSON (tests/test_dynamo_e2e.py)
+        assert KTC in text  # KVBM_BACKEND_CONFIG_FILE / _STATS_PATH reach the JSON (tests/e2e/test_dynamo_e2e.py)
     if "multi" in script.name:
         assert names[:3] == ["MultiConnector", "DynamoConnector", "KvbmBackendConnector"]
         dyn = configs[0]["kv_connector_extra_config"]["connectors"][0]
@@ -124,7 +124,7 @@ def test_dynamo_baseline_script():
 def test_dynamo_worker_launcher():
     """The launcher is `python -m dynamo.vllm`: it runs dynamo.vllm's __main__ steps after the shims."""
     import ast
-    src = (Path(__file__).resolve().parents[1] / "kvbm_backend/integrations/dynamo/vllm_worker.py").read_text()
+    src = (Path(__file__).resolve().parents[2] / "kvbm_backend/integrations/dynamo/vllm_worker.py").read_text()
     tree = ast.parse(src)
     imported = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert ("dynamo.vllm.main", "main") in imported

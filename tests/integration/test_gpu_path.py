@@ -377,7 +377,7 @@ def test_gpu_nixl_gds_mt_device_read(tmp_path):
 def _bench(*args, tmp_path):
     import subprocess
     import sys
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "gpu_bench.py"), "--out", str(tmp_path),
                            *args], capture_output=True, text=True, timeout=240, cwd=repo)
 

@@ -237,7 +237,7 @@ def test_probe_o_direct_false_on_ramfs(tmp_path):
     cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
            f'mount -t ramfs none "$1" && exec "{sys.executable}" -c "{code}" "$1"', "sh", str(mnt)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     if r.returncode != 0 and "mount" in r.stderr and "False" not in r.stdout:
         pytest.skip(f"cannot mount ramfs in a private namespace here: {r.stderr.strip()[:200]}")
     assert r.stdout.strip() == "False", r.stderr
@@ -278,7 +278,7 @@ def test_baseline_buffered_fallback_where_o_direct_refused(tmp_path):
     cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
            f'mount -t ramfs none "$1" && exec "{sys.executable}" -c "{code}" "$1"', "sh", str(mnt)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     if r.returncode != 0 and "mount" in r.stderr and not r.stdout:
         pytest.skip(f"cannot mount ramfs in a private namespace here: {r.stderr.strip()[:200]}")
     import json
@@ -396,7 +396,7 @@ def test_nixl_logs_stay_off_stdout(tmp_path):
     )
     env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
-                       timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r.returncode == 0, r.stderr
     import json
 

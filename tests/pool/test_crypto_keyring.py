@@ -194,7 +194,7 @@ def test_workers_starting_together_create_one_keyring(tmp_path, monkeypatch):
     monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
     path = tmp_path / "kr.json"
     start = time.time() + 2.0
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     procs = [subprocess.Popen([sys.executable, "-c", _CREATE_RACER, str(path), str(start), root],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
     outs = []

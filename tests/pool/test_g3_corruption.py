@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from crash_writer import LAYOUT, NS, open_pool, payload
+from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.memory import aligned_empty
 from kvbm_backend.model import frame
 from kvbm_backend.pool.g3 import G3Pool

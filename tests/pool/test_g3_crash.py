@@ -1,6 +1,6 @@
 """Invariants 2 and 6 with a real process killed by SIGKILL in the middle of writes.
 
-A writer process (``tests/crash_writer.py``) offloads blocks continuously into a small pool (so LRU
+A writer process (``tests/helpers/crash_writer.py``) offloads blocks continuously into a small pool (so LRU
 eviction reuses slots while it writes); it is killed with ``kill -9`` at varying points, several
 times, each time restarted on the same directory. After every kill the pool reopens, every block
 the writer had acknowledged (put Future completed) and that is still within capacity is found, and
@@ -19,16 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
-from crash_writer import LAYOUT, NS, open_pool, payload
+from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.memory import aligned_empty
 
-HERE = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[2]  # the repo root
 BB = LAYOUT.bytes_per_block
 
 
 def _run_writer(d: Path, start: int, cap_gb: float, min_acks: int, extra_s: float) -> int:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.Popen([sys.executable, str(HERE / "crash_writer.py"), str(d), str(start), str(cap_gb)],
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "crash_writer.py"), str(d), str(start), str(cap_gb)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     last = start - 1
     acks = 0

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from crash_writer import LAYOUT, NS, open_pool, payload
+from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.io.posix import PosixEngine
 from kvbm_backend.model import frame
 from kvbm_backend.pool.g3.slabs import fs_space

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from crash_writer import LAYOUT, NS, open_pool, payload
+from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.io import fdatasync as real_fdatasync
 from kvbm_backend.io.posix import PosixEngine
 from kvbm_backend.memory import aligned_empty

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from crash_writer import LAYOUT, NS, open_pool, payload
+from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.model import frame
 from kvbm_backend.model.namespace import tenant_tag
 from kvbm_backend.pool.g3 import G3Pool

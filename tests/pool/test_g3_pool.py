@@ -2,6 +2,7 @@
 foreign namespaces, warm restart (invariant 6). Real files in tmp_path, the real posix engine."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crash_writer import LAYOUT, NS, open_pool, payload
+from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.io.posix import PosixEngine
 from kvbm_backend.memory import aligned_empty
 from kvbm_backend.model import frame
@@ -181,12 +182,14 @@ def test_second_pool_or_process_is_refused(tmp_path):
     with open_pool(tmp_path):
         with pytest.raises(G3LockedError, match="in use by another pool"):
             open_pool(tmp_path)
-        code = ("import sys; sys.path.insert(0, %r)\n"
-                "from crash_writer import open_pool\n"
+        code = ("import sys\n"
+                "from tests.helpers.crash_writer import open_pool\n"
                 "from kvbm_backend.pool.g3 import G3LockedError\n"
                 "try:\n    open_pool(%r)\nexcept G3LockedError as e:\n    print('REFUSED', e); sys.exit(3)\n"
-                ) % (str(Path(__file__).parent), str(tmp_path))
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+                ) % (str(tmp_path),)
+        root = str(Path(__file__).resolve().parents[2])  # the repo root: tests.helpers and kvbm_backend import from it
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
         assert p.returncode == 3, p.stdout + p.stderr
         assert "G3 is private to one worker" in p.stdout
     with open_pool(tmp_path):  # released on close

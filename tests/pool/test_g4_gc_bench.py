@@ -9,7 +9,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from g4_writer import namespace, payload
+from tests.helpers.g4_writer import namespace, payload
 from kvbm_backend.cli import app
 from kvbm_backend.config import G4Config
 from kvbm_backend.g4.pool import G4Pool

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from g4_writer import namespace, payload
+from tests.helpers.g4_writer import namespace, payload
 from kvbm_backend.config import G4Config
 from kvbm_backend.g4.breaker import CircuitBreaker
 from kvbm_backend.g4.pool import G4Pool

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from g4_writer import namespace, payload
+from tests.helpers.g4_writer import namespace, payload
 from kvbm_backend.config import G4Config
 from kvbm_backend.crypto.keyring import Keyring, KeyringError, provider_for
 from kvbm_backend.g4.gc import run_gc
@@ -21,7 +21,7 @@ from kvbm_backend.g4.pool import G4Pool
 from kvbm_backend.model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameHeader
 from kvbm_backend.pool.base import BlockPool
 
-WRITER = str(Path(__file__).parent / "g4_writer.py")
+WRITER = str(Path(__file__).parents[1] / "helpers" / "g4_writer.py")
 
 
 @pytest.fixture(params=["fs", "s3"])

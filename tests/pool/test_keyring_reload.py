@@ -16,7 +16,7 @@ import types
 import pytest
 
 import kvbm_backend.crypto.keyring as keyring_mod
-from g4_writer import namespace, payload, put_blocks, read_checked
+from tests.helpers.g4_writer import namespace, payload, put_blocks, read_checked
 from kvbm_backend.config import G4Config
 from kvbm_backend.crypto.aead import new_nonce, seal_into
 from kvbm_backend.crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenant, provider_for

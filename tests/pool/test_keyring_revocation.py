@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.g4_writer import namespace, put_blocks, read_checked
 from kvbm_backend.cli import app
 from kvbm_backend.config import G4Config, KeyringConfig
 from kvbm_backend.crypto.aead import new_nonce, seal_into

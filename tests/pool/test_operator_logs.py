@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import pytest
 
-from g4_writer import namespace, payload
+from tests.helpers.g4_writer import namespace, payload
 from kvbm_backend import metrics
 from kvbm_backend.config import G4Config, load_config
 from kvbm_backend.g4.breaker import CircuitBreaker

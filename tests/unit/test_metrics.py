@@ -6,7 +6,7 @@ import urllib.request
 
 import numpy as np
 
-from crash_writer import LAYOUT, NS, open_pool, payload
+from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend import metrics
 from kvbm_backend.memory import aligned_empty
 from kvbm_backend.model import frame

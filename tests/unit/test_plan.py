@@ -15,7 +15,7 @@ from kvbm_backend.model.presets import load_preset
 from kvbm_backend.plan import Fleet, Router, SynthSpec, load_timed_trace, run_plan, synth_trace, write_trace
 from kvbm_backend.replay import run_replay
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 LIMIT = 80
 PS = 16
 

@@ -13,7 +13,7 @@ from kvbm_backend.model import frame
 from kvbm_backend.model.presets import load_preset
 from kvbm_backend.replay import run_replay
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 LIMIT = 80  # the first 40 requests of this trace share no prefix; 80 give ~3,000 hits
 PS = 16
 
