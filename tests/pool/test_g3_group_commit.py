@@ -176,7 +176,7 @@ def test_group_commit_bytes_starts_the_barrier_without_waiting(tmp_path, pieces)
 def test_group_commit_settings_validated():
     from pydantic import ValidationError
 
-    from crash_writer import config
+    from tests.helpers.crash_writer import config
     with pytest.raises(ValidationError):
         config("/tmp/x", group_commit_ms=-1)
     with pytest.raises(ValidationError):

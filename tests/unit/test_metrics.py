@@ -108,7 +108,7 @@ def _tiers_cfg(tmp_path, **metrics_cfg):
 
 
 def test_metrics_port_serves_kvbm_series_when_tiers_open(tmp_path):
-    from g4_writer import namespace, payload as g4_payload
+    from tests.helpers.g4_writer import namespace, payload as g4_payload
     from kvbm_backend.integrations.tiers import open_tiers
     port = _free_port()
     ns = namespace()
@@ -137,7 +137,7 @@ def test_metrics_port_serves_kvbm_series_when_tiers_open(tmp_path):
 
 def test_metrics_port_in_use_is_one_error_and_the_tiers_still_open(tmp_path, caplog):
     import logging
-    from g4_writer import namespace
+    from tests.helpers.g4_writer import namespace
     from kvbm_backend.integrations.tiers import open_tiers
     caplog.set_level(logging.INFO, logger="kvbm_backend")
     ns = namespace()
@@ -172,7 +172,7 @@ def test_every_g4_series_moves(tmp_path):
     """Each series of TierMetrics("g4") is updated by G4Pool: the documented set, nothing dead."""
     import os
     import time
-    from g4_writer import namespace, payload as g4_payload
+    from tests.helpers.g4_writer import namespace, payload as g4_payload
     from kvbm_backend.config import G4Config
     from kvbm_backend.g4.pool import G4Pool
     ns = namespace()
