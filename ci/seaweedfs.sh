@@ -8,8 +8,8 @@ cmd=${1:?start|stop}; dir=${2:?data directory}
 export AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID:-kvbmtest} AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-kvbmtest-secret}
 export AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-us-east-1}
 if [ "$cmd" = start ]; then
-  line=$(.venv/bin/python tests/seaweed.py start "$dir" kvbm-test)
+  line=$(.venv/bin/python tests/helpers/seaweed.py start "$dir" kvbm-test)
   echo "export ${line} AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID} AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY} AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION}"
 else
-  .venv/bin/python tests/seaweed.py stop "$dir"
+  .venv/bin/python tests/helpers/seaweed.py stop "$dir"
 fi

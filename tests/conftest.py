@@ -1,20 +1,23 @@
 """Shared pytest fixtures.
 
-S3 tests run against a real SeaweedFS server on 127.0.0.1 (``tests/seaweed.py``): one per session,
+S3 tests run against a real SeaweedFS server on 127.0.0.1 (``tests/helpers/seaweed.py``): one per session,
 or the one ``.ci/run`` started when ``KVBM_TEST_S3_ENDPOINT`` is set. Tests skip (with the reason)
 only when the ``weed`` binary is absent.
+
+Layout (issue 11): ``tests/unit`` (pure logic), ``tests/pool`` (G3/G4 pools, keyrings, S3 clients),
+``tests/integration`` (connector pieces, tiering, device paths, I/O engines, examples, CLI),
+``tests/e2e`` (vLLM engines and servers, Dynamo, multi-process clusters); shared helpers are the package
+``tests.helpers`` (``from tests.helpers.seaweed import ...``: the repo root is on ``sys.path`` through
+``pythonpath = ["."]`` in pyproject.toml; child processes get it through ``PYTHONPATH``).
 """
 from __future__ import annotations
 
 import os
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from seaweed import ANON_ENV, SeaweedServer, weed_binary  # noqa: E402
+from tests.helpers.seaweed import ANON_ENV, SeaweedServer, weed_binary
 
 TEST_BUCKET = "kvbm-test"
 
@@ -83,7 +86,11 @@ def s3_prefix(request):
 # edit-test loops); CI runs everything. The markers are applied here, from what a test uses, so a new
 # test cannot forget them: `s3` - a SeaweedFS fixture; `vllm` - a module that drives the vLLM engine;
 # `gpu` - a CUDA parametrisation or a test_gpu_* test; `slow` - modules and tests measured at more than
-# ~10 s on the 2-core CI VM (`ci/test.sh --durations=40`).
+# ~10 s on the 2-core CI VM (`ci/test.sh --durations=40`). The sets below name modules by basename (the
+# folder does not matter: keep basenames unique across tests/*/). The folder does not imply a marker:
+# every tests/e2e test is out of the fast lane and every tests/unit test in it (on a CPU machine), but no
+# folder maps onto one marker (e2e: slow, vllm and s3 in different combinations; pool and integration
+# mixed), so the markers stay defined by these sets alone.
 _S3_FIXTURES = {"seaweed", "seaweed_restartable", "s3_prefix"}
 _VLLM_MODULES = {"test_connector_e2e", "test_connector_units", "test_demo", "test_examples", "test_tiering",
                  "test_vllm_serve", "test_dynamo_e2e", "test_dynamo_router", "test_hybrid_e2e", "test_hybrid_units",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Aggregated Dynamo vLLM worker with the kvbm-backend connector alone: G3 (local NVMe) and G4 (S3).
 # Dynamo 1.6 takes the connector as --kv-transfer-config JSON (its `--connector kvbm` flag is rejected).
-# Run examples/dynamo/frontend.sh beside it. tests/test_dynamo_e2e.py runs this very script.
+# Run examples/dynamo/frontend.sh beside it. tests/e2e/test_dynamo_e2e.py runs this very script.
 #
 # Parameters (environment): MODEL (HF id or directory), PYTHON, KVBM_BACKEND_CONFIG_FILE (our YAML; default
 # /etc/kvbm-backend/kvbm-backend.yaml), KVBM_BACKEND_STATS_PATH (connector counters as JSON),

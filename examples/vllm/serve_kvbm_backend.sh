@@ -7,7 +7,7 @@
 # stops at "PackageNotFoundError: vllm" (the reason is in that module). Extra arguments go to
 # `vllm serve`. Environment: MODEL, PYTHON (default python), KVBM_BACKEND_CONFIG_FILE (replaces the
 # inline settings), KVBM_BACKEND_STATS_PATH (the connector's counters as JSON).
-# tests/test_vllm_serve.py runs this script (tiny model, loopback), so it cannot rot.
+# tests/e2e/test_vllm_serve.py runs this script (tiny model, loopback), so it cannot rot.
 set -euo pipefail
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
 PYTHON="${PYTHON:-python}"

@@ -1,0 +1,83 @@
+"""``kvbm-backend demo``: request selection from a Mooncake trace, and one small real run (tiny model)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.vllm_runner import vllm_available
+
+from kvbm_backend.apps.demo import run_demo, select_requests  # noqa: E402
+from kvbm_backend.apps.engine_model import TINY  # noqa: E402
+from kvbm_backend.apps.replay import block_tokens  # noqa: E402
+
+
+def _trace(path: Path) -> Path:
+    # three conversations of three turns (each turn extends the previous one), interleaved, plus singles
+    rows = []
+    for turn in range(3):
+        for conv in range(3):
+            base = 1000 * conv
+            ids = [base + k for k in range(4 + 2 * turn)]
+            rows.append({"timestamp": 100 * len(rows), "input_length": 512 * len(ids) - 100, "output_length": 4,
+                         "hash_ids": ids})
+        rows.append({"timestamp": 100 * len(rows), "input_length": 900, "output_length": 4,
+                     "hash_ids": [50000 + turn, 60000 + turn]})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_select_requests_scales_and_derives_tokens_like_replay(tmp_path):
+    tr = _trace(tmp_path / "t.jsonl")
+    ps, info = select_requests(tr, 6, turns_per_conv=2, block_tokens=16, max_tokens_per_request=10_000,
+                               min_tokens=32, vocab=2048)
+    assert info["conversations"] == 3 and len(ps) == 6
+    assert info["length_scale"] == 16 / 512
+    assert info["trace_requests_used"] == sorted(info["trace_requests_used"])  # trace order
+    # equal hash ids give equal tokens: each conversation's 2nd turn extends its 1st
+    first, second = ps[0], ps[3]  # rows 0 and 4 of the trace: conversation 0, turns 1 and 2
+    assert second[:len(first)] == first
+    assert first[:16] == [int(x) % 2048 for x in block_tokens(0)[:16]]
+    assert len(first) == -(-(512 * 4 - 100) * 16 // 512)
+    with pytest.raises(ValueError, match="only 9 multi-turn"):
+        select_requests(tr, 20, turns_per_conv=3, block_tokens=16, min_tokens=32)
+    with pytest.raises(ValueError, match="--trace"):
+        run_demo(trace=str(tmp_path / "missing.jsonl"), json_path=None, plot=None)
+    with pytest.raises(ValueError, match="--engine"):
+        run_demo(trace=str(tr), json_path=None, plot=None, engine="sglang")
+
+
+def _dynamo_missing() -> str | None:
+    import importlib.util
+    if all(importlib.util.find_spec(m) for m in ("dynamo.frontend", "dynamo.vllm", "openai")):
+        return None
+    return "ai-dynamo / openai not installed (bash ci/install.sh)"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(bool(vllm_available()), reason="vLLM engine not importable")
+@pytest.mark.parametrize("engine", ["dynamo", "direct"])
+def test_demo_small_run_writes_json_and_plot(tmp_path, engine):
+    if engine == "dynamo" and _dynamo_missing():
+        pytest.skip(_dynamo_missing())
+    tr = _trace(tmp_path / "t.jsonl")
+    out_json, out_png = tmp_path / "demo.json", tmp_path / "demo.png"
+    res = run_demo(json_path=str(out_json), plot=str(out_png), trace=str(tr), requests=6,
+                   workdir=str(tmp_path / "wd"), block_tokens=64, turns_per_conv=2, max_tokens_per_request=768,
+                   model=TINY, engine=engine)
+    data = json.loads(out_json.read_text())
+    assert data["serving"] == engine
+    assert data["ttft_measured_at"].startswith("HTTP client" if engine == "dynamo" else "engine")
+    assert set(data["configs"]) == {"baseline", "kvbm_backend", "restart"}
+    for name, c in data["configs"].items():
+        for k in ("ttft_p50_s", "ttft_p90_s", "hit_rate", "outputs_identical"):
+            assert k in c, (name, k)
+        assert c["outputs_identical"], name
+    assert data["configs"]["kvbm_backend"]["blocks"]["loaded_g3"] > 0       # later turns hit G3
+    assert data["configs"]["restart"]["blocks"]["loaded_g4"] > 0            # empty G3: G4 serves
+    assert data["configs"]["restart"]["hit_rate"] > data["configs"]["baseline"]["hit_rate"]
+    assert data["scaling"]["demo_tokens_per_trace_block"] == 64
+    assert out_png.stat().st_size > 10_000
+    assert res["configs"]["restart"]["bytes_moved"]["loaded"] > 0

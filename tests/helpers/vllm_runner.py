@@ -1,0 +1,70 @@
+"""Run the real vLLM CPU engine in a subprocess (``python -m kvbm_backend.integrations.vllm.engine_run``) for tests.
+
+Each engine gets its own process so pytest's process stays free of vLLM state and a "fresh engine"
+really is a new process (empty engine prefix cache, pools reopened from disk).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def vllm_available() -> str | None:
+    """None if vLLM imports here, else the reason (used to skip)."""
+    r = subprocess.run([sys.executable, "-c", "import vllm, llguidance"], capture_output=True, text=True, timeout=120)
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["vllm import failed"])[-1]
+
+
+def prompts(n: int, length: int, shared_prefix: int = 0, seed: int = 0, vocab: int = 2048) -> list[list[int]]:
+    """``n`` deterministic token-id prompts of ``length`` tokens; the first ``shared_prefix`` are common."""
+    rng = np.random.default_rng(seed)
+    pre = rng.integers(3, vocab, shared_prefix).tolist()
+    return [pre + rng.integers(3, vocab, length - shared_prefix).tolist() for _ in range(n)]
+
+
+def connector_extra(workdir: Path, g4_url: str | None = None, keyring: Path | None = None, **g4_kw) -> dict:
+    """``kv_connector_extra_config`` for a G3 dir (admit every block) and optionally a G4 URL.
+
+    The G4 keyring (tenant data keys) defaults to ``workdir/../g4-keyring.json``: engines that are to
+    read each other's G4 blocks must share it, as the workers of one fleet do."""
+    cfg = {"model": "kvbm-backend/tiny-llama", "g3": {"paths": [str(workdir / "g3")], "capacity_gb": 0.5,
+                                                      "files_per_path": 2, "admission": {"policy": "all"}}}
+    if g4_url:
+        g4 = {"enabled": True, "url": g4_url, "encrypt": True,
+              "keyring": {"path": str(keyring or (workdir.parent / "g4-keyring.json"))}}
+        g4.update(g4_kw)
+        cfg["g4"] = g4
+    return {"kvbm_backend": cfg, "stats_path": str(workdir / "connector-stats.json")}
+
+
+def run_engine(tmp: Path, name: str, model_dir: Path, prompt_list: list[list[int]], connector: dict | None,
+               max_tokens: int = 4, kvcache_gib: int = 1, timeout: float = 300, env: dict | None = None,
+               **spec_kw) -> dict:
+    """Run one engine process over ``prompt_list`` (one request at a time) and return its result dict
+    (see :mod:`kvbm_backend.integrations.vllm.engine_run`). Raises RuntimeError with the process's output tail on
+    failure."""
+    spec = {"model_dir": str(model_dir), "prompts": prompt_list, "connector": connector, "max_tokens": max_tokens,
+            "out": str(tmp / f"{name}.result.json"), **spec_kw}
+    spec_path = tmp / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    e = dict(os.environ)
+    e.update({"VLLM_CPU_KVCACHE_SPACE": str(int(kvcache_gib)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+              "PYTHONPATH": str(REPO) + os.pathsep + e.get("PYTHONPATH", ""), "VLLM_LOGGING_LEVEL": "WARNING"})
+    if env:
+        e.update(env)
+    r = subprocess.run([sys.executable, "-m", "kvbm_backend.integrations.vllm.engine_run", str(spec_path)],
+                       capture_output=True, text=True, timeout=timeout, env=e, cwd=str(tmp))
+    out = Path(spec["out"])
+    if r.returncode != 0 or not out.is_file():
+        tail = (r.stdout + r.stderr)[-6000:]
+        raise RuntimeError(f"engine {name} failed (rc={r.returncode}):\n{tail}")
+    res = json.loads(out.read_text())
+    res["log"] = (r.stdout + r.stderr)[-20000:]
+    return res

@@ -1,0 +1,87 @@
+"""``kvbm-backend gc`` (age, capacity target, per tenant, temp-file grace, dry run) and
+``kvbm-backend bench --tier g4`` JSON on both stores."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.helpers.g4_writer import namespace, payload
+from kvbm_backend.apps.cli import app
+from kvbm_backend.config import G4Config
+from kvbm_backend.g4.pool import G4Pool
+
+BENCH_KEYS = {"block_bytes", "blocks", "io_size_bytes", "engine", "write_gbps", "read_gbps", "baseline_write_gbps",
+              "baseline_read_gbps", "cpu_s_per_gb", "encrypt", "aes_gcm_gbps_per_core", "encrypted_read_gbps",
+              "unencrypted_read_gbps"}
+
+
+def _fill(url, kr, endpoint=None):
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    with G4Pool(G4Config(url=url, endpoint_url=endpoint, keyring={"path": kr}), ns) as p:
+        for t, seqs in (("alice", range(1, 5)), ("bob", range(10, 14))):
+            for s in seqs:  # one at a time so mtimes are ordered
+                assert p.put(ns.keys([s], tenant=t), [payload(s, t, bpb)]).result(timeout=30).written == 1
+                time.sleep(0.02)
+        return p.object_name(ns.key(1, tenant="alice")), bpb
+
+
+def _gc(*args):
+    r = CliRunner().invoke(app, ["gc", *args, "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def test_gc_cli_file_store(tmp_path):
+    url, kr = f"file://{tmp_path / 'store'}", str(tmp_path / "kr.json")
+    first, bpb = _fill(url, kr)
+    root = tmp_path / "store"
+    # a crashed writer's temp file: young ones are never touched, old ones are reclaimed
+    d = (root / first).parent
+    young, old = d / ".x.host.1.aaaa.tmp", d / ".y.host.2.bbbb.tmp"
+    young.write_bytes(b"partial")
+    old.write_bytes(b"partial")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    obj = 4096 + bpb
+    dry = _gc("--url", url, "--target-gb", str(5 * obj / 1e9), "--dry-run")
+    assert dry["deleted_by"]["capacity"] == 3 and (root / first).exists()  # dry run deletes nothing
+    res = _gc("--url", url, "--tenant", "alice", "--keyring", kr, "--target-gb", str(2 * obj / 1e9))
+    assert res["scanned_objects"] == 4 and res["deleted_by"]["capacity"] == 2 and res["deleted_by"]["temp"] == 1
+    assert not (root / first).exists() and young.exists() and not old.exists()  # oldest first
+    res = _gc("--url", url, "--max-age-s", "0")
+    assert res["deleted_by"]["age"] == 6 and res["remaining_bytes"] == 0
+    bad = CliRunner().invoke(app, ["gc", "--url", url, "--tenant", "alice", "--max-age-s", "1"])
+    assert bad.exit_code == 2 and "--keyring" in " ".join(bad.output.split())
+
+
+def test_gc_cli_s3_revoked_tenant(seaweed, s3_prefix, tmp_path):
+    url, kr = seaweed.url(s3_prefix), str(tmp_path / "kr.json")
+    _fill(url, kr, seaweed.endpoint)
+    r = CliRunner().invoke(app, ["keys", "revoke", "--keyring", kr, "--tenant", "bob"])
+    assert r.exit_code == 0, r.output
+    res = _gc("--url", url, "--endpoint-url", seaweed.endpoint, "--keyring", kr)
+    assert res["deleted_by"]["revoked"] == 4 and res["scanned_objects"] == 8
+    res = _gc("--url", url, "--endpoint-url", seaweed.endpoint, "--max-age-s", "3600")
+    assert res["scanned_objects"] == 4 and res["deleted_objects"] == 0
+
+
+@pytest.mark.parametrize("store", ["fs", "s3"])
+def test_bench_g4_json(store, tmp_path, s3_prefix, request):
+    if store == "fs":
+        args = ["--url", f"file://{tmp_path / 'bench'}"]
+    else:
+        sw = request.getfixturevalue("seaweed")
+        args = ["--url", sw.url(s3_prefix), "--endpoint-url", sw.endpoint]
+    r = CliRunner().invoke(app, ["bench", "--tier", "g4", *args, "--layout", "tiny", "--blocks", "8", "--json",
+                                 "--no-encrypt"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert BENCH_KEYS <= set(d) and d["encrypt"] is False and d["blocks"] == 8 and d["block_bytes"] == 32768
+    assert d["read_gbps"] > 0 and d["baseline_read_gbps"] > 0 and d["aes_gcm_gbps_per_core"] > 0
+    assert d["read_gbps"] == d["unencrypted_read_gbps"]
+    bad = CliRunner().invoke(app, ["bench", "--tier", "g4", "--layout", "tiny", "--blocks", "8"])
+    assert bad.exit_code == 2 and "--url" in bad.output

@@ -1,0 +1,175 @@
+"""Failure behaviour against a real SeaweedFS server: frozen (SIGSTOP) and killed (SIGKILL) mid-run,
+then brought back. Loads/lookups become misses within the bound, offloads are dropped and counted,
+the breaker opens, the caller's thread never waits, and the pool recovers by itself."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers.g4_writer import namespace, payload
+from kvbm_backend.config import G4Config
+from kvbm_backend.g4.breaker import CircuitBreaker
+from kvbm_backend.g4.pool import G4Pool
+
+TIMEOUT_S = 1.0
+# A call that waited on the frozen/dead server would take >= TIMEOUT_S; a quarter of it separates
+# "returned at once" from "blocked" with room for a busy 2-core CI machine.
+NONBLOCKING_S = TIMEOUT_S / 4
+
+
+def test_breaker_states():
+    now = [0.0]
+    b = CircuitBreaker(failures=3, reset_s=5.0, clock=lambda: now[0])
+    for _ in range(2):
+        assert b.allow()
+        b.failure()
+    assert b.state == "closed" and b.allow()
+    b.failure()
+    assert b.state == "open" and not b.allow() and b.rejected == 1
+    now[0] = 5.0
+    assert b.state == "half_open" and b.allow() and not b.allow()  # exactly one probe
+    b.failure()
+    assert b.state == "open" and b.opens == 1
+    now[0] = 10.0
+    assert b.allow()
+    b.success()
+    assert b.state == "closed" and b.allow() and b.allow()
+
+
+def _timed(fn):
+    t = time.monotonic()
+    fut = fn()
+    return fut, time.monotonic() - t
+
+
+@pytest.mark.slow
+def test_server_frozen_killed_and_restarted(seaweed_restartable, tmp_path):
+    srv = seaweed_restartable
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    cfg = G4Config(url="s3://kvbm-test/outage", endpoint_url=srv.endpoint, timeout_s=TIMEOUT_S, retries=0,
+                   breaker_failures=3, breaker_reset_s=1.0, keyring={"path": str(tmp_path / "kr.json")})
+    pool = G4Pool(cfg, ns)
+    bound = TIMEOUT_S * (1 + cfg.retries) + 0.05
+    seqs = list(range(1, 9))
+    keys = ns.keys(seqs, tenant="t")
+    blocks = [payload(s, "t", bpb) for s in seqs]
+    assert pool.put(keys[:4], blocks[:4]).result(timeout=30).written == 4
+    out = [np.zeros(bpb, np.uint8) for _ in seqs]
+    assert pool.get(keys[:4], out[:4]).result(timeout=30).ok == [True] * 4
+
+    # 1) frozen server (accepts connections, never answers): misses within the bound, caller never waits
+    os.killpg(srv.proc.pid, signal.SIGSTOP)
+    try:
+        sentinel = [np.full(bpb, 0xAB, np.uint8) for _ in range(4)]
+        fut, call_s = _timed(lambda: pool.get(keys[:4], sentinel))
+        assert call_s < NONBLOCKING_S
+        t0 = time.monotonic()
+        res = fut.result(timeout=bound + 2.0)
+        assert time.monotonic() - t0 <= bound + 0.5
+        assert res.ok == [False] * 4
+        fut, call_s = _timed(lambda: pool.lookup_prefix(keys[:4]))
+        assert call_s < NONBLOCKING_S and fut.result(timeout=bound + 2.0) == 0
+        time.sleep(TIMEOUT_S + 0.5)  # let the in-flight requests time out: late replies must not land
+        assert all((s == 0xAB).all() for s in sentinel)
+    finally:
+        os.killpg(srv.proc.pid, signal.SIGCONT)
+
+    # 2) killed server: offloads dropped and counted, breaker opens, later calls are immediate
+    srv.kill()
+    fut, call_s = _timed(lambda: pool.put(keys[4:], blocks[4:]))
+    assert call_s < NONBLOCKING_S
+    r = fut.result(timeout=bound * 4 + 5)
+    assert r.written == 0 and r.dropped == 4
+    for _ in range(3):
+        pool.get(keys[:4], out[:4]).result(timeout=bound + 2.0)
+    st = pool.stats()
+    assert st["breaker_opens"] >= 1 and st["dropped_unavailable"] + st["dropped_breaker"] == 4
+    t0 = time.monotonic()
+    assert pool.get(keys[:4], out[:4]).result(timeout=bound + 2.0).ok == [False] * 4
+    assert pool.lookup_prefix(keys[:4]).result(timeout=bound + 2.0) == 0
+    assert pool.stats()["breaker_rejected"] > 0
+    assert time.monotonic() - t0 < bound  # the open breaker answers at once, no hammering
+    assert pool.stats()["misses"] > 0
+
+    # 3) server back (same data dir): the pool recovers by itself, old data intact
+    srv.start(bucket=None)
+    deadline = time.monotonic() + 30
+    ok = []
+    while time.monotonic() < deadline:
+        ok = pool.get(keys[:4], out[:4]).result(timeout=bound + 2.0).ok
+        if all(ok):
+            break
+        time.sleep(0.5)
+    assert ok == [True] * 4
+    assert all(np.array_equal(o, b) for o, b in zip(out[:4], blocks[:4]))
+    assert pool.put(keys[4:], blocks[4:]).result(timeout=30).written == 4
+    assert pool.lookup_prefix(keys).result(timeout=30) == 8
+    assert pool.stats()["breaker_state"] == "closed"
+    pool.close()
+
+
+def test_hung_shared_mount_reads_are_bounded_and_recover(tmp_path):
+    """A shared POSIX mount that hangs (an NFS hard mount whose server is gone: reads block in the
+    kernel and raise nothing). Simulated with real FIFOs at the objects' names: open() blocks until a
+    writer appears. Loads are misses within the bound, the caller never waits, a late read never
+    lands, the silence opens the breaker (so calls stop queueing behind the stuck I/O threads), and
+    when the mount returns the stuck reads finish and the pool recovers by itself."""
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    cfg = G4Config(url=f"file://{tmp_path / 'mnt'}", timeout_s=TIMEOUT_S, retries=0, breaker_failures=2,
+                   breaker_reset_s=0.5, max_inflight=16, keyring={"path": str(tmp_path / "kr.json")})
+    pool = G4Pool(cfg, ns)
+    bound = TIMEOUT_S + 0.05
+    seqs = list(range(1, 9))
+    keys = ns.keys(seqs, tenant="t")
+    blocks = [payload(s, "t", bpb) for s in seqs]
+    assert pool.put(keys, blocks).result(timeout=30).written == 8
+    hung = [pool.store._path(pool.object_name(k)) for k in keys[:4]]
+    for p in hung:  # the server goes away under these four objects
+        os.rename(p, f"{p}.real")
+        os.mkfifo(p)
+        os.link(p, f"{p}.hold")  # our handle to release the blocked readers later
+    try:
+        sentinel = [np.full(bpb, 0xAB, np.uint8) for _ in range(4)]
+        for attempt in range(2):  # two silent batches: breaker_failures=2
+            fut, call_s = _timed(lambda: pool.get(keys[:4], sentinel))
+            assert call_s < NONBLOCKING_S
+            t0 = time.monotonic()
+            assert fut.result(timeout=bound + 2.0).ok == [False] * 4
+            assert time.monotonic() - t0 <= bound + 0.5
+        st = pool.stats()
+        assert st["miss_timeout"] == 8 and st["breaker_opens"] == 1 and st["breaker_state"] == "open"
+        # open breaker: answered at once by the caller's call, not queued behind the 8 stuck threads
+        out = [np.zeros(bpb, np.uint8) for _ in range(4)]
+        fut, call_s = _timed(lambda: pool.get(keys[4:], out))
+        assert call_s < NONBLOCKING_S and fut.done() and fut.result().ok == [False] * 4
+        assert pool.lookup_prefix(keys).done()
+        r = pool.put(ns.keys([99], tenant="t"), [blocks[0]])
+        assert r.done() and r.result().dropped == 1
+        assert all((s == 0xAB).all() for s in sentinel)
+    finally:
+        for p in hung:  # the mount comes back: the objects are there again, the blocked opens finish
+            os.rename(f"{p}.real", p)
+            fd = os.open(f"{p}.hold", os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+            os.unlink(f"{p}.hold")
+    time.sleep(0.5)
+    assert all((s == 0xAB).all() for s in sentinel)  # the late reads did not land in expired buffers
+    deadline = time.monotonic() + 20
+    got = [np.zeros(bpb, np.uint8) for _ in seqs]
+    ok = []
+    while time.monotonic() < deadline:
+        ok = pool.get(keys, got).result(timeout=bound + 2.0).ok
+        if all(ok):
+            break
+        time.sleep(0.2)
+    assert ok == [True] * 8 and all(np.array_equal(g, b) for g, b in zip(got, blocks))
+    st = pool.stats()
+    assert st["breaker_state"] == "closed"
+    assert not {k: v for k, v in st.items() if k.startswith("corrupt_") and v}  # nothing read half-way
+    pool.close()

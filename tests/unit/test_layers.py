@@ -1,0 +1,79 @@
+"""The layering rules of docs/architecture.md, checked on the source with ``ast`` (nothing is imported):
+
+* the library (everything under ``kvbm_backend/`` outside ``apps/``) never imports ``kvbm_backend.apps``;
+* only ``kvbm_backend/integrations/`` imports vLLM or Dynamo (at module level or inside a function);
+* nothing below the integrations (pools, transfer, io, gpu, model, crypto, config...) imports them;
+* no module under ``apps/`` is over ~500 lines.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "kvbm_backend"
+ENGINE_PACKAGES = ("vllm", "dynamo")
+APPS_MAX_LINES = 520
+
+
+def _modules():
+    for p in sorted(ROOT.rglob("*.py")):
+        yield p, p.relative_to(ROOT.parent).with_suffix("").parts
+
+
+def _imports(path: Path, parts: tuple[str, ...]):
+    """Every module an ``import`` or ``from ... import`` in ``path`` names (relative ones resolved), with
+    the line: ``from a import b`` yields ``a`` and ``a.b`` (``b`` may be a submodule)."""
+    pkg = list(parts[:-1])  # the package a relative import starts from (for __init__, the package itself)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            yield mod, node.lineno
+            for a in node.names:
+                yield f"{mod}.{a.name}", node.lineno
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _where(parts) -> str:
+    return parts[1] if len(parts) > 2 else ""
+
+
+def test_resolves_relative_imports():
+    # the checker itself: a relative import out of a subpackage resolves to the absolute name
+    got = dict(_imports(ROOT / "apps" / "bench" / "g3.py", ("kvbm_backend", "apps", "bench", "g3")))
+    assert "kvbm_backend.apps.bench.BenchOptions" in got
+
+
+def test_library_never_imports_apps():
+    bad = [f"{p.relative_to(ROOT.parent)}:{ln}: {name}" for p, parts in _modules() if _where(parts) != "apps"
+           for name, ln in _imports(p, parts) if _under(name, "kvbm_backend.apps")]
+    assert not bad, "library modules import kvbm_backend.apps:\n" + "\n".join(bad)
+
+
+def test_only_integrations_import_vllm_or_dynamo():
+    bad = [f"{p.relative_to(ROOT.parent)}:{ln}: {name}" for p, parts in _modules() if _where(parts) != "integrations"
+           for name, ln in _imports(p, parts) if name.split(".")[0] in ENGINE_PACKAGES]
+    assert not bad, "vLLM/Dynamo imported outside kvbm_backend/integrations/:\n" + "\n".join(bad)
+
+
+def test_nothing_below_integrations_imports_them():
+    bad = [f"{p.relative_to(ROOT.parent)}:{ln}: {name}" for p, parts in _modules()
+           if _where(parts) not in ("integrations", "apps")
+           for name, ln in _imports(p, parts) if _under(name, "kvbm_backend.integrations")]
+    assert not bad, "library modules import kvbm_backend.integrations (data flows downward only):\n" + "\n".join(bad)
+
+
+
+def test_apps_modules_stay_small():
+    big = [f"{p.relative_to(ROOT.parent)}: {n} lines" for p, parts in _modules() if _where(parts) == "apps"
+           for n in [len(p.read_text().splitlines())] if n > APPS_MAX_LINES]
+    assert not big, "modules under kvbm_backend/apps/ over ~500 lines (split them by job):\n" + "\n".join(big)

@@ -1,0 +1,230 @@
+"""Prometheus metrics: KVBM's names where KVBM has them, ours for the rest; per-pool registries."""
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import numpy as np
+
+from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
+from kvbm_backend import metrics
+from kvbm_backend.memory import aligned_empty
+from kvbm_backend.model import frame
+from kvbm_backend.pool.g3 import G3Pool
+
+
+def _val(reg, name, **labels):
+    return metrics.sample_value(reg, name, labels) or 0.0
+
+
+def test_pool_metrics_names_and_values(tmp_path):
+    reg = metrics.new_registry()
+    pool = G3Pool(open_pool.__globals__["config"](tmp_path, write_queue_blocks=4), NS, registry=reg)
+    try:
+        keys = NS.keys(range(1, 7))
+        r = pool.put(keys, [payload(k.seq_hash) for k in keys]).result()
+        assert r.written == 4 and r.dropped == 2
+        assert _val(reg, "kvbm_offload_blocks_h2d_total") == 4
+        assert _val(reg, "kvbm_backend_g3_offloads_dropped_total", reason="queue_full") == 2
+        assert pool.lookup_prefix(keys).result() == 4
+        assert _val(reg, "kvbm_matched_tokens_total") == 4 * LAYOUT.page_size
+        assert _val(reg, "kvbm_disk_cache_hit_rate") == 4 / 6
+        f, s = pool.index.get(keys[0])
+        with open(pool.slabs.by_index[f].path, "r+b") as fh:
+            fh.seek(s * pool.slot_bytes + frame.HEADER_BYTES + 5)
+            fh.write(b"\x00\x01\x02")
+        out = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys[:4]]
+        assert pool.get(keys[:4], out).result().ok == [False, True, True, True]
+        assert _val(reg, "kvbm_onboard_blocks_d2d_total") == 3
+        assert _val(reg, "kvbm_backend_g3_corrupt_blocks_total", reason="integrity") == 1
+        assert _val(reg, "kvbm_backend_g3_load_misses_total", reason="corrupt") == 1
+        assert _val(reg, "kvbm_backend_g3_blocks") == 3
+        assert _val(reg, "kvbm_backend_g3_capacity_bytes") == pool.stats()["capacity_bytes"] > 0
+        assert _val(reg, "kvbm_backend_g3_bytes_written_total") == 4 * pool.slot_bytes
+    finally:
+        pool.close()
+    # a second pool on its own registry starts from zero; on the same registry it shares the series
+    reg2 = metrics.new_registry()
+    with G3Pool(open_pool.__globals__["config"](tmp_path / "b"), NS, registry=reg2):
+        assert _val(reg2, "kvbm_offload_blocks_h2d_total") == 0
+    with G3Pool(open_pool.__globals__["config"](tmp_path / "c"), NS, registry=reg) as p3:
+        p3.put(keys[:1], [payload(keys[0].seq_hash)]).result()
+        assert _val(reg, "kvbm_offload_blocks_h2d_total") == 5
+
+
+def test_tier_metrics_for_g4_and_serving():
+    reg = metrics.new_registry()
+    m = metrics.TierMetrics("g4", reg)
+    m.offload_blocks.inc(3)
+    m.hit_rate.record(10, 5)
+    assert _val(reg, "kvbm_offload_blocks_d2o_total") == 3
+    assert _val(reg, "kvbm_object_cache_hit_rate") == 0.5
+    c = metrics.counter("kvbm_backend_g4_custom", "a helper-made counter", ("reason",), reg)
+    assert metrics.counter("kvbm_backend_g4_custom", "same", ("reason",), reg) is c  # idempotent
+    c.labels("x").inc()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server, _ = metrics.serve(port, reg)
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        server.shutdown()
+    assert "kvbm_offload_blocks_d2o_total 3.0" in body and 'kvbm_backend_g4_custom_total{reason="x"} 1.0' in body
+
+
+def test_hit_rate_window_slides():
+    reg = metrics.new_registry()
+    hr = metrics.HitRate(metrics.gauge("kvbm_test_rate", "t", registry=reg), window=100)
+    hr.record(100, 100)
+    hr.record(100, 0)
+    assert hr.value == 0.0  # the first lookup slid out of the 100-block window
+    assert np.isclose(_val(reg, "kvbm_test_rate"), 0.0)
+
+
+# ---- metrics.port: served when the tiers open; every KVBM-named G4 series moves ----------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _tiers_cfg(tmp_path, **metrics_cfg):
+    from kvbm_backend.config import load_config
+    return load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.05, "admission": {"policy": "all"}},
+                        "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False},
+                        "metrics": metrics_cfg}, use_env=False)
+
+
+def test_metrics_port_serves_kvbm_series_when_tiers_open(tmp_path):
+    from tests.helpers.g4_writer import namespace, payload as g4_payload
+    from kvbm_backend.integrations.tiers import open_tiers
+    port = _free_port()
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    g3, g4 = open_tiers(_tiers_cfg(tmp_path, port=port, addr="127.0.0.1"), ns)
+    try:
+        before = _scrape(port)
+        keys = ns.keys(range(1, 5), tenant="t")
+        blocks = [g4_payload(k.seq_hash, "t", bpb) for k in keys]
+        assert g3.put(keys, blocks).result(timeout=30).written == 4
+        assert g4.put(keys, blocks).result(timeout=30).written == 4
+        assert g3.get(keys, [aligned_empty(bpb) for _ in keys]).result(timeout=30).ok == [True] * 4
+        assert g4.get(keys, [aligned_empty(bpb) for _ in keys]).result(timeout=30).ok == [True] * 4
+        assert g4.lookup_prefix(keys).result(timeout=30) == 4
+        after = _scrape(port)
+    finally:
+        g3.close()
+        g4.close()
+        metrics.stop_serving(port, "127.0.0.1")
+    for name, delta in (("kvbm_offload_blocks_h2d_total", 4), ("kvbm_offload_blocks_d2o_total", 4),
+                        ("kvbm_onboard_blocks_d2d_total", 4), ("kvbm_onboard_blocks_o2d_total", 4),
+                        ("kvbm_matched_tokens_total", 4 * ns.layout.page_size)):
+        assert after[name] - before.get(name, 0.0) == delta, name
+    assert "kvbm_object_cache_hit_rate" in after and "kvbm_object_read_failures_total" in after
+
+
+def test_metrics_port_in_use_is_one_error_and_the_tiers_still_open(tmp_path, caplog):
+    import logging
+    from tests.helpers.g4_writer import namespace
+    from kvbm_backend.integrations.tiers import open_tiers
+    caplog.set_level(logging.INFO, logger="kvbm_backend")
+    ns = namespace()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        try:
+            for sub in ("a", "b"):  # two configs (two lines), one bind attempt, one error
+                g3, g4 = open_tiers(_tiers_cfg(tmp_path / sub, port=port, addr="127.0.0.1"), ns)
+                assert g3 is not None and g4 is not None
+                g3.close()
+                g4.close()
+        finally:
+            metrics.stop_serving(port, "127.0.0.1")
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and f"metrics.port {port}" in errors[0] and "WITHOUT a metrics endpoint" in errors[0]
+    lines = [r.getMessage() for r in caplog.records if "kvbm_backend tiers open" in r.getMessage()]
+    assert len(lines) == 2 and all(f"NOT serving, port {port}" in x for x in lines)
+
+
+def test_dynamo_metrics_env_names():
+    from kvbm_backend.config import load_config
+    assert load_config(environ={"DYN_KVBM_METRICS": "true"}).metrics.serve_port == 6880  # KVBM's default
+    assert load_config(environ={"DYN_KVBM_METRICS": "1", "DYN_KVBM_METRICS_PORT": "9100"}).metrics.serve_port == 9100
+    assert load_config({"metrics": {"port": 9400}}, environ={"DYN_KVBM_METRICS": "false"}).metrics.serve_port is None
+    assert load_config({"metrics": {"port": 9400}}, environ={}).metrics.serve_port == 9400
+    assert load_config(environ={}).metrics.serve_port is None and load_config(environ={}).metrics.addr == "0.0.0.0"
+
+
+def test_every_g4_series_moves(tmp_path):
+    """Each series of TierMetrics("g4") is updated by G4Pool: the documented set, nothing dead."""
+    import os
+    import time
+    from tests.helpers.g4_writer import namespace, payload as g4_payload
+    from kvbm_backend.config import G4Config
+    from kvbm_backend.g4.pool import G4Pool
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    reg = metrics.new_registry()
+    pool = G4Pool(G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False, write_queue_blocks=2, timeout_s=0.3,
+                           retries=0, breaker_failures=1, breaker_reset_s=60), ns, registry=reg)
+    fifo = None
+    try:
+        keys = ns.keys(range(1, 5), tenant="t")
+        blocks = [g4_payload(k.seq_hash, "t", bpb) for k in keys]
+        r = pool.put(keys, blocks).result(timeout=30)
+        assert r.written == 2 and r.dropped == 2  # queue_full
+        assert pool.lookup_prefix(keys).result(timeout=30) == 2
+        with open(pool.store._path(pool.object_name(keys[1])), "r+b") as f:  # corrupt one payload
+            f.seek(frame.HEADER_BYTES + 7)
+            f.write(b"\xff\x00\xff")
+        assert pool.get(keys, [aligned_empty(bpb) for _ in keys]).result(timeout=30).ok == [True, False, False, False]
+        other = ns.keys([50], tenant="u")[0]  # an object whose directory is a file: the store refuses the write
+        d = pool.store._path(pool.object_name(other)).parent
+        d.parent.mkdir(parents=True, exist_ok=True)
+        d.write_bytes(b"x")
+        assert pool.put([other], [g4_payload(50, "u", bpb)]).result(timeout=30).dropped == 1
+        fifo = pool.store._path(pool.object_name(ns.keys([60], tenant="t")[0]))  # a read that never returns
+        fifo.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(fifo)
+        os.link(fifo, f"{fifo}.hold")  # our handle to release the blocked reader later
+        assert pool.get(ns.keys([60], tenant="t"), [aligned_empty(bpb)]).result(timeout=30).ok == [False]
+        assert pool.breaker.state == "open"
+        # the gauge while the breaker is open (the released reader may close it again below)
+        assert metrics.sample_value(reg, "kvbm_backend_g4_degraded") == 1
+    finally:
+        if fifo is not None:  # release the blocked reader; the path is gone first, so a retry of the
+            time.sleep(0.1)  # open (the store's non-O_DIRECT fallback) finds nothing instead of blocking
+            os.unlink(fifo)  # again - a reader stuck forever keeps pytest from exiting
+            os.close(os.open(f"{fifo}.hold", os.O_WRONLY | os.O_NONBLOCK))
+            os.unlink(f"{fifo}.hold")
+        pool.close(timeout=1)
+    m = metrics.TierMetrics("g4", reg)
+    for attr, sample, labels in (("offload_blocks", "kvbm_offload_blocks_d2o_total", {}),
+                                 ("onboard_blocks", "kvbm_onboard_blocks_o2d_total", {}),
+                                 ("matched_tokens", "kvbm_matched_tokens_total", {}),
+                                 ("hit_rate", "kvbm_object_cache_hit_rate", {}),
+                                 ("read_failures", "kvbm_object_read_failures_total", {}),
+                                 ("write_failures", "kvbm_object_write_failures_total", {}),
+                                 ("offloads_dropped", "kvbm_backend_g4_offloads_dropped_total", {"reason": "queue_full"}),
+                                 ("corrupt", "kvbm_backend_g4_corrupt_blocks_total", {"reason": "integrity"}),
+                                 ("misses", "kvbm_backend_g4_load_misses_total", {"reason": "timeout"}),
+                                 ("bytes_written", "kvbm_backend_g4_bytes_written_total", {}),
+                                 ("bytes_read", "kvbm_backend_g4_bytes_read_total", {})):
+        assert getattr(m, attr) is not None
+        assert (metrics.sample_value(reg, sample, labels) or 0) > 0, sample
+    assert m.degraded is not None  # its value was checked while the breaker was open
+    assert m.evictions is None and m.capacity_bytes is None  # G3-only series are not registered for G4
+    assert metrics.sample_value(reg, "kvbm_backend_g4_capacity_bytes") is None

@@ -1,0 +1,157 @@
+"""``plan``: its G3 hits equal a real-bytes ``replay`` on the same inputs; synthetic-trace hits equal a
+count made here from the generator's stated structure; rates, drive writes per day and TTFT follow
+the stated formulas on a hand-made trace; routing; the CLI (table, JSON, plot, one-line errors)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvbm_backend.apps.cli import app
+from kvbm_backend.model import frame
+from kvbm_backend.model.presets import load_preset
+from kvbm_backend.apps.plan import Fleet, Router, SynthSpec, load_timed_trace, run_plan, synth_trace, write_trace
+from kvbm_backend.apps.replay import run_replay
+
+TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+LIMIT = 80
+PS = 16
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    """1 layer, 1 KV head, head dim 16: 1 KiB blocks at 16 tokens, 8 KiB slots (light real replays)."""
+    p = tmp_path_factory.mktemp("layouts") / "micro.toml"
+    p.write_text('name = "micro"\nnum_layers = 1\nnum_kv_heads = 1\nhead_dim = 16\ndtype = "bfloat16"\n'
+                 'mla = false\nbytes_per_token = 64\n')
+    return str(p)
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"trace {TRACE} not present")
+@pytest.mark.parametrize("admit_all,slots", [(True, 5000), (False, 20000)])
+def test_plan_g3_hits_equal_real_replay(tmp_path, micro, admit_all, slots):
+    cap = slots * 8192 / 1e9
+    real = run_replay(str(TRACE), micro, PS, str(tmp_path), cap, admit_all=admit_all, limit=LIMIT)
+    reqs = load_timed_trace(str(TRACE), LIMIT)
+    p = run_plan(reqs, micro, PS, 1, Fleet(), [cap, 10.0], [0.0], admit_all=admit_all)
+    small, ample = p["points"]
+    assert small["lookup_blocks"] == real["lookup_blocks"]
+    assert small["g3_capacity_blocks_per_worker"] == real["capacity_blocks"] == slots
+    assert small["g3_hit_blocks"] == real["hit_blocks"] > 0
+    assert small["g3_bytes_read"] == real["bytes_read"]
+    assert small["g4_hit_blocks"] == 0 and (small["g3_evictions"] > 0) == admit_all
+    assert ample["g3_hit_blocks"] >= small["g3_hit_blocks"] and ample["g3_evictions"] == 0
+
+
+def synth_expected_hits(spec: SynthSpec, ps: int) -> int:
+    """From the generator's structure alone: turn t reuses all full pages of turn t-1 (its context is
+    a prefix), a conversation's first turn reuses the system prompt's pages (except the very first
+    request of the trace). Valid for ample capacity and admit-all, ``ps`` dividing 512."""
+    sys_tokens = -(-spec.system_prompt_tokens // 512) * 512
+    conv = spec.users * spec.conversations_per_user
+    per_conv = sum((sys_tokens + (t - 1) * spec.turn_tokens) // ps for t in range(2, spec.turns + 1))
+    return conv * per_conv + (conv - 1) * (sys_tokens // ps)
+
+
+SPEC = SynthSpec(users=6, conversations_per_user=2, turns=4, system_prompt_tokens=1000, turn_tokens=700,
+                 arrival_rate=0.5, think_s=20.0, seed=7)
+
+
+def test_synthetic_hits_and_tiers(micro):
+    reqs = synth_trace(SPEC)
+    assert len(reqs) == 6 * 2 * 4 and reqs == synth_trace(SPEC)  # seeded
+    assert [r["timestamp"] for r in reqs] == sorted(r["timestamp"] for r in reqs)
+    want = synth_expected_hits(SPEC, PS)
+    one = run_plan(reqs, micro, PS, 1, Fleet(), [1.0], [0.0], admit_all=True)["points"][0]
+    assert one["g3_hit_blocks"] == want
+    # 3 workers, round-robin: turns land on other workers' G3; a G4 holding everything makes up the rest
+    rr = run_plan(reqs, micro, PS, 1, Fleet(nodes=3, routing="round-robin"), [1.0], [0.0, 1.0],
+                  admit_all=True)["points"]
+    assert rr[0]["g3_hit_blocks"] < want and rr[0]["g4_hit_blocks"] == 0
+    assert rr[1]["g3_hit_blocks"] == rr[0]["g3_hit_blocks"] and rr[1]["g3_hit_blocks"] + rr[1]["g4_hit_blocks"] == want
+    # prefix routing keeps a conversation on one worker: all hits in G3 again
+    pf = run_plan(reqs, micro, PS, 1, Fleet(nodes=3, routing="prefix"), [1.0], [0.0], admit_all=True)["points"][0]
+    assert pf["g3_hit_blocks"] > rr[0]["g3_hit_blocks"]
+
+
+def test_router_prefix_cost_and_balance():
+    r = Router(Fleet(nodes=2, workers_per_node=1, routing="prefix", router_decay_s=60.0))
+    assert r.route([1, 2], 1024, 0) == 0        # nothing known: equal cost, lowest index
+    assert r.route([9, 8], 1024, 0) == 1        # worker 0 carries 1024 tokens of load
+    assert r.route([1, 2, 3], 1500, 0) == 0     # cost 0: 476 + 1024 vs 1: 1500 + 1024
+    assert r.route([9, 5, 6, 7], 2048, 0) == 1  # cost 0: 2048 + 2524 vs 1: 1536 + 1024
+    # a shared system prompt does not pull everything onto one worker
+    r = Router(Fleet(nodes=4, routing="prefix"))
+    ws = [r.route([0, 100 + c], 1024, 1000.0 * c) for c in range(8)]
+    assert sorted(set(ws)) == [0, 1, 2, 3]
+    rr = Router(Fleet(nodes=2, routing="round-robin"))
+    assert [rr.route([1], 10) for _ in range(4)] == [0, 1, 0, 1]
+
+
+def test_rates_dwpd_ttft_formulas(tmp_path, micro):
+    t = tmp_path / "t.jsonl"
+    write_trace([{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [5]},
+                 {"timestamp": 10_000, "input_length": 512, "output_length": 1, "hash_ids": [5]}], str(t))
+    fl = Fleet(g3_read_gbps=1.0, g3_write_gbps=1.0, g4_read_gbps=1.0, prefill_tokens_per_s=1000.0)
+    res = run_plan(load_timed_trace(str(t)), micro, PS, 2, fl, [0.5], [0.0], admit_all=True)
+    wb = 2 * frame.slot_bytes(load_preset(micro).layout(PS, tp=1).bytes_per_block)  # micro: 1 head, replicated
+    assert res["worker_block_bytes"] == wb and res["span_s"] == 10.0 and res["unique_blocks"] == 32
+    p = res["points"][0]
+    assert p["lookup_blocks"] == 64 and p["g3_hit_blocks"] == 32 and p["hit_rate"] == 0.5
+    assert p["g3_bytes_written"] == 32 * wb and p["g3_write_gbps_per_node"] == pytest.approx(32 * wb / 10 / 1e9)
+    assert p["g3_read_gbps_busiest_node"] == pytest.approx(32 * wb / 10 / 1e9)
+    assert p["g3_dwpd"] == pytest.approx(32 * wb / 10 * 86400 / 0.5e9)
+    saved = 32 * PS / 1000.0 - 32 * wb / 1e9
+    assert p["ttft_saved_s_mean"] == pytest.approx(saved / 2)
+    assert p["ttft_recompute_s_mean"] == pytest.approx(0.512)
+    assert p["ttft_saved_fraction"] == pytest.approx(saved / 1.024)
+    one = run_plan(load_timed_trace(str(t), 1), micro, PS, 1, fl, [0.5], [0.0])
+    assert one["span_s"] is None and one["points"][0]["g3_dwpd"] is None
+
+
+def test_cli_table_json_plot(tmp_path):
+    out, png, tr = tmp_path / "p.json", tmp_path / "p.png", tmp_path / "syn.jsonl"
+    args = ["plan", "--synthetic", "--users", "4", "--turns", "3", "--layout", "tiny", "--page-size", "64",
+            "--g3-capacity-gb", "0.01,1", "--g4-capacity-gb", "0,1", "--nodes", "2", "--save-trace", str(tr)]
+    res = CliRunner().invoke(app, args + ["--out", str(out), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    assert "hit rates" in res.output and "DWPD" in res.output
+    d = json.loads(out.read_text())
+    assert d["kind"] == "plan" and len(d["points"]) == 4 and png.stat().st_size > 0
+    assert len(tr.read_text().splitlines()) == 12
+    res = CliRunner().invoke(app, args + ["--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["points"] == d["points"]
+    res = CliRunner().invoke(app, ["plot", str(out), "--out", str(tmp_path / "q.png")])
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--g3-capacity-gb", "1"], "error: --trace: give a trace file or --synthetic"),
+    (["--synthetic", "--g3-capacity-gb", "1,x"], "error: --g3-capacity-gb: expected comma-separated"),
+    (["--synthetic", "--g3-capacity-gb", "0"], "error: --g3-capacity-gb: each capacity must be > 0"),
+    (["--synthetic", "--g4-capacity-gb", "-1"], "error: --g4-capacity-gb: must be >= 0"),
+    (["--synthetic", "--routing", "hash"], "error: --routing:"),
+    (["--synthetic", "--nodes", "0"], "error: --nodes: must be >= 1 (got 0)"),
+    (["--synthetic", "--prefill-tokens-per-s", "0"], "error: --prefill-tokens-per-s: must be > 0"),
+    (["--synthetic", "--arrival-rate", "inf"], "error: --arrival-rate: must be a finite number"),
+    (["--synthetic", "--router-decay-s", "0"], "error: --router-decay-s: must be > 0"),
+    (["--synthetic", "--layout", "qwen3-8b", "--tp", "3"], "error: --tp: qwen3-8b has 8 KV heads"),
+    (["--synthetic", "--layout", "nope"], "error: --layout: no preset"),
+    (["--synthetic", "--plot", "x.gif"], "error: --plot: unknown image format"),
+    (["--trace", "/no/such.jsonl"], "error: --trace: no file /no/such.jsonl"),
+    (["--trace", "t.jsonl", "--save-trace", "x.jsonl"], "error: --save-trace: only with --synthetic"),
+])
+def test_cli_errors_one_line(args, expect):
+    res = CliRunner().invoke(app, ["plan"] + args)
+    assert res.exit_code == 2
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and expect in lines[0], res.output
+
+
+def test_trace_without_timestamp_is_an_error(tmp_path):
+    t = tmp_path / "t.jsonl"
+    t.write_text(json.dumps({"input_length": 10, "hash_ids": [1]}) + "\n")
+    with pytest.raises(ValueError, match="line 1: no numeric timestamp"):
+        load_timed_trace(str(t))
