@@ -57,190 +57,31 @@ import logging
 import os
 import secrets
 import socket
-import stat
 import threading
 import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
-from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
+from .kek import (KEY_BYTES, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant,
+                  _check_private, _fsync_dir, dir_is_read_only, generate_kek_b64, provider_for)
 
 FORMAT = "kvbm-backend-keyring/1"
-KEY_BYTES = 32
 NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
 DEFAULT_ROTATE_AFTER = 2 ** 31
 DEFAULT_MISS_RELOAD_MIN_S = 0.1  # on-miss keyring checks: at most one per this many seconds per keyring
 UNKEYED_PSEUDONYM_KEY = b"kvbm-backend/unkeyed-tenant-pseudonym/v1"
 
+__all__ = ["DEFAULT_MISS_RELOAD_MIN_S", "DEFAULT_ROTATE_AFTER", "FORMAT", "KEY_BYTES", "NIST_GCM_RANDOM_NONCE_LIMIT",
+           "UNKEYED_PSEUDONYM_KEY", "DataKey", "KeyProvider", "Keyring", "KeyringError", "LocalKek", "TenantRevoked",
+           "UnknownTenant", "dir_is_read_only", "generate_kek_b64", "provider_for"]  # the KEK names: from .kek
+
 log = logging.getLogger(__name__)
-
-
-class KeyringError(ValueError):
-    """Keyring trouble: unreadable, insecure mode, wrong KEK, unknown tenant. Names the file/variable."""
-
-
-class UnknownTenant(KeyringError):
-    """No data key for the tenant, and this keyring may not create one (read-only or
-    ``auto_create_tenants`` off)."""
-
-
-class TenantRevoked(KeyringError):
-    """The tenant was revoked; only an explicit :meth:`Keyring.create` (``keys create``) brings it back."""
-
-
-def dir_is_read_only(path: str | os.PathLike) -> bool:
-    """True when the directory holding keyring ``path`` cannot be written: a read-only filesystem
-    (also for root: ``statvfs`` ``ST_RDONLY`` / ``EROFS``) or no write permission. A directory that
-    does not exist yet is not read-only (it will be created)."""
-    d = Path(path).parent
-    if not d.exists():
-        return False
-    try:
-        if os.statvfs(d).f_flag & os.ST_RDONLY:
-            return True
-    except OSError:
-        pass
-    return not os.access(d, os.W_OK)
-
-
-@runtime_checkable
-class KeyProvider(Protocol):
-    """Wraps and unwraps data keys under a key-encryption key it never reveals (KMS-shaped).
-
-    ``key_id`` is a non-secret identifier stored in the keyring so a wrong KEK is reported clearly.
-    ``unwrap`` raises KeyringError when the wrapped key was not made by this KEK.
-    """
-
-    key_id: str
-
-    def wrap(self, key: bytes) -> bytes: ...
-
-    def unwrap(self, wrapped: bytes) -> bytes: ...
-
-
-class LocalKek:
-    """A 256-bit KEK held in process memory (from env or a 0600 file); AES key wrap, RFC 3394."""
-
-    def __init__(self, kek: bytes, source: str = "memory"):
-        if len(kek) != KEY_BYTES:
-            raise KeyringError(f"{source}: KEK must be {KEY_BYTES} bytes, got {len(kek)}")
-        self._kek = kek
-        self.source = source
-        self.key_id = hmac.new(kek, b"kvbm-backend kek id", hashlib.sha256).hexdigest()[:16]
-
-    def __repr__(self) -> str:
-        return f"LocalKek(source={self.source!r}, key_id={self.key_id!r})"
-
-    def wrap(self, key: bytes) -> bytes:
-        return aes_key_wrap(self._kek, key)
-
-    def unwrap(self, wrapped: bytes) -> bytes:
-        try:
-            return aes_key_unwrap(self._kek, wrapped)
-        except InvalidUnwrap:
-            raise KeyringError(f"KEK from {self.source} does not unwrap this key (wrong KEK?)") from None
-
-    @classmethod
-    def from_env(cls, var: str) -> "LocalKek":
-        raw = os.environ.get(var)
-        if raw is None:
-            raise KeyringError(f"${var}: not set")
-        try:
-            kek = base64.b64decode(raw.strip(), validate=True)
-        except ValueError:
-            raise KeyringError(f"${var}: not valid base64") from None
-        return cls(kek, source=f"${var}")
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "LocalKek":
-        p = Path(path)
-        _check_private(p, "KEK file")
-        try:
-            kek = base64.b64decode(p.read_text().strip(), validate=True)
-        except ValueError:
-            raise KeyringError(f"KEK file {p}: not valid base64") from None
-        return cls(kek, source=f"KEK file {p}")
-
-    @staticmethod
-    def generate_file(path: str | os.PathLike) -> "LocalKek":
-        """Create a new random KEK file (mode 0600) atomically. Raises KeyringError if it exists.
-
-        The key is written to a unique temp name in the same directory, fsynced, then published with
-        ``link()`` (create-exclusive), so a reader never sees a half-written KEK file and two processes
-        creating it at once cannot both win.
-        """
-        p = Path(path)
-        kek = secrets.token_bytes(KEY_BYTES)
-        tmp = p.parent / f".{p.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(base64.b64encode(kek).decode() + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                os.link(tmp, p)
-            except FileExistsError:
-                raise KeyringError(f"KEK file {p}: already exists") from None
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        _fsync_dir(p.parent)
-        return LocalKek(kek, source=f"KEK file {p}")
-
-
-def _fsync_dir(d: Path) -> None:
-    dfd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def generate_kek_b64() -> str:
-    """A fresh random KEK, base64 (for ``export KVBM_BACKEND_KEK=...``)."""
-    return base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode()
-
-
-def _check_private(p: Path, what: str, st: os.stat_result | None = None) -> None:
-    if st is None:
-        try:
-            st = p.stat()
-        except FileNotFoundError:
-            raise KeyringError(f"{what} {p}: not found") from None
-    if st.st_mode & 0o077:
-        raise KeyringError(f"{what} {p}: mode {stat.S_IMODE(st.st_mode):04o} lets group/others read it; "
-                           f"refusing to use it (run: chmod 600 {p}; a Kubernetes Secret volume: defaultMode: 0400)")
 
 
 def _stamp(st: os.stat_result) -> tuple:
     """What identifies one version of the keyring file (an atomic replace changes the inode)."""
     return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev)
-
-
-def provider_for(path: str | os.PathLike, kek_env: str = "KVBM_BACKEND_KEK", kek_file: str | None = None,
-                 create: bool = True) -> KeyProvider:
-    """The KEK for keyring ``path``: ``$kek_env`` when set, else ``kek_file`` (default ``PATH.kek``).
-
-    A missing KEK file is generated (0600) only when the keyring itself does not exist yet and
-    ``create`` is true; otherwise KeyringError names what is missing.
-    """
-    if os.environ.get(kek_env):
-        return LocalKek.from_env(kek_env)
-    kf = Path(kek_file) if kek_file else Path(f"{path}.kek")
-    if kf.exists():
-        return LocalKek.from_file(kf)
-    if create and not Path(path).exists():
-        kf.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            return LocalKek.generate_file(kf)
-        except KeyringError:
-            if kf.exists():  # another process (a worker starting beside us) created it first: use theirs
-                return LocalKek.from_file(kf)
-            raise
-    raise KeyringError(f"keyring {path}: no KEK (set ${kek_env} to a base64 32-byte key or provide {kf})")
 
 
 class DataKey:

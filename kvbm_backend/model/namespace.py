@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import json
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import xxhash
 
@@ -188,3 +189,20 @@ class BlockKey(NamedTuple):
 def tenant_tag(tenant: str) -> bytes:
     """16-byte tag of a tenant id in G3 frames: xxh3_128 of its UTF-8 (G4 uses a keyed HMAC)."""
     return xxhash.xxh3_128_digest(tenant.encode())
+
+
+def key_columns(rows: Sequence[tuple]) -> tuple[tuple, ...]:
+    """The columns of ``rows`` (e.g. :class:`BlockKey` s: namespace, tenant, rank, seq_hash) in one C pass,
+    ``tuple(zip(*rows))`` (about half the time of one ``map(itemgetter)`` pass per column). Used by the
+    batch lookups of the G3 index and the scheduler's G3 mirror. The cyclic garbage collector is paused
+    meanwhile: zip holds one iterator per row until it returns, and 8K live allocations would start
+    collections (a full collection of a big process is tens of ms); all are freed before it resumes, so
+    the pause leaves no garbage and no allocation debt. (A ``gc.disable()`` made by another thread during
+    this sub-millisecond window would be undone; nothing in kvbm_backend does that.)"""
+    if not gc.isenabled():
+        return tuple(zip(*rows))
+    gc.disable()
+    try:
+        return tuple(zip(*rows))
+    finally:
+        gc.enable()

@@ -169,3 +169,24 @@ def test_memory_per_entry_at_1m_entries():
     m = G3Mirror(_Ns())
     m._set = s
     assert m.stats()["bytes"] == s.nbytes
+
+
+def test_vectorised_fingerprints_match_fingerprint():
+    """The one-pass numpy fingerprints of reports and of lookup keys equal fingerprint() of each id,
+    also for mixed tenants, tags, ranks and out-of-range values; one tenant and rank never collide."""
+    from kvbm_backend.integrations.vllm.g3_mirror import _fps_of_ids, _fps_of_keys
+    rng = random.Random(3)
+    tags = [tenant_tag(t) for t in ("", "a", "b")]
+    ids = [(rng.choice(tags), rng.choice([0, 1, 7]), rng.getrandbits(64)) for _ in range(3000)]
+    assert _fps_of_ids(ids).tolist() == [fingerprint(*i) for i in ids]
+    assert _fps_of_ids(ids[:1] * 50).tolist() == [fingerprint(*ids[0])] * 50
+    odd = ids[:10] + [(tags[0], -1, 5), (tags[1], 2 ** 32, 5), (tags[2], 0, 2 ** 64), (tags[0], 0, -3)]
+    assert _fps_of_ids(odd).tolist() == [fingerprint(*i) for i in odd]
+    keys = [BlockKey(NS, rng.choice(["", "a", "b"]), rng.choice([0, 1]), rng.getrandbits(64)) for _ in range(2000)]
+    keys[100] = TagKey(NS, tenant_tag("a"), 0, 9)
+    want = [fingerprint(*mirror_id(k)) for k in keys]
+    assert _fps_of_keys(keys, NS).tolist() == want
+    one = [BlockKey(NS, "a", 0, s) for s in range(1, 5000)]
+    assert _fps_of_keys(one, NS).tolist() == [fingerprint(*mirror_id(k)) for k in one]
+    assert len(set(_fps_of_keys(one, NS).tolist())) == len(one)
+    assert _fps_of_keys(keys[:7] + [BlockKey("fedcba9876543210", "a", 0, 1)] + keys[7:], NS).tolist() == want[:7]

@@ -223,3 +223,48 @@ def test_keyring_config_read_only_auto_create_and_reload_interval(tmp_path, monk
     assert list(json.loads(p.read_text())["tenants"]) == ["alice"]
     ro = Keyring.from_config(KeyringConfig(path=str(p), read_only=True))
     assert ro.read_only and ro.tenant_state("alice") == "active" and ro.tenant_state("bob") == "unknown"
+
+
+def test_keyring_file_matches_format_md(tmp_path):
+    """docs/format.md's keyring members and version rules, checked on a file the code wrote: KEK id,
+    wrapped sizes, pseudonyms, key ids, versions; an unknown member survives a write; an unknown format
+    or a changed wrapped byte refuses the whole file."""
+    import hashlib
+    import hmac
+    from datetime import datetime, timezone
+
+    from cryptography.hazmat.primitives.keywrap import aes_key_unwrap
+    kek = os.urandom(32)
+    p = tmp_path / "kr.json"
+    kr = Keyring(p, LocalKek(kek))
+    kr.create("alice")
+    kr.rotate("alice")
+    doc = json.loads(p.read_text(encoding="utf-8"))
+    assert doc["format"] == "kvbm-backend-keyring/1"
+    assert doc["kek_id"] == hmac.new(kek, b"kvbm-backend kek id", hashlib.sha256).digest()[:8].hex()
+    w = base64.b64decode(doc["pseudonym_key"], validate=True)
+    assert len(doc["pseudonym_key"]) == 56 and len(w) == 40
+    pk = aes_key_unwrap(kek, w)
+    t = doc["tenants"]["alice"]
+    assert t["pseudonym"] == hmac.new(pk, b"alice", hashlib.sha256).digest()[:16].hex()
+    assert isinstance(t["key_id"], int) and 0 <= t["key_id"] < 2 ** 32 and t["current"] == 2
+    assert sorted(t["versions"]) == ["1", "2"]
+    for v in t["versions"].values():
+        assert len(v["wrapped"]) == 56 and len(aes_key_unwrap(kek, base64.b64decode(v["wrapped"]))) == 32
+        c = datetime.fromisoformat(v["created"])
+        assert c.tzinfo == timezone.utc and c.microsecond == 0 and isinstance(v["uses"], int)
+    kr.close()
+    doc["x-future"] = {"kept": True}
+    p.write_text(json.dumps(doc))
+    kr = Keyring(p, LocalKek(kek))
+    kr.create("bob")
+    kr.close()
+    assert json.loads(p.read_text())["x-future"] == {"kept": True}
+    good = p.read_text()
+    for bad in (good.replace("kvbm-backend-keyring/1", "kvbm-backend-keyring/2"),
+                good.replace(t["versions"]["1"]["wrapped"],
+                             base64.b64encode(bytes([base64.b64decode(t["versions"]["1"]["wrapped"])[0] ^ 1])
+                                              + base64.b64decode(t["versions"]["1"]["wrapped"])[1:]).decode())):
+        p.write_text(bad)
+        with pytest.raises(KeyringError):
+            Keyring(p, LocalKek(kek))

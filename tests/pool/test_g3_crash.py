@@ -86,3 +86,49 @@ def test_kill9_during_writes_then_restart(tmp_path):
             assert pool.slot_accounting()["leaked"] == 0
         start = last + 1
     assert served_total > 0
+
+
+def test_journal_record_matches_format_md(tmp_path):
+    """docs/format.md's journal layout, read with its offsets only (no journal.py struct): file header,
+    43-byte records, the check over bytes 0..34; and its reading rules: a checksum mismatch or an
+    unknown type ends the replay, the rest is the torn tail."""
+    import xxhash
+
+    from kvbm_backend.model.namespace import BlockKey, tenant_tag
+    from kvbm_backend.pool.g3 import journal as jr
+    fp = NS.fingerprint
+    j = jr.Journal(str(tmp_path), fp)
+    key = BlockKey(fp, "alice", 3, 0xFEDCBA9876543210)
+    j.rewrite([(key, (5, 70000))])
+    j.append([jr.encode(jr.DEL, key)])
+    j.close()
+    data = (tmp_path / f"journal-{fp}.log").read_bytes()
+    u = lambda b: int.from_bytes(b, "little")  # noqa: E731
+    assert data[0:8] == b"KVBMJRN2" and data[8:16] == bytes.fromhex(fp) and len(data) == 16 + 2 * 43
+    r = data[16:16 + 43]
+    assert (r[0], u(r[1:3]), u(r[3:7]), u(r[7:15]), u(r[15:19])) == (1, 5, 70000, 0xFEDCBA9876543210, 3)
+    assert r[19:35] == tenant_tag("alice") and u(r[35:43]) == xxhash.xxh3_64_intdigest(r[0:35])
+    d = data[59:59 + 43]
+    assert (d[0], u(d[1:3]), u(d[3:7]), u(d[7:15])) == (2, 0, 0, 0xFEDCBA9876543210)
+    assert u(d[35:43]) == xxhash.xxh3_64_intdigest(d[0:35])
+
+    def load(b):
+        (tmp_path / f"journal-{fp}.log").write_bytes(b)
+        return jr.Journal(str(tmp_path), fp).load()
+    ents, info = load(data[:59])  # the PUT alone
+    assert list(ents.values()) == [(5, 70000)] and info["records"] == 1 and info["torn_bytes"] == 0
+    ents, info = load(data)  # PUT then DEL of the key
+    assert not ents and info["records"] == 2
+    ents, info = load(data[:59] + data[59:59 + 20])  # a piece shorter than 43 bytes: torn tail
+    assert info["records"] == 1 and info["torn_bytes"] == 20
+    bad = bytearray(data)
+    bad[59 + 10] ^= 1  # checksum mismatch in record 2
+    ents, info = load(bytes(bad))
+    assert info["records"] == 1 and info["torn_bytes"] == 43 and list(ents.values()) == [(5, 70000)]
+    bad = bytearray(data)
+    bad[59] = 3
+    bad[59 + 35:59 + 43] = xxhash.xxh3_64_intdigest(bytes(bad[59:59 + 35])).to_bytes(8, "little")
+    ents, info = load(bytes(bad))  # an unknown type, even with a good check, ends the replay
+    assert info["records"] == 1 and info["torn_bytes"] == 43
+    ents, info = load(b"KVBMJRN9" + data[8:])  # unknown magic (version): the whole journal ignored
+    assert info["bad_header"] and not ents

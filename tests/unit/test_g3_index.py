@@ -291,3 +291,21 @@ def test_out_of_range_slots_are_refused_before_any_change():
     with pytest.raises(ValueError, match="field"):
         ix.restore_many([(BlockKey(NS, "", 0, 5), (1 << 16, 0))])
     assert list(ix.items()) == [(k, (1, 2))]
+
+
+def test_find_run_matches_the_scalar_probe():
+    """The one-owner batch probe of lookup_prefix (_find_run) finds exactly what _find finds, present or
+    absent, including keys far from their home cell (a small table at load 1/4: long clusters) and keys
+    whose seq matches an entry of another owner or rank."""
+    rng = np.random.default_rng(5)
+    ix = CompactLruIndex()
+    seqs = rng.integers(0, 2 ** 64, 6000, dtype=np.uint64).tolist()
+    for i, s in enumerate(seqs):
+        ix.put(BlockKey(NS, TENANTS[i % 3], i % 2, s), (0, i))
+    probe = np.array(seqs + rng.integers(0, 2 ** 64, 2000, dtype=np.uint64).tolist(), np.uint64)
+    for tenant in TENANTS[:3]:
+        for rank in (0, 1, 2):
+            o = ix._owner_of(BlockKey(NS, tenant, rank, 0))[0]
+            want = [ix._find(o, rank, q)[0] for q in probe.tolist()]
+            assert ix._find_run(o, rank, probe).tolist() == want
+    _check_table(ix)

@@ -15,8 +15,12 @@ Per size, per index:
   (``restore_arrays``: tags, ranks, seq hashes, files, slots), and ``rebuild_from_keys_s`` from (TagKey,
   slot) pairs (``restore_many``, what the journal loader yields today; at most 1M). OrderedDict:
   ``restore`` one by one. Journal file reading and decoding is not included.
-- ``prefix_lookup_ms``: ``lookup_prefix`` of an 8192-block prefix (all present, random start; the
-  pool's call: keys of one tenant, touched as found), median / p99 / max of ``LOOKUPS`` calls.
+- ``prefix_lookup_ms``: ``lookup_prefix`` of an 8192-block prefix of real :class:`BlockKey` objects (all
+  present, random start; keys of one tenant, touched as found), median / p99 / min / max of ``LOOKUPS``
+  calls. The compact index is measured through the public path a user's lookup takes,
+  :meth:`~kvbm_backend.pool.g3.pool.G3Pool.lookup_prefix` (pool lock, counters and metrics included) of a
+  real G3 pool (a tiny one in a temporary directory) holding the built index; ``prefix_lookup_path``
+  names the call measured.
 - ``get_us``: ``get(key, touch=True)`` of one random present key (the pool's get/lease path), mean.
 - ``evict_ms``: ``evict(1024)`` on the full index, median of 5.
 - ``table_grow_s`` (compact): one rebuild of the hash table at twice its size, what a ``put`` that
@@ -25,7 +29,7 @@ Per size, per index:
 ``mirror``: the scheduler's G3 mirror (:class:`~kvbm_backend.integrations.vllm.g3_mirror.G3Mirror`, 64-bit
 fingerprints in a numpy hash set) at the same sizes: ``bytes_per_block`` (its table's ``nbytes`` / blocks),
 ``apply_s`` (the snapshot applied as 1M-entry reports: fingerprinting and table growth included, building
-the reports not) and ``prefix_lookup_ms`` (``lookup_prefix`` of the same 8192-key prefixes, all present).
+the reports not) and ``prefix_lookup_ms`` (``G3Mirror.lookup_prefix(keys).result()`` of the same 8192-key prefixes, all present).
 
 Keys: random 64-bit sequence hashes, 8 tenants (one of them ``""``, the rest restored as tag entries),
 rank 0, 8 files. Times are wall-clock (``perf_counter``), on whatever else the machine runs.
@@ -35,17 +39,21 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import tempfile
 import time
 import tracemalloc
 
 import numpy as np
 
-from kvbm_backend.model.namespace import BlockKey, tenant_tag
+from kvbm_backend.model.layout import KvLayout
+from kvbm_backend.model.namespace import BlockKey, Namespace, tenant_tag
 from kvbm_backend.pool.g3.compact_index import CompactLruIndex
 from kvbm_backend.pool.g3.index import LruIndex, TagKey
 from . import BenchOptions
 
-NS = "0123456789abcdef"
+NAMESPACE = Namespace(model="bench/index", layout=KvLayout(num_layers=2, outer_dim=2, page_size=16, inner_dim=64,
+                                                              dtype="bfloat16"))  # 8 KiB blocks
+NS = NAMESPACE.fingerprint
 TENANTS = [""] + [f"tenant-{i}" for i in range(7)]
 PREFIX = 8192
 LOOKUPS = 50
@@ -79,13 +87,23 @@ def _prefixes(d, n: int, rng) -> list[list[BlockKey]]:
     return out
 
 
-def _measure(ix, d, n: int, seed: int) -> dict:
+def _ms(times: list[float]) -> dict:
+    times = sorted(times)
+    return {"median": round(statistics.median(times) * 1e3, 4),
+            "p99": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 4),
+            "min": round(times[0] * 1e3, 4), "max": round(times[-1] * 1e3, 4)}
+
+
+def _measure(ix, d, n: int, seed: int, lookup=None) -> dict:
     rng = np.random.default_rng(seed)
     pre = _prefixes(d, n, rng)
+    if lookup is None:
+        def lookup(keys):
+            return ix.lookup_prefix(keys, NS)
     times = []
     for keys in pre:
         t0 = time.perf_counter()
-        got = ix.lookup_prefix(keys, NS)
+        got = lookup(keys)
         times.append(time.perf_counter() - t0)
         if got != len(keys):
             raise RuntimeError(f"index bench: prefix lookup found {got} of {len(keys)} (index is wrong)")
@@ -102,10 +120,7 @@ def _measure(ix, d, n: int, seed: int) -> dict:
         t0 = time.perf_counter()
         got = len(ix.evict(1024))
         ev.append(time.perf_counter() - t0)
-    return {"prefix_blocks": PREFIX, "lookups": len(times),
-            "prefix_lookup_ms": {"median": round(statistics.median(times) * 1e3, 4),
-                                 "p99": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 4),
-                                 "max": round(times[-1] * 1e3, 4)},
+    return {"prefix_blocks": PREFIX, "lookups": len(times), "prefix_lookup_ms": _ms(times),
             "get_us": round(get_us, 3), "evict_ms": round(statistics.median(ev) * 1e3, 3)}
 
 
@@ -131,10 +146,29 @@ def _compact(d, n: int) -> dict:
         ix2.restore_many(ents)
         out["rebuild_from_keys_s"] = round(time.perf_counter() - t0, 3)
         del ents, ix2
-    out.update(_measure(ix, d, n, seed=1))
+    out.update(_pool_measure(ix, d, n))
     t0 = time.perf_counter()
     ix._rebuild_table(len(ix._tab).bit_length())
     out["table_grow_s"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+def _pool_measure(ix: CompactLruIndex, d, n: int) -> dict:
+    """:func:`_measure` with the prefix lookups through a real :class:`G3Pool` holding ``ix`` (what its
+    journal restore builds), so the time is the public ``pool.lookup_prefix(keys).result()``."""
+    from kvbm_backend.config import AdmissionConfig, G3Config
+    from kvbm_backend.metrics import new_registry
+    from kvbm_backend.pool.g3 import G3Pool
+    with tempfile.TemporaryDirectory(prefix="kvbm-bench-index-") as tmp:
+        pool = G3Pool(G3Config(paths=[tmp], capacity_gb=0.02, files_per_path=1,
+                               admission=AdmissionConfig(policy="all")), NAMESPACE, registry=new_registry())
+        try:
+            empty, pool.index = pool.index, ix  # the index the pool's journal restore would have built
+            out = _measure(ix, d, n, seed=1, lookup=lambda keys: pool.lookup_prefix(keys).result())
+            out["prefix_lookup_path"] = "G3Pool.lookup_prefix(keys).result()"
+        finally:
+            pool.index = empty  # close() journals nothing of the bench's entries
+            pool.close()
     return out
 
 
@@ -156,6 +190,7 @@ def _ordered(d, n: int) -> dict:
     out = {"entries": n, "bytes_per_block": round((cur - base) / n, 2), "index_bytes": cur - base,
            "rebuild_s": round(rebuild, 3)}
     out.update(_measure(ix, d, n, seed=1))
+    out["prefix_lookup_path"] = "LruIndex.lookup_prefix(keys, namespace)"
     return out
 
 
@@ -186,13 +221,10 @@ def _mirror(d, n: int) -> dict:
         times.append(time.perf_counter() - t0)
         if got != len(keys):
             raise RuntimeError(f"index bench: mirror prefix lookup found {got} of {len(keys)}")
-    times.sort()
     st = m.stats()
     return {"entries": n, "bytes_per_block": round(st["bytes"] / n, 2), "array_bytes": st["bytes"],
-            "apply_s": round(apply_s, 3),
-            "prefix_lookup_ms": {"median": round(statistics.median(times) * 1e3, 4),
-                                 "p99": round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 4),
-                                 "max": round(times[-1] * 1e3, 4)}}
+            "apply_s": round(apply_s, 3), "prefix_lookup_ms": _ms(times),
+            "prefix_lookup_path": "G3Mirror.lookup_prefix(keys).result()"}
 
 
 def run(opts: BenchOptions) -> dict:
@@ -217,5 +249,6 @@ def run(opts: BenchOptions) -> dict:
     res["targets"] = {"entries": max(sizes),
                       "memory_under_1_gib": c["index_bytes"] < 1 << 30,
                       "prefix_8k_under_1_ms": c["prefix_lookup_ms"]["median"] < 1.0,
+                      "mirror_prefix_8k_under_1_ms": res["mirror"][big]["prefix_lookup_ms"]["median"] < 1.0,
                       "rebuild_under_10_s": c["rebuild_s"] < 10.0}
     return res

@@ -11,45 +11,113 @@ from __future__ import annotations
 import struct
 import threading
 from concurrent.futures import Future
+from operator import itemgetter
 from typing import Iterable, Sequence
 
 import numpy as np
 import xxhash
 
-from ...model.namespace import BlockKey, Namespace
+from ...model.namespace import Namespace, key_columns
 from ...pool.base import completed
 from ...pool.g3.index import tag_of
 from .metadata import KvbmWorkerMeta
 
 _U = np.uint64
+_M64 = (1 << 64) - 1
+_K1, _K2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _MIN_BITS = 10  # smallest table: 1024 cells (8 KiB)
-_pack_rank_seq = struct.Struct("<IQ").pack
+_pack_rank = struct.Struct("<I").pack
+_pack_seq = struct.Struct("<Q").pack
 _xxh3_64 = xxhash.xxh3_64_intdigest
 _EMPTY_FP = np.zeros(0, _U)
+_WIN = np.arange(4, dtype=np.int64)  # FingerprintSet.find's second round: cells read per pending value
+_FIRST_CHUNK = 512  # lookup_prefix: keys fingerprinted and probed first (an early miss stops there)
+_seeds: dict[tuple[bytes, int], int] = {}
+_GETS = tuple(itemgetter(i) for i in range(3))
+
+
+def _seed(tag: bytes, rank: int) -> int:
+    """xxh3_64 of ``tag || rank (uint32 LE)``, cached (bounded); struct.error for a rank outside uint32."""
+    k = (tag, rank)
+    c = _seeds.get(k)
+    if c is None:
+        c = _xxh3_64(tag + _pack_rank(rank))
+        if len(_seeds) > 4096:
+            _seeds.clear()
+        _seeds[k] = c
+    return c
+
+
+def _fmix(x: int) -> int:
+    """The splitmix64 finalizer of a 64-bit int (a bijection of 64-bit ints; :func:`_fmix_v` vectorised)."""
+    x ^= x >> 30
+    x = (x * _K1) & _M64
+    x ^= x >> 27
+    x = (x * _K2) & _M64
+    return x ^ (x >> 31)
+
+
+def _fmix_v(x: np.ndarray) -> np.ndarray:
+    """:func:`_fmix` of a uint64 array, in place; 0 results become 1 (0 marks an empty cell)."""
+    with np.errstate(over="ignore"):
+        x ^= x >> _U(30)
+        x *= _U(_K1)
+        x ^= x >> _U(27)
+        x *= _U(_K2)
+        x ^= x >> _U(31)
+    x[x == 0] = 1
+    return x
 
 
 def fingerprint(tag: bytes, rank: int, seq_hash: int) -> int:
     """64-bit fingerprint of a :func:`~.metadata.mirror_id` triple ``(tenant tag, rank, seq_hash)``:
-    xxh3_64 of ``tag || rank (uint32 LE) || seq_hash (uint64 LE)``, never 0 (0 marks an empty cell; a
-    hash of 0 becomes 1). A rank or seq_hash outside those widths hashes ``tag || repr((rank, seq_hash))``.
+    ``fmix64(seq_hash ^ xxh3_64(tag || rank (uint32 LE)))`` (fmix64: the splitmix64 finalizer), never 0
+    (0 marks an empty cell; 0 becomes 1). The seed depends only on (tag, rank), so a whole prefix is
+    fingerprinted in one numpy pass over its sequence hashes (:func:`_fps_cols`), and fmix64 is a
+    bijection: two blocks of one tenant and rank never share a fingerprint. A rank or seq_hash outside
+    uint32 / uint64 hashes ``xxh3_64(tag || repr((rank, seq_hash)))``.
     """
     try:
-        b = tag + _pack_rank_seq(rank, seq_hash)
+        c = _seed(tag, rank)
+        _pack_seq(seq_hash)  # range check only
     except struct.error:
-        b = tag + repr((rank, seq_hash)).encode()
-    return _xxh3_64(b) or 1
+        return _xxh3_64(tag + repr((rank, seq_hash)).encode()) or 1
+    return _fmix(seq_hash ^ c) or 1
+
+
+
+def _fps_cols(tags: Sequence, ranks: Sequence, seqs: Sequence) -> np.ndarray:
+    """uint64 :func:`fingerprint` of each ``(tags[i], ranks[i], seqs[i])``, vectorised: one seed per
+    distinct (tag, rank) pair, then fmix64 of the sequence hashes in one numpy pass. ``tags`` items are
+    tags (bytes) or tenant strings (their tag is ``tag_of(tenant)``)."""
+    n = len(seqs)
+    if not n:
+        return _EMPTY_FP
+    t0, r0 = tags[0], ranks[0]
+    try:
+        seq = np.fromiter(seqs, _U, n)
+        if tags.count(t0) == n and ranks.count(r0) == n:
+            c = _U(_seed(t0 if type(t0) is bytes else tag_of(t0), r0))
+        elif ranks.count(r0) == n:  # one rank (a worker's report): a seed per distinct tag
+            seed = {t: _seed(t if type(t) is bytes else tag_of(t), r0) for t in set(tags)}
+            c = np.fromiter(map(seed.__getitem__, tags), _U, n)
+        else:
+            seed = {p: _seed(p[0] if type(p[0]) is bytes else tag_of(p[0]), p[1]) for p in set(zip(tags, ranks))}
+            c = np.fromiter(map(seed.__getitem__, zip(tags, ranks)), _U, n)
+    except (struct.error, OverflowError, TypeError, ValueError):  # a rank or seq_hash outside uint32 / uint64
+        return np.fromiter((fingerprint(t if type(t) is bytes else tag_of(t), r, s)
+                            for t, r, s in zip(tags, ranks, seqs)), _U, n)
+    seq ^= c
+    return _fmix_v(seq)
 
 
 def _fps_of_ids(ids: Sequence[tuple[bytes, int, int]]) -> np.ndarray:
     """uint64 fingerprints of mirror ids (one per id, in order)."""
-    if not ids:
+    if not len(ids):
         return _EMPTY_FP
-    try:  # fingerprint() inlined: the snapshot report holds every block of the worker's G3
-        fps = np.array([_xxh3_64(t + _pack_rank_seq(r, s)) for t, r, s in ids], _U)
-    except struct.error:  # a rank or seq_hash outside uint32 / uint64
-        return np.fromiter((fingerprint(t, r, s) for t, r, s in ids), _U, len(ids))
-    fps[fps == 0] = 1
-    return fps
+    if len(ids) > 65536:  # a snapshot: columns by itemgetter (zip(*ids) would hold an iterator per id)
+        return _fps_cols(*(list(map(g, ids)) for g in _GETS))
+    return _fps_cols(*key_columns(ids))
 
 
 def _distinct(a: np.ndarray) -> np.ndarray:
@@ -63,34 +131,18 @@ def _distinct(a: np.ndarray) -> np.ndarray:
     return b[keep]
 
 
-def _fp_of_key(k) -> int:
-    """:func:`fingerprint` of a key's :func:`~.metadata.mirror_id` (a BlockKey or a tag-only key)."""
-    tag = getattr(k, "tag", None)
-    if tag is None:
-        tag = tag_of(k.tenant)
-    return fingerprint(tag, k.rank, k.seq_hash)
-
-
-def _fps_of_keys(keys: Sequence, namespace: str) -> list[int]:
+def _fps_of_keys(keys: Sequence, namespace: str) -> np.ndarray:
     """:func:`fingerprint` of each key's mirror id, up to (not including) the first key of another
-    namespace fingerprint. Same values as :func:`_fp_of_key`; BlockKeys take a faster inlined path."""
-    out: list[int] = []
-    app = out.append
-    tags: dict[str, bytes] = {}
-    for k in keys:
-        if k.namespace != namespace:
-            break
-        if type(k) is not BlockKey:
-            app(_fp_of_key(k))
-            continue
-        t = tags.get(k.tenant)
-        if t is None:
-            t = tags[k.tenant] = tag_of(k.tenant)
-        try:
-            app(_xxh3_64(t + _pack_rank_seq(k.rank, k.seq_hash)) or 1)
-        except struct.error:
-            app(fingerprint(t, k.rank, k.seq_hash))
-    return out
+    namespace fingerprint. Keys are BlockKeys (tenant string) or restored tag-only keys (``TagKey``:
+    the tag in the tenant's place), both 4-field tuples (namespace, tenant or tag, rank, seq_hash)."""
+    if not len(keys):
+        return _EMPTY_FP
+    ns, tags, ranks, seqs = key_columns(keys)
+    n = len(ns)
+    if ns.count(namespace) != n:
+        n = next(i for i, s in enumerate(ns) if s != namespace)
+        tags, ranks, seqs = tags[:n], ranks[:n], seqs[:n]
+    return _fps_cols(tags, ranks, seqs)
 
 
 class FingerprintSet:
@@ -138,16 +190,40 @@ class FingerprintSet:
         if not len(fps) or not self._n:
             return out
         tab, mask = self._tab, len(self._tab) - 1
-        idx = np.arange(len(fps))
         pos = self._home(fps)
-        f = fps
-        while idx.size:
+        v = tab[pos]  # round 1 over every value, without an index array
+        hit = v == fps
+        out[hit] = pos[hit]
+        idx = np.flatnonzero((v != 0) & ~hit)
+        f, pos = fps[idx], (pos[idx] + 1) & mask
+        if idx.size:  # round 2: the next _WIN cells of each pending value in one gather
+            cells = pos[:, None] + _WIN
+            cells &= mask
+            v = tab[cells]
+            hit = v == f[:, None]
+            found = hit.any(axis=1)
+            r = np.flatnonzero(found)
+            out[idx[r]] = cells[r, hit[r].argmax(axis=1)]
+            go = np.flatnonzero(~found & (v != 0).all(axis=1))  # no match and no empty cell: probe on
+            idx, f, pos = idx[go], f[go], (pos[go] + len(_WIN)) & mask
+        while idx.size > 32:
             v = tab[pos]
             hit = v == f
             if hit.any():
                 out[idx[hit]] = pos[hit]
             go = (v != 0) & ~hit
             idx, f, pos = idx[go], f[go], (pos[go] + 1) & mask
+        if idx.size:  # the last few long probes, one by one
+            vt = memoryview(tab)
+            for i, x, p in zip(idx.tolist(), f.tolist(), pos.tolist()):
+                while True:
+                    y = vt[p]
+                    if y == x:
+                        out[i] = p
+                        break
+                    if y == 0:
+                        break
+                    p = (p + 1) & mask
         return out
 
     def contains(self, fps: np.ndarray) -> np.ndarray:
@@ -236,7 +312,9 @@ class G3Mirror:
     Memory: one 64-bit :func:`fingerprint` per (tenant tag, rank, seq_hash) in a :class:`FingerprintSet`,
     16 to 32 bytes per block per rank at the peak count (``stats()["bytes"]``), no Python object per entry.
 
-    Fingerprint collisions: two distinct ids with the same fingerprint count as one block (``len``), and a
+    Fingerprint collisions (never between two blocks of one tenant and rank: :func:`fingerprint` is a
+    bijection of the sequence hash for a fixed (tag, rank)): two distinct ids with the same fingerprint count
+    as one block (``len``), and a
     block the worker does not hold can look present. That can only make the scheduler plan a load of a
     block the worker does not have: the worker's load misses and the block is recomputed (never wrong KV:
     the worker verifies every frame it loads). With n blocks mirrored, the probability that any two of them
@@ -271,25 +349,26 @@ class G3Mirror:
 
     def lookup_prefix(self, keys: Iterable) -> Future:
         """Future of how many leading ``keys`` (BlockKeys) the worker's G3 holds, in blocks; the prefix
-        stops at the first absent key or key of another namespace fingerprint. Fingerprints are computed in
-        growing chunks (64, 256, ... keys) so that an early miss costs little; each chunk is looked up
+        stops at the first absent key or key of another namespace fingerprint. The first
+        ``_FIRST_CHUNK`` keys are fingerprinted (one numpy pass) and probed first, so that an early miss
+        costs little; then chunks 16 times bigger (an 8K-key prefix: two chunks). Each chunk is looked up
         under the lock (a report applied between two chunks can be seen by the later one)."""
         if not isinstance(keys, (list, tuple)):
             keys = list(keys)
-        n, total, chunk = 0, len(keys), 64
+        n, total, chunk = 0, len(keys), _FIRST_CHUNK
         while n < total:
-            part = keys[n:n + chunk]
+            part = keys[n:n + chunk] if n or chunk < total else keys
             fps = _fps_of_keys(part, self.fp)
-            if not fps:
+            if not len(fps):
                 break
             with self._lock:
-                miss = np.flatnonzero(self._set.find(np.array(fps, _U)) < 0)
+                miss = np.flatnonzero(self._set.find(fps) < 0)
             if miss.size:
                 return completed(n + int(miss[0]))
             n += len(fps)
             if len(fps) < len(part):
                 break
-            chunk *= 4
+            chunk *= 16
         return completed(n)
 
     def stats(self) -> dict:

@@ -32,53 +32,33 @@ whose tenant tag is not a known tenant's (only ``""`` is known at restore) is re
 One difference: identity is unique here, so ``restore`` of a TagKey whose BlockKey is already present
 updates that entry (the OrderedDict index would hold both); the pool restores into an empty index only.
 
+Prefix lookup (the scheduler's hot path, 8K blocks < 1 ms is the goal): the keys' four columns in one
+``zip(*keys)`` pass, the seq hashes to uint64 in one ``np.fromiter``; keys of one (namespace, tenant,
+rank), the usual case, probe with :meth:`~.compact_table.HashTable._find_run` (one owner and rank mixed
+into every home position in one numpy pass; per round one table gather and one seq gather).
+
+Modules: this one holds the entry arrays, owners, LRU log and the API; :mod:`.compact_table` the hash
+table (a mixin), :mod:`.compact_restore` the bulk warm-restart builds (a mixin).
+
 Not thread-safe: the pool holds its lock around every call. A table grow rebuilds the table in one
 call (seconds at 10M entries: ``table_grow_s`` of the bench); the pool avoids it with :meth:`reserve`
 at open. Entry capacity growth copies the arrays (a memcpy).
 """
 from __future__ import annotations
 
-from operator import itemgetter
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-from ...model.namespace import BlockKey, tenant_tag
+from ...model.namespace import BlockKey, key_columns
+from .compact_restore import Restore, _KNOWN
+from .compact_table import _LOAD, _M64, _MIN_TAB_BITS, _U, HashTable
 from .index import SlotPins, TagKey, tag_of
 
 Slot = tuple[int, int]
 
-_M64 = (1 << 64) - 1
-_K0, _K1, _K2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_U = np.uint64
-_KNOWN = {tenant_tag(""): ""}  # tags resolved at restore: the unsalted tenant
-_MIN_TAB_BITS = 10
 RESERVE_MAX = 1 << 26  # reserve() sizes the table for at most 64M entries (1 GiB of address space)
-_LOAD = 4  # table cells per entry at least: load <= 1/4 keeps batch probing to a few rounds
-_G0, _G1, _G2, _G3 = (itemgetter(i) for i in range(4))
 
-
-def _mix(owner: int, rank: int, seq: int) -> int:
-    """64-bit mix of one key (same value as :func:`_mix_v`)."""
-    x = (seq ^ ((((owner & 0xFFFFFFFF) << 32) | (rank & 0xFFFFFFFF)) * _K0)) & _M64
-    x ^= x >> 30
-    x = (x * _K1) & _M64
-    x ^= x >> 27
-    x = (x * _K2) & _M64
-    return x ^ (x >> 31)
-
-
-def _mix_v(owner: np.ndarray, rank: np.ndarray, seq: np.ndarray) -> np.ndarray:
-    """Vectorised :func:`_mix`: uint64 array of the keys' shape."""
-    with np.errstate(over="ignore"):
-        o = (owner.astype(np.int64).astype(_U) & _U(0xFFFFFFFF)) << _U(32)
-        x = seq.astype(_U, copy=False) ^ ((o | (rank.astype(np.int64).astype(_U) & _U(0xFFFFFFFF))) * _U(_K0))
-        x ^= x >> _U(30)
-        x *= _U(_K1)
-        x ^= x >> _U(27)
-        x *= _U(_K2)
-        x ^= x >> _U(31)
-    return x
 
 
 def _check(key, slot: Slot) -> None:
@@ -116,7 +96,7 @@ class _Items:
         return list(self)[i]
 
 
-class CompactLruIndex(SlotPins):
+class CompactLruIndex(HashTable, Restore, SlotPins):
     """Key -> (file, slot) in LRU order with read pins, in numpy arrays (see the module docstring).
 
     Args:
@@ -166,12 +146,6 @@ class CompactLruIndex(SlotPins):
     def _set_log(self, log: np.ndarray) -> None:
         self._log = log
         self._vlog = memoryview(log)
-
-    def _set_table(self, tab: np.ndarray) -> None:
-        self._tab = tab
-        self._vtab = memoryview(tab)
-        self._mask = len(tab) - 1
-        self._shift = 64 - (len(tab).bit_length() - 1)
 
     def reserve(self, n: int) -> None:
         """Size the hash table for ``n`` entries now (at most ``RESERVE_MAX``), so that no ``put`` up to
@@ -224,130 +198,6 @@ class CompactLruIndex(SlotPins):
             self._tenants[o] = tenant
             self._by_tenant.setdefault(namespace, {})[tenant] = o
         return o
-
-    # ---- hash table (scalar) ------------------------------------------------------------------
-    def _find(self, o: int, rank: int, seq: int) -> tuple[int, int]:
-        """(entry or -1, table position of the entry or of the first empty cell on its probe path)."""
-        tab, mask = self._vtab, self._mask
-        seqa, owna, ranka = self._vseq, self._vown, self._vrank
-        p = _mix(o, rank, seq) >> self._shift
-        while True:
-            v = tab[p]
-            if v == 0:
-                return -1, p
-            e = v - 1
-            if seqa[e] == seq and owna[e] == o and ranka[e] == rank:
-                return e, p
-            p = (p + 1) & mask
-
-    def _home(self, e: int) -> int:
-        return _mix(self._vown[e], self._vrank[e], self._vseq[e]) >> self._shift
-
-    def _cell_of(self, e: int) -> int:
-        """Table position of live entry ``e``."""
-        tab, mask, v = self._vtab, self._mask, e + 1
-        p = self._home(e)
-        while tab[p] != v:
-            p = (p + 1) & mask
-        return p
-
-    def _tab_delete(self, i: int) -> None:
-        """Empty table cell ``i`` and shift the rest of its cluster back (linear-probing deletion)."""
-        tab, mask = self._vtab, self._mask
-        j = i
-        while True:
-            j = (j + 1) & mask
-            v = tab[j]
-            if v == 0:
-                break
-            k = self._home(v - 1)
-            if (i <= j and i < k <= j) or (i > j and (k > i or k <= j)):
-                continue  # its home lies in (i, j]: it stays
-            tab[i] = v
-            i = j
-        tab[i] = 0
-
-    def _homes(self, es: np.ndarray) -> np.ndarray:
-        return (_mix_v(self._own[es], self._rank[es], self._seq[es]) >> _U(self._shift)).astype(np.int64)
-
-    def _tab_delete_many(self, es: np.ndarray) -> None:
-        """Remove live entries ``es`` (distinct, int64) from the table, vectorised: their cells and the
-        rest of their clusters are emptied, then the other entries of those cluster tails go back."""
-        tab, mask = self._tab, self._mask
-        pos = self._homes(es)
-        want = es + 1
-        cells = np.empty(len(es), np.int64)
-        act = np.arange(len(es))
-        while len(act):
-            ok = tab[pos] == want[act]
-            cells[act[ok]] = pos[ok]
-            go = ~ok
-            act = act[go]
-            pos = (pos[go] + 1) & mask
-        tab[cells] = 0
-        moved = []
-        cur = (cells + 1) & mask
-        while len(cur):  # cluster tails after the emptied cells, up to the next empty cell
-            cur = cur[tab[cur] != 0]
-            if not len(cur):
-                break
-            cur = np.unique(cur)  # two emptied cells of one cluster reach the same cells
-            moved.append(tab[cur].astype(np.int64) - 1)
-            tab[cur] = 0
-            cur = (cur + 1) & mask
-        if not moved:
-            return
-        m = np.concatenate(moved)
-        pos = self._homes(m)
-        while len(m):  # each goes to the first empty cell from its home (ties: one per cell per round)
-            free = np.flatnonzero(tab[pos] == 0)
-            if len(free):
-                cell, first = np.unique(pos[free], return_index=True)
-                win = free[first]
-                tab[cell] = (m[win] + 1).astype(np.int32)
-                keep = np.ones(len(m), bool)
-                keep[win] = False
-                m, pos = m[keep], pos[keep]
-            pos = (pos + 1) & mask
-
-    def _tab_insert_at_home(self, e: int) -> None:
-        tab, mask = self._vtab, self._mask
-        p = self._home(e)
-        while tab[p] != 0:
-            p = (p + 1) & mask
-        tab[p] = e + 1
-
-    def _rebuild_table(self, bits: int) -> None:
-        """Build a table of ``2**bits`` cells from the live entries (one argsort by home position)."""
-        size = 1 << bits
-        shift = 64 - bits
-        tab = np.zeros(size, np.int32)
-        live = np.flatnonzero(self._lp[:self._hi] >= 0).astype(np.int64)
-        self._set_table(tab)
-        if not len(live):
-            return
-        home = _mix_v(self._own[live], self._rank[live], self._seq[live]) >> _U(shift)
-        o = np.argsort(home)
-        self._place_sorted(home[o], live[o])
-
-    def _place_sorted(self, home: np.ndarray, ents: np.ndarray) -> None:
-        """Fill the empty table with ``ents`` whose home cells ``home`` are sorted ascending: each goes to
-        the first free cell at or after its home (a running maximum), the overflow past the last cell
-        wraps to the start one by one."""
-        tab, size = self._tab, len(self._tab)
-        home = home.astype(np.int64)
-        i = np.arange(len(ents), dtype=np.int64)
-        final = i + np.maximum.accumulate(home - i)
-        ok = final < size
-        tab[final[ok]] = (ents[ok] + 1).astype(np.int32)
-        for e in ents[~ok].tolist():  # clusters running past the end wrap to the start
-            self._tab_insert_at_home(e)
-
-    def _table_room(self, extra: int) -> None:
-        need = self._n + extra
-        if _LOAD * need > len(self._tab):
-            bits = max(self._min_bits, (_LOAD * need - 1).bit_length())
-            self._rebuild_table(bits)
 
     # ---- entries and the LRU log --------------------------------------------------------------
     def _new_entry(self, o: int, rank: int, seq: int, slot: Slot, flag: int, p: int) -> int:
@@ -500,207 +350,6 @@ class CompactLruIndex(SlotPins):
             key = BlockKey(key.namespace, tenant, key.rank, key.seq_hash)
         self.put(key, slot)
 
-    def restore_many(self, entries: Iterable[tuple["BlockKey | TagKey", Slot]]) -> None:
-        """:meth:`restore` of each (key, slot), oldest first, in one vectorised build (a repeated key
-        keeps its last slot and place).
-
-        Raises:
-            ValueError: a rank, file or slot index outside the journal's field widths.
-        """
-        entries = entries if isinstance(entries, (list, tuple)) else list(entries)
-        n = len(entries)
-        if not n:
-            return
-        keys = list(map(_G0, entries))  # columns by itemgetter: zip(*entries) is slow for millions
-        slots = list(map(_G1, entries))
-        ns_col, who_col, rank_col, seq_col = (list(map(g, keys)) for g in (_G0, _G1, _G2, _G3))
-        # who: a TagKey's tag (bytes) or a BlockKey's tenant (str)
-        nss = set(ns_col)
-        pairs = zip(ns_col, who_col) if len(nss) > 1 else None
-        owner_of: dict = {}
-        flag_of: dict = {}
-        for nk in (set(pairs) if pairs is not None else set(who_col)):
-            ns, who = nk if pairs is not None else (next(iter(nss)), nk)
-            if type(who) is bytes:
-                t = _KNOWN.get(who)
-                owner_of[nk] = self._intern(ns, who, t)
-                flag_of[nk] = t is None
-            else:
-                owner_of[nk] = self._intern(ns, tag_of(who), who)
-                flag_of[nk] = False
-        col = list(zip(ns_col, who_col)) if pairs is not None else who_col
-        file_col, slot_col = list(map(_G0, slots)), list(map(_G1, slots))
-        self._restore_owners(np.fromiter(map(owner_of.__getitem__, col), np.int64, n),
-                             np.fromiter(rank_col, np.int64, n), np.fromiter(seq_col, _U, n),
-                             np.fromiter(file_col, np.int64, n), np.fromiter(slot_col, np.int64, n),
-                             np.fromiter(map(flag_of.__getitem__, col), np.uint8, n))
-
-    def restore_arrays(self, namespace: str, tags: np.ndarray, ranks: np.ndarray, seqs: np.ndarray,
-                       files: np.ndarray, slots: np.ndarray) -> None:
-        """Vectorised :meth:`restore` of N journal entries (oldest first; a repeated key keeps its last).
-
-        Args:
-            namespace: the namespace fingerprint of every entry.
-            tags: (N, 16) uint8, the tenant tags (``tenant_tag``); a tag other than ``""``'s is restored
-                as a :class:`TagKey` entry until adopted.
-            ranks, seqs, files, slots: (N,) integer arrays (rank < 2**32, seq_hash < 2**64 as uint64,
-                file < 2**16, slot < 2**32).
-
-        Raises:
-            ValueError: shapes disagree, or a rank, file or slot index is outside the widths above.
-        """
-        tags = np.ascontiguousarray(tags, np.uint8)
-        n = len(seqs)
-        if tags.shape != (n, 16) or not (len(ranks) == len(files) == len(slots) == n):
-            raise ValueError(f"restore_arrays: tags {tags.shape}, {len(ranks)} ranks, {n} seqs, "
-                             f"{len(files)} files, {len(slots)} slots")
-        if not n:
-            return
-        # intern the tags: runs of one tag first (a sequence's blocks are journaled together), then the
-        # distinct run tags
-        w = tags.view(np.uint64)  # (N, 2)
-        start = np.ones(n, bool)
-        start[1:] = (w[1:] != w[:-1]).any(axis=1)
-        runs = np.flatnonzero(start)
-        uniq, inv = np.unique(tags[runs].view("V16").ravel(), return_inverse=True)
-        oid = np.empty(len(uniq), np.int64)
-        flag = np.ones(len(uniq), np.uint8)
-        for i, t in enumerate(uniq.tolist()):
-            t = bytes(t)
-            oid[i] = self._intern(namespace, t, None)
-            flag[i] = t not in _KNOWN
-        run_of = np.cumsum(start) - 1
-        self._restore_owners(oid[inv][run_of], np.asarray(ranks, np.int64), np.asarray(seqs, _U),
-                             np.asarray(files, np.int64), np.asarray(slots, np.int64), flag[inv][run_of])
-
-    def _restore_owners(self, own, rank, seq, file, slot, flag) -> None:
-        n = len(seq)
-        for name, a, hi in (("rank", rank, 0xFFFFFFFF), ("file", file, 0xFFFF), ("slot", slot, 0xFFFFFFFF)):
-            if n and (int(a.min()) < 0 or int(a.max()) > hi):
-                raise ValueError(f"restore: {name} outside 0..{hi} (the journal's field width)")
-        h = _mix_v(own, rank, seq)
-        o = np.argsort(h)
-        hs = h[o]
-        if (hs[1:] == hs[:-1]).any():  # a repeated key (or a 64-bit mix collision): keep the last, exactly
-            order = np.lexsort((np.arange(n), seq, rank, own))
-            last = np.ones(n, bool)
-            last[:-1] = ((own[order][1:] != own[order][:-1]) | (rank[order][1:] != rank[order][:-1])
-                         | (seq[order][1:] != seq[order][:-1]))
-            keep = np.sort(order[last])
-            own, rank, seq, file, slot, flag, h = (x[keep] for x in (own, rank, seq, file, slot, flag, h))
-            n = len(keep)
-            o = np.argsort(h)
-            hs = h[o]
-        if not self._n:  # the warm-restart case: a fresh build, one sort for dedupe and table
-            self._hi = self._nfree = 0
-            self._head = self._tail = 0
-            if n > self._cap:
-                self._alloc_entries(n + n // 8)
-            else:
-                self._lp[:] = -1
-            ents = np.arange(n, dtype=np.int64)
-            self._seq[:n], self._own[:n], self._rank[:n] = seq, own, rank
-            self._file[:n], self._slot[:n], self._flag[:n] = file, slot, flag
-            self._hi = self._n = n
-            if len(self._log) < 2 * n:
-                self._set_log(np.empty(2 * n, np.int32))
-            self._log[:n] = ents
-            self._lp[:n] = ents
-            self._tail = n
-            bits = max(self._min_bits, (_LOAD * n - 1).bit_length())
-            self._set_table(np.zeros(1 << bits, np.int32))
-            self._place_sorted(hs >> _U(64 - bits), o)
-            return
-        ex = self._find_many(own, rank, seq)  # keys already present: updated in place
-        old = ex >= 0
-        if old.any():
-            eo = ex[old]
-            self._file[eo], self._slot[eo] = file[old], slot[old]
-        ents = ex.copy()
-        new = ~old
-        m = int(new.sum())
-        if m:
-            take = min(m, self._nfree)
-            fe = self._free[self._nfree - take:self._nfree][::-1].astype(np.int64)
-            self._nfree -= take
-            rest = m - take
-            if self._hi + rest > self._cap:
-                self._grow_entries(self._hi + rest)
-            ne = np.concatenate([fe, np.arange(self._hi, self._hi + rest, dtype=np.int64)])
-            self._hi += rest
-            ents[new] = ne
-            self._seq[ne], self._own[ne], self._rank[ne] = seq[new], own[new], rank[new]
-            self._file[ne], self._slot[ne], self._flag[ne] = file[new], slot[new], flag[new]
-            self._lp[ne] = 0  # live (the touch below sets the real position)
-            self._n += m
-            self._touch_many(ents)
-            self._rebuild_table(max(self._min_bits, (_LOAD * self._n - 1).bit_length()))
-        else:
-            self._touch_many(ents)
-
-    def _find_many(self, own, rank, seq: np.ndarray) -> np.ndarray:
-        """Entries of N keys (-1 where absent; a negative owner is absent), vectorised probing. ``own``
-        and ``rank`` are (N,) int64 arrays or one int64 for every key."""
-        n = len(seq)
-        res = np.full(n, -1, np.int64)
-        if not self._n:
-            return res
-        tab, mask = self._tab, self._mask
-        if own.ndim == 0 and rank.ndim == 0:  # one owner and rank (a sequence's prefix): scalar mix input
-            if own < 0:
-                return res
-            o, r = int(own), int(rank)
-            with np.errstate(over="ignore"):
-                c = _U((((o & 0xFFFFFFFF) << 32) | (r & 0xFFFFFFFF)) * _K0 & _M64)
-                x = seq ^ c
-                x ^= x >> _U(30)
-                x *= _U(_K1)
-                x ^= x >> _U(27)
-                x *= _U(_K2)
-                x ^= x >> _U(31)
-            pos = (x >> _U(self._shift)).astype(np.int64)
-            act = np.arange(n)
-            hit = np.zeros(n, bool)
-            while len(act) > 32:
-                e = tab[pos].astype(np.int64) - 1
-                occ = e >= 0
-                ec = np.where(occ, e, 0)
-                hit = occ & (self._seq[ec] == seq)
-                if hit.any():
-                    hi = np.flatnonzero(hit)
-                    eh = ec[hi]
-                    hit[hi] = (self._own[eh] == o) & (self._rank[eh] == r)
-                res[act[hit]] = e[hit]
-                go = np.flatnonzero(occ & ~hit)
-                act, seq = act[go], seq[go]
-                pos = (pos[go] + 1) & mask
-            for i, q in zip(act.tolist(), seq.tolist()):
-                res[i] = self._find(o, r, q)[0]
-            return res
-        own = np.broadcast_to(own, (n,))
-        rank = np.broadcast_to(rank, (n,))
-        act = np.flatnonzero(own >= 0)
-        if not len(act):
-            return res
-        own, rank, seq = own[act], rank[act], seq[act]
-        pos = (_mix_v(own, rank, seq) >> _U(self._shift)).astype(np.int64)
-        while len(act) > 32:
-            e = tab[pos].astype(np.int64) - 1
-            occ = e >= 0
-            ec = np.where(occ, e, 0)
-            hit = occ & (self._seq[ec] == seq)
-            if hit.any():  # the seq hash matched: check the rest of the identity
-                hi = np.flatnonzero(hit)
-                eh = ec[hi]
-                hit[hi] = (self._own[eh] == own[hi]) & (self._rank[eh] == rank[hi])
-            res[act[hit]] = e[hit]
-            go = np.flatnonzero(occ & ~hit)
-            act, own, rank, seq = act[go], own[go], rank[go], seq[go]
-            pos = (pos[go] + 1) & mask
-        for i, o, r, q in zip(act.tolist(), own.tolist(), rank.tolist(), seq.tolist()):  # a few long probes
-            res[i] = self._find(o, r, q)[0]
-        return res
-
     def lookup_prefix(self, keys: Sequence[BlockKey], namespace: str | None = None) -> int:
         """How many leading ``keys`` are held (a key of another ``namespace``, when given, ends the
         prefix). The found ones become most recently used, in order (tag entries are adopted), exactly as
@@ -715,25 +364,23 @@ class CompactLruIndex(SlotPins):
                     break
                 i += 1
             return i
-        # columns by itemgetter: zip(*keys) makes one iterator object per key, and those allocations
-        # trigger the garbage collector (a full collection of a big process is tens of ms)
-        ns_col, ten_col, rank_col, seq_col = (list(map(g, keys)) for g in (_G0, _G1, _G2, _G3))
+        ns_col, ten_col, rank_col, seq_col = key_columns(keys)
         if namespace is not None and ns_col.count(namespace) != n:
             n = next(i for i, s in enumerate(ns_col) if s != namespace)
             if n == 0:
                 return 0
             keys = keys[:n]
             ns_col, ten_col, rank_col, seq_col = ns_col[:n], ten_col[:n], rank_col[:n], seq_col[:n]
-        if ns_col.count(ns_col[0]) == n and ten_col.count(ten_col[0]) == n:
-            o = self._owner_of(keys[0])[0]
+        seq = np.fromiter(seq_col, _U, n)
+        r0 = rank_col[0]
+        if ns_col.count(ns_col[0]) == n and ten_col.count(ten_col[0]) == n and rank_col.count(r0) == n:
+            o = self._owner_of(keys[0])[0]  # one owner and rank (a sequence's prefix): the windowed probe
             if o < 0:
                 return 0
-            own = np.int64(o)
+            res = self._find_run(o, int(np.int64(r0)), seq)
         else:
             own = np.fromiter((self._owner_of(k)[0] for k in keys), np.int64, n)
-        r0 = rank_col[0]
-        rank = np.int64(r0) if rank_col.count(r0) == n else np.fromiter(rank_col, np.int64, n)
-        res = self._find_many(own, rank, np.fromiter(seq_col, _U, n))
+            res = self._find_many(own, np.fromiter(rank_col, np.int64, n), seq)
         miss = res < 0
         m = int(np.argmax(miss)) if miss.any() else n
         if m:

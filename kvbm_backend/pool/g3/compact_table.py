@@ -1,0 +1,281 @@
+"""The hash table of :class:`~.compact_index.CompactLruIndex`: open addressing over entry indexes.
+
+Cells are int32, ``entry + 1`` (0 = empty); a key's home cell is the top bits of a 64-bit mix of
+(owner, rank, seq) (:func:`_mix`, vectorised :func:`_mix_v`); linear probing at load at most 1/4;
+deletion shifts the cluster back (no tombstones). :class:`HashTable` is a mixin: the index holds the
+entry arrays (``_seq``, ``_own``, ``_rank``, ``_lp``) and their memoryviews; this module holds every
+operation on ``_tab``: scalar find/insert/delete, the vectorised batch find (:meth:`HashTable._find_many`,
+:meth:`HashTable._find_run`), batch delete, and the bulk build (one argsort by home position).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_M64 = (1 << 64) - 1
+_K0, _K1, _K2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_U = np.uint64
+_MIN_TAB_BITS = 10
+_LOAD = 4  # table cells per entry at least: load <= 1/4 keeps batch probing to a few rounds
+
+
+def _mix(owner: int, rank: int, seq: int) -> int:
+    """64-bit mix of one key (same value as :func:`_mix_v`)."""
+    x = (seq ^ ((((owner & 0xFFFFFFFF) << 32) | (rank & 0xFFFFFFFF)) * _K0)) & _M64
+    x ^= x >> 30
+    x = (x * _K1) & _M64
+    x ^= x >> 27
+    x = (x * _K2) & _M64
+    return x ^ (x >> 31)
+
+
+def _mix_v(owner: np.ndarray, rank: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """Vectorised :func:`_mix`: uint64 array of the keys' shape."""
+    with np.errstate(over="ignore"):
+        o = (owner.astype(np.int64).astype(_U) & _U(0xFFFFFFFF)) << _U(32)
+        x = seq.astype(_U, copy=False) ^ ((o | (rank.astype(np.int64).astype(_U) & _U(0xFFFFFFFF))) * _U(_K0))
+        x ^= x >> _U(30)
+        x *= _U(_K1)
+        x ^= x >> _U(27)
+        x *= _U(_K2)
+        x ^= x >> _U(31)
+    return x
+
+
+class HashTable:
+    """Mixin: the hash table of :class:`~.compact_index.CompactLruIndex` (see the module docstring)."""
+
+    def _set_table(self, tab: np.ndarray) -> None:
+        self._tab = tab
+        self._vtab = memoryview(tab)
+        self._mask = len(tab) - 1
+        self._shift = 64 - (len(tab).bit_length() - 1)
+
+    def _find(self, o: int, rank: int, seq: int) -> tuple[int, int]:
+        """(entry or -1, table position of the entry or of the first empty cell on its probe path)."""
+        tab, mask = self._vtab, self._mask
+        seqa, owna, ranka = self._vseq, self._vown, self._vrank
+        p = _mix(o, rank, seq) >> self._shift
+        while True:
+            v = tab[p]
+            if v == 0:
+                return -1, p
+            e = v - 1
+            if seqa[e] == seq and owna[e] == o and ranka[e] == rank:
+                return e, p
+            p = (p + 1) & mask
+
+    def _home(self, e: int) -> int:
+        return _mix(self._vown[e], self._vrank[e], self._vseq[e]) >> self._shift
+
+    def _cell_of(self, e: int) -> int:
+        """Table position of live entry ``e``."""
+        tab, mask, v = self._vtab, self._mask, e + 1
+        p = self._home(e)
+        while tab[p] != v:
+            p = (p + 1) & mask
+        return p
+
+    def _tab_delete(self, i: int) -> None:
+        """Empty table cell ``i`` and shift the rest of its cluster back (linear-probing deletion)."""
+        tab, mask = self._vtab, self._mask
+        j = i
+        while True:
+            j = (j + 1) & mask
+            v = tab[j]
+            if v == 0:
+                break
+            k = self._home(v - 1)
+            if (i <= j and i < k <= j) or (i > j and (k > i or k <= j)):
+                continue  # its home lies in (i, j]: it stays
+            tab[i] = v
+            i = j
+        tab[i] = 0
+
+    def _homes(self, es: np.ndarray) -> np.ndarray:
+        return (_mix_v(self._own[es], self._rank[es], self._seq[es]) >> _U(self._shift)).astype(np.int64)
+
+    def _tab_delete_many(self, es: np.ndarray) -> None:
+        """Remove live entries ``es`` (distinct, int64) from the table, vectorised: their cells and the
+        rest of their clusters are emptied, then the other entries of those cluster tails go back."""
+        tab, mask = self._tab, self._mask
+        pos = self._homes(es)
+        want = es + 1
+        cells = np.empty(len(es), np.int64)
+        act = np.arange(len(es))
+        while len(act):
+            ok = tab[pos] == want[act]
+            cells[act[ok]] = pos[ok]
+            go = ~ok
+            act = act[go]
+            pos = (pos[go] + 1) & mask
+        tab[cells] = 0
+        moved = []
+        cur = (cells + 1) & mask
+        while len(cur):  # cluster tails after the emptied cells, up to the next empty cell
+            cur = cur[tab[cur] != 0]
+            if not len(cur):
+                break
+            cur = np.unique(cur)  # two emptied cells of one cluster reach the same cells
+            moved.append(tab[cur].astype(np.int64) - 1)
+            tab[cur] = 0
+            cur = (cur + 1) & mask
+        if not moved:
+            return
+        m = np.concatenate(moved)
+        pos = self._homes(m)
+        while len(m):  # each goes to the first empty cell from its home (ties: one per cell per round)
+            free = np.flatnonzero(tab[pos] == 0)
+            if len(free):
+                cell, first = np.unique(pos[free], return_index=True)
+                win = free[first]
+                tab[cell] = (m[win] + 1).astype(np.int32)
+                keep = np.ones(len(m), bool)
+                keep[win] = False
+                m, pos = m[keep], pos[keep]
+            pos = (pos + 1) & mask
+
+    def _tab_insert_at_home(self, e: int) -> None:
+        tab, mask = self._vtab, self._mask
+        p = self._home(e)
+        while tab[p] != 0:
+            p = (p + 1) & mask
+        tab[p] = e + 1
+
+    def _rebuild_table(self, bits: int) -> None:
+        """Build a table of ``2**bits`` cells from the live entries (one argsort by home position)."""
+        size = 1 << bits
+        shift = 64 - bits
+        tab = np.zeros(size, np.int32)
+        live = np.flatnonzero(self._lp[:self._hi] >= 0).astype(np.int64)
+        self._set_table(tab)
+        if not len(live):
+            return
+        home = _mix_v(self._own[live], self._rank[live], self._seq[live]) >> _U(shift)
+        o = np.argsort(home)
+        self._place_sorted(home[o], live[o])
+
+    def _place_sorted(self, home: np.ndarray, ents: np.ndarray) -> None:
+        """Fill the empty table with ``ents`` whose home cells ``home`` are sorted ascending: each goes to
+        the first free cell at or after its home (a running maximum), the overflow past the last cell
+        wraps to the start one by one."""
+        tab, size = self._tab, len(self._tab)
+        home = home.astype(np.int64)
+        i = np.arange(len(ents), dtype=np.int64)
+        final = i + np.maximum.accumulate(home - i)
+        ok = final < size
+        tab[final[ok]] = (ents[ok] + 1).astype(np.int32)
+        for e in ents[~ok].tolist():  # clusters running past the end wrap to the start
+            self._tab_insert_at_home(e)
+
+    def _table_room(self, extra: int) -> None:
+        need = self._n + extra
+        if _LOAD * need > len(self._tab):
+            bits = max(self._min_bits, (_LOAD * need - 1).bit_length())
+            self._rebuild_table(bits)
+
+    def _find_many(self, own, rank, seq: np.ndarray) -> np.ndarray:
+        """Entries of N keys (-1 where absent; a negative owner is absent), vectorised probing. ``own``
+        and ``rank`` are (N,) int64 arrays or one int64 for every key."""
+        n = len(seq)
+        res = np.full(n, -1, np.int64)
+        if not self._n:
+            return res
+        tab, mask = self._tab, self._mask
+        if own.ndim == 0 and rank.ndim == 0:  # one owner and rank (a sequence's prefix): scalar mix input
+            if own < 0:
+                return res
+            o, r = int(own), int(rank)
+            with np.errstate(over="ignore"):
+                c = _U((((o & 0xFFFFFFFF) << 32) | (r & 0xFFFFFFFF)) * _K0 & _M64)
+                x = seq ^ c
+                x ^= x >> _U(30)
+                x *= _U(_K1)
+                x ^= x >> _U(27)
+                x *= _U(_K2)
+                x ^= x >> _U(31)
+            pos = (x >> _U(self._shift)).astype(np.int64)
+            act = np.arange(n)
+            hit = np.zeros(n, bool)
+            while len(act) > 32:
+                e = tab[pos].astype(np.int64) - 1
+                occ = e >= 0
+                ec = np.where(occ, e, 0)
+                hit = occ & (self._seq[ec] == seq)
+                if hit.any():
+                    hi = np.flatnonzero(hit)
+                    eh = ec[hi]
+                    hit[hi] = (self._own[eh] == o) & (self._rank[eh] == r)
+                res[act[hit]] = e[hit]
+                go = np.flatnonzero(occ & ~hit)
+                act, seq = act[go], seq[go]
+                pos = (pos[go] + 1) & mask
+            for i, q in zip(act.tolist(), seq.tolist()):
+                res[i] = self._find(o, r, q)[0]
+            return res
+        own = np.broadcast_to(own, (n,))
+        rank = np.broadcast_to(rank, (n,))
+        act = np.flatnonzero(own >= 0)
+        if not len(act):
+            return res
+        own, rank, seq = own[act], rank[act], seq[act]
+        pos = (_mix_v(own, rank, seq) >> _U(self._shift)).astype(np.int64)
+        while len(act) > 32:
+            e = tab[pos].astype(np.int64) - 1
+            occ = e >= 0
+            ec = np.where(occ, e, 0)
+            hit = occ & (self._seq[ec] == seq)
+            if hit.any():  # the seq hash matched: check the rest of the identity
+                hi = np.flatnonzero(hit)
+                eh = ec[hi]
+                hit[hi] = (self._own[eh] == own[hi]) & (self._rank[eh] == rank[hi])
+            res[act[hit]] = e[hit]
+            go = np.flatnonzero(occ & ~hit)
+            act, own, rank, seq = act[go], own[go], rank[go], seq[go]
+            pos = (pos[go] + 1) & mask
+        for i, o, r, q in zip(act.tolist(), own.tolist(), rank.tolist(), seq.tolist()):  # a few long probes
+            res[i] = self._find(o, r, q)[0]
+        return res
+
+    def _find_run(self, o: int, rank: int, seq: np.ndarray) -> np.ndarray:
+        """:meth:`_find_many` of N keys of one owner and rank (a sequence's prefix), lean: per probing
+        round one table gather and one seq gather for every pending key (an empty cell, -1 after the
+        shift, reads the last entry's seq: harmless, such a "hit" is dropped with the owner/rank check),
+        owner and rank read only where the seq matched. A key ends at its match or at an empty cell
+        (linear probing never places a key past one); the last few pending keys probe in Python."""
+        n = len(seq)
+        res = np.full(n, -1, np.int64)
+        if not self._n or o < 0:
+            return res
+        with np.errstate(over="ignore"):
+            c = _U((((o & 0xFFFFFFFF) << 32) | (rank & 0xFFFFFFFF)) * _K0 & _M64)
+            x = seq ^ c
+            x ^= x >> _U(30)
+            x *= _U(_K1)
+            x ^= x >> _U(27)
+            x *= _U(_K2)
+            x ^= x >> _U(31)
+        x >>= _U(self._shift)
+        pos = x.astype(np.int64)
+        tab, mask, seqa, owna, ranka = self._tab, self._mask, self._seq, self._own, self._rank
+        act = None  # all keys pending (round 1)
+        while True:
+            e = tab[pos].astype(np.int64)
+            e -= 1  # -1 = empty cell
+            hit = np.flatnonzero(seqa[e] == seq)
+            if len(hit):
+                eh = e[hit]
+                ok = (eh >= 0) & (owna[eh] == o) & (ranka[eh] == rank)
+                hit, eh = hit[ok], eh[ok]
+                res[hit if act is None else act[hit]] = eh
+                e[hit] = -1  # found: done
+            go = np.flatnonzero(e >= 0)  # occupied by another key: probe on
+            if len(go) <= 32:
+                break
+            act = go if act is None else act[go]
+            seq = seq[go]
+            pos = (pos[go] + 1) & mask
+        if len(go):
+            act = go if act is None else act[go]
+            for i, q in zip(act.tolist(), seq[go].tolist()):
+                res[i] = self._find(o, rank, q)[0]
+        return res
