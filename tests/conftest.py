@@ -100,6 +100,36 @@ _SLOW_MODULES = {"test_faults_quick", "test_g3_crash", "test_g4_multiproc", "tes
 _SLOW_TESTS: set = {"test_fp8_kv::test_fp8_kv_engine_fresh_engine_and_restart"}  # "module::test name" of single slow tests in otherwise fast modules
 
 
+def _module_always_deselected(config, module: str) -> bool:
+    """True when ``-m`` deselects every test of ``module`` whatever its other markers: a module in
+    _VLLM_MODULES (all its tests are ``vllm``) or _SLOW_MODULES (all ``slow``) under e.g. the fast lane's
+    ``not slow and not vllm ...``. Such modules are not even imported (importing vLLM and torch is most
+    of the fast lane's collection time); the tests selected are exactly the same."""
+    expr = config.getoption("markexpr", "") or ""
+    fixed = {"vllm"} if module in _VLLM_MODULES else {"slow"} if module in _SLOW_MODULES else None
+    if not expr or fixed is None:
+        return False
+    from itertools import product
+
+    from _pytest.mark.expression import Expression
+    try:
+        compiled = Expression.compile(expr)
+    except Exception:  # noqa: BLE001 - pytest reports a bad -m itself
+        return False
+    free = [m for m in ("slow", "vllm", "s3", "gpu") if m not in fixed]
+    for bits in product((False, True), repeat=len(free)):
+        present = fixed | {m for m, b in zip(free, bits) if b}
+        if compiled.evaluate(lambda name, present=present, **_: name in present):
+            return False
+    return True
+
+
+def pytest_ignore_collect(collection_path, config):
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return True if _module_always_deselected(config, collection_path.stem) else None
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     for it in items:
         mod = it.module.__name__.rsplit(".", 1)[-1] if getattr(it, "module", None) else ""
