@@ -8,10 +8,10 @@ import threading
 import numpy as np
 import pytest
 
-from kvbm_backend.g4.bounce import BouncePool
+from kvbm_backend.pool.g4.bounce import BouncePool
 from kvbm_backend.memory import hugepage_empty
-from kvbm_backend.g4.fs_store import FsStore
-from kvbm_backend.g4.store import ObjectStore
+from kvbm_backend.pool.g4.fs_store import FsStore
+from kvbm_backend.pool.g4.store import ObjectStore
 from kvbm_backend.memory import aligned_empty
 
 

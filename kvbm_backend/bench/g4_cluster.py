@@ -13,7 +13,7 @@ One :class:`G4Cluster` starts, in this order:
   SeaweedFS acknowledges has been written on both replicas (SeaweedFS replicates synchronously and
   fails the write when a replica fails), so killing one volume server loses no acknowledged object.
 * ``workers`` G4 worker processes (``python -m kvbm_backend.bench.g4_cluster worker``), each in its
-  own host, each with its own :class:`~kvbm_backend.g4.pool.G4Pool` on one shared G4 namespace
+  own host, each with its own :class:`~kvbm_backend.pool.g4.pool.G4Pool` on one shared G4 namespace
   (``s3://kvbm-cluster/<prefix>``, one keyring file shared through the filesystem, as a fleet shares a
   KEK). They take JSON-line commands on stdin (:func:`worker_main`). In loopback mode each worker
   reaches the gateway through its own relay process (``... relay``), its "link".
@@ -605,7 +605,7 @@ class _WorkerState:
 
     def open(self, cfg: dict, layout: str, page_size: int) -> dict:
         from ..config import G4Config
-        from ..g4.pool import G4Pool
+        from ..pool.g4.pool import G4Pool
         from ..model.namespace import Namespace
         from ..model.presets import resolve_layout
         if self.pool is not None:

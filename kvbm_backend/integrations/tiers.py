@@ -53,7 +53,7 @@ def open_tiers(cfg: KvbmBackendConfig, namespace: Namespace) -> tuple[BlockPool 
                 g3.close()
             raise ValueError("g4.url: G4 is enabled but no url is set (s3://BUCKET/PREFIX or file:///path)")
         try:
-            G4Pool = _import_first([("kvbm_backend.g4", "G4Pool"), ("kvbm_backend.g4.pool", "G4Pool")])
+            G4Pool = _import_first([("kvbm_backend.pool.g4", "G4Pool"), ("kvbm_backend.pool.g4.pool", "G4Pool")])
             g4 = G4Pool(cfg.g4, namespace)
         except BaseException:
             if g3 is not None:
@@ -98,7 +98,7 @@ def startup_line(cfg: KvbmBackendConfig, *, g3=None, g4=None, metrics_serving: b
     else:
         parts.append("G3 off")
     if g4 is not None:
-        from ..g4.store import redact_url
+        from ..pool.g4.store import redact_url
         c = cfg.g4
         st = _stats(g4)
         kr = "none"

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..memory import aligned_empty, hugepage_empty
+from ...memory import aligned_empty, hugepage_empty
 
 PAGE = 4096
 

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from ..memory import aligned_empty
+from ...memory import aligned_empty
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
 _NO_DIRECT = object()
@@ -146,7 +146,7 @@ class FsStore(ObjectStore):
 
         O_DIRECT (no page cache, no copy) when ``buf`` is 4 KiB aligned in address and length and the
         filesystem takes it; buffered otherwise. Pass huge-page-backed buffers
-        (:mod:`kvbm_backend.g4.bounce`) for full speed. Raises StoreUnavailable for EIO and the like.
+        (:mod:`kvbm_backend.pool.g4.bounce`) for full speed. Raises StoreUnavailable for EIO and the like.
         """
         mv = memoryview(buf).cast("B")
         direct = self._direct is not False and len(mv) % 4096 == 0 and _address(mv) % 4096 == 0

@@ -40,16 +40,16 @@ from typing import Sequence
 
 import numpy as np
 
-from ..pool.deadlines import Deadline, Deadlines
-from ..crypto.aead import AeadError, new_nonce, open_into, seal_into
-from ..crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError, TenantRevoked, UnknownTenant
-from ..model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader, accept,
+from ..deadlines import Deadline, Deadlines
+from ...crypto.aead import AeadError, new_nonce, open_into, seal_into
+from ...crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError, TenantRevoked, UnknownTenant
+from ...model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader, accept,
                            payload_checksum)
-from ..model.layout import KvLayout
-from ..model.namespace import BlockKey, Namespace
-from ..pool.base import GetResult, PutResult, completed, is_tensor_batch
+from ...model.layout import KvLayout
+from ...model.namespace import BlockKey, Namespace
+from ..base import GetResult, PutResult, completed, is_tensor_batch
 from .bounce import BouncePool
-from ..metrics import TierMetrics
+from ...metrics import TierMetrics
 from .breaker import CircuitBreaker
 from .naming import block_name, namespace_name
 from .store import BucketMissing, ObjectStore, StoreUnavailable, open_store, redact_url
@@ -245,7 +245,7 @@ class G4Pool:
         return b.future
 
     def _get_tensors(self, keys: list, out: list) -> Future:
-        from ..gpu.host_path import check_dst, load_via_host
+        from ...gpu.host_path import check_dst, load_via_host
         check_dst(out, self._bpb, out[0].device)  # ValueError at the call, like numpy buffers
         fut: Future = Future()
         fut.set_running_or_notify_cancel()

@@ -1,8 +1,8 @@
 """The object store interface G4 sits on: whole-object create-exclusive puts, ranged gets, listing.
 
-Implementations: :class:`~kvbm_backend.g4.s3_store.S3Store` (S3-compatible servers) and
-:class:`~kvbm_backend.g4.fs_store.FsStore` (shared POSIX mounts). Names are ``/``-separated relative
-keys (see :mod:`kvbm_backend.g4.naming`); a store adds its own bucket/prefix/root.
+Implementations: :class:`~kvbm_backend.pool.g4.s3_store.S3Store` (S3-compatible servers) and
+:class:`~kvbm_backend.pool.g4.fs_store.FsStore` (shared POSIX mounts). Names are ``/``-separated relative
+keys (see :mod:`kvbm_backend.pool.g4.naming`); a store adds its own bucket/prefix/root.
 
 Contract: an object is either absent or complete (never torn); ``put_if_absent`` of an existing name
 leaves it untouched and returns False (losing a race is success). Errors that mean "the store is not
