@@ -1,5 +1,6 @@
 """One contract, every pool: the :class:`~kvbm_backend.pool.base.BlockPool` protocol exercised the same way
-against G3 (local files), G4 on a ``file://`` store and G4 on SeaweedFS S3, through ``open_tiers`` as the
+against G3 (local files), G4 on a ``file://`` store, G4 on SeaweedFS S3 and G4 on the in-process ``mem://``
+store, through ``open_tiers`` as the
 integrations open them. A behaviour that differs between the tiers fails here, not in a caller's ``hasattr``.
 """
 from __future__ import annotations
@@ -30,12 +31,14 @@ def _cfg(kind: str, tmp_path, seaweed=None):
           "timeout_s": 5.0}
     if kind == "g4-file":
         g4["url"] = f"file://{tmp_path / 'g4'}"
+    elif kind == "g4-mem":
+        g4["url"] = f"mem://conformance-{os.getpid()}-{tmp_path.name}"
     elif kind == "g4-s3":
         g4.update(url=seaweed.url(f"conformance-{os.getpid()}-{tmp_path.name}"), endpoint_url=seaweed.endpoint)
     return load_config({"g3": g3, "g4": g4}, use_env=False)
 
 
-@pytest.fixture(params=["g3", "g4-file", pytest.param("g4-s3", marks=pytest.mark.s3)])
+@pytest.fixture(params=["g3", "g4-file", pytest.param("g4-s3", marks=pytest.mark.s3), "g4-mem"])
 def pool(request, tmp_path):
     seaweed = request.getfixturevalue("seaweed") if request.param == "g4-s3" else None
     g3, g4 = open_tiers(_cfg(request.param, tmp_path, seaweed), NS)

@@ -53,7 +53,7 @@ def _cfg(url: str, opts: BenchOptions, encrypt: bool, keyring: str, n: int) -> G
 
 
 def _cleanup(url: str, opts: BenchOptions) -> None:
-    from ..pool.g4.store import open_store
+    from ..pool.g4.factory import open_store
     u = urlparse(url)
     if u.scheme == "file":
         shutil.rmtree(u.path, ignore_errors=True)
@@ -113,7 +113,7 @@ def _pool_round(url: str, ns: Namespace, opts: BenchOptions, encrypt: bool, keyr
 
 def _s3_baseline(url: str, opts: BenchOptions, object_bytes: int, n: int) -> dict:
     """Plain PUT then GET of ``n`` objects of ``object_bytes`` with the pool's client config."""
-    from ..pool.g4.store import open_store
+    from ..pool.g4.factory import open_store
     st = open_store(url, endpoint_url=opts.endpoint_url, timeout_s=BENCH_TIMEOUT_S, max_inflight=opts.threads,
                     retries=1)
     data = os.urandom(object_bytes)

@@ -48,6 +48,14 @@ class FsStore(ObjectStore):
         except OSError as e:
             raise ValueError(f"g4.url {self.url}: cannot create directory: {e}") from None
 
+    @classmethod
+    def from_url(cls, url: str, parsed, opts) -> "FsStore":
+        """``file:///abs/path`` (or ``file://localhost/abs/path``) with ``opts.fsync``. Raises ValueError
+        naming ``g4.url`` for a relative path or another host."""
+        if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+            raise ValueError(f"g4.url {url!r}: file URLs must be absolute, file:///path")
+        return cls(parsed.path, fsync=opts.fsync)
+
     def _path(self, name: str) -> Path:
         if name.startswith("/") or ".." in name.split("/"):
             raise ValueError(f"object name {name!r}: must be relative without '..'")

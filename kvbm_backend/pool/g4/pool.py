@@ -52,7 +52,8 @@ from .bounce import BouncePool
 from ...metrics import TierMetrics
 from .breaker import CircuitBreaker
 from .naming import block_name, namespace_name
-from .store import BucketMissing, ObjectStore, StoreUnavailable, open_store, redact_url
+from .factory import open_store
+from .store import BucketMissing, ObjectStore, StoreUnavailable, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +105,12 @@ class G4Pool:
         self._fp = namespace.fingerprint
         self.encrypt = bool(cfg.encrypt)
         if store is None and not cfg.url:
-            raise ValueError("g4.url: required (s3://BUCKET/PREFIX or file:///path)")
+            raise ValueError("g4.url: required (s3://BUCKET/PREFIX, file:///path or mem://NAME)")
         self.keyring = keyring
         if self.keyring is None and (self.encrypt or cfg.keyring.path):
             self.keyring = Keyring.from_config(cfg.keyring)
         self._own_store = store is None
-        self.store = store or open_store(cfg.url, endpoint_url=cfg.endpoint_url, region=cfg.region,
-                                         timeout_s=cfg.timeout_s, max_inflight=cfg.max_inflight,
-                                         retries=cfg.retries, fsync=cfg.fsync)
+        self.store = store or open_store(cfg.url, cfg)
         self.metrics = TierMetrics("g4", registry)
         where = f" at {redact_url(cfg.endpoint_url)}" if cfg.endpoint_url and self._own_store else ""
         self.where = f"G4 {redact_url(self.store.url)}{where}"  # operator log lines name the store this way

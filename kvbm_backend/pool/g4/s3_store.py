@@ -80,6 +80,15 @@ class S3Store(ObjectStore):
         self.supports_conditional_put = True
         self._mu = threading.Lock()
 
+    @classmethod
+    def from_url(cls, url: str, parsed, opts) -> "S3Store":
+        """``s3://BUCKET[/PREFIX]`` with ``opts`` (:class:`~kvbm_backend.pool.g4.factory.StoreOptions`).
+        Raises ValueError naming ``g4.url`` without a bucket."""
+        if not parsed.netloc:
+            raise ValueError(f"g4.url {url!r}: s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
+        return cls(parsed.netloc, parsed.path.strip("/"), endpoint_url=opts.endpoint_url, region=opts.region,
+                   timeout_s=opts.timeout_s, max_inflight=opts.max_inflight, retries=opts.retries)
+
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 
