@@ -48,7 +48,7 @@ from ...model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameEr
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace
 from ..base import GetResult, PutResult, completed, is_tensor_batch
-from .bounce import BouncePool
+from ...memory import BufferPool
 from ...metrics import TierMetrics
 from .breaker import CircuitBreaker
 from .naming import block_name, namespace_name
@@ -63,6 +63,32 @@ _MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most t
 _STORE_ERROR_LOG_S = 300.0  # a store that keeps answering with an error (missing bucket, 403): one line per this
 _READ_FAILURES = {"unavailable", "error", "timeout"}  # miss reasons that are failed store reads
 _WRITE_FAILURES = {"unavailable", "error"}  # drop reasons that are failed store writes
+
+
+PAGE = 4096  # bounce buffer sizes are rounded up to this, bytes
+
+
+def bounce_slot_bytes(object_bytes: int) -> int:
+    """Size of one bounce buffer for objects of ``object_bytes``: rounded up to 4 KiB (O_DIRECT), bytes."""
+    return -(-object_bytes // PAGE) * PAGE
+
+
+def bounce_buffers(object_bytes: int, slots: int) -> BufferPool:
+    """The bounce buffers G4 reads objects of up to ``object_bytes`` through (stores with ``reads_into``).
+
+    O_DIRECT reads into 4 KiB pages run at less than half speed on the dev/CI VM (measured in
+    :mod:`kvbm_backend.memory`) and allocating per read costs page faults and an ``munmap`` per object, so
+    this is a :class:`~kvbm_backend.memory.BufferPool` of kind ``"thp"`` with an arena of ``slots``
+    pre-faulted buffers of :func:`bounce_slot_bytes` bytes, lent with ``lend(bounce_slot_bytes(...))``.
+    When all are lent (more concurrent readers than ``slots``) a fresh buffer is allocated: readers never
+    wait; ``stats()["allocated"]`` counts those (the pool's ``bounce_overflow`` stat). Nothing past the
+    arena is kept (``keep_bytes`` 0).
+
+    Raises ValueError for ``object_bytes`` or ``slots`` < 1.
+    """
+    if object_bytes < 1 or slots < 1:
+        raise ValueError(f"bounce_buffers: object_bytes ({object_bytes}) and slots ({slots}) must be >= 1")
+    return BufferPool("thp", 0, arena=(slots, bounce_slot_bytes(object_bytes)), name="g4-bounce")
 
 
 class _Batch:
@@ -121,8 +147,9 @@ class G4Pool:
         # get() into torch tensors waits on its own host get here (never on an _io thread it needs)
         self._device_exec = ThreadPoolExecutor(2, thread_name_prefix="g4-device")
         # Stores that read straight into a buffer (file://) get reusable huge-page bounce buffers, one
-        # per I/O thread (see .bounce for the measured reason); others return their own bytes.
-        self._bounce = (BouncePool(HEADER_BYTES + self._bpb, cfg.max_inflight)
+        # per I/O thread (see bounce_buffers for the measured reason); others return their own bytes.
+        self._bounce_bytes = bounce_slot_bytes(HEADER_BYTES + self._bpb)
+        self._bounce = (bounce_buffers(HEADER_BYTES + self._bpb, cfg.max_inflight)
                         if getattr(self.store, "reads_into", False) else None)
         self._deadlines = Deadlines("g4-deadlines")
         self._load_bound_s = cfg.timeout_s * (1 + cfg.retries) + 0.05
@@ -155,7 +182,7 @@ class G4Pool:
             return completed(0)
         b = _Batch(len(keys))
         b.count = 0  # leading confirmed
-        self._deadlines.add(time.monotonic() + self._load_bound_s, lambda: self._expire_lookup(b))
+        self._deadlines.add(Deadline(self._load_bound_s).at, lambda: self._expire_lookup(b))
         self._lookup_wave(b, keys, 0, min(8, len(keys)))
         return b.future
 
@@ -238,7 +265,7 @@ class G4Pool:
             self._count("miss_breaker", len(keys))
             return completed(GetResult([False] * len(keys)))
         b = _Batch(len(keys))
-        self._deadlines.add(time.monotonic() + self._load_bound_s, lambda: self._expire_get(b))
+        self._deadlines.add(Deadline(self._load_bound_s).at, lambda: self._expire_get(b))
         for i, (k, o) in enumerate(zip(keys, out)):
             self._io.submit(self._get_one, b, i, k, o)
         return b.future
@@ -314,6 +341,8 @@ class G4Pool:
                   "skipped": sum(v for k, v in s.items() if k.startswith("skipped_"))})
         for k in ("hits", "written", "skipped_exists", "bytes_written", "bytes_read"):
             s.setdefault(k, 0)
+        if self._bounce is not None:  # reads that found every bounce buffer lent (a fresh one was allocated)
+            s["bounce_overflow"] = self._bounce.stats()["allocated"]
         return s
 
     def close(self, timeout: float | None = None) -> None:
@@ -577,7 +606,7 @@ class G4Pool:
         name = self._name(key)
         if self._bounce is None:
             return self._load_from(b, i, key, out, name, None)
-        with self._bounce.slot() as buf:
+        with self._bounce.lend(self._bounce_bytes) as buf:
             return self._load_from(b, i, key, out, name, buf)
 
     def _load_from(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray, name: str, buf) -> str | None:
