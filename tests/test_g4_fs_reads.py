@@ -10,7 +10,7 @@ import pytest
 
 from kvbm_backend.memory import hugepage_empty
 from kvbm_backend.pool.g4.fs_store import FsStore
-from kvbm_backend.pool.g4.pool import bounce_buffers, bounce_slot_bytes
+from kvbm_backend.pool.g4.reader import bounce_buffers, bounce_slot_bytes
 from kvbm_backend.pool.g4.store import ObjectStore
 from kvbm_backend.memory import aligned_empty
 

@@ -154,7 +154,8 @@ class FsStore(ObjectStore):
 
         O_DIRECT (no page cache, no copy) when ``buf`` is 4 KiB aligned in address and length and the
         filesystem takes it; buffered otherwise. Pass huge-page-backed buffers
-        (:func:`kvbm_backend.pool.g4.pool.bounce_buffers`) for full speed. Raises StoreUnavailable for EIO and the like.
+        (:func:`kvbm_backend.pool.g4.reader.bounce_buffers`) for full speed. Raises StoreUnavailable for
+        EIO and the like.
         """
         mv = memoryview(buf).cast("B")
         direct = self._direct is not False and len(mv) % 4096 == 0 and _address(mv) % 4096 == 0
