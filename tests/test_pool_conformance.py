@@ -155,3 +155,27 @@ def test_a_put_for_another_namespace_stores_nothing(pool):
     assert pool.flush(timeout=10) is True
     assert pool.lookup_prefix(_keys(OTHER, 2)).result(10) == 0
     assert pool.stats()["written"] == 0
+
+
+def test_open_pool_opens_the_tier_its_config_section_names(tmp_path):
+    """``kvbm_backend.pool.open_pool``: the one opener (G3Config -> G3Pool, G4Config -> G4Pool); a disabled
+    G4 section is refused naming ``g4.enabled``; the registry reaches the pool."""
+    from prometheus_client import CollectorRegistry
+
+    from kvbm_backend.config import G4Config
+    from kvbm_backend.pool import open_pool
+    from kvbm_backend.pool.g3 import G3Pool
+    from kvbm_backend.pool.g4 import G4Pool
+
+    cfg = _cfg("g3", tmp_path)
+    with open_pool(cfg.g3, NS) as g3:
+        assert isinstance(g3, G3Pool) and isinstance(g3, BlockPool) and g3.namespace == NS
+    reg = CollectorRegistry()
+    g4cfg = G4Config(enabled=True, url=f"mem://open-pool-{os.getpid()}-{tmp_path.name}", encrypt=False)
+    with open_pool(g4cfg, NS, registry=reg) as g4:
+        assert isinstance(g4, G4Pool) and g4.tier == "G4" and g4.namespace == NS
+        assert reg.get_sample_value("kvbm_g4_written") == 0
+    with pytest.raises(ValueError, match=r"g4\.enabled"):
+        open_pool(g4cfg.model_copy(update={"enabled": False}), NS)
+    with pytest.raises(TypeError, match="G3Config or G4Config"):
+        open_pool(cfg, NS)
