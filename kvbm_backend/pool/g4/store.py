@@ -43,6 +43,14 @@ class ObjectStore(ABC):
     url: str
     supports_conditional_put: bool = True
 
+    @classmethod
+    def from_url(cls, url: str, parsed, opts) -> "ObjectStore":
+        """Open the store ``url`` names (called by :func:`kvbm_backend.pool.g4.factory.open_store` for the
+        scheme this class is registered under). ``parsed``: ``urllib.parse.urlparse(url)``; ``opts``: a
+        :class:`~kvbm_backend.pool.g4.factory.StoreOptions`. Raises ValueError naming ``g4.url`` when the
+        URL's form is wrong for this store."""
+        raise NotImplementedError(f"{cls.__name__}: no from_url, cannot be opened by URL scheme")
+
     @abstractmethod
     def put_if_absent(self, name: str, data) -> bool:
         """Publish ``data`` (bytes-like) under ``name`` only if absent. True if this call created it,
