@@ -77,7 +77,7 @@ import numpy as np  # noqa: E402
 from kvbm_backend.config import AdmissionConfig, G3Config, G4Config  # noqa: E402
 from kvbm_backend.crypto.aead import new_nonce, seal_into  # noqa: E402
 from kvbm_backend.crypto.keyring import Keyring, provider_for  # noqa: E402
-from kvbm_backend.g4.pool import G4Pool  # noqa: E402
+from kvbm_backend.pool.g4.pool import G4Pool  # noqa: E402
 from kvbm_backend.memory import aligned_empty  # noqa: E402
 from kvbm_backend.metrics import new_registry  # noqa: E402
 from kvbm_backend.model import frame  # noqa: E402

@@ -231,7 +231,7 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
 
     import torch
     from kvbm_backend.config import G3Config, G4Config
-    from kvbm_backend.g4.pool import G4Pool
+    from kvbm_backend.pool.g4.pool import G4Pool
     from kvbm_backend.integrations.vllm.kv_io import EngineKv
     from kvbm_backend.integrations.vllm.metadata import SaveJob
     from kvbm_backend.integrations.vllm.worker_side import WorkerSide

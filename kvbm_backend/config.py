@@ -166,7 +166,10 @@ class KeyringConfig(_M):
 class G4Config(_M):
     enabled: bool = False
     url: str | None = None
-    """``s3://BUCKET/PREFIX`` or ``file:///shared/path``."""
+    """``s3://BUCKET/PREFIX``, ``file:///shared/path`` or ``mem://NAME`` (in this process only, for
+    tests: pools on one NAME share its objects). The scheme picks the store
+    (:mod:`kvbm_backend.pool.g4.factory`); an unknown scheme or a malformed URL is a ValueError naming
+    ``g4.url`` when the pool opens."""
     endpoint_url: str | None = None
     region: str | None = None
     encrypt: bool = True

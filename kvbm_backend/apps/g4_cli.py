@@ -149,8 +149,8 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
     """Remove G4 blocks by age and/or to a capacity target (oldest first), per tenant too, and the
     blocks of revoked tenants. Safe while workers run."""
     from kvbm_backend.crypto.keyring import KeyringError
-    from kvbm_backend.g4.gc import run_gc
-    from kvbm_backend.g4.store import open_store
+    from kvbm_backend.pool.g4.gc import run_gc
+    from kvbm_backend.pool.g4.factory import open_store
     if max_age_s is None and target_gb is None and keyring is None:
         _fail("gc: give --max-age-s and/or --target-gb (and/or --keyring to reclaim revoked tenants)")
     # a negative age or an infinite/NaN threshold is a mistake, never a policy (-1 would delete every

@@ -14,25 +14,16 @@ in use is one ERROR line naming ``metrics.port``, and the engine runs on without
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 
 from .. import metrics
 from ..config import KvbmBackendConfig
 from ..model.namespace import Namespace
+from ..pool import open_pool
 from ..pool.base import BlockPool
 
 log = logging.getLogger("kvbm_backend.tiers")
-
-def _import_first(paths: list[tuple[str, str]]):
-    errors = []
-    for mod, name in paths:
-        try:
-            return getattr(importlib.import_module(mod), name)
-        except (ImportError, AttributeError) as e:
-            errors.append(f"{mod}.{name}: {e}")
-    raise ImportError("; ".join(errors))
 
 
 def open_tiers(cfg: KvbmBackendConfig, namespace: Namespace) -> tuple[BlockPool | None, BlockPool | None]:
@@ -41,20 +32,17 @@ def open_tiers(cfg: KvbmBackendConfig, namespace: Namespace) -> tuple[BlockPool 
 
     Raises:
         ConfigError / ValueError: from the pools, naming the bad field (e.g. an unusable G3 path).
-        ImportError: the pool implementation is missing from this install.
     """
     g3 = g4 = None
     if cfg.g3.enabled:
-        G3Pool = _import_first([("kvbm_backend.pool.g3", "G3Pool"), ("kvbm_backend.pool.g3.pool", "G3Pool")])
-        g3 = G3Pool(cfg.g3, namespace)
+        g3 = open_pool(cfg.g3, namespace)
     if cfg.g4.enabled:
         if not cfg.g4.url:
             if g3 is not None:
                 g3.close()
             raise ValueError("g4.url: G4 is enabled but no url is set (s3://BUCKET/PREFIX or file:///path)")
         try:
-            G4Pool = _import_first([("kvbm_backend.g4", "G4Pool"), ("kvbm_backend.g4.pool", "G4Pool")])
-            g4 = G4Pool(cfg.g4, namespace)
+            g4 = open_pool(cfg.g4, namespace)
         except BaseException:
             if g3 is not None:
                 g3.close()
@@ -98,7 +86,7 @@ def startup_line(cfg: KvbmBackendConfig, *, g3=None, g4=None, metrics_serving: b
     else:
         parts.append("G3 off")
     if g4 is not None:
-        from ..g4.store import redact_url
+        from ..pool.g4.store import redact_url
         c = cfg.g4
         st = _stats(g4)
         kr = "none"

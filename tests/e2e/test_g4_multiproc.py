@@ -63,7 +63,7 @@ def test_create_exclusive_race_between_processes(cfg):
               "writer": w + 1, "size": size, "start_at": start} for w in range(6)]
     res = _spawn(specs)
     created = [w + 1 for w, r in enumerate(res) if r["created"]]
-    from kvbm_backend.g4.store import open_store
+    from kvbm_backend.pool.g4.factory import open_store
     data = bytes(open_store(cfg["url"], endpoint_url=cfg.get("endpoint_url")).get("race/obj"))
     assert len(data) == size and len(set(data)) == 1  # one writer's complete object, never a mix
     # link() on POSIX, PUT If-None-Match: * on S3 (412 for the others): exactly one winner

@@ -18,8 +18,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvbm_backend.config import G4Config  # noqa: E402
-from kvbm_backend.g4.pool import G4Pool  # noqa: E402
-from kvbm_backend.g4.store import open_store  # noqa: E402
+from kvbm_backend.pool.g4.pool import G4Pool  # noqa: E402
+from kvbm_backend.pool.g4.factory import open_store  # noqa: E402
 from kvbm_backend.model.namespace import Namespace  # noqa: E402
 from kvbm_backend.model.presets import resolve_layout  # noqa: E402
 

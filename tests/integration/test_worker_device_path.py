@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvbm_backend.config import G3Config, G4Config
-from kvbm_backend.g4.pool import G4Pool
+from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.gpu.loader import DeviceLoader
 from kvbm_backend.integrations.vllm.kv_io import EngineKv
 from kvbm_backend.integrations.vllm.metadata import LoadJob, SaveJob

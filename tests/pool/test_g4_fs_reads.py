@@ -8,10 +8,10 @@ import threading
 import numpy as np
 import pytest
 
-from kvbm_backend.g4.bounce import BouncePool
 from kvbm_backend.memory import hugepage_empty
-from kvbm_backend.g4.fs_store import FsStore
-from kvbm_backend.g4.store import ObjectStore
+from kvbm_backend.pool.g4.fs_store import FsStore
+from kvbm_backend.pool.g4.reader import bounce_buffers, bounce_slot_bytes
+from kvbm_backend.pool.g4.store import ObjectStore
 from kvbm_backend.memory import aligned_empty
 
 
@@ -91,17 +91,18 @@ def test_hugepage_buffers_are_aligned_writable_and_thp_advised(tmp_path):
 
 
 def test_bounce_pool_lends_distinct_slots_and_overflows_without_waiting():
-    bp = BouncePool(5000, 2)
-    assert bp.slot_bytes == 8192
-    with bp.slot() as a, bp.slot() as b:
+    bp = bounce_buffers(5000, 2)
+    slot_bytes = bounce_slot_bytes(5000)
+    assert slot_bytes == 8192
+    with bp.lend(slot_bytes) as a, bp.lend(slot_bytes) as b:
         assert a.ctypes.data != b.ctypes.data and a.nbytes == b.nbytes == 8192
-        with bp.slot() as c:  # all lent: a fresh buffer, no blocking
-            assert c.nbytes == 8192 and bp.overflow == 1
+        with bp.lend(slot_bytes) as c:  # all lent: a fresh buffer, no blocking
+            assert c.nbytes == 8192 and bp.stats()["allocated"] == 1
     seen = set()
     mu = threading.Lock()
 
     def use():
-        with bp.slot() as s:
+        with bp.lend(slot_bytes) as s:
             with mu:
                 seen.add(s.ctypes.data)
     ts = [threading.Thread(target=use) for _ in range(8)]
@@ -109,10 +110,30 @@ def test_bounce_pool_lends_distinct_slots_and_overflows_without_waiting():
         t.start()
     for t in ts:
         t.join()
-    before = bp.overflow
-    with bp.slot() as a, bp.slot() as b:  # both arena slots came back: no overflow now
-        assert bp.overflow == before
-        arena = {bp._arena[:bp.slot_bytes].ctypes.data, bp._arena[bp.slot_bytes:].ctypes.data}
+    before = bp.stats()["allocated"]
+    with bp.lend(slot_bytes) as a, bp.lend(slot_bytes) as b:  # both arena slots came back: no overflow now
+        assert bp.stats()["allocated"] == before
+        arena = {bp._arena[:slot_bytes].ctypes.data, bp._arena[slot_bytes:].ctypes.data}
         assert {a.ctypes.data, b.ctypes.data} == arena
     with pytest.raises(ValueError, match="slots"):
-        BouncePool(4096, 0)
+        bounce_buffers(4096, 0)
+
+
+def test_g4_pool_reads_file_objects_through_its_bounce_buffers_and_reports_overflow(tmp_path):
+    from kvbm_backend.config import G4Config
+    from kvbm_backend.model.layout import KvLayout
+    from kvbm_backend.model.namespace import Namespace
+    from kvbm_backend.pool.g4.pool import G4Pool
+
+    layout = KvLayout(2, 2, 16, 64, "bfloat16")
+    ns = Namespace("bounce/model", layout)
+    keys = ns.keys(list(range(1, 4)))
+    data = [np.full(layout.bytes_per_block, i + 1, np.uint8) for i in range(3)]
+    with G4Pool(G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False, max_inflight=2), ns) as p:
+        assert p.put(keys, data).result(10).written == 3
+        out = [np.zeros(layout.bytes_per_block, np.uint8) for _ in range(3)]
+        assert p.get(keys, out).result(10).ok == [True] * 3
+        assert all(np.array_equal(a, b) for a, b in zip(out, data))
+        st = p.stats()
+        assert st["bounce_overflow"] == p._bounce.stats()["allocated"] >= 0
+        assert p._bounce.stats()["arena_bytes"] == 2 * bounce_slot_bytes(4096 + layout.bytes_per_block)

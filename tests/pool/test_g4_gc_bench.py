@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from tests.helpers.g4_writer import namespace, payload
 from kvbm_backend.apps.cli import app
 from kvbm_backend.config import G4Config
-from kvbm_backend.g4.pool import G4Pool
+from kvbm_backend.pool.g4.pool import G4Pool
 
 BENCH_KEYS = {"block_bytes", "blocks", "io_size_bytes", "engine", "write_gbps", "read_gbps", "baseline_write_gbps",
               "baseline_read_gbps", "cpu_s_per_gb", "encrypt", "aes_gcm_gbps_per_core", "encrypted_read_gbps",

@@ -12,8 +12,8 @@ import pytest
 
 from tests.helpers.g4_writer import namespace, payload
 from kvbm_backend.config import G4Config
-from kvbm_backend.g4.breaker import CircuitBreaker
-from kvbm_backend.g4.pool import G4Pool
+from kvbm_backend.pool.g4.breaker import CircuitBreaker
+from kvbm_backend.pool.g4.pool import G4Pool
 
 TIMEOUT_S = 1.0
 # A call that waited on the frozen/dead server would take >= TIMEOUT_S; a quarter of it separates

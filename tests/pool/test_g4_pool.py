@@ -15,9 +15,9 @@ import pytest
 from tests.helpers.g4_writer import namespace, payload
 from kvbm_backend.config import G4Config
 from kvbm_backend.crypto.keyring import Keyring, KeyringError, provider_for
-from kvbm_backend.g4.gc import run_gc
-from kvbm_backend.g4.naming import namespace_name, parse_block_name
-from kvbm_backend.g4.pool import G4Pool
+from kvbm_backend.pool.g4.gc import run_gc
+from kvbm_backend.pool.g4.naming import namespace_name, parse_block_name
+from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameHeader
 from kvbm_backend.pool.base import BlockPool
 

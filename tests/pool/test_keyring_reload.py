@@ -20,7 +20,7 @@ from tests.helpers.g4_writer import namespace, payload, put_blocks, read_checked
 from kvbm_backend.config import G4Config
 from kvbm_backend.crypto.aead import new_nonce, seal_into
 from kvbm_backend.crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenant, provider_for
-from kvbm_backend.g4.pool import G4Pool
+from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameHeader
 
 NEVER_S = 3600.0  # periodic reload interval: never due within a test

@@ -20,7 +20,7 @@ from kvbm_backend.config import G4Config, KeyringConfig
 from kvbm_backend.crypto.aead import new_nonce, seal_into
 from kvbm_backend.crypto.keyring import (Keyring, KeyringError, TenantRevoked, UnknownTenant, dir_is_read_only,
                                          provider_for)
-from kvbm_backend.g4.pool import G4Pool
+from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameHeader
 
 RELOAD_S = 0.5  # g4.keyring.reload_interval_s used here: the stated revocation bound
@@ -147,7 +147,7 @@ def test_auto_create_tenants_off_drops_counts_and_logs_once(target, caplog, monk
     kr_path = target["keyring"]["path"]
     _keys_cli("create", "--keyring", kr_path, "--tenant", "alice")
     before = json.loads(Path(kr_path).read_text())["tenants"].keys()
-    with caplog.at_level(logging.WARNING, logger="kvbm_backend.g4.pool"), \
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.pool.g4.pool"), \
             _pool(target, auto_create_tenants=False) as p:
         assert _put(p, [1], "alice").written == 1 and _read(p, [1], "alice") == [True]
         for seqs in ([10, 11], [12]):

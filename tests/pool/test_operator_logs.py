@@ -14,12 +14,12 @@ import pytest
 from tests.helpers.g4_writer import namespace, payload
 from kvbm_backend import metrics
 from kvbm_backend.config import G4Config, load_config
-from kvbm_backend.g4.breaker import CircuitBreaker
-from kvbm_backend.g4.pool import G4Pool
+from kvbm_backend.pool.g4.breaker import CircuitBreaker
+from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.integrations.tiers import open_tiers
 
-BREAKER_LOG = "kvbm_backend.g4.breaker"
-POOL_LOG = "kvbm_backend.g4.pool"
+BREAKER_LOG = "kvbm_backend.pool.g4.breaker"
+POOL_LOG = "kvbm_backend.pool.g4.pool"
 
 
 def _lines(caplog, logger: str, needle: str, level: int | None = None) -> list[str]:

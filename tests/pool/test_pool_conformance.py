@@ -1,5 +1,6 @@
 """One contract, every pool: the :class:`~kvbm_backend.pool.base.BlockPool` protocol exercised the same way
-against G3 (local files), G4 on a ``file://`` store and G4 on SeaweedFS S3, through ``open_tiers`` as the
+against G3 (local files), G4 on a ``file://`` store, G4 on SeaweedFS S3 and G4 on the in-process ``mem://``
+store, through ``open_tiers`` as the
 integrations open them. A behaviour that differs between the tiers fails here, not in a caller's ``hasattr``.
 """
 from __future__ import annotations
@@ -30,12 +31,14 @@ def _cfg(kind: str, tmp_path, seaweed=None):
           "timeout_s": 5.0}
     if kind == "g4-file":
         g4["url"] = f"file://{tmp_path / 'g4'}"
+    elif kind == "g4-mem":
+        g4["url"] = f"mem://conformance-{os.getpid()}-{tmp_path.name}"
     elif kind == "g4-s3":
         g4.update(url=seaweed.url(f"conformance-{os.getpid()}-{tmp_path.name}"), endpoint_url=seaweed.endpoint)
     return load_config({"g3": g3, "g4": g4}, use_env=False)
 
 
-@pytest.fixture(params=["g3", "g4-file", pytest.param("g4-s3", marks=pytest.mark.s3)])
+@pytest.fixture(params=["g3", "g4-file", pytest.param("g4-s3", marks=pytest.mark.s3), "g4-mem"])
 def pool(request, tmp_path):
     seaweed = request.getfixturevalue("seaweed") if request.param == "g4-s3" else None
     g3, g4 = open_tiers(_cfg(request.param, tmp_path, seaweed), NS)
@@ -152,3 +155,27 @@ def test_a_put_for_another_namespace_stores_nothing(pool):
     assert pool.flush(timeout=10) is True
     assert pool.lookup_prefix(_keys(OTHER, 2)).result(10) == 0
     assert pool.stats()["written"] == 0
+
+
+def test_open_pool_opens_the_tier_its_config_section_names(tmp_path):
+    """``kvbm_backend.pool.open_pool``: the one opener (G3Config -> G3Pool, G4Config -> G4Pool); a disabled
+    G4 section is refused naming ``g4.enabled``; the registry reaches the pool."""
+    from prometheus_client import CollectorRegistry
+
+    from kvbm_backend.config import G4Config
+    from kvbm_backend.pool import open_pool
+    from kvbm_backend.pool.g3 import G3Pool
+    from kvbm_backend.pool.g4 import G4Pool
+
+    cfg = _cfg("g3", tmp_path)
+    with open_pool(cfg.g3, NS) as g3:
+        assert isinstance(g3, G3Pool) and isinstance(g3, BlockPool) and g3.namespace == NS
+    reg = CollectorRegistry()
+    g4cfg = G4Config(enabled=True, url=f"mem://open-pool-{os.getpid()}-{tmp_path.name}", encrypt=False)
+    with open_pool(g4cfg, NS, registry=reg) as g4:
+        assert isinstance(g4, G4Pool) and g4.tier == "G4" and g4.namespace == NS
+        assert reg.get_sample_value("kvbm_g4_written") == 0
+    with pytest.raises(ValueError, match=r"g4\.enabled"):
+        open_pool(g4cfg.model_copy(update={"enabled": False}), NS)
+    with pytest.raises(TypeError, match="G3Config or G4Config"):
+        open_pool(cfg, NS)

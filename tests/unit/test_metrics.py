@@ -174,7 +174,7 @@ def test_every_g4_series_moves(tmp_path):
     import time
     from tests.helpers.g4_writer import namespace, payload as g4_payload
     from kvbm_backend.config import G4Config
-    from kvbm_backend.g4.pool import G4Pool
+    from kvbm_backend.pool.g4.pool import G4Pool
     ns = namespace()
     bpb = ns.layout.bytes_per_block
     reg = metrics.new_registry()

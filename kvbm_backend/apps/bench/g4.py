@@ -1,4 +1,4 @@
-"""``kvbm-backend bench --tier g4``: write then read N blocks through :class:`~kvbm_backend.g4.pool.G4Pool`
+"""``kvbm-backend bench --tier g4``: write then read N blocks through :class:`~kvbm_backend.pool.g4.pool.G4Pool`
 on ``s3://BUCKET/PREFIX`` (``--endpoint-url``) or ``file:///path``, against a baseline of the same bytes
 taken in the same run:
 
@@ -53,7 +53,7 @@ def _cfg(url: str, opts: BenchOptions, encrypt: bool, keyring: str, n: int) -> G
 
 
 def _cleanup(url: str, opts: BenchOptions) -> None:
-    from kvbm_backend.g4.store import open_store
+    from kvbm_backend.pool.g4.factory import open_store
     u = urlparse(url)
     if u.scheme == "file":
         shutil.rmtree(u.path, ignore_errors=True)
@@ -83,7 +83,7 @@ def _drop_page_cache(url: str) -> None:
 
 def _pool_round(url: str, ns: Namespace, opts: BenchOptions, encrypt: bool, keyring: str,
                 src: np.ndarray, dst: np.ndarray) -> dict:
-    from kvbm_backend.g4.pool import G4Pool
+    from kvbm_backend.pool.g4.pool import G4Pool
 
     bb, n = ns.layout.bytes_per_block, opts.blocks
     pool = G4Pool(_cfg(url, opts, encrypt, keyring, n), ns)
@@ -113,7 +113,7 @@ def _pool_round(url: str, ns: Namespace, opts: BenchOptions, encrypt: bool, keyr
 
 def _s3_baseline(url: str, opts: BenchOptions, object_bytes: int, n: int) -> dict:
     """Plain PUT then GET of ``n`` objects of ``object_bytes`` with the pool's client config."""
-    from kvbm_backend.g4.store import open_store
+    from kvbm_backend.pool.g4.factory import open_store
     st = open_store(url, endpoint_url=opts.endpoint_url, timeout_s=BENCH_TIMEOUT_S, max_inflight=opts.threads,
                     retries=1)
     data = os.urandom(object_bytes)

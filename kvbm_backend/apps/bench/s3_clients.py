@@ -5,7 +5,7 @@
 
 Candidates (each skipped with its reason when it cannot run here):
 
-* ``boto3``: :class:`kvbm_backend.g4.s3_store.S3Store` exactly as G4Pool drives it: one client,
+* ``boto3``: :class:`kvbm_backend.pool.g4.s3_store.S3Store` exactly as G4Pool drives it: one client,
   ``inflight`` pooled connections, calls from a thread pool of ``inflight`` threads.
 * ``obstore``: the Rust ``object_store`` crate via ``obstore`` (``pip install obstore``), sync API
   from the same thread pool (how a store class would use it).
@@ -61,7 +61,7 @@ class _Boto3:
     name = "boto3"
 
     def __init__(self, endpoint: str, bucket: str, prefix: str, inflight: int):
-        from kvbm_backend.g4.s3_store import S3Store
+        from kvbm_backend.pool.g4.s3_store import S3Store
         self.st = S3Store(bucket, prefix, endpoint_url=endpoint, timeout_s=TIMEOUT_S, max_inflight=inflight)
         self.ex = ThreadPoolExecutor(inflight)
 
@@ -245,7 +245,7 @@ _MAKERS: dict[str, Callable] = {"boto3": _Boto3, "obstore": _Obstore, "obstore-a
 
 
 def _delete_prefix(endpoint: str, bucket: str, prefix: str) -> None:
-    from kvbm_backend.g4.s3_store import S3Store
+    from kvbm_backend.pool.g4.s3_store import S3Store
     st = S3Store(bucket, prefix, endpoint_url=endpoint, timeout_s=TIMEOUT_S)
     try:
         names = [o.name for o in st.list("")]

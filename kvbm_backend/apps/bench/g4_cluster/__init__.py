@@ -13,7 +13,7 @@ One :class:`G4Cluster` starts, in this order:
   SeaweedFS acknowledges has been written on both replicas (SeaweedFS replicates synchronously and
   fails the write when a replica fails), so killing one volume server loses no acknowledged object.
 * ``workers`` G4 worker processes (``python -m kvbm_backend.apps.bench.g4_cluster worker``), each in its
-  own host, each with its own :class:`~kvbm_backend.g4.pool.G4Pool` on one shared G4 namespace
+  own host, each with its own :class:`~kvbm_backend.pool.g4.pool.G4Pool` on one shared G4 namespace
   (``s3://kvbm-cluster/<prefix>``, one keyring file shared through the filesystem, as a fleet shares a
   KEK). They take JSON-line commands on stdin (:func:`.worker.worker_main`). In loopback mode each worker
   reaches the gateway through its own relay process (``... relay``), its "link".

@@ -27,7 +27,7 @@ class _WorkerState:
 
     def open(self, cfg: dict, layout: str, page_size: int) -> dict:
         from kvbm_backend.config import G4Config
-        from kvbm_backend.g4.pool import G4Pool
+        from kvbm_backend.pool.g4.pool import G4Pool
         from kvbm_backend.model.namespace import Namespace
         from kvbm_backend.model.presets import resolve_layout
         if self.pool is not None:

@@ -29,6 +29,11 @@ that lives only in one process is needed to read G4: a new pool, on any node, fi
   per tenant pseudonym (never the tenant id: it is the request's cache_salt). The keyring re-reads
   its file at most every ``g4.keyring.reload_interval_s``: a revocation reaches a running pool within
   that bound (plus requests already in flight).
+
+Modules, by job (one class, :class:`G4Pool`, assembled from mixins): this module holds the public API,
+construction, shutdown, names and tenant pseudonyms, counters/metrics and the operator log lines (the
+``kvbm_backend.pool.g4.pool`` logger); :mod:`.writer` seals and publishes offloads; :mod:`.reader` loads,
+lookups and the bounce buffers; stores are opened by URL scheme in :mod:`.factory`.
 """
 from __future__ import annotations
 
@@ -40,44 +45,30 @@ from typing import Sequence
 
 import numpy as np
 
-from ..pool.deadlines import Deadline, Deadlines
-from ..crypto.aead import AeadError, new_nonce, open_into, seal_into
-from ..crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError, TenantRevoked, UnknownTenant
-from ..model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader, accept,
-                           payload_checksum)
-from ..model.layout import KvLayout
-from ..model.namespace import BlockKey, Namespace
-from ..pool.base import GetResult, PutResult, completed, is_tensor_batch
-from .bounce import BouncePool
-from ..metrics import TierMetrics
+from ...crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError
+from ...metrics import TierMetrics
+from ...model.frame import HEADER_BYTES, FrameHeader
+from ...model.layout import KvLayout
+from ...model.namespace import BlockKey, Namespace
+from ..base import GetResult, PutResult, completed, is_tensor_batch
+from ..deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
+from .factory import open_store
 from .naming import block_name, namespace_name
-from .store import BucketMissing, ObjectStore, StoreUnavailable, open_store, redact_url
+from .reader import ReaderMixin, _Batch, bounce_buffers, bounce_slot_bytes
+from .store import BucketMissing, ObjectStore, StoreUnavailable, redact_url
+from .writer import WriterMixin
 
 log = logging.getLogger(__name__)
 
-# Reasons for which an object is deleted when read (it can never become a hit).
-_DELETE_ON = {"magic", "header_check", "identity", "layout", "length", "integrity", "key_owner"}
+__all__ = ["G4Pool"]
 _MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most this many distinct ones
 _STORE_ERROR_LOG_S = 300.0  # a store that keeps answering with an error (missing bucket, 403): one line per this
 _READ_FAILURES = {"unavailable", "error", "timeout"}  # miss reasons that are failed store reads
 _WRITE_FAILURES = {"unavailable", "error"}  # drop reasons that are failed store writes
 
 
-class _Batch:
-    """One get/lookup batch: per-slot results, guarded so a late reply never writes after close."""
-
-    def __init__(self, n: int):
-        self.future: Future = Future()
-        self.mu = threading.Lock()
-        self.slot_mu = [threading.Lock() for _ in range(n)]
-        self.closed = False
-        self.remaining = n
-        self.ok = [False] * n
-        self.done = [False] * n
-
-
-class G4Pool:
+class G4Pool(WriterMixin, ReaderMixin):
     """BlockPool over an object store (tier ``"G4"``).
 
     Args:
@@ -104,14 +95,12 @@ class G4Pool:
         self._fp = namespace.fingerprint
         self.encrypt = bool(cfg.encrypt)
         if store is None and not cfg.url:
-            raise ValueError("g4.url: required (s3://BUCKET/PREFIX or file:///path)")
+            raise ValueError("g4.url: required (s3://BUCKET/PREFIX, file:///path or mem://NAME)")
         self.keyring = keyring
         if self.keyring is None and (self.encrypt or cfg.keyring.path):
             self.keyring = Keyring.from_config(cfg.keyring)
         self._own_store = store is None
-        self.store = store or open_store(cfg.url, endpoint_url=cfg.endpoint_url, region=cfg.region,
-                                         timeout_s=cfg.timeout_s, max_inflight=cfg.max_inflight,
-                                         retries=cfg.retries, fsync=cfg.fsync)
+        self.store = store or open_store(cfg.url, cfg)
         self.metrics = TierMetrics("g4", registry)
         where = f" at {redact_url(cfg.endpoint_url)}" if cfg.endpoint_url and self._own_store else ""
         self.where = f"G4 {redact_url(self.store.url)}{where}"  # operator log lines name the store this way
@@ -122,8 +111,9 @@ class G4Pool:
         # get() into torch tensors waits on its own host get here (never on an _io thread it needs)
         self._device_exec = ThreadPoolExecutor(2, thread_name_prefix="g4-device")
         # Stores that read straight into a buffer (file://) get reusable huge-page bounce buffers, one
-        # per I/O thread (see .bounce for the measured reason); others return their own bytes.
-        self._bounce = (BouncePool(HEADER_BYTES + self._bpb, cfg.max_inflight)
+        # per I/O thread (see bounce_buffers for the measured reason); others return their own bytes.
+        self._bounce_bytes = bounce_slot_bytes(HEADER_BYTES + self._bpb)
+        self._bounce = (bounce_buffers(HEADER_BYTES + self._bpb, cfg.max_inflight)
                         if getattr(self.store, "reads_into", False) else None)
         self._deadlines = Deadlines("g4-deadlines")
         self._load_bound_s = cfg.timeout_s * (1 + cfg.retries) + 0.05
@@ -156,7 +146,7 @@ class G4Pool:
             return completed(0)
         b = _Batch(len(keys))
         b.count = 0  # leading confirmed
-        self._deadlines.add(time.monotonic() + self._load_bound_s, lambda: self._expire_lookup(b))
+        self._deadlines.add(Deadline(self._load_bound_s).at, lambda: self._expire_lookup(b))
         self._lookup_wave(b, keys, 0, min(8, len(keys)))
         return b.future
 
@@ -239,13 +229,13 @@ class G4Pool:
             self._count("miss_breaker", len(keys))
             return completed(GetResult([False] * len(keys)))
         b = _Batch(len(keys))
-        self._deadlines.add(time.monotonic() + self._load_bound_s, lambda: self._expire_get(b))
+        self._deadlines.add(Deadline(self._load_bound_s).at, lambda: self._expire_get(b))
         for i, (k, o) in enumerate(zip(keys, out)):
             self._io.submit(self._get_one, b, i, k, o)
         return b.future
 
     def _get_tensors(self, keys: list, out: list) -> Future:
-        from ..gpu.host_path import check_dst, load_via_host
+        from ...gpu.host_path import check_dst, load_via_host
         check_dst(out, self._bpb, out[0].device)  # ValueError at the call, like numpy buffers
         fut: Future = Future()
         fut.set_running_or_notify_cancel()
@@ -315,6 +305,8 @@ class G4Pool:
                   "skipped": sum(v for k, v in s.items() if k.startswith("skipped_"))})
         for k in ("hits", "written", "skipped_exists", "bytes_written", "bytes_read"):
             s.setdefault(k, 0)
+        if self._bounce is not None:  # reads that found every bounce buffer lent (a fresh one was allocated)
+            s["bounce_overflow"] = self._bounce.stats()["allocated"]
         return s
 
     def close(self, timeout: float | None = None) -> None:
@@ -405,10 +397,6 @@ class G4Pool:
         if had is not None:
             log.info("%s: bucket exists now, G4 offloads are stored again", self.where)
 
-    def _forget_put(self, f: Future) -> None:
-        with self._mu:
-            self._put_futures.discard(f)
-
     def pseudonym(self, tenant: str) -> bytes:
         """16-byte tenant pseudonym: keyed HMAC under the keyring's pseudonym key (unkeyed HMAC only
         for unencrypted pools without a keyring; ``stats()["pseudonym_keyed"]`` says which)."""
@@ -447,115 +435,6 @@ class G4Pool:
             self._count("namespace_json_errors")
             self._store_error(e)
 
-    def _seal(self, key: BlockKey, block: np.ndarray) -> bytearray:
-        hdr = self._expected_header(key)
-        buf = bytearray(HEADER_BYTES + self._bpb)
-        payload = memoryview(buf)[HEADER_BYTES:]
-        src = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
-        if self.encrypt:
-            dk = self.keyring.write_key(key.tenant)
-            hdr.flags, hdr.key_id, hdr.key_version, hdr.nonce = FLAG_ENCRYPTED, dk.key_id, dk.version, new_nonce()
-            hdr.integrity = seal_into(dk.key, hdr.nonce, hdr.identity_bytes(), src, payload)
-        else:
-            payload[:] = src
-            hdr.flags, hdr.integrity = FLAG_CHECKSUM, payload_checksum(src)
-        buf[:HEADER_BYTES] = hdr.pack()
-        return buf
-
-    def _put_one(self, key: BlockKey, block: np.ndarray, done) -> None:
-        kind = "dropped"
-        try:
-            if key.namespace != self._fp:
-                self._count("skipped_foreign")
-                kind = "skipped"
-                return
-            if not self.breaker.allow():
-                self._count("dropped_breaker")
-                return
-            try:
-                buf = self._seal(key, block)
-            except KeyringError as e:
-                reason = ("dropped_revoked_tenant" if isinstance(e, TenantRevoked) else
-                          "dropped_unknown_tenant" if isinstance(e, UnknownTenant) else "dropped_keyring")
-                self._count(reason)
-                self._log_tenant_once(reason, key.tenant, e)
-                return
-            try:
-                created = self.store.put_if_absent(self._name(key), buf)
-            except StoreUnavailable as e:
-                self.breaker.failure(e)
-                self._count("dropped_unavailable")
-                return
-            except OSError as e:
-                self.breaker.success()  # the store answered (e.g. 403): not an outage
-                self._count("dropped_error")
-                self._store_error(e)
-                return
-            self.breaker.success()
-            if self._store_errors_logged:
-                self._store_ok()
-            if created:
-                kind = "written"
-                self._count("written")
-                self._count("bytes_written", len(buf))
-            else:
-                kind = "skipped"
-                self._count("skipped_exists")
-        except Exception:  # noqa: BLE001 - never let an offload raise
-            self._count("dropped_error")
-            kind = "dropped"
-        finally:
-            done(kind)
-
-    def _finish_slot(self, b: _Batch, i: int) -> None:
-        with b.mu:
-            b.done[i] = True
-            b.remaining -= 1
-            last = b.remaining == 0 and not b.closed
-            if last:
-                b.closed = True
-        if last:
-            b.future.set_result(GetResult(list(b.ok)))
-
-    def _expire_get(self, b: _Batch) -> None:
-        with b.mu:
-            if b.closed:
-                return
-            b.closed = True
-            late = [i for i, d in enumerate(b.done) if not d]
-        for i in late:  # wait out a copy in progress; after this no slot is written
-            with b.slot_mu[i]:
-                pass
-        self._count("miss_timeout", sum(1 for i in late if not b.ok[i]))
-        if late:  # silence is a failure: nothing else reports a read hung in the kernel
-            self.breaker.failure(f"{len(late)} block reads got no reply within {self._load_bound_s:.2f} s")
-        b.future.set_result(GetResult(list(b.ok)))
-
-    def _get_one(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray) -> None:
-        try:
-            if b.closed:
-                return
-            miss = self._load(b, i, key, out)
-            if miss:
-                self._count(miss)
-            else:
-                self._count("hits")
-        except Exception:  # noqa: BLE001 - a read never raises to the caller
-            self._count("miss_error")
-        finally:
-            self._finish_slot(b, i)
-
-    def _tenant_miss(self, tenant: str) -> str | None:
-        """A miss counter, without store I/O, when an encrypted pool's keyring says ``tenant`` is
-        revoked or the keyring file does not load; else None. (An unknown tenant's objects still get
-        read and counted by what they are: absent, plaintext, or ``miss_no_key``.)"""
-        if not self.encrypt or self.keyring is None:
-            return None
-        state = self.keyring.tenant_state(tenant)
-        if state == "revoked":
-            return "miss_revoked_tenant"
-        return "miss_keyring_unavailable" if state == "unavailable" else None
-
     def _log_tenant_once(self, reason: str, tenant: str, err: Exception) -> None:
         tag = (reason, self._tag(tenant))
         with self._mu:
@@ -565,152 +444,6 @@ class G4Pool:
             last = len(self._logged_tenants) > _MAX_LOGGED_TENANTS
         log.warning("G4: offload for tenant pseudonym %s %s (%s): %s%s", tag[1], reason, self._fp, err,
                     "; further tenants are counted, not logged" if last else "")
-
-    def _load(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray) -> str | None:
-        """Fetch, check and open one block into ``out``. Returns None on a hit, else a miss counter."""
-        if key.namespace != self._fp:
-            return "miss_foreign_namespace"
-        no_key = self._tenant_miss(key.tenant)
-        if no_key:
-            return no_key
-        if not self.breaker.allow():
-            return "miss_breaker"
-        name = self._name(key)
-        if self._bounce is None:
-            return self._load_from(b, i, key, out, name, None)
-        with self._bounce.slot() as buf:
-            return self._load_from(b, i, key, out, name, buf)
-
-    def _load_from(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray, name: str, buf) -> str | None:
-        """:meth:`_load` after the breaker: ``buf`` (bounce buffer of at least one object) or None
-        for a store that returns its own bytes."""
-        try:
-            if buf is None:
-                data = self.store.get(name)
-                size = None if data is None else len(data)
-            else:
-                size = self.store.get_into(name, buf)  # the object's true size, may exceed len(buf)
-                data = None if size is None else memoryview(buf)[:min(size, len(buf))]
-        except StoreUnavailable as e:
-            self.breaker.failure(e)
-            return "miss_unavailable"
-        except OSError:
-            self.breaker.success()
-            return "miss_error"
-        self.breaker.success()
-        if data is None:
-            return "miss_absent"
-        exp = self._expected_header(key)
-        try:
-            if size < HEADER_BYTES:
-                raise FrameError("length", f"object of {size} bytes")
-            hdr = accept(memoryview(data)[:HEADER_BYTES], key, self._layout, exp.tenant_tag, world=self._world,
-                         stored_len=self._layout.bytes_per_block, frame_bytes=size, exact=True)
-            payload = memoryview(data)[HEADER_BYTES:]
-            dst = memoryview(out.reshape(-1).view(np.uint8))
-            if hdr.flags & FLAG_ENCRYPTED:
-                dkey = (self.keyring.read_key(hdr.key_id, hdr.key_version, tenant=key.tenant)
-                        if self.keyring else None)
-                if dkey is None:
-                    if self.keyring is not None and self.keyring.key_owner(hdr.key_id) not in (None, key.tenant):
-                        raise FrameError("key_owner", "sealed under another tenant's data key")
-                    # revoked, or the file stopped loading, since _tenant_miss looked: count it as such
-                    return self._tenant_miss(key.tenant) or "miss_no_key"
-                with b.slot_mu[i]:
-                    if b.closed:
-                        return "miss_timeout"
-                    try:
-                        open_into(dkey, hdr.nonce, exp.identity_bytes(), hdr.integrity, payload, dst)
-                    except AeadError:
-                        raise FrameError("integrity", "GCM tag did not verify") from None
-                    b.ok[i] = True
-            elif self.encrypt:
-                return "miss_unencrypted_object"  # an encrypted pool serves only authenticated blocks
-            elif hdr.flags & FLAG_CHECKSUM:
-                with b.slot_mu[i]:
-                    if b.closed:
-                        return "miss_timeout"
-                    dst[:] = payload
-                    if payload_checksum(dst) != hdr.integrity:
-                        raise FrameError("integrity", "payload checksum mismatch")
-                    b.ok[i] = True
-            else:
-                raise FrameError("integrity", "frame has neither checksum nor AEAD tag")
-        except FrameError as e:
-            self._count(f"corrupt_{e.reason}")
-            if e.reason in _DELETE_ON:
-                try:
-                    self.store.delete(name)
-                    self._count("deleted_corrupt")
-                except OSError:
-                    pass
-            return "miss_corrupt"
-        self._count("bytes_read", size)
-        return None
-
-    # lookups: HEAD waves of growing size
-    def _lookup_wave(self, b: _Batch, keys: list, start: int, width: int) -> None:
-        end = min(len(keys), start + width)
-        wave = {"left": end - start}
-        mu = threading.Lock()
-
-        def head_one(i: int) -> None:
-            present = False
-            try:
-                k = keys[i]
-                if (k.namespace == self._fp and not b.closed and self._tenant_miss(k.tenant) is None
-                        and self.breaker.allow()):
-                    try:
-                        present = self.store.head(self._name(k)) is not None
-                        self.breaker.success()
-                    except StoreUnavailable as e:
-                        self.breaker.failure(e)
-                        self._count("lookup_unavailable")
-                    except OSError:
-                        self.breaker.success()
-            except Exception:  # noqa: BLE001
-                present = False
-            b.ok[i] = present
-            b.done[i] = True
-            with mu:
-                wave["left"] -= 1
-                last = wave["left"] == 0
-            if last:
-                self._wave_done(b, keys, start, end)
-
-        for i in range(start, end):
-            self._io.submit(head_one, i)
-
-    def _wave_done(self, b: _Batch, keys: list, start: int, end: int) -> None:
-        with b.mu:
-            if b.closed:
-                return
-            n = start
-            while n < end and b.ok[n]:
-                n += 1
-            b.count = n
-            finished = n < end or end == len(keys)
-            if finished:
-                b.closed = True
-        if finished:
-            self._count("lookup_hits", n)
-            self._lookup_result(len(keys), n)
-            b.future.set_result(n)
-        else:
-            self._lookup_wave(b, keys, end, min(2 * (end - start), self.cfg.max_inflight))
-
-    def _expire_lookup(self, b: _Batch) -> None:
-        with b.mu:
-            if b.closed:
-                return
-            b.closed = True
-            n = 0
-            while n < len(b.ok) and b.done[n] and b.ok[n]:
-                n += 1
-        self._count("lookup_timeout")
-        self._lookup_result(len(b.ok), n)
-        self.breaker.failure(f"a lookup got no reply within {self._load_bound_s:.2f} s")
-        b.future.set_result(n)
 
     def _register_metrics(self, registry) -> None:
         from prometheus_client.core import GaugeMetricFamily

@@ -5,7 +5,7 @@ is refused at once for ``reset_s`` seconds: the caller turns it into a miss or a
 ``half_open`` (one probe request passes; success closes, failure re-opens for another ``reset_s``).
 Thread-safe.
 
-Operator logs (when ``name`` is given; ``kvbm_backend.g4.breaker`` logger), one line per state change,
+Operator logs (when ``name`` is given; ``kvbm_backend.pool.g4.breaker`` logger), one line per state change,
 never one per request: a WARNING when it opens (what failed last, how long it stays open, the config
 fields), an INFO when it closes again (how long it was open, requests refused meanwhile). While the
 store stays down, failed probes repeat the WARNING at most every ``remind_s`` seconds.

@@ -1,8 +1,10 @@
 """The object store interface G4 sits on: whole-object create-exclusive puts, ranged gets, listing.
 
-Implementations: :class:`~kvbm_backend.g4.s3_store.S3Store` (S3-compatible servers) and
-:class:`~kvbm_backend.g4.fs_store.FsStore` (shared POSIX mounts). Names are ``/``-separated relative
-keys (see :mod:`kvbm_backend.g4.naming`); a store adds its own bucket/prefix/root.
+Implementations: :class:`~kvbm_backend.pool.g4.s3_store.S3Store` (S3-compatible servers),
+:class:`~kvbm_backend.pool.g4.fs_store.FsStore` (shared POSIX mounts) and
+:class:`~kvbm_backend.pool.g4.memory_store.MemoryStore` (in-process, tests), chosen by URL scheme in
+:mod:`kvbm_backend.pool.g4.factory`; each has a ``from_url(url, parsed, opts)`` classmethod. Names are
+``/``-separated relative keys (see :mod:`kvbm_backend.pool.g4.naming`); a store adds its own bucket/prefix/root.
 
 Contract: an object is either absent or complete (never torn); ``put_if_absent`` of an existing name
 leaves it untouched and returns False (losing a race is success). Errors that mean "the store is not
@@ -40,6 +42,14 @@ class ObjectInfo:
 class ObjectStore(ABC):
     url: str
     supports_conditional_put: bool = True
+
+    @classmethod
+    def from_url(cls, url: str, parsed, opts) -> "ObjectStore":
+        """Open the store ``url`` names (called by :func:`kvbm_backend.pool.g4.factory.open_store` for the
+        scheme this class is registered under). ``parsed``: ``urllib.parse.urlparse(url)``; ``opts``: a
+        :class:`~kvbm_backend.pool.g4.factory.StoreOptions`. Raises ValueError naming ``g4.url`` when the
+        URL's form is wrong for this store."""
+        raise NotImplementedError(f"{cls.__name__}: no from_url, cannot be opened by URL scheme")
 
     @abstractmethod
     def put_if_absent(self, name: str, data) -> bool:
@@ -112,24 +122,8 @@ def redact_url(url: str | None) -> str:
     return f"{u.scheme}://{host}{u.path}"
 
 
-def open_store(url: str, *, endpoint_url: str | None = None, region: str | None = None, timeout_s: float = 2.0,
-               max_inflight: int = 32, retries: int = 1, fsync: bool = True) -> ObjectStore:
-    """Build the store a URL names: ``s3://BUCKET[/PREFIX]`` or ``file:///abs/path``.
-
-    Raises ValueError naming the URL when the scheme or form is wrong.
-    """
-    if not url:
-        raise ValueError("g4.url: empty; expected s3://BUCKET/PREFIX or file:///path")
-    u = urlparse(url)
-    if u.scheme == "s3":
-        if not u.netloc:
-            raise ValueError(f"g4.url {url!r}: s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
-        from .s3_store import S3Store
-        return S3Store(u.netloc, u.path.strip("/"), endpoint_url=endpoint_url, region=region, timeout_s=timeout_s,
-                       max_inflight=max_inflight, retries=retries)
-    if u.scheme == "file":
-        if u.netloc not in ("", "localhost") or not u.path.startswith("/"):
-            raise ValueError(f"g4.url {url!r}: file URLs must be absolute, file:///path")
-        from .fs_store import FsStore
-        return FsStore(u.path, fsync=fsync)
-    raise ValueError(f"g4.url {url!r}: scheme {u.scheme!r} not supported; use s3:// or file://")
+def open_store(url: str, cfg=None, **opts) -> ObjectStore:
+    """Build the store a URL names: :func:`kvbm_backend.pool.g4.factory.open_store` (the scheme registry
+    lives there; this module imports no store class). Raises ValueError naming ``g4.url``."""
+    from .factory import open_store as _open
+    return _open(url, cfg, **opts)

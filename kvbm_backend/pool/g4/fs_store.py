@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from ..memory import aligned_empty
+from ...memory import aligned_empty
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
 _NO_DIRECT = object()
@@ -47,6 +47,14 @@ class FsStore(ObjectStore):
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"g4.url {self.url}: cannot create directory: {e}") from None
+
+    @classmethod
+    def from_url(cls, url: str, parsed, opts) -> "FsStore":
+        """``file:///abs/path`` (or ``file://localhost/abs/path``) with ``opts.fsync``. Raises ValueError
+        naming ``g4.url`` for a relative path or another host."""
+        if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+            raise ValueError(f"g4.url {url!r}: file URLs must be absolute, file:///path")
+        return cls(parsed.path, fsync=opts.fsync)
 
     def _path(self, name: str) -> Path:
         if name.startswith("/") or ".." in name.split("/"):
@@ -146,7 +154,8 @@ class FsStore(ObjectStore):
 
         O_DIRECT (no page cache, no copy) when ``buf`` is 4 KiB aligned in address and length and the
         filesystem takes it; buffered otherwise. Pass huge-page-backed buffers
-        (:mod:`kvbm_backend.g4.bounce`) for full speed. Raises StoreUnavailable for EIO and the like.
+        (:func:`kvbm_backend.pool.g4.reader.bounce_buffers`) for full speed. Raises StoreUnavailable for
+        EIO and the like.
         """
         mv = memoryview(buf).cast("B")
         direct = self._direct is not False and len(mv) % 4096 == 0 and _address(mv) % 4096 == 0

@@ -14,7 +14,7 @@
   its own xxh3 or GCM tag, verified where the bytes land.
 
 Client choice (issue 3: "pick the S3 client by measurement"): boto3 stays. Measured with
-``python -m kvbm_backend.bench.s3_clients --endpoint-url $KVBM_TEST_S3_ENDPOINT --bucket kvbm-test
+``python -m kvbm_backend.apps.bench.s3_clients --endpoint-url $KVBM_TEST_S3_ENDPOINT --bucket kvbm-test
 --object-mib 2 --objects 64 --inflight 8 --json`` (3 runs per invocation, medians; loopback SeaweedFS
 from ``ci/seaweedfs.sh`` on the 2-vCPU CI VM, server and client sharing the cores), two invocations on
 fresh servers, GB/s (client CPU s/GB):
@@ -79,6 +79,15 @@ class S3Store(ObjectStore):
                                                                 config=cfg)
         self.supports_conditional_put = True
         self._mu = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, parsed, opts) -> "S3Store":
+        """``s3://BUCKET[/PREFIX]`` with ``opts`` (:class:`~kvbm_backend.pool.g4.factory.StoreOptions`).
+        Raises ValueError naming ``g4.url`` without a bucket."""
+        if not parsed.netloc:
+            raise ValueError(f"g4.url {url!r}: s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
+        return cls(parsed.netloc, parsed.path.strip("/"), endpoint_url=opts.endpoint_url, region=opts.region,
+                   timeout_s=opts.timeout_s, max_inflight=opts.max_inflight, retries=opts.retries)
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name

@@ -1,0 +1,85 @@
+"""Open the :class:`~kvbm_backend.pool.g4.store.ObjectStore` a ``g4.url`` names, chosen by URL scheme.
+
+The store ABC (:mod:`.store`) knows no implementation; this module holds the one registry
+``scheme -> "module:Class"`` (:data:`SCHEMES`), imports the class only when its scheme is opened (boto3
+is imported only for ``s3://``), and calls its ``from_url(url, parsed, opts)`` classmethod, which checks
+the URL's form. Built in:
+
+* ``s3://BUCKET[/PREFIX]``: :class:`~kvbm_backend.pool.g4.s3_store.S3Store` (S3-compatible servers);
+* ``file:///abs/path``: :class:`~kvbm_backend.pool.g4.fs_store.FsStore` (shared POSIX mounts);
+* ``mem://NAME``: :class:`~kvbm_backend.pool.g4.memory_store.MemoryStore` (in this process only, for
+  unit tests: every store opened on one NAME shares its objects, like pools sharing a real store).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from .store import ObjectStore
+
+SCHEMES: dict[str, str] = {
+    "s3": "kvbm_backend.pool.g4.s3_store:S3Store",
+    "file": "kvbm_backend.pool.g4.fs_store:FsStore",
+    "mem": "kvbm_backend.pool.g4.memory_store:MemoryStore",
+}
+"""URL scheme -> ``"module:Class"`` of an :class:`ObjectStore` subclass with a ``from_url`` classmethod."""
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """What a store may take from the ``g4`` config besides the URL (each store uses what applies).
+
+    Attributes:
+        endpoint_url: S3 endpoint (``http://host:port``); None for AWS / ``AWS_ENDPOINT_URL``.
+        region: S3 region, or None.
+        timeout_s: per-attempt request bound, seconds (S3 connect and read timeouts).
+        max_inflight: pooled connections (S3).
+        retries: extra attempts per request (S3).
+        fsync: fsync object and directory before publishing (``file://``).
+    """
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    timeout_s: float = 2.0
+    max_inflight: int = 32
+    retries: int = 1
+    fsync: bool = True
+
+    @classmethod
+    def from_config(cls, cfg) -> "StoreOptions":
+        """The options of a :class:`kvbm_backend.config.G4Config`."""
+        return cls(endpoint_url=cfg.endpoint_url, region=cfg.region, timeout_s=cfg.timeout_s,
+                   max_inflight=cfg.max_inflight, retries=cfg.retries, fsync=cfg.fsync)
+
+
+def register_scheme(scheme: str, target: str) -> None:
+    """Add or replace the store class of ``scheme`` (``target``: ``"module:Class"``)."""
+    SCHEMES[scheme] = target
+
+
+def open_store(url: str, cfg=None, *, endpoint_url: str | None = None, region: str | None = None,
+               timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, fsync: bool = True) -> ObjectStore:
+    """Build the store ``url`` names (``s3://BUCKET[/PREFIX]``, ``file:///abs/path`` or ``mem://NAME``).
+
+    Args:
+        url: the ``g4.url`` value.
+        cfg: a :class:`kvbm_backend.config.G4Config` whose endpoint, region, timeout_s, max_inflight,
+            retries and fsync are used; None: the keyword arguments (defaults as in the config).
+    Raises:
+        ValueError: naming ``g4.url``: empty URL, a scheme not in :data:`SCHEMES` (the message names
+            the scheme), or a URL of the wrong form for its store.
+    """
+    if not url:
+        raise ValueError("g4.url: empty; expected s3://BUCKET/PREFIX, file:///path or mem://NAME")
+    opts = (StoreOptions.from_config(cfg) if cfg is not None else
+            StoreOptions(endpoint_url=endpoint_url, region=region, timeout_s=timeout_s, max_inflight=max_inflight,
+                         retries=retries, fsync=fsync))
+    u = urlparse(url)
+    target = SCHEMES.get(u.scheme)
+    if target is None:
+        known = ", ".join(f"{s}://" for s in SCHEMES)
+        raise ValueError(f"g4.url {url!r}: scheme {u.scheme!r} not supported; use {known}")
+    mod, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(mod), name)
+    return cls.from_url(url, u, opts)

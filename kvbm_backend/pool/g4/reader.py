@@ -1,0 +1,270 @@
+"""G4 loads and lookups (:class:`ReaderMixin`, part of :class:`~kvbm_backend.pool.g4.pool.G4Pool`), and
+the bounce buffers file objects are read through.
+
+* A get batch (:class:`_Batch`) runs one :meth:`ReaderMixin._get_one` per block on the I/O threads and
+  resolves when every block is back or at the load bound (``timeout_s * (1 + retries)`` seconds, a
+  :class:`~kvbm_backend.pool.deadlines.Deadline` on the pool's timer thread), whichever is first; a
+  block not back by then is a miss (``miss_timeout``) and its late reply never touches the caller's
+  buffer (per-block lock + ``closed`` flag). An expired batch counts as one store failure (breaker).
+* A block is a hit only after :func:`kvbm_backend.model.frame.accept` (header identity, layout, exact
+  length) and the GCM tag (or xxh3) verified in the caller's buffer; corrupt objects are misses
+  counted under ``corrupt_<reason>`` and deleted when the reason is in :data:`_DELETE_ON`.
+* Lookups HEAD keys in growing parallel waves (8, 16, ... up to ``max_inflight``), stopping at the first
+  absent key; an expired lookup answers the confirmed prefix.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+
+from ...crypto.aead import AeadError, open_into
+from ...memory import BufferPool
+from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
+from ...model.namespace import BlockKey
+from ..base import GetResult
+from .store import StoreUnavailable
+
+# Reasons for which an object is deleted when read (it can never become a hit).
+_DELETE_ON = {"magic", "header_check", "identity", "layout", "length", "integrity", "key_owner"}
+
+PAGE = 4096  # bounce buffer sizes are rounded up to this, bytes
+
+
+def bounce_slot_bytes(object_bytes: int) -> int:
+    """Size of one bounce buffer for objects of ``object_bytes``: rounded up to 4 KiB (O_DIRECT), bytes."""
+    return -(-object_bytes // PAGE) * PAGE
+
+
+def bounce_buffers(object_bytes: int, slots: int) -> BufferPool:
+    """The bounce buffers G4 reads objects of up to ``object_bytes`` through (stores with ``reads_into``).
+
+    O_DIRECT reads into 4 KiB pages run at less than half speed on the dev/CI VM (measured in
+    :mod:`kvbm_backend.memory`) and allocating per read costs page faults and an ``munmap`` per object, so
+    this is a :class:`~kvbm_backend.memory.BufferPool` of kind ``"thp"`` with an arena of ``slots``
+    pre-faulted buffers of :func:`bounce_slot_bytes` bytes, lent with ``lend(bounce_slot_bytes(...))``.
+    When all are lent (more concurrent readers than ``slots``) a fresh buffer is allocated: readers never
+    wait; ``stats()["allocated"]`` counts those (the pool's ``bounce_overflow`` stat). Nothing past the
+    arena is kept (``keep_bytes`` 0).
+
+    Raises ValueError for ``object_bytes`` or ``slots`` < 1.
+    """
+    if object_bytes < 1 or slots < 1:
+        raise ValueError(f"bounce_buffers: object_bytes ({object_bytes}) and slots ({slots}) must be >= 1")
+    return BufferPool("thp", 0, arena=(slots, bounce_slot_bytes(object_bytes)), name="g4-bounce")
+
+
+class _Batch:
+    """One get/lookup batch: per-slot results, guarded so a late reply never writes after close."""
+
+    def __init__(self, n: int):
+        self.future: Future = Future()
+        self.mu = threading.Lock()
+        self.slot_mu = [threading.Lock() for _ in range(n)]
+        self.closed = False
+        self.remaining = n
+        self.ok = [False] * n
+        self.done = [False] * n
+
+
+
+class ReaderMixin:
+    """The read and lookup paths of :class:`~kvbm_backend.pool.g4.pool.G4Pool` (uses its store, breaker,
+    keyring, bounce buffers, I/O threads and counters)."""
+
+    def _finish_slot(self, b: _Batch, i: int) -> None:
+        with b.mu:
+            b.done[i] = True
+            b.remaining -= 1
+            last = b.remaining == 0 and not b.closed
+            if last:
+                b.closed = True
+        if last:
+            b.future.set_result(GetResult(list(b.ok)))
+
+    def _expire_get(self, b: _Batch) -> None:
+        with b.mu:
+            if b.closed:
+                return
+            b.closed = True
+            late = [i for i, d in enumerate(b.done) if not d]
+        for i in late:  # wait out a copy in progress; after this no slot is written
+            with b.slot_mu[i]:
+                pass
+        self._count("miss_timeout", sum(1 for i in late if not b.ok[i]))
+        if late:  # silence is a failure: nothing else reports a read hung in the kernel
+            self.breaker.failure(f"{len(late)} block reads got no reply within {self._load_bound_s:.2f} s")
+        b.future.set_result(GetResult(list(b.ok)))
+
+    def _get_one(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray) -> None:
+        try:
+            if b.closed:
+                return
+            miss = self._load(b, i, key, out)
+            if miss:
+                self._count(miss)
+            else:
+                self._count("hits")
+        except Exception:  # noqa: BLE001 - a read never raises to the caller
+            self._count("miss_error")
+        finally:
+            self._finish_slot(b, i)
+
+    def _tenant_miss(self, tenant: str) -> str | None:
+        """A miss counter, without store I/O, when an encrypted pool's keyring says ``tenant`` is
+        revoked or the keyring file does not load; else None. (An unknown tenant's objects still get
+        read and counted by what they are: absent, plaintext, or ``miss_no_key``.)"""
+        if not self.encrypt or self.keyring is None:
+            return None
+        state = self.keyring.tenant_state(tenant)
+        if state == "revoked":
+            return "miss_revoked_tenant"
+        return "miss_keyring_unavailable" if state == "unavailable" else None
+
+    def _load(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray) -> str | None:
+        """Fetch, check and open one block into ``out``. Returns None on a hit, else a miss counter."""
+        if key.namespace != self._fp:
+            return "miss_foreign_namespace"
+        no_key = self._tenant_miss(key.tenant)
+        if no_key:
+            return no_key
+        if not self.breaker.allow():
+            return "miss_breaker"
+        name = self._name(key)
+        if self._bounce is None:
+            return self._load_from(b, i, key, out, name, None)
+        with self._bounce.lend(self._bounce_bytes) as buf:
+            return self._load_from(b, i, key, out, name, buf)
+
+    def _load_from(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray, name: str, buf) -> str | None:
+        """:meth:`_load` after the breaker: ``buf`` (bounce buffer of at least one object) or None
+        for a store that returns its own bytes."""
+        try:
+            if buf is None:
+                data = self.store.get(name)
+                size = None if data is None else len(data)
+            else:
+                size = self.store.get_into(name, buf)  # the object's true size, may exceed len(buf)
+                data = None if size is None else memoryview(buf)[:min(size, len(buf))]
+        except StoreUnavailable as e:
+            self.breaker.failure(e)
+            return "miss_unavailable"
+        except OSError:
+            self.breaker.success()
+            return "miss_error"
+        self.breaker.success()
+        if data is None:
+            return "miss_absent"
+        exp = self._expected_header(key)
+        try:
+            if size < HEADER_BYTES:
+                raise FrameError("length", f"object of {size} bytes")
+            hdr = accept(memoryview(data)[:HEADER_BYTES], key, self._layout, exp.tenant_tag, world=self._world,
+                         stored_len=self._layout.bytes_per_block, frame_bytes=size, exact=True)
+            payload = memoryview(data)[HEADER_BYTES:]
+            dst = memoryview(out.reshape(-1).view(np.uint8))
+            if hdr.flags & FLAG_ENCRYPTED:
+                dkey = (self.keyring.read_key(hdr.key_id, hdr.key_version, tenant=key.tenant)
+                        if self.keyring else None)
+                if dkey is None:
+                    if self.keyring is not None and self.keyring.key_owner(hdr.key_id) not in (None, key.tenant):
+                        raise FrameError("key_owner", "sealed under another tenant's data key")
+                    # revoked, or the file stopped loading, since _tenant_miss looked: count it as such
+                    return self._tenant_miss(key.tenant) or "miss_no_key"
+                with b.slot_mu[i]:
+                    if b.closed:
+                        return "miss_timeout"
+                    try:
+                        open_into(dkey, hdr.nonce, exp.identity_bytes(), hdr.integrity, payload, dst)
+                    except AeadError:
+                        raise FrameError("integrity", "GCM tag did not verify") from None
+                    b.ok[i] = True
+            elif self.encrypt:
+                return "miss_unencrypted_object"  # an encrypted pool serves only authenticated blocks
+            elif hdr.flags & FLAG_CHECKSUM:
+                with b.slot_mu[i]:
+                    if b.closed:
+                        return "miss_timeout"
+                    dst[:] = payload
+                    if payload_checksum(dst) != hdr.integrity:
+                        raise FrameError("integrity", "payload checksum mismatch")
+                    b.ok[i] = True
+            else:
+                raise FrameError("integrity", "frame has neither checksum nor AEAD tag")
+        except FrameError as e:
+            self._count(f"corrupt_{e.reason}")
+            if e.reason in _DELETE_ON:
+                try:
+                    self.store.delete(name)
+                    self._count("deleted_corrupt")
+                except OSError:
+                    pass
+            return "miss_corrupt"
+        self._count("bytes_read", size)
+        return None
+
+    # lookups: HEAD waves of growing size
+    def _lookup_wave(self, b: _Batch, keys: list, start: int, width: int) -> None:
+        end = min(len(keys), start + width)
+        wave = {"left": end - start}
+        mu = threading.Lock()
+
+        def head_one(i: int) -> None:
+            present = False
+            try:
+                k = keys[i]
+                if (k.namespace == self._fp and not b.closed and self._tenant_miss(k.tenant) is None
+                        and self.breaker.allow()):
+                    try:
+                        present = self.store.head(self._name(k)) is not None
+                        self.breaker.success()
+                    except StoreUnavailable as e:
+                        self.breaker.failure(e)
+                        self._count("lookup_unavailable")
+                    except OSError:
+                        self.breaker.success()
+            except Exception:  # noqa: BLE001
+                present = False
+            b.ok[i] = present
+            b.done[i] = True
+            with mu:
+                wave["left"] -= 1
+                last = wave["left"] == 0
+            if last:
+                self._wave_done(b, keys, start, end)
+
+        for i in range(start, end):
+            self._io.submit(head_one, i)
+
+    def _wave_done(self, b: _Batch, keys: list, start: int, end: int) -> None:
+        with b.mu:
+            if b.closed:
+                return
+            n = start
+            while n < end and b.ok[n]:
+                n += 1
+            b.count = n
+            finished = n < end or end == len(keys)
+            if finished:
+                b.closed = True
+        if finished:
+            self._count("lookup_hits", n)
+            self._lookup_result(len(keys), n)
+            b.future.set_result(n)
+        else:
+            self._lookup_wave(b, keys, end, min(2 * (end - start), self.cfg.max_inflight))
+
+    def _expire_lookup(self, b: _Batch) -> None:
+        with b.mu:
+            if b.closed:
+                return
+            b.closed = True
+            n = 0
+            while n < len(b.ok) and b.done[n] and b.ok[n]:
+                n += 1
+        self._count("lookup_timeout")
+        self._lookup_result(len(b.ok), n)
+        self.breaker.failure(f"a lookup got no reply within {self._load_bound_s:.2f} s")
+        b.future.set_result(n)
+
