@@ -17,7 +17,7 @@ with the ``kvbm_`` prefix by KVBM's metrics server) that mean the same thing her
 
 Everything KVBM has no name for is ``kvbm_backend_<tier>_*`` (dropped offloads by reason, corrupt
 blocks by reason, misses by reason, bytes, ``degraded``; G3 also evictions, capacity, used bytes and
-blocks). Every series listed here is updated by the pools (``tests/test_metrics.py``).
+blocks). Every series listed here is updated by the pools (``tests/unit/test_metrics.py``).
 
 Serving: :func:`serve_once` (called when an integration opens its tiers, with ``metrics.port`` /
 ``metrics.addr``) starts one HTTP ``/metrics`` server per process and address; a port that cannot be

@@ -86,7 +86,7 @@ def write_model_dir(path: str | Path, model: TinyLlama = TINY, dtype: str = "bfl
     ``load_format="dummy"`` draws every weight from U(-1e-3, 1e-3): attention output is then ~0 and
     the greedy tokens do not depend on the KV cache at all (measured: loading all-zero KV for 33
     blocks of the tiny Llama left every output token unchanged), so "outputs identical" would prove
-    nothing. With these weights a foreign KV changes the output (``tests/test_connector_e2e.py``).
+    nothing. With these weights a foreign KV changes the output (``tests/e2e/test_connector_e2e.py``).
     A config written for an MLA model (:class:`TinyDeepseekMla`) gets no weights here: use
     :func:`write_mla_weights`.
     """

@@ -68,7 +68,7 @@ STATS_CONTRACT = {
     "bytes_read": "payload bytes read from storage",
     "bytes_written": "payload bytes written to storage",
 }
-"""The ``stats()`` keys every pool reports (tests/test_pool_conformance.py checks G3, G4-file and G4-S3)."""
+"""The ``stats()`` keys every pool reports (tests/pool/test_pool_conformance.py checks G3, G4-file, G4-S3 and G4-mem)."""
 
 
 @runtime_checkable
