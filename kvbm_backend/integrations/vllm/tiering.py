@@ -73,7 +73,6 @@ import threading
 import time
 from collections.abc import Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -93,9 +92,9 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 
 from ...config import ConfigError, KvbmBackendConfig, load_config
 from ...memory import aligned_empty
-from ...model.layout import KvLayout, dtype_bytes
 from ...model.namespace import BlockKey, Namespace
 from ..tiers import announce_tiers
+from .geometry import PrimaryGeometry
 
 log = logging.getLogger(__name__)
 
@@ -103,139 +102,10 @@ __all__ = ["G3Tier", "G4Tier", "KvbmSecondaryTier", "PrimaryGeometry", "offload_
 
 MODULE_PATH = __name__
 
-_LAYER_MAJOR = {"LBHNC": "HNC", "LBNHC": "NHC"}
-_BLOCK_MAJOR = {"BLHNC": "HNC", "BLNHC": "NHC"}
-_FC_AXES = ("L", "O", "J", "N", "H", "D")
-
-
 def offload_key_hash(key: bytes) -> int:
     """Stable 64-bit sequence hash of a vLLM ``OffloadKey`` (block hash bytes + 4-byte group index):
     ``xxh3_64(key)``, seed 0. Independent of ``PYTHONHASHSEED`` and of the process."""
     return xxhash.xxh3_64_intdigest(bytes(key))
-
-
-@dataclass(frozen=True)
-class PrimaryGeometry:
-    """How one rank's slice of a vLLM primary chunk maps to one KVBM FullyContiguous block.
-
-    Attributes (sizes per rank):
-        num_layers, num_kv_heads, head_dim (elements), dtype: KV geometry.
-        outer_dim: 2 (K, V) or 1 (MLA).
-        tokens_per_block: vLLM GPU block size (tokens); blocks_per_chunk: GPU blocks per chunk.
-        copies: rank slices per primary row (TP world size, 1 when replicated).
-        rank_bytes: bytes of one rank's slice (``cpu_page_size_per_worker``).
-        kv_cache_layout: vLLM KVCacheLayout name (see module docstring).
-    """
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    outer_dim: int
-    dtype: str
-    tokens_per_block: int
-    blocks_per_chunk: int
-    copies: int
-    rank_bytes: int
-    kv_cache_layout: str = "LBNHC"
-
-    def __post_init__(self) -> None:
-        if self.kv_cache_layout not in _LAYER_MAJOR and self.kv_cache_layout not in _BLOCK_MAJOR:
-            raise ValueError(
-                f"kv_cache_layout: {self.kv_cache_layout!r} is not supported by the kvbm tiers "
-                f"(supported: {sorted({**_LAYER_MAJOR, **_BLOCK_MAJOR})}; heads outside the block cannot "
-                "be mapped to one block)")
-        want = (self.num_layers * self.outer_dim * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
-                * self.tokens_per_block * self.blocks_per_chunk)
-        if want != self.rank_bytes:
-            raise ValueError(
-                f"num_kv_heads/head_dim: layers {self.num_layers} x outer {self.outer_dim} x heads "
-                f"{self.num_kv_heads} x head_dim {self.head_dim} x {dtype_bytes(self.dtype)} B x tokens "
-                f"{self.tokens_per_block} x blocks_per_chunk {self.blocks_per_chunk} = {want} B, but vLLM's "
-                f"primary chunk holds {self.rank_bytes} B per rank (padded pages are not supported)")
-
-    @property
-    def kv_layout(self) -> KvLayout:
-        """The per-rank KvLayout of the stored block: page_size = tokens_per_block * blocks_per_chunk."""
-        return KvLayout(self.num_layers, self.outer_dim, self.tokens_per_block * self.blocks_per_chunk,
-                        self.num_kv_heads * self.head_dim, self.dtype)
-
-    def _axes(self) -> tuple[tuple[str, ...], dict[str, int]]:
-        if self.kv_cache_layout in _LAYER_MAJOR:
-            outer, page = ("L", "J"), _LAYER_MAJOR[self.kv_cache_layout]
-        else:
-            outer, page = ("J", "L"), _BLOCK_MAJOR[self.kv_cache_layout]
-        page_axes = ("H", "N") if page == "HNC" else ("N", "H")
-        sizes = {"L": self.num_layers, "J": self.blocks_per_chunk, "H": self.num_kv_heads,
-                 "N": self.tokens_per_block, "O": self.outer_dim, "D": self.head_dim * dtype_bytes(self.dtype)}
-        return outer + page_axes + ("O", "D"), sizes
-
-    def engine_to_block(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy one rank's primary slice ``src`` (``rank_bytes`` uint8) into ``dst`` as the FullyContiguous
-        block ``[layer, outer, token, heads*head_dim]``."""
-        axes, s = self._axes()
-        perm = [axes.index(a) for a in _FC_AXES]
-        np.copyto(dst.reshape([s[a] for a in _FC_AXES]), src.reshape([s[a] for a in axes]).transpose(perm))
-
-    def block_to_engine(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Exact inverse of :meth:`engine_to_block`: FullyContiguous ``src`` into the primary slice ``dst``."""
-        axes, s = self._axes()
-        perm = [_FC_AXES.index(a) for a in axes]
-        np.copyto(dst.reshape([s[a] for a in axes]), src.reshape([s[a] for a in _FC_AXES]).transpose(perm))
-
-    @classmethod
-    def from_spec(cls, spec: Any, *, num_kv_heads: int | None = None, head_dim: int | None = None,
-                  mla: bool | None = None, layout: str | None = None,
-                  kv_cache_layout: str | None = None) -> "PrimaryGeometry":
-        """Derive the geometry from vLLM's ``OffloadingSpec`` (``spec.config``: groups, model dtype,
-        parallel, ``kv_cache_layout``; ``spec.cpu_page_size_per_worker``) plus what vLLM does not say on
-        the scheduler side: heads per rank (``num_kv_heads``) or a ``layout`` preset.
-
-        Raises ValueError naming the missing or inconsistent setting.
-        """
-        cfg = spec.config
-        if getattr(cfg, "canonical_layout", False):
-            raise ValueError("canonical_layout: the kvbm tiers store vLLM's direct layout; remove "
-                             "canonical_layout from kv_connector_extra_config")
-        if not cfg.groups:
-            raise ValueError("kv cache groups: none (attention-free model); nothing for the kvbm tiers to store")
-        counts = sorted({len(g.layer_names) for g in cfg.groups})
-        tpbs = sorted({int(g.tokens_per_block) for g in cfg.groups})
-        if len(counts) != 1 or len(tpbs) != 1:
-            raise ValueError(f"kv cache groups: the kvbm tiers need every KV cache group to have the same layer "
-                             f"count and block size (one chunk = one group's layers); got layers {counts}, "
-                             f"tokens_per_block {tpbs}")
-        num_layers = len(cfg.groups[0].layer_names)
-        tpb = int(cfg.groups[0].tokens_per_block)
-        bpc = int(spec.blocks_per_chunk)
-        dtype = str(cfg.model.dtype).removeprefix("torch.")
-        if dtype == "auto":
-            dtype = "bfloat16"
-        replicated = bool(getattr(spec, "replicated_layout", False))
-        copies = 1 if replicated else int(cfg.parallel.world_size)
-        rank_bytes = int(spec.cpu_page_size_per_worker)
-        if layout is not None:
-            from ...model.presets import load_preset
-            p = load_preset(layout)
-            num_kv_heads = p.kv_heads_per_rank(max(1, int(cfg.parallel.tp_size)))
-            head_dim, mla = p.head_dim, p.mla
-            dtype = p.dtype if dtype in ("", "auto") else dtype
-        if mla:
-            num_kv_heads, outer = 1, 1
-        else:
-            outer = 2
-        if num_kv_heads is None:
-            raise ValueError("num_kv_heads: the secondary tier config must give 'num_kv_heads' (KV heads per "
-                             "rank) or 'layout' (a preset) to map vLLM's [H, N, K|V] page to KVBM's block")
-        if head_dim is None:
-            denom = num_layers * outer * int(num_kv_heads) * dtype_bytes(dtype) * tpb * bpc
-            if denom <= 0 or rank_bytes % denom:
-                raise ValueError(f"head_dim: cannot derive from {rank_bytes} B per rank chunk with "
-                                 f"{num_layers} layers x {num_kv_heads} heads; set 'head_dim'")
-            head_dim = rank_bytes // denom
-        kvl = kv_cache_layout or getattr(cfg, "kv_cache_layout", None) or "LBNHC"
-        return cls(num_layers=num_layers, num_kv_heads=int(num_kv_heads), head_dim=int(head_dim), outer_dim=outer,
-                   dtype=dtype, tokens_per_block=tpb, blocks_per_chunk=bpc, copies=copies, rank_bytes=rank_bytes,
-                   kv_cache_layout=str(kvl).upper())
 
 
 class _Staging:
