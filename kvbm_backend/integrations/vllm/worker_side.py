@@ -29,11 +29,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ...gpu.checksum import device_checksums_torch
 from ...gpu.host_path import device_blocks_to_host
+from ...memory import BufferPool
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool, GetResult, PutResult, SlotLeaseSource
 from . import stats
@@ -41,6 +41,12 @@ from .kv_io import EngineKv, numpy_staging, split_blocks
 from .metadata import KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
 
 log = logging.getLogger("kvbm_backend.connector")
+
+#: bytes of free save staging buffers kept for reuse (at most ``max_pending_save_bytes``). Reuse skips the
+#: page faults of a fresh buffer in the gather copy: measured on the 2-core dev VM, copying into a fresh
+#: aligned buffer vs one taken again from the pool: 256 KiB 1.07 vs 0.15 ms, 2 MiB 0.57 vs 0.37 ms,
+#: 16 MiB 8.3 vs 5.6 ms.
+SAVE_STAGING_KEEP_BYTES = 64 << 20
 
 
 @dataclass
@@ -76,6 +82,9 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-load")
         self._pending_save_bytes = 0
+        # host staging of saves, given back once every pool finished reading it (SAVE_STAGING_KEEP_BYTES)
+        self._staging = BufferPool("host", min(SAVE_STAGING_KEEP_BYTES, max(0, max_pending_save_bytes)),
+                                   name="vllm-save-staging")
         # report_g3: the scheduler runs in another process and mirrors our G3 index (KvbmWorkerMeta)
         self.report_g3 = report_g3 and g3 is not None
         self._snapshot_sent = False
@@ -129,7 +138,7 @@ class WorkerSide:
                     continue
                 self._pending_save_bytes += nbytes
             t0 = time.perf_counter()
-            arr, host = numpy_staging(nbytes)
+            arr, host = numpy_staging(nbytes, self._staging)
             checks = None
             if self.on_cuda:
                 dev = torch.empty(nbytes, dtype=torch.uint8, device=self.kv.device)
@@ -146,7 +155,7 @@ class WorkerSide:
             blocks = split_blocks(arr, self.kv.layout, n)
             # A replicated block (MLA) goes to G4 once, from the rank whose key names it.
             g4 = self.save_to_g4 and self.ns.shared_rank(self.rank) == self.rank
-            self._put_all(keys, blocks, arr, nbytes, g4=g4, dev_checks=checks)
+            self._put_all(keys, blocks, arr, nbytes, g4=g4, dev_checks=checks, recycle=True)
 
     def _g4_keys(self, keys: list) -> list:
         """``keys`` as named in G4 (:meth:`Namespace.shared_rank`)."""
@@ -154,7 +163,10 @@ class WorkerSide:
         return keys if r == self.rank else [k._replace(rank=r) for k in keys]
 
     def _put_all(self, keys, blocks, arr, nbytes: int, g3: bool = True, g4: bool = True,
-                 dev_checks: list | None = None, promote: bool = False) -> None:
+                 dev_checks: list | None = None, promote: bool = False, recycle: bool = False) -> None:
+        """Hand ``blocks`` (views of ``arr``) to the pools. ``recycle``: ``arr`` came from the save staging
+        pool and goes back to it when every put completed without an error (after an error a pool may
+        still read it: it is then left to the garbage collector, never reused)."""
         futs: list[tuple[str, Future]] = []
         if g3 and self.g3 is not None:
             kw = {}
@@ -168,8 +180,11 @@ class WorkerSide:
         if not futs:
             with self._lock:
                 self._pending_save_bytes -= nbytes
+            if recycle:
+                self._staging.give(arr)
             return
         remaining = [len(futs)]
+        failed = [False]
         rlock = threading.Lock()
 
         def done(tier: str, f: Future, _arr=arr) -> None:  # _arr keeps the staging alive
@@ -185,12 +200,15 @@ class WorkerSide:
             except Exception as e:  # noqa: BLE001 - a failed offload is a dropped offload
                 log.warning("kvbm_backend: %s put failed: %s", tier, e)
                 stats.add(**{f"{tier}_put_errors": 1, f"{tier}_put_dropped_blocks": len(keys)})
+                failed[0] = True
             with rlock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
                 with self._lock:
                     self._pending_save_bytes -= nbytes
+                if recycle and not failed[0]:
+                    self._staging.give(_arr)
 
         for tier, f in futs:
             f.add_done_callback(lambda f, t=tier: done(t, f))
