@@ -92,6 +92,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 from ...config import ConfigError, KvbmBackendConfig, load_config
 from ...memory import BufferPool
 from ...model.namespace import BlockKey, Namespace
+from ...pool.deadlines import Deadline
 from ..tiers import announce_tiers
 from .geometry import PrimaryGeometry
 
@@ -313,7 +314,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         tenant = self._tenant_of(job.req_context)
         c = g.copies
         bufs = [self._staging.take(g.rank_bytes) for _ in range(len(keys) * c)]
-        deadline = time.monotonic() + self._job_timeout_s
+        deadline = Deadline(self._job_timeout_s)
         futs = []
         for c0, c1 in self._pieces(len(keys)):
             bkeys: list[BlockKey] = []
@@ -323,7 +324,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
                     bkeys.append(bk)
             futs.append((len(bkeys), self.pool.put(bkeys, bufs[c0 * c:c1 * c])))
         # on an error or timeout the pool may still read the buffers: they are then not reused
-        results = [(n, f.result(timeout=max(0.0, deadline - time.monotonic()))) for n, f in futs]
+        results = [(n, f.result(timeout=deadline.left())) for n, f in futs]
         for b in bufs:
             self._staging.give(b)
         ok = all(res.dropped == 0 and res.written + res.skipped == n for n, res in results)
@@ -342,7 +343,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         tenant = self._tenant_of(job.req_context)
         c = g.copies
         bufs = [self._staging.take(g.rank_bytes) for _ in range(len(keys) * c)]
-        deadline = time.monotonic() + self._job_timeout_s
+        deadline = Deadline(self._job_timeout_s)
         futs = []
         for c0, c1 in self._pieces(len(keys)):
             bkeys = [bk for key in keys[c0:c1] for bk in self._block_keys(key, tenant)]
@@ -350,7 +351,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         good: list[OffloadKey] = []
         for c0, c1, fut in futs:
             # on a timeout the pool may still write the buffers: they are then not reused
-            res = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            res = fut.result(timeout=deadline.left())
             if len(res.ok) != (c1 - c0) * c:
                 raise RuntimeError(f"pool returned {len(res.ok)} results for {(c1 - c0) * c} blocks")
             for i in range(c0, c1):

@@ -36,6 +36,7 @@ from ...gpu.host_path import device_blocks_to_host
 from ...memory import BufferPool
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool, GetResult, PutResult, SlotLeaseSource
+from ...pool.deadlines import Deadline
 from . import stats
 from .kv_io import EngineKv, numpy_staging, split_blocks
 from .metadata import KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
@@ -52,7 +53,7 @@ SAVE_STAGING_KEEP_BYTES = 64 << 20
 @dataclass
 class _Load:
     job: LoadJob
-    deadline: float
+    deadline: Deadline
     state: str = "pending"           # pending -> done | timed_out
     ok_prefix: int = 0               # blocks scattered into the engine
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -225,7 +226,7 @@ class WorkerSide:
     # ---- loads ----------------------------------------------------------------------------------
     def start_loads(self, jobs: list[LoadJob]) -> None:
         for job in jobs:
-            ld = _Load(job, time.monotonic() + self.load_timeout_s)
+            ld = _Load(job, Deadline(self.load_timeout_s))
             with self._lock:
                 self._loads[job.req_id] = ld
             stats.add(load_jobs=1, load_blocks_requested=len(job.block_ids))
@@ -233,7 +234,7 @@ class WorkerSide:
 
     def _get(self, pool: BlockPool, keys, out, timeout: float) -> list[bool]:
         try:
-            r: GetResult = pool.get(keys, out).result(timeout=max(0.0, timeout))
+            r: GetResult = pool.get(keys, out).result(timeout=timeout)
             ok = list(r.ok)
             return ok + [False] * (len(keys) - len(ok))
         except Exception as e:  # noqa: BLE001 - late or failed read: a miss
@@ -260,7 +261,7 @@ class WorkerSide:
                     continue
                 tkeys = [keys[i] for i in tier_idx]
                 res = self._get(pool, tkeys if pool is self.g3 else self._g4_keys(tkeys),
-                                [rows[i] for i in tier_idx], ld.deadline - time.monotonic())
+                                [rows[i] for i in tier_idx], ld.deadline.left())
                 for i, good in zip(tier_idx, res):
                     ok[i] = bool(good)
                 if not all(res):
@@ -316,13 +317,12 @@ class WorkerSide:
     def get_finished(self) -> set[str]:
         """Request ids whose loads are over (done, failed or timed out); their failed block ids are
         added to :meth:`load_errors` in the same call."""
-        now = time.monotonic()
         out: set[str] = set()
         with self._lock:
             items = list(self._loads.items())
         for rid, ld in items:
             with ld.lock:
-                if ld.state == "pending" and now > ld.deadline:
+                if ld.state == "pending" and ld.deadline.expired():
                     ld.state = "timed_out"
                     ld.ok_prefix = 0
                     stats.add(load_timeouts=1, load_blocks_failed=len(ld.job.block_ids))
