@@ -13,7 +13,7 @@ draft or an async-scheduling placeholder) and its KV is computed by the step bei
 
 Lookups never block the scheduler: they run on the pools' threads; until a request's lookup is done,
 ``get_num_new_matched_tokens`` answers None ("ask again next step"), and a lookup that outlives the
-tier's timeout counts as a miss beyond what is already known.
+tier's timeout counts as a miss beyond what is already known (the lookups: :mod:`.lookup`).
 """
 from __future__ import annotations
 

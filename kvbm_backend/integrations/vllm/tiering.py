@@ -46,7 +46,7 @@ Mapping of the primary buffer to FullyContiguous blocks (vLLM 0.32, direct layou
 * Our block is KVBM FullyContiguous ``[layer, outer, token, heads*head_dim]`` with ``token =
   sub_block * tokens_per_block + n`` (``page_size = blocks_per_chunk * tokens_per_block``).
 
-:class:`PrimaryGeometry` does this permutation (one copy, in the tier's I/O threads, ~10 GB/s with
+:class:`PrimaryGeometry` (:mod:`.geometry`) does this permutation (one copy, in the tier's I/O threads, ~10 GB/s with
 numpy) on store and its exact inverse on load, so a load returns the primary's bytes exactly whatever
 the layout. ``LHBNC``/``BHLNC`` (heads outside the block), canonical layout and padded pages are refused
 with a ValueError naming the setting.
@@ -98,9 +98,11 @@ from .geometry import PrimaryGeometry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["G3Tier", "G4Tier", "KvbmSecondaryTier", "PrimaryGeometry", "offload_key_hash"]
+__all__ = ["G3Tier", "G4Tier", "KvbmSecondaryTier", "PrimaryGeometry", "offload_key_hash", "staging_pool"]
+# PrimaryGeometry: defined in .geometry (with EngineGeometry), importable from here as before
 
 MODULE_PATH = __name__
+
 
 def offload_key_hash(key: bytes) -> int:
     """Stable 64-bit sequence hash of a vLLM ``OffloadKey`` (block hash bytes + 4-byte group index):
