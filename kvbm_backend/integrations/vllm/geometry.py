@@ -17,6 +17,7 @@ Pure Python and numpy (no torch): the scheduler side imports it too.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any, Sequence
 
@@ -107,15 +108,16 @@ class EngineGeometry:
     def mla(self) -> bool:
         return self.outer_dim == 1
 
-    @property
+    @functools.cached_property
     def kv_layout(self) -> KvLayout:
         """The per-rank KvLayout of one stored block (``page_size`` = tokens per engine block)."""
         return KvLayout(num_layers=self.num_layers, outer_dim=self.outer_dim, page_size=self.tokens_per_block,
                         inner_dim=self.num_kv_heads * self.head_dim, dtype=self.dtype)
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> int:
-        """Bytes of one engine block of one TP rank, all layers (``kv_layout.bytes_per_block``)."""
+        """Bytes of one stored block of one TP rank, all layers (``kv_layout.bytes_per_block``; a primary
+        chunk's rank slice for :class:`PrimaryGeometry`)."""
         return self.kv_layout.bytes_per_block
 
     @classmethod
@@ -185,7 +187,7 @@ class PrimaryGeometry(EngineGeometry):
                 f"{self.tokens_per_block} x blocks_per_chunk {self.blocks_per_chunk} = {want} B, but vLLM's "
                 f"primary chunk holds {self.rank_bytes} B per rank (padded pages are not supported)")
 
-    @property
+    @functools.cached_property
     def kv_layout(self) -> KvLayout:
         """The per-rank KvLayout of the stored block: page_size = tokens_per_block * blocks_per_chunk."""
         return KvLayout(self.num_layers, self.outer_dim, self.tokens_per_block * self.blocks_per_chunk,
