@@ -238,17 +238,18 @@ def test_g4_tier_store_then_load(tmp_path, harnesses):
 
 
 def test_staging_arena_reuses_its_buffers_and_never_blocks():
-    from kvbm_backend.integrations.vllm.tiering import _Staging
-    st = _Staging(8192, 3)
-    a = st.take(5)  # 3 from the arena, 2 fresh
+    from kvbm_backend.integrations.vllm.tiering import staging_pool
+    st = staging_pool(8192, 3)
+    a = [st.take(8192) for _ in range(5)]  # 3 from the arena, 2 fresh
     assert len(a) == 5 and all(b.nbytes == 8192 and b.ctypes.data % 4096 == 0 for b in a)
     assert len({b.ctypes.data for b in a}) == 5
-    st.give(a)
-    b = st.take(4)  # only the 3 arena buffers came back; the fresh ones were not kept
+    for x in a:
+        st.give(x)
+    b = [st.take(8192) for _ in range(4)]  # only the 3 arena buffers came back; the fresh ones were not kept
     arena = {x.ctypes.data for x in a[:3]}
     assert {x.ctypes.data for x in b[:3]} == arena and b[3].ctypes.data not in arena
     b[0][:] = 7  # writable
-    assert _Staging(8192, 0).take(1)[0].nbytes == 8192
+    assert staging_pool(8192, 0).take(8192).nbytes == 8192
 
 
 def test_staging_mb_is_validated(tmp_path, harnesses):

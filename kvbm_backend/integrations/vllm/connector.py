@@ -87,12 +87,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...config import KvbmBackendConfig
-from ...model.layout import KvLayout
 from ...model.namespace import KvGroup, Namespace
 from ..tiers import release_tiers, shared_tiers
 from . import stats
 from .extra_config import EXTRA_KEYS, config_from_extra  # noqa: F401 - re-exported
-from .kv_io import EngineKv, torch_dtype_name
+from .geometry import EngineGeometry
+from .kv_io import EngineKv
 from .metadata import KvbmConnectorMetadata
 from .scheduler_side import G3KvEvents, G3Mirror, GroupTiers, SchedulerSide
 from .worker_side import GroupedWorkers, WorkerSide
@@ -107,29 +107,35 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvbm_backend.connector")
 
-def _group_of(spec: Any, num_layers: int) -> KvGroup:
-    """A :class:`KvGroup` from one vLLM KV cache group's spec. Raises ValueError naming the spec for kinds
-    the connector cannot carry."""
+def _group_of(spec: Any, geo: EngineGeometry) -> KvGroup:
+    """A :class:`KvGroup` from one vLLM KV cache group's spec and its geometry. Raises ValueError naming the
+    spec for kinds the connector cannot carry."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
-    for a in ("num_kv_heads", "head_size", "block_size", "dtype"):
-        if not hasattr(spec, a):
-            raise ValueError(f"kv cache spec {type(spec).__name__}: no {a}; only standard attention is supported")
     kind = {FullAttentionSpec: "full", MLAAttentionSpec: "mla", SlidingWindowSpec: "sliding"}.get(type(spec))
     if kind is None:
         raise ValueError(f"kv cache spec {type(spec).__name__}: KvbmBackendConnector carries full attention, "
                          "sliding-window attention and MLA groups only (state/linear-attention, chunked local, "
                          "cross-attention and sink/ring caches are not KV blocks of a token prefix)")
-    mla = kind == "mla" or bool(getattr(spec, "use_mla", False))
-    if mla and int(spec.num_kv_heads) != 1:
-        raise ValueError(f"kv cache spec {type(spec).__name__}: MLA with num_kv_heads={spec.num_kv_heads}; "
-                         "expected one latent per token (num_kv_heads=1)")
-    layout = KvLayout(num_layers=num_layers, outer_dim=1 if mla else 2, page_size=int(spec.block_size),
-                      inner_dim=int(spec.num_kv_heads) * int(spec.head_size), dtype=torch_dtype_name(spec.dtype))
-    return KvGroup(kind=kind if not mla else "mla", layout=layout,
+    return KvGroup(kind=kind if not geo.mla else "mla", layout=geo.kv_layout,
                    sliding_window=int(spec.sliding_window) if kind == "sliding" else None)
 
 
-def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Namespace:
+def _kv_groups(kv_cache_config: "KVCacheConfig") -> list:
+    """vLLM's KV cache groups the connector carries (device-resident ones)."""
+    return [g for g in kv_cache_config.kv_cache_groups if not getattr(g, "host_resident", False)]
+
+
+def engine_geometries(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> list[EngineGeometry]:
+    """One :class:`EngineGeometry` per KV cache group the connector carries, from its spec and layer
+    names (``KVCacheConfig.kv_cache_groups``) and the TP degree (``ParallelConfig.tensor_parallel_size``).
+    Raises ValueError for specs that are not attention KV (named)."""
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    return [EngineGeometry.from_kv_cache_spec(g.kv_cache_spec, len(g.layer_names), tp)
+            for g in _kv_groups(kv_cache_config)]
+
+
+def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
+                        geometries: list[EngineGeometry] | None = None) -> Namespace:
     """The Namespace of this engine's KV: model (``cfg.model``, else vLLM's served model name),
     revision, per-rank KvLayout from the KV cache spec (layers, KV heads per rank, head size, dtype,
     ``page_size`` = vLLM ``block_size``) and the TP degree.
@@ -145,11 +151,14 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
     namespace (unchanged fingerprint).
 
     Raises ValueError for KV caches the connector cannot carry (non-attention or chunked/cross/sink
-    specs, an MLA spec with more than one KV head, groups with different block sizes)."""
-    groups = [g for g in kv_cache_config.kv_cache_groups if not getattr(g, "host_resident", False)]
+    specs, an MLA spec with more than one KV head, groups with different block sizes).
+    ``geometries``: :func:`engine_geometries` when the caller has them already."""
+    groups = _kv_groups(kv_cache_config)
     if not groups:
         raise ValueError("kv cache: no KV cache groups (attention-free model); nothing to carry")
-    kgs = [_group_of(g.kv_cache_spec, len(g.layer_names)) for g in groups]
+    if geometries is None:
+        geometries = engine_geometries(vllm_config, kv_cache_config)
+    kgs = [_group_of(g.kv_cache_spec, geo) for g, geo in zip(groups, geometries)]
     sizes = {k.layout.page_size for k in kgs}
     if len(sizes) != 1:
         raise ValueError(f"kv cache: KV cache groups with block sizes {sorted(sizes)}; KvbmBackendConnector "
@@ -204,7 +213,9 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg, self.opts = config_from_extra(extra)
-        self.ns = namespace_from_vllm(self.cfg, vllm_config, kv_cache_config)
+        # the KV geometry of every KV cache group, derived once from vLLM's KV cache config
+        self.geometries = engine_geometries(vllm_config, kv_cache_config)
+        self.ns = namespace_from_vllm(self.cfg, vllm_config, kv_cache_config, self.geometries)
         self.rank = 0
         if self.ns.tp_world_size > 1 and role != KVConnectorRole.SCHEDULER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -295,9 +306,8 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         in vLLM's group order). Raises ValueError when a group's layer is missing or its tensors do not
         match the namespace layout."""
         assert self.worker is not None
-        groups = [g for g in self._kv_cache_config.kv_cache_groups if not getattr(g, "host_resident", False)]
         kvs = []
-        for g in groups:
+        for g, geo in zip(_kv_groups(self._kv_cache_config), self.geometries):
             names = list(g.layer_names)
             missing = [n for n in names if n not in kv_caches]
             if missing:
@@ -305,11 +315,8 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
             t0 = kv_caches[names[0]]
             log.info("kvbm_backend: KV cache tensor per layer: shape %s stride %s dtype %s device %s",
                      tuple(t0.shape), t0.stride(), t0.dtype, t0.device)
-            spec = g.kv_cache_spec
-            kvs.append(EngineKv.from_tensors([kv_caches[n] for n in names],
-                                             num_blocks=int(self._kv_cache_config.num_blocks),
-                                             block_size=self.block_size,
-                                             num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size)))
+            kvs.append(EngineKv.from_geometry([kv_caches[n] for n in names], geo,
+                                              num_blocks=int(self._kv_cache_config.num_blocks)))
         if self.hybrid:
             self.worker.register(kvs)
         else:

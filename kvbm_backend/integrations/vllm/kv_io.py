@@ -31,55 +31,25 @@ stored block holds the engine's FP8 bytes unchanged, one byte per element.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from ...memory import BufferPool
 from ...model.layout import KvLayout
+from .geometry import EngineGeometry, detect_engine_layout, dtype_name
 
-_TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
-                      torch.uint8: "uint8", torch.int8: "int8"}
-for _n in ("float8_e4m3fn", "float8_e5m2"):
-    if hasattr(torch, _n):
-        _TORCH_DTYPE_NAMES[getattr(torch, _n)] = _n
+__all__ = ["EngineKv", "detect_engine_layout", "numpy_staging", "split_blocks", "torch_dtype_name"]
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``. Raises ValueError for dtypes KV caches do not use."""
-    try:
-        return _TORCH_DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"kv cache dtype: {dtype} is not supported") from None
-
-
-def detect_engine_layout(shape: Sequence[int], num_blocks: int, block_size: int, num_kv_heads: int,
-                         head_dim: int, mla: bool = False) -> str:
-    """Name the engine layout of one layer's KV tensor (see module docstring).
-
-    Args:
-        mla: the KV cache is an MLA latent cache (``num_kv_heads`` must then be 1 and ``head_dim`` the
-            latent width, e.g. 576); only the ``"mla"`` layout matches then, and only it matches MLA.
-    Raises ValueError naming the shape when it matches none of the known layouts.
-    """
-    s = tuple(int(x) for x in shape)
-    if mla:
-        if num_kv_heads != 1:
-            raise ValueError(f"kv cache: MLA has one latent per token, got num_kv_heads={num_kv_heads}")
-        if s in ((num_blocks, block_size, head_dim), (num_blocks, 1, block_size, head_dim)):
-            return "mla"
-        raise ValueError(f"kv cache tensor shape {s}: not a known vLLM MLA layout for num_blocks={num_blocks}, "
-                         f"block_size={block_size}, latent head_size={head_dim} (expected "
-                         f"{(num_blocks, 1, block_size, head_dim)} or {(num_blocks, block_size, head_dim)})")
-    if s == (num_blocks, num_kv_heads, block_size, 2 * head_dim):
-        return "cpu"
-    if s == (2, num_blocks, block_size, num_kv_heads, head_dim):
-        return "kv_first"
-    if s == (num_blocks, 2, block_size, num_kv_heads, head_dim):
-        return "block_first"
-    raise ValueError(f"kv cache tensor shape {s}: not a known vLLM layout for num_blocks={num_blocks}, "
-                     f"block_size={block_size}, kv_heads={num_kv_heads}, head_dim={head_dim}")
+    """``torch.bfloat16`` -> ``"bfloat16"`` (:func:`.geometry.dtype_name`). Raises ValueError for dtypes KV
+    caches do not use."""
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"kv cache dtype: {dtype} is not supported")
+    return dtype_name(dtype)
 
 
 @dataclass
@@ -88,24 +58,41 @@ class EngineKv:
 
     Attributes:
         tensors: per-layer KV tensors, all of one layout/dtype/device.
-        layout: the per-rank KvLayout of one block (``page_size`` = vLLM ``block_size``; ``outer_dim``
-            1 for MLA, else 2).
-        engine_layout: ``"cpu"``, ``"kv_first"``, ``"block_first"`` or ``"mla"``.
-        num_kv_heads, head_dim: per rank (MLA: 1 and the latent width).
+        geometry: the group's :class:`~.geometry.EngineGeometry` with ``engine_layout`` detected from the
+            tensors (``num_layers`` = tensors given, ``dtype`` = theirs).
+    Properties: ``layout`` (the per-rank KvLayout of one block, ``page_size`` = vLLM ``block_size``,
+    ``outer_dim`` 1 for MLA, else 2), ``engine_layout`` (``"cpu"``, ``"kv_first"``, ``"block_first"`` or
+    ``"mla"``), ``num_kv_heads`` and ``head_dim`` (per rank; MLA: 1 and the latent width).
     """
 
     tensors: list[torch.Tensor]
-    layout: KvLayout
-    engine_layout: str
-    num_kv_heads: int
-    head_dim: int
+    geometry: EngineGeometry
+
+    @property
+    def layout(self) -> KvLayout:
+        return self.geometry.kv_layout
+
+    @property
+    def engine_layout(self) -> str:
+        return self.geometry.engine_layout
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.geometry.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.geometry.head_dim
 
     @classmethod
-    def from_tensors(cls, tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int,
-                     num_kv_heads: int, head_dim: int, mla: bool | None = None) -> "EngineKv":
-        """Wrap the per-layer tensors.
+    def from_geometry(cls, tensors: Sequence[torch.Tensor], geometry: EngineGeometry, num_blocks: int,
+                      mla: bool | None = None) -> "EngineKv":
+        """Wrap the per-layer tensors of a KV cache group whose geometry vLLM's KV cache spec gave
+        (:meth:`EngineGeometry.from_kv_cache_spec`); layer count and dtype are the tensors' own, so a
+        mismatch with the spec shows as a layout mismatch at registration.
 
         Args:
+            num_blocks: engine blocks per tensor (``KVCacheConfig.num_blocks``).
             mla: True for an MLA latent cache, False for K/V caches, None to decide from the shape
                 (MLA when ``num_kv_heads == 1`` and the tensor is ``[num_blocks, (1,) block_size,
                 head_dim]``, which no K/V layout matches).
@@ -114,18 +101,23 @@ class EngineKv:
         if not tensors:
             raise ValueError("kv caches: no attention layers registered")
         ts = list(tensors)
-        if mla is None:
-            mla = num_kv_heads == 1 and tuple(ts[0].shape) in (
-                (num_blocks, block_size, head_dim), (num_blocks, 1, block_size, head_dim))
-        lay = detect_engine_layout(ts[0].shape, num_blocks, block_size, num_kv_heads, head_dim, mla=mla)
+        geo = replace(geometry, num_layers=len(ts), dtype=torch_dtype_name(ts[0].dtype))
+        geo = geo.with_engine_layout(ts[0].shape, num_blocks, mla=mla)
         for t in ts:
             if tuple(t.shape) != tuple(ts[0].shape) or t.dtype != ts[0].dtype:
                 raise ValueError(f"kv caches: layers differ in shape/dtype ({tuple(t.shape)} {t.dtype} vs "
                                  f"{tuple(ts[0].shape)} {ts[0].dtype})")
-        kvl = KvLayout(num_layers=len(ts), outer_dim=1 if mla else 2, page_size=block_size,
-                       inner_dim=num_kv_heads * head_dim,
-                       dtype=torch_dtype_name(ts[0].dtype))
-        return cls(ts, kvl, lay, num_kv_heads, head_dim)
+        return cls(ts, geo)
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int,
+                     num_kv_heads: int, head_dim: int, mla: bool | None = None) -> "EngineKv":
+        """:meth:`from_geometry` with the geometry given as numbers (tests, benchmarks)."""
+        if not tensors:
+            raise ValueError("kv caches: no attention layers registered")
+        geo = EngineGeometry(len(tensors), int(num_kv_heads), int(head_dim), 2,
+                             torch_dtype_name(tensors[0].dtype), int(block_size))
+        return cls.from_geometry(tensors, geo, num_blocks, mla=mla)
 
     @property
     def device(self) -> torch.device:
@@ -188,11 +180,15 @@ class EngineKv:
                 t.index_copy_(0, idx, s.contiguous())
 
 
-def numpy_staging(nbytes: int) -> tuple[np.ndarray, torch.Tensor]:
-    """A 4 KiB-aligned host buffer as numpy (for the pools) and as a torch uint8 tensor sharing memory."""
-    from ...memory import aligned_empty
-    arr = aligned_empty(nbytes)
+def numpy_staging(nbytes: int, pool: BufferPool | None = None) -> tuple[np.ndarray, torch.Tensor]:
+    """A 4 KiB-aligned host buffer of ``nbytes`` as numpy (for the pools) and as a torch uint8 tensor
+    sharing its memory (``torch.from_numpy``: no copy). Taken from ``pool`` (:class:`BufferPool`; give the
+    numpy array back when the pools are done with it), else newly allocated."""
+    arr = (pool or _ONE_SHOT).take(nbytes)
     return arr, torch.from_numpy(arr)
+
+
+_ONE_SHOT = BufferPool("host", 0, name="vllm-staging-one-shot")  # keeps nothing: plain aligned allocations
 
 
 def split_blocks(arr: np.ndarray, layout: KvLayout, n: int) -> list[np.ndarray]:

@@ -13,190 +13,28 @@ draft or an async-scheduling placeholder) and its KV is computed by the step bei
 
 Lookups never block the scheduler: they run on the pools' threads; until a request's lookup is done,
 ``get_num_new_matched_tokens`` answers None ("ask again next step"), and a lookup that outlives the
-tier's timeout counts as a miss beyond what is already known.
+tier's timeout counts as a miss beyond what is already known (the lookups: :mod:`.lookup`).
 """
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...model.hashing import salt_bytes, salt_hash, sequence_hashes
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool
+from ...pool.deadlines import Deadline
 from . import handoff, stats
 from .g3_mirror import G3Mirror
 from .kv_events import G3KvEvents
+from .lookup import GroupTiers, _HybridLookup, _Lookup, rank_keys
 from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob
 
+__all__ = ["G3KvEvents", "G3Mirror", "GroupTiers", "SchedulerSide"]  # G3KvEvents, G3Mirror: re-exported
+
 log = logging.getLogger("kvbm_backend.connector")
-
-
-class _Lookup:
-    """G3 prefix lookup, then G4 over the keys G3 lacks; resolves to ``(g3_blocks, g4_blocks)``: the
-    shortest prefix over every key list (TP ranks, and KV cache groups of a hybrid model).
-
-    ``keys_by_rank`` / ``g3`` / ``g4`` / ``g4_keys_by_rank``: one pool pair for every list. Or ``e3`` /
-    ``e4``: ``(keys, pool)`` per list (hybrid models keep one pool per group); all lists are one length.
-    """
-
-    def __init__(self, keys_by_rank: list[list] | None, g3: BlockPool | None, g4: BlockPool | None,
-                 timeout_s: float, g4_keys_by_rank: list[list] | None = None, *,
-                 e3: list[tuple[list, BlockPool | None]] | None = None,
-                 e4: list[tuple[list, BlockPool | None]] | None = None):
-        self.deadline = time.monotonic() + timeout_s
-        if e3 is None:
-            e3 = [(k, g3) for k in keys_by_rank or []]
-            e4 = [(k, g4) for k in (keys_by_rank if g4_keys_by_rank is None else g4_keys_by_rank) or []]
-        lens = [len(k) for k, _ in e3 + (e4 or [])]
-        self.n = n = lens[0] if lens else 0
-        self.e3 = [(k, p) for k, p in e3 if p is not None]
-        self.e4 = [(k, p) for k, p in (e4 or []) if p is not None]
-        self.p3: int | None = None
-        self.p4: int | None = None
-        if n == 0:
-            self.p3, self.p4 = 0, 0
-            return
-        if not self.e3:
-            self.p3 = 0
-            self._start_g4()
-        else:
-            self._g3f = [p.lookup_prefix(k) for k, p in self.e3]
-
-    def _start_g4(self) -> None:
-        if not self.e4 or self.p3 >= self.n:
-            self.p4 = 0
-            return
-        self._g4f = [p.lookup_prefix(k[self.p3:]) for k, p in self.e4]
-
-    @staticmethod
-    def _min_done(futs: list[Future]) -> int | None:
-        if not all(f.done() for f in futs):
-            return None
-        vals = []
-        for f in futs:
-            try:
-                vals.append(int(f.result()))
-            except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
-                log.warning("kvbm_backend: lookup failed: %s", e)
-                stats.add(lookup_errors=1)
-                vals.append(0)
-        return min(vals) if vals else 0
-
-    def poll(self) -> tuple[int, int] | None:
-        """``(g3_blocks, g4_blocks)`` once known; None while still running (before the deadline)."""
-        late = time.monotonic() > self.deadline
-        if self.p3 is None:
-            v = self._min_done(self._g3f)
-            if v is None and not late:
-                return None
-            if v is None:
-                stats.add(lookup_timeouts=1)
-            self.p3 = min(v or 0, self.n)
-            self._start_g4()
-        if self.p4 is None:
-            v = self._min_done(self._g4f)
-            if v is None and not late:
-                return None
-            if v is None:
-                stats.add(lookup_timeouts=1)
-            self.p4 = min(v or 0, self.n - self.p3)
-        return self.p3, self.p4
-
-
-@dataclass
-class GroupTiers:
-    """One vLLM KV cache group as the connector stores it.
-
-    Attributes:
-        ns: the group's namespace (:meth:`Namespace.for_group`).
-        g3, g4: the group's pools (hybrid models: one pool per group), None when the tier is off.
-        window_blocks: None for a full-attention (or MLA) group, whose blocks are needed for the whole
-            prefix; for a sliding-window group the blocks needed before a resume point
-            (:attr:`~kvbm_backend.model.namespace.KvGroup.window_blocks`): only those are saved (at the end
-            of each step's computed range) and loaded (vLLM's ``SlidingWindowManager`` null-blocks the rest).
-    """
-
-    ns: Namespace
-    g3: BlockPool | None
-    g4: BlockPool | None
-    window_blocks: int | None = None
-
-
-class _HybridLookup:
-    """Prefix lookup for a hybrid model: the full-attention groups' prefix (G3 then G4, :class:`_Lookup`),
-    then for every sliding-window group the window of blocks before the candidate resume point ``n``.
-    A hit of ``n`` blocks counts only when every group has what the engine reads there; when a window
-    lacks a block the candidate moves to that block (a window ending later would contain it), at most
-    ``max_probes`` times. Resolves to ``(n, g3_full, windows)``: ``g3_full`` leading full-group blocks are
-    in G3 (the rest of ``[0, n)`` in G4), ``windows[g] = (start, k3)``: group ``g``'s blocks
-    ``[start, n)`` are loaded, the first ``k3`` from G3, the rest from G4."""
-
-    max_probes = 8
-
-    def __init__(self, sched: "SchedulerSide", st: "_Req"):
-        self.sched, self.st = sched, st
-        self.deadline = time.monotonic() + sched.lookup_timeout_s
-        n = st.lookup_blocks
-        full = [g for g in sched.groups if g.window_blocks is None]
-        self.full = _Lookup(None, None, None, sched.lookup_timeout_s,
-                            e3=[(k, g.g3) for g in full for k in sched._group_keys(g, st, 0, n)],
-                            e4=[(k, g.g4) for g in full for k in sched._group_keys(g, st, 0, n, g4=True)])
-        self.p3: int | None = None
-        self.cand: int | None = None
-        self.probes = 0
-        self.win: dict[int, _Lookup] = {}
-        self.result: tuple[int, int, dict[int, tuple[int, int]]] | None = None
-
-    def _start(self, n: int) -> None:
-        self.cand = n
-        self.probes += 1
-        self.win = {}
-        lo = self.st.n_local
-        for gi, g in enumerate(self.sched.groups):
-            if g.window_blocks is None:
-                continue
-            a = max(n - g.window_blocks, lo, 0)
-            self.win[gi] = _Lookup(None, None, None, max(0.0, self.deadline - time.monotonic()),
-                                   e3=[(k, g.g3) for k in self.sched._group_keys(g, self.st, a, n)],
-                                   e4=[(k, g.g4) for k in self.sched._group_keys(g, self.st, a, n, g4=True)])
-
-    def poll(self):
-        if self.result is not None:
-            return self.result
-        if self.p3 is None:
-            r = self.full.poll()
-            if r is None:
-                return None
-            self.p3 = r[0]
-            n = r[0] + r[1] if self.full.n else self.st.lookup_blocks
-            if n <= self.st.n_local:
-                self.result = (0, 0, {})
-                return self.result
-            self._start(n)
-        while True:
-            res = {gi: lk.poll() for gi, lk in self.win.items()}
-            if any(v is None for v in res.values()):
-                if time.monotonic() <= self.deadline:
-                    return None
-                stats.add(lookup_timeouts=1)
-                self.result = (0, 0, {})
-                return self.result
-            n = self.cand
-            bad = [self.win[gi].n - (v[0] + v[1]) for gi, v in res.items()]
-            if not any(bad):
-                wins = {gi: (n - self.win[gi].n, v[0]) for gi, v in res.items()}
-                self.result = (n, min(self.p3, n), wins)
-                return self.result
-            # the first missing block of a window: a hit must end at or before it
-            nxt = min(n - self.win[gi].n + v[0] + v[1] for gi, v in res.items() if self.win[gi].n != v[0] + v[1])
-            if nxt <= self.st.n_local or self.probes >= self.max_probes:
-                stats.add(lookup_window_misses=1)
-                self.result = (0, 0, {})
-                return self.result
-            self._start(nxt)
 
 
 @dataclass
@@ -249,7 +87,7 @@ class SchedulerSide:
         self._first_query: float | None = None
         self.events: G3KvEvents | None = None  # set by the connector when vLLM publishes KV events
         self.handoff = handoff.HandoffWaits(handoff_wait_s)
-        self._handoff_retry_at: dict[str, float] = {}
+        self._handoff_retry_at: dict[str, Deadline] = {}  # no new look at G3/G4 before it
 
     # ---- identity ------------------------------------------------------------------------------
     def _state(self, request: Any) -> _Req:
@@ -282,18 +120,9 @@ class SchedulerSide:
     def _keys_by_rank(self, st: _Req, n: int) -> list[list]:
         return [self.ns.keys(st.hashes[:n], st.tenant, r) for r in range(self.ns.tp_world_size)]
 
-    def _group_keys(self, g: GroupTiers, st: _Req, a: int, n: int, g4: bool = False) -> list[list]:
-        """Keys of blocks ``[a, n)`` of ``st`` in group ``g``'s namespace, one list per TP rank (``g4``:
-        per distinct G4 rank, :meth:`Namespace.shared_rank`)."""
-        ranks = range(g.ns.tp_world_size)
-        if g4:
-            ranks = sorted({g.ns.shared_rank(r) for r in ranks})
-        return [g.ns.keys(st.hashes[a:n], st.tenant, r) for r in ranks]
-
-    def _g4_keys_by_rank(self, st: _Req, n: int) -> list[list]:
-        """G4 keys of every rank's slice, each distinct list once (replicated MLA blocks: one list)."""
-        ranks = sorted({self.ns.shared_rank(r) for r in range(self.ns.tp_world_size)})
-        return [self.ns.keys(st.hashes[:n], st.tenant, r) for r in ranks]
+    def _group_keys(self, g: GroupTiers, st: _Req, a: int, n: int) -> list[list]:
+        """Keys of blocks ``[a, n)`` of ``st`` in group ``g``'s namespace, one list per TP rank."""
+        return [g.ns.keys(st.hashes[a:n], st.tenant, r) for r in range(g.ns.tp_world_size)]
 
     # ---- vLLM scheduler hooks --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -305,7 +134,8 @@ class SchedulerSide:
         if want is None or (self.g3 is None and self.g4 is None):
             return self._matched(request, num_computed_tokens)
         rid = request.request_id
-        if time.monotonic() < self._handoff_retry_at.get(rid, 0.0):
+        retry = self._handoff_retry_at.get(rid)
+        if retry is not None and not retry.expired():
             return None, False
         n, is_async = self._matched(request, num_computed_tokens)
         if n is None:
@@ -314,7 +144,7 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is not None:
                 st.lookup = None  # fresh G3/G4 queries at the next look
-            self._handoff_retry_at[rid] = time.monotonic() + HANDOFF_RETRY_S
+            self._handoff_retry_at[rid] = Deadline(HANDOFF_RETRY_S)
             return None, False
         self._handoff_retry_at.pop(rid, None)
         return n, is_async
@@ -346,8 +176,8 @@ class SchedulerSide:
             if self.multi:
                 st.lookup = _HybridLookup(self, st)
             else:
-                st.lookup = _Lookup(self._keys_by_rank(st, st.lookup_blocks), self.g3, self.g4,
-                                    self.lookup_timeout_s, g4_keys_by_rank=self._g4_keys_by_rank(st, st.lookup_blocks))
+                by_rank, g4 = rank_keys(self.ns, st.hashes[:st.lookup_blocks], st.tenant)  # built once
+                st.lookup = _Lookup(by_rank, self.g3, self.g4, self.lookup_timeout_s, g4_keys_by_rank=g4)
         res = st.lookup.poll()
         if res is None:
             return None, False

@@ -29,24 +29,31 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ...gpu.checksum import device_checksums_torch
 from ...gpu.host_path import device_blocks_to_host
+from ...memory import BufferPool
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool, GetResult, PutResult, SlotLeaseSource
+from ...pool.deadlines import Deadline
 from . import stats
 from .kv_io import EngineKv, numpy_staging, split_blocks
 from .metadata import KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
 
 log = logging.getLogger("kvbm_backend.connector")
 
+#: bytes of free save staging buffers kept for reuse (at most ``max_pending_save_bytes``). Reuse skips the
+#: page faults of a fresh buffer in the gather copy: measured on the 2-core dev VM, copying into a fresh
+#: aligned buffer vs one taken again from the pool: 256 KiB 1.07 vs 0.15 ms, 2 MiB 0.57 vs 0.37 ms,
+#: 16 MiB 8.3 vs 5.6 ms.
+SAVE_STAGING_KEEP_BYTES = 64 << 20
+
 
 @dataclass
 class _Load:
     job: LoadJob
-    deadline: float
+    deadline: Deadline
     state: str = "pending"           # pending -> done | timed_out
     ok_prefix: int = 0               # blocks scattered into the engine
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -76,6 +83,9 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-load")
         self._pending_save_bytes = 0
+        # host staging of saves, given back once every pool finished reading it (SAVE_STAGING_KEEP_BYTES)
+        self._staging = BufferPool("host", min(SAVE_STAGING_KEEP_BYTES, max(0, max_pending_save_bytes)),
+                                   name="vllm-save-staging")
         # report_g3: the scheduler runs in another process and mirrors our G3 index (KvbmWorkerMeta)
         self.report_g3 = report_g3 and g3 is not None
         self._snapshot_sent = False
@@ -129,7 +139,7 @@ class WorkerSide:
                     continue
                 self._pending_save_bytes += nbytes
             t0 = time.perf_counter()
-            arr, host = numpy_staging(nbytes)
+            arr, host = numpy_staging(nbytes, self._staging)
             checks = None
             if self.on_cuda:
                 dev = torch.empty(nbytes, dtype=torch.uint8, device=self.kv.device)
@@ -146,7 +156,7 @@ class WorkerSide:
             blocks = split_blocks(arr, self.kv.layout, n)
             # A replicated block (MLA) goes to G4 once, from the rank whose key names it.
             g4 = self.save_to_g4 and self.ns.shared_rank(self.rank) == self.rank
-            self._put_all(keys, blocks, arr, nbytes, g4=g4, dev_checks=checks)
+            self._put_all(keys, blocks, arr, nbytes, g4=g4, dev_checks=checks, recycle=True)
 
     def _g4_keys(self, keys: list) -> list:
         """``keys`` as named in G4 (:meth:`Namespace.shared_rank`)."""
@@ -154,7 +164,10 @@ class WorkerSide:
         return keys if r == self.rank else [k._replace(rank=r) for k in keys]
 
     def _put_all(self, keys, blocks, arr, nbytes: int, g3: bool = True, g4: bool = True,
-                 dev_checks: list | None = None, promote: bool = False) -> None:
+                 dev_checks: list | None = None, promote: bool = False, recycle: bool = False) -> None:
+        """Hand ``blocks`` (views of ``arr``) to the pools. ``recycle``: ``arr`` came from the save staging
+        pool and goes back to it when every put completed without an error (after an error a pool may
+        still read it: it is then left to the garbage collector, never reused)."""
         futs: list[tuple[str, Future]] = []
         if g3 and self.g3 is not None:
             kw = {}
@@ -168,8 +181,11 @@ class WorkerSide:
         if not futs:
             with self._lock:
                 self._pending_save_bytes -= nbytes
+            if recycle:
+                self._staging.give(arr)
             return
         remaining = [len(futs)]
+        failed = [False]
         rlock = threading.Lock()
 
         def done(tier: str, f: Future, _arr=arr) -> None:  # _arr keeps the staging alive
@@ -185,12 +201,15 @@ class WorkerSide:
             except Exception as e:  # noqa: BLE001 - a failed offload is a dropped offload
                 log.warning("kvbm_backend: %s put failed: %s", tier, e)
                 stats.add(**{f"{tier}_put_errors": 1, f"{tier}_put_dropped_blocks": len(keys)})
+                failed[0] = True
             with rlock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
                 with self._lock:
                     self._pending_save_bytes -= nbytes
+                if recycle and not failed[0]:
+                    self._staging.give(_arr)
 
         for tier, f in futs:
             f.add_done_callback(lambda f, t=tier: done(t, f))
@@ -207,7 +226,7 @@ class WorkerSide:
     # ---- loads ----------------------------------------------------------------------------------
     def start_loads(self, jobs: list[LoadJob]) -> None:
         for job in jobs:
-            ld = _Load(job, time.monotonic() + self.load_timeout_s)
+            ld = _Load(job, Deadline(self.load_timeout_s))
             with self._lock:
                 self._loads[job.req_id] = ld
             stats.add(load_jobs=1, load_blocks_requested=len(job.block_ids))
@@ -215,7 +234,7 @@ class WorkerSide:
 
     def _get(self, pool: BlockPool, keys, out, timeout: float) -> list[bool]:
         try:
-            r: GetResult = pool.get(keys, out).result(timeout=max(0.0, timeout))
+            r: GetResult = pool.get(keys, out).result(timeout=timeout)
             ok = list(r.ok)
             return ok + [False] * (len(keys) - len(ok))
         except Exception as e:  # noqa: BLE001 - late or failed read: a miss
@@ -242,7 +261,7 @@ class WorkerSide:
                     continue
                 tkeys = [keys[i] for i in tier_idx]
                 res = self._get(pool, tkeys if pool is self.g3 else self._g4_keys(tkeys),
-                                [rows[i] for i in tier_idx], ld.deadline - time.monotonic())
+                                [rows[i] for i in tier_idx], ld.deadline.left())
                 for i, good in zip(tier_idx, res):
                     ok[i] = bool(good)
                 if not all(res):
@@ -298,13 +317,12 @@ class WorkerSide:
     def get_finished(self) -> set[str]:
         """Request ids whose loads are over (done, failed or timed out); their failed block ids are
         added to :meth:`load_errors` in the same call."""
-        now = time.monotonic()
         out: set[str] = set()
         with self._lock:
             items = list(self._loads.items())
         for rid, ld in items:
             with ld.lock:
-                if ld.state == "pending" and now > ld.deadline:
+                if ld.state == "pending" and ld.deadline.expired():
                     ld.state = "timed_out"
                     ld.ok_prefix = 0
                     stats.add(load_timeouts=1, load_blocks_failed=len(ld.job.block_ids))

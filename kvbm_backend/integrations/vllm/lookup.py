@@ -1,0 +1,201 @@
+"""Prefix lookups of the scheduler-role connector: G3 then G4 for every TP rank (:class:`_Lookup`), and for a
+hybrid model every KV cache group with its sliding windows (:class:`_HybridLookup`).
+
+Lookups never block the scheduler: they run on the pools' threads and are polled once per step; past
+their :class:`~kvbm_backend.pool.deadlines.Deadline` what is not known counts as a miss. The keys of one
+lookup are built once (:func:`rank_keys`): G3 and G4 share the lists (G4 only the distinct
+:meth:`~kvbm_backend.model.namespace.Namespace.shared_rank` ones).
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ...model.namespace import Namespace
+from ...pool.base import BlockPool
+from ...pool.deadlines import Deadline
+from . import stats
+
+if TYPE_CHECKING:
+    from .scheduler_side import SchedulerSide, _Req
+
+log = logging.getLogger("kvbm_backend.connector")
+
+
+def rank_keys(ns: Namespace, seq_hashes: list[int], tenant: str) -> tuple[list[list], list[list]]:
+    """``(by_rank, g4)``: the keys of ``seq_hashes`` for every TP rank of ``ns`` (each rank's G3 pool), and
+    the same lists for each distinct G4 rank (:meth:`Namespace.shared_rank`: one list for replicated MLA
+    blocks). Built once per lookup and shared by G3 and G4."""
+    by_rank = [ns.keys(seq_hashes, tenant, r) for r in range(ns.tp_world_size)]
+    return by_rank, [by_rank[r] for r in sorted({ns.shared_rank(r) for r in range(ns.tp_world_size)})]
+
+
+class _Lookup:
+    """G3 prefix lookup, then G4 over the keys G3 lacks; resolves to ``(g3_blocks, g4_blocks)``: the
+    shortest prefix over every key list (TP ranks, and KV cache groups of a hybrid model).
+
+    ``keys_by_rank`` / ``g3`` / ``g4`` / ``g4_keys_by_rank``: one pool pair for every list. Or ``e3`` /
+    ``e4``: ``(keys, pool)`` per list (hybrid models keep one pool per group); all lists are one length.
+    """
+
+    def __init__(self, keys_by_rank: list[list] | None, g3: BlockPool | None, g4: BlockPool | None,
+                 timeout_s: float | Deadline, g4_keys_by_rank: list[list] | None = None, *,
+                 e3: list[tuple[list, BlockPool | None]] | None = None,
+                 e4: list[tuple[list, BlockPool | None]] | None = None):
+        """``timeout_s``: seconds, or a :class:`Deadline` shared with the caller."""
+        self.deadline = timeout_s if isinstance(timeout_s, Deadline) else Deadline(timeout_s)
+        if e3 is None:
+            e3 = [(k, g3) for k in keys_by_rank or []]
+            e4 = [(k, g4) for k in (keys_by_rank if g4_keys_by_rank is None else g4_keys_by_rank) or []]
+        lens = [len(k) for k, _ in e3 + (e4 or [])]
+        self.n = n = lens[0] if lens else 0
+        self.e3 = [(k, p) for k, p in e3 if p is not None]
+        self.e4 = [(k, p) for k, p in (e4 or []) if p is not None]
+        self.p3: int | None = None
+        self.p4: int | None = None
+        if n == 0:
+            self.p3, self.p4 = 0, 0
+            return
+        if not self.e3:
+            self.p3 = 0
+            self._start_g4()
+        else:
+            self._g3f = [p.lookup_prefix(k) for k, p in self.e3]
+
+    def _start_g4(self) -> None:
+        if not self.e4 or self.p3 >= self.n:
+            self.p4 = 0
+            return
+        self._g4f = [p.lookup_prefix(k[self.p3:]) for k, p in self.e4]
+
+    @staticmethod
+    def _min_done(futs: list[Future]) -> int | None:
+        if not all(f.done() for f in futs):
+            return None
+        vals = []
+        for f in futs:
+            try:
+                vals.append(int(f.result()))
+            except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
+                log.warning("kvbm_backend: lookup failed: %s", e)
+                stats.add(lookup_errors=1)
+                vals.append(0)
+        return min(vals) if vals else 0
+
+    def poll(self) -> tuple[int, int] | None:
+        """``(g3_blocks, g4_blocks)`` once known; None while still running (before the deadline)."""
+        late = self.deadline.expired()
+        if self.p3 is None:
+            v = self._min_done(self._g3f)
+            if v is None and not late:
+                return None
+            if v is None:
+                stats.add(lookup_timeouts=1)
+            self.p3 = min(v or 0, self.n)
+            self._start_g4()
+        if self.p4 is None:
+            v = self._min_done(self._g4f)
+            if v is None and not late:
+                return None
+            if v is None:
+                stats.add(lookup_timeouts=1)
+            self.p4 = min(v or 0, self.n - self.p3)
+        return self.p3, self.p4
+
+
+@dataclass
+class GroupTiers:
+    """One vLLM KV cache group as the connector stores it.
+
+    Attributes:
+        ns: the group's namespace (:meth:`Namespace.for_group`).
+        g3, g4: the group's pools (hybrid models: one pool per group), None when the tier is off.
+        window_blocks: None for a full-attention (or MLA) group, whose blocks are needed for the whole
+            prefix; for a sliding-window group the blocks needed before a resume point
+            (:attr:`~kvbm_backend.model.namespace.KvGroup.window_blocks`): only those are saved (at the end
+            of each step's computed range) and loaded (vLLM's ``SlidingWindowManager`` null-blocks the rest).
+    """
+
+    ns: Namespace
+    g3: BlockPool | None
+    g4: BlockPool | None
+    window_blocks: int | None = None
+
+
+class _HybridLookup:
+    """Prefix lookup for a hybrid model: the full-attention groups' prefix (G3 then G4, :class:`_Lookup`),
+    then for every sliding-window group the window of blocks before the candidate resume point ``n``.
+    A hit of ``n`` blocks counts only when every group has what the engine reads there; when a window
+    lacks a block the candidate moves to that block (a window ending later would contain it), at most
+    ``max_probes`` times. Resolves to ``(n, g3_full, windows)``: ``g3_full`` leading full-group blocks are
+    in G3 (the rest of ``[0, n)`` in G4), ``windows[g] = (start, k3)``: group ``g``'s blocks
+    ``[start, n)`` are loaded, the first ``k3`` from G3, the rest from G4."""
+
+    max_probes = 8
+
+    def __init__(self, sched: "SchedulerSide", st: "_Req"):
+        self.sched, self.st = sched, st
+        self.deadline = Deadline(sched.lookup_timeout_s)
+        n = st.lookup_blocks
+        e3, e4 = [], []
+        for g in sched.groups:
+            if g.window_blocks is None:
+                by_rank, g4 = rank_keys(g.ns, st.hashes[:n], st.tenant)
+                e3 += [(k, g.g3) for k in by_rank]
+                e4 += [(k, g.g4) for k in g4]
+        self.full = _Lookup(None, None, None, self.deadline, e3=e3, e4=e4)
+        self.p3: int | None = None
+        self.cand: int | None = None
+        self.probes = 0
+        self.win: dict[int, _Lookup] = {}
+        self.result: tuple[int, int, dict[int, tuple[int, int]]] | None = None
+
+    def _start(self, n: int) -> None:
+        self.cand = n
+        self.probes += 1
+        self.win = {}
+        lo = self.st.n_local
+        for gi, g in enumerate(self.sched.groups):
+            if g.window_blocks is None:
+                continue
+            a = max(n - g.window_blocks, lo, 0)
+            by_rank, g4 = rank_keys(g.ns, self.st.hashes[a:n], self.st.tenant)
+            self.win[gi] = _Lookup(None, None, None, self.deadline,
+                                   e3=[(k, g.g3) for k in by_rank], e4=[(k, g.g4) for k in g4])
+
+    def poll(self):
+        if self.result is not None:
+            return self.result
+        if self.p3 is None:
+            r = self.full.poll()
+            if r is None:
+                return None
+            self.p3 = r[0]
+            n = r[0] + r[1] if self.full.n else self.st.lookup_blocks
+            if n <= self.st.n_local:
+                self.result = (0, 0, {})
+                return self.result
+            self._start(n)
+        while True:
+            res = {gi: lk.poll() for gi, lk in self.win.items()}
+            if any(v is None for v in res.values()):
+                if not self.deadline.expired():
+                    return None
+                stats.add(lookup_timeouts=1)
+                self.result = (0, 0, {})
+                return self.result
+            n = self.cand
+            bad = [self.win[gi].n - (v[0] + v[1]) for gi, v in res.items()]
+            if not any(bad):
+                wins = {gi: (n - self.win[gi].n, v[0]) for gi, v in res.items()}
+                self.result = (n, min(self.p3, n), wins)
+                return self.result
+            # the first missing block of a window: a hit must end at or before it
+            nxt = min(n - self.win[gi].n + v[0] + v[1] for gi, v in res.items() if self.win[gi].n != v[0] + v[1])
+            if nxt <= self.st.n_local or self.probes >= self.max_probes:
+                stats.add(lookup_window_misses=1)
+                self.result = (0, 0, {})
+                return self.result
+            self._start(nxt)
