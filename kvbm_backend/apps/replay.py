@@ -210,11 +210,11 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
     else:
         from kvbm_backend.memory import aligned_empty
         from kvbm_backend.metrics import new_registry
-        from kvbm_backend.pool.g3 import G3Pool
+        from kvbm_backend.pool import open_pool
         run_dir = os.path.join(g3_path, f"replay-{uuid.uuid4().hex[:12]}")
         cfg = G3Config(paths=[run_dir], capacity_gb=g3_capacity_gb, admission=admission,
                        write_queue_blocks=max(chunk, 1), files_per_path=4)
-        pool = G3Pool(cfg, ns, registry=new_registry())
+        pool = open_pool(cfg, ns, registry=new_registry())
         base = (np.arange(bb // 8, dtype=np.uint64) * _MIX) if bb % 8 == 0 else None
         if base is None:
             raise ValueError(f"layout {layout}: block of {bb} bytes is not a multiple of 8")

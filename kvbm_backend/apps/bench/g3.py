@@ -40,7 +40,7 @@ def _cpu() -> float:
 
 
 def _pool_round(dirs: list[str], ns: Namespace, opts: BenchOptions, src: np.ndarray, dst: np.ndarray) -> dict:
-    from kvbm_backend.pool.g3 import G3Pool
+    from kvbm_backend.pool import open_pool
 
     lay = ns.layout
     bb = lay.bytes_per_block
@@ -49,7 +49,7 @@ def _pool_round(dirs: list[str], ns: Namespace, opts: BenchOptions, src: np.ndar
     cfg = G3Config(paths=dirs, capacity_gb=cap_gb, io_size_bytes=opts.io_size_bytes, engine=opts.engine,
                    io_threads=opts.threads, write_queue_blocks=max(n, 1), fsync=True,
                    admission=AdmissionConfig(policy="all"), min_free_fraction=0.02)
-    pool = G3Pool(cfg, ns, registry=new_registry())
+    pool = open_pool(cfg, ns, registry=new_registry())
     try:
         keys = ns.keys(range(1, n + 1))
         blocks = [src[i * bb:(i + 1) * bb] for i in range(n)]

@@ -158,9 +158,9 @@ def _pool_measure(ix: CompactLruIndex, d, n: int) -> dict:
     journal restore builds), so the time is the public ``pool.lookup_prefix(keys).result()``."""
     from kvbm_backend.config import AdmissionConfig, G3Config
     from kvbm_backend.metrics import new_registry
-    from kvbm_backend.pool.g3 import G3Pool
+    from kvbm_backend.pool import open_pool
     with tempfile.TemporaryDirectory(prefix="kvbm-bench-index-") as tmp:
-        pool = G3Pool(G3Config(paths=[tmp], capacity_gb=0.02, files_per_path=1,
+        pool = open_pool(G3Config(paths=[tmp], capacity_gb=0.02, files_per_path=1,
                                admission=AdmissionConfig(policy="all")), NAMESPACE, registry=new_registry())
         try:
             empty, pool.index = pool.index, ix  # the index the pool's journal restore would have built

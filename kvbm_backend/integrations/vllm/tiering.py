@@ -92,6 +92,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 from ...config import ConfigError, KvbmBackendConfig, load_config
 from ...memory import BufferPool
 from ...model.namespace import BlockKey, Namespace
+from ...pool import open_pool
 from ...pool.deadlines import Deadline
 from ..tiers import announce_tiers
 from .geometry import PrimaryGeometry
@@ -134,10 +135,11 @@ class _PoolLookup(AsyncLookupManager):
         t = self._tier
         tenant = t._tenant_of(req_context)
         futs = [t.pool.lookup_prefix(t._block_keys(k, tenant)) for k in keys]
+        end = Deadline(t._job_timeout_s)  # one bound for the whole batch, not one per key
         out = []
         for f in futs:
             try:
-                out.append(f.result(timeout=t._job_timeout_s) == t.geometry.copies)
+                out.append(f.result(timeout=end.left()) == t.geometry.copies)
             except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
                 log.debug("lookup failed: %s", e)
                 out.append(False)
@@ -441,8 +443,7 @@ class G3Tier(KvbmSecondaryTier):
     default_locality = "LOCAL"
 
     def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
-        from ...pool.g3 import G3Pool
-        return G3Pool(cfg.g3, namespace)
+        return open_pool(cfg.g3, namespace)
 
 
 class G4Tier(KvbmSecondaryTier):
@@ -452,10 +453,6 @@ class G4Tier(KvbmSecondaryTier):
     default_locality = "REMOTE"
 
     def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
-        try:
-            from ...g4 import G4Pool
-        except ImportError:
-            from ...g4.pool import G4Pool
         if not cfg.g4.url:
             raise ConfigError("g4.url: required for G4Tier (s3://BUCKET/PREFIX or file:///shared/path)")
-        return G4Pool(cfg.g4.model_copy(update={"enabled": True}), namespace)
+        return open_pool(cfg.g4.model_copy(update={"enabled": True}), namespace)
