@@ -1,6 +1,7 @@
 """Key-encryption keys (KEKs) of the keyring (:mod:`.keyring`): the :class:`KeyProvider` protocol, the
 local provider :class:`LocalKek` (env var or 0600 file, AES key wrap RFC 3394) and :func:`provider_for`;
-the keyring's errors; and the file checks both use (private mode, read-only directory, directory fsync).
+the keyring's errors; the file checks both use (private mode, read-only directory, directory fsync);
+and the keyring file's small codecs (base64 fields, ISO times, change stamp) and :class:`DataKey`.
 
 Nothing here prints or logs key material. Errors are :class:`KeyringError` naming the file or variable.
 """
@@ -15,6 +16,7 @@ import secrets
 import socket
 import stat
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -183,3 +185,32 @@ def provider_for(path: str | os.PathLike, kek_env: str = "KVBM_BACKEND_KEK", kek
                 return LocalKek.from_file(kf)
             raise
     raise KeyringError(f"keyring {path}: no KEK (set ${kek_env} to a base64 32-byte key or provide {kf})")
+
+
+def _stamp(st: os.stat_result) -> tuple:
+    """What identifies one version of the keyring file (an atomic replace changes the inode)."""
+    return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev)
+
+
+class DataKey:
+    """One tenant data key version. ``repr`` never shows the key bytes."""
+
+    __slots__ = ("key_id", "version", "key")
+
+    def __init__(self, key_id: int, version: int, key: bytes):
+        self.key_id, self.version, self.key = key_id, version, key
+
+    def __repr__(self) -> str:
+        return f"DataKey(key_id={self.key_id}, version={self.version}, key=<redacted>)"
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+def _unb64(s: str) -> bytes:
+    return base64.b64decode(s)
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()

@@ -47,7 +47,6 @@ Errors are :class:`KeyringError` with a message naming the file or variable at f
 """
 from __future__ import annotations
 
-import base64
 import contextlib
 import fcntl
 import hashlib
@@ -60,11 +59,11 @@ import socket
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 
-from .kek import (KEY_BYTES, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant,
-                  _check_private, _fsync_dir, dir_is_read_only, generate_kek_b64, provider_for)
+from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant, _b64,
+                  _check_private, _fsync_dir, _now_iso, _stamp, _unb64, dir_is_read_only, generate_kek_b64,
+                  provider_for)
 
 FORMAT = "kvbm-backend-keyring/1"
 NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
@@ -77,35 +76,6 @@ __all__ = ["DEFAULT_MISS_RELOAD_MIN_S", "DEFAULT_ROTATE_AFTER", "FORMAT", "KEY_B
            "UnknownTenant", "dir_is_read_only", "generate_kek_b64", "provider_for"]  # the KEK names: from .kek
 
 log = logging.getLogger(__name__)
-
-
-def _stamp(st: os.stat_result) -> tuple:
-    """What identifies one version of the keyring file (an atomic replace changes the inode)."""
-    return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev)
-
-
-class DataKey:
-    """One tenant data key version. ``repr`` never shows the key bytes."""
-
-    __slots__ = ("key_id", "version", "key")
-
-    def __init__(self, key_id: int, version: int, key: bytes):
-        self.key_id, self.version, self.key = key_id, version, key
-
-    def __repr__(self) -> str:
-        return f"DataKey(key_id={self.key_id}, version={self.version}, key=<redacted>)"
-
-
-def _b64(b: bytes) -> str:
-    return base64.b64encode(b).decode()
-
-
-def _unb64(s: str) -> bytes:
-    return base64.b64decode(s)
-
-
-def _now_iso() -> str:
-    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
 
 
 class Keyring:
