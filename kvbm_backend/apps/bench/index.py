@@ -21,8 +21,8 @@ Per size, per index:
   :meth:`~kvbm_backend.pool.g3.pool.G3Pool.lookup_prefix` (pool lock, counters and metrics included) of a
   real G3 pool (a tiny one in a temporary directory) holding the built index; ``prefix_lookup_path``
   names the call measured.
-- ``partial_lookup_ms``: the same lookups of prefixes whose block ``PARTIAL_AT`` (300) is absent (a rank-1
-  key: the bench holds rank 0 only), i.e. a partial hit of 300 blocks, the usual case of a new request
+- ``partial_lookup_ms``: the same lookups of prefixes whose block ``PARTIAL_AT`` (300) is absent (a
+  sequence hash no entry has), i.e. a partial hit of 300 blocks, the usual case of a new request
   (``partial_hit_blocks``); median / p99 / min / max.
 - ``get_us``: ``get(key, touch=True)`` of one random present key (the pool's get/lease path), mean.
 - ``evict_ms``: ``evict(1024)`` on the full index, median of 5.
@@ -92,10 +92,13 @@ def _prefixes(d, n: int, rng) -> list[list[BlockKey]]:
     return out
 
 
-def _partial(pre: list[list[BlockKey]]) -> list[list[BlockKey]]:
-    """The prefixes with block PARTIAL_AT replaced by an absent key (rank 1: the bench holds rank 0 only)."""
-    return [k[:PARTIAL_AT] + [k[PARTIAL_AT]._replace(rank=1)] + k[PARTIAL_AT + 1:] if len(k) > PARTIAL_AT else k
-            for k in pre]
+def _partial(pre: list[list[BlockKey]], d, n: int) -> list[list[BlockKey]]:
+    """The prefixes with block PARTIAL_AT replaced by an absent key of the same tenant and rank (a sequence
+    hash none of the ``n`` entries has)."""
+    cand = np.random.default_rng(2).integers(0, 2 ** 64, 4 * len(pre), dtype=np.uint64, endpoint=False)
+    absent = cand[~np.isin(cand, d["seqs"][:n])].tolist()
+    return [k[:PARTIAL_AT] + [k[PARTIAL_AT]._replace(seq_hash=a)] + k[PARTIAL_AT + 1:] if len(k) > PARTIAL_AT
+            else k for k, a in zip(pre, absent)]
 
 
 def _partial_want(keys: list) -> int:
@@ -127,7 +130,7 @@ def _measure(ix, d, n: int, seed: int, lookup=None) -> dict:
         def lookup(keys):
             return ix.lookup_prefix(keys, NS)
     full = _timed(lookup, pre, len, "")
-    part = _timed(lookup, _partial(pre), _partial_want, "partial")
+    part = _timed(lookup, _partial(pre, d, n), _partial_want, "partial")
     pick = rng.integers(0, n, 10000)
     gk = [BlockKey(NS, TENANTS[int(d["tenant"][i])], 0, int(d["seqs"][i])) for i in pick]
     t0 = time.perf_counter()
@@ -237,7 +240,8 @@ def _mirror(d, n: int) -> dict:
         raise RuntimeError(f"index bench: mirror holds {len(m)} of {n}")
     pre = _prefixes(d, n, np.random.default_rng(1))
     full = _timed(lambda keys: m.lookup_prefix(keys).result(), pre, len, "mirror")
-    part = _timed(lambda keys: m.lookup_prefix(keys).result(), _partial(pre), _partial_want, "mirror partial")
+    part = _timed(lambda keys: m.lookup_prefix(keys).result(), _partial(pre, d, n), _partial_want,
+                  "mirror partial")
     st = m.stats()
     return {"entries": n, "bytes_per_block": round(st["bytes"] / n, 2), "array_bytes": st["bytes"],
             "apply_s": round(apply_s, 3), "prefix_lookup_ms": full, "partial_hit_blocks": PARTIAL_AT,
