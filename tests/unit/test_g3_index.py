@@ -219,6 +219,7 @@ def test_bench_index_json():
     for x in (c, o):
         assert x["entries"] == 20000 and x["bytes_per_block"] > 0 and x["rebuild_s"] > 0
         assert x["prefix_lookup_ms"]["median"] > 0 and x["get_us"] > 0
+        assert x["partial_hit_blocks"] == 300 and x["partial_lookup_ms"]["median"] > 0
     assert c["array_bytes"] > 0 and set(d["targets"]) >= {"memory_under_1_gib", "prefix_8k_under_1_ms"}
 
 
@@ -309,3 +310,61 @@ def test_find_run_matches_the_scalar_probe():
             want = [ix._find(o, rank, q)[0] for q in probe.tolist()]
             assert ix._find_run(o, rank, probe).tolist() == want
     _check_table(ix)
+
+
+def _lookup_one_by_one(ix, keys, namespace=None):
+    """The simple path lookup_prefix must equal: get(k, touch=True) key by key until the first miss."""
+    i = 0
+    for k in keys:
+        if (namespace is not None and k.namespace != namespace) or ix.get(k, touch=True) is None:
+            break
+        i += 1
+    return i
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lookup_prefix_matches_the_key_by_key_path(seed):
+    """lookup_prefix (first chunk, then the rest; vectorised probes) returns what get(k, touch=True) key by
+    key returns and leaves the same LRU order and TagKey adoption, on random prefixes: mixed namespaces,
+    tenants and ranks, seq hashes >= 2**63, repeated keys, misses before, at and after the first chunk's
+    end, and tag entries (restored, unknown tenant) adopted by the lookup."""
+    rng = random.Random(seed)
+    nrng = np.random.default_rng(seed)
+    seqs = nrng.integers(0, 2 ** 64, 3000, dtype=np.uint64).tolist() + [(1 << 64) - 1, 1 << 63, 0]
+    runs = {(t, r): [BlockKey(NS, t, r, s) for s in rng.sample(seqs, 1500)] for t in TENANTS for r in (0, 1)}
+    a, b = CompactLruIndex(), CompactLruIndex()
+    slot = 0
+    for (t, r), ks in runs.items():
+        for k in ks[:1400]:  # the last 100 of each run: absent
+            slot += 1
+            for ix in (a, b):
+                if t == "alice" and slot % 2:
+                    ix.restore(_tag(k), (slot % 7, slot))  # a tag entry until a lookup adopts it
+                else:
+                    ix.put(k, (slot % 7, slot))
+    first = ci.FIRST_CHUNK
+    for case in range(40):
+        t, r = rng.choice(list(runs))
+        run = runs[(t, r)]
+        n = rng.choice([9, 300, first - 1, first, first + 1, first + first // 2 + 1, 1000, 1399])
+        start = rng.randrange(0, 1400 - n + 1)
+        keys = run[start:start + n]
+        kind = case % 6
+        if kind == 1:  # a miss somewhere, often around the first chunk's end
+            at = rng.choice([0, 1, first - 1, first, first + 1, rng.randrange(n)])
+            keys = keys[:at] + [run[1400 + case % 100]] + keys[at:]
+        elif kind == 2:  # another tenant or rank from some point on (one key or all the rest)
+            at = rng.randrange(n)
+            o = runs[rng.choice([k for k in runs if k != (t, r)])]
+            keys = keys[:at] + (o[at:at + 1] + keys[at + 1:] if case % 2 else o[at:n])
+        elif kind == 3:  # another namespace from some point on
+            at = rng.choice([0, first - 1, first, rng.randrange(n)])
+            keys = keys[:at] + [k._replace(namespace=NS2) for k in keys[at:]]
+        elif kind == 4:  # repeated keys
+            keys = keys + keys[: n // 3]
+        elif kind == 5:  # a random mix of every run (the vectorised mixed-owner probe)
+            keys = [rng.choice(rng.choice(list(runs.values()))) for _ in range(n)]
+        for ns in (None, NS) if kind == 3 else (rng.choice([None, NS]),):
+            assert a.lookup_prefix(keys, ns) == _lookup_one_by_one(b, keys, ns)
+            assert list(a.items()) == list(b.items())
+    assert [s for _, s in a.evict(len(a))] == [s for _, s in b.evict(len(b))]

@@ -21,6 +21,9 @@ Per size, per index:
   :meth:`~kvbm_backend.pool.g3.pool.G3Pool.lookup_prefix` (pool lock, counters and metrics included) of a
   real G3 pool (a tiny one in a temporary directory) holding the built index; ``prefix_lookup_path``
   names the call measured.
+- ``partial_lookup_ms``: the same lookups of prefixes whose block ``PARTIAL_AT`` (300) is absent (a
+  sequence hash no entry has), i.e. a partial hit of 300 blocks, the usual case of a new request
+  (``partial_hit_blocks``); median / p99 / min / max.
 - ``get_us``: ``get(key, touch=True)`` of one random present key (the pool's get/lease path), mean.
 - ``evict_ms``: ``evict(1024)`` on the full index, median of 5.
 - ``table_grow_s`` (compact): one rebuild of the hash table at twice its size, what a ``put`` that
@@ -29,7 +32,8 @@ Per size, per index:
 ``mirror``: the scheduler's G3 mirror (:class:`~kvbm_backend.integrations.vllm.g3_mirror.G3Mirror`, 64-bit
 fingerprints in a numpy hash set) at the same sizes: ``bytes_per_block`` (its table's ``nbytes`` / blocks),
 ``apply_s`` (the snapshot applied as 1M-entry reports: fingerprinting and table growth included, building
-the reports not) and ``prefix_lookup_ms`` (``G3Mirror.lookup_prefix(keys).result()`` of the same 8192-key prefixes, all present).
+the reports not), ``prefix_lookup_ms`` (``G3Mirror.lookup_prefix(keys).result()`` of the same 8192-key
+prefixes, all present) and ``partial_lookup_ms`` (the same with block 300 absent, as above).
 
 Keys: random 64-bit sequence hashes, 8 tenants (one of them ``""``, the rest restored as tag entries),
 rank 0, 8 files. Times are wall-clock (``perf_counter``), on whatever else the machine runs.
@@ -57,6 +61,7 @@ NS = NAMESPACE.fingerprint
 TENANTS = [""] + [f"tenant-{i}" for i in range(7)]
 PREFIX = 8192
 LOOKUPS = 50
+PARTIAL_AT = 300
 OLD_MAX = 1_000_000
 KEYS_MAX = 1_000_000
 
@@ -87,6 +92,30 @@ def _prefixes(d, n: int, rng) -> list[list[BlockKey]]:
     return out
 
 
+def _partial(pre: list[list[BlockKey]], d, n: int) -> list[list[BlockKey]]:
+    """The prefixes with block PARTIAL_AT replaced by an absent key of the same tenant and rank (a sequence
+    hash none of the ``n`` entries has)."""
+    cand = np.random.default_rng(2).integers(0, 2 ** 64, 4 * len(pre), dtype=np.uint64, endpoint=False)
+    absent = cand[~np.isin(cand, d["seqs"][:n])].tolist()
+    return [k[:PARTIAL_AT] + [k[PARTIAL_AT]._replace(seq_hash=a)] + k[PARTIAL_AT + 1:] if len(k) > PARTIAL_AT
+            else k for k, a in zip(pre, absent)]
+
+
+def _partial_want(keys: list) -> int:
+    return min(PARTIAL_AT, len(keys))
+
+
+def _timed(lookup, pre: list[list[BlockKey]], want, what: str) -> dict:
+    times = []
+    for keys in pre:
+        t0 = time.perf_counter()
+        got = lookup(keys)
+        times.append(time.perf_counter() - t0)
+        if got != want(keys):
+            raise RuntimeError(f"index bench: {what} prefix lookup found {got} of {want(keys)} (index is wrong)")
+    return _ms(times)
+
+
 def _ms(times: list[float]) -> dict:
     times = sorted(times)
     return {"median": round(statistics.median(times) * 1e3, 4),
@@ -100,14 +129,8 @@ def _measure(ix, d, n: int, seed: int, lookup=None) -> dict:
     if lookup is None:
         def lookup(keys):
             return ix.lookup_prefix(keys, NS)
-    times = []
-    for keys in pre:
-        t0 = time.perf_counter()
-        got = lookup(keys)
-        times.append(time.perf_counter() - t0)
-        if got != len(keys):
-            raise RuntimeError(f"index bench: prefix lookup found {got} of {len(keys)} (index is wrong)")
-    times.sort()
+    full = _timed(lookup, pre, len, "")
+    part = _timed(lookup, _partial(pre, d, n), _partial_want, "partial")
     pick = rng.integers(0, n, 10000)
     gk = [BlockKey(NS, TENANTS[int(d["tenant"][i])], 0, int(d["seqs"][i])) for i in pick]
     t0 = time.perf_counter()
@@ -118,10 +141,11 @@ def _measure(ix, d, n: int, seed: int, lookup=None) -> dict:
     ev = []
     for _ in range(5):
         t0 = time.perf_counter()
-        got = len(ix.evict(1024))
+        ix.evict(1024)
         ev.append(time.perf_counter() - t0)
-    return {"prefix_blocks": PREFIX, "lookups": len(times), "prefix_lookup_ms": _ms(times),
-            "get_us": round(get_us, 3), "evict_ms": round(statistics.median(ev) * 1e3, 3)}
+    return {"prefix_blocks": PREFIX, "lookups": len(pre), "prefix_lookup_ms": full,
+            "partial_hit_blocks": PARTIAL_AT, "partial_lookup_ms": part, "get_us": round(get_us, 3),
+            "evict_ms": round(statistics.median(ev) * 1e3, 3)}
 
 
 def _compact(d, n: int) -> dict:
@@ -214,16 +238,14 @@ def _mirror(d, n: int) -> dict:
         del meta
     if len(m) != n:
         raise RuntimeError(f"index bench: mirror holds {len(m)} of {n}")
-    times = []
-    for keys in _prefixes(d, n, np.random.default_rng(1)):
-        t0 = time.perf_counter()
-        got = m.lookup_prefix(keys).result()
-        times.append(time.perf_counter() - t0)
-        if got != len(keys):
-            raise RuntimeError(f"index bench: mirror prefix lookup found {got} of {len(keys)}")
+    pre = _prefixes(d, n, np.random.default_rng(1))
+    full = _timed(lambda keys: m.lookup_prefix(keys).result(), pre, len, "mirror")
+    part = _timed(lambda keys: m.lookup_prefix(keys).result(), _partial(pre, d, n), _partial_want,
+                  "mirror partial")
     st = m.stats()
     return {"entries": n, "bytes_per_block": round(st["bytes"] / n, 2), "array_bytes": st["bytes"],
-            "apply_s": round(apply_s, 3), "prefix_lookup_ms": _ms(times),
+            "apply_s": round(apply_s, 3), "prefix_lookup_ms": full, "partial_hit_blocks": PARTIAL_AT,
+            "partial_lookup_ms": part,
             "prefix_lookup_path": "G3Mirror.lookup_prefix(keys).result()"}
 
 
