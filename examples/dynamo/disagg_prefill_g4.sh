@@ -5,7 +5,8 @@
 # first load), waiting at most handoff_wait_s for the prefill worker's write-behind.
 # Both workers must share one G4 (S3 bucket or shared mount) and one keyring (g4.keyring in the YAML).
 # Pair: disagg_prefill_g4.sh + disagg_decode_g4.sh + frontend.sh (tests/e2e/test_dynamo_e2e.py runs all three).
-# Parameters (environment): MODEL, PYTHON, KVBM_BACKEND_CONFIG_FILE / KVBM_BACKEND_STATS_PATH (put into the JSON
+# Parameters (environment): MODEL, PYTHON, KVBM_BACKEND_CONFIG_FILE / KVBM_BACKEND_STATS_PATH /
+# KVBM_BACKEND_HANDOFF_WAIT_S (put into the JSON
 # below by kvbm_backend.integrations.dynamo.ktc), DYN_KVBM_DISK_CACHE_DIR / _GB, DYN_SYSTEM_PORT; further
 # arguments go to dynamo.vllm. Launcher: `python -m dynamo.vllm` with kvbm-backend's version-guarded shims,
 # which also register the connector's PD protocol with Dynamo (kvbm_backend/integrations/dynamo/pd_protocol.py).

@@ -219,7 +219,12 @@ def test_disaggregated_prefill_decode_hand_off_through_g4(stack):
         cfg["g4"]["url"] = cfg["g4"]["url"].rstrip("/") + "-disagg"
         cfg["g4"]["keyring"] = {"path": str(stack.root / "g4-keyring-disagg.json")}
         (stack.root / "disagg.yaml").write_text(json.dumps(cfg))
-        env = {"KVBM_BACKEND_CONFIG_FILE": str(stack.root / "disagg.yaml"), "DYN_KVBM_DISK_CACHE_GB": "0.5"}
+        # handoff_wait_s 30 (the scripts write 5): on the 2-core CI VM three engines, the frontend and SeaweedFS
+        # share the cores, and a prefill worker's G4 write-behind once took > 5 s for a request's last blocks
+        # (the decode then recomputed them: correct, but a handoff timeout). The bound is what is relaxed, not
+        # the assertions: every handed-off block must still come from G4, with no timeout.
+        env = {"KVBM_BACKEND_CONFIG_FILE": str(stack.root / "disagg.yaml"), "DYN_KVBM_DISK_CACHE_GB": "0.5",
+               "KVBM_BACKEND_HANDOFF_WAIT_S": "30"}
         pre = dyn.start_worker("prefill", "disagg_prefill_g4.sh", stack.model_dir, common,
                                env={**env, "DYN_KVBM_DISK_CACHE_DIR": str(stack.root / "g3-prefill")})
         dec = dyn.start_worker("decode", "disagg_decode_g4.sh", stack.model_dir, common,

@@ -148,6 +148,11 @@ def test_ktc_env_overrides():
     assert apply_env(inline, env)["kv_connector_extra_config"] == {"config_file": "/tmp/k.yaml",
                                                                    "stats_path": "/tmp/s.json"}
     check_kv_transfer_config(out)
+    waited = apply_env(ours, {"KVBM_BACKEND_HANDOFF_WAIT_S": "30"})["kv_connector_extra_config"]
+    assert waited == {"config_file": "/etc/x.yaml", "handoff_wait_s": 30.0}
+    for bad in ("-1", "soon", "inf"):
+        with pytest.raises(ValueError, match="KVBM_BACKEND_HANDOFF_WAIT_S"):
+            apply_env(ours, {"KVBM_BACKEND_HANDOFF_WAIT_S": bad})
 
 
 def test_kvbm_backend_yaml_loads():

@@ -5,9 +5,11 @@ block and deployments (and the tests that run the scripts) point it elsewhere wi
 Applies to every ``KvbmBackendConnector`` entry (top level or a ``MultiConnector`` child):
 
 * ``KVBM_BACKEND_CONFIG_FILE``: ``kv_connector_extra_config.config_file`` (drops an inline ``kvbm_backend``);
-* ``KVBM_BACKEND_STATS_PATH``: ``kv_connector_extra_config.stats_path`` (the connector's JSON counters).
+* ``KVBM_BACKEND_STATS_PATH``: ``kv_connector_extra_config.stats_path`` (the connector's JSON counters);
+* ``KVBM_BACKEND_HANDOFF_WAIT_S``: ``kv_connector_extra_config.handoff_wait_s`` (seconds, a number >= 0: how
+  long a decode worker waits for its prefill worker's blocks; the disaggregated G4 scripts write 5.0).
 
-Unset variables leave the JSON as written.
+Unset variables leave the JSON as written. A bad value raises ValueError naming the variable.
 """
 from __future__ import annotations
 
@@ -16,6 +18,17 @@ import os
 import sys
 
 CONNECTOR = "KvbmBackendConnector"
+_VARS = ("KVBM_BACKEND_CONFIG_FILE", "KVBM_BACKEND_STATS_PATH", "KVBM_BACKEND_HANDOFF_WAIT_S")
+
+
+def _seconds(name: str, raw: str) -> float:
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not v >= 0 or v == float("inf"):
+        raise ValueError(f"{name}: need a finite number of seconds >= 0, got {raw!r}")
+    return v
 
 
 def apply_env(cfg: dict, environ: dict | None = None) -> dict:
@@ -24,13 +37,15 @@ def apply_env(cfg: dict, environ: dict | None = None) -> dict:
 
     def visit(c: dict) -> None:
         extra = c.get("kv_connector_extra_config") or {}
-        if c.get("kv_connector") == CONNECTOR and (env.get("KVBM_BACKEND_CONFIG_FILE") or env.get("KVBM_BACKEND_STATS_PATH")):
+        if c.get("kv_connector") == CONNECTOR and any(env.get(v) for v in _VARS):
             extra = c.setdefault("kv_connector_extra_config", {})
             if env.get("KVBM_BACKEND_CONFIG_FILE"):
                 extra.pop("kvbm_backend", None)
                 extra["config_file"] = env["KVBM_BACKEND_CONFIG_FILE"]
             if env.get("KVBM_BACKEND_STATS_PATH"):
                 extra["stats_path"] = env["KVBM_BACKEND_STATS_PATH"]
+            if env.get("KVBM_BACKEND_HANDOFF_WAIT_S"):
+                extra["handoff_wait_s"] = _seconds("KVBM_BACKEND_HANDOFF_WAIT_S", env["KVBM_BACKEND_HANDOFF_WAIT_S"])
         for child in extra.get("connectors", []) if c.get("kv_connector") == "MultiConnector" else []:
             visit(child)
 
