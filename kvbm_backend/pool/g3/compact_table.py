@@ -41,6 +41,19 @@ def _mix_v(owner: np.ndarray, rank: np.ndarray, seq: np.ndarray) -> np.ndarray:
     return x
 
 
+def _mix_seq(owner: int, rank: int, seq: np.ndarray) -> np.ndarray:
+    """:func:`_mix_v` for one owner and rank (a sequence's prefix): the owner/rank word is computed once in
+    Python, only the sequence hashes are arrays. uint64 array of ``seq``'s shape."""
+    with np.errstate(over="ignore"):
+        x = seq ^ _U((((owner & 0xFFFFFFFF) << 32) | (rank & 0xFFFFFFFF)) * _K0 & _M64)
+        x ^= x >> _U(30)
+        x *= _U(_K1)
+        x ^= x >> _U(27)
+        x *= _U(_K2)
+        x ^= x >> _U(31)
+    return x
+
+
 class HashTable:
     """Mixin: the hash table of :class:`~.compact_index.CompactLruIndex` (see the module docstring)."""
 
@@ -185,14 +198,7 @@ class HashTable:
             if own < 0:
                 return res
             o, r = int(own), int(rank)
-            with np.errstate(over="ignore"):
-                c = _U((((o & 0xFFFFFFFF) << 32) | (r & 0xFFFFFFFF)) * _K0 & _M64)
-                x = seq ^ c
-                x ^= x >> _U(30)
-                x *= _U(_K1)
-                x ^= x >> _U(27)
-                x *= _U(_K2)
-                x ^= x >> _U(31)
+            x = _mix_seq(o, r, seq)
             pos = (x >> _U(self._shift)).astype(np.int64)
             act = np.arange(n)
             hit = np.zeros(n, bool)
@@ -246,14 +252,7 @@ class HashTable:
         res = np.full(n, -1, np.int64)
         if not self._n or o < 0:
             return res
-        with np.errstate(over="ignore"):
-            c = _U((((o & 0xFFFFFFFF) << 32) | (rank & 0xFFFFFFFF)) * _K0 & _M64)
-            x = seq ^ c
-            x ^= x >> _U(30)
-            x *= _U(_K1)
-            x ^= x >> _U(27)
-            x *= _U(_K2)
-            x ^= x >> _U(31)
+        x = _mix_seq(o, rank, seq)
         x >>= _U(self._shift)
         pos = x.astype(np.int64)
         tab, mask, seqa, owna, ranka = self._tab, self._mask, self._seq, self._own, self._rank
