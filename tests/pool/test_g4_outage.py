@@ -173,3 +173,54 @@ def test_hung_shared_mount_reads_are_bounded_and_recover(tmp_path):
     assert st["breaker_state"] == "closed"
     assert not {k: v for k, v in st.items() if k.startswith("corrupt_") and v}  # nothing read half-way
     pool.close()
+
+
+def test_slow_answer_to_a_put_then_412_on_the_retry_counts_as_written(seaweed, s3_prefix, tmp_path):
+    """A store that acts on a PUT but answers after the client's read timeout (CI's loaded 2 cores, a busy
+    gateway): botocore retries, and the retry's ``If-None-Match: *`` meets the object the first attempt
+    stored (412). That block was created by this writer: ``written``, not ``skipped_exists`` (the
+    disaggregated handoff test counted it skipped once and failed on the count). Another writer's copy under
+    the same name still counts skipped (its sealed frame has another nonce, so another ETag)."""
+    from urllib.parse import urlparse
+
+    from tests.helpers.slow_proxy import SlowAnswerProxy
+    from kvbm_backend.pool.g4.s3_store import S3Store
+    u = urlparse(seaweed.endpoint)
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+
+    def pool_via(proxy: SlowAnswerProxy, prefix: str) -> G4Pool:
+        return G4Pool(G4Config(url=seaweed.url(prefix), endpoint_url=proxy.endpoint, timeout_s=TIMEOUT_S, retries=1,
+                               keyring={"path": str(tmp_path / "kr.json")}), ns)
+
+    # the store alone: the first PUT's answer comes 2 s late (after its 1 s read timeout), the retry gets 412
+    proxy = SlowAnswerProxy(u.hostname, u.port, slow_connections=1, delay_s=2 * TIMEOUT_S)
+    try:
+        st = S3Store(seaweed.bucket, s3_prefix, endpoint_url=proxy.endpoint, timeout_s=TIMEOUT_S, retries=1)
+        assert st.put_if_absent("a", b"x" * 1000) is True
+        assert proxy.first_answers[0].startswith(b"HTTP/1.1 200"), proxy.first_answers  # the server stored it
+        assert st.get("a") == b"x" * 1000
+        assert st.put_if_absent("a", b"y" * 1000) is False  # someone else's bytes under that name: exists
+    finally:
+        proxy.close()
+
+    # through the G4 pool: the block counts written once, and another writer's put of it counts skipped
+    keys, blocks = ns.keys([1], tenant="t"), [payload(1, "t", bpb)]
+    proxy = SlowAnswerProxy(u.hostname, u.port, slow_connections=2, delay_s=2 * TIMEOUT_S)  # 2: namespace.json
+    try:
+        pool = pool_via(proxy, s3_prefix + "-pool")
+        r = pool.put(keys, blocks).result(timeout=30)
+        assert (r.written, r.skipped, r.dropped) == (1, 0, 0), (r, pool.stats())
+        pool.close()
+    finally:
+        proxy.close()
+    proxy = SlowAnswerProxy(u.hostname, u.port, slow_connections=0)
+    try:
+        other = pool_via(proxy, s3_prefix + "-pool")
+        r = other.put(keys, blocks).result(timeout=30)
+        assert (r.written, r.skipped) == (0, 1), r
+        out = [np.zeros(bpb, np.uint8)]
+        assert other.get(keys, out).result(timeout=30).ok == [True] and np.array_equal(out[0], blocks[0])
+        other.close()
+    finally:
+        proxy.close()

@@ -7,7 +7,11 @@
 * Bounded time: botocore connect and read timeouts = ``timeout_s``; ``retries`` extra attempts in
   botocore's ``standard`` mode. Timeouts, connection errors and 5xx raise StoreUnavailable.
 * Create-exclusive publish: ``PUT`` with ``If-None-Match: *``; 412 PreconditionFailed (or 409
-  ConditionalRequestConflict) means another writer published it first, which is success. Servers
+  ConditionalRequestConflict) means another writer published it first, which is success. A 412 on a
+  *retried* PUT may be this call's own first attempt (the server stored it, its answer came after the
+  read timeout): then a HEAD compares the object's ETag with the MD5 of the bytes sent (S3's ETag of a
+  single-part PUT), and an equal one counts as created by this call, so ``written`` counters stay true
+  on a slow store (a sealed frame has a fresh nonce: another writer's copy never matches). Servers
   that reject the header (501 NotImplemented) fall back to HEAD-then-PUT (whole-object PUTs are
   atomic on S3, so even then no reader sees a torn object).
 * botocore's optional CRC request/response checksums are off (``when_required``): every frame carries
@@ -37,6 +41,7 @@ its parameters, and was slower here.
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Iterator
 
@@ -48,6 +53,11 @@ from .store import BucketMissing, ObjectInfo, ObjectStore, StoreUnavailable
 
 _MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchObject"}
 _EXISTS = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+
+
+def _retried(e: ClientError) -> bool:
+    """botocore retried the request that ended in ``e`` (``ResponseMetadata.RetryAttempts`` > 0)."""
+    return int(e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0) > 0
 
 
 def _code(e: ClientError) -> tuple[str, int]:
@@ -104,7 +114,7 @@ class S3Store(ObjectStore):
             except ClientError as e:
                 code, status = _code(e)
                 if code in _EXISTS or str(status) in _EXISTS:
-                    return False
+                    return _retried(e) and self._holds_these_bytes(key, data)
                 if status == 501 or code == "NotImplemented":
                     self.supports_conditional_put = False
                 else:
@@ -115,6 +125,16 @@ class S3Store(ObjectStore):
             return False
         self.put(name, data)
         return True
+
+    def _holds_these_bytes(self, key: str, data) -> bool:
+        """The object at ``key`` has the ETag of ``data`` (MD5 hex, S3's single-part ETag). False when the
+        HEAD fails or the server's ETag is not an MD5 (multipart, some gateways): counted as another
+        writer's copy, which is the conservative answer."""
+        try:
+            etag = str(self.client.head_object(Bucket=self.bucket, Key=key).get("ETag", "")).strip('"')
+        except (ClientError, BotoCoreError):
+            return False
+        return etag == hashlib.md5(data, usedforsecurity=False).hexdigest()
 
     def _err(self, op: str, name: str, e: ClientError) -> Exception:
         code, status = _code(e)

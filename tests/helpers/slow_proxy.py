@@ -1,0 +1,65 @@
+"""A TCP proxy on loopback that holds back the server's answer on its first connections: a slow store as a
+real network sees it (the request reaches the server and is acted on; the answer comes after the client's
+read timeout). Used to test what a client's retry then meets (e.g. S3's 412 for its own first PUT).
+
+``SlowAnswerProxy(target_host, target_port, slow_connections=1, delay_s=2.0)``: connections 0 ..
+``slow_connections - 1`` get the server's bytes ``delay_s`` seconds late; later ones pass straight through.
+``first_answers[i]`` holds the first bytes of the server's first final answer on connection ``i`` (what the
+client never saw in time, e.g. ``b"HTTP/1.1 200 OK"``); interim ``100 Continue`` answers are not held back.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+class SlowAnswerProxy:
+    def __init__(self, host: str, port: int, slow_connections: int = 1, delay_s: float = 2.0):
+        self.target = (host, port)
+        self.slow_connections, self.delay_s = slow_connections, delay_s
+        self.first_answers: dict[int, bytes] = {}
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self._srv.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._n = 0
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                c, _ = self._srv.accept()
+            except OSError:
+                return
+            i, self._n = self._n, self._n + 1
+            s = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(c, s, None, 0.0), daemon=True).start()
+            slow = self.delay_s if i < self.slow_connections else 0.0
+            threading.Thread(target=self._pipe, args=(s, c, i, slow), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, conn: int | None, delay_s: float) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if conn is not None and conn not in self.first_answers and not data.startswith(b"HTTP/1.1 100 "):
+                    # an interim ``100 Continue`` (botocore sends ``Expect: 100-continue`` with a PUT body)
+                    # passes at once: the request's body must reach the server, only its answer is late
+                    self.first_answers[conn] = data[:64]
+                    time.sleep(delay_s)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for x in (src, dst):
+                try:
+                    x.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                x.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._srv.close()
