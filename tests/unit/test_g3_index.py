@@ -421,3 +421,53 @@ def test_find_many_one_owner_branch_matches_the_scalar_probe():
     assert [e >= 0 for e in got] == [bool(j % 2) for j in range(20)] * 2  # the key itself, or a miss
     assert (ix._find_many(np.int64(-1), np.int64(0), probe) == -1).all()
     _check_table(ix)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_key_run_lookup_matches_the_key_by_key_path(seed):
+    """lookup_prefix of a KeyRun (probed from its uint64 array) returns what get(k, touch=True) key by key
+    over the same BlockKeys returns and leaves the same LRU order and TagKey adoption: full, partial
+    (misses before, at and after the first chunk's end), empty, a tenant never seen, another namespace
+    (the run's or the caller's), seq hashes >= 2**63."""
+    from kvbm_backend.model.namespace import KeyRun, SeqHashes
+    rng = random.Random(seed)
+    nrng = np.random.default_rng(seed)
+    seqs = nrng.integers(0, 2 ** 64, 3000, dtype=np.uint64).tolist() + [(1 << 64) - 1, 1 << 63, 0]
+    runs = {(t, r): rng.sample(seqs, 1500) for t in TENANTS for r in (0, 1)}
+    a, b = CompactLruIndex(), CompactLruIndex()
+    slot = 0
+    for (t, r), ss in runs.items():
+        for s in ss[:1400]:  # the last 100 of each run: absent
+            slot += 1
+            k = BlockKey(NS, t, r, s)
+            for ix in (a, b):
+                if t == "alice" and slot % 2:
+                    ix.restore(_tag(k), (slot % 7, slot))  # a tag entry until a lookup adopts it
+                else:
+                    ix.put(k, (slot % 7, slot))
+    first = ci.FIRST_CHUNK
+    for case in range(60):
+        t, r = rng.choice(list(runs))
+        ss = runs[(t, r)]
+        n = rng.choice([0, 1, 8, 9, 300, first - 1, first, first + 1, first + first // 2 + 1, 1000, 1399])
+        start = rng.randrange(0, 1400 - n + 1)
+        hs = ss[start:start + n]
+        kind = case % 5
+        if kind == 1 and n:  # a miss somewhere, often around the first chunk's end
+            at = rng.choice([0, 1, first - 1, first, first + 1, rng.randrange(n)])
+            hs = hs[:at] + [ss[1400 + case % 100]] + hs[at:]
+        ns, tenant, want_ns = NS, t, rng.choice([None, NS])
+        if kind == 2:
+            tenant = "never-seen"
+        elif kind == 3:
+            ns = NS2  # the run's namespace is not the caller's (or, without one, holds nothing)
+        elif kind == 4:
+            want_ns = NS2
+        run = KeyRun(ns, tenant, r, SeqHashes(hs))
+        assert run.keys() == [BlockKey(ns, tenant, r, h) for h in hs] == list(run)
+        got = a.lookup_prefix(run, want_ns)
+        assert got == _lookup_one_by_one(b, run.keys(), want_ns)
+        if kind == 0:
+            assert got == n
+        assert list(a.items()) == list(b.items())
+    assert [s for _, s in a.evict(len(a))] == [s for _, s in b.evict(len(b))]
