@@ -220,6 +220,10 @@ def test_bench_index_json():
         assert x["entries"] == 20000 and x["bytes_per_block"] > 0 and x["rebuild_s"] > 0
         assert x["prefix_lookup_ms"]["median"] > 0 and x["get_us"] > 0
         assert x["partial_hit_blocks"] == 300 and x["partial_lookup_ms"]["median"] > 0
+        assert x["keys_lookup_ms"]["median"] > 0 and x["prefix_lookup_path"].startswith("Namespace.rank_runs")
+    m = d["mirror"]["20000"]
+    assert m["prefix_lookup_ms"]["median"] > 0 and m["keys_lookup_ms"]["median"] > 0
+    assert m["prefix_lookup_path"] == "Namespace.rank_runs(hashes, tenant) -> G3Mirror.lookup_prefix(run).result()"
     assert c["array_bytes"] > 0 and set(d["targets"]) >= {"memory_under_1_gib", "prefix_8k_under_1_ms"}
 
 
