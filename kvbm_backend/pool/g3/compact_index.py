@@ -384,7 +384,9 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
             o = self._owner_of(keys)[0]
             if o < 0:
                 return 0
-            batch = lambda a, b: self._take(self._find_run(o, keys.rank, keys.hash_array(b)[a:]))  # noqa: E731
+
+            def batch(a: int, b: int) -> int:  # hashes [a, b) converted only now (a partial hit stops early)
+                return self._take(self._find_run(o, keys.rank, keys.hash_array(b)[a:]))
         elif n <= 8:
             i = 0
             for k in keys:
@@ -393,7 +395,8 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
                 i += 1
             return i
         else:
-            batch = lambda a, b: self._lookup_batch(keys[a:b], namespace)  # noqa: E731
+            def batch(a: int, b: int) -> int:
+                return self._lookup_batch(keys[a:b], namespace)
         if n <= FIRST_CHUNK + FIRST_CHUNK // 2:
             return batch(0, n)
         m = batch(0, FIRST_CHUNK)
