@@ -12,9 +12,14 @@ import dataclasses
 import functools
 import gc
 import json
+import operator
+import threading
+from array import array
+from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
+import numpy as np
 import xxhash
 
 from .layout import KvLayout
@@ -170,6 +175,26 @@ class Namespace:
         fp, m = self.fingerprint, (1 << 64) - 1
         return [BlockKey(fp, tenant, rank, h & m) for h in seq_hashes]
 
+    def run(self, seq_hashes, tenant: str = "", rank: int = 0) -> "KeyRun":
+        """The keys ``self.keys(seq_hashes, tenant, rank)`` as one :class:`KeyRun` (no per-key object).
+        ``seq_hashes``: a :class:`SeqHashes` (shared, e.g. by every TP rank's run), or what one takes: a
+        list of Python ints (taken modulo 2**64, as :meth:`key` does) or a 1-D uint64 array. Raises
+        ValueError for a rank outside the TP world size (or a wrong array)."""
+        if not 0 <= rank < self.tp_world_size:
+            raise ValueError(f"rank: {rank} outside TP world size {self.tp_world_size}")
+        h = seq_hashes if isinstance(seq_hashes, SeqHashes) else SeqHashes(seq_hashes)
+        return KeyRun(self.fingerprint, tenant, rank, h)
+
+    def rank_runs(self, seq_hashes, tenant: str = "") -> tuple[list["KeyRun"], list["KeyRun"]]:
+        """``(by_rank, shared)``: the keys of ``seq_hashes`` (Python ints as vLLM gives them, or a uint64
+        array) as one :class:`KeyRun` per TP rank (``by_rank[r]``: rank r's G3 keys), all over one
+        :class:`SeqHashes` (converted to uint64 once, only as far as a pool probes them), and the runs of
+        the distinct :meth:`shared_rank` ranks (G4's keys: one run for replicated MLA blocks). What the
+        scheduler's prefix lookups build once per lookup and hand to G3 and G4."""
+        h = SeqHashes(seq_hashes)
+        by_rank = [KeyRun(self.fingerprint, tenant, r, h) for r in range(self.tp_world_size)]
+        return by_rank, [by_rank[r] for r in sorted({self.shared_rank(r) for r in range(self.tp_world_size)})]
+
     def shared_rank(self, rank: int) -> int:
         """The rank whose key names TP rank ``rank``'s block in shared storage (G4): 0 when every rank
         holds the same bytes (MLA: ``layout.outer_dim == 1``, the latent is replicated, KVBM
@@ -184,6 +209,144 @@ class BlockKey(NamedTuple):
     tenant: str
     rank: int
     seq_hash: int
+
+
+_M64 = (1 << 64) - 1
+
+
+def _to_u64(ints: Sequence) -> np.ndarray:
+    """uint64 array of Python ints taken modulo 2**64 (``array('Q')``, the fastest conversion: ~20-40 ns per
+    int; negative or wider ints are masked first). TypeError names the first item that is not an int."""
+    try:
+        return np.frombuffer(array("Q", ints), np.uint64)
+    except OverflowError:
+        return np.frombuffer(array("Q", [operator.index(h) & _M64 for h in ints]), np.uint64)
+    except TypeError:
+        bad = next((h for h in ints if not isinstance(h, int)), None)
+        raise TypeError(f"seq_hashes: sequence hashes are ints, got {type(bad).__name__} {bad!r}") from None
+
+
+class SeqHashes:
+    """The sequence hashes of one prefix, shared by the key runs of one lookup (every TP rank, G3 and G4):
+    Python ints (as vLLM and :func:`~.hashing.sequence_hashes` give them) converted to uint64 on demand, as
+    a growing prefix, each int once. A lookup that stops in its first chunk (a partial hit) converts only
+    that chunk. Or a uint64 array, used as is (not copied).
+
+    Args:
+        seq_hashes: a list or tuple of ints (taken modulo 2**64, as :meth:`Namespace.key` does; an item
+            that is not an int raises TypeError naming it when its part is converted), or a 1-D uint64
+            array (ValueError otherwise).
+
+    Thread-safe: conversions hold a lock (G4 lookups read from I/O threads).
+    """
+
+    __slots__ = ("_ints", "_arr", "_done", "_lock")
+
+    def __init__(self, seq_hashes) -> None:
+        if isinstance(seq_hashes, np.ndarray):
+            if seq_hashes.dtype != np.uint64 or seq_hashes.ndim != 1:
+                raise ValueError(f"seq_hashes: a 1-D uint64 array is needed, got {seq_hashes.dtype} of shape "
+                                 f"{seq_hashes.shape}")
+            self._ints, self._arr, self._done = None, seq_hashes.view(), len(seq_hashes)
+            self._arr.flags.writeable = False
+        else:
+            self._ints = seq_hashes if isinstance(seq_hashes, (list, tuple)) else list(seq_hashes)
+            self._arr, self._done = np.empty(len(self._ints), np.uint64), 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._arr)
+
+    def array(self, stop: int | None = None) -> np.ndarray:
+        """Read-only (stop,) uint64 view of hashes ``[0, stop)`` (all when None), converting the part not
+        converted yet."""
+        n = len(self._arr)
+        stop = n if stop is None else max(0, min(int(stop), n))
+        if stop > self._done:
+            with self._lock:
+                if stop > self._done:
+                    self._arr[self._done:stop] = _to_u64(self._ints[self._done:stop])
+                    self._done = stop
+        v = self._arr[:stop]
+        v.flags.writeable = False
+        return v
+
+    def ints(self, start: int = 0, stop: int | None = None) -> list[int]:
+        """Hashes ``[start, stop)`` as Python ints modulo 2**64 (from the ints given, or the array's)."""
+        if self._ints is None:
+            return self._arr[start:stop].tolist()
+        return [operator.index(h) & _M64 for h in self._ints[start:stop]]
+
+    def __getitem__(self, s: slice) -> "SeqHashes":
+        """Hashes ``[a, b)`` as their own SeqHashes (the ints' slice, or a view of the array)."""
+        return SeqHashes(self._arr[s] if self._ints is None else self._ints[s])
+
+
+@dataclass(frozen=True, eq=False)
+class KeyRun(_SequenceABC):
+    """A run of keys of one (namespace, tenant, TP rank): ``BlockKey(namespace, tenant, rank, h)`` for each
+    sequence hash ``h`` of ``hashes``, with no per-key object (a prefix lookup of 8K blocks on the
+    scheduler's hot path). A :class:`Sequence` of :class:`BlockKey`: ``run[i]`` and iteration make the
+    BlockKeys lazily and ``run[a:b]`` is a KeyRun, so any pool taking ``Sequence[BlockKey]`` accepts it;
+    the compact G3 index and the scheduler's G3 mirror probe the uint64 hashes (:meth:`hash_array`)
+    directly. Build with :meth:`Namespace.run`.
+
+    Attributes:
+        namespace: the namespace fingerprint (16 hex chars).
+        tenant: the tenant id.
+        rank: TP rank, 0 <= rank < 2**32.
+        hashes: the sequence hashes (:class:`SeqHashes`, shared by the runs of every rank).
+
+    Raises:
+        ValueError: a rank outside [0, 2**32); TypeError: ``hashes`` not a SeqHashes.
+    """
+
+    namespace: str
+    tenant: str
+    rank: int
+    hashes: SeqHashes
+
+    def __post_init__(self) -> None:
+        if type(self.rank) is not int or not 0 <= self.rank <= 0xFFFFFFFF:
+            raise ValueError(f"KeyRun.rank: an int in [0, 2**32) is needed, got {self.rank!r}")
+        if not isinstance(self.hashes, SeqHashes):
+            raise TypeError(f"KeyRun.hashes: a SeqHashes is needed, got {type(self.hashes).__name__}")
+
+    @property
+    def seq_hashes(self) -> np.ndarray:
+        """(N,) uint64 array of the sequence hashes, read-only (all converted)."""
+        return self.hashes.array()
+
+    def hash_array(self, stop: int) -> np.ndarray:
+        """(min(stop, N),) uint64 array of hashes ``[0, stop)``: only that part is converted (a probe that
+        goes chunk by chunk converts no more than it reads)."""
+        return self.hashes.array(stop)
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return KeyRun(self.namespace, self.tenant, self.rank, self.hashes[i])
+        n = len(self.hashes)
+        if not -n <= i < n:
+            raise IndexError(f"KeyRun index {i} outside {n} keys")
+        i %= n
+        return BlockKey(self.namespace, self.tenant, self.rank, self.hashes.ints(i, i + 1)[0])
+
+    def __iter__(self) -> Iterator["BlockKey"]:
+        ns, t, r, n = self.namespace, self.tenant, self.rank, len(self.hashes)
+        for c in range(0, n, 512):  # lazily: a caller stopping early makes few keys
+            for h in self.hashes.ints(c, min(n, c + 512)):
+                yield BlockKey(ns, t, r, h)
+
+    def keys(self) -> list["BlockKey"]:
+        """The run as a list of :class:`BlockKey` (one object per key)."""
+        ns, t, r = self.namespace, self.tenant, self.rank
+        return [BlockKey(ns, t, r, h) for h in self.hashes.ints()]
+
+    def __repr__(self) -> str:
+        return f"KeyRun({self.namespace!r}, {self.tenant!r}, rank={self.rank}, {len(self)} keys)"
 
 
 def tenant_tag(tenant: str) -> bytes:

@@ -80,7 +80,10 @@ class BlockPool(Protocol):
     def layout(self) -> KvLayout: ...
 
     def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future[int]:
-        """Number of leading ``keys`` the pool holds (index/metadata only, no payload I/O)."""
+        """Number of leading ``keys`` the pool holds (index/metadata only, no payload I/O). ``keys`` is any
+        sequence of BlockKeys; every pool also takes a :class:`~kvbm_backend.model.namespace.KeyRun` (one
+        namespace, tenant and rank, the seq hashes as a uint64 array: the scheduler's lookups), which
+        indexes that can probe arrays use without making per-key objects."""
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future[PutResult]:
         """Offload: store ``blocks[i]`` under ``keys[i]``, asynchronously and bounded. The pool reads the

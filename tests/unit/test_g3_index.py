@@ -220,6 +220,10 @@ def test_bench_index_json():
         assert x["entries"] == 20000 and x["bytes_per_block"] > 0 and x["rebuild_s"] > 0
         assert x["prefix_lookup_ms"]["median"] > 0 and x["get_us"] > 0
         assert x["partial_hit_blocks"] == 300 and x["partial_lookup_ms"]["median"] > 0
+        assert x["keys_lookup_ms"]["median"] > 0 and x["prefix_lookup_path"].startswith("Namespace.rank_runs")
+    m = d["mirror"]["20000"]
+    assert m["prefix_lookup_ms"]["median"] > 0 and m["keys_lookup_ms"]["median"] > 0
+    assert m["prefix_lookup_path"] == "Namespace.rank_runs(hashes, tenant) -> G3Mirror.lookup_prefix(run).result()"
     assert c["array_bytes"] > 0 and set(d["targets"]) >= {"memory_under_1_gib", "prefix_8k_under_1_ms"}
 
 
@@ -367,4 +371,107 @@ def test_lookup_prefix_matches_the_key_by_key_path(seed):
         for ns in (None, NS) if kind == 3 else (rng.choice([None, NS]),):
             assert a.lookup_prefix(keys, ns) == _lookup_one_by_one(b, keys, ns)
             assert list(a.items()) == list(b.items())
+    assert [s for _, s in a.evict(len(a))] == [s for _, s in b.evict(len(b))]
+
+
+def test_find_many_one_owner_branch_matches_the_scalar_probe():
+    """_find_many with one owner and rank for every key (0-d ``own`` and ``rank``: its scalar-mix branch)
+    finds exactly what _find finds and what its per-key-array branch finds: present keys, absent keys,
+    keys evicted (their cells shifted back), an absent owner (-1: nothing found), and seq hashes held by
+    another owner or rank at the same home cell (found first on the probe path: only the owner and rank
+    comparison tells them apart)."""
+    from kvbm_backend.pool.g3.compact_table import _mix_v
+    rng = np.random.default_rng(7)
+    ix = CompactLruIndex()
+    ix.reserve(8000)  # the table size is fixed from here (the crafted home collisions below stay valid)
+    seqs = rng.integers(0, 2 ** 64, 5000, dtype=np.uint64).tolist()
+    for i, s in enumerate(seqs):
+        ix.put(BlockKey(NS, TENANTS[i % 3], i % 2, s), (0, i))
+    oa, ob = (ix._owner_of(BlockKey(NS, t, 0, 0))[0] for t in TENANTS[:2])
+    cand = rng.integers(0, 2 ** 64, 2_000_000, dtype=np.uint64)
+    one = np.ones(len(cand), np.int64)
+
+    def home(o, r):
+        return _mix_v(o * one, r * one, cand) >> np.uint64(ix._shift)
+    ha = home(oa, 0)
+    own_coll = cand[ha == home(ob, 0)][:20].tolist()  # (alice, 0, s) and (bob, 0, s): one home cell
+    rank_coll = cand[ha == home(oa, 1)][:20].tolist()  # (alice, 0, s) and (alice, 1, s): one home cell
+    assert len(own_coll) == len(rank_coll) == 20
+    for j, (s1, s2) in enumerate(zip(own_coll, rank_coll)):
+        ix.put(BlockKey(NS, TENANTS[1], 0, s1), (1, j))  # the other owner first: at the home cell
+        ix.put(BlockKey(NS, TENANTS[0], 1, s2), (2, j))  # the other rank first
+        if j % 2:  # then the key itself (further along the probe path), or never (a miss)
+            ix.put(BlockKey(NS, TENANTS[0], 0, s1), (3, j))
+            ix.put(BlockKey(NS, TENANTS[0], 0, s2), (4, j))
+    gone = {(k.tenant, k.rank, k.seq_hash) for k, _ in ix.evict(1200)}  # bulk path: cells shifted back
+    probe = np.array(seqs + own_coll + rank_coll + rng.integers(0, 2 ** 64, 1500, dtype=np.uint64).tolist(),
+                     np.uint64)
+    n = len(probe)
+    for tenant in TENANTS[:3]:
+        for rank in (0, 1, 2):
+            o = ix._owner_of(BlockKey(NS, tenant, rank, 0))[0]
+            want = [ix._find(o, rank, q)[0] for q in probe.tolist()]
+            got = ix._find_many(np.int64(o), np.int64(rank), probe.copy())
+            assert got.tolist() == want
+            per_key = ix._find_many(np.full(n, o, np.int64), np.full(n, rank, np.int64), probe.copy())
+            assert per_key.tolist() == want
+            for q, e in zip(probe.tolist(), want):
+                if e >= 0:
+                    assert (int(ix._seq[e]), int(ix._own[e]), int(ix._rank[e])) == (q, o, rank)
+                    assert (tenant, rank, q) not in gone
+            if o >= 0 and rank < 2:
+                assert sum(e >= 0 for e in want) > 500  # the branch is exercised with hits, not only misses
+    got = ix._find_many(np.int64(oa), np.int64(0), np.array(own_coll + rank_coll, np.uint64)).tolist()
+    assert [e >= 0 for e in got] == [bool(j % 2) for j in range(20)] * 2  # the key itself, or a miss
+    assert (ix._find_many(np.int64(-1), np.int64(0), probe) == -1).all()
+    _check_table(ix)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_key_run_lookup_matches_the_key_by_key_path(seed):
+    """lookup_prefix of a KeyRun (probed from its uint64 array) returns what get(k, touch=True) key by key
+    over the same BlockKeys returns and leaves the same LRU order and TagKey adoption: full, partial
+    (misses before, at and after the first chunk's end), empty, a tenant never seen, another namespace
+    (the run's or the caller's), seq hashes >= 2**63."""
+    from kvbm_backend.model.namespace import KeyRun, SeqHashes
+    rng = random.Random(seed)
+    nrng = np.random.default_rng(seed)
+    seqs = nrng.integers(0, 2 ** 64, 3000, dtype=np.uint64).tolist() + [(1 << 64) - 1, 1 << 63, 0]
+    runs = {(t, r): rng.sample(seqs, 1500) for t in TENANTS for r in (0, 1)}
+    a, b = CompactLruIndex(), CompactLruIndex()
+    slot = 0
+    for (t, r), ss in runs.items():
+        for s in ss[:1400]:  # the last 100 of each run: absent
+            slot += 1
+            k = BlockKey(NS, t, r, s)
+            for ix in (a, b):
+                if t == "alice" and slot % 2:
+                    ix.restore(_tag(k), (slot % 7, slot))  # a tag entry until a lookup adopts it
+                else:
+                    ix.put(k, (slot % 7, slot))
+    first = ci.FIRST_CHUNK
+    for case in range(60):
+        t, r = rng.choice(list(runs))
+        ss = runs[(t, r)]
+        n = rng.choice([0, 1, 8, 9, 300, first - 1, first, first + 1, first + first // 2 + 1, 1000, 1399])
+        start = rng.randrange(0, 1400 - n + 1)
+        hs = ss[start:start + n]
+        kind = case % 5
+        if kind == 1 and n:  # a miss somewhere, often around the first chunk's end
+            at = rng.choice([0, 1, first - 1, first, first + 1, rng.randrange(n)])
+            hs = hs[:at] + [ss[1400 + case % 100]] + hs[at:]
+        ns, tenant, want_ns = NS, t, rng.choice([None, NS])
+        if kind == 2:
+            tenant = "never-seen"
+        elif kind == 3:
+            ns = NS2  # the run's namespace is not the caller's (or, without one, holds nothing)
+        elif kind == 4:
+            want_ns = NS2
+        run = KeyRun(ns, tenant, r, SeqHashes(hs))
+        assert run.keys() == [BlockKey(ns, tenant, r, h) for h in hs] == list(run)
+        got = a.lookup_prefix(run, want_ns)
+        assert got == _lookup_one_by_one(b, run.keys(), want_ns)
+        if kind == 0:
+            assert got == n
+        assert list(a.items()) == list(b.items())
     assert [s for _, s in a.evict(len(a))] == [s for _, s in b.evict(len(b))]

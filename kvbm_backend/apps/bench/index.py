@@ -15,12 +15,15 @@ Per size, per index:
   (``restore_arrays``: tags, ranks, seq hashes, files, slots), and ``rebuild_from_keys_s`` from (TagKey,
   slot) pairs (``restore_many``, what the journal loader yields today; at most 1M). OrderedDict:
   ``restore`` one by one. Journal file reading and decoding is not included.
-- ``prefix_lookup_ms``: ``lookup_prefix`` of an 8192-block prefix of real :class:`BlockKey` objects (all
-  present, random start; keys of one tenant, touched as found), median / p99 / min / max of ``LOOKUPS``
-  calls. The compact index is measured through the public path a user's lookup takes,
+- ``prefix_lookup_ms``: the scheduler's prefix lookup of an 8192-block prefix (all present, random start;
+  blocks of one tenant, touched as found), median / p99 / min / max of ``LOOKUPS`` calls, timed on the
+  public path from a list of Python int sequence hashes (as vLLM gives them) to the prefix length: the
+  key runs the connector builds (:meth:`~kvbm_backend.model.namespace.Namespace.rank_runs`, what
+  ``integrations/vllm/lookup.py`` calls), then rank 0's run through
   :meth:`~kvbm_backend.pool.g3.pool.G3Pool.lookup_prefix` (pool lock, counters and metrics included) of a
   real G3 pool (a tiny one in a temporary directory) holding the built index; ``prefix_lookup_path``
-  names the call measured.
+  names the calls measured. ``keys_lookup_ms``: full-hit lookups of other 8192-block prefixes given as lists of
+  :class:`BlockKey` objects built beforehand (not timed), the per-key path.
 - ``partial_lookup_ms``: the same lookups of prefixes whose block ``PARTIAL_AT`` (300) is absent (a
   sequence hash no entry has), i.e. a partial hit of 300 blocks, the usual case of a new request
   (``partial_hit_blocks``); median / p99 / min / max.
@@ -32,8 +35,9 @@ Per size, per index:
 ``mirror``: the scheduler's G3 mirror (:class:`~kvbm_backend.integrations.vllm.g3_mirror.G3Mirror`, 64-bit
 fingerprints in a numpy hash set) at the same sizes: ``bytes_per_block`` (its table's ``nbytes`` / blocks),
 ``apply_s`` (the snapshot applied as 1M-entry reports: fingerprinting and table growth included, building
-the reports not), ``prefix_lookup_ms`` (``G3Mirror.lookup_prefix(keys).result()`` of the same 8192-key
-prefixes, all present) and ``partial_lookup_ms`` (the same with block 300 absent, as above).
+the reports not), ``prefix_lookup_ms`` (``rank_runs`` then ``G3Mirror.lookup_prefix(run).result()`` of the
+same 8192-block prefixes, all present), ``partial_lookup_ms`` (the same with block 300 absent, as above) and
+``keys_lookup_ms`` (full hits given BlockKey lists, as above).
 
 Keys: random 64-bit sequence hashes, 8 tenants (one of them ``""``, the rest restored as tag entries),
 rank 0, 8 files. Times are wall-clock (``perf_counter``), on whatever else the machine runs.
@@ -81,39 +85,56 @@ def _tag_entries(d, n: int) -> list:
             zip(d["tenant"][:n].tolist(), d["seqs"][:n].tolist(), d["files"][:n].tolist(), d["slots"][:n].tolist())]
 
 
-def _prefixes(d, n: int, rng) -> list[list[BlockKey]]:
+def _prefixes(d, n: int, rng) -> list[tuple[str, list[int]]]:
+    """``LOOKUPS`` prefixes as (tenant, sequence hashes as a list of Python ints), as vLLM gives them."""
     out = []
     for _ in range(LOOKUPS):
         run = int(rng.integers(0, max(1, n // PREFIX)))
         a = run * PREFIX
         b = min(n, a + PREFIX)
-        t = TENANTS[int(d["tenant"][a])]
-        out.append([BlockKey(NS, t, 0, s) for s in d["seqs"][a:b].tolist()])
+        out.append((TENANTS[int(d["tenant"][a])], d["seqs"][a:b].tolist()))
     return out
 
 
-def _partial(pre: list[list[BlockKey]], d, n: int) -> list[list[BlockKey]]:
-    """The prefixes with block PARTIAL_AT replaced by an absent key of the same tenant and rank (a sequence
-    hash none of the ``n`` entries has)."""
+def _partial(pre: list[tuple[str, list[int]]], d, n: int) -> list[tuple[str, list[int]]]:
+    """The prefixes with block PARTIAL_AT's hash replaced by a sequence hash none of the ``n`` entries has."""
     cand = np.random.default_rng(2).integers(0, 2 ** 64, 4 * len(pre), dtype=np.uint64, endpoint=False)
     absent = cand[~np.isin(cand, d["seqs"][:n])].tolist()
-    return [k[:PARTIAL_AT] + [k[PARTIAL_AT]._replace(seq_hash=a)] + k[PARTIAL_AT + 1:] if len(k) > PARTIAL_AT
-            else k for k, a in zip(pre, absent)]
+    return [(t, hs[:PARTIAL_AT] + [a] + hs[PARTIAL_AT + 1:]) if len(hs) > PARTIAL_AT else (t, hs)
+            for (t, hs), a in zip(pre, absent)]
 
 
-def _partial_want(keys: list) -> int:
-    return min(PARTIAL_AT, len(keys))
+def _partial_want(q) -> int:
+    return min(PARTIAL_AT, len(q[1]))
 
 
-def _timed(lookup, pre: list[list[BlockKey]], want, what: str) -> dict:
+def _full_want(q) -> int:
+    return len(q[1])
+
+
+def _public(lookup):
+    """The scheduler's lookup of one prefix, ``(tenant, hashes)`` -> prefix length: the key runs of every
+    rank (``Namespace.rank_runs``, as ``integrations/vllm/lookup.py`` builds them), rank 0's run looked up
+    with ``lookup(run)``."""
+    return lambda q: lookup(NAMESPACE.rank_runs(q[1], q[0])[0][0])
+
+
+def _timed(lookup, pre: list, want, what: str) -> dict:
     times = []
-    for keys in pre:
+    for q in pre:
         t0 = time.perf_counter()
-        got = lookup(keys)
+        got = lookup(q)
         times.append(time.perf_counter() - t0)
-        if got != want(keys):
-            raise RuntimeError(f"index bench: {what} prefix lookup found {got} of {want(keys)} (index is wrong)")
+        if got != want(q):
+            raise RuntimeError(f"index bench: {what} prefix lookup found {got} of {want(q)} (index is wrong)")
     return _ms(times)
+
+
+def _keys_timed(lookup, pre: list) -> dict:
+    """Full-hit lookups given BlockKey lists built beforehand (the per-key path; building not timed). The
+    caller passes prefixes other than the timed public path's (their entries not cached by it)."""
+    keys = [NAMESPACE.keys(hs, t, 0) for t, hs in pre]
+    return _timed(lambda i: lookup(keys[i]), range(len(pre)), lambda i: len(keys[i]), "BlockKey list")
 
 
 def _ms(times: list[float]) -> dict:
@@ -129,8 +150,9 @@ def _measure(ix, d, n: int, seed: int, lookup=None) -> dict:
     if lookup is None:
         def lookup(keys):
             return ix.lookup_prefix(keys, NS)
-    full = _timed(lookup, pre, len, "")
-    part = _timed(lookup, _partial(pre, d, n), _partial_want, "partial")
+    full = _timed(_public(lookup), pre, _full_want, "")
+    part = _timed(_public(lookup), _partial(pre, d, n), _partial_want, "partial")
+    keys_ms = _keys_timed(lookup, _prefixes(d, n, np.random.default_rng(seed + 100)))
     pick = rng.integers(0, n, 10000)
     gk = [BlockKey(NS, TENANTS[int(d["tenant"][i])], 0, int(d["seqs"][i])) for i in pick]
     t0 = time.perf_counter()
@@ -144,7 +166,8 @@ def _measure(ix, d, n: int, seed: int, lookup=None) -> dict:
         ix.evict(1024)
         ev.append(time.perf_counter() - t0)
     return {"prefix_blocks": PREFIX, "lookups": len(pre), "prefix_lookup_ms": full,
-            "partial_hit_blocks": PARTIAL_AT, "partial_lookup_ms": part, "get_us": round(get_us, 3),
+            "partial_hit_blocks": PARTIAL_AT, "partial_lookup_ms": part, "keys_lookup_ms": keys_ms,
+            "get_us": round(get_us, 3),
             "evict_ms": round(statistics.median(ev) * 1e3, 3)}
 
 
@@ -189,7 +212,7 @@ def _pool_measure(ix: CompactLruIndex, d, n: int) -> dict:
         try:
             empty, pool.index = pool.index, ix  # the index the pool's journal restore would have built
             out = _measure(ix, d, n, seed=1, lookup=lambda keys: pool.lookup_prefix(keys).result())
-            out["prefix_lookup_path"] = "G3Pool.lookup_prefix(keys).result()"
+            out["prefix_lookup_path"] = "Namespace.rank_runs(hashes, tenant) -> G3Pool.lookup_prefix(run).result()"
         finally:
             pool.index = empty  # close() journals nothing of the bench's entries
             pool.close()
@@ -214,19 +237,15 @@ def _ordered(d, n: int) -> dict:
     out = {"entries": n, "bytes_per_block": round((cur - base) / n, 2), "index_bytes": cur - base,
            "rebuild_s": round(rebuild, 3)}
     out.update(_measure(ix, d, n, seed=1))
-    out["prefix_lookup_path"] = "LruIndex.lookup_prefix(keys, namespace)"
+    out["prefix_lookup_path"] = "Namespace.rank_runs(hashes, tenant) -> LruIndex.lookup_prefix(run, namespace)"
     return out
-
-
-class _Ns:
-    fingerprint = NS
 
 
 def _mirror(d, n: int) -> dict:
     from kvbm_backend.integrations.vllm.g3_mirror import G3Mirror  # imports vLLM (metadata classes): only here
     from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta
     tags = [tenant_tag(t) for t in TENANTS]
-    m = G3Mirror(_Ns())
+    m = G3Mirror(NAMESPACE)
     apply_s = 0.0
     for a in range(0, n, 1_000_000):
         b = min(n, a + 1_000_000)
@@ -239,14 +258,16 @@ def _mirror(d, n: int) -> dict:
     if len(m) != n:
         raise RuntimeError(f"index bench: mirror holds {len(m)} of {n}")
     pre = _prefixes(d, n, np.random.default_rng(1))
-    full = _timed(lambda keys: m.lookup_prefix(keys).result(), pre, len, "mirror")
-    part = _timed(lambda keys: m.lookup_prefix(keys).result(), _partial(pre, d, n), _partial_want,
-                  "mirror partial")
+    def lookup(keys):
+        return m.lookup_prefix(keys).result()
+    full = _timed(_public(lookup), pre, _full_want, "mirror")
+    part = _timed(_public(lookup), _partial(pre, d, n), _partial_want, "mirror partial")
+    keys_ms = _keys_timed(lookup, _prefixes(d, n, np.random.default_rng(101)))
     st = m.stats()
     return {"entries": n, "bytes_per_block": round(st["bytes"] / n, 2), "array_bytes": st["bytes"],
             "apply_s": round(apply_s, 3), "prefix_lookup_ms": full, "partial_hit_blocks": PARTIAL_AT,
-            "partial_lookup_ms": part,
-            "prefix_lookup_path": "G3Mirror.lookup_prefix(keys).result()"}
+            "partial_lookup_ms": part, "keys_lookup_ms": keys_ms,
+            "prefix_lookup_path": "Namespace.rank_runs(hashes, tenant) -> G3Mirror.lookup_prefix(run).result()"}
 
 
 def run(opts: BenchOptions) -> dict:

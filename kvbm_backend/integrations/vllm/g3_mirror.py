@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
-from ...model.namespace import Namespace, key_columns
+from ...model.namespace import KeyRun, Namespace, key_columns
 from ...pool.base import completed
 from ...pool.g3.index import tag_of
 from .metadata import KvbmWorkerMeta
@@ -348,26 +348,38 @@ class G3Mirror:
         return len(self._set)
 
     def lookup_prefix(self, keys: Iterable) -> Future:
-        """Future of how many leading ``keys`` (BlockKeys) the worker's G3 holds, in blocks; the prefix
-        stops at the first absent key or key of another namespace fingerprint. The first
-        ``_FIRST_CHUNK`` keys are fingerprinted (one numpy pass) and probed first, so that an early miss
-        costs little; then chunks 16 times bigger (an 8K-key prefix: two chunks). Each chunk is looked up
-        under the lock (a report applied between two chunks can be seen by the later one)."""
-        if not isinstance(keys, (list, tuple)):
-            keys = list(keys)
+        """Future of how many leading ``keys`` (BlockKeys, or a :class:`KeyRun`: fingerprinted straight
+        from its uint64 array) the worker's G3 holds, in blocks; the prefix stops at the first absent key
+        or key of another namespace fingerprint. The first ``_FIRST_CHUNK`` keys are fingerprinted (one
+        numpy pass) and probed first, so that an early miss costs little; then chunks 16 times bigger (an
+        8K-key prefix: two chunks). Each chunk is looked up under the lock (a report applied between two
+        chunks can be seen by the later one)."""
+        if type(keys) is KeyRun:  # fingerprints straight from the run's uint64 hashes: one seed, one pass
+            if keys.namespace != self.fp:
+                return completed(0)
+            c = _U(_seed(tag_of(keys.tenant), keys.rank))
+
+            def fps_of(a: int, b: int) -> np.ndarray:
+                return _fmix_v(keys.hash_array(b)[a:] ^ c)
+        else:
+            if not isinstance(keys, (list, tuple)):
+                keys = list(keys)
+
+            def fps_of(a: int, b: int) -> np.ndarray:
+                return _fps_of_keys(keys[a:b] if a or b < len(keys) else keys, self.fp)
         n, total, chunk = 0, len(keys), _FIRST_CHUNK
         while n < total:
-            part = keys[n:n + chunk] if n or chunk < total else keys
-            fps = _fps_of_keys(part, self.fp)
+            b = min(total, n + chunk)
+            fps = fps_of(n, b)
             if not len(fps):
                 break
             with self._lock:
                 miss = np.flatnonzero(self._set.find(fps) < 0)
             if miss.size:
                 return completed(n + int(miss[0]))
-            n += len(fps)
-            if len(fps) < len(part):
-                break
+            if len(fps) < b - n:  # a key of another namespace ends the prefix
+                return completed(n + len(fps))
+            n = b
             chunk *= 16
         return completed(n)
 

@@ -3,7 +3,9 @@ hybrid model every KV cache group with its sliding windows (:class:`_HybridLooku
 
 Lookups never block the scheduler: they run on the pools' threads and are polled once per step; past
 their :class:`~kvbm_backend.pool.deadlines.Deadline` what is not known counts as a miss. The keys of one
-lookup are built once (:func:`rank_keys`): G3 and G4 share the lists (G4 only the distinct
+lookup are built once (:meth:`~kvbm_backend.model.namespace.Namespace.rank_runs`: one
+:class:`~kvbm_backend.model.namespace.KeyRun` per TP rank over one array of sequence hashes, no per-key
+object): G3 and G4 share them (G4 only the distinct
 :meth:`~kvbm_backend.model.namespace.Namespace.shared_rank` ones).
 """
 from __future__ import annotations
@@ -22,14 +24,6 @@ if TYPE_CHECKING:
     from .scheduler_side import SchedulerSide, _Req
 
 log = logging.getLogger("kvbm_backend.connector")
-
-
-def rank_keys(ns: Namespace, seq_hashes: list[int], tenant: str) -> tuple[list[list], list[list]]:
-    """``(by_rank, g4)``: the keys of ``seq_hashes`` for every TP rank of ``ns`` (each rank's G3 pool), and
-    the same lists for each distinct G4 rank (:meth:`Namespace.shared_rank`: one list for replicated MLA
-    blocks). Built once per lookup and shared by G3 and G4."""
-    by_rank = [ns.keys(seq_hashes, tenant, r) for r in range(ns.tp_world_size)]
-    return by_rank, [by_rank[r] for r in sorted({ns.shared_rank(r) for r in range(ns.tp_world_size)})]
 
 
 class _Lookup:
@@ -142,7 +136,7 @@ class _HybridLookup:
         e3, e4 = [], []
         for g in sched.groups:
             if g.window_blocks is None:
-                by_rank, g4 = rank_keys(g.ns, st.hashes[:n], st.tenant)
+                by_rank, g4 = g.ns.rank_runs(st.hashes[:n], st.tenant)
                 e3 += [(k, g.g3) for k in by_rank]
                 e4 += [(k, g.g4) for k in g4]
         self.full = _Lookup(None, None, None, self.deadline, e3=e3, e4=e4)
@@ -161,7 +155,7 @@ class _HybridLookup:
             if g.window_blocks is None:
                 continue
             a = max(n - g.window_blocks, lo, 0)
-            by_rank, g4 = rank_keys(g.ns, self.st.hashes[a:n], self.st.tenant)
+            by_rank, g4 = g.ns.rank_runs(self.st.hashes[a:n], self.st.tenant)
             self.win[gi] = _Lookup(None, None, None, self.deadline,
                                    e3=[(k, g.g3) for k in by_rank], e4=[(k, g.g4) for k in g4])
 

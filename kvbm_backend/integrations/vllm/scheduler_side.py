@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...model.hashing import salt_bytes, salt_hash, sequence_hashes
-from ...model.namespace import Namespace
+from ...model.namespace import KeyRun, Namespace
 from ...pool.base import BlockPool
 from ...pool.deadlines import Deadline
 from . import handoff, stats
 from .g3_mirror import G3Mirror
 from .kv_events import G3KvEvents
-from .lookup import GroupTiers, _HybridLookup, _Lookup, rank_keys
+from .lookup import GroupTiers, _HybridLookup, _Lookup
 from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob
 
 __all__ = ["G3KvEvents", "G3Mirror", "GroupTiers", "SchedulerSide"]  # G3KvEvents, G3Mirror: re-exported
@@ -117,12 +117,12 @@ class SchedulerSide:
         st.hashes.extend(sequence_hashes(list(toks[have * self.bs:upto * self.bs]), self.bs, salt=st.salt,
                                          parent=parent))
 
-    def _keys_by_rank(self, st: _Req, n: int) -> list[list]:
-        return [self.ns.keys(st.hashes[:n], st.tenant, r) for r in range(self.ns.tp_world_size)]
+    def _keys_by_rank(self, st: _Req, n: int) -> list[KeyRun]:
+        return self.ns.rank_runs(st.hashes[:n], st.tenant)[0]
 
-    def _group_keys(self, g: GroupTiers, st: _Req, a: int, n: int) -> list[list]:
-        """Keys of blocks ``[a, n)`` of ``st`` in group ``g``'s namespace, one list per TP rank."""
-        return [g.ns.keys(st.hashes[a:n], st.tenant, r) for r in range(g.ns.tp_world_size)]
+    def _group_keys(self, g: GroupTiers, st: _Req, a: int, n: int) -> list[KeyRun]:
+        """Keys of blocks ``[a, n)`` of ``st`` in group ``g``'s namespace, one run per TP rank."""
+        return g.ns.rank_runs(st.hashes[a:n], st.tenant)[0]
 
     # ---- vLLM scheduler hooks --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -176,7 +176,7 @@ class SchedulerSide:
             if self.multi:
                 st.lookup = _HybridLookup(self, st)
             else:
-                by_rank, g4 = rank_keys(self.ns, st.hashes[:st.lookup_blocks], st.tenant)  # built once
+                by_rank, g4 = self.ns.rank_runs(st.hashes[:st.lookup_blocks], st.tenant)  # built once
                 st.lookup = _Lookup(by_rank, self.g3, self.g4, self.lookup_timeout_s, g4_keys_by_rank=g4)
         res = st.lookup.poll()
         if res is None:

@@ -33,15 +33,14 @@ One difference: identity is unique here, so ``restore`` of a TagKey whose BlockK
 updates that entry (the OrderedDict index would hold both); the pool restores into an empty index only.
 
 Prefix lookup (the scheduler's hot path, 8K blocks < 1 ms is the goal): the first ``FIRST_CHUNK`` (512)
-keys, then the rest, each batch as: the keys' four columns in one ``zip(*keys)`` pass, the seq hashes to
-uint64 in one ``array('Q')`` conversion; keys of one (namespace, tenant, rank), the usual case, probe with
-:meth:`~.compact_table.HashTable._find_run` (one owner and rank mixed into every home position in one
-numpy pass; per round one table gather and one seq gather). A miss in the first chunk (a partial hit)
-ends the lookup without reading the rest: ~0.15 ms for a 300-block hit of an 8K prefix, against ~1.2 ms
-when every key was read first. Where an all-present 8K lookup's time goes (~1.3-1.4 ms on the loaded
-2-core VM): reading the keys' columns and converting the seq hashes ~0.7 ms (per-key Python object
-work: ~20 ns per key per pass), the probe ~0.3-0.4 ms (random reads of the table and the entries), the
-LRU touch ~0.05 ms.
+keys, then the rest; a miss in the first chunk (a partial hit) ends the lookup without reading the rest.
+A :class:`~kvbm_backend.model.namespace.KeyRun` (what the scheduler passes: one namespace, tenant and
+rank, the seq hashes converted to uint64 once, chunk by chunk as probed) is probed straight from its array with
+:meth:`~.compact_table.HashTable._find_run` (one owner and rank mixed into every home position in one numpy
+pass; per round one table gather and one seq gather): no per-key Python object. A list of BlockKeys
+first has its four columns read (one ``zip(*keys)`` pass, ~20 ns per key per pass) and its seq hashes
+converted to uint64 (together ~0.7 ms for 8K keys on the loaded 2-core VM); keys of mixed owners probe
+with :meth:`~.compact_table.HashTable._find_many`.
 
 Modules: this one holds the entry arrays, owners, LRU log and the API; :mod:`.compact_table` the hash
 table (a mixin), :mod:`.compact_restore` the bulk warm-restart builds (a mixin).
@@ -57,7 +56,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ...model.namespace import BlockKey, key_columns
+from ...model.namespace import BlockKey, KeyRun, key_columns
 from .compact_restore import Restore, _KNOWN
 from .compact_table import _LOAD, _M64, _MIN_TAB_BITS, _U, HashTable
 from .index import SlotPins, TagKey, tag_of
@@ -370,7 +369,8 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
     def lookup_prefix(self, keys: Sequence[BlockKey], namespace: str | None = None) -> int:
         """How many leading ``keys`` are held (a key of another ``namespace``, when given, ends the
         prefix). The found ones become most recently used, in order (tag entries are adopted), exactly as
-        ``get(k, touch=True)`` one by one until the first miss would leave them.
+        ``get(k, touch=True)`` one by one until the first miss would leave them. ``keys``: BlockKeys, or a
+        :class:`KeyRun` (probed from its uint64 array, no per-key object).
 
         The first ``FIRST_CHUNK`` keys are read and probed first: a miss among them (a partial hit, the
         usual case of a new request) ends the lookup without reading the rest; then the rest in one batch.
@@ -378,23 +378,35 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
         n = len(keys)
         if n == 0:
             return 0
-        if n <= 8:
+        if type(keys) is KeyRun:
+            if namespace is not None and keys.namespace != namespace:
+                return 0
+            o = self._owner_of(keys)[0]
+            if o < 0:
+                return 0
+
+            def batch(a: int, b: int) -> int:  # hashes [a, b) converted only now (a partial hit stops early)
+                return self._take(self._find_run(o, keys.rank, keys.hash_array(b)[a:]))
+        elif n <= 8:
             i = 0
             for k in keys:
                 if (namespace is not None and k.namespace != namespace) or self.get(k, touch=True) is None:
                     break
                 i += 1
             return i
+        else:
+            def batch(a: int, b: int) -> int:
+                return self._lookup_batch(keys[a:b], namespace)
         if n <= FIRST_CHUNK + FIRST_CHUNK // 2:
-            return self._lookup_batch(keys, namespace)
-        m = self._lookup_batch(keys[:FIRST_CHUNK], namespace)
+            return batch(0, n)
+        m = batch(0, FIRST_CHUNK)
         if m < FIRST_CHUNK:
             return m
-        return m + self._lookup_batch(keys[FIRST_CHUNK:], namespace)
+        return m + batch(FIRST_CHUNK, n)
 
     def _lookup_batch(self, keys: Sequence[BlockKey], namespace: str | None) -> int:
-        """:meth:`lookup_prefix` of more than 8 keys in one vectorised pass: the keys' four columns in one
-        :func:`key_columns` pass, the seq hashes to uint64 in one conversion; keys of one (namespace,
+        """:meth:`lookup_prefix` of more than 8 BlockKeys in one vectorised pass: the keys' four columns in
+        one :func:`key_columns` pass, the seq hashes to uint64 in one conversion; keys of one (namespace,
         tenant, rank), the usual case, probe with :meth:`~.compact_table.HashTable._find_run`."""
         n = len(keys)
         ns_col, ten_col, rank_col, seq_col = key_columns(keys)
@@ -410,12 +422,15 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
             o = self._owner_of(keys[0])[0]  # one owner and rank (a sequence's prefix): the windowed probe
             if o < 0:
                 return 0
-            res = self._find_run(o, int(np.int64(r0)), seq)
-        else:
-            own = np.fromiter((self._owner_of(k)[0] for k in keys), np.int64, n)
-            res = self._find_many(own, np.fromiter(rank_col, np.int64, n), seq)
+            return self._take(self._find_run(o, int(np.int64(r0)), seq))
+        own = np.fromiter((self._owner_of(k)[0] for k in keys), np.int64, n)
+        return self._take(self._find_many(own, np.fromiter(rank_col, np.int64, n), seq))
+
+    def _take(self, res: np.ndarray) -> int:
+        """The leading found entries of ``res`` (entries, -1 = absent): adopted and touched in order;
+        returns how many."""
         miss = np.flatnonzero(res < 0)
-        m = int(miss[0]) if len(miss) else n
+        m = int(miss[0]) if len(miss) else len(res)
         if m:
             es = res[:m]
             self._flag[es] = 0  # adopted (their owners learned the tenant in _owner_of)

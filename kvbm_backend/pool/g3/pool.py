@@ -215,7 +215,8 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
 
     def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future:
         """Future of the number of leading ``keys`` held (index only). Found entries become most
-        recently used."""
+        recently used. ``keys``: BlockKeys, or a :class:`~kvbm_backend.model.namespace.KeyRun` (the
+        compact index probes its uint64 array, no per-key object)."""
         with self._lock:
             n = self.index.lookup_prefix(keys, self.fp)  # vectorised: all keys probed at once
             self._c["lookup_blocks"] += len(keys)

@@ -49,7 +49,7 @@ from ...crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError
 from ...metrics import TierMetrics
 from ...model.frame import HEADER_BYTES, FrameHeader
 from ...model.layout import KvLayout
-from ...model.namespace import BlockKey, Namespace
+from ...model.namespace import BlockKey, KeyRun, Namespace
 from ..base import GetResult, PutResult, completed, is_tensor_batch
 from ..deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
@@ -136,8 +136,10 @@ class G4Pool(WriterMixin, ReaderMixin):
 
     def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future:
         """Number of leading ``keys`` present (HEAD requests in growing parallel waves, stopping at the
-        first absent one). A store that does not answer within the load bound counts as absent."""
-        keys = list(keys)
+        first absent one). A store that does not answer within the load bound counts as absent. A
+        :class:`~kvbm_backend.model.namespace.KeyRun` makes its BlockKeys only for the keys a wave probes."""
+        if type(keys) is not KeyRun:
+            keys = list(keys)
         self._count("lookups")
         if not keys or self._closed:
             return completed(0)
