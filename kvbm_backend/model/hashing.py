@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
+from array import array
 from typing import Sequence
 
 import numpy as np
@@ -23,6 +25,8 @@ import xxhash
 
 ROUTER_SEED = 1337
 _U64 = (1 << 64) - 1
+_PAIR = struct.Struct("<QQ")
+_NATIVE_U32 = sys.byteorder == "little" and array("I").itemsize == 4  # array('I') is then little-endian u32
 
 
 def salt_bytes(cache_salt: str | None = None, lora_name: str | None = None) -> bytes | None:
@@ -65,9 +69,27 @@ def chain(parent: int | None, bhash: int, seed: int) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack("<QQ", parent & _U64, bhash & _U64), seed=seed & _U64)
 
 
+def _u32_le(tokens: Sequence[int] | np.ndarray) -> memoryview:
+    """Bytes of ``tokens`` as little-endian u32, as a memoryview. A list of Python ints (what vLLM's
+    ``all_token_ids`` is) goes through ``array('I')`` on a little-endian host: ~3x faster than
+    ``np.asarray`` (an 8K-block prompt of 262K tokens: ~3.5 ms against ~14 ms on the 2-core VM). Values
+    ``array('I')`` refuses (negative, over 2**32 - 1, not ints) take the numpy path, as before."""
+    if not isinstance(tokens, np.ndarray) and _NATIVE_U32:
+        try:
+            return memoryview(array("I", tokens)).cast("B")
+        except (OverflowError, TypeError):
+            pass
+    return memoryview(np.ascontiguousarray(tokens, dtype="<u4")).cast("B")
+
+
 def sequence_hashes(tokens: Sequence[int] | np.ndarray, page_size: int, salt: int = 0,
                     parent: int | None = None) -> list[int]:
-    """Sequence hashes of every full ``page_size``-token block of ``tokens``.
+    """Sequence hashes of every full ``page_size``-token block of ``tokens`` (:func:`block_hash` then
+    :func:`chain` per block, hashing the blocks straight from one buffer: an 8K-block prompt of 32-token
+    blocks in 6-12 ms against 17 ms hashing numpy slices block by block, in the same runs on the 2-core VM
+    (min of 5; the spread is the VM's); this runs on
+    vLLM's scheduler thread for every new request: ``kvbm-backend bench --tier index`` reports it as
+    ``sequence_hashes_ms``).
 
     Args:
         tokens: token ids (u32 range).
@@ -76,14 +98,18 @@ def sequence_hashes(tokens: Sequence[int] | np.ndarray, page_size: int, salt: in
         parent: sequence hash of the block preceding ``tokens[0]``, if any.
     Returns:
         one u64 per full block, in order.
+    Raises:
+        ValueError: ``page_size`` not positive.
     """
     if page_size <= 0:
         raise ValueError(f"page_size: must be positive, got {page_size}")
-    arr = np.asarray(tokens, dtype="<u4")
-    n = len(arr) // page_size
+    buf = _u32_le(tokens)
+    step = 4 * page_size
+    n = len(buf) // step
+    digest, pack, cseed = xxhash.xxh3_64_intdigest, _PAIR.pack, salt & _U64
     out: list[int] = []
     for i in range(n):
-        b = xxhash.xxh3_64_intdigest(arr[i * page_size:(i + 1) * page_size].tobytes(), seed=salt)
-        parent = chain(parent, b, salt)
+        b = digest(buf[i * step:(i + 1) * step], salt)  # positional seed: ~15% faster than seed=
+        parent = b if parent is None else digest(pack(parent & _U64, b), cseed)
         out.append(parent)
     return out

@@ -54,3 +54,38 @@ def test_namespace_fingerprint_stable_and_sensitive():
     assert Namespace.from_dict(ns.to_dict()) == ns
     with pytest.raises(ValueError, match="rank"):
         ns.key(1, "t", rank=1)
+
+
+def test_sequence_hashes_equal_the_per_block_definition_for_every_input_form():
+    """sequence_hashes hashes the blocks straight from one u32 buffer (``array('I')`` for a list of ints,
+    numpy for arrays and odd values): the same hashes as block_hash + chain one block at a time (the
+    definition, KVBM tokens.rs), for lists, tuples, uint32/int64 arrays and numpy ints, salts, parents,
+    page sizes, trailing partial blocks and empty input; out-of-range ids raise as numpy does."""
+    import random
+
+    import numpy as np
+
+    def definition(tokens, ps, salt=0, parent=None):
+        toks = [int(t) for t in tokens]
+        out = []
+        for i in range(len(toks) // ps):
+            b = xxhash.xxh3_64_intdigest(struct.pack(f"<{ps}I", *toks[i * ps:(i + 1) * ps]), seed=salt)
+            parent = b if parent is None else xxhash.xxh3_64_intdigest(struct.pack("<QQ", parent, b), seed=salt)
+            out.append(parent)
+        return out
+
+    rng = random.Random(7)
+    for _ in range(200):
+        ps = rng.choice([1, 3, 16, 32])
+        toks = [rng.randrange(0, 2 ** 32) for _ in range(rng.randrange(0, 300))]
+        salt = rng.choice([0, salt_hash(salt_bytes("t")), 2 ** 64 - 1])
+        parent = rng.choice([None, 0, rng.randrange(2 ** 64)])
+        want = definition(toks, ps, salt, parent)
+        for form in (toks, tuple(toks), np.array(toks, np.uint32), np.array(toks, np.int64),
+                     [np.int64(t) for t in toks]):
+            assert sequence_hashes(form, ps, salt=salt, parent=parent) == want
+    for bad in ([-1] * 16, [2 ** 32] * 16):
+        with pytest.raises(OverflowError):
+            sequence_hashes(bad, 16)
+    with pytest.raises(ValueError, match="page_size"):
+        sequence_hashes([1, 2], 0)

@@ -39,6 +39,11 @@ the reports not), ``prefix_lookup_ms`` (``rank_runs`` then ``G3Mirror.lookup_pre
 same 8192-block prefixes, all present), ``partial_lookup_ms`` (the same with block 300 absent, as above) and
 ``keys_lookup_ms`` (full hits given BlockKey lists, as above).
 
+``sequence_hashes_ms``: what the scheduler does for every new request before its lookup, hashing the
+prompt's full blocks (:func:`~kvbm_backend.model.hashing.sequence_hashes`, KVBM's chained xxh3) from a list
+of Python int token ids as vLLM holds them: ``PREFIX`` blocks of ``HASH_BLOCK_TOKENS`` tokens, median / p99
+/ min / max of ``HASH_RUNS`` calls.
+
 Keys: random 64-bit sequence hashes, 8 tenants (one of them ``""``, the rest restored as tag entries),
 rank 0, 8 files. Times are wall-clock (``perf_counter``), on whatever else the machine runs.
 """
@@ -66,6 +71,8 @@ TENANTS = [""] + [f"tenant-{i}" for i in range(7)]
 PREFIX = 8192
 LOOKUPS = 50
 PARTIAL_AT = 300
+HASH_BLOCK_TOKENS = 32
+HASH_RUNS = 10
 OLD_MAX = 1_000_000
 KEYS_MAX = 1_000_000
 
@@ -270,6 +277,20 @@ def _mirror(d, n: int) -> dict:
             "prefix_lookup_path": "Namespace.rank_runs(hashes, tenant) -> G3Mirror.lookup_prefix(run).result()"}
 
 
+def _hashing() -> dict:
+    """``sequence_hashes`` of a ``PREFIX``-block prompt given as a list of Python ints (the module docstring)."""
+    from kvbm_backend.model.hashing import sequence_hashes
+    toks = np.random.default_rng(1).integers(0, 128_000, PREFIX * HASH_BLOCK_TOKENS).tolist()
+    times = []
+    for _ in range(HASH_RUNS):
+        t0 = time.perf_counter()
+        n = len(sequence_hashes(toks, HASH_BLOCK_TOKENS))
+        times.append(time.perf_counter() - t0)
+        if n != PREFIX:
+            raise RuntimeError(f"index bench: sequence_hashes gave {n} hashes for {PREFIX} blocks")
+    return {**_ms(times), "blocks": PREFIX, "block_tokens": HASH_BLOCK_TOKENS}
+
+
 def run(opts: BenchOptions) -> dict:
     """Returns the JSON-able result (see the module docstring); sizes from ``opts.blocks``."""
     sizes = [1_000_000, 10_000_000] if opts.blocks == 256 else [int(opts.blocks)]
@@ -277,6 +298,7 @@ def run(opts: BenchOptions) -> dict:
     res = {"tier": "index", "namespace_entries": "one namespace, 8 tenants, rank 0",
            "memory_method": "tracemalloc (traced bytes after build minus before)", "prefix_blocks": PREFIX,
            "cpu_count": os.cpu_count(), "compact": {}, "ordereddict": {}, "mirror": {}}
+    res["sequence_hashes_ms"] = _hashing()
     for n in sizes:
         res["compact"][str(n)] = _compact(d, n)
         gc.collect()
