@@ -328,6 +328,22 @@ def _lookup_one_by_one(ix, keys, namespace=None):
     return i
 
 
+def _twin_indexes(runs: dict) -> tuple[CompactLruIndex, CompactLruIndex]:
+    """Two equal compact indexes holding the first 1400 keys of every run (the last 100: absent); every
+    other key of tenant "alice" restored as a tag entry (until a lookup adopts it)."""
+    a, b = CompactLruIndex(), CompactLruIndex()
+    slot = 0
+    for (t, _), ks in runs.items():
+        for k in ks[:1400]:
+            slot += 1
+            for ix in (a, b):
+                if t == "alice" and slot % 2:
+                    ix.restore(_tag(k), (slot % 7, slot))
+                else:
+                    ix.put(k, (slot % 7, slot))
+    return a, b
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_lookup_prefix_matches_the_key_by_key_path(seed):
     """lookup_prefix (first chunk, then the rest; vectorised probes) returns what get(k, touch=True) key by
@@ -338,16 +354,7 @@ def test_lookup_prefix_matches_the_key_by_key_path(seed):
     nrng = np.random.default_rng(seed)
     seqs = nrng.integers(0, 2 ** 64, 3000, dtype=np.uint64).tolist() + [(1 << 64) - 1, 1 << 63, 0]
     runs = {(t, r): [BlockKey(NS, t, r, s) for s in rng.sample(seqs, 1500)] for t in TENANTS for r in (0, 1)}
-    a, b = CompactLruIndex(), CompactLruIndex()
-    slot = 0
-    for (t, r), ks in runs.items():
-        for k in ks[:1400]:  # the last 100 of each run: absent
-            slot += 1
-            for ix in (a, b):
-                if t == "alice" and slot % 2:
-                    ix.restore(_tag(k), (slot % 7, slot))  # a tag entry until a lookup adopts it
-                else:
-                    ix.put(k, (slot % 7, slot))
+    a, b = _twin_indexes(runs)
     first = ci.FIRST_CHUNK
     for case in range(40):
         t, r = rng.choice(list(runs))
@@ -440,17 +447,7 @@ def test_key_run_lookup_matches_the_key_by_key_path(seed):
     nrng = np.random.default_rng(seed)
     seqs = nrng.integers(0, 2 ** 64, 3000, dtype=np.uint64).tolist() + [(1 << 64) - 1, 1 << 63, 0]
     runs = {(t, r): rng.sample(seqs, 1500) for t in TENANTS for r in (0, 1)}
-    a, b = CompactLruIndex(), CompactLruIndex()
-    slot = 0
-    for (t, r), ss in runs.items():
-        for s in ss[:1400]:  # the last 100 of each run: absent
-            slot += 1
-            k = BlockKey(NS, t, r, s)
-            for ix in (a, b):
-                if t == "alice" and slot % 2:
-                    ix.restore(_tag(k), (slot % 7, slot))  # a tag entry until a lookup adopts it
-                else:
-                    ix.put(k, (slot % 7, slot))
+    a, b = _twin_indexes({(t, r): [BlockKey(NS, t, r, s) for s in ss] for (t, r), ss in runs.items()})
     first = ci.FIRST_CHUNK
     for case in range(60):
         t, r = rng.choice(list(runs))
