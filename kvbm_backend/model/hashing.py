@@ -53,13 +53,9 @@ def salt_hash(salt: bytes | str | None) -> int:
     return xxhash.xxh3_64_intdigest(salt, seed=0)
 
 
-def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
-    return np.asarray(tokens, dtype="<u4").tobytes()
-
-
 def block_hash(tokens: Sequence[int] | np.ndarray, seed: int = 0) -> int:
     """``xxh3_64(tokens as LE u32, seed)``."""
-    return xxhash.xxh3_64_intdigest(_token_bytes(tokens), seed=seed & _U64)
+    return xxhash.xxh3_64_intdigest(_u32_le(tokens), seed=seed & _U64)
 
 
 def chain(parent: int | None, bhash: int, seed: int) -> int:

@@ -33,12 +33,7 @@ def _mix_v(owner: np.ndarray, rank: np.ndarray, seq: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         o = (owner.astype(np.int64).astype(_U) & _U(0xFFFFFFFF)) << _U(32)
         x = seq.astype(_U, copy=False) ^ ((o | (rank.astype(np.int64).astype(_U) & _U(0xFFFFFFFF))) * _U(_K0))
-        x ^= x >> _U(30)
-        x *= _U(_K1)
-        x ^= x >> _U(27)
-        x *= _U(_K2)
-        x ^= x >> _U(31)
-    return x
+    return _finalize(x)
 
 
 def _mix_seq(owner: int, rank: int, seq: np.ndarray) -> np.ndarray:
@@ -46,6 +41,12 @@ def _mix_seq(owner: int, rank: int, seq: np.ndarray) -> np.ndarray:
     Python, only the sequence hashes are arrays. uint64 array of ``seq``'s shape."""
     with np.errstate(over="ignore"):
         x = seq ^ _U((((owner & 0xFFFFFFFF) << 32) | (rank & 0xFFFFFFFF)) * _K0 & _M64)
+    return _finalize(x)
+
+
+def _finalize(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer of :func:`_mix`, vectorised, in place on the fresh uint64 array ``x``."""
+    with np.errstate(over="ignore"):
         x ^= x >> _U(30)
         x *= _U(_K1)
         x ^= x >> _U(27)
