@@ -186,8 +186,8 @@ class Namespace:
         return KeyRun(self.fingerprint, tenant, rank, h)
 
     def rank_runs(self, seq_hashes, tenant: str = "") -> tuple[list["KeyRun"], list["KeyRun"]]:
-        """``(by_rank, shared)``: the keys of ``seq_hashes`` (Python ints as vLLM gives them, or a uint64
-        array) as one :class:`KeyRun` per TP rank (``by_rank[r]``: rank r's G3 keys), all over one
+        """``(by_rank, shared)``: the keys of ``seq_hashes`` (Python ints, the ``array('Q')`` the scheduler
+        hashes into, or a uint64 array; see :class:`SeqHashes`) as one :class:`KeyRun` per TP rank (``by_rank[r]``: rank r's G3 keys), all over one
         :class:`SeqHashes` (converted to uint64 once, only as far as a pool probes them), and the runs of
         the distinct :meth:`shared_rank` ranks (G4's keys: one run for replicated MLA blocks). What the
         scheduler's prefix lookups build once per lookup and hand to G3 and G4."""
@@ -234,8 +234,9 @@ class SeqHashes:
 
     Args:
         seq_hashes: a list or tuple of ints (taken modulo 2**64, as :meth:`Namespace.key` does; an item
-            that is not an int raises TypeError naming it when its part is converted), or a 1-D uint64
-            array (ValueError otherwise).
+            that is not an int raises TypeError naming it when its part is converted), an ``array('Q')``
+            (what the scheduler hashes into: copied as uint64 at once, a memcpy, nothing converted), or a
+            1-D uint64 array (ValueError otherwise).
 
     Thread-safe: conversions hold a lock (G4 lookups read from I/O threads).
     """
@@ -248,6 +249,9 @@ class SeqHashes:
                 raise ValueError(f"seq_hashes: a 1-D uint64 array is needed, got {seq_hashes.dtype} of shape "
                                  f"{seq_hashes.shape}")
             self._ints, self._arr, self._done = None, seq_hashes.view(), len(seq_hashes)
+            self._arr.flags.writeable = False
+        elif isinstance(seq_hashes, array) and seq_hashes.typecode == "Q":  # copied: the caller may append to it
+            self._ints, self._arr, self._done = None, np.frombuffer(seq_hashes, np.uint64).copy(), len(seq_hashes)
             self._arr.flags.writeable = False
         else:
             self._ints = seq_hashes if isinstance(seq_hashes, (list, tuple)) else list(seq_hashes)

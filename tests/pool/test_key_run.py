@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+from array import array
 
 import numpy as np
 import pytest
@@ -64,11 +65,14 @@ def _data(seed: int, length: int):
 
 
 def _same_from_both(lookup, cases) -> None:
+    """Each case's prefix length from its BlockKey list equals the one from its KeyRun, built from a list
+    of ints and from the ``array('Q')`` the scheduler hashes into."""
     for ns, t, r, hs in cases:
         run = ns.run(hs, t, r)
         assert isinstance(run, KeyRun) and len(run) == len(hs)
         want = lookup(ns.keys(hs, t, r))
         assert lookup(run) == want, (ns.model, t, r, len(hs))
+        assert lookup(ns.run(array("Q", hs), t, r)) == want, (ns.model, t, r, len(hs), "array('Q')")
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -140,6 +144,21 @@ def test_rank_runs_is_one_run_per_rank_over_one_array():
     assert [list(r) for r in (by_rank[1][1:3], by_rank[1][5:])] == [ns.keys(hs[1:3], "alice", 1), []]
     mla = Namespace("keyrun/mla", KvLayout(2, 1, 16, 64, "bfloat16"), tp_world_size=4)
     assert [r.rank for r in mla.rank_runs(hs, "")[1]] == [0]
+
+
+def test_the_schedulers_array_of_hashes_is_copied_once_and_never_converted():
+    """The scheduler hashes a prompt into an ``array('Q')`` (sequence_hashes ``into=``) and appends decode
+    blocks to it later: a run built from it holds its own uint64 copy (the array stays appendable, the
+    run does not change), all of it available at once; the keys are the ones a list of ints names."""
+    ns = Namespace("keyrun/array", LAYOUT, tp_world_size=2)
+    hs = array("Q", [0, 1, (1 << 64) - 1, 1 << 63, 12345])
+    by_rank, _ = ns.rank_runs(hs, "alice")
+    assert by_rank[0].hashes._done == len(hs)  # nothing left to convert
+    hs.append(7)  # no BufferError: the run holds a copy
+    assert len(by_rank[1]) == 5 and by_rank[1].keys() == ns.keys(list(hs)[:5], "alice", 1)
+    assert by_rank[1].seq_hashes.tolist() == list(hs)[:5]
+    with pytest.raises(ValueError):
+        by_rank[0].seq_hashes[0] = 1  # read-only, as for a list's run
 
 
 def test_a_partial_hit_converts_only_the_first_chunk(tmp_path):

@@ -1,5 +1,6 @@
 """KVBM-compatible sequence hashes, namespace fingerprints."""
 import struct
+from array import array
 
 import pytest
 import xxhash
@@ -84,8 +85,12 @@ def test_sequence_hashes_equal_the_per_block_definition_for_every_input_form():
         for form in (toks, tuple(toks), np.array(toks, np.uint32), np.array(toks, np.int64),
                      [np.int64(t) for t in toks]):
             assert sequence_hashes(form, ps, salt=salt, parent=parent) == want
+        got = sequence_hashes(toks, ps, salt=salt, parent=parent, into=array("Q", [5]))  # the scheduler's form
+        assert isinstance(got, array) and got.tolist() == [5] + want
     for bad in ([-1] * 16, [2 ** 32] * 16):
         with pytest.raises(OverflowError):
             sequence_hashes(bad, 16)
+    with pytest.raises(TypeError, match=r"into: an array\('Q'\) or a list is needed, got array\('I'\)"):
+        sequence_hashes([1] * 16, 16, into=array("I"))
     with pytest.raises(ValueError, match="page_size"):
         sequence_hashes([1, 2], 0)

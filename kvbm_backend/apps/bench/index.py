@@ -17,8 +17,9 @@ Per size, per index:
   ``restore`` one by one. Journal file reading and decoding is not included.
 - ``prefix_lookup_ms``: the scheduler's prefix lookup of an 8192-block prefix (all present, random start;
   blocks of one tenant, touched as found), median / p99 / min / max of ``LOOKUPS`` calls, timed on the
-  public path from a list of Python int sequence hashes (as vLLM gives them) to the prefix length: the
-  key runs the connector builds (:meth:`~kvbm_backend.model.namespace.Namespace.rank_runs`, what
+  public path from the sequence hashes as the scheduler holds them (the ``array('Q')`` it hashes a prompt
+  into, :func:`~kvbm_backend.model.hashing.sequence_hashes` ``into=``; sliced to the lookup's length as
+  it slices them) to the prefix length: the key runs the connector builds (:meth:`~kvbm_backend.model.namespace.Namespace.rank_runs`, what
   ``integrations/vllm/lookup.py`` calls), then rank 0's run through
   :meth:`~kvbm_backend.pool.g3.pool.G3Pool.lookup_prefix` (pool lock, counters and metrics included) of a
   real G3 pool (a tiny one in a temporary directory) holding the built index; ``prefix_lookup_path``
@@ -41,8 +42,8 @@ same 8192-block prefixes, all present), ``partial_lookup_ms`` (the same with blo
 
 ``sequence_hashes_ms``: what the scheduler does for every new request before its lookup, hashing the
 prompt's full blocks (:func:`~kvbm_backend.model.hashing.sequence_hashes`, KVBM's chained xxh3) from a list
-of Python int token ids as vLLM holds them: ``PREFIX`` blocks of ``HASH_BLOCK_TOKENS`` tokens, median / p99
-/ min / max of ``HASH_RUNS`` calls.
+of Python int token ids as vLLM holds them into an ``array('Q')`` (as the scheduler does): ``PREFIX`` blocks
+of ``HASH_BLOCK_TOKENS`` tokens, median / p99 / min / max of ``HASH_RUNS`` calls.
 
 Keys: random 64-bit sequence hashes, 8 tenants (one of them ``""``, the rest restored as tag entries),
 rank 0, 8 files. Times are wall-clock (``perf_counter``), on whatever else the machine runs.
@@ -55,6 +56,7 @@ import statistics
 import tempfile
 import time
 import tracemalloc
+from array import array
 
 import numpy as np
 
@@ -92,22 +94,22 @@ def _tag_entries(d, n: int) -> list:
             zip(d["tenant"][:n].tolist(), d["seqs"][:n].tolist(), d["files"][:n].tolist(), d["slots"][:n].tolist())]
 
 
-def _prefixes(d, n: int, rng) -> list[tuple[str, list[int]]]:
-    """``LOOKUPS`` prefixes as (tenant, sequence hashes as a list of Python ints), as vLLM gives them."""
+def _prefixes(d, n: int, rng) -> list[tuple[str, array]]:
+    """``LOOKUPS`` prefixes as (tenant, sequence hashes as an ``array('Q')``, as the scheduler holds them)."""
     out = []
     for _ in range(LOOKUPS):
         run = int(rng.integers(0, max(1, n // PREFIX)))
         a = run * PREFIX
         b = min(n, a + PREFIX)
-        out.append((TENANTS[int(d["tenant"][a])], d["seqs"][a:b].tolist()))
+        out.append((TENANTS[int(d["tenant"][a])], array("Q", d["seqs"][a:b].tobytes())))
     return out
 
 
-def _partial(pre: list[tuple[str, list[int]]], d, n: int) -> list[tuple[str, list[int]]]:
+def _partial(pre: list[tuple[str, array]], d, n: int) -> list[tuple[str, array]]:
     """The prefixes with block PARTIAL_AT's hash replaced by a sequence hash none of the ``n`` entries has."""
     cand = np.random.default_rng(2).integers(0, 2 ** 64, 4 * len(pre), dtype=np.uint64, endpoint=False)
     absent = cand[~np.isin(cand, d["seqs"][:n])].tolist()
-    return [(t, hs[:PARTIAL_AT] + [a] + hs[PARTIAL_AT + 1:]) if len(hs) > PARTIAL_AT else (t, hs)
+    return [(t, hs[:PARTIAL_AT] + array("Q", [a]) + hs[PARTIAL_AT + 1:]) if len(hs) > PARTIAL_AT else (t, hs)
             for (t, hs), a in zip(pre, absent)]
 
 
@@ -122,8 +124,9 @@ def _full_want(q) -> int:
 def _public(lookup):
     """The scheduler's lookup of one prefix, ``(tenant, hashes)`` -> prefix length: the key runs of every
     rank (``Namespace.rank_runs``, as ``integrations/vllm/lookup.py`` builds them), rank 0's run looked up
-    with ``lookup(run)``."""
-    return lambda q: lookup(NAMESPACE.rank_runs(q[1], q[0])[0][0])
+    with ``lookup(run)``. The hashes are sliced first, as the scheduler slices its ``array('Q')``
+    (``st.hashes[:n]``)."""
+    return lambda q: lookup(NAMESPACE.rank_runs(q[1][:len(q[1])], q[0])[0][0])
 
 
 def _timed(lookup, pre: list, want, what: str) -> dict:
@@ -284,7 +287,7 @@ def _hashing() -> dict:
     times = []
     for _ in range(HASH_RUNS):
         t0 = time.perf_counter()
-        n = len(sequence_hashes(toks, HASH_BLOCK_TOKENS))
+        n = len(sequence_hashes(toks, HASH_BLOCK_TOKENS, into=array("Q")))  # as the scheduler hashes
         times.append(time.perf_counter() - t0)
         if n != PREFIX:
             raise RuntimeError(f"index bench: sequence_hashes gave {n} hashes for {PREFIX} blocks")

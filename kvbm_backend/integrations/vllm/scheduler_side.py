@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,8 @@ log = logging.getLogger("kvbm_backend.connector")
 class _Req:
     req_id: str
     tenant: str
-    hashes: list[int]                 # sequence hashes of every full prompt block (then decode blocks)
+    hashes: array                     # array('Q'): sequence hashes of every full prompt block (then decode
+    #                                   blocks); lookups take it as uint64 with nothing converted
     lookup_blocks: int                # blocks that may be served from outside: (prompt_len - 1) // bs
     lookup: _Lookup | None = None
     n_local: int = 0                  # blocks the engine's own prefix cache had at the last query
@@ -97,7 +99,7 @@ class SchedulerSide:
             cache_salt = getattr(request, "cache_salt", None)
             salt = salt_hash(salt_bytes(cache_salt, lora))
             toks = list(request.prompt_token_ids or [])
-            hashes = sequence_hashes(toks, self.bs, salt=salt) if toks else []
+            hashes = sequence_hashes(toks, self.bs, salt=salt, into=array("Q"))
             st = _Req(request.request_id, cache_salt or self.default_tenant, hashes,
                       lookup_blocks=max(0, (len(toks) - 1) // self.bs), request=request, salt=salt)
             self._reqs[request.request_id] = st
@@ -114,8 +116,8 @@ class SchedulerSide:
         if upto <= have:
             return
         parent = st.hashes[-1] if st.hashes else None
-        st.hashes.extend(sequence_hashes(list(toks[have * self.bs:upto * self.bs]), self.bs, salt=st.salt,
-                                         parent=parent))
+        sequence_hashes(list(toks[have * self.bs:upto * self.bs]), self.bs, salt=st.salt, parent=parent,
+                        into=st.hashes)
 
     def _keys_by_rank(self, st: _Req, n: int) -> list[KeyRun]:
         return self.ns.rank_runs(st.hashes[:n], st.tenant)[0]
@@ -228,7 +230,8 @@ class SchedulerSide:
         end = first + num_external_tokens // self.bs
         block_ids = list(blocks.get_block_ids()[0])
         tiers = ["G3" if i < p3 else "G4" for i in range(first, end)]
-        self._loads.append(LoadJob(request.request_id, block_ids[first:end], st.hashes[first:end], tiers, st.tenant))
+        self._loads.append(LoadJob(request.request_id, block_ids[first:end], st.hashes[first:end].tolist(), tiers,
+                                   st.tenant))
         st.planned = (first, end)
         n3 = tiers.count("G3")
         self._hit_source[request.request_id] = {"G3": n3 * self.bs, "G4": (len(tiers) - n3) * self.bs}
@@ -355,7 +358,7 @@ class SchedulerSide:
             self._group_saves(meta, st, held, n_local)
             stats.add(save_local_hit_blocks=n_local - held)
             return
-        meta.saves.append(SaveJob(st.req_id, st.block_ids[held:n_local], st.hashes[held:n_local], st.tenant))
+        meta.saves.append(SaveJob(st.req_id, st.block_ids[held:n_local], st.hashes[held:n_local].tolist(), st.tenant))
         stats.add(save_local_hit_blocks=n_local - held)
         if self.events is not None:
             self.events.learn(st.tenant, st.request, st.hashes, held, n_local)
@@ -387,7 +390,7 @@ class SchedulerSide:
         if self.multi:
             self._group_saves(meta, st, a, full)
             return
-        meta.saves.append(SaveJob(st.req_id, st.block_ids[a:full], st.hashes[a:full], st.tenant))
+        meta.saves.append(SaveJob(st.req_id, st.block_ids[a:full], st.hashes[a:full].tolist(), st.tenant))
         if self.events is not None:
             self.events.learn(st.tenant, st.request, st.hashes, a, full)
 
