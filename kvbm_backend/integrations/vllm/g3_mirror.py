@@ -17,14 +17,13 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
+from ...model.mix64 import fmix64, fmix64_v
 from ...model.namespace import KeyRun, Namespace, key_columns
 from ...pool.base import completed
 from ...pool.g3.index import tag_of
 from .metadata import KvbmWorkerMeta
 
 _U = np.uint64
-_M64 = (1 << 64) - 1
-_K1, _K2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _MIN_BITS = 10  # smallest table: 1024 cells (8 KiB)
 _pack_rank = struct.Struct("<I").pack
 _pack_seq = struct.Struct("<Q").pack
@@ -48,23 +47,10 @@ def _seed(tag: bytes, rank: int) -> int:
     return c
 
 
-def _fmix(x: int) -> int:
-    """The splitmix64 finalizer of a 64-bit int (a bijection of 64-bit ints; :func:`_fmix_v` vectorised)."""
-    x ^= x >> 30
-    x = (x * _K1) & _M64
-    x ^= x >> 27
-    x = (x * _K2) & _M64
-    return x ^ (x >> 31)
-
-
 def _fmix_v(x: np.ndarray) -> np.ndarray:
-    """:func:`_fmix` of a uint64 array, in place; 0 results become 1 (0 marks an empty cell)."""
-    with np.errstate(over="ignore"):
-        x ^= x >> _U(30)
-        x *= _U(_K1)
-        x ^= x >> _U(27)
-        x *= _U(_K2)
-        x ^= x >> _U(31)
+    """fmix64 of a uint64 array (:func:`~kvbm_backend.model.mix64.fmix64_v`), in place; 0 results become 1
+    (0 marks an empty cell)."""
+    fmix64_v(x)
     x[x == 0] = 1
     return x
 
@@ -82,7 +68,7 @@ def fingerprint(tag: bytes, rank: int, seq_hash: int) -> int:
         _pack_seq(seq_hash)  # range check only
     except struct.error:
         return _xxh3_64(tag + repr((rank, seq_hash)).encode()) or 1
-    return _fmix(seq_hash ^ c) or 1
+    return fmix64(seq_hash ^ c) or 1
 
 
 

@@ -1,8 +1,8 @@
 """The hash table of :class:`~.compact_index.CompactLruIndex`: open addressing over entry indexes.
 
 Cells are int32, ``entry + 1`` (0 = empty); a key's home cell is the top bits of a 64-bit mix of
-(owner, rank, seq) (:func:`_mix`, vectorised :func:`_mix_v`); linear probing at load at most 1/4;
-deletion shifts the cluster back (no tombstones). :class:`HashTable` is a mixin: the index holds the
+(owner, rank, seq) (:func:`_mix`, vectorised :func:`_mix_v`; the finalizer is fmix64 from
+:mod:`kvbm_backend.model.mix64`); linear probing at load at most 1/4; deletion shifts the cluster back (no tombstones). :class:`HashTable` is a mixin: the index holds the
 entry arrays (``_seq``, ``_own``, ``_rank``, ``_lp``) and their memoryviews; this module holds every
 operation on ``_tab``: scalar find/insert/delete, the vectorised batch find (:meth:`HashTable._find_many`,
 :meth:`HashTable._find_run`), batch delete, and the bulk build (one argsort by home position).
@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import numpy as np
 
-_M64 = (1 << 64) - 1
-_K0, _K1, _K2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+from ...model.mix64 import M64 as _M64, fmix64, fmix64_v
+
+_K0 = 0x9E3779B97F4A7C15  # odd: the owner/rank word times it is a bijection of 64-bit words
 _U = np.uint64
 _MIN_TAB_BITS = 10
 _LOAD = 4  # table cells per entry at least: load <= 1/4 keeps batch probing to a few rounds
 
 
 def _mix(owner: int, rank: int, seq: int) -> int:
-    """64-bit mix of one key (same value as :func:`_mix_v`)."""
-    x = (seq ^ ((((owner & 0xFFFFFFFF) << 32) | (rank & 0xFFFFFFFF)) * _K0)) & _M64
-    x ^= x >> 30
-    x = (x * _K1) & _M64
-    x ^= x >> 27
-    x = (x * _K2) & _M64
-    return x ^ (x >> 31)
+    """64-bit mix of one key (same value as :func:`_mix_v`): fmix64 of the seq hash xor the owner/rank word
+    times an odd constant."""
+    return fmix64((seq ^ ((((owner & 0xFFFFFFFF) << 32) | (rank & 0xFFFFFFFF)) * _K0)) & _M64)
 
 
 def _mix_v(owner: np.ndarray, rank: np.ndarray, seq: np.ndarray) -> np.ndarray:
@@ -33,7 +30,7 @@ def _mix_v(owner: np.ndarray, rank: np.ndarray, seq: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         o = (owner.astype(np.int64).astype(_U) & _U(0xFFFFFFFF)) << _U(32)
         x = seq.astype(_U, copy=False) ^ ((o | (rank.astype(np.int64).astype(_U) & _U(0xFFFFFFFF))) * _U(_K0))
-    return _finalize(x)
+    return fmix64_v(x)
 
 
 def _mix_seq(owner: int, rank: int, seq: np.ndarray) -> np.ndarray:
@@ -41,18 +38,7 @@ def _mix_seq(owner: int, rank: int, seq: np.ndarray) -> np.ndarray:
     Python, only the sequence hashes are arrays. uint64 array of ``seq``'s shape."""
     with np.errstate(over="ignore"):
         x = seq ^ _U((((owner & 0xFFFFFFFF) << 32) | (rank & 0xFFFFFFFF)) * _K0 & _M64)
-    return _finalize(x)
-
-
-def _finalize(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finalizer of :func:`_mix`, vectorised, in place on the fresh uint64 array ``x``."""
-    with np.errstate(over="ignore"):
-        x ^= x >> _U(30)
-        x *= _U(_K1)
-        x ^= x >> _U(27)
-        x *= _U(_K2)
-        x ^= x >> _U(31)
-    return x
+    return fmix64_v(x)
 
 
 class HashTable:
