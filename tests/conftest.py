@@ -98,6 +98,13 @@ _VLLM_MODULES = {"test_connector_e2e", "test_connector_units", "test_demo", "tes
 _SLOW_MODULES = {"test_faults_quick", "test_g3_crash", "test_g4_multiproc", "test_g4_outage", "test_g4_gc_bench",
                  "test_g3_enospc", "test_keyring_revocation", "test_g4_cluster", "test_hybrid_e2e"}
 _SLOW_TESTS: set = {"test_fp8_kv::test_fp8_kv_engine_fresh_engine_and_restart"}  # "module::test name" of single slow tests in otherwise fast modules
+# `side` - engine tests that assert nothing about wall-clock time (outputs, counters, files only): `ci/test.sh`
+# runs them in a second engine lane at `nice 10` beside the main one, whose tests keep the CPU first when
+# they want it (their timeouts and latency bounds are measured at normal priority). A test that bounds a
+# time (a TTFT, a timeout's cost) stays out of it, even in a side module.
+_SIDE_MODULES = {"test_connector_e2e", "test_hybrid_e2e", "test_demo"}
+_NOT_SIDE_TESTS = {"test_connector_e2e::test_stopped_g4_costs_at_most_its_timeout"}
+_MARKERS = ("slow", "vllm", "s3", "gpu", "side")
 
 
 def _module_always_deselected(config, module: str) -> bool:
@@ -116,7 +123,7 @@ def _module_always_deselected(config, module: str) -> bool:
         compiled = Expression.compile(expr)
     except Exception:  # noqa: BLE001 - pytest reports a bad -m itself
         return False
-    free = [m for m in ("slow", "vllm", "s3", "gpu") if m not in fixed]
+    free = [m for m in _MARKERS if m not in fixed]
     for bits in product((False, True), repeat=len(free)):
         present = fixed | {m for m, b in zip(free, bits) if b}
         if compiled.evaluate(lambda name, present=present, **_: name in present):
@@ -142,3 +149,5 @@ def pytest_collection_modifyitems(config, items):
             it.add_marker(pytest.mark.gpu)
         if mod in _SLOW_MODULES or f"{mod}::{it.originalname}" in _SLOW_TESTS:
             it.add_marker(pytest.mark.slow)
+        if mod in _SIDE_MODULES and f"{mod}::{it.originalname}" not in _NOT_SIDE_TESTS:
+            it.add_marker(pytest.mark.side)
