@@ -9,8 +9,9 @@
 #   engine  tests marked slow, vllm, s3 or gpu (vLLM engines, Dynamo, SeaweedFS, crashes) and not side: in the
 #           foreground at normal priority, so its timing-sensitive tests (timeouts, latency bounds) get the CPU
 #           first whenever they want it;
-#   side    engine tests marked side (no wall-clock assertion: outputs, counters, files) at `nice 10`, on the
-#           second core the engine lane mostly leaves idle (one engine test keeps about one core busy);
+#   side    engine tests marked side (no wall-clock assertion: outputs, counters, files; not the TP=2 test,
+#           which keeps both cores busy) at `nice 10`, on the second core the engine lane mostly leaves idle
+#           (one engine test keeps about one core busy);
 #   unit    everything else at `nice 19`, on what is left.
 # Each lane has its own --basetemp and log; the run fails if any lane fails or collects nothing.
 set -euo pipefail
