@@ -49,7 +49,8 @@ _PAIRS = [
 
 def plot_results(files: Iterable[str], out: str) -> None:
     """Plot each JSON file: demo results (TTFT p50/p90 per config), bench results (ours vs the
-    in-run baseline), ``plan`` results (hit rate per tier vs G3 capacity) or ``scaling`` results
+    in-run baseline), ``bench --tier index`` results (prefix lookup times and bytes per block),
+    ``plan`` results (hit rate per tier vs G3 capacity) or ``scaling`` results
     (``kind: "scaling"``: one line per ``series`` entry over the values of the key ``x`` names, e.g.
     G4 GB/s vs workers). Writes one PNG with one panel per file. Raises ValueError for an unknown shape."""
     import matplotlib
@@ -62,6 +63,9 @@ def plot_results(files: Iterable[str], out: str) -> None:
         if d.get("kind") == "plan":
             from .plan_report import plot_plan_axes
             plot_plan_axes(ax, None, d, name)
+            continue
+        if d.get("tier") == "index":
+            _plot_index(ax, d, name)
             continue
         if d.get("kind") == "scaling":  # {"x": "workers", "workers": [1, 2, 4], "series": {label: [y per x]}}
             xs = d[d.get("x", "workers")]
@@ -97,3 +101,30 @@ def plot_results(files: Iterable[str], out: str) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def _entries(n: int) -> str:
+    return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}K" if n >= 1000 else str(n)
+
+
+def _plot_index(ax, d: dict, name: str) -> None:
+    """``bench --tier index`` JSON: median time of a full and of a partial 8K-block prefix lookup (ms, the
+    public path) per index (compact G3 index, scheduler's G3 mirror, OrderedDict index) and size, each bar
+    pair labelled with the index's bytes per block, on a log scale; a dashed line at the 1 ms target."""
+    rows = []
+    for kind in ("compact", "mirror", "ordereddict"):
+        for n, v in sorted(d.get(kind, {}).items(), key=lambda kv: int(kv[0])):
+            rows.append((f"{kind}\n{_entries(int(n))}\n{v['bytes_per_block']:.0f} B/block",
+                         v["prefix_lookup_ms"]["median"], v.get("partial_lookup_ms", {}).get("median", 0.0)))
+    if not rows:
+        raise ValueError(f"{name}: index bench results without any index")
+    x = range(len(rows))
+    blocks = d.get("prefix_blocks", 8192)
+    ax.bar([i - 0.2 for i in x], [r[1] for r in rows], 0.4, label=f"full {blocks}-block hit, median")
+    ax.bar([i + 0.2 for i in x], [r[2] for r in rows], 0.4, label="partial hit, median")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="1 ms target")
+    ax.set_xticks(list(x), [r[0] for r in rows], fontsize=7)
+    ax.set_yscale("log")  # the OrderedDict index is ~30x the others
+    ax.set_ylabel("prefix lookup, ms (log scale)")
+    ax.set_title(f"{name}: G3 index and mirror")
+    ax.legend(fontsize=7)

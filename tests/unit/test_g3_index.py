@@ -206,7 +206,7 @@ def test_growth_keeps_every_entry():
     assert ix.nbytes > 0
 
 
-def test_bench_index_json():
+def test_bench_index_json(tmp_path):
     import json
 
     from typer.testing import CliRunner
@@ -227,6 +227,10 @@ def test_bench_index_json():
     assert c["array_bytes"] > 0 and set(d["targets"]) >= {"memory_under_1_gib", "prefix_8k_under_1_ms"}
     h = d["sequence_hashes_ms"]
     assert h["blocks"] == 8192 and h["block_tokens"] == 32 and h["min"] > 0 and h["median"] >= h["min"]
+    (tmp_path / "index.json").write_text(r.output)  # and the CLI plots it
+    p = CliRunner().invoke(app, ["plot", str(tmp_path / "index.json"), "--out", str(tmp_path / "index.png")])
+    assert p.exit_code == 0, p.output
+    assert (tmp_path / "index.png").stat().st_size > 10_000
 
 
 def test_bulk_evict_keeps_the_table_consistent(table_bits):
