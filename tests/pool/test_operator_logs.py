@@ -73,6 +73,24 @@ def test_breaker_logs_once_per_state_change(caplog):
     assert len(caplog.records) == 3
 
 
+def test_a_start_up_check_failing_after_requests_succeeded_is_an_ordinary_failure(caplog):
+    """The pool's start-up check runs in the background beside the first requests. Seen in CI: 4 blocks
+    written, the store killed, then the check's namespace.json write failed. That is not "unavailable at
+    start": the breaker counts it as one failure and opens after ``failures`` of them, saying so."""
+    b = CircuitBreaker(failures=3, reset_s=5.0, clock=lambda: 0.0, name="G4 s3://b/p")
+    caplog.set_level(logging.INFO, logger=BREAKER_LOG)
+    b.success()
+    b.trip(ConnectionRefusedError("late start-up check"))
+    assert b.state == "closed" and not caplog.records
+    b.failure("down")
+    b.failure("down")
+    opened = _lines(caplog, BREAKER_LOG, "circuit breaker OPEN", logging.WARNING)
+    assert b.state == "open" and len(opened) == 1 and "3 consecutive failures" in opened[0], caplog.text
+    fresh = CircuitBreaker(failures=3, reset_s=5.0, clock=lambda: 0.0, name="G4 s3://b/q")
+    fresh.trip("refused")  # nothing answered yet: open at once, "unavailable at start"
+    assert fresh.state == "open" and len(_lines(caplog, BREAKER_LOG, "unavailable at start")) == 1
+
+
 def test_store_unavailable_at_start_logged_once(caplog):
     """Nothing listens at the endpoint: one WARNING from the start-up probe (the breaker opens at
     once), none per request, and the failed probes show in the metrics."""

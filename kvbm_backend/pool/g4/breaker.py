@@ -41,6 +41,7 @@ class CircuitBreaker:
         self._last_log = 0.0
         self._rejected_at_open = 0
         self._probe_out = False
+        self._answered = False  # some request succeeded: the store was up after start
         self.opens = 0  # times it opened
         self.rejected = 0  # requests refused while open
 
@@ -85,6 +86,7 @@ class CircuitBreaker:
             self._consecutive = 0
             self._opened_at = self._first_opened = None
             self._probe_out = False
+            self._answered = True
         if was_open:
             if self.name:
                 log.info("%s: store answering again, circuit breaker closed after %.1f s open (%d requests "
@@ -97,13 +99,16 @@ class CircuitBreaker:
         self._fail(err, force=False)
 
     def trip(self, err: object = None) -> None:
-        """Open now, whatever the count (a start-up probe found the store unavailable)."""
+        """Open now, whatever the count (a start-up probe found the store unavailable). When a request
+        has already succeeded, the store was up after start (the start-up check runs in the background,
+        beside the first requests, and can fail later than they succeed): an ordinary :meth:`failure`."""
         self._fail(err, force=True)
 
     def _fail(self, err: object, force: bool) -> None:
         opened = remind = False
         with self._mu:
             now = self._clock()
+            force = force and not self._answered
             self._consecutive += 1
             if force or self._probe_out or (self._opened_at is None and self._consecutive >= self.failures):
                 if self._opened_at is None:
