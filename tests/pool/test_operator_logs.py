@@ -15,6 +15,7 @@ from tests.helpers.g4_writer import namespace, payload
 from kvbm_backend import metrics
 from kvbm_backend.config import G4Config, load_config
 from kvbm_backend.pool.g4.breaker import CircuitBreaker
+from kvbm_backend.pool.g4.naming import namespace_name
 from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.integrations.tiers import open_tiers
 
@@ -200,6 +201,38 @@ def test_outage_later_logs_open_once_and_closed_once(seaweed_restartable, tmp_pa
         assert _wait(lambda: all(pool.get(keys, out).result(timeout=10).ok), 30)
         closed = _lines(caplog, BREAKER_LOG, "breaker closed", logging.INFO)
         assert len(closed) == 1 and len(_lines(caplog, BREAKER_LOG, "circuit breaker OPEN")) == 1
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow
+def test_namespace_json_written_once_the_store_is_back(seaweed_restartable, caplog):
+    """The store is down when the worker starts: namespace.json cannot be written then. When the store is
+    back and the breaker closes, the pool writes it, so the namespace in the store says what it holds."""
+    srv = seaweed_restartable
+    caplog.set_level(logging.INFO, logger="kvbm_backend")
+    srv.kill()
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    cfg = G4Config(url="s3://kvbm-test/late-ns", endpoint_url=srv.endpoint, timeout_s=1.0, retries=0,
+                   encrypt=False, breaker_failures=3, breaker_reset_s=0.3)
+    pool = G4Pool(cfg, ns)
+    try:
+        assert _wait(lambda: pool.breaker.opens == 1)
+        assert pool.stats()["namespace_json_errors"] == 1
+        srv.start(bucket=None)
+        keys = ns.keys(range(1, 3), tenant="t")
+        blocks = [payload(k.seq_hash, "t", bpb) for k in keys]
+        # the half-open probe lets one request through; retry until both blocks are stored
+        assert _wait(lambda: pool.put(keys, blocks).result(timeout=10).dropped == 0, 30)
+        out = [np.zeros(bpb, np.uint8) for _ in keys]
+        assert all(pool.get(keys, out).result(timeout=10).ok)
+        assert pool.breaker.state == "closed"
+        name = namespace_name(pool._fp)
+        assert _wait(lambda: pool.store.head(name) is not None), "namespace.json not written after recovery"
+        assert bytes(pool.store.get(name)) == ns.canonical_json().encode()
+        assert pool.stats()["namespace_json_errors"] == 1  # the write after recovery succeeded at once
+        assert len(_lines(caplog, BREAKER_LOG, "unavailable at start", logging.WARNING)) == 1, caplog.text
     finally:
         pool.close()
 

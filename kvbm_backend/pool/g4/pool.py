@@ -105,7 +105,7 @@ class G4Pool(WriterMixin, ReaderMixin):
         where = f" at {redact_url(cfg.endpoint_url)}" if cfg.endpoint_url and self._own_store else ""
         self.where = f"G4 {redact_url(self.store.url)}{where}"  # operator log lines name the store this way
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, name=self.where,
-                                      on_change=lambda st: self.metrics.degraded.set(int(st == "open")))
+                                      on_change=self._on_breaker_change)
         self._store_errors_logged: dict[str, float] = {}  # kind -> when last logged
         self._io = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-io")
         # get() into torch tensors waits on its own host get here (never on an _io thread it needs)
@@ -424,7 +424,19 @@ class G4Pool(WriterMixin, ReaderMixin):
     def _expected_header(self, key: BlockKey) -> FrameHeader:
         return FrameHeader.for_block(key, self._layout, self._world, bytes.fromhex(self._tag(key.tenant)))
 
+    def _on_breaker_change(self, state: str) -> None:
+        self.metrics.degraded.set(int(state == "open"))
+        # namespace.json could not be written at start (store down): write it once the store is back, so
+        # the namespace an operator finds in the store always says what it holds
+        if state == "closed" and not self._ns_written and not self._closed:
+            try:
+                self._io.submit(self._write_namespace_json)
+            except RuntimeError:  # closing: the I/O threads are gone
+                pass
+
     def _write_namespace_json(self) -> None:
+        if self._ns_written:
+            return
         try:
             self.store.probe()  # start-up check: an unavailable store or missing bucket is logged now
             if self.store.head(namespace_name(self._fp)) is None:
