@@ -310,6 +310,21 @@ def test_namespace_from_vllm_mla_spec_is_one_replicated_latent(tp):
     assert ns_kv.layout.outer_dim == 2 and ns_kv.fingerprint != ns.fingerprint
 
 
+def test_model_and_revision_from_the_config_name_the_namespace():
+    """``model`` and ``revision`` are part of the namespace: blocks of other weights are never hits.
+    ``model`` unset: vLLM's served model name."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from kvbm_backend.config import KvbmBackendConfig
+    from kvbm_backend.integrations.vllm.connector import namespace_from_vllm
+    vc = _vllm_cfgs(FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16))
+    ns = namespace_from_vllm(KvbmBackendConfig(model="org/llama", revision="r2"), *vc)
+    assert (ns.model, ns.revision) == ("org/llama", "r2")
+    main = namespace_from_vllm(KvbmBackendConfig(model="org/llama"), *vc)
+    assert main.revision == "main" and main.fingerprint != ns.fingerprint
+    assert ns.key(7).seq_hash == main.key(7).seq_hash and ns.key(7) != main.key(7)
+    assert namespace_from_vllm(KvbmBackendConfig(), *vc).model == "m"
+
+
 def test_prometheus_counters_follow_connector_stats():
     """vLLM's MultiConnector asserts that a member connector that reports stats has Prometheus
     metrics (build_prom_metrics); they count in KVBM terms per engine."""

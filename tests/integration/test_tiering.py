@@ -221,13 +221,15 @@ def test_drain_and_shutdown(tmp_path, harnesses):
 
 
 def test_g4_tier_store_then_load(tmp_path, harnesses):
+    """Also the config's ``tenant``: the tenant of a request that names none (here the store)."""
     store = tmp_path / "g4"
     tier = {"type": "G4Tier", "module_path": MOD, "num_kv_heads": GEO["num_kv_heads"], "io_threads": 2,
+            "config": {"tenant": "acme"},
             "g4": {"url": f"file://{store}", "keyring": {"path": str(tmp_path / "keys" / "keyring.json")},
                    "timeout_s": 5.0}}
     h = harnesses([tier])
     keys, data = keys_for(3, "g4"), payloads(h, 3, seed=4)
-    h.store(keys, data, ctx=h.context(kv_transfer_params={"kvbm_tenant": "acme"}))
+    h.store(keys, data)  # no kvbm_tenant: the config's tenant
     h.wait_idle()
     assert h.tier.kvbm_stats()["tier"]["chunks_stored"] == 3
     h.reset_primary()

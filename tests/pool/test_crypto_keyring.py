@@ -223,6 +223,35 @@ def test_keyring_config_read_only_auto_create_and_reload_interval(tmp_path, monk
     assert list(json.loads(p.read_text())["tenants"]) == ["alice"]
     ro = Keyring.from_config(KeyringConfig(path=str(p), read_only=True))
     assert ro.read_only and ro.tenant_state("alice") == "active" and ro.tenant_state("bob") == "unknown"
+    rot = Keyring.from_config(KeyringConfig(path=str(tmp_path / "rot.json"), rotate_after_uses=2))
+    assert [rot.write_key("t").version for _ in range(5)] == [1, 1, 2, 2, 3]
+
+
+def test_kek_env_and_kek_file_choose_the_key_encryption_key(tmp_path, monkeypatch):
+    """``g4.keyring.kek_env`` names the variable the KEK comes from; ``g4.keyring.kek_file`` is used when
+    that variable is unset (default ``PATH.kek``). A keyring opened with another KEK is refused."""
+    from kvbm_backend.config import KeyringConfig
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    monkeypatch.setenv("TEAM_A_KEK", generate_kek_b64())
+    a = tmp_path / "a" / "kr.json"
+    kr = Keyring.from_config(KeyringConfig(path=str(a), kek_env="TEAM_A_KEK"))
+    alice = kr.write_key("alice")
+    assert sorted(p.name for p in a.parent.iterdir() if not p.name.endswith(".lock")) == ["kr.json"]  # no .kek
+    again = Keyring.from_config(KeyringConfig(path=str(a), kek_env="TEAM_A_KEK"))
+    assert again.write_key("alice").key == alice.key
+    with pytest.raises(KeyringError, match=r"no KEK \(set \$KVBM_BACKEND_KEK"):  # the default env is unset
+        Keyring.from_config(KeyringConfig(path=str(a)))
+
+    b = tmp_path / "b" / "kr.json"
+    kf = tmp_path / "secrets" / "team-b.kek"
+    kr = Keyring.from_config(KeyringConfig(path=str(b), kek_file=str(kf)))
+    bob = kr.write_key("bob")
+    assert kf.is_file() and stat.S_IMODE(kf.stat().st_mode) == 0o600 and not (b.parent / "kr.json.kek").exists()
+    assert Keyring.from_config(KeyringConfig(path=str(b), kek_file=str(kf))).write_key("bob").key == bob.key
+    with pytest.raises(KeyringError, match="kr.json.kek"):  # the default PATH.kek does not exist
+        Keyring.from_config(KeyringConfig(path=str(b)))
+    with pytest.raises(KeyringError):  # the env KEK wins over kek_file, and it did not wrap this keyring
+        Keyring.from_config(KeyringConfig(path=str(b), kek_env="TEAM_A_KEK", kek_file=str(kf)))
 
 
 def test_keyring_file_matches_format_md(tmp_path):

@@ -78,6 +78,27 @@ def _pipelined(monkeypatch):
     monkeypatch.setattr(G3Pool, "chunks_in_flight", 2)
 
 
+@pytest.mark.parametrize("fsync", [True, False])
+def test_fsync_setting_decides_whether_slab_files_are_fdatasynced(tmp_path, monkeypatch, fsync):
+    """``g3.fsync``: true (the default), every slab file a batch wrote is fdatasync'ed before the batch is
+    published; false (throwaway benchmarks only), none is."""
+    synced: list[int] = []
+
+    def recording_sync(fd):
+        synced.append(fd)
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(pool_mod, "fdatasync", recording_sync)
+    with open_pool(tmp_path, fsync=fsync, files_per_path=2, io_size_bytes=4 * SLOT) as pool:
+        keys = NS.keys(range(1, 17))
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60).written == 16
+        slab_fds = {f.fd for f in pool.slabs.files}
+        if fsync:
+            assert set(synced) == slab_fds  # 16 blocks in runs of 4 striped over both files
+        else:
+            assert not set(synced) & slab_fds
+
+
 def test_publish_only_after_own_fdatasync_while_writes_overlap_syncs(tmp_path, monkeypatch):
     _pipelined(monkeypatch)
     log = Log()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
+from tests.helpers.crash_writer import LAYOUT, NS, config, open_pool, payload
 from kvbm_backend.io.posix import PosixEngine
 from kvbm_backend.memory import aligned_empty
 from kvbm_backend.model import frame
@@ -101,6 +101,57 @@ def test_adjacent_slots_and_striping(tmp_path):
         assert len({run[0][0] for run in runs[:4]}) == 4  # four runs spread over four files
 
 
+def test_several_paths_stripe_blocks_across_every_directory(tmp_path):
+    """``g3.paths`` (one directory per drive) x ``g3.files_per_path``: a batch spreads over every slab
+    file of every directory, the bytes are in those files, and a restart serves them all again."""
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    kw = dict(paths=[str(d) for d in dirs], files_per_path=2, io_size_bytes=64 << 10)
+    with open_pool(tmp_path, **kw) as pool:
+        keys, res = put_all(pool, range(1, 49))
+        assert res.written == 48
+        files = {f.index: f.path for f in pool.slabs.files}
+        assert sorted(os.path.dirname(p) for p in files.values()) == sorted(str(d) for d in dirs for _ in range(2))
+        used = {files[pool.index.get(k)[0]] for k in keys}
+        assert used == set(files.values())  # every file of every directory holds blocks
+        k = next(k for k in keys if os.path.dirname(files[pool.index.get(k)[0]]) == str(dirs[1]))
+        f, slot = pool.index.get(k)
+        with open(files[f], "rb") as fh:
+            fh.seek(slot * pool.slot_bytes)
+            assert payload(k.seq_hash).tobytes()[-4096:] in fh.read(pool.slot_bytes)
+    with open_pool(tmp_path, **kw) as pool:
+        assert read_back(pool, keys).ok == [True] * 48
+
+
+@pytest.mark.parametrize("engine", ["posix", "nixl"])
+def test_engine_setting_picks_the_io_engine(tmp_path, engine):
+    """``g3.engine``: the pool does its slab I/O through the engine named (``kvikio`` needs the NVIDIA
+    driver: tests/integration/test_gpu_path.py)."""
+    from kvbm_backend.metrics import new_registry
+    from kvbm_backend.pool.g3 import G3Pool
+    if engine == "nixl":
+        pytest.importorskip("nixl", reason="NIXL not installed")
+    with G3Pool(config(tmp_path, engine=engine), NS, registry=new_registry()) as pool:
+        assert pool.engine.name == engine
+        keys, res = put_all(pool, range(1, 9))
+        assert res.written == 8 and read_back(pool, keys).ok == [True] * 8
+
+
+def test_o_direct_setting_forces_o_direct_off_and_on(tmp_path):
+    """``g3.o_direct``: ``off`` opens the slab files buffered; ``on`` with O_DIRECT where ``auto``'s probe
+    found the filesystem takes it; blocks round-trip either way."""
+    with open_pool(tmp_path / "auto") as pool:
+        takes = pool.stats()["o_direct"][str(tmp_path / "auto")]
+    for mode in ("off", "on") if takes else ("off",):
+        d = tmp_path / mode
+        with open_pool(d, o_direct=mode) as pool:
+            assert pool.stats()["o_direct"] == {str(d): mode == "on"}
+            for f in pool.slabs.files:  # the open file's flags, as the kernel reports them
+                flags = next(ln for ln in open(f"/proc/self/fdinfo/{f.fd}") if ln.startswith("flags:"))
+                assert bool(int(flags.split()[1], 8) & os.O_DIRECT) == (mode == "on"), (mode, flags)
+            keys, res = put_all(pool, range(1, 9))
+            assert res.written == 8 and read_back(pool, keys).ok == [True] * 8
+
+
 def test_admission_second_sighting(tmp_path):
     with open_pool(tmp_path, admission={"policy": "frequency", "min_sightings": 2}) as pool:
         keys, res = put_all(pool, [1, 2, 3])
@@ -110,6 +161,33 @@ def test_admission_second_sighting(tmp_path):
         assert res.written == 2
         assert pool.contains(keys[0]) and pool.contains(keys[1]) and not pool.contains(keys[2])
         assert pool.stats()["offloads_skipped_admission"] == 3
+
+
+def test_admission_tracker_entries_bounds_the_sightings_remembered(tmp_path):
+    """``g3.admission.tracker_entries``: the frequency filter remembers that many sequence hashes (LRU);
+    a block seen once before more than that many others is new again on its second sighting."""
+    n = 1024  # the least the config takes
+    for entries, admitted in ((n, 0), (n + 1, 1)):
+        adm = {"policy": "frequency", "tracker_entries": entries}
+        with open_pool(tmp_path / str(entries), admission=adm) as pool:
+            put_all(pool, [1])
+            put_all(pool, range(1000, 1000 + n))  # n other first sightings
+            _, res = put_all(pool, [1])
+            assert res.written == admitted, entries
+            assert len(pool.admission) == entries
+
+
+def test_io_threads_bounds_the_engine_ops_in_flight(tmp_path):
+    """``g3.io_threads``: the posix engine runs at most that many I/O threads."""
+    from kvbm_backend.metrics import new_registry
+    from kvbm_backend.pool.g3 import G3Pool
+    before = set(threading.enumerate())
+    with G3Pool(config(tmp_path, engine="posix", io_threads=3, files_per_path=4), NS, registry=new_registry()) as pool:
+        assert pool.engine.threads == 3
+        keys, res = put_all(pool, range(1, 65))
+        assert res.written == 64 and read_back(pool, keys).ok == [True] * 64
+        names = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("kvbm-posix-io")]
+        assert 1 <= len(names) <= 3, names
 
 
 def test_lru_eviction_order(tmp_path):

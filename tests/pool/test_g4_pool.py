@@ -74,6 +74,8 @@ def test_roundtrip_lookup_and_names(target):
         name = p.object_name(keys[0])
         meta = parse_block_name(name)
         assert meta == {"ns": ns.fingerprint, "tenant": p.pseudonym("alice").hex(), "rank": 0, "seq_hash": 11}
+        # g4.dir_fanout (16 here): the directory is seq_hash % dir_fanout, in hex (300 % 256 would be 2c)
+        assert p.cfg.dir_fanout == 16 and p.object_name(ns.key(300, tenant="alice")).split("/")[3] == "c"
         assert "alice" not in name and name.split("/")[3] == f"{11 % 16:x}"
         raw = bytes(p.store.get(name))
         hdr = FrameHeader.unpack(raw[:HEADER_BYTES])

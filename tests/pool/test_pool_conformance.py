@@ -157,6 +157,24 @@ def test_a_put_for_another_namespace_stores_nothing(pool):
     assert pool.stats()["written"] == 0
 
 
+def test_open_tiers_opens_only_the_enabled_tiers(tmp_path):
+    """``g3.enabled`` / ``g4.enabled``: a disabled tier is None and leaves nothing on disk; G4 enabled
+    without a url is refused naming ``g4.url``."""
+    g3, g4 = open_tiers(_cfg("g4-file", tmp_path), NS)  # g3.enabled false, g4.enabled true
+    try:
+        assert g3 is None and g4 is not None and not (tmp_path / "g3").exists()
+    finally:
+        g4.close()
+    g3, g4 = open_tiers(_cfg("g3", tmp_path), NS)  # g3.enabled true, g4.enabled false
+    try:
+        assert g3 is not None and g4 is None and (tmp_path / "g3").is_dir()
+    finally:
+        g3.close()
+    cfg = load_config({"g3": {"enabled": False}, "g4": {"enabled": True, "encrypt": False}}, use_env=False)
+    with pytest.raises(ValueError, match=r"g4\.url"):
+        open_tiers(cfg, NS)
+
+
 def test_open_pool_opens_the_tier_its_config_section_names(tmp_path):
     """``kvbm_backend.pool.open_pool``: the one opener (G3Config -> G3Pool, G4Config -> G4Pool); a disabled
     G4 section is refused naming ``g4.enabled``; the registry reaches the pool."""

@@ -166,6 +166,9 @@ def test_dynamo_metrics_env_names():
     assert load_config({"metrics": {"port": 9400}}, environ={"DYN_KVBM_METRICS": "false"}).metrics.serve_port is None
     assert load_config({"metrics": {"port": 9400}}, environ={}).metrics.serve_port == 9400
     assert load_config(environ={}).metrics.serve_port is None and load_config(environ={}).metrics.addr == "0.0.0.0"
+    # metrics.enabled set in the config itself, as DYN_KVBM_METRICS sets it
+    assert load_config({"metrics": {"enabled": True}}, environ={}).metrics.serve_port == 6880
+    assert load_config({"metrics": {"enabled": False, "port": 9400}}, environ={}).metrics.serve_port is None
 
 
 def test_every_g4_series_moves(tmp_path):
