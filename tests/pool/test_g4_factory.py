@@ -45,6 +45,36 @@ def test_the_scheme_picks_the_store_and_the_config_its_options(tmp_path):
     assert store_abc.open_store("mem://fac/a").url == "mem://fac/a"  # the ABC module's name delegates here
 
 
+@pytest.mark.parametrize("fsync", [True, False])
+def test_g4_fsync_decides_whether_file_objects_and_their_directories_are_fsynced(tmp_path, monkeypatch, fsync):
+    """``g4.fsync`` on a ``file://`` store: true (the default), each block's file is fsync'ed before it is
+    linked into place and its directory after (invariant 2); false (benchmarks only), nothing under the
+    store is. The real ``os.fsync`` runs; the wrapper records which file each call was for."""
+    import os
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    root = tmp_path / "g4"
+    ns = Namespace("fsync/model", LAYOUT)
+    keys = ns.keys(sequence_hashes(list(range(64)), 16), tenant="t")
+    blocks = [np.full(LAYOUT.bytes_per_block, i, np.uint8) for i in range(len(keys))]
+    with G4Pool(G4Config(url=f"file://{root}", encrypt=False, fsync=fsync), ns) as p:
+        assert p.put(keys, blocks).result(timeout=30).written == 4
+        names = [str(root / p.object_name(k)) for k in keys]
+    ours = [f for f in synced if f.startswith(str(root))]
+    if fsync:
+        for n in names:  # the temp file that became the object, then the object's directory
+            assert any(f.startswith(os.path.join(os.path.dirname(n), "." + os.path.basename(n))) for f in ours), n
+            assert os.path.dirname(n) in ours, n
+    else:
+        assert ours == []
+
+
 def test_the_store_abc_module_imports_no_store_class():
     tree = ast.parse(open(store_abc.__file__).read())
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

@@ -79,7 +79,7 @@ FIELD_TESTS: dict[str, list[str]] = {
     "g4.breaker_reset_s": ["tests/pool/test_operator_logs.py::test_store_unavailable_at_start_logged_once",
                            "tests/pool/test_g4_outage.py::test_hung_shared_mount_reads_are_bounded_and_recover"],
     "g4.dir_fanout": ["tests/pool/test_g4_pool.py::test_roundtrip_lookup_and_names"],
-    "g4.fsync": ["tests/pool/test_g4_factory.py::test_the_scheme_picks_the_store_and_the_config_its_options"],
+    "g4.fsync": ["tests/pool/test_g4_factory.py::test_g4_fsync_decides_whether_file_objects_and_their_directories_are_fsynced"],
     "metrics.enabled": ["tests/unit/test_metrics.py::test_dynamo_metrics_env_names"],
     "metrics.port": ["tests/unit/test_metrics.py::test_metrics_port_serves_kvbm_series_when_tiers_open",
                      "tests/unit/test_metrics.py::test_metrics_port_in_use_is_one_error_and_the_tiers_still_open"],
