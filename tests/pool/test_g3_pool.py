@@ -101,6 +101,13 @@ def test_adjacent_slots_and_striping(tmp_path):
         assert len({run[0][0] for run in runs[:4]}) == 4  # four runs spread over four files
 
 
+def _open_with(path, **cfg):
+    """open_pool, where ``cfg`` may set ``engine`` by name (open_pool's ``engine`` is an engine object)."""
+    from kvbm_backend.metrics import new_registry
+    from kvbm_backend.pool.g3 import G3Pool
+    return G3Pool(config(path, **cfg), NS, registry=new_registry())
+
+
 def test_several_paths_stripe_blocks_across_every_directory(tmp_path):
     """``g3.paths`` (one directory per drive) x ``g3.files_per_path``: a batch spreads over every slab
     file of every directory, the bytes are in those files, and a restart serves them all again."""
@@ -126,11 +133,9 @@ def test_several_paths_stripe_blocks_across_every_directory(tmp_path):
 def test_engine_setting_picks_the_io_engine(tmp_path, engine):
     """``g3.engine``: the pool does its slab I/O through the engine named (``kvikio`` needs the NVIDIA
     driver: tests/integration/test_gpu_path.py)."""
-    from kvbm_backend.metrics import new_registry
-    from kvbm_backend.pool.g3 import G3Pool
     if engine == "nixl":
         pytest.importorskip("nixl", reason="NIXL not installed")
-    with G3Pool(config(tmp_path, engine=engine), NS, registry=new_registry()) as pool:
+    with _open_with(tmp_path, engine=engine) as pool:
         assert pool.engine.name == engine
         keys, res = put_all(pool, range(1, 9))
         assert res.written == 8 and read_back(pool, keys).ok == [True] * 8
@@ -179,10 +184,8 @@ def test_admission_tracker_entries_bounds_the_sightings_remembered(tmp_path):
 
 def test_io_threads_bounds_the_engine_ops_in_flight(tmp_path):
     """``g3.io_threads``: the posix engine runs at most that many I/O threads."""
-    from kvbm_backend.metrics import new_registry
-    from kvbm_backend.pool.g3 import G3Pool
     before = set(threading.enumerate())
-    with G3Pool(config(tmp_path, engine="posix", io_threads=3, files_per_path=4), NS, registry=new_registry()) as pool:
+    with _open_with(tmp_path, engine="posix", io_threads=3, files_per_path=4) as pool:
         assert pool.engine.threads == 3
         keys, res = put_all(pool, range(1, 65))
         assert res.written == 64 and read_back(pool, keys).ok == [True] * 64

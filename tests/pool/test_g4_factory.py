@@ -3,6 +3,7 @@ in-process ``mem://`` store unit tests run G4 on."""
 from __future__ import annotations
 
 import ast
+import os
 
 import numpy as np
 import pytest
@@ -50,7 +51,6 @@ def test_g4_fsync_decides_whether_file_objects_and_their_directories_are_fsynced
     """``g4.fsync`` on a ``file://`` store: true (the default), each block's file is fsync'ed before it is
     linked into place and its directory after (invariant 2); false (benchmarks only), nothing under the
     store is. The real ``os.fsync`` runs; the wrapper records which file each call was for."""
-    import os
     synced: list[str] = []
     real_fsync = os.fsync
 
