@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -139,6 +140,21 @@ def _wait_counters(worker, key: str, at_least: int, timeout: float = 30) -> dict
         time.sleep(0.25)
 
 
+def _no_kvbm_traceback(log: Path) -> None:
+    """A stopped worker's log shows no traceback through kvbm_backend code: its start, serving and shutdown
+    (vLLM calls the connector's ``shutdown`` in every process) raised nothing of ours."""
+    text = log.read_text(errors="replace")
+    frames = re.findall(r'File "[^"]*kvbm_backend/[^"]+", line \d+, in \w+', text)
+    assert not frames, f"{log}: traceback through kvbm_backend: {frames[:5]}\n{text[-4000:]}"
+
+
+def _kvbm_warnings(log: Path, n: int = 10) -> list[str]:
+    """The last ``n`` WARNING/ERROR lines of a worker's log that name kvbm_backend (for failure messages)."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines()
+             if "kvbm_backend" in ln and ("WARN" in ln or "ERROR" in ln)]
+    return [ln[-300:] for ln in lines[-n:]]
+
+
 def _kv_counters(c: dict) -> dict:
     """The handoff, offload, onboard and G3/G4 counters of a worker's connector (nonzero ones)."""
     return {k: v for k, v in c.items() if v and k.startswith(("handoff", "g3_", "g4_", "load", "save"))}
@@ -207,6 +223,8 @@ def test_aggregated_g3_after_clear_and_restart(stack):
     assert s2.get("load_g3_blocks_ok", 0) >= sum(full_blocks) - 2 * N_PROMPTS, s2
     assert s2.get("load_blocks_failed", 0) == 0, s2
     stack.stop_worker(a2)
+    for w in (a, a2):
+        _no_kvbm_traceback(w["proc"].log)
 
 
 
@@ -248,7 +266,9 @@ def test_disaggregated_prefill_decode_hand_off_through_g4(stack):
         _wait_counters(dec, "load_g4_blocks_ok", loadable)
         sd = _wait_counters(dec, "handoff_complete_requests", N_PROMPTS)
         # both workers' counters in full on any failure below (a dict in an assert message is cut short)
-        why = json.dumps({"prefill": _kv_counters(sp), "decode": _kv_counters(sd)}, sort_keys=True)
+        why = json.dumps({"prefill": _kv_counters(sp), "decode": _kv_counters(sd),
+                          "prefill_warnings": _kvbm_warnings(pre.proc.log),
+                          "decode_warnings": _kvbm_warnings(dec.proc.log)}, sort_keys=True)
         print(why)
         assert sp.get("handoff_offered_requests", 0) >= N_PROMPTS and sp.get("handoff_offered_blocks", 0) >= loadable, why
         # the prefill worker created them in G4 (a retried PUT whose first attempt landed counts written too:
@@ -260,3 +280,5 @@ def test_disaggregated_prefill_decode_hand_off_through_g4(stack):
         assert sd.get("load_blocks_failed", 0) == 0, why
     finally:
         dyn.close()
+    for w in (pre, dec):
+        _no_kvbm_traceback(w.proc.log)

@@ -190,3 +190,14 @@ def test_vectorised_fingerprints_match_fingerprint():
     assert _fps_of_keys(one, NS).tolist() == [fingerprint(*mirror_id(k)) for k in one]
     assert len(set(_fps_of_keys(one, NS).tolist())) == len(one)
     assert _fps_of_keys(keys[:7] + [BlockKey("fedcba9876543210", "a", 0, 1)] + keys[7:], NS).tolist() == want[:7]
+
+
+def test_mirror_answers_the_pool_calls_the_connector_shutdown_makes():
+    """A scheduler in its own process (vLLM's mp executor: every Dynamo worker on CPU) holds a G3Mirror
+    where the worker holds a G3 pool; the connector's shutdown flushes and closes every pool it holds.
+    The mirror queues nothing: flush is True at once (it had no flush, and every such shutdown raised
+    AttributeError, skipping the scheduler's last counters and its G4 pool's close)."""
+    m = G3Mirror(_Ns())
+    assert m.flush(timeout=10.0) is True and m.flush() is True
+    assert m.stats()["tier"] == "G3"
+    m.close()

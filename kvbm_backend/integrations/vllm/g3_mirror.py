@@ -376,5 +376,10 @@ class G3Mirror:
             return {"tier": "G3", "mirror": True, "blocks": len(self._set), "ready": self.ready,
                     "bytes": self._set.nbytes}
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """True at once: the mirror queues no offloads (the worker's G3 pool, in its own process, writes
+        them and flushes them at its shutdown). Part of the pool surface the connector's shutdown uses."""
+        return True
+
     def close(self) -> None:
         return
