@@ -219,6 +219,18 @@ def test_tensor_parallel_two_ranks_save_and_load_their_slices(tmp_path, model_di
 
 # ---- MLA (DeepSeek-V2 architecture): one 576-wide latent per token and layer ------------------------
 
+def _mla_block_size() -> int:
+    """The engine block size (tokens) of vLLM 0.32's CPU MLA backend on this machine: AMX_MLA (chosen
+    when the CPU has AMX tiles, ``vllm/platforms/cpu.py``) takes multiples of 32 only, CPU_MLA 16."""
+    import torch
+    return 32 if torch.cpu._is_amx_tile_supported() else 16
+
+
+MLA_BS = _mla_block_size()
+MLA_FULL = 300 // MLA_BS     # full blocks of a 300-token prompt
+MLA_SHARED = 160 // MLA_BS   # full blocks of the 160-token shared prefix
+
+
 def _mla_model(path: Path, seed: int) -> Path:
     from kvbm_backend.apps.engine_model import TINY_MLA, write_mla_weights
     d = write_model_dir(path, TINY_MLA)
@@ -227,19 +239,19 @@ def _mla_model(path: Path, seed: int) -> Path:
 
 
 def test_mla_fresh_engine_and_restart_load_saved_latents(tmp_path):
-    """The tiny DeepSeek-V2 (MLA) model on vLLM's CPU MLA backend (block size 16, engine prefix cache
-    off): latents saved through the connector are loaded by a FRESH engine (G3) and by one with an
-    EMPTY G3 (G4), with greedy outputs identical to the engine that computed them. An engine with other
+    """The tiny DeepSeek-V2 (MLA) model on vLLM's CPU MLA backend (block size :data:`MLA_BS`; AMX_MLA keeps
+    the engine's prefix cache on, CPU_MLA turns it off): latents saved through the connector are loaded by
+    a FRESH engine (G3) and by one with an EMPTY G3 (G4), with greedy outputs identical to the engine that computed them. An engine with other
     weights under the same namespace that loads those latents answers differently from its own
     recompute: the loaded KV really drives the output (so equal outputs above are not luck)."""
     from kvbm_backend.apps.engine_model import TINY_MLA
     model_a = _mla_model(tmp_path / "model-a", seed=0)
-    ps = prompts(2, 300, shared_prefix=160, seed=11) + prompts(1, 300, seed=12)  # 18 full blocks each
+    ps = prompts(2, 300, shared_prefix=160, seed=11) + prompts(1, 300, seed=12)  # MLA_FULL full blocks each
     g4 = f"file://{tmp_path / 'g4'}"
     # 4 tokens: vLLM's CPU MLA prefill over loaded context is not bit-equal to a full prefill (fp32
     # logprobs differ by ~1e-2 with vLLM's own ExampleConnector as well), so long greedy continuations of
     # this chaotic random model may drift apart; the first tokens are decided by the loaded latents.
-    kw = dict(num_gpu_blocks=64, block_size=16, max_tokens=4, load_format="safetensors", warmup=False)
+    kw = dict(num_gpu_blocks=64, block_size=MLA_BS, max_tokens=4, load_format="safetensors", warmup=False)
 
     def extra(work: str, **opts) -> dict:
         e = connector_extra(tmp_path / work, g4)
@@ -250,21 +262,23 @@ def test_mla_fresh_engine_and_restart_load_saved_latents(tmp_path):
     a = run_engine(tmp_path, "mla-writer", model_a, ps, {"extra": extra("w")}, **kw)
     sa, info = a["connector_stats"], a["connector_info"]
     assert info["engine_layout"] == "mla" and info["kv_cache_shape"][-1] == 576, info
-    assert info["bytes_per_block"] == TINY_MLA.kv_bytes_per_token * 16, info
-    assert sa.get("g3_put_written_blocks", 0) >= 3 * 18 - 10, sa  # shared prefix written once
-    assert sa.get("g4_put_written_blocks", 0) >= 3 * 18 - 10, sa
+    assert info["bytes_per_block"] == TINY_MLA.kv_bytes_per_token * MLA_BS, info
+    assert sa.get("g3_put_written_blocks", 0) >= 3 * MLA_FULL - MLA_SHARED, sa  # shared prefix written once
+    assert sa.get("g4_put_written_blocks", 0) >= 3 * MLA_FULL - MLA_SHARED, sa
 
     b = run_engine(tmp_path, "mla-reader", model_a, ps, {"extra": extra("w")}, **kw)
     sb = b["connector_stats"]
     assert b["outputs"] == a["outputs"]
-    assert b["cached_tokens"] == [18 * 16] * 3  # all full blocks loaded, the last 12 tokens computed
-    assert sb.get("load_g3_blocks_ok", 0) >= 3 * 18, sb
+    assert b["cached_tokens"] == [MLA_FULL * MLA_BS] * 3  # all full blocks loaded, the last 12 tokens computed
+    # every full block not served by the engine's own prefix cache (the shared prefix, at most) from G3
+    assert sb.get("local_hit_blocks", 0) <= MLA_SHARED, sb
+    assert sb.get("load_g3_blocks_ok", 0) >= 3 * MLA_FULL - sb.get("local_hit_blocks", 0), sb
     assert sb.get("load_blocks_failed", 0) == 0, sb
 
     c = run_engine(tmp_path, "mla-restart", model_a, ps, {"extra": extra("fresh")}, **kw)
     sc = c["connector_stats"]
     assert c["outputs"] == a["outputs"]
-    assert sc.get("load_g4_blocks_ok", 0) >= 3 * 18 - 10, sc  # the shared prefix may come from G3 after promotion
+    assert sc.get("load_g4_blocks_ok", 0) >= 3 * MLA_FULL - MLA_SHARED, sc  # the shared prefix may come from G3 after promotion
     assert sc.get("load_blocks_failed", 0) == 0, sc
 
     # Negative control: other weights, same namespace. Prompt 0 loads model A's latents; the same prompt
@@ -272,7 +286,7 @@ def test_mla_fresh_engine_and_restart_load_saved_latents(tmp_path):
     model_b = _mla_model(tmp_path / "model-b", seed=1)
     d = run_engine(tmp_path, "mla-foreign", model_b, [ps[0], ps[0]], {"extra": extra("w", save=False)},
                    cache_salts=[None, "other-tenant"], **kw)
-    assert d["cached_tokens"] == [18 * 16, 0], d["cached_tokens"]
+    assert d["cached_tokens"] == [MLA_FULL * MLA_BS, 0], d["cached_tokens"]
     assert d["outputs"][0] != d["outputs"][1], d["outputs"]
 
 
@@ -283,9 +297,9 @@ def test_mla_tensor_parallel_two_ranks_share_one_g4_copy_of_the_replicated_laten
     the engine that computed them."""
     from kvbm_backend.apps.engine_model import TINY_MLA
     model = _mla_model(tmp_path / "model", seed=0)
-    ps = prompts(2, 300, shared_prefix=160, seed=11)  # 18 full blocks of 16 each, 10 shared
+    ps = prompts(2, 300, shared_prefix=160, seed=11)  # MLA_FULL full blocks each, MLA_SHARED shared
     g4 = f"file://{tmp_path / 'g4'}"
-    kw = dict(num_gpu_blocks=64, block_size=16, max_tokens=4, load_format="safetensors", warmup=False,
+    kw = dict(num_gpu_blocks=64, block_size=MLA_BS, max_tokens=4, load_format="safetensors", warmup=False,
               tensor_parallel_size=2)
 
     def extra(work: str) -> dict:
@@ -297,19 +311,19 @@ def test_mla_tensor_parallel_two_ranks_share_one_g4_copy_of_the_replicated_laten
     ranks = [a["connector_stats"]] + a.get("rank_stats", [])
     assert len(ranks) == 2, a.get("rank_stats")
     for st in ranks:
-        assert st.get("g3_put_written_blocks", 0) >= 2 * 18 - 10, st
+        assert st.get("g3_put_written_blocks", 0) >= 2 * MLA_FULL - MLA_SHARED, st
     assert sorted(p.name for p in (tmp_path / "w" / "g3").iterdir()) == ["tp2-rank0", "tp2-rank1"]
     objs = [f for _, _, fs in os.walk(tmp_path / "g4") for f in fs if not f.endswith(".json")]
-    assert len(objs) == 2 * 18 - 10  # one object per distinct block, not one per (block, rank)
-    assert [st.get("g4_put_written_blocks", 0) for st in ranks] == [2 * 18 - 10, 0]  # rank 0 writes, rank 1 not
+    assert len(objs) == 2 * MLA_FULL - MLA_SHARED  # one object per distinct block, not one per (block, rank)
+    assert [st.get("g4_put_written_blocks", 0) for st in ranks] == [2 * MLA_FULL - MLA_SHARED, 0]  # rank 0 writes, rank 1 not
 
     c = run_engine(tmp_path, "mla-tp-restart", model, ps, {"extra": extra("fresh")}, **kw)
     assert c["outputs"] == a["outputs"]
-    assert c["cached_tokens"] == [18 * 16] * 2
+    assert c["cached_tokens"] == [MLA_FULL * MLA_BS] * 2
     for st in [c["connector_stats"]] + c.get("rank_stats", []):
-        assert st.get("load_g4_blocks_ok", 0) >= 2 * 18 - 10, st  # the shared prefix may come from G3 after promotion
+        assert st.get("load_g4_blocks_ok", 0) >= 2 * MLA_FULL - MLA_SHARED, st  # the shared prefix may come from G3 after promotion
         assert st.get("load_blocks_failed", 0) == 0, st
-    assert c["scheduler_stats"].get("load_planned_g4_blocks", 0) >= 2 * 18 - 10, c["scheduler_stats"]
+    assert c["scheduler_stats"].get("load_planned_g4_blocks", 0) >= 2 * MLA_FULL - MLA_SHARED, c["scheduler_stats"]
 
 
 def test_prefix_seen_twice_in_the_engine_cache_reaches_g3(tmp_path, model_dir):
