@@ -30,7 +30,7 @@ BS, H, D, NB, LAYERS = 32, 2, 64, 16, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def _configs(tmp_path: Path, dtype: torch.dtype):
+def _configs(tmp_path: Path, dtype: torch.dtype, cache_dtype: str = "auto"):
     extra = {"kvbm_backend": {"model": "kvbm-backend/fp8-test",
                               "g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1,
                                      "admission": {"policy": "all"}},
@@ -40,7 +40,8 @@ def _configs(tmp_path: Path, dtype: torch.dtype):
                            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     vc = SimpleNamespace(kv_transfer_config=ktc, kv_events_config=None,
                          model_config=SimpleNamespace(served_model_name="m", model="m"),
-                         parallel_config=SimpleNamespace(tensor_parallel_size=1, distributed_executor_backend=None))
+                         parallel_config=SimpleNamespace(tensor_parallel_size=1, distributed_executor_backend=None),
+                         cache_config=SimpleNamespace(cache_dtype=cache_dtype))
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=dtype)
     kcc = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
     return vc, kcc
@@ -172,6 +173,31 @@ def test_fp8_blocks_round_trip_through_the_connector_and_stay_out_of_bf16(tmp_pa
         sched.shutdown()
 
 
+def test_fp8_caches_vllm_allocates_as_bytes_get_their_element_type_in_the_namespace(tmp_path):
+    """vLLM allocates ``--kv-cache-dtype fp8`` / ``fp8_e4m3`` / ``fp8_e5m2`` caches as ``torch.uint8`` tensors
+    (``STR_DTYPE_TO_TORCH_DTYPE``; the engine test below shows it on the CPU engine): the namespace takes
+    the element type from ``cache_dtype``, so e4m3 and e5m2 blocks never meet; packed formats whose bytes
+    are not one value each are refused, naming the setting."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvbm_backend.integrations.vllm.connector import KvbmBackendConnector
+
+    def ns(cache_dtype: str):
+        c = KvbmBackendConnector(*_configs(tmp_path, torch.uint8, cache_dtype)[:1], KVConnectorRole.SCHEDULER,
+                                 _configs(tmp_path, torch.uint8, cache_dtype)[1])
+        try:
+            return c.ns
+        finally:
+            c.shutdown()
+
+    e4m3, e4m3b, e5m2 = ns("fp8"), ns("fp8_e4m3"), ns("fp8_e5m2")
+    assert e4m3.layout.dtype == "float8_e4m3fn" and e5m2.layout.dtype == "float8_e5m2"
+    assert e4m3.fingerprint == e4m3b.fingerprint != e5m2.fingerprint
+    assert e4m3.layout.bytes_per_block == LAYERS * 2 * BS * H * D  # one byte per value
+    with pytest.raises(ValueError, match="--kv-cache-dtype 'nvfp4'"):
+        ns("nvfp4")
+
+
 def _run_fp8(tmp: Path, name: str, model_dir: Path, ps, extra: dict, **spec_kw) -> dict:
     """:func:`vllm_runner.run_engine` with ``kv_cache_dtype="fp8"``: this module run as a script wraps
     ``vllm.LLM`` so that :mod:`kvbm_backend.integrations.vllm.engine_run` builds its engine with an FP8 KV cache."""
@@ -215,7 +241,12 @@ def test_fp8_kv_engine_fresh_engine_and_restart(tmp_path):
     g4 = f"file://{tmp_path / 'g4'}"
     kw = dict(dtype="bfloat16", num_gpu_blocks=48, warmup=False)
     a = _run_fp8(tmp_path, "writer", model_dir, ps, connector_extra(tmp_path / "w", g4), **kw)
-    assert a["connector_info"]["kv_cache_dtype"].startswith("torch.float8"), a["connector_info"]
+    # the KV dtype in the namespace is vLLM's FP8 one (an engine of another KV dtype never loads these
+    # blocks); vLLM's CPU backend allocates the FP8 cache as raw bytes (torch.uint8) on AMX CPUs
+    info = a["connector_info"]
+    assert info["namespace_dtype"] == "float8_e4m3fn", info
+    assert info["kv_cache_dtype"] in ("torch.uint8", "torch.float8_e4m3fn", "torch.float8_e5m2"), info
+    assert info["bytes_per_block"] == TINY.kv_bytes_per_token // 2 * 32, info  # 1 byte per element, not bf16's 2
     b = _run_fp8(tmp_path, "reader", model_dir, ps, connector_extra(tmp_path / "w", g4), **kw)
     assert b["outputs"] == a["outputs"]
     assert b["connector_stats"].get("load_g3_blocks_ok", 0) == 3 * (399 // 32), b["connector_stats"]

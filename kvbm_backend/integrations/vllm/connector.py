@@ -127,10 +127,12 @@ def _kv_groups(kv_cache_config: "KVCacheConfig") -> list:
 
 def engine_geometries(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> list[EngineGeometry]:
     """One :class:`EngineGeometry` per KV cache group the connector carries, from its spec and layer
-    names (``KVCacheConfig.kv_cache_groups``) and the TP degree (``ParallelConfig.tensor_parallel_size``).
-    Raises ValueError for specs that are not attention KV (named)."""
+    names (``KVCacheConfig.kv_cache_groups``), the TP degree (``ParallelConfig.tensor_parallel_size``) and
+    ``CacheConfig.cache_dtype`` (the ``--kv-cache-dtype``: vLLM allocates FP8 caches as uint8 tensors).
+    Raises ValueError for specs that are not attention KV and for unsupported KV dtypes (named)."""
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
-    return [EngineGeometry.from_kv_cache_spec(g.kv_cache_spec, len(g.layer_names), tp)
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
+    return [EngineGeometry.from_kv_cache_spec(g.kv_cache_spec, len(g.layer_names), tp, cache_dtype=cache_dtype)
             for g in _kv_groups(kv_cache_config)]
 
 
@@ -324,7 +326,8 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         kv = kvs[0]
         stats.set_info(kv_cache_shape=list(t0.shape), kv_cache_dtype=str(t0.dtype), kv_cache_device=str(t0.device),
                        engine_layout=kv.engine_layout, bytes_per_block=kv.layout.bytes_per_block,
-                       namespace=self.ns.fingerprint, num_layers=kv.layout.num_layers)
+                       namespace=self.ns.fingerprint, namespace_dtype=self.ns.layout.dtype,
+                       num_layers=kv.layout.num_layers)
         if self.hybrid:
             stats.set_info(kv_cache_groups=[
                 {"kind": g.kind, "sliding_window": g.sliding_window, "window_blocks": g.window_blocks,

@@ -25,10 +25,33 @@ import numpy as np
 
 from ...model.layout import KvLayout, dtype_bytes
 
-__all__ = ["EngineGeometry", "PrimaryGeometry", "detect_engine_layout", "dtype_name", "KV_DTYPES"]
+__all__ = ["EngineGeometry", "PrimaryGeometry", "detect_engine_layout", "dtype_name", "kv_dtype_name", "KV_DTYPES",
+           "FP8_CACHE_DTYPES"]
 
 #: KV cache dtypes the tiers store (names as torch spells them, without ``torch.``)
 KV_DTYPES = ("bfloat16", "float16", "float32", "uint8", "int8", "float8_e4m3fn", "float8_e5m2")
+
+
+#: vLLM ``--kv-cache-dtype`` values whose cache tensor is raw bytes (``torch.uint8``, vLLM
+#: ``STR_DTYPE_TO_TORCH_DTYPE``) and that the tiers store, with the element type the bytes hold
+FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def kv_dtype_name(spec_dtype: Any, cache_dtype: str | None) -> str:
+    """The KV dtype name of the namespace: the KV cache spec's dtype, except where vLLM allocates the
+    cache as raw bytes (``torch.uint8`` for ``--kv-cache-dtype fp8`` / ``fp8_e4m3`` / ``fp8_e5m2`` and for
+    packed formats, ``vllm/utils/torch_utils.py``): then the element type ``cache_dtype`` names, so that
+    an e4m3 engine and an e5m2 engine never share blocks. ROCm's ``fp8`` (e4m3fnuz) is not told apart
+    (this project runs vLLM on CUDA and CPU). Raises ValueError naming a ``--kv-cache-dtype`` whose
+    bytes are not one element per value (nvfp4, int4 and other packed or scaled formats)."""
+    name = dtype_name(spec_dtype)
+    if name not in ("uint8", "int8") or cache_dtype in (None, "", "auto"):
+        return name
+    cd = str(cache_dtype).lower()
+    if cd in FP8_CACHE_DTYPES:
+        return FP8_CACHE_DTYPES[cd]
+    raise ValueError(f"--kv-cache-dtype {cache_dtype!r} (a {name} cache): not supported by KvbmBackendConnector; "
+                     f"supported: auto, bfloat16, float16, float32, {', '.join(sorted(FP8_CACHE_DTYPES))}")
 
 
 def dtype_name(dtype: Any) -> str:
@@ -121,11 +144,13 @@ class EngineGeometry:
         return self.kv_layout.bytes_per_block
 
     @classmethod
-    def from_kv_cache_spec(cls, spec: Any, num_layers: int, tp_world_size: int = 1) -> "EngineGeometry":
+    def from_kv_cache_spec(cls, spec: Any, num_layers: int, tp_world_size: int = 1,
+                           cache_dtype: str | None = None) -> "EngineGeometry":
         """From one vLLM KV cache group: its ``AttentionSpec`` (``FullAttentionSpec``, ``SlidingWindowSpec``,
-        ``MLAAttentionSpec``: ``block_size``, ``num_kv_heads``, ``head_size``, ``dtype``, ``use_mla``) and its
-        layer count. Raises ValueError for specs without those fields (state / linear attention) and for an
-        MLA spec with more than one KV head."""
+        ``MLAAttentionSpec``: ``block_size``, ``num_kv_heads``, ``head_size``, ``dtype``, ``use_mla``), its
+        layer count and vLLM's ``cache_config.cache_dtype`` (:func:`kv_dtype_name`). Raises ValueError for
+        specs without those fields (state / linear attention), for an MLA spec with more than one KV head
+        and for an unsupported ``--kv-cache-dtype``."""
         for a in ("num_kv_heads", "head_size", "block_size", "dtype"):
             if not hasattr(spec, a):
                 raise ValueError(f"kv cache spec {type(spec).__name__}: no {a}; only standard attention is supported")
@@ -134,7 +159,7 @@ class EngineGeometry:
             raise ValueError(f"kv cache spec {type(spec).__name__}: MLA with num_kv_heads={spec.num_kv_heads}; "
                              "expected one latent per token (num_kv_heads=1)")
         return cls(int(num_layers), int(spec.num_kv_heads), int(spec.head_size), 1 if mla else 2,
-                   dtype_name(spec.dtype), int(spec.block_size), tp_world_size=int(tp_world_size))
+                   kv_dtype_name(spec.dtype, cache_dtype), int(spec.block_size), tp_world_size=int(tp_world_size))
 
     def with_engine_layout(self, shape: Sequence[int], num_blocks: int, mla: bool | None = None) -> "EngineGeometry":
         """This geometry with ``engine_layout`` detected from one layer's tensor ``shape`` (vLLM's

@@ -39,7 +39,7 @@ import torch
 
 from ...memory import BufferPool
 from ...model.layout import KvLayout
-from .geometry import EngineGeometry, detect_engine_layout, dtype_name
+from .geometry import FP8_CACHE_DTYPES, EngineGeometry, detect_engine_layout, dtype_name
 
 __all__ = ["EngineKv", "detect_engine_layout", "numpy_staging", "split_blocks", "torch_dtype_name"]
 
@@ -101,7 +101,10 @@ class EngineKv:
         if not tensors:
             raise ValueError("kv caches: no attention layers registered")
         ts = list(tensors)
-        geo = replace(geometry, num_layers=len(ts), dtype=torch_dtype_name(ts[0].dtype))
+        dtype = torch_dtype_name(ts[0].dtype)
+        if dtype == "uint8" and geometry.dtype in FP8_CACHE_DTYPES.values():
+            dtype = geometry.dtype  # vLLM allocates FP8 caches as raw bytes (geometry.kv_dtype_name)
+        geo = replace(geometry, num_layers=len(ts), dtype=dtype)
         geo = geo.with_engine_layout(ts[0].shape, num_blocks, mla=mla)
         for t in ts:
             if tuple(t.shape) != tuple(ts[0].shape) or t.dtype != ts[0].dtype:
