@@ -242,12 +242,14 @@ def test_disaggregated_prefill_decode_hand_off_through_g4(stack):
         cfg["g4"]["url"] = cfg["g4"]["url"].rstrip("/") + "-disagg"
         cfg["g4"]["keyring"] = {"path": str(stack.root / "g4-keyring-disagg.json")}
         (stack.root / "disagg.yaml").write_text(json.dumps(cfg))
-        # handoff_wait_s 30 (the scripts write 5): on the 2-core CI VM three engines, the frontend and SeaweedFS
-        # share the cores, and a prefill worker's G4 write-behind once took > 5 s for a request's last blocks
-        # (the decode then recomputed them: correct, but a handoff timeout). The bound is what is relaxed, not
-        # the assertions: every handed-off block must still come from G4, with no timeout.
+        # handoff_wait_s 120 (the scripts write 5): on the 2-core CI VM, with two more test lanes beside it, the
+        # prefill worker's G4 write-behind threads were measured frozen 13-31 s after a request (every PUT of the
+        # request finishing in the same 30 ms once the process ran again; not in our Python code per py-spy, not
+        # memory pressure; cause open, see the closing note of this change), so a 30 s bound once timed out (the
+        # decode then recomputed: correct output, but a handoff timeout). The bound is what is relaxed, not the
+        # assertions: every handed-off block must still come from G4, with no timeout.
         env = {"KVBM_BACKEND_CONFIG_FILE": str(stack.root / "disagg.yaml"), "DYN_KVBM_DISK_CACHE_GB": "0.5",
-               "KVBM_BACKEND_HANDOFF_WAIT_S": "30"}
+               "KVBM_BACKEND_HANDOFF_WAIT_S": "120"}
         pre = dyn.start_worker("prefill", "disagg_prefill_g4.sh", stack.model_dir, common,
                                env={**env, "DYN_KVBM_DISK_CACHE_DIR": str(stack.root / "g3-prefill")})
         dec = dyn.start_worker("decode", "disagg_decode_g4.sh", stack.model_dir, common,
@@ -262,7 +264,7 @@ def test_disaggregated_prefill_decode_hand_off_through_g4(stack):
         assert [r["text"] for r in out] == [COLD[p] for p in prompts]  # the aggregated worker's greedy tokens
         loadable = sum((r["prompt_tokens"] - 1) // BLOCK for r in out)  # the engine computes at least 1 token
         _wait_counters(pre, "handoff_offered_requests", N_PROMPTS)  # the scheduler's file (written every 0.5 s)
-        sp = _wait_counters(pre, "g4_put_written_blocks", loadable)
+        sp = _wait_counters(pre, "g4_put_written_blocks", loadable, timeout=120)  # the same frozen write-behind
         _wait_counters(dec, "load_g4_blocks_ok", loadable)
         sd = _wait_counters(dec, "handoff_complete_requests", N_PROMPTS)
         # both workers' counters in full on any failure below (a dict in an assert message is cut short)
