@@ -64,6 +64,7 @@ from pathlib import Path
 from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant, _b64,
                   _check_private, _fsync_dir, _now_iso, _stamp, _unb64, dir_is_read_only, generate_kek_b64,
                   provider_for)
+from .keyring_persist import PersistMixin
 
 FORMAT = "kvbm-backend-keyring/1"
 NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
@@ -78,7 +79,7 @@ __all__ = ["DEFAULT_MISS_RELOAD_MIN_S", "DEFAULT_ROTATE_AFTER", "FORMAT", "KEY_B
 log = logging.getLogger(__name__)
 
 
-class Keyring:
+class Keyring(PersistMixin):
     """A keyring file plus its KEK provider. Thread-safe; several processes may share the file.
 
     Args:
@@ -86,7 +87,9 @@ class Keyring:
         provider: the KEK (:func:`provider_for` builds one from config).
         create: create an empty keyring when ``path`` does not exist (else KeyringError).
         rotate_after_uses: encryptions per key version before automatic rotation (<= 2**32).
-        persist_every_s: how often use counts are merged into the file (also at :meth:`close`).
+        persist_every_s: how often use counts are merged into the file (also at :meth:`close`), on a
+            background thread: the fsyncs of a persist never hold up :meth:`write_key` (it once held
+            every G4 writer of a worker for 3 s on a loaded disk).
         reload_every_s: the file is checked for changes at most this often (on use); the bound within
             which a revocation, rotation or new tenant reaches this process.
         miss_reload_min_s: the least time between two on-miss checks (a read needs a key this keyring
@@ -126,6 +129,7 @@ class Keyring:
         self._last_miss_check = float("-inf")
         self._n = {"loads": 0, "miss_reloads": 0, "miss_reload_loads": 0, "miss_reloads_limited": 0}
         self._last_persist = time.monotonic()
+        self._persisting = False  # a background persist of use counts runs (write_key starts it)
         if self.path.exists():
             self._load()  # writers publish with an atomic rename: reading needs no lock
         elif self.read_only:
@@ -210,13 +214,14 @@ class Keyring:
         self._last_check = time.monotonic()
         self._n["loads"] += 1
 
-    def _write(self) -> None:
-        """Atomic replace: unique temp in the same directory, fsync, rename, fsync the directory."""
+    def _write(self, doc: dict | None = None) -> None:
+        """Atomic replace with ``doc`` (default: the loaded one): unique temp in the same directory,
+        fsync, rename, fsync the directory."""
         tmp = self.path.parent / f".{self.path.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             with os.fdopen(fd, "w") as f:
-                json.dump(self._doc, f, indent=1, sort_keys=True)
+                json.dump(self._doc if doc is None else doc, f, indent=1, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
@@ -461,8 +466,11 @@ class Keyring:
                 t = self._doc["tenants"][tenant]
                 ver = t["current"]
             self._delta[(tenant, ver)] = self._delta.get((tenant, ver), 0) + 1
-            if not self.read_only and time.monotonic() - self._last_persist > self.persist_every_s:
-                self.flush()
+            if (not self.read_only and not self._persisting
+                    and time.monotonic() - self._last_persist > self.persist_every_s):
+                self._persisting = True
+                self._last_persist = time.monotonic()  # one attempt per period, failed or not
+                threading.Thread(target=self._persist_counts, name="kvbm-keyring-persist", daemon=True).start()
             return DataKey(int(t["key_id"]), ver, self._keys[(int(t["key_id"]), ver)])
 
     def read_key(self, key_id: int, version: int, tenant: str | None = None) -> bytes | None:
