@@ -17,7 +17,8 @@ with the ``kvbm_`` prefix by KVBM's metrics server) that mean the same thing her
 
 Everything KVBM has no name for is ``kvbm_backend_<tier>_*`` (dropped offloads by reason, corrupt
 blocks by reason, misses by reason, bytes, ``degraded``; G3 also evictions, capacity, used bytes and
-blocks). Every series listed here is updated by the pools (``tests/unit/test_metrics.py``).
+blocks; G4 also ``kvbm_backend_g4_offload_seconds``, a histogram of each block offload from queued to
+ended: a worker whose G4 writes stall shows there, not only as late handoffs). Every series listed here is updated by the pools (``tests/unit/test_metrics.py``).
 
 Serving: :func:`serve_once` (called when an integration opens its tiers, with ``metrics.port`` /
 ``metrics.addr``) starts one HTTP ``/metrics`` server per process and address; a port that cannot be
@@ -34,7 +35,7 @@ import logging
 import threading
 import weakref
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 KVBM_PREFIX = "kvbm_"
 HIT_RATE_WINDOW = 10_000  # looked-up blocks in the sliding hit-rate window
@@ -69,6 +70,24 @@ def counter(name: str, doc: str, labels: tuple[str, ...] = (), registry: Collect
     """Get or create a Counter ``name`` in ``registry`` (default: the process registry).
     Note prometheus-client exposes counters with a ``_total`` suffix."""
     return _get(registry, Counter, name, doc, labels)
+
+
+#: ``kvbm_backend_g4_offload_seconds`` buckets (seconds): a loopback PUT takes ~10 ms, a WAN one ~100 ms; the
+#: top buckets catch stalls beyond the S3 timeouts (``g4.timeout_s`` x ``1 + g4.retries``)
+OFFLOAD_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def histogram(name: str, doc: str, buckets: tuple[float, ...], registry: CollectorRegistry | None = None) -> Histogram:
+    """Get or create a Histogram ``name`` with ``buckets`` (upper bounds) in ``registry``."""
+    reg = REGISTRY if registry is None else registry
+    with _lock:
+        known = _by_registry.setdefault(reg, {})
+        m = known.get(name)
+        if m is None:
+            m = known[name] = Histogram(name, doc, buckets=buckets, registry=reg)
+        elif not isinstance(m, Histogram):
+            raise ValueError(f"metric {name}: registered as {type(m).__name__}, asked for Histogram")
+        return m
 
 
 def gauge(name: str, doc: str, labels: tuple[str, ...] = (), registry: CollectorRegistry | None = None) -> Gauge:
@@ -164,7 +183,8 @@ class TierMetrics:
 
     KVBM-named series: ``offload_blocks`` (``kvbm_offload_blocks_h2d`` for g3, ``_d2o`` for g4),
     ``onboard_blocks`` (``kvbm_onboard_blocks_d2d`` / ``_o2d``), ``matched_tokens``, ``hit_rate``;
-    g4 only: ``read_failures``, ``write_failures`` (``kvbm_object_read_failures`` / ``_write_failures``).
+    g4 only: ``read_failures``, ``write_failures`` (``kvbm_object_read_failures`` / ``_write_failures``),
+    ``offload_seconds`` (histogram, :data:`OFFLOAD_SECONDS_BUCKETS`).
     Ours: ``offloads_dropped{reason}``, ``corrupt{reason}``, ``misses{reason}``, ``bytes_written``,
     ``bytes_read``, ``degraded``; g3 only (G4 has no capacity or eviction of its own; ``gc`` trims
     it): ``evictions``, ``capacity_bytes``, ``used_bytes``, ``blocks``. Attributes a tier lacks are None.
@@ -194,7 +214,7 @@ class TierMetrics:
         self.bytes_written = counter(p + "bytes_written", "Bytes written (frames incl. headers)", registry=r)
         self.bytes_read = counter(p + "bytes_read", "Bytes read (frames incl. headers)", registry=r)
         self.evictions = self.capacity_bytes = self.used_bytes = self.blocks = None
-        self.read_failures = self.write_failures = None
+        self.read_failures = self.write_failures = self.offload_seconds = None
         if tier == "g3":
             self.evictions = counter(p + "evictions", "Blocks evicted (LRU) to make room", registry=r)
             self.capacity_bytes = gauge(p + "capacity_bytes", "Slot bytes the tier may use now", registry=r)
@@ -205,4 +225,7 @@ class TierMetrics:
                                          "G4 block reads the store failed (unavailable, timeout, error)", registry=r)
             self.write_failures = counter(KVBM_PREFIX + "object_write_failures",
                                           "G4 block writes the store failed (unavailable, error)", registry=r)
+            self.offload_seconds = histogram(p + "offload_seconds", "Seconds from a block offload queued to its end "
+                                             "(written, skipped or dropped): queue wait, seal, store request",
+                                             OFFLOAD_SECONDS_BUCKETS, registry=r)
         self.degraded = gauge(p + "degraded", "1 while the tier stopped admitting (ENOSPC, store down)", registry=r)

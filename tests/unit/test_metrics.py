@@ -225,9 +225,14 @@ def test_every_g4_series_moves(tmp_path):
                                  ("corrupt", "kvbm_backend_g4_corrupt_blocks_total", {"reason": "integrity"}),
                                  ("misses", "kvbm_backend_g4_load_misses_total", {"reason": "timeout"}),
                                  ("bytes_written", "kvbm_backend_g4_bytes_written_total", {}),
-                                 ("bytes_read", "kvbm_backend_g4_bytes_read_total", {})):
+                                 ("bytes_read", "kvbm_backend_g4_bytes_read_total", {}),
+                                 ("offload_seconds", "kvbm_backend_g4_offload_seconds_count", {})):
         assert getattr(m, attr) is not None
         assert (metrics.sample_value(reg, sample, labels) or 0) > 0, sample
+    # one observation per queued offload, whatever its end: 2 written + 1 the store refused (the 2 refused
+    # for a full queue were never queued)
+    assert metrics.sample_value(reg, "kvbm_backend_g4_offload_seconds_count") == 3
+    assert metrics.sample_value(reg, "kvbm_backend_g4_offload_seconds_bucket", {"le": "+Inf"}) == 3
     assert m.degraded is not None  # its value was checked while the breaker was open
     assert m.evictions is None and m.capacity_bytes is None  # G3-only series are not registered for G4
     assert metrics.sample_value(reg, "kvbm_backend_g4_capacity_bytes") is None

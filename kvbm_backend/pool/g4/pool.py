@@ -200,8 +200,9 @@ class G4Pool(WriterMixin, ReaderMixin):
             if last:
                 fut.set_result(res)
 
+        queued = time.monotonic()
         for k, blk in zip(keys[:take], blocks[:take]):
-            self._io.submit(self._put_one, k, blk, one_done)
+            self._io.submit(self._put_one, k, blk, one_done, queued)
         with self._mu:
             self._put_futures.add(fut)
         fut.add_done_callback(self._forget_put)
