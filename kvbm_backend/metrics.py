@@ -18,7 +18,8 @@ with the ``kvbm_`` prefix by KVBM's metrics server) that mean the same thing her
 Everything KVBM has no name for is ``kvbm_backend_<tier>_*`` (dropped offloads by reason, corrupt
 blocks by reason, misses by reason, bytes, ``degraded``; G3 also evictions, capacity, used bytes and
 blocks; G4 also ``kvbm_backend_g4_offload_seconds``, a histogram of each block offload from queued to
-ended: a worker whose G4 writes stall shows there, not only as late handoffs). Every series listed here is updated by the pools (``tests/unit/test_metrics.py``).
+ended: a worker whose G4 writes stall shows there, not only as late handoffs). Every series listed here
+is updated by the pools (``tests/unit/test_metrics.py``).
 
 Serving: :func:`serve_once` (called when an integration opens its tiers, with ``metrics.port`` /
 ``metrics.addr``) starts one HTTP ``/metrics`` server per process and address; a port that cannot be
@@ -53,13 +54,13 @@ def new_registry() -> CollectorRegistry:
     return CollectorRegistry(auto_describe=True)
 
 
-def _get(registry: CollectorRegistry | None, cls, name: str, doc: str, labels: tuple[str, ...] = ()):
+def _get(registry: CollectorRegistry | None, cls, name: str, doc: str, labels: tuple[str, ...] = (), **kw):
     reg = REGISTRY if registry is None else registry
     with _lock:
         known = _by_registry.setdefault(reg, {})
         m = known.get(name)
         if m is None:
-            m = cls(name, doc, labelnames=labels, registry=reg)
+            m = cls(name, doc, labelnames=labels, registry=reg, **kw)
             known[name] = m
         elif not isinstance(m, cls):
             raise ValueError(f"metric {name}: registered as {type(m).__name__}, asked for {cls.__name__}")
@@ -78,16 +79,8 @@ OFFLOAD_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 
 def histogram(name: str, doc: str, buckets: tuple[float, ...], registry: CollectorRegistry | None = None) -> Histogram:
-    """Get or create a Histogram ``name`` with ``buckets`` (upper bounds) in ``registry``."""
-    reg = REGISTRY if registry is None else registry
-    with _lock:
-        known = _by_registry.setdefault(reg, {})
-        m = known.get(name)
-        if m is None:
-            m = known[name] = Histogram(name, doc, buckets=buckets, registry=reg)
-        elif not isinstance(m, Histogram):
-            raise ValueError(f"metric {name}: registered as {type(m).__name__}, asked for Histogram")
-        return m
+    """Get or create a Histogram ``name`` with ``buckets`` (upper bounds, seconds) in ``registry``."""
+    return _get(registry, Histogram, name, doc, buckets=buckets)
 
 
 def gauge(name: str, doc: str, labels: tuple[str, ...] = (), registry: CollectorRegistry | None = None) -> Gauge:

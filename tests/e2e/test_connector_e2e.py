@@ -241,7 +241,8 @@ def _mla_model(path: Path, seed: int) -> Path:
 def test_mla_fresh_engine_and_restart_load_saved_latents(tmp_path):
     """The tiny DeepSeek-V2 (MLA) model on vLLM's CPU MLA backend (block size :data:`MLA_BS`; AMX_MLA keeps
     the engine's prefix cache on, CPU_MLA turns it off): latents saved through the connector are loaded by
-    a FRESH engine (G3) and by one with an EMPTY G3 (G4), with greedy outputs identical to the engine that computed them. An engine with other
+    a FRESH engine (G3) and by one with an EMPTY G3 (G4), with greedy outputs identical to the engine that
+    computed them. An engine with other
     weights under the same namespace that loads those latents answers differently from its own
     recompute: the loaded KV really drives the output (so equal outputs above are not luck)."""
     from kvbm_backend.apps.engine_model import TINY_MLA

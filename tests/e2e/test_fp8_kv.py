@@ -183,8 +183,8 @@ def test_fp8_caches_vllm_allocates_as_bytes_get_their_element_type_in_the_namesp
     from kvbm_backend.integrations.vllm.connector import KvbmBackendConnector
 
     def ns(cache_dtype: str):
-        c = KvbmBackendConnector(*_configs(tmp_path, torch.uint8, cache_dtype)[:1], KVConnectorRole.SCHEDULER,
-                                 _configs(tmp_path, torch.uint8, cache_dtype)[1])
+        vc, kcc = _configs(tmp_path, torch.uint8, cache_dtype)
+        c = KvbmBackendConnector(vc, KVConnectorRole.SCHEDULER, kcc)
         try:
             return c.ns
         finally:
