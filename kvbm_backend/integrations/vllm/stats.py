@@ -7,6 +7,7 @@ Read them with :func:`snapshot` (a plain dict: counts of blocks/requests/jobs, `
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -154,10 +155,18 @@ class KvbmPromMetrics(_PromBase):
 
 
 class StatsWriter:
-    """Writes :func:`snapshot` (plus ``extra()``) to a JSON file, atomically, at most every ``interval_s``."""
+    """Writes :func:`snapshot` (plus ``extra()``) to a JSON file, atomically, at most every ``interval_s``.
+    The file's directory is created (0700) when missing; a write that fails (directory not writable, disk
+    full) is logged once as a warning naming the path and never reaches the engine."""
 
     def __init__(self, path: str | None, interval_s: float = 0.5, extra=None):
         self.path, self.interval_s, self.extra = path, interval_s, extra
+        self._warned = False
+        if path:
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+            except OSError:
+                pass  # reported by the first write
         self._last = 0.0
         self._last_snap: dict | None = None
         self._wlock = threading.Lock()
@@ -180,7 +189,13 @@ class StatsWriter:
         if not self.path:
             return
         with self._wlock:
-            self._write(force)
+            try:
+                self._write(force)
+            except OSError as e:
+                if not self._warned:
+                    self._warned = True
+                    logging.getLogger("kvbm_backend.connector").warning(
+                        "kvbm_backend: cannot write the connector stats file %s: %s (stats_path)", self.path, e)
 
     def _write(self, force: bool) -> None:
         now = time.monotonic()
