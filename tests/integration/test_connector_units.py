@@ -489,3 +489,64 @@ def test_g3_kv_events_need_every_tp_rank():
     ev.apply(KvbmWorkerMeta(removed=[(t, 1, 12)]))
     (rm,) = ev.take()
     assert isinstance(rm, BlockRemoved) and rm.block_hashes == [conv(b"h1")]
+
+
+def test_a_failed_load_is_never_offered_again_to_its_request_and_cools_down_for_others(tmp_path):
+    """Issue 26 A: vLLM reschedules a request whose load failed and asks for its match again. The worker's
+    report (``KvbmWorkerMeta.failed``) makes the scheduler answer 0 for that request, cut other requests'
+    prefixes at the failed block for the cool-down, and not cut them for a timeout (slow, not bad)."""
+    import time
+
+    from kvbm_backend.config import load_config
+    from kvbm_backend.integrations.tiers import open_tiers
+    from kvbm_backend.integrations.vllm.metadata import FailedLoad, KvbmWorkerMeta
+    from kvbm_backend.integrations.vllm.scheduler_side import FailedBlocks, SchedulerSide
+    from kvbm_backend.model.hashing import sequence_hashes
+    from kvbm_backend.model.namespace import Namespace
+
+    lay = KvLayout(2, 2, 32, 64, "bfloat16")
+    ns = Namespace("m", lay)
+    cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1,
+                              "admission": {"policy": "all"}}}, use_env=False)
+    g3, _ = open_tiers(cfg, ns)
+    try:
+        toks = list(range(100, 100 + 32 * 6 + 5))
+        hs = sequence_hashes(toks, 32)
+        assert g3.put(ns.keys(hs), [np.full(lay.bytes_per_block, i, np.uint8) for i in range(6)]).result(10).written == 6
+        g3.flush(10)
+        s = SchedulerSide(ns, 32, g3, None)
+
+        def ask(rid):
+            req = SimpleNamespace(request_id=rid, prompt_token_ids=toks, cache_salt=None, lora_request=None)
+            for _ in range(500):
+                n, _ = s.get_num_new_matched_tokens(req, 0)
+                if n is not None:
+                    return n
+                time.sleep(0.01)
+            raise AssertionError("lookup never finished")
+
+        assert ask("r1") == 6 * 32
+        s.update_connector_output(KvbmWorkerMeta(failed=[FailedLoad("r1", "", hs[2], "miss")]))
+        assert ask("r1") == 0                    # the same request: recomputed, never offered the load again
+        assert ask("r2") == 2 * 32               # another one: the prefix ends before the failed block
+        s.failed_blocks.cooldown_s = 0.0
+        s.update_connector_output(KvbmWorkerMeta(failed=[FailedLoad("r2", "", hs[2], "miss")]))
+        assert ask("r3") == 6 * 32               # cool-down over: looked at (and verified by a load) again
+        s.update_connector_output(KvbmWorkerMeta(failed=[FailedLoad("r3", "", hs[0], "timeout")]))
+        assert ask("r3") == 0 and ask("r4") == 6 * 32  # a timeout stops its request only
+    finally:
+        g3.close()
+    fb = FailedBlocks(cooldown_s=60, max_entries=100)
+    for i in range(10_000):
+        fb.add(f"tenant-{i}", i)
+    assert len(fb) == 100 and fb.first_in("tenant-9999", [9999], 0, 1) == 0 and fb.first_in("tenant-0", [0], 0, 1) == 1
+
+
+def test_failed_loads_travel_in_the_worker_report_in_every_mode():
+    """The worker's report carries failed loads whether or not it reports G3 (shared-pool mode too), and
+    TP ranks' reports aggregate them."""
+    from kvbm_backend.integrations.vllm.metadata import FailedLoad, KvbmWorkerMeta
+    a = KvbmWorkerMeta(failed=[FailedLoad("r", "t", 1, "miss")])
+    b = KvbmWorkerMeta(added=[(b"x" * 16, 1, 5)], failed=[FailedLoad("r", "t", 2, "miss")])
+    m = a.aggregate(b)
+    assert [f.first_failed for f in m.failed] == [1, 2] and m.added == b.added

@@ -27,6 +27,9 @@ SPEC (JSON) fields:
   between the ranks when the caller did not set it. Rank r > 0 writes its counters to
   ``<stats_path stem>.rank<r><ext>`` (``rank_stats``: a list, rank 1 first).
 * ``warmup`` (bool, default true): one throwaway request first (kernel/JIT warm-up, not timed).
+* ``pause_before`` (list of prompt indexes) and ``pause_dir`` (str): before prompt ``i`` the run writes
+  ``pause_dir/paused-<i>`` and waits (at most ``pause_max_s``, default 600 s) until ``pause_dir/resume-<i>``
+  exists, so a test can act on the tiers of a running engine (e.g. damage G3 under a live pool).
 * ``out`` (str): where the result JSON goes.
 
 Result JSON: ``outputs`` (greedy token ids per prompt), ``ttft_s`` (vLLM's ``first_token_latency``
@@ -96,7 +99,10 @@ def run(spec: dict) -> dict:
                      detokenize=False), use_tqdm=False)
     outs, ttft, e2e, cached = [], [], [], []
     progress = spec.get("progress_file")
+    pause_before = set(spec.get("pause_before") or ())
     for i, (p, salt) in enumerate(zip(prompts, salts)):
+        if i in pause_before:
+            _pause(spec["pause_dir"], i, float(spec.get("pause_max_s", 600)))
         tp = TokensPrompt(prompt_token_ids=list(p))
         if salt:
             tp["cache_salt"] = salt
@@ -153,6 +159,16 @@ def run(spec: dict) -> dict:
         result["connector_info"] = stats.info()
         result["pool_stats"] = pools
     return result
+
+
+def _pause(pause_dir: str, i: int, max_s: float) -> None:
+    """Write ``pause_dir/paused-<i>``, then wait until ``pause_dir/resume-<i>`` exists (or ``max_s`` passed)."""
+    with open(os.path.join(pause_dir, f"paused-{i}"), "w") as f:
+        f.write(str(os.getpid()))
+    resume = os.path.join(pause_dir, f"resume-{i}")
+    end = time.monotonic() + max_s
+    while not os.path.exists(resume) and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 def vllm_version() -> str:

@@ -53,6 +53,24 @@ class KvbmConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveJob] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class FailedLoad:
+    """A load job of request ``req_id`` that did not deliver all its blocks (worker -> scheduler).
+
+    Attributes:
+        req_id: vLLM request id.
+        tenant: the job's tenant.
+        first_failed: KVBM sequence hash of the first block that was not loaded.
+        reason: ``"miss"`` (the pool did not serve a verified block: absent, unreadable, corrupt,
+            foreign) or ``"timeout"`` (the load outlived the connector's load timeout).
+    """
+
+    req_id: str
+    tenant: str
+    first_failed: int
+    reason: str
+
+
 @dataclass
 class KvbmWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler, when they run in different processes (vLLM's ``mp`` executor): changes to
@@ -66,19 +84,25 @@ class KvbmWorkerMeta(KVConnectorWorkerMetadata):
 
     Hybrid models keep one G3 pool per KV cache group: this report is group 0's and ``others`` maps
     every other group index to its own report.
+
+    ``failed`` (every mode, the shared-pool one included): loads that did not deliver every block since the
+    last report (:class:`FailedLoad`), so the scheduler neither offers the same hit to that request again
+    (vLLM reschedules a request whose load failed and asks for its match again: offering the same blocks
+    would loop) nor offers those blocks to other requests for a while.
     """
 
     added: list[tuple[bytes, int, int]] = field(default_factory=list)
     removed: list[tuple[bytes, int, int]] = field(default_factory=list)
     snapshot: bool = False
     others: dict[int, "KvbmWorkerMeta"] = field(default_factory=dict)
+    failed: list[FailedLoad] = field(default_factory=list)
 
     def aggregate(self, other: "KvbmWorkerMeta") -> "KvbmWorkerMeta":
         others = dict(self.others)
         for g, m in other.others.items():
             others[g] = others[g].aggregate(m) if g in others else m
         return KvbmWorkerMeta(self.added + other.added, self.removed + other.removed, self.snapshot or other.snapshot,
-                              others)
+                              others, self.failed + other.failed)
 
     def for_group(self, group: int) -> "KvbmWorkerMeta | None":
         """The report of KV cache group ``group`` (``self`` for 0), None when that group sent none."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,47 @@ class _Req:
 
 
 HANDOFF_RETRY_S = 0.05  # a handed-off decode request looks at G3/G4 again at most this often (seconds)
+#: seconds a block whose load failed (absent, unreadable or corrupt in the tier that was to serve it) ends
+#: every prefix offered to any request: the failed request itself is never offered a load again (vLLM
+#: reschedules it and asks again: the same hit would fail the same way, forever); others recompute from
+#: that block until it was re-verified by a later lookup after the cool-down (a dropped slot is then simply
+#: absent; a recomputed block offloaded again is a hit again)
+FAILED_BLOCK_COOLDOWN_S = 30.0
+FAILED_BLOCKS_MAX = 1 << 16  # (tenant, sequence hash) entries kept, oldest dropped first
+
+
+class FailedBlocks:
+    """``(tenant, sequence hash)`` of blocks whose load failed, each for ``cooldown_s`` seconds, at most
+    ``max_entries`` (oldest forgotten first). Scheduler thread only."""
+
+    def __init__(self, cooldown_s: float = FAILED_BLOCK_COOLDOWN_S, max_entries: int = FAILED_BLOCKS_MAX):
+        self.cooldown_s, self.max_entries = cooldown_s, max_entries
+        self._until: OrderedDict[tuple[str, int], float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def add(self, tenant: str, seq_hash: int) -> None:
+        k = (tenant, int(seq_hash))
+        self._until.pop(k, None)
+        self._until[k] = time.monotonic() + self.cooldown_s
+        while len(self._until) > self.max_entries:
+            self._until.popitem(last=False)
+
+    def first_in(self, tenant: str, hashes, start: int, end: int) -> int:
+        """Index of the first of ``hashes[start:end]`` that failed within the cool-down, else ``end``."""
+        if not self._until or start >= end:
+            return end
+        now = time.monotonic()
+        while self._until:  # expired entries leave in insertion (= expiry) order
+            k, t = next(iter(self._until.items()))
+            if t > now:
+                break
+            del self._until[k]
+        for i in range(start, end):
+            if (tenant, int(hashes[i])) in self._until:
+                return i
+        return end
 
 
 class SchedulerSide:
@@ -89,6 +131,7 @@ class SchedulerSide:
         self._first_query: float | None = None
         self.events: G3KvEvents | None = None  # set by the connector when vLLM publishes KV events
         self.handoff = handoff.HandoffWaits(handoff_wait_s)
+        self.failed_blocks = FailedBlocks()
         self._handoff_retry_at: dict[str, Deadline] = {}  # no new look at G3/G4 before it
 
     # ---- identity ------------------------------------------------------------------------------
@@ -188,6 +231,11 @@ class SchedulerSide:
             p3, p4 = res[1], res[0] - res[1]
         else:
             p3, p4 = res
+            cut = self.failed_blocks.first_in(st.tenant, st.hashes, st.n_local, p3 + p4)
+            if cut < p3 + p4:
+                stats.add(lookup_failed_block_cuts=1)
+                p3 = min(p3, cut)
+                p4 = cut - p3
         st.g3_local = min(p3, st.n_local)
         if self.events is not None and p3:
             self.events.learn(st.tenant, request, st.hashes, 0, p3)  # e.g. found again after a restart
@@ -280,12 +328,30 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is None:
                 continue
+            if not st.no_load:  # else counted by loads_failed (the worker's report of the same step)
+                stats.add(load_failed_requests=1)
             st.no_load, st.lookup, st.hybrid, st.saved_upto, st.planned = True, None, None, None, None
-            stats.add(load_failed_requests=1)
+
+    def loads_failed(self, failed) -> None:
+        """Worker reports of loads that did not deliver every block (:class:`~.metadata.FailedLoad`): the
+        request is never offered a load again (it is recomputed from its first failed block on) and, for a
+        miss (not a timeout), that block ends every prefix offered for ``FAILED_BLOCK_COOLDOWN_S``."""
+        for f in failed:
+            st = self._reqs.get(f.req_id)
+            if st is not None and not st.no_load:
+                st.no_load, st.lookup, st.hybrid, st.planned = True, None, None, None
+                stats.add(load_failed_requests=1)
+            if f.reason == "miss":
+                self.failed_blocks.add(f.tenant, f.first_failed)
+                stats.add(load_failed_blocks_cooled=1)
 
     def update_connector_output(self, worker_meta) -> None:
         if not isinstance(worker_meta, KvbmWorkerMeta):
             return
+        for gi in range(len(self.groups)):
+            m = worker_meta.for_group(gi)
+            if m is not None and m.failed:
+                self.loads_failed(m.failed)
         if self.multi:
             for gi, g in enumerate(self.groups):
                 m = worker_meta.for_group(gi)

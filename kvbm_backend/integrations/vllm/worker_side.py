@@ -39,7 +39,7 @@ from ...pool.base import BlockPool, GetResult, PutResult, SlotLeaseSource
 from ...pool.deadlines import Deadline
 from . import stats
 from .kv_io import EngineKv, numpy_staging, split_blocks
-from .metadata import KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
+from .metadata import FailedLoad, KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
 
 log = logging.getLogger("kvbm_backend.connector")
 
@@ -80,6 +80,7 @@ class WorkerSide:
         self._finished_recv: set[str] = set()
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()  # requests whose load had a failed block (hybrid: failed_recving)
+        self._failed_loads: list[FailedLoad] = []  # reported to the scheduler with the next worker_meta
         self._lock = threading.Lock()
         self._exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-load")
         self._pending_save_bytes = 0
@@ -329,6 +330,9 @@ class WorkerSide:
                 if ld.state == "pending":
                     continue
                 failed = ld.job.block_ids[ld.ok_prefix:]
+                if failed:
+                    self._failed_loads.append(FailedLoad(rid, ld.job.tenant, int(ld.job.seq_hashes[ld.ok_prefix]),
+                                                         "timeout" if ld.state == "timed_out" else "miss"))
             self._load_errors.update(failed)
             if failed:
                 self._failed_reqs.add(rid)
@@ -337,11 +341,25 @@ class WorkerSide:
                 self._loads.pop(rid, None)
         return out
 
+    def take_failed_loads(self) -> list[FailedLoad]:
+        """Loads found failed by :meth:`get_finished` since the last call (:class:`FailedLoad`)."""
+        out, self._failed_loads = self._failed_loads, []
+        return out
+
     def worker_meta(self) -> KvbmWorkerMeta | None:
-        """G3 index changes since the last call (first call: the whole restored index); None when not
-        reporting (the scheduler shares our pool and publishes no KV events) or nothing changed."""
+        """Failed loads (always) and G3 index changes since the last call (first call: the whole restored
+        index; only when reporting: the scheduler runs in another process or publishes KV events); None
+        when there is nothing to report."""
+        failed = self.take_failed_loads()
         if not self.report_g3:
-            return None
+            return KvbmWorkerMeta(failed=failed) if failed else None
+        meta = self._g3_report()
+        if failed:
+            meta = meta or KvbmWorkerMeta()
+            meta.failed = failed
+        return meta
+
+    def _g3_report(self) -> KvbmWorkerMeta | None:
         snap = not self._snapshot_sent
         if snap:
             self._snapshot_sent = True

@@ -1,0 +1,137 @@
+"""Liveness of the connector when a load fails (issue 26 A), on the real vLLM CPU engine.
+
+vLLM (``kv_load_failure_policy=recompute``) reschedules a request whose load failed and asks the connector
+for its match again; a connector that offers the same hit again makes the same load fail again, forever
+(seen: 37,845 reschedules in 2.6 min with the G3 directory gone). Each test makes the first loaded block
+of a request fail in a different way (corrupt G3 payloads, G3 slab files truncated under the running
+pool, G4 objects overwritten) and checks that every request completes with the outputs of the engine that
+computed the KV, and that the connector counted each failed load once. A run that loops never returns:
+the engine process is bounded by ``run_engine``'s timeout, which then fails the test.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.vllm_runner import connector_extra, prompts, run_engine, vllm_available
+
+from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
+from kvbm_backend.model import frame  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+_why = vllm_available()
+if _why:
+    pytestmark.append(pytest.mark.skip(reason=f"vLLM engine not importable: {_why}"))
+
+NUM_BLOCKS = 48  # engine KV budget (blocks of 32 tokens)
+DTYPE = "float32"  # see test_connector_e2e: float32 makes cached and full prefill agree bit for bit
+
+
+def _run(*args, **kw) -> dict:
+    kw.setdefault("dtype", DTYPE)
+    return run_engine(*args, **kw)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_dir(tmp_path_factory.mktemp("model"), TINY)
+
+
+def _corrupt_every_slot(g3_dir: Path, block_bytes: int) -> int:
+    """Flip one payload byte in every slot of every slab file; returns the slots touched."""
+    slot = frame.slot_bytes(block_bytes)
+    n = 0
+    for f in sorted(g3_dir.glob("*.slab")):
+        with open(f, "r+b") as fh:
+            for s in range(f.stat().st_size // slot):
+                off = s * slot + frame.HEADER_BYTES + 100
+                fh.seek(off)
+                b = fh.read(1)
+                fh.seek(off)
+                fh.write(bytes([b[0] ^ 0x5A]))
+                n += 1
+    return n
+
+
+def _run_with_pauses(tmp: Path, name: str, model_dir: Path, ps, connector, actions: dict, **kw) -> dict:
+    """``run_engine`` with the engine paused before prompt ``i`` while ``actions[i]()`` runs."""
+    pause = tmp / f"{name}-pauses"
+    pause.mkdir()
+    box: dict = {}
+
+    def engine():
+        try:
+            box["res"] = _run(tmp, name, model_dir, ps, connector, pause_before=sorted(actions),
+                              pause_dir=str(pause), **kw)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            box["err"] = e
+
+    t = threading.Thread(target=engine, daemon=True)
+    t.start()
+    for i in sorted(actions):
+        while not (pause / f"paused-{i}").exists() and t.is_alive():
+            time.sleep(0.05)
+        if not t.is_alive():
+            break
+        actions[i]()
+        (pause / f"resume-{i}").touch()
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["res"]
+
+
+def test_failed_g3_loads_are_recomputed_not_offered_again(tmp_path, model_dir):
+    """Corrupt payloads (the reader's first request) and slab files truncated under the running pool (its
+    second): each request's first loaded block fails; both complete with the writer's outputs."""
+    ps = prompts(2, 700, seed=21)
+    extra = connector_extra(tmp_path / "w")
+    a = _run(tmp_path, "writer", model_dir, ps, {"extra": extra}, num_gpu_blocks=NUM_BLOCKS)
+    bpb = a["connector_info"]["bytes_per_block"]
+    g3 = tmp_path / "w" / "g3"
+    assert _corrupt_every_slot(g3, bpb) >= 2 * 21
+
+    def truncate_slabs():
+        for f in g3.glob("*.slab"):
+            os.truncate(f, 0)
+
+    b = _run_with_pauses(tmp_path, "reader", model_dir, ps, {"extra": extra}, {1: truncate_slabs},
+                         num_gpu_blocks=NUM_BLOCKS, timeout=400, warmup=False)
+    sb = b["connector_stats"]
+    assert b["outputs"] == a["outputs"]
+    assert sb.get("load_planned_requests") == 2, sb       # each request was offered its G3 hit once ...
+    assert sb.get("load_failed_requests") == 2, sb        # ... whose load failed at its first block ...
+    assert sb.get("load_blocks_ok", 0) == 0, sb
+    assert sb.get("load_failed_blocks_cooled") == 2, sb   # ... and that block is not offered for a while
+
+
+def test_failed_g4_load_is_recomputed_not_offered_again(tmp_path, model_dir, seaweed, s3_prefix):
+    """G4 objects overwritten with another object's bytes: the reader (no G3) finds them, its load fails
+    verification, the request is recomputed once."""
+    import boto3
+    ps = prompts(1, 700, seed=22)
+    g4 = seaweed.url(s3_prefix)
+    extra = connector_extra(tmp_path / "w", g4, endpoint_url=seaweed.endpoint)
+    a = _run(tmp_path, "writer", model_dir, ps, {"extra": extra}, num_gpu_blocks=NUM_BLOCKS)
+    s3 = boto3.client("s3", endpoint_url=seaweed.endpoint)
+    keys = sorted(o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=seaweed.bucket,
+                                                                                    Prefix=s3_prefix)
+                  for o in page.get("Contents", []) if not o["Key"].endswith(".json"))
+    assert len(keys) >= 21, keys
+    bodies = [s3.get_object(Bucket=seaweed.bucket, Key=k)["Body"].read() for k in keys]
+    for k, body in zip(keys, bodies[1:] + bodies[:1]):  # every object now holds another block's frame
+        s3.put_object(Bucket=seaweed.bucket, Key=k, Body=body)
+    reader = connector_extra(tmp_path / "r", g4, keyring=tmp_path / "g4-keyring.json", endpoint_url=seaweed.endpoint)
+    reader["kvbm_backend"]["g3"]["enabled"] = False
+    b = _run(tmp_path, "reader", model_dir, ps, {"extra": reader}, num_gpu_blocks=NUM_BLOCKS, timeout=400,
+             warmup=False)
+    sb = b["connector_stats"]
+    assert b["outputs"] == a["outputs"]
+    assert sb.get("load_planned_g4_blocks", 0) >= 1, sb
+    assert sb.get("load_failed_requests") == 1, sb
+    assert sb.get("load_blocks_ok", 0) == 0, sb
