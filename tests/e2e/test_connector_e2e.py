@@ -160,6 +160,22 @@ def test_multiconnector_with_vllm_example_connector(tmp_path, model_dir):
     assert b["connector_stats"].get("load_g3_blocks_ok", 0) > 0, b["connector_stats"]
 
 
+def test_multiconnector_stats_in_worker_processes_under_plain_vllm(tmp_path, model_dir):
+    """Issue 26 C: vLLM's MultiConnector rebuilds each sub-connector's stats in the engine core by registry
+    name; with workers in their own processes (the ``mp`` executor, as ``vllm serve`` on CPU runs) that
+    raised "Connector 'KvbmBackendConnector' is not registered" unless something had registered it. The
+    package's ``vllm.general_plugins`` entry point registers it in every vLLM process."""
+    ps = _prompts()[:2]
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "example")}}
+    conn = {"extra": connector_extra(tmp_path / "w"), "multi_with": example}
+    a = _run(tmp_path, "multi-mp", model_dir, ps, conn, num_gpu_blocks=NUM_BLOCKS, multiprocessing=True,
+             env={"VLLM_LOGGING_LEVEL": "INFO"})
+    assert "is not registered" not in a["log"], a["log"][-3000:]
+    assert a["connector_stats"].get("g3_put_written_blocks", 0) > 0, a["connector_stats"]
+    assert "Connector 'KvbmBackendConnector'" not in a["log"]
+
+
 def test_next_turn_loads_the_previous_answer(tmp_path, model_dir):
     """Multi-turn: turn 2's prompt is turn 1's prompt + turn 1's answer + a new message. A fresh engine
     finds the KV of the answer too (decode blocks were saved), and its output equals a full recompute."""

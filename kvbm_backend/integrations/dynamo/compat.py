@@ -117,15 +117,10 @@ def _shim_get_engine_zmq_addresses() -> bool:
 
 
 def _shim_register_connector() -> bool:
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    except Exception:  # noqa: BLE001 - no vLLM
-        return False
-    if "KvbmBackendConnector" in getattr(KVConnectorFactory, "_registry", {}):
-        return False
-    KVConnectorFactory.register_connector("KvbmBackendConnector", "kvbm_backend.integrations.vllm.connector",
-                                          "KvbmBackendConnector")
-    return True
+    """The vLLM plugin's registration (:func:`kvbm_backend.integrations.vllm.plugin.register`), also run here
+    for a Dynamo worker started where the package's entry points are not installed (a source checkout)."""
+    from ..vllm.plugin import register
+    return register()
 
 
 def apply() -> list[str]:

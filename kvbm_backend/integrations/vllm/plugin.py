@@ -1,0 +1,36 @@
+"""vLLM general plugin (entry point group ``vllm.general_plugins``, name ``kvbm_backend``; pyproject.toml).
+
+vLLM loads every ``vllm.general_plugins`` entry point in each of its processes (API server, engine core,
+workers) before it builds connectors. :func:`register` puts ``KvbmBackendConnector`` into vLLM's
+``KVConnectorFactory`` registry, so the connector is known by name everywhere, not only where its module
+was imported through ``kv_connector_module_path``: vLLM's ``MultiConnector`` rebuilds each sub-connector's
+stats in the engine core by registry name (``build_kv_connector_stats``), and raised "Connector
+'KvbmBackendConnector' is not registered" there when the connector ran in worker processes (vLLM's ``mp``
+executor). Importing this module imports nothing of vLLM's; :func:`register` imports only the factory.
+"""
+from __future__ import annotations
+
+import logging
+
+NAME = "KvbmBackendConnector"
+MODULE = "kvbm_backend.integrations.vllm.connector"
+
+log = logging.getLogger("kvbm_backend.connector")
+
+
+def register() -> bool:
+    """Register ``KvbmBackendConnector`` in vLLM's ``KVConnectorFactory`` (lazily: the module is imported
+    when vLLM first builds the connector). Returns True when this call registered it, False when it was
+    already registered or vLLM's factory is not importable. Never raises: a plugin must not break vLLM."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except Exception:  # noqa: BLE001 - no vLLM (or another version's layout): nothing to register
+        return False
+    if NAME in getattr(KVConnectorFactory, "_registry", {}):
+        return False
+    try:
+        KVConnectorFactory.register_connector(NAME, MODULE, NAME)
+    except Exception as e:  # noqa: BLE001
+        log.warning("kvbm_backend: could not register %s with vLLM's KVConnectorFactory: %s", NAME, e)
+        return False
+    return True
