@@ -135,3 +135,22 @@ def test_failed_g4_load_is_recomputed_not_offered_again(tmp_path, model_dir, sea
     assert sb.get("load_planned_g4_blocks", 0) >= 1, sb
     assert sb.get("load_failed_requests") == 1, sb
     assert sb.get("load_blocks_ok", 0) == 0, sb
+
+
+def test_blocks_offloaded_after_the_last_step_are_found_by_the_next_request(tmp_path, model_dir):
+    """Issue 26 B: with the worker in its own process (the mp executor, as ``vllm serve`` on CPU and every
+    Dynamo worker run), the scheduler learnt of stored blocks only from reports in later steps' outputs: a
+    request whose offloads completed after its last step (one prefill step, max_tokens=1) left G3 unknown to
+    the scheduler while the engine idled, and the same prompt later recomputed. The worker now reports by
+    the report channel; after an idle pause (no engine step) and an emptied engine prefix cache, the same
+    prompt is served from G3."""
+    ps = prompts(1, 700, seed=23) * 2
+    extra = connector_extra(tmp_path / "w")
+    b = _run_with_pauses(tmp_path, "idle", model_dir, ps, {"extra": extra}, {1: lambda: time.sleep(3.0)},
+                         num_gpu_blocks=NUM_BLOCKS, multiprocessing=True, max_tokens=1, warmup=False,
+                         reset_prefix_cache_before=[1], timeout=400)
+    ss = b["scheduler_stats"]
+    assert b["outputs"][0] == b["outputs"][1]
+    assert ss.get("load_planned_g3_blocks", 0) == 21, ss   # the whole prompt (21 full blocks) from G3
+    assert b["cached_tokens"][1] == 21 * 32, b["cached_tokens"]
+    assert ss.get("g3_reports_by_channel", 0) > 0, ss

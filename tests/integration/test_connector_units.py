@@ -550,3 +550,103 @@ def test_failed_loads_travel_in_the_worker_report_in_every_mode():
     b = KvbmWorkerMeta(added=[(b"x" * 16, 1, 5)], failed=[FailedLoad("r", "t", 2, "miss")])
     m = a.aggregate(b)
     assert [f.first_failed for f in m.failed] == [1, 2] and m.added == b.added
+
+
+def test_g3_kv_events_leave_while_the_engine_does_not_step(tmp_path):
+    """Issue 26 B: G3 events reached Dynamo's router only with the next engine step. The connector finds
+    vLLM's publisher on the scheduler calling take_events (caller_publisher) and IdlePublisher publishes
+    what is pending once no step took events for idle_s. Real vLLM ZmqEventPublisher, real ZMQ subscriber."""
+    import sys
+    import time
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from kvbm_backend.integrations.vllm.kv_events import G3KvEvents, IdlePublisher, caller_publisher
+    from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta
+    from kvbm_backend.model.hashing import sequence_hashes
+    from kvbm_backend.pool.g3.index import tag_of
+
+    ep = f"ipc://{tmp_path}/kv-events"  # vLLM binds ipc endpoints (it connects to a tcp host:port)
+    pub = ZmqEventPublisher(data_parallel_rank=0, endpoint=ep)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(ep)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+
+    class FakeScheduler:  # stands where vLLM's Scheduler calls the connector's take_events
+        kv_event_publisher = pub
+
+        def update_from_output(self, f):
+            return f(sys._getframe(0))
+
+    try:
+        assert caller_publisher(FakeScheduler().update_from_output(lambda fr: fr)) is pub
+        assert caller_publisher(sys._getframe(0)) is None
+        bs = 16
+        init_none_hash(sha256_cbor)
+        toks = list(range(1000, 1000 + 3 * bs + 1))
+        r = Request("r", toks, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(bs, sha256_cbor))
+        ev = G3KvEvents(1, bs)
+        idle = IdlePublisher(ev, idle_s=0.3)
+        hs = sequence_hashes(toks, bs)
+        ev.learn("", r, hs, 0, 3)
+        idle.take()  # a step took events: nothing pending yet
+        time.sleep(0.5)  # let the subscription reach the publisher
+        idle.capture(pub)
+        ev.apply(KvbmWorkerMeta(added=[(tag_of(""), 0, h) for h in hs[:3]]))  # written after the last step
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+        got = []
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        end = time.monotonic() + 60
+        while not got and time.monotonic() < end:
+            if poller.poll(200):
+                frames = sub.recv_multipart()
+                batch = dec.decode(frames[-1])
+                got = [e for e in batch.events if isinstance(e, BlockStored)]
+        assert got and sum(len(e.block_hashes) for e in got) == 3 and got[0].medium == "DISK", got
+        idle.stop()
+    finally:
+        sub.close(0)
+        ctx.term()
+        pub.shutdown()
+
+
+def test_report_channel_round_trip_and_refusals(tmp_path, monkeypatch):
+    """The worker -> scheduler report channel: reports cross a real Unix socket in order, malformed ones are
+    refused without stopping the channel, and a directory others may enter is not used."""
+    import os
+    import time
+
+    from kvbm_backend.integrations.vllm import report_channel as rc
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    got = []
+    lst = rc.ReportListener("k" * 24, lambda *a: got.append(a))
+    try:
+        assert lst.path and oct(os.stat(lst.path).st_mode & 0o777) == "0o600"
+        rc._local.clear()  # as in another process: only the socket
+        snd = rc.ReportSender("k" * 24)
+        assert snd.connect() and snd._sock is not None
+        e = (b"t" * 16, 1, 2**64 - 1)
+        snd.send(0, [e], [], True)
+        snd._sock.sendall(b"\x05\x00\x00\x00" + b"x" * 5)  # malformed: refused, channel goes on
+        snd.send(2, [], [e, e], False)
+        end = time.monotonic() + 60
+        while len(got) < 2 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert got == [(0, [e], [], True), (2, [], [e, e], False)]
+        with pytest.raises(ValueError):
+            rc.decode(rc.encode(0, [e], [], False)[4:-1])
+        snd.close()
+    finally:
+        lst.close()
+    assert not os.path.exists(lst.path)
+    os.chmod(tmp_path / f"kvbm-backend-{os.getuid()}", 0o777)
+    assert rc.socket_path("x") is None  # others may enter: not used

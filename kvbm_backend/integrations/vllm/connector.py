@@ -74,6 +74,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,11 +90,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...config import KvbmBackendConfig
 from ...model.namespace import KvGroup, Namespace
 from ..tiers import release_tiers, shared_tiers
-from . import stats
+from . import report_channel, stats
 from .extra_config import EXTRA_KEYS, config_from_extra  # noqa: F401 - re-exported
 from .geometry import EngineGeometry
 from .kv_io import EngineKv
-from .metadata import KvbmConnectorMetadata
+from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta
+from .kv_events import IdlePublisher, caller_publisher
 from .scheduler_side import G3KvEvents, G3Mirror, GroupTiers, SchedulerSide
 from .worker_side import GroupedWorkers, WorkerSide
 
@@ -280,6 +282,9 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
             if self.kv_events:
                 self.sched.events = G3KvEvents(self.ns.tp_world_size, self.block_size,
                                                kv_cache_config.kv_cache_groups[0].kv_cache_spec)
+                self.sched.idle_events = IdlePublisher(self.sched.events)
+            if (self.split and self.cfg.g3.enabled) or self.kv_events:
+                self._listener = report_channel.ReportListener(self._channel_key(vllm_config), self._on_g3_report)
         else:
             ws = [WorkerSide(gns, self.rank, g3, g4,
                              load_timeout_s=self.cfg.g3.load_timeout_s + self.cfg.g4.timeout_s,
@@ -290,9 +295,34 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = GroupedWorkers(ws) if self.hybrid else ws[0]
         self._interval = stats.Interval()
         self._closed = False
+        self._channel_decided = False
         log.info("kvbm_backend connector (%s): namespace %s %s, G3=%s G4=%s, G3 KV events=%s", role.name,
                  self.ns.fingerprint, json.dumps(self.ns.to_dict()), self.g3 is not None, self.g4 is not None,
                  self.kv_events)
+
+    def _channel_key(self, vllm_config: "VllmConfig") -> str:
+        dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        return report_channel.channel_key(str(self._kv_transfer_config.engine_id), dp, self.ns.fingerprint)
+
+    def _on_g3_report(self, group: int, added: list, removed: list, snapshot: bool) -> None:
+        self.sched.apply_g3_report(group, KvbmWorkerMeta(added, removed, snapshot))
+        stats.add(g3_reports_by_channel=1)
+
+    def _start_report_channel(self) -> None:
+        """At the worker's first report: send G3 index changes by the report channel from now on when the
+        scheduler's listener is reachable (:mod:`.report_channel`), else keep them in the step output."""
+        self._channel_decided = True
+        ws = self.worker.workers if isinstance(self.worker, GroupedWorkers) else [self.worker]
+        if not any(w.report_g3 for w in ws):
+            return
+        sender = report_channel.ReportSender(self._channel_key(self._vllm_config))
+        if not sender.connect():
+            log.info("kvbm_backend: no report channel to the scheduler; G3 reports travel with engine steps")
+            return
+        for w in ws:
+            w.report_by_channel = True
+        self._pump = report_channel.ReportPump(sender, [w.take_g3_report if w.report_g3 else (lambda: None)
+                                                        for w in ws])
 
     def _pool_stats(self) -> dict:
         out = {}
@@ -397,6 +427,12 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         self._closed = True
         if self.worker is not None:
             self.worker.shutdown()
+        if getattr(self, "_pump", None) is not None:
+            self._pump.stop()
+        if getattr(self, "_listener", None) is not None:
+            self._listener.close()
+        if self.sched is not None and self.sched.idle_events is not None:
+            self.sched.idle_events.stop()
         for _, _, g3, g4 in self._groups:
             for p in (g3, g4):
                 if p is not None and not p.flush(timeout=10.0):
@@ -423,7 +459,11 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         return self.sched.build_connector_meta(scheduler_output)
 
     def build_connector_worker_meta(self):
-        return self.worker.worker_meta() if self.worker is not None else None
+        if self.worker is None:
+            return None
+        if not self._channel_decided:
+            self._start_report_channel()
+        return self.worker.worker_meta()
 
     def update_connector_output(self, connector_output) -> None:
         if self.sched is not None:
@@ -454,6 +494,11 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         are published again."""
         if self.sched is None:
             return ()
+        idle = self.sched.idle_events
+        if idle is not None and idle._publisher is None:
+            # vLLM's scheduler calls us from its step (vLLM 0.32: Scheduler.update_from_output); its publisher
+            # lets G3 events leave while the engine does not step (kv_events.IdlePublisher)
+            idle.capture(caller_publisher(sys._getframe(1)))
         reset = False
         pool = getattr(self, "_gpu_block_pool", None)
         if pool is not None:

@@ -30,6 +30,8 @@ SPEC (JSON) fields:
 * ``pause_before`` (list of prompt indexes) and ``pause_dir`` (str): before prompt ``i`` the run writes
   ``pause_dir/paused-<i>`` and waits (at most ``pause_max_s``, default 600 s) until ``pause_dir/resume-<i>``
   exists, so a test can act on the tiers of a running engine (e.g. damage G3 under a live pool).
+* ``reset_prefix_cache_before`` (list of prompt indexes): empty the engine's own prefix cache before prompt
+  ``i`` (vLLM's ``LLM.reset_prefix_cache``; runs no engine step), so that prompt can only hit G3/G4.
 * ``out`` (str): where the result JSON goes.
 
 Result JSON: ``outputs`` (greedy token ids per prompt), ``ttft_s`` (vLLM's ``first_token_latency``
@@ -103,6 +105,9 @@ def run(spec: dict) -> dict:
     for i, (p, salt) in enumerate(zip(prompts, salts)):
         if i in pause_before:
             _pause(spec["pause_dir"], i, float(spec.get("pause_max_s", 600)))
+        if i in set(spec.get("reset_prefix_cache_before") or ()):
+            if not llm.reset_prefix_cache():
+                raise RuntimeError(f"reset_prefix_cache before prompt {i} failed")
         tp = TokensPrompt(prompt_token_ids=list(p))
         if salt:
             tp["cache_salt"] = salt

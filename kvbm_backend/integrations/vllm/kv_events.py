@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from array import array
 from collections import OrderedDict
 from typing import Any
@@ -141,3 +142,66 @@ class G3KvEvents:
 
     def published(self) -> int:
         return len(self._published)
+
+
+def caller_publisher(frame: Any) -> Any:
+    """vLLM's KV event publisher of the scheduler whose method is running in ``frame`` (the caller of the
+    connector's ``take_events``: vLLM 0.32 ``Scheduler.update_from_output``, whose ``self`` holds
+    ``kv_event_publisher``); None when that frame is not such a method."""
+    owner = frame.f_locals.get("self") if frame is not None else None
+    pub = getattr(owner, "kv_event_publisher", None)
+    return pub if callable(getattr(pub, "publish", None)) else None
+
+
+class IdlePublisher:
+    """Publishes G3 KV events while the engine does not step (issue 26 B).
+
+    vLLM publishes the connector's events only from its scheduler's step (``take_events``), so blocks whose
+    offload completed after the last step reached Dynamo's router only when the engine ran again. The
+    connector hands over vLLM's own publisher, found on the scheduler that calls ``take_events`` (vLLM 0.32:
+    ``Scheduler.kv_event_publisher``; :meth:`capture`); a thread then publishes what is pending once the
+    engine has not taken events for ``idle_s`` seconds. A step's take and this thread's take-and-publish
+    hold one lock, so events leave in the order they were taken, except if vLLM's thread stalls longer than
+    ``idle_s`` between its take and its publish (the router then sees a stored/removed pair swapped until
+    the next change of that block: a routing preference, never KV).
+    """
+
+    def __init__(self, events: G3KvEvents, idle_s: float = 0.5, interval_s: float = 0.1):
+        self.events, self.idle_s, self.interval_s = events, idle_s, interval_s
+        self.lock = threading.Lock()
+        self._publisher = None
+        self._last_take = time.monotonic()
+        self._stop = threading.Event()
+        self._t: threading.Thread | None = None
+
+    def capture(self, publisher: Any) -> None:
+        """Start publishing idle events through ``publisher`` (an object with ``publish(KVEventBatch)``)."""
+        if self._publisher is not None or publisher is None or not callable(getattr(publisher, "publish", None)):
+            return
+        self._publisher = publisher
+        self._t = threading.Thread(target=self._loop, name="kvbm-kv-events", daemon=True)
+        self._t.start()
+
+    def take(self) -> list:
+        """The step's take (vLLM publishes the result right after)."""
+        with self.lock:
+            self._last_take = time.monotonic()
+            return self.events.take()
+
+    def _loop(self) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+        while not self._stop.wait(self.interval_s):
+            with self.lock:
+                if time.monotonic() - self._last_take < self.idle_s:
+                    continue
+                ev = self.events.take()
+                if not ev:
+                    continue
+                try:
+                    self._publisher.publish(KVEventBatch(ts=time.time(), events=ev))
+                    stats.add(kv_events_idle_batches=1)
+                except Exception:  # noqa: BLE001 - the publisher is shutting down
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()

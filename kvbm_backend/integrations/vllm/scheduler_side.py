@@ -30,7 +30,7 @@ from ...pool.base import BlockPool
 from ...pool.deadlines import Deadline
 from . import handoff, stats
 from .g3_mirror import G3Mirror
-from .kv_events import G3KvEvents
+from .kv_events import G3KvEvents, IdlePublisher
 from .lookup import GroupTiers, _HybridLookup, _Lookup
 from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob
 
@@ -130,6 +130,7 @@ class SchedulerSide:
         self.mirror_wait_s = 10.0
         self._first_query: float | None = None
         self.events: G3KvEvents | None = None  # set by the connector when vLLM publishes KV events
+        self.idle_events: IdlePublisher | None = None  # publishes them while the engine does not step
         self.handoff = handoff.HandoffWaits(handoff_wait_s)
         self.failed_blocks = FailedBlocks()
         self._handoff_retry_at: dict[str, Deadline] = {}  # no new look at G3/G4 before it
@@ -350,25 +351,30 @@ class SchedulerSide:
             return
         for gi in range(len(self.groups)):
             m = worker_meta.for_group(gi)
-            if m is not None and m.failed:
-                self.loads_failed(m.failed)
-        if self.multi:
-            for gi, g in enumerate(self.groups):
-                m = worker_meta.for_group(gi)
-                if m is not None and isinstance(g.g3, G3Mirror):
-                    g.g3.apply(m)
+            if m is not None:
+                if m.failed:
+                    self.loads_failed(m.failed)
+                if m.added or m.removed or m.snapshot:
+                    self.apply_g3_report(gi, m)
+
+    def apply_g3_report(self, group: int, meta: KvbmWorkerMeta) -> None:
+        """One worker's G3 index changes of KV cache group ``group``, from a step's output or the report
+        channel (:mod:`.report_channel`, any thread): into that group's :class:`G3Mirror` and, for group 0 of
+        a single-group model, the KV events (both take their own locks)."""
+        g = self.groups[group] if group < len(self.groups) else None
+        if g is None:
             return
-        if isinstance(self.g3, G3Mirror):
-            self.g3.apply(worker_meta)
-        if self.events is not None:
-            self.events.apply(worker_meta)
+        if isinstance(g.g3, G3Mirror):
+            g.g3.apply(meta)
+        if not self.multi and self.events is not None:
+            self.events.apply(meta)
 
     def take_events(self, engine_cache_reset: bool = False) -> list:
         if self.events is None:
             return []
         if engine_cache_reset:
             self.events.republish()
-        return self.events.take()
+        return self.idle_events.take() if self.idle_events is not None else self.events.take()
 
     def hit_sources(self, request_id: str) -> dict[str, int]:
         """Tokens planned from each tier for a request (``{"G3": t, "G4": t}``)."""

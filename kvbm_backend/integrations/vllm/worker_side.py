@@ -98,6 +98,9 @@ class WorkerSide:
         self._reconcile_sig: tuple | None = None
         self._reconcile_at = 0.0
         self.reconcile_interval_s = 0.5
+        # G3 index changes go to the scheduler by report_channel (set by the connector), not with steps
+        self.report_by_channel = False
+        self._report_lock = threading.Lock()  # one report at a time (the channel's pump, or a step)
 
     # ---- registration --------------------------------------------------------------------------
     def register(self, kv: EngineKv) -> None:
@@ -351,7 +354,7 @@ class WorkerSide:
         index; only when reporting: the scheduler runs in another process or publishes KV events); None
         when there is nothing to report."""
         failed = self.take_failed_loads()
-        if not self.report_g3:
+        if not self.report_g3 or self.report_by_channel:
             return KvbmWorkerMeta(failed=failed) if failed else None
         meta = self._g3_report()
         if failed:
@@ -359,7 +362,17 @@ class WorkerSide:
             meta.failed = failed
         return meta
 
+    def take_g3_report(self) -> tuple[list, list, bool] | None:
+        """The G3 index changes since the last report as ``(added, removed, snapshot)`` (see
+        :meth:`worker_meta`), for the report channel; None when nothing changed."""
+        m = self._g3_report()
+        return None if m is None else (m.added, m.removed, m.snapshot)
+
     def _g3_report(self) -> KvbmWorkerMeta | None:
+        with self._report_lock:
+            return self._g3_report_locked()
+
+    def _g3_report_locked(self) -> KvbmWorkerMeta | None:
         snap = not self._snapshot_sent
         if snap:
             self._snapshot_sent = True

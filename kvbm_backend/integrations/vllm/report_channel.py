@@ -1,0 +1,253 @@
+"""Worker -> scheduler G3 index reports that do not wait for an engine step (issue 26 B).
+
+vLLM carries a worker's ``KvbmWorkerMeta`` to the scheduler only inside the output of a later engine step;
+blocks whose offload completed after the last step stayed unknown to the scheduler's
+:class:`~.g3_mirror.G3Mirror` (and unpublished to the KV router) until the engine ran again, so a user
+returning after a pause recomputed what G3 held. Here the worker's report pump
+(:class:`ReportPump`) sends its G3 index changes every ``PUMP_INTERVAL_S`` seconds:
+
+* to a scheduler in the same process (vLLM's ``uni`` executor with KV events on) by a direct call;
+* to a scheduler in another process (the ``mp`` executor: ``vllm serve`` on CPU, every TP > 1 engine)
+  over a Unix stream socket in a directory only this user can enter (``$XDG_RUNTIME_DIR`` or the system
+  temp dir, ``kvbm-backend-<uid>``, mode 0700, refused when another user owns it). Messages are
+  length-prefixed binary records (:func:`encode`), never pickles: a peer that can connect can at worst
+  announce blocks the worker does not hold, which makes a load miss and recompute (loads verify every
+  block), never wrong KV.
+
+Both ends derive the address from the engine's ``kv_transfer_config.engine_id`` and data-parallel rank
+(:func:`channel_key`). A worker uses the channel when it can reach the scheduler's listener at its first
+report; otherwise (no listener: an older scheduler, a directory it may not use) its reports keep travelling
+in the step output as before. Each worker's reports take exactly one of the two ways for the engine's
+lifetime, so they arrive in order.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import socket
+import struct
+import tempfile
+import threading
+from typing import Callable
+
+log = logging.getLogger("kvbm_backend.connector")
+
+PUMP_INTERVAL_S = 0.1  # how often a worker sends the G3 index changes it has (seconds)
+_ENTRY = struct.Struct("<16sIQ")  # (tenant tag, rank, seq_hash): metadata.mirror_id
+_HEAD = struct.Struct("<IIBII")   # length of the rest, group, snapshot, n added, n removed
+MAX_ENTRIES = 1 << 22             # per message: a message announcing more is refused (not applied)
+
+#: listeners of schedulers in this process, by channel key (the ``uni`` executor's worker calls them)
+_local: dict[str, Callable] = {}
+_local_lock = threading.Lock()
+
+Report = tuple[int, list, list, bool]  # (group, added, removed, snapshot)
+
+
+def channel_key(engine_id: str, dp_rank: int, namespace: str) -> str:
+    """Key shared by an engine's scheduler and its workers: sha256 of engine id, data-parallel rank and
+    namespace fingerprint, 24 hex characters."""
+    return hashlib.sha256(f"{engine_id}|{dp_rank}|{namespace}".encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def _private_dir() -> str | None:
+    """``kvbm-backend-<uid>`` under ``$XDG_RUNTIME_DIR`` (else the temp dir), created 0700; None when it
+    exists but belongs to another user or others may enter it (then the channel is not used)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    d = os.path.join(base, f"kvbm-backend-{os.getuid()}")
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        log.info("kvbm_backend: report channel directory %s: %s; G3 reports travel with engine steps", d, e)
+        return None
+    st = os.lstat(d)
+    import stat as _stat
+    if not _stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        log.warning("kvbm_backend: report channel directory %s is not a private directory of this user "
+                    "(owner %d, mode %o); G3 reports travel with engine steps", d, st.st_uid, st.st_mode & 0o777)
+        return None
+    return d
+
+
+def socket_path(key: str) -> str | None:
+    d = _private_dir()
+    return None if d is None else os.path.join(d, f"{key}.sock")
+
+
+def encode(group: int, added: list, removed: list, snapshot: bool) -> bytes:
+    """One report as bytes: ``_HEAD`` then the added and removed ``(tag, rank, seq_hash)`` entries."""
+    body = b"".join(_ENTRY.pack(*e) for e in added) + b"".join(_ENTRY.pack(*e) for e in removed)
+    return _HEAD.pack(_HEAD.size - 4 + len(body), group, 1 if snapshot else 0, len(added), len(removed)) + body
+
+
+def decode(buf: bytes) -> Report:
+    """Inverse of :func:`encode` (``buf`` without its 4-byte length). Raises ValueError on a malformed report."""
+    if len(buf) < _HEAD.size - 4:
+        raise ValueError("report channel: short header")
+    group, snap, na, nr = struct.unpack_from("<IBII", buf, 0)
+    off = _HEAD.size - 4
+    if na + nr > MAX_ENTRIES or len(buf) != off + (na + nr) * _ENTRY.size:
+        raise ValueError(f"report channel: {na}+{nr} entries do not match {len(buf)} bytes")
+    ents = [_ENTRY.unpack_from(buf, off + i * _ENTRY.size) for i in range(na + nr)]
+    return group, ents[:na], ents[na:], bool(snap)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        b = sock.recv(min(n - got, 1 << 20))
+        if not b:
+            return None
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+class ReportListener:
+    """The scheduler's end: ``on_report(group, added, removed, snapshot)`` is called for every report, from
+    the caller's thread (same process) or this listener's threads (one per connected worker)."""
+
+    def __init__(self, key: str, on_report: Callable[[int, list, list, bool], None]):
+        self.key, self.on_report = key, on_report
+        self.path: str | None = None
+        self._sock: socket.socket | None = None
+        self._closed = False
+        with _local_lock:
+            _local[key] = on_report
+        path = socket_path(key)
+        if path is None:
+            return
+        try:
+            if os.path.exists(path):
+                os.unlink(path)  # a stale socket of a scheduler that died (the key names this engine)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(path)
+            os.chmod(path, 0o600)
+            s.listen(64)
+        except OSError as e:
+            log.warning("kvbm_backend: report channel %s not available (%s); G3 reports travel with engine "
+                        "steps", path, e)
+            return
+        self.path, self._sock = path, s
+        atexit.register(self.close)  # the socket file goes with the process (engine ids are new each start)
+        threading.Thread(target=self._accept, name="kvbm-report-listen", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kvbm-report-recv", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while not self._closed:
+                head = _recv_exact(conn, 4)
+                if head is None:
+                    return
+                (n,) = struct.unpack("<I", head)
+                if n > (_HEAD.size + MAX_ENTRIES * _ENTRY.size):
+                    log.warning("kvbm_backend: report channel: a %d-byte report refused; connection closed", n)
+                    return
+                buf = _recv_exact(conn, n)
+                if buf is None:
+                    return
+                try:
+                    self.on_report(*decode(buf))
+                except Exception as e:  # noqa: BLE001 - a bad report is dropped, the channel goes on
+                    log.warning("kvbm_backend: report channel: report not applied: %s", e)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with _local_lock:
+            if _local.get(self.key) is self.on_report:
+                del _local[self.key]
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
+
+
+class ReportSender:
+    """A worker's end: :meth:`connect` once, then :meth:`send` reports (in order)."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self._direct: Callable | None = None
+        self._sock: socket.socket | None = None
+
+    def connect(self) -> bool:
+        """True when a listener for this key is reachable (in this process, or its socket)."""
+        with _local_lock:
+            self._direct = _local.get(self.key)
+        if self._direct is not None:
+            return True
+        path = socket_path(self.key)
+        if path is None or not os.path.exists(path):
+            return False
+        try:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+        except OSError:
+            return False
+        self._sock = s
+        return True
+
+    def send(self, group: int, added: list, removed: list, snapshot: bool) -> None:
+        """Deliver one report. Raises OSError when the scheduler's end is gone."""
+        if self._direct is not None:
+            self._direct(group, added, removed, snapshot)
+        elif self._sock is not None:
+            self._sock.sendall(encode(group, added, removed, snapshot))
+        else:
+            raise OSError("report channel not connected")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class ReportPump:
+    """Sends each worker's G3 index changes (``sources[group]()`` -> ``(added, removed, snapshot)`` or None)
+    through ``sender`` every ``interval_s`` seconds, on its own thread, until :meth:`stop`."""
+
+    def __init__(self, sender: ReportSender, sources: list[Callable], interval_s: float = PUMP_INTERVAL_S):
+        self.sender, self.sources, self.interval_s = sender, sources, interval_s
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, name="kvbm-report-pump", daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.pump()
+
+    def pump(self) -> None:
+        for gi, src in enumerate(self.sources):
+            try:
+                rep = src()
+                if rep is not None:
+                    self.sender.send(gi, *rep)
+            except OSError as e:  # the scheduler is gone (engine shutting down): nothing to report to
+                log.info("kvbm_backend: report channel closed: %s", e)
+                self._stop.set()
+                return
+            except Exception as e:  # noqa: BLE001 - never kill the pump
+                log.warning("kvbm_backend: G3 report not sent: %s", e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(timeout=2.0)
+        self.pump()  # what the last interval gathered
+        self.sender.close()
