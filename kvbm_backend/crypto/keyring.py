@@ -71,9 +71,18 @@ NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
 DEFAULT_ROTATE_AFTER = 2 ** 31
 DEFAULT_MISS_RELOAD_MIN_S = 0.1  # on-miss keyring checks: at most one per this many seconds per keyring
 UNKEYED_PSEUDONYM_KEY = b"kvbm-backend/unkeyed-tenant-pseudonym/v1"
+NAME_KEY_LABEL = b"kvbm-backend/g4-block-names/v1\x00"  # HMAC message prefix of a tenant's G4 naming key
 
-__all__ = ["DEFAULT_MISS_RELOAD_MIN_S", "DEFAULT_ROTATE_AFTER", "FORMAT", "KEY_BYTES", "NIST_GCM_RANDOM_NONCE_LIMIT",
-           "UNKEYED_PSEUDONYM_KEY", "DataKey", "KeyProvider", "Keyring", "KeyringError", "LocalKek", "TenantRevoked",
+
+def derive_name_key(pseudonym_key: bytes, pseudonym: bytes) -> bytes:
+    """A tenant's 32-byte G4 naming key: ``HMAC-SHA256(pseudonym_key, NAME_KEY_LABEL || pseudonym)``,
+    ``pseudonym`` being the tenant's 16-byte pseudonym. Secret exactly as long as ``pseudonym_key`` is
+    (:data:`UNKEYED_PSEUDONYM_KEY`, public, for pools without a keyring: such names hide nothing)."""
+    return hmac.new(pseudonym_key, NAME_KEY_LABEL + pseudonym, hashlib.sha256).digest()
+
+
+__all__ = ["DEFAULT_MISS_RELOAD_MIN_S", "DEFAULT_ROTATE_AFTER", "FORMAT", "KEY_BYTES", "NAME_KEY_LABEL",
+           "NIST_GCM_RANDOM_NONCE_LIMIT", "UNKEYED_PSEUDONYM_KEY", "derive_name_key", "DataKey", "KeyProvider", "Keyring", "KeyringError", "LocalKek", "TenantRevoked",
            "UnknownTenant", "dir_is_read_only", "generate_kek_b64", "provider_for"]  # the KEK names: from .kek
 
 log = logging.getLogger(__name__)
@@ -313,6 +322,12 @@ class Keyring(PersistMixin):
     def pseudonym(self, tenant: str) -> bytes:
         """16-byte pseudonym of ``tenant``: HMAC-SHA256(pseudonym key, UTF-8 tenant id)[:16]."""
         return hmac.new(self._pseudonym_key, tenant.encode(), hashlib.sha256).digest()[:16]
+
+    def name_key(self, pseudonym: bytes) -> bytes:
+        """The 32-byte key G4 names a tenant's blocks with (:func:`derive_name_key` under the keyring's
+        pseudonym key), from the tenant's 16-byte ``pseudonym``: the same in every process sharing the
+        file, unchanged by ``rewrap``; nothing is stored for it (no file format change)."""
+        return derive_name_key(self._pseudonym_key, pseudonym)
 
     def _new_version(self, doc: dict, tenant: str) -> None:
         t = doc["tenants"][tenant]
