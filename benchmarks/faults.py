@@ -42,7 +42,8 @@ Kinds (each counts ``tried``, ``failures``, ``wrong_blocks_served``, ``acknowled
   an encrypted G4 pool (``file://`` on the local disk, writable keyring, ``auto_create_tenants``) and a G3
   pool: every tenant's block names are computed (the path of every G4 lookup, get and put), every 20th
   tenant does a real G4 lookup on an empty prefix, every 1000th a one-block G4 put (a keyring entry each),
-  every 10th a G3 lookup and every 200th a one-block G3 put, while a control tenant's 64 acknowledged
+  every 10th a G3 lookup and every 200th a one-block G3 put (``g4.keyring.max_auto_tenants`` is half the
+  G4 writers: the rest are dropped), while a control tenant's 64 acknowledged
   blocks are read back in both pools throughout. At the end the size of every per-tenant structure (G4
   naming cache, logged tenants, the keyring's data keys, key owners, pending use counts, tenants in the
   file) is reported with its bound, and one above its bound is a failure; G3's per-tenant structures are
@@ -185,7 +186,7 @@ def _g4_tenant_structures(pool: G4Pool, put_tenants: int) -> dict:
                 "g4.logged_tenants": [len(pool._logged_tenants), g4_pool_mod._MAX_LOGGED_TENANTS + 1],
                 "g4.store_errors_logged": [len(pool._store_errors_logged), 2],
                 # a lookup never creates a tenant: only the control and the tenants that wrote are in the file
-                "keyring.tenants_in_file": [len(doc_tenants), 1 + put_tenants],
+                "keyring.tenants_in_file": [len(doc_tenants), min(1 + put_tenants, kr.max_auto_tenants)],
                 "keyring.data_keys": [len(kr._keys), versions],
                 "keyring.key_owners": [len(kr._owner), len(doc_tenants)],
                 "keyring.pending_use_counts": [len(kr._delta), versions],
@@ -212,6 +213,7 @@ def campaign_tenantflood(K: Kind, rng: random.Random, tmp: Path) -> None:
     control, cseqs = "control", list(range(1, 65))
     d = tmp / "tenantflood"
     cfg = g4_config(f"file://{d / 'g4'}", str(d / "keys" / "kr.json"), timeout_s=10.0, write_queue_blocks=4096)
+    cfg.keyring.max_auto_tenants = max(2, n // 2000)  # half the tenants that put: the bound is reached
     g3 = G3Pool(g3_config(d / "g3", capacity_gb=0.1), NS, registry=new_registry())
     put_tenants = 0
     try:
@@ -270,7 +272,8 @@ def campaign_tenantflood(K: Kind, rng: random.Random, tmp: Path) -> None:
             K.extra["tenant_structures"] = sizes
             K.extra["g3_tenant_structures"] = _g3_tenant_structures(g3)
             K.extra["g4_stats"] = {k: v for k, v in g4.stats().items()
-                                   if k in ("written", "dropped", "lookups", "lookup_hits", "tenant_cache_entries")}
+                                   if k in ("written", "dropped", "dropped_unknown_tenant", "lookups", "lookup_hits",
+                                            "tenant_cache_entries")}
             for name, (size, bound) in sizes.items():
                 if size > bound:
                     K.fail(f"{name}: {size} entries after {K.tried} tenants, bound {bound}")
