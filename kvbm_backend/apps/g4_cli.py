@@ -171,7 +171,8 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
 def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
        endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint URL"),
        region: Optional[str] = typer.Option(None),
-       max_age_s: Optional[float] = typer.Option(None, help="delete blocks at least this old on the store's clock (seconds, >= 0; 0: all)"),
+       max_age_s: Optional[float] = typer.Option(
+           None, help="delete blocks at least this old on the store's clock (seconds, >= 0; 0: all)"),
        target_gb: Optional[float] = typer.Option(None, help="then delete oldest until at most this (GB = 1e9 B, >= 0)"),
        tenant: Optional[str] = typer.Option(None, help="only this tenant (id with --keyring, or pseudonym hex)"),
        keyring: Optional[str] = typer.Option(None, help="keyring: revoked tenants are reclaimed, --tenant mapped"),

@@ -65,26 +65,18 @@ from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, Tenan
                   _check_private, _fsync_dir, _now_iso, _stamp, _unb64, dir_is_read_only, generate_kek_b64,
                   provider_for)
 from .keyring_persist import PersistMixin
+from .names import NAME_KEY_LABEL, UNKEYED_PSEUDONYM_KEY, derive_name_key
 
 FORMAT = "kvbm-backend-keyring/1"
 NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
 DEFAULT_ROTATE_AFTER = 2 ** 31
 DEFAULT_MISS_RELOAD_MIN_S = 0.1  # on-miss keyring checks: at most one per this many seconds per keyring
 DEFAULT_MAX_AUTO_TENANTS = 4096  # implicit tenant creation stops at this many tenants in the file
-UNKEYED_PSEUDONYM_KEY = b"kvbm-backend/unkeyed-tenant-pseudonym/v1"
-NAME_KEY_LABEL = b"kvbm-backend/g4-block-names/v1\x00"  # HMAC message prefix of a tenant's G4 naming key
 
-
-def derive_name_key(pseudonym_key: bytes, pseudonym: bytes) -> bytes:
-    """A tenant's 32-byte G4 naming key: ``HMAC-SHA256(pseudonym_key, NAME_KEY_LABEL || pseudonym)``,
-    ``pseudonym`` being the tenant's 16-byte pseudonym. Secret exactly as long as ``pseudonym_key`` is
-    (:data:`UNKEYED_PSEUDONYM_KEY`, public, for pools without a keyring: such names hide nothing)."""
-    return hmac.new(pseudonym_key, NAME_KEY_LABEL + pseudonym, hashlib.sha256).digest()
-
-
-__all__ = ["DEFAULT_MAX_AUTO_TENANTS", "DEFAULT_MISS_RELOAD_MIN_S", "DEFAULT_ROTATE_AFTER", "FORMAT", "KEY_BYTES", "NAME_KEY_LABEL",
-           "NIST_GCM_RANDOM_NONCE_LIMIT", "UNKEYED_PSEUDONYM_KEY", "derive_name_key", "DataKey", "KeyProvider", "Keyring", "KeyringError", "LocalKek", "TenantRevoked",
-           "UnknownTenant", "dir_is_read_only", "generate_kek_b64", "provider_for"]  # the KEK names: from .kek
+__all__ = ["DEFAULT_MAX_AUTO_TENANTS", "DEFAULT_MISS_RELOAD_MIN_S", "DEFAULT_ROTATE_AFTER", "FORMAT", "KEY_BYTES",
+           "NAME_KEY_LABEL", "NIST_GCM_RANDOM_NONCE_LIMIT", "UNKEYED_PSEUDONYM_KEY", "derive_name_key", "DataKey",
+           "KeyProvider", "Keyring", "KeyringError", "LocalKek", "TenantRevoked", "UnknownTenant", "dir_is_read_only",
+           "generate_kek_b64", "provider_for"]  # the KEK names: from .kek; the naming keys: from .names
 
 log = logging.getLogger(__name__)
 
@@ -267,14 +259,6 @@ class Keyring(PersistMixin):
             self._write()
             self._load()
             return out
-
-    def _merge_delta(self) -> None:
-        for (tenant, ver), n in self._delta.items():
-            t = self._doc["tenants"].get(tenant)
-            if t and str(ver) in t["versions"]:
-                t["versions"][str(ver)]["uses"] = int(t["versions"][str(ver)].get("uses", 0)) + n
-        self._delta = {}
-        self._last_persist = time.monotonic()
 
     def _maybe_reload(self, *, on_miss: bool = False) -> bool:
         """Re-read the file if it changed. Periodic (the default): checked at most every
@@ -531,18 +515,3 @@ class Keyring(PersistMixin):
         if tenant is not None and self._owner.get(int(key_id)) != tenant:
             return None
         return self._keys.get((int(key_id), int(version)))
-
-    def flush(self) -> None:
-        """Merge in-memory use counts into the file (under the lock), after a background persist in
-        flight has written its share (it took those counts out of memory: returning before its write would
-        let ``close`` and a process exit lose them). Read-only keyrings keep them in memory (this
-        process's counts)."""
-        th = self._persist_thread
-        if th is not None and th is not threading.current_thread():
-            th.join()  # it waits for the file lock at most as long as the merge below would
-        with self._mu:
-            if self._delta and not self.read_only:
-                self._mutate(lambda doc: None)
-
-    def close(self) -> None:
-        self.flush()

@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 from tests.helpers.g4_writer import namespace, payload
 from kvbm_backend.apps.cli import app
 from kvbm_backend.config import G4Config
-from kvbm_backend.crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, derive_name_key, provider_for
+from kvbm_backend.crypto.keyring import Keyring, provider_for
+from kvbm_backend.crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
 from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g4.naming import TenantNamer, parse_block_name
@@ -123,7 +124,8 @@ def test_migrate_renames_format1_names(target):
                 st.put(p.legacy_object_name(k), bytes(st.get(p.object_name(k))))
                 st.delete(p.object_name(k))
         # an old-named object whose header names another block: never renamed (left for gc)
-        st.put(p.legacy_object_name(ns.key(3000, tenant="alice")), bytes(st.get(p.legacy_object_name(ns.key(seqs[0], tenant="alice")))))
+        first = bytes(st.get(p.legacy_object_name(ns.key(seqs[0], tenant="alice"))))
+        st.put(p.legacy_object_name(ns.key(3000, tenant="alice")), first)
         assert sum(1 for o in st.list("") if (parse_block_name(o.name) or {}).get("legacy")) == 9
     _cli("keys", "revoke", "--keyring", kr, "--tenant", "bob")
     with G4Pool(G4Config(**target), ns) as p:

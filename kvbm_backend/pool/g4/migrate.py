@@ -11,7 +11,7 @@ renamed and are left for ``kvbm-backend gc``.
 """
 from __future__ import annotations
 
-from ...crypto.keyring import UNKEYED_PSEUDONYM_KEY, derive_name_key
+from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
 from ...model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader
 from .naming import TenantNamer, fanout_width, parse_block_name
 from .store import ObjectStore, StoreUnavailable

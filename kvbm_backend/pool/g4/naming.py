@@ -2,7 +2,8 @@
 
 ``{ns_fingerprint}/{tenant_pseudonym_hex}/{rank}/{fanout}/{block_id_hex}`` under the store's prefix, where
 ``block_id = HMAC-SHA256(name_key, ns_fp (8 bytes) || rank (u32 LE) || seq_hash (u64 LE))[:16]`` (32 hex
-chars) under the tenant's naming key (:meth:`kvbm_backend.crypto.keyring.Keyring.name_key`; :func:`~kvbm_backend.crypto.keyring.derive_name_key`), and
+chars) under the tenant's naming key (:func:`kvbm_backend.crypto.names.derive_name_key`, from the keyring's
+pseudonym key: :meth:`kvbm_backend.crypto.keyring.Keyring.name_key`), and
 ``fanout = int(block_id[:4 bytes], big-endian) % dir_fanout`` in fixed-width lowercase hex: no directory (or
 S3 listing level) holds more than ~1/dir_fanout of a tenant's blocks. Without the naming key a name says
 nothing about the sequence hash: a guessed prompt prefix cannot be confirmed from a listing, and two

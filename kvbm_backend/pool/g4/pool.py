@@ -50,7 +50,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ...crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError, derive_name_key
+from ...crypto.keyring import Keyring, KeyringError
+from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
 from ...metrics import TierMetrics
 from ...model.frame import HEADER_BYTES, FrameHeader
 from ...model.layout import KvLayout
