@@ -38,6 +38,16 @@ Kinds (each counts ``tried``, ``failures``, ``wrong_blocks_served``, ``acknowled
   pool serves it in a loop; every get that starts later than ``g4.keyring.reload_interval_s`` (+ a
   scheduling slack) after the revocation must be a miss; the measured time until the first miss is
   recorded. Other tenants stay hits; the revoked tenant's offloads are dropped.
+* ``tenantflood``: ``--tenantflood N`` distinct tenants (cache_salt values; 200,000 quick, 10^6 full) hit
+  an encrypted G4 pool (``file://`` on the local disk, writable keyring, ``auto_create_tenants``) and a G3
+  pool: every tenant's block names are computed (the path of every G4 lookup, get and put), every 20th
+  tenant does a real G4 lookup on an empty prefix, every 1000th a one-block G4 put (a keyring entry each),
+  every 10th a G3 lookup and every 200th a one-block G3 put (``g4.keyring.max_auto_tenants`` is half the
+  G4 writers: the rest are dropped), while a control tenant's 64 acknowledged
+  blocks are read back in both pools throughout. At the end the size of every per-tenant structure (G4
+  naming cache, logged tenants, the keyring's data keys, key owners, pending use counts, tenants in the
+  file) is reported with its bound, and one above its bound is a failure; G3's per-tenant structures are
+  reported only. A control block served with other bytes is wrong, one not served is lost.
 * ``outage``: SeaweedFS on loopback SIGKILLed and restarted; a ``file://`` store whose objects hang
   (FIFOs, as a hard NFS mount whose server is gone) and one whose directory vanishes (a file in its
   place). Every load resolves within the G4 load bound ``timeout_s * (1 + retries)`` (+ slack), never
@@ -92,9 +102,9 @@ OTHER_NS = Namespace(model="faults/other-model", layout=LAYOUT)
 BB = LAYOUT.bytes_per_block
 SLOT = frame.slot_bytes(BB)
 HDR_COVERED = 152  # header bytes covered by the header check (fixed part + check); the rest is padding
-KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage")
-FULL = {"kill": 1000, "corrupt": 400, "enospc": 42, "tamper": 120, "revoke": 12, "outage": 9}
-QUICK = {"kill": 20, "corrupt": 24, "enospc": 6, "tamper": 12, "revoke": 2, "outage": 3}
+KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage", "tenantflood")
+FULL = {"kill": 1000, "corrupt": 400, "enospc": 42, "tamper": 120, "revoke": 12, "outage": 9, "tenantflood": 1_000_000}
+QUICK = {"kill": 20, "corrupt": 24, "enospc": 6, "tamper": 12, "revoke": 2, "outage": 3, "tenantflood": 200_000}
 SLACK_S = 0.5  # scheduling slack on 2 shared cores, added to every documented bound
 HANG_S = 30.0  # a future not resolved by then is a hang
 
@@ -162,6 +172,114 @@ def wait(fut, timeout: float = HANG_S):
         return fut.result(timeout=timeout), time.monotonic() - t0
     except TimeoutError as e:
         return e, time.monotonic() - t0
+
+
+# ======================================= tenant flood =============================================
+def _g4_tenant_structures(pool: G4Pool, put_tenants: int) -> dict:
+    """Every per-tenant structure of a G4 pool and its keyring: name -> [size, bound]."""
+    from kvbm_backend.pool.g4 import pool as g4_pool_mod
+    kr = pool.keyring
+    with kr._mu:
+        doc_tenants = kr._doc.get("tenants", {})
+        versions = sum(len(t["versions"]) for t in doc_tenants.values())
+        return {"g4.tenant_cache": [pool.tenant_cache_size(), g4_pool_mod.TENANT_CACHE_ENTRIES],
+                "g4.logged_tenants": [len(pool._logged_tenants), g4_pool_mod._MAX_LOGGED_TENANTS + 1],
+                "g4.store_errors_logged": [len(pool._store_errors_logged), 2],
+                # a lookup never creates a tenant: only the control and the tenants that wrote are in the file
+                "keyring.tenants_in_file": [len(doc_tenants), min(1 + put_tenants, kr.max_auto_tenants)],
+                "keyring.data_keys": [len(kr._keys), versions],
+                "keyring.key_owners": [len(kr._owner), len(doc_tenants)],
+                "keyring.pending_use_counts": [len(kr._delta), versions],
+                "keyring.logged_errors": [len(kr._logged_errors), 64]}
+
+
+def _g3_tenant_structures(pool: G3Pool) -> dict:
+    """G3's per-tenant structures (reported, not judged here): name -> size (None where absent)."""
+    from kvbm_backend.pool.g3 import index as g3_index
+    idx = pool.index
+    by_t = getattr(idx, "_by_tenant", None)
+    sizes = {"g3.index.by_tenant": None if by_t is None else sum(len(d) for d in by_t.values()),
+             "g3.index.tenants": len(getattr(idx, "_tenants", []) or []),
+             "g3.tag_cache": len(getattr(g3_index, "_tags", {}) or {})}
+    for name in ("_ttags",):
+        v = getattr(pool, name, None)
+        if v is not None:
+            sizes[f"g3.pool.{name.lstrip('_')}"] = len(v)
+    return sizes
+
+
+def campaign_tenantflood(K: Kind, rng: random.Random, tmp: Path) -> None:
+    n = K.planned
+    control, cseqs = "control", list(range(1, 65))
+    d = tmp / "tenantflood"
+    cfg = g4_config(f"file://{d / 'g4'}", str(d / "keys" / "kr.json"), timeout_s=10.0, write_queue_blocks=4096)
+    cfg.keyring.max_auto_tenants = max(2, n // 2000)  # half the tenants that put: the bound is reached
+    g3 = G3Pool(g3_config(d / "g3", capacity_gb=0.1), NS, registry=new_registry())
+    put_tenants = 0
+    try:
+        with G4Pool(cfg, NS, registry=new_registry()) as g4:
+            ckeys = NS.keys(cseqs, tenant=control)
+            for pool, name in ((g4, "G4"), (g3, "G3")):
+                r = pool.put(ckeys, [payload(s, control) for s in cseqs]).result(HANG_S)
+                if r.written != len(cseqs) or not pool.flush(HANG_S):
+                    K.fail(f"{name}: control blocks not acknowledged", result=repr(r))
+                    return
+
+            def check_control(pool, name: str, final: bool = False) -> None:
+                out = [np.zeros(BB, np.uint8) for _ in ckeys]
+                res, took = wait(pool.get(ckeys, out))
+                if isinstance(res, TimeoutError):
+                    K.fail(f"{name}: control get did not resolve", seconds=round(took, 1))
+                    return
+                wrong = check_served(ckeys, res.ok, out)
+                K.wrong += len(wrong)
+                missing = [k.seq_hash for k, o in zip(ckeys, res.ok) if not o]
+                if missing and final:
+                    K.lost += len(missing)
+                if wrong or missing:
+                    K.fail(f"{name}: control tenant's blocks wrong or missing under the flood", final=final,
+                           wrong=[k.seq_hash for k in wrong][:10], missing=missing[:10])
+
+            salt = rng.getrandbits(32)
+            pending: list = []
+            chunk = 10_000
+            for start in range(0, n, chunk):
+                for i in range(start, min(n, start + chunk)):
+                    t = f"flood-{salt:08x}-{i}"  # a distinct cache_salt per request
+                    g4.object_name(NS.key(i, tenant=t))
+                    if i % 20 == 0:  # blocks nobody writes (the puts below use seq i): the answer is 0
+                        pending.append(g4.lookup_prefix(NS.keys([n + i, n + i + 1], tenant=t)))
+                    if i % 1000 == 0:
+                        g4.put(NS.keys([i], tenant=t), [payload(i, t)])
+                        put_tenants += 1
+                    if i % 10 == 0:
+                        g3.lookup_prefix(NS.keys([i], tenant=t))
+                    if i % 200 == 0:
+                        g3.put(NS.keys([i], tenant=t), [payload(i, t)])
+                    K.tried += 1
+                for f in pending:
+                    res, took = wait(f)
+                    if isinstance(res, TimeoutError) or res != 0:
+                        K.fail("G4: a flood tenant's lookup on an empty prefix", result=repr(res))
+                pending = []
+                check_control(g4, "G4")
+                check_control(g3, "G3")
+            g4.flush(HANG_S)
+            g3.flush(HANG_S)
+            check_control(g4, "G4", final=True)
+            check_control(g3, "G3", final=True)
+            sizes = _g4_tenant_structures(g4, put_tenants)
+            K.extra["tenant_structures"] = sizes
+            K.extra["g3_tenant_structures"] = _g3_tenant_structures(g3)
+            K.extra["g4_stats"] = {k: v for k, v in g4.stats().items()
+                                   if k in ("written", "dropped", "dropped_unknown_tenant", "lookups", "lookup_hits",
+                                            "tenant_cache_entries")}
+            for name, (size, bound) in sizes.items():
+                if size > bound:
+                    K.fail(f"{name}: {size} entries after {K.tried} tenants, bound {bound}")
+    finally:
+        g3.close()
+        K.extra["put_tenants"] = put_tenants
 
 
 # ======================================= kill -9 ==================================================
@@ -1293,6 +1411,8 @@ def main(argv=None) -> int:
                     campaign_revoke(K, rng, tmp, s3, a.quick)
                 elif name == "outage":
                     campaign_outage(K, rng, tmp, s3)
+                elif name == "tenantflood":
+                    campaign_tenantflood(K, rng, tmp)
             except Exception as e:  # noqa: BLE001 - the campaign itself broke: recorded, others still run
                 K.fail("campaign aborted by an exception", error=repr(e), trace=traceback.format_exc()[-3000:])
             K.seconds = time.monotonic() - t0

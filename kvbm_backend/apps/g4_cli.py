@@ -1,4 +1,4 @@
-"""``kvbm-backend gc`` and ``kvbm-backend keys create|rotate|revoke|list|rewrap``.
+"""``kvbm-backend gc``, ``kvbm-backend g4 migrate`` and ``kvbm-backend keys create|rotate|revoke|list|rewrap``.
 
 No command prints key material: ``keys list`` shows tenants, pseudonyms, key ids, versions, use
 counts and creation dates only.
@@ -20,6 +20,7 @@ console = Console(stderr=True)
 
 keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="Per-tenant G4 data keys: create, rotate, revoke (crypto-shred), list, rewrap.")
+g4_app = typer.Typer(add_completion=False, no_args_is_help=True, help="G4 store maintenance: migrate.")
 
 
 def _out(obj, as_json: bool) -> None:
@@ -135,10 +136,43 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
         _out({"rewrapped_keys": n, "kek_id": new.key_id}, as_json)
 
 
+def _open_store(url: str, endpoint_url: Optional[str], region: Optional[str]):
+    from kvbm_backend.pool.g4.factory import open_store
+    if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
+        _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
+    try:
+        return open_store(url, endpoint_url=endpoint_url, region=region, timeout_s=10.0)
+    except ValueError as e:  # scheme or form of the URL ("g4.url ...: ...")
+        _fail(f"--url: {str(e).removeprefix('g4.url').lstrip(': ')}")
+
+
+@g4_app.command("migrate")
+def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
+               endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint URL"),
+               region: Optional[str] = typer.Option(None),
+               keyring: Optional[str] = typer.Option(None, help="the workers' keyring (required when they have one)"),
+               kek_env: str = _ENV, kek_file: Optional[str] = _KF,
+               dir_fanout: int = typer.Option(256, help="the workers' g4.dir_fanout"),
+               dry_run: bool = typer.Option(False, "--dry-run", help="count, rename nothing"),
+               as_json: bool = typer.Option(False, "--json")) -> None:
+    """Rename blocks stored under format 1 names (sequence hash in clear) to keyed names. Safe while
+    workers run; repeatable. Until it ran, old-named blocks are misses (recomputed)."""
+    from kvbm_backend.crypto.keyring import KeyringError
+    from kvbm_backend.pool.g4.migrate import run_migrate
+    store = _open_store(url, endpoint_url, region)
+    try:
+        kr = _open(keyring, kek_env, kek_file, False) if keyring else None
+        res = run_migrate(store, keyring=kr, dir_fanout=dir_fanout, dry_run=dry_run)
+    except (ValueError, KeyringError, OSError) as e:
+        _fail(str(e))
+    _out(res, as_json)
+
+
 def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
        endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint URL"),
        region: Optional[str] = typer.Option(None),
-       max_age_s: Optional[float] = typer.Option(None, help="delete blocks older than this (seconds, >= 0)"),
+       max_age_s: Optional[float] = typer.Option(
+           None, help="delete blocks at least this old on the store's clock (seconds, >= 0; 0: all)"),
        target_gb: Optional[float] = typer.Option(None, help="then delete oldest until at most this (GB = 1e9 B, >= 0)"),
        tenant: Optional[str] = typer.Option(None, help="only this tenant (id with --keyring, or pseudonym hex)"),
        keyring: Optional[str] = typer.Option(None, help="keyring: revoked tenants are reclaimed, --tenant mapped"),
@@ -146,11 +180,11 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
        temp_grace_s: float = typer.Option(3600.0, help="writer temp files younger than this are never touched"),
        dry_run: bool = typer.Option(False, "--dry-run", help="report, delete nothing"),
        as_json: bool = typer.Option(False, "--json")) -> None:
-    """Remove G4 blocks by age and/or to a capacity target (oldest first), per tenant too, and the
-    blocks of revoked tenants. Safe while workers run."""
+    """Remove G4 blocks by age and/or to a capacity target (oldest first), per tenant too, and every
+    block of revoked tenants. Ages are measured on the store's clock (its Date header, or the newest
+    mtime listed when that is ahead of ours). Safe while workers run."""
     from kvbm_backend.crypto.keyring import KeyringError
     from kvbm_backend.pool.g4.gc import run_gc
-    from kvbm_backend.pool.g4.factory import open_store
     if max_age_s is None and target_gb is None and keyring is None:
         _fail("gc: give --max-age-s and/or --target-gb (and/or --keyring to reclaim revoked tenants)")
     # a negative age or an infinite/NaN threshold is a mistake, never a policy (-1 would delete every
@@ -158,12 +192,7 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
     _finite("--max-age-s", max_age_s, ge=0)
     _finite("--target-gb", target_gb, ge=0)
     _finite("--temp-grace-s", temp_grace_s, ge=0)
-    if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
-        _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
-    try:
-        store = open_store(url, endpoint_url=endpoint_url, region=region, timeout_s=10.0)
-    except ValueError as e:  # scheme or form of the URL ("g4.url ...: ...")
-        _fail(f"--url: {str(e).removeprefix('g4.url').lstrip(': ')}")
+    store = _open_store(url, endpoint_url, region)
     try:
         kr = _open(keyring, kek_env, kek_file, False) if keyring else None
         res = run_gc(store, keyring=kr, max_age_s=max_age_s,
@@ -178,6 +207,7 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``gc`` and the ``keys`` sub-app to the ``kvbm-backend`` CLI."""
+    """Add ``gc`` and the ``keys`` and ``g4`` sub-apps to the ``kvbm-backend`` CLI."""
     app.command("gc")(gc)
     app.add_typer(keys_app, name="keys")
+    app.add_typer(g4_app, name="g4")

@@ -65,16 +65,18 @@ from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, Tenan
                   _check_private, _fsync_dir, _now_iso, _stamp, _unb64, dir_is_read_only, generate_kek_b64,
                   provider_for)
 from .keyring_persist import PersistMixin
+from .names import NAME_KEY_LABEL, UNKEYED_PSEUDONYM_KEY, derive_name_key
 
 FORMAT = "kvbm-backend-keyring/1"
 NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
 DEFAULT_ROTATE_AFTER = 2 ** 31
 DEFAULT_MISS_RELOAD_MIN_S = 0.1  # on-miss keyring checks: at most one per this many seconds per keyring
-UNKEYED_PSEUDONYM_KEY = b"kvbm-backend/unkeyed-tenant-pseudonym/v1"
+DEFAULT_MAX_AUTO_TENANTS = 4096  # implicit tenant creation stops at this many tenants in the file
 
-__all__ = ["DEFAULT_MISS_RELOAD_MIN_S", "DEFAULT_ROTATE_AFTER", "FORMAT", "KEY_BYTES", "NIST_GCM_RANDOM_NONCE_LIMIT",
-           "UNKEYED_PSEUDONYM_KEY", "DataKey", "KeyProvider", "Keyring", "KeyringError", "LocalKek", "TenantRevoked",
-           "UnknownTenant", "dir_is_read_only", "generate_kek_b64", "provider_for"]  # the KEK names: from .kek
+__all__ = ["DEFAULT_MAX_AUTO_TENANTS", "DEFAULT_MISS_RELOAD_MIN_S", "DEFAULT_ROTATE_AFTER", "FORMAT", "KEY_BYTES",
+           "NAME_KEY_LABEL", "NIST_GCM_RANDOM_NONCE_LIMIT", "UNKEYED_PSEUDONYM_KEY", "derive_name_key", "DataKey",
+           "KeyProvider", "Keyring", "KeyringError", "LocalKek", "TenantRevoked", "UnknownTenant", "dir_is_read_only",
+           "generate_kek_b64", "provider_for"]  # the KEK names: from .kek; the naming keys: from .names
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +100,17 @@ class Keyring(PersistMixin):
             None: read-only when the keyring's directory cannot be written (:func:`dir_is_read_only`).
         auto_create_tenants: :meth:`write_key` creates a data key for an unknown tenant (writable
             keyrings only; never for a revoked tenant). Off: :class:`UnknownTenant`.
+        max_auto_tenants: :meth:`write_key` creates no tenant once the file holds this many
+            (:class:`UnknownTenant`; checked again under the file lock): a flood of client-chosen tenant
+            ids cannot grow the file, every worker's copy of it and each rewrite without bound.
+            :meth:`create` by the operator is not limited.
     """
 
     def __init__(self, path: str | os.PathLike, provider: KeyProvider, *, create: bool = True,
                  rotate_after_uses: int = DEFAULT_ROTATE_AFTER, persist_every_s: float = 30.0,
                  reload_every_s: float = 2.0, read_only: bool | None = None, auto_create_tenants: bool = True,
-                 miss_reload_min_s: float = DEFAULT_MISS_RELOAD_MIN_S):
+                 miss_reload_min_s: float = DEFAULT_MISS_RELOAD_MIN_S,
+                 max_auto_tenants: int = DEFAULT_MAX_AUTO_TENANTS):
         if not 1 <= rotate_after_uses <= NIST_GCM_RANDOM_NONCE_LIMIT:
             raise KeyringError(f"rotate_after_uses: must be in [1, 2**32], got {rotate_after_uses}")
         if not miss_reload_min_s >= 0:
@@ -116,6 +123,9 @@ class Keyring(PersistMixin):
         self.miss_reload_min_s = float(miss_reload_min_s)
         self.read_only = dir_is_read_only(self.path) if read_only is None else bool(read_only)
         self.auto_create_tenants = bool(auto_create_tenants)
+        if not max_auto_tenants >= 0:
+            raise KeyringError(f"max_auto_tenants: must be >= 0, got {max_auto_tenants}")
+        self.max_auto_tenants = int(max_auto_tenants)
         self._mu = threading.RLock()
         self._doc: dict = {}
         self._keys: dict[tuple[int, int], bytes] = {}  # (key_id, version) -> unwrapped key
@@ -130,6 +140,7 @@ class Keyring(PersistMixin):
         self._n = {"loads": 0, "miss_reloads": 0, "miss_reload_loads": 0, "miss_reloads_limited": 0}
         self._last_persist = time.monotonic()
         self._persisting = False  # a background persist of use counts runs (write_key starts it)
+        self._persist_thread: threading.Thread | None = None
         if self.path.exists():
             self._load()  # writers publish with an atomic rename: reading needs no lock
         elif self.read_only:
@@ -161,7 +172,8 @@ class Keyring(PersistMixin):
         return cls(cfg.path, prov, create=create,
                    rotate_after_uses=getattr(cfg, "rotate_after_uses", DEFAULT_ROTATE_AFTER),
                    reload_every_s=getattr(cfg, "reload_interval_s", 2.0), read_only=ro,
-                   auto_create_tenants=getattr(cfg, "auto_create_tenants", True))
+                   auto_create_tenants=getattr(cfg, "auto_create_tenants", True),
+                   max_auto_tenants=getattr(cfg, "max_auto_tenants", DEFAULT_MAX_AUTO_TENANTS))
 
     # ---- file handling ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -248,14 +260,6 @@ class Keyring(PersistMixin):
             self._load()
             return out
 
-    def _merge_delta(self) -> None:
-        for (tenant, ver), n in self._delta.items():
-            t = self._doc["tenants"].get(tenant)
-            if t and str(ver) in t["versions"]:
-                t["versions"][str(ver)]["uses"] = int(t["versions"][str(ver)].get("uses", 0)) + n
-        self._delta = {}
-        self._last_persist = time.monotonic()
-
     def _maybe_reload(self, *, on_miss: bool = False) -> bool:
         """Re-read the file if it changed. Periodic (the default): checked at most every
         ``reload_every_s``. ``on_miss`` (a key this keyring does not hold was asked for): checked now,
@@ -314,6 +318,12 @@ class Keyring(PersistMixin):
         """16-byte pseudonym of ``tenant``: HMAC-SHA256(pseudonym key, UTF-8 tenant id)[:16]."""
         return hmac.new(self._pseudonym_key, tenant.encode(), hashlib.sha256).digest()[:16]
 
+    def name_key(self, pseudonym: bytes) -> bytes:
+        """The 32-byte key G4 names a tenant's blocks with (:func:`derive_name_key` under the keyring's
+        pseudonym key), from the tenant's 16-byte ``pseudonym``: the same in every process sharing the
+        file, unchanged by ``rewrap``; nothing is stored for it (no file format change)."""
+        return derive_name_key(self._pseudonym_key, pseudonym)
+
     def _new_version(self, doc: dict, tenant: str) -> None:
         t = doc["tenants"][tenant]
         v = max((int(x) for x in t["versions"]), default=0) + 1
@@ -332,6 +342,8 @@ class Keyring(PersistMixin):
                 if implicit and self.pseudonym(tenant).hex() in doc.get("revoked", {}):
                     raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} (pseudonym) was "
                                         "revoked; only `kvbm-backend keys create` re-creates it")
+                if implicit and len(doc["tenants"]) >= self.max_auto_tenants:
+                    raise UnknownTenant(self._limit_msg(tenant))
                 used = {int(t["key_id"]) for t in doc["tenants"].values()}
                 kid = 0
                 while kid == 0 or kid in used:
@@ -341,6 +353,11 @@ class Keyring(PersistMixin):
                 self._new_version(doc, tenant)
         self._mutate(fn)
         return self.info(tenant)
+
+    def _limit_msg(self, tenant: str) -> str:
+        return (f"keyring {self.path}: no key for tenant {self.pseudonym(tenant).hex()} (pseudonym) and the keyring "
+                f"holds g4.keyring.max_auto_tenants={self.max_auto_tenants} tenants: no more are created implicitly; "
+                "create it with `kvbm-backend keys create`")
 
     def rotate(self, tenant: str) -> dict:
         """New data key version for new writes; older versions stay readable. KeyringError if unknown."""
@@ -438,7 +455,8 @@ class Keyring(PersistMixin):
             if self._error is not None:
                 raise KeyringError(self._error)
             t = self._doc["tenants"].get(tenant)
-            if t is None and (self.read_only or not self.auto_create_tenants):
+            if t is None and (self.read_only or not self.auto_create_tenants
+                              or len(self._doc["tenants"]) >= self.max_auto_tenants):
                 if self._maybe_reload(on_miss=True):
                     t = self._doc["tenants"].get(tenant)  # created elsewhere since our last reload
                 elif self._error is not None:
@@ -451,6 +469,8 @@ class Keyring(PersistMixin):
                     why = "read-only" if self.read_only else "g4.keyring.auto_create_tenants is off"
                     raise UnknownTenant(f"keyring {self.path}: no key for tenant {self.pseudonym(tenant).hex()} "
                                         f"(pseudonym) and {why}; create it with `kvbm-backend keys create`")
+                if len(self._doc["tenants"]) >= self.max_auto_tenants:
+                    raise UnknownTenant(self._limit_msg(tenant))
                 self.create(tenant, implicit=True)
                 t = self._doc["tenants"].get(tenant)
                 if t is None:  # revoked between our reload and the locked re-read
@@ -470,7 +490,9 @@ class Keyring(PersistMixin):
                     and time.monotonic() - self._last_persist > self.persist_every_s):
                 self._persisting = True
                 self._last_persist = time.monotonic()  # one attempt per period, failed or not
-                threading.Thread(target=self._persist_counts, name="kvbm-keyring-persist", daemon=True).start()
+                th = threading.Thread(target=self._persist_counts, name="kvbm-keyring-persist", daemon=True)
+                self._persist_thread = th
+                th.start()
             return DataKey(int(t["key_id"]), ver, self._keys[(int(t["key_id"]), ver)])
 
     def read_key(self, key_id: int, version: int, tenant: str | None = None) -> bytes | None:
@@ -493,13 +515,3 @@ class Keyring(PersistMixin):
         if tenant is not None and self._owner.get(int(key_id)) != tenant:
             return None
         return self._keys.get((int(key_id), int(version)))
-
-    def flush(self) -> None:
-        """Merge in-memory use counts into the file (under the lock). Read-only keyrings keep them in
-        memory (this process's counts)."""
-        with self._mu:
-            if self._delta and not self.read_only:
-                self._mutate(lambda doc: None)
-
-    def close(self) -> None:
-        self.flush()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 import time
 
 from .kek import KeyringError
@@ -20,8 +21,33 @@ log = logging.getLogger("kvbm_backend.crypto.keyring")
 
 
 class PersistMixin:
-    """Uses the keyring's ``_mu``, ``_locked``, ``_load``, ``_merge_delta``, ``_write``, ``_delta``,
-    ``_persisting`` and ``_logged_errors``."""
+    """Uses the keyring's ``_mu``, ``_locked``, ``_load``, ``_mutate``, ``_write``, ``_doc``, ``_delta``,
+    ``_persisting``, ``_persist_thread``, ``read_only`` and ``_logged_errors``."""
+
+    def _merge_delta(self) -> None:
+        """Add the in-memory use counts to ``_doc`` and clear them. Caller holds ``_mu``."""
+        for (tenant, ver), n in self._delta.items():
+            t = self._doc["tenants"].get(tenant)
+            if t and str(ver) in t["versions"]:
+                t["versions"][str(ver)]["uses"] = int(t["versions"][str(ver)].get("uses", 0)) + n
+        self._delta = {}
+        self._last_persist = time.monotonic()
+
+    def flush(self) -> None:
+        """Merge in-memory use counts into the file (under the lock), after a background persist in
+        flight has written its share (it took those counts out of memory: returning before its write would
+        let ``close`` and a process exit lose them). Read-only keyrings keep them in memory (this
+        process's counts)."""
+        th = self._persist_thread
+        if th is not None and th is not threading.current_thread():
+            th.join()  # it waits for the file lock at most as long as the merge below would
+        with self._mu:
+            if self._delta and not self.read_only:
+                self._mutate(lambda doc: None)
+
+    def close(self) -> None:
+        """Persist use counts (:meth:`flush`)."""
+        self.flush()
 
     def _persist_counts(self) -> None:
         """The periodic persist of use counts, on its own thread so that no seal waits for it. The file

@@ -6,6 +6,7 @@ import json
 import os
 import time
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -85,3 +86,77 @@ def test_bench_g4_json(store, tmp_path, s3_prefix, request):
     assert d["read_gbps"] == d["unencrypted_read_gbps"]
     bad = CliRunner().invoke(app, ["bench", "--tier", "g4", "--layout", "tiny", "--blocks", "8"])
     assert bad.exit_code == 2 and "--url" in bad.output
+
+
+def _revoked_at(kr: str, pseudonym: str, t: float) -> None:
+    """Set the keyring's revocation time of ``pseudonym``, as ``keys revoke`` run on a host whose clock
+    said ``t`` would have written it (same file discipline: 0600, atomic rename)."""
+    doc = json.loads(open(kr).read())
+    doc["revoked"][pseudonym]["revoked_at"] = t
+    tmp = f"{kr}.edit"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, kr)
+
+
+def test_gc_file_store_whose_clock_runs_ahead(tmp_path):
+    """Issue 26 item 12: object mtimes an hour in our future (a shared mount whose server clock runs
+    ahead). ``--max-age-s 0`` still deletes everything, ``--max-age-s 600`` nothing (the blocks are seconds
+    old on the store's clock), and a revoked tenant's blocks are reclaimed whatever their mtime."""
+    url, kr = f"file://{tmp_path / 'store'}", str(tmp_path / "kr.json")
+    _fill(url, kr)
+    ahead = time.time() + 3600
+    for f in (tmp_path / "store").rglob("*"):
+        if f.is_file() and f.name != "namespace.json":
+            os.utime(f, (ahead, ahead + (f.stat().st_mtime - time.time())))
+    r = CliRunner().invoke(app, ["keys", "revoke", "--keyring", kr, "--tenant", "bob"])
+    assert r.exit_code == 0, r.output
+    res = _gc("--url", url, "--keyring", kr)
+    assert res["deleted_by"]["revoked"] == 4 and res["time_base"] == "listing" and res["clock_skew_s"] > 3000
+    assert _gc("--url", url, "--max-age-s", "600")["deleted_objects"] == 0
+    res = _gc("--url", url, "--max-age-s", "0")
+    assert res["deleted_by"]["age"] == 4 and res["remaining_bytes"] == 0
+
+
+def test_gc_s3_measures_ages_on_the_servers_clock(seaweed, s3_prefix, tmp_path):
+    """A real SeaweedFS, and our clock (``now``) an hour behind the server's: ages come from the server's
+    Date header, so ``max_age_s=0`` deletes every block and 600 none; a tenant revoked on a host whose
+    clock was behind too (``revoked_at`` before every mtime) loses every block to gc."""
+    from kvbm_backend.crypto.keyring import Keyring, provider_for
+    from kvbm_backend.pool.g4.factory import open_store
+    from kvbm_backend.pool.g4.gc import run_gc
+    url, kr = seaweed.url(s3_prefix), str(tmp_path / "kr.json")
+    _fill(url, kr, seaweed.endpoint)
+    store = open_store(url, endpoint_url=seaweed.endpoint)
+    assert abs(store.server_time() - time.time()) < 300  # the server states its clock (loopback: ours)
+    behind = time.time() - 3600
+    k = Keyring(kr, provider_for(kr))
+    ps = k.revoke("bob")["pseudonym"]
+    _revoked_at(kr, ps, behind)
+    k = Keyring(kr, provider_for(kr))
+    res = run_gc(store, keyring=k, now=behind)
+    assert res["deleted_by"]["revoked"] == 4 and res["time_base"] in ("server", "listing")
+    assert res["clock_skew_s"] > 3000
+    assert run_gc(store, max_age_s=600, now=behind)["deleted_objects"] == 0
+    res = run_gc(store, max_age_s=0, now=behind)
+    assert res["deleted_by"]["age"] == 4 and res["remaining_bytes"] == 0
+
+
+def test_gc_keeps_a_recreated_tenants_new_blocks(tmp_path):
+    """``keys create`` after ``revoke``: the same pseudonym, a new key. gc reclaims the blocks written
+    before the revocation and keeps the new tenant's."""
+    url, kr = f"file://{tmp_path / 'store'}", str(tmp_path / "kr.json")
+    _fill(url, kr)
+    assert CliRunner().invoke(app, ["keys", "revoke", "--keyring", kr, "--tenant", "bob"]).exit_code == 0
+    time.sleep(1.2)  # past the 1 s slack after revoked_at
+    assert CliRunner().invoke(app, ["keys", "create", "--keyring", kr, "--tenant", "bob"]).exit_code == 0
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    with G4Pool(G4Config(url=url, keyring={"path": kr}), ns) as p:
+        assert p.put(ns.keys([50], tenant="bob"), [payload(50, "bob", bpb)]).result(timeout=30).written == 1
+    res = _gc("--url", url, "--keyring", kr)
+    assert res["deleted_by"]["revoked"] == 4 and res["scanned_objects"] == 9
+    with G4Pool(G4Config(url=url, keyring={"path": kr}), ns) as p:
+        out = [np.zeros(bpb, np.uint8)]
+        assert p.get(ns.keys([50], tenant="bob"), out).result(timeout=30).ok == [True]

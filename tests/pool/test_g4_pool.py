@@ -3,10 +3,13 @@ restart persistence in a new process, corruption/swap/truncation detection, wron
 rotation, crypto-shred + gc, unencrypted mode, bounded offload queue."""
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 import shutil
 import subprocess
 import sys
+from hmac import HMAC
 from pathlib import Path
 
 import numpy as np
@@ -73,10 +76,14 @@ def test_roundtrip_lookup_and_names(target):
         assert _read(p, [11], "bob") == [False]
         name = p.object_name(keys[0])
         meta = parse_block_name(name)
-        assert meta == {"ns": ns.fingerprint, "tenant": p.pseudonym("alice").hex(), "rank": 0, "seq_hash": 11}
-        # g4.dir_fanout (16 here): the directory is seq_hash % dir_fanout, in hex (300 % 256 would be 2c)
-        assert p.cfg.dir_fanout == 16 and p.object_name(ns.key(300, tenant="alice")).split("/")[3] == "c"
-        assert "alice" not in name and name.split("/")[3] == f"{11 % 16:x}"
+        bid = HMAC(p.keyring.name_key(p.pseudonym("alice")), struct.pack("<8sIQ", ns.fingerprint_bytes, 0, 11),
+                   hashlib.sha256).digest()[:16]  # docs/format.md "G4 names", recomputed here
+        assert meta == {"ns": ns.fingerprint, "tenant": p.pseudonym("alice").hex(), "rank": 0,
+                        "fan": f"{int.from_bytes(bid[:4], 'big') % 16:x}", "block_id": bid.hex(), "legacy": False}
+        # g4.dir_fanout (16 here): the directory is the block id's first 4 bytes % dir_fanout, in hex
+        fans = {p.object_name(ns.key(s, tenant="alice")).split("/")[3] for s in range(200)}
+        assert p.cfg.dir_fanout == 16 and fans == {f"{i:x}" for i in range(16)}
+        assert "alice" not in name and f"{11:016x}" not in name
         raw = bytes(p.store.get(name))
         hdr = FrameHeader.unpack(raw[:HEADER_BYTES])
         assert hdr.flags == FLAG_ENCRYPTED and len(raw) == HEADER_BYTES + ns.layout.bytes_per_block

@@ -164,6 +164,28 @@ def test_auto_create_tenants_off_drops_counts_and_logs_once(target, caplog, monk
         assert _read(p, [13], "mallory") == [True]
 
 
+def test_max_auto_tenants_bounds_the_tenants_a_flood_creates(target, caplog, monkeypatch):
+    """Issue 26 item 5 (keyring): distinct cache_salts (tenants) offloading through a writable keyring with
+    auto-creation create at most ``g4.keyring.max_auto_tenants`` entries; the rest are dropped
+    (``dropped_unknown_tenant``), logged with the bound; existing tenants keep writing and ``keys create``
+    still adds one past the bound."""
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    assert KeyringConfig().max_auto_tenants == 4096  # documented default (README)
+    kr_path = target["keyring"]["path"]
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.pool.g4.pool"), _pool(target, max_auto_tenants=5) as p:
+        assert _put(p, [1], "control").written == 1
+        res = [_put(p, [2], f"salt-{i}") for i in range(20)]
+        assert sum(r.written for r in res) == 4 and sum(r.dropped for r in res) == 16
+        assert p.stats()["dropped_unknown_tenant"] == 16
+        assert len(json.loads(Path(kr_path).read_text())["tenants"]) == 5
+        assert _put(p, [3], "control").written == 1 and _read(p, [1, 3], "control") == [True, True]
+        lines = [r.getMessage() for r in caplog.records if "max_auto_tenants=5" in r.getMessage()]
+        assert lines and "salt-" not in " ".join(lines)  # tenant ids (cache_salt values) are never logged
+        _keys_cli("create", "--keyring", kr_path, "--tenant", "salt-19")  # the operator is not limited
+        _until(lambda: _put(p, [4], "salt-19").written == 1, RELOAD_S + SLACK_S)
+        assert _read(p, [4], "salt-19") == [True]
+
+
 # ---- 4. a key id serves only its own tenant -----------------------------------------------------
 def test_blob_sealed_with_other_tenants_key_is_a_miss(target):
     ns = namespace()

@@ -63,6 +63,7 @@ FIELD_TESTS: dict[str, list[str]] = {
     "g4.keyring.rotate_after_uses": ["tests/pool/test_crypto_keyring.py::test_keyring_config_read_only_auto_create_and_reload_interval",
                                      "tests/pool/test_crypto_keyring.py::test_automatic_rotation_before_nonce_limit"],
     "g4.keyring.auto_create_tenants": ["tests/pool/test_keyring_revocation.py::test_auto_create_tenants_off_drops_counts_and_logs_once"],
+    "g4.keyring.max_auto_tenants": ["tests/pool/test_keyring_revocation.py::test_max_auto_tenants_bounds_the_tenants_a_flood_creates"],
     "g4.keyring.read_only": ["tests/pool/test_keyring_revocation.py::test_forced_read_only_keyring_never_writes",
                              "tests/pool/test_keyring_reload.py::test_read_only_keyring_write_key_sees_operator_created_tenant_at_once"],
     "g4.keyring.reload_interval_s": ["tests/pool/test_keyring_revocation.py::test_revocation_reaches_running_pool_within_reload_interval",

@@ -3,7 +3,19 @@ too, plus blocks of revoked tenants (crypto-shredded) and stale writer temp file
 
 Safe while workers run: only published objects are deleted (a concurrent reader gets a miss, never
 wrong bytes: every read verifies), and writer temp files only once older than ``temp_grace_s``.
-Ages come from the store (S3 ``LastModified``, POSIX ``mtime``).
+
+**Time base.** Ages come from the store (S3 ``LastModified``, POSIX ``mtime``) and are measured against
+the store's own clock, never ours alone: ``store_now`` is the server's time where the store states it
+(S3: the ``Date`` header, :meth:`~.store.ObjectStore.server_time`), else this host's clock, and never
+earlier than the newest mtime in the listing (a store whose clock runs ahead of ours, e.g. an NFS server,
+would otherwise make every object look younger than ``--max-age-s``, and ``--max-age-s 0`` delete
+nothing). A block is old when ``store_now - mtime >= max_age_s`` (so 0 means every block).
+
+**Revoked tenants.** Every block under a revoked tenant's pseudonym is reclaimed whatever its age or
+mtime (its data keys are gone: it can never be read again). Only when the tenant was re-created since
+(``keys create`` after ``revoke``: the same pseudonym, a new key) are its blocks told apart by time: those
+last modified up to ``revoked_at`` (the keyring writer's clock, moved onto the store's by the measured
+skew ``store_now - now``) + 1 s go, newer ones are the new tenant's.
 """
 from __future__ import annotations
 
@@ -23,13 +35,16 @@ def run_gc(store: ObjectStore, *, keyring=None, max_age_s: float | None = None, 
         keyring: :class:`~kvbm_backend.crypto.keyring.Keyring`: maps ``tenant`` ids to pseudonyms and
             names revoked tenants whose blocks are reclaimed. Without it, ``tenant`` must be a
             32-hex pseudonym and revoked tenants are not known.
-        max_age_s: delete blocks last modified more than this many seconds ago.
+        max_age_s: delete blocks last modified at least this many seconds before ``store_now`` (0: all).
         target_bytes: then delete oldest blocks until the (tenant's) blocks total at most this.
         tenant: restrict everything to one tenant (id or pseudonym hex).
+        now: this host's clock (epoch s; default ``time.time()``), used where the store states no time.
         temp_grace_s: writer temp files older than this are removed (crashed writers).
         dry_run: report only.
     Returns:
-        dict of counts and bytes: scanned_*, deleted_* and per-reason ``deleted_by``.
+        dict of counts and bytes: scanned_*, deleted_* and per-reason ``deleted_by``; ``store_now`` (the
+        time base, epoch s), ``time_base`` (``"server"``, ``"local"`` or ``"listing"``: which clock
+        gave it) and ``clock_skew_s`` (``store_now - now``).
     Raises:
         ValueError when ``tenant`` cannot be resolved or a threshold is negative, infinite or NaN
         (before anything is listed or deleted); StoreUnavailable when the store is down.
@@ -47,17 +62,25 @@ def run_gc(store: ObjectStore, *, keyring=None, max_age_s: float | None = None, 
         else:
             raise ValueError(f"--tenant {tenant!r}: needs --keyring to map a tenant id to its pseudonym "
                              "(or pass the 32-hex pseudonym)")
+    server_now = store.server_time()
     revoked = keyring.revoked() if keyring is not None else {}
+    active = {r["pseudonym"] for r in keyring.info()} if revoked else set()  # re-created after revocation
     blocks = []
     for o in store.list(""):
         meta = parse_block_name(o.name)
         if meta is None or (want is not None and meta["tenant"] != want):
             continue
         blocks.append((o, meta))
+    temps = [o for o in store.list_temps("") if want is None or f"/{want}/" in f"/{o.name}"]
+    newest = max((o.mtime for o in [*(o for o, _ in blocks), *temps]), default=float("-inf"))
+    base, store_now = ("server", server_now) if server_now is not None else ("local", now)
+    if newest > store_now:
+        base, store_now = "listing", newest
+    skew = store_now - now
     res = {"dry_run": dry_run, "url": store.url, "scanned_objects": len(blocks),
            "scanned_bytes": sum(o.size for o, _ in blocks),
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0}, "deleted_objects": 0,
-           "deleted_bytes": 0, "errors": 0}
+           "deleted_bytes": 0, "errors": 0, "store_now": store_now, "time_base": base, "clock_skew_s": skew}
 
     def drop(o, why: str) -> None:
         if not dry_run:
@@ -73,9 +96,9 @@ def run_gc(store: ObjectStore, *, keyring=None, max_age_s: float | None = None, 
     keep = []
     for o, meta in blocks:
         t_rev = revoked.get(meta["tenant"])
-        if t_rev is not None and o.mtime <= t_rev + 1.0:
+        if t_rev is not None and (meta["tenant"] not in active or o.mtime <= t_rev + skew + 1.0):
             drop(o, "revoked")
-        elif max_age_s is not None and now - o.mtime > max_age_s:
+        elif max_age_s is not None and store_now - o.mtime >= max_age_s:
             drop(o, "age")
         else:
             keep.append(o)
@@ -86,10 +109,8 @@ def run_gc(store: ObjectStore, *, keyring=None, max_age_s: float | None = None, 
                 break
             drop(o, "capacity")
             total -= o.size
-    for o in store.list_temps(""):
-        if want is not None and f"/{want}/" not in f"/{o.name}":
-            continue
-        if now - o.mtime > temp_grace_s:
+    for o in temps:
+        if store_now - o.mtime > temp_grace_s:
             drop(o, "temp")
     res["remaining_bytes"] = res["scanned_bytes"] - res["deleted_bytes"] + 0
     return res

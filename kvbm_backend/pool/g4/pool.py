@@ -1,8 +1,10 @@
 """G4Pool: the persistent, shared, per-tenant encrypted block pool on S3 or a shared POSIX mount.
 
 Each block is one object (``docs/format.md`` frame: 4 KiB header + payload, no padding) named
-``{prefix}/{ns_fp}/{tenant_pseudonym}/{rank}/{fanout}/{seq_hash:016x}`` (:mod:`.naming`). No state
-that lives only in one process is needed to read G4: a new pool, on any node, finds blocks by name.
+``{prefix}/{ns_fp}/{tenant_pseudonym}/{rank}/{fanout}/{block_id}`` (:mod:`.naming`: ``block_id`` is a keyed
+HMAC of namespace, rank and sequence hash under the tenant's naming key from the keyring, so a listing
+reveals no sequence hash). No state that lives only in one process is needed to read G4: a new pool, on
+any node, with the same keyring, finds blocks by name.
 
 * Encrypted (default): AES-256-GCM under the tenant's data key (:mod:`kvbm_backend.crypto`), random
   96-bit nonce in the header, tag in ``integrity``, AAD = the expected header identity, so a blob
@@ -37,6 +39,9 @@ lookups and the bounce buffers; stores are opened by URL scheme in :mod:`.factor
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import hmac
 import logging
 import threading
 import time
@@ -45,7 +50,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ...crypto.keyring import UNKEYED_PSEUDONYM_KEY, Keyring, KeyringError
+from ...crypto.keyring import Keyring, KeyringError
+from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
 from ...metrics import TierMetrics
 from ...model.frame import HEADER_BYTES, FrameHeader
 from ...model.layout import KvLayout
@@ -54,7 +60,7 @@ from ..base import GetResult, PutResult, completed, is_tensor_batch
 from ..deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
 from .factory import open_store
-from .naming import block_name, namespace_name
+from .naming import TenantNamer, legacy_block_name, namespace_name
 from .reader import ReaderMixin, _Batch, bounce_buffers, bounce_slot_bytes
 from .store import BucketMissing, ObjectStore, StoreUnavailable, redact_url
 from .writer import WriterMixin
@@ -63,6 +69,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["G4Pool"]
 _MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most this many distinct ones
+TENANT_CACHE_ENTRIES = 4096  # tenants whose pseudonym and naming key a pool keeps (LRU); more are recomputed
 _STORE_ERROR_LOG_S = 300.0  # a store that keeps answering with an error (missing bucket, 403): one line per this
 _READ_FAILURES = {"unavailable", "error", "timeout"}  # miss reasons that are failed store reads
 _WRITE_FAILURES = {"unavailable", "error"}  # drop reasons that are failed store writes
@@ -119,7 +126,9 @@ class G4Pool(WriterMixin, ReaderMixin):
         self._load_bound_s = cfg.timeout_s * (1 + cfg.retries) + 0.05
         self._mu = threading.Lock()
         self._c: dict[str, int] = {}
-        self._pseudonyms: dict[str, str] = {}
+        # tenant -> TenantNamer (pseudonym + naming key), LRU-bounded: a flood of distinct cache_salts
+        # (each a tenant) costs one HMAC per miss, never memory (200k tenants once held 75 MB here)
+        self._namer = functools.lru_cache(maxsize=TENANT_CACHE_ENTRIES)(self._new_namer)
         self._logged_tenants: set[tuple[str, str]] = set()
         self._pending_put_blocks = 0
         self._put_futures: set[Future] = set()
@@ -296,7 +305,8 @@ class G4Pool(WriterMixin, ReaderMixin):
             s = dict(self._c)
             s["pending_put_blocks"] = self._pending_put_blocks
         s.update({"tier": self.tier, "encrypted": self.encrypt, "url": self.store.url,
-                  "pseudonym_keyed": self.keyring is not None, "namespace": self._fp,
+                  "pseudonym_keyed": self.keyring is not None, "names_keyed": self.keyring is not None,
+                  "tenant_cache_entries": self.tenant_cache_size(), "namespace": self._fp,
                   "keyring_read_only": bool(self.keyring is not None and self.keyring.read_only),
                   "keyring_ok": bool(self.keyring is None or self.keyring.error is None),
                   **({f"keyring_{k}": v for k, v in self.keyring.stats().items()} if self.keyring is not None else {}),
@@ -405,22 +415,31 @@ class G4Pool(WriterMixin, ReaderMixin):
         for unencrypted pools without a keyring; ``stats()["pseudonym_keyed"]`` says which)."""
         if self.keyring is not None:
             return self.keyring.pseudonym(tenant)
-        import hashlib
-        import hmac
         return hmac.new(UNKEYED_PSEUDONYM_KEY, tenant.encode(), hashlib.sha256).digest()[:16]
 
+    def _new_namer(self, tenant: str) -> TenantNamer:
+        ps = self.pseudonym(tenant)
+        key = (self.keyring.name_key(ps) if self.keyring is not None
+               else derive_name_key(UNKEYED_PSEUDONYM_KEY, ps))  # public: such names hide nothing (format.md)
+        return TenantNamer(self._fp, ps, key, self.cfg.dir_fanout)
+
     def _tag(self, tenant: str) -> str:
-        t = self._pseudonyms.get(tenant)
-        if t is None:
-            t = self._pseudonyms[tenant] = self.pseudonym(tenant).hex()
-        return t
+        return self._namer(tenant).pseudonym_hex
 
     def _name(self, key: BlockKey) -> str:
-        return block_name(self._fp, self._tag(key.tenant), key.rank, key.seq_hash, self.cfg.dir_fanout)
+        return self._namer(key.tenant).name(key.rank, key.seq_hash)
 
     def object_name(self, key: BlockKey) -> str:
-        """The store-relative object name of ``key`` (for tools and tests)."""
+        """The store-relative object name of ``key`` (keyed: ``docs/format.md``, "G4 names")."""
         return self._name(key)
+
+    def legacy_object_name(self, key: BlockKey) -> str:
+        """The name format 1 gave ``key`` (sequence hash in clear); read only by ``kvbm-backend g4 migrate``."""
+        return legacy_block_name(self._fp, self._tag(key.tenant), key.rank, key.seq_hash, self.cfg.dir_fanout)
+
+    def tenant_cache_size(self) -> int:
+        """Tenants whose pseudonym and naming key are cached now (at most ``TENANT_CACHE_ENTRIES``)."""
+        return self._namer.cache_info().currsize
 
     def _expected_header(self, key: BlockKey) -> FrameHeader:
         return FrameHeader.for_block(key, self._layout, self._world, bytes.fromhex(self._tag(key.tenant)))

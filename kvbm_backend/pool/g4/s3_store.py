@@ -222,5 +222,14 @@ class S3Store(ObjectStore):
         except BotoCoreError as e:
             raise self._unavailable("head-bucket", "", e) from None
 
+    def server_time(self) -> float | None:
+        """The server's clock from the ``Date`` header of a HEAD bucket (whole seconds), or None."""
+        from email.utils import parsedate_to_datetime
+        try:
+            date = self.client.head_bucket(Bucket=self.bucket)["ResponseMetadata"]["HTTPHeaders"]["date"]
+            return parsedate_to_datetime(date).timestamp()
+        except Exception:  # noqa: BLE001 - no answer, no header, unparsable: the caller falls back
+            return None
+
     def close(self) -> None:
         self.client.close()

@@ -100,6 +100,12 @@ class ObjectStore(ABC):
         """Unpublished writer temp files (POSIX stores only; S3 has none)."""
         return iter(())
 
+    def server_time(self) -> float | None:
+        """The store's own clock now (epoch seconds), when it states one (S3: the ``Date`` header of a
+        HEAD bucket); None when it does not or cannot say (then ``gc`` uses the listing's newest mtime).
+        Never raises."""
+        return None
+
     def probe(self) -> None:
         """Check at start-up that the store answers (cheap; no object written). Raises
         StoreUnavailable, BucketMissing or OSError (e.g. access denied). Default: nothing to check."""

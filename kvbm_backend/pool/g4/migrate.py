@@ -1,0 +1,98 @@
+"""``kvbm-backend g4 migrate``: rename G4 blocks stored under format 1 names (the sequence hash in clear,
+:func:`.naming.legacy_block_name`) to keyed names (:class:`.naming.TenantNamer`).
+
+Workers look blocks up under keyed names only (a second HEAD/GET per miss under the old name would double
+the store requests of every miss, the common case of a cold prefix): after an upgrade, old-named blocks
+are misses (recomputed, never wrong) until this step renames them. It is safe while workers run and can
+be repeated: each old object is read, its header checked against its name, published under the new name
+create-exclusive (an existing new object is kept: losing the race is success) and only then deleted.
+Objects whose header does not match their name, of revoked or unknown tenants (with a keyring), are not
+renamed and are left for ``kvbm-backend gc``.
+"""
+from __future__ import annotations
+
+from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
+from ...model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader
+from .naming import TenantNamer, fanout_width, parse_block_name
+from .store import ObjectStore, StoreUnavailable
+
+
+def run_migrate(store: ObjectStore, *, keyring=None, dir_fanout: int = 256, dry_run: bool = False) -> dict:
+    """Rename every format 1 block object of ``store`` to its keyed name.
+
+    Args:
+        keyring: the workers' :class:`~kvbm_backend.crypto.keyring.Keyring` (required when they have
+            one: names are keyed by it); None only for pools without a keyring (unkeyed names).
+        dir_fanout: the workers' ``g4.dir_fanout`` (checked against the old names' fan-out directories).
+        dry_run: count only.
+    Returns:
+        dict: ``legacy_objects`` found, ``migrated``, ``already_present`` (the new name existed: the old
+        object was deleted), ``skipped_invalid`` (header does not match the name), ``skipped_revoked``,
+        ``skipped_unknown_tenant``, ``errors``.
+    Raises:
+        ValueError before anything is written when ``dir_fanout`` does not match the old names, or when an
+        encrypted object is found without ``keyring``; StoreUnavailable when the store is down.
+    """
+    if not 1 <= dir_fanout <= 4096:
+        raise ValueError(f"--dir-fanout: must be in [1, 4096] (got {dir_fanout})")
+    legacy = []
+    for o in store.list(""):
+        meta = parse_block_name(o.name)
+        if meta is not None and meta["legacy"]:
+            legacy.append((o, meta))
+    w = fanout_width(dir_fanout)
+    for o, meta in legacy:
+        if meta["fan"] != f"{meta['seq_hash'] % dir_fanout:0{w}x}":
+            raise ValueError(f"--dir-fanout {dir_fanout}: {o.name} was written with another g4.dir_fanout "
+                             "(give the workers' value)")
+    res = {"dry_run": dry_run, "url": store.url, "legacy_objects": len(legacy), "migrated": 0,
+           "already_present": 0, "skipped_invalid": 0, "skipped_revoked": 0, "skipped_unknown_tenant": 0,
+           "errors": 0}
+    known = revoked = None
+    if keyring is not None:
+        revoked = set(keyring.revoked())
+        known = {r["pseudonym"] for r in keyring.info()}
+    namers: dict[str, TenantNamer] = {}
+    for o, meta in legacy:
+        ps = meta["tenant"]
+        if known is not None and ps not in known:
+            res["skipped_revoked" if ps in revoked else "skipped_unknown_tenant"] += 1
+            continue
+        try:
+            data = store.get(o.name)
+        except StoreUnavailable:
+            raise
+        except OSError:
+            res["errors"] += 1
+            continue
+        if data is None:  # deleted meanwhile (gc, a reader dropping it)
+            continue
+        try:
+            hdr = FrameHeader.unpack(memoryview(data)[:HEADER_BYTES])
+        except FrameError:
+            res["skipped_invalid"] += 1
+            continue
+        if (hdr.ns_fp.hex() != meta["ns"] or hdr.tenant_tag.hex() != ps or hdr.rank != meta["rank"]
+                or hdr.seq_hash != meta["seq_hash"]):
+            res["skipped_invalid"] += 1
+            continue
+        if keyring is None and hdr.flags & FLAG_ENCRYPTED:
+            raise ValueError(f"--keyring: {o.name} is encrypted: its keyed name needs the workers' keyring")
+        namer = namers.get((meta["ns"], ps))
+        if namer is None:
+            pb = bytes.fromhex(ps)
+            key = keyring.name_key(pb) if keyring is not None else derive_name_key(UNKEYED_PSEUDONYM_KEY, pb)
+            namer = namers[(meta["ns"], ps)] = TenantNamer(meta["ns"], pb, key, dir_fanout)
+        if dry_run:
+            res["migrated"] += 1
+            continue
+        try:
+            created = store.put_if_absent(namer.name(meta["rank"], meta["seq_hash"]), data)
+            store.delete(o.name)
+        except StoreUnavailable:
+            raise
+        except OSError:
+            res["errors"] += 1
+            continue
+        res["migrated" if created else "already_present"] += 1
+    return res
