@@ -64,3 +64,68 @@ def test_mirror_lookup_with_odd_tenants_never_raises():
         m.apply(KvbmWorkerMeta(added=[mirror_id(k) for k in keys]))
         assert m.lookup_prefix(NS.run([k.seq_hash for k in keys], tenant=t)).result() == 4
         assert m.lookup_prefix(keys).result() == 4
+
+
+# ---- item 1: duplicate keys in one get -----------------------------------------------------------
+def test_duplicate_keys_in_a_get_are_served_and_nothing_is_dropped(tmp_path):
+    with open_pool(tmp_path) as pool:
+        keys = NS.keys(range(1, 24), tenant="t")
+        assert _put(pool, keys).written == 23
+        absent = NS.key(999, tenant="t")
+        batch = keys + [keys[3], keys[0], keys[0], absent, absent]
+        ok, out = _get(pool, batch)
+        assert ok == [True] * 26 + [False, False]
+        assert np.array_equal(out[23], payload(keys[3].seq_hash))
+        assert all(_get(pool, keys)[0])  # still there
+        st = pool.stats()
+        assert st["corrupt"] == 0 and st["deleted"] == 0 and st["blocks"] == 23
+        assert pool.slot_accounting()["leaked"] == 0
+
+
+# ---- item 2: keys() after a warm restart read; a wrongly named key drops nothing ------------------
+def test_keys_after_restart_are_readable_and_bad_keys_drop_nothing(tmp_path):
+    from kvbm_backend.model.namespace import BlockKey
+    seqs = list(range(1, 31)) + [(1 << 64) - 1, (1 << 64) - 2]
+    with open_pool(tmp_path) as pool:
+        for t in ("alice", "bob"):
+            assert _put(pool, NS.keys(seqs, tenant=t)).written == len(seqs)
+    with open_pool(tmp_path) as pool:
+        listed = pool.keys()
+        assert len(listed) == 2 * len(seqs)
+        assert all(_get(pool, listed)[0])  # what the pool hands out, it reads
+        assert pool.lookup_prefix(listed[:10]).result() == 10
+        fp = NS.fingerprint
+        wrong = [BlockKey(fp, "alice", 0, -1), BlockKey(fp, "alice", 0, -2), BlockKey(fp, "alice", 0, 1 << 64),
+                 BlockKey(fp, "alice", -1, 5), BlockKey(fp, "alice", 1 << 32, 5), BlockKey(fp, b"alice", 0, 5),
+                 BlockKey(fp, "alice", 0, 5.0), BlockKey(fp, listed[0].tenant, 0, listed[0].seq_hash)]
+        ok, _ = _get(pool, wrong)
+        assert not any(ok)
+        for t in ("alice", "bob"):
+            assert all(_get(pool, NS.keys(seqs, tenant=t))[0])
+        st = pool.stats()
+        assert st["corrupt"] == 0 and st["blocks"] == 2 * len(seqs), st["misses_by_reason"]
+
+
+# ---- item 3: a read error is a miss that keeps the slot ------------------------------------------
+def test_read_error_keeps_the_slots(tmp_path):
+    import os
+    with open_pool(tmp_path) as pool:
+        keys = NS.keys(range(1, 41), tenant="t")
+        assert _put(pool, keys).written == 40
+        fds = [f.fd for f in pool.slabs.files]
+        saved = [os.dup(fd) for fd in fds]
+        bad = os.open(os.devnull, os.O_WRONLY)  # pread on it fails with EBADF: a real read error
+        try:
+            for fd in fds:
+                os.dup2(bad, fd)
+            ok, out = _get(pool, keys, fill=0x5A)
+            assert not any(ok)
+            assert all((o == 0x5A).all() for o in out)  # a miss leaves the buffer untouched
+        finally:
+            for fd, s in zip(fds, saved):
+                os.dup2(s, fd)
+                os.close(s)
+            os.close(bad)
+        st = pool.stats()
+        assert st["corrupt"] == 0 and st["misses_by_reason"].get("io_error") == 40
+        assert all(_get(pool, keys)[0])  # every slot kept and readable again

@@ -445,6 +445,15 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
         return _Items(list(self._owners), list(self._tenants), self._own[es], self._rank[es], self._seq[es],
                       self._file[es], self._slot[es], self._flag[es])
 
+    def identity(self, key, slot: Slot | None = None) -> tuple[bytes, int, int] | None:
+        """``(tenant tag, rank, seq_hash)`` the index holds for ``key``'s entry (what its slot's header
+        must name), or None when ``key`` is absent or (``slot`` given) maps to another slot. A G3 read
+        that fails checks the stored frame against this, not against the caller's key."""
+        e, _ = self._lookup(key)
+        if e < 0 or (slot is not None and self._slot_of(e) != tuple(slot)):
+            return None
+        return self._owners[self._vown[e]][1], int(self._vrank[e]), int(self._vseq[e])
+
     def remove(self, key: BlockKey, slot: Slot | None = None) -> Slot | None:
         """Remove ``key`` (only if it still maps to ``slot`` when given). Returns the slot to free now,
         or None (absent, or pinned: freed by the last :meth:`unpin`)."""
