@@ -129,3 +129,47 @@ def test_read_error_keeps_the_slots(tmp_path):
         st = pool.stats()
         assert st["corrupt"] == 0 and st["misses_by_reason"].get("io_error") == 40
         assert all(_get(pool, keys)[0])  # every slot kept and readable again
+
+
+# ---- item 14: a miss leaves the caller's buffer untouched, whatever the block size ------------------
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_corrupt_block_leaves_the_output_buffer_untouched(tmp_path):
+    import pytest  # noqa: F401
+    from kvbm_backend.model.layout import KvLayout
+    from kvbm_backend.model.namespace import Namespace
+    from kvbm_backend.model import frame
+    from kvbm_backend.memory import aligned_empty
+    big = Namespace(model="test/g3-big", layout=KvLayout(num_layers=4, outer_dim=2, page_size=16, inner_dim=1024,
+                                                          dtype="bfloat16"))  # 256 KiB blocks
+    for ns, sub in ((big, "big"), (NS, "small")):
+        bb = ns.layout.bytes_per_block
+        sb = frame.slot_bytes(bb)
+        rng = np.random.default_rng(1)
+        with open_pool(tmp_path / sub, ns=ns, capacity_gb=0.1) as pool:
+            for r, aligned in enumerate((True, False)):  # aligned: the zero-copy O_DIRECT shape of old
+                keys = ns.keys(range(100 * r + 1, 100 * r + 9))
+                blocks = [rng.integers(0, 256, bb, dtype=np.uint8) for _ in keys]
+                assert pool.put(keys, blocks).result(timeout=60).written == 8
+                for j in (2, 5):  # a payload byte, and a header byte
+                    fi, si = pool.index.get(keys[j])
+                    _flip(pool.slabs.by_index[fi].path, si * sb + (frame.HEADER_BYTES + 1000 if j == 2 else 40))
+                out = []
+                for _ in keys:
+                    b = aligned_empty(bb + 1)[1:] if not aligned else aligned_empty(bb)
+                    b[:] = 0xA5
+                    out.append(b)
+                ok = pool.get(keys, out).result(timeout=60).ok
+                assert ok == [True, True, False, True, True, False, True, True], (sub, ok)
+                for j in range(8):
+                    if ok[j]:
+                        assert np.array_equal(out[j], blocks[j])
+                    else:
+                        assert (out[j] == 0xA5).all(), (sub, j, aligned)  # byte-identical sentinel
+                assert pool.stats()["corrupt"] == 2 * (r + 1)  # proven bad on disk: dropped

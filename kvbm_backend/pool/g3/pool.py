@@ -117,7 +117,7 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
     read_chunk_bytes = 16 << 20
     read_chunks_in_flight = 4
     staging_keep_pieces = 12  # free staging buffers kept for reuse, in pieces of chunk_bytes
-    gather_below = 256 << 10  # blocks smaller than this (bytes) are staged, see __init__
+    gather_below = 256 << 10  # writes of blocks smaller than this (bytes) are staged, see __init__ (reads always are)
 
     def __init__(self, cfg: G3Config, namespace: Namespace, *, engine=None, registry=None):
         self.cfg = cfg
@@ -129,11 +129,11 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
         self._stored_padded = frame.align_up(self.block_bytes)
         self._io_size = max(4096, cfg.io_size_bytes // 4096 * 4096)
         self._run = max(1, -(-self._io_size // self.slot_bytes))
-        # small or unaligned blocks are gathered into one staged slot image per batch (a copy, but one
-        # iovec per I/O); large aligned blocks go zero-copy from/to the caller's buffers
+        # writes: small or unaligned blocks are gathered into one staged slot image per batch (a copy, but
+        # one iovec per I/O); large aligned blocks go zero-copy from the caller's buffers. Reads are always
+        # staged and copied out once verified (a miss must leave the caller's buffer untouched)
         self._gather = self.block_bytes < self.gather_below or self.block_bytes % frame.ALIGN != 0
         self._zero_pad = np.zeros(self._stored_padded - self.block_bytes, np.uint8)
-        self._scratch_pad = np.zeros(self._stored_padded - self.block_bytes, np.uint8)
         self.metrics = TierMetrics("g3", registry)
         self._c: collections.Counter = collections.Counter()
         self._lock = threading.Lock()

@@ -13,11 +13,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ...memory import aligned_empty, is_aligned
+from ...memory import aligned_empty
 from ...model import frame
 from ...model.frame import FrameError
 from ...model.namespace import BlockKey
-from ...transfer import plan_ops, slot_extent, staged_run_extents
+from ...transfer import plan_ops, staged_run_extents
 from ..base import GetResult, SlotLease
 from . import journal as jr
 from .index import TagKey
@@ -201,39 +201,15 @@ class ReaderMixin:
     def _read_piece_slots(self) -> int:
         return max(1, self.min_chunk_blocks, min(self.chunk_bytes, self.read_chunk_bytes) // self.slot_bytes)
 
-    def _read_extents(self, ch: tuple, out: list, stages: list) -> tuple[list, tuple | None]:
-        """Extents reading the chunk's slots (``ch`` = (indexes, keys, slots)) and, for unstaged
-        (large) blocks, ``(header views, payload views, staged flags, destinations)``. Staging buffers
-        taken from :attr:`_staging` go to ``stages``."""
-        sb, bb = self.slot_bytes, self.block_bytes
-        if self._gather:
-            stage = self._staging.take(self._read_piece_slots * sb)
-            stages.append(stage)
-            return staged_run_extents(ch[2], stage[:len(ch[2]) * sb], sb, self._io_size, self._fd_of), None
-        hdrs = self._staging.take(self._read_piece_slots * HDR)
-        stages.append(hdrs)
-        mv = memoryview(hdrs)
-        extents = []
-        files = self.slabs.by_index
-        hv, pv, staged, dsts = [], [], [], []
-        for j, (i, (fi, si)) in enumerate(zip(ch[0], ch[2])):
-            f = files[fi]
-            h = hdrs[j * HDR:(j + 1) * HDR]
-            dst = out[i]
-            hv.append(mv[j * HDR:(j + 1) * HDR])
-            dsts.append(dst)
-            if f.o_direct and not is_aligned(dst):
-                staging = self._staging.take(self._stored_padded)  # aligned; back with the chunk's stages
-                stages.append(staging)
-                bufs = [h, staging]
-                pv.append(staging[:bb])
-                staged.append(True)
-            else:
-                bufs = [h, dst] + ([self._scratch_pad] if self._scratch_pad.nbytes else [])
-                pv.append(dst)
-                staged.append(False)
-            extents.append(slot_extent(f.fd, si, sb, bufs, self._io_size))
-        return extents, (hv, pv, staged, dsts)
+    def _read_extents(self, ch: tuple, stages: list) -> list:
+        """Extents reading the chunk's slots (``ch`` = (indexes, keys, slots)) into one staging buffer
+        taken from :attr:`_staging` (appended to ``stages``): slot ``j`` at ``j * slot_bytes``. Every
+        block is staged, whatever its size: the caller's buffer receives only verified bytes (a miss
+        leaves it untouched, :mod:`kvbm_backend.pool.base`), at the cost of one copy per hit."""
+        sb = self.slot_bytes
+        stage = self._staging.take(self._read_piece_slots * sb)
+        stages.append(stage)
+        return staged_run_extents(ch[2], stage[:len(ch[2]) * sb], sb, self._io_size, self._fd_of)
 
     # ---- internals: read path -----------------------------------------------------------------
     def _read_timeout(self, st: _Read) -> None:
@@ -253,32 +229,31 @@ class ReaderMixin:
                 return
             ch = st.todo.popleft()
         stages: list = []
-        extra = None
         try:
-            exts, extra = self._read_extents(ch, st.out, stages)
+            exts = self._read_extents(ch, stages)
             ef = self.engine.submit(plan_ops(exts, self._io_size, write=False))
         except Exception as e:  # noqa: BLE001 - engine refused: the chunk's blocks are misses
             ef = Future()
             ef.set_exception(e)
-        ef.add_done_callback(lambda f: self._read_chunk_done(st, ch, extra, f, stages))
+        ef.add_done_callback(lambda f: self._read_chunk_done(st, ch, f, stages))
 
-    def _read_chunk_done(self, st: _Read, ch: tuple, extra, ef: Future, stages: list) -> None:
+    def _read_chunk_done(self, st: _Read, ch: tuple, ef: Future, stages: list) -> None:
         """Engine callback (the engine's completion thread): submit the read's next chunk at once, then
         hand this chunk to the verifier thread, so I/O is never waiting on verification."""
         self._read_submit_next(st)
         exc = ef.exception()
         try:
-            self._verifier.submit(self._read_verify, st, ch, extra, exc, stages)
+            self._verifier.submit(self._read_verify, st, ch, exc, stages)
         except RuntimeError:  # verifier shut down (pool closing): verify here
-            self._read_verify(st, ch, extra, exc, stages)
+            self._read_verify(st, ch, exc, stages)
 
-    def _read_verify(self, st: _Read, ch: tuple, extra, exc: BaseException | None, stages: list) -> None:
+    def _read_verify(self, st: _Read, ch: tuple, exc: BaseException | None, stages: list) -> None:
         """Verify one chunk's blocks where they landed (headers and checksums checked for the whole
         chunk at once), copy staged ones out; the last chunk finishes the read."""
         bad: list = []  # (key, slot, reason)
         bad_detail: list = []  # FrameError reasons
         try:
-            self._verify_chunk(st, ch, extra, exc, stages, bad, bad_detail)
+            self._verify_chunk(st, ch, exc, stages[0], bad, bad_detail)
         except Exception:  # noqa: BLE001 - a bug must not hang the read: the chunk's blocks miss
             log.exception("G3: verifying a read chunk failed")
             bad.clear()
@@ -295,7 +270,9 @@ class ReaderMixin:
         if last:
             self._read_finish(st)
 
-    def _verify_chunk(self, st: _Read, ch: tuple, extra, exc, stages: list, bad: list, bad_detail: list) -> None:
+    def _verify_chunk(self, st: _Read, ch: tuple, exc, stage, bad: list, bad_detail: list) -> None:
+        """Check the chunk's staged slots (``stage``: slot j at ``j * slot_bytes``) and copy the verified
+        payloads to the caller's buffers (none after the read resolved); failures go to ``bad``."""
         ok = st.ok
         idx, keys, slots = ch
         m = len(slots)
@@ -318,26 +295,16 @@ class ReaderMixin:
                 limit[fi] = -1
         all_there = all(top[fi] <= limit[fi] for fi in top)
         tag = self._tag
-        if extra is None:  # staged: slot j at j * slot_bytes of the staging buffer
-            stage = stages[0]
-            hdrs = stage[:m * sb].reshape(m, sb)
-            mv = memoryview(stage)
-            payloads = [mv[o:o + bb] for o in range(HDR, m * sb, sb)]
-            hviews, staged, dsts = None, None, [st.out[i] for i in idx]
-        else:
-            hdrs = stages[0][:m * HDR].reshape(m, HDR)
-            hviews, payloads, staged, dsts = extra
+        hdrs = stage[:m * sb].reshape(m, sb)
+        mv = memoryview(stage)
+        payloads = [mv[o:o + bb] for o in range(HDR, m * sb, sb)]
+        dsts = [st.out[i] for i in idx]
         tags = [k.tag if type(k) is TagKey else tag(k.tenant) for k in keys]
         good = self._frames.verify_many(hdrs, payloads, tags, [k.rank for k in keys], [k.seq_hash for k in keys])
         if all_there and good.all():
             if not st.resolved:
-                if staged is None:
-                    for d, pl in zip(dsts, payloads):
-                        d[:] = pl
-                else:
-                    for d, pl, sflag in zip(dsts, payloads, staged):
-                        if sflag:
-                            d[:] = pl
+                for d, pl in zip(dsts, payloads):
+                    d[:] = pl
             for i in idx:
                 ok[i] = True
             return
@@ -349,7 +316,7 @@ class ReaderMixin:
                 reason = "short" if slot[0] in files else "io_error"
             elif not good[j]:
                 try:  # slow path: name the reason (or accept a valid frame of another writer)
-                    hdr = frame.accept(hdrs[j] if hviews is None else hviews[j], k, self._layout,
+                    hdr = frame.accept(hdrs[j], k, self._layout,
                                        tags[j], world=self.namespace.tp_world_size,
                                        stored_len=self.block_bytes)
                     if not hdr.flags & frame.FLAG_CHECKSUM:
@@ -360,7 +327,7 @@ class ReaderMixin:
                     bad_detail.append(e.reason)
             if reason is None:
                 ok[i] = True
-                if not st.resolved and (staged is None or staged[j]):
+                if not st.resolved:
                     dsts[j][:] = payload
             else:
                 bad.append((k, slot, reason))
