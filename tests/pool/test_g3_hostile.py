@@ -173,3 +173,31 @@ def test_corrupt_block_leaves_the_output_buffer_untouched(tmp_path):
                     else:
                         assert (out[j] == 0xA5).all(), (sub, j, aligned)  # byte-identical sentinel
                 assert pool.stats()["corrupt"] == 2 * (r + 1)  # proven bad on disk: dropped
+
+
+# ---- item 4: deleting the lock file does not let a second process in ------------------------------
+def test_lock_file_deleted_second_process_is_refused(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvbm_backend.pool.g3.slabs import LOCK_NAME
+    code = ("import sys\n"
+            "from tests.helpers.crash_writer import open_pool\n"
+            "from kvbm_backend.pool.g3 import G3LockedError\n"
+            "try:\n    p = open_pool(%r)\nexcept G3LockedError as e:\n    print('REFUSED', e); sys.exit(3)\n"
+            "keys = p.keys()\np.delete(keys).result()\np.close()\nprint('OPENED', len(keys))\n") % (str(tmp_path),)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    with open_pool(tmp_path) as pool:
+        keys = NS.keys(range(1, 201), tenant="t")
+        assert _put(pool, keys).written == 200
+        os.unlink(tmp_path / LOCK_NAME)
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert p.returncode == 3, p.stdout + p.stderr
+        line = p.stdout.strip()
+        assert "\n" not in line and str(tmp_path) in line and "in use by another pool" in line
+        assert all(_get(pool, keys)[0])  # every acknowledged block still there
+    with open_pool(tmp_path) as pool:
+        assert all(_get(pool, keys)[0])
