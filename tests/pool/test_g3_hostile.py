@@ -201,3 +201,40 @@ def test_lock_file_deleted_second_process_is_refused(tmp_path):
         assert all(_get(pool, keys)[0])  # every acknowledged block still there
     with open_pool(tmp_path) as pool:
         assert all(_get(pool, keys)[0])
+
+
+# ---- item 13: a FIFO or other special file under a slab name -------------------------------------
+def test_special_file_in_place_of_a_slab_is_a_one_line_error(tmp_path):
+    import os
+    import socket
+    import threading
+
+    import pytest
+
+    from kvbm_backend.pool.g3.slabs import G3PathError
+    with open_pool(tmp_path) as pool:
+        assert _put(pool, NS.keys(range(1, 5))).written == 4
+    name = tmp_path / f"g3-{NS.fingerprint}-1.slab"
+    makers = {"a FIFO": lambda: os.mkfifo(name, 0o600),
+              "a socket": lambda: socket.socket(socket.AF_UNIX).bind(str(name))}
+    for what, make in makers.items():
+        os.unlink(name)
+        make()
+        for od in ("on", "off", "auto"):
+            res: list = []
+            t = threading.Thread(target=lambda: res.append(_try_open(tmp_path, od)), daemon=True)
+            t.start()
+            t.join(60)
+            assert res, f"opening a pool with {what} under a slab name blocked"  # never blocks on a FIFO
+            e = res[0]
+            assert isinstance(e, G3PathError), repr(e)
+            msg = str(e)
+            assert "\n" not in msg and str(name) in msg and what in msg and "not a regular file" in msg
+
+
+def _try_open(path, od):
+    try:
+        open_pool(path, o_direct=od).close()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return e
+    return None

@@ -59,6 +59,16 @@ class G3PathError(RuntimeError):
 _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
+def _kind(mode: int) -> str:
+    """What a non-regular file is, for error messages ("a FIFO", "a directory", ...)."""
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return what
+    return "a special file"
+
+
 def fs_space(directory: str) -> tuple[int, int]:
     """``(available_bytes, total_bytes)`` of the filesystem holding ``directory`` (statvfs, unprivileged)."""
     st = os.statvfs(directory)
@@ -160,10 +170,15 @@ class SlabSet:
             OSError: anything else (ENOENT without ``O_CREAT``, ENOSPC, EINVAL for O_DIRECT...).
         """
         path = os.path.join(d, name)
-        if flags & os.O_ACCMODE == os.O_RDONLY:
-            flags |= os.O_NONBLOCK  # a FIFO planted under a G3 name must not block the open
-        try:
-            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fds[d])
+        try:  # a special file is named before any open: O_DIRECT on a FIFO fails with a bare EINVAL
+            st = os.stat(name, dir_fd=self._dir_fds[d], follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+                raise G3PathError(f"G3 file {path} is {_kind(st.st_mode)}, not a regular file: remove or rename it")
+        try:  # O_NONBLOCK: a FIFO planted between the stat and the open must not block it (cleared below)
+            fd = os.open(name, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fds[d])
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise G3PathError(
@@ -171,12 +186,20 @@ class SlabSet:
                     f"planted link could redirect its writes). Remove it: rm {path}") from None
             if e.errno == errno.EISDIR:
                 raise G3PathError(f"G3 file {path} is a directory, not a file: remove or rename it") from None
+            if e.errno in (errno.EINVAL, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):
+                try:
+                    st = os.stat(name, dir_fd=self._dir_fds[d], follow_symlinks=False)
+                except OSError:
+                    raise e from None
+                if not stat.S_ISREG(st.st_mode):
+                    raise G3PathError(f"G3 file {path} is {_kind(st.st_mode)}, not a regular file: remove or "
+                                      "rename it") from None
             raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-                raise G3PathError(f"G3 file {path} is {kind}: remove or rename it")
+                raise G3PathError(f"G3 file {path} is {_kind(st.st_mode)}, not a regular file: remove or rename it")
+            os.set_blocking(fd, True)
             if st.st_uid != os.geteuid():
                 raise G3PathError(f"G3 file {path} belongs to uid {st.st_uid}, not to this process "
                                   f"(uid {os.geteuid()}): remove it or fix its owner")
