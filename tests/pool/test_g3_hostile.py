@@ -238,3 +238,23 @@ def _try_open(path, od):
     except Exception as e:  # noqa: BLE001 - the test inspects it
         return e
     return None
+
+
+# ---- item 5: index memory per distinct tenant is bounded by the live ones -------------------------
+def test_index_owners_stay_bounded_over_a_million_tenants():
+    from kvbm_backend.model.namespace import BlockKey
+    from kvbm_backend.pool.g3.compact_index import OWNER_SLACK, CompactLruIndex
+    ix = CompactLruIndex()
+    live_cap = 1626
+    put, ev = ix.put, ix.evict
+    peak = 0
+    for i in range(1_000_000):  # a put per distinct tenant; LRU eviction keeps ~live_cap blocks
+        put(BlockKey("ns", str(i), 0, i), (0, i))
+        if not i & 1023:
+            ev(len(ix) - live_cap)
+            peak = max(peak, len(ix._owners), len(ix._by_tag), sum(map(len, ix._by_tenant.values())))
+    bound = 2 * (live_cap + 1024) + 2 * OWNER_SLACK
+    assert peak < bound, (peak, bound)  # the old index kept one owner per tenant ever seen: 10**6
+    for i in range(1_000_000 - len(ix), 1_000_000):  # live keys still found after owner ids were reused
+        assert BlockKey("ns", str(i), 0, i) in ix
+    assert BlockKey("ns", "5", 0, 5) not in ix and ix.get(BlockKey("ns", "999999", 0, 999999)) == (0, 999999)
