@@ -102,9 +102,11 @@ OTHER_NS = Namespace(model="faults/other-model", layout=LAYOUT)
 BB = LAYOUT.bytes_per_block
 SLOT = frame.slot_bytes(BB)
 HDR_COVERED = 152  # header bytes covered by the header check (fixed part + check); the rest is padding
-KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage", "tenantflood")
+KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage", "tenantflood", "dupkeys", "lockrm")
 FULL = {"kill": 1000, "corrupt": 400, "enospc": 42, "tamper": 120, "revoke": 12, "outage": 9, "tenantflood": 1_000_000}
 QUICK = {"kill": 20, "corrupt": 24, "enospc": 6, "tamper": 12, "revoke": 2, "outage": 3, "tenantflood": 200_000}
+FULL.update(dupkeys=40, lockrm=10)
+QUICK.update(dupkeys=6, lockrm=2)
 SLACK_S = 0.5  # scheduling slack on 2 shared cores, added to every documented bound
 HANG_S = 30.0  # a future not resolved by then is a hang
 
@@ -113,7 +115,7 @@ _BASE = np.arange(BB // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
 
 def payload(seq: int, tenant: str = "") -> np.ndarray:
     """The bytes of block ``(seq, tenant)``: a function of the key, so any reader can check them."""
-    mix = np.uint64(((seq * 0xBF58476D1CE4E5B9) ^ (zlib.crc32(tenant.encode()) << 17) ^ 1) & (2**64 - 1))
+    mix = np.uint64(((seq * 0xBF58476D1CE4E5B9) ^ (zlib.crc32(tenant.encode("utf-8", "surrogatepass")) << 17) ^ 1) & (2**64 - 1))
     return (_BASE ^ mix).view(np.uint8)
 
 
@@ -1347,6 +1349,113 @@ class _S3:
         self.server, self.endpoint, self.bucket = server, endpoint, bucket
 
 
+def _g3_keys_readable(K: Kind, pool: G3Pool, keys, what: str, trial: int) -> None:
+    """Every key of ``keys`` must be served with its own bytes: wrong ones count as wrong, missing ones
+    as acknowledged_then_lost."""
+    out = [np.zeros(BB, np.uint8) for _ in keys]
+    ok, _ = wait(pool.get(keys, out))
+    if isinstance(ok, TimeoutError):
+        K.fail(f"{what}: get hung", trial=trial)
+        return
+    wrong = check_served(keys, ok.ok, out)
+    K.wrong += len(wrong)
+    lost = sum(1 for x in ok.ok if not x)
+    K.lost += lost
+    if wrong or lost:
+        K.fail(f"{what}: {len(wrong)} wrong, {lost} of {len(keys)} acknowledged blocks not readable", trial=trial)
+
+
+def campaign_dupkeys(K: Kind, rng: random.Random, tmp: Path) -> None:
+    """Gets naming keys twice (and absent, foreign and malformed keys) mixed with good ones, then a warm
+    restart whose ``keys()`` (tag-only keys of salted tenants) are fed back to ``get``: every
+    acknowledged block must stay readable (no good slot dropped) and nothing wrong served."""
+    from kvbm_backend.model.namespace import BlockKey
+    for trial in range(K.planned):
+        K.tried += 1
+        d = tmp / f"dupkeys-{trial}"
+        tenants = ["", "alice", "\udcff", f"t{rng.randrange(1 << 30)}"]
+        keys = [k for t in tenants for k in NS.keys(range(trial * 1000 + 1, trial * 1000 + 1 + rng.randint(5, 30)),
+                                                      tenant=t)]
+        with open_g3(d) as pool:
+            res, _ = wait(pool.put(keys, [payload(k.seq_hash, k.tenant) for k in keys]))
+            if isinstance(res, TimeoutError) or res.written != len(keys):
+                K.fail("put did not write every block", trial=trial, result=repr(res))
+                continue
+            for _ in range(3):
+                batch = [rng.choice(keys) for _ in range(rng.randint(2, 2 * len(keys)))]
+                batch += rng.sample(keys, min(len(keys), 4))  # duplicates for sure
+                batch += [BlockKey(NS.fingerprint, "alice", 0, -1), BlockKey(NS.fingerprint, "alice", 0, 1 << 64),
+                          OTHER_NS.key(keys[0].seq_hash), NS.key(10 ** 9 + trial)]
+                rng.shuffle(batch)
+                out = [np.zeros(BB, np.uint8) for _ in batch]
+                r, _ = wait(pool.get(batch, out))
+                if isinstance(r, TimeoutError):
+                    K.fail("get of a batch with duplicates hung", trial=trial)
+                    continue
+                K.wrong += len(check_served(batch, r.ok, out))
+                held = set(keys)
+                missed = sum(1 for k, ok in zip(batch, r.ok) if k in held and not ok)
+                if missed:
+                    K.fail(f"{missed} good keys of a batch with duplicates missed", trial=trial)
+            _g3_keys_readable(K, pool, keys, "after duplicate-key gets", trial)
+        with open_g3(d) as pool:
+            listed = pool.keys()
+            if len(listed) != len(keys):
+                K.fail(f"keys() after restart lists {len(listed)} of {len(keys)}", trial=trial)
+            out = [np.zeros(BB, np.uint8) for _ in listed]
+            r, _ = wait(pool.get(listed + listed[:3], out + [np.zeros(BB, np.uint8) for _ in listed[:3]]))
+            if isinstance(r, TimeoutError) or not all(r.ok):
+                K.fail("keys() after restart do not all read", trial=trial)
+            _g3_keys_readable(K, pool, keys, "after restart and keys() fed back", trial)
+
+
+_LOCKRM_CHILD = """import sys
+sys.path.insert(0, sys.argv[2])
+from benchmarks.faults import open_g3
+from kvbm_backend.pool.g3 import G3LockedError
+try:
+    p = open_g3(sys.argv[1])
+except G3LockedError as e:
+    print("REFUSED", e, flush=True)
+    sys.exit(3)
+keys = p.keys()
+p.delete(keys).result()
+p.close()
+print("OPENED", len(keys), flush=True)
+"""
+
+
+def campaign_lockrm(K: Kind, rng: random.Random, tmp: Path) -> None:
+    """The lock file is deleted while pool A holds the directory; process B opens the directory and
+    must be refused (one line naming it); all of A's acknowledged blocks stay readable, then and after
+    A's restart."""
+    from kvbm_backend.pool.g3.slabs import LOCK_NAME
+    for trial in range(K.planned):
+        K.tried += 1
+        d = tmp / f"lockrm-{trial}"
+        keys = NS.keys(range(1, rng.randint(50, 200)), tenant=rng.choice(["", "acme"]))
+        with open_g3(d) as pool:
+            res, _ = wait(pool.put(keys, [payload(k.seq_hash, k.tenant) for k in keys]))
+            if isinstance(res, TimeoutError) or res.written != len(keys):
+                K.fail("put did not write every block", trial=trial)
+                continue
+            try:
+                os.unlink(d / LOCK_NAME)
+            except FileNotFoundError:
+                pass
+            if rng.random() < 0.5:  # an impostor lock file in its place
+                (d / LOCK_NAME).write_text("pid 1\n")
+            p = subprocess.run([sys.executable, "-c", _LOCKRM_CHILD, str(d), str(ROOT)], capture_output=True,
+                               text=True, timeout=120)
+            line = p.stdout.strip()
+            if p.returncode != 3 or "\n" in line or str(d) not in line:
+                K.fail("second process was not refused with one line naming the directory", trial=trial,
+                       rc=p.returncode, out=(p.stdout + p.stderr)[-800:])
+            _g3_keys_readable(K, pool, keys, "pool A after the second opener", trial)
+        with open_g3(d) as pool:
+            _g3_keys_readable(K, pool, keys, "after A's restart", trial)
+
+
 def start_s3(tmp: Path):
     """A SeaweedFS server on loopback (tests/helpers/seaweed.py), or (None, reason)."""
     try:
@@ -1413,6 +1522,10 @@ def main(argv=None) -> int:
                     campaign_outage(K, rng, tmp, s3)
                 elif name == "tenantflood":
                     campaign_tenantflood(K, rng, tmp)
+                elif name == "dupkeys":
+                    campaign_dupkeys(K, rng, tmp)
+                elif name == "lockrm":
+                    campaign_lockrm(K, rng, tmp)
             except Exception as e:  # noqa: BLE001 - the campaign itself broke: recorded, others still run
                 K.fail("campaign aborted by an exception", error=repr(e), trace=traceback.format_exc()[-3000:])
             K.seconds = time.monotonic() - t0

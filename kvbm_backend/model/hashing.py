@@ -49,7 +49,7 @@ def salt_hash(salt: bytes | str | None) -> int:
     if salt is None:
         return 0
     if isinstance(salt, str):
-        salt = salt.encode()
+        salt = salt.encode("utf-8", "surrogatepass")  # as namespace.tenant_bytes: UTF-8, lone surrogates kept
     return xxhash.xxh3_64_intdigest(salt, seed=0)
 
 

@@ -353,9 +353,24 @@ class KeyRun(_SequenceABC):
         return f"KeyRun({self.namespace!r}, {self.tenant!r}, rank={self.rank}, {len(self)} keys)"
 
 
+def tenant_bytes(tenant: str) -> bytes:
+    """The bytes of a tenant id wherever it is hashed: UTF-8 with ``surrogatepass``. Identical to UTF-8
+    for every valid string; a lone surrogate (U+D800..U+DFFF, what Python makes of undecodable bytes,
+    e.g. a client's ``cache_salt``) becomes its 3-byte form instead of raising UnicodeEncodeError, so
+    every ``str`` is a tenant (docs/format.md, Identity).
+
+    Raises:
+        TypeError: ``tenant`` is not a str.
+    """
+    if type(tenant) is not str and not isinstance(tenant, str):
+        raise TypeError(f"tenant: a str is needed, got {type(tenant).__name__}")
+    return tenant.encode("utf-8", "surrogatepass")
+
+
 def tenant_tag(tenant: str) -> bytes:
-    """16-byte tag of a tenant id in G3 frames: xxh3_128 of its UTF-8 (G4 uses a keyed HMAC)."""
-    return xxhash.xxh3_128_digest(tenant.encode())
+    """16-byte tag of a tenant id in G3 frames: xxh3_128 of :func:`tenant_bytes` (UTF-8; G4 uses a keyed
+    HMAC). Raises TypeError for a non-str."""
+    return xxhash.xxh3_128_digest(tenant_bytes(tenant))
 
 
 def key_columns(rows: Sequence[tuple]) -> tuple[tuple, ...]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage", "tenantflood")
+KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage", "tenantflood", "dupkeys", "lockrm")
 
 
 @pytest.fixture(scope="module")

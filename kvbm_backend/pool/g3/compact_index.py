@@ -64,6 +64,7 @@ from .index import SlotPins, TagKey, tag_of
 Slot = tuple[int, int]
 
 RESERVE_MAX = 1 << 26  # reserve() sizes the table for at most 64M entries (1 GiB of address space)
+OWNER_SLACK = 4096  # owners interned beyond twice the live ones before _gc_owners runs
 FIRST_CHUNK = 512  # lookup_prefix: keys read and probed first (a miss among them ends the lookup there)
 
 
@@ -125,6 +126,8 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
         self._tenants: list[str | None] = []
         self._by_tag: dict[tuple[str, bytes], int] = {}
         self._by_tenant: dict[str, dict[str, int]] = {}  # namespace -> tenant -> owner
+        self._free_owners: list[int] = []  # owner ids without entries, forgotten by _gc_owners
+        self._owner_gc_at = OWNER_SLACK
         self._n = 0
         self._hi = 0  # entries [0, hi) were ever used
         self._free = np.empty(64, np.int32)  # freed entry indexes, a stack of _nfree
@@ -202,11 +205,16 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
     def _intern(self, namespace: str, tag: bytes, tenant: str | None) -> int:
         o = self._by_tag.get((namespace, tag))
         if o is None:
-            o = len(self._owners)
-            if o >= 1 << 31:
-                raise OverflowError("more than 2**31 (namespace, tenant) pairs")
-            self._owners.append((namespace, tag))
-            self._tenants.append(_KNOWN.get(tag) if tenant is None else tenant)
+            if self._free_owners:  # an id no live entry uses (see _gc_owners)
+                o = self._free_owners.pop()
+                self._owners[o] = (namespace, tag)
+                self._tenants[o] = _KNOWN.get(tag) if tenant is None else tenant
+            else:
+                o = len(self._owners)
+                if o >= 1 << 31:
+                    raise OverflowError("more than 2**31 (namespace, tenant) pairs")
+                self._owners.append((namespace, tag))
+                self._tenants.append(_KNOWN.get(tag) if tenant is None else tenant)
             self._by_tag[(namespace, tag)] = o
             if self._tenants[o] is not None:
                 self._by_tenant.setdefault(namespace, {})[self._tenants[o]] = o
@@ -214,6 +222,37 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
             self._tenants[o] = tenant
             self._by_tenant.setdefault(namespace, {})[tenant] = o
         return o
+
+    @property
+    def owners(self) -> int:
+        """Interned (namespace, tenant) owners: at most twice those with live entries, plus
+        ``OWNER_SLACK`` (:meth:`_gc_owners`)."""
+        return len(self._by_tag)
+
+    def _gc_owners(self) -> None:
+        """Forget owners (tenants) without a live entry once the interned ones exceed twice the live
+        ones at the last collection plus ``OWNER_SLACK`` (amortised: one ``bincount`` of the entries per
+        that many new owners). Their ids are reused. Called only where no owner id is held across the
+        call (:meth:`put` before it interns)."""
+        if len(self._by_tag) <= self._owner_gc_at:
+            return
+        hi = self._hi
+        live = self._own[:hi][self._lp[:hi] >= 0]
+        cnt = np.bincount(live, minlength=len(self._owners)) if len(live) else np.zeros(len(self._owners), np.int64)
+        for o in np.flatnonzero(cnt == 0).tolist():
+            own = self._owners[o]
+            if own is None:
+                continue
+            ns, tag = own
+            self._by_tag.pop(own, None)
+            t = self._tenants[o]
+            d = self._by_tenant.get(ns)
+            if t is not None and d is not None and d.get(t) == o:
+                del d[t]
+            self._owners[o] = None
+            self._tenants[o] = None
+            self._free_owners.append(o)
+        self._owner_gc_at = 2 * len(self._by_tag) + OWNER_SLACK
 
     # ---- entries and the LRU log --------------------------------------------------------------
     def _new_entry(self, o: int, rank: int, seq: int, slot: Slot, flag: int, p: int) -> int:
@@ -341,6 +380,7 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
                 < 2**32, file < 2**16) or negative.
         """
         _check(key, slot)
+        self._gc_owners()
         o = self._intern(key.namespace, tag_of(key.tenant), key.tenant)
         e, p = self._find(o, key.rank, key.seq_hash)
         if e < 0:
@@ -444,6 +484,15 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
         es = seg[self._lp[seg] == np.arange(self._head, self._tail, dtype=np.int32)]
         return _Items(list(self._owners), list(self._tenants), self._own[es], self._rank[es], self._seq[es],
                       self._file[es], self._slot[es], self._flag[es])
+
+    def identity(self, key, slot: Slot | None = None) -> tuple[bytes, int, int] | None:
+        """``(tenant tag, rank, seq_hash)`` the index holds for ``key``'s entry (what its slot's header
+        must name), or None when ``key`` is absent or (``slot`` given) maps to another slot. A G3 read
+        that fails checks the stored frame against this, not against the caller's key."""
+        e, _ = self._lookup(key)
+        if e < 0 or (slot is not None and self._slot_of(e) != tuple(slot)):
+            return None
+        return self._owners[self._vown[e]][1], int(self._vrank[e]), int(self._vseq[e])
 
     def remove(self, key: BlockKey, slot: Slot | None = None) -> Slot | None:
         """Remove ``key`` (only if it still maps to ``slot`` when given). Returns the slot to free now,

@@ -40,13 +40,19 @@ _KNOWN = {tenant_tag(""): ""}  # tags resolved at restore: the unsalted tenant
 _tags: dict[str, bytes] = {}
 
 
+_CACHE_TENANT_CHARS = 256  # longer tenant ids are hashed each time (the cache holds ids, bounded in bytes)
+
+
 def tag_of(tenant: str) -> bytes:
-    """``tenant_tag(tenant)``, cached (bounded)."""
+    """``tenant_tag(tenant)``, cached (at most 4097 ids of at most 256 chars). Any str is a tenant
+    (lone surrogates, NULs: see ``tenant_bytes``); TypeError for a non-str."""
     t = _tags.get(tenant)
     if t is None:
-        if len(_tags) > 4096:
-            _tags.clear()
-        t = _tags[tenant] = tenant_tag(tenant)
+        t = tenant_tag(tenant)
+        if len(tenant) <= _CACHE_TENANT_CHARS:
+            if len(_tags) > 4096:
+                _tags.clear()
+            _tags[tenant] = t
     return t
 
 

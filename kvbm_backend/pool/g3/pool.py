@@ -63,7 +63,7 @@ from ..deadlines import Deadline, Deadlines
 from . import journal as jr
 from .admission import make_admission
 from .compact_index import CompactLruIndex
-from .reader import ReaderMixin, _Read
+from .reader import ReaderMixin, _Read, valid_key
 from .restore import RestoreMixin
 from .slabs import SlabSet
 from .slots import SlotsMixin
@@ -117,7 +117,7 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
     read_chunk_bytes = 16 << 20
     read_chunks_in_flight = 4
     staging_keep_pieces = 12  # free staging buffers kept for reuse, in pieces of chunk_bytes
-    gather_below = 256 << 10  # blocks smaller than this (bytes) are staged, see __init__
+    gather_below = 256 << 10  # writes of blocks smaller than this (bytes) are staged, see __init__ (reads always are)
 
     def __init__(self, cfg: G3Config, namespace: Namespace, *, engine=None, registry=None):
         self.cfg = cfg
@@ -129,11 +129,11 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
         self._stored_padded = frame.align_up(self.block_bytes)
         self._io_size = max(4096, cfg.io_size_bytes // 4096 * 4096)
         self._run = max(1, -(-self._io_size // self.slot_bytes))
-        # small or unaligned blocks are gathered into one staged slot image per batch (a copy, but one
-        # iovec per I/O); large aligned blocks go zero-copy from/to the caller's buffers
+        # writes: small or unaligned blocks are gathered into one staged slot image per batch (a copy, but
+        # one iovec per I/O); large aligned blocks go zero-copy from the caller's buffers. Reads are always
+        # staged and copied out once verified (a miss must leave the caller's buffer untouched)
         self._gather = self.block_bytes < self.gather_below or self.block_bytes % frame.ALIGN != 0
         self._zero_pad = np.zeros(self._stored_padded - self.block_bytes, np.uint8)
-        self._scratch_pad = np.zeros(self._stored_padded - self.block_bytes, np.uint8)
         self.metrics = TierMetrics("g3", registry)
         self._c: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
@@ -299,7 +299,12 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
     def get(self, keys: Sequence[BlockKey], out: Sequence) -> Future:
         """Onboard ``keys[i]`` into ``out[i]``; Future[GetResult] at once. ``ok[i]`` is True only for a
         verified block. Absent, foreign, corrupt, short, mismatched, failed or late (past
-        ``load_timeout_s``) blocks are misses; bad slots are dropped. After a timeout the read may still
+        ``load_timeout_s``) blocks are misses. A slot is dropped only when its stored bytes are proven
+        bad (re-read and checked against what the index says the slot holds): a read error, a timeout
+        or a key the caller named wrongly (e.g. a seq_hash outside [0, 2**64): ``invalid_key``) is a
+        miss that leaves the slot in place. A key named twice is read once and its later copies are
+        filled from the first (both hits, or both misses). Keys :meth:`keys` returned (restored
+        :class:`~.index.TagKey` s included) read like any other. After a timeout the read may still
         land in ``out`` (only bytes of the requested key's slot, which stays pinned until then).
 
         ``out`` is either 1-D uint8 numpy buffers (the host pipeline below) or torch tensors on one
@@ -323,17 +328,33 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
         # parallel lists, not a list per block: fewer GC-tracked objects per block (a full collection
         # of a large process stalls every thread; per-block lists made one likely on every big get)
         idx, pk, ps = [], [], []
+        dups: list = []  # (i, j): keys[i] repeats keys[j], served by a copy of out[j] once j verified
+        invalid = 0
         with self._lock:
             get, pin = self.index.get, self.index.pin
+            first: dict = {}
             for i, k in enumerate(keys):
-                slot = get(k, touch=True) if k.namespace == self.fp else None
+                if k.namespace != self.fp:
+                    continue
+                if not valid_key(k):
+                    invalid += 1
+                    continue
+                j = first.get(k)
+                if j is not None:
+                    dups.append((i, j))
+                    continue
+                slot = get(k, touch=True)
                 if slot is None:
                     continue
+                first[k] = i
                 pin(slot)
                 idx.append(i)
                 pk.append(k)
                 ps.append(slot)
-            absent = n - len(ps)
+            if invalid:
+                self._miss("invalid_key", invalid)
+            self._c["duplicate_keys"] += len(dups)
+            absent = n - len(ps) - invalid - len(dups)
             if absent:
                 self._miss("absent", absent)
         if not ps:
@@ -341,7 +362,7 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
             return fut
         per = self._read_piece_slots
         chunks = [(idx[a:a + per], pk[a:a + per], ps[a:a + per]) for a in range(0, len(ps), per)]
-        st = _Read(future=fut, n=n, slots=ps, left=len(chunks), out=out, todo=collections.deque(chunks))
+        st = _Read(future=fut, n=n, slots=ps, left=len(chunks), out=out, todo=collections.deque(chunks), dups=dups)
         self._deadlines.add(time.monotonic() + self.cfg.load_timeout_s, lambda: self._read_timeout(st))
         for _ in range(min(max(1, self.read_chunks_in_flight), len(chunks))):
             self._read_submit_next(st)

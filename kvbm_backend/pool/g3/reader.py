@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import collections
 import logging
+import operator
 import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ...memory import is_aligned
+from ...memory import aligned_empty
 from ...model import frame
 from ...model.frame import FrameError
-from ...model.namespace import BlockKey, tenant_tag
-from ...transfer import plan_ops, slot_extent, staged_run_extents
+from ...model.namespace import BlockKey
+from ...transfer import plan_ops, staged_run_extents
 from ..base import GetResult, SlotLease
 from . import journal as jr
+from .index import TagKey
 from .slots import _MISS_REASON, HDR
 
 log = logging.getLogger(__name__)
@@ -38,9 +40,27 @@ class _Read:
     ok: list = field(default_factory=list)
     bad: list = field(default_factory=list)
     bad_detail: list = field(default_factory=list)
+    dups: list = field(default_factory=list)  # (i, j): keys[i] repeats keys[j]
 
     def __post_init__(self):
         self.ok = [False] * self.n
+
+
+_U64, _U32 = (1 << 64) - 1, (1 << 32) - 1
+
+
+def valid_key(k) -> bool:
+    """A key a G3 slot can hold: seq_hash an integer in [0, 2**64), rank in [0, 2**32), and a str tenant
+    (BlockKey) or a 16-byte tag (a restored :class:`~.index.TagKey`). Anything else is a miss
+    (``invalid_key``): never looked up, so it cannot reach (let alone drop) another key's slot."""
+    try:
+        if not (0 <= operator.index(k.seq_hash) <= _U64 and 0 <= operator.index(k.rank) <= _U32):
+            return False
+    except TypeError:
+        return False
+    if type(k) is TagKey:
+        return type(k.tag) is bytes and len(k.tag) == 16
+    return isinstance(k.tenant, str)
 
 
 
@@ -79,13 +99,30 @@ class ReaderMixin:
 
     def drop_corrupt(self, key: BlockKey, reason: str) -> None:
         """A reader outside the pool found ``key``'s slot bad (``reason``, a FrameError reason):
-        remove it from the index and journal (the slot is freed once its last lease is released)."""
+        remove it from the index and journal (the slot is freed once its last lease is released) once
+        the stored bytes are proven bad (:meth:`_prove_bad`): a slot whose frame re-reads and verifies,
+        or cannot be read, stays (a miss)."""
+        with self._lock:
+            slot = self.index.get(key) if valid_key(key) else None
+            rec = None if slot is None else self.index.identity(key, slot)
+            self._miss(_MISS_REASON.get(reason, "corrupt"))
+        if rec is None:
+            return
+        why = self._prove_bad(slot, rec)
+        if why in ("good", "unreadable"):
+            log.warning("G3: a device load reported slot %s bad (%s) but it %s; kept", slot, reason,
+                        "re-reads and verifies" if why == "good" else "cannot be re-read now")
+            return
         with self._lock:
             self._c["corrupt"] += 1
-            self._c["corrupt:" + reason] += 1
-            self._miss(_MISS_REASON.get(reason, "corrupt"))
-        self.metrics.corrupt.labels(reason).inc()
-        self.delete([key])
+            self._c["corrupt:" + why] += 1
+            free = self.index.remove(key, slot)
+            if free is not None:
+                self.slabs.release([free])
+            self._journal_append([jr.encode(jr.DEL, key)])
+            self._c["deleted"] += 1
+            self._update_gauges()
+        self.metrics.corrupt.labels(why).inc()
 
     def device_reader(self, device):
         """The pool's :class:`~kvbm_backend.gpu.loader.DeviceLoader` for ``device`` (created on first
@@ -164,39 +201,15 @@ class ReaderMixin:
     def _read_piece_slots(self) -> int:
         return max(1, self.min_chunk_blocks, min(self.chunk_bytes, self.read_chunk_bytes) // self.slot_bytes)
 
-    def _read_extents(self, ch: tuple, out: list, stages: list) -> tuple[list, tuple | None]:
-        """Extents reading the chunk's slots (``ch`` = (indexes, keys, slots)) and, for unstaged
-        (large) blocks, ``(header views, payload views, staged flags, destinations)``. Staging buffers
-        taken from :attr:`_staging` go to ``stages``."""
-        sb, bb = self.slot_bytes, self.block_bytes
-        if self._gather:
-            stage = self._staging.take(self._read_piece_slots * sb)
-            stages.append(stage)
-            return staged_run_extents(ch[2], stage[:len(ch[2]) * sb], sb, self._io_size, self._fd_of), None
-        hdrs = self._staging.take(self._read_piece_slots * HDR)
-        stages.append(hdrs)
-        mv = memoryview(hdrs)
-        extents = []
-        files = self.slabs.by_index
-        hv, pv, staged, dsts = [], [], [], []
-        for j, (i, (fi, si)) in enumerate(zip(ch[0], ch[2])):
-            f = files[fi]
-            h = hdrs[j * HDR:(j + 1) * HDR]
-            dst = out[i]
-            hv.append(mv[j * HDR:(j + 1) * HDR])
-            dsts.append(dst)
-            if f.o_direct and not is_aligned(dst):
-                staging = self._staging.take(self._stored_padded)  # aligned; back with the chunk's stages
-                stages.append(staging)
-                bufs = [h, staging]
-                pv.append(staging[:bb])
-                staged.append(True)
-            else:
-                bufs = [h, dst] + ([self._scratch_pad] if self._scratch_pad.nbytes else [])
-                pv.append(dst)
-                staged.append(False)
-            extents.append(slot_extent(f.fd, si, sb, bufs, self._io_size))
-        return extents, (hv, pv, staged, dsts)
+    def _read_extents(self, ch: tuple, stages: list) -> list:
+        """Extents reading the chunk's slots (``ch`` = (indexes, keys, slots)) into one staging buffer
+        taken from :attr:`_staging` (appended to ``stages``): slot ``j`` at ``j * slot_bytes``. Every
+        block is staged, whatever its size: the caller's buffer receives only verified bytes (a miss
+        leaves it untouched, :mod:`kvbm_backend.pool.base`), at the cost of one copy per hit."""
+        sb = self.slot_bytes
+        stage = self._staging.take(self._read_piece_slots * sb)
+        stages.append(stage)
+        return staged_run_extents(ch[2], stage[:len(ch[2]) * sb], sb, self._io_size, self._fd_of)
 
     # ---- internals: read path -----------------------------------------------------------------
     def _read_timeout(self, st: _Read) -> None:
@@ -216,32 +229,31 @@ class ReaderMixin:
                 return
             ch = st.todo.popleft()
         stages: list = []
-        extra = None
         try:
-            exts, extra = self._read_extents(ch, st.out, stages)
+            exts = self._read_extents(ch, stages)
             ef = self.engine.submit(plan_ops(exts, self._io_size, write=False))
         except Exception as e:  # noqa: BLE001 - engine refused: the chunk's blocks are misses
             ef = Future()
             ef.set_exception(e)
-        ef.add_done_callback(lambda f: self._read_chunk_done(st, ch, extra, f, stages))
+        ef.add_done_callback(lambda f: self._read_chunk_done(st, ch, f, stages))
 
-    def _read_chunk_done(self, st: _Read, ch: tuple, extra, ef: Future, stages: list) -> None:
+    def _read_chunk_done(self, st: _Read, ch: tuple, ef: Future, stages: list) -> None:
         """Engine callback (the engine's completion thread): submit the read's next chunk at once, then
         hand this chunk to the verifier thread, so I/O is never waiting on verification."""
         self._read_submit_next(st)
         exc = ef.exception()
         try:
-            self._verifier.submit(self._read_verify, st, ch, extra, exc, stages)
+            self._verifier.submit(self._read_verify, st, ch, exc, stages)
         except RuntimeError:  # verifier shut down (pool closing): verify here
-            self._read_verify(st, ch, extra, exc, stages)
+            self._read_verify(st, ch, exc, stages)
 
-    def _read_verify(self, st: _Read, ch: tuple, extra, exc: BaseException | None, stages: list) -> None:
+    def _read_verify(self, st: _Read, ch: tuple, exc: BaseException | None, stages: list) -> None:
         """Verify one chunk's blocks where they landed (headers and checksums checked for the whole
         chunk at once), copy staged ones out; the last chunk finishes the read."""
         bad: list = []  # (key, slot, reason)
         bad_detail: list = []  # FrameError reasons
         try:
-            self._verify_chunk(st, ch, extra, exc, stages, bad, bad_detail)
+            self._verify_chunk(st, ch, exc, stages[0], bad, bad_detail)
         except Exception:  # noqa: BLE001 - a bug must not hang the read: the chunk's blocks miss
             log.exception("G3: verifying a read chunk failed")
             bad.clear()
@@ -258,7 +270,9 @@ class ReaderMixin:
         if last:
             self._read_finish(st)
 
-    def _verify_chunk(self, st: _Read, ch: tuple, extra, exc, stages: list, bad: list, bad_detail: list) -> None:
+    def _verify_chunk(self, st: _Read, ch: tuple, exc, stage, bad: list, bad_detail: list) -> None:
+        """Check the chunk's staged slots (``stage``: slot j at ``j * slot_bytes``) and copy the verified
+        payloads to the caller's buffers (none after the read resolved); failures go to ``bad``."""
         ok = st.ok
         idx, keys, slots = ch
         m = len(slots)
@@ -281,26 +295,16 @@ class ReaderMixin:
                 limit[fi] = -1
         all_there = all(top[fi] <= limit[fi] for fi in top)
         tag = self._tag
-        if extra is None:  # staged: slot j at j * slot_bytes of the staging buffer
-            stage = stages[0]
-            hdrs = stage[:m * sb].reshape(m, sb)
-            mv = memoryview(stage)
-            payloads = [mv[o:o + bb] for o in range(HDR, m * sb, sb)]
-            hviews, staged, dsts = None, None, [st.out[i] for i in idx]
-        else:
-            hdrs = stages[0][:m * HDR].reshape(m, HDR)
-            hviews, payloads, staged, dsts = extra
-        good = self._frames.verify_many(hdrs, payloads, [tag(k.tenant) for k in keys], [k.rank for k in keys],
-                                        [k.seq_hash for k in keys])
+        hdrs = stage[:m * sb].reshape(m, sb)
+        mv = memoryview(stage)
+        payloads = [mv[o:o + bb] for o in range(HDR, m * sb, sb)]
+        dsts = [st.out[i] for i in idx]
+        tags = [k.tag if type(k) is TagKey else tag(k.tenant) for k in keys]
+        good = self._frames.verify_many(hdrs, payloads, tags, [k.rank for k in keys], [k.seq_hash for k in keys])
         if all_there and good.all():
             if not st.resolved:
-                if staged is None:
-                    for d, pl in zip(dsts, payloads):
-                        d[:] = pl
-                else:
-                    for d, pl, sflag in zip(dsts, payloads, staged):
-                        if sflag:
-                            d[:] = pl
+                for d, pl in zip(dsts, payloads):
+                    d[:] = pl
             for i in idx:
                 ok[i] = True
             return
@@ -312,8 +316,8 @@ class ReaderMixin:
                 reason = "short" if slot[0] in files else "io_error"
             elif not good[j]:
                 try:  # slow path: name the reason (or accept a valid frame of another writer)
-                    hdr = frame.accept(hdrs[j] if hviews is None else hviews[j], k, self._layout,
-                                       tenant_tag(k.tenant), world=self.namespace.tp_world_size,
+                    hdr = frame.accept(hdrs[j], k, self._layout,
+                                       tags[j], world=self.namespace.tp_world_size,
                                        stored_len=self.block_bytes)
                     if not hdr.flags & frame.FLAG_CHECKSUM:
                         raise FrameError("integrity", "frame carries no checksum")
@@ -323,47 +327,105 @@ class ReaderMixin:
                     bad_detail.append(e.reason)
             if reason is None:
                 ok[i] = True
-                if not st.resolved and (staged is None or staged[j]):
+                if not st.resolved:
                     dsts[j][:] = payload
             else:
                 bad.append((k, slot, reason))
 
+    def _prove_bad(self, slot: tuple, rec: tuple) -> str:
+        """Re-read ``slot`` (one synchronous ``preadv`` of the whole slot into a fresh aligned buffer) and
+        check it against ``rec`` = (tenant tag, rank, seq_hash), what the index says the slot holds.
+
+        Returns ``"good"`` (the stored frame verifies: the failed read was a read error, or the caller's
+        key did not name what the slot holds), ``"unreadable"`` (the re-read failed too: a read error,
+        the stored bytes are not proven bad), or the reason the stored bytes are bad: ``"short"`` (the
+        file ends inside the slot) or a FrameError reason. Only the last kind may drop a slot.
+        The slot must stay pinned (or be otherwise unreusable) meanwhile."""
+        fi, si = slot
+        f = self.slabs.by_index.get(fi)
+        if f is None:
+            return "unreadable"
+        sb = self.slot_bytes
+        buf = aligned_empty(sb)
+        try:
+            n = os.preadv(f.fd, [buf], si * sb)
+        except OSError:
+            return "unreadable"
+        if n < sb:
+            try:
+                size = os.fstat(f.fd).st_size
+            except OSError:
+                return "unreadable"
+            return "short" if size < (si + 1) * sb else "unreadable"
+        tag, rank, seq = rec
+        try:
+            hdr = frame.accept(buf[:HDR], TagKey(self.fp, tag, rank, seq), self._layout, tag,
+                               world=self.namespace.tp_world_size, stored_len=self.block_bytes)
+            if not hdr.flags & frame.FLAG_CHECKSUM:
+                raise FrameError("integrity", "frame carries no checksum")
+            frame.verify_payload(hdr, buf[HDR:HDR + self.block_bytes])
+        except FrameError as e:
+            return e.reason
+        return "good"
+
     def _read_finish(self, st: _Read) -> None:
-        ok, bad, bad_detail = st.ok, st.bad, st.bad_detail
+        """Resolve the read: fill repeated keys from their first copy, prove failed slots bad before
+        dropping them (:meth:`_prove_bad`, while they are still pinned), unpin, count."""
+        ok, bad = st.ok, st.bad
         with st.lock:
             late = st.resolved
             st.resolved = True
+        if not late:
+            for i, j in st.dups:
+                if ok[j]:
+                    st.out[i][:] = st.out[j]
+                    ok[i] = True
+        with self._lock:
+            recs = [None if r == "absent" else self.index.identity(k, slot) for k, slot, r in bad]
+        drop, why = [], []  # proven bad: (key, slot, FrameError reason or "short"); miss reasons
+        for (k, slot, reason), rec in zip(bad, recs):
+            proof = "gone" if rec is None else self._prove_bad(slot, rec)
+            if proof == "good":
+                why.append("identity" if reason == "identity" else "io_error")
+            elif proof in ("unreadable", "gone"):
+                why.append("io_error" if proof == "unreadable" else reason)
+            else:
+                drop.append((k, slot, proof))
+                why.append("short" if proof == "short" else _MISS_REASON.get(proof, "corrupt"))
         hits = sum(ok)
         with self._lock:
-            recs = []
+            jrecs = []
             for slot in st.slots:
                 free = self.index.unpin(slot)
                 if free is not None:
                     self.slabs.release([free])
-            for k, slot, reason in bad:
-                if reason in ("corrupt", "identity", "short", "io_error"):
-                    free = self.index.remove(k, slot)
-                    if free is not None:
-                        self.slabs.release([free])
-                    recs.append(jr.encode(jr.DEL, k))
-                    self._c["corrupt"] += reason != "io_error"
-            for r in bad_detail:
-                self._c["corrupt:" + r] += 1
-                self.metrics.corrupt.labels(r).inc()
-            self._journal_append(recs)
+            for k, slot, proof in drop:
+                free = self.index.remove(k, slot)
+                if free is not None:
+                    self.slabs.release([free])
+                jrecs.append(jr.encode(jr.DEL, k))
+                self._c["corrupt"] += 1
+                self._c["corrupt:" + proof] += 1
+                self.metrics.corrupt.labels(proof).inc()
+            self._journal_append(jrecs)
             self._c["bytes_read"] += len(st.slots) * self.slot_bytes
             if late:
                 self._c["late_reads"] += len(st.slots)
             else:
                 self._c["hits"] += hits
-            if not late:
-                for _, _, reason in bad:
-                    self._miss(reason)
+                for r in why:
+                    self._miss(r)
+                dmiss = sum(1 for i, _ in st.dups if not ok[i])
+                if dmiss:
+                    self._miss("duplicate_of_miss", dmiss)
             self._update_gauges()
         self.metrics.bytes_read.inc(len(st.slots) * self.slot_bytes)
         if not late:
             self.metrics.onboard_blocks.inc(hits)
             st.future.set_result(GetResult(ok=ok))
-        if bad:
-            log.warning("G3: %d block(s) failed verification and were dropped: %s", len(bad),
-                        collections.Counter(r for _, _, r in bad))
+        if drop:
+            log.warning("G3: %d block(s) proven bad on disk and dropped: %s", len(drop),
+                        collections.Counter(r for _, _, r in drop))
+        if len(drop) < len(bad):
+            log.warning("G3: %d block(s) missed but kept (read error or a key naming another block): %s",
+                        len(bad) - len(drop), collections.Counter(why))

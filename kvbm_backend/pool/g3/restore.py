@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 
 from ...memory import aligned_empty
 from ...model import frame
@@ -44,13 +45,16 @@ class RestoreMixin:
             part = cand[c0:c0 + chunk]
             hdrs = aligned_empty(len(part) * HDR)
             exts = header_extents([slot for _, slot in part], hdrs, self.slot_bytes, HDR, self._fd_of)
+            readable = None
             try:
                 self.engine.submit(plan_ops(exts, self._io_size, write=False)).result()
-            except OSError as e:
-                log.warning("G3 restore: header reads failed (%s); %d entries dropped", e, len(part))
-                self._c["restore:io_error"] += len(part)
-                continue
+            except OSError as e:  # one bad read must not cost the chunk: read the headers one by one
+                log.warning("G3 restore: header reads failed (%s); reading %d headers one by one", e, len(part))
+                readable = self._read_headers_one_by_one(part, hdrs)
             for j, (key, slot) in enumerate(part):
+                if readable is not None and not readable[j]:
+                    self._c["restore:io_error"] += 1
+                    continue
                 try:
                     h = frame.accept(hdrs[j * HDR:(j + 1) * HDR], key, self._layout,
                                      key.tag if type(key) is TagKey else tenant_tag(key.tenant),
@@ -73,3 +77,13 @@ class RestoreMixin:
         except OSError as e:  # full disk at open: serve what is here, admit nothing until it can be written
             self._journal_failed(e)
 
+    def _read_headers_one_by_one(self, part: list, hdrs) -> list[bool]:
+        """Read the header of each ``(key, slot)`` of ``part`` into ``hdrs[j * HDR:]`` with its own
+        ``preadv``; returns which reads returned the whole header."""
+        out = []
+        for j, (_, (fi, si)) in enumerate(part):
+            try:
+                out.append(os.preadv(self._fd_of(fi), [hdrs[j * HDR:(j + 1) * HDR]], si * self.slot_bytes) == HDR)
+            except (OSError, KeyError):
+                out.append(False)
+        return out

@@ -8,7 +8,9 @@ re-checks ``statvfs`` so the filesystem keeps ``min_free_fraction`` free (invari
 
 Each directory gets ``namespace.json`` (the owner's :meth:`Namespace.canonical_json`, written under a
 unique temp name and renamed) and ``.kvbm-g3.lock`` (``flock``: a second process, or a second pool in
-this one, opening the directory is refused with :class:`G3LockedError`). Slab files of another
+this one, opening the directory is refused with :class:`G3LockedError`). The lock is an ``flock`` on
+the directory itself (its O_DIRECTORY fd) and on the lock file: deleting the lock file while a pool
+runs no longer lets a second process in; the lock file keeps the holder's pid for the message. Slab files of another
 namespace are never opened: they are listed in :attr:`SlabSet.foreign_files` and logged.
 
 Access (G3 holds plaintext KV): directories are created 0700 and files 0600 (older files found with
@@ -21,7 +23,7 @@ followed, and its target is left untouched.
 Full disk at open: a namespace file or the lock's pid line that cannot be written (ENOSPC/EDQUOT) does
 not fail the open; it is listed in :attr:`SlabSet.metadata_errors` (the pool opens degraded) and the
 namespace files are written again by :meth:`SlabSet.write_pending_namespaces`. A lock file that
-cannot be created on a full filesystem is replaced by an ``flock`` on the directory itself.
+cannot be created on a full filesystem is skipped (the directory's ``flock`` holds alone).
 """
 from __future__ import annotations
 
@@ -55,6 +57,16 @@ class G3PathError(RuntimeError):
 
 
 _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, for error messages ("a FIFO", "a directory", ...)."""
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return what
+    return "a special file"
 
 
 def fs_space(directory: str) -> tuple[int, int]:
@@ -158,10 +170,15 @@ class SlabSet:
             OSError: anything else (ENOENT without ``O_CREAT``, ENOSPC, EINVAL for O_DIRECT...).
         """
         path = os.path.join(d, name)
-        if flags & os.O_ACCMODE == os.O_RDONLY:
-            flags |= os.O_NONBLOCK  # a FIFO planted under a G3 name must not block the open
-        try:
-            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fds[d])
+        try:  # a special file is named before any open: O_DIRECT on a FIFO fails with a bare EINVAL
+            st = os.stat(name, dir_fd=self._dir_fds[d], follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+                raise G3PathError(f"G3 file {path} is {_kind(st.st_mode)}, not a regular file: remove or rename it")
+        try:  # O_NONBLOCK: a FIFO planted between the stat and the open must not block it (cleared below)
+            fd = os.open(name, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fds[d])
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise G3PathError(
@@ -169,12 +186,20 @@ class SlabSet:
                     f"planted link could redirect its writes). Remove it: rm {path}") from None
             if e.errno == errno.EISDIR:
                 raise G3PathError(f"G3 file {path} is a directory, not a file: remove or rename it") from None
+            if e.errno in (errno.EINVAL, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):
+                try:
+                    st = os.stat(name, dir_fd=self._dir_fds[d], follow_symlinks=False)
+                except OSError:
+                    raise e from None
+                if not stat.S_ISREG(st.st_mode):
+                    raise G3PathError(f"G3 file {path} is {_kind(st.st_mode)}, not a regular file: remove or "
+                                      "rename it") from None
             raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-                raise G3PathError(f"G3 file {path} is {kind}: remove or rename it")
+                raise G3PathError(f"G3 file {path} is {_kind(st.st_mode)}, not a regular file: remove or rename it")
+            os.set_blocking(fd, True)
             if st.st_uid != os.geteuid():
                 raise G3PathError(f"G3 file {path} belongs to uid {st.st_uid}, not to this process "
                                   f"(uid {os.geteuid()}): remove it or fix its owner")
@@ -192,35 +217,54 @@ class SlabSet:
         except FileNotFoundError:
             return False
 
+    def _holder(self, d: str) -> str:
+        """The holder line of ``d``'s lock file ("pid N"), or "unknown"."""
+        try:
+            fd = self.open_in(d, LOCK_NAME, os.O_RDONLY)
+        except (OSError, G3PathError):
+            return "unknown"
+        try:
+            return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        except OSError:
+            return "unknown"
+        finally:
+            os.close(fd)
+
+    def _refuse(self, d: str) -> G3LockedError:
+        return G3LockedError(
+            f"G3 directory {d} is in use by another pool (holder: {self._holder(d)}). "
+            "G3 is private to one worker: give each worker its own directory.")
+
     def _lock(self, d: str) -> None:
+        """Take ``d``'s lock: ``flock`` on the directory itself (its verified O_DIRECTORY fd: a
+        directory cannot be removed while it holds files, so the lock cannot vanish under a running
+        pool, as a deleted lock file did), then on ``.kvbm-g3.lock`` (what older versions lock; it also
+        holds the holder's pid for the error message). Raises G3LockedError (one line, naming ``d`` and
+        the holder) when either is held by another pool or process."""
+        try:
+            fcntl.flock(self._dir_fds[d], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise self._refuse(d) from None
         try:
             fd = self.open_in(d, LOCK_NAME, os.O_RDWR | os.O_CREAT)
         except OSError as e:
             if e.errno not in _NOSPACE:
                 raise
-            # full filesystem and no lock file yet (nobody holds one): lock the directory itself
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            # full filesystem and no lock file yet: the directory lock alone holds it
             self.metadata_errors.append(f"{os.path.join(d, LOCK_NAME)}: {e.strerror}")
-            log.warning("G3: cannot create the lock file in %s (%s); holding a lock on the directory instead",
-                        d, e.strerror)
+            log.warning("G3: cannot create the lock file in %s (%s); the directory lock holds it", d, e.strerror)
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            try:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            except OSError:
-                holder = "unknown"
             os.close(fd)
-            raise G3LockedError(
-                f"G3 directory {d} is in use by another pool (lock {LOCK_NAME} held; holder: {holder}). "
-                "G3 is private to one worker: give each worker its own directory.") from None
+            raise self._refuse(d) from None
         self._lock_fds.append(fd)
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
-        except OSError as e:  # informational only (the flock is the lock); EISDIR for a directory lock
-            if e.errno not in (errno.EISDIR, errno.EINVAL, errno.EBADF):
-                log.warning("G3: cannot write the holder's pid into %s (%s)", os.path.join(d, LOCK_NAME), e.strerror)
+        except OSError as e:  # informational only (the flocks are the lock)
+            log.warning("G3: cannot write the holder's pid into %s (%s)", os.path.join(d, LOCK_NAME), e.strerror)
 
     def _write_namespace(self, d: str) -> None:
         """Write the namespace files of ``d`` unless they already hold this namespace.

@@ -83,11 +83,14 @@ class SlotsMixin:
                         "once it can be", self.journal.path, e, self.degrade_s, exc_info=not isinstance(e, OSError))
 
     def _tag(self, tenant: str) -> bytes:
+        """``tenant_tag(tenant)``, cached per pool (at most 4097 ids of at most 256 chars)."""
         t = self._ttags.get(tenant)
         if t is None:
-            if len(self._ttags) > 4096:
-                self._ttags.clear()
-            t = self._ttags[tenant] = tenant_tag(tenant)
+            t = tenant_tag(tenant)
+            if len(tenant) <= 256:
+                if len(self._ttags) > 4096:
+                    self._ttags.clear()
+                self._ttags[tenant] = t
         return t
 
     def stats(self) -> dict:
