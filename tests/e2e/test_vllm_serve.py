@@ -65,7 +65,7 @@ def test_example_serve_script_answers_and_offloads(tmp_path):
     stats = tmp_path / "stats.json"
     port = _free_port()
     env = dict(os.environ, MODEL=str(model), PYTHON=sys.executable, KVBM_BACKEND_CONFIG_FILE=str(cfg),
-               KVBM_BACKEND_STATS_PATH=str(stats), VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
+               KVBM_BACKEND_STATS_PATH=str(stats), VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = open(tmp_path / "serve.log", "w")
     p = subprocess.Popen(["bash", str(REPO / "examples" / "vllm" / "serve_kvbm_backend.sh"), "--host", "127.0.0.1",
@@ -94,6 +94,13 @@ def test_example_serve_script_answers_and_offloads(tmp_path):
                 break
             time.sleep(0.5)
         assert stats.is_file() and _written(json.loads(stats.read_text())) > 0, stats.read_text()[:2000]
+        # The documented INFO lines reach the server's log in vLLM's format (issue 22 item 4: the package had no
+        # handler, so they were dropped and warnings printed bare): one per role process.
+        text = (tmp_path / "serve.log").read_text()
+        for line in ("kvbm_backend tiers open: ", "kvbm_backend connector (SCHEDULER)", "kvbm_backend connector (WORKER)"):
+            hits = [ln for ln in text.splitlines() if line in ln]
+            assert hits, f"{line!r} missing from the server log:\n{text[-4000:]}"
+            assert all("INFO" in ln for ln in hits), hits  # vLLM's formatter: level, time, file
     finally:
         os.killpg(p.pid, signal.SIGTERM)
         try:

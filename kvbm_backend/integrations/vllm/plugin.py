@@ -7,6 +7,12 @@ was imported through ``kv_connector_module_path``: vLLM's ``MultiConnector`` reb
 stats in the engine core by registry name (``build_kv_connector_stats``), and raised "Connector
 'KvbmBackendConnector' is not registered" there when the connector ran in worker processes (vLLM's ``mp``
 executor). Importing this module imports nothing of vLLM's; :func:`register` imports only the factory.
+
+It also routes the package's logs (loggers ``kvbm_backend.*``) through vLLM's ``vllm`` logger
+(:func:`route_logs`): the package configures no handler of its own, so under ``vllm serve`` or a Dynamo
+worker its INFO lines (``kvbm_backend tiers open``, the connector's role line) were dropped and its
+warnings printed bare by Python's last-resort handler. They now take vLLM's handlers, format and level
+(``VLLM_LOGGING_LEVEL``), and Dynamo's where Dynamo configures vLLM's logger (``DYN_LOG``).
 """
 from __future__ import annotations
 
@@ -16,6 +22,32 @@ NAME = "KvbmBackendConnector"
 MODULE = "kvbm_backend.integrations.vllm.connector"
 
 log = logging.getLogger("kvbm_backend.connector")
+
+
+class _ToVllm(logging.Handler):
+    """Hands each record to the handlers of vLLM's ``vllm`` logger as they are when the record is emitted
+    (vLLM's default stream handler, or Dynamo's once Dynamo configured vLLM's logging), at that logger's
+    level."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        vl = logging.getLogger("vllm")
+        if record.levelno >= vl.getEffectiveLevel():
+            vl.handle(record)
+
+
+def route_logs() -> bool:
+    """Send ``kvbm_backend.*`` records to vLLM's logger (see the module doc) unless the application gave
+    ``kvbm_backend`` handlers of its own. Returns True when this call installed the route."""
+    lg = logging.getLogger("kvbm_backend")
+    if lg.handlers:
+        return False
+    vl = logging.getLogger("vllm")
+    if not vl.handlers:  # vLLM's logging not configured here (or disabled by VLLM_CONFIGURE_LOGGING=0)
+        return False
+    lg.addHandler(_ToVllm())
+    lg.setLevel(min(vl.getEffectiveLevel(), logging.INFO))
+    lg.propagate = False
+    return True
 
 
 def register() -> bool:
