@@ -1179,19 +1179,12 @@ def campaign_outage(K: Kind, rng: random.Random, tmp: Path, s3) -> None:
                 s3.server.start(bucket=None)
                 info["server_restart_s"] = round(time.monotonic() - t0, 3)
             elif v == "fs_hung":
-                hung = [pool.store._path(pool.object_name(k)) for k in keys[:4]]  # as tests/pool/test_g4_outage.py
-                for p in hung:
-                    os.rename(p, f"{p}.real")
-                    os.mkfifo(p)
-                    os.link(p, f"{p}.hold")
+                from tests.helpers.held_open import HeldOpen  # opens block in the kernel (write leases)
+                held = HeldOpen([pool.store._path(pool.object_name(k)) for k in keys[:4]])  # as test_g4_outage
                 try:
                     info.update(_outage_reads(K, pool, keys[:4], bound, v, rng.uniform(1.5, 3.0)))
                 finally:
-                    for p in hung:
-                        os.rename(f"{p}.real", p)
-                        fd = os.open(f"{p}.hold", os.O_WRONLY | os.O_NONBLOCK)
-                        os.close(fd)
-                        os.unlink(f"{p}.hold")
+                    held.release()
             else:  # fs_vanished: the mount point is gone, a file in its place (every path fails)
                 os.rename(root, f"{root}.away")
                 Path(root).write_bytes(b"not a directory")
