@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage")
+KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage", "lyings3", "special")
 
 
 @pytest.fixture(scope="module")
