@@ -102,11 +102,12 @@ OTHER_NS = Namespace(model="faults/other-model", layout=LAYOUT)
 BB = LAYOUT.bytes_per_block
 SLOT = frame.slot_bytes(BB)
 HDR_COVERED = 152  # header bytes covered by the header check (fixed part + check); the rest is padding
-KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage", "tenantflood", "dupkeys", "lockrm")
+KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage", "tenantflood", "dupkeys", "lockrm", "lyings3",
+         "special")
 FULL = {"kill": 1000, "corrupt": 400, "enospc": 42, "tamper": 120, "revoke": 12, "outage": 9, "tenantflood": 1_000_000}
 QUICK = {"kill": 20, "corrupt": 24, "enospc": 6, "tamper": 12, "revoke": 2, "outage": 3, "tenantflood": 200_000}
-FULL.update(dupkeys=40, lockrm=10)
-QUICK.update(dupkeys=6, lockrm=2)
+FULL.update(dupkeys=40, lockrm=10, lyings3=80, special=80)
+QUICK.update(dupkeys=6, lockrm=2, lyings3=12, special=12)
 SLACK_S = 0.5  # scheduling slack on 2 shared cores, added to every documented bound
 HANG_S = 30.0  # a future not resolved by then is a hang
 
@@ -1299,19 +1300,12 @@ def campaign_outage(K: Kind, rng: random.Random, tmp: Path, s3) -> None:
                 s3.server.start(bucket=None)
                 info["server_restart_s"] = round(time.monotonic() - t0, 3)
             elif v == "fs_hung":
-                hung = [pool.store._path(pool.object_name(k)) for k in keys[:4]]  # as tests/pool/test_g4_outage.py
-                for p in hung:
-                    os.rename(p, f"{p}.real")
-                    os.mkfifo(p)
-                    os.link(p, f"{p}.hold")
+                from tests.helpers.held_open import HeldOpen  # opens block in the kernel (write leases)
+                held = HeldOpen([pool.store._path(pool.object_name(k)) for k in keys[:4]])  # as test_g4_outage
                 try:
                     info.update(_outage_reads(K, pool, keys[:4], bound, v, rng.uniform(1.5, 3.0)))
                 finally:
-                    for p in hung:
-                        os.rename(f"{p}.real", p)
-                        fd = os.open(f"{p}.hold", os.O_WRONLY | os.O_NONBLOCK)
-                        os.close(fd)
-                        os.unlink(f"{p}.hold")
+                    held.release()
             else:  # fs_vanished: the mount point is gone, a file in its place (every path fails)
                 os.rename(root, f"{root}.away")
                 Path(root).write_bytes(b"not a directory")
@@ -1344,6 +1338,157 @@ def campaign_outage(K: Kind, rng: random.Random, tmp: Path, s3) -> None:
 
 
 # ======================================= driver ===================================================
+# =================================== lying S3 endpoint ============================================
+def campaign_lyings3(K: Kind, rng: random.Random, tmp: Path, s3) -> None:
+    """A loopback proxy (tests/helpers/lying_proxy.py) in front of SeaweedFS answers GETs 200 with a
+    wrong body (short, garbage, another object's bytes, an HTML page): every such get is a miss, the good
+    object stays in SeaweedFS (a deleted one counts as acknowledged_then_lost) and a direct get serves it;
+    every 4th trial a really corrupt stored object must still be dropped."""
+    if s3 is None:
+        K.skipped = "no SeaweedFS here"
+        return
+    from tests.helpers.lying_proxy import MODES, LyingProxy
+    host, port = s3.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = LyingProxy(host, int(port))
+    kr = str(tmp / "lyings3-keys" / "kr.json")
+    url = f"s3://{s3.bucket}/lyings3-{uuid.uuid4().hex[:8]}"
+    good = G4Pool(g4_config(url, kr, s3.endpoint), NS)
+    liar = G4Pool(g4_config(url, kr, proxy.endpoint), NS)
+    counts: dict[str, int] = {}
+    try:
+        seq = 1
+        while K.tried < K.planned:
+            keys = NS.keys([seq, seq + 1], tenant="ly")
+            res, _ = wait(good.put(keys, [payload(k.seq_hash, "ly") for k in keys]))
+            if isinstance(res, TimeoutError) or res.written != 2:
+                K.fail("lyings3: setup put failed", result=repr(res))
+                seq += 2
+                K.tried += 1
+                continue
+            names = [good.object_name(k) for k in keys]
+            stored = bytes(good.store.get(names[0]))
+            if K.tried % 4 == 3:  # a really corrupt stored object, read through an honest proxy
+                v = "real_corrupt"
+                proxy.mode = "pass"
+                bad = bytearray(stored)
+                bad[HEADER_BYTES + rng.randrange(BB)] ^= 1 << rng.randrange(8)
+                good.store.put(names[0], bytes(bad))
+            else:
+                v = MODES[sum(n for m, n in counts.items() if m != "real_corrupt") % len(MODES)]  # each in turn
+                proxy.mode = v
+                proxy.other_body = bytes(good.store.get(names[1]))
+            out = [np.full(BB, 0xA5, np.uint8)]
+            res, _ = wait(liar.get(keys[:1], out))
+            if isinstance(res, TimeoutError):
+                K.fail("lyings3: get did not resolve", variant=v)
+            else:
+                K.wrong += len(check_served(keys[:1], res.ok, out))
+                if res.ok[0] or not (out[0] == 0xA5).all():
+                    K.fail("lyings3: a lied-about block was served or touched out", variant=v)
+            present = good.store.head(names[0]) is not None
+            if v == "real_corrupt":
+                if present:
+                    K.fail("lyings3: a really corrupt stored object was not dropped")
+            else:
+                if not present or bytes(good.store.get(names[0])) != stored:
+                    K.lost += 1
+                o2 = [np.zeros(BB, np.uint8)]
+                r2, _ = wait(good.get(keys[:1], o2))
+                if isinstance(r2, TimeoutError) or not r2.ok[0]:
+                    K.fail("lyings3: the good object is not served by a good path after the lie", variant=v)
+                else:
+                    K.wrong += len(check_served(keys[:1], r2.ok, o2))
+            counts[v] = counts.get(v, 0) + 1
+            K.tried += 1
+            seq += 2
+        K.extra["trials_by_variant"] = counts
+        K.extra["pool_counters"] = {k: v for k, v in liar.stats().items()
+                                    if k.startswith(("miss_", "corrupt_", "unconfirmed_", "deleted_")) and v}
+    finally:
+        liar.close()
+        good.close()
+        proxy.close()
+
+
+# ============================ special files in a file:// store ===================================
+def campaign_special(K: Kind, rng: random.Random, tmp: Path) -> None:
+    """FIFOs, sockets and symlinked directories planted in a ``file://`` G4 store: every get resolves
+    within its bound (a miss), nothing is written outside the root, puts of other blocks complete, and
+    once the plant is gone the block is stored and served again."""
+    import socket as _socket
+    root, outside = tmp / "special-g4", tmp / "special-outside"
+    outside.mkdir(parents=True, exist_ok=True)
+    pool = G4Pool(g4_config(f"file://{root}", str(tmp / "special-keys" / "kr.json"), timeout_s=2.0,
+                            max_inflight=4), NS)
+    bound = pool._load_bound_s + SLACK_S
+    counts: dict[str, int] = {}
+    socks: list = []
+    try:
+        seq = 1
+        while K.tried < K.planned:
+            v = ("fifo", "socket", "fifo_temp", "symlink_dir")[K.tried % 4]
+            tenant = f"sp{K.tried}"  # a fresh tenant: its fan-out dirs do not exist yet
+            k, other = NS.keys([seq, seq + 1], tenant=tenant)
+            path = root / pool.object_name(k)
+            plants: list[Path] = []
+            if v == "symlink_dir":
+                path.parent.parent.mkdir(parents=True, exist_ok=True)
+                target = outside / f"t{K.tried}"
+                target.mkdir()
+                os.symlink(target, path.parent)
+                plants.append(path.parent)
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                p = path if v != "fifo_temp" else path.parent / f".{path.name}.h.1.{uuid.uuid4().hex}.tmp"
+                if v == "socket":
+                    s = _socket.socket(_socket.AF_UNIX)
+                    cwd = os.getcwd()
+                    os.chdir(p.parent)  # AF_UNIX paths are short: bind by the relative name
+                    try:
+                        s.bind(p.name)
+                    finally:
+                        os.chdir(cwd)
+                    socks.append(s)
+                else:
+                    os.mkfifo(p)
+                plants.append(p)
+            out = [np.full(BB, 0x3C, np.uint8)]
+            res, took = wait(pool.get([k], out), bound + 5)
+            if isinstance(res, TimeoutError) or took > bound:
+                K.fail("special: get did not resolve within its bound", variant=v, seconds=round(took, 2))
+            elif res.ok[0] or not (out[0] == 0x3C).all():
+                K.fail("special: a planted special file was served or touched out", variant=v)
+            r, _ = wait(pool.put([k, other], [payload(seq, tenant), payload(seq + 1, tenant)]))
+            if isinstance(r, TimeoutError):
+                K.fail("special: put did not resolve", variant=v)
+            elif v == "fifo_temp" and r.written != 2:
+                K.fail("special: puts next to a planted temp name did not complete", variant=v, result=repr(r))
+            elif v != "fifo_temp" and (r.skipped or r.written + r.dropped != 2):
+                K.fail("special: a planted name was taken as stored", variant=v, result=repr(r))
+            if v == "symlink_dir" and os.listdir(outside / f"t{K.tried}"):
+                K.fail("special: written outside the store root", files=os.listdir(outside / f"t{K.tried}"))
+            for p in plants:
+                os.unlink(p)
+            wait(pool.put([k, other], [payload(seq, tenant), payload(seq + 1, tenant)]))
+            o2 = [np.zeros(BB, np.uint8) for _ in range(2)]
+            g, _ = wait(pool.get([k, other], o2))
+            if isinstance(g, TimeoutError) or g.ok != [True, True]:
+                K.fail("special: after the plant is gone the block is not stored/served", variant=v,
+                       result=repr(g))
+            else:
+                K.wrong += len(check_served([k, other], g.ok, o2))
+            counts[v] = counts.get(v, 0) + 1
+            K.tried += 1
+            seq += 2
+        K.extra["trials_by_variant"] = counts
+        K.extra["pool_counters"] = {k: v for k, v in pool.stats().items()
+                                    if k.startswith(("miss_", "dropped_")) and v}
+    finally:
+        for s in socks:
+            s.close()
+        pool.close()
+
+
 class _S3:
     def __init__(self, server, endpoint: str, bucket: str):
         self.server, self.endpoint, self.bucket = server, endpoint, bucket
@@ -1501,7 +1646,7 @@ def main(argv=None) -> int:
     s3, s3_why = (None, None)
     t_all = time.monotonic()
     try:
-        if any(k in kinds for k in ("corrupt", "tamper", "revoke", "outage")):
+        if any(k in kinds for k in ("corrupt", "tamper", "revoke", "outage", "lyings3")):
             s3, s3_why = start_s3(tmp)
         for name, K in kinds.items():
             rng = random.Random(f"{seed}-{name}")
@@ -1526,6 +1671,10 @@ def main(argv=None) -> int:
                     campaign_dupkeys(K, rng, tmp)
                 elif name == "lockrm":
                     campaign_lockrm(K, rng, tmp)
+                elif name == "lyings3":
+                    campaign_lyings3(K, rng, tmp, s3)
+                elif name == "special":
+                    campaign_special(K, rng, tmp)
             except Exception as e:  # noqa: BLE001 - the campaign itself broke: recorded, others still run
                 K.fail("campaign aborted by an exception", error=repr(e), trace=traceback.format_exc()[-3000:])
             K.seconds = time.monotonic() - t0

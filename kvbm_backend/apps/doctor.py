@@ -12,6 +12,10 @@ Sections of the result (:func:`run_doctor`):
 * ``paths``: per given or configured path: filesystem type, O_DIRECT (a real aligned write/read probe
   via :func:`kvbm_backend.io.probe_o_direct`), free and total bytes. A missing directory is probed at
   its nearest existing ancestor (where the pool would create it) and says so.
+* ``modes``: ``{"checked": [...], "problems": [...]}``: every G3 directory, ``file://`` G4 root and the
+  keyring (file, lock, KEK file and directory) looked at, and one line per path whose mode gives group
+  or others access (:func:`kvbm_backend.fsmodes.mode_problems`; everything kvbm-backend creates is
+  0600/0700, but a directory that already existed keeps its mode).
 * ``engine``: the G3 I/O engine ``make_engine`` will build from the config and why; the device load
   path (``gds`` / ``kvikio-compat`` / ``pinned-bounce`` / none) and why.
 """
@@ -304,6 +308,26 @@ def engine_choice(cfg, gpu: dict, kvk: dict, nixl: dict, paths: list[dict]) -> d
     return out
 
 
+def modes_info(paths: list[str], keyring_paths: list[str]) -> dict:
+    """Mode check of store directories (``paths``, ``file://`` allowed, walked) and keyring files (each
+    and its directory). Never raises."""
+    from kvbm_backend.fsmodes import mode_problems
+    checked, problems = [], []
+    for p in paths:
+        p = p[len("file://"):] if p.startswith("file://") else p
+        if "://" in p:
+            continue
+        checked.append(p)
+        problems += mode_problems(os.path.abspath(os.path.expanduser(p)))
+    for k in keyring_paths:
+        k = os.path.abspath(os.path.expanduser(k))
+        for q in (os.path.dirname(k), k, f"{k}.lock", f"{k}.kek"):
+            if q not in checked:
+                checked.append(q)
+                problems += [x for x in mode_problems(q, max_entries=0) if x not in problems]
+    return {"checked": checked, "problems": problems}
+
+
 def run_doctor(paths: list[str], config: str | None = None) -> dict:
     """Probe this machine.
 
@@ -312,7 +336,7 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
             file:// G4 URL are added.
         config: a config file (YAML/TOML/JSON) or inline JSON; None: defaults plus environment.
     Returns:
-        ``{"gpu", "gds", "kvikio", "nixl", "paths", "engine", "config"}`` (see the module docstring);
+        ``{"gpu", "gds", "kvikio", "nixl", "paths", "modes", "engine", "config"}`` (see the module docstring);
         JSON-serialisable.
     Raises:
         ConfigError: the config is invalid (message names the field).
@@ -326,7 +350,9 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
     kvk = kvikio_info()
     nixl = nixl_info()
     pinfo = [path_info(p) for p in all_paths]
-    return {"gpu": gpu, "gds": gds, "kvikio": kvk, "nixl": nixl, "paths": pinfo,
+    kr = [x for x in ((cfg.g4.keyring.path if cfg.g4.enabled else None),
+                      getattr(cfg.g4.keyring, "kek_file", None) if cfg.g4.enabled else None) if x]
+    return {"gpu": gpu, "gds": gds, "kvikio": kvk, "nixl": nixl, "paths": pinfo, "modes": modes_info(all_paths, kr),
             "engine": engine_choice(cfg, gpu, kvk, nixl, pinfo), "config": config}
 
 
@@ -379,6 +405,11 @@ def print_doctor(result: dict, console=None) -> None:
         t.add_row(p["path"], p.get("fs_type", "?"), _fmt(p.get("o_direct")), _gb(p.get("free_bytes")),
                   _gb(p.get("total_bytes")), p.get("note") or p.get("o_direct_error") or "")
     console.print(t)
+    modes = result.get("modes") or {}
+    for line in modes.get("problems", []):
+        console.print(f"[red]mode problem[/red]: {line}")
+    if modes.get("checked") and not modes.get("problems"):
+        console.print(f"modes: {len(modes['checked'])} paths checked, all private (0600 files, 0700 directories)")
     t = Table(title="ENGINE", show_header=False, title_justify="left")
     t.add_column("key", style="bold")
     t.add_column("value", overflow="fold")

@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from ..fsmodes import makedirs_private
 from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
 
 KEY_BYTES = 32
@@ -177,7 +178,7 @@ def provider_for(path: str | os.PathLike, kek_env: str = "KVBM_BACKEND_KEK", kek
     if kf.exists():
         return LocalKek.from_file(kf)
     if create and not Path(path).exists():
-        kf.parent.mkdir(parents=True, exist_ok=True)
+        makedirs_private(kf.parent)  # 0700, parents too, whatever the umask
         try:
             return LocalKek.generate_file(kf)
         except KeyringError:

@@ -61,6 +61,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..fsmodes import makedirs_private
 from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant, _b64,
                   _check_private, _fsync_dir, _now_iso, _stamp, _unb64, dir_is_read_only, generate_kek_b64,
                   provider_for)
@@ -147,7 +148,7 @@ class Keyring(PersistMixin):
             raise KeyringError(f"keyring {self.path}: not found (read-only keyring: create it where it is writable "
                                "with `kvbm-backend keys create`, then mount it)")
         elif create:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            makedirs_private(self.path.parent)  # 0700, parents too, whatever the umask
             with self._locked():
                 if self.path.exists():
                     self._load()

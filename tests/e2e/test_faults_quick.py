@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage", "tenantflood", "dupkeys", "lockrm")
+KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage", "tenantflood", "dupkeys", "lockrm", "lyings3",
+         "special")
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.g4_writer import namespace, payload
+from tests.helpers.held_open import HeldOpen
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.breaker import CircuitBreaker
 from kvbm_backend.pool.g4.pool import G4Pool
@@ -115,8 +116,8 @@ def test_server_frozen_killed_and_restarted(seaweed_restartable, tmp_path):
 
 def test_hung_shared_mount_reads_are_bounded_and_recover(tmp_path):
     """A shared POSIX mount that hangs (an NFS hard mount whose server is gone: reads block in the
-    kernel and raise nothing). Simulated with real FIFOs at the objects' names: open() blocks until a
-    writer appears. Loads are misses within the bound, the caller never waits, a late read never
+    kernel and raise nothing). Simulated with write leases this process holds on the objects
+    (tests/helpers/held_open.py): open() blocks in the kernel until they are given up. Loads are misses within the bound, the caller never waits, a late read never
     lands, the silence opens the breaker (so calls stop queueing behind the stuck I/O threads), and
     when the mount returns the stuck reads finish and the pool recovers by itself."""
     ns = namespace()
@@ -130,10 +131,9 @@ def test_hung_shared_mount_reads_are_bounded_and_recover(tmp_path):
     blocks = [payload(s, "t", bpb) for s in seqs]
     assert pool.put(keys, blocks).result(timeout=30).written == 8
     hung = [pool.store._path(pool.object_name(k)) for k in keys[:4]]
-    for p in hung:  # the server goes away under these four objects
-        os.rename(p, f"{p}.real")
-        os.mkfifo(p)
-        os.link(p, f"{p}.hold")  # our handle to release the blocked readers later
+    # the server goes away under these four objects: their opens block in the kernel (a write lease
+    # this process holds; a FIFO no longer does, the store refuses those at once)
+    held = HeldOpen(hung)
     try:
         sentinel = [np.full(bpb, 0xAB, np.uint8) for _ in range(4)]
         for attempt in range(2):  # two silent batches: breaker_failures=2
@@ -153,11 +153,7 @@ def test_hung_shared_mount_reads_are_bounded_and_recover(tmp_path):
         assert r.done() and r.result().dropped == 1
         assert all((s == 0xAB).all() for s in sentinel)
     finally:
-        for p in hung:  # the mount comes back: the objects are there again, the blocked opens finish
-            os.rename(f"{p}.real", p)
-            fd = os.open(f"{p}.hold", os.O_WRONLY | os.O_NONBLOCK)
-            os.close(fd)
-            os.unlink(f"{p}.hold")
+        held.release()  # the mount comes back: the blocked opens finish
     time.sleep(0.5)
     assert all((s == 0xAB).all() for s in sentinel)  # the late reads did not land in expired buffers
     deadline = time.monotonic() + 20

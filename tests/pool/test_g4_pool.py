@@ -128,7 +128,7 @@ def test_corrupt_swapped_truncated_objects_never_served(target):
         ok = _read(p, seqs, "a")
         assert ok == [False, False, False, False, True, False, True]
         s = p.stats()
-        assert s["corrupt"] == 5 and s["deleted_corrupt"] == 5
+        assert s["corrupt"] == 5 and s["deleted_corrupt"] == 5, str({k: v for k, v in s.items() if "corrupt" in k or "miss" in k})
         assert s["corrupt_integrity"] >= 1 and s["corrupt_header_check"] == 1 and s["corrupt_length"] == 1
         assert s["corrupt_identity"] == 2  # header names another seq / another tenant
         # corrupt objects were dropped, so the next offload can publish good copies again

@@ -109,6 +109,7 @@ def _tiers_cfg(tmp_path, **metrics_cfg):
 
 def test_metrics_port_serves_kvbm_series_when_tiers_open(tmp_path):
     from tests.helpers.g4_writer import namespace, payload as g4_payload
+    from tests.helpers.held_open import HeldOpen
     from kvbm_backend.integrations.tiers import open_tiers
     port = _free_port()
     ns = namespace()
@@ -176,6 +177,7 @@ def test_every_g4_series_moves(tmp_path):
     import os
     import time
     from tests.helpers.g4_writer import namespace, payload as g4_payload
+    from tests.helpers.held_open import HeldOpen
     from kvbm_backend.config import G4Config
     from kvbm_backend.pool.g4.pool import G4Pool
     ns = namespace()
@@ -199,20 +201,16 @@ def test_every_g4_series_moves(tmp_path):
         d.parent.mkdir(parents=True, exist_ok=True)
         d.write_bytes(b"x")
         assert pool.put([other], [g4_payload(50, "u", bpb)]).result(timeout=30).dropped == 1
-        fifo = pool.store._path(pool.object_name(ns.keys([60], tenant="t")[0]))  # a read that never returns
-        fifo.parent.mkdir(parents=True, exist_ok=True)
-        os.mkfifo(fifo)
-        os.link(fifo, f"{fifo}.hold")  # our handle to release the blocked reader later
+        k60 = ns.keys([60], tenant="t")[0]  # a read that never returns: its open blocks under our lease
+        assert pool.put([k60], [g4_payload(60, "t", bpb)]).result(timeout=30).written == 1
+        fifo = HeldOpen([pool.store._path(pool.object_name(k60))])
         assert pool.get(ns.keys([60], tenant="t"), [aligned_empty(bpb)]).result(timeout=30).ok == [False]
         assert pool.breaker.state == "open"
         # the gauge while the breaker is open (the released reader may close it again below)
         assert metrics.sample_value(reg, "kvbm_backend_g4_degraded") == 1
     finally:
-        if fifo is not None:  # release the blocked reader; the path is gone first, so a retry of the
-            time.sleep(0.1)  # open (the store's non-O_DIRECT fallback) finds nothing instead of blocking
-            os.unlink(fifo)  # again - a reader stuck forever keeps pytest from exiting
-            os.close(os.open(f"{fifo}.hold", os.O_WRONLY | os.O_NONBLOCK))
-            os.unlink(f"{fifo}.hold")
+        if fifo is not None:  # release the blocked reader (a reader stuck forever keeps pytest from exiting)
+            fifo.release()
         pool.close(timeout=1)
     m = metrics.TierMetrics("g4", reg)
     for attr, sample, labels in (("offload_blocks", "kvbm_offload_blocks_d2o_total", {}),
@@ -229,10 +227,10 @@ def test_every_g4_series_moves(tmp_path):
                                  ("offload_seconds", "kvbm_backend_g4_offload_seconds_count", {})):
         assert getattr(m, attr) is not None
         assert (metrics.sample_value(reg, sample, labels) or 0) > 0, sample
-    # one observation per queued offload, whatever its end: 2 written + 1 the store refused (the 2 refused
-    # for a full queue were never queued)
-    assert metrics.sample_value(reg, "kvbm_backend_g4_offload_seconds_count") == 3
-    assert metrics.sample_value(reg, "kvbm_backend_g4_offload_seconds_bucket", {"le": "+Inf"}) == 3
+    # one observation per queued offload, whatever its end: 3 written (2, then the block read under the
+    # lease) + 1 the store refused (the 2 refused for a full queue were never queued)
+    assert metrics.sample_value(reg, "kvbm_backend_g4_offload_seconds_count") == 4
+    assert metrics.sample_value(reg, "kvbm_backend_g4_offload_seconds_bucket", {"le": "+Inf"}) == 4
     assert m.degraded is not None  # its value was checked while the breaker was open
     assert m.evictions is None and m.capacity_bytes is None  # G3-only series are not registered for G4
     assert metrics.sample_value(reg, "kvbm_backend_g4_capacity_bytes") is None

@@ -37,6 +37,7 @@ import stat
 import uuid
 from dataclasses import dataclass, field
 
+from ...fsmodes import makedirs_private
 from ...io import probe_o_direct
 from ...model.namespace import Namespace
 
@@ -137,7 +138,7 @@ class SlabSet:
     # ---- set-up ------------------------------------------------------------------------------
     def _open_dir(self, d: str) -> int:
         """Create ``d`` (0700) if missing, open it and check owner and mode; returns its fd."""
-        os.makedirs(d, mode=0o700, exist_ok=True)
+        makedirs_private(d)  # 0700, parents too, whatever the umask
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)

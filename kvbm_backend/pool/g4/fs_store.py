@@ -9,22 +9,28 @@ Publish protocol (invariant 2), safe with many writers on many nodes:
 3. unlink the temp, ``fsync`` the directory.
 
 Readers only ever open final names, so they see complete objects or nothing. Directories are
-created on demand (``exist_ok``), which is race-free.
+created on demand (0700, an existing one is fine), which is race-free. No path component under the
+root is ever followed if it is a symbolic link (:class:`FsStore`).
 """
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import socket
+import stat
 import uuid
 from pathlib import Path
 from typing import Iterator
 
+from ...fsmodes import DIR_MODE, FILE_MODE, makedirs_private
 from ...memory import aligned_empty
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
 _NO_DIRECT = object()
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 _HOST = socket.gethostname().replace("/", "_").replace(".", "_")
 _UNAVAILABLE = {errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENOTCONN, errno.EHOSTDOWN, errno.EHOSTUNREACH,
@@ -36,7 +42,15 @@ def is_temp_name(basename: str) -> bool:
 
 
 class FsStore(ObjectStore):
-    """Objects as files under ``root``. ``fsync=False`` only for throwaway benchmarks."""
+    """Objects as files under ``root``. ``fsync=False`` only for throwaway benchmarks.
+
+    Hostile trees (issue 26): every path is resolved from the root one component at a time with
+    ``O_NOFOLLOW`` directory fds, so a symbolic link (or anything but a directory) at any component under
+    the root is refused (an OSError naming it: a miss or a dropped offload, never I/O outside the root);
+    objects are opened ``O_NONBLOCK | O_NOFOLLOW`` and refused unless ``fstat`` says regular file, so a
+    FIFO or socket planted at an object name cannot block an I/O thread. Everything created is 0600
+    (files) or 0700 (directories) whatever the umask (:mod:`kvbm_backend.fsmodes`).
+    """
 
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True):
         self.root = Path(root)
@@ -44,7 +58,7 @@ class FsStore(ObjectStore):
         self.fsync = fsync
         self._direct: bool | None = None  # O_DIRECT reads: None = not probed yet
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            makedirs_private(self.root)
         except OSError as e:
             raise ValueError(f"g4.url {self.url}: cannot create directory: {e}") from None
 
@@ -57,19 +71,105 @@ class FsStore(ObjectStore):
         return cls(parsed.path, fsync=opts.fsync)
 
     def _path(self, name: str) -> Path:
-        if name.startswith("/") or ".." in name.split("/"):
-            raise ValueError(f"object name {name!r}: must be relative without '..'")
+        self._split(name)
         return self.root / name
+
+    @staticmethod
+    def _split(name: str) -> tuple[list[str], str]:
+        parts = name.split("/")
+        if name.startswith("/") or ".." in parts or any(p in ("", ".") for p in parts):
+            raise ValueError(f"object name {name!r}: must be relative without '..'")
+        return parts[:-1], parts[-1]
 
     def _wrap(self, op: str, name: str, e: OSError) -> OSError:
         if e.errno in _UNAVAILABLE:
             return StoreUnavailable(f"{op} {self.url}/{name}: {e}")
         return e
 
-    def _write_temp(self, final: Path, data) -> Path:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".{final.name}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    def _refused(self, rel: str, what: str) -> OSError:
+        return OSError(errno.ELOOP, f"{self.url}/{rel}: {what}: refused (never followed under the store root)")
+
+    def _open_dir(self, dirs: list[str], create: bool) -> int | None:
+        """fd of the directory ``root/dirs...`` opened component by component without following links
+        (created 0700 when ``create``); None when a component is absent and not ``create``. Raises
+        OSError (ELOOP) naming a component that is a link or not a directory."""
+        fd = os.open(self.root, _DIR_FLAGS & ~os.O_NOFOLLOW)  # the root itself may be a link (operator's choice)
+        try:
+            for i, c in enumerate(dirs):
+                try:
+                    nfd = os.open(c, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        os.close(fd)
+                        return None
+                    try:
+                        os.mkdir(c, DIR_MODE, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    nfd = os.open(c, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise self._refused("/".join(dirs[:i + 1]), "a symbolic link or not a directory") from None
+                    raise
+                os.close(fd)
+                fd = nfd
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_file(self, name: str, flags: int):
+        """fd of the regular file ``name`` opened read-only (``flags`` added, e.g. O_DIRECT), or None if
+        absent. Raises OSError for links, FIFOs, sockets, devices and directories (checked by ``fstat``
+        after an ``O_NONBLOCK | O_NOFOLLOW`` open, so nothing blocks), EINVAL where O_DIRECT is refused."""
+        dirs, base = self._split(name)
+        dfd = self._open_dir(dirs, create=False)
+        if dfd is None:
+            return None
+        try:
+            try:
+                fd = os.open(base, _READ_FLAGS | flags, dir_fd=dfd)
+            except FileNotFoundError:
+                return None
+            except BlockingIOError:
+                # a regular file whose open must wait (a lease being broken, as a slow or hung mount would
+                # make it): reopen the very inode, checked regular, without O_NONBLOCK (the caller's
+                # load deadline bounds the wait)
+                fd = self._open_waiting(dfd, base, name, flags)
+                if fd is None:
+                    return None
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise self._refused(name, "a symbolic link") from None
+                raise
+        finally:
+            os.close(dfd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._refused(name, f"not a regular file (mode {st.st_mode:o})")
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_waiting(self, dfd: int, base: str, name: str, flags: int) -> int | None:
+        try:
+            pfd = os.open(base, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(pfd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._refused(name, f"not a regular file (mode {st.st_mode:o})")
+            return os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_CLOEXEC | flags)
+        finally:
+            os.close(pfd)
+
+    def _write_temp(self, dfd: int, base: str, data) -> str:
+        tmp = f".{base}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
         try:
             mv = memoryview(data).cast("B")
             off = 0
@@ -79,43 +179,50 @@ class FsStore(ObjectStore):
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
-            _unlink(tmp)
+            _unlink(tmp, dfd)
             raise
         os.close(fd)
         return tmp
 
-    def _fsync_dir(self, d: Path) -> None:
-        if not self.fsync:
-            return
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def put_if_absent(self, name: str, data) -> bool:
-        final = self._path(name)
+        dirs, base = self._split(name)
         try:
-            tmp = self._write_temp(final, data)
+            dfd = self._open_dir(dirs, create=True)
             try:
-                os.link(tmp, final)
-                created = True
-            except FileExistsError:
-                created = False
+                tmp = self._write_temp(dfd, base, data)
+                try:
+                    os.link(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                    created = True
+                except FileExistsError:
+                    created = False
+                finally:
+                    _unlink(tmp, dfd)
+                if created:
+                    if self.fsync:
+                        os.fsync(dfd)
+                elif not stat.S_ISREG(os.stat(base, dir_fd=dfd, follow_symlinks=False).st_mode):
+                    raise self._refused(name, "taken by something that is not a regular file")
+                return created
             finally:
-                _unlink(tmp)
-            if created:
-                self._fsync_dir(final.parent)
-            return created
+                os.close(dfd)
         except OSError as e:
             raise self._wrap("put", name, e) from None
 
     def put(self, name: str, data) -> None:
-        final = self._path(name)
+        dirs, base = self._split(name)
         try:
-            tmp = self._write_temp(final, data)
-            os.replace(tmp, final)
-            self._fsync_dir(final.parent)
+            dfd = self._open_dir(dirs, create=True)
+            try:
+                tmp = self._write_temp(dfd, base, data)
+                try:
+                    os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                except BaseException:
+                    _unlink(tmp, dfd)
+                    raise
+                if self.fsync:
+                    os.fsync(dfd)
+            finally:
+                os.close(dfd)
         except OSError as e:
             raise self._wrap("put", name, e) from None
 
@@ -125,11 +232,11 @@ class FsStore(ObjectStore):
             if got is not _NO_DIRECT:
                 return got
         try:
-            fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
+            fd = self._open_file(name, 0)
         except OSError as e:
             raise self._wrap("get", name, e) from None
+        if fd is None:
+            return None
         try:
             if length is None:
                 length = max(0, os.fstat(fd).st_size - offset)
@@ -155,7 +262,7 @@ class FsStore(ObjectStore):
         O_DIRECT (no page cache, no copy) when ``buf`` is 4 KiB aligned in address and length and the
         filesystem takes it; buffered otherwise. Pass huge-page-backed buffers
         (:func:`kvbm_backend.pool.g4.reader.bounce_buffers`) for full speed. Raises StoreUnavailable for
-        EIO and the like.
+        EIO and the like, OSError for a link or a non-regular file on the path.
         """
         mv = memoryview(buf).cast("B")
         direct = self._direct is not False and len(mv) % 4096 == 0 and _address(mv) % 4096 == 0
@@ -168,16 +275,15 @@ class FsStore(ObjectStore):
             raise self._wrap("get", name, e) from None
 
     def _read_into(self, name: str, mv: memoryview, direct: bool):
-        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         try:
-            fd = os.open(self._path(name), flags)
-        except FileNotFoundError:
-            return None
+            fd = self._open_file(name, os.O_DIRECT if direct else 0)
         except OSError as e:
             if direct and e.errno == errno.EINVAL:
                 self._direct = False
                 return _NO_DIRECT
             raise
+        if fd is None:
+            return None
         try:
             size = os.fstat(fd).st_size
             want = min(size, len(mv))
@@ -204,14 +310,14 @@ class FsStore(ObjectStore):
         """Whole-object read with O_DIRECT into a 4 KiB-aligned buffer (bypasses the page cache, as
         the O_DIRECT baseline does). Returns _NO_DIRECT when the filesystem or size does not allow it."""
         try:
-            fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-        except FileNotFoundError:
-            return None
+            fd = self._open_file(name, os.O_DIRECT)
         except OSError as e:
             if e.errno == errno.EINVAL:
                 self._direct = False
                 return _NO_DIRECT
             raise self._wrap("get", name, e) from None
+        if fd is None:
+            return None
         try:
             size = os.fstat(fd).st_size
             if size % 4096:
@@ -233,27 +339,64 @@ class FsStore(ObjectStore):
         finally:
             os.close(fd)
 
-    def head(self, name: str) -> int | None:
+    def stored_matches(self, name: str, data, size: int) -> bool:
+        """True only when the file ``name`` is a regular file of ``size`` bytes that starts with ``data``,
+        read afresh (a bad read, not bad stored bytes, gives False); False on any error."""
         try:
-            return os.stat(self._path(name)).st_size
+            fd = self._open_file(name, 0)
+        except (OSError, ValueError):
+            return False
+        if fd is None:
+            return False
+        try:
+            if os.fstat(fd).st_size != size:
+                return False
+            want = memoryview(data).cast("B")
+            return os.pread(fd, len(want), 0) == want
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def head(self, name: str) -> int | None:
+        dirs, base = self._split(name)
+        try:
+            dfd = self._open_dir(dirs, create=False)
+            if dfd is None:
+                return None
+            try:
+                st = os.stat(base, dir_fd=dfd, follow_symlinks=False)
+            finally:
+                os.close(dfd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._refused(name, "not a regular file")
+            return st.st_size
         except FileNotFoundError:
             return None
         except OSError as e:
             raise self._wrap("head", name, e) from None
 
     def delete(self, name: str) -> None:
+        dirs, base = self._split(name)
         try:
-            os.unlink(self._path(name))
+            dfd = self._open_dir(dirs, create=False)
+            if dfd is None:
+                return
+            try:
+                os.unlink(base, dir_fd=dfd)
+            finally:
+                os.close(dfd)
         except FileNotFoundError:
             pass
         except OSError as e:
             raise self._wrap("delete", name, e) from None
 
     def _walk(self, prefix: str, temps: bool) -> Iterator[ObjectInfo]:
-        # ``prefix`` is a name prefix; walk the deepest directory it fully names.
+        # ``prefix`` is a name prefix; walk the deepest directory it fully names (links are not followed
+        # and only regular files are objects).
         d = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = self.root / d if d else self.root
-        if not start.is_dir():
+        if not start.is_dir() or (d and start.is_symlink()):
             return
         for dirpath, _dirs, files in os.walk(start):
             for f in files:
@@ -264,10 +407,11 @@ class FsStore(ObjectStore):
                 if not rel.startswith(prefix):
                     continue
                 try:
-                    st = os.stat(p)
+                    st = os.lstat(p)
                 except FileNotFoundError:
                     continue
-                yield ObjectInfo(rel, st.st_size, st.st_mtime)
+                if stat.S_ISREG(st.st_mode):
+                    yield ObjectInfo(rel, st.st_size, st.st_mtime)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return self._walk(prefix, temps=False)
@@ -282,8 +426,8 @@ def _address(mv: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(mv)) if len(mv) else 0
 
 
-def _unlink(p: Path) -> None:
+def _unlink(name: str, dir_fd: int) -> None:
     try:
-        os.unlink(p)
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass

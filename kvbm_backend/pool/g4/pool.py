@@ -71,7 +71,7 @@ __all__ = ["G4Pool"]
 _MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most this many distinct ones
 TENANT_CACHE_ENTRIES = 4096  # tenants whose pseudonym and naming key a pool keeps (LRU); more are recomputed
 _STORE_ERROR_LOG_S = 300.0  # a store that keeps answering with an error (missing bucket, 403): one line per this
-_READ_FAILURES = {"unavailable", "error", "timeout"}  # miss reasons that are failed store reads
+_READ_FAILURES = {"unavailable", "error", "timeout", "unconfirmed_corrupt"}  # miss reasons that are failed store reads
 _WRITE_FAILURES = {"unavailable", "error"}  # drop reasons that are failed store writes
 
 

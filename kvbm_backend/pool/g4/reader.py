@@ -7,8 +7,13 @@ the bounce buffers file objects are read through.
   block not back by then is a miss (``miss_timeout``) and its late reply never touches the caller's
   buffer (per-block lock + ``closed`` flag). An expired batch counts as one store failure (breaker).
 * A block is a hit only after :func:`kvbm_backend.model.frame.accept` (header identity, layout, exact
-  length) and the GCM tag (or xxh3) verified in the caller's buffer; corrupt objects are misses
-  counted under ``corrupt_<reason>`` and deleted when the reason is in :data:`_DELETE_ON`.
+  length) and the GCM tag (or xxh3) verified in a staging buffer the pool owns (the bounce buffer,
+  decrypted in place, or a fresh one for a store's read-only bytes); only then are the bytes copied into
+  the caller's buffer, so a miss never touches it. Corrupt objects are misses counted under
+  ``corrupt_<reason>`` and deleted when the reason is in :data:`_DELETE_ON` *and* the store confirms it
+  holds exactly the bytes read (:meth:`~kvbm_backend.pool.g4.store.ObjectStore.stored_matches`: an S3
+  HEAD's length and MD5 ETag, a fresh re-read of a file); otherwise (a lying endpoint or proxy, a bad
+  read) the miss is ``miss_unconfirmed_corrupt`` (detail ``unconfirmed_<reason>``) and the object stays.
 * Lookups HEAD keys in growing parallel waves (8, 16, ... up to ``max_inflight``), stopping at the first
   absent key; an expired lookup answers the confirmed prefix.
 """
@@ -19,7 +24,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ...crypto.aead import AeadError, open_into
+from ...crypto.aead import AeadError, open_into, seal_into
 from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
 from ...model.namespace import BlockKey
@@ -164,6 +169,7 @@ class ReaderMixin:
                          stored_len=self._layout.bytes_per_block, frame_bytes=size, exact=True)
             payload = memoryview(data)[HEADER_BYTES:]
             dst = memoryview(out.reshape(-1).view(np.uint8))
+            # stage, verify, then copy: nothing unverified ever reaches ``out`` (a miss leaves it untouched)
             if hdr.flags & FLAG_ENCRYPTED:
                 dkey = (self.keyring.read_key(hdr.key_id, hdr.key_version, tenant=key.tenant)
                         if self.keyring else None)
@@ -172,27 +178,33 @@ class ReaderMixin:
                         raise FrameError("key_owner", "sealed under another tenant's data key")
                     # revoked, or the file stopped loading, since _tenant_miss looked: count it as such
                     return self._tenant_miss(key.tenant) or "miss_no_key"
-                with b.slot_mu[i]:
-                    if b.closed:
-                        return "miss_timeout"
-                    try:
-                        open_into(dkey, hdr.nonce, exp.identity_bytes(), hdr.integrity, payload, dst)
-                    except AeadError:
-                        raise FrameError("integrity", "GCM tag did not verify") from None
-                    b.ok[i] = True
+                # in place in our own bounce buffer; a read-only body (S3 bytes) into a fresh staging buffer
+                plain = payload if not payload.readonly else memoryview(bytearray(len(payload)))
+                try:
+                    open_into(dkey, hdr.nonce, exp.identity_bytes(), hdr.integrity, payload, plain)
+                except AeadError:
+                    if plain is payload:  # undo the in-place decryption (GCM's CTR keystream again) so
+                        seal_into(dkey, hdr.nonce, b"", plain, payload)  # the bytes read can be confirmed
+                    raise FrameError("integrity", "GCM tag did not verify") from None
             elif self.encrypt:
                 return "miss_unencrypted_object"  # an encrypted pool serves only authenticated blocks
             elif hdr.flags & FLAG_CHECKSUM:
-                with b.slot_mu[i]:
-                    if b.closed:
-                        return "miss_timeout"
-                    dst[:] = payload
-                    if payload_checksum(dst) != hdr.integrity:
-                        raise FrameError("integrity", "payload checksum mismatch")
-                    b.ok[i] = True
+                if payload_checksum(payload) != hdr.integrity:
+                    raise FrameError("integrity", "payload checksum mismatch")
+                plain = payload
             else:
                 raise FrameError("integrity", "frame has neither checksum nor AEAD tag")
+            with b.slot_mu[i]:
+                if b.closed:
+                    return "miss_timeout"
+                dst[:] = plain
+                b.ok[i] = True
         except FrameError as e:
+            if e.reason in _DELETE_ON and not self._stored_is_bad(name, data, size):
+                # the bytes read are bad but the store does not confirm it holds them (a lying endpoint
+                # or proxy, a failed read): a miss, and the object stays
+                self._count(f"unconfirmed_{e.reason}")
+                return "miss_unconfirmed_corrupt"
             self._count(f"corrupt_{e.reason}")
             if e.reason in _DELETE_ON:
                 try:
@@ -203,6 +215,15 @@ class ReaderMixin:
             return "miss_corrupt"
         self._count("bytes_read", size)
         return None
+
+    def _stored_is_bad(self, name: str, data, size: int) -> bool:
+        """True only when the store confirms the object under ``name`` is exactly what was read (``data``,
+        the first bytes of an object of ``size`` bytes): then dropping it drops the bad copy, not a good
+        one a transport garbled (:meth:`~kvbm_backend.pool.g4.store.ObjectStore.stored_matches`)."""
+        try:
+            return bool(self.store.stored_matches(name, data, size))
+        except Exception:  # noqa: BLE001 - unconfirmed: keep the object
+            return False
 
     # lookups: HEAD waves of growing size
     def _lookup_wave(self, b: _Batch, keys: list, start: int, width: int) -> None:

@@ -14,6 +14,9 @@
   on a slow store (a sealed frame has a fresh nonce: another writer's copy never matches). Servers
   that reject the header (501 NotImplemented) fall back to HEAD-then-PUT (whole-object PUTs are
   atomic on S3, so even then no reader sees a torn object).
+* A frame that fails verification is dropped only when :meth:`S3Store.stored_matches` (HEAD: length and
+  MD5 ETag of the bytes read) confirms the server holds those very bytes; a proxy or endpoint that
+  answers 200 with a wrong body never gets a good object deleted.
 * botocore's optional CRC request/response checksums are off (``when_required``): every frame carries
   its own xxh3 or GCM tag, verified where the bytes land.
 
@@ -168,6 +171,23 @@ class S3Store(ObjectStore):
             raise self._err("get", name, e) from None
         except BotoCoreError as e:
             raise self._unavailable("get", name, e) from None
+
+    def stored_matches(self, name: str, data, size: int) -> bool:
+        """True only when a HEAD of ``name`` says ``size`` bytes and an ETag equal to the MD5 of ``data``
+        (all of it: S3's ETag of a single-part PUT, as every G4 object is written). A body rewritten on the
+        way (short, garbage, another object's bytes, an error page) never matches, so the good object stays.
+        False on any error, or where the ETag is not a plain MD5 (multipart copies, SSE-KMS): unconfirmed."""
+        want = memoryview(data).cast("B")
+        if len(want) != size:
+            return False
+        try:
+            h = self.client.head_object(Bucket=self.bucket, Key=self._key(name))
+        except (ClientError, BotoCoreError):
+            return False
+        etag = str(h.get("ETag", "")).strip('"').lower()
+        if int(h.get("ContentLength", -1)) != size or len(etag) != 32:
+            return False
+        return etag == hashlib.md5(want, usedforsecurity=False).hexdigest()
 
     def head(self, name: str) -> int | None:
         try:

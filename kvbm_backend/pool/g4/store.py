@@ -84,6 +84,21 @@ class ObjectStore(ABC):
         mv[:n] = memoryview(data).cast("B")[:n]
         return len(data)
 
+    def stored_matches(self, name: str, data, size: int) -> bool:
+        """True only when the store confirms that the object it holds under ``name`` is ``size`` bytes
+        long and starts with ``data`` (bytes-like, what a read returned): the reader drops an object that
+        failed verification only then, never one a transport or proxy garbled on the way. False when it
+        cannot tell (any error). This default reads the object again and compares; stores whose reads may
+        lie consistently (S3 behind a proxy) ask the server for a checksum instead."""
+        try:
+            fresh = self.get(name)
+        except OSError:
+            return False
+        if fresh is None or len(fresh) != size:
+            return False
+        want = memoryview(data).cast("B")
+        return memoryview(fresh).cast("B")[:len(want)] == want
+
     @abstractmethod
     def head(self, name: str) -> int | None:
         """Size in bytes, or None if absent."""

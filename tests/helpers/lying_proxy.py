@@ -1,0 +1,91 @@
+"""A loopback HTTP proxy in front of a real S3 server that answers object GETs with ``200`` and a wrong
+body: what a broken endpoint, cache or middlebox can do. Everything else (PUT, HEAD, DELETE, listings)
+passes through unchanged, so the server itself keeps the true objects.
+
+``LyingProxy(host, port)``; set ``proxy.mode`` to one of :data:`MODES` (``"pass"`` forwards honestly):
+
+* ``short``: the first third of the body, with a matching short Content-Length;
+* ``garbage``: random bytes of the same length;
+* ``other``: ``proxy.other_body`` (another object's bytes);
+* ``html``: an HTML error page (``Content-Type: text/html``).
+
+The server's ETag header is kept (a proxy that rewrites bodies rarely touches it). ``proxy.lied`` counts
+rewritten answers. Used by tests/pool/test_g4_hostile.py and the ``lyings3`` fault campaign kind.
+"""
+from __future__ import annotations
+
+import http.client
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MODES = ("short", "garbage", "other", "html")
+_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "expect", "proxy-connection"}
+HTML = b"<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1></body></html>\n"
+
+
+class LyingProxy:
+    def __init__(self, host: str, port: int):
+        self.target = (host, port)
+        self.mode = "pass"
+        self.other_body = b""
+        self.lied = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _forward(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                hdrs = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+                c = http.client.HTTPConnection(*proxy.target, timeout=30)
+                try:
+                    c.request(self.command, self.path, body=body, headers=hdrs)
+                    r = c.getresponse()
+                    data = r.read()
+                    out_hdrs = [(k, v) for k, v in r.getheaders() if k.lower() not in _HOP]
+                    status = r.status
+                finally:
+                    c.close()
+                if (self.command == "GET" and status == 200 and proxy.mode != "pass"
+                        and "?" not in self.path and self.path.count("/") >= 2):
+                    data, out_hdrs = proxy._lie(data, out_hdrs)
+                self.send_response(status)
+                for k, v in out_hdrs:
+                    self.send_header(k, v)
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
+                else:
+                    self.send_header("Content-Length", r.getheader("Content-Length", "0"))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
+
+        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._srv.daemon_threads = True
+        self.port = self._srv.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+
+    def _lie(self, data: bytes, hdrs: list):
+        self.lied += 1
+        m = self.mode
+        if m == "short":
+            return data[: len(data) // 3], hdrs
+        if m == "garbage":
+            return os.urandom(len(data)), hdrs
+        if m == "other":
+            return bytes(self.other_body), hdrs
+        if m == "html":
+            return HTML, [(k, v) for k, v in hdrs if k.lower() != "content-type"] + [("Content-Type", "text/html")]
+        raise ValueError(f"LyingProxy.mode {m!r}: one of pass, {', '.join(MODES)}")
+
+    def close(self) -> None:
+        self._srv.shutdown()
+        self._srv.server_close()
