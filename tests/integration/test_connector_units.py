@@ -650,3 +650,45 @@ def test_report_channel_round_trip_and_refusals(tmp_path, monkeypatch):
     assert not os.path.exists(lst.path)
     os.chmod(tmp_path / f"kvbm-backend-{os.getuid()}", 0o777)
     assert rc.socket_path("x") is None  # others may enter: not used
+
+
+def test_package_logs_go_through_vllms_logger_once():
+    """Issue 22 item 4: the vLLM plugin routes ``kvbm_backend.*`` records to vLLM's ``vllm`` logger's handlers
+    (its format and level) where the root logger has no handler (``vllm serve``: they were dropped, warnings
+    printed bare), and leaves them to propagation where it has one (Dynamo's root handler, pytest's caplog):
+    never twice."""
+    import logging
+
+    from kvbm_backend.integrations.vllm import plugin
+
+    class Catch(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.got = []
+
+        def emit(self, record):
+            self.got.append(record.getMessage())
+
+    root, vl, lg = logging.getLogger(), logging.getLogger("vllm"), logging.getLogger("kvbm_backend")
+    saved = (list(root.handlers), list(vl.handlers), vl.level, vl.propagate, list(lg.handlers), lg.level)
+    try:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in list(lg.handlers):
+            lg.removeHandler(h)
+        lg.setLevel(logging.NOTSET)
+        cv, cr = Catch(), Catch()
+        vl.handlers, vl.propagate = [cv], False
+        vl.setLevel(logging.INFO)
+        assert plugin.route_logs() and not plugin.route_logs()  # installed once
+        logging.getLogger("kvbm_backend.tiers").info("kvbm_backend tiers open: x")
+        logging.getLogger("kvbm_backend.tiers").debug("below vLLM's level")
+        assert cv.got == ["kvbm_backend tiers open: x"]
+        root.addHandler(cr)  # an application (Dynamo, pytest) with a root handler: propagation only
+        logging.getLogger("kvbm_backend.connector").warning("w")
+        assert cv.got == ["kvbm_backend tiers open: x"] and cr.got == ["w"]
+    finally:
+        root.handlers[:] = saved[0]
+        vl.handlers, vl.level, vl.propagate = saved[1], saved[2], saved[3]
+        lg.handlers[:] = saved[4]
+        lg.setLevel(saved[5])

@@ -27,33 +27,39 @@ log = logging.getLogger("kvbm_backend.connector")
 class _ToVllm(logging.Handler):
     """Hands each record to the handlers of vLLM's ``vllm`` logger as they are when the record is emitted
     (vLLM's default stream handler, or Dynamo's once Dynamo configured vLLM's logging), at that logger's
-    level."""
+    level; only where the root logger has no handler of its own (else the record reaches the application's
+    handlers by propagation, as before: no duplicates, and pytest's caplog still sees it)."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return
         vl = logging.getLogger("vllm")
         if record.levelno >= vl.getEffectiveLevel():
             vl.handle(record)
 
 
 def route_logs() -> bool:
-    """Send ``kvbm_backend.*`` records to vLLM's logger (see the module doc) unless the application gave
-    ``kvbm_backend`` handlers of its own. Returns True when this call installed the route."""
+    """Send ``kvbm_backend.*`` records to vLLM's logger (see the module doc) unless ``kvbm_backend`` has
+    handlers already. Returns True when this call installed the route. The package logger's level becomes
+    INFO when it had none (records below vLLM's level are still dropped by the route)."""
     lg = logging.getLogger("kvbm_backend")
     if lg.handlers:
         return False
-    vl = logging.getLogger("vllm")
-    if not vl.handlers:  # vLLM's logging not configured here (or disabled by VLLM_CONFIGURE_LOGGING=0)
-        return False
     lg.addHandler(_ToVllm())
-    lg.setLevel(min(vl.getEffectiveLevel(), logging.INFO))
-    lg.propagate = False
+    if lg.level == logging.NOTSET:
+        lg.setLevel(logging.INFO)
     return True
 
 
 def register() -> bool:
     """Register ``KvbmBackendConnector`` in vLLM's ``KVConnectorFactory`` (lazily: the module is imported
     when vLLM first builds the connector). Returns True when this call registered it, False when it was
-    already registered or vLLM's factory is not importable. Never raises: a plugin must not break vLLM."""
+    already registered or vLLM's factory is not importable. Also routes the package's logs through vLLM's
+    logger (:func:`route_logs`). Never raises: a plugin must not break vLLM."""
+    try:
+        route_logs()
+    except Exception:  # noqa: BLE001
+        pass
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except Exception:  # noqa: BLE001 - no vLLM (or another version's layout): nothing to register
