@@ -62,11 +62,12 @@ import uuid
 from pathlib import Path
 
 from ..fsmodes import makedirs_private
+from ..model.namespace import tenant_bytes
 from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant, _b64,
                   _check_private, _fsync_dir, _now_iso, _stamp, _unb64, dir_is_read_only, generate_kek_b64,
                   provider_for)
 from .keyring_persist import PersistMixin
-from .names import NAME_KEY_LABEL, UNKEYED_PSEUDONYM_KEY, derive_name_key
+from .names import NAME_KEY_LABEL, UNKEYED_PSEUDONYM_KEY, check_storable_tenant, derive_name_key
 
 FORMAT = "kvbm-backend-keyring/1"
 NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
@@ -317,7 +318,7 @@ class Keyring(PersistMixin):
     # ---- tenants ---------------------------------------------------------------------------
     def pseudonym(self, tenant: str) -> bytes:
         """16-byte pseudonym of ``tenant``: HMAC-SHA256(pseudonym key, UTF-8 tenant id)[:16]."""
-        return hmac.new(self._pseudonym_key, tenant.encode(), hashlib.sha256).digest()[:16]
+        return hmac.new(self._pseudonym_key, tenant_bytes(tenant), hashlib.sha256).digest()[:16]
 
     def name_key(self, pseudonym: bytes) -> bytes:
         """The 32-byte key G4 names a tenant's blocks with (:func:`derive_name_key` under the keyring's
@@ -340,6 +341,7 @@ class Keyring(PersistMixin):
         first write) raises :class:`TenantRevoked` for a revoked tenant, checked under the file lock."""
         def fn(doc):
             if tenant not in doc["tenants"]:
+                check_storable_tenant(tenant, self.path)
                 if implicit and self.pseudonym(tenant).hex() in doc.get("revoked", {}):
                     raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} (pseudonym) was "
                                         "revoked; only `kvbm-backend keys create` re-creates it")

@@ -20,3 +20,20 @@ def derive_name_key(pseudonym_key: bytes, pseudonym: bytes) -> bytes:
     ``pseudonym`` being the tenant's 16-byte pseudonym. Secret exactly as long as ``pseudonym_key`` is
     (:data:`UNKEYED_PSEUDONYM_KEY`, public, for pools without a keyring: such names hide nothing)."""
     return hmac.new(pseudonym_key, NAME_KEY_LABEL + pseudonym, hashlib.sha256).digest()
+
+
+def check_storable_tenant(tenant: str, where: str) -> None:
+    """Refuse a tenant id the keyring file (JSON) cannot keep: JSON writes a lone surrogate as ``\\udXXX``
+    and reads a high/low pair back as the one character they form, i.e. another tenant. Such ids (possible
+    only from a client's ``cache_salt`` decoded with surrogateescape) get no data key: their offloads are
+    dropped as an unknown tenant, their loads miss.
+
+    Raises:
+        UnknownTenant: naming the keyring (``where``) and why.
+    """
+    import json
+
+    from .kek import UnknownTenant
+    if json.loads(json.dumps(tenant)) != tenant:
+        raise UnknownTenant(f"keyring {where}: a tenant id holding a UTF-16 surrogate pair cannot have a data key "
+                            "(JSON would read it back as another tenant)")

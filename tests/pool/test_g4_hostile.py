@@ -242,3 +242,42 @@ def test_everything_created_is_private_under_umask_000(tmp_path):
     probs = res["modes"]["problems"]
     assert any(str(g4root) in x and "0777" in x for x in probs), probs
     assert any("keyring.json" in x and "0644" in x for x in probs), probs
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_any_str_is_a_g4_tenant(tmp_path, encrypt):
+    """Issue 26 item 10 (G4): a tenant id with a lone surrogate (a client's cache_salt decoded with
+    surrogateescape), a NUL or 100k characters is a tenant like any other: the pseudonym, the keyed names and
+    the keyring take its bytes as namespace.tenant_bytes does (UTF-8, surrogatepass); before, G4 raised
+    UnicodeEncodeError on the first of them."""
+    import numpy as np
+
+    from kvbm_backend.config import load_config
+    from kvbm_backend.integrations.tiers import open_tiers
+    from kvbm_backend.model.layout import KvLayout
+    from kvbm_backend.model.namespace import Namespace
+
+    lay = KvLayout(2, 2, 16, 64, "bfloat16")
+    ns = Namespace("m", lay)
+    g4cfg = {"enabled": True, "url": f"file://{tmp_path}/g4", "encrypt": encrypt}
+    if encrypt:
+        g4cfg["keyring"] = {"path": str(tmp_path / "kr.json")}
+    _, g4 = open_tiers(load_config({"g3": {"enabled": False}, "g4": g4cfg}, use_env=False), ns)
+    try:
+        for i, t in enumerate(["\udcff", "a\x00b", "x" * 100_000, "\ud800\udc00"]):
+            keys = ns.keys([1, 2], t)
+            blocks = [np.full(lay.bytes_per_block, i, np.uint8)] * 2
+            r = g4.put(keys, blocks).result(30)
+            if encrypt and t == "\ud800\udc00":
+                # the keyring file (JSON) would read this id back as U+10000, another tenant: refused, a miss
+                assert (r.written, r.dropped) == (0, 2) and g4.lookup_prefix(keys).result(30) == 0
+                assert g4.stats().get("dropped_unknown_tenant", 0) >= 2, g4.stats()
+                continue
+            assert r.written == 2, t[:8]
+            g4.flush(30)
+            out = [np.zeros(lay.bytes_per_block, np.uint8) for _ in range(2)]
+            assert list(g4.get(keys, out).result(30).ok) == [True, True] and (out[0] == i).all()
+            assert g4.lookup_prefix(keys).result(30) == 2
+            assert g4.lookup_prefix(ns.keys([1, 2], t + "!")).result(30) == 0  # another tenant: nothing
+    finally:
+        g4.close()

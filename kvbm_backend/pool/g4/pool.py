@@ -55,7 +55,7 @@ from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
 from ...metrics import TierMetrics
 from ...model.frame import HEADER_BYTES, FrameHeader
 from ...model.layout import KvLayout
-from ...model.namespace import BlockKey, KeyRun, Namespace
+from ...model.namespace import BlockKey, KeyRun, Namespace, tenant_bytes
 from ..base import GetResult, PutResult, completed, is_tensor_batch
 from ..deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
@@ -415,7 +415,7 @@ class G4Pool(WriterMixin, ReaderMixin):
         for unencrypted pools without a keyring; ``stats()["pseudonym_keyed"]`` says which)."""
         if self.keyring is not None:
             return self.keyring.pseudonym(tenant)
-        return hmac.new(UNKEYED_PSEUDONYM_KEY, tenant.encode(), hashlib.sha256).digest()[:16]
+        return hmac.new(UNKEYED_PSEUDONYM_KEY, tenant_bytes(tenant), hashlib.sha256).digest()[:16]
 
     def _new_namer(self, tenant: str) -> TenantNamer:
         ps = self.pseudonym(tenant)
