@@ -11,7 +11,8 @@ any node, with the same keyring, finds blocks by name.
   swapped to another name or tenant fails to open. ``encrypt=False`` stores xxh3_128 checksummed
   plaintext and ``stats()["encrypted"]`` says so.
 * Never blocks the caller: every call returns a Future at once; requests run on a pool of
-  ``max_inflight`` threads. Loads and lookups resolve within ``timeout_s * (1 + retries)`` seconds:
+  ``max_inflight`` threads for reads and as many for offloads (stuck reads never hold back offloads,
+  nor the reverse). Loads and lookups resolve within ``timeout_s * (1 + retries)`` seconds:
   what is not back by then is a miss (``miss_timeout``), and a late reply never touches the
   caller's buffer. Offloads beyond ``write_queue_blocks`` pending blocks are dropped and counted.
 * A circuit breaker (:mod:`.breaker`) turns a dead store into immediate misses/drops and probes it
@@ -114,7 +115,10 @@ class G4Pool(WriterMixin, ReaderMixin):
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, name=self.where,
                                       on_change=self._on_breaker_change)
         self._store_errors_logged: dict[str, float] = {}  # kind -> when last logged
+        # reads (gets, lookups, deletes) and writes (offloads) on threads of their own: stuck reads (a hung
+        # mount, objects whose open blocks) never hold back offloads of other blocks, nor stuck writes loads
         self._io = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-io")
+        self._io_put = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-put")
         # get() into torch tensors waits on its own host get here (never on an _io thread it needs)
         self._device_exec = ThreadPoolExecutor(2, thread_name_prefix="g4-device")
         # Stores that read straight into a buffer (file://) get reusable huge-page bounce buffers, one
@@ -134,7 +138,7 @@ class G4Pool(WriterMixin, ReaderMixin):
         self._put_futures: set[Future] = set()
         self._closed = False
         self._ns_written = False
-        self._io.submit(self._write_namespace_json)
+        self._io_put.submit(self._write_namespace_json)
         if registry is not None:
             self._register_metrics(registry)
 
@@ -211,7 +215,7 @@ class G4Pool(WriterMixin, ReaderMixin):
 
         queued = time.monotonic()
         for k, blk in zip(keys[:take], blocks[:take]):
-            self._io.submit(self._put_one, k, blk, one_done, queued)
+            self._io_put.submit(self._put_one, k, blk, one_done, queued)
         with self._mu:
             self._put_futures.add(fut)
         fut.add_done_callback(self._forget_put)
@@ -331,6 +335,7 @@ class G4Pool(WriterMixin, ReaderMixin):
         self._closed = True
         self._device_exec.shutdown(wait=True)
         self._io.shutdown(wait=False, cancel_futures=True)
+        self._io_put.shutdown(wait=False, cancel_futures=True)
         self._deadlines.close()
         if self.keyring is not None:
             try:
@@ -450,7 +455,7 @@ class G4Pool(WriterMixin, ReaderMixin):
         # the namespace an operator finds in the store always says what it holds
         if state == "closed" and not self._ns_written and not self._closed:
             try:
-                self._io.submit(self._write_namespace_json)
+                self._io_put.submit(self._write_namespace_json)
             except RuntimeError:  # closing: the I/O threads are gone
                 pass
 

@@ -75,7 +75,7 @@ class S3Store(ObjectStore):
         bucket: bucket name. prefix: key prefix (no leading/trailing ``/``), may be empty.
         endpoint_url: e.g. ``http://127.0.0.1:8333``; None for AWS or ``AWS_ENDPOINT_URL``.
         timeout_s: connect and read timeout per request, seconds.
-        max_inflight: HTTP connections in the pool.
+        max_inflight: requests in flight per direction (reads, writes): the pool keeps twice as many connections.
         retries: extra attempts per request.
     """
 
@@ -84,7 +84,7 @@ class S3Store(ObjectStore):
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.endpoint_url = endpoint_url
-        cfg = Config(connect_timeout=timeout_s, read_timeout=timeout_s, max_pool_connections=max_inflight,
+        cfg = Config(connect_timeout=timeout_s, read_timeout=timeout_s, max_pool_connections=2 * max_inflight,
                      retries={"total_max_attempts": 1 + retries, "mode": "standard"},
                      request_checksum_calculation="when_required", response_checksum_validation="when_required",
                      s3={"addressing_style": "path"} if endpoint_url else None)
