@@ -113,16 +113,16 @@ class ReaderMixin:
             log.warning("G3: a device load reported slot %s bad (%s) but it %s; kept", slot, reason,
                         "re-reads and verifies" if why == "good" else "cannot be re-read now")
             return
-        with self._lock:
+        with self._lock:  # counted under the reason of the check that found it (the re-read only proves it)
             self._c["corrupt"] += 1
-            self._c["corrupt:" + why] += 1
+            self._c["corrupt:" + reason] += 1
             free = self.index.remove(key, slot)
             if free is not None:
                 self.slabs.release([free])
             self._journal_append([jr.encode(jr.DEL, key)])
             self._c["deleted"] += 1
             self._update_gauges()
-        self.metrics.corrupt.labels(why).inc()
+        self.metrics.corrupt.labels(reason).inc()
 
     def device_reader(self, device):
         """The pool's :class:`~kvbm_backend.gpu.loader.DeviceLoader` for ``device`` (created on first
