@@ -22,6 +22,7 @@ SCRIPTS = sorted(p for p in EX.rglob("*.sh") if p not in (FRONTEND, BASELINE))
 # Dynamo workers start through our launcher: `python -m dynamo.vllm` plus version-guarded compat shims
 # (kvbm_backend/integrations/dynamo/compat.py); test_dynamo_worker_launcher checks it is exactly that.
 DYNAMO_WORKER = '"$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker'
+DRY_RUN = '${KVBM_BACKEND_DRY_RUN:+"$PYTHON" -m kvbm_backend.apps.effective --dry-run}'
 KTC = 'KV_TRANSFER_CONFIG="$("$PYTHON" -m kvbm_backend.integrations.dynamo.ktc "$KV_TRANSFER_CONFIG")"'
 OURS = {"kvbm_backend.integrations.vllm.connector", "kvbm_backend.integrations.vllm.tiering"}
 JSON_VAR = re.compile(r"^(\w+_CONFIG)='(\{.*?\})'\s*$", re.S | re.M)
@@ -90,8 +91,11 @@ def test_script_syntax_and_embedded_config(script):
     assert "--connector" not in code  # `--connector kvbm` is rejected by Dynamo 1.6
     names = [n for c in configs for n in check_kv_transfer_config(c)]
     assert "KvbmBackendConnector" in names or "OffloadingConnector" in names
+    # every script execs its launcher (or, with KVBM_BACKEND_DRY_RUN, the dry run in front of the same argv:
+    # tests/integration/test_example_effective.py) after printing its effective settings
+    assert f"exec {DRY_RUN} \\\n" in text and "kvbm_backend.apps.effective --for " in text
     if "dynamo" in script.parts:
-        assert f"exec {DYNAMO_WORKER}" in text and '"$@"' in code
+        assert f"exec {DRY_RUN} \\\n  {DYNAMO_WORKER}" in text and '"$@"' in code
         assert KTC in text  # KVBM_BACKEND_CONFIG_FILE / _STATS_PATH reach the JSON (tests/e2e/test_dynamo_e2e.py)
     if "multi" in script.name:
         assert names[:3] == ["MultiConnector", "DynamoConnector", "KvbmBackendConnector"]
