@@ -9,8 +9,12 @@
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
-export DYN_KVBM_CPU_CACHE_GB="${DYN_KVBM_CPU_CACHE_GB:-64}"
-unset DYN_KVBM_DISK_CACHE_GB
+export DYN_KVBM_CPU_CACHE_GB="${DYN_KVBM_CPU_CACHE_GB:-64}"   # KVBM's G2 (pinned host), when not set
+if [[ -n "${DYN_KVBM_DISK_CACHE_GB:-}" ]]; then  # it would also turn on KVBM's own disk tier: say so, never silently
+  echo "agg_kvbm_multi.sh: ignoring DYN_KVBM_DISK_CACHE_GB=$DYN_KVBM_DISK_CACHE_GB (KVBM's disk tier stays off;" \
+       "set g3.capacity_gb in the kvbm-backend YAML or KVBM_BACKEND__G3__CAPACITY_GB)" >&2
+  unset DYN_KVBM_DISK_CACHE_GB
+fi
 
 KV_TRANSFER_CONFIG='{
   "kv_connector": "MultiConnector",
@@ -31,8 +35,14 @@ KV_TRANSFER_CONFIG='{
 
 # KVBM_BACKEND_CONFIG_FILE / KVBM_BACKEND_STATS_PATH, when set, go into the JSON above:
 KV_TRANSFER_CONFIG="$("$PYTHON" -m kvbm_backend.integrations.dynamo.ktc "$KV_TRANSFER_CONFIG")"
+# Effective settings: the script's defaults apply only where neither the YAML nor the environment sets the field;
+# one line on stderr says each G3/G4 setting and where it came from (kvbm_backend/apps/effective.py).
+EFFECTIVE="$("$PYTHON" -m kvbm_backend.apps.effective --for dynamo "$KV_TRANSFER_CONFIG")"
+eval "$EFFECTIVE"
 
-exec "$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker \
+# KVBM_BACKEND_DRY_RUN=1: print the command and run the launcher's preflight instead of starting the engine.
+exec ${KVBM_BACKEND_DRY_RUN:+"$PYTHON" -m kvbm_backend.apps.effective --dry-run} \
+  "$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker \
   --model "$MODEL" \
   --enable-prefix-caching \
   --kv-transfer-config "$KV_TRANSFER_CONFIG" \

@@ -26,8 +26,14 @@ KV_TRANSFER_CONFIG='{
 
 # KVBM_BACKEND_CONFIG_FILE / KVBM_BACKEND_STATS_PATH, when set, go into the JSON above:
 KV_TRANSFER_CONFIG="$("$PYTHON" -m kvbm_backend.integrations.dynamo.ktc "$KV_TRANSFER_CONFIG")"
+# Effective settings: the script's defaults apply only where neither the YAML nor the environment sets the field;
+# one line on stderr says each G3/G4 setting and where it came from (kvbm_backend/apps/effective.py).
+EFFECTIVE="$("$PYTHON" -m kvbm_backend.apps.effective --for dynamo "$KV_TRANSFER_CONFIG")"
+eval "$EFFECTIVE"
 
-exec "$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker \
+# KVBM_BACKEND_DRY_RUN=1: print the command and run the launcher's preflight instead of starting the engine.
+exec ${KVBM_BACKEND_DRY_RUN:+"$PYTHON" -m kvbm_backend.apps.effective --dry-run} \
+  "$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker \
   --model "$MODEL" \
   --disaggregation-mode decode \
   --kv-transfer-config "$KV_TRANSFER_CONFIG" \

@@ -7,14 +7,13 @@
 # Pair: disagg_prefill_g4.sh + disagg_decode_g4.sh + frontend.sh (tests/e2e/test_dynamo_e2e.py runs all three).
 # Parameters (environment): MODEL, PYTHON, KVBM_BACKEND_CONFIG_FILE / KVBM_BACKEND_STATS_PATH /
 # KVBM_BACKEND_HANDOFF_WAIT_S (put into the JSON
-# below by kvbm_backend.integrations.dynamo.ktc), DYN_KVBM_DISK_CACHE_DIR / _GB, DYN_SYSTEM_PORT; further
+# below by kvbm_backend.integrations.dynamo.ktc), DYN_KVBM_DISK_CACHE_DIR / _GB (override the YAML when set; G3
+# defaults to /mnt/nvme0/kvbm, 800 GB only where neither gives it), DYN_SYSTEM_PORT, KVBM_BACKEND_DRY_RUN; further
 # arguments go to dynamo.vllm. Launcher: `python -m dynamo.vllm` with kvbm-backend's version-guarded shims,
 # which also register the connector's PD protocol with Dynamo (kvbm_backend/integrations/dynamo/pd_protocol.py).
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
-export DYN_KVBM_DISK_CACHE_DIR="${DYN_KVBM_DISK_CACHE_DIR:-/mnt/nvme0/kvbm}"
-export DYN_KVBM_DISK_CACHE_GB="${DYN_KVBM_DISK_CACHE_GB:-800}"
 
 KV_TRANSFER_CONFIG='{
   "kv_connector": "KvbmBackendConnector",
@@ -24,8 +23,15 @@ KV_TRANSFER_CONFIG='{
   "kv_connector_extra_config": {"config_file": "/etc/kvbm-backend/kvbm-backend.yaml", "handoff_wait_s": 5.0}
 }'
 KV_TRANSFER_CONFIG="$("$PYTHON" -m kvbm_backend.integrations.dynamo.ktc "$KV_TRANSFER_CONFIG")"
+# Effective settings: the script's defaults apply only where neither the YAML nor the environment sets the field;
+# one line on stderr says each G3/G4 setting and where it came from (kvbm_backend/apps/effective.py).
+EFFECTIVE="$("$PYTHON" -m kvbm_backend.apps.effective --for dynamo \
+  --default 'g3.paths=["/mnt/nvme0/kvbm"]' --default g3.capacity_gb=800 "$KV_TRANSFER_CONFIG")"
+eval "$EFFECTIVE"
 
-exec "$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker \
+# KVBM_BACKEND_DRY_RUN=1: print the command and run the launcher's preflight instead of starting the engine.
+exec ${KVBM_BACKEND_DRY_RUN:+"$PYTHON" -m kvbm_backend.apps.effective --dry-run} \
+  "$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker \
   --model "$MODEL" \
   --disaggregation-mode prefill \
   --enable-prefix-caching \

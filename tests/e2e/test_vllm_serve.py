@@ -101,6 +101,13 @@ def test_example_serve_script_answers_and_offloads(tmp_path):
             hits = [ln for ln in text.splitlines() if line in ln]
             assert hits, f"{line!r} missing from the server log:\n{text[-4000:]}"
             assert all("INFO" in ln for ln in hits), hits  # vLLM's formatter: level, time, file
+        # issue 22: the script says where its settings came from (the file, not its inline defaults), and G3
+        # opened where the file says
+        said = [ln for ln in (tmp_path / "serve.log").read_text().splitlines()
+                if ln.startswith("kvbm-backend effective (vllm, config file ")]
+        assert len(said) == 1 and f"g3.paths={tmp_path / 'g3'} [file]" in said[0], said
+        assert "g3.capacity_gb=0.2 [file]" in said[0] and "/mnt/nvme0" not in said[0]
+        assert any(f.is_file() and f.stat().st_size > 0 for f in (tmp_path / "g3").rglob("*"))
     finally:
         os.killpg(p.pid, signal.SIGTERM)
         try:

@@ -22,6 +22,7 @@ SCRIPTS = sorted(p for p in EX.rglob("*.sh") if p not in (FRONTEND, BASELINE))
 # Dynamo workers start through our launcher: `python -m dynamo.vllm` plus version-guarded compat shims
 # (kvbm_backend/integrations/dynamo/compat.py); test_dynamo_worker_launcher checks it is exactly that.
 DYNAMO_WORKER = '"$PYTHON" -m kvbm_backend.integrations.dynamo.vllm_worker'
+DRY_RUN = '${KVBM_BACKEND_DRY_RUN:+"$PYTHON" -m kvbm_backend.apps.effective --dry-run}'
 KTC = 'KV_TRANSFER_CONFIG="$("$PYTHON" -m kvbm_backend.integrations.dynamo.ktc "$KV_TRANSFER_CONFIG")"'
 OURS = {"kvbm_backend.integrations.vllm.connector", "kvbm_backend.integrations.vllm.tiering"}
 JSON_VAR = re.compile(r"^(\w+_CONFIG)='(\{.*?\})'\s*$", re.S | re.M)
@@ -75,7 +76,8 @@ def test_examples_exist():
                  "dynamo/disagg_prefill.sh", "dynamo/disagg_decode.sh", "dynamo/frontend.sh",
                  "dynamo/disagg_prefill_g4.sh", "dynamo/disagg_decode_g4.sh",
                  "vllm/serve_kvbm_backend.sh",
-                 "vllm/serve_tiering.sh", "k8s/worker.yaml", "README.md"):
+                 "vllm/serve_tiering.sh", "k8s/worker.yaml", "k8s/frontend.yaml", "k8s/etcd.yaml",
+                 "k8s/kustomization.yaml", "k8s/Dockerfile", "k8s/README.md", "README.md"):
         assert want in names
 
 
@@ -90,8 +92,11 @@ def test_script_syntax_and_embedded_config(script):
     assert "--connector" not in code  # `--connector kvbm` is rejected by Dynamo 1.6
     names = [n for c in configs for n in check_kv_transfer_config(c)]
     assert "KvbmBackendConnector" in names or "OffloadingConnector" in names
+    # every script execs its launcher (or, with KVBM_BACKEND_DRY_RUN, the dry run in front of the same argv:
+    # tests/integration/test_example_effective.py) after printing its effective settings
+    assert f"exec {DRY_RUN} \\\n" in text and "kvbm_backend.apps.effective --for " in text
     if "dynamo" in script.parts:
-        assert f"exec {DYNAMO_WORKER}" in text and '"$@"' in code
+        assert f"exec {DRY_RUN} \\\n  {DYNAMO_WORKER}" in text and '"$@"' in code
         assert KTC in text  # KVBM_BACKEND_CONFIG_FILE / _STATS_PATH reach the JSON (tests/e2e/test_dynamo_e2e.py)
     if "multi" in script.name:
         assert names[:3] == ["MultiConnector", "DynamoConnector", "KvbmBackendConnector"]
@@ -160,32 +165,5 @@ def test_kvbm_backend_yaml_loads():
     assert cfg.g3.paths and cfg.g4.enabled and cfg.g4.url.startswith("s3://") and cfg.g4.encrypt
 
 
-def test_kubernetes_worker():
-    docs = [d for d in yaml.safe_load_all((EX / "k8s" / "worker.yaml").read_text()) if d]
-    kinds = {d["kind"]: d for d in docs}
-    assert {"ConfigMap", "Deployment"} <= set(kinds)
-    load_config(yaml.safe_load(kinds["ConfigMap"]["data"]["kvbm-backend.yaml"]), use_env=False)
-    pod = kinds["Deployment"]["spec"]["template"]["spec"]
-    c = pod["containers"][0]
-    assert c["command"] == ["python", "-m", "dynamo.vllm"]
-    ktc = json.loads(c["args"][c["args"].index("--kv-transfer-config") + 1])
-    assert "KvbmBackendConnector" in check_kv_transfer_config(ktc)
-    secret_env = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in c["env"] if "valueFrom" in e}
-    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "KVBM_BACKEND_KEK"} <= set(secret_env)
-    vols = {v["name"]: v for v in pod["volumes"]}
-    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert "hostPath" in vols["g3"] or "persistentVolumeClaim" in vols["g3"]
-    cm = yaml.safe_load(kinds["ConfigMap"]["data"]["kvbm-backend.yaml"])
-    assert cm["g3"]["paths"] == [mounts["g3"]]
-    # G4 keyring (issue 10): shared by every pod, so pods read each other's blocks and a restarted pod
-    # finds its own: a Secret/ConfigMap mounted read-only (not an emptyDir), KEK from a Secret.
-    kr = load_config(cm, use_env=False).g4.keyring
-    kr_mount = next(m for m in c["volumeMounts"] if m["name"] == "keyring")
-    kr_vol = vols["keyring"]
-    assert "emptyDir" not in kr_vol and ("secret" in kr_vol or "configMap" in kr_vol)
-    src = kr_vol.get("secret") or kr_vol["configMap"]
-    assert src.get("defaultMode") is not None and src["defaultMode"] & 0o077 == 0  # 0600 check passes
-    assert kr_mount.get("readOnly") is True and "subPath" not in kr_mount  # subPath never sees updates
-    assert str(Path(kr.path).parent) == kr_mount["mountPath"]
-    assert kr.auto_create_tenants is False
-    assert kr.kek_env in secret_env and "fsGroup" not in (pod.get("securityContext") or {})
+# examples/k8s (image, frontend, etcd, worker; schema, Secrets, keyring, the worker's command in dry run):
+# tests/integration/test_k8s_example.py, which took over test_kubernetes_worker's keyring/Secret checks.

@@ -1,0 +1,313 @@
+"""``kvbm-backend config effective`` (also ``python -m kvbm_backend.apps.effective``): what the example
+launch scripts run before they start an engine, so a script's defaults never override the operator.
+
+Given the script's ``--kv-transfer-config`` JSON (after :mod:`kvbm_backend.integrations.dynamo.ktc`), it finds
+every kvbm-backend config in it (``KvbmBackendConnector``'s ``config_file`` / inline ``kvbm_backend``, a
+``G3Tier``/``G4Tier``'s ``config``), and:
+
+* applies each script default (``--default g3.paths='["/mnt/nvme0/kvbm"]'``) only where neither the config file
+  nor the environment (``DYN_KVBM_*``, ``KVBM_BACKEND__SECTION__FIELD``) gives the field, as an exported
+  ``KVBM_BACKEND__SECTION__FIELD`` (never a ``DYN_KVBM_*`` name: Dynamo's KVBM reads those too);
+* tiering form: points every tier's ``config`` at ``$KVBM_BACKEND_CONFIG_FILE`` when set, takes
+  ``cpu_bytes_to_use`` from ``$KVBM_BACKEND_CPU_BYTES`` when set, and leaves ``G4Tier`` out when G4 is off;
+* prints ONE line on stderr with the effective G3/G4 settings and where each came from: ``file`` (the config
+  file), ``env NAME``, ``script`` (the script's default or its inline settings), ``default`` (kvbm-backend's);
+* prints on stdout the shell lines the script evaluates (``export ...``, ``KV_TRANSFER_CONFIG=...``).
+
+A missing config file, an invalid field or, with G4 encryption on, no KEK (neither ``$kek_env`` nor the KEK
+file, and no new keyring to create one for) is one ``kvbm-backend: error: ...`` line and exit 2.
+
+``--dry-run ARGV...`` (what the scripts exec instead of the engine when ``KVBM_BACKEND_DRY_RUN`` is set):
+print ``kvbm-backend dry run: exec ARGV`` (shell-quoted) and ``kvbm-backend dry run: env K=V ...`` (the
+``KVBM_BACKEND__*`` / ``DYN_KVBM_*`` variables the engine would see) on stdout, run the launchers' preflight
+(:func:`kvbm_backend.integrations.preflight.check_argv`) and exit 0, or 2 with its one-line error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+CONNECTOR = "KvbmBackendConnector"
+TIER_MODULE = "kvbm_backend.integrations.vllm.tiering"
+SHOWN = ("g3.enabled", "g3.paths", "g3.capacity_gb", "g4.enabled", "g4.url", "g4.endpoint_url", "g4.encrypt",
+         "g4.keyring.path")
+DEFAULT_CONFIG_VAR = "KVBM_BACKEND_CONFIG_FILE"
+CPU_BYTES_VAR = "KVBM_BACKEND_CPU_BYTES"
+
+
+class EffectiveError(ValueError):
+    """A setting the engine could not start with; the message names the field or file."""
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _given(field: str, keys) -> bool:
+    """``field`` (dotted) is set by one of ``keys``: the same field, a section above it or a field in it."""
+    return any(k == field or field.startswith(k + ".") or k.startswith(field + ".") for k in keys)
+
+
+def _env_name(field: str) -> str:
+    return "KVBM_BACKEND__" + "__".join(p.upper() for p in field.split("."))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, list):
+        return ",".join(str(x) for x in v)
+    if isinstance(v, bool):
+        return str(v).lower()
+    return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+class Source:
+    """One kvbm-backend config as a script hands it to the engine: a file path, an inline dict, or None."""
+
+    def __init__(self, spec: Any, inline: dict | None = None):
+        self.spec, self.inline = spec, inline or {}
+
+    def describe(self) -> str:
+        if isinstance(self.spec, (str, Path)):
+            return f"config file {self.spec}"
+        return "inline settings" if self.spec else "no config file"
+
+    def file_fields(self) -> tuple[dict, str]:
+        """The fields the file (or the script's inline dict) sets, flattened, and their label."""
+        from ..config import ConfigError, load_config
+        if isinstance(self.spec, (str, Path)):
+            if not Path(self.spec).is_file():
+                raise EffectiveError(f"config file {self.spec}: not found (set {DEFAULT_CONFIG_VAR} to your "
+                                     f"kvbm-backend YAML)")
+            try:
+                cfg = load_config(str(self.spec), use_env=False)
+            except ConfigError as e:
+                raise EffectiveError(str(e) if str(self.spec) in str(e) else f"config file {self.spec}: {e}") from None
+            return _flatten(cfg.model_dump(exclude_unset=True)), "file"
+        return _flatten(self.spec or {}), "script"
+
+
+def effective(source: Source, defaults: dict[str, Any], environ: dict[str, str] | None = None
+              ) -> tuple[Any, dict[str, str], dict[str, str]]:
+    """Resolve one config. Returns ``(config, exports, where)``: the effective
+    :class:`~kvbm_backend.config.KvbmBackendConfig`, the ``KVBM_BACKEND__...`` variables that carry the
+    script defaults the operator left open, and field -> source label for :data:`SHOWN`.
+
+    Raises EffectiveError (one line naming the field, variable or file)."""
+    from ..config import ConfigError, env_overrides, load_config
+    env = dict(os.environ if environ is None else environ)
+    file_fields, file_label = source.file_fields()
+    env_src: dict[tuple, str] = {}
+    try:
+        env_overrides(env, env_src)
+    except ConfigError as e:
+        raise EffectiveError(str(e)) from None
+    env_keys = {".".join(k): v for k, v in env_src.items()}
+    exports: dict[str, str] = {}
+    for field, value in defaults.items():
+        if not _given(field, file_fields) and not _given(field, env_keys):
+            exports[_env_name(field)] = json.dumps(value)
+    spec = str(source.spec) if isinstance(source.spec, (str, Path)) else source.spec
+    try:
+        cfg = load_config(spec, environ={**env, **exports})
+        if source.inline:
+            data = cfg.model_dump()
+            for sec, over in source.inline.items():
+                data[sec] = {**data[sec], **over}
+            cfg = load_config(data, use_env=False)
+    except ConfigError as e:
+        raise EffectiveError(str(e)) from None
+    where: dict[str, str] = {}
+    inline_keys = _flatten(source.inline)
+    for field in SHOWN:
+        if _given(field, inline_keys):
+            where[field] = "inline"
+        elif _env_name(field) in exports:
+            where[field] = "script"
+        else:
+            hit = next((v for k, v in env_keys.items() if k == field or field.startswith(k + ".")), None)
+            where[field] = (f"env {hit}" if hit else file_label if _given(field, file_fields) else "default")
+    return cfg, exports, where
+
+
+def kek_source(cfg, environ: dict[str, str] | None = None) -> str:
+    """Where the G4 keyring's KEK comes from (``env NAME``, ``file PATH``, ``new file PATH``); raises
+    EffectiveError when there is none (the same rule as :func:`kvbm_backend.crypto.kek.provider_for`)."""
+    env = os.environ if environ is None else environ
+    kr = cfg.g4.keyring
+    if not kr.path:
+        raise EffectiveError("g4.keyring.path: required when g4.encrypt is true (a keyring file, created 0600)")
+    if env.get(kr.kek_env):
+        return f"env {kr.kek_env}"
+    kf = kr.kek_file or f"{kr.path}.kek"
+    if Path(kf).exists():
+        return f"file {kf}"
+    if not Path(kr.path).exists():
+        return f"new file {kf}"
+    raise EffectiveError(f"g4.keyring: keyring {kr.path} has no KEK: set ${kr.kek_env} (base64 32-byte key) or "
+                         f"provide {kf}")
+
+
+def summary(kind: str, source: Source, cfg, where: dict[str, str], kek: str | None, notes: list[str]) -> str:
+    """The one printed line: ``kvbm-backend effective (KIND, SOURCE): field=value [source] ...``."""
+    parts = []
+    for field in SHOWN:
+        sec, _, rest = field.partition(".")
+        if (sec == "g3" and not cfg.g3.enabled and rest != "enabled") or \
+                (sec == "g4" and not cfg.g4.enabled and rest != "enabled") or \
+                (field == "g4.keyring.path" and not cfg.g4.encrypt):
+            continue
+        value = cfg
+        for p in field.split("."):
+            value = getattr(value, p)
+        parts.append(f"{field}={_fmt(value)} [{where[field]}]")
+    if kek:
+        parts.append(f"g4.kek=[{kek}]")
+    return f"kvbm-backend effective ({kind}, {source.describe()}): " + " ".join(parts + notes)
+
+
+def _sources(ktc: dict, environ: dict) -> list[tuple[dict, Source]]:
+    """(owner dict, Source) for each kvbm-backend config in the JSON; tiering tiers' ``config`` follows
+    ``$KVBM_BACKEND_CONFIG_FILE`` (rewritten in place)."""
+    out: list[tuple[dict, Source]] = []
+    kind = ktc.get("kv_connector")
+    extra = ktc.get("kv_connector_extra_config") or {}
+    if kind == CONNECTOR:
+        if "config_file" in extra:
+            out.append((ktc, Source(extra["config_file"])))
+        else:
+            out.append((ktc, Source(extra.get("kvbm_backend"))))
+    elif kind == "MultiConnector":
+        for child in extra.get("connectors") or []:
+            if isinstance(child, dict):
+                out += _sources(child, environ)
+    elif kind == "OffloadingConnector":
+        for tier in extra.get("secondary_tiers") or []:
+            if tier.get("module_path") == TIER_MODULE:
+                if environ.get(DEFAULT_CONFIG_VAR):
+                    tier["config"] = environ[DEFAULT_CONFIG_VAR]
+                inline = {s: tier[s] for s in ("g3", "g4") if isinstance(tier.get(s), dict)}
+                out.append((tier, Source(tier.get("config"), inline)))
+    return out
+
+
+def resolve(ktc: dict, kind: str, defaults: dict[str, Any], environ: dict[str, str] | None = None
+            ) -> tuple[dict, dict[str, str], list[str]]:
+    """Everything the script needs: ``(new ktc, exports, summary lines)`` (one line per distinct config).
+    Raises EffectiveError."""
+    env = dict(os.environ if environ is None else environ)
+    ktc = json.loads(json.dumps(ktc))
+    found = _sources(ktc, env)
+    if not found:
+        raise EffectiveError("--kv-transfer-config: no KvbmBackendConnector and no kvbm-backend tier in it")
+    notes: list[str] = []
+    extra = ktc.get("kv_connector_extra_config") or {}
+    if ktc.get("kv_connector") == "OffloadingConnector" and env.get(CPU_BYTES_VAR):
+        raw = env[CPU_BYTES_VAR]
+        if not raw.isdigit() or int(raw) <= 0:
+            raise EffectiveError(f"{CPU_BYTES_VAR}: need a positive number of bytes, got {raw!r}")
+        extra["cpu_bytes_to_use"] = int(raw)
+        notes.append(f"cpu_bytes_to_use={raw} [env {CPU_BYTES_VAR}]")
+    elif "cpu_bytes_to_use" in extra:
+        notes.append(f"cpu_bytes_to_use={extra['cpu_bytes_to_use']} [script]")
+    exports: dict[str, str] = {}
+    lines, seen = [], {}
+    for owner, src in found:
+        key = json.dumps([src.spec, src.inline], sort_keys=True, default=str)
+        if key not in seen:
+            cfg, ex, where = effective(src, defaults, env)
+            kek = kek_source(cfg, env) if cfg.g4.enabled and cfg.g4.encrypt else None
+            seen[key] = cfg
+            exports.update(ex)
+            lines.append((src, cfg, where, kek))
+        if owner.get("type") == "G4Tier" and not seen[key].g4.enabled:
+            extra["secondary_tiers"] = [t for t in extra["secondary_tiers"] if t is not owner]
+            notes.append("G4Tier left out (g4.enabled=false)")
+    return ktc, exports, [summary(kind, s, c, w, k, notes if i == len(lines) - 1 else [])
+                          for i, (s, c, w, k) in enumerate(lines)]
+
+
+def _default_arg(raw: str) -> tuple[str, Any]:
+    field, sep, value = raw.partition("=")
+    if not sep or not field:
+        raise EffectiveError(f"--default: expected FIELD=VALUE, got {raw!r}")
+    try:
+        return field, json.loads(value)
+    except ValueError:
+        return field, value
+
+
+def dry_run(argv: list[str]) -> int:
+    """Print the command a script would exec and run the launchers' preflight on it; 0 or 2."""
+    from ..integrations.preflight import check_argv
+    print("kvbm-backend dry run: exec " + shlex.join(argv))
+    env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("KVBM_BACKEND__", "DYN_KVBM_")))
+    print("kvbm-backend dry run: env " + shlex.join(env), flush=True)
+    why = check_argv(argv)
+    if why:
+        print(f"kvbm-backend: error: {why}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code (0, or 2 with one ``kvbm-backend: error:`` line)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--dry-run"]:
+        return dry_run(args[1:])
+    ap = argparse.ArgumentParser(prog="kvbm-backend config effective",
+                                 description="Effective G3/G4 settings of a launch script and where each comes "
+                                             "from; prints the shell lines the script evaluates.")
+    ap.add_argument("kv_transfer_config", help="the script's --kv-transfer-config JSON")
+    ap.add_argument("--for", dest="kind", choices=["dynamo", "vllm"], required=True,
+                    help="which launcher the script runs (printed in the summary line)")
+    ap.add_argument("--default", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a script default (VALUE as JSON, else a string), applied only where the config file and "
+                         "the environment leave FIELD unset; repeatable")
+    ns = ap.parse_args(args)
+    try:
+        ktc = json.loads(ns.kv_transfer_config)
+        if not isinstance(ktc, dict):
+            raise EffectiveError("--kv-transfer-config: expected a JSON object")
+        new, exports, lines = resolve(ktc, ns.kind, dict(_default_arg(d) for d in ns.default))
+    except ValueError as e:  # EffectiveError, or JSON
+        print(f"kvbm-backend: error: {e}", file=sys.stderr)
+        return 2
+    for line in lines:
+        print(line, file=sys.stderr)
+    for k, v in exports.items():
+        print(f"export {k}={shlex.quote(v)}")
+    print(f"KV_TRANSFER_CONFIG={shlex.quote(json.dumps(new))}")
+    return 0
+
+
+typer_app = typer.Typer(add_completion=False, help="Inspect the configuration a launch script hands the engine.")
+
+
+@typer_app.command("effective", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                                   "help_option_names": []}, add_help_option=False)
+def _effective_cmd(ctx: typer.Context) -> None:
+    """Effective G3/G4 settings of a launch script, with their source (see --help)."""
+    raise typer.Exit(main(ctx.args))
+
+
+@typer_app.callback()
+def _config() -> None:
+    """Configuration commands."""
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""Issue 22 item 1: the example launch scripts never override the operator's config without saying so.
+
+Every script that hands vLLM a kvbm-backend config runs here as written, with ``KVBM_BACKEND_DRY_RUN=1``: the
+script does everything up to its ``exec`` (``ktc``, ``kvbm_backend.apps.effective``, its exports), then execs
+``python -m kvbm_backend.apps.effective --dry-run`` instead of the engine, which prints the command and the
+kvbm-backend environment and runs the launchers' preflight (keyring and KEK opened as the pool opens them).
+From that we rebuild the config exactly as the engine's pools would load it and check it is the user's.
+A real engine runs each kind of script in tests/e2e/test_example_scripts.py (Dynamo) and
+tests/e2e/test_vllm_serve.py (``vllm serve``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbm_backend.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+EX = REPO / "examples"
+SCRIPTS = ["dynamo/agg_kvbm_backend.sh", "dynamo/agg_kvbm_multi.sh", "dynamo/disagg_prefill.sh",
+           "dynamo/disagg_decode.sh", "dynamo/disagg_prefill_g4.sh", "dynamo/disagg_decode_g4.sh",
+           "vllm/serve_kvbm_backend.sh", "vllm/serve_tiering.sh"]
+WITH_G3_DEFAULT = {"dynamo/agg_kvbm_backend.sh": ["/mnt/nvme0/kvbm"], "dynamo/disagg_prefill_g4.sh": ["/mnt/nvme0/kvbm"],
+                   "dynamo/disagg_decode_g4.sh": ["/mnt/nvme0/kvbm"],
+                   "vllm/serve_tiering.sh": ["/mnt/nvme0/kvbm", "/mnt/nvme1/kvbm"]}
+CLEAR = ("DYN_KVBM_DISK_CACHE_DIR", "DYN_KVBM_DISK_CACHE_GB", "KVBM_BACKEND_KEK", "KVBM_BACKEND_CPU_BYTES",
+         "KVBM_BACKEND_STATS_PATH", "KVBM_BACKEND_HANDOFF_WAIT_S", "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER")
+
+
+def test_every_script_with_our_config_is_covered():
+    ours = {p.relative_to(EX).as_posix() for p in EX.rglob("*.sh")
+            if "kv_connector_module_path\": \"kvbm_backend" in p.read_text() or "kvbm_backend.integrations.vllm.tiering"
+            in p.read_text()}
+    assert ours == set(SCRIPTS)
+
+
+@pytest.fixture
+def user(tmp_path):
+    """A user's YAML: G3 in a temp dir (0.3 GB), G4 file:// encrypted, keyring with its own KEK file (no env KEK)."""
+    from kvbm_backend.config import KeyringConfig
+    from kvbm_backend.crypto.keyring import Keyring
+    kr = tmp_path / "keys" / "keyring.json"
+    Keyring.from_config(KeyringConfig(path=str(kr))).close()  # writes keyring.json + keyring.json.kek (0600)
+    assert (tmp_path / "keys" / "keyring.json.kek").is_file()
+    y = tmp_path / "user.yaml"
+    y.write_text(f"model: m\ng3:\n  paths: [{tmp_path / 'user-g3'}]\n  capacity_gb: 0.3\n"
+                 f"g4:\n  enabled: true\n  url: file://{tmp_path / 'g4'}\n  keyring: {{path: {kr}}}\n")
+    return y
+
+
+def run(script: str, tmp_path: Path, **env) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k not in CLEAR and not k.startswith("KVBM_BACKEND__")}
+    e.update(PYTHON=sys.executable, MODEL=str(tmp_path / "model"), KVBM_BACKEND_DRY_RUN="1",
+             PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    return subprocess.run(["bash", str(EX / script)], env=e, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def parse(r: subprocess.CompletedProcess) -> tuple[str, dict, dict]:
+    """(the one effective line, the exec'd --kv-transfer-config, the kvbm-backend env the engine gets)."""
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kvbm-backend effective (")]
+    assert len(lines) == 1, r.stderr
+    out = r.stdout.splitlines()
+    argv = shlex.split(next(ln for ln in out if ln.startswith("kvbm-backend dry run: exec "))[len("kvbm-backend dry run: exec "):])
+    env_line = next(ln for ln in out if ln.startswith("kvbm-backend dry run: env"))
+    env = dict(kv.split("=", 1) for kv in shlex.split(env_line[len("kvbm-backend dry run: env"):]))
+    ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    return lines[0], ktc, env
+
+
+def configs_engine_loads(ktc: dict, env: dict) -> list:
+    """The configs our connector / tiers build from the exec'd JSON and the environment, as they do."""
+    from kvbm_backend.integrations.vllm.extra_config import config_from_extra
+    out, kind, extra = [], ktc["kv_connector"], ktc.get("kv_connector_extra_config") or {}
+    if kind == "KvbmBackendConnector":
+        old = dict(os.environ)
+        try:
+            os.environ.update(env)
+            out.append(config_from_extra(extra)[0])
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+    elif kind == "MultiConnector":
+        for c in extra["connectors"]:
+            out += configs_engine_loads(c, env)
+    elif kind == "OffloadingConnector":
+        for tier in extra["secondary_tiers"]:
+            out.append(load_config(tier["config"], environ=env))
+    return out
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_user_yaml_wins_and_is_reported(script, tmp_path, user):
+    r = run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(user))
+    assert r.returncode == 0, r.stderr[-3000:]
+    line, ktc, env = parse(r)
+    g3 = str(tmp_path / "user-g3")
+    assert f"g3.paths={g3} [file]" in line and "g3.capacity_gb=0.3 [file]" in line, line
+    assert f"g4.url=file://{tmp_path / 'g4'} [file]" in line and "g4.enabled=true [file]" in line, line
+    assert f"g4.kek=[file {user.parent / 'keys' / 'keyring.json.kek'}]" in line, line  # no KEK variable needed
+    assert "/mnt/nvme" not in line and not any(k.startswith("KVBM_BACKEND__") for k in env), (line, env)
+    cfgs = configs_engine_loads(ktc, env)
+    assert cfgs and all(c.g3.paths == [g3] and c.g3.capacity_gb == 0.3 and c.g4.url == f"file://{tmp_path / 'g4'}"
+                        for c in cfgs)
+    if script.endswith("serve_tiering.sh"):  # both tiers read the user's file; the CPU tier size is reported
+        assert [t["type"] for t in ktc["kv_connector_extra_config"]["secondary_tiers"]] == ["G3Tier", "G4Tier"]
+        assert "cpu_bytes_to_use=68719476736 [script]" in line
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_environment_beats_the_file_and_says_so(script, tmp_path, user):
+    if script.endswith("agg_kvbm_multi.sh"):  # DYN_KVBM_DISK_CACHE_GB would start KVBM's disk tier: refused aloud
+        r = run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(user), DYN_KVBM_DISK_CACHE_GB="2")
+        assert r.returncode == 0 and "ignoring DYN_KVBM_DISK_CACHE_GB=2" in r.stderr, r.stderr
+        line, ktc, env = parse(r)
+        assert "g3.capacity_gb=0.3 [file]" in line and "DYN_KVBM_DISK_CACHE_GB" not in env
+        return
+    other = tmp_path / "env-g3"
+    r = run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(user), DYN_KVBM_DISK_CACHE_DIR=str(other),
+            DYN_KVBM_DISK_CACHE_GB="2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    line, ktc, env = parse(r)
+    assert f"g3.paths={other} [env DYN_KVBM_DISK_CACHE_DIR]" in line
+    assert "g3.capacity_gb=2 [env DYN_KVBM_DISK_CACHE_GB]" in line
+    assert all(c.g3.paths == [str(other)] and c.g3.capacity_gb == 2 for c in configs_engine_loads(ktc, env))
+
+
+@pytest.mark.parametrize("script", sorted(WITH_G3_DEFAULT))
+def test_script_defaults_only_where_nothing_is_given(script, tmp_path):
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("model: m\n")
+    r = run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(bare))
+    assert r.returncode == 0, r.stderr[-3000:]
+    line, ktc, env = parse(r)
+    want = WITH_G3_DEFAULT[script]
+    assert f"g3.paths={','.join(want)} [script]" in line and "g3.capacity_gb=800 [script]" in line, line
+    assert json.loads(env["KVBM_BACKEND__G3__PATHS"]) == want and "DYN_KVBM_DISK_CACHE_DIR" not in env
+    assert all(c.g3.paths == want and c.g3.capacity_gb == 800 for c in configs_engine_loads(ktc, env))
+    if script.endswith("serve_tiering.sh"):  # no G4 in the file: no G4 tier, and said
+        assert [t["type"] for t in ktc["kv_connector_extra_config"]["secondary_tiers"]] == ["G3Tier"]
+        assert "G4Tier left out (g4.enabled=false)" in line
+    # one field in the file: only the other one defaults
+    bare.write_text(f"model: m\ng3: {{capacity_gb: 0.25}}\n")
+    line, ktc, env = parse(run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(bare)))
+    assert "g3.capacity_gb=0.25 [file]" in line and f"g3.paths={','.join(want)} [script]" in line
+    assert "KVBM_BACKEND__G3__CAPACITY_GB" not in env
+
+
+def test_tiering_takes_the_cpu_tier_size_and_needs_no_kek_variable(tmp_path, user):
+    r = run("vllm/serve_tiering.sh", tmp_path, KVBM_BACKEND_CONFIG_FILE=str(user), KVBM_BACKEND_CPU_BYTES="1073741824")
+    assert r.returncode == 0, r.stderr[-3000:]
+    line, ktc, env = parse(r)
+    assert ktc["kv_connector_extra_config"]["cpu_bytes_to_use"] == 1073741824
+    assert "cpu_bytes_to_use=1073741824 [env KVBM_BACKEND_CPU_BYTES]" in line
+    (user.parent / "keys" / "keyring.json.kek").unlink()  # now the keyring has no KEK: one line, exit 2
+    r = run("vllm/serve_tiering.sh", tmp_path, KVBM_BACKEND_CONFIG_FILE=str(user))
+    assert r.returncode == 2 and "dry run" not in r.stdout
+    assert r.stderr.strip().splitlines()[-1].startswith("kvbm-backend: error: g4.keyring: keyring "), r.stderr
+    assert "KVBM_BACKEND_KEK" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("script", ["dynamo/agg_kvbm_backend.sh", "vllm/serve_tiering.sh"])
+def test_missing_config_file_is_one_line(script, tmp_path):
+    r = run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(tmp_path / "nope.yaml"))
+    assert r.returncode == 2 and "dry run" not in r.stdout, r.stdout
+    err = r.stderr.strip().splitlines()
+    assert err == [f"kvbm-backend: error: config file {tmp_path / 'nope.yaml'}: not found (set "
+                   f"KVBM_BACKEND_CONFIG_FILE to your kvbm-backend YAML)"]
+
+
+def test_cli_subcommand_is_the_same_entry(tmp_path, user):
+    ktc = {"kv_connector": "KvbmBackendConnector", "kv_connector_extra_config": {"config_file": str(user)}}
+    exe = Path(sys.executable).with_name("kvbm-backend")
+    if not exe.exists():
+        pytest.skip("kvbm-backend console script not installed in this environment")
+    env = {k: v for k, v in os.environ.items() if k not in CLEAR}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run([str(exe), "config", "effective", "--for", "dynamo", "--default", 'g3.paths=["/x"]',
+                        json.dumps(ktc)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"g3.paths={tmp_path / 'user-g3'} [file]" in r.stderr and "export" not in r.stdout
+    assert r.stdout.startswith("KV_TRANSFER_CONFIG=")
