@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import stat
 import tomllib
 from pathlib import Path
@@ -31,8 +32,23 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 
+MAX_NESTING = 16
+"""Deepest nesting of mappings/lists a config source may have (the tree itself is 4 deep); deeper input
+(e.g. JSON nested 5,000 deep) is refused before it is parsed further or validated."""
+MAX_ERROR_CHARS = 1000
+"""A :class:`ConfigError` message is cut to this many characters (a quoted input can be any size)."""
+
+
 class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field."""
+    """A configuration value is wrong; the message names the field (or file, or environment variable).
+
+    The message is cut to :data:`MAX_ERROR_CHARS` characters (``... (N more characters)``)."""
+
+    def __init__(self, msg: object = "") -> None:
+        text = str(msg)
+        if len(text) > MAX_ERROR_CHARS:
+            text = f"{text[:MAX_ERROR_CHARS]}... ({len(text) - MAX_ERROR_CHARS} more characters)"
+        super().__init__(text)
 
 
 class _M(BaseModel):
@@ -234,16 +250,93 @@ def _fmt_loc(loc: tuple) -> str:
     return out
 
 
+_ERRORS_SHOWN = 5
+
+
+def _short_repr(value: Any) -> str:
+    """``repr(value)`` bounded in size and depth (a config input can be a huge or deeply nested value)."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = 240
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 6, 6, 6, 6
+    return r.repr(value)
+
+
 def _fmt_error(e: ValidationError, env_sources: dict[tuple, str] | None = None) -> str:
-    """``field.path: message (got value)``, ``; ``-joined; `` (from ENV_VAR)`` after the field path
-    when the value came from the environment."""
+    """``field.path: message (got value)``, ``; ``-joined (the first few, then how many more); ``(from
+    ENV_VAR)`` after the field path when the value came from the environment. Quoted values are
+    shortened (:func:`_short_repr`)."""
     parts = []
-    for err in e.errors():
+    errors = e.errors(include_url=False)
+    for err in errors[:_ERRORS_SHOWN]:
         loc = tuple(err["loc"])
         src = next((v for k, v in (env_sources or {}).items() if loc[:len(k)] == k), None)
-        where = _fmt_loc(loc) + (f" (from {src})" if src else "")
-        parts.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+        where = _fmt_loc(loc)[:200] + (f" (from {src})" if src else "")
+        parts.append(f"{where}: {err['msg']} (got {_short_repr(err.get('input'))})")
+    if len(errors) > _ERRORS_SHOWN:
+        parts.append(f"and {len(errors) - _ERRORS_SHOWN} more errors")
     return "; ".join(parts)
+
+
+def _too_deep(data: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether mappings/lists in ``data`` nest deeper than ``limit`` levels (iterative: no recursion)."""
+    stack = [(data, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, (dict, list, tuple)):
+            if depth >= limit:
+                return True
+            stack.extend((v, depth + 1) for v in (obj.values() if isinstance(obj, dict) else obj))
+    return False
+
+
+def _nesting_error(where: str) -> ConfigError:
+    return ConfigError(f"{where}: nested deeper than {MAX_NESTING} levels (a config is at most 4 deep)")
+
+
+def _json_loads(text: str, where: str) -> Any:
+    """``json.loads`` with every failure (syntax, deep nesting) as a one-line ConfigError naming ``where``."""
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise _nesting_error(where) from None
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if _too_deep(data):
+        raise _nesting_error(where)
+    return data
+
+
+def _yaml_load(text: str) -> Any:
+    """YAML with the safe loader, minus anchors and aliases (``&a`` / ``*a``, ``<<: *a``): their expansion
+    turns a few hundred bytes into gigabytes ("billion laughs"), and a config never needs them. Nesting is
+    bounded by :data:`MAX_NESTING` while composing. Raises ConfigError (without the file name)."""
+    import yaml
+    from yaml.events import AliasEvent, CollectionStartEvent
+
+    class _Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent, index):
+            event = self.peek_event()
+            line = event.start_mark.line + 1 if event.start_mark else "?"
+            if isinstance(event, AliasEvent) or getattr(event, "anchor", None):
+                raise ConfigError(f"line {line}: YAML anchors and aliases (&name, *name) are not accepted")
+            if isinstance(event, CollectionStartEvent):
+                if self.depth >= MAX_NESTING:
+                    raise ConfigError(f"line {line}: nested deeper than {MAX_NESTING} levels (a config is at most"
+                                      f" 4 deep)")
+                self.depth += 1
+                try:
+                    return super().compose_node(parent, index)
+                finally:
+                    self.depth -= 1
+            return super().compose_node(parent, index)
+
+    loader = _Loader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def _set_path(d: dict, path: list[str], value: Any) -> None:
@@ -289,8 +382,12 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
             path = [p.lower() for p in k[len("KVBM_BACKEND__"):].split("__")]
             try:
                 val = json.loads(v)
+            except RecursionError:
+                raise _nesting_error(k) from None
             except ValueError:
                 val = v
+            if _too_deep(val):
+                raise _nesting_error(k)
             _set_path(out, path, val)
             sources[tuple(path)] = k
     return out
@@ -314,26 +411,28 @@ def load_config(source: str | Path | dict | None = None, *, environ: dict[str, s
     if isinstance(source, dict):
         data = source
     elif isinstance(source, str) and source.lstrip().startswith("{"):
-        try:
-            data = json.loads(source)
-        except ValueError as e:
-            raise ConfigError(f"inline JSON config: {e}") from None
+        data = _json_loads(source, "inline JSON config")
     elif source is not None:
         p = Path(source)
         if not p.is_file():
             raise ConfigError(f"config file {p}: not found")
         try:
             if p.suffix in (".yaml", ".yml"):
-                import yaml
-                data = yaml.safe_load(p.read_text()) or {}
+                data = _yaml_load(p.read_text()) or {}
             elif p.suffix == ".toml":
                 data = tomllib.loads(p.read_text())
             else:
                 data = json.loads(p.read_text())
+        except RecursionError:
+            raise _nesting_error(f"config file {p}") from None
         except Exception as e:  # noqa: BLE001 - any parse error names the file
             raise ConfigError(f"config file {p}: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping")
+        if _too_deep(data):
+            raise _nesting_error(f"config file {p}")
+    if isinstance(source, dict) and _too_deep(data):
+        raise _nesting_error("config")
     sources: dict[tuple, str] = {}
     if use_env:
         data = _merge(data, env_overrides(environ, sources))

@@ -12,9 +12,16 @@ from rich.text import Text
 console = Console(stderr=True)
 
 
+MAX_ERROR_CHARS = 2000
+
+
 def error_line(msg: str) -> None:
-    """Print ``error: MSG`` as one line on stderr (never wrapped, no markup)."""
-    console.print(Text.assemble(("error:", "red"), " ", " ".join(str(msg).split())), soft_wrap=True,
+    """Print ``error: MSG`` as one line on stderr (never wrapped, no markup), cut to
+    :data:`MAX_ERROR_CHARS` characters (a message may quote an input of any size)."""
+    text = str(msg)
+    if len(text) > MAX_ERROR_CHARS:
+        text = f"{text[:MAX_ERROR_CHARS]}... ({len(text) - MAX_ERROR_CHARS} more characters)"
+    console.print(Text.assemble(("error:", "red"), " ", " ".join(text.split())), soft_wrap=True,
                   highlight=False)
 
 

@@ -4,6 +4,10 @@ names the argument, exit code 2, and no traceback. Runs the CLI in-process (type
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -131,3 +135,88 @@ def test_layouts_tp_not_dividing_some_presets_lists_the_rest():
     rows = json.loads(r.output)
     assert "not divisible by tp=3" in rows["qwen3-8b"]["error"]
     assert rows["deepseek-r1"]["bytes_per_block"] > 0  # MLA: replicated on every rank, any --tp
+
+
+# --- hostile config inputs (issue 26 item 7), through the real entry point in a subprocess -------------
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_OUT = 2500  # bytes: one error line naming the file/field, whatever the input expands to
+
+
+def _cli_subprocess(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m kvbm_backend.apps.cli ARGS`` from the repo root; a generous timeout (it guards a hang,
+    not speed: the old code took minutes and printed hundreds of MB for these inputs)."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("KVBM_BACKEND__", "DYN_KVBM_"))}
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=str(REPO), env=e)
+
+
+def _assert_one_bounded_error_line(r: subprocess.CompletedProcess, expect: str) -> None:
+    out = r.stdout + r.stderr
+    assert len(out) < MAX_OUT, f"{len(out)} bytes of output: {out[:500]}"
+    assert r.returncode == 2, out
+    assert "Traceback" not in out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out
+    assert expect in lines[0], out
+
+
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+def _laughs(levels: int) -> str:
+    """A YAML "billion laughs": each level is 9 aliases of the previous one (9**levels strings)."""
+    lines = ['l0: &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"l{i}: &l{i} [{','.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+HOSTILE_FILES = [
+    # (file name, text, the start of the error line; {f} is the file's path)
+    ("laughs.yaml", _laughs(6), "error: config file {f}: line 1: YAML anchors and aliases (&name, *name) are not"),
+    ("laughs-in-field.yaml", "x: &a [1, 2]\ng3:\n  paths: *a\n", "error: config file {f}: line 1: YAML anchors"),
+    ("merge.yaml", "base: &b {capacity_gb: 2}\ng3:\n  <<: *b\n", "error: config file {f}: line 1: YAML anchors"),
+    ("deep.yaml", f"g3:\n  paths: {_deep(5000)}\n", "error: config file {f}: line 2: nested deeper than 16 levels"),
+    ("deep.toml", f"[g3]\npaths = {_deep(5000)}\n", "error: config file {f}: nested deeper than 16 levels"),
+    ("deep.json", '{"g3": {"paths": ' + _deep(5000) + "}}", "error: config file {f}: nested deeper than 16 levels"),
+    ("deep-500.json", '{"g3": {"paths": ' + _deep(500) + "}}", "error: config file {f}: nested deeper than 16"),
+    # no aliases, no nesting, but values whose quoted repr alone would be megabytes
+    ("big-list.yaml", "g3:\n  paths: [" + ",".join(["1"] * 200_000) + "]\n",
+     "error: g3.paths[0]: Input should be a valid string (got 1); g3.paths[1]: "),
+    ("big-key.json", json.dumps({"g3": {"x" * 1_000_000: ["y" * 1_000_000] * 10}}),
+     "error: g3.xxxxxxxx"),
+]
+
+
+@pytest.mark.parametrize("name,text,expect", HOSTILE_FILES, ids=[h[0] for h in HOSTILE_FILES])
+def test_hostile_config_file_is_one_bounded_line(tmp_path, name, text, expect):
+    f = tmp_path / name
+    f.write_text(text)
+    r = _cli_subprocess("doctor", "--config", str(f))
+    _assert_one_bounded_error_line(r, expect.replace("{f}", str(f)))
+    assert r.stderr.startswith(expect.replace("{f}", str(f)))
+
+
+def test_inline_json_nested_5000_deep_is_one_line():
+    _assert_one_bounded_error_line(_cli_subprocess("doctor", "--config", '{"g3": {"paths": ' + _deep(5000) + "}}"),
+                                   "error: inline JSON config: nested deeper than 16 levels")
+
+
+def test_env_json_nested_5000_deep_is_one_line():
+    r = _cli_subprocess("doctor", env={"KVBM_BACKEND__G3__PATHS": _deep(5000)})
+    _assert_one_bounded_error_line(r, "error: KVBM_BACKEND__G3__PATHS: nested deeper than 16 levels")
+
+
+def test_extra_config_dict_nested_deep_is_refused():
+    # vLLM hands kv_connector_extra_config over as a parsed dict: nesting is refused there too
+    from kvbm_backend.config import ConfigError, load_config
+    deep: list = []
+    cur = deep
+    for _ in range(900):
+        cur.append([])
+        cur = cur[0]
+    with pytest.raises(ConfigError, match=r"^config: nested deeper than 16 levels"):
+        load_config({"g3": {"paths": deep}}, use_env=False)
