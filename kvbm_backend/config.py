@@ -14,7 +14,9 @@ Errors are :class:`ConfigError` naming the field path (``g3.capacity_gb: ...``, 
 ``g3.paths[1]: ...``), and the environment variable when the value came from one.
 
 Strictness: every float must be finite (``inf``/``nan`` are refused everywhere: an infinite timeout
-would turn a slow store into a stalled decode); timeouts have upper bounds; G3 paths must be non-empty,
+would turn a slow store into a stalled decode); a boolean is never taken as a number (``capacity_gb: true``
+is an error, not 1 GB); every number has an upper bound (sizes, counts, timeouts; each field's
+description gives it); G3 paths must be non-empty,
 and an enabled G3's paths are checked when the config is loaded: an existing path must be a writable
 directory, and a path to be created must not lie under a file.
 """
@@ -28,7 +30,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -51,9 +53,23 @@ class ConfigError(ValueError):
         super().__init__(text)
 
 
+MAX_CAPACITY_GB = 10_000_000
+"""Largest capacity in GB (10 PB) a config field or ``--*-capacity-gb`` flag takes."""
+
+_NUMBER_TYPES = (int, float, int | None, float | None)
+
+
 class _M(BaseModel):
     # allow_inf_nan=False: every float field of the tree is finite (inf / nan are validation errors)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, v: Any, info: ValidationInfo) -> Any:
+        """A boolean is not a number: pydantic's lax mode takes ``true`` as 1 (``capacity_gb: true``)."""
+        if isinstance(v, bool) and cls.model_fields[info.field_name].annotation in _NUMBER_TYPES:
+            raise PydanticCustomError("bool_not_number", "expected a number, not a boolean")
+        return v
 
 
 def dir_problem(path: str) -> str | None:
@@ -101,9 +117,10 @@ G3Path = Annotated[str, AfterValidator(_check_g3_path)]
 class AdmissionConfig(_M):
     policy: Literal["frequency", "all"] = "frequency"
     """``frequency``: KVBM's default, a block is written on its second sighting; ``all``: every offload."""
-    min_sightings: int = Field(2, ge=1)
-    tracker_entries: int = Field(1_000_000, ge=1024)
-    """Sequence hashes remembered by the frequency filter (LRU)."""
+    min_sightings: int = Field(2, ge=1, le=1000)
+    """Sightings of a sequence hash before it is written (1-1000)."""
+    tracker_entries: int = Field(1_000_000, ge=1024, le=1 << 30)
+    """Sequence hashes remembered by the frequency filter (LRU), 1024 to 2**30."""
 
 
 class G3Config(_M):
@@ -112,17 +129,17 @@ class G3Config(_M):
     """One directory per NVMe drive or mount point; slab files are spread across them. Entries must be
     non-empty; when G3 is enabled, an existing entry must be a directory this process can write and a
     missing one must not lie under a file (checked at load: ``g3.paths[i]: ...``)."""
-    capacity_gb: float = Field(10.0, gt=0)
-    """Upper bound of slot bytes (GB = 1e9 bytes)."""
+    capacity_gb: float = Field(10.0, gt=0, le=MAX_CAPACITY_GB)
+    """Upper bound of slot bytes (GB = 1e9 bytes), at most 10 PB (``MAX_CAPACITY_GB``)."""
     files_per_path: int = Field(4, ge=1, le=256)
-    io_size_bytes: int = Field(1 << 20, ge=4096)
-    """Target bytes per I/O per TP rank after coalescing (rounded to 4 KiB)."""
+    io_size_bytes: int = Field(1 << 20, ge=4096, le=1 << 30)
+    """Target bytes per I/O per TP rank after coalescing (rounded to 4 KiB), 4 KiB to 1 GiB."""
     engine: Literal["auto", "posix", "nixl", "kvikio"] = "auto"
     o_direct: Literal["auto", "on", "off"] = "auto"
     """``auto`` probes each path: O_DIRECT where the filesystem takes it, buffered where not."""
     io_threads: int = Field(8, ge=1, le=256)
-    write_queue_blocks: int = Field(4096, ge=1)
-    """Pending offload blocks before new offloads are dropped (write-behind bound)."""
+    write_queue_blocks: int = Field(4096, ge=1, le=1 << 26)
+    """Pending offload blocks before new offloads are dropped (write-behind bound), at most 2**26."""
     min_free_fraction: float = Field(0.05, ge=0, lt=1)
     """statvfs watermark: never fill a filesystem beyond ``1 - min_free_fraction``."""
     fsync: bool = True
@@ -133,9 +150,10 @@ class G3Config(_M):
     ``fdatasync`` per slab file written, then one journal append) publishes them all. Bounds the publish
     latency grouping adds; a group never waits once nothing is in flight. 0: a barrier as soon as the
     previous one ended (pieces written meanwhile still share it)."""
-    group_commit_bytes: int = Field(256 << 20, ge=0)
+    group_commit_bytes: int = Field(256 << 20, ge=0, le=1 << 40)
     """Group commit: the barrier starts at once when this many slot bytes are written and waiting
-    (bounds the blocks one barrier, or one failed ``fdatasync``, covers). 0: no byte bound."""
+    (bounds the blocks one barrier, or one failed ``fdatasync``, covers), at most 1 TiB. 0: no byte
+    bound."""
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     load_timeout_s: float = Field(5.0, gt=0, le=120)
     """A load not back within this many seconds is a miss (the engine recomputes). At most 120 s: a
@@ -199,8 +217,10 @@ class G4Config(_M):
     timeout of their own: the deadline bounds loads and lookups, and offloads queued behind a hung
     mount are dropped once ``write_queue_blocks`` are pending."""
     max_inflight: int = Field(32, ge=1, le=1024)
-    write_queue_blocks: int = Field(2048, ge=1)
-    breaker_failures: int = Field(5, ge=1)
+    write_queue_blocks: int = Field(2048, ge=1, le=1 << 26)
+    """Pending offload blocks before new offloads are dropped, at most 2**26."""
+    breaker_failures: int = Field(5, ge=1, le=1_000_000)
+    """Consecutive failures (or expired batches) that open the circuit breaker, at most 1,000,000."""
     breaker_reset_s: float = Field(5.0, gt=0, le=3600)
     """While the breaker is open, one probe request per this many seconds (at most an hour)."""
     dir_fanout: int = Field(256, ge=1, le=4096)

@@ -31,8 +31,9 @@ def fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def finite(name: str, value: Optional[float], *, gt: Optional[float] = None, ge: Optional[float] = None) -> None:
-    """``value`` (None: not given) must be finite and > gt / >= ge, else :func:`fail` naming ``name``."""
+def finite(name: str, value: Optional[float], *, gt: Optional[float] = None, ge: Optional[float] = None,
+           le: Optional[float] = None) -> None:
+    """``value`` (None: not given) must be finite, > gt / >= ge and <= le, else :func:`fail` naming ``name``."""
     if value is None:
         return
     if not math.isfinite(value):
@@ -41,3 +42,21 @@ def finite(name: str, value: Optional[float], *, gt: Optional[float] = None, ge:
         fail(f"{name}: must be > {gt:g} (got {value:g})")
     if ge is not None and not value >= ge:
         fail(f"{name}: must be >= {ge:g} (got {value:g})")
+    if le is not None and not value <= le:
+        fail(f"{name}: must be <= {_num(le)} (got {value:g})")
+
+
+def _num(x: float) -> str:
+    """``10,000,000`` for a whole number (below 1e16), else ``%g``."""
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
+def int_range(name: str, value: Optional[int], lo: int, hi: Optional[int] = None) -> None:
+    """``value`` (None: not given) must lie in ``lo..hi`` (``hi`` None: no upper bound), else :func:`fail`
+    naming ``name``."""
+    if value is None:
+        return
+    if value < lo:
+        fail(f"{name}: must be >= {lo} (got {value})")
+    if hi is not None and value > hi:
+        fail(f"{name}: must be <= {hi:,} (got {value:,})")

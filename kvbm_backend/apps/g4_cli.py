@@ -139,7 +139,7 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
        endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint URL"),
        region: Optional[str] = typer.Option(None),
        max_age_s: Optional[float] = typer.Option(None, help="delete blocks older than this (seconds, >= 0)"),
-       target_gb: Optional[float] = typer.Option(None, help="then delete oldest until at most this (GB = 1e9 B, >= 0)"),
+       target_gb: Optional[float] = typer.Option(None, help="then delete oldest until at most this (GB = 1e9 B, 0 to 10,000,000)"),
        tenant: Optional[str] = typer.Option(None, help="only this tenant (id with --keyring, or pseudonym hex)"),
        keyring: Optional[str] = typer.Option(None, help="keyring: revoked tenants are reclaimed, --tenant mapped"),
        kek_env: str = _ENV, kek_file: Optional[str] = _KF,
@@ -156,7 +156,8 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
     # a negative age or an infinite/NaN threshold is a mistake, never a policy (-1 would delete every
     # block); 0 ("everything older than now") and --target-gb 0 ("empty it") are explicit
     _finite("--max-age-s", max_age_s, ge=0)
-    _finite("--target-gb", target_gb, ge=0)
+    from kvbm_backend.config import MAX_CAPACITY_GB
+    _finite("--target-gb", target_gb, ge=0, le=MAX_CAPACITY_GB)
     _finite("--temp-grace-s", temp_grace_s, ge=0)
     if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
         _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")

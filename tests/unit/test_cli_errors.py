@@ -100,6 +100,37 @@ CASES = [
     (["demo", "--trace", "{d}/missing.jsonl"], "error: --trace: no file {d}/missing.jsonl"),
     (["demo", "--trace", "{d}/trace.jsonl", "--g4", "http://x/y"], "error: --g4:"),
     (["demo", "--trace", "{d}/trace.jsonl", "--workdir", "{d}/a-file"], "error: --workdir: {d}/a-file: is a file"),
+    # numbers out of any sane range (issue 26 item 13): one line naming the flag, before any work
+    (["layouts", "--tp", "100000"], "error: --tp: must be <= 1,024 (got 100,000)"),
+    (["layouts", "--page-size", "1000000000"], "error: --page-size: must be <= 4,096 (got 1,000,000,000)"),
+    (["bench", "--tier", "index", "--layout", "tiny", "--blocks", "1000000000000"],
+     "error: --blocks: must be <= 100,000,000 (got 1,000,000,000,000)"),
+    (["bench", "--tier", "g3", "--path", "{d}/g3", "--layout", "tiny", "--blocks", "1000000000000"],
+     "error: --blocks: 1,000,000,000,000 blocks need"),
+    (["bench", "--tier", "g3", "--path", "{d}/g3", "--layout", "tiny", "--page-size", "1000000000"],
+     "error: --page-size: must be <= 4,096"),
+    (["bench", "--tier", "g3", "--path", "{d}/g3", "--layout", "tiny", "--threads", "100000"], "error: --threads:"),
+    (["bench", "--tier", "g3", "--path", "{d}/g3", "--layout", "tiny", "--io-size", str(1 << 40)], "error: --io-size:"),
+    (["bench", "--tier", "g3", "--path", "{d}/g3", "--layout", "deepseek-r1", "--tp", str(10 ** 18)], "error: --tp:"),
+    (["replay", "--trace", "{d}/trace.jsonl", "--g3-path", "{d}/g3", "--g3-capacity-gb", "1e300", "--simulate"],
+     "error: --g3-capacity-gb: must be <= 10,000,000 (got 1e+300)"),
+    (["replay", "--trace", "{d}/trace.jsonl", "--g3-path", "{d}/g3", "--g3-capacity-gb", "1", "--page-size", "99999"],
+     "error: --page-size: must be <= 4,096"),
+    (["plan", "--synthetic", "--g3-capacity-gb", "1e300"], "error: --g3-capacity-gb: must be <= 10,000,000"),
+    (["plan", "--synthetic", "--g4-capacity-gb", "0,1e300"], "error: --g4-capacity-gb: must be <= 10,000,000"),
+    (["plan", "--synthetic", "--g3-capacity-gb", "1,inf"], "error: --g3-capacity-gb: must be a finite number"),
+    (["plan", "--synthetic", "--seed", "-1"], "error: --seed: must be >= 0 (got -1)"),
+    (["plan", "--synthetic", "--nodes", "1000000000"], "error: --nodes: must be <= 10,000"),
+    (["plan", "--synthetic", "--workers-per-node", "1000000"], "error: --workers-per-node: must be <= 256"),
+    (["plan", "--synthetic", "--tp", "100000"], "error: --tp: must be <= 1,024"),
+    (["plan", "--synthetic", "--page-size", "100000"], "error: --page-size: must be <= 4,096"),
+    (["plan", "--synthetic", "--system-prompt-tokens", "100000000000"], "error: --users: the synthetic trace"),
+    (["plan", "--synthetic", "--users", "1000000000", "--turns", "1000"], "error: --users: the synthetic trace"),
+    (["plan", "--synthetic", "--arrival-rate", "inf"], "error: --arrival-rate: must be a finite number"),
+    (["gc", "--url", "file://{d}/store", "--target-gb", "1e300"], "error: --target-gb: must be <= 10,000,000"),
+    (["doctor", "--config", '{"g3": {"capacity_gb": 1e300}}'], "error: g3.capacity_gb: Input should be less than"),
+    (["doctor", "--config", '{"g3": {"capacity_gb": true}}'], "error: g3.capacity_gb: expected a number, not a bool"),
+    (["doctor", "--config", '{"metrics": {"port": true}}'], "error: metrics.port: expected a number, not a boolean"),
     # doctor, unknown command
     (["doctor", "--config", "{d}/missing.yaml"], "error: config file {d}/missing.yaml: not found"),
     (["doctor", "--config", '{"g3": {"paths": [""]}}'], "error: g3.paths[0]: empty path"),
@@ -220,3 +251,24 @@ def test_extra_config_dict_nested_deep_is_refused():
         cur = cur[0]
     with pytest.raises(ConfigError, match=r"^config: nested deeper than 16 levels"):
         load_config({"g3": {"paths": deep}}, use_env=False)
+
+
+# the cases of issue 26 item 13 through the real entry point (they were tracebacks, exit 1)
+ISSUE_13 = [
+    (["replay", "--trace", "{d}/trace.jsonl", "--g3-path", "{d}/g3", "--g3-capacity-gb", "1e300"],
+     "error: --g3-capacity-gb: must be <= 10,000,000 (got 1e+300)"),
+    (["plan", "--synthetic", "--users", "2", "--turns", "2", "--g3-capacity-gb", "1e300"],
+     "error: --g3-capacity-gb: must be <= 10,000,000 (got 1e+300)"),
+    (["bench", "--tier", "index", "--layout", "tiny", "--blocks", "1000000000000"], "error: --blocks: must be <="),
+    (["bench", "--tier", "g3", "--layout", "tiny", "--path", "{d}/g3", "--page-size", "1000000000"],
+     "error: --page-size: must be <= 4,096"),
+    (["doctor", "--config", '{"g3": {"capacity_gb": 1e300, "files_per_path": true}}'],
+     "error: g3.capacity_gb: Input should be less than or equal to 10000000 (got 1e+300); g3.files_per_path: "
+     "expected a number, not a boolean (got True)"),
+]
+
+
+@pytest.mark.parametrize("args,expect", ISSUE_13, ids=[" ".join(a)[:50] for a, _ in ISSUE_13])
+def test_absurd_numbers_through_the_entry_point(files, args, expect):
+    d = str(files)
+    _assert_one_bounded_error_line(_cli_subprocess(*[a.replace("{d}", d) for a in args]), expect.replace("{d}", d))
