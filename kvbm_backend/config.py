@@ -291,10 +291,27 @@ def _fmt_error(e: ValidationError, env_sources: dict[tuple, str] | None = None) 
         loc = tuple(err["loc"])
         src = next((v for k, v in (env_sources or {}).items() if loc[:len(k)] == k), None)
         where = _fmt_loc(loc)[:200] + (f" (from {src})" if src else "")
-        parts.append(f"{where}: {err['msg']} (got {_short_repr(err.get('input'))})")
+        hint = _did_you_mean(loc) if err["type"] == "extra_forbidden" else ""
+        parts.append(f"{where}: {err['msg']}{hint} (got {_short_repr(err.get('input'))})")
     if len(errors) > _ERRORS_SHOWN:
         parts.append(f"and {len(errors) - _ERRORS_SHOWN} more errors")
     return "; ".join(parts)
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """``; did you mean 'capacity_gb'?`` for an unknown key ``loc[-1]`` close to a field name of the section
+    ``loc[:-1]`` names (difflib), else ``""``."""
+    import difflib
+    model: Any = KvbmBackendConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return ""
+    if not isinstance(loc[-1], str):
+        return ""
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _too_deep(data: Any, limit: int = MAX_NESTING) -> bool:

@@ -129,7 +129,7 @@ def _config_error_text(e: Exception) -> str:
 def bench(
     tier: str = typer.Option(..., help="g3 | g4 | vllm-tiers | index (the in-memory G3 index; --blocks N "
                                        "entries, default 1M and 10M)"),
-    layout: str = typer.Option("llama-3.1-8b", help="model preset in layouts/ (see `layouts`)"),
+    layout: str = typer.Option("llama-3.1-8b", help="model preset in layouts/ (see: kvbm-backend layouts)"),
     page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
     tp: int = typer.Option(1, help=f"TP degree (block size is per rank; 1-{MAX_TP})"),
     blocks: int = typer.Option(256, help="blocks to write then read (their source and read-back buffers must fit "
@@ -199,7 +199,7 @@ def replay(
     admit_all: bool = typer.Option(False, "--admit-all", help="store every block (default: second sighting)"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
     simulate: bool = typer.Option(False, "--simulate", help="index only, no bytes (capacity planning)"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Replay a request trace through the G3 pool and report prefix hits."""
     from .replay import run_replay
@@ -250,7 +250,7 @@ def plan(
     seed: int = typer.Option(0, help="synthetic: random seed (>= 0)"),
     save_trace: Optional[str] = typer.Option(None, help="synthetic: also write the trace here (JSONL)"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
-    layout: str = typer.Option("llama-3.1-70b", help="model preset (see `layouts`)"),
+    layout: str = typer.Option("llama-3.1-70b", help="model preset (see: kvbm-backend layouts)"),
     tp: int = typer.Option(1, help=f"TP degree of a worker (1-{MAX_TP})"),
     page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
     nodes: int = typer.Option(1, help=f"nodes in the fleet (1-{MAX_NODES:,})"),
@@ -383,7 +383,7 @@ def demo(
 def doctor(
     path: list[str] = typer.Option([], help="G3/G4 paths to probe (O_DIRECT, free space)"),
     config: Optional[str] = typer.Option(None, help="config file; its paths are probed too"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """GPU, driver, cuFile/GDS, kvikio, NIXL plugins, O_DIRECT per path, and the engine chosen."""
     from kvbm_backend.config import ConfigError
@@ -396,10 +396,12 @@ def doctor(
 
 
 @app.command()
-def layouts(page_size: int = typer.Option(16), tp: int = typer.Option(1), as_json: bool = typer.Option(False, "--json")) -> None:
+def layouts(page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
+            tp: int = typer.Option(1, help=f"TP degree (1-{MAX_TP})"),
+            as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """List model presets with bytes per token and per block (a preset whose KV heads --tp does not
-    divide gets an ``error`` entry instead). Hybrid presets (gpt-oss, Gemma) also state the full-attention
-    layers' bytes per token (every token) and the sliding-window layers' (at most ``sliding_window``
+    divide gets an error entry instead). Hybrid presets (gpt-oss, Gemma) also state the full-attention
+    layers' bytes per token (every token) and the sliding-window layers' (at most sliding_window
     tokens per sequence) separately, per rank at --tp, with the KV of an 8K-token sequence."""
     from kvbm_backend.model.presets import list_presets, load_preset
     _int_at_least("--page-size", page_size, 1, MAX_PAGE_SIZE)

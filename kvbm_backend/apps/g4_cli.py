@@ -75,8 +75,8 @@ _KF = typer.Option(None, "--kek-file", help="KEK file (default KEYRING.kek) when
 
 
 @keys_app.command("create")
-def keys_create(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant"), kek_env: str = _ENV,
-                kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json")) -> None:
+def keys_create(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant", help="tenant id"), kek_env: str = _ENV,
+                kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Create a tenant's data key (and the keyring and its KEK file if they do not exist)."""
     with _keyring_errors():
         _out(_open(keyring, kek_env, kek_file, True).create(tenant), as_json)
@@ -85,7 +85,7 @@ def keys_create(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant"),
 @keys_app.command("rotate")
 def keys_rotate(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "--tenant", help="default: all"),
                 kek_env: str = _ENV, kek_file: Optional[str] = _KF,
-                as_json: bool = typer.Option(False, "--json")) -> None:
+                as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """New data key version for new writes; old versions stay for reads. No block is rewritten."""
     with _keyring_errors():
         kr = _open(keyring, kek_env, kek_file, False)
@@ -94,16 +94,16 @@ def keys_rotate(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "
 
 
 @keys_app.command("revoke")
-def keys_revoke(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant"), kek_env: str = _ENV,
-                kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json")) -> None:
+def keys_revoke(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant", help="tenant id"), kek_env: str = _ENV,
+                kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Delete every key of the tenant (crypto-shred: its blocks become unreadable; gc reclaims them)."""
     with _keyring_errors():
         _out(_open(keyring, kek_env, kek_file, False).revoke(tenant), as_json)
 
 
 @keys_app.command("list")
-def keys_list(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "--tenant"), kek_env: str = _ENV,
-              kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json")) -> None:
+def keys_list(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "--tenant", help="only this tenant (default: all)"), kek_env: str = _ENV,
+              kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Tenants, versions, use counts and created dates (never key material)."""
     with _keyring_errors():
         kr = _open(keyring, kek_env, kek_file, False)
@@ -116,7 +116,7 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
                     None, help="new KEK file (created 0600 if absent)"),
                 new_kek_env: Optional[str] = typer.Option(None, help="env var with the new base64 KEK"),
                 kek_env: str = _ENV, kek_file: Optional[str] = _KF,
-                as_json: bool = typer.Option(False, "--json")) -> None:
+                as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Re-wrap every key under a new KEK (KEK rotation) without rewriting any block."""
     from pathlib import Path
 
@@ -137,7 +137,7 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
 
 def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
        endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint URL"),
-       region: Optional[str] = typer.Option(None),
+       region: Optional[str] = typer.Option(None, help="S3 region (default: from the AWS environment)"),
        max_age_s: Optional[float] = typer.Option(None, help="delete blocks older than this (seconds, >= 0)"),
        target_gb: Optional[float] = typer.Option(None, help="then delete oldest until at most this (GB = 1e9 B, 0 to 10,000,000)"),
        tenant: Optional[str] = typer.Option(None, help="only this tenant (id with --keyring, or pseudonym hex)"),
@@ -145,7 +145,7 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
        kek_env: str = _ENV, kek_file: Optional[str] = _KF,
        temp_grace_s: float = typer.Option(3600.0, help="writer temp files younger than this are never touched"),
        dry_run: bool = typer.Option(False, "--dry-run", help="report, delete nothing"),
-       as_json: bool = typer.Option(False, "--json")) -> None:
+       as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Remove G4 blocks by age and/or to a capacity target (oldest first), per tenant too, and the
     blocks of revoked tenants. Safe while workers run."""
     from kvbm_backend.crypto.keyring import KeyringError

@@ -272,3 +272,43 @@ ISSUE_13 = [
 def test_absurd_numbers_through_the_entry_point(files, args, expect):
     d = str(files)
     _assert_one_bounded_error_line(_cli_subprocess(*[a.replace("{d}", d) for a in args]), expect.replace("{d}", d))
+
+
+# --- help text (issue 22 item 10) --------------------------------------------------------------------
+
+def _commands(group, path=()):
+    for name, cmd in group.commands.items():
+        if hasattr(cmd, "commands"):  # a group (typer vendors click: no isinstance on click's classes)
+            yield from _commands(cmd, (*path, name))
+        else:
+            yield (*path, name), cmd
+
+
+def test_every_flag_has_help_and_help_is_plain_text():
+    import re
+
+    import typer.main
+    group = typer.main.get_command(app)
+    cmds = list(_commands(group))
+    assert {("bench",), ("replay",), ("plan",), ("doctor",), ("layouts",), ("gc",), ("keys", "create")} <= {
+        p for p, _ in cmds}
+    for path, cmd in cmds:
+        for p in cmd.params:
+            if p.param_type_name == "option":
+                assert p.help, f"{' '.join(path)} {p.opts[0]}: no help"
+        r = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        assert not re.search(r"``|:(class|func|mod|meth|data):|`[^`\s]+`", r.output), (path, r.output)
+
+
+@pytest.mark.parametrize("src,hint", [({"g3": {"capcity_gb": 1}}, "did you mean 'capacity_gb'?"),
+                                      ({"g4": {"keyring": {"pth": "x"}}}, "did you mean 'path'?"),
+                                      ({"gg3": {}}, "did you mean 'g3'?"),
+                                      ({"g3": {"admission": {"polcy": "all"}}}, "did you mean 'policy'?")])
+def test_unknown_config_key_did_you_mean(src, hint):
+    r = CliRunner().invoke(app, ["doctor", "--config", json.dumps(src)])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "Extra inputs are not permitted; " + hint in lines[0], r.output
+    r = CliRunner().invoke(app, ["doctor", "--config", json.dumps({"g3": {"zzzzzz": 1}})])
+    assert "did you mean" not in r.output and "g3.zzzzzz: Extra inputs are not permitted (got 1)" in r.output
