@@ -14,7 +14,9 @@ Errors are :class:`ConfigError` naming the field path (``g3.capacity_gb: ...``, 
 ``g3.paths[1]: ...``), and the environment variable when the value came from one.
 
 Strictness: every float must be finite (``inf``/``nan`` are refused everywhere: an infinite timeout
-would turn a slow store into a stalled decode); timeouts have upper bounds; G3 paths must be non-empty,
+would turn a slow store into a stalled decode); a boolean is never taken as a number (``capacity_gb: true``
+is an error, not 1 GB); every number has an upper bound (sizes, counts, timeouts; each field's
+description gives it); G3 paths must be non-empty,
 and an enabled G3's paths are checked when the config is loaded: an existing path must be a writable
 directory, and a path to be created must not lie under a file.
 """
@@ -22,22 +24,52 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import stat
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 
+MAX_NESTING = 16
+"""Deepest nesting of mappings/lists a config source may have (the tree itself is 4 deep); deeper input
+(e.g. JSON nested 5,000 deep) is refused before it is parsed further or validated."""
+MAX_ERROR_CHARS = 1000
+"""A :class:`ConfigError` message is cut to this many characters (a quoted input can be any size)."""
+
+
 class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field."""
+    """A configuration value is wrong; the message names the field (or file, or environment variable).
+
+    The message is cut to :data:`MAX_ERROR_CHARS` characters (``... (N more characters)``)."""
+
+    def __init__(self, msg: object = "") -> None:
+        text = str(msg)
+        if len(text) > MAX_ERROR_CHARS:
+            text = f"{text[:MAX_ERROR_CHARS]}... ({len(text) - MAX_ERROR_CHARS} more characters)"
+        super().__init__(text)
+
+
+MAX_CAPACITY_GB = 10_000_000
+"""Largest capacity in GB (10 PB) a config field or ``--*-capacity-gb`` flag takes."""
+
+_NUMBER_TYPES = (int, float, int | None, float | None)
 
 
 class _M(BaseModel):
     # allow_inf_nan=False: every float field of the tree is finite (inf / nan are validation errors)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, v: Any, info: ValidationInfo) -> Any:
+        """A boolean is not a number: pydantic's lax mode takes ``true`` as 1 (``capacity_gb: true``)."""
+        if isinstance(v, bool) and cls.model_fields[info.field_name].annotation in _NUMBER_TYPES:
+            raise PydanticCustomError("bool_not_number", "expected a number, not a boolean")
+        return v
 
 
 def dir_problem(path: str) -> str | None:
@@ -85,9 +117,10 @@ G3Path = Annotated[str, AfterValidator(_check_g3_path)]
 class AdmissionConfig(_M):
     policy: Literal["frequency", "all"] = "frequency"
     """``frequency``: KVBM's default, a block is written on its second sighting; ``all``: every offload."""
-    min_sightings: int = Field(2, ge=1)
-    tracker_entries: int = Field(1_000_000, ge=1024)
-    """Sequence hashes remembered by the frequency filter (LRU)."""
+    min_sightings: int = Field(2, ge=1, le=1000)
+    """Sightings of a sequence hash before it is written (1-1000)."""
+    tracker_entries: int = Field(1_000_000, ge=1024, le=1 << 30)
+    """Sequence hashes remembered by the frequency filter (LRU), 1024 to 2**30."""
 
 
 class G3Config(_M):
@@ -96,17 +129,17 @@ class G3Config(_M):
     """One directory per NVMe drive or mount point; slab files are spread across them. Entries must be
     non-empty; when G3 is enabled, an existing entry must be a directory this process can write and a
     missing one must not lie under a file (checked at load: ``g3.paths[i]: ...``)."""
-    capacity_gb: float = Field(10.0, gt=0)
-    """Upper bound of slot bytes (GB = 1e9 bytes)."""
+    capacity_gb: float = Field(10.0, gt=0, le=MAX_CAPACITY_GB)
+    """Upper bound of slot bytes (GB = 1e9 bytes), at most 10 PB (``MAX_CAPACITY_GB``)."""
     files_per_path: int = Field(4, ge=1, le=256)
-    io_size_bytes: int = Field(1 << 20, ge=4096)
-    """Target bytes per I/O per TP rank after coalescing (rounded to 4 KiB)."""
+    io_size_bytes: int = Field(1 << 20, ge=4096, le=1 << 30)
+    """Target bytes per I/O per TP rank after coalescing (rounded to 4 KiB), 4 KiB to 1 GiB."""
     engine: Literal["auto", "posix", "nixl", "kvikio"] = "auto"
     o_direct: Literal["auto", "on", "off"] = "auto"
     """``auto`` probes each path: O_DIRECT where the filesystem takes it, buffered where not."""
     io_threads: int = Field(8, ge=1, le=256)
-    write_queue_blocks: int = Field(4096, ge=1)
-    """Pending offload blocks before new offloads are dropped (write-behind bound)."""
+    write_queue_blocks: int = Field(4096, ge=1, le=1 << 26)
+    """Pending offload blocks before new offloads are dropped (write-behind bound), at most 2**26."""
     min_free_fraction: float = Field(0.05, ge=0, lt=1)
     """statvfs watermark: never fill a filesystem beyond ``1 - min_free_fraction``."""
     fsync: bool = True
@@ -117,9 +150,10 @@ class G3Config(_M):
     ``fdatasync`` per slab file written, then one journal append) publishes them all. Bounds the publish
     latency grouping adds; a group never waits once nothing is in flight. 0: a barrier as soon as the
     previous one ended (pieces written meanwhile still share it)."""
-    group_commit_bytes: int = Field(256 << 20, ge=0)
+    group_commit_bytes: int = Field(256 << 20, ge=0, le=1 << 40)
     """Group commit: the barrier starts at once when this many slot bytes are written and waiting
-    (bounds the blocks one barrier, or one failed ``fdatasync``, covers). 0: no byte bound."""
+    (bounds the blocks one barrier, or one failed ``fdatasync``, covers), at most 1 TiB. 0: no byte
+    bound."""
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     load_timeout_s: float = Field(5.0, gt=0, le=120)
     """A load not back within this many seconds is a miss (the engine recomputes). At most 120 s: a
@@ -189,8 +223,10 @@ class G4Config(_M):
     timeout of their own: the deadline bounds loads and lookups, and offloads queued behind a hung
     mount are dropped once ``write_queue_blocks`` are pending."""
     max_inflight: int = Field(32, ge=1, le=1024)
-    write_queue_blocks: int = Field(2048, ge=1)
-    breaker_failures: int = Field(5, ge=1)
+    write_queue_blocks: int = Field(2048, ge=1, le=1 << 26)
+    """Pending offload blocks before new offloads are dropped, at most 2**26."""
+    breaker_failures: int = Field(5, ge=1, le=1_000_000)
+    """Consecutive failures (or expired batches) that open the circuit breaker, at most 1,000,000."""
     breaker_reset_s: float = Field(5.0, gt=0, le=3600)
     """While the breaker is open, one probe request per this many seconds (at most an hour)."""
     dir_fanout: int = Field(256, ge=1, le=4096)
@@ -240,16 +276,110 @@ def _fmt_loc(loc: tuple) -> str:
     return out
 
 
+_ERRORS_SHOWN = 5
+
+
+def _short_repr(value: Any) -> str:
+    """``repr(value)`` bounded in size and depth (a config input can be a huge or deeply nested value)."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = 240
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 6, 6, 6, 6
+    return r.repr(value)
+
+
 def _fmt_error(e: ValidationError, env_sources: dict[tuple, str] | None = None) -> str:
-    """``field.path: message (got value)``, ``; ``-joined; `` (from ENV_VAR)`` after the field path
-    when the value came from the environment."""
+    """``field.path: message (got value)``, ``; ``-joined (the first few, then how many more); ``(from
+    ENV_VAR)`` after the field path when the value came from the environment. Quoted values are
+    shortened (:func:`_short_repr`)."""
     parts = []
-    for err in e.errors():
+    errors = e.errors(include_url=False)
+    for err in errors[:_ERRORS_SHOWN]:
         loc = tuple(err["loc"])
         src = next((v for k, v in (env_sources or {}).items() if loc[:len(k)] == k), None)
-        where = _fmt_loc(loc) + (f" (from {src})" if src else "")
-        parts.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+        where = _fmt_loc(loc)[:200] + (f" (from {src})" if src else "")
+        hint = _did_you_mean(loc) if err["type"] == "extra_forbidden" else ""
+        parts.append(f"{where}: {err['msg']}{hint} (got {_short_repr(err.get('input'))})")
+    if len(errors) > _ERRORS_SHOWN:
+        parts.append(f"and {len(errors) - _ERRORS_SHOWN} more errors")
     return "; ".join(parts)
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """``; did you mean 'capacity_gb'?`` for an unknown key ``loc[-1]`` close to a field name of the section
+    ``loc[:-1]`` names (difflib), else ``""``."""
+    import difflib
+    model: Any = KvbmBackendConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return ""
+    if not isinstance(loc[-1], str):
+        return ""
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _too_deep(data: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether mappings/lists in ``data`` nest deeper than ``limit`` levels (iterative: no recursion)."""
+    stack = [(data, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, (dict, list, tuple)):
+            if depth >= limit:
+                return True
+            stack.extend((v, depth + 1) for v in (obj.values() if isinstance(obj, dict) else obj))
+    return False
+
+
+def _nesting_error(where: str) -> ConfigError:
+    return ConfigError(f"{where}: nested deeper than {MAX_NESTING} levels (a config is at most 4 deep)")
+
+
+def _json_loads(text: str, where: str) -> Any:
+    """``json.loads`` with every failure (syntax, deep nesting) as a one-line ConfigError naming ``where``."""
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise _nesting_error(where) from None
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if _too_deep(data):
+        raise _nesting_error(where)
+    return data
+
+
+def _yaml_load(text: str) -> Any:
+    """YAML with the safe loader, minus anchors and aliases (``&a`` / ``*a``, ``<<: *a``): their expansion
+    turns a few hundred bytes into gigabytes ("billion laughs"), and a config never needs them. Nesting is
+    bounded by :data:`MAX_NESTING` while composing. Raises ConfigError (without the file name)."""
+    import yaml
+    from yaml.events import AliasEvent, CollectionStartEvent
+
+    class _Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent, index):
+            event = self.peek_event()
+            line = event.start_mark.line + 1 if event.start_mark else "?"
+            if isinstance(event, AliasEvent) or getattr(event, "anchor", None):
+                raise ConfigError(f"line {line}: YAML anchors and aliases (&name, *name) are not accepted")
+            if isinstance(event, CollectionStartEvent):
+                if self.depth >= MAX_NESTING:
+                    raise ConfigError(f"line {line}: nested deeper than {MAX_NESTING} levels (a config is at most"
+                                      f" 4 deep)")
+                self.depth += 1
+                try:
+                    return super().compose_node(parent, index)
+                finally:
+                    self.depth -= 1
+            return super().compose_node(parent, index)
+
+    loader = _Loader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def _set_path(d: dict, path: list[str], value: Any) -> None:
@@ -295,8 +425,12 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
             path = [p.lower() for p in k[len("KVBM_BACKEND__"):].split("__")]
             try:
                 val = json.loads(v)
+            except RecursionError:
+                raise _nesting_error(k) from None
             except ValueError:
                 val = v
+            if _too_deep(val):
+                raise _nesting_error(k)
             _set_path(out, path, val)
             sources[tuple(path)] = k
     return out
@@ -320,26 +454,28 @@ def load_config(source: str | Path | dict | None = None, *, environ: dict[str, s
     if isinstance(source, dict):
         data = source
     elif isinstance(source, str) and source.lstrip().startswith("{"):
-        try:
-            data = json.loads(source)
-        except ValueError as e:
-            raise ConfigError(f"inline JSON config: {e}") from None
+        data = _json_loads(source, "inline JSON config")
     elif source is not None:
         p = Path(source)
         if not p.is_file():
             raise ConfigError(f"config file {p}: not found")
         try:
             if p.suffix in (".yaml", ".yml"):
-                import yaml
-                data = yaml.safe_load(p.read_text()) or {}
+                data = _yaml_load(p.read_text()) or {}
             elif p.suffix == ".toml":
                 data = tomllib.loads(p.read_text())
             else:
                 data = json.loads(p.read_text())
+        except RecursionError:
+            raise _nesting_error(f"config file {p}") from None
         except Exception as e:  # noqa: BLE001 - any parse error names the file
             raise ConfigError(f"config file {p}: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping")
+        if _too_deep(data):
+            raise _nesting_error(f"config file {p}")
+    if isinstance(source, dict) and _too_deep(data):
+        raise _nesting_error("config")
     sources: dict[tuple, str] = {}
     if use_env:
         data = _merge(data, env_overrides(environ, sources))

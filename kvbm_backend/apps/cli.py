@@ -14,7 +14,18 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
-from .cli_checks import error_line, finite as _finite
+from .cli_checks import error_line, finite as _finite, int_range
+
+# Upper bounds of the numeric flags (a value past them is an operator mistake that would otherwise end
+# in a MemoryError or OverflowError traceback minutes later). Capacities: config.MAX_CAPACITY_GB.
+MAX_PAGE_SIZE = 4096  # tokens per block
+MAX_TP = 1024
+MAX_THREADS = 256  # as g3.io_threads
+MAX_IO_SIZE = 1 << 30  # as g3.io_size_bytes
+MAX_INDEX_BLOCKS = 100_000_000  # bench --tier index entries
+MAX_SYNTH_BLOCK_IDS = 100_000_000  # plan --synthetic: block ids the whole trace holds
+MAX_NODES = 10_000
+MAX_WORKERS_PER_NODE = 256
 
 console = Console(stderr=True)
 
@@ -65,9 +76,18 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def _int_at_least(name: str, value: Optional[int], lo: int) -> None:
-    if value is not None and value < lo:
-        _fail(f"{name}: must be >= {lo} (got {value})")
+def _int_at_least(name: str, value: Optional[int], lo: int, hi: Optional[int] = None) -> None:
+    int_range(name, value, lo, hi)
+
+
+def _max_capacity_gb() -> float:
+    from kvbm_backend.config import MAX_CAPACITY_GB
+    return MAX_CAPACITY_GB
+
+
+def _host_memory_bytes() -> int:
+    import os
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _writable_dirs(name: str, value: Optional[str], sep: Optional[str] = None) -> None:
@@ -109,33 +129,40 @@ def _config_error_text(e: Exception) -> str:
 def bench(
     tier: str = typer.Option(..., help="g3 | g4 | vllm-tiers | index (the in-memory G3 index; --blocks N "
                                        "entries, default 1M and 10M)"),
-    layout: str = typer.Option("llama-3.1-8b", help="model preset in layouts/ (see `layouts`)"),
-    page_size: int = typer.Option(16, help="tokens per block"),
-    tp: int = typer.Option(1, help="TP degree (block size is per rank)"),
-    blocks: int = typer.Option(256, help="blocks to write then read"),
+    layout: str = typer.Option("llama-3.1-8b", help="model preset in layouts/ (see: kvbm-backend layouts)"),
+    page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
+    tp: int = typer.Option(1, help=f"TP degree (block size is per rank; 1-{MAX_TP})"),
+    blocks: int = typer.Option(256, help="blocks to write then read (their source and read-back buffers must fit "
+                                         f"in host memory; index: at most {MAX_INDEX_BLOCKS:,})"),
     path: Optional[str] = typer.Option(None, help="g3 / vllm-tiers: directory (several: comma-separated)"),
     url: Optional[str] = typer.Option(None, help="g4: s3://BUCKET/PREFIX or file:///shared/path"),
     endpoint_url: Optional[str] = typer.Option(None, help="g4: S3 endpoint URL"),
     encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help="g4: AES-256-GCM per tenant"),
-    io_size: int = typer.Option(1 << 20, help="bytes per coalesced I/O per rank"),
+    io_size: int = typer.Option(1 << 20, help="bytes per coalesced I/O per rank (a multiple of 4096, at most 1 GiB)"),
     engine: str = typer.Option("auto", help="auto | posix | nixl | kvikio"),
-    threads: int = typer.Option(8, help="I/Os in flight"),
+    threads: int = typer.Option(8, help=f"I/Os in flight (1-{MAX_THREADS})"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Write then read N blocks through a tier, with an in-run baseline of the same bytes."""
     from .bench import BenchOptions
     from kvbm_backend.config import ConfigError
     _one_of("--tier", tier, ("g3", "g4", "vllm-tiers", "index"))
-    _int_at_least("--page-size", page_size, 1)
-    _int_at_least("--tp", tp, 1)
-    _int_at_least("--blocks", blocks, 1)
-    _int_at_least("--threads", threads, 1)
-    if io_size <= 0 or io_size % 4096:
-        _fail(f"--io-size: must be a positive multiple of 4096 bytes (got {io_size})")
+    _int_at_least("--page-size", page_size, 1, MAX_PAGE_SIZE)
+    _int_at_least("--tp", tp, 1, MAX_TP)
+    _int_at_least("--blocks", blocks, 1, MAX_INDEX_BLOCKS if tier == "index" else None)
+    _int_at_least("--threads", threads, 1, MAX_THREADS)
+    if io_size <= 0 or io_size % 4096 or io_size > MAX_IO_SIZE:
+        _fail(f"--io-size: must be a positive multiple of 4096 bytes, at most 1 GiB (got {io_size})")
     if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
         _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
     _one_of("--engine", engine, ("auto", "posix", "nixl", "kvikio"))
     _check_layout(layout, page_size, tp)
+    if tier != "index":
+        from kvbm_backend.model.presets import load_preset
+        need = 2 * blocks * load_preset(layout).layout(page_size=page_size, tp=tp).bytes_per_block
+        if need > _host_memory_bytes():
+            _fail(f"--blocks: {blocks:,} blocks need {need / 1e9:,.1f} GB of host buffers (written and read "
+                  f"back), more than this host's {_host_memory_bytes() / 1e9:,.1f} GB of memory (got {blocks})")
     if tier != "g4":
         _writable_dirs("--path", path, sep=",")
     opts = BenchOptions(tier=tier, layout=layout, page_size=page_size, tp=tp, blocks=blocks, path=path, url=url,
@@ -155,6 +182,8 @@ def bench(
         result = run(opts)
     except (ValueError, ConfigError) as e:  # pydantic's ValidationError is a ValueError
         _fail(_config_error_text(e))
+    except MemoryError as e:
+        _fail(f"bench --tier {tier}: out of memory for --blocks {blocks} ({e})")
     except OSError as e:
         _fail(f"bench --tier {tier}: {e}")
     _emit(result, as_json)
@@ -164,18 +193,18 @@ def bench(
 def replay(
     trace: str = typer.Option(..., help="Mooncake-format JSONL trace"),
     layout: str = typer.Option("tiny", help="model preset"),
-    page_size: int = typer.Option(16, help="tokens per block"),
+    page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
     g3_path: str = typer.Option(..., help="G3 directory"),
-    g3_capacity_gb: float = typer.Option(..., help="G3 capacity, GB (1e9 bytes)"),
+    g3_capacity_gb: float = typer.Option(..., help="G3 capacity, GB (1e9 bytes; at most 10,000,000: 10 PB)"),
     admit_all: bool = typer.Option(False, "--admit-all", help="store every block (default: second sighting)"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
     simulate: bool = typer.Option(False, "--simulate", help="index only, no bytes (capacity planning)"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Replay a request trace through the G3 pool and report prefix hits."""
     from .replay import run_replay
-    _int_at_least("--page-size", page_size, 1)
-    _finite("--g3-capacity-gb", g3_capacity_gb, gt=0)
+    _int_at_least("--page-size", page_size, 1, MAX_PAGE_SIZE)
+    _finite("--g3-capacity-gb", g3_capacity_gb, gt=0, le=_max_capacity_gb())
     _int_at_least("--limit", limit, 0)
     _check_layout(layout, page_size)
     if not simulate:
@@ -186,20 +215,23 @@ def replay(
                             progress=not as_json)
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         _fail(_config_error_text(e))
+    except MemoryError as e:
+        _fail(f"replay: out of memory ({e})")
     except OSError as e:
         _fail(f"replay: {e}")
     _emit(result, as_json)
 
 
 def _gb_list(name: str, value: str) -> list[float]:
-    """Comma-separated GB values (``1000,4000``), each finite and >= 0; else one error line naming ``name``."""
+    """Comma-separated GB values (``1000,4000``), each finite, >= 0 and at most ``MAX_CAPACITY_GB``; else one
+    error line naming ``name``."""
     out = []
     for part in value.split(","):
         try:
             v = float(part)
         except ValueError:
             _fail(f"{name}: expected comma-separated numbers of GB (got {value!r})")
-        _finite(name, v, ge=0)
+        _finite(name, v, ge=0, le=_max_capacity_gb())
         out.append(v)
     return out
 
@@ -215,18 +247,19 @@ def plan(
     turn_tokens: int = typer.Option(1024, help="synthetic: tokens each turn adds to the context"),
     arrival_rate: float = typer.Option(1.0, help="synthetic: new conversations per second (Poisson)"),
     think_s: float = typer.Option(60.0, help="synthetic: mean seconds between turns (exponential)"),
-    seed: int = typer.Option(0, help="synthetic: random seed"),
+    seed: int = typer.Option(0, help="synthetic: random seed (>= 0)"),
     save_trace: Optional[str] = typer.Option(None, help="synthetic: also write the trace here (JSONL)"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
-    layout: str = typer.Option("llama-3.1-70b", help="model preset (see `layouts`)"),
-    tp: int = typer.Option(1, help="TP degree of a worker"),
-    page_size: int = typer.Option(16, help="tokens per block"),
-    nodes: int = typer.Option(1, help="nodes in the fleet"),
-    workers_per_node: int = typer.Option(1, help="workers (engine instances) per node"),
+    layout: str = typer.Option("llama-3.1-70b", help="model preset (see: kvbm-backend layouts)"),
+    tp: int = typer.Option(1, help=f"TP degree of a worker (1-{MAX_TP})"),
+    page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
+    nodes: int = typer.Option(1, help=f"nodes in the fleet (1-{MAX_NODES:,})"),
+    workers_per_node: int = typer.Option(1, help=f"workers (engine instances) per node (1-{MAX_WORKERS_PER_NODE})"),
     routing: str = typer.Option("prefix", help="prefix | round-robin"),
     router_decay_s: float = typer.Option(60.0, help="prefix routing: time constant (s) of a worker's load"),
-    g3_capacity_gb: str = typer.Option("1000", help="G3 GB per node; a sweep: comma-separated"),
-    g4_capacity_gb: str = typer.Option("0", help="G4 GB, shared; comma-separated; 0 = no G4"),
+    g3_capacity_gb: str = typer.Option("1000", help="G3 GB per node; a sweep: comma-separated (each at most "
+                                                    "10,000,000: 10 PB)"),
+    g4_capacity_gb: str = typer.Option("0", help="G4 GB, shared; comma-separated; 0 = no G4 (at most 10 PB)"),
     g3_read_gbps: float = typer.Option(6.0, help="G3 read GB/s per node"),
     g3_write_gbps: float = typer.Option(3.0, help="G3 write GB/s per node"),
     g4_read_gbps: float = typer.Option(2.0, help="G4 read GB/s per worker"),
@@ -248,10 +281,19 @@ def plan(
         _fail(f"--save-trace: only with --synthetic (got {save_trace!r})")
     for name, v, lo in (("--users", users, 1), ("--conversations-per-user", conversations_per_user, 1),
                         ("--turns", turns, 1), ("--system-prompt-tokens", system_prompt_tokens, 0),
-                        ("--turn-tokens", turn_tokens, 1), ("--limit", limit, 0), ("--tp", tp, 1),
-                        ("--page-size", page_size, 1), ("--nodes", nodes, 1),
-                        ("--workers-per-node", workers_per_node, 1)):
+                        ("--turn-tokens", turn_tokens, 1), ("--limit", limit, 0), ("--seed", seed, 0)):
         _int_at_least(name, v, lo)
+    for name, v, hi in (("--tp", tp, MAX_TP), ("--page-size", page_size, MAX_PAGE_SIZE), ("--nodes", nodes, MAX_NODES),
+                        ("--workers-per-node", workers_per_node, MAX_WORKERS_PER_NODE)):
+        _int_at_least(name, v, 1, hi)
+    if synthetic:
+        from .replay import TRACE_BLOCK_TOKENS
+        sys_tokens = -(-system_prompt_tokens // TRACE_BLOCK_TOKENS) * TRACE_BLOCK_TOKENS
+        ids = users * conversations_per_user * (turns * sys_tokens + turn_tokens * turns * (turns + 1) // 2) // TRACE_BLOCK_TOKENS
+        if ids > MAX_SYNTH_BLOCK_IDS:
+            _fail(f"--users: the synthetic trace (--users x --conversations-per-user x --turns requests of "
+                  f"--system-prompt-tokens + turn x --turn-tokens) would hold {ids:,} block ids, more than "
+                  f"{MAX_SYNTH_BLOCK_IDS:,}")
     _finite("--arrival-rate", arrival_rate, gt=0)
     _finite("--think-s", think_s, ge=0)
     for name, v in (("--g3-read-gbps", g3_read_gbps), ("--g3-write-gbps", g3_write_gbps),
@@ -294,6 +336,8 @@ def plan(
             plot_plan(result, plot_out)
     except ValueError as e:
         _fail(str(e))
+    except MemoryError as e:
+        _fail(f"plan: out of memory ({e})")
     except OSError as e:
         _fail(f"plan: {e}")
     _emit(result, as_json, table_fn=print_plan)
@@ -339,7 +383,7 @@ def demo(
 def doctor(
     path: list[str] = typer.Option([], help="G3/G4 paths to probe (O_DIRECT, free space)"),
     config: Optional[str] = typer.Option(None, help="config file; its paths are probed too"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """GPU, driver, cuFile/GDS, kvikio, NIXL plugins, O_DIRECT per path, and the engine chosen."""
     from kvbm_backend.config import ConfigError
@@ -352,14 +396,16 @@ def doctor(
 
 
 @app.command()
-def layouts(page_size: int = typer.Option(16), tp: int = typer.Option(1), as_json: bool = typer.Option(False, "--json")) -> None:
+def layouts(page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
+            tp: int = typer.Option(1, help=f"TP degree (1-{MAX_TP})"),
+            as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """List model presets with bytes per token and per block (a preset whose KV heads --tp does not
-    divide gets an ``error`` entry instead). Hybrid presets (gpt-oss, Gemma) also state the full-attention
-    layers' bytes per token (every token) and the sliding-window layers' (at most ``sliding_window``
+    divide gets an error entry instead). Hybrid presets (gpt-oss, Gemma) also state the full-attention
+    layers' bytes per token (every token) and the sliding-window layers' (at most sliding_window
     tokens per sequence) separately, per rank at --tp, with the KV of an 8K-token sequence."""
     from kvbm_backend.model.presets import list_presets, load_preset
-    _int_at_least("--page-size", page_size, 1)
-    _int_at_least("--tp", tp, 1)
+    _int_at_least("--page-size", page_size, 1, MAX_PAGE_SIZE)
+    _int_at_least("--tp", tp, 1, MAX_TP)
     rows = {}
     for n in list_presets():
         p = load_preset(n)

@@ -12,9 +12,16 @@ from rich.text import Text
 console = Console(stderr=True)
 
 
+MAX_ERROR_CHARS = 2000
+
+
 def error_line(msg: str) -> None:
-    """Print ``error: MSG`` as one line on stderr (never wrapped, no markup)."""
-    console.print(Text.assemble(("error:", "red"), " ", " ".join(str(msg).split())), soft_wrap=True,
+    """Print ``error: MSG`` as one line on stderr (never wrapped, no markup), cut to
+    :data:`MAX_ERROR_CHARS` characters (a message may quote an input of any size)."""
+    text = str(msg)
+    if len(text) > MAX_ERROR_CHARS:
+        text = f"{text[:MAX_ERROR_CHARS]}... ({len(text) - MAX_ERROR_CHARS} more characters)"
+    console.print(Text.assemble(("error:", "red"), " ", " ".join(text.split())), soft_wrap=True,
                   highlight=False)
 
 
@@ -24,8 +31,9 @@ def fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def finite(name: str, value: Optional[float], *, gt: Optional[float] = None, ge: Optional[float] = None) -> None:
-    """``value`` (None: not given) must be finite and > gt / >= ge, else :func:`fail` naming ``name``."""
+def finite(name: str, value: Optional[float], *, gt: Optional[float] = None, ge: Optional[float] = None,
+           le: Optional[float] = None) -> None:
+    """``value`` (None: not given) must be finite, > gt / >= ge and <= le, else :func:`fail` naming ``name``."""
     if value is None:
         return
     if not math.isfinite(value):
@@ -34,3 +42,21 @@ def finite(name: str, value: Optional[float], *, gt: Optional[float] = None, ge:
         fail(f"{name}: must be > {gt:g} (got {value:g})")
     if ge is not None and not value >= ge:
         fail(f"{name}: must be >= {ge:g} (got {value:g})")
+    if le is not None and not value <= le:
+        fail(f"{name}: must be <= {_num(le)} (got {value:g})")
+
+
+def _num(x: float) -> str:
+    """``10,000,000`` for a whole number (below 1e16), else ``%g``."""
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
+def int_range(name: str, value: Optional[int], lo: int, hi: Optional[int] = None) -> None:
+    """``value`` (None: not given) must lie in ``lo..hi`` (``hi`` None: no upper bound), else :func:`fail`
+    naming ``name``."""
+    if value is None:
+        return
+    if value < lo:
+        fail(f"{name}: must be >= {lo} (got {value})")
+    if hi is not None and value > hi:
+        fail(f"{name}: must be <= {hi:,} (got {value:,})")

@@ -76,8 +76,8 @@ _KF = typer.Option(None, "--kek-file", help="KEK file (default KEYRING.kek) when
 
 
 @keys_app.command("create")
-def keys_create(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant"), kek_env: str = _ENV,
-                kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json")) -> None:
+def keys_create(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant", help="tenant id"), kek_env: str = _ENV,
+                kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Create a tenant's data key (and the keyring and its KEK file if they do not exist)."""
     with _keyring_errors():
         _out(_open(keyring, kek_env, kek_file, True).create(tenant), as_json)
@@ -86,7 +86,7 @@ def keys_create(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant"),
 @keys_app.command("rotate")
 def keys_rotate(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "--tenant", help="default: all"),
                 kek_env: str = _ENV, kek_file: Optional[str] = _KF,
-                as_json: bool = typer.Option(False, "--json")) -> None:
+                as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """New data key version for new writes; old versions stay for reads. No block is rewritten."""
     with _keyring_errors():
         kr = _open(keyring, kek_env, kek_file, False)
@@ -95,16 +95,16 @@ def keys_rotate(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "
 
 
 @keys_app.command("revoke")
-def keys_revoke(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant"), kek_env: str = _ENV,
-                kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json")) -> None:
+def keys_revoke(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant", help="tenant id"), kek_env: str = _ENV,
+                kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Delete every key of the tenant (crypto-shred: its blocks become unreadable; gc reclaims them)."""
     with _keyring_errors():
         _out(_open(keyring, kek_env, kek_file, False).revoke(tenant), as_json)
 
 
 @keys_app.command("list")
-def keys_list(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "--tenant"), kek_env: str = _ENV,
-              kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json")) -> None:
+def keys_list(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "--tenant", help="only this tenant (default: all)"), kek_env: str = _ENV,
+              kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Tenants, versions, use counts and created dates (never key material)."""
     with _keyring_errors():
         kr = _open(keyring, kek_env, kek_file, False)
@@ -117,7 +117,7 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
                     None, help="new KEK file (created 0600 if absent)"),
                 new_kek_env: Optional[str] = typer.Option(None, help="env var with the new base64 KEK"),
                 kek_env: str = _ENV, kek_file: Optional[str] = _KF,
-                as_json: bool = typer.Option(False, "--json")) -> None:
+                as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Re-wrap every key under a new KEK (KEK rotation) without rewriting any block."""
     from pathlib import Path
 
@@ -149,12 +149,12 @@ def _open_store(url: str, endpoint_url: Optional[str], region: Optional[str]):
 @g4_app.command("migrate")
 def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
                endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint URL"),
-               region: Optional[str] = typer.Option(None),
+               region: Optional[str] = typer.Option(None, help="S3 region (default: from the AWS environment)"),
                keyring: Optional[str] = typer.Option(None, help="the workers' keyring (required when they have one)"),
                kek_env: str = _ENV, kek_file: Optional[str] = _KF,
                dir_fanout: int = typer.Option(256, help="the workers' g4.dir_fanout"),
                dry_run: bool = typer.Option(False, "--dry-run", help="count, rename nothing"),
-               as_json: bool = typer.Option(False, "--json")) -> None:
+               as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Rename blocks stored under format 1 names (sequence hash in clear) to keyed names. Safe while
     workers run; repeatable. Until it ran, old-named blocks are misses (recomputed)."""
     from kvbm_backend.crypto.keyring import KeyringError
@@ -170,16 +170,16 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
 
 def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
        endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint URL"),
-       region: Optional[str] = typer.Option(None),
+       region: Optional[str] = typer.Option(None, help="S3 region (default: from the AWS environment)"),
        max_age_s: Optional[float] = typer.Option(
            None, help="delete blocks at least this old on the store's clock (seconds, >= 0; 0: all)"),
-       target_gb: Optional[float] = typer.Option(None, help="then delete oldest until at most this (GB = 1e9 B, >= 0)"),
+       target_gb: Optional[float] = typer.Option(None, help="then delete oldest until at most this (GB = 1e9 B, 0 to 10,000,000)"),
        tenant: Optional[str] = typer.Option(None, help="only this tenant (id with --keyring, or pseudonym hex)"),
        keyring: Optional[str] = typer.Option(None, help="keyring: revoked tenants are reclaimed, --tenant mapped"),
        kek_env: str = _ENV, kek_file: Optional[str] = _KF,
        temp_grace_s: float = typer.Option(3600.0, help="writer temp files younger than this are never touched"),
        dry_run: bool = typer.Option(False, "--dry-run", help="report, delete nothing"),
-       as_json: bool = typer.Option(False, "--json")) -> None:
+       as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Remove G4 blocks by age and/or to a capacity target (oldest first), per tenant too, and every
     block of revoked tenants. Ages are measured on the store's clock (its Date header, or the newest
     mtime listed when that is ahead of ours). Safe while workers run."""
@@ -190,7 +190,8 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
     # a negative age or an infinite/NaN threshold is a mistake, never a policy (-1 would delete every
     # block); 0 ("everything older than now") and --target-gb 0 ("empty it") are explicit
     _finite("--max-age-s", max_age_s, ge=0)
-    _finite("--target-gb", target_gb, ge=0)
+    from kvbm_backend.config import MAX_CAPACITY_GB
+    _finite("--target-gb", target_gb, ge=0, le=MAX_CAPACITY_GB)
     _finite("--temp-grace-s", temp_grace_s, ge=0)
     store = _open_store(url, endpoint_url, region)
     try:

@@ -5,21 +5,60 @@ really is a new process (empty engine prefix cache, pools reopened from disk).
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.machinery
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
+IMPORT_CACHE = Path(tempfile.gettempdir()) / "kvbm-backend-test-imports"
+
+
+def import_problem(modules: tuple[str, ...], *, pythonpath: str | None = None,
+                   cache_dir: Path = IMPORT_CACHE) -> str | None:
+    """None when ``modules`` all import in a fresh interpreter (this one's executable), else the reason
+    (the error's last line), for a skip. Runs at collection time, so a busy machine must never make it
+    an error: there is no timeout (a slow import is slow, not missing). A package that is not installed
+    is answered at once (``find_spec`` of the top-level name, which imports nothing); a success is cached
+    in ``cache_dir`` under a key of the interpreter and the packages' paths and mtimes, so a test run
+    and its workers import once (failures are not cached). ``pythonpath``: put first on the search
+    path (tests of this function)."""
+    search = ([pythonpath] if pythonpath else []) + sys.path
+    stamp = []
+    for m in modules:
+        spec = importlib.machinery.PathFinder.find_spec(m.split(".")[0], search)
+        if spec is None:
+            return f"{m.split('.')[0]} is not installed"
+        where = spec.origin if spec.origin not in (None, "namespace") else next(iter(spec.submodule_search_locations))
+        stamp.append((m, where, os.stat(where).st_mtime_ns if os.path.exists(where) else 0))
+    key = hashlib.sha256(json.dumps([sys.executable, pythonpath, stamp]).encode()).hexdigest()[:24]
+    marker = Path(cache_dir) / f"{key}.ok"
+    if marker.exists():
+        return None
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", f"import {', '.join(modules)}"], capture_output=True, text=True,
+                       env=env)  # no timeout: see above
+    if r.returncode != 0:
+        return (r.stderr.strip().splitlines() or [f"import {', '.join(modules)} failed"])[-1]
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(stamp))
+    os.replace(tmp, marker)
+    return None
 
 
 def vllm_available() -> str | None:
-    """None if vLLM imports here, else the reason (used to skip)."""
-    r = subprocess.run([sys.executable, "-c", "import vllm, llguidance"], capture_output=True, text=True, timeout=120)
-    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["vllm import failed"])[-1]
+    """None if vLLM (and its llguidance) imports here, else the reason (used to skip);
+    :func:`import_problem`, so never an error on a loaded machine."""
+    return import_problem(("vllm", "llguidance"))
 
 
 def prompts(n: int, length: int, shared_prefix: int = 0, seed: int = 0, vocab: int = 2048) -> list[list[int]]:

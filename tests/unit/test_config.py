@@ -191,3 +191,86 @@ def test_dynamo_kvbm_disable_disk_offload_filter_env():
     import pytest as _pt
     with _pt.raises(ConfigError, match="DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"):
         load_config({}, environ={"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "maybe"})
+
+
+# --- numbers (issue 26 item 13): no bools as numbers, finite, bounded above ----------------------------
+
+def _number_fields(model=None, prefix=""):
+    """(dotted path, annotation, field info) of every int/float field of the tree."""
+    from pydantic import BaseModel
+
+    from kvbm_backend.config import KvbmBackendConfig
+    model = model or KvbmBackendConfig
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from _number_fields(ann, f"{prefix}{name}.")
+        elif ann in (int, float, int | None, float | None):
+            yield f"{prefix}{name}", ann, f
+
+
+NUMBER_FIELDS = [p for p, _, _ in _number_fields()]
+
+
+def _nested(path: str, value) -> dict:
+    src: dict = {}
+    *parents, leaf = path.split(".")
+    d = src
+    for p in parents:
+        d = d.setdefault(p, {})
+    d[leaf] = value
+    return src
+
+
+def test_the_number_fields_are_found():
+    assert {"g3.capacity_gb", "g3.files_per_path", "g3.admission.tracker_entries", "g4.breaker_failures",
+            "g4.keyring.rotate_after_uses", "metrics.port"} <= set(NUMBER_FIELDS)
+
+
+@pytest.mark.parametrize("field", NUMBER_FIELDS)
+@pytest.mark.parametrize("value", [True, False])
+def test_bool_is_not_a_number(field, value):
+    # pydantic's lax mode took `capacity_gb: true` as 1 GB and `files_per_path: false` as 0
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: expected a number, not a boolean \(got {value}\)"):
+        load_config(_nested(field, value), use_env=False)
+
+
+def test_bool_from_env_json_is_not_a_number():
+    with pytest.raises(ConfigError, match=r"^g3\.capacity_gb \(from KVBM_BACKEND__G3__CAPACITY_GB\): expected a "
+                                          r"number, not a boolean"):
+        load_config(None, environ={"KVBM_BACKEND__G3__CAPACITY_GB": "true"})
+    # numbers given as strings (env values, YAML's `1e3` without a dot) still parse
+    assert load_config(None, environ={"DYN_KVBM_DISK_CACHE_GB": "1e3"}).g3.capacity_gb == 1000
+
+
+@pytest.mark.parametrize("field", NUMBER_FIELDS)
+def test_every_number_has_an_upper_bound_in_its_description(field):
+    import annotated_types
+    (_, _, info), = [x for x in _number_fields() if x[0] == field]
+    bounds = [m for m in info.metadata if isinstance(m, (annotated_types.Le, annotated_types.Lt))]
+    assert bounds, f"{field} has no upper bound"
+    hi = getattr(bounds[0], "le", getattr(bounds[0], "lt", None))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: Input should be less than"):
+        load_config(_nested(field, hi * 2 + 1), use_env=False)
+
+
+@pytest.mark.parametrize("field,value", [("g3.capacity_gb", 1e300), ("g3.capacity_gb", "1e300"),
+                                         ("g3.capacity_gb", 10_000_001), ("g3.io_size_bytes", 1 << 40),
+                                         ("g3.admission.tracker_entries", 10 ** 30),
+                                         ("g4.write_queue_blocks", 10 ** 400)])
+def test_absurd_sizes_refused(field, value):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: Input should be less than or equal to"):
+        load_config(_nested(field, value), use_env=False)
+    assert load_config({"g3": {"capacity_gb": 10_000_000}}, use_env=False).g3.capacity_gb == 1e7  # 10 PB is fine
+
+
+def test_yaml_capacity_1e300_through_the_cli(tmp_path):
+    import sys
+    f = tmp_path / "c.yaml"
+    f.write_text("g3:\n  capacity_gb: 1e300\n  files_per_path: true\n")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "doctor", "--config", str(f)],
+                       capture_output=True, text=True, timeout=300, cwd=repo)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == ("error: g3.capacity_gb: Input should be less than or equal to 10000000 (got '1e300'); "
+                                "g3.files_per_path: expected a number, not a boolean (got True)"), r.stderr
