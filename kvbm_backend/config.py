@@ -187,12 +187,12 @@ class KeyringConfig(_M):
     Never re-creates a revoked tenant. Off: offloads of unknown tenants are dropped
     (``dropped_unknown_tenant``, logged once per tenant pseudonym) and their loads are misses; tenants
     then come only from ``kvbm-backend keys create``."""
-    max_auto_tenants: int = Field(4096, ge=0)
+    max_auto_tenants: int = Field(4096, ge=0, le=1_000_000)
     """Implicit creation (``auto_create_tenants``) stops once the keyring file holds this many tenants:
     the tenant is the client-chosen cache_salt, and each new one rewrites (and every worker re-reads and
     unwraps) the whole file under the keyring's lock (1.4 s per creation at 50,000 tenants, stalling every
     G4 load and offload of the worker). Beyond it offloads of unknown tenants are dropped
-    (``dropped_unknown_tenant``). ``keys create`` is not limited."""
+    (``dropped_unknown_tenant``). ``keys create`` is not limited. At most 1,000,000."""
     read_only: bool | None = None
     """Never write the keyring (no lock file, no creation, no rotation, use counts per process).
     None: read-only when its directory cannot be written (a read-only mount, a Kubernetes Secret or
