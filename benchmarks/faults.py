@@ -199,10 +199,10 @@ def _g4_tenant_structures(pool: G4Pool, put_tenants: int) -> dict:
 def _g3_tenant_structures(pool: G3Pool) -> dict:
     """G3's per-tenant structures (reported, not judged here): name -> size (None where absent)."""
     from kvbm_backend.pool.g3 import index as g3_index
-    idx = pool.index
-    by_t = getattr(idx, "_by_tenant", None)
-    sizes = {"g3.index.by_tenant": None if by_t is None else sum(len(d) for d in by_t.values()),
-             "g3.index.tenants": len(getattr(idx, "_tenants", []) or []),
+    owners = getattr(pool.index, "_owners", None)  # the compact index's Owners part
+    own = owners.sizes() if hasattr(owners, "sizes") else {}
+    sizes = {"g3.index.by_tenant": own.get("by_tenant"),
+             "g3.index.tenants": own.get("pairs", 0),
              "g3.tag_cache": len(getattr(g3_index, "_tags", {}) or {})}
     for name in ("_ttags",):
         v = getattr(pool, name, None)

@@ -10,9 +10,8 @@ log, int32, at most about twice the entries after compaction (4-12 bytes per ent
 indexes wait in an int32 stack for reuse.
 
 Identity is exact, never a hash-only match: a hit compares seq_hash, owner (namespace and tenant tag)
-and rank. The tenant is interned as its tag (``tenant_tag``, what the journal and the frame headers
-hold); a tag's tenant string is learned the first time a :class:`BlockKey` of that tenant is put or
-looked up, so entries can be reported as BlockKeys.
+and rank. Owners are interned by :class:`.compact_owners.Owners` (tag -> id, the tenant string learned
+from the first BlockKey, ids without live entries collected and reused).
 
 Hash table: open addressing, linear probing, position = the top bits of a 64-bit mix of (owner, rank,
 seq), load at most 1/4 (so a batch lookup needs few probing rounds); deletion shifts the cluster back
@@ -42,8 +41,9 @@ first has its four columns read (one ``zip(*keys)`` pass, ~20 ns per key per pas
 converted to uint64 (together ~0.7 ms for 8K keys on the loaded 2-core VM); keys of mixed owners probe
 with :meth:`~.compact_table.HashTable._find_many`.
 
-Modules: this one holds the entry arrays, owners, LRU log and the API; :mod:`.compact_table` the hash
-table (a mixin), :mod:`.compact_restore` the bulk warm-restart builds (a mixin).
+Modules: this one holds the entry arrays, LRU log and the API; :mod:`.compact_owners` the owners (a
+part the index owns), :mod:`.compact_table` the hash table (a mixin), :mod:`.compact_restore` the bulk
+warm-restart builds (a mixin).
 
 Not thread-safe: the pool holds its lock around every call. A table grow rebuilds the table in one
 call (seconds at 10M entries: ``table_grow_s`` of the bench); the pool avoids it with :meth:`reserve`
@@ -57,14 +57,14 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ...model.namespace import BlockKey, KeyRun, key_columns
-from .compact_restore import Restore, _KNOWN
+from .compact_owners import KNOWN, OWNER_SLACK, Owners  # noqa: F401  (OWNER_SLACK: re-exported)
+from .compact_restore import Restore
 from .compact_table import _LOAD, _M64, _MIN_TAB_BITS, _U, HashTable
 from .index import SlotPins, TagKey, tag_of
 
 Slot = tuple[int, int]
 
 RESERVE_MAX = 1 << 26  # reserve() sizes the table for at most 64M entries (1 GiB of address space)
-OWNER_SLACK = 4096  # owners interned beyond twice the live ones before _gc_owners runs
 FIRST_CHUNK = 512  # lookup_prefix: keys read and probed first (a miss among them ends the lookup there)
 
 
@@ -121,13 +121,8 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
     """
 
     def __init__(self, capacity: int = 1024) -> None:
-        # interned (namespace, tag) owners; tenant string per owner once known
-        self._owners: list[tuple[str, bytes]] = []
-        self._tenants: list[str | None] = []
-        self._by_tag: dict[tuple[str, bytes], int] = {}
-        self._by_tenant: dict[str, dict[str, int]] = {}  # namespace -> tenant -> owner
-        self._free_owners: list[int] = []  # owner ids without entries, forgotten by _gc_owners
-        self._owner_gc_at = OWNER_SLACK
+        self._owners = Owners()  # interned (namespace, tag) owners; tenant string per owner once known
+        self._owner_of = self._owners.find  # (owner id or -1, is a TagKey) of a key; bound once (hot path)
         self._n = 0
         self._hi = 0  # entries [0, hi) were ever used
         self._free = np.empty(64, np.int32)  # freed entry indexes, a stack of _nfree
@@ -185,74 +180,18 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
                                                       "_tab", "_log", "_free"))
 
     # ---- owners -------------------------------------------------------------------------------
-    def _owner_of(self, key) -> tuple[int, bool]:
-        """(owner id or -1, key is a TagKey); never interns. A BlockKey whose tag is interned teaches
-        the owner its tenant string."""
-        if type(key) is TagKey:
-            return self._by_tag.get((key.namespace, key.tag), -1), True
-        d = self._by_tenant.get(key.namespace)
-        if d is not None:
-            o = d.get(key.tenant)
-            if o is not None:
-                return o, False
-        o = self._by_tag.get((key.namespace, tag_of(key.tenant)))
-        if o is None:
-            return -1, False
-        self._by_tenant.setdefault(key.namespace, {})[key.tenant] = o
-        self._tenants[o] = key.tenant
-        return o, False
-
-    def _intern(self, namespace: str, tag: bytes, tenant: str | None) -> int:
-        o = self._by_tag.get((namespace, tag))
-        if o is None:
-            if self._free_owners:  # an id no live entry uses (see _gc_owners)
-                o = self._free_owners.pop()
-                self._owners[o] = (namespace, tag)
-                self._tenants[o] = _KNOWN.get(tag) if tenant is None else tenant
-            else:
-                o = len(self._owners)
-                if o >= 1 << 31:
-                    raise OverflowError("more than 2**31 (namespace, tenant) pairs")
-                self._owners.append((namespace, tag))
-                self._tenants.append(_KNOWN.get(tag) if tenant is None else tenant)
-            self._by_tag[(namespace, tag)] = o
-            if self._tenants[o] is not None:
-                self._by_tenant.setdefault(namespace, {})[self._tenants[o]] = o
-        elif tenant is not None and self._tenants[o] is None:
-            self._tenants[o] = tenant
-            self._by_tenant.setdefault(namespace, {})[tenant] = o
-        return o
-
     @property
     def owners(self) -> int:
         """Interned (namespace, tenant) owners: at most twice those with live entries, plus
-        ``OWNER_SLACK`` (:meth:`_gc_owners`)."""
-        return len(self._by_tag)
+        ``OWNER_SLACK`` (:meth:`.compact_owners.Owners.collect`)."""
+        return len(self._owners)
 
     def _gc_owners(self) -> None:
-        """Forget owners (tenants) without a live entry once the interned ones exceed twice the live
-        ones at the last collection plus ``OWNER_SLACK`` (amortised: one ``bincount`` of the entries per
-        that many new owners). Their ids are reused. Called only where no owner id is held across the
-        call (:meth:`put` before it interns)."""
-        if len(self._by_tag) <= self._owner_gc_at:
-            return
-        hi = self._hi
-        live = self._own[:hi][self._lp[:hi] >= 0]
-        cnt = np.bincount(live, minlength=len(self._owners)) if len(live) else np.zeros(len(self._owners), np.int64)
-        for o in np.flatnonzero(cnt == 0).tolist():
-            own = self._owners[o]
-            if own is None:
-                continue
-            ns, tag = own
-            self._by_tag.pop(own, None)
-            t = self._tenants[o]
-            d = self._by_tenant.get(ns)
-            if t is not None and d is not None and d.get(t) == o:
-                del d[t]
-            self._owners[o] = None
-            self._tenants[o] = None
-            self._free_owners.append(o)
-        self._owner_gc_at = 2 * len(self._by_tag) + OWNER_SLACK
+        """Let the owners forget those without a live entry when a collection is due. Called only where
+        no owner id is held across the call (:meth:`put` before it interns)."""
+        if self._owners.collect_due():
+            hi = self._hi
+            self._owners.collect(self._own[:hi][self._lp[:hi] >= 0])
 
     # ---- entries and the LRU log --------------------------------------------------------------
     def _new_entry(self, o: int, rank: int, seq: int, slot: Slot, flag: int, p: int) -> int:
@@ -334,10 +273,10 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
 
     def _key_of(self, e: int) -> "BlockKey | TagKey":
         o = self._vown[e]
-        ns, tag = self._owners[o]
+        ns, tag = self._owners.pairs[o]
         if self._vflag[e]:
             return TagKey(ns, tag, self._vrank[e], self._vseq[e])
-        return BlockKey(ns, self._tenants[o], self._vrank[e], self._vseq[e])
+        return BlockKey(ns, self._owners.tenants[o], self._vrank[e], self._vseq[e])
 
     def _lookup(self, key) -> tuple[int, int]:
         """(entry or -1, table cell) for a BlockKey (adopting a tag entry: MRU, reported as BlockKey from
@@ -381,7 +320,7 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
         """
         _check(key, slot)
         self._gc_owners()
-        o = self._intern(key.namespace, tag_of(key.tenant), key.tenant)
+        o = self._owners.intern(key.namespace, tag_of(key.tenant), key.tenant)
         e, p = self._find(o, key.rank, key.seq_hash)
         if e < 0:
             self._new_entry(o, key.rank, key.seq_hash, slot, 0, p)
@@ -392,10 +331,10 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
     def restore(self, key: "BlockKey | TagKey", slot: Slot) -> None:
         """Insert a journal entry (oldest first) at restore: a TagKey of a known tag becomes its BlockKey."""
         if type(key) is TagKey:
-            tenant = _KNOWN.get(key.tag)
+            tenant = KNOWN.get(key.tag)
             if tenant is None:
                 _check(key, slot)
-                o = self._intern(key.namespace, key.tag, None)
+                o = self._owners.intern(key.namespace, key.tag, None)
                 e, p = self._find(o, key.rank, key.seq_hash)
                 if e < 0:
                     self._new_entry(o, key.rank, key.seq_hash, slot, 1, p)
@@ -482,8 +421,8 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
         not seen yet are :class:`TagKey`."""
         seg = self._log[self._head:self._tail]
         es = seg[self._lp[seg] == np.arange(self._head, self._tail, dtype=np.int32)]
-        return _Items(list(self._owners), list(self._tenants), self._own[es], self._rank[es], self._seq[es],
-                      self._file[es], self._slot[es], self._flag[es])
+        return _Items(list(self._owners.pairs), list(self._owners.tenants), self._own[es], self._rank[es],
+                      self._seq[es], self._file[es], self._slot[es], self._flag[es])
 
     def identity(self, key, slot: Slot | None = None) -> tuple[bytes, int, int] | None:
         """``(tenant tag, rank, seq_hash)`` the index holds for ``key``'s entry (what its slot's header
@@ -492,7 +431,7 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
         e, _ = self._lookup(key)
         if e < 0 or (slot is not None and self._slot_of(e) != tuple(slot)):
             return None
-        return self._owners[self._vown[e]][1], int(self._vrank[e]), int(self._vseq[e])
+        return self._owners.pairs[self._vown[e]][1], int(self._vrank[e]), int(self._vseq[e])
 
     def remove(self, key: BlockKey, slot: Slot | None = None) -> Slot | None:
         """Remove ``key`` (only if it still maps to ``slot`` when given). Returns the slot to free now,
@@ -539,7 +478,7 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
                 self._free_entry(e, self._cell_of(e))
                 out.append((key, s))
         else:  # many: keys made from column lists, table cells emptied in one vectorised pass
-            owners, tenants = self._owners, self._tenants
+            owners, tenants = self._owners.pairs, self._owners.tenants
             for o, r, q, fl, f, sl in zip(self._own[vs].tolist(), self._rank[vs].tolist(), self._seq[vs].tolist(),
                                           self._flag[vs].tolist(), self._file[vs].tolist(), self._slot[vs].tolist()):
                 ns, tag = owners[o]

@@ -11,12 +11,12 @@ from typing import Iterable
 
 import numpy as np
 
-from ...model.namespace import BlockKey, tenant_tag
+from ...model.namespace import BlockKey
+from .compact_owners import KNOWN
 from .compact_table import _LOAD, _U, _mix_v
 from .index import TagKey, tag_of
 
 Slot = tuple[int, int]
-_KNOWN = {tenant_tag(""): ""}  # tags resolved at restore: the unsalted tenant
 _G0, _G1, _G2, _G3 = (itemgetter(i) for i in range(4))
 
 
@@ -46,11 +46,11 @@ class Restore:
         for nk in (set(pairs) if pairs is not None else set(who_col)):
             ns, who = nk if pairs is not None else (next(iter(nss)), nk)
             if type(who) is bytes:
-                t = _KNOWN.get(who)
-                owner_of[nk] = self._intern(ns, who, t)
+                t = KNOWN.get(who)
+                owner_of[nk] = self._owners.intern(ns, who, t)
                 flag_of[nk] = t is None
             else:
-                owner_of[nk] = self._intern(ns, tag_of(who), who)
+                owner_of[nk] = self._owners.intern(ns, tag_of(who), who)
                 flag_of[nk] = False
         col = list(zip(ns_col, who_col)) if pairs is not None else who_col
         file_col, slot_col = list(map(_G0, slots)), list(map(_G1, slots))
@@ -91,8 +91,8 @@ class Restore:
         flag = np.ones(len(uniq), np.uint8)
         for i, t in enumerate(uniq.tolist()):
             t = bytes(t)
-            oid[i] = self._intern(namespace, t, None)
-            flag[i] = t not in _KNOWN
+            oid[i] = self._owners.intern(namespace, t, None)
+            flag[i] = t not in KNOWN
         run_of = np.cumsum(start) - 1
         self._restore_owners(oid[inv][run_of], np.asarray(ranks, np.int64), np.asarray(seqs, _U),
                              np.asarray(files, np.int64), np.asarray(slots, np.int64), flag[inv][run_of])

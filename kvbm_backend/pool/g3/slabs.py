@@ -1,4 +1,4 @@
-"""G3 slab files: directories, locks, namespace files, capacity, lazy growth and slot allocation.
+"""G3 slab files: capacity, lazy growth and slot allocation over the pool's G3 directories.
 
 A pool owns ``files_per_path`` slab files in each configured directory, named
 ``g3-<namespace fingerprint>-<k>.slab``. A slab file is an array of fixed slots of
@@ -6,68 +6,31 @@ A pool owns ``files_per_path`` slab files in each configured directory, named
 at byte ``i * slot_bytes``. Files grow lazily in chunks (``posix_fallocate``) and each growth first
 re-checks ``statvfs`` so the filesystem keeps ``min_free_fraction`` free (invariant 4).
 
-Each directory gets ``namespace.json`` (the owner's :meth:`Namespace.canonical_json`, written under a
-unique temp name and renamed) and ``.kvbm-g3.lock`` (``flock``: a second process, or a second pool in
-this one, opening the directory is refused with :class:`G3LockedError`). The lock is an ``flock`` on
-the directory itself (its O_DIRECTORY fd) and on the lock file: deleting the lock file while a pool
-runs no longer lets a second process in; the lock file keeps the holder's pid for the message. Slab files of another
-namespace are never opened: they are listed in :attr:`SlabSet.foreign_files` and logged.
-
-Access (G3 holds plaintext KV): directories are created 0700 and files 0600 (older files found with
-wider modes are narrowed to 0600). A directory must be owned by this process's uid and not writable by
-group or others, else :class:`G3PathError` names it and the fix (``chmod 700 DIR``). Every file is
-opened relative to the directory's verified fd with ``O_NOFOLLOW`` and must be a regular file of this
-uid: a symlink (or anything else) planted under a G3 name is refused with :class:`G3PathError`, never
-followed, and its target is left untouched.
-
-Full disk at open: a namespace file or the lock's pid line that cannot be written (ENOSPC/EDQUOT) does
-not fail the open; it is listed in :attr:`SlabSet.metadata_errors` (the pool opens degraded) and the
-namespace files are written again by :meth:`SlabSet.write_pending_namespaces`. A lock file that
-cannot be created on a full filesystem is skipped (the directory's ``flock`` holds alone).
+Each directory is a :class:`.dirs.G3Dir` (verified fd, lock, namespace files, safe opens: see
+:mod:`.dirs`); this module opens the slab files through it. Slab files of another namespace are never
+opened: they are listed in :attr:`SlabSet.foreign_files` and logged. Metadata writes that failed at open on
+a full disk are listed in :attr:`SlabSet.metadata_errors` (the pool opens degraded); the namespace files
+are written again by :meth:`SlabSet.write_pending_namespaces`.
 """
 from __future__ import annotations
 
 import errno
-import fcntl
 import heapq
 import logging
 import os
 import re
-import stat
-import uuid
 from dataclasses import dataclass, field
 
-from ...fsmodes import makedirs_private
 from ...io import probe_o_direct
 from ...model.namespace import Namespace
+from .dirs import LOCK_NAME, NOSPACE as _NOSPACE, G3Dir, G3LockedError, G3PathError
+
+__all__ = ["LOCK_NAME", "G3LockedError", "G3PathError", "SlabFile", "SlabSet", "fs_space"]
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".kvbm-g3.lock"
 GROW_BYTES = 64 << 20  # growth chunk per slab file
 _SLAB_RE = re.compile(r"^g3-([0-9a-f]{16})-(\d+)\.slab$")
-
-
-class G3LockedError(RuntimeError):
-    """Another process (or pool) has this G3 directory open; G3 is private to one worker."""
-
-
-class G3PathError(RuntimeError):
-    """A G3 directory or file is unsafe or not what G3 expects (wrong owner, writable by others, a
-    symbolic link or a non-file under a G3 name); the message names the path and the fix."""
-
-
-_NOSPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-def _kind(mode: int) -> str:
-    """What a non-regular file is, for error messages ("a FIFO", "a directory", ...)."""
-    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link")):
-        if test(mode):
-            return what
-    return "a special file"
 
 
 def fs_space(directory: str) -> tuple[int, int]:
@@ -124,10 +87,7 @@ class SlabSet:
         self.files: list[SlabFile] = []
         self.foreign_files: list[str] = []
         self.o_direct: dict[str, bool] = {}
-        self._lock_fds: list[int] = []
-        self._dir_fds: dict[str, int] = {}  # directory -> verified O_DIRECTORY fd (files open relative to it)
-        self.metadata_errors: list[str] = []  # metadata writes that failed at open (full disk)
-        self._ns_pending: set[str] = set()  # directories whose namespace files could not be written
+        self.dirs: dict[str, G3Dir] = {}  # directory -> its opened, verified, locked G3Dir
         self._rr = 0
         try:
             self._open(capacity_bytes, files_per_path, o_direct)
@@ -135,196 +95,26 @@ class SlabSet:
             self.close()
             raise
 
-    # ---- set-up ------------------------------------------------------------------------------
-    def _open_dir(self, d: str) -> int:
-        """Create ``d`` (0700) if missing, open it and check owner and mode; returns its fd."""
-        makedirs_private(d)  # 0700, parents too, whatever the umask
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            st = os.fstat(fd)
-            uid = os.geteuid()
-            if st.st_uid != uid:
-                raise G3PathError(
-                    f"G3 directory {d} is owned by uid {st.st_uid}, not by this process (uid {uid}): G3 holds "
-                    f"plaintext KV and must live in a directory of its own user (chown {uid} {d}; chmod 700 {d}).")
-            if st.st_mode & 0o022:
-                raise G3PathError(
-                    f"G3 directory {d} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
-                    f"anyone could plant files or links there. Fix: chmod 700 {d}")
-        except BaseException:
-            os.close(fd)
-            raise
-        self._dir_fds[d] = fd
-        return fd
+    # ---- directories (delegated to their G3Dir) ---------------------------------------------------
+    @property
+    def metadata_errors(self) -> list[str]:
+        """Metadata writes that failed at open on a full disk (lock file, namespace files), per directory
+        in :attr:`paths` order; empty when none."""
+        return [e for g in self.dirs.values() for e in g.metadata_errors]
 
     def dir_fd(self, d: str) -> int:
         """The verified fd of directory ``d`` (one of :attr:`paths`)."""
-        return self._dir_fds[d]
+        return self.dirs[d].fd
 
     def open_in(self, d: str, name: str, flags: int) -> int:
-        """Open ``name`` in directory ``d`` relative to its verified fd, never following a symlink
-        (``O_NOFOLLOW``); created files are 0600, older files with wider modes are narrowed to 0600.
+        """:meth:`.dirs.G3Dir.open_in` of directory ``d`` (one of :attr:`paths`): never follows a link.
 
         Raises:
             G3PathError: ``name`` is a symbolic link, a directory or another non-file, or another
                 user's file.
             OSError: anything else (ENOENT without ``O_CREAT``, ENOSPC, EINVAL for O_DIRECT...).
         """
-        path = os.path.join(d, name)
-        try:  # a special file is named before any open: O_DIRECT on a FIFO fails with a bare EINVAL
-            st = os.stat(name, dir_fd=self._dir_fds[d], follow_symlinks=False)
-        except FileNotFoundError:
-            pass
-        else:
-            if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
-                raise G3PathError(f"G3 file {path} is {_kind(st.st_mode)}, not a regular file: remove or rename it")
-        try:  # O_NONBLOCK: a FIFO planted between the stat and the open must not block it (cleared below)
-            fd = os.open(name, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fds[d])
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise G3PathError(
-                    f"G3 file {path} is a symbolic link: refused (G3 never follows links in its directory; a "
-                    f"planted link could redirect its writes). Remove it: rm {path}") from None
-            if e.errno == errno.EISDIR:
-                raise G3PathError(f"G3 file {path} is a directory, not a file: remove or rename it") from None
-            if e.errno in (errno.EINVAL, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):
-                try:
-                    st = os.stat(name, dir_fd=self._dir_fds[d], follow_symlinks=False)
-                except OSError:
-                    raise e from None
-                if not stat.S_ISREG(st.st_mode):
-                    raise G3PathError(f"G3 file {path} is {_kind(st.st_mode)}, not a regular file: remove or "
-                                      "rename it") from None
-            raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise G3PathError(f"G3 file {path} is {_kind(st.st_mode)}, not a regular file: remove or rename it")
-            os.set_blocking(fd, True)
-            if st.st_uid != os.geteuid():
-                raise G3PathError(f"G3 file {path} belongs to uid {st.st_uid}, not to this process "
-                                  f"(uid {os.geteuid()}): remove it or fix its owner")
-            if st.st_mode & 0o077:
-                os.fchmod(fd, 0o600)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _exists(self, d: str, name: str) -> bool:
-        try:
-            os.stat(name, dir_fd=self._dir_fds[d], follow_symlinks=False)
-            return True
-        except FileNotFoundError:
-            return False
-
-    def _holder(self, d: str) -> str:
-        """The holder line of ``d``'s lock file ("pid N"), or "unknown"."""
-        try:
-            fd = self.open_in(d, LOCK_NAME, os.O_RDONLY)
-        except (OSError, G3PathError):
-            return "unknown"
-        try:
-            return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        except OSError:
-            return "unknown"
-        finally:
-            os.close(fd)
-
-    def _refuse(self, d: str) -> G3LockedError:
-        return G3LockedError(
-            f"G3 directory {d} is in use by another pool (holder: {self._holder(d)}). "
-            "G3 is private to one worker: give each worker its own directory.")
-
-    def _lock(self, d: str) -> None:
-        """Take ``d``'s lock: ``flock`` on the directory itself (its verified O_DIRECTORY fd: a
-        directory cannot be removed while it holds files, so the lock cannot vanish under a running
-        pool, as a deleted lock file did), then on ``.kvbm-g3.lock`` (what older versions lock; it also
-        holds the holder's pid for the error message). Raises G3LockedError (one line, naming ``d`` and
-        the holder) when either is held by another pool or process."""
-        try:
-            fcntl.flock(self._dir_fds[d], fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise self._refuse(d) from None
-        try:
-            fd = self.open_in(d, LOCK_NAME, os.O_RDWR | os.O_CREAT)
-        except OSError as e:
-            if e.errno not in _NOSPACE:
-                raise
-            # full filesystem and no lock file yet: the directory lock alone holds it
-            self.metadata_errors.append(f"{os.path.join(d, LOCK_NAME)}: {e.strerror}")
-            log.warning("G3: cannot create the lock file in %s (%s); the directory lock holds it", d, e.strerror)
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise self._refuse(d) from None
-        self._lock_fds.append(fd)
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
-        except OSError as e:  # informational only (the flocks are the lock)
-            log.warning("G3: cannot write the holder's pid into %s (%s)", os.path.join(d, LOCK_NAME), e.strerror)
-
-    def _write_namespace(self, d: str) -> None:
-        """Write the namespace files of ``d`` unless they already hold this namespace.
-
-        Raises:
-            G3PathError: a namespace file is a link, a directory or another non-file.
-            OSError: writing failed (ENOSPC...); the temp file is removed.
-        """
-        body = (self.namespace.canonical_json() + "\n").encode()
-        for name in ("namespace.json", f"namespace-{self.fp}.json"):
-            target = os.path.join(d, name)
-            try:
-                fd = self.open_in(d, name, os.O_RDONLY)
-            except FileNotFoundError:
-                old = None
-            else:
-                try:
-                    old = os.read(fd, len(body) + 1)
-                finally:
-                    os.close(fd)
-            if old == body:
-                continue
-            if old is not None:
-                try:
-                    old.decode()
-                except UnicodeDecodeError:
-                    log.warning("G3: %s is not UTF-8 text (not a namespace file of kvbm-backend); replacing it "
-                                "with this pool's namespace", target)
-            tmp = f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-            dfd = self._dir_fds[d]
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-            try:
-                try:
-                    mv = memoryview(body)
-                    while mv:
-                        mv = mv[os.write(fd, mv):]
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            except BaseException:
-                try:
-                    os.unlink(tmp, dir_fd=dfd)
-                except OSError:
-                    pass
-                raise
-
-    def _namespace_or_defer(self, d: str) -> None:
-        try:
-            self._write_namespace(d)
-            self._ns_pending.discard(d)
-        except OSError as e:
-            if e.errno not in _NOSPACE:
-                raise
-            if d not in self._ns_pending:
-                self._ns_pending.add(d)
-                self.metadata_errors.append(f"{os.path.join(d, 'namespace.json')}: {e.strerror}")
-                log.warning("G3: cannot write the namespace files in %s (%s); written once space returns",
-                            d, e.strerror)
+        return self.dirs[d].open_in(name, flags)
 
     def write_pending_namespaces(self) -> None:
         """Write the namespace files that could not be written at open (no-op when none).
@@ -332,16 +122,15 @@ class SlabSet:
         Raises:
             OSError: still failing (ENOSPC...).
         """
-        for d in sorted(self._ns_pending):
-            self._write_namespace(d)
-            self._ns_pending.discard(d)
+        for d in sorted(self.dirs):
+            self.dirs[d].write_pending_namespace()
 
+    # ---- set-up ------------------------------------------------------------------------------
     def _open(self, capacity_bytes: int, files_per_path: int, o_direct: str) -> None:
         budgets = []
         for d in self.paths:
-            dfd = self._open_dir(d)
-            self._lock(d)
-            self._namespace_or_defer(d)
+            g = self.dirs[d] = G3Dir(d, self.namespace)
+            dfd = g.fd
             own = 0
             for name in sorted(os.listdir(dfd)):
                 m = _SLAB_RE.match(name)
@@ -378,7 +167,7 @@ class SlabSet:
             for k in range(files_per_path):
                 name = f"g3-{self.fp}-{k}.slab"
                 path = os.path.join(d, name)
-                if not self._exists(d, name) and per_file == 0:
+                if not self.dirs[d].exists(name) and per_file == 0:
                     continue
                 fd = self.open_in(d, name, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.o_direct[d] else 0))
                 size = os.fstat(fd).st_size
@@ -520,17 +309,6 @@ class SlabSet:
             except OSError:
                 pass
         self.files = []
-        for fd in self._lock_fds:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
-            except OSError:
-                pass
-        self._lock_fds = []
-        for fd in self._dir_fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._dir_fds = {}
-
+        for g in self.dirs.values():
+            g.close()
+        self.dirs = {}

@@ -1,0 +1,311 @@
+"""One G3 directory: its verified fd, its lock, its namespace files, and safe opens of files in it.
+
+A :class:`G3Dir` is what a pool holds per configured directory (:class:`.slabs.SlabSet` owns one per
+path and opens its slab files through it; the journal opens relative to its fd).
+
+Access (G3 holds plaintext KV): the directory is created 0700 and files 0600 (older files found with
+wider modes are narrowed to 0600). The directory must be owned by this process's uid and not writable
+by group or others, else :class:`G3PathError` names it and the fix (``chmod 700 DIR``). Every file is
+opened relative to the directory's verified O_DIRECTORY fd with ``O_NOFOLLOW`` and must be a regular
+file of this uid: a symlink (or anything else) planted under a G3 name is refused with
+:class:`G3PathError`, never followed, and its target is left untouched.
+
+Lock: an ``flock`` on the directory itself (its verified fd) and on ``.kvbm-g3.lock``: a second process,
+or a second pool in this one, opening the directory is refused with :class:`G3LockedError`. Deleting the
+lock file while a pool runs does not let a second process in; the lock file keeps the holder's pid for
+the message.
+
+Namespace files: ``namespace.json`` and ``namespace-<fingerprint>.json`` (the owner's
+:meth:`Namespace.canonical_json`, written under a unique temp name and renamed).
+
+Full disk at open: a namespace file or the lock's pid line that cannot be written (ENOSPC/EDQUOT) does
+not fail the open; it is listed in :attr:`G3Dir.metadata_errors` and the namespace files are written
+again by :meth:`G3Dir.write_pending_namespace`. A lock file that cannot be created on a full filesystem
+is skipped (the directory's ``flock`` holds alone).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import uuid
+
+from ...fsmodes import makedirs_private
+from ...model.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".kvbm-g3.lock"
+NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class G3LockedError(RuntimeError):
+    """Another process (or pool) has this G3 directory open; G3 is private to one worker."""
+
+
+class G3PathError(RuntimeError):
+    """A G3 directory or file is unsafe or not what G3 expects (wrong owner, writable by others, a
+    symbolic link or a non-file under a G3 name); the message names the path and the fix."""
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, for error messages ("a FIFO", "a directory", ...)."""
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return what
+    return "a special file"
+
+
+class G3Dir:
+    """A G3 directory opened, verified, locked and holding this namespace's files (see the module
+    docstring). Not thread-safe (the pool locks).
+
+    Args:
+        path: the directory (absolute); created 0700 with its parents when missing.
+        namespace: the pool's namespace (its namespace files are written here).
+
+    Raises (constructor; nothing stays open when it raises):
+        G3LockedError: the directory is in use by another pool or process.
+        G3PathError: the directory is not this uid's or is writable by group/others, or a G3 file
+            name (lock, namespace file) holds a symbolic link, a directory or another non-file.
+        OSError: the directory cannot be created or written (other than a full disk).
+    """
+
+    def __init__(self, path: str, namespace: Namespace):
+        self.path = path
+        self.namespace = namespace
+        self.fd = -1  # verified O_DIRECTORY fd (files open relative to it)
+        self.lock_fd = -1  # the flocked lock file (-1: none, e.g. not creatable on a full disk)
+        self.metadata_errors: list[str] = []  # metadata writes that failed at open (full disk)
+        self.namespace_pending = False  # the namespace files could not be written yet
+        try:
+            self.fd = self._open_verified()
+            self._lock()
+            self._namespace_or_defer()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- the directory -----------------------------------------------------------------------
+    def _open_verified(self) -> int:
+        """Create the directory (0700) if missing, open it and check owner and mode; returns its fd."""
+        d = self.path
+        makedirs_private(d)  # 0700, parents too, whatever the umask
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            uid = os.geteuid()
+            if st.st_uid != uid:
+                raise G3PathError(
+                    f"G3 directory {d} is owned by uid {st.st_uid}, not by this process (uid {uid}): G3 holds "
+                    f"plaintext KV and must live in a directory of its own user (chown {uid} {d}; chmod 700 {d}).")
+            if st.st_mode & 0o022:
+                raise G3PathError(
+                    f"G3 directory {d} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
+                    f"anyone could plant files or links there. Fix: chmod 700 {d}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def open_in(self, name: str, flags: int) -> int:
+        """Open ``name`` in this directory relative to its verified fd, never following a symlink
+        (``O_NOFOLLOW``); created files are 0600, older files with wider modes are narrowed to 0600.
+        Returns the fd (the caller closes it).
+
+        Raises:
+            G3PathError: ``name`` is a symbolic link, a directory or another non-file, or another
+                user's file.
+            OSError: anything else (ENOENT without ``O_CREAT``, ENOSPC, EINVAL for O_DIRECT...).
+        """
+        path = os.path.join(self.path, name)
+        try:  # a special file is named before any open: O_DIRECT on a FIFO fails with a bare EINVAL
+            st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+                raise G3PathError(f"G3 file {path} is {_kind(st.st_mode)}, not a regular file: remove or rename it")
+        try:  # O_NONBLOCK: a FIFO planted between the stat and the open must not block it (cleared below)
+            fd = os.open(name, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise G3PathError(
+                    f"G3 file {path} is a symbolic link: refused (G3 never follows links in its directory; a "
+                    f"planted link could redirect its writes). Remove it: rm {path}") from None
+            if e.errno == errno.EISDIR:
+                raise G3PathError(f"G3 file {path} is a directory, not a file: remove or rename it") from None
+            if e.errno in (errno.EINVAL, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):
+                try:
+                    st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+                except OSError:
+                    raise e from None
+                if not stat.S_ISREG(st.st_mode):
+                    raise G3PathError(f"G3 file {path} is {_kind(st.st_mode)}, not a regular file: remove or "
+                                      "rename it") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise G3PathError(f"G3 file {path} is {_kind(st.st_mode)}, not a regular file: remove or rename it")
+            os.set_blocking(fd, True)
+            if st.st_uid != os.geteuid():
+                raise G3PathError(f"G3 file {path} belongs to uid {st.st_uid}, not to this process "
+                                  f"(uid {os.geteuid()}): remove it or fix its owner")
+            if st.st_mode & 0o077:
+                os.fchmod(fd, 0o600)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def exists(self, name: str) -> bool:
+        """Whether anything (a link included, not followed) is named ``name`` in this directory."""
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
+    # ---- the lock ----------------------------------------------------------------------------
+    def _holder(self) -> str:
+        """The holder line of the lock file ("pid N"), or "unknown"."""
+        try:
+            fd = self.open_in(LOCK_NAME, os.O_RDONLY)
+        except (OSError, G3PathError):
+            return "unknown"
+        try:
+            return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        except OSError:
+            return "unknown"
+        finally:
+            os.close(fd)
+
+    def _refuse(self) -> G3LockedError:
+        return G3LockedError(
+            f"G3 directory {self.path} is in use by another pool (holder: {self._holder()}). "
+            "G3 is private to one worker: give each worker its own directory.")
+
+    def _lock(self) -> None:
+        """Take the lock: ``flock`` on the directory itself (its verified O_DIRECTORY fd: a directory
+        cannot be removed while it holds files, so the lock cannot vanish under a running pool, as a
+        deleted lock file did), then on ``.kvbm-g3.lock`` (what older versions lock; it also holds the
+        holder's pid for the error message). Raises G3LockedError (one line, naming the directory and
+        the holder) when either is held by another pool or process."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise self._refuse() from None
+        try:
+            fd = self.open_in(LOCK_NAME, os.O_RDWR | os.O_CREAT)
+        except OSError as e:
+            if e.errno not in NOSPACE:
+                raise
+            # full filesystem and no lock file yet: the directory lock alone holds it
+            self.metadata_errors.append(f"{os.path.join(self.path, LOCK_NAME)}: {e.strerror}")
+            log.warning("G3: cannot create the lock file in %s (%s); the directory lock holds it", self.path,
+                        e.strerror)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self._refuse() from None
+        self.lock_fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        except OSError as e:  # informational only (the flocks are the lock)
+            log.warning("G3: cannot write the holder's pid into %s (%s)", os.path.join(self.path, LOCK_NAME),
+                        e.strerror)
+
+    # ---- the namespace files -----------------------------------------------------------------
+    def _write_namespace(self) -> None:
+        """Write the namespace files unless they already hold this namespace.
+
+        Raises:
+            G3PathError: a namespace file is a link, a directory or another non-file.
+            OSError: writing failed (ENOSPC...); the temp file is removed.
+        """
+        body = (self.namespace.canonical_json() + "\n").encode()
+        dfd = self.fd
+        for name in ("namespace.json", f"namespace-{self.namespace.fingerprint}.json"):
+            target = os.path.join(self.path, name)
+            try:
+                fd = self.open_in(name, os.O_RDONLY)
+            except FileNotFoundError:
+                old = None
+            else:
+                try:
+                    old = os.read(fd, len(body) + 1)
+                finally:
+                    os.close(fd)
+            if old == body:
+                continue
+            if old is not None:
+                try:
+                    old.decode()
+                except UnicodeDecodeError:
+                    log.warning("G3: %s is not UTF-8 text (not a namespace file of kvbm-backend); replacing it "
+                                "with this pool's namespace", target)
+            tmp = f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            try:
+                try:
+                    mv = memoryview(body)
+                    while mv:
+                        mv = mv[os.write(fd, mv):]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise
+
+    def _namespace_or_defer(self) -> None:
+        try:
+            self._write_namespace()
+            self.namespace_pending = False
+        except OSError as e:
+            if e.errno not in NOSPACE:
+                raise
+            if not self.namespace_pending:
+                self.namespace_pending = True
+                self.metadata_errors.append(f"{os.path.join(self.path, 'namespace.json')}: {e.strerror}")
+                log.warning("G3: cannot write the namespace files in %s (%s); written once space returns",
+                            self.path, e.strerror)
+
+    def write_pending_namespace(self) -> None:
+        """Write the namespace files if they could not be written at open (no-op otherwise).
+
+        Raises:
+            OSError: still failing (ENOSPC...).
+        """
+        if self.namespace_pending:
+            self._write_namespace()
+            self.namespace_pending = False
+
+    # ---- teardown ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the lock and close the fds (idempotent)."""
+        if self.lock_fd >= 0:
+            try:
+                fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+                os.close(self.lock_fd)
+            except OSError:
+                pass
+            self.lock_fd = -1
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
