@@ -38,3 +38,7 @@ def test_bench_vllm_tiers_json(tmp_path):
     d = json.loads(r.output[r.output.index("{"):])
     assert TIER_KEYS <= set(d)
     assert all(d[k] > 0 for k in TIER_KEYS)
+    # the same-durability ratio compares like with like: no flush on either side, same O_DIRECT choice
+    assert d["same_durability"] and d["vllm_fs_o_direct"] == d["ours_nofsync_o_direct"] == d["ours_o_direct"]
+    assert d["write_ratio_same_durability"] > 0
+    assert "no fsync" in d["durability"]["vllm_fs"] and "fdatasync" in d["durability"]["ours"]

@@ -19,6 +19,14 @@ SPEC (JSON) fields:
   ``num_gpu_blocks_override``: a small budget makes blocks leave the engine; the process env's
   ``VLLM_CPU_KVCACHE_SPACE``, whole GiB, must cover it), ``max_model_len`` (default 8192, cut to
   ``(num_gpu_blocks - 1) * block_size``), ``seed`` (default 0).
+* ``native``: instead of ``connector``, vLLM's own ``OffloadingConnector`` with this
+  ``kv_connector_extra_config`` (e.g. :mod:`kvbm_backend.integrations.vllm.native_cpu`'s spec and our
+  G3/G4 ``secondary_tiers``). In-process only (``multiprocessing`` false). After the prompts the engine
+  steps until its offloads (primary and secondary tiers) are done, then shuts down, which closes the
+  tiers' pools (G3 persists its index). ``tier_stats`` in the result: per secondary tier, ``type`` and
+  (our tiers) ``kvbm_stats()`` read before the shutdown.
+* ``kv_transfer_params`` (optional list, one dict or null per prompt): the request's
+  ``kv_transfer_params`` (e.g. ``{"kvbm_tenant": "a"}`` for our native tiers).
 * ``multiprocessing`` (bool, default false): vLLM's engine core and (on CPU) its worker in their own
   processes, as ``vllm serve`` runs them; counters are then read from the connector's ``stats_path``
   files (``scheduler_stats`` from the scheduler's).
@@ -77,6 +85,11 @@ def run(spec: dict) -> dict:
                    "kv_connector_extra_config": {"connectors": [ours, conn["multi_with"]]}}
         else:
             ktc = dict(ours, kv_load_failure_policy="recompute")
+    if spec.get("native") is not None:
+        if conn is not None or mp:
+            raise ValueError("native: needs connector null and multiprocessing false")
+        ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": spec["native"]}
     kw = {}
     if tp_size > 1:
         kw.update(tensor_parallel_size=tp_size, distributed_executor_backend="mp")
@@ -94,6 +107,7 @@ def run(spec: dict) -> dict:
     init_s = time.perf_counter() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 4)), detokenize=False, seed=0,
                         ignore_eos=bool(spec.get("ignore_eos", False)))
+    ktps = spec.get("kv_transfer_params") or [None] * len(spec["prompts"])
     prompts = spec["prompts"]
     salts = spec.get("cache_salts") or [None] * len(prompts)
     if spec.get("warmup", True):
@@ -102,7 +116,7 @@ def run(spec: dict) -> dict:
     outs, ttft, e2e, cached = [], [], [], []
     progress = spec.get("progress_file")
     pause_before = set(spec.get("pause_before") or ())
-    for i, (p, salt) in enumerate(zip(prompts, salts)):
+    for i, (p, salt, ktp) in enumerate(zip(prompts, salts, ktps)):
         if i in pause_before:
             _pause(spec["pause_dir"], i, float(spec.get("pause_max_s", 600)))
         if i in set(spec.get("reset_prefix_cache_before") or ()):
@@ -112,7 +126,7 @@ def run(spec: dict) -> dict:
         if salt:
             tp["cache_salt"] = salt
         t = time.perf_counter()
-        o = llm.generate([tp], sp, use_tqdm=False)[0]
+        o = llm.generate([tp], sp if ktp is None else _with_params(sp, ktp), use_tqdm=False)[0]
         e2e.append(time.perf_counter() - t)
         outs.append(list(o.outputs[0].token_ids))
         cached.append(int(o.num_cached_tokens or 0))
@@ -124,6 +138,8 @@ def run(spec: dict) -> dict:
                 f.write(f"{i + 1}\n")
     result = {"outputs": outs, "ttft_s": ttft, "e2e_s": e2e, "init_s": init_s, "cached_tokens": cached,
               "prompt_tokens": [len(p) for p in prompts]}
+    if spec.get("native") is not None:
+        result["tier_stats"] = _drain_native(llm)
     if conn is not None and mp:
         # Engine core and worker are other processes: shut them down (the connectors flush and write
         # their stats files), then read the files.
@@ -164,6 +180,33 @@ def run(spec: dict) -> dict:
         result["connector_info"] = stats.info()
         result["pool_stats"] = pools
     return result
+
+
+def _with_params(sp, kv_transfer_params: dict):
+    sp = sp.clone()
+    sp.extra_args = {**(sp.extra_args or {}), "kv_transfer_params": dict(kv_transfer_params)}
+    return sp
+
+
+def _drain_native(llm, max_s: float = 60.0) -> list[dict]:
+    """Step the in-process engine until vLLM's OffloadingConnector has no pending work (a request's last
+    stores are submitted on the step after it finishes; secondary tiers cascade after that), read our
+    tiers' stats, then shut the engine core down (the tiers drain and close their pools)."""
+    core = llm.llm_engine.engine_core.engine_core
+    end = time.monotonic() + max_s
+    while core.scheduler.has_requests() and time.monotonic() < end:
+        llm.llm_engine.step()
+        time.sleep(0.005)
+    manager = core.scheduler.connector.connector_scheduler.manager
+    out = []
+    for tier in getattr(manager, "secondary_tiers", ()):
+        d = {"type": tier.tier_type}
+        if hasattr(tier, "kvbm_stats"):
+            tier.drain_jobs()
+            d.update(tier.kvbm_stats())
+        out.append(d)
+    llm.llm_engine.engine_core.shutdown()
+    return out
 
 
 def _pause(pause_dir: str, i: int, max_s: float) -> None:
