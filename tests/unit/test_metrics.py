@@ -236,3 +236,26 @@ def test_every_g4_series_moves(tmp_path):
     assert m.degraded is not None  # its value was checked while the breaker was open
     assert m.evictions is None and m.capacity_bytes is None  # G3-only series are not registered for G4
     assert metrics.sample_value(reg, "kvbm_backend_g4_capacity_bytes") is None
+
+
+# ---- issue 22 item 5: the truth from every process -------------------------------------------------------
+
+def test_g3_device_loads_count_bytes_read(tmp_path):
+    """The connector loads G3 blocks into torch tensors (the device reader; host mode on the CPU): its bytes
+    must reach ``bytes_read`` (pool stats and ``kvbm_backend_g3_bytes_read_total``) as host gets do."""
+    import torch
+    reg = metrics.new_registry()
+    pool = G3Pool(open_pool.__globals__["config"](tmp_path), NS, registry=reg)
+    try:
+        keys = NS.keys(range(1, 4))
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result().written == 3
+        out = [torch.empty(LAYOUT.bytes_per_block, dtype=torch.uint8) for _ in keys]
+        assert pool.get(keys, out).result(timeout=60).ok == [True] * 3
+        st = pool.stats()
+        assert st["device_hits"] == 3 and st["hits"] == 3
+        assert st["bytes_read"] >= 3 * LAYOUT.bytes_per_block, st
+        assert _val(reg, "kvbm_backend_g3_bytes_read_total") == st["bytes_read"]
+        assert _val(reg, "kvbm_onboard_blocks_d2d_total") == 3
+    finally:
+        pool.close()
+
