@@ -195,6 +195,24 @@ def stop_serving(port: int, addr: str = "0.0.0.0") -> None:
         metrics_mp.drop_serve_lock(ent[2])
 
 
+def series_names() -> set[str]:
+    """Names of every sample series :class:`TierMetrics` exposes for G3 and G4 (counters with
+    ``_total``, histograms with ``_bucket`` / ``_count`` / ``_sum``), from a fresh registry: what a
+    dashboard or alert may query (``examples/grafana/kvbm-backend.json`` is checked against it)."""
+    reg = new_registry()
+    TierMetrics("g3", reg)
+    TierMetrics("g4", reg)
+    out: set[str] = set()
+    for fam in reg.collect():
+        if fam.type == "counter":
+            out.add(fam.name + "_total")
+        elif fam.type == "histogram":
+            out.update(fam.name + s for s in ("_bucket", "_count", "_sum"))
+        else:
+            out.add(fam.name)
+    return out
+
+
 class HitRate:
     """Sliding-window hit rate over the last ``window`` looked-up blocks, mirrored into a Gauge."""
 

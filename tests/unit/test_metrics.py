@@ -342,3 +342,23 @@ def test_g3_mirror_lookups_move_the_g3_lookup_series():
     st = m.stats()
     assert st["lookup_blocks"] == 6 and st["lookup_hits"] == 4 and st["hit_rate"] == 4 / 6
 
+
+def test_grafana_dashboard_queries_exactly_the_series_that_exist():
+    """examples/grafana/kvbm-backend.json parses, and its queries name only series the code registers (our
+    endpoint's :func:`metrics.series_names`, the connector's ``vllm:`` counters from ``stats.PROM_COUNTERS``)
+    and every one of them (a new series without a panel fails here)."""
+    import json
+    import re
+    from pathlib import Path
+    from kvbm_backend.integrations.vllm import stats
+    d = json.loads((Path(__file__).resolve().parents[2] / "examples" / "grafana" / "kvbm-backend.json").read_text())
+    assert d["uid"] and d["panels"] and d["schemaVersion"] >= 30
+    exprs = [t["expr"] for p in d["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in d["templating"]["list"] if "definition" in v]
+    assert all(e.count("(") == e.count(")") for e in exprs), exprs
+    named = set(re.findall(r"(?:vllm:)?kvbm_[a-z0-9_]+", " ".join(exprs)))
+    known = metrics.series_names() | {name + "_total" for name, _, _ in stats.PROM_COUNTERS}
+    assert named - known == set(), "queries name series that do not exist"
+    assert known - named == set(), "series without a panel"
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
