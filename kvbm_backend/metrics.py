@@ -21,9 +21,15 @@ blocks; G4 also ``kvbm_backend_g4_offload_seconds``, a histogram of each block o
 ended: a worker whose G4 writes stall shows there, not only as late handoffs). Every series listed here
 is updated by the pools (``tests/unit/test_metrics.py``).
 
-Serving: :func:`serve_once` (called when an integration opens its tiers, with ``metrics.port`` /
-``metrics.addr``) starts one HTTP ``/metrics`` server per process and address; a port that cannot be
-bound is one ERROR log line naming ``metrics.port``, and the engine runs on without the endpoint.
+Serving: one endpoint per pod and port for every process (:mod:`kvbm_backend.metrics_mp`). When an
+integration opens its tiers with ``metrics.port`` P, :func:`prepare` (before the pools exist) puts this
+process's series into P's multiprocess files, and :func:`serve_once` serves ``/metrics`` on
+``metrics.addr:P`` from the first process of the pod that takes P's serving lock, with every process's
+series merged (the scheduler's lookups and the workers' loads in one page). The other processes log
+one INFO line naming the serving process. A port that cannot be bound (another program holds it) is one
+ERROR line naming ``metrics.port``, and the engine runs on without the endpoint. A process whose
+default-registry series existed before :func:`prepare` (pools opened another way first) serves only its
+own series.
 
 Metric objects are created idempotently per :class:`~prometheus_client.CollectorRegistry` (the
 ``prometheus_client`` library refuses duplicate registration), so several pools in one process share
@@ -38,20 +44,47 @@ import weakref
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from . import metrics_mp
+
 KVBM_PREFIX = "kvbm_"
 HIT_RATE_WINDOW = 10_000  # looked-up blocks in the sliding hit-rate window
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _serve_lock = threading.Lock()
-_servers: dict[tuple[str, int], tuple] = {}  # (addr, port) -> (server, thread): serving in this process
+_servers: dict[tuple[str, int], tuple] = {}  # (addr, port) -> (server, thread, lock fd); None server: a sibling serves
 _serve_failed: dict[tuple[str, int], str] = {}  # (addr, port) -> error, logged once
 _by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, dict]" = weakref.WeakKeyDictionary()
+_mp: dict = {}  # "dir", "classes": the default registry's series live in that port's multiprocess files
 
 
 def new_registry() -> CollectorRegistry:
     """A private registry (tests, several independent pools)."""
     return CollectorRegistry(auto_describe=True)
+
+
+def prepare(port: int | None) -> bool:
+    """Keep this process's default-registry series in ``metrics.port`` ``port``'s multiprocess files, so
+    that the process serving the port shows them (:mod:`kvbm_backend.metrics_mp`). Call it before the
+    pools are opened. True when this process's series go there; False when ``port`` is None, the series
+    already exist in memory (created before: they stay process-local), they go to another port's files,
+    or the directory is unusable (logged)."""
+    if port is None:
+        return False
+    with _lock:
+        if _mp:
+            return _mp["port"] == int(port)
+        if _by_registry.get(REGISTRY):
+            log.info("kvbm_backend: metrics created before metrics.port %d was known stay in this process", port)
+            return False
+        try:
+            d = metrics_mp.metrics_dir(port)
+        except OSError as e:
+            log.warning("kvbm_backend: metrics.port %d: no multiprocess metrics directory (%s); this process "
+                        "serves only its own series", port, e)
+            return False
+        _mp.update(port=int(port), dir=d, classes=metrics_mp.metric_classes(d))
+        return True
 
 
 def _get(registry: CollectorRegistry | None, cls, name: str, doc: str, labels: tuple[str, ...] = (), **kw):
@@ -60,7 +93,13 @@ def _get(registry: CollectorRegistry | None, cls, name: str, doc: str, labels: t
         known = _by_registry.setdefault(reg, {})
         m = known.get(name)
         if m is None:
-            m = cls(name, doc, labelnames=labels, registry=reg, **kw)
+            mode = kw.pop("multiprocess_mode", None)
+            make = cls
+            if reg is REGISTRY and _mp:
+                make = _mp["classes"][cls]
+                if mode:
+                    kw["multiprocess_mode"] = mode
+            m = make(name, doc, labelnames=labels, registry=reg, **kw)
             known[name] = m
         elif not isinstance(m, cls):
             raise ValueError(f"metric {name}: registered as {type(m).__name__}, asked for {cls.__name__}")
@@ -83,9 +122,12 @@ def histogram(name: str, doc: str, buckets: tuple[float, ...], registry: Collect
     return _get(registry, Histogram, name, doc, buckets=buckets)
 
 
-def gauge(name: str, doc: str, labels: tuple[str, ...] = (), registry: CollectorRegistry | None = None) -> Gauge:
-    """Get or create a Gauge ``name`` in ``registry``."""
-    return _get(registry, Gauge, name, doc, labels)
+def gauge(name: str, doc: str, labels: tuple[str, ...] = (), registry: CollectorRegistry | None = None,
+          multiprocess_mode: str = "livesum") -> Gauge:
+    """Get or create a Gauge ``name`` in ``registry``; ``multiprocess_mode``: how the serving process
+    merges the processes' values (prometheus_client's modes, e.g. ``livesum``, ``livemax``,
+    ``livemostrecent``)."""
+    return _get(registry, Gauge, name, doc, labels, multiprocess_mode=multiprocess_mode)
 
 
 def sample_value(registry: CollectorRegistry | None, name: str, labels: dict | None = None) -> float | None:
@@ -100,11 +142,13 @@ def serve(port: int, registry: CollectorRegistry | None = None, addr: str = "127
 
 
 def serve_once(port: int, addr: str = "0.0.0.0") -> bool:
-    """Serve the process registry's ``/metrics`` on ``addr:port`` unless this process already does.
+    """Serve ``/metrics`` on ``addr:port`` unless this process, or another process of the pod that keeps
+    its series in the same port's files (:func:`prepare`), already does.
 
-    True when serving. A port that cannot be bound (in use, no permission) logs one ERROR naming
-    ``metrics.port`` per (addr, port) and process and returns False: metrics are an aid, so the
-    engine runs on without the endpoint rather than failing to start.
+    True when the series of this process are served (here or by that other process: one INFO line names
+    it). A port that cannot be bound (in use by another program, no permission) logs one ERROR naming
+    ``metrics.port`` per (addr, port) and process and returns False: metrics are an aid, so the engine
+    runs on without the endpoint rather than failing to start.
     """
     key = (addr, int(port))
     with _serve_lock:
@@ -112,16 +156,29 @@ def serve_once(port: int, addr: str = "0.0.0.0") -> bool:
             return True
         if key in _serve_failed:
             return False
+        shared = _mp.get("dir") if _mp.get("port") == key[1] else None
+        lock_fd = None
+        if shared is not None:
+            lock_fd, holder = metrics_mp.take_serve_lock(shared)
+            if lock_fd is None:
+                _servers[key] = (None, None, None)
+                log.info("kvbm_backend: metrics.port %d is served by process %s of this pod; this process's "
+                         "series are collected there", key[1], holder)
+                return True
+            metrics_mp.reap(shared, everything=True)  # files of an earlier run's processes
         try:
-            _servers[key] = start_http_server(key[1], addr=addr, registry=REGISTRY)
+            reg = metrics_mp.registry_for(shared) if shared is not None else REGISTRY
+            srv, thread = start_http_server(key[1], addr=addr, registry=reg)
+            _servers[key] = (srv, thread, lock_fd)
         except OSError as e:
+            metrics_mp.drop_serve_lock(lock_fd)
             _serve_failed[key] = str(e)
             log.error("metrics.port %d: cannot serve Prometheus /metrics on %s:%d (%s); running on WITHOUT a "
                       "metrics endpoint. Pick a free port (metrics.port, DYN_KVBM_METRICS_PORT or "
-                      "KVBM_BACKEND__METRICS__PORT); with several engine processes per pod only the first "
-                      "binds it", key[1], addr, key[1], e.strerror or e)
+                      "KVBM_BACKEND__METRICS__PORT)", key[1], addr, key[1], e.strerror or e)
             return False
-    log.info("kvbm_backend: serving Prometheus metrics on http://%s:%d/metrics", addr, key[1])
+    log.info("kvbm_backend: serving Prometheus metrics on http://%s:%d/metrics%s", addr, key[1],
+             " (every process of this pod with this metrics.port)" if shared else "")
     return True
 
 
@@ -131,9 +188,29 @@ def stop_serving(port: int, addr: str = "0.0.0.0") -> None:
     with _serve_lock:
         ent = _servers.pop(key, None)
         _serve_failed.pop(key, None)
-    if ent is not None:
+    if ent is not None and ent[0] is not None:
         ent[0].shutdown()
         ent[0].server_close()
+    if ent is not None:
+        metrics_mp.drop_serve_lock(ent[2])
+
+
+def series_names() -> set[str]:
+    """Names of every sample series :class:`TierMetrics` exposes for G3 and G4 (counters with
+    ``_total``, histograms with ``_bucket`` / ``_count`` / ``_sum``), from a fresh registry: what a
+    dashboard or alert may query (``examples/grafana/kvbm-backend.json`` is checked against it)."""
+    reg = new_registry()
+    TierMetrics("g3", reg)
+    TierMetrics("g4", reg)
+    out: set[str] = set()
+    for fam in reg.collect():
+        if fam.type == "counter":
+            out.add(fam.name + "_total")
+        elif fam.type == "histogram":
+            out.update(fam.name + s for s in ("_bucket", "_count", "_sum"))
+        else:
+            out.add(fam.name)
+    return out
 
 
 class HitRate:
@@ -199,7 +276,7 @@ class TierMetrics:
         self.onboard_blocks = counter(KVBM_PREFIX + on, f"Blocks onboarded from {tier.upper()} (verified)", registry=r)
         self.matched_tokens = counter(KVBM_PREFIX + "matched_tokens", "Tokens matched by prefix lookups", registry=r)
         self.hit_rate = HitRate(gauge(KVBM_PREFIX + hr, f"{tier.upper()} lookup hit rate (0-1), sliding window",
-                                      registry=r))
+                                      registry=r, multiprocess_mode="livemostrecent"))
         self.offloads_dropped = counter(p + "offloads_dropped", "Offload blocks dropped, by reason", ("reason",), r)
         self.corrupt = counter(p + "corrupt_blocks", "Stored blocks that failed verification, by reason",
                                ("reason",), r)
@@ -221,4 +298,5 @@ class TierMetrics:
             self.offload_seconds = histogram(p + "offload_seconds", "Seconds from a block offload queued to its end "
                                              "(written, skipped or dropped): queue wait, seal, store request",
                                              OFFLOAD_SECONDS_BUCKETS, registry=r)
-        self.degraded = gauge(p + "degraded", "1 while the tier stopped admitting (ENOSPC, store down)", registry=r)
+        self.degraded = gauge(p + "degraded", "1 while the tier stopped admitting (ENOSPC, store down)", registry=r,
+                              multiprocess_mode="livemax")

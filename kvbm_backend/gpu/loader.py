@@ -159,7 +159,8 @@ class DeviceLoader(PassReads, PassVerify):
 
 
     # -- public ------------------------------------------------------------------------------
-    def load(self, keys: Sequence[BlockKey], dst: Sequence, reasons: list | None = None) -> list[bool]:
+    def load(self, keys: Sequence[BlockKey], dst: Sequence, reasons: list | None = None,
+             io: dict | None = None) -> list[bool]:
         """Load ``keys[i]`` into ``dst[i]``.
 
         Args:
@@ -172,6 +173,7 @@ class DeviceLoader(PassReads, PassVerify):
                 (``not_found``, ``io_error``, ``short``, ``timeout``, ``unverifiable``, or a corrupt
                 reason: ``devcheck``, ``integrity``, ``identity``, ``layout``, ``length``, ``magic``,
                 ``version``, ``header_check``).
+            io: if given, a dict that receives ``bytes_read``: the bytes this call read from the slab files.
         Returns:
             ``ok[i]``: True only if the frame was found, read in full, its header identity matched and
             its payload checksum verified on :attr:`device`; only then was ``dst[i]`` written.
@@ -213,7 +215,12 @@ class DeviceLoader(PassReads, PassVerify):
         self.counters["not_found"] += n - len(held)
         try:
             with self._call_lock:
-                self._load_rows(keys, leases, held, dst, why)
+                b0 = self.counters["bytes_read"]
+                try:
+                    self._load_rows(keys, leases, held, dst, why)
+                finally:
+                    if io is not None:
+                        io["bytes_read"] = self.counters["bytes_read"] - b0
         finally:
             try:
                 self.source.release([leases[i] for i in held])

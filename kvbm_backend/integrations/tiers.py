@@ -9,8 +9,9 @@ block the worker has published, through one index.
 Whoever opens pools (:func:`open_tiers`, the vLLM tiering tiers) calls :func:`announce_tiers`: once per
 process and (config, tiers) it logs one INFO line with the effective configuration (``kvbm_backend.tiers``
 logger; no credentials, no key material) and starts the Prometheus ``/metrics`` server when
-``metrics.port`` / ``DYN_KVBM_METRICS`` ask for one (:func:`kvbm_backend.metrics.serve_once`: a port
-in use is one ERROR line naming ``metrics.port``, and the engine runs on without metrics).
+``metrics.port`` / ``DYN_KVBM_METRICS`` ask for one (:func:`kvbm_backend.metrics.serve_once`: one
+endpoint per pod and port, serving every process's series; a port another program holds is one ERROR
+line naming ``metrics.port``, and the engine runs on without metrics).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def open_tiers(cfg: KvbmBackendConfig, namespace: Namespace) -> tuple[BlockPool 
         ConfigError / ValueError: from the pools, naming the bad field (e.g. an unusable G3 path).
     """
     g3 = g4 = None
+    metrics.prepare(cfg.metrics.serve_port)  # before the pools create their series (one endpoint per pod)
     if cfg.g3.enabled:
         g3 = open_pool(cfg.g3, namespace)
     if cfg.g4.enabled:

@@ -166,3 +166,100 @@ def test_preflight_checks_every_connector_of_ours(tmp_path):
     ok4["kv_connector_extra_config"]["kvbm_backend"]["g4"] = {
         "enabled": True, "url": f"file://{tmp_path / 'g4'}", "keyring": {"path": str(tmp_path / "k" / "keyring.json")}}
     assert check_argv(["--kv-transfer-config", json.dumps(ok4)]) is None
+
+
+def _scrape(url: str) -> dict:
+    """``{sample name with labels: value}`` of a Prometheus text page."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            lab = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "pid")
+            key = s.name + (f"{{{lab}}}" if lab else "")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def test_metrics_and_stats_file_after_a_g3_hit(tmp_path):
+    """Issue 22 items 5 and 9, on a real `vllm serve` (the example script, the CPU engine's ``mp`` executor:
+    the connector's scheduler role in the engine-core process, its worker role in a worker process). After a
+    G3 hit (same prompt, engine prefix cache reset in between) the one ``metrics.port`` endpoint shows
+    the series of both processes moved (lookups: scheduler; loads and offloads: worker), no process logged
+    a false ``metrics.port`` ERROR, and the documented ``stats_path`` file holds both roles' counters and
+    the G3 pool's read bytes and lookup hit rate."""
+    model = write_model_dir(tmp_path / "model", TINY)
+    mport = _free_port()
+    cfg = tmp_path / "kvbm.json"
+    cfg.write_text(json.dumps({"model": "kvbm-backend/tiny-llama",
+                               "g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.2,
+                                      "admission": {"policy": "all"}},
+                               "metrics": {"port": mport, "addr": "127.0.0.1"}}))
+    stats = tmp_path / "stats.json"
+    port = _free_port()
+    env = dict(os.environ, MODEL=str(model), PYTHON=sys.executable, KVBM_BACKEND_CONFIG_FILE=str(cfg),
+               KVBM_BACKEND_STATS_PATH=str(stats), VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    logf = tmp_path / "serve.log"
+    log = open(logf, "w")
+    p = subprocess.Popen(["bash", str(REPO / "examples" / "vllm" / "serve_kvbm_backend.sh"), "--host", "127.0.0.1",
+                          "--port", str(port), "--dtype", "float32", "--max-model-len", "2048"],
+                         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 300
+        while True:
+            assert p.poll() is None, logf.read_text()[-4000:]
+            try:
+                urllib.request.urlopen(base + "/v1/models", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < end, logf.read_text()[-4000:]
+                time.sleep(1)
+        before = _scrape(f"http://127.0.0.1:{mport}/metrics")
+        prompt = " ".join(f"word{i % 50}" for i in range(150))
+        body = {"model": str(model), "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        a = _post(base + "/v1/completions", body)
+        deadline = time.monotonic() + 60  # the offload reached G3 (the worker writes in the background)
+        while _scrape(f"http://127.0.0.1:{mport}/metrics").get("kvbm_offload_blocks_h2d_total", 0) < 4:
+            assert time.monotonic() < deadline, logf.read_text()[-4000:]
+            time.sleep(0.5)
+        time.sleep(1.0)  # the worker's G3 report reaches the scheduler's mirror (report channel, ~0.1 s)
+        req = urllib.request.Request(base + "/reset_prefix_cache", b"", method="POST")
+        urllib.request.urlopen(req, timeout=60).read()
+        b = _post(base + "/v1/completions", body)  # the engine's cache is empty: the prefix comes from G3
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        deadline = time.monotonic() + 30
+        while True:
+            after = _scrape(f"http://127.0.0.1:{mport}/metrics")
+            if after.get("kvbm_onboard_blocks_d2d_total", 0) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while True:  # the worker's writer merges the scheduler's counters within ~0.5 s
+            st = json.loads(stats.read_text()) if stats.is_file() else {}
+            if (st.get("lookup_requests", 0) >= 2 and st.get("load_g3_blocks_ok", 0) > 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+        log.close()
+    text = logf.read_text()
+    moved = {"kvbm_offload_blocks_h2d_total", "kvbm_onboard_blocks_d2d_total", "kvbm_matched_tokens_total",
+             "kvbm_disk_cache_hit_rate", "kvbm_backend_g3_bytes_written_total", "kvbm_backend_g3_bytes_read_total",
+             "kvbm_backend_g3_used_bytes", "kvbm_backend_g3_blocks"}
+    stuck = sorted(n for n in moved if not after.get(n, 0) > before.get(n, 0))
+    assert not stuck, (stuck, {k: v for k, v in after.items() if k.startswith("kvbm")}, text[-3000:])
+    assert after["kvbm_backend_g3_capacity_bytes"] > 0
+    assert "cannot serve Prometheus /metrics" not in text, text[-3000:]  # the false ERROR (one per extra process)
+    # item 9: one stats file with both roles' counters (scheduler: lookups, plans; worker: loads, offloads)
+    assert st.get("lookup_requests", 0) >= 2 and st.get("load_planned_g3_blocks", 0) > 0, st
+    assert st.get("load_g3_blocks_ok", 0) > 0 and st.get("g3_put_written_blocks", 0) > 0, st
+    g3 = st["pools"]["g3"]
+    assert g3["bytes_read"] > 0 and g3["hits"] > 0 and g3["hit_rate"] > 0 and g3["lookup_hits"] > 0, g3

@@ -692,3 +692,54 @@ def test_package_logs_go_through_vllms_logger_once():
         vl.handlers, vl.level, vl.propagate = saved[1], saved[2], saved[3]
         lg.handlers[:] = saved[4]
         lg.setLevel(saved[5])
+
+
+_SCHED = r"""
+import sys
+from kvbm_backend.integrations.vllm import stats
+stats.add(lookup_requests=2, lookup_blocks=12, load_planned_g3_blocks=4)
+stats.set_info(role="scheduler", only_scheduler=1)
+w = stats.StatsWriter(sys.argv[1], extra=lambda: {"g3": {"tier": "G3", "mirror": True, "lookup_blocks": 12,
+                                                         "lookup_hits": 4, "hit_rate": 4 / 12},
+                                                  "g4": {"tier": "G4", "lookup_blocks": 8, "lookup_hits": 0}})
+w.maybe_write(force=True)
+w.stop()
+"""
+
+
+def test_stats_path_holds_both_roles_counters(tmp_path):
+    """Issue 22 item 9: with the roles in two processes the scheduler writes ``<stem>.scheduler<ext>`` (a real
+    second process here) and the worker's writer merges it into ``stats_path``: both roles' counters, the
+    G3 pool's lookups (counted by the scheduler's mirror) in the worker pool's stats, nothing counted twice
+    over repeated writes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    from kvbm_backend.integrations.vllm import stats
+    repo = Path(__file__).resolve().parents[2]
+    path, sched = tmp_path / "s" / "stats.json", tmp_path / "s" / "stats.scheduler.json"
+    stats.reset()
+    stats.add(load_g3_blocks_ok=4, g3_put_written_blocks=6)
+    stats.set_info(role="worker")
+    w = stats.StatsWriter(str(path), interval_s=60, merge=str(sched),
+                          extra=lambda: {"g3": {"tier": "G3", "hits": 4, "bytes_read": 4096, "lookup_blocks": 0,
+                                                "lookup_hits": 0, "hit_rate": 0.0}})
+    try:
+        w.maybe_write(force=True)  # the scheduler's file does not exist yet: the worker's counters alone
+        assert json.loads(path.read_text())["load_g3_blocks_ok"] == 4
+        subprocess.run([sys.executable, "-c", _SCHED, str(sched)], check=True, cwd=repo, timeout=120,
+                       env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+        for _ in range(2):
+            w.maybe_write(force=True)
+        st = json.loads(path.read_text())
+    finally:
+        w.stop()
+        stats.reset()
+    assert st["load_g3_blocks_ok"] == 4 and st["g3_put_written_blocks"] == 6
+    assert st["lookup_requests"] == 2 and st["load_planned_g3_blocks"] == 4
+    assert st["info"]["role"] == "worker" and st["info"]["only_scheduler"] == 1
+    g3 = st["pools"]["g3"]
+    assert g3["hits"] == 4 and g3["lookup_blocks"] == 12 and g3["lookup_hits"] == 4 and g3["hit_rate"] == 4 / 12
+    assert st["pools"]["g4"]["lookup_blocks"] == 8  # a pool only the scheduler has
+    assert json.loads(sched.read_text())["lookup_requests"] == 2  # its own file is left as it wrote it

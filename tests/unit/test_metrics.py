@@ -234,3 +234,129 @@ def test_every_g4_series_moves(tmp_path):
     assert m.degraded is not None  # its value was checked while the breaker was open
     assert m.evictions is None and m.capacity_bytes is None  # G3-only series are not registered for G4
     assert metrics.sample_value(reg, "kvbm_backend_g4_capacity_bytes") is None
+
+
+# ---- issue 22 item 5: the truth from every process -------------------------------------------------------
+
+def test_g3_device_loads_count_bytes_read(tmp_path):
+    """The connector loads G3 blocks into torch tensors (the device reader; host mode on the CPU): its bytes
+    must reach ``bytes_read`` (pool stats and ``kvbm_backend_g3_bytes_read_total``) as host gets do."""
+    import torch
+    reg = metrics.new_registry()
+    pool = G3Pool(open_pool.__globals__["config"](tmp_path), NS, registry=reg)
+    try:
+        keys = NS.keys(range(1, 4))
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result().written == 3
+        out = [torch.empty(LAYOUT.bytes_per_block, dtype=torch.uint8) for _ in keys]
+        assert pool.get(keys, out).result(timeout=60).ok == [True] * 3
+        st = pool.stats()
+        assert st["device_hits"] == 3 and st["hits"] == 3
+        assert st["bytes_read"] >= 3 * LAYOUT.bytes_per_block, st
+        assert _val(reg, "kvbm_backend_g3_bytes_read_total") == st["bytes_read"]
+        assert _val(reg, "kvbm_onboard_blocks_d2d_total") == 3
+    finally:
+        pool.close()
+
+
+_PROC = r"""
+import json, sys, logging
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
+from kvbm_backend.config import load_config
+from kvbm_backend.integrations.tiers import open_tiers
+from kvbm_backend.memory import aligned_empty
+from tests.helpers.g4_writer import namespace, payload
+root, port, seqs = sys.argv[1], int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")]
+cfg = load_config({"g3": {"paths": [root], "capacity_gb": 0.05, "admission": {"policy": "all"}},
+                   "metrics": {"port": port, "addr": "127.0.0.1"}}, use_env=False)
+ns = namespace()
+g3, _ = open_tiers(cfg, ns)
+keys = ns.keys(seqs, tenant="t")
+assert g3.put(keys, [payload(k.seq_hash, "t", ns.layout.bytes_per_block) for k in keys]).result(timeout=60).written == len(keys)
+assert g3.lookup_prefix(keys).result() == len(keys)
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_one_endpoint_serves_every_process_of_the_pod(tmp_path):
+    """Two processes open tiers with the same metrics.port (an engine's scheduler and worker): the first
+    serves, the second logs one INFO line naming it (no ERROR), and the page shows both processes' series
+    (counters summed, capacities summed over live processes); a process that ends keeps its counters and
+    leaves the capacity gauge."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    from tests.helpers.g4_writer import namespace
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    port = _free_port()
+    procs = []
+    try:
+        for name, seqs in (("a", "1,2,3"), ("b", "11,12")):
+            p = subprocess.Popen([sys.executable, "-c", _PROC, str(tmp_path / name), str(port), seqs], env=env,
+                                 cwd=repo, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=open(tmp_path / f"{name}.log", "w"), text=True)
+            procs.append(p)
+            assert p.stdout.readline().strip() == "ready", (tmp_path / f"{name}.log").read_text()
+        page = _scrape(port)
+        page_tokens = namespace().layout.page_size
+        assert page["kvbm_offload_blocks_h2d_total"] == 5
+        assert page["kvbm_matched_tokens_total"] == 5 * page_tokens
+        assert page["kvbm_disk_cache_hit_rate"] == 1.0
+        assert page["kvbm_backend_g3_blocks"] == 5
+        cap_two = page["kvbm_backend_g3_capacity_bytes"]
+        procs[1].stdin.write("\n")
+        procs[1].stdin.flush()
+        procs[1].wait(timeout=60)
+        page = _scrape(port)
+        assert page["kvbm_offload_blocks_h2d_total"] == 5  # what b did stays counted
+        assert page["kvbm_backend_g3_blocks"] == 3 and 0 < page["kvbm_backend_g3_capacity_bytes"] < cap_two
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.stdin.write("\n")
+                p.stdin.flush()
+                p.wait(timeout=60)
+    a, b = ((tmp_path / f"{n}.log").read_text() for n in "ab")
+    assert "serving Prometheus metrics on http://127.0.0.1" in a, a
+    assert f"metrics.port {port} is served by process {procs[0].pid}" in b, b
+    assert "ERROR" not in a + b, a + b
+
+
+def test_g3_mirror_lookups_move_the_g3_lookup_series():
+    """In split mode the scheduler answers G3 lookups from its mirror of the worker's index: those lookups
+    are what ``kvbm_matched_tokens`` and ``kvbm_disk_cache_hit_rate`` count (and the mirror's stats)."""
+    from kvbm_backend.integrations.vllm.g3_mirror import G3Mirror
+    from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta, mirror_id
+    reg = metrics.new_registry()
+    m = G3Mirror(NS, registry=reg)
+    keys = NS.keys(range(1, 7))
+    m.apply(KvbmWorkerMeta([mirror_id(k) for k in keys[:4]], [], True))
+    assert m.lookup_prefix(keys).result() == 4
+    assert _val(reg, "kvbm_matched_tokens_total") == 4 * LAYOUT.page_size
+    assert _val(reg, "kvbm_disk_cache_hit_rate") == 4 / 6
+    st = m.stats()
+    assert st["lookup_blocks"] == 6 and st["lookup_hits"] == 4 and st["hit_rate"] == 4 / 6
+
+
+def test_grafana_dashboard_queries_exactly_the_series_that_exist():
+    """examples/grafana/kvbm-backend.json parses, and its queries name only series the code registers (our
+    endpoint's :func:`metrics.series_names`, the connector's ``vllm:`` counters from ``stats.PROM_COUNTERS``)
+    and every one of them (a new series without a panel fails here)."""
+    import json
+    import re
+    from pathlib import Path
+    from kvbm_backend.integrations.vllm import stats
+    d = json.loads((Path(__file__).resolve().parents[2] / "examples" / "grafana" / "kvbm-backend.json").read_text())
+    assert d["uid"] and d["panels"] and d["schemaVersion"] >= 30
+    exprs = [t["expr"] for p in d["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in d["templating"]["list"] if "definition" in v]
+    assert all(e.count("(") == e.count(")") for e in exprs), exprs
+    named = set(re.findall(r"(?:vllm:)?kvbm_[a-z0-9_]+", " ".join(exprs)))
+    known = metrics.series_names() | {name + "_total" for name, _, _ in stats.PROM_COUNTERS}
+    assert named - known == set(), "queries name series that do not exist"
+    assert known - named == set(), "series without a panel"
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))

@@ -35,7 +35,8 @@ Roles: :class:`~.scheduler_side.SchedulerSide` (lookup G3 then G4, load/save pla
 the ``mp`` executor (``vllm serve`` on CPU, for one) the worker owns G3 and the scheduler answers G3
 lookups from a :class:`~.scheduler_side.G3Mirror` fed by the worker's reports
 (:class:`~.metadata.KvbmWorkerMeta`); G4, shared storage by design, is opened by both. In that mode
-the scheduler's counters go to ``<stats_path stem>.scheduler<ext>``.
+the scheduler writes its counters to ``<stats_path stem>.scheduler<ext>`` and (rank 0's) worker merges
+them into ``stats_path`` (:func:`.stats.merge_snapshots`), so ``stats_path`` holds both roles' counters.
 
 Tensor parallelism (TP = N > 1): every rank's worker is its own process and stores and loads only its
 slice of each block (its KV heads; one object per (block, rank) in G4) in a private G3 pool under
@@ -259,14 +260,15 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
                 g3 = G3Mirror(gns)
             self._groups.append((gns, gcfg, g3, g4))
         self.g3, self.g4 = self._groups[0][2], self._groups[0][3]
-        stats_path = self.opts["stats_path"]
+        stats_path = merge = self.opts["stats_path"]
+        if stats_path:
+            root, ext = os.path.splitext(stats_path)
+            merge = f"{root}.scheduler{ext}" if self.split else None  # rank 0's worker merges it into stats_path
         if stats_path and self.split and role == KVConnectorRole.SCHEDULER:
-            root, ext = os.path.splitext(stats_path)
-            stats_path = f"{root}.scheduler{ext}"
+            stats_path, merge = merge, None
         elif stats_path and self.rank > 0:
-            root, ext = os.path.splitext(stats_path)
-            stats_path = f"{root}.rank{self.rank}{ext}"
-        self._writer = stats.StatsWriter(stats_path, extra=self._pool_stats)
+            stats_path, merge = f"{root}.rank{self.rank}{ext}", None
+        self._writer = stats.StatsWriter(stats_path, extra=self._pool_stats, merge=merge)
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -17,6 +17,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
+from ...metrics import TierMetrics
 from ...model.mix64 import fmix64, fmix64_v
 from ...model.namespace import KeyRun, Namespace, key_columns
 from ...pool.base import completed
@@ -312,11 +313,17 @@ class G3Mirror:
 
     tier = "G3"
 
-    def __init__(self, namespace: Namespace):
+    def __init__(self, namespace: Namespace, registry=None):
         self.fp = namespace.fingerprint
+        layout = getattr(namespace, "layout", None)  # tokens per block, for kvbm_matched_tokens (0: not known)
+        self._page = int(getattr(layout, "page_size", 0) or 0)
         self._set = FingerprintSet()  # fingerprints of metadata.mirror_id: (tenant tag, rank, seq_hash)
         self._lock = threading.Lock()
         self.ready = False
+        self.lookup_blocks = self.lookup_hits = 0
+        # the scheduler's G3 lookups happen here, not in the worker's pool: their series are counted here
+        # (kvbm_matched_tokens, kvbm_disk_cache_hit_rate; served with the worker's by metrics.port)
+        self.metrics = TierMetrics("g3", registry)
 
     def apply(self, meta: KvbmWorkerMeta) -> None:
         """Apply one worker report: ``meta.removed`` first, then ``meta.added``; ``meta.snapshot`` marks
@@ -334,7 +341,21 @@ class G3Mirror:
         return len(self._set)
 
     def lookup_prefix(self, keys: Iterable) -> Future:
-        """Future of how many leading ``keys`` (BlockKeys, or a :class:`KeyRun`: fingerprinted straight
+        """Future of how many leading ``keys`` the worker's G3 holds (:meth:`_lookup`), counted as the
+        pool counts its own lookups (``lookup_blocks`` / ``lookup_hits``, ``kvbm_matched_tokens``,
+        ``kvbm_disk_cache_hit_rate``)."""
+        if not isinstance(keys, (list, tuple, KeyRun)):
+            keys = list(keys)
+        n = self._lookup(keys)
+        with self._lock:
+            self.lookup_blocks += len(keys)
+            self.lookup_hits += n
+        self.metrics.matched_tokens.inc(n * self._page)
+        self.metrics.hit_rate.record(len(keys), n)
+        return completed(n)
+
+    def _lookup(self, keys) -> int:
+        """How many leading ``keys`` (BlockKeys, or a :class:`KeyRun`: fingerprinted straight
         from its uint64 array) the worker's G3 holds, in blocks; the prefix stops at the first absent key
         or key of another namespace fingerprint. The first ``_FIRST_CHUNK`` keys are fingerprinted (one
         numpy pass) and probed first, so that an early miss costs little; then chunks 16 times bigger (an
@@ -342,7 +363,7 @@ class G3Mirror:
         chunks can be seen by the later one)."""
         if type(keys) is KeyRun:  # fingerprints straight from the run's uint64 hashes: one seed, one pass
             if keys.namespace != self.fp:
-                return completed(0)
+                return 0
             c = _U(_seed(tag_of(keys.tenant), keys.rank))
 
             def fps_of(a: int, b: int) -> np.ndarray:
@@ -362,19 +383,22 @@ class G3Mirror:
             with self._lock:
                 miss = np.flatnonzero(self._set.find(fps) < 0)
             if miss.size:
-                return completed(n + int(miss[0]))
+                return n + int(miss[0])
             if len(fps) < b - n:  # a key of another namespace ends the prefix
-                return completed(n + len(fps))
+                return n + len(fps)
             n = b
             chunk *= 16
-        return completed(n)
+        return n
 
     def stats(self) -> dict:
         """``blocks``: mirrored blocks; ``bytes``: the fingerprint table's bytes; ``ready``: the worker's
-        first report (snapshot) applied."""
+        first report (snapshot) applied; ``lookup_blocks`` / ``lookup_hits`` / ``hit_rate``: the
+        scheduler's G3 lookups (blocks asked for, found, their ratio)."""
         with self._lock:
+            lb, lh = self.lookup_blocks, self.lookup_hits
             return {"tier": "G3", "mirror": True, "blocks": len(self._set), "ready": self.ready,
-                    "bytes": self._set.nbytes}
+                    "bytes": self._set.nbytes, "lookup_blocks": lb, "lookup_hits": lh,
+                    "hit_rate": lh / lb if lb else 0.0}
 
     def flush(self, timeout: float | None = None) -> bool:
         """True at once: the mirror queues no offloads (the worker's G3 pool, in its own process, writes

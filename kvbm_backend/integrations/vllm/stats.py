@@ -3,6 +3,13 @@
 Read them with :func:`snapshot` (a plain dict: counts of blocks/requests/jobs, ``*_bytes`` in bytes,
 ``*_s`` in seconds); the connector also writes the snapshot as JSON to ``stats_path`` (from
 ``kv_connector_extra_config``) on shutdown and every ``stats_interval_s`` while counters change.
+
+When the connector's roles run in different processes (vLLM's ``mp`` executor, TP > 1) the scheduler
+writes ``<stats_path stem>.scheduler<ext>`` and the worker (TP rank 0) merges that file into
+``stats_path`` each time it writes (:func:`merge_snapshots`): ``stats_path`` holds both roles'
+counters, at most one write interval (0.5 s) behind the scheduler (each file is replaced atomically, so a
+reader never sees half of one; the scheduler's own file is never written by the worker, so nothing is
+counted twice).
 """
 from __future__ import annotations
 
@@ -154,13 +161,49 @@ class KvbmPromMetrics(_PromBase):
                 per_engine[engine_idx].inc(v)
 
 
+def merge_snapshots(own: dict, other: dict) -> dict:
+    """``own`` (a worker's snapshot) with ``other`` (the scheduler's, as written to its file) merged in:
+    numeric counters summed, ``info`` joined (``own`` wins), ``pools`` from ``own`` plus the pools only
+    ``other`` has; for a pool both have, the lookup counters (``lookup_blocks``, ``lookup_hits``, counted
+    where lookups happen: the scheduler) are summed and ``hit_rate`` recomputed from them."""
+    out = dict(own)
+    for k, v in other.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = out.get(k, 0) + v
+    out["info"] = {**(other.get("info") or {}), **(own.get("info") or {})}
+    pools = {k: dict(v) if isinstance(v, dict) else v for k, v in (own.get("pools") or {}).items()}
+    for name, st in (other.get("pools") or {}).items():
+        mine = pools.get(name)
+        if not isinstance(mine, dict) or not isinstance(st, dict):
+            pools.setdefault(name, st)
+            continue
+        for k in ("lookup_blocks", "lookup_hits"):
+            if isinstance(st.get(k), (int, float)):
+                mine[k] = mine.get(k, 0) + st[k]
+        if mine.get("lookup_blocks"):
+            mine["hit_rate"] = mine.get("lookup_hits", 0) / mine["lookup_blocks"]
+    if pools or "pools" in own:
+        out["pools"] = pools
+    return out
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return {}  # not written yet (or not ours): nothing to merge
+    return d if isinstance(d, dict) else {}
+
+
 class StatsWriter:
     """Writes :func:`snapshot` (plus ``extra()``) to a JSON file, atomically, at most every ``interval_s``.
     The file's directory is created (0700) when missing; a write that fails (directory not writable, disk
-    full) is logged once as a warning naming the path and never reaches the engine."""
+    full) is logged once as a warning naming the path and never reaches the engine. ``merge``: another
+    process's stats file merged into each write (:func:`merge_snapshots`)."""
 
-    def __init__(self, path: str | None, interval_s: float = 0.5, extra=None):
-        self.path, self.interval_s, self.extra = path, interval_s, extra
+    def __init__(self, path: str | None, interval_s: float = 0.5, extra=None, merge: str | None = None):
+        self.path, self.interval_s, self.extra, self.merge = path, interval_s, extra, merge
         self._warned = False
         if path:
             try:
@@ -208,6 +251,8 @@ class StatsWriter:
                 snap["pools"] = self.extra()
             except Exception as e:  # noqa: BLE001 - stats must never break the engine
                 snap["pools"] = {"error": str(e)}
+        if self.merge:
+            snap = merge_snapshots(snap, _read_json(self.merge))
         if not force and snap == self._last_snap:
             return
         self._last, self._last_snap = now, snap

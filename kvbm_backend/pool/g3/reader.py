@@ -164,16 +164,19 @@ class ReaderMixin:
 
         def run() -> None:
             why: list = []
+            io: dict = {}
             try:
-                ok = rd.load(keys, out, why)
+                ok = rd.load(keys, out, why, io)
             except (ValueError, TypeError):
                 raise  # bad destination tensors or a wiring bug: the caller must see it
             except Exception as e:  # noqa: BLE001 - storage trouble: misses
                 log.warning("G3: device load of %d blocks failed: %s", len(keys), e)
                 ok, why = [False] * len(keys), ["io_error"] * len(keys)
             hits = sum(ok)
+            nread = io.get("bytes_read", 0)
             with self._lock:
                 self._c["hits"] += hits
+                self._c["bytes_read"] += nread
                 self._c["device_loads"] += len(keys)
                 self._c["device_hits"] += hits
                 # absent keys were counted by lease(), corrupt slots by drop_corrupt()
@@ -181,6 +184,7 @@ class ReaderMixin:
                     if r in ("io_error", "short", "timeout", "unverifiable"):
                         self._miss(r)
             self.metrics.onboard_blocks.inc(hits)
+            self.metrics.bytes_read.inc(nread)
             fut.set_result(GetResult(ok=list(ok)))
 
         def guarded() -> None:

@@ -1,0 +1,232 @@
+"""One ``/metrics`` endpoint for every process of a pod: prometheus_client's multiprocess files, per port.
+
+An engine is several processes (vLLM's API server, engine core with the connector's scheduler role, one
+worker per TP rank with the worker role; Dynamo's worker the same), and the events behind one series happen
+in different ones: prefix lookups (``kvbm_matched_tokens``, the hit rates) in the scheduler, loads and
+offloads in the workers. Each process that opens tiers with ``metrics.port`` P keeps its series in mmap
+files under :func:`metrics_dir` (P) (prometheus_client's multiprocess format: ``counter_<pid>.db``,
+``gauge_<mode>_<pid>.db``, ``histogram_<pid>.db``), and the one process that holds the serving lock of P
+(:func:`take_serve_lock`, first come) serves them all, merged by prometheus_client's
+``MultiProcessCollector``: counters and histograms summed over processes (dead ones included: what
+happened stays counted), gauges by the mode each series declares (:func:`kvbm_backend.metrics.gauge`:
+capacities summed over live processes, the hit rates the most recent value, ``degraded`` the maximum).
+
+This is vLLM's own scheme (``PROMETHEUS_MULTIPROC_DIR``, used by vLLM when it runs several API servers), with
+a directory per port instead of one environment variable: the variable must be set before a process imports
+prometheus_client, which vLLM has done long before the connector loads, and one variable for every series
+would move vLLM's own in-process series into files its single API server does not read. Our value class
+(:func:`value_class`) is prometheus_client's ``MmapedValue`` with the directory passed in.
+
+Files of processes that are gone: live-mode gauge files are removed at each scrape (the gauge then no longer
+counts that process); all files of dead processes from an earlier run are removed when a process takes the
+serving lock (so counters restart with the pod, as Prometheus expects after a restart).
+"""
+from __future__ import annotations
+
+import fcntl
+import glob
+import logging
+import os
+import re
+import stat
+import tempfile
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.utils import floatToGoString
+
+log = logging.getLogger("kvbm_backend.metrics")
+
+_DB = re.compile(r"^(?:counter|histogram|summary|gauge_[a-z]+)_(\d+)\.db$")
+
+
+def metrics_dir(port: int) -> str:
+    """``kvbm-backend-<uid>/metrics-<port>`` under ``$XDG_RUNTIME_DIR`` (else the temp dir), created 0700.
+
+    Raises:
+        OSError: it cannot be created, or it (or its parent) is not a private directory of this user.
+    """
+    base = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(), f"kvbm-backend-{os.getuid()}")
+    d = os.path.join(base, f"metrics-{int(port)}")
+    for p in (base, d):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(p)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise OSError(f"{p} is not a private directory of this user (owner {st.st_uid}, mode "
+                          f"{st.st_mode & 0o777:o})")
+    return d
+
+
+def value_class(directory: str):
+    """prometheus_client's ``MmapedValue`` (``values.MultiProcessValue``) writing under ``directory``."""
+    files: dict = {}
+    values: list = []
+    pid = {"value": os.getpid()}
+    lock = threading.Lock()
+
+    class MmapedValue:
+        _multiprocess = True
+
+        def __init__(self, typ, metric_name, name, labelnames, labelvalues, help_text, multiprocess_mode="", **kw):
+            self._params = typ, metric_name, name, labelnames, labelvalues, help_text, multiprocess_mode
+            with lock:
+                self._check_pid()
+                self._reset()
+                values.append(self)
+
+        def _reset(self):
+            typ, metric_name, name, labelnames, labelvalues, help_text, mode = self._params
+            prefix = f"{typ}_{mode}" if typ == "gauge" else typ
+            if prefix not in files:
+                files[prefix] = MmapedDict(os.path.join(directory, f"{prefix}_{pid['value']}.db"))
+            self._file = files[prefix]
+            self._key = mmap_key(metric_name, name, labelnames, labelvalues, help_text)
+            self._value, self._timestamp = self._file.read_value(self._key)
+
+        def _check_pid(self):
+            if pid["value"] != os.getpid():  # forked: the child writes its own files
+                pid["value"] = os.getpid()
+                for f in files.values():
+                    f.close()
+                files.clear()
+                for v in values:
+                    v._reset()
+
+        def inc(self, amount):
+            with lock:
+                self._check_pid()
+                self._value += amount
+                self._timestamp = 0.0
+                self._file.write_value(self._key, self._value, self._timestamp)
+
+        def set(self, value, timestamp=None):
+            with lock:
+                self._check_pid()
+                self._value = value
+                self._timestamp = timestamp or 0.0
+                self._file.write_value(self._key, self._value, self._timestamp)
+
+        def set_exemplar(self, exemplar):
+            return
+
+        def get(self):
+            with lock:
+                self._check_pid()
+                return self._value
+
+        def get_exemplar(self):
+            return None
+
+    return MmapedValue
+
+
+def metric_classes(directory: str) -> dict:
+    """``{Counter: cls, Gauge: cls, Histogram: cls}``: prometheus_client's classes whose values (label
+    children included) live in ``directory``'s files."""
+    vc = value_class(directory)
+
+    class MpCounter(Counter):
+        def _metric_init(self) -> None:
+            self._value = vc(self._type, self._name, self._name + "_total", self._labelnames, self._labelvalues,
+                             self._documentation)
+            self._created = 0.0
+
+    class MpGauge(Gauge):
+        def _metric_init(self) -> None:
+            self._value = vc(self._type, self._name, self._name, self._labelnames, self._labelvalues,
+                             self._documentation, multiprocess_mode=self._multiprocess_mode)
+
+    class MpHistogram(Histogram):
+        def _metric_init(self) -> None:
+            self._buckets = []
+            self._created = 0.0
+            self._sum = vc(self._type, self._name, self._name + "_sum", self._labelnames, self._labelvalues,
+                           self._documentation)
+            for b in self._upper_bounds:
+                self._buckets.append(vc(self._type, self._name, self._name + "_bucket", self._labelnames + ("le",),
+                                        self._labelvalues + (floatToGoString(b),), self._documentation))
+
+    return {Counter: MpCounter, Gauge: MpGauge, Histogram: MpHistogram}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap(directory: str, everything: bool = False) -> None:
+    """Remove the live-mode gauge files of processes that are gone (``everything``: all their files)."""
+    dead = set()
+    for f in os.listdir(directory):
+        m = _DB.match(f)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            dead.add(int(m.group(1)))
+    for pid in dead:
+        if everything:
+            for f in glob.glob(os.path.join(directory, f"*_{pid}.db")):
+                try:
+                    os.remove(f)
+                except OSError:
+                    pass
+        else:
+            mark_process_dead(pid, directory)
+
+
+class _Collector:
+    """``MultiProcessCollector`` over ``directory`` that first forgets the gauges of dead processes."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._mp = MultiProcessCollector(None, path=directory)
+
+    def collect(self):
+        try:
+            reap(self.directory)
+        except OSError:
+            pass
+        return self._mp.collect()
+
+
+def registry_for(directory: str) -> CollectorRegistry:
+    """A registry whose collection is every process's series under ``directory``."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Collector(directory))
+    return reg
+
+
+def take_serve_lock(directory: str) -> tuple[int | None, str]:
+    """Try to become the process serving ``directory``'s port: ``(fd, "")`` holding an exclusive flock on
+    ``serve.lock`` (keep the fd open while serving; :func:`drop_serve_lock`), or ``(None, holder)`` when
+    another live process holds it (``holder``: its pid as written in the file, or ``"?"``)."""
+    path = os.path.join(directory, "serve.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        except OSError:
+            holder = "?"
+        os.close(fd)
+        return None, holder
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd, ""
+
+
+def drop_serve_lock(fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
