@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness, offload_key, offloading_config
+from kvbm_backend.integrations.vllm.tiering_harness import (TieringHarness, offload_key, offloading_config,
+                                                            vllm_fs_uses_o_direct)
 
 from . import BenchOptions
 
@@ -126,8 +127,7 @@ def run(opts: BenchOptions) -> dict:
     g3_roots = {"ours": os.path.join(base, "kvbm-g3"), "ours_nofsync": os.path.join(base, "kvbm-g3-nofsync")}
     for d in (fs_root, *g3_roots.values()):
         os.makedirs(d)
-    from vllm.v1.kv_offload.tiering.fs.io import probe_o_direct
-    o_direct = "on" if probe_o_direct(fs_root) else "off"  # what vLLM's fs tier will use there
+    o_direct = "on" if vllm_fs_uses_o_direct(fs_root) else "off"  # what vLLM's fs tier will use there
     rng = np.random.default_rng(0)
     payloads = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8) for _ in range(opts.blocks)]
     batch = 16

@@ -167,3 +167,10 @@ def offload_key(digest: bytes, group: int = 0) -> bytes:
     """vLLM's offload key (``make_offload_key``) for a block hash ``digest`` in KV cache group ``group``."""
     from vllm.v1.kv_offload.base import make_offload_key
     return make_offload_key(digest, group)
+
+
+def vllm_fs_uses_o_direct(path: str) -> bool:
+    """Whether vLLM's own ``fs`` secondary tier would write with O_DIRECT in ``path`` (vLLM 0.32's
+    ``probe_o_direct`` of the directory), so a comparison can give our G3 tier the same durability."""
+    from vllm.v1.kv_offload.tiering.fs.io import probe_o_direct
+    return bool(probe_o_direct(path))
