@@ -94,6 +94,7 @@ from ...memory import BufferPool
 from ...model.namespace import BlockKey, Namespace
 from ...pool import open_pool
 from ...pool.deadlines import Deadline
+from ... import metrics
 from ..tiers import announce_tiers
 from .geometry import PrimaryGeometry
 
@@ -197,6 +198,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
             raise ValueError(f"primary row: {self._row_stride} B < {self.geometry.copies} ranks x "
                              f"{self.geometry.rank_bytes} B")
         self._primary = np.asarray(view).view(np.uint8).reshape(-1, self._row_stride)
+        metrics.prepare(self.config.metrics.serve_port)  # before the pool creates its series: one endpoint per pod
         self.pool = self._make_pool(self.config, self.namespace)
         announce_tiers(self.config, **{self.pool_tier.lower(): self.pool})  # start-up line, metrics endpoint
         self._events: list[OffloadingEvent] | None = None
