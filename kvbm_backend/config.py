@@ -6,7 +6,9 @@ Sources, later wins: defaults < file (YAML/TOML/JSON) or the dict inside vLLM's
 * KVBM's own: ``DYN_KVBM_DISK_CACHE_DIR`` (G3 directory, ``:``-separated for several),
   ``DYN_KVBM_DISK_CACHE_GB`` (G3 capacity, GB = 1e9 bytes), ``DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER``
   (true: ``g3.admission.policy = all``, KVBM's switch for its disk-offload frequency filter),
-  ``DYN_KVBM_METRICS`` / ``DYN_KVBM_METRICS_PORT``.
+  ``DYN_KVBM_DISK_DISABLE_O_DIRECT`` (true: ``g3.o_direct = off``), ``DYN_KVBM_METRICS`` /
+  ``DYN_KVBM_METRICS_PORT``. KVBM's settings with no meaning here (:data:`KVBM_ONLY_ENV`) are logged
+  once as a warning naming what to use instead.
 * Any field: ``KVBM_BACKEND__SECTION__FIELD`` (e.g. ``KVBM_BACKEND__G4__URL=s3://b/p``); values are
   parsed as JSON when they parse, else taken as strings.
 
@@ -23,6 +25,7 @@ directory, and a path to be created must not lie under a file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import reprlib
 import stat
@@ -388,6 +391,27 @@ def _set_path(d: dict, path: list[str], value: Any) -> None:
     d[path[-1]] = value
 
 
+#: Dynamo KVBM settings with no kvbm-backend meaning, and what to use instead (a warning, once per process,
+#: when set: KVBM itself may be running beside us and read them, so they are never an error)
+KVBM_ONLY_ENV = {
+    "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "G3 is sized in bytes: g3.capacity_gb or DYN_KVBM_DISK_CACHE_GB",
+    "DYN_KVBM_CPU_CACHE_GB": "no G2 of ours: the connector moves G1<->G3/G4; native tiers: vLLM's cpu_bytes_to_use",
+    "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "no G2 of ours (see DYN_KVBM_CPU_CACHE_GB)",
+    "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS": "no leader/worker start-up barrier here",
+    "DYN_KVBM_DISK_ZEROFILL_FALLBACK": "slab files grow with posix_fallocate, chunked, whatever the filesystem",
+}
+_kvbm_only_warned: set[str] = set()
+
+
+def _kvbm_flag(env: dict[str, str], name: str) -> bool:
+    """A KVBM boolean environment switch (true/false, 1/0, yes/no, on/off; unset: False).
+    Raises ConfigError naming ``name`` for another value."""
+    raw = env.get(name, "").strip().lower()
+    if raw and raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ConfigError(f"{name}: expected true/false, got {raw!r}")
+    return raw in ("1", "true", "yes", "on")
+
+
 def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, str] | None = None) -> dict:
     """The overrides the environment gives, as a nested dict. ``sources`` (if given) is filled with
     field path tuple -> environment variable name, for error messages.
@@ -413,13 +437,18 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
         if env.get(name):
             _set_path(out, ["metrics", field], env[name])
             sources[("metrics", field)] = name
-    raw = env.get("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "").strip().lower()
-    if raw:  # KVBM's switch for its disk-offload frequency filter
-        if raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            raise ConfigError(f"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER: expected true/false, got {raw!r}")
-        if raw in ("1", "true", "yes", "on"):
-            _set_path(out, ["g3", "admission", "policy"], "all")
-            sources[("g3", "admission", "policy")] = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"
+    if _kvbm_flag(env, "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"):  # KVBM's switch for its disk-offload filter
+        _set_path(out, ["g3", "admission", "policy"], "all")
+        sources[("g3", "admission", "policy")] = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"
+    if _kvbm_flag(env, "DYN_KVBM_DISK_DISABLE_O_DIRECT"):  # KVBM's switch for O_DIRECT on its disk tier
+        _set_path(out, ["g3", "o_direct"], "off")
+        sources[("g3", "o_direct")] = "DYN_KVBM_DISK_DISABLE_O_DIRECT"
+    for name in KVBM_ONLY_ENV:
+        if env.get(name) and name not in _kvbm_only_warned:
+            _kvbm_only_warned.add(name)
+            logging.getLogger("kvbm_backend.config").warning(
+                "%s is Dynamo KVBM's setting; kvbm-backend does not read it (%s; docs/migrating.md)",
+                name, KVBM_ONLY_ENV[name])
     for k, v in env.items():
         if k.startswith("KVBM_BACKEND__"):
             path = [p.lower() for p in k[len("KVBM_BACKEND__"):].split("__")]

@@ -274,3 +274,24 @@ def test_yaml_capacity_1e300_through_the_cli(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip() == ("error: g3.capacity_gb: Input should be less than or equal to 10000000 (got '1e300'); "
                                 "g3.files_per_path: expected a number, not a boolean (got True)"), r.stderr
+
+
+def test_kvbm_disk_o_direct_switch_and_kvbm_only_names(caplog):
+    """Dynamo KVBM's DYN_KVBM_DISK_DISABLE_O_DIRECT turns G3's O_DIRECT off (KVBM's name honoured, the source
+    named); KVBM settings with no meaning here are one warning each naming what to use, never silently
+    ignored nor an error (KVBM may run beside us and read them); a bad switch value names the variable."""
+    import logging
+
+    from kvbm_backend import config as c
+    cfg = load_config({}, environ={"DYN_KVBM_DISK_DISABLE_O_DIRECT": "true"})
+    assert cfg.g3.o_direct == "off"
+    assert load_config({}, environ={"DYN_KVBM_DISK_DISABLE_O_DIRECT": "0"}).g3.o_direct == "auto"
+    with pytest.raises(ConfigError, match="^DYN_KVBM_DISK_DISABLE_O_DIRECT: expected true/false"):
+        load_config({}, environ={"DYN_KVBM_DISK_DISABLE_O_DIRECT": "maybe"})
+    c._kvbm_only_warned.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.config"):
+        load_config({}, environ={"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "5000", "DYN_KVBM_CPU_CACHE_GB": "4"})
+        load_config({}, environ={"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "5000"})
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2 and any("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS" in m and "g3.capacity_gb" in m for m in msgs)
+    assert set(c.KVBM_ONLY_ENV) >= {"DYN_KVBM_CPU_CACHE_GB", "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"}
