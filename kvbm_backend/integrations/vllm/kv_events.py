@@ -144,13 +144,19 @@ class G3KvEvents:
         return len(self._published)
 
 
-def caller_publisher(frame: Any) -> Any:
-    """vLLM's KV event publisher of the scheduler whose method is running in ``frame`` (the caller of the
-    connector's ``take_events``: vLLM 0.32 ``Scheduler.update_from_output``, whose ``self`` holds
-    ``kv_event_publisher``); None when that frame is not such a method."""
-    owner = frame.f_locals.get("self") if frame is not None else None
-    pub = getattr(owner, "kv_event_publisher", None)
-    return pub if callable(getattr(pub, "publish", None)) else None
+def caller_publisher(frame: Any, depth: int = 3) -> Any:
+    """vLLM's KV event publisher of the scheduler whose method runs in ``frame`` or one of its ``depth - 1``
+    callers (the connector's ``take_events`` is called by vLLM 0.32's ``Scheduler.update_from_output``, whose
+    ``self`` holds ``kv_event_publisher``, directly or through ``MultiConnector.take_events``); None when
+    none of them is such a method."""
+    for _ in range(depth):
+        if frame is None:
+            return None
+        pub = getattr(frame.f_locals.get("self"), "kv_event_publisher", None)
+        if callable(getattr(pub, "publish", None)):
+            return pub
+        frame = frame.f_back
+    return None
 
 
 class IdlePublisher:
