@@ -8,8 +8,10 @@ every kvbm-backend config in it (``KvbmBackendConnector``'s ``config_file`` / in
 * applies each script default (``--default g3.paths='["/mnt/nvme0/kvbm"]'``) only where neither the config file
   nor the environment (``DYN_KVBM_*``, ``KVBM_BACKEND__SECTION__FIELD``) gives the field, as an exported
   ``KVBM_BACKEND__SECTION__FIELD`` (never a ``DYN_KVBM_*`` name: Dynamo's KVBM reads those too);
-* tiering form: points every tier's ``config`` at ``$KVBM_BACKEND_CONFIG_FILE`` when set, takes
-  ``cpu_bytes_to_use`` from ``$KVBM_BACKEND_CPU_BYTES`` when set, and leaves ``G4Tier`` out when G4 is off;
+* tiering form (an ``OffloadingConnector``, alone or in a ``MultiConnector``): points every tier's ``config``
+  at ``$KVBM_BACKEND_CONFIG_FILE`` when set, takes ``cpu_bytes_to_use`` from ``$KVBM_BACKEND_CPU_BYTES`` and
+  the tiers' ``num_kv_heads`` (KV heads per TP rank, replacing their ``layout`` preset) from
+  ``$KVBM_BACKEND_NUM_KV_HEADS`` when set, and leaves ``G4Tier`` out when G4 is off;
 * prints ONE line on stderr with the effective G3/G4 settings and where each came from: ``file`` (the config
   file), ``env NAME``, ``script`` (the script's default or its inline settings), ``default`` (kvbm-backend's);
 * prints on stdout the shell lines the script evaluates (``export ...``, ``KV_TRANSFER_CONFIG=...``).
@@ -40,6 +42,7 @@ SHOWN = ("g3.enabled", "g3.paths", "g3.capacity_gb", "g4.enabled", "g4.url", "g4
          "g4.keyring.path")
 DEFAULT_CONFIG_VAR = "KVBM_BACKEND_CONFIG_FILE"
 CPU_BYTES_VAR = "KVBM_BACKEND_CPU_BYTES"
+KV_HEADS_VAR = "KVBM_BACKEND_NUM_KV_HEADS"
 
 
 class EffectiveError(ValueError):
@@ -204,6 +207,17 @@ def _sources(ktc: dict, environ: dict) -> list[tuple[dict, Source]]:
     return out
 
 
+def _offloading(ktc: dict) -> dict | None:
+    """The ``OffloadingConnector`` entry: ``ktc`` itself or a ``MultiConnector`` child (the first); None."""
+    if ktc.get("kv_connector") == "OffloadingConnector":
+        return ktc
+    if ktc.get("kv_connector") == "MultiConnector":
+        for child in (ktc.get("kv_connector_extra_config") or {}).get("connectors") or []:
+            if isinstance(child, dict) and (found := _offloading(child)) is not None:
+                return found
+    return None
+
+
 def resolve(ktc: dict, kind: str, defaults: dict[str, Any], environ: dict[str, str] | None = None
             ) -> tuple[dict, dict[str, str], list[str]]:
     """Everything the script needs: ``(new ktc, exports, summary lines)`` (one line per distinct config).
@@ -214,8 +228,9 @@ def resolve(ktc: dict, kind: str, defaults: dict[str, Any], environ: dict[str, s
     if not found:
         raise EffectiveError("--kv-transfer-config: no KvbmBackendConnector and no kvbm-backend tier in it")
     notes: list[str] = []
-    extra = ktc.get("kv_connector_extra_config") or {}
-    if ktc.get("kv_connector") == "OffloadingConnector" and env.get(CPU_BYTES_VAR):
+    offload = _offloading(ktc)
+    extra = (offload or {}).get("kv_connector_extra_config") or {}
+    if offload is not None and env.get(CPU_BYTES_VAR):
         raw = env[CPU_BYTES_VAR]
         if not raw.isdigit() or int(raw) <= 0:
             raise EffectiveError(f"{CPU_BYTES_VAR}: need a positive number of bytes, got {raw!r}")
@@ -223,6 +238,15 @@ def resolve(ktc: dict, kind: str, defaults: dict[str, Any], environ: dict[str, s
         notes.append(f"cpu_bytes_to_use={raw} [env {CPU_BYTES_VAR}]")
     elif "cpu_bytes_to_use" in extra:
         notes.append(f"cpu_bytes_to_use={extra['cpu_bytes_to_use']} [script]")
+    if offload is not None and env.get(KV_HEADS_VAR):
+        raw = env[KV_HEADS_VAR]
+        if not raw.isdigit() or int(raw) <= 0:
+            raise EffectiveError(f"{KV_HEADS_VAR}: need a positive number of KV heads per rank, got {raw!r}")
+        for tier in extra.get("secondary_tiers") or []:
+            if tier.get("module_path") == TIER_MODULE:
+                tier.pop("layout", None)
+                tier["num_kv_heads"] = int(raw)
+        notes.append(f"num_kv_heads={raw} [env {KV_HEADS_VAR}]")
     exports: dict[str, str] = {}
     lines, seen = [], {}
     for owner, src in found:

@@ -25,11 +25,15 @@ REPO = Path(__file__).resolve().parents[2]
 EX = REPO / "examples"
 SCRIPTS = ["dynamo/agg_kvbm_backend.sh", "dynamo/agg_kvbm_multi.sh", "dynamo/disagg_prefill.sh",
            "dynamo/disagg_decode.sh", "dynamo/disagg_prefill_g4.sh", "dynamo/disagg_decode_g4.sh",
+           "dynamo/agg_native_tiers.sh", "dynamo/disagg_native_prefill.sh", "dynamo/disagg_native_decode.sh",
            "vllm/serve_kvbm_backend.sh", "vllm/serve_tiering.sh"]
+NATIVE = ("dynamo/agg_native_tiers.sh", "dynamo/disagg_native_prefill.sh", "dynamo/disagg_native_decode.sh")
 WITH_G3_DEFAULT = {"dynamo/agg_kvbm_backend.sh": ["/mnt/nvme0/kvbm"], "dynamo/disagg_prefill_g4.sh": ["/mnt/nvme0/kvbm"],
                    "dynamo/disagg_decode_g4.sh": ["/mnt/nvme0/kvbm"],
+                   **{n: ["/mnt/nvme0/kvbm"] for n in NATIVE},
                    "vllm/serve_tiering.sh": ["/mnt/nvme0/kvbm", "/mnt/nvme1/kvbm"]}
 CLEAR = ("DYN_KVBM_DISK_CACHE_DIR", "DYN_KVBM_DISK_CACHE_GB", "KVBM_BACKEND_KEK", "KVBM_BACKEND_CPU_BYTES",
+         "KVBM_BACKEND_NUM_KV_HEADS",
          "KVBM_BACKEND_STATS_PATH", "KVBM_BACKEND_HANDOFF_WAIT_S", "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER")
 
 
@@ -73,6 +77,13 @@ def parse(r: subprocess.CompletedProcess) -> tuple[str, dict, dict]:
     return lines[0], ktc, env
 
 
+def offloading_extra(ktc: dict) -> dict:
+    """The ``OffloadingConnector``'s extra config: top level, or the ``MultiConnector`` child's."""
+    if ktc["kv_connector"] == "MultiConnector":
+        (ktc,) = [c for c in ktc["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "OffloadingConnector"]
+    return ktc["kv_connector_extra_config"]
+
+
 def configs_engine_loads(ktc: dict, env: dict) -> list:
     """The configs our connector / tiers build from the exec'd JSON and the environment, as they do."""
     from kvbm_backend.integrations.vllm.extra_config import config_from_extra
@@ -107,8 +118,8 @@ def test_user_yaml_wins_and_is_reported(script, tmp_path, user):
     cfgs = configs_engine_loads(ktc, env)
     assert cfgs and all(c.g3.paths == [g3] and c.g3.capacity_gb == 0.3 and c.g4.url == f"file://{tmp_path / 'g4'}"
                         for c in cfgs)
-    if script.endswith("serve_tiering.sh"):  # both tiers read the user's file; the CPU tier size is reported
-        assert [t["type"] for t in ktc["kv_connector_extra_config"]["secondary_tiers"]] == ["G3Tier", "G4Tier"]
+    if script.endswith("serve_tiering.sh") or script in NATIVE:  # both tiers read the user's file; CPU tier size said
+        assert [t["type"] for t in offloading_extra(ktc)["secondary_tiers"]] == ["G3Tier", "G4Tier"]
         assert "cpu_bytes_to_use=68719476736 [script]" in line
 
 
@@ -141,8 +152,8 @@ def test_script_defaults_only_where_nothing_is_given(script, tmp_path):
     assert f"g3.paths={','.join(want)} [script]" in line and "g3.capacity_gb=800 [script]" in line, line
     assert json.loads(env["KVBM_BACKEND__G3__PATHS"]) == want and "DYN_KVBM_DISK_CACHE_DIR" not in env
     assert all(c.g3.paths == want and c.g3.capacity_gb == 800 for c in configs_engine_loads(ktc, env))
-    if script.endswith("serve_tiering.sh"):  # no G4 in the file: no G4 tier, and said
-        assert [t["type"] for t in ktc["kv_connector_extra_config"]["secondary_tiers"]] == ["G3Tier"]
+    if script.endswith("serve_tiering.sh") or script in NATIVE:  # no G4 in the file: no G4 tier, and said
+        assert [t["type"] for t in offloading_extra(ktc)["secondary_tiers"]] == ["G3Tier"]
         assert "G4Tier left out (g4.enabled=false)" in line
     # one field in the file: only the other one defaults
     bare.write_text(f"model: m\ng3: {{capacity_gb: 0.25}}\n")
@@ -162,6 +173,30 @@ def test_tiering_takes_the_cpu_tier_size_and_needs_no_kek_variable(tmp_path, use
     assert r.returncode == 2 and "dry run" not in r.stdout
     assert r.stderr.strip().splitlines()[-1].startswith("kvbm-backend: error: g4.keyring: keyring "), r.stderr
     assert "KVBM_BACKEND_KEK" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("script", NATIVE)
+def test_native_scripts_take_cpu_bytes_and_kv_heads_from_the_environment(script, tmp_path, user):
+    """The OffloadingConnector half (top level, or inside the disaggregated scripts' MultiConnector) gets the CPU
+    tier's size and the model's KV heads per rank from the environment (the tiers' "layout" preset goes), and
+    keeps what Dynamo's router needs: the G3 tier's events on, self-describing (token ids), G4's off."""
+    r = run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(user), KVBM_BACKEND_CPU_BYTES="67108864",
+            KVBM_BACKEND_NUM_KV_HEADS="2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    line, ktc, env = parse(r)
+    extra = offloading_extra(ktc)
+    assert extra["cpu_bytes_to_use"] == 67108864 and "cpu_bytes_to_use=67108864 [env KVBM_BACKEND_CPU_BYTES]" in line
+    assert "num_kv_heads=2 [env KVBM_BACKEND_NUM_KV_HEADS]" in line, line
+    tiers = {t["type"]: t for t in extra["secondary_tiers"]}
+    assert all(t["num_kv_heads"] == 2 and "layout" not in t for t in tiers.values()), tiers
+    assert extra["spec_name"] == "CpuTieringOffloadingSpec" and extra["self_describing_kv_events"] is True
+    assert tiers["G3Tier"]["enable_kv_events"] is True and not tiers["G4Tier"].get("enable_kv_events")
+    if script != "dynamo/agg_native_tiers.sh":
+        assert [c["kv_connector"] for c in ktc["kv_connector_extra_config"]["connectors"]] == [
+            "NixlConnector", "OffloadingConnector"]
+    r = run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(user), KVBM_BACKEND_NUM_KV_HEADS="two")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "kvbm-backend: error: KVBM_BACKEND_NUM_KV_HEADS: need a positive number of KV heads per rank, got 'two'")
 
 
 @pytest.mark.parametrize("script", ["dynamo/agg_kvbm_backend.sh", "vllm/serve_tiering.sh"])

@@ -138,6 +138,36 @@ def test_store_then_load_through_vllm_tiering_manager(tmp_path, harnesses, piece
     assert st["chunks_loaded"] == 6 and st["chunks_load_failed"] == 0
 
 
+def test_g3_tier_publishes_removal_of_chunks_it_no_longer_holds(tmp_path, harnesses, monkeypatch):
+    """KV events on: stores are published with ``removal_expected`` (vLLM's events tracker keeps their payload
+    for the removal), and a chunk G3 drops afterwards (here deleted from the pool, as an eviction or a corrupt
+    block drops it) is published removed (``medium`` STORAGE, the tier's locality) once, the others not."""
+    monkeypatch.setattr(G3Tier, "reconcile_interval_s", 0.0)
+    h = harnesses([g3_tier(tmp_path / "g3", enable_kv_events=True, locality="LOCAL")], enable_kv_cache_events=True)
+    keys, data = keys_for(6, "r"), payloads(h, 6)
+    h.store(keys, data)
+    h.wait_idle()
+    stored = [e for e in h.manager.take_events() if e.medium is Medium.STORAGE]
+    assert sorted(k for e in stored for k in e.keys) == sorted(keys)
+    assert all(e.removal_expected and not e.removed for e in stored), stored
+    assert [e for e in h.manager.take_events() if e.medium is Medium.STORAGE] == []  # nothing dropped yet
+    tier = h.tier
+    assert tier.pool.delete([tier.namespace.key(offload_key_hash(k)) for k in keys[1:3]]).result(timeout=10) == 2
+    removed = [e for e in h.manager.take_events() if e.medium is Medium.STORAGE]
+    assert len(removed) == 1 and removed[0].removed, removed
+    assert sorted(removed[0].keys) == sorted(keys[1:3]) and removed[0].locality.value == "LOCAL"
+    assert [e for e in h.manager.take_events() if e.medium is Medium.STORAGE] == []  # published once
+
+
+def test_tier_without_events_keeps_nothing_for_removals(tmp_path, harnesses):
+    h = harnesses([g3_tier(tmp_path / "g3")], enable_kv_cache_events=True)
+    keys = keys_for(3, "n")
+    h.store(keys, payloads(h, 3))
+    h.wait_idle()
+    assert [e for e in h.manager.take_events() if e.medium is Medium.STORAGE] == []
+    assert h.tier._held == {} and not h.tier._removals
+
+
 def test_restart_finds_blocks_in_g3(tmp_path, harnesses):
     h = harnesses([g3_tier(tmp_path / "g3")])
     keys, data = keys_for(4, "r"), payloads(h, 4, seed=1)

@@ -1,6 +1,6 @@
 """A Dynamo 1.6.1 deployment on one host, started from the scripts in ``examples/dynamo/``: one frontend
-(``frontend.sh``, OpenAI HTTP) and workers (``agg.sh``, ``agg_kvbm_backend.sh``, ``disagg_*.sh``), with file
-discovery, the TCP request plane and the ZMQ event plane (no etcd, no NATS), every listener on 127.0.0.1.
+(``frontend.sh``, OpenAI HTTP; more with :meth:`DynamoStack.add_frontend`, e.g. routers with other weights) and
+workers (``agg.sh``, ``agg_kvbm_backend.sh``, ``agg_native_tiers.sh``, ``disagg_*.sh``), with file discovery, the TCP request plane and the ZMQ event plane (no etcd, no NATS), every listener on 127.0.0.1.
 
 Used by ``kvbm-backend demo`` (its default ``--engine dynamo``) and by the Dynamo end-to-end tests, so the
 example scripts are the ones that run and cannot rot. Nothing here imports Dynamo: processes are started
@@ -153,6 +153,7 @@ class DynamoStack:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.workers: dict[str, Worker] = {}
+        self.frontends: list[Proc] = []  # more frontends (add_frontend)
         self.frontend = Proc("frontend", ["bash", str(EXAMPLES / "frontend.sh"), *RUNTIME_ARGS, *(frontend_args or [])],
                              {**self.env, "HTTP_HOST": "127.0.0.1", "HTTP_PORT": str(self.port)},
                              self.root / "frontend.log")
@@ -162,6 +163,23 @@ class DynamoStack:
                 self.close()
                 raise RuntimeError(f"Dynamo frontend did not start:\n{self.frontend.tail()}")
             time.sleep(0.3)
+
+    def add_frontend(self, name: str, frontend_args: list[str] | None = None, timeout_s: float = 60) -> tuple[str, Proc]:
+        """Start one more ``frontend.sh`` on its own free port (same discovery, same environment), e.g. a second
+        ``--router-mode kv`` router with another ``--router-disk-cache-hit-weight``: every frontend receives the
+        workers' KV events and keeps its own index. Returns ``(base URL, process)``; it is stopped by
+        :meth:`close`. Raises RuntimeError if it does not answer within ``timeout_s``."""
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        proc = Proc(name, ["bash", str(EXAMPLES / "frontend.sh"), *RUNTIME_ARGS, *(frontend_args or [])],
+                    {**self.env, "HTTP_HOST": "127.0.0.1", "HTTP_PORT": str(port)}, self.root / f"{name}.log")
+        self.frontends.append(proc)
+        t0 = time.monotonic()
+        while http_get(f"{base}/v1/models")[0] != 200:
+            if not proc.alive() or time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"Dynamo frontend {name} did not start:\n{proc.tail()}")
+            time.sleep(0.3)
+        return base, proc
 
     def __enter__(self) -> "DynamoStack":
         return self
@@ -238,6 +256,8 @@ class DynamoStack:
     def close(self) -> None:
         for w in self.workers.values():
             w.proc.stop()
+        for f in self.frontends:
+            f.stop()
         self.frontend.stop()
 
 

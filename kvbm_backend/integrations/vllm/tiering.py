@@ -21,7 +21,8 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
   the geometry needed to map vLLM's page to KVBM's block (below). ``head_dim`` and ``mla`` default
   from the byte sizes when ``num_kv_heads`` is given.
 * ``kv_cache_layout``: vLLM ``KVCacheLayout`` name; default the engine's resolved one, else ``LBNHC``.
-* ``enable_kv_events`` (emit ``OffloadingEvent`` for stored blocks), ``locality`` (``LOCAL``/``REMOTE``),
+* ``enable_kv_events`` (emit ``OffloadingEvent`` for stored chunks and, on G3, for chunks it no longer holds;
+  below), ``locality`` (``LOCAL``/``REMOTE``),
   ``io_threads`` (jobs in flight), ``job_timeout_s`` (past it a job fails; the pool's own timeouts
   usually fire first), ``staging_mb`` (MiB of block staging buffers, default 256, capped at the primary
   tier's size, allocated and pre-faulted at construction; jobs beyond it allocate fresh buffers).
@@ -58,6 +59,18 @@ A chunk of group ``g`` holds that group's layers (vLLM's uniform-page hybrid lay
 the same layer count and block size; anything else is refused with the counts). The namespace records
 the groups (:class:`~kvbm_backend.model.namespace.KvGroup` ``kind="vllm-offload"`` with each group's
 layer names), so a hybrid model's blocks never meet a one-group namespace.
+
+KV events (``enable_kv_events`` and vLLM's ``--kv-events-config``; add ``"self_describing_kv_events": true`` to
+the connector's extra config so they carry token ids, which Dynamo's KV router needs): a finished store is one
+``OffloadingEvent(removed=False)`` with the tier's ``medium`` (``STORAGE``) and ``locality``; vLLM's
+``OffloadingEventsTracker`` turns it into a ``BlockStored`` per chunk (its engine blocks' hashes and tokens).
+A pool that can list its index (G3: ``keys()``) also reports the chunks it dropped since (evicted for capacity,
+deleted, corrupt): stores are then published with ``removal_expected=True`` (the tracker keeps each chunk's
+payload until the tier's removal, so the ``BlockRemoved`` names the same block hashes), and ``take_events``
+checks the published chunks against the index at most every :attr:`KvbmSecondaryTier.reconcile_interval_s`
+and only when the pool's eviction/deletion/corruption counters moved or it holds fewer blocks, emitting one
+``OffloadingEvent(removed=True)`` for those gone. Memory while events are on: one key per published chunk here,
+and its payload (token ids) in vLLM's tracker. G4 (no index listing) publishes stores only.
 
 Never wrong KV: a chunk is copied into the primary only after every rank's block was verified by
 the pool (header identity + integrity in our staging buffer); failed chunks are reported failed
@@ -162,6 +175,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
     #: piece k while piece k-1 is on the wire). 8 MiB: 4 llama-3.1-8b chunks; big enough for full-size
     #: I/O ops, small enough that the copy left after the last read is ~1 ms.
     piece_bytes: ClassVar[int] = 8 << 20
+    #: seconds between checks of the published chunks against the pool's index (KV events on, G3)
+    reconcile_interval_s: ClassVar[float] = 1.0
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str, *,
                  config: str | dict | None = None, g3: dict | None = None, g4: dict | None = None,
@@ -207,6 +222,11 @@ class KvbmSecondaryTier(SecondaryTierManager):
                 self._events = []
             else:
                 log.warning("enable_kv_events set on tier %s but KV cache events are disabled globally", tier_type)
+        # chunks published stored, for removal events (events on and a pool that lists its index)
+        self._removals = self._events is not None and callable(getattr(self.pool, "keys", None))
+        self._held: dict[OffloadKey, None] = {}
+        self._reconcile_at = 0.0
+        self._reconcile_sig: tuple | None = None
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[JobId, tuple[list[OffloadKey], bool]] = {}  # job -> (keys, is_store)
         self._outstanding = 0
@@ -392,10 +412,38 @@ class KvbmSecondaryTier(SecondaryTierManager):
                 self._lookup.mark_miss([k for k in keys if k not in good])
             elif res.success and is_store and self._events is not None:
                 self._events.append(OffloadingEvent(keys=list(keys), medium=self.medium, removed=False,
-                                                    locality=self.locality))
+                                                    locality=self.locality, removal_expected=self._removals))
+                if self._removals:
+                    self._held.update(dict.fromkeys(keys))
         return out
 
+    def _reconcile(self) -> None:
+        """Queue one removal event for the published chunks the pool no longer holds (any rank's block gone);
+        see the module docstring for when the index is read."""
+        now = time.monotonic()
+        if not self._held or now - self._reconcile_at < self.reconcile_interval_s:
+            return
+        self._reconcile_at = now
+        try:
+            st = self.pool.stats()
+        except Exception:  # noqa: BLE001 - no counters: read the index every time
+            st = {}
+        sig = (st.get("evictions"), st.get("corrupt"), st.get("deleted"))
+        if st and sig == self._reconcile_sig and st.get("blocks", 0) >= len(self._held) * self.geometry.copies:
+            return
+        self._reconcile_sig = sig
+        fp = self.namespace.fingerprint
+        present = {(k.seq_hash, k.rank) for k in self.pool.keys() if k.namespace == fp}
+        ranks = range(self.geometry.copies)
+        gone = [k for k in self._held if any((offload_key_hash(k), r) not in present for r in ranks)]
+        for k in gone:
+            del self._held[k]
+        if gone:
+            self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True, locality=self.locality))
+
     def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._removals:
+            self._reconcile()
         if self._events:
             ev, self._events = self._events, []
             yield from ev
