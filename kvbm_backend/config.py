@@ -9,7 +9,7 @@ Sources, later wins: defaults < file (YAML/TOML/JSON) or the dict inside vLLM's
   ``DYN_KVBM_DISK_DISABLE_O_DIRECT`` (true: ``g3.o_direct = off``), ``DYN_KVBM_METRICS`` /
   ``DYN_KVBM_METRICS_PORT``. KVBM's settings with no meaning here (:data:`KVBM_ONLY_ENV`) are logged
   once as a warning naming what to use instead.
-* Any field: ``KVBM_BACKEND__SECTION__FIELD`` (e.g. ``KVBM_BACKEND__G4__URL=s3://b/p``); values are
+* Any field: ``KVBM_BACKEND__SECTION__FIELD`` (e.g. ``KVBM_BACKEND__G4__URL=s3://bucket/prefix``); values are
   parsed as JSON when they parse, else taken as strings.
 
 Errors are :class:`ConfigError` naming the field path (``g3.capacity_gb: ...``, list items as
@@ -206,14 +206,42 @@ class KeyringConfig(_M):
     changing at ``path``."""
 
 
+def _check_g4_url(url: str | None, info: ValidationInfo) -> str | None:
+    """``g4.url``: required when G4 is enabled; any URL given (G4 enabled or not: a typo is a typo) must
+    have a form its store accepts (:func:`kvbm_backend.store_url.url_problem`); an enabled ``file://``
+    store's directory is checked like a G3 path (:func:`dir_problem`)."""
+    enabled = info.data.get("enabled", False)
+    if not url:
+        if enabled:
+            raise PydanticCustomError("g4_url_required", "required when g4.enabled is true (s3://BUCKET/PREFIX or"
+                                      " file:///path)")
+        return url
+    from .store_url import file_url_path, url_problem
+    problem = url_problem(url) or (dir_problem(file_url_path(url) or "/") if enabled else None)
+    if problem:
+        raise PydanticCustomError("g4_url", "{problem}", {"problem": problem})
+    return url
+
+
+def _check_endpoint(url: str | None) -> str | None:
+    from .store_url import endpoint_problem
+    problem = endpoint_problem(url) if url else None
+    if problem:
+        raise PydanticCustomError("g4_endpoint_url", "{problem}", {"problem": problem})
+    return url
+
+
 class G4Config(_M):
     enabled: bool = False
-    url: str | None = None
+    url: Annotated[str | None, AfterValidator(_check_g4_url)] = Field(None, validate_default=True)
     """``s3://BUCKET/PREFIX``, ``file:///shared/path`` or ``mem://NAME`` (in this process only, for
     tests: pools on one NAME share its objects). The scheme picks the store
-    (:mod:`kvbm_backend.pool.g4.factory`); an unknown scheme or a malformed URL is a ValueError naming
-    ``g4.url`` when the pool opens."""
-    endpoint_url: str | None = None
+    (:mod:`kvbm_backend.pool.g4.factory`). Checked when the config loads, enabled or not
+    (:mod:`kvbm_backend.store_url`: an unknown scheme, ``s3:/b``, ``s3://``, an invalid bucket name,
+    ``file://relative``, a query are errors naming ``g4.url``); required when ``enabled``; an enabled
+    ``file://`` directory is checked like a G3 path."""
+    endpoint_url: Annotated[str | None, AfterValidator(_check_endpoint)] = None
+    """S3 endpoint, ``http(s)://HOST[:PORT]`` (checked at load as botocore checks it); None: AWS."""
     region: str | None = None
     encrypt: bool = True
     """Unencrypted G4 only when set false explicitly; stats report it."""

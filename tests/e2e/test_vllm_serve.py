@@ -134,7 +134,7 @@ def test_bad_connector_config_stops_the_launch_with_one_line(tmp_path):
     server would stay up (seen: 400 s until killed). The launcher's preflight exits 2 first."""
     cfg = tmp_path / "bad.json"
     cfg.write_text(json.dumps({"model": "m", "g3": {"paths": [str(tmp_path / "g3")]},
-                               "g4": {"enabled": True, "url": "s3://b/p", "endpoint_url": "http://127.0.0.1:9"}}))
+                               "g4": {"enabled": True, "url": "s3://bkt/p", "endpoint_url": "http://127.0.0.1:9"}}))
     env = dict(os.environ, MODEL=str(tmp_path / "no-model"), PYTHON=sys.executable, KVBM_BACKEND_CONFIG_FILE=str(cfg),
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.monotonic()
@@ -144,6 +144,22 @@ def test_bad_connector_config_stops_the_launch_with_one_line(tmp_path):
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("kvbm-backend: error:")]
     assert len(err) == 1 and "g4.keyring.path" in err[0] and "Traceback" not in r.stderr
     assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.parametrize("url", ["s3:/bucket", "s3://", "file://relative"])
+def test_g4_url_typo_stops_the_launch_with_one_line(tmp_path, url):
+    """Issue 22 item 3: these passed the preflight; the worker died ~55 s in and the API server hung. Now the
+    config model refuses them, so the launcher's preflight exits 2 with one line naming g4.url."""
+    cfg = tmp_path / "typo.json"
+    cfg.write_text(json.dumps({"model": "m", "g3": {"paths": [str(tmp_path / "g3")]},
+                               "g4": {"enabled": True, "url": url, "encrypt": False}}))
+    env = dict(os.environ, MODEL=str(tmp_path / "no-model"), PYTHON=sys.executable, KVBM_BACKEND_CONFIG_FILE=str(cfg),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(["bash", str(REPO / "examples" / "vllm" / "serve_kvbm_backend.sh")], capture_output=True,
+                       text=True, env=env, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("kvbm-backend: error:")]
+    assert len(err) == 1 and "g4.url: " in err[0] and url in err[0] and "Traceback" not in r.stderr, r.stderr[-3000:]
 
 
 def test_preflight_checks_every_connector_of_ours(tmp_path):

@@ -37,7 +37,7 @@ def test_the_scheme_picks_the_store_and_the_config_its_options(tmp_path):
     assert isinstance(fs, FsStore) and fs.fsync is False and fs.url == f"file://{tmp_path}"
     assert isinstance(open_store("mem://fac/a"), MemoryStore)
     assert StoreOptions.from_config(G4Config(timeout_s=7.0, retries=3)).timeout_s == 7.0
-    cfg = G4Config(url="s3://b/p", endpoint_url="http://127.0.0.1:9", region="eu-west-3", timeout_s=3.0, retries=2,
+    cfg = G4Config(url="s3://bkt/p", endpoint_url="http://127.0.0.1:9", region="eu-west-3", timeout_s=3.0, retries=2,
                    max_inflight=7)
     s3 = open_store(cfg.url, cfg)  # no request goes out until the pool's start-up check
     assert s3.client.meta.region_name == "eu-west-3" and s3.client.meta.endpoint_url == "http://127.0.0.1:9"

@@ -21,9 +21,9 @@ def test_defaults_and_kvbm_env_names(tmp_path):
 
 def test_generic_env_override_wins_over_file(tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text("g4:\n  url: s3://a/b\n  timeout_s: 1.5\n")
+    p.write_text("g4:\n  url: s3://bkt/b\n  timeout_s: 1.5\n")
     cfg = load_config(p, environ={"KVBM_BACKEND__G4__TIMEOUT_S": "0.5"})
-    assert cfg.g4.url == "s3://a/b" and cfg.g4.timeout_s == 0.5
+    assert cfg.g4.url == "s3://bkt/b" and cfg.g4.timeout_s == 0.5
 
 
 @pytest.mark.parametrize("suffix,text", [(".toml", '[g3]\ncapacity_gb = 2.5\n'),
@@ -295,3 +295,120 @@ def test_kvbm_disk_o_direct_switch_and_kvbm_only_names(caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 2 and any("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS" in m and "g3.capacity_gb" in m for m in msgs)
     assert set(c.KVBM_ONLY_ENV) >= {"DYN_KVBM_CPU_CACHE_GB", "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"}
+
+
+# --- g4.url / g4.endpoint_url forms (issue 22 item 3): a typo is one line at load, not a dead worker ------
+
+@pytest.mark.parametrize("url,why", [
+    ("s3:/bucket", r"two slashes after 's3:'; did you mean s3://bucket\?"),
+    ("s3:bucket/p", r"did you mean s3://bucket/p\?"),
+    ("s3://", r"no bucket"),
+    ("s3:///prefix", r"no bucket"),
+    ("s3://My_Bucket/p", r"bucket 'My_Bucket': only lowercase letters"),
+    ("s3://ab/p", r"bucket 'ab': 3 to 63 characters"),
+    ("s3://" + "b" * 64, r"3 to 63 characters"),
+    ("s3://a..b/p", r"two adjacent periods"),
+    ("s3://-bucket/p", r"starting and ending with a letter or digit"),
+    ("s3://192.168.1.10/p", r"looks like an IP address; did you mean g4.endpoint_url\?"),
+    ("s3://minio:9000/bucket", r"bucket 'minio:9000'"),
+    ("s3://key:secret@bucket/p", r"only lowercase letters"),
+    ("s3://xn--bucket/p", r"'xn--' is reserved"),
+    ("s3://bucket-s3alias", r"'-s3alias' is reserved"),
+    ("s3://bucket/p?region=x", r"no query"),
+    ("s3://bucket/p ", r"contains whitespace"),
+    ("file://relative", r"file URLs must be absolute, file:///path \(three slashes; .*names host 'relative'"),
+    ("file://relative/dir", r"names host 'relative'"),
+    ("file:relative", r"file URLs must be absolute"),
+    ("file://", r"file URLs must be absolute"),
+    ("file:///", r"filesystem root"),
+    ("/shared/kv", r"no scheme; .*did you mean file:///shared/kv\?"),
+    ("bucket/prefix", r"no scheme"),
+    ("gs://bucket/p", r"scheme 'gs' not supported; use s3://, file://, mem://"),
+    ("http://host/p", r"scheme 'http' not supported"),
+    ("mem://", r"mem:// URL needs a name"),
+])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_g4_url_typos_refused_at_load_naming_the_field(url, why, enabled):
+    """Issue 22 item 3: these passed load_config (and doctor, and the launcher's preflight); the worker then
+    died in the store factory ~55 s into `vllm serve`. A typo is refused whether G4 is enabled or not."""
+    with pytest.raises(ConfigError, match=rf"^g4\.url: .*{why}") as ei:
+        load_config({"g4": {"enabled": enabled, "url": url, "encrypt": False}}, use_env=False)
+    assert "\n" not in str(ei.value)
+
+
+@pytest.mark.parametrize("url", ["s3://bucket", "s3://kvbm-g4/llama-3.1-8b", "s3://my.bucket.name/a/b/", "S3://bucket/p",
+                                 "s3://b12/p", "file:///shared/kv", "file://localhost/shared/kv", "file:/shared/kv",
+                                 "mem://unit-test"])
+def test_g4_url_good_forms_load(url):
+    cfg = load_config({"g4": {"url": url}}, use_env=False)
+    assert cfg.g4.url == url
+
+
+def test_g4_url_required_when_enabled_and_optional_when_not(tmp_path):
+    with pytest.raises(ConfigError, match=r"^g4\.url: required when g4\.enabled is true"):
+        load_config({"g4": {"enabled": True, "encrypt": False}}, use_env=False)
+    with pytest.raises(ConfigError, match=r"^g4\.url \(from KVBM_BACKEND__G4__URL\): required when g4\.enabled"):
+        load_config(None, environ={"KVBM_BACKEND__G4__ENABLED": "true", "KVBM_BACKEND__G4__URL": ""})
+    assert load_config({"g4": {"enabled": False, "url": ""}}, use_env=False).g4.url == ""
+    assert load_config({"g4": {"enabled": False}}, use_env=False).g4.url is None
+
+
+def test_g4_url_from_env_names_the_variable():
+    with pytest.raises(ConfigError, match=r"^g4\.url \(from KVBM_BACKEND__G4__URL\): .*no bucket"):
+        load_config(None, environ={"KVBM_BACKEND__G4__URL": "s3://"})
+
+
+def test_enabled_g4_file_url_directory_checked_like_a_g3_path(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=rf"^g4\.url: {re.escape(str(f))} is a file: the directory cannot be created"):
+        load_config({"g4": {"enabled": True, "url": f"file://{f}/g4", "encrypt": False}}, use_env=False)
+    with pytest.raises(ConfigError, match=r"^g4\.url: is a file, not a directory"):
+        load_config({"g4": {"enabled": True, "url": f"file://{f}", "encrypt": False}}, use_env=False)
+    # a disabled G4 is not opened: its directory is not inspected (its form still is)
+    assert load_config({"g4": {"url": f"file://{f}/g4"}}, use_env=False).g4.url == f"file://{f}/g4"
+    assert load_config({"g4": {"enabled": True, "url": f"file://{tmp_path}/new/g4", "encrypt": False}},
+                       use_env=False).g4.enabled
+
+
+@pytest.mark.parametrize("endpoint,why", [
+    ("127.0.0.1:8333", r"expected http://HOST\[:PORT\] or https://HOST\[:PORT\]; did you mean http://127.0.0.1:8333\?"),
+    ("minio.storage.svc", r"expected .*; did you mean http://minio.storage.svc\?"),
+    ("s3://minio:9000", r"expected http://HOST"),
+    ("http://", r"not a valid endpoint"),
+    ("http://host:99999", r"not a URL \(Port out of range"),
+    ("http://host:port", r"not a URL"),
+    ("http://under_score:9000", r"not a valid endpoint"),
+    ("http://host :9000", r"contains whitespace"),
+])
+def test_g4_endpoint_url_typos_refused_at_load(endpoint, why):
+    with pytest.raises(ConfigError, match=rf"^g4\.endpoint_url: {why}"):
+        load_config({"g4": {"url": "s3://bucket/p", "endpoint_url": endpoint}}, use_env=False)
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:8333", "https://minio.storage.svc:9000", "http://[::1]:9000",
+                                      "https://s3.eu-west-3.amazonaws.com", "http://localhost:9000/"])
+def test_g4_endpoint_url_good_forms_load(endpoint):
+    assert load_config({"g4": {"endpoint_url": endpoint}}, use_env=False).g4.endpoint_url == endpoint
+
+
+def test_every_g4_url_the_config_accepts_opens_its_store(tmp_path):
+    """The config's rules and the store factory's agree: a URL that loads opens (no request goes out)."""
+    from kvbm_backend.pool.g4.factory import open_store
+    for url in ("s3://bucket", "s3://my.bucket.name/a/b/", "S3://bucket/p", f"file://{tmp_path}/a",
+                f"file://localhost{tmp_path}/b", f"file:{tmp_path}/c", "mem://unit-test-open"):
+        cfg = load_config({"g4": {"enabled": True, "url": url, "encrypt": False}}, use_env=False)
+        assert open_store(cfg.g4.url, cfg.g4).url
+
+
+@pytest.mark.parametrize("url,why", [("s3:/bucket", "two slashes"), ("file://relative", "file URLs must be absolute")])
+def test_g4_url_typo_through_doctor(tmp_path, url, why):
+    import sys
+    f = tmp_path / "c.yaml"
+    f.write_text(f"g3:\n  paths: [{tmp_path / 'g3'}]\ng4:\n  enabled: true\n  url: {url}\n  encrypt: false\n")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "doctor", "--config", str(f)],
+                       capture_output=True, text=True, timeout=300, cwd=repo)
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: g4.url: ") and why in err[0], r.stderr

@@ -91,7 +91,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...config import KvbmBackendConfig
 from ...model.namespace import KvGroup, Namespace
 from ..tiers import release_tiers, shared_tiers
-from . import report_channel, stats
+from . import report_channel, start_failure, stats
 from .extra_config import EXTRA_KEYS, config_from_extra  # noqa: F401 - re-exported
 from .geometry import EngineGeometry
 from .kv_io import EngineKv
@@ -216,6 +216,10 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
+        with start_failure.started_or_exit(lambda: start_failure.release_partial(self)):  # issue 22 item 3
+            self._start(vllm_config, role, kv_cache_config)
+
+    def _start(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg, self.opts = config_from_extra(extra)
         # the KV geometry of every KV cache group, derived once from vLLM's KV cache config
@@ -295,9 +299,7 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
                              report_g3=self.split or self.kv_events, device_checksum=self.cfg.g3.device_checksum)
                   for gns, _, g3, g4 in self._groups]
             self.worker = GroupedWorkers(ws) if self.hybrid else ws[0]
-        self._interval = stats.Interval()
-        self._closed = False
-        self._channel_decided = False
+        self._interval, self._closed, self._channel_decided = stats.Interval(), False, False
         log.info("kvbm_backend connector (%s): namespace %s %s, G3=%s G4=%s, G3 KV events=%s", role.name,
                  self.ns.fingerprint, json.dumps(self.ns.to_dict()), self.g3 is not None, self.g4 is not None,
                  self.kv_events)

@@ -1,7 +1,8 @@
 """Open the :class:`~kvbm_backend.pool.g4.store.ObjectStore` a ``g4.url`` names, chosen by URL scheme.
 
 The store ABC (:mod:`.store`) knows no implementation; this module holds the one registry
-``scheme -> "module:Class"`` (:data:`SCHEMES`), imports the class only when its scheme is opened (boto3
+``scheme -> "module:Class"`` (:data:`SCHEMES`, kept in :mod:`kvbm_backend.store_url`, whose rules the
+config model applies to ``g4.url`` at load), imports the class only when its scheme is opened (boto3
 is imported only for ``s3://``), and calls its ``from_url(url, parsed, opts)`` classmethod, which checks
 the URL's form. Built in:
 
@@ -16,14 +17,10 @@ import importlib
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from ...store_url import SCHEMES, url_problem
 from .store import ObjectStore
 
-SCHEMES: dict[str, str] = {
-    "s3": "kvbm_backend.pool.g4.s3_store:S3Store",
-    "file": "kvbm_backend.pool.g4.fs_store:FsStore",
-    "mem": "kvbm_backend.pool.g4.memory_store:MemoryStore",
-}
-"""URL scheme -> ``"module:Class"`` of an :class:`ObjectStore` subclass with a ``from_url`` classmethod."""
+__all__ = ["SCHEMES", "StoreOptions", "open_store", "register_scheme"]
 
 
 @dataclass(frozen=True)
@@ -68,18 +65,19 @@ def open_store(url: str, cfg=None, *, endpoint_url: str | None = None, region: s
             retries and fsync are used; None: the keyword arguments (defaults as in the config).
     Raises:
         ValueError: naming ``g4.url``: empty URL, a scheme not in :data:`SCHEMES` (the message names
-            the scheme), or a URL of the wrong form for its store.
+            the scheme), or a URL of the wrong form for its store
+            (:func:`kvbm_backend.store_url.url_problem`, then the store's own ``from_url``).
     """
     if not url:
         raise ValueError("g4.url: empty; expected s3://BUCKET/PREFIX, file:///path or mem://NAME")
     opts = (StoreOptions.from_config(cfg) if cfg is not None else
             StoreOptions(endpoint_url=endpoint_url, region=region, timeout_s=timeout_s, max_inflight=max_inflight,
                          retries=retries, fsync=fsync))
+    problem = url_problem(url)  # the rules the config applies at load, for callers that bypass it
+    if problem:
+        raise ValueError(f"g4.url {url!r}: {problem}")
     u = urlparse(url)
-    target = SCHEMES.get(u.scheme)
-    if target is None:
-        known = ", ".join(f"{s}://" for s in SCHEMES)
-        raise ValueError(f"g4.url {url!r}: scheme {u.scheme!r} not supported; use {known}")
+    target = SCHEMES[u.scheme]
     mod, _, name = target.partition(":")
     cls = getattr(importlib.import_module(mod), name)
     return cls.from_url(url, u, opts)

@@ -108,7 +108,12 @@ class G4Pool(WriterMixin, ReaderMixin):
         if self.keyring is None and (self.encrypt or cfg.keyring.path):
             self.keyring = Keyring.from_config(cfg.keyring)
         self._own_store = store is None
-        self.store = store or open_store(cfg.url, cfg)
+        try:
+            self.store = store or open_store(cfg.url, cfg)
+        except BaseException:  # a failed start leaves nothing open (issue 22 item 3)
+            if self.keyring is not None and keyring is None:
+                self.keyring.close()
+            raise
         self.metrics = TierMetrics("g4", registry)
         where = f" at {redact_url(cfg.endpoint_url)}" if cfg.endpoint_url and self._own_store else ""
         self.where = f"G4 {redact_url(self.store.url)}{where}"  # operator log lines name the store this way
