@@ -25,7 +25,6 @@ directory, and a path to be created must not lie under a file.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import reprlib
 import stat
@@ -36,24 +35,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-
-MAX_NESTING = 16
-"""Deepest nesting of mappings/lists a config source may have (the tree itself is 4 deep); deeper input
-(e.g. JSON nested 5,000 deep) is refused before it is parsed further or validated."""
-MAX_ERROR_CHARS = 1000
-"""A :class:`ConfigError` message is cut to this many characters (a quoted input can be any size)."""
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field (or file, or environment variable).
-
-    The message is cut to :data:`MAX_ERROR_CHARS` characters (``... (N more characters)``)."""
-
-    def __init__(self, msg: object = "") -> None:
-        text = str(msg)
-        if len(text) > MAX_ERROR_CHARS:
-            text = f"{text[:MAX_ERROR_CHARS]}... ({len(text) - MAX_ERROR_CHARS} more characters)"
-        super().__init__(text)
+from .config_sources import (KVBM_ONLY_ENV, MAX_ERROR_CHARS, MAX_NESTING, ConfigError, _json_loads,  # noqa: F401
+                             _kvbm_only_warned, _merge, _nesting_error, _too_deep, _yaml_load, env_overrides)
 
 
 MAX_CAPACITY_GB = 10_000_000
@@ -349,155 +332,6 @@ def _did_you_mean(loc: tuple) -> str:
         return ""
     close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _too_deep(data: Any, limit: int = MAX_NESTING) -> bool:
-    """Whether mappings/lists in ``data`` nest deeper than ``limit`` levels (iterative: no recursion)."""
-    stack = [(data, 0)]
-    while stack:
-        obj, depth = stack.pop()
-        if isinstance(obj, (dict, list, tuple)):
-            if depth >= limit:
-                return True
-            stack.extend((v, depth + 1) for v in (obj.values() if isinstance(obj, dict) else obj))
-    return False
-
-
-def _nesting_error(where: str) -> ConfigError:
-    return ConfigError(f"{where}: nested deeper than {MAX_NESTING} levels (a config is at most 4 deep)")
-
-
-def _json_loads(text: str, where: str) -> Any:
-    """``json.loads`` with every failure (syntax, deep nesting) as a one-line ConfigError naming ``where``."""
-    try:
-        data = json.loads(text)
-    except RecursionError:
-        raise _nesting_error(where) from None
-    except ValueError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    if _too_deep(data):
-        raise _nesting_error(where)
-    return data
-
-
-def _yaml_load(text: str) -> Any:
-    """YAML with the safe loader, minus anchors and aliases (``&a`` / ``*a``, ``<<: *a``): their expansion
-    turns a few hundred bytes into gigabytes ("billion laughs"), and a config never needs them. Nesting is
-    bounded by :data:`MAX_NESTING` while composing. Raises ConfigError (without the file name)."""
-    import yaml
-    from yaml.events import AliasEvent, CollectionStartEvent
-
-    class _Loader(yaml.SafeLoader):
-        depth = 0
-
-        def compose_node(self, parent, index):
-            event = self.peek_event()
-            line = event.start_mark.line + 1 if event.start_mark else "?"
-            if isinstance(event, AliasEvent) or getattr(event, "anchor", None):
-                raise ConfigError(f"line {line}: YAML anchors and aliases (&name, *name) are not accepted")
-            if isinstance(event, CollectionStartEvent):
-                if self.depth >= MAX_NESTING:
-                    raise ConfigError(f"line {line}: nested deeper than {MAX_NESTING} levels (a config is at most"
-                                      f" 4 deep)")
-                self.depth += 1
-                try:
-                    return super().compose_node(parent, index)
-                finally:
-                    self.depth -= 1
-            return super().compose_node(parent, index)
-
-    loader = _Loader(text)
-    try:
-        return loader.get_single_data()
-    finally:
-        loader.dispose()
-
-
-def _set_path(d: dict, path: list[str], value: Any) -> None:
-    for p in path[:-1]:
-        d = d.setdefault(p, {})
-    d[path[-1]] = value
-
-
-#: Dynamo KVBM settings with no kvbm-backend meaning, and what to use instead (a warning, once per process,
-#: when set: KVBM itself may be running beside us and read them, so they are never an error)
-KVBM_ONLY_ENV = {
-    "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "G3 is sized in bytes: g3.capacity_gb or DYN_KVBM_DISK_CACHE_GB",
-    "DYN_KVBM_CPU_CACHE_GB": "no G2 of ours: the connector moves G1<->G3/G4; native tiers: vLLM's cpu_bytes_to_use",
-    "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "no G2 of ours (see DYN_KVBM_CPU_CACHE_GB)",
-    "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS": "no leader/worker start-up barrier here",
-    "DYN_KVBM_DISK_ZEROFILL_FALLBACK": "slab files grow with posix_fallocate, chunked, whatever the filesystem",
-}
-_kvbm_only_warned: set[str] = set()
-
-
-def _kvbm_flag(env: dict[str, str], name: str) -> bool:
-    """A KVBM boolean environment switch (true/false, 1/0, yes/no, on/off; unset: False).
-    Raises ConfigError naming ``name`` for another value."""
-    raw = env.get(name, "").strip().lower()
-    if raw and raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise ConfigError(f"{name}: expected true/false, got {raw!r}")
-    return raw in ("1", "true", "yes", "on")
-
-
-def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, str] | None = None) -> dict:
-    """The overrides the environment gives, as a nested dict. ``sources`` (if given) is filled with
-    field path tuple -> environment variable name, for error messages.
-
-    Raises ConfigError naming ``DYN_KVBM_DISK_CACHE_DIR`` when it has an empty entry (``/a::/b``, a
-    leading or trailing ``:``), which would otherwise put G3 in the current directory."""
-    env = os.environ if environ is None else environ
-    out: dict = {}
-    sources = {} if sources is None else sources
-    if env.get("DYN_KVBM_DISK_CACHE_DIR"):
-        raw = env["DYN_KVBM_DISK_CACHE_DIR"]
-        parts = raw.split(":")
-        bad = [i for i, x in enumerate(parts) if not x.strip()]
-        if bad:
-            raise ConfigError(f"DYN_KVBM_DISK_CACHE_DIR: empty path entry {bad[0]} ('::' or a leading/trailing"
-                              f" ':'); G3 would open in the current directory (got {raw!r})")
-        _set_path(out, ["g3", "paths"], parts)
-        sources[("g3", "paths")] = "DYN_KVBM_DISK_CACHE_DIR"
-    if env.get("DYN_KVBM_DISK_CACHE_GB"):
-        _set_path(out, ["g3", "capacity_gb"], env["DYN_KVBM_DISK_CACHE_GB"])
-        sources[("g3", "capacity_gb")] = "DYN_KVBM_DISK_CACHE_GB"
-    for name, field in (("DYN_KVBM_METRICS", "enabled"), ("DYN_KVBM_METRICS_PORT", "port")):  # KVBM's names
-        if env.get(name):
-            _set_path(out, ["metrics", field], env[name])
-            sources[("metrics", field)] = name
-    if _kvbm_flag(env, "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"):  # KVBM's switch for its disk-offload filter
-        _set_path(out, ["g3", "admission", "policy"], "all")
-        sources[("g3", "admission", "policy")] = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"
-    if _kvbm_flag(env, "DYN_KVBM_DISK_DISABLE_O_DIRECT"):  # KVBM's switch for O_DIRECT on its disk tier
-        _set_path(out, ["g3", "o_direct"], "off")
-        sources[("g3", "o_direct")] = "DYN_KVBM_DISK_DISABLE_O_DIRECT"
-    for name in KVBM_ONLY_ENV:
-        if env.get(name) and name not in _kvbm_only_warned:
-            _kvbm_only_warned.add(name)
-            logging.getLogger("kvbm_backend.config").warning(
-                "%s is Dynamo KVBM's setting; kvbm-backend does not read it (%s; docs/migrating.md)",
-                name, KVBM_ONLY_ENV[name])
-    for k, v in env.items():
-        if k.startswith("KVBM_BACKEND__"):
-            path = [p.lower() for p in k[len("KVBM_BACKEND__"):].split("__")]
-            try:
-                val = json.loads(v)
-            except RecursionError:
-                raise _nesting_error(k) from None
-            except ValueError:
-                val = v
-            if _too_deep(val):
-                raise _nesting_error(k)
-            _set_path(out, path, val)
-            sources[tuple(path)] = k
-    return out
-
-
-def _merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def load_config(source: str | Path | dict | None = None, *, environ: dict[str, str] | None = None,

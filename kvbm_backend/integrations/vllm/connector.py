@@ -313,20 +313,10 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         stats.add(g3_reports_by_channel=1)
 
     def _start_report_channel(self) -> None:
-        """At the worker's first report: send G3 index changes by the report channel from now on when the
-        scheduler's listener is reachable (:mod:`.report_channel`), else keep them in the step output."""
+        """At the worker's first report (:func:`.report_channel.start_worker_reports`)."""
         self._channel_decided = True
         ws = self.worker.workers if isinstance(self.worker, GroupedWorkers) else [self.worker]
-        if not any(w.report_g3 for w in ws):
-            return
-        sender = report_channel.ReportSender(self._channel_key(self._vllm_config))
-        if not sender.connect():
-            log.info("kvbm_backend: no report channel to the scheduler; G3 reports travel with engine steps")
-            return
-        for w in ws:
-            w.report_by_channel = True
-        self._pump = report_channel.ReportPump(sender, [w.take_g3_report if w.report_g3 else (lambda: None)
-                                                        for w in ws])
+        self._pump = report_channel.start_worker_reports(self._channel_key(self._vllm_config), ws)
 
     def _pool_stats(self) -> dict:
         out = {}

@@ -251,3 +251,19 @@ class ReportPump:
         self._t.join(timeout=2.0)
         self.pump()  # what the last interval gathered
         self.sender.close()
+
+
+def start_worker_reports(key: str, workers: list) -> ReportPump | None:
+    """A worker's decision at its first report: when the scheduler's listener for ``key`` is reachable,
+    every worker (one per KV cache group; ``report_g3``, ``report_by_channel``, ``take_g3_report`` of
+    :class:`~.worker_side.WorkerSide`) sends its G3 index changes by a :class:`ReportPump` from now on;
+    else (None) they keep travelling in the step output."""
+    if not any(w.report_g3 for w in workers):
+        return None
+    sender = ReportSender(key)
+    if not sender.connect():
+        log.info("kvbm_backend: no report channel to the scheduler; G3 reports travel with engine steps")
+        return None
+    for w in workers:
+        w.report_by_channel = True
+    return ReportPump(sender, [w.take_g3_report if w.report_g3 else (lambda: None) for w in workers])
