@@ -103,3 +103,31 @@ def test_a_store_that_keeps_throttling_gives_misses_within_the_bound_and_recover
     finally:
         proxy.close()
 
+
+def test_the_serving_path_issues_no_list_request(seaweed, s3_prefix, tmp_path):
+    """G4Pool put, lookup_prefix and get (hits, misses, absent keys, a second pool finding the first one's
+    blocks) send no LIST to the store: S3 LISTs are slow, costly and rate-limited per prefix, and a name is
+    computed from the key, never searched for. The proxy counts requests by kind; the control at the end
+    shows it does see a LIST when one is made (``store.list``, as ``gc`` does)."""
+    proxy = _proxy(seaweed)
+    try:
+        keys = NS.keys(range(1, 17), tenant="t")
+        blocks = [payload(k.seq_hash, "t", BPB) for k in keys]
+        with _pool(seaweed, s3_prefix, proxy.endpoint, tmp_path) as a:
+            assert a.put(keys[:12], blocks[:12]).result(timeout=HANG_GUARD_S).written == 12
+            assert a.put(keys[:4], blocks[:4]).result(timeout=HANG_GUARD_S).skipped == 4  # exists: 412
+            assert a.lookup_prefix(keys).result(timeout=HANG_GUARD_S) == 12
+            assert _get(a, keys) == [True] * 12 + [False] * 4
+            assert a.lookup_prefix(NS.keys([999], tenant="u")).result(timeout=HANG_GUARD_S) == 0
+        with _pool(seaweed, s3_prefix, proxy.endpoint, tmp_path) as b:  # another worker, same keyring
+            assert b.lookup_prefix(keys).result(timeout=HANG_GUARD_S) == 12
+            assert _get(b, keys[:12]) == [True] * 12
+            assert b.put(keys[12:], blocks[12:]).result(timeout=HANG_GUARD_S).written == 4
+        seen = dict(proxy.requests)
+        assert seen.get(("GET", "object"), 0) >= 28 and seen.get(("HEAD", "object"), 0) >= 24, seen
+        assert proxy.lists() == 0, seen
+        with _pool(seaweed, s3_prefix, proxy.endpoint, tmp_path) as c:  # control: a LIST is seen
+            assert len(list(c.store.list())) >= 16
+        assert proxy.lists() >= 1, dict(proxy.requests)
+    finally:
+        proxy.close()
