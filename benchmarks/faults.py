@@ -52,6 +52,9 @@ Kinds (each counts ``tried``, ``failures``, ``wrong_blocks_served``, ``acknowled
   (FIFOs, as a hard NFS mount whose server is gone) and one whose directory vanishes (a file in its
   place). Every load resolves within the G4 load bound ``timeout_s * (1 + retries)`` (+ slack), never
   serves wrong bytes, a late read never lands in the caller's buffer, and the pool recovers.
+* ``throttle``: SeaweedFS behind a proxy answering ``503 SlowDown`` (the first 0-3 requests per object,
+  a random share, every 4th trial all): offloads acknowledged ``written`` are stored, loads are verified
+  hits or ``miss_throttled`` within the bound, the circuit breaker never opens, and no LIST goes out.
 
 Writes ``faults.json`` in ``--out`` and prints a table. Exit status 1 when any failure was counted.
 Every process started here (writer children, the fork server, SeaweedFS) is killed at the end; temp
@@ -103,11 +106,11 @@ BB = LAYOUT.bytes_per_block
 SLOT = frame.slot_bytes(BB)
 HDR_COVERED = 152  # header bytes covered by the header check (fixed part + check); the rest is padding
 KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage", "tenantflood", "dupkeys", "lockrm", "lyings3",
-         "special")
+         "special", "throttle")
 FULL = {"kill": 1000, "corrupt": 400, "enospc": 42, "tamper": 120, "revoke": 12, "outage": 9, "tenantflood": 1_000_000}
 QUICK = {"kill": 20, "corrupt": 24, "enospc": 6, "tamper": 12, "revoke": 2, "outage": 3, "tenantflood": 200_000}
-FULL.update(dupkeys=40, lockrm=10, lyings3=80, special=80)
-QUICK.update(dupkeys=6, lockrm=2, lyings3=12, special=12)
+FULL.update(dupkeys=40, lockrm=10, lyings3=80, special=80, throttle=80)
+QUICK.update(dupkeys=6, lockrm=2, lyings3=12, special=12, throttle=8)
 SLACK_S = 0.5  # scheduling slack on 2 shared cores, added to every documented bound
 HANG_S = 30.0  # a future not resolved by then is a hang
 
@@ -1410,6 +1413,76 @@ def campaign_lyings3(K: Kind, rng: random.Random, tmp: Path, s3) -> None:
         proxy.close()
 
 
+# ============================ an S3 that throttles (503 SlowDown) =====================================
+def campaign_throttle(K: Kind, rng: random.Random, tmp: Path, s3) -> None:
+    """A loopback proxy (tests/helpers/throttle_proxy.py) in front of SeaweedFS answers object requests
+    ``503 SlowDown``: the first 0-3 of each object and method, plus a random share (0-40 %), and every 4th
+    trial all of them. Offloads and loads through it (breaker opening at the first failure): a block
+    acknowledged ``written`` must be served by a direct pool (else acknowledged_then_lost), a load is a
+    verified hit or a ``miss_throttled`` within its bound (never a timeout, never wrong bytes), the
+    breaker never opens, and no LIST request goes out."""
+    if s3 is None:
+        K.skipped = "no SeaweedFS here"
+        return
+    from tests.helpers.throttle_proxy import ThrottleProxy
+    host, port = s3.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = ThrottleProxy(host, int(port), seed=rng.randrange(1 << 30))
+    kr = str(tmp / "throttle-keys" / "kr.json")
+    url = f"s3://{s3.bucket}/throttle-{uuid.uuid4().hex[:8]}"
+    cfg = g4_config(url, kr, proxy.endpoint, timeout_s=1.0, retries=1, breaker_failures=1, breaker_reset_s=600)
+    bound = cfg.timeout_s * (1 + cfg.retries)
+    good = G4Pool(g4_config(url, kr, s3.endpoint), NS)
+    pool = G4Pool(cfg, NS)
+    try:
+        seq = 1
+        while K.tried < K.planned:
+            keys = NS.keys([seq, seq + 1], tenant="th")
+            always = K.tried % 4 == 3
+            proxy.first_n, proxy.share = rng.randrange(4), (1.0 if always else rng.choice((0.0, 0.2, 0.4)))
+            seq += 2
+            K.tried += 1
+            res, took = wait(pool.put(keys, [payload(k.seq_hash, "th") for k in keys]))
+            if isinstance(res, TimeoutError):
+                K.fail("throttle: offload did not resolve")
+                continue
+            if always and res.written:
+                K.fail("throttle: a block written through a store that throttles everything", result=repr(res))
+            if not always and res.written != 2:
+                K.fail("throttle: offload not written despite backoff", result=repr(res), first_n=proxy.first_n,
+                       share=proxy.share)
+            proxy.first_n = 0  # the reads below meet only the share (the gets' own first ones are throttled)
+            out = [np.full(BB, 0xA5, np.uint8) for _ in keys]
+            res_g, took = wait(pool.get(keys, out))
+            if isinstance(res_g, TimeoutError):
+                K.fail("throttle: get did not resolve")
+                continue
+            K.wrong += len(check_served(keys, res_g.ok, out))
+            if any(not o and not (b == 0xA5).all() for o, b in zip(res_g.ok, out)):
+                K.fail("throttle: a miss touched the caller's buffer")
+            if took > bound + 0.05 + SLACK_S * 4:
+                K.fail("throttle: get past its bound", seconds=round(took, 3), bound=bound)
+            o2 = [np.zeros(BB, np.uint8) for _ in keys]
+            r2, _ = wait(good.get(keys, o2))
+            if not isinstance(r2, TimeoutError):
+                K.wrong += len(check_served(keys, r2.ok, o2))
+                K.lost += sum(1 for i in range(res.written) if not r2.ok[i])
+            if pool.breaker.opens or pool.breaker.state != "closed":
+                K.fail("throttle: the breaker opened on throttling", state=pool.breaker.state)
+                break
+        st = pool.stats()
+        if st.get("miss_timeout", 0) or st.get("lookup_timeout", 0):
+            K.fail("throttle: throttled reads counted as timeouts", stats={k: v for k, v in st.items() if "timeout" in k})
+        if proxy.lists():
+            K.fail("throttle: LIST requests on the serving path", lists=proxy.lists())
+        K.extra["proxy_throttled"] = proxy.throttled
+        K.extra["pool_counters"] = {k: v for k, v in st.items()
+                                    if k.startswith(("miss_", "dropped_", "throttled", "written")) and v}
+    finally:
+        pool.close()
+        good.close()
+        proxy.close()
+
+
 # ============================ special files in a file:// store ===================================
 def campaign_special(K: Kind, rng: random.Random, tmp: Path) -> None:
     """FIFOs, sockets and symlinked directories planted in a ``file://`` G4 store: every get resolves
@@ -1646,7 +1719,7 @@ def main(argv=None) -> int:
     s3, s3_why = (None, None)
     t_all = time.monotonic()
     try:
-        if any(k in kinds for k in ("corrupt", "tamper", "revoke", "outage", "lyings3")):
+        if any(k in kinds for k in ("corrupt", "tamper", "revoke", "outage", "lyings3", "throttle")):
             s3, s3_why = start_s3(tmp)
         for name, K in kinds.items():
             rng = random.Random(f"{seed}-{name}")
@@ -1675,6 +1748,8 @@ def main(argv=None) -> int:
                     campaign_lyings3(K, rng, tmp, s3)
                 elif name == "special":
                     campaign_special(K, rng, tmp)
+                elif name == "throttle":
+                    campaign_throttle(K, rng, tmp, s3)
             except Exception as e:  # noqa: BLE001 - the campaign itself broke: recorded, others still run
                 K.fail("campaign aborted by an exception", error=repr(e), trace=traceback.format_exc()[-3000:])
             K.seconds = time.monotonic() - t0

@@ -245,8 +245,9 @@ class G4Config(_M):
     """While the breaker is open, one probe request per this many seconds (at most an hour)."""
     dir_fanout: int = Field(256, ge=1, le=4096)
     retries: int = Field(1, ge=0, le=10)
-    """Extra attempts for a failed S3 request (botocore standard retries), each bounded by timeout_s:
-    the load bound is ``timeout_s x (1 + retries)``."""
+    """Extra attempts for an S3 request that failed in transit or with a 5xx, each bounded by timeout_s:
+    the load bound is ``timeout_s x (1 + retries)``. Throttled answers are retried with a backoff inside
+    that bound (:mod:`kvbm_backend.pool.g4.throttle`)."""
     fsync: bool = True
     """file:// stores: fsync object and directory before publishing (invariant 2)."""
 

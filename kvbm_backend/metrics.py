@@ -18,7 +18,8 @@ with the ``kvbm_`` prefix by KVBM's metrics server) that mean the same thing her
 Everything KVBM has no name for is ``kvbm_backend_<tier>_*`` (dropped offloads by reason, corrupt
 blocks by reason, misses by reason, bytes, ``degraded``; G3 also evictions, capacity, used bytes and
 blocks; G4 also ``kvbm_backend_g4_offload_seconds``, a histogram of each block offload from queued to
-ended: a worker whose G4 writes stall shows there, not only as late handoffs). Every series listed here
+ended: a worker whose G4 writes stall shows there, not only as late handoffs, and
+``kvbm_backend_g4_throttled{op}``, requests the store answered "slow down"). Every series listed here
 is updated by the pools (``tests/unit/test_metrics.py``).
 
 Serving: one endpoint per pod and port for every process (:mod:`kvbm_backend.metrics_mp`). When an
@@ -254,7 +255,8 @@ class TierMetrics:
     KVBM-named series: ``offload_blocks`` (``kvbm_offload_blocks_h2d`` for g3, ``_d2o`` for g4),
     ``onboard_blocks`` (``kvbm_onboard_blocks_d2d`` / ``_o2d``), ``matched_tokens``, ``hit_rate``;
     g4 only: ``read_failures``, ``write_failures`` (``kvbm_object_read_failures`` / ``_write_failures``),
-    ``offload_seconds`` (histogram, :data:`OFFLOAD_SECONDS_BUCKETS`).
+    ``offload_seconds`` (histogram, :data:`OFFLOAD_SECONDS_BUCKETS`), ``throttled{op}`` (requests the
+    store answered "slow down", each retried after a backoff: ``kvbm_backend_g4_throttled``).
     Ours: ``offloads_dropped{reason}``, ``corrupt{reason}``, ``misses{reason}``, ``bytes_written``,
     ``bytes_read``, ``degraded``; g3 only (G4 has no capacity or eviction of its own; ``gc`` trims
     it): ``evictions``, ``capacity_bytes``, ``used_bytes``, ``blocks``. Attributes a tier lacks are None.
@@ -284,7 +286,7 @@ class TierMetrics:
         self.bytes_written = counter(p + "bytes_written", "Bytes written (frames incl. headers)", registry=r)
         self.bytes_read = counter(p + "bytes_read", "Bytes read (frames incl. headers)", registry=r)
         self.evictions = self.capacity_bytes = self.used_bytes = self.blocks = None
-        self.read_failures = self.write_failures = self.offload_seconds = None
+        self.read_failures = self.write_failures = self.offload_seconds = self.throttled = None
         if tier == "g3":
             self.evictions = counter(p + "evictions", "Blocks evicted (LRU) to make room", registry=r)
             self.capacity_bytes = gauge(p + "capacity_bytes", "Slot bytes the tier may use now", registry=r)
@@ -298,5 +300,8 @@ class TierMetrics:
             self.offload_seconds = histogram(p + "offload_seconds", "Seconds from a block offload queued to its end "
                                              "(written, skipped or dropped): queue wait, seal, store request",
                                              OFFLOAD_SECONDS_BUCKETS, registry=r)
+            self.throttled = counter(p + "throttled", "G4 requests the store answered 'slow down' (S3 503 SlowDown, "
+                                     "429), by op (get, head, put); each is retried after a jittered backoff",
+                                     ("op",), r)
         self.degraded = gauge(p + "degraded", "1 while the tier stopped admitting (ENOSPC, store down)", registry=r,
                               multiprocess_mode="livemax")

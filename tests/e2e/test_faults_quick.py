@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # several times that: the bound only catches a hang
 pytestmark = pytest.mark.timeout(1200)
 KINDS = ("kill", "corrupt", "enospc", "tamper", "revoke", "outage", "tenantflood", "dupkeys", "lockrm", "lyings3",
-         "special")
+         "special", "throttle")
 
 
 @pytest.fixture(scope="module")

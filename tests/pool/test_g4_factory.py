@@ -41,8 +41,10 @@ def test_the_scheme_picks_the_store_and_the_config_its_options(tmp_path):
                    max_inflight=7)
     s3 = open_store(cfg.url, cfg)  # no request goes out until the pool's start-up check
     assert s3.client.meta.region_name == "eu-west-3" and s3.client.meta.endpoint_url == "http://127.0.0.1:9"
-    assert s3.client.meta.config.read_timeout == 3.0 and s3.client.meta.config.retries["total_max_attempts"] == 3
-    assert s3.client.meta.config.max_pool_connections == 2 * 7  # g4.max_inflight reads + as many offloads
+    assert s3.client.meta.config.read_timeout == 3.0 and s3.retries == 2
+    # S3Store makes the retries itself (throttles are left to the pool's bounded backoff): botocore makes one attempt
+    assert s3.client.meta.config.retries["total_max_attempts"] == 1
+    assert s3.client.meta.config.max_pool_connections == 2 * 7  # reads and writes: max_inflight each
     assert store_abc.open_store("mem://fac/a").url == "mem://fac/a"  # the ABC module's name delegates here
 
 

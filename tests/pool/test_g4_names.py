@@ -6,9 +6,11 @@ Item 5 (G4 part): the per-tenant pseudonym/naming cache is bounded."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tracemalloc
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ from kvbm_backend.crypto.keyring import Keyring, provider_for
 from kvbm_backend.crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
 from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.namespace import Namespace
-from kvbm_backend.pool.g4.naming import TenantNamer, parse_block_name
+from kvbm_backend.pool.g4.naming import TenantNamer, legacy_block_name, parse_block_name
 from kvbm_backend.pool.g4.pool import TENANT_CACHE_ENTRIES, G4Pool
 
 WRITER = str(Path(__file__).parents[1] / "helpers" / "g4_writer.py")
@@ -193,3 +195,22 @@ def test_tenant_cache_stays_at_its_bound_with_a_million_tenants(tmp_path):
         assert all(f.result(timeout=60) == 0 for f in looked)
         assert p.tenant_cache_size() <= TENANT_CACHE_ENTRIES
         assert p.object_name(ns.key(42, tenant="t0")) == first
+
+
+def test_one_tenants_blocks_spread_evenly_over_dir_fanout_prefixes():
+    """docs/format.md "Key layout and S3 request rates": everything before the fan-out directory is fixed for
+    one (namespace, tenant, rank), and the directory is the first component that varies, taking all
+    ``dir_fanout`` values in even shares (S3 scales per prefix: ~5,500 GET/s each). Even for sequence hashes
+    that share their low bits (all multiples of 256, which format 1's ``seq_hash % dir_fanout`` put in ONE
+    directory): the directory follows the keyed HMAC id, not the hash."""
+    ns_fp = "0123456789abcdef"
+    namer = TenantNamer(ns_fp, os.urandom(16), os.urandom(32), 256)
+    n = 256 * 100
+    names = [namer.name(0, seq * 256) for seq in range(1, n + 1)]
+    fixed = {nm.rsplit("/", 2)[0] for nm in names}
+    assert fixed == {f"{ns_fp}/{namer.pseudonym_hex}/0"}  # one fixed prefix up to the rank
+    dirs = Counter(nm.rsplit("/", 2)[1] for nm in names)
+    assert len(dirs) == 256  # dir_fanout prefixes
+    assert 50 <= min(dirs.values()) and max(dirs.values()) <= 150, dirs.most_common(3)  # 100 each, +-5 sigma
+    assert len({legacy_block_name(ns_fp, namer.pseudonym_hex, 0, seq * 256, 256).rsplit("/", 2)[1]
+                for seq in range(1, 1000)}) == 1  # what the keyed id avoids

@@ -20,6 +20,13 @@ any node, with the same keyring, finds blocks by name.
   counts as a store failure too: a store that never answers (a hung NFS hard mount, where a read
   blocks in the kernel and raises nothing) opens the breaker like one that refuses connections, so
   later calls stop queueing behind the stuck I/O threads.
+* A store that answers "slow down" (S3 ``503 SlowDown``, 429: :class:`~.store.StoreThrottled`) is up, not
+  down: such answers never count towards the breaker. Gets and lookups retry them after a full-jitter
+  backoff (:mod:`.throttle`: 50 ms doubling to at most 1 s) inside their load bound, offloads inside
+  ``timeout_s * (1 + retries)`` from their first request; what is still throttled then is a miss
+  (``miss_throttled``), a lookup cut short (``lookup_throttled``) or a dropped offload
+  (``dropped_throttled``). Each throttled answer counts ``throttled_<op>`` (op ``get``, ``head``, ``put``;
+  their sum is ``stats()["throttled"]``, the series ``kvbm_backend_g4_throttled_total{op}``).
 * Corrupt, truncated, swapped or foreign objects are misses, counted under ``corrupt_<reason>`` and
   deleted (a corrupt object would otherwise block re-publishing forever under create-exclusive).
   Objects sealed under keys this keyring does not hold (revoked or foreign tenants) are misses
@@ -61,9 +68,10 @@ from ..base import GetResult, PutResult, completed, is_tensor_batch
 from ..deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
 from .factory import open_store
-from .naming import TenantNamer, legacy_block_name, namespace_name
+from .naming import TenantNamer, legacy_block_name
 from .reader import ReaderMixin, _Batch, bounce_buffers, bounce_slot_bytes
-from .store import BucketMissing, ObjectStore, StoreUnavailable, redact_url
+from .store import BucketMissing, ObjectStore, redact_url
+from .throttle import ThrottleMixin
 from .writer import WriterMixin
 
 log = logging.getLogger(__name__)
@@ -72,11 +80,12 @@ __all__ = ["G4Pool"]
 _MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most this many distinct ones
 TENANT_CACHE_ENTRIES = 4096  # tenants whose pseudonym and naming key a pool keeps (LRU); more are recomputed
 _STORE_ERROR_LOG_S = 300.0  # a store that keeps answering with an error (missing bucket, 403): one line per this
-_READ_FAILURES = {"unavailable", "error", "timeout", "unconfirmed_corrupt"}  # miss reasons that are failed store reads
-_WRITE_FAILURES = {"unavailable", "error"}  # drop reasons that are failed store writes
+# miss reasons that are failed store reads
+_READ_FAILURES = {"unavailable", "error", "timeout", "unconfirmed_corrupt", "throttled"}
+_WRITE_FAILURES = {"unavailable", "error", "throttled"}  # drop reasons that are failed store writes
 
 
-class G4Pool(WriterMixin, ReaderMixin):
+class G4Pool(WriterMixin, ReaderMixin, ThrottleMixin):
     """BlockPool over an object store (tier ``"G4"``).
 
     Args:
@@ -164,9 +173,10 @@ class G4Pool(WriterMixin, ReaderMixin):
         if self.breaker.refuse_if_open():  # answered here: never queued behind stuck I/O threads
             self._lookup_result(len(keys), 0)
             return completed(0)
-        b = _Batch(len(keys))
+        d = Deadline(self._load_bound_s)
+        b = _Batch(len(keys), d.at)
         b.count = 0  # leading confirmed
-        self._deadlines.add(Deadline(self._load_bound_s).at, lambda: self._expire_lookup(b))
+        self._deadlines.add(d.at, lambda: self._expire_lookup(b))
         self._lookup_wave(b, keys, 0, min(8, len(keys)))
         return b.future
 
@@ -249,8 +259,9 @@ class G4Pool(WriterMixin, ReaderMixin):
         if self.breaker.refuse_if_open():
             self._count("miss_breaker", len(keys))
             return completed(GetResult([False] * len(keys)))
-        b = _Batch(len(keys))
-        self._deadlines.add(Deadline(self._load_bound_s).at, lambda: self._expire_get(b))
+        d = Deadline(self._load_bound_s)
+        b = _Batch(len(keys), d.at)
+        self._deadlines.add(d.at, lambda: self._expire_get(b))
         for i, (k, o) in enumerate(zip(keys, out)):
             self._io.submit(self._get_one, b, i, k, o)
         return b.future
@@ -324,7 +335,8 @@ class G4Pool(WriterMixin, ReaderMixin):
                   "corrupt": sum(v for k, v in s.items() if k.startswith("corrupt_")),
                   "misses": sum(v for k, v in s.items() if k.startswith("miss_")),
                   "dropped": sum(v for k, v in s.items() if k.startswith("dropped_")),
-                  "skipped": sum(v for k, v in s.items() if k.startswith("skipped_"))})
+                  "skipped": sum(v for k, v in s.items() if k.startswith("skipped_")),
+                  "throttled": sum(v for k, v in s.items() if k.startswith("throttled_"))})
         for k in ("hits", "written", "skipped_exists", "bytes_written", "bytes_read"):
             s.setdefault(k, 0)
         if self._bounce is not None:  # reads that found every bounce buffer lent (a fresh one was allocated)
@@ -385,6 +397,8 @@ class G4Pool(WriterMixin, ReaderMixin):
                 m.read_failures.inc(n)
         elif kind == "corrupt":
             m.corrupt.labels(reason).inc(n)
+        elif kind == "throttled":
+            m.throttled.labels(reason).inc(n)
         elif name == "lookup_unavailable":
             m.read_failures.inc(n)
 
@@ -463,21 +477,6 @@ class G4Pool(WriterMixin, ReaderMixin):
                 self._io_put.submit(self._write_namespace_json)
             except RuntimeError:  # closing: the I/O threads are gone
                 pass
-
-    def _write_namespace_json(self) -> None:
-        if self._ns_written:
-            return
-        try:
-            self.store.probe()  # start-up check: an unavailable store or missing bucket is logged now
-            if self.store.head(namespace_name(self._fp)) is None:
-                self.store.put_if_absent(namespace_name(self._fp), self.namespace.canonical_json().encode())
-            self._ns_written = True
-        except StoreUnavailable as e:
-            self._count("namespace_json_errors")
-            self.breaker.trip(e)  # logs "unavailable at start"; probes every breaker_reset_s from now on
-        except OSError as e:
-            self._count("namespace_json_errors")
-            self._store_error(e)
 
     def _log_tenant_once(self, reason: str, tenant: str, err: Exception) -> None:
         tag = (reason, self._tag(tenant))

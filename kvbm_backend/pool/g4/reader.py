@@ -16,6 +16,13 @@ the bounce buffers file objects are read through.
   read) the miss is ``miss_unconfirmed_corrupt`` (detail ``unconfirmed_<reason>``) and the object stays.
 * Lookups HEAD keys in growing parallel waves (8, 16, ... up to ``max_inflight``), stopping at the first
   absent key; an expired lookup answers the confirmed prefix.
+* Throttled reads and HEADs (:class:`~kvbm_backend.pool.g4.store.StoreThrottled`) are retried after a
+  full-jitter backoff (:mod:`.throttle`) until the batch's load bound: each throttled answer counts
+  ``throttled_get`` / ``throttled_head``; a block still throttled at the bound is ``miss_throttled``, a
+  HEAD still throttled ends the lookup there (``lookup_throttled``). A throttle is the store answering:
+  never a breaker failure, and a batch that expires while the pool is being throttled (its slots sat in
+  backoff, or queued behind reads that did) counts its late blocks ``miss_throttled`` (a lookup:
+  ``lookup_throttled``), not as a silent store.
 """
 from __future__ import annotations
 
@@ -29,7 +36,8 @@ from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
 from ...model.namespace import BlockKey
 from ..base import GetResult
-from .store import StoreUnavailable
+from .store import StoreThrottled, StoreUnavailable
+from .throttle import call_throttled
 
 # Reasons for which an object is deleted when read (it can never become a hit).
 _DELETE_ON = {"magic", "header_check", "identity", "layout", "length", "integrity", "key_owner"}
@@ -63,7 +71,9 @@ def bounce_buffers(object_bytes: int, slots: int) -> BufferPool:
 class _Batch:
     """One get/lookup batch: per-slot results, guarded so a late reply never writes after close."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, until: float):
+        self.until = until  # time.monotonic() of the load bound
+        self.throttled = False  # a HEAD of this lookup stayed throttled to the bound
         self.future: Future = Future()
         self.mu = threading.Lock()
         self.slot_mu = [threading.Lock() for _ in range(n)]
@@ -78,8 +88,11 @@ class ReaderMixin:
     """The read and lookup paths of :class:`~kvbm_backend.pool.g4.pool.G4Pool` (uses its store, breaker,
     keyring, bounce buffers, I/O threads and counters)."""
 
-    def _finish_slot(self, b: _Batch, i: int) -> None:
+    def _finish_slot(self, b: _Batch, i: int) -> bool:
+        """Mark slot ``i`` done; False when the batch had already expired it (its miss was counted then)."""
         with b.mu:
+            if b.closed and not b.done[i]:
+                return False
             b.done[i] = True
             b.remaining -= 1
             last = b.remaining == 0 and not b.closed
@@ -87,6 +100,7 @@ class ReaderMixin:
                 b.closed = True
         if last:
             b.future.set_result(GetResult(list(b.ok)))
+        return True
 
     def _expire_get(self, b: _Batch) -> None:
         with b.mu:
@@ -97,24 +111,27 @@ class ReaderMixin:
         for i in late:  # wait out a copy in progress; after this no slot is written
             with b.slot_mu[i]:
                 pass
-        self._count("miss_timeout", sum(1 for i in late if not b.ok[i]))
-        if late:  # silence is a failure: nothing else reports a read hung in the kernel
-            self.breaker.failure(f"{len(late)} block reads got no reply within {self._load_bound_s:.2f} s")
+        missed = sum(1 for i in late if not b.ok[i])
+        if self._throttling():  # the store answers "slow down": the late reads waited on that, not on silence
+            self._count("miss_throttled", missed)
+        else:
+            self._count("miss_timeout", missed)
+            if missed:  # silence is a failure: nothing else reports a read hung in the kernel
+                self.breaker.failure(f"{missed} block reads got no reply within {self._load_bound_s:.2f} s")
         b.future.set_result(GetResult(list(b.ok)))
 
     def _get_one(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray) -> None:
+        miss = "miss_timeout"
         try:
             if b.closed:
                 return
             miss = self._load(b, i, key, out)
-            if miss:
-                self._count(miss)
-            else:
-                self._count("hits")
         except Exception:  # noqa: BLE001 - a read never raises to the caller
-            self._count("miss_error")
+            miss = "miss_error"
         finally:
-            self._finish_slot(b, i)
+            # a slot the batch expired had its miss counted then (once); a hit copied in time still counts
+            if self._finish_slot(b, i) or miss is None:
+                self._count(miss or "hits")
 
     def _tenant_miss(self, tenant: str) -> str | None:
         """A miss counter, without store I/O, when an encrypted pool's keyring says ``tenant`` is
@@ -147,11 +164,15 @@ class ReaderMixin:
         for a store that returns its own bytes."""
         try:
             if buf is None:
-                data = self.store.get(name)
+                data = call_throttled(lambda: self.store.get(name), b.until, lambda: self._note_throttle("get"),
+                                      lambda: b.closed)
                 size = None if data is None else len(data)
-            else:
-                size = self.store.get_into(name, buf)  # the object's true size, may exceed len(buf)
+            else:  # the object's true size, may exceed len(buf)
+                size = call_throttled(lambda: self.store.get_into(name, buf), b.until,
+                                      lambda: self._note_throttle("get"), lambda: b.closed)
                 data = None if size is None else memoryview(buf)[:min(size, len(buf))]
+        except StoreThrottled:
+            return "miss_throttled"  # the store answered: _note_throttle told the breaker so
         except StoreUnavailable as e:
             self.breaker.failure(e)
             return "miss_unavailable"
@@ -237,9 +258,13 @@ class ReaderMixin:
                 k = keys[i]
                 if (k.namespace == self._fp and not b.closed and self._tenant_miss(k.tenant) is None
                         and self.breaker.allow()):
+                    name = self._name(k)
                     try:
-                        present = self.store.head(self._name(k)) is not None
+                        present = call_throttled(lambda: self.store.head(name), b.until,
+                                                 lambda: self._note_throttle("head"), lambda: b.closed) is not None
                         self.breaker.success()
+                    except StoreThrottled:
+                        b.throttled = True  # absent for this lookup: it ends here
                     except StoreUnavailable as e:
                         self.breaker.failure(e)
                         self._count("lookup_unavailable")
@@ -271,6 +296,8 @@ class ReaderMixin:
                 b.closed = True
         if finished:
             self._count("lookup_hits", n)
+            if b.throttled and n < len(keys):
+                self._count("lookup_throttled")
             self._lookup_result(len(keys), n)
             b.future.set_result(n)
         else:
@@ -284,8 +311,11 @@ class ReaderMixin:
             n = 0
             while n < len(b.ok) and b.done[n] and b.ok[n]:
                 n += 1
-        self._count("lookup_timeout")
         self._lookup_result(len(b.ok), n)
-        self.breaker.failure(f"a lookup got no reply within {self._load_bound_s:.2f} s")
+        if b.throttled or self._throttling():  # waited on "slow down" answers, not on silence
+            self._count("lookup_throttled")
+        else:
+            self._count("lookup_timeout")
+            self.breaker.failure(f"a lookup got no reply within {self._load_bound_s:.2f} s")
         b.future.set_result(n)
 

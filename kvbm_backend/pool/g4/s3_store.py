@@ -4,8 +4,18 @@
   chain (env ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles, IMDS).
 * One thread-safe client with ``max_inflight`` pooled connections; callers run requests from their
   own thread pool so that many are in flight.
-* Bounded time: botocore connect and read timeouts = ``timeout_s``; ``retries`` extra attempts in
-  botocore's ``standard`` mode. Timeouts, connection errors and 5xx raise StoreUnavailable.
+* Bounded time: botocore connect and read timeouts = ``timeout_s``; up to ``retries`` extra attempts of a
+  request that failed in transit (connection error, timeout, a body cut short) or with 500/502/503/504 or
+  ``RequestTimeout``, made here at once (:meth:`S3Store._call`); what still fails raises StoreUnavailable.
+* Throttling ("slow down": ``SlowDown``, HTTP 429, ``Throttling``, ``RequestLimitExceeded``... see
+  :data:`THROTTLE_CODES`; a bodyless 503 to a HEAD, which is how S3 throttles HEADs) raises
+  :class:`~kvbm_backend.pool.g4.store.StoreThrottled` at once: the G4 pool retries it after a full-jitter
+  backoff inside its own bound (:mod:`kvbm_backend.pool.g4.throttle`). botocore's retries are off
+  (``total_max_attempts`` 1) because its ``standard`` mode would own that wait instead: it retries
+  throttles (and every 503) after ``rand() * 2**i`` seconds, up to 20 s, longer still when the server
+  sends ``x-amz-retry-after``, sleeping inside the request where no load bound can cut it, and its
+  client-wide retry quota (500 tokens, 5-14 per retry), once a throttling burst has spent it, stops the
+  retries of connection errors too. Its retry conditions are not settable through ``Config``.
 * Create-exclusive publish: ``PUT`` with ``If-None-Match: *``; 412 PreconditionFailed (or 409
   ConditionalRequestConflict) means another writer published it first, which is success. A 412 on a
   *retried* PUT may be this call's own first attempt (the server stored it, its answer came after the
@@ -50,17 +60,29 @@ from typing import Iterator
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from .store import BucketMissing, ObjectInfo, ObjectStore, StoreUnavailable
+from .store import BucketMissing, ObjectInfo, ObjectStore, StoreThrottled, StoreUnavailable
 
 _MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchObject"}
 _EXISTS = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+#: Error codes that mean "slow down" (with HTTP 429 whatever its code): botocore's throttling list
+#: (``botocore.retries.standard.ThrottledRetryableChecker``) and the S3 and S3-compatible ones.
+THROTTLE_CODES = frozenset({
+    "SlowDown", "SlowDownRead", "SlowDownWrite", "Throttling", "ThrottlingException", "ThrottledException",
+    "RequestThrottled", "RequestThrottledException", "TooManyRequests", "TooManyRequestsException",
+    "RequestLimitExceeded", "BandwidthLimitExceeded", "LimitExceededException", "PriorRequestNotComplete",
+    "ProvisionedThroughputExceededException", "EC2ThrottledException"})
+_TRANSIENT_STATUS = {500, 502, 503, 504}
+_TRANSIENT_CODES = {"RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable"}
 
 
 def _retried(e: ClientError) -> bool:
-    """botocore retried the request that ended in ``e`` (``ResponseMetadata.RetryAttempts`` > 0)."""
-    return int(e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0) > 0
+    """An earlier attempt of the call that ended in ``e`` failed in transit (:meth:`S3Store._call` marks
+    it; ``ResponseMetadata.RetryAttempts`` > 0 for a client that retries on its own)."""
+    return bool(getattr(e, "kvbm_retried", False)) or \
+        int(e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0) > 0
 
 
 def _code(e: ClientError) -> tuple[str, int]:
@@ -84,8 +106,10 @@ class S3Store(ObjectStore):
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.endpoint_url = endpoint_url
+        self.retries = retries
+        # one attempt per botocore call: _call retries transient failures and leaves throttles to the pool
         cfg = Config(connect_timeout=timeout_s, read_timeout=timeout_s, max_pool_connections=2 * max_inflight,
-                     retries={"total_max_attempts": 1 + retries, "mode": "standard"},
+                     retries={"total_max_attempts": 1, "mode": "standard"},
                      request_checksum_calculation="when_required", response_checksum_validation="when_required",
                      s3={"addressing_style": "path"} if endpoint_url else None)
         self.client = client or boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region,
@@ -108,11 +132,35 @@ class S3Store(ObjectStore):
     def _unavailable(self, op: str, name: str, e: Exception) -> StoreUnavailable:
         return StoreUnavailable(f"{op} {self.url}/{name}: {type(e).__name__}: {e}")
 
+    def _call(self, op: str, name: str, fn):
+        """``fn(retried)``: one S3 request (and the read of its body), made up to ``1 + retries`` times.
+
+        A throttled answer raises :class:`StoreThrottled` at once (never retried or slept on here). A
+        failure in transit (botocore connection errors and timeouts, a body cut short) or a 500/502/503/504 or
+        ``RequestTimeout`` answer is retried at once while attempts remain; ``retried`` tells ``fn`` that an
+        earlier attempt failed so (its request may have reached the server). Anything else, and the last
+        transient failure, is raised as botocore raised it (a ClientError carries ``kvbm_retried``)."""
+        for attempt in range(self.retries + 1):
+            try:
+                return fn(attempt > 0)
+            except ClientError as e:
+                code, status = _code(e)
+                if code in THROTTLE_CODES or status == 429 or (op.startswith("head") and status == 503):
+                    raise StoreThrottled(f"{op} {self.url}/{name}: throttled ({code or '-'}, HTTP {status})") from None
+                if attempt == self.retries or not (status in _TRANSIENT_STATUS or code in _TRANSIENT_CODES):
+                    e.kvbm_retried = attempt > 0
+                    raise
+            except (BotoConnectionError, HTTPClientError):
+                if attempt == self.retries:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def put_if_absent(self, name: str, data) -> bool:
         key = self._key(name)
         if self.supports_conditional_put:
             try:
-                self.client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*")
+                self._call("put", name, lambda _r: self.client.put_object(Bucket=self.bucket, Key=key, Body=data,
+                                                                          IfNoneMatch="*"))
                 return True
             except ClientError as e:
                 code, status = _code(e)
@@ -134,8 +182,9 @@ class S3Store(ObjectStore):
         HEAD fails or the server's ETag is not an MD5 (multipart, some gateways): counted as another
         writer's copy, which is the conservative answer."""
         try:
-            etag = str(self.client.head_object(Bucket=self.bucket, Key=key).get("ETag", "")).strip('"')
-        except (ClientError, BotoCoreError):
+            etag = str(self._call("head", key, lambda _r: self.client.head_object(Bucket=self.bucket, Key=key))
+                       .get("ETag", "")).strip('"')
+        except (ClientError, BotoCoreError, OSError):
             return False
         return etag == hashlib.md5(data, usedforsecurity=False).hexdigest()
 
@@ -143,13 +192,13 @@ class S3Store(ObjectStore):
         code, status = _code(e)
         if code == "NoSuchBucket":
             return self._bucket_missing()
-        if status >= 500 or status == 429 or code in ("SlowDown", "RequestTimeout"):
+        if status >= 500 or code in _TRANSIENT_CODES:
             return self._unavailable(op, name, e)
         return OSError(f"{op} {self.url}/{name}: {code} (HTTP {status})")
 
     def put(self, name: str, data) -> None:
         try:
-            self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+            self._call("put", name, lambda _r: self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data))
         except ClientError as e:
             raise self._err("put", name, e) from None
         except BotoCoreError as e:
@@ -160,8 +209,8 @@ class S3Store(ObjectStore):
         if offset or length is not None:
             kw["Range"] = f"bytes={offset}-" + (str(offset + length - 1) if length is not None else "")
         try:
-            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(name), **kw)
-            return resp["Body"].read()
+            return self._call("get", name,
+                              lambda _r: self.client.get_object(Bucket=self.bucket, Key=self._key(name), **kw)["Body"].read())
         except ClientError as e:
             code, status = _code(e)
             if code in _MISSING or status == 404:
@@ -181,8 +230,8 @@ class S3Store(ObjectStore):
         if len(want) != size:
             return False
         try:
-            h = self.client.head_object(Bucket=self.bucket, Key=self._key(name))
-        except (ClientError, BotoCoreError):
+            h = self._call("head", name, lambda _r: self.client.head_object(Bucket=self.bucket, Key=self._key(name)))
+        except (ClientError, BotoCoreError, OSError):
             return False
         etag = str(h.get("ETag", "")).strip('"').lower()
         if int(h.get("ContentLength", -1)) != size or len(etag) != 32:
@@ -191,7 +240,8 @@ class S3Store(ObjectStore):
 
     def head(self, name: str) -> int | None:
         try:
-            return int(self.client.head_object(Bucket=self.bucket, Key=self._key(name))["ContentLength"])
+            return int(self._call("head", name, lambda _r: self.client.head_object(Bucket=self.bucket,
+                                                                                   Key=self._key(name)))["ContentLength"])
         except ClientError as e:
             code, status = _code(e)
             if code in _MISSING or status == 404:
@@ -202,7 +252,7 @@ class S3Store(ObjectStore):
 
     def delete(self, name: str) -> None:
         try:
-            self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
+            self._call("delete", name, lambda _r: self.client.delete_object(Bucket=self.bucket, Key=self._key(name)))
         except ClientError as e:
             code, status = _code(e)
             if code in _MISSING or status == 404:
@@ -213,11 +263,15 @@ class S3Store(ObjectStore):
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = f"{self.prefix}/" if self.prefix else ""
+        kw = {"Bucket": self.bucket, "Prefix": base + prefix}
         try:
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
-            for page in pages:
+            while True:  # one LIST page per request (ListObjectsV2 continuation tokens), each retried like any call
+                page = self._call("list", prefix, lambda _r: self.client.list_objects_v2(**kw))
                 for o in page.get("Contents", []):
                     yield ObjectInfo(o["Key"][len(base):], int(o["Size"]), o["LastModified"].timestamp())
+                if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
+                    break
+                kw["ContinuationToken"] = page["NextContinuationToken"]
         except ClientError as e:
             code, status = _code(e)
             if code == "NoSuchBucket":
@@ -233,7 +287,7 @@ class S3Store(ObjectStore):
     def probe(self) -> None:
         """HEAD the bucket: 404 is :class:`BucketMissing`, 403 an OSError, no answer StoreUnavailable."""
         try:
-            self.client.head_bucket(Bucket=self.bucket)
+            self._call("head-bucket", "", lambda _r: self.client.head_bucket(Bucket=self.bucket))
         except ClientError as e:
             code, status = _code(e)
             if status == 404 or code in ("404", "NoSuchBucket", "NotFound"):

@@ -8,8 +8,10 @@ Implementations: :class:`~kvbm_backend.pool.g4.s3_store.S3Store` (S3-compatible 
 
 Contract: an object is either absent or complete (never torn); ``put_if_absent`` of an existing name
 leaves it untouched and returns False (losing a race is success). Errors that mean "the store is not
-answering" (connection refused, timeouts, 5xx, EIO) raise :class:`StoreUnavailable`; absent objects are
-``None``/``False`` results, never exceptions.
+answering" (connection refused, timeouts, 5xx, EIO) raise :class:`StoreUnavailable`; a store that answers
+"slow down" (S3 503 SlowDown, 429, ``Throttling``...) raises :class:`StoreThrottled` at once, unretried and
+unslept, so the pool's own bounded backoff (:mod:`kvbm_backend.pool.g4.throttle`) owns that wait; absent
+objects are ``None``/``False`` results, never exceptions.
 """
 from __future__ import annotations
 
@@ -21,6 +23,13 @@ from urllib.parse import urlparse
 
 class StoreUnavailable(OSError):
     """The store did not answer in time or failed (counts towards the circuit breaker)."""
+
+
+class StoreThrottled(OSError):
+    """The store answered "slow down" (S3 ``503 SlowDown``, HTTP 429, ``Throttling``, ``RequestLimitExceeded``,
+    ...): it is up and shedding load. Not an outage, so never a circuit-breaker failure; the pool retries
+    after a full-jitter backoff inside the request's bound (:mod:`kvbm_backend.pool.g4.throttle`). Not a
+    :class:`StoreUnavailable`: code that catches only that one treats a throttle as an error answer."""
 
 
 class BucketMissing(OSError):

@@ -3,10 +3,13 @@ create-exclusive (:class:`WriterMixin`, part of :class:`~kvbm_backend.pool.g4.po
 
 Each queued block runs :meth:`WriterMixin._put_one` on an I/O thread and ends in exactly one of
 ``written`` / ``skipped`` / ``dropped`` (counted by reason: ``dropped_breaker``, ``dropped_unavailable``,
-``dropped_error``, ``dropped_revoked_tenant``, ``dropped_unknown_tenant``, ``dropped_keyring``,
+``dropped_throttled``, ``dropped_error``, ``dropped_revoked_tenant``, ``dropped_unknown_tenant``, ``dropped_keyring``,
 ``skipped_exists``, ``skipped_foreign``); it never raises. A store outage counts towards the breaker; a
 store that answers with an error (403, missing bucket) does not, and is logged by the pool
-(``_store_error``).
+(``_store_error``). A throttled PUT (:class:`~.store.StoreThrottled`) is retried after a full-jitter backoff
+(:mod:`.throttle`) until ``timeout_s * (1 + retries)`` seconds after its first request, then dropped
+(``dropped_throttled``); never a breaker failure. The backoff holds the I/O thread, so offloads queued
+behind it wait, and past ``write_queue_blocks`` pending blocks new ones are dropped (never waited for).
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from ...crypto.aead import new_nonce, seal_into
 from ...crypto.keyring import KeyringError, TenantRevoked, UnknownTenant
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, payload_checksum
 from ...model.namespace import BlockKey
-from .store import StoreUnavailable
+from .naming import namespace_name
+from .store import StoreThrottled, StoreUnavailable
+from .throttle import call_throttled
 
 
 class WriterMixin:
@@ -65,8 +70,14 @@ class WriterMixin:
                 self._count(reason)
                 self._log_tenant_once(reason, key.tenant, e)
                 return
+            name = self._name(key)
             try:
-                created = self.store.put_if_absent(self._name(key), buf)
+                created = call_throttled(lambda: self.store.put_if_absent(name, buf),
+                                         time.monotonic() + self.cfg.timeout_s * (1 + self.cfg.retries),
+                                         lambda: self._note_throttle("put"), lambda: self._closed)
+            except StoreThrottled:
+                self._count("dropped_throttled")  # the store answered: _note_throttle told the breaker so
+                return
             except StoreUnavailable as e:
                 self.breaker.failure(e)
                 self._count("dropped_unavailable")
@@ -79,6 +90,8 @@ class WriterMixin:
             self.breaker.success()
             if self._store_errors_logged:
                 self._store_ok()
+            if not self._ns_written:  # namespace.json stayed throttled at start: the store takes writes now
+                self._write_namespace_json()
             if created:
                 kind = "written"
                 self._count("written")
@@ -93,3 +106,24 @@ class WriterMixin:
             self.metrics.offload_seconds.observe(time.monotonic() - queued)
             done(kind)
 
+    def _write_namespace_json(self) -> None:
+        """Start-up check and ``{ns_fp}/namespace.json`` (once; throttled answers backed off within the load
+        bound; an unavailable store trips the breaker, whose closing writes it again)."""
+        if self._ns_written:
+            return
+
+        def write() -> None:
+            self.store.probe()  # start-up check: an unavailable store or missing bucket is logged now
+            if self.store.head(namespace_name(self._fp)) is None:
+                self.store.put_if_absent(namespace_name(self._fp), self.namespace.canonical_json().encode())
+        try:
+            call_throttled(write, time.monotonic() + self._load_bound_s, lambda: self._note_throttle("put"))
+            self._ns_written = True
+        except StoreThrottled:  # still throttled: the next offload that is written tries again
+            self._count("namespace_json_errors")
+        except StoreUnavailable as e:
+            self._count("namespace_json_errors")
+            self.breaker.trip(e)  # logs "unavailable at start"; probes every breaker_reset_s from now on
+        except OSError as e:
+            self._count("namespace_json_errors")
+            self._store_error(e)
