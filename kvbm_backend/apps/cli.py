@@ -134,8 +134,10 @@ def bench(
     tp: int = typer.Option(1, help=f"TP degree (block size is per rank; 1-{MAX_TP})"),
     blocks: int = typer.Option(256, help="blocks to write then read (their source and read-back buffers must fit "
                                          f"in host memory; index: at most {MAX_INDEX_BLOCKS:,})"),
-    path: Optional[str] = typer.Option(None, help="g3 / vllm-tiers: directory (several: comma-separated)"),
-    url: Optional[str] = typer.Option(None, help="g4: s3://BUCKET/PREFIX or file:///shared/path"),
+    path: Optional[str] = typer.Option(None, help="g3 / vllm-tiers: an existing directory (several: "
+                                                  "comma-separated)"),
+    url: Optional[str] = typer.Option(None, help="g4: s3://BUCKET/PREFIX or file:///shared/path (an existing "
+                                                 "directory)"),
     endpoint_url: Optional[str] = typer.Option(None, help="g4: S3 endpoint URL"),
     encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help="g4: AES-256-GCM per tenant"),
     io_size: int = typer.Option(1 << 20, help="bytes per coalesced I/O per rank (a multiple of 4096, at most 1 GiB)"),
@@ -163,8 +165,13 @@ def bench(
         if need > _host_memory_bytes():
             _fail(f"--blocks: {blocks:,} blocks need {need / 1e9:,.1f} GB of host buffers (written and read "
                   f"back), more than this host's {_host_memory_bytes() / 1e9:,.1f} GB of memory (got {blocks})")
+    from .cli_checks import existing_dir, file_url_path
+    why = "bench writes its files inside an existing directory and creates none"
     if tier != "g4":
-        _writable_dirs("--path", path, sep=",")
+        for d in ([x.strip() for x in path.split(",") if x.strip()] if path else []):
+            existing_dir("--path", d, why)
+    elif url and file_url_path(url) is not None:
+        existing_dir("--url", file_url_path(url), why)
     opts = BenchOptions(tier=tier, layout=layout, page_size=page_size, tp=tp, blocks=blocks, path=path, url=url,
                         endpoint_url=endpoint_url, encrypt=encrypt, io_size_bytes=io_size, engine=engine,
                         threads=threads, progress=not as_json)
