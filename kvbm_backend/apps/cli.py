@@ -392,7 +392,9 @@ def doctor(
     config: Optional[str] = typer.Option(None, help="config file; its paths are probed too"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """GPU, driver, cuFile/GDS, kvikio, NIXL plugins, O_DIRECT per path, and the engine chosen."""
+    """GPU, driver, cuFile/GDS, kvikio, NIXL plugins, O_DIRECT per path, file modes, the engine chosen,
+    and G4 (URL, endpoint, credentials, bucket, a create-exclusive probe object, keyring and KEK). Ends
+    with one verdict line, OK or N problems; exit code 1 when there are problems."""
     from kvbm_backend.config import ConfigError
     from .doctor import print_doctor, run_doctor
     try:
@@ -400,6 +402,8 @@ def doctor(
     except ConfigError as e:
         _fail(str(e))
     _emit(result, as_json, table_fn=print_doctor)
+    if result["problems"]:
+        raise typer.Exit(1)
 
 
 @app.command()
