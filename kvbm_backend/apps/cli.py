@@ -26,6 +26,8 @@ MAX_INDEX_BLOCKS = 100_000_000  # bench --tier index entries
 MAX_SYNTH_BLOCK_IDS = 100_000_000  # plan --synthetic: block ids the whole trace holds
 MAX_NODES = 10_000
 MAX_WORKERS_PER_NODE = 256
+DEFAULT_LAYOUT = "llama-3.1-8b"  # every command's --layout default (bench, replay, plan)
+LAYOUT_HELP = f"model preset in layouts/ (default for every command: {DEFAULT_LAYOUT}; see: kvbm-backend layouts)"
 
 console = Console(stderr=True)
 
@@ -129,7 +131,7 @@ def _config_error_text(e: Exception) -> str:
 def bench(
     tier: str = typer.Option(..., help="g3 | g4 | vllm-tiers | index (the in-memory G3 index; --blocks N "
                                        "entries, default 1M and 10M)"),
-    layout: str = typer.Option("llama-3.1-8b", help="model preset in layouts/ (see: kvbm-backend layouts)"),
+    layout: str = typer.Option(DEFAULT_LAYOUT, help=LAYOUT_HELP),
     page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
     tp: int = typer.Option(1, help=f"TP degree (block size is per rank; 1-{MAX_TP})"),
     blocks: int = typer.Option(256, help="blocks to write then read (their source and read-back buffers must fit "
@@ -199,7 +201,7 @@ def bench(
 @app.command()
 def replay(
     trace: str = typer.Option(..., help="Mooncake-format JSONL trace"),
-    layout: str = typer.Option("tiny", help="model preset"),
+    layout: str = typer.Option(DEFAULT_LAYOUT, help=LAYOUT_HELP),
     page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
     g3_path: str = typer.Option(..., help="G3 directory"),
     g3_capacity_gb: float = typer.Option(..., help="G3 capacity, GB (1e9 bytes; at most 10,000,000: 10 PB)"),
@@ -257,7 +259,7 @@ def plan(
     seed: int = typer.Option(0, help="synthetic: random seed (>= 0)"),
     save_trace: Optional[str] = typer.Option(None, help="synthetic: also write the trace here (JSONL)"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
-    layout: str = typer.Option("llama-3.1-70b", help="model preset (see: kvbm-backend layouts)"),
+    layout: str = typer.Option(DEFAULT_LAYOUT, help=LAYOUT_HELP),
     tp: int = typer.Option(1, help=f"TP degree of a worker (1-{MAX_TP})"),
     page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
     nodes: int = typer.Option(1, help=f"nodes in the fleet (1-{MAX_NODES:,})"),
@@ -439,14 +441,8 @@ def layouts(page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PA
     if as_json:
         _emit(rows, as_json)
         return
-    from .report import print_kv_table
-    hyb = ("full_layers", "sliding_layers", "sliding_window", "full_bytes_per_token", "sliding_bytes_per_token",
-           "sliding_bytes_max", "kv_bytes_8k_tokens")
-    print_kv_table({n: {k: v for k, v in r.items() if k not in hyb} for n, r in rows.items()})
-    hybrid = {n: {k: r[k] for k in hyb} for n, r in rows.items() if "full_layers" in r}
-    if hybrid:
-        print_kv_table(hybrid, title=f"hybrid models: full-attention layers (every token) and sliding-window "
-                                     f"layers (at most sliding_window tokens), bytes per rank at tp={tp}")
+    from .report import print_layouts
+    print_layouts(rows, page_size=page_size, tp=tp, default=DEFAULT_LAYOUT)
 
 
 @app.command()
