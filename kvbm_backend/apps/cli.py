@@ -485,6 +485,8 @@ def _register_g4_commands() -> None:
 
 
 _register_g4_commands()
+from .model_cli import register as _register_model  # noqa: E402 - `kvbm-backend model tiny DIR`
+_register_model(app)
 # `kvbm-backend config effective`: the launch scripts' effective settings (effective.py).
 from .effective import typer_app as _config_app  # noqa: E402
 app.add_typer(_config_app, name="config")
