@@ -99,7 +99,8 @@ _VLLM_MODULES = {"test_connector_e2e", "test_connector_units", "test_demo", "tes
 _SLOW_MODULES = {"test_faults_quick", "test_g3_crash", "test_g4_multiproc", "test_g4_outage", "test_g4_gc_bench",
                  "test_g3_enospc", "test_keyring_revocation", "test_g4_cluster", "test_hybrid_e2e",
                  "test_connector_liveness", "test_native_tiers", "test_dynamo_native"}
-_SLOW_TESTS: set = {"test_fp8_kv::test_fp8_kv_engine_fresh_engine_and_restart"}  # "module::test name" of single slow tests in otherwise fast modules
+_SLOW_TESTS: set = {"test_fp8_kv::test_fp8_kv_engine_fresh_engine_and_restart",
+                    "test_model_cli::test_vllm_console_script_fixed"}  # "module::test name" of single slow tests in otherwise fast modules
 # `side` - engine tests that assert nothing about wall-clock time (outputs, counters, files only): `ci/test.sh`
 # runs them in a second engine lane at `nice 10` beside the main one, whose tests keep the CPU first when
 # they want it (their timeouts and latency bounds are measured at normal priority). A test that bounds a

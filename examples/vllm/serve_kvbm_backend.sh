@@ -37,5 +37,5 @@ eval "$EFFECTIVE"
 # KVBM_BACKEND_DRY_RUN=1: print the command and run the launcher's preflight instead of starting the engine.
 exec ${KVBM_BACKEND_DRY_RUN:+"$PYTHON" -m kvbm_backend.apps.effective --dry-run} \
   "$PYTHON" -m kvbm_backend.integrations.vllm.cli serve "$MODEL" \
-  --enable-prefix-caching \
+  --enable-prefix-caching --enable-prompt-tokens-details \
   --kv-transfer-config "$KV_TRANSFER_CONFIG" "$@"

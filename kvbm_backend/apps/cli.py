@@ -26,6 +26,8 @@ MAX_INDEX_BLOCKS = 100_000_000  # bench --tier index entries
 MAX_SYNTH_BLOCK_IDS = 100_000_000  # plan --synthetic: block ids the whole trace holds
 MAX_NODES = 10_000
 MAX_WORKERS_PER_NODE = 256
+DEFAULT_LAYOUT = "llama-3.1-8b"  # every command's --layout default (bench, replay, plan)
+LAYOUT_HELP = f"model preset in layouts/ (default for every command: {DEFAULT_LAYOUT}; see: kvbm-backend layouts)"
 
 console = Console(stderr=True)
 
@@ -129,13 +131,15 @@ def _config_error_text(e: Exception) -> str:
 def bench(
     tier: str = typer.Option(..., help="g3 | g4 | vllm-tiers | index (the in-memory G3 index; --blocks N "
                                        "entries, default 1M and 10M)"),
-    layout: str = typer.Option("llama-3.1-8b", help="model preset in layouts/ (see: kvbm-backend layouts)"),
+    layout: str = typer.Option(DEFAULT_LAYOUT, help=LAYOUT_HELP),
     page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
     tp: int = typer.Option(1, help=f"TP degree (block size is per rank; 1-{MAX_TP})"),
     blocks: int = typer.Option(256, help="blocks to write then read (their source and read-back buffers must fit "
                                          f"in host memory; index: at most {MAX_INDEX_BLOCKS:,})"),
-    path: Optional[str] = typer.Option(None, help="g3 / vllm-tiers: directory (several: comma-separated)"),
-    url: Optional[str] = typer.Option(None, help="g4: s3://BUCKET/PREFIX or file:///shared/path"),
+    path: Optional[str] = typer.Option(None, help="g3 / vllm-tiers: an existing directory (several: "
+                                                  "comma-separated)"),
+    url: Optional[str] = typer.Option(None, help="g4: s3://BUCKET/PREFIX or file:///shared/path (an existing "
+                                                 "directory)"),
     endpoint_url: Optional[str] = typer.Option(None, help="g4: S3 endpoint URL"),
     encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help="g4: AES-256-GCM per tenant"),
     io_size: int = typer.Option(1 << 20, help="bytes per coalesced I/O per rank (a multiple of 4096, at most 1 GiB)"),
@@ -163,8 +167,13 @@ def bench(
         if need > _host_memory_bytes():
             _fail(f"--blocks: {blocks:,} blocks need {need / 1e9:,.1f} GB of host buffers (written and read "
                   f"back), more than this host's {_host_memory_bytes() / 1e9:,.1f} GB of memory (got {blocks})")
+    from .cli_checks import existing_dir, file_url_path
+    why = "bench writes its files inside an existing directory and creates none"
     if tier != "g4":
-        _writable_dirs("--path", path, sep=",")
+        for d in ([x.strip() for x in path.split(",") if x.strip()] if path else []):
+            existing_dir("--path", d, why)
+    elif url and file_url_path(url) is not None:
+        existing_dir("--url", file_url_path(url), why)
     opts = BenchOptions(tier=tier, layout=layout, page_size=page_size, tp=tp, blocks=blocks, path=path, url=url,
                         endpoint_url=endpoint_url, encrypt=encrypt, io_size_bytes=io_size, engine=engine,
                         threads=threads, progress=not as_json)
@@ -192,7 +201,7 @@ def bench(
 @app.command()
 def replay(
     trace: str = typer.Option(..., help="Mooncake-format JSONL trace"),
-    layout: str = typer.Option("tiny", help="model preset"),
+    layout: str = typer.Option(DEFAULT_LAYOUT, help=LAYOUT_HELP),
     page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
     g3_path: str = typer.Option(..., help="G3 directory"),
     g3_capacity_gb: float = typer.Option(..., help="G3 capacity, GB (1e9 bytes; at most 10,000,000: 10 PB)"),
@@ -250,7 +259,7 @@ def plan(
     seed: int = typer.Option(0, help="synthetic: random seed (>= 0)"),
     save_trace: Optional[str] = typer.Option(None, help="synthetic: also write the trace here (JSONL)"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
-    layout: str = typer.Option("llama-3.1-70b", help="model preset (see: kvbm-backend layouts)"),
+    layout: str = typer.Option(DEFAULT_LAYOUT, help=LAYOUT_HELP),
     tp: int = typer.Option(1, help=f"TP degree of a worker (1-{MAX_TP})"),
     page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
     nodes: int = typer.Option(1, help=f"nodes in the fleet (1-{MAX_NODES:,})"),
@@ -385,7 +394,9 @@ def doctor(
     config: Optional[str] = typer.Option(None, help="config file; its paths are probed too"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """GPU, driver, cuFile/GDS, kvikio, NIXL plugins, O_DIRECT per path, and the engine chosen."""
+    """GPU, driver, cuFile/GDS, kvikio, NIXL plugins, O_DIRECT per path, file modes, the engine chosen,
+    and G4 (URL, endpoint, credentials, bucket, a create-exclusive probe object, keyring and KEK). Ends
+    with one verdict line, OK or N problems; exit code 1 when there are problems."""
     from kvbm_backend.config import ConfigError
     from .doctor import print_doctor, run_doctor
     try:
@@ -393,6 +404,8 @@ def doctor(
     except ConfigError as e:
         _fail(str(e))
     _emit(result, as_json, table_fn=print_doctor)
+    if result["problems"]:
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -428,14 +441,8 @@ def layouts(page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PA
     if as_json:
         _emit(rows, as_json)
         return
-    from .report import print_kv_table
-    hyb = ("full_layers", "sliding_layers", "sliding_window", "full_bytes_per_token", "sliding_bytes_per_token",
-           "sliding_bytes_max", "kv_bytes_8k_tokens")
-    print_kv_table({n: {k: v for k, v in r.items() if k not in hyb} for n, r in rows.items()})
-    hybrid = {n: {k: r[k] for k in hyb} for n, r in rows.items() if "full_layers" in r}
-    if hybrid:
-        print_kv_table(hybrid, title=f"hybrid models: full-attention layers (every token) and sliding-window "
-                                     f"layers (at most sliding_window tokens), bytes per rank at tp={tp}")
+    from .report import print_layouts
+    print_layouts(rows, page_size=page_size, tp=tp, default=DEFAULT_LAYOUT)
 
 
 @app.command()
@@ -478,6 +485,8 @@ def _register_g4_commands() -> None:
 
 
 _register_g4_commands()
+from .model_cli import register as _register_model  # noqa: E402 - `kvbm-backend model tiny DIR`
+_register_model(app)
 # `kvbm-backend config effective`: the launch scripts' effective settings (effective.py).
 from .effective import typer_app as _config_app  # noqa: E402
 app.add_typer(_config_app, name="config")

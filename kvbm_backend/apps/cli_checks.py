@@ -60,3 +60,24 @@ def int_range(name: str, value: Optional[int], lo: int, hi: Optional[int] = None
         fail(f"{name}: must be >= {lo} (got {value})")
     if hi is not None and value > hi:
         fail(f"{name}: must be <= {hi:,} (got {value:,})")
+
+
+def existing_dir(name: str, path: str, why: str) -> None:
+    """``path`` must be an existing directory this process can write, else :func:`fail` naming ``name``:
+    a command that reads or cleans a store (``gc``) or measures one (``bench``) never creates it, so
+    a typo does not become an empty new store. ``why`` ends the does-not-exist message."""
+    import os
+
+    from kvbm_backend.config import dir_problem
+    problem = dir_problem(path)
+    if problem:
+        fail(f"{name}: {path}: {problem}")
+    if not os.path.isdir(path):
+        fail(f"{name}: {path}: no such directory ({why})")
+
+
+def file_url_path(url: str) -> str | None:
+    """The local path of a ``file://`` URL (``file:///p`` or ``file://localhost/p``), else None."""
+    from urllib.parse import urlparse
+    u = urlparse(url)
+    return u.path if u.scheme == "file" and u.netloc in ("", "localhost") and u.path.startswith("/") else None

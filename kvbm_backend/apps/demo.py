@@ -249,7 +249,9 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from .phases import Phases
     console = Console(stderr=True)
+    phases = Phases(lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))  # above the bars
     model = model or DEMO
     trace_path = Path(trace) if trace else default_trace()
     if not trace_path.is_file():
@@ -309,11 +311,12 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
             results, serving = run_dynamo(prompts, model_dir, wd, lambda g3: extra(g3)["kvbm_backend"],
                                           block_size=BLOCK_SIZE, num_blocks=num_blocks, max_model_len=max_len,
                                           dtype=DTYPE, max_tokens=base_spec["max_tokens"], progress=progress,
-                                          tasks=tasks)
+                                          tasks=tasks, phases=phases)
         else:
             for name, conn in runs:
                 progress.start_task(tasks[name])
-                results[name] = _run_engine(name, dict(base_spec, connector=conn), wd, progress, tasks[name])
+                with phases.phase(f"engine {name}: vLLM start-up, then {len(prompts)} requests"):
+                    results[name] = _run_engine(name, dict(base_spec, connector=conn), wd, progress, tasks[name])
     base = results["baseline"]
     from kvbm_backend.integrations.vllm.engine_run import vllm_version as _vllm_version
     vllm_version = _vllm_version()

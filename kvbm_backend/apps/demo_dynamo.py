@@ -47,7 +47,7 @@ def _delta(after: dict, before: dict) -> dict:
 
 def run_dynamo(prompts: list[list[int]], model_dir: Path, wd: Path, kvbm_config, *, block_size: int,
                num_blocks: int, max_model_len: int, dtype: str, max_tokens: int = 4, progress=None,
-               tasks: dict | None = None, ready_timeout_s: float = 600.0) -> tuple[dict, dict]:
+               tasks: dict | None = None, ready_timeout_s: float = 600.0, phases=None) -> tuple[dict, dict]:
     """Serve ``prompts`` through Dynamo in each configuration of :data:`CONFIGS`.
 
     ``kvbm_config(g3_dir: str) -> dict`` gives the ``kvbm_backend`` config of a worker whose G3 is
@@ -57,8 +57,11 @@ def run_dynamo(prompts: list[list[int]], model_dir: Path, wd: Path, kvbm_config,
     :mod:`kvbm_backend.integrations.vllm.engine_run`'s result
     (``outputs`` are the completion texts, ``ttft_s`` at the client, ``init_s`` the worker's start-up) and
     ``info`` (versions, worker start-up seconds, ports and log paths). Raises RuntimeError naming the log of
-    a process that fails.
+    a process that fails. ``phases``: a :class:`kvbm_backend.apps.phases.Phases` that gets a line when the
+    workers start, every 15 s while they are starting, and when they are ready (default: lines on stderr).
     """
+    from .phases import Phases
+    phases = phases or Phases()
     from kvbm_backend.integrations.dynamo.stack import DynamoStack, stream_completion
 
     engine_args = ["--dtype", dtype, "--block-size", str(block_size), "--max-model-len", str(max_model_len),
@@ -67,26 +70,28 @@ def run_dynamo(prompts: list[list[int]], model_dir: Path, wd: Path, kvbm_config,
     info: dict = {"frontend_log": None, "workers": {}}
     with DynamoStack(wd / "dynamo", env={"VLLM_LOGGING_LEVEL": "WARNING"}) as st:
         info["frontend_log"] = str(st.frontend.log)
-        for name in CONFIGS:
-            env = {}
-            script = "agg.sh"
-            if name != "baseline":
-                g3 = "g3-run" if name == "kvbm_backend" else "g3-restart"
-                cfg = kvbm_config(g3)
-                cfg_path = wd / f"{g3}.yaml"
-                cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
-                env = {"KVBM_BACKEND_CONFIG_FILE": str(cfg_path), "DYN_KVBM_DISK_CACHE_DIR": str(wd / g3),
-                       "DYN_KVBM_DISK_CACHE_GB": str(cfg["g3"]["capacity_gb"])}
-                script = "agg_kvbm_backend.sh"
-            st.start_worker(name, script, model_dir, engine_args, env=env, stats=name != "baseline",
-                            served_name=f"demo-{name}")
-        took = st.wait_ready(timeout_s=ready_timeout_s)
-        for name in CONFIGS:
-            t0 = time.monotonic()
-            while not st.model_listed(f"demo-{name}"):
-                if time.monotonic() - t0 > 60:
-                    raise RuntimeError(f"the Dynamo frontend does not list demo-{name}:\n{st.frontend.tail()}")
-                time.sleep(0.3)
+        with phases.phase(f"starting the Dynamo frontend and {len(CONFIGS)} dynamo.vllm workers") as still:
+            for name in CONFIGS:
+                env = {}
+                script = "agg.sh"
+                if name != "baseline":
+                    g3 = "g3-run" if name == "kvbm_backend" else "g3-restart"
+                    cfg = kvbm_config(g3)
+                    cfg_path = wd / f"{g3}.yaml"
+                    cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
+                    env = {"KVBM_BACKEND_CONFIG_FILE": str(cfg_path), "DYN_KVBM_DISK_CACHE_DIR": str(wd / g3),
+                           "DYN_KVBM_DISK_CACHE_GB": str(cfg["g3"]["capacity_gb"])}
+                    script = "agg_kvbm_backend.sh"
+                st.start_worker(name, script, model_dir, engine_args, env=env, stats=name != "baseline",
+                                served_name=f"demo-{name}")
+            took = st.wait_ready(timeout_s=ready_timeout_s, report=phases.heartbeat(still))
+            for name in CONFIGS:
+                t0 = time.monotonic()
+                while not st.model_listed(f"demo-{name}"):
+                    if time.monotonic() - t0 > 60:
+                        raise RuntimeError(f"the Dynamo frontend does not list demo-{name}:\n{st.frontend.tail()}")
+                    time.sleep(0.3)
+        phases.say("workers ready: " + ", ".join(f"{k} {v:.0f} s" for k, v in took.items()))
         for name in CONFIGS:
             w = st.workers[name]
             if progress is not None:

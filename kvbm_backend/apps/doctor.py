@@ -18,6 +18,12 @@ Sections of the result (:func:`run_doctor`):
   0600/0700, but a directory that already existed keeps its mode).
 * ``engine``: the G3 I/O engine ``make_engine`` will build from the config and why; the device load
   path (``gds`` / ``kvikio-compat`` / ``pinned-bounce`` / none) and why.
+* ``g4``: the configured G4 store and keyring, probed (:func:`kvbm_backend.apps.doctor_g4.g4_info`: URL,
+  endpoint reachable, credentials, bucket, a create-exclusive put/delete of a probe object, keyring
+  loads with its KEK).
+* ``problems`` / ``verdict``: every problem found (G4 checks, file modes, a configured engine that
+  will fail), one line each, and ``"OK"`` or ``"N problems"``; ``kvbm-backend doctor`` exits 1 when
+  there is any.
 """
 from __future__ import annotations
 
@@ -336,8 +342,8 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
             file:// G4 URL are added.
         config: a config file (YAML/TOML/JSON) or inline JSON; None: defaults plus environment.
     Returns:
-        ``{"gpu", "gds", "kvikio", "nixl", "paths", "modes", "engine", "config"}`` (see the module docstring);
-        JSON-serialisable.
+        ``{"gpu", "gds", "kvikio", "nixl", "paths", "modes", "engine", "g4", "config", "problems",
+        "verdict"}`` (see the module docstring); JSON-serialisable.
     Raises:
         ConfigError: the config is invalid (message names the field).
     """
@@ -352,8 +358,21 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
     pinfo = [path_info(p) for p in all_paths]
     kr = [x for x in ((cfg.g4.keyring.path if cfg.g4.enabled else None),
                       getattr(cfg.g4.keyring, "kek_file", None) if cfg.g4.enabled else None) if x]
-    return {"gpu": gpu, "gds": gds, "kvikio": kvk, "nixl": nixl, "paths": pinfo, "modes": modes_info(all_paths, kr),
-            "engine": engine_choice(cfg, gpu, kvk, nixl, pinfo), "config": config}
+    from .doctor_g4 import g4_info
+    modes = modes_info(all_paths, kr)
+    engine = engine_choice(cfg, gpu, kvk, nixl, pinfo)
+    g4 = g4_info(cfg)
+    problems = list(g4["problems"]) + [f"mode: {m}" for m in modes["problems"]]
+    if "WILL FAIL" in engine.get("g3_engine_why", ""):
+        problems.append(f"g3.engine {engine['g3_engine']}: {engine['g3_engine_why']}")
+    return {"gpu": gpu, "gds": gds, "kvikio": kvk, "nixl": nixl, "paths": pinfo, "modes": modes,
+            "engine": engine, "g4": g4, "config": config, "problems": problems, "verdict": verdict(problems)}
+
+
+def verdict(problems: list[str]) -> str:
+    """``"OK"``, or ``"N problems"`` (``"1 problem"``)."""
+    n = len(problems)
+    return "OK" if n == 0 else f"{n} problem{'' if n == 1 else 's'}"
 
 
 # ---- rendering -----------------------------------------------------------------------------------
@@ -406,8 +425,6 @@ def print_doctor(result: dict, console=None) -> None:
                   _gb(p.get("total_bytes")), p.get("note") or p.get("o_direct_error") or "")
     console.print(t)
     modes = result.get("modes") or {}
-    for line in modes.get("problems", []):
-        console.print(f"[red]mode problem[/red]: {line}")
     if modes.get("checked") and not modes.get("problems"):
         console.print(f"modes: {len(modes['checked'])} paths checked, all private (0600 files, 0700 directories)")
     t = Table(title="ENGINE", show_header=False, title_justify="left")
@@ -416,3 +433,20 @@ def print_doctor(result: dict, console=None) -> None:
     for k, v in result.get("engine", {}).items():
         t.add_row(k, _fmt(v))
     console.print(t)
+    g4 = result.get("g4") or {}
+    if g4.get("enabled"):
+        t = Table(title=f"G4 {g4.get('url')}", title_justify="left")
+        t.add_column("check")
+        t.add_column("result")
+        t.add_column("detail", overflow="fold")
+        for r in g4.get("checks", []):
+            ok = r["ok"]
+            t.add_row(r["check"], "-" if ok is None else ("[green]ok[/green]" if ok else "[red]PROBLEM[/red]"),
+                      r["detail"])
+        console.print(t)
+    else:
+        console.print("g4: not enabled in the config (nothing checked)")
+    from rich.text import Text
+    for p in result.get("problems", []):  # plain, unwrapped lines: each problem greppable as one line
+        console.print(Text.assemble(("problem", "red"), ": ", p), soft_wrap=True, highlight=False)
+    console.print(result.get("verdict", "?"), soft_wrap=True, highlight=False)

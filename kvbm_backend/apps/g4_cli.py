@@ -24,12 +24,14 @@ g4_app = typer.Typer(add_completion=False, no_args_is_help=True, help="G4 store 
 
 
 def _out(obj, as_json: bool) -> None:
+    """A command's report on stdout (errors alone go to stderr): JSON, a key table (a list of
+    :meth:`Keyring.info` rows) or indented JSON."""
     if as_json:
         sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
     elif isinstance(obj, list):
         _table(obj)
     else:
-        console.print_json(json.dumps(obj))
+        Console().print_json(json.dumps(obj))
 
 
 @contextmanager
@@ -46,12 +48,30 @@ def _keyring_errors():
 
 
 def _table(rows: list[dict]) -> None:
-    t = Table("tenant", "pseudonym", "key_id", "version", "current", "uses", "created")
+    t = Table("tenant", "pseudonym", "state", "key_id", "version", "current", "uses", "created")
     for r in rows:
+        if r.get("state") == "revoked":  # the keyring keeps no name and no key of a revoked tenant
+            t.add_row(r["tenant"] or "-", r["pseudonym"], "revoked", "-", "-", "", "-",
+                      f"revoked {r['revoked_at']}")
+            continue
         for v in r["versions"]:
-            t.add_row(r["tenant"] or "(none)", r["pseudonym"], str(r["key_id"]), str(v["version"]),
-                      "*" if v["current"] else "", str(v["uses"]), v["created"])
+            t.add_row(r["tenant"] or "(none)", r["pseudonym"], r.get("state", "active"), str(r["key_id"]),
+                      str(v["version"]), "*" if v["current"] else "", str(v["uses"]), v["created"])
     Console().print(t)
+
+
+def _revoked_rows(kr, tenant: Optional[str] = None) -> list[dict]:
+    """``keys list`` rows of revoked tenants: ``{"tenant", "pseudonym", "state": "revoked", "revoked_at"
+    (ISO 8601 UTC), "versions": []}``. The keyring records only the pseudonym of a revoked tenant, so
+    ``tenant`` is None unless asked for by name (``tenant``: only that tenant's row, if revoked)."""
+    from datetime import datetime, timezone
+    rows = []
+    want = kr.pseudonym(tenant).hex() if tenant is not None else None
+    for ps, t in sorted(kr.revoked().items()):
+        if want is None or ps == want:
+            rows.append({"tenant": tenant, "pseudonym": ps, "state": "revoked", "versions": [],
+                         "revoked_at": datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")})
+    return rows
 
 
 def _open(keyring: str, kek_env: str, kek_file: Optional[str], create: bool):
@@ -78,9 +98,24 @@ _KF = typer.Option(None, "--kek-file", help="KEK file (default KEYRING.kek) when
 @keys_app.command("create")
 def keys_create(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant", help="tenant id"), kek_env: str = _ENV,
                 kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
-    """Create a tenant's data key (and the keyring and its KEK file if they do not exist)."""
+    """Create a tenant's data key (and the keyring and its KEK file if they do not exist). The report
+    says where the KEK is; a KEK file created here belongs in a secret store."""
+    import os
+    from pathlib import Path
+    kf = Path(kek_file) if kek_file else Path(f"{keyring}.kek")
+    kek_existed = bool(os.environ.get(kek_env)) or kf.exists()
     with _keyring_errors():
-        _out(_open(keyring, kek_env, kek_file, True).create(tenant), as_json)
+        kr = _open(keyring, kek_env, kek_file, True)
+        res = dict(kr.create(tenant), state="active", keyring=str(Path(keyring).absolute()))
+    src = getattr(kr.provider, "source", "?")
+    if src.startswith("$"):
+        res["kek"] = f"from {src} (the environment)"
+    else:
+        res["kek"] = f"{src}" + ("" if kek_existed else " (created now, mode 0600)")
+    res["kek_note"] = ("the KEK unwraps every tenant's data key: keep it in a secret store (a Kubernetes Secret, "
+                       "Vault, a cloud KMS), not beside the keyring or the G4 store; give it to workers through "
+                       f"${kek_env} or g4.keyring.kek_file")
+    _out(res, as_json)
 
 
 @keys_app.command("rotate")
@@ -105,11 +140,19 @@ def keys_revoke(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant", 
 @keys_app.command("list")
 def keys_list(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "--tenant", help="only this tenant (default: all)"), kek_env: str = _ENV,
               kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
-    """Tenants, versions, use counts and created dates (never key material)."""
+    """Tenants, versions, use counts and created dates (never key material); revoked tenants as
+    revoked (pseudonym and revocation time: the keyring keeps nothing else of them)."""
     with _keyring_errors():
+        from kvbm_backend.crypto.keyring import KeyringError
         kr = _open(keyring, kek_env, kek_file, False)
-        info = kr.info(tenant)
-        _out(info if isinstance(info, list) else [info], as_json)
+        try:
+            info = kr.info(tenant)
+        except KeyringError:
+            if tenant is None or not _revoked_rows(kr, tenant):
+                raise
+            info = []
+        rows = [dict(r, state="active") for r in (info if isinstance(info, list) else [info])]
+        _out(rows + _revoked_rows(kr, tenant), as_json)
 
 
 @keys_app.command("rewrap")
@@ -137,9 +180,15 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
 
 
 def _open_store(url: str, endpoint_url: Optional[str], region: Optional[str]):
+    """The store ``--url`` names; a ``file://`` store must exist (never created here)."""
     from kvbm_backend.pool.g4.factory import open_store
+
+    from .cli_checks import existing_dir, file_url_path
     if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
         _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
+    local = file_url_path(url)
+    if local is not None:
+        existing_dir("--url", local, "this command works on an existing G4 store and creates none")
     try:
         return open_store(url, endpoint_url=endpoint_url, region=region, timeout_s=10.0)
     except ValueError as e:  # scheme or form of the URL ("g4.url ...: ...")
@@ -168,7 +217,7 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
     _out(res, as_json)
 
 
-def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
+def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an existing directory)"),
        endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint URL"),
        region: Optional[str] = typer.Option(None, help="S3 region (default: from the AWS environment)"),
        max_age_s: Optional[float] = typer.Option(
@@ -201,10 +250,7 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
                      temp_grace_s=temp_grace_s, dry_run=dry_run)
     except (ValueError, KeyringError, OSError) as e:
         _fail(str(e))
-    if as_json:
-        sys.stdout.write(json.dumps(res, indent=2, sort_keys=True) + "\n")
-    else:
-        console.print_json(json.dumps(res))
+    _out(res, as_json)
 
 
 def register(app: typer.Typer) -> None:

@@ -38,6 +38,62 @@ def print_kv_table(result: dict, title: str | None = None, console: Console | No
     console.print(t)
 
 
+def _iec(v: int) -> str:
+    """Bytes in binary units, about 3 significant digits (``1.97 GiB``, ``1010 MiB``)."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if v >= scale:
+            x = v / scale
+            return f"{x:.0f} {unit}" if x >= 100 else f"{x:.1f} {unit}" if x >= 10 else f"{x:.2f} {unit}"
+    return f"{v} B"
+
+
+def print_layouts(rows: dict, *, page_size: int, tp: int, default: str, console: Console | None = None) -> None:
+    """``kvbm-backend layouts`` as text that fits 80 columns: full preset names, whole numbers with
+    thousands separators, two-line headers, no side borders; the hybrid models' per-group figures in a
+    second table; a preset that does not split over ``tp`` as one line under the first table.
+
+    ``rows``: preset name -> the ``layouts --json`` row (``bytes_per_token_tp1``, ``bytes_per_block``,
+    ``num_layers``, ``outer_dim``, ``inner_dim``, ``dtype``, hybrid keys, or ``error``)."""
+    from rich import box
+    console = console or Console()
+
+    def n(v) -> str:
+        return f"{v:,}"
+
+    console.print(f"KV bytes per preset: blocks of {page_size} tokens, per rank at tp={tp}", highlight=False)
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for c, j in (("preset", "left"), ("bytes/token\n(tp=1)", "right"), ("bytes/block\n(per rank)", "right"),
+                 ("layers", "right"), ("KV x dim", "right"), ("dtype", "left")):
+        t.add_column(c, justify=j, no_wrap=True)
+    errors = []
+    for name, r in rows.items():
+        label = f"{name} *" if name == default else name
+        if "error" in r:
+            errors.append(r["error"] if name in r["error"] else f"{name}: {r['error']}")
+            t.add_row(label, n(r["bytes_per_token_tp1"]), "-", "-", "-", "-")
+            continue
+        t.add_row(label, n(r["bytes_per_token_tp1"]), n(r["bytes_per_block"]), str(r["num_layers"]),
+                  f"{r['outer_dim']}x{r['inner_dim']}", r["dtype"])
+    console.print(t)
+    console.print("* the default --layout of bench, replay and plan", highlight=False)
+    for e in errors:
+        console.print(e, highlight=False)
+    hybrid = {k: r for k, r in rows.items() if "full_layers" in r}
+    if not hybrid:
+        return
+    console.print(f"\nHybrid models, bytes per rank at tp={tp}: full-attention layers keep every token,\n"
+                  "sliding-window layers at most 'window' tokens per sequence (--json: exact bytes)",
+                  highlight=False)
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for c in ("preset", "full\nlayers", "sliding\nlayers", "window\ntokens", "full\nB/token",
+              "sliding\nB/token", "KV of 8K\ntokens"):
+        t.add_column(c, justify="left" if c == "preset" else "right", no_wrap=True)
+    for name, r in hybrid.items():
+        t.add_row(name, str(r["full_layers"]), str(r["sliding_layers"]), n(r["sliding_window"]),
+                  n(r["full_bytes_per_token"]), n(r["sliding_bytes_per_token"]), _iec(r["kv_bytes_8k_tokens"]))
+    console.print(t)
+
+
 # (label, ours key, baseline key) pairs recognised in bench JSON
 _PAIRS = [
     ("write GB/s", "write_gbps", "baseline_write_gbps"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ def _dynamo_missing() -> str | None:
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(bool(vllm_available()), reason="vLLM engine not importable")
 @pytest.mark.parametrize("engine", ["dynamo", "direct"])
-def test_demo_small_run_writes_json_and_plot(tmp_path, engine):
+def test_demo_small_run_writes_json_and_plot(tmp_path, engine, capfd):
     if engine == "dynamo" and _dynamo_missing():
         pytest.skip(_dynamo_missing())
     tr = _trace(tmp_path / "t.jsonl")
@@ -68,6 +69,12 @@ def test_demo_small_run_writes_json_and_plot(tmp_path, engine):
                    workdir=str(tmp_path / "wd"), block_tokens=64, turns_per_conv=2, max_tokens_per_request=768,
                    model=TINY, engine=engine)
     data = json.loads(out_json.read_text())
+    # the engine start-up is not silence (issue 22 item 10): a timed line when it starts and when it is done
+    err = " ".join(capfd.readouterr().err.split())
+    phase = ("starting the Dynamo frontend and 3 dynamo.vllm workers" if engine == "dynamo" else
+             "engine restart: vLLM start-up, then 6 requests")
+    assert re.search(r"\[ *[0-9.]+ s\] " + re.escape(phase) + r" \.\.\.", err), err[-3000:]
+    assert re.search(r"\[ *[0-9.]+ s\] " + re.escape(phase) + r": done in [0-9.]+ s", err), err[-3000:]
     assert data["serving"] == engine
     assert data["ttft_measured_at"].startswith("HTTP client" if engine == "dynamo" else "engine")
     assert set(data["configs"]) == {"baseline", "kvbm_backend", "restart"}

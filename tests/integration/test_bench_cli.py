@@ -15,6 +15,7 @@ TIER_KEYS = {"ours_write_gbps", "ours_read_gbps", "vllm_fs_write_gbps", "vllm_fs
 
 
 def test_bench_g3_json(tmp_path):
+    (tmp_path / "g3").mkdir()
     r = CliRunner().invoke(app, ["bench", "--tier", "g3", "--path", str(tmp_path / "g3"), "--layout", "tiny",
                                  "--blocks", "64", "--json"])
     assert r.exit_code == 0, r.output
@@ -32,6 +33,7 @@ def test_bench_g3_json(tmp_path):
 def test_bench_vllm_tiers_json(tmp_path):
     # In the same process as the g3 bench above: NIXL's log handler was left pointing at that run's
     # (now closed) captured stream, and opening a NIXL engine used to fail flushing it.
+    (tmp_path / "vt").mkdir()
     r = CliRunner().invoke(app, ["bench", "--tier", "vllm-tiers", "--path", str(tmp_path / "vt"), "--layout", "tiny",
                                  "--blocks", "32", "--json"])
     assert r.exit_code == 0, r.output

@@ -132,7 +132,7 @@ def test_ramfs_refuses_o_direct(tmp_path):
     if probe.returncode != 0:
         pytest.skip(f"cannot mount ramfs in a private mount namespace: {probe.stderr.strip()}")
     r = subprocess.run([unshare, "-m", "sh", "-c",
-                        f"mount -t ramfs none {mnt} && exec {sys.executable} -m kvbm_backend.apps.cli doctor "
+                        f"mount -t ramfs none {mnt} && chmod 700 {mnt} && exec {sys.executable} -m kvbm_backend.apps.cli doctor "
                         f"--path {mnt} --json"], capture_output=True, text=True, timeout=180, cwd=REPO)
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)["paths"][0]
@@ -186,7 +186,9 @@ def test_bad_config_is_a_clear_error_and_table_is_default(tmp_path):
     bad.write_text(json.dumps({"g3": {"engine": "fast"}}))
     r = _cli("--config", str(bad))
     assert r.returncode == 2 and "g3.engine" in r.stderr
+    bad.chmod(0o600)  # tmp_path is probed below: a 0644 file in it is a mode problem (exit 1)
     r = _cli("--path", str(tmp_path))
     assert r.returncode == 0, r.stderr
     for title in ("GPU", "GDS", "KVIKIO", "NIXL", "PATHS", "ENGINE", "O_DIRECT"):
         assert title in r.stdout
+    assert r.stdout.strip().splitlines()[-1] == "OK"

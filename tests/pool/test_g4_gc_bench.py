@@ -73,6 +73,7 @@ def test_gc_cli_s3_revoked_tenant(seaweed, s3_prefix, tmp_path):
 @pytest.mark.parametrize("store", ["fs", "s3"])
 def test_bench_g4_json(store, tmp_path, s3_prefix, request):
     if store == "fs":
+        (tmp_path / "bench").mkdir()
         args = ["--url", f"file://{tmp_path / 'bench'}"]
     else:
         sw = request.getfixturevalue("seaweed")

@@ -19,6 +19,7 @@ from kvbm_backend.apps.cli import app
 def files(tmp_path):
     f = tmp_path / "a-file"
     f.write_text("x")
+    (tmp_path / "ok").mkdir()
     (tmp_path / "not.json").write_text("not json {")
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
@@ -54,6 +55,11 @@ CASES = [
     (["bench", "--tier", "g4", "--url", "s3://bkt/p", "--endpoint-url", "not-a-url", "--layout", "tiny"],
      "error: --endpoint-url:"),
     (["bench", "--tier", "g3", "--layout", "tiny", "--bogus", "1"], "No such option: --bogus"),
+    (["bench", "--tier", "g3", "--path", "{d}/no-dir", "--layout", "tiny"], "error: --path: {d}/no-dir: no such directory"),
+    (["bench", "--tier", "vllm-tiers", "--path", "{d}/ok,{d}/no-dir", "--layout", "tiny"],
+     "error: --path: {d}/no-dir: no such directory"),
+    (["bench", "--tier", "g4", "--url", "file://{d}/no-store", "--layout", "tiny"],
+     "error: --url: {d}/no-store: no such directory"),
     # replay
     (["replay", "--layout", "tiny", "--g3-path", "{d}/g3", "--g3-capacity-gb", "1"], "Missing option '--trace'"),
     (["replay", "--trace", "{d}/missing.jsonl", "--layout", "tiny", "--g3-path", "{d}/g3", "--g3-capacity-gb", "1"],
@@ -90,6 +96,7 @@ CASES = [
     (["gc", "--url", "ftp://host/x", "--max-age-s", "5"], "error: --url: 'ftp://host/x': scheme 'ftp' not supported"),
     (["gc", "--url", "s3://bkt/p", "--endpoint-url", "not-a-url", "--max-age-s", "5"], "error: --endpoint-url:"),
     (["gc", "--url", "file://{d}/store", "--max-age-s", "soon"], "'--max-age-s'"),
+    (["gc", "--url", "file://{d}/no-store", "--max-age-s", "5"], "error: --url: {d}/no-store: no such directory"),
     # keys
     (["keys", "create", "--keyring", "{d}/a-file/kr.json", "--tenant", "t"], "error: --keyring: {d}/a-file/kr.json"),
     (["keys", "list", "--keyring", "{d}"], "error: --keyring: {d}: is a directory"),
@@ -149,6 +156,17 @@ def test_cli_error_is_one_line_exit_2(files, args, expect):
     assert len(lines) == 1, out
     assert lines[0].startswith("error: "), out
     assert expect.replace("{d}", d) in lines[0], out
+
+
+def test_gc_and_bench_create_no_missing_path(tmp_path):
+    """Issue 22 item 7: a mistyped path is refused (one line naming the flag, exit 2), not created."""
+    for args in (["gc", "--url", f"file://{tmp_path / 'typo'}", "--max-age-s", "0"],
+                 ["bench", "--tier", "g3", "--path", str(tmp_path / "typo"), "--layout", "tiny", "--blocks", "1"],
+                 ["bench", "--tier", "g4", "--url", f"file://{tmp_path / 'typo'}", "--layout", "tiny", "--blocks", "1",
+                  "--no-encrypt"]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2 and "no such directory" in r.output, (args, r.output)
+        assert not (tmp_path / "typo").exists(), args
 
 
 def test_gc_zero_thresholds_are_explicit_not_errors(tmp_path):

@@ -211,10 +211,12 @@ class DynamoStack:
         self.workers[name] = w
         return w
 
-    def wait_ready(self, *names: str, timeout_s: float = READY_TIMEOUT_S, model: str | None = None) -> dict[str, float]:
+    def wait_ready(self, *names: str, timeout_s: float = READY_TIMEOUT_S, model: str | None = None,
+                   report=None) -> dict[str, float]:
         """Wait until the named workers (default: all) report ready on ``/health`` and, when ``model`` is given,
         the frontend lists it. Returns each worker's start-up seconds. Raises RuntimeError with the worker's
-        log tail if one exits or is not ready within ``timeout_s``."""
+        log tail if one exits or is not ready within ``timeout_s``. ``report(detail)``, if given, is called
+        on every poll with the workers still starting and those ready (e.g. a rate-limited progress line)."""
         pending = set(names or self.workers)
         t0 = time.monotonic()
         took: dict[str, float] = {}
@@ -226,6 +228,9 @@ class DynamoStack:
                 if w.ready():
                     took[n] = time.monotonic() - (w.start_s or t0)
                     pending.discard(n)
+            if pending and report is not None:
+                report(f"waiting for {', '.join(sorted(pending))}"
+                       + (f"; ready: {', '.join(f'{k} {v:.0f} s' for k, v in sorted(took.items()))}" if took else ""))
             if pending and time.monotonic() - t0 > timeout_s:
                 n = sorted(pending)[0]
                 raise RuntimeError(f"worker {n} not ready in {timeout_s:.0f} s; log {self.workers[n].proc.log}:\n"

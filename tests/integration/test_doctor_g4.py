@@ -1,0 +1,118 @@
+"""``kvbm-backend doctor`` checks G4 (issue 22 item 6), through the real entry point against a real
+SeaweedFS and real ``file://`` stores: a good store ends in ``OK`` and exit 0; a missing bucket, a stopped
+server, a wrong KEK and a 0777 store directory are each named on a ``problem:`` line, the last line says
+how many, and the exit code is 1."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+
+from tests.conftest import TEST_BUCKET
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _doctor(cfg: dict, *extra: str) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("KVBM_BACKEND", "DYN_KVBM_"))}
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e["COLUMNS"] = "200"
+    return subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "doctor", "--config", json.dumps(cfg),
+                           *extra], capture_output=True, text=True, timeout=300, cwd=str(REPO), env=e)
+
+
+def _keyring(tmp_path: Path) -> str:
+    """A keyring with one tenant and its KEK file, made by the real CLI."""
+    d = tmp_path / "keys"
+    kr = str(d / "kr.json")
+    r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "keys", "create", "--keyring", kr, "--tenant",
+                        "alice"], capture_output=True, text=True, timeout=300, cwd=str(REPO),
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    return kr
+
+
+def _verdict(r: subprocess.CompletedProcess) -> tuple[str, list[str]]:
+    """(last stdout line, the problem lines)."""
+    lines = r.stdout.strip().splitlines()
+    return lines[-1], [ln for ln in lines if ln.startswith("problem: ")]
+
+
+def _ok(r: subprocess.CompletedProcess) -> None:
+    last, probs = _verdict(r)
+    assert (r.returncode, last, probs) == (0, "OK", []), r.stdout[-3000:] + r.stderr
+
+
+def _s3_cfg(endpoint: str, url: str, kr: str) -> dict:
+    return {"g4": {"enabled": True, "url": url, "endpoint_url": endpoint, "keyring": {"path": kr}}}
+
+
+def test_s3_good_then_missing_bucket_then_stopped_server(seaweed_restartable, tmp_path):
+    srv = seaweed_restartable
+    kr = _keyring(tmp_path)
+    good = _s3_cfg(srv.endpoint, f"s3://{TEST_BUCKET}/doctor", kr)
+    r = _doctor(good, "--json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["verdict"] == "OK" and rep["problems"] == []
+    assert {c["check"]: c["ok"] for c in rep["g4"]["checks"]} == {
+        "url": True, "endpoint": True, "credentials": True, "bucket": True, "probe": True, "keyring": True}
+    # the probe object is gone again
+    c = boto3.client("s3", endpoint_url=srv.endpoint, region_name="us-east-1")
+    assert c.list_objects_v2(Bucket=TEST_BUCKET, Prefix="doctor/").get("KeyCount", 0) == 0
+    _ok(_doctor(good))
+
+    r = _doctor(_s3_cfg(srv.endpoint, "s3://no-such-bucket-kvbm/doctor", kr))
+    last, probs = _verdict(r)
+    assert r.returncode == 1 and last == "1 problem", r.stdout[-3000:]
+    assert len(probs) == 1 and probs[0].startswith("problem: g4 bucket: ") and "'no-such-bucket-kvbm' does not exist" \
+        in probs[0], probs
+
+    srv.stop()
+    r = _doctor(good)
+    last, probs = _verdict(r)
+    assert r.returncode == 1 and last == "1 problem", r.stdout[-3000:]
+    assert probs[0].startswith(f"problem: g4 endpoint: S3 endpoint {srv.endpoint} not reachable"), probs
+
+
+def test_file_store_good_bad_kek_and_open_modes(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    kr = _keyring(tmp_path)
+    cfg = {"g4": {"enabled": True, "url": f"file://{store}", "keyring": {"path": kr}}}
+    _ok(_doctor(cfg))
+    assert list(store.iterdir()) == []  # the probe file was removed (and nothing else made)
+
+    # a KEK that is not the keyring's (a valid key, the wrong one)
+    kek = Path(f"{kr}.kek")
+    kek.write_text(base64.b64encode(secrets.token_bytes(32)).decode() + "\n")
+    r = _doctor(cfg)
+    last, probs = _verdict(r)
+    assert r.returncode == 1 and last == "1 problem", r.stdout[-3000:]
+    assert probs[0].startswith(f"problem: g4 keyring: keyring {kr}: wrapped under KEK"), probs
+
+    # the KEK back (re-create the keyring with it) and the store directory opened to everyone
+    for p in (kek, Path(kr)):
+        p.unlink()
+    kr = _keyring(tmp_path)
+    os.chmod(store, 0o777)
+    r = _doctor(cfg)
+    last, probs = _verdict(r)
+    assert r.returncode == 1 and last == "1 problem", r.stdout[-3000:]
+    assert probs == [f"problem: mode: {store}: directory mode 0777 gives group/others access (fix: chmod 700 "
+                     f"{store})"], probs
+
+    # both at once, and a missing store directory: each named, counted
+    kek.write_text(base64.b64encode(secrets.token_bytes(32)).decode() + "\n")
+    r = _doctor({"g4": {"enabled": True, "url": f"file://{tmp_path / 'absent'}", "keyring": {"path": kr}}},
+                "--path", str(store))
+    last, probs = _verdict(r)
+    assert r.returncode == 1 and last == "3 problems", r.stdout[-3000:]
+    assert [p.split(":")[1] for p in probs] == [" g4 url", " g4 keyring", " mode"], probs
+    assert not (tmp_path / "absent").exists()  # doctor creates nothing

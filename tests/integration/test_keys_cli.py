@@ -1,0 +1,73 @@
+"""``kvbm-backend keys`` through the real entry point (a subprocess, stdout and stderr apart), issue 22
+item 7: every command's report is on stdout (errors alone on stderr), ``keys create`` says where the KEK
+is and that it belongs in a secret store, ``keys list`` shows a revoked tenant as revoked."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("KVBM_BACKEND", "DYN_KVBM_"))}
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e["COLUMNS"] = "200"
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=str(REPO), env=e)
+
+
+def _ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stderr.strip() == "", r.stderr  # the report is on stdout
+    return r.stdout
+
+
+def test_keys_reports_on_stdout_and_list_shows_revoked(tmp_path):
+    kr = str(tmp_path / "keys" / "kr.json")
+    # create, table form: the KEK file made now, and where it belongs
+    out = _ok(_cli("keys", "create", "--keyring", kr, "--tenant", "alice"))
+    flat = " ".join(out.split())
+    assert f"KEK file {kr}.kek (created now, mode 0600)" in flat
+    assert "secret store" in flat and '"tenant": "alice"' in flat
+    # create, JSON form: an existing KEK file is named, not "created now"
+    res = json.loads(_ok(_cli("keys", "create", "--keyring", kr, "--tenant", "bob", "--json")))
+    assert res["tenant"] == "bob" and res["state"] == "active" and res["keyring"] == kr
+    assert res["kek"] == f"KEK file {kr}.kek" and "secret store" in res["kek_note"]
+    # the KEK from the environment: named as such
+    r = _cli("keys", "create", "--keyring", str(tmp_path / "kr3.json"), "--tenant", "t", "--json",
+             "--kek-env", "MY_KEK", env={"MY_KEK": "A" * 43 + "="})
+    assert json.loads(_ok(r))["kek"] == "from $MY_KEK (the environment)"
+    assert not (tmp_path / "kr3.json.kek").exists()
+    # revoke: its report on stdout
+    res = json.loads(_ok(_cli("keys", "revoke", "--keyring", kr, "--tenant", "bob", "--json")))
+    assert res["revoked"] is True and res["tenant"] == "bob"
+    out = _ok(_cli("keys", "revoke", "--keyring", kr, "--tenant", "alice"))
+    assert '"revoked": true' in out
+    _ok(_cli("keys", "create", "--keyring", kr, "--tenant", "carol"))
+    # list: carol active, alice and bob revoked (by pseudonym: the keyring keeps no name of them)
+    rows = json.loads(_ok(_cli("keys", "list", "--keyring", kr, "--json")))
+    assert [r["state"] for r in rows] == ["active", "revoked", "revoked"]
+    assert rows[0]["tenant"] == "carol" and all(r["revoked_at"] for r in rows[1:])
+    table = _ok(_cli("keys", "list", "--keyring", kr))
+    assert table.count("revoked") >= 2 and "carol" in table and "active" in table
+    # by name: a revoked tenant is shown revoked, not "no tenant"
+    rows = json.loads(_ok(_cli("keys", "list", "--keyring", kr, "--tenant", "bob", "--json")))
+    assert len(rows) == 1 and rows[0]["state"] == "revoked" and rows[0]["tenant"] == "bob"
+    r = _cli("keys", "list", "--keyring", kr, "--tenant", "nobody")
+    assert r.returncode == 2 and "no tenant 'nobody'" in r.stderr and r.stdout == ""
+
+
+def test_gc_report_on_stdout(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    out = _ok(_cli("gc", "--url", f"file://{store}", "--max-age-s", "0"))
+    assert json.loads(out)["deleted_objects"] == 0
+    r = _cli("gc", "--url", f"file://{tmp_path / 'typo'}", "--max-age-s", "0")
+    assert r.returncode == 2 and r.stdout == "" and not (tmp_path / "typo").exists()
+    assert r.stderr.strip().splitlines() == [f"error: --url: {tmp_path / 'typo'}: no such directory (this command "
+                                             "works on an existing G4 store and creates none)"]
