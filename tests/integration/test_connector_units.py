@@ -641,15 +641,15 @@ def test_report_channel_round_trip_and_refusals(tmp_path, monkeypatch):
         snd = rc.ReportSender("k" * 24)
         assert snd.connect() and snd._sock is not None
         e = (b"t" * 16, 1, 2**64 - 1)
-        snd.send(0, [e], [], True)
+        snd.send(0, 1, [e], [], True)
         snd._sock.sendall(b"\x05\x00\x00\x00" + b"x" * 5)  # malformed: refused, channel goes on
-        snd.send(2, [], [e, e], False)
+        snd.send(2, 0, [], [e, e], False)
         end = time.monotonic() + 60
         while len(got) < 2 and time.monotonic() < end:
             time.sleep(0.02)
-        assert got == [(0, [e], [], True), (2, [], [e, e], False)]
+        assert got == [(0, 1, [e], [], True), (2, 0, [], [e, e], False)]
         with pytest.raises(ValueError):
-            rc.decode(rc.encode(0, [e], [], False)[4:-1])
+            rc.decode(rc.encode(0, 0, [e], [], False)[4:-1])
         snd.close()
     finally:
         lst.close()
@@ -749,3 +749,24 @@ def test_stats_path_holds_both_roles_counters(tmp_path):
     assert g3["hits"] == 4 and g3["lookup_blocks"] == 12 and g3["lookup_hits"] == 4 and g3["hit_rate"] == 4 / 12
     assert st["pools"]["g4"]["lookup_blocks"] == 8  # a pool only the scheduler has
     assert json.loads(sched.read_text())["lookup_requests"] == 2  # its own file is left as it wrote it
+
+
+def test_mirror_is_ready_once_every_tp_rank_sent_its_snapshot():
+    """With TP > 1 each rank's worker reports by the channel on its own; the first rank's snapshot alone
+    must not make the mirror ready (a lookup then missed the other rank's blocks: the TP=2 engine test
+    loaded 11 of 30 blocks). A step's report (every rank's, aggregated by vLLM) makes it ready at once."""
+    from kvbm_backend.integrations.vllm.g3_mirror import G3Mirror
+    from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta
+    from kvbm_backend.model.namespace import Namespace
+
+    ns = Namespace("m", KvLayout(2, 2, 32, 64, "bfloat16"), tp_world_size=2)
+    m = G3Mirror(ns)
+    m.apply(KvbmWorkerMeta(snapshot=True), rank=0)
+    assert not m.ready
+    m.apply(KvbmWorkerMeta(snapshot=True), rank=0)  # the same rank again: still waiting for rank 1
+    assert not m.ready
+    m.apply(KvbmWorkerMeta(snapshot=True), rank=1)
+    assert m.ready
+    m2 = G3Mirror(ns)
+    m2.apply(KvbmWorkerMeta(snapshot=True))
+    assert m2.ready

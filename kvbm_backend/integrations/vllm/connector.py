@@ -308,15 +308,15 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
         return report_channel.channel_key(str(self._kv_transfer_config.engine_id), dp, self.ns.fingerprint)
 
-    def _on_g3_report(self, group: int, added: list, removed: list, snapshot: bool) -> None:
-        self.sched.apply_g3_report(group, KvbmWorkerMeta(added, removed, snapshot))
+    def _on_g3_report(self, group: int, rank: int, added: list, removed: list, snapshot: bool) -> None:
+        self.sched.apply_g3_report(group, KvbmWorkerMeta(added, removed, snapshot), rank=rank)
         stats.add(g3_reports_by_channel=1)
 
     def _start_report_channel(self) -> None:
         """At the worker's first report (:func:`.report_channel.start_worker_reports`)."""
         self._channel_decided = True
         ws = self.worker.workers if isinstance(self.worker, GroupedWorkers) else [self.worker]
-        self._pump = report_channel.start_worker_reports(self._channel_key(self._vllm_config), ws)
+        self._pump = report_channel.start_worker_reports(self._channel_key(self._vllm_config), ws, self.rank)
 
     def _pool_stats(self) -> dict:
         out = {}

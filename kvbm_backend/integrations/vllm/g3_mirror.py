@@ -320,21 +320,28 @@ class G3Mirror:
         self._set = FingerprintSet()  # fingerprints of metadata.mirror_id: (tenant tag, rank, seq_hash)
         self._lock = threading.Lock()
         self.ready = False
+        self._world = int(getattr(namespace, "tp_world_size", 1) or 1)
+        self._snap_ranks: set[int] = set()  # TP ranks whose first report (snapshot) came by the channel
         self.lookup_blocks = self.lookup_hits = 0
         # the scheduler's G3 lookups happen here, not in the worker's pool: their series are counted here
         # (kvbm_matched_tokens, kvbm_disk_cache_hit_rate; served with the worker's by metrics.port)
         self.metrics = TierMetrics("g3", registry)
 
-    def apply(self, meta: KvbmWorkerMeta) -> None:
-        """Apply one worker report: ``meta.removed`` first, then ``meta.added``; ``meta.snapshot`` marks
-        the mirror ready."""
+    def apply(self, meta: KvbmWorkerMeta, rank: int | None = None) -> None:
+        """Apply one worker report: ``meta.removed`` first, then ``meta.added``. ``meta.snapshot`` marks the
+        mirror ready: at once for a step's report (``rank`` None: vLLM aggregated every TP rank's), else once
+        every TP rank's snapshot came (reports by the channel travel per rank; a lookup before the last
+        rank's snapshot would miss its blocks)."""
         rem = _fps_of_ids(meta.removed)
         add = _fps_of_ids(meta.added)
         with self._lock:
             self._set.remove(rem)
             self._set.add(add)
             if meta.snapshot:
-                self.ready = True
+                if rank is not None:
+                    self._snap_ranks.add(rank)
+                if rank is None or len(self._snap_ranks) >= self._world:
+                    self.ready = True
 
     def __len__(self) -> int:
         """Blocks (per rank) mirrored: distinct fingerprints."""

@@ -36,14 +36,14 @@ log = logging.getLogger("kvbm_backend.connector")
 
 PUMP_INTERVAL_S = 0.1  # how often a worker sends the G3 index changes it has (seconds)
 _ENTRY = struct.Struct("<16sIQ")  # (tenant tag, rank, seq_hash): metadata.mirror_id
-_HEAD = struct.Struct("<IIBII")   # length of the rest, group, snapshot, n added, n removed
+_HEAD = struct.Struct("<IIIBII")  # length of the rest, group, TP rank, snapshot, n added, n removed
 MAX_ENTRIES = 1 << 22             # per message: a message announcing more is refused (not applied)
 
 #: listeners of schedulers in this process, by channel key (the ``uni`` executor's worker calls them)
 _local: dict[str, Callable] = {}
 _local_lock = threading.Lock()
 
-Report = tuple[int, list, list, bool]  # (group, added, removed, snapshot)
+Report = tuple[int, int, list, list, bool]  # (group, TP rank, added, removed, snapshot)
 
 
 def channel_key(engine_id: str, dp_rank: int, namespace: str) -> str:
@@ -78,22 +78,23 @@ def socket_path(key: str) -> str | None:
     return None if d is None else os.path.join(d, f"{key}.sock")
 
 
-def encode(group: int, added: list, removed: list, snapshot: bool) -> bytes:
-    """One report as bytes: ``_HEAD`` then the added and removed ``(tag, rank, seq_hash)`` entries."""
+def encode(group: int, rank: int, added: list, removed: list, snapshot: bool) -> bytes:
+    """One report of TP rank ``rank`` as bytes: ``_HEAD`` then the added and removed ``(tag, rank, seq_hash)``
+    entries."""
     body = b"".join(_ENTRY.pack(*e) for e in added) + b"".join(_ENTRY.pack(*e) for e in removed)
-    return _HEAD.pack(_HEAD.size - 4 + len(body), group, 1 if snapshot else 0, len(added), len(removed)) + body
+    return _HEAD.pack(_HEAD.size - 4 + len(body), group, rank, 1 if snapshot else 0, len(added), len(removed)) + body
 
 
 def decode(buf: bytes) -> Report:
     """Inverse of :func:`encode` (``buf`` without its 4-byte length). Raises ValueError on a malformed report."""
     if len(buf) < _HEAD.size - 4:
         raise ValueError("report channel: short header")
-    group, snap, na, nr = struct.unpack_from("<IBII", buf, 0)
+    group, rank, snap, na, nr = struct.unpack_from("<IIBII", buf, 0)
     off = _HEAD.size - 4
     if na + nr > MAX_ENTRIES or len(buf) != off + (na + nr) * _ENTRY.size:
         raise ValueError(f"report channel: {na}+{nr} entries do not match {len(buf)} bytes")
     ents = [_ENTRY.unpack_from(buf, off + i * _ENTRY.size) for i in range(na + nr)]
-    return group, ents[:na], ents[na:], bool(snap)
+    return group, rank, ents[:na], ents[na:], bool(snap)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -108,10 +109,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 class ReportListener:
-    """The scheduler's end: ``on_report(group, added, removed, snapshot)`` is called for every report, from
+    """The scheduler's end: ``on_report(group, rank, added, removed, snapshot)`` is called for every report, from
     the caller's thread (same process) or this listener's threads (one per connected worker)."""
 
-    def __init__(self, key: str, on_report: Callable[[int, list, list, bool], None]):
+    def __init__(self, key: str, on_report: Callable[[int, int, list, list, bool], None]):
         self.key, self.on_report = key, on_report
         self.path: str | None = None
         self._sock: socket.socket | None = None
@@ -204,12 +205,12 @@ class ReportSender:
         self._sock = s
         return True
 
-    def send(self, group: int, added: list, removed: list, snapshot: bool) -> None:
-        """Deliver one report. Raises OSError when the scheduler's end is gone."""
+    def send(self, group: int, rank: int, added: list, removed: list, snapshot: bool) -> None:
+        """Deliver one report of TP rank ``rank``. Raises OSError when the scheduler's end is gone."""
         if self._direct is not None:
-            self._direct(group, added, removed, snapshot)
+            self._direct(group, rank, added, removed, snapshot)
         elif self._sock is not None:
-            self._sock.sendall(encode(group, added, removed, snapshot))
+            self._sock.sendall(encode(group, rank, added, removed, snapshot))
         else:
             raise OSError("report channel not connected")
 
@@ -220,11 +221,12 @@ class ReportSender:
 
 
 class ReportPump:
-    """Sends each worker's G3 index changes (``sources[group]()`` -> ``(added, removed, snapshot)`` or None)
-    through ``sender`` every ``interval_s`` seconds, on its own thread, until :meth:`stop`."""
+    """Sends TP rank ``rank``'s G3 index changes (``sources[group]()`` -> ``(added, removed, snapshot)`` or
+    None) through ``sender`` every ``interval_s`` seconds, on its own thread, until :meth:`stop`."""
 
-    def __init__(self, sender: ReportSender, sources: list[Callable], interval_s: float = PUMP_INTERVAL_S):
-        self.sender, self.sources, self.interval_s = sender, sources, interval_s
+    def __init__(self, sender: ReportSender, sources: list[Callable], rank: int = 0,
+                 interval_s: float = PUMP_INTERVAL_S):
+        self.sender, self.sources, self.rank, self.interval_s = sender, sources, rank, interval_s
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, name="kvbm-report-pump", daemon=True)
         self._t.start()
@@ -238,7 +240,7 @@ class ReportPump:
             try:
                 rep = src()
                 if rep is not None:
-                    self.sender.send(gi, *rep)
+                    self.sender.send(gi, self.rank, *rep)
             except OSError as e:  # the scheduler is gone (engine shutting down): nothing to report to
                 log.info("kvbm_backend: report channel closed: %s", e)
                 self._stop.set()
@@ -253,8 +255,8 @@ class ReportPump:
         self.sender.close()
 
 
-def start_worker_reports(key: str, workers: list) -> ReportPump | None:
-    """A worker's decision at its first report: when the scheduler's listener for ``key`` is reachable,
+def start_worker_reports(key: str, workers: list, rank: int = 0) -> ReportPump | None:
+    """TP rank ``rank``'s decision at its first report: when the scheduler's listener for ``key`` is reachable,
     every worker (one per KV cache group; ``report_g3``, ``report_by_channel``, ``take_g3_report`` of
     :class:`~.worker_side.WorkerSide`) sends its G3 index changes by a :class:`ReportPump` from now on;
     else (None) they keep travelling in the step output."""
@@ -266,4 +268,4 @@ def start_worker_reports(key: str, workers: list) -> ReportPump | None:
         return None
     for w in workers:
         w.report_by_channel = True
-    return ReportPump(sender, [w.take_g3_report if w.report_g3 else (lambda: None) for w in workers])
+    return ReportPump(sender, [w.take_g3_report if w.report_g3 else (lambda: None) for w in workers], rank)

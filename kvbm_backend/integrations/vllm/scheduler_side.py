@@ -357,15 +357,16 @@ class SchedulerSide:
                 if m.added or m.removed or m.snapshot:
                     self.apply_g3_report(gi, m)
 
-    def apply_g3_report(self, group: int, meta: KvbmWorkerMeta) -> None:
-        """One worker's G3 index changes of KV cache group ``group``, from a step's output or the report
-        channel (:mod:`.report_channel`, any thread): into that group's :class:`G3Mirror` and, for group 0 of
-        a single-group model, the KV events (both take their own locks)."""
+    def apply_g3_report(self, group: int, meta: KvbmWorkerMeta, rank: int | None = None) -> None:
+        """One worker's G3 index changes of KV cache group ``group``, from a step's output (every TP rank's,
+        aggregated by vLLM: ``rank`` None) or the report channel (:mod:`.report_channel`, one TP rank's, any
+        thread): into that group's :class:`G3Mirror` and, for group 0 of a single-group model, the KV events
+        (both take their own locks)."""
         g = self.groups[group] if group < len(self.groups) else None
         if g is None:
             return
         if isinstance(g.g3, G3Mirror):
-            g.g3.apply(meta)
+            g.g3.apply(meta, rank=rank)
         if not self.multi and self.events is not None:
             self.events.apply(meta)
 
