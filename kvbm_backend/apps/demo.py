@@ -62,8 +62,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .demo_native import (BLOCKS_PER_CHUNK, NATIVE_CONFIGS, cpu_budget_env, disk_bytes, native_extra, native_tier_summary,
-                          tier_dirs)
+from .demo_native import (BLOCKS_PER_CHUNK, NATIVE_CONFIGS, cpu_budget_env, disk_bytes, native_extra,
+                          native_tier_summary, tier_dirs)
 from .engine_model import DEMO, write_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

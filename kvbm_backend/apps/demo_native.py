@@ -25,13 +25,15 @@ _TIER_NAMES = {"G3Tier": "G3", "G4Tier": "G4", "fs": "fs", "CPU": "CPU"}
 def cpu_budget_env(ncpu: int | None = None) -> dict:
     """Environment giving every engine of the demo the same CPU budget, in-process or a Dynamo worker: all
     ``ncpu`` CPUs (default: this process's affinity) for the engine's torch/OpenMP threads
-    (``OMP_NUM_THREADS``) and no core reserved for vLLM's serving process
-    (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``). Without it, vLLM's multiprocess executor (how Dynamo runs vLLM)
-    binds the CPU worker's OpenMP threads to ``ncpu - 1`` cores (1 on a 2-core VM), except for engines with
-    a kv-transfer-config, for which it wants a second reserved core, finds too few and reserves none: the
-    baseline worker computed on half the cores the connector workers had. The in-process engine has no
-    such reservation. Values already in this process's environment are kept (they then apply to every
-    config alike)."""
+    (``OMP_NUM_THREADS``) and no core reserved for vLLM's serving process (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``).
+
+    Why: vLLM's multiprocess executor (how Dynamo runs vLLM on CPU) by default reserves one core for the
+    serving process and pins the worker's OpenMP threads to the rest: 1 thread on a 2-core VM for a plain
+    worker, while a worker with a kv-transfer-config asks for a second reserved core, finds too few and
+    reserves none (2 threads). The in-process engine uses every CPU. ``benchmarks/cpu_budget_ab.py``
+    measures the effect (with this budget a Dynamo worker's prefill takes about as long as the in-process
+    engine's; whether vLLM also pins the threads made no measurable difference). Values already in this
+    process's environment are kept (they then apply to every config alike)."""
     n = int(ncpu or len(os.sched_getaffinity(0)))
     want = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(n)}
     return {k: os.environ.get(k, v) for k, v in want.items()}
