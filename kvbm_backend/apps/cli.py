@@ -364,8 +364,9 @@ def demo(
     engine: str = typer.Option("dynamo", help="dynamo: Dynamo frontend + dynamo.vllm workers, TTFT at the HTTP "
                                               "client; direct: in-process vLLM engines"),
 ) -> None:
-    """The main job: a real vLLM engine on a real trace, baseline vs kvbm_backend vs restart, served through
-    NVIDIA Dynamo (default) or in-process (--engine direct)."""
+    """The main job: a real vLLM engine on a real trace, baseline vs kvbm_backend vs restart (served through
+    NVIDIA Dynamo by default, or in-process with --engine direct) vs vllm_fs and native_tiers (vLLM's native
+    offloading with vLLM's fs tier, or with our G3+G4 tiers; in-process)."""
     from pathlib import Path
 
     from .demo import default_trace, run_demo

@@ -1,21 +1,27 @@
-"""``kvbm-backend demo``: the real vLLM engine on a real trace, ``baseline`` vs ``kvbm_backend`` vs ``restart``.
+"""``kvbm-backend demo``: the real vLLM engine on a real trace, five configurations, one run.
 
-Two ways to serve it (``--engine``):
-
-* ``dynamo`` (default): NVIDIA Dynamo's frontend and three ``dynamo.vllm`` workers started from
-  ``examples/dynamo/`` (:mod:`kvbm_backend.apps.demo_dynamo`); a real OpenAI client streams each request, TTFT at
-  the client.
-* ``direct``: each configuration is a fresh in-process vLLM engine
-  (:mod:`kvbm_backend.integrations.vllm.engine_run`), TTFT is
-  vLLM's own ``first_token_latency``.
-
-What runs:
+What runs (every engine with the same CPU budget: :func:`~kvbm_backend.apps.demo_native.cpu_budget_env`):
 
 * ``baseline``: the engine's own prefix cache only.
 * ``kvbm_backend``: :class:`~kvbm_backend.integrations.vllm.connector.KvbmBackendConnector` with G3 (a
   local directory) and G4 (a local directory store ``file://...`` by default, or ``--g4 s3://...``).
 * ``restart``: a fresh engine process with an EMPTY G3, reading the G4 written by ``kvbm_backend``
   (the returning user after a restart).
+* ``vllm_fs`` and ``native_tiers``: vLLM's native offloading path (``OffloadingConnector``, a CPU tier,
+  then vLLM's own ``fs`` tier or our G3+G4 tiers; :mod:`kvbm_backend.apps.demo_native`), always as
+  in-process engines.
+
+Two ways to serve the first three (``--engine``):
+
+* ``dynamo`` (default): NVIDIA Dynamo's frontend and three ``dynamo.vllm`` workers started from
+  ``examples/dynamo/`` (:mod:`kvbm_backend.apps.demo_dynamo`); a real OpenAI client streams each request, TTFT at
+  the client. The native configs then run in-process beside an in-process ``baseline_direct``, so each
+  storage-vs-recompute ratio compares engines served the same way.
+* ``direct``: each configuration is a fresh in-process vLLM engine
+  (:mod:`kvbm_backend.integrations.vllm.engine_run`), TTFT is vLLM's own ``first_token_latency``.
+
+In-process engines start side by side (load, warm up, then wait) and serve one at a time, as the Dynamo
+workers do. At the end the demo measures the bytes each config's tiers left on disk (allocated, as ``du``).
 
 Requests: conversations from a Mooncake-format trace (default ``../shared/data/mooncake_synthetic_trace.jsonl``
 relative to the repo root). Requests whose first hash id is shared (multi-turn conversations) are
@@ -56,6 +62,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .demo_native import (BLOCKS_PER_CHUNK, NATIVE_CONFIGS, cpu_budget_env, disk_bytes, native_extra,
+                          native_tier_summary, tier_dirs)
 from .engine_model import DEMO, write_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -123,13 +131,13 @@ def select_requests(trace: str | Path, n: int, turns_per_conv: int = 3, block_to
     return prompts, info
 
 
-def _run_engine(name: str, spec: dict, workdir: Path, progress=None, task=None, env_extra: dict | None = None,
-                timeout_s: float = 900) -> dict:
-    spec = dict(spec)
-    spec["out"] = str(workdir / f"{name}.result.json")
-    pfile = workdir / f"{name}.progress"
-    pfile.write_text("")
-    spec["progress_file"] = str(pfile)
+def _start_engine(name: str, spec: dict, workdir: Path, env_extra: dict | None = None) -> dict:
+    """Start one in-process engine (``engine_run``) that loads, warms up, then waits before its first prompt
+    until :func:`_serve_engine` lets it go, so engines start side by side but serve one at a time."""
+    spec = dict(spec, out=str(workdir / f"{name}.result.json"), progress_file=str(workdir / f"{name}.progress"),
+                pause_before=[0], pause_dir=str(workdir / f"{name}.pause"), pause_max_s=3600)
+    Path(spec["pause_dir"]).mkdir(parents=True, exist_ok=True)
+    Path(spec["progress_file"]).write_text("")
     spath = workdir / f"{name}.spec.json"
     spath.write_text(json.dumps(spec))
     env = dict(os.environ)
@@ -137,29 +145,72 @@ def _run_engine(name: str, spec: dict, workdir: Path, progress=None, task=None, 
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    if env_extra:
-        env.update(env_extra)
+    env.update(env_extra or {})
     log = open(workdir / f"{name}.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "kvbm_backend.integrations.vllm.engine_run", str(spath)], stdout=log,
                             stderr=subprocess.STDOUT, env=env, cwd=str(workdir))
-    t0 = time.monotonic()
-    try:
-        while proc.poll() is None:
-            if progress is not None:
-                done = len(pfile.read_text().split())
-                progress.update(task, completed=done)
-            if time.monotonic() - t0 > timeout_s:
-                proc.kill()
-                raise RuntimeError(f"demo: engine {name} ran past {timeout_s} s (log: {workdir / (name + '.log')})")
-            time.sleep(0.2)
-    finally:
-        log.close()
+    log.close()
+    return {"name": name, "proc": proc, "spec": spec, "log": workdir / f"{name}.log", "t0": time.monotonic()}
+
+
+def _check(h: dict, timeout_s: float) -> None:
+    if time.monotonic() - h["t0"] > timeout_s:
+        h["proc"].kill()
+        raise RuntimeError(f"demo: engine {h['name']} ran past {timeout_s} s (log: {h['log']})")
+
+
+def _wait_loaded(h: dict, timeout_s: float = 900) -> None:
+    """Wait until engine ``h`` has loaded and warmed up (it waits before its first prompt), or has exited."""
+    while h["proc"].poll() is None and not (Path(h["spec"]["pause_dir"]) / "paused-0").exists():
+        _check(h, timeout_s)
+        time.sleep(0.2)
+
+
+def _serve_engine(h: dict, progress=None, task=None, timeout_s: float = 900) -> dict:
+    """Let loaded engine ``h`` serve its prompts, and return its result dict. Raises RuntimeError naming the
+    log if it fails or runs past ``timeout_s`` (start-up included)."""
+    proc, spec, name = h["proc"], h["spec"], h["name"]
+    pdir, pfile = Path(spec["pause_dir"]), Path(spec["progress_file"])
+    _wait_loaded(h, timeout_s)
+    (pdir / "resume-0").write_text("")
+    while proc.poll() is None:
+        _check(h, timeout_s)
+        if progress is not None:
+            progress.update(task, completed=len(pfile.read_text().split()))
+        time.sleep(0.2)
     if proc.returncode != 0 or not Path(spec["out"]).is_file():
-        tail = (workdir / f"{name}.log").read_text()[-4000:]
-        raise RuntimeError(f"demo: engine {name} failed (rc={proc.returncode}); log {workdir / (name + '.log')}:\n{tail}")
+        raise RuntimeError(f"demo: engine {name} failed (rc={proc.returncode}); log {h['log']}:\n"
+                           f"{h['log'].read_text()[-4000:]}")
     if progress is not None:
         progress.update(task, completed=len(spec["prompts"]))
     return json.loads(Path(spec["out"]).read_text())
+
+
+def _run_engines(runs: list[tuple[str, dict]], workdir: Path, env_extra: dict, progress, tasks: dict,
+                 phases=None) -> dict:
+    """Start every engine of ``runs`` side by side, wait until all have loaded (so none computes while
+    another is timed), then serve them one at a time, in order. ``phases``
+    (:class:`kvbm_backend.apps.phases.Phases`): a timed line when the start-up and each engine's requests
+    begin and end (default: lines on stderr)."""
+    from .phases import Phases
+    phases = phases or Phases()
+    handles = []
+    try:
+        with phases.phase(f"starting {len(runs)} in-process vLLM engines side by side"):
+            for name, spec in runs:
+                handles.append(_start_engine(name, spec, workdir, env_extra))
+            for h in handles:
+                _wait_loaded(h)
+        out = {}
+        for h in handles:
+            progress.start_task(tasks[h["name"]])
+            with phases.phase(f"engine {h['name']}: {len(h['spec'].get('prompts', []))} requests"):
+                out[h["name"]] = _serve_engine(h, progress, tasks[h["name"]])
+        return out
+    finally:
+        for h in handles:
+            if h["proc"].poll() is None:
+                h["proc"].kill()
 
 
 def _summary(res: dict, base: dict | None, bs: int) -> dict:
@@ -176,9 +227,10 @@ def _summary(res: dict, base: dict | None, bs: int) -> dict:
         out["outputs_matching"] = sum(1 for a, b in zip(res["outputs"], base["outputs"]) if a == b)
     cs = res.get("connector_stats")
     if cs is not None:
-        lb = cs.get("lookup_blocks", 0) or 1
-        out["hit_rate_by_tier"] = {"engine": cs.get("local_hit_blocks", 0) / lb, "G3": cs.get("load_g3_blocks_ok", 0) / lb,
-                                   "G4": cs.get("load_g4_blocks_ok", 0) / lb}
+        pt = prompt_tokens or 1  # share of prompt tokens, as for the native configs (blocks x block tokens)
+        out["hit_rate_by_tier"] = {"engine": cs.get("local_hit_blocks", 0) * bs / pt,
+                                   "G3": cs.get("load_g3_blocks_ok", 0) * bs / pt,
+                                   "G4": cs.get("load_g4_blocks_ok", 0) * bs / pt}
         out["blocks"] = {"looked_up": cs.get("lookup_blocks", 0), "engine_hits": cs.get("local_hit_blocks", 0),
                          "loaded_g3": cs.get("load_g3_blocks_ok", 0), "loaded_g4": cs.get("load_g4_blocks_ok", 0),
                          "load_failed": cs.get("load_blocks_failed", 0), "saved": cs.get("save_blocks", 0),
@@ -191,45 +243,74 @@ def _summary(res: dict, base: dict | None, bs: int) -> dict:
         ps = res.get("pool_stats") or {}
         out["pool_stats"] = {k: {kk: v for kk, v in (ps.get(k) or {}).items()
                                  if kk in ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "blocks",
-                                           "written", "dropped", "encrypted", "url", "paths", "engine")}
+                                           "written", "dropped", "encrypted", "url", "paths", "engine",
+                                           "used_bytes", "evictions")}
                              for k in ("g3", "g4") if k in ps}
+    if res.get("native_loads") is not None:
+        out.update(native_tier_summary(res))
     return out
 
 
 def plot_demo(result: dict, path: str) -> None:
-    """Bar chart of TTFT p50/p90 per configuration and per-request TTFT (log scale), PNG."""
+    """PNG, four panels: TTFT p50/p90 per configuration (with "outputs = baseline"), per-request TTFT (log
+    scale), hit rate by tier (stacked, share of prompt tokens) and the tiers' bytes on disk at the end."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = list(result["configs"])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    cfgs = result["configs"]
+    names = list(cfgs)
+    fig, ((ax1, ax2), (ax3, ax4)) = plt.subplots(2, 2, figsize=(14, 8.5))
     x = np.arange(len(names))
-    p50 = [result["configs"][n]["ttft_p50_s"] for n in names]
-    p90 = [result["configs"][n]["ttft_p90_s"] for n in names]
+    p50 = [cfgs[n]["ttft_p50_s"] for n in names]
+    p90 = [cfgs[n]["ttft_p90_s"] for n in names]
     ax1.bar(x - 0.2, p50, 0.4, label="p50")
     ax1.bar(x + 0.2, p90, 0.4, label="p90")
-    ax1.set_xticks(x, names)
+    ax1.set_xticks(x, names, rotation=15)
     ax1.set_ylabel("TTFT (s)")
     ax1.set_title("TTFT per configuration")
     for i, n in enumerate(names):
-        ok = result["configs"][n]["outputs_identical"]
+        ok = cfgs[n]["outputs_identical"]
         ax1.annotate("outputs = baseline" if ok else "OUTPUTS DIFFER", (i, max(p90[i], p50[i])), ha="center",
                      va="bottom", fontsize=8, color="green" if ok else "red")
     ax1.legend()
     for n in names:
-        ax2.plot(result["configs"][n]["ttft_s"], marker="o", ms=3, label=n)
+        ax2.plot(cfgs[n]["ttft_s"], marker="o", ms=3, label=n)
     ax2.set_yscale("log")
     ax2.set_xlabel("request (trace order)")
     ax2.set_ylabel("TTFT (s)")
     ax2.set_title("per request")
-    ax2.legend()
+    ax2.legend(fontsize=8)
+    tiers = list(dict.fromkeys(t for n in names for t in (cfgs[n].get("hit_rate_by_tier") or {"engine": 0})))
+    bottom = np.zeros(len(names))
+    for t in tiers:
+        v = np.array([(cfgs[n].get("hit_rate_by_tier") or {"engine": cfgs[n]["hit_rate"]}).get(t, 0.0) for n in names])
+        ax3.bar(x, v * 100, 0.6, bottom=bottom * 100, label=t)
+        bottom += v
+    ax3.set_xticks(x, names, rotation=15)
+    ax3.set_ylabel("% of prompt tokens not computed")
+    ax3.set_title("hit rate by tier")
+    ax3.legend(fontsize=8)
+    kinds = list(dict.fromkeys(k for n in names for k in (cfgs[n].get("bytes_on_disk") or {})))
+    w = 0.8 / max(1, len(kinds))
+    for j, k in enumerate(kinds):
+        v = [((cfgs[n].get("bytes_on_disk") or {}).get(k) or 0) / 1e6 for n in names]
+        ax4.bar(x - 0.4 + w * (j + 0.5), v, w, label=k)
+    for i, n in enumerate(names):
+        b = cfgs[n].get("bound_bytes") or {}
+        if cfgs[n].get("bytes_on_disk"):
+            ax4.annotate("bounded" if b else "no bound", (i, 0), ha="center", va="bottom", fontsize=8)
+    ax4.set_xticks(x, names, rotation=15)
+    ax4.set_ylabel("MB on disk at the end")
+    ax4.set_title("tiers' bytes on disk (G3 bounded by capacity_gb; vLLM fs: no bound)")
+    if kinds:
+        ax4.legend(fontsize=8)
     m = result.get("model", {})
     fig.suptitle(f"kvbm-backend demo: {result.get('engine', '')}, TTFT at {result.get('ttft_measured_at', 'engine')}, "
                  f"{m.get('num_hidden_layers')} layers, "
                  f"hidden {m.get('hidden_size')}, {result['scaling']['conversations']} conversations / "
-                 f"{len(p50) and len(result['configs'][names[0]]['ttft_s'])} requests")
+                 f"{len(p50) and len(cfgs[names[0]]['ttft_s'])} requests")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -238,9 +319,12 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
              endpoint_url: str | None = None, block_tokens: int = 64, turns_per_conv: int = 3,
              max_tokens_per_request: int = 3072, model=None, keep_workdir: bool | None = None,
              engine: str = "dynamo") -> dict:
-    """Run the three configurations and write ``json_path`` and ``plot``. Returns the result dict:
-    ``{"configs": {"baseline"|"kvbm_backend"|"restart": {"ttft_p50_s", "ttft_p90_s", "hit_rate",
-    "outputs_identical", ...}}, "scaling": {...}, "serving": "dynamo"|"direct", ...}``.
+    """Run the five configurations and write ``json_path`` and ``plot``. Returns the result dict:
+    ``{"configs": {"baseline"|"kvbm_backend"|"restart"|"vllm_fs"|"native_tiers" (+ "baseline_direct" under
+    Dynamo): {"ttft_p50_s", "ttft_p90_s", "hit_rate", "hit_rate_by_tier", "outputs_identical",
+    "compared_with", "serving", "bytes_on_disk", "bound_bytes", ...}}, "storage_vs_recompute_p50":
+    {"in_process": {...}, "dynamo": {...}}, "cpu_budget_env": {...}, "scaling": {...}, "serving":
+    "dynamo"|"direct", ...}``.
 
     ``engine``: ``"dynamo"`` (Dynamo frontend + workers, TTFT at the HTTP client) or ``"direct"`` (in-process
     vLLM engines). Raises ValueError for a missing/malformed trace, a bad ``--g4`` URL or ``--engine``.
@@ -250,7 +334,7 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
     from rich.table import Table
 
     from .phases import Phases
-    console = Console(stderr=True)
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
     phases = Phases(lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))  # above the bars
     model = model or DEMO
     trace_path = Path(trace) if trace else default_trace()
@@ -282,75 +366,112 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
                   f"{num_blocks} blocks x {BLOCK_SIZE} tokens ({num_blocks * BLOCK_SIZE} tokens)")
     console.print(f"  G3: {wd}/g3-*   G4: {g4_url}   workdir: {wd}")
 
+    g3_gb = 2.0
+    keyring = str(wd / "g4-keyring.json")
+    budget = cpu_budget_env()
+    # CPU primary tier of the native configs: about two engine KV budgets (float32 KV: 2x the bf16 bytes)
+    cpu_bytes = 2 * num_blocks * BLOCK_SIZE * model.kv_bytes_per_token * (2 if DTYPE == "float32" else 1)
+
     def extra(g3_dir: str) -> dict:
-        g4cfg = {"enabled": True, "url": g4_url, "encrypt": True, "keyring": {"path": str(wd / "g4-keyring.json")},
-                 "timeout_s": 5.0}
+        g4cfg = {"enabled": True, "url": g4_url, "encrypt": True, "keyring": {"path": keyring}, "timeout_s": 5.0}
         if endpoint_url:
             g4cfg["endpoint_url"] = endpoint_url
-        cfg = {"model": model.name, "g3": {"paths": [str(wd / g3_dir)], "capacity_gb": 2.0, "files_per_path": 2,
+        cfg = {"model": model.name, "g3": {"paths": [str(wd / g3_dir)], "capacity_gb": g3_gb, "files_per_path": 2,
                                            "admission": {"policy": "all"}},
                "g4": g4cfg}
         return {"kvbm_backend": cfg, "stats_path": str(wd / f"{g3_dir}-stats.json")}
 
     base_spec = {"model_dir": str(model_dir), "prompts": prompts, "max_tokens": 4, "block_size": BLOCK_SIZE,
                  "num_gpu_blocks": num_blocks, "max_model_len": max_len, "dtype": DTYPE}
-    runs = [("baseline", None), ("kvbm_backend", {"extra": extra("g3-run")}),
-            ("restart", {"extra": extra("g3-restart")})]
+    native = [(n, dict(base_spec, native=native_extra(n, wd, model, cpu_bytes=cpu_bytes, g3_capacity_gb=g3_gb,
+                                                      g4_url=g4_url, keyring=keyring, endpoint_url=endpoint_url)))
+              for n in NATIVE_CONFIGS]
+    direct = [("baseline", dict(base_spec, connector=None)),
+              ("kvbm_backend", dict(base_spec, connector={"extra": extra("g3-run")})),
+              ("restart", dict(base_spec, connector={"extra": extra("g3-restart")}))]
+    # Under Dynamo the native configs are in-process engines (no Dynamo script for them here), compared with
+    # an in-process baseline of their own: ``baseline_direct``.
+    inproc = direct + native if engine == "direct" else [("baseline_direct", direct[0][1])] + native
+    order = [n for n, _ in direct] + [n for n, _ in inproc if n not in dict(direct)]
     results: dict[str, dict] = {}
     serving: dict = {}
     t_all = time.monotonic()
     console.print(f"  serving: {engine}" + (" (Dynamo frontend + 3 dynamo.vllm workers from examples/dynamo/, "
                                             "TTFT at the streaming HTTP client; workers start side by side, "
-                                            "1-3 min on 2 cores)" if engine == "dynamo" else
+                                            "1-3 min on 2 cores; then the in-process engines)"
+                                            if engine == "dynamo" else
                                             " (in-process vLLM engines, TTFT = vLLM first_token_latency)"))
-    with Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    console.print(f"  CPU budget, every engine: {' '.join(f'{k}={v}' for k, v in budget.items())}; "
+                  f"native configs: CPU tier {cpu_bytes / 2**20:.0f} MiB, {BLOCKS_PER_CHUNK * BLOCK_SIZE}-token chunks")
+    with Progress(TextColumn("{task.description:<15}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
-        tasks = {name: progress.add_task(name, total=len(prompts), start=False) for name, _ in runs}
+        tasks = {name: progress.add_task(name, total=len(prompts), start=False) for name in order}
         if engine == "dynamo":
             from .demo_dynamo import run_dynamo
             results, serving = run_dynamo(prompts, model_dir, wd, lambda g3: extra(g3)["kvbm_backend"],
                                           block_size=BLOCK_SIZE, num_blocks=num_blocks, max_model_len=max_len,
                                           dtype=DTYPE, max_tokens=base_spec["max_tokens"], progress=progress,
-                                          tasks=tasks, phases=phases)
-        else:
-            for name, conn in runs:
-                progress.start_task(tasks[name])
-                with phases.phase(f"engine {name}: vLLM start-up, then {len(prompts)} requests"):
-                    results[name] = _run_engine(name, dict(base_spec, connector=conn), wd, progress, tasks[name])
-    base = results["baseline"]
+                                          tasks=tasks, phases=phases, env=budget)
+        results.update(_run_engines(inproc, wd, budget, progress, tasks, phases))
     from kvbm_backend.integrations.vllm.engine_run import vllm_version as _vllm_version
     vllm_version = _vllm_version()
     engine_s = (f"Dynamo {serving.get('dynamo', '?')} + vLLM {vllm_version} (CPU)" if engine == "dynamo"
                 else f"vLLM {vllm_version} (CPU), in-process")
-    out = {"configs": {name: _summary(results[name], None if name == "baseline" else base, BLOCK_SIZE)
-                       for name, _ in runs},
-           "serving": engine, "dynamo": serving or None,
+    # each config's outputs against the baseline of its own serving (Dynamo: text; in-process: token ids)
+    ref = {n: ("baseline" if engine == "direct" or n in dict(direct) else "baseline_direct") for n in order}
+    configs = {}
+    for n in order:
+        c = _summary(results[n], None if ref[n] == n else results[ref[n]], BLOCK_SIZE)
+        c["serving"] = engine if n in dict(direct) and engine == "dynamo" else "direct"
+        c["compared_with"] = ref[n]
+        dirs = tier_dirs(n, wd, g4_url)
+        c["bytes_on_disk"] = {k: disk_bytes(v) for k, v in dirs.items()}
+        c["bound_bytes"] = {k: int(g3_gb * 1e9) for k in dirs if k == "G3"}  # G4: the store's; fs: none
+        used = ((c.get("pool_stats") or {}).get("g3") or {}).get("used_bytes")
+        used = (c.get("tier_counters") or {}).get("G3", {}).get("used_bytes", used)
+        if used is not None:  # G3 grows its slab files in ~64 MiB steps: allocated > used
+            c["bytes_used"] = {"G3": int(used)}
+        configs[n] = c
+    for n, c in configs.items():
+        if n != ref[n]:
+            b = configs[ref[n]]["ttft_p50_s"]
+            c["ttft_p50_speedup_vs_baseline"] = b / c["ttft_p50_s"] if c["ttft_p50_s"] > 0 else None
+    ratios = {"in_process": {n: c["ttft_p50_speedup_vs_baseline"] for n, c in configs.items()
+                             if c["serving"] == "direct" and "ttft_p50_speedup_vs_baseline" in c}}
+    if engine == "dynamo":
+        ratios["dynamo"] = {n: configs[n]["ttft_p50_speedup_vs_baseline"] for n in ("kvbm_backend", "restart")}
+    out = {"configs": configs, "serving": engine, "dynamo": serving or None, "cpu_budget_env": budget,
+           "storage_vs_recompute_p50": ratios,
            "ttft_measured_at": "HTTP client (streaming)" if engine == "dynamo" else "engine (vLLM first_token_latency)",
            "scaling": scaling, "model": model.hf_config(), "engine": engine_s,
            "block_size_tokens": BLOCK_SIZE, "engine_kv_blocks": num_blocks, "g4_url": g4_url,
+           "native_cpu_tier_bytes": cpu_bytes, "g3_capacity_bytes": int(g3_gb * 1e9),
            "workdir": str(wd), "wall_s": time.monotonic() - t_all}
-    bp50 = out["configs"]["baseline"]["ttft_p50_s"]
-    for name in ("kvbm_backend", "restart"):
-        c = out["configs"][name]
-        c["ttft_p50_speedup_vs_baseline"] = bp50 / c["ttft_p50_s"] if c["ttft_p50_s"] > 0 else None
 
     table = Table(title=f"kvbm-backend demo: {engine_s}, TTFT at {out['ttft_measured_at']}")
-    for col in ("config", "TTFT p50 s", "TTFT p90 s", "hit rate", "engine / G3 / G4 hits", "loaded MB",
+    for col in ("config", "serving", "TTFT p50 s", "TTFT p90 s", "hit rate", "by tier", "MB on disk (bound)",
                 "outputs = baseline"):
         table.add_column(col)
-    for name in out["configs"]:
-        c = out["configs"][name]
+    for name, c in configs.items():
         tiers = c.get("hit_rate_by_tier")
-        tier_s = "-" if tiers is None else f"{tiers['engine']:.0%} / {tiers['G3']:.0%} / {tiers['G4']:.0%}"
-        loaded = c.get("bytes_moved", {}).get("loaded")
-        table.add_row(name, f"{c['ttft_p50_s']:.3f}", f"{c['ttft_p90_s']:.3f}", f"{c['hit_rate']:.0%}", tier_s,
-                      "-" if loaded is None else f"{loaded / 1e6:.1f}",
-                      "[green]yes[/green]" if c["outputs_identical"] else "[red]NO[/red]")
+        tier_s = "-" if tiers is None else " ".join(f"{k} {v:.0%}" for k, v in tiers.items())
+        used = c.get("bytes_used") or {}
+        disk = " ".join(f"{k} {'remote' if v is None else f'{v / 1e6:.1f}'}"
+                        + (f" ({used[k] / 1e6:.1f} used, <= {c['bound_bytes'][k] / 1e6:.0f})" if k in c["bound_bytes"]
+                           and k in used else f" (<= {c['bound_bytes'][k] / 1e6:.0f})" if k in c["bound_bytes"] else
+                           " (no bound)" if k == "fs" else "")
+                        for k, v in c["bytes_on_disk"].items()) or "-"
+        same = "[green]yes[/green]" if c["outputs_identical"] else "[red]NO[/red]"
+        table.add_row(name, c["serving"], f"{c['ttft_p50_s']:.3f}", f"{c['ttft_p90_s']:.3f}", f"{c['hit_rate']:.0%}",
+                      tier_s, disk, same if ref[name] != name else "(reference)")
     console.print(table)
-    same = all(c["outputs_identical"] for c in out["configs"].values())
-    console.print(f"TTFT p50: kvbm_backend {out['configs']['kvbm_backend']['ttft_p50_speedup_vs_baseline']:.1f}x "
-                  f"below baseline, restart {out['configs']['restart']['ttft_p50_speedup_vs_baseline']:.1f}x; "
-                  + ("all greedy outputs identical to baseline" if same else "[red]OUTPUTS DIFFER from baseline[/red]"))
+    same = all(c["outputs_identical"] for c in configs.values())
+    for where, label in (("in_process", "in-process engines"), ("dynamo", "under Dynamo")):
+        if ratios.get(where):
+            console.print(f"storage vs recompute, TTFT p50 {label}: "
+                          + ", ".join(f"{n} {r:.1f}x" for n, r in ratios[where].items() if r) + " below baseline")
+    console.print("all greedy outputs identical to their baseline" if same else
+                  "[red]OUTPUTS DIFFER from baseline[/red]")
     remove = own_tmp and not keep_workdir
     out["workdir_kept"] = not remove
     if json_path:

@@ -47,7 +47,8 @@ def _delta(after: dict, before: dict) -> dict:
 
 def run_dynamo(prompts: list[list[int]], model_dir: Path, wd: Path, kvbm_config, *, block_size: int,
                num_blocks: int, max_model_len: int, dtype: str, max_tokens: int = 4, progress=None,
-               tasks: dict | None = None, ready_timeout_s: float = 600.0, phases=None) -> tuple[dict, dict]:
+               tasks: dict | None = None, ready_timeout_s: float = 600.0, phases=None,
+               env: dict | None = None) -> tuple[dict, dict]:
     """Serve ``prompts`` through Dynamo in each configuration of :data:`CONFIGS`.
 
     ``kvbm_config(g3_dir: str) -> dict`` gives the ``kvbm_backend`` config of a worker whose G3 is
@@ -59,6 +60,8 @@ def run_dynamo(prompts: list[list[int]], model_dir: Path, wd: Path, kvbm_config,
     ``info`` (versions, worker start-up seconds, ports and log paths). Raises RuntimeError naming the log of
     a process that fails. ``phases``: a :class:`kvbm_backend.apps.phases.Phases` that gets a line when the
     workers start, every 15 s while they are starting, and when they are ready (default: lines on stderr).
+    ``env``: added to every process of the stack (the demo's CPU budget:
+    :func:`kvbm_backend.apps.demo_native.cpu_budget_env`).
     """
     from .phases import Phases
     phases = phases or Phases()
@@ -68,7 +71,7 @@ def run_dynamo(prompts: list[list[int]], model_dir: Path, wd: Path, kvbm_config,
                    "--num-gpu-blocks-override", str(num_blocks), "--enforce-eager", "--seed", "0"]
     results: dict[str, dict] = {}
     info: dict = {"frontend_log": None, "workers": {}}
-    with DynamoStack(wd / "dynamo", env={"VLLM_LOGGING_LEVEL": "WARNING"}) as st:
+    with DynamoStack(wd / "dynamo", env={"VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}) as st:
         info["frontend_log"] = str(st.frontend.log)
         with phases.phase(f"starting the Dynamo frontend and {len(CONFIGS)} dynamo.vllm workers") as still:
             for name in CONFIGS:

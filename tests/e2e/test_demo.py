@@ -72,19 +72,41 @@ def test_demo_small_run_writes_json_and_plot(tmp_path, engine, capfd):
     # the engine start-up is not silence (issue 22 item 10): a timed line when it starts and when it is done
     err = " ".join(capfd.readouterr().err.split())
     phase = ("starting the Dynamo frontend and 3 dynamo.vllm workers" if engine == "dynamo" else
-             "engine restart: vLLM start-up, then 6 requests")
+             "starting 5 in-process vLLM engines side by side")
     assert re.search(r"\[ *[0-9.]+ s\] " + re.escape(phase) + r" \.\.\.", err), err[-3000:]
     assert re.search(r"\[ *[0-9.]+ s\] " + re.escape(phase) + r": done in [0-9.]+ s", err), err[-3000:]
     assert data["serving"] == engine
     assert data["ttft_measured_at"].startswith("HTTP client" if engine == "dynamo" else "engine")
-    assert set(data["configs"]) == {"baseline", "kvbm_backend", "restart"}
+    five = {"baseline", "kvbm_backend", "restart", "vllm_fs", "native_tiers"}
+    # under Dynamo the native configs run in-process, against an in-process baseline of their own
+    assert set(data["configs"]) == (five if engine == "direct" else five | {"baseline_direct"})
     for name, c in data["configs"].items():
-        for k in ("ttft_p50_s", "ttft_p90_s", "hit_rate", "outputs_identical"):
+        for k in ("ttft_p50_s", "ttft_p90_s", "hit_rate", "outputs_identical", "bytes_on_disk", "serving"):
             assert k in c, (name, k)
         assert c["outputs_identical"], name
-    assert data["configs"]["kvbm_backend"]["blocks"]["loaded_g3"] > 0       # later turns hit G3
-    assert data["configs"]["restart"]["blocks"]["loaded_g4"] > 0            # empty G3: G4 serves
-    assert data["configs"]["restart"]["hit_rate"] > data["configs"]["baseline"]["hit_rate"]
+    cfg = data["configs"]
+    assert cfg["kvbm_backend"]["blocks"]["loaded_g3"] > 0       # later turns hit G3
+    assert cfg["restart"]["blocks"]["loaded_g4"] > 0            # empty G3: G4 serves
+    assert cfg["restart"]["hit_rate"] > cfg["baseline"]["hit_rate"]
+    assert cfg["vllm_fs"]["serving"] == cfg["native_tiers"]["serving"] == "direct"
+    assert cfg["vllm_fs"]["compared_with"] == ("baseline" if engine == "direct" else "baseline_direct")
+    # the native path ran: each config's secondary tier wrote its chunks, the bytes are on disk at the end
+    assert cfg["vllm_fs"]["bytes_on_disk"]["fs"] > 0 and "G3" not in cfg["vllm_fs"]["bytes_on_disk"]
+    nd = cfg["native_tiers"]["bytes_on_disk"]
+    assert nd["G3"] > 0 and nd["G4"] > 0, nd
+    assert nd["G3"] <= cfg["native_tiers"]["bound_bytes"]["G3"]
+    assert cfg["native_tiers"]["tier_counters"]["G3"]["chunks_stored"] > 0
+    # the neutral per-source count (all tier types) agrees with our G3 tier's own: a chunk the engine loaded
+    # from G3 was loaded by the G3 tier
+    assert (cfg["native_tiers"]["chunks_loaded_by_tier"]["G3"]
+            <= cfg["native_tiers"]["tier_counters"]["G3"]["chunks_loaded"])
+    for name in ("vllm_fs", "native_tiers"):  # a returning turn is served through the native path
+        assert cfg[name]["hit_rate"] > cfg["baseline"]["hit_rate"], name
+        assert sum(v for k, v in cfg[name]["hit_rate_by_tier"].items() if k != "engine") > 0, cfg[name]
+    assert set(data["cpu_budget_env"]) == {"VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_NUM_THREADS"}
+    assert set(data["storage_vs_recompute_p50"]["in_process"]) >= {"vllm_fs", "native_tiers"}
+    if engine == "dynamo":
+        assert set(data["storage_vs_recompute_p50"]["dynamo"]) == {"kvbm_backend", "restart"}
     assert data["scaling"]["demo_tokens_per_trace_block"] == 64
     assert out_png.stat().st_size > 10_000
     assert res["configs"]["restart"]["bytes_moved"]["loaded"] > 0

@@ -24,7 +24,11 @@ SPEC (JSON) fields:
   G3/G4 ``secondary_tiers``). In-process only (``multiprocessing`` false). After the prompts the engine
   steps until its offloads (primary and secondary tiers) are done, then shuts down, which closes the
   tiers' pools (G3 persists its index). ``tier_stats`` in the result: per secondary tier, ``type`` and
-  (our tiers) ``kvbm_stats()`` read before the shutdown.
+  (our tiers) ``kvbm_stats()`` read before the shutdown. ``native_loads`` in the result, the same counts
+  for every tier type (vLLM's ``fs`` included), after the warm-up request: ``chunks_by_source``
+  (``{"CPU" | <secondary tier type>: chunks}``, each chunk the engine loaded counted once, by the tier it
+  came from: ``CPU`` when it was already in the primary tier, else the secondary tier that promoted it)
+  and ``chunk_tokens`` (tokens per chunk).
 * ``kv_transfer_params`` (optional list, one dict or null per prompt): the request's
   ``kv_transfer_params`` (e.g. ``{"kvbm_tenant": "a"}`` for our native tiers).
 * ``multiprocessing`` (bool, default false): vLLM's engine core and (on CPU) its worker in their own
@@ -113,6 +117,9 @@ def run(spec: dict) -> dict:
     if spec.get("warmup", True):
         llm.generate([TokensPrompt(prompt_token_ids=[7] * 40)], SamplingParams(temperature=0.0, max_tokens=1,
                      detokenize=False), use_tqdm=False)
+    native_loads = None
+    if spec.get("native") is not None:  # counted from here: the warm-up request is not in them
+        native_loads = _count_native_loads(llm, bs * int(spec["native"].get("blocks_per_chunk") or 0) or None)
     outs, ttft, e2e, cached = [], [], [], []
     progress = spec.get("progress_file")
     pause_before = set(spec.get("pause_before") or ())
@@ -140,6 +147,7 @@ def run(spec: dict) -> dict:
               "prompt_tokens": [len(p) for p in prompts]}
     if spec.get("native") is not None:
         result["tier_stats"] = _drain_native(llm)
+        result["native_loads"] = native_loads
     if conn is not None and mp:
         # Engine core and worker are other processes: shut them down (the connectors flush and write
         # their stats files), then read the files.
@@ -186,6 +194,34 @@ def _with_params(sp, kv_transfer_params: dict):
     sp = sp.clone()
     sp.extra_args = {**(sp.extra_args or {}), "kv_transfer_params": dict(kv_transfer_params)}
     return sp
+
+
+def _count_native_loads(llm, chunk_tokens: int | None) -> dict:
+    """Count the chunks the in-process engine's ``OffloadingConnector`` loads, by source tier: wraps the
+    tiering manager's ``_initiate_promotion`` (secondary tier ``i`` -> primary, remembered per key) and
+    ``prepare_load`` (primary -> engine; a key not promoted for this load came from the CPU tier).
+    ``chunk_tokens``: tokens per chunk (reported as is). Returns the live counters dict."""
+    manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
+    tiers = [t.tier_type for t in getattr(manager, "secondary_tiers", ())]
+    counts: dict = {"chunks_by_source": {"CPU": 0, **{t: 0 for t in tiers}},
+                    "chunk_tokens": chunk_tokens}
+    promoted: dict = {}
+    initiate, prepare_load = manager._initiate_promotion, manager.prepare_load
+
+    def _initiate(i, key, req_context, *a, **kw):
+        ok = initiate(i, key, req_context, *a, **kw)
+        if ok:
+            promoted[key] = tiers[i]
+        return ok
+
+    def _prepare_load(keys, req_context, *a, **kw):
+        for k in keys:
+            src = promoted.pop(k, "CPU")
+            counts["chunks_by_source"][src] = counts["chunks_by_source"].get(src, 0) + 1
+        return prepare_load(keys, req_context, *a, **kw)
+
+    manager._initiate_promotion, manager.prepare_load = _initiate, _prepare_load
+    return counts
 
 
 def _drain_native(llm, max_s: float = 60.0) -> list[dict]:
