@@ -271,7 +271,11 @@ def test_hybrid_presets_state_full_and_window_bounded_bytes():
     assert (g["full_bytes_per_token"], g["sliding_bytes_per_token"], g["sliding_bytes_max"]) == (24576, 24576, 24576 * 128)
     assert "full_bytes_per_token" not in rows["llama-3.1-8b"]
     r = CliRunner().invoke(app, ["layouts"], env={"COLUMNS": "200"})
-    assert r.exit_code == 0 and "sliding_bytes_per_token" in r.output and "gemma-3-27b" in r.output
+    # the human table (report.print_layouts): the hybrid table's full / sliding bytes per token columns,
+    # with gpt-oss-20b's values
+    assert r.exit_code == 0 and "Hybrid models" in r.output and "gemma-3-27b" in r.output, r.output
+    row = next(ln for ln in r.output.splitlines() if ln.split()[:1] == ["gpt-oss-20b"] and "24,576" in ln)
+    assert row.split()[1:6] == ["12", "12", "128", "24,576", "24,576"], row
 
 
 def _hybrid_offloading_config(tmp_path, layers=(2, 2)):
