@@ -10,6 +10,7 @@ the engine process is bounded by ``run_engine``'s timeout, which then fails the 
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -146,7 +147,22 @@ def test_blocks_offloaded_after_the_last_step_are_found_by_the_next_request(tmp_
     prompt is served from G3."""
     ps = prompts(1, 700, seed=23) * 2
     extra = connector_extra(tmp_path / "w")
-    b = _run_with_pauses(tmp_path, "idle", model_dir, ps, {"extra": extra}, {1: lambda: time.sleep(3.0)},
+    stats_file = Path(extra["stats_path"])
+
+    def idle():
+        # the engine is idle (paused between requests): wait until the worker wrote the 21 blocks (its stats
+        # file; generous bound for a loaded machine), then 2 s for the report channel (0.1 s period)
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            try:
+                if json.loads(stats_file.read_text()).get("g3_put_written_blocks", 0) >= 21:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        time.sleep(2.0)
+
+    b = _run_with_pauses(tmp_path, "idle", model_dir, ps, {"extra": extra}, {1: idle},
                          num_gpu_blocks=NUM_BLOCKS, multiprocessing=True, max_tokens=1, warmup=False,
                          reset_prefix_cache_before=[1], timeout=400)
     ss = b["scheduler_stats"]
