@@ -50,7 +50,7 @@ def model(preset: str = typer.Argument(..., help=f"one of: {', '.join(PRESETS)}"
     Console(highlight=False).print(
         f"wrote {spec.name} ({PRESETS[preset][1]}; {dtype}, seed {seed}) to {out.absolute()}: {files}\n"
         f"serve it: vllm serve {out.absolute()} --dtype {dtype} --enable-prompt-tokens-details "
-        "--kv-transfer-config '...' (README: Serving)", soft_wrap=True)
+        "--kv-transfer-config '...' (docs/operations.md)", soft_wrap=True)
 
 
 def _existing_parent(p: Path) -> Path:

@@ -1,6 +1,6 @@
 """Every configuration field is documented, and every documented field does something.
 
-The README's configuration table must name exactly the fields of
+The configuration reference's table (docs/configuration.md) must name exactly the fields of
 :class:`kvbm_backend.config.KvbmBackendConfig` (nothing undocumented, nothing documented that does not
 exist). ``FIELD_TESTS`` is the ledger of the tests that show each field's effect: a new field fails
 here until it has a README row and a test named below, and each named test must exist and use the
@@ -103,8 +103,9 @@ def config_fields(model: type[BaseModel] = KvbmBackendConfig, prefix: str = "") 
 
 
 def readme_fields() -> list[str]:
-    """Field names in the first cell of each row of the README's ``| field | default | meaning |`` table."""
-    lines = (ROOT / "README.md").read_text().splitlines()
+    """Field names in the first cell of each row of the configuration reference's (docs/configuration.md)
+    ``| field | default | meaning |`` table."""
+    lines = (ROOT / "docs" / "configuration.md").read_text().splitlines()
     start = lines.index("| field | default | meaning |")
     names = []
     for ln in lines[start + 2:]:
@@ -116,9 +117,9 @@ def readme_fields() -> list[str]:
 
 def test_readme_table_names_exactly_the_config_fields():
     documented, fields = readme_fields(), config_fields()
-    assert len(documented) == len(set(documented)), "a field has two README rows"
-    assert sorted(set(fields) - set(documented)) == [], "config fields missing from the README table"
-    assert sorted(set(documented) - set(fields)) == [], "README rows for fields the config does not have"
+    assert len(documented) == len(set(documented)), "a field has two rows in docs/configuration.md"
+    assert sorted(set(fields) - set(documented)) == [], "config fields missing from docs/configuration.md"
+    assert sorted(set(documented) - set(fields)) == [], "docs/configuration.md rows for fields the config does not have"
 
 
 def test_every_field_has_a_test_in_the_ledger():

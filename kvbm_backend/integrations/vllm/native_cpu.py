@@ -27,7 +27,7 @@ below the CPU primary tier, 4 engine blocks per offloaded chunk)::
 
 On CUDA use vLLM's own spec: the same JSON with ``"spec_name": "TieringOffloadingSpec"`` and no
 ``spec_module_path`` (this spec also works there: it defers to vLLM's worker). Not run in this
-project's CI (no GPU); see the README.
+project's CI (no GPU); see docs/operations.md.
 
 Every key is vLLM's (``cpu_bytes_to_use`` required; ``block_size`` or ``blocks_per_chunk``;
 ``eviction_policy``; ``secondary_tiers``); the tiers' keys are in :mod:`.tiering`. A request's G4
