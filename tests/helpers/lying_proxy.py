@@ -24,6 +24,32 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "expe
 HTML = b"<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1></body></html>\n"
 
 
+def upstream(handler: BaseHTTPRequestHandler, target: tuple[str, int], body: bytes | None):
+    """Send ``handler``'s request (method, path, end-to-end headers, ``body``) to ``target``; returns the
+    answer's ``(status, end-to-end headers, body, Content-Length header)``."""
+    hdrs = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP}
+    c = http.client.HTTPConnection(*target, timeout=30)
+    try:
+        c.request(handler.command, handler.path, body=body, headers=hdrs)
+        r = c.getresponse()
+        data = r.read()
+        return r.status, [(k, v) for k, v in r.getheaders() if k.lower() not in _HOP], data, \
+            r.getheader("Content-Length", "0")
+    finally:
+        c.close()
+
+
+def reply(handler: BaseHTTPRequestHandler, status: int, hdrs: list, data: bytes, length: str) -> None:
+    """Answer ``handler``'s client: ``status``, ``hdrs``, and ``data`` (a HEAD: the upstream ``length``, no body)."""
+    handler.send_response(status)
+    for k, v in hdrs:
+        handler.send_header(k, v)
+    handler.send_header("Content-Length", length if handler.command == "HEAD" else str(len(data)))
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(data)
+
+
 class LyingProxy:
     def __init__(self, host: str, port: int):
         self.target = (host, port)
@@ -40,30 +66,11 @@ class LyingProxy:
 
             def _forward(self):
                 n = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(n) if n else None
-                hdrs = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
-                c = http.client.HTTPConnection(*proxy.target, timeout=30)
-                try:
-                    c.request(self.command, self.path, body=body, headers=hdrs)
-                    r = c.getresponse()
-                    data = r.read()
-                    out_hdrs = [(k, v) for k, v in r.getheaders() if k.lower() not in _HOP]
-                    status = r.status
-                finally:
-                    c.close()
+                status, out_hdrs, data, length = upstream(self, proxy.target, self.rfile.read(n) if n else None)
                 if (self.command == "GET" and status == 200 and proxy.mode != "pass"
                         and "?" not in self.path and self.path.count("/") >= 2):
                     data, out_hdrs = proxy._lie(data, out_hdrs)
-                self.send_response(status)
-                for k, v in out_hdrs:
-                    self.send_header(k, v)
-                if self.command != "HEAD":
-                    self.send_header("Content-Length", str(len(data)))
-                else:
-                    self.send_header("Content-Length", r.getheader("Content-Length", "0"))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
+                reply(self, status, out_hdrs, data, length)
 
             do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
 

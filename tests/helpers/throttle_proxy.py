@@ -17,14 +17,13 @@ kind ``"list"`` for any GET at bucket level, which is where ListObjects/ListObje
 from __future__ import annotations
 
 import collections
-import http.client
 import random
 import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from tests.helpers.lying_proxy import _HOP
+from tests.helpers.lying_proxy import reply, upstream
 
 SLOWDOWN_XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
                 '<Message>Please reduce your request rate.</Message><Resource>{path}</Resource>'
@@ -64,23 +63,7 @@ class ThrottleProxy:
                 kind = request_kind(self.command, self.path)
                 if proxy._throttle(self.command, self.path, kind):
                     return self._slow_down()
-                hdrs = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
-                c = http.client.HTTPConnection(*proxy.target, timeout=30)
-                try:
-                    c.request(self.command, self.path, body=body, headers=hdrs)
-                    r = c.getresponse()
-                    data = r.read()
-                    out_hdrs = [(k, v) for k, v in r.getheaders() if k.lower() not in _HOP]
-                    status, length = r.status, r.getheader("Content-Length", "0")
-                finally:
-                    c.close()
-                self.send_response(status)
-                for k, v in out_hdrs:
-                    self.send_header(k, v)
-                self.send_header("Content-Length", length if self.command == "HEAD" else str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
+                reply(self, *upstream(self, proxy.target, body))
 
             def _slow_down(self):
                 self.send_response(503, "Slow Down")
