@@ -15,9 +15,10 @@ Data path per :meth:`DeviceLoader.load` (invariant 1 of DESIGN.md, "never wrong 
    flight at once (``threads``). Passes are pipelined over a ring of ``depth`` staging buffers: the
    reads of passes k+1 .. k+depth-1 are on the wire while pass k is verified and copied out.
    ``gds`` / ``kvikio-compat`` -- kvikio ``CuFile.pread`` straight into device staging (GDS DMA, or
-   kvikio's own pinned bounce buffer in compat mode); ``pinned-bounce`` -- ``preadv`` into a pinned host
-   buffer, then each read's host-to-device copy from its reader thread on that thread's own CUDA stream
-   (copies overlap the other reads); ``host`` -- the device is the CPU (same code, no copy).
+   kvikio's own pinned bounce buffer in compat mode); ``pinned-bounce`` -- each reader thread
+   ``preadv``\ s into one of its two pinned buffers while the host-to-device copy out of the other runs on
+   the thread's own CUDA stream (an event per copy: the loader's stream waits for it, no host sync per
+   read); ``host`` -- the device is the CPU (the same reader threads, reads land in the staging).
    The mode is decided by :func:`probe_device_path` at start-up (a real write/read/compare in the
    pool's directory) and reported in :attr:`DeviceLoader.mode` / :attr:`DeviceLoader.mode_reason`.
 3. The 4 KiB headers (only) come to the host: magic, version, header check, identity (namespace,
@@ -47,6 +48,8 @@ import threading
 import time
 from collections import Counter, deque
 from typing import Callable, Sequence
+
+import numpy as np
 
 from ..model.frame import HEADER_BYTES
 from ..model.layout import KvLayout
@@ -130,7 +133,6 @@ class DeviceLoader(PassReads, PassVerify):
         self._stale_fds: list = []
         self._lock = threading.Lock()
         self._call_lock = threading.Lock()
-        self._tls = threading.local()  # per reader thread: its CUDA stream for bounce copies
         self._abandoned: list = []  # (futures, buffers) of timed-out reads, kept alive until done
         self._ring: dict = {}  # (ring slot) -> (staging, host, host buffer) reused across calls
         self._engine = None
@@ -238,11 +240,15 @@ class DeviceLoader(PassReads, PassVerify):
         ``corrupt_<reason>`` (FrameError reasons, ``devcheck``), ``unverifiable``, ``host_verified``,
         ``bytes_read``, ``passes``, ``files_o_direct`` / ``files_buffered`` (how slab files are read on
         the bounce/host paths); seconds the caller's thread spent waiting for reads (``read_wait_s``),
-        verifying and copying out on the device (``verify_s``) and in whole calls (``load_s``); plus
+        verifying and copying out on the device (``verify_s``: of it ``verify_headers_s`` checking headers on
+        the host, ``verify_payload_s`` checksums and their one sync, ``verify_copy_s`` the copy-out and its
+        sync) and in whole calls (``load_s``); ``h2d_submit_s`` (``pinned-bounce``: queueing the per-pass
+        host-to-device copies); plus
         ``mode`` and ``mode_reason`` (kvikio paths: ``kvikio_direct_reads``, whether kvikio reads with
         O_DIRECT)."""
         d = dict(self.counters)
-        for k in ("read_wait_s", "verify_s", "load_s"):
+        for k in ("read_wait_s", "verify_s", "load_s", "verify_headers_s", "verify_payload_s", "verify_copy_s",
+                  "h2d_submit_s"):
             if k in d:
                 d[k] = round(d[k], 6)
         d.update(mode=self.mode, mode_reason=self.mode_reason)
@@ -300,7 +306,8 @@ class DeviceLoader(PassReads, PassVerify):
                     ring = k % self.depth
                     staging, host = self._buffers(ring, len(rows), slot_len)
                     cur = _Pass(rows, [leases[i] for i in rows], slot_len, staging, host, ring, [],
-                                ["io_error"] * len(rows))
+                                ["io_error"] * len(rows),
+                                None if self._pool is None else np.empty((len(rows), HEADER_BYTES), np.uint8))
                     if not deadline.expired():
                         self._submit(cur)
                     else:

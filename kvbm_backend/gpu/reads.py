@@ -34,6 +34,7 @@ class _Pass:
     ring: int  # ring slot the buffers came from
     futs: list  # (row0, nrows, future) per read
     status: list  # per pass row: None (read in full) or a reason
+    headers: object = None  # host uint8 [n, HEADER_BYTES]: the 4 KiB headers, filled by the reader threads
 
 
 def _done(f) -> bool:
@@ -44,7 +45,7 @@ class PassReads:
     """Files, staging ring, submit and reap of :class:`~kvbm_backend.gpu.loader.DeviceLoader`.
 
     State (set by the loader's ``__init__``): ``_fds``, ``_buffered``, ``_stale_fds``, ``_lock``,
-    ``_tls``, ``_abandoned`` (``(futures, ring entry)`` of timed-out reads, kept alive until done),
+    ``_abandoned`` (``(futures, ring entry)`` of timed-out reads, kept alive until done),
     ``_ring`` (ring slot -> ``(staging, host, host buffer)``, reused across calls).
     """
 
@@ -82,11 +83,6 @@ class PassReads:
                 log.info("device reads of %s: O_DIRECT refused by the filesystem, buffered reads", path)
 
     # -- staging ring ------------------------------------------------------------------------
-    def _host_pool(self):
-        """The host staging pool of this loader's mode: pinned (``pinned-bounce``) or 4 KiB-aligned host
-        memory (``host``: O_DIRECT reads land in it and it is the staging itself)."""
-        return host_staging_pool(self.mode == "pinned-bounce")
-
     def _buffers(self, ring: int, n: int, slot_len: int):
         """(staging, host) for a pass of ``n`` rows from ring slot ``ring`` (grown as needed; the
         smaller host buffer goes back to the pool: its pass was verified and copied out)."""
@@ -98,14 +94,14 @@ class PassReads:
                 self._give_ring(buf)
             hbuf = None
             if self.mode == "host":
-                hbuf = self._host_pool().take(need)
+                hbuf = host_staging_pool(False).take(need)
                 st = host = torch.from_numpy(hbuf)  # 4 KiB aligned: O_DIRECT reads land here
-            else:
+            else:  # kvikio reads into it; bounce: the pass's host-to-device copy lands in it
                 st = torch.empty(need, dtype=torch.uint8, device=self.device)
                 host = None
                 if self.mode == "pinned-bounce":
-                    hbuf = self._host_pool().take(need)
-                    host = torch.from_numpy(hbuf)  # page-locked
+                    hbuf = host_staging_pool(True).take(need)
+                    host = torch.from_numpy(hbuf)  # page-locked: the pass's copy is one DMA
             buf = self._ring[ring] = (st, host, hbuf)
         st, host, _ = buf
         return (st[:need].view(n, slot_len), None if host is None else host[:need].view(n, slot_len))
@@ -113,7 +109,7 @@ class PassReads:
     def _give_ring(self, entry) -> None:
         """Give a ring entry's host buffer back to the pool (nothing reads into it any more)."""
         if entry is not None and entry[2] is not None:
-            self._host_pool().give(entry[2])
+            host_staging_pool(self.mode != "host").give(entry[2])
 
     # -- reads -------------------------------------------------------------------------------
     def _submit(self, p: _Pass) -> None:
@@ -124,9 +120,9 @@ class PassReads:
             ls = p.leases[r0]
             try:
                 fd = self._fd(ls.path)
-                if p.host is not None:
-                    f = self._pool.submit(self._read_bounce, ls.path, fd, p.host[r0:r0 + nr], p.staging[r0:r0 + nr],
-                                          ls.offset)
+                if self._pool is not None:
+                    f = self._pool.submit(self._read_bounce, ls.path, fd, p.staging[r0:r0 + nr], p.headers[r0:r0 + nr],
+                                          ls.offset, p.host[r0:r0 + nr])
                 else:
                     f = self._engine.read_to_device_async(fd, p.staging[r0:r0 + nr].reshape(-1), nr * p.slot_len,
                                                           ls.offset)
@@ -136,10 +132,16 @@ class PassReads:
                 continue
             p.futs.append((r0, nr, f))
 
-    def _read_bounce(self, path: str, fd: int, host, dev, offset: int) -> int:
-        """One read of the bounce path (a reader thread): ``preadv`` into pinned host rows, then their
-        host-to-device copy on this thread's own CUDA stream, so copies overlap the other reads (host
-        mode: the rows are the staging, no copy). Returns the bytes read."""
+    def _read_bounce(self, path: str, fd: int, dev, hdr, offset: int, host):
+        """One read of the bounce and host paths (a reader thread): ``preadv`` into ``host``, the pass's
+        host rows ``[nr, slot_len]`` (host mode: the staging itself; ``pinned-bounce``: pinned rows that
+        :meth:`_reap` copies to the device staging ``dev`` in one DMA per pass), then the rows' 4 KiB
+        headers into ``hdr`` (``[nr, HEADER_BYTES]``, host). Returns ``(bytes read, None)``.
+
+        Why one copy per pass, not one per read from the reader threads: on an H200 host (tmpfs, 4 GiB
+        of 2 MiB blocks) per-thread copies on per-thread streams loaded at 5-7 GB/s, one DMA per pass at
+        12-14 GB/s (``benchmarks/gpu_bench.py --sweep``, 2026-11-25)."""
+        slot_len = dev.shape[1]
         buf = host.numpy().reshape(-1)
         try:
             got = os.preadv(fd, [buf], offset)
@@ -148,23 +150,18 @@ class PassReads:
                 raise
             self._fall_back_to_buffered(path, fd)
             got = os.preadv(self._fd(path), [buf], offset)
-        if got and dev.data_ptr() != host.data_ptr():
-            torch = _torch()
-            s = getattr(self._tls, "stream", None)
-            if s is None:
-                s = self._tls.stream = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(s):
-                dev.view(-1)[:got].copy_(host.view(-1)[:got], non_blocking=True)
-            s.synchronize()
-        return got
+        full = got // slot_len
+        if full:
+            hdr[:full] = buf[:full * slot_len].reshape(full, slot_len)[:, :hdr.shape[1]]
+        return got, None
 
     def _reap(self, p: _Pass, deadline: Deadline) -> None:
         """Wait for the pass's reads (until ``deadline``); fill ``p.status``."""
         pending = []
         for r0, nr, f in p.futs:
             try:
-                if hasattr(f, "result"):  # concurrent.futures
-                    got = f.result(timeout=deadline.left())
+                if hasattr(f, "result"):  # concurrent.futures: a bounce/host read
+                    got, _ = f.result(timeout=deadline.left())
                 else:  # kvikio IOFuture: poll to honour the deadline
                     while not f.done() and not deadline.expired():
                         time.sleep(0.0002)
@@ -188,6 +185,10 @@ class PassReads:
                 p.status[r] = None if r - r0 < full else "short"
             if full < nr:
                 self.counters["short"] += nr - full
+        if self.mode == "pinned-bounce" and any(x is None for x in p.status):
+            t0 = time.perf_counter()
+            p.staging.copy_(p.host, non_blocking=True)  # one DMA for the pass, on the loader's stream
+            self.counters["h2d_submit_s"] += time.perf_counter() - t0
         if pending:  # keep the buffers alive until the I/O ends; never hand them out again
             self._abandoned.append((pending, self._ring.pop(p.ring, None)))
         keep = []

@@ -6,7 +6,8 @@ Why pinned: a host-to-device copy from pageable memory goes through the driver's
 pieces and cannot run asynchronously; from page-locked memory it is one DMA, ``non_blocking`` on a side
 stream. Why pooled: page-locking is a system call per allocation (``cudaHostAlloc``) that costs far more
 than reusing a buffer of the same size. ``torch.from_numpy`` of a ``"pinned"`` buffer is a view of the
-page-locked memory (``is_pinned()`` holds), so callers work on torch tensors.
+page-locked memory (``is_pinned()`` holds: checked on an H200 host, torch 2.11), so callers work on
+torch tensors.
 
 The pools are process-wide (one per kind); at most :data:`KEEP_BYTES` of free buffers are kept each.
 """

@@ -9,6 +9,7 @@ Mixed into the loader: it uses the loader's ``layout``, ``device``, ``world``, `
 from __future__ import annotations
 
 import logging
+import time
 
 from ..model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, HEADER_BYTES, FrameError
 from ..model.frame import accept, payload_checksum
@@ -24,6 +25,7 @@ class PassVerify:
 
     def _verify_copy(self, p: _Pass, keys, dst, why) -> None:
         """Check headers and payloads of a read pass; copy the verified payloads into ``dst``."""
+        t_start = time.perf_counter()
         n = len(p.rows)
         bpb = self.layout.bytes_per_block
         staging = p.staging
@@ -32,8 +34,10 @@ class PassVerify:
         good = [r for r in range(n) if p.status[r] is None]
         if not good:
             return
-        # headers come to the host (pinned-bounce: already there)
-        if p.host is not None:
+        # headers come to the host (bounce and host paths: the reader threads copied them there)
+        if p.headers is not None:
+            headers = p.headers
+        elif p.host is not None:
             headers = p.host[:, :HEADER_BYTES].numpy()
         elif self.device.type == "cpu":
             headers = staging[:, :HEADER_BYTES].numpy()
@@ -56,6 +60,8 @@ class PassVerify:
                     raise FrameError("unverifiable", "frame carries no checksum")
             except FrameError as e:
                 p.status[r] = e.reason
+        t0 = time.perf_counter()
+        self.counters["verify_headers_s"] += t0 - t_start
         ok_rows = []
         if devcheck_rows:
             rows_t = staging[devcheck_rows] if len(devcheck_rows) != n else staging
@@ -74,6 +80,8 @@ class PassVerify:
                 self.counters["host_verified"] += 1
             else:
                 p.status[r] = "integrity"
+        t1 = time.perf_counter()
+        self.counters["verify_payload_s"] += t1 - t0
         if ok_rows:  # one multi-tensor copy for the pass (not one launch per block)
             dsts = [_bytes_view(dst[p.rows[r]]) for r in ok_rows]
             srcs = [staging[r, HEADER_BYTES:HEADER_BYTES + bpb] for r in ok_rows]
@@ -92,6 +100,7 @@ class PassVerify:
                     log.warning("drop_corrupt failed for %s: %s", keys[i], e)
         if self._stream is not None:
             self._stream.synchronize()  # dst written; staging free for the pass after next
+        self.counters["verify_copy_s"] += time.perf_counter() - t1
 
 
 def _bytes_view(t):

@@ -381,6 +381,53 @@ def test_gpu_device_loader_verifies_on_device(tmp_path, mode):
     ld.close()
 
 
+@pytest.mark.skipif(not CUDA_OK, reason="no CUDA device (torch.cuda.is_available() is False)")
+def test_gpu_pinned_pool_buffers_are_pinned_as_torch_sees_them():
+    """The pinned staging pool's buffers are pinned as torch sees them (copies from them are DMA, not
+    pageable staging); the G4 rows of take_rows too."""
+    from kvbm_backend.gpu.staging import host_staging_pool, take_rows
+    pool = host_staging_pool(True)
+    buf = pool.take(1 << 20)
+    assert torch.from_numpy(buf).is_pinned()
+    b2, rows = take_rows(pool, 4, 1 << 16)
+    assert rows.is_pinned() and rows.shape == (4, 1 << 16)
+    pool.give(buf)
+    pool.give(b2)
+
+
+@pytest.mark.skipif(not CUDA_OK, reason="no CUDA device (torch.cuda.is_available() is False)")
+def test_gpu_bounce_one_dma_per_pass_byte_exact(tmp_path):
+    """pinned-bounce with one slot per read, 3 reader threads and one DMA per pass from the ring's
+    pinned rows; passes share the staging ring, a second load reuses everything; every byte lands, the corrupt block stays a miss,
+    the headers the threads copied out are the ones checked, and close gives the pinned rows back."""
+    from kvbm_backend.gpu.staging import host_staging_pool
+    n = 48
+    keys = NS.keys(range(300, 300 + n))
+    pays = _blocks(n, seed=33)
+    src = FileSlots(tmp_path / "slab", keys, pays)
+    with open(src.path, "r+b") as f:  # block 17's payload flipped: its device checksum no longer matches
+        f.seek(17 * SLOT + HEADER_BYTES + 5)
+        b = f.read(1)
+        f.seek(17 * SLOT + HEADER_BYTES + 5)
+        f.write(bytes([b[0] ^ 1]))
+    ld = DeviceLoader(src, LAYOUT, "cuda", mode="pinned-bounce", threads=3, io_bytes=SLOT, staging_bytes=4 * SLOT,
+                      depth=3, timeout_s=LOAD_S)
+    for _ in range(2):
+        dst = _dst(n, "cuda")
+        assert ld.load(keys, dst) == [i != 17 for i in range(n)]
+        for i, (d, p) in enumerate(zip(dst, pays)):
+            if i != 17:
+                assert torch.equal(d.cpu(), torch.from_numpy(p)), i
+        assert (dst[17] == 0xAB).all().item()
+    st = ld.stats()
+    assert st["corrupt_devcheck"] == 2, st  # once per load: this source keeps what drop_corrupt names
+    assert st["h2d_submit_s"] > 0 and st["passes"] == 2 * n // 4, st
+    pool = host_staging_pool(True)
+    kept = pool.stats()["kept_bytes"]
+    ld.close()
+    assert pool.stats()["kept_bytes"] > kept  # the ring's pinned rows went back
+
+
 @needs_gpu
 def test_gpu_nixl_gds_mt_device_read(tmp_path):
     from kvbm_backend.io.nixl_gds import NixlGdsEngine, gds_mt_available
