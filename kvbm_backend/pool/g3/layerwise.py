@@ -120,7 +120,10 @@ class LayerwiseLoad:
         timeout_s: the whole load's deadline (from :meth:`start`); reads not in by then are ``timeout``.
         world: TP world size frames must name (None: not checked).
         min_read: bytes per read at least (:func:`~kvbm_backend.transfer.layers.layer_groups`).
-        staging: a :class:`BufferPool` for the host staging (None: a fresh allocation; ``pinned`` on CUDA).
+        staging: a :class:`BufferPool` the host staging is taken from (``pinned`` on a CUDA device) and given
+            back to by :meth:`finish` once no read can land in it: on the CPU the tensors :meth:`wait_layer`
+            returned are views of it, valid until :meth:`finish` only. None: a fresh allocation (kept
+            alive by whoever holds those tensors).
     Raises:
         TypeError: ``source`` is not a SlotLeaseSource. ValueError: a layout whose block is not whole layers.
     """
@@ -299,6 +302,8 @@ class LayerwiseLoad:
         finally:
             self._released = True
             self.source.release([ls for ls in self._leases if ls is not None])
+            if self._staging_pool is not None and all(f.done() for fs in self._futs for f in fs):
+                self._staging_pool.give(self._host_arr)  # no read can land in it any more
         for i, r in enumerate(self.why):
             if r is not None and r not in TRANSIENT and r != "unverifiable" and r != "length":
                 try:
