@@ -148,3 +148,16 @@ def test_late_reads_are_timeouts(rig):
     finally:
         gate.set()
         slow.shutdown(wait=True)
+
+
+def test_staging_from_a_buffer_pool_is_given_back_and_reused(rig):
+    from kvbm_backend.memory import BufferPool
+    pool, ns, keys, blocks, ex, files = rig
+    staging = BufferPool("host", 64 << 20, name="test-layerwise")
+    for n in (8, 5):  # another size of the same power-of-two class reuses the buffer
+        ld = _load(pool, ns, keys[:n], ex, files, staging=staging)
+        for layer in range(ns.layout.num_layers):
+            _, t = ld.wait_layer(layer)
+            assert all(np.array_equal(t[i].numpy(), _layer(blocks[i], ns.layout, layer)) for i in range(n))
+        assert ld.finish() == [None] * n
+    assert (staging.allocated, staging.reused) == (1, 1)

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...memory import BufferPool
 from ...pool.base import SlotLeaseSource
 from ...pool.g3.layerwise import LayerwiseLoad, SlabFiles
 from ...transfer.layers import DEFAULT_MIN_READ
@@ -36,6 +37,9 @@ from .metadata import FailedLoad, LoadJob, SaveJob, mirror_id
 
 log = logging.getLogger("kvbm_backend.connector")
 
+#: bytes of free host staging kept for the next layer-wise loads (pinned on a CUDA engine: allocating
+#: page-locked memory per load would cost more than the reads)
+STAGING_KEEP_BYTES = 512 << 20
 TAINTED_MAX = 4096  # requests remembered whose layer-wise load failed (their later saves are dropped)
 
 
@@ -67,6 +71,8 @@ class LayerwiseLoads:
         self.timeout_s, self.min_read = timeout_s, min_read
         self._exec = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvbm-layerwise")
         self._files = SlabFiles()
+        on_cuda = worker.kv is not None and worker.kv.device.type == "cuda"
+        self._staging = BufferPool("pinned" if on_cuda else "host", STAGING_KEEP_BYTES, name="layerwise-staging")
         self._active: list[_Active] = []
         self._tainted: OrderedDict = OrderedDict()
 
@@ -85,7 +91,8 @@ class LayerwiseLoads:
         ld = None
         try:
             ld = LayerwiseLoad(w.g3, kv.layout, keys, kv.device, executor=self._exec, files=self._files,
-                               timeout_s=self.timeout_s, world=w.ns.tp_world_size, min_read=self.min_read).start()
+                               timeout_s=self.timeout_s, world=w.ns.tp_world_size, min_read=self.min_read,
+                               staging=self._staging).start()
         except Exception as e:  # noqa: BLE001 - the load fails whole: the request recomputes
             log.warning("kvbm_backend: layer-wise load for %s could not start: %s", job.req_id, e)
             stats.add(load_errors=1)

@@ -186,11 +186,14 @@ class LayerwiseLoad:
         pinned = self.device.type == "cuda"
         nb = max(1, self.n) * (HEADER_BYTES + self.L * self.lb)
         pool = self._staging_pool or BufferPool("pinned" if pinned else "host", 0, name="layerwise-staging")
-        self._host_arr = pool.take(nb)
-        host = torch.from_numpy(self._host_arr)
+        if self._staging_pool is not None:  # power-of-two size classes: loads of other sizes reuse buffers
+            self._host_arr = pool.take(max(1 << 20, 1 << (nb - 1).bit_length()))
+        else:
+            self._host_arr = pool.take(nb)
+        host = torch.from_numpy(self._host_arr[:nb])
         nh = max(1, self.n) * HEADER_BYTES
         self.hdr = self._host_arr[:nh].reshape(max(1, self.n), HEADER_BYTES)
-        self.lay_np = self._host_arr[nh:].reshape(self.L, max(1, self.n), self.lb)
+        self.lay_np = self._host_arr[nh:nb].reshape(self.L, max(1, self.n), self.lb)
         self.lay_host = host[nh:].view(self.L, max(1, self.n), self.lb)
         self.lay_dev = self.lay_host if self._stream is None else \
             torch.empty((self.L, max(1, self.n), self.lb), dtype=torch.uint8, device=self.device)
