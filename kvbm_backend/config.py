@@ -155,6 +155,12 @@ class G3Config(_M):
     when the engine's KV cache is on a CUDA device (computed there at save time, at no host cost; a
     device load then verifies in HBM), ``on`` always (a CPU engine computes it with torch on the
     host), ``off`` never (device loads then copy each payload back to the host for its xxh3_128)."""
+    layerwise_load: bool = False
+    """vLLM connector: serve G3-only prefix hits layer by layer inside the step that computes the rest of the
+    prompt (vLLM's ``wait_for_layer_load``), so layer ``l`` loads while layer ``l - 1`` computes; payloads are
+    verified at the end of the forward and a failed block makes vLLM recompute the request from its valid
+    prefix. Off: every load is asynchronous and whole before the request's first step. G4 hits stay
+    asynchronous either way; hybrid (several KV cache groups) models are always asynchronous."""
 
 
 class KeyringConfig(_M):

@@ -91,7 +91,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...config import KvbmBackendConfig
 from ...model.namespace import KvGroup, Namespace
 from ..tiers import release_tiers, shared_tiers
-from . import report_channel, start_failure, stats
+from . import layerwise, report_channel, start_failure, stats
 from .extra_config import EXTRA_KEYS, config_from_extra  # noqa: F401 - re-exported
 from .geometry import EngineGeometry
 from .kv_io import EngineKv
@@ -213,6 +213,7 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
     (``SupportsHMA``: hybrid models keep vLLM's hybrid KV cache manager; see the module doc)."""
 
     _cache_hit_source = CacheHitSource.DISK
+    layerwise: layerwise.LayerwiseLoads | None = None  # g3.layerwise_load (worker role, one KV cache group)
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -284,7 +285,8 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
                                        lookup_timeout_s=max(self.cfg.g4.timeout_s, 0.5),
                                        save=self.opts["save"], load=self.opts["load"],
                                        save_decode=self.opts["save_decode"], groups=groups,
-                                       handoff_wait_s=self.opts["handoff_wait_s"])
+                                       handoff_wait_s=self.opts["handoff_wait_s"],
+                                       layerwise=self.cfg.g3.layerwise_load)
             if self.kv_events:
                 self.sched.events = G3KvEvents(self.ns.tp_world_size, self.block_size,
                                                kv_cache_config.kv_cache_groups[0].kv_cache_spec)
@@ -347,6 +349,7 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.register(kvs)
         else:
             self.worker.register(kvs[0])
+            self.layerwise = layerwise.for_worker(self.cfg, self.worker, names)  # one group: its layer names
         kv = kvs[0]
         stats.set_info(kv_cache_shape=list(t0.shape), kv_cache_dtype=str(t0.dtype), kv_cache_device=str(t0.device),
                        engine_layout=kv.engine_layout, bytes_per_block=kv.layout.bytes_per_block,
@@ -362,18 +365,20 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, KvbmConnectorMetadata) and meta.loads:
-            self.worker.start_loads(meta.loads)
+            self.worker.start_loads(self.layerwise.start(meta.loads) if self.layerwise else meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous (whole requests, between steps)
+        if self.layerwise is not None:  # else loads are asynchronous (whole requests, between steps)
+            self.layerwise.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole blocks are gathered once per step in wait_for_save
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if isinstance(meta, KvbmConnectorMetadata) and meta.saves:
-            self.worker.save(meta.saves)
+        saves = meta.saves if isinstance(meta, KvbmConnectorMetadata) else []
+        if saves or self.layerwise is not None:  # the step's layer-wise loads end (verified) before its saves
+            self.worker.save(self.layerwise.saves(saves) if self.layerwise is not None else saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.hybrid:
@@ -413,6 +418,8 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.hybrid or self.worker is None:
             return set()  # hybrid: failures go to failed_recving (get_transfer_results)
+        if self.layerwise is not None:
+            self.layerwise.finish()  # wait_for_save may come later (vLLM's defer_finalize)
         return self.worker.load_errors()
 
     def shutdown(self) -> None:
@@ -421,6 +428,8 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         self._closed = True
         if self.worker is not None:
             self.worker.shutdown()
+        if self.layerwise is not None:
+            self.layerwise.close()
         if getattr(self, "_pump", None) is not None:
             self._pump.stop()
         if getattr(self, "_listener", None) is not None:

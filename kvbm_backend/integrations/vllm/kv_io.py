@@ -166,21 +166,36 @@ class EngineKv:
         n = len(block_ids)
         if n == 0:
             return
-        H, D, N = self.num_kv_heads, self.head_dim, self.layout.page_size
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         src = self.block_view(staging, n)
         if src.device != self.device:
             src = src.to(self.device, non_blocking=False)
         for li, t in enumerate(self._moved):
-            s = src[:, li]  # [n, outer, N, H, D]
-            if self.engine_layout == "mla":
-                t.index_copy_(0, idx, s.reshape(n, *t.shape[1:]))
-            elif self.engine_layout == "cpu":
-                t.view(-1, H, 2, N, D).index_copy_(0, idx, s.permute(0, 3, 1, 2, 4).contiguous())
-            elif self.engine_layout == "kv_first":
-                t.index_copy_(1, idx, s.permute(1, 0, 2, 3, 4).contiguous())
-            else:
-                t.index_copy_(0, idx, s.contiguous())
+            self._put_layer(t, src[:, li], idx, n)
+
+    def scatter_layer(self, layer: int, src: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Write layer ``layer`` of ``len(block_ids)`` blocks into engine blocks ``block_ids``: ``src`` is
+        ``[n, layer_bytes]`` uint8 on the engine's device (row i: layer ``layer`` of a FullyContiguous block,
+        ``[outer, page, inner]``), as a layer-wise load delivers it."""
+        n = len(block_ids)
+        if n == 0:
+            return
+        O, N = self.layout.outer_dim, self.layout.page_size
+        s = src.reshape(n, -1).view(self._moved[0].dtype).view(n, O, N, self.num_kv_heads, self.head_dim)
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        self._put_layer(self._moved[layer], s, idx, n)
+
+    def _put_layer(self, t: torch.Tensor, s: torch.Tensor, idx: torch.Tensor, n: int) -> None:
+        """``s`` ``[n, outer, N, H, D]`` into engine blocks ``idx`` of one layer's tensor ``t``."""
+        H, D, N = self.num_kv_heads, self.head_dim, self.layout.page_size
+        if self.engine_layout == "mla":
+            t.index_copy_(0, idx, s.reshape(n, *t.shape[1:]))
+        elif self.engine_layout == "cpu":
+            t.view(-1, H, 2, N, D).index_copy_(0, idx, s.permute(0, 3, 1, 2, 4).contiguous())
+        elif self.engine_layout == "kv_first":
+            t.index_copy_(1, idx, s.permute(1, 0, 2, 3, 4).contiguous())
+        else:
+            t.index_copy_(0, idx, s.contiguous())
 
 
 def numpy_staging(nbytes: int, pool: BufferPool | None = None) -> tuple[np.ndarray, torch.Tensor]:

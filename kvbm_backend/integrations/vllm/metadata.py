@@ -25,6 +25,9 @@ class LoadJob:
         tenant: the request's tenant (its ``cache_salt``, else the configured default).
         group: vLLM KV cache group index of ``block_ids`` (hybrid models: one job per group; a
             sliding-window group's job holds only the blocks of the window the engine will read).
+        layerwise: the scheduler offered this hit synchronously (``g3.layerwise_load``, G3 blocks only):
+            the worker loads it layer by layer inside the step (:mod:`.layerwise`) and never reports it
+            in ``finished_recving``.
     """
 
     req_id: str
@@ -33,6 +36,7 @@ class LoadJob:
     tiers: list[str]
     tenant: str
     group: int = 0
+    layerwise: bool = False
 
 
 @dataclass

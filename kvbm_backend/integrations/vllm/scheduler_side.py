@@ -58,6 +58,7 @@ class _Req:
     counted: bool = False
     request: Any = None               # vLLM Request (its all_token_ids grow during decode)
     salt: int = 0
+    sync_load: bool = False           # the hit was offered synchronously (g3.layerwise_load: loaded in the step)
 
 
 HANDOFF_RETRY_S = 0.05  # a handed-off decode request looks at G3/G4 again at most this often (seconds)
@@ -110,12 +111,14 @@ class SchedulerSide:
     def __init__(self, namespace: Namespace, block_size: int, g3: BlockPool | None, g4: BlockPool | None,
                  default_tenant: str = "", lookup_timeout_s: float = 2.0, save: bool = True, load: bool = True,
                  save_decode: bool = True, groups: list[GroupTiers] | None = None,
-                 handoff_wait_s: float = handoff.DEFAULT_WAIT_S):
+                 handoff_wait_s: float = handoff.DEFAULT_WAIT_S, layerwise: bool = False):
         """``groups``: the KV cache groups of a hybrid model (:class:`GroupTiers`, index = vLLM's group
         index); None for one group (``namespace``, ``g3``, ``g4``). With several groups a hit counts only
         when every group has what the engine reads (:class:`_HybridLookup`), and loads/saves are planned
         per group (one :class:`LoadJob` / :class:`SaveJob` per group). ``handoff_wait_s``: how long a decode
-        request handed off by a prefill worker waits for the blocks it was promised (:mod:`.handoff`)."""
+        request handed off by a prefill worker waits for the blocks it was promised (:mod:`.handoff`).
+        ``layerwise`` (``g3.layerwise_load``): a hit served by G3 alone is offered synchronously (vLLM loads it
+        inside the step, layer by layer: :mod:`.layerwise`); G4 hits and hybrid models stay asynchronous."""
         self.groups = list(groups) if groups else [GroupTiers(namespace, g3, g4, None)]
         self.multi = len(self.groups) > 1 or any(g.window_blocks is not None for g in self.groups)
         self.ns, self.bs = namespace, block_size
@@ -124,6 +127,7 @@ class SchedulerSide:
         self.default_tenant = default_tenant
         self.lookup_timeout_s = lookup_timeout_s
         self.save_enabled, self.load_enabled = save, load
+        self.layerwise = layerwise and not self.multi
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._hit_source: dict[str, dict[str, int]] = {}
@@ -247,7 +251,8 @@ class SchedulerSide:
         total = p3 + p4
         if total <= st.n_local:
             return 0, False
-        return (total - st.n_local) * self.bs, True
+        st.sync_load = self.layerwise and p4 == 0
+        return (total - st.n_local) * self.bs, not st.sync_load
 
     def _g3_prefix(self, st: _Req, n: int) -> int | None:
         """Leading blocks of ``st``'s first ``n`` that G3 holds for every rank (an index lookup, no
@@ -280,7 +285,7 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0])
         tiers = ["G3" if i < p3 else "G4" for i in range(first, end)]
         self._loads.append(LoadJob(request.request_id, block_ids[first:end], st.hashes[first:end].tolist(), tiers,
-                                   st.tenant))
+                                   st.tenant, layerwise=st.sync_load))
         st.planned = (first, end)
         n3 = tiers.count("G3")
         self._hit_source[request.request_id] = {"G3": n3 * self.bs, "G4": (len(tiers) - n3) * self.bs}

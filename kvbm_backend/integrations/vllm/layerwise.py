@@ -1,0 +1,199 @@
+"""Layer-wise G3 loads for the vLLM connector (``g3.layerwise_load``, issue 24 item 5).
+
+With the setting on, the scheduler offers a prefix hit served by G3 alone synchronously
+(``get_num_new_matched_tokens`` returns ``load_async=False``): vLLM schedules the rest of the prompt in
+the same step and calls ``start_load_kv`` before the forward. :class:`LayerwiseLoads` then:
+
+* ``start`` (``start_load_kv``): one :class:`~kvbm_backend.pool.g3.layerwise.LayerwiseLoad` per such
+  job: slots leased, reads ordered by layer submitted (returns at once);
+* ``wait_layer`` (``wait_for_layer_load``, called by each attention layer before it runs): waits for that
+  layer's reads and scatters the layer of the blocks read so far into vLLM's paged KV
+  (:meth:`~.kv_io.EngineKv.scatter_layer`), so layer ``l`` loads while layer ``l - 1`` computes;
+* ``finish`` (``wait_for_save`` / ``get_block_ids_with_load_errors``, after the forward): scatters any layer
+  vLLM did not wait for, verifies every whole payload (:meth:`LayerwiseLoad.finish`) and reports every
+  block from the first failed one on through the connector's failed-load path
+  (``get_block_ids_with_load_errors`` + :class:`~.metadata.FailedLoad`). vLLM (``kv_load_failure_policy``
+  ``recompute``) then resets the request to its valid prefix and throws the step's token away, so a
+  forward that ran on unverified KV never yields a token (DESIGN invariant 1). Saves of such a request
+  are dropped from then on (its blocks of that step were computed from bad KV).
+
+Sync loads are never reported in ``finished_recving`` (vLLM only waits for asynchronous ones).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...memory import BufferPool
+from ...pool.base import SlotLeaseSource
+from ...pool.g3.layerwise import LayerwiseLoad, SlabFiles
+from ...transfer.layers import DEFAULT_MIN_READ
+from . import stats
+from .metadata import FailedLoad, LoadJob, SaveJob, mirror_id
+
+log = logging.getLogger("kvbm_backend.connector")
+
+#: bytes of free host staging kept for the next layer-wise loads (pinned on a CUDA engine: allocating
+#: page-locked memory per load would cost more than the reads)
+STAGING_KEEP_BYTES = 512 << 20
+TAINTED_MAX = 4096  # requests remembered whose layer-wise load failed (their later saves are dropped)
+
+
+@dataclass
+class _Active:
+    job: LoadJob
+    load: LayerwiseLoad | None
+    keys: list
+    prefix: int                      # rows scattered for every layer waited for so far
+    done: set = field(default_factory=set)
+    t0: float = field(default_factory=time.monotonic)
+
+
+class LayerwiseLoads:
+    """Layer-wise loads of one worker (:class:`~.worker_side.WorkerSide`, one KV cache group).
+
+    Args:
+        worker: the worker role (its ``g3`` pool, ``kv`` engine tensors, failed-load reports).
+        layer_names: vLLM's attention layer names in the order of the engine's KV tensors.
+        threads: reader threads (``g3.io_threads``).
+        timeout_s: a load's deadline (``g3.load_timeout_s``); later reads are failed blocks.
+        min_read: bytes per read at least (layers grouped up to it).
+    """
+
+    def __init__(self, worker: Any, layer_names: list[str], *, threads: int = 8, timeout_s: float = 5.0,
+                 min_read: int = DEFAULT_MIN_READ):
+        self.w = worker
+        self.index = {n: i for i, n in enumerate(layer_names)}
+        self.timeout_s, self.min_read = timeout_s, min_read
+        self._exec = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvbm-layerwise")
+        self._files = SlabFiles()
+        on_cuda = worker.kv is not None and worker.kv.device.type == "cuda"
+        self._staging = BufferPool("pinned" if on_cuda else "host", STAGING_KEEP_BYTES, name="layerwise-staging")
+        self._active: list[_Active] = []
+        self._tainted: OrderedDict = OrderedDict()
+
+    def start(self, jobs: list[LoadJob]) -> list[LoadJob]:
+        """Start the layer-wise jobs of ``jobs``; returns the others (asynchronous loads)."""
+        for j in jobs:
+            if j.layerwise:
+                self._start(j)
+        return [j for j in jobs if not j.layerwise]
+
+    def _start(self, job: LoadJob) -> None:
+        w, kv = self.w, self.w.kv
+        n = len(job.block_ids)
+        keys = w.ns.keys(job.seq_hashes, job.tenant, w.rank)
+        stats.add(load_jobs=1, load_blocks_requested=n, layerwise_jobs=1)
+        ld = None
+        try:
+            ld = LayerwiseLoad(w.g3, kv.layout, keys, kv.device, executor=self._exec, files=self._files,
+                               timeout_s=self.timeout_s, world=w.ns.tp_world_size, min_read=self.min_read,
+                               staging=self._staging).start()
+        except Exception as e:  # noqa: BLE001 - the load fails whole: the request recomputes
+            log.warning("kvbm_backend: layer-wise load for %s could not start: %s", job.req_id, e)
+            stats.add(load_errors=1)
+        self._active.append(_Active(job, ld, keys, n if ld is not None else 0))
+
+    def wait_layer(self, layer_name: str) -> None:
+        """``wait_for_layer_load``: layer ``layer_name`` of every active load is in vLLM's paged KV (the
+        rows read so far); unknown layer names (no KV of ours) return at once."""
+        li = self.index.get(layer_name)
+        if li is None or not self._active:
+            return
+        for a in self._active:
+            if self._layer(a, li):
+                stats.add(layerwise_layer_waits=1)
+
+    def _layer(self, a: _Active, li: int) -> bool:
+        if a.load is None or li in a.done:
+            return False
+        a.done.add(li)
+        try:
+            good, t = a.load.wait_layer(li)
+        except Exception as e:  # noqa: BLE001
+            log.warning("kvbm_backend: layer-wise load of layer %d failed: %s", li, e)
+            a.prefix = 0
+            return True
+        p = 0
+        while p < len(good) and good[p] == p:
+            p += 1
+        a.prefix = min(a.prefix, p)
+        if a.prefix:
+            self.w.kv.scatter_layer(li, t[:a.prefix], a.job.block_ids[:a.prefix])
+        return True
+
+    def finish(self) -> set[str]:
+        """End every active load (see the module doc). Returns the request ids with failed blocks."""
+        failed: set[str] = set()
+        active, self._active = self._active, []
+        for a in active:
+            failed |= self._finish(a)
+        return failed
+
+    def _finish(self, a: _Active) -> set[str]:
+        job, w = a.job, self.w
+        n = len(job.block_ids)
+        why = ["not_started"] * n
+        if a.load is not None:
+            unwaited = [li for li in range(w.kv.layout.num_layers) if li not in a.done]
+            for li in unwaited:
+                self._layer(a, li)
+            try:
+                why = a.load.finish()
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvbm_backend: layer-wise load for %s failed: %s", job.req_id, e)
+                a.prefix = 0
+            c = a.load.counters
+            stats.add(layerwise_layers_unwaited=len(unwaited), layerwise_read_wait_s=c["read_wait_s"],
+                      layerwise_verify_s=c["verify_s"], layerwise_reads=c["reads"],
+                      layerwise_unaligned_loads=c["unaligned_loads"])
+        p = 0
+        while p < min(n, a.prefix) and why[p] is None:
+            p += 1
+        bpb = w.kv.layout.bytes_per_block
+        stats.add(load_blocks_ok=p, load_g3_blocks_ok=p, load_blocks_failed=n - p, load_bytes=p * bpb,
+                  load_wall_s=time.monotonic() - a.t0)
+        if p == n:
+            return set()
+        reasons = sorted({str(r) for r in why[p:] if r is not None})
+        log.warning("kvbm_backend: layer-wise load for %s: blocks %d..%d failed (%s); vLLM recomputes them",
+                    job.req_id, p, n - 1, ",".join(reasons) or "late")
+        with w._lock:
+            w._load_errors.update(job.block_ids[p:])
+            w._failed_loads.append(FailedLoad(job.req_id, job.tenant, int(job.seq_hashes[p]),
+                                              "timeout" if why[p] == "timeout" else "miss"))
+            if w.report_g3:
+                w._removed.extend(mirror_id(a.keys[i]) for i in range(p, n) if why[i] not in (None, "timeout"))
+        self._tainted[job.req_id] = None
+        while len(self._tainted) > TAINTED_MAX:
+            self._tainted.popitem(last=False)
+        stats.add(layerwise_failed_jobs=1)
+        return {job.req_id}
+
+    def saves(self, saves: list[SaveJob]) -> list[SaveJob]:
+        """``wait_for_save``: end the step's loads, then ``saves`` less those of requests whose layer-wise
+        load failed (their KV of that step came from unverified blocks; counted ``save_dropped_blocks``)."""
+        self.finish()
+        keep = [s for s in saves if s.req_id not in self._tainted]
+        dropped = sum(len(s.block_ids) for s in saves if s.req_id in self._tainted)
+        if dropped:
+            stats.add(save_dropped_blocks=dropped, layerwise_save_dropped_blocks=dropped)
+        return keep
+
+    def close(self) -> None:
+        self.finish()
+        self._exec.shutdown(wait=True)
+        self._files.close()
+
+
+def for_worker(cfg: Any, worker: Any, layer_names: list[str]) -> LayerwiseLoads | None:
+    """:class:`LayerwiseLoads` for a connector's worker when ``g3.layerwise_load`` is on and its G3 pool
+    serves slot leases (a real :class:`~kvbm_backend.pool.g3.pool.G3Pool`), else None. ``worker`` must be a
+    single-group :class:`~.worker_side.WorkerSide` (hybrid models load asynchronously)."""
+    if not cfg.g3.layerwise_load or not isinstance(getattr(worker, "g3", None), SlotLeaseSource):
+        return None
+    return LayerwiseLoads(worker, layer_names, threads=cfg.g3.io_threads, timeout_s=cfg.g3.load_timeout_s)

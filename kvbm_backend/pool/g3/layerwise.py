@@ -1,0 +1,352 @@
+"""Layer-wise loads of G3 blocks: layer ``l`` of every block is in (and usable) while later layers are
+still being read, so an engine computes layer ``l - 1`` while layer ``l`` loads.
+
+:class:`LayerwiseLoad` is one load of ``n`` blocks from a :class:`~kvbm_backend.pool.base.SlotLeaseSource`
+(the G3 pool) into ``device`` (``cuda:N``, or ``cpu``: host memory, the same code):
+
+1. :meth:`~LayerwiseLoad.start` leases the slots (pinned until :meth:`~LayerwiseLoad.finish`) and submits
+   the reads of :func:`kvbm_backend.transfer.layers.plan_layer_reads`, ordered by layer group, on the
+   caller's thread pool: ``os.preadv`` (which releases the GIL) of a block's group of layers straight
+   into a layer-major host staging ``[layer, block, layer_bytes]`` (O_DIRECT where the layers are
+   4 KiB-aligned and the filesystem takes it; pinned memory on a CUDA device), group 0 with the 4 KiB
+   frame header into a header buffer.
+2. :meth:`~LayerwiseLoad.wait_layer` (``l``) waits (until the load's deadline) for the reads of ``l``'s
+   group, checks the frame headers (:func:`~kvbm_backend.model.frame.accept`: identity, layout,
+   lengths) when group 0 is in, copies the group's layers to the device (one host-to-device copy per
+   group, on a side stream the caller's stream then waits for) and returns layer ``l`` as a
+   ``[n, layer_bytes]`` uint8 tensor with the rows that are good so far. Those bytes are NOT verified
+   yet: the caller may compute with them only if it drops that computation when :meth:`finish` says
+   the row failed (vLLM does: a block reported in ``get_block_ids_with_load_errors`` after the forward
+   resets the request to its valid prefix and throws the step's token away).
+3. :meth:`~LayerwiseLoad.finish` waits for everything, verifies each whole payload where it landed (the
+   device checksum of ``FLAG_DEVCHECK`` frames on a CUDA device, else the xxh3_128 of ``FLAG_CHECKSUM``
+   on the host), reports slots proven bad with ``drop_corrupt`` (I/O errors, short reads and timeouts are
+   misses that keep the slot), releases the leases and returns one reason per row (None = good).
+
+A read still running at the deadline is a ``timeout``; its late bytes land only in this load's staging,
+which is never handed to anyone else (the read's closure keeps it alive).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Executor, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Sequence
+
+import xxhash
+
+from ...memory import BufferPool
+from ...model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept
+from ...model.layout import KvLayout
+from ...model.namespace import BlockKey, tenant_tag
+from ...transfer.layers import DEFAULT_MIN_READ, layer_aligned, layer_groups, plan_layer_reads
+from ..base import SlotLease, SlotLeaseSource
+from ..deadlines import Deadline
+
+log = logging.getLogger(__name__)
+
+#: reasons that are not the stored bytes' fault (the slot stays; a miss)
+TRANSIENT = ("not_found", "io_error", "short", "timeout")
+
+
+class SlabFiles:
+    """Read fds of slab files, O_DIRECT where asked and the filesystem takes it, else buffered. Shared by
+    the loads of one owner (thread-safe); :meth:`close` closes them."""
+
+    def __init__(self):
+        self._fds: dict[tuple[str, bool], int] = {}
+        self._no_direct: set[str] = set()
+        self._lock = threading.Lock()
+        self.counters: Counter = Counter()
+
+    def fd(self, path: str, direct: bool) -> tuple[int, bool]:
+        """``(fd, is_direct)`` for ``path``."""
+        direct = direct and path not in self._no_direct
+        with self._lock:
+            fd = self._fds.get((path, direct))
+            if fd is not None:
+                return fd, direct
+            flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+            if direct:
+                try:
+                    fd = os.open(path, flags | os.O_DIRECT)
+                    self.counters["files_o_direct"] += 1
+                except OSError as e:
+                    if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+                    self._no_direct.add(path)
+                    direct = False
+            if fd is None:
+                fd = self._fds.get((path, False))
+                if fd is None:
+                    fd = os.open(path, flags)
+                    self.counters["files_buffered"] += 1
+            self._fds[(path, direct)] = fd
+            return fd, direct
+
+    def refuse_direct(self, path: str) -> None:
+        """The filesystem opened ``path`` O_DIRECT but refused a read (EINVAL): buffered from now on."""
+        with self._lock:
+            self._no_direct.add(path)
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = set(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+
+def _torch():
+    import torch
+    return torch
+
+
+class LayerwiseLoad:
+    """One layer-wise load of ``keys`` (see the module doc).
+
+    Args:
+        source: the G3 pool (:class:`SlotLeaseSource`).
+        layout: the namespace's :class:`KvLayout` (``bytes_per_block`` divides into ``num_layers`` equal
+            layers).
+        keys: this rank's block keys, in sequence order.
+        device: torch device the layers are delivered on.
+        executor: the thread pool the reads run on (its queue order is the read order).
+        files: the owner's :class:`SlabFiles`.
+        timeout_s: the whole load's deadline (from :meth:`start`); reads not in by then are ``timeout``.
+        world: TP world size frames must name (None: not checked).
+        min_read: bytes per read at least (:func:`~kvbm_backend.transfer.layers.layer_groups`).
+        staging: a :class:`BufferPool` the host staging is taken from (``pinned`` on a CUDA device) and given
+            back to by :meth:`finish` once no read can land in it: on the CPU the tensors :meth:`wait_layer`
+            returned are views of it, valid until :meth:`finish` only. None: a fresh allocation (kept
+            alive by whoever holds those tensors).
+    Raises:
+        TypeError: ``source`` is not a SlotLeaseSource. ValueError: a layout whose block is not whole layers.
+    """
+
+    def __init__(self, source: SlotLeaseSource, layout: KvLayout, keys: Sequence[BlockKey], device, *,
+                 executor: Executor, files: SlabFiles, timeout_s: float, world: int | None = None,
+                 min_read: int = DEFAULT_MIN_READ, staging: BufferPool | None = None,
+                 tenant_tag_fn: Callable[[BlockKey], bytes] | None = None):
+        if not isinstance(source, SlotLeaseSource):
+            raise TypeError(f"LayerwiseLoad: source {type(source).__name__} is not a SlotLeaseSource (pass the G3 pool)")
+        torch = _torch()
+        self.source, self.layout, self.keys = source, layout, list(keys)
+        self.device = torch.device(device)
+        self.n, self.L = len(self.keys), layout.num_layers
+        if layout.bytes_per_block % self.L:
+            raise ValueError(f"layout: {layout.bytes_per_block} bytes per block is not {self.L} equal layers")
+        self.lb = layout.bytes_per_block // self.L
+        self.aligned = layer_aligned(self.lb)
+        self.groups = layer_groups(self.lb, self.L, min_read)
+        self.group_of = [gi for gi, (_, c) in enumerate(self.groups) for _ in range(c)]
+        self.executor, self.files, self.world = executor, files, world
+        self.timeout_s = timeout_s
+        self.tenant_tag_fn = tenant_tag_fn or (lambda k: getattr(k, "tag", None) or tenant_tag(k.tenant))
+        self.why: list = ["not_found"] * self.n  # None = good so far
+        self.headers: list = [None] * self.n
+        self.counters: Counter = Counter()
+        self._staging_pool = staging
+        self._leases: list[SlotLease | None] = []
+        self._futs: list[list[Future]] = []
+        self._frame_rows: list[int] = []
+        self._in: list[bool] = [False] * len(self.groups)  # group reaped (and on the device)
+        self._events: list = [None] * len(self.groups)
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._released = False
+        self.deadline: Deadline | None = None
+
+    # ---- start ---------------------------------------------------------------------------------
+    def start(self) -> "LayerwiseLoad":
+        """Lease the slots and submit every read (returns at once). Raises TypeError when the source
+        returns something other than SlotLease/None (a wiring bug; nothing stays leased)."""
+        torch = _torch()
+        self.deadline = Deadline(self.timeout_s)
+        leases = self.source.lease(self.keys) if self.n else []
+        bad = [ls for ls in leases if ls is not None and (not isinstance(ls, SlotLease))]
+        if len(leases) != self.n or bad:
+            self.source.release([ls for ls in leases if isinstance(ls, SlotLease)])
+            raise TypeError(f"LayerwiseLoad: source.lease returned {len(leases)} entries for {self.n} keys "
+                            f"({len(bad)} not SlotLease)")
+        self._leases = leases
+        frames = []
+        for i, ls in enumerate(leases):
+            if ls is None:
+                continue
+            if ls.slot_len < HEADER_BYTES + self.layout.bytes_per_block or ls.slot_len % 4096:
+                self.why[i] = "length"
+                continue
+            self.why[i] = None
+            frames.append((i, ls.offset))
+        self.counters["not_found"] += self.n - len(frames)
+        pinned = self.device.type == "cuda"
+        nb = max(1, self.n) * (HEADER_BYTES + self.L * self.lb)
+        pool = self._staging_pool or BufferPool("pinned" if pinned else "host", 0, name="layerwise-staging")
+        if self._staging_pool is not None:  # power-of-two size classes: loads of other sizes reuse buffers
+            self._host_arr = pool.take(max(1 << 20, 1 << (nb - 1).bit_length()))
+        else:
+            self._host_arr = pool.take(nb)
+        host = torch.from_numpy(self._host_arr[:nb])
+        nh = max(1, self.n) * HEADER_BYTES
+        self.hdr = self._host_arr[:nh].reshape(max(1, self.n), HEADER_BYTES)
+        self.lay_np = self._host_arr[nh:nb].reshape(self.L, max(1, self.n), self.lb)
+        self.lay_host = host[nh:].view(self.L, max(1, self.n), self.lb)
+        self.lay_dev = self.lay_host if self._stream is None else \
+            torch.empty((self.L, max(1, self.n), self.lb), dtype=torch.uint8, device=self.device)
+        if not self.aligned:
+            self.counters["unaligned_loads"] += 1
+        self._frame_rows = [r for r, _ in frames]
+        for reads in plan_layer_reads(frames, self.lb, self.groups):
+            self._futs.append([self.executor.submit(self._read, rd, leases[rd.row].path,
+                                                    self.hdr, self.lay_np) for rd in reads])
+            self.counters["reads"] += len(reads)
+        self.counters["groups"] += len(self.groups)
+        return self
+
+    def _read(self, rd, path: str, hdr, lay) -> str | None:
+        """One read (on the executor): the group's layers of one frame. ``hdr`` / ``lay`` are passed in
+        so a late read keeps the staging alive. Returns None or a reason."""
+        iov = ([hdr[rd.row]] if rd.header else []) + [lay[rd.first_layer + k, rd.row] for k in range(rd.n_layers)]
+        want = rd.nbytes(self.lb)
+        for attempt in (0, 1):
+            fd, direct = self.files.fd(path, self.aligned)
+            try:
+                got = os.preadv(fd, iov, rd.offset)
+                break
+            except OSError as e:
+                if direct and e.errno == errno.EINVAL and attempt == 0:
+                    self.files.refuse_direct(path)
+                    continue
+                log.warning("G3 layer-wise read of %s at %d failed: %s", path, rd.offset, e)
+                return "io_error"
+        self.counters["bytes_read"] += got
+        return None if got == want else "short"
+
+    # ---- per layer -----------------------------------------------------------------------------
+    def _reap(self, gi: int) -> None:
+        """Wait for group ``gi``'s reads (until the deadline), note failures, check headers (group 0),
+        start its copy to the device."""
+        if self._in[gi]:
+            return
+        t0 = time.perf_counter()
+        for row, f in zip(self._frame_rows, self._futs[gi] if gi < len(self._futs) else []):
+            try:
+                left = self.deadline.left()
+                res = f.result(timeout=max(0.0, left) if left is not None else None)
+            except FutureTimeout:
+                res = "timeout"
+            except Exception as e:  # noqa: BLE001 - a failed read is a miss
+                log.warning("G3 layer-wise read failed: %s", e)
+                res = "io_error"
+            if res is not None and self.why[row] is None:
+                self.why[row] = res
+                self.counters[res] += 1
+        self.counters["read_wait_s"] += time.perf_counter() - t0
+        if gi == 0:
+            self._check_headers()
+        if self._stream is not None:  # the group's layers to the device, one copy
+            torch = _torch()
+            l0, cnt = self.groups[gi]
+            with torch.cuda.stream(self._stream):
+                self.lay_dev[l0:l0 + cnt].copy_(self.lay_host[l0:l0 + cnt], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self._stream)
+            self._events[gi] = ev
+        self._in[gi] = True
+
+    def _check_headers(self) -> None:
+        for i in range(self.n):
+            if self.why[i] is not None:
+                continue
+            k = self.keys[i]
+            try:
+                h = accept(self.hdr[i], k, self.layout, self.tenant_tag_fn(k), world=self.world,
+                           stored_len=self.layout.bytes_per_block, frame_bytes=self._leases[i].slot_len)
+                if h.flags & FLAG_ENCRYPTED or not h.flags & (FLAG_CHECKSUM | FLAG_DEVCHECK):
+                    raise FrameError("unverifiable", "encrypted or unchecked frame")
+                self.headers[i] = h
+            except FrameError as e:
+                self.why[i] = e.reason
+                self.counters[f"corrupt_{e.reason}"] += 1
+
+    def wait_layer(self, layer: int):
+        """Wait for layer ``layer`` (until the deadline). Returns ``(good, t)``: the rows whose reads and
+        headers are good so far (not yet payload-verified: see the module doc) and layer ``layer`` of
+        every row as a ``[n, layer_bytes]`` uint8 tensor on :attr:`device` (rows not in ``good`` hold
+        garbage). The caller's current CUDA stream is ordered after the copy. Raises IndexError for a
+        layer out of range."""
+        if not 0 <= layer < self.L:
+            raise IndexError(f"layer {layer} of a {self.L}-layer block")
+        gi = self.group_of[layer]
+        for g in range(gi + 1):  # group 0 carries the headers
+            self._reap(g)
+        if self._events[gi] is not None:
+            _torch().cuda.current_stream(self.device).wait_event(self._events[gi])
+        return [i for i in range(self.n) if self.why[i] is None], self.lay_dev[layer, :self.n]
+
+    # ---- finish --------------------------------------------------------------------------------
+    def finish(self) -> list:
+        """Wait for every read, verify every good row's whole payload where it landed, drop slots proven
+        bad, release the leases. Returns one reason per row: None (verified) or why not (``not_found``,
+        ``io_error``, ``short``, ``timeout``, ``unverifiable``, ``integrity``, ``devcheck``, or a header
+        reason). Idempotent."""
+        if self._released:
+            return list(self.why)
+        try:
+            for g in range(len(self.groups)):
+                self._reap(g)
+            t0 = time.perf_counter()
+            self._verify()
+            self.counters["verify_s"] += time.perf_counter() - t0
+        finally:
+            self._released = True
+            self.source.release([ls for ls in self._leases if ls is not None])
+            if self._staging_pool is not None and all(f.done() for fs in self._futs for f in fs):
+                self._staging_pool.give(self._host_arr)  # no read can land in it any more
+        for i, r in enumerate(self.why):
+            if r is not None and r not in TRANSIENT and r != "unverifiable" and r != "length":
+                try:
+                    self.source.drop_corrupt(self.keys[i], r)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("drop_corrupt failed for %s: %s", self.keys[i], e)
+        return list(self.why)
+
+    def _verify(self) -> None:
+        torch = _torch()
+        good = [i for i in range(self.n) if self.why[i] is None]
+        dev = [i for i in good if self._stream is not None and self.headers[i].flags & FLAG_DEVCHECK]
+        if dev:
+            from ...gpu.checksum import device_checksums_torch
+            self._stream.synchronize()
+            idx = torch.as_tensor(dev, dtype=torch.long, device=self.device)
+            rows = self.lay_dev.index_select(1, idx).permute(1, 0, 2).reshape(len(dev), self.L * self.lb)
+            for i, got in zip(dev, device_checksums_torch(rows.contiguous(), 0, self.L * self.lb)):
+                if got != self.headers[i].dev_check:
+                    self.why[i] = "devcheck"
+                    self.counters["corrupt_devcheck"] += 1
+        for i in good:
+            if i in dev:
+                continue
+            h = self.headers[i]
+            if not h.flags & FLAG_CHECKSUM:
+                self.why[i] = "unverifiable"  # devcheck-only frame on the host: not checked here
+                self.counters["unverifiable"] += 1
+                continue
+            x = xxhash.xxh3_128()
+            for layer in range(self.L):
+                x.update(self.lay_np[layer, i])
+            if x.digest() != h.integrity:
+                self.why[i] = "integrity"
+                self.counters["corrupt_integrity"] += 1
+            else:
+                self.counters["host_verified"] += 1
+
+    def block(self, row: int):
+        """Row ``row``'s payload as one contiguous ``[bytes_per_block]`` uint8 tensor on :attr:`device`
+        (a copy; FullyContiguous ``[layer, outer, page, inner]``). For tests and callers that want whole
+        blocks after :meth:`finish`."""
+        return self.lay_dev[:, row].reshape(-1).clone()

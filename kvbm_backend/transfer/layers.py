@@ -1,0 +1,76 @@
+"""Layer-ordered reads of G3 frames (the plan of a layer-wise load, no I/O).
+
+A stored block is FullyContiguous ``[layer, outer, page, inner]`` (docs/format.md) behind its 4 KiB
+frame header, so layer ``l`` of a block is one contiguous file range
+``frame_offset + HEADER_BYTES + l * layer_bytes`` of ``layer_bytes`` bytes. A layer-wise load reads
+every block's first layers before any block's later ones, so the engine can compute layer ``l - 1``
+while layer ``l`` is still on the wire.
+
+Layers are read in groups of ``g`` consecutive layers per block (one read per block and group: about
+``min_read`` bytes, so small layers do not cost one system call each); group 0's read starts with the
+frame header. A layer is ready when its group's reads are in. Where ``layer_bytes`` is not a multiple of
+4 KiB (O_DIRECT needs 4 KiB-aligned offsets, lengths and buffers) the plan is one group holding every
+layer: whole-block reads, still correct, no overlap (:func:`layer_aligned` says which).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..model.frame import HEADER_BYTES
+
+ALIGN = 4096
+DEFAULT_MIN_READ = 256 << 10  # bytes per read at least (where the block's layers allow)
+
+
+def layer_aligned(layer_bytes: int) -> bool:
+    """True when every layer range of a frame is 4 KiB-aligned in offset and length (O_DIRECT)."""
+    return layer_bytes > 0 and layer_bytes % ALIGN == 0
+
+
+def layer_groups(layer_bytes: int, num_layers: int, min_read: int = DEFAULT_MIN_READ) -> list[tuple[int, int]]:
+    """``[(first_layer, count), ...]`` covering ``range(num_layers)`` in order: groups of
+    ``ceil(min_read / layer_bytes)`` layers (at least 1); one group of every layer when the layers are
+    not 4 KiB-aligned (:func:`layer_aligned`). Raises ValueError for non-positive sizes."""
+    if layer_bytes <= 0 or num_layers <= 0 or min_read <= 0:
+        raise ValueError(f"layer_groups: layer_bytes {layer_bytes}, num_layers {num_layers}, min_read {min_read}: "
+                         "all must be > 0")
+    if not layer_aligned(layer_bytes):
+        return [(0, num_layers)]
+    g = max(1, min(num_layers, -(-min_read // layer_bytes)))
+    return [(l0, min(g, num_layers - l0)) for l0 in range(0, num_layers, g)]
+
+
+@dataclass(frozen=True)
+class LayerRead:
+    """One read: layers ``[first_layer, first_layer + n_layers)`` of the frame in load row ``row``,
+    ``n_layers * layer_bytes`` bytes at file ``offset`` (plus the 4 KiB header before them when
+    ``header``: then ``offset`` is the frame's own offset)."""
+
+    row: int
+    group: int
+    first_layer: int
+    n_layers: int
+    offset: int
+    header: bool
+
+    def nbytes(self, layer_bytes: int) -> int:
+        return self.n_layers * layer_bytes + (HEADER_BYTES if self.header else 0)
+
+
+def plan_layer_reads(frames: Sequence[tuple[int, int]], layer_bytes: int,
+                     groups: Sequence[tuple[int, int]]) -> list[list[LayerRead]]:
+    """The reads of each group (outer list: group order; inner: ``frames`` order).
+
+    Args:
+        frames: ``(row, frame_offset)`` of each leased block (offset of its 4 KiB header in its file).
+        layer_bytes: bytes of one layer of one block.
+        groups: :func:`layer_groups`.
+    """
+    out: list[list[LayerRead]] = []
+    for gi, (l0, cnt) in enumerate(groups):
+        if gi == 0:
+            out.append([LayerRead(r, 0, l0, cnt, off, True) for r, off in frames])
+        else:
+            out.append([LayerRead(r, gi, l0, cnt, off + HEADER_BYTES + l0 * layer_bytes, False) for r, off in frames])
+    return out

@@ -1,0 +1,207 @@
+"""The connector's layer-wise load path (``g3.layerwise_load``, issue 24 item 5) without an engine: the
+scheduler offers G3-only hits synchronously, and the worker role loads them layer by layer into vLLM's
+paged KV tensors (CPU and FlashAttention layouts) from a real G3 pool on tmp files; a corrupted block is
+reported through ``load_errors`` / the failed-load report, never kept, and its request's saves are dropped."""
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbm_backend.config import load_config
+from kvbm_backend.integrations.vllm import stats
+from kvbm_backend.integrations.vllm.kv_io import EngineKv
+from kvbm_backend.integrations.vllm.layerwise import for_worker
+from kvbm_backend.integrations.vllm.metadata import LoadJob, SaveJob
+from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+from kvbm_backend.integrations.vllm.worker_side import WorkerSide
+from kvbm_backend.model.frame import HEADER_BYTES
+from kvbm_backend.model.hashing import sequence_hashes
+from kvbm_backend.model.namespace import Namespace
+from kvbm_backend.integrations.tiers import open_tiers
+
+NB, BS, H, D, L = 16, 16, 2, 64, 4
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+
+
+def _cfg(tmp_path, layerwise=True, g4=False):
+    d = {"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.05, "files_per_path": 1,
+                "admission": {"policy": "all"}, "layerwise_load": layerwise, "load_timeout_s": 20}}
+    if g4:
+        d["g4"] = {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}
+    return load_config(d, use_env=False)
+
+
+def _engine(layout: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    if layout == "cpu":
+        ts = [torch.randn(NB, H, BS, 2 * D, generator=g) for _ in range(L)]
+    else:
+        ts = [torch.randn(2, NB, BS, H, D, generator=g) for _ in range(L)]
+    return EngineKv.from_tensors(ts, NB, BS, H, D)
+
+
+class _Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+def _match(s, req, computed):
+    for _ in range(500):
+        n, is_async = s.get_num_new_matched_tokens(req, computed)
+        if n is not None:
+            return n, is_async
+        time.sleep(0.01)
+    raise AssertionError("no answer")
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_layerwise_load_setting_makes_g3_hits_sync(tmp_path, layerwise):
+    kv = _engine("cpu", 0)
+    ns = Namespace("m", kv.layout)
+    cfg = _cfg(tmp_path, layerwise=layerwise, g4=True)
+    g3, g4 = open_tiers(cfg, ns)
+    try:
+        toks = list(range(100, 100 + BS * 6 + 5))
+        hs = sequence_hashes(toks, BS)
+        blk = [np.full(kv.layout.bytes_per_block, i, np.uint8) for i in range(6)]
+        assert g3.put(ns.keys(hs[:3]), blk[:3]).result(10).written == 3
+        assert g4.put(ns.keys(hs[:5]), blk[:5]).result(10).written == 5
+        g3.flush(10)
+        s = SchedulerSide(ns, BS, g3, g4, layerwise=cfg.g3.layerwise_load)
+        # G3 alone serves blocks 1..2 of r1 (block 0 is the engine's): offered sync when layerwise_load is on
+        r1 = SimpleNamespace(request_id="r1", prompt_token_ids=toks[:BS * 3 + 1], cache_salt=None, lora_request=None)
+        assert _match(s, r1, BS) == (2 * BS, not layerwise)
+        s.update_state_after_alloc(r1, _Blocks([10, 11, 12, 13]), 2 * BS)
+        # a hit that needs G4 stays asynchronous either way
+        r2 = SimpleNamespace(request_id="r2", prompt_token_ids=toks, cache_salt=None, lora_request=None)
+        assert _match(s, r2, BS) == (4 * BS, True)
+        s.update_state_after_alloc(r2, _Blocks(list(range(20, 27))), 4 * BS)
+        out = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                                    resumed_req_ids=set()))
+        j1, j2 = s.build_connector_meta(out).loads
+        assert (j1.layerwise, j2.layerwise) == (layerwise, False)
+        assert j1.tiers == ["G3", "G3"] and j1.block_ids == [11, 12]
+    finally:
+        g3.close()
+        g4.close()
+
+
+def _rig(tmp_path, layout):
+    src = _engine(layout, 1)
+    ns = Namespace("test/layerwise", src.layout)
+    cfg = _cfg(tmp_path)
+    g3, _ = open_tiers(cfg, ns)
+    writer = WorkerSide(ns, 0, g3, None)
+    writer.register(src)
+    hashes = [1000 + i for i in range(5)]
+    writer.save([SaveJob("w", [3, 4, 5, 6, 7], hashes, "t")])
+    assert g3.flush(30)
+    dst = _engine(layout, 2)
+    w = WorkerSide(ns, 0, g3, None)
+    w.register(dst)
+    lw = for_worker(cfg, w, NAMES)
+    assert lw is not None
+    return src, dst, ns, g3, w, lw, hashes
+
+
+def _same(a: EngineKv, ab: int, b: EngineKv, bb: int) -> bool:
+    x = torch.empty(a.layout.bytes_per_block, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    a.gather([ab], x)
+    b.gather([bb], y)
+    return torch.equal(x, y)
+
+
+@pytest.mark.parametrize("layout", ["cpu", "kv_first"])
+def test_layers_land_in_the_engine_as_vllm_waits_for_them(tmp_path, layout):
+    src, dst, ns, g3, w, lw, hashes = _rig(tmp_path, layout)
+    try:
+        before = stats.snapshot().get("layerwise_layer_waits", 0)
+        job = LoadJob("r", [9, 10, 11, 12, 13], hashes, ["G3"] * 5, "t", layerwise=True)
+        other = LoadJob("a", [1], [7], ["G3"], "t")
+        assert lw.start([job, other]) == [other]
+        lw.wait_layer(NAMES[0])
+        lw.wait_layer("model.layers.99.not_ours")  # not a KV layer of ours: ignored
+        # layer 0 is in the engine blocks before the other layers are waited for
+        t0 = dst.tensors[0].view(NB, -1) if layout == "cpu" else dst.tensors[0].transpose(0, 1).reshape(NB, -1)
+        s0 = src.tensors[0].view(NB, -1) if layout == "cpu" else src.tensors[0].transpose(0, 1).reshape(NB, -1)
+        assert torch.equal(t0[9], s0[3])
+        assert not torch.equal(dst.tensors[1], src.tensors[1])
+        for n in NAMES[1:]:
+            lw.wait_layer(n)
+        assert lw.saves([SaveJob("r", [14], [2000], "t")]) == [SaveJob("r", [14], [2000], "t")]
+        assert all(_same(src, 3 + i, dst, 9 + i) for i in range(5))
+        assert w.load_errors() == set() and w.take_failed_loads() == []
+        snap = stats.snapshot()
+        assert snap["layerwise_layer_waits"] - before == L
+    finally:
+        lw.close()
+        g3.close()
+
+
+def test_corrupt_block_is_reported_and_its_request_saves_are_dropped(tmp_path):
+    src, dst, ns, g3, w, lw, hashes = _rig(tmp_path, "cpu")
+    try:
+        key = ns.keys([hashes[2]], "t", 0)[0]
+        ls = g3.lease([key])[0]
+        g3.release([ls])
+        with open(ls.path, "r+b") as f:  # flip a byte in the last layer of block 2
+            pos = ls.offset + HEADER_BYTES + src.layout.bytes_per_block - 5
+            f.seek(pos)
+            b = f.read(1)
+            f.seek(pos)
+            f.write(bytes([b[0] ^ 1]))
+            f.flush()
+            os.fsync(f.fileno())
+        job = LoadJob("r", [9, 10, 11, 12, 13], hashes, ["G3"] * 5, "t", layerwise=True)
+        lw.start([job])
+        for n in NAMES:
+            lw.wait_layer(n)
+        kept = lw.saves([SaveJob("r", [14], [2000], "t"), SaveJob("q", [15], [3000], "t")])
+        assert [s.req_id for s in kept] == ["q"]  # r's KV of this step came from a bad block
+        assert w.load_errors() == {11, 12, 13}  # from the first failed block on: vLLM recomputes them
+        (fl,) = w.take_failed_loads()
+        assert (fl.req_id, fl.first_failed, fl.reason) == ("r", hashes[2], "miss")
+        assert _same(src, 3, dst, 9) and _same(src, 4, dst, 10)
+        assert not g3.contains(key)  # proven corrupt: dropped
+        assert lw.saves([SaveJob("r", [15], [2001], "t")]) == []  # and in later steps too
+    finally:
+        lw.close()
+        g3.close()
+
+
+def test_layers_vllm_did_not_wait_for_are_loaded_at_the_end(tmp_path):
+    src, dst, ns, g3, w, lw, hashes = _rig(tmp_path, "cpu")
+    try:
+        before = stats.snapshot().get("layerwise_layers_unwaited", 0)
+        lw.start([LoadJob("r", [9, 10], hashes[:2], ["G3"] * 2, "t", layerwise=True)])
+        lw.wait_layer(NAMES[0])
+        assert lw.finish() == set()
+        assert _same(src, 3, dst, 9) and _same(src, 4, dst, 10)
+        assert stats.snapshot()["layerwise_layers_unwaited"] - before == L - 1
+    finally:
+        lw.close()
+        g3.close()
+
+
+def test_off_by_default_and_needs_a_g3_pool(tmp_path):
+    kv = _engine("cpu", 0)
+    ns = Namespace("m", kv.layout)
+    assert load_config({}, use_env=False).g3.layerwise_load is False
+    cfg = _cfg(tmp_path, layerwise=False)
+    g3, _ = open_tiers(cfg, ns)
+    try:
+        assert for_worker(cfg, WorkerSide(ns, 0, g3, None), NAMES) is None
+        assert for_worker(_cfg(tmp_path), WorkerSide(ns, 0, None, None), NAMES) is None
+    finally:
+        g3.close()
