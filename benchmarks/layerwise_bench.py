@@ -78,8 +78,13 @@ class _Rig:
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         cfg = LlamaConfig(**shape, attn_implementation="sdpa")
         torch.manual_seed(0)
-        with torch.device(self.device):
-            self.model = LlamaModel(cfg).to(self.dtype).eval()
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # built in the KV dtype (the 8B shape in fp32 would need 32 GB)
+        try:
+            with torch.device(self.device):
+                self.model = LlamaModel(cfg).eval()
+        finally:
+            torch.set_default_dtype(old)
         self.L, self.kvh, self.hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         self.page, self.T = page, tokens
         self.ids = torch.randint(3, cfg.vocab_size, (1, tokens), device=self.device)
@@ -241,6 +246,15 @@ def _case(rig: _Rig, frac: float, repeats: int) -> dict:
             "serial_max_abs_diff": float((h_ser.float() - h_ref.float()).abs().max())}
 
 
+def _free(path: str) -> int:
+    """Bytes free under ``path`` (0 when it is not there)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
 def bench_layerwise(res: dict, device: str, hit_fractions=(0.25, 0.5, 0.75), *, tokens: int | None = None,
                     page: int = 16, repeats: int = 3, workdir: str | None = None, threads: int = 8,
                     shape: dict | None = None) -> dict:
@@ -262,7 +276,8 @@ def bench_layerwise(res: dict, device: str, hit_fractions=(0.25, 0.5, 0.75), *, 
     dev = torch.device(device)
     shp = dict(shape or (LLAMA_8B if dev.type == "cuda" else TINY))
     tokens = tokens or (8192 if dev.type == "cuda" else 512)
-    base = workdir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    need = 3 * tokens * 2 * shp["num_hidden_layers"] * shp["num_key_value_heads"] * shp["head_dim"] * 2 * 2
+    base = workdir or (_shm if _free(_shm := "/dev/shm") > need else None)  # tmpfs where it is big enough
     root = Path(tempfile.mkdtemp(prefix="kvbm-layerwise-", dir=base))
     out = {"device": str(dev) if dev.type != "cuda" else torch.cuda.get_device_name(dev), "shape": shp,
            "tokens": tokens, "page": page, "storage": str(root), "repeats": repeats, "threads": threads, "cases": []}

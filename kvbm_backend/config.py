@@ -159,7 +159,8 @@ class G3Config(_M):
     """vLLM connector: serve G3-only prefix hits layer by layer inside the step that computes the rest of the
     prompt (vLLM's ``wait_for_layer_load``), so layer ``l`` loads while layer ``l - 1`` computes; payloads are
     verified at the end of the forward and a failed block makes vLLM recompute the request from its valid
-    prefix. Off: every load is asynchronous and whole before the request's first step. G4 hits stay
+    prefix; a stalled G3 read holds that step for at most ``load_timeout_s``. Off: every load is
+    asynchronous and whole before the request's first step (it never holds a step). G4 hits stay
     asynchronous either way; hybrid (several KV cache groups) models are always asynchronous."""
 
 

@@ -21,6 +21,7 @@ from ..model.frame import HEADER_BYTES
 
 ALIGN = 4096
 DEFAULT_MIN_READ = 256 << 10  # bytes per read at least (where the block's layers allow)
+MIN_GROUPS = 4  # a block's layers are cut into at least this many groups (where it has that many layers)
 
 
 def layer_aligned(layer_bytes: int) -> bool:
@@ -30,14 +31,15 @@ def layer_aligned(layer_bytes: int) -> bool:
 
 def layer_groups(layer_bytes: int, num_layers: int, min_read: int = DEFAULT_MIN_READ) -> list[tuple[int, int]]:
     """``[(first_layer, count), ...]`` covering ``range(num_layers)`` in order: groups of
-    ``ceil(min_read / layer_bytes)`` layers (at least 1); one group of every layer when the layers are
-    not 4 KiB-aligned (:func:`layer_aligned`). Raises ValueError for non-positive sizes."""
+    ``ceil(min_read / layer_bytes)`` layers, but at most ``num_layers // MIN_GROUPS`` (small blocks still
+    overlap: the first group is never most of the block) and at least 1; one group of every layer when
+    the layers are not 4 KiB-aligned (:func:`layer_aligned`). Raises ValueError for non-positive sizes."""
     if layer_bytes <= 0 or num_layers <= 0 or min_read <= 0:
         raise ValueError(f"layer_groups: layer_bytes {layer_bytes}, num_layers {num_layers}, min_read {min_read}: "
                          "all must be > 0")
     if not layer_aligned(layer_bytes):
         return [(0, num_layers)]
-    g = max(1, min(num_layers, -(-min_read // layer_bytes)))
+    g = max(1, min(-(-min_read // layer_bytes), num_layers // MIN_GROUPS))
     return [(l0, min(g, num_layers - l0)) for l0 in range(0, num_layers, g)]
 
 

@@ -55,8 +55,12 @@ def _layer(block: np.ndarray, layout: KvLayout, layer: int) -> np.ndarray:
 
 
 def test_plan_orders_reads_by_layer_group_and_header_first():
+    assert layer_groups(8192, 8, min_read=16384) == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert layer_groups(65536, 32) == [(i, 4) for i in range(0, 32, 4)]  # 8B shape: 256 KiB reads
+    assert layer_groups(32768, 4) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # small blocks: still 4 groups
     groups = layer_groups(8192, 6, min_read=16384)
-    assert groups == [(0, 2), (2, 2), (4, 2)]
+    assert groups == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+    groups = [(0, 2), (2, 2), (4, 2)]
     reads = plan_layer_reads([(0, 0), (1, 40960)], 8192, groups)
     assert [[(r.row, r.first_layer, r.offset, r.header) for r in g] for g in reads] == [
         [(0, 0, 0, True), (1, 0, 40960, True)],
@@ -161,3 +165,43 @@ def test_staging_from_a_buffer_pool_is_given_back_and_reused(rig):
             assert all(np.array_equal(t[i].numpy(), _layer(blocks[i], ns.layout, layer)) for i in range(n))
         assert ld.finish() == [None] * n
     assert (staging.allocated, staging.reused) == (1, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_layerwise_loads_verify_the_device_checksum_in_hbm(tmp_path):
+    from kvbm_backend.memory import BufferPool
+    from kvbm_backend.model.frame import device_checksum
+    layout = ALIGNED
+    ns = Namespace(model="test/layerwise-gpu", revision="r1", layout=layout, tp_world_size=1)
+    pool = G3Pool(G3Config(paths=[str(tmp_path / "g3")], capacity_gb=0.05, files_per_path=1,
+                           admission={"policy": "all"}, load_timeout_s=20), ns)
+    ex, files, staging = ThreadPoolExecutor(4), SlabFiles(), BufferPool("pinned", 64 << 20)
+    try:
+        rng = np.random.default_rng(9)
+        keys = ns.keys(list(range(10, 16)), "t", 0)
+        blocks = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8) for _ in keys]
+        assert pool.put(keys, blocks, dev_checks=[device_checksum(b) for b in blocks]).result(30).written == 6
+        assert pool.flush(30)
+        ls = pool.lease([keys[4]])[0]
+        pool.release([ls])
+        with open(ls.path, "r+b") as f:
+            f.seek(ls.offset + HEADER_BYTES + 3 * 8192 + 11)
+            b = f.read(1)
+            f.seek(ls.offset + HEADER_BYTES + 3 * 8192 + 11)
+            f.write(bytes([b[0] ^ 2]))
+        for _ in range(2):  # the second load reuses the pinned staging
+            ld = LayerwiseLoad(pool, layout, keys[:4], "cuda", executor=ex, files=files, timeout_s=20,
+                               min_read=8192, staging=staging).start()
+            for layer in range(layout.num_layers):
+                good, t = ld.wait_layer(layer)
+                assert t.device.type == "cuda" and good == [0, 1, 2, 3]
+                for i in good:
+                    assert np.array_equal(t[i].cpu().numpy(), _layer(blocks[i], layout, layer))
+            assert ld.finish() == [None] * 4 and ld.counters["host_verified"] == 0  # verified on the device
+        ld = LayerwiseLoad(pool, layout, keys[4:], "cuda", executor=ex, files=files, timeout_s=20).start()
+        assert ld.finish() == ["devcheck", None]
+        assert not pool.contains(keys[4])
+    finally:
+        ex.shutdown(wait=True)
+        files.close()
+        pool.close()

@@ -306,6 +306,8 @@ class LayerwiseLoad:
             self._released = True
             self.source.release([ls for ls in self._leases if ls is not None])
             if self._staging_pool is not None and all(f.done() for fs in self._futs for f in fs):
+                if self._stream is not None:
+                    self._stream.synchronize()  # its host-to-device copies have read it
                 self._staging_pool.give(self._host_arr)  # no read can land in it any more
         for i, r in enumerate(self.why):
             if r is not None and r not in TRANSIENT and r != "unverifiable" and r != "length":
