@@ -15,10 +15,9 @@ Data path per :meth:`DeviceLoader.load` (invariant 1 of DESIGN.md, "never wrong 
    flight at once (``threads``). Passes are pipelined over a ring of ``depth`` staging buffers: the
    reads of passes k+1 .. k+depth-1 are on the wire while pass k is verified and copied out.
    ``gds`` / ``kvikio-compat`` -- kvikio ``CuFile.pread`` straight into device staging (GDS DMA, or
-   kvikio's own pinned bounce buffer in compat mode); ``pinned-bounce`` -- each reader thread
-   ``preadv``\ s into one of its two pinned buffers while the host-to-device copy out of the other runs on
-   the thread's own CUDA stream (an event per copy: the loader's stream waits for it, no host sync per
-   read); ``host`` -- the device is the CPU (the same reader threads, reads land in the staging).
+   kvikio's own pinned bounce buffer in compat mode); ``pinned-bounce`` -- reader threads ``preadv``
+   into the pass's pinned host rows, then one host-to-device DMA per pass on the loader's stream;
+   ``host`` -- the device is the CPU (the same reader threads, reads land in the staging).
    The mode is decided by :func:`probe_device_path` at start-up (a real write/read/compare in the
    pool's directory) and reported in :attr:`DeviceLoader.mode` / :attr:`DeviceLoader.mode_reason`.
 3. The 4 KiB headers (only) come to the host: magic, version, header check, identity (namespace,
