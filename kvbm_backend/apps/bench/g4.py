@@ -12,8 +12,12 @@ keyring) and unencrypted (xxh3_128 checksums), alternating with the baseline for
 best of each is kept. ``write_gbps``/``read_gbps`` are for the mode ``--encrypt/--no-encrypt`` selects;
 ``encrypted_read_gbps``, ``unencrypted_read_gbps`` and their ratio are reported too, with
 ``aes_gcm_gbps_per_core`` (single-thread seal/open measured in-run). GB = 1e9 bytes; throughputs count
-payload bytes; ``cpu_s_per_gb`` is this process's user+system CPU (the store server's CPU is not
-included) per GB moved by the selected mode. Every block read is verified against what was written.
+payload bytes; ``cpu_s_per_gb`` is this process's user+system CPU (all its threads:
+``getrusage(RUSAGE_SELF)``; the store server is another process, so its CPU is not included) per GB moved
+by the selected mode, both directions together; ``put_cpu_s_per_gb`` / ``get_cpu_s_per_gb`` split it by
+direction (CPU of the put or the get phase per GB of payload written or read; least of the rounds), and
+``encrypted_*`` / ``unencrypted_*`` give both modes. ``client`` names the S3 client the pool used.
+Every block read is verified against what was written.
 """
 from __future__ import annotations
 
@@ -105,7 +109,8 @@ def _pool_round(url: str, ns: Namespace, opts: BenchOptions, encrypt: bool, keyr
             raise RuntimeError(f"bench: pool read back {sum(got.ok)} of {n} verified blocks; stats {pool.stats()}")
         if pool.stats()["encrypted"] != encrypt:
             raise RuntimeError("bench: pool encryption mode differs from the one asked for")
-        return {"write_s": write_s, "read_s": read_s, "cpu_s": (c1 - c0) + (c3 - c2)}
+        return {"write_s": write_s, "read_s": read_s, "cpu_s": (c1 - c0) + (c3 - c2), "put_cpu_s": c1 - c0,
+                "get_cpu_s": c3 - c2}
     finally:
         pool.close()
         _cleanup(url, opts)
@@ -188,6 +193,9 @@ def run(opts: BenchOptions) -> dict:
     def best(enc: bool, what: str) -> float:
         return payload / min(r[f"{what}_s"] for r in runs[enc]) / 1e9
 
+    def cpu(enc: bool, what: str) -> float:  # client CPU seconds per GB of payload moved one way
+        return min(r[f"{what}_cpu_s"] for r in runs[enc]) / (payload / 1e9)
+
     sel = opts.encrypt
     bw = max(r["write_gbps"] for r in base_runs)
     br = max(r["read_gbps"] for r in base_runs)
@@ -222,6 +230,12 @@ def run(opts: BenchOptions) -> dict:
         "unencrypted_write_gbps": best(False, "write"),
         "unencrypted_read_gbps": plain_r,
         "encrypted_over_unencrypted_read": enc_r / plain_r if plain_r else None,
+        "put_cpu_s_per_gb": cpu(sel, "put"),
+        "get_cpu_s_per_gb": cpu(sel, "get"),
+        "encrypted_put_cpu_s_per_gb": cpu(True, "put"),
+        "encrypted_get_cpu_s_per_gb": cpu(True, "get"),
+        "unencrypted_put_cpu_s_per_gb": cpu(False, "put"),
+        "unencrypted_get_cpu_s_per_gb": cpu(False, "get"),
         "encrypted_cpu_s_per_gb": min(r["cpu_s"] for r in runs[True]) / (2 * payload / 1e9),
         "unencrypted_cpu_s_per_gb": min(r["cpu_s"] for r in runs[False]) / (2 * payload / 1e9),
         "aes_gcm_gbps_per_core": gcm["open_gbps"],
