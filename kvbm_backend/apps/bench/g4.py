@@ -53,7 +53,7 @@ def _cpu() -> float:
 def _cfg(url: str, opts: BenchOptions, encrypt: bool, keyring: str, n: int) -> G4Config:
     return G4Config(enabled=True, url=url, endpoint_url=opts.endpoint_url, encrypt=encrypt,
                     keyring={"path": keyring}, timeout_s=BENCH_TIMEOUT_S, max_inflight=opts.threads,
-                    write_queue_blocks=max(n, 1), retries=1)
+                    write_queue_blocks=max(n, 1), retries=1, s3_client=opts.s3_client)
 
 
 def _cleanup(url: str, opts: BenchOptions) -> None:
@@ -107,10 +107,11 @@ def _pool_round(url: str, ns: Namespace, opts: BenchOptions, encrypt: bool, keyr
         read_s, c3 = time.perf_counter() - t0, _cpu()
         if not all(got.ok) or not np.array_equal(src[:n * bb], dst[:n * bb]):
             raise RuntimeError(f"bench: pool read back {sum(got.ok)} of {n} verified blocks; stats {pool.stats()}")
+        client = getattr(pool.store, "client_name", "posix")  # g4.s3_client for S3 stores
         if pool.stats()["encrypted"] != encrypt:
             raise RuntimeError("bench: pool encryption mode differs from the one asked for")
         return {"write_s": write_s, "read_s": read_s, "cpu_s": (c1 - c0) + (c3 - c2), "put_cpu_s": c1 - c0,
-                "get_cpu_s": c3 - c2}
+                "get_cpu_s": c3 - c2, "client": client}
     finally:
         pool.close()
         _cleanup(url, opts)
@@ -120,7 +121,7 @@ def _s3_baseline(url: str, opts: BenchOptions, object_bytes: int, n: int) -> dic
     """Plain PUT then GET of ``n`` objects of ``object_bytes`` with the pool's client config."""
     from kvbm_backend.pool.g4.factory import open_store
     st = open_store(url, endpoint_url=opts.endpoint_url, timeout_s=BENCH_TIMEOUT_S, max_inflight=opts.threads,
-                    retries=1)
+                    retries=1, s3_client=opts.s3_client)
     data = os.urandom(object_bytes)
     names = [f"obj-{i:08d}" for i in range(n)]
     try:
@@ -131,7 +132,7 @@ def _s3_baseline(url: str, opts: BenchOptions, object_bytes: int, n: int) -> dic
             t0 = time.perf_counter()
             got = list(ex.map(st.get, names))
             read_s = time.perf_counter() - t0
-        if any(g != data for g in got):
+        if any(bytes(g) != data for g in got):
             raise RuntimeError("bench: S3 baseline read back different bytes than it wrote")
     finally:
         st.close()
@@ -197,6 +198,7 @@ def run(opts: BenchOptions) -> dict:
         return min(r[f"{what}_cpu_s"] for r in runs[enc]) / (payload / 1e9)
 
     sel = opts.encrypt
+    client = runs[sel][0]["client"]
     bw = max(r["write_gbps"] for r in base_runs)
     br = max(r["read_gbps"] for r in base_runs)
     enc_r, plain_r = best(True, "read"), best(False, "read")
@@ -213,7 +215,8 @@ def run(opts: BenchOptions) -> dict:
         "payload_bytes": payload,
         "io_size_bytes": HEADER_BYTES + bb if u.scheme == "s3" else opts.io_size_bytes,
         "inflight": opts.threads,
-        "engine": "boto3" if u.scheme == "s3" else "posix",
+        "engine": client if u.scheme == "s3" else "posix",
+        "client": client if u.scheme == "s3" else "posix",
         "encrypt": sel,
         "page_cache": "dropped before pool reads (posix_fadvise DONTNEED)" if u.scheme == "file" else None,
         "rounds": ROUNDS,

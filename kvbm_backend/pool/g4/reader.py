@@ -183,6 +183,7 @@ class ReaderMixin:
         if data is None:
             return "miss_absent"
         exp = self._expected_header(key)
+        scratch = None
         try:
             if size < HEADER_BYTES:
                 raise FrameError("length", f"object of {size} bytes")
@@ -199,8 +200,12 @@ class ReaderMixin:
                         raise FrameError("key_owner", "sealed under another tenant's data key")
                     # revoked, or the file stopped loading, since _tenant_miss looked: count it as such
                     return self._tenant_miss(key.tenant) or "miss_no_key"
-                # in place in our own bounce buffer; a read-only body (S3 bytes) into a fresh staging buffer
-                plain = payload if not payload.readonly else memoryview(bytearray(len(payload)))
+                # in place in our own bounce buffer; a read-only body (S3) into a reused staging buffer
+                if payload.readonly:
+                    scratch = self._frames.take(self._frame_bytes)
+                    plain = memoryview(scratch)[:len(payload)]
+                else:
+                    plain = payload
                 try:
                     open_into(dkey, hdr.nonce, exp.identity_bytes(), hdr.integrity, payload, plain)
                 except AeadError:
@@ -234,6 +239,9 @@ class ReaderMixin:
                 except OSError:
                     pass
             return "miss_corrupt"
+        finally:
+            if scratch is not None:
+                self._frames.give(scratch)
         self._count("bytes_read", size)
         return None
 

@@ -91,6 +91,7 @@ def _code(e: ClientError) -> tuple[str, int]:
 
 
 class S3Store(ObjectStore):
+    client_name = "boto3"  # the client of the block traffic (g4.s3_client)
     """Objects under ``s3://bucket/prefix/``.
 
     Args:
@@ -123,6 +124,9 @@ class S3Store(ObjectStore):
         Raises ValueError naming ``g4.url`` without a bucket."""
         if not parsed.netloc:
             raise ValueError(f"g4.url {url!r}: s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
+        if getattr(opts, "s3_client", "boto3") == "obstore":  # g4.s3_client: the data path on obstore
+            from .s3_obstore import ObstoreS3Store
+            return ObstoreS3Store.from_url(url, parsed, opts)
         return cls(parsed.netloc, parsed.path.strip("/"), endpoint_url=opts.endpoint_url, region=opts.region,
                    timeout_s=opts.timeout_s, max_inflight=opts.max_inflight, retries=opts.retries)
 
@@ -156,7 +160,7 @@ class S3Store(ObjectStore):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def put_if_absent(self, name: str, data) -> bool:
-        key = self._key(name)
+        key, data = self._key(name), _body(data)
         if self.supports_conditional_put:
             try:
                 self._call("put", name, lambda _r: self.client.put_object(Bucket=self.bucket, Key=key, Body=data,
@@ -197,6 +201,7 @@ class S3Store(ObjectStore):
         return OSError(f"{op} {self.url}/{name}: {code} (HTTP {status})")
 
     def put(self, name: str, data) -> None:
+        data = _body(data)
         try:
             self._call("put", name, lambda _r: self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data))
         except ClientError as e:
@@ -307,3 +312,8 @@ class S3Store(ObjectStore):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _body(data):
+    """``data`` as botocore takes a body (bytes, bytearray; a memoryview or array is copied once)."""
+    return data if isinstance(data, (bytes, bytearray)) else bytes(memoryview(data).cast("B"))
