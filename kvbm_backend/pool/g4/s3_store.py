@@ -1,4 +1,5 @@
-"""S3-compatible object store on boto3 (any S3 server: AWS, SeaweedFS, MinIO, Ceph RGW, VAST, ...).
+"""S3-compatible object store on boto3 (any S3 server: AWS, SeaweedFS, MinIO, Ceph RGW, VAST, ...); its block
+traffic moves to obstore by default (:mod:`.s3_obstore`, ``g4.s3_client``), see "Client choice" below.
 
 * Endpoint, region and credentials: ``endpoint_url``/``region`` arguments, else the standard AWS
   chain (env ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles, IMDS).
@@ -45,12 +46,13 @@ obstore async   0.119 / 0.107 (1.1 / 1.1)  0.220 / 0.214 (3.9 / 3.8)  asyncio, 8
 NIXL OBJ 1.5.1  0.089 / 0.084 (1.2 / 1.1)  0.471 / 0.383 (0.8 / 1.0)  one transfer of all objects
 ==============  =========================  =========================  ==============================
 
-obstore GET was 1.34x and 1.12x boto3 (runs within one invocation spread 0.55-1.15 GB/s), not the
-clear > 1.3x win on GET (which dominates onboarding) that would justify a second store; it keeps
-create-exclusive PUT (``mode="create"``), ranged GETs and per-request timeouts, and uses about half
-of boto3's client CPU, so re-measure it where the server is not on the same two cores. NIXL's OBJ
-backend has no conditional PUT (a racing writer silently overwrites) and no per-request timeout in
-its parameters, and was slower here.
+That comparison kept boto3 (obstore's GET was not > 1.3x faster). Issue 25 then chose by client CPU per
+GB, where obstore costs about half: its data path is :class:`~.s3_obstore.ObstoreS3Store`, the default
+(``g4.s3_client``); this class stays for ``g4.s3_client: boto3`` and for the control calls of both.
+Through the pool (``kvbm-backend bench --tier g4 --json``, 64 encrypted 2 MiB blocks, same VM and
+server, load average ~10 from other jobs, two runs each): boto3 PUT 2.14 / 2.09, GET 1.34 / 1.55
+CPU-s/GB; obstore PUT 0.70 / 0.79, GET 1.21 / 0.96. NIXL's OBJ backend has no conditional PUT (a racing
+writer silently overwrites) and no per-request timeout in its parameters, and was slower here.
 """
 from __future__ import annotations
 
