@@ -57,6 +57,7 @@ class FsStore(ObjectStore):
         self.url = f"file://{self.root}"
         self.fsync = fsync
         self._direct: bool | None = None  # O_DIRECT reads: None = not probed yet
+        self._direct_write: bool | None = None  # O_DIRECT writes: None = not tried yet, False = refused
         try:
             makedirs_private(self.root)
         except OSError as e:
@@ -168,10 +169,32 @@ class FsStore(ObjectStore):
             os.close(pfd)
 
     def _write_temp(self, dfd: int, base: str, data) -> str:
+        """Write ``data`` to a fresh temp file in ``dfd`` (fsynced when ``self.fsync``); returns its name.
+
+        O_DIRECT when ``data`` is 4 KiB aligned in address and length (G4 frames from the pool's buffers)
+        and the filesystem takes it: no copy into the page cache (on the dev VM's ext4: 0.13 vs 0.42 CPU-s
+        per GB written, fsync included; tmpfs: the same either way). Durability is unchanged: the file and
+        its directory are still fsynced before the object is published. A refusal (EINVAL) falls back to
+        buffered writes for this store from then on."""
+        mv = memoryview(data).cast("B")
+        direct = (self._direct_write is not False and len(mv) and len(mv) % 4096 == 0
+                  and _address(mv) % 4096 == 0)
+        if direct:
+            try:
+                tmp = self._write_temp_once(dfd, base, mv, os.O_DIRECT)
+                self._direct_write = True
+                return tmp
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct_write = False
+        return self._write_temp_once(dfd, base, mv, 0)
+
+    def _write_temp_once(self, dfd: int, base: str, mv: memoryview, flags: int) -> str:
         tmp = f".{base}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | flags, FILE_MODE,
+                     dir_fd=dfd)
         try:
-            mv = memoryview(data).cast("B")
             off = 0
             while off < len(mv):
                 off += os.write(fd, mv[off:])
