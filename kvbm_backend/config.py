@@ -257,6 +257,10 @@ class G4Config(_M):
     that bound (:mod:`kvbm_backend.pool.g4.throttle`)."""
     fsync: bool = True
     """file:// stores: fsync object and directory before publishing (invariant 2)."""
+    s3_client: Literal["obstore", "boto3"] = "obstore"
+    """Client of the S3 block traffic (PUT/GET/HEAD): ``obstore`` (Rust ``object_store``; about half
+    of boto3's client CPU per GB, issue 25) or ``boto3``. Both keep create-exclusive PUT, ranged GET,
+    per-request timeouts and the throttling backoff; control calls (probe, gc's LIST, DELETE) use boto3."""
 
 
 KVBM_METRICS_PORT = 6880  # Dynamo KVBM's default DYN_KVBM_METRICS_PORT

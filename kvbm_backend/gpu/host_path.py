@@ -2,13 +2,16 @@
 device saves (one device-to-host copy into pinned staging, then the pool's ``put``).
 
 G4 blocks are sealed with AES-256-GCM (DESIGN.md invariant 5); the tag is verified on the host where
-the plaintext lands, so for G4 "verified where the bytes land" means the host staging buffer. The pool's
-``get`` works on many blocks at once (the AEAD work in ``cryptography`` releases the GIL), all into one
-pinned staging tensor; verified rows then go to the device in a single copy. ``G4Pool.get`` runs this
-for torch-tensor destinations.
+the plaintext lands, so for G4 "verified where the bytes land" means the host staging buffer. The pool
+works on many blocks at once (the AEAD work in ``cryptography`` and xxh3 release the GIL), each straight
+into its row of one pinned staging tensor; each verified row goes to the device as soon as it verified,
+overlapping the reads and decryption of the others. ``G4Pool.get`` runs this for torch-tensor
+destinations; ``python -m kvbm_backend.apps.bench.g4_load`` measures the host side.
 """
 from __future__ import annotations
 
+import queue
+import time
 from typing import Sequence
 
 import numpy as np
@@ -50,10 +53,14 @@ def _u8(t):
 
 
 def load_via_host(pool, keys: Sequence[BlockKey], dst: Sequence, *, timeout_s: float | None = None) -> list[bool]:
-    """Load blocks through the host: one ``pool.get`` into a pinned staging tensor (the pool decrypts
-    and verifies each block where it lands, many at once: G4 runs ``g4.max_inflight`` blocks in
-    parallel, AES-GCM releases the GIL), then one host-to-device copy of the batch on a side stream,
-    then the verified rows into ``dst``.
+    """Load blocks through the host into device (or CPU) tensors.
+
+    With a pool that stages (G4: ``pool.get_staged``), each block is read straight into its row of one
+    pinned staging buffer and decrypted / checked there on the pool's I/O threads (``g4.max_inflight`` at
+    once; AES-GCM and xxh3 release the GIL), and each row that verified is copied to its ``dst`` tensor at
+    once (``non_blocking`` on a side stream, issued from this thread), so the host-to-device copies run
+    while later blocks are still being read and opened. Other pools: one ``pool.get`` into the staging,
+    then the verified rows. Either way only verified rows are ever copied.
 
     Args:
         pool: a :class:`~kvbm_backend.pool.base.BlockPool` taking numpy buffers (G4; G3 on a host path).
@@ -66,7 +73,6 @@ def load_via_host(pool, keys: Sequence[BlockKey], dst: Sequence, *, timeout_s: f
     Raises:
         ValueError: length mismatch or bad ``dst`` tensors.
     """
-    torch = _torch()
     if len(keys) != len(dst):
         raise ValueError(f"load_via_host: {len(keys)} keys but {len(dst)} destination tensors")
     n = len(keys)
@@ -77,25 +83,80 @@ def load_via_host(pool, keys: Sequence[BlockKey], dst: Sequence, *, timeout_s: f
     check_dst(dst, bpb, device)
     buf, host = _host_staging(n, bpb, device)
     host_np = host.numpy()
+    rows = [host_np[r] for r in range(n)]
+    if getattr(pool, "get_staged", None) is not None:
+        return _load_staged(pool, keys, dst, buf, host, rows, device, timeout_s)
     try:
-        res = pool.get(list(keys), [host_np[r] for r in range(n)]).result(timeout=timeout_s)
+        res = pool.get(list(keys), rows).result(timeout=timeout_s)
         ok = [bool(x) for x in res.ok] + [False] * (n - len(res.ok))
     except Exception:  # noqa: BLE001 - storage trouble or late: misses (the pool logged and counted)
         return [False] * n  # the staging is not given back: a late read may still write into it
-    if any(ok):
-        if device.type == "cuda":
-            stream = torch.cuda.Stream(device)
-            with torch.cuda.stream(stream):
-                dev_stage = host.to(device, non_blocking=True)  # the one H2D copy
-                for r in range(n):
-                    if ok[r]:
-                        _u8(dst[r]).copy_(dev_stage[r], non_blocking=True)
-            stream.synchronize()
-        else:
-            for r in range(n):
-                if ok[r]:
-                    _u8(dst[r]).copy_(host[r])
+    copier = _Copier(host, dst, device)
+    for r in range(n):
+        if ok[r]:
+            copier.copy(r)
+    copier.finish()
     _give_staging(buf, device)  # the pool's get is done and the copies are synchronised
+    return ok
+
+
+class _Copier:
+    """Copies verified staging rows to their ``dst`` tensors: on a side CUDA stream, ``non_blocking``
+    (from pinned rows), one call per row; plain copies on the CPU. :meth:`finish` waits for them."""
+
+    def __init__(self, host, dst: Sequence, device):
+        self.host, self.dst, self.cuda = host, dst, device.type == "cuda"
+        if self.cuda:
+            torch = _torch()
+            self.stream = torch.cuda.Stream(device)
+            self.stream.wait_stream(torch.cuda.current_stream(device))  # dst may be in use on the compute stream
+
+    def copy(self, r: int) -> None:
+        if self.cuda:
+            with _torch().cuda.stream(self.stream):
+                _u8(self.dst[r]).copy_(self.host[r], non_blocking=True)
+        else:
+            _u8(self.dst[r]).copy_(self.host[r])
+
+    def finish(self) -> None:
+        if self.cuda:
+            self.stream.synchronize()
+
+
+def _load_staged(pool, keys, dst, buf, host, rows, device, timeout_s) -> list[bool]:
+    """:func:`load_via_host` over ``pool.get_staged``: rows copied as their blocks verify."""
+    n = len(keys)
+    hits: queue.SimpleQueue = queue.SimpleQueue()
+    batch = pool.get_staged(list(keys), rows, on_hit=hits.put)
+    copier = _Copier(host, dst, device)
+    copied = [False] * n
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while not batch.future.done():
+            try:
+                r = hits.get(timeout=0.05 if end is None else max(0.0, min(0.05, end - time.monotonic())))
+            except queue.Empty:
+                if end is not None and time.monotonic() >= end:
+                    break
+                continue
+            copier.copy(r)
+            copied[r] = True
+        res = batch.future.result(timeout=0 if end is None else max(0.0, end - time.monotonic()))
+        ok = [bool(x) for x in res.ok] + [False] * (n - len(res.ok))
+    except Exception:  # noqa: BLE001 - late or storage trouble: what verified in time and was copied counts
+        ok = list(copied)
+    while True:  # hits that came with the batch's end
+        try:
+            r = hits.get_nowait()
+        except queue.Empty:
+            break
+        if ok[r] and not copied[r]:
+            copier.copy(r)
+            copied[r] = True
+    ok = [a and c for a, c in zip(ok, copied)]
+    copier.finish()
+    if batch.idle.is_set():  # no I/O thread writes a row any more: the staging can be reused
+        _give_staging(buf, device)
     return ok
 
 

@@ -137,3 +137,25 @@ def test_g4_pool_reads_file_objects_through_its_bounce_buffers_and_reports_overf
         st = p.stats()
         assert st["bounce_overflow"] == p._bounce.stats()["allocated"] >= 0
         assert p._bounce.stats()["arena_bytes"] == 2 * bounce_slot_bytes(4096 + layout.bytes_per_block)
+
+
+def test_aligned_frames_are_written_with_o_direct_and_read_back_equal(tmp_path):
+    """Issue 25 item 1: a file:// offload's frame (4 KiB aligned, from the pool's buffers) is written with
+    O_DIRECT (no page-cache copy: ~0.3 CPU-s/GB less on ext4); unaligned data is written buffered; both
+    read back byte for byte, and a filesystem that refuses O_DIRECT gets buffered writes."""
+    from kvbm_backend.memory import aligned_empty
+    from kvbm_backend.pool.g4.fs_store import FsStore
+    st = FsStore(str(tmp_path / "s"))
+    frame = aligned_empty(3 * 4096)
+    frame[:] = np.arange(frame.nbytes, dtype=np.uint64).astype(np.uint8)
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    assert st.put_if_absent("a/b", memoryview(frame)) is True and st._direct_write is True
+    assert bytes(st.get("a/b")) == frame.tobytes()
+    odd = b"x" * 5000  # not aligned: buffered, and O_DIRECT stays on for frames
+    assert st.put_if_absent("a/c", odd) is True and st._direct_write is True and bytes(st.get("a/c")) == odd
+    assert st.put_if_absent("a/b", memoryview(frame)) is False  # create-exclusive as before
+    assert [o.name for o in st.list_temps("")] == []  # no temp file left behind

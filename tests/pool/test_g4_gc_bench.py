@@ -17,7 +17,8 @@ from kvbm_backend.pool.g4.pool import G4Pool
 
 BENCH_KEYS = {"block_bytes", "blocks", "io_size_bytes", "engine", "write_gbps", "read_gbps", "baseline_write_gbps",
               "baseline_read_gbps", "cpu_s_per_gb", "encrypt", "aes_gcm_gbps_per_core", "encrypted_read_gbps",
-              "unencrypted_read_gbps"}
+              "unencrypted_read_gbps", "put_cpu_s_per_gb", "get_cpu_s_per_gb", "encrypted_put_cpu_s_per_gb",
+              "encrypted_get_cpu_s_per_gb", "unencrypted_put_cpu_s_per_gb", "unencrypted_get_cpu_s_per_gb"}
 
 
 def _fill(url, kr, endpoint=None):
@@ -85,6 +86,10 @@ def test_bench_g4_json(store, tmp_path, s3_prefix, request):
     assert BENCH_KEYS <= set(d) and d["encrypt"] is False and d["blocks"] == 8 and d["block_bytes"] == 32768
     assert d["read_gbps"] > 0 and d["baseline_read_gbps"] > 0 and d["aes_gcm_gbps_per_core"] > 0
     assert d["read_gbps"] == d["unencrypted_read_gbps"]
+    # issue 25 item 1: client CPU per GB, by direction, for the selected mode (here: unencrypted)
+    assert d["put_cpu_s_per_gb"] > 0 and d["get_cpu_s_per_gb"] > 0
+    assert d["put_cpu_s_per_gb"] == d["unencrypted_put_cpu_s_per_gb"]
+    assert d["get_cpu_s_per_gb"] == d["unencrypted_get_cpu_s_per_gb"]
     bad = CliRunner().invoke(app, ["bench", "--tier", "g4", "--layout", "tiny", "--blocks", "8"])
     assert bad.exit_code == 2 and "--url" in bad.output
 

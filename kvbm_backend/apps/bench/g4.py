@@ -2,8 +2,9 @@
 on ``s3://BUCKET/PREFIX`` (``--endpoint-url``) or ``file:///path``, against a baseline of the same bytes
 taken in the same run:
 
-* S3: plain ``PUT``/``GET`` of objects of the same size (header + payload) with the same boto3
-  client configuration and the same number of requests in flight (``--threads``).
+* S3: plain ``PUT``/``GET`` of objects of the same size (header + payload) with the same client
+  (``g4.s3_client``: obstore by default; ``BenchOptions.s3_client``) and configuration and the same number
+  of requests in flight (``--threads``).
 * file: plain O_DIRECT I/O (:func:`kvbm_backend.apps.bench.baseline.odirect_baseline`), same I/O size
   and in-flight count.
 
@@ -12,8 +13,12 @@ keyring) and unencrypted (xxh3_128 checksums), alternating with the baseline for
 best of each is kept. ``write_gbps``/``read_gbps`` are for the mode ``--encrypt/--no-encrypt`` selects;
 ``encrypted_read_gbps``, ``unencrypted_read_gbps`` and their ratio are reported too, with
 ``aes_gcm_gbps_per_core`` (single-thread seal/open measured in-run). GB = 1e9 bytes; throughputs count
-payload bytes; ``cpu_s_per_gb`` is this process's user+system CPU (the store server's CPU is not
-included) per GB moved by the selected mode. Every block read is verified against what was written.
+payload bytes; ``cpu_s_per_gb`` is this process's user+system CPU (all its threads:
+``getrusage(RUSAGE_SELF)``; the store server is another process, so its CPU is not included) per GB moved
+by the selected mode, both directions together; ``put_cpu_s_per_gb`` / ``get_cpu_s_per_gb`` split it by
+direction (CPU of the put or the get phase per GB of payload written or read; least of the rounds), and
+``encrypted_*`` / ``unencrypted_*`` give both modes. ``client`` names the S3 client the pool used.
+Every block read is verified against what was written.
 """
 from __future__ import annotations
 
@@ -49,7 +54,7 @@ def _cpu() -> float:
 def _cfg(url: str, opts: BenchOptions, encrypt: bool, keyring: str, n: int) -> G4Config:
     return G4Config(enabled=True, url=url, endpoint_url=opts.endpoint_url, encrypt=encrypt,
                     keyring={"path": keyring}, timeout_s=BENCH_TIMEOUT_S, max_inflight=opts.threads,
-                    write_queue_blocks=max(n, 1), retries=1)
+                    write_queue_blocks=max(n, 1), retries=1, s3_client=opts.s3_client)
 
 
 def _cleanup(url: str, opts: BenchOptions) -> None:
@@ -103,9 +108,11 @@ def _pool_round(url: str, ns: Namespace, opts: BenchOptions, encrypt: bool, keyr
         read_s, c3 = time.perf_counter() - t0, _cpu()
         if not all(got.ok) or not np.array_equal(src[:n * bb], dst[:n * bb]):
             raise RuntimeError(f"bench: pool read back {sum(got.ok)} of {n} verified blocks; stats {pool.stats()}")
+        client = getattr(pool.store, "client_name", "posix")  # g4.s3_client for S3 stores
         if pool.stats()["encrypted"] != encrypt:
             raise RuntimeError("bench: pool encryption mode differs from the one asked for")
-        return {"write_s": write_s, "read_s": read_s, "cpu_s": (c1 - c0) + (c3 - c2)}
+        return {"write_s": write_s, "read_s": read_s, "cpu_s": (c1 - c0) + (c3 - c2), "put_cpu_s": c1 - c0,
+                "get_cpu_s": c3 - c2, "client": client}
     finally:
         pool.close()
         _cleanup(url, opts)
@@ -115,7 +122,7 @@ def _s3_baseline(url: str, opts: BenchOptions, object_bytes: int, n: int) -> dic
     """Plain PUT then GET of ``n`` objects of ``object_bytes`` with the pool's client config."""
     from kvbm_backend.pool.g4.factory import open_store
     st = open_store(url, endpoint_url=opts.endpoint_url, timeout_s=BENCH_TIMEOUT_S, max_inflight=opts.threads,
-                    retries=1)
+                    retries=1, s3_client=opts.s3_client)
     data = os.urandom(object_bytes)
     names = [f"obj-{i:08d}" for i in range(n)]
     try:
@@ -126,7 +133,7 @@ def _s3_baseline(url: str, opts: BenchOptions, object_bytes: int, n: int) -> dic
             t0 = time.perf_counter()
             got = list(ex.map(st.get, names))
             read_s = time.perf_counter() - t0
-        if any(g != data for g in got):
+        if any(bytes(g) != data for g in got):
             raise RuntimeError("bench: S3 baseline read back different bytes than it wrote")
     finally:
         st.close()
@@ -188,7 +195,11 @@ def run(opts: BenchOptions) -> dict:
     def best(enc: bool, what: str) -> float:
         return payload / min(r[f"{what}_s"] for r in runs[enc]) / 1e9
 
+    def cpu(enc: bool, what: str) -> float:  # client CPU seconds per GB of payload moved one way
+        return min(r[f"{what}_cpu_s"] for r in runs[enc]) / (payload / 1e9)
+
     sel = opts.encrypt
+    client = runs[sel][0]["client"]
     bw = max(r["write_gbps"] for r in base_runs)
     br = max(r["read_gbps"] for r in base_runs)
     enc_r, plain_r = best(True, "read"), best(False, "read")
@@ -205,7 +216,8 @@ def run(opts: BenchOptions) -> dict:
         "payload_bytes": payload,
         "io_size_bytes": HEADER_BYTES + bb if u.scheme == "s3" else opts.io_size_bytes,
         "inflight": opts.threads,
-        "engine": "boto3" if u.scheme == "s3" else "posix",
+        "engine": client if u.scheme == "s3" else "posix",
+        "client": client if u.scheme == "s3" else "posix",
         "encrypt": sel,
         "page_cache": "dropped before pool reads (posix_fadvise DONTNEED)" if u.scheme == "file" else None,
         "rounds": ROUNDS,
@@ -222,6 +234,12 @@ def run(opts: BenchOptions) -> dict:
         "unencrypted_write_gbps": best(False, "write"),
         "unencrypted_read_gbps": plain_r,
         "encrypted_over_unencrypted_read": enc_r / plain_r if plain_r else None,
+        "put_cpu_s_per_gb": cpu(sel, "put"),
+        "get_cpu_s_per_gb": cpu(sel, "get"),
+        "encrypted_put_cpu_s_per_gb": cpu(True, "put"),
+        "encrypted_get_cpu_s_per_gb": cpu(True, "get"),
+        "unencrypted_put_cpu_s_per_gb": cpu(False, "put"),
+        "unencrypted_get_cpu_s_per_gb": cpu(False, "get"),
         "encrypted_cpu_s_per_gb": min(r["cpu_s"] for r in runs[True]) / (2 * payload / 1e9),
         "unencrypted_cpu_s_per_gb": min(r["cpu_s"] for r in runs[False]) / (2 * payload / 1e9),
         "aes_gcm_gbps_per_core": gcm["open_gbps"],

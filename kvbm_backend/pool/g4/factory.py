@@ -6,7 +6,9 @@ config model applies to ``g4.url`` at load), imports the class only when its sch
 is imported only for ``s3://``), and calls its ``from_url(url, parsed, opts)`` classmethod, which checks
 the URL's form. Built in:
 
-* ``s3://BUCKET[/PREFIX]``: :class:`~kvbm_backend.pool.g4.s3_store.S3Store` (S3-compatible servers);
+* ``s3://BUCKET[/PREFIX]``: :class:`~kvbm_backend.pool.g4.s3_store.S3Store` (S3-compatible servers; its
+  block traffic on obstore, :class:`~kvbm_backend.pool.g4.s3_obstore.ObstoreS3Store`, unless
+  ``g4.s3_client`` is ``boto3``);
 * ``file:///abs/path``: :class:`~kvbm_backend.pool.g4.fs_store.FsStore` (shared POSIX mounts);
 * ``mem://NAME``: :class:`~kvbm_backend.pool.g4.memory_store.MemoryStore` (in this process only, for
   unit tests: every store opened on one NAME shares its objects, like pools sharing a real store).
@@ -19,6 +21,8 @@ from urllib.parse import urlparse
 
 from ...store_url import SCHEMES, url_problem
 from .store import ObjectStore
+
+S3_CLIENT_DEFAULT = "obstore"  # g4.s3_client's default (kvbm_backend.config.G4Config)
 
 __all__ = ["SCHEMES", "StoreOptions", "open_store", "register_scheme"]
 
@@ -34,6 +38,7 @@ class StoreOptions:
         max_inflight: pooled connections (S3).
         retries: extra attempts per request (S3).
         fsync: fsync object and directory before publishing (``file://``).
+        s3_client: ``"obstore"`` or ``"boto3"``: the client of S3 block traffic (``g4.s3_client``).
     """
 
     endpoint_url: str | None = None
@@ -42,12 +47,14 @@ class StoreOptions:
     max_inflight: int = 32
     retries: int = 1
     fsync: bool = True
+    s3_client: str = S3_CLIENT_DEFAULT
 
     @classmethod
     def from_config(cls, cfg) -> "StoreOptions":
         """The options of a :class:`kvbm_backend.config.G4Config`."""
         return cls(endpoint_url=cfg.endpoint_url, region=cfg.region, timeout_s=cfg.timeout_s,
-                   max_inflight=cfg.max_inflight, retries=cfg.retries, fsync=cfg.fsync)
+                   max_inflight=cfg.max_inflight, retries=cfg.retries, fsync=cfg.fsync,
+                   s3_client=getattr(cfg, "s3_client", S3_CLIENT_DEFAULT))
 
 
 def register_scheme(scheme: str, target: str) -> None:
@@ -56,13 +63,14 @@ def register_scheme(scheme: str, target: str) -> None:
 
 
 def open_store(url: str, cfg=None, *, endpoint_url: str | None = None, region: str | None = None,
-               timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, fsync: bool = True) -> ObjectStore:
+               timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, fsync: bool = True,
+               s3_client: str = S3_CLIENT_DEFAULT) -> ObjectStore:
     """Build the store ``url`` names (``s3://BUCKET[/PREFIX]``, ``file:///abs/path`` or ``mem://NAME``).
 
     Args:
         url: the ``g4.url`` value.
         cfg: a :class:`kvbm_backend.config.G4Config` whose endpoint, region, timeout_s, max_inflight,
-            retries and fsync are used; None: the keyword arguments (defaults as in the config).
+            retries, fsync and s3_client are used; None: the keyword arguments (defaults as in the config).
     Raises:
         ValueError: naming ``g4.url``: empty URL, a scheme not in :data:`SCHEMES` (the message names
             the scheme), or a URL of the wrong form for its store
@@ -72,7 +80,7 @@ def open_store(url: str, cfg=None, *, endpoint_url: str | None = None, region: s
         raise ValueError("g4.url: empty; expected s3://BUCKET/PREFIX, file:///path or mem://NAME")
     opts = (StoreOptions.from_config(cfg) if cfg is not None else
             StoreOptions(endpoint_url=endpoint_url, region=region, timeout_s=timeout_s, max_inflight=max_inflight,
-                         retries=retries, fsync=fsync))
+                         retries=retries, fsync=fsync, s3_client=s3_client))
     problem = url_problem(url)  # the rules the config applies at load, for callers that bypass it
     if problem:
         raise ValueError(f"g4.url {url!r}: {problem}")

@@ -57,6 +57,7 @@ class FsStore(ObjectStore):
         self.url = f"file://{self.root}"
         self.fsync = fsync
         self._direct: bool | None = None  # O_DIRECT reads: None = not probed yet
+        self._direct_write: bool | None = None  # O_DIRECT writes: None = not tried yet, False = refused
         try:
             makedirs_private(self.root)
         except OSError as e:
@@ -168,10 +169,32 @@ class FsStore(ObjectStore):
             os.close(pfd)
 
     def _write_temp(self, dfd: int, base: str, data) -> str:
+        """Write ``data`` to a fresh temp file in ``dfd`` (fsynced when ``self.fsync``); returns its name.
+
+        O_DIRECT when ``data`` is 4 KiB aligned in address and length (G4 frames from the pool's buffers)
+        and the filesystem takes it: no copy into the page cache (on the dev VM's ext4: 0.13 vs 0.42 CPU-s
+        per GB written, fsync included; tmpfs: the same either way). Durability is unchanged: the file and
+        its directory are still fsynced before the object is published. A refusal (EINVAL) falls back to
+        buffered writes for this store from then on."""
+        mv = memoryview(data).cast("B")
+        direct = (self._direct_write is not False and len(mv) and len(mv) % 4096 == 0
+                  and _address(mv) % 4096 == 0)
+        if direct:
+            try:
+                tmp = self._write_temp_once(dfd, base, mv, os.O_DIRECT)
+                self._direct_write = True
+                return tmp
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct_write = False
+        return self._write_temp_once(dfd, base, mv, 0)
+
+    def _write_temp_once(self, dfd: int, base: str, mv: memoryview, flags: int) -> str:
         tmp = f".{base}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | flags, FILE_MODE,
+                     dir_fd=dfd)
         try:
-            mv = memoryview(data).cast("B")
             off = 0
             while off < len(mv):
                 off += os.write(fd, mv[off:])
@@ -254,27 +277,30 @@ class FsStore(ObjectStore):
             os.close(fd)
 
     reads_into = True
+    reads_into_parts = True  # get_into takes a list of buffers (one scatter read)
 
     def get_into(self, name: str, buf) -> int | None:
         """Read the first ``min(size, len(buf))`` bytes of ``name`` into ``buf``; returns the object's
         size in bytes (None if absent; fewer if the file is shorter than ``fstat`` said).
 
-        O_DIRECT (no page cache, no copy) when ``buf`` is 4 KiB aligned in address and length and the
-        filesystem takes it; buffered otherwise. Pass huge-page-backed buffers
+        ``buf``: a writable bytes-like, or a list of them filled in order by one scatter read (``preadv``;
+        e.g. a header buffer then the caller's payload row, so the payload needs no copy). O_DIRECT (no
+        page cache, no copy) when every buffer is 4 KiB aligned in address and length and the filesystem
+        takes it; buffered otherwise. Pass huge-page-backed buffers
         (:func:`kvbm_backend.pool.g4.reader.bounce_buffers`) for full speed. Raises StoreUnavailable for
         EIO and the like, OSError for a link or a non-regular file on the path.
         """
-        mv = memoryview(buf).cast("B")
-        direct = self._direct is not False and len(mv) % 4096 == 0 and _address(mv) % 4096 == 0
+        mvs = [memoryview(b).cast("B") for b in (buf if isinstance(buf, (list, tuple)) else (buf,))]
+        direct = self._direct is not False and all(len(m) % 4096 == 0 and _address(m) % 4096 == 0 for m in mvs)
         try:
-            got = self._read_into(name, mv, direct)
+            got = self._read_into(name, mvs, direct)
             if got is _NO_DIRECT:
-                got = self._read_into(name, mv, False)
+                got = self._read_into(name, mvs, False)
             return got
         except OSError as e:
             raise self._wrap("get", name, e) from None
 
-    def _read_into(self, name: str, mv: memoryview, direct: bool):
+    def _read_into(self, name: str, mvs: list, direct: bool):
         try:
             fd = self._open_file(name, os.O_DIRECT if direct else 0)
         except OSError as e:
@@ -286,12 +312,12 @@ class FsStore(ObjectStore):
             return None
         try:
             size = os.fstat(fd).st_size
-            want = min(size, len(mv))
+            want = min(size, sum(len(m) for m in mvs))
             lim = -(-want // 4096) * 4096 if direct else want  # O_DIRECT lengths are whole 4 KiB blocks
             got = 0
             while got < want:
                 try:
-                    n = os.preadv(fd, [mv[got:lim]], got)
+                    n = os.preadv(fd, _iov(mvs, got, lim), got)
                 except OSError as e:
                     if direct and e.errno == errno.EINVAL:
                         self._direct = False
@@ -418,6 +444,17 @@ class FsStore(ObjectStore):
 
     def list_temps(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return self._walk(prefix, temps=True)
+
+
+def _iov(mvs: list, start: int, end: int) -> list:
+    """The pieces of the concatenation of ``mvs`` from byte ``start`` to ``end`` (a preadv iovec)."""
+    out, pos = [], 0
+    for m in mvs:
+        lo, hi = max(start, pos), min(end, pos + len(m))
+        if lo < hi:
+            out.append(m[lo - pos:hi - pos])
+        pos += len(m)
+    return out
 
 
 def _address(mv: memoryview) -> int:

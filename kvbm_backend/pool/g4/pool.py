@@ -60,6 +60,7 @@ import numpy as np
 
 from ...crypto.keyring import Keyring, KeyringError
 from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
+from ...memory import BufferPool
 from ...metrics import TierMetrics
 from ...model.frame import HEADER_BYTES, FrameHeader
 from ...model.layout import KvLayout
@@ -140,6 +141,11 @@ class G4Pool(WriterMixin, ReaderMixin, ThrottleMixin):
         self._bounce_bytes = bounce_slot_bytes(HEADER_BYTES + self._bpb)
         self._bounce = (bounce_buffers(HEADER_BYTES + self._bpb, cfg.max_inflight)
                         if getattr(self.store, "reads_into", False) else None)
+        # frames of offloads (and plaintext staging of reads whose body is read-only, S3): reused, kept up
+        # to one per I/O thread of each kind, allocated on first use (a fresh 2 MiB bytearray per block cost
+        # page faults and zeroing: ~0.1-0.3 CPU-s/GB, issue 25)
+        self._frame_bytes = HEADER_BYTES + self._bpb
+        self._frames = BufferPool("host", 2 * cfg.max_inflight * self._frame_bytes, name="g4-frames")
         self._deadlines = Deadlines("g4-deadlines")
         self._load_bound_s = cfg.timeout_s * (1 + cfg.retries) + 0.05
         self._mu = threading.Lock()

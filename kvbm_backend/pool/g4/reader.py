@@ -36,6 +36,7 @@ from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
 from ...model.namespace import BlockKey
 from ..base import GetResult
+from ..deadlines import Deadline
 from .store import StoreThrottled, StoreUnavailable
 from .throttle import call_throttled
 
@@ -81,12 +82,68 @@ class _Batch:
         self.remaining = n
         self.ok = [False] * n
         self.done = [False] * n
+        self.staged = False  # get_staged: ``out`` rows are scratch the pool may fill before verifying
+        self.on_hit = None  # get_staged: called with i once block i verified in its row (an I/O thread)
+        self.idle = threading.Event()  # every I/O thread of this batch has left its row
+        self.working = n
 
+
+
+class _Split:
+    """An object read by one scatter read into a header buffer and a scratch payload row."""
+
+    def __init__(self, target: list, size: int):
+        self.head, self.row = target
+        self.n = min(size, len(self.head) + len(self.row))  # bytes read
+
+    def parts(self) -> tuple[memoryview, memoryview]:
+        """``(header, payload)`` views of what was read."""
+        h = len(self.head)
+        return self.head[:min(self.n, h)], self.row[:max(0, self.n - h)]
+
+    def joined(self) -> bytes:
+        """The bytes read, in one piece (only to confirm a bad object with the store: rare)."""
+        h, p = self.parts()
+        return bytes(h) + bytes(p)
 
 
 class ReaderMixin:
     """The read and lookup paths of :class:`~kvbm_backend.pool.g4.pool.G4Pool` (uses its store, breaker,
     keyring, bounce buffers, I/O threads and counters)."""
+
+    def get_staged(self, keys: list, rows: list, on_hit=None) -> "_Batch":
+        """Load ``keys[i]`` into ``rows[i]`` (writable 1-D uint8 buffers of ``layout.bytes_per_block``
+        bytes) that are *scratch*: the pool may read or open a block in its row before it verifies it, so
+        a row whose block missed holds garbage (device loads stage here, then copy only verified rows:
+        :func:`kvbm_backend.gpu.host_path.load_via_host`). Saves the bounce-to-row copy: file objects are
+        read straight into the row (header into a bounce buffer, one scatter read) and verified there, S3
+        bodies opened straight into it.
+
+        ``on_hit(i)``, if given, is called on an I/O thread once block ``i`` verified in its row (before the
+        batch resolves), so callers can start copying it. Returns the batch: ``.future`` gives the
+        :class:`GetResult` within the load bound (as :meth:`get`), ``.idle`` (threading.Event) is set once no
+        I/O thread of the batch touches a row any more; give the rows' memory back for reuse only then.
+        Raises ValueError for mismatched lengths or wrong-sized rows."""
+        if len(keys) != len(rows):
+            raise ValueError(f"get_staged: {len(keys)} keys but {len(rows)} rows")
+        for r in rows:
+            if r.nbytes != self._bpb:
+                raise ValueError(f"get_staged: row of {r.nbytes} bytes, layout needs {self._bpb}")
+        d = Deadline(self._load_bound_s)
+        b = _Batch(len(keys), d.at)
+        b.staged, b.on_hit = True, on_hit
+        self._count("gets", len(keys))
+        refuse = "miss_closed" if (not keys or self._closed) else "miss_breaker" if self.breaker.refuse_if_open() else None
+        if refuse:
+            self._count(refuse, len(keys))
+            b.closed = True
+            b.idle.set()
+            b.future.set_result(GetResult([False] * len(keys)))
+            return b
+        self._deadlines.add(d.at, lambda: self._expire_get(b))
+        for i, (k, o) in enumerate(zip(keys, rows)):
+            self._io.submit(self._get_one, b, i, k, o)
+        return b
 
     def _finish_slot(self, b: _Batch, i: int) -> bool:
         """Mark slot ``i`` done; False when the batch had already expired it (its miss was counted then)."""
@@ -132,6 +189,10 @@ class ReaderMixin:
             # a slot the batch expired had its miss counted then (once); a hit copied in time still counts
             if self._finish_slot(b, i) or miss is None:
                 self._count(miss or "hits")
+            with b.mu:
+                b.working -= 1
+                if b.working == 0:
+                    b.idle.set()
 
     def _tenant_miss(self, tenant: str) -> str | None:
         """A miss counter, without store I/O, when an encrypted pool's keyring says ``tenant`` is
@@ -162,15 +223,21 @@ class ReaderMixin:
     def _load_from(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray, name: str, buf) -> str | None:
         """:meth:`_load` after the breaker: ``buf`` (bounce buffer of at least one object) or None
         for a store that returns its own bytes."""
+        dst = memoryview(out.reshape(-1).view(np.uint8))
+        split = (b.staged and buf is not None and len(dst) == self._bpb
+                 and getattr(self.store, "reads_into_parts", False))
         try:
             if buf is None:
                 data = call_throttled(lambda: self.store.get(name), b.until, lambda: self._note_throttle("get"),
                                       lambda: b.closed)
                 size = None if data is None else len(data)
             else:  # the object's true size, may exceed len(buf)
-                size = call_throttled(lambda: self.store.get_into(name, buf), b.until,
+                # staged into a scratch row: the payload is read straight into it (one scatter read)
+                target = ([memoryview(buf)[:HEADER_BYTES], dst] if split else buf)
+                size = call_throttled(lambda: self.store.get_into(name, target), b.until,
                                       lambda: self._note_throttle("get"), lambda: b.closed)
-                data = None if size is None else memoryview(buf)[:min(size, len(buf))]
+                data = (None if size is None else _Split(target, size) if split
+                        else memoryview(buf)[:min(size, len(buf))])
         except StoreThrottled:
             return "miss_throttled"  # the store answered: _note_throttle told the breaker so
         except StoreUnavailable as e:
@@ -183,14 +250,15 @@ class ReaderMixin:
         if data is None:
             return "miss_absent"
         exp = self._expected_header(key)
+        scratch = None
         try:
             if size < HEADER_BYTES:
                 raise FrameError("length", f"object of {size} bytes")
-            hdr = accept(memoryview(data)[:HEADER_BYTES], key, self._layout, exp.tenant_tag, world=self._world,
+            head, payload = data.parts() if split else (memoryview(data)[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:])
+            hdr = accept(head, key, self._layout, exp.tenant_tag, world=self._world,
                          stored_len=self._layout.bytes_per_block, frame_bytes=size, exact=True)
-            payload = memoryview(data)[HEADER_BYTES:]
-            dst = memoryview(out.reshape(-1).view(np.uint8))
-            # stage, verify, then copy: nothing unverified ever reaches ``out`` (a miss leaves it untouched)
+            # stage, verify, then copy: nothing unverified ever reaches ``out`` (a miss leaves it untouched);
+            # get_staged's rows are scratch, so there the payload is verified in (or opened into) the row
             if hdr.flags & FLAG_ENCRYPTED:
                 dkey = (self.keyring.read_key(hdr.key_id, hdr.key_version, tenant=key.tenant)
                         if self.keyring else None)
@@ -199,8 +267,14 @@ class ReaderMixin:
                         raise FrameError("key_owner", "sealed under another tenant's data key")
                     # revoked, or the file stopped loading, since _tenant_miss looked: count it as such
                     return self._tenant_miss(key.tenant) or "miss_no_key"
-                # in place in our own bounce buffer; a read-only body (S3 bytes) into a fresh staging buffer
-                plain = payload if not payload.readonly else memoryview(bytearray(len(payload)))
+                # in place in our own bounce buffer; a read-only body (S3) into a reused staging buffer
+                if not payload.readonly:
+                    plain = payload
+                elif b.staged and len(dst) == len(payload):
+                    plain = dst  # a read-only body (S3) opened straight into the scratch row
+                else:
+                    scratch = self._frames.take(self._frame_bytes)
+                    plain = memoryview(scratch)[:len(payload)]
                 try:
                     open_into(dkey, hdr.nonce, exp.identity_bytes(), hdr.integrity, payload, plain)
                 except AeadError:
@@ -218,10 +292,13 @@ class ReaderMixin:
             with b.slot_mu[i]:
                 if b.closed:
                     return "miss_timeout"
-                dst[:] = plain
+                if not (plain is dst or split):
+                    dst[:] = plain
                 b.ok[i] = True
+            if b.on_hit is not None:
+                b.on_hit(i)
         except FrameError as e:
-            if e.reason in _DELETE_ON and not self._stored_is_bad(name, data, size):
+            if e.reason in _DELETE_ON and not self._stored_is_bad(name, data.joined() if split else data, size):
                 # the bytes read are bad but the store does not confirm it holds them (a lying endpoint
                 # or proxy, a failed read): a miss, and the object stays
                 self._count(f"unconfirmed_{e.reason}")
@@ -234,6 +311,9 @@ class ReaderMixin:
                 except OSError:
                     pass
             return "miss_corrupt"
+        finally:
+            if scratch is not None:
+                self._frames.give(scratch)
         self._count("bytes_read", size)
         return None
 

@@ -1,4 +1,5 @@
-"""S3-compatible object store on boto3 (any S3 server: AWS, SeaweedFS, MinIO, Ceph RGW, VAST, ...).
+"""S3-compatible object store on boto3 (any S3 server: AWS, SeaweedFS, MinIO, Ceph RGW, VAST, ...); its block
+traffic moves to obstore by default (:mod:`.s3_obstore`, ``g4.s3_client``), see "Client choice" below.
 
 * Endpoint, region and credentials: ``endpoint_url``/``region`` arguments, else the standard AWS
   chain (env ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles, IMDS).
@@ -45,12 +46,13 @@ obstore async   0.119 / 0.107 (1.1 / 1.1)  0.220 / 0.214 (3.9 / 3.8)  asyncio, 8
 NIXL OBJ 1.5.1  0.089 / 0.084 (1.2 / 1.1)  0.471 / 0.383 (0.8 / 1.0)  one transfer of all objects
 ==============  =========================  =========================  ==============================
 
-obstore GET was 1.34x and 1.12x boto3 (runs within one invocation spread 0.55-1.15 GB/s), not the
-clear > 1.3x win on GET (which dominates onboarding) that would justify a second store; it keeps
-create-exclusive PUT (``mode="create"``), ranged GETs and per-request timeouts, and uses about half
-of boto3's client CPU, so re-measure it where the server is not on the same two cores. NIXL's OBJ
-backend has no conditional PUT (a racing writer silently overwrites) and no per-request timeout in
-its parameters, and was slower here.
+That comparison kept boto3 (obstore's GET was not > 1.3x faster). Issue 25 then chose by client CPU per
+GB, where obstore costs about half: its data path is :class:`~.s3_obstore.ObstoreS3Store`, the default
+(``g4.s3_client``); this class stays for ``g4.s3_client: boto3`` and for the control calls of both.
+Through the pool (``kvbm-backend bench --tier g4 --json``, 64 encrypted 2 MiB blocks, same VM and
+server, load average ~10 from other jobs, two runs each): boto3 PUT 2.14 / 2.09, GET 1.34 / 1.55
+CPU-s/GB; obstore PUT 0.70 / 0.79, GET 1.21 / 0.96. NIXL's OBJ backend has no conditional PUT (a racing
+writer silently overwrites) and no per-request timeout in its parameters, and was slower here.
 """
 from __future__ import annotations
 
@@ -91,6 +93,7 @@ def _code(e: ClientError) -> tuple[str, int]:
 
 
 class S3Store(ObjectStore):
+    client_name = "boto3"  # the client of the block traffic (g4.s3_client)
     """Objects under ``s3://bucket/prefix/``.
 
     Args:
@@ -123,6 +126,9 @@ class S3Store(ObjectStore):
         Raises ValueError naming ``g4.url`` without a bucket."""
         if not parsed.netloc:
             raise ValueError(f"g4.url {url!r}: s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
+        if getattr(opts, "s3_client", "boto3") == "obstore":  # g4.s3_client: the data path on obstore
+            from .s3_obstore import ObstoreS3Store
+            return ObstoreS3Store.from_url(url, parsed, opts)
         return cls(parsed.netloc, parsed.path.strip("/"), endpoint_url=opts.endpoint_url, region=opts.region,
                    timeout_s=opts.timeout_s, max_inflight=opts.max_inflight, retries=opts.retries)
 
@@ -156,7 +162,7 @@ class S3Store(ObjectStore):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def put_if_absent(self, name: str, data) -> bool:
-        key = self._key(name)
+        key, data = self._key(name), _body(data)
         if self.supports_conditional_put:
             try:
                 self._call("put", name, lambda _r: self.client.put_object(Bucket=self.bucket, Key=key, Body=data,
@@ -197,6 +203,7 @@ class S3Store(ObjectStore):
         return OSError(f"{op} {self.url}/{name}: {code} (HTTP {status})")
 
     def put(self, name: str, data) -> None:
+        data = _body(data)
         try:
             self._call("put", name, lambda _r: self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data))
         except ClientError as e:
@@ -307,3 +314,8 @@ class S3Store(ObjectStore):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _body(data):
+    """``data`` as botocore takes a body (bytes, bytearray; a memoryview or array is copied once)."""
+    return data if isinstance(data, (bytes, bytearray)) else bytes(memoryview(data).cast("B"))

@@ -35,10 +35,13 @@ class WriterMixin:
         with self._mu:
             self._put_futures.discard(f)
 
-    def _seal(self, key: BlockKey, block: np.ndarray) -> bytearray:
+    def _seal(self, key: BlockKey, block: np.ndarray, buf) -> memoryview:
+        """Frame ``block`` into ``buf`` (a reused uint8 buffer of at least ``HEADER_BYTES + bpb`` bytes,
+        from :attr:`_frames`): AES-256-GCM straight from the caller's block into the payload (or one copy
+        and xxh3 for plaintext), header in front. Returns the frame's memoryview (no copy)."""
         hdr = self._expected_header(key)
-        buf = bytearray(HEADER_BYTES + self._bpb)
-        payload = memoryview(buf)[HEADER_BYTES:]
+        frame = memoryview(buf).cast("B")[:HEADER_BYTES + self._bpb]
+        payload = frame[HEADER_BYTES:]
         src = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
         if self.encrypt:
             dk = self.keyring.write_key(key.tenant)
@@ -47,8 +50,8 @@ class WriterMixin:
         else:
             payload[:] = src
             hdr.flags, hdr.integrity = FLAG_CHECKSUM, payload_checksum(src)
-        buf[:HEADER_BYTES] = hdr.pack()
-        return buf
+        frame[:HEADER_BYTES] = hdr.pack()
+        return frame
 
     def _put_one(self, key: BlockKey, block: np.ndarray, done, queued: float) -> None:
         """One queued offload (``queued``: its ``time.monotonic()`` when queued, for the
@@ -62,30 +65,18 @@ class WriterMixin:
             if not self.breaker.allow():
                 self._count("dropped_breaker")
                 return
-            try:
-                buf = self._seal(key, block)
-            except KeyringError as e:
-                reason = ("dropped_revoked_tenant" if isinstance(e, TenantRevoked) else
-                          "dropped_unknown_tenant" if isinstance(e, UnknownTenant) else "dropped_keyring")
-                self._count(reason)
-                self._log_tenant_once(reason, key.tenant, e)
-                return
-            name = self._name(key)
-            try:
-                created = call_throttled(lambda: self.store.put_if_absent(name, buf),
-                                         time.monotonic() + self.cfg.timeout_s * (1 + self.cfg.retries),
-                                         lambda: self._note_throttle("put"), lambda: self._closed)
-            except StoreThrottled:
-                self._count("dropped_throttled")  # the store answered: _note_throttle told the breaker so
-                return
-            except StoreUnavailable as e:
-                self.breaker.failure(e)
-                self._count("dropped_unavailable")
-                return
-            except OSError as e:
-                self.breaker.success()  # the store answered (e.g. 403): not an outage
-                self._count("dropped_error")
-                self._store_error(e)
+            with self._frames.lend(self._frame_bytes) as fbuf:  # reused: no allocation, no page faults
+                try:
+                    buf = self._seal(key, block, fbuf)
+                except KeyringError as e:
+                    reason = ("dropped_revoked_tenant" if isinstance(e, TenantRevoked) else
+                              "dropped_unknown_tenant" if isinstance(e, UnknownTenant) else "dropped_keyring")
+                    self._count(reason)
+                    self._log_tenant_once(reason, key.tenant, e)
+                    return
+                name = self._name(key)
+                created = self._publish(name, buf)
+            if created is None:
                 return
             self.breaker.success()
             if self._store_errors_logged:
@@ -105,6 +96,24 @@ class WriterMixin:
         finally:
             self.metrics.offload_seconds.observe(time.monotonic() - queued)
             done(kind)
+
+    def _publish(self, name: str, buf) -> bool | None:
+        """Create-exclusive PUT of one frame (throttles backed off within the offload bound). True:
+        written; False: another writer's copy was there; None: dropped (counted here)."""
+        try:
+            return call_throttled(lambda: self.store.put_if_absent(name, buf),
+                                  time.monotonic() + self.cfg.timeout_s * (1 + self.cfg.retries),
+                                  lambda: self._note_throttle("put"), lambda: self._closed)
+        except StoreThrottled:
+            self._count("dropped_throttled")  # the store answered: _note_throttle told the breaker so
+        except StoreUnavailable as e:
+            self.breaker.failure(e)
+            self._count("dropped_unavailable")
+        except OSError as e:
+            self.breaker.success()  # the store answered (e.g. 403): not an outage
+            self._count("dropped_error")
+            self._store_error(e)
+        return None
 
     def _write_namespace_json(self) -> None:
         """Start-up check and ``{ns_fp}/namespace.json`` (once; throttled answers backed off within the load

@@ -1,0 +1,139 @@
+"""G4 loads into host staging: GB/s and client CPU per GB, encrypted vs plain, by I/O thread count
+(issue 24 item 4, the CPU-measurable half of "G4 into HBM").
+
+``python -m kvbm_backend.apps.bench.g4_load [--dir /dev/shm] [--blocks 256] [--layout llama-3.1-8b]
+[--threads 1,2,4,8,16] [--rounds 3] [--json]``
+
+Writes ``--blocks`` blocks with a :class:`~kvbm_backend.pool.g4.pool.G4Pool` on ``file://DIR/...`` (tmpfs by
+default: the storage is then memory speed and the pool's own work is what is measured), once encrypted
+(AES-256-GCM) and once plain (xxh3_128), then for each thread count ``N`` (``g4.max_inflight``) loads them
+all into one host staging buffer, best of ``--rounds``, through each of ``--paths``: ``staged``
+(``G4Pool.get_staged``, what :func:`kvbm_backend.gpu.host_path.load_via_host` does before its
+host-to-device copies) and ``get`` (``G4Pool.get``: bounce buffer, verify, copy; device loads went this
+way before). Every block is verified by the pool and
+compared with what was written. Reports, per mode and N: ``gbps`` (payload GB/s, GB = 1e9 bytes),
+``cpu_s_per_gb`` (this process's user+system CPU, all threads, per GB loaded) and ``cores_busy``
+(CPU seconds per wall second) under ``results[path][mode][N]``, and ``encrypted_over_plain[path][N]``. The page cache of a tmpfs store is
+the store itself, so nothing is dropped between rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from kvbm_backend.config import G4Config
+from kvbm_backend.memory import aligned_empty
+from kvbm_backend.model.namespace import Namespace
+from kvbm_backend.model.presets import load_preset
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run(directory: str = "/dev/shm", blocks: int = 256, layout: str = "llama-3.1-8b", threads=(1, 2, 4, 8),
+        rounds: int = 3, paths=("staged", "get")) -> dict:
+    """Run the benchmark (see the module doc). Returns the JSON-able result.
+
+    Raises ValueError for ``blocks`` or a thread count < 1, or a missing ``directory``; RuntimeError if a
+    block does not load back verified and equal (never expected)."""
+    from kvbm_backend.pool.g4.pool import G4Pool
+    if set(paths) - {"staged", "get"} or not paths:
+        raise ValueError(f"g4_load: --paths: 'staged' and/or 'get', got {paths}")
+    if blocks < 1 or not threads or min(threads) < 1:
+        raise ValueError(f"g4_load: --blocks ({blocks}) and every --threads value must be >= 1")
+    if not os.path.isdir(directory):
+        raise ValueError(f"g4_load: --dir {directory!r} is not a directory")
+    lay = load_preset(layout).layout(page_size=16, tp=1)
+    ns = Namespace(model=f"bench/{layout}", layout=lay, tp_world_size=1)
+    bpb = lay.bytes_per_block
+    src = np.random.default_rng(5).integers(0, 256, blocks * bpb, dtype=np.uint8)
+    staging = aligned_empty(blocks * bpb)
+    rows = [staging[i * bpb:(i + 1) * bpb] for i in range(blocks)]
+    keys = ns.keys(range(1, blocks + 1), tenant="bench")
+    root = tempfile.mkdtemp(prefix="kvbm-g4-load-", dir=directory)
+    out: dict = {"bench": "g4_load", "store": f"file://{root}", "layout": layout, "block_bytes": bpb,
+                 "blocks": blocks, "payload_bytes": blocks * bpb, "rounds": rounds, "cpu_count": os.cpu_count(),
+                 "results": {}}
+    try:
+        for enc in (True, False):
+            mode = "encrypted" if enc else "plain"
+            base = G4Config(enabled=True, url=f"file://{root}/{mode}", encrypt=enc, fsync=False, timeout_s=120,
+                            keyring={"path": os.path.join(root, "kr.json")}, write_queue_blocks=blocks)
+            with G4Pool(base, ns) as p:
+                r = p.put(keys, [src[i * bpb:(i + 1) * bpb] for i in range(blocks)]).result()
+                if r.written != blocks:
+                    raise RuntimeError(f"g4_load: wrote {r.written} of {blocks} blocks")
+            for path in paths:
+                res = out["results"].setdefault(path, {}).setdefault(mode, {})
+                for n in threads:
+                    res[str(n)] = _measure(G4Pool(base.model_copy(update={"max_inflight": n}), ns), path, keys, rows,
+                                           staging, src, rounds)
+        out["encrypted_over_plain"] = {path: {str(n): r["encrypted"][str(n)]["gbps"] / r["plain"][str(n)]["gbps"]
+                                              for n in threads} for path, r in out["results"].items()}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def _measure(pool, path: str, keys, rows, staging, src, rounds: int) -> dict:
+    """Best of ``rounds`` loads of every key into ``rows`` through ``path``; closes ``pool``."""
+    blocks = len(keys)
+    best = None
+    with pool as p:
+        for _ in range(rounds):
+            staging[:] = 0
+            c0, t0 = _cpu(), time.perf_counter()
+            if path == "staged":
+                ok = p.get_staged(list(keys), rows).future.result().ok
+            else:
+                ok = p.get(list(keys), rows).result().ok
+            wall, cpu = time.perf_counter() - t0, _cpu() - c0
+            if not all(ok) or not np.array_equal(staging, src):
+                raise RuntimeError(f"g4_load: {path}: {sum(ok)} of {blocks} verified; {p.stats()}")
+            if best is None or wall < best[0]:
+                best = (wall, cpu)
+    gb = staging.nbytes / 1e9
+    return {"gbps": gb / best[0], "cpu_s_per_gb": best[1] / gb, "cores_busy": best[1] / best[0]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/dev/shm", help="directory of the file:// store (tmpfs by default)")
+    ap.add_argument("--blocks", type=int, default=256)
+    ap.add_argument("--layout", default="llama-3.1-8b")
+    ap.add_argument("--threads", default="1,2,4,8", help="comma-separated I/O thread counts (g4.max_inflight)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--paths", default="staged,get",
+                    help="staged: G4Pool.get_staged (the device-load path); get: G4Pool.get into the same rows "
+                         "(bounce buffer, verify, copy: the path device loads took before)")
+    ap.add_argument("--json", action="store_true", help="print the JSON result")
+    a = ap.parse_args(argv)
+    try:
+        threads = tuple(int(x) for x in a.threads.split(",") if x.strip())
+        d = run(a.dir, a.blocks, a.layout, threads, a.rounds, tuple(x for x in a.paths.split(",") if x))
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    if a.json:
+        print(json.dumps(d, indent=1))
+    else:
+        for path, modes in d["results"].items():
+            for mode, res in modes.items():
+                for n, r in res.items():
+                    print(f"{path:6s} {mode:9s} N={n:>2s}  {r['gbps']:6.2f} GB/s  {r['cpu_s_per_gb']:5.2f} CPU-s/GB  "
+                          f"{r['cores_busy']:4.1f} cores")
+            print(f"{path}: encrypted / plain", {n: round(v, 2) for n, v in d["encrypted_over_plain"][path].items()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

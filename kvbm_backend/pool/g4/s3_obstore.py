@@ -1,0 +1,182 @@
+"""S3 store whose block traffic (create-exclusive PUT, GET, ranged GET, HEAD) goes through ``obstore``
+(the Rust ``object_store`` crate): ``g4.s3_client: obstore``, the default.
+
+Why (issue 25 item 1, "client cost"): per GB moved, obstore costs about half of boto3's client CPU
+(``apps/bench/s3_clients.py``; and through the pool, ``kvbm-backend bench --tier g4``, see
+docs/configuration.md for the figures). It takes the frame's buffer without a copy and returns the
+body as a Rust-owned buffer (read-only, no copy into Python bytes).
+
+Same contract as :class:`~kvbm_backend.pool.g4.s3_store.S3Store` (this is a subclass; its module doc
+describes the behaviour), kept request by request:
+
+* create-exclusive publish: ``PUT`` with ``If-None-Match: *`` (``mode="create"``); 412/409 is another
+  writer's copy (a retried PUT compares the stored ETag with the MD5 of its bytes, as boto3's path does);
+  501 falls back to HEAD-then-PUT;
+* ranged GETs (``get_range``); HEAD for lookups; no LIST on the serving path;
+* per-request bounds: obstore's ``timeout`` (whole request) and ``connect_timeout`` = ``timeout_s``;
+  obstore's own retries are off (``max_retries`` 0): :meth:`_ocall` makes the ``1 + retries``
+  attempts of a request that failed in transit or with 500/502/503/504 / ``RequestTimeout``, at once;
+* "slow down" answers (a code in :data:`~.s3_store.THROTTLE_CODES`, HTTP 429, a bodyless 503 to a
+  HEAD) raise :class:`~.store.StoreThrottled` at once, unretried and unslept (the pool's backoff owns the
+  wait, :mod:`.throttle`).
+
+* SigV4 with ``UNSIGNED-PAYLOAD`` (the request is signed, its body's SHA-256 is not computed): hashing
+  every 2 MiB body was a third of the client's PUT CPU (perf, dev VM). The body is still protected: by
+  TLS on https endpoints (where boto3 does the same by default), and end to end by each frame's own GCM
+  tag or xxh3, verified where a read lands, so an altered body is a miss, never served.
+
+obstore reports a failed request as an exception whose message carries the HTTP status
+(``non-2xx status code: 503``) and the S3 error body (``<Code>SlowDown</Code>``); :func:`status_and_code`
+reads both; no status means the request did not complete (connect error, timeout, a body cut short).
+Control-plane calls (probe, the server's clock, LIST for ``gc``, DELETE, the ETag checks) stay on the
+boto3 client the base class builds; credentials come from the same boto3 session chain
+(``obstore.auth.boto3.Boto3CredentialProvider``), the endpoint and region from that client.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import re
+
+import boto3
+import obstore
+from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+from .s3_store import _TRANSIENT_CODES, _TRANSIENT_STATUS, THROTTLE_CODES, S3Store
+from .store import StoreThrottled, StoreUnavailable
+
+_STATUS = re.compile(r"status code: (\d{3})")
+_CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
+
+
+def status_and_code(e: BaseException) -> tuple[int | None, str]:
+    """``(HTTP status or None, S3 error code or "")`` of an obstore exception (None: no answer)."""
+    msg = str(e)
+    st, code = _STATUS.search(msg), _CODE.search(msg)
+    return (int(st.group(1)) if st else None), (code.group(1) if code else "")
+
+
+class _Failed(Exception):
+    """One obstore request's failure after :meth:`ObstoreS3Store._ocall`: status, code, whether retried."""
+
+    def __init__(self, op: str, status: int | None, code: str, retried: bool, msg: str):
+        super().__init__(msg)
+        self.op, self.status, self.code, self.retried = op, status, code, retried
+
+
+class ObstoreS3Store(S3Store):
+    """:class:`~.s3_store.S3Store` with its data path on obstore (same arguments; see the module doc)."""
+
+    client_name = "obstore"
+
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, region: str | None = None,
+                 timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, client=None):
+        super().__init__(bucket, prefix, endpoint_url=endpoint_url, region=region, timeout_s=timeout_s,
+                         max_inflight=max_inflight, retries=retries, client=client)
+        from obstore.store import S3Store as _ObsS3
+        endpoint = self.client.meta.endpoint_url  # what boto3 resolved (argument, AWS_ENDPOINT_URL, AWS)
+        t = f"{max(1, int(timeout_s * 1000))}ms"
+        kw = {}
+        session = boto3.session.Session()
+        if session.get_credentials() is not None:
+            from obstore.auth.boto3 import Boto3CredentialProvider
+            kw["credential_provider"] = Boto3CredentialProvider(session)
+        else:
+            kw["skip_signature"] = True
+        self._obs = _ObsS3(bucket, endpoint=endpoint, region=self.client.meta.region_name or "us-east-1",
+                           virtual_hosted_style_request=not endpoint_url,
+                           unsigned_payload=True,
+                           client_options={"allow_http": endpoint.startswith("http://"), "timeout": t,
+                                           "connect_timeout": t, "pool_max_idle_per_host": str(2 * max_inflight)},
+                           retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(0)}, **kw)
+
+    @classmethod
+    def from_url(cls, url: str, parsed, opts) -> "ObstoreS3Store":
+        if not parsed.netloc:
+            raise ValueError(f"g4.url {url!r}: s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
+        return cls(parsed.netloc, parsed.path.strip("/"), endpoint_url=opts.endpoint_url, region=opts.region,
+                   timeout_s=opts.timeout_s, max_inflight=opts.max_inflight, retries=opts.retries)
+
+    def _ocall(self, op: str, name: str, fn):
+        """``fn()``: one obstore request, made up to ``1 + retries`` times (see the module doc). Returns
+        its result, or None for 404 (absent). Raises StoreThrottled, or :class:`_Failed` for anything else
+        (AlreadyExists / Precondition answers as status 412)."""
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except FileNotFoundError as e:  # obstore's NotFound: 404 (NoSuchKey, or NoSuchBucket)
+                if _CODE.search(str(e)) and status_and_code(e)[1] == "NoSuchBucket":
+                    raise _Failed(op, 404, "NoSuchBucket", attempt > 0, str(e)) from None
+                return None
+            except (AlreadyExistsError, PreconditionError) as e:
+                raise _Failed(op, 412, "PreconditionFailed", attempt > 0, str(e)) from None
+            except Exception as e:  # noqa: BLE001 - obstore's errors: classified by status and code
+                status, code = status_and_code(e)
+                if code in THROTTLE_CODES or status == 429 or (op == "head" and status == 503):
+                    raise StoreThrottled(f"{op} {self.url}/{name}: throttled ({code or '-'}, HTTP {status})") from None
+                transient = status is None or status in _TRANSIENT_STATUS or code in _TRANSIENT_CODES
+                if attempt == self.retries or not transient:
+                    raise _Failed(op, status, code, attempt > 0, f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _raise(self, f: _Failed, name: str):
+        if f.code == "NoSuchBucket":
+            raise self._bucket_missing() from None
+        if f.status is None or f.status >= 500 or f.code in _TRANSIENT_CODES:
+            raise StoreUnavailable(f"{f.op} {self.url}/{name}: {f}") from None
+        raise OSError(f"{f.op} {self.url}/{name}: {f.code or '-'} (HTTP {f.status})") from None
+
+    def put_if_absent(self, name: str, data) -> bool:
+        key = self._key(name)
+        if self.supports_conditional_put:
+            try:
+                self._ocall("put", name, lambda: obstore.put(self._obs, key, data, mode="create", use_multipart=False))
+                return True
+            except _Failed as f:
+                if f.status in (409, 412):
+                    return f.retried and self._holds_these_bytes(key, data)
+                if f.status == 501 or f.code == "NotImplemented":
+                    self.supports_conditional_put = False
+                else:
+                    self._raise(f, name)
+        if self.head(name) is not None:
+            return False
+        self.put(name, data)
+        return True
+
+    def put(self, name: str, data) -> None:
+        try:
+            self._ocall("put", name, lambda: obstore.put(self._obs, self._key(name), data, use_multipart=False))
+        except _Failed as f:
+            self._raise(f, name)
+
+    def get(self, name: str, offset: int = 0, length: int | None = None):
+        """A read-only bytes-like (obstore ``Bytes``, no copy), None if absent, ``b""`` past the end."""
+        key = self._key(name)
+        if offset or length is not None:
+            if length is None:
+                fn = lambda: obstore.get(self._obs, key, options={"range": {"offset": offset}}).bytes()  # noqa: E731
+            else:
+                fn = lambda: obstore.get_range(self._obs, key, start=offset, length=length)  # noqa: E731
+        else:
+            fn = lambda: obstore.get(self._obs, key).bytes()  # noqa: E731
+        try:
+            return self._ocall("get", name, fn)
+        except _Failed as f:
+            if f.status == 416 or f.code == "InvalidRange":
+                return b""
+            self._raise(f, name)
+
+    def head(self, name: str) -> int | None:
+        try:
+            meta = self._ocall("head", name, lambda: obstore.head(self._obs, self._key(name)))
+        except _Failed as f:
+            self._raise(f, name)
+        return None if meta is None else int(meta["size"])
+
+    def _holds_these_bytes(self, key: str, data) -> bool:
+        try:
+            meta = obstore.head(self._obs, key)
+        except Exception:  # noqa: BLE001 - unconfirmed: another writer's copy
+            return False
+        return str(meta.get("e_tag") or "").strip('"') == hashlib.md5(data, usedforsecurity=False).hexdigest()

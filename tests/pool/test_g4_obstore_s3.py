@@ -1,0 +1,133 @@
+"""``g4.s3_client``: the S3 block traffic on obstore (the default) or boto3 (issue 25 item 1), and the
+obstore store's contract against a real SeaweedFS: create-exclusive PUT, GET, ranged GET, HEAD, absent
+objects and buckets, throttled answers (unretried, unslept), a dead endpoint, per-request timeouts, and a
+slow PUT whose retry meets its own first copy."""
+from __future__ import annotations
+
+import time
+from urllib.parse import urlparse
+
+import pytest
+from pydantic import ValidationError
+
+from tests.helpers.slow_proxy import SlowAnswerProxy
+from tests.helpers.throttle_proxy import ThrottleProxy
+from kvbm_backend.config import G4Config
+from kvbm_backend.pool.g4.factory import open_store
+from kvbm_backend.pool.g4.s3_obstore import ObstoreS3Store, status_and_code
+from kvbm_backend.pool.g4.s3_store import S3Store
+from kvbm_backend.pool.g4.store import BucketMissing, StoreThrottled, StoreUnavailable
+
+
+def test_s3_client_picks_the_store_class(seaweed, s3_prefix):
+    url = seaweed.url(s3_prefix)
+    default = open_store(url, G4Config(url=url, endpoint_url=seaweed.endpoint))
+    boto = open_store(url, G4Config(url=url, endpoint_url=seaweed.endpoint, s3_client="boto3"))
+    try:
+        assert type(default) is ObstoreS3Store and default.client_name == "obstore"
+        assert type(boto) is S3Store and boto.client_name == "boto3"
+        # both read what the other wrote: one object format, two clients
+        assert default.put_if_absent("x", b"a" * 5000) is True and boto.put_if_absent("x", b"b" * 5000) is False
+        assert bytes(boto.get("x")) == bytes(default.get("x")) == b"a" * 5000
+    finally:
+        default.close()
+        boto.close()
+    with pytest.raises(ValidationError, match="s3_client"):
+        G4Config(url=url, s3_client="nixl")
+
+
+@pytest.fixture
+def obs(seaweed, s3_prefix):
+    st = ObstoreS3Store(seaweed.bucket, s3_prefix, endpoint_url=seaweed.endpoint, timeout_s=2.0, retries=1)
+    yield st
+    st.close()
+
+
+def test_obstore_store_puts_create_exclusive_and_reads_ranges(obs):
+    data = bytes(range(256)) * 64  # 16 KiB
+    assert obs.put_if_absent("blk", memoryview(bytearray(data))) is True  # a writable buffer, not bytes
+    assert obs.put_if_absent("blk", b"other") is False  # losing the race is success; the first copy stays
+    assert bytes(obs.get("blk")) == data and obs.head("blk") == len(data)
+    assert bytes(obs.get("blk", 4096, 100)) == data[4096:4196]
+    assert bytes(obs.get("blk", 16000)) == data[16000:]
+    assert bytes(obs.get("blk", 20000, 10)) == b""  # past the end
+    assert obs.get("absent") is None and obs.head("absent") is None
+    obs.put("meta", b"v1")
+    obs.put("meta", b"v2")  # plain put replaces
+    assert bytes(obs.get("meta")) == b"v2"
+    assert obs.stored_matches("blk", memoryview(data), len(data)) is True  # ETag = MD5 of the bytes
+    assert obs.stored_matches("blk", memoryview(data[:-1] + b"\0"), len(data)) is False
+
+
+def test_obstore_store_errors_are_the_store_contract(seaweed, s3_prefix):
+    nob = ObstoreS3Store("no-such-bucket-kvbm", s3_prefix, endpoint_url=seaweed.endpoint, timeout_s=2.0)
+    with pytest.raises(BucketMissing):
+        nob.get("x")
+    dead = ObstoreS3Store(seaweed.bucket, s3_prefix, endpoint_url="http://127.0.0.1:9", timeout_s=1.0, retries=1)
+    for call in (lambda: dead.get("x"), lambda: dead.head("x"), lambda: dead.put_if_absent("x", b"1")):
+        with pytest.raises(StoreUnavailable):
+            call()
+    assert status_and_code(Exception("... non-2xx status code: 503 Service Unavailable: <Code>SlowDown</Code>")) == \
+        (503, "SlowDown")
+
+
+def test_obstore_store_throttled_answers_raise_at_once_unretried(seaweed, s3_prefix):
+    u = urlparse(seaweed.endpoint)
+    up = ObstoreS3Store(seaweed.bucket, s3_prefix, endpoint_url=seaweed.endpoint)
+    up.put_if_absent("t", b"z" * 100)
+    proxy = ThrottleProxy(u.hostname, u.port, share=1.0)
+    try:
+        st = ObstoreS3Store(seaweed.bucket, s3_prefix, endpoint_url=proxy.endpoint, timeout_s=2.0, retries=3)
+        for i, call in enumerate((lambda: st.get("t"), lambda: st.head("t"), lambda: st.put_if_absent("u", b"1"))):
+            with pytest.raises(StoreThrottled):
+                call()
+            assert proxy.throttled == i + 1  # one request each: the pool's backoff owns the retries
+        proxy.share = 0.0
+        assert bytes(st.get("t")) == b"z" * 100
+    finally:
+        proxy.close()
+
+
+def test_obstore_store_bounds_each_request_and_a_late_put_counts_as_its_own(seaweed, s3_prefix):
+    u = urlparse(seaweed.endpoint)
+    timeout = 0.5
+    proxy = SlowAnswerProxy(u.hostname, u.port, slow_connections=1, delay_s=4 * timeout)
+    try:
+        st = ObstoreS3Store(seaweed.bucket, s3_prefix, endpoint_url=proxy.endpoint, timeout_s=timeout, retries=1)
+        # the first PUT's answer comes after its timeout; the retry (new connection) meets 412 for the
+        # copy the server stored from the first attempt: the ETag matches, so this call created it
+        assert st.put_if_absent("a", b"x" * 1000) is True
+        assert proxy.first_answers[0].startswith(b"HTTP/1.1 200"), proxy.first_answers
+        assert st.put_if_absent("a", b"y" * 1000) is False
+    finally:
+        proxy.close()
+    proxy = SlowAnswerProxy(u.hostname, u.port, slow_connections=10, delay_s=8.0)
+    try:
+        st = ObstoreS3Store(seaweed.bucket, s3_prefix, endpoint_url=proxy.endpoint, timeout_s=timeout, retries=1)
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            st.get("a")
+        assert time.monotonic() - t0 < 7.0  # two attempts of 0.5 s, not the 8 s answer
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("client", ["obstore", "boto3"])
+def test_g4_pool_round_trips_encrypted_blocks_with_either_client(seaweed, s3_prefix, tmp_path, client):
+    import numpy as np
+
+    from tests.helpers.g4_writer import namespace, payload
+    from kvbm_backend.pool.g4.pool import G4Pool
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    keys = ns.keys(range(1, 9), tenant="t")
+    blocks = [payload(s, "t", bpb) for s in range(1, 9)]
+    cfg = G4Config(url=seaweed.url(s3_prefix), endpoint_url=seaweed.endpoint, s3_client=client, max_inflight=3,
+                   keyring={"path": str(tmp_path / "kr.json")})
+    with G4Pool(cfg, ns) as p:
+        assert p.store.client_name == client
+        assert p.put(keys, blocks).result(timeout=60).written == 8  # 8 blocks through 3 reused frame buffers
+        out = [np.zeros(bpb, np.uint8) for _ in keys]
+        assert p.get(keys, out).result(timeout=60).ok == [True] * 8
+        assert all(np.array_equal(o, b) for o, b in zip(out, blocks))
+        assert p.put(keys[:2], blocks[:2]).result(timeout=60).skipped == 2
