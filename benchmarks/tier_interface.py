@@ -13,7 +13,9 @@ Two parts, one JSON (``tier_interface.json`` in ``--out``):
   own probe of the directory says the filesystem takes it (``same_durability`` true), so a stored block
   survives a process crash but may be lost on power loss, for both. ``ours`` (our default,
   fdatasync before a block is published) is reported too. Ratios ours/vLLM's: ``write_ratio`` /
-  ``read_ratio`` (same durability) and ``write_ratio_ours_fsync``.
+  ``read_ratio`` (same durability, ratio of the medians), ``*_ratio_paired_median`` (median of the
+  per-round ratios: each round runs the tiers back to back, so this is less exposed to a shared machine's
+  load swings) and ``write_ratio_ours_fsync``; ``*_cpu_s_per_gb``: the process's CPU seconds per GB.
 * ``step``: per tier, the seconds of the scheduler's per-step calls into the manager, as vLLM makes them
   (``prepare_store`` + ``complete_store`` of the step's new request, ``lookup`` of each waiting
   request's chunks, ``prepare_load``/``complete_load`` of those resolved, ``on_schedule_end``, which polls
@@ -21,7 +23,8 @@ Two parts, one JSON (``tier_interface.json`` in ``--out``):
   :data:`FORWARD_S` of sleep between steps standing in for the forward pass. Phases: ``idle`` (nothing in
   flight), ``store`` (one request of ``--chunks-per-step`` new chunks each step until ``--blocks`` are
   stored, stepping on until the cascade is done) and ``load`` (primary emptied; one request per step
-  promoting ``--chunks-per-step`` chunks from the tier, until all are loaded). Reported: ``p50_ms``,
+  promoting ``--chunks-per-step`` chunks from the tier, until all are loaded), the store and load phases
+  :data:`STEP_ROUNDS` times with fresh keys, samples pooled. Reported: ``p50_ms``,
   ``p99_ms``, ``max_ms``, ``steps``; ``p99_ratio_store`` / ``p99_ratio_load`` = p99 in flight / p99 idle.
 
 Block = one vLLM chunk of the ``--layout`` preset (one 16-token block, TP 1; llama-3.1-8b: 2 MiB).
@@ -49,6 +52,7 @@ from kvbm_backend.apps.bench import vllm_tiers  # noqa: E402
 from kvbm_backend.integrations.vllm.tiering_harness import (TieringHarness, offload_key,  # noqa: E402
                                                             offloading_config, vllm_fs_uses_o_direct)
 
+STEP_ROUNDS = 3  # store + load phases per tier in the step test (fresh keys each; samples pooled)
 FORWARD_S = 0.002  # sleep between scheduler steps (the forward pass; releases the GIL as a kernel would)
 
 
@@ -58,10 +62,11 @@ def _pct(xs: list[float]) -> dict:
             "max_ms": float(a.max())}
 
 
-def _steps(h: TieringHarness, keys: list[bytes], payloads: list[np.ndarray], per_step: int,
+def _steps(h: TieringHarness, rounds: list[list[bytes]], payloads: list[np.ndarray], per_step: int,
            idle_steps: int) -> dict:
-    """The three phases of the module docstring on harness ``h``; returns ``{phase: _pct(...)}``."""
-    from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext
+    """The phases of the module docstring on harness ``h``, the store and load phases once per list of
+    keys in ``rounds`` (samples pooled); returns ``{phase: _pct(...)}``."""
+    from vllm.v1.kv_offload.base import ScheduleEndContext
     m = h.manager
     end_ctx = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
@@ -80,8 +85,26 @@ def _steps(h: TieringHarness, keys: list[bytes], payloads: list[np.ndarray], per
         return out
 
     res = {"idle": _pct(idle())}
+    stores, loads, loaded = [], [], 0
+    for keys in rounds:
+        loaded += _store_then_load(h, keys, payloads, per_step, end_of_step, stores, loads)
+    res["store"] = _pct(stores)
+    res["load"] = _pct(loads)
+    res["load"]["chunks_loaded"] = loaded
+    res["idle_after"] = _pct(idle())
+    for phase in ("store", "load"):
+        res[f"p99_ratio_{phase}"] = res[phase]["p99_ms"] / max(res["idle"]["p99_ms"], 1e-9)
+    return res
+
+
+def _store_then_load(h: TieringHarness, keys: list[bytes], payloads: list[np.ndarray], per_step: int,
+                     end_of_step, stores: list[float], loads: list[float]) -> int:
+    """One store phase then one load phase of ``keys`` (step seconds appended to ``stores`` / ``loads``);
+    returns the chunks loaded."""
+    from vllm.v1.kv_offload.base import LookupResult
+    m = h.manager
     # store: a new request's chunks each step (the bytes written to the primary are the worker's copy: not timed)
-    times, i = [], 0
+    times, i = stores, 0
     while i < len(keys) or m.has_pending_work():
         t = time.perf_counter()
         if i < len(keys):
@@ -104,10 +127,9 @@ def _steps(h: TieringHarness, keys: list[bytes], payloads: list[np.ndarray], per
         end_of_step()
         times.append(el + time.perf_counter() - t)
         time.sleep(FORWARD_S)
-    res["store"] = _pct(times)
     h.reset_primary()
     # load: one request per step promotes its chunks; resolved requests load and finish
-    times, waiting, i, loaded = [], [], 0, 0
+    times, waiting, i, loaded = loads, [], 0, 0
     while i < len(keys) or waiting:
         t = time.perf_counter()
         if i < len(keys):
@@ -131,12 +153,8 @@ def _steps(h: TieringHarness, keys: list[bytes], payloads: list[np.ndarray], per
         end_of_step()
         times.append(time.perf_counter() - t)
         time.sleep(FORWARD_S)
-    res["load"] = _pct(times)
-    res["load"]["chunks_loaded"] = loaded
-    res["idle_after"] = _pct(idle())
-    for phase in ("store", "load"):
-        res[f"p99_ratio_{phase}"] = res[phase]["p99_ms"] / max(res["idle"]["p99_ms"], 1e-9)
-    return res
+    h.reset_primary()
+    return loaded
 
 
 def step_latency(path: str, layout: str, blocks: int, per_step: int, threads: int, idle_steps: int = 200) -> dict:
@@ -162,10 +180,11 @@ def step_latency(path: str, layout: str, blocks: int, per_step: int, threads: in
                        "io_threads": threads, "config": {"model": layout},
                        "g3": {"paths": [root], "capacity_gb": max(1.0, 2 * blocks * lay.bytes_per_block / 1e9),
                               "io_threads": threads, "fsync": name == "ours", "o_direct": o_direct}}
-            keys = [offload_key(hashlib.sha256(f"{name}:{i}".encode()).digest(), 0) for i in range(blocks)]
+            rounds = [[offload_key(hashlib.sha256(f"{name}:{r}:{i}".encode()).digest(), 0) for i in range(blocks)]
+                      for r in range(STEP_ROUNDS)]
             h = TieringHarness(offloading_config(secondary_tiers=[cfg], chunks=blocks + 8, **geo))
             try:
-                out[name] = _steps(h, keys, payloads, per_step, idle_steps)
+                out[name] = _steps(h, rounds, payloads, per_step, idle_steps)
             finally:
                 h.shutdown()
     finally:
@@ -178,24 +197,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--path", default="/var/tmp", help="directory on the disk to test (default /var/tmp)")
     ap.add_argument("--layout", default="llama-3.1-8b", help="model preset (kvbm-backend layouts)")
     ap.add_argument("--blocks", type=int, default=256, help="chunks per tier per round (default 256)")
-    ap.add_argument("--chunks-per-step", type=int, default=16, help="chunks per request in the step test")
+    ap.add_argument("--chunks-per-step", type=int, default=4, help="chunks per request in the step test")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating throughput rounds per tier (default 5)")
     ap.add_argument("--threads", type=int, default=8, help="I/O threads of each tier (default 8)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results", help="output directory")
     a = ap.parse_args(argv)
-    if a.blocks < 1 or a.chunks_per_step < 1:
-        ap.error("--blocks and --chunks-per-step: must be >= 1")
+    if a.blocks < 1 or a.chunks_per_step < 1 or a.rounds < 1:
+        ap.error("--blocks, --chunks-per-step and --rounds: must be >= 1")
     thr = vllm_tiers.run(BenchOptions(tier="vllm-tiers", layout=a.layout, blocks=a.blocks, path=a.path,
-                                      threads=a.threads, progress=False))
+                                      threads=a.threads, progress=False), rounds_n=a.rounds)
     thr["write_ratio_ours_fsync"] = thr["write_ratio"]
     thr["write_ratio"] = thr["write_ratio_same_durability"]
     thr["read_ratio"] = (thr["ours_nofsync_read_gbps"] / thr["vllm_fs_read_gbps"])
     thr["read_ratio_ours_fsync"] = thr["ours_read_gbps"] / thr["vllm_fs_read_gbps"]
+    for d in ("write", "read"):  # ours/vLLM's within each round (adjacent in time), then their median
+        per = [o / v for o, v in zip(thr[f"ours_nofsync_{d}_gbps_rounds"], thr[f"vllm_fs_{d}_gbps_rounds"])]
+        thr[f"{d}_ratio_rounds"] = per
+        thr[f"{d}_ratio_paired_median"] = float(np.median(per))
     step = step_latency(a.path, a.layout, a.blocks, a.chunks_per_step, a.threads)
     result = {"command": " ".join(["benchmarks/tier_interface.py", *(argv if argv is not None else sys.argv[1:])]),
               "host": platform.node(), "cpus": os.cpu_count(), "vllm": _vllm_version(),
               "durability": "both without fsync; O_DIRECT for both where the filesystem takes it "
                             f"(same_durability={thr['same_durability']}); 'ours' fdatasyncs before publish",
-              "throughput": thr, "step": step,
+              "throughput": thr, "step": step, "step_rounds": STEP_ROUNDS, "chunks_per_step": a.chunks_per_step,
+              "forward_s": FORWARD_S,
               "goals": {"write_ge_1x": bool(thr["write_ratio"] is not None and thr["write_ratio"] >= 1.0),
                         "read_ge_1x": bool(thr["read_ratio"] >= 1.0)}}
     os.makedirs(a.out, exist_ok=True)
@@ -207,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
           f"ours {t['ours_write_gbps']:.2f}  ratio {t['write_ratio'] or float('nan'):.2f}x")
     print(f"read  GB/s  vllm_fs {t['vllm_fs_read_gbps']:.2f}  ours_nofsync {t['ours_nofsync_read_gbps']:.2f}  "
           f"ours {t['ours_read_gbps']:.2f}  ratio {t['read_ratio']:.2f}x")
+    print(f"paired per-round ratio medians  write {t['write_ratio_paired_median']:.2f}x  "
+          f"read {t['read_ratio_paired_median']:.2f}x")
+    print("CPU s/GB write/read  " + "  ".join(f"{n} {t[f'{n}_write_cpu_s_per_gb']:.2f}/{t[f'{n}_read_cpu_s_per_gb']:.2f}"
+                                            for n in ("vllm_fs", "ours_nofsync", "ours")))
     for name, s in step.items():
         print(f"step p99 ms {name:13s} idle {s['idle']['p99_ms']:.3f}  store {s['store']['p99_ms']:.3f}  "
               f"load {s['load']['p99_ms']:.3f}")
