@@ -25,7 +25,9 @@ Two parts, one JSON (``tier_interface.json`` in ``--out``):
   stored, stepping on until the cascade is done) and ``load`` (primary emptied; one request per step
   promoting ``--chunks-per-step`` chunks from the tier, until all are loaded), the store and load phases
   :data:`STEP_ROUNDS` times with fresh keys, samples pooled. Reported: ``p50_ms``,
-  ``p99_ms``, ``max_ms``, ``steps``; ``p99_ratio_store`` / ``p99_ratio_load`` = p99 in flight / p99 idle.
+  ``p99_ms``, ``max_ms``, ``steps``; ``p99_ratio_store`` / ``p99_ratio_load`` = p99 in flight / p99 idle;
+  ``tier_get_finished_jobs`` / ``tier_submit_store`` / ``tier_submit_load``: the same for each call of
+  the tier's own method (all phases; ``steps`` is then the number of calls).
 
 Block = one vLLM chunk of the ``--layout`` preset (one 16-token block, TP 1; llama-3.1-8b: 2 MiB).
 GB = 1e9 bytes. Exit status 0; ``goals`` in the JSON says whether ours >= 1.0x both ways.
@@ -62,6 +64,18 @@ def _pct(xs: list[float]) -> dict:
             "max_ms": float(a.max())}
 
 
+def _timed(fn, acc: list[float]):
+    """``fn`` with each call's seconds appended to ``acc`` (an iterable result is consumed inside)."""
+    def call(*a, **kw):
+        t = time.perf_counter()
+        r = fn(*a, **kw)
+        if r is not None:
+            r = list(r)
+        acc.append(time.perf_counter() - t)
+        return r
+    return call
+
+
 def _steps(h: TieringHarness, rounds: list[list[bytes]], payloads: list[np.ndarray], per_step: int,
            idle_steps: int) -> dict:
     """The phases of the module docstring on harness ``h``, the store and load phases once per list of
@@ -84,6 +98,9 @@ def _steps(h: TieringHarness, rounds: list[list[bytes]], payloads: list[np.ndarr
             time.sleep(FORWARD_S)
         return out
 
+    calls: dict[str, list[float]] = {"get_finished_jobs": [], "submit_store": [], "submit_load": []}
+    for name, acc in calls.items():  # the tier's own calls, timed where the manager makes them
+        setattr(h.tier, name, _timed(getattr(h.tier, name), acc))
     res = {"idle": _pct(idle())}
     stores, loads, loaded = [], [], 0
     for keys in rounds:
@@ -92,6 +109,8 @@ def _steps(h: TieringHarness, rounds: list[list[bytes]], payloads: list[np.ndarr
     res["load"] = _pct(loads)
     res["load"]["chunks_loaded"] = loaded
     res["idle_after"] = _pct(idle())
+    for name, acc in calls.items():
+        res[f"tier_{name}"] = _pct(acc)
     for phase in ("store", "load"):
         res[f"p99_ratio_{phase}"] = res[phase]["p99_ms"] / max(res["idle"]["p99_ms"], 1e-9)
     return res
@@ -238,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                                             for n in ("vllm_fs", "ours_nofsync", "ours")))
     for name, s in step.items():
         print(f"step p99 ms {name:13s} idle {s['idle']['p99_ms']:.3f}  store {s['store']['p99_ms']:.3f}  "
-              f"load {s['load']['p99_ms']:.3f}")
+              f"load {s['load']['p99_ms']:.3f}  | tier get_finished_jobs {s['tier_get_finished_jobs']['p99_ms']:.3f}"
+              f"  submit_store {s['tier_submit_store']['p99_ms']:.3f}  submit_load {s['tier_submit_load']['p99_ms']:.3f}")
     print(p)
     return 0
 

@@ -34,7 +34,8 @@ def test_tier_interface_bench_writes_its_json(tmp_path):
         s = d["step"][name]
         assert s["idle"]["steps"] == 200 and s["store"]["steps"] >= 4 and s["load"]["steps"] >= 4, s
         assert s["load"]["chunks_loaded"] == 8 * d["step_rounds"], s
-        for phase in ("idle", "store", "load"):
+        assert s["tier_get_finished_jobs"]["steps"] >= s["idle"]["steps"] and s["tier_submit_store"]["steps"] >= 1
+        for phase in ("idle", "store", "load", "tier_get_finished_jobs", "tier_submit_store", "tier_submit_load"):
             assert 0 < s[phase]["p50_ms"] <= s[phase]["p99_ms"] <= s[phase]["max_ms"], (name, phase, s[phase])
     assert set(d["goals"]) == {"write_ge_1x", "read_ge_1x"}
     assert "write GB/s" in r.stdout and "step p99 ms" in r.stdout
