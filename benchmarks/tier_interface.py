@@ -49,10 +49,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvbm_backend.apps.bench import BenchOptions  # noqa: E402
-from kvbm_backend.apps.bench import vllm_tiers  # noqa: E402
-from kvbm_backend.integrations.vllm.tiering_harness import (TieringHarness, offload_key,  # noqa: E402
-                                                            offloading_config, vllm_fs_uses_o_direct)
+from kvbm_backend.apps.bench import (
+    BenchOptions,
+    vllm_tiers,
+)
+from kvbm_backend.integrations.vllm.tiering_harness import (
+    TieringHarness,
+    offload_key,
+    offloading_config,
+    vllm_fs_uses_o_direct,
+)
 
 STEP_ROUNDS = 3  # store + load phases per tier in the step test (fresh keys each; samples pooled)
 FORWARD_S = 0.002  # sleep between scheduler steps (the forward pass; releases the GIL as a kernel would)
