@@ -113,19 +113,22 @@ TIERING_MODULE = "kvbm_backend.integrations.vllm.tiering"
 
 
 def native_extra(workdir: Path, g4_url: str | None = None, keyring: Path | None = None, *, blocks_per_chunk: int = 4,
-                 cpu_mib: int = 64, g3_capacity_gb: float = 0.5, extra_tiers: tuple = (), **g4_kw) -> dict:
+                 cpu_mib: int = 64, g3_capacity_gb: float = 0.5, extra_tiers: tuple = (), num_kv_heads: int = 2,
+                 model: str = "kvbm-backend/tiny-llama", **g4_kw) -> dict:
     """``kv_connector_extra_config`` for vLLM's ``OffloadingConnector`` on a CPU engine: our
     ``CpuTieringOffloadingSpec`` (:mod:`kvbm_backend.integrations.vllm.native_cpu`), a ``cpu_mib`` MiB CPU
     primary tier, ``blocks_per_chunk`` engine blocks per offloaded chunk, and as secondary tiers our G3
     (``workdir/g3``), our G4 when ``g4_url`` is given (keyring as in :func:`connector_extra`), then
-    ``extra_tiers`` (tier dicts, e.g. vLLM's ``{"type": "fs", "root_dir": ...}``)."""
-    base = {"model": "kvbm-backend/tiny-llama"}
-    tiers = [{"type": "G3Tier", "module_path": TIERING_MODULE, "config": base, "num_kv_heads": 2, "io_threads": 2,
+    ``extra_tiers`` (tier dicts, e.g. vLLM's ``{"type": "fs", "root_dir": ...}``). ``num_kv_heads``: KV heads
+    per rank (the tiny Llama has 2: 1 at TP=2); ``model``: the kvbm-backend config's model name."""
+    base = {"model": model}
+    tiers = [{"type": "G3Tier", "module_path": TIERING_MODULE, "config": base, "num_kv_heads": num_kv_heads,
+              "io_threads": 2,
               "g3": {"paths": [str(workdir / "g3")], "capacity_gb": g3_capacity_gb, "files_per_path": 2}}]
     if g4_url:
         g4 = {"url": g4_url, "encrypt": True,
               "keyring": {"path": str(keyring or (workdir.parent / "g4-keyring.json"))}, **g4_kw}
-        tiers.append({"type": "G4Tier", "module_path": TIERING_MODULE, "config": base, "num_kv_heads": 2,
+        tiers.append({"type": "G4Tier", "module_path": TIERING_MODULE, "config": base, "num_kv_heads": num_kv_heads,
                       "io_threads": 2, "g4": g4})
     tiers += [dict(t) for t in extra_tiers]
     return {"spec_name": "CpuTieringOffloadingSpec", "spec_module_path": "kvbm_backend.integrations.vllm.native_cpu",

@@ -287,3 +287,16 @@ def test_staging_arena_reuses_its_buffers_and_never_blocks():
 def test_staging_mb_is_validated(tmp_path, harnesses):
     with pytest.raises(ValueError, match="staging_mb"):
         harnesses([g3_tier(tmp_path / "g3", staging_mb=-1)])
+
+
+def test_io_threads_run_before_the_first_job(tmp_path, harnesses):
+    """Every I/O thread of the tier is started at construction, so vLLM's scheduler thread never starts
+    one inside submit_store/submit_load (a thread start + GIL hand-off: up to ~4 ms a call measured)."""
+    h = harnesses([g3_tier(tmp_path / "g3", io_threads=3)])
+    names = sorted(t.name for t in h.tier._executor._threads)
+    assert len(names) == 3 and all(n.startswith("kvbm_G3Tier") for n in names), names
+    assert all(t.is_alive() for t in h.tier._executor._threads)
+    keys = keys_for(4, "t")
+    h.store(keys, payloads(h, 4))
+    h.wait_idle()
+    assert len(h.tier._executor._threads) == 3  # the jobs ran on them: none started later

@@ -284,3 +284,25 @@ def test_verifier_failure_is_a_miss_never_a_hang_or_a_hit(tmp_path, monkeypatch)
         st = pool.stats()
         assert st["misses_by_reason"].get("io_error") == 3
         assert st["pinned_slots"] == 0 and pool.slot_accounting()["leaked"] == 0
+
+
+def test_small_gets_take_small_staging_buffers(tmp_path):
+    """A get of a few blocks stages them in a buffer sized to them (the next power of two of slots), not
+    in a full read piece (at least ``min_chunk_blocks`` = 32 slots): vLLM's tiers issue many gets of a
+    few chunks at once, and full-piece buffers for each went past the kept staging, so every load
+    pre-faulted fresh memory (with 2 MiB blocks, 64 MiB per get). 16 concurrent gets of 2 blocks leave
+    at most 16 x 2 slots of staging behind (before: 16 x 32 slots, as far as the keep cap allowed)."""
+    with open_pool(tmp_path, engine=PosixEngine(threads=4)) as pool:
+        keys = NS.keys(range(1, 33))
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60).written == 32
+        pool._staging.clear()  # the staging pool is process-wide: forget other tests' buffers
+        assert pool._read_piece_slots >= 32
+        outs = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
+        futs = [pool.get(keys[i:i + 2], outs[i:i + 2]) for i in range(0, 32, 2)]
+        for f in futs:
+            assert f.result(timeout=60).ok == [True, True]
+        for o, k in zip(outs, keys):
+            assert (o == payload(k.seq_hash)).all()
+        kept = pool._staging.stats()["kept_bytes"]
+        assert kept <= 16 * 2 * SLOT, f"{kept} B of staging kept after 16 gets of 2 blocks ({SLOT} B slots)"
+        assert pool._stage_slots(1) == 1 and pool._stage_slots(3) == 4 and pool._stage_slots(10 ** 6) == pool._read_piece_slots

@@ -11,6 +11,7 @@ one secondary tier (``{"type": "fs", "root_dir": ...}`` or ``{"type": "G3Tier", 
 until idle; then ``reset_cache`` empties the primary and ``lookup`` / ``on_schedule_end`` promote
 every chunk back from the secondary tier, and the bytes are checked.
 
+``*_cpu_s_per_gb``: CPU seconds of the whole process (every thread) per GB moved, write and read phase.
 Numbers (medians of :data:`ROUNDS` rounds that alternate which tier goes first, fresh keys each
 round; the per-round values are in ``*_rounds``): ``*_write_gbps`` = chunk bytes / seconds from the first ``complete_store`` until every
 cascade job finished; ``*_read_gbps`` = chunk bytes / seconds from the first ``lookup`` until every
@@ -31,6 +32,7 @@ per round (``g3.group_commit_ms`` / ``g3.group_commit_bytes``).
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import time
 import uuid
@@ -68,6 +70,12 @@ def _drop_cache(directory: str) -> int:
     return n
 
 
+def _cpu_s() -> float:
+    """CPU seconds (user + system) this process used so far, every thread."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _key(i: int, run: str) -> bytes:
     import hashlib
     return offload_key(hashlib.sha256(f"{run}:{i}".encode()).digest(), 0)
@@ -77,12 +85,12 @@ def _one_tier(name: str, tier_cfg: dict, geo: dict, keys: list[bytes], payloads:
               batch: int) -> dict:
     h = TieringHarness(offloading_config(secondary_tiers=[tier_cfg], chunks=len(keys) + 8, **geo))
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu_s()
         for i in range(0, len(keys), batch):
             h.store(keys[i:i + batch], payloads[i:i + batch])
             h.step()
         h.wait_idle(timeout=600)
-        t_write = time.perf_counter() - t0
+        t_write, c_write = time.perf_counter() - t0, _cpu_s() - c0
         o_direct = bool(getattr(h.tier, "_use_o_direct", False))
         sync_groups = None
         if hasattr(h.tier, "kvbm_stats"):
@@ -92,27 +100,31 @@ def _one_tier(name: str, tier_cfg: dict, geo: dict, keys: list[bytes], payloads:
             sync_groups = pst.get("sync_groups")
         h.reset_primary()
         files = _drop_cache(root)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu_s()
         promoted = [(i, *h.promote(keys[i:i + batch], timeout=600)) for i in range(0, len(keys), batch)]
-        t_read = time.perf_counter() - t0
+        t_read, c_read = time.perf_counter() - t0, _cpu_s() - c0
         got: list[np.ndarray] = []  # the copy-out for verification is not the tier's work: not timed
         for i, ctx, n in promoted:
             got.extend(h.collect(keys[i:i + batch], ctx, n))
         ok = len(got) == len(keys) and all(np.array_equal(a, b) for a, b in zip(got, payloads))
         nbytes = len(keys) * h.chunk_bytes
         return {f"{name}_write_gbps": nbytes / t_write / 1e9, f"{name}_read_gbps": nbytes / t_read / 1e9,
-                f"{name}_write_s": t_write, f"{name}_read_s": t_read, f"{name}_o_direct": o_direct,
+                f"{name}_write_s": t_write, f"{name}_read_s": t_read,
+                f"{name}_write_cpu_s_per_gb": c_write / (nbytes / 1e9), f"{name}_read_cpu_s_per_gb": c_read / (nbytes / 1e9), f"{name}_o_direct": o_direct,
                 f"{name}_read_cache_dropped": files > 0, f"{name}_read_verified": ok,
                 f"{name}_blocks_read": len(got), f"{name}_sync_groups": sync_groups}
     finally:
         h.shutdown()
 
 
-def run(opts: BenchOptions) -> dict:
-    """Run the comparison (see module docstring). Raises ValueError on bad options."""
+def run(opts: BenchOptions, rounds_n: int = ROUNDS) -> dict:
+    """Run the comparison (see module docstring) over ``rounds_n`` alternating rounds. Raises ValueError on
+    bad options."""
     from kvbm_backend.model.presets import load_preset
     if not opts.path:
         raise ValueError("--path: required for --tier vllm-tiers (a directory on the disk to test)")
+    if rounds_n < 1:
+        raise ValueError(f"rounds: must be >= 1, got {rounds_n}")
     if opts.blocks < 1:
         raise ValueError(f"--blocks: must be >= 1, got {opts.blocks}")
     preset = load_preset(opts.layout)
@@ -132,12 +144,12 @@ def run(opts: BenchOptions) -> dict:
     payloads = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8) for _ in range(opts.blocks)]
     batch = 16
     threads = max(1, opts.threads)
-    capacity_gb = max(1.0, 2.5 * ROUNDS * opts.blocks * layout.bytes_per_block / 1e9)
+    capacity_gb = max(1.0, 2.5 * rounds_n * opts.blocks * layout.bytes_per_block / 1e9)
     result: dict[str, Any] = {"layout": opts.layout, "block_bytes": layout.bytes_per_block, "blocks": opts.blocks,
-                              "chunks_per_store_job": batch, "path": opts.path, "rounds": ROUNDS}
+                              "chunks_per_store_job": batch, "path": opts.path, "rounds": rounds_n}
     rounds: dict[str, list[dict]] = {"vllm_fs": [], "ours": [], "ours_nofsync": []}
     try:
-        for rnd in range(ROUNDS):  # alternate the tiers so drift of a virtual disk hits both alike
+        for rnd in range(rounds_n):  # alternate the tiers so drift of a virtual disk hits both alike
             run_id = uuid.uuid4().hex  # fresh keys (new files / slots) every round
             keys = [_key(i, run_id) for i in range(opts.blocks)]
             order = ("vllm_fs", "ours", "ours_nofsync") if rnd % 2 == 0 else ("ours_nofsync", "ours", "vllm_fs")
@@ -157,7 +169,7 @@ def run(opts: BenchOptions) -> dict:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     for name, rs in rounds.items():
-        for metric in ("write_gbps", "read_gbps"):
+        for metric in ("write_gbps", "read_gbps", "write_cpu_s_per_gb", "read_cpu_s_per_gb"):
             vals = [r[f"{name}_{metric}"] for r in rs]
             result[f"{name}_{metric}"] = float(np.median(vals))
             result[f"{name}_{metric}_rounds"] = vals
@@ -175,7 +187,7 @@ def run(opts: BenchOptions) -> dict:
         "ours": f"{how} write + fdatasync of the slab files + journal append before a block is published",
         "ours_nofsync": f"g3.fsync false: {how} write + journal append, no fsync: vLLM's fs tier's durability"}
     result["read_ratio"] = result["ours_read_gbps"] / result["vllm_fs_read_gbps"]
-    result["note"] = (f"medians of {ROUNDS} alternating rounds; same chunks through vLLM's TieringOffloadingManager; page cache dropped (fsync + "
+    result["note"] = (f"medians of {rounds_n} alternating rounds; same chunks through vLLM's TieringOffloadingManager; page cache dropped (fsync + "
                       "posix_fadvise DONTNEED) for both tiers' files before reads; ours fsyncs before publish, "
                       "vLLM's fs tier does not; ours_nofsync has vLLM's fs tier's durability (no flush, same "
                       "O_DIRECT choice): write_ratio_same_durability compares those two")

@@ -21,9 +21,13 @@ SPEC (JSON) fields:
   ``(num_gpu_blocks - 1) * block_size``), ``seed`` (default 0).
 * ``native``: instead of ``connector``, vLLM's own ``OffloadingConnector`` with this
   ``kv_connector_extra_config`` (e.g. :mod:`kvbm_backend.integrations.vllm.native_cpu`'s spec and our
-  G3/G4 ``secondary_tiers``). In-process only (``multiprocessing`` false). After the prompts the engine
+  G3/G4 ``secondary_tiers``). In-process (``multiprocessing`` false): after the prompts the engine
   steps until its offloads (primary and secondary tiers) are done, then shuts down, which closes the
-  tiers' pools (G3 persists its index). ``tier_stats`` in the result: per secondary tier, ``type`` and
+  tiers' pools (G3 persists its index). With ``multiprocessing`` (or TP > 1) the engine core steps
+  itself while offloads are pending; the run waits until the files under ``settle_dirs`` (list of
+  directories, e.g. the G3 paths) have not changed for ``settle_s`` seconds (default 3; ``settled`` in
+  the result says whether they did within 120 s), then shuts the engine down; ``tier_stats`` and
+  ``native_loads`` are then absent (the tiers live in the engine core process). ``tier_stats`` in the result: per secondary tier, ``type`` and
   (our tiers) ``kvbm_stats()`` read before the shutdown. ``native_loads`` in the result, the same counts
   for every tier type (vLLM's ``fs`` included), after the warm-up request: ``chunks_by_source``
   (``{"CPU" | <secondary tier type>: chunks}``, each chunk the engine loaded counted once, by the tier it
@@ -90,8 +94,8 @@ def run(spec: dict) -> dict:
         else:
             ktc = dict(ours, kv_load_failure_policy="recompute")
     if spec.get("native") is not None:
-        if conn is not None or mp:
-            raise ValueError("native: needs connector null and multiprocessing false")
+        if conn is not None:
+            raise ValueError("native: needs connector null")
         ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": spec["native"]}
     kw = {}
@@ -118,7 +122,7 @@ def run(spec: dict) -> dict:
         llm.generate([TokensPrompt(prompt_token_ids=[7] * 40)], SamplingParams(temperature=0.0, max_tokens=1,
                      detokenize=False), use_tqdm=False)
     native_loads = None
-    if spec.get("native") is not None:  # counted from here: the warm-up request is not in them
+    if spec.get("native") is not None and not mp:  # counted from here: the warm-up request is not in them
         native_loads = _count_native_loads(llm, bs * int(spec["native"].get("blocks_per_chunk") or 0) or None)
     outs, ttft, e2e, cached = [], [], [], []
     progress = spec.get("progress_file")
@@ -145,9 +149,15 @@ def run(spec: dict) -> dict:
                 f.write(f"{i + 1}\n")
     result = {"outputs": outs, "ttft_s": ttft, "e2e_s": e2e, "init_s": init_s, "cached_tokens": cached,
               "prompt_tokens": [len(p) for p in prompts]}
-    if spec.get("native") is not None:
+    if spec.get("native") is not None and not mp:
         result["tier_stats"] = _drain_native(llm)
         result["native_loads"] = native_loads
+    elif spec.get("native") is not None:
+        # The engine core (another process) keeps stepping while its OffloadingConnector has pending work
+        # (vLLM's Scheduler.has_requests -> has_pending_push_work); wait until the tiers' files settle,
+        # then shut it down (its scheduler shuts the tiers down: jobs drain, pools close).
+        result["settled"] = _settle(spec.get("settle_dirs") or [], float(spec.get("settle_s", 3.0)))
+        llm.llm_engine.engine_core.shutdown()
     if conn is not None and mp:
         # Engine core and worker are other processes: shut them down (the connectors flush and write
         # their stats files), then read the files.
@@ -171,6 +181,10 @@ def run(spec: dict) -> dict:
                     with open(path) as f:
                         d = json.load(f)
                     result.setdefault("rank_stats", []).append({k: v for k, v in d.items() if k != "info"})
+    elif mp and spec.get("native") is None:
+        # No connector: still shut the engine core down, or its worker processes (TP ranks) outlive this
+        # process holding the caller's stdout/stderr pipes, and a caller reading them to EOF waits forever.
+        llm.llm_engine.engine_core.shutdown()
     elif conn is not None:
         from . import stats
         # Let background offloads finish before the stats are read (bounded).
@@ -243,6 +257,25 @@ def _drain_native(llm, max_s: float = 60.0) -> list[dict]:
         out.append(d)
     llm.llm_engine.engine_core.shutdown()
     return out
+
+
+def _settle(dirs: list[str], quiet_s: float, max_s: float = 120.0) -> bool:
+    """Wait until no file under ``dirs`` changed (count, sizes, mtimes) for ``quiet_s`` seconds, at most
+    ``max_s``. True if they settled."""
+    def sig():
+        return sorted((os.path.join(d, f), st.st_size, st.st_mtime_ns) for root in dirs if os.path.isdir(root)
+                      for d, _, fs in os.walk(root) for f in fs
+                      for st in [os.stat(os.path.join(d, f))])
+    end = time.monotonic() + max_s
+    last, since = sig(), time.monotonic()
+    while time.monotonic() < end:
+        time.sleep(0.25)
+        cur = sig()
+        if cur != last:
+            last, since = cur, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return True
+    return False
 
 
 def _pause(pause_dir: str, i: int, max_s: float) -> None:

@@ -84,7 +84,6 @@ import queue
 import threading
 import time
 from collections.abc import Collection, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import numpy as np
@@ -110,6 +109,7 @@ from ...pool.deadlines import Deadline
 from ... import metrics
 from ..tiers import announce_tiers
 from .geometry import PrimaryGeometry
+from .tier_threads import started_executor
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._staging = staging_pool(self.geometry.rank_bytes,
                                      min(int(staging_mb * 2**20) // self.geometry.rank_bytes,
                                          self._primary.shape[0] * self.geometry.copies))
-        self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"kvbm_{tier_type}")
+        self._executor = started_executor(io_threads, f"kvbm_{tier_type}")  # no thread starts in submit_*
         self._lookup = _PoolLookup(self, tier_type)
         self._counters = {"stores": 0, "stores_failed": 0, "loads": 0, "loads_failed": 0,
                           "chunks_stored": 0, "chunks_loaded": 0, "chunks_load_failed": 0}
