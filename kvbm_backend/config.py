@@ -250,6 +250,11 @@ class G4Config(_M):
     that bound (:mod:`kvbm_backend.pool.g4.throttle`)."""
     fsync: bool = True
     """file:// stores: fsync object and directory before publishing (invariant 2)."""
+    layout: Literal["per-rank", "canonical"] = "per-rank"
+    """How G4 stores a block: ``per-rank`` (one object per TP rank, its KV heads: only engines of the same
+    TP size share it) or ``canonical`` (one object per KV head of the model, MLA once: engines of one
+    model with any TP size share it; :mod:`kvbm_backend.model.canonical`). The namespace records the
+    layout id, so a block of the other layout is a miss. G3 stays per rank."""
 
 
 KVBM_METRICS_PORT = 6880  # Dynamo KVBM's default DYN_KVBM_METRICS_PORT

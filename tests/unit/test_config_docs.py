@@ -82,6 +82,7 @@ FIELD_TESTS: dict[str, list[str]] = {
     "g4.breaker_reset_s": ["tests/pool/test_operator_logs.py::test_store_unavailable_at_start_logged_once",
                            "tests/pool/test_g4_outage.py::test_hung_shared_mount_reads_are_bounded_and_recover"],
     "g4.dir_fanout": ["tests/pool/test_g4_pool.py::test_roundtrip_lookup_and_names"],
+    "g4.layout": ["tests/pool/test_g4_canonical.py::test_per_rank_and_canonical_blocks_never_read_as_each_other"],
     "g4.fsync": ["tests/pool/test_g4_factory.py::test_g4_fsync_decides_whether_file_objects_and_their_directories_are_fsynced"],
     "metrics.enabled": ["tests/unit/test_metrics.py::test_dynamo_metrics_env_names"],
     "metrics.port": ["tests/unit/test_metrics.py::test_metrics_port_serves_kvbm_series_when_tiers_open",
