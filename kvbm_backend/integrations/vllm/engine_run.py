@@ -148,6 +148,13 @@ def run(spec: dict) -> dict:
     if spec.get("native") is not None:
         result["tier_stats"] = _drain_native(llm)
         result["native_loads"] = native_loads
+    if conn is None and mp:
+        # A run without a connector (e.g. a TP=2 reference): its engine core and workers must exit too, or
+        # they outlive this process holding its stdout/stderr, and the caller's pipes never close.
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as e:  # noqa: BLE001
+            result["shutdown_error"] = str(e)
     if conn is not None and mp:
         # Engine core and worker are other processes: shut them down (the connectors flush and write
         # their stats files), then read the files.
