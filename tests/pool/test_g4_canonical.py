@@ -14,6 +14,7 @@ from kvbm_backend.config import KvbmBackendConfig
 from kvbm_backend.integrations.tiers import open_tiers
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
+from kvbm_backend.pool import open_pool
 from kvbm_backend.pool.g4.canonical import CanonicalG4
 
 HEADS, D, LAYERS, PAGE = 4, 16, 2, 8
@@ -163,7 +164,11 @@ def test_per_rank_and_canonical_blocks_never_read_as_each_other(store):
 
 
 def test_canonical_needs_the_kv_heads_and_an_even_split(tmp_path):
+    """Refused naming g4.layout: no head count, heads that do not split over the ranks, and a caller that
+    would open a per-rank G4 pool under ``layout: canonical`` (e.g. the vLLM tiering tier)."""
     kw = {"url": f"file://{tmp_path / 'store'}", "encrypt": False}
+    with pytest.raises(ValueError, match="g4.layout"):
+        open_pool(_cfg(kw).g4, _ns(1))
     with pytest.raises(ValueError, match="g4.layout"):
         open_tiers(_cfg(kw), _ns(2), None)
     with pytest.raises(ValueError, match="g4.layout"):
