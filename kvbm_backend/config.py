@@ -261,6 +261,11 @@ class G4Config(_M):
     """Client of the S3 block traffic (PUT/GET/HEAD): ``obstore`` (Rust ``object_store``; about half
     of boto3's client CPU per GB, issue 25) or ``boto3``. Both keep create-exclusive PUT, ranged GET,
     per-request timeouts and the throttling backoff; control calls (probe, gc's LIST, DELETE) use boto3."""
+    layout: Literal["per-rank", "canonical"] = "per-rank"
+    """How G4 stores a block: ``per-rank`` (one object per TP rank, its KV heads: only engines of the same
+    TP size share it) or ``canonical`` (one object per KV head of the model, MLA once: engines of one
+    model with any TP size share it; :mod:`kvbm_backend.model.canonical`). The namespace records the
+    layout id, so a block of the other layout is a miss. G3 stays per rank."""
 
 
 KVBM_METRICS_PORT = 6880  # Dynamo KVBM's default DYN_KVBM_METRICS_PORT

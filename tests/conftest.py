@@ -95,11 +95,12 @@ _S3_FIXTURES = {"seaweed", "seaweed_restartable", "s3_prefix"}
 _VLLM_MODULES = {"test_connector_e2e", "test_connector_units", "test_demo", "test_examples", "test_tiering",
                  "test_vllm_serve", "test_dynamo_e2e", "test_dynamo_router", "test_hybrid_e2e", "test_hybrid_units",
                  "test_fp8_kv", "test_connector_liveness", "test_native_tiers", "test_native_cpu",
-                 "test_dynamo_native", "test_layerwise_e2e", "test_native_tp_hybrid", "test_tier_interface_bench"}
+                 "test_dynamo_native", "test_layerwise_e2e", "test_native_tp_hybrid", "test_tier_interface_bench",
+                 "test_anytp_e2e"}
 _SLOW_MODULES = {"test_faults_quick", "test_g3_crash", "test_g4_multiproc", "test_g4_outage", "test_g4_gc_bench",
                  "test_g3_enospc", "test_keyring_revocation", "test_g4_cluster", "test_hybrid_e2e",
                  "test_connector_liveness", "test_native_tiers", "test_dynamo_native", "test_layerwise_bench",
-                 "test_native_tp_hybrid", "test_tier_interface_bench"}
+                 "test_native_tp_hybrid", "test_tier_interface_bench", "test_anytp_e2e"}
 _SLOW_TESTS: set = {"test_fp8_kv::test_fp8_kv_engine_fresh_engine_and_restart",
                     "test_model_cli::test_vllm_console_script_fixed"}  # "module::test name" of single slow tests in otherwise fast modules
 # `side` - engine tests that assert nothing about wall-clock time (outputs, counters, files only): `ci/test.sh`

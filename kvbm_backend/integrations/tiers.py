@@ -27,9 +27,12 @@ from ..pool.base import BlockPool
 log = logging.getLogger("kvbm_backend.tiers")
 
 
-def open_tiers(cfg: KvbmBackendConfig, namespace: Namespace) -> tuple[BlockPool | None, BlockPool | None]:
+def open_tiers(cfg: KvbmBackendConfig, namespace: Namespace,
+               kv_heads: int | None = None) -> tuple[BlockPool | None, BlockPool | None]:
     """Open ``(g3, g4)`` for ``namespace``; a tier that is disabled (``g3.enabled`` false, or
-    ``g4.enabled`` false / no ``g4.url``) is None.
+    ``g4.enabled`` false / no ``g4.url``) is None. With ``g4.layout: canonical`` G4 is a
+    :class:`~kvbm_backend.pool.g4.canonical.CanonicalG4` over the canonical namespace of ``namespace``
+    (``kv_heads``: the model's KV heads before TP; may be None for MLA).
 
     Raises:
         ConfigError / ValueError: from the pools, naming the bad field (e.g. an unusable G3 path).
@@ -44,13 +47,25 @@ def open_tiers(cfg: KvbmBackendConfig, namespace: Namespace) -> tuple[BlockPool 
                 g3.close()
             raise ValueError("g4.url: G4 is enabled but no url is set (s3://BUCKET/PREFIX or file:///path)")
         try:
-            g4 = open_pool(cfg.g4, namespace)
+            g4 = _open_g4(cfg, namespace, kv_heads)
         except BaseException:
             if g3 is not None:
                 g3.close()
             raise
     announce_tiers(cfg, g3=g3, g4=g4)
     return g3, g4
+
+
+def _open_g4(cfg: KvbmBackendConfig, namespace: Namespace, kv_heads: int | None) -> BlockPool:
+    if cfg.g4.layout != "canonical":
+        return open_pool(cfg.g4, namespace)
+    from ..model.canonical import HeadMap
+    from ..pool.g4.canonical import CanonicalG4
+    if kv_heads is None and namespace.layout.outer_dim != 1:
+        raise ValueError("g4.layout: canonical needs the model's KV head count (the vLLM connector gives it); "
+                         "this integration stores per-rank blocks only")
+    heads = HeadMap(namespace, int(kv_heads or 1))
+    return CanonicalG4(open_pool(cfg.g4, heads.canonical), heads)
 
 
 _announced: set[str] = set()
@@ -126,14 +141,15 @@ def _skey(cfg: KvbmBackendConfig, namespace: Namespace) -> tuple[str, str]:
     return cfg.model_dump_json(), namespace.canonical_json()
 
 
-def shared_tiers(cfg: KvbmBackendConfig, namespace: Namespace) -> tuple[BlockPool | None, BlockPool | None]:
+def shared_tiers(cfg: KvbmBackendConfig, namespace: Namespace,
+                 kv_heads: int | None = None) -> tuple[BlockPool | None, BlockPool | None]:
     """Like :func:`open_tiers`, but returns the same pools to every caller in this process with an
     equal config and namespace (reference counted; pair each call with :func:`release_tiers`)."""
     k = _skey(cfg, namespace)
     with _lock:
         ent = _shared.get(k)
         if ent is None:
-            g3, g4 = open_tiers(cfg, namespace)
+            g3, g4 = open_tiers(cfg, namespace, kv_heads)
             ent = _shared[k] = [g3, g4, 0]
         ent[2] += 1
         return ent[0], ent[1]

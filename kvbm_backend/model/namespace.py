@@ -25,6 +25,9 @@ import xxhash
 from .layout import KvLayout
 
 HASH_SCHEMES = ("kvbm-xxh3-v1", "vllm-block-hash")
+#: stored layout ids: ``per-rank`` (one block per TP rank, its KV heads; every namespace before any-TP G4)
+#: and ``canonical-head/1`` (one part per KV head, TP-independent: :mod:`.canonical`)
+LAYOUT_IDS = ("per-rank", "canonical-head/1")
 GROUP_KINDS = ("full", "sliding", "mla", "vllm-offload")
 
 
@@ -98,6 +101,12 @@ class Namespace:
             has its own fingerprint, every fingerprint covers the whole structure, and the sequence hash
             of a block is the same in every group (KVBM identity over the token prefix).
         group: index into ``groups`` of the blocks this namespace names (0 when ``groups`` is empty).
+        layout_id: ``per-rank`` (default: ``layout`` is one TP rank's block, keys name TP ranks; not written
+            into the canonical JSON, so fingerprints are those of namespaces written before the field) or
+            ``canonical-head/1`` (a TP-independent G4 namespace, :mod:`.canonical`: ``layout`` is one KV
+            head's part, ``tp_world_size`` the number of parts (KV heads of the model, 1 for MLA) and the
+            key's rank the KV head index). The id is part of the fingerprint: a per-rank block is never
+            read as a canonical part, nor the reverse.
     """
 
     model: str
@@ -107,8 +116,11 @@ class Namespace:
     hash_scheme: str = "kvbm-xxh3-v1"
     groups: tuple[KvGroup, ...] = ()
     group: int = 0
+    layout_id: str = "per-rank"
 
     def __post_init__(self) -> None:
+        if self.layout_id not in LAYOUT_IDS:
+            raise ValueError(f"namespace.layout_id: {self.layout_id!r} not in {LAYOUT_IDS}")
         if self.groups:
             if len(self.groups) < 2 and self.groups[0].kind != "sliding":
                 raise ValueError("namespace.groups: set only for two or more KV cache groups, or one "
@@ -131,7 +143,8 @@ class Namespace:
         return {"format": "kvbm-backend-namespace/1", "model": self.model, "revision": self.revision,
                 "dtype": self.layout.dtype, "layout": self.layout.to_dict(),
                 "tp_world_size": self.tp_world_size, "hash_scheme": self.hash_scheme,
-                **({"groups": [g.to_dict() for g in self.groups], "group": self.group} if self.groups else {})}
+                **({"groups": [g.to_dict() for g in self.groups], "group": self.group} if self.groups else {}),
+                **({"layout_id": self.layout_id} if self.layout_id != "per-rank" else {})}
 
     def for_group(self, group: int) -> "Namespace":
         """The namespace of group ``group``'s blocks (same model, revision, TP, structure). Raises
@@ -161,7 +174,8 @@ class Namespace:
     def from_dict(cls, d: dict) -> "Namespace":
         return cls(model=d["model"], revision=d.get("revision", "main"), layout=KvLayout.from_dict(d["layout"]),
                    tp_world_size=int(d.get("tp_world_size", 1)), hash_scheme=d.get("hash_scheme", "kvbm-xxh3-v1"),
-                   groups=tuple(KvGroup.from_dict(g) for g in d.get("groups") or ()), group=int(d.get("group", 0)))
+                   groups=tuple(KvGroup.from_dict(g) for g in d.get("groups") or ()), group=int(d.get("group", 0)),
+                   layout_id=str(d.get("layout_id", "per-rank")))
 
     def key(self, seq_hash: int, tenant: str = "", rank: int = 0) -> "BlockKey":
         if not 0 <= rank < self.tp_world_size:

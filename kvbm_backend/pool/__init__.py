@@ -24,7 +24,9 @@ def open_pool(cfg, namespace: "Namespace", *, registry=None, engine=None) -> "Bl
         registry: ``prometheus_client`` registry for the tier's metrics (default: the process registry).
         engine: G3 only: an I/O engine to share (not closed by the pool); None: the pool makes its own.
     Raises:
-        ValueError: a G4 config with ``enabled`` false (naming ``g4.enabled``); from the pools, naming
+        ValueError: a G4 config with ``enabled`` false (naming ``g4.enabled``), or with ``layout: canonical``
+            for a per-rank namespace (naming ``g4.layout``: only :func:`~kvbm_backend.integrations.tiers.open_tiers`
+            opens canonical G4, over the canonical namespace); from the pools, naming
             the field at fault (e.g. ``g4.url``, an unusable ``g3.paths`` entry).
         TypeError: ``cfg`` is neither a G3Config nor a G4Config.
         KeyringError, G3LockedError, OSError: from the pools (see their docstrings).
@@ -37,6 +39,10 @@ def open_pool(cfg, namespace: "Namespace", *, registry=None, engine=None) -> "Bl
     if isinstance(cfg, G4Config):
         if not cfg.enabled:
             raise ValueError("g4.enabled: false; set g4.enabled: true (and g4.url) to open the G4 pool")
+        if cfg.layout == "canonical" and namespace.layout_id == "per-rank":
+            raise ValueError("g4.layout: canonical is served through the vLLM connector (KvbmBackendConnector, "
+                             "integrations.tiers.open_tiers) only; this caller stores per-rank blocks: set "
+                             "g4.layout: per-rank")
         from .g4 import G4Pool
         return G4Pool(cfg, namespace, registry=registry)
     raise TypeError(f"open_pool: cfg must be a G3Config or G4Config, got {type(cfg).__name__}")

@@ -85,6 +85,8 @@ FIELD_TESTS: dict[str, list[str]] = {
                            "tests/pool/test_g4_outage.py::test_hung_shared_mount_reads_are_bounded_and_recover"],
     "g4.dir_fanout": ["tests/pool/test_g4_pool.py::test_roundtrip_lookup_and_names"],
     "g4.s3_client": ["tests/pool/test_g4_obstore_s3.py::test_s3_client_picks_the_store_class"],
+    "g4.layout": ["tests/pool/test_g4_canonical.py::test_per_rank_and_canonical_blocks_never_read_as_each_other",
+                  "tests/e2e/test_anytp_e2e.py::test_tp1_g4_blocks_load_in_a_tp2_engine"],
     "g4.fsync": ["tests/pool/test_g4_factory.py::test_g4_fsync_decides_whether_file_objects_and_their_directories_are_fsynced"],
     "metrics.enabled": ["tests/unit/test_metrics.py::test_dynamo_metrics_env_names"],
     "metrics.port": ["tests/unit/test_metrics.py::test_metrics_port_serves_kvbm_series_when_tiers_open",

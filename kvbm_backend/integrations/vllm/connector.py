@@ -93,7 +93,7 @@ from ...model.namespace import KvGroup, Namespace
 from ..tiers import release_tiers, shared_tiers
 from . import layerwise, report_channel, start_failure, stats
 from .extra_config import EXTRA_KEYS, config_from_extra  # noqa: F401 - re-exported
-from .geometry import EngineGeometry
+from .geometry import EngineGeometry, total_kv_heads
 from .kv_io import EngineKv
 from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta
 from .kv_events import IdlePublisher, caller_publisher
@@ -260,7 +260,7 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         for gi in range(max(1, len(self.ns.groups))):
             gns = self.ns.for_group(gi)
             gcfg = group_g3_config(self._tier_cfg, self.ns, gi, self.opts["sliding_capacity_weight"])
-            g3, g4 = shared_tiers(gcfg, gns)
+            g3, g4 = shared_tiers(gcfg, gns, total_kv_heads(vllm_config))
             if self.split and role == KVConnectorRole.SCHEDULER and self.cfg.g3.enabled:
                 g3 = G3Mirror(gns)
             self._groups.append((gns, gcfg, g3, g4))

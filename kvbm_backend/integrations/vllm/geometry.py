@@ -26,7 +26,7 @@ import numpy as np
 from ...model.layout import KvLayout, dtype_bytes
 
 __all__ = ["EngineGeometry", "PrimaryGeometry", "detect_engine_layout", "dtype_name", "kv_dtype_name", "KV_DTYPES",
-           "FP8_CACHE_DTYPES"]
+           "FP8_CACHE_DTYPES", "total_kv_heads"]
 
 #: KV cache dtypes the tiers store (names as torch spells them, without ``torch.``)
 KV_DTYPES = ("bfloat16", "float16", "float32", "uint8", "int8", "float8_e4m3fn", "float8_e5m2")
@@ -52,6 +52,16 @@ def kv_dtype_name(spec_dtype: Any, cache_dtype: str | None) -> str:
         return FP8_CACHE_DTYPES[cd]
     raise ValueError(f"--kv-cache-dtype {cache_dtype!r} (a {name} cache): not supported by KvbmBackendConnector; "
                      f"supported: auto, bfloat16, float16, float32, {', '.join(sorted(FP8_CACHE_DTYPES))}")
+
+
+def total_kv_heads(vllm_config: Any) -> int | None:
+    """The model's KV heads before TP (vLLM ``ModelConfig.get_total_num_kv_heads()``, what canonical G4
+    parts are cut by: :mod:`kvbm_backend.model.canonical`); None where the config cannot say."""
+    f = getattr(getattr(vllm_config, "model_config", None), "get_total_num_kv_heads", None)
+    try:
+        return int(f()) if f is not None else None
+    except Exception:  # noqa: BLE001 - configs without an architecture (tests' stand-ins)
+        return None
 
 
 def dtype_name(dtype: Any) -> str:

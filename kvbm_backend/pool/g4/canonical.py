@@ -1,0 +1,189 @@
+"""A G4 pool of per-rank blocks stored as canonical per-head parts (``g4.layout: canonical``).
+
+:class:`CanonicalG4` is a :class:`~kvbm_backend.pool.base.BlockPool` for the engine's per-rank keys and
+blocks over a G4 pool bound to the canonical namespace (:mod:`kvbm_backend.model.canonical`): ``put``
+cuts each block into its rank's KV-head parts (a memory copy) and stores the parts; ``get`` reads the
+parts of the key's rank and assembles the block only when every part was found and verified (header
+identity and AEAD tag, by the G4 pool), else the block is a miss and ``out[i]`` is untouched; a lookup
+counts a block present only when the parts of all the key's heads are. Ranks that hold replicated heads
+(more TP ranks than KV heads, MLA) write only from the first replica (:meth:`HeadMap.writes`); the others'
+offloads count as skipped.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Sequence
+
+import numpy as np
+
+from ...model.canonical import HeadMap
+from ...model.layout import KvLayout
+from ...model.namespace import BlockKey, KeyRun
+from ..base import BlockPool, GetResult, PutResult, completed, is_tensor_batch
+
+__all__ = ["CanonicalG4"]
+
+
+def _all_of(futs: list[Future], combine) -> Future:
+    """A Future of ``combine([f.result() for f in futs])`` once all are done (an exception: the first)."""
+    out: Future = Future()
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def one(_f: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            out.set_result(combine([f.result() for f in futs]))
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            out.set_exception(e)
+    for f in futs:
+        f.add_done_callback(one)
+    return out
+
+
+class CanonicalG4:
+    """Per-rank view of canonical G4 parts.
+
+    Args:
+        inner: the G4 pool, bound to ``heads.canonical`` (closed by :meth:`close`).
+        heads: the :class:`HeadMap` of the engine's per-rank namespace.
+    Raises:
+        ValueError: ``inner`` is bound to another namespace.
+    """
+
+    tier = "G4"
+
+    def __init__(self, inner: BlockPool, heads: HeadMap):
+        if inner.namespace.fingerprint != heads.canonical.fingerprint:
+            raise ValueError(f"g4.layout: canonical: the G4 pool's namespace {inner.namespace.fingerprint} is not "
+                             f"the canonical one {heads.canonical.fingerprint}")
+        self.inner, self.heads = inner, heads
+        self.namespace = heads.per_rank
+        self._fp = heads.per_rank.fingerprint
+        self._bpb = heads.per_rank.layout.bytes_per_block
+        self._per = heads.heads_per_rank
+
+    @property
+    def layout(self) -> KvLayout:
+        return self.namespace.layout
+
+    def _own(self, keys) -> int:
+        """Length of the leading run of ``keys`` of this pool's namespace (a foreign key ends a prefix)."""
+        for i, k in enumerate(keys):
+            if k.namespace != self._fp:
+                return i
+        return len(keys)
+
+    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future:
+        """Leading ``keys`` whose parts (the key rank's heads) are all present: the minimum of the
+        parts' prefixes. A :class:`KeyRun` is probed as one run per head (no per-key objects)."""
+        if isinstance(keys, KeyRun):
+            if keys.namespace != self._fp or not len(keys):
+                return completed(0)
+            runs: list = self.heads.part_runs(keys)
+        else:
+            keys = list(keys)[:self._own(keys)]
+            if not keys:
+                return completed(0)
+            heads = sorted({h for r in {k.rank for k in keys} for h in self.heads.heads(r)})
+            fp = self.heads.canonical.fingerprint
+            runs = [[BlockKey(fp, k.tenant, h, k.seq_hash) for k in keys] for h in heads]
+        return _all_of([self.inner.lookup_prefix(r) for r in runs], min)
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future:
+        """Store each block as its rank's head parts (copies made now; the caller's buffers are free when
+        this returns). The result counts blocks: part counts divided by parts per block (rounded down),
+        blocks of a non-writing replica as skipped. Raises ValueError for mismatched lengths, a wrong-sized
+        buffer or a key of another namespace (caller bugs, as G4Pool)."""
+        keys, blocks = list(keys), list(blocks)
+        if len(keys) != len(blocks):
+            raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
+        pkeys: list[BlockKey] = []
+        pbufs: list[np.ndarray] = []
+        skipped = 0
+        for k, b in zip(keys, blocks):
+            if k.namespace != self._fp:
+                raise ValueError(f"put: key namespace {k.namespace} is not this pool's namespace {self._fp}")
+            if not self.heads.writes(k.rank):
+                skipped += 1
+                continue
+            pkeys += self.heads.part_keys(k)
+            pbufs += self.heads.split(b)
+        n = len(keys) - skipped
+        if not pkeys:
+            return completed(PutResult(skipped=skipped))
+
+        def blocks_of(rs: list) -> PutResult:
+            r: PutResult = rs[0]
+            w, s = r.written // self._per, r.skipped // self._per
+            return PutResult(written=w, skipped=s + skipped, dropped=n - w - s)
+        return _all_of([self.inner.put(pkeys, pbufs)], blocks_of)
+
+    def get(self, keys: Sequence[BlockKey], out: Sequence) -> Future:
+        """Read the parts of each key's rank heads into host buffers and assemble block ``i`` into
+        ``out[i]`` (numpy host buffers, or torch tensors on one device: one copy each) only when all its
+        parts verified; ``ok[i]`` False otherwise (``out[i]`` untouched). Raises ValueError for mismatched
+        lengths or a wrong-sized buffer."""
+        keys, out = list(keys), list(out)
+        if len(keys) != len(out):
+            raise ValueError(f"get: {len(keys)} keys but {len(out)} buffers")
+        for o in out:
+            if o.nbytes != self._bpb:
+                raise ValueError(f"get: out buffer of {o.nbytes} bytes, layout needs {self._bpb}")
+        own = self._own(keys)
+        if not own:
+            return completed(GetResult([False] * len(keys)))
+        pkeys = [pk for k in keys[:own] for pk in self.heads.part_keys(k)]
+        pbufs = [np.empty(self.heads.part_bytes, np.uint8) for _ in pkeys]
+        tensors = is_tensor_batch(out)
+
+        def assemble(rs: list) -> GetResult:
+            pok = list(rs[0].ok)
+            ok = [False] * len(keys)
+            for i in range(own):
+                sl = slice(i * self._per, (i + 1) * self._per)
+                if len(pok) < sl.stop or not all(pok[sl]):
+                    continue
+                if tensors:
+                    import torch
+                    host = np.empty(self._bpb, np.uint8)
+                    self.heads.join(pbufs[sl], host)
+                    out[i].view(-1).copy_(torch.from_numpy(host))
+                else:
+                    self.heads.join(pbufs[sl], out[i].reshape(-1))
+                ok[i] = True
+            return GetResult(ok)
+        return _all_of([self.inner.get(pkeys, pbufs)], assemble)
+
+    def delete(self, keys: Sequence[BlockKey]) -> Future:
+        """Remove the parts of each key's rank heads; the future gives the parts removed divided by parts
+        per block (rounded down)."""
+        keys = list(keys)[:self._own(keys)]
+        parts = [pk for k in keys for pk in self.heads.part_keys(k)]
+        if not parts:
+            return completed(0)
+        return _all_of([self.inner.delete(parts)], lambda rs: rs[0] // self._per)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self.inner.flush(timeout)
+
+    def stats(self) -> dict:
+        """The G4 pool's counters (counted in parts; ``namespace`` is the canonical fingerprint, what the
+        store holds) plus ``g4_layout`` and ``parts_per_block``."""
+        s = dict(self.inner.stats())
+        s.update(g4_layout=self.heads.canonical.layout_id, parts_per_block=self._per,
+                 per_rank_namespace=self._fp)
+        return s
+
+    def close(self, *a, **kw) -> None:
+        self.inner.close(*a, **kw)
+
+    def __getattr__(self, name: str):
+        # everything else a caller may read of a G4 pool (breaker, store, where, object_name, ...)
+        if name in ("inner", "heads"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)

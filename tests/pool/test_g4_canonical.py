@@ -1,0 +1,175 @@
+"""``g4.layout: canonical`` on real stores (a directory and a real SeaweedFS): blocks a TP=1 worker wrote
+load in both ranks of a TP=2 worker (each gets exactly its KV heads), a block with a missing or corrupt
+part is a miss and never served, and per-rank and canonical blocks never read as each other."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvbm_backend.config import KvbmBackendConfig
+from kvbm_backend.integrations.tiers import open_tiers
+from kvbm_backend.model.layout import KvLayout
+from kvbm_backend.model.namespace import Namespace
+from kvbm_backend.pool import open_pool
+from kvbm_backend.pool.g4.canonical import CanonicalG4
+
+HEADS, D, LAYERS, PAGE = 4, 16, 2, 8
+T = 30
+
+
+def _ns(tp: int) -> Namespace:
+    return Namespace(model="m", layout=KvLayout(LAYERS, 2, PAGE, HEADS // tp * D, "bfloat16"), tp_world_size=tp)
+
+
+def _cfg(kw: dict, layout: str = "canonical") -> KvbmBackendConfig:
+    return KvbmBackendConfig(model="m", g3={"enabled": False}, g4={"enabled": True, "layout": layout, **kw})
+
+
+def _g4(kw: dict, tp: int, layout: str = "canonical"):
+    g3, g4 = open_tiers(_cfg(kw, layout), _ns(tp), HEADS)
+    assert g3 is None
+    return g4
+
+
+def _full_blocks(seqs) -> list[np.ndarray]:
+    """TP=1 blocks [layer, outer, page, heads * D] of bf16 bytes, distinct per sequence."""
+    bpb = _ns(1).layout.bytes_per_block
+    return [np.random.default_rng(s).integers(0, 256, bpb, dtype=np.uint8) for s in seqs]
+
+
+def _rank_slice(block: np.ndarray, tp: int, rank: int) -> np.ndarray:
+    """What TP rank ``rank`` of ``tp`` holds of a TP=1 block: its contiguous KV heads."""
+    h = HEADS // tp
+    v = block.reshape(LAYERS * 2 * PAGE, HEADS, D * 2)
+    return np.ascontiguousarray(v[:, rank * h:(rank + 1) * h, :]).reshape(-1)
+
+
+@pytest.fixture(params=["fs", "s3"])
+def store(request, tmp_path):
+    kw = {"keyring": {"path": str(tmp_path / "keys" / "keyring.json")}, "timeout_s": 5.0, "dir_fanout": 4}
+    if request.param == "fs":
+        kw["url"] = f"file://{tmp_path / 'store'}"
+    else:
+        sw = request.getfixturevalue("seaweed")
+        kw.update(url=sw.url(request.getfixturevalue("s3_prefix")), endpoint_url=sw.endpoint)
+    return request.param, kw
+
+
+def test_tp1_blocks_load_in_each_tp2_rank(store):
+    kind, kw = store
+    seqs = [101, 102, 103]
+    full = _full_blocks(seqs)
+    w = _g4(kw, 1)
+    assert isinstance(w, CanonicalG4) and w.stats()["g4_layout"] == "canonical-head/1"
+    try:
+        r = w.put(_ns(1).keys(seqs, "alice"), full).result(T)
+        assert (r.written, r.dropped) == (3, 0)
+        assert w.flush(T)
+        assert w.inner.stats()["written"] == 3 * HEADS  # one object per KV head
+    finally:
+        w.close()
+    for rank in (0, 1):
+        rd = _g4(kw, 2)
+        try:
+            keys = _ns(2).keys(seqs, "alice", rank)
+            assert rd.lookup_prefix(_ns(2).run(seqs, "alice", rank)).result(T) == 3
+            assert rd.lookup_prefix(keys).result(T) == 3
+            out = [np.full(_ns(2).layout.bytes_per_block, 0xEE, np.uint8) for _ in seqs]
+            assert rd.get(keys, out).result(T).ok == [True] * 3
+            for o, b in zip(out, full):
+                assert np.array_equal(o, _rank_slice(b, 2, rank))
+            # the device seam: torch destinations get the same bytes
+            rows = list(torch.empty((3, _ns(2).layout.bytes_per_block), dtype=torch.uint8).unbind(0))
+            assert rd.get(keys, rows).result(T).ok == [True] * 3
+            assert all(np.array_equal(t.numpy(), o) for t, o in zip(rows, out))
+            assert rd.lookup_prefix(_ns(2).keys(seqs, "bob", rank)).result(T) == 0  # other tenant
+        finally:
+            rd.close()
+    # TP=4 readers too: one head each
+    rd = _g4(kw, 4)
+    try:
+        out = [np.empty(_ns(4).layout.bytes_per_block, np.uint8)]
+        assert rd.get(_ns(4).keys([102], "alice", 3), out).result(T).ok == [True]
+        assert np.array_equal(out[0], _rank_slice(full[1], 4, 3))
+    finally:
+        rd.close()
+
+
+def test_a_block_with_a_missing_or_corrupt_part_is_a_miss(store):
+    kind, kw = store
+    seqs = [201, 202, 203]
+    full = _full_blocks(seqs)
+    w = _g4(kw, 2)  # a TP=2 writer: rank 0 writes heads 0-1, rank 1 heads 2-3
+    try:
+        ns = _ns(2)
+        assert w.put(ns.keys(seqs, "t", 0), [_rank_slice(b, 2, 0) for b in full]).result(T).written == 3
+        assert w.put(ns.keys(seqs[:2], "t", 1), [_rank_slice(b, 2, 1) for b in full[:2]]).result(T).written == 2
+        assert w.flush(T)
+        # drop head 3 of block 202 (rank 1's second head)
+        part = w.heads.part_keys(ns.key(202, "t", 1))[1]
+        assert w.inner.delete([part]).result(T) == 1
+    finally:
+        w.close()
+    rd = _g4(kw, 1)  # a TP=1 reader needs every head
+    try:
+        keys = _ns(1).keys(seqs, "t")
+        assert rd.lookup_prefix(keys).result(T) == 1  # 202 lacks head 3, 203 heads 2-3
+        out = [np.full(_ns(1).layout.bytes_per_block, 0xEE, np.uint8) for _ in seqs]
+        assert rd.get(keys, out).result(T).ok == [True, False, False]
+        assert np.array_equal(out[0], full[0])
+        assert (out[1] == 0xEE).all() and (out[2] == 0xEE).all()  # a miss leaves the buffer untouched
+        if kind == "fs":  # flip one byte of one part of block 201: the AEAD tag fails, the block is a miss
+            name = rd.inner.object_name(rd.heads.part_keys(keys[0])[2])
+            path = Path(kw["url"].removeprefix("file://")) / name
+            b = bytearray(path.read_bytes())
+            b[-100] ^= 1
+            os.chmod(path, 0o644)
+            path.write_bytes(bytes(b))
+            o = [np.full(_ns(1).layout.bytes_per_block, 0xEE, np.uint8)]
+            assert rd.get(keys[:1], o).result(T).ok == [False] and (o[0] == 0xEE).all()
+            assert rd.inner.stats()["corrupt"] >= 1
+    finally:
+        rd.close()
+    rd = _g4(kw, 2)  # rank 0 of TP=2 still has both its heads of 201 and 202
+    try:
+        assert rd.get(_ns(2).keys([202], "t", 0), [np.empty(_ns(2).layout.bytes_per_block, np.uint8)]).result(T).ok == [True]
+    finally:
+        rd.close()
+
+
+def test_per_rank_and_canonical_blocks_never_read_as_each_other(store):
+    kind, kw = store
+    full = _full_blocks([301, 302])
+    per = _g4(kw, 1, layout="per-rank")
+    can = _g4(kw, 1)
+    try:
+        assert not isinstance(per, CanonicalG4)
+        keys = _ns(1).keys([301], "t")
+        assert per.put(keys, full[:1]).result(T).written == 1
+        k2 = _ns(1).keys([302], "t")
+        assert can.put(k2, full[1:]).result(T).written == 1
+        assert per.flush(T) and can.flush(T)
+        out = [np.full(_ns(1).layout.bytes_per_block, 0xEE, np.uint8)]
+        assert can.lookup_prefix(keys).result(T) == 0 and can.get(keys, out).result(T).ok == [False]
+        assert per.lookup_prefix(k2).result(T) == 0 and per.get(k2, out).result(T).ok == [False]
+        assert (out[0] == 0xEE).all()
+        assert per.get(keys, out).result(T).ok == [True] and can.get(k2, out).result(T).ok == [True]
+    finally:
+        per.close()
+        can.close()
+
+
+def test_canonical_needs_the_kv_heads_and_an_even_split(tmp_path):
+    """Refused naming g4.layout: no head count, heads that do not split over the ranks, and a caller that
+    would open a per-rank G4 pool under ``layout: canonical`` (e.g. the vLLM tiering tier)."""
+    kw = {"url": f"file://{tmp_path / 'store'}", "encrypt": False}
+    with pytest.raises(ValueError, match="g4.layout"):
+        open_pool(_cfg(kw).g4, _ns(1))
+    with pytest.raises(ValueError, match="g4.layout"):
+        open_tiers(_cfg(kw), _ns(2), None)
+    with pytest.raises(ValueError, match="g4.layout"):
+        open_tiers(_cfg(kw), _ns(4), 6)
