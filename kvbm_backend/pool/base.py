@@ -163,7 +163,7 @@ class G3Extensions(SlotLeaseSource, Protocol):
     def keys(self) -> list[BlockKey]:
         """Snapshot of every published key (index only, no I/O)."""
 
-    def device_reader(self, device) -> object:
+    def device_reader(self, device: object) -> object:
         """The pool's reader of slots into ``device`` (a ``torch.device`` or its name), created and probed on
         first use; it has ``mode`` and ``mode_reason`` (str). Raises RuntimeError when the pool is closed."""
 
@@ -177,7 +177,7 @@ class G3Extensions(SlotLeaseSource, Protocol):
 G3_EXTENSION_METHODS = ("lease", "release", "drop_corrupt", "contains", "keys", "device_reader", "put")
 
 
-def require_g3_extensions(pool, what: str = "g3"):
+def require_g3_extensions(pool: object, what: str = "g3") -> G3Extensions | None:
     """``pool`` itself when it is None or satisfies :class:`G3Extensions`.
 
     Raises:

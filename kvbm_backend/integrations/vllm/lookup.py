@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool
@@ -31,11 +31,12 @@ class TierLookup:
     """G3 prefix lookup, then G4 over the keys G3 lacks; resolves to ``(g3_blocks, g4_blocks)``: the
     shortest prefix over every key list (TP ranks, and KV cache groups).
 
-    ``e3`` / ``e4``: ``(keys, pool)`` per key list (a None pool is skipped); all lists are one length.
+    ``e3`` / ``e4``: ``(keys, pool)`` per key list (BlockKeys or a KeyRun; a None pool is skipped); all
+    lists are one length.
     ``timeout_s``: seconds, or a :class:`Deadline` shared with the caller.
     """
 
-    def __init__(self, e3: list[tuple[list, BlockPool | None]], e4: list[tuple[list, BlockPool | None]],
+    def __init__(self, e3: list[tuple[Any, BlockPool | None]], e4: list[tuple[Any, BlockPool | None]],
                  timeout_s: float | Deadline):
         self.deadline = timeout_s if isinstance(timeout_s, Deadline) else Deadline(timeout_s)
         lens = [len(k) for k, _ in e3 + e4]

@@ -35,6 +35,7 @@ from ..tiers import release_tiers, shared_tiers
 from . import layerwise, report_channel, start_failure, stats
 from .extra_config import config_from_extra
 from .g3_mirror import G3Mirror
+from .geometry import EngineGeometry
 from .kv_events import G3KvEvents, IdlePublisher
 from .kv_io import EngineKv
 from .metadata import KvbmWorkerMeta
@@ -62,6 +63,11 @@ class TierGroup(NamedTuple):
 class ConnectorParts:
     """What one connector (one role) is made of; :func:`wire` fills it in steps, so a failed start releases
     what was taken (:meth:`release_partial`). ``sched`` is set for the scheduler role, ``worker`` otherwise."""
+
+    cfg: KvbmBackendConfig          # set by wire(), in this order
+    opts: dict                      # the connector's own options (extra_config.config_from_extra)
+    geometries: list[EngineGeometry]
+    ns: Namespace                   # the engine's namespace (group 0's blocks; every group's structure)
 
     def __init__(self) -> None:
         self._groups: list[TierGroup] = []
