@@ -15,7 +15,9 @@ copy, :func:`kvbm_backend.gpu.host_path.load_via_host`). ``ok[i]`` keeps its mea
 block i verified where it landed; a miss leaves ``out[i]`` untouched.
 
 Readers outside a pool (the device loader) read G3 slots through the typed :class:`SlotLeaseSource`
-protocol: ``lease`` pins slots and ``release`` unpins them, both owned by the pool.
+protocol: ``lease`` pins slots and ``release`` unpins them, both owned by the pool. What else only G3
+offers (index snapshots, device readers, put options) is the :class:`G3Extensions` protocol; callers check
+it once where they are wired (:func:`require_g3_extensions`), not by duck typing at each use.
 """
 from __future__ import annotations
 
@@ -147,6 +149,45 @@ class SlotLeaseSource(Protocol):
 
     def drop_corrupt(self, key: BlockKey, reason: str) -> None:
         """The slot of ``key`` failed verification (``reason``: a FrameError reason): remove it."""
+
+
+@runtime_checkable
+class G3Extensions(SlotLeaseSource, Protocol):
+    """What a G3 pool offers beyond :class:`BlockPool` (and :class:`SlotLeaseSource`): the index as the
+    connector's worker reports it to a scheduler in another process, the device reader it probes at start-up,
+    and the put options of offloads and promotions. None of these calls does storage I/O."""
+
+    def contains(self, key: BlockKey) -> bool:
+        """True when ``key`` is published in the index (no I/O; the payload is verified only by ``get``)."""
+
+    def keys(self) -> list[BlockKey]:
+        """Snapshot of every published key (index only, no I/O)."""
+
+    def device_reader(self, device: object) -> object:
+        """The pool's reader of slots into ``device`` (a ``torch.device`` or its name), created and probed on
+        first use; it has ``mode`` and ``mode_reason`` (str). Raises RuntimeError when the pool is closed."""
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray], *,
+            dev_checks: Sequence[int] | None = None, bypass_admission: bool = False) -> Future[PutResult]:
+        """:meth:`BlockPool.put`, plus ``dev_checks`` (each block's device checksum: its frame then carries
+        ``FLAG_DEVCHECK``) and ``bypass_admission`` (store past the admission filter: promotions)."""
+
+
+#: the methods :class:`G3Extensions` requires (``runtime_checkable`` checks only that they exist)
+G3_EXTENSION_METHODS = ("lease", "release", "drop_corrupt", "contains", "keys", "device_reader", "put")
+
+
+def require_g3_extensions(pool: object, what: str = "g3") -> G3Extensions | None:
+    """``pool`` itself when it is None or satisfies :class:`G3Extensions`.
+
+    Raises:
+        TypeError: naming ``what``, the pool's type and the missing methods (e.g. a G4 pool given as G3).
+    """
+    if pool is None or isinstance(pool, G3Extensions):
+        return pool
+    missing = [m for m in G3_EXTENSION_METHODS if not callable(getattr(pool, m, None))]
+    raise TypeError(f"{what}: {type(pool).__name__} is not a G3 pool (G3Extensions lacks {', '.join(missing)}); "
+                    "the connector's worker needs the G3 extensions of kvbm_backend.pool.base")
 
 
 def is_tensor_batch(bufs: Sequence) -> bool:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...memory import BufferPool
-from ...pool.base import SlotLeaseSource
+from ...pool.base import G3Extensions
 from ...pool.g3.layerwise import LayerwiseLoad, SlabFiles
 from ...transfer.layers import DEFAULT_MIN_READ
 from . import stats
@@ -192,8 +192,8 @@ class LayerwiseLoads:
 
 def for_worker(cfg: Any, worker: Any, layer_names: list[str]) -> LayerwiseLoads | None:
     """:class:`LayerwiseLoads` for a connector's worker when ``g3.layerwise_load`` is on and its G3 pool
-    serves slot leases (a real :class:`~kvbm_backend.pool.g3.pool.G3Pool`), else None. ``worker`` must be a
-    single-group :class:`~.worker_side.WorkerSide` (hybrid models load asynchronously)."""
-    if not cfg.g3.layerwise_load or not isinstance(getattr(worker, "g3", None), SlotLeaseSource):
+    offers slot leases (:class:`~kvbm_backend.pool.base.G3Extensions`), else None. ``worker``: the
+    :class:`~.worker_side.WorkerSide` of a model of one full-attention group (others load asynchronously)."""
+    if not cfg.g3.layerwise_load or not isinstance(getattr(worker, "g3", None), G3Extensions):
         return None
     return LayerwiseLoads(worker, layer_names, threads=cfg.g3.io_threads, timeout_s=cfg.g3.load_timeout_s)

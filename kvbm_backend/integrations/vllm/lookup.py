@@ -1,5 +1,6 @@
-"""Prefix lookups of the scheduler-role connector: G3 then G4 for every TP rank (:class:`_Lookup`), and for a
-hybrid model every KV cache group with its sliding windows (:class:`_HybridLookup`).
+"""Prefix lookups of the scheduler-role connector: one :class:`PrefixLookup` per request over every KV cache
+group (a dense model is the 1-group case), built from :class:`TierLookup` s (G3 then G4 over key lists: TP
+ranks, and the groups' pools).
 
 Lookups never block the scheduler: they run on the pools' threads and are polled once per step; past
 their :class:`~kvbm_backend.pool.deadlines.Deadline` what is not known counts as a miss. The keys of one
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool
@@ -26,27 +27,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvbm_backend.connector")
 
 
-class _Lookup:
+class TierLookup:
     """G3 prefix lookup, then G4 over the keys G3 lacks; resolves to ``(g3_blocks, g4_blocks)``: the
-    shortest prefix over every key list (TP ranks, and KV cache groups of a hybrid model).
+    shortest prefix over every key list (TP ranks, and KV cache groups).
 
-    ``keys_by_rank`` / ``g3`` / ``g4`` / ``g4_keys_by_rank``: one pool pair for every list. Or ``e3`` /
-    ``e4``: ``(keys, pool)`` per list (hybrid models keep one pool per group); all lists are one length.
+    ``e3`` / ``e4``: ``(keys, pool)`` per key list (BlockKeys or a KeyRun; a None pool is skipped); all
+    lists are one length.
+    ``timeout_s``: seconds, or a :class:`Deadline` shared with the caller.
     """
 
-    def __init__(self, keys_by_rank: list[list] | None, g3: BlockPool | None, g4: BlockPool | None,
-                 timeout_s: float | Deadline, g4_keys_by_rank: list[list] | None = None, *,
-                 e3: list[tuple[list, BlockPool | None]] | None = None,
-                 e4: list[tuple[list, BlockPool | None]] | None = None):
-        """``timeout_s``: seconds, or a :class:`Deadline` shared with the caller."""
+    def __init__(self, e3: list[tuple[Any, BlockPool | None]], e4: list[tuple[Any, BlockPool | None]],
+                 timeout_s: float | Deadline):
         self.deadline = timeout_s if isinstance(timeout_s, Deadline) else Deadline(timeout_s)
-        if e3 is None:
-            e3 = [(k, g3) for k in keys_by_rank or []]
-            e4 = [(k, g4) for k in (keys_by_rank if g4_keys_by_rank is None else g4_keys_by_rank) or []]
-        lens = [len(k) for k, _ in e3 + (e4 or [])]
+        lens = [len(k) for k, _ in e3 + e4]
         self.n = n = lens[0] if lens else 0
         self.e3 = [(k, p) for k, p in e3 if p is not None]
-        self.e4 = [(k, p) for k, p in (e4 or []) if p is not None]
+        self.e4 = [(k, p) for k, p in e4 if p is not None]
         self.p3: int | None = None
         self.p4: int | None = None
         if n == 0:
@@ -105,7 +101,7 @@ class GroupTiers:
 
     Attributes:
         ns: the group's namespace (:meth:`Namespace.for_group`).
-        g3, g4: the group's pools (hybrid models: one pool per group), None when the tier is off.
+        g3, g4: the group's pools (one pool per group), None when the tier is off.
         window_blocks: None for a full-attention (or MLA) group, whose blocks are needed for the whole
             prefix; for a sliding-window group the blocks needed before a resume point
             (:attr:`~kvbm_backend.model.namespace.KvGroup.window_blocks`): only those are saved (at the end
@@ -118,14 +114,17 @@ class GroupTiers:
     window_blocks: int | None = None
 
 
-class _HybridLookup:
-    """Prefix lookup for a hybrid model: the full-attention groups' prefix (G3 then G4, :class:`_Lookup`),
-    then for every sliding-window group the window of blocks before the candidate resume point ``n``.
-    A hit of ``n`` blocks counts only when every group has what the engine reads there; when a window
-    lacks a block the candidate moves to that block (a window ending later would contain it), at most
-    ``max_probes`` times. Resolves to ``(n, g3_full, windows)``: ``g3_full`` leading full-group blocks are
-    in G3 (the rest of ``[0, n)`` in G4), ``windows[g] = (start, k3)``: group ``g``'s blocks
-    ``[start, n)`` are loaded, the first ``k3`` from G3, the rest from G4."""
+class PrefixLookup:
+    """Prefix lookup of one request over every KV cache group (``sched.groups``): the full-attention groups'
+    prefix (G3 then G4, :class:`TierLookup`), then for every sliding-window group the window of blocks before
+    the candidate resume point ``n``. A hit of ``n`` blocks counts only when every group has what the engine
+    reads there; when a window lacks a block the candidate moves to that block (a window ending later would
+    contain it), at most ``max_probes`` times. Resolves to ``(n, g3_full, windows)``: ``g3_full`` leading
+    full-group blocks are in G3 (the rest of ``[0, n)`` in G4), ``windows[g] = (start, k3)``: group ``g``'s
+    blocks ``[start, n)`` are loaded, the first ``k3`` from G3, the rest from G4. A dense model (one full
+    group) resolves to ``(g3 + g4, g3, {})``. A hit not beyond the engine's own prefix cache (``n_local``)
+    resolves to ``(n, g3_full, {})`` without windows, and to ``(0, 0, {})`` with them (their G3 share at
+    ``n_local`` was not probed)."""
 
     max_probes = 8
 
@@ -136,14 +135,15 @@ class _HybridLookup:
         e3, e4 = [], []
         for g in sched.groups:
             if g.window_blocks is None:
-                by_rank, g4 = g.ns.rank_runs(st.hashes[:n], st.tenant)
+                by_rank, g4 = g.ns.rank_runs(st.hashes[:n], st.tenant)  # built once, shared by G3 and G4
                 e3 += [(k, g.g3) for k in by_rank]
                 e4 += [(k, g.g4) for k in g4]
-        self.full = _Lookup(None, None, None, self.deadline, e3=e3, e4=e4)
+        self.windowed = any(g.window_blocks is not None for g in sched.groups)
+        self.full = TierLookup(e3, e4, self.deadline)
         self.p3: int | None = None
         self.cand: int | None = None
         self.probes = 0
-        self.win: dict[int, _Lookup] = {}
+        self.win: dict[int, TierLookup] = {}
         self.result: tuple[int, int, dict[int, tuple[int, int]]] | None = None
 
     def _start(self, n: int) -> None:
@@ -156,10 +156,10 @@ class _HybridLookup:
                 continue
             a = max(n - g.window_blocks, lo, 0)
             by_rank, g4 = g.ns.rank_runs(self.st.hashes[a:n], self.st.tenant)
-            self.win[gi] = _Lookup(None, None, None, self.deadline,
-                                   e3=[(k, g.g3) for k in by_rank], e4=[(k, g.g4) for k in g4])
+            self.win[gi] = TierLookup([(k, g.g3) for k in by_rank], [(k, g.g4) for k in g4], self.deadline)
 
-    def poll(self):
+    def poll(self) -> tuple[int, int, dict[int, tuple[int, int]]] | None:
+        """The result once known (see the class doc); None while still running (before the deadline)."""
         if self.result is not None:
             return self.result
         if self.p3 is None:
@@ -169,7 +169,7 @@ class _HybridLookup:
             self.p3 = r[0]
             n = r[0] + r[1] if self.full.n else self.st.lookup_blocks
             if n <= self.st.n_local:
-                self.result = (0, 0, {})
+                self.result = (0, 0, {}) if self.windowed else (n, min(self.p3, n), {})
                 return self.result
             self._start(n)
         while True:

@@ -31,7 +31,7 @@ from ...pool.deadlines import Deadline
 from . import handoff, stats
 from .g3_mirror import G3Mirror
 from .kv_events import G3KvEvents, IdlePublisher
-from .lookup import GroupTiers, _HybridLookup, _Lookup
+from .lookup import GroupTiers, PrefixLookup
 from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob
 
 __all__ = ["G3KvEvents", "G3Mirror", "GroupTiers", "SchedulerSide"]  # G3KvEvents, G3Mirror: re-exported
@@ -46,13 +46,12 @@ class _Req:
     hashes: array                     # array('Q'): sequence hashes of every full prompt block (then decode
     #                                   blocks); lookups take it as uint64 with nothing converted
     lookup_blocks: int                # blocks that may be served from outside: (prompt_len - 1) // bs
-    lookup: _Lookup | None = None
+    lookup: PrefixLookup | None = None
     n_local: int = 0                  # blocks the engine's own prefix cache had at the last query
     g3_local: int | None = None       # leading blocks of that local hit G3 already holds (None: unknown)
     planned: tuple[int, int] | None = None  # (first, end) block range being loaded
-    block_ids: list[int] = field(default_factory=list)
-    group_block_ids: list[list[int]] = field(default_factory=list)  # hybrid: per KV cache group
-    hybrid: tuple | None = None       # hybrid: _HybridLookup's result (n, g3_full, windows)
+    group_block_ids: list[list[int]] = field(default_factory=list)  # engine block ids per KV cache group
+    hit: tuple | None = None          # PrefixLookup's result (n, g3_full, windows), failed blocks cut
     no_load: bool = False             # a load of this request failed: it is recomputed, never reloaded
     saved_upto: int | None = None     # blocks [0, saved_upto) are stored or owned by someone else
     counted: bool = False
@@ -112,22 +111,22 @@ class SchedulerSide:
                  default_tenant: str = "", lookup_timeout_s: float = 2.0, save: bool = True, load: bool = True,
                  save_decode: bool = True, groups: list[GroupTiers] | None = None,
                  handoff_wait_s: float = handoff.DEFAULT_WAIT_S, layerwise: bool = False):
-        """``groups``: the KV cache groups of a hybrid model (:class:`GroupTiers`, index = vLLM's group
-        index); None for one group (``namespace``, ``g3``, ``g4``). With several groups a hit counts only
-        when every group has what the engine reads (:class:`_HybridLookup`), and loads/saves are planned
-        per group (one :class:`LoadJob` / :class:`SaveJob` per group). ``handoff_wait_s``: how long a decode
+        """``groups``: the KV cache groups (:class:`GroupTiers`, index = vLLM's group index); None for one
+        full-attention group (``namespace``, ``g3``, ``g4``). A hit counts only when every group has what the
+        engine reads (:class:`PrefixLookup`), and loads/saves are planned per group (one :class:`LoadJob` /
+        :class:`SaveJob` per group that has blocks in it). ``handoff_wait_s``: how long a decode
         request handed off by a prefill worker waits for the blocks it was promised (:mod:`.handoff`).
         ``layerwise`` (``g3.layerwise_load``): a hit served by G3 alone is offered synchronously (vLLM loads it
-        inside the step, layer by layer: :mod:`.layerwise`); G4 hits and hybrid models stay asynchronous."""
+        inside the step, layer by layer: :mod:`.layerwise`); G4 hits and models of several or windowed groups
+        stay asynchronous (layer-wise failures are reported as block ids: :func:`.workers.block_level_errors`)."""
         self.groups = list(groups) if groups else [GroupTiers(namespace, g3, g4, None)]
-        self.multi = len(self.groups) > 1 or any(g.window_blocks is not None for g in self.groups)
         self.ns, self.bs = namespace, block_size
         self.save_decode = save_decode
         self.g3, self.g4 = g3, g4
         self.default_tenant = default_tenant
         self.lookup_timeout_s = lookup_timeout_s
         self.save_enabled, self.load_enabled = save, load
-        self.layerwise = layerwise and not self.multi
+        self.layerwise = layerwise and len(self.groups) == 1 and self.groups[0].window_blocks is None
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._hit_source: dict[str, dict[str, int]] = {}
@@ -149,7 +148,8 @@ class SchedulerSide:
             toks = list(request.prompt_token_ids or [])
             hashes = sequence_hashes(toks, self.bs, salt=salt, into=array("Q"))
             st = _Req(request.request_id, cache_salt or self.default_tenant, hashes,
-                      lookup_blocks=max(0, (len(toks) - 1) // self.bs), request=request, salt=salt)
+                      lookup_blocks=max(0, (len(toks) - 1) // self.bs), request=request, salt=salt,
+                      group_block_ids=[[] for _ in self.groups])
             self._reqs[request.request_id] = st
         return st
 
@@ -166,9 +166,6 @@ class SchedulerSide:
         parent = st.hashes[-1] if st.hashes else None
         sequence_hashes(list(toks[have * self.bs:upto * self.bs]), self.bs, salt=st.salt, parent=parent,
                         into=st.hashes)
-
-    def _keys_by_rank(self, st: _Req, n: int) -> list[KeyRun]:
-        return self.ns.rank_runs(st.hashes[:n], st.tenant)[0]
 
     def _group_keys(self, g: GroupTiers, st: _Req, a: int, n: int) -> list[KeyRun]:
         """Keys of blocks ``[a, n)`` of ``st`` in group ``g``'s namespace, one run per TP rank."""
@@ -223,24 +220,18 @@ class SchedulerSide:
                 self.events.learn(st.tenant, request, st.hashes, 0, st.g3_local)
             return 0, False
         if st.lookup is None:
-            if self.multi:
-                st.lookup = _HybridLookup(self, st)
-            else:
-                by_rank, g4 = self.ns.rank_runs(st.hashes[:st.lookup_blocks], st.tenant)  # built once
-                st.lookup = _Lookup(by_rank, self.g3, self.g4, self.lookup_timeout_s, g4_keys_by_rank=g4)
+            st.lookup = PrefixLookup(self, st)
         res = st.lookup.poll()
         if res is None:
             return None, False
-        if self.multi:
-            st.hybrid = res
-            p3, p4 = res[1], res[0] - res[1]
-        else:
-            p3, p4 = res
-            cut = self.failed_blocks.first_in(st.tenant, st.hashes, st.n_local, p3 + p4)
-            if cut < p3 + p4:
+        n, p3, wins = res
+        if not wins:  # (a hit with windows was probed at n: not cut here)
+            cut = self.failed_blocks.first_in(st.tenant, st.hashes, st.n_local, n)
+            if cut < n:
                 stats.add(lookup_failed_block_cuts=1)
-                p3 = min(p3, cut)
-                p4 = cut - p3
+                n, p3 = cut, min(p3, cut)
+        st.hit = (n, p3, wins)
+        p4 = n - p3
         st.g3_local = min(p3, st.n_local)
         if self.events is not None and p3:
             self.events.learn(st.tenant, request, st.hashes, 0, p3)  # e.g. found again after a restart
@@ -259,13 +250,10 @@ class SchedulerSide:
         I/O); None without G3 or when the answer is not there at once."""
         if self.g3 is None or n <= 0:
             return None
-        try:
-            if self.multi:  # the full-attention groups' prefix (sliding windows are re-offered, see _plan_local_save)
-                return min([f.result(timeout=0.05) for f in
-                            [g.g3.lookup_prefix(k) for g in self.groups if g.window_blocks is None and g.g3 is not None
-                             for k in self._group_keys(g, st, 0, n)]] or [n])
-            return min(f.result(timeout=0.05) for f in
-                       [self.g3.lookup_prefix(k) for k in self._keys_by_rank(st, n)])
+        try:  # the full-attention groups' prefix (sliding windows are re-offered, see _plan_local_save)
+            return min([f.result(timeout=0.05) for f in
+                        [g.g3.lookup_prefix(k) for g in self.groups if g.window_blocks is None and g.g3 is not None
+                         for k in self._group_keys(g, st, 0, n)]] or [n])
         except Exception:  # noqa: BLE001 - unknown: nothing extra is saved
             return None
 
@@ -275,28 +263,14 @@ class SchedulerSide:
         self._state(request)
         if num_external_tokens <= 0:
             return
-        st = self._reqs[request.request_id]
-        if self.multi:
-            self._plan_hybrid_load(request, st, blocks, num_external_tokens)
-            return
-        p3, p4 = st.lookup.poll() or (0, 0)
-        first = st.n_local
-        end = first + num_external_tokens // self.bs
-        block_ids = list(blocks.get_block_ids()[0])
-        tiers = ["G3" if i < p3 else "G4" for i in range(first, end)]
-        self._loads.append(LoadJob(request.request_id, block_ids[first:end], st.hashes[first:end].tolist(), tiers,
-                                   st.tenant, layerwise=st.sync_load))
-        st.planned = (first, end)
-        n3 = tiers.count("G3")
-        self._hit_source[request.request_id] = {"G3": n3 * self.bs, "G4": (len(tiers) - n3) * self.bs}
-        stats.add(load_planned_requests=1, load_planned_blocks=end - first, load_planned_g3_blocks=n3,
-                  load_planned_g4_blocks=len(tiers) - n3)
+        self._plan_load(request, self._reqs[request.request_id], blocks, num_external_tokens)
 
-    def _plan_hybrid_load(self, request: Any, st: _Req, blocks: Any, num_external_tokens: int) -> None:
+    def _plan_load(self, request: Any, st: _Req, blocks: Any, num_external_tokens: int) -> None:
         """One :class:`LoadJob` per KV cache group: full-attention groups load blocks ``[n_local, n)``,
         sliding-window groups the blocks of their window before ``n`` that vLLM allocated (it null-blocks,
-        block id 0, what the window does not reach)."""
-        n, p3, wins = st.hybrid or (0, 0, {})
+        block id 0, what the window does not reach). A G3-only hit offered synchronously (``layerwise``) is
+        a layer-wise job."""
+        n, p3, wins = st.hit or (0, 0, {})
         first = st.n_local
         end = first + num_external_tokens // self.bs
         ids = blocks.get_block_ids()
@@ -317,7 +291,7 @@ class SchedulerSide:
             if not pos:
                 continue
             self._loads.append(LoadJob(request.request_id, [gids[i] for i in pos], [st.hashes[i] for i in pos],
-                                       tiers, st.tenant, group=gi))
+                                       tiers, st.tenant, group=gi, layerwise=st.sync_load))
             planned += len(pos)
             g3n += tiers.count("G3")
         st.planned = (first, end)
@@ -327,16 +301,17 @@ class SchedulerSide:
                   load_planned_g4_blocks=planned - g3n)
 
     def load_failed(self, req_ids) -> None:
-        """vLLM reported these requests' loads failed (``failed_recving``: hybrid models). vLLM recomputes
-        such a request from its first token and asks for a match again: answer 0 from now on (the same
-        load would fail again: a livelock) and offer its blocks again as they are recomputed."""
+        """vLLM reported these requests' loads failed (``failed_recving``: models without block-level load
+        errors, :func:`.workers.block_level_errors`). vLLM recomputes such a request from its first token and
+        asks for a match again: answer 0 from now on (the same load would fail again: a livelock) and offer
+        its blocks again as they are recomputed."""
         for rid in req_ids:
             st = self._reqs.get(rid)
             if st is None:
                 continue
             if not st.no_load:  # else counted by loads_failed (the worker's report of the same step)
                 stats.add(load_failed_requests=1)
-            st.no_load, st.lookup, st.hybrid, st.saved_upto, st.planned = True, None, None, None, None
+            st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
 
     def loads_failed(self, failed) -> None:
         """Worker reports of loads that did not deliver every block (:class:`~.metadata.FailedLoad`): the
@@ -345,7 +320,7 @@ class SchedulerSide:
         for f in failed:
             st = self._reqs.get(f.req_id)
             if st is not None and not st.no_load:
-                st.no_load, st.lookup, st.hybrid, st.planned = True, None, None, None
+                st.no_load, st.lookup, st.hit, st.planned = True, None, None, None
                 stats.add(load_failed_requests=1)
             if f.reason == "miss":
                 self.failed_blocks.add(f.tenant, f.first_failed)
@@ -365,14 +340,14 @@ class SchedulerSide:
     def apply_g3_report(self, group: int, meta: KvbmWorkerMeta, rank: int | None = None) -> None:
         """One worker's G3 index changes of KV cache group ``group``, from a step's output (every TP rank's,
         aggregated by vLLM: ``rank`` None) or the report channel (:mod:`.report_channel`, one TP rank's, any
-        thread): into that group's :class:`G3Mirror` and, for group 0 of a single-group model, the KV events
-        (both take their own locks)."""
+        thread): into that group's :class:`G3Mirror` and, for group 0, the KV events (set only for a model of
+        one full-attention group; both take their own locks)."""
         g = self.groups[group] if group < len(self.groups) else None
         if g is None:
             return
         if isinstance(g.g3, G3Mirror):
             g.g3.apply(meta, rank=rank)
-        if not self.multi and self.events is not None:
+        if group == 0 and self.events is not None:
             self.events.apply(meta)
 
     def take_events(self, engine_cache_reset: bool = False) -> list:
@@ -396,9 +371,7 @@ class SchedulerSide:
             st = self._reqs.get(nr.req_id)
             if st is None:
                 continue
-            st.block_ids = list(nr.block_ids[0])
-            if self.multi:
-                st.group_block_ids = [list(b) for b in nr.block_ids]
+            st.group_block_ids = [list(b) for b in nr.block_ids]
             if st.saved_upto is None:
                 st.saved_upto = nr.num_computed_tokens // self.bs
                 self._plan_local_save(meta, st)
@@ -411,14 +384,10 @@ class SchedulerSide:
                 continue
             nb = cached.new_block_ids[i]
             if rid in resumed:
-                st.block_ids = list(nb[0]) if nb is not None else []
-                if self.multi:
-                    st.group_block_ids = [list(b) for b in nb] if nb is not None else [[] for _ in self.groups]
+                st.group_block_ids = [list(b) for b in nb] if nb is not None else [[] for _ in self.groups]
             elif nb is not None:
-                st.block_ids.extend(nb[0])
-                if self.multi:
-                    for gl, b in zip(st.group_block_ids, nb):
-                        gl.extend(b)
+                for gl, b in zip(st.group_block_ids, nb):
+                    gl.extend(b)
             if st.saved_upto is None:
                 st.saved_upto = cached.num_computed_tokens[i] // self.bs
             self._plan_save(meta, st, cached.num_computed_tokens[i] + sched.get(rid, 0))
@@ -429,20 +398,16 @@ class SchedulerSide:
         ``g3_local`` on: offered to the pools from the engine's blocks (their KV is final). Without
         this, a prefix used again while it is still in the engine's cache never reaches G3, because
         only newly computed blocks are offered and G3's admission filter wants a second sighting."""
-        held, n_local = st.g3_local, min(st.n_local, len(st.block_ids), len(st.hashes))
+        held, n_local = st.g3_local, min(st.n_local, len(st.group_block_ids[0]), len(st.hashes))
         if held is None or held >= n_local:
             return
-        if self.multi:
-            self._group_saves(meta, st, held, n_local)
-            stats.add(save_local_hit_blocks=n_local - held)
-            return
-        meta.saves.append(SaveJob(st.req_id, st.block_ids[held:n_local], st.hashes[held:n_local].tolist(), st.tenant))
+        self._group_saves(meta, st, held, n_local)
         stats.add(save_local_hit_blocks=n_local - held)
         if self.events is not None:
             self.events.learn(st.tenant, st.request, st.hashes, held, n_local)
 
     def _group_saves(self, meta: KvbmConnectorMetadata, st: _Req, a: int, end: int) -> None:
-        """Hybrid models: offer blocks ``[a, end)`` of every full-attention group, and of every
+        """Offer blocks ``[a, end)`` of every full-attention group, and of every
         sliding-window group only the window a request resuming at ``end`` reads (``[end - window, end)``
         within ``[a, end)``, engine blocks that are not vLLM's null block). Consecutive offers leave each
         resume point's whole window stored (a window reaching before ``a`` was offered by earlier steps)."""
@@ -455,9 +420,7 @@ class SchedulerSide:
                                           group=gi))
 
     def _plan_save(self, meta: KvbmConnectorMetadata, st: _Req, computed_after: int) -> None:
-        full = min(computed_after // self.bs, len(st.block_ids))
-        if self.multi:
-            full = min([full] + [len(b) for b in st.group_block_ids])
+        full = min([computed_after // self.bs] + [len(b) for b in st.group_block_ids])
         if self.save_decode and full > len(st.hashes):
             self._extend_hashes(st, full)
         full = min(full, len(st.hashes))
@@ -465,10 +428,7 @@ class SchedulerSide:
             return
         a = st.saved_upto
         st.saved_upto = full
-        if self.multi:
-            self._group_saves(meta, st, a, full)
-            return
-        meta.saves.append(SaveJob(st.req_id, st.block_ids[a:full], st.hashes[a:full].tolist(), st.tenant))
+        self._group_saves(meta, st, a, full)
         if self.events is not None:
             self.events.learn(st.tenant, st.request, st.hashes, a, full)
 

@@ -35,7 +35,7 @@ from ...gpu.checksum import device_checksums_torch
 from ...gpu.host_path import device_blocks_to_host
 from ...memory import BufferPool
 from ...model.namespace import Namespace
-from ...pool.base import BlockPool, GetResult, PutResult, SlotLeaseSource
+from ...pool.base import BlockPool, G3Extensions, GetResult, PutResult, require_g3_extensions
 from ...pool.deadlines import Deadline
 from . import stats
 from .kv_io import EngineKv, numpy_staging, split_blocks
@@ -61,15 +61,20 @@ class _Load:
 
 
 class WorkerSide:
-    """State of the worker-role connector (one per worker / TP rank)."""
+    """State of the worker-role connector for one KV cache group (one per group and worker / TP rank; the
+    connector drives them through :class:`~.workers.GroupedWorkers`).
 
-    def __init__(self, namespace: Namespace, rank: int, g3: BlockPool | None, g4: BlockPool | None, *,
+    ``g3`` must satisfy :class:`~kvbm_backend.pool.base.G3Extensions` (a G3 pool; else TypeError naming it).
+    """
+
+    def __init__(self, namespace: Namespace, rank: int, g3: G3Extensions | None, g4: BlockPool | None, *,
                  load_timeout_s: float = 5.0, promote_to_g3: bool = True,
                  max_pending_save_bytes: int = 1 << 30, save_to_g4: bool = True, report_g3: bool = False,
                  device_checksum: str = "auto"):
         if device_checksum not in ("auto", "on", "off"):
             raise ValueError(f"device_checksum: expected auto, on or off, got {device_checksum!r}")
-        self.ns, self.rank, self.g3, self.g4 = namespace, rank, g3, g4
+        self.ns, self.rank, self.g4 = namespace, rank, g4
+        self.g3: G3Extensions | None = require_g3_extensions(g3, "g3")
         self.device_checksum = device_checksum
         self.load_timeout_s = load_timeout_s
         self.promote_to_g3 = promote_to_g3
@@ -110,7 +115,7 @@ class WorkerSide:
         self.kv = kv
         log.info("kvbm_backend: registered %d layers, engine layout %s, %d bytes per block, device %s",
                  kv.layout.num_layers, kv.engine_layout, kv.layout.bytes_per_block, kv.device)
-        if isinstance(self.g3, SlotLeaseSource):
+        if self.g3 is not None:
             # probe the G3 -> device path now (logged once by the pool), not on the first request
             rd = self.g3.device_reader(kv.device)
             stats.set_info(g3_device_path=rd.mode, g3_device_path_reason=rd.mode_reason)
@@ -420,7 +425,7 @@ class WorkerSide:
         return gone
 
     def _index_keys(self) -> list:
-        """The G3 pool's published keys (``G3Pool.keys``: an index snapshot, no I/O)."""
+        """The G3 pool's published keys (:meth:`G3Extensions.keys`: an index snapshot, no I/O)."""
         return self.g3.keys()
 
     def load_errors(self) -> set[int]:
@@ -437,77 +442,4 @@ class WorkerSide:
         self._exec.shutdown(wait=True, cancel_futures=False)
 
 
-class GroupedWorkers:
-    """The worker role for a hybrid model: one :class:`WorkerSide` per vLLM KV cache group (each with
-    its group's namespace, pools and engine tensors), jobs routed by their ``group``.
-
-    A request's load is finished when every group that had a job for it finished. vLLM 0.32 cannot map
-    block-level load errors back to requests when there are several KV cache groups (its scheduler
-    raises on ``invalid_block_ids`` then), so a request with any failed block in any group is reported
-    in ``failed_recving`` (:meth:`take_finished`): vLLM recomputes it from its first token.
-    """
-
-    def __init__(self, workers: list[WorkerSide]):
-        if not workers:
-            raise ValueError("GroupedWorkers: no KV cache groups")
-        self.workers = workers
-        self._pending: dict[str, set[int]] = {}
-        self._failed: set[str] = set()
-        self._lock = threading.Lock()
-
-    def register(self, kvs: list[EngineKv]) -> None:
-        if len(kvs) != len(self.workers):
-            raise ValueError(f"kv caches: {len(kvs)} groups of tensors for {len(self.workers)} KV cache groups")
-        for w, kv in zip(self.workers, kvs):
-            w.register(kv)
-
-    def save(self, jobs: list[SaveJob]) -> None:
-        for gi, w in enumerate(self.workers):
-            mine = [j for j in jobs if j.group == gi]
-            if mine:
-                w.save(mine)
-
-    def start_loads(self, jobs: list[LoadJob]) -> None:
-        with self._lock:
-            for j in jobs:
-                self._pending.setdefault(j.req_id, set()).add(j.group)
-        for gi, w in enumerate(self.workers):
-            mine = [j for j in jobs if j.group == gi]
-            if mine:
-                w.start_loads(mine)
-
-    def take_finished(self) -> tuple[set[str], set[str]]:
-        """``(finished, failed)``: requests whose loads are over in every group, and those of them with a
-        failed block (reported to vLLM as ``failed_recving``: recomputed whole)."""
-        done: set[str] = set()
-        with self._lock:
-            for gi, w in enumerate(self.workers):
-                for rid in w.get_finished():
-                    groups = self._pending.get(rid)
-                    if groups is not None:
-                        groups.discard(gi)
-                self._failed |= w.failed_requests()
-                w.load_errors()  # block ids are not reported with several groups (see class doc)
-            for rid, groups in list(self._pending.items()):
-                if not groups:
-                    del self._pending[rid]
-                    done.add(rid)
-            failed = self._failed & done
-            self._failed -= failed
-        return done, failed
-
-    def worker_meta(self) -> KvbmWorkerMeta | None:
-        metas = [w.worker_meta() for w in self.workers]
-        if all(m is None for m in metas):
-            return None
-        head = metas[0] or KvbmWorkerMeta()
-        head.others = {gi: m for gi, m in enumerate(metas) if gi and m is not None}
-        return head
-
-    @property
-    def kv(self) -> EngineKv | None:
-        return self.workers[0].kv
-
-    def shutdown(self) -> None:
-        for w in self.workers:
-            w.shutdown()
+from .workers import GroupedWorkers  # noqa: E402,F401 - the N-group worker role, importable from here

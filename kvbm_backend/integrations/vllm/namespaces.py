@@ -1,0 +1,125 @@
+"""From vLLM's KV cache config to this engine's KV namespaces: one :class:`~.geometry.EngineGeometry` and
+:class:`~kvbm_backend.model.namespace.KvGroup` per KV cache group, the engine's
+:class:`~kvbm_backend.model.namespace.Namespace`, and the G3 config of each group and TP rank.
+
+Hybrid models (vLLM's hybrid KV cache manager, several KV cache groups: gpt-oss's alternating
+sliding-window/full attention, Gemma 2/3's sliding/full patterns, all-sliding models): each group has its own
+namespace (the structure of all groups plus the group's index and layout: :meth:`Namespace.for_group`), its
+own pools (G3 under ``<path>/group<g>``, capacity split by weight: full-attention groups 1, sliding-window
+groups ``sliding_capacity_weight``, default 0.25) and the same KVBM sequence hashes. Refused, with the
+reason: KV cache specs other than full attention, sliding window and MLA (Mamba/linear attention state,
+chunked local attention (Llama 4), cross-attention, sink/ring specs) and groups with different block sizes.
+
+Tensor parallelism (TP = N > 1): every rank's worker keeps a private G3 pool under ``<path>/tp<N>-rank<r>``
+with ``capacity_gb / N`` (:func:`rank_g3_config`).
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ...config import KvbmBackendConfig
+from ...model.namespace import KvGroup, Namespace
+from .geometry import EngineGeometry
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def _group_of(spec: Any, geo: EngineGeometry) -> KvGroup:
+    """A :class:`KvGroup` from one vLLM KV cache group's spec and its geometry. Raises ValueError naming the
+    spec for kinds the connector cannot carry."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    kind = {FullAttentionSpec: "full", MLAAttentionSpec: "mla", SlidingWindowSpec: "sliding"}.get(type(spec))
+    if kind is None:
+        raise ValueError(f"kv cache spec {type(spec).__name__}: KvbmBackendConnector carries full attention, "
+                         "sliding-window attention and MLA groups only (state/linear-attention, chunked local, "
+                         "cross-attention and sink/ring caches are not KV blocks of a token prefix)")
+    return KvGroup(kind=kind if not geo.mla else "mla", layout=geo.kv_layout,
+                   sliding_window=int(spec.sliding_window) if kind == "sliding" else None)
+
+
+def kv_groups(kv_cache_config: "KVCacheConfig") -> list:
+    """vLLM's KV cache groups the connector carries (device-resident ones)."""
+    return [g for g in kv_cache_config.kv_cache_groups if not getattr(g, "host_resident", False)]
+
+
+def engine_geometries(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> list[EngineGeometry]:
+    """One :class:`EngineGeometry` per KV cache group the connector carries, from its spec and layer
+    names (``KVCacheConfig.kv_cache_groups``), the TP degree (``ParallelConfig.tensor_parallel_size``) and
+    ``CacheConfig.cache_dtype`` (the ``--kv-cache-dtype``: vLLM allocates FP8 caches as uint8 tensors).
+    Raises ValueError for specs that are not attention KV and for unsupported KV dtypes (named)."""
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
+    return [EngineGeometry.from_kv_cache_spec(g.kv_cache_spec, len(g.layer_names), tp, cache_dtype=cache_dtype)
+            for g in kv_groups(kv_cache_config)]
+
+
+def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
+                        geometries: list[EngineGeometry] | None = None) -> Namespace:
+    """The Namespace of this engine's KV: model (``cfg.model``, else vLLM's served model name),
+    revision, per-rank KvLayout from the KV cache spec (layers, KV heads per rank, head size, dtype,
+    ``page_size`` = vLLM ``block_size``) and the TP degree.
+
+    MLA (vLLM ``MLAAttentionSpec``, e.g. DeepSeek-V2/V3/R1): one latent per token, ``outer_dim = 1``,
+    ``inner_dim = head_size`` (``kv_lora_rank + qk_rope_head_dim``, 576 for DeepSeek), the same on every
+    TP rank (replicated, not split); with TP > 1 every rank keeps its own copy in its G3 pool under its
+    own rank's key, and G4 holds one copy under rank 0's key (``Namespace.shared_rank``).
+
+    Several KV cache groups (vLLM's hybrid KV cache manager): the namespace records every group
+    (:class:`KvGroup`: kind full/sliding/mla, its layout, the window in tokens) and names group 0's
+    blocks; :meth:`Namespace.for_group` gives the others'. A uniform-spec model keeps the one-group
+    namespace (unchanged fingerprint).
+
+    Raises ValueError for KV caches the connector cannot carry (non-attention or chunked/cross/sink
+    specs, an MLA spec with more than one KV head, groups with different block sizes).
+    ``geometries``: :func:`engine_geometries` when the caller has them already."""
+    groups = kv_groups(kv_cache_config)
+    if not groups:
+        raise ValueError("kv cache: no KV cache groups (attention-free model); nothing to carry")
+    if geometries is None:
+        geometries = engine_geometries(vllm_config, kv_cache_config)
+    kgs = [_group_of(g.kv_cache_spec, geo) for g, geo in zip(groups, geometries)]
+    sizes = {k.layout.page_size for k in kgs}
+    if len(sizes) != 1:
+        raise ValueError(f"kv cache: KV cache groups with block sizes {sorted(sizes)}; KvbmBackendConnector "
+                         "needs one block size (a block's sequence hash covers block_size tokens)")
+    model = cfg.model
+    if model == "unknown":
+        names = vllm_config.model_config.served_model_name
+        model = names[0] if isinstance(names, (list, tuple)) else (names or vllm_config.model_config.model)
+    revision = cfg.revision
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    if len(kgs) == 1 and kgs[0].kind != "sliding":
+        return Namespace(model=str(model), layout=kgs[0].layout, revision=revision, tp_world_size=tp)
+    # several groups, or one sliding-window group (every layer windowed, e.g. Mistral-7B-v0.1: vLLM
+    # null-blocks what the window left behind, so blocks are stored window-bounded as in a hybrid model)
+    return Namespace(model=str(model), layout=kgs[0].layout, revision=revision, tp_world_size=tp,
+                     groups=tuple(kgs), group=0)
+
+
+def group_g3_config(cfg: KvbmBackendConfig, ns: Namespace, group: int, sliding_weight: float = 0.25) -> KvbmBackendConfig:
+    """The G3 config of KV cache group ``group`` of a hybrid namespace: a private pool in
+    ``<path>/group<g>`` under every configured path, with a share of ``g3.capacity_gb`` weighted 1 for a
+    full-attention (or MLA) group and ``sliding_weight`` for a sliding-window group (which stores only
+    the window before each resume point). ``cfg`` unchanged for a one-group namespace."""
+    if not ns.groups or not cfg.g3.enabled:
+        return cfg
+    w = [sliding_weight if g.kind == "sliding" else 1.0 for g in ns.groups]
+    g3 = cfg.g3.model_copy(update={"paths": [os.path.join(p, f"group{group}") for p in cfg.g3.paths],
+                                   "capacity_gb": cfg.g3.capacity_gb * w[group] / sum(w)})
+    return cfg.model_copy(update={"g3": g3})
+
+
+def rank_g3_config(cfg: KvbmBackendConfig, rank: int, tp_world_size: int) -> KvbmBackendConfig:
+    """The G3 config of TP rank ``rank`` of ``tp_world_size``: each rank's worker process owns a private
+    pool in ``<path>/tp<N>-rank<r>`` under every configured path, with ``capacity_gb / N`` of the
+    configured capacity (``g3.capacity_gb`` is the node's budget for this engine, all ranks together).
+    A rank stores and loads only its own slice of each block (its KV heads; DESIGN.md: one object per
+    rank), so the ranks' pools never hold the same bytes."""
+    if tp_world_size <= 1 or not cfg.g3.enabled:
+        return cfg
+    g3 = cfg.g3.model_copy(update={"paths": [os.path.join(p, f"tp{tp_world_size}-rank{rank}") for p in cfg.g3.paths],
+                                   "capacity_gb": cfg.g3.capacity_gb / tp_world_size})
+    return cfg.model_copy(update={"g3": g3})

@@ -1,0 +1,268 @@
+"""The connector's wiring: from vLLM's configs to its parts (:func:`wire` fills a :class:`ConnectorParts`).
+
+Roles: :class:`~.scheduler_side.SchedulerSide` (lookup G3 then G4, load/save plans) and
+:class:`~.workers.GroupedWorkers` (one :class:`~.worker_side.WorkerSide` per KV cache group: gather/scatter,
+background I/O). Every model runs the same path; a dense model is one KV cache group. With vLLM's ``uni``
+executor (worker inside the engine-core process) both roles open the pools through
+:func:`kvbm_backend.integrations.tiers.shared_tiers` and share one pool object and one index. With the ``mp``
+executor (``vllm serve`` on CPU, for one) or TP > 1 the worker owns G3 and the scheduler answers G3 lookups
+from a :class:`~.g3_mirror.G3Mirror` fed by the worker's reports (:mod:`.report_channel`, else
+:class:`~.metadata.KvbmWorkerMeta` in the step output); G4, shared storage by design, is opened by both. In
+that mode the scheduler writes its counters to ``<stats_path stem>.scheduler<ext>`` and (rank 0's) worker
+merges them into ``stats_path`` (:func:`.stats.merge_snapshots`); rank r > 0 writes
+``<stats_path stem>.rank<r><ext>``.
+
+TP = N > 1: every rank stores and loads only its slice of each block (its KV heads; one object per
+(block, rank) in G4) in its own G3 pool (:func:`.namespaces.rank_g3_config`); the scheduler looks a prefix
+up for every rank and takes the shortest. MLA latents are the same on every rank: each rank keeps its copy in
+G3, G4 holds one under rank 0's key (:meth:`~kvbm_backend.model.namespace.Namespace.shared_rank`).
+
+Decided once here, per model: how failed loads reach vLLM (block ids for one full-attention group, failed
+requests otherwise: :func:`.workers.block_level_errors`), layer-wise G3 loads (``g3.layerwise_load``, the
+block-id case only) and G3 KV events (``--kv-events-config``; not for hybrid models). Each worker-side G3
+pool must satisfy :class:`~kvbm_backend.pool.base.G3Extensions` (checked by :class:`~.worker_side.WorkerSide`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
+from ...config import KvbmBackendConfig
+from ...model.namespace import Namespace
+from ..tiers import release_tiers, shared_tiers
+from . import layerwise, report_channel, start_failure, stats
+from .extra_config import config_from_extra
+from .g3_mirror import G3Mirror
+from .geometry import EngineGeometry, total_kv_heads
+from .kv_events import G3KvEvents, IdlePublisher
+from .kv_io import EngineKv
+from .metadata import KvbmWorkerMeta
+from .namespaces import engine_geometries, group_g3_config, kv_groups, namespace_from_vllm, rank_g3_config
+from .scheduler_side import GroupTiers, SchedulerSide
+from .worker_side import WorkerSide
+from .workers import GroupedWorkers, block_level_errors
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("kvbm_backend.connector")
+
+
+class TierGroup(NamedTuple):
+    """One KV cache group's namespace, (per group and rank) config and pools as this role opened them."""
+
+    ns: Namespace
+    cfg: KvbmBackendConfig
+    g3: Any
+    g4: Any
+
+
+class ConnectorParts:
+    """What one connector (one role) is made of; :func:`wire` fills it in steps, so a failed start releases
+    what was taken (:meth:`release_partial`). ``sched`` is set for the scheduler role, ``worker`` otherwise."""
+
+    cfg: KvbmBackendConfig          # set by wire(), in this order
+    opts: dict                      # the connector's own options (extra_config.config_from_extra)
+    geometries: list[EngineGeometry]
+    ns: Namespace                   # the engine's namespace (group 0's blocks; every group's structure)
+
+    def __init__(self) -> None:
+        self._groups: list[TierGroup] = []
+        self._listener: report_channel.ReportListener | None = None
+        self._writer: stats.StatsWriter | None = None
+        self._pump: Any = None
+        self.sched: SchedulerSide | None = None
+        self.worker: GroupedWorkers | None = None
+        self.channel_key = ""
+        self.rank = 0
+        self._interval, self._closed, self._channel_decided = stats.Interval(), False, False
+
+    def release_partial(self) -> None:
+        start_failure.release_partial(self)
+
+    # ---- worker role ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict, kv_cache_config: "KVCacheConfig") -> None:
+        """Wrap each KV cache group's per-layer tensors (:class:`EngineKv`, in vLLM's group order). Raises
+        ValueError when a group's layer is missing or its tensors do not match the group's layout."""
+        kvs, names = [], []
+        for g, geo in zip(kv_groups(kv_cache_config), self.geometries):
+            gnames = list(g.layer_names)
+            missing = [n for n in gnames if n not in kv_caches]
+            if missing:
+                raise ValueError(f"kv caches: layers {missing[:3]} of the KV cache group were not registered")
+            t0 = kv_caches[gnames[0]]
+            log.info("kvbm_backend: KV cache tensor per layer: shape %s stride %s dtype %s device %s",
+                     tuple(t0.shape), t0.stride(), t0.dtype, t0.device)
+            kvs.append(EngineKv.from_geometry([kv_caches[n] for n in gnames], geo,
+                                              num_blocks=int(kv_cache_config.num_blocks)))
+            names.append(gnames)
+        self.worker.register(kvs, names)
+        t0, kv = kv_caches[names[0][0]], kvs[0]
+        stats.set_info(kv_cache_shape=list(t0.shape), kv_cache_dtype=str(t0.dtype), kv_cache_device=str(t0.device),
+                       engine_layout=kv.engine_layout, bytes_per_block=kv.layout.bytes_per_block,
+                       namespace=self.ns.fingerprint, namespace_dtype=self.ns.layout.dtype,
+                       num_layers=kv.layout.num_layers)
+        if self.ns.groups:
+            stats.set_info(kv_cache_groups=[
+                {"kind": g.kind, "sliding_window": g.sliding_window, "window_blocks": g.window_blocks,
+                 "num_layers": k.layout.num_layers, "bytes_per_block": k.layout.bytes_per_block,
+                 "namespace": tg.ns.fingerprint}
+                for g, k, tg in zip(self.ns.groups, kvs, self._groups)])
+
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        """``(finished_recving, failed_recving)`` of the worker role (empty for the scheduler)."""
+        out = self.worker.take_finished() if self.worker is not None else (set(), set())
+        self._writer.maybe_write()
+        return out
+
+    def worker_meta(self) -> KvbmWorkerMeta | None:
+        if self.worker is None:
+            return None
+        if not self._channel_decided:  # at the worker's first report (report_channel.start_worker_reports)
+            self._channel_decided = True
+            self._pump = report_channel.start_worker_reports(self.channel_key, self.worker.workers, self.rank)
+        return self.worker.worker_meta()
+
+    def interval_stats(self) -> stats.KvbmConnectorStats | None:
+        if self.worker is None:
+            return None
+        d = self._interval.delta()
+        return stats.KvbmConnectorStats(data=d) if d else None
+
+    # ---- scheduler role ---------------------------------------------------------------------------
+    def on_g3_report(self, group: int, rank: int, added: list, removed: list, snapshot: bool) -> None:
+        self.sched.apply_g3_report(group, KvbmWorkerMeta(added, removed, snapshot), rank=rank)
+        stats.add(g3_reports_by_channel=1)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.sched is not None:
+            self.sched.update_connector_output(getattr(connector_output, "kv_connector_worker_meta", None))
+            failed = getattr(connector_output, "failed_recving", None)
+            if failed:
+                self.sched.load_failed(failed)
+        self._writer.maybe_write()
+
+    def pool_stats(self) -> dict:
+        out = {}
+        for gi, tg in enumerate(self._groups):
+            for name, p in (("g3", tg.g3), ("g4", tg.g4)):
+                if p is not None:
+                    out[name if gi == 0 else f"{name}_group{gi}"] = p.stats()
+        return out
+
+    def close(self) -> None:
+        """Stop the worker, report channel and idle publisher, flush the pools (10 s each), write the
+        counters and release the tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self._pump is not None:
+            self._pump.stop()
+        if self._listener is not None:
+            self._listener.close()
+        if self.sched is not None and self.sched.idle_events is not None:
+            self.sched.idle_events.stop()
+        for tg in self._groups:
+            for p in (tg.g3, tg.g4):
+                if p is not None and not p.flush(timeout=10.0):
+                    log.warning("kvbm_backend: %s offloads still pending after 10 s at shutdown; close() drops "
+                                "what it cannot write (counted)", p.tier)
+        if self._writer is not None:
+            self._writer.maybe_write(force=True)
+            self._writer.stop()
+        for tg in self._groups:
+            release_tiers(tg.cfg, tg.ns)
+
+
+def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, kv_cache_config: "KVCacheConfig",
+         tiers: Callable[[KvbmBackendConfig, Namespace, Any], tuple[Any, Any]] = shared_tiers) -> ConnectorParts:
+    """Fill ``parts`` for ``role`` (vLLM's ``KVConnectorRole``) from the ``kv_transfer_config`` ``ktc``.
+    ``tiers(cfg, namespace, kv_heads) -> (g3, g4)`` opens a group's pools (:func:`~kvbm_backend.integrations.
+    tiers.shared_tiers`, released by :meth:`ConnectorParts.close`; ``kv_heads``: the model's total KV heads,
+    for ``g4.layout: canonical``).
+
+    Raises:
+        ConfigError: a bad ``kv_connector_extra_config`` (naming the key or field).
+        ValueError: a KV cache the connector cannot carry (naming the spec).
+        TypeError: a worker-side G3 pool without :class:`~kvbm_backend.pool.base.G3Extensions`.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    scheduler = role == KVConnectorRole.SCHEDULER
+    cfg, opts = config_from_extra(ktc.kv_connector_extra_config)
+    parts.cfg, parts.opts = cfg, opts
+    parts.geometries = engine_geometries(vllm_config, kv_cache_config)
+    ns = parts.ns = namespace_from_vllm(cfg, vllm_config, kv_cache_config, parts.geometries)
+    if ns.tp_world_size > 1 and not scheduler:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        parts.rank = int(get_tensor_model_parallel_rank())
+    if ktc.kv_load_failure_policy != "recompute":
+        log.warning("kvbm_backend: kv_load_failure_policy=%r; set 'recompute' so that a failed or corrupt "
+                    "load is recomputed instead of failing the request", ktc.kv_load_failure_policy)
+    # vLLM's "uni" executor runs the worker inside the engine-core (scheduler) process: both roles share one
+    # pool object. Otherwise ("mp", ray) or with TP > 1 the worker owns G3 and the scheduler mirrors it.
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    split = backend not in (None, "uni", "external_launcher") or ns.tp_world_size > 1
+    blocks = block_level_errors(ns)
+    kv_events_cfg = getattr(vllm_config, "kv_events_config", None)
+    kv_events = bool(kv_events_cfg is not None and kv_events_cfg.enable_kv_cache_events and cfg.g3.enabled)
+    if kv_events and not blocks:
+        log.warning("kvbm_backend: G3 KV events are not published for hybrid models (%d KV cache groups)",
+                    len(ns.groups))
+        kv_events = False
+    mirror = split and scheduler and cfg.g3.enabled
+    tier_cfg = cfg
+    if mirror:
+        tier_cfg = cfg.model_copy(update={"g3": cfg.g3.model_copy(update={"enabled": False})})
+    elif ns.tp_world_size > 1:
+        tier_cfg = rank_g3_config(cfg, parts.rank, ns.tp_world_size)
+    for gi in range(max(1, len(ns.groups))):  # one TierGroup per KV cache group
+        gns = ns.for_group(gi)
+        gcfg = group_g3_config(tier_cfg, ns, gi, opts["sliding_capacity_weight"])
+        g3, g4 = tiers(gcfg, gns, total_kv_heads(vllm_config))
+        parts._groups.append(TierGroup(gns, gcfg, G3Mirror(gns) if mirror else g3, g4))
+    parts._writer = _stats_writer(parts, opts["stats_path"], split, scheduler)
+    dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    parts.channel_key = report_channel.channel_key(str(ktc.engine_id), dp, ns.fingerprint)
+    if scheduler:
+        groups = [GroupTiers(tg.ns, tg.g3, tg.g4, (ns.groups[gi].window_blocks if ns.groups else None))
+                  for gi, tg in enumerate(parts._groups)]
+        parts.sched = SchedulerSide(ns, ns.layout.page_size, groups[0].g3, groups[0].g4, default_tenant=cfg.tenant,
+                                    lookup_timeout_s=max(cfg.g4.timeout_s, 0.5), save=opts["save"],
+                                    load=opts["load"], save_decode=opts["save_decode"], groups=groups,
+                                    handoff_wait_s=opts["handoff_wait_s"], layerwise=cfg.g3.layerwise_load)
+        if kv_events:
+            parts.sched.events = G3KvEvents(ns.tp_world_size, ns.layout.page_size,
+                                            kv_cache_config.kv_cache_groups[0].kv_cache_spec)
+            parts.sched.idle_events = IdlePublisher(parts.sched.events)
+        if mirror or kv_events:
+            parts._listener = report_channel.ReportListener(parts.channel_key, parts.on_g3_report)
+    else:
+        ws = [WorkerSide(tg.ns, parts.rank, tg.g3, tg.g4, load_timeout_s=cfg.g3.load_timeout_s + cfg.g4.timeout_s,
+                         promote_to_g3=opts["promote_to_g3"], save_to_g4=opts["save_to_g4"],
+                         max_pending_save_bytes=opts["max_pending_save_bytes"], report_g3=split or kv_events,
+                         device_checksum=cfg.g3.device_checksum)
+              for tg in parts._groups]
+        lw = (lambda w, names: layerwise.for_worker(cfg, w, names)) if blocks else None
+        parts.worker = GroupedWorkers(ws, block_errors=blocks, layerwise=lw)
+    log.info("kvbm_backend connector (%s): namespace %s %s, G3=%s G4=%s, G3 KV events=%s", role.name,
+             ns.fingerprint, json.dumps(ns.to_dict()), parts._groups[0].g3 is not None,
+             parts._groups[0].g4 is not None, kv_events)
+    return parts
+
+
+def _stats_writer(parts: ConnectorParts, stats_path: str | None, split: bool, scheduler: bool) -> stats.StatsWriter:
+    """The counters' writer of this role (see the module doc for the file names)."""
+    merge = stats_path
+    if stats_path:
+        root, ext = os.path.splitext(stats_path)
+        merge = f"{root}.scheduler{ext}" if split else None  # rank 0's worker merges it into stats_path
+        if split and scheduler:
+            stats_path, merge = merge, None
+        elif parts.rank > 0:
+            stats_path, merge = f"{root}.rank{parts.rank}{ext}", None
+    return stats.StatsWriter(stats_path, extra=parts.pool_stats, merge=merge)
