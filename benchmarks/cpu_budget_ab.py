@@ -110,7 +110,7 @@ def main() -> int:
                 if inproc.poll() is not None:
                     raise RuntimeError((wd / "inproc.log").read_text()[-3000:])
                 time.sleep(0.3)
-            for name, model in models.items():
+            for model in models.values():
                 stream_completion(st.base, model, list(range(1, 41)), max_tokens=1)  # warm-up, not timed
             for i, p in enumerate(ps):
                 for name, model in models.items():

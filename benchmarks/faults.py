@@ -1155,7 +1155,7 @@ def campaign_revoke(K: Kind, rng: random.Random, tmp: Path, s3, quick: bool) -> 
                 stop = threading.Event()
                 errors: list[str] = []
 
-                def reader() -> None:
+                def reader(seqs=seqs, tenant=tenant, stop=stop, errors=errors, log=log) -> None:
                     keys = NS.keys(seqs, tenant=tenant)
                     out = [np.zeros(BB, np.uint8) for _ in keys]
                     while not stop.is_set():

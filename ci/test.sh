@@ -4,6 +4,7 @@
 #   bash ci/test.sh            the whole suite, in three lanes at once (below)
 #   bash ci/test.sh --fast     the unit lane only (no SeaweedFS, no vLLM engine, no GPU, nothing slow)
 #   bash ci/test.sh ARGS...    pytest ARGS (one lane; `--fast` may be combined with them)
+# The whole suite and --fast run `ruff check .` first (pyproject.toml [tool.ruff]); a lint error fails the run.
 #
 # Three lanes at once, split by markers (tests/conftest.py applies them; the lanes partition the suite exactly):
 #   engine  tests marked slow, vllm, s3 or gpu (vLLM engines, Dynamo, SeaweedFS, crashes) and not side: in the
@@ -18,6 +19,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/kvbm-backend ] && [ -z "${KVBM_REINSTALL:-}" ] || bash ci/install.sh
 export PYTHONUNBUFFERED=1
+if [ $# -eq 0 ] || [ "$*" = "--fast" ]; then  # lint first (seconds): pyproject.toml [tool.ruff]
+  echo "ruff check ."
+  .venv/bin/python -m ruff check . || { echo "ci/test.sh: lint failed (ruff check .)" >&2; exit 1; }
+fi
 UNIT="not slow and not vllm and not s3 and not gpu"
 PY=.venv/bin/python
 if [ $# -gt 0 ]; then

@@ -76,7 +76,6 @@ def device_checksum_torch(tensor) -> int:
     Raises:
         ValueError: payload of 8 GiB or more. RuntimeError: big-endian host.
     """
-    torch = _torch()
     if not tensor.is_contiguous():
         raise ValueError("device_checksum_torch: tensor must be contiguous (its bytes are the payload)")
     if tensor.numel() == 0:

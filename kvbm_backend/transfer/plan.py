@@ -92,7 +92,7 @@ def coalesce(extents: Sequence[Extent], io_size: int, write: bool) -> list[IoOp]
             ops.append(IoOp(fd=cur_fd, offset=cur_off, bufs=cur, write=write))
         cur, cur_bytes, cur_off = [], 0, None
 
-    for fd, off, n, bufs in items:
+    for fd, off, _n, bufs in items:
         if fd == cur_fd and run_end is not None and off < run_end:
             raise ValueError(
                 f"extents overlap in fd {fd}: one ends at byte {run_end}, the next starts at byte {off}"

@@ -85,7 +85,7 @@ def _write(tmp_path: Path, model, g4: str) -> tuple[Path, list, dict, list, list
     if g4:
         assert sa.get("g4_put_written_blocks") == want_saved, sa
     # the G3 directory of each group records the whole structure and its own group
-    for gi, g in enumerate(groups):
+    for gi in range(len(groups)):
         ns = json.loads((tmp_path / "w" / "g3" / f"group{gi}" / "namespace.json").read_text())
         assert ns["group"] == gi and [x["kind"] for x in ns["groups"]] == [x["kind"] for x in groups], ns
         assert ns["layout"]["dtype"] == "float32"

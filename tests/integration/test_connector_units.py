@@ -174,7 +174,7 @@ def test_decode_blocks_are_saved_with_the_chained_identity(tmp_path, save_decode
         # decode: one token per step; vLLM appends the sampled token before scheduling the next step
         out = list(range(5000, 5000 + 2 * bs))
         blocks = [1, 2, 3]
-        for i, t in enumerate(out):
+        for t in out:
             req.all_token_ids.append(t)
             n_tok = len(req.all_token_ids)
             nb = None

@@ -156,7 +156,7 @@ def test_script_defaults_only_where_nothing_is_given(script, tmp_path):
         assert [t["type"] for t in offloading_extra(ktc)["secondary_tiers"]] == ["G3Tier"]
         assert "G4Tier left out (g4.enabled=false)" in line
     # one field in the file: only the other one defaults
-    bare.write_text(f"model: m\ng3: {{capacity_gb: 0.25}}\n")
+    bare.write_text("model: m\ng3: {capacity_gb: 0.25}\n")
     line, ktc, env = parse(run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(bare)))
     assert "g3.capacity_gb=0.25 [file]" in line and f"g3.paths={','.join(want)} [script]" in line
     assert "KVBM_BACKEND__G3__CAPACITY_GB" not in env

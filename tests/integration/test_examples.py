@@ -11,7 +11,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
 from kvbm_backend.config import load_config
 

@@ -209,7 +209,6 @@ def test_special_file_in_place_of_a_slab_is_a_one_line_error(tmp_path):
     import socket
     import threading
 
-    import pytest
 
     from kvbm_backend.pool.g3.slabs import G3PathError
     with open_pool(tmp_path) as pool:
@@ -222,7 +221,7 @@ def test_special_file_in_place_of_a_slab_is_a_one_line_error(tmp_path):
         make()
         for od in ("on", "off", "auto"):
             res: list = []
-            t = threading.Thread(target=lambda: res.append(_try_open(tmp_path, od)), daemon=True)
+            t = threading.Thread(target=lambda res=res, od=od: res.append(_try_open(tmp_path, od)), daemon=True)
             t.start()
             t.join(60)
             assert res, f"opening a pool with {what} under a slab name blocked"  # never blocks on a FIFO

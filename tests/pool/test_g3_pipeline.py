@@ -119,7 +119,7 @@ def test_publish_only_after_own_fdatasync_while_writes_overlap_syncs(tmp_path, m
             assert res.written == 60
             ev = list(log.events)
             checked = 0
-            for seq, kind, (key, (fi, si)) in ((s, k, w) for s, k, w in ev if k == "publish"):
+            for seq, _kind, (key, (fi, si)) in ((s, k, w) for s, k, w in ev if k == "publish"):
                 fd = pool.slabs.by_index[fi].fd
                 lo, hi = si * SLOT, (si + 1) * SLOT
                 # the slot's bytes: every write covering them finished before ...

@@ -136,7 +136,7 @@ def test_hung_shared_mount_reads_are_bounded_and_recover(tmp_path):
     held = HeldOpen(hung)
     try:
         sentinel = [np.full(bpb, 0xAB, np.uint8) for _ in range(4)]
-        for attempt in range(2):  # two silent batches: breaker_failures=2
+        for _attempt in range(2):  # two silent batches: breaker_failures=2
             fut, call_s = _timed(lambda: pool.get(keys[:4], sentinel))
             assert call_s < NONBLOCKING_S
             t0 = time.monotonic()

@@ -92,7 +92,7 @@ def test_g3_pool_gives_the_same_prefix_for_a_key_run_and_its_keys(tmp_path, seed
                 assert pools[ns_i].put(keys, [blk] * len(keys)).result(60).written == len(keys)
         for ns_i, p in enumerate(pools):
             assert p.flush(60)
-            _same_from_both(lambda k: p.lookup_prefix(k).result(5),
+            _same_from_both(lambda k, p=p: p.lookup_prefix(k).result(5),
                             [c for c in _cases(rng, nss, seqs, stored, length) if c[0] is nss[ns_i]])
             for (ns_j, t, r), hs in seqs.items():  # and the numbers are the right ones
                 if ns_j == ns_i:
@@ -111,7 +111,7 @@ def test_g3_mirror_gives_the_same_prefix_for_a_key_run_and_its_keys(seed):
         ids = [mirror_id(k) for (ns_j, t, r), hs in seqs.items() if ns_j == ns_i
                for k in ns.keys(hs[:stored[(ns_j, t, r)]], t, r)]
         m.apply(KvbmWorkerMeta(added=ids, snapshot=True))
-        _same_from_both(lambda k: m.lookup_prefix(k).result(), _cases(rng, nss, seqs, stored, length))
+        _same_from_both(lambda k, m=m: m.lookup_prefix(k).result(), _cases(rng, nss, seqs, stored, length))
         for (ns_j, t, r), hs in seqs.items():
             if ns_j == ns_i:
                 assert m.lookup_prefix(ns.run(hs, t, r)).result() == stored[(ns_j, t, r)]
@@ -185,7 +185,7 @@ def test_bad_key_runs_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="rank: 2 outside TP world size 2"):
         ns.run([1], "", 2)
     with pytest.raises(TypeError, match="sequence hashes are ints, got float"):
-        ns.run([1, 2.5]).seq_hashes
+        _ = ns.run([1, 2.5]).seq_hashes
     with pytest.raises(ValueError, match="seq_hashes: a 1-D uint64 array"):
         SeqHashes(np.zeros(3, np.int64))
     with pytest.raises(ValueError, match="KeyRun.rank"):

@@ -109,7 +109,6 @@ def _tiers_cfg(tmp_path, **metrics_cfg):
 
 def test_metrics_port_serves_kvbm_series_when_tiers_open(tmp_path):
     from tests.helpers.g4_writer import namespace, payload as g4_payload
-    from tests.helpers.held_open import HeldOpen
     from kvbm_backend.integrations.tiers import open_tiers
     port = _free_port()
     ns = namespace()
@@ -174,8 +173,6 @@ def test_dynamo_metrics_env_names():
 
 def test_every_g4_series_moves(tmp_path):
     """Each series of TierMetrics("g4") is updated by G4Pool: the documented set, nothing dead."""
-    import os
-    import time
     from tests.helpers.g4_writer import namespace, payload as g4_payload
     from tests.helpers.held_open import HeldOpen
     from kvbm_backend.config import G4Config
@@ -294,7 +291,6 @@ def test_one_endpoint_serves_every_process_of_the_pod(tmp_path):
     import os
     import subprocess
     import sys
-    import time
     from pathlib import Path
     from tests.helpers.g4_writer import namespace
     repo = str(Path(__file__).resolve().parents[2])

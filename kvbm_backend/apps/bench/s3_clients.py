@@ -320,7 +320,7 @@ def run(endpoint: str, bucket: str, *, object_mib: float = 2, objects: int = 64,
                              "timeouts": rs[0]["timeouts"], "runs": rs}
     if "boto3" in out["clients"]:
         b = out["clients"]["boto3"]
-        for c, r in out["clients"].items():
+        for r in out["clients"].values():
             r["get_vs_boto3"] = r["get_gbps"] / b["get_gbps"]
             r["put_vs_boto3"] = r["put_gbps"] / b["put_gbps"]
     return out

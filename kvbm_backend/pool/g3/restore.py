@@ -67,7 +67,7 @@ class RestoreMixin:
                 good.append((key, slot))
         used: dict[int, set[int]] = collections.defaultdict(set)
         self.index.restore_many(good)  # one vectorised build, oldest first
-        for key, slot in good:
+        for _key, slot in good:
             used[slot[0]].add(slot[1])
         self.slabs.restore(used)
         self._c["restored_blocks"] = len(good)

@@ -133,9 +133,11 @@ class ObjectStore(ABC):
     def probe(self) -> None:
         """Check at start-up that the store answers (cheap; no object written). Raises
         StoreUnavailable, BucketMissing or OSError (e.g. access denied). Default: nothing to check."""
+        return None
 
     def close(self) -> None:
-        pass
+        """Release connections and threads. Default: nothing held."""
+        return None
 
 
 def redact_url(url: str | None) -> str:
