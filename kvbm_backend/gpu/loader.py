@@ -55,7 +55,7 @@ from ..model.frame import HEADER_BYTES
 from ..model.layout import KvLayout
 from ..model.namespace import BlockKey, tenant_tag
 from ..pool.base import SlotLease, SlotLeaseSource
-from ..pool.deadlines import Deadline
+from ..deadlines import Deadline
 from ..transfer import group_passes
 from .probe import MODES, PROBE_BYTES, ProbeResult, _torch, probe_device_path
 from .reads import PassReads, _Pass

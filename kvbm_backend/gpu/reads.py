@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from ..pool.deadlines import Deadline
+from ..deadlines import Deadline
 from ..transfer import contiguous_runs
 from .probe import _torch
 from .staging import host_staging_pool

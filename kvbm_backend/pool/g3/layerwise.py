@@ -46,7 +46,7 @@ from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, tenant_tag
 from ...transfer.layers import DEFAULT_MIN_READ, layer_aligned, layer_groups, plan_layer_reads
 from ..base import SlotLease, SlotLeaseSource
-from ..deadlines import Deadline
+from ...deadlines import Deadline
 
 log = logging.getLogger(__name__)
 

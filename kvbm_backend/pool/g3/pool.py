@@ -59,7 +59,7 @@ from ...model.frame import ChecksumFrames
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace
 from ..base import GetResult, PutResult, completed, is_tensor_batch
-from ..deadlines import Deadline, Deadlines
+from ...deadlines import Deadline, Deadlines
 from . import journal as jr
 from .admission import make_admission
 from .compact_index import CompactLruIndex
