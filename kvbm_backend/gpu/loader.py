@@ -43,7 +43,6 @@ included); :mod:`.verify` steps 3-5; :mod:`kvbm_backend.transfer` plans passes a
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import Counter, deque
@@ -51,6 +50,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..io.files import ReadFiles
 from ..model.frame import HEADER_BYTES
 from ..model.layout import KvLayout
 from ..model.namespace import BlockKey, tenant_tag
@@ -128,10 +128,7 @@ class DeviceLoader(PassReads, PassVerify):
         self.timeout_s = timeout_s
         self.threads = threads
         self.counters: Counter = Counter()
-        self._fds: dict[str, int] = {}
-        self._buffered: set = set()  # paths whose filesystem refused O_DIRECT
-        self._stale_fds: list = []
-        self._lock = threading.Lock()
+        self._files = ReadFiles(self.counters)  # counts files_o_direct / files_buffered
         self._call_lock = threading.Lock()
         self._abandoned: list = []  # (futures, buffers) of timed-out reads, kept alive until done
         self._ring: dict = {}  # (ring slot) -> (staging, host, host buffer) reused across calls
@@ -265,7 +262,7 @@ class DeviceLoader(PassReads, PassVerify):
                         f.get() if not hasattr(f, "result") else f.result()
                     except Exception:  # noqa: BLE001
                         pass
-            for fd in list(self._fds.values()):
+            for fd in self._files.open_fds():
                 self._engine.forget_fd(fd)
             self._engine.close()
             self._engine = None
@@ -276,11 +273,7 @@ class DeviceLoader(PassReads, PassVerify):
             self._give_ring(entry)  # every read has ended (threads joined / kvikio reads waited for)
         self._abandoned = []
         self._ring = {}
-        with self._lock:
-            fds, self._fds = list(self._fds.values()) + self._stale_fds, {}
-            self._stale_fds = []
-        for fd in fds:
-            os.close(fd)
+        self._files.close()
 
     # -- internals ---------------------------------------------------------------------------
     def _load_rows(self, keys, leases, held, dst, why) -> None:

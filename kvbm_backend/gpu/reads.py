@@ -9,9 +9,7 @@ What is read is planned in :mod:`kvbm_backend.transfer` (:func:`~kvbm_backend.tr
 """
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -44,43 +42,10 @@ def _done(f) -> bool:
 class PassReads:
     """Files, staging ring, submit and reap of :class:`~kvbm_backend.gpu.loader.DeviceLoader`.
 
-    State (set by the loader's ``__init__``): ``_fds``, ``_buffered``, ``_stale_fds``, ``_lock``,
-    ``_abandoned`` (``(futures, ring entry)`` of timed-out reads, kept alive until done),
+    State (set by the loader's ``__init__``): ``_files`` (:class:`~kvbm_backend.io.files.ReadFiles`:
+    O_DIRECT on the bounce/host paths where the filesystem takes it, buffered for kvikio), ``_abandoned`` (``(futures, ring entry)`` of timed-out reads, kept alive until done),
     ``_ring`` (ring slot -> ``(staging, host, host buffer)``, reused across calls).
     """
-
-    # -- files -------------------------------------------------------------------------------
-    def _fd(self, path: str) -> int:
-        """The read fd of ``path``: O_DIRECT on the bounce/host paths where the filesystem takes it
-        (reads DMA into the aligned staging, no page-cache copy: the storage's own rate), else buffered
-        (kvikio opens its own handles from this fd)."""
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-                if self._engine is None and path not in self._buffered:
-                    try:
-                        fd = os.open(path, flags | os.O_DIRECT)
-                        self.counters["files_o_direct"] += 1
-                    except OSError as e:
-                        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                            raise
-                        self._buffered.add(path)
-                if fd is None:
-                    fd = os.open(path, flags)
-                    self.counters["files_buffered"] += 1
-                self._fds[path] = fd
-            return fd
-
-    def _fall_back_to_buffered(self, path: str, fd: int) -> None:
-        """The filesystem opened ``path`` with O_DIRECT but refused the read (EINVAL): buffered from now
-        on (the old fd stays open until :meth:`close`, another reader may still be using it)."""
-        with self._lock:
-            if self._fds.get(path) == fd and path not in self._buffered:
-                self._buffered.add(path)
-                self._stale_fds.append(self._fds.pop(path))
-                self.counters["files_o_direct"] -= 1
-                log.info("device reads of %s: O_DIRECT refused by the filesystem, buffered reads", path)
 
     # -- staging ring ------------------------------------------------------------------------
     def _buffers(self, ring: int, n: int, slot_len: int):
@@ -119,9 +84,9 @@ class PassReads:
         for r0, nr in contiguous_runs(spans, self.io_bytes):
             ls = p.leases[r0]
             try:
-                fd = self._fd(ls.path)
+                fd, _ = self._files.fd(ls.path, self._engine is None)  # opened here: a failed open is a miss
                 if self._pool is not None:
-                    f = self._pool.submit(self._read_bounce, ls.path, fd, p.staging[r0:r0 + nr], p.headers[r0:r0 + nr],
+                    f = self._pool.submit(self._read_bounce, ls.path, p.staging[r0:r0 + nr], p.headers[r0:r0 + nr],
                                           ls.offset, p.host[r0:r0 + nr])
                 else:
                     f = self._engine.read_to_device_async(fd, p.staging[r0:r0 + nr].reshape(-1), nr * p.slot_len,
@@ -132,7 +97,7 @@ class PassReads:
                 continue
             p.futs.append((r0, nr, f))
 
-    def _read_bounce(self, path: str, fd: int, dev, hdr, offset: int, host):
+    def _read_bounce(self, path: str, dev, hdr, offset: int, host):
         """One read of the bounce and host paths (a reader thread): ``preadv`` into ``host``, the pass's
         host rows ``[nr, slot_len]`` (host mode: the staging itself; ``pinned-bounce``: pinned rows that
         :meth:`_reap` copies to the device staging ``dev`` in one DMA per pass), then the rows' 4 KiB
@@ -143,13 +108,7 @@ class PassReads:
         12-14 GB/s (``benchmarks/gpu_bench.py --sweep``, 2026-11-25)."""
         slot_len = dev.shape[1]
         buf = host.numpy().reshape(-1)
-        try:
-            got = os.preadv(fd, [buf], offset)
-        except OSError as e:
-            if e.errno != errno.EINVAL or path in self._buffered:
-                raise
-            self._fall_back_to_buffered(path, fd)
-            got = os.preadv(self._fd(path), [buf], offset)
+        got = self._files.preadv(path, [buf], offset, True)  # O_DIRECT (no page-cache copy) where taken
         full = got // slot_len
         if full:
             hdr[:full] = buf[:full * slot_len].reshape(full, slot_len)[:, :hdr.shape[1]]

@@ -28,10 +28,7 @@ which is never handed to anyone else (the read's closure keeps it alive).
 """
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import threading
 import time
 from collections import Counter
 from concurrent.futures import Executor, Future
@@ -40,6 +37,7 @@ from typing import Callable, Sequence
 
 import xxhash
 
+from ...io.files import ReadFiles
 from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept
 from ...model.layout import KvLayout
@@ -54,51 +52,8 @@ log = logging.getLogger(__name__)
 TRANSIENT = ("not_found", "io_error", "short", "timeout")
 
 
-class SlabFiles:
-    """Read fds of slab files, O_DIRECT where asked and the filesystem takes it, else buffered. Shared by
-    the loads of one owner (thread-safe); :meth:`close` closes them."""
-
-    def __init__(self):
-        self._fds: dict[tuple[str, bool], int] = {}
-        self._no_direct: set[str] = set()
-        self._lock = threading.Lock()
-        self.counters: Counter = Counter()
-
-    def fd(self, path: str, direct: bool) -> tuple[int, bool]:
-        """``(fd, is_direct)`` for ``path``."""
-        direct = direct and path not in self._no_direct
-        with self._lock:
-            fd = self._fds.get((path, direct))
-            if fd is not None:
-                return fd, direct
-            flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-            if direct:
-                try:
-                    fd = os.open(path, flags | os.O_DIRECT)
-                    self.counters["files_o_direct"] += 1
-                except OSError as e:
-                    if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                        raise
-                    self._no_direct.add(path)
-                    direct = False
-            if fd is None:
-                fd = self._fds.get((path, False))
-                if fd is None:
-                    fd = os.open(path, flags)
-                    self.counters["files_buffered"] += 1
-            self._fds[(path, direct)] = fd
-            return fd, direct
-
-    def refuse_direct(self, path: str) -> None:
-        """The filesystem opened ``path`` O_DIRECT but refused a read (EINVAL): buffered from now on."""
-        with self._lock:
-            self._no_direct.add(path)
-
-    def close(self) -> None:
-        with self._lock:
-            fds, self._fds = set(self._fds.values()), {}
-        for fd in fds:
-            os.close(fd)
+#: the owner's read fds (one O_DIRECT open / fallback rule for every reader: :mod:`kvbm_backend.io.files`)
+SlabFiles = ReadFiles
 
 
 def _torch():
@@ -116,7 +71,7 @@ class LayerwiseLoad:
         keys: this rank's block keys, in sequence order.
         device: torch device the layers are delivered on.
         executor: the thread pool the reads run on (its queue order is the read order).
-        files: the owner's :class:`SlabFiles`.
+        files: the owner's :class:`~kvbm_backend.io.files.ReadFiles` (:data:`SlabFiles`).
         timeout_s: the whole load's deadline (from :meth:`start`); reads not in by then are ``timeout``.
         world: TP world size frames must name (None: not checked).
         min_read: bytes per read at least (:func:`~kvbm_backend.transfer.layers.layer_groups`).
@@ -129,7 +84,7 @@ class LayerwiseLoad:
     """
 
     def __init__(self, source: SlotLeaseSource, layout: KvLayout, keys: Sequence[BlockKey], device, *,
-                 executor: Executor, files: SlabFiles, timeout_s: float, world: int | None = None,
+                 executor: Executor, files: ReadFiles, timeout_s: float, world: int | None = None,
                  min_read: int = DEFAULT_MIN_READ, staging: BufferPool | None = None,
                  tenant_tag_fn: Callable[[BlockKey], bytes] | None = None):
         if not isinstance(source, SlotLeaseSource):
@@ -212,17 +167,11 @@ class LayerwiseLoad:
         so a late read keeps the staging alive. Returns None or a reason."""
         iov = ([hdr[rd.row]] if rd.header else []) + [lay[rd.first_layer + k, rd.row] for k in range(rd.n_layers)]
         want = rd.nbytes(self.lb)
-        for attempt in (0, 1):
-            fd, direct = self.files.fd(path, self.aligned)
-            try:
-                got = os.preadv(fd, iov, rd.offset)
-                break
-            except OSError as e:
-                if direct and e.errno == errno.EINVAL and attempt == 0:
-                    self.files.refuse_direct(path)
-                    continue
-                log.warning("G3 layer-wise read of %s at %d failed: %s", path, rd.offset, e)
-                return "io_error"
+        try:  # O_DIRECT where the layers are aligned and the filesystem takes it (else buffered, once)
+            got = self.files.preadv(path, iov, rd.offset, self.aligned)
+        except OSError as e:
+            log.warning("G3 layer-wise read of %s at %d failed: %s", path, rd.offset, e)
+            return "io_error"
         self.counters["bytes_read"] += got
         return None if got == want else "short"
 
