@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 
 from kvbm_backend.config import G3Config
 from kvbm_backend.gpu.host_path import device_blocks_to_host, load_via_host
-from kvbm_backend.gpu.loader import DeviceLoader, probe_device_path
+from kvbm_backend.gpu.probe import probe_device_path
+from kvbm_backend.pool.g3.read.device import DeviceLoader
 from kvbm_backend.io.base import IoOp
 from kvbm_backend.io.kvikio_engine import NO_DRIVER_REASON, KvikioEngine, _libcuda_status, kvikio_available
 from kvbm_backend.memory import aligned_empty

@@ -33,11 +33,13 @@ Invariants kept here (each has tests in ``tests/pool/test_g3_*.py``):
 6. Warm restart: the journal (:mod:`.journal`) is replayed at open and every entry's slot header is
    read and checked before it is served again; unverifiable entries are dropped and counted.
 
-Modules, by job (one class, :class:`G3Pool`, assembled from mixins): this module holds the public API,
-construction and shutdown; :mod:`.writer` the write pipeline and syncer (invariant 2); :mod:`.reader`
-the read pipeline, slot leases and the device reader (invariant 1); :mod:`.restore` warm restart
-(invariant 6); :mod:`.slots` the index + slabs + journal changed under the pool lock, and the
-counters. Slot I/O planning (slot runs -> coalesced, aligned ops) is :mod:`kvbm_backend.transfer.slots`.
+Parts, by job: :class:`G3Pool` is the public API, construction and shutdown. Reads go to one part,
+:class:`~kvbm_backend.pool.g3.read.G3Reader` (:mod:`.read`: lease -> plan -> read -> verify -> deliver, for
+numpy buffers, device tensors and layer-wise loads; invariant 1), which reaches slot state only through
+the slot catalog below. Still mixed into the class: :mod:`.writer` the write pipeline and syncer
+(invariant 2); :mod:`.restore` warm restart (invariant 6); :mod:`.slots` the slot catalog (index + slabs +
+journal changed under the pool lock, and the counters). Slot I/O planning (slot runs -> coalesced,
+aligned ops) is :mod:`kvbm_backend.transfer.slots`.
 """
 from __future__ import annotations
 
@@ -58,12 +60,12 @@ from ...model import frame
 from ...model.frame import ChecksumFrames
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace
-from ..base import GetResult, PutResult, completed, is_tensor_batch
-from ...deadlines import Deadline, Deadlines
+from ..base import PutResult, SlotLease, completed
+from ...deadlines import Deadline
 from . import journal as jr
 from .admission import make_admission
 from .compact_index import CompactLruIndex
-from .reader import ReaderMixin, _Read, valid_key
+from .read import G3Reader
 from .restore import RestoreMixin
 from .slabs import SlabSet
 from .slots import SlotsMixin
@@ -75,7 +77,7 @@ log = logging.getLogger(__name__)
 __all__ = ["G3Pool"]
 
 
-class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
+class G3Pool(WriterMixin, RestoreMixin, SlotsMixin):
     """The G3 tier: a :class:`~kvbm_backend.pool.base.BlockPool` over slab files.
 
     Args:
@@ -174,13 +176,7 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
             raise
         self._sync_pool = ThreadPoolExecutor(max_workers=min(16, max(1, len(self.slabs.files))),
                                              thread_name_prefix="kvbm-g3-sync")
-        # read chunks are verified here, not on the engine's completion thread, so the engine keeps
-        # posting and reaping I/O while a chunk's headers/checksums are checked and copied out
-        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-g3-verify")
-        self._deadlines = Deadlines("kvbm-g3-deadlines")
-        self._device_readers: dict = {}  # str(device) -> DeviceLoader (device_reader)
-        self._device_lock = threading.Lock()
-        self._device_exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-g3-device")
+        self.reader = G3Reader(self)  # the one read path: host gets, device gets, slot leases
         self._writer = threading.Thread(target=self._write_loop, name="kvbm-g3-writer", daemon=True)
         self._syncer = threading.Thread(target=self._sync_loop, name="kvbm-g3-syncer", daemon=True)
         self._writer.start()
@@ -315,58 +311,37 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
             ValueError: mismatched lengths or a wrong-sized / read-only buffer (numpy); for tensors the
                 future raises ValueError for a tensor of the wrong size, device or layout.
         """
-        keys = list(keys)
-        out = list(out)
-        if is_tensor_batch(out):
-            if len(keys) != len(out):
-                raise ValueError(f"get: {len(keys)} keys but {len(out)} buffers")
-            return self._get_tensors(keys, out)
-        self._check_keys(keys, out, "get", writable=True)
-        n = len(keys)
-        fut: Future = Future()
-        fut.set_running_or_notify_cancel()
-        # parallel lists, not a list per block: fewer GC-tracked objects per block (a full collection
-        # of a large process stalls every thread; per-block lists made one likely on every big get)
-        idx, pk, ps = [], [], []
-        dups: list = []  # (i, j): keys[i] repeats keys[j], served by a copy of out[j] once j verified
-        invalid = 0
-        with self._lock:
-            get, pin = self.index.get, self.index.pin
-            first: dict = {}
-            for i, k in enumerate(keys):
-                if k.namespace != self.fp:
-                    continue
-                if not valid_key(k):
-                    invalid += 1
-                    continue
-                j = first.get(k)
-                if j is not None:
-                    dups.append((i, j))
-                    continue
-                slot = get(k, touch=True)
-                if slot is None:
-                    continue
-                first[k] = i
-                pin(slot)
-                idx.append(i)
-                pk.append(k)
-                ps.append(slot)
-            if invalid:
-                self._miss("invalid_key", invalid)
-            self._c["duplicate_keys"] += len(dups)
-            absent = n - len(ps) - invalid - len(dups)
-            if absent:
-                self._miss("absent", absent)
-        if not ps:
-            fut.set_result(GetResult(ok=[False] * n))
-            return fut
-        per = self._read_piece_slots
-        chunks = [(idx[a:a + per], pk[a:a + per], ps[a:a + per]) for a in range(0, len(ps), per)]
-        st = _Read(future=fut, n=n, slots=ps, left=len(chunks), out=out, todo=collections.deque(chunks), dups=dups)
-        self._deadlines.add(time.monotonic() + self.cfg.load_timeout_s, lambda: self._read_timeout(st))
-        for _ in range(min(max(1, self.read_chunks_in_flight), len(chunks))):
-            self._read_submit_next(st)
-        return fut
+        return self.reader.get(list(keys), list(out))
+
+    # ---- SlotLeaseSource: in-place reads by the device and layer-wise loaders (pool/g3/read) -------
+    def lease(self, keys: Sequence[BlockKey]) -> list[SlotLease | None]:
+        """Pin the slots of ``keys`` for a reader outside the host pipeline (the device and layer-wise
+        loaders read frames straight into their staging); None for absent or foreign keys (counted as
+        ``absent`` misses). Every lease must go back through :meth:`release`; until then the slot is not
+        evicted or reused. The reader verifies header and payload itself (the frame is not trusted)."""
+        return self.reader.lease(keys)
+
+    def release(self, leases: Sequence[SlotLease]) -> None:
+        """Unpin leases from :meth:`lease` (a slot evicted meanwhile is freed now)."""
+        self.reader.release(leases)
+
+    def drop_corrupt(self, key: BlockKey, reason: str) -> None:
+        """A reader outside the host pipeline found ``key``'s slot bad (``reason``, a FrameError reason):
+        remove it from the index and journal (the slot is freed once its last lease is released) once
+        the stored bytes are proven bad (re-read and checked): a slot whose frame re-reads and verifies,
+        or cannot be read, stays (a miss)."""
+        self.reader.drop_corrupt(key, reason)
+
+    def device_reader(self, device):
+        """The pool's :class:`~kvbm_backend.pool.g3.read.device.DeviceLoader` for ``device`` (created on
+        first use: the device path is probed in this pool's first directory and logged once;
+        ``g3.device_path`` forces a mode). ``get(keys, tensors)`` uses it; callers may call this at
+        start-up so the probe and its log line happen before the first request.
+
+        Raises:
+            RuntimeError: the pool is closed. ImportError: torch is not installed.
+        """
+        return self.reader.device_reader(device)
 
     def keys(self) -> list[BlockKey]:
         """Snapshot of the published keys (index only, no I/O)."""
@@ -428,16 +403,11 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
             self._stop_sync = True
             self._cv.notify_all()
         self._syncer.join(timeout=end.left() + 1)
-        self._deadlines.close()
-        self._device_exec.shutdown(wait=True)
-        with self._device_lock:
-            for rd in list(self._device_readers.values()):
-                rd.close()
-            self._device_readers.clear()
+        self.reader.close_device()
         self._sync_pool.shutdown(wait=True)
         if self._own_engine:
             self.engine.close()
-        self._verifier.shutdown(wait=True)  # after the engine: its last callbacks may still queue here
+        self.reader.close_verifier()  # after the engine: its last callbacks may still queue there
         with self._lock:
             if self._journal_dirty:  # last chance to persist removals a failed append lost
                 try:

@@ -135,8 +135,7 @@ class SlotsMixin:
         d["corrupt_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("corrupt:")}
         d["restore_dropped_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("restore:")}
         d["hit_rate"] = d["lookup_hits"] / d["lookup_blocks"] if d["lookup_blocks"] else 0.0
-        d["device_paths"] = {dev: {"mode": rd.mode, "reason": rd.mode_reason}
-                             for dev, rd in list(self._device_readers.items())}
+        d["device_paths"] = self.reader.device_paths()
         return d
 
     def slot_accounting(self) -> dict:

@@ -1,10 +1,11 @@
-"""The read side of :class:`~kvbm_backend.gpu.loader.DeviceLoader`: slab files, the ring of staging
-buffers, a pass's reads on the wire (kvikio into the device, or ``preadv`` into pinned host memory and a
-host-to-device copy: the bounce path) and their reaping against the call's deadline.
+"""The read side of :class:`~.device.DeviceLoader`: slab files, the ring of staging
+buffers, a pass's reads on the wire (kvikio into the device, or ``preadv`` into the pass's pinned host rows and one
+host-to-device DMA per pass: the bounce path) and their reaping against the call's deadline.
 
 What is read is planned in :mod:`kvbm_backend.transfer` (:func:`~kvbm_backend.transfer.group_passes`,
 :func:`~kvbm_backend.transfer.contiguous_runs`); host staging comes from the one buffer pool
-(:mod:`.staging`, :class:`~kvbm_backend.memory.BufferPool`). Mixed into the loader: it uses the loader's
+(:mod:`kvbm_backend.gpu.staging`, :class:`~kvbm_backend.memory.BufferPool`), file fds from
+:class:`kvbm_backend.io.files.ReadFiles`. Mixed into the loader: it uses the loader's
 ``mode``, ``device``, ``io_bytes``, ``counters``, ``_engine`` (kvikio) or ``_pool`` (reader threads).
 """
 from __future__ import annotations
@@ -13,10 +14,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ..deadlines import Deadline
-from ..transfer import contiguous_runs
-from .probe import _torch
-from .staging import host_staging_pool
+from ....deadlines import Deadline
+from ....transfer import contiguous_runs
+from ....gpu.probe import _torch
+from ....gpu.staging import host_staging_pool
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def _done(f) -> bool:
 
 
 class PassReads:
-    """Files, staging ring, submit and reap of :class:`~kvbm_backend.gpu.loader.DeviceLoader`.
+    """Files, staging ring, submit and reap of :class:`~.device.DeviceLoader`.
 
     State (set by the loader's ``__init__``): ``_files`` (:class:`~kvbm_backend.io.files.ReadFiles`:
     O_DIRECT on the bounce/host paths where the filesystem takes it, buffered for kvikio), ``_abandoned`` (``(futures, ring entry)`` of timed-out reads, kept alive until done),

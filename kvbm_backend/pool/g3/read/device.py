@@ -15,10 +15,9 @@ Data path per :meth:`DeviceLoader.load` (invariant 1 of DESIGN.md, "never wrong 
    flight at once (``threads``). Passes are pipelined over a ring of ``depth`` staging buffers: the
    reads of passes k+1 .. k+depth-1 are on the wire while pass k is verified and copied out.
    ``gds`` / ``kvikio-compat`` -- kvikio ``CuFile.pread`` straight into device staging (GDS DMA, or
-   kvikio's own pinned bounce buffer in compat mode); ``pinned-bounce`` -- each reader thread
-   ``preadv``\ s into one of its two pinned buffers while the host-to-device copy out of the other runs on
-   the thread's own CUDA stream (an event per copy: the loader's stream waits for it, no host sync per
-   read); ``host`` -- the device is the CPU (the same reader threads, reads land in the staging).
+   kvikio's own pinned bounce buffer in compat mode); ``pinned-bounce`` -- reader threads ``preadv``
+   into the pass's pinned host rows (O_DIRECT where taken), then one host-to-device DMA per pass on the
+   loader's stream; ``host`` -- the device is the CPU (the same reader threads, reads land in the staging).
    The mode is decided by :func:`probe_device_path` at start-up (a real write/read/compare in the
    pool's directory) and reported in :attr:`DeviceLoader.mode` / :attr:`DeviceLoader.mode_reason`.
 3. The 4 KiB headers (only) come to the host: magic, version, header check, identity (namespace,
@@ -33,12 +32,15 @@ Data path per :meth:`DeviceLoader.load` (invariant 1 of DESIGN.md, "never wrong 
    corrupt slots are reported to ``source.drop_corrupt(key, reason)``). Device work runs on the
    loader's own CUDA stream, so loads never queue behind (or in front of) the engine's compute.
 
-Where each job lives: this module holds :class:`DeviceLoader` (arguments, the call, pipelining of passes,
-stats, close); :mod:`.probe` the mode selection (:func:`probe_device_path`, re-exported here);
-:mod:`.reads` slab files, the staging ring and a pass's reads and their reaping (the bounce path
-included); :mod:`.verify` steps 3-5; :mod:`kvbm_backend.transfer` plans passes and reads
-(:func:`~kvbm_backend.transfer.group_passes`, :func:`~kvbm_backend.transfer.contiguous_runs`);
-:mod:`.staging` gives the pinned / host staging buffers (:class:`~kvbm_backend.memory.BufferPool`).
+Where each job lives (the device side of the G3 reader, :mod:`kvbm_backend.pool.g3.read`): this module
+holds :class:`DeviceLoader` (arguments, the call, pipelining of passes, stats, close); :mod:`.stages`
+the lease check and the frame header check shared with the layer-wise loads; :mod:`.passes` the staging
+ring and a pass's reads and their reaping (the bounce path included); :mod:`.verify` steps 3-5;
+:mod:`kvbm_backend.transfer` plans passes and reads (:func:`~kvbm_backend.transfer.group_passes`,
+:func:`~kvbm_backend.transfer.contiguous_runs`); device primitives come from :mod:`kvbm_backend.gpu`
+(:func:`~kvbm_backend.gpu.probe.probe_device_path` the mode selection, re-exported here;
+:mod:`kvbm_backend.gpu.staging` the pinned / host staging buffers; :mod:`kvbm_backend.gpu.checksum`),
+slab file fds from :class:`kvbm_backend.io.files.ReadFiles`.
 """
 from __future__ import annotations
 
@@ -50,15 +52,16 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..io.files import ReadFiles
-from ..model.frame import HEADER_BYTES
-from ..model.layout import KvLayout
-from ..model.namespace import BlockKey, tenant_tag
-from ..pool.base import SlotLease, SlotLeaseSource
-from ..deadlines import Deadline
-from ..transfer import group_passes
-from .probe import MODES, PROBE_BYTES, ProbeResult, _torch, probe_device_path
-from .reads import PassReads, _Pass
+from ....io.files import ReadFiles
+from ....model.frame import HEADER_BYTES
+from ....model.layout import KvLayout
+from ....model.namespace import BlockKey, tenant_tag
+from ...base import SlotLeaseSource
+from ....deadlines import Deadline
+from ....transfer import group_passes
+from ....gpu.probe import MODES, PROBE_BYTES, ProbeResult, _torch, probe_device_path
+from .passes import PassReads, _Pass
+from .stages import lease_all, release_quietly
 from .verify import PassVerify
 
 __all__ = ["DeviceLoader", "probe_device_path", "ProbeResult", "MODES", "PROBE_BYTES"]
@@ -147,7 +150,7 @@ class DeviceLoader(PassReads, PassVerify):
             log.warning("device path %s requested but probe chose %s: %s", mode, probe.mode, probe.reason)
         self.mode, self.mode_reason, self.kvikio_info = probe.mode, probe.reason, probe.kvikio
         if self.mode in ("gds", "kvikio-compat"):
-            from ..io.kvikio_engine import KvikioEngine
+            from ....io.kvikio_engine import KvikioEngine
             self._engine = KvikioEngine(threads=threads)
         else:
             from concurrent.futures import ThreadPoolExecutor
@@ -195,22 +198,8 @@ class DeviceLoader(PassReads, PassVerify):
         why: list = ["not_found"] * n
         if n == 0:
             return []
-        leases = self.source.lease(list(keys))
-        if len(leases) != n:
-            raise TypeError(f"DeviceLoader: source.lease returned {len(leases)} leases for {n} keys")
-        held = []
-        for i, ls in enumerate(leases):
-            if ls is None:
-                continue
-            if not isinstance(ls, SlotLease):
-                # release what is typed before raising: a wiring bug must not leak pins
-                self.source.release([x for x in leases if isinstance(x, SlotLease)])
-                raise TypeError(f"DeviceLoader: source.lease returned {type(ls).__name__} for key {i}; "
-                                "expected SlotLease or None")
-            if ls.key != keys[i]:
-                self.source.release([x for x in leases if isinstance(x, SlotLease)])
-                raise TypeError(f"DeviceLoader: lease {i} is for {ls.key}, not {keys[i]}")
-            held.append(i)
+        leases = lease_all(self.source, keys, "DeviceLoader")
+        held = [i for i, ls in enumerate(leases) if ls is not None]
         self.counters["not_found"] += n - len(held)
         try:
             with self._call_lock:
@@ -221,10 +210,7 @@ class DeviceLoader(PassReads, PassVerify):
                     if io is not None:
                         io["bytes_read"] = self.counters["bytes_read"] - b0
         finally:
-            try:
-                self.source.release([leases[i] for i in held])
-            except Exception as e:  # noqa: BLE001 - never mask the load's result
-                log.warning("releasing %d slot leases failed: %s", len(held), e)
+            release_quietly(self.source, [leases[i] for i in held])
         ok = [w is None for w in why]
         self.counters["loaded"] += sum(ok)
         self.counters["missed"] += n - sum(ok)

@@ -37,19 +37,18 @@ from typing import Callable, Sequence
 
 import xxhash
 
-from ...io.files import ReadFiles
-from ...memory import BufferPool
-from ...model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept
-from ...model.layout import KvLayout
-from ...model.namespace import BlockKey, tenant_tag
-from ...transfer.layers import DEFAULT_MIN_READ, layer_aligned, layer_groups, plan_layer_reads
-from ..base import SlotLease, SlotLeaseSource
-from ...deadlines import Deadline
+from ....io.files import ReadFiles
+from ....memory import BufferPool
+from ....model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, HEADER_BYTES, FrameError
+from ....model.layout import KvLayout
+from ....model.namespace import BlockKey, tenant_tag
+from ....transfer.layers import DEFAULT_MIN_READ, layer_aligned, layer_groups, plan_layer_reads
+from ...base import SlotLease, SlotLeaseSource
+from .stages import check_frame, lease_all, release_quietly, report_corrupt
+from ....deadlines import Deadline
 
 log = logging.getLogger(__name__)
 
-#: reasons that are not the stored bytes' fault (the slot stays; a miss)
-TRANSIENT = ("not_found", "io_error", "short", "timeout")
 
 
 #: the owner's read fds (one O_DIRECT open / fallback rule for every reader: :mod:`kvbm_backend.io.files`)
@@ -121,12 +120,7 @@ class LayerwiseLoad:
         returns something other than SlotLease/None (a wiring bug; nothing stays leased)."""
         torch = _torch()
         self.deadline = Deadline(self.timeout_s)
-        leases = self.source.lease(self.keys) if self.n else []
-        bad = [ls for ls in leases if ls is not None and (not isinstance(ls, SlotLease))]
-        if len(leases) != self.n or bad:
-            self.source.release([ls for ls in leases if isinstance(ls, SlotLease)])
-            raise TypeError(f"LayerwiseLoad: source.lease returned {len(leases)} entries for {self.n} keys "
-                            f"({len(bad)} not SlotLease)")
+        leases = lease_all(self.source, self.keys, "LayerwiseLoad") if self.n else []
         self._leases = leases
         frames = []
         for i, ls in enumerate(leases):
@@ -213,11 +207,8 @@ class LayerwiseLoad:
                 continue
             k = self.keys[i]
             try:
-                h = accept(self.hdr[i], k, self.layout, self.tenant_tag_fn(k), world=self.world,
-                           stored_len=self.layout.bytes_per_block, frame_bytes=self._leases[i].slot_len)
-                if h.flags & FLAG_ENCRYPTED or not h.flags & (FLAG_CHECKSUM | FLAG_DEVCHECK):
-                    raise FrameError("unverifiable", "encrypted or unchecked frame")
-                self.headers[i] = h
+                self.headers[i] = check_frame(self.hdr[i], k, self.layout, self.tenant_tag_fn(k), world=self.world,
+                                              slot_len=self._leases[i].slot_len)
             except FrameError as e:
                 self.why[i] = e.reason
                 self.counters[f"corrupt_{e.reason}"] += 1
@@ -253,17 +244,12 @@ class LayerwiseLoad:
             self.counters["verify_s"] += time.perf_counter() - t0
         finally:
             self._released = True
-            self.source.release([ls for ls in self._leases if ls is not None])
+            release_quietly(self.source, [ls for ls in self._leases if ls is not None])
             if self._staging_pool is not None and all(f.done() for fs in self._futs for f in fs):
                 if self._stream is not None:
                     self._stream.synchronize()  # its host-to-device copies have read it
                 self._staging_pool.give(self._host_arr)  # no read can land in it any more
-        for i, r in enumerate(self.why):
-            if r is not None and r not in TRANSIENT and r != "unverifiable" and r != "length":
-                try:
-                    self.source.drop_corrupt(self.keys[i], r)
-                except Exception as e:  # noqa: BLE001
-                    log.warning("drop_corrupt failed for %s: %s", self.keys[i], e)
+        report_corrupt(self.source, self.keys, self.why)  # the pool proves them bad before dropping
         return list(self.why)
 
     def _verify(self) -> None:
@@ -271,7 +257,7 @@ class LayerwiseLoad:
         good = [i for i in range(self.n) if self.why[i] is None]
         dev = [i for i in good if self._stream is not None and self.headers[i].flags & FLAG_DEVCHECK]
         if dev:
-            from ...gpu.checksum import device_checksums_torch
+            from ....gpu.checksum import device_checksums_torch
             self._stream.synchronize()
             idx = torch.as_tensor(dev, dtype=torch.long, device=self.device)
             rows = self.lay_dev.index_select(1, idx).permute(1, 0, 2).reshape(len(dev), self.L * self.lb)
