@@ -163,3 +163,23 @@ def test_no_import_cycle_between_packages():
         lines.append(" <-> ".join(comp) + ":")
         lines += [f"  {w}" for (a, b), ws in sorted(edges.items()) if a in comp and b in comp for w in ws[:3]]
     assert not cycles, "import cycles between packages:\n" + "\n".join(lines)
+
+
+def test_g3_pool_is_a_facade_over_parts_not_mixins():
+    """Issue 23: G3Pool is built from parts (slot catalog, writer, reader) that each own their state, not
+    from mixin classes sharing the pool's private attributes across files."""
+    bad = []
+    g3 = ROOT / "pool" / "g3"
+    for p in sorted(g3.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.ClassDef):
+                rel = str(p.relative_to(g3))
+                if node.name.endswith("Mixin"):
+                    bad.append(f"{rel}: class {node.name}")
+                elif any(
+                        isinstance(b, ast.Name) and b.id.endswith("Mixin") for b in node.bases):
+                    bad.append(f"{rel}: class {node.name}({', '.join(ast.unparse(b) for b in node.bases)})")
+    assert not bad, "mixins under pool/g3 (make them parts that own their state):\n" + "\n".join(bad)
+    tree = ast.parse((g3 / "pool.py").read_text())
+    pool = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "G3Pool")
+    assert not pool.bases, f"G3Pool derives from {[ast.unparse(b) for b in pool.bases]}"

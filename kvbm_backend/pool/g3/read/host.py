@@ -29,7 +29,7 @@ from ....transfer import plan_ops, staged_run_extents
 from ...base import GetResult
 from .. import journal as jr
 from ..index import TagKey
-from ..slots import _MISS_REASON, HDR
+from ..catalog import _MISS_REASON, HDR
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,8 @@ class HostGet:
 
     def __init__(self, reader, keys: list, out: list):
         self.rd = reader
-        self.cat = reader.cat
+        self.cat = reader.cat  # slot state (under cat.lock)
+        self.p = reader.pool  # engine, checksum frames, staging, io size, read tuning, cfg
         self.keys = keys
         self.out = out
         self.n = len(keys)
@@ -79,7 +80,7 @@ class HostGet:
         # of a large process stalls every thread; per-block lists made one likely on every big get)
         idx, pk, ps = [], [], []
         invalid = 0
-        with cat._lock:
+        with cat.lock:
             get, pin = cat.index.get, cat.index.pin
             first: dict = {}
             for i, k in enumerate(keys):
@@ -101,27 +102,27 @@ class HostGet:
                 pk.append(k)
                 ps.append(slot)
             if invalid:
-                cat._miss("invalid_key", invalid)
-            cat._c["duplicate_keys"] += len(self.dups)
+                cat.miss("invalid_key", invalid)
+            cat.c["duplicate_keys"] += len(self.dups)
             absent = n - len(ps) - invalid - len(self.dups)
             if absent:
-                cat._miss("absent", absent)
+                cat.miss("absent", absent)
         if not ps:
             self.future.set_result(GetResult(ok=[False] * n))
             return self.future
         per = self.piece_slots
         chunks = [(idx[a:a + per], pk[a:a + per], ps[a:a + per]) for a in range(0, len(ps), per)]
         self.slots, self.left, self.todo = ps, len(chunks), collections.deque(chunks)
-        self.rd.deadlines.add(time.monotonic() + cat.cfg.load_timeout_s, self._timeout)
-        for _ in range(min(max(1, cat.read_chunks_in_flight), len(chunks))):
+        self.rd.deadlines.add(time.monotonic() + self.p.cfg.load_timeout_s, self._timeout)
+        for _ in range(min(max(1, self.p.read_chunks_in_flight), len(chunks))):
             self._submit_next()
         return self.future
 
     @property
     def piece_slots(self) -> int:
         """Slots per read chunk."""
-        cat = self.cat
-        return max(1, cat.min_chunk_blocks, min(cat.chunk_bytes, cat.read_chunk_bytes) // cat.slot_bytes)
+        p = self.p
+        return max(1, p.min_chunk_blocks, min(p.chunk_bytes, p.read_chunk_bytes) // self.cat.slot_bytes)
 
     def _extents(self, ch: tuple, stages: list) -> list:
         """Extents reading the chunk's slots (``ch`` = (indexes, keys, slots)) into one staging buffer
@@ -130,9 +131,9 @@ class HostGet:
         leaves it untouched, :mod:`kvbm_backend.pool.base`), at the cost of one copy per hit."""
         cat = self.cat
         sb = cat.slot_bytes
-        stage = cat._staging.take(self.piece_slots * sb)
+        stage = self.p._staging.take(self.piece_slots * sb)
         stages.append(stage)
-        return staged_run_extents(ch[2], stage[:len(ch[2]) * sb], sb, cat._io_size, cat._fd_of)
+        return staged_run_extents(ch[2], stage[:len(ch[2]) * sb], sb, self.p._io_size, cat.fd_of)
 
     # ---- read ----------------------------------------------------------------------------------------
     def _timeout(self) -> None:
@@ -140,8 +141,8 @@ class HostGet:
             if self.resolved:
                 return
             self.resolved = True
-        with self.cat._lock:
-            self.cat._miss("timeout", len(self.slots))
+        with self.cat.lock:
+            self.cat.miss("timeout", len(self.slots))
         self.future.set_result(GetResult(ok=[False] * self.n))
 
     def _submit_next(self) -> None:
@@ -153,7 +154,7 @@ class HostGet:
         stages: list = []
         try:
             exts = self._extents(ch, stages)
-            ef = self.cat.engine.submit(plan_ops(exts, self.cat._io_size, write=False))
+            ef = self.p.engine.submit(plan_ops(exts, self.p._io_size, write=False))
         except Exception as e:  # noqa: BLE001 - engine refused: the chunk's blocks are misses
             ef = Future()
             ef.set_exception(e)
@@ -183,7 +184,7 @@ class HostGet:
                 self.ok[i] = False
                 bad.append((k, slot, "io_error"))
         for b in stages:
-            self.cat._staging.give(b)
+            self.p._staging.give(b)
         with self.lock:
             self.bad.extend(bad)
             self.left -= 1
@@ -215,13 +216,13 @@ class HostGet:
             except OSError:
                 limit[fi] = -1
         all_there = all(top[fi] <= limit[fi] for fi in top)
-        tag = cat._tag
+        tag = cat.tag
         hdrs = stage[:m * sb].reshape(m, sb)
         mv = memoryview(stage)
         payloads = [mv[o:o + bb] for o in range(HDR, m * sb, sb)]
         dsts = [self.out[i] for i in idx]
         tags = [k.tag if type(k) is TagKey else tag(k.tenant) for k in keys]
-        good = cat._frames.verify_many(hdrs, payloads, tags, [k.rank for k in keys], [k.seq_hash for k in keys])
+        good = self.p._frames.verify_many(hdrs, payloads, tags, [k.rank for k in keys], [k.seq_hash for k in keys])
         if all_there and good.all():
             if not self.resolved:
                 for d, pl in zip(dsts, payloads):
@@ -263,7 +264,7 @@ class HostGet:
                 if ok[j]:
                     self.out[i][:] = self.out[j]
                     ok[i] = True
-        with cat._lock:
+        with cat.lock:
             recs = [None if r == "absent" else cat.index.identity(k, slot) for k, slot, r in bad]
         drop, why = [], []  # proven bad: (key, slot, FrameError reason or "short"); miss reasons
         for (k, slot, reason), rec in zip(bad, recs):
@@ -277,7 +278,7 @@ class HostGet:
                 why.append("short" if proof == "short" else _MISS_REASON.get(proof, "corrupt"))
         hits = sum(ok)
         nbytes = len(self.slots) * cat.slot_bytes
-        with cat._lock:
+        with cat.lock:
             jrecs = []
             for slot in self.slots:
                 free = cat.index.unpin(slot)
@@ -288,21 +289,21 @@ class HostGet:
                 if free is not None:
                     cat.slabs.release([free])
                 jrecs.append(jr.encode(jr.DEL, k))
-                cat._c["corrupt"] += 1
-                cat._c["corrupt:" + proof] += 1
+                cat.c["corrupt"] += 1
+                cat.c["corrupt:" + proof] += 1
                 cat.metrics.corrupt.labels(proof).inc()
-            cat._journal_append(jrecs)
-            cat._c["bytes_read"] += nbytes
+            cat.journal_append(jrecs)
+            cat.c["bytes_read"] += nbytes
             if late:
-                cat._c["late_reads"] += len(self.slots)
+                cat.c["late_reads"] += len(self.slots)
             else:
-                cat._c["hits"] += hits
+                cat.c["hits"] += hits
                 for r in why:
-                    cat._miss(r)
+                    cat.miss(r)
                 dmiss = sum(1 for i, _ in self.dups if not ok[i])
                 if dmiss:
-                    cat._miss("duplicate_of_miss", dmiss)
-            cat._update_gauges()
+                    cat.miss("duplicate_of_miss", dmiss)
+            cat.update_gauges()
         cat.metrics.bytes_read.inc(nbytes)
         if not late:
             cat.metrics.onboard_blocks.inc(hits)

@@ -4,7 +4,7 @@ delegates ``get``, ``lease``, ``release``, ``drop_corrupt`` and ``device_reader`
 It owns the read side's threads and per-device loaders (the verifier thread of host gets, the load-timeout
 timer, one :class:`~.device.DeviceLoader` per device and the thread that runs tensor gets) and reaches slot
 state only through the pool's slot catalog (``cat``: the index, slab files, journal and counters under
-``cat._lock``, see :mod:`kvbm_backend.pool.g3.slots`): it pins slots it reads, unpins them, and drops a slot
+``cat.lock``, :class:`~kvbm_backend.pool.g3.catalog.SlotCatalog`): it pins slots it reads, unpins them, and drops a slot
 from the index and the journal only once its stored bytes are proven bad (:meth:`G3Reader.prove_bad`).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ....model.namespace import BlockKey
 from ...base import GetResult, SlotLease, is_tensor_batch
 from .. import journal as jr
 from ..index import TagKey
-from ..slots import _MISS_REASON, HDR
+from ..catalog import _MISS_REASON, HDR
 from .host import HostGet, valid_key
 
 log = logging.getLogger(__name__)
@@ -32,14 +32,18 @@ log = logging.getLogger(__name__)
 class G3Reader:
     """The read part of a G3 pool: host gets (numpy), device gets (torch tensors), slot leases.
 
+    It is itself a :class:`~kvbm_backend.pool.base.SlotLeaseSource` (the device loaders lease through it).
+
     Args:
-        cat: the pool (its slot catalog: ``_lock``, ``index``, ``slabs``, ``journal``, counters; its I/O
-            engine, checksum frames, staging pool and read tuning: ``read_chunk_bytes``, ``chunk_bytes``,
-            ``min_chunk_blocks``, ``read_chunks_in_flight``, read at each get).
+        cat: the pool's :class:`~kvbm_backend.pool.g3.catalog.SlotCatalog` (slot state, counters, its lock).
+        pool: the pool facade, for what the parts share read-only: ``cfg``, ``engine``, ``_frames`` (checksum
+            frames), ``_staging``, ``_io_size``, ``_check_keys`` and the read tuning (``read_chunk_bytes``,
+            ``chunk_bytes``, ``min_chunk_blocks``, ``read_chunks_in_flight``), read at each get.
     """
 
-    def __init__(self, cat):
+    def __init__(self, cat, pool):
         self.cat = cat
+        self.pool = pool
         # read chunks are verified here, not on the engine's completion thread, so the engine keeps
         # posting and reaping I/O while a chunk's headers/checksums are checked and copied out
         self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-g3-verify")
@@ -57,7 +61,7 @@ class G3Reader:
             if len(keys) != len(out):
                 raise ValueError(f"get: {len(keys)} keys but {len(out)} buffers")
             return self._get_tensors(keys, out)
-        self.cat._check_keys(keys, out, "get", writable=True)
+        self.pool._check_keys(keys, out, "get", writable=True)
         return HostGet(self, keys, out).start()
 
     # ---- SlotLeaseSource: in-place reads by the device and layer-wise loaders ---------------------
@@ -66,7 +70,7 @@ class G3Reader:
         cat = self.cat
         out: list[SlotLease | None] = []
         absent = 0
-        with cat._lock:
+        with cat.lock:
             get, pin, files = cat.index.get, cat.index.pin, cat.slabs.by_index
             sb = cat.slot_bytes
             for k in keys:
@@ -78,7 +82,7 @@ class G3Reader:
                 pin(slot)
                 out.append(SlotLease(k, files[slot[0]].path, slot[1] * sb, sb, slot))
             if absent:
-                cat._miss("absent", absent)
+                cat.miss("absent", absent)
         return out
 
     def release(self, leases: Sequence[SlotLease]) -> None:
@@ -87,20 +91,16 @@ class G3Reader:
 
     def unpin(self, slots) -> None:
         """Unpin ``slots`` (a slot evicted meanwhile is freed now)."""
-        cat = self.cat
-        with cat._lock:
-            for slot in slots:
-                free = cat.index.unpin(slot)
-                if free is not None:
-                    cat.slabs.release([free])
+        with self.cat.lock:
+            self.cat.release_slots(slots)
 
     def drop_corrupt(self, key: BlockKey, reason: str) -> None:
         """See ``G3Pool.drop_corrupt``."""
         cat = self.cat
-        with cat._lock:
+        with cat.lock:
             slot = cat.index.get(key) if valid_key(key) else None
             rec = None if slot is None else cat.index.identity(key, slot)
-            cat._miss(_MISS_REASON.get(reason, "corrupt"))
+            cat.miss(_MISS_REASON.get(reason, "corrupt"))
         if rec is None:
             return
         why = self.prove_bad(slot, rec)
@@ -108,15 +108,15 @@ class G3Reader:
             log.warning("G3: a device load reported slot %s bad (%s) but it %s; kept", slot, reason,
                         "re-reads and verifies" if why == "good" else "cannot be re-read now")
             return
-        with cat._lock:  # counted under the reason of the check that found it (the re-read only proves it)
-            cat._c["corrupt"] += 1
-            cat._c["corrupt:" + reason] += 1
+        with cat.lock:  # counted under the reason of the check that found it (the re-read only proves it)
+            cat.c["corrupt"] += 1
+            cat.c["corrupt:" + reason] += 1
             free = cat.index.remove(key, slot)
             if free is not None:
                 cat.slabs.release([free])
-            cat._journal_append([jr.encode(jr.DEL, key)])
-            cat._c["deleted"] += 1
-            cat._update_gauges()
+            cat.journal_append([jr.encode(jr.DEL, key)])
+            cat.c["deleted"] += 1
+            cat.update_gauges()
         cat.metrics.corrupt.labels(reason).inc()
 
     def prove_bad(self, slot: tuple, rec: tuple) -> str:
@@ -167,13 +167,13 @@ class G3Reader:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         with self._device_lock:  # one probe per device, never under the pool lock (the probe does I/O)
-            if self._closed or cat._closed:
+            if self._closed or cat.closed:
                 raise RuntimeError("G3 pool is closed")
             rd = self.device_readers.get(str(dev))
             if rd is None:
-                rd = DeviceLoader(cat, cat.layout, dev, probe_dir=cat.slabs.paths[0], mode=cat.cfg.device_path,
-                                  world=cat.namespace.tp_world_size, timeout_s=cat.cfg.load_timeout_s,
-                                  threads=cat.cfg.io_threads, io_bytes=max(cat._io_size, 16 << 20))
+                rd = DeviceLoader(self, cat.layout, dev, probe_dir=cat.slabs.paths[0], mode=self.pool.cfg.device_path,
+                                  world=cat.namespace.tp_world_size, timeout_s=self.pool.cfg.load_timeout_s,
+                                  threads=self.pool.cfg.io_threads, io_bytes=max(self.pool._io_size, 16 << 20))
                 self.device_readers[str(dev)] = rd
                 log.info("G3 %s: device loads into %s: %s (%s)", cat.slabs.paths[0], dev, rd.mode, rd.mode_reason)
         return rd
@@ -206,15 +206,15 @@ class G3Reader:
                 ok, why = [False] * len(keys), ["io_error"] * len(keys)
             hits = sum(ok)
             nread = io.get("bytes_read", 0)
-            with cat._lock:
-                cat._c["hits"] += hits
-                cat._c["bytes_read"] += nread
-                cat._c["device_loads"] += len(keys)
-                cat._c["device_hits"] += hits
+            with cat.lock:
+                cat.c["hits"] += hits
+                cat.c["bytes_read"] += nread
+                cat.c["device_loads"] += len(keys)
+                cat.c["device_hits"] += hits
                 # absent keys were counted by lease(), corrupt slots by drop_corrupt()
                 for r in why:
                     if r in ("io_error", "short", "timeout", "unverifiable"):
-                        cat._miss(r)
+                        cat.miss(r)
             cat.metrics.onboard_blocks.inc(hits)
             cat.metrics.bytes_read.inc(nread)
             fut.set_result(GetResult(ok=list(ok)))
