@@ -33,13 +33,13 @@ Invariants kept here (each has tests in ``tests/pool/test_g3_*.py``):
 6. Warm restart: the journal (:mod:`.journal`) is replayed at open and every entry's slot header is
    read and checked before it is served again; unverifiable entries are dropped and counted.
 
-Parts, by job: :class:`G3Pool` is the public API, construction and shutdown. Reads go to one part,
-:class:`~kvbm_backend.pool.g3.read.G3Reader` (:mod:`.read`: lease -> plan -> read -> verify -> deliver, for
-numpy buffers, device tensors and layer-wise loads; invariant 1), which reaches slot state only through
-the slot catalog below. Still mixed into the class: :mod:`.writer` the write pipeline and syncer
-(invariant 2); :mod:`.restore` warm restart (invariant 6); :mod:`.slots` the slot catalog (index + slabs +
-journal changed under the pool lock, and the counters). Slot I/O planning (slot runs -> coalesced,
-aligned ops) is :mod:`kvbm_backend.transfer.slots`.
+Parts, by job (each owns its state; the pool is a thin facade that builds them, delegates and composes
+``stats``): :class:`~.catalog.SlotCatalog` the only owner of slot state (index + slabs + journal changed
+under its one lock, the degraded state, the counters); :class:`~.writer.G3Writer` the write pipeline and
+syncer (invariant 2; :mod:`.pieces` the frames a piece writes); :class:`~kvbm_backend.pool.g3.read.G3Reader`
+the one read path (:mod:`.read`: lease -> plan -> read -> verify -> deliver, for numpy buffers, device
+tensors and layer-wise loads; invariant 1); :func:`.restore.restore` warm restart (invariant 6). Slot I/O
+planning (slot runs -> coalesced, aligned ops) is :mod:`kvbm_backend.transfer.slots`.
 """
 from __future__ import annotations
 

@@ -15,9 +15,8 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-
-from ...transfer import plan_ops
 from ...deadlines import Deadline
+from ...transfer import plan_ops
 from ..base import PutResult
 from . import journal as jr
 from .catalog import _NOSPACE, SlotCatalog
@@ -170,11 +169,12 @@ class G3Writer:
                 if not self._queue:
                     return
                 jobs = [self._queue.popleft()]
-                nbytes = len(jobs[0].keys) * self.cat.slot_bytes
-                while self._queue and nbytes + len(self._queue[0].keys) * self.cat.slot_bytes <= self.tuning.max_batch_bytes:
+                sb, cap = self.cat.slot_bytes, self.tuning.max_batch_bytes
+                nbytes = len(jobs[0].keys) * sb
+                while self._queue and nbytes + len(self._queue[0].keys) * sb <= cap:
                     j = self._queue.popleft()
                     jobs.append(j)
-                    nbytes += len(j.keys) * self.cat.slot_bytes
+                    nbytes += len(j.keys) * sb
                 self._writing += 1
             batch = _Batch(jobs)
             try:
@@ -382,7 +382,8 @@ class G3Writer:
             except OSError as e:
                 errs[files[0]] = e
         else:
-            futs = [(fi, self._sync_pool.submit(self.tuning._fdatasync, self.cat.slabs.by_index[fi].fd)) for fi in files]
+            sync, by_index = self.tuning._fdatasync, self.cat.slabs.by_index
+            futs = [(fi, self._sync_pool.submit(sync, by_index[fi].fd)) for fi in files]
             for fi, fut in futs:
                 e = fut.exception()
                 if e is not None:

@@ -44,7 +44,8 @@ class PassReads:
     """Files, staging ring, submit and reap of :class:`~.device.DeviceLoader`.
 
     State (set by the loader's ``__init__``): ``_files`` (:class:`~kvbm_backend.io.files.ReadFiles`:
-    O_DIRECT on the bounce/host paths where the filesystem takes it, buffered for kvikio), ``_abandoned`` (``(futures, ring entry)`` of timed-out reads, kept alive until done),
+    O_DIRECT on the bounce/host paths where the filesystem takes it, buffered for kvikio), ``_abandoned``
+    (``(futures, ring entry)`` of timed-out reads, kept alive until done),
     ``_ring`` (ring slot -> ``(staging, host, host buffer)``, reused across calls).
     """
 
