@@ -5,19 +5,20 @@ host-to-device DMA per pass: the bounce path) and their reaping against the call
 What is read is planned in :mod:`kvbm_backend.transfer` (:func:`~kvbm_backend.transfer.group_passes`,
 :func:`~kvbm_backend.transfer.contiguous_runs`); host staging comes from the one buffer pool
 (:mod:`kvbm_backend.gpu.staging`, :class:`~kvbm_backend.memory.BufferPool`), file fds from
-:class:`kvbm_backend.io.files.ReadFiles`. Mixed into the loader: it uses the loader's
-``mode``, ``device``, ``io_bytes``, ``counters``, ``_engine`` (kvikio) or ``_pool`` (reader threads).
+:class:`kvbm_backend.io.files.ReadFiles`. :class:`PassReader` is a part the loader owns (``loader.reads``).
 """
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ....deadlines import Deadline
 from ....transfer import contiguous_runs
 from ....gpu.probe import _torch
 from ....gpu.staging import host_staging_pool
+from ....io.files import ReadFiles
 
 log = logging.getLogger(__name__)
 
@@ -40,25 +41,83 @@ def _done(f) -> bool:
     return f.done() if hasattr(f, "done") else True
 
 
-class PassReads:
-    """Files, staging ring, submit and reap of :class:`~.device.DeviceLoader`.
+class PassReader:
+    """The read side of :class:`~.device.DeviceLoader` (a part it owns): slab file fds, the ring of staging
+    buffers, a pass's reads on the wire and their reaping.
 
-    State (set by the loader's ``__init__``): ``_files`` (:class:`~kvbm_backend.io.files.ReadFiles`:
-    O_DIRECT on the bounce/host paths where the filesystem takes it, buffered for kvikio), ``_abandoned``
-    (``(futures, ring entry)`` of timed-out reads, kept alive until done),
-    ``_ring`` (ring slot -> ``(staging, host, host buffer)``, reused across calls).
+    Args:
+        mode: the loader's device path (:data:`kvbm_backend.gpu.probe.MODES`): kvikio (``gds`` /
+            ``kvikio-compat``) reads into the device; ``pinned-bounce`` / ``host`` read with ``threads``
+            reader threads (``preadv``, O_DIRECT where the filesystem takes it).
+        device: the torch device staging lives on. io_bytes: bytes per read (at least one slot).
+        threads: reads in flight (reader threads / kvikio's thread pool).
+        counters: the loader's Counter (``bytes_read``, ``timeout``, ``io_error``, ``short``, ``h2d_submit_s``,
+            ``files_o_direct`` / ``files_buffered``).
     """
 
+    def __init__(self, mode: str, device, io_bytes: int, threads: int, counters):
+        self.mode, self.device, self.io_bytes, self.counters = mode, device, io_bytes, counters
+        self.files = ReadFiles(counters)  # O_DIRECT on the bounce/host paths where taken, buffered for kvikio
+        self.abandoned: list = []  # (futures, ring entry) of timed-out reads, kept alive until done
+        self.ring: dict = {}  # ring slot -> (staging, host, host buffer), reused across calls
+        self.engine = None  # kvikio (gds / kvikio-compat)
+        self.pool = None  # reader threads (pinned-bounce / host)
+        if mode in ("gds", "kvikio-compat"):
+            from ....io.kvikio_engine import KvikioEngine
+            self.engine = KvikioEngine(threads=threads)
+        else:
+            self.set_threads(threads)
+
+    def set_threads(self, threads: int) -> None:
+        """Reader threads of the bounce/host paths (between loads; kvikio's pool is sized at start)."""
+        if self.engine is not None:
+            return
+        old, self.pool = self.pool, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-dev-read")
+        if old is not None:
+            old.shutdown(wait=True)
+
+    def drop_ring(self) -> None:
+        """Give the ring's host buffers back (between loads): the next passes take buffers of their size."""
+        for entry in self.ring.values():
+            self.give_ring(entry)
+        self.ring = {}
+
+    def abandon(self, p: _Pass) -> None:
+        """The call ended with ``p``'s reads in flight: its buffers are never handed out again until they end."""
+        self.abandoned.append(([f for _, _, f in p.futs], self.ring.pop(p.ring, None)))
+
+    def close(self) -> None:
+        """Wait for reads in flight, release files, threads and buffers. Idempotent."""
+        if self.engine is not None:
+            for fs, _ in self.abandoned:
+                for f in fs:
+                    try:
+                        f.get() if not hasattr(f, "result") else f.result()
+                    except Exception:  # noqa: BLE001
+                        pass
+            for fd in self.files.open_fds():
+                self.engine.forget_fd(fd)
+            self.engine.close()
+            self.engine = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+        for entry in list(self.ring.values()) + [e for _, e in self.abandoned]:
+            self.give_ring(entry)  # every read has ended (threads joined / kvikio reads waited for)
+        self.abandoned = []
+        self.ring = {}
+        self.files.close()
+
     # -- staging ring ------------------------------------------------------------------------
-    def _buffers(self, ring: int, n: int, slot_len: int):
+    def buffers(self, ring: int, n: int, slot_len: int):
         """(staging, host) for a pass of ``n`` rows from ring slot ``ring`` (grown as needed; the
         smaller host buffer goes back to the pool: its pass was verified and copied out)."""
         torch = _torch()
         need = n * slot_len
-        buf = self._ring.get(ring)
+        buf = self.ring.get(ring)
         if buf is None or buf[0].numel() < need:
             if buf is not None:
-                self._give_ring(buf)
+                self.give_ring(buf)
             hbuf = None
             if self.mode == "host":
                 hbuf = host_staging_pool(False).take(need)
@@ -69,29 +128,29 @@ class PassReads:
                 if self.mode == "pinned-bounce":
                     hbuf = host_staging_pool(True).take(need)
                     host = torch.from_numpy(hbuf)  # page-locked: the pass's copy is one DMA
-            buf = self._ring[ring] = (st, host, hbuf)
+            buf = self.ring[ring] = (st, host, hbuf)
         st, host, _ = buf
         return (st[:need].view(n, slot_len), None if host is None else host[:need].view(n, slot_len))
 
-    def _give_ring(self, entry) -> None:
+    def give_ring(self, entry) -> None:
         """Give a ring entry's host buffer back to the pool (nothing reads into it any more)."""
         if entry is not None and entry[2] is not None:
             host_staging_pool(self.mode != "host").give(entry[2])
 
     # -- reads -------------------------------------------------------------------------------
-    def _submit(self, p: _Pass) -> None:
+    def submit(self, p: _Pass) -> None:
         """Put the pass's reads on the wire (returns at once): one read per run of adjacent slots of one
         file, at most ``io_bytes`` each (at least one slot)."""
         spans = [(ls.path, ls.offset, ls.slot_len) for ls in p.leases]
         for r0, nr in contiguous_runs(spans, self.io_bytes):
             ls = p.leases[r0]
             try:
-                fd, _ = self._files.fd(ls.path, self._engine is None)  # opened here: a failed open is a miss
-                if self._pool is not None:
-                    f = self._pool.submit(self._read_bounce, ls.path, p.staging[r0:r0 + nr], p.headers[r0:r0 + nr],
+                fd, _ = self.files.fd(ls.path, self.engine is None)  # opened here: a failed open is a miss
+                if self.pool is not None:
+                    f = self.pool.submit(self._read_bounce, ls.path, p.staging[r0:r0 + nr], p.headers[r0:r0 + nr],
                                           ls.offset, p.host[r0:r0 + nr])
                 else:
-                    f = self._engine.read_to_device_async(fd, p.staging[r0:r0 + nr].reshape(-1), nr * p.slot_len,
+                    f = self.engine.read_to_device_async(fd, p.staging[r0:r0 + nr].reshape(-1), nr * p.slot_len,
                                                           ls.offset)
             except Exception as e:  # noqa: BLE001 - a read that cannot start: its rows are misses
                 log.warning("frame read submit failed (%d rows at %s:%d): %s", nr, ls.path, ls.offset, e)
@@ -110,13 +169,13 @@ class PassReads:
         12-14 GB/s (``benchmarks/gpu_bench.py --sweep``, 2026-11-25)."""
         slot_len = dev.shape[1]
         buf = host.numpy().reshape(-1)
-        got = self._files.preadv(path, [buf], offset, True)  # O_DIRECT (no page-cache copy) where taken
+        got = self.files.preadv(path, [buf], offset, True)  # O_DIRECT (no page-cache copy) where taken
         full = got // slot_len
         if full:
             hdr[:full] = buf[:full * slot_len].reshape(full, slot_len)[:, :hdr.shape[1]]
         return got, None
 
-    def _reap(self, p: _Pass, deadline: Deadline) -> None:
+    def reap(self, p: _Pass, deadline: Deadline) -> None:
         """Wait for the pass's reads (until ``deadline``); fill ``p.status``."""
         pending = []
         for r0, nr, f in p.futs:
@@ -151,11 +210,11 @@ class PassReads:
             p.staging.copy_(p.host, non_blocking=True)  # one DMA for the pass, on the loader's stream
             self.counters["h2d_submit_s"] += time.perf_counter() - t0
         if pending:  # keep the buffers alive until the I/O ends; never hand them out again
-            self._abandoned.append((pending, self._ring.pop(p.ring, None)))
+            self.abandoned.append((pending, self.ring.pop(p.ring, None)))
         keep = []
-        for fs, entry in self._abandoned:
+        for fs, entry in self.abandoned:
             if all(_done(x) for x in fs):
-                self._give_ring(entry)  # the late reads ended: the buffer is free again
+                self.give_ring(entry)  # the late reads ended: the buffer is free again
             else:
                 keep.append((fs, entry))
-        self._abandoned = keep
+        self.abandoned = keep

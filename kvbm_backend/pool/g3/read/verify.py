@@ -3,8 +3,7 @@ checked on the host (:func:`.stages.check_frame`), payloads checked where they l
 device checksum on the device, else xxh3_128 on the host), verified payloads copied into the caller's
 tensors in one multi-tensor copy; corrupt slots reported to the source (invariant 1, never wrong KV).
 
-Mixed into the loader: it uses the loader's ``layout``, ``device``, ``world``, ``tenant_tag_fn``,
-``source``, ``counters`` and ``_stream``.
+:class:`PassVerifier` is a part the loader owns (``loader.verifier``).
 """
 from __future__ import annotations
 
@@ -20,10 +19,21 @@ from .stages import TRANSIENT, check_frame, report_corrupt
 log = logging.getLogger(__name__)
 
 
-class PassVerify:
-    """Header and payload checks and the copy-out of :class:`~.device.DeviceLoader`."""
+class PassVerifier:
+    """Header and payload checks and the copy-out of :class:`~.device.DeviceLoader`.
 
-    def _verify_copy(self, p: _Pass, keys, dst, why) -> None:
+    Args:
+        source: the lease source corrupt slots are reported to (``drop_corrupt``).
+        layout: the namespace's layout. device: where payloads landed. world: TP world size frames name.
+        tenant_tag_fn: a key's expected 16-byte tenant tag. counters: the loader's Counter.
+        stream: the loader's CUDA stream (None on the CPU): synchronised once a pass is copied out.
+    """
+
+    def __init__(self, source, layout, device, world, tenant_tag_fn, counters, stream):
+        self.source, self.layout, self.device, self.world = source, layout, device, world
+        self.tenant_tag_fn, self.counters, self.stream = tenant_tag_fn, counters, stream
+
+    def verify_copy(self, p: _Pass, keys, dst, why) -> None:
         """Check headers and payloads of a read pass; copy the verified payloads into ``dst``."""
         t_start = time.perf_counter()
         n = len(p.rows)
@@ -88,8 +98,8 @@ class PassVerify:
             if reason is not None and reason not in TRANSIENT:
                 self.counters["unverifiable" if reason == "unverifiable" else f"corrupt_{reason}"] += 1
         report_corrupt(self.source, keys, why, p.rows)  # the pool proves them bad before dropping
-        if self._stream is not None:
-            self._stream.synchronize()  # dst written; staging free for the pass after next
+        if self.stream is not None:
+            self.stream.synchronize()  # dst written; staging free for the pass after next
         self.counters["verify_copy_s"] += time.perf_counter() - t1
 
 
