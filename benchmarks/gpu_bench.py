@@ -414,21 +414,15 @@ def _sweep_reader(w, g3, rd, ids, seqs, nbytes: int, clear, same) -> list[dict]:
     ``g3``; its ring is dropped between settings so buffers are re-sized): reader threads (where the
     loader owns them: bounce/host; kvikio's pool is sized at start), passes in flight, staging bytes per
     pass, bytes per read."""
-    from concurrent.futures import ThreadPoolExecutor
     out = []
-    saved = (rd.depth, rd.staging_bytes, rd.io_bytes, rd.threads, rd._pool)
-    thread_counts = (8, 16) if rd._pool is not None else (rd.threads,)
+    saved = dict(threads=rd.threads, depth=rd.depth, staging_bytes=rd.staging_bytes, io_bytes=rd.io_bytes)
+    thread_counts = (8, 16) if rd.reads.pool is not None else (rd.threads,)
     settings = [(t, d, s, i) for t in thread_counts for d in (2, 4) for s in (128 << 20, 256 << 20)
                 for i in (4 << 20, 16 << 20)]
     try:
         for threads, depth, staging, io in settings:
-            if rd._pool is not None and threads != rd.threads:
-                if rd._pool is not saved[4]:
-                    rd._pool.shutdown(wait=True)
-                rd._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-dev-read")
-            for entry in rd._ring.values():  # re-sized for this setting: old host buffers back to the pool
-                rd._give_ring(entry)
-            rd.threads, rd.depth, rd.staging_bytes, rd.io_bytes, rd._ring = threads, depth, staging, io, {}
+            # re-sized for this setting (the ring's host buffers go back to the pool)
+            rd.reconfigure(threads=threads, depth=depth, staging_bytes=staging, io_bytes=io)
             before = rd.stats()
             clear(ids)
             c0 = _cpu_s()
@@ -442,12 +436,7 @@ def _sweep_reader(w, g3, rd, ids, seqs, nbytes: int, clear, same) -> list[dict]:
                            for k in ("read_wait_s", "verify_s", "load_s", "verify_headers_s", "verify_payload_s",
                                      "verify_copy_s", "h2d_submit_s")}})
     finally:
-        if rd._pool is not saved[4]:
-            rd._pool.shutdown(wait=True)
-        rd.depth, rd.staging_bytes, rd.io_bytes, rd.threads, rd._pool = saved
-        for entry in rd._ring.values():
-            rd._give_ring(entry)
-        rd._ring = {}
+        rd.reconfigure(**saved)
     return out
 
 

@@ -2,7 +2,7 @@
 over a prompt whose first ``hit_fraction`` is a G3 prefix hit, timed
 
 * ``serial_s``: load then compute -- every layer of the hit loaded and verified
-  (:class:`~kvbm_backend.pool.g3.layerwise.LayerwiseLoad`), then the forward over the rest of the prompt;
+  (:class:`~kvbm_backend.pool.g3.read.layerwise.LayerwiseLoad`), then the forward over the rest of the prompt;
 * ``overlap_s``: layer-wise -- the load started, then the forward, whose decoder layer ``l`` first waits for
   layer ``l`` of the hit (a forward pre-hook calling ``wait_layer(l)``); payloads verified after the forward;
 * ``load_s`` (the load alone) and ``compute_s`` (the forward with the prefix KV already resident),
@@ -45,7 +45,7 @@ from kvbm_backend.config import G3Config
 from kvbm_backend.memory import BufferPool
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
-from kvbm_backend.pool.g3.layerwise import LayerwiseLoad, SlabFiles
+from kvbm_backend.pool.g3.read.layerwise import LayerwiseLoad, SlabFiles
 from kvbm_backend.pool.g3.pool import G3Pool
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

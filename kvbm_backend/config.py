@@ -99,6 +99,26 @@ def _check_g3_path(p: str, info: ValidationInfo) -> str:
 
 G3Path = Annotated[str, AfterValidator(_check_g3_path)]
 
+IO_ALIGN = 4096  # bytes: O_DIRECT offsets, lengths and buffers are multiples of this
+MAX_IO_SIZE = 1 << 30  # bytes: the largest g3.io_size_bytes (and bench --io-size)
+
+
+def io_size_problem(v: int) -> str | None:
+    """Why ``v`` (bytes) cannot be an I/O size (``g3.io_size_bytes``, the benches' ``--io-size``), or None:
+    it must be a positive multiple of :data:`IO_ALIGN` (4096), at most :data:`MAX_IO_SIZE` (1 GiB). The one
+    copy of the rule: the config validates the field with it, the apps their arguments (the caller
+    appends the value it got)."""
+    if v <= 0 or v % IO_ALIGN or v > MAX_IO_SIZE:
+        return f"must be a positive multiple of {IO_ALIGN} bytes, at most 1 GiB"
+    return None
+
+
+def _check_io_size(v: int) -> int:
+    problem = io_size_problem(v)
+    if problem:
+        raise PydanticCustomError("io_size", "{problem}", {"problem": problem})
+    return v
+
 
 class AdmissionConfig(_M):
     policy: Literal["frequency", "all"] = "frequency"
@@ -118,8 +138,9 @@ class G3Config(_M):
     capacity_gb: float = Field(10.0, gt=0, le=MAX_CAPACITY_GB)
     """Upper bound of slot bytes (GB = 1e9 bytes), at most 10 PB (``MAX_CAPACITY_GB``)."""
     files_per_path: int = Field(4, ge=1, le=256)
-    io_size_bytes: int = Field(1 << 20, ge=4096, le=1 << 30)
-    """Target bytes per I/O per TP rank after coalescing (rounded to 4 KiB), 4 KiB to 1 GiB."""
+    io_size_bytes: Annotated[int, AfterValidator(_check_io_size)] = Field(1 << 20, ge=4096, le=MAX_IO_SIZE)
+    """Target bytes per I/O per TP rank after coalescing: a multiple of 4096, 4 KiB to 1 GiB (checked here,
+    :func:`io_size_problem`; the pool uses it as given)."""
     engine: Literal["auto", "posix", "nixl", "kvikio"] = "auto"
     o_direct: Literal["auto", "on", "off"] = "auto"
     """``auto`` probes each path: O_DIRECT where the filesystem takes it, buffered where not."""

@@ -21,7 +21,6 @@ from .cli_checks import error_line, finite as _finite, int_range
 MAX_PAGE_SIZE = 4096  # tokens per block
 MAX_TP = 1024
 MAX_THREADS = 256  # as g3.io_threads
-MAX_IO_SIZE = 1 << 30  # as g3.io_size_bytes
 MAX_INDEX_BLOCKS = 100_000_000  # bench --tier index entries
 MAX_SYNTH_BLOCK_IDS = 100_000_000  # plan --synthetic: block ids the whole trace holds
 MAX_NODES = 10_000
@@ -149,14 +148,14 @@ def bench(
 ) -> None:
     """Write then read N blocks through a tier, with an in-run baseline of the same bytes."""
     from .bench import BenchOptions
-    from kvbm_backend.config import ConfigError
+    from kvbm_backend.config import ConfigError, io_size_problem
     _one_of("--tier", tier, ("g3", "g4", "vllm-tiers", "index"))
     _int_at_least("--page-size", page_size, 1, MAX_PAGE_SIZE)
     _int_at_least("--tp", tp, 1, MAX_TP)
     _int_at_least("--blocks", blocks, 1, MAX_INDEX_BLOCKS if tier == "index" else None)
     _int_at_least("--threads", threads, 1, MAX_THREADS)
-    if io_size <= 0 or io_size % 4096 or io_size > MAX_IO_SIZE:
-        _fail(f"--io-size: must be a positive multiple of 4096 bytes, at most 1 GiB (got {io_size})")
+    if io_size_problem(io_size):
+        _fail(f"--io-size: {io_size_problem(io_size)} (got {io_size})")
     if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
         _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
     _one_of("--engine", engine, ("auto", "posix", "nixl", "kvikio"))

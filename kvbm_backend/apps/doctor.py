@@ -304,7 +304,7 @@ def engine_choice(cfg, gpu: dict, kvk: dict, nixl: dict, paths: list[dict]) -> d
             out["device_path"] = kvk.get("io")
             out["device_path_why"] = "not probed (no writable path): " + str(kvk.get("reason"))
         else:
-            from kvbm_backend.gpu.loader import probe_device_path
+            from kvbm_backend.gpu.probe import probe_device_path
             try:
                 r = probe_device_path(probe_dir, "cuda", prefer=cfg.g3.device_path)
                 out["device_path"], out["device_path_why"] = r.mode, f"probed in {probe_dir}: {r.reason}"

@@ -4,7 +4,7 @@
 ``gds`` -- kvikio ``CuFile.pread`` with GPUDirect Storage (DMA from storage into HBM); ``kvikio-compat``
 -- kvikio reads through its own pinned bounce buffer; ``pinned-bounce`` -- ``preadv`` into pinned host
 memory, then a host-to-device copy (where kvikio is absent or its probe failed: the reason is kept);
-``host`` -- the device is the CPU. Used by :class:`~kvbm_backend.gpu.loader.DeviceLoader` and ``doctor``.
+``host`` -- the device is the CPU. Used by :class:`~kvbm_backend.pool.g3.read.device.DeviceLoader` and ``doctor``.
 """
 from __future__ import annotations
 

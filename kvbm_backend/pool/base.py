@@ -10,7 +10,7 @@ Device destinations (the one seam for loads into HBM): ``get(keys, out)`` also t
 contiguous torch tensors of ``layout.bytes_per_block`` bytes each, all on one device (``cuda:N``, or
 ``cpu``, which runs the same code in host mode). The pool then moves and verifies the bytes itself
 (G3: slots read straight into device staging by kvikio/GDS or a pinned bounce, verified on the device,
-see :class:`kvbm_backend.gpu.loader.DeviceLoader`; G4: decrypted and verified on the host, one H2D
+see :class:`kvbm_backend.pool.g3.read.device.DeviceLoader`; G4: decrypted and verified on the host, one H2D
 copy, :func:`kvbm_backend.gpu.host_path.load_via_host`). ``ok[i]`` keeps its meaning: True only where
 block i verified where it landed; a miss leaves ``out[i]`` untouched.
 

@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 
 from kvbm_backend.config import G3Config
 from kvbm_backend.gpu.host_path import device_blocks_to_host, load_via_host
-from kvbm_backend.gpu.loader import DeviceLoader, probe_device_path
+from kvbm_backend.gpu.probe import probe_device_path
+from kvbm_backend.pool.g3.read.device import DeviceLoader
 from kvbm_backend.io.base import IoOp
 from kvbm_backend.io.kvikio_engine import NO_DRIVER_REASON, KvikioEngine, _libcuda_status, kvikio_available
 from kvbm_backend.memory import aligned_empty
@@ -127,11 +128,34 @@ def test_reads_are_cut_into_io_sized_pieces_and_passes_pipelined(tmp_path, depth
         assert all(np.array_equal(d.numpy(), p) for d, p in zip(dst, pays))
     st = ld.stats()
     assert st["passes"] == 12 and st["bytes_read"] == 80 * SLOT
-    assert len(ld._ring) == min(depth, 6)
+    assert len(ld.reads.ring) == min(depth, 6)
     assert st["load_s"] > 0 and 0 <= st["read_wait_s"] <= st["load_s"] and 0 < st["verify_s"] <= st["load_s"]
     ld.close()
     with pytest.raises(ValueError, match="depth"):
         DeviceLoader(src, LAYOUT, "cpu", depth=1)
+
+
+def test_reconfigure_changes_the_pipeline_between_loads(tmp_path):
+    """``DeviceLoader.reconfigure`` (what ``benchmarks/gpu_bench.py --sweep`` varies; it poked the loader's
+    privates before issue 23): reader threads, passes in flight, staging per pass and bytes per read change
+    between loads, the ring is re-sized, loads stay byte-exact; bad values are refused like at start."""
+    keys = NS.keys(range(600, 620))
+    pays = _blocks(20, seed=8)
+    src = FileSlots(tmp_path / "slab", keys, pays)
+    ld = DeviceLoader(src, LAYOUT, "cpu", staging_bytes=5 * SLOT, depth=2, io_bytes=SLOT, threads=2, timeout_s=LOAD_S)
+    try:
+        dst = _dst(20)
+        assert ld.load(keys, dst) == [True] * 20 and ld.stats()["passes"] == 4 and len(ld.reads.ring) == 2
+        ld.reconfigure(threads=3, depth=3, staging_bytes=2 * SLOT, io_bytes=2 * SLOT)
+        assert (ld.threads, ld.depth, ld.staging_bytes, ld.io_bytes) == (3, 3, 2 * SLOT, 2 * SLOT)
+        assert ld.reads.ring == {} and ld.reads.pool._max_workers == 3
+        dst = _dst(20)
+        assert ld.load(keys, dst) == [True] * 20 and ld.stats()["passes"] == 4 + 10
+        assert all(np.array_equal(d.numpy(), p) for d, p in zip(dst, pays)) and len(ld.reads.ring) == 3
+        with pytest.raises(ValueError, match="depth"):
+            ld.reconfigure(depth=1)
+    finally:
+        ld.close()
 
 
 def test_loader_staging_comes_from_the_one_buffer_pool_and_goes_back(tmp_path):

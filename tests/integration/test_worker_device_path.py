@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 from kvbm_backend.config import G3Config, G4Config
 from kvbm_backend.pool.g4.pool import G4Pool
-from kvbm_backend.gpu.loader import DeviceLoader
+from kvbm_backend.pool.g3.read.device import DeviceLoader
 from kvbm_backend.integrations.vllm.kv_io import EngineKv
 from kvbm_backend.integrations.vllm.metadata import LoadJob, SaveJob
 from kvbm_backend.integrations.vllm.worker_side import WorkerSide
@@ -286,7 +286,7 @@ def test_device_path_setting_reaches_the_reader(tmp_path):
             assert g3.device_reader("cpu") is rd  # one per device, probed once
         finally:
             g3.close()
-    from kvbm_backend.gpu.loader import probe_device_path
+    from kvbm_backend.gpu.probe import probe_device_path
     # on a CUDA device (or this machine's refusal of one) the forced bounce mode is taken as asked
     assert probe_device_path(str(tmp_path), "cuda", prefer="pinned-bounce").mode == "pinned-bounce"
 

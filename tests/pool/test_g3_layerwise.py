@@ -16,7 +16,7 @@ from kvbm_backend.config import G3Config
 from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
-from kvbm_backend.pool.g3.layerwise import LayerwiseLoad, SlabFiles
+from kvbm_backend.pool.g3.read.layerwise import LayerwiseLoad, SlabFiles
 from kvbm_backend.pool.g3.pool import G3Pool
 from kvbm_backend.transfer.layers import layer_groups, plan_layer_reads
 

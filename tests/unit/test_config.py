@@ -412,3 +412,16 @@ def test_g4_url_typo_through_doctor(tmp_path, url, why):
     assert r.returncode == 2, r.stdout + r.stderr
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: g4.url: ") and why in err[0], r.stderr
+
+
+@pytest.mark.parametrize("value", [5000, 4097, 1 << 20 | 512])
+def test_io_size_not_a_multiple_of_4096_is_refused_by_the_config(value, tmp_path):
+    """Issue 23: the config checks ``g3.io_size_bytes`` itself (a positive multiple of 4096, one line naming
+    the field); the pool no longer rounds an odd value silently, the apps use the same rule."""
+    with pytest.raises(ConfigError, match=rf"^g3\.io_size_bytes: must be a positive multiple of 4096 bytes, at most "
+                                          rf"1 GiB \(got {value}\)$"):
+        load_config({"g3": {"io_size_bytes": value}}, use_env=False)
+    cfg = load_config({"g3": {"io_size_bytes": 3 << 12, "paths": [str(tmp_path)]}}, use_env=False)
+    assert cfg.g3.io_size_bytes == 12288
+    from kvbm_backend.config import io_size_problem
+    assert io_size_problem(value) and io_size_problem(0) and io_size_problem(2 << 30) and not io_size_problem(4096)

@@ -3,7 +3,10 @@
 * the library (everything under ``kvbm_backend/`` outside ``apps/``) never imports ``kvbm_backend.apps``;
 * only ``kvbm_backend/integrations/`` imports vLLM or Dynamo (at module level or inside a function);
 * nothing below the integrations (pools, transfer, io, gpu, model, crypto, config...) imports them;
-* no module under ``apps/`` is over ~500 lines.
+* ``gpu/`` (device primitives) never imports ``pool/`` (the G3 device loader lives in ``pool/g3/read``);
+* no import cycle between packages (``pool``, ``gpu``, ``io``, ``model``... and top-level modules such as
+  ``config`` or ``deadlines``), at module level or inside a function;
+* no module is over ~500 lines.
 """
 from __future__ import annotations
 
@@ -77,3 +80,106 @@ def test_modules_stay_small():
     big = [f"{p.relative_to(ROOT.parent)}: {n} lines" for p, parts in _modules()
            for n in [len(p.read_text().splitlines())] if n > MAX_LINES]
     assert not big, "modules over ~500 lines (split them by job):\n" + "\n".join(big)
+
+
+def _package(parts) -> str | None:
+    """The package (or top-level module) a module belongs to: ``pool`` for kvbm_backend/pool/g3/pool.py,
+    ``config`` for kvbm_backend/config.py; None for kvbm_backend/__init__.py."""
+    return None if parts[1:] == ("__init__",) else parts[1]
+
+
+def _package_edges() -> dict:
+    """{(from package, to package): [where, ...]} over every import between two packages."""
+    edges: dict = {}
+    for p, parts in _modules():
+        src = _package(parts)
+        for name, ln in _imports(p, parts):
+            bits = name.split(".")
+            if src is None or bits[0] != "kvbm_backend" or len(bits) < 2 or bits[1] == src:
+                continue
+            edges.setdefault((src, bits[1]), []).append(f"{p.relative_to(ROOT.parent)}:{ln}: {name}")
+    return edges
+
+
+def _cycles(edges: dict) -> list[list[str]]:
+    """The strongly connected components of more than one package (Tarjan), each sorted."""
+    graph: dict = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict = {}
+    low: dict = {}
+    stack: list = []
+    on: set = set()
+    out: list = []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_finds_cycles():
+    # the checker itself: a -> b -> c -> a is one cycle, d hangs off it
+    assert _cycles({("a", "b"): [], ("b", "c"): [], ("c", "a"): [], ("c", "d"): []}) == [["a", "b", "c"]]
+    assert _cycles({("a", "b"): [], ("b", "c"): []}) == []
+
+
+def test_gpu_never_imports_pool():
+    """Issue 23: ``gpu/`` holds device primitives (checksum, probe, staging, host path); what reads pool
+    slots (the G3 device loader) lives in ``pool/g3/read``, so ``pool`` may use ``gpu`` and never the reverse."""
+    bad = [w for (a, b), ws in _package_edges().items() if (a, b) == ("gpu", "pool") for w in ws]
+    assert not bad, "kvbm_backend/gpu imports kvbm_backend.pool:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_between_packages():
+    """Issue 23: data flows one way (docs/architecture.md); no two packages import each other, directly
+    or through others."""
+    edges = _package_edges()
+    cycles = _cycles(edges)
+    lines = []
+    for comp in cycles:
+        lines.append(" <-> ".join(comp) + ":")
+        lines += [f"  {w}" for (a, b), ws in sorted(edges.items()) if a in comp and b in comp for w in ws[:3]]
+    assert not cycles, "import cycles between packages:\n" + "\n".join(lines)
+
+
+def test_g3_pool_is_a_facade_over_parts_not_mixins():
+    """Issue 23: G3Pool and its reader are built from parts (slot catalog, writer, reader, device loader's
+    pass reader / verifier) that each own their state, not from mixin classes sharing private attributes
+    across files: no class under pool/g3 derives from another class of pool/g3. (The index classes are not
+    covered yet: index.py's SlotPins, compact_*.py's hash-table / restore mixins.)"""
+    g3 = ROOT / "pool" / "g3"
+    classes = []
+    for p in sorted(g3.rglob("*.py")):
+        if p.name.startswith("compact_") or p.name == "index.py":
+            continue
+        classes += [(str(p.relative_to(g3)), n) for n in ast.walk(ast.parse(p.read_text(), str(p)))
+                    if isinstance(n, ast.ClassDef)]
+    ours = {n.name for _, n in classes}
+    bad = [f"{rel}: class {n.name}({', '.join(ast.unparse(b) for b in n.bases)})" for rel, n in classes
+           if n.name.endswith("Mixin") or any(isinstance(b, ast.Name) and b.id in ours for b in n.bases)]
+    assert not bad, "classes under pool/g3 built from other pool/g3 classes (make them parts):\n" + "\n".join(bad)
+    pool = next(n for rel, n in classes if rel == "pool.py" and n.name == "G3Pool")
+    assert not pool.bases, f"G3Pool derives from {[ast.unparse(b) for b in pool.bases]}"

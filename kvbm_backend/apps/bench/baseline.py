@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kvbm_backend.io.probe import fdatasync, open_file, probe_o_direct
+from kvbm_backend.config import io_size_problem
 from kvbm_backend.memory import aligned_empty
 
 ALIGN = 4096
@@ -20,8 +21,8 @@ ALIGN = 4096
 
 def check_sizes(total_bytes: int, io_size: int, inflight: int) -> int:
     """Validate benchmark sizes; returns the number of I/Os. Raises ValueError naming the bad value."""
-    if io_size <= 0 or io_size % ALIGN:
-        raise ValueError(f"io_size must be a positive multiple of {ALIGN} bytes, got {io_size}")
+    if io_size_problem(io_size):
+        raise ValueError(f"io_size: {io_size_problem(io_size)} (got {io_size})")
     if total_bytes < io_size or total_bytes % io_size:
         raise ValueError(f"total_bytes must be a positive multiple of io_size ({io_size}), got {total_bytes}")
     if inflight < 1:

@@ -22,7 +22,7 @@ import uuid
 
 import numpy as np
 
-from kvbm_backend.config import AdmissionConfig, G3Config
+from kvbm_backend.config import AdmissionConfig, G3Config, io_size_problem
 from kvbm_backend.memory import aligned_empty
 from kvbm_backend.metrics import new_registry
 from kvbm_backend.model.frame import slot_bytes
@@ -92,8 +92,8 @@ def run(opts: BenchOptions) -> dict:
         raise ValueError("--path: bench --tier g3 needs a directory (several: comma-separated)")
     if opts.blocks < 1:
         raise ValueError(f"--blocks: must be >= 1, got {opts.blocks}")
-    if opts.io_size_bytes <= 0 or opts.io_size_bytes % 4096:
-        raise ValueError(f"--io-size: must be a positive multiple of 4096 bytes, got {opts.io_size_bytes}")
+    if io_size_problem(opts.io_size_bytes):
+        raise ValueError(f"--io-size: {io_size_problem(opts.io_size_bytes)} (got {opts.io_size_bytes})")
     lay = load_preset(opts.layout).layout(page_size=opts.page_size, tp=opts.tp)
     ns = Namespace(model=f"bench/{opts.layout}", layout=lay, tp_world_size=opts.tp)
     bb = lay.bytes_per_block

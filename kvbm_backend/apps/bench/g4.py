@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from kvbm_backend.config import G4Config
+from kvbm_backend.config import G4Config, io_size_problem
 from kvbm_backend.crypto.aead import gcm_gbps_per_core
 from kvbm_backend.memory import aligned_empty
 from kvbm_backend.model.frame import HEADER_BYTES, slot_bytes
@@ -153,8 +153,8 @@ def run(opts: BenchOptions) -> dict:
         raise ValueError("--url: bench --tier g4 needs s3://BUCKET/PREFIX (with --endpoint-url) or file:///path")
     if opts.blocks < 1:
         raise ValueError(f"--blocks: must be >= 1, got {opts.blocks}")
-    if opts.io_size_bytes <= 0 or opts.io_size_bytes % 4096:
-        raise ValueError(f"--io-size: must be a positive multiple of 4096 bytes, got {opts.io_size_bytes}")
+    if io_size_problem(opts.io_size_bytes):
+        raise ValueError(f"--io-size: {io_size_problem(opts.io_size_bytes)} (got {opts.io_size_bytes})")
     u = urlparse(opts.url)
     if u.scheme not in ("s3", "file"):
         raise ValueError(f"--url {opts.url!r}: expected s3://BUCKET/PREFIX or file:///path")

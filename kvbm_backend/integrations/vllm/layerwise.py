@@ -4,7 +4,7 @@ With the setting on, the scheduler offers a prefix hit served by G3 alone synchr
 (``get_num_new_matched_tokens`` returns ``load_async=False``): vLLM schedules the rest of the prompt in
 the same step and calls ``start_load_kv`` before the forward. :class:`LayerwiseLoads` then:
 
-* ``start`` (``start_load_kv``): one :class:`~kvbm_backend.pool.g3.layerwise.LayerwiseLoad` per such
+* ``start`` (``start_load_kv``): one :class:`~kvbm_backend.pool.g3.read.layerwise.LayerwiseLoad` per such
   job: slots leased, reads ordered by layer submitted (returns at once);
 * ``wait_layer`` (``wait_for_layer_load``, called by each attention layer before it runs): waits for that
   layer's reads and scatters the layer of the blocks read so far into vLLM's paged KV
@@ -30,7 +30,7 @@ from typing import Any
 
 from ...memory import BufferPool
 from ...pool.base import G3Extensions
-from ...pool.g3.layerwise import LayerwiseLoad, SlabFiles
+from ...pool.g3.read.layerwise import LayerwiseLoad, SlabFiles
 from ...transfer.layers import DEFAULT_MIN_READ
 from . import stats
 from .metadata import FailedLoad, LoadJob, SaveJob, mirror_id

@@ -3,7 +3,7 @@ group (a dense model is the 1-group case), built from :class:`TierLookup` s (G3 
 ranks, and the groups' pools).
 
 Lookups never block the scheduler: they run on the pools' threads and are polled once per step; past
-their :class:`~kvbm_backend.pool.deadlines.Deadline` what is not known counts as a miss. The keys of one
+their :class:`~kvbm_backend.deadlines.Deadline` what is not known counts as a miss. The keys of one
 lookup are built once (:meth:`~kvbm_backend.model.namespace.Namespace.rank_runs`: one
 :class:`~kvbm_backend.model.namespace.KeyRun` per TP rank over one array of sequence hashes, no per-key
 object): G3 and G4 share them (G4 only the distinct
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool
-from ...pool.deadlines import Deadline
+from ...deadlines import Deadline
 from . import stats
 
 if TYPE_CHECKING:

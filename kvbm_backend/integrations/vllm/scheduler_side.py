@@ -27,7 +27,7 @@ from typing import Any
 from ...model.hashing import salt_bytes, salt_hash, sequence_hashes
 from ...model.namespace import KeyRun, Namespace
 from ...pool.base import BlockPool
-from ...pool.deadlines import Deadline
+from ...deadlines import Deadline
 from . import handoff, stats
 from .g3_mirror import G3Mirror
 from .kv_events import G3KvEvents, IdlePublisher

@@ -105,7 +105,7 @@ from ...config import ConfigError, KvbmBackendConfig, load_config
 from ...memory import BufferPool
 from ...model.namespace import BlockKey, Namespace
 from ...pool import open_pool
-from ...pool.deadlines import Deadline
+from ...deadlines import Deadline
 from ... import metrics
 from ..tiers import announce_tiers
 from .geometry import PrimaryGeometry

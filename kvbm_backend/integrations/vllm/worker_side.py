@@ -36,7 +36,7 @@ from ...gpu.host_path import device_blocks_to_host
 from ...memory import BufferPool
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool, G3Extensions, GetResult, PutResult, require_g3_extensions
-from ...pool.deadlines import Deadline
+from ...deadlines import Deadline
 from . import stats
 from .kv_io import EngineKv, numpy_staging, split_blocks
 from .metadata import FailedLoad, KvbmWorkerMeta, LoadJob, SaveJob, mirror_id

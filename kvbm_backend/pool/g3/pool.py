@@ -33,20 +33,19 @@ Invariants kept here (each has tests in ``tests/pool/test_g3_*.py``):
 6. Warm restart: the journal (:mod:`.journal`) is replayed at open and every entry's slot header is
    read and checked before it is served again; unverifiable entries are dropped and counted.
 
-Modules, by job (one class, :class:`G3Pool`, assembled from mixins): this module holds the public API,
-construction and shutdown; :mod:`.writer` the write pipeline and syncer (invariant 2); :mod:`.reader`
-the read pipeline, slot leases and the device reader (invariant 1); :mod:`.restore` warm restart
-(invariant 6); :mod:`.slots` the index + slabs + journal changed under the pool lock, and the
-counters. Slot I/O planning (slot runs -> coalesced, aligned ops) is :mod:`kvbm_backend.transfer.slots`.
+Parts, by job (each owns its state; the pool is a thin facade that builds them, delegates and composes
+``stats``): :class:`~.catalog.SlotCatalog` the only owner of slot state (index + slabs + journal changed
+under its one lock, the degraded state, the counters); :class:`~.writer.G3Writer` the write pipeline and
+syncer (invariant 2; :mod:`.pieces` the frames a piece writes); :class:`~kvbm_backend.pool.g3.read.G3Reader`
+the one read path (:mod:`.read`: lease -> plan -> read -> verify -> deliver, for numpy buffers, device
+tensors and layer-wise loads; invariant 1); :func:`.restore.restore` warm restart (invariant 6). Slot I/O
+planning (slot runs -> coalesced, aligned ops) is :mod:`kvbm_backend.transfer.slots`.
 """
 from __future__ import annotations
 
-import collections
 import errno
 import logging
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Sequence
 
 import numpy as np
@@ -54,28 +53,24 @@ import numpy as np
 from ...config import G3Config
 from ...io import fdatasync, make_engine
 from ...metrics import TierMetrics
-from ...model import frame
 from ...model.frame import ChecksumFrames
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace
-from ..base import GetResult, PutResult, completed, is_tensor_batch
-from ..deadlines import Deadline, Deadlines
+from ..base import SlotLease, completed
 from . import journal as jr
 from .admission import make_admission
-from .compact_index import CompactLruIndex
-from .reader import ReaderMixin, _Read, valid_key
-from .restore import RestoreMixin
-from .slabs import SlabSet
-from .slots import SlotsMixin
+from .catalog import SlotCatalog
+from .read import G3Reader
+from .restore import restore
 from .staging import shared_staging
-from .writer import WriterMixin, _Job, _Piece
+from .writer import G3Writer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["G3Pool"]
 
 
-class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
+class G3Pool:
     """The G3 tier: a :class:`~kvbm_backend.pool.base.BlockPool` over slab files.
 
     Args:
@@ -122,75 +117,69 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
     def __init__(self, cfg: G3Config, namespace: Namespace, *, engine=None, registry=None):
         self.cfg = cfg
         self.namespace = namespace
-        self._layout = namespace.layout
         self.fp = namespace.fingerprint
-        self.block_bytes = self._layout.bytes_per_block
-        self.slot_bytes = frame.slot_bytes(self.block_bytes)
-        self._stored_padded = frame.align_up(self.block_bytes)
-        self._io_size = max(4096, cfg.io_size_bytes // 4096 * 4096)
-        self._run = max(1, -(-self._io_size // self.slot_bytes))
-        # writes: small or unaligned blocks are gathered into one staged slot image per batch (a copy, but
-        # one iovec per I/O); large aligned blocks go zero-copy from the caller's buffers. Reads are always
-        # staged and copied out once verified (a miss must leave the caller's buffer untouched)
-        self._gather = self.block_bytes < self.gather_below or self.block_bytes % frame.ALIGN != 0
-        self._zero_pad = np.zeros(self._stored_padded - self.block_bytes, np.uint8)
         self.metrics = TierMetrics("g3", registry)
-        self._c: collections.Counter = collections.Counter()
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
-        self._queue: collections.deque[_Job] = collections.deque()
-        self._pending = 0
-        self._writing = 0
-        self._inflight: set[BlockKey] = set()
-        self._cancelled: set[BlockKey] = set()
-        self._reserved = 0
-        self._degraded_until = 0.0
-        self._closed = False
-        self._stop_sync = False
-        self._ready: list[_Piece] = []  # written pieces waiting for the syncer
-        self._pieces_writing = 0
-        self._last_barrier_s = 0.0  # seconds the last group's fdatasyncs took (bounds the next group's wait)
-        self._err_gen: dict[int, int] = {}  # file index -> failed fdatasync count
-        self._ttags: dict[str, bytes] = {}
-        self._frames = ChecksumFrames(bytes.fromhex(self.fp), self._layout, namespace.tp_world_size)
+        self._io_size = cfg.io_size_bytes  # a positive multiple of 4096: G3Config validates it
+        self._frames = ChecksumFrames(bytes.fromhex(self.fp), namespace.layout, namespace.tp_world_size)
         self._staging = shared_staging(self.staging_keep_pieces * self.chunk_bytes
                                        + (self.read_chunks_in_flight + 2) * self.read_chunk_bytes)
-        self.index = CompactLruIndex()  # numpy arrays: ~60 bytes per block at 10M (bench --tier index)
-        self.admission = make_admission(cfg.admission)
+        # the parts: the slot catalog (the only owner of slot state), the writer, the reader
+        self.cat = SlotCatalog(cfg, namespace, self.metrics, lambda: self.degrade_s)
+        self.block_bytes, self.slot_bytes = self.cat.block_bytes, self.cat.slot_bytes
         self._own_engine = engine is None
-        self.slabs = SlabSet(cfg.paths, namespace, self.slot_bytes, int(cfg.capacity_gb * 1e9), cfg.files_per_path,
-                             cfg.o_direct, cfg.min_free_fraction)
         try:
-            self.index.reserve(self.slabs.max_capacity_slots)  # the index's hash table never grows while open
             self.engine = engine if engine is not None else make_engine(cfg.engine, threads=cfg.io_threads)
-            self._journal_dirty = False  # records were lost (failed append/rewrite): rewrite before appending
-            self._journal_reason = "enospc"  # drop reason of the last journal failure
-            self.journal = jr.Journal(self.slabs.paths[0], self.fp, dir_fd=self.slabs.dir_fd(self.slabs.paths[0]))
-            self._restore()
-            if self.slabs.metadata_errors:  # full disk at open (namespace / lock file): opened degraded
-                self._journal_failed(OSError(errno.ENOSPC, "; ".join(self.slabs.metadata_errors)), dirty=False)
+            restore(self.cat, self.engine, self._io_size)
+            if self.cat.slabs.metadata_errors:  # full disk at open (namespace / lock file): opened degraded
+                with self.cat.lock:
+                    self.cat.journal_failed(OSError(errno.ENOSPC, "; ".join(self.cat.slabs.metadata_errors)),
+                                            dirty=False)
         except BaseException:
-            self.slabs.close()
+            self.cat.journal.close()
+            self.cat.slabs.close()
             raise
-        self._sync_pool = ThreadPoolExecutor(max_workers=min(16, max(1, len(self.slabs.files))),
-                                             thread_name_prefix="kvbm-g3-sync")
-        # read chunks are verified here, not on the engine's completion thread, so the engine keeps
-        # posting and reaping I/O while a chunk's headers/checksums are checked and copied out
-        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-g3-verify")
-        self._deadlines = Deadlines("kvbm-g3-deadlines")
-        self._device_readers: dict = {}  # str(device) -> DeviceLoader (device_reader)
-        self._device_lock = threading.Lock()
-        self._device_exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-g3-device")
-        self._writer = threading.Thread(target=self._write_loop, name="kvbm-g3-writer", daemon=True)
-        self._syncer = threading.Thread(target=self._sync_loop, name="kvbm-g3-syncer", daemon=True)
-        self._writer.start()
-        self._syncer.start()
-        self._update_gauges()
+        self.writer = G3Writer(self.cat, cfg, self.engine, self._frames, self._staging, self._io_size,
+                               make_admission(cfg.admission), type(self))
+        self.reader = G3Reader(self.cat, self)  # the one read path: host gets, device gets, slot leases
+        self.cat.update_gauges()
+
+    # ---- the parts' state, as the pool's (tests, the connector, the tiering tier read these) -------------
+    @property
+    def index(self):
+        """The slot catalog's index (:class:`~.compact_index.CompactLruIndex`; tests may put a wrapper in)."""
+        return self.cat.index
+
+    @index.setter
+    def index(self, index) -> None:
+        self.cat.index = index
+
+    @property
+    def slabs(self):
+        """The slot catalog's slab files (:class:`~.slabs.SlabSet`)."""
+        return self.cat.slabs
+
+    @property
+    def journal(self):
+        """The slot catalog's journal (:class:`~.journal.Journal`)."""
+        return self.cat.journal
+
+    @property
+    def admission(self):
+        """The writer's admission filter."""
+        return self.writer.admission
+
+    @property
+    def _closed(self) -> bool:
+        return self.cat.closed
+
+    @property
+    def _gather(self) -> bool:
+        return self.writer.framer.gather
 
     # ---- BlockPool -------------------------------------------------------------------------
     @property
     def layout(self) -> KvLayout:
-        return self._layout
+        return self.namespace.layout
 
     def _check_keys(self, keys: Sequence[BlockKey], bufs: Sequence[np.ndarray] | None, what: str,
                     writable: bool = False) -> None:
@@ -210,18 +199,18 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
 
     def contains(self, key: BlockKey) -> bool:
         """True if ``key`` is published in the index (no I/O; the payload is verified only by get)."""
-        with self._lock:
-            return key in self.index
+        with self.cat.lock:
+            return key in self.cat.index
 
     def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future:
         """Future of the number of leading ``keys`` held (index only). Found entries become most
         recently used. ``keys``: BlockKeys, or a :class:`~kvbm_backend.model.namespace.KeyRun` (the
         compact index probes its uint64 array, no per-key object)."""
-        with self._lock:
-            n = self.index.lookup_prefix(keys, self.fp)  # vectorised: all keys probed at once
-            self._c["lookup_blocks"] += len(keys)
-            self._c["lookup_hits"] += n
-        self.metrics.matched_tokens.inc(n * self._layout.page_size)
+        with self.cat.lock:
+            n = self.cat.index.lookup_prefix(keys, self.fp)  # vectorised: all keys probed at once
+            self.cat.c["lookup_blocks"] += len(keys)
+            self.cat.c["lookup_hits"] += n
+        self.metrics.matched_tokens.inc(n * self.layout.page_size)
         self.metrics.hit_rate.record(len(keys), n)
         return completed(n)
 
@@ -251,50 +240,7 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
         for k in keys:
             if k.namespace != self.fp:
                 raise ValueError(f"put: key namespace {k.namespace} is not this pool's namespace {self.fp}")
-        res = PutResult()
-        fut: Future = Future()
-        fut.set_running_or_notify_cancel()
-        with self._lock:
-            now = time.monotonic()
-            if self._degraded_until and now >= self._degraded_until:
-                self._degraded_until = 0.0
-                self.slabs.recheck_space()
-                self.metrics.degraded.set(0)
-            seen = set()
-            ck, cb, cc = [], [], []
-            for j, (k, b) in enumerate(zip(keys, blocks)):
-                if k in seen or k in self.index or k in self._inflight:
-                    res.skipped += 1
-                    self._c["offloads_skipped_present"] += 1
-                    continue
-                seen.add(k)
-                if not bypass_admission and not self.admission.admit(k):
-                    res.skipped += 1
-                    self._c["offloads_skipped_admission"] += 1
-                    continue
-                ck.append(k)
-                cb.append(b)
-                if checks is not None:
-                    cc.append(checks[j])
-            if self._closed:
-                reason, room = "closed", 0
-            elif self._degraded_until:
-                reason, room = "degraded", 0
-            else:
-                reason, room = "queue_full", max(0, self.cfg.write_queue_blocks - self._pending)
-            take_k, take_b = ck[:room], cb[:room]
-            dropped = len(ck) - len(take_k)
-            if dropped:
-                res.dropped += dropped
-                self._drop(reason, dropped)
-            if take_k:
-                self._pending += len(take_k)
-                self._inflight.update(take_k)
-                self._queue.append(_Job(take_k, take_b, fut, res, cc[:room] if checks is not None else None))
-                self._cv.notify_all()
-        if not take_k:
-            fut.set_result(res)
-        return fut
+        return self.writer.put(keys, blocks, checks, bypass_admission)
 
     def get(self, keys: Sequence[BlockKey], out: Sequence) -> Future:
         """Onboard ``keys[i]`` into ``out[i]``; Future[GetResult] at once. ``ok[i]`` is True only for a
@@ -315,63 +261,42 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
             ValueError: mismatched lengths or a wrong-sized / read-only buffer (numpy); for tensors the
                 future raises ValueError for a tensor of the wrong size, device or layout.
         """
-        keys = list(keys)
-        out = list(out)
-        if is_tensor_batch(out):
-            if len(keys) != len(out):
-                raise ValueError(f"get: {len(keys)} keys but {len(out)} buffers")
-            return self._get_tensors(keys, out)
-        self._check_keys(keys, out, "get", writable=True)
-        n = len(keys)
-        fut: Future = Future()
-        fut.set_running_or_notify_cancel()
-        # parallel lists, not a list per block: fewer GC-tracked objects per block (a full collection
-        # of a large process stalls every thread; per-block lists made one likely on every big get)
-        idx, pk, ps = [], [], []
-        dups: list = []  # (i, j): keys[i] repeats keys[j], served by a copy of out[j] once j verified
-        invalid = 0
-        with self._lock:
-            get, pin = self.index.get, self.index.pin
-            first: dict = {}
-            for i, k in enumerate(keys):
-                if k.namespace != self.fp:
-                    continue
-                if not valid_key(k):
-                    invalid += 1
-                    continue
-                j = first.get(k)
-                if j is not None:
-                    dups.append((i, j))
-                    continue
-                slot = get(k, touch=True)
-                if slot is None:
-                    continue
-                first[k] = i
-                pin(slot)
-                idx.append(i)
-                pk.append(k)
-                ps.append(slot)
-            if invalid:
-                self._miss("invalid_key", invalid)
-            self._c["duplicate_keys"] += len(dups)
-            absent = n - len(ps) - invalid - len(dups)
-            if absent:
-                self._miss("absent", absent)
-        if not ps:
-            fut.set_result(GetResult(ok=[False] * n))
-            return fut
-        per = self._read_piece_slots
-        chunks = [(idx[a:a + per], pk[a:a + per], ps[a:a + per]) for a in range(0, len(ps), per)]
-        st = _Read(future=fut, n=n, slots=ps, left=len(chunks), out=out, todo=collections.deque(chunks), dups=dups)
-        self._deadlines.add(time.monotonic() + self.cfg.load_timeout_s, lambda: self._read_timeout(st))
-        for _ in range(min(max(1, self.read_chunks_in_flight), len(chunks))):
-            self._read_submit_next(st)
-        return fut
+        return self.reader.get(list(keys), list(out))
+
+    # ---- SlotLeaseSource: in-place reads by the device and layer-wise loaders (pool/g3/read) -------
+    def lease(self, keys: Sequence[BlockKey]) -> list[SlotLease | None]:
+        """Pin the slots of ``keys`` for a reader outside the host pipeline (the device and layer-wise
+        loaders read frames straight into their staging); None for absent or foreign keys (counted as
+        ``absent`` misses). Every lease must go back through :meth:`release`; until then the slot is not
+        evicted or reused. The reader verifies header and payload itself (the frame is not trusted)."""
+        return self.reader.lease(keys)
+
+    def release(self, leases: Sequence[SlotLease]) -> None:
+        """Unpin leases from :meth:`lease` (a slot evicted meanwhile is freed now)."""
+        self.reader.release(leases)
+
+    def drop_corrupt(self, key: BlockKey, reason: str) -> None:
+        """A reader outside the host pipeline found ``key``'s slot bad (``reason``, a FrameError reason):
+        remove it from the index and journal (the slot is freed once its last lease is released) once
+        the stored bytes are proven bad (re-read and checked): a slot whose frame re-reads and verifies,
+        or cannot be read, stays (a miss)."""
+        self.reader.drop_corrupt(key, reason)
+
+    def device_reader(self, device):
+        """The pool's :class:`~kvbm_backend.pool.g3.read.device.DeviceLoader` for ``device`` (created on
+        first use: the device path is probed in this pool's first directory and logged once;
+        ``g3.device_path`` forces a mode). ``get(keys, tensors)`` uses it; callers may call this at
+        start-up so the probe and its log line happen before the first request.
+
+        Raises:
+            RuntimeError: the pool is closed. ImportError: torch is not installed.
+        """
+        return self.reader.device_reader(device)
 
     def keys(self) -> list[BlockKey]:
         """Snapshot of the published keys (index only, no I/O)."""
-        with self._lock:
-            return [k for k, _ in self.index.items()]
+        with self.cat.lock:
+            return [k for k, _ in self.cat.index.items()]
 
     def delete(self, keys: Sequence[BlockKey]) -> Future:
         """Remove blocks (queued offloads of these keys are cancelled). Future of how many were held.
@@ -379,75 +304,92 @@ class G3Pool(WriterMixin, ReaderMixin, RestoreMixin, SlotsMixin):
         journaled degrades the tier and the journal is rewritten from the index once it can be."""
         n = 0
         recs = []
-        with self._lock:
+        cat = self.cat
+        with cat.lock:
             for k in keys:
-                if k in self._inflight:
-                    self._cancelled.add(k)
-                slot = self.index.get(k)
-                if slot is None:
+                self.writer.cancel(k)
+                if cat.index.get(k) is None:
                     continue
                 n += 1
-                free = self.index.remove(k)
-                if free is not None:
-                    self.slabs.release([free])
+                cat.remove(k)
                 recs.append(jr.encode(jr.DEL, k))
-            self._journal_append(recs)
-            self._c["deleted"] += n
-        self._update_gauges()
+            cat.journal_append(recs)
+            cat.c["deleted"] += n
+        cat.update_gauges()
         return completed(n)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued offload is written and published (or dropped). Returns False when
         offloads are still pending after ``timeout`` seconds (the BlockPool contract: never raises)."""
-        end = Deadline(timeout)
-        with self._cv:
-            while self._pending or self._writing:
-                if end.expired():
-                    return False
-                self._cv.wait(end.left())
-        return True
+        return self.writer.flush(timeout)
 
     def close(self) -> None:
         """Write what is queued (bounded by ~``load_timeout_s`` + 10 s, the rest is dropped), then
         release files, the directory locks and threads. Idempotent."""
-        with self._cv:
-            if self._closed:
+        cat = self.cat
+        with cat.cv:
+            if cat.closed:
                 return
-            self._closed = True
-            self._cv.notify_all()
-        self._writer.join(timeout=self.cfg.load_timeout_s + 10)
-        with self._lock:
-            jobs = list(self._queue)
-            self._queue.clear()
-        for job in jobs:  # writer did not get to them in time
-            self._finish_job_dropped(job, "closed")
-        end = Deadline(self.cfg.load_timeout_s + 10)
-        with self._cv:  # pieces still being written or synced settle first
-            while self._writing and not end.expired():
-                self._cv.wait(end.left())
-            self._stop_sync = True
-            self._cv.notify_all()
-        self._syncer.join(timeout=end.left() + 1)
-        self._deadlines.close()
-        self._device_exec.shutdown(wait=True)
-        with self._device_lock:
-            for rd in list(self._device_readers.values()):
-                rd.close()
-            self._device_readers.clear()
-        self._sync_pool.shutdown(wait=True)
+            cat.closed = True
+            cat.cv.notify_all()
+        self.writer.close(self.cfg.load_timeout_s + 10)
+        self.reader.close_device()
+        self.writer.close_sync_pool()
         if self._own_engine:
             self.engine.close()
-        self._verifier.shutdown(wait=True)  # after the engine: its last callbacks may still queue here
-        with self._lock:
-            if self._journal_dirty:  # last chance to persist removals a failed append lost
-                try:
-                    self.journal.rewrite(self.index.items())
-                    self._journal_dirty = False
-                except OSError as e:
-                    log.warning("G3: journal %s could not be repaired at close (%s); a restart may find "
-                                "deleted blocks again (each is re-verified before use)", self.journal.path, e)
-            self.journal.close()
-            self.slabs.close()
+        self.reader.close_verifier()  # after the engine: its last callbacks may still queue there
+        cat.close()
+
+    def stats(self) -> dict:
+        """Counters and gauges. Sizes in bytes; ``*_blocks``/counts in blocks."""
+        cat = self.cat
+        with cat.lock:
+            c = dict(cat.c)
+            d = {
+                "tier": self.tier,
+                "namespace": self.fp,
+                "paths": list(cat.slabs.paths),
+                "files": len(cat.slabs.files),
+                "o_direct": dict(cat.slabs.o_direct),
+                "engine": getattr(self.engine, "name", type(self.engine).__name__),
+                "block_bytes": self.block_bytes,
+                "slot_bytes": self.slot_bytes,
+                "io_size_bytes": self._io_size,
+                "blocks": len(cat.index),
+                "used_bytes": len(cat.index) * self.slot_bytes,
+                "capacity_blocks": cat.slabs.capacity_slots,
+                "capacity_bytes": cat.slabs.capacity_slots * self.slot_bytes,
+                "configured_capacity_blocks": cat.slabs.max_capacity_slots,
+                "free_slots": cat.slabs.free_slots(),
+                "reserved_slots": cat.reserved,
+                "pinned_slots": cat.index.pinned,
+                "deferred_free_slots": cat.index.deferred,
+                "pending_blocks": self.writer.pending,
+                "degraded": bool(cat.degraded_until),
+                "admission": self.admission.policy,
+                "foreign_files": list(cat.slabs.foreign_files),
+                "journal_records": cat.journal.records,
+            }
+        for name in ("offloads_written", "offloads_skipped_present", "offloads_skipped_admission", "offloads_dropped",
+                     "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
+                     "restored_blocks", "restore_dropped", "lookup_blocks", "lookup_hits", "deleted", "late_reads",
+                     "device_loads", "device_hits", "sync_groups"):
+            d[name] = c.get(name, 0)
+        # the names every pool reports (pool.base.STATS_CONTRACT)
+        d["written"], d["dropped"] = d["offloads_written"], d["offloads_dropped"]
+        d["skipped"] = d["offloads_skipped_present"] + d["offloads_skipped_admission"]
+        d["dropped_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("dropped:")}
+        d["misses_by_reason"] = {k[5:]: v for k, v in c.items() if k.startswith("miss:")}
+        d["corrupt_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("corrupt:")}
+        d["restore_dropped_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("restore:")}
+        d["hit_rate"] = d["lookup_hits"] / d["lookup_blocks"] if d["lookup_blocks"] else 0.0
+        d["device_paths"] = self.reader.device_paths()
+        return d
+
+    def slot_accounting(self) -> dict:
+        """Every slot below each file's cap is exactly one of: published, pinned-deferred, reserved,
+        free. ``leaked`` must be 0 (tests assert it)."""
+        return self.cat.accounting()
 
     def __enter__(self):
         return self

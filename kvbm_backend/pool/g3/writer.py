@@ -1,66 +1,152 @@
-"""G3 write pipeline: queued offloads -> batches -> pieces -> writes -> group fdatasync -> publish.
+""":class:`G3Writer`, the write part of a G3 pool: queued offloads -> batches -> pieces -> writes -> group
+fdatasync -> publish.
 
-Mixed into :class:`~kvbm_backend.pool.g3.pool.G3Pool` (it uses the pool's lock, slots, engine and
-counters; see :mod:`.slots`). Invariant 2 (publish after durable) is kept here, per piece.
+It owns the write-behind queue, its threads (writer, syncer, the fdatasync pool) and what is in flight,
+and changes slot state only through the pool's :class:`~.catalog.SlotCatalog` under its lock (slots
+reserved, published into the index and journal, released). Invariant 2 (publish after durable) is kept
+here, per piece.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import logging
+import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
-import xxhash
-
-from ...memory import is_aligned
-from ...transfer import plan_ops, slot_extent, staged_run_extents
+from ...deadlines import Deadline
+from ...transfer import plan_ops
 from ..base import PutResult
 from . import journal as jr
-from .slots import _NOSPACE, HDR
+from .catalog import _NOSPACE, SlotCatalog
+from .pieces import PieceFramer, _Batch, _Job, _Piece
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Job:
-    keys: list
-    blocks: list
-    future: Future
-    result: PutResult
-    checks: list | None = None  # per block: device_checksum of the payload, or None
+class G3Writer:
+    """The write part of a G3 pool (``G3Pool.put`` / ``flush`` / ``close`` delegate to it).
 
+    Args:
+        cat: the pool's slot catalog (slot state, counters, the lock every part shares).
+        cfg: the ``g3`` config (write_queue_blocks, fsync, group_commit_ms, group_commit_bytes).
+        engine: the pool's I/O engine. frames: its :class:`~kvbm_backend.model.frame.ChecksumFrames`.
+        staging: its staging :class:`~kvbm_backend.memory.BufferPool`. io_size: bytes per coalesced I/O.
+        admission: the admission filter (``admit(key) -> bool``).
+        tuning: where the piece sizes (``chunk_bytes``, ``min_chunk_blocks``, ``chunks_in_flight``,
+            ``max_batch_bytes``, ``gather_below``) and the durability call (``_fdatasync(fd)``) are read,
+            at each use: the pool class (tests change them).
+    """
 
-@dataclass
-class _Batch:
-    """Offload jobs written together; finished (counts, futures) when its last piece settles."""
-    jobs: list
-    left: int = 1  # pieces not yet settled, plus 1 while the writer is still submitting pieces
-    failed: BaseException | None = None  # first write failure: later pieces are not submitted
-    counted: bool = False  # the failure was counted (once per batch)
-    broken: bool = False  # the writer hit a bug: blocks not accounted for are dropped ("error")
+    def __init__(self, cat: SlotCatalog, cfg, engine, frames, staging, io_size: int, admission, tuning):
+        self.cat, self.cfg, self.engine, self.frames = cat, cfg, engine, frames
+        self.staging, self.io_size, self.admission, self.tuning = staging, io_size, admission, tuning
+        self._run = max(1, -(-io_size // cat.slot_bytes))  # slots per I/O: runs of adjacent slots allocated
+        self.framer = PieceFramer(cat, frames, staging, io_size, tuning.gather_below)
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._pending = 0
+        self._writing = 0
+        self._inflight: set = set()
+        self._cancelled: set = set()
+        self._stop_sync = False
+        self._ready: list[_Piece] = []  # written pieces waiting for the syncer
+        self._pieces_writing = 0
+        self._last_barrier_s = 0.0  # seconds the last group's fdatasyncs took (bounds the next group's wait)
+        self._err_gen: dict[int, int] = {}  # file index -> failed fdatasync count
+        self._sync_pool = ThreadPoolExecutor(max_workers=min(16, max(1, len(cat.slabs.files))),
+                                             thread_name_prefix="kvbm-g3-sync")
+        self._writer = threading.Thread(target=self._write_loop, name="kvbm-g3-writer", daemon=True)
+        self._syncer = threading.Thread(target=self._sync_loop, name="kvbm-g3-syncer", daemon=True)
+        self._writer.start()
+        self._syncer.start()
 
+    @property
+    def pending(self) -> int:
+        """Offload blocks queued or being written."""
+        return self._pending
 
-@dataclass
-class _Piece:
-    """~``chunk_bytes`` of a batch: written together, published together after their fdatasync."""
-    batch: _Batch
-    jobs: list  # per block: its job (parallel lists, not a tuple per block: fewer GC-tracked objects)
-    keys: list
-    blocks: list
-    slots: list  # (file index, slot), one per block
-    checks: list | None = None  # per block: device_checksum or None (None: no block has one)
-    files: tuple = ()  # file indexes written
-    gens: tuple = ()  # the files' fdatasync error generations when the piece was submitted
-    error: BaseException | None = None
-    stage: list = field(default_factory=list)  # staging buffers, given back once written
-    ready_at: float = 0.0  # time.monotonic() when it was handed to the syncer
+    def put(self, keys: list, blocks: list, checks: list | None, bypass_admission: bool) -> Future:
+        """``G3Pool.put`` after its argument checks: skip held / in-flight / not admitted keys, drop what
+        the queue bound, the degraded state or a closing pool refuses, queue the rest."""
+        cat = self.cat
+        res = PutResult()
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        with cat.lock:
+            cat.admitting(time.monotonic())
+            seen = set()
+            ck, cb, cc = [], [], []
+            for j, (k, b) in enumerate(zip(keys, blocks)):
+                if k in seen or k in cat.index or k in self._inflight:
+                    res.skipped += 1
+                    cat.c["offloads_skipped_present"] += 1
+                    continue
+                seen.add(k)
+                if not bypass_admission and not self.admission.admit(k):
+                    res.skipped += 1
+                    cat.c["offloads_skipped_admission"] += 1
+                    continue
+                ck.append(k)
+                cb.append(b)
+                if checks is not None:
+                    cc.append(checks[j])
+            if cat.closed:
+                reason, room = "closed", 0
+            elif cat.degraded_until:
+                reason, room = "degraded", 0
+            else:
+                reason, room = "queue_full", max(0, self.cfg.write_queue_blocks - self._pending)
+            take_k, take_b = ck[:room], cb[:room]
+            dropped = len(ck) - len(take_k)
+            if dropped:
+                res.dropped += dropped
+                cat.drop(reason, dropped)
+            if take_k:
+                self._pending += len(take_k)
+                self._inflight.update(take_k)
+                self._queue.append(_Job(take_k, take_b, fut, res, cc[:room] if checks is not None else None))
+                cat.cv.notify_all()
+        if not take_k:
+            fut.set_result(res)
+        return fut
 
+    def cancel(self, key) -> None:
+        """``key`` was deleted: a queued or in-flight offload of it is not published (caller holds the lock)."""
+        if key in self._inflight:
+            self._cancelled.add(key)
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """See ``G3Pool.flush``."""
+        end = Deadline(timeout)
+        with self.cat.cv:
+            while self._pending or self._writing:
+                if end.expired():
+                    return False
+                self.cat.cv.wait(end.left())
+        return True
 
-class WriterMixin:
-    """Write path of :class:`~kvbm_backend.pool.g3.pool.G3Pool` (``put`` queues, this writes)."""
+    def close(self, bound_s: float) -> None:
+        """The pool is closing (``cat.closed`` is set): write what is queued for at most ``bound_s``
+        seconds (the rest is dropped, ``closed``), let pieces being written or synced settle (another
+        ``bound_s`` at most), then stop the threads. Call once."""
+        cat = self.cat
+        self._writer.join(timeout=bound_s)
+        with cat.lock:
+            jobs = list(self._queue)
+            self._queue.clear()
+        for job in jobs:  # writer did not get to them in time
+            self._finish_job_dropped(job, "closed")
+        end = Deadline(bound_s)
+        with cat.cv:  # pieces still being written or synced settle first
+            while self._writing and not end.expired():
+                cat.cv.wait(end.left())
+            self._stop_sync = True
+            cat.cv.notify_all()
+        self._syncer.join(timeout=end.left() + 1)
+
+    def close_sync_pool(self) -> None:
+        self._sync_pool.shutdown(wait=True)
 
     # ---- internals: write path ----------------------------------------------------------------
     # Pipeline (invariant 2 kept per piece): the writer thread takes queued offloads as a batch,
@@ -77,17 +163,18 @@ class WriterMixin:
     # never missed by another piece.
     def _write_loop(self) -> None:
         while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
+            with self.cat.cv:
+                while not self._queue and not self.cat.closed:
+                    self.cat.cv.wait()
                 if not self._queue:
                     return
                 jobs = [self._queue.popleft()]
-                nbytes = len(jobs[0].keys) * self.slot_bytes
-                while self._queue and nbytes + len(self._queue[0].keys) * self.slot_bytes <= self.max_batch_bytes:
+                sb, cap = self.cat.slot_bytes, self.tuning.max_batch_bytes
+                nbytes = len(jobs[0].keys) * sb
+                while self._queue and nbytes + len(self._queue[0].keys) * sb <= cap:
                     j = self._queue.popleft()
                     jobs.append(j)
-                    nbytes += len(j.keys) * self.slot_bytes
+                    nbytes += len(j.keys) * sb
                 self._writing += 1
             batch = _Batch(jobs)
             try:
@@ -100,10 +187,10 @@ class WriterMixin:
 
     def _batch_release(self, batch: "_Batch") -> None:
         """The writer is done cutting ``batch`` into pieces (finishes it if every piece settled)."""
-        with self._cv:
+        with self.cat.cv:
             batch.left -= 1
             done = self._batch_done_locked(batch) if batch.left == 0 else []
-            self._cv.notify_all()
+            self.cat.cv.notify_all()
         for job in done:
             if not job.future.done():
                 job.future.set_result(job.result)
@@ -117,20 +204,20 @@ class WriterMixin:
                 left = len(job.keys) - job.result.written - job.result.skipped - job.result.dropped
                 if left > 0:
                     job.result.dropped += left
-                    self._drop("error", left)
+                    self.cat.drop("error", left)
         self._writing -= 1
-        self._update_gauges()
+        self.cat.update_gauges()
         return batch.jobs
 
     def _finish_job_dropped(self, job: _Job, reason: str) -> None:
-        with self._cv:
+        with self.cat.cv:
             n = len(job.keys)
             self._pending -= n
             self._inflight.difference_update(job.keys)
             self._cancelled.difference_update(job.keys)
             job.result.dropped += n
-            self._drop(reason, n)
-            self._cv.notify_all()
+            self.cat.drop(reason, n)
+            self.cat.cv.notify_all()
         if not job.future.done():
             job.future.set_result(job.result)
 
@@ -142,7 +229,7 @@ class WriterMixin:
         lc: list = []
         any_checks = any(job.checks is not None for job in batch.jobs)
         evicted_recs = 0
-        with self._lock:
+        with self.cat.lock:
             cancelled = self._cancelled
             for job in batch.jobs:
                 jc = job.checks if job.checks is not None else [None] * len(job.keys)
@@ -161,20 +248,20 @@ class WriterMixin:
                         lb.append(b)
                         lc.append(c)
             n = len(lk)
-            slots = self.slabs.allocate(n, self._run)
+            slots = self.cat.slabs.allocate(n, self._run)
             if len(slots) < n:
-                ev = self.index.evict(n - len(slots))
+                ev = self.cat.index.evict(n - len(slots))
                 for _, s in ev:
-                    self.slabs.release([s])
+                    self.cat.slabs.release([s])
                 evicted_recs = len(ev)
-                slots += self.slabs.allocate(n - len(slots), self._run)
-            self._reserved += len(slots)
-            self._c["evictions"] += evicted_recs
+                slots += self.cat.slabs.allocate(n - len(slots), self._run)
+            self.cat.reserved += len(slots)
+            self.cat.c["evictions"] += evicted_recs
             m = len(slots)
             for job in lj[m:]:
                 job.result.dropped += 1
             if n > m:
-                self._drop("no_space", n - m)
+                self.cat.drop("no_space", n - m)
                 del lj[m:], lk[m:], lb[m:], lc[m:]
             per = self._piece_slots
             pieces = [_Piece(batch, lj[a:a + per], lk[a:a + per], lb[a:a + per], slots[a:a + per],
@@ -182,7 +269,7 @@ class WriterMixin:
                       for a in range(0, m, per)]
             batch.left += len(pieces)
         if evicted_recs:
-            self.metrics.evictions.inc(evicted_recs)
+            self.cat.metrics.evictions.inc(evicted_recs)
         if not pieces:
             return
         try:
@@ -191,30 +278,30 @@ class WriterMixin:
                 if si > top.get(fi, -1):
                     top[fi] = si
             for fi, si in top.items():
-                self.slabs.ensure_size(fi, si)
+                self.cat.slabs.ensure_size(fi, si)
         except Exception as e:  # noqa: BLE001 - ENOSPC from growth, or anything else: the pieces are dropped
             for pc in pieces:
                 pc.error = e
-            with self._cv:
+            with self.cat.cv:
                 batch.failed = e
                 for pc in pieces:
                     self._to_ready_locked(pc)
-                self._cv.notify_all()
+                self.cat.cv.notify_all()
             return
         for pc in pieces:
-            with self._cv:
-                while self._pieces_writing >= self.chunks_in_flight:
-                    self._cv.wait()
+            with self.cat.cv:
+                while self._pieces_writing >= self.tuning.chunks_in_flight:
+                    self.cat.cv.wait()
                 if batch.failed is not None:  # an earlier piece failed: the rest is dropped unwritten
                     pc.error = batch.failed
                     self._to_ready_locked(pc)
-                    self._cv.notify_all()
+                    self.cat.cv.notify_all()
                     continue
                 self._pieces_writing += 1
                 pc.files = tuple(sorted({fi for fi, _ in pc.slots}))
                 pc.gens = tuple(self._err_gen.get(fi, 0) for fi in pc.files)
             try:
-                ef = self.engine.submit(plan_ops(self._write_extents(pc), self._io_size, write=True))
+                ef = self.engine.submit(plan_ops(self.framer.extents(pc, self._piece_slots), self.io_size, write=True))
             except Exception as e:  # noqa: BLE001 - engine refused or a bug: this piece is dropped
                 ef = Future()
                 ef.set_exception(e)
@@ -224,28 +311,28 @@ class WriterMixin:
         """Engine callback: the piece's writes finished (staging goes back; the syncer takes it on)."""
         e = ef.exception()
         for b in pc.stage:
-            self._staging.give(b)
+            self.staging.give(b)
         pc.stage = []
-        with self._cv:
+        with self.cat.cv:
             self._pieces_writing -= 1
             if e is not None:
                 pc.error = e
                 if pc.batch.failed is None:
                     pc.batch.failed = e
             self._to_ready_locked(pc)
-            self._cv.notify_all()
+            self.cat.cv.notify_all()
 
     def _sync_loop(self) -> None:
         while True:
-            with self._cv:
+            with self.cat.cv:
                 while not self._ready and not self._stop_sync:
-                    self._cv.wait()
+                    self.cat.cv.wait()
                 if not self._ready:
                     return
                 if self.cfg.fsync:
                     self._group_wait_locked()
                 ready, self._ready = self._ready, []
-                self._c["sync_groups"] += 1
+                self.cat.c["sync_groups"] += 1
             errs: dict[int, BaseException] = {}
             try:
                 if self.cfg.fsync:
@@ -263,7 +350,7 @@ class WriterMixin:
                 log.exception("G3 syncer: settling pieces failed")
 
     def _group_wait_locked(self) -> None:
-        """Group commit (caller holds ``self._cv``; ``self._ready`` is not empty): while pieces are still
+        """Group commit (caller holds ``self.cat.cv``; ``self._ready`` is not empty): while pieces are still
         being written (or queued to be), let the group grow so that one barrier covers them too, until the
         oldest waiting piece has waited as long as the last barrier took (never more time waiting than a
         barrier costs: a slow flush is amortised over more blocks, a fast one is not delayed) and at most
@@ -273,16 +360,16 @@ class WriterMixin:
         if limit_s <= 0:
             return
         end = self._ready[0].ready_at + limit_s
-        max_slots = self.cfg.group_commit_bytes // self.slot_bytes if self.cfg.group_commit_bytes else None
+        max_slots = self.cfg.group_commit_bytes // self.cat.slot_bytes if self.cfg.group_commit_bytes else None
         while (self._pieces_writing or self._queue) and not self._stop_sync and (
                 max_slots is None or sum(len(pc.slots) for pc in self._ready) < max_slots):
             left = end - time.monotonic()
             if left <= 0:
                 return
-            self._cv.wait(left)
+            self.cat.cv.wait(left)
 
     def _to_ready_locked(self, pc: "_Piece") -> None:
-        """Hand a piece (written, or failed) to the syncer (caller holds ``self._cv``)."""
+        """Hand a piece (written, or failed) to the syncer (caller holds ``self.cat.cv``)."""
         pc.ready_at = time.monotonic()
         self._ready.append(pc)
 
@@ -291,17 +378,18 @@ class WriterMixin:
         errs: dict[int, BaseException] = {}
         if len(files) == 1:
             try:
-                self._fdatasync(self.slabs.by_index[files[0]].fd)
+                self.tuning._fdatasync(self.cat.slabs.by_index[files[0]].fd)
             except OSError as e:
                 errs[files[0]] = e
         else:
-            futs = [(fi, self._sync_pool.submit(self._fdatasync, self.slabs.by_index[fi].fd)) for fi in files]
+            sync, by_index = self.tuning._fdatasync, self.cat.slabs.by_index
+            futs = [(fi, self._sync_pool.submit(sync, by_index[fi].fd)) for fi in files]
             for fi, fut in futs:
                 e = fut.exception()
                 if e is not None:
                     errs[fi] = e
         if errs:
-            with self._lock:
+            with self.cat.lock:
                 for fi in errs:
                     self._err_gen[fi] = self._err_gen.get(fi, 0) + 1
         return errs
@@ -310,14 +398,14 @@ class WriterMixin:
         """Publish the pieces that were written and synced (index + journal in one lock hold); release
         and count the others; finish batches whose last piece this was."""
         done: list = []
-        with self._cv:
+        with self.cat.cv:
             recs = []
             pub_j: list = []  # publishable blocks (journaled first, then put in the index)
             pub_k: list = []
             pub_s: list = []
             finished: list = []
             for pc in pieces:
-                self._reserved -= len(pc.slots)
+                self.cat.reserved -= len(pc.slots)
                 err = pc.error
                 if err is None and any(self._err_gen.get(fi, 0) != g for fi, g in zip(pc.files, pc.gens)):
                     err = next((sync_errs[fi] for fi in pc.files if fi in sync_errs), None) or OSError(
@@ -326,7 +414,7 @@ class WriterMixin:
                     cancelled = self._cancelled
                     for job, k, slot in zip(pc.jobs, pc.keys, pc.slots):
                         if cancelled and k in cancelled:
-                            self.slabs.release([slot])
+                            self.cat.slabs.release([slot])
                             job.result.skipped += 1
                             continue
                         pub_j.append(job)
@@ -334,93 +422,49 @@ class WriterMixin:
                         pub_s.append(slot)
                         recs.append(jr.encode(jr.PUT, k, slot))
                 else:
-                    self.slabs.release(pc.slots)
+                    self.cat.slabs.release(pc.slots)
                     reason = "enospc" if getattr(err, "errno", None) in _NOSPACE else "io_error"
                     if not pc.batch.counted:
                         pc.batch.counted = True
-                        self._c["enospc" if reason == "enospc" else "write_errors"] += 1
+                        self.cat.c["enospc" if reason == "enospc" else "write_errors"] += 1
                         if reason == "enospc":
-                            self._degraded_until = time.monotonic() + self.degrade_s
-                            self.metrics.degraded.set(1)
+                            self.cat.degrade()
                             log.warning("G3: %s; tier degraded for %.1f s, blocks of the batch dropped", err,
-                                        self.degrade_s)
+                                        self.cat.degrade_s())
                         else:
                             log.warning("G3: write failed (%s); blocks of the batch dropped", err)
                     for job in pc.jobs:
                         job.result.dropped += 1
-                    self._drop(reason, len(pc.jobs))
+                    self.cat.drop(reason, len(pc.jobs))
                 pc.batch.left -= 1
                 if pc.batch.left == 0:
                     finished.append(pc.batch)
-            if recs and not self._journal_append(recs):
+            if recs and not self.cat.journal_append(recs):
                 # not journaled, so not published: dropped, counted, slots released (tier degraded)
-                self.slabs.release(pub_s)
+                self.cat.slabs.release(pub_s)
                 for job in pub_j:
                     job.result.dropped += 1
-                self._drop(self._journal_reason, len(pub_s))
+                self.cat.drop(self.cat.journal_reason, len(pub_s))
                 recs = []
             else:
                 for job, k, slot in zip(pub_j, pub_k, pub_s):
-                    self.index.put(k, slot)
+                    self.cat.index.put(k, slot)
                     job.result.written += 1
             for b in finished:
                 done.extend(self._batch_done_locked(b))
             if recs:
                 n = len(recs)
-                self._c["offloads_written"] += n
-                self._c["bytes_written"] += n * self.slot_bytes
-                self.metrics.offload_blocks.inc(n)
-                self.metrics.bytes_written.inc(n * self.slot_bytes)
-                self._update_gauges()
-            self._cv.notify_all()
+                self.cat.c["offloads_written"] += n
+                self.cat.c["bytes_written"] += n * self.cat.slot_bytes
+                self.cat.metrics.offload_blocks.inc(n)
+                self.cat.metrics.bytes_written.inc(n * self.cat.slot_bytes)
+                self.cat.update_gauges()
+            self.cat.cv.notify_all()
         for job in done:
             if not job.future.done():
                 job.future.set_result(job.result)
 
-    def _write_extents(self, pc: "_Piece") -> list:
-        """Frames (header with the payload's xxh3_128, payload, zero pad) of the piece's blocks into its
-        slots. Staging/header buffers come from :attr:`_staging` and are listed in ``pc.stage``."""
-        sb, bb = self.slot_bytes, self.block_bytes
-        m = len(pc.keys)
-        now = time.time_ns()
-        wh = self._frames.write_header
-        digest = xxhash.xxh3_128_digest
-        if self._gather:  # small blocks: one staged slot image per piece, one iovec per I/O
-            stage = self._staging.take(self._piece_slots * sb)
-            pc.stage.append(stage)
-            s2 = stage[:m * sb].reshape(m, sb)
-            np.stack(pc.blocks, out=s2[:, HDR:HDR + bb])
-            if sb - HDR > bb:
-                s2[:, HDR + bb:] = 0
-            mv = memoryview(stage)
-            off = 0
-            checks = pc.checks or [None] * m
-            for key, block, dc in zip(pc.keys, pc.blocks, checks):
-                wh(mv, off, self._tag(key.tenant), key.rank, key.seq_hash, digest(block), now, dc)
-                off += sb
-            return staged_run_extents(pc.slots, stage[:m * sb], sb, self._io_size, self._fd_of)
-        hdrs = self._staging.take(self._piece_slots * HDR)
-        pc.stage.append(hdrs)
-        mv = memoryview(hdrs)
-        extents = []
-        files = self.slabs.by_index
-        checks = pc.checks or [None] * m
-        for j, (key, block, (fi, si), dc) in enumerate(zip(pc.keys, pc.blocks, pc.slots, checks)):
-            f = files[fi]
-            wh(mv, j * HDR, self._tag(key.tenant), key.rank, key.seq_hash, digest(block), now, dc)
-            hv = hdrs[j * HDR:(j + 1) * HDR]
-            if f.o_direct and not is_aligned(block):
-                st = self._staging.take(self._stored_padded)  # aligned; back once the piece is written
-                pc.stage.append(st)
-                st[:bb] = block
-                st[bb:] = 0
-                bufs = [hv, st]
-            else:
-                bufs = [hv, block] + ([self._zero_pad] if self._zero_pad.nbytes else [])
-            extents.append(slot_extent(f.fd, si, sb, bufs, self._io_size))
-        return extents
-
     @property
     def _piece_slots(self) -> int:
-        return max(1, self.min_chunk_blocks, self.chunk_bytes // self.slot_bytes)
+        return max(1, self.tuning.min_chunk_blocks, self.tuning.chunk_bytes // self.cat.slot_bytes)
 

@@ -66,7 +66,7 @@ from ...model.frame import HEADER_BYTES, FrameHeader
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, KeyRun, Namespace, tenant_bytes
 from ..base import GetResult, PutResult, completed, is_tensor_batch
-from ..deadlines import Deadline, Deadlines
+from ...deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
 from .factory import open_store
 from .naming import TenantNamer, legacy_block_name

@@ -3,7 +3,7 @@ the bounce buffers file objects are read through.
 
 * A get batch (:class:`_Batch`) runs one :meth:`ReaderMixin._get_one` per block on the I/O threads and
   resolves when every block is back or at the load bound (``timeout_s * (1 + retries)`` seconds, a
-  :class:`~kvbm_backend.pool.deadlines.Deadline` on the pool's timer thread), whichever is first; a
+  :class:`~kvbm_backend.deadlines.Deadline` on the pool's timer thread), whichever is first; a
   block not back by then is a miss (``miss_timeout``) and its late reply never touches the caller's
   buffer (per-block lock + ``closed`` flag). An expired batch counts as one store failure (breaker).
 * A block is a hit only after :func:`kvbm_backend.model.frame.accept` (header identity, layout, exact

@@ -1,29 +1,39 @@
-"""The verify side of :class:`~kvbm_backend.gpu.loader.DeviceLoader`: a read pass's 4 KiB headers
-checked on the host (:func:`~kvbm_backend.model.frame.accept`), payloads checked where they landed (the
+"""The verify side of :class:`~.device.DeviceLoader`: a read pass's 4 KiB headers
+checked on the host (:func:`.stages.check_frame`), payloads checked where they landed (the
 device checksum on the device, else xxh3_128 on the host), verified payloads copied into the caller's
 tensors in one multi-tensor copy; corrupt slots reported to the source (invariant 1, never wrong KV).
 
-Mixed into the loader: it uses the loader's ``layout``, ``device``, ``world``, ``tenant_tag_fn``,
-``source``, ``counters`` and ``_stream``.
+:class:`PassVerifier` is a part the loader owns (``loader.verifier``).
 """
 from __future__ import annotations
 
 import logging
 import time
 
-from ..model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, HEADER_BYTES, FrameError
-from ..model.frame import accept, payload_checksum
-from .checksum import device_checksums_torch
-from .probe import _torch
-from .reads import _Pass
+from ....model.frame import FLAG_DEVCHECK, HEADER_BYTES, FrameError, payload_checksum
+from ....gpu.checksum import device_checksums_torch
+from ....gpu.probe import _torch
+from .passes import _Pass
+from .stages import TRANSIENT, check_frame, report_corrupt
 
 log = logging.getLogger(__name__)
 
 
-class PassVerify:
-    """Header and payload checks and the copy-out of :class:`~kvbm_backend.gpu.loader.DeviceLoader`."""
+class PassVerifier:
+    """Header and payload checks and the copy-out of :class:`~.device.DeviceLoader`.
 
-    def _verify_copy(self, p: _Pass, keys, dst, why) -> None:
+    Args:
+        source: the lease source corrupt slots are reported to (``drop_corrupt``).
+        layout: the namespace's layout. device: where payloads landed. world: TP world size frames name.
+        tenant_tag_fn: a key's expected 16-byte tenant tag. counters: the loader's Counter.
+        stream: the loader's CUDA stream (None on the CPU): synchronised once a pass is copied out.
+    """
+
+    def __init__(self, source, layout, device, world, tenant_tag_fn, counters, stream):
+        self.source, self.layout, self.device, self.world = source, layout, device, world
+        self.tenant_tag_fn, self.counters, self.stream = tenant_tag_fn, counters, stream
+
+    def verify_copy(self, p: _Pass, keys, dst, why) -> None:
         """Check headers and payloads of a read pass; copy the verified payloads into ``dst``."""
         t_start = time.perf_counter()
         n = len(p.rows)
@@ -47,17 +57,13 @@ class PassVerify:
         for r in good:
             i = p.rows[r]
             try:
-                h = accept(headers[r], keys[i], self.layout, self.tenant_tag_fn(keys[i]), world=self.world,
-                           stored_len=bpb, frame_bytes=p.slot_len)
-                if h.flags & FLAG_ENCRYPTED:
-                    raise FrameError("unverifiable", "encrypted frame on the device path (G4 loads go through the host)")
-                if h.flags & FLAG_DEVCHECK:
+                h = check_frame(headers[r], keys[i], self.layout, self.tenant_tag_fn(keys[i]), world=self.world,
+                                slot_len=p.slot_len)
+                if h.flags & FLAG_DEVCHECK:  # checked on the device, where the payload landed
                     devcheck_rows.append(r)
                     expect.append(h.dev_check)
-                elif h.flags & FLAG_CHECKSUM:
+                else:  # FLAG_CHECKSUM: xxh3_128 on the host
                     host_rows.append((r, h))
-                else:
-                    raise FrameError("unverifiable", "frame carries no checksum")
             except FrameError as e:
                 p.status[r] = e.reason
         t0 = time.perf_counter()
@@ -88,18 +94,12 @@ class PassVerify:
             _copy_all(dsts, srcs)
         for r in range(n):
             i = p.rows[r]
-            why[i] = p.status[r]
-            reason = p.status[r]
-            if reason in (None, "io_error", "short", "timeout"):
-                continue
-            self.counters["unverifiable" if reason == "unverifiable" else f"corrupt_{reason}"] += 1
-            if reason != "unverifiable":
-                try:
-                    self.source.drop_corrupt(keys[i], reason)
-                except Exception as e:  # noqa: BLE001
-                    log.warning("drop_corrupt failed for %s: %s", keys[i], e)
-        if self._stream is not None:
-            self._stream.synchronize()  # dst written; staging free for the pass after next
+            why[i] = reason = p.status[r]
+            if reason is not None and reason not in TRANSIENT:
+                self.counters["unverifiable" if reason == "unverifiable" else f"corrupt_{reason}"] += 1
+        report_corrupt(self.source, keys, why, p.rows)  # the pool proves them bad before dropping
+        if self.stream is not None:
+            self.stream.synchronize()  # dst written; staging free for the pass after next
         self.counters["verify_copy_s"] += time.perf_counter() - t1
 
 

@@ -16,8 +16,8 @@ Data path per :meth:`DeviceLoader.load` (invariant 1 of DESIGN.md, "never wrong 
    reads of passes k+1 .. k+depth-1 are on the wire while pass k is verified and copied out.
    ``gds`` / ``kvikio-compat`` -- kvikio ``CuFile.pread`` straight into device staging (GDS DMA, or
    kvikio's own pinned bounce buffer in compat mode); ``pinned-bounce`` -- reader threads ``preadv``
-   into the pass's pinned host rows, then one host-to-device DMA per pass on the loader's stream;
-   ``host`` -- the device is the CPU (the same reader threads, reads land in the staging).
+   into the pass's pinned host rows (O_DIRECT where taken), then one host-to-device DMA per pass on the
+   loader's stream; ``host`` -- the device is the CPU (the same reader threads, reads land in the staging).
    The mode is decided by :func:`probe_device_path` at start-up (a real write/read/compare in the
    pool's directory) and reported in :attr:`DeviceLoader.mode` / :attr:`DeviceLoader.mode_reason`.
 3. The 4 KiB headers (only) come to the host: magic, version, header check, identity (namespace,
@@ -32,17 +32,20 @@ Data path per :meth:`DeviceLoader.load` (invariant 1 of DESIGN.md, "never wrong 
    corrupt slots are reported to ``source.drop_corrupt(key, reason)``). Device work runs on the
    loader's own CUDA stream, so loads never queue behind (or in front of) the engine's compute.
 
-Where each job lives: this module holds :class:`DeviceLoader` (arguments, the call, pipelining of passes,
-stats, close); :mod:`.probe` the mode selection (:func:`probe_device_path`, re-exported here);
-:mod:`.reads` slab files, the staging ring and a pass's reads and their reaping (the bounce path
-included); :mod:`.verify` steps 3-5; :mod:`kvbm_backend.transfer` plans passes and reads
-(:func:`~kvbm_backend.transfer.group_passes`, :func:`~kvbm_backend.transfer.contiguous_runs`);
-:mod:`.staging` gives the pinned / host staging buffers (:class:`~kvbm_backend.memory.BufferPool`).
+Where each job lives (the device side of the G3 reader, :mod:`kvbm_backend.pool.g3.read`): this module
+holds :class:`DeviceLoader` (arguments, the call, pipelining of passes, stats, close); :mod:`.stages`
+the lease check and the frame header check shared with the layer-wise loads; :mod:`.passes`
+:class:`~.passes.PassReader` (a part: file fds, the staging ring, a pass's reads and their reaping, the
+bounce path included); :mod:`.verify` :class:`~.verify.PassVerifier` (a part: steps 3-5);
+:mod:`kvbm_backend.transfer` plans passes and reads (:func:`~kvbm_backend.transfer.group_passes`,
+:func:`~kvbm_backend.transfer.contiguous_runs`); device primitives come from :mod:`kvbm_backend.gpu`
+(:func:`~kvbm_backend.gpu.probe.probe_device_path` the mode selection, re-exported here;
+:mod:`kvbm_backend.gpu.staging` the pinned / host staging buffers; :mod:`kvbm_backend.gpu.checksum`),
+slab file fds from :class:`kvbm_backend.io.files.ReadFiles`.
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import Counter, deque
@@ -50,22 +53,23 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..model.frame import HEADER_BYTES
-from ..model.layout import KvLayout
-from ..model.namespace import BlockKey, tenant_tag
-from ..pool.base import SlotLease, SlotLeaseSource
-from ..pool.deadlines import Deadline
-from ..transfer import group_passes
-from .probe import MODES, PROBE_BYTES, ProbeResult, _torch, probe_device_path
-from .reads import PassReads, _Pass
-from .verify import PassVerify
+from ....model.frame import HEADER_BYTES
+from ....model.layout import KvLayout
+from ....model.namespace import BlockKey, tenant_tag
+from ...base import SlotLeaseSource
+from ....deadlines import Deadline
+from ....transfer import group_passes
+from ....gpu.probe import MODES, PROBE_BYTES, ProbeResult, _torch, probe_device_path
+from .passes import PassReader, _Pass
+from .stages import lease_all, release_quietly
+from .verify import PassVerifier
 
 __all__ = ["DeviceLoader", "probe_device_path", "ProbeResult", "MODES", "PROBE_BYTES"]
 
 log = logging.getLogger(__name__)
 
 
-class DeviceLoader(PassReads, PassVerify):
+class DeviceLoader:
     """Loads G3 frames into device tensors, verifying them where they land first.
 
     Use through :meth:`kvbm_backend.pool.g3.pool.G3Pool.get` with tensor destinations (the pool owns one
@@ -123,19 +127,10 @@ class DeviceLoader(PassReads, PassVerify):
         self.tenant_tag_fn = tenant_tag_fn or (lambda k: tenant_tag(k.tenant))
         self.staging_bytes = staging_bytes
         self.depth = depth
-        self.io_bytes = io_bytes
         self.timeout_s = timeout_s
         self.threads = threads
         self.counters: Counter = Counter()
-        self._fds: dict[str, int] = {}
-        self._buffered: set = set()  # paths whose filesystem refused O_DIRECT
-        self._stale_fds: list = []
-        self._lock = threading.Lock()
         self._call_lock = threading.Lock()
-        self._abandoned: list = []  # (futures, buffers) of timed-out reads, kept alive until done
-        self._ring: dict = {}  # (ring slot) -> (staging, host, host buffer) reused across calls
-        self._engine = None
-        self._pool = None
         self._stream = None
         if self.device.type == "cpu":
             probe = ProbeResult("host", "device is the CPU: frames are read into host memory and verified there")
@@ -148,15 +143,41 @@ class DeviceLoader(PassReads, PassVerify):
         if mode in ("gds", "kvikio-compat") and probe.mode != mode:
             log.warning("device path %s requested but probe chose %s: %s", mode, probe.mode, probe.reason)
         self.mode, self.mode_reason, self.kvikio_info = probe.mode, probe.reason, probe.kvikio
-        if self.mode in ("gds", "kvikio-compat"):
-            from ..io.kvikio_engine import KvikioEngine
-            self._engine = KvikioEngine(threads=threads)
-        else:
-            from concurrent.futures import ThreadPoolExecutor
-            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-dev-read")
+        # the parts: reads on the wire (files, staging ring, reader threads or kvikio), checks and copy-out
+        self.reads = PassReader(self.mode, self.device, io_bytes, threads, self.counters)
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)
+        self.verifier = PassVerifier(source, layout, self.device, world, self.tenant_tag_fn, self.counters,
+                                     self._stream)
         log.info("device load path: %s (%s)", self.mode, self.mode_reason)
+
+    @property
+    def io_bytes(self) -> int:
+        """Bytes per read (cut at slot boundaries; at least one slot)."""
+        return self.reads.io_bytes
+
+    @io_bytes.setter
+    def io_bytes(self, v: int) -> None:
+        self.reconfigure(io_bytes=v)
+
+    def reconfigure(self, *, threads: int | None = None, depth: int | None = None,
+                    staging_bytes: int | None = None, io_bytes: int | None = None) -> None:
+        """Change the pipeline knobs between loads (``benchmarks/gpu_bench.py --sweep``): reader threads
+        (bounce/host paths; kvikio's pool keeps its size), passes in flight, staging bytes per pass, bytes
+        per read. The staging ring is dropped (re-sized by the next load). Raises ValueError as the
+        constructor does; waits for a load in progress."""
+        for name, v, lo in (("threads", threads, 1), ("depth", depth, 2), ("staging_bytes", staging_bytes, 4096),
+                            ("io_bytes", io_bytes, 4096)):
+            if v is not None and v < lo:
+                raise ValueError(f"{name}: at least {lo}, got {v}")
+        with self._call_lock:
+            if threads is not None and threads != self.threads:
+                self.reads.set_threads(threads)
+                self.threads = threads
+            self.depth = self.depth if depth is None else depth
+            self.staging_bytes = self.staging_bytes if staging_bytes is None else staging_bytes
+            self.reads.io_bytes = self.reads.io_bytes if io_bytes is None else io_bytes
+            self.reads.drop_ring()
 
 
     # -- public ------------------------------------------------------------------------------
@@ -197,22 +218,8 @@ class DeviceLoader(PassReads, PassVerify):
         why: list = ["not_found"] * n
         if n == 0:
             return []
-        leases = self.source.lease(list(keys))
-        if len(leases) != n:
-            raise TypeError(f"DeviceLoader: source.lease returned {len(leases)} leases for {n} keys")
-        held = []
-        for i, ls in enumerate(leases):
-            if ls is None:
-                continue
-            if not isinstance(ls, SlotLease):
-                # release what is typed before raising: a wiring bug must not leak pins
-                self.source.release([x for x in leases if isinstance(x, SlotLease)])
-                raise TypeError(f"DeviceLoader: source.lease returned {type(ls).__name__} for key {i}; "
-                                "expected SlotLease or None")
-            if ls.key != keys[i]:
-                self.source.release([x for x in leases if isinstance(x, SlotLease)])
-                raise TypeError(f"DeviceLoader: lease {i} is for {ls.key}, not {keys[i]}")
-            held.append(i)
+        leases = lease_all(self.source, keys, "DeviceLoader")
+        held = [i for i, ls in enumerate(leases) if ls is not None]
         self.counters["not_found"] += n - len(held)
         try:
             with self._call_lock:
@@ -223,10 +230,7 @@ class DeviceLoader(PassReads, PassVerify):
                     if io is not None:
                         io["bytes_read"] = self.counters["bytes_read"] - b0
         finally:
-            try:
-                self.source.release([leases[i] for i in held])
-            except Exception as e:  # noqa: BLE001 - never mask the load's result
-                log.warning("releasing %d slot leases failed: %s", len(held), e)
+            release_quietly(self.source, [leases[i] for i in held])
         ok = [w is None for w in why]
         self.counters["loaded"] += sum(ok)
         self.counters["missed"] += n - sum(ok)
@@ -251,35 +255,13 @@ class DeviceLoader(PassReads, PassVerify):
             if k in d:
                 d[k] = round(d[k], 6)
         d.update(mode=self.mode, mode_reason=self.mode_reason)
-        if self._engine is not None:
-            d["kvikio_direct_reads"] = self._engine.direct_reads
+        if self.reads.engine is not None:
+            d["kvikio_direct_reads"] = self.reads.engine.direct_reads
         return d
 
     def close(self) -> None:
         """Wait for reads in flight, release files, threads and buffers. Idempotent."""
-        if self._engine is not None:
-            for fs, _ in self._abandoned:
-                for f in fs:
-                    try:
-                        f.get() if not hasattr(f, "result") else f.result()
-                    except Exception:  # noqa: BLE001
-                        pass
-            for fd in list(self._fds.values()):
-                self._engine.forget_fd(fd)
-            self._engine.close()
-            self._engine = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        for entry in list(self._ring.values()) + [e for _, e in self._abandoned]:
-            self._give_ring(entry)  # every read has ended (threads joined / kvikio reads waited for)
-        self._abandoned = []
-        self._ring = {}
-        with self._lock:
-            fds, self._fds = list(self._fds.values()) + self._stale_fds, {}
-            self._stale_fds = []
-        for fd in fds:
-            os.close(fd)
+        self.reads.close()
 
     # -- internals ---------------------------------------------------------------------------
     def _load_rows(self, keys, leases, held, dst, why) -> None:
@@ -303,12 +285,12 @@ class DeviceLoader(PassReads, PassVerify):
                     if len(inflight) == self.depth:  # the ring slot of pass k - depth is free after this
                         self._finish(inflight.popleft(), keys, dst, why, deadline)
                     ring = k % self.depth
-                    staging, host = self._buffers(ring, len(rows), slot_len)
+                    staging, host = self.reads.buffers(ring, len(rows), slot_len)
                     cur = _Pass(rows, [leases[i] for i in rows], slot_len, staging, host, ring, [],
                                 ["io_error"] * len(rows),
-                                None if self._pool is None else np.empty((len(rows), HEADER_BYTES), np.uint8))
+                                None if self.reads.pool is None else np.empty((len(rows), HEADER_BYTES), np.uint8))
                     if not deadline.expired():
-                        self._submit(cur)
+                        self.reads.submit(cur)
                     else:
                         cur.status = ["timeout"] * len(rows)
                         self.counters["timeout"] += len(rows)
@@ -318,18 +300,18 @@ class DeviceLoader(PassReads, PassVerify):
                     self._finish(inflight.popleft(), keys, dst, why, deadline)
         except BaseException:  # passes still in flight: their buffers must never be handed out again
             for p in inflight:
-                self._abandoned.append(([f for _, _, f in p.futs], self._ring.pop(p.ring, None)))
+                self.reads.abandon(p)
             raise
         self.counters["load_s"] += time.perf_counter() - t0
 
     def _finish(self, p: _Pass, keys, dst, why, deadline: Deadline) -> None:
         """Reap, verify and copy out one pass (its ring buffers are free again on return)."""
         t0 = time.perf_counter()
-        self._reap(p, deadline)
+        self.reads.reap(p, deadline)
         t1 = time.perf_counter()
         self.counters["read_wait_s"] += t1 - t0
         try:
-            self._verify_copy(p, keys, dst, why)
+            self.verifier.verify_copy(p, keys, dst, why)
         finally:
             self.counters["verify_s"] += time.perf_counter() - t1
 

@@ -1,24 +1,24 @@
-"""The read side of :class:`~kvbm_backend.gpu.loader.DeviceLoader`: slab files, the ring of staging
-buffers, a pass's reads on the wire (kvikio into the device, or ``preadv`` into pinned host memory and a
-host-to-device copy: the bounce path) and their reaping against the call's deadline.
+"""The read side of :class:`~.device.DeviceLoader`: slab files, the ring of staging
+buffers, a pass's reads on the wire (kvikio into the device, or ``preadv`` into the pass's pinned host rows and one
+host-to-device DMA per pass: the bounce path) and their reaping against the call's deadline.
 
 What is read is planned in :mod:`kvbm_backend.transfer` (:func:`~kvbm_backend.transfer.group_passes`,
 :func:`~kvbm_backend.transfer.contiguous_runs`); host staging comes from the one buffer pool
-(:mod:`.staging`, :class:`~kvbm_backend.memory.BufferPool`). Mixed into the loader: it uses the loader's
-``mode``, ``device``, ``io_bytes``, ``counters``, ``_engine`` (kvikio) or ``_pool`` (reader threads).
+(:mod:`kvbm_backend.gpu.staging`, :class:`~kvbm_backend.memory.BufferPool`), file fds from
+:class:`kvbm_backend.io.files.ReadFiles`. :class:`PassReader` is a part the loader owns (``loader.reads``).
 """
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..pool.deadlines import Deadline
-from ..transfer import contiguous_runs
-from .probe import _torch
-from .staging import host_staging_pool
+from ....deadlines import Deadline
+from ....transfer import contiguous_runs
+from ....gpu.probe import _torch
+from ....gpu.staging import host_staging_pool
+from ....io.files import ReadFiles
 
 log = logging.getLogger(__name__)
 
@@ -41,57 +41,83 @@ def _done(f) -> bool:
     return f.done() if hasattr(f, "done") else True
 
 
-class PassReads:
-    """Files, staging ring, submit and reap of :class:`~kvbm_backend.gpu.loader.DeviceLoader`.
+class PassReader:
+    """The read side of :class:`~.device.DeviceLoader` (a part it owns): slab file fds, the ring of staging
+    buffers, a pass's reads on the wire and their reaping.
 
-    State (set by the loader's ``__init__``): ``_fds``, ``_buffered``, ``_stale_fds``, ``_lock``,
-    ``_abandoned`` (``(futures, ring entry)`` of timed-out reads, kept alive until done),
-    ``_ring`` (ring slot -> ``(staging, host, host buffer)``, reused across calls).
+    Args:
+        mode: the loader's device path (:data:`kvbm_backend.gpu.probe.MODES`): kvikio (``gds`` /
+            ``kvikio-compat``) reads into the device; ``pinned-bounce`` / ``host`` read with ``threads``
+            reader threads (``preadv``, O_DIRECT where the filesystem takes it).
+        device: the torch device staging lives on. io_bytes: bytes per read (at least one slot).
+        threads: reads in flight (reader threads / kvikio's thread pool).
+        counters: the loader's Counter (``bytes_read``, ``timeout``, ``io_error``, ``short``, ``h2d_submit_s``,
+            ``files_o_direct`` / ``files_buffered``).
     """
 
-    # -- files -------------------------------------------------------------------------------
-    def _fd(self, path: str) -> int:
-        """The read fd of ``path``: O_DIRECT on the bounce/host paths where the filesystem takes it
-        (reads DMA into the aligned staging, no page-cache copy: the storage's own rate), else buffered
-        (kvikio opens its own handles from this fd)."""
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-                if self._engine is None and path not in self._buffered:
-                    try:
-                        fd = os.open(path, flags | os.O_DIRECT)
-                        self.counters["files_o_direct"] += 1
-                    except OSError as e:
-                        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                            raise
-                        self._buffered.add(path)
-                if fd is None:
-                    fd = os.open(path, flags)
-                    self.counters["files_buffered"] += 1
-                self._fds[path] = fd
-            return fd
+    def __init__(self, mode: str, device, io_bytes: int, threads: int, counters):
+        self.mode, self.device, self.io_bytes, self.counters = mode, device, io_bytes, counters
+        self.files = ReadFiles(counters)  # O_DIRECT on the bounce/host paths where taken, buffered for kvikio
+        self.abandoned: list = []  # (futures, ring entry) of timed-out reads, kept alive until done
+        self.ring: dict = {}  # ring slot -> (staging, host, host buffer), reused across calls
+        self.engine = None  # kvikio (gds / kvikio-compat)
+        self.pool = None  # reader threads (pinned-bounce / host)
+        if mode in ("gds", "kvikio-compat"):
+            from ....io.kvikio_engine import KvikioEngine
+            self.engine = KvikioEngine(threads=threads)
+        else:
+            self.set_threads(threads)
 
-    def _fall_back_to_buffered(self, path: str, fd: int) -> None:
-        """The filesystem opened ``path`` with O_DIRECT but refused the read (EINVAL): buffered from now
-        on (the old fd stays open until :meth:`close`, another reader may still be using it)."""
-        with self._lock:
-            if self._fds.get(path) == fd and path not in self._buffered:
-                self._buffered.add(path)
-                self._stale_fds.append(self._fds.pop(path))
-                self.counters["files_o_direct"] -= 1
-                log.info("device reads of %s: O_DIRECT refused by the filesystem, buffered reads", path)
+    def set_threads(self, threads: int) -> None:
+        """Reader threads of the bounce/host paths (between loads; kvikio's pool is sized at start)."""
+        if self.engine is not None:
+            return
+        old, self.pool = self.pool, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-dev-read")
+        if old is not None:
+            old.shutdown(wait=True)
+
+    def drop_ring(self) -> None:
+        """Give the ring's host buffers back (between loads): the next passes take buffers of their size."""
+        for entry in self.ring.values():
+            self.give_ring(entry)
+        self.ring = {}
+
+    def abandon(self, p: _Pass) -> None:
+        """The call ended with ``p``'s reads in flight: its buffers are never handed out again until they end."""
+        self.abandoned.append(([f for _, _, f in p.futs], self.ring.pop(p.ring, None)))
+
+    def close(self) -> None:
+        """Wait for reads in flight, release files, threads and buffers. Idempotent."""
+        if self.engine is not None:
+            for fs, _ in self.abandoned:
+                for f in fs:
+                    try:
+                        f.get() if not hasattr(f, "result") else f.result()
+                    except Exception:  # noqa: BLE001
+                        pass
+            for fd in self.files.open_fds():
+                self.engine.forget_fd(fd)
+            self.engine.close()
+            self.engine = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+        for entry in list(self.ring.values()) + [e for _, e in self.abandoned]:
+            self.give_ring(entry)  # every read has ended (threads joined / kvikio reads waited for)
+        self.abandoned = []
+        self.ring = {}
+        self.files.close()
 
     # -- staging ring ------------------------------------------------------------------------
-    def _buffers(self, ring: int, n: int, slot_len: int):
+    def buffers(self, ring: int, n: int, slot_len: int):
         """(staging, host) for a pass of ``n`` rows from ring slot ``ring`` (grown as needed; the
         smaller host buffer goes back to the pool: its pass was verified and copied out)."""
         torch = _torch()
         need = n * slot_len
-        buf = self._ring.get(ring)
+        buf = self.ring.get(ring)
         if buf is None or buf[0].numel() < need:
             if buf is not None:
-                self._give_ring(buf)
+                self.give_ring(buf)
             hbuf = None
             if self.mode == "host":
                 hbuf = host_staging_pool(False).take(need)
@@ -102,29 +128,29 @@ class PassReads:
                 if self.mode == "pinned-bounce":
                     hbuf = host_staging_pool(True).take(need)
                     host = torch.from_numpy(hbuf)  # page-locked: the pass's copy is one DMA
-            buf = self._ring[ring] = (st, host, hbuf)
+            buf = self.ring[ring] = (st, host, hbuf)
         st, host, _ = buf
         return (st[:need].view(n, slot_len), None if host is None else host[:need].view(n, slot_len))
 
-    def _give_ring(self, entry) -> None:
+    def give_ring(self, entry) -> None:
         """Give a ring entry's host buffer back to the pool (nothing reads into it any more)."""
         if entry is not None and entry[2] is not None:
             host_staging_pool(self.mode != "host").give(entry[2])
 
     # -- reads -------------------------------------------------------------------------------
-    def _submit(self, p: _Pass) -> None:
+    def submit(self, p: _Pass) -> None:
         """Put the pass's reads on the wire (returns at once): one read per run of adjacent slots of one
         file, at most ``io_bytes`` each (at least one slot)."""
         spans = [(ls.path, ls.offset, ls.slot_len) for ls in p.leases]
         for r0, nr in contiguous_runs(spans, self.io_bytes):
             ls = p.leases[r0]
             try:
-                fd = self._fd(ls.path)
-                if self._pool is not None:
-                    f = self._pool.submit(self._read_bounce, ls.path, fd, p.staging[r0:r0 + nr], p.headers[r0:r0 + nr],
+                fd, _ = self.files.fd(ls.path, self.engine is None)  # opened here: a failed open is a miss
+                if self.pool is not None:
+                    f = self.pool.submit(self._read_bounce, ls.path, p.staging[r0:r0 + nr], p.headers[r0:r0 + nr],
                                           ls.offset, p.host[r0:r0 + nr])
                 else:
-                    f = self._engine.read_to_device_async(fd, p.staging[r0:r0 + nr].reshape(-1), nr * p.slot_len,
+                    f = self.engine.read_to_device_async(fd, p.staging[r0:r0 + nr].reshape(-1), nr * p.slot_len,
                                                           ls.offset)
             except Exception as e:  # noqa: BLE001 - a read that cannot start: its rows are misses
                 log.warning("frame read submit failed (%d rows at %s:%d): %s", nr, ls.path, ls.offset, e)
@@ -132,7 +158,7 @@ class PassReads:
                 continue
             p.futs.append((r0, nr, f))
 
-    def _read_bounce(self, path: str, fd: int, dev, hdr, offset: int, host):
+    def _read_bounce(self, path: str, dev, hdr, offset: int, host):
         """One read of the bounce and host paths (a reader thread): ``preadv`` into ``host``, the pass's
         host rows ``[nr, slot_len]`` (host mode: the staging itself; ``pinned-bounce``: pinned rows that
         :meth:`_reap` copies to the device staging ``dev`` in one DMA per pass), then the rows' 4 KiB
@@ -143,19 +169,13 @@ class PassReads:
         12-14 GB/s (``benchmarks/gpu_bench.py --sweep``, 2026-11-25)."""
         slot_len = dev.shape[1]
         buf = host.numpy().reshape(-1)
-        try:
-            got = os.preadv(fd, [buf], offset)
-        except OSError as e:
-            if e.errno != errno.EINVAL or path in self._buffered:
-                raise
-            self._fall_back_to_buffered(path, fd)
-            got = os.preadv(self._fd(path), [buf], offset)
+        got = self.files.preadv(path, [buf], offset, True)  # O_DIRECT (no page-cache copy) where taken
         full = got // slot_len
         if full:
             hdr[:full] = buf[:full * slot_len].reshape(full, slot_len)[:, :hdr.shape[1]]
         return got, None
 
-    def _reap(self, p: _Pass, deadline: Deadline) -> None:
+    def reap(self, p: _Pass, deadline: Deadline) -> None:
         """Wait for the pass's reads (until ``deadline``); fill ``p.status``."""
         pending = []
         for r0, nr, f in p.futs:
@@ -190,11 +210,11 @@ class PassReads:
             p.staging.copy_(p.host, non_blocking=True)  # one DMA for the pass, on the loader's stream
             self.counters["h2d_submit_s"] += time.perf_counter() - t0
         if pending:  # keep the buffers alive until the I/O ends; never hand them out again
-            self._abandoned.append((pending, self._ring.pop(p.ring, None)))
+            self.abandoned.append((pending, self.ring.pop(p.ring, None)))
         keep = []
-        for fs, entry in self._abandoned:
+        for fs, entry in self.abandoned:
             if all(_done(x) for x in fs):
-                self._give_ring(entry)  # the late reads ended: the buffer is free again
+                self.give_ring(entry)  # the late reads ended: the buffer is free again
             else:
                 keep.append((fs, entry))
-        self._abandoned = keep
+        self.abandoned = keep

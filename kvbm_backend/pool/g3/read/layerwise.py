@@ -28,10 +28,7 @@ which is never handed to anyone else (the read's closure keeps it alive).
 """
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import threading
 import time
 from collections import Counter
 from concurrent.futures import Executor, Future
@@ -40,65 +37,22 @@ from typing import Callable, Sequence
 
 import xxhash
 
-from ...memory import BufferPool
-from ...model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept
-from ...model.layout import KvLayout
-from ...model.namespace import BlockKey, tenant_tag
-from ...transfer.layers import DEFAULT_MIN_READ, layer_aligned, layer_groups, plan_layer_reads
-from ..base import SlotLease, SlotLeaseSource
-from ..deadlines import Deadline
+from ....io.files import ReadFiles
+from ....memory import BufferPool
+from ....model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, HEADER_BYTES, FrameError
+from ....model.layout import KvLayout
+from ....model.namespace import BlockKey, tenant_tag
+from ....transfer.layers import DEFAULT_MIN_READ, layer_aligned, layer_groups, plan_layer_reads
+from ...base import SlotLease, SlotLeaseSource
+from .stages import check_frame, lease_all, release_quietly, report_corrupt
+from ....deadlines import Deadline
 
 log = logging.getLogger(__name__)
 
-#: reasons that are not the stored bytes' fault (the slot stays; a miss)
-TRANSIENT = ("not_found", "io_error", "short", "timeout")
 
 
-class SlabFiles:
-    """Read fds of slab files, O_DIRECT where asked and the filesystem takes it, else buffered. Shared by
-    the loads of one owner (thread-safe); :meth:`close` closes them."""
-
-    def __init__(self):
-        self._fds: dict[tuple[str, bool], int] = {}
-        self._no_direct: set[str] = set()
-        self._lock = threading.Lock()
-        self.counters: Counter = Counter()
-
-    def fd(self, path: str, direct: bool) -> tuple[int, bool]:
-        """``(fd, is_direct)`` for ``path``."""
-        direct = direct and path not in self._no_direct
-        with self._lock:
-            fd = self._fds.get((path, direct))
-            if fd is not None:
-                return fd, direct
-            flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-            if direct:
-                try:
-                    fd = os.open(path, flags | os.O_DIRECT)
-                    self.counters["files_o_direct"] += 1
-                except OSError as e:
-                    if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                        raise
-                    self._no_direct.add(path)
-                    direct = False
-            if fd is None:
-                fd = self._fds.get((path, False))
-                if fd is None:
-                    fd = os.open(path, flags)
-                    self.counters["files_buffered"] += 1
-            self._fds[(path, direct)] = fd
-            return fd, direct
-
-    def refuse_direct(self, path: str) -> None:
-        """The filesystem opened ``path`` O_DIRECT but refused a read (EINVAL): buffered from now on."""
-        with self._lock:
-            self._no_direct.add(path)
-
-    def close(self) -> None:
-        with self._lock:
-            fds, self._fds = set(self._fds.values()), {}
-        for fd in fds:
-            os.close(fd)
+#: the owner's read fds (one O_DIRECT open / fallback rule for every reader: :mod:`kvbm_backend.io.files`)
+SlabFiles = ReadFiles
 
 
 def _torch():
@@ -116,7 +70,7 @@ class LayerwiseLoad:
         keys: this rank's block keys, in sequence order.
         device: torch device the layers are delivered on.
         executor: the thread pool the reads run on (its queue order is the read order).
-        files: the owner's :class:`SlabFiles`.
+        files: the owner's :class:`~kvbm_backend.io.files.ReadFiles` (:data:`SlabFiles`).
         timeout_s: the whole load's deadline (from :meth:`start`); reads not in by then are ``timeout``.
         world: TP world size frames must name (None: not checked).
         min_read: bytes per read at least (:func:`~kvbm_backend.transfer.layers.layer_groups`).
@@ -129,7 +83,7 @@ class LayerwiseLoad:
     """
 
     def __init__(self, source: SlotLeaseSource, layout: KvLayout, keys: Sequence[BlockKey], device, *,
-                 executor: Executor, files: SlabFiles, timeout_s: float, world: int | None = None,
+                 executor: Executor, files: ReadFiles, timeout_s: float, world: int | None = None,
                  min_read: int = DEFAULT_MIN_READ, staging: BufferPool | None = None,
                  tenant_tag_fn: Callable[[BlockKey], bytes] | None = None):
         if not isinstance(source, SlotLeaseSource):
@@ -166,12 +120,7 @@ class LayerwiseLoad:
         returns something other than SlotLease/None (a wiring bug; nothing stays leased)."""
         torch = _torch()
         self.deadline = Deadline(self.timeout_s)
-        leases = self.source.lease(self.keys) if self.n else []
-        bad = [ls for ls in leases if ls is not None and (not isinstance(ls, SlotLease))]
-        if len(leases) != self.n or bad:
-            self.source.release([ls for ls in leases if isinstance(ls, SlotLease)])
-            raise TypeError(f"LayerwiseLoad: source.lease returned {len(leases)} entries for {self.n} keys "
-                            f"({len(bad)} not SlotLease)")
+        leases = lease_all(self.source, self.keys, "LayerwiseLoad") if self.n else []
         self._leases = leases
         frames = []
         for i, ls in enumerate(leases):
@@ -212,17 +161,11 @@ class LayerwiseLoad:
         so a late read keeps the staging alive. Returns None or a reason."""
         iov = ([hdr[rd.row]] if rd.header else []) + [lay[rd.first_layer + k, rd.row] for k in range(rd.n_layers)]
         want = rd.nbytes(self.lb)
-        for attempt in (0, 1):
-            fd, direct = self.files.fd(path, self.aligned)
-            try:
-                got = os.preadv(fd, iov, rd.offset)
-                break
-            except OSError as e:
-                if direct and e.errno == errno.EINVAL and attempt == 0:
-                    self.files.refuse_direct(path)
-                    continue
-                log.warning("G3 layer-wise read of %s at %d failed: %s", path, rd.offset, e)
-                return "io_error"
+        try:  # O_DIRECT where the layers are aligned and the filesystem takes it (else buffered, once)
+            got = self.files.preadv(path, iov, rd.offset, self.aligned)
+        except OSError as e:
+            log.warning("G3 layer-wise read of %s at %d failed: %s", path, rd.offset, e)
+            return "io_error"
         self.counters["bytes_read"] += got
         return None if got == want else "short"
 
@@ -264,11 +207,8 @@ class LayerwiseLoad:
                 continue
             k = self.keys[i]
             try:
-                h = accept(self.hdr[i], k, self.layout, self.tenant_tag_fn(k), world=self.world,
-                           stored_len=self.layout.bytes_per_block, frame_bytes=self._leases[i].slot_len)
-                if h.flags & FLAG_ENCRYPTED or not h.flags & (FLAG_CHECKSUM | FLAG_DEVCHECK):
-                    raise FrameError("unverifiable", "encrypted or unchecked frame")
-                self.headers[i] = h
+                self.headers[i] = check_frame(self.hdr[i], k, self.layout, self.tenant_tag_fn(k), world=self.world,
+                                              slot_len=self._leases[i].slot_len)
             except FrameError as e:
                 self.why[i] = e.reason
                 self.counters[f"corrupt_{e.reason}"] += 1
@@ -304,17 +244,12 @@ class LayerwiseLoad:
             self.counters["verify_s"] += time.perf_counter() - t0
         finally:
             self._released = True
-            self.source.release([ls for ls in self._leases if ls is not None])
+            release_quietly(self.source, [ls for ls in self._leases if ls is not None])
             if self._staging_pool is not None and all(f.done() for fs in self._futs for f in fs):
                 if self._stream is not None:
                     self._stream.synchronize()  # its host-to-device copies have read it
                 self._staging_pool.give(self._host_arr)  # no read can land in it any more
-        for i, r in enumerate(self.why):
-            if r is not None and r not in TRANSIENT and r != "unverifiable" and r != "length":
-                try:
-                    self.source.drop_corrupt(self.keys[i], r)
-                except Exception as e:  # noqa: BLE001
-                    log.warning("drop_corrupt failed for %s: %s", self.keys[i], e)
+        report_corrupt(self.source, self.keys, self.why)  # the pool proves them bad before dropping
         return list(self.why)
 
     def _verify(self) -> None:
@@ -322,7 +257,7 @@ class LayerwiseLoad:
         good = [i for i in range(self.n) if self.why[i] is None]
         dev = [i for i in good if self._stream is not None and self.headers[i].flags & FLAG_DEVCHECK]
         if dev:
-            from ...gpu.checksum import device_checksums_torch
+            from ....gpu.checksum import device_checksums_torch
             self._stream.synchronize()
             idx = torch.as_tensor(dev, dtype=torch.long, device=self.device)
             rows = self.lay_dev.index_select(1, idx).permute(1, 0, 2).reshape(len(dev), self.L * self.lb)

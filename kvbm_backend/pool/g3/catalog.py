@@ -1,0 +1,201 @@
+""":class:`SlotCatalog`: the only owner of G3 slot state -- the index (key -> slot, LRU, pins), the slab
+files (free lists, reservations, capacity), the journal, the degraded state and the pool's counters, all
+changed under its one lock (:attr:`SlotCatalog.lock`, with :attr:`SlotCatalog.cv` on it).
+
+The writer (:mod:`.writer`), the reader (:mod:`.read`) and warm restart (:mod:`.restore`) are parts that
+change slot state only through it, holding its lock. Every method here expects the caller to hold
+``lock`` unless its docstring says otherwise.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import threading
+import time
+from typing import Callable
+
+from ...config import G3Config
+from ...metrics import TierMetrics
+from ...model import frame
+from ...model.namespace import Namespace, tenant_tag
+from . import journal as jr
+from .compact_index import CompactLruIndex
+from .slabs import SlabSet
+
+log = logging.getLogger(__name__)
+
+HDR = frame.HEADER_BYTES
+_NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+# FrameError.reason -> miss reason
+_MISS_REASON = {"magic": "corrupt", "version": "corrupt", "header_check": "corrupt", "integrity": "corrupt",
+                "length": "corrupt", "identity": "identity", "layout": "identity"}
+
+
+class SlotCatalog:
+    """Index + slabs + journal of a G3 pool, its counters and degraded state, under one lock.
+
+    Args:
+        cfg: the ``g3`` config (paths, capacity_gb, files_per_path, o_direct, min_free_fraction).
+        namespace: the pool's namespace (slot size from its layout).
+        metrics: the pool's :class:`~kvbm_backend.metrics.TierMetrics`.
+        degrade_s: seconds without admission after ENOSPC or a failed journal write, asked at each
+            degradation (the pool's ``degrade_s``, which tests and operators may change while it is open).
+    Raises:
+        as :class:`~.slabs.SlabSet` and :class:`~.journal.Journal` (lock, path and space errors); nothing
+        stays open when it raises.
+    """
+
+    def __init__(self, cfg: G3Config, namespace: Namespace, metrics: TierMetrics, degrade_s: Callable[[], float]):
+        self.namespace = namespace
+        self.layout = namespace.layout
+        self.fp = namespace.fingerprint
+        self.block_bytes = self.layout.bytes_per_block
+        self.slot_bytes = frame.slot_bytes(self.block_bytes)
+        self.metrics = metrics
+        self.degrade_s = degrade_s
+        self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
+        self.c: collections.Counter = collections.Counter()  # the pool's counters (stats)
+        self.closed = False  # the pool is closing: no new device loaders, no new offloads
+        self.reserved = 0  # slots reserved for pieces being written (not yet published or released)
+        self.degraded_until = 0.0  # time.monotonic() until which nothing is admitted (0: not degraded)
+        self.journal_dirty = False  # records were lost (failed append/rewrite): rewrite before appending
+        self.journal_reason = "enospc"  # drop reason of the last journal failure
+        self._ttags: dict[str, bytes] = {}
+        self.index = CompactLruIndex()  # numpy arrays: ~60 bytes per block at 10M (bench --tier index)
+        self.slabs = SlabSet(cfg.paths, namespace, self.slot_bytes, int(cfg.capacity_gb * 1e9), cfg.files_per_path,
+                             cfg.o_direct, cfg.min_free_fraction)
+        try:
+            self.index.reserve(self.slabs.max_capacity_slots)  # the index's hash table never grows while open
+            self.journal = jr.Journal(self.slabs.paths[0], self.fp, dir_fd=self.slabs.dir_fd(self.slabs.paths[0]))
+        except BaseException:
+            self.slabs.close()
+            raise
+
+    # ---- counting ---------------------------------------------------------------------------------
+    def drop(self, reason: str, n: int) -> None:
+        """``n`` offloads dropped for ``reason``."""
+        self.c["offloads_dropped"] += n
+        self.c["dropped:" + reason] += n
+        self.metrics.offloads_dropped.labels(reason).inc(n)
+
+    def miss(self, reason: str, n: int = 1) -> None:
+        """``n`` loads missed for ``reason``."""
+        self.c["misses"] += n
+        self.c["miss:" + reason] += n
+        self.metrics.misses.labels(reason).inc(n)
+
+    def update_gauges(self) -> None:
+        m = self.metrics
+        m.blocks.set(len(self.index))
+        m.used_bytes.set(len(self.index) * self.slot_bytes)
+        m.capacity_bytes.set(self.slabs.capacity_slots * self.slot_bytes)
+
+    # ---- degraded state ------------------------------------------------------------------------------
+    def admitting(self, now: float) -> bool:
+        """False while degraded; a degradation past its time ends here (statvfs re-read)."""
+        if self.degraded_until and now >= self.degraded_until:
+            self.degraded_until = 0.0
+            self.slabs.recheck_space()
+            self.metrics.degraded.set(0)
+        return not self.degraded_until
+
+    def degrade(self) -> bool:
+        """No admission for ``degrade_s()`` seconds from now; True if it was not degraded before."""
+        first = not self.degraded_until
+        self.degraded_until = time.monotonic() + self.degrade_s()
+        self.metrics.degraded.set(1)
+        return first
+
+    # ---- journal -------------------------------------------------------------------------------------
+    def journal_append(self, recs: list[bytes]) -> bool:
+        """Journal ``recs``. Never raises: a failed append or rewrite (ENOSPC, EIO, anything) goes to
+        `journal_failed` (tier degraded, journal marked for repair) and False is returned (``recs``
+        not journaled). A journal marked for repair (or one that could not be opened) is first rewritten
+        from the index, with any namespace file still unwritten: records lost earlier (DELs) are
+        repaired there."""
+        if not recs:
+            return True
+        try:
+            if self.journal_dirty or self.journal.broken or self.journal.fd is None:
+                self.slabs.write_pending_namespaces()
+                self.journal.rewrite(self.index.items())
+                self.journal_dirty = False
+                log.warning("G3: journal %s rewritten from the index (repaired)", self.journal.path)
+            self.journal.append(recs)
+        except Exception as e:  # noqa: BLE001 - storage trouble (or a bug) must not hang callers
+            self.journal_failed(e)
+            return False
+        if self.journal.records > max(65536, 4 * len(self.index)):
+            try:
+                self.journal.rewrite(self.index.items())
+            except Exception as e:  # noqa: BLE001 - compaction failed: the appended journal stays valid
+                self.journal_failed(e, dirty=False)
+        return True
+
+    def journal_failed(self, e: BaseException, dirty: bool = True) -> None:
+        """The metadata path failed: degrade like slab ENOSPC (no admission for ``degrade_s()`` s, then
+        statvfs is re-read) and, when ``dirty``, rewrite the journal before the next append."""
+        nospace = getattr(e, "errno", None) in _NOSPACE
+        self.journal_reason = "enospc" if nospace else "journal_error"
+        self.journal_dirty = self.journal_dirty or dirty
+        self.c["journal_errors"] += 1
+        self.c["enospc" if nospace else "write_errors"] += 1
+        if self.degrade() or not isinstance(e, OSError):
+            log.warning("G3: journal %s: %s; tier degraded for %.1f s (no admission), the journal is rewritten "
+                        "once it can be", self.journal.path, e, self.degrade_s(), exc_info=not isinstance(e, OSError))
+
+    # ---- slots -----------------------------------------------------------------------------------------
+    def tag(self, tenant: str) -> bytes:
+        """``tenant_tag(tenant)``, cached per pool (at most 4097 ids of at most 256 chars). No lock needed."""
+        t = self._ttags.get(tenant)
+        if t is None:
+            t = tenant_tag(tenant)
+            if len(tenant) <= 256:
+                if len(self._ttags) > 4096:
+                    self._ttags.clear()
+                self._ttags[tenant] = t
+        return t
+
+    def fd_of(self, file_index: int) -> int:
+        """The open descriptor of slab file ``file_index`` (KeyError: no such file). No lock needed."""
+        return self.slabs.by_index[file_index].fd
+
+    def release_slots(self, slots) -> None:
+        """Unpin ``slots`` (a slot evicted meanwhile is freed now)."""
+        for slot in slots:
+            free = self.index.unpin(slot)
+            if free is not None:
+                self.slabs.release([free])
+
+    def remove(self, key, slot=None) -> None:
+        """Remove ``key`` (at ``slot``, if given) from the index; its slot is freed (or once unpinned)."""
+        free = self.index.remove(key, slot) if slot is not None else self.index.remove(key)
+        if free is not None:
+            self.slabs.release([free])
+
+    def accounting(self) -> dict:
+        """Every slot below each file's cap is exactly one of: published, pinned-deferred, reserved,
+        free. ``leaked`` must be 0 (tests assert it). Takes the lock."""
+        with self.lock:
+            cap = self.slabs.capacity_slots
+            free = self.slabs.free_slots()
+            used = sum(1 for _, (fi, si) in self.index.items() if si < self.slabs.by_index[fi].cap_slots)
+            return {"capacity": cap, "used": used, "free": free, "reserved": self.reserved,
+                    "deferred": self.index.deferred,
+                    "leaked": cap - used - free - self.reserved - self.index.deferred}
+
+    def close(self) -> None:
+        """Repair a journal that lost records if it can, close the journal and the slab files (their
+        directory locks). Takes the lock."""
+        with self.lock:
+            if self.journal_dirty:  # last chance to persist removals a failed append lost
+                try:
+                    self.journal.rewrite(self.index.items())
+                    self.journal_dirty = False
+                except OSError as e:
+                    log.warning("G3: journal %s could not be repaired at close (%s); a restart may find "
+                                "deleted blocks again (each is re-verified before use)", self.journal.path, e)
+            self.journal.close()
+            self.slabs.close()

@@ -1,0 +1,121 @@
+"""A G3 write batch cut into pieces, and the frames a piece writes.
+
+:class:`_Job` is one ``put`` queued; :class:`_Batch` the jobs written together; :class:`_Piece` ~``chunk_bytes``
+of a batch, written and published together. :class:`PieceFramer` turns a piece into extents: per block a
+frame (4 KiB header with the payload's xxh3_128, the payload, zero padding) into its slot, either staged
+(small or unaligned blocks: one slot image per piece) or zero-copy from the caller's buffers.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from ...memory import is_aligned
+from ...model.frame import ALIGN, align_up
+from ...transfer import slot_extent, staged_run_extents
+from ..base import PutResult
+from .catalog import HDR, SlotCatalog
+
+
+@dataclass
+class _Job:
+    keys: list
+    blocks: list
+    future: Future
+    result: PutResult
+    checks: list | None = None  # per block: device_checksum of the payload, or None
+
+
+@dataclass
+class _Batch:
+    """Offload jobs written together; finished (counts, futures) when its last piece settles."""
+    jobs: list
+    left: int = 1  # pieces not yet settled, plus 1 while the writer is still submitting pieces
+    failed: BaseException | None = None  # first write failure: later pieces are not submitted
+    counted: bool = False  # the failure was counted (once per batch)
+    broken: bool = False  # the writer hit a bug: blocks not accounted for are dropped ("error")
+
+
+@dataclass
+class _Piece:
+    """~``chunk_bytes`` of a batch: written together, published together after their fdatasync."""
+    batch: _Batch
+    jobs: list  # per block: its job (parallel lists, not a tuple per block: fewer GC-tracked objects)
+    keys: list
+    blocks: list
+    slots: list  # (file index, slot), one per block
+    checks: list | None = None  # per block: device_checksum or None (None: no block has one)
+    files: tuple = ()  # file indexes written
+    gens: tuple = ()  # the files' fdatasync error generations when the piece was submitted
+    error: BaseException | None = None
+    stage: list = field(default_factory=list)  # staging buffers, given back once written
+    ready_at: float = 0.0  # time.monotonic() when it was handed to the syncer
+
+
+class PieceFramer:
+    """Builds a piece's write extents (see the module doc).
+
+    Args:
+        cat: the slot catalog (slot / block sizes, slab files, tenant tags).
+        frames: the pool's :class:`~kvbm_backend.model.frame.ChecksumFrames` (header writer).
+        staging: the pool's staging :class:`~kvbm_backend.memory.BufferPool`.
+        io_size: bytes per coalesced I/O (a multiple of 4096).
+        gather_below: blocks smaller than this (bytes) are staged into one slot image per piece.
+    """
+
+    def __init__(self, cat: SlotCatalog, frames, staging, io_size: int, gather_below: int):
+        self.cat, self.frames, self.staging, self.io_size = cat, frames, staging, io_size
+        bb = cat.block_bytes
+        self._stored_padded = align_up(bb)
+        # small or unaligned blocks are gathered into one staged slot image per batch (a copy, but one
+        # iovec per I/O); large aligned blocks go zero-copy from the caller's buffers
+        self.gather = bb < gather_below or bb % ALIGN != 0
+        self._zero_pad = np.zeros(self._stored_padded - bb, np.uint8)
+
+    def extents(self, pc: _Piece, piece_slots: int) -> list:
+        """Frames (header with the payload's xxh3_128, payload, zero pad) of the piece's blocks into its
+        slots (``piece_slots``: the most blocks a piece holds). Staging/header buffers come from the pool's
+        staging and are listed in ``pc.stage`` (given back once the piece is written)."""
+        sb, bb = self.cat.slot_bytes, self.cat.block_bytes
+        m = len(pc.keys)
+        now = time.time_ns()
+        wh = self.frames.write_header
+        digest = xxhash.xxh3_128_digest
+        if self.gather:  # small blocks: one staged slot image per piece, one iovec per I/O
+            stage = self.staging.take(piece_slots * sb)
+            pc.stage.append(stage)
+            s2 = stage[:m * sb].reshape(m, sb)
+            np.stack(pc.blocks, out=s2[:, HDR:HDR + bb])
+            if sb - HDR > bb:
+                s2[:, HDR + bb:] = 0
+            mv = memoryview(stage)
+            off = 0
+            checks = pc.checks or [None] * m
+            for key, block, dc in zip(pc.keys, pc.blocks, checks):
+                wh(mv, off, self.cat.tag(key.tenant), key.rank, key.seq_hash, digest(block), now, dc)
+                off += sb
+            return staged_run_extents(pc.slots, stage[:m * sb], sb, self.io_size, self.cat.fd_of)
+        hdrs = self.staging.take(piece_slots * HDR)
+        pc.stage.append(hdrs)
+        mv = memoryview(hdrs)
+        extents = []
+        files = self.cat.slabs.by_index
+        checks = pc.checks or [None] * m
+        for j, (key, block, (fi, si), dc) in enumerate(zip(pc.keys, pc.blocks, pc.slots, checks)):
+            f = files[fi]
+            wh(mv, j * HDR, self.cat.tag(key.tenant), key.rank, key.seq_hash, digest(block), now, dc)
+            hv = hdrs[j * HDR:(j + 1) * HDR]
+            if f.o_direct and not is_aligned(block):
+                st = self.staging.take(self._stored_padded)  # aligned; back once the piece is written
+                pc.stage.append(st)
+                st[:bb] = block
+                st[bb:] = 0
+                bufs = [hv, st]
+            else:
+                bufs = [hv, block] + ([self._zero_pad] if self._zero_pad.nbytes else [])
+            extents.append(slot_extent(f.fd, si, sb, bufs, self.io_size))
+        return extents

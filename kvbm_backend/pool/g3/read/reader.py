@@ -1,0 +1,251 @@
+""":class:`G3Reader`: the G3 pool's one reader, a part of :class:`~kvbm_backend.pool.g3.pool.G3Pool` (the pool
+delegates ``get``, ``lease``, ``release``, ``drop_corrupt`` and ``device_reader`` to it).
+
+It owns the read side's threads and per-device loaders (the verifier thread of host gets, the load-timeout
+timer, one :class:`~.device.DeviceLoader` per device and the thread that runs tensor gets) and reaches slot
+state only through the pool's slot catalog (``cat``: the index, slab files, journal and counters under
+``cat.lock``, :class:`~kvbm_backend.pool.g3.catalog.SlotCatalog`): it pins slots it reads, unpins them, and drops a slot
+from the index and the journal only once its stored bytes are proven bad (:meth:`G3Reader.prove_bad`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+from ....deadlines import Deadlines
+from ....memory import aligned_empty
+from ....model import frame
+from ....model.frame import FrameError
+from ....model.namespace import BlockKey
+from ...base import GetResult, SlotLease, is_tensor_batch
+from .. import journal as jr
+from ..index import TagKey
+from ..catalog import _MISS_REASON, HDR
+from .host import HostGet, valid_key
+
+log = logging.getLogger(__name__)
+
+
+class G3Reader:
+    """The read part of a G3 pool: host gets (numpy), device gets (torch tensors), slot leases.
+
+    It is itself a :class:`~kvbm_backend.pool.base.SlotLeaseSource` (the device loaders lease through it).
+
+    Args:
+        cat: the pool's :class:`~kvbm_backend.pool.g3.catalog.SlotCatalog` (slot state, counters, its lock).
+        pool: the pool facade, for what the parts share read-only: ``cfg``, ``engine``, ``_frames`` (checksum
+            frames), ``_staging``, ``_io_size``, ``_check_keys`` and the read tuning (``read_chunk_bytes``,
+            ``chunk_bytes``, ``min_chunk_blocks``, ``read_chunks_in_flight``), read at each get.
+    """
+
+    def __init__(self, cat, pool):
+        self.cat = cat
+        self.pool = pool
+        # read chunks are verified here, not on the engine's completion thread, so the engine keeps
+        # posting and reaping I/O while a chunk's headers/checksums are checked and copied out
+        self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-g3-verify")
+        self.deadlines = Deadlines("kvbm-g3-deadlines")
+        self.device_readers: dict = {}  # str(device) -> DeviceLoader (device_reader)
+        self._device_lock = threading.Lock()
+        self._device_exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-g3-device")
+        self._closed = False
+
+    # ---- get: numpy (host pipeline) or tensors (device loader) -----------------------------------
+    def get(self, keys: list, out: list) -> Future:
+        """``G3Pool.get``: numpy buffers through :class:`~.host.HostGet`, tensors through the device loader.
+        Raises ValueError for mismatched lengths or bad numpy buffers (see ``G3Pool.get``)."""
+        if is_tensor_batch(out):
+            if len(keys) != len(out):
+                raise ValueError(f"get: {len(keys)} keys but {len(out)} buffers")
+            return self._get_tensors(keys, out)
+        self.pool._check_keys(keys, out, "get", writable=True)
+        return HostGet(self, keys, out).start()
+
+    # ---- SlotLeaseSource: in-place reads by the device and layer-wise loaders ---------------------
+    def lease(self, keys: Sequence[BlockKey]) -> list[SlotLease | None]:
+        """See ``G3Pool.lease``."""
+        cat = self.cat
+        out: list[SlotLease | None] = []
+        absent = 0
+        with cat.lock:
+            get, pin, files = cat.index.get, cat.index.pin, cat.slabs.by_index
+            sb = cat.slot_bytes
+            for k in keys:
+                slot = get(k, touch=True) if k.namespace == cat.fp else None
+                if slot is None:
+                    out.append(None)
+                    absent += 1
+                    continue
+                pin(slot)
+                out.append(SlotLease(k, files[slot[0]].path, slot[1] * sb, sb, slot))
+            if absent:
+                cat.miss("absent", absent)
+        return out
+
+    def release(self, leases: Sequence[SlotLease]) -> None:
+        """See ``G3Pool.release``."""
+        self.unpin([ls.token for ls in leases])
+
+    def unpin(self, slots) -> None:
+        """Unpin ``slots`` (a slot evicted meanwhile is freed now)."""
+        with self.cat.lock:
+            self.cat.release_slots(slots)
+
+    def drop_corrupt(self, key: BlockKey, reason: str) -> None:
+        """See ``G3Pool.drop_corrupt``."""
+        cat = self.cat
+        with cat.lock:
+            slot = cat.index.get(key) if valid_key(key) else None
+            rec = None if slot is None else cat.index.identity(key, slot)
+            cat.miss(_MISS_REASON.get(reason, "corrupt"))
+        if rec is None:
+            return
+        why = self.prove_bad(slot, rec)
+        if why in ("good", "unreadable"):
+            log.warning("G3: a device load reported slot %s bad (%s) but it %s; kept", slot, reason,
+                        "re-reads and verifies" if why == "good" else "cannot be re-read now")
+            return
+        with cat.lock:  # counted under the reason of the check that found it (the re-read only proves it)
+            cat.c["corrupt"] += 1
+            cat.c["corrupt:" + reason] += 1
+            free = cat.index.remove(key, slot)
+            if free is not None:
+                cat.slabs.release([free])
+            cat.journal_append([jr.encode(jr.DEL, key)])
+            cat.c["deleted"] += 1
+            cat.update_gauges()
+        cat.metrics.corrupt.labels(reason).inc()
+
+    def prove_bad(self, slot: tuple, rec: tuple) -> str:
+        """Re-read ``slot`` (one synchronous ``preadv`` of the whole slot into a fresh aligned buffer) and
+        check it against ``rec`` = (tenant tag, rank, seq_hash), what the index says the slot holds.
+
+        Returns ``"good"`` (the stored frame verifies: the failed read was a read error, or the caller's
+        key did not name what the slot holds), ``"unreadable"`` (the re-read failed too: a read error,
+        the stored bytes are not proven bad), or the reason the stored bytes are bad: ``"short"`` (the
+        file ends inside the slot) or a FrameError reason. Only the last kind may drop a slot.
+        The slot must stay pinned (or be otherwise unreusable) meanwhile."""
+        cat = self.cat
+        fi, si = slot
+        f = cat.slabs.by_index.get(fi)
+        if f is None:
+            return "unreadable"
+        sb = cat.slot_bytes
+        buf = aligned_empty(sb)
+        try:
+            n = os.preadv(f.fd, [buf], si * sb)
+        except OSError:
+            return "unreadable"
+        if n < sb:
+            try:
+                size = os.fstat(f.fd).st_size
+            except OSError:
+                return "unreadable"
+            return "short" if size < (si + 1) * sb else "unreadable"
+        tag, rank, seq = rec
+        try:
+            hdr = frame.accept(buf[:HDR], TagKey(cat.fp, tag, rank, seq), cat.layout, tag,
+                               world=cat.namespace.tp_world_size, stored_len=cat.block_bytes)
+            if not hdr.flags & frame.FLAG_CHECKSUM:
+                raise FrameError("integrity", "frame carries no checksum")
+            frame.verify_payload(hdr, buf[HDR:HDR + cat.block_bytes])
+        except FrameError as e:
+            return e.reason
+        return "good"
+
+    # ---- device loads ------------------------------------------------------------------------------
+    def device_reader(self, device):
+        """See ``G3Pool.device_reader``."""
+        import torch
+
+        from .device import DeviceLoader
+        cat = self.cat
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        with self._device_lock:  # one probe per device, never under the pool lock (the probe does I/O)
+            if self._closed or cat.closed:
+                raise RuntimeError("G3 pool is closed")
+            rd = self.device_readers.get(str(dev))
+            if rd is None:
+                rd = DeviceLoader(self, cat.layout, dev, probe_dir=cat.slabs.paths[0], mode=self.pool.cfg.device_path,
+                                  world=cat.namespace.tp_world_size, timeout_s=self.pool.cfg.load_timeout_s,
+                                  threads=self.pool.cfg.io_threads, io_bytes=max(self.pool._io_size, 16 << 20))
+                self.device_readers[str(dev)] = rd
+                log.info("G3 %s: device loads into %s: %s (%s)", cat.slabs.paths[0], dev, rd.mode, rd.mode_reason)
+        return rd
+
+    def device_paths(self) -> dict:
+        """``{device: {"mode", "reason"}}`` of the device loaders made so far (``G3Pool.stats``)."""
+        return {dev: {"mode": rd.mode, "reason": rd.mode_reason} for dev, rd in list(self.device_readers.items())}
+
+    def _get_tensors(self, keys: list, out: list) -> Future:
+        """``get`` into torch tensors: the device reader on the device-load thread."""
+        cat = self.cat
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        try:
+            rd = self.device_reader(out[0].device)
+        except Exception as e:  # noqa: BLE001 - no device path: every block is a miss, said once per call
+            log.warning("G3: device load of %d blocks impossible: %s", len(keys), e)
+            fut.set_result(GetResult(ok=[False] * len(keys)))
+            return fut
+
+        def run() -> None:
+            why: list = []
+            io: dict = {}
+            try:
+                ok = rd.load(keys, out, why, io)
+            except (ValueError, TypeError):
+                raise  # bad destination tensors or a wiring bug: the caller must see it
+            except Exception as e:  # noqa: BLE001 - storage trouble: misses
+                log.warning("G3: device load of %d blocks failed: %s", len(keys), e)
+                ok, why = [False] * len(keys), ["io_error"] * len(keys)
+            hits = sum(ok)
+            nread = io.get("bytes_read", 0)
+            with cat.lock:
+                cat.c["hits"] += hits
+                cat.c["bytes_read"] += nread
+                cat.c["device_loads"] += len(keys)
+                cat.c["device_hits"] += hits
+                # absent keys were counted by lease(), corrupt slots by drop_corrupt()
+                for r in why:
+                    if r in ("io_error", "short", "timeout", "unverifiable"):
+                        cat.miss(r)
+            cat.metrics.onboard_blocks.inc(hits)
+            cat.metrics.bytes_read.inc(nread)
+            fut.set_result(GetResult(ok=list(ok)))
+
+        def guarded() -> None:
+            try:
+                run()
+            except BaseException as e:  # noqa: BLE001 - ValueError (bad tensors) reaches the caller
+                if not fut.done():
+                    fut.set_exception(e)
+
+        try:
+            self._device_exec.submit(guarded)
+        except RuntimeError as e:  # executor shut down: pool closing
+            fut.set_result(GetResult(ok=[False] * len(keys)))
+            log.warning("G3: device load refused: %s", e)
+        return fut
+
+    # ---- shutdown ------------------------------------------------------------------------------------
+    def close_device(self) -> None:
+        """Stop the timer, the device-load thread and every device loader (the pool calls this after its
+        writer settled, before closing the engine). Idempotent."""
+        with self._device_lock:
+            self._closed = True
+        self.deadlines.close()
+        self._device_exec.shutdown(wait=True)
+        with self._device_lock:
+            for rd in list(self.device_readers.values()):
+                rd.close()
+            self.device_readers.clear()
+
+    def close_verifier(self) -> None:
+        """Stop the verifier thread (after the engine: its last callbacks may still queue here)."""
+        self.verifier.shutdown(wait=True)

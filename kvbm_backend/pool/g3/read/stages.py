@@ -1,0 +1,92 @@
+"""The reader's stages shared by the loaders that read leased slots themselves (device loads,
+:mod:`.device`; layer-wise loads, :mod:`.layerwise`): lease with a type check, the frame header check,
+and reporting slots whose stored bytes failed a check (the pool proves them bad before dropping).
+
+A frame is trusted only after :func:`check_frame` (header: magic, version, header check, identity,
+layout, lengths) and a payload check where it landed (the device checksum for ``FLAG_DEVCHECK`` frames
+on a device, else xxh3_128 for ``FLAG_CHECKSUM``); an encrypted or unchecked frame is ``unverifiable``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from ....model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, FrameError, FrameHeader, accept
+from ....model.layout import KvLayout
+from ....model.namespace import BlockKey
+from ...base import SlotLease, SlotLeaseSource
+
+log = logging.getLogger(__name__)
+
+#: reasons that are not the stored bytes' fault: the slot stays (a miss)
+TRANSIENT = ("not_found", "io_error", "short", "timeout")
+#: reasons that never drop a slot (:func:`report_corrupt`)
+KEEP = TRANSIENT + ("unverifiable", "length")
+
+
+def lease_all(source: SlotLeaseSource, keys: Sequence[BlockKey], who: str) -> list[SlotLease | None]:
+    """``source.lease(keys)``, checked: one ``SlotLease`` (for that key) or None per key.
+
+    Raises:
+        TypeError: the source returned another count, a non-SlotLease or a lease of another key (a
+            wiring bug, never a silent miss); every typed lease is released first.
+    """
+    leases = source.lease(list(keys))
+    typed = [x for x in leases if isinstance(x, SlotLease)]
+    problem = None
+    if len(leases) != len(keys):
+        problem = f"source.lease returned {len(leases)} leases for {len(keys)} keys"
+    else:
+        for i, ls in enumerate(leases):
+            if ls is None:
+                continue
+            if not isinstance(ls, SlotLease):
+                problem = f"source.lease returned {type(ls).__name__} for key {i}; expected SlotLease or None"
+                break
+            if ls.key != keys[i]:
+                problem = f"lease {i} is for {ls.key}, not {keys[i]}"
+                break
+    if problem is not None:
+        source.release(typed)  # a wiring bug must not leak pins
+        raise TypeError(f"{who}: {problem}")
+    return leases
+
+
+def release_quietly(source: SlotLeaseSource, leases: Sequence[SlotLease]) -> None:
+    """``source.release(leases)``; a failure is logged, never raised (it must not mask a load's result)."""
+    try:
+        source.release(list(leases))
+    except Exception as e:  # noqa: BLE001
+        log.warning("releasing %d slot leases failed: %s", len(leases), e)
+
+
+def check_frame(header, key: BlockKey, layout: KvLayout, tag: bytes, *, world: int | None,
+                slot_len: int) -> FrameHeader:
+    """The header check of every loader: :func:`~kvbm_backend.model.frame.accept` of the 4 KiB ``header``
+    for ``key`` (``tag``: its 16-byte tenant tag) in ``layout``, a frame of ``slot_len`` bytes, and a payload
+    check it can be verified with (``FLAG_DEVCHECK`` or ``FLAG_CHECKSUM``, not encrypted).
+
+    Raises:
+        FrameError: its reason (``magic``, ``version``, ``header_check``, ``identity``, ``layout``,
+            ``length``; ``unverifiable`` for an encrypted or unchecked frame).
+    """
+    h = accept(header, key, layout, tag, world=world, stored_len=layout.bytes_per_block, frame_bytes=slot_len)
+    if h.flags & FLAG_ENCRYPTED:
+        raise FrameError("unverifiable", "encrypted frame on a G3 load path (G4 loads go through the host)")
+    if not h.flags & (FLAG_CHECKSUM | FLAG_DEVCHECK):
+        raise FrameError("unverifiable", "frame carries no checksum")
+    return h
+
+
+def report_corrupt(source: SlotLeaseSource, keys: Sequence[BlockKey], why: Sequence, rows=None) -> None:
+    """``source.drop_corrupt(keys[i], why[i])`` for each row (``rows``, default all) whose reason says
+    the stored bytes failed a check (not None and not in :data:`KEEP`); the source drops the slot only
+    once a re-read proves it bad. Failures are logged, never raised."""
+    for i in (range(len(why)) if rows is None else rows):
+        r = why[i]
+        if r is None or r in KEEP:
+            continue
+        try:
+            source.drop_corrupt(keys[i], r)
+        except Exception as e:  # noqa: BLE001
+            log.warning("drop_corrupt failed for %s: %s", keys[i], e)
