@@ -36,7 +36,7 @@ from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
 from ...model.namespace import BlockKey
 from ..base import GetResult
-from ..deadlines import Deadline
+from ...deadlines import Deadline
 from .store import StoreThrottled, StoreUnavailable
 from .throttle import call_throttled
 
