@@ -1,7 +1,7 @@
 """Host-staged device transfers: G4 loads (decrypt on the host, then one host-to-device copy) and
 device saves (one device-to-host copy into pinned staging, then the pool's ``put``).
 
-G4 blocks are sealed with AES-256-GCM (DESIGN.md invariant 5); the tag is verified on the host where
+G4 blocks are sealed with AES-256-GCM (docs/invariants.md #5); the tag is verified on the host where
 the plaintext lands, so for G4 "verified where the bytes land" means the host staging buffer. The pool
 works on many blocks at once (the AEAD work in ``cryptography`` and xxh3 release the GIL), each straight
 into its row of one pinned staging tensor; each verified row goes to the device as soon as it verified,

@@ -296,7 +296,9 @@ def test_small_gets_take_small_staging_buffers(tmp_path):
         keys = NS.keys(range(1, 33))
         assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60).written == 32
         pool._staging.clear()  # the staging pool is process-wide: forget other tests' buffers
-        assert pool._read_piece_slots >= 32
+        from kvbm_backend.pool.g3.read.host import HostGet
+        hg = HostGet(pool.reader, [], [])  # the numpy get's planning, without a get
+        assert hg.piece_slots >= 32
         outs = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
         futs = [pool.get(keys[i:i + 2], outs[i:i + 2]) for i in range(0, 32, 2)]
         for f in futs:
@@ -305,4 +307,4 @@ def test_small_gets_take_small_staging_buffers(tmp_path):
             assert (o == payload(k.seq_hash)).all()
         kept = pool._staging.stats()["kept_bytes"]
         assert kept <= 16 * 2 * SLOT, f"{kept} B of staging kept after 16 gets of 2 blocks ({SLOT} B slots)"
-        assert pool._stage_slots(1) == 1 and pool._stage_slots(3) == 4 and pool._stage_slots(10 ** 6) == pool._read_piece_slots
+        assert hg.stage_slots(1) == 1 and hg.stage_slots(3) == 4 and hg.stage_slots(10 ** 6) == hg.piece_slots

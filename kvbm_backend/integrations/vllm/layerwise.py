@@ -14,7 +14,7 @@ the same step and calls ``start_load_kv`` before the forward. :class:`LayerwiseL
   block from the first failed one on through the connector's failed-load path
   (``get_block_ids_with_load_errors`` + :class:`~.metadata.FailedLoad`). vLLM (``kv_load_failure_policy``
   ``recompute``) then resets the request to its valid prefix and throws the step's token away, so a
-  forward that ran on unverified KV never yields a token (DESIGN invariant 1). Saves of such a request
+  forward that ran on unverified KV never yields a token (docs/invariants.md #1). Saves of such a request
   are dropped from then on (its blocks of that step were computed from bad KV).
 
 Sync loads are never reported in ``finished_recving`` (vLLM only waits for asynchronous ones).

@@ -4,7 +4,7 @@ Saves: in ``wait_for_save`` (after the step's forward wrote its KV) the blocks n
 :class:`SaveJob` s are gathered from the engine's per-layer paged tensors into one 4 KiB-aligned host
 staging buffer (a memory copy, bounded by ``max_pending_save_bytes``), then handed to ``G3.put`` and
 ``G4.put``, which return at once; storage never runs on the forward path. When pending saves already
-hold ``max_pending_save_bytes`` of staging, new saves are dropped and counted (DESIGN invariant 3).
+hold ``max_pending_save_bytes`` of staging, new saves are dropped and counted (docs/invariants.md #3).
 
 Loads: ``start_load_kv`` runs, on a background thread, ``G3.get`` / ``G4.get`` with the rows of one
 staging tensor on the engine's KV device as destinations: the pools' seam for device loads

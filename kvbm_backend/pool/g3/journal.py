@@ -1,4 +1,4 @@
-"""Append-only G3 journal: which slot holds which key, for warm restart (DESIGN.md invariant 6).
+"""Append-only G3 journal: which slot holds which key, for warm restart (docs/invariants.md #6).
 
 File ``journal-<fingerprint>.log`` in the pool's first directory (mode 0600, opened with
 ``O_NOFOLLOW`` relative to the pool's verified directory fd). Format version 2: a 16-byte file header

@@ -3,7 +3,7 @@
 This is what ``G3Pool.get(keys, tensors)`` runs (:meth:`kvbm_backend.pool.g3.pool.G3Pool.device_reader`):
 the connector, the tiering tier and the benchmark reach it through the pool, never by wiring their own.
 
-Data path per :meth:`DeviceLoader.load` (invariant 1 of DESIGN.md, "never wrong KV"):
+Data path per :meth:`DeviceLoader.load` (docs/invariants.md #1, "never wrong KV"):
 
 1. ``source.lease(keys)`` pins each block's slot and gives a typed
    :class:`~kvbm_backend.pool.base.SlotLease` ``(key, path, offset, slot_len, token)`` (G3 slot: 4 KiB
