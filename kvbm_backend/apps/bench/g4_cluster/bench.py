@@ -102,7 +102,12 @@ def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: 
                           # payload GB per CPU second of the cluster's own processes (servers + workers):
                           # what a machine with C free cores could reach is about C x this
                           "write_gb_per_cpu_s": total / 1e9 / max(cpu_w["cluster_cpu_s"], 1e-9),
-                          "read_gb_per_cpu_s": read_passes * total / 1e9 / max(cpu_r["cluster_cpu_s"], 1e-9)}
+                          "read_gb_per_cpu_s": read_passes * total / 1e9 / max(cpu_r["cluster_cpu_s"], 1e-9),
+                          # the workers' own share (issue 25 item 2): GB/s per worker core busy, i.e. payload GB
+                          # per CPU second of the worker processes alone (the client side: crypto, frames, HTTP)
+                          "write_gb_per_worker_cpu_s": total / 1e9 / max(cpu_w["workers_cores"] * cpu_w["wall_s"], 1e-9),
+                          "read_gb_per_worker_cpu_s": read_passes * total / 1e9
+                          / max(cpu_r["workers_cores"] * cpu_r["wall_s"], 1e-9)}
                     for w in range(n):
                         cl.workers[w].call("delete", seqs=seqs[w], tenant="bench")
                     if best is None:
@@ -112,7 +117,8 @@ def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: 
                         if pt[f"{k}_gbps"] > best[f"{k}_gbps"]:
                             best.update({f"{k}_gbps": pt[f"{k}_gbps"], f"{k}_s": pt[f"{k}_s"],
                                          f"per_worker_{k}_s": pt[f"per_worker_{k}_s"], f"{k}_cpu": pt[f"{k}_cpu"],
-                                         f"{k}_gb_per_cpu_s": pt[f"{k}_gb_per_cpu_s"]})
+                                         f"{k}_gb_per_cpu_s": pt[f"{k}_gb_per_cpu_s"],
+                                         f"{k}_gb_per_worker_cpu_s": pt[f"{k}_gb_per_worker_cpu_s"]})
                 points.append(best)
                 progress(f"{n} workers: write {best['write_gbps']:.3f} GB/s, read {best['read_gbps']:.3f} GB/s "
                          f"(machine cores busy: write {best['write_cpu']['machine_cores']:.2f}, "
@@ -126,6 +132,8 @@ def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: 
         "series": {"write GB/s": [p["write_gbps"] for p in points], "read GB/s": [p["read_gbps"] for p in points]},
         "gb_per_cluster_cpu_s": {"write": [p["write_gb_per_cpu_s"] for p in points],
                                  "read": [p["read_gb_per_cpu_s"] for p in points]},
+        "gb_per_worker_cpu_s": {"write": [p["write_gb_per_worker_cpu_s"] for p in points],
+                                "read": [p["read_gb_per_worker_cpu_s"] for p in points]},
         "points": points, "workers": counts, "blocks_per_worker": blocks, "layout": layout,
         "page_size": page_size, "encrypt": encrypt, "read_passes": read_passes, "replication": replication, "volume_servers": volumes, "max_inflight_per_worker": inflight, "rounds": rounds,
         "best_of": "best round per point and direction",
