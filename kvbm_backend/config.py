@@ -278,10 +278,13 @@ class G4Config(_M):
     that bound (:mod:`kvbm_backend.pool.g4.throttle`)."""
     fsync: bool = True
     """file:// stores: fsync object and directory before publishing (invariant 2)."""
-    s3_client: Literal["obstore", "boto3"] = "obstore"
-    """Client of the S3 block traffic (PUT/GET/HEAD): ``obstore`` (Rust ``object_store``; about half
-    of boto3's client CPU per GB, issue 25) or ``boto3``. Both keep create-exclusive PUT, ranged GET,
-    per-request timeouts and the throttling backoff; control calls (probe, gc's LIST, DELETE) use boto3."""
+    s3_client: Literal["obstore", "boto3"] = "boto3"
+    """Client of the S3 block traffic (PUT/GET/HEAD): ``boto3`` or ``obstore`` (Rust ``object_store``;
+    about half of boto3's client CPU per GB, issue 25). Both keep create-exclusive PUT, ranged GET,
+    per-request timeouts and the throttling backoff; control calls (probe, gc's LIST, DELETE) use boto3.
+    Not the default yet: obstore's ``timeout_s`` bounds the whole request, boto3's each socket wait, so a
+    process that stalls with PUTs in flight (seen on the loaded 2-core CI VM) counts them dropped under
+    obstore although they landed (tests/e2e/test_dynamo_e2e.py's handoff, 8 of 111 blocks)."""
     layout: Literal["per-rank", "canonical"] = "per-rank"
     """How G4 stores a block: ``per-rank`` (one object per TP rank, its KV heads: only engines of the same
     TP size share it) or ``canonical`` (one object per KV head of the model, MLA once: engines of one

@@ -141,6 +141,8 @@ def bench(
                                                  "directory)"),
     endpoint_url: Optional[str] = typer.Option(None, help="g4: S3 endpoint URL"),
     encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help="g4: AES-256-GCM per tenant"),
+    s3_client: str = typer.Option("boto3", help="g4 on s3://: the S3 client of the block traffic, boto3 | obstore "
+                                                "(g4.s3_client)"),
     io_size: int = typer.Option(1 << 20, help="bytes per coalesced I/O per rank (a multiple of 4096, at most 1 GiB)"),
     engine: str = typer.Option("auto", help="auto | posix | nixl | kvikio"),
     threads: int = typer.Option(8, help=f"I/Os in flight (1-{MAX_THREADS})"),
@@ -159,6 +161,7 @@ def bench(
     if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
         _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
     _one_of("--engine", engine, ("auto", "posix", "nixl", "kvikio"))
+    _one_of("--s3-client", s3_client, ("boto3", "obstore"))
     _check_layout(layout, page_size, tp)
     if tier != "index":
         from kvbm_backend.model.presets import load_preset
@@ -175,7 +178,7 @@ def bench(
         existing_dir("--url", file_url_path(url), why)
     opts = BenchOptions(tier=tier, layout=layout, page_size=page_size, tp=tp, blocks=blocks, path=path, url=url,
                         endpoint_url=endpoint_url, encrypt=encrypt, io_size_bytes=io_size, engine=engine,
-                        threads=threads, progress=not as_json)
+                        threads=threads, progress=not as_json, s3_client=s3_client)
     try:
         if tier == "g3":
             from .bench.g3 import run

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 from ...store_url import SCHEMES, url_problem
 from .store import ObjectStore
 
-S3_CLIENT_DEFAULT = "obstore"  # g4.s3_client's default (kvbm_backend.config.G4Config)
+S3_CLIENT_DEFAULT = "boto3"  # g4.s3_client's default (kvbm_backend.config.G4Config)
 
 __all__ = ["SCHEMES", "StoreOptions", "open_store", "register_scheme"]
 

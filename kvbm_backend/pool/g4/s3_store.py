@@ -1,5 +1,5 @@
 """S3-compatible object store on boto3 (any S3 server: AWS, SeaweedFS, MinIO, Ceph RGW, VAST, ...); its block
-traffic moves to obstore by default (:mod:`.s3_obstore`, ``g4.s3_client``), see "Client choice" below.
+traffic moves to obstore with ``g4.s3_client: obstore`` (:mod:`.s3_obstore`), see "Client choice" below.
 
 * Endpoint, region and credentials: ``endpoint_url``/``region`` arguments, else the standard AWS
   chain (env ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles, IMDS).
