@@ -169,6 +169,7 @@ def _raw_read_gbps(path: str, nbytes: int, threads: int = 8, io: int = 8 << 20) 
     import numpy as np
     import torch
     from kvbm_backend.io.base import IoOp
+    from kvbm_backend.io.files import open_for_read
     from kvbm_backend.io.posix import PosixEngine
     from kvbm_backend.memory import aligned_empty
     pin = torch.cuda.is_available()
@@ -179,12 +180,8 @@ def _raw_read_gbps(path: str, nbytes: int, threads: int = 8, io: int = 8 << 20) 
         os.pwrite(fd, chunk[:min(len(chunk), nbytes - off)], off)
     _drop_cache(fd)
     os.close(fd)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        how = "O_DIRECT"
-    except OSError as e:
-        fd = os.open(path, os.O_RDONLY)
-        how = f"buffered after posix_fadvise(DONTNEED) (O_DIRECT refused: {e.strerror})"
+    fd, direct = open_for_read(path, True)  # the project's one O_DIRECT rule (kvbm_backend.io.files)
+    how = "O_DIRECT" if direct else "buffered after posix_fadvise(DONTNEED) (O_DIRECT refused)"
     eng = PosixEngine(threads=threads)
     try:
         _drop_cache(fd)

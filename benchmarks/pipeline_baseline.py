@@ -55,15 +55,12 @@ def pipeline_read(path: str, dst, threads: int, piece: int) -> dict:
     """
     import torch
 
+    from kvbm_backend.io.files import open_for_read
     from kvbm_backend.memory import aligned_empty  # 4 KiB aligned: O_DIRECT lands in it
     cuda = dst.device.type == "cuda"
     nbytes = dst.numel()
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        how = "O_DIRECT"
-    except OSError as e:
-        fd = os.open(path, os.O_RDONLY)
-        how = f"buffered (O_DIRECT refused: {e.strerror})"
+    fd, direct = open_for_read(path, True)  # the project's one O_DIRECT rule
+    how = "O_DIRECT" if direct else "buffered (O_DIRECT refused)"
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     offs = list(range(0, nbytes, piece))
     errors: list = []
