@@ -9,11 +9,30 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeAlias, Union, cast
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from .layout import KvLayout
-from .namespace import BlockKey
+from .namespace import KeyIdentity
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+#: A read-only bytes-like input: anything with the buffer protocol (bytes, bytearray, memoryview), or
+#: a C-contiguous uint8 numpy array. numpy arrays are named apart because numpy's stubs declare the
+#: buffer protocol (``__buffer__``) only for Python >= 3.12, and mypy checks this package as 3.11.
+BytesLike: TypeAlias = Union["Buffer", npt.NDArray[np.uint8]]
+#: A bytes-like input that is also sliced (``x[a:b]``) before it is read.
+SliceableBytes: TypeAlias = Union[bytes, bytearray, memoryview, npt.NDArray[np.uint8]]
+
+
+def _buf(data: BytesLike) -> Buffer:
+    """``data`` as the buffer it is at runtime (numpy arrays export the buffer protocol; only their stubs
+    before Python 3.12 do not say so: see :data:`BytesLike`). No copy, no check."""
+    return cast("Buffer", data)
 
 MAGIC = b"KVBMFRM\x00"
 FORMAT_VERSION = 1
@@ -51,9 +70,9 @@ def slot_bytes(stored_len: int) -> int:
     return HEADER_BYTES + align_up(stored_len)
 
 
-def payload_checksum(data) -> bytes:
+def payload_checksum(data: BytesLike) -> bytes:
     """xxh3_128 of the payload bytes (16 bytes, big-endian digest as xxhash gives it)."""
-    return xxhash.xxh3_128_digest(data)
+    return xxhash.xxh3_128_digest(_buf(data))
 
 
 @dataclass
@@ -80,7 +99,8 @@ class FrameHeader:
     version: int = FORMAT_VERSION
 
     @classmethod
-    def for_block(cls, key: BlockKey, layout: KvLayout, world: int, tenant_tag: bytes, **kw) -> "FrameHeader":
+    def for_block(cls, key: KeyIdentity, layout: KvLayout, world: int, tenant_tag: bytes,
+                  **kw: Any) -> "FrameHeader":
         return cls(ns_fp=bytes.fromhex(key.namespace), tenant_tag=tenant_tag, rank=key.rank, world=world,
                    seq_hash=key.seq_hash, num_layers=layout.num_layers, outer_dim=layout.outer_dim,
                    dtype_bytes=layout.dtype_bytes, page_size=layout.page_size, inner_dim=layout.inner_dim,
@@ -104,9 +124,9 @@ class FrameHeader:
         return fixed + check + b"\x00" * (HEADER_BYTES - _FIXED - 8)
 
     @classmethod
-    def unpack(cls, buf) -> "FrameHeader":
+    def unpack(cls, buf: BytesLike) -> "FrameHeader":
         """Parse a header. Raises FrameError on bad magic, unknown version or a failed header check."""
-        mv = memoryview(buf)
+        mv = memoryview(_buf(buf))
         if len(mv) < _FIXED + 8:
             raise FrameError("length", f"header of {len(mv)} bytes")
         fixed = bytes(mv[:_FIXED])
@@ -125,7 +145,7 @@ class FrameHeader:
                    key_id=kid, key_version=kver, nonce=nonce, integrity=integ, created_ns=created, dev_check=devc,
                    version=version)
 
-    def check_identity(self, key: BlockKey, layout: KvLayout, tenant_tag: bytes) -> None:
+    def check_identity(self, key: KeyIdentity, layout: KvLayout, tenant_tag: bytes) -> None:
         """Raise FrameError('identity'/'layout') unless this header names exactly ``key`` in ``layout``."""
         if (self.ns_fp != bytes.fromhex(key.namespace) or self.tenant_tag != tenant_tag
                 or self.rank != key.rank or self.seq_hash != key.seq_hash):
@@ -137,7 +157,7 @@ class FrameHeader:
             raise FrameError("length", f"payload_len {self.payload_len} != block {layout.bytes_per_block}")
 
 
-def accept(buf, key: BlockKey, layout: KvLayout, tenant_tag: bytes, *, world: int | None = None,
+def accept(buf: BytesLike, key: KeyIdentity, layout: KvLayout, tenant_tag: bytes, *, world: int | None = None,
            stored_len: int | None = None, frame_bytes: int | None = None, exact: bool = False) -> FrameHeader:
     """The frame check every reader runs before it trusts a stored block's header (G3 reads and
     restore, G4 loads, the device loader): one implementation, so the checks cannot drift apart.
@@ -163,7 +183,7 @@ def accept(buf, key: BlockKey, layout: KvLayout, tenant_tag: bytes, *, world: in
     return h
 
 
-def device_checksum(payload) -> int:
+def device_checksum(payload: BytesLike) -> int:
     """Position-weighted sum of the payload's little-endian u32 words, mod 2**64:
     ``sum((i + 1) * w[i])`` (a trailing partial word is zero-padded).
 
@@ -171,8 +191,7 @@ def device_checksum(payload) -> int:
     wraps identically), so a block read straight into HBM can be verified where it landed; it detects
     bit flips, truncation and reordered words. Host paths use the xxh3_128 ``integrity`` value.
     """
-    import numpy as np
-    b = np.frombuffer(payload, dtype=np.uint8)
+    b = np.frombuffer(memoryview(_buf(payload)), dtype=np.uint8)
     pad = (-len(b)) % 4
     if pad:
         b = np.concatenate([b, np.zeros(pad, np.uint8)])
@@ -181,7 +200,7 @@ def device_checksum(payload) -> int:
         return int((w * np.arange(1, len(w) + 1, dtype=np.uint64)).sum(dtype=np.uint64))
 
 
-def verify_payload(hdr: FrameHeader, payload) -> None:
+def verify_payload(hdr: FrameHeader, payload: BytesLike) -> None:
     """Raise FrameError('integrity') unless the plaintext payload matches the header's checksum."""
     if hdr.flags & FLAG_CHECKSUM and payload_checksum(payload) != hdr.integrity:
         raise FrameError("integrity", "payload checksum mismatch")
@@ -215,8 +234,8 @@ class ChecksumFrames:
         self._ns_fp = ns_fp
         self._world = world
 
-    def write_header(self, buf, offset: int, tenant_tag: bytes, rank: int, seq_hash: int, integrity: bytes,
-                     created_ns: int, dev_check: int | None = None) -> None:
+    def write_header(self, buf: memoryview | bytearray, offset: int, tenant_tag: bytes, rank: int, seq_hash: int,
+                     integrity: bytes, created_ns: int, dev_check: int | None = None) -> None:
         """Write the full 4096-byte header of one block at ``buf[offset:offset + 4096]`` (a writable
         buffer, e.g. a memoryview of a staging array). ``integrity``: :func:`payload_checksum` of the
         payload (16 bytes). ``dev_check``: the payload's :func:`device_checksum` (an int in
@@ -237,7 +256,8 @@ class ChecksumFrames:
         return _PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_CHECKSUM, HEADER_BYTES, self._ns_fp, tenant_tag, rank,
                             self._world, seq_hash, *a)
 
-    def verify(self, header, payload, tenant_tag: bytes, rank: int, seq_hash: int) -> bool:
+    def verify(self, header: SliceableBytes, payload: BytesLike, tenant_tag: bytes, rank: int,
+               seq_hash: int) -> bool:
         """True only if ``header`` (>= 152 bytes) is exactly what :meth:`write_header` makes for this
         block (identity, layout, lengths, flags, header check) and ``payload``'s xxh3_128 matches its
         integrity field. False says nothing about why: callers re-check with :meth:`FrameHeader.unpack`,
@@ -249,9 +269,11 @@ class ChecksumFrames:
             return False
         if _CHECK.unpack_from(hb, _FIXED)[0] != xxhash.xxh3_64_intdigest(hb[:_FIXED]):
             return False
-        return xxhash.xxh3_128_digest(payload) == hb[_OFF_INTEGRITY:_OFF_INTEGRITY + 16]
+        return xxhash.xxh3_128_digest(_buf(payload)) == hb[_OFF_INTEGRITY:_OFF_INTEGRITY + 16]
 
-    def verify_many(self, headers, payloads, tenant_tags, ranks, seq_hashes):
+    def verify_many(self, headers: npt.NDArray[np.uint8], payloads: Sequence[BytesLike],
+                    tenant_tags: Sequence[bytes], ranks: Sequence[int],
+                    seq_hashes: Iterable[int]) -> npt.NDArray[np.bool_]:
         """:meth:`verify` for ``m`` blocks at once (numpy compares instead of per-block Python).
 
         Args:
@@ -264,8 +286,6 @@ class ChecksumFrames:
         Returns:
             ``np.ndarray`` of ``m`` bools: True exactly where :meth:`verify` would return True.
         """
-        import numpy as np
-
         m = len(payloads)
         if m == 0:
             return np.zeros(0, bool)
@@ -278,13 +298,15 @@ class ChecksumFrames:
         exp[:, 48:56] = np.fromiter(seq_hashes, dtype="<u8", count=m).view(np.uint8).reshape(m, 8)
         # flags (bytes 10-11) may be FLAG_CHECKSUM or FLAG_CHECKSUM | FLAG_DEVCHECK
         flags = h[:, 10:12]
-        ok = (h[:, :10] == exp[:, :10]).all(axis=1) & (h[:, 12:_PREFIX.size] == exp[:, 12:]).all(axis=1)
+        ok: npt.NDArray[np.bool_] = ((h[:, :10] == exp[:, :10]).all(axis=1)
+                                     & (h[:, 12:_PREFIX.size] == exp[:, 12:]).all(axis=1))
         ok &= ((flags == exp[0, 10:12]).all(axis=1) | (flags == dev_flags).all(axis=1))
-        flat = memoryview(np.ascontiguousarray(h[:, :_FIXED + 8]).reshape(-1))
+        flat = np.ascontiguousarray(h[:, :_FIXED + 8]).reshape(-1).data  # a memoryview of the copy
         row = _FIXED + 8
         d64 = xxhash.xxh3_64_intdigest
         checks = np.fromiter((d64(flat[o:o + _FIXED]) for o in range(0, m * row, row)), dtype="<u8", count=m)
         ok &= h[:, _FIXED:_FIXED + 8].copy().view("<u8").reshape(m) == checks
-        digs = np.frombuffer(b"".join(map(xxhash.xxh3_128_digest, payloads)), np.uint8).reshape(m, 16)
+        bufs = cast("Sequence[Buffer]", payloads)  # as _buf, for the whole list (map: no per-item Python call)
+        digs = np.frombuffer(b"".join(map(xxhash.xxh3_128_digest, bufs)), np.uint8).reshape(m, 16)
         ok &= (h[:, _OFF_INTEGRITY:_OFF_INTEGRITY + 16] == digs).all(axis=1)
         return ok

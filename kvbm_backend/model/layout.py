@@ -12,8 +12,12 @@ FullyContiguous: one rank's block is a single contiguous span of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping, TypeVar
 
 import numpy as np
+import numpy.typing as npt
+
+_S = TypeVar("_S", bound=np.generic)  # an engine page's element type, kept by the conversions
 
 _DTYPE_BYTES = {
     "float32": 4, "fp32": 4,
@@ -84,16 +88,20 @@ class KvLayout:
         """``(num_layers, outer_dim, page_size, inner_dim)`` in elements."""
         return (self.num_layers, self.outer_dim, self.page_size, self.inner_dim)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The layout as a JSON object: ``num_layers``, ``outer_dim``, ``page_size``, ``inner_dim`` (ints)
+        and ``dtype`` (str)."""
         return {"num_layers": self.num_layers, "outer_dim": self.outer_dim, "page_size": self.page_size,
                 "inner_dim": self.inner_dim, "dtype": self.dtype}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KvLayout":
+    def from_dict(cls, d: Mapping[str, Any]) -> "KvLayout":
+        """Inverse of :meth:`to_dict` (``dtype`` defaults to ``bfloat16``). Raises KeyError for a missing
+        field, ValueError for a bad value."""
         return cls(int(d["num_layers"]), int(d["outer_dim"]), int(d["page_size"]), int(d["inner_dim"]),
                    str(d.get("dtype", "bfloat16")))
 
-    def view(self, buf: np.ndarray) -> np.ndarray:
+    def view(self, buf: npt.NDArray[Any]) -> npt.NDArray[np.uint8]:
         """View a flat uint8 block buffer of ``bytes_per_block`` bytes as
         ``[num_layers, outer_dim, page_size, inner_dim * dtype_bytes]`` uint8 (no copy).
 
@@ -112,7 +120,7 @@ class KvLayout:
 # leading axis of size 2 (``[2, num_blocks, ...]``) or MLA's single latent (``[num_blocks, page, dim]``).
 # The KVBM block is token-major within each (layer, outer) region: ``[page_size, inner_dim]``.
 
-def engine_page_to_region(page: np.ndarray, engine_layout: str) -> np.ndarray:
+def engine_page_to_region(page: npt.NDArray[_S], engine_layout: str) -> npt.NDArray[_S]:
     """Convert one engine page of one layer/outer index to the KVBM region ``[page_size, inner]``.
 
     Args:
@@ -131,7 +139,7 @@ def engine_page_to_region(page: np.ndarray, engine_layout: str) -> np.ndarray:
     raise ValueError(f"engine_layout: expected 'NHD' or 'HND', got {engine_layout!r}")
 
 
-def region_to_engine_page(region: np.ndarray, num_heads: int, engine_layout: str) -> np.ndarray:
+def region_to_engine_page(region: npt.NDArray[_S], num_heads: int, engine_layout: str) -> npt.NDArray[_S]:
     """Inverse of :func:`engine_page_to_region`: ``[page_size, heads*head_dim]`` to the engine page."""
     page_size, inner = region.shape
     head_dim = inner // num_heads

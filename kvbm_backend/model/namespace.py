@@ -17,9 +17,10 @@ import threading
 from array import array
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence, TypeAlias, overload
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from .layout import KvLayout
@@ -68,8 +69,9 @@ class KvGroup:
             return None
         return max(1, -(-(self.sliding_window - 1) // self.layout.page_size))
 
-    def to_dict(self) -> dict:
-        d = {"kind": self.kind, "layout": self.layout.to_dict()}
+    def to_dict(self) -> dict[str, Any]:
+        """The group as a JSON object (``kind``, ``layout``; ``sliding_window`` and ``layers`` where set)."""
+        d: dict[str, Any] = {"kind": self.kind, "layout": self.layout.to_dict()}
         if self.sliding_window is not None:
             d["sliding_window"] = self.sliding_window
         if self.layers:
@@ -77,7 +79,8 @@ class KvGroup:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KvGroup":
+    def from_dict(cls, d: Mapping[str, Any]) -> "KvGroup":
+        """Inverse of :meth:`to_dict`. Raises KeyError for a missing field, ValueError for a bad value."""
         sw = d.get("sliding_window")
         return cls(kind=str(d["kind"]), layout=KvLayout.from_dict(d["layout"]),
                    sliding_window=None if sw is None else int(sw), layers=tuple(d.get("layers") or ()))
@@ -139,7 +142,8 @@ class Namespace:
         if self.hash_scheme not in HASH_SCHEMES:
             raise ValueError(f"namespace.hash_scheme: {self.hash_scheme!r} not in {HASH_SCHEMES}")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The namespace as the JSON object its fingerprint and ``namespace.json`` are made of."""
         return {"format": "kvbm-backend-namespace/1", "model": self.model, "revision": self.revision,
                 "dtype": self.layout.dtype, "layout": self.layout.to_dict(),
                 "tp_world_size": self.tp_world_size, "hash_scheme": self.hash_scheme,
@@ -171,7 +175,8 @@ class Namespace:
         return bytes.fromhex(self.fingerprint)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Namespace":
+    def from_dict(cls, d: Mapping[str, Any]) -> "Namespace":
+        """Inverse of :meth:`to_dict`. Raises KeyError for a missing field, ValueError for a bad value."""
         return cls(model=d["model"], revision=d.get("revision", "main"), layout=KvLayout.from_dict(d["layout"]),
                    tp_world_size=int(d.get("tp_world_size", 1)), hash_scheme=d.get("hash_scheme", "kvbm-xxh3-v1"),
                    groups=tuple(KvGroup.from_dict(g) for g in d.get("groups") or ()), group=int(d.get("group", 0)),
@@ -182,14 +187,14 @@ class Namespace:
             raise ValueError(f"rank: {rank} outside TP world size {self.tp_world_size}")
         return BlockKey(self.fingerprint, tenant, rank, seq_hash & ((1 << 64) - 1))
 
-    def keys(self, seq_hashes, tenant: str = "", rank: int = 0) -> list["BlockKey"]:
+    def keys(self, seq_hashes: Iterable[int], tenant: str = "", rank: int = 0) -> list["BlockKey"]:
         """``[self.key(h, tenant, rank) for h in seq_hashes]``, with the checks done once."""
         if not 0 <= rank < self.tp_world_size:
             raise ValueError(f"rank: {rank} outside TP world size {self.tp_world_size}")
         fp, m = self.fingerprint, (1 << 64) - 1
         return [BlockKey(fp, tenant, rank, h & m) for h in seq_hashes]
 
-    def run(self, seq_hashes, tenant: str = "", rank: int = 0) -> "KeyRun":
+    def run(self, seq_hashes: "SeqHashes | HashesLike", tenant: str = "", rank: int = 0) -> "KeyRun":
         """The keys ``self.keys(seq_hashes, tenant, rank)`` as one :class:`KeyRun` (no per-key object).
         ``seq_hashes``: a :class:`SeqHashes` (shared, e.g. by every TP rank's run), or what one takes: a
         list of Python ints (taken modulo 2**64, as :meth:`key` does) or a 1-D uint64 array. Raises
@@ -199,7 +204,7 @@ class Namespace:
         h = seq_hashes if isinstance(seq_hashes, SeqHashes) else SeqHashes(seq_hashes)
         return KeyRun(self.fingerprint, tenant, rank, h)
 
-    def rank_runs(self, seq_hashes, tenant: str = "") -> tuple[list["KeyRun"], list["KeyRun"]]:
+    def rank_runs(self, seq_hashes: "HashesLike", tenant: str = "") -> tuple[list["KeyRun"], list["KeyRun"]]:
         """``(by_rank, shared)``: the keys of ``seq_hashes`` (Python ints, the ``array('Q')`` the scheduler
         hashes into, or a uint64 array; see :class:`SeqHashes`) as one :class:`KeyRun` per TP rank (``by_rank[r]``: rank r's G3 keys), all over one
         :class:`SeqHashes` (converted to uint64 once, only as far as a pool probes them), and the runs of
@@ -225,10 +230,30 @@ class BlockKey(NamedTuple):
     seq_hash: int
 
 
+class KeyIdentity(Protocol):
+    """What a frame's identity check reads of a key (:func:`~.frame.accept`): a :class:`BlockKey`, or any
+    key type with these read-only fields (e.g. G3's restored keys that know only the tenant's tag)."""
+
+    @property
+    def namespace(self) -> str:
+        """The namespace fingerprint (16 hex chars)."""
+        ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def seq_hash(self) -> int: ...
+
+
 _M64 = (1 << 64) - 1
 
+#: Sequence hashes as :class:`SeqHashes` takes them: Python ints (a list, a tuple, any iterable; an
+#: ``array('Q')``) or a 1-D uint64 array.
+HashesLike: TypeAlias = Iterable[int] | npt.NDArray[np.uint64]
 
-def _to_u64(ints: Sequence) -> np.ndarray:
+
+def _to_u64(ints: Sequence[int]) -> npt.NDArray[np.uint64]:
     """uint64 array of Python ints taken modulo 2**64 (``array('Q')``, the fastest conversion: ~20-40 ns per
     int; negative or wider ints are masked first). TypeError names the first item that is not an int."""
     try:
@@ -257,7 +282,10 @@ class SeqHashes:
 
     __slots__ = ("_ints", "_arr", "_done", "_lock")
 
-    def __init__(self, seq_hashes) -> None:
+    _ints: list[int] | tuple[int, ...] | None
+    _arr: npt.NDArray[np.uint64]
+
+    def __init__(self, seq_hashes: HashesLike) -> None:
         if isinstance(seq_hashes, np.ndarray):
             if seq_hashes.dtype != np.uint64 or seq_hashes.ndim != 1:
                 raise ValueError(f"seq_hashes: a 1-D uint64 array is needed, got {seq_hashes.dtype} of shape "
@@ -275,7 +303,7 @@ class SeqHashes:
     def __len__(self) -> int:
         return len(self._arr)
 
-    def array(self, stop: int | None = None) -> np.ndarray:
+    def array(self, stop: int | None = None) -> npt.NDArray[np.uint64]:
         """Read-only (stop,) uint64 view of hashes ``[0, stop)`` (all when None), converting the part not
         converted yet."""
         n = len(self._arr)
@@ -283,6 +311,7 @@ class SeqHashes:
         if stop > self._done:
             with self._lock:
                 if stop > self._done:
+                    assert self._ints is not None  # only the ints' form starts with _done < len
                     self._arr[self._done:stop] = _to_u64(self._ints[self._done:stop])
                     self._done = stop
         v = self._arr[:stop]
@@ -292,7 +321,8 @@ class SeqHashes:
     def ints(self, start: int = 0, stop: int | None = None) -> list[int]:
         """Hashes ``[start, stop)`` as Python ints modulo 2**64 (from the ints given, or the array's)."""
         if self._ints is None:
-            return self._arr[start:stop].tolist()
+            out: list[int] = self._arr[start:stop].tolist()
+            return out
         return [operator.index(h) & _M64 for h in self._ints[start:stop]]
 
     def __getitem__(self, s: slice) -> "SeqHashes":
@@ -301,7 +331,7 @@ class SeqHashes:
 
 
 @dataclass(frozen=True, eq=False)
-class KeyRun(_SequenceABC):
+class KeyRun(_SequenceABC[BlockKey]):
     """A run of keys of one (namespace, tenant, TP rank): ``BlockKey(namespace, tenant, rank, h)`` for each
     sequence hash ``h`` of ``hashes``, with no per-key object (a prefix lookup of 8K blocks on the
     scheduler's hot path). A :class:`Sequence` of :class:`BlockKey`: ``run[i]`` and iteration make the
@@ -331,11 +361,11 @@ class KeyRun(_SequenceABC):
             raise TypeError(f"KeyRun.hashes: a SeqHashes is needed, got {type(self.hashes).__name__}")
 
     @property
-    def seq_hashes(self) -> np.ndarray:
+    def seq_hashes(self) -> npt.NDArray[np.uint64]:
         """(N,) uint64 array of the sequence hashes, read-only (all converted)."""
         return self.hashes.array()
 
-    def hash_array(self, stop: int) -> np.ndarray:
+    def hash_array(self, stop: int) -> npt.NDArray[np.uint64]:
         """(min(stop, N),) uint64 array of hashes ``[0, stop)``: only that part is converted (a probe that
         goes chunk by chunk converts no more than it reads)."""
         return self.hashes.array(stop)
@@ -343,7 +373,13 @@ class KeyRun(_SequenceABC):
     def __len__(self) -> int:
         return len(self.hashes)
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> BlockKey: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> "KeyRun": ...
+
+    def __getitem__(self, i: int | slice) -> "BlockKey | KeyRun":
         if isinstance(i, slice):
             return KeyRun(self.namespace, self.tenant, self.rank, self.hashes[i])
         n = len(self.hashes)
@@ -387,7 +423,7 @@ def tenant_tag(tenant: str) -> bytes:
     return xxhash.xxh3_128_digest(tenant_bytes(tenant))
 
 
-def key_columns(rows: Sequence[tuple]) -> tuple[tuple, ...]:
+def key_columns(rows: Sequence[tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
     """The columns of ``rows`` (e.g. :class:`BlockKey` s: namespace, tenant, rank, seq_hash) in one C pass,
     ``tuple(zip(*rows))`` (about half the time of one ``map(itemgetter)`` pass per column). Used by the
     batch lookups of the G3 index and the scheduler's G3 mirror. The cyclic garbage collector is paused

@@ -133,11 +133,11 @@ def load_preset(name: str) -> ModelPreset:
     if not 0 <= p.sliding_layers < p.num_layers or (p.sliding_layers > 0) != (p.sliding_window is not None):
         raise ValueError(f"layout {path}: sliding_layers {p.sliding_layers} and sliding_window {p.sliding_window}: "
                          f"give both (0 <= sliding_layers < num_layers {p.num_layers}) or neither")
-    for f in ("full_bytes_per_token", "sliding_bytes_per_token"):
-        if p.hybrid and f not in d:
-            raise ValueError(f"layout {path}: missing field {f!r} (hybrid presets state both)")
-        if f in d and int(d[f]) != getattr(p, f):
-            raise ValueError(f"layout {path}: {f} {d[f]} != geometry {getattr(p, f)}")
+    for fld in ("full_bytes_per_token", "sliding_bytes_per_token"):  # not `f`: the file above
+        if p.hybrid and fld not in d:
+            raise ValueError(f"layout {path}: missing field {fld!r} (hybrid presets state both)")
+        if fld in d and int(d[fld]) != getattr(p, fld):
+            raise ValueError(f"layout {path}: {fld} {d[fld]} != geometry {getattr(p, fld)}")
     return p
 
 
