@@ -9,9 +9,12 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, TypeVar
 
 import numpy as np
+import numpy.typing as npt
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -23,7 +26,7 @@ class IoOp:
 
     fd: int
     offset: int  # bytes
-    bufs: list[np.ndarray]  # 1-D uint8 arrays (host); views into caller blocks or staging
+    bufs: list[npt.NDArray[np.uint8]]  # 1-D uint8 arrays (host); views into caller blocks or staging
     write: bool
 
     @property
@@ -31,12 +34,12 @@ class IoOp:
         return sum(b.nbytes for b in self.bufs)
 
 
-def gather(futs: Sequence[Future]) -> Future:
+def gather(futs: Sequence[Future[_T]]) -> Future[list[_T]]:
     """One Future for many: resolves, once every one of ``futs`` is done, to their results in order,
     or raises the exception of the lowest-index failed one (only after all finished, so the caller may
     reuse its buffers as soon as it is done). An empty list resolves at once to ``[]``."""
     futs = list(futs)
-    out: Future = Future()
+    out: Future[list[_T]] = Future()
     out.set_running_or_notify_cancel()
     if not futs:
         out.set_result([])
@@ -44,7 +47,7 @@ def gather(futs: Sequence[Future]) -> Future:
     left = [len(futs)]
     lock = threading.Lock()
 
-    def one_done(_f: Future) -> None:
+    def one_done(_f: Future[_T]) -> None:
         with lock:
             left[0] -= 1
             if left[0]:
@@ -63,7 +66,7 @@ def gather(futs: Sequence[Future]) -> Future:
 class IoEngine(Protocol):
     name: str
 
-    def submit(self, ops: Sequence[IoOp]) -> Future:
+    def submit(self, ops: Sequence[IoOp]) -> Future[list[int]]:
         """Run all ops (concurrently, up to the engine's queue depth). The Future resolves to a list of
         bytes transferred per op (a short count is returned, not raised) or raises the first OSError."""
 

@@ -20,8 +20,15 @@ import logging
 import os
 import threading
 from collections import Counter
+from typing import TYPE_CHECKING, Sequence, cast
+
+import numpy as np
+import numpy.typing as npt
 
 from .probe import ALIGN
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +73,11 @@ class ReadFiles:
             one, :attr:`counters`.
     """
 
-    def __init__(self, counters: Counter | None = None):
+    def __init__(self, counters: Counter[str] | None = None):
         self._fds: dict[tuple[str, bool], int] = {}
         self._no_direct: set[str] = set()
         self._lock = threading.Lock()
-        self.counters: Counter = Counter() if counters is None else counters
+        self.counters: Counter[str] = Counter() if counters is None else counters
 
     def fd(self, path: str, direct: bool) -> tuple[int, bool]:
         """``(fd, is_direct)`` for ``path``: O_DIRECT if ``direct`` and ``path``'s filesystem has not refused
@@ -106,18 +113,20 @@ class ReadFiles:
                 self.counters["files_o_direct"] -= 1
         log.info("reads of %s: O_DIRECT refused by the filesystem, buffered reads", path)
 
-    def preadv(self, path: str, bufs: list, offset: int, direct: bool) -> int:
+    def preadv(self, path: str, bufs: Sequence[npt.NDArray[np.uint8]], offset: int, direct: bool) -> int:
         """``os.preadv`` of ``bufs`` at ``offset`` of ``path`` (O_DIRECT per :meth:`fd`); a read the
         filesystem refuses with EINVAL on an O_DIRECT fd is retried once buffered. Returns bytes read
         (short at end of file). Raises OSError (the buffered retry's, or any other)."""
+        # numpy arrays are writable buffers; numpy's stubs declare it only for Python >= 3.12
+        iov = cast("Sequence[WriteableBuffer]", bufs)
         fd, is_direct = self.fd(path, direct)
         try:
-            return os.preadv(fd, bufs, offset)
+            return os.preadv(fd, iov, offset)
         except OSError as e:
             if not (is_direct and refuses_direct(e)):
                 raise
         self.refuse_direct(path)
-        return os.preadv(self.fd(path, False)[0], bufs, offset)
+        return os.preadv(self.fd(path, False)[0], iov, offset)
 
     def open_fds(self) -> list[int]:
         """Every fd currently open (for engines that registered them, e.g. kvikio's ``forget_fd``)."""

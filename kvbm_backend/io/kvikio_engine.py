@@ -24,11 +24,32 @@ import functools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 from .base import IoOp, gather
 
 NO_DRIVER_REASON = "libcuda.so.1 not loadable: kvikio needs the NVIDIA driver for file I/O"
+
+
+class IOFuture(Protocol):
+    """What kvikio's ``CuFile.pread`` / ``pwrite`` return (kvikio ``IOFuture``)."""
+
+    def get(self) -> int:
+        """Wait; bytes transferred. Raises kvikio's error (a RuntimeError) on failure."""
+        ...
+
+    def done(self) -> bool: ...
+
+
+class _CuFile(Protocol):
+    """The part of kvikio's ``CuFile`` this engine uses. ``buf``: a host array or a device buffer (a CUDA
+    tensor, anything with ``__cuda_array_interface__``); kvikio takes any such object."""
+
+    def pread(self, buf: object, size: int, file_offset: int) -> IOFuture: ...
+
+    def pwrite(self, buf: object, size: int, file_offset: int) -> IOFuture: ...
+
+    def close(self) -> None: ...
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,18 +95,18 @@ def compat_mode_name() -> str:
         import kvikio
         import kvikio.defaults
         m = kvikio.defaults.get("compat_mode")
-        return kvikio.CompatMode(m).name if not isinstance(m, kvikio.CompatMode) else m.name
+        return str(kvikio.CompatMode(m).name if not isinstance(m, kvikio.CompatMode) else m.name)
     except Exception:  # noqa: BLE001 - a report, never fatal
         return "unknown"
 
 
-def kvikio_mode() -> dict:
+def kvikio_mode() -> dict[str, Any]:
     """What kvikio will do, without touching the GPU beyond ``cuInit``: a dict with ``installed``,
     ``version``, ``compat_mode`` (setting), ``compat_preferred`` (kvikio decided POSIX+bounce, e.g.
     no cuFile), ``libcufile_version`` (``major.minor``), ``gds_available`` (cuFile driver says GDS
     works; None where it cannot be asked) and ``io`` (``gds``, ``compat (pinned bounce buffer)`` or
     ``unavailable``) with ``reason``."""
-    out: dict = {"installed": False}
+    out: dict[str, Any] = {"installed": False}
     try:
         import kvikio
         import kvikio.defaults
@@ -174,13 +195,13 @@ class KvikioEngine:
             self.direct_reads = bool(kvikio.defaults.get("auto_direct_io_read"))
         except Exception:  # noqa: BLE001
             self.direct_reads = False
-        self._handles: dict[int, tuple[int, int, object]] = {}
+        self._handles: dict[int, tuple[int, int, _CuFile]] = {}
         self._lock = threading.Lock()
         self._dispatch = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-kvikio")
         self._closed = False
 
     # -- handles -------------------------------------------------------------------------------
-    def _handle(self, fd: int):
+    def _handle(self, fd: int) -> _CuFile:
         st = os.fstat(fd)
         with self._lock:
             h = self._handles.get(fd)
@@ -188,7 +209,7 @@ class KvikioEngine:
                 return h[2]
             if h is not None:
                 h[2].close()
-            cf = self._kvikio.CuFile(f"/proc/self/fd/{fd}", "r+")
+            cf: _CuFile = self._kvikio.CuFile(f"/proc/self/fd/{fd}", "r+")
             self._handles[fd] = (st.st_dev, st.st_ino, cf)
             return cf
 
@@ -204,7 +225,7 @@ class KvikioEngine:
         cf = self._handle(op.fd)
         size = os.fstat(op.fd).st_size
         pos = op.offset
-        futs = []
+        futs: list[IOFuture] = []
         for b in op.bufs:
             n = b.nbytes
             if not n:
@@ -216,7 +237,7 @@ class KvikioEngine:
             futs.append(cf.pwrite(b, n, pos) if op.write else cf.pread(b, n, pos))
             pos += n
         done = 0
-        err = None
+        err: Exception | None = None
         for f in futs:  # wait for all before returning: the caller may reuse buffers afterwards
             try:
                 done += f.get()
@@ -226,7 +247,7 @@ class KvikioEngine:
             raise _as_oserror(err, "pwrite" if op.write else "pread")
         return done
 
-    def submit(self, ops: Sequence[IoOp]) -> Future:
+    def submit(self, ops: Sequence[IoOp]) -> Future[list[int]]:
         """Run ``ops`` (host buffers); returns at once. The Future resolves to bytes per op in order
         (reads at end of file are short, not an error) after every op finished, or raises the
         OSError (``EIO`` wrapping kvikio's RuntimeError) of the lowest-index failed op."""
@@ -235,7 +256,7 @@ class KvikioEngine:
         return gather([self._dispatch.submit(self._run_op, op) for op in ops])
 
     # -- device buffers ------------------------------------------------------------------------
-    def read_to_device(self, fd: int, dev_buf, size: int, file_offset: int) -> int:
+    def read_to_device(self, fd: int, dev_buf: object, size: int, file_offset: int) -> int:
         """Read ``size`` bytes at ``file_offset`` of ``fd`` into device memory (blocking).
 
         Args:
@@ -252,12 +273,12 @@ class KvikioEngine:
         except Exception as e:  # noqa: BLE001
             raise _as_oserror(e, "device pread") from e
 
-    def read_to_device_async(self, fd: int, dev_buf, size: int, file_offset: int):
+    def read_to_device_async(self, fd: int, dev_buf: object, size: int, file_offset: int) -> IOFuture:
         """Like :meth:`read_to_device` but returns kvikio's ``IOFuture`` (``.get()`` -> bytes,
         ``.done()``); the buffer must stay alive until it is done."""
         return self._handle(fd).pread(dev_buf, size, file_offset)
 
-    def write_from_device(self, fd: int, dev_buf, size: int, file_offset: int) -> int:
+    def write_from_device(self, fd: int, dev_buf: object, size: int, file_offset: int) -> int:
         """Write ``size`` bytes of device memory to ``fd`` at ``file_offset`` (blocking). Durability
         is the caller's (``fdatasync`` on its fd). Raises OSError like :meth:`read_to_device`."""
         cf = self._handle(fd)

@@ -51,7 +51,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence, TypeAlias
 
 from .base import IoOp
 from .posix import run_op
@@ -103,11 +103,11 @@ class _FileRegs:
     the driver thread. Raises whatever NIXL's ``register_memory`` raises (the counts are unchanged).
     """
 
-    def __init__(self, agent):
+    def __init__(self, agent: Any) -> None:  # a nixl_agent (nixl has no type information)
         self._agent = agent
-        self._regs: dict[int, list] = {}  # fd -> [NIXL registration, uses]
+        self._regs: dict[int, list[Any]] = {}  # fd -> [NIXL registration, uses: int]
 
-    def acquire(self, fds) -> None:
+    def acquire(self, fds: Sequence[int]) -> None:
         new = [fd for fd in fds if fd not in self._regs]
         added: list[int] = []
         try:
@@ -121,7 +121,7 @@ class _FileRegs:
         for fd in fds:
             self._regs[fd][1] += 1
 
-    def release(self, fds) -> None:
+    def release(self, fds: Sequence[int]) -> None:
         for fd in fds:
             ent = self._regs.get(fd)
             if ent is None:
@@ -162,13 +162,19 @@ def nixl_unavailable_reason() -> str | None:
 @dataclass
 class _Job:
     ops: list[IoOp]
-    future: Future
+    future: Future[list[int]]
     results: list[int] = field(default_factory=list)
     error: BaseException | None = None
     groups_left: int = 0
-    regs: list = field(default_factory=list)  # this job's DRAM registrations
-    fds: list = field(default_factory=list)  # fds whose shared FILE registration this job holds
-    dlists: list = field(default_factory=list)
+    regs: list[Any] = field(default_factory=list)  # this job's DRAM registrations (NIXL objects)
+    fds: list[int] = field(default_factory=list)  # fds whose shared FILE registration this job holds
+    dlists: list[Any] = field(default_factory=list)  # NIXL prepared descriptor list handles
+
+
+#: (job, op indices, descriptor indices): one NIXL transfer of a job, not yet posted
+_Group: TypeAlias = tuple[_Job, list[int], list[int]]
+#: (job, op indices, NIXL transfer handle, descriptor count): one transfer in flight
+_InFlight: TypeAlias = tuple[_Job, list[int], Any, int]
 
 
 class NixlEngine:
@@ -211,7 +217,7 @@ class NixlEngine:
             raise RuntimeError(f"nixl engine unavailable: POSIX backend failed to start ({type(e).__name__}: {e})") from e
         self._files = _FileRegs(self._agent)
         self._inflight_descs = 0  # descriptors posted and not yet finished, over all transfers
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False
         self._starting: _Job | None = None
         self._lock = threading.Lock()
@@ -219,10 +225,10 @@ class NixlEngine:
         self._thread.start()
 
     # -- public ------------------------------------------------------------------------------------
-    def submit(self, ops: Sequence[IoOp]) -> Future:
+    def submit(self, ops: Sequence[IoOp]) -> Future[list[int]]:
         """Queue ``ops``; returns at once. The Future resolves to bytes per op (short only for reads
         past end of file) after every op has finished, or raises the first OSError."""
-        fut: Future = Future()
+        fut: Future[list[int]] = Future()
         fut.set_running_or_notify_cancel()
         ops = list(ops)
         if not ops:
@@ -247,8 +253,8 @@ class NixlEngine:
 
     # -- driver thread -----------------------------------------------------------------------------
     def _drive(self) -> None:
-        pending: list = []  # (job, op indices, descriptor indices) not yet posted
-        inflight: list = []  # (job, op indices, handle, descriptor count)
+        pending: list[_Group] = []  # not yet posted
+        inflight: list[_InFlight] = []
         try:
             self._loop(pending, inflight)
         except BaseException as e:  # a bug here must fail the callers' Futures, never hang them
@@ -270,7 +276,7 @@ class NixlEngine:
                     j.future.set_exception(err)
             log.error("nixl engine driver stopped; %d jobs failed", len(jobs), exc_info=True)
 
-    def _loop(self, pending: list, inflight: list) -> None:
+    def _loop(self, pending: list[_Group], inflight: list[_InFlight]) -> None:
         stopping = False
         sleep = 0.0
         while True:
@@ -299,6 +305,7 @@ class NixlEngine:
                 progressed = True
             still = []
             for job, idx, handle, ndesc in inflight:
+                err: Exception | None
                 try:
                     state = self._agent.check_xfer_state(handle)
                 except Exception as e:  # noqa: BLE001 - NIXL raises its own types
@@ -322,7 +329,7 @@ class NixlEngine:
                 sleep = min(2e-4, max(2e-5, sleep * 2))
                 time.sleep(sleep)
 
-    def _start(self, job: _Job) -> list:
+    def _start(self, job: _Job) -> list[_Group]:
         """Validate, handle EOF-crossing reads, register memory, and split the job into groups."""
         agent = self._agent
         nixl_ops: list[int] = []
@@ -356,9 +363,9 @@ class NixlEngine:
             return []
 
         # one descriptor per buffer, at consecutive file offsets; both lists prepared once per job
-        local: list = []
-        remote: list = []
-        groups = []
+        local: list[tuple[int, int, int]] = []  # (address, bytes, device id)
+        remote: list[tuple[int, int, int]] = []  # (file offset, bytes, fd)
+        groups: list[_Group] = []
         g_idx: list[int] = []
         g_first = 0
         for i in nixl_ops:
@@ -384,7 +391,7 @@ class NixlEngine:
         job.groups_left = len(groups)
         return groups
 
-    def _post(self, job: _Job, idx: list[int], descs: list[int]):
+    def _post(self, job: _Job, idx: list[int], descs: list[int]) -> Any:
         """Create and start one transfer; returns its handle while in progress, else None (done or
         failed, already accounted to the job)."""
         if job.error is not None:  # an earlier group failed: skip the rest, still count it down
@@ -398,6 +405,7 @@ class NixlEngine:
             self._group_done(job, idx, OSError(errno.EIO, f"NIXL could not create the {op_type} transfer: "
                                                          f"{type(e).__name__}: {e}"))
             return None
+        err: Exception | None
         try:
             state = agent.transfer(handle)
         except Exception as e:  # noqa: BLE001
@@ -410,14 +418,14 @@ class NixlEngine:
         self._group_done(job, idx, None if state == "DONE" else self._nixl_error(job, idx, err))
         return None
 
-    def _release(self, handle) -> None:
+    def _release(self, handle: Any) -> None:
         try:
             self._agent.release_xfer_handle(handle)
         except Exception:  # noqa: BLE001 - nothing to do; NIXL logs it
             pass
 
     @staticmethod
-    def _nixl_error(job: _Job, idx: list[int], err) -> OSError:
+    def _nixl_error(job: _Job, idx: list[int], err: BaseException | None) -> OSError:
         ops = job.ops
         what = "write" if ops[idx[0]].write else "read"
         first, last = ops[idx[0]], ops[idx[-1]]

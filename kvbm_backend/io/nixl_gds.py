@@ -22,9 +22,12 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .base import IoOp
+
+if TYPE_CHECKING:
+    import torch
 
 _ids = itertools.count()
 
@@ -187,18 +190,19 @@ class NixlGdsEngine:
                 return run_op(op)
         return self._xfer("WRITE" if op.write else "READ", mem, "DRAM", op.fd, op.offset)
 
-    def submit(self, ops: Sequence[IoOp]) -> Future:
+    def submit(self, ops: Sequence[IoOp]) -> Future[list[int]]:
         """Run host-buffer ops; Future of bytes per op (reads past end of file are short), or the
         first OSError (``EIO`` naming the NIXL failure) after all ops finished."""
         if self._closed:
             raise RuntimeError("NixlGdsEngine is closed")
         ops = list(ops)
-        out: Future = Future()
+        out: Future[list[int]] = Future()
         out.set_running_or_notify_cancel()
         futs = [self._pool.submit(self._run_op, o) for o in ops]
 
-        def finish():
-            res, err = [], None
+        def finish() -> None:
+            res: list[int] = []
+            err: BaseException | None = None
             for f in futs:
                 try:
                     res.append(f.result())
@@ -211,16 +215,16 @@ class NixlGdsEngine:
         threading.Thread(target=finish, daemon=True).start() if futs else out.set_result([])
         return out
 
-    def read_to_device(self, fd: int, dev_buf, size: int, file_offset: int) -> int:
+    def read_to_device(self, fd: int, dev_buf: torch.Tensor, size: int, file_offset: int) -> int:
         """Read ``size`` bytes at ``file_offset`` into a contiguous CUDA tensor (``VRAM_SEG``).
         Raises OSError (EIO) on failure, ValueError on a too-small or non-CUDA buffer."""
         return self._dev(dev_buf, size, fd, file_offset, "READ")
 
-    def write_from_device(self, fd: int, dev_buf, size: int, file_offset: int) -> int:
+    def write_from_device(self, fd: int, dev_buf: torch.Tensor, size: int, file_offset: int) -> int:
         """Write ``size`` bytes of a CUDA tensor to ``fd`` at ``file_offset`` (no fsync)."""
         return self._dev(dev_buf, size, fd, file_offset, "WRITE")
 
-    def _dev(self, t, size, fd, off, op) -> int:
+    def _dev(self, t: torch.Tensor, size: int, fd: int, off: int, op: str) -> int:
         if getattr(t, "device", None) is None or t.device.type != "cuda":
             raise ValueError("device buffer must be a CUDA tensor")
         if t.numel() * t.element_size() < size or not t.is_contiguous():

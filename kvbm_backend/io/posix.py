@@ -34,7 +34,7 @@ def run_op(op: IoOp) -> int:
     Raises:
         OSError: from the syscall (errno kept), or ``EIO`` if a write makes no progress.
     """
-    views = [memoryview(b).cast("B") for b in op.bufs if b.nbytes]
+    views = [b.data.cast("B") for b in op.bufs if b.nbytes]  # .data: the array's memoryview
     total = sum(v.nbytes for v in views)
     done = 0
     while done < total:
@@ -68,11 +68,11 @@ class PosixEngine:
         self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-posix-io")
 
-    def submit(self, ops: Sequence[IoOp]) -> Future:
+    def submit(self, ops: Sequence[IoOp]) -> Future[list[int]]:
         """Queue ``ops``; returns at once. The Future resolves to bytes per op (in order) after every op
         has finished, or raises the OSError of the lowest-index failed op (also only after all ops
         have finished, so the caller may reuse its buffers as soon as the Future is done)."""
-        futs = []
+        futs: list[Future[int]] = []
         for op in ops:
             try:
                 f = self._pool.submit(run_op, op)
