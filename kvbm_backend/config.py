@@ -42,7 +42,7 @@ from .config_sources import (KVBM_ONLY_ENV, MAX_ERROR_CHARS, MAX_NESTING, Config
 MAX_CAPACITY_GB = 10_000_000
 """Largest capacity in GB (10 PB) a config field or ``--*-capacity-gb`` flag takes."""
 
-_NUMBER_TYPES = (int, float, int | None, float | None)
+_NUMBER_TYPES: tuple[object, ...] = (int, float, int | None, float | None)
 
 
 class _M(BaseModel):
@@ -53,7 +53,8 @@ class _M(BaseModel):
     @classmethod
     def _no_bool_as_number(cls, v: Any, info: ValidationInfo) -> Any:
         """A boolean is not a number: pydantic's lax mode takes ``true`` as 1 (``capacity_gb: true``)."""
-        if isinstance(v, bool) and cls.model_fields[info.field_name].annotation in _NUMBER_TYPES:
+        name = info.field_name  # None only for a validator outside a field; "*" runs on fields
+        if isinstance(v, bool) and name is not None and cls.model_fields[name].annotation in _NUMBER_TYPES:
             raise PydanticCustomError("bool_not_number", "expected a number, not a boolean")
         return v
 
@@ -123,9 +124,9 @@ def _check_io_size(v: int) -> int:
 class AdmissionConfig(_M):
     policy: Literal["frequency", "all"] = "frequency"
     """``frequency``: KVBM's default, a block is written on its second sighting; ``all``: every offload."""
-    min_sightings: int = Field(2, ge=1, le=1000)
+    min_sightings: int = Field(default=2, ge=1, le=1000)
     """Sightings of a sequence hash before it is written (1-1000)."""
-    tracker_entries: int = Field(1_000_000, ge=1024, le=1 << 30)
+    tracker_entries: int = Field(default=1_000_000, ge=1024, le=1 << 30)
     """Sequence hashes remembered by the frequency filter (LRU), 1024 to 2**30."""
 
 
@@ -135,34 +136,34 @@ class G3Config(_M):
     """One directory per NVMe drive or mount point; slab files are spread across them. Entries must be
     non-empty; when G3 is enabled, an existing entry must be a directory this process can write and a
     missing one must not lie under a file (checked at load: ``g3.paths[i]: ...``)."""
-    capacity_gb: float = Field(10.0, gt=0, le=MAX_CAPACITY_GB)
+    capacity_gb: float = Field(default=10.0, gt=0, le=MAX_CAPACITY_GB)
     """Upper bound of slot bytes (GB = 1e9 bytes), at most 10 PB (``MAX_CAPACITY_GB``)."""
-    files_per_path: int = Field(4, ge=1, le=256)
-    io_size_bytes: Annotated[int, AfterValidator(_check_io_size)] = Field(1 << 20, ge=4096, le=MAX_IO_SIZE)
+    files_per_path: int = Field(default=4, ge=1, le=256)
+    io_size_bytes: Annotated[int, AfterValidator(_check_io_size)] = Field(default=1 << 20, ge=4096, le=MAX_IO_SIZE)
     """Target bytes per I/O per TP rank after coalescing: a multiple of 4096, 4 KiB to 1 GiB (checked here,
     :func:`io_size_problem`; the pool uses it as given)."""
     engine: Literal["auto", "posix", "nixl", "kvikio"] = "auto"
     o_direct: Literal["auto", "on", "off"] = "auto"
     """``auto`` probes each path: O_DIRECT where the filesystem takes it, buffered where not."""
-    io_threads: int = Field(8, ge=1, le=256)
-    write_queue_blocks: int = Field(4096, ge=1, le=1 << 26)
+    io_threads: int = Field(default=8, ge=1, le=256)
+    write_queue_blocks: int = Field(default=4096, ge=1, le=1 << 26)
     """Pending offload blocks before new offloads are dropped (write-behind bound), at most 2**26."""
-    min_free_fraction: float = Field(0.05, ge=0, lt=1)
+    min_free_fraction: float = Field(default=0.05, ge=0, lt=1)
     """statvfs watermark: never fill a filesystem beyond ``1 - min_free_fraction``."""
     fsync: bool = True
     """fdatasync before publishing (invariant 2). Off only for throwaway benchmarks."""
-    group_commit_ms: float = Field(100.0, ge=0, le=1000)
+    group_commit_ms: float = Field(default=100.0, ge=0, le=1000)
     """Group commit (with ``fsync``): written offloads wait at most this many ms (and at most as long as
     the previous barrier took) for offloads still being written, so one durability barrier (an
     ``fdatasync`` per slab file written, then one journal append) publishes them all. Bounds the publish
     latency grouping adds; a group never waits once nothing is in flight. 0: a barrier as soon as the
     previous one ended (pieces written meanwhile still share it)."""
-    group_commit_bytes: int = Field(256 << 20, ge=0, le=1 << 40)
+    group_commit_bytes: int = Field(default=256 << 20, ge=0, le=1 << 40)
     """Group commit: the barrier starts at once when this many slot bytes are written and waiting
     (bounds the blocks one barrier, or one failed ``fdatasync``, covers), at most 1 TiB. 0: no byte
     bound."""
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
-    load_timeout_s: float = Field(5.0, gt=0, le=120)
+    load_timeout_s: float = Field(default=5.0, gt=0, le=120)
     """A load not back within this many seconds is a miss (the engine recomputes). At most 120 s: a
     load that waits longer is slower than recomputing any prefill, and decode must never stall."""
     device_path: Literal["auto", "gds", "kvikio-compat", "pinned-bounce"] = "auto"
@@ -192,7 +193,7 @@ class KeyringConfig(_M):
     """Env var with the 32-byte key-encryption key, base64; else the keyring file's own KEK file."""
     kek_file: str | None = None
     """KEK file (base64, mode 0600) used when ``kek_env`` is unset; default ``{path}.kek``."""
-    rotate_after_uses: int = Field(2 ** 31, ge=1, le=2 ** 32)
+    rotate_after_uses: int = Field(default=2 ** 31, ge=1, le=2 ** 32)
     """Encryptions per data key version before automatic rotation (SP 800-38D: <= 2**32, random nonces).
     A read-only keyring cannot rotate: it stops writing with a version after this many encryptions in
     the process (offloads dropped, ``dropped_keyring``) until the operator runs ``keys rotate``."""
@@ -201,7 +202,7 @@ class KeyringConfig(_M):
     Never re-creates a revoked tenant. Off: offloads of unknown tenants are dropped
     (``dropped_unknown_tenant``, logged once per tenant pseudonym) and their loads are misses; tenants
     then come only from ``kvbm-backend keys create``."""
-    max_auto_tenants: int = Field(4096, ge=0, le=1_000_000)
+    max_auto_tenants: int = Field(default=4096, ge=0, le=1_000_000)
     """Implicit creation (``auto_create_tenants``) stops once the keyring file holds this many tenants:
     the tenant is the client-chosen cache_salt, and each new one rewrites (and every worker re-reads and
     unwraps) the whole file under the keyring's lock (1.4 s per creation at 50,000 tenants, stalling every
@@ -211,7 +212,7 @@ class KeyringConfig(_M):
     """Never write the keyring (no lock file, no creation, no rotation, use counts per process).
     None: read-only when its directory cannot be written (a read-only mount, a Kubernetes Secret or
     ConfigMap volume)."""
-    reload_interval_s: float = Field(2.0, gt=0, le=300)
+    reload_interval_s: float = Field(default=2.0, gt=0, le=300)
     """The keyring file is re-read when it changed (mtime/ctime/size/inode), checked at most this often:
     a revocation, rotation or new tenant reaches running workers within this many seconds of the file
     changing at ``path``."""
@@ -244,7 +245,7 @@ def _check_endpoint(url: str | None) -> str | None:
 
 class G4Config(_M):
     enabled: bool = False
-    url: Annotated[str | None, AfterValidator(_check_g4_url)] = Field(None, validate_default=True)
+    url: Annotated[str | None, AfterValidator(_check_g4_url)] = Field(default=None, validate_default=True)
     """``s3://BUCKET/PREFIX``, ``file:///shared/path`` or ``mem://NAME`` (in this process only, for
     tests: pools on one NAME share its objects). The scheme picks the store
     (:mod:`kvbm_backend.pool.g4.factory`). Checked when the config loads, enabled or not
@@ -257,22 +258,22 @@ class G4Config(_M):
     encrypt: bool = True
     """Unencrypted G4 only when set false explicitly; stats report it."""
     keyring: KeyringConfig = Field(default_factory=KeyringConfig)
-    timeout_s: float = Field(2.0, gt=0, le=120)
+    timeout_s: float = Field(default=2.0, gt=0, le=120)
     """Per-attempt bound, seconds, at most 120. A request makes up to ``1 + retries`` attempts, so the
     load bound is ``timeout_s x (1 + retries)``: a lookup/load resolves within it (the pool's deadline;
     past it the blocks are misses and late replies are discarded). S3: the connect and read timeout
     of each attempt, so an offload whose attempts all time out is dropped. ``file://`` calls have no
     timeout of their own: the deadline bounds loads and lookups, and offloads queued behind a hung
     mount are dropped once ``write_queue_blocks`` are pending."""
-    max_inflight: int = Field(32, ge=1, le=1024)
-    write_queue_blocks: int = Field(2048, ge=1, le=1 << 26)
+    max_inflight: int = Field(default=32, ge=1, le=1024)
+    write_queue_blocks: int = Field(default=2048, ge=1, le=1 << 26)
     """Pending offload blocks before new offloads are dropped, at most 2**26."""
-    breaker_failures: int = Field(5, ge=1, le=1_000_000)
+    breaker_failures: int = Field(default=5, ge=1, le=1_000_000)
     """Consecutive failures (or expired batches) that open the circuit breaker, at most 1,000,000."""
-    breaker_reset_s: float = Field(5.0, gt=0, le=3600)
+    breaker_reset_s: float = Field(default=5.0, gt=0, le=3600)
     """While the breaker is open, one probe request per this many seconds (at most an hour)."""
-    dir_fanout: int = Field(256, ge=1, le=4096)
-    retries: int = Field(1, ge=0, le=10)
+    dir_fanout: int = Field(default=256, ge=1, le=4096)
+    retries: int = Field(default=1, ge=0, le=10)
     """Extra attempts for an S3 request that failed in transit or with a 5xx, each bounded by timeout_s:
     the load bound is ``timeout_s x (1 + retries)``. Throttled answers are retried with a backoff inside
     that bound (:mod:`kvbm_backend.pool.g4.throttle`)."""
@@ -299,7 +300,7 @@ class MetricsConfig(_M):
     enabled: bool | None = None
     """Serve Prometheus ``/metrics`` (env ``DYN_KVBM_METRICS``, as in Dynamo KVBM). None: serve when
     ``port`` is set; true without a port: on KVBM's default port 6880; false: never (registry only)."""
-    port: int | None = Field(None, ge=1, le=65535)
+    port: int | None = Field(default=None, ge=1, le=65535)
     """Port of the ``/metrics`` endpoint (env ``DYN_KVBM_METRICS_PORT``), one server per process."""
     addr: str = "0.0.0.0"
     """Bind address. All interfaces by default: Prometheus scrapes a pod from elsewhere, at the pod IP

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Mapping
 
 
 MAX_NESTING = 16
@@ -111,7 +111,7 @@ KVBM_ONLY_ENV = {
 _kvbm_only_warned: set[str] = set()
 
 
-def _kvbm_flag(env: dict[str, str], name: str) -> bool:
+def _kvbm_flag(env: Mapping[str, str], name: str) -> bool:
     """A KVBM boolean environment switch (true/false, 1/0, yes/no, on/off; unset: False).
     Raises ConfigError naming ``name`` for another value."""
     raw = env.get(name, "").strip().lower()

@@ -81,7 +81,8 @@ def coalesce(extents: Sequence[Extent], io_size: int, write: bool) -> list[IoOp]
     items.sort(key=lambda t: (t[0], t[1]))
 
     ops: list[IoOp] = []
-    cur_fd = cur_off = None
+    cur_fd: int | None = None
+    cur_off: int | None = None
     cur: list[np.ndarray] = []
     cur_bytes = 0
     run_end = None  # file offset just past the last byte planned in the current fd
@@ -89,6 +90,7 @@ def coalesce(extents: Sequence[Extent], io_size: int, write: bool) -> list[IoOp]
     def flush() -> None:
         nonlocal cur, cur_bytes, cur_off
         if cur:
+            assert cur_fd is not None and cur_off is not None  # set when cur's first buffer was taken
             ops.append(IoOp(fd=cur_fd, offset=cur_off, bufs=cur, write=write))
         cur, cur_bytes, cur_off = [], 0, None
 
