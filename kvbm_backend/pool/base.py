@@ -16,19 +16,23 @@ block i verified where it landed; a miss leaves ``out[i]`` untouched.
 
 Readers outside a pool (the device loader) read G3 slots through the typed :class:`SlotLeaseSource`
 protocol: ``lease`` pins slots and ``release`` unpins them, both owned by the pool. What else only G3
-offers (index snapshots, device readers, put options) is the :class:`G3Extensions` protocol; callers check
-it once where they are wired (:func:`require_g3_extensions`), not by duck typing at each use.
+offers (index snapshots, device readers, layer-wise loads, put options) is the :class:`G3Extensions`
+protocol; callers check it once where they are wired (:func:`require_g3_extensions`), not by duck typing
+at each use.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from ..model.layout import KvLayout
 from ..model.namespace import BlockKey, Namespace
+
+if TYPE_CHECKING:  # torch is optional at run time (the ``torch`` extra)
+    import torch
 
 
 @dataclass
@@ -151,6 +155,25 @@ class SlotLeaseSource(Protocol):
         """The slot of ``key`` failed verification (``reason``: a FrameError reason): remove it."""
 
 
+class LayerwiseLoading(Protocol):
+    """One layer-wise load in flight (:meth:`G3Extensions.layerwise_load`; G3's
+    :class:`~kvbm_backend.pool.g3.read.layerwise.LayerwiseLoad`): layer ``l`` of every block is usable while
+    later layers are still being read. ``n`` is the number of keys."""
+
+    @property
+    def counters(self) -> Mapping[str, float]:
+        """Counts (``reads``, ``unaligned_loads``, reasons, ...) and seconds (``read_wait_s``, ``verify_s``)."""
+
+    def wait_layer(self, layer: int) -> tuple[list[int], torch.Tensor]:
+        """Wait (until the deadline) for layer ``layer``: ``(good, t)``, the rows whose reads and headers are
+        good so far (payloads not yet verified: only :meth:`finish` says a row is good) and layer ``layer``
+        of every row as a ``[n, layer_bytes]`` uint8 tensor on the load's device. IndexError out of range."""
+
+    def finish(self) -> list[str | None]:
+        """Wait for every read, verify every payload, drop slots proven bad, release the leases; one reason
+        per row, None for a verified row. Idempotent."""
+
+
 @runtime_checkable
 class G3Extensions(SlotLeaseSource, Protocol):
     """What a G3 pool offers beyond :class:`BlockPool` (and :class:`SlotLeaseSource`): the index as the
@@ -167,6 +190,14 @@ class G3Extensions(SlotLeaseSource, Protocol):
         """The pool's reader of slots into ``device`` (a ``torch.device`` or its name), created and probed on
         first use; it has ``mode`` and ``mode_reason`` (str). Raises RuntimeError when the pool is closed."""
 
+    def layerwise_load(self, keys: Sequence[BlockKey], device: str | torch.device, *,
+                       timeout_s: float | None = None, min_read: int | None = None) -> LayerwiseLoading:
+        """Start a layer-wise load of ``keys`` into ``device`` (slots leased, reads ordered by layer on the
+        pool's reader threads; returns at once): see :class:`LayerwiseLoading`. ``timeout_s``: the load's
+        deadline (default ``g3.load_timeout_s``); ``min_read``: bytes per read at least (default
+        :data:`kvbm_backend.transfer.layers.DEFAULT_MIN_READ`). Raises RuntimeError when the pool is closed,
+        ImportError without torch, ValueError for a layout whose block is not whole layers."""
+
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray], *,
             dev_checks: Sequence[int] | None = None, bypass_admission: bool = False) -> Future[PutResult]:
         """:meth:`BlockPool.put`, plus ``dev_checks`` (each block's device checksum: its frame then carries
@@ -174,7 +205,8 @@ class G3Extensions(SlotLeaseSource, Protocol):
 
 
 #: the methods :class:`G3Extensions` requires (``runtime_checkable`` checks only that they exist)
-G3_EXTENSION_METHODS = ("lease", "release", "drop_corrupt", "contains", "keys", "device_reader", "put")
+G3_EXTENSION_METHODS = ("lease", "release", "drop_corrupt", "contains", "keys", "device_reader", "layerwise_load",
+                        "put")
 
 
 def require_g3_extensions(pool: object, what: str = "g3") -> G3Extensions | None:

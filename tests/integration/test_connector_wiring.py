@@ -97,7 +97,7 @@ def test_wire_refuses_a_g3_pool_without_the_g3_extensions(tmp_path):
     parts = ConnectorParts()
     try:
         with pytest.raises(TypeError, match=r"g3: G4Pool is not a G3 pool \(G3Extensions lacks lease, release, "
-                                            r"drop_corrupt, contains, keys, device_reader\)"):
+                                            r"drop_corrupt, contains, keys, device_reader, layerwise_load\)"):
             wire(parts, ktc, vc, KVConnectorRole.WORKER, kcc, tiers=g4_as_g3)
         parts.release_partial()
         assert parts._groups == []
@@ -119,7 +119,7 @@ def test_g3_pool_satisfies_the_g3_extensions_protocol(tmp_path):
         assert isinstance(g3, G3Extensions) and require_g3_extensions(g3) is g3
         assert require_g3_extensions(None) is None
         with pytest.raises(TypeError, match=r"^g3: object is not a G3 pool \(G3Extensions lacks lease, release, "
-                                            r"drop_corrupt, contains, keys, device_reader, put\)"):
+                                            r"drop_corrupt, contains, keys, device_reader, layerwise_load, put\)"):
             require_g3_extensions(object())
     finally:
         g3.close()

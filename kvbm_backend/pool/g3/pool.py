@@ -61,6 +61,7 @@ from . import journal as jr
 from .admission import make_admission
 from .catalog import SlotCatalog
 from .read import G3Reader
+from .read.layerwise import LayerwiseLoad
 from .restore import restore
 from .staging import shared_staging
 from .writer import G3Writer
@@ -292,6 +293,28 @@ class G3Pool:
             RuntimeError: the pool is closed. ImportError: torch is not installed.
         """
         return self.reader.device_reader(device)
+
+    def layerwise_load(self, keys: Sequence[BlockKey], device, *, timeout_s: float | None = None,
+                       min_read: int | None = None) -> LayerwiseLoad:
+        """Start a layer-wise load of ``keys`` into ``device`` (a ``torch.device`` or its name: ``cuda:N``, or
+        ``cpu``, host memory, the same code) and return it at once: slots leased, reads ordered by layer group
+        on this pool's reader threads (``g3.io_threads``, made on first use, with the slab fds and the host
+        staging; pinned on CUDA). :meth:`~.read.layerwise.LayerwiseLoad.wait_layer` (``l``) gives layer ``l``
+        of every block as an ``[n, layer_bytes]`` uint8 tensor on ``device`` before later layers are in (NOT
+        yet verified); :meth:`~.read.layerwise.LayerwiseLoad.finish` verifies every payload, drops slots proven
+        bad, releases the leases and gives one reason per key (None: verified). The
+        :class:`~kvbm_backend.pool.base.LayerwiseLoading` of :class:`~kvbm_backend.pool.base.G3Extensions`.
+
+        Args:
+            timeout_s: the load's deadline in seconds (default ``g3.load_timeout_s``); later reads are
+                ``timeout`` rows.
+            min_read: bytes per read at least (layers grouped up to it; default
+                :data:`kvbm_backend.transfer.layers.DEFAULT_MIN_READ`).
+        Raises:
+            RuntimeError: the pool is closed. ImportError: torch is not installed. ValueError: the layout's
+            block is not whole layers. TypeError: a wiring bug in the leases (nothing stays leased).
+        """
+        return self.reader.layerwise_load(keys, device, timeout_s=timeout_s, min_read=min_read)
 
     def keys(self) -> list[BlockKey]:
         """Snapshot of the published keys (index only, no I/O)."""

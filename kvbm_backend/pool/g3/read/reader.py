@@ -2,7 +2,8 @@
 delegates ``get``, ``lease``, ``release``, ``drop_corrupt`` and ``device_reader`` to it).
 
 It owns the read side's threads and per-device loaders (the verifier thread of host gets, the load-timeout
-timer, one :class:`~.device.DeviceLoader` per device and the thread that runs tensor gets) and reaches slot
+timer, one :class:`~.device.DeviceLoader` per device and the thread that runs tensor gets; for layer-wise
+loads the reader threads, slab fds and host staging, made on first use) and reaches slot
 state only through the pool's slot catalog (``cat``: the index, slab files, journal and counters under
 ``cat.lock``, :class:`~kvbm_backend.pool.g3.catalog.SlotCatalog`): it pins slots it reads, unpins them, and drops a slot
 from the index and the journal only once its stored bytes are proven bad (:meth:`G3Reader.prove_bad`).
@@ -16,17 +17,47 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 from ....deadlines import Deadlines
-from ....memory import aligned_empty
+from ....io.files import ReadFiles
+from ....memory import BufferPool, aligned_empty
 from ....model import frame
 from ....model.frame import FrameError
 from ....model.namespace import BlockKey
+from ....transfer.layers import DEFAULT_MIN_READ
 from ...base import GetResult, SlotLease, is_tensor_batch
 from .. import journal as jr
 from ..index import TagKey
 from ..catalog import _MISS_REASON, HDR
 from .host import HostGet, valid_key
+from .layerwise import LayerwiseLoad
 
 log = logging.getLogger(__name__)
+
+#: bytes of free host staging kept for the next layer-wise loads, per kind (pinned for CUDA devices:
+#: allocating page-locked memory per load would cost more than the reads)
+LAYERWISE_STAGING_KEEP_BYTES = 512 << 20
+
+
+class _LayerwiseParts:
+    """What layer-wise loads of one pool share: reader threads (``threads``; their queue order is the read
+    order), slab fds (:class:`~kvbm_backend.io.files.ReadFiles`) and host staging (pinned / host)."""
+
+    def __init__(self, threads: int):
+        self.executor = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvbm-g3-layerwise")
+        self.files = ReadFiles()
+        self._staging: dict[bool, BufferPool] = {}
+
+    def staging(self, pinned: bool) -> BufferPool:
+        """The staging pool of one kind (made on first use)."""
+        pool = self._staging.get(pinned)
+        if pool is None:
+            pool = self._staging[pinned] = BufferPool("pinned" if pinned else "host", LAYERWISE_STAGING_KEEP_BYTES,
+                                                      name="layerwise-staging")
+        return pool
+
+    def close(self) -> None:
+        """Wait for reads in flight (late reads land in their load's staging only), close the fds."""
+        self.executor.shutdown(wait=True)
+        self.files.close()
 
 
 class G3Reader:
@@ -51,6 +82,7 @@ class G3Reader:
         self.device_readers: dict = {}  # str(device) -> DeviceLoader (device_reader)
         self._device_lock = threading.Lock()
         self._device_exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-g3-device")
+        self._layerwise: _LayerwiseParts | None = None  # made by the first layerwise_load
         self._closed = False
 
     # ---- get: numpy (host pipeline) or tensors (device loader) -----------------------------------
@@ -178,6 +210,25 @@ class G3Reader:
                 log.info("G3 %s: device loads into %s: %s (%s)", cat.slabs.paths[0], dev, rd.mode, rd.mode_reason)
         return rd
 
+    def layerwise_load(self, keys: Sequence[BlockKey], device, *, timeout_s: float | None = None,
+                       min_read: int | None = None) -> LayerwiseLoad:
+        """See ``G3Pool.layerwise_load``."""
+        import torch
+
+        cat, cfg = self.cat, self.pool.cfg
+        dev = torch.device(device)
+        with self._device_lock:
+            if self._closed or cat.closed:
+                raise RuntimeError("G3 pool is closed")
+            if self._layerwise is None:
+                self._layerwise = _LayerwiseParts(cfg.io_threads)
+            staging = self._layerwise.staging(dev.type == "cuda")
+            executor, files = self._layerwise.executor, self._layerwise.files
+        return LayerwiseLoad(self, cat.layout, keys, dev, executor=executor, files=files,
+                             timeout_s=cfg.load_timeout_s if timeout_s is None else timeout_s,
+                             world=cat.namespace.tp_world_size,
+                             min_read=DEFAULT_MIN_READ if min_read is None else min_read, staging=staging).start()
+
     def device_paths(self) -> dict:
         """``{device: {"mode", "reason"}}`` of the device loaders made so far (``G3Pool.stats``)."""
         return {dev: {"mode": rd.mode, "reason": rd.mode_reason} for dev, rd in list(self.device_readers.items())}
@@ -245,6 +296,9 @@ class G3Reader:
             for rd in list(self.device_readers.values()):
                 rd.close()
             self.device_readers.clear()
+            lw, self._layerwise = self._layerwise, None
+        if lw is not None:
+            lw.close()
 
     def close_verifier(self) -> None:
         """Stop the verifier thread (after the engine: its last callbacks may still queue here)."""
