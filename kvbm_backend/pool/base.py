@@ -24,15 +24,23 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, TypeVar, Union, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 
 from ..model.layout import KvLayout
 from ..model.namespace import BlockKey, Namespace
 
 if TYPE_CHECKING:  # torch is optional at run time (the ``torch`` extra)
     import torch
+
+_T = TypeVar("_T")
+
+#: a host block buffer: 1-D ``uint8``, ``layout.bytes_per_block`` bytes
+BlockBuffer = npt.NDArray[np.uint8]
+#: where ``get`` puts blocks: host buffers, or torch tensors on one device (see the module docstring)
+GetDestinations = Union[Sequence[BlockBuffer], Sequence["torch.Tensor"]]
 
 
 @dataclass
@@ -91,11 +99,11 @@ class BlockPool(Protocol):
         namespace, tenant and rank, the seq hashes as a uint64 array: the scheduler's lookups), which
         indexes that can probe arrays use without making per-key objects."""
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future[PutResult]:
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[BlockBuffer]) -> Future[PutResult]:
         """Offload: store ``blocks[i]`` under ``keys[i]``, asynchronously and bounded. The pool reads the
         buffers until the future completes. Never raises for storage trouble: drops and counts."""
 
-    def get(self, keys: Sequence[BlockKey], out: Sequence) -> Future[GetResult]:
+    def get(self, keys: Sequence[BlockKey], out: GetDestinations) -> Future[GetResult]:
         """Onboard: read ``keys[i]`` into ``out[i]`` (numpy host buffers, or torch tensors on one
         device: see the module docstring). Failed, short, corrupt, foreign or late reads are misses
         (``ok[i] = False``, ``out[i]`` untouched); corrupt slots/objects are dropped and counted."""
@@ -107,7 +115,7 @@ class BlockPool(Protocol):
         """Wait until every offload queued so far has finished (written, skipped or dropped). Returns
         False when ``timeout`` seconds passed first; never raises for storage trouble."""
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters and gauges. Every pool reports at least :data:`STATS_CONTRACT` under those names
         (block counts since open, bytes, the tier and the namespace fingerprint); more keys are the
         tier's own (G3: slots, files, evictions; G4: breaker, keyring)."""
@@ -155,6 +163,19 @@ class SlotLeaseSource(Protocol):
         """The slot of ``key`` failed verification (``reason``: a FrameError reason): remove it."""
 
 
+class DeviceReading(Protocol):
+    """What :meth:`G3Extensions.device_reader` gives callers: the device path its probe chose."""
+
+    @property
+    def mode(self) -> str:
+        """The device path (:data:`kvbm_backend.gpu.probe.MODES`: ``gds``, ``kvikio-compat``,
+        ``pinned-bounce``, ``host``)."""
+
+    @property
+    def mode_reason(self) -> str:
+        """Why the probe chose :attr:`mode` (one line, for logs and stats)."""
+
+
 class LayerwiseLoading(Protocol):
     """One layer-wise load in flight (:meth:`G3Extensions.layerwise_load`; G3's
     :class:`~kvbm_backend.pool.g3.read.layerwise.LayerwiseLoad`): layer ``l`` of every block is usable while
@@ -175,10 +196,11 @@ class LayerwiseLoading(Protocol):
 
 
 @runtime_checkable
-class G3Extensions(SlotLeaseSource, Protocol):
-    """What a G3 pool offers beyond :class:`BlockPool` (and :class:`SlotLeaseSource`): the index as the
-    connector's worker reports it to a scheduler in another process, the device reader it probes at start-up,
-    and the put options of offloads and promotions. None of these calls does storage I/O."""
+class G3Extensions(BlockPool, SlotLeaseSource, Protocol):
+    """A G3 pool: a :class:`BlockPool` (and :class:`SlotLeaseSource`) plus what only G3 offers: the index as
+    the connector's worker reports it to a scheduler in another process, the device reader it probes at
+    start-up, layer-wise loads, and the put options of offloads and promotions. None of these calls but
+    ``layerwise_load`` (which starts reads and returns) does storage I/O."""
 
     def contains(self, key: BlockKey) -> bool:
         """True when ``key`` is published in the index (no I/O; the payload is verified only by ``get``)."""
@@ -186,9 +208,9 @@ class G3Extensions(SlotLeaseSource, Protocol):
     def keys(self) -> list[BlockKey]:
         """Snapshot of every published key (index only, no I/O)."""
 
-    def device_reader(self, device: object) -> object:
+    def device_reader(self, device: str | torch.device) -> DeviceReading:
         """The pool's reader of slots into ``device`` (a ``torch.device`` or its name), created and probed on
-        first use; it has ``mode`` and ``mode_reason`` (str). Raises RuntimeError when the pool is closed."""
+        first use. Raises RuntimeError when the pool is closed, ImportError without torch."""
 
     def layerwise_load(self, keys: Sequence[BlockKey], device: str | torch.device, *,
                        timeout_s: float | None = None, min_read: int | None = None) -> LayerwiseLoading:
@@ -198,7 +220,7 @@ class G3Extensions(SlotLeaseSource, Protocol):
         :data:`kvbm_backend.transfer.layers.DEFAULT_MIN_READ`). Raises RuntimeError when the pool is closed,
         ImportError without torch, ValueError for a layout whose block is not whole layers."""
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray], *,
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[BlockBuffer], *,
             dev_checks: Sequence[int] | None = None, bypass_admission: bool = False) -> Future[PutResult]:
         """:meth:`BlockPool.put`, plus ``dev_checks`` (each block's device checksum: its frame then carries
         ``FLAG_DEVCHECK``) and ``bypass_admission`` (store past the admission filter: promotions)."""
@@ -218,18 +240,21 @@ def require_g3_extensions(pool: object, what: str = "g3") -> G3Extensions | None
     if pool is None or isinstance(pool, G3Extensions):
         return pool
     missing = [m for m in G3_EXTENSION_METHODS if not callable(getattr(pool, m, None))]
+    if not missing:  # the G3 methods are there: a BlockPool member is not
+        missing = [m for m in ("tier", "namespace", "layout", "lookup_prefix", "get", "delete", "flush", "stats",
+                               "close") if not hasattr(pool, m)]
     raise TypeError(f"{what}: {type(pool).__name__} is not a G3 pool (G3Extensions lacks {', '.join(missing)}); "
                     "the connector's worker needs the G3 extensions of kvbm_backend.pool.base")
 
 
-def is_tensor_batch(bufs: Sequence) -> bool:
-    """True when ``bufs`` are torch tensors (the device-destination form of ``get``), without
-    importing torch; False for numpy buffers or an empty list."""
+def is_tensor_batch(bufs: Sequence[object]) -> bool:
+    """True when ``bufs`` are torch tensors (the device-destination form of ``get``: its first item is one),
+    without importing torch; False for numpy buffers or an empty list."""
     return bool(bufs) and type(bufs[0]).__module__.startswith("torch")
 
 
-def completed(value) -> Future:
+def completed(value: _T) -> Future[_T]:
     """A Future already resolved with ``value``."""
-    f: Future = Future()
+    f: Future[_T] = Future()
     f.set_result(value)
     return f

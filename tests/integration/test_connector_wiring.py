@@ -125,6 +125,24 @@ def test_g3_pool_satisfies_the_g3_extensions_protocol(tmp_path):
         g3.close()
 
 
+def test_a_g3_pool_is_also_a_block_pool():
+    """G3Extensions extends BlockPool (the worker gets, puts and reads stats of its G3 pool): an object with
+    every G3 method but none of the BlockPool members is refused, naming them (before, it was taken)."""
+    class OnlyG3Methods:
+        def lease(self, keys): return [None] * len(keys)
+        def release(self, leases): pass
+        def drop_corrupt(self, key, reason): pass
+        def contains(self, key): return False
+        def keys(self): return []
+        def device_reader(self, device): return None
+        def layerwise_load(self, keys, device, **kw): return None
+        def put(self, keys, blocks, **kw): return None
+
+    with pytest.raises(TypeError, match=r"^g3: OnlyG3Methods is not a G3 pool \(G3Extensions lacks tier, namespace, "
+                                        r"layout, lookup_prefix, get, delete, flush, stats, close\)"):
+        require_g3_extensions(OnlyG3Methods())
+
+
 @pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
 def test_wire_one_path_for_one_and_several_kv_cache_groups(tmp_path, hybrid):
     """Both models get the same parts: GroupedWorkers (one WorkerSide per group) and one SchedulerSide over

@@ -126,7 +126,7 @@ class LayerwiseLoads:
     def _finish(self, a: _Active) -> set[str]:
         job, w = a.job, self.w
         n = len(job.block_ids)
-        why = ["not_started"] * n
+        why: list[str | None] = ["not_started"] * n
         if a.load is not None:
             unwaited = [li for li in range(w.kv.layout.num_layers) if li not in a.done]
             for li in unwaited:
