@@ -5,13 +5,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from ..config import G3Config, G4Config
+    from ..io import IoEngine
     from ..model.namespace import Namespace
     from .base import BlockPool
 
 __all__ = ["open_pool"]
 
 
-def open_pool(cfg, namespace: "Namespace", *, registry=None, engine=None) -> "BlockPool":
+def open_pool(cfg: G3Config | G4Config, namespace: Namespace, *, registry: CollectorRegistry | None = None,
+              engine: IoEngine | None = None) -> BlockPool:
     """Open the pool a config section describes, bound to ``namespace``. Imports the tier only when it
     is opened (G4 pulls in the crypto and, for ``s3://``, boto3).
 

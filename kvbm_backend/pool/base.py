@@ -16,19 +16,31 @@ block i verified where it landed; a miss leaves ``out[i]`` untouched.
 
 Readers outside a pool (the device loader) read G3 slots through the typed :class:`SlotLeaseSource`
 protocol: ``lease`` pins slots and ``release`` unpins them, both owned by the pool. What else only G3
-offers (index snapshots, device readers, put options) is the :class:`G3Extensions` protocol; callers check
-it once where they are wired (:func:`require_g3_extensions`), not by duck typing at each use.
+offers (index snapshots, device readers, layer-wise loads, put options) is the :class:`G3Extensions`
+protocol; callers check it once where they are wired (:func:`require_g3_extensions`), not by duck typing
+at each use.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, TypeVar, Union, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 
 from ..model.layout import KvLayout
 from ..model.namespace import BlockKey, Namespace
+
+if TYPE_CHECKING:  # torch is optional at run time (the ``torch`` extra)
+    import torch
+
+_T = TypeVar("_T")
+
+#: a host block buffer: 1-D ``uint8``, ``layout.bytes_per_block`` bytes
+BlockBuffer = npt.NDArray[np.uint8]
+#: where ``get`` puts blocks: host buffers, or torch tensors on one device (see the module docstring)
+GetDestinations = Union[Sequence[BlockBuffer], Sequence["torch.Tensor"]]
 
 
 @dataclass
@@ -87,11 +99,11 @@ class BlockPool(Protocol):
         namespace, tenant and rank, the seq hashes as a uint64 array: the scheduler's lookups), which
         indexes that can probe arrays use without making per-key objects."""
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future[PutResult]:
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[BlockBuffer]) -> Future[PutResult]:
         """Offload: store ``blocks[i]`` under ``keys[i]``, asynchronously and bounded. The pool reads the
         buffers until the future completes. Never raises for storage trouble: drops and counts."""
 
-    def get(self, keys: Sequence[BlockKey], out: Sequence) -> Future[GetResult]:
+    def get(self, keys: Sequence[BlockKey], out: GetDestinations) -> Future[GetResult]:
         """Onboard: read ``keys[i]`` into ``out[i]`` (numpy host buffers, or torch tensors on one
         device: see the module docstring). Failed, short, corrupt, foreign or late reads are misses
         (``ok[i] = False``, ``out[i]`` untouched); corrupt slots/objects are dropped and counted."""
@@ -103,7 +115,7 @@ class BlockPool(Protocol):
         """Wait until every offload queued so far has finished (written, skipped or dropped). Returns
         False when ``timeout`` seconds passed first; never raises for storage trouble."""
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters and gauges. Every pool reports at least :data:`STATS_CONTRACT` under those names
         (block counts since open, bytes, the tier and the namespace fingerprint); more keys are the
         tier's own (G3: slots, files, evictions; G4: breaker, keyring)."""
@@ -151,11 +163,44 @@ class SlotLeaseSource(Protocol):
         """The slot of ``key`` failed verification (``reason``: a FrameError reason): remove it."""
 
 
+class DeviceReading(Protocol):
+    """What :meth:`G3Extensions.device_reader` gives callers: the device path its probe chose."""
+
+    @property
+    def mode(self) -> str:
+        """The device path (:data:`kvbm_backend.gpu.probe.MODES`: ``gds``, ``kvikio-compat``,
+        ``pinned-bounce``, ``host``)."""
+
+    @property
+    def mode_reason(self) -> str:
+        """Why the probe chose :attr:`mode` (one line, for logs and stats)."""
+
+
+class LayerwiseLoading(Protocol):
+    """One layer-wise load in flight (:meth:`G3Extensions.layerwise_load`; G3's
+    :class:`~kvbm_backend.pool.g3.read.layerwise.LayerwiseLoad`): layer ``l`` of every block is usable while
+    later layers are still being read. ``n`` is the number of keys."""
+
+    @property
+    def counters(self) -> Mapping[str, float]:
+        """Counts (``reads``, ``unaligned_loads``, reasons, ...) and seconds (``read_wait_s``, ``verify_s``)."""
+
+    def wait_layer(self, layer: int) -> tuple[list[int], torch.Tensor]:
+        """Wait (until the deadline) for layer ``layer``: ``(good, t)``, the rows whose reads and headers are
+        good so far (payloads not yet verified: only :meth:`finish` says a row is good) and layer ``layer``
+        of every row as a ``[n, layer_bytes]`` uint8 tensor on the load's device. IndexError out of range."""
+
+    def finish(self) -> list[str | None]:
+        """Wait for every read, verify every payload, drop slots proven bad, release the leases; one reason
+        per row, None for a verified row. Idempotent."""
+
+
 @runtime_checkable
-class G3Extensions(SlotLeaseSource, Protocol):
-    """What a G3 pool offers beyond :class:`BlockPool` (and :class:`SlotLeaseSource`): the index as the
-    connector's worker reports it to a scheduler in another process, the device reader it probes at start-up,
-    and the put options of offloads and promotions. None of these calls does storage I/O."""
+class G3Extensions(BlockPool, SlotLeaseSource, Protocol):
+    """A G3 pool: a :class:`BlockPool` (and :class:`SlotLeaseSource`) plus what only G3 offers: the index as
+    the connector's worker reports it to a scheduler in another process, the device reader it probes at
+    start-up, layer-wise loads, and the put options of offloads and promotions. None of these calls but
+    ``layerwise_load`` (which starts reads and returns) does storage I/O."""
 
     def contains(self, key: BlockKey) -> bool:
         """True when ``key`` is published in the index (no I/O; the payload is verified only by ``get``)."""
@@ -163,18 +208,27 @@ class G3Extensions(SlotLeaseSource, Protocol):
     def keys(self) -> list[BlockKey]:
         """Snapshot of every published key (index only, no I/O)."""
 
-    def device_reader(self, device: object) -> object:
+    def device_reader(self, device: str | torch.device) -> DeviceReading:
         """The pool's reader of slots into ``device`` (a ``torch.device`` or its name), created and probed on
-        first use; it has ``mode`` and ``mode_reason`` (str). Raises RuntimeError when the pool is closed."""
+        first use. Raises RuntimeError when the pool is closed, ImportError without torch."""
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray], *,
+    def layerwise_load(self, keys: Sequence[BlockKey], device: str | torch.device, *,
+                       timeout_s: float | None = None, min_read: int | None = None) -> LayerwiseLoading:
+        """Start a layer-wise load of ``keys`` into ``device`` (slots leased, reads ordered by layer on the
+        pool's reader threads; returns at once): see :class:`LayerwiseLoading`. ``timeout_s``: the load's
+        deadline (default ``g3.load_timeout_s``); ``min_read``: bytes per read at least (default
+        :data:`kvbm_backend.transfer.layers.DEFAULT_MIN_READ`). Raises RuntimeError when the pool is closed,
+        ImportError without torch, ValueError for a layout whose block is not whole layers."""
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[BlockBuffer], *,
             dev_checks: Sequence[int] | None = None, bypass_admission: bool = False) -> Future[PutResult]:
         """:meth:`BlockPool.put`, plus ``dev_checks`` (each block's device checksum: its frame then carries
         ``FLAG_DEVCHECK``) and ``bypass_admission`` (store past the admission filter: promotions)."""
 
 
 #: the methods :class:`G3Extensions` requires (``runtime_checkable`` checks only that they exist)
-G3_EXTENSION_METHODS = ("lease", "release", "drop_corrupt", "contains", "keys", "device_reader", "put")
+G3_EXTENSION_METHODS = ("lease", "release", "drop_corrupt", "contains", "keys", "device_reader", "layerwise_load",
+                        "put")
 
 
 def require_g3_extensions(pool: object, what: str = "g3") -> G3Extensions | None:
@@ -186,18 +240,21 @@ def require_g3_extensions(pool: object, what: str = "g3") -> G3Extensions | None
     if pool is None or isinstance(pool, G3Extensions):
         return pool
     missing = [m for m in G3_EXTENSION_METHODS if not callable(getattr(pool, m, None))]
+    if not missing:  # the G3 methods are there: a BlockPool member is not
+        missing = [m for m in ("tier", "namespace", "layout", "lookup_prefix", "get", "delete", "flush", "stats",
+                               "close") if not hasattr(pool, m)]
     raise TypeError(f"{what}: {type(pool).__name__} is not a G3 pool (G3Extensions lacks {', '.join(missing)}); "
                     "the connector's worker needs the G3 extensions of kvbm_backend.pool.base")
 
 
-def is_tensor_batch(bufs: Sequence) -> bool:
-    """True when ``bufs`` are torch tensors (the device-destination form of ``get``), without
-    importing torch; False for numpy buffers or an empty list."""
+def is_tensor_batch(bufs: Sequence[object]) -> bool:
+    """True when ``bufs`` are torch tensors (the device-destination form of ``get``: its first item is one),
+    without importing torch; False for numpy buffers or an empty list."""
     return bool(bufs) and type(bufs[0]).__module__.startswith("torch")
 
 
-def completed(value) -> Future:
+def completed(value: _T) -> Future[_T]:
     """A Future already resolved with ``value``."""
-    f: Future = Future()
+    f: Future[_T] = Future()
     f.set_result(value)
     return f

@@ -97,7 +97,7 @@ def test_wire_refuses_a_g3_pool_without_the_g3_extensions(tmp_path):
     parts = ConnectorParts()
     try:
         with pytest.raises(TypeError, match=r"g3: G4Pool is not a G3 pool \(G3Extensions lacks lease, release, "
-                                            r"drop_corrupt, contains, keys, device_reader\)"):
+                                            r"drop_corrupt, contains, keys, device_reader, layerwise_load\)"):
             wire(parts, ktc, vc, KVConnectorRole.WORKER, kcc, tiers=g4_as_g3)
         parts.release_partial()
         assert parts._groups == []
@@ -119,10 +119,28 @@ def test_g3_pool_satisfies_the_g3_extensions_protocol(tmp_path):
         assert isinstance(g3, G3Extensions) and require_g3_extensions(g3) is g3
         assert require_g3_extensions(None) is None
         with pytest.raises(TypeError, match=r"^g3: object is not a G3 pool \(G3Extensions lacks lease, release, "
-                                            r"drop_corrupt, contains, keys, device_reader, put\)"):
+                                            r"drop_corrupt, contains, keys, device_reader, layerwise_load, put\)"):
             require_g3_extensions(object())
     finally:
         g3.close()
+
+
+def test_a_g3_pool_is_also_a_block_pool():
+    """G3Extensions extends BlockPool (the worker gets, puts and reads stats of its G3 pool): an object with
+    every G3 method but none of the BlockPool members is refused, naming them (before, it was taken)."""
+    class OnlyG3Methods:
+        def lease(self, keys): return [None] * len(keys)
+        def release(self, leases): pass
+        def drop_corrupt(self, key, reason): pass
+        def contains(self, key): return False
+        def keys(self): return []
+        def device_reader(self, device): return None
+        def layerwise_load(self, keys, device, **kw): return None
+        def put(self, keys, blocks, **kw): return None
+
+    with pytest.raises(TypeError, match=r"^g3: OnlyG3Methods is not a G3 pool \(G3Extensions lacks tier, namespace, "
+                                        r"layout, lookup_prefix, get, delete, flush, stats, close\)"):
+        require_g3_extensions(OnlyG3Methods())
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])

@@ -86,6 +86,40 @@ def test_layers_arrive_byte_identical_before_finish(rig):
     assert pool.delete(keys[:1]).result(timeout=10) == 1
 
 
+def test_the_pool_facade_is_the_one_entry_point_of_layerwise_loads(tmp_path):
+    """``G3Pool.layerwise_load`` (G3Extensions): the pool's own reader threads, slab fds and staging, its
+    layout, world and load timeout; the integrations no longer wire a LayerwiseLoad from pool internals. The
+    threads stop with the pool; a load after close is refused."""
+    from kvbm_backend.pool.base import G3Extensions
+    layout = ALIGNED
+    ns = Namespace(model="test/layerwise-facade", revision="r1", layout=layout, tp_world_size=1)
+    pool = G3Pool(G3Config(paths=[str(tmp_path / "g3")], capacity_gb=0.05, files_per_path=1, io_threads=2,
+                           admission={"policy": "all"}, load_timeout_s=20), ns)
+    try:
+        assert isinstance(pool, G3Extensions)
+        rng = np.random.default_rng(11)
+        keys = ns.keys(list(range(200, 205)), "t", 0)
+        blocks = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8) for _ in keys]
+        assert pool.put(keys, blocks).result(timeout=30).written == len(keys)
+        assert pool.flush(30)
+        absent = ns.keys([999], "t", 0)
+        for _ in range(2):  # the second load reuses the pool's threads and staging
+            ld = pool.layerwise_load(keys + absent, "cpu", min_read=8192)
+            assert len(ld.groups) == layout.num_layers and ld.timeout_s == 20 and ld.world == 1
+            for layer in range(layout.num_layers):
+                good, t = ld.wait_layer(layer)
+                assert good == list(range(len(keys)))
+                assert all(np.array_equal(t[i].numpy(), _layer(b, layout, layer)) for i, b in enumerate(blocks))
+            assert ld.finish() == [None] * len(keys) + ["not_found"]
+        assert ld._staging_pool is not None and ld._staging_pool.reused >= 1
+        assert sum(th.name.startswith("kvbm-g3-layerwise") for th in threading.enumerate()) <= 2
+    finally:
+        pool.close()
+    assert not any(th.name.startswith("kvbm-g3-layerwise") for th in threading.enumerate())
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.layerwise_load(keys, "cpu")
+
+
 @pytest.mark.parametrize("rig", [UNALIGNED], indirect=True)
 def test_unaligned_layers_fall_back_to_whole_blocks(rig):
     pool, ns, keys, blocks, ex, files = rig

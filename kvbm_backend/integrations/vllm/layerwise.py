@@ -4,13 +4,15 @@ With the setting on, the scheduler offers a prefix hit served by G3 alone synchr
 (``get_num_new_matched_tokens`` returns ``load_async=False``): vLLM schedules the rest of the prompt in
 the same step and calls ``start_load_kv`` before the forward. :class:`LayerwiseLoads` then:
 
-* ``start`` (``start_load_kv``): one :class:`~kvbm_backend.pool.g3.read.layerwise.LayerwiseLoad` per such
-  job: slots leased, reads ordered by layer submitted (returns at once);
+* ``start`` (``start_load_kv``): one load per such job from the G3 pool's one entry point
+  (:meth:`~kvbm_backend.pool.base.G3Extensions.layerwise_load`): slots leased, reads ordered by layer
+  submitted on the pool's reader threads (returns at once);
 * ``wait_layer`` (``wait_for_layer_load``, called by each attention layer before it runs): waits for that
   layer's reads and scatters the layer of the blocks read so far into vLLM's paged KV
   (:meth:`~.kv_io.EngineKv.scatter_layer`), so layer ``l`` loads while layer ``l - 1`` computes;
 * ``finish`` (``wait_for_save`` / ``get_block_ids_with_load_errors``, after the forward): scatters any layer
-  vLLM did not wait for, verifies every whole payload (:meth:`LayerwiseLoad.finish`) and reports every
+  vLLM did not wait for, verifies every whole payload (:meth:`~kvbm_backend.pool.base.LayerwiseLoading.finish`)
+  and reports every
   block from the first failed one on through the connector's failed-load path
   (``get_block_ids_with_load_errors`` + :class:`~.metadata.FailedLoad`). vLLM (``kv_load_failure_policy``
   ``recompute``) then resets the request to its valid prefix and throws the step's token away, so a
@@ -24,29 +26,23 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...memory import BufferPool
-from ...pool.base import G3Extensions
-from ...pool.g3.read.layerwise import LayerwiseLoad, SlabFiles
+from ...pool.base import G3Extensions, LayerwiseLoading
 from ...transfer.layers import DEFAULT_MIN_READ
 from . import stats
 from .metadata import FailedLoad, LoadJob, SaveJob, mirror_id
 
 log = logging.getLogger("kvbm_backend.connector")
 
-#: bytes of free host staging kept for the next layer-wise loads (pinned on a CUDA engine: allocating
-#: page-locked memory per load would cost more than the reads)
-STAGING_KEEP_BYTES = 512 << 20
 TAINTED_MAX = 4096  # requests remembered whose layer-wise load failed (their later saves are dropped)
 
 
 @dataclass
 class _Active:
     job: LoadJob
-    load: LayerwiseLoad | None
+    load: LayerwiseLoading | None
     keys: list
     prefix: int                      # rows scattered for every layer waited for so far
     done: set = field(default_factory=set)
@@ -59,20 +55,15 @@ class LayerwiseLoads:
     Args:
         worker: the worker role (its ``g3`` pool, ``kv`` engine tensors, failed-load reports).
         layer_names: vLLM's attention layer names in the order of the engine's KV tensors.
-        threads: reader threads (``g3.io_threads``).
         timeout_s: a load's deadline (``g3.load_timeout_s``); later reads are failed blocks.
         min_read: bytes per read at least (layers grouped up to it).
     """
 
-    def __init__(self, worker: Any, layer_names: list[str], *, threads: int = 8, timeout_s: float = 5.0,
+    def __init__(self, worker: Any, layer_names: list[str], *, timeout_s: float = 5.0,
                  min_read: int = DEFAULT_MIN_READ):
         self.w = worker
         self.index = {n: i for i, n in enumerate(layer_names)}
         self.timeout_s, self.min_read = timeout_s, min_read
-        self._exec = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvbm-layerwise")
-        self._files = SlabFiles()
-        on_cuda = worker.kv is not None and worker.kv.device.type == "cuda"
-        self._staging = BufferPool("pinned" if on_cuda else "host", STAGING_KEEP_BYTES, name="layerwise-staging")
         self._active: list[_Active] = []
         self._tainted: OrderedDict = OrderedDict()
 
@@ -90,9 +81,7 @@ class LayerwiseLoads:
         stats.add(load_jobs=1, load_blocks_requested=n, layerwise_jobs=1)
         ld = None
         try:
-            ld = LayerwiseLoad(w.g3, kv.layout, keys, kv.device, executor=self._exec, files=self._files,
-                               timeout_s=self.timeout_s, world=w.ns.tp_world_size, min_read=self.min_read,
-                               staging=self._staging).start()
+            ld = w.g3.layerwise_load(keys, kv.device, timeout_s=self.timeout_s, min_read=self.min_read)
         except Exception as e:  # noqa: BLE001 - the load fails whole: the request recomputes
             log.warning("kvbm_backend: layer-wise load for %s could not start: %s", job.req_id, e)
             stats.add(load_errors=1)
@@ -137,7 +126,7 @@ class LayerwiseLoads:
     def _finish(self, a: _Active) -> set[str]:
         job, w = a.job, self.w
         n = len(job.block_ids)
-        why = ["not_started"] * n
+        why: list[str | None] = ["not_started"] * n
         if a.load is not None:
             unwaited = [li for li in range(w.kv.layout.num_layers) if li not in a.done]
             for li in unwaited:
@@ -186,8 +175,6 @@ class LayerwiseLoads:
 
     def close(self) -> None:
         self.finish()
-        self._exec.shutdown(wait=True)
-        self._files.close()
 
 
 def for_worker(cfg: Any, worker: Any, layer_names: list[str]) -> LayerwiseLoads | None:
@@ -196,4 +183,4 @@ def for_worker(cfg: Any, worker: Any, layer_names: list[str]) -> LayerwiseLoads 
     :class:`~.worker_side.WorkerSide` of a model of one full-attention group (others load asynchronously)."""
     if not cfg.g3.layerwise_load or not isinstance(getattr(worker, "g3", None), G3Extensions):
         return None
-    return LayerwiseLoads(worker, layer_names, threads=cfg.g3.io_threads, timeout_s=cfg.g3.load_timeout_s)
+    return LayerwiseLoads(worker, layer_names, timeout_s=cfg.g3.load_timeout_s)

@@ -14,26 +14,30 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from ...memory import is_aligned
-from ...model.frame import ALIGN, align_up
-from ...transfer import slot_extent, staged_run_extents
-from ..base import PutResult
+from ...memory import BufferPool, is_aligned
+from ...model.frame import ALIGN, ChecksumFrames, align_up
+from ...model.namespace import BlockKey
+from ...transfer import Extent, slot_extent, staged_run_extents
+from ..base import BlockBuffer, PutResult
 from .catalog import HDR, SlotCatalog
+
+#: a G3 slot: (file index, slot index in the file)
+Slot = tuple[int, int]
 
 
 @dataclass
 class _Job:
-    keys: list
-    blocks: list
-    future: Future
+    keys: list[BlockKey]
+    blocks: list[BlockBuffer]
+    future: Future[PutResult]
     result: PutResult
-    checks: list | None = None  # per block: device_checksum of the payload, or None
+    checks: list[int] | None = None  # per block: device_checksum of the payload, or None
 
 
 @dataclass
 class _Batch:
     """Offload jobs written together; finished (counts, futures) when its last piece settles."""
-    jobs: list
+    jobs: list[_Job]
     left: int = 1  # pieces not yet settled, plus 1 while the writer is still submitting pieces
     failed: BaseException | None = None  # first write failure: later pieces are not submitted
     counted: bool = False  # the failure was counted (once per batch)
@@ -44,15 +48,15 @@ class _Batch:
 class _Piece:
     """~``chunk_bytes`` of a batch: written together, published together after their fdatasync."""
     batch: _Batch
-    jobs: list  # per block: its job (parallel lists, not a tuple per block: fewer GC-tracked objects)
-    keys: list
-    blocks: list
-    slots: list  # (file index, slot), one per block
-    checks: list | None = None  # per block: device_checksum or None (None: no block has one)
-    files: tuple = ()  # file indexes written
-    gens: tuple = ()  # the files' fdatasync error generations when the piece was submitted
+    jobs: list[_Job]  # per block: its job (parallel lists, not a tuple per block: fewer GC-tracked objects)
+    keys: list[BlockKey]
+    blocks: list[BlockBuffer]
+    slots: list[Slot]  # (file index, slot), one per block
+    checks: list[int | None] | None = None  # per block: device_checksum or None (None: no block has one)
+    files: tuple[int, ...] = ()  # file indexes written
+    gens: tuple[int, ...] = ()  # the files' fdatasync error generations when the piece was submitted
     error: BaseException | None = None
-    stage: list = field(default_factory=list)  # staging buffers, given back once written
+    stage: list[BlockBuffer] = field(default_factory=list)  # staging buffers, given back once written
     ready_at: float = 0.0  # time.monotonic() when it was handed to the syncer
 
 
@@ -67,7 +71,8 @@ class PieceFramer:
         gather_below: blocks smaller than this (bytes) are staged into one slot image per piece.
     """
 
-    def __init__(self, cat: SlotCatalog, frames, staging, io_size: int, gather_below: int):
+    def __init__(self, cat: SlotCatalog, frames: ChecksumFrames, staging: BufferPool, io_size: int,
+                 gather_below: int) -> None:
         self.cat, self.frames, self.staging, self.io_size = cat, frames, staging, io_size
         bb = cat.block_bytes
         self._stored_padded = align_up(bb)
@@ -76,7 +81,7 @@ class PieceFramer:
         self.gather = bb < gather_below or bb % ALIGN != 0
         self._zero_pad = np.zeros(self._stored_padded - bb, np.uint8)
 
-    def extents(self, pc: _Piece, piece_slots: int) -> list:
+    def extents(self, pc: _Piece, piece_slots: int) -> list[Extent]:
         """Frames (header with the payload's xxh3_128, payload, zero pad) of the piece's blocks into its
         slots (``piece_slots``: the most blocks a piece holds). Staging/header buffers come from the pool's
         staging and are listed in ``pc.stage`` (given back once the piece is written)."""
@@ -92,22 +97,22 @@ class PieceFramer:
             np.stack(pc.blocks, out=s2[:, HDR:HDR + bb])
             if sb - HDR > bb:
                 s2[:, HDR + bb:] = 0
-            mv = memoryview(stage)
+            mv = stage.data  # memoryview(stage) (numpy's stubs give ndarray no buffer protocol before 3.12)
             off = 0
-            checks = pc.checks or [None] * m
+            checks: list[int | None] = pc.checks or [None] * m
             for key, block, dc in zip(pc.keys, pc.blocks, checks):
-                wh(mv, off, self.cat.tag(key.tenant), key.rank, key.seq_hash, digest(block), now, dc)
+                wh(mv, off, self.cat.tag(key.tenant), key.rank, key.seq_hash, digest(block.data), now, dc)
                 off += sb
             return staged_run_extents(pc.slots, stage[:m * sb], sb, self.io_size, self.cat.fd_of)
         hdrs = self.staging.take(piece_slots * HDR)
         pc.stage.append(hdrs)
-        mv = memoryview(hdrs)
+        mv = hdrs.data
         extents = []
         files = self.cat.slabs.by_index
         checks = pc.checks or [None] * m
         for j, (key, block, (fi, si), dc) in enumerate(zip(pc.keys, pc.blocks, pc.slots, checks)):
             f = files[fi]
-            wh(mv, j * HDR, self.cat.tag(key.tenant), key.rank, key.seq_hash, digest(block), now, dc)
+            wh(mv, j * HDR, self.cat.tag(key.tenant), key.rank, key.seq_hash, digest(block.data), now, dc)
             hv = hdrs[j * HDR:(j + 1) * HDR]
             if f.o_direct and not is_aligned(block):
                 st = self.staging.take(self._stored_padded)  # aligned; back once the piece is written

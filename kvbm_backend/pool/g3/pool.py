@@ -46,24 +46,35 @@ from __future__ import annotations
 import errno
 import logging
 from concurrent.futures import Future
-from typing import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import numpy as np
 
 from ...config import G3Config
-from ...io import fdatasync, make_engine
+from ...io import IoEngine, fdatasync, make_engine
 from ...metrics import TierMetrics
 from ...model.frame import ChecksumFrames
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace
-from ..base import SlotLease, completed
+from ..base import BlockBuffer, GetDestinations, GetResult, PutResult, SlotLease, completed
 from . import journal as jr
 from .admission import make_admission
 from .catalog import SlotCatalog
 from .read import G3Reader
+from .read.device import DeviceLoader
+from .read.layerwise import LayerwiseLoad
 from .restore import restore
 from .staging import shared_staging
-from .writer import G3Writer
+from .writer import Admission, G3Writer
+
+if TYPE_CHECKING:
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from .compact_index import CompactLruIndex
+    from .journal import Journal
+    from .slabs import SlabSet
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +125,8 @@ class G3Pool:
     staging_keep_pieces = 12  # free staging buffers kept for reuse, in pieces of chunk_bytes
     gather_below = 256 << 10  # writes of blocks smaller than this (bytes) are staged, see __init__ (reads always are)
 
-    def __init__(self, cfg: G3Config, namespace: Namespace, *, engine=None, registry=None):
+    def __init__(self, cfg: G3Config, namespace: Namespace, *, engine: IoEngine | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
         self.namespace = namespace
         self.fp = namespace.fingerprint
@@ -145,26 +157,26 @@ class G3Pool:
 
     # ---- the parts' state, as the pool's (tests, the connector, the tiering tier read these) -------------
     @property
-    def index(self):
+    def index(self) -> CompactLruIndex:
         """The slot catalog's index (:class:`~.compact_index.CompactLruIndex`; tests may put a wrapper in)."""
         return self.cat.index
 
     @index.setter
-    def index(self, index) -> None:
+    def index(self, index: CompactLruIndex) -> None:
         self.cat.index = index
 
     @property
-    def slabs(self):
+    def slabs(self) -> SlabSet:
         """The slot catalog's slab files (:class:`~.slabs.SlabSet`)."""
         return self.cat.slabs
 
     @property
-    def journal(self):
+    def journal(self) -> Journal:
         """The slot catalog's journal (:class:`~.journal.Journal`)."""
         return self.cat.journal
 
     @property
-    def admission(self):
+    def admission(self) -> Admission:
         """The writer's admission filter."""
         return self.writer.admission
 
@@ -181,7 +193,7 @@ class G3Pool:
     def layout(self) -> KvLayout:
         return self.namespace.layout
 
-    def _check_keys(self, keys: Sequence[BlockKey], bufs: Sequence[np.ndarray] | None, what: str,
+    def _check_keys(self, keys: Sequence[BlockKey], bufs: Sequence[object] | None, what: str,
                     writable: bool = False) -> None:
         if bufs is not None and len(keys) != len(bufs):
             raise ValueError(f"{what}: {len(keys)} keys but {len(bufs)} buffers")
@@ -202,7 +214,7 @@ class G3Pool:
         with self.cat.lock:
             return key in self.cat.index
 
-    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future:
+    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Future of the number of leading ``keys`` held (index only). Found entries become most
         recently used. ``keys``: BlockKeys, or a :class:`~kvbm_backend.model.namespace.KeyRun` (the
         compact index probes its uint64 array, no per-key object)."""
@@ -214,8 +226,8 @@ class G3Pool:
         self.metrics.hit_rate.record(len(keys), n)
         return completed(n)
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray], *,
-            dev_checks: Sequence[int] | None = None, bypass_admission: bool = False) -> Future:
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[BlockBuffer], *,
+            dev_checks: Sequence[int] | None = None, bypass_admission: bool = False) -> Future[PutResult]:
         """Offload ``blocks[i]`` (``block_bytes`` uint8 each) under ``keys[i]``; returns Future[PutResult]
         at once. Keys already held or in flight and blocks the admission filter turns away are
         ``skipped``; blocks beyond the queue bound, while degraded, or without room are ``dropped``.
@@ -242,7 +254,7 @@ class G3Pool:
                 raise ValueError(f"put: key namespace {k.namespace} is not this pool's namespace {self.fp}")
         return self.writer.put(keys, blocks, checks, bypass_admission)
 
-    def get(self, keys: Sequence[BlockKey], out: Sequence) -> Future:
+    def get(self, keys: Sequence[BlockKey], out: GetDestinations) -> Future[GetResult]:
         """Onboard ``keys[i]`` into ``out[i]``; Future[GetResult] at once. ``ok[i]`` is True only for a
         verified block. Absent, foreign, corrupt, short, mismatched, failed or late (past
         ``load_timeout_s``) blocks are misses. A slot is dropped only when its stored bytes are proven
@@ -261,7 +273,7 @@ class G3Pool:
             ValueError: mismatched lengths or a wrong-sized / read-only buffer (numpy); for tensors the
                 future raises ValueError for a tensor of the wrong size, device or layout.
         """
-        return self.reader.get(list(keys), list(out))
+        return self.reader.get(list(keys), out)
 
     # ---- SlotLeaseSource: in-place reads by the device and layer-wise loaders (pool/g3/read) -------
     def lease(self, keys: Sequence[BlockKey]) -> list[SlotLease | None]:
@@ -282,7 +294,7 @@ class G3Pool:
         or cannot be read, stays (a miss)."""
         self.reader.drop_corrupt(key, reason)
 
-    def device_reader(self, device):
+    def device_reader(self, device: str | torch.device) -> DeviceLoader:
         """The pool's :class:`~kvbm_backend.pool.g3.read.device.DeviceLoader` for ``device`` (created on
         first use: the device path is probed in this pool's first directory and logged once;
         ``g3.device_path`` forces a mode). ``get(keys, tensors)`` uses it; callers may call this at
@@ -293,17 +305,42 @@ class G3Pool:
         """
         return self.reader.device_reader(device)
 
+    def layerwise_load(self, keys: Sequence[BlockKey], device: str | torch.device, *, timeout_s: float | None = None,
+                       min_read: int | None = None) -> LayerwiseLoad:
+        """Start a layer-wise load of ``keys`` into ``device`` (a ``torch.device`` or its name: ``cuda:N``, or
+        ``cpu``, host memory, the same code) and return it at once: slots leased, reads ordered by layer group
+        on this pool's reader threads (``g3.io_threads``, made on first use, with the slab fds and the host
+        staging; pinned on CUDA). :meth:`~.read.layerwise.LayerwiseLoad.wait_layer` (``l``) gives layer ``l``
+        of every block as an ``[n, layer_bytes]`` uint8 tensor on ``device`` before later layers are in (NOT
+        yet verified); :meth:`~.read.layerwise.LayerwiseLoad.finish` verifies every payload, drops slots proven
+        bad, releases the leases and gives one reason per key (None: verified). The
+        :class:`~kvbm_backend.pool.base.LayerwiseLoading` of :class:`~kvbm_backend.pool.base.G3Extensions`.
+
+        Args:
+            timeout_s: the load's deadline in seconds (default ``g3.load_timeout_s``); later reads are
+                ``timeout`` rows.
+            min_read: bytes per read at least (layers grouped up to it; default
+                :data:`kvbm_backend.transfer.layers.DEFAULT_MIN_READ`).
+        Raises:
+            RuntimeError: the pool is closed. ImportError: torch is not installed. ValueError: the layout's
+            block is not whole layers. TypeError: a wiring bug in the leases (nothing stays leased).
+        """
+        return self.reader.layerwise_load(keys, device, timeout_s=timeout_s, min_read=min_read)
+
     def keys(self) -> list[BlockKey]:
         """Snapshot of the published keys (index only, no I/O)."""
         with self.cat.lock:
-            return [k for k, _ in self.cat.index.items()]
+            # restored keys are TagKeys (tenant tag, no tenant string): they stand in for BlockKeys here (same
+            # namespace / rank / seq_hash fields, ``tenant`` a placeholder naming the tag) and every G3 call takes
+            # them back (see get), so the protocol's list[BlockKey] holds them by this cast
+            return cast("list[BlockKey]", [k for k, _ in self.cat.index.items()])
 
-    def delete(self, keys: Sequence[BlockKey]) -> Future:
+    def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Remove blocks (queued offloads of these keys are cancelled). Future of how many were held.
         Never raises for storage trouble: the index removal stands; a DEL record that cannot be
         journaled degrades the tier and the journal is rewritten from the index once it can be."""
         n = 0
-        recs = []
+        recs: list[bytes] = []
         cat = self.cat
         with cat.lock:
             for k in keys:
@@ -340,12 +377,12 @@ class G3Pool:
         self.reader.close_verifier()  # after the engine: its last callbacks may still queue there
         cat.close()
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters and gauges. Sizes in bytes; ``*_blocks``/counts in blocks."""
         cat = self.cat
         with cat.lock:
             c = dict(cat.c)
-            d = {
+            d: dict[str, Any] = {
                 "tier": self.tier,
                 "namespace": self.fp,
                 "paths": list(cat.slabs.paths),
@@ -386,15 +423,16 @@ class G3Pool:
         d["device_paths"] = self.reader.device_paths()
         return d
 
-    def slot_accounting(self) -> dict:
+    def slot_accounting(self) -> dict[str, int]:
         """Every slot below each file's cap is exactly one of: published, pinned-deferred, reserved,
         free. ``leaked`` must be 0 (tests assert it)."""
         return self.cat.accounting()
 
-    def __enter__(self):
+    def __enter__(self) -> G3Pool:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     @staticmethod

@@ -10,19 +10,38 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Hashable, Protocol, Sequence
 
+from ...config import G3Config
 from ...deadlines import Deadline
+from ...io import IoEngine
+from ...memory import BufferPool
+from ...model.frame import ChecksumFrames
+from ...model.namespace import BlockKey
 from ...transfer import plan_ops
-from ..base import PutResult
+from ..base import BlockBuffer, PutResult
 from . import journal as jr
 from .catalog import _NOSPACE, SlotCatalog
-from .pieces import PieceFramer, _Batch, _Job, _Piece
+from .pieces import PieceFramer, Slot, _Batch, _Job, _Piece
+
+if TYPE_CHECKING:
+    from .pool import G3Pool
 
 log = logging.getLogger(__name__)
+
+
+class Admission(Protocol):
+    """An admission filter (:mod:`.admission`): ``policy`` names it; ``admit(key)`` says whether an offload
+    of ``key`` is stored now."""
+
+    policy: str
+
+    def admit(self, key: Hashable) -> bool: ...
 
 
 class G3Writer:
@@ -39,7 +58,8 @@ class G3Writer:
             at each use: the pool class (tests change them).
     """
 
-    def __init__(self, cat: SlotCatalog, cfg, engine, frames, staging, io_size: int, admission, tuning):
+    def __init__(self, cat: SlotCatalog, cfg: G3Config, engine: IoEngine, frames: ChecksumFrames,
+                 staging: BufferPool, io_size: int, admission: Admission, tuning: type[G3Pool]) -> None:
         self.cat, self.cfg, self.engine, self.frames = cat, cfg, engine, frames
         self.staging, self.io_size, self.admission, self.tuning = staging, io_size, admission, tuning
         self._run = max(1, -(-io_size // cat.slot_bytes))  # slots per I/O: runs of adjacent slots allocated
@@ -47,8 +67,8 @@ class G3Writer:
         self._queue: collections.deque[_Job] = collections.deque()
         self._pending = 0
         self._writing = 0
-        self._inflight: set = set()
-        self._cancelled: set = set()
+        self._inflight: set[BlockKey] = set()
+        self._cancelled: set[BlockKey] = set()
         self._stop_sync = False
         self._ready: list[_Piece] = []  # written pieces waiting for the syncer
         self._pieces_writing = 0
@@ -66,17 +86,20 @@ class G3Writer:
         """Offload blocks queued or being written."""
         return self._pending
 
-    def put(self, keys: list, blocks: list, checks: list | None, bypass_admission: bool) -> Future:
+    def put(self, keys: list[BlockKey], blocks: list[BlockBuffer], checks: list[int] | None,
+            bypass_admission: bool) -> Future[PutResult]:
         """``G3Pool.put`` after its argument checks: skip held / in-flight / not admitted keys, drop what
         the queue bound, the degraded state or a closing pool refuses, queue the rest."""
         cat = self.cat
         res = PutResult()
-        fut: Future = Future()
+        fut: Future[PutResult] = Future()
         fut.set_running_or_notify_cancel()
         with cat.lock:
             cat.admitting(time.monotonic())
-            seen = set()
-            ck, cb, cc = [], [], []
+            seen: set[BlockKey] = set()
+            ck: list[BlockKey] = []
+            cb: list[BlockBuffer] = []
+            cc: list[int] = []
             for j, (k, b) in enumerate(zip(keys, blocks)):
                 if k in seen or k in cat.index or k in self._inflight:
                     res.skipped += 1
@@ -111,7 +134,7 @@ class G3Writer:
             fut.set_result(res)
         return fut
 
-    def cancel(self, key) -> None:
+    def cancel(self, key: BlockKey) -> None:
         """``key`` was deleted: a queued or in-flight offload of it is not published (caller holds the lock)."""
         if key in self._inflight:
             self._cancelled.add(key)
@@ -143,7 +166,8 @@ class G3Writer:
                 cat.cv.wait(end.left())
             self._stop_sync = True
             cat.cv.notify_all()
-        self._syncer.join(timeout=end.left() + 1)
+        left = end.left()  # a number: bound_s is one
+        self._syncer.join(timeout=None if left is None else left + 1)
 
     def close_sync_pool(self) -> None:
         self._sync_pool.shutdown(wait=True)
@@ -195,7 +219,7 @@ class G3Writer:
             if not job.future.done():
                 job.future.set_result(job.result)
 
-    def _batch_done_locked(self, batch: "_Batch") -> list:
+    def _batch_done_locked(self, batch: "_Batch") -> list[_Job]:
         for job in batch.jobs:
             self._pending -= len(job.keys)
             self._inflight.difference_update(job.keys)
@@ -223,16 +247,16 @@ class G3Writer:
 
     def _start_batch(self, batch: "_Batch") -> None:
         """Reserve slots for the batch's blocks and submit its pieces (returns once all are submitted)."""
-        lj: list = []  # per live block: job, key, block, device checksum (parallel lists)
-        lk: list = []
-        lb: list = []
-        lc: list = []
+        lj: list[_Job] = []  # per live block: job, key, block, device checksum (parallel lists)
+        lk: list[BlockKey] = []
+        lb: list[BlockBuffer] = []
+        lc: list[int | None] = []
         any_checks = any(job.checks is not None for job in batch.jobs)
         evicted_recs = 0
         with self.cat.lock:
             cancelled = self._cancelled
             for job in batch.jobs:
-                jc = job.checks if job.checks is not None else [None] * len(job.keys)
+                jc: Sequence[int | None] = job.checks if job.checks is not None else [None] * len(job.keys)
                 if not cancelled:
                     lj.extend([job] * len(job.keys))
                     lk.extend(job.keys)
@@ -268,8 +292,9 @@ class G3Writer:
                              lc[a:a + per] if any_checks else None)
                       for a in range(0, m, per)]
             batch.left += len(pieces)
-        if evicted_recs:
-            self.cat.metrics.evictions.inc(evicted_recs)
+        evictions = self.cat.metrics.evictions
+        if evicted_recs and evictions is not None:  # a G3 TierMetrics always has it
+            evictions.inc(evicted_recs)
         if not pieces:
             return
         try:
@@ -300,14 +325,15 @@ class G3Writer:
                 self._pieces_writing += 1
                 pc.files = tuple(sorted({fi for fi, _ in pc.slots}))
                 pc.gens = tuple(self._err_gen.get(fi, 0) for fi in pc.files)
+            ef: Future[Any]  # the engine's byte counts (not used here)
             try:
                 ef = self.engine.submit(plan_ops(self.framer.extents(pc, self._piece_slots), self.io_size, write=True))
             except Exception as e:  # noqa: BLE001 - engine refused or a bug: this piece is dropped
                 ef = Future()
                 ef.set_exception(e)
-            ef.add_done_callback(lambda f, pc=pc: self._piece_written(pc, f))
+            ef.add_done_callback(functools.partial(self._piece_written, pc))
 
-    def _piece_written(self, pc: "_Piece", ef: Future) -> None:
+    def _piece_written(self, pc: "_Piece", ef: Future[Any]) -> None:
         """Engine callback: the piece's writes finished (staging goes back; the syncer takes it on)."""
         e = ef.exception()
         for b in pc.stage:
@@ -385,25 +411,25 @@ class G3Writer:
             sync, by_index = self.tuning._fdatasync, self.cat.slabs.by_index
             futs = [(fi, self._sync_pool.submit(sync, by_index[fi].fd)) for fi in files]
             for fi, fut in futs:
-                e = fut.exception()
-                if e is not None:
-                    errs[fi] = e
+                err = fut.exception()
+                if err is not None:
+                    errs[fi] = err
         if errs:
             with self.cat.lock:
                 for fi in errs:
                     self._err_gen[fi] = self._err_gen.get(fi, 0) + 1
         return errs
 
-    def _settle(self, pieces: list, sync_errs: dict) -> None:
+    def _settle(self, pieces: list[_Piece], sync_errs: dict[int, BaseException]) -> None:
         """Publish the pieces that were written and synced (index + journal in one lock hold); release
         and count the others; finish batches whose last piece this was."""
-        done: list = []
+        done: list[_Job] = []
         with self.cat.cv:
-            recs = []
-            pub_j: list = []  # publishable blocks (journaled first, then put in the index)
-            pub_k: list = []
-            pub_s: list = []
-            finished: list = []
+            recs: list[bytes] = []
+            pub_j: list[_Job] = []  # publishable blocks (journaled first, then put in the index)
+            pub_k: list[BlockKey] = []
+            pub_s: list[Slot] = []
+            finished: list[_Batch] = []
             for pc in pieces:
                 self.cat.reserved -= len(pc.slots)
                 err = pc.error

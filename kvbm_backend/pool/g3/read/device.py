@@ -45,24 +45,28 @@ slab file fds from :class:`kvbm_backend.io.files.ReadFiles`.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter, deque
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 import numpy as np
 
 from ....model.frame import HEADER_BYTES
 from ....model.layout import KvLayout
 from ....model.namespace import BlockKey, tenant_tag
-from ...base import SlotLeaseSource
+from ...base import SlotLease, SlotLeaseSource
 from ....deadlines import Deadline
 from ....transfer import group_passes
-from ....gpu.probe import MODES, PROBE_BYTES, ProbeResult, _torch, probe_device_path
+from ....gpu.probe import MODES, PROBE_BYTES, ProbeResult, probe_device_path
 from .passes import PassReader, _Pass
-from .stages import lease_all, release_quietly
+from .stages import add_seconds, lease_all, release_quietly
 from .verify import PassVerifier
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DeviceLoader", "probe_device_path", "ProbeResult", "MODES", "PROBE_BYTES"]
 
@@ -98,12 +102,12 @@ class DeviceLoader:
         TypeError: ``source`` is not a SlotLeaseSource. ValueError: bad arguments.
     """
 
-    def __init__(self, source: SlotLeaseSource, layout: KvLayout, device="cuda", *, probe_dir: str | None = None,
-                 mode: str = "auto", world: int | None = None,
+    def __init__(self, source: SlotLeaseSource, layout: KvLayout, device: str | torch.device = "cuda", *,
+                 probe_dir: str | None = None, mode: str = "auto", world: int | None = None,
                  tenant_tag_fn: Callable[[BlockKey], bytes] | None = None,
                  staging_bytes: int = 128 << 20, depth: int = 4, io_bytes: int = 8 << 20, timeout_s: float = 5.0,
-                 threads: int = 8):
-        torch = _torch()
+                 threads: int = 8) -> None:
+        import torch
         if not isinstance(source, SlotLeaseSource):
             missing = [m for m in ("lease", "release", "drop_corrupt") if not callable(getattr(source, m, None))]
             raise TypeError(f"DeviceLoader: source {type(source).__name__} is not a SlotLeaseSource "
@@ -129,9 +133,9 @@ class DeviceLoader:
         self.depth = depth
         self.timeout_s = timeout_s
         self.threads = threads
-        self.counters: Counter = Counter()
+        self.counters: Counter[str] = Counter()
         self._call_lock = threading.Lock()
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         if self.device.type == "cpu":
             probe = ProbeResult("host", "device is the CPU: frames are read into host memory and verified there")
         elif mode == "pinned-bounce":
@@ -146,7 +150,7 @@ class DeviceLoader:
         # the parts: reads on the wire (files, staging ring, reader threads or kvikio), checks and copy-out
         self.reads = PassReader(self.mode, self.device, io_bytes, threads, self.counters)
         if self.device.type == "cuda":
-            self._stream = torch.cuda.Stream(self.device)
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # unannotated in torch
         self.verifier = PassVerifier(source, layout, self.device, world, self.tenant_tag_fn, self.counters,
                                      self._stream)
         log.info("device load path: %s (%s)", self.mode, self.mode_reason)
@@ -181,8 +185,8 @@ class DeviceLoader:
 
 
     # -- public ------------------------------------------------------------------------------
-    def load(self, keys: Sequence[BlockKey], dst: Sequence, reasons: list | None = None,
-             io: dict | None = None) -> list[bool]:
+    def load(self, keys: Sequence[BlockKey], dst: Sequence[torch.Tensor], reasons: list[str | None] | None = None,
+             io: dict[str, int] | None = None) -> list[bool]:
         """Load ``keys[i]`` into ``dst[i]``.
 
         Args:
@@ -215,22 +219,22 @@ class DeviceLoader:
                 raise ValueError(f"dst[{i}]: need a contiguous tensor of {bpb} bytes, got "
                                  f"{t.numel() * t.element_size()} bytes contiguous={t.is_contiguous()}")
         n = len(keys)
-        why: list = ["not_found"] * n
+        why: list[str | None] = ["not_found"] * n
         if n == 0:
             return []
         leases = lease_all(self.source, keys, "DeviceLoader")
-        held = [i for i, ls in enumerate(leases) if ls is not None]
+        held = {i: ls for i, ls in enumerate(leases) if ls is not None}  # row -> its lease
         self.counters["not_found"] += n - len(held)
         try:
             with self._call_lock:
                 b0 = self.counters["bytes_read"]
                 try:
-                    self._load_rows(keys, leases, held, dst, why)
+                    self._load_rows(keys, held, dst, why)
                 finally:
                     if io is not None:
                         io["bytes_read"] = self.counters["bytes_read"] - b0
         finally:
-            release_quietly(self.source, [leases[i] for i in held])
+            release_quietly(self.source, list(held.values()))
         ok = [w is None for w in why]
         self.counters["loaded"] += sum(ok)
         self.counters["missed"] += n - sum(ok)
@@ -238,7 +242,7 @@ class DeviceLoader:
             reasons[:] = why
         return ok
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters: ``loaded``, ``missed``, ``not_found``, ``io_error``, ``short``, ``timeout``,
         ``corrupt_<reason>`` (FrameError reasons, ``devcheck``), ``unverifiable``, ``host_verified``,
         ``bytes_read``, ``passes``, ``files_o_direct`` / ``files_buffered`` (how slab files are read on
@@ -249,7 +253,7 @@ class DeviceLoader:
         host-to-device copies); plus
         ``mode`` and ``mode_reason`` (kvikio paths: ``kvikio_direct_reads``, whether kvikio reads with
         O_DIRECT)."""
-        d = dict(self.counters)
+        d: dict[str, Any] = dict(self.counters)
         for k in ("read_wait_s", "verify_s", "load_s", "verify_headers_s", "verify_payload_s", "verify_copy_s",
                   "h2d_submit_s"):
             if k in d:
@@ -264,21 +268,23 @@ class DeviceLoader:
         self.reads.close()
 
     # -- internals ---------------------------------------------------------------------------
-    def _load_rows(self, keys, leases, held, dst, why) -> None:
-        torch = _torch()
+    def _load_rows(self, keys: Sequence[BlockKey], leases: dict[int, SlotLease], dst: Sequence[torch.Tensor],
+                   why: list[str | None]) -> None:
+        import torch
         bpb = self.layout.bytes_per_block
         deadline = Deadline(self.timeout_s)
-        passes = []
-        for rows, slot_len in group_passes([(i, leases[i].slot_len) for i in held], self.staging_bytes):
+        passes: list[tuple[list[int], int]] = []
+        for rows, slot_len in group_passes([(i, ls.slot_len) for i, ls in leases.items()], self.staging_bytes):
             if slot_len < HEADER_BYTES + bpb or slot_len % 4096:
                 self.counters["corrupt_length"] += len(rows)
                 for i in rows:
                     why[i] = "length"
                 continue
             passes.append((rows, slot_len))
-        inflight: deque = deque()
+        inflight: deque[_Pass] = deque()
         t0 = time.perf_counter()
-        ctx = torch.cuda.stream(self._stream) if self._stream is not None else _null()
+        ctx: ContextManager[Any] = (torch.cuda.stream(self._stream) if self._stream is not None
+                                    else contextlib.nullcontext())
         try:
             with ctx:
                 for k, (rows, slot_len) in enumerate(passes):
@@ -302,23 +308,16 @@ class DeviceLoader:
             for p in inflight:
                 self.reads.abandon(p)
             raise
-        self.counters["load_s"] += time.perf_counter() - t0
+        add_seconds(self.counters, "load_s", time.perf_counter() - t0)
 
-    def _finish(self, p: _Pass, keys, dst, why, deadline: Deadline) -> None:
+    def _finish(self, p: _Pass, keys: Sequence[BlockKey], dst: Sequence[torch.Tensor], why: list[str | None],
+                deadline: Deadline) -> None:
         """Reap, verify and copy out one pass (its ring buffers are free again on return)."""
         t0 = time.perf_counter()
         self.reads.reap(p, deadline)
         t1 = time.perf_counter()
-        self.counters["read_wait_s"] += t1 - t0
+        add_seconds(self.counters, "read_wait_s", t1 - t0)
         try:
             self.verifier.verify_copy(p, keys, dst, why)
         finally:
-            self.counters["verify_s"] += time.perf_counter() - t1
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+            add_seconds(self.counters, "verify_s", time.perf_counter() - t1)

@@ -22,21 +22,34 @@ import os
 import threading
 import time
 from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Sequence, Union, cast
 
 from ....model import frame
 from ....model.frame import FrameError
-from ....transfer import plan_ops, staged_run_extents
-from ...base import GetResult
+from ....model.namespace import BlockKey
+from ....transfer import Extent, plan_ops, staged_run_extents
+from ...base import BlockBuffer, GetResult
 from .. import journal as jr
 from ..index import TagKey
 from ..catalog import _MISS_REASON, HDR
+from ..pieces import Slot
+
+if TYPE_CHECKING:
+    from .reader import G3Reader
 
 log = logging.getLogger(__name__)
 
 _U64, _U32 = (1 << 64) - 1, (1 << 32) - 1
 
+#: a key a G3 get reads: a BlockKey, or a restored TagKey (tenant tag only) that ``G3Pool.keys`` gave out
+G3Key = Union[BlockKey, TagKey]
+#: a read chunk: the get's indexes, keys and slots of its blocks (parallel lists)
+_Chunk = tuple[list[int], list[G3Key], list[Slot]]
+#: a failed block: (key, slot, miss reason)
+_Bad = tuple[G3Key, Slot, str]
 
-def valid_key(k) -> bool:
+
+def valid_key(k: G3Key) -> bool:
     """A key a G3 slot can hold: seq_hash an integer in [0, 2**64), rank in [0, 2**32), and a str tenant
     (BlockKey) or a 16-byte tag (a restored :class:`~..index.TagKey`). Anything else is a miss
     (``invalid_key``): never looked up, so it cannot reach (let alone drop) another key's slot."""
@@ -55,34 +68,36 @@ class HostGet:
 
     ``out[i]`` are writable contiguous 1-D uint8 buffers of ``block_bytes`` (checked by the caller)."""
 
-    def __init__(self, reader, keys: list, out: list):
+    def __init__(self, reader: G3Reader, keys: Sequence[G3Key], out: list[BlockBuffer]) -> None:
         self.rd = reader
         self.cat = reader.cat  # slot state (under cat.lock)
         self.p = reader.pool  # engine, checksum frames, staging, io size, read tuning, cfg
         self.keys = keys
         self.out = out
         self.n = len(keys)
-        self.future: Future = Future()
+        self.future: Future[GetResult] = Future()
         self.future.set_running_or_notify_cancel()
         self.lock = threading.Lock()
-        self.slots: list = []  # slots of the present keys (pinned until the read finishes)
+        self.slots: list[Slot] = []  # slots of the present keys (pinned until the read finishes)
         self.left = 0  # chunks not yet verified
-        self.todo: collections.deque = collections.deque()  # chunks not yet submitted
+        self.todo: collections.deque[_Chunk] = collections.deque()  # chunks not yet submitted
         self.resolved = False
         self.ok = [False] * self.n
-        self.bad: list = []  # (key, slot, reason)
-        self.dups: list = []  # (i, j): keys[i] repeats keys[j], served by a copy of out[j] once j verified
+        self.bad: list[_Bad] = []  # (key, slot, reason)
+        self.dups: list[tuple[int, int]] = []  # (i, j): keys[i] repeats keys[j], served by a copy of out[j]
 
     # ---- lease + plan ------------------------------------------------------------------------------
-    def start(self) -> Future:
+    def start(self) -> Future[GetResult]:
         cat, keys, n = self.cat, self.keys, self.n
         # parallel lists, not a list per block: fewer GC-tracked objects per block (a full collection
         # of a large process stalls every thread; per-block lists made one likely on every big get)
-        idx, pk, ps = [], [], []
+        idx: list[int] = []
+        pk: list[G3Key] = []
+        ps: list[Slot] = []
         invalid = 0
         with cat.lock:
             get, pin = cat.index.get, cat.index.pin
-            first: dict = {}
+            first: dict[G3Key, int] = {}
             for i, k in enumerate(keys):
                 if k.namespace != cat.fp:
                     continue
@@ -111,7 +126,7 @@ class HostGet:
             self.future.set_result(GetResult(ok=[False] * n))
             return self.future
         per = self.piece_slots
-        chunks = [(idx[a:a + per], pk[a:a + per], ps[a:a + per]) for a in range(0, len(ps), per)]
+        chunks: list[_Chunk] = [(idx[a:a + per], pk[a:a + per], ps[a:a + per]) for a in range(0, len(ps), per)]
         self.slots, self.left, self.todo = ps, len(chunks), collections.deque(chunks)
         self.rd.deadlines.add(time.monotonic() + self.p.cfg.load_timeout_s, self._timeout)
         for _ in range(min(max(1, self.p.read_chunks_in_flight), len(chunks))):
@@ -132,7 +147,7 @@ class HostGet:
         pre-faulted fresh 64 MiB buffers (~0.1 s each on the dev VM)."""
         return min(self.piece_slots, 1 << max(0, int(n) - 1).bit_length())
 
-    def _extents(self, ch: tuple, stages: list) -> list:
+    def _extents(self, ch: _Chunk, stages: list[BlockBuffer]) -> list[Extent]:
         """Extents reading the chunk's slots (``ch`` = (indexes, keys, slots)) into one staging buffer
         taken from the pool's staging (appended to ``stages``): slot ``j`` at ``j * slot_bytes``. Every
         block is staged, whatever its size: the caller's buffer receives only verified bytes (a miss
@@ -159,7 +174,8 @@ class HostGet:
             if not self.todo:
                 return
             ch = self.todo.popleft()
-        stages: list = []
+        stages: list[BlockBuffer] = []
+        ef: Future[Any]  # the engine's byte counts (not used: headers and checksums say what arrived)
         try:
             exts = self._extents(ch, stages)
             ef = self.p.engine.submit(plan_ops(exts, self.p._io_size, write=False))
@@ -168,7 +184,7 @@ class HostGet:
             ef.set_exception(e)
         ef.add_done_callback(lambda f: self._chunk_done(ch, f, stages))
 
-    def _chunk_done(self, ch: tuple, ef: Future, stages: list) -> None:
+    def _chunk_done(self, ch: _Chunk, ef: Future[Any], stages: list[BlockBuffer]) -> None:
         """Engine callback (the engine's completion thread): submit the next chunk at once, then hand
         this chunk to the verifier thread, so I/O is never waiting on verification."""
         self._submit_next()
@@ -179,10 +195,10 @@ class HostGet:
             self._verify(ch, exc, stages)
 
     # ---- verify + deliver ----------------------------------------------------------------------------
-    def _verify(self, ch: tuple, exc: BaseException | None, stages: list) -> None:
+    def _verify(self, ch: _Chunk, exc: BaseException | None, stages: list[BlockBuffer]) -> None:
         """Verify one chunk's blocks where they landed (headers and checksums checked for the whole
         chunk at once), copy staged ones out; the last chunk finishes the get."""
-        bad: list = []  # (key, slot, reason)
+        bad: list[_Bad] = []  # (key, slot, reason)
         try:
             self._verify_chunk(ch, exc, stages[0], bad)
         except Exception:  # noqa: BLE001 - a bug must not hang the read: the chunk's blocks miss
@@ -200,7 +216,7 @@ class HostGet:
         if last:
             self._finish()
 
-    def _verify_chunk(self, ch: tuple, exc, stage, bad: list) -> None:
+    def _verify_chunk(self, ch: _Chunk, exc: BaseException | None, stage: BlockBuffer, bad: list[_Bad]) -> None:
         """Check the chunk's staged slots (``stage``: slot j at ``j * slot_bytes``) and copy the verified
         payloads to the caller's buffers (none after the get resolved); failures go to ``bad``."""
         cat, ok = self.cat, self.ok
@@ -226,7 +242,7 @@ class HostGet:
         all_there = all(top[fi] <= limit[fi] for fi in top)
         tag = cat.tag
         hdrs = stage[:m * sb].reshape(m, sb)
-        mv = memoryview(stage)
+        mv = stage.data  # memoryview(stage) (numpy's stubs give ndarray no buffer protocol before 3.12)
         payloads = [mv[o:o + bb] for o in range(HDR, m * sb, sb)]
         dsts = [self.out[i] for i in idx]
         tags = [k.tag if type(k) is TagKey else tag(k.tenant) for k in keys]
@@ -246,8 +262,9 @@ class HostGet:
                 reason = "short" if slot[0] in files else "io_error"
             elif not good[j]:
                 try:  # slow path: name the reason (or accept a valid frame of another writer)
-                    hdr = frame.accept(hdrs[j], k, cat.layout, tags[j], world=cat.namespace.tp_world_size,
-                                       stored_len=bb)
+                    # accept reads namespace, rank and seq_hash of the key (the tenant is tags[j]): a TagKey has them
+                    hdr = frame.accept(hdrs[j], cast(BlockKey, k), cat.layout, tags[j],
+                                       world=cat.namespace.tp_world_size, stored_len=bb)
                     if not hdr.flags & frame.FLAG_CHECKSUM:
                         raise FrameError("integrity", "frame carries no checksum")
                     frame.verify_payload(hdr, payload)
@@ -274,7 +291,8 @@ class HostGet:
                     ok[i] = True
         with cat.lock:
             recs = [None if r == "absent" else cat.index.identity(k, slot) for k, slot, r in bad]
-        drop, why = [], []  # proven bad: (key, slot, FrameError reason or "short"); miss reasons
+        drop: list[_Bad] = []  # proven bad: (key, slot, FrameError reason or "short")
+        why: list[str] = []  # miss reasons
         for (k, slot, reason), rec in zip(bad, recs):
             proof = "gone" if rec is None else self.rd.prove_bad(slot, rec)
             if proof == "good":
@@ -287,13 +305,14 @@ class HostGet:
         hits = sum(ok)
         nbytes = len(self.slots) * cat.slot_bytes
         with cat.lock:
-            jrecs = []
+            jrecs: list[bytes] = []
             for slot in self.slots:
                 free = cat.index.unpin(slot)
                 if free is not None:
                     cat.slabs.release([free])
             for k, slot, proof in drop:
-                free = cat.index.remove(k, slot)
+                # the index finds a restored TagKey's entry by its fields (namespace, tag, rank, seq_hash) too
+                free = cat.index.remove(cast(BlockKey, k), slot)
                 if free is not None:
                     cat.slabs.release([free])
                 jrecs.append(jr.encode(jr.DEL, k))

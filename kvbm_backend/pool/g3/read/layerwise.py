@@ -33,31 +33,34 @@ import time
 from collections import Counter
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import xxhash
 
 from ....io.files import ReadFiles
 from ....memory import BufferPool
-from ....model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, HEADER_BYTES, FrameError
+from ....model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, HEADER_BYTES, FrameError, FrameHeader
 from ....model.layout import KvLayout
 from ....model.namespace import BlockKey, tenant_tag
-from ....transfer.layers import DEFAULT_MIN_READ, layer_aligned, layer_groups, plan_layer_reads
-from ...base import SlotLease, SlotLeaseSource
-from .stages import check_frame, lease_all, release_quietly, report_corrupt
+from ....transfer.layers import DEFAULT_MIN_READ, LayerRead, layer_aligned, layer_groups, plan_layer_reads
+from ...base import BlockBuffer, SlotLease, SlotLeaseSource
+from .stages import add_seconds, check_frame, lease_all, release_quietly, report_corrupt
 from ....deadlines import Deadline
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    import torch
 
+log = logging.getLogger(__name__)
 
 
 #: the owner's read fds (one O_DIRECT open / fallback rule for every reader: :mod:`kvbm_backend.io.files`)
 SlabFiles = ReadFiles
 
 
-def _torch():
-    import torch
-    return torch
+def _key_tag(k: BlockKey) -> bytes:
+    """The 16-byte tenant tag a key's frames carry: a restored key's own ``tag``, else its tenant's."""
+    tag = getattr(k, "tag", None)  # a restored TagKey (pool/g3/index.py) has no tenant string
+    return tag if isinstance(tag, bytes) and tag else tenant_tag(k.tenant)
 
 
 class LayerwiseLoad:
@@ -82,13 +85,13 @@ class LayerwiseLoad:
         TypeError: ``source`` is not a SlotLeaseSource. ValueError: a layout whose block is not whole layers.
     """
 
-    def __init__(self, source: SlotLeaseSource, layout: KvLayout, keys: Sequence[BlockKey], device, *,
-                 executor: Executor, files: ReadFiles, timeout_s: float, world: int | None = None,
-                 min_read: int = DEFAULT_MIN_READ, staging: BufferPool | None = None,
-                 tenant_tag_fn: Callable[[BlockKey], bytes] | None = None):
+    def __init__(self, source: SlotLeaseSource, layout: KvLayout, keys: Sequence[BlockKey],
+                 device: str | torch.device, *, executor: Executor, files: ReadFiles, timeout_s: float,
+                 world: int | None = None, min_read: int = DEFAULT_MIN_READ, staging: BufferPool | None = None,
+                 tenant_tag_fn: Callable[[BlockKey], bytes] | None = None) -> None:
         if not isinstance(source, SlotLeaseSource):
             raise TypeError(f"LayerwiseLoad: source {type(source).__name__} is not a SlotLeaseSource (pass the G3 pool)")
-        torch = _torch()
+        import torch
         self.source, self.layout, self.keys = source, layout, list(keys)
         self.device = torch.device(device)
         self.n, self.L = len(self.keys), layout.num_layers
@@ -100,17 +103,20 @@ class LayerwiseLoad:
         self.group_of = [gi for gi, (_, c) in enumerate(self.groups) for _ in range(c)]
         self.executor, self.files, self.world = executor, files, world
         self.timeout_s = timeout_s
-        self.tenant_tag_fn = tenant_tag_fn or (lambda k: getattr(k, "tag", None) or tenant_tag(k.tenant))
-        self.why: list = ["not_found"] * self.n  # None = good so far
-        self.headers: list = [None] * self.n
-        self.counters: Counter = Counter()
+        self.tenant_tag_fn: Callable[[BlockKey], bytes] = tenant_tag_fn or _key_tag
+        self.why: list[str | None] = ["not_found"] * self.n  # None = good so far
+        self.headers: list[FrameHeader | None] = [None] * self.n
+        self.counters: Counter[str] = Counter()
         self._staging_pool = staging
         self._leases: list[SlotLease | None] = []
-        self._futs: list[list[Future]] = []
+        self._held: dict[int, SlotLease] = {}  # row -> its lease, for rows whose frame is read
+        self._futs: list[list[Future[str | None]]] = []
         self._frame_rows: list[int] = []
         self._in: list[bool] = [False] * len(self.groups)  # group reaped (and on the device)
-        self._events: list = [None] * len(self.groups)
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._events: list[torch.cuda.Event | None] = [None] * len(self.groups)
+        self._stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # unannotated in torch
         self._released = False
         self.deadline: Deadline | None = None
 
@@ -118,11 +124,11 @@ class LayerwiseLoad:
     def start(self) -> "LayerwiseLoad":
         """Lease the slots and submit every read (returns at once). Raises TypeError when the source
         returns something other than SlotLease/None (a wiring bug; nothing stays leased)."""
-        torch = _torch()
+        import torch
         self.deadline = Deadline(self.timeout_s)
         leases = lease_all(self.source, self.keys, "LayerwiseLoad") if self.n else []
         self._leases = leases
-        frames = []
+        frames: list[tuple[int, int]] = []
         for i, ls in enumerate(leases):
             if ls is None:
                 continue
@@ -130,6 +136,7 @@ class LayerwiseLoad:
                 self.why[i] = "length"
                 continue
             self.why[i] = None
+            self._held[i] = ls
             frames.append((i, ls.offset))
         self.counters["not_found"] += self.n - len(frames)
         pinned = self.device.type == "cuda"
@@ -150,13 +157,13 @@ class LayerwiseLoad:
             self.counters["unaligned_loads"] += 1
         self._frame_rows = [r for r, _ in frames]
         for reads in plan_layer_reads(frames, self.lb, self.groups):
-            self._futs.append([self.executor.submit(self._read, rd, leases[rd.row].path,
+            self._futs.append([self.executor.submit(self._read, rd, self._held[rd.row].path,
                                                     self.hdr, self.lay_np) for rd in reads])
             self.counters["reads"] += len(reads)
         self.counters["groups"] += len(self.groups)
         return self
 
-    def _read(self, rd, path: str, hdr, lay) -> str | None:
+    def _read(self, rd: LayerRead, path: str, hdr: BlockBuffer, lay: BlockBuffer) -> str | None:
         """One read (on the executor): the group's layers of one frame. ``hdr`` / ``lay`` are passed in
         so a late read keeps the staging alive. Returns None or a reason."""
         iov = ([hdr[rd.row]] if rd.header else []) + [lay[rd.first_layer + k, rd.row] for k in range(rd.n_layers)]
@@ -178,7 +185,7 @@ class LayerwiseLoad:
         t0 = time.perf_counter()
         for row, f in zip(self._frame_rows, self._futs[gi] if gi < len(self._futs) else []):
             try:
-                left = self.deadline.left()
+                left = self.deadline.left() if self.deadline is not None else None  # reads exist once started
                 res = f.result(timeout=max(0.0, left) if left is not None else None)
             except FutureTimeout:
                 res = "timeout"
@@ -188,15 +195,15 @@ class LayerwiseLoad:
             if res is not None and self.why[row] is None:
                 self.why[row] = res
                 self.counters[res] += 1
-        self.counters["read_wait_s"] += time.perf_counter() - t0
+        add_seconds(self.counters, "read_wait_s", time.perf_counter() - t0)
         if gi == 0:
             self._check_headers()
         if self._stream is not None:  # the group's layers to the device, one copy
-            torch = _torch()
+            import torch
             l0, cnt = self.groups[gi]
             with torch.cuda.stream(self._stream):
                 self.lay_dev[l0:l0 + cnt].copy_(self.lay_host[l0:l0 + cnt], non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
                 ev.record(self._stream)
             self._events[gi] = ev
         self._in[gi] = True
@@ -208,12 +215,12 @@ class LayerwiseLoad:
             k = self.keys[i]
             try:
                 self.headers[i] = check_frame(self.hdr[i], k, self.layout, self.tenant_tag_fn(k), world=self.world,
-                                              slot_len=self._leases[i].slot_len)
+                                              slot_len=self._held[i].slot_len)
             except FrameError as e:
                 self.why[i] = e.reason
                 self.counters[f"corrupt_{e.reason}"] += 1
 
-    def wait_layer(self, layer: int):
+    def wait_layer(self, layer: int) -> tuple[list[int], torch.Tensor]:
         """Wait for layer ``layer`` (until the deadline). Returns ``(good, t)``: the rows whose reads and
         headers are good so far (not yet payload-verified: see the module doc) and layer ``layer`` of
         every row as a ``[n, layer_bytes]`` uint8 tensor on :attr:`device` (rows not in ``good`` hold
@@ -224,12 +231,14 @@ class LayerwiseLoad:
         gi = self.group_of[layer]
         for g in range(gi + 1):  # group 0 carries the headers
             self._reap(g)
-        if self._events[gi] is not None:
-            _torch().cuda.current_stream(self.device).wait_event(self._events[gi])
+        ev = self._events[gi]
+        if ev is not None:
+            import torch
+            torch.cuda.current_stream(self.device).wait_event(ev)
         return [i for i in range(self.n) if self.why[i] is None], self.lay_dev[layer, :self.n]
 
     # ---- finish --------------------------------------------------------------------------------
-    def finish(self) -> list:
+    def finish(self) -> list[str | None]:
         """Wait for every read, verify every good row's whole payload where it landed, drop slots proven
         bad, release the leases. Returns one reason per row: None (verified) or why not (``not_found``,
         ``io_error``, ``short``, ``timeout``, ``unverifiable``, ``integrity``, ``devcheck``, or a header
@@ -241,7 +250,7 @@ class LayerwiseLoad:
                 self._reap(g)
             t0 = time.perf_counter()
             self._verify()
-            self.counters["verify_s"] += time.perf_counter() - t0
+            add_seconds(self.counters, "verify_s", time.perf_counter() - t0)
         finally:
             self._released = True
             release_quietly(self.source, [ls for ls in self._leases if ls is not None])
@@ -253,22 +262,24 @@ class LayerwiseLoad:
         return list(self.why)
 
     def _verify(self) -> None:
-        torch = _torch()
+        import torch
         good = [i for i in range(self.n) if self.why[i] is None]
-        dev = [i for i in good if self._stream is not None and self.headers[i].flags & FLAG_DEVCHECK]
-        if dev:
+        # a good row's header was checked (check_frame): headers[i] is set for each
+        heads = {i: h for i in good if (h := self.headers[i]) is not None}
+        dev = [i for i in good if self._stream is not None and heads[i].flags & FLAG_DEVCHECK]
+        if dev and self._stream is not None:
             from ....gpu.checksum import device_checksums_torch
             self._stream.synchronize()
             idx = torch.as_tensor(dev, dtype=torch.long, device=self.device)
             rows = self.lay_dev.index_select(1, idx).permute(1, 0, 2).reshape(len(dev), self.L * self.lb)
             for i, got in zip(dev, device_checksums_torch(rows.contiguous(), 0, self.L * self.lb)):
-                if got != self.headers[i].dev_check:
+                if got != heads[i].dev_check:
                     self.why[i] = "devcheck"
                     self.counters["corrupt_devcheck"] += 1
         for i in good:
             if i in dev:
                 continue
-            h = self.headers[i]
+            h = heads[i]
             if not h.flags & FLAG_CHECKSUM:
                 self.why[i] = "unverifiable"  # devcheck-only frame on the host: not checked here
                 self.counters["unverifiable"] += 1
@@ -282,7 +293,7 @@ class LayerwiseLoad:
             else:
                 self.counters["host_verified"] += 1
 
-    def block(self, row: int):
+    def block(self, row: int) -> torch.Tensor:
         """Row ``row``'s payload as one contiguous ``[bytes_per_block]`` uint8 tensor on :attr:`device`
         (a copy; FullyContiguous ``[layer, outer, page, inner]``). For tests and callers that want whole
         blocks after :meth:`finish`."""

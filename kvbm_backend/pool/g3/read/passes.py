@@ -11,34 +11,48 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 from ....deadlines import Deadline
 from ....transfer import contiguous_runs
-from ....gpu.probe import _torch
 from ....gpu.staging import host_staging_pool
 from ....io.files import ReadFiles
+from ...base import BlockBuffer, SlotLease
+from .stages import add_seconds
+
+if TYPE_CHECKING:
+    import torch
+
+    from ....io.kvikio_engine import KvikioEngine
 
 log = logging.getLogger(__name__)
+
+
+#: a ring slot's buffers: device staging, the host rows reads land in (None: kvikio reads to the device) and
+#: the host buffer under them (given back to its pool)
+_RingEntry = tuple["torch.Tensor", Optional["torch.Tensor"], Optional[BlockBuffer]]
 
 
 @dataclass
 class _Pass:
     """One pass: leases ``rows`` (indexes into the call's keys) read into ``staging`` rows 0..n-1."""
-    rows: list
-    leases: list
+    rows: list[int]
+    leases: list[SlotLease]
     slot_len: int
-    staging: object  # torch uint8 [n, slot_len] on the device (host mode: the CPU)
-    host: object  # pinned/host torch uint8 [n, slot_len] the reads land in (None: kvikio reads to the device)
+    staging: torch.Tensor  # uint8 [n, slot_len] on the device (host mode: the CPU)
+    host: torch.Tensor | None  # pinned/host uint8 [n, slot_len] the reads land in (None: kvikio reads to the device)
     ring: int  # ring slot the buffers came from
-    futs: list  # (row0, nrows, future) per read
-    status: list  # per pass row: None (read in full) or a reason
-    headers: object = None  # host uint8 [n, HEADER_BYTES]: the 4 KiB headers, filled by the reader threads
+    # (row0, nrows, future) per read: a concurrent Future of (bytes, None), or kvikio's IOFuture (untyped)
+    futs: list[tuple[int, int, Any]]
+    status: list[str | None]  # per pass row: None (read in full) or a reason
+    headers: BlockBuffer | None = None  # host uint8 [n, HEADER_BYTES]: the 4 KiB headers, filled by the readers
 
 
-def _done(f) -> bool:
-    return f.done() if hasattr(f, "done") else True
+def _done(f: Any) -> bool:
+    return bool(f.done()) if hasattr(f, "done") else True
 
 
 class PassReader:
@@ -55,13 +69,14 @@ class PassReader:
             ``files_o_direct`` / ``files_buffered``).
     """
 
-    def __init__(self, mode: str, device, io_bytes: int, threads: int, counters):
+    def __init__(self, mode: str, device: torch.device, io_bytes: int, threads: int, counters: Counter[str]) -> None:
         self.mode, self.device, self.io_bytes, self.counters = mode, device, io_bytes, counters
         self.files = ReadFiles(counters)  # O_DIRECT on the bounce/host paths where taken, buffered for kvikio
-        self.abandoned: list = []  # (futures, ring entry) of timed-out reads, kept alive until done
-        self.ring: dict = {}  # ring slot -> (staging, host, host buffer), reused across calls
-        self.engine = None  # kvikio (gds / kvikio-compat)
-        self.pool = None  # reader threads (pinned-bounce / host)
+        # (futures, ring entry) of timed-out reads, kept alive until done
+        self.abandoned: list[tuple[list[Any], _RingEntry | None]] = []
+        self.ring: dict[int, _RingEntry] = {}  # ring slot -> (staging, host, host buffer), reused across calls
+        self.engine: KvikioEngine | None = None  # kvikio (gds / kvikio-compat)
+        self.pool: ThreadPoolExecutor | None = None  # reader threads (pinned-bounce / host)
         if mode in ("gds", "kvikio-compat"):
             from ....io.kvikio_engine import KvikioEngine
             self.engine = KvikioEngine(threads=threads)
@@ -109,16 +124,17 @@ class PassReader:
         self.files.close()
 
     # -- staging ring ------------------------------------------------------------------------
-    def buffers(self, ring: int, n: int, slot_len: int):
+    def buffers(self, ring: int, n: int, slot_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(staging, host) for a pass of ``n`` rows from ring slot ``ring`` (grown as needed; the
         smaller host buffer goes back to the pool: its pass was verified and copied out)."""
-        torch = _torch()
+        import torch
         need = n * slot_len
         buf = self.ring.get(ring)
         if buf is None or buf[0].numel() < need:
             if buf is not None:
                 self.give_ring(buf)
-            hbuf = None
+            hbuf: BlockBuffer | None = None
+            host: torch.Tensor | None
             if self.mode == "host":
                 hbuf = host_staging_pool(False).take(need)
                 st = host = torch.from_numpy(hbuf)  # 4 KiB aligned: O_DIRECT reads land here
@@ -132,7 +148,7 @@ class PassReader:
         st, host, _ = buf
         return (st[:need].view(n, slot_len), None if host is None else host[:need].view(n, slot_len))
 
-    def give_ring(self, entry) -> None:
+    def give_ring(self, entry: _RingEntry | None) -> None:
         """Give a ring entry's host buffer back to the pool (nothing reads into it any more)."""
         if entry is not None and entry[2] is not None:
             host_staging_pool(self.mode != "host").give(entry[2])
@@ -146,10 +162,14 @@ class PassReader:
             ls = p.leases[r0]
             try:
                 fd, _ = self.files.fd(ls.path, self.engine is None)  # opened here: a failed open is a miss
+                f: Any  # a concurrent Future, or kvikio's IOFuture
                 if self.pool is not None:
+                    # bounce / host passes have host rows and a header buffer (DeviceLoader makes them so)
+                    assert p.host is not None and p.headers is not None
                     f = self.pool.submit(self._read_bounce, ls.path, p.staging[r0:r0 + nr], p.headers[r0:r0 + nr],
                                           ls.offset, p.host[r0:r0 + nr])
                 else:
+                    assert self.engine is not None  # no reader threads: the kvikio modes' engine reads
                     f = self.engine.read_to_device_async(fd, p.staging[r0:r0 + nr].reshape(-1), nr * p.slot_len,
                                                           ls.offset)
             except Exception as e:  # noqa: BLE001 - a read that cannot start: its rows are misses
@@ -158,7 +178,8 @@ class PassReader:
                 continue
             p.futs.append((r0, nr, f))
 
-    def _read_bounce(self, path: str, dev, hdr, offset: int, host):
+    def _read_bounce(self, path: str, dev: torch.Tensor, hdr: BlockBuffer, offset: int,
+                     host: torch.Tensor) -> tuple[int, None]:
         """One read of the bounce and host paths (a reader thread): ``preadv`` into ``host``, the pass's
         host rows ``[nr, slot_len]`` (host mode: the staging itself; ``pinned-bounce``: pinned rows that
         :meth:`_reap` copies to the device staging ``dev`` in one DMA per pass), then the rows' 4 KiB
@@ -177,7 +198,7 @@ class PassReader:
 
     def reap(self, p: _Pass, deadline: Deadline) -> None:
         """Wait for the pass's reads (until ``deadline``); fill ``p.status``."""
-        pending = []
+        pending: list[Any] = []
         for r0, nr, f in p.futs:
             try:
                 if hasattr(f, "result"):  # concurrent.futures: a bounce/host read
@@ -205,10 +226,10 @@ class PassReader:
                 p.status[r] = None if r - r0 < full else "short"
             if full < nr:
                 self.counters["short"] += nr - full
-        if self.mode == "pinned-bounce" and any(x is None for x in p.status):
+        if self.mode == "pinned-bounce" and p.host is not None and any(x is None for x in p.status):
             t0 = time.perf_counter()
             p.staging.copy_(p.host, non_blocking=True)  # one DMA for the pass, on the loader's stream
-            self.counters["h2d_submit_s"] += time.perf_counter() - t0
+            add_seconds(self.counters, "h2d_submit_s", time.perf_counter() - t0)
         if pending:  # keep the buffers alive until the I/O ends; never hand them out again
             self.abandoned.append((pending, self.ring.pop(p.ring, None)))
         keep = []

@@ -2,7 +2,8 @@
 delegates ``get``, ``lease``, ``release``, ``drop_corrupt`` and ``device_reader`` to it).
 
 It owns the read side's threads and per-device loaders (the verifier thread of host gets, the load-timeout
-timer, one :class:`~.device.DeviceLoader` per device and the thread that runs tensor gets) and reaches slot
+timer, one :class:`~.device.DeviceLoader` per device and the thread that runs tensor gets; for layer-wise
+loads the reader threads, slab fds and host staging, made on first use) and reaches slot
 state only through the pool's slot catalog (``cat``: the index, slab files, journal and counters under
 ``cat.lock``, :class:`~kvbm_backend.pool.g3.catalog.SlotCatalog`): it pins slots it reads, unpins them, and drops a slot
 from the index and the journal only once its stored bytes are proven bad (:meth:`G3Reader.prove_bad`).
@@ -13,20 +14,57 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 from ....deadlines import Deadlines
-from ....memory import aligned_empty
+from ....io.files import ReadFiles
+from ....memory import BufferPool, aligned_empty
 from ....model import frame
 from ....model.frame import FrameError
 from ....model.namespace import BlockKey
-from ...base import GetResult, SlotLease, is_tensor_batch
+from ....transfer.layers import DEFAULT_MIN_READ
+from ...base import BlockBuffer, GetDestinations, GetResult, SlotLease, is_tensor_batch
 from .. import journal as jr
 from ..index import TagKey
-from ..catalog import _MISS_REASON, HDR
+from ..catalog import _MISS_REASON, HDR, SlotCatalog
+from ..pieces import Slot
 from .host import HostGet, valid_key
+from .layerwise import LayerwiseLoad
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..pool import G3Pool
+    from .device import DeviceLoader
 
 log = logging.getLogger(__name__)
+
+#: bytes of free host staging kept for the next layer-wise loads, per kind (pinned for CUDA devices:
+#: allocating page-locked memory per load would cost more than the reads)
+LAYERWISE_STAGING_KEEP_BYTES = 512 << 20
+
+
+class _LayerwiseParts:
+    """What layer-wise loads of one pool share: reader threads (``threads``; their queue order is the read
+    order), slab fds (:class:`~kvbm_backend.io.files.ReadFiles`) and host staging (pinned / host)."""
+
+    def __init__(self, threads: int) -> None:
+        self.executor = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvbm-g3-layerwise")
+        self.files = ReadFiles()
+        self._staging: dict[bool, BufferPool] = {}
+
+    def staging(self, pinned: bool) -> BufferPool:
+        """The staging pool of one kind (made on first use)."""
+        pool = self._staging.get(pinned)
+        if pool is None:
+            pool = self._staging[pinned] = BufferPool("pinned" if pinned else "host", LAYERWISE_STAGING_KEEP_BYTES,
+                                                      name="layerwise-staging")
+        return pool
+
+    def close(self) -> None:
+        """Wait for reads in flight (late reads land in their load's staging only), close the fds."""
+        self.executor.shutdown(wait=True)
+        self.files.close()
 
 
 class G3Reader:
@@ -41,28 +79,30 @@ class G3Reader:
             ``chunk_bytes``, ``min_chunk_blocks``, ``read_chunks_in_flight``), read at each get.
     """
 
-    def __init__(self, cat, pool):
+    def __init__(self, cat: SlotCatalog, pool: G3Pool) -> None:
         self.cat = cat
         self.pool = pool
         # read chunks are verified here, not on the engine's completion thread, so the engine keeps
         # posting and reaping I/O while a chunk's headers/checksums are checked and copied out
         self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-g3-verify")
         self.deadlines = Deadlines("kvbm-g3-deadlines")
-        self.device_readers: dict = {}  # str(device) -> DeviceLoader (device_reader)
+        self.device_readers: dict[str, DeviceLoader] = {}  # str(device) -> DeviceLoader (device_reader)
         self._device_lock = threading.Lock()
         self._device_exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-g3-device")
+        self._layerwise: _LayerwiseParts | None = None  # made by the first layerwise_load
         self._closed = False
 
     # ---- get: numpy (host pipeline) or tensors (device loader) -----------------------------------
-    def get(self, keys: list, out: list) -> Future:
+    def get(self, keys: list[BlockKey], out: GetDestinations) -> Future[GetResult]:
         """``G3Pool.get``: numpy buffers through :class:`~.host.HostGet`, tensors through the device loader.
         Raises ValueError for mismatched lengths or bad numpy buffers (see ``G3Pool.get``)."""
         if is_tensor_batch(out):
             if len(keys) != len(out):
                 raise ValueError(f"get: {len(keys)} keys but {len(out)} buffers")
-            return self._get_tensors(keys, out)
+            return self._get_tensors(keys, cast("list[torch.Tensor]", list(out)))  # is_tensor_batch said so
         self.pool._check_keys(keys, out, "get", writable=True)
-        return HostGet(self, keys, out).start()
+        # _check_keys let only contiguous 1-D uint8 numpy buffers through
+        return HostGet(self, keys, cast("list[BlockBuffer]", list(out))).start()
 
     # ---- SlotLeaseSource: in-place reads by the device and layer-wise loaders ---------------------
     def lease(self, keys: Sequence[BlockKey]) -> list[SlotLease | None]:
@@ -87,9 +127,9 @@ class G3Reader:
 
     def release(self, leases: Sequence[SlotLease]) -> None:
         """See ``G3Pool.release``."""
-        self.unpin([ls.token for ls in leases])
+        self.unpin([cast(Slot, ls.token) for ls in leases])  # lease() makes each token its slot
 
-    def unpin(self, slots) -> None:
+    def unpin(self, slots: Sequence[Slot]) -> None:
         """Unpin ``slots`` (a slot evicted meanwhile is freed now)."""
         with self.cat.lock:
             self.cat.release_slots(slots)
@@ -101,7 +141,7 @@ class G3Reader:
             slot = cat.index.get(key) if valid_key(key) else None
             rec = None if slot is None else cat.index.identity(key, slot)
             cat.miss(_MISS_REASON.get(reason, "corrupt"))
-        if rec is None:
+        if slot is None or rec is None:
             return
         why = self.prove_bad(slot, rec)
         if why in ("good", "unreadable"):
@@ -119,7 +159,7 @@ class G3Reader:
             cat.update_gauges()
         cat.metrics.corrupt.labels(reason).inc()
 
-    def prove_bad(self, slot: tuple, rec: tuple) -> str:
+    def prove_bad(self, slot: Slot, rec: tuple[bytes, int, int]) -> str:
         """Re-read ``slot`` (one synchronous ``preadv`` of the whole slot into a fresh aligned buffer) and
         check it against ``rec`` = (tenant tag, rank, seq_hash), what the index says the slot holds.
 
@@ -136,7 +176,7 @@ class G3Reader:
         sb = cat.slot_bytes
         buf = aligned_empty(sb)
         try:
-            n = os.preadv(f.fd, [buf], si * sb)
+            n = os.preadv(f.fd, [buf.data], si * sb)  # buf.data: numpy's stubs give ndarray no buffer before 3.12
         except OSError:
             return "unreadable"
         if n < sb:
@@ -147,7 +187,9 @@ class G3Reader:
             return "short" if size < (si + 1) * sb else "unreadable"
         tag, rank, seq = rec
         try:
-            hdr = frame.accept(buf[:HDR], TagKey(cat.fp, tag, rank, seq), cat.layout, tag,
+            # accept reads the key's namespace, rank and seq_hash (the tenant is ``tag``): a TagKey names them
+            key = cast(BlockKey, TagKey(cat.fp, tag, rank, seq))
+            hdr = frame.accept(buf[:HDR], key, cat.layout, tag,
                                world=cat.namespace.tp_world_size, stored_len=cat.block_bytes)
             if not hdr.flags & frame.FLAG_CHECKSUM:
                 raise FrameError("integrity", "frame carries no checksum")
@@ -157,7 +199,7 @@ class G3Reader:
         return "good"
 
     # ---- device loads ------------------------------------------------------------------------------
-    def device_reader(self, device):
+    def device_reader(self, device: str | torch.device) -> DeviceLoader:
         """See ``G3Pool.device_reader``."""
         import torch
 
@@ -178,14 +220,33 @@ class G3Reader:
                 log.info("G3 %s: device loads into %s: %s (%s)", cat.slabs.paths[0], dev, rd.mode, rd.mode_reason)
         return rd
 
-    def device_paths(self) -> dict:
+    def layerwise_load(self, keys: Sequence[BlockKey], device: str | torch.device, *, timeout_s: float | None = None,
+                       min_read: int | None = None) -> LayerwiseLoad:
+        """See ``G3Pool.layerwise_load``."""
+        import torch
+
+        cat, cfg = self.cat, self.pool.cfg
+        dev = torch.device(device)
+        with self._device_lock:
+            if self._closed or cat.closed:
+                raise RuntimeError("G3 pool is closed")
+            if self._layerwise is None:
+                self._layerwise = _LayerwiseParts(cfg.io_threads)
+            staging = self._layerwise.staging(dev.type == "cuda")
+            executor, files = self._layerwise.executor, self._layerwise.files
+        return LayerwiseLoad(self, cat.layout, keys, dev, executor=executor, files=files,
+                             timeout_s=cfg.load_timeout_s if timeout_s is None else timeout_s,
+                             world=cat.namespace.tp_world_size,
+                             min_read=DEFAULT_MIN_READ if min_read is None else min_read, staging=staging).start()
+
+    def device_paths(self) -> dict[str, dict[str, str]]:
         """``{device: {"mode", "reason"}}`` of the device loaders made so far (``G3Pool.stats``)."""
         return {dev: {"mode": rd.mode, "reason": rd.mode_reason} for dev, rd in list(self.device_readers.items())}
 
-    def _get_tensors(self, keys: list, out: list) -> Future:
+    def _get_tensors(self, keys: list[BlockKey], out: list[torch.Tensor]) -> Future[GetResult]:
         """``get`` into torch tensors: the device reader on the device-load thread."""
         cat = self.cat
-        fut: Future = Future()
+        fut: Future[GetResult] = Future()
         fut.set_running_or_notify_cancel()
         try:
             rd = self.device_reader(out[0].device)
@@ -195,8 +256,8 @@ class G3Reader:
             return fut
 
         def run() -> None:
-            why: list = []
-            io: dict = {}
+            why: list[str | None] = []
+            io: dict[str, int] = {}
             try:
                 ok = rd.load(keys, out, why, io)
             except (ValueError, TypeError):
@@ -245,6 +306,9 @@ class G3Reader:
             for rd in list(self.device_readers.values()):
                 rd.close()
             self.device_readers.clear()
+            lw, self._layerwise = self._layerwise, None
+        if lw is not None:
+            lw.close()
 
     def close_verifier(self) -> None:
         """Stop the verifier thread (after the engine: its last callbacks may still queue here)."""

@@ -9,12 +9,13 @@ on a device, else xxh3_128 for ``FLAG_CHECKSUM``); an encrypted or unchecked fra
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Sequence
 
 from ....model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, FrameError, FrameHeader, accept
 from ....model.layout import KvLayout
 from ....model.namespace import BlockKey
-from ...base import SlotLease, SlotLeaseSource
+from ...base import BlockBuffer, SlotLease, SlotLeaseSource
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,12 @@ log = logging.getLogger(__name__)
 TRANSIENT = ("not_found", "io_error", "short", "timeout")
 #: reasons that never drop a slot (:func:`report_corrupt`)
 KEEP = TRANSIENT + ("unverifiable", "length")
+
+
+def add_seconds(counters: Counter[str], name: str, seconds: float) -> None:
+    """``counters[name] += seconds``: the loaders' Counters hold float seconds (``*_s`` names) beside their
+    int counts, which typeshed's int-valued ``Counter`` does not express (the one place that says so)."""
+    counters[name] += seconds  # type: ignore[assignment]  # a float value in a Counter: see the docstring
 
 
 def lease_all(source: SlotLeaseSource, keys: Sequence[BlockKey], who: str) -> list[SlotLease | None]:
@@ -60,7 +67,7 @@ def release_quietly(source: SlotLeaseSource, leases: Sequence[SlotLease]) -> Non
         log.warning("releasing %d slot leases failed: %s", len(leases), e)
 
 
-def check_frame(header, key: BlockKey, layout: KvLayout, tag: bytes, *, world: int | None,
+def check_frame(header: BlockBuffer, key: BlockKey, layout: KvLayout, tag: bytes, *, world: int | None,
                 slot_len: int) -> FrameHeader:
     """The header check of every loader: :func:`~kvbm_backend.model.frame.accept` of the 4 KiB ``header``
     for ``key`` (``tag``: its 16-byte tenant tag) in ``layout``, a frame of ``slot_len`` bytes, and a payload
@@ -78,7 +85,8 @@ def check_frame(header, key: BlockKey, layout: KvLayout, tag: bytes, *, world: i
     return h
 
 
-def report_corrupt(source: SlotLeaseSource, keys: Sequence[BlockKey], why: Sequence, rows=None) -> None:
+def report_corrupt(source: SlotLeaseSource, keys: Sequence[BlockKey], why: Sequence[str | None],
+                   rows: Sequence[int] | None = None) -> None:
     """``source.drop_corrupt(keys[i], why[i])`` for each row (``rows``, default all) whose reason says
     the stored bytes failed a check (not None and not in :data:`KEEP`); the source drops the slot only
     once a re-read proves it bad. Failures are logged, never raised."""

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from ....model.frame import FLAG_DEVCHECK, HEADER_BYTES, FrameError, payload_checksum
+from ....model.frame import FLAG_DEVCHECK, HEADER_BYTES, FrameError, FrameHeader, payload_checksum
+from ....model.layout import KvLayout
+from ....model.namespace import BlockKey
 from ....gpu.checksum import device_checksums_torch
-from ....gpu.probe import _torch
+from ...base import SlotLeaseSource
 from .passes import _Pass
-from .stages import TRANSIENT, check_frame, report_corrupt
+from .stages import TRANSIENT, add_seconds, check_frame, report_corrupt
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +36,14 @@ class PassVerifier:
         stream: the loader's CUDA stream (None on the CPU): synchronised once a pass is copied out.
     """
 
-    def __init__(self, source, layout, device, world, tenant_tag_fn, counters, stream):
+    def __init__(self, source: SlotLeaseSource, layout: KvLayout, device: torch.device, world: int | None,
+                 tenant_tag_fn: Callable[[BlockKey], bytes], counters: Counter[str],
+                 stream: torch.cuda.Stream | None) -> None:
         self.source, self.layout, self.device, self.world = source, layout, device, world
         self.tenant_tag_fn, self.counters, self.stream = tenant_tag_fn, counters, stream
 
-    def verify_copy(self, p: _Pass, keys, dst, why) -> None:
+    def verify_copy(self, p: _Pass, keys: Sequence[BlockKey], dst: Sequence[torch.Tensor],
+                    why: list[str | None]) -> None:
         """Check headers and payloads of a read pass; copy the verified payloads into ``dst``."""
         t_start = time.perf_counter()
         n = len(p.rows)
@@ -53,7 +63,9 @@ class PassVerifier:
             headers = staging[:, :HEADER_BYTES].numpy()
         else:
             headers = staging[:, :HEADER_BYTES].cpu().numpy()
-        devcheck_rows, expect, host_rows = [], [], []
+        devcheck_rows: list[int] = []
+        expect: list[int] = []
+        host_rows: list[tuple[int, FrameHeader]] = []
         for r in good:
             i = p.rows[r]
             try:
@@ -67,13 +79,13 @@ class PassVerifier:
             except FrameError as e:
                 p.status[r] = e.reason
         t0 = time.perf_counter()
-        self.counters["verify_headers_s"] += t0 - t_start
-        ok_rows = []
+        add_seconds(self.counters, "verify_headers_s", t0 - t_start)
+        ok_rows: list[int] = []
         if devcheck_rows:
             rows_t = staging[devcheck_rows] if len(devcheck_rows) != n else staging
             got = device_checksums_torch(rows_t, HEADER_BYTES, bpb)  # one sync for the pass
-            for r, g, e in zip(devcheck_rows, got, expect):
-                if g == e:
+            for r, g, want in zip(devcheck_rows, got, expect):
+                if g == want:
                     ok_rows.append(r)
                 else:
                     p.status[r] = "devcheck"
@@ -87,7 +99,7 @@ class PassVerifier:
             else:
                 p.status[r] = "integrity"
         t1 = time.perf_counter()
-        self.counters["verify_payload_s"] += t1 - t0
+        add_seconds(self.counters, "verify_payload_s", t1 - t0)
         if ok_rows:  # one multi-tensor copy for the pass (not one launch per block)
             dsts = [_bytes_view(dst[p.rows[r]]) for r in ok_rows]
             srcs = [staging[r, HEADER_BYTES:HEADER_BYTES + bpb] for r in ok_rows]
@@ -100,20 +112,20 @@ class PassVerifier:
         report_corrupt(self.source, keys, why, p.rows)  # the pool proves them bad before dropping
         if self.stream is not None:
             self.stream.synchronize()  # dst written; staging free for the pass after next
-        self.counters["verify_copy_s"] += time.perf_counter() - t1
+        add_seconds(self.counters, "verify_copy_s", time.perf_counter() - t1)
 
 
-def _bytes_view(t):
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     """1-D uint8 view of a contiguous tensor's bytes."""
-    torch = _torch()
+    import torch
     t = t.view(-1)
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
-def _copy_all(dsts: list, srcs: list) -> None:
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``dsts[i].copy_(srcs[i])`` for all i on the current stream, fused where torch can
     (``torch._foreach_copy_``), else one copy per pair."""
-    torch = _torch()
+    import torch
     fused = getattr(torch, "_foreach_copy_", None)
     if fused is not None and len(dsts) > 1:
         fused(dsts, srcs, non_blocking=True)
