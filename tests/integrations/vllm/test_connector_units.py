@@ -12,6 +12,7 @@ from kvbm_backend.config import ConfigError
 from kvbm_backend.integrations.vllm.connector import config_from_extra
 from kvbm_backend.integrations.vllm.kv_io import EngineKv, detect_engine_layout, numpy_staging, split_blocks
 from kvbm_backend.model.layout import KvLayout, engine_page_to_region
+from tests.helpers.paths import REPO
 
 L, NB, H, N, D = 3, 10, 2, 32, 64
 
@@ -721,9 +722,8 @@ def test_stats_path_holds_both_roles_counters(tmp_path):
     import json
     import subprocess
     import sys
-    from pathlib import Path
     from kvbm_backend.integrations.vllm import stats
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO
     path, sched = tmp_path / "s" / "stats.json", tmp_path / "s" / "stats.scheduler.json"
     stats.reset()
     stats.add(load_g3_blocks_ok=4, g3_put_written_blocks=6)

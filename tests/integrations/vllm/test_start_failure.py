@@ -10,9 +10,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
 
 CHILD = r"""
 import os, signal, sys, threading, time, weakref

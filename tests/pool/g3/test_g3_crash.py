@@ -21,8 +21,9 @@ import numpy as np
 
 from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.memory import aligned_empty
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]  # the repo root
+ROOT = REPO  # the repo root
 BB = LAYOUT.bytes_per_block
 
 

@@ -10,6 +10,7 @@ from kvbm_backend.integrations.vllm.g3_mirror import G3Mirror
 from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta, mirror_id
 from kvbm_backend.model.namespace import tenant_bytes, tenant_tag
 from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
+from tests.helpers.paths import REPO
 
 BB = LAYOUT.bytes_per_block
 ODD_TENANTS = ["\udcff", "a\ud800b", "\udfff\ud800", "nul\x00in\x00it", "\x00", "é-ü-中", "x" * 1_000_000]
@@ -180,7 +181,6 @@ def test_lock_file_deleted_second_process_is_refused(tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     from kvbm_backend.pool.g3.slabs import LOCK_NAME
     code = ("import sys\n"
@@ -188,7 +188,7 @@ def test_lock_file_deleted_second_process_is_refused(tmp_path):
             "from kvbm_backend.pool.g3 import G3LockedError\n"
             "try:\n    p = open_pool(%r)\nexcept G3LockedError as e:\n    print('REFUSED', e); sys.exit(3)\n"
             "keys = p.keys()\np.delete(keys).result()\np.close()\nprint('OPENED', len(keys))\n") % (str(tmp_path),)
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(REPO)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     with open_pool(tmp_path) as pool:
         keys = NS.keys(range(1, 201), tenant="t")

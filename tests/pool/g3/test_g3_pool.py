@@ -20,6 +20,7 @@ from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.base import BlockPool
 from kvbm_backend.pool.g3 import G3LockedError, G3Pool
+from tests.helpers.paths import REPO
 
 BB = LAYOUT.bytes_per_block
 SLOT = frame.slot_bytes(BB)
@@ -268,7 +269,7 @@ def test_second_pool_or_process_is_refused(tmp_path):
                 "from kvbm_backend.pool.g3 import G3LockedError\n"
                 "try:\n    open_pool(%r)\nexcept G3LockedError as e:\n    print('REFUSED', e); sys.exit(3)\n"
                 ) % (str(tmp_path),)
-        root = str(Path(__file__).resolve().parents[2])  # the repo root: tests.helpers and kvbm_backend import from it
+        root = str(REPO)  # the repo root: tests.helpers and kvbm_backend import from it
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
         assert p.returncode == 3, p.stdout + p.stderr

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tracemalloc
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +25,9 @@ from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g4.naming import TenantNamer, legacy_block_name, parse_block_name
 from kvbm_backend.pool.g4.pool import TENANT_CACHE_ENTRIES, G4Pool
+from tests.helpers.paths import HELPERS
 
-WRITER = str(Path(__file__).parents[1] / "helpers" / "g4_writer.py")
+WRITER = str(HELPERS / "g4_writer.py")
 FANOUT = 16
 
 

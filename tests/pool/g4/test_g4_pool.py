@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 from hmac import HMAC
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,8 +22,9 @@ from kvbm_backend.pool.g4.naming import namespace_name, parse_block_name
 from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameHeader
 from kvbm_backend.pool.base import BlockPool
+from tests.helpers.paths import HELPERS
 
-WRITER = str(Path(__file__).parents[1] / "helpers" / "g4_writer.py")
+WRITER = str(HELPERS / "g4_writer.py")
 
 
 @pytest.fixture(params=["fs", "s3"])
