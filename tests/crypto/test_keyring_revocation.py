@@ -23,6 +23,8 @@ from kvbm_backend.crypto.keyring import (Keyring, KeyringError, TenantRevoked, U
 from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameHeader
 
+pytestmark = [pytest.mark.slow]
+
 RELOAD_S = 0.5  # g4.keyring.reload_interval_s used here: the stated revocation bound
 SLACK_S = 1.0  # scheduling slack on 2 shared cores
 

@@ -14,6 +14,8 @@ import pytest
 
 from kvbm_backend.config import load_config
 
+pytestmark = [pytest.mark.vllm]
+
 EX = Path(__file__).resolve().parents[2] / "examples"
 FRONTEND = EX / "dynamo" / "frontend.sh"  # no KV config: checked by test_dynamo_frontend_script
 BASELINE = EX / "dynamo" / "agg.sh"  # no KV config either: the demo's baseline worker (test_dynamo_baseline_script)

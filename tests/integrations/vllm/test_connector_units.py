@@ -14,6 +14,8 @@ from kvbm_backend.integrations.vllm.kv_io import EngineKv, detect_engine_layout,
 from kvbm_backend.model.layout import KvLayout, engine_page_to_region
 from tests.helpers.paths import REPO
 
+pytestmark = [pytest.mark.vllm]
+
 L, NB, H, N, D = 3, 10, 2, 32, 64
 
 

@@ -15,6 +15,8 @@ import torch
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import KvGroup, Namespace
 
+pytestmark = [pytest.mark.vllm]
+
 BS = 32
 LAY = KvLayout(2, 2, BS, 64, "bfloat16")
 

@@ -22,6 +22,8 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 from kvbm_backend.integrations.vllm.tiering_harness import offloading_config  # noqa: E402
 
+pytestmark = [pytest.mark.vllm]
+
 GEO = dict(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", tokens_per_block=16)
 PAGE = 2 * 16 * 2 * 8 * 4  # heads * tokens * (K|V head_dim) * 4 B: one layer's page of one engine block
 BPC = 4

@@ -18,6 +18,8 @@ from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness, offlo
 from kvbm_backend.integrations.vllm.tiering import G3Tier, PrimaryGeometry, offload_key_hash  # noqa: E402
 from kvbm_backend.model.frame import HEADER_BYTES  # noqa: E402
 
+pytestmark = [pytest.mark.vllm]
+
 MOD = "kvbm_backend.integrations.vllm.tiering"
 GEO = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", tokens_per_block=16)  # 32 KiB chunks
 

@@ -18,10 +18,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.memory import aligned_empty
 from tests.helpers.paths import REPO
+
+pytestmark = [pytest.mark.slow]
 
 ROOT = REPO  # the repo root
 BB = LAYOUT.bytes_per_block

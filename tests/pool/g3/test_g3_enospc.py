@@ -21,6 +21,8 @@ from kvbm_backend.io.posix import PosixEngine
 from kvbm_backend.model import frame
 from kvbm_backend.pool.g3.slabs import fs_space
 
+pytestmark = [pytest.mark.slow]
+
 SLOT = frame.slot_bytes(LAYOUT.bytes_per_block)
 
 

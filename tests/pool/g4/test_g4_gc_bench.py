@@ -15,6 +15,8 @@ from kvbm_backend.apps.cli import app
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.pool import G4Pool
 
+pytestmark = [pytest.mark.slow]
+
 BENCH_KEYS = {"block_bytes", "blocks", "io_size_bytes", "engine", "write_gbps", "read_gbps", "baseline_write_gbps",
               "baseline_read_gbps", "cpu_s_per_gb", "encrypt", "aes_gcm_gbps_per_core", "encrypted_read_gbps",
               "unencrypted_read_gbps", "put_cpu_s_per_gb", "get_cpu_s_per_gb", "encrypted_put_cpu_s_per_gb",

@@ -16,6 +16,8 @@ from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.breaker import CircuitBreaker
 from kvbm_backend.pool.g4.pool import G4Pool
 
+pytestmark = [pytest.mark.slow]
+
 TIMEOUT_S = 1.0
 # A call that waited on the frozen/dead server would take >= TIMEOUT_S; a quarter of it separates
 # "returned at once" from "blocked" with room for a busy 2-core CI machine.
