@@ -1,6 +1,6 @@
 """Operator mistakes on the command line (issue 10): every one is a single ``error:`` line on stderr that
 names the argument, exit code 2, and no traceback. Runs the CLI in-process (typer's CliRunner), like
-``tests/integration/test_bench_cli.py``; the commands here all fail before any I/O beyond a stat."""
+``tests/apps/test_bench_cli.py``; the commands here all fail before any I/O beyond a stat."""
 from __future__ import annotations
 
 import json

@@ -213,7 +213,7 @@ def test_every_g4_series_moves(tmp_path):
         pool.close(timeout=1)
     m = metrics.TierMetrics("g4", reg)
     moved = {"degraded"}  # checked while the breaker was open
-    # moved by a throttling S3 (a proxy answering 503 SlowDown): tests/pool/test_g4_throttle.py checks it
+    # moved by a throttling S3 (a proxy answering 503 SlowDown): tests/pool/g4/test_g4_throttle.py checks it
     moved_elsewhere = {"throttled"}
     for attr, sample, labels in (("offload_blocks", "kvbm_offload_blocks_d2o_total", {}),
                                  ("onboard_blocks", "kvbm_onboard_blocks_o2d_total", {}),

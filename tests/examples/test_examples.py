@@ -94,7 +94,7 @@ def test_script_syntax_and_embedded_config(script):
     names = [n for c in configs for n in check_kv_transfer_config(c)]
     assert "KvbmBackendConnector" in names or "OffloadingConnector" in names
     # every script execs its launcher (or, with KVBM_BACKEND_DRY_RUN, the dry run in front of the same argv:
-    # tests/integration/test_example_effective.py) after printing its effective settings
+    # tests/examples/test_example_effective.py) after printing its effective settings
     assert f"exec {DRY_RUN} \\\n" in text and "kvbm_backend.apps.effective --for " in text
     if "dynamo" in script.parts:
         assert f"exec {DRY_RUN} \\\n  {DYNAMO_WORKER}" in text and '"$@"' in code
@@ -171,4 +171,4 @@ def test_kvbm_backend_yaml_loads():
 
 
 # examples/k8s (image, frontend, etcd, worker; schema, Secrets, keyring, the worker's command in dry run):
-# tests/integration/test_k8s_example.py, which took over test_kubernetes_worker's keyring/Secret checks.
+# tests/examples/test_k8s_example.py, which took over test_kubernetes_worker's keyring/Secret checks.

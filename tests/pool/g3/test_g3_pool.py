@@ -133,7 +133,7 @@ def test_several_paths_stripe_blocks_across_every_directory(tmp_path):
 @pytest.mark.parametrize("engine", ["posix", "nixl"])
 def test_engine_setting_picks_the_io_engine(tmp_path, engine):
     """``g3.engine``: the pool does its slab I/O through the engine named (``kvikio`` needs the NVIDIA
-    driver: tests/integration/test_gpu_path.py)."""
+    driver: tests/gpu/test_gpu_path.py)."""
     if engine == "nixl":
         pytest.importorskip("nixl", reason="NIXL not installed")
     with _open_with(tmp_path, engine=engine) as pool:
