@@ -12,7 +12,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvbm_backend.config import G3Config
 from kvbm_backend.gpu.host_path import device_blocks_to_host, load_via_host
 from kvbm_backend.gpu.probe import probe_device_path
 from kvbm_backend.pool.g3.read.device import DeviceLoader
@@ -25,6 +24,7 @@ from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace, tenant_tag
 from kvbm_backend.pool.base import SlotLease
 from kvbm_backend.transfer import contiguous_runs
+from tests.helpers.pools import g3_config
 
 LAYOUT = KvLayout(num_layers=2, outer_dim=2, page_size=4, inner_dim=96, dtype="bfloat16")  # 3072 B/block
 NS = Namespace(model="test/gpu-path", revision="r1", layout=LAYOUT, tp_world_size=1)
@@ -260,9 +260,7 @@ def test_bad_destination_is_a_clear_error(tmp_path):
 
 def _g3(tmp_path, **kw):
     from kvbm_backend.pool.g3.pool import G3Pool
-    cfg = G3Config(paths=[str(tmp_path / "g3")], capacity_gb=0.05, files_per_path=1,
-                   admission={"policy": "all"}, **kw)
-    return G3Pool(cfg, NS)
+    return G3Pool(g3_config(tmp_path / "g3", **kw), NS)
 
 
 def test_real_g3_pool_through_device_loader(tmp_path):

@@ -31,9 +31,8 @@ from kvbm_backend.config import ConfigError, load_config  # noqa: E402
 from kvbm_backend.integrations import tiers  # noqa: E402
 from kvbm_backend.integrations.vllm.wiring import ConnectorParts, wire  # noqa: E402
 from kvbm_backend.integrations.vllm.workers import GroupedWorkers  # noqa: E402
-from kvbm_backend.model.layout import KvLayout  # noqa: E402
-from kvbm_backend.model.namespace import Namespace  # noqa: E402
 from kvbm_backend.pool.base import G3Extensions, require_g3_extensions  # noqa: E402
+from tests.helpers.pools import tiny_ns
 
 BS, H, D, NB = 16, 2, 64, 32
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
@@ -113,7 +112,7 @@ def test_wire_refuses_a_g3_pool_without_the_g3_extensions(tmp_path):
 def test_g3_pool_satisfies_the_g3_extensions_protocol(tmp_path):
     cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.01, "files_per_path": 1}},
                       use_env=False)
-    ns = Namespace("wiring/model", KvLayout(2, 2, 16, 64, "bfloat16"))
+    ns = tiny_ns("wiring/model")
     g3, _ = tiers.open_tiers(cfg, ns)
     try:
         assert isinstance(g3, G3Extensions) and require_g3_extensions(g3) is g3

@@ -73,10 +73,9 @@ def test_release_partial_releases_the_tiers_a_failed_start_took(tmp_path):
     from kvbm_backend.config import load_config
     from kvbm_backend.integrations import tiers
     from kvbm_backend.integrations.vllm.start_failure import release_partial
-    from kvbm_backend.model.layout import KvLayout
-    from kvbm_backend.model.namespace import Namespace
+    from tests.helpers.pools import tiny_ns
     cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.01}}, use_env=False)
-    ns = Namespace("start-failure/model", KvLayout(2, 2, 16, 64, "bfloat16"))
+    ns = tiny_ns("start-failure/model")
     g3, _ = tiers.shared_tiers(cfg, ns)
 
     class Half:  # a connector whose start failed after its first group's tiers were taken

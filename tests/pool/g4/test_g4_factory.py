@@ -10,15 +10,15 @@ import pytest
 
 from kvbm_backend.config import G4Config
 from kvbm_backend.model.hashing import sequence_hashes
-from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g4 import memory_store, store as store_abc
 from kvbm_backend.pool.g4.factory import SCHEMES, StoreOptions, open_store
 from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.memory_store import MemoryStore
 from kvbm_backend.pool.g4.pool import G4Pool
+from tests.helpers.pools import TINY_LAYOUT
 
-LAYOUT = KvLayout(2, 2, 16, 64, "bfloat16")
+LAYOUT = TINY_LAYOUT
 
 
 def test_unknown_scheme_is_a_value_error_naming_the_field_and_the_scheme():

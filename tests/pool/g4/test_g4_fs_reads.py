@@ -13,6 +13,7 @@ from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.reader import bounce_buffers, bounce_slot_bytes
 from kvbm_backend.pool.g4.store import ObjectStore
 from kvbm_backend.memory import aligned_empty
+from tests.helpers.pools import tiny_ns
 
 
 def _data(n: int, seed: int = 0) -> bytes:
@@ -121,12 +122,10 @@ def test_bounce_pool_lends_distinct_slots_and_overflows_without_waiting():
 
 def test_g4_pool_reads_file_objects_through_its_bounce_buffers_and_reports_overflow(tmp_path):
     from kvbm_backend.config import G4Config
-    from kvbm_backend.model.layout import KvLayout
-    from kvbm_backend.model.namespace import Namespace
     from kvbm_backend.pool.g4.pool import G4Pool
 
-    layout = KvLayout(2, 2, 16, 64, "bfloat16")
-    ns = Namespace("bounce/model", layout)
+    ns = tiny_ns("bounce/model")
+    layout = ns.layout
     keys = ns.keys(list(range(1, 4)))
     data = [np.full(layout.bytes_per_block, i + 1, np.uint8) for i in range(3)]
     with G4Pool(G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False, max_inflight=2), ns) as p:

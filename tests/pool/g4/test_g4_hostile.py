@@ -17,6 +17,7 @@ from tests.helpers.lying_proxy import MODES, LyingProxy
 from kvbm_backend.config import G4Config
 from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.pool.g4.pool import G4Pool
+from tests.helpers.pools import tiny_ns
 
 NS = namespace()
 BPB = NS.layout.bytes_per_block
@@ -256,11 +257,9 @@ def test_any_str_is_a_g4_tenant(tmp_path, encrypt):
 
     from kvbm_backend.config import load_config
     from kvbm_backend.integrations.tiers import open_tiers
-    from kvbm_backend.model.layout import KvLayout
-    from kvbm_backend.model.namespace import Namespace
 
-    lay = KvLayout(2, 2, 16, 64, "bfloat16")
-    ns = Namespace("m", lay)
+    ns = tiny_ns("m")
+    lay = ns.layout
     g4cfg = {"enabled": True, "url": f"file://{tmp_path}/g4", "encrypt": encrypt}
     if encrypt:
         g4cfg["keyring"] = {"path": str(tmp_path / "kr.json")}
