@@ -24,7 +24,7 @@ from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace, tenant_tag
 from kvbm_backend.pool.base import SlotLease
 from kvbm_backend.transfer import contiguous_runs
-from tests.helpers.pools import g3_config
+from tests.helpers.pools import open_g3
 
 LAYOUT = KvLayout(num_layers=2, outer_dim=2, page_size=4, inner_dim=96, dtype="bfloat16")  # 3072 B/block
 NS = Namespace(model="test/gpu-path", revision="r1", layout=LAYOUT, tp_world_size=1)
@@ -259,8 +259,7 @@ def test_bad_destination_is_a_clear_error(tmp_path):
 
 
 def _g3(tmp_path, **kw):
-    from kvbm_backend.pool.g3.pool import G3Pool
-    return G3Pool(g3_config(tmp_path / "g3", **kw), NS)
+    return open_g3(tmp_path / "g3", NS, **kw)
 
 
 def test_real_g3_pool_through_device_loader(tmp_path):

@@ -29,7 +29,7 @@ from kvbm_backend.model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, HEADER_BYTES,
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.base import SlotLease
 from kvbm_backend.pool.g3.pool import G3Pool
-from tests.helpers.pools import g3_config
+from tests.helpers.pools import open_g3
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NB, BS, H, D, L = 24, 16, 2, 64, 3  # engine blocks, block_size, kv heads, head_dim, layers
@@ -49,7 +49,7 @@ def _ns(kv):
 
 
 def _g3(tmp_path, ns, **kw):
-    return G3Pool(g3_config(tmp_path / "g3", files_per_path=2, load_timeout_s=20, **kw), ns)
+    return open_g3(tmp_path / "g3", ns, files_per_path=2, load_timeout_s=20, **kw)
 
 
 def _block_bytes(kv, block_id):

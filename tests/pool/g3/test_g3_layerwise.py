@@ -16,9 +16,8 @@ from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g3.read.layerwise import LayerwiseLoad, SlabFiles
-from kvbm_backend.pool.g3.pool import G3Pool
 from kvbm_backend.transfer.layers import layer_groups, plan_layer_reads
-from tests.helpers.pools import g3_config
+from tests.helpers.pools import open_g3
 
 ALIGNED = KvLayout(num_layers=6, outer_dim=2, page_size=16, inner_dim=128, dtype="bfloat16")  # 8 KiB layers
 UNALIGNED = KvLayout(num_layers=3, outer_dim=2, page_size=16, inner_dim=24, dtype="bfloat16")  # 1.5 KiB layers
@@ -28,7 +27,7 @@ UNALIGNED = KvLayout(num_layers=3, outer_dim=2, page_size=16, inner_dim=24, dtyp
 def rig(tmp_path, request):
     layout = getattr(request, "param", ALIGNED)
     ns = Namespace(model="test/layerwise", revision="r1", layout=layout, tp_world_size=1)
-    pool = G3Pool(g3_config(tmp_path / "g3", load_timeout_s=20), ns)
+    pool = open_g3(tmp_path / "g3", ns, load_timeout_s=20)
     ex = ThreadPoolExecutor(4, thread_name_prefix="test-layerwise")
     files = SlabFiles()
     rng = np.random.default_rng(5)
@@ -172,7 +171,7 @@ def test_gpu_layerwise_loads_verify_the_device_checksum_in_hbm(tmp_path):
     from kvbm_backend.model.frame import device_checksum
     layout = ALIGNED
     ns = Namespace(model="test/layerwise-gpu", revision="r1", layout=layout, tp_world_size=1)
-    pool = G3Pool(g3_config(tmp_path / "g3", load_timeout_s=20), ns)
+    pool = open_g3(tmp_path / "g3", ns, load_timeout_s=20)
     ex, files, staging = ThreadPoolExecutor(4), SlabFiles(), BufferPool("pinned", 64 << 20)
     try:
         rng = np.random.default_rng(9)
