@@ -6,7 +6,8 @@
 #   bash ci/test.sh ARGS...    pytest ARGS (one lane; `--fast` may be combined with them)
 # The whole suite and --fast run `ruff check .` first (pyproject.toml [tool.ruff]); a lint error fails the run.
 #
-# Three lanes at once, split by markers (tests/conftest.py applies them; the lanes partition the suite exactly):
+# Three lanes at once, split by markers (declared in the test files, s3/gpu applied by tests/conftest.py;
+#   docs/testing.md "Markers"; the lanes partition the suite exactly):
 #   engine  tests marked slow, vllm, s3 or gpu (vLLM engines, Dynamo, SeaweedFS, crashes) and not side: in the
 #           foreground at normal priority, so its timing-sensitive tests (timeouts, latency bounds) get the CPU
 #           first whenever they want it;

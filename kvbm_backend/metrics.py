@@ -20,7 +20,7 @@ blocks by reason, misses by reason, bytes, ``degraded``; G3 also evictions, capa
 blocks; G4 also ``kvbm_backend_g4_offload_seconds``, a histogram of each block offload from queued to
 ended: a worker whose G4 writes stall shows there, not only as late handoffs, and
 ``kvbm_backend_g4_throttled{op}``, requests the store answered "slow down"). Every series listed here
-is updated by the pools (``tests/unit/test_metrics.py``).
+is updated by the pools (``tests/core/test_metrics.py``).
 
 Serving: one endpoint per pod and port for every process (:mod:`kvbm_backend.metrics_mp`). When an
 integration opens its tiers with ``metrics.port`` P, :func:`prepare` (before the pools exist) puts this

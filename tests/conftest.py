@@ -1,14 +1,24 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, and the markers the lanes of ``ci/test.sh`` select on.
 
 S3 tests run against a real SeaweedFS server on 127.0.0.1 (``tests/helpers/seaweed.py``): one per session,
 or the one ``.ci/run`` started when ``KVBM_TEST_S3_ENDPOINT`` is set. Tests skip (with the reason)
 only when the ``weed`` binary is absent.
 
-Layout (issue 11): ``tests/unit`` (pure logic), ``tests/pool`` (G3/G4 pools, keyrings, S3 clients),
-``tests/integration`` (connector pieces, tiering, device paths, I/O engines, examples, CLI),
-``tests/e2e`` (vLLM engines and servers, Dynamo, multi-process clusters); shared helpers are the package
-``tests.helpers`` (``from tests.helpers.seaweed import ...``: the repo root is on ``sys.path`` through
-``pythonpath = ["."]`` in pyproject.toml; child processes get it through ``PYTHONPATH``).
+Layout (issue 23 item 4): the folders mirror what they test, ``tests/pool/g3``, ``tests/pool/g4``,
+``tests/pool`` (every pool at once: conformance, key runs), ``tests/crypto``, ``tests/model``, ``tests/io``,
+``tests/transfer``, ``tests/gpu``, ``tests/integrations/vllm``, ``tests/apps`` (the CLI and its commands:
+bench, demo, plan, replay, doctor, keys, model), ``tests/core`` (config, metrics, memory, the layering and
+docs checks), ``tests/examples`` (examples/ parsed, not run), ``tests/benchmarks`` (benchmarks/ scripts run);
+``tests/e2e`` holds whole-system runs (vLLM engines and servers, Dynamo, the demo, example scripts,
+multi-process clusters, the fault campaign). A folder says what is tested, never which lane runs it.
+Shared helpers are the package ``tests.helpers`` (``from tests.helpers.seaweed import ...``: the repo root is
+on ``sys.path`` through ``pythonpath = ["."]`` in pyproject.toml; child processes get it through
+``PYTHONPATH``; ``tests.helpers.paths.REPO`` is the repo root from any depth); small pool / layout setups
+shared by several folders are in ``tests.helpers.pools`` (``TINY_LAYOUT``, ``tiny_ns``, ``g3_config``,
+``open_g3``).
+
+Lane markers (``slow``, ``vllm``, ``side``) are declared in the test files; ``s3`` and ``gpu`` are applied
+below. The rule is at "markers: the lanes" below and in docs/testing.md "Markers".
 """
 from __future__ import annotations
 
@@ -81,49 +91,73 @@ def s3_prefix(request):
     return f"{request.node.name.replace('[', '-').replace(']', '')[:40]}-{uuid.uuid4().hex[:8]}"
 
 
-# ---- markers: the fast lane ------------------------------------------------------------------------
+# ---- markers: the lanes ---------------------------------------------------------------------------
 # `bash ci/test.sh --fast` runs `-m "not slow and not vllm and not s3 and not gpu"` (the unit lane, for
-# edit-test loops); CI runs everything. The markers are applied here, from what a test uses, so a new
-# test cannot forget them: `s3` - a SeaweedFS fixture; `vllm` - a module that drives the vLLM engine;
-# `gpu` - a CUDA parametrisation or a test_gpu_* test; `slow` - modules and tests measured at more than
-# ~10 s on the 2-core CI VM (`ci/test.sh --durations=40`). The sets below name modules by basename (the
-# folder does not matter: keep basenames unique across tests/*/). The folder does not imply a marker:
-# every tests/e2e test is out of the fast lane and every tests/unit test in it (on a CPU machine), but no
-# folder maps onto one marker (e2e: slow, vllm and s3 in different combinations; pool and integration
-# mixed), so the markers stay defined by these sets alone.
-_S3_FIXTURES = {"seaweed", "seaweed_restartable", "s3_prefix"}
-_VLLM_MODULES = {"test_connector_e2e", "test_connector_units", "test_demo", "test_examples", "test_tiering",
-                 "test_vllm_serve", "test_dynamo_e2e", "test_dynamo_router", "test_hybrid_e2e", "test_hybrid_units",
-                 "test_fp8_kv", "test_connector_liveness", "test_native_tiers", "test_native_cpu",
-                 "test_dynamo_native", "test_layerwise_e2e", "test_native_tp_hybrid", "test_tier_interface_bench",
-                 "test_anytp_e2e"}
-_SLOW_MODULES = {"test_faults_quick", "test_g3_crash", "test_g4_multiproc", "test_g4_outage", "test_g4_gc_bench",
-                 "test_g3_enospc", "test_keyring_revocation", "test_g4_cluster", "test_hybrid_e2e",
-                 "test_connector_liveness", "test_native_tiers", "test_dynamo_native", "test_layerwise_bench",
-                 "test_native_tp_hybrid", "test_tier_interface_bench", "test_anytp_e2e"}
-_SLOW_TESTS: set = {"test_fp8_kv::test_fp8_kv_engine_fresh_engine_and_restart",
-                    "test_model_cli::test_vllm_console_script_fixed"}  # "module::test name" of single slow tests in otherwise fast modules
+# edit-test loops); CI runs everything, in three lanes (ci/test.sh: unit; engine and side; engine and not side).
+# The rule: a marker is declared where the test is, never in a list here.
+#   * `slow` (measured at more than ~10 s on the 2-core CI VM, `ci/test.sh --durations=40`), `vllm` (drives
+#     the vLLM engine or imports vLLM) and `side` (below): a module whose every test has it declares it at
+#     module level, `pytestmark = [pytest.mark.slow, pytest.mark.vllm, ...]` (plain `pytest.mark.NAME`
+#     items, which `_static_marks` reads without importing the module); a single test declares it as a
+#     decorator, `@pytest.mark.slow`. Markers are only ever added: a module that is all-side but for a
+#     few tests marks its side tests one by one (tests/e2e/test_connector_e2e.py).
+#   * `s3` and `gpu` are applied here, from what a test uses, so a new test cannot forget them: `s3` - a
+#     SeaweedFS fixture; `gpu` - a CUDA parametrisation or a test_gpu_* test.
 # `side` - engine tests that assert nothing about wall-clock time (outputs, counters, files only): `ci/test.sh`
 # runs them in a second engine lane at `nice 10` beside the main one, whose tests keep the CPU first when
 # they want it (their timeouts and latency bounds are measured at normal priority). A test that bounds a
-# time (a TTFT, a timeout's cost) stays out of it, even in a side module; so does the TP=2 test, which pins
-# one rank to each of the 2 cores: at nice 10 it took 276 s in one CI run (148 s in the main lane), too
+# time (a TTFT, a timeout's cost) is not side, even in a module of side tests; nor is the TP=2 test, which
+# pins one rank to each of the 2 cores: at nice 10 it took 276 s in one CI run (148 s in the main lane), too
 # near its module's 400 s timeout.
-_SIDE_MODULES = {"test_connector_e2e", "test_hybrid_e2e", "test_demo", "test_connector_liveness", "test_native_tiers",
-                 "test_layerwise_e2e"}
-_NOT_SIDE_TESTS = {"test_connector_e2e::test_stopped_g4_costs_at_most_its_timeout",
-                   "test_connector_e2e::test_tensor_parallel_two_ranks_save_and_load_their_slices"}
+_S3_FIXTURES = {"seaweed", "seaweed_restartable", "s3_prefix"}
 _MARKERS = ("slow", "vllm", "s3", "gpu", "side")
 
 
-def _module_always_deselected(config, module: str) -> bool:
-    """True when ``-m`` deselects every test of ``module`` whatever its other markers: a module in
-    _VLLM_MODULES (all its tests are ``vllm``) or _SLOW_MODULES (all ``slow``) under e.g. the fast lane's
-    ``not slow and not vllm ...``. Such modules are not even imported (importing vLLM and torch is most
-    of the fast lane's collection time); the tests selected are exactly the same."""
+def _static_marks(path) -> frozenset:
+    """The lane markers (``_MARKERS``) a test module declares for all its tests, read from its source with
+    ``ast`` (nothing is imported): the plain ``pytest.mark.NAME`` items of a top-level ``pytestmark = ...``
+    (a list, a tuple or one marker; ``pytestmark +=`` / ``pytestmark.append(...)`` at top level count too).
+    Conditional assignments and marker calls (``pytest.mark.timeout(600)``, ``skipif``) are not lane markers
+    and are ignored; an unreadable file declares nothing (it is then imported, and fails there)."""
+    import ast
+    try:
+        tree = ast.parse(path.read_bytes(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return frozenset()
+
+    def names(node) -> set:
+        items = node.elts if isinstance(node, (ast.List, ast.Tuple)) else [node]
+        return {n.attr for n in items if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+                and n.value.attr == "mark" and isinstance(n.value.value, ast.Name) and n.value.value.id == "pytest"}
+
+    found: set = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            found = names(node.value)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "pytestmark" \
+                and node.value is not None:
+            found = names(node.value)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and node.target.id == "pytestmark":
+            found |= names(node.value)
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
+                and isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "append" \
+                and isinstance(node.value.func.value, ast.Name) and node.value.func.value.id == "pytestmark" \
+                and len(node.value.args) == 1:
+            found |= names(node.value.args[0])
+    return frozenset(found & set(_MARKERS))
+
+
+def _module_always_deselected(config, path) -> bool:
+    """True when ``-m`` deselects every test of the module at ``path`` whatever markers its tests add to the
+    ones it declares for all of them (``_static_marks``): e.g. a module declaring ``vllm`` or ``slow`` under
+    the fast lane's ``not slow and not vllm ...``. Such modules are not even imported (importing vLLM and torch
+    is most of the fast lane's collection time); the tests selected are exactly the same, because markers are
+    only ever added to a test, never taken away."""
     expr = config.getoption("markexpr", "") or ""
-    fixed = {"vllm"} if module in _VLLM_MODULES else {"slow"} if module in _SLOW_MODULES else None
-    if not expr or fixed is None:
+    if not expr:
+        return False
+    fixed = _static_marks(path)
+    if not fixed:
         return False
     from itertools import product
 
@@ -142,21 +176,14 @@ def _module_always_deselected(config, module: str) -> bool:
 
 def pytest_ignore_collect(collection_path, config):
     if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
-        return True if _module_always_deselected(config, collection_path.stem) else None
+        return True if _module_always_deselected(config, collection_path) else None
     return None
 
 
 def pytest_collection_modifyitems(config, items):
     for it in items:
-        mod = it.module.__name__.rsplit(".", 1)[-1] if getattr(it, "module", None) else ""
         if _S3_FIXTURES & set(getattr(it, "fixturenames", ())):
             it.add_marker(pytest.mark.s3)
-        if mod in _VLLM_MODULES:
-            it.add_marker(pytest.mark.vllm)
         cs = getattr(it, "callspec", None)
         if it.originalname.startswith("test_gpu_") or (cs is not None and "cuda" in cs.params.values()):
             it.add_marker(pytest.mark.gpu)
-        if mod in _SLOW_MODULES or f"{mod}::{it.originalname}" in _SLOW_TESTS:
-            it.add_marker(pytest.mark.slow)
-        if mod in _SIDE_MODULES and f"{mod}::{it.originalname}" not in _NOT_SIDE_TESTS:
-            it.add_marker(pytest.mark.side)

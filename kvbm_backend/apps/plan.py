@@ -9,7 +9,7 @@ drive writes per day, and time to first token saved against recomputing the pref
 The simulation is ``replay --simulate``'s, reused (:class:`kvbm_backend.apps.replay.SimPool`: the G3
 pool's LRU index and admission filter with no I/O; :class:`kvbm_backend.apps.replay.KeyMaker`: the same
 KVBM sequence hashes), so with one worker, TP 1 and no G4 the G3 hits equal ``replay``'s on the same
-trace, layout, page size and capacity (``tests/unit/test_plan.py`` checks it against a real-bytes replay).
+trace, layout, page size and capacity (``tests/apps/test_plan.py`` checks it against a real-bytes replay).
 
 Model, per request in trace order (stated; every number follows from it):
 - A worker is one engine instance of ``tp`` ranks; a node holds ``workers_per_node`` of them. Each

@@ -9,7 +9,7 @@ copied to another name or tenant fails to open.
 Uses ``cryptography``'s streaming GCM (OpenSSL, AES-NI) with ``update_into`` so neither sealing nor
 opening allocates a payload-sized temporary, and works on read-only input (an S3 client's body) and in
 place. cryptography 50 releases the GIL for the whole ``update_into`` (measured: another thread runs
-Python throughout a 256 MiB seal or open, ``tests/pool/test_g4_gil.py``), so G4's I/O threads seal and
+Python throughout a 256 MiB seal or open, ``tests/pool/g4/test_g4_gil.py``), so G4's I/O threads seal and
 open blocks in parallel; its one-shot ``AESGCM.encrypt_into``/``decrypt_into`` does too and runs at the
 same speed (9.8 GB/s per thread on the dev VM, 2 MiB blocks) but needs the tag after the ciphertext and
 distinct input and output buffers, which the frame (tag in the header) does not give.

@@ -1,5 +1,5 @@
 """Device primitives: what the pools' device paths are built from. This package imports nothing from
-``kvbm_backend.pool`` (tests/unit/test_layers.py checks it); the G3 device loader that uses these is
+``kvbm_backend.pool`` (tests/core/test_layers.py checks it); the G3 device loader that uses these is
 :class:`kvbm_backend.pool.g3.read.device.DeviceLoader` (behind ``G3Pool.get(keys, tensors)``).
 
 * :func:`~kvbm_backend.gpu.probe.probe_device_path` -- how frames reach a device (kvikio/GDS, kvikio

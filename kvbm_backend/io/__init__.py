@@ -31,7 +31,7 @@ point at an earlier job's registration, so a finished job freed metadata other j
 :mod:`.nixl_engine`). With one shared, reference-counted registration per fd, the same load and a
 stress of ~80 random-sized multi-buffer jobs over 8 files with a failing job every 7th
 (``threads`` 1-32, ``queue_depth`` 1-1024), writes then shuffled reads, ran with 0 failed jobs and 0
-wrong bytes on both posix and nixl; tests/integration/test_io_engines.py keeps the regression for both engines.
+wrong bytes on both posix and nixl; tests/io/test_io_engines.py keeps the regression for both engines.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from tests.helpers.vllm_runner import connector_extra, prompts, run_engine, vllm
 from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
 from kvbm_backend.model import frame  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(400)]
 
 _why = vllm_available()
 if _why:
@@ -49,6 +49,7 @@ def _prompts():
     return prompts(2, 700, shared_prefix=320, seed=11) + prompts(2, 700, shared_prefix=320, seed=12)
 
 
+@pytest.mark.side
 def test_fresh_engine_and_restart_load_saved_blocks(tmp_path, model_dir):
     ps = _prompts()
     g4 = f"file://{tmp_path / 'g4'}"
@@ -107,6 +108,7 @@ def _corrupt_payloads(g3_dir: Path, block_bytes: int, every: int = 3) -> int:
     return n
 
 
+@pytest.mark.side
 def test_corrupt_block_is_a_miss_never_wrong_output(tmp_path, model_dir):
     ps = _prompts()[:2]
     extra = connector_extra(tmp_path / "w")
@@ -147,6 +149,7 @@ def test_stopped_g4_costs_at_most_its_timeout(tmp_path, model_dir, seaweed_resta
         assert t_b <= t_base + bound, (b["ttft_s"], base["ttft_s"])
 
 
+@pytest.mark.side
 def test_multiconnector_with_vllm_example_connector(tmp_path, model_dir):
     ps = _prompts()[:2]
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -160,6 +163,7 @@ def test_multiconnector_with_vllm_example_connector(tmp_path, model_dir):
     assert b["connector_stats"].get("load_g3_blocks_ok", 0) > 0, b["connector_stats"]
 
 
+@pytest.mark.side
 def test_multiconnector_stats_in_worker_processes_under_plain_vllm(tmp_path, model_dir):
     """Issue 26 C: vLLM's MultiConnector rebuilds each sub-connector's stats in the engine core by registry
     name; with workers in their own processes (the ``mp`` executor, as ``vllm serve`` on CPU runs) that
@@ -176,6 +180,7 @@ def test_multiconnector_stats_in_worker_processes_under_plain_vllm(tmp_path, mod
     assert "Connector 'KvbmBackendConnector'" not in a["log"]
 
 
+@pytest.mark.side
 def test_next_turn_loads_the_previous_answer(tmp_path, model_dir):
     """Multi-turn: turn 2's prompt is turn 1's prompt + turn 1's answer + a new message. A fresh engine
     finds the KV of the answer too (decode blocks were saved), and its output equals a full recompute."""
@@ -254,6 +259,7 @@ def _mla_model(path: Path, seed: int) -> Path:
     return d
 
 
+@pytest.mark.side
 def test_mla_fresh_engine_and_restart_load_saved_latents(tmp_path):
     """The tiny DeepSeek-V2 (MLA) model on vLLM's CPU MLA backend (block size :data:`MLA_BS`; AMX_MLA keeps
     the engine's prefix cache on, CPU_MLA turns it off): latents saved through the connector are loaded by
@@ -307,6 +313,7 @@ def test_mla_fresh_engine_and_restart_load_saved_latents(tmp_path):
     assert d["outputs"][0] != d["outputs"][1], d["outputs"]
 
 
+@pytest.mark.side
 def test_mla_tensor_parallel_two_ranks_share_one_g4_copy_of_the_replicated_latent(tmp_path):
     """MLA with TP=2: the latent is the same on both ranks. Each rank keeps its copy in its own G3 pool,
     but G4 (shared storage) holds ONE object per block, written by rank 0. A fresh TP=2 engine with
@@ -343,6 +350,7 @@ def test_mla_tensor_parallel_two_ranks_share_one_g4_copy_of_the_replicated_laten
     assert c["scheduler_stats"].get("load_planned_g4_blocks", 0) >= 2 * MLA_FULL - MLA_SHARED, c["scheduler_stats"]
 
 
+@pytest.mark.side
 def test_prefix_seen_twice_in_the_engine_cache_reaches_g3(tmp_path, model_dir):
     """KVBM's frequency admission stores a block on its second sighting. A prompt whose second sighting
     is served by the engine's own prefix cache must still reach G3 (saved from the engine's blocks),

@@ -13,6 +13,8 @@ from kvbm_backend.apps.demo import run_demo, select_requests  # noqa: E402
 from kvbm_backend.apps.engine_model import TINY  # noqa: E402
 from kvbm_backend.apps.replay import block_tokens  # noqa: E402
 
+pytestmark = [pytest.mark.vllm, pytest.mark.side]
+
 
 def _trace(path: Path) -> Path:
     # three conversations of three turns (each turn extends the previous one), interleaved, plus singles

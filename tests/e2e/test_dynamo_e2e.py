@@ -275,7 +275,7 @@ def test_disaggregated_prefill_decode_hand_off_through_g4(stack):
         print(why)
         assert sp.get("handoff_offered_requests", 0) >= N_PROMPTS and sp.get("handoff_offered_blocks", 0) >= loadable, why
         # the prefill worker created them in G4 (a retried PUT whose first attempt landed counts written too:
-        # tests/pool/test_g4_outage.py::test_slow_answer_to_a_put_then_412_on_the_retry_counts_as_written)
+        # tests/pool/g4/test_g4_outage.py::test_slow_answer_to_a_put_then_412_on_the_retry_counts_as_written)
         assert sp.get("g4_put_written_blocks", 0) >= loadable, why
         assert sd.get("handoff_complete_requests", 0) == N_PROMPTS and sd.get("handoff_timeouts", 0) == 0, why
         assert sd.get("load_g4_blocks_ok", 0) >= loadable, why  # every handed-off block came from G4

@@ -5,7 +5,7 @@ KEK variable: the keyring's own KEK file). The pools must open where the YAML sa
 YAML's directory, G4 objects in the YAML's ``file://`` store, and the worker's log carries the one effective-settings
 line naming the file as the source. (The script used to export ``DYN_KVBM_DISK_CACHE_DIR=/mnt/nvme0/kvbm``, which
 beat the YAML.) ``vllm serve``'s script is run the same way by tests/e2e/test_vllm_serve.py; every script's
-dry run by tests/integration/test_example_effective.py.
+dry run by tests/examples/test_example_effective.py.
 """
 from __future__ import annotations
 

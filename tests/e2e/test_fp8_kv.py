@@ -26,6 +26,8 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 
+pytestmark = [pytest.mark.vllm]
+
 BS, H, D, NB, LAYERS = 32, 2, 64, 16, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 

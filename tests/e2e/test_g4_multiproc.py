@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.slow]
+
 WRITER = str(Path(__file__).parents[1] / "helpers" / "g4_writer.py")
 
 

@@ -28,7 +28,7 @@ from tests.helpers.vllm_runner import connector_extra, prompts, run_engine, vllm
 
 from kvbm_backend.apps.engine_model import TINY_GEMMA3, TINY_GPT_OSS, write_hybrid_model_dir  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.side, pytest.mark.timeout(600)]
 
 _why = vllm_available()
 if _why:

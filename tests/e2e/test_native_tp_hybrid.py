@@ -10,7 +10,7 @@ from tests.helpers.vllm_runner import native_extra, prompts, run_engine, vllm_av
 
 from kvbm_backend.apps.engine_model import TINY, TINY_GPT_OSS, write_hybrid_model_dir, write_model_dir  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 _why = vllm_available()
 if _why:

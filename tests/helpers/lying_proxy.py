@@ -10,7 +10,7 @@ passes through unchanged, so the server itself keeps the true objects.
 * ``html``: an HTML error page (``Content-Type: text/html``).
 
 The server's ETag header is kept (a proxy that rewrites bodies rarely touches it). ``proxy.lied`` counts
-rewritten answers. Used by tests/pool/test_g4_hostile.py and the ``lyings3`` fault campaign kind.
+rewritten answers. Used by tests/pool/g4/test_g4_hostile.py and the ``lyings3`` fault campaign kind.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from array import array
 import numpy as np
 import pytest
 
-from kvbm_backend.config import AdmissionConfig, G3Config, G4Config
+from kvbm_backend.config import G4Config
 from kvbm_backend.integrations.vllm.g3_mirror import G3Mirror
 from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta, mirror_id
 from kvbm_backend.memory import aligned_empty
@@ -21,8 +21,9 @@ from kvbm_backend.metrics import new_registry
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import BlockKey, KeyRun, Namespace, SeqHashes
 from kvbm_backend.pool import open_pool
+from tests.helpers.pools import TINY_LAYOUT, g3_config
 
-LAYOUT = KvLayout(2, 2, 16, 64, "bfloat16")
+LAYOUT = TINY_LAYOUT
 TENANTS = ["", "alice", "bob"]
 
 
@@ -80,8 +81,7 @@ def test_g3_pool_gives_the_same_prefix_for_a_key_run_and_its_keys(tmp_path, seed
     """A real G3 pool per namespace (the compact index): runs longer than the index's first chunk (512)."""
     length = 800
     rng, nss, seqs, stored = _data(seed, length)
-    pools = [open_pool(G3Config(paths=[str(tmp_path / f"g3-{i}")], capacity_gb=0.06, files_per_path=1,
-                                admission=AdmissionConfig(policy="all")), ns, registry=new_registry())
+    pools = [open_pool(g3_config(tmp_path / f"g3-{i}", capacity_gb=0.06), ns, registry=new_registry())
              for i, ns in enumerate(nss)]
     try:
         blk = aligned_empty(LAYOUT.bytes_per_block)
@@ -167,8 +167,7 @@ def test_a_partial_hit_converts_only_the_first_chunk(tmp_path):
     ns = Namespace("keyrun/lazy", LAYOUT)
     rng = random.Random(1)
     hs = [rng.getrandbits(64) for _ in range(8192)]
-    with open_pool(G3Config(paths=[str(tmp_path / "g3")], capacity_gb=0.02, files_per_path=1,
-                            admission=AdmissionConfig(policy="all")), ns, registry=new_registry()) as p:
+    with open_pool(g3_config(tmp_path / "g3", capacity_gb=0.02), ns, registry=new_registry()) as p:
         blk = aligned_empty(LAYOUT.bytes_per_block)
         blk[:] = 1
         assert p.put(ns.keys(hs[:100]), [blk] * 100).result(30).written == 100 and p.flush(30)

@@ -14,11 +14,11 @@ from kvbm_backend.config import load_config
 from kvbm_backend.integrations.tiers import open_tiers
 from kvbm_backend.memory import aligned_empty
 from kvbm_backend.model.hashing import sequence_hashes
-from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.base import STATS_CONTRACT, BlockPool, GetResult, PutResult
+from tests.helpers.pools import TINY_LAYOUT
 
-LAYOUT = KvLayout(2, 2, 16, 64, "bfloat16")
+LAYOUT = TINY_LAYOUT
 NS = Namespace("conformance/model", LAYOUT)
 OTHER = Namespace("conformance/other-model", LAYOUT)
 N = 6

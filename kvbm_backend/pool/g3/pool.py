@@ -3,7 +3,7 @@
 Data flow (DESIGN.md): pool -> :mod:`kvbm_backend.transfer` (extents coalesced into ~``io_size_bytes``
 ops) -> :mod:`kvbm_backend.io` engine (positioned scatter/gather I/O) -> slab files.
 
-Invariants kept here (each has tests in ``tests/pool/test_g3_*.py``):
+Invariants kept here (each has tests in ``tests/pool/g3/test_g3_*.py``):
 
 1. Never wrong KV: a get is a hit only after the slot's header names exactly the requested key in
    this namespace's layout and the payload's xxh3_128 verifies in the caller's buffer. Anything else

@@ -1,0 +1,158 @@
+"""Every configuration field is documented, and every documented field does something.
+
+The configuration reference's table (docs/configuration.md) must name exactly the fields of
+:class:`kvbm_backend.config.KvbmBackendConfig` (nothing undocumented, nothing documented that does not
+exist). ``FIELD_TESTS`` is the ledger of the tests that show each field's effect: a new field fails
+here until it has a README row and a test named below, and each named test must exist and use the
+field by name (so renaming or deleting a test cannot silently drop a field's coverage)."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from kvbm_backend.config import KvbmBackendConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# field -> tests ("path::function") that show what it does; at least one of them names the field
+FIELD_TESTS: dict[str, list[str]] = {
+    "model": ["tests/integrations/vllm/test_connector_units.py::test_model_and_revision_from_the_config_name_the_namespace"],
+    "revision": ["tests/integrations/vllm/test_connector_units.py::test_model_and_revision_from_the_config_name_the_namespace"],
+    "tenant": ["tests/integrations/vllm/test_tiering.py::test_g4_tier_store_then_load"],
+    "g3.enabled": ["tests/pool/test_pool_conformance.py::test_open_tiers_opens_only_the_enabled_tiers",
+                   "tests/core/test_config.py::test_g3_path_that_is_a_file_refused"],
+    "g3.paths": ["tests/pool/g3/test_g3_pool.py::test_several_paths_stripe_blocks_across_every_directory",
+                 "tests/core/test_config.py::test_g3_path_that_is_a_file_refused"],
+    "g3.capacity_gb": ["tests/pool/g3/test_g3_pool.py::test_lru_eviction_order",
+                       "tests/core/test_config.py::test_defaults_and_kvbm_env_names"],
+    "g3.files_per_path": ["tests/pool/g3/test_g3_pool.py::test_adjacent_slots_and_striping",
+                          "tests/pool/g3/test_g3_pool.py::test_several_paths_stripe_blocks_across_every_directory"],
+    "g3.io_size_bytes": ["tests/pool/g3/test_g3_pool.py::test_adjacent_slots_and_striping"],
+    "g3.engine": ["tests/pool/g3/test_g3_pool.py::test_engine_setting_picks_the_io_engine",
+                  "tests/gpu/test_gpu_path.py::test_real_g3_pool_through_device_loader"],
+    "g3.o_direct": ["tests/pool/g3/test_g3_pool.py::test_o_direct_setting_forces_o_direct_off_and_on"],
+    "g3.io_threads": ["tests/pool/g3/test_g3_pool.py::test_io_threads_bounds_the_engine_ops_in_flight"],
+    "g3.write_queue_blocks": ["tests/pool/g3/test_g3_pool.py::test_queue_overflow_drops_without_blocking"],
+    "g3.min_free_fraction": ["tests/pool/g3/test_g3_enospc.py::test_min_free_fraction_zero_fills_its_filesystem_and_keeps_working"],
+    "g3.fsync": ["tests/pool/g3/test_g3_pipeline.py::test_fsync_setting_decides_whether_slab_files_are_fdatasynced"],
+    "g3.group_commit_ms": ["tests/pool/g3/test_g3_group_commit.py::test_group_commit_ms_groups_pieces_under_one_barrier",
+                           "tests/pool/g3/test_g3_group_commit.py::test_group_commit_ms_bounds_the_wait_for_pieces_in_flight"],
+    "g3.group_commit_bytes": ["tests/pool/g3/test_g3_group_commit.py::test_group_commit_bytes_starts_the_barrier_without_waiting"],
+    "g3.admission.policy": ["tests/pool/g3/test_g3_pool.py::test_admission_second_sighting",
+                            "tests/core/test_config.py::test_dynamo_kvbm_disable_disk_offload_filter_env"],
+    "g3.admission.min_sightings": ["tests/pool/g3/test_g3_pool.py::test_admission_second_sighting"],
+    "g3.admission.tracker_entries": ["tests/pool/g3/test_g3_pool.py::test_admission_tracker_entries_bounds_the_sightings_remembered"],
+    "g3.load_timeout_s": ["tests/pool/g3/test_g3_pool.py::test_load_timeout_is_a_miss_and_slot_stays_pinned"],
+    "g3.device_path": ["tests/integrations/vllm/test_worker_device_path.py::test_device_path_setting_reaches_the_reader"],
+    "g3.device_checksum": ["tests/integrations/vllm/test_worker_device_path.py::test_device_checksum_setting_decides_the_frame_flags"],
+    "g3.layerwise_load": ["tests/integrations/vllm/test_layerwise_units.py::test_layerwise_load_setting_makes_g3_hits_sync",
+                          "tests/e2e/test_layerwise_e2e.py::test_layerwise_on_off_and_no_connector_agree"],
+    "g4.enabled": ["tests/pool/test_pool_conformance.py::test_open_tiers_opens_only_the_enabled_tiers",
+                   "tests/pool/test_pool_conformance.py::test_open_pool_opens_the_tier_its_config_section_names"],
+    "g4.url": ["tests/pool/g4/test_g4_factory.py::test_the_scheme_picks_the_store_and_the_config_its_options",
+               "tests/pool/g4/test_g4_factory.py::test_unknown_scheme_is_a_value_error_naming_the_field_and_the_scheme",
+               "tests/core/test_config.py::test_g4_url_typos_refused_at_load_naming_the_field"],
+    "g4.endpoint_url": ["tests/pool/g4/test_g4_factory.py::test_the_scheme_picks_the_store_and_the_config_its_options",
+                        "tests/core/test_config.py::test_g4_endpoint_url_typos_refused_at_load",
+                        "tests/pool/g4/test_operator_logs.py::test_store_unavailable_at_start_logged_once"],
+    "g4.region": ["tests/pool/g4/test_g4_factory.py::test_the_scheme_picks_the_store_and_the_config_its_options"],
+    "g4.encrypt": ["tests/pool/g4/test_g4_pool.py::test_unencrypted_only_when_explicit_and_stats_say_so"],
+    "g4.keyring.path": ["tests/crypto/test_crypto_keyring.py::test_keyring_config_read_only_auto_create_and_reload_interval"],
+    "g4.keyring.kek_env": ["tests/crypto/test_crypto_keyring.py::test_kek_env_and_kek_file_choose_the_key_encryption_key"],
+    "g4.keyring.kek_file": ["tests/crypto/test_crypto_keyring.py::test_kek_env_and_kek_file_choose_the_key_encryption_key"],
+    "g4.keyring.rotate_after_uses": ["tests/crypto/test_crypto_keyring.py::test_keyring_config_read_only_auto_create_and_reload_interval",
+                                     "tests/crypto/test_crypto_keyring.py::test_automatic_rotation_before_nonce_limit"],
+    "g4.keyring.auto_create_tenants": ["tests/crypto/test_keyring_revocation.py::test_auto_create_tenants_off_drops_counts_and_logs_once"],
+    "g4.keyring.max_auto_tenants": ["tests/crypto/test_keyring_revocation.py::test_max_auto_tenants_bounds_the_tenants_a_flood_creates"],
+    "g4.keyring.read_only": ["tests/crypto/test_keyring_revocation.py::test_forced_read_only_keyring_never_writes",
+                             "tests/crypto/test_keyring_reload.py::test_read_only_keyring_write_key_sees_operator_created_tenant_at_once"],
+    "g4.keyring.reload_interval_s": ["tests/crypto/test_keyring_revocation.py::test_revocation_reaches_running_pool_within_reload_interval",
+                                     "tests/crypto/test_crypto_keyring.py::test_keyring_config_read_only_auto_create_and_reload_interval"],
+    "g4.timeout_s": ["tests/pool/g4/test_g4_outage.py::test_server_frozen_killed_and_restarted",
+                     "tests/e2e/test_connector_e2e.py::test_stopped_g4_costs_at_most_its_timeout"],
+    "g4.retries": ["tests/pool/g4/test_g4_outage.py::test_slow_answer_to_a_put_then_412_on_the_retry_counts_as_written",
+                   "tests/pool/g4/test_g4_factory.py::test_the_scheme_picks_the_store_and_the_config_its_options"],
+    "g4.max_inflight": ["tests/pool/g4/test_g4_fs_reads.py::test_g4_pool_reads_file_objects_through_its_bounce_buffers_and_reports_overflow",
+                        "tests/pool/g4/test_g4_factory.py::test_the_scheme_picks_the_store_and_the_config_its_options"],
+    "g4.write_queue_blocks": ["tests/pool/g4/test_g4_pool.py::test_offload_queue_bound_drops_and_counts"],
+    "g4.breaker_failures": ["tests/pool/g4/test_g4_outage.py::test_server_frozen_killed_and_restarted",
+                            "tests/pool/g4/test_operator_logs.py::test_outage_later_logs_open_once_and_closed_once"],
+    "g4.breaker_reset_s": ["tests/pool/g4/test_operator_logs.py::test_store_unavailable_at_start_logged_once",
+                           "tests/pool/g4/test_g4_outage.py::test_hung_shared_mount_reads_are_bounded_and_recover"],
+    "g4.dir_fanout": ["tests/pool/g4/test_g4_pool.py::test_roundtrip_lookup_and_names"],
+    "g4.s3_client": ["tests/pool/g4/test_g4_obstore_s3.py::test_s3_client_picks_the_store_class"],
+    "g4.layout": ["tests/pool/g4/test_g4_canonical.py::test_per_rank_and_canonical_blocks_never_read_as_each_other",
+                  "tests/e2e/test_anytp_e2e.py::test_tp1_g4_blocks_load_in_a_tp2_engine"],
+    "g4.fsync": ["tests/pool/g4/test_g4_factory.py::test_g4_fsync_decides_whether_file_objects_and_their_directories_are_fsynced"],
+    "metrics.enabled": ["tests/core/test_metrics.py::test_dynamo_metrics_env_names"],
+    "metrics.port": ["tests/core/test_metrics.py::test_metrics_port_serves_kvbm_series_when_tiers_open",
+                     "tests/core/test_metrics.py::test_metrics_port_in_use_is_one_error_and_the_tiers_still_open"],
+    "metrics.addr": ["tests/core/test_metrics.py::test_metrics_port_serves_kvbm_series_when_tiers_open",
+                     "tests/core/test_metrics.py::test_dynamo_metrics_env_names"],
+}
+
+
+def config_fields(model: type[BaseModel] = KvbmBackendConfig, prefix: str = "") -> list[str]:
+    """Dotted names of the leaf fields of ``model`` (sections recurse: ``g3.admission.policy``)."""
+    out = []
+    for name, f in model.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            out += config_fields(f.annotation, f"{prefix}{name}.")
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def readme_fields() -> list[str]:
+    """Field names in the first cell of each row of the configuration reference's (docs/configuration.md)
+    ``| field | default | meaning |`` table."""
+    lines = (ROOT / "docs" / "configuration.md").read_text().splitlines()
+    start = lines.index("| field | default | meaning |")
+    names = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        names += re.findall(r"`([^`]+)`", ln.split("|")[1])
+    return names
+
+
+def test_readme_table_names_exactly_the_config_fields():
+    documented, fields = readme_fields(), config_fields()
+    assert len(documented) == len(set(documented)), "a field has two rows in docs/configuration.md"
+    assert sorted(set(fields) - set(documented)) == [], "config fields missing from docs/configuration.md"
+    assert sorted(set(documented) - set(fields)) == [], "docs/configuration.md rows for fields the config does not have"
+
+
+def test_every_field_has_a_test_in_the_ledger():
+    assert sorted(set(config_fields()) - set(FIELD_TESTS)) == [], "add the field's test to FIELD_TESTS"
+    assert sorted(set(FIELD_TESTS) - set(config_fields())) == [], "FIELD_TESTS names fields that do not exist"
+
+
+_SOURCES: dict[str, dict[str, str]] = {}
+
+
+def _test_sources(path: str) -> dict[str, str]:
+    """{test function name: its source, decorators included} of a test file."""
+    if path not in _SOURCES:
+        src = (ROOT / path).read_text()
+        _SOURCES[path] = {
+            n.name: "".join(ast.get_source_segment(src, d) or "" for d in n.decorator_list) + ast.get_source_segment(src, n)
+            for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    return _SOURCES[path]
+
+
+@pytest.mark.parametrize("field", sorted(FIELD_TESTS))
+def test_the_named_tests_exist_and_use_the_field(field):
+    leaf = field.rsplit(".", 1)[-1]
+    uses = re.compile(rf"\b{leaf}\b")
+    used = False
+    for ref in FIELD_TESTS[field]:
+        path, name = ref.split("::")
+        sources = _test_sources(path)
+        assert name in sources, f"{field}: {ref} does not exist"
+        used |= bool(uses.search(sources[name]))
+    assert used, f"{field}: none of {FIELD_TESTS[field]} names {leaf!r}"

@@ -1,0 +1,69 @@
+"""The lane markers of tests/conftest.py (docs/testing.md "Markers"): a module's declared ``pytestmark`` is read
+without importing it, and a module is skipped at collection only when ``-m`` deselects every test it can hold."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import _MARKERS, _module_always_deselected, _static_marks
+
+TESTS = Path(__file__).resolve().parents[1]
+UNIT = "not slow and not vllm and not s3 and not gpu"
+LANES = {"unit": UNIT, "side": f"not ({UNIT}) and side", "engine": f"not ({UNIT}) and not side"}
+
+
+class _Config:
+    """What the two hooks read of pytest's config: the ``-m`` expression."""
+
+    def __init__(self, expr: str):
+        self.expr = expr
+
+    def getoption(self, name, default=None):
+        assert name == "markexpr"
+        return self.expr
+
+
+@pytest.mark.parametrize("src, marks", [
+    ("import pytest\npytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]\n", {"slow", "vllm"}),
+    ("import pytest\npytestmark = pytest.mark.side\n", {"side"}),
+    ("import pytest\npytestmark = (pytest.mark.vllm,)\npytestmark += [pytest.mark.slow]\n", {"vllm", "slow"}),
+    ("import pytest\npytestmark = [pytest.mark.slow]\npytestmark.append(pytest.mark.skip(reason='x'))\n", {"slow"}),
+    ("import pytest\npytestmark = pytest.mark.skipif(True, reason='x')\n", set()),        # a call, not a lane marker
+    ("import pytest\nif True:\n    pytestmark = [pytest.mark.slow]\n", set()),               # conditional: not read
+    ("import pytest\npytestmark = [pytest.mark.slow]\npytestmark = [pytest.mark.vllm]\n", {"vllm"}),  # the last wins
+    ("import pytest\npytestmark = [pytest.mark.flaky, pytest.mark.gpu]\n", {"gpu"}),       # only lane markers
+    ("def broken(:\n", set()),                                                           # unreadable: nothing
+])
+def test_static_marks_reads_the_module_level_pytestmark(tmp_path, src, marks):
+    f = tmp_path / "test_x.py"
+    f.write_text(src)
+    assert _static_marks(f) == frozenset(marks)
+
+
+def test_a_module_is_left_unimported_only_when_every_test_it_can_hold_is_deselected(tmp_path):
+    def skipped(src: str, expr: str) -> bool:
+        f = tmp_path / "test_y.py"
+        f.write_text("import pytest\n" + src)
+        return _module_always_deselected(_Config(expr), f)
+
+    vllm = "pytestmark = [pytest.mark.vllm]\n"
+    assert skipped(vllm, LANES["unit"])
+    assert not skipped(vllm, LANES["engine"]) and not skipped(vllm, LANES["side"])  # a test in it may add side
+    side = "pytestmark = [pytest.mark.slow, pytest.mark.side]\n"
+    assert skipped(side, LANES["unit"]) and skipped(side, LANES["engine"]) and not skipped(side, LANES["side"])
+    assert not skipped("", LANES["unit"]) and not skipped("", LANES["engine"])      # nothing declared: imported
+    assert not skipped(vllm, "")                                                    # no -m: everything collected
+    assert not skipped(vllm, "not (")                                               # a bad -m: pytest reports it
+
+
+def test_no_test_declares_a_marker_that_takes_a_lane_marker_away():
+    """Markers are only ever added (the static skip above relies on it): a test that must leave a lane out
+    of a module's markers is written with its own markers instead (tests/e2e/test_connector_e2e.py marks its
+    side tests one by one), never with a not_side / no_slow marker."""
+    for f in sorted(TESTS.rglob("test_*.py")):
+        tree = ast.parse(f.read_text(), str(f))
+        names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+                 and n.value.attr == "mark"}
+        assert not {n for n in names if n.startswith(("not_", "no_")) and n.split("_", 1)[1] in _MARKERS}, f

@@ -1,0 +1,34 @@
+"""Small pool / layout setups shared by tests in several folders (docs/testing.md "Layout").
+
+``TINY_LAYOUT`` is the layout most pool and connector tests use: 2 layers, K and V, 16 tokens a page, 64
+values a token, bfloat16 (8 KiB blocks; the same as ``tests.helpers.crash_writer.LAYOUT``).
+``tiny_ns(model)`` is a namespace on it. ``g3_config(path, **kw)`` is a small G3 configuration on one
+directory (50 MB, one slab file, every block admitted) and ``open_g3(path, ns, **kw)`` an open pool on it;
+keyword arguments override any :class:`~kvbm_backend.config.G3Config` field."""
+from __future__ import annotations
+
+from typing import Any
+
+from kvbm_backend.config import G3Config
+from kvbm_backend.model.layout import KvLayout
+from kvbm_backend.model.namespace import Namespace
+
+TINY_LAYOUT = KvLayout(2, 2, 16, 64, "bfloat16")
+
+
+def tiny_ns(model: str = "test/tiny", **kw: Any) -> Namespace:
+    """A namespace of ``model`` on :data:`TINY_LAYOUT` (``kw``: Namespace's other fields, e.g. tp_world_size)."""
+    return Namespace(model, TINY_LAYOUT, **kw)
+
+
+def g3_config(path, **kw: Any) -> G3Config:
+    """G3 on the one directory ``path``: capacity 0.05 GB, 1 slab file, admission ``all``; ``kw`` overrides."""
+    base: dict[str, Any] = dict(paths=[str(path)], capacity_gb=0.05, files_per_path=1, admission={"policy": "all"})
+    base.update(kw)
+    return G3Config(**base)
+
+
+def open_g3(path, ns: Namespace, *, engine=None, registry=None, **kw: Any):
+    """``G3Pool(g3_config(path, **kw), ns, engine=engine, registry=registry)`` (close it, or use ``with``)."""
+    from kvbm_backend.pool.g3 import G3Pool
+    return G3Pool(g3_config(path, **kw), ns, engine=engine, registry=registry)

@@ -1,0 +1,167 @@
+"""The connector's factory (:func:`kvbm_backend.integrations.vllm.wiring.wire`) without an engine: vLLM's own
+KV cache specs and configs (stand-ins only for what vLLM's engine would fill in), real pools on tmp files.
+
+* a bad ``kv_connector_extra_config`` is a ConfigError naming the field, before any pool is opened;
+* a worker-side G3 pool without the G3 extensions (``pool.base.G3Extensions``; here a real G4 file pool) is a
+  TypeError naming the tier and the missing methods, at wiring time (not at the first offload);
+* one path for one and several KV cache groups: a dense model is one group of the same worker/scheduler
+  parts a hybrid model has several of; only the failed-load reporting and layer-wise loads differ, decided
+  here once.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+
+from kvbm_backend.config import ConfigError, load_config  # noqa: E402
+from kvbm_backend.integrations import tiers  # noqa: E402
+from kvbm_backend.integrations.vllm.wiring import ConnectorParts, wire  # noqa: E402
+from kvbm_backend.integrations.vllm.workers import GroupedWorkers  # noqa: E402
+from kvbm_backend.pool.base import G3Extensions, require_g3_extensions  # noqa: E402
+from tests.helpers.pools import tiny_ns
+
+BS, H, D, NB = 16, 2, 64, 32
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+
+def _extra(tmp_path: Path, **over) -> dict:
+    extra = {"kvbm_backend": {"model": "kvbm-backend/wiring-test",
+                              "g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.05, "files_per_path": 1,
+                                     "admission": {"policy": "all"}, "layerwise_load": True}}}
+    extra.update(over)
+    return extra
+
+
+def _configs(extra: dict, hybrid: bool = False):
+    ktc = KVTransferConfig(kv_connector="KvbmBackendConnector",
+                           kv_connector_module_path="kvbm_backend.integrations.vllm.connector",
+                           kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    vc = SimpleNamespace(kv_transfer_config=ktc, kv_events_config=None,
+                         model_config=SimpleNamespace(served_model_name="m", model="m"),
+                         parallel_config=SimpleNamespace(tensor_parallel_size=1, distributed_executor_backend=None),
+                         cache_config=SimpleNamespace(cache_dtype="auto"))
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    groups = [KVCacheGroupSpec(NAMES, full)]
+    if hybrid:
+        sliding = SlidingWindowSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16,
+                                    sliding_window=48)
+        groups = [KVCacheGroupSpec(NAMES[::2], full), KVCacheGroupSpec(NAMES[1::2], sliding)]
+    return ktc, vc, KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"sliding_capacity_weight": 2}, "kv_connector_extra_config.sliding_capacity_weight"),
+    ({"save": "yes"}, "kv_connector_extra_config.save"),
+    ({"bogus_key": 1}, "bogus_key"),
+    ({"kvbm_backend": {"g3": {"capacity_gb": -1}}}, "g3.capacity_gb"),
+], ids=["weight", "save", "unknown-key", "pool-field"])
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER], ids=["scheduler", "worker"])
+def test_wire_bad_extra_config_is_an_error_naming_the_field(tmp_path, over, field, role):
+    ktc, vc, kcc = _configs(_extra(tmp_path, **over))
+    parts = ConnectorParts()
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        wire(parts, ktc, vc, role, kcc)
+    assert parts._groups == [] and parts.worker is None and parts.sched is None  # nothing opened
+    assert not (tmp_path / "g3").exists()
+
+
+def test_wire_refuses_a_g3_pool_without_the_g3_extensions(tmp_path):
+    """A pool given as G3 that lacks G3Extensions (a real G4 file pool) fails the worker's wiring with a
+    TypeError naming the tier, the pool type and the missing methods; the old worker took it and failed
+    only at its first offload or index report."""
+    g4cfg = load_config({"g3": {"enabled": False},
+                         "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+    opened = []
+
+    def g4_as_g3(cfg, ns, kv_heads=None):
+        _, g4 = tiers.open_tiers(g4cfg, ns)
+        opened.append(g4)
+        return g4, None
+
+    ktc, vc, kcc = _configs(_extra(tmp_path))
+    parts = ConnectorParts()
+    try:
+        with pytest.raises(TypeError, match=r"g3: G4Pool is not a G3 pool \(G3Extensions lacks lease, release, "
+                                            r"drop_corrupt, contains, keys, device_reader, layerwise_load\)"):
+            wire(parts, ktc, vc, KVConnectorRole.WORKER, kcc, tiers=g4_as_g3)
+        parts.release_partial()
+        assert parts._groups == []
+        # the scheduler role never needs G3's extensions (it looks prefixes up only)
+        sched = wire(ConnectorParts(), ktc, vc, KVConnectorRole.SCHEDULER, kcc, tiers=g4_as_g3)
+        assert sched.sched is not None and sched.sched.g3 is opened[-1]
+        sched.close()
+    finally:
+        for p in opened:
+            p.close()
+
+
+def test_g3_pool_satisfies_the_g3_extensions_protocol(tmp_path):
+    cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.01, "files_per_path": 1}},
+                      use_env=False)
+    ns = tiny_ns("wiring/model")
+    g3, _ = tiers.open_tiers(cfg, ns)
+    try:
+        assert isinstance(g3, G3Extensions) and require_g3_extensions(g3) is g3
+        assert require_g3_extensions(None) is None
+        with pytest.raises(TypeError, match=r"^g3: object is not a G3 pool \(G3Extensions lacks lease, release, "
+                                            r"drop_corrupt, contains, keys, device_reader, layerwise_load, put\)"):
+            require_g3_extensions(object())
+    finally:
+        g3.close()
+
+
+def test_a_g3_pool_is_also_a_block_pool():
+    """G3Extensions extends BlockPool (the worker gets, puts and reads stats of its G3 pool): an object with
+    every G3 method but none of the BlockPool members is refused, naming them (before, it was taken)."""
+    class OnlyG3Methods:
+        def lease(self, keys): return [None] * len(keys)
+        def release(self, leases): pass
+        def drop_corrupt(self, key, reason): pass
+        def contains(self, key): return False
+        def keys(self): return []
+        def device_reader(self, device): return None
+        def layerwise_load(self, keys, device, **kw): return None
+        def put(self, keys, blocks, **kw): return None
+
+    with pytest.raises(TypeError, match=r"^g3: OnlyG3Methods is not a G3 pool \(G3Extensions lacks tier, namespace, "
+                                        r"layout, lookup_prefix, get, delete, flush, stats, close\)"):
+        require_g3_extensions(OnlyG3Methods())
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
+def test_wire_one_path_for_one_and_several_kv_cache_groups(tmp_path, hybrid):
+    """Both models get the same parts: GroupedWorkers (one WorkerSide per group) and one SchedulerSide over
+    GroupTiers; the dense model is the 1-group case with block-level load errors and layer-wise loads."""
+    ktc, vc, kcc = _configs(_extra(tmp_path), hybrid=hybrid)
+    w = wire(ConnectorParts(), ktc, vc, KVConnectorRole.WORKER, kcc)
+    s = wire(ConnectorParts(), ktc, vc, KVConnectorRole.SCHEDULER, kcc)
+    try:
+        n = 2 if hybrid else 1
+        assert isinstance(w.worker, GroupedWorkers) and len(w.worker.workers) == n and w.sched is None
+        assert w.worker.block_errors is (not hybrid)
+        assert s.worker is None and len(s.sched.groups) == n and s.sched.layerwise is (not hybrid)
+        assert [g.window_blocks for g in s.sched.groups] == ([None, 3] if hybrid else [None])
+        # the uni executor: both roles share each group's pools
+        assert [tg.g3 for tg in w._groups] == [tg.g3 for tg in s._groups]
+        kvs = {n_: torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16) for n_ in NAMES}
+        w.register_kv_caches(kvs, kcc)
+        assert (w.worker.layerwise is not None) is (not hybrid)  # layer-wise loads: block-id errors only
+        assert w.take_finished() == (set(), set()) and w.worker.load_errors() == set()
+    finally:
+        w.close()
+        s.close()
+    assert not tiers._shared  # every group's tiers released

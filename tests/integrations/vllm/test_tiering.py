@@ -1,0 +1,304 @@
+"""G3Tier / G4Tier as vLLM secondary tiers, driven through vLLM's REAL TieringOffloadingSpec and
+TieringOffloadingManager (CPU primary tier on a /dev/shm mmap, no engine), with the real G3 and G4
+pools on tmp_path. vLLM loads our tiers out of tree via ``module_path`` in every test."""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
+
+from vllm.v1.kv_offload.base import LookupResult, Medium, ScheduleEndContext, make_offload_key  # noqa: E402
+
+from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness, offloading_config  # noqa: E402
+from kvbm_backend.integrations.vllm.tiering import G3Tier, PrimaryGeometry, offload_key_hash  # noqa: E402
+from kvbm_backend.model.frame import HEADER_BYTES  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+
+MOD = "kvbm_backend.integrations.vllm.tiering"
+GEO = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", tokens_per_block=16)  # 32 KiB chunks
+
+
+def keys_for(n: int, tag: str) -> list[bytes]:
+    return [make_offload_key(hashlib.sha256(f"{tag}:{i}".encode()).digest(), 0) for i in range(n)]
+
+
+def g3_tier(path, **kw) -> dict:
+    d = {"type": "G3Tier", "module_path": MOD, "num_kv_heads": GEO["num_kv_heads"], "io_threads": 2,
+         "g3": {"paths": [str(path)], "capacity_gb": 0.05, "io_threads": 2}}
+    d.update(kw)
+    return d
+
+
+@pytest.fixture
+def harnesses():
+    made: list[TieringHarness] = []
+
+    def make(tiers, **kw):
+        h = TieringHarness(offloading_config(secondary_tiers=tiers, chunks=kw.pop("chunks", 32),
+                                             **{**GEO, **kw}))
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        if h.primary is not None:
+            h.shutdown()
+
+
+def payloads(h: TieringHarness, n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, h.chunk_bytes, dtype=np.uint8) for _ in range(n)]
+
+
+# ---- the explicit primary-chunk <-> FullyContiguous mapping ------------------------------------
+@pytest.mark.parametrize("kvl", ["LBNHC", "LBHNC", "BLNHC", "BLHNC"])
+@pytest.mark.parametrize("bpc", [1, 2])
+def test_mapping_places_every_element_where_kvbm_expects_it(kvl, bpc):
+    L, H, N, D, O = 3, 2, 4, 8, 2  # D in elements; bfloat16 -> 2 bytes
+    g = PrimaryGeometry(num_layers=L, num_kv_heads=H, head_dim=D, outer_dim=O, dtype="bfloat16",
+                        tokens_per_block=N, blocks_per_chunk=bpc, copies=1, rank_bytes=L * H * N * O * D * 2 * bpc,
+                        kv_cache_layout=kvl)
+    # Engine image with a unique tag per (layer, sub_block, head, token, outer, d) element (uint16)
+    tag = np.arange(L * bpc * H * N * O * D, dtype=np.uint16)
+    if kvl.startswith("LB"):
+        eng = tag.reshape(L, bpc, *((H, N) if kvl.endswith("HNC") else (N, H)), O, D)
+    else:
+        eng = tag.reshape(bpc, L, *((H, N) if kvl.endswith("HNC") else (N, H)), O, D)
+    src = eng.reshape(-1).view(np.uint8).copy()
+    fc = np.empty_like(src)
+    g.engine_to_block(src, fc)
+    blk = fc.view(np.uint16).reshape(L, O, bpc * N, H * D)  # KVBM [layer, outer, token, heads*head_dim]
+    for (l, j, h, n, o) in [(0, 0, 0, 0, 0), (L - 1, bpc - 1, H - 1, N - 1, 1), (1, bpc - 1, 0, 2, 1), (2, 0, 1, 3, 0)]:
+        if kvl.startswith("LB"):
+            want = eng[l, j, h, n] if kvl.endswith("HNC") else eng[l, j, n, h]
+        else:
+            want = eng[j, l, h, n] if kvl.endswith("HNC") else eng[j, l, n, h]
+        np.testing.assert_array_equal(blk[l, o, j * N + n, h * D:(h + 1) * D], want[o])
+    back = np.empty_like(src)
+    g.block_to_engine(fc, back)
+    np.testing.assert_array_equal(back, src)
+    assert g.kv_layout.bytes_per_block == src.nbytes and g.kv_layout.page_size == bpc * N
+
+
+def test_geometry_errors_name_the_setting(tmp_path, harnesses):
+    with pytest.raises(ValueError, match="kv_cache_layout"):
+        PrimaryGeometry(2, 2, 8, 2, "bfloat16", 4, 1, 1, 2 * 2 * 8 * 2 * 2 * 4, kv_cache_layout="BHLNC")
+    with pytest.raises(ValueError, match="num_kv_heads/head_dim"):
+        PrimaryGeometry(2, 2, 8, 2, "bfloat16", 4, 1, 1, 12345)
+    tier = g3_tier(tmp_path / "g3")
+    del tier["num_kv_heads"]
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        harnesses([tier])
+    with pytest.raises(ValueError, match="head_dim"):
+        harnesses([g3_tier(tmp_path / "g3b", num_kv_heads=3)])
+
+
+# ---- store / load through vLLM's manager ------------------------------------------------------
+CHUNK = 32 << 10  # bytes of one GEO chunk
+
+
+@pytest.fixture(params=["one_piece", "two_chunk_pieces"])
+def pieces(request, monkeypatch):
+    """Run a test with a job in one pool call, and with a job split into pieces of 2 chunks (several
+    pool.put / pool.get calls per job, pipelined)."""
+    if request.param == "two_chunk_pieces":
+        monkeypatch.setattr(G3Tier, "piece_bytes", 2 * CHUNK)
+    return request.param
+
+
+def test_store_then_load_through_vllm_tiering_manager(tmp_path, harnesses, pieces):
+    h = harnesses([g3_tier(tmp_path / "g3", enable_kv_events=True)], enable_kv_cache_events=True)
+    assert h.chunk_bytes == CHUNK
+    keys, data = keys_for(6, "a"), payloads(h, 6)
+    h.store(keys, data)
+    h.wait_idle()
+    events = list(h.manager.take_events())
+    stored = [e for e in events if e.medium is Medium.STORAGE]
+    assert stored and sorted(k for e in stored for k in e.keys) == sorted(keys)
+    # the tier stored KVBM FullyContiguous blocks in G3 under xxh3_64(offload key)
+    tier = h.tier
+    out = np.empty(tier.geometry.rank_bytes, np.uint8)
+    res = tier.pool.get([tier.namespace.key(offload_key_hash(keys[3]))], [out]).result(timeout=10)
+    assert res.ok == [True]
+    want = np.empty_like(out)
+    tier.geometry.engine_to_block(data[3], want)
+    np.testing.assert_array_equal(out, want)
+    assert tier.namespace.hash_scheme == "vllm-block-hash"
+
+    h.reset_primary()  # vLLM's reset_cache: drains the tiers, empties the primary; G3 keeps the data
+    got = h.load(keys)
+    assert len(got) == 6
+    for a, b in zip(got, data):
+        np.testing.assert_array_equal(a, b)
+    st = tier.kvbm_stats()["tier"]
+    assert st["chunks_loaded"] == 6 and st["chunks_load_failed"] == 0
+
+
+def test_g3_tier_publishes_removal_of_chunks_it_no_longer_holds(tmp_path, harnesses, monkeypatch):
+    """KV events on: stores are published with ``removal_expected`` (vLLM's events tracker keeps their payload
+    for the removal), and a chunk G3 drops afterwards (here deleted from the pool, as an eviction or a corrupt
+    block drops it) is published removed (``medium`` STORAGE, the tier's locality) once, the others not."""
+    monkeypatch.setattr(G3Tier, "reconcile_interval_s", 0.0)
+    h = harnesses([g3_tier(tmp_path / "g3", enable_kv_events=True, locality="LOCAL")], enable_kv_cache_events=True)
+    keys, data = keys_for(6, "r"), payloads(h, 6)
+    h.store(keys, data)
+    h.wait_idle()
+    stored = [e for e in h.manager.take_events() if e.medium is Medium.STORAGE]
+    assert sorted(k for e in stored for k in e.keys) == sorted(keys)
+    assert all(e.removal_expected and not e.removed for e in stored), stored
+    assert [e for e in h.manager.take_events() if e.medium is Medium.STORAGE] == []  # nothing dropped yet
+    tier = h.tier
+    assert tier.pool.delete([tier.namespace.key(offload_key_hash(k)) for k in keys[1:3]]).result(timeout=10) == 2
+    removed = [e for e in h.manager.take_events() if e.medium is Medium.STORAGE]
+    assert len(removed) == 1 and removed[0].removed, removed
+    assert sorted(removed[0].keys) == sorted(keys[1:3]) and removed[0].locality.value == "LOCAL"
+    assert [e for e in h.manager.take_events() if e.medium is Medium.STORAGE] == []  # published once
+
+
+def test_tier_without_events_keeps_nothing_for_removals(tmp_path, harnesses):
+    h = harnesses([g3_tier(tmp_path / "g3")], enable_kv_cache_events=True)
+    keys = keys_for(3, "n")
+    h.store(keys, payloads(h, 3))
+    h.wait_idle()
+    assert [e for e in h.manager.take_events() if e.medium is Medium.STORAGE] == []
+    assert h.tier._held == {} and not h.tier._removals
+
+
+def test_restart_finds_blocks_in_g3(tmp_path, harnesses):
+    h = harnesses([g3_tier(tmp_path / "g3")])
+    keys, data = keys_for(4, "r"), payloads(h, 4, seed=1)
+    h.store(keys, data)
+    h.wait_idle()
+    h.shutdown()  # closes the G3 pool (directory lock released) and vLLM's primary mmap
+    h2 = harnesses([g3_tier(tmp_path / "g3")])
+    got = h2.load(keys)
+    assert len(got) == 4 and all(np.array_equal(a, b) for a, b in zip(got, data))
+
+
+def test_lookup_is_async_retry_then_hit_or_miss(tmp_path, harnesses):
+    h = harnesses([g3_tier(tmp_path / "g3")])
+    keys, data = keys_for(2, "l"), payloads(h, 2)
+    h.store(keys[:1], data[:1])
+    h.wait_idle()
+    tier, ctx = h.tier, h.context()
+    tier.on_new_request(ctx)
+    # first sighting of a key: the index lookup is posted at the end of the step -> RETRY now
+    assert tier.lookup(keys[0], ctx) is LookupResult.RETRY
+    assert tier.lookup(keys[1], ctx) is LookupResult.RETRY
+    results = {}
+    for _ in range(2000):
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        results = {k: tier.lookup(k, ctx) for k in keys}
+        if LookupResult.RETRY not in results.values():
+            break
+        time.sleep(0.002)
+    assert results[keys[0]] is LookupResult.HIT
+    assert results[keys[1]] is LookupResult.MISS
+    tier.on_request_finished(ctx)
+
+
+def test_failed_load_is_reported_failed_never_wrong_bytes(tmp_path, harnesses, pieces):
+    h = harnesses([g3_tier(tmp_path / "g3")])
+    keys, data = keys_for(6, "c"), payloads(h, 6, seed=2)
+    h.store(keys, data)
+    h.wait_idle()
+    tier = h.tier
+    # corrupt chunk 2's payload on disk (one byte inside the stored block)
+    fi, si = tier.pool.index.get(tier.namespace.key(offload_key_hash(keys[2])))
+    path = tier.pool.slabs.by_index[fi].path
+    off = si * tier.pool.slot_bytes + HEADER_BYTES + 100
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, off)
+        os.pwrite(fd, bytes([b[0] ^ 0xFF]), off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    h.reset_primary()
+    got = h.load(keys)
+    # the usable prefix stops before the corrupt chunk; what was served is exact
+    assert len(got) == 2
+    for a, b in zip(got, data):
+        np.testing.assert_array_equal(a, b)
+    st = tier.kvbm_stats()
+    assert st["tier"]["chunks_load_failed"] >= 1 and st["tier"]["loads_failed"] >= 1
+    # every verified chunk was loaded, also those after the corrupt one (with two-chunk pieces: chunk 2
+    # is in the second of three pieces, the third piece still lands)
+    assert st["tier"]["chunks_loaded"] == 5 and st["tier"]["chunks_load_failed"] == 1
+    assert st["pool"]["corrupt"] >= 1
+    # the failed key is a miss from now on (no promotion livelock), the others still load
+    assert h.lookup_prefix(keys[2:3], timeout=10) == 0
+    got2 = h.load(keys[3:])
+    assert len(got2) == 3 and all(np.array_equal(a, b) for a, b in zip(got2, data[3:]))
+
+
+def test_drain_and_shutdown(tmp_path, harnesses):
+    h = harnesses([g3_tier(tmp_path / "g3")])
+    keys, data = keys_for(8, "d"), payloads(h, 8, seed=3)
+    h.store(keys, data)  # cascade jobs in flight; no step taken yet
+    tier = h.tier
+    # vLLM's reset_cache: every tier's drain_jobs(), then it consumes the results and asserts no job is left
+    h.manager.reset_cache()
+    assert not tier.has_pending_work() and not h.manager.has_pending_work()
+    got = h.load(keys)
+    assert len(got) == 8 and all(np.array_equal(a, b) for a, b in zip(got, data))
+    h.shutdown()  # vLLM's manager.shutdown: our tier first (pool closed, primary export dropped), then the mmap
+    assert tier._closed and tier._primary is None and tier.pool._closed
+
+
+def test_g4_tier_store_then_load(tmp_path, harnesses):
+    """Also the config's ``tenant``: the tenant of a request that names none (here the store)."""
+    store = tmp_path / "g4"
+    tier = {"type": "G4Tier", "module_path": MOD, "num_kv_heads": GEO["num_kv_heads"], "io_threads": 2,
+            "config": {"tenant": "acme"},
+            "g4": {"url": f"file://{store}", "keyring": {"path": str(tmp_path / "keys" / "keyring.json")},
+                   "timeout_s": 5.0}}
+    h = harnesses([tier])
+    keys, data = keys_for(3, "g4"), payloads(h, 3, seed=4)
+    h.store(keys, data)  # no kvbm_tenant: the config's tenant
+    h.wait_idle()
+    assert h.tier.kvbm_stats()["tier"]["chunks_stored"] == 3
+    h.reset_primary()
+    # another tenant does not see acme's blocks; acme does
+    assert h.load(keys, ctx=h.context(kv_transfer_params={"kvbm_tenant": "other"})) == []
+    got = h.load(keys, ctx=h.context(kv_transfer_params={"kvbm_tenant": "acme"}))
+    assert len(got) == 3 and all(np.array_equal(a, b) for a, b in zip(got, data))
+
+
+def test_staging_arena_reuses_its_buffers_and_never_blocks():
+    from kvbm_backend.integrations.vllm.tiering import staging_pool
+    st = staging_pool(8192, 3)
+    a = [st.take(8192) for _ in range(5)]  # 3 from the arena, 2 fresh
+    assert len(a) == 5 and all(b.nbytes == 8192 and b.ctypes.data % 4096 == 0 for b in a)
+    assert len({b.ctypes.data for b in a}) == 5
+    for x in a:
+        st.give(x)
+    b = [st.take(8192) for _ in range(4)]  # only the 3 arena buffers came back; the fresh ones were not kept
+    arena = {x.ctypes.data for x in a[:3]}
+    assert {x.ctypes.data for x in b[:3]} == arena and b[3].ctypes.data not in arena
+    b[0][:] = 7  # writable
+    assert staging_pool(8192, 0).take(8192).nbytes == 8192
+
+
+def test_staging_mb_is_validated(tmp_path, harnesses):
+    with pytest.raises(ValueError, match="staging_mb"):
+        harnesses([g3_tier(tmp_path / "g3", staging_mb=-1)])
+
+
+def test_io_threads_run_before_the_first_job(tmp_path, harnesses):
+    """Every I/O thread of the tier is started at construction, so vLLM's scheduler thread never starts
+    one inside submit_store/submit_load (a thread start + GIL hand-off: up to ~4 ms a call measured)."""
+    h = harnesses([g3_tier(tmp_path / "g3", io_threads=3)])
+    names = sorted(t.name for t in h.tier._executor._threads)
+    assert len(names) == 3 and all(n.startswith("kvbm_G3Tier") for n in names), names
+    assert all(t.is_alive() for t in h.tier._executor._threads)
+    keys = keys_for(4, "t")
+    h.store(keys, payloads(h, 4))
+    h.wait_idle()
+    assert len(h.tier._executor._threads) == 3  # the jobs ran on them: none started later

@@ -1,0 +1,238 @@
+"""Layer-wise loads from a real G3 pool on tmp files (issue 24 item 5): layer ``l`` of every block is
+delivered byte-identical before the load finishes; a corrupted payload, a truncated slab and a late read
+are failures reported by ``finish`` (the corrupt slot dropped), never a good row and never a hang."""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbm_backend.model.frame import HEADER_BYTES
+from kvbm_backend.model.layout import KvLayout
+from kvbm_backend.model.namespace import Namespace
+from kvbm_backend.pool.g3.read.layerwise import LayerwiseLoad, SlabFiles
+from kvbm_backend.transfer.layers import layer_groups, plan_layer_reads
+from tests.helpers.pools import open_g3
+
+ALIGNED = KvLayout(num_layers=6, outer_dim=2, page_size=16, inner_dim=128, dtype="bfloat16")  # 8 KiB layers
+UNALIGNED = KvLayout(num_layers=3, outer_dim=2, page_size=16, inner_dim=24, dtype="bfloat16")  # 1.5 KiB layers
+
+
+@pytest.fixture
+def rig(tmp_path, request):
+    layout = getattr(request, "param", ALIGNED)
+    ns = Namespace(model="test/layerwise", revision="r1", layout=layout, tp_world_size=1)
+    pool = open_g3(tmp_path / "g3", ns, load_timeout_s=20)
+    ex = ThreadPoolExecutor(4, thread_name_prefix="test-layerwise")
+    files = SlabFiles()
+    rng = np.random.default_rng(5)
+    keys = ns.keys(list(range(100, 108)), "tenant-a", 0)
+    blocks = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8) for _ in keys]
+    r = pool.put(keys, blocks).result(timeout=30)
+    assert r.written == len(keys)
+    assert pool.flush(30)
+    yield pool, ns, keys, blocks, ex, files
+    ex.shutdown(wait=True)
+    files.close()
+    pool.close()
+
+
+def _load(pool, ns, keys, ex, files, **kw):
+    kw.setdefault("timeout_s", 20)
+    return LayerwiseLoad(pool, ns.layout, keys, "cpu", executor=ex, files=files, min_read=8192, **kw).start()
+
+
+def _layer(block: np.ndarray, layout: KvLayout, layer: int) -> np.ndarray:
+    lb = layout.bytes_per_block // layout.num_layers
+    return block[layer * lb:(layer + 1) * lb]
+
+
+def test_plan_orders_reads_by_layer_group_and_header_first():
+    assert layer_groups(8192, 8, min_read=16384) == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert layer_groups(65536, 32) == [(i, 4) for i in range(0, 32, 4)]  # 8B shape: 256 KiB reads
+    assert layer_groups(32768, 4) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # small blocks: still 4 groups
+    groups = layer_groups(8192, 6, min_read=16384)
+    assert groups == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+    groups = [(0, 2), (2, 2), (4, 2)]
+    reads = plan_layer_reads([(0, 0), (1, 40960)], 8192, groups)
+    assert [[(r.row, r.first_layer, r.offset, r.header) for r in g] for g in reads] == [
+        [(0, 0, 0, True), (1, 0, 40960, True)],
+        [(0, 2, HEADER_BYTES + 2 * 8192, False), (1, 2, 40960 + HEADER_BYTES + 2 * 8192, False)],
+        [(0, 4, HEADER_BYTES + 4 * 8192, False), (1, 4, 40960 + HEADER_BYTES + 4 * 8192, False)]]
+    assert layer_groups(1536, 3) == [(0, 3)]  # not 4 KiB-aligned: whole blocks
+
+
+def test_layers_arrive_byte_identical_before_finish(rig):
+    pool, ns, keys, blocks, ex, files = rig
+    ld = _load(pool, ns, keys, ex, files)
+    assert len(ld.groups) == ns.layout.num_layers  # one layer per read at min_read = one layer
+    for layer in range(ns.layout.num_layers):
+        good, t = ld.wait_layer(layer)
+        assert good == list(range(len(keys)))
+        for i, b in enumerate(blocks):
+            assert np.array_equal(t[i].numpy(), _layer(b, ns.layout, layer)), (layer, i)
+    assert ld.finish() == [None] * len(keys)
+    assert ld.counters["host_verified"] == len(keys)
+    assert all(np.array_equal(ld.block(i).numpy(), b) for i, b in enumerate(blocks))
+    assert ld.counters["reads"] == len(keys) * ns.layout.num_layers
+    # every lease went back: the slots can be dropped now
+    assert pool.delete(keys[:1]).result(timeout=10) == 1
+
+
+def test_the_pool_facade_is_the_one_entry_point_of_layerwise_loads(tmp_path):
+    """``G3Pool.layerwise_load`` (G3Extensions): the pool's own reader threads, slab fds and staging, its
+    layout, world and load timeout; the integrations no longer wire a LayerwiseLoad from pool internals. The
+    threads stop with the pool; a load after close is refused."""
+    from kvbm_backend.pool.base import G3Extensions
+    layout = ALIGNED
+    ns = Namespace(model="test/layerwise-facade", revision="r1", layout=layout, tp_world_size=1)
+    pool = G3Pool(G3Config(paths=[str(tmp_path / "g3")], capacity_gb=0.05, files_per_path=1, io_threads=2,
+                           admission={"policy": "all"}, load_timeout_s=20), ns)
+    try:
+        assert isinstance(pool, G3Extensions)
+        rng = np.random.default_rng(11)
+        keys = ns.keys(list(range(200, 205)), "t", 0)
+        blocks = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8) for _ in keys]
+        assert pool.put(keys, blocks).result(timeout=30).written == len(keys)
+        assert pool.flush(30)
+        absent = ns.keys([999], "t", 0)
+        for _ in range(2):  # the second load reuses the pool's threads and staging
+            ld = pool.layerwise_load(keys + absent, "cpu", min_read=8192)
+            assert len(ld.groups) == layout.num_layers and ld.timeout_s == 20 and ld.world == 1
+            for layer in range(layout.num_layers):
+                good, t = ld.wait_layer(layer)
+                assert good == list(range(len(keys)))
+                assert all(np.array_equal(t[i].numpy(), _layer(b, layout, layer)) for i, b in enumerate(blocks))
+            assert ld.finish() == [None] * len(keys) + ["not_found"]
+        assert ld._staging_pool is not None and ld._staging_pool.reused >= 1
+        assert sum(th.name.startswith("kvbm-g3-layerwise") for th in threading.enumerate()) <= 2
+    finally:
+        pool.close()
+    assert not any(th.name.startswith("kvbm-g3-layerwise") for th in threading.enumerate())
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.layerwise_load(keys, "cpu")
+
+
+@pytest.mark.parametrize("rig", [UNALIGNED], indirect=True)
+def test_unaligned_layers_fall_back_to_whole_blocks(rig):
+    pool, ns, keys, blocks, ex, files = rig
+    ld = _load(pool, ns, keys, ex, files)
+    assert ld.groups == [(0, 3)] and ld.counters["unaligned_loads"] == 1
+    good, t = ld.wait_layer(1)
+    assert good == list(range(len(keys)))
+    assert np.array_equal(t[3].numpy(), _layer(blocks[3], ns.layout, 1))
+    assert ld.finish() == [None] * len(keys)
+
+
+def _slot(pool, key):
+    ls = pool.lease([key])[0]
+    pool.release([ls])
+    return ls.path, ls.offset
+
+
+def test_corrupt_payload_is_a_failed_row_and_the_slot_is_dropped(rig):
+    pool, ns, keys, blocks, ex, files = rig
+    path, off = _slot(pool, keys[2])
+    lb = ns.layout.bytes_per_block // ns.layout.num_layers
+    with open(path, "r+b") as f:  # one byte of layer 4 of block 2
+        f.seek(off + HEADER_BYTES + 4 * lb + 77)
+        b = f.read(1)
+        f.seek(off + HEADER_BYTES + 4 * lb + 77)
+        f.write(bytes([b[0] ^ 0x40]))
+        f.flush()
+        os.fsync(f.fileno())
+    ld = _load(pool, ns, keys, ex, files)
+    good, _ = ld.wait_layer(0)
+    assert 2 in good  # layer 0 is fine: nothing is known yet
+    why = ld.finish()
+    assert why[2] == "integrity" and why[:2] == [None, None] and why[3:] == [None] * 5
+    assert not pool.contains(keys[2])  # proven bad, dropped
+    assert pool.stats()["corrupt"] >= 1
+
+
+def test_truncated_slab_is_a_failure_not_a_hang(rig):
+    pool, ns, keys, blocks, ex, files = rig
+    offs = sorted((_slot(pool, k)[1], i) for i, k in enumerate(keys))
+    path = _slot(pool, keys[0])[0]
+    last_off, last = offs[-1]
+    os.truncate(path, last_off + HEADER_BYTES + 1000)  # the last frame's payload is cut short
+    ld = _load(pool, ns, keys, ex, files, timeout_s=10)
+    good, _ = ld.wait_layer(ns.layout.num_layers - 1)
+    assert last not in good
+    why = ld.finish()
+    assert why[last] == "short"
+    assert [w for i, w in enumerate(why) if i != last] == [None] * (len(keys) - 1)
+
+
+def test_late_reads_are_timeouts(rig):
+    pool, ns, keys, blocks, ex, files = rig
+    gate = threading.Event()
+    slow = ThreadPoolExecutor(1)
+    slow.submit(gate.wait, 30)  # the only reader thread is busy: every read queues behind it
+    try:
+        ld = LayerwiseLoad(pool, ns.layout, keys, "cpu", executor=slow, files=files, timeout_s=0.3,
+                           min_read=8192).start()
+        good, _ = ld.wait_layer(0)
+        assert good == []
+        assert ld.finish() == ["timeout"] * len(keys)
+        assert all(pool.contains(k) for k in keys)  # a late read is a miss, the slots stay
+    finally:
+        gate.set()
+        slow.shutdown(wait=True)
+
+
+def test_staging_from_a_buffer_pool_is_given_back_and_reused(rig):
+    from kvbm_backend.memory import BufferPool
+    pool, ns, keys, blocks, ex, files = rig
+    staging = BufferPool("host", 64 << 20, name="test-layerwise")
+    for n in (8, 5):  # another size of the same power-of-two class reuses the buffer
+        ld = _load(pool, ns, keys[:n], ex, files, staging=staging)
+        for layer in range(ns.layout.num_layers):
+            _, t = ld.wait_layer(layer)
+            assert all(np.array_equal(t[i].numpy(), _layer(blocks[i], ns.layout, layer)) for i in range(n))
+        assert ld.finish() == [None] * n
+    assert (staging.allocated, staging.reused) == (1, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_layerwise_loads_verify_the_device_checksum_in_hbm(tmp_path):
+    from kvbm_backend.memory import BufferPool
+    from kvbm_backend.model.frame import device_checksum
+    layout = ALIGNED
+    ns = Namespace(model="test/layerwise-gpu", revision="r1", layout=layout, tp_world_size=1)
+    pool = open_g3(tmp_path / "g3", ns, load_timeout_s=20)
+    ex, files, staging = ThreadPoolExecutor(4), SlabFiles(), BufferPool("pinned", 64 << 20)
+    try:
+        rng = np.random.default_rng(9)
+        keys = ns.keys(list(range(10, 16)), "t", 0)
+        blocks = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8) for _ in keys]
+        assert pool.put(keys, blocks, dev_checks=[device_checksum(b) for b in blocks]).result(30).written == 6
+        assert pool.flush(30)
+        ls = pool.lease([keys[4]])[0]
+        pool.release([ls])
+        with open(ls.path, "r+b") as f:
+            f.seek(ls.offset + HEADER_BYTES + 3 * 8192 + 11)
+            b = f.read(1)
+            f.seek(ls.offset + HEADER_BYTES + 3 * 8192 + 11)
+            f.write(bytes([b[0] ^ 2]))
+        for _ in range(2):  # the second load reuses the pinned staging
+            ld = LayerwiseLoad(pool, layout, keys[:4], "cuda", executor=ex, files=files, timeout_s=20,
+                               min_read=8192, staging=staging).start()
+            for layer in range(layout.num_layers):
+                good, t = ld.wait_layer(layer)
+                assert t.device.type == "cuda" and good == [0, 1, 2, 3]
+                for i in good:
+                    assert np.array_equal(t[i].cpu().numpy(), _layer(blocks[i], layout, layer))
+            assert ld.finish() == [None] * 4 and ld.counters["host_verified"] == 0  # verified on the device
+        ld = LayerwiseLoad(pool, layout, keys[4:], "cuda", executor=ex, files=files, timeout_s=20).start()
+        assert ld.finish() == ["devcheck", None]
+        assert not pool.contains(keys[4])
+    finally:
+        ex.shutdown(wait=True)
+        files.close()
+        pool.close()

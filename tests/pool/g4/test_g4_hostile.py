@@ -1,0 +1,284 @@
+"""G4 under hostile input (issue 26): a lying S3 endpoint never gets a good object deleted, special
+files and links planted in a file:// store neither block nor redirect I/O, misses never touch the
+caller's buffer, and everything is created private (0600/0700) whatever the umask. Real SeaweedFS, a
+real loopback HTTP proxy, real FIFOs, sockets and symlinks."""
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers.g4_writer import namespace, payload
+from tests.helpers.lying_proxy import MODES, LyingProxy
+from kvbm_backend.config import G4Config
+from kvbm_backend.model.frame import HEADER_BYTES
+from kvbm_backend.pool.g4.pool import G4Pool
+from tests.helpers.pools import tiny_ns
+
+NS = namespace()
+BPB = NS.layout.bytes_per_block
+
+
+def _pool(tmp_path, **kw) -> G4Pool:
+    d = {"keyring": {"path": str(tmp_path / "keys" / "keyring.json")}, "timeout_s": 5.0, "dir_fanout": 16, **kw}
+    return G4Pool(G4Config(**d), NS)
+
+
+def _get(pool, seqs, tenant="t", fill=0xEE):
+    out = [np.full(BPB, fill, np.uint8) for _ in seqs]
+    ok = pool.get(NS.keys(seqs, tenant=tenant), out).result(timeout=60).ok
+    for o, b, s in zip(ok, out, seqs):
+        if o:
+            assert np.array_equal(b, payload(s, tenant, BPB)), "a block reported ok holds wrong bytes"
+    return ok, out
+
+
+# ---- item 3: a lying S3 endpoint ------------------------------------------------------------------
+def test_lying_s3_proxy_never_deletes_good_objects(seaweed, s3_prefix, tmp_path):
+    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = LyingProxy(host, int(port))
+    url = seaweed.url(s3_prefix)
+    seqs = [1, 2]
+    try:
+        with _pool(tmp_path, url=url, endpoint_url=seaweed.endpoint) as good:
+            assert good.put(NS.keys(seqs, tenant="t"), [payload(s, "t", BPB) for s in seqs]).result(60).written == 2
+            names = [good.object_name(k) for k in NS.keys(seqs, tenant="t")]
+            stored = [bytes(good.store.get(n)) for n in names]
+            proxy.other_body = stored[1]
+            with _pool(tmp_path, url=url, endpoint_url=proxy.endpoint) as liar:
+                for mode in MODES:
+                    proxy.mode = mode
+                    ok, out = _get(liar, seqs[:1])
+                    assert ok == [False], mode
+                    assert (out[0] == 0xEE).all(), f"{mode}: a miss wrote into the caller's buffer"
+                    # the good object is still in SeaweedFS, byte for byte, and a good path serves it
+                    assert good.store.head(names[0]) == len(stored[0]), f"{mode}: good object deleted"
+                    assert bytes(good.store.get(names[0])) == stored[0], mode
+                    assert _get(good, seqs[:1])[0] == [True], mode
+                st = liar.stats()
+                assert proxy.lied >= len(MODES)
+                assert st["miss_unconfirmed_corrupt"] == len(MODES) and st.get("deleted_corrupt", 0) == 0
+                assert st["corrupt"] == 0  # nothing counted as a corrupt stored object
+                # a really corrupt stored object (bad bytes in SeaweedFS) is still dropped, through the proxy
+                proxy.mode = "pass"
+                bad = bytearray(stored[1])
+                bad[HEADER_BYTES + 10] ^= 0xFF
+                good.store.put(names[1], bytes(bad))
+                assert _get(liar, seqs[1:])[0] == [False]
+                assert liar.stats()["deleted_corrupt"] == 1 and liar.stats()["corrupt_integrity"] == 1
+                assert good.store.head(names[1]) is None
+    finally:
+        proxy.close()
+
+
+def test_fs_stored_matches_rereads_the_file(tmp_path):
+    """file://: a frame that failed verification is confirmed bad only by a fresh read of the file (a
+    read error that delivered other bytes keeps the object)."""
+    from kvbm_backend.pool.g4.fs_store import FsStore
+    st = FsStore(tmp_path / "s")
+    st.put("a/b", b"0123456789")
+    assert st.stored_matches("a/b", b"0123456789", 10)
+    assert st.stored_matches("a/b", b"0123", 10)  # a bounce buffer's prefix of a longer object
+    assert not st.stored_matches("a/b", b"0123456788", 10)  # what was read is not what is stored
+    assert not st.stored_matches("a/b", b"0123456789", 11)
+    assert not st.stored_matches("a/missing", b"x", 1)
+
+
+# ---- item 14: a miss leaves the output buffer untouched ----------------------------------------------
+@pytest.mark.parametrize("encrypt", [True, False])
+@pytest.mark.parametrize("where", ["fs", "s3"])
+def test_corrupt_object_leaves_output_buffer_untouched(tmp_path, encrypt, where, request):
+    if where == "fs":
+        kw = {"url": f"file://{tmp_path / 'store'}"}
+    else:
+        sw = request.getfixturevalue("seaweed")
+        kw = {"url": sw.url(request.getfixturevalue("s3_prefix")), "endpoint_url": sw.endpoint}
+    with _pool(tmp_path, encrypt=encrypt, **kw) as p:
+        seqs = [5, 6]
+        assert p.put(NS.keys(seqs, tenant="t"), [payload(s, "t", BPB) for s in seqs]).result(60).written == 2
+        for s, off in ((5, HEADER_BYTES + 3), (6, HEADER_BYTES + BPB - 1)):  # early and last payload byte
+            name = p.object_name(NS.key(s, tenant="t"))
+            raw = bytearray(p.store.get(name))
+            raw[off] ^= 0x01
+            p.store.put(name, bytes(raw))
+        ok, out = _get(p, seqs, fill=0x5A)
+        assert ok == [False, False]
+        assert all((o == 0x5A).all() for o in out), "a corrupt object wrote unverified bytes into out"
+        assert p.stats()["corrupt_integrity"] == 2
+
+
+# ---- item 6: special files in a file:// store -------------------------------------------------------
+def test_fifos_and_sockets_in_fs_store_neither_block_nor_serve(tmp_path):
+    with _pool(tmp_path, url=f"file://{tmp_path / 'store'}", timeout_s=2.0, retries=0, max_inflight=4) as p:
+        root = p.store.root
+        ok_seqs = [1, 2]
+        assert p.put(NS.keys(ok_seqs, tenant="t"), [payload(s, "t", BPB) for s in ok_seqs]).result(60).written == 2
+        bad = list(range(10, 22))  # more than max_inflight: a blocked open would hold every I/O thread
+        planted = []
+        sock = []
+        for i, s in enumerate(bad):
+            path = root / p.object_name(NS.key(s, tenant="t"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if i % 3 == 2:
+                srv = socket.socket(socket.AF_UNIX)
+                cwd = os.getcwd()
+                os.chdir(path.parent)  # AF_UNIX paths are short: bind by the relative name
+                try:
+                    srv.bind(path.name)
+                finally:
+                    os.chdir(cwd)
+                sock.append(srv)
+            else:
+                os.mkfifo(path)
+            planted.append(path)
+            tmp = path.parent / f".{path.name}.host.1.{'0' * 32}.tmp"  # a FIFO at a temp-looking name
+            os.mkfifo(tmp)
+            planted.append(tmp)
+        t0 = time.monotonic()
+        ok, out = _get(p, bad)
+        assert ok == [False] * len(bad)
+        assert all((o == 0xEE).all() for o in out)
+        assert time.monotonic() - t0 < 30  # resolved, not stuck (the load bound is 2 s)
+        assert p.stats().get("miss_timeout", 0) == 0  # refused at once, not timed out
+        # offloads of the planted names are dropped (never "skipped: already stored"); others complete
+        r = p.put(NS.keys(bad[:3], tenant="t"), [payload(s, "t", BPB) for s in bad[:3]]).result(60)
+        assert (r.written, r.skipped, r.dropped) == (0, 0, 3)
+        others = list(range(30, 40))
+        assert p.put(NS.keys(others, tenant="t"), [payload(s, "t", BPB) for s in others]).result(60).written == 10
+        assert _get(p, others + ok_seqs)[0] == [True] * 12
+        assert p.lookup_prefix(NS.keys(bad[:1], tenant="t")).result(60) == 0
+        for x in sock:
+            x.close()
+        for path in planted:
+            os.unlink(path)
+        assert p.put(NS.keys(bad, tenant="t"), [payload(s, "t", BPB) for s in bad]).result(60).written == len(bad)
+        assert _get(p, bad)[0] == [True] * len(bad)
+        assert p.flush(30)
+
+
+# ---- item 9: symlinks under the root -----------------------------------------------------------------
+def test_symlinked_fanout_dir_is_never_followed(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    with _pool(tmp_path, url=f"file://{tmp_path / 'store'}", encrypt=False) as p:
+        root = p.store.root
+        k = NS.key(3, tenant="t")
+        assert p.put([k], [payload(3, "t", BPB)]).result(60).written == 1
+        fan = (root / p.object_name(k)).parent
+        os.rename(fan, outside / "moved")  # a valid object, now only reachable through the link
+        os.symlink(outside / "moved", fan)
+        assert _get(p, [3])[0] == [False]  # reads do not follow it
+        assert p.lookup_prefix([k]).result(60) == 0
+        before = sorted(os.listdir(outside / "moved"))
+        # blocks whose (keyed) names fall in the same fan-out dir: offloads through the link
+        seqs = [s for s in range(4, 4000) if (root / p.object_name(NS.key(s, tenant="t"))).parent == fan][:4]
+        assert len(seqs) == 4
+        r = p.put(NS.keys(seqs, tenant="t"), [payload(s, "t", BPB) for s in seqs]).result(60)
+        assert (r.written, r.dropped) == (0, 4) and p.stats()["dropped_error"] == 4
+        assert sorted(os.listdir(outside / "moved")) == before  # nothing written outside the root
+        assert p.delete([k]).result(60) == 0 and os.listdir(outside / "moved") == before
+        # a link at a higher component (the tenant dir) too
+        t2 = NS.key(4, tenant="u")
+        tenant_dir = root / p.object_name(t2).split("/")[0] / p.object_name(t2).split("/")[1]
+        tenant_dir.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(outside, tenant_dir)
+        assert p.put([t2], [payload(4, "u", BPB)]).result(60).dropped == 1
+        assert sorted(os.listdir(outside)) == ["moved"]
+        # a link at the object name itself
+        k5 = NS.key(5, tenant="t")
+        target = outside / "obj5"
+        assert p.put([k5], [payload(5, "t", BPB)]).result(60).written == 1
+        os.rename(root / p.object_name(k5), target)
+        os.symlink(target, root / p.object_name(k5))
+        assert _get(p, [5])[0] == [False]
+        assert target.exists()  # not deleted through the link either
+
+
+# ---- item 8: private modes whatever the umask ----------------------------------------------------------
+def _modes(root) -> list[str]:
+    bad = []
+    for dirpath, dirs, files in os.walk(root):
+        for n in dirs + files + ([""] if dirpath == str(root) else []):
+            path = os.path.join(dirpath, n) if n else dirpath
+            m = stat.S_IMODE(os.lstat(path).st_mode)
+            want = 0o700 if os.path.isdir(path) else 0o600
+            if m != want:
+                bad.append(f"{path}: {m:04o}")
+    return bad
+
+
+def test_everything_created_is_private_under_umask_000(tmp_path):
+    from kvbm_backend.apps.doctor import run_doctor
+    from kvbm_backend.config import G3Config
+    from kvbm_backend.metrics import new_registry
+    from kvbm_backend.pool.g3 import G3Pool
+
+    old = os.umask(0)
+    try:
+        g4root = tmp_path / "deep" / "g4"
+        keys_dir = tmp_path / "kr" / "nested"
+        g3dir = tmp_path / "g3parent" / "g3"
+        with G4Pool(G4Config(url=f"file://{g4root}", keyring={"path": str(keys_dir / "keyring.json")}), NS) as p:
+            assert p.put(NS.keys([1, 2], tenant="t"), [payload(s, "t", BPB) for s in (1, 2)]).result(60).written == 2
+            assert p.flush(30)
+        with G4Pool(G4Config(url=f"file://{tmp_path / 'deep' / 'g4plain'}", encrypt=False), NS) as p:
+            assert p.put(NS.keys([1], tenant="t"), [payload(1, "t", BPB)]).result(60).written == 1
+        with G3Pool(G3Config(paths=[str(g3dir)], capacity_gb=0.01), NS, registry=new_registry()) as g3:
+            for _ in range(2):  # the admission filter may want to see a block twice
+                g3.put(NS.keys([1], tenant="t"), [payload(1, "t", BPB)]).result(60)
+            g3.flush(30)
+    finally:
+        os.umask(old)
+    assert _modes(tmp_path / "deep") == []
+    assert _modes(tmp_path / "kr") == []
+    assert _modes(tmp_path / "g3parent") == []
+    # doctor flags a store dir opened up to 0777 and a world-readable keyring
+    os.chmod(g4root, 0o777)
+    os.chmod(keys_dir / "keyring.json", 0o644)
+    cfg = ('{"g4": {"enabled": true, "url": "file://%s", "keyring": {"path": "%s"}}}'
+           % (g4root, keys_dir / "keyring.json"))
+    res = run_doctor([], config=cfg)
+    probs = res["modes"]["problems"]
+    assert any(str(g4root) in x and "0777" in x for x in probs), probs
+    assert any("keyring.json" in x and "0644" in x for x in probs), probs
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_any_str_is_a_g4_tenant(tmp_path, encrypt):
+    """Issue 26 item 10 (G4): a tenant id with a lone surrogate (a client's cache_salt decoded with
+    surrogateescape), a NUL or 100k characters is a tenant like any other: the pseudonym, the keyed names and
+    the keyring take its bytes as namespace.tenant_bytes does (UTF-8, surrogatepass); before, G4 raised
+    UnicodeEncodeError on the first of them."""
+    import numpy as np
+
+    from kvbm_backend.config import load_config
+    from kvbm_backend.integrations.tiers import open_tiers
+
+    ns = tiny_ns("m")
+    lay = ns.layout
+    g4cfg = {"enabled": True, "url": f"file://{tmp_path}/g4", "encrypt": encrypt}
+    if encrypt:
+        g4cfg["keyring"] = {"path": str(tmp_path / "kr.json")}
+    _, g4 = open_tiers(load_config({"g3": {"enabled": False}, "g4": g4cfg}, use_env=False), ns)
+    try:
+        for i, t in enumerate(["\udcff", "a\x00b", "x" * 100_000, "\ud800\udc00"]):
+            keys = ns.keys([1, 2], t)
+            blocks = [np.full(lay.bytes_per_block, i, np.uint8)] * 2
+            r = g4.put(keys, blocks).result(30)
+            if encrypt and t == "\ud800\udc00":
+                # the keyring file (JSON) would read this id back as U+10000, another tenant: refused, a miss
+                assert (r.written, r.dropped) == (0, 2) and g4.lookup_prefix(keys).result(30) == 0
+                assert g4.stats().get("dropped_unknown_tenant", 0) >= 2, g4.stats()
+                continue
+            assert r.written == 2, t[:8]
+            g4.flush(30)
+            out = [np.zeros(lay.bytes_per_block, np.uint8) for _ in range(2)]
+            assert list(g4.get(keys, out).result(30).ok) == [True, True] and (out[0] == i).all()
+            assert g4.lookup_prefix(keys).result(30) == 2
+            assert g4.lookup_prefix(ns.keys([1, 2], t + "!")).result(30) == 0  # another tenant: nothing
+    finally:
+        g4.close()

@@ -1,1 +1,0 @@
-"""Pure logic: frames, identity, config, layouts, transfer plans, memory, metrics, plan/replay, CLI errors."""
