@@ -91,8 +91,7 @@ def test_the_pool_facade_is_the_one_entry_point_of_layerwise_loads(tmp_path):
     from kvbm_backend.pool.base import G3Extensions
     layout = ALIGNED
     ns = Namespace(model="test/layerwise-facade", revision="r1", layout=layout, tp_world_size=1)
-    pool = G3Pool(G3Config(paths=[str(tmp_path / "g3")], capacity_gb=0.05, files_per_path=1, io_threads=2,
-                           admission={"policy": "all"}, load_timeout_s=20), ns)
+    pool = open_g3(tmp_path / "g3", ns, io_threads=2, load_timeout_s=20)
     try:
         assert isinstance(pool, G3Extensions)
         rng = np.random.default_rng(11)
