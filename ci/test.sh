@@ -4,7 +4,8 @@
 #   bash ci/test.sh            the whole suite, in three lanes at once (below)
 #   bash ci/test.sh --fast     the unit lane only (no SeaweedFS, no vLLM engine, no GPU, nothing slow)
 #   bash ci/test.sh ARGS...    pytest ARGS (one lane; `--fast` may be combined with them)
-# The whole suite and --fast run `ruff check .` first (pyproject.toml [tool.ruff]); a lint error fails the run.
+# The whole suite and --fast run `ruff check .` (pyproject.toml [tool.ruff]) and `mypy` (pyproject.toml [tool.mypy]:
+# the package, strict on pool/ model/ crypto/ io/) first; a lint or type error fails the run.
 #
 # Three lanes at once, split by markers (declared in the test files, s3/gpu applied by tests/conftest.py;
 #   docs/testing.md "Markers"; the lanes partition the suite exactly):
@@ -20,9 +21,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/kvbm-backend ] && [ -z "${KVBM_REINSTALL:-}" ] || bash ci/install.sh
 export PYTHONUNBUFFERED=1
-if [ $# -eq 0 ] || [ "$*" = "--fast" ]; then  # lint first (seconds): pyproject.toml [tool.ruff]
+if [ $# -eq 0 ] || [ "$*" = "--fast" ]; then  # lint and type check first (about a minute): pyproject.toml [tool.ruff], [tool.mypy]
   echo "ruff check ."
   .venv/bin/python -m ruff check . || { echo "ci/test.sh: lint failed (ruff check .)" >&2; exit 1; }
+  echo "mypy (pyproject.toml [tool.mypy])"
+  .venv/bin/python -m mypy || { echo "ci/test.sh: type check failed (mypy)" >&2; exit 1; }
 fi
 UNIT="not slow and not vllm and not s3 and not gpu"
 PY=.venv/bin/python
