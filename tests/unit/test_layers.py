@@ -209,3 +209,22 @@ def test_g4_pool_is_a_facade_over_parts_not_mixins():
              and isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr in pool_only]
     assert not reach, "parts reading the pool's attributes (hand them in instead):\n" + "\n".join(reach)
 
+
+def test_o_direct_reads_open_through_io_files():
+    """Issue 23 item 1: one O_DIRECT open / probe / fallback rule, in ``io/`` (``io.files.open_for_read``,
+    ``refuses_direct``, ``io.probe``). Outside ``io/``, ``os.O_DIRECT`` is named only where a file is opened
+    for writing (G3's read-write slab files, G4's temp files); every O_DIRECT read-only open goes through
+    ``io.files``."""
+    writes = {("pool/g3/slabs.py", "_open"), ("pool/g4/fs_store.py", "_write_temp")}
+    found = []
+    for p, parts in _modules():
+        rel = "/".join(parts[1:]) + ".py"
+        if rel.startswith("io/"):
+            continue
+        tree = ast.parse(p.read_text(), str(p))
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for n in ast.walk(fn):
+                    if isinstance(n, ast.Attribute) and n.attr == "O_DIRECT" and (rel, fn.name) not in writes:
+                        found.append(f"{rel}:{n.lineno} in {fn.name}")
+    assert not found, "O_DIRECT opened outside io/ (use io.files.open_for_read):\n" + "\n".join(sorted(set(found)))

@@ -25,16 +25,20 @@ from pathlib import Path
 from typing import Iterator
 
 from ...fsmodes import DIR_MODE, FILE_MODE, makedirs_private
+from ...io.files import open_for_read, refuses_direct
 from ...memory import aligned_empty
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
-_NO_DIRECT = object()
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 _HOST = socket.gethostname().replace("/", "_").replace(".", "_")
 _UNAVAILABLE = {errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENOTCONN, errno.EHOSTDOWN, errno.EHOSTUNREACH,
                 errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+class _DirectRefused(Exception):
+    """An O_DIRECT read the filesystem refused (EINVAL): read it again buffered (never an OSError)."""
 
 
 def is_temp_name(basename: str) -> bool:
@@ -119,26 +123,29 @@ class FsStore(ObjectStore):
             raise
         return fd
 
-    def _open_file(self, name: str, flags: int):
-        """fd of the regular file ``name`` opened read-only (``flags`` added, e.g. O_DIRECT), or None if
-        absent. Raises OSError for links, FIFOs, sockets, devices and directories (checked by ``fstat``
-        after an ``O_NONBLOCK | O_NOFOLLOW`` open, so nothing blocks), EINVAL where O_DIRECT is refused."""
+    def _open_file(self, name: str, direct: bool) -> tuple[int, bool] | None:
+        """``(fd, is_direct)`` of the regular file ``name`` opened read-only, or None if absent. O_DIRECT
+        when ``direct`` and the filesystem takes it, by the project's one O_DIRECT open rule
+        (:func:`kvbm_backend.io.files.open_for_read`: a refusal at open gives a buffered fd, and this
+        store reads buffered from then on). Raises OSError for links, FIFOs, sockets, devices and
+        directories (checked by ``fstat`` after an ``O_NONBLOCK | O_NOFOLLOW`` open, so nothing blocks)."""
         dirs, base = self._split(name)
         dfd = self._open_dir(dirs, create=False)
         if dfd is None:
             return None
         try:
             try:
-                fd = os.open(base, _READ_FLAGS | flags, dir_fd=dfd)
+                fd, is_direct = open_for_read(base, direct, flags=_READ_FLAGS, dir_fd=dfd)
             except FileNotFoundError:
                 return None
             except BlockingIOError:
                 # a regular file whose open must wait (a lease being broken, as a slow or hung mount would
                 # make it): reopen the very inode, checked regular, without O_NONBLOCK (the caller's
                 # load deadline bounds the wait)
-                fd = self._open_waiting(dfd, base, name, flags)
-                if fd is None:
+                opened = self._open_waiting(dfd, base, name, direct)
+                if opened is None:
                     return None
+                fd, is_direct = opened
             except OSError as e:
                 if e.errno == errno.ELOOP:
                     raise self._refused(name, "a symbolic link") from None
@@ -153,9 +160,11 @@ class FsStore(ObjectStore):
         except BaseException:
             os.close(fd)
             raise
-        return fd
+        if direct and not is_direct:
+            self._direct = False
+        return fd, is_direct
 
-    def _open_waiting(self, dfd: int, base: str, name: str, flags: int) -> int | None:
+    def _open_waiting(self, dfd: int, base: str, name: str, direct: bool) -> tuple[int, bool] | None:
         try:
             pfd = os.open(base, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
         except FileNotFoundError:
@@ -164,7 +173,7 @@ class FsStore(ObjectStore):
             st = os.fstat(pfd)
             if not stat.S_ISREG(st.st_mode):
                 raise self._refused(name, f"not a regular file (mode {st.st_mode:o})")
-            return os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_CLOEXEC | flags)
+            return open_for_read(f"/proc/self/fd/{pfd}", direct, flags=os.O_RDONLY | os.O_CLOEXEC)
         finally:
             os.close(pfd)
 
@@ -249,17 +258,51 @@ class FsStore(ObjectStore):
         except OSError as e:
             raise self._wrap("put", name, e) from None
 
-    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
-        if offset == 0 and length is None and self._direct is not False:
-            got = self._get_direct(name)
-            if got is not _NO_DIRECT:
-                return got
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes | memoryview | None:
+        """Bytes ``offset`` to ``offset + length`` (default: to the end) of ``name``, or None if absent.
+        A whole object read O_DIRECT into a 4 KiB-aligned buffer where the filesystem takes it and the
+        object is whole 4 KiB blocks (bypasses the page cache, as the O_DIRECT baseline does); buffered
+        otherwise. Raises StoreUnavailable for EIO and the like, OSError for a link or a non-regular file."""
         try:
-            fd = self._open_file(name, 0)
+            opened = self._open_file(name, offset == 0 and length is None and self._direct is not False)
+            if opened is not None and opened[1]:
+                got = self._read_whole_direct(opened[0])
+                if got is not None:
+                    return got
+                opened = self._open_file(name, False)  # not whole 4 KiB blocks, or the read refused
+            if opened is None:
+                return None
+            return self._read_buffered(opened[0], offset, length)
         except OSError as e:
             raise self._wrap("get", name, e) from None
-        if fd is None:
-            return None
+
+    def _read_whole_direct(self, fd: int) -> memoryview | None:
+        """The whole file of O_DIRECT ``fd`` (closed here) into a 4 KiB-aligned buffer; None when its size is
+        not whole 4 KiB blocks or the filesystem refuses the read (then this store reads buffered)."""
+        try:
+            size = os.fstat(fd).st_size
+            if size % 4096:
+                return None
+            buf = aligned_empty(size)
+            got = 0
+            while got < size:
+                n = os.preadv(fd, [buf[got:]], got)
+                if n == 0:
+                    break
+                got += n
+            self._direct = True
+            return memoryview(buf[:got])
+        except OSError as e:
+            if refuses_direct(e):
+                self._direct = False
+                return None
+            raise
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _read_buffered(fd: int, offset: int, length: int | None) -> bytearray:
+        """Bytes ``offset`` to ``offset + length`` (default: to the end) of buffered ``fd`` (closed here)."""
         try:
             if length is None:
                 length = max(0, os.fstat(fd).st_size - offset)
@@ -271,8 +314,6 @@ class FsStore(ObjectStore):
                     break
                 got += n
             return buf if got == length else buf[:got]  # bytearray: no extra copy
-        except OSError as e:
-            raise self._wrap("get", name, e) from None
         finally:
             os.close(fd)
 
@@ -293,23 +334,20 @@ class FsStore(ObjectStore):
         mvs = [memoryview(b).cast("B") for b in (buf if isinstance(buf, (list, tuple)) else (buf,))]
         direct = self._direct is not False and all(len(m) % 4096 == 0 and _address(m) % 4096 == 0 for m in mvs)
         try:
-            got = self._read_into(name, mvs, direct)
-            if got is _NO_DIRECT:
-                got = self._read_into(name, mvs, False)
-            return got
+            try:
+                return self._read_into(name, mvs, direct)
+            except _DirectRefused:  # the filesystem refused the O_DIRECT read: buffered from now on
+                return self._read_into(name, mvs, False)
         except OSError as e:
             raise self._wrap("get", name, e) from None
 
-    def _read_into(self, name: str, mvs: list, direct: bool):
-        try:
-            fd = self._open_file(name, os.O_DIRECT if direct else 0)
-        except OSError as e:
-            if direct and e.errno == errno.EINVAL:
-                self._direct = False
-                return _NO_DIRECT
-            raise
-        if fd is None:
+    def _read_into(self, name: str, mvs: list[memoryview], direct: bool) -> int | None:
+        """:meth:`get_into` with one open (O_DIRECT if ``direct`` and the filesystem takes it): the size, or
+        None if absent. Raises _DirectRefused when the filesystem refused an O_DIRECT read (EINVAL)."""
+        opened = self._open_file(name, direct)
+        if opened is None:
             return None
+        fd, direct = opened
         try:
             size = os.fstat(fd).st_size
             want = min(size, sum(len(m) for m in mvs))
@@ -319,9 +357,9 @@ class FsStore(ObjectStore):
                 try:
                     n = os.preadv(fd, _iov(mvs, got, lim), got)
                 except OSError as e:
-                    if direct and e.errno == errno.EINVAL:
+                    if direct and refuses_direct(e):
                         self._direct = False
-                        return _NO_DIRECT
+                        raise _DirectRefused() from None
                     raise
                 if n == 0:
                     break
@@ -332,48 +370,16 @@ class FsStore(ObjectStore):
         finally:
             os.close(fd)
 
-    def _get_direct(self, name: str):
-        """Whole-object read with O_DIRECT into a 4 KiB-aligned buffer (bypasses the page cache, as
-        the O_DIRECT baseline does). Returns _NO_DIRECT when the filesystem or size does not allow it."""
-        try:
-            fd = self._open_file(name, os.O_DIRECT)
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                self._direct = False
-                return _NO_DIRECT
-            raise self._wrap("get", name, e) from None
-        if fd is None:
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            if size % 4096:
-                return _NO_DIRECT
-            buf = aligned_empty(size)
-            got = 0
-            while got < size:
-                n = os.preadv(fd, [buf[got:]], got)
-                if n == 0:
-                    break
-                got += n
-            self._direct = True
-            return memoryview(buf[:got])
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                self._direct = False
-                return _NO_DIRECT
-            raise self._wrap("get", name, e) from None
-        finally:
-            os.close(fd)
-
     def stored_matches(self, name: str, data, size: int) -> bool:
         """True only when the file ``name`` is a regular file of ``size`` bytes that starts with ``data``,
         read afresh (a bad read, not bad stored bytes, gives False); False on any error."""
         try:
-            fd = self._open_file(name, 0)
+            opened = self._open_file(name, False)
         except (OSError, ValueError):
             return False
-        if fd is None:
+        if opened is None:
             return False
+        fd = opened[0]
         try:
             if os.fstat(fd).st_size != size:
                 return False
