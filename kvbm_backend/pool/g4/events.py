@@ -15,6 +15,8 @@ import logging
 import threading
 import time
 
+from prometheus_client import Counter, Histogram
+
 from ...metrics import TierMetrics
 from .store import BucketMissing, redact_url
 
@@ -36,10 +38,20 @@ class G4Counters:
     Args:
         metrics: the tier's series (:class:`~kvbm_backend.metrics.TierMetrics` of ``"g4"``).
         page_size: tokens per block (for ``kvbm_matched_tokens``).
+    Raises:
+        ValueError: ``metrics`` lacks the G4-only series (a TierMetrics of another tier).
     """
 
     def __init__(self, metrics: TierMetrics, page_size: int):
+        m = metrics
+        if m.read_failures is None or m.write_failures is None or m.throttled is None or m.offload_seconds is None:
+            raise ValueError("G4Counters: metrics must be a TierMetrics('g4') (read/write failures, throttled, "
+                             "offload_seconds)")
         self.metrics = metrics
+        self._read_failures: Counter = m.read_failures
+        self._write_failures: Counter = m.write_failures
+        self._throttled: Counter = m.throttled
+        self._offload_seconds: Histogram = m.offload_seconds
         self._page_size = page_size
         self._mu = threading.Lock()
         self._c: dict[str, int] = {}
@@ -55,6 +67,10 @@ class G4Counters:
         """A copy of every counter counted so far (name -> count)."""
         with self._mu:
             return dict(self._c)
+
+    def offload_ended(self, seconds: float) -> None:
+        """One block offload ended ``seconds`` after it was queued (``kvbm_backend_g4_offload_seconds``)."""
+        self._offload_seconds.observe(seconds)
 
     def lookup_result(self, requested: int, found: int) -> None:
         """A lookup of ``requested`` blocks matched ``found`` leading ones: matched tokens and hit rate."""
@@ -76,17 +92,17 @@ class G4Counters:
         elif kind == "dropped":
             m.offloads_dropped.labels(reason).inc(n)
             if reason in _WRITE_FAILURES:
-                m.write_failures.inc(n)
+                self._write_failures.inc(n)
         elif kind == "miss":
             m.misses.labels(reason).inc(n)
             if reason in _READ_FAILURES:
-                m.read_failures.inc(n)
+                self._read_failures.inc(n)
         elif kind == "corrupt":
             m.corrupt.labels(reason).inc(n)
         elif kind == "throttled":
-            m.throttled.labels(reason).inc(n)
+            self._throttled.labels(reason).inc(n)
         elif name == "lookup_unavailable":
-            m.read_failures.inc(n)
+            self._read_failures.inc(n)
 
 
 class OperatorLog:

@@ -22,12 +22,24 @@ import socket
 import stat
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Union, overload
+from urllib.parse import ParseResult
+
+import numpy as np
+import numpy.typing as npt
 
 from ...fsmodes import DIR_MODE, FILE_MODE, makedirs_private
 from ...io.files import open_for_read, refuses_direct
 from ...memory import aligned_empty
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer, TypeAlias
+
+    from .factory import StoreOptions
+
+    #: Bytes as the store takes them (bytes, bytearray, memoryview, a contiguous uint8 array).
+    DataIn: TypeAlias = Union[Buffer, npt.NDArray[np.uint8]]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -56,7 +68,7 @@ class FsStore(ObjectStore):
     (files) or 0700 (directories) whatever the umask (:mod:`kvbm_backend.fsmodes`).
     """
 
-    def __init__(self, root: str | os.PathLike, *, fsync: bool = True):
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True):
         self.root = Path(root)
         self.url = f"file://{self.root}"
         self.fsync = fsync
@@ -68,7 +80,7 @@ class FsStore(ObjectStore):
             raise ValueError(f"g4.url {self.url}: cannot create directory: {e}") from None
 
     @classmethod
-    def from_url(cls, url: str, parsed, opts) -> "FsStore":
+    def from_url(cls, url: str, parsed: ParseResult, opts: StoreOptions) -> "FsStore":
         """``file:///abs/path`` (or ``file://localhost/abs/path``) with ``opts.fsync``. Raises ValueError
         naming ``g4.url`` for a relative path or another host."""
         if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
@@ -93,6 +105,12 @@ class FsStore(ObjectStore):
 
     def _refused(self, rel: str, what: str) -> OSError:
         return OSError(errno.ELOOP, f"{self.url}/{rel}: {what}: refused (never followed under the store root)")
+
+    @overload
+    def _open_dir(self, dirs: list[str], create: Literal[True]) -> int: ...
+
+    @overload
+    def _open_dir(self, dirs: list[str], create: bool) -> int | None: ...
 
     def _open_dir(self, dirs: list[str], create: bool) -> int | None:
         """fd of the directory ``root/dirs...`` opened component by component without following links
@@ -177,7 +195,7 @@ class FsStore(ObjectStore):
         finally:
             os.close(pfd)
 
-    def _write_temp(self, dfd: int, base: str, data) -> str:
+    def _write_temp(self, dfd: int, base: str, data: DataIn) -> str:
         """Write ``data`` to a fresh temp file in ``dfd`` (fsynced when ``self.fsync``); returns its name.
 
         O_DIRECT when ``data`` is 4 KiB aligned in address and length (G4 frames from the pool's buffers)
@@ -185,7 +203,7 @@ class FsStore(ObjectStore):
         per GB written, fsync included; tmpfs: the same either way). Durability is unchanged: the file and
         its directory are still fsynced before the object is published. A refusal (EINVAL) falls back to
         buffered writes for this store from then on."""
-        mv = memoryview(data).cast("B")
+        mv = _bytes_of(data)
         direct = (self._direct_write is not False and len(mv) and len(mv) % 4096 == 0
                   and _address(mv) % 4096 == 0)
         if direct:
@@ -216,7 +234,7 @@ class FsStore(ObjectStore):
         os.close(fd)
         return tmp
 
-    def put_if_absent(self, name: str, data) -> bool:
+    def put_if_absent(self, name: str, data: DataIn) -> bool:
         dirs, base = self._split(name)
         try:
             dfd = self._open_dir(dirs, create=True)
@@ -240,7 +258,7 @@ class FsStore(ObjectStore):
         except OSError as e:
             raise self._wrap("put", name, e) from None
 
-    def put(self, name: str, data) -> None:
+    def put(self, name: str, data: DataIn) -> None:
         dirs, base = self._split(name)
         try:
             dfd = self._open_dir(dirs, create=True)
@@ -258,7 +276,7 @@ class FsStore(ObjectStore):
         except OSError as e:
             raise self._wrap("put", name, e) from None
 
-    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes | memoryview | None:
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytearray | memoryview | None:
         """Bytes ``offset`` to ``offset + length`` (default: to the end) of ``name``, or None if absent.
         A whole object read O_DIRECT into a 4 KiB-aligned buffer where the filesystem takes it and the
         object is whole 4 KiB blocks (bypasses the page cache, as the O_DIRECT baseline does); buffered
@@ -286,12 +304,12 @@ class FsStore(ObjectStore):
             buf = aligned_empty(size)
             got = 0
             while got < size:
-                n = os.preadv(fd, [buf[got:]], got)
+                n = os.preadv(fd, [buf.data[got:]], got)
                 if n == 0:
                     break
                 got += n
             self._direct = True
-            return memoryview(buf[:got])
+            return buf.data[:got]  # ndarray.data: its memoryview, no copy
         except OSError as e:
             if refuses_direct(e):
                 self._direct = False
@@ -320,7 +338,7 @@ class FsStore(ObjectStore):
     reads_into = True
     reads_into_parts = True  # get_into takes a list of buffers (one scatter read)
 
-    def get_into(self, name: str, buf) -> int | None:
+    def get_into(self, name: str, buf: DataIn | list[Any] | tuple[Any, ...]) -> int | None:
         """Read the first ``min(size, len(buf))`` bytes of ``name`` into ``buf``; returns the object's
         size in bytes (None if absent; fewer if the file is shorter than ``fstat`` said).
 
@@ -331,7 +349,7 @@ class FsStore(ObjectStore):
         (:func:`kvbm_backend.pool.g4.reader.bounce_buffers`) for full speed. Raises StoreUnavailable for
         EIO and the like, OSError for a link or a non-regular file on the path.
         """
-        mvs = [memoryview(b).cast("B") for b in (buf if isinstance(buf, (list, tuple)) else (buf,))]
+        mvs = [_bytes_of(b) for b in (buf if isinstance(buf, (list, tuple)) else (buf,))]
         direct = self._direct is not False and all(len(m) % 4096 == 0 and _address(m) % 4096 == 0 for m in mvs)
         try:
             try:
@@ -370,7 +388,7 @@ class FsStore(ObjectStore):
         finally:
             os.close(fd)
 
-    def stored_matches(self, name: str, data, size: int) -> bool:
+    def stored_matches(self, name: str, data: DataIn, size: int) -> bool:
         """True only when the file ``name`` is a regular file of ``size`` bytes that starts with ``data``,
         read afresh (a bad read, not bad stored bytes, gives False); False on any error."""
         try:
@@ -383,7 +401,7 @@ class FsStore(ObjectStore):
         try:
             if os.fstat(fd).st_size != size:
                 return False
-            want = memoryview(data).cast("B")
+            want = _bytes_of(data)
             return os.pread(fd, len(want), 0) == want
         except OSError:
             return False
@@ -452,7 +470,13 @@ class FsStore(ObjectStore):
         return self._walk(prefix, temps=True)
 
 
-def _iov(mvs: list, start: int, end: int) -> list:
+def _bytes_of(data: DataIn) -> memoryview:
+    """``data`` (bytes-like or a contiguous array) as a flat byte memoryview, no copy (an ndarray through its
+    ``.data``: numpy's stubs give ndarray ``__buffer__`` only for Python >= 3.12)."""
+    return (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
+
+
+def _iov(mvs: list[memoryview], start: int, end: int) -> list[memoryview]:
     """The pieces of the concatenation of ``mvs`` from byte ``start`` to ``end`` (a preadv iovec)."""
     out, pos = [], 0
     for m in mvs:

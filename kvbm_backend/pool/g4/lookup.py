@@ -12,11 +12,12 @@ Keys of another namespace, or of a revoked tenant (encrypted pools), are absent 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 from ...crypto.keyring import Keyring
-from ...deadlines import Deadline, Deadlines
+from ...deadlines import Deadlines
 from ...model.namespace import BlockKey, KeyRun
 from ..base import completed
 from .breaker import CircuitBreaker
@@ -89,9 +90,8 @@ class G4Lookups:
         if self._breaker.refuse_if_open():  # answered here: never queued behind stuck I/O threads
             self._counters.lookup_result(len(keys), 0)
             return completed(0)
-        d = Deadline(self._load_bound_s)
-        b = _Lookup(len(keys), d.at)
-        self._deadlines.add(d.at, lambda: self._expire(b))
+        b = _Lookup(len(keys), time.monotonic() + self._load_bound_s)
+        self._deadlines.add(b.until, lambda: self._expire(b))
         self._wave(b, keys, 0, min(FIRST_WAVE, len(keys)))
         return b.future
 

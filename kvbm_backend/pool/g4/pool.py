@@ -119,14 +119,15 @@ class G4Pool:
         self._fp = namespace.fingerprint
         self.encrypt = bool(cfg.encrypt)
         self._closed = False
-        if store is None and not cfg.url:
+        url = cfg.url or ""
+        if store is None and not url:
             raise ValueError("g4.url: required (s3://BUCKET/PREFIX, file:///path or mem://NAME)")
         self.keyring = keyring
         if self.keyring is None and (self.encrypt or cfg.keyring.path):
             self.keyring = Keyring.from_config(cfg.keyring)
         self._own_store = store is None
         try:
-            self.store = store or open_store(cfg.url, cfg)
+            self.store = store or open_store(url, cfg)
         except BaseException:  # a failed start leaves nothing open (issue 22 item 3)
             if self.keyring is not None and keyring is None:
                 self.keyring.close()
@@ -153,7 +154,7 @@ class G4Pool:
         frames = BufferPool("host", 2 * cfg.max_inflight * (HEADER_BYTES + self._bpb), name="g4-frames")
         self._deadlines = Deadlines("g4-deadlines")
         self.writer = G4Writer(store=self.store, namespace=namespace, names=self.names, keyring=self.keyring,
-                               encrypt=self.encrypt, frames=frames, oplog=self.oplog, metrics=self.metrics,
+                               encrypt=self.encrypt, frames=frames, oplog=self.oplog,
                                executor=self._io_put, write_queue_blocks=cfg.write_queue_blocks,
                                put_bound_s=cfg.timeout_s * (1 + cfg.retries), load_bound_s=self.load_bound_s,
                                breaker=self.breaker, throttle=self.throttle, counters=self.counters)

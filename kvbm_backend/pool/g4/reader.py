@@ -24,6 +24,7 @@ buffers file objects are read through); lookups are :mod:`.lookup`.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -32,7 +33,7 @@ import numpy.typing as npt
 
 from ...crypto.aead import AeadError, open_into, seal_into
 from ...crypto.keyring import Keyring
-from ...deadlines import Deadline, Deadlines
+from ...deadlines import Deadlines
 from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
 from ...model.layout import KvLayout
@@ -188,9 +189,8 @@ class G4Reader:
         if self._breaker.refuse_if_open():
             self._count("miss_breaker", len(keys))
             return completed(GetResult([False] * len(keys)))
-        d = Deadline(self._load_bound_s)
-        b = GetBatch(len(keys), d.at)
-        self._deadlines.add(d.at, lambda: self._expire_get(b))
+        b = GetBatch(len(keys), time.monotonic() + self._load_bound_s)
+        self._deadlines.add(b.until, lambda: self._expire_get(b))
         for i, (k, o) in enumerate(zip(keys, out)):
             self._exec.submit(self._get_one, b, i, k, o)
         return b.future
@@ -214,8 +214,7 @@ class G4Reader:
         for r in rows:
             if r.nbytes != self._bpb:
                 raise ValueError(f"get_staged: row of {r.nbytes} bytes, layout needs {self._bpb}")
-        d = Deadline(self._load_bound_s)
-        b = GetBatch(len(keys), d.at)
+        b = GetBatch(len(keys), time.monotonic() + self._load_bound_s)
         b.staged, b.on_hit = True, on_hit
         self._count("gets", len(keys))
         refuse = ("miss_closed" if (not keys or self._closed) else
@@ -226,7 +225,7 @@ class G4Reader:
             b.idle.set()
             b.future.set_result(GetResult([False] * len(keys)))
             return b
-        self._deadlines.add(d.at, lambda: self._expire_get(b))
+        self._deadlines.add(b.until, lambda: self._expire_get(b))
         for i, (k, o) in enumerate(zip(keys, rows)):
             self._exec.submit(self._get_one, b, i, k, o)
         return b
@@ -295,10 +294,11 @@ class G4Reader:
         with self.bounce.lend(self.bounce_bytes) as buf:
             return self._load_from(b, i, key, out, name, buf)
 
-    def _load_from(self, b: GetBatch, i: int, key: BlockKey, out: np.ndarray, name: str, buf) -> str | None:
+    def _load_from(self, b: GetBatch, i: int, key: BlockKey, out: npt.NDArray[np.uint8], name: str,
+                   buf: npt.NDArray[np.uint8] | None) -> str | None:
         """:meth:`_load` after the breaker: ``buf`` (bounce buffer of at least one object) or None
         for a store that returns its own bytes."""
-        dst = memoryview(out.reshape(-1).view(np.uint8))
+        dst = out.reshape(-1).view(np.uint8).data  # ndarray.data: its memoryview (as memoryview(...))
         split = (b.staged and buf is not None and len(dst) == self._bpb
                  and getattr(self.store, "reads_into_parts", False))
         try:
@@ -306,13 +306,15 @@ class G4Reader:
                 data = call_throttled(lambda: self.store.get(name), b.until, lambda: self._throttle.note("get"),
                                       lambda: b.closed)
                 size = None if data is None else len(data)
-            else:  # the object's true size, may exceed len(buf)
-                # staged into a scratch row: the payload is read straight into it (one scatter read)
-                target = ([memoryview(buf)[:HEADER_BYTES], dst] if split else buf)
-                size = call_throttled(lambda: self.store.get_into(name, target), b.until,
+            elif split:  # staged into a scratch row: the payload is read straight into it (one scatter read)
+                parts = [buf.data[:HEADER_BYTES], dst]
+                size = call_throttled(lambda: self.store.get_into(name, parts), b.until,
                                       lambda: self._throttle.note("get"), lambda: b.closed)
-                data = (None if size is None else _Split(target, size) if split
-                        else memoryview(buf)[:min(size, len(buf))])
+                data = None if size is None else _Split(parts, size)
+            else:  # the object's true size, may exceed len(buf)
+                size = call_throttled(lambda: self.store.get_into(name, buf), b.until,
+                                      lambda: self._throttle.note("get"), lambda: b.closed)
+                data = None if size is None else buf.data[:min(size, len(buf))]
         except StoreThrottled:
             return "miss_throttled"  # the store answered: ThrottleWatch.note told the breaker so
         except StoreUnavailable as e:
@@ -324,12 +326,14 @@ class G4Reader:
         self._breaker.success()
         if data is None:
             return "miss_absent"
+        assert size is not None  # None only with data None (absent)
         exp = self._names.expected_header(key)
         scratch = None
         try:
             if size < HEADER_BYTES:
                 raise FrameError("length", f"object of {size} bytes")
-            head, payload = data.parts() if split else (memoryview(data)[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:])
+            head, payload = (data.parts() if isinstance(data, _Split) else
+                             (memoryview(data)[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:]))
             hdr = accept(head, key, self._layout, exp.tenant_tag, world=self._world,
                          stored_len=self._layout.bytes_per_block, frame_bytes=size, exact=True)
             # stage, verify, then copy: nothing unverified ever reaches ``out`` (a miss leaves it untouched);
@@ -349,7 +353,7 @@ class G4Reader:
                     plain = dst  # a read-only body (S3) opened straight into the scratch row
                 else:
                     scratch = self._frames.take(self._frame_bytes)
-                    plain = memoryview(scratch)[:len(payload)]
+                    plain = scratch.data[:len(payload)]
                 try:
                     open_into(dkey, hdr.nonce, exp.identity_bytes(), hdr.integrity, payload, plain)
                 except AeadError:
@@ -373,7 +377,8 @@ class G4Reader:
             if b.on_hit is not None:
                 b.on_hit(i)
         except FrameError as e:
-            if e.reason in _DELETE_ON and not self._stored_is_bad(name, data.joined() if split else data, size):
+            if e.reason in _DELETE_ON and not self._stored_is_bad(
+                    name, data.joined() if isinstance(data, _Split) else data, size):
                 # the bytes read are bad but the store does not confirm it holds them (a lying endpoint
                 # or proxy, a failed read): a miss, and the object stays
                 self._count(f"unconfirmed_{e.reason}")
@@ -392,7 +397,7 @@ class G4Reader:
         self._count("bytes_read", size)
         return None
 
-    def _stored_is_bad(self, name: str, data, size: int) -> bool:
+    def _stored_is_bad(self, name: str, data: bytes | memoryview, size: int) -> bool:
         """True only when the store confirms the object under ``name`` is exactly what was read (``data``,
         the first bytes of an object of ``size`` bytes): then dropping it drops the bad copy, not a good
         one a transport garbled (:meth:`~kvbm_backend.pool.g4.store.ObjectStore.stored_matches`)."""

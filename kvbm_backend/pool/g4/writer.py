@@ -9,9 +9,10 @@ Each queued block runs :meth:`G4Writer._put_one` on an offload thread and ends i
 ``skipped_exists``, ``skipped_foreign``); it never raises. A store outage counts towards the breaker; a
 store that answers with an error (403, missing bucket) does not, and is logged
 (:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_error`). A throttled PUT
-(:class:`~.store.StoreThrottled`) is retried after a full-jitter backoff (:mod:`.throttle`) until ``timeout_s * (1 + retries)`` seconds after its first request, then dropped
-(``dropped_throttled``); never a breaker failure. The backoff holds the I/O thread, so offloads queued
-behind it wait, and past ``write_queue_blocks`` pending blocks new ones are dropped (never waited for).
+(:class:`~.store.StoreThrottled`) is retried after a full-jitter backoff (:mod:`.throttle`) until
+``timeout_s * (1 + retries)`` seconds after its first request, then dropped (``dropped_throttled``); never
+a breaker failure. The backoff holds the I/O thread, so offloads queued behind it wait, and past
+``write_queue_blocks`` pending blocks new ones are dropped (never waited for).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import numpy.typing as npt
 from ...crypto.aead import new_nonce, seal_into
 from ...crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenant
 from ...memory import BufferPool
-from ...metrics import TierMetrics
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, payload_checksum
 from ...model.namespace import BlockKey, Namespace
 from ..base import PutResult, completed
@@ -52,7 +52,7 @@ class G4Writer:
         keyring: the tenants' data keys when ``encrypt`` (None only for plaintext pools).
         encrypt: seal with AES-256-GCM (else xxh3-checksummed plaintext).
         frames: reused frame buffers of at least ``HEADER_BYTES + bytes_per_block`` bytes.
-        breaker, throttle, counters, oplog, metrics: the pool's shared collaborators.
+        breaker, throttle, counters, oplog: the pool's shared collaborators.
         executor: the offload threads (``g4.max_inflight`` of them).
         write_queue_blocks: pending blocks past which new offloads are dropped (``dropped_queue_full``).
         put_bound_s: seconds from a block's first PUT within which throttled PUTs are retried.
@@ -61,7 +61,7 @@ class G4Writer:
 
     def __init__(self, *, store: ObjectStore, namespace: Namespace, names: TenantNames, keyring: Keyring | None,
                  encrypt: bool, frames: BufferPool, breaker: CircuitBreaker, throttle: ThrottleWatch,
-                 counters: G4Counters, oplog: OperatorLog, metrics: TierMetrics, executor: ThreadPoolExecutor,
+                 counters: G4Counters, oplog: OperatorLog, executor: ThreadPoolExecutor,
                  write_queue_blocks: int, put_bound_s: float, load_bound_s: float):
         self.store = store
         self.namespace = namespace
@@ -74,9 +74,9 @@ class G4Writer:
         self._frames = frames
         self._breaker = breaker
         self._throttle = throttle
+        self._counters = counters
         self._count = counters.count
         self._oplog = oplog
-        self._metrics = metrics
         self._exec = executor
         self._queue_blocks = write_queue_blocks
         self._put_bound_s = put_bound_s
@@ -175,9 +175,9 @@ class G4Writer:
         and xxh3 for plaintext), header in front. Returns the frame's memoryview (no copy). Raises
         KeyringError when the tenant has no data key to write with (revoked, unknown, keyring down)."""
         hdr = self._names.expected_header(key)
-        frame = memoryview(buf).cast("B")[:HEADER_BYTES + self._bpb]
+        frame = buf.data.cast("B")[:HEADER_BYTES + self._bpb]  # ndarray.data: its memoryview, no copy
         payload = frame[HEADER_BYTES:]
-        src = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
+        src = np.ascontiguousarray(block).reshape(-1).view(np.uint8).data
         if self._encrypt:
             assert self._keyring is not None  # G4Pool: an encrypted pool always has a keyring
             dk = self._keyring.write_key(key.tenant)
@@ -230,7 +230,7 @@ class G4Writer:
             self._count("dropped_error")
             kind = "dropped"
         finally:
-            self._metrics.offload_seconds.observe(time.monotonic() - queued)
+            self._counters.offload_ended(time.monotonic() - queued)
             done(kind)
 
     def _publish(self, name: str, buf: memoryview) -> bool | None:
