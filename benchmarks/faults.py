@@ -183,14 +183,14 @@ def wait(fut, timeout: float = HANG_S):
 # ======================================= tenant flood =============================================
 def _g4_tenant_structures(pool: G4Pool, put_tenants: int) -> dict:
     """Every per-tenant structure of a G4 pool and its keyring: name -> [size, bound]."""
-    from kvbm_backend.pool.g4 import pool as g4_pool_mod
+    from kvbm_backend.pool.g4 import events as g4_events, tenant_names as g4_names
     kr = pool.keyring
     with kr._mu:
         doc_tenants = kr._doc.get("tenants", {})
         versions = sum(len(t["versions"]) for t in doc_tenants.values())
-        return {"g4.tenant_cache": [pool.tenant_cache_size(), g4_pool_mod.TENANT_CACHE_ENTRIES],
-                "g4.logged_tenants": [len(pool._logged_tenants), g4_pool_mod._MAX_LOGGED_TENANTS + 1],
-                "g4.store_errors_logged": [len(pool._store_errors_logged), 2],
+        return {"g4.tenant_cache": [pool.tenant_cache_size(), g4_names.TENANT_CACHE_ENTRIES],
+                "g4.logged_tenants": [len(pool.oplog.logged_tenants), g4_events.MAX_LOGGED_TENANTS + 1],
+                "g4.store_errors_logged": [len(pool.oplog.store_errors_logged), 2],
                 # a lookup never creates a tenant: only the control and the tenants that wrote are in the file
                 "keyring.tenants_in_file": [len(doc_tenants), min(1 + put_tenants, kr.max_auto_tenants)],
                 "keyring.data_keys": [len(kr._keys), versions],
@@ -1493,7 +1493,7 @@ def campaign_special(K: Kind, rng: random.Random, tmp: Path) -> None:
     outside.mkdir(parents=True, exist_ok=True)
     pool = G4Pool(g4_config(f"file://{root}", str(tmp / "special-keys" / "kr.json"), timeout_s=2.0,
                             max_inflight=4), NS)
-    bound = pool._load_bound_s + SLACK_S
+    bound = pool.load_bound_s + SLACK_S
     counts: dict[str, int] = {}
     socks: list = []
     try:

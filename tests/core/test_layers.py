@@ -183,3 +183,48 @@ def test_g3_pool_is_a_facade_over_parts_not_mixins():
     assert not bad, "classes under pool/g3 built from other pool/g3 classes (make them parts):\n" + "\n".join(bad)
     pool = next(n for rel, n in classes if rel == "pool.py" and n.name == "G3Pool")
     assert not pool.bases, f"G3Pool derives from {[ast.unparse(b) for b in pool.bases]}"
+
+
+def test_g4_pool_is_a_facade_over_parts_not_mixins():
+    """Issue 23: G4Pool is a facade over parts (writer, reader, lookups, tenant names, throttle watch,
+    counters) that each own their state and get what they use handed in, not mixin classes sharing the
+    pool's private attributes across files: no class under pool/g4 is a mixin or derives from a pool/g4
+    class other than the store interface (``ObjectStore``, and ``S3Store`` for its obstore subclass), and
+    no part reads the pool's public attributes through ``self`` (``self.cfg``, ``self.keyring``,
+    ``self.breaker``...: a part gets what it uses as arguments and keeps it privately)."""
+    g4 = ROOT / "pool" / "g4"
+    classes = []
+    for p in sorted(g4.glob("*.py")):
+        classes += [(p.name, n) for n in ast.walk(ast.parse(p.read_text(), str(p))) if isinstance(n, ast.ClassDef)]
+    ours = {n.name for _, n in classes} - {"ObjectStore", "S3Store"}
+    bad = [f"{rel}: class {n.name}({', '.join(ast.unparse(b) for b in n.bases)})" for rel, n in classes
+           if n.name.endswith("Mixin") or any(isinstance(b, ast.Name) and b.id in ours for b in n.bases)]
+    assert not bad, "classes under pool/g4 built from other pool/g4 classes (make them parts):\n" + "\n".join(bad)
+    pool = next(n for rel, n in classes if rel == "pool.py" and n.name == "G4Pool")
+    assert not pool.bases, f"G4Pool derives from {[ast.unparse(b) for b in pool.bases]}"
+    # the pool's own shared state, read through ``self`` in a part, is what a mixin did
+    pool_only = {"cfg", "keyring", "breaker", "metrics", "where", "encrypt", "_io", "_io_put", "_bounce"}
+    reach = [f"{name}:{n.lineno}: self.{n.attr}" for name in ("writer.py", "reader.py", "lookup.py", "throttle.py")
+             for n in ast.walk(ast.parse((g4 / name).read_text())) if isinstance(n, ast.Attribute)
+             and isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr in pool_only]
+    assert not reach, "parts reading the pool's attributes (hand them in instead):\n" + "\n".join(reach)
+
+
+def test_o_direct_reads_open_through_io_files():
+    """Issue 23 item 1: one O_DIRECT open / probe / fallback rule, in ``io/`` (``io.files.open_for_read``,
+    ``refuses_direct``, ``io.probe``). Outside ``io/``, ``os.O_DIRECT`` is named only where a file is opened
+    for writing (G3's read-write slab files, G4's temp files); every O_DIRECT read-only open goes through
+    ``io.files``."""
+    writes = {("pool/g3/slabs.py", "_open"), ("pool/g4/fs_store.py", "_write_temp")}
+    found = []
+    for p, parts in _modules():
+        rel = "/".join(parts[1:]) + ".py"
+        if rel.startswith("io/"):
+            continue
+        tree = ast.parse(p.read_text(), str(p))
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for n in ast.walk(fn):
+                    if isinstance(n, ast.Attribute) and n.attr == "O_DIRECT" and (rel, fn.name) not in writes:
+                        found.append(f"{rel}:{n.lineno} in {fn.name}")
+    assert not found, "O_DIRECT opened outside io/ (use io.files.open_for_read):\n" + "\n".join(sorted(set(found)))

@@ -22,19 +22,35 @@ import socket
 import stat
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Union, overload
+from urllib.parse import ParseResult
+
+import numpy as np
+import numpy.typing as npt
 
 from ...fsmodes import DIR_MODE, FILE_MODE, makedirs_private
+from ...io.files import open_for_read, refuses_direct
 from ...memory import aligned_empty
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
-_NO_DIRECT = object()
+if TYPE_CHECKING:
+    from typing_extensions import Buffer, TypeAlias
+
+    from .factory import StoreOptions
+
+    #: Bytes as the store takes them (bytes, bytearray, memoryview, a contiguous uint8 array).
+    DataIn: TypeAlias = Union[Buffer, npt.NDArray[np.uint8]]
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 _HOST = socket.gethostname().replace("/", "_").replace(".", "_")
 _UNAVAILABLE = {errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENOTCONN, errno.EHOSTDOWN, errno.EHOSTUNREACH,
                 errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+class _DirectRefused(Exception):
+    """An O_DIRECT read the filesystem refused (EINVAL): read it again buffered (never an OSError)."""
 
 
 def is_temp_name(basename: str) -> bool:
@@ -52,7 +68,7 @@ class FsStore(ObjectStore):
     (files) or 0700 (directories) whatever the umask (:mod:`kvbm_backend.fsmodes`).
     """
 
-    def __init__(self, root: str | os.PathLike, *, fsync: bool = True):
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True):
         self.root = Path(root)
         self.url = f"file://{self.root}"
         self.fsync = fsync
@@ -64,7 +80,7 @@ class FsStore(ObjectStore):
             raise ValueError(f"g4.url {self.url}: cannot create directory: {e}") from None
 
     @classmethod
-    def from_url(cls, url: str, parsed, opts) -> "FsStore":
+    def from_url(cls, url: str, parsed: ParseResult, opts: StoreOptions) -> "FsStore":
         """``file:///abs/path`` (or ``file://localhost/abs/path``) with ``opts.fsync``. Raises ValueError
         naming ``g4.url`` for a relative path or another host."""
         if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
@@ -89,6 +105,12 @@ class FsStore(ObjectStore):
 
     def _refused(self, rel: str, what: str) -> OSError:
         return OSError(errno.ELOOP, f"{self.url}/{rel}: {what}: refused (never followed under the store root)")
+
+    @overload
+    def _open_dir(self, dirs: list[str], create: Literal[True]) -> int: ...
+
+    @overload
+    def _open_dir(self, dirs: list[str], create: bool) -> int | None: ...
 
     def _open_dir(self, dirs: list[str], create: bool) -> int | None:
         """fd of the directory ``root/dirs...`` opened component by component without following links
@@ -119,26 +141,29 @@ class FsStore(ObjectStore):
             raise
         return fd
 
-    def _open_file(self, name: str, flags: int):
-        """fd of the regular file ``name`` opened read-only (``flags`` added, e.g. O_DIRECT), or None if
-        absent. Raises OSError for links, FIFOs, sockets, devices and directories (checked by ``fstat``
-        after an ``O_NONBLOCK | O_NOFOLLOW`` open, so nothing blocks), EINVAL where O_DIRECT is refused."""
+    def _open_file(self, name: str, direct: bool) -> tuple[int, bool] | None:
+        """``(fd, is_direct)`` of the regular file ``name`` opened read-only, or None if absent. O_DIRECT
+        when ``direct`` and the filesystem takes it, by the project's one O_DIRECT open rule
+        (:func:`kvbm_backend.io.files.open_for_read`: a refusal at open gives a buffered fd, and this
+        store reads buffered from then on). Raises OSError for links, FIFOs, sockets, devices and
+        directories (checked by ``fstat`` after an ``O_NONBLOCK | O_NOFOLLOW`` open, so nothing blocks)."""
         dirs, base = self._split(name)
         dfd = self._open_dir(dirs, create=False)
         if dfd is None:
             return None
         try:
             try:
-                fd = os.open(base, _READ_FLAGS | flags, dir_fd=dfd)
+                fd, is_direct = open_for_read(base, direct, flags=_READ_FLAGS, dir_fd=dfd)
             except FileNotFoundError:
                 return None
             except BlockingIOError:
                 # a regular file whose open must wait (a lease being broken, as a slow or hung mount would
                 # make it): reopen the very inode, checked regular, without O_NONBLOCK (the caller's
                 # load deadline bounds the wait)
-                fd = self._open_waiting(dfd, base, name, flags)
-                if fd is None:
+                opened = self._open_waiting(dfd, base, name, direct)
+                if opened is None:
                     return None
+                fd, is_direct = opened
             except OSError as e:
                 if e.errno == errno.ELOOP:
                     raise self._refused(name, "a symbolic link") from None
@@ -153,9 +178,11 @@ class FsStore(ObjectStore):
         except BaseException:
             os.close(fd)
             raise
-        return fd
+        if direct and not is_direct:
+            self._direct = False
+        return fd, is_direct
 
-    def _open_waiting(self, dfd: int, base: str, name: str, flags: int) -> int | None:
+    def _open_waiting(self, dfd: int, base: str, name: str, direct: bool) -> tuple[int, bool] | None:
         try:
             pfd = os.open(base, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
         except FileNotFoundError:
@@ -164,11 +191,11 @@ class FsStore(ObjectStore):
             st = os.fstat(pfd)
             if not stat.S_ISREG(st.st_mode):
                 raise self._refused(name, f"not a regular file (mode {st.st_mode:o})")
-            return os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_CLOEXEC | flags)
+            return open_for_read(f"/proc/self/fd/{pfd}", direct, flags=os.O_RDONLY | os.O_CLOEXEC)
         finally:
             os.close(pfd)
 
-    def _write_temp(self, dfd: int, base: str, data) -> str:
+    def _write_temp(self, dfd: int, base: str, data: DataIn) -> str:
         """Write ``data`` to a fresh temp file in ``dfd`` (fsynced when ``self.fsync``); returns its name.
 
         O_DIRECT when ``data`` is 4 KiB aligned in address and length (G4 frames from the pool's buffers)
@@ -176,7 +203,7 @@ class FsStore(ObjectStore):
         per GB written, fsync included; tmpfs: the same either way). Durability is unchanged: the file and
         its directory are still fsynced before the object is published. A refusal (EINVAL) falls back to
         buffered writes for this store from then on."""
-        mv = memoryview(data).cast("B")
+        mv = _bytes_of(data)
         direct = (self._direct_write is not False and len(mv) and len(mv) % 4096 == 0
                   and _address(mv) % 4096 == 0)
         if direct:
@@ -207,7 +234,7 @@ class FsStore(ObjectStore):
         os.close(fd)
         return tmp
 
-    def put_if_absent(self, name: str, data) -> bool:
+    def put_if_absent(self, name: str, data: DataIn) -> bool:
         dirs, base = self._split(name)
         try:
             dfd = self._open_dir(dirs, create=True)
@@ -231,7 +258,7 @@ class FsStore(ObjectStore):
         except OSError as e:
             raise self._wrap("put", name, e) from None
 
-    def put(self, name: str, data) -> None:
+    def put(self, name: str, data: DataIn) -> None:
         dirs, base = self._split(name)
         try:
             dfd = self._open_dir(dirs, create=True)
@@ -249,17 +276,51 @@ class FsStore(ObjectStore):
         except OSError as e:
             raise self._wrap("put", name, e) from None
 
-    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
-        if offset == 0 and length is None and self._direct is not False:
-            got = self._get_direct(name)
-            if got is not _NO_DIRECT:
-                return got
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytearray | memoryview | None:
+        """Bytes ``offset`` to ``offset + length`` (default: to the end) of ``name``, or None if absent.
+        A whole object read O_DIRECT into a 4 KiB-aligned buffer where the filesystem takes it and the
+        object is whole 4 KiB blocks (bypasses the page cache, as the O_DIRECT baseline does); buffered
+        otherwise. Raises StoreUnavailable for EIO and the like, OSError for a link or a non-regular file."""
         try:
-            fd = self._open_file(name, 0)
+            opened = self._open_file(name, offset == 0 and length is None and self._direct is not False)
+            if opened is not None and opened[1]:
+                got = self._read_whole_direct(opened[0])
+                if got is not None:
+                    return got
+                opened = self._open_file(name, False)  # not whole 4 KiB blocks, or the read refused
+            if opened is None:
+                return None
+            return self._read_buffered(opened[0], offset, length)
         except OSError as e:
             raise self._wrap("get", name, e) from None
-        if fd is None:
-            return None
+
+    def _read_whole_direct(self, fd: int) -> memoryview | None:
+        """The whole file of O_DIRECT ``fd`` (closed here) into a 4 KiB-aligned buffer; None when its size is
+        not whole 4 KiB blocks or the filesystem refuses the read (then this store reads buffered)."""
+        try:
+            size = os.fstat(fd).st_size
+            if size % 4096:
+                return None
+            buf = aligned_empty(size)
+            got = 0
+            while got < size:
+                n = os.preadv(fd, [buf.data[got:]], got)
+                if n == 0:
+                    break
+                got += n
+            self._direct = True
+            return buf.data[:got]  # ndarray.data: its memoryview, no copy
+        except OSError as e:
+            if refuses_direct(e):
+                self._direct = False
+                return None
+            raise
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _read_buffered(fd: int, offset: int, length: int | None) -> bytearray:
+        """Bytes ``offset`` to ``offset + length`` (default: to the end) of buffered ``fd`` (closed here)."""
         try:
             if length is None:
                 length = max(0, os.fstat(fd).st_size - offset)
@@ -271,15 +332,13 @@ class FsStore(ObjectStore):
                     break
                 got += n
             return buf if got == length else buf[:got]  # bytearray: no extra copy
-        except OSError as e:
-            raise self._wrap("get", name, e) from None
         finally:
             os.close(fd)
 
     reads_into = True
     reads_into_parts = True  # get_into takes a list of buffers (one scatter read)
 
-    def get_into(self, name: str, buf) -> int | None:
+    def get_into(self, name: str, buf: DataIn | list[Any] | tuple[Any, ...]) -> int | None:
         """Read the first ``min(size, len(buf))`` bytes of ``name`` into ``buf``; returns the object's
         size in bytes (None if absent; fewer if the file is shorter than ``fstat`` said).
 
@@ -290,26 +349,23 @@ class FsStore(ObjectStore):
         (:func:`kvbm_backend.pool.g4.reader.bounce_buffers`) for full speed. Raises StoreUnavailable for
         EIO and the like, OSError for a link or a non-regular file on the path.
         """
-        mvs = [memoryview(b).cast("B") for b in (buf if isinstance(buf, (list, tuple)) else (buf,))]
+        mvs = [_bytes_of(b) for b in (buf if isinstance(buf, (list, tuple)) else (buf,))]
         direct = self._direct is not False and all(len(m) % 4096 == 0 and _address(m) % 4096 == 0 for m in mvs)
         try:
-            got = self._read_into(name, mvs, direct)
-            if got is _NO_DIRECT:
-                got = self._read_into(name, mvs, False)
-            return got
+            try:
+                return self._read_into(name, mvs, direct)
+            except _DirectRefused:  # the filesystem refused the O_DIRECT read: buffered from now on
+                return self._read_into(name, mvs, False)
         except OSError as e:
             raise self._wrap("get", name, e) from None
 
-    def _read_into(self, name: str, mvs: list, direct: bool):
-        try:
-            fd = self._open_file(name, os.O_DIRECT if direct else 0)
-        except OSError as e:
-            if direct and e.errno == errno.EINVAL:
-                self._direct = False
-                return _NO_DIRECT
-            raise
-        if fd is None:
+    def _read_into(self, name: str, mvs: list[memoryview], direct: bool) -> int | None:
+        """:meth:`get_into` with one open (O_DIRECT if ``direct`` and the filesystem takes it): the size, or
+        None if absent. Raises _DirectRefused when the filesystem refused an O_DIRECT read (EINVAL)."""
+        opened = self._open_file(name, direct)
+        if opened is None:
             return None
+        fd, direct = opened
         try:
             size = os.fstat(fd).st_size
             want = min(size, sum(len(m) for m in mvs))
@@ -319,9 +375,9 @@ class FsStore(ObjectStore):
                 try:
                     n = os.preadv(fd, _iov(mvs, got, lim), got)
                 except OSError as e:
-                    if direct and e.errno == errno.EINVAL:
+                    if direct and refuses_direct(e):
                         self._direct = False
-                        return _NO_DIRECT
+                        raise _DirectRefused() from None
                     raise
                 if n == 0:
                     break
@@ -332,52 +388,20 @@ class FsStore(ObjectStore):
         finally:
             os.close(fd)
 
-    def _get_direct(self, name: str):
-        """Whole-object read with O_DIRECT into a 4 KiB-aligned buffer (bypasses the page cache, as
-        the O_DIRECT baseline does). Returns _NO_DIRECT when the filesystem or size does not allow it."""
-        try:
-            fd = self._open_file(name, os.O_DIRECT)
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                self._direct = False
-                return _NO_DIRECT
-            raise self._wrap("get", name, e) from None
-        if fd is None:
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            if size % 4096:
-                return _NO_DIRECT
-            buf = aligned_empty(size)
-            got = 0
-            while got < size:
-                n = os.preadv(fd, [buf[got:]], got)
-                if n == 0:
-                    break
-                got += n
-            self._direct = True
-            return memoryview(buf[:got])
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                self._direct = False
-                return _NO_DIRECT
-            raise self._wrap("get", name, e) from None
-        finally:
-            os.close(fd)
-
-    def stored_matches(self, name: str, data, size: int) -> bool:
+    def stored_matches(self, name: str, data: DataIn, size: int) -> bool:
         """True only when the file ``name`` is a regular file of ``size`` bytes that starts with ``data``,
         read afresh (a bad read, not bad stored bytes, gives False); False on any error."""
         try:
-            fd = self._open_file(name, 0)
+            opened = self._open_file(name, False)
         except (OSError, ValueError):
             return False
-        if fd is None:
+        if opened is None:
             return False
+        fd = opened[0]
         try:
             if os.fstat(fd).st_size != size:
                 return False
-            want = memoryview(data).cast("B")
+            want = _bytes_of(data)
             return os.pread(fd, len(want), 0) == want
         except OSError:
             return False
@@ -446,7 +470,13 @@ class FsStore(ObjectStore):
         return self._walk(prefix, temps=True)
 
 
-def _iov(mvs: list, start: int, end: int) -> list:
+def _bytes_of(data: DataIn) -> memoryview:
+    """``data`` (bytes-like or a contiguous array) as a flat byte memoryview, no copy (an ndarray through its
+    ``.data``: numpy's stubs give ndarray ``__buffer__`` only for Python >= 3.12)."""
+    return (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
+
+
+def _iov(mvs: list[memoryview], start: int, end: int) -> list[memoryview]:
     """The pieces of the concatenation of ``mvs`` from byte ``start`` to ``end`` (a preadv iovec)."""
     out, pos = [], 0
     for m in mvs:

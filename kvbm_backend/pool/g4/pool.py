@@ -40,54 +40,54 @@ any node, with the same keyring, finds blocks by name.
   its file at most every ``g4.keyring.reload_interval_s``: a revocation reaches a running pool within
   that bound (plus requests already in flight).
 
-Modules, by job (one class, :class:`G4Pool`, assembled from mixins): this module holds the public API,
-construction, shutdown, names and tenant pseudonyms, counters/metrics and the operator log lines (the
-``kvbm_backend.pool.g4.pool`` logger); :mod:`.writer` seals and publishes offloads; :mod:`.reader` loads,
-lookups and the bounce buffers; stores are opened by URL scheme in :mod:`.factory`.
+Modules, by job: this module is the facade: the public API, construction, shutdown and ``stats()``,
+wiring parts that each own their state and get what they use handed in (no part reaches into another's
+attributes): :class:`~.writer.G4Writer` (:mod:`.writer`) seals and publishes offloads and owns the
+offload queue; :class:`~.reader.G4Reader` (:mod:`.reader`) loads, verifies and owns the bounce buffers;
+:class:`~.lookup.G4Lookups` (:mod:`.lookup`) answers prefix lookups; :class:`~.tenant_names.TenantNames`
+(:mod:`.tenant_names`) turns tenants into pseudonyms, object names and expected headers;
+:class:`~.throttle.ThrottleWatch` (:mod:`.throttle`) counts "slow down" answers; and
+:class:`~.events.G4Counters` / :class:`~.events.OperatorLog` (:mod:`.events`) hold the counters and the
+operator log lines (the ``kvbm_backend.pool.g4.pool`` logger). Stores are opened by URL scheme in
+:mod:`.factory`.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import hmac
 import logging
-import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
+import numpy.typing as npt
+from prometheus_client import CollectorRegistry
 
+from ...config import G4Config
 from ...crypto.keyring import Keyring, KeyringError
-from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
+from ...deadlines import Deadlines
 from ...memory import BufferPool
 from ...metrics import TierMetrics
-from ...model.frame import HEADER_BYTES, FrameHeader
+from ...model.frame import HEADER_BYTES
 from ...model.layout import KvLayout
-from ...model.namespace import BlockKey, KeyRun, Namespace, tenant_bytes
+from ...model.namespace import BlockKey, Namespace
 from ..base import GetResult, PutResult, completed, is_tensor_batch
-from ...deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
+from .events import G4Counters, OperatorLog
 from .factory import open_store
-from .naming import TenantNamer, legacy_block_name
-from .reader import ReaderMixin, _Batch, bounce_buffers, bounce_slot_bytes
-from .store import BucketMissing, ObjectStore, redact_url
-from .throttle import ThrottleMixin
-from .writer import WriterMixin
+from .lookup import G4Lookups
+from .reader import G4Reader, GetBatch
+from .store import ObjectStore, redact_url
+from .tenant_names import TENANT_CACHE_ENTRIES as TENANT_CACHE_ENTRIES, TenantNames
+from .throttle import ThrottleWatch
+from .writer import G4Writer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["G4Pool"]
-_MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most this many distinct ones
-TENANT_CACHE_ENTRIES = 4096  # tenants whose pseudonym and naming key a pool keeps (LRU); more are recomputed
-_STORE_ERROR_LOG_S = 300.0  # a store that keeps answering with an error (missing bucket, 403): one line per this
-# miss reasons that are failed store reads
-_READ_FAILURES = {"unavailable", "error", "timeout", "unconfirmed_corrupt", "throttled"}
-_WRITE_FAILURES = {"unavailable", "error", "throttled"}  # drop reasons that are failed store writes
+__all__ = ["G4Pool", "TENANT_CACHE_ENTRIES"]
+_LOAD_SLACK_S = 0.05  # added to timeout_s * (1 + retries): the load bound, seconds
 
 
-class G4Pool(WriterMixin, ReaderMixin, ThrottleMixin):
-    """BlockPool over an object store (tier ``"G4"``).
+class G4Pool:
+    """BlockPool over an object store (tier ``"G4"``): a facade over parts that own their state.
 
     Args:
         cfg: :class:`kvbm_backend.config.G4Config` (``url`` required; ``keyring.path`` required
@@ -99,27 +99,35 @@ class G4Pool(WriterMixin, ReaderMixin, ThrottleMixin):
         store, keyring: injected instances (tests, benchmarks); built from ``cfg`` when None.
     Raises:
         ValueError / KeyringError with the field at fault (missing URL, keyring, bad KEK, ...).
+
+    Attributes besides the BlockPool API: ``cfg``, ``namespace``, ``encrypt``, ``keyring`` (None only for
+    plaintext pools without ``keyring.path``), ``store``, ``breaker``, ``metrics``, ``where`` (how log
+    lines name the store), ``load_bound_s`` (seconds within which loads and lookups resolve), and the
+    parts: ``names`` (:class:`~.tenant_names.TenantNames`), ``counters`` / ``oplog`` (:mod:`.events`),
+    ``throttle`` (:class:`~.throttle.ThrottleWatch`), ``writer`` (:class:`~.writer.G4Writer`), ``reader``
+    (:class:`~.reader.G4Reader`), ``lookups`` (:class:`~.lookup.G4Lookups`).
     """
 
     tier = "G4"
 
-    def __init__(self, cfg, namespace: Namespace, *, registry=None, store: ObjectStore | None = None,
-                 keyring: Keyring | None = None):
+    def __init__(self, cfg: G4Config, namespace: Namespace, *, registry: CollectorRegistry | None = None,
+                 store: ObjectStore | None = None, keyring: Keyring | None = None):
         self.cfg = cfg
         self.namespace = namespace
         self._layout = namespace.layout
         self._bpb = namespace.layout.bytes_per_block
-        self._world = namespace.tp_world_size
         self._fp = namespace.fingerprint
         self.encrypt = bool(cfg.encrypt)
-        if store is None and not cfg.url:
+        self._closed = False
+        url = cfg.url or ""
+        if store is None and not url:
             raise ValueError("g4.url: required (s3://BUCKET/PREFIX, file:///path or mem://NAME)")
         self.keyring = keyring
         if self.keyring is None and (self.encrypt or cfg.keyring.path):
             self.keyring = Keyring.from_config(cfg.keyring)
         self._own_store = store is None
         try:
-            self.store = store or open_store(cfg.url, cfg)
+            self.store = store or open_store(url, cfg)
         except BaseException:  # a failed start leaves nothing open (issue 22 item 3)
             if self.keyring is not None and keyring is None:
                 self.keyring.close()
@@ -127,38 +135,40 @@ class G4Pool(WriterMixin, ReaderMixin, ThrottleMixin):
         self.metrics = TierMetrics("g4", registry)
         where = f" at {redact_url(cfg.endpoint_url)}" if cfg.endpoint_url and self._own_store else ""
         self.where = f"G4 {redact_url(self.store.url)}{where}"  # operator log lines name the store this way
+        self.load_bound_s = cfg.timeout_s * (1 + cfg.retries) + _LOAD_SLACK_S
+        self.counters = G4Counters(self.metrics, namespace.layout.page_size)
+        self.oplog = OperatorLog(self.where, cfg.endpoint_url, self._fp)
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, name=self.where,
                                       on_change=self._on_breaker_change)
-        self._store_errors_logged: dict[str, float] = {}  # kind -> when last logged
+        self.throttle = ThrottleWatch(self.breaker, self.counters.count, self.load_bound_s)
+        self.names = TenantNames(self.keyring, self._fp, namespace.layout, namespace.tp_world_size, cfg.dir_fanout)
         # reads (gets, lookups, deletes) and writes (offloads) on threads of their own: stuck reads (a hung
         # mount, objects whose open blocks) never hold back offloads of other blocks, nor stuck writes loads
         self._io = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-io")
         self._io_put = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-put")
         # get() into torch tensors waits on its own host get here (never on an _io thread it needs)
         self._device_exec = ThreadPoolExecutor(2, thread_name_prefix="g4-device")
-        # Stores that read straight into a buffer (file://) get reusable huge-page bounce buffers, one
-        # per I/O thread (see bounce_buffers for the measured reason); others return their own bytes.
-        self._bounce_bytes = bounce_slot_bytes(HEADER_BYTES + self._bpb)
-        self._bounce = (bounce_buffers(HEADER_BYTES + self._bpb, cfg.max_inflight)
-                        if getattr(self.store, "reads_into", False) else None)
         # frames of offloads (and plaintext staging of reads whose body is read-only, S3): reused, kept up
         # to one per I/O thread of each kind, allocated on first use (a fresh 2 MiB bytearray per block cost
         # page faults and zeroing: ~0.1-0.3 CPU-s/GB, issue 25)
-        self._frame_bytes = HEADER_BYTES + self._bpb
-        self._frames = BufferPool("host", 2 * cfg.max_inflight * self._frame_bytes, name="g4-frames")
+        frames = BufferPool("host", 2 * cfg.max_inflight * (HEADER_BYTES + self._bpb), name="g4-frames")
         self._deadlines = Deadlines("g4-deadlines")
-        self._load_bound_s = cfg.timeout_s * (1 + cfg.retries) + 0.05
-        self._mu = threading.Lock()
-        self._c: dict[str, int] = {}
-        # tenant -> TenantNamer (pseudonym + naming key), LRU-bounded: a flood of distinct cache_salts
-        # (each a tenant) costs one HMAC per miss, never memory (200k tenants once held 75 MB here)
-        self._namer = functools.lru_cache(maxsize=TENANT_CACHE_ENTRIES)(self._new_namer)
-        self._logged_tenants: set[tuple[str, str]] = set()
-        self._pending_put_blocks = 0
-        self._put_futures: set[Future] = set()
-        self._closed = False
-        self._ns_written = False
-        self._io_put.submit(self._write_namespace_json)
+        self.writer = G4Writer(store=self.store, namespace=namespace, names=self.names, keyring=self.keyring,
+                               encrypt=self.encrypt, frames=frames, oplog=self.oplog,
+                               executor=self._io_put, write_queue_blocks=cfg.write_queue_blocks,
+                               put_bound_s=cfg.timeout_s * (1 + cfg.retries), load_bound_s=self.load_bound_s,
+                               breaker=self.breaker, throttle=self.throttle, counters=self.counters)
+        self.reader = G4Reader(store=self.store, layout=namespace.layout, world=namespace.tp_world_size,
+                               namespace=self._fp, names=self.names, keyring=self.keyring, encrypt=self.encrypt,
+                               frames=frames, executor=self._io, deadlines=self._deadlines,
+                               load_bound_s=self.load_bound_s, max_inflight=cfg.max_inflight,
+                               breaker=self.breaker, throttle=self.throttle, counters=self.counters)
+        self.lookups = G4Lookups(store=self.store, namespace=self._fp, names=self.names,
+                                 keyring=self.keyring if self.encrypt else None, executor=self._io,
+                                 deadlines=self._deadlines, load_bound_s=self.load_bound_s,
+                                 max_inflight=cfg.max_inflight, breaker=self.breaker, throttle=self.throttle,
+                                 counters=self.counters)
+        self.writer.start()
         if registry is not None:
             self._register_metrics(registry)
 
@@ -167,120 +177,51 @@ class G4Pool(WriterMixin, ReaderMixin, ThrottleMixin):
     def layout(self) -> KvLayout:
         return self._layout
 
-    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future:
+    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Number of leading ``keys`` present (HEAD requests in growing parallel waves, stopping at the
         first absent one). A store that does not answer within the load bound counts as absent. A
         :class:`~kvbm_backend.model.namespace.KeyRun` makes its BlockKeys only for the keys a wave probes."""
-        if type(keys) is not KeyRun:
-            keys = list(keys)
-        self._count("lookups")
-        if not keys or self._closed:
-            return completed(0)
-        if self.breaker.refuse_if_open():  # answered here: never queued behind stuck I/O threads
-            self._lookup_result(len(keys), 0)
-            return completed(0)
-        d = Deadline(self._load_bound_s)
-        b = _Batch(len(keys), d.at)
-        b.count = 0  # leading confirmed
-        self._deadlines.add(d.at, lambda: self._expire_lookup(b))
-        self._lookup_wave(b, keys, 0, min(8, len(keys)))
-        return b.future
+        return self.lookups.lookup_prefix(keys)
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future:
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[npt.NDArray[np.uint8]]) -> Future[PutResult]:
         """Offload blocks (1-D uint8 arrays of ``layout.bytes_per_block`` bytes). The future gives a
         :class:`PutResult`; storage trouble drops and counts, never raises. Raises ValueError at once
         for mismatched lengths, wrong-sized buffers or a key of another namespace (caller bugs; G3 does
         the same)."""
-        keys, blocks = list(keys), list(blocks)
-        if len(keys) != len(blocks):
-            raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
-        for k in keys:
-            if k.namespace != self._fp:
-                raise ValueError(f"put: key namespace {k.namespace} is not this pool's namespace {self._fp}")
-        for blk in blocks:
-            if blk.nbytes != self._bpb:
-                raise ValueError(f"put: block buffer of {blk.nbytes} bytes, layout needs {self._bpb}")
-        res = PutResult()
-        if not keys:
-            return completed(res)
-        if self._closed:
-            res.dropped = len(keys)
-            self._count("dropped_closed", len(keys))
-            return completed(res)
-        if self.breaker.refuse_if_open():
-            res.dropped = len(keys)
-            self._count("dropped_breaker", len(keys))
-            return completed(res)
-        with self._mu:
-            room = max(0, self.cfg.write_queue_blocks - self._pending_put_blocks)
-            take = min(room, len(keys))
-            self._pending_put_blocks += take
-        if take < len(keys):
-            res.dropped += len(keys) - take
-            self._count("dropped_queue_full", len(keys) - take)
-        if take == 0:
-            return completed(res)
-        fut: Future = Future()
-        state = {"left": take}
-        mu = threading.Lock()
+        return self.writer.put(keys, blocks)
 
-        def one_done(kind: str) -> None:
-            with mu:
-                setattr(res, kind, getattr(res, kind) + 1)
-                state["left"] -= 1
-                last = state["left"] == 0
-            with self._mu:
-                self._pending_put_blocks -= 1
-            if last:
-                fut.set_result(res)
-
-        queued = time.monotonic()
-        for k, blk in zip(keys[:take], blocks[:take]):
-            self._io_put.submit(self._put_one, k, blk, one_done, queued)
-        with self._mu:
-            self._put_futures.add(fut)
-        fut.add_done_callback(self._forget_put)
-        return fut
-
-    def get(self, keys: Sequence[BlockKey], out: Sequence) -> Future:
+    def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> Future[GetResult]:
         """Load ``keys[i]`` into ``out[i]``; the future gives a :class:`GetResult` within the load bound.
         ``ok[i]`` is True only after header identity and GCM tag (or xxh3) verified in ``out[i]``.
 
         ``out`` may be torch tensors on one device (the pool seam for device loads,
         :mod:`kvbm_backend.pool.base`): blocks are then decrypted and verified on the host into pinned
         staging (in parallel, ``max_inflight`` at once) and copied to the device with one async H2D
-        copy (:func:`kvbm_backend.gpu.host_path.load_via_host`); a miss leaves ``out[i]`` untouched."""
+        copy (:func:`kvbm_backend.gpu.host_path.load_via_host`); a miss leaves ``out[i]`` untouched.
+        Raises ValueError for mismatched lengths or wrong-sized buffers."""
         keys, out = list(keys), list(out)
         if len(keys) != len(out):
             raise ValueError(f"get: {len(keys)} keys but {len(out)} buffers")
         if is_tensor_batch(out):
             return self._get_tensors(keys, out)
-        for o in out:
-            if o.nbytes != self._bpb:
-                raise ValueError(f"get: out buffer of {o.nbytes} bytes, layout needs {self._bpb}")
-        self._count("gets", len(keys))
-        if not keys or self._closed:
-            self._count("miss_closed", len(keys) if keys else 0)
-            return completed(GetResult([False] * len(keys)))
-        if self.breaker.refuse_if_open():
-            self._count("miss_breaker", len(keys))
-            return completed(GetResult([False] * len(keys)))
-        d = Deadline(self._load_bound_s)
-        b = _Batch(len(keys), d.at)
-        self._deadlines.add(d.at, lambda: self._expire_get(b))
-        for i, (k, o) in enumerate(zip(keys, out)):
-            self._io.submit(self._get_one, b, i, k, o)
-        return b.future
+        return self.reader.get(keys, out)
 
-    def _get_tensors(self, keys: list, out: list) -> Future:
+    def get_staged(self, keys: Sequence[BlockKey], rows: Sequence[npt.NDArray[np.uint8]],
+                   on_hit: Callable[[int], object] | None = None) -> GetBatch:
+        """Load into scratch rows, verified there (:meth:`~.reader.G4Reader.get_staged`: the device-load
+        path of :func:`kvbm_backend.gpu.host_path.load_via_host`). Returns the batch (``.future``,
+        ``.idle``); raises ValueError for mismatched lengths or wrong-sized rows."""
+        return self.reader.get_staged(keys, rows, on_hit)
+
+    def _get_tensors(self, keys: list[BlockKey], out: list[Any]) -> Future[GetResult]:
         from ...gpu.host_path import check_dst, load_via_host
         check_dst(out, self._bpb, out[0].device)  # ValueError at the call, like numpy buffers
-        fut: Future = Future()
+        fut: Future[GetResult] = Future()
         fut.set_running_or_notify_cancel()
 
         def run() -> None:
             try:
-                ok = load_via_host(self, keys, out, timeout_s=self._load_bound_s + 1.0)
+                ok = load_via_host(self, keys, out, timeout_s=self.load_bound_s + 1.0)
             except Exception as e:  # noqa: BLE001 - storage trouble: misses (a bug is logged with its trace)
                 log.exception("G4: device load of %d blocks failed: %s", len(keys), e)
                 ok = [False] * len(keys)
@@ -291,7 +232,7 @@ class G4Pool(WriterMixin, ReaderMixin, ThrottleMixin):
             fut.set_result(GetResult([False] * len(keys)))
         return fut
 
-    def delete(self, keys: Sequence[BlockKey]) -> Future:
+    def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Remove blocks; the future gives how many were present (HEAD then DELETE each)."""
         keys = list(keys)
         if not keys:
@@ -302,40 +243,34 @@ class G4Pool(WriterMixin, ReaderMixin, ThrottleMixin):
             for k in keys:
                 if k.namespace != self._fp:
                     continue
-                name = self._name(k)
+                name = self.names.name(k)
                 try:
                     if self.store.head(name) is not None:
                         n += 1
                         self.store.delete(name)
                 except OSError:
-                    self._count("delete_errors")
-            self._count("deleted", n)
+                    self.counters.count("delete_errors")
+            self.counters.count("deleted", n)
             return n
         return self._io.submit(run)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every offload queued so far has finished (written, skipped or dropped).
         Returns False if ``timeout`` seconds passed first."""
-        with self._mu:
-            futs = list(self._put_futures)
-        end = Deadline(timeout)
-        for f in futs:
-            try:
-                f.result(end.left())
-            except Exception:  # noqa: BLE001 - TimeoutError
-                return False
-        return True
+        return self.writer.flush(timeout)
 
-    def stats(self) -> dict:
-        with self._mu:
-            s = dict(self._c)
-            s["pending_put_blocks"] = self._pending_put_blocks
+    def stats(self) -> dict[str, Any]:
+        """Counters (``hits``, ``written``, ``miss_<reason>``, ...) and their sums (``misses``, ``dropped``,
+        ``corrupt``, ``skipped``, ``throttled``), queue, breaker, keyring and naming state."""
+        s: dict[str, Any] = dict(self.counters.snapshot())
+        s["pending_put_blocks"] = self.writer.pending_blocks()
+        kr = self.keyring
         s.update({"tier": self.tier, "encrypted": self.encrypt, "url": self.store.url,
-                  "pseudonym_keyed": self.keyring is not None, "names_keyed": self.keyring is not None,
+                  "pseudonym_keyed": kr is not None, "names_keyed": kr is not None,
                   "tenant_cache_entries": self.tenant_cache_size(), "namespace": self._fp,
-                  "keyring_read_only": bool(self.keyring is not None and self.keyring.read_only),
-                  "keyring_ok": bool(self.keyring is None or self.keyring.error is None),
-                  **({f"keyring_{k}": v for k, v in self.keyring.stats().items()} if self.keyring is not None else {}),
+                  "keyring_read_only": bool(kr is not None and kr.read_only),
+                  "keyring_ok": bool(kr is None or kr.error is None),
+                  **({f"keyring_{k}": v for k, v in kr.stats().items()} if kr is not None else {}),
                   "breaker_state": self.breaker.state, "breaker_opens": self.breaker.opens,
                   "breaker_rejected": self.breaker.rejected,
                   "corrupt": sum(v for k, v in s.items() if k.startswith("corrupt_")),
@@ -345,8 +280,8 @@ class G4Pool(WriterMixin, ReaderMixin, ThrottleMixin):
                   "throttled": sum(v for k, v in s.items() if k.startswith("throttled_"))})
         for k in ("hits", "written", "skipped_exists", "bytes_written", "bytes_read"):
             s.setdefault(k, 0)
-        if self._bounce is not None:  # reads that found every bounce buffer lent (a fresh one was allocated)
-            s["bounce_overflow"] = self._bounce.stats()["allocated"]
+        if self.reader.bounce is not None:  # reads that found every bounce buffer lent (a fresh one allocated)
+            s["bounce_overflow"] = self.reader.bounce.stats()["allocated"]
         return s
 
     def close(self, timeout: float | None = None) -> None:
@@ -356,6 +291,9 @@ class G4Pool(WriterMixin, ReaderMixin, ThrottleMixin):
             return
         self.flush(2 * self.cfg.timeout_s if timeout is None else timeout)
         self._closed = True
+        self.writer.close()
+        self.reader.close()
+        self.lookups.close()
         self._device_exec.shutdown(wait=True)
         self._io.shutdown(wait=False, cancel_futures=True)
         self._io_put.shutdown(wait=False, cancel_futures=True)
@@ -368,139 +306,43 @@ class G4Pool(WriterMixin, ReaderMixin, ThrottleMixin):
         if self._own_store:
             self.store.close()
 
-    def __enter__(self):
+    def __enter__(self) -> G4Pool:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- internals ------------------------------------------------------------------------
-    def _count(self, name: str, n: int = 1) -> None:
-        if n:
-            with self._mu:
-                self._c[name] = self._c.get(name, 0) + n
-            self._export(name, n)
-
-    def _export(self, name: str, n: int) -> None:
-        """Mirror one stats counter into the Prometheus series (:class:`kvbm_backend.metrics.TierMetrics`)."""
-        m = self.metrics
-        kind, _, reason = name.partition("_")
-        if name == "written":
-            m.offload_blocks.inc(n)
-        elif name == "hits":
-            m.onboard_blocks.inc(n)
-        elif name == "bytes_written":
-            m.bytes_written.inc(n)
-        elif name == "bytes_read":
-            m.bytes_read.inc(n)
-        elif kind == "dropped":
-            m.offloads_dropped.labels(reason).inc(n)
-            if reason in _WRITE_FAILURES:
-                m.write_failures.inc(n)
-        elif kind == "miss":
-            m.misses.labels(reason).inc(n)
-            if reason in _READ_FAILURES:
-                m.read_failures.inc(n)
-        elif kind == "corrupt":
-            m.corrupt.labels(reason).inc(n)
-        elif kind == "throttled":
-            m.throttled.labels(reason).inc(n)
-        elif name == "lookup_unavailable":
-            m.read_failures.inc(n)
-
-    def _lookup_result(self, requested: int, found: int) -> None:
-        self.metrics.matched_tokens.inc(found * self._layout.page_size)
-        self.metrics.hit_rate.record(requested, found)
-
-    def _store_error(self, e: OSError) -> None:
-        """The store answered with an error (not an outage): log it, at most once per kind per
-        ``_STORE_ERROR_LOG_S`` seconds. A missing bucket is named with how to create it."""
-        kind = "bucket_missing" if isinstance(e, BucketMissing) else "store_error"
-        now = time.monotonic()
-        with self._mu:
-            last = self._store_errors_logged.get(kind)
-            if last is not None and now - last < _STORE_ERROR_LOG_S:
-                return
-            self._store_errors_logged[kind] = now
-        if isinstance(e, BucketMissing):
-            ep = f" --endpoint-url {redact_url(self.cfg.endpoint_url)}" if self.cfg.endpoint_url else ""
-            log.error("%s: bucket %r does not exist: every G4 offload is dropped and every load misses until it "
-                      "is created (kvbm-backend never creates buckets). Create it, e.g. `aws s3 mb s3://%s%s`, "
-                      "or fix g4.url", self.where, e.bucket, e.bucket, ep)
-        else:
-            log.warning("%s: the store refuses requests: %s (offloads dropped as dropped_error, loads miss as "
-                        "miss_error; check credentials and permissions); repeated at most every %.0f s",
-                        self.where, e, _STORE_ERROR_LOG_S)
-
-    def _store_ok(self) -> None:
-        """A write succeeded: clear logged store errors (one INFO line when the bucket appeared)."""
-        with self._mu:
-            had = self._store_errors_logged.pop("bucket_missing", None)
-            self._store_errors_logged.clear()
-        if had is not None:
-            log.info("%s: bucket exists now, G4 offloads are stored again", self.where)
-
+    # ---- names ----------------------------------------------------------------------------
     def pseudonym(self, tenant: str) -> bytes:
         """16-byte tenant pseudonym: keyed HMAC under the keyring's pseudonym key (unkeyed HMAC only
         for unencrypted pools without a keyring; ``stats()["pseudonym_keyed"]`` says which)."""
-        if self.keyring is not None:
-            return self.keyring.pseudonym(tenant)
-        return hmac.new(UNKEYED_PSEUDONYM_KEY, tenant_bytes(tenant), hashlib.sha256).digest()[:16]
-
-    def _new_namer(self, tenant: str) -> TenantNamer:
-        ps = self.pseudonym(tenant)
-        key = (self.keyring.name_key(ps) if self.keyring is not None
-               else derive_name_key(UNKEYED_PSEUDONYM_KEY, ps))  # public: such names hide nothing (format.md)
-        return TenantNamer(self._fp, ps, key, self.cfg.dir_fanout)
-
-    def _tag(self, tenant: str) -> str:
-        return self._namer(tenant).pseudonym_hex
-
-    def _name(self, key: BlockKey) -> str:
-        return self._namer(key.tenant).name(key.rank, key.seq_hash)
+        return self.names.pseudonym(tenant)
 
     def object_name(self, key: BlockKey) -> str:
         """The store-relative object name of ``key`` (keyed: ``docs/format.md``, "G4 names")."""
-        return self._name(key)
+        return self.names.name(key)
 
     def legacy_object_name(self, key: BlockKey) -> str:
         """The name format 1 gave ``key`` (sequence hash in clear); read only by ``kvbm-backend g4 migrate``."""
-        return legacy_block_name(self._fp, self._tag(key.tenant), key.rank, key.seq_hash, self.cfg.dir_fanout)
+        return self.names.legacy_name(key)
 
     def tenant_cache_size(self) -> int:
         """Tenants whose pseudonym and naming key are cached now (at most ``TENANT_CACHE_ENTRIES``)."""
-        return self._namer.cache_info().currsize
+        return self.names.cache_size()
 
-    def _expected_header(self, key: BlockKey) -> FrameHeader:
-        return FrameHeader.for_block(key, self._layout, self._world, bytes.fromhex(self._tag(key.tenant)))
-
+    # ---- internals ------------------------------------------------------------------------
     def _on_breaker_change(self, state: str) -> None:
         self.metrics.degraded.set(int(state == "open"))
-        # namespace.json could not be written at start (store down): write it once the store is back, so
-        # the namespace an operator finds in the store always says what it holds
-        if state == "closed" and not self._ns_written and not self._closed:
-            try:
-                self._io_put.submit(self._write_namespace_json)
-            except RuntimeError:  # closing: the I/O threads are gone
-                pass
+        if state == "closed" and not self._closed:
+            self.writer.store_back()  # namespace.json could not be written at start: write it now
 
-    def _log_tenant_once(self, reason: str, tenant: str, err: Exception) -> None:
-        tag = (reason, self._tag(tenant))
-        with self._mu:
-            if tag in self._logged_tenants or len(self._logged_tenants) > _MAX_LOGGED_TENANTS:
-                return
-            self._logged_tenants.add(tag)
-            last = len(self._logged_tenants) > _MAX_LOGGED_TENANTS
-        log.warning("G4: offload for tenant pseudonym %s %s (%s): %s%s", tag[1], reason, self._fp, err,
-                    "; further tenants are counted, not logged" if last else "")
-
-    def _register_metrics(self, registry) -> None:
+    def _register_metrics(self, registry: CollectorRegistry) -> None:
         from prometheus_client.core import GaugeMetricFamily
 
         pool = self
 
         class _Collector:
-            def collect(self):
+            def collect(self) -> Iterator[GaugeMetricFamily]:
                 for k, v in pool.stats().items():
                     if isinstance(v, bool):
                         v = int(v)

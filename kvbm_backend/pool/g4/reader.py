@@ -1,7 +1,7 @@
-"""G4 loads and lookups (:class:`ReaderMixin`, part of :class:`~kvbm_backend.pool.g4.pool.G4Pool`), and
-the bounce buffers file objects are read through.
+"""G4 loads (:class:`G4Reader`, a part of :class:`~kvbm_backend.pool.g4.pool.G4Pool` that owns the bounce
+buffers file objects are read through); lookups are :mod:`.lookup`.
 
-* A get batch (:class:`_Batch`) runs one :meth:`ReaderMixin._get_one` per block on the I/O threads and
+* A get batch (:class:`GetBatch`) runs one :meth:`G4Reader._get_one` per block on the I/O threads and
   resolves when every block is back or at the load bound (``timeout_s * (1 + retries)`` seconds, a
   :class:`~kvbm_backend.deadlines.Deadline` on the pool's timer thread), whichever is first; a
   block not back by then is a miss (``miss_timeout``) and its late reply never touches the caller's
@@ -14,31 +14,38 @@ the bounce buffers file objects are read through.
   holds exactly the bytes read (:meth:`~kvbm_backend.pool.g4.store.ObjectStore.stored_matches`: an S3
   HEAD's length and MD5 ETag, a fresh re-read of a file); otherwise (a lying endpoint or proxy, a bad
   read) the miss is ``miss_unconfirmed_corrupt`` (detail ``unconfirmed_<reason>``) and the object stays.
-* Lookups HEAD keys in growing parallel waves (8, 16, ... up to ``max_inflight``), stopping at the first
-  absent key; an expired lookup answers the confirmed prefix.
-* Throttled reads and HEADs (:class:`~kvbm_backend.pool.g4.store.StoreThrottled`) are retried after a
+* Throttled reads (:class:`~kvbm_backend.pool.g4.store.StoreThrottled`) are retried after a
   full-jitter backoff (:mod:`.throttle`) until the batch's load bound: each throttled answer counts
-  ``throttled_get`` / ``throttled_head``; a block still throttled at the bound is ``miss_throttled``, a
-  HEAD still throttled ends the lookup there (``lookup_throttled``). A throttle is the store answering:
-  never a breaker failure, and a batch that expires while the pool is being throttled (its slots sat in
-  backoff, or queued behind reads that did) counts its late blocks ``miss_throttled`` (a lookup:
-  ``lookup_throttled``), not as a silent store.
+  ``throttled_get``; a block still throttled at the bound is ``miss_throttled``. A throttle is the store
+  answering: never a breaker failure, and a batch that expires while the pool is being throttled (its
+  slots sat in backoff, or queued behind reads that did) counts its late blocks ``miss_throttled``, not
+  as a silent store.
 """
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from ...crypto.aead import AeadError, open_into, seal_into
+from ...crypto.keyring import Keyring
+from ...deadlines import Deadlines
 from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
+from ...model.layout import KvLayout
 from ...model.namespace import BlockKey
-from ..base import GetResult
-from ...deadlines import Deadline
-from .store import StoreThrottled, StoreUnavailable
-from .throttle import call_throttled
+from ..base import GetResult, completed
+from .breaker import CircuitBreaker
+from .events import G4Counters
+from .store import ObjectStore, StoreThrottled, StoreUnavailable
+from .tenant_names import TenantNames
+from .throttle import ThrottleWatch, call_throttled
+
+__all__ = ["G4Reader", "GetBatch", "bounce_buffers", "bounce_slot_bytes", "tenant_miss"]
 
 # Reasons for which an object is deleted when read (it can never become a hit).
 _DELETE_ON = {"magic", "header_check", "identity", "layout", "length", "integrity", "key_owner"}
@@ -69,13 +76,15 @@ def bounce_buffers(object_bytes: int, slots: int) -> BufferPool:
     return BufferPool("thp", 0, arena=(slots, bounce_slot_bytes(object_bytes)), name="g4-bounce")
 
 
-class _Batch:
-    """One get/lookup batch: per-slot results, guarded so a late reply never writes after close."""
+class GetBatch:
+    """One get batch: per-slot results, guarded so a late reply never writes after close.
+
+    ``future`` gives the :class:`~kvbm_backend.pool.base.GetResult`; ``idle`` is set once no I/O thread
+    of the batch touches a row any more (what :meth:`G4Reader.get_staged` callers wait for)."""
 
     def __init__(self, n: int, until: float):
         self.until = until  # time.monotonic() of the load bound
-        self.throttled = False  # a HEAD of this lookup stayed throttled to the bound
-        self.future: Future = Future()
+        self.future: Future[GetResult] = Future()
         self.mu = threading.Lock()
         self.slot_mu = [threading.Lock() for _ in range(n)]
         self.closed = False
@@ -83,16 +92,27 @@ class _Batch:
         self.ok = [False] * n
         self.done = [False] * n
         self.staged = False  # get_staged: ``out`` rows are scratch the pool may fill before verifying
-        self.on_hit = None  # get_staged: called with i once block i verified in its row (an I/O thread)
+        self.on_hit: Callable[[int], object] | None = None  # get_staged: called with i once block i verified
         self.idle = threading.Event()  # every I/O thread of this batch has left its row
         self.working = n
 
+
+def tenant_miss(keyring: Keyring | None, tenant: str) -> str | None:
+    """A miss counter, without store I/O, when an encrypted pool's ``keyring`` (None for plaintext pools)
+    says ``tenant`` is revoked or the keyring file does not load; else None. (An unknown tenant's objects
+    still get read and counted by what they are: absent, plaintext, or ``miss_no_key``.)"""
+    if keyring is None:
+        return None
+    state = keyring.tenant_state(tenant)
+    if state == "revoked":
+        return "miss_revoked_tenant"
+    return "miss_keyring_unavailable" if state == "unavailable" else None
 
 
 class _Split:
     """An object read by one scatter read into a header buffer and a scratch payload row."""
 
-    def __init__(self, target: list, size: int):
+    def __init__(self, target: list[memoryview], size: int):
         self.head, self.row = target
         self.n = min(size, len(self.head) + len(self.row))  # bytes read
 
@@ -107,11 +127,76 @@ class _Split:
         return bytes(h) + bytes(p)
 
 
-class ReaderMixin:
-    """The read and lookup paths of :class:`~kvbm_backend.pool.g4.pool.G4Pool` (uses its store, breaker,
-    keyring, bounce buffers, I/O threads and counters)."""
+class G4Reader:
+    """The load path of a G4 pool: batches bounded by the load bound, verified before delivery. Owns the
+    bounce buffers (stores that read into a buffer: ``reads_into``); everything else is handed in.
 
-    def get_staged(self, keys: list, rows: list, on_hit=None) -> "_Batch":
+    Args:
+        store: where objects are read (and corrupt ones deleted).
+        layout, world, namespace: what a block must be (``frame.accept``); ``namespace`` is the fingerprint.
+        names: object names and expected headers per tenant.
+        keyring: data keys to open encrypted frames (None: plaintext pool without keyring).
+        encrypt: an encrypted pool serves only authenticated blocks.
+        frames: reused staging for read-only bodies (S3), buffers of ``HEADER_BYTES + bytes_per_block``.
+        breaker, throttle, counters: the pool's shared collaborators.
+        executor: the read threads (``g4.max_inflight``); deadlines: the pool's timer thread.
+        load_bound_s: seconds within which a batch resolves.
+        max_inflight: read threads, the number of bounce buffers kept.
+    """
+
+    def __init__(self, *, store: ObjectStore, layout: KvLayout, world: int, namespace: str, names: TenantNames,
+                 keyring: Keyring | None, encrypt: bool, frames: BufferPool, breaker: CircuitBreaker,
+                 throttle: ThrottleWatch, counters: G4Counters, executor: ThreadPoolExecutor,
+                 deadlines: Deadlines, load_bound_s: float, max_inflight: int):
+        self.store = store
+        self._layout = layout
+        self._bpb = layout.bytes_per_block
+        self._world = world
+        self._fp = namespace
+        self._names = names
+        self._keyring = keyring
+        self._encrypt = encrypt
+        self._tenant_keyring = keyring if encrypt else None  # what tenant_miss asks (plaintext pools: nothing)
+        self._frames = frames
+        self._frame_bytes = HEADER_BYTES + self._bpb
+        self._breaker = breaker
+        self._throttle = throttle
+        self._count = counters.count
+        self._exec = executor
+        self._deadlines = deadlines
+        self._load_bound_s = load_bound_s
+        self._closed = False
+        # Stores that read straight into a buffer (file://) get reusable huge-page bounce buffers, one
+        # per I/O thread (see bounce_buffers for the measured reason); others return their own bytes.
+        self.bounce_bytes = bounce_slot_bytes(self._frame_bytes)
+        self.bounce: BufferPool | None = (bounce_buffers(self._frame_bytes, max_inflight)
+                                          if getattr(store, "reads_into", False) else None)
+
+    def close(self) -> None:
+        """From now on loads are misses (``miss_closed``) without store I/O."""
+        self._closed = True
+
+    def get(self, keys: Sequence[BlockKey], out: Sequence[npt.NDArray[np.uint8]]) -> Future[GetResult]:
+        """Load ``keys[i]`` into host buffers ``out[i]`` (see :meth:`kvbm_backend.pool.g4.pool.G4Pool.get`).
+        Raises ValueError for wrong-sized buffers."""
+        for o in out:
+            if o.nbytes != self._bpb:
+                raise ValueError(f"get: out buffer of {o.nbytes} bytes, layout needs {self._bpb}")
+        self._count("gets", len(keys))
+        if not keys or self._closed:
+            self._count("miss_closed", len(keys) if keys else 0)
+            return completed(GetResult([False] * len(keys)))
+        if self._breaker.refuse_if_open():
+            self._count("miss_breaker", len(keys))
+            return completed(GetResult([False] * len(keys)))
+        b = GetBatch(len(keys), time.monotonic() + self._load_bound_s)
+        self._deadlines.add(b.until, lambda: self._expire_get(b))
+        for i, (k, o) in enumerate(zip(keys, out)):
+            self._exec.submit(self._get_one, b, i, k, o)
+        return b.future
+
+    def get_staged(self, keys: Sequence[BlockKey], rows: Sequence[npt.NDArray[np.uint8]],
+                   on_hit: Callable[[int], object] | None = None) -> GetBatch:
         """Load ``keys[i]`` into ``rows[i]`` (writable 1-D uint8 buffers of ``layout.bytes_per_block``
         bytes) that are *scratch*: the pool may read or open a block in its row before it verifies it, so
         a row whose block missed holds garbage (device loads stage here, then copy only verified rows:
@@ -129,23 +214,23 @@ class ReaderMixin:
         for r in rows:
             if r.nbytes != self._bpb:
                 raise ValueError(f"get_staged: row of {r.nbytes} bytes, layout needs {self._bpb}")
-        d = Deadline(self._load_bound_s)
-        b = _Batch(len(keys), d.at)
+        b = GetBatch(len(keys), time.monotonic() + self._load_bound_s)
         b.staged, b.on_hit = True, on_hit
         self._count("gets", len(keys))
-        refuse = "miss_closed" if (not keys or self._closed) else "miss_breaker" if self.breaker.refuse_if_open() else None
+        refuse = ("miss_closed" if (not keys or self._closed) else
+                  "miss_breaker" if self._breaker.refuse_if_open() else None)
         if refuse:
             self._count(refuse, len(keys))
             b.closed = True
             b.idle.set()
             b.future.set_result(GetResult([False] * len(keys)))
             return b
-        self._deadlines.add(d.at, lambda: self._expire_get(b))
+        self._deadlines.add(b.until, lambda: self._expire_get(b))
         for i, (k, o) in enumerate(zip(keys, rows)):
-            self._io.submit(self._get_one, b, i, k, o)
+            self._exec.submit(self._get_one, b, i, k, o)
         return b
 
-    def _finish_slot(self, b: _Batch, i: int) -> bool:
+    def _finish_slot(self, b: GetBatch, i: int) -> bool:
         """Mark slot ``i`` done; False when the batch had already expired it (its miss was counted then)."""
         with b.mu:
             if b.closed and not b.done[i]:
@@ -159,7 +244,7 @@ class ReaderMixin:
             b.future.set_result(GetResult(list(b.ok)))
         return True
 
-    def _expire_get(self, b: _Batch) -> None:
+    def _expire_get(self, b: GetBatch) -> None:
         with b.mu:
             if b.closed:
                 return
@@ -169,16 +254,16 @@ class ReaderMixin:
             with b.slot_mu[i]:
                 pass
         missed = sum(1 for i in late if not b.ok[i])
-        if self._throttling():  # the store answers "slow down": the late reads waited on that, not on silence
+        if self._throttle.throttling():  # the store answers "slow down": the late reads waited on that
             self._count("miss_throttled", missed)
         else:
             self._count("miss_timeout", missed)
             if missed:  # silence is a failure: nothing else reports a read hung in the kernel
-                self.breaker.failure(f"{missed} block reads got no reply within {self._load_bound_s:.2f} s")
+                self._breaker.failure(f"{missed} block reads got no reply within {self._load_bound_s:.2f} s")
         b.future.set_result(GetResult(list(b.ok)))
 
-    def _get_one(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray) -> None:
-        miss = "miss_timeout"
+    def _get_one(self, b: GetBatch, i: int, key: BlockKey, out: npt.NDArray[np.uint8]) -> None:
+        miss: str | None = "miss_timeout"
         try:
             if b.closed:
                 return
@@ -194,79 +279,73 @@ class ReaderMixin:
                 if b.working == 0:
                     b.idle.set()
 
-    def _tenant_miss(self, tenant: str) -> str | None:
-        """A miss counter, without store I/O, when an encrypted pool's keyring says ``tenant`` is
-        revoked or the keyring file does not load; else None. (An unknown tenant's objects still get
-        read and counted by what they are: absent, plaintext, or ``miss_no_key``.)"""
-        if not self.encrypt or self.keyring is None:
-            return None
-        state = self.keyring.tenant_state(tenant)
-        if state == "revoked":
-            return "miss_revoked_tenant"
-        return "miss_keyring_unavailable" if state == "unavailable" else None
-
-    def _load(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray) -> str | None:
+    def _load(self, b: GetBatch, i: int, key: BlockKey, out: npt.NDArray[np.uint8]) -> str | None:
         """Fetch, check and open one block into ``out``. Returns None on a hit, else a miss counter."""
         if key.namespace != self._fp:
             return "miss_foreign_namespace"
-        no_key = self._tenant_miss(key.tenant)
+        no_key = tenant_miss(self._tenant_keyring, key.tenant)
         if no_key:
             return no_key
-        if not self.breaker.allow():
+        if not self._breaker.allow():
             return "miss_breaker"
-        name = self._name(key)
-        if self._bounce is None:
+        name = self._names.name(key)
+        if self.bounce is None:
             return self._load_from(b, i, key, out, name, None)
-        with self._bounce.lend(self._bounce_bytes) as buf:
+        with self.bounce.lend(self.bounce_bytes) as buf:
             return self._load_from(b, i, key, out, name, buf)
 
-    def _load_from(self, b: _Batch, i: int, key: BlockKey, out: np.ndarray, name: str, buf) -> str | None:
+    def _load_from(self, b: GetBatch, i: int, key: BlockKey, out: npt.NDArray[np.uint8], name: str,
+                   buf: npt.NDArray[np.uint8] | None) -> str | None:
         """:meth:`_load` after the breaker: ``buf`` (bounce buffer of at least one object) or None
         for a store that returns its own bytes."""
-        dst = memoryview(out.reshape(-1).view(np.uint8))
+        dst = out.reshape(-1).view(np.uint8).data  # ndarray.data: its memoryview (as memoryview(...))
         split = (b.staged and buf is not None and len(dst) == self._bpb
                  and getattr(self.store, "reads_into_parts", False))
         try:
             if buf is None:
-                data = call_throttled(lambda: self.store.get(name), b.until, lambda: self._note_throttle("get"),
+                data = call_throttled(lambda: self.store.get(name), b.until, lambda: self._throttle.note("get"),
                                       lambda: b.closed)
                 size = None if data is None else len(data)
+            elif split:  # staged into a scratch row: the payload is read straight into it (one scatter read)
+                parts = [buf.data[:HEADER_BYTES], dst]
+                size = call_throttled(lambda: self.store.get_into(name, parts), b.until,
+                                      lambda: self._throttle.note("get"), lambda: b.closed)
+                data = None if size is None else _Split(parts, size)
             else:  # the object's true size, may exceed len(buf)
-                # staged into a scratch row: the payload is read straight into it (one scatter read)
-                target = ([memoryview(buf)[:HEADER_BYTES], dst] if split else buf)
-                size = call_throttled(lambda: self.store.get_into(name, target), b.until,
-                                      lambda: self._note_throttle("get"), lambda: b.closed)
-                data = (None if size is None else _Split(target, size) if split
-                        else memoryview(buf)[:min(size, len(buf))])
+                size = call_throttled(lambda: self.store.get_into(name, buf), b.until,
+                                      lambda: self._throttle.note("get"), lambda: b.closed)
+                data = None if size is None else buf.data[:min(size, len(buf))]
         except StoreThrottled:
-            return "miss_throttled"  # the store answered: _note_throttle told the breaker so
+            return "miss_throttled"  # the store answered: ThrottleWatch.note told the breaker so
         except StoreUnavailable as e:
-            self.breaker.failure(e)
+            self._breaker.failure(e)
             return "miss_unavailable"
         except OSError:
-            self.breaker.success()
+            self._breaker.success()
             return "miss_error"
-        self.breaker.success()
+        self._breaker.success()
         if data is None:
             return "miss_absent"
-        exp = self._expected_header(key)
+        assert size is not None  # None only with data None (absent)
+        exp = self._names.expected_header(key)
         scratch = None
         try:
             if size < HEADER_BYTES:
                 raise FrameError("length", f"object of {size} bytes")
-            head, payload = data.parts() if split else (memoryview(data)[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:])
+            head, payload = (data.parts() if isinstance(data, _Split) else
+                             (memoryview(data)[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:]))
             hdr = accept(head, key, self._layout, exp.tenant_tag, world=self._world,
                          stored_len=self._layout.bytes_per_block, frame_bytes=size, exact=True)
             # stage, verify, then copy: nothing unverified ever reaches ``out`` (a miss leaves it untouched);
             # get_staged's rows are scratch, so there the payload is verified in (or opened into) the row
             if hdr.flags & FLAG_ENCRYPTED:
-                dkey = (self.keyring.read_key(hdr.key_id, hdr.key_version, tenant=key.tenant)
-                        if self.keyring else None)
+                dkey = (self._keyring.read_key(hdr.key_id, hdr.key_version, tenant=key.tenant)
+                        if self._keyring else None)
                 if dkey is None:
-                    if self.keyring is not None and self.keyring.key_owner(hdr.key_id) not in (None, key.tenant):
+                    if self._keyring is not None and self._keyring.key_owner(hdr.key_id) not in (None, key.tenant):
                         raise FrameError("key_owner", "sealed under another tenant's data key")
-                    # revoked, or the file stopped loading, since _tenant_miss looked: count it as such
-                    return self._tenant_miss(key.tenant) or "miss_no_key"
+                    # revoked, or the file stopped loading, since _load looked: count it as such
+                    return tenant_miss(self._tenant_keyring, key.tenant) or "miss_no_key"
                 # in place in our own bounce buffer; a read-only body (S3) into a reused staging buffer
                 if not payload.readonly:
                     plain = payload
@@ -274,14 +353,14 @@ class ReaderMixin:
                     plain = dst  # a read-only body (S3) opened straight into the scratch row
                 else:
                     scratch = self._frames.take(self._frame_bytes)
-                    plain = memoryview(scratch)[:len(payload)]
+                    plain = scratch.data[:len(payload)]
                 try:
                     open_into(dkey, hdr.nonce, exp.identity_bytes(), hdr.integrity, payload, plain)
                 except AeadError:
                     if plain is payload:  # undo the in-place decryption (GCM's CTR keystream again) so
                         seal_into(dkey, hdr.nonce, b"", plain, payload)  # the bytes read can be confirmed
                     raise FrameError("integrity", "GCM tag did not verify") from None
-            elif self.encrypt:
+            elif self._encrypt:
                 return "miss_unencrypted_object"  # an encrypted pool serves only authenticated blocks
             elif hdr.flags & FLAG_CHECKSUM:
                 if payload_checksum(payload) != hdr.integrity:
@@ -298,7 +377,8 @@ class ReaderMixin:
             if b.on_hit is not None:
                 b.on_hit(i)
         except FrameError as e:
-            if e.reason in _DELETE_ON and not self._stored_is_bad(name, data.joined() if split else data, size):
+            if e.reason in _DELETE_ON and not self._stored_is_bad(
+                    name, data.joined() if isinstance(data, _Split) else data, size):
                 # the bytes read are bad but the store does not confirm it holds them (a lying endpoint
                 # or proxy, a failed read): a miss, and the object stays
                 self._count(f"unconfirmed_{e.reason}")
@@ -317,7 +397,7 @@ class ReaderMixin:
         self._count("bytes_read", size)
         return None
 
-    def _stored_is_bad(self, name: str, data, size: int) -> bool:
+    def _stored_is_bad(self, name: str, data: bytes | memoryview, size: int) -> bool:
         """True only when the store confirms the object under ``name`` is exactly what was read (``data``,
         the first bytes of an object of ``size`` bytes): then dropping it drops the bad copy, not a good
         one a transport garbled (:meth:`~kvbm_backend.pool.g4.store.ObjectStore.stored_matches`)."""
@@ -325,77 +405,3 @@ class ReaderMixin:
             return bool(self.store.stored_matches(name, data, size))
         except Exception:  # noqa: BLE001 - unconfirmed: keep the object
             return False
-
-    # lookups: HEAD waves of growing size
-    def _lookup_wave(self, b: _Batch, keys: list, start: int, width: int) -> None:
-        end = min(len(keys), start + width)
-        wave = {"left": end - start}
-        mu = threading.Lock()
-
-        def head_one(i: int) -> None:
-            present = False
-            try:
-                k = keys[i]
-                if (k.namespace == self._fp and not b.closed and self._tenant_miss(k.tenant) is None
-                        and self.breaker.allow()):
-                    name = self._name(k)
-                    try:
-                        present = call_throttled(lambda: self.store.head(name), b.until,
-                                                 lambda: self._note_throttle("head"), lambda: b.closed) is not None
-                        self.breaker.success()
-                    except StoreThrottled:
-                        b.throttled = True  # absent for this lookup: it ends here
-                    except StoreUnavailable as e:
-                        self.breaker.failure(e)
-                        self._count("lookup_unavailable")
-                    except OSError:
-                        self.breaker.success()
-            except Exception:  # noqa: BLE001
-                present = False
-            b.ok[i] = present
-            b.done[i] = True
-            with mu:
-                wave["left"] -= 1
-                last = wave["left"] == 0
-            if last:
-                self._wave_done(b, keys, start, end)
-
-        for i in range(start, end):
-            self._io.submit(head_one, i)
-
-    def _wave_done(self, b: _Batch, keys: list, start: int, end: int) -> None:
-        with b.mu:
-            if b.closed:
-                return
-            n = start
-            while n < end and b.ok[n]:
-                n += 1
-            b.count = n
-            finished = n < end or end == len(keys)
-            if finished:
-                b.closed = True
-        if finished:
-            self._count("lookup_hits", n)
-            if b.throttled and n < len(keys):
-                self._count("lookup_throttled")
-            self._lookup_result(len(keys), n)
-            b.future.set_result(n)
-        else:
-            self._lookup_wave(b, keys, end, min(2 * (end - start), self.cfg.max_inflight))
-
-    def _expire_lookup(self, b: _Batch) -> None:
-        with b.mu:
-            if b.closed:
-                return
-            b.closed = True
-            n = 0
-            while n < len(b.ok) and b.done[n] and b.ok[n]:
-                n += 1
-        self._lookup_result(len(b.ok), n)
-        if b.throttled or self._throttling():  # waited on "slow down" answers, not on silence
-            self._count("lookup_throttled")
-        else:
-            self._count("lookup_timeout")
-            self.breaker.failure(f"a lookup got no reply within {self._load_bound_s:.2f} s")
-        b.future.set_result(n)
-

@@ -9,7 +9,7 @@ retries come back soon: a load waits for them) and ``CAP_S`` = 1 s (a quarter of
 the next sleep would end past the bound (the caller's deadline): the request then ends throttled (a
 miss ``miss_throttled``, a lookup cut short, an offload ``dropped_throttled``). The sleep runs on the
 pool's I/O thread: a throttled pool thus sends fewer requests, which is what the store asked for.
-:class:`ThrottleMixin` is the pool's side: counting throttled answers and telling the breaker.
+:class:`ThrottleWatch` is the pool's side: counting throttled answers and telling the breaker.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import random
 import time
 from typing import Callable, TypeVar
 
+from .breaker import CircuitBreaker
 from .store import StoreThrottled
 
 BASE_S = 0.05  # first backoff's upper end, seconds
@@ -54,21 +55,31 @@ def call_throttled(fn: Callable[[], T], until: float, on_throttle: Callable[[], 
             time.sleep(delay)
 
 
-class ThrottleMixin:
-    """What :class:`~kvbm_backend.pool.g4.pool.G4Pool` does with a throttled answer (uses its breaker,
-    counters and ``_load_bound_s``; ``_throttled_at`` starts at ``-inf``)."""
+class ThrottleWatch:
+    """What a G4 pool does with a throttled answer: count it and tell the breaker the store is up, and
+    remember when, so batches that expire soon after are counted as throttled, not as a silent store.
 
-    _throttled_at = -float("inf")  # time.monotonic() of the last throttled answer
+    Args:
+        breaker: the pool's :class:`~kvbm_backend.pool.g4.breaker.CircuitBreaker`.
+        count: the pool's counter (:meth:`~kvbm_backend.pool.g4.events.G4Counters.count`).
+        load_bound_s: the pool's load bound, seconds (``timeout_s * (1 + retries)`` plus slack).
+    """
 
-    def _note_throttle(self, op: str) -> None:
+    def __init__(self, breaker: CircuitBreaker, count: Callable[[str], None], load_bound_s: float):
+        self._breaker = breaker
+        self._count = count
+        self._load_bound_s = load_bound_s
+        self._throttled_at = -float("inf")  # time.monotonic() of the last throttled answer
+
+    def note(self, op: str) -> None:
         """The store answered one ``op`` request (``get``, ``head``, ``put``) with "slow down": count it
         (``throttled_<op>``); the store is answering, so this is a breaker success (it also ends a
         half-open probe, which would otherwise stay out)."""
         self._throttled_at = time.monotonic()
-        self.breaker.success()
+        self._breaker.success()
         self._count(f"throttled_{op}")
 
-    def _throttling(self) -> bool:
+    def throttling(self) -> bool:
         """A throttled answer came within the last load bound: batches expiring now waited on "slow down"
         answers (in backoff, or queued behind reads that were), not on a silent store."""
         return time.monotonic() - self._throttled_at < self._load_bound_s

@@ -1,50 +1,186 @@
 """G4 offloads: seal one block (AES-256-GCM under the tenant's data key, or xxh3 plaintext) and publish it
-create-exclusive (:class:`WriterMixin`, part of :class:`~kvbm_backend.pool.g4.pool.G4Pool`).
+create-exclusive (:class:`G4Writer`, a part of :class:`~kvbm_backend.pool.g4.pool.G4Pool` that owns the
+offload queue: pending blocks, the futures :meth:`G4Writer.flush` waits on, whether ``namespace.json`` is
+written).
 
-Each queued block runs :meth:`WriterMixin._put_one` on an I/O thread and ends in exactly one of
+Each queued block runs :meth:`G4Writer._put_one` on an offload thread and ends in exactly one of
 ``written`` / ``skipped`` / ``dropped`` (counted by reason: ``dropped_breaker``, ``dropped_unavailable``,
 ``dropped_throttled``, ``dropped_error``, ``dropped_revoked_tenant``, ``dropped_unknown_tenant``, ``dropped_keyring``,
 ``skipped_exists``, ``skipped_foreign``); it never raises. A store outage counts towards the breaker; a
-store that answers with an error (403, missing bucket) does not, and is logged by the pool
-(``_store_error``). A throttled PUT (:class:`~.store.StoreThrottled`) is retried after a full-jitter backoff
-(:mod:`.throttle`) until ``timeout_s * (1 + retries)`` seconds after its first request, then dropped
-(``dropped_throttled``); never a breaker failure. The backoff holds the I/O thread, so offloads queued
-behind it wait, and past ``write_queue_blocks`` pending blocks new ones are dropped (never waited for).
+store that answers with an error (403, missing bucket) does not, and is logged
+(:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_error`). A throttled PUT
+(:class:`~.store.StoreThrottled`) is retried after a full-jitter backoff (:mod:`.throttle`) until
+``timeout_s * (1 + retries)`` seconds after its first request, then dropped (``dropped_throttled``); never
+a breaker failure. The backoff holds the I/O thread, so offloads queued behind it wait, and past
+``write_queue_blocks`` pending blocks new ones are dropped (never waited for).
 """
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from ...crypto.aead import new_nonce, seal_into
-from ...crypto.keyring import KeyringError, TenantRevoked, UnknownTenant
+from ...crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenant
+from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, payload_checksum
-from ...model.namespace import BlockKey
+from ...model.namespace import BlockKey, Namespace
+from ..base import PutResult, completed
+from ...deadlines import Deadline
+from .breaker import CircuitBreaker
+from .events import G4Counters, OperatorLog
 from .naming import namespace_name
-from .store import StoreThrottled, StoreUnavailable
-from .throttle import call_throttled
+from .store import ObjectStore, StoreThrottled, StoreUnavailable
+from .tenant_names import TenantNames
+from .throttle import ThrottleWatch, call_throttled
+
+__all__ = ["G4Writer"]
 
 
-class WriterMixin:
-    """The write path of :class:`~kvbm_backend.pool.g4.pool.G4Pool` (uses its store, breaker, keyring,
-    counters and lock)."""
+class G4Writer:
+    """The write path of a G4 pool: the offload queue, sealing, create-exclusive publishing and
+    ``namespace.json``. Owns its queue state; everything else is handed in.
 
-    def _forget_put(self, f: Future) -> None:
+    Args:
+        store: where frames are published.
+        namespace: what the blocks mean (keys of other namespaces are skipped).
+        names: object names and expected headers per tenant.
+        keyring: the tenants' data keys when ``encrypt`` (None only for plaintext pools).
+        encrypt: seal with AES-256-GCM (else xxh3-checksummed plaintext).
+        frames: reused frame buffers of at least ``HEADER_BYTES + bytes_per_block`` bytes.
+        breaker, throttle, counters, oplog: the pool's shared collaborators.
+        executor: the offload threads (``g4.max_inflight`` of them).
+        write_queue_blocks: pending blocks past which new offloads are dropped (``dropped_queue_full``).
+        put_bound_s: seconds from a block's first PUT within which throttled PUTs are retried.
+        load_bound_s: seconds within which the start-up ``namespace.json`` write retries throttles.
+    """
+
+    def __init__(self, *, store: ObjectStore, namespace: Namespace, names: TenantNames, keyring: Keyring | None,
+                 encrypt: bool, frames: BufferPool, breaker: CircuitBreaker, throttle: ThrottleWatch,
+                 counters: G4Counters, oplog: OperatorLog, executor: ThreadPoolExecutor,
+                 write_queue_blocks: int, put_bound_s: float, load_bound_s: float):
+        self.store = store
+        self.namespace = namespace
+        self._fp = namespace.fingerprint
+        self._bpb = namespace.layout.bytes_per_block
+        self._frame_bytes = HEADER_BYTES + self._bpb
+        self._names = names
+        self._keyring = keyring
+        self._encrypt = encrypt
+        self._frames = frames
+        self._breaker = breaker
+        self._throttle = throttle
+        self._counters = counters
+        self._count = counters.count
+        self._oplog = oplog
+        self._exec = executor
+        self._queue_blocks = write_queue_blocks
+        self._put_bound_s = put_bound_s
+        self._load_bound_s = load_bound_s
+        self._mu = threading.Lock()
+        self._pending_blocks = 0
+        self._futures: set[Future[PutResult]] = set()
+        self._closed = False
+        self.namespace_written = False  # {ns_fp}/namespace.json is known to be in the store
+
+    # ---- the queue -----------------------------------------------------------------------
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[npt.NDArray[np.uint8]]) -> Future[PutResult]:
+        """Queue offloads (see :meth:`kvbm_backend.pool.g4.pool.G4Pool.put`). Raises ValueError at once
+        for mismatched lengths, wrong-sized buffers or a key of another namespace."""
+        keys, blocks = list(keys), list(blocks)
+        if len(keys) != len(blocks):
+            raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
+        for k in keys:
+            if k.namespace != self._fp:
+                raise ValueError(f"put: key namespace {k.namespace} is not this pool's namespace {self._fp}")
+        for blk in blocks:
+            if blk.nbytes != self._bpb:
+                raise ValueError(f"put: block buffer of {blk.nbytes} bytes, layout needs {self._bpb}")
+        res = PutResult()
+        if not keys:
+            return completed(res)
+        if self._closed:
+            res.dropped = len(keys)
+            self._count("dropped_closed", len(keys))
+            return completed(res)
+        if self._breaker.refuse_if_open():
+            res.dropped = len(keys)
+            self._count("dropped_breaker", len(keys))
+            return completed(res)
         with self._mu:
-            self._put_futures.discard(f)
+            room = max(0, self._queue_blocks - self._pending_blocks)
+            take = min(room, len(keys))
+            self._pending_blocks += take
+        if take < len(keys):
+            res.dropped += len(keys) - take
+            self._count("dropped_queue_full", len(keys) - take)
+        if take == 0:
+            return completed(res)
+        fut: Future[PutResult] = Future()
+        state = {"left": take}
+        mu = threading.Lock()
 
-    def _seal(self, key: BlockKey, block: np.ndarray, buf) -> memoryview:
+        def one_done(kind: str) -> None:
+            with mu:
+                setattr(res, kind, getattr(res, kind) + 1)
+                state["left"] -= 1
+                last = state["left"] == 0
+            with self._mu:
+                self._pending_blocks -= 1
+            if last:
+                fut.set_result(res)
+
+        queued = time.monotonic()
+        for k, blk in zip(keys[:take], blocks[:take]):
+            self._exec.submit(self._put_one, k, blk, one_done, queued)
+        with self._mu:
+            self._futures.add(fut)
+        fut.add_done_callback(self._forget_put)
+        return fut
+
+    def _forget_put(self, f: Future[PutResult]) -> None:
+        with self._mu:
+            self._futures.discard(f)
+
+    def pending_blocks(self) -> int:
+        """Blocks queued and not yet ended (written, skipped or dropped)."""
+        with self._mu:
+            return self._pending_blocks
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every offload queued so far has finished (written, skipped or dropped).
+        Returns False if ``timeout`` seconds passed first."""
+        with self._mu:
+            futs = list(self._futures)
+        end = Deadline(timeout)
+        for f in futs:
+            try:
+                f.result(end.left())
+            except Exception:  # noqa: BLE001 - TimeoutError
+                return False
+        return True
+
+    def close(self) -> None:
+        """From now on offloads are dropped (``dropped_closed``) and ``namespace.json`` is not retried."""
+        self._closed = True
+
+    # ---- one block -----------------------------------------------------------------------
+    def _seal(self, key: BlockKey, block: npt.NDArray[np.uint8], buf: npt.NDArray[np.uint8]) -> memoryview:
         """Frame ``block`` into ``buf`` (a reused uint8 buffer of at least ``HEADER_BYTES + bpb`` bytes,
-        from :attr:`_frames`): AES-256-GCM straight from the caller's block into the payload (or one copy
-        and xxh3 for plaintext), header in front. Returns the frame's memoryview (no copy)."""
-        hdr = self._expected_header(key)
-        frame = memoryview(buf).cast("B")[:HEADER_BYTES + self._bpb]
+        from the frame buffers): AES-256-GCM straight from the caller's block into the payload (or one copy
+        and xxh3 for plaintext), header in front. Returns the frame's memoryview (no copy). Raises
+        KeyringError when the tenant has no data key to write with (revoked, unknown, keyring down)."""
+        hdr = self._names.expected_header(key)
+        frame = buf.data.cast("B")[:HEADER_BYTES + self._bpb]  # ndarray.data: its memoryview, no copy
         payload = frame[HEADER_BYTES:]
-        src = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
-        if self.encrypt:
-            dk = self.keyring.write_key(key.tenant)
+        src = np.ascontiguousarray(block).reshape(-1).view(np.uint8).data
+        if self._encrypt:
+            assert self._keyring is not None  # G4Pool: an encrypted pool always has a keyring
+            dk = self._keyring.write_key(key.tenant)
             hdr.flags, hdr.key_id, hdr.key_version, hdr.nonce = FLAG_ENCRYPTED, dk.key_id, dk.version, new_nonce()
             hdr.integrity = seal_into(dk.key, hdr.nonce, hdr.identity_bytes(), src, payload)
         else:
@@ -53,7 +189,8 @@ class WriterMixin:
         frame[:HEADER_BYTES] = hdr.pack()
         return frame
 
-    def _put_one(self, key: BlockKey, block: np.ndarray, done, queued: float) -> None:
+    def _put_one(self, key: BlockKey, block: npt.NDArray[np.uint8], done: Callable[[str], None],
+                 queued: float) -> None:
         """One queued offload (``queued``: its ``time.monotonic()`` when queued, for the
         ``kvbm_backend_g4_offload_seconds`` histogram)."""
         kind = "dropped"
@@ -62,7 +199,7 @@ class WriterMixin:
                 self._count("skipped_foreign")
                 kind = "skipped"
                 return
-            if not self.breaker.allow():
+            if not self._breaker.allow():
                 self._count("dropped_breaker")
                 return
             with self._frames.lend(self._frame_bytes) as fbuf:  # reused: no allocation, no page faults
@@ -72,17 +209,16 @@ class WriterMixin:
                     reason = ("dropped_revoked_tenant" if isinstance(e, TenantRevoked) else
                               "dropped_unknown_tenant" if isinstance(e, UnknownTenant) else "dropped_keyring")
                     self._count(reason)
-                    self._log_tenant_once(reason, key.tenant, e)
+                    self._oplog.tenant_once(reason, self._names.tag(key.tenant), e)
                     return
-                name = self._name(key)
+                name = self._names.name(key)
                 created = self._publish(name, buf)
             if created is None:
                 return
-            self.breaker.success()
-            if self._store_errors_logged:
-                self._store_ok()
-            if not self._ns_written:  # namespace.json stayed throttled at start: the store takes writes now
-                self._write_namespace_json()
+            self._breaker.success()
+            self._oplog.store_ok()
+            if not self.namespace_written:  # namespace.json stayed throttled at start: the store takes writes now
+                self.write_namespace_json()
             if created:
                 kind = "written"
                 self._count("written")
@@ -94,31 +230,46 @@ class WriterMixin:
             self._count("dropped_error")
             kind = "dropped"
         finally:
-            self.metrics.offload_seconds.observe(time.monotonic() - queued)
+            self._counters.offload_ended(time.monotonic() - queued)
             done(kind)
 
-    def _publish(self, name: str, buf) -> bool | None:
+    def _publish(self, name: str, buf: memoryview) -> bool | None:
         """Create-exclusive PUT of one frame (throttles backed off within the offload bound). True:
         written; False: another writer's copy was there; None: dropped (counted here)."""
         try:
             return call_throttled(lambda: self.store.put_if_absent(name, buf),
-                                  time.monotonic() + self.cfg.timeout_s * (1 + self.cfg.retries),
-                                  lambda: self._note_throttle("put"), lambda: self._closed)
+                                  time.monotonic() + self._put_bound_s,
+                                  lambda: self._throttle.note("put"), lambda: self._closed)
         except StoreThrottled:
-            self._count("dropped_throttled")  # the store answered: _note_throttle told the breaker so
+            self._count("dropped_throttled")  # the store answered: ThrottleWatch.note told the breaker so
         except StoreUnavailable as e:
-            self.breaker.failure(e)
+            self._breaker.failure(e)
             self._count("dropped_unavailable")
         except OSError as e:
-            self.breaker.success()  # the store answered (e.g. 403): not an outage
+            self._breaker.success()  # the store answered (e.g. 403): not an outage
             self._count("dropped_error")
-            self._store_error(e)
+            self._oplog.store_error(e)
         return None
 
-    def _write_namespace_json(self) -> None:
+    # ---- namespace.json ------------------------------------------------------------------
+    def start(self) -> None:
+        """Queue the start-up check and ``namespace.json`` write on an offload thread."""
+        self._exec.submit(self.write_namespace_json)
+
+    def store_back(self) -> None:
+        """The breaker closed: if ``namespace.json`` could not be written at start (store down), queue it
+        now, so the namespace an operator finds in the store always says what it holds."""
+        if self.namespace_written or self._closed:
+            return
+        try:
+            self._exec.submit(self.write_namespace_json)
+        except RuntimeError:  # closing: the I/O threads are gone
+            pass
+
+    def write_namespace_json(self) -> None:
         """Start-up check and ``{ns_fp}/namespace.json`` (once; throttled answers backed off within the load
         bound; an unavailable store trips the breaker, whose closing writes it again)."""
-        if self._ns_written:
+        if self.namespace_written:
             return
 
         def write() -> None:
@@ -126,13 +277,13 @@ class WriterMixin:
             if self.store.head(namespace_name(self._fp)) is None:
                 self.store.put_if_absent(namespace_name(self._fp), self.namespace.canonical_json().encode())
         try:
-            call_throttled(write, time.monotonic() + self._load_bound_s, lambda: self._note_throttle("put"))
-            self._ns_written = True
+            call_throttled(write, time.monotonic() + self._load_bound_s, lambda: self._throttle.note("put"))
+            self.namespace_written = True
         except StoreThrottled:  # still throttled: the next offload that is written tries again
             self._count("namespace_json_errors")
         except StoreUnavailable as e:
             self._count("namespace_json_errors")
-            self.breaker.trip(e)  # logs "unavailable at start"; probes every breaker_reset_s from now on
+            self._breaker.trip(e)  # logs "unavailable at start"; probes every breaker_reset_s from now on
         except OSError as e:
             self._count("namespace_json_errors")
-            self._store_error(e)
+            self._oplog.store_error(e)

@@ -3,6 +3,9 @@ the huge-page bounce buffers G4Pool reads through. Real files in tmp_path."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -134,8 +137,8 @@ def test_g4_pool_reads_file_objects_through_its_bounce_buffers_and_reports_overf
         assert p.get(keys, out).result(10).ok == [True] * 3
         assert all(np.array_equal(a, b) for a, b in zip(out, data))
         st = p.stats()
-        assert st["bounce_overflow"] == p._bounce.stats()["allocated"] >= 0
-        assert p._bounce.stats()["arena_bytes"] == 2 * bounce_slot_bytes(4096 + layout.bytes_per_block)
+        assert st["bounce_overflow"] == p.reader.bounce.stats()["allocated"] >= 0
+        assert p.reader.bounce.stats()["arena_bytes"] == 2 * bounce_slot_bytes(4096 + layout.bytes_per_block)
 
 
 def test_aligned_frames_are_written_with_o_direct_and_read_back_equal(tmp_path):
@@ -158,3 +161,41 @@ def test_aligned_frames_are_written_with_o_direct_and_read_back_equal(tmp_path):
     assert st.put_if_absent("a/c", odd) is True and st._direct_write is True and bytes(st.get("a/c")) == odd
     assert st.put_if_absent("a/b", memoryview(frame)) is False  # create-exclusive as before
     assert [o.name for o in st.list_temps("")] == []  # no temp file left behind
+
+
+_RAMFS_READS = r'''
+import sys
+import numpy as np
+from kvbm_backend.memory import aligned_empty
+from kvbm_backend.pool.g4.fs_store import FsStore
+st = FsStore(sys.argv[1])
+frame = aligned_empty(3 * 4096)
+frame[:] = np.arange(frame.nbytes, dtype=np.uint64).astype(np.uint8)
+want = frame.tobytes()
+assert st.put_if_absent("a/b", memoryview(frame)) is True and st._direct_write is False  # refused: buffered
+assert bytes(st.get("a/b")) == want and st._direct is False  # O_DIRECT refused at open: read buffered
+st._direct = None  # probe again: a scatter read into aligned buffers, refused at open, read buffered
+head, row = aligned_empty(4096), aligned_empty(2 * 4096)
+assert st.get_into("a/b", [head, row]) == len(want) and head.tobytes() + row.tobytes() == want
+assert st._direct is False
+assert bytes(st.get("a/b", 4096, 100)) == want[4096:4196] and st.get("a/none") is None
+print("ok")
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) to mount a private ramfs")
+def test_a_filesystem_refusing_o_direct_is_read_and_written_buffered(tmp_path):
+    """ramfs refuses O_DIRECT at open: FsStore's reads open through the project's one O_DIRECT rule
+    (io.files.open_for_read) and read buffered, writes fall back to buffered, the bytes are the same and
+    the store remembers it (``_direct`` False). Run in a private mount namespace (the host's mount table
+    is untouched)."""
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+           'mount -t ramfs none "$1" && exec "$2" -c "$3" "$1"', "sh", str(mnt), sys.executable, _RAMFS_READS]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if r.returncode != 0 and "mount" in r.stderr and "ok" not in r.stdout:
+        pytest.skip(f"cannot mount ramfs in a private namespace here: {r.stderr.strip()[:200]}")
+    assert r.stdout.strip() == "ok", r.stderr

@@ -184,12 +184,12 @@ def test_tenant_cache_stays_at_its_bound_with_a_million_tenants(tmp_path):
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
         for i in range(100_000):
-            p._tag(f"t{i}")
+            p.names.tag(f"t{i}")
         grown = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         assert grown < 8 * 2 ** 20, f"{grown} bytes kept for 100k tenants"
         for i in range(100_000, 1_000_000):
-            p._tag(f"t{i}")
+            p.names.tag(f"t{i}")
         assert p.tenant_cache_size() == TENANT_CACHE_ENTRIES == p.stats()["tenant_cache_entries"]
         looked = [p.lookup_prefix(ns.keys([7], tenant=f"flood{i}")) for i in range(2000)]
         assert all(f.result(timeout=60) == 0 for f in looked)

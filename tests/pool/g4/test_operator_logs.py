@@ -228,7 +228,7 @@ def test_namespace_json_written_once_the_store_is_back(seaweed_restartable, capl
         out = [np.zeros(bpb, np.uint8) for _ in keys]
         assert all(pool.get(keys, out).result(timeout=10).ok)
         assert pool.breaker.state == "closed"
-        name = namespace_name(pool._fp)
+        name = namespace_name(pool.namespace.fingerprint)
         assert _wait(lambda: pool.store.head(name) is not None), "namespace.json not written after recovery"
         assert bytes(pool.store.get(name)) == ns.canonical_json().encode()
         assert pool.stats()["namespace_json_errors"] == 1  # the write after recovery succeeded at once

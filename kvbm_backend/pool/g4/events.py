@@ -1,0 +1,166 @@
+"""What a G4 pool reports: its counters (``stats()``, mirrored into Prometheus) and its operator log lines.
+
+* :class:`G4Counters` -- the named counters every part of the pool adds to (``hits``, ``written``,
+  ``miss_<reason>``, ``dropped_<reason>``, ``corrupt_<reason>``, ``throttled_<op>``, ...) and their
+  :class:`~kvbm_backend.metrics.TierMetrics` series; thread-safe.
+* :class:`OperatorLog` -- the pool's operator log lines about the store (a missing bucket, a store that
+  refuses requests: at most one line per kind per :data:`STORE_ERROR_LOG_S` seconds) and about tenants
+  whose offloads are dropped (once per reason and tenant pseudonym, at most :data:`MAX_LOGGED_TENANTS`
+  of them). They keep the logger they have always had, ``kvbm_backend.pool.g4.pool`` (operators and
+  ``tests/pool/test_operator_logs.py`` filter on that name).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from prometheus_client import Counter, Histogram
+
+from ...metrics import TierMetrics
+from .store import BucketMissing, redact_url
+
+# the pool's logger: operator lines are looked up by this name (docstring)
+log = logging.getLogger("kvbm_backend.pool.g4.pool")
+
+__all__ = ["G4Counters", "OperatorLog", "MAX_LOGGED_TENANTS", "STORE_ERROR_LOG_S"]
+
+MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most this many distinct ones
+STORE_ERROR_LOG_S = 300.0  # a store that keeps answering with an error (missing bucket, 403): one line per this
+# miss reasons that are failed store reads
+_READ_FAILURES = {"unavailable", "error", "timeout", "unconfirmed_corrupt", "throttled"}
+_WRITE_FAILURES = {"unavailable", "error", "throttled"}  # drop reasons that are failed store writes
+
+
+class G4Counters:
+    """The pool's named counters and their Prometheus series.
+
+    Args:
+        metrics: the tier's series (:class:`~kvbm_backend.metrics.TierMetrics` of ``"g4"``).
+        page_size: tokens per block (for ``kvbm_matched_tokens``).
+    Raises:
+        ValueError: ``metrics`` lacks the G4-only series (a TierMetrics of another tier).
+    """
+
+    def __init__(self, metrics: TierMetrics, page_size: int):
+        m = metrics
+        if m.read_failures is None or m.write_failures is None or m.throttled is None or m.offload_seconds is None:
+            raise ValueError("G4Counters: metrics must be a TierMetrics('g4') (read/write failures, throttled, "
+                             "offload_seconds)")
+        self.metrics = metrics
+        self._read_failures: Counter = m.read_failures
+        self._write_failures: Counter = m.write_failures
+        self._throttled: Counter = m.throttled
+        self._offload_seconds: Histogram = m.offload_seconds
+        self._page_size = page_size
+        self._mu = threading.Lock()
+        self._c: dict[str, int] = {}
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (and its Prometheus series); ``n`` 0 does nothing."""
+        if n:
+            with self._mu:
+                self._c[name] = self._c.get(name, 0) + n
+            self._export(name, n)
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of every counter counted so far (name -> count)."""
+        with self._mu:
+            return dict(self._c)
+
+    def offload_ended(self, seconds: float) -> None:
+        """One block offload ended ``seconds`` after it was queued (``kvbm_backend_g4_offload_seconds``)."""
+        self._offload_seconds.observe(seconds)
+
+    def lookup_result(self, requested: int, found: int) -> None:
+        """A lookup of ``requested`` blocks matched ``found`` leading ones: matched tokens and hit rate."""
+        self.metrics.matched_tokens.inc(found * self._page_size)
+        self.metrics.hit_rate.record(requested, found)
+
+    def _export(self, name: str, n: int) -> None:
+        """Mirror one stats counter into the Prometheus series (:class:`kvbm_backend.metrics.TierMetrics`)."""
+        m = self.metrics
+        kind, _, reason = name.partition("_")
+        if name == "written":
+            m.offload_blocks.inc(n)
+        elif name == "hits":
+            m.onboard_blocks.inc(n)
+        elif name == "bytes_written":
+            m.bytes_written.inc(n)
+        elif name == "bytes_read":
+            m.bytes_read.inc(n)
+        elif kind == "dropped":
+            m.offloads_dropped.labels(reason).inc(n)
+            if reason in _WRITE_FAILURES:
+                self._write_failures.inc(n)
+        elif kind == "miss":
+            m.misses.labels(reason).inc(n)
+            if reason in _READ_FAILURES:
+                self._read_failures.inc(n)
+        elif kind == "corrupt":
+            m.corrupt.labels(reason).inc(n)
+        elif kind == "throttled":
+            self._throttled.labels(reason).inc(n)
+        elif name == "lookup_unavailable":
+            self._read_failures.inc(n)
+
+
+class OperatorLog:
+    """The pool's operator log lines, rate-limited (see the module docstring).
+
+    Args:
+        where: how lines name the store (``"G4 s3://bucket/prefix at http://..."``, credentials redacted).
+        endpoint_url: ``g4.endpoint_url`` (named in the missing-bucket hint), or None.
+        namespace: the pool's namespace fingerprint (named in tenant lines).
+    """
+
+    def __init__(self, where: str, endpoint_url: str | None, namespace: str):
+        self.where = where
+        self._endpoint_url = endpoint_url
+        self._fp = namespace
+        self._mu = threading.Lock()
+        self.store_errors_logged: dict[str, float] = {}  # kind -> time.monotonic() when last logged
+        self.logged_tenants: set[tuple[str, str]] = set()  # (reason, tenant pseudonym hex) logged once
+
+    def store_error(self, e: OSError) -> None:
+        """The store answered with an error (not an outage): log it, at most once per kind per
+        :data:`STORE_ERROR_LOG_S` seconds. A missing bucket is named with how to create it."""
+        kind = "bucket_missing" if isinstance(e, BucketMissing) else "store_error"
+        now = time.monotonic()
+        with self._mu:
+            last = self.store_errors_logged.get(kind)
+            if last is not None and now - last < STORE_ERROR_LOG_S:
+                return
+            self.store_errors_logged[kind] = now
+        if isinstance(e, BucketMissing):
+            ep = f" --endpoint-url {redact_url(self._endpoint_url)}" if self._endpoint_url else ""
+            log.error("%s: bucket %r does not exist: every G4 offload is dropped and every load misses until it "
+                      "is created (kvbm-backend never creates buckets). Create it, e.g. `aws s3 mb s3://%s%s`, "
+                      "or fix g4.url", self.where, e.bucket, e.bucket, ep)
+        else:
+            log.warning("%s: the store refuses requests: %s (offloads dropped as dropped_error, loads miss as "
+                        "miss_error; check credentials and permissions); repeated at most every %.0f s",
+                        self.where, e, STORE_ERROR_LOG_S)
+
+    def store_ok(self) -> None:
+        """A write succeeded: clear logged store errors (one INFO line when the bucket appeared). Cheap
+        when nothing was logged (the writer calls it after every written block)."""
+        if not self.store_errors_logged:
+            return
+        with self._mu:
+            had = self.store_errors_logged.pop("bucket_missing", None)
+            self.store_errors_logged.clear()
+        if had is not None:
+            log.info("%s: bucket exists now, G4 offloads are stored again", self.where)
+
+    def tenant_once(self, reason: str, pseudonym_hex: str, err: Exception) -> None:
+        """An offload of the tenant with pseudonym ``pseudonym_hex`` was dropped for ``reason`` (a
+        ``dropped_*`` counter): one WARNING per (reason, tenant), never the tenant id itself."""
+        tag = (reason, pseudonym_hex)
+        with self._mu:
+            if tag in self.logged_tenants or len(self.logged_tenants) > MAX_LOGGED_TENANTS:
+                return
+            self.logged_tenants.add(tag)
+            last = len(self.logged_tenants) > MAX_LOGGED_TENANTS
+        log.warning("G4: offload for tenant pseudonym %s %s (%s): %s%s", tag[1], reason, self._fp, err,
+                    "; further tenants are counted, not logged" if last else "")
