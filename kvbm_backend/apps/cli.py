@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
-from typing import Optional
+from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -72,7 +72,7 @@ def _emit(result: dict, as_json: bool, table_fn=None) -> None:
         print_kv_table(result)
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     error_line(msg)
     raise typer.Exit(2)
 
@@ -174,8 +174,8 @@ def bench(
     if tier != "g4":
         for d in ([x.strip() for x in path.split(",") if x.strip()] if path else []):
             existing_dir("--path", d, why)
-    elif url and file_url_path(url) is not None:
-        existing_dir("--url", file_url_path(url), why)
+    elif url and (url_dir := file_url_path(url)) is not None:
+        existing_dir("--url", url_dir, why)
     opts = BenchOptions(tier=tier, layout=layout, page_size=page_size, tp=tp, blocks=blocks, path=path, url=url,
                         endpoint_url=endpoint_url, encrypt=encrypt, io_size_bytes=io_size, engine=engine,
                         threads=threads, progress=not as_json, s3_client=s3_client)
@@ -307,9 +307,9 @@ def plan(
                   f"{MAX_SYNTH_BLOCK_IDS:,}")
     _finite("--arrival-rate", arrival_rate, gt=0)
     _finite("--think-s", think_s, ge=0)
-    for name, v in (("--g3-read-gbps", g3_read_gbps), ("--g3-write-gbps", g3_write_gbps),
-                    ("--g4-read-gbps", g4_read_gbps), ("--prefill-tokens-per-s", prefill_tokens_per_s)):
-        _finite(name, v, gt=0)
+    for name, gbps in (("--g3-read-gbps", g3_read_gbps), ("--g3-write-gbps", g3_write_gbps),
+                       ("--g4-read-gbps", g4_read_gbps), ("--prefill-tokens-per-s", prefill_tokens_per_s)):
+        _finite(name, gbps, gt=0)
     _finite("--router-decay-s", router_decay_s, gt=0)
     _one_of("--routing", routing, ("prefix", "round-robin"))
     g3s = _gb_list("--g3-capacity-gb", g3_capacity_gb)
@@ -331,8 +331,9 @@ def plan(
             reqs = synth_trace(spec)[:limit]
             if save_trace:
                 write_trace(reqs, save_trace)
-            source = {"synthetic": spec.__dict__}
+            source: dict[str, Any] = {"synthetic": spec.__dict__}
         else:
+            assert trace is not None  # checked above: a trace file or --synthetic
             reqs = load_timed_trace(trace, limit)
             source = {"trace": trace, "limit": limit}
         fleet = Fleet(nodes=nodes, workers_per_node=workers_per_node, g3_read_gbps=g3_read_gbps,
@@ -434,6 +435,7 @@ def layouts(page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PA
                    "num_layers": lay.num_layers, "outer_dim": lay.outer_dim, "inner_dim": lay.inner_dim,
                    "dtype": lay.dtype}
         if p.hybrid:
+            assert p.sliding_window is not None  # load_preset: a hybrid preset names its window
             g = p.group_layouts(page_size=page_size, tp=tp)
             rows[n].update({"full_layers": p.full_layers, "sliding_layers": p.sliding_layers,
                             "sliding_window": p.sliding_window,

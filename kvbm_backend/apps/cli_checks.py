@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -25,7 +25,7 @@ def error_line(msg: str) -> None:
                   highlight=False)
 
 
-def fail(msg: str) -> None:
+def fail(msg: str) -> NoReturn:
     """:func:`error_line`, then exit code 2."""
     error_line(msg)
     raise typer.Exit(2)

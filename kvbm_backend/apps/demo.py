@@ -59,6 +59,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -293,8 +294,8 @@ def plot_demo(result: dict, path: str) -> None:
     kinds = list(dict.fromkeys(k for n in names for k in (cfgs[n].get("bytes_on_disk") or {})))
     w = 0.8 / max(1, len(kinds))
     for j, k in enumerate(kinds):
-        v = [((cfgs[n].get("bytes_on_disk") or {}).get(k) or 0) / 1e6 for n in names]
-        ax4.bar(x - 0.4 + w * (j + 0.5), v, w, label=k)
+        mb = [((cfgs[n].get("bytes_on_disk") or {}).get(k) or 0) / 1e6 for n in names]
+        ax4.bar(x - 0.4 + w * (j + 0.5), mb, w, label=k)
     for i, n in enumerate(names):
         b = cfgs[n].get("bound_bytes") or {}
         if cfgs[n].get("bytes_on_disk"):
@@ -381,7 +382,7 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
                "g4": g4cfg}
         return {"kvbm_backend": cfg, "stats_path": str(wd / f"{g3_dir}-stats.json")}
 
-    base_spec = {"model_dir": str(model_dir), "prompts": prompts, "max_tokens": 4, "block_size": BLOCK_SIZE,
+    base_spec: dict[str, Any] = {"model_dir": str(model_dir), "prompts": prompts, "max_tokens": 4, "block_size": BLOCK_SIZE,
                  "num_gpu_blocks": num_blocks, "max_model_len": max_len, "dtype": DTYPE}
     native = [(n, dict(base_spec, native=native_extra(n, wd, model, cpu_bytes=cpu_bytes, g3_capacity_gb=g3_gb,
                                                       g4_url=g4_url, keyring=keyring, endpoint_url=endpoint_url)))
@@ -465,12 +466,12 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
         table.add_row(name, c["serving"], f"{c['ttft_p50_s']:.3f}", f"{c['ttft_p90_s']:.3f}", f"{c['hit_rate']:.0%}",
                       tier_s, disk, same if ref[name] != name else "(reference)")
     console.print(table)
-    same = all(c["outputs_identical"] for c in configs.values())
+    all_same = all(c["outputs_identical"] for c in configs.values())
     for where, label in (("in_process", "in-process engines"), ("dynamo", "under Dynamo")):
         if ratios.get(where):
             console.print(f"storage vs recompute, TTFT p50 {label}: "
                           + ", ".join(f"{n} {r:.1f}x" for n, r in ratios[where].items() if r) + " below baseline")
-    console.print("all greedy outputs identical to their baseline" if same else
+    console.print("all greedy outputs identical to their baseline" if all_same else
                   "[red]OUTPUTS DIFFER from baseline[/red]")
     remove = own_tmp and not keep_workdir
     out["workdir_kept"] = not remove

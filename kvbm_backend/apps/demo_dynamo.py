@@ -65,6 +65,7 @@ def run_dynamo(prompts: list[list[int]], model_dir: Path, wd: Path, kvbm_config,
     """
     from .phases import Phases
     phases = phases or Phases()
+    tasks = tasks if tasks is not None else {}  # progress task per configuration, with ``progress``
     from kvbm_backend.integrations.dynamo.stack import DynamoStack, stream_completion
 
     engine_args = ["--dtype", dtype, "--block-size", str(block_size), "--max-model-len", str(max_model_len),

@@ -14,6 +14,7 @@ demo has no Dynamo worker script for the native path (the JSON's ``serving`` per
 from __future__ import annotations
 
 import os
+from typing import Any
 from pathlib import Path
 
 NATIVE_CONFIGS = ("vllm_fs", "native_tiers")
@@ -53,17 +54,17 @@ def native_extra(kind: str, wd: Path, model, *, cpu_bytes: int, g3_capacity_gb: 
     G3 in ``wd/g3-native`` of ``g3_capacity_gb`` GB, then G4 at :func:`native_g4_url` (encrypted, keyring
     file ``keyring``)). Raises ValueError for another ``kind``."""
     if kind == "vllm_fs":
-        tiers = [{"type": "fs", "root_dir": str(wd / "vllm-fs")}]
+        tiers: list[dict[str, Any]] = [{"type": "fs", "root_dir": str(wd / "vllm-fs")}]
     elif kind == "native_tiers":
         base = {"model": model.name}
         g4 = {"url": native_g4_url(g4_url), "encrypt": True, "keyring": {"path": keyring}, "timeout_s": 5.0}
         if endpoint_url:
             g4["endpoint_url"] = endpoint_url
-        common = {"module_path": TIERING_MODULE, "config": base, "num_kv_heads": model.num_key_value_heads,
+        common: dict[str, Any] = {"module_path": TIERING_MODULE, "config": base, "num_kv_heads": model.num_key_value_heads,
                   "io_threads": 2}
-        tiers = [dict(common, type="G3Tier", g3={"paths": [str(wd / "g3-native")], "capacity_gb": g3_capacity_gb,
-                                                 "files_per_path": 2}),
-                 dict(common, type="G4Tier", g4=g4)]
+        tiers = [{**common, "type": "G3Tier", "g3": {"paths": [str(wd / "g3-native")], "capacity_gb": g3_capacity_gb,
+                                                     "files_per_path": 2}},
+                 {**common, "type": "G4Tier", "g4": g4}]
     else:
         raise ValueError(f"native config: expected one of {NATIVE_CONFIGS}, got {kind!r}")
     return {"spec_name": "CpuTieringOffloadingSpec", "spec_module_path": "kvbm_backend.integrations.vllm.native_cpu",
@@ -78,9 +79,11 @@ def tier_dirs(name: str, wd: Path, g4_url: str) -> dict[str, Path | None]:
     """The directories config ``name`` writes its tiers to (``None``: remote, an ``s3://`` G4). The
     connector's G4 is shared by ``kvbm_backend`` and ``restart`` (the returning user reads it)."""
     g4, g4n = _local(g4_url), _local(native_g4_url(g4_url))
-    return {"baseline": {}, "kvbm_backend": {"G3": wd / "g3-run", "G4": g4},
-            "restart": {"G3": wd / "g3-restart", "G4": g4}, "vllm_fs": {"fs": wd / "vllm-fs"},
-            "native_tiers": {"G3": wd / "g3-native", "G4": g4n}}.get(name, {})
+    dirs: dict[str, dict[str, Path | None]] = {
+        "baseline": {}, "kvbm_backend": {"G3": wd / "g3-run", "G4": g4},
+        "restart": {"G3": wd / "g3-restart", "G4": g4}, "vllm_fs": {"fs": wd / "vllm-fs"},
+        "native_tiers": {"G3": wd / "g3-native", "G4": g4n}}
+    return dirs.get(name, {})
 
 
 def disk_bytes(path: Path | None) -> int | None:

@@ -350,7 +350,7 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
     from kvbm_backend.config import load_config
     cfg = load_config(config)
     all_paths = list(dict.fromkeys(list(paths) + list(cfg.g3.paths if (cfg.g3.enabled and (config or not paths)) else [])
-                                   + ([cfg.g4.url] if cfg.g4.enabled and (cfg.g4.url or "").startswith("file://") else [])))
+                                   + ([cfg.g4.url] if cfg.g4.enabled and cfg.g4.url and cfg.g4.url.startswith("file://") else [])))
     gpu = gpu_info()
     gds = gds_info()
     kvk = kvikio_info()

@@ -171,10 +171,10 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
         kr = _open(keyring, kek_env, kek_file, False)
         if new_kek_env:
             new = LocalKek.from_env(new_kek_env)
-        elif Path(new_kek_file).exists():
-            new = LocalKek.from_file(new_kek_file)
         else:
-            new = LocalKek.generate_file(new_kek_file)
+            assert new_kek_file  # exactly one of --new-kek-file / --new-kek-env: checked above
+            new = (LocalKek.from_file(new_kek_file) if Path(new_kek_file).exists()
+                   else LocalKek.generate_file(new_kek_file))
         n = kr.rewrap(new)
         _out({"rewrapped_keys": n, "kek_id": new.key_id}, as_json)
 

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -86,7 +88,7 @@ def synth_trace(spec: SynthSpec) -> list[dict]:
     n_conv = spec.users * spec.conversations_per_user
     starts = np.cumsum(rng.exponential(1.0 / spec.arrival_rate, n_conv))
     starts -= starts[0]
-    out = []
+    out: list[dict[str, Any]] = []
     next_id = sys_blocks
     for c in range(n_conv):
         ids = list(range(sys_blocks)) + list(range(next_id, next_id + own_blocks))
@@ -158,7 +160,7 @@ class Router:
         self.fleet = fleet
         self.n = 0
         self.load = [0.0] * fleet.workers
-        self.t_s = None
+        self.t_s: float | None = None
         self.owners: dict[int, set[int]] = {}
 
     def route(self, hash_ids: list[int], input_length: int, timestamp_ms: float = 0.0) -> int:
@@ -193,12 +195,25 @@ class Router:
         return w
 
 
+class _Point(TypedDict):
+    """One sweep point's simulation state: a G3 pool per worker, the shared G4 pool (None: no G4), the
+    capacities simulated (GB per node / GB), G3 hits per worker, G4 hits (pages) and TTFT saved (s)."""
+    g3: list[SimPool]
+    g4: SimPool | None
+    g3_gb: float
+    g4_gb: float
+    g3_hits: list[int]
+    g4_hits: int
+    saved_s: float
+
+
 def _none_if(d: float | None, v: float) -> float | None:
     return None if not d else v / d
 
 
-def _simulate(requests, km, router, points, page_size, s_per_token, g3_s_per_block, g4_s_per_block,
-              unique, counts, bar, task) -> None:
+def _simulate(requests: list[dict[str, Any]], km: KeyMaker, router: Router, points: list[_Point], page_size: int,
+              s_per_token: float, g3_s_per_block: float, g4_s_per_block: float, unique: set[int],
+              counts: list[int], bar: Any, task: Any) -> None:
     """The per-request loop of :func:`run_plan` (see the module doc); accumulates into ``points``,
     ``unique`` and ``counts`` ([pages looked up, input tokens])."""
     for r in requests:
@@ -222,7 +237,7 @@ def _simulate(requests, km, router, points, page_size, s_per_token, g3_s_per_blo
 
 
 def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1, fleet: Fleet = Fleet(),
-             g3_capacities_gb: list[float] = (1000.0,), g4_capacities_gb: list[float] = (0.0,),
+             g3_capacities_gb: Sequence[float] = (1000.0,), g4_capacities_gb: Sequence[float] = (0.0,),
              admit_all: bool = False, source: dict | None = None, progress: bool = False) -> dict:
     """Simulate ``requests`` (records with ``timestamp`` ms, ``input_length``, ``hash_ids``; trace
     order) for every (G3 GB per node, G4 GB) pair of the sweep (G4 0 = no G4). ``progress``: a
@@ -244,9 +259,9 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
     """
     if page_size < 1:
         raise ValueError(f"--page-size: must be >= 1, got {page_size}")
-    for name, v in (("--nodes", fleet.nodes), ("--workers-per-node", fleet.workers_per_node), ("--tp", tp)):
-        if v < 1:
-            raise ValueError(f"{name}: must be >= 1, got {v}")
+    for name, n in (("--nodes", fleet.nodes), ("--workers-per-node", fleet.workers_per_node), ("--tp", tp)):
+        if n < 1:
+            raise ValueError(f"{name}: must be >= 1, got {n}")
     for name, v in (("--g3-read-gbps", fleet.g3_read_gbps), ("--g3-write-gbps", fleet.g3_write_gbps),
                     ("--g4-read-gbps", fleet.g4_read_gbps), ("--prefill-tokens-per-s", fleet.prefill_tokens_per_s)):
         if not (math.isfinite(v) and v > 0):
@@ -262,7 +277,7 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
     wb = tp * frame.slot_bytes(lay.bytes_per_block)
     adm = AdmissionConfig(policy="all" if admit_all else "frequency")
     W, WPN = fleet.workers, fleet.workers_per_node
-    points = []
+    points: list[_Point] = []
     for g3 in g3_capacities_gb:
         for g4 in g4_capacities_gb:
             g4_blocks = capacity_blocks(g4 * 1e9, wb)

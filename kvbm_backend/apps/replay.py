@@ -27,6 +27,8 @@ import shutil
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -61,7 +63,7 @@ def load_trace(path: str, limit: int | None = None, parse=None) -> list[dict]:
     parse = parse or parse_record
     if not os.path.isfile(path):
         raise ValueError(f"--trace: no file {path}")
-    out = []
+    out: list[dict[str, Any]] = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
@@ -97,7 +99,7 @@ class KeyMaker:
         self._memo: OrderedDict = OrderedDict()
         self._memo_entries = memo_entries
 
-    def seq_hashes(self, hash_ids: list[int], input_length: int) -> list[int]:
+    def seq_hashes(self, hash_ids: list[int], input_length: int) -> Sequence[int]:
         ps = self.page_size
         if not self._aligned:
             return sequence_hashes(request_tokens(hash_ids, input_length), ps)
@@ -211,13 +213,14 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
         from kvbm_backend.memory import aligned_empty
         from kvbm_backend.metrics import new_registry
         from kvbm_backend.pool import open_pool
+        assert g3_path  # checked above: real mode needs it
+        if bb % 8 != 0:
+            raise ValueError(f"layout {layout}: block of {bb} bytes is not a multiple of 8")
+        base = np.arange(bb // 8, dtype=np.uint64) * _MIX
         run_dir = os.path.join(g3_path, f"replay-{uuid.uuid4().hex[:12]}")
         cfg = G3Config(paths=[run_dir], capacity_gb=g3_capacity_gb, admission=admission,
                        write_queue_blocks=max(chunk, 1), files_per_path=4)
         pool = open_pool(cfg, ns, registry=new_registry())
-        base = (np.arange(bb // 8, dtype=np.uint64) * _MIX) if bb % 8 == 0 else None
-        if base is None:
-            raise ValueError(f"layout {layout}: block of {bb} bytes is not a multiple of 8")
         wbufs = [aligned_empty(bb) for _ in range(chunk)]
         rbufs = [aligned_empty(bb) for _ in range(chunk)]
         expect = aligned_empty(bb)
@@ -238,6 +241,7 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
                 hits = sim.lookup_prefix(keys)
                 sim.put(keys)
             else:
+                assert pool is not None  # real mode: opened above
                 n = pool.lookup_prefix(keys).result()
                 hits = 0
                 for c0 in range(0, n, chunk):
@@ -266,6 +270,7 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
         if pool is not None:
             st = pool.stats()
             pool.close()
+        if run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
     out = {
         "trace": trace,
@@ -288,6 +293,7 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
                    evictions=sim.evictions, stored_blocks=len(sim.index), capacity_blocks=sim.capacity,
                    corrupt_blocks=0)
     else:
+        assert st is not None  # real mode: read before the pool closed
         out.update(bytes_written=st["bytes_written"], bytes_read=st["bytes_read"],
                    offloads_dropped=st["offloads_dropped"], evictions=st["evictions"], stored_blocks=st["blocks"],
                    capacity_blocks=st["capacity_blocks"], corrupt_blocks=st["corrupt"])

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 
@@ -62,8 +62,10 @@ def print_layouts(rows: dict, *, page_size: int, tp: int, default: str, console:
 
     console.print(f"KV bytes per preset: blocks of {page_size} tokens, per rank at tp={tp}", highlight=False)
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for c, j in (("preset", "left"), ("bytes/token\n(tp=1)", "right"), ("bytes/block\n(per rank)", "right"),
-                 ("layers", "right"), ("KV x dim", "right"), ("dtype", "left")):
+    cols: tuple[tuple[str, JustifyMethod], ...] = (
+        ("preset", "left"), ("bytes/token\n(tp=1)", "right"), ("bytes/block\n(per rank)", "right"),
+        ("layers", "right"), ("KV x dim", "right"), ("dtype", "left"))
+    for c, j in cols:
         t.add_column(c, justify=j, no_wrap=True)
     errors = []
     for name, r in rows.items():

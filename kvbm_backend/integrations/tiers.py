@@ -104,16 +104,16 @@ def startup_line(cfg: KvbmBackendConfig, *, g3=None, g4=None, metrics_serving: b
         parts.append("G3 off")
     if g4 is not None:
         from ..pool.g4.store import redact_url
-        c = cfg.g4
+        c4 = cfg.g4
         st = _stats(g4)
         kr = "none"
-        if c.keyring.path:
-            kr = c.keyring.path + (" (read-only)" if st.get("keyring_read_only") else "")
-        ep = f" endpoint={redact_url(c.endpoint_url)}" if c.endpoint_url else ""
-        parts.append(f"G4 url={redact_url(st.get('url') or c.url)}{ep} encryption={'on' if c.encrypt else 'OFF'} "
-                     f"keyring={kr} timeout_s={c.timeout_s:g} retries={c.retries} "
-                     f"breaker={c.breaker_failures} failures/{c.breaker_reset_s:g}s "
-                     f"write_queue_blocks={c.write_queue_blocks}")
+        if c4.keyring.path:
+            kr = c4.keyring.path + (" (read-only)" if st.get("keyring_read_only") else "")
+        ep = f" endpoint={redact_url(c4.endpoint_url)}" if c4.endpoint_url else ""
+        parts.append(f"G4 url={redact_url(st.get('url') or c4.url)}{ep} encryption={'on' if c4.encrypt else 'OFF'} "
+                     f"keyring={kr} timeout_s={c4.timeout_s:g} retries={c4.retries} "
+                     f"breaker={c4.breaker_failures} failures/{c4.breaker_reset_s:g}s "
+                     f"write_queue_blocks={c4.write_queue_blocks}")
     else:
         parts.append("G4 off")
     port = cfg.metrics.serve_port

@@ -39,6 +39,17 @@ def test_clean_stale_removes_dead_runs_and_never_kills_a_reused_pid():
                 p.wait()
 
 
+def test_cluster_bench_rejects_zero_rounds_before_starting_a_cluster(tmp_path):
+    """``rounds=0`` started the cluster, measured nothing and then indexed the best round, None (TypeError,
+    found by mypy); now a ValueError naming the option, and no cluster is started."""
+    import pytest
+
+    from kvbm_backend.apps.bench.g4_cluster.bench import bench
+    with pytest.raises(ValueError, match="--rounds: must be >= 1, got 0"):
+        bench([1], 2, "tiny", 16, encrypt=False, inflight=1, workdir=str(tmp_path), rounds=0)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_scaling_json_plots(tmp_path):
     from kvbm_backend.apps.report import plot_results
     d = {"kind": "scaling", "tier": "g4-cluster", "x": "workers", "workers": [1, 2, 4], "mode": "netns",

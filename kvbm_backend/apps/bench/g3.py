@@ -41,6 +41,7 @@ def _cpu() -> float:
 
 def _pool_round(dirs: list[str], ns: Namespace, opts: BenchOptions, src: np.ndarray, dst: np.ndarray) -> dict:
     from kvbm_backend.pool import open_pool
+    from kvbm_backend.pool.g3.pool import G3Pool
 
     lay = ns.layout
     bb = lay.bytes_per_block
@@ -50,6 +51,7 @@ def _pool_round(dirs: list[str], ns: Namespace, opts: BenchOptions, src: np.ndar
                    io_threads=opts.threads, write_queue_blocks=max(n, 1), fsync=True,
                    admission=AdmissionConfig(policy="all"), min_free_fraction=0.02)
     pool = open_pool(cfg, ns, registry=new_registry())
+    assert isinstance(pool, G3Pool)  # open_pool(G3Config) opens a G3Pool; the bench reads its slab files
     try:
         keys = ns.keys(range(1, n + 1))
         blocks = [src[i * bb:(i + 1) * bb] for i in range(n)]

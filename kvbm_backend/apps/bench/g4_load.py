@@ -43,9 +43,11 @@ def run(directory: str = "/dev/shm", blocks: int = 256, layout: str = "llama-3.1
         rounds: int = 3, paths=("staged", "get")) -> dict:
     """Run the benchmark (see the module doc). Returns the JSON-able result.
 
-    Raises ValueError for ``blocks`` or a thread count < 1, or a missing ``directory``; RuntimeError if a
+    Raises ValueError for ``blocks``, ``rounds`` or a thread count < 1, or a missing ``directory``; RuntimeError if a
     block does not load back verified and equal (never expected)."""
     from kvbm_backend.pool.g4.pool import G4Pool
+    if rounds < 1:
+        raise ValueError(f"g4_load: --rounds: must be >= 1, got {rounds}")
     if set(paths) - {"staged", "get"} or not paths:
         raise ValueError(f"g4_load: --paths: 'staged' and/or 'get', got {paths}")
     if blocks < 1 or not threads or min(threads) < 1:
@@ -87,7 +89,7 @@ def run(directory: str = "/dev/shm", blocks: int = 256, layout: str = "llama-3.1
 def _measure(pool, path: str, keys, rows, staging, src, rounds: int) -> dict:
     """Best of ``rounds`` loads of every key into ``rows`` through ``path``; closes ``pool``."""
     blocks = len(keys)
-    best = None
+    best: tuple[float, float] | None = None
     with pool as p:
         for _ in range(rounds):
             staging[:] = 0
@@ -102,6 +104,7 @@ def _measure(pool, path: str, keys, rows, staging, src, rounds: int) -> dict:
             if best is None or wall < best[0]:
                 best = (wall, cpu)
     gb = staging.nbytes / 1e9
+    assert best is not None  # rounds >= 1 (run checks it)
     return {"gbps": gb / best[0], "cpu_s_per_gb": best[1] / gb, "cores_busy": best[1] / best[0]}
 
 

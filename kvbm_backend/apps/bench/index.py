@@ -57,6 +57,8 @@ import tempfile
 import time
 import tracemalloc
 from array import array
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -129,7 +131,7 @@ def _public(lookup):
     return lambda q: lookup(NAMESPACE.rank_runs(q[1][:len(q[1])], q[0])[0][0])
 
 
-def _timed(lookup, pre: list, want, what: str) -> dict:
+def _timed(lookup, pre: Sequence[Any], want, what: str) -> dict:
     times = []
     for q in pre:
         t0 = time.perf_counter()
@@ -193,7 +195,7 @@ def _compact(d, n: int) -> dict:
     tracemalloc.stop()
     if len(ix) != n:
         raise RuntimeError(f"index bench: {len(ix)} entries after restoring {n}")
-    out = {"entries": n, "bytes_per_block": round((cur - base) / n, 2), "index_bytes": cur - base,
+    out: dict[str, Any] = {"entries": n, "bytes_per_block": round((cur - base) / n, 2), "index_bytes": cur - base,
            "build_peak_bytes": peak - base, "array_bytes": ix.nbytes, "capacity": ix._cap,
            "rebuild_s": round(rebuild, 3)}
     if n <= KEYS_MAX:
@@ -216,9 +218,11 @@ def _pool_measure(ix: CompactLruIndex, d, n: int) -> dict:
     from kvbm_backend.config import AdmissionConfig, G3Config
     from kvbm_backend.metrics import new_registry
     from kvbm_backend.pool import open_pool
+    from kvbm_backend.pool.g3.pool import G3Pool
     with tempfile.TemporaryDirectory(prefix="kvbm-bench-index-") as tmp:
         pool = open_pool(G3Config(paths=[tmp], capacity_gb=0.02, files_per_path=1,
                                admission=AdmissionConfig(policy="all")), NAMESPACE, registry=new_registry())
+        assert isinstance(pool, G3Pool)  # open_pool(G3Config) opens a G3Pool; the bench swaps its index
         try:
             empty, pool.index = pool.index, ix  # the index the pool's journal restore would have built
             out = _measure(ix, d, n, seed=1, lookup=lambda keys: pool.lookup_prefix(keys).result())
@@ -244,7 +248,7 @@ def _ordered(d, n: int) -> dict:
     ix = LruIndex()
     ix.restore_many(ents)
     rebuild = time.perf_counter() - t0
-    out = {"entries": n, "bytes_per_block": round((cur - base) / n, 2), "index_bytes": cur - base,
+    out: dict[str, Any] = {"entries": n, "bytes_per_block": round((cur - base) / n, 2), "index_bytes": cur - base,
            "rebuild_s": round(rebuild, 3)}
     out.update(_measure(ix, d, n, seed=1))
     out["prefix_lookup_path"] = "Namespace.rank_runs(hashes, tenant) -> LruIndex.lookup_prefix(run, namespace)"
@@ -298,7 +302,7 @@ def run(opts: BenchOptions) -> dict:
     """Returns the JSON-able result (see the module docstring); sizes from ``opts.blocks``."""
     sizes = [1_000_000, 10_000_000] if opts.blocks == 256 else [int(opts.blocks)]
     d = _data(max(sizes))
-    res = {"tier": "index", "namespace_entries": "one namespace, 8 tenants, rank 0",
+    res: dict[str, Any] = {"tier": "index", "namespace_entries": "one namespace, 8 tenants, rank 0",
            "memory_method": "tracemalloc (traced bytes after build minus before)", "prefix_blocks": PREFIX,
            "cpu_count": os.cpu_count(), "compact": {}, "ordereddict": {}, "mirror": {}}
     res["sequence_hashes_ms"] = _hashing()

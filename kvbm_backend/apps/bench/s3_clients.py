@@ -36,7 +36,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
 CLIENTS = ("boto3", "obstore", "obstore-async", "nixl-obj")
 TIMEOUT_S = 60.0
@@ -75,7 +75,8 @@ class _Boto3:
 
     def checks(self, name: str, data: bytes) -> dict:
         return {"conditional_put": self.st.put_if_absent(name, data) is False,
-                "ranged_get": bytes(self.st.get(name, 4096, 8192)) == data[4096:4096 + 8192],
+                "ranged_get": (got := self.st.get(name, 4096, 8192)) is not None
+                and bytes(got) == data[4096:4096 + 8192],
                 "timeouts": "botocore connect_timeout/read_timeout per request"}
 
     def close(self):
@@ -183,7 +184,7 @@ class _NixlObj:
                                               "secret_key": sk, "use_virtual_addressing": "false"})
         except Exception as e:  # noqa: BLE001
             raise Skip(f"NIXL OBJ backend did not start: {type(e).__name__}: {e}") from None
-        self.regs = []
+        self.regs: list[Any] = []
 
     def _xfer(self, op: str, bufs, names) -> None:
         local = [(b.ctypes.data, b.nbytes, 0) for b in bufs]

@@ -36,7 +36,7 @@ import resource
 import shutil
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +44,9 @@ from kvbm_backend.integrations.vllm.tiering_harness import (TieringHarness, offl
                                                             vllm_fs_uses_o_direct)
 
 from . import BenchOptions
+
+if TYPE_CHECKING:
+    from kvbm_backend.integrations.vllm.tiering_harness import OffloadKey  # vLLM's, through the harness
 
 TIERING_MODULE = "kvbm_backend.integrations.vllm.tiering"
 ROUNDS = 3  # alternating rounds per tier; the medians are reported
@@ -76,12 +79,12 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _key(i: int, run: str) -> bytes:
+def _key(i: int, run: str) -> OffloadKey:
     import hashlib
     return offload_key(hashlib.sha256(f"{run}:{i}".encode()).digest(), 0)
 
 
-def _one_tier(name: str, tier_cfg: dict, geo: dict, keys: list[bytes], payloads: list[np.ndarray], root: str,
+def _one_tier(name: str, tier_cfg: dict, geo: dict, keys: list[OffloadKey], payloads: list[np.ndarray], root: str,
               batch: int) -> dict:
     h = TieringHarness(offloading_config(secondary_tiers=[tier_cfg], chunks=len(keys) + 8, **geo))
     try:

@@ -88,13 +88,12 @@ def _shim_qwen2_vl_without_torchvision() -> bool:
         return False
     mod = types.ModuleType(name, "kvbm-backend stand-in (no torchvision): smart_resize only; see "
                                  "kvbm_backend.integrations.dynamo.compat")
-    mod.smart_resize = _smart_resize
 
     def __getattr__(attr):  # anything else needs the real module (and torchvision)
         raise AttributeError(f"{name}.{attr} needs torchvision, which does not load beside the CPU torch wheel "
                           "(kvbm_backend.integrations.dynamo.compat)")
 
-    mod.__getattr__ = __getattr__
+    vars(mod).update(smart_resize=_smart_resize, __getattr__=__getattr__)
     sys.modules[name] = mod
     return True
 
@@ -112,7 +111,7 @@ def _shim_get_engine_zmq_addresses() -> bool:
                                   "get_engine_zmq_addresses, absent from this vLLM "
                                   "(kvbm_backend.integrations.dynamo.compat)")
 
-    utils.get_engine_zmq_addresses = get_engine_zmq_addresses
+    vars(utils)["get_engine_zmq_addresses"] = get_engine_zmq_addresses
     return True
 
 

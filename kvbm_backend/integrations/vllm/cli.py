@@ -31,10 +31,10 @@ def _vllm_version_alias() -> bool:
         return False  # no vLLM at all: vLLM's own import error will say so
     real = md.version
 
-    def version(name: str) -> str:
-        if name == "vllm":
+    def version(distribution_name: str) -> str:
+        if distribution_name == "vllm":
             return cpu
-        return real(name)
+        return real(distribution_name)
 
     md.version = version
     return True

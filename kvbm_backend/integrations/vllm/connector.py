@@ -112,17 +112,17 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, KvbmConnectorMetadata) and meta.loads:
-            self.worker.start_loads(meta.loads)
+            self.parts.worker_role().start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker.wait_layer(layer_name)  # returns at once unless layer-wise loads run (g3.layerwise_load)
+        self.parts.worker_role().wait_layer(layer_name)  # returns at once unless layer-wise loads run (g3.layerwise_load)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole blocks are gathered once per step in wait_for_save
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata  # the step's layer-wise loads end (verified) before its saves
-        self.worker.save(meta.saves if isinstance(meta, KvbmConnectorMetadata) else [])
+        self.parts.worker_role().save(meta.saves if isinstance(meta, KvbmConnectorMetadata) else [])
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, (self.get_transfer_results(finished_req_ids).finished_recving or None)
@@ -156,16 +156,16 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler role -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.parts.scheduler_role().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         return {CacheHitSource.DISK: num_external_tokens} if num_external_tokens else {}
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        self.parts.scheduler_role().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self.sched.build_connector_meta(scheduler_output)
+        return self.parts.scheduler_role().build_connector_meta(scheduler_output)
 
     def build_connector_worker_meta(self):
         return self.parts.worker_meta()
@@ -174,13 +174,13 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         self.parts.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.sched.request_finished(request, block_ids)
+        return self.parts.scheduler_role().request_finished(request, block_ids)
 
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """``SupportsHMA``: the request finished in every KV cache group. Saves were gathered in the
         steps that computed them, so no block has to outlive the request: ``(False, None)``."""
-        return self.sched.request_finished(request, list(block_ids[0]) if block_ids else [])
+        return self.parts.scheduler_role().request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._gpu_block_pool = gpu_block_pool

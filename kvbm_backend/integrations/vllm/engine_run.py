@@ -64,6 +64,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 
 def _default_load_format(model_dir: str) -> str:
@@ -98,7 +99,7 @@ def run(spec: dict) -> dict:
             raise ValueError("native: needs connector null")
         ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": spec["native"]}
-    kw = {}
+    kw: dict[str, Any] = {}
     if tp_size > 1:
         kw.update(tensor_parallel_size=tp_size, distributed_executor_backend="mp")
     bs = int(spec.get("block_size", 32))
@@ -147,7 +148,7 @@ def run(spec: dict) -> dict:
         if progress:
             with open(progress, "a") as f:
                 f.write(f"{i + 1}\n")
-    result = {"outputs": outs, "ttft_s": ttft, "e2e_s": e2e, "init_s": init_s, "cached_tokens": cached,
+    result: dict[str, Any] = {"outputs": outs, "ttft_s": ttft, "e2e_s": e2e, "init_s": init_s, "cached_tokens": cached,
               "prompt_tokens": [len(p) for p in prompts]}
     if spec.get("native") is not None and not mp:
         result["tier_stats"] = _drain_native(llm)

@@ -84,7 +84,7 @@ def _fps_cols(tags: Sequence, ranks: Sequence, seqs: Sequence) -> np.ndarray:
     try:
         seq = np.fromiter(seqs, _U, n)
         if tags.count(t0) == n and ranks.count(r0) == n:
-            c = _U(_seed(t0 if type(t0) is bytes else tag_of(t0), r0))
+            c: np.uint64 | np.ndarray = _U(_seed(t0 if type(t0) is bytes else tag_of(t0), r0))
         elif ranks.count(r0) == n:  # one rank (a worker's report): a seed per distinct tag
             seed = {t: _seed(t if type(t) is bytes else tag_of(t), r0) for t in set(tags)}
             c = np.fromiter(map(seed.__getitem__, tags), _U, n)
@@ -201,7 +201,7 @@ class FingerprintSet:
             go = (v != 0) & ~hit
             idx, f, pos = idx[go], f[go], (pos[go] + 1) & mask
         if idx.size:  # the last few long probes, one by one
-            vt = memoryview(tab)
+            vt = tab.data  # memoryview(tab)
             for i, x, p in zip(idx.tolist(), f.tolist(), pos.tolist()):
                 while True:
                     y = vt[p]

@@ -5,6 +5,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from . import stats
@@ -48,7 +49,7 @@ class G3KvEvents:
         self._events: list = []
         self._lock = threading.Lock()
 
-    def learn(self, tenant: str, request: Any, seq_hashes: list[int], first: int, end: int) -> None:
+    def learn(self, tenant: str, request: Any, seq_hashes: Sequence[int], first: int, end: int) -> None:
         """Blocks ``[first, end)`` of ``request`` (KVBM ``seq_hashes``) are, or are about to be, in G3."""
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash
         from ...pool.g3.index import tag_of
@@ -175,7 +176,7 @@ class IdlePublisher:
     def __init__(self, events: G3KvEvents, idle_s: float = 0.5, interval_s: float = 0.1):
         self.events, self.idle_s, self.interval_s = events, idle_s, interval_s
         self.lock = threading.Lock()
-        self._publisher = None
+        self._publisher: Any = None  # vLLM's KV event publisher, once attached
         self._last_take = time.monotonic()
         self._stop = threading.Event()
         self._t: threading.Thread | None = None

@@ -74,7 +74,9 @@ class EngineKv:
 
     @property
     def engine_layout(self) -> str:
-        return self.geometry.engine_layout
+        lay = self.geometry.engine_layout
+        assert lay is not None  # from_geometry detects it (the only constructor used)
+        return lay
 
     @property
     def num_kv_heads(self) -> int:

@@ -55,6 +55,7 @@ class TierLookup:
             self._g3f = [p.lookup_prefix(k) for k, p in self.e3]
 
     def _start_g4(self) -> None:
+        assert self.p3 is not None  # G4 starts once G3's prefix is known
         if not self.e4 or self.p3 >= self.n:
             self.p4 = 0
             return
@@ -173,13 +174,15 @@ class PrefixLookup:
                 return self.result
             self._start(n)
         while True:
-            res = {gi: lk.poll() for gi, lk in self.win.items()}
-            if any(v is None for v in res.values()):
+            polled = {gi: lk.poll() for gi, lk in self.win.items()}
+            if any(v is None for v in polled.values()):
                 if not self.deadline.expired():
                     return None
                 stats.add(lookup_timeouts=1)
                 self.result = (0, 0, {})
                 return self.result
+            res = {gi: v for gi, v in polled.items() if v is not None}  # all of them (checked above)
+            assert self.cand is not None  # set by _start
             n = self.cand
             bad = [self.win[gi].n - (v[0] + v[1]) for gi, v in res.items()]
             if not any(bad):

@@ -101,7 +101,8 @@ class KvbmWorkerMeta(KVConnectorWorkerMetadata):
     others: dict[int, "KvbmWorkerMeta"] = field(default_factory=dict)
     failed: list[FailedLoad] = field(default_factory=list)
 
-    def aggregate(self, other: "KvbmWorkerMeta") -> "KvbmWorkerMeta":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvbmWorkerMeta":
+        assert isinstance(other, KvbmWorkerMeta)  # vLLM aggregates the metadata of this connector's workers
         others = dict(self.others)
         for g, m in other.others.items():
             others[g] = others[g].aggregate(m) if g in others else m

@@ -149,7 +149,8 @@ class CpuTieringOffloadingSpec(TieringOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None and all(t.tensor.device.type == "cpu" for t in kv_caches.tensors):
-            self._worker = self.create_cpu_worker(kv_caches)
+            # vLLM's get_worker returns whatever _worker holds (typed as its GPU<->CPU worker): ours, for a CPU engine
+            self._worker = self.create_cpu_worker(kv_caches)  # type: ignore[assignment]
         return super().get_worker(kv_caches)
 
     def create_cpu_worker(self, kv_caches: CanonicalKVCaches) -> CpuOffloadingWorker:

@@ -135,12 +135,12 @@ class ReportListener:
             return
         self.path, self._sock = path, s
         atexit.register(self.close)  # the socket file goes with the process (engine ids are new each start)
-        threading.Thread(target=self._accept, name="kvbm-report-listen", daemon=True).start()
+        threading.Thread(target=self._accept, args=(s,), name="kvbm-report-listen", daemon=True).start()
 
-    def _accept(self) -> None:
+    def _accept(self, sock: socket.socket) -> None:
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = sock.accept()
             except OSError:
                 return
             threading.Thread(target=self._serve, args=(conn,), name="kvbm-report-recv", daemon=True).start()
@@ -170,7 +170,7 @@ class ReportListener:
         with _local_lock:
             if _local.get(self.key) is self.on_report:
                 del _local[self.key]
-        if self._sock is not None:
+        if self._sock is not None and self.path is not None:  # set together
             try:
                 self._sock.close()
             finally:

@@ -147,6 +147,7 @@ class SchedulerSide:
             salt = salt_hash(salt_bytes(cache_salt, lora))
             toks = list(request.prompt_token_ids or [])
             hashes = sequence_hashes(toks, self.bs, salt=salt, into=array("Q"))
+            assert isinstance(hashes, array)  # sequence_hashes fills and returns ``into``
             st = _Req(request.request_id, cache_salt or self.default_tenant, hashes,
                       lookup_blocks=max(0, (len(toks) - 1) // self.bs), request=request, salt=salt,
                       group_block_ids=[[] for _ in self.groups])
@@ -377,7 +378,7 @@ class SchedulerSide:
                 self._plan_local_save(meta, st)
             self._plan_save(meta, st, nr.num_computed_tokens + sched.get(nr.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
             if st is None:

@@ -18,18 +18,18 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 _lock = threading.Lock()
-_counts: Counter = Counter()
+_counts: dict[str, float] = {}  # name -> count (int) or seconds (float)
 
 
 def add(**kw: float) -> None:
     """Add to named counters (``add(load_blocks_ok=3, load_bytes=393216)``)."""
     with _lock:
         for k, v in kw.items():
-            _counts[k] += v
+            _counts[k] = _counts.get(k, 0) + v
 
 
 def snapshot() -> dict:
@@ -125,18 +125,20 @@ PROM_COUNTERS = (
 )
 
 
-class _PromBase:  # replaced by vLLM's KVConnectorPromMetrics when vLLM is importable
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from prometheus_client import Counter
-        self._counter_cls = metric_types.get(Counter, Counter)
-        self._labelnames = labelnames
-        self.per_engine_labelvalues = per_engine_labelvalues
+if TYPE_CHECKING:  # type-checked against vLLM's base; the stand-in below has the part this module uses
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics as _PromBase
+else:
+    class _PromBase:  # replaced by vLLM's KVConnectorPromMetrics when vLLM is importable
+        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            from prometheus_client import Counter
+            self._counter_cls = metric_types.get(Counter, Counter)
+            self._labelnames = labelnames
+            self.per_engine_labelvalues = per_engine_labelvalues
 
-
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics as _PromBase  # noqa: F811
-except Exception:  # noqa: BLE001
-    pass
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics as _PromBase  # noqa: F811
+    except Exception:  # noqa: BLE001
+        pass
 
 
 class KvbmPromMetrics(_PromBase):
@@ -229,18 +231,19 @@ class StatsWriter:
         self._stop.set()
 
     def maybe_write(self, force: bool = False) -> None:
-        if not self.path:
+        path = self.path
+        if not path:
             return
         with self._wlock:
             try:
-                self._write(force)
+                self._write(path, force)
             except OSError as e:
                 if not self._warned:
                     self._warned = True
                     logging.getLogger("kvbm_backend.connector").warning(
                         "kvbm_backend: cannot write the connector stats file %s: %s (stats_path)", self.path, e)
 
-    def _write(self, force: bool) -> None:
+    def _write(self, path: str, force: bool) -> None:
         now = time.monotonic()
         if not force and now - self._last < self.interval_s:
             return
@@ -256,7 +259,7 @@ class StatsWriter:
         if not force and snap == self._last_snap:
             return
         self._last, self._last_snap = now, snap
-        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "w") as f:
             json.dump(snap, f, indent=1, sort_keys=True, default=str)
-        os.replace(tmp, self.path)
+        os.replace(tmp, path)

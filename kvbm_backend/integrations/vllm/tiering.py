@@ -103,7 +103,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 
 from ...config import ConfigError, KvbmBackendConfig, load_config
 from ...memory import BufferPool
-from ...model.namespace import BlockKey, Namespace
+from ...model.namespace import BlockKey, KvGroup, Namespace
 from ...pool import open_pool
 from ...deadlines import Deadline
 from ... import metrics
@@ -196,9 +196,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
         if job_timeout_s <= 0:
             raise ValueError(f"job_timeout_s: must be > 0, got {job_timeout_s}")
         self._job_timeout_s = float(job_timeout_s)
-        groups = ()
+        groups: tuple[KvGroup, ...] = ()
         if len(offloading_spec.config.groups) > 1:
-            from ...model.namespace import KvGroup
             groups = tuple(KvGroup("vllm-offload", self.geometry.kv_layout, layers=tuple(g.layer_names))
                            for g in offloading_spec.config.groups)
         # one namespace for every group: the OffloadKey (and so the sequence hash) carries the group index
@@ -438,7 +437,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         gone = [k for k in self._held if any((offload_key_hash(k), r) not in present for r in ranks)]
         for k in gone:
             del self._held[k]
-        if gone:
+        if gone and self._events is not None:  # always: _held fills only while events are on
             self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True, locality=self.locality))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -476,8 +475,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._executor.shutdown(wait=True)
         try:
             self.pool.close()
-        finally:
-            self._primary = None  # drop our export of vLLM's memoryview so its mmap can close
+        finally:  # closed, never read again: drop our export of vLLM's memoryview so its mmap can close
+            self._primary = None  # type: ignore[assignment]
 
     def kvbm_stats(self) -> dict:
         """Tier counters (jobs, chunks) plus the pool's own ``stats()``."""

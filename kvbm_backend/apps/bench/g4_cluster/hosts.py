@@ -57,7 +57,8 @@ def netns_unavailable_reason() -> str | None:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
+    socks: list[socket.socket] = []
+    ports: list[int] = []
     try:
         while len(ports) < n:
             s = socket.socket()
@@ -93,7 +94,7 @@ def _kill_group(pid: int, sig=signal.SIGKILL) -> None:
 
 def clean_stale() -> list[str]:
     """Remove the namespaces, bridge and processes of runs whose owner process is gone. Returns their ids."""
-    done = []
+    done: list[str] = []
     if not STATE_DIR.is_dir():
         return done
     for f in STATE_DIR.glob("*.json"):

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 
 
 # ---- the worker process ----------------------------------------------------------------------------
@@ -52,7 +53,8 @@ class _WorkerState:
             end = time.time()
             return {"written": r.written, "skipped": r.skipped, "dropped": r.dropped, "t0": t0, "end": end,
                     "elapsed_s": end - t0}
-        futs, done_at = [], {}
+        futs: list[Any] = []
+        done_at: dict[int, float] = {}
         for i, (k, b) in enumerate(zip(keys, blocks)):
             f = self.pool.put([k], [b])
             f.add_done_callback(lambda _f, i=i: done_at.__setitem__(i, time.time()))
