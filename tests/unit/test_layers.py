@@ -195,3 +195,12 @@ def test_g3_pool_is_a_facade_over_parts_not_mixins():
         cls = next(n for r, n in classes if r == rel and n.name == name)
         assert not cls.bases, f"{name} derives from {[ast.unparse(b) for b in cls.bases]}"
 
+
+def test_keyring_owns_its_parts_not_mixins():
+    """Issue 23: the keyring owns its use counts and their background persist as a part
+    (crypto/keyring_persist.py's UseCounts), not as a mixin sharing its private attributes: no class under
+    crypto is a ``*Mixin`` or derives from another crypto class (its exception hierarchy aside)."""
+    bad, classes = _derived_classes(ROOT / "crypto")
+    assert not bad, "classes under crypto built from other crypto classes (make them parts):\n" + "\n".join(bad)
+    kr = next(n for r, n in classes if r == "keyring.py" and n.name == "Keyring")
+    assert not kr.bases, f"Keyring derives from {[ast.unparse(b) for b in kr.bases]}"
