@@ -195,7 +195,7 @@ def _g4_tenant_structures(pool: G4Pool, put_tenants: int) -> dict:
                 "keyring.tenants_in_file": [len(doc_tenants), min(1 + put_tenants, kr.max_auto_tenants)],
                 "keyring.data_keys": [len(kr._keys), versions],
                 "keyring.key_owners": [len(kr._owner), len(doc_tenants)],
-                "keyring.pending_use_counts": [len(kr._delta), versions],
+                "keyring.pending_use_counts": [len(kr._uses), versions],
                 "keyring.logged_errors": [len(kr._logged_errors), 64]}
 
 

@@ -17,6 +17,7 @@ distinct input and output buffers, which the frame (tag in the header) does not 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -24,6 +25,9 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 NONCE_BYTES = 12
 TAG_BYTES = 16
 KEY_BYTES = 32
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # any bytes-like object (collections.abc.Buffer from Python 3.12)
 
 
 class AeadError(ValueError):
@@ -35,7 +39,7 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def seal_into(key: bytes, nonce: bytes, aad: bytes, plaintext, out) -> bytes:
+def seal_into(key: bytes, nonce: bytes, aad: bytes, plaintext: Buffer, out: Buffer) -> bytes:
     """Encrypt ``plaintext`` (bytes-like, N bytes) into ``out`` (writable bytes-like, exactly N bytes).
 
     Returns the 16-byte GCM tag. Raises ValueError on a wrong key/nonce size or mismatched lengths.
@@ -53,7 +57,7 @@ def seal_into(key: bytes, nonce: bytes, aad: bytes, plaintext, out) -> bytes:
     return enc.tag
 
 
-def open_into(key: bytes, nonce: bytes, aad: bytes, tag: bytes, ciphertext, out) -> None:
+def open_into(key: bytes, nonce: bytes, aad: bytes, tag: bytes, ciphertext: Buffer, out: Buffer) -> None:
     """Decrypt ``ciphertext`` into ``out`` (exactly as long) and verify ``tag``.
 
     Raises AeadError if the tag does not verify; ``out`` then holds unverified bytes that must not be
@@ -81,7 +85,7 @@ def _check(key: bytes, nonce: bytes) -> None:
         raise ValueError(f"GCM nonce: {len(nonce)} bytes, need {NONCE_BYTES}")
 
 
-def gcm_gbps_per_core(nbytes: int = 8 << 20, seconds: float = 0.3) -> dict:
+def gcm_gbps_per_core(nbytes: int = 8 << 20, seconds: float = 0.3) -> dict[str, float]:
     """Measure single-thread AES-256-GCM seal and open throughput on this CPU.
 
     Returns ``{"seal_gbps": float, "open_gbps": float}`` (GB = 1e9 bytes/s) over ``nbytes`` buffers.

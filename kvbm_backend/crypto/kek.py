@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import hashlib
 import hmac
+import json
 import os
 import secrets
 import socket
@@ -18,7 +20,7 @@ import stat
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Iterator, Protocol, runtime_checkable
 
 from ..fsmodes import makedirs_private
 from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
@@ -40,7 +42,7 @@ class TenantRevoked(KeyringError):
     """The tenant was revoked; only an explicit :meth:`Keyring.create` (``keys create``) brings it back."""
 
 
-def dir_is_read_only(path: str | os.PathLike) -> bool:
+def dir_is_read_only(path: str | os.PathLike[str]) -> bool:
     """True when the directory holding keyring ``path`` cannot be written: a read-only filesystem
     (also for root: ``statvfs`` ``ST_RDONLY`` / ``EROFS``) or no write permission. A directory that
     does not exist yet is not read-only (it will be created)."""
@@ -104,7 +106,7 @@ class LocalKek:
         return cls(kek, source=f"${var}")
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "LocalKek":
+    def from_file(cls, path: str | os.PathLike[str]) -> "LocalKek":
         p = Path(path)
         _check_private(p, "KEK file")
         try:
@@ -114,7 +116,7 @@ class LocalKek:
         return cls(kek, source=f"KEK file {p}")
 
     @staticmethod
-    def generate_file(path: str | os.PathLike) -> "LocalKek":
+    def generate_file(path: str | os.PathLike[str]) -> "LocalKek":
         """Create a new random KEK file (mode 0600) atomically. Raises KeyringError if it exists.
 
         The key is written to a unique temp name in the same directory, fsynced, then published with
@@ -149,6 +151,37 @@ def _fsync_dir(d: Path) -> None:
         os.close(dfd)
 
 
+@contextlib.contextmanager
+def locked_file(lock_path: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created 0600 if missing) for the ``with`` block.
+    Raises OSError."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def replace_private_json(path: Path, doc: object) -> None:
+    """Replace ``path`` with ``doc`` as JSON atomically, mode 0600: a unique temp name in the same
+    directory, fsync, rename, fsync the directory. Raises OSError (the temp file removed)."""
+    tmp = path.parent / f".{path.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
 def generate_kek_b64() -> str:
     """A fresh random KEK, base64 (for ``export KVBM_BACKEND_KEK=...``)."""
     return base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode()
@@ -165,7 +198,7 @@ def _check_private(p: Path, what: str, st: os.stat_result | None = None) -> None
                            f"refusing to use it (run: chmod 600 {p}; a Kubernetes Secret volume: defaultMode: 0400)")
 
 
-def provider_for(path: str | os.PathLike, kek_env: str = "KVBM_BACKEND_KEK", kek_file: str | None = None,
+def provider_for(path: str | os.PathLike[str], kek_env: str = "KVBM_BACKEND_KEK", kek_file: str | None = None,
                  create: bool = True) -> KeyProvider:
     """The KEK for keyring ``path``: ``$kek_env`` when set, else ``kek_file`` (default ``PATH.kek``).
 
@@ -188,7 +221,7 @@ def provider_for(path: str | os.PathLike, kek_env: str = "KVBM_BACKEND_KEK", kek
     raise KeyringError(f"keyring {path}: no KEK (set ${kek_env} to a base64 32-byte key or provide {kf})")
 
 
-def _stamp(st: os.stat_result) -> tuple:
+def _stamp(st: os.stat_result) -> tuple[int, int, int, int, int]:
     """What identifies one version of the keyring file (an atomic replace changes the inode)."""
     return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev)
 

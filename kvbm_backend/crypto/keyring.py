@@ -47,26 +47,23 @@ Errors are :class:`KeyringError` with a message naming the file or variable at f
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import hmac
 import json
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
-import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, TypeVar, overload
 
 from ..fsmodes import makedirs_private
 from ..model.namespace import tenant_bytes
 from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant, _b64,
-                  _check_private, _fsync_dir, _now_iso, _stamp, _unb64, dir_is_read_only, generate_kek_b64,
-                  provider_for)
-from .keyring_persist import PersistMixin
+                  _check_private, _now_iso, _stamp, _unb64, dir_is_read_only, generate_kek_b64, locked_file,
+                  provider_for, replace_private_json)
+from .keyring_persist import Doc, UseCounts
 from .names import NAME_KEY_LABEL, UNKEYED_PSEUDONYM_KEY, check_storable_tenant, derive_name_key
 
 FORMAT = "kvbm-backend-keyring/1"
@@ -81,9 +78,12 @@ __all__ = ["DEFAULT_MAX_AUTO_TENANTS", "DEFAULT_MISS_RELOAD_MIN_S", "DEFAULT_ROT
            "generate_kek_b64", "provider_for"]  # the KEK names: from .kek; the naming keys: from .names
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+if TYPE_CHECKING:
+    from ..config import KeyringConfig
 
 
-class Keyring(PersistMixin):
+class Keyring:
     """A keyring file plus its KEK provider. Thread-safe; several processes may share the file.
 
     Args:
@@ -108,11 +108,11 @@ class Keyring(PersistMixin):
             :meth:`create` by the operator is not limited.
     """
 
-    def __init__(self, path: str | os.PathLike, provider: KeyProvider, *, create: bool = True,
+    def __init__(self, path: str | os.PathLike[str], provider: KeyProvider, *, create: bool = True,
                  rotate_after_uses: int = DEFAULT_ROTATE_AFTER, persist_every_s: float = 30.0,
                  reload_every_s: float = 2.0, read_only: bool | None = None, auto_create_tenants: bool = True,
                  miss_reload_min_s: float = DEFAULT_MISS_RELOAD_MIN_S,
-                 max_auto_tenants: int = DEFAULT_MAX_AUTO_TENANTS):
+                 max_auto_tenants: int = DEFAULT_MAX_AUTO_TENANTS) -> None:
         if not 1 <= rotate_after_uses <= NIST_GCM_RANDOM_NONCE_LIMIT:
             raise KeyringError(f"rotate_after_uses: must be in [1, 2**32], got {rotate_after_uses}")
         if not miss_reload_min_s >= 0:
@@ -129,20 +129,19 @@ class Keyring(PersistMixin):
             raise KeyringError(f"max_auto_tenants: must be >= 0, got {max_auto_tenants}")
         self.max_auto_tenants = int(max_auto_tenants)
         self._mu = threading.RLock()
-        self._doc: dict = {}
+        self._doc: Doc = {}
         self._keys: dict[tuple[int, int], bytes] = {}  # (key_id, version) -> unwrapped key
         self._owner: dict[int, str] = {}  # key_id -> tenant
-        self._delta: dict[tuple[str, int], int] = {}  # (tenant, version) -> uses not yet persisted
         self._pseudonym_key = b""
-        self._stamp: tuple | None = None
+        self._stamp: tuple[int, int, int, int, int] | None = None
         self._error: str | None = None  # set while the file does not load: fail closed
         self._logged_errors: set[str] = set()
         self._last_check = 0.0
         self._last_miss_check = float("-inf")
         self._n = {"loads": 0, "miss_reloads": 0, "miss_reload_loads": 0, "miss_reloads_limited": 0}
-        self._last_persist = time.monotonic()
-        self._persisting = False  # a background persist of use counts runs (write_key starts it)
-        self._persist_thread: threading.Thread | None = None
+        self._uses = UseCounts(mu=self._mu, file_lock=self._locked, reload=self._reload, write=self._write,
+                               warn_once=self._warn_once, every_s=persist_every_s, writable=not self.read_only,
+                               where=str(self.path))  # uses not yet in the file, persisted in the background
         if self.path.exists():
             self._load()  # writers publish with an atomic rename: reading needs no lock
         elif self.read_only:
@@ -163,7 +162,7 @@ class Keyring(PersistMixin):
             raise KeyringError(f"keyring {self.path}: not found")
 
     @classmethod
-    def from_config(cls, cfg, *, create: bool = True) -> "Keyring":
+    def from_config(cls, cfg: KeyringConfig, *, create: bool = True) -> "Keyring":
         """Open the keyring a :class:`kvbm_backend.config.KeyringConfig` names. Raises KeyringError."""
         if not cfg.path:
             raise KeyringError("g4.keyring.path: required when g4.encrypt is true (a keyring file, created 0600)")
@@ -178,16 +177,8 @@ class Keyring(PersistMixin):
                    max_auto_tenants=getattr(cfg, "max_auto_tenants", DEFAULT_MAX_AUTO_TENANTS))
 
     # ---- file handling ---------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _locked(self):
-        lock_path = f"{self.path}.lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+    def _locked(self) -> ContextManager[None]:
+        return locked_file(f"{self.path}.lock")  # the keyring's inter-process lock: PATH.lock, flock'd
 
     def _load(self) -> None:
         """Read, check and unwrap the file. The change stamp comes from the same open file, so a
@@ -228,35 +219,26 @@ class Keyring(PersistMixin):
         self._last_check = time.monotonic()
         self._n["loads"] += 1
 
-    def _write(self, doc: dict | None = None) -> None:
-        """Atomic replace with ``doc`` (default: the loaded one): unique temp in the same directory,
-        fsync, rename, fsync the directory."""
-        tmp = self.path.parent / f".{self.path.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self._doc if doc is None else doc, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(self.path.parent)
+    def _reload(self) -> Doc:
+        """:meth:`_load` when the file exists; the loaded document."""
+        if self.path.exists():
+            self._load()
+        return self._doc
+
+    def _write(self, doc: Doc | None = None) -> None:
+        """Atomic replace with ``doc`` (default: the loaded one): :func:`replace_private_json`."""
+        replace_private_json(self.path, self._doc if doc is None else doc)
 
     def _check_writable(self) -> None:
         if self.read_only:
             raise KeyringError(f"keyring {self.path}: read-only here (read-only mount or g4.keyring.read_only); "
                                "change it where it is writable (`kvbm-backend keys ...`)")
 
-    def _mutate(self, fn):
+    def _mutate(self, fn: Callable[[Doc], T]) -> T:
         """Reload under the file lock, merge pending use counts, apply ``fn(doc)``, write, reload."""
         self._check_writable()
         with self._mu, self._locked():
-            if self.path.exists():
-                self._load()
-            self._merge_delta()
+            self._uses.merge_into(self._reload())
             out = fn(self._doc)
             self._write()
             self._load()
@@ -299,9 +281,25 @@ class Keyring(PersistMixin):
     def _fail(self, msg: str) -> None:
         self._error = msg
         self._last_check = time.monotonic()
+        self._warn_once(msg, logging.ERROR, "%s; serving no G4 keys until it loads again")
+
+    def _warn_once(self, msg: str, level: int = logging.WARNING, fmt: str = "%s") -> None:
+        """Log ``msg`` the first time only (at most 64 distinct messages are remembered)."""
         if msg not in self._logged_errors and len(self._logged_errors) < 64:
             self._logged_errors.add(msg)
-            log.error("%s; serving no G4 keys until it loads again", msg)
+            log.log(level, fmt, msg)
+
+    def flush(self) -> None:
+        """Merge in-memory use counts into the file (under the lock), after a background persist in
+        flight has written its share. Read-only keyrings keep them in memory (this process's counts)."""
+        self._uses.wait()
+        with self._mu:
+            if len(self._uses) and not self.read_only:
+                self._mutate(lambda doc: None)
+
+    def close(self) -> None:
+        """Persist use counts (:meth:`flush`)."""
+        self.flush()
 
     @property
     def error(self) -> str | None:
@@ -326,20 +324,20 @@ class Keyring(PersistMixin):
         file, unchanged by ``rewrap``; nothing is stored for it (no file format change)."""
         return derive_name_key(self._pseudonym_key, pseudonym)
 
-    def _new_version(self, doc: dict, tenant: str) -> None:
+    def _new_version(self, doc: Doc, tenant: str) -> None:
         t = doc["tenants"][tenant]
         v = max((int(x) for x in t["versions"]), default=0) + 1
         t["versions"][str(v)] = {"wrapped": _b64(self.provider.wrap(secrets.token_bytes(KEY_BYTES))),
                                  "created": _now_iso(), "uses": 0}
         t["current"] = v
 
-    def create(self, tenant: str, *, implicit: bool = False) -> dict:
+    def create(self, tenant: str, *, implicit: bool = False) -> dict[str, Any]:
         """Create the tenant's first data key (no-op if it has one). Returns its :meth:`info` row.
 
         Explicit (operator) creation also re-creates a revoked tenant, with a new key id (its old
         blocks stay unreadable; the revocation record stays for ``gc``). ``implicit`` (a worker's
         first write) raises :class:`TenantRevoked` for a revoked tenant, checked under the file lock."""
-        def fn(doc):
+        def fn(doc: Doc) -> None:
             if tenant not in doc["tenants"]:
                 check_storable_tenant(tenant, self.path)
                 if implicit and self.pseudonym(tenant).hex() in doc.get("revoked", {}):
@@ -362,21 +360,21 @@ class Keyring(PersistMixin):
                 f"holds g4.keyring.max_auto_tenants={self.max_auto_tenants} tenants: no more are created implicitly; "
                 "create it with `kvbm-backend keys create`")
 
-    def rotate(self, tenant: str) -> dict:
+    def rotate(self, tenant: str) -> dict[str, Any]:
         """New data key version for new writes; older versions stay readable. KeyringError if unknown."""
-        def fn(doc):
+        def fn(doc: Doc) -> None:
             if tenant not in doc["tenants"]:
                 raise KeyringError(f"keyring {self.path}: no tenant {tenant!r}")
             self._new_version(doc, tenant)
         self._mutate(fn)
         return self.info(tenant)
 
-    def revoke(self, tenant: str) -> dict:
+    def revoke(self, tenant: str) -> dict[str, Any]:
         """Delete every key of ``tenant`` (crypto-shred) and record its pseudonym as revoked now."""
-        def fn(doc):
+        def fn(doc: Doc) -> str:
             if tenant not in doc["tenants"]:
                 raise KeyringError(f"keyring {self.path}: no tenant {tenant!r}")
-            ps = doc["tenants"].pop(tenant)["pseudonym"]
+            ps: str = doc["tenants"].pop(tenant)["pseudonym"]
             doc.setdefault("revoked", {})[ps] = {"revoked_at": time.time()}
             return ps
         ps = self._mutate(fn)
@@ -387,7 +385,7 @@ class Keyring(PersistMixin):
         self._check_writable()
         with self._mu, self._locked():
             self._load()
-            self._merge_delta()
+            self._uses.merge_into(self._doc)
             doc = self._doc
             n = 0
             doc["pseudonym_key"] = _b64(new_provider.wrap(self._pseudonym_key))
@@ -401,14 +399,20 @@ class Keyring(PersistMixin):
             self._load()
             return n
 
-    def info(self, tenant: str | None = None) -> list[dict] | dict:
+    @overload
+    def info(self, tenant: None = None) -> list[dict[str, Any]]: ...
+
+    @overload
+    def info(self, tenant: str) -> dict[str, Any]: ...
+
+    def info(self, tenant: str | None = None) -> list[dict[str, Any]] | dict[str, Any]:
         """Tenants, versions, use counts, created dates; never key material."""
         with self._mu:
             rows = []
             for name, t in sorted(self._doc["tenants"].items()):
                 vers = []
                 for v, ent in sorted(t["versions"].items(), key=lambda kv: int(kv[0])):
-                    uses = int(ent.get("uses", 0)) + self._delta.get((name, int(v)), 0)
+                    uses = int(ent.get("uses", 0)) + self._uses.pending(name, int(v))
                     vers.append({"version": int(v), "created": ent["created"], "uses": uses,
                                  "current": int(v) == t["current"]})
                 rows.append({"tenant": name, "pseudonym": t["pseudonym"], "key_id": t["key_id"],
@@ -479,7 +483,7 @@ class Keyring(PersistMixin):
                 if t is None:  # revoked between our reload and the locked re-read
                     raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} was revoked")
             ver = t["current"]
-            uses = int(t["versions"][str(ver)].get("uses", 0)) + self._delta.get((tenant, ver), 0)
+            uses = int(t["versions"][str(ver)].get("uses", 0)) + self._uses.pending(tenant, ver)
             if uses >= self.rotate_after:
                 if self.read_only:
                     raise KeyringError(f"keyring {self.path}: key version {ver} of tenant {t['pseudonym']} (pseudonym) "
@@ -488,14 +492,7 @@ class Keyring(PersistMixin):
                 self.rotate(tenant)
                 t = self._doc["tenants"][tenant]
                 ver = t["current"]
-            self._delta[(tenant, ver)] = self._delta.get((tenant, ver), 0) + 1
-            if (not self.read_only and not self._persisting
-                    and time.monotonic() - self._last_persist > self.persist_every_s):
-                self._persisting = True
-                self._last_persist = time.monotonic()  # one attempt per period, failed or not
-                th = threading.Thread(target=self._persist_counts, name="kvbm-keyring-persist", daemon=True)
-                self._persist_thread = th
-                th.start()
+            self._uses.count(tenant, ver)  # starts a background persist once per persist_every_s
             return DataKey(int(t["key_id"]), ver, self._keys[(int(t["key_id"]), ver)])
 
     def read_key(self, key_id: int, version: int, tenant: str | None = None) -> bytes | None:

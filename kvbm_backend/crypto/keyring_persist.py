@@ -1,5 +1,5 @@
-"""The keyring's periodic persist of use counts (:class:`PersistMixin`, part of
-:class:`~kvbm_backend.crypto.keyring.Keyring`), on its own thread.
+"""The keyring's use counts not yet in its file, and their periodic persist on a thread of its own
+(:class:`UseCounts`, a part :class:`~kvbm_backend.crypto.keyring.Keyring` owns).
 
 Every encryption counts one use of the tenant's current data key (rotation at ``rotate_after_uses``, NIST
 SP 800-38D's limit on random-nonce GCM encryptions under one key). The counts are merged into the keyring
@@ -11,81 +11,112 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import threading
 import time
+from typing import Any, Callable, ContextManager
 
 from .kek import KeyringError
 
-log = logging.getLogger("kvbm_backend.crypto.keyring")
+Doc = dict[str, Any]  # the keyring file's JSON document
 
 
-class PersistMixin:
-    """Uses the keyring's ``_mu``, ``_locked``, ``_load``, ``_mutate``, ``_write``, ``_doc``, ``_delta``,
-    ``_persisting``, ``_persist_thread``, ``read_only`` and ``_logged_errors``."""
+class UseCounts:
+    """Uses per (tenant, key version) not yet merged into the keyring document, and the background
+    persist of them. The keyring passes what the persist needs explicitly.
 
-    def _merge_delta(self) -> None:
-        """Add the in-memory use counts to ``_doc`` and clear them. Caller holds ``_mu``."""
+    Args:
+        mu: the keyring's mutex (guards its document and these counts; callers of :meth:`count`,
+            :meth:`pending` and :meth:`merge_into` hold it).
+        file_lock: a context manager factory: the keyring file's inter-process lock.
+        reload: re-reads the keyring file when it exists and returns the keyring's document (may raise
+            :class:`KeyringError`); called with ``mu`` and the file lock held.
+        write: writes a document to the keyring file (fsyncs; may raise OSError, KeyringError); called
+            with the file lock held and ``mu`` not held.
+        warn_once: logs a message once (the keyring's bounded set of logged errors).
+        every_s: the persist period in seconds.
+        writable: False for a read-only keyring: counts are kept in memory, never persisted.
+        where: the keyring file, for messages.
+    """
+
+    def __init__(self, *, mu: threading.RLock, file_lock: Callable[[], ContextManager[None]],
+                 reload: Callable[[], Doc], write: Callable[[Doc], None], warn_once: Callable[[str], None],
+                 every_s: float, writable: bool, where: str) -> None:
+        self._mu, self._file_lock, self._reload, self._write = mu, file_lock, reload, write
+        self._warn_once, self._every_s, self._writable, self._where = warn_once, every_s, writable, where
+        self._delta: dict[tuple[str, int], int] = {}  # (tenant, version) -> uses not yet persisted
+        self._last = time.monotonic()  # the last merge (a persist attempt or a mutation of the file)
+        self._persisting = False  # a background persist runs
+        self._thread: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        """(tenant, version) pairs with uses not yet merged."""
+        return len(self._delta)
+
+    def pending(self, tenant: str, version: int) -> int:
+        """Uses of ``tenant``'s key ``version`` not yet merged into the document."""
+        return self._delta.get((tenant, version), 0)
+
+    def count(self, tenant: str, version: int) -> None:
+        """Count one use; start a background persist when ``every_s`` passed since the last merge (one
+        attempt per period, failed or not; none for a read-only keyring). Caller holds ``mu``."""
+        self._delta[(tenant, version)] = self._delta.get((tenant, version), 0) + 1
+        if self._writable and not self._persisting and time.monotonic() - self._last > self._every_s:
+            self._persisting = True
+            self._last = time.monotonic()
+            th = threading.Thread(target=self._persist, name="kvbm-keyring-persist", daemon=True)
+            self._thread = th
+            th.start()
+
+    def merge_into(self, doc: Doc) -> None:
+        """Add the counts to ``doc``'s versions (those still in it) and clear them. Caller holds ``mu``."""
         for (tenant, ver), n in self._delta.items():
-            t = self._doc["tenants"].get(tenant)
+            t = doc["tenants"].get(tenant)
             if t and str(ver) in t["versions"]:
                 t["versions"][str(ver)]["uses"] = int(t["versions"][str(ver)].get("uses", 0)) + n
         self._delta = {}
-        self._last_persist = time.monotonic()
+        self._last = time.monotonic()
 
-    def flush(self) -> None:
-        """Merge in-memory use counts into the file (under the lock), after a background persist in
-        flight has written its share (it took those counts out of memory: returning before its write would
-        let ``close`` and a process exit lose them). Read-only keyrings keep them in memory (this
-        process's counts)."""
-        th = self._persist_thread
+    def wait(self) -> None:
+        """Wait for a background persist in flight to finish (it took its counts out of memory: a flush
+        returning before its write would let ``close`` and a process exit lose them)."""
+        th = self._thread
         if th is not None and th is not threading.current_thread():
-            th.join()  # it waits for the file lock at most as long as the merge below would
-        with self._mu:
-            if self._delta and not self.read_only:
-                self._mutate(lambda doc: None)
+            th.join()  # it waits for the file lock at most as long as the caller's merge would
 
-    def close(self) -> None:
-        """Persist use counts (:meth:`flush`)."""
-        self.flush()
-
-    def _persist_counts(self) -> None:
-        """The periodic persist of use counts, on its own thread so that no seal waits for it. The file
-        lock is taken without ``_mu`` (another process holding it, e.g. a worker sharing this keyring
-        during its own fsync, costs only this thread); ``_mu`` is then tried briefly for the reload and
-        merge (a mutation of this process holding ``_mu`` and waiting for the file lock makes this thread
-        let go and retry, so the two lock orders never deadlock), and the write (the fsyncs) runs under the
-        file lock alone. A failed write puts the counts back (nothing is lost; the next period retries)
-        and is logged once per reason."""
-        snap: dict = {}
+    def _persist(self) -> None:
+        """The periodic persist, on its own thread so that no seal waits for it. The file lock is taken
+        without ``mu`` (another process holding it, e.g. a worker sharing this keyring during its own
+        fsync, costs only this thread); ``mu`` is then tried briefly for the reload and merge (a mutation
+        of this process holding ``mu`` and waiting for the file lock makes this thread let go and retry,
+        so the two lock orders never deadlock), and the write (the fsyncs) runs under the file lock
+        alone. A failed write puts the counts back (nothing is lost; the next period retries) and is
+        logged once per reason."""
+        snap: dict[tuple[str, int], int] = {}
         try:
             while True:
-                with self._locked():
+                with self._file_lock():
                     if self._mu.acquire(timeout=0.05):
                         try:
-                            if not self._delta or self.read_only:
+                            if not self._delta:
                                 return
-                            if self.path.exists():
-                                self._load()
+                            doc = self._reload()
                             snap = dict(self._delta)
-                            self._merge_delta()  # self._doc counts them from now on: rotation sees every use
-                            doc = json.loads(json.dumps(self._doc))
+                            self.merge_into(doc)  # the document counts them from now on: rotation sees every use
+                            copy = json.loads(json.dumps(doc))
                         finally:
                             self._mu.release()
-                        self._write(doc)
+                        self._write(copy)
                         snap = {}
                         return
-                time.sleep(0.01)  # a mutation of this process holds _mu and waits for the file lock: it goes first
+                time.sleep(0.01)  # a mutation of this process holds mu and waits for the file lock: it goes first
         except (OSError, KeyringError) as e:
-            msg = f"keyring {self.path}: use counts not persisted ({e}); kept in memory, retried in {self.persist_every_s:g} s"
-            if msg not in self._logged_errors and len(self._logged_errors) < 64:
-                self._logged_errors.add(msg)
-                log.warning("%s", msg)
+            self._warn_once(f"keyring {self._where}: use counts not persisted ({e}); kept in memory, "
+                            f"retried in {self._every_s:g} s")
         finally:
             with self._mu:
-                if snap:  # the write failed: the file lacks them, and the next load drops them from _doc
+                if snap:  # the write failed: the file lacks them, and the next load drops them from the doc
                     with contextlib.suppress(KeyringError):
-                        self._load()
+                        self._reload()
                     for k, n in snap.items():
                         self._delta[k] = self._delta.get(k, 0) + n
                 self._persisting = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 
 UNKEYED_PSEUDONYM_KEY = b"kvbm-backend/unkeyed-tenant-pseudonym/v1"  # public: pools without a keyring
 NAME_KEY_LABEL = b"kvbm-backend/g4-block-names/v1\x00"  # HMAC message prefix of a tenant's G4 naming key
@@ -22,7 +23,7 @@ def derive_name_key(pseudonym_key: bytes, pseudonym: bytes) -> bytes:
     return hmac.new(pseudonym_key, NAME_KEY_LABEL + pseudonym, hashlib.sha256).digest()
 
 
-def check_storable_tenant(tenant: str, where: str) -> None:
+def check_storable_tenant(tenant: str, where: str | os.PathLike[str]) -> None:
     """Refuse a tenant id the keyring file (JSON) cannot keep: JSON writes a lone surrogate as ``\\udXXX``
     and reads a high/low pair back as the one character they form, i.e. another tenant. Such ids (possible
     only from a client's ``cache_salt`` decoded with surrogateescape) get no data key: their offloads are

@@ -165,24 +165,45 @@ def test_no_import_cycle_between_packages():
     assert not cycles, "import cycles between packages:\n" + "\n".join(lines)
 
 
-def test_g3_pool_is_a_facade_over_parts_not_mixins():
-    """Issue 23: G3Pool and its reader are built from parts (slot catalog, writer, reader, device loader's
-    pass reader / verifier) that each own their state, not from mixin classes sharing private attributes
-    across files: no class under pool/g3 derives from another class of pool/g3. (The index classes are not
-    covered yet: index.py's SlotPins, compact_*.py's hash-table / restore mixins.)"""
-    g3 = ROOT / "pool" / "g3"
+def _derived_classes(pkg: Path) -> tuple[list[str], list[tuple[str, ast.ClassDef]]]:
+    """Classes under ``pkg`` named ``*Mixin`` or deriving from another class of ``pkg`` (exception classes
+    aside: an error hierarchy is not shared state), as ``"file: class C(Bases)"``; and every class."""
     classes = []
-    for p in sorted(g3.rglob("*.py")):
-        if p.name.startswith("compact_") or p.name == "index.py":
-            continue
-        classes += [(str(p.relative_to(g3)), n) for n in ast.walk(ast.parse(p.read_text(), str(p)))
+    for p in sorted(pkg.rglob("*.py")):
+        classes += [(str(p.relative_to(pkg)), n) for n in ast.walk(ast.parse(p.read_text(), str(p)))
                     if isinstance(n, ast.ClassDef)]
-    ours = {n.name for _, n in classes}
+    errors = {"Exception", "ValueError", "RuntimeError", "OSError", "KeyError", "TypeError"}
+    grew = True
+    while grew:  # classes deriving (through others of pkg) from an exception class
+        new = {n.name for _, n in classes if any(isinstance(b, ast.Name) and b.id in errors for b in n.bases)}
+        grew = not new <= errors
+        errors |= new
+    ours = {n.name for _, n in classes} - errors
     bad = [f"{rel}: class {n.name}({', '.join(ast.unparse(b) for b in n.bases)})" for rel, n in classes
            if n.name.endswith("Mixin") or any(isinstance(b, ast.Name) and b.id in ours for b in n.bases)]
+    return bad, classes
+
+
+def test_g3_pool_is_a_facade_over_parts_not_mixins():
+    """Issue 23: G3Pool, its reader and its index are built from parts (slot catalog, writer, reader,
+    device loader's pass reader / verifier; the index's entries, hash table, LRU log, owners and slot pins)
+    that each own their state, not from mixin classes sharing private attributes across files: no class
+    under pool/g3 derives from another class of pool/g3."""
+    bad, classes = _derived_classes(ROOT / "pool" / "g3")
     assert not bad, "classes under pool/g3 built from other pool/g3 classes (make them parts):\n" + "\n".join(bad)
-    pool = next(n for rel, n in classes if rel == "pool.py" and n.name == "G3Pool")
-    assert not pool.bases, f"G3Pool derives from {[ast.unparse(b) for b in pool.bases]}"
+    for rel, name in (("pool.py", "G3Pool"), ("compact_index.py", "CompactLruIndex"), ("index.py", "LruIndex")):
+        cls = next(n for r, n in classes if r == rel and n.name == name)
+        assert not cls.bases, f"{name} derives from {[ast.unparse(b) for b in cls.bases]}"
+
+
+def test_keyring_owns_its_parts_not_mixins():
+    """Issue 23: the keyring owns its use counts and their background persist as a part
+    (crypto/keyring_persist.py's UseCounts), not as a mixin sharing its private attributes: no class under
+    crypto is a ``*Mixin`` or derives from another crypto class (its exception hierarchy aside)."""
+    bad, classes = _derived_classes(ROOT / "crypto")
+    assert not bad, "classes under crypto built from other crypto classes (make them parts):\n" + "\n".join(bad)
+    kr = next(n for r, n in classes if r == "keyring.py" and n.name == "Keyring")
+    assert not kr.bases, f"Keyring derives from {[ast.unparse(b) for b in kr.bases]}"
 
 
 def test_g4_pool_is_a_facade_over_parts_not_mixins():

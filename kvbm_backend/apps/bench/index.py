@@ -196,7 +196,7 @@ def _compact(d, n: int) -> dict:
     if len(ix) != n:
         raise RuntimeError(f"index bench: {len(ix)} entries after restoring {n}")
     out: dict[str, Any] = {"entries": n, "bytes_per_block": round((cur - base) / n, 2), "index_bytes": cur - base,
-           "build_peak_bytes": peak - base, "array_bytes": ix.nbytes, "capacity": ix._cap,
+           "build_peak_bytes": peak - base, "array_bytes": ix.nbytes, "capacity": ix._ent.cap,
            "rebuild_s": round(rebuild, 3)}
     if n <= KEYS_MAX:
         ents = _tag_entries(d, n)
@@ -207,7 +207,7 @@ def _compact(d, n: int) -> dict:
         del ents, ix2
     out.update(_pool_measure(ix, d, n))
     t0 = time.perf_counter()
-    ix._rebuild_table(len(ix._tab).bit_length())
+    ix._table.rebuild(ix._table.size.bit_length())
     out["table_grow_s"] = round(time.perf_counter() - t0, 3)
     return out
 

@@ -52,7 +52,7 @@ class FrequencyFilter:
         return len(self._seen)
 
 
-def make_admission(cfg: AdmissionConfig):
+def make_admission(cfg: AdmissionConfig) -> AdmitAll | FrequencyFilter:
     """The filter named by ``cfg.policy`` (``frequency`` or ``all``)."""
     if cfg.policy == "all" or cfg.min_sightings <= 1:
         return AdmitAll()

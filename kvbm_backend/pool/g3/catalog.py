@@ -13,14 +13,14 @@ import errno
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 from ...config import G3Config
 from ...metrics import TierMetrics
 from ...model import frame
-from ...model.namespace import Namespace, tenant_tag
+from ...model.namespace import BlockKey, Namespace, tenant_tag
 from . import journal as jr
-from .compact_index import CompactLruIndex
+from .compact_index import CompactLruIndex, Slot
 from .slabs import SlabSet
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class SlotCatalog:
         self.degrade_s = degrade_s
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
-        self.c: collections.Counter = collections.Counter()  # the pool's counters (stats)
+        self.c: collections.Counter[str] = collections.Counter()  # the pool's counters (stats)
         self.closed = False  # the pool is closing: no new device loaders, no new offloads
         self.reserved = 0  # slots reserved for pieces being written (not yet published or released)
         self.degraded_until = 0.0  # time.monotonic() until which nothing is admitted (0: not degraded)
@@ -88,6 +88,7 @@ class SlotCatalog:
 
     def update_gauges(self) -> None:
         m = self.metrics
+        assert m.blocks is not None and m.used_bytes is not None and m.capacity_bytes is not None  # tier g3's
         m.blocks.set(len(self.index))
         m.used_bytes.set(len(self.index) * self.slot_bytes)
         m.capacity_bytes.set(self.slabs.capacity_slots * self.slot_bytes)
@@ -162,20 +163,20 @@ class SlotCatalog:
         """The open descriptor of slab file ``file_index`` (KeyError: no such file). No lock needed."""
         return self.slabs.by_index[file_index].fd
 
-    def release_slots(self, slots) -> None:
+    def release_slots(self, slots: Iterable[Slot]) -> None:
         """Unpin ``slots`` (a slot evicted meanwhile is freed now)."""
         for slot in slots:
             free = self.index.unpin(slot)
             if free is not None:
                 self.slabs.release([free])
 
-    def remove(self, key, slot=None) -> None:
+    def remove(self, key: BlockKey, slot: Slot | None = None) -> None:
         """Remove ``key`` (at ``slot``, if given) from the index; its slot is freed (or once unpinned)."""
         free = self.index.remove(key, slot) if slot is not None else self.index.remove(key)
         if free is not None:
             self.slabs.release([free])
 
-    def accounting(self) -> dict:
+    def accounting(self) -> dict[str, int]:
         """Every slot below each file's cap is exactly one of: published, pinned-deferred, reserved,
         free. ``leaked`` must be 0 (tests assert it). Takes the lock."""
         with self.lock:

@@ -35,15 +35,16 @@ Prefix lookup (the scheduler's hot path, 8K blocks < 1 ms is the goal): the firs
 keys, then the rest; a miss in the first chunk (a partial hit) ends the lookup without reading the rest.
 A :class:`~kvbm_backend.model.namespace.KeyRun` (what the scheduler passes: one namespace, tenant and
 rank, the seq hashes converted to uint64 once, chunk by chunk as probed) is probed straight from its array with
-:meth:`~.compact_table.HashTable._find_run` (one owner and rank mixed into every home position in one numpy
+:meth:`~.compact_table.HashTable.find_run` (one owner and rank mixed into every home position in one numpy
 pass; per round one table gather and one seq gather): no per-key Python object. A list of BlockKeys
 first has its four columns read (one ``zip(*keys)`` pass, ~20 ns per key per pass) and its seq hashes
 converted to uint64 (together ~0.7 ms for 8K keys on the loaded 2-core VM); keys of mixed owners probe
-with :meth:`~.compact_table.HashTable._find_many`.
+with :meth:`~.compact_table.HashTable.find_many`.
 
-Modules: this one holds the entry arrays, LRU log and the API; :mod:`.compact_owners` the owners (a
-part the index owns), :mod:`.compact_table` the hash table (a mixin), :mod:`.compact_restore` the bulk
-warm-restart builds (a mixin).
+Modules: this one holds the API over parts the index owns, each owning its state: :mod:`.compact_entries`
+the entry arrays, :mod:`.compact_table` the hash table, :mod:`.compact_lru` the LRU log,
+:mod:`.compact_owners` the owners, :class:`.index.SlotPins` the read pins; :mod:`.compact_restore` the bulk
+warm-restart builds (functions of those parts).
 
 Not thread-safe: the pool holds its lock around every call. A table grow rebuilds the table in one
 call (seconds at 10M entries: ``table_grow_s`` of the bench); the pool avoids it with :meth:`reserve`
@@ -52,14 +53,18 @@ at open. Entry capacity growth copies the arrays (a memcpy).
 from __future__ import annotations
 
 from array import array
-from typing import Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence, cast
 
 import numpy as np
+import numpy.typing as npt
 
+from ...model.mix64 import M64 as _M64
 from ...model.namespace import BlockKey, KeyRun, key_columns
+from .compact_entries import I64, Entries
+from .compact_lru import LruLog
 from .compact_owners import KNOWN, OWNER_SLACK, Owners  # noqa: F401  (OWNER_SLACK: re-exported)
-from .compact_restore import Restore
-from .compact_table import _LOAD, _M64, _MIN_TAB_BITS, _U, HashTable
+from .compact_restore import restore_columns, restore_pairs
+from .compact_table import _LOAD, _MIN_TAB_BITS, _U, U64, HashTable
 from .index import SlotPins, TagKey, tag_of
 
 Slot = tuple[int, int]
@@ -68,7 +73,7 @@ RESERVE_MAX = 1 << 26  # reserve() sizes the table for at most 64M entries (1 Gi
 FIRST_CHUNK = 512  # lookup_prefix: keys read and probed first (a miss among them ends the lookup there)
 
 
-def _u64(col: Sequence, n: int) -> np.ndarray:
+def _u64(col: Sequence[int], n: int) -> U64:
     """uint64 array of ``n`` Python ints: ``array('Q')`` (the fastest conversion of 8K ints, ints >= 2**63
     included), ``np.fromiter`` for what it refuses (e.g. a float), with numpy's own errors."""
     try:
@@ -77,8 +82,7 @@ def _u64(col: Sequence, n: int) -> np.ndarray:
         return np.fromiter(col, _U, n)
 
 
-
-def _check(key, slot: Slot) -> None:
+def _check(key: "BlockKey | TagKey", slot: Slot) -> None:
     """Before any change: the key's rank and the slot fit the arrays (and the journal's fields)."""
     f, s = slot
     if not (0 <= f <= 0xFFFF and 0 <= s <= 0xFFFFFFFF and 0 <= key.rank <= 0xFFFFFFFF
@@ -87,12 +91,22 @@ def _check(key, slot: Slot) -> None:
                          f"widths (rank, slot < 2**32; file < 2**16; seq_hash < 2**64)")
 
 
+def _live_owners(owners: Owners) -> tuple[list[tuple[str, bytes]], list[str]]:
+    """``owners.pairs`` and ``owners.tenants`` as read for live entries: a live entry's owner id is never
+    collected (its pair is not None: :meth:`CompactLruIndex._gc_owners` counts live entries), and an entry
+    not flagged as a tag entry has its tenant known (put or adopted by a BlockKey, or the known ``""``).
+    Typed so once per batch instead of a check per entry (millions at a journal rewrite)."""
+    return cast(list[tuple[str, bytes]], owners.pairs), cast(list[str], owners.tenants)
+
+
 class _Items:
     """Snapshot of (key, slot) pairs, oldest first (arrays copied at creation; keys made lazily)."""
 
-    def __init__(self, owners, tenants, own, rank, seq, file, slot, flag):
+    def __init__(self, owners: list[tuple[str, bytes]], tenants: list[str], own: npt.NDArray[np.int32],
+                 rank: npt.NDArray[np.uint32], seq: U64, file: npt.NDArray[np.uint16], slot: npt.NDArray[np.uint32],
+                 flag: npt.NDArray[np.uint8]) -> None:
         self._owners, self._tenants = owners, tenants
-        self._a = (own, rank, seq, file, slot, flag)
+        self._a: tuple[npt.NDArray[Any], ...] = (own, rank, seq, file, slot, flag)
 
     def __len__(self) -> int:
         return len(self._a[0])
@@ -109,11 +123,11 @@ class _Items:
                 else:
                     yield BlockKey(ns, tenants[o], r, s), (f, sl)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: int) -> tuple["BlockKey | TagKey", Slot]:
         return list(self)[i]
 
 
-class CompactLruIndex(HashTable, Restore, SlotPins):
+class CompactLruIndex:
     """Key -> (file, slot) in LRU order with read pins, in numpy arrays (see the module docstring).
 
     Args:
@@ -123,63 +137,24 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
     def __init__(self, capacity: int = 1024) -> None:
         self._owners = Owners()  # interned (namespace, tag) owners; tenant string per owner once known
         self._owner_of = self._owners.find  # (owner id or -1, is a TagKey) of a key; bound once (hot path)
-        self._n = 0
-        self._hi = 0  # entries [0, hi) were ever used
-        self._free = np.empty(64, np.int32)  # freed entry indexes, a stack of _nfree
-        self._nfree = 0
-        self._alloc_entries(max(16, int(capacity)))
-        self._min_bits = _MIN_TAB_BITS
-        self._set_table(np.zeros(1 << _MIN_TAB_BITS, np.int32))
-        self._set_log(np.empty(max(32, 2 * int(capacity)), np.int32))
-        self._head = self._tail = 0
-        self._pins: dict[Slot, int] = {}
-        self._deferred: set[Slot] = set()
-
-    # ---- storage ------------------------------------------------------------------------------
-    def _alloc_entries(self, cap: int, keep: int = 0) -> None:
-        specs = (("_seq", np.uint64), ("_own", np.int32), ("_rank", np.uint32), ("_file", np.uint16),
-                 ("_slot", np.uint32), ("_flag", np.uint8), ("_lp", np.int32))
-        for name, dt in specs:
-            a = np.empty(cap, dt)
-            if keep:
-                a[:keep] = getattr(self, name)[:keep]
-            setattr(self, name, a)
-        self._lp[keep:] = -1
-        self._cap = cap
-        # memoryviews: scalar reads/writes as Python ints (about twice as fast as numpy scalars)
-        self._vseq, self._vown, self._vrank = memoryview(self._seq), memoryview(self._own), memoryview(self._rank)
-        self._vfile, self._vslot = memoryview(self._file), memoryview(self._slot)
-        self._vflag, self._vlp = memoryview(self._flag), memoryview(self._lp)
-
-    def _grow_entries(self, need: int) -> None:
-        cap = self._cap
-        while cap < need:
-            cap *= 2
-        self._alloc_entries(cap, self._hi)
-
-    def _set_log(self, log: np.ndarray) -> None:
-        self._log = log
-        self._vlog = memoryview(log)
+        self._ent = Entries(max(16, int(capacity)))
+        self._table = HashTable(self._ent, _MIN_TAB_BITS)
+        self._lru = LruLog(self._ent, max(32, 2 * int(capacity)))
+        self._pins = SlotPins()
 
     def reserve(self, n: int) -> None:
         """Size the hash table for ``n`` entries now (at most ``RESERVE_MAX``), so that no ``put`` up to
         ``n`` entries rebuilds it (a rebuild holds the caller for ~0.5 s per 1M entries). The table is
         zero-filled lazily by the OS: untouched cells cost address space, not memory. 4 bytes per cell,
         4 to 8 cells per entry."""
-        n = min(int(n), RESERVE_MAX)
-        bits = (_LOAD * max(1, n) - 1).bit_length()
-        if bits > self._min_bits:
-            self._min_bits = bits
-            if len(self._tab) < 1 << bits:
-                self._rebuild_table(bits)
+        self._table.reserve(min(int(n), RESERVE_MAX))
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the index's arrays (entries, hash table, LRU log); interned strings excluded."""
-        return sum(getattr(self, a).nbytes for a in ("_seq", "_own", "_rank", "_file", "_slot", "_flag", "_lp",
-                                                      "_tab", "_log", "_free"))
+        return self._ent.nbytes + self._table.nbytes + self._lru.nbytes
 
-    # ---- owners -------------------------------------------------------------------------------
+    # ---- owners and pins ----------------------------------------------------------------------
     @property
     def owners(self) -> int:
         """Interned (namespace, tenant) owners: at most twice those with live entries, plus
@@ -190,124 +165,97 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
         """Let the owners forget those without a live entry when a collection is due. Called only where
         no owner id is held across the call (:meth:`put` before it interns)."""
         if self._owners.collect_due():
-            hi = self._hi
-            self._owners.collect(self._own[:hi][self._lp[:hi] >= 0])
+            ent = self._ent
+            self._owners.collect(ent.own[:ent.hi][ent.lp[:ent.hi] >= 0])
 
-    # ---- entries and the LRU log --------------------------------------------------------------
+    def pin(self, slot: Slot) -> None:
+        """A reader holds ``slot``: no eviction picks it, and its free waits for the last :meth:`unpin`."""
+        self._pins.pin(slot)
+
+    def unpin(self, slot: Slot) -> Slot | None:
+        """Returns the slot if it must be freed now (it was removed while pinned)."""
+        return self._pins.unpin(slot)
+
+    @property
+    def pinned(self) -> int:
+        """Pinned slots."""
+        return len(self._pins)
+
+    @property
+    def deferred(self) -> int:
+        """Removed slots whose free waits for their last unpin."""
+        return self._pins.deferred
+
+    # ---- entries ------------------------------------------------------------------------------
     def _new_entry(self, o: int, rank: int, seq: int, slot: Slot, flag: int, p: int) -> int:
-        """Insert an absent key (``p``: the empty cell :meth:`_find` returned for it, valid only while the
-        table is not rebuilt)."""
-        if _LOAD * (self._n + 1) > len(self._tab):
-            self._table_room(1)
-            p = self._find(o, rank, seq)[1]
-        if self._nfree:
-            self._nfree -= 1
-            e = int(self._free[self._nfree])
-        else:
-            if self._hi >= self._cap:
-                self._grow_entries(self._hi + 1)
-            e = self._hi
-            self._hi += 1
-        self._vseq[e] = seq
-        self._vown[e] = o
-        self._vrank[e] = rank
-        self._vfile[e] = slot[0]
-        self._vslot[e] = slot[1]
-        self._vflag[e] = flag
-        self._vtab[p] = e + 1
-        self._n += 1
-        self._touch(e)
+        """Insert an absent key (``p``: the empty cell :meth:`HashTable.find` returned for it, valid only
+        while the table is not rebuilt)."""
+        table, ent = self._table, self._ent
+        if _LOAD * (table.n + 1) > table.size:
+            table.room(1)
+            p = table.find(o, rank, seq)[1]
+        e = ent.new()
+        ent.vseq[e] = seq
+        ent.vown[e] = o
+        ent.vrank[e] = rank
+        ent.vfile[e] = slot[0]
+        ent.vslot[e] = slot[1]
+        ent.vflag[e] = flag
+        table.put(p, e)
+        self._lru.touch(e)
         return e
 
     def _free_entry(self, e: int, p: int) -> None:
-        self._tab_delete(p)
-        self._vlp[e] = -1
-        if self._nfree == len(self._free):
-            self._free = np.concatenate([self._free, np.empty(len(self._free), np.int32)])
-        self._free[self._nfree] = e
-        self._nfree += 1
-        self._n -= 1
-
-    def _log_room(self, extra: int) -> None:
-        """Make room for ``extra`` appends: compact (drop stale positions) and grow when needed."""
-        if self._tail + extra <= len(self._log):
-            return
-        seg = self._log[self._head:self._tail]
-        live = seg[self._lp[seg] == np.arange(self._head, self._tail, dtype=np.int32)]
-        m = len(live)
-        size = len(self._log)
-        while 2 * (m + extra) > size:
-            size *= 2
-        if size >= 1 << 31:
-            raise OverflowError("LRU log over 2**31 positions")
-        log = self._log if size == len(self._log) else np.empty(size, np.int32)
-        log[:m] = live
-        self._lp[live] = np.arange(m, dtype=np.int32)
-        self._set_log(log)
-        self._head, self._tail = 0, m
-
-    def _touch(self, e: int) -> None:
-        t = self._tail
-        if t and self._vlp[e] == t - 1:
-            return  # already the most recently used
-        if t >= len(self._log):
-            self._log_room(1)
-            t = self._tail
-        self._vlog[t] = e
-        self._vlp[e] = t
-        self._tail = t + 1
-
-    def _touch_many(self, es: np.ndarray) -> None:
-        """Make ``es`` the most recently used, in order (a repeated entry ends at its last position)."""
-        m = len(es)
-        if not m:
-            return
-        self._log_room(m)
-        t = self._tail
-        self._log[t:t + m] = es
-        self._lp[es] = np.arange(t, t + m, dtype=np.int32)  # repeated index: the last value is assigned
-        self._tail = t + m
+        self._table.delete(p)
+        self._ent.release(e)
 
     def _slot_of(self, e: int) -> Slot:
-        return self._vfile[e], self._vslot[e]
+        ent = self._ent
+        return ent.vfile[e], ent.vslot[e]
 
     def _key_of(self, e: int) -> "BlockKey | TagKey":
-        o = self._vown[e]
-        ns, tag = self._owners.pairs[o]
-        if self._vflag[e]:
-            return TagKey(ns, tag, self._vrank[e], self._vseq[e])
-        return BlockKey(ns, self._owners.tenants[o], self._vrank[e], self._vseq[e])
+        ent = self._ent
+        o = ent.vown[e]
+        pair = self._owners.pairs[o]
+        assert pair is not None  # a live entry's owner is never collected (_gc_owners counts live entries)
+        ns, tag = pair
+        if ent.vflag[e]:
+            return TagKey(ns, tag, ent.vrank[e], ent.vseq[e])
+        tenant = self._owners.tenants[o]
+        assert tenant is not None  # an entry not flagged was put or adopted by a BlockKey: tenant known
+        return BlockKey(ns, tenant, ent.vrank[e], ent.vseq[e])
 
-    def _lookup(self, key) -> tuple[int, int]:
+    def _lookup(self, key: "BlockKey | TagKey") -> tuple[int, int]:
         """(entry or -1, table cell) for a BlockKey (adopting a tag entry: MRU, reported as BlockKey from
         now) or a TagKey (found only while its entry is not adopted, as in the OrderedDict index)."""
         o, is_tag = self._owner_of(key)
         if o < 0:
             return -1, -1
-        e, p = self._find(o, key.rank, key.seq_hash)
+        e, p = self._table.find(o, key.rank, key.seq_hash)
         if e < 0:
             return -1, -1
+        vflag = self._ent.vflag
         if is_tag:
-            return (e, p) if self._vflag[e] else (-1, -1)
-        if self._vflag[e]:
-            self._vflag[e] = 0
-            self._touch(e)
+            return (e, p) if vflag[e] else (-1, -1)
+        if vflag[e]:
+            vflag[e] = 0
+            self._lru.touch(e)
         return e, p
 
     # ---- the LruIndex API ---------------------------------------------------------------------
     def __len__(self) -> int:
-        return self._n
+        return self._table.n
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: "BlockKey | TagKey") -> bool:
         return self._lookup(key)[0] >= 0
 
-    def get(self, key, touch: bool = False) -> Slot | None:
+    def get(self, key: "BlockKey | TagKey", touch: bool = False) -> Slot | None:
         """The (file, slot) of ``key`` or None; ``touch`` makes it most recently used."""
         e = self._lookup(key)[0]
         if e < 0:
             return None
         if touch:
-            self._touch(e)
+            self._lru.touch(e)
         return self._slot_of(e)
 
     def put(self, key: BlockKey, slot: Slot) -> None:
@@ -321,31 +269,57 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
         _check(key, slot)
         self._gc_owners()
         o = self._owners.intern(key.namespace, tag_of(key.tenant), key.tenant)
-        e, p = self._find(o, key.rank, key.seq_hash)
+        e, p = self._table.find(o, key.rank, key.seq_hash)
         if e < 0:
             self._new_entry(o, key.rank, key.seq_hash, slot, 0, p)
             return
-        self._vfile[e], self._vslot[e], self._vflag[e] = slot[0], slot[1], 0
-        self._touch(e)
+        ent = self._ent
+        ent.vfile[e], ent.vslot[e], ent.vflag[e] = slot[0], slot[1], 0
+        self._lru.touch(e)
 
     def restore(self, key: "BlockKey | TagKey", slot: Slot) -> None:
         """Insert a journal entry (oldest first) at restore: a TagKey of a known tag becomes its BlockKey."""
-        if type(key) is TagKey:
+        if isinstance(key, TagKey):
             tenant = KNOWN.get(key.tag)
             if tenant is None:
                 _check(key, slot)
                 o = self._owners.intern(key.namespace, key.tag, None)
-                e, p = self._find(o, key.rank, key.seq_hash)
+                e, p = self._table.find(o, key.rank, key.seq_hash)
                 if e < 0:
                     self._new_entry(o, key.rank, key.seq_hash, slot, 1, p)
                 else:
-                    self._vfile[e], self._vslot[e] = slot
-                    self._touch(e)
+                    self._ent.vfile[e], self._ent.vslot[e] = slot
+                    self._lru.touch(e)
                 return
             key = BlockKey(key.namespace, tenant, key.rank, key.seq_hash)
         self.put(key, slot)
 
-    def lookup_prefix(self, keys: Sequence[BlockKey], namespace: str | None = None) -> int:
+    def restore_many(self, entries: Iterable[tuple["BlockKey | TagKey", Slot]]) -> None:
+        """:meth:`restore` of each (key, slot), oldest first, in one vectorised build (a repeated key
+        keeps its last slot and place).
+
+        Raises:
+            ValueError: a rank, file or slot index outside the journal's field widths.
+        """
+        restore_pairs(self._owners, self._ent, self._table, self._lru, entries)
+
+    def restore_arrays(self, namespace: str, tags: npt.NDArray[Any], ranks: npt.NDArray[Any],
+                       seqs: npt.NDArray[Any], files: npt.NDArray[Any], slots: npt.NDArray[Any]) -> None:
+        """Vectorised :meth:`restore` of N journal entries (oldest first; a repeated key keeps its last).
+
+        Args:
+            namespace: the namespace fingerprint of every entry.
+            tags: (N, 16) uint8, the tenant tags (``tenant_tag``); a tag other than ``""``'s is restored
+                as a :class:`TagKey` entry until adopted.
+            ranks, seqs, files, slots: (N,) integer arrays (rank < 2**32, seq_hash < 2**64 as uint64,
+                file < 2**16, slot < 2**32).
+
+        Raises:
+            ValueError: shapes disagree, or a rank, file or slot index is outside the widths above.
+        """
+        restore_columns(self._owners, self._ent, self._table, self._lru, namespace, tags, ranks, seqs, files, slots)
+
+    def lookup_prefix(self, keys: Sequence[BlockKey] | KeyRun, namespace: str | None = None) -> int:
         """How many leading ``keys`` are held (a key of another ``namespace``, when given, ends the
         prefix). The found ones become most recently used, in order (tag entries are adopted), exactly as
         ``get(k, touch=True)`` one by one until the first miss would leave them. ``keys``: BlockKeys, or a
@@ -365,7 +339,7 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
                 return 0
 
             def batch(a: int, b: int) -> int:  # hashes [a, b) converted only now (a partial hit stops early)
-                return self._take(self._find_run(o, keys.rank, keys.hash_array(b)[a:]))
+                return self._take(self._table.find_run(o, keys.rank, keys.hash_array(b)[a:]))
         elif n <= 8:
             i = 0
             for k in keys:
@@ -386,7 +360,7 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
     def _lookup_batch(self, keys: Sequence[BlockKey], namespace: str | None) -> int:
         """:meth:`lookup_prefix` of more than 8 BlockKeys in one vectorised pass: the keys' four columns in
         one :func:`key_columns` pass, the seq hashes to uint64 in one conversion; keys of one (namespace,
-        tenant, rank), the usual case, probe with :meth:`~.compact_table.HashTable._find_run`."""
+        tenant, rank), the usual case, probe with :meth:`~.compact_table.HashTable.find_run`."""
         n = len(keys)
         ns_col, ten_col, rank_col, seq_col = key_columns(keys)
         if namespace is not None and ns_col.count(namespace) != n:
@@ -401,37 +375,40 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
             o = self._owner_of(keys[0])[0]  # one owner and rank (a sequence's prefix): the windowed probe
             if o < 0:
                 return 0
-            return self._take(self._find_run(o, int(np.int64(r0)), seq))
+            return self._take(self._table.find_run(o, int(np.int64(r0)), seq))
         own = np.fromiter((self._owner_of(k)[0] for k in keys), np.int64, n)
-        return self._take(self._find_many(own, np.fromiter(rank_col, np.int64, n), seq))
+        return self._take(self._table.find_many(own, np.fromiter(rank_col, np.int64, n), seq))
 
-    def _take(self, res: np.ndarray) -> int:
+    def _take(self, res: I64) -> int:
         """The leading found entries of ``res`` (entries, -1 = absent): adopted and touched in order;
         returns how many."""
         miss = np.flatnonzero(res < 0)
         m = int(miss[0]) if len(miss) else len(res)
         if m:
             es = res[:m]
-            self._flag[es] = 0  # adopted (their owners learned the tenant in _owner_of)
-            self._touch_many(es)
+            self._ent.flag[es] = 0  # adopted (their owners learned the tenant in _owner_of)
+            self._lru.touch_many(es)
         return m
 
     def items(self) -> _Items:
         """Snapshot of (key, slot) oldest first (an iterable with ``len``); restored keys whose tenant was
         not seen yet are :class:`TagKey`."""
-        seg = self._log[self._head:self._tail]
-        es = seg[self._lp[seg] == np.arange(self._head, self._tail, dtype=np.int32)]
-        return _Items(list(self._owners.pairs), list(self._owners.tenants), self._own[es], self._rank[es],
-                      self._seq[es], self._file[es], self._slot[es], self._flag[es])
+        es, ent = self._lru.live(), self._ent
+        pairs, tenants = _live_owners(self._owners)
+        return _Items(list(pairs), list(tenants), ent.own[es], ent.rank[es],
+                      ent.seq[es], ent.file[es], ent.slot[es], ent.flag[es])
 
-    def identity(self, key, slot: Slot | None = None) -> tuple[bytes, int, int] | None:
+    def identity(self, key: "BlockKey | TagKey", slot: Slot | None = None) -> tuple[bytes, int, int] | None:
         """``(tenant tag, rank, seq_hash)`` the index holds for ``key``'s entry (what its slot's header
         must name), or None when ``key`` is absent or (``slot`` given) maps to another slot. A G3 read
         that fails checks the stored frame against this, not against the caller's key."""
         e, _ = self._lookup(key)
         if e < 0 or (slot is not None and self._slot_of(e) != tuple(slot)):
             return None
-        return self._owners.pairs[self._vown[e]][1], int(self._vrank[e]), int(self._vseq[e])
+        ent = self._ent
+        pair = self._owners.pairs[ent.vown[e]]
+        assert pair is not None  # a live entry's owner is never collected
+        return pair[1], int(ent.vrank[e]), int(ent.vseq[e])
 
     def remove(self, key: BlockKey, slot: Slot | None = None) -> Slot | None:
         """Remove ``key`` (only if it still maps to ``slot`` when given). Returns the slot to free now,
@@ -443,28 +420,25 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
         if slot is not None and s != tuple(slot):
             return None
         self._free_entry(e, p)
-        if self._pins.get(s):
-            self._deferred.add(s)
-            return None
-        return s
+        return self._pins.release(s)
 
     def evict(self, n: int) -> list[tuple["BlockKey | TagKey", Slot]]:
         """Remove up to ``n`` least recently used unpinned entries; returns them (oldest first)."""
-        out: list = []
-        if n <= 0 or not self._n:
+        out: list[tuple[BlockKey | TagKey, Slot]] = []
+        if n <= 0 or not self._table.n:
             return out
+        ent, lru = self._ent, self._lru
         pinned = None
         if self._pins:
             pinned = np.array([(f << 32) | s for f, s in self._pins], np.int64)
-        victims: list[np.ndarray] = []
+        victims: list[npt.NDArray[np.int32]] = []
         got = 0
-        pos = self._head
-        while got < n and pos < self._tail:
-            end = min(self._tail, pos + max(4096, 2 * (n - got)))
-            seg = self._log[pos:end]
-            cand = seg[self._lp[seg] == np.arange(pos, end, dtype=np.int32)]
+        pos = lru.head
+        while got < n and pos < lru.tail:
+            end = min(lru.tail, pos + max(4096, 2 * (n - got)))
+            cand = lru.live(pos, end)
             if pinned is not None and len(cand):
-                code = (self._file[cand].astype(np.int64) << 32) | self._slot[cand].astype(np.int64)
+                code = (ent.file[cand].astype(np.int64) << 32) | ent.slot[cand].astype(np.int64)
                 cand = cand[~np.isin(code, pinned)]
             cand = cand[:n - got]
             victims.append(cand)
@@ -475,29 +449,15 @@ class CompactLruIndex(HashTable, Restore, SlotPins):
             for e in vs.tolist():
                 key = self._key_of(e)
                 s = self._slot_of(e)
-                self._free_entry(e, self._cell_of(e))
+                self._free_entry(e, self._table.cell_of(e))
                 out.append((key, s))
         else:  # many: keys made from column lists, table cells emptied in one vectorised pass
-            owners, tenants = self._owners.pairs, self._owners.tenants
-            for o, r, q, fl, f, sl in zip(self._own[vs].tolist(), self._rank[vs].tolist(), self._seq[vs].tolist(),
-                                          self._flag[vs].tolist(), self._file[vs].tolist(), self._slot[vs].tolist()):
+            owners, tenants = _live_owners(self._owners)
+            for o, r, q, fl, f, sl in zip(ent.own[vs].tolist(), ent.rank[vs].tolist(), ent.seq[vs].tolist(),
+                                          ent.flag[vs].tolist(), ent.file[vs].tolist(), ent.slot[vs].tolist()):
                 ns, tag = owners[o]
                 out.append((TagKey(ns, tag, r, q) if fl else BlockKey(ns, tenants[o], r, q), (f, sl)))
-            self._tab_delete_many(vs)
-            self._lp[vs] = -1
-            k = len(vs)
-            while self._nfree + k > len(self._free):
-                self._free = np.concatenate([self._free, np.empty(len(self._free), np.int32)])
-            self._free[self._nfree:self._nfree + k] = vs
-            self._nfree += k
-            self._n -= k
-        # advance the head over stale positions
-        while self._head < self._tail:
-            end = min(self._tail, self._head + 4096)
-            seg = self._log[self._head:end]
-            ok = self._lp[seg] == np.arange(self._head, end, dtype=np.int32)
-            if ok.any():
-                self._head += int(np.argmax(ok))
-                break
-            self._head = end
+            self._table.delete_many(vs)
+            ent.release_many(vs)
+        lru.skip_stale()
         return out

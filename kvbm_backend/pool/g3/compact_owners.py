@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...model.namespace import tenant_tag
+from ...model.namespace import BlockKey, KeyRun, tenant_tag
 from .index import TagKey, tag_of
 
 OWNER_SLACK = 4096  # owners interned beyond twice the live ones before a collection runs
@@ -39,7 +39,7 @@ class Owners:
         """Interned owners (collected ids excluded)."""
         return len(self._by_tag)
 
-    def find(self, key) -> tuple[int, bool]:
+    def find(self, key: BlockKey | TagKey | KeyRun) -> tuple[int, bool]:
         """(owner id or -1, key is a TagKey) of a BlockKey, TagKey or KeyRun; never interns. A BlockKey
         whose tag is interned teaches the owner its tenant string."""
         if type(key) is TagKey:
@@ -76,8 +76,9 @@ class Owners:
                 self.pairs.append((namespace, tag))
                 self.tenants.append(KNOWN.get(tag) if tenant is None else tenant)
             self._by_tag[(namespace, tag)] = o
-            if self.tenants[o] is not None:
-                self._by_tenant.setdefault(namespace, {})[self.tenants[o]] = o
+            t = self.tenants[o]
+            if t is not None:
+                self._by_tenant.setdefault(namespace, {})[t] = o
         elif tenant is not None and self.tenants[o] is None:
             self.tenants[o] = tenant
             self._by_tenant.setdefault(namespace, {})[tenant] = o

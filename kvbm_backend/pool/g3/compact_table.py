@@ -2,16 +2,24 @@
 
 Cells are int32, ``entry + 1`` (0 = empty); a key's home cell is the top bits of a 64-bit mix of
 (owner, rank, seq) (:func:`_mix`, vectorised :func:`_mix_v`; the finalizer is fmix64 from
-:mod:`kvbm_backend.model.mix64`); linear probing at load at most 1/4; deletion shifts the cluster back (no tombstones). :class:`HashTable` is a mixin: the index holds the
-entry arrays (``_seq``, ``_own``, ``_rank``, ``_lp``) and their memoryviews; this module holds every
-operation on ``_tab``: scalar find/insert/delete, the vectorised batch find (:meth:`HashTable._find_many`,
-:meth:`HashTable._find_run`), batch delete, and the bulk build (one argsort by home position).
+:mod:`kvbm_backend.model.mix64`); linear probing at load at most 1/4; deletion shifts the cluster back (no tombstones). :class:`HashTable` owns the table (``tab``, its
+memoryview, mask, shift, minimum size and the count of occupied cells) and every operation on it: scalar
+find/insert/delete, the vectorised batch find (:meth:`HashTable.find_many`, :meth:`HashTable.find_run`),
+batch delete, and the bulk builds (one argsort by home position). It reads the keys of the entries it
+holds from the index's :class:`~.compact_entries.Entries` (given at construction), never writes them.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
 
 from ...model.mix64 import M64 as _M64, fmix64, fmix64_v
+from .compact_entries import I64, Entries
+
+U64 = npt.NDArray[np.uint64]
+Ints = npt.NDArray[np.integer[Any]]
 
 _K0 = 0x9E3779B97F4A7C15  # odd: the owner/rank word times it is a bijection of 64-bit words
 _U = np.uint64
@@ -25,7 +33,7 @@ def _mix(owner: int, rank: int, seq: int) -> int:
     return fmix64((seq ^ ((((owner & 0xFFFFFFFF) << 32) | (rank & 0xFFFFFFFF)) * _K0)) & _M64)
 
 
-def _mix_v(owner: np.ndarray, rank: np.ndarray, seq: np.ndarray) -> np.ndarray:
+def _mix_v(owner: Ints, rank: Ints, seq: Ints) -> U64:
     """Vectorised :func:`_mix`: uint64 array of the keys' shape."""
     with np.errstate(over="ignore"):
         o = (owner.astype(np.int64).astype(_U) & _U(0xFFFFFFFF)) << _U(32)
@@ -33,7 +41,7 @@ def _mix_v(owner: np.ndarray, rank: np.ndarray, seq: np.ndarray) -> np.ndarray:
     return fmix64_v(x)
 
 
-def _mix_seq(owner: int, rank: int, seq: np.ndarray) -> np.ndarray:
+def _mix_seq(owner: int, rank: int, seq: U64) -> U64:
     """:func:`_mix_v` for one owner and rank (a sequence's prefix): the owner/rank word is computed once in
     Python, only the sequence hashes are arrays. uint64 array of ``seq``'s shape."""
     with np.errstate(over="ignore"):
@@ -41,20 +49,46 @@ def _mix_seq(owner: int, rank: int, seq: np.ndarray) -> np.ndarray:
     return fmix64_v(x)
 
 
+
+
 class HashTable:
-    """Mixin: the hash table of :class:`~.compact_index.CompactLruIndex` (see the module docstring)."""
+    """The hash table of :class:`~.compact_index.CompactLruIndex` (see the module docstring): cells are
+    ``entry + 1`` of ``ent``'s entries, int32, 0 = empty.
 
-    def _set_table(self, tab: np.ndarray) -> None:
-        self._tab = tab
-        self._vtab = memoryview(tab)
+    Args:
+        ent: the index's entries (the table reads their ``seq``, ``own``, ``rank`` and ``lp``).
+        min_bits: the table never has fewer than ``2**min_bits`` cells (:meth:`reserve` raises it).
+
+    Attributes read outside: ``tab`` (the cells; replaced by a rebuild), ``n`` (occupied cells: the
+    live entries), ``shift`` (a key's home cell is its 64-bit mix shifted right by it), ``min_bits``.
+    """
+
+    def __init__(self, ent: Entries, min_bits: int) -> None:
+        self._ent = ent
+        self.min_bits = min_bits
+        self.n = 0
+        self._set(np.zeros(1 << min_bits, np.int32))
+
+    def _set(self, tab: npt.NDArray[np.int32]) -> None:
+        self.tab = tab
+        self._vtab = tab.data
         self._mask = len(tab) - 1
-        self._shift = 64 - (len(tab).bit_length() - 1)
+        self.shift = 64 - (len(tab).bit_length() - 1)
 
-    def _find(self, o: int, rank: int, seq: int) -> tuple[int, int]:
+    @property
+    def size(self) -> int:
+        """Cells (a power of two)."""
+        return len(self.tab)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tab.nbytes
+
+    def find(self, o: int, rank: int, seq: int) -> tuple[int, int]:
         """(entry or -1, table position of the entry or of the first empty cell on its probe path)."""
-        tab, mask = self._vtab, self._mask
-        seqa, owna, ranka = self._vseq, self._vown, self._vrank
-        p = _mix(o, rank, seq) >> self._shift
+        tab, mask, ent = self._vtab, self._mask, self._ent
+        seqa, owna, ranka = ent.vseq, ent.vown, ent.vrank
+        p = _mix(o, rank, seq) >> self.shift
         while True:
             v = tab[p]
             if v == 0:
@@ -64,10 +98,17 @@ class HashTable:
                 return e, p
             p = (p + 1) & mask
 
-    def _home(self, e: int) -> int:
-        return _mix(self._vown[e], self._vrank[e], self._vseq[e]) >> self._shift
+    def put(self, p: int, e: int) -> None:
+        """Fill the empty cell ``p`` (what :meth:`find` returned for entry ``e``'s key, with no change to
+        the table since) with ``e``. The caller made room first (:meth:`room`)."""
+        self._vtab[p] = e + 1
+        self.n += 1
 
-    def _cell_of(self, e: int) -> int:
+    def _home(self, e: int) -> int:
+        ent = self._ent
+        return _mix(ent.vown[e], ent.vrank[e], ent.vseq[e]) >> self.shift
+
+    def cell_of(self, e: int) -> int:
         """Table position of live entry ``e``."""
         tab, mask, v = self._vtab, self._mask, e + 1
         p = self._home(e)
@@ -75,7 +116,7 @@ class HashTable:
             p = (p + 1) & mask
         return p
 
-    def _tab_delete(self, i: int) -> None:
+    def delete(self, i: int) -> None:
         """Empty table cell ``i`` and shift the rest of its cluster back (linear-probing deletion)."""
         tab, mask = self._vtab, self._mask
         j = i
@@ -90,14 +131,17 @@ class HashTable:
             tab[i] = v
             i = j
         tab[i] = 0
+        self.n -= 1
 
-    def _homes(self, es: np.ndarray) -> np.ndarray:
-        return (_mix_v(self._own[es], self._rank[es], self._seq[es]) >> _U(self._shift)).astype(np.int64)
+    def _homes(self, es: I64) -> I64:
+        ent = self._ent
+        return (_mix_v(ent.own[es], ent.rank[es], ent.seq[es]) >> _U(self.shift)).astype(np.int64)
 
-    def _tab_delete_many(self, es: np.ndarray) -> None:
+    def delete_many(self, es: I64) -> None:
         """Remove live entries ``es`` (distinct, int64) from the table, vectorised: their cells and the
         rest of their clusters are emptied, then the other entries of those cluster tails go back."""
-        tab, mask = self._tab, self._mask
+        tab, mask = self.tab, self._mask
+        self.n -= len(es)
         pos = self._homes(es)
         want = es + 1
         cells = np.empty(len(es), np.int64)
@@ -134,76 +178,96 @@ class HashTable:
                 m, pos = m[keep], pos[keep]
             pos = (pos + 1) & mask
 
-    def _tab_insert_at_home(self, e: int) -> None:
+    def _insert_at_home(self, e: int) -> None:
         tab, mask = self._vtab, self._mask
         p = self._home(e)
         while tab[p] != 0:
             p = (p + 1) & mask
         tab[p] = e + 1
 
-    def _rebuild_table(self, bits: int) -> None:
-        """Build a table of ``2**bits`` cells from the live entries (one argsort by home position)."""
-        size = 1 << bits
-        shift = 64 - bits
-        tab = np.zeros(size, np.int32)
-        live = np.flatnonzero(self._lp[:self._hi] >= 0).astype(np.int64)
-        self._set_table(tab)
+    def rebuild(self, bits: int) -> None:
+        """A table of ``2**bits`` cells holding the live entries (one argsort by home position)."""
+        live = self._ent.live()
+        self._set(np.zeros(1 << bits, np.int32))
+        self.n = len(live)
         if not len(live):
             return
-        home = _mix_v(self._own[live], self._rank[live], self._seq[live]) >> _U(shift)
+        ent = self._ent
+        home = _mix_v(ent.own[live], ent.rank[live], ent.seq[live]) >> _U(64 - bits)
         o = np.argsort(home)
         self._place_sorted(home[o], live[o])
 
-    def _place_sorted(self, home: np.ndarray, ents: np.ndarray) -> None:
+    def build(self, mixes: U64, order: I64) -> None:
+        """A table of entries ``order`` whose 64-bit mixes (:func:`_mix_v`) ``mixes`` are sorted
+        ascending (a fresh restore: every other cell empty), sized for them (``min_bits`` at least)."""
+        n = len(order)
+        bits = max(self.min_bits, (_LOAD * n - 1).bit_length())
+        self._set(np.zeros(1 << bits, np.int32))
+        self.n = n
+        self._place_sorted(mixes >> _U(64 - bits), order)
+
+    def _place_sorted(self, home: npt.NDArray[np.integer[Any]], ents: I64) -> None:
         """Fill the empty table with ``ents`` whose home cells ``home`` are sorted ascending: each goes to
         the first free cell at or after its home (a running maximum), the overflow past the last cell
         wraps to the start one by one."""
-        tab, size = self._tab, len(self._tab)
+        tab, size = self.tab, len(self.tab)
         home = home.astype(np.int64)
         i = np.arange(len(ents), dtype=np.int64)
         final = i + np.maximum.accumulate(home - i)
         ok = final < size
         tab[final[ok]] = (ents[ok] + 1).astype(np.int32)
         for e in ents[~ok].tolist():  # clusters running past the end wrap to the start
-            self._tab_insert_at_home(e)
+            self._insert_at_home(e)
 
-    def _table_room(self, extra: int) -> None:
-        need = self._n + extra
-        if _LOAD * need > len(self._tab):
-            bits = max(self._min_bits, (_LOAD * need - 1).bit_length())
-            self._rebuild_table(bits)
+    def room(self, extra: int) -> None:
+        """Rebuild larger if ``extra`` more entries would take the load over 1/``_LOAD``."""
+        need = self.n + extra
+        if _LOAD * need > len(self.tab):
+            self.rebuild(max(self.min_bits, (_LOAD * need - 1).bit_length()))
 
-    def _find_many(self, own, rank, seq: np.ndarray) -> np.ndarray:
+    def fit(self) -> None:
+        """Rebuild at the size the live entries need (``min_bits`` at least)."""
+        self.rebuild(max(self.min_bits, (_LOAD * self.n - 1).bit_length()))
+
+    def reserve(self, n: int) -> None:
+        """Never fewer cells than ``n`` entries need from now (rebuilt now if smaller)."""
+        bits = (_LOAD * max(1, n) - 1).bit_length()
+        if bits > self.min_bits:
+            self.min_bits = bits
+            if len(self.tab) < 1 << bits:
+                self.rebuild(bits)
+
+    def find_many(self, own: I64, rank: I64, seq: U64) -> I64:
         """Entries of N keys (-1 where absent; a negative owner is absent), vectorised probing. ``own``
         and ``rank`` are (N,) int64 arrays or one int64 for every key."""
         n = len(seq)
         res = np.full(n, -1, np.int64)
-        if not self._n:
+        if not self.n:
             return res
-        tab, mask = self._tab, self._mask
+        tab, mask, ent = self.tab, self._mask, self._ent
         if own.ndim == 0 and rank.ndim == 0:  # one owner and rank (a sequence's prefix): scalar mix input
             if own < 0:
                 return res
             o, r = int(own), int(rank)
             x = _mix_seq(o, r, seq)
-            pos = (x >> _U(self._shift)).astype(np.int64)
+            pos = (x >> _U(self.shift)).astype(np.int64)
             act = np.arange(n)
             hit = np.zeros(n, bool)
             while len(act) > 32:
                 e = tab[pos].astype(np.int64) - 1
                 occ = e >= 0
                 ec = np.where(occ, e, 0)
-                hit = occ & (self._seq[ec] == seq)
+                hit = occ & (ent.seq[ec] == seq)
                 if hit.any():
                     hi = np.flatnonzero(hit)
                     eh = ec[hi]
-                    hit[hi] = (self._own[eh] == o) & (self._rank[eh] == r)
+                    hit[hi] = (ent.own[eh] == o) & (ent.rank[eh] == r)
                 res[act[hit]] = e[hit]
                 go = np.flatnonzero(occ & ~hit)
                 act, seq = act[go], seq[go]
                 pos = (pos[go] + 1) & mask
             for i, q in zip(act.tolist(), seq.tolist()):
-                res[i] = self._find(o, r, q)[0]
+                res[i] = self.find(o, r, q)[0]
             return res
         own = np.broadcast_to(own, (n,))
         rank = np.broadcast_to(rank, (n,))
@@ -211,38 +275,39 @@ class HashTable:
         if not len(act):
             return res
         own, rank, seq = own[act], rank[act], seq[act]
-        pos = (_mix_v(own, rank, seq) >> _U(self._shift)).astype(np.int64)
+        pos = (_mix_v(own, rank, seq) >> _U(self.shift)).astype(np.int64)
         while len(act) > 32:
             e = tab[pos].astype(np.int64) - 1
             occ = e >= 0
             ec = np.where(occ, e, 0)
-            hit = occ & (self._seq[ec] == seq)
+            hit = occ & (ent.seq[ec] == seq)
             if hit.any():  # the seq hash matched: check the rest of the identity
                 hi = np.flatnonzero(hit)
                 eh = ec[hi]
-                hit[hi] = (self._own[eh] == own[hi]) & (self._rank[eh] == rank[hi])
+                hit[hi] = (ent.own[eh] == own[hi]) & (ent.rank[eh] == rank[hi])
             res[act[hit]] = e[hit]
             go = np.flatnonzero(occ & ~hit)
             act, own, rank, seq = act[go], own[go], rank[go], seq[go]
             pos = (pos[go] + 1) & mask
         for i, o, r, q in zip(act.tolist(), own.tolist(), rank.tolist(), seq.tolist()):  # a few long probes
-            res[i] = self._find(o, r, q)[0]
+            res[i] = self.find(o, r, q)[0]
         return res
 
-    def _find_run(self, o: int, rank: int, seq: np.ndarray) -> np.ndarray:
-        """:meth:`_find_many` of N keys of one owner and rank (a sequence's prefix), lean: per probing
+    def find_run(self, o: int, rank: int, seq: U64) -> I64:
+        """:meth:`find_many` of N keys of one owner and rank (a sequence's prefix), lean: per probing
         round one table gather and one seq gather for every pending key (an empty cell, -1 after the
         shift, reads the last entry's seq: harmless, such a "hit" is dropped with the owner/rank check),
         owner and rank read only where the seq matched. A key ends at its match or at an empty cell
         (linear probing never places a key past one); the last few pending keys probe in Python."""
         n = len(seq)
         res = np.full(n, -1, np.int64)
-        if not self._n or o < 0:
+        if not self.n or o < 0:
             return res
         x = _mix_seq(o, rank, seq)
-        x >>= _U(self._shift)
+        x >>= _U(self.shift)
         pos = x.astype(np.int64)
-        tab, mask, seqa, owna, ranka = self._tab, self._mask, self._seq, self._own, self._rank
+        ent = self._ent
+        tab, mask, seqa, owna, ranka = self.tab, self._mask, ent.seq, ent.own, ent.rank
         act = None  # all keys pending (round 1)
         while True:
             e = tab[pos].astype(np.int64)
@@ -263,5 +328,5 @@ class HashTable:
         if len(go):
             act = go if act is None else act[go]
             for i, q in zip(act.tolist(), seq[go].tolist()):
-                res[i] = self._find(o, rank, q)[0]
+                res[i] = self.find(o, rank, q)[0]
         return res

@@ -15,7 +15,7 @@ that fallback costs one tag hash per miss, and only while tag-keyed entries rema
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Iterable, Iterator, NamedTuple
 
 from ...model.namespace import BlockKey, tenant_tag
 
@@ -57,12 +57,20 @@ def tag_of(tenant: str) -> bytes:
 
 
 class SlotPins:
-    """Read pins of slots and the frees deferred until the last reader unpins (both index classes).
-    Subclasses set ``_pins: dict[Slot, int]`` and ``_deferred: set[Slot]`` and add a removed slot that
-    is pinned to ``_deferred`` instead of freeing it."""
+    """Read pins of slots, and the frees deferred until a slot's last reader unpins it: a part each
+    index class owns (it calls :meth:`release` for every slot it removes)."""
 
-    _pins: dict
-    _deferred: set
+    def __init__(self) -> None:
+        self._pins: dict[Slot, int] = {}
+        self._deferred: set[Slot] = set()  # removed while pinned: freed on the last unpin
+
+    def __len__(self) -> int:
+        """Pinned slots."""
+        return len(self._pins)
+
+    def __iter__(self) -> Iterator[Slot]:
+        """The pinned slots."""
+        return iter(self._pins)
 
     def pin(self, slot: Slot) -> None:
         self._pins[slot] = self._pins.get(slot, 0) + 1
@@ -79,21 +87,49 @@ class SlotPins:
             return slot
         return None
 
+    def is_pinned(self, slot: Slot) -> bool:
+        return bool(self._pins.get(slot))
+
+    def release(self, slot: Slot) -> Slot | None:
+        """``slot`` was removed from the index: returned when it is to be freed now, None when pinned
+        (then :meth:`unpin` returns it on the last unpin)."""
+        if self._pins.get(slot):
+            self._deferred.add(slot)
+            return None
+        return slot
+
+    @property
+    def deferred(self) -> int:
+        """Removed slots waiting for their last unpin."""
+        return len(self._deferred)
+
+
+class LruIndex:
+    """Key -> (file, slot) in LRU order with read pins, in an OrderedDict (the reference the compact
+    index is checked against)."""
+
+    def __init__(self) -> None:
+        self._map: "OrderedDict[BlockKey | TagKey, Slot]" = OrderedDict()
+        self._pins = SlotPins()
+        self._tagged = 0  # entries still keyed by TagKey (restored, tenant not seen yet)
+
+    def pin(self, slot: Slot) -> None:
+        """A reader holds ``slot``: no eviction picks it, and its free waits for the last :meth:`unpin`."""
+        self._pins.pin(slot)
+
+    def unpin(self, slot: Slot) -> Slot | None:
+        """Returns the slot if it must be freed now (it was removed while pinned)."""
+        return self._pins.unpin(slot)
+
     @property
     def pinned(self) -> int:
+        """Pinned slots."""
         return len(self._pins)
 
     @property
     def deferred(self) -> int:
-        return len(self._deferred)
-
-
-class LruIndex(SlotPins):
-    def __init__(self) -> None:
-        self._map: "OrderedDict[BlockKey | TagKey, Slot]" = OrderedDict()
-        self._pins: dict[Slot, int] = {}
-        self._deferred: set[Slot] = set()  # removed from the map while pinned: free on last unpin
-        self._tagged = 0  # entries still keyed by TagKey (restored, tenant not seen yet)
+        """Removed slots whose free waits for their last unpin."""
+        return self._pins.deferred
 
     def __len__(self) -> int:
         return len(self._map)
@@ -137,12 +173,12 @@ class LruIndex(SlotPins):
         self._map[key] = slot
         self._map.move_to_end(key)
 
-    def restore_many(self, entries) -> None:
+    def restore_many(self, entries: Iterable[tuple[BlockKey | TagKey, Slot]]) -> None:
         """:meth:`restore` of each (key, slot), oldest first."""
         for key, slot in entries:
             self.restore(key, slot)
 
-    def lookup_prefix(self, keys, namespace: str | None = None) -> int:
+    def lookup_prefix(self, keys: Iterable[BlockKey], namespace: str | None = None) -> int:
         """How many leading ``keys`` are held (a key of another ``namespace``, when given, ends the
         prefix); the found ones become most recently used (``get(k, touch=True)`` each)."""
         n = 0
@@ -152,7 +188,7 @@ class LruIndex(SlotPins):
             n += 1
         return n
 
-    def items(self):
+    def items(self) -> list[tuple[BlockKey | TagKey, Slot]]:
         """(key, slot) oldest first; restored keys whose tenant was not seen yet are :class:`TagKey`."""
         return list(self._map.items())
 
@@ -165,18 +201,15 @@ class LruIndex(SlotPins):
         if s is None or (slot is not None and s != slot):
             return None
         del self._map[key]
-        if self._pins.get(s):
-            self._deferred.add(s)
-            return None
-        return s
+        return self._pins.release(s)
 
-    def evict(self, n: int) -> list[tuple[BlockKey, Slot]]:
+    def evict(self, n: int) -> list[tuple[BlockKey | TagKey, Slot]]:
         """Remove up to ``n`` least recently used unpinned entries; returns them."""
-        out = []
+        out: list[tuple[BlockKey | TagKey, Slot]] = []
         for key, slot in self._map.items():
             if len(out) >= n:
                 break
-            if not self._pins.get(slot):
+            if not self._pins.is_pinned(slot):
                 out.append((key, slot))
         for key, _ in out:
             del self._map[key]

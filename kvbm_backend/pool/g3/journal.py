@@ -36,7 +36,7 @@ import stat
 import struct
 import uuid
 from collections import OrderedDict
-from typing import Iterable
+from typing import Any, Iterable, TypeVar
 
 import xxhash
 
@@ -52,6 +52,7 @@ _SUM = struct.Struct("<Q")
 RECORD_BYTES = _REC.size + _SUM.size
 
 Slot = tuple[int, int]  # (file index, slot index in that file)
+K = TypeVar("K", BlockKey, TagKey)
 
 
 class JournalPathError(RuntimeError):
@@ -111,7 +112,7 @@ def decode_all_v1(data: bytes, namespace: str) -> tuple["OrderedDict[BlockKey, S
     return entries, n, pos
 
 
-def _apply(entries: OrderedDict, by_slot: dict, kind: int, key, slot: Slot) -> None:
+def _apply(entries: OrderedDict[K, Slot], by_slot: dict[Slot, K], kind: int, key: K, slot: Slot) -> None:
     old = entries.pop(key, None)
     if old is not None:
         by_slot.pop(old, None)
@@ -151,7 +152,7 @@ class Journal:
             f"G3 journal {self.path} is {what}, not a regular file: G3 does not follow or replace it. "
             f"Remove or rename it (the pool rebuilds the journal), then open the pool again.")
 
-    def load(self) -> tuple["OrderedDict[BlockKey | TagKey, Slot]", dict]:
+    def load(self) -> tuple["OrderedDict[TagKey, Slot] | OrderedDict[BlockKey, Slot]", dict[str, Any]]:
         """Read and replay the journal if present. Returns (entries, info) where info has ``records``,
         ``torn_bytes``, ``bad_header`` (a journal of another namespace/format is ignored) and
         ``version``. Keys are TagKeys (version 2) or BlockKeys (version 1).
@@ -159,7 +160,7 @@ class Journal:
         Raises:
             JournalPathError: the journal path is a directory, a symbolic link or another non-file.
         """
-        info = {"records": 0, "torn_bytes": 0, "bad_header": False, "version": 0}
+        info: dict[str, Any] = {"records": 0, "torn_bytes": 0, "bad_header": False, "version": 0}
         try:
             fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=self._dfd)
         except FileNotFoundError:
@@ -185,6 +186,7 @@ class Journal:
             data = b"".join(chunks)
         finally:
             os.close(fd)
+        entries: OrderedDict[TagKey, Slot] | OrderedDict[BlockKey, Slot]
         if data[:16] == self._header:
             entries, n, good = decode_all(data[16:], self._fp)
             info["version"] = 2

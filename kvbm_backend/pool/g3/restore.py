@@ -6,19 +6,24 @@ from __future__ import annotations
 import collections
 import logging
 import os
+from typing import cast
+
+import numpy as np
+import numpy.typing as npt
 
 from ...memory import aligned_empty
 from ...model import frame
 from ...model.frame import FrameError
-from ...model.namespace import tenant_tag
+from ...model.namespace import BlockKey, tenant_tag
+from ...io.base import IoEngine
 from ...transfer import header_extents, plan_ops
-from .index import TagKey
+from .index import Slot, TagKey
 from .catalog import HDR, SlotCatalog
 
 log = logging.getLogger(__name__)
 
 
-def restore(cat: SlotCatalog, engine, io_size: int) -> None:
+def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
     """Replay ``cat``'s journal: every entry whose slot header reads back and checks (identity, layout,
     lengths, a checksum flag) is published again; the others are dropped and counted (``restore:<reason>``,
     ``restored_blocks``, ``restore_dropped``). The journal is rewritten from the rebuilt index (a failure
@@ -57,7 +62,9 @@ def restore(cat: SlotCatalog, engine, io_size: int) -> None:
                 cat.c["restore:io_error"] += 1
                 continue
             try:
-                h = frame.accept(hdrs[j * HDR:(j + 1) * HDR], key, cat.layout,
+                # accept reads the key's namespace, rank and seq_hash only, which a TagKey has too (the tenant
+                # is the tag passed next); frame.accept's annotation (model/) names BlockKey only
+                h = frame.accept(hdrs[j * HDR:(j + 1) * HDR], cast(BlockKey, key), cat.layout,
                                  key.tag if type(key) is TagKey else tenant_tag(key.tenant),
                                  world=cat.namespace.tp_world_size, stored_len=cat.block_bytes)
                 if not h.flags & frame.FLAG_CHECKSUM:
@@ -79,13 +86,14 @@ def restore(cat: SlotCatalog, engine, io_size: int) -> None:
         cat.journal_failed(e)
 
 
-def _read_headers_one_by_one(cat: SlotCatalog, part: list, hdrs) -> list[bool]:
+def _read_headers_one_by_one(cat: SlotCatalog, part: list[tuple[BlockKey | TagKey, Slot]],
+                             hdrs: npt.NDArray[np.uint8]) -> list[bool]:
     """Read the header of each ``(key, slot)`` of ``part`` into ``hdrs[j * HDR:]`` with its own
     ``preadv``; returns which reads returned the whole header."""
     out = []
     for j, (_, (fi, si)) in enumerate(part):
         try:
-            out.append(os.preadv(cat.fd_of(fi), [hdrs[j * HDR:(j + 1) * HDR]], si * cat.slot_bytes) == HDR)
+            out.append(os.preadv(cat.fd_of(fi), [hdrs[j * HDR:(j + 1) * HDR].data], si * cat.slot_bytes) == HDR)
         except (OSError, KeyError):
             out.append(False)
     return out

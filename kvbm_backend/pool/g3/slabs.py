@@ -20,6 +20,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from ...io import probe_o_direct
 from ...model.namespace import Namespace
@@ -51,7 +52,7 @@ class SlabFile:
     size_slots: int = 0  # slots the file currently covers (allocated bytes // slot_bytes)
     cap_slots: int = 0  # slots usable now (max_slots, lowered when the filesystem is short)
     next_unused: int = 0  # high-water mark: slots >= this were never handed out in this run
-    free: list = field(default_factory=list)  # heap of released slot indexes < next_unused
+    free: list[int] = field(default_factory=list)  # heap of released slot indexes < next_unused
 
     def free_count(self) -> int:
         return sum(1 for s in self.free if s < self.cap_slots) + max(0, self.cap_slots - self.next_unused)
@@ -251,7 +252,7 @@ class SlabSet:
             out.extend((f.index, s) for s in got)
         return out
 
-    def release(self, slots) -> None:
+    def release(self, slots: Iterable[tuple[int, int]]) -> None:
         """Give slots back (never published, dropped or evicted)."""
         for fi, s in slots:
             f = self.by_index.get(fi)

@@ -29,10 +29,11 @@ def _universe(rng, n):
 
 def _check_table(ix):
     """Every live entry is found from its home; the table holds exactly the live entries."""
-    live = np.flatnonzero(ix._lp[:ix._hi] >= 0)
-    assert len(live) == len(ix) == int((ix._tab != 0).sum())
+    ent, table = ix._ent, ix._table
+    live = np.flatnonzero(ent.lp[:ent.hi] >= 0)
+    assert len(live) == len(ix) == table.n == int((table.tab != 0).sum())
     for e in live.tolist():
-        assert ix._find(int(ix._own[e]), int(ix._rank[e]), int(ix._seq[e]))[0] == e
+        assert table.find(int(ent.own[e]), int(ent.rank[e]), int(ent.seq[e]))[0] == e
 
 
 def _tag(k):
@@ -276,17 +277,17 @@ def test_reserve_sizes_the_table_once():
     ix = CompactLruIndex()
     ix.put(BlockKey(NS, "", 0, 1), (0, 0))
     ix.reserve(100_000)
-    size = len(ix._tab)
+    size = ix._table.size
     assert size >= ci._LOAD * 100_000 and ix.get(BlockKey(NS, "", 0, 1)) == (0, 0)
     ks = [BlockKey(NS, "", 0, i) for i in range(2, 100_000, 7)]
     for i, k in enumerate(ks):
         ix.put(k, (0, i + 1))
     ix.restore_many([(k, (1, i)) for i, k in enumerate(ks[:10])])
-    assert len(ix._tab) == size and ix.lookup_prefix(ks) == len(ks)
+    assert ix._table.size == size and ix.lookup_prefix(ks) == len(ks)
     fresh = CompactLruIndex()
     fresh.reserve(50_000)
     fresh.restore_many([(k, (0, i)) for i, k in enumerate(ks)])  # a restore keeps the reserved size
-    assert len(fresh._tab) >= ci._LOAD * 50_000 and fresh.lookup_prefix(ks) == len(ks)
+    assert fresh._table.size >= ci._LOAD * 50_000 and fresh.lookup_prefix(ks) == len(ks)
     _check_table(fresh)
 
 
@@ -305,7 +306,7 @@ def test_out_of_range_slots_are_refused_before_any_change():
 
 
 def test_find_run_matches_the_scalar_probe():
-    """The one-owner batch probe of lookup_prefix (_find_run) finds exactly what _find finds, present or
+    """The one-owner batch probe of lookup_prefix (HashTable.find_run) finds exactly what find finds, present or
     absent, including keys far from their home cell (a small table at load 1/4: long clusters) and keys
     whose seq matches an entry of another owner or rank."""
     rng = np.random.default_rng(5)
@@ -317,8 +318,8 @@ def test_find_run_matches_the_scalar_probe():
     for tenant in TENANTS[:3]:
         for rank in (0, 1, 2):
             o = ix._owner_of(BlockKey(NS, tenant, rank, 0))[0]
-            want = [ix._find(o, rank, q)[0] for q in probe.tolist()]
-            assert ix._find_run(o, rank, probe).tolist() == want
+            want = [ix._table.find(o, rank, q)[0] for q in probe.tolist()]
+            assert ix._table.find_run(o, rank, probe).tolist() == want
     _check_table(ix)
 
 
@@ -388,7 +389,7 @@ def test_lookup_prefix_matches_the_key_by_key_path(seed):
 
 
 def test_find_many_one_owner_branch_matches_the_scalar_probe():
-    """_find_many with one owner and rank for every key (0-d ``own`` and ``rank``: its scalar-mix branch)
+    """HashTable.find_many with one owner and rank for every key (0-d ``own`` and ``rank``: its scalar-mix branch)
     finds exactly what _find finds and what its per-key-array branch finds: present keys, absent keys,
     keys evicted (their cells shifted back), an absent owner (-1: nothing found), and seq hashes held by
     another owner or rank at the same home cell (found first on the probe path: only the owner and rank
@@ -405,7 +406,7 @@ def test_find_many_one_owner_branch_matches_the_scalar_probe():
     one = np.ones(len(cand), np.int64)
 
     def home(o, r):
-        return _mix_v(o * one, r * one, cand) >> np.uint64(ix._shift)
+        return _mix_v(o * one, r * one, cand) >> np.uint64(ix._table.shift)
     ha = home(oa, 0)
     own_coll = cand[ha == home(ob, 0)][:20].tolist()  # (alice, 0, s) and (bob, 0, s): one home cell
     rank_coll = cand[ha == home(oa, 1)][:20].tolist()  # (alice, 0, s) and (alice, 1, s): one home cell
@@ -423,20 +424,20 @@ def test_find_many_one_owner_branch_matches_the_scalar_probe():
     for tenant in TENANTS[:3]:
         for rank in (0, 1, 2):
             o = ix._owner_of(BlockKey(NS, tenant, rank, 0))[0]
-            want = [ix._find(o, rank, q)[0] for q in probe.tolist()]
-            got = ix._find_many(np.int64(o), np.int64(rank), probe.copy())
+            want = [ix._table.find(o, rank, q)[0] for q in probe.tolist()]
+            got = ix._table.find_many(np.int64(o), np.int64(rank), probe.copy())
             assert got.tolist() == want
-            per_key = ix._find_many(np.full(n, o, np.int64), np.full(n, rank, np.int64), probe.copy())
+            per_key = ix._table.find_many(np.full(n, o, np.int64), np.full(n, rank, np.int64), probe.copy())
             assert per_key.tolist() == want
             for q, e in zip(probe.tolist(), want):
                 if e >= 0:
-                    assert (int(ix._seq[e]), int(ix._own[e]), int(ix._rank[e])) == (q, o, rank)
+                    assert (int(ix._ent.seq[e]), int(ix._ent.own[e]), int(ix._ent.rank[e])) == (q, o, rank)
                     assert (tenant, rank, q) not in gone
             if o >= 0 and rank < 2:
                 assert sum(e >= 0 for e in want) > 500  # the branch is exercised with hits, not only misses
-    got = ix._find_many(np.int64(oa), np.int64(0), np.array(own_coll + rank_coll, np.uint64)).tolist()
+    got = ix._table.find_many(np.int64(oa), np.int64(0), np.array(own_coll + rank_coll, np.uint64)).tolist()
     assert [e >= 0 for e in got] == [bool(j % 2) for j in range(20)] * 2  # the key itself, or a miss
-    assert (ix._find_many(np.int64(-1), np.int64(0), probe) == -1).all()
+    assert (ix._table.find_many(np.int64(-1), np.int64(0), probe) == -1).all()
     _check_table(ix)
 
 
