@@ -17,6 +17,15 @@ describes the behaviour), kept request by request:
 * per-request bounds: obstore's ``timeout`` (whole request) and ``connect_timeout`` = ``timeout_s``;
   obstore's own retries are off (``max_retries`` 0): :meth:`_ocall` makes the ``1 + retries``
   attempts of a request that failed in transit or with 500/502/503/504 / ``RequestTimeout``, at once;
+* a PUT whose last attempt failed so is settled by a HEAD before it counts as failed
+  (:meth:`~.s3_store.S3Store._settle_put`: these very bytes there = written by this call). This is how
+  obstore is safe where boto3's bound differs: boto3's ``read_timeout`` bounds each socket wait, so a
+  slow upload or a process that stalls (CPU starvation) with a PUT in flight still sees its answer,
+  while obstore's ``timeout`` bounds the whole request, upload included, and fires on a stall although
+  the body landed (CI: the Dynamo G4 handoff counted 8 of 111 landed blocks dropped). obstore 0.12's
+  ``read_timeout`` cannot stand in for boto3's either: reqwest applies it from the request's start to
+  the answer's head, upload included (measured: a 2 MiB PUT through a 1 MB/s link fails with
+  ``read_timeout`` 1 s exactly as with ``timeout`` 1 s);
 * "slow down" answers (a code in :data:`~.s3_store.THROTTLE_CODES`, HTTP 429, a bodyless 503 to a
   HEAD) raise :class:`~.store.StoreThrottled` at once, unretried and unslept (the pool's backoff owns the
   wait, :mod:`.throttle`).
@@ -38,6 +47,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import re
+from typing import NoReturn
 
 import boto3
 import obstore
@@ -63,6 +73,12 @@ class _Failed(Exception):
     def __init__(self, op: str, status: int | None, code: str, retried: bool, msg: str):
         super().__init__(msg)
         self.op, self.status, self.code, self.retried = op, status, code, retried
+
+
+def _unanswered(f: _Failed) -> bool:
+    """The request got no answer (timeout, connection cut) or a 5xx / transient one: the store is
+    unavailable, and a PUT may have landed all the same."""
+    return f.code != "NoSuchBucket" and (f.status is None or f.status >= 500 or f.code in _TRANSIENT_CODES)
 
 
 class ObstoreS3Store(S3Store):
@@ -120,11 +136,14 @@ class ObstoreS3Store(S3Store):
                     raise _Failed(op, status, code, attempt > 0, f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _raise(self, f: _Failed, name: str):
+    def _unavailable_error(self, f: _Failed, name: str) -> StoreUnavailable:
+        return StoreUnavailable(f"{f.op} {self.url}/{name}: {f}")
+
+    def _raise(self, f: _Failed, name: str) -> NoReturn:
         if f.code == "NoSuchBucket":
             raise self._bucket_missing() from None
-        if f.status is None or f.status >= 500 or f.code in _TRANSIENT_CODES:
-            raise StoreUnavailable(f"{f.op} {self.url}/{name}: {f}") from None
+        if _unanswered(f):
+            raise self._unavailable_error(f, name) from None
         raise OSError(f"{f.op} {self.url}/{name}: {f.code or '-'} (HTTP {f.status})") from None
 
     def put_if_absent(self, name: str, data) -> bool:
@@ -138,6 +157,8 @@ class ObstoreS3Store(S3Store):
                     return f.retried and self._holds_these_bytes(key, data)
                 if f.status == 501 or f.code == "NotImplemented":
                     self.supports_conditional_put = False
+                elif _unanswered(f):  # it may have landed: the server says
+                    return self._settle_put(name, data, self._unavailable_error(f, name))
                 else:
                     self._raise(f, name)
         if self.head(name) is not None:
@@ -148,8 +169,20 @@ class ObstoreS3Store(S3Store):
     def put(self, name: str, data) -> None:
         try:
             self._ocall("put", name, lambda: obstore.put(self._obs, self._key(name), data, use_multipart=False))
+            return
+        except _Failed as f:
+            if not _unanswered(f):
+                self._raise(f, name)
+            fail = self._unavailable_error(f, name)
+        if not self._settle_put(name, data, fail):  # landed only if the server holds these very bytes
+            raise fail
+
+    def _stored_etag(self, name: str) -> str | None:
+        try:
+            meta = self._ocall("head", name, lambda: obstore.head(self._obs, self._key(name)))
         except _Failed as f:
             self._raise(f, name)
+        return None if meta is None else str(meta.get("e_tag") or "").strip('"').lower()
 
     def get(self, name: str, offset: int = 0, length: int | None = None):
         """A read-only bytes-like (obstore ``Bytes``, no copy), None if absent, ``b""`` past the end."""

@@ -25,6 +25,13 @@ traffic moves to obstore with ``g4.s3_client: obstore`` (:mod:`.s3_obstore`), se
   on a slow store (a sealed frame has a fresh nonce: another writer's copy never matches). Servers
   that reject the header (501 NotImplemented) fall back to HEAD-then-PUT (whole-object PUTs are
   atomic on S3, so even then no reader sees a torn object).
+* A PUT whose last attempt got no answer (timeouts, a connection cut) or a 5xx / ``RequestTimeout`` may
+  still have landed: before it counts as failed a HEAD settles it (:meth:`S3Store._settle_put`): the
+  object holding these very bytes (ETag = MD5) counts as written by this call, another writer's bytes
+  as already there (``put_if_absent`` False), and an absent object (or a HEAD that fails too) raises
+  StoreUnavailable: a landed block is never counted lost, a lost one never counted written (invariant
+  2). This is what keeps the counters true when the worker or the server is too slow for ``timeout_s``
+  (obstore's bound covers the whole request, upload included; see :mod:`.s3_obstore`).
 * A frame that fails verification is dropped only when :meth:`S3Store.stored_matches` (HEAD: length and
   MD5 ETag of the bytes read) confirms the server holds those very bytes; a proxy or endpoint that
   answers 200 with a wrong body never gets a good object deleted.
@@ -175,13 +182,47 @@ class S3Store(ObjectStore):
                 if status == 501 or code == "NotImplemented":
                     self.supports_conditional_put = False
                 else:
-                    raise self._err("put", name, e) from None
-            except BotoCoreError as e:
-                raise self._unavailable("put", name, e) from None
+                    err = self._err("put", name, e)
+                    if isinstance(err, StoreUnavailable):  # 5xx / RequestTimeout: it may have landed
+                        return self._settle_put(name, data, err)
+                    raise err from None
+            except BotoCoreError as e:  # no answer: it may have landed
+                return self._settle_put(name, data, self._unavailable("put", name, e))
         if self.head(name) is not None:
             return False
         self.put(name, data)
         return True
+
+    def _stored_etag(self, name: str) -> str | None:
+        """ETag of the object ``name`` (lower-case, unquoted; "" when the server sends none), None if
+        absent. Raises StoreUnavailable, StoreThrottled or OSError as :meth:`head` does."""
+        try:
+            h = self._call("head", name, lambda _r: self.client.head_object(Bucket=self.bucket, Key=self._key(name)))
+        except ClientError as e:
+            code, status = _code(e)
+            if code in _MISSING or status == 404:
+                return None
+            raise self._err("head", name, e) from None
+        except BotoCoreError as e:
+            raise self._unavailable("head", name, e) from None
+        return str(h.get("ETag", "")).strip('"').lower()
+
+    def _settle_put(self, name: str, data, failure: StoreUnavailable) -> bool:
+        """A PUT of ``data`` under ``name`` failed with ``failure`` (no answer, 5xx, RequestTimeout) and
+        may have landed anyway: ask the server (one HEAD, retried as any request).
+
+        Returns True when the object holds these bytes (its ETag is the MD5 of ``data``, S3's single-part
+        ETag; a sealed frame has a fresh nonce, so another writer's copy never matches): this call wrote
+        it. False when it holds other bytes: another writer's copy (``put_if_absent``'s "already there").
+        Raises ``failure`` when the object is absent, and StoreUnavailable when the HEAD fails as well:
+        what the server does not confirm is never counted written."""
+        try:
+            etag = self._stored_etag(name)
+        except OSError as e:  # unavailable, throttled, denied: cannot tell, so not written
+            raise StoreUnavailable(f"{failure}; a HEAD to see whether it landed failed too: {e}") from None
+        if etag is None:
+            raise failure
+        return etag == hashlib.md5(memoryview(data).cast("B"), usedforsecurity=False).hexdigest()
 
     def _holds_these_bytes(self, key: str, data) -> bool:
         """The object at ``key`` has the ETag of ``data`` (MD5 hex, S3's single-part ETag). False when the
@@ -207,9 +248,16 @@ class S3Store(ObjectStore):
         try:
             self._call("put", name, lambda _r: self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data))
         except ClientError as e:
-            raise self._err("put", name, e) from None
+            err = self._err("put", name, e)
+            if not isinstance(err, StoreUnavailable):
+                raise err from None
+            fail = err
         except BotoCoreError as e:
-            raise self._unavailable("put", name, e) from None
+            fail = self._unavailable("put", name, e)
+        else:
+            return
+        if not self._settle_put(name, data, fail):  # landed only if the server holds these very bytes
+            raise fail
 
     def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
         kw = {}
