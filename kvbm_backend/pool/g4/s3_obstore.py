@@ -47,14 +47,23 @@ from __future__ import annotations
 import datetime
 import hashlib
 import re
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar
+from urllib.parse import ParseResult
 
 import boto3
 import obstore
 from obstore.exceptions import AlreadyExistsError, PreconditionError
 
 from .s3_store import _TRANSIENT_CODES, _TRANSIENT_STATUS, THROTTLE_CODES, S3Store
-from .store import StoreThrottled, StoreUnavailable
+from .store import StoreThrottled, StoreUnavailable, byte_view
+
+if TYPE_CHECKING:
+    from obstore import Bytes
+
+    from .factory import StoreOptions
+    from .store import Blob, DataIn
+
+_T = TypeVar("_T")
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
@@ -87,13 +96,13 @@ class ObstoreS3Store(S3Store):
     client_name = "obstore"
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, region: str | None = None,
-                 timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, client=None):
+                 timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, client: Any = None):
         super().__init__(bucket, prefix, endpoint_url=endpoint_url, region=region, timeout_s=timeout_s,
                          max_inflight=max_inflight, retries=retries, client=client)
         from obstore.store import S3Store as _ObsS3
-        endpoint = self.client.meta.endpoint_url  # what boto3 resolved (argument, AWS_ENDPOINT_URL, AWS)
+        endpoint: str = self.client.meta.endpoint_url  # what boto3 resolved (argument, AWS_ENDPOINT_URL, AWS)
         t = f"{max(1, int(timeout_s * 1000))}ms"
-        kw = {}
+        kw: dict[str, Any] = {}
         session = boto3.session.Session()
         if session.get_credentials() is not None:
             from obstore.auth.boto3 import Boto3CredentialProvider
@@ -108,13 +117,13 @@ class ObstoreS3Store(S3Store):
                            retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(0)}, **kw)
 
     @classmethod
-    def from_url(cls, url: str, parsed, opts) -> "ObstoreS3Store":
+    def from_url(cls, url: str, parsed: ParseResult, opts: StoreOptions) -> "ObstoreS3Store":
         if not parsed.netloc:
             raise ValueError(f"g4.url {url!r}: s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
         return cls(parsed.netloc, parsed.path.strip("/"), endpoint_url=opts.endpoint_url, region=opts.region,
                    timeout_s=opts.timeout_s, max_inflight=opts.max_inflight, retries=opts.retries)
 
-    def _ocall(self, op: str, name: str, fn):
+    def _ocall(self, op: str, name: str, fn: Callable[[], _T]) -> _T | None:
         """``fn()``: one obstore request, made up to ``1 + retries`` times (see the module doc). Returns
         its result, or None for 404 (absent). Raises StoreThrottled, or :class:`_Failed` for anything else
         (AlreadyExists / Precondition answers as status 412)."""
@@ -146,11 +155,11 @@ class ObstoreS3Store(S3Store):
             raise self._unavailable_error(f, name) from None
         raise OSError(f"{f.op} {self.url}/{name}: {f.code or '-'} (HTTP {f.status})") from None
 
-    def put_if_absent(self, name: str, data) -> bool:
-        key = self._key(name)
+    def put_if_absent(self, name: str, data: DataIn) -> bool:
+        key, body = self._key(name), byte_view(data)
         if self.supports_conditional_put:
             try:
-                self._ocall("put", name, lambda: obstore.put(self._obs, key, data, mode="create", use_multipart=False))
+                self._ocall("put", name, lambda: obstore.put(self._obs, key, body, mode="create", use_multipart=False))
                 return True
             except _Failed as f:
                 if f.status in (409, 412):
@@ -166,9 +175,10 @@ class ObstoreS3Store(S3Store):
         self.put(name, data)
         return True
 
-    def put(self, name: str, data) -> None:
+    def put(self, name: str, data: DataIn) -> None:
+        body = byte_view(data)
         try:
-            self._ocall("put", name, lambda: obstore.put(self._obs, self._key(name), data, use_multipart=False))
+            self._ocall("put", name, lambda: obstore.put(self._obs, self._key(name), body, use_multipart=False))
             return
         except _Failed as f:
             if not _unanswered(f):
@@ -184,9 +194,10 @@ class ObstoreS3Store(S3Store):
             self._raise(f, name)
         return None if meta is None else str(meta.get("e_tag") or "").strip('"').lower()
 
-    def get(self, name: str, offset: int = 0, length: int | None = None):
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> Blob | None:
         """A read-only bytes-like (obstore ``Bytes``, no copy), None if absent, ``b""`` past the end."""
         key = self._key(name)
+        fn: Callable[[], Bytes]
         if offset or length is not None:
             if length is None:
                 fn = lambda: obstore.get(self._obs, key, options={"range": {"offset": offset}}).bytes()  # noqa: E731
@@ -208,9 +219,9 @@ class ObstoreS3Store(S3Store):
             self._raise(f, name)
         return None if meta is None else int(meta["size"])
 
-    def _holds_these_bytes(self, key: str, data) -> bool:
+    def _holds_these_bytes(self, key: str, data: DataIn) -> bool:
         try:
             meta = obstore.head(self._obs, key)
         except Exception:  # noqa: BLE001 - unconfirmed: another writer's copy
             return False
-        return str(meta.get("e_tag") or "").strip('"') == hashlib.md5(data, usedforsecurity=False).hexdigest()
+        return str(meta.get("e_tag") or "").strip('"') == hashlib.md5(byte_view(data), usedforsecurity=False).hexdigest()

@@ -65,14 +65,21 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from urllib.parse import ParseResult
 
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from .store import BucketMissing, ObjectInfo, ObjectStore, StoreThrottled, StoreUnavailable
+from .store import BucketMissing, ObjectInfo, ObjectStore, StoreThrottled, StoreUnavailable, byte_view
+
+if TYPE_CHECKING:
+    from .factory import StoreOptions
+    from .store import Blob, DataIn
+
+_T = TypeVar("_T")
 
 _MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchObject"}
 _EXISTS = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
@@ -112,7 +119,7 @@ class S3Store(ObjectStore):
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, region: str | None = None,
-                 timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, client=None):
+                 timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, client: Any = None):
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.endpoint_url = endpoint_url
@@ -128,7 +135,7 @@ class S3Store(ObjectStore):
         self._mu = threading.Lock()
 
     @classmethod
-    def from_url(cls, url: str, parsed, opts) -> "S3Store":
+    def from_url(cls, url: str, parsed: ParseResult, opts: StoreOptions) -> "S3Store":
         """``s3://BUCKET[/PREFIX]`` with ``opts`` (:class:`~kvbm_backend.pool.g4.factory.StoreOptions`).
         Raises ValueError naming ``g4.url`` without a bucket."""
         if not parsed.netloc:
@@ -145,7 +152,7 @@ class S3Store(ObjectStore):
     def _unavailable(self, op: str, name: str, e: Exception) -> StoreUnavailable:
         return StoreUnavailable(f"{op} {self.url}/{name}: {type(e).__name__}: {e}")
 
-    def _call(self, op: str, name: str, fn):
+    def _call(self, op: str, name: str, fn: Callable[[bool], _T]) -> _T:
         """``fn(retried)``: one S3 request (and the read of its body), made up to ``1 + retries`` times.
 
         A throttled answer raises :class:`StoreThrottled` at once (never retried or slept on here). A
@@ -168,36 +175,37 @@ class S3Store(ObjectStore):
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def put_if_absent(self, name: str, data) -> bool:
-        key, data = self._key(name), _body(data)
+    def put_if_absent(self, name: str, data: DataIn) -> bool:
+        key, body = self._key(name), _body(data)
         if self.supports_conditional_put:
             try:
-                self._call("put", name, lambda _r: self.client.put_object(Bucket=self.bucket, Key=key, Body=data,
+                self._call("put", name, lambda _r: self.client.put_object(Bucket=self.bucket, Key=key, Body=body,
                                                                           IfNoneMatch="*"))
                 return True
             except ClientError as e:
                 code, status = _code(e)
                 if code in _EXISTS or str(status) in _EXISTS:
-                    return _retried(e) and self._holds_these_bytes(key, data)
+                    return _retried(e) and self._holds_these_bytes(key, body)
                 if status == 501 or code == "NotImplemented":
                     self.supports_conditional_put = False
                 else:
                     err = self._err("put", name, e)
                     if isinstance(err, StoreUnavailable):  # 5xx / RequestTimeout: it may have landed
-                        return self._settle_put(name, data, err)
+                        return self._settle_put(name, body, err)
                     raise err from None
             except BotoCoreError as e:  # no answer: it may have landed
-                return self._settle_put(name, data, self._unavailable("put", name, e))
+                return self._settle_put(name, body, self._unavailable("put", name, e))
         if self.head(name) is not None:
             return False
-        self.put(name, data)
+        self.put(name, body)
         return True
 
     def _stored_etag(self, name: str) -> str | None:
         """ETag of the object ``name`` (lower-case, unquoted; "" when the server sends none), None if
         absent. Raises StoreUnavailable, StoreThrottled or OSError as :meth:`head` does."""
         try:
-            h = self._call("head", name, lambda _r: self.client.head_object(Bucket=self.bucket, Key=self._key(name)))
+            h: dict[str, Any] = self._call("head", name, lambda _r: self.client.head_object(Bucket=self.bucket,
+                                                                                          Key=self._key(name)))
         except ClientError as e:
             code, status = _code(e)
             if code in _MISSING or status == 404:
@@ -207,7 +215,7 @@ class S3Store(ObjectStore):
             raise self._unavailable("head", name, e) from None
         return str(h.get("ETag", "")).strip('"').lower()
 
-    def _settle_put(self, name: str, data, failure: StoreUnavailable) -> bool:
+    def _settle_put(self, name: str, data: DataIn, failure: StoreUnavailable) -> bool:
         """A PUT of ``data`` under ``name`` failed with ``failure`` (no answer, 5xx, RequestTimeout) and
         may have landed anyway: ask the server (one HEAD, retried as any request).
 
@@ -222,9 +230,9 @@ class S3Store(ObjectStore):
             raise StoreUnavailable(f"{failure}; a HEAD to see whether it landed failed too: {e}") from None
         if etag is None:
             raise failure
-        return etag == hashlib.md5(memoryview(data).cast("B"), usedforsecurity=False).hexdigest()
+        return etag == hashlib.md5(byte_view(data), usedforsecurity=False).hexdigest()
 
-    def _holds_these_bytes(self, key: str, data) -> bool:
+    def _holds_these_bytes(self, key: str, data: DataIn) -> bool:
         """The object at ``key`` has the ETag of ``data`` (MD5 hex, S3's single-part ETag). False when the
         HEAD fails or the server's ETag is not an MD5 (multipart, some gateways): counted as another
         writer's copy, which is the conservative answer."""
@@ -233,7 +241,7 @@ class S3Store(ObjectStore):
                        .get("ETag", "")).strip('"')
         except (ClientError, BotoCoreError, OSError):
             return False
-        return etag == hashlib.md5(data, usedforsecurity=False).hexdigest()
+        return etag == hashlib.md5(byte_view(data), usedforsecurity=False).hexdigest()
 
     def _err(self, op: str, name: str, e: ClientError) -> Exception:
         code, status = _code(e)
@@ -243,10 +251,10 @@ class S3Store(ObjectStore):
             return self._unavailable(op, name, e)
         return OSError(f"{op} {self.url}/{name}: {code} (HTTP {status})")
 
-    def put(self, name: str, data) -> None:
-        data = _body(data)
+    def put(self, name: str, data: DataIn) -> None:
+        body = _body(data)
         try:
-            self._call("put", name, lambda _r: self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data))
+            self._call("put", name, lambda _r: self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=body))
         except ClientError as e:
             err = self._err("put", name, e)
             if not isinstance(err, StoreUnavailable):
@@ -256,16 +264,17 @@ class S3Store(ObjectStore):
             fail = self._unavailable("put", name, e)
         else:
             return
-        if not self._settle_put(name, data, fail):  # landed only if the server holds these very bytes
+        if not self._settle_put(name, body, fail):  # landed only if the server holds these very bytes
             raise fail
 
-    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
-        kw = {}
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> Blob | None:
+        kw: dict[str, str] = {}
         if offset or length is not None:
             kw["Range"] = f"bytes={offset}-" + (str(offset + length - 1) if length is not None else "")
         try:
-            return self._call("get", name,
-                              lambda _r: self.client.get_object(Bucket=self.bucket, Key=self._key(name), **kw)["Body"].read())
+            body: bytes = self._call("get", name, lambda _r: self.client.get_object(Bucket=self.bucket,
+                                                                                    Key=self._key(name), **kw)["Body"].read())
+            return body
         except ClientError as e:
             code, status = _code(e)
             if code in _MISSING or status == 404:
@@ -276,12 +285,12 @@ class S3Store(ObjectStore):
         except BotoCoreError as e:
             raise self._unavailable("get", name, e) from None
 
-    def stored_matches(self, name: str, data, size: int) -> bool:
+    def stored_matches(self, name: str, data: DataIn, size: int) -> bool:
         """True only when a HEAD of ``name`` says ``size`` bytes and an ETag equal to the MD5 of ``data``
         (all of it: S3's ETag of a single-part PUT, as every G4 object is written). A body rewritten on the
         way (short, garbage, another object's bytes, an error page) never matches, so the good object stays.
         False on any error, or where the ETag is not a plain MD5 (multipart copies, SSE-KMS): unconfirmed."""
-        want = memoryview(data).cast("B")
+        want = byte_view(data)
         if len(want) != size:
             return False
         try:
@@ -318,7 +327,7 @@ class S3Store(ObjectStore):
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = f"{self.prefix}/" if self.prefix else ""
-        kw = {"Bucket": self.bucket, "Prefix": base + prefix}
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base + prefix}
         try:
             while True:  # one LIST page per request (ListObjectsV2 continuation tokens), each retried like any call
                 page = self._call("list", prefix, lambda _r: self.client.list_objects_v2(**kw))
@@ -364,6 +373,6 @@ class S3Store(ObjectStore):
         self.client.close()
 
 
-def _body(data):
+def _body(data: DataIn) -> bytes | bytearray:
     """``data`` as botocore takes a body (bytes, bytearray; a memoryview or array is copied once)."""
-    return data if isinstance(data, (bytes, bytearray)) else bytes(memoryview(data).cast("B"))
+    return data if isinstance(data, (bytes, bytearray)) else bytes(byte_view(data))
