@@ -283,9 +283,11 @@ class G4Config(_M):
     """Client of the S3 block traffic (PUT/GET/HEAD): ``boto3`` or ``obstore`` (Rust ``object_store``;
     about half of boto3's client CPU per GB, issue 25). Both keep create-exclusive PUT, ranged GET,
     per-request timeouts and the throttling backoff; control calls (probe, gc's LIST, DELETE) use boto3.
-    Not the default yet: obstore's ``timeout_s`` bounds the whole request, boto3's each socket wait, so a
-    process that stalls with PUTs in flight (seen on the loaded 2-core CI VM) counts them dropped under
-    obstore although they landed (tests/e2e/test_dynamo_e2e.py's handoff, 8 of 111 blocks)."""
+    obstore's ``timeout_s`` bounds the whole request (boto3's: each socket wait), so a PUT of a stalled
+    process can time out after it landed; with either client a PUT that got no answer is settled by a
+    HEAD before it counts dropped (:meth:`~kvbm_backend.pool.g4.s3_store.S3Store._settle_put`). Not the
+    default yet: obstore's GET CPU is at the issue's 1.0 CPU-s/GB bound, not under it (figures in
+    docs/configuration.md)."""
     layout: Literal["per-rank", "canonical"] = "per-rank"
     """How G4 stores a block: ``per-rank`` (one object per TP rank, its KV heads: only engines of the same
     TP size share it) or ``canonical`` (one object per KV head of the model, MLA once: engines of one

@@ -6,6 +6,9 @@ read timeout). Used to test what a client's retry then meets (e.g. S3's 412 for 
 ``slow_connections - 1`` get the server's bytes ``delay_s`` seconds late; later ones pass straight through.
 ``first_answers[i]`` holds the first bytes of the server's first final answer on connection ``i`` (what the
 client never saw in time, e.g. ``b"HTTP/1.1 200 OK"``); interim ``100 Continue`` answers are not held back.
+
+``SlowPutProxy``: an HTTP proxy whose object PUTs are answered late (they land) or never (they are lost),
+every other request passing through (see its doc).
 """
 from __future__ import annotations
 
@@ -63,3 +66,73 @@ class SlowAnswerProxy:
     def close(self) -> None:
         self._closed = True
         self._srv.close()
+
+
+class SlowPutProxy:
+    """A loopback HTTP proxy in front of a real S3 server whose object PUTs get no answer in time; every
+    other request (HEAD, GET, LIST, bucket calls) passes straight through.
+
+    ``SlowPutProxy(host, port, mode="late", delay_s=2.0, slow_puts=None)``:
+
+    * ``mode="late"``: the PUT is forwarded (the server stores the object) and its answer is sent only
+      ``delay_s`` seconds later: what a client sees when the server, or its own process, is too slow for
+      its timeout although the write landed;
+    * ``mode="lost"``: the PUT's body is read and dropped (it never reaches the server); after ``delay_s``
+      the connection closes without an answer: a write that did not land.
+
+    ``slow_puts``: how many PUTs are treated so (None: all); later ones pass. ``held`` counts those held.
+    """
+
+    def __init__(self, host: str, port: int, mode: str = "late", delay_s: float = 2.0,
+                 slow_puts: int | None = None):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from tests.helpers.lying_proxy import reply, upstream
+        if mode not in ("late", "lost"):
+            raise ValueError(f"SlowPutProxy mode {mode!r}: 'late' or 'lost'")
+        self.target = (host, port)
+        self.mode, self.delay_s, self.slow_puts = mode, delay_s, slow_puts
+        self.held = 0
+        self._mu = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _handle(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                if not (self.command == "PUT" and proxy._hold()):
+                    return reply(self, *upstream(self, proxy.target, body))
+                if proxy.mode == "late":
+                    answer = upstream(self, proxy.target, body)  # stored now; answered late
+                    time.sleep(proxy.delay_s)
+                    try:
+                        reply(self, *answer)
+                    except OSError:  # the client gave up and closed
+                        self.close_connection = True
+                    return
+                time.sleep(proxy.delay_s)  # lost: never forwarded, never answered
+                self.close_connection = True
+
+            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _handle
+
+        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._srv.daemon_threads = True
+        self.port = self._srv.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+
+    def _hold(self) -> bool:
+        with self._mu:
+            if self.slow_puts is not None and self.held >= self.slow_puts:
+                return False
+            self.held += 1
+            return True
+
+    def close(self) -> None:
+        self._srv.shutdown()
+        self._srv.server_close()

@@ -133,7 +133,7 @@ def _s3_baseline(url: str, opts: BenchOptions, object_bytes: int, n: int) -> dic
             t0 = time.perf_counter()
             got = list(ex.map(st.get, names))
             read_s = time.perf_counter() - t0
-        if any(bytes(g) != data for g in got):
+        if any(g is None or bytes(g) != data for g in got):
             raise RuntimeError("bench: S3 baseline read back different bytes than it wrote")
     finally:
         st.close()

@@ -28,7 +28,7 @@ class CircuitBreaker:
         remind_s: least seconds between repeated "still unavailable" warnings.
     """
 
-    def __init__(self, failures: int = 5, reset_s: float = 5.0, clock=time.monotonic, *, name: str | None = None,
+    def __init__(self, failures: int = 5, reset_s: float = 5.0, clock: Callable[[], float] = time.monotonic, *, name: str | None = None,
                  on_change: Callable[[str], None] | None = None, remind_s: float = 300.0):
         if failures < 1 or reset_s <= 0:
             raise ValueError(f"breaker: failures >= 1 and reset_s > 0 required, got {failures}, {reset_s}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -24,14 +24,17 @@ from ..base import BlockPool, GetResult, PutResult, completed, is_tensor_batch
 
 __all__ = ["CanonicalG4"]
 
+_R = TypeVar("_R")
+_T = TypeVar("_T")
 
-def _all_of(futs: list[Future], combine) -> Future:
+
+def _all_of(futs: list[Future[_R]], combine: Callable[[list[_R]], _T]) -> Future[_T]:
     """A Future of ``combine([f.result() for f in futs])`` once all are done (an exception: the first)."""
-    out: Future = Future()
+    out: Future[_T] = Future()
     left = [len(futs)]
     lock = threading.Lock()
 
-    def one(_f: Future) -> None:
+    def one(_f: Future[_R]) -> None:
         with lock:
             left[0] -= 1
             if left[0]:
@@ -71,20 +74,20 @@ class CanonicalG4:
     def layout(self) -> KvLayout:
         return self.namespace.layout
 
-    def _own(self, keys) -> int:
+    def _own(self, keys: Sequence[BlockKey]) -> int:
         """Length of the leading run of ``keys`` of this pool's namespace (a foreign key ends a prefix)."""
         for i, k in enumerate(keys):
             if k.namespace != self._fp:
                 return i
         return len(keys)
 
-    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future:
+    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Leading ``keys`` whose parts (the key rank's heads) are all present: the minimum of the
         parts' prefixes. A :class:`KeyRun` is probed as one run per head (no per-key objects)."""
         if isinstance(keys, KeyRun):
             if keys.namespace != self._fp or not len(keys):
                 return completed(0)
-            runs: list = self.heads.part_runs(keys)
+            runs: list[Any] = self.heads.part_runs(keys)  # KeyRuns, or lists of BlockKeys below
         else:
             keys = list(keys)[:self._own(keys)]
             if not keys:
@@ -94,7 +97,7 @@ class CanonicalG4:
             runs = [[BlockKey(fp, k.tenant, h, k.seq_hash) for k in keys] for h in heads]
         return _all_of([self.inner.lookup_prefix(r) for r in runs], min)
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future:
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future[PutResult]:
         """Store each block as its rank's head parts (copies made now; the caller's buffers are free when
         this returns). The result counts blocks: part counts divided by parts per block (rounded down),
         blocks of a non-writing replica as skipped. Raises ValueError for mismatched lengths, a wrong-sized
@@ -117,13 +120,13 @@ class CanonicalG4:
         if not pkeys:
             return completed(PutResult(skipped=skipped))
 
-        def blocks_of(rs: list) -> PutResult:
+        def blocks_of(rs: list[PutResult]) -> PutResult:
             r: PutResult = rs[0]
             w, s = r.written // self._per, r.skipped // self._per
             return PutResult(written=w, skipped=s + skipped, dropped=n - w - s)
         return _all_of([self.inner.put(pkeys, pbufs)], blocks_of)
 
-    def get(self, keys: Sequence[BlockKey], out: Sequence) -> Future:
+    def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> Future[GetResult]:
         """Read the parts of each key's rank heads into host buffers and assemble block ``i`` into
         ``out[i]`` (numpy host buffers, or torch tensors on one device: one copy each) only when all its
         parts verified; ``ok[i]`` False otherwise (``out[i]`` untouched). Raises ValueError for mismatched
@@ -141,7 +144,7 @@ class CanonicalG4:
         pbufs = [np.empty(self.heads.part_bytes, np.uint8) for _ in pkeys]
         tensors = is_tensor_batch(out)
 
-        def assemble(rs: list) -> GetResult:
+        def assemble(rs: list[GetResult]) -> GetResult:
             pok = list(rs[0].ok)
             ok = [False] * len(keys)
             for i in range(own):
@@ -159,7 +162,7 @@ class CanonicalG4:
             return GetResult(ok)
         return _all_of([self.inner.get(pkeys, pbufs)], assemble)
 
-    def delete(self, keys: Sequence[BlockKey]) -> Future:
+    def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Remove the parts of each key's rank heads; the future gives the parts removed divided by parts
         per block (rounded down)."""
         keys = list(keys)[:self._own(keys)]
@@ -171,7 +174,7 @@ class CanonicalG4:
     def flush(self, timeout: float | None = None) -> bool:
         return self.inner.flush(timeout)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """The G4 pool's counters (counted in parts; ``namespace`` is the canonical fingerprint, what the
         store holds) plus ``g4_layout`` and ``parts_per_block``."""
         s = dict(self.inner.stats())
@@ -179,10 +182,10 @@ class CanonicalG4:
                  per_rank_namespace=self._fp)
         return s
 
-    def close(self, *a, **kw) -> None:
+    def close(self, *a: Any, **kw: Any) -> None:
         self.inner.close(*a, **kw)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         # everything else a caller may read of a G4 pool (breaker, store, where, object_name, ...)
         if name in ("inner", "heads"):
             raise AttributeError(name)

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from ...store_url import SCHEMES, url_problem
 from .store import ObjectStore
+
+if TYPE_CHECKING:
+    from ...config import G4Config
 
 S3_CLIENT_DEFAULT = "boto3"  # g4.s3_client's default (kvbm_backend.config.G4Config)
 
@@ -50,7 +54,7 @@ class StoreOptions:
     s3_client: str = S3_CLIENT_DEFAULT
 
     @classmethod
-    def from_config(cls, cfg) -> "StoreOptions":
+    def from_config(cls, cfg: G4Config) -> "StoreOptions":
         """The options of a :class:`kvbm_backend.config.G4Config`."""
         return cls(endpoint_url=cfg.endpoint_url, region=cfg.region, timeout_s=cfg.timeout_s,
                    max_inflight=cfg.max_inflight, retries=cfg.retries, fsync=cfg.fsync,
@@ -62,7 +66,7 @@ def register_scheme(scheme: str, target: str) -> None:
     SCHEMES[scheme] = target
 
 
-def open_store(url: str, cfg=None, *, endpoint_url: str | None = None, region: str | None = None,
+def open_store(url: str, cfg: G4Config | None = None, *, endpoint_url: str | None = None, region: str | None = None,
                timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, fsync: bool = True,
                s3_client: str = S3_CLIENT_DEFAULT) -> ObjectStore:
     """Build the store ``url`` names (``s3://BUCKET[/PREFIX]``, ``file:///abs/path`` or ``mem://NAME``).
@@ -87,5 +91,5 @@ def open_store(url: str, cfg=None, *, endpoint_url: str | None = None, region: s
     u = urlparse(url)
     target = SCHEMES[u.scheme]
     mod, _, name = target.partition(":")
-    cls = getattr(importlib.import_module(mod), name)
+    cls: type[ObjectStore] = getattr(importlib.import_module(mod), name)
     return cls.from_url(url, u, opts)

@@ -21,14 +21,18 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING, Any
 
 from .naming import parse_block_name
-from .store import ObjectStore
+from .store import ObjectInfo, ObjectStore
+
+if TYPE_CHECKING:
+    from ...crypto.keyring import Keyring
 
 
-def run_gc(store: ObjectStore, *, keyring=None, max_age_s: float | None = None, target_bytes: int | None = None,
+def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: float | None = None, target_bytes: int | None = None,
            tenant: str | None = None, temp_grace_s: float = 3600.0, dry_run: bool = False,
-           now: float | None = None) -> dict:
+           now: float | None = None) -> dict[str, Any]:
     """One gc pass over ``store``.
 
     Args:
@@ -64,7 +68,8 @@ def run_gc(store: ObjectStore, *, keyring=None, max_age_s: float | None = None, 
                              "(or pass the 32-hex pseudonym)")
     server_now = store.server_time()
     revoked = keyring.revoked() if keyring is not None else {}
-    active = {r["pseudonym"] for r in keyring.info()} if revoked else set()  # re-created after revocation
+    # re-created after revocation (revoked is empty without a keyring)
+    active = {r["pseudonym"] for r in keyring.info()} if keyring is not None and revoked else set()
     blocks = []
     for o in store.list(""):
         meta = parse_block_name(o.name)
@@ -77,12 +82,12 @@ def run_gc(store: ObjectStore, *, keyring=None, max_age_s: float | None = None, 
     if newest > store_now:
         base, store_now = "listing", newest
     skew = store_now - now
-    res = {"dry_run": dry_run, "url": store.url, "scanned_objects": len(blocks),
+    res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "scanned_objects": len(blocks),
            "scanned_bytes": sum(o.size for o, _ in blocks),
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0}, "deleted_objects": 0,
            "deleted_bytes": 0, "errors": 0, "store_now": store_now, "time_base": base, "clock_skew_s": skew}
 
-    def drop(o, why: str) -> None:
+    def drop(o: ObjectInfo, why: str) -> None:
         if not dry_run:
             try:
                 store.delete(o.name)

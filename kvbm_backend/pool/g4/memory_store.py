@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+from urllib.parse import ParseResult
 
-from .store import ObjectInfo, ObjectStore
+from .store import ObjectInfo, ObjectStore, byte_view
+
+if TYPE_CHECKING:
+    from .factory import StoreOptions
+    from .store import DataIn
 
 _LOCK = threading.Lock()
 _SPACES: dict[str, dict[str, tuple[bytes, float]]] = {}  # NAME -> object name -> (bytes, mtime epoch s)
@@ -39,7 +44,7 @@ class MemoryStore(ObjectStore):
             self._objs = _SPACES.setdefault(name, {})
 
     @classmethod
-    def from_url(cls, url: str, parsed, opts) -> "MemoryStore":
+    def from_url(cls, url: str, parsed: ParseResult, opts: StoreOptions) -> "MemoryStore":
         """``mem://NAME`` (NAME may contain ``/``). Raises ValueError naming ``g4.url`` without a NAME."""
         name = (parsed.netloc + parsed.path).strip("/")
         if not name:
@@ -51,18 +56,18 @@ class MemoryStore(ObjectStore):
         if name.startswith("/") or ".." in name.split("/"):
             raise ValueError(f"object name {name!r}: must be relative without '..'")
 
-    def put_if_absent(self, name: str, data) -> bool:
+    def put_if_absent(self, name: str, data: DataIn) -> bool:
         self._check(name)
-        blob = bytes(memoryview(data).cast("B"))
+        blob = bytes(byte_view(data))
         with _LOCK:
             if name in self._objs:
                 return False
             self._objs[name] = (blob, time.time())
             return True
 
-    def put(self, name: str, data) -> None:
+    def put(self, name: str, data: DataIn) -> None:
         self._check(name)
-        blob = bytes(memoryview(data).cast("B"))
+        blob = bytes(byte_view(data))
         with _LOCK:
             self._objs[name] = (blob, time.time())
 

@@ -11,13 +11,19 @@ renamed and are left for ``kvbm-backend gc``.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
 from ...model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader
 from .naming import TenantNamer, fanout_width, parse_block_name
 from .store import ObjectStore, StoreUnavailable
 
+if TYPE_CHECKING:
+    from ...crypto.keyring import Keyring
 
-def run_migrate(store: ObjectStore, *, keyring=None, dir_fanout: int = 256, dry_run: bool = False) -> dict:
+
+def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, dir_fanout: int = 256,
+                dry_run: bool = False) -> dict[str, Any]:
     """Rename every format 1 block object of ``store`` to its keyed name.
 
     Args:
@@ -45,14 +51,15 @@ def run_migrate(store: ObjectStore, *, keyring=None, dir_fanout: int = 256, dry_
         if meta["fan"] != f"{meta['seq_hash'] % dir_fanout:0{w}x}":
             raise ValueError(f"--dir-fanout {dir_fanout}: {o.name} was written with another g4.dir_fanout "
                              "(give the workers' value)")
-    res = {"dry_run": dry_run, "url": store.url, "legacy_objects": len(legacy), "migrated": 0,
+    res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "legacy_objects": len(legacy), "migrated": 0,
            "already_present": 0, "skipped_invalid": 0, "skipped_revoked": 0, "skipped_unknown_tenant": 0,
            "errors": 0}
-    known = revoked = None
+    known: set[str] | None = None
+    revoked: set[str] = set()
     if keyring is not None:
         revoked = set(keyring.revoked())
         known = {r["pseudonym"] for r in keyring.info()}
-    namers: dict[str, TenantNamer] = {}
+    namers: dict[tuple[str, str], TenantNamer] = {}  # (namespace hex, tenant pseudonym hex)
     for o, meta in legacy:
         ps = meta["tenant"]
         if known is not None and ps not in known:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from typing import Any
 
 NAMESPACE_JSON = "namespace.json"
 BLOCK_ID_BYTES = 16  # truncated HMAC-SHA256 in a block name: 128 bits, 32 hex chars
@@ -79,7 +80,7 @@ def _hex(s: str, n: int) -> bool:
     return len(s) == n and all(c in "0123456789abcdef" for c in s)
 
 
-def parse_block_name(name: str) -> dict | None:
+def parse_block_name(name: str) -> dict[str, Any] | None:
     """What a block name says, or None if ``name`` is not a block name (namespace.json, foreign files).
 
     Keyed names: ``{"ns": str, "tenant": pseudonym hex, "rank": int, "fan": str, "block_id": 32 hex,

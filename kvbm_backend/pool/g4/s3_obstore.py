@@ -1,6 +1,6 @@
 """S3 store whose block traffic (create-exclusive PUT, GET, ranged GET, HEAD) goes through ``obstore``
-(the Rust ``object_store`` crate): ``g4.s3_client: obstore`` (boto3 is the default: see the field's
-doc in :mod:`kvbm_backend.config` for why).
+(the Rust ``object_store`` crate): ``g4.s3_client: obstore`` (boto3 is the default: see "Client choice"
+in :mod:`.s3_store` for the figures and why).
 
 Why (issue 25 item 1, "client cost"): per GB moved, obstore costs about half of boto3's client CPU
 (``apps/bench/s3_clients.py``; and through the pool, ``kvbm-backend bench --tier g4``, see
@@ -17,6 +17,15 @@ describes the behaviour), kept request by request:
 * per-request bounds: obstore's ``timeout`` (whole request) and ``connect_timeout`` = ``timeout_s``;
   obstore's own retries are off (``max_retries`` 0): :meth:`_ocall` makes the ``1 + retries``
   attempts of a request that failed in transit or with 500/502/503/504 / ``RequestTimeout``, at once;
+* a PUT whose last attempt failed so is settled by a HEAD before it counts as failed
+  (:meth:`~.s3_store.S3Store._settle_put`: these very bytes there = written by this call). This is how
+  obstore is safe where boto3's bound differs: boto3's ``read_timeout`` bounds each socket wait, so a
+  slow upload or a process that stalls (CPU starvation) with a PUT in flight still sees its answer,
+  while obstore's ``timeout`` bounds the whole request, upload included, and fires on a stall although
+  the body landed (CI: the Dynamo G4 handoff counted 8 of 111 landed blocks dropped). obstore 0.12's
+  ``read_timeout`` cannot stand in for boto3's either: reqwest applies it from the request's start to
+  the answer's head, upload included (measured: a 2 MiB PUT through a 1 MB/s link fails with
+  ``read_timeout`` 1 s exactly as with ``timeout`` 1 s);
 * "slow down" answers (a code in :data:`~.s3_store.THROTTLE_CODES`, HTTP 429, a bodyless 503 to a
   HEAD) raise :class:`~.store.StoreThrottled` at once, unretried and unslept (the pool's backoff owns the
   wait, :mod:`.throttle`).
@@ -38,13 +47,23 @@ from __future__ import annotations
 import datetime
 import hashlib
 import re
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar
+from urllib.parse import ParseResult
 
 import boto3
 import obstore
 from obstore.exceptions import AlreadyExistsError, PreconditionError
 
 from .s3_store import _TRANSIENT_CODES, _TRANSIENT_STATUS, THROTTLE_CODES, S3Store
-from .store import StoreThrottled, StoreUnavailable
+from .store import StoreThrottled, StoreUnavailable, byte_view
+
+if TYPE_CHECKING:
+    from obstore import Bytes
+
+    from .factory import StoreOptions
+    from .store import Blob, DataIn
+
+_T = TypeVar("_T")
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
@@ -65,19 +84,25 @@ class _Failed(Exception):
         self.op, self.status, self.code, self.retried = op, status, code, retried
 
 
+def _unanswered(f: _Failed) -> bool:
+    """The request got no answer (timeout, connection cut) or a 5xx / transient one: the store is
+    unavailable, and a PUT may have landed all the same."""
+    return f.code != "NoSuchBucket" and (f.status is None or f.status >= 500 or f.code in _TRANSIENT_CODES)
+
+
 class ObstoreS3Store(S3Store):
     """:class:`~.s3_store.S3Store` with its data path on obstore (same arguments; see the module doc)."""
 
     client_name = "obstore"
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, region: str | None = None,
-                 timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, client=None):
+                 timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, client: Any = None):
         super().__init__(bucket, prefix, endpoint_url=endpoint_url, region=region, timeout_s=timeout_s,
                          max_inflight=max_inflight, retries=retries, client=client)
         from obstore.store import S3Store as _ObsS3
-        endpoint = self.client.meta.endpoint_url  # what boto3 resolved (argument, AWS_ENDPOINT_URL, AWS)
+        endpoint: str = self.client.meta.endpoint_url  # what boto3 resolved (argument, AWS_ENDPOINT_URL, AWS)
         t = f"{max(1, int(timeout_s * 1000))}ms"
-        kw = {}
+        kw: dict[str, Any] = {}
         session = boto3.session.Session()
         if session.get_credentials() is not None:
             from obstore.auth.boto3 import Boto3CredentialProvider
@@ -92,13 +117,13 @@ class ObstoreS3Store(S3Store):
                            retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(0)}, **kw)
 
     @classmethod
-    def from_url(cls, url: str, parsed, opts) -> "ObstoreS3Store":
+    def from_url(cls, url: str, parsed: ParseResult, opts: StoreOptions) -> "ObstoreS3Store":
         if not parsed.netloc:
             raise ValueError(f"g4.url {url!r}: s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
         return cls(parsed.netloc, parsed.path.strip("/"), endpoint_url=opts.endpoint_url, region=opts.region,
                    timeout_s=opts.timeout_s, max_inflight=opts.max_inflight, retries=opts.retries)
 
-    def _ocall(self, op: str, name: str, fn):
+    def _ocall(self, op: str, name: str, fn: Callable[[], _T]) -> _T | None:
         """``fn()``: one obstore request, made up to ``1 + retries`` times (see the module doc). Returns
         its result, or None for 404 (absent). Raises StoreThrottled, or :class:`_Failed` for anything else
         (AlreadyExists / Precondition answers as status 412)."""
@@ -120,24 +145,29 @@ class ObstoreS3Store(S3Store):
                     raise _Failed(op, status, code, attempt > 0, f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _raise(self, f: _Failed, name: str):
+    def _unavailable_error(self, f: _Failed, name: str) -> StoreUnavailable:
+        return StoreUnavailable(f"{f.op} {self.url}/{name}: {f}")
+
+    def _raise(self, f: _Failed, name: str) -> NoReturn:
         if f.code == "NoSuchBucket":
             raise self._bucket_missing() from None
-        if f.status is None or f.status >= 500 or f.code in _TRANSIENT_CODES:
-            raise StoreUnavailable(f"{f.op} {self.url}/{name}: {f}") from None
+        if _unanswered(f):
+            raise self._unavailable_error(f, name) from None
         raise OSError(f"{f.op} {self.url}/{name}: {f.code or '-'} (HTTP {f.status})") from None
 
-    def put_if_absent(self, name: str, data) -> bool:
-        key = self._key(name)
+    def put_if_absent(self, name: str, data: DataIn) -> bool:
+        key, body = self._key(name), byte_view(data)
         if self.supports_conditional_put:
             try:
-                self._ocall("put", name, lambda: obstore.put(self._obs, key, data, mode="create", use_multipart=False))
+                self._ocall("put", name, lambda: obstore.put(self._obs, key, body, mode="create", use_multipart=False))
                 return True
             except _Failed as f:
                 if f.status in (409, 412):
                     return f.retried and self._holds_these_bytes(key, data)
                 if f.status == 501 or f.code == "NotImplemented":
                     self.supports_conditional_put = False
+                elif _unanswered(f):  # it may have landed: the server says
+                    return self._settle_put(name, data, self._unavailable_error(f, name))
                 else:
                     self._raise(f, name)
         if self.head(name) is not None:
@@ -145,15 +175,29 @@ class ObstoreS3Store(S3Store):
         self.put(name, data)
         return True
 
-    def put(self, name: str, data) -> None:
+    def put(self, name: str, data: DataIn) -> None:
+        body = byte_view(data)
         try:
-            self._ocall("put", name, lambda: obstore.put(self._obs, self._key(name), data, use_multipart=False))
+            self._ocall("put", name, lambda: obstore.put(self._obs, self._key(name), body, use_multipart=False))
+            return
+        except _Failed as f:
+            if not _unanswered(f):
+                self._raise(f, name)
+            fail = self._unavailable_error(f, name)
+        if not self._settle_put(name, data, fail):  # landed only if the server holds these very bytes
+            raise fail
+
+    def _stored_etag(self, name: str) -> str | None:
+        try:
+            meta = self._ocall("head", name, lambda: obstore.head(self._obs, self._key(name)))
         except _Failed as f:
             self._raise(f, name)
+        return None if meta is None else str(meta.get("e_tag") or "").strip('"').lower()
 
-    def get(self, name: str, offset: int = 0, length: int | None = None):
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> Blob | None:
         """A read-only bytes-like (obstore ``Bytes``, no copy), None if absent, ``b""`` past the end."""
         key = self._key(name)
+        fn: Callable[[], Bytes]
         if offset or length is not None:
             if length is None:
                 fn = lambda: obstore.get(self._obs, key, options={"range": {"offset": offset}}).bytes()  # noqa: E731
@@ -175,9 +219,9 @@ class ObstoreS3Store(S3Store):
             self._raise(f, name)
         return None if meta is None else int(meta["size"])
 
-    def _holds_these_bytes(self, key: str, data) -> bool:
+    def _holds_these_bytes(self, key: str, data: DataIn) -> bool:
         try:
             meta = obstore.head(self._obs, key)
         except Exception:  # noqa: BLE001 - unconfirmed: another writer's copy
             return False
-        return str(meta.get("e_tag") or "").strip('"') == hashlib.md5(data, usedforsecurity=False).hexdigest()
+        return str(meta.get("e_tag") or "").strip('"') == hashlib.md5(byte_view(data), usedforsecurity=False).hexdigest()

@@ -17,8 +17,30 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator
-from urllib.parse import urlparse
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Union
+from urllib.parse import ParseResult, urlparse
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    from typing_extensions import Buffer, TypeAlias
+
+    from ...config import G4Config
+    from .factory import StoreOptions
+
+    #: An object's bytes as a store takes them: bytes, bytearray, memoryview, a contiguous uint8 array.
+    DataIn: TypeAlias = Union[Buffer, npt.NDArray[np.uint8]]
+    #: What :meth:`ObjectStore.get_into` reads into: one writable buffer, or a list of them (scatter).
+    IntoBuf: TypeAlias = Union[Buffer, npt.NDArray[np.uint8], "list[Any]", "tuple[Any, ...]"]
+
+
+class Blob(Protocol):
+    """What :meth:`ObjectStore.get` returns: a bytes-like with a length (bytes, bytearray, memoryview,
+    obstore's read-only ``Bytes``)."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+    def __len__(self) -> int: ...
 
 
 class StoreUnavailable(OSError):
@@ -53,7 +75,7 @@ class ObjectStore(ABC):
     supports_conditional_put: bool = True
 
     @classmethod
-    def from_url(cls, url: str, parsed, opts) -> "ObjectStore":
+    def from_url(cls, url: str, parsed: ParseResult, opts: StoreOptions) -> "ObjectStore":
         """Open the store ``url`` names (called by :func:`kvbm_backend.pool.g4.factory.open_store` for the
         scheme this class is registered under). ``parsed``: ``urllib.parse.urlparse(url)``; ``opts``: a
         :class:`~kvbm_backend.pool.g4.factory.StoreOptions`. Raises ValueError naming ``g4.url`` when the
@@ -61,16 +83,16 @@ class ObjectStore(ABC):
         raise NotImplementedError(f"{cls.__name__}: no from_url, cannot be opened by URL scheme")
 
     @abstractmethod
-    def put_if_absent(self, name: str, data) -> bool:
+    def put_if_absent(self, name: str, data: DataIn) -> bool:
         """Publish ``data`` (bytes-like) under ``name`` only if absent. True if this call created it,
         False if it already existed. Raises StoreUnavailable."""
 
     @abstractmethod
-    def put(self, name: str, data) -> None:
+    def put(self, name: str, data: DataIn) -> None:
         """Create or replace ``name`` atomically (small metadata such as namespace.json)."""
 
     @abstractmethod
-    def get(self, name: str, offset: int = 0, length: int | None = None):
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> Blob | None:
         """Bytes-like (bytes, bytearray or memoryview) ``[offset, offset+length)`` of ``name`` (to the end when ``length`` is None), or None
         if absent. May return fewer bytes than asked for when the object is shorter."""
 
@@ -78,7 +100,7 @@ class ObjectStore(ABC):
     #: callers holding reusable buffers should prefer it to :meth:`get`.
     reads_into = False
 
-    def get_into(self, name: str, buf) -> int | None:
+    def get_into(self, name: str, buf: IntoBuf) -> int | None:
         """Read the first ``min(size, len(buf))`` bytes of ``name`` into ``buf`` (writable bytes-like).
 
         Returns the object's full size in bytes (which may exceed ``len(buf)``; the rest is not read),
@@ -88,12 +110,13 @@ class ObjectStore(ABC):
         data = self.get(name)
         if data is None:
             return None
-        mv = memoryview(buf).cast("B")
+        # one buffer here (lists go only to stores with ``reads_into_parts``); numpy's stubs: see byte_view
+        mv = memoryview(buf).cast("B")  # type: ignore[arg-type]
         n = min(len(data), len(mv))
         mv[:n] = memoryview(data).cast("B")[:n]
         return len(data)
 
-    def stored_matches(self, name: str, data, size: int) -> bool:
+    def stored_matches(self, name: str, data: DataIn, size: int) -> bool:
         """True only when the store confirms that the object it holds under ``name`` is ``size`` bytes
         long and starts with ``data`` (bytes-like, what a read returned): the reader drops an object that
         failed verification only then, never one a transport or proxy garbled on the way. False when it
@@ -105,7 +128,7 @@ class ObjectStore(ABC):
             return False
         if fresh is None or len(fresh) != size:
             return False
-        want = memoryview(data).cast("B")
+        want = byte_view(data)
         return memoryview(fresh).cast("B")[:len(want)] == want
 
     @abstractmethod
@@ -140,6 +163,12 @@ class ObjectStore(ABC):
         return None
 
 
+def byte_view(data: DataIn) -> memoryview:
+    """``data`` (bytes-like or a contiguous uint8 array) as a flat byte memoryview, without a copy."""
+    # numpy's stubs give ndarray ``__buffer__`` only for Python >= 3.12 (this code targets 3.11)
+    return memoryview(data).cast("B")  # type: ignore[arg-type]
+
+
 def redact_url(url: str | None) -> str:
     """``url`` without credentials or query (``https://user:secret@host/p?X-Amz-Signature=..`` ->
     ``https://host/p``), for log lines and start-up summaries."""
@@ -154,7 +183,7 @@ def redact_url(url: str | None) -> str:
     return f"{u.scheme}://{host}{u.path}"
 
 
-def open_store(url: str, cfg=None, **opts) -> ObjectStore:
+def open_store(url: str, cfg: G4Config | None = None, **opts: Any) -> ObjectStore:
     """Build the store a URL names: :func:`kvbm_backend.pool.g4.factory.open_store` (the scheme registry
     lives there; this module imports no store class). Raises ValueError naming ``g4.url``."""
     from .factory import open_store as _open

@@ -1,7 +1,8 @@
 """``g4.s3_client``: the S3 block traffic on obstore or boto3 (the default) (issue 25 item 1), and the
 obstore store's contract against a real SeaweedFS: create-exclusive PUT, GET, ranged GET, HEAD, absent
-objects and buckets, throttled answers (unretried, unslept), a dead endpoint, per-request timeouts, and a
-slow PUT whose retry meets its own first copy."""
+objects and buckets, throttled answers (unretried, unslept), a dead endpoint, per-request timeouts, a
+slow PUT whose retry meets its own first copy, and PUTs whose every attempt got no answer (settled by a
+HEAD: a landed block counts written, a lost one dropped, with either client)."""
 from __future__ import annotations
 
 import time
@@ -10,7 +11,7 @@ from urllib.parse import urlparse
 import pytest
 from pydantic import ValidationError
 
-from tests.helpers.slow_proxy import SlowAnswerProxy
+from tests.helpers.slow_proxy import SlowAnswerProxy, SlowPutProxy
 from tests.helpers.throttle_proxy import ThrottleProxy
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.factory import open_store
@@ -135,3 +136,71 @@ def test_g4_pool_round_trips_encrypted_blocks_with_either_client(seaweed, s3_pre
         assert p.get(keys, out).result(timeout=60).ok == [True] * 8
         assert all(np.array_equal(o, b) for o, b in zip(out, blocks))
         assert p.put(keys[:2], blocks[:2]).result(timeout=60).skipped == 2
+
+
+def _store(client: str, seaweed, prefix: str, endpoint: str, timeout_s: float):
+    cls = ObstoreS3Store if client == "obstore" else S3Store
+    return cls(seaweed.bucket, prefix, endpoint_url=endpoint, timeout_s=timeout_s, retries=1)
+
+
+@pytest.mark.parametrize("client", ["obstore", "boto3"])
+def test_a_put_answered_too_late_counts_landed_and_a_lost_one_unavailable(seaweed, s3_prefix, client):
+    """Publish after durable, both ways (the CI handoff under load: PUTs landed, their answers came after
+    the timeout): a PUT whose every attempt timed out is settled by a HEAD. Its bytes there (ETag = MD5)
+    count as written by this call, another writer's bytes as already there, and nothing there (the body
+    never reached the server) stays StoreUnavailable: never landed-as-lost, never lost-as-landed."""
+    u = urlparse(seaweed.endpoint)
+    timeout = 1.0  # the proxy's own latency stays well under it on a loaded 2-core VM
+    direct = _store(client, seaweed, s3_prefix, seaweed.endpoint, 5.0)
+    late = SlowPutProxy(u.hostname, u.port, mode="late", delay_s=4 * timeout)
+    lost = SlowPutProxy(u.hostname, u.port, mode="lost", delay_s=4 * timeout)
+    try:
+        st = _store(client, seaweed, s3_prefix, late.endpoint, timeout)
+        assert st.put_if_absent("landed", b"x" * 1000) is True  # both attempts unanswered; the HEAD finds it
+        assert late.held == 2 and bytes(direct.get("landed")) == b"x" * 1000
+        direct.put_if_absent("theirs", b"t" * 1000)
+        assert st.put_if_absent("theirs", b"y" * 1000) is False  # another writer's copy: not written here
+        st.put("meta", b"m" * 10)  # a plain PUT settles the same way
+        assert bytes(direct.get("meta")) == b"m" * 10
+        st = _store(client, seaweed, s3_prefix, lost.endpoint, timeout)
+        with pytest.raises(StoreUnavailable):
+            st.put_if_absent("lost", b"z" * 1000)
+        with pytest.raises(StoreUnavailable):
+            st.put("lost-meta", b"z" * 10)
+        assert lost.held == 4 and direct.head("lost") is None and direct.head("lost-meta") is None
+    finally:
+        late.close()
+        lost.close()
+        direct.close()
+
+
+@pytest.mark.parametrize("mode", ["late", "lost"])
+def test_g4_pool_on_obstore_counts_late_answered_offloads_written(seaweed, s3_prefix, tmp_path, mode):
+    """Through the pool (its writer's counters, what the Dynamo handoff test reads): every block PUT
+    answered after ``timeout_s`` is counted written (it landed) and read back; lost ones are dropped."""
+    import numpy as np
+
+    from tests.helpers.g4_writer import namespace, payload
+    from kvbm_backend.pool.g4.pool import G4Pool
+    u = urlparse(seaweed.endpoint)
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    keys = ns.keys(range(1, 5), tenant="t")
+    blocks = [payload(s, "t", bpb) for s in range(1, 5)]
+    proxy = SlowPutProxy(u.hostname, u.port, mode=mode, delay_s=4.0)
+    cfg = G4Config(url=seaweed.url(s3_prefix), endpoint_url=proxy.endpoint, s3_client="obstore", timeout_s=1.0,
+                   retries=1, keyring={"path": str(tmp_path / "kr.json")})
+    try:
+        with G4Pool(cfg, ns) as p:
+            res = p.put(keys, blocks).result(timeout=120)
+            st = p.stats()
+            out = [np.zeros(bpb, np.uint8) for _ in keys]
+            ok = p.get(keys, out).result(timeout=60).ok
+        if mode == "late":
+            assert (res.written, res.dropped, st.get("dropped_unavailable", 0)) == (4, 0, 0), st
+            assert ok == [True] * 4 and all(np.array_equal(o, b) for o, b in zip(out, blocks))
+        else:
+            assert (res.written, res.dropped) == (0, 4), st  # unavailable, or the breaker it opened
+            assert ok == [False] * 4
+    finally:
+        proxy.close()
