@@ -22,11 +22,10 @@ import socket
 import stat
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Union, overload
+from typing import TYPE_CHECKING, Any, Iterator, Literal, overload
 from urllib.parse import ParseResult
 
 import numpy as np
-import numpy.typing as npt
 
 from ...fsmodes import DIR_MODE, FILE_MODE, makedirs_private
 from ...io.files import open_for_read, refuses_direct
@@ -34,12 +33,8 @@ from ...memory import aligned_empty
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer, TypeAlias
-
     from .factory import StoreOptions
-
-    #: Bytes as the store takes them (bytes, bytearray, memoryview, a contiguous uint8 array).
-    DataIn: TypeAlias = Union[Buffer, npt.NDArray[np.uint8]]
+    from .store import DataIn
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +44,9 @@ from .events import G4Counters
 from .store import ObjectStore, StoreThrottled, StoreUnavailable
 from .tenant_names import TenantNames
 from .throttle import ThrottleWatch, call_throttled
+
+if TYPE_CHECKING:
+    from .store import Blob
 
 __all__ = ["G4Reader", "GetBatch", "bounce_buffers", "bounce_slot_bytes", "tenant_miss"]
 
@@ -301,6 +304,7 @@ class G4Reader:
         dst = out.reshape(-1).view(np.uint8).data  # ndarray.data: its memoryview (as memoryview(...))
         split = (b.staged and buf is not None and len(dst) == self._bpb
                  and getattr(self.store, "reads_into_parts", False))
+        data: Blob | _Split | None
         try:
             if buf is None:
                 data = call_throttled(lambda: self.store.get(name), b.until, lambda: self._throttle.note("get"),
@@ -397,7 +401,7 @@ class G4Reader:
         self._count("bytes_read", size)
         return None
 
-    def _stored_is_bad(self, name: str, data: bytes | memoryview, size: int) -> bool:
+    def _stored_is_bad(self, name: str, data: Blob, size: int) -> bool:
         """True only when the store confirms the object under ``name`` is exactly what was read (``data``,
         the first bytes of an object of ``size`` bytes): then dropping it drops the bad copy, not a good
         one a transport garbled (:meth:`~kvbm_backend.pool.g4.store.ObjectStore.stored_matches`)."""
