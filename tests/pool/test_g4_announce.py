@@ -197,3 +197,27 @@ def test_the_background_thread_flushes_and_polls_every_interval(fleet):
     finally:
         a.announcer.stop()
         b.announcer.stop()
+
+
+def test_unencrypted_pools_checksum_records_and_encrypted_pools_refuse_them(tmp_path):
+    """``g4.encrypt: false`` stores records xxh3-checksummed, as its blocks; an encrypted pool on the same
+    store never trusts such plaintext records (``corrupt``), and a flipped byte fails the checksum."""
+    from kvbm_backend.pool.g4.announce import Announcements
+    url = f"file://{tmp_path / 'store'}"
+    plain = G4Pool(G4Config(url=url, encrypt=False, announce=True), namespace())
+    sealed = G4Pool(G4Config(url=url, keyring={"path": str(tmp_path / "keys" / "keyring.json")}, announce=True),
+                    namespace())
+    try:
+        p_ann = Announcements(plain.store, plain.namespace.fingerprint, None, False, plain.pseudonym)
+        s_ann = Announcements(sealed.store, sealed.namespace.fingerprint, sealed.keyring, True, sealed.pseudonym)
+        name = p_ann.write("t", {"v": 1, "b": []})
+        (b,) = p_ann.list()
+        assert b.name == name and p_ann.read(b) == ({"v": 1, "b": []}, "ok")
+        assert s_ann.read(b) == (None, "corrupt")
+        data = bytearray(plain.store.get(name))
+        data[-2] ^= 1
+        plain.store.put(name, bytes(data))
+        assert p_ann.read(b) == (None, "corrupt")
+    finally:
+        plain.close()
+        sealed.close()
