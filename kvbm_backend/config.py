@@ -293,6 +293,16 @@ class G4Config(_M):
     TP size share it) or ``canonical`` (one object per KV head of the model, MLA once: engines of one
     model with any TP size share it; :mod:`kvbm_backend.model.canonical`). The namespace records the
     layout id, so a block of the other layout is a miss. G3 stays per rank."""
+    announce: bool = False
+    """Announce G4 blocks to every worker, so Dynamo's KV router credits each worker with the blocks any
+    of them wrote (:mod:`kvbm_backend.integrations.vllm.g4_announce`): needs vLLM KV events on
+    (``--kv-events-config``). Each worker writes sealed record batches of the blocks it published
+    (``{ns}/announce/``, encrypted like blocks) and polls them on a background thread."""
+    announce_interval_s: float = Field(2.0, gt=0, le=3600)
+    """Seconds between a worker's announcement flushes and polls (one LIST of ``{ns}/announce/`` each)."""
+    announce_ttl_s: float = Field(3600.0, gt=0, le=30 * 86400)
+    """Announcements expire this many seconds after they were written (store mtime): their blocks are
+    withdrawn from the router (``BlockRemoved``) and the objects deleted. Keep ``gc --max-age-s`` >= it."""
 
 
 KVBM_METRICS_PORT = 6880  # Dynamo KVBM's default DYN_KVBM_METRICS_PORT

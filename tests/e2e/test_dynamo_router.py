@@ -14,6 +14,10 @@ and its connector loads the tail from G3.
 Why the head: Dynamo 1.6.1's router consults the disk tier only as a continuation of a prefix the worker holds
 on its GPU (its ``Queried lower-tier indexer storage_tier=Disk queried_workers=0`` debug line when no worker
 has a GPU match, measured here); a prompt none of whose blocks is on any GPU is routed on load alone.
+
+``test_router_credits_a_worker_with_g4_blocks_another_worker_wrote``: two workers with G4 only and
+``g4.announce`` (:mod:`kvbm_backend.integrations.vllm.g4_announce`): each worker is credited with the G4 blocks
+the other one wrote.
 """
 from __future__ import annotations
 
@@ -49,13 +53,15 @@ def kv_events_args(endpoint: str) -> list[str]:
 class RouterStack:
     """A ``--router-mode kv`` frontend and two workers started side by side (G3 only, KV events on)."""
 
+    dyn_log = "info"
+
     def __init__(self, root: Path, model_dir: Path):
         self.root, self.model_dir = root, model_dir
         self.config = root / "kvbm-backend.yaml"
         self.config.write_text(json.dumps({"model": "kvbm-backend/tiny-llama",
                                            "g3": {"capacity_gb": 0.5, "files_per_path": 2,
                                                   "admission": {"policy": "all"}}}))
-        self.dyn = DynamoStack(root, ["--router-mode", "kv"], env={"DYN_LOG": "info"})
+        self.dyn = DynamoStack(root, ["--router-mode", "kv"], env={"DYN_LOG": self.dyn_log})
         self.env, self.base, self.frontend = self.dyn.env, self.dyn.base, self.dyn.frontend
         self.workers: dict[str, dict] = {}
 
@@ -180,3 +186,105 @@ def test_router_sends_a_prompt_to_the_worker_whose_g3_holds_it(router_stack):
         assert loaded[owner] >= cold["prompt_tokens"] // BLOCK - 8, results  # and the owner loaded it from G3
     ev = {n: _stats(Path(str(w["stats"]).replace(".stats.json", ".stats.scheduler.json"))) for n, w in st.workers.items()}
     print("G3 KV events:", {n: {k: v for k, v in e.items() if k.startswith("kv_events")} for n, e in ev.items()})
+
+
+# ---- G4 announced to every worker (g4.announce, issue 25 item 5) -----------------------------------------
+G4_ROUNDS = 2
+
+
+class G4RouterStack(RouterStack):
+    """Two workers with G4 only (one shared encrypted ``file://`` store and keyring, no G3) and
+    ``g4.announce`` on, behind the same ``--router-mode kv`` frontend (the router's tier queries logged)."""
+
+    dyn_log = "info,dynamo_llm::kv_router=debug,dynamo_kv_router=debug"
+
+    def __init__(self, root: Path, model_dir: Path):
+        super().__init__(root, model_dir)
+        self.config.write_text(json.dumps({
+            "model": "kvbm-backend/tiny-llama", "g3": {"enabled": False},
+            "g4": {"enabled": True, "url": f"file://{root / 'g4'}", "encrypt": True,
+                   "keyring": {"path": str(root / "g4-keyring.json")},
+                   "announce": True, "announce_interval_s": 0.5}}))
+        (root / "g4").mkdir()
+
+    def launch(self, name: str) -> None:
+        w = self.dyn.start_worker(name, "agg_kvbm_backend.sh", self.model_dir,
+                                  ["--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "4096",
+                                   "--enforce-eager", *kv_events_args(f"ipc://{self.root / f'kv-events-{name}'}")],
+                                  env={"KVBM_BACKEND_CONFIG_FILE": str(self.config)})
+        self.workers[name] = {"proc": w.proc, "stats": w.stats, "system_port": w.system_port}
+
+
+@pytest.fixture(scope="module")
+def g4_router_stack(tmp_path_factory):
+    from kvbm_backend.apps.engine_model import TINY, write_model_dir
+    root = tmp_path_factory.mktemp("dynamo-router-g4")
+    st = G4RouterStack(root, write_model_dir(root / "model", TINY, dtype="float32"))
+    try:
+        st.launch("worker-a")
+        st.launch("worker-b")
+        st.wait_ready()
+        yield st
+    finally:
+        st.close()
+
+
+def _sched_counter(w: dict, key: str) -> int:
+    """A scheduler-side counter of worker ``w`` (its own stats file when vLLM splits the roles)."""
+    sched = Path(str(w["stats"]).replace(".stats.json", ".stats.scheduler.json"))
+    return max(_stats(sched).get(key, 0), _stats(w["stats"]).get(key, 0))
+
+
+def test_router_credits_a_worker_with_g4_blocks_another_worker_wrote(g4_router_stack):
+    """``g4.announce``: a prompt computed on worker X (pinned) lands in G4 only; X announces its blocks, Y polls
+    the announcement and publishes them as its own ``DISK`` blocks. After both prefix caches are cleared and
+    only Y's GPU holds the shared head again (Dynamo 1.6.1 consults the disk tier only after a GPU match on the
+    same worker), the unpinned prompt is routed to Y with ``disk_blocks`` covering X's G4 blocks beyond the
+    head, and Y loads them from G4. Without announcements Y's disk credit is 0 (G4 was never published)."""
+    st = g4_router_stack
+    names = sorted(st.workers)
+    by_id = {w["id"]: n for n, w in st.workers.items()}
+    results = []
+    for i in range(G4_ROUNDS):
+        owner, other = names[i % 2], names[(i + 1) % 2]
+        p = HEAD + " " + _prompt(300 + i)
+        before_w = _counters(st, "g4_put_written_blocks")
+        before_ann = _sched_counter(st.workers[other], "announce_stored_blocks")
+        cold = _send(st, p, owner)
+        n_blocks = cold["prompt_tokens"] // BLOCK
+        assert n_blocks >= 30, cold
+        written = _wait_change(st, "g4_put_written_blocks", before_w)
+        assert written[owner] >= n_blocks - 8, written
+        t0 = time.time()  # the owner announces them, the other worker polls them (0.5 s intervals each)
+        while time.time() - t0 < 60:
+            credited = _sched_counter(st.workers[other], "announce_stored_blocks") - before_ann
+            if credited >= n_blocks - 8:
+                break
+            time.sleep(0.5)
+        assert credited >= n_blocks - 8, (credited, n_blocks)
+
+        assert clear_kv_blocks_all(st.env, 2) == [{"status": "success", "message": "KV cache cleared"}] * 2
+        _send(st, HEAD, other, max_tokens=1)  # the head back on the other worker's GPU only
+        # the owner steps too (an unrelated prompt), so its clear reaches the router: vLLM publishes a prefix
+        # cache reset (AllBlocksCleared) with the engine's next step, and an idle engine does not step
+        _send(st, _prompt(900 + i, 5), owner, max_tokens=1)
+        time.sleep(1.5)  # the events (the clear, then the re-published announcements) reach the router
+
+        n_sel = _last_selection(st)["n"] if i else 0
+        before = _counters(st, "load_g4_blocks_ok")
+        again = _send(st, p)
+        assert again["text"] == cold["text"], (cold, again)
+        sel = _last_selection(st)
+        assert sel["n"] == n_sel + 1, sel
+        loaded = _wait_change(st, "load_g4_blocks_ok", before)
+        routed = by_id.get(sel["worker_id"])
+        results.append({"owner": owner, "routed": routed, "disk_blocks": sel["disk_blocks"], "credited": credited,
+                        "g4_loaded": loaded, "cold_s": round(cold["s"], 3), "routed_s": round(again["s"], 3)})
+        print(f"round {i}: {results[-1]}")
+        assert routed == other, results
+        assert sel["disk_blocks"] >= n_blocks - 8 - 7, results  # credited with X's G4 blocks beyond the head
+        assert loaded[other] >= n_blocks - 8 - 7, results  # and it loaded the tail from G4
+    print("G4 announcements:", {n: {k: _sched_counter(w, k) for k in ("announce_written_blocks",
+                                                                       "announce_stored_blocks",
+                                                                       "announce_ignored_corrupt")}
+                                for n, w in st.workers.items()})

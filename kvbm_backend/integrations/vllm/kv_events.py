@@ -27,14 +27,16 @@ class G3KvEvents:
     shared-pool mode when events are on): a block is published stored once every TP rank reports it present
     (written and indexed), and removed when any rank reports it gone (evicted, dropped as corrupt, failed to
     load). A block found again after a worker restart is published when a request first looks it up.
-    G4 is not published: it is shared by every worker, so per-worker events would credit one worker with what
-    all of them can load. Memory: per published block its vLLM hash and tokens (~4 bytes per token), kept
+    G4 is published only with ``g4.announce`` (:mod:`.g4_announce`: every announcing worker is credited with
+    every announced G4 block, through :meth:`emit_announced`; ``g3=False`` when this worker has no G3).
+    Memory: per published block its vLLM hash and tokens (~4 bytes per token), kept
     for removal and re-publishing; learned-but-unwritten entries are capped at ``max_pending``.
     """
 
     MEDIUM = "DISK"
 
-    def __init__(self, tp_world_size: int, block_size: int, kv_cache_spec: Any = None, max_pending: int = 1 << 18):
+    def __init__(self, tp_world_size: int, block_size: int, kv_cache_spec: Any = None, max_pending: int = 1 << 18,
+                 g3: bool = True):
         from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: F401 - fail early without vLLM
         self.tp, self.bs = tp_world_size, block_size
         self.kind = self.window = None
@@ -48,6 +50,8 @@ class G3KvEvents:
         self._published: dict[tuple[bytes, int], tuple] = {}   # -> what was published (for removal, re-publish)
         self._events: list = []
         self._lock = threading.Lock()
+        self.g3 = g3  # False: no G3 (G4 announcements only), nothing learned is kept here
+        self.announcer: Any = None  # a .g4_announce.G4Announcer (g4.announce), told every learned block
 
     def learn(self, tenant: str, request: Any, seq_hashes: Sequence[int], first: int, end: int) -> None:
         """Blocks ``[first, end)`` of ``request`` (KVBM ``seq_hashes``) are, or are about to be, in G3."""
@@ -58,15 +62,21 @@ class G3KvEvents:
         lora = getattr(request, "lora_request", None)
         tag = tag_of(tenant)
         end = min(end, len(seq_hashes), len(vh), len(toks) // self.bs)
+        ann = self.announcer
         with self._lock:
             for i in range(max(first, 0), end):
                 k = (tag, seq_hashes[i])
-                if k in self._published or k in self._info:
+                if ann is None and (not self.g3 or k in self._published or k in self._info):
                     continue
                 extra, _ = generate_block_hash_extra_keys(request, i * self.bs, (i + 1) * self.bs, 0)
-                self._info[k] = (maybe_convert_block_hash(vh[i]), maybe_convert_block_hash(vh[i - 1]) if i else None,
-                                 array("I", toks[i * self.bs:(i + 1) * self.bs]), extra,
-                                 getattr(lora, "adapter_id", None), getattr(lora, "name", None))
+                info = (maybe_convert_block_hash(vh[i]), maybe_convert_block_hash(vh[i - 1]) if i else None,
+                        array("I", toks[i * self.bs:(i + 1) * self.bs]), extra,
+                        getattr(lora, "adapter_id", None), getattr(lora, "name", None))
+                if ann is not None:
+                    ann.learn(tenant, seq_hashes[i], seq_hashes[i - 1] if i else None, info)
+                if not self.g3 or k in self._published or k in self._info:
+                    continue
+                self._info[k] = info
                 self._maybe_store(k)
             while len(self._info) > self.max_pending:  # learned but never written (dropped offloads)
                 self._info.popitem(last=False)
@@ -96,11 +106,16 @@ class G3KvEvents:
         self._emit_stored(info)
 
     def _emit_stored(self, info: tuple) -> None:
-        from vllm.distributed.kv_events import BlockStored
         from vllm.v1.core.kv_cache_utils import to_event_extra_keys
         h, parent, toks, extra, lora_id, lora_name = info
+        ek = (to_event_extra_keys([extra]) or [None])[0] if extra is not None else None
+        self._emit_stored_event((h, parent, toks, ek, lora_id, lora_name))
+
+    def _emit_stored_event(self, ev_info: tuple) -> None:
+        """``ev_info``: ``(vLLM hash, parent hash, tokens, event-form extra keys, lora_id, lora_name)``."""
+        from vllm.distributed.kv_events import BlockStored
+        h, parent, toks, ek, lora_id, lora_name = ev_info
         toks = list(toks)
-        ek = to_event_extra_keys([extra])[0] if extra is not None else None
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockStored) and last.block_hashes[-1] == parent and last.lora_name == lora_name:
             if ek is not None and last.extra_keys is None:
@@ -124,13 +139,26 @@ class G3KvEvents:
             return
         self._events.append(BlockRemoved(block_hashes=[h], medium=self.MEDIUM, group_idx=0, locality="LOCAL"))
 
+    def emit_announced(self, stored: list, removed: list) -> None:
+        """G4 blocks announced by any worker (:mod:`.g4_announce`): ``stored`` ``ev_info`` tuples (see
+        :meth:`_emit_stored_event`) and ``removed`` vLLM hashes, queued as this worker's ``DISK`` blocks."""
+        with self._lock:
+            for ev_info in stored:
+                self._emit_stored_event(ev_info)
+            for h in removed:
+                self._emit_removed(h)
+
     def republish(self) -> None:
         """Publish every block G3 holds again: vLLM's ``AllBlocksCleared`` (a reset of the engine's prefix
         cache, e.g. Dynamo's ``clear_kv_blocks``) makes Dynamo's router forget the worker's blocks in every
-        tier, G3's included. Queued after the engine's own events of the step, so they follow the clear."""
+        tier, G3's included (and the announced G4 blocks). Queued after the engine's own events of the step,
+        so they follow the clear."""
+        announced = self.announcer.live() if self.announcer is not None else []
         with self._lock:
             for info in self._published.values():
                 self._emit_stored(info)
+            for ev_info in announced:
+                self._emit_stored_event(ev_info)
         stats.add(kv_events_republished=1)
 
     def take(self) -> list:

@@ -36,6 +36,7 @@ from . import layerwise, report_channel, start_failure, stats
 from .extra_config import config_from_extra
 from .g3_mirror import G3Mirror
 from .geometry import EngineGeometry, total_kv_heads
+from .g4_announce import G4Announcer
 from .kv_events import G3KvEvents, IdlePublisher
 from .kv_io import EngineKv
 from .metadata import KvbmWorkerMeta
@@ -72,6 +73,7 @@ class ConnectorParts:
     def __init__(self) -> None:
         self._groups: list[TierGroup] = []
         self._listener: report_channel.ReportListener | None = None
+        self.announcer: G4Announcer | None = None  # g4.announce (scheduler role)
         self._writer: stats.StatsWriter | None = None
         self._pump: Any = None
         self.sched: SchedulerSide | None = None
@@ -177,6 +179,8 @@ class ConnectorParts:
             self.worker.shutdown()
         if self._pump is not None:
             self._pump.stop()
+        if self.announcer is not None:
+            self.announcer.stop()
         if self._listener is not None:
             self._listener.close()
         if self.sched is not None and self.sched.idle_events is not None:
@@ -223,7 +227,12 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
     split = backend not in (None, "uni", "external_launcher") or ns.tp_world_size > 1
     blocks = block_level_errors(ns)
     kv_events_cfg = getattr(vllm_config, "kv_events_config", None)
-    kv_events = bool(kv_events_cfg is not None and kv_events_cfg.enable_kv_cache_events and cfg.g3.enabled)
+    events_on = bool(kv_events_cfg is not None and kv_events_cfg.enable_kv_cache_events)
+    announce = events_on and cfg.g4.enabled and cfg.g4.announce
+    kv_events = events_on and (cfg.g3.enabled or announce)
+    if cfg.g4.enabled and cfg.g4.announce and not events_on:
+        log.warning("kvbm_backend: g4.announce is on but vLLM publishes no KV events (--kv-events-config): "
+                    "G4 blocks are not announced")
     if kv_events and not blocks:
         log.warning("kvbm_backend: G3 KV events are not published for hybrid models (%d KV cache groups)",
                     len(ns.groups))
@@ -251,8 +260,13 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
                                     handoff_wait_s=opts["handoff_wait_s"], layerwise=cfg.g3.layerwise_load)
         if kv_events:
             parts.sched.events = G3KvEvents(ns.tp_world_size, ns.layout.page_size,
-                                            kv_cache_config.kv_cache_groups[0].kv_cache_spec)
+                                            kv_cache_config.kv_cache_groups[0].kv_cache_spec, g3=cfg.g3.enabled)
             parts.sched.idle_events = IdlePublisher(parts.sched.events)
+            if announce and groups[0].g4 is not None:
+                parts.announcer = G4Announcer(parts.sched.events, groups[0].g4, ns, cfg.g4.announce_interval_s,
+                                              cfg.g4.announce_ttl_s)
+                parts.sched.events.announcer = parts.announcer
+                parts.announcer.start()
         if mirror or kv_events:
             parts._listener = report_channel.ReportListener(parts.channel_key, parts.on_g3_report)
     else:

@@ -6,7 +6,9 @@ KV cache specs and configs (stand-ins only for what vLLM's engine would fill in)
   TypeError naming the tier and the missing methods, at wiring time (not at the first offload);
 * one path for one and several KV cache groups: a dense model is one group of the same worker/scheduler
   parts a hybrid model has several of; only the failed-load reporting and layer-wise loads differ, decided
-  here once.
+  here once;
+* ``g4.announce`` runs the scheduler's KV events with G4 alone and starts the announcer (and warns without
+  vLLM's KV events).
 """
 from __future__ import annotations
 
@@ -170,3 +172,33 @@ def test_wire_one_path_for_one_and_several_kv_cache_groups(tmp_path, hybrid):
         w.close()
         s.close()
     assert not tiers._shared  # every group's tiers released
+
+
+@pytest.mark.parametrize("announce, events", [(True, True), (False, True), (True, False)],
+                         ids=["announce", "announce-off", "no-kv-events"])
+def test_wire_g4_announce_runs_kv_events_without_g3(tmp_path, caplog, announce, events):
+    """``g4.announce`` with vLLM's KV events on and G4 alone: the scheduler's KV events run without G3
+    (``G3KvEvents(g3=False)``) and an announcer thread is started; off, a G4-only worker publishes nothing (as
+    before); without KV events the option is one WARNING and nothing is started."""
+    from kvbm_backend.integrations.vllm.g4_announce import G4Announcer
+    extra = {"kvbm_backend": {"model": "kvbm-backend/wiring-test", "g3": {"enabled": False},
+                              "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}",
+                                     "keyring": {"path": str(tmp_path / "keys" / "keyring.json")},
+                                     "announce": announce, "announce_interval_s": 0.5}}}
+    ktc, vc, kcc = _configs(extra)
+    vc.kv_events_config = SimpleNamespace(enable_kv_cache_events=events) if events else None
+    s = wire(ConnectorParts(), ktc, vc, KVConnectorRole.SCHEDULER, kcc)
+    try:
+        if announce and events:
+            assert s.sched.events is not None and s.sched.events.g3 is False
+            assert isinstance(s.announcer, G4Announcer) and s.sched.events.announcer is s.announcer
+            assert s.announcer.interval_s == 0.5 and s.announcer._t.is_alive()
+        else:
+            assert s.sched.events is None and s.announcer is None
+        warned = any("g4.announce is on but vLLM publishes no KV events" in r.message for r in caplog.records)
+        assert warned is (announce and not events)
+    finally:
+        s.close()
+    if s.announcer is not None:
+        s.announcer._t.join(5)
+        assert not s.announcer._t.is_alive()  # close() stops the thread
