@@ -43,6 +43,25 @@ def test_breaker_states():
     assert b.state == "closed" and b.allow() and b.allow()
 
 
+def _stopped(pid: int, within_s: float = 10.0) -> None:
+    """Wait until every thread of ``pid`` is stopped (state T in /proc): SIGSTOP is delivered
+    asynchronously, and on a busy machine a request sent the instant ``killpg`` returns could still be
+    answered by a thread not yet stopped (a hit that is not the "frozen server" case under test)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that exited
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"server {pid} not stopped within {within_s} s: thread states {states}")
+
+
 def _timed(fn):
     t = time.monotonic()
     fut = fn()
@@ -68,6 +87,7 @@ def test_server_frozen_killed_and_restarted(seaweed_restartable, tmp_path):
     # 1) frozen server (accepts connections, never answers): misses within the bound, caller never waits
     os.killpg(srv.proc.pid, signal.SIGSTOP)
     try:
+        _stopped(srv.proc.pid)
         sentinel = [np.full(bpb, 0xAB, np.uint8) for _ in range(4)]
         fut, call_s = _timed(lambda: pool.get(keys[:4], sentinel))
         assert call_s < NONBLOCKING_S
