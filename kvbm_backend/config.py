@@ -279,15 +279,15 @@ class G4Config(_M):
     that bound (:mod:`kvbm_backend.pool.g4.throttle`)."""
     fsync: bool = True
     """file:// stores: fsync object and directory before publishing (invariant 2)."""
-    s3_client: Literal["obstore", "boto3"] = "boto3"
+    s3_client: Literal["obstore", "boto3"] = "obstore"
     """Client of the S3 block traffic (PUT/GET/HEAD): ``boto3`` or ``obstore`` (Rust ``object_store``;
     about half of boto3's client CPU per GB, issue 25). Both keep create-exclusive PUT, ranged GET,
     per-request timeouts and the throttling backoff; control calls (probe, gc's LIST, DELETE) use boto3.
     obstore's ``timeout_s`` bounds the whole request (boto3's: each socket wait), so a PUT of a stalled
     process can time out after it landed; with either client a PUT that got no answer is settled by a
-    HEAD before it counts dropped (:meth:`~kvbm_backend.pool.g4.s3_store.S3Store._settle_put`). Not the
-    default yet: obstore's GET CPU is at the issue's 1.0 CPU-s/GB bound, not under it (figures in
-    docs/configuration.md)."""
+    HEAD before it counts dropped (:meth:`~kvbm_backend.pool.g4.s3_store.S3Store._settle_put`). The
+    default since its encrypted PUT and GET both measured under the issue's 1.0 CPU-s/GB (boto3's PUT
+    costs 2.2-2.3; figures in docs/configuration.md)."""
     layout: Literal["per-rank", "canonical"] = "per-rank"
     """How G4 stores a block: ``per-rank`` (one object per TP rank, its KV heads: only engines of the same
     TP size share it) or ``canonical`` (one object per KV head of the model, MLA once: engines of one

@@ -141,8 +141,8 @@ def bench(
                                                  "directory)"),
     endpoint_url: Optional[str] = typer.Option(None, help="g4: S3 endpoint URL"),
     encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help="g4: AES-256-GCM per tenant"),
-    s3_client: str = typer.Option("boto3", help="g4 on s3://: the S3 client of the block traffic, boto3 | obstore "
-                                                "(g4.s3_client)"),
+    s3_client: str = typer.Option("obstore", help="g4 on s3://: the S3 client of the block traffic, "
+                                                  "obstore | boto3 (g4.s3_client; its default)"),
     io_size: int = typer.Option(1 << 20, help="bytes per coalesced I/O per rank (a multiple of 4096, at most 1 GiB)"),
     engine: str = typer.Option("auto", help="auto | posix | nixl | kvikio"),
     threads: int = typer.Option(8, help=f"I/Os in flight (1-{MAX_THREADS})"),

@@ -38,4 +38,4 @@ class BenchOptions:
     engine: str = "auto"
     threads: int = 8
     progress: bool = True
-    s3_client: str = "boto3"  # g4 on s3://: g4.s3_client of the pool and the baseline ("boto3" | "obstore")
+    s3_client: str = "obstore"  # g4 on s3://: g4.s3_client of the pool and the baseline ("boto3" | "obstore")

@@ -3,7 +3,7 @@ on ``s3://BUCKET/PREFIX`` (``--endpoint-url``) or ``file:///path``, against a ba
 taken in the same run:
 
 * S3: plain ``PUT``/``GET`` of objects of the same size (header + payload) with the same client
-  (``g4.s3_client``: boto3 by default; ``BenchOptions.s3_client``) and configuration and the same number
+  (``g4.s3_client``: obstore by default; ``BenchOptions.s3_client``) and configuration and the same number
   of requests in flight (``--threads``).
 * file: plain O_DIRECT I/O (:func:`kvbm_backend.apps.bench.baseline.odirect_baseline`), same I/O size
   and in-flight count.

@@ -26,7 +26,7 @@ from .store import ObjectStore
 if TYPE_CHECKING:
     from ...config import G4Config
 
-S3_CLIENT_DEFAULT = "boto3"  # g4.s3_client's default (kvbm_backend.config.G4Config)
+S3_CLIENT_DEFAULT = "obstore"  # g4.s3_client's default (kvbm_backend.config.G4Config)
 
 __all__ = ["SCHEMES", "StoreOptions", "open_store", "register_scheme"]
 

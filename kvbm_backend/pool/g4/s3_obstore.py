@@ -1,6 +1,6 @@
 """S3 store whose block traffic (create-exclusive PUT, GET, ranged GET, HEAD) goes through ``obstore``
-(the Rust ``object_store`` crate): ``g4.s3_client: obstore`` (boto3 is the default: see "Client choice"
-in :mod:`.s3_store` for the figures and why).
+(the Rust ``object_store`` crate): ``g4.s3_client: obstore``, the default (see "Client choice" in
+:mod:`.s3_store` for the figures and why).
 
 Why (issue 25 item 1, "client cost"): per GB moved, obstore costs about half of boto3's client CPU
 (``apps/bench/s3_clients.py``; and through the pool, ``kvbm-backend bench --tier g4``, see

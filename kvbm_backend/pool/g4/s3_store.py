@@ -1,5 +1,5 @@
 """S3-compatible object store on boto3 (any S3 server: AWS, SeaweedFS, MinIO, Ceph RGW, VAST, ...); its block
-traffic moves to obstore with ``g4.s3_client: obstore`` (:mod:`.s3_obstore`), see "Client choice" below.
+traffic is on obstore with ``g4.s3_client: obstore``, the default (:mod:`.s3_obstore`), see "Client choice" below.
 
 * Endpoint, region and credentials: ``endpoint_url``/``region`` arguments, else the standard AWS
   chain (env ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles, IMDS).
@@ -38,7 +38,7 @@ traffic moves to obstore with ``g4.s3_client: obstore`` (:mod:`.s3_obstore`), se
 * botocore's optional CRC request/response checksums are off (``when_required``): every frame carries
   its own xxh3 or GCM tag, verified where the bytes land.
 
-Client choice (issue 3: "pick the S3 client by measurement"): boto3 stays. Measured with
+Client choice (issue 3: "pick the S3 client by measurement"): boto3 stayed then. Measured with
 ``python -m kvbm_backend.apps.bench.s3_clients --endpoint-url $KVBM_TEST_S3_ENDPOINT --bucket kvbm-test
 --object-mib 2 --objects 64 --inflight 8 --json`` (3 runs per invocation, medians; loopback SeaweedFS
 from ``ci/seaweedfs.sh`` on the 2-vCPU CI VM, server and client sharing the cores), two invocations on
@@ -55,15 +55,18 @@ NIXL OBJ 1.5.1  0.089 / 0.084 (1.2 / 1.1)  0.471 / 0.383 (0.8 / 1.0)  one transf
 
 That comparison kept boto3 (obstore's GET was not > 1.3x faster). Issue 25 then chooses by client CPU
 per GB, where obstore costs less: its data path is :class:`~.s3_obstore.ObstoreS3Store`
-(``g4.s3_client: obstore``); this class is ``g4.s3_client: boto3`` (the default) and makes the control
+(``g4.s3_client: obstore``, the default); this class is ``g4.s3_client: boto3`` and makes the control
 calls of both. Through the pool (``kvbm-backend bench --tier g4 --json``, 64 encrypted 2 MiB blocks,
 loopback SeaweedFS, 2-core dev VM shared with other jobs at load average 5-7, four invocations each,
 after the PUT settle of :meth:`S3Store._settle_put`), CPU-s/GB: boto3 PUT 2.49 / 2.33 / 2.65 / 2.90,
 GET 1.35 / 1.10 / 1.54 / 1.65; obstore PUT 0.78 / 0.64 / 0.79 / 0.69, GET 1.02 / 0.93 / 1.03 / 0.92
-(before the settle, load ~10: boto3 PUT 2.1, GET 1.3-1.6; obstore PUT 0.7-0.8, GET 1.0-1.2). obstore's
-GET is at the issue's 1.0 bound, not under it with a margin: its body is collected into a fresh Rust
-buffer (one copy past the kernel's), then opened into a staging frame and copied into the caller's
-buffer (:mod:`.reader`); boto3 stays the default until that GET figure is reliably under 1.0. NIXL's OBJ backend has no conditional PUT (a racing
+(before the settle, load ~10: boto3 PUT 2.1, GET 1.3-1.6; obstore PUT 0.7-0.8, GET 1.0-1.2). Again on
+2026-11-26, load 2.5-3, interleaved, a fresh server per pair (benchmarks/results/g4_client_cpu-2026-11-26.json),
+medians of four: obstore PUT 0.66, GET 0.90; boto3 PUT 2.27, GET 1.20. obstore is therefore the default:
+both its directions are under the issue's 1.0 CPU-s/GB, boto3's PUT is not. Its GET margin is small: the
+body is collected into a fresh Rust buffer (one copy past the kernel's), then opened into a staging frame
+and copied into the caller's buffer (:mod:`.reader`: a miss leaves that buffer untouched); device loads
+(``get_staged``) open it straight into their scratch row. NIXL's OBJ backend has no conditional PUT (a racing
 writer silently overwrites) and no per-request timeout in its parameters, and was slower here.
 """
 from __future__ import annotations
@@ -145,7 +148,7 @@ class S3Store(ObjectStore):
         Raises ValueError naming ``g4.url`` without a bucket."""
         if not parsed.netloc:
             raise ValueError(f"g4.url {url!r}: s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
-        if getattr(opts, "s3_client", "boto3") == "obstore":  # g4.s3_client: the data path on obstore
+        if opts.s3_client == "obstore":  # g4.s3_client: the data path on obstore
             from .s3_obstore import ObstoreS3Store
             return ObstoreS3Store.from_url(url, parsed, opts)
         return cls(parsed.netloc, parsed.path.strip("/"), endpoint_url=opts.endpoint_url, region=opts.region,

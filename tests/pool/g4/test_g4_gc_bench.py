@@ -92,13 +92,13 @@ def test_bench_g4_json(store, tmp_path, s3_prefix, request):
     assert d["put_cpu_s_per_gb"] > 0 and d["get_cpu_s_per_gb"] > 0
     assert d["put_cpu_s_per_gb"] == d["unencrypted_put_cpu_s_per_gb"]
     assert d["get_cpu_s_per_gb"] == d["unencrypted_get_cpu_s_per_gb"]
-    assert d["client"] == ("boto3" if store == "s3" else "posix")  # g4.s3_client's default
+    assert d["client"] == ("obstore" if store == "s3" else "posix")  # g4.s3_client's default
     if store == "s3":  # --s3-client picks the client whose CPU is measured
         r = CliRunner().invoke(app, ["bench", "--tier", "g4", *args, "--layout", "tiny", "--blocks", "8", "--json",
-                                     "--no-encrypt", "--s3-client", "obstore"])
+                                     "--no-encrypt", "--s3-client", "boto3"])
         assert r.exit_code == 0, r.output
         d = json.loads(r.output)
-        assert d["client"] == "obstore" and d["put_cpu_s_per_gb"] > 0 and d["get_cpu_s_per_gb"] > 0
+        assert d["client"] == "boto3" and d["put_cpu_s_per_gb"] > 0 and d["get_cpu_s_per_gb"] > 0
     bad = CliRunner().invoke(app, ["bench", "--tier", "g4", "--layout", "tiny", "--blocks", "8"])
     assert bad.exit_code == 2 and "--url" in bad.output
     bad = CliRunner().invoke(app, ["bench", "--tier", "g4", *args, "--layout", "tiny", "--s3-client", "nixl"])

@@ -1,4 +1,4 @@
-"""``g4.s3_client``: the S3 block traffic on obstore or boto3 (the default) (issue 25 item 1), and the
+"""``g4.s3_client``: the S3 block traffic on obstore (the default) or boto3 (issue 25 item 1), and the
 obstore store's contract against a real SeaweedFS: create-exclusive PUT, GET, ranged GET, HEAD, absent
 objects and buckets, throttled answers (unretried, unslept), a dead endpoint, per-request timeouts, a
 slow PUT whose retry meets its own first copy, and PUTs whose every attempt got no answer (settled by a
@@ -25,7 +25,10 @@ def test_s3_client_picks_the_store_class(seaweed, s3_prefix):
     default = open_store(url, G4Config(url=url, endpoint_url=seaweed.endpoint))
     boto = open_store(url, G4Config(url=url, endpoint_url=seaweed.endpoint, s3_client="boto3"))
     try:
-        assert type(default) is S3Store and default.client_name == "boto3"  # the default (config's doc: why)
+        assert type(default) is ObstoreS3Store and default.client_name == "obstore"  # the default (config's doc: why)
+        kw_default = open_store(url, endpoint_url=seaweed.endpoint)  # keyword form: the same default
+        assert type(kw_default) is ObstoreS3Store
+        kw_default.close()
         assert type(boto) is S3Store and boto.client_name == "boto3"
         obs_ = open_store(url, G4Config(url=url, endpoint_url=seaweed.endpoint, s3_client="obstore"))
         assert type(obs_) is ObstoreS3Store and obs_.client_name == "obstore"
