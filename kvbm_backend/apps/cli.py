@@ -423,9 +423,13 @@ def layouts(page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PA
     from kvbm_backend.model.presets import list_presets, load_preset
     _int_at_least("--page-size", page_size, 1, MAX_PAGE_SIZE)
     _int_at_least("--tp", tp, 1, MAX_TP)
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for n in list_presets():
-        p = load_preset(n)
+        try:  # a malformed preset file is listed with its error (the file and field), the rest still are
+            p = load_preset(n)
+        except ValueError as e:
+            rows[n] = {"bytes_per_token_tp1": None, "error": str(e)}
+            continue
         try:
             lay = p.layout(page_size=page_size, tp=tp)
         except ValueError as e:

@@ -72,7 +72,8 @@ def print_layouts(rows: dict, *, page_size: int, tp: int, default: str, console:
         label = f"{name} *" if name == default else name
         if "error" in r:
             errors.append(r["error"] if name in r["error"] else f"{name}: {r['error']}")
-            t.add_row(label, n(r["bytes_per_token_tp1"]), "-", "-", "-", "-")
+            bpt = r.get("bytes_per_token_tp1")  # None: the preset file itself did not load
+            t.add_row(label, "-" if bpt is None else n(bpt), "-", "-", "-", "-")
             continue
         t.add_row(label, n(r["bytes_per_token_tp1"]), n(r["bytes_per_block"]), str(r["num_layers"]),
                   f"{r['outer_dim']}x{r['inner_dim']}", r["dtype"])

@@ -118,7 +118,10 @@ def load_preset(name: str) -> ModelPreset:
     if not path.is_file():
         raise ValueError(f"layout: no preset {name!r}; known: {', '.join(list_presets())}")
     with open(path, "rb") as f:
-        d = tomllib.load(f)
+        try:
+            d = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"layout {path}: not valid TOML: {e}") from None
     try:
         p = ModelPreset(name=str(d["name"]), hf_id=str(d.get("hf_id", "")), num_layers=int(d["num_layers"]),
                         num_kv_heads=int(d["num_kv_heads"]), head_dim=int(d["head_dim"]),

@@ -186,6 +186,24 @@ def test_layouts_tp_not_dividing_some_presets_lists_the_rest():
     assert rows["deepseek-r1"]["bytes_per_block"] > 0  # MLA: replicated on every rank, any --tp
 
 
+def test_layouts_lists_a_malformed_preset_file_with_its_error_and_the_rest(tmp_path, monkeypatch):
+    """A broken preset under $KVBM_BACKEND_LAYOUTS (invalid TOML, a missing field) is an entry naming the
+    file and what is wrong; every other preset is still listed (was: a traceback, nothing listed)."""
+    import shutil
+    d = tmp_path / "layouts"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "layouts", d)
+    (d / "broken.toml").write_text("num_layers = [\n")
+    (d / "partial.toml").write_text("num_layers = 2\n")
+    monkeypatch.setenv("KVBM_BACKEND_LAYOUTS", str(d))
+    r = CliRunner().invoke(app, ["layouts", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)
+    assert "broken.toml" in rows["broken"]["error"] and "partial.toml" in rows["partial"]["error"]
+    assert "missing field" in rows["partial"]["error"]
+    assert rows["qwen3-8b"]["bytes_per_block"] > 0
+    r = CliRunner().invoke(app, ["layouts"])
+    assert r.exit_code == 0 and "broken" in r.output and "qwen3-8b" in r.output, r.output
+
 # --- hostile config inputs (issue 26 item 7), through the real entry point in a subprocess -------------
 
 REPO = Path(__file__).resolve().parents[2]
