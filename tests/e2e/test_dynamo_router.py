@@ -85,11 +85,11 @@ class RouterStack:
         self.dyn.close()
 
 
-@pytest.fixture(scope="module")
-def router_stack(tmp_path_factory):
+def _two_workers(stack_cls, tmp_path_factory, name: str):
+    """A ``stack_cls`` stack (frontend + workers ``worker-a`` and ``worker-b`` on the tiny model), closed after."""
     from kvbm_backend.apps.engine_model import TINY, write_model_dir
-    root = tmp_path_factory.mktemp("dynamo-router")
-    st = RouterStack(root, write_model_dir(root / "model", TINY, dtype="float32"))
+    root = tmp_path_factory.mktemp(name)
+    st = stack_cls(root, write_model_dir(root / "model", TINY, dtype="float32"))
     try:
         st.launch("worker-a")
         st.launch("worker-b")
@@ -97,6 +97,11 @@ def router_stack(tmp_path_factory):
         yield st
     finally:
         st.close()
+
+
+@pytest.fixture(scope="module")
+def router_stack(tmp_path_factory):
+    yield from _two_workers(RouterStack, tmp_path_factory, "dynamo-router")
 
 
 def clear_kv_blocks_all(env: dict, n_workers: int) -> list:
@@ -217,16 +222,7 @@ class G4RouterStack(RouterStack):
 
 @pytest.fixture(scope="module")
 def g4_router_stack(tmp_path_factory):
-    from kvbm_backend.apps.engine_model import TINY, write_model_dir
-    root = tmp_path_factory.mktemp("dynamo-router-g4")
-    st = G4RouterStack(root, write_model_dir(root / "model", TINY, dtype="float32"))
-    try:
-        st.launch("worker-a")
-        st.launch("worker-b")
-        st.wait_ready()
-        yield st
-    finally:
-        st.close()
+    yield from _two_workers(G4RouterStack, tmp_path_factory, "dynamo-router-g4")
 
 
 def _sched_counter(w: dict, key: str) -> int:

@@ -68,18 +68,8 @@ def restore_pairs(owners: Owners, ent: Entries, table: HashTable, lru: LruLog,
 
 def restore_columns(owners: Owners, ent: Entries, table: HashTable, lru: LruLog, namespace: str,
                     tags: npt.NDArray[Any], ranks: Ints, seqs: Ints, files: Ints, slots: Ints) -> None:
-    """Vectorised ``CompactLruIndex.restore`` of N journal entries (oldest first; a repeated key keeps its last).
-
-    Args:
-        namespace: the namespace fingerprint of every entry.
-        tags: (N, 16) uint8, the tenant tags (``tenant_tag``); a tag other than ``""``'s is restored
-            as a :class:`TagKey` entry until adopted.
-        ranks, seqs, files, slots: (N,) integer arrays (rank < 2**32, seq_hash < 2**64 as uint64,
-            file < 2**16, slot < 2**32).
-
-    Raises:
-        ValueError: shapes disagree, or a rank, file or slot index is outside the widths above.
-    """
+    """:meth:`CompactLruIndex.restore_arrays <.compact_index.CompactLruIndex.restore_arrays>` on the index's
+    parts (arguments, widths and errors as documented there)."""
     tags = np.ascontiguousarray(tags, np.uint8)
     n = len(seqs)
     if tags.shape != (n, 16) or not (len(ranks) == len(files) == len(slots) == n):
