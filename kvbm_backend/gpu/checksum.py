@@ -15,6 +15,9 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
+import numpy as np
+import numpy.typing as npt
+
 CHUNK_WORDS = 1 << 15  # 2**15 words * 2**47 < 2**62: a chunk sum fits int64 exactly
 _MAX_WORDS = (1 << 31) - 1
 _MASK64 = (1 << 64) - 1
@@ -91,6 +94,7 @@ def device_checksums_torch(blocks, payload_offset: int, payload_len: int,
 
     Used to verify a batch of frames read into one device staging buffer with a single device-to-host
     sync for the whole batch (4 int64 per row come back), however many slices bound the temporaries.
+    :func:`device_limb_sums` is the same without the sync (the caller fetches the sums when it wants).
 
     Args:
         blocks: uint8 tensor ``[n, row_bytes]`` (CPU or CUDA), contiguous.
@@ -104,6 +108,28 @@ def device_checksums_torch(blocks, payload_offset: int, payload_len: int,
     Raises:
         ValueError: bad shape, dtype, or offsets not multiples of 4.
     """
+    sums = device_limb_sums(blocks, payload_offset, payload_len, max_words_per_pass, fused)
+    return [int(x) for x in combine_limb_sums(sums.cpu().numpy())]  # the one device-to-host sync
+
+
+def combine_limb_sums(sums: "npt.NDArray[np.int64]") -> "npt.NDArray[np.uint64]":
+    """The checksums (``uint64 [n]``) of :func:`device_limb_sums`'s ``int64 [n, 4]`` limb sums, brought
+    to the host: ``(l0 + l1 * 2**32 + (h0 + h1 * 2**32) * 2**16) mod 2**64``, in wrapping uint64
+    arithmetic (the same numbers as the per-row ``_combine``)."""
+    u = np.ascontiguousarray(sums).astype(np.uint64).reshape(-1, 4)
+    with np.errstate(over="ignore"):
+        out: npt.NDArray[np.uint64] = (u[:, 0] + (u[:, 1] << np.uint64(32)) + (u[:, 2] << np.uint64(16))
+                                       + (u[:, 3] << np.uint64(48)))
+    return out
+
+
+def device_limb_sums(blocks, payload_offset: int, payload_len: int,
+                     max_words_per_pass: int = 1 << 24, fused: bool = True):
+    """The checksums of :func:`device_checksums_torch` as ``int64 [n, 4]`` limb sums on ``blocks``'s
+    device, queued on the current stream without waiting for them (the one exception: the first use
+    of the fused kernel on a device checks it against the torch ops once). Fetch them with a
+    non-blocking copy to pinned memory and :func:`combine_limb_sums` once an event says they are done.
+    Arguments and errors as :func:`device_checksums_torch`."""
     torch = _torch()
     if blocks.dim() != 2 or blocks.dtype != torch.uint8:
         raise ValueError(f"device_checksums_torch: need a 2-D uint8 tensor, got {tuple(blocks.shape)} {blocks.dtype}")
@@ -114,13 +140,11 @@ def device_checksums_torch(blocks, payload_offset: int, payload_len: int,
     if payload_offset + payload_len > row:
         raise ValueError(f"device_checksums_torch: payload [{payload_offset}, {payload_offset + payload_len}) "
                          f"exceeds row of {row} bytes")
-    if n == 0:
-        return []
     nw = payload_len // 4
     if nw > _MAX_WORDS:
         raise ValueError("device_checksums_torch: payload of 8 GiB or more")
-    if nw == 0:
-        return [0] * n
+    if n == 0 or nw == 0:
+        return torch.zeros((n, 4), dtype=torch.int64, device=blocks.device)
     if sys.byteorder != "little":
         raise RuntimeError("device_checksums_torch: big-endian hosts are not supported")
     pay = blocks[:, payload_offset:payload_offset + payload_len]
@@ -130,8 +154,7 @@ def device_checksums_torch(blocks, payload_offset: int, payload_len: int,
         from . import checksum_triton
         ok, _ = checksum_triton.usable(pay.device, lambda b, o, n_: device_checksums_torch(b, o, n_, fused=False))
         if ok:
-            sums = checksum_triton.limb_sums(pay.view(torch.int32))
-            return [_combine(*s) for s in sums.cpu().tolist()]  # the one device-to-host sync
+            return checksum_triton.limb_sums(pay.view(torch.int32))
     m = 0xFFFFFFFF
     parts = []
     rows_per_pass = max(1, max_words_per_pass // nw)
@@ -150,8 +173,7 @@ def device_checksums_torch(blocks, payload_offset: int, payload_len: int,
         hi = ((w >> 16) * idx).sum(dim=2)
         parts.append(torch.stack([(lo & m).sum(1), (lo >> 32).sum(1), (hi & m).sum(1), (hi >> 32).sum(1)], dim=1))
         del w, lo, hi  # the next slice reuses this memory
-    sums = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return [_combine(*s) for s in sums.cpu().tolist()]  # the one device-to-host sync
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def checksums_match(blocks, payload_offset: int, payload_len: int, expected: Sequence[int]) -> list[bool]:

@@ -271,6 +271,44 @@ class ChecksumFrames:
             return False
         return xxhash.xxh3_128_digest(_buf(payload)) == hb[_OFF_INTEGRITY:_OFF_INTEGRITY + 16]
 
+    def check_headers(self, headers: npt.NDArray[np.uint8], tenant_tags: Sequence[bytes], ranks: Sequence[int],
+                      seq_hashes: Iterable[int], *, check_world: bool = True,
+                      ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+        """The header half of :meth:`verify_many` for ``m`` headers at once (numpy compares, one xxh3_64
+        call per header): True where the header is exactly what :meth:`write_header` makes for that block
+        (identity, layout, lengths, flags ``FLAG_CHECKSUM`` or ``FLAG_CHECKSUM | FLAG_DEVCHECK``, header
+        check). ``check_world`` False: any TP world is accepted (readers that were not told one).
+
+        Args:
+            headers: uint8 ``(m, stride)``, ``stride >= 152``: row ``j`` starts with block ``j``'s header.
+            tenant_tags: ``m`` 16-byte tags; ranks, seq_hashes: ``m`` ints.
+        Returns:
+            ``(ok, devcheck)``: bool arrays of ``m``; ``devcheck[j]``: the header carries FLAG_DEVCHECK
+            (its ``dev_check`` field, :func:`header_dev_checks`, is the payload's device checksum).
+        """
+        m = len(tenant_tags)
+        h = headers[:m]
+        dev_flags = np.frombuffer(_FLAGS_DEV, np.uint8)
+        exp = np.empty((m, _PREFIX.size), np.uint8)
+        exp[:] = np.frombuffer(self.prefix(b"\x00" * 16, 0, 0), np.uint8)
+        exp[:, 24:40] = np.frombuffer(b"".join(tenant_tags), np.uint8).reshape(m, 16)
+        exp[:, 40:44] = np.asarray(ranks, dtype="<u4").view(np.uint8).reshape(m, 4)
+        exp[:, 48:56] = np.fromiter(seq_hashes, dtype="<u8", count=m).view(np.uint8).reshape(m, 8)
+        if not check_world:
+            exp[:, 44:48] = h[:, 44:48]
+        # flags (bytes 10-11) may be FLAG_CHECKSUM or FLAG_CHECKSUM | FLAG_DEVCHECK
+        flags = h[:, 10:12]
+        ok: npt.NDArray[np.bool_] = ((h[:, :10] == exp[:, :10]).all(axis=1)
+                                     & (h[:, 12:_PREFIX.size] == exp[:, 12:]).all(axis=1))
+        devcheck: npt.NDArray[np.bool_] = (flags == dev_flags).all(axis=1)
+        ok &= (flags == exp[0, 10:12]).all(axis=1) | devcheck
+        flat = np.ascontiguousarray(h[:, :_FIXED + 8]).reshape(-1).data  # a memoryview of the copy
+        row = _FIXED + 8
+        d64 = xxhash.xxh3_64_intdigest
+        checks = np.fromiter((d64(flat[o:o + _FIXED]) for o in range(0, m * row, row)), dtype="<u8", count=m)
+        ok &= h[:, _FIXED:_FIXED + 8].copy().view("<u8").reshape(m) == checks
+        return ok, devcheck
+
     def verify_many(self, headers: npt.NDArray[np.uint8], payloads: Sequence[BytesLike],
                     tenant_tags: Sequence[bytes], ranks: Sequence[int],
                     seq_hashes: Iterable[int]) -> npt.NDArray[np.bool_]:
@@ -289,24 +327,16 @@ class ChecksumFrames:
         m = len(payloads)
         if m == 0:
             return np.zeros(0, bool)
-        dev_flags = np.frombuffer(_FLAGS_DEV, np.uint8)
         h = headers[:m]
-        exp = np.empty((m, _PREFIX.size), np.uint8)
-        exp[:] = np.frombuffer(self.prefix(b"\x00" * 16, 0, 0), np.uint8)
-        exp[:, 24:40] = np.frombuffer(b"".join(tenant_tags), np.uint8).reshape(m, 16)
-        exp[:, 40:44] = np.asarray(ranks, dtype="<u4").view(np.uint8).reshape(m, 4)
-        exp[:, 48:56] = np.fromiter(seq_hashes, dtype="<u8", count=m).view(np.uint8).reshape(m, 8)
-        # flags (bytes 10-11) may be FLAG_CHECKSUM or FLAG_CHECKSUM | FLAG_DEVCHECK
-        flags = h[:, 10:12]
-        ok: npt.NDArray[np.bool_] = ((h[:, :10] == exp[:, :10]).all(axis=1)
-                                     & (h[:, 12:_PREFIX.size] == exp[:, 12:]).all(axis=1))
-        ok &= ((flags == exp[0, 10:12]).all(axis=1) | (flags == dev_flags).all(axis=1))
-        flat = np.ascontiguousarray(h[:, :_FIXED + 8]).reshape(-1).data  # a memoryview of the copy
-        row = _FIXED + 8
-        d64 = xxhash.xxh3_64_intdigest
-        checks = np.fromiter((d64(flat[o:o + _FIXED]) for o in range(0, m * row, row)), dtype="<u8", count=m)
-        ok &= h[:, _FIXED:_FIXED + 8].copy().view("<u8").reshape(m) == checks
+        ok, _ = self.check_headers(h, tenant_tags, ranks, seq_hashes)
         bufs = cast("Sequence[Buffer]", payloads)  # as _buf, for the whole list (map: no per-item Python call)
         digs = np.frombuffer(b"".join(map(xxhash.xxh3_128_digest, bufs)), np.uint8).reshape(m, 16)
         ok &= (h[:, _OFF_INTEGRITY:_OFF_INTEGRITY + 16] == digs).all(axis=1)
         return ok
+
+
+def header_dev_checks(headers: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint64]:
+    """The ``dev_check`` field (:func:`device_checksum` of the payload) of ``m`` headers, uint64 ``[m]``
+    (``headers``: uint8 ``(m, stride)``, ``stride >= 144``, rows starting with a header)."""
+    out: npt.NDArray[np.uint64] = headers[:, _FIXED - 8:_FIXED].copy().view("<u8").reshape(-1).astype(np.uint64)
+    return out

@@ -402,6 +402,59 @@ def test_gpu_device_loader_verifies_on_device(tmp_path, mode):
     ld.close()
 
 
+@pytest.mark.parametrize("mode", ["host", "auto", "pinned-bounce"])
+def test_pipelined_checks_name_each_fault_in_every_pass(tmp_path, mode):
+    """Many passes in flight (checks of pass k queued while pass k + 1 is reaped, headers checked in
+    batches): in one load, a payload flip (``devcheck``), a header naming another tenant (``identity``),
+    a frame of another TP world (``identity``), a checksum-only frame (verified on the host) and a
+    truncated last block (``short``) are each a miss or a host check of exactly that row, in whichever
+    pass it falls (kvikio: the truncated block is an ``io_error``); every other block lands byte-exact,
+    twice in a row. ``host`` runs here; the CUDA
+    modes run where a GPU is (the same pipeline with device events)."""
+    if mode != "host" and not CUDA_OK:
+        pytest.skip("no CUDA device (torch.cuda.is_available() is False)")
+    n = 40
+    keys = NS.keys(range(700, 700 + n), tenant="t1")
+    pays = _blocks(n, seed=41)
+    src = FileSlots(tmp_path / "slab", keys, pays)
+    with open(src.path, "r+b") as f:
+        f.seek(5 * SLOT + HEADER_BYTES + 77)
+        b = f.read(1)
+        f.seek(5 * SLOT + HEADER_BYTES + 77)
+        f.write(bytes([b[0] ^ 8]))  # block 5: payload flip
+        k = keys[22]
+        f.seek(22 * SLOT)  # block 22: a frame of TP world 2
+        f.write(FrameHeader.for_block(k, LAYOUT, world=2, tenant_tag=tenant_tag(k.tenant),
+                                      flags=FLAG_CHECKSUM | FLAG_DEVCHECK, integrity=frame.payload_checksum(pays[22]),
+                                      dev_check=frame.device_checksum(pays[22])).pack())
+        k = keys[30]
+        f.seek(30 * SLOT)  # block 30: checksum-only frame (an older writer): verified with xxh3 on the host
+        f.write(FrameHeader.for_block(k, LAYOUT, world=1, tenant_tag=tenant_tag(k.tenant), flags=FLAG_CHECKSUM,
+                                      integrity=frame.payload_checksum(pays[30])).pack())
+    os.truncate(src.path, (n - 1) * SLOT + HEADER_BYTES + 100)  # block 39 truncated
+    src.slot_of[NS.key(711, tenant="t2")] = 11  # asked as another tenant: the header names t1
+    req = list(keys)
+    req[11] = NS.key(711, tenant="t2")
+    device = "cpu" if mode == "host" else "cuda"
+    ld = DeviceLoader(src, LAYOUT, device, probe_dir=str(tmp_path), mode="auto" if mode == "host" else mode,
+                      world=1, staging_bytes=3 * SLOT, depth=3, io_bytes=2 * SLOT, threads=3, timeout_s=LOAD_S)
+    # a read past the end of the file: ``short`` from preadv; kvikio refuses the read itself (EOF error)
+    bad = {5: "devcheck", 11: "identity", 22: "identity", 39: "io_error" if ld.reads.engine is not None else "short"}
+    for _ in range(2):
+        dst, why = _dst(n, device), []
+        assert ld.load(req, dst, why) == [i not in bad for i in range(n)], why
+        assert {i: w for i, w in enumerate(why) if w} == bad
+        for i in range(n):
+            if i in bad:
+                assert (dst[i] == 0xAB).all().item(), i
+            else:
+                assert torch.equal(dst[i].cpu(), torch.from_numpy(pays[i])), i
+    st = ld.stats()
+    assert st["host_verified"] == 2 and st["corrupt_devcheck"] == 2 and st["corrupt_identity"] == 4, st
+    assert st["passes"] == 2 * 14
+    ld.close()
+
+
 @pytest.mark.skipif(not CUDA_OK, reason="no CUDA device (torch.cuda.is_available() is False)")
 def test_gpu_pinned_pool_buffers_are_pinned_as_torch_sees_them():
     """The pinned staging pool's buffers are pinned as torch sees them (copies from them are DMA, not

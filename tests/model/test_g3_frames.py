@@ -75,3 +75,49 @@ def test_verify_many_agrees_with_verify_block_by_block():
     packed = np.ascontiguousarray(stage.reshape(m, sb)[:, :4096])  # headers packed apart from payloads
     assert cf.verify_many(packed, payloads, tags, ranks, seqs).tolist() == ref
     assert cf.verify_many(packed[:0], [], [], [], []).tolist() == []
+
+
+def test_check_headers_accepts_exactly_what_accept_does_and_reads_dev_check():
+    """The device loader's batched header check (``ChecksumFrames.check_headers``) agrees with the full
+    parser (:func:`frame.accept` with the stored length) row by row: frames with and without the device
+    checksum flag pass, every single-byte fault in the checked header part, another key, tenant, rank or
+    TP world, an encrypted frame, and a header of another layout fail; ``check_world=False`` accepts any
+    world; ``devcheck`` and :func:`frame.header_dev_checks` name the device-checked rows and their sums."""
+    m = 12
+    keys = NS.keys([500 + j for j in range(m)], tenant="acme", rank=1)
+    tt = tenant_tag("acme")
+    bb = LAYOUT.bytes_per_block
+    hdrs = np.zeros((m, 256), np.uint8)
+    for j, k in enumerate(keys):
+        flags = frame.FLAG_CHECKSUM | (frame.FLAG_DEVCHECK if j % 2 else 0)
+        h = FrameHeader.for_block(k, LAYOUT, 2, tt, flags=flags, dev_check=(j + 1) * 0x0123456789ABCDEF % 2**64)
+        if j == 4:
+            h.world = 4  # a frame of another TP world
+        if j == 6:
+            h.flags = frame.FLAG_ENCRYPTED  # not a G3 frame a device can verify
+        if j == 8:
+            h.num_layers = 4  # another layout
+        hdrs[j] = np.frombuffer(h.pack()[:256], np.uint8)
+    hdrs[2, 50] ^= 1  # a sequence hash byte
+    hdrs[10, 140] ^= 1  # the dev_check field: the header check catches it
+    tags, ranks, seqs = [tt] * m, [1] * m, [k.seq_hash for k in keys]
+    tags[3] = tenant_tag("other")
+    ranks[5] = 0
+    cf = ChecksumFrames(bytes.fromhex(keys[0].namespace), LAYOUT, 2)
+
+    def ref(j, world):
+        try:
+            frame.accept(hdrs[j], NS.key(seqs[j], "acme", ranks[j]), LAYOUT, tags[j], world=world, stored_len=bb)
+        except frame.FrameError:
+            return False
+        return not (hdrs[j][10] & frame.FLAG_ENCRYPTED)
+
+    ok, dev = cf.check_headers(hdrs, tags, ranks, seqs)
+    assert ok.tolist() == [ref(j, 2) for j in range(m)]
+    assert [j for j in range(m) if ok[j]] == [0, 1, 7, 9, 11]
+    assert dev.tolist() == [bool(j % 2) for j in range(m)]
+    ok_any, _ = cf.check_headers(hdrs, tags, ranks, seqs, check_world=False)
+    assert ok_any.tolist() == [ref(j, None) for j in range(m)] and ok_any[4]
+    checks = frame.header_dev_checks(hdrs)
+    assert checks.dtype == np.uint64
+    assert [int(checks[j]) for j in (1, 7)] == [2 * 0x0123456789ABCDEF % 2**64, 8 * 0x0123456789ABCDEF % 2**64]

@@ -13,18 +13,24 @@ Data path per :meth:`DeviceLoader.load` (docs/invariants.md #1, "never wrong KV"
 2. Leases are cut into passes of at most ``staging_bytes``; a pass's adjacent slots of one file form
    runs, and runs are cut at slot boundaries into reads of about ``io_bytes`` so many reads are in
    flight at once (``threads``). Passes are pipelined over a ring of ``depth`` staging buffers: the
-   reads of passes k+1 .. k+depth-1 are on the wire while pass k is verified and copied out.
+   reads of later passes are on the wire while pass k is verified and copied out, and the loader's
+   thread never waits for the device: once pass k's reads are in it queues pass k's checks on the
+   device (:meth:`~.verify.PassVerifier.launch`) and completes pass k - 1 (headers checked, checksums
+   compared, good rows' copy-out queued: :meth:`~.verify.PassVerifier.complete`); a ring slot is reused
+   after an event says the device is done with it, and the call ends with one stream sync.
    ``gds`` / ``kvikio-compat`` -- kvikio ``CuFile.pread`` straight into device staging (GDS DMA, or
    kvikio's own pinned bounce buffer in compat mode); ``pinned-bounce`` -- reader threads ``preadv``
    into the pass's pinned host rows (O_DIRECT where taken), then one host-to-device DMA per pass on the
    loader's stream; ``host`` -- the device is the CPU (the same reader threads, reads land in the staging).
    The mode is decided by :func:`probe_device_path` at start-up (a real write/read/compare in the
    pool's directory) and reported in :attr:`DeviceLoader.mode` / :attr:`DeviceLoader.mode_reason`.
-3. The 4 KiB headers (only) come to the host: magic, version, header check, identity (namespace,
-   tenant, rank, world, sequence hash), layout and lengths are checked
-   (:class:`~kvbm_backend.model.frame.FrameHeader`).
+3. The headers (only; their first 256 bytes on the kvikio paths) come to the host: magic, version,
+   header check, identity (namespace, tenant, rank, world, sequence hash), layout and lengths are
+   checked for a whole pass at once (:meth:`~kvbm_backend.model.frame.ChecksumFrames.check_headers`;
+   a header that fails there is parsed again to name the reason, :func:`.stages.check_frame`).
 4. Payload integrity is checked where the bytes landed: frames with ``FLAG_DEVCHECK`` are verified on
-   the device with :func:`~kvbm_backend.gpu.checksum.device_checksums_torch` (one sync per pass);
+   the device with :func:`~kvbm_backend.gpu.checksum.device_limb_sums` (the sums come back to pinned
+   memory by a queued copy; no sync);
    frames with only the xxh3_128 ``FLAG_CHECKSUM`` are copied to the host and checked there (counted as
    ``host_verified``); encrypted or unchecked frames are misses (``unverifiable``).
 5. Only verified payloads are copied into ``dst[i]``; a failed probe, failed/short/late I/O, a bad
@@ -281,15 +287,16 @@ class DeviceLoader:
                     why[i] = "length"
                 continue
             passes.append((rows, slot_len))
-        inflight: deque[_Pass] = deque()
+        reading: deque[_Pass] = deque()  # reads on the wire, not reaped yet
+        checking: deque[_Pass] = deque()  # reaped, checks queued on the device, not completed yet
         t0 = time.perf_counter()
         ctx: ContextManager[Any] = (torch.cuda.stream(self._stream) if self._stream is not None
                                     else contextlib.nullcontext())
         try:
             with ctx:
                 for k, (rows, slot_len) in enumerate(passes):
-                    if len(inflight) == self.depth:  # the ring slot of pass k - depth is free after this
-                        self._finish(inflight.popleft(), keys, dst, why, deadline)
+                    while len(reading) + len(checking) >= self.depth:  # pass k - depth done: its ring slot is free
+                        self._advance(reading, checking, keys, dst, why, deadline)
                     ring = k % self.depth
                     staging, host = self.reads.buffers(ring, len(rows), slot_len)
                     cur = _Pass(rows, [leases[i] for i in rows], slot_len, staging, host, ring, [],
@@ -301,23 +308,40 @@ class DeviceLoader:
                         cur.status = ["timeout"] * len(rows)
                         self.counters["timeout"] += len(rows)
                     self.counters["passes"] += 1
-                    inflight.append(cur)
-                while inflight:
-                    self._finish(inflight.popleft(), keys, dst, why, deadline)
+                    reading.append(cur)
+                while reading or checking:
+                    self._advance(reading, checking, keys, dst, why, deadline)
+                if self._stream is not None:
+                    self._stream.synchronize()  # every copy-out into dst is done
         except BaseException:  # passes still in flight: their buffers must never be handed out again
-            for p in inflight:
+            if self._stream is not None:
+                self._stream.synchronize()
+            for p in list(reading) + list(checking):
                 self.reads.abandon(p)
             raise
         add_seconds(self.counters, "load_s", time.perf_counter() - t0)
 
-    def _finish(self, p: _Pass, keys: Sequence[BlockKey], dst: Sequence[torch.Tensor], why: list[str | None],
-                deadline: Deadline) -> None:
-        """Reap, verify and copy out one pass (its ring buffers are free again on return)."""
-        t0 = time.perf_counter()
-        self.reads.reap(p, deadline)
+    def _advance(self, reading: deque[_Pass], checking: deque[_Pass], keys: Sequence[BlockKey],
+                 dst: Sequence[torch.Tensor], why: list[str | None], deadline: Deadline) -> None:
+        """One step of the pipeline: reap the oldest pass still reading and queue its checks on the device;
+        complete (check on the host, copy out) the pass reaped before it. So the loader's thread waits for
+        the reads of pass k while the device checks pass k - 1, and never for the device itself."""
+        if reading:
+            p = reading.popleft()
+            t0 = time.perf_counter()
+            self.reads.reap(p, deadline)
+            t1 = time.perf_counter()
+            add_seconds(self.counters, "read_wait_s", t1 - t0)
+            self.verifier.launch(p)
+            add_seconds(self.counters, "verify_s", time.perf_counter() - t1)
+            checking.append(p)
+            if len(checking) <= 1 and reading:
+                return
+        q = checking.popleft()
         t1 = time.perf_counter()
-        add_seconds(self.counters, "read_wait_s", t1 - t0)
         try:
-            self.verifier.verify_copy(p, keys, dst, why)
+            self.verifier.complete(q, keys, dst, why)
         finally:
+            if q.done is not None:
+                self.reads.ring_done[q.ring] = q.done
             add_seconds(self.counters, "verify_s", time.perf_counter() - t1)

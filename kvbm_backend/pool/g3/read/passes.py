@@ -1,6 +1,6 @@
 """The read side of :class:`~.device.DeviceLoader`: slab files, the ring of staging
 buffers, a pass's reads on the wire (kvikio into the device, or ``preadv`` into the pass's pinned host rows and one
-host-to-device DMA per pass: the bounce path) and their reaping against the call's deadline.
+host-to-device DMA per pass, queued once its reads are in: the bounce path) and their reaping against the call's deadline.
 
 What is read is planned in :mod:`kvbm_backend.transfer` (:func:`~kvbm_backend.transfer.group_passes`,
 :func:`~kvbm_backend.transfer.contiguous_runs`); host staging comes from the one buffer pool
@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from ....deadlines import Deadline
@@ -48,7 +48,12 @@ class _Pass:
     # (row0, nrows, future) per read: a concurrent Future of (bytes, None), or kvikio's IOFuture (untyped)
     futs: list[tuple[int, int, Any]]
     status: list[str | None]  # per pass row: None (read in full) or a reason
-    headers: BlockBuffer | None = None  # host uint8 [n, HEADER_BYTES]: the 4 KiB headers, filled by the readers
+    # host uint8 [n, >= 256]: the headers (bounce/host: filled by the readers; kvikio: copied by the verifier)
+    headers: BlockBuffer | None = None
+    sums: Any = None  # host int64 [n, 4]: the device checksums' limb sums (CUDA, once ``checked`` is done)
+    checked: Any = None  # torch.cuda.Event: headers and sums are on the host
+    done: Any = None  # torch.cuda.Event: nothing on the device reads the staging any more (copy-out queued before)
+    keep: list[Any] = field(default_factory=list)  # pinned tensors the queued copies write into
 
 
 def _done(f: Any) -> bool:
@@ -75,6 +80,7 @@ class PassReader:
         # (futures, ring entry) of timed-out reads, kept alive until done
         self.abandoned: list[tuple[list[Any], _RingEntry | None]] = []
         self.ring: dict[int, _RingEntry] = {}  # ring slot -> (staging, host, host buffer), reused across calls
+        self.ring_done: dict[int, Any] = {}  # ring slot -> event of its last pass's device work (CUDA)
         self.engine: KvikioEngine | None = None  # kvikio (gds / kvikio-compat)
         self.pool: ThreadPoolExecutor | None = None  # reader threads (pinned-bounce / host)
         if mode in ("gds", "kvikio-compat"):
@@ -93,6 +99,9 @@ class PassReader:
 
     def drop_ring(self) -> None:
         """Give the ring's host buffers back (between loads): the next passes take buffers of their size."""
+        for ev in self.ring_done.values():
+            ev.synchronize()
+        self.ring_done = {}
         for entry in self.ring.values():
             self.give_ring(entry)
         self.ring = {}
@@ -128,6 +137,9 @@ class PassReader:
         """(staging, host) for a pass of ``n`` rows from ring slot ``ring`` (grown as needed; the
         smaller host buffer goes back to the pool: its pass was verified and copied out)."""
         import torch
+        ev = self.ring_done.pop(ring, None)
+        if ev is not None:
+            ev.synchronize()  # the slot's previous pass: its checks and copy-out have read the staging
         need = n * slot_len
         buf = self.ring.get(ring)
         if buf is None or buf[0].numel() < need:
@@ -182,12 +194,12 @@ class PassReader:
                      host: torch.Tensor) -> tuple[int, None]:
         """One read of the bounce and host paths (a reader thread): ``preadv`` into ``host``, the pass's
         host rows ``[nr, slot_len]`` (host mode: the staging itself; ``pinned-bounce``: pinned rows that
-        :meth:`_reap` copies to the device staging ``dev`` in one DMA per pass), then the rows' 4 KiB
-        headers into ``hdr`` (``[nr, HEADER_BYTES]``, host). Returns ``(bytes read, None)``.
+        :meth:`reap` copies to the device staging ``dev`` on the loader's stream, one DMA per pass),
+        then the rows' 4 KiB headers into ``hdr`` (``[nr, HEADER_BYTES]``, host). Returns ``(bytes read, None)``.
 
-        Why one copy per pass, not one per read from the reader threads: on an H200 host (tmpfs, 4 GiB
-        of 2 MiB blocks) per-thread copies on per-thread streams loaded at 5-7 GB/s, one DMA per pass at
-        12-14 GB/s (``benchmarks/gpu_bench.py --sweep``, 2026-11-25)."""
+        Why the loader's thread queues the copies, not the reader threads: on an H200 host (tmpfs, 4 GiB
+        of 2 MiB blocks) per-thread copies on per-thread streams, each waited for, loaded at 5-7 GB/s; copies
+        queued by the loader on its one stream at 12-14 GB/s (``benchmarks/gpu_bench.py --sweep``, 2026-11-25)."""
         slot_len = dev.shape[1]
         buf = host.numpy().reshape(-1)
         got = self.files.preadv(path, [buf], offset, True)  # O_DIRECT (no page-cache copy) where taken
@@ -221,14 +233,17 @@ class PassReader:
                 self.counters["io_error"] += nr
                 continue
             self.counters["bytes_read"] += got
-            full = got // p.slot_len
+            full = min(nr, got // p.slot_len)
             for r in range(r0, r0 + nr):
                 p.status[r] = None if r - r0 < full else "short"
             if full < nr:
                 self.counters["short"] += nr - full
         if self.mode == "pinned-bounce" and p.host is not None and any(x is None for x in p.status):
+            # one DMA for the pass on the loader's stream, overlapping the next pass's reads (a copy per read,
+            # queued as each was reaped, loaded at 9.5 GB/s with 16 reader threads where one per pass had
+            # loaded 13.0: H200, tmpfs, 2026-11-26; more GIL hand-offs between the loader and the readers)
             t0 = time.perf_counter()
-            p.staging.copy_(p.host, non_blocking=True)  # one DMA for the pass, on the loader's stream
+            p.staging.copy_(p.host, non_blocking=True)
             add_seconds(self.counters, "h2d_submit_s", time.perf_counter() - t0)
         if pending:  # keep the buffers alive until the I/O ends; never hand them out again
             self.abandoned.append((pending, self.ring.pop(p.ring, None)))

@@ -1,8 +1,21 @@
-"""The verify side of :class:`~.device.DeviceLoader`: a read pass's 4 KiB headers
-checked on the host (:func:`.stages.check_frame`), payloads checked where they landed (the
-device checksum on the device, else xxh3_128 on the host), verified payloads copied into the caller's
-tensors in one multi-tensor copy; corrupt slots reported to the source (invariant 1, never wrong KV).
+"""The verify side of :class:`~.device.DeviceLoader`: a read pass's 4 KiB headers checked on the host,
+payloads checked where they landed (the device checksum on the device, else xxh3_128 on the host),
+verified payloads copied into the caller's tensors in one multi-tensor copy; corrupt slots reported to
+the source (invariant 1, never wrong KV).
 
+A pass is verified in two steps so the loader's thread never waits for the device while reads are
+still to be reaped (``docs/gpu.md``):
+
+* :meth:`PassVerifier.launch` (as soon as the pass's reads are in): queues on the loader's stream the
+  copy of the header bytes to pinned host memory (kvikio paths: the headers landed on the device) and
+  the device checksum of every row, and the copy of the checksums back, then records an event;
+* :meth:`PassVerifier.complete` (one pass later): waits for that event (by then long done), checks the
+  headers with numpy (:meth:`~kvbm_backend.model.frame.ChecksumFrames.check_headers`; a header that
+  fails is checked again by :func:`.stages.check_frame`, which names the reason), compares the
+  checksums and queues the copy-out of the good rows, then records the event the staging's next user
+  waits for (:attr:`~.passes._Pass.done`).
+
+On the CPU (``host`` mode) both steps run in :meth:`~PassVerifier.complete`, in order.
 :class:`PassVerifier` is a part the loader owns (``loader.verifier``).
 """
 from __future__ import annotations
@@ -10,12 +23,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ....model.frame import FLAG_DEVCHECK, HEADER_BYTES, FrameError, FrameHeader, payload_checksum
+import numpy as np
+
+from ....model.frame import FLAG_DEVCHECK, HEADER_BYTES, ChecksumFrames, FrameError, FrameHeader, \
+    header_dev_checks, payload_checksum
 from ....model.layout import KvLayout
 from ....model.namespace import BlockKey
-from ....gpu.checksum import device_checksums_torch
+from ....gpu.checksum import combine_limb_sums, device_limb_sums
 from ...base import SlotLeaseSource
 from .passes import _Pass
 from .stages import TRANSIENT, add_seconds, check_frame, report_corrupt
@@ -25,15 +41,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: header bytes brought to the host per row (the 144-byte fixed part and its check fit; the rest is zeros)
+HEADER_COPY = 256
+
 
 class PassVerifier:
     """Header and payload checks and the copy-out of :class:`~.device.DeviceLoader`.
 
     Args:
         source: the lease source corrupt slots are reported to (``drop_corrupt``).
-        layout: the namespace's layout. device: where payloads landed. world: TP world size frames name.
-        tenant_tag_fn: a key's expected 16-byte tenant tag. counters: the loader's Counter.
-        stream: the loader's CUDA stream (None on the CPU): synchronised once a pass is copied out.
+        layout: the namespace's layout. device: where payloads landed. world: TP world size frames name
+            (None: any). tenant_tag_fn: a key's expected 16-byte tenant tag. counters: the loader's Counter.
+        stream: the loader's CUDA stream (None on the CPU): checks and copy-outs are queued on it.
     """
 
     def __init__(self, source: SlotLeaseSource, layout: KvLayout, device: torch.device, world: int | None,
@@ -41,78 +60,149 @@ class PassVerifier:
                  stream: torch.cuda.Stream | None) -> None:
         self.source, self.layout, self.device, self.world = source, layout, device, world
         self.tenant_tag_fn, self.counters, self.stream = tenant_tag_fn, counters, stream
+        self._frames: dict[str, ChecksumFrames] = {}  # namespace (hex) -> its header checker
 
-    def verify_copy(self, p: _Pass, keys: Sequence[BlockKey], dst: Sequence[torch.Tensor],
-                    why: list[str | None]) -> None:
-        """Check headers and payloads of a read pass; copy the verified payloads into ``dst``."""
+    def launch(self, p: _Pass) -> None:
+        """Queue the pass's header copy and device checksums on the loader's stream (CUDA; reads reaped).
+        On the CPU this does nothing: :meth:`complete` checks in order."""
+        if self.stream is None or not any(s is None for s in p.status):
+            return
+        import torch
+        t0 = time.perf_counter()
+        n = len(p.rows)
+        if p.headers is None:  # kvikio: the headers landed on the device with the payloads
+            hdr = torch.empty((n, HEADER_COPY), dtype=torch.uint8, pin_memory=True)
+            hdr.copy_(p.staging[:, :HEADER_COPY], non_blocking=True)
+            p.headers = hdr.numpy()
+            p.keep.append(hdr)
+        sums = device_limb_sums(p.staging, HEADER_BYTES, self.layout.bytes_per_block)  # every row: cheap here
+        sums_h = torch.empty((n, 4), dtype=torch.int64, pin_memory=True)
+        sums_h.copy_(sums, non_blocking=True)
+        p.keep.append(sums_h)
+        p.sums = sums_h.numpy()
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
+        ev.record(self.stream)
+        p.checked = ev
+        add_seconds(self.counters, "verify_payload_s", time.perf_counter() - t0)
+
+    def complete(self, p: _Pass, keys: Sequence[BlockKey], dst: Sequence[torch.Tensor],
+                 why: list[str | None]) -> None:
+        """Check headers and payloads of a launched pass; queue the copy of the verified payloads into
+        ``dst``; record :attr:`~.passes._Pass.done` (CUDA)."""
         t_start = time.perf_counter()
         n = len(p.rows)
         bpb = self.layout.bytes_per_block
-        staging = p.staging
         for r in range(n):
             why[p.rows[r]] = p.status[r]
         good = [r for r in range(n) if p.status[r] is None]
-        if not good:
-            return
-        # headers come to the host (bounce and host paths: the reader threads copied them there)
-        if p.headers is not None:
-            headers = p.headers
-        elif p.host is not None:
-            headers = p.host[:, :HEADER_BYTES].numpy()
-        elif self.device.type == "cpu":
-            headers = staging[:, :HEADER_BYTES].numpy()
-        else:
-            headers = staging[:, :HEADER_BYTES].cpu().numpy()
-        devcheck_rows: list[int] = []
+        if good:
+            if p.checked is not None:
+                p.checked.synchronize()  # queued a pass ago: normally done already
+            headers = self._headers(p)
+            dev_rows, expect, host_rows = self._check_headers(p, keys, headers, good)
+            t0 = time.perf_counter()
+            add_seconds(self.counters, "verify_headers_s", t0 - t_start)
+            ok_rows = self._check_payloads(p, dev_rows, expect, host_rows)
+            t1 = time.perf_counter()
+            add_seconds(self.counters, "verify_payload_s", t1 - t0)
+            if ok_rows:  # one multi-tensor copy for the pass (not one launch per block)
+                _copy_all([_bytes_view(dst[p.rows[r]]) for r in ok_rows],
+                          [p.staging[r, HEADER_BYTES:HEADER_BYTES + bpb] for r in ok_rows])
+            for r in range(n):
+                i = p.rows[r]
+                why[i] = reason = p.status[r]
+                if reason is not None and reason not in TRANSIENT:
+                    self.counters["unverifiable" if reason == "unverifiable" else f"corrupt_{reason}"] += 1
+            report_corrupt(self.source, keys, why, p.rows)  # the pool proves them bad before dropping
+            add_seconds(self.counters, "verify_copy_s", time.perf_counter() - t1)
+        if self.stream is not None:
+            import torch
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
+            ev.record(self.stream)  # after everything that reads the staging: its next pass waits for this
+            p.done = ev
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _headers(self, p: _Pass) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The pass's header bytes on the host, ``[n, >= HEADER_COPY]``."""
+        if p.headers is not None:  # bounce/host: the reader threads copied them; kvikio: launch() did
+            return p.headers
+        if p.host is not None:
+            return p.host[:, :HEADER_BYTES].numpy()
+        return p.staging[:, :HEADER_BYTES].cpu().numpy()  # host mode without a header buffer
+
+    def _check_headers(self, p: _Pass, keys: Sequence[BlockKey], headers: np.ndarray[Any, np.dtype[np.uint8]],
+                       good: list[int]) -> tuple[list[int], list[int], list[tuple[int, FrameHeader]]]:
+        """Header checks of the ``good`` rows: ``(device-checked rows, their expected checksums, host-checked
+        (row, header))``; a failed row gets its reason in ``p.status``. All rows at once with numpy,
+        rows of one namespace per call; any row that fails there is checked again one by one (the reason)."""
+        fast_ok = np.zeros(len(good), bool)
+        fast_dev = np.zeros(len(good), bool)
+        hv = headers[:, :HEADER_COPY]
+        hg = hv if len(good) == len(hv) else hv[good]
+        ks = [keys[p.rows[r]] for r in good]
+        by_ns: dict[str, list[int]] = {}
+        for j, k in enumerate(ks):
+            by_ns.setdefault(k.namespace, []).append(j)
+        for ns, js in by_ns.items():
+            frames = self._frames.get(ns)
+            if frames is None:
+                frames = self._frames[ns] = ChecksumFrames(bytes.fromhex(ns), self.layout, self.world or 0)
+            one = len(js) == len(ks)
+            kk = ks if one else [ks[j] for j in js]
+            ok, dev = frames.check_headers(hg if one else hg[js], [self.tenant_tag_fn(k) for k in kk],
+                                           [k.rank for k in kk], [k.seq_hash for k in kk],
+                                           check_world=self.world is not None)
+            fast_ok[js], fast_dev[js] = ok, dev
+        checks = header_dev_checks(hg).tolist()
+        fast = (fast_ok & fast_dev).tolist()
+        dev_rows: list[int] = []
         expect: list[int] = []
         host_rows: list[tuple[int, FrameHeader]] = []
-        for r in good:
+        for j, r in enumerate(good):
+            if fast[j]:
+                dev_rows.append(r)
+                expect.append(checks[j])
+                continue
             i = p.rows[r]
-            try:
+            try:  # the reason of a failed row, or the xxh3 of a FLAG_CHECKSUM-only frame
                 h = check_frame(headers[r], keys[i], self.layout, self.tenant_tag_fn(keys[i]), world=self.world,
                                 slot_len=p.slot_len)
-                if h.flags & FLAG_DEVCHECK:  # checked on the device, where the payload landed
-                    devcheck_rows.append(r)
+                if h.flags & FLAG_DEVCHECK:
+                    dev_rows.append(r)
                     expect.append(h.dev_check)
                 else:  # FLAG_CHECKSUM: xxh3_128 on the host
                     host_rows.append((r, h))
             except FrameError as e:
                 p.status[r] = e.reason
-        t0 = time.perf_counter()
-        add_seconds(self.counters, "verify_headers_s", t0 - t_start)
+        return dev_rows, expect, host_rows
+
+    def _check_payloads(self, p: _Pass, dev_rows: list[int], expect: list[int],
+                        host_rows: list[tuple[int, FrameHeader]]) -> list[int]:
+        """Rows whose payload matched its checksum (the others get ``devcheck`` / ``integrity``)."""
+        bpb = self.layout.bytes_per_block
         ok_rows: list[int] = []
-        if devcheck_rows:
-            rows_t = staging[devcheck_rows] if len(devcheck_rows) != n else staging
-            got = device_checksums_torch(rows_t, HEADER_BYTES, bpb)  # one sync for the pass
-            for r, g, want in zip(devcheck_rows, got, expect):
+        if dev_rows:
+            if p.sums is not None:  # launched on the device a pass ago
+                got = combine_limb_sums(p.sums[dev_rows])
+            else:  # CPU: computed here, rows that need it only
+                rows_t = p.staging[dev_rows] if len(dev_rows) != len(p.rows) else p.staging
+                got = combine_limb_sums(device_limb_sums(rows_t, HEADER_BYTES, bpb).numpy())
+            for r, g, want in zip(dev_rows, got.tolist(), expect):
                 if g == want:
                     ok_rows.append(r)
                 else:
                     p.status[r] = "devcheck"
         for r, h in host_rows:
             pay = p.host[r, HEADER_BYTES:HEADER_BYTES + bpb] if p.host is not None else \
-                staging[r, HEADER_BYTES:HEADER_BYTES + bpb]
+                p.staging[r, HEADER_BYTES:HEADER_BYTES + bpb]
             pay_h = pay.numpy() if pay.device.type == "cpu" else pay.cpu().numpy()
             if payload_checksum(pay_h) == h.integrity:
                 ok_rows.append(r)
                 self.counters["host_verified"] += 1
             else:
                 p.status[r] = "integrity"
-        t1 = time.perf_counter()
-        add_seconds(self.counters, "verify_payload_s", t1 - t0)
-        if ok_rows:  # one multi-tensor copy for the pass (not one launch per block)
-            dsts = [_bytes_view(dst[p.rows[r]]) for r in ok_rows]
-            srcs = [staging[r, HEADER_BYTES:HEADER_BYTES + bpb] for r in ok_rows]
-            _copy_all(dsts, srcs)
-        for r in range(n):
-            i = p.rows[r]
-            why[i] = reason = p.status[r]
-            if reason is not None and reason not in TRANSIENT:
-                self.counters["unverifiable" if reason == "unverifiable" else f"corrupt_{reason}"] += 1
-        report_corrupt(self.source, keys, why, p.rows)  # the pool proves them bad before dropping
-        if self.stream is not None:
-            self.stream.synchronize()  # dst written; staging free for the pass after next
-        add_seconds(self.counters, "verify_copy_s", time.perf_counter() - t1)
+        ok_rows.sort()
+        return ok_rows
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -132,4 +222,3 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         return
     for d, s in zip(dsts, srcs):
         d.copy_(s, non_blocking=True)
-
