@@ -431,7 +431,7 @@ def _sweep_reader(w, g3, rd, ids, seqs, nbytes: int, clear, same) -> list[dict]:
                         "cpu_cores": round(cpu / dt, 2), "bytes_ok": same(ids) and not errs,
                         **{k: round(st.get(k, 0) - before.get(k, 0), 4)
                            for k in ("read_wait_s", "verify_s", "load_s", "verify_headers_s", "verify_payload_s",
-                                     "verify_copy_s", "h2d_submit_s")}})
+                                     "verify_copy_s", "h2d_submit_s", "ring_wait_s", "submit_s")}})
     finally:
         rd.reconfigure(**saved)
     return out

@@ -130,6 +130,7 @@ def test_reads_are_cut_into_io_sized_pieces_and_passes_pipelined(tmp_path, depth
     assert st["passes"] == 12 and st["bytes_read"] == 80 * SLOT
     assert len(ld.reads.ring) == min(depth, 6)
     assert st["load_s"] > 0 and 0 <= st["read_wait_s"] <= st["load_s"] and 0 < st["verify_s"] <= st["load_s"]
+    assert 0 < st["ring_wait_s"] + st["submit_s"] <= st["load_s"]  # the loader's own time, beside waits and checks
     ld.close()
     with pytest.raises(ValueError, match="depth"):
         DeviceLoader(src, LAYOUT, "cpu", depth=1)

@@ -253,15 +253,16 @@ class DeviceLoader:
         ``corrupt_<reason>`` (FrameError reasons, ``devcheck``), ``unverifiable``, ``host_verified``,
         ``bytes_read``, ``passes``, ``files_o_direct`` / ``files_buffered`` (how slab files are read on
         the bounce/host paths); seconds the caller's thread spent waiting for reads (``read_wait_s``),
-        verifying and copying out on the device (``verify_s``: of it ``verify_headers_s`` checking headers on
-        the host, ``verify_payload_s`` checksums and their one sync, ``verify_copy_s`` the copy-out and its
-        sync) and in whole calls (``load_s``); ``h2d_submit_s`` (``pinned-bounce``: queueing the per-pass
-        host-to-device copies); plus
+        checking and copying out (``verify_s``: of it ``verify_headers_s`` checking headers on the host,
+        ``verify_payload_s`` queueing the device checksums and comparing them, ``verify_copy_s`` queueing
+        the copy-out) and in whole calls (``load_s``); ``h2d_submit_s`` (``pinned-bounce``: queueing the per-pass
+        host-to-device copies); ``ring_wait_s`` (waiting for the device to be done with a staging slot
+        before its next pass) and ``submit_s`` (putting a pass's reads on the wire); plus
         ``mode`` and ``mode_reason`` (kvikio paths: ``kvikio_direct_reads``, whether kvikio reads with
         O_DIRECT)."""
         d: dict[str, Any] = dict(self.counters)
         for k in ("read_wait_s", "verify_s", "load_s", "verify_headers_s", "verify_payload_s", "verify_copy_s",
-                  "h2d_submit_s"):
+                  "h2d_submit_s", "ring_wait_s", "submit_s"):
             if k in d:
                 d[k] = round(d[k], 6)
         d.update(mode=self.mode, mode_reason=self.mode_reason)
@@ -298,12 +299,16 @@ class DeviceLoader:
                     while len(reading) + len(checking) >= self.depth:  # pass k - depth done: its ring slot is free
                         self._advance(reading, checking, keys, dst, why, deadline)
                     ring = k % self.depth
-                    staging, host = self.reads.buffers(ring, len(rows), slot_len)
+                    tw = time.perf_counter()
+                    staging, host = self.reads.buffers(ring, len(rows), slot_len)  # waits for the slot's last pass
+                    add_seconds(self.counters, "ring_wait_s", time.perf_counter() - tw)
                     cur = _Pass(rows, [leases[i] for i in rows], slot_len, staging, host, ring, [],
                                 ["io_error"] * len(rows),
                                 None if self.reads.pool is None else np.empty((len(rows), HEADER_BYTES), np.uint8))
                     if not deadline.expired():
+                        tw = time.perf_counter()
                         self.reads.submit(cur)
+                        add_seconds(self.counters, "submit_s", time.perf_counter() - tw)
                     else:
                         cur.status = ["timeout"] * len(rows)
                         self.counters["timeout"] += len(rows)
