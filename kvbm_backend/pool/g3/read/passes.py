@@ -53,7 +53,7 @@ class _Pass:
     sums: Any = None  # host int64 [n, 4]: the device checksums' limb sums (CUDA, once ``checked`` is done)
     checked: Any = None  # torch.cuda.Event: headers and sums are on the host
     done: Any = None  # torch.cuda.Event: nothing on the device reads the staging any more (copy-out queued before)
-    keep: list[Any] = field(default_factory=list)  # pinned tensors the queued copies write into
+    keep: list[Any] = field(default_factory=list)  # device tensors queued copies read (alive until the pass ends)
 
 
 def _done(f: Any) -> bool:
