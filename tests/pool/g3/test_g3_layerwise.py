@@ -88,9 +88,10 @@ def test_layer_0_is_a_group_of_its_own_and_later_groups_grow_to_min_read(layer_b
 
 
 def test_reads_run_as_a_few_tasks_per_group_and_finish_hashes_nothing(rig):
-    """Each group's reads run as ``parallel`` tasks (loops of reads: few futures, little Python per read), and
-    every block is hashed by the reader thread that read its last group, so finish compares digests only
-    (no whole-payload hashing after the forward); a corrupt block is still an integrity failure."""
+    """Each group's reads run as ``parallel`` tasks (loops of reads: few futures, little Python per read); each
+    frame header is checked by the reader thread that read it (off the path to layer 0) and every block is
+    hashed by the reader thread that read its last group, so finish compares digests only (no whole-payload
+    hashing after the forward); a bad header and a corrupt payload are still failures."""
     pool, ns, keys, blocks, ex, files = rig
     path, off = _slot(pool, keys[5])
     lb = ns.layout.bytes_per_block // ns.layout.num_layers
@@ -99,15 +100,25 @@ def test_reads_run_as_a_few_tasks_per_group_and_finish_hashes_nothing(rig):
         b = f.read(1)
         f.seek(off + HEADER_BYTES + 5 * lb + 3)
         f.write(bytes([b[0] ^ 1]))
+    path1, off1 = _slot(pool, keys[1])
+    with open(path1, "r+b") as f:  # a byte of block 1's frame header
+        f.seek(off1 + 40)
+        b = f.read(1)
+        f.seek(off1 + 40)
+        f.write(bytes([b[0] ^ 1]))
     ld = _load(pool, ns, keys, ex, files, parallel=3)
+    good, _ = ld.wait_layer(0)
+    assert 1 not in good and len(good) == len(keys) - 1  # refused by the header check before layer 0
     for layer in range(ns.layout.num_layers):
         ld.wait_layer(layer)
     why = ld.finish()
-    assert why == [None] * 5 + ["integrity"] + [None] * 2
+    assert why[1] is not None and why[:1] + why[2:] == [None] * 4 + ["integrity"] + [None] * 2
+    # the header checks ran on the reader threads as each header landed, not on the forward's thread
+    assert ld.counters["headers_on_readers"] == len(keys) and ld.counters["headers_checked_in_wait"] == 0
     assert ld.counters["reads"] == len(keys) * len(ld.groups)
     assert ld.counters["read_tasks"] == 3 * len(ld.groups)  # 8 reads per group in 3 tasks
     assert ld.counters["hashed_on_readers"] == len(keys) and ld.counters["hashed_in_finish"] == 0
-    assert ld.counters["host_verified"] == len(keys) - 1
+    assert ld.counters["host_verified"] == len(keys) - 2
 
 
 def test_device_checksum_is_verified_from_per_group_partial_sums(tmp_path):

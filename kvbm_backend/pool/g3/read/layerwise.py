@@ -10,12 +10,12 @@ still being read, so an engine computes layer ``l - 1`` while layer ``l`` loads.
    loop of reads: few futures, little Python per read, the GIL held briefly): ``os.preadv`` (which
    releases the GIL) of a block's group of layers straight into a layer-major host staging
    ``[layer, block, layer_bytes]`` (O_DIRECT where the layers are 4 KiB-aligned and the filesystem takes
-   it; pinned memory on a CUDA device), group 0 with the 4 KiB frame header into a header buffer. Where a
-   block is verified on the host, the reader thread that reads its last group hashes it (xxh3_128) at
-   once, while later reads and the forward go on.
+   it; pinned memory on a CUDA device), group 0 with the 4 KiB frame header into a header buffer; the
+   reader thread checks the header it read (:func:`~kvbm_backend.model.frame.accept`: identity, layout,
+   lengths) at once. Where a block is verified on the host, the reader thread that reads its last group
+   hashes it (xxh3_128) at once, while later reads and the forward go on.
 2. :meth:`~LayerwiseLoad.wait_layer` (``l``) waits (until the load's deadline) for the reads of ``l``'s
-   group, checks the frame headers (:func:`~kvbm_backend.model.frame.accept`: identity, layout,
-   lengths) when group 0 is in, copies the group's layers to the device (one host-to-device copy per
+   group, applies the header checks when group 0 is in, copies the group's layers to the device (one host-to-device copy per
    group, on a side stream the caller's stream then waits for, followed there by the group's partial
    device checksums, :mod:`kvbm_backend.gpu.checksum_partial`) and returns layer ``l`` as a
    ``[n, layer_bytes]`` uint8 tensor with the rows that are good so far. Those bytes are NOT verified
@@ -138,6 +138,7 @@ class LayerwiseLoad:
         # rows' groups still to land (reader threads count down; the one that lands the last hashes the row)
         self._left: list[int] = []
         self._digest: list[bytes | None] = [None] * self.n
+        self._pre: list[FrameHeader | str | None] = [None] * self.n  # header checks made by the reader threads
         self._lock = threading.Lock()
         self._released = False
         self.deadline: Deadline | None = None
@@ -200,7 +201,7 @@ class LayerwiseLoad:
         hashed here (host-verified loads). ``hdr`` / ``lay`` are passed in so a late read keeps the staging
         alive. Returns None or a reason per read."""
         out: list[str | None] = []
-        nbytes = 0
+        nbytes = checked = 0
         for rd, path in zip(reads, paths):
             iov = ([hdr[rd.row]] if rd.header else []) + [lay[rd.first_layer + k, rd.row] for k in range(rd.n_layers)]
             try:  # O_DIRECT where the layers are aligned and the filesystem takes it (else buffered, once)
@@ -214,6 +215,9 @@ class LayerwiseLoad:
                 out.append("short")
                 continue
             out.append(None)
+            if rd.header:  # off the forward's path to layer 0: the check runs here, wait_layer applies it
+                self._pre[rd.row] = self._check_one(rd.row, hdr)
+                checked += 1
             with self._lock:
                 self._left[rd.row] -= 1
                 last = self._left[rd.row] == 0
@@ -221,6 +225,7 @@ class LayerwiseLoad:
                 self._hash_row(rd.row, hdr, lay)
         with self._lock:
             self.counters["bytes_read"] += nbytes
+            self.counters["headers_on_readers"] += checked
         return out
 
     def _hash_row(self, row: int, hdr: BlockBuffer, lay: BlockBuffer) -> None:
@@ -280,17 +285,30 @@ class LayerwiseLoad:
         l0, cnt = self.groups[gi]
         self._gsums[gi] = range_sums(self.lay_dev[l0:l0 + cnt].reshape(cnt * self.n, self.lb)).view(cnt, self.n, 5)
 
+    def _check_one(self, i: int, hdr: BlockBuffer) -> FrameHeader | str:
+        """Row ``i``'s frame header checked (:func:`~.stages.check_frame`): the header, or why it is refused."""
+        k = self.keys[i]
+        try:
+            return check_frame(hdr[i], k, self.layout, self.tenant_tag_fn(k), world=self.world,
+                               slot_len=self._held[i].slot_len)
+        except FrameError as e:
+            return e.reason
+
     def _check_headers(self) -> None:
+        """Apply the header checks of group 0's good rows (made by the reader threads as each header landed;
+        here for any they did not make)."""
         for i in range(self.n):
             if self.why[i] is not None:
                 continue
-            k = self.keys[i]
-            try:
-                self.headers[i] = check_frame(self.hdr[i], k, self.layout, self.tenant_tag_fn(k), world=self.world,
-                                              slot_len=self._held[i].slot_len)
-            except FrameError as e:
-                self.why[i] = e.reason
-                self.counters[f"corrupt_{e.reason}"] += 1
+            res = self._pre[i]
+            if res is None:
+                res = self._check_one(i, self.hdr)
+                self.counters["headers_checked_in_wait"] += 1
+            if isinstance(res, str):
+                self.why[i] = res
+                self.counters[f"corrupt_{res}"] += 1
+            else:
+                self.headers[i] = res
 
     def wait_layer(self, layer: int) -> tuple[list[int], torch.Tensor]:
         """Wait for layer ``layer`` (until the deadline). Returns ``(good, t)``: the rows whose reads and
@@ -339,12 +357,12 @@ class LayerwiseLoad:
         import torch
         if self._dev_sums and all(s is not None for s in self._gsums):
             from ....gpu.checksum_partial import combine
-            sums = torch.cat([s for s in self._gsums if s is not None])  # [L, n, 5]
+            parts = [s for s in self._gsums if s is not None]
             if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    host = sums.cpu()  # waits for this stream only, not for the caller's forward
+                with torch.cuda.stream(self._stream):  # where the sums were made, after them
+                    host = torch.cat(parts).cpu()  # waits for this stream only, not for the caller's forward
             else:
-                host = sums
+                host = torch.cat(parts)  # [L, n, 5]
             got = combine(host.numpy(), np.arange(self.L, dtype=np.int64) * (self.lb // 4))
             self.counters["devcheck_partial"] += len(dev)
             return [int(got[i]) for i in dev]
