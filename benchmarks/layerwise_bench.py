@@ -9,7 +9,8 @@ over a prompt whose first ``hit_fraction`` is a G3 prefix hit, timed
 * ``load_s`` (the load alone) and ``compute_s`` (the forward with the prefix KV already resident),
 
 (the overlapped run also gives ``first_layer_s``, start until ``wait_layer(0)`` returned, and ``finish_s``,
-the ``finish()`` after the forward: verification and release, the load's unoverlapped tail), so ``overlap_s``
+the ``finish()`` after the forward is done on the device: verification and release, the load's unoverlapped
+tail), so ``overlap_s``
 can be compared with ``max(load_s, compute_s)`` (``ideal_s``) and with ``serial_s``
 (``ratio = overlap_s / serial_s``; ``ideal_ratio = ideal_s / serial_s``). Every timing is the best of
 ``repeats`` after a warm-up; the overlapped forward's last hidden state is compared with the resident
@@ -220,6 +221,7 @@ def _case(rig: _Rig, frac: float, repeats: int) -> dict:
                 rig.put_layer(c, li, t, P)
             return hook
         h = rig.forward(c, P, hooks=[hook_for(li) for li in range(rig.L)])
+        _sync(dev)  # the forward is done: finish_s is finish's own tail, not the GPU still computing
         t1 = time.perf_counter()
         why = ld.finish()
         _sync(dev)

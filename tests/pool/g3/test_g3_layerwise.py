@@ -68,6 +68,17 @@ def test_plan_orders_reads_by_layer_group_and_header_first():
     assert layer_groups(1536, 3) == [(0, 3)]  # not 4 KiB-aligned: whole blocks
 
 
+def test_the_plan_is_built_group_by_group():
+    """A load submits group 0's reads before it plans the later groups (the readers start at once, the
+    forward's first layer does not wait for the whole plan): plan_layer_reads yields one group at a time."""
+    frames = [(r, r * 65536) for r in range(3)]
+    it = plan_layer_reads(frames, 8192, layer_groups(8192, 6, 16384))
+    first = next(it)
+    assert [(rd.row, rd.group, rd.header, rd.nbytes(8192)) for rd in first] == [(r, 0, True, HEADER_BYTES + 8192)
+                                                                              for r in range(3)]
+    assert [len(g) for g in it] == [3] * 5
+
+
 @pytest.mark.parametrize("layer_bytes,num_layers,min_read", [
     (65536, 32, 256 << 10), (8192, 6, 16384), (4096, 80, 1 << 20), (131072, 61, 64 << 10), (8192, 1, 8192)])
 def test_layer_0_is_a_group_of_its_own_and_later_groups_grow_to_min_read(layer_bytes, num_layers, min_read):

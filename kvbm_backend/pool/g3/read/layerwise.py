@@ -152,10 +152,11 @@ class LayerwiseLoad:
         leases = lease_all(self.source, self.keys, "LayerwiseLoad") if self.n else []
         self._leases = leases
         frames: list[tuple[int, int]] = []
+        need = HEADER_BYTES + self.L * self.lb
         for i, ls in enumerate(leases):
             if ls is None:
                 continue
-            if ls.slot_len < HEADER_BYTES + self.layout.bytes_per_block or ls.slot_len % 4096:
+            if ls.slot_len < need or ls.slot_len % 4096:
                 self.why[i] = "length"
                 continue
             self.why[i] = None
@@ -181,17 +182,20 @@ class LayerwiseLoad:
         if not self.aligned:
             self.counters["unaligned_loads"] += 1
         self._left = [len(self.groups)] * max(1, self.n)
-        for reads in plan_layer_reads(frames, self.lb, self.groups):
+        paths = {r: self._held[r].path for r, _ in frames}
+        for reads in plan_layer_reads(frames, self.lb, self.groups):  # group 0's reads start before group 1 is built
             per = -(-len(reads) // self.parallel) if reads else 1
             tasks = []
             for a in range(0, len(reads), per):
                 chunk = reads[a:a + per]
                 tasks.append(([rd.row for rd in chunk],
-                              self.executor.submit(self._read_many, chunk, [self._held[rd.row].path for rd in chunk],
+                              self.executor.submit(self._read_many, chunk, [paths[rd.row] for rd in chunk],
                                                    self.hdr, self.lay_np)))
             self._futs.append(tasks)
             self.counters["reads"] += len(reads)
             self.counters["read_tasks"] += len(tasks)
+            if len(self._futs) == 1:
+                time.sleep(0)  # let the woken readers take the GIL and start group 0 while the rest is planned
         self.counters["groups"] += len(self.groups)
         return self
 
