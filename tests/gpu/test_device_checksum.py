@@ -118,3 +118,33 @@ def test_fused_kernel_is_verified_and_used_on_cuda():
     assert device_checksums_torch(t, 4096, 2 << 20) == want
     assert checksum_triton.usable(t.device, None) == (True, "triton kernel verified")
     assert device_checksums_torch(t, 4096, 2 << 20, fused=False) == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layers,layer_bytes,rows", [(6, 8192, 3), (5, 4 * 7, 2), (3, CHUNK_WORDS * 4 + 12, 2),
+                                                     (32, 4096, 4), (1, 4, 1)])
+def test_partial_range_sums_combine_into_the_whole_payload_checksum(device, layers, layer_bytes, rows):
+    """checksum_partial: the device checksum of a payload from per-range sums (a layer-wise load's groups,
+    verified as they land): ``sum(S1 + base * S0)`` over the ranges equals frame.device_checksum of the
+    whole payload, worst-case words included, and a flipped byte in any range changes it."""
+    from kvbm_backend.gpu.checksum_partial import combine, range_sums
+    rng = np.random.default_rng(layers * layer_bytes)
+    pay = rng.integers(0, 256, (rows, layers * layer_bytes), dtype=np.uint8)
+    pay[0] = 0xFF  # every intermediate at its largest
+    lay = np.ascontiguousarray(pay.reshape(rows, layers, layer_bytes).transpose(1, 0, 2))  # layer-major
+    t = torch.from_numpy(lay).to(device).reshape(layers * rows, layer_bytes)
+    sums = range_sums(t).view(layers, rows, 5).cpu().numpy()
+    got = combine(sums, np.arange(layers) * (layer_bytes // 4))
+    assert [int(x) for x in got] == [device_checksum(p.tobytes()) for p in pay]
+    lay[layers - 1, rows - 1, layer_bytes // 2] ^= 1
+    t2 = torch.from_numpy(lay).to(device).reshape(layers * rows, layer_bytes)
+    got2 = combine(range_sums(t2).view(layers, rows, 5).cpu().numpy(), np.arange(layers) * (layer_bytes // 4))
+    assert int(got2[rows - 1]) != int(got[rows - 1]) and [int(x) for x in got2[:-1]] == [int(x) for x in got[:-1]]
+
+
+def test_partial_range_sums_name_bad_input():
+    from kvbm_backend.gpu.checksum_partial import range_sums
+    with pytest.raises(ValueError, match="2-D uint8"):
+        range_sums(torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="whole aligned u32 words"):
+        range_sums(torch.zeros((2, 6), dtype=torch.uint8))

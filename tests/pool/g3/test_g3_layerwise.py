@@ -53,8 +53,9 @@ def _layer(block: np.ndarray, layout: KvLayout, layer: int) -> np.ndarray:
 
 
 def test_plan_orders_reads_by_layer_group_and_header_first():
-    assert layer_groups(8192, 8, min_read=16384) == [(0, 2), (2, 2), (4, 2), (6, 2)]
-    assert layer_groups(65536, 32) == [(i, 4) for i in range(0, 32, 4)]  # 8B shape: 256 KiB reads
+    assert layer_groups(8192, 8, min_read=16384) == [(0, 1), (1, 1), (2, 2), (4, 2), (6, 2)]
+    # 8B shape: layer 0 alone, then growing up to 256 KiB reads
+    assert layer_groups(65536, 32) == [(0, 1), (1, 1), (2, 2)] + [(i, 4) for i in range(4, 32, 4)]
     assert layer_groups(32768, 4) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # small blocks: still 4 groups
     groups = layer_groups(8192, 6, min_read=16384)
     assert groups == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
@@ -65,6 +66,106 @@ def test_plan_orders_reads_by_layer_group_and_header_first():
         [(0, 2, HEADER_BYTES + 2 * 8192, False), (1, 2, 40960 + HEADER_BYTES + 2 * 8192, False)],
         [(0, 4, HEADER_BYTES + 4 * 8192, False), (1, 4, 40960 + HEADER_BYTES + 4 * 8192, False)]]
     assert layer_groups(1536, 3) == [(0, 3)]  # not 4 KiB-aligned: whole blocks
+
+
+def test_the_plan_is_built_group_by_group():
+    """A load submits group 0's reads before it plans the later groups (the readers start at once, the
+    forward's first layer does not wait for the whole plan): plan_layer_reads yields one group at a time."""
+    frames = [(r, r * 65536) for r in range(3)]
+    it = plan_layer_reads(frames, 8192, layer_groups(8192, 6, 16384))
+    first = next(it)
+    assert [(rd.row, rd.group, rd.header, rd.nbytes(8192)) for rd in first] == [(r, 0, True, HEADER_BYTES + 8192)
+                                                                              for r in range(3)]
+    assert [len(g) for g in it] == [3] * 5
+
+
+@pytest.mark.parametrize("layer_bytes,num_layers,min_read", [
+    (65536, 32, 256 << 10), (8192, 6, 16384), (4096, 80, 1 << 20), (131072, 61, 64 << 10), (8192, 1, 8192)])
+def test_layer_0_is_a_group_of_its_own_and_later_groups_grow_to_min_read(layer_bytes, num_layers, min_read):
+    """The engine starts computing once layer 0 is in (not a whole group of layers): the first group is layer
+    0 alone, groups then double (1, 1, 2, 4, ...) up to the min_read-sized group, in order, covering every
+    layer once."""
+    groups = layer_groups(layer_bytes, num_layers, min_read)
+    assert groups[0] == (0, 1)
+    assert [l0 for l0, _ in groups] == [sum(c for _, c in groups[:i]) for i in range(len(groups))]
+    assert sum(c for _, c in groups) == num_layers
+    g = max(1, min(-(-min_read // layer_bytes), num_layers // 4))
+    sizes = [c for _, c in groups]
+    assert all(b <= max(2 * a, 1) and b <= g for a, b in zip(sizes, sizes[1:]))  # grows at most 2x, capped
+    full = sizes.index(g) if g in sizes else len(sizes)
+    assert all(c == g for c in sizes[full:-1])  # once full-sized, they stay full-sized (the last may be short)
+    if num_layers > 8:
+        assert max(sizes) == g  # later reads are min_read-sized again
+
+
+def test_reads_run_as_a_few_tasks_per_group_and_finish_hashes_nothing(rig):
+    """Each group's reads run as ``parallel`` tasks (loops of reads: few futures, little Python per read); each
+    frame header is checked by the reader thread that read it (off the path to layer 0) and every block is
+    hashed by the reader thread that read its last group, so finish compares digests only (no whole-payload
+    hashing after the forward); a bad header and a corrupt payload are still failures."""
+    pool, ns, keys, blocks, ex, files = rig
+    path, off = _slot(pool, keys[5])
+    lb = ns.layout.bytes_per_block // ns.layout.num_layers
+    with open(path, "r+b") as f:  # one byte of the last layer of block 5
+        f.seek(off + HEADER_BYTES + 5 * lb + 3)
+        b = f.read(1)
+        f.seek(off + HEADER_BYTES + 5 * lb + 3)
+        f.write(bytes([b[0] ^ 1]))
+    path1, off1 = _slot(pool, keys[1])
+    with open(path1, "r+b") as f:  # a byte of block 1's frame header
+        f.seek(off1 + 40)
+        b = f.read(1)
+        f.seek(off1 + 40)
+        f.write(bytes([b[0] ^ 1]))
+    ld = _load(pool, ns, keys, ex, files, parallel=3)
+    good, _ = ld.wait_layer(0)
+    assert 1 not in good and len(good) == len(keys) - 1  # refused by the header check before layer 0
+    for layer in range(ns.layout.num_layers):
+        ld.wait_layer(layer)
+    why = ld.finish()
+    assert why[1] is not None and why[:1] + why[2:] == [None] * 4 + ["integrity"] + [None] * 2
+    # the header checks ran on the reader threads as each header landed, not on the forward's thread
+    assert ld.counters["headers_on_readers"] == len(keys) and ld.counters["headers_checked_in_wait"] == 0
+    assert ld.counters["reads"] == len(keys) * len(ld.groups)
+    assert ld.counters["read_tasks"] == 3 * len(ld.groups)  # 8 reads per group in 3 tasks
+    assert ld.counters["hashed_on_readers"] == len(keys) and ld.counters["hashed_in_finish"] == 0
+    assert ld.counters["host_verified"] == len(keys) - 2
+
+
+def test_device_checksum_is_verified_from_per_group_partial_sums(tmp_path):
+    """``verify_on_device``: FLAG_DEVCHECK frames are verified from partial device checksums computed per group
+    as it lands (here in CPU torch ops, the same code as on a GPU), combined in finish: no pass over the whole
+    payloads there (``devcheck_whole`` 0), no host hashing; a corrupted byte is a ``devcheck`` failure."""
+    from kvbm_backend.model.frame import device_checksum
+    ns = Namespace(model="test/layerwise-dev", revision="r1", layout=ALIGNED, tp_world_size=1)
+    pool = open_g3(tmp_path / "g3", ns, load_timeout_s=20)
+    ex, files = ThreadPoolExecutor(2), SlabFiles()
+    try:
+        rng = np.random.default_rng(11)
+        keys = ns.keys(list(range(30, 36)), "t", 0)
+        blocks = [rng.integers(0, 256, ALIGNED.bytes_per_block, dtype=np.uint8) for _ in keys]
+        blocks[0][:] = 255  # the largest words: the sums must not overflow
+        assert pool.put(keys, blocks, dev_checks=[device_checksum(b) for b in blocks]).result(30).written == 6
+        assert pool.flush(30)
+        ls = pool.lease([keys[3]])[0]
+        pool.release([ls])
+        with open(ls.path, "r+b") as f:  # layer 4 of block 3
+            f.seek(ls.offset + HEADER_BYTES + 4 * 8192 + 100)
+            b = f.read(1)
+            f.seek(ls.offset + HEADER_BYTES + 4 * 8192 + 100)
+            f.write(bytes([b[0] ^ 0x80]))
+        ld = _load(pool, ns, keys, ex, files, verify_on_device=True)
+        for layer in range(ALIGNED.num_layers):
+            good, t = ld.wait_layer(layer)
+            assert good == list(range(6))
+        assert ld.finish() == [None, None, None, "devcheck", None, None]
+        assert ld.counters["devcheck_partial"] == 6 and ld.counters["devcheck_whole"] == 0
+        assert ld.counters["hashed_on_readers"] == 0 and ld.counters["host_verified"] == 0
+        assert not pool.contains(keys[3]) and pool.contains(keys[2])
+    finally:
+        ex.shutdown(wait=True)
+        files.close()
+        pool.close()
 
 
 def test_layers_arrive_byte_identical_before_finish(rig):

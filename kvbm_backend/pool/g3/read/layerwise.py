@@ -5,22 +5,28 @@ still being read, so an engine computes layer ``l - 1`` while layer ``l`` loads.
 (the G3 pool) into ``device`` (``cuda:N``, or ``cpu``: host memory, the same code):
 
 1. :meth:`~LayerwiseLoad.start` leases the slots (pinned until :meth:`~LayerwiseLoad.finish`) and submits
-   the reads of :func:`kvbm_backend.transfer.layers.plan_layer_reads`, ordered by layer group, on the
-   caller's thread pool: ``os.preadv`` (which releases the GIL) of a block's group of layers straight
-   into a layer-major host staging ``[layer, block, layer_bytes]`` (O_DIRECT where the layers are
-   4 KiB-aligned and the filesystem takes it; pinned memory on a CUDA device), group 0 with the 4 KiB
-   frame header into a header buffer.
+   the reads of :func:`kvbm_backend.transfer.layers.plan_layer_reads`, ordered by layer group (layer 0
+   alone first, growing groups after), on the caller's thread pool in ``parallel`` tasks per group (each a
+   loop of reads: few futures, little Python per read, the GIL held briefly): ``os.preadv`` (which
+   releases the GIL) of a block's group of layers straight into a layer-major host staging
+   ``[layer, block, layer_bytes]`` (O_DIRECT where the layers are 4 KiB-aligned and the filesystem takes
+   it; pinned memory on a CUDA device), group 0 with the 4 KiB frame header into a header buffer; the
+   reader thread checks the header it read (:func:`~kvbm_backend.model.frame.accept`: identity, layout,
+   lengths) at once. Where a block is verified on the host, the reader thread that reads its last group
+   hashes it (xxh3_128) at once, while later reads and the forward go on.
 2. :meth:`~LayerwiseLoad.wait_layer` (``l``) waits (until the load's deadline) for the reads of ``l``'s
-   group, checks the frame headers (:func:`~kvbm_backend.model.frame.accept`: identity, layout,
-   lengths) when group 0 is in, copies the group's layers to the device (one host-to-device copy per
-   group, on a side stream the caller's stream then waits for) and returns layer ``l`` as a
+   group, applies the header checks when group 0 is in, copies the group's layers to the device (one host-to-device copy per
+   group, on a side stream the caller's stream then waits for, followed there by the group's partial
+   device checksums, :mod:`kvbm_backend.gpu.checksum_partial`) and returns layer ``l`` as a
    ``[n, layer_bytes]`` uint8 tensor with the rows that are good so far. Those bytes are NOT verified
    yet: the caller may compute with them only if it drops that computation when :meth:`finish` says
    the row failed (vLLM does: a block reported in ``get_block_ids_with_load_errors`` after the forward
    resets the request to its valid prefix and throws the step's token away).
 3. :meth:`~LayerwiseLoad.finish` waits for everything, verifies each whole payload where it landed (the
-   device checksum of ``FLAG_DEVCHECK`` frames on a CUDA device, else the xxh3_128 of ``FLAG_CHECKSUM``
-   on the host), reports slots proven bad with ``drop_corrupt`` (I/O errors, short reads and timeouts are
+   device checksum of ``FLAG_DEVCHECK`` frames on a CUDA device, combined from the groups' partial sums:
+   one small device-to-host copy on the side stream, not a pass over the payload after the forward; else
+   the xxh3_128 of ``FLAG_CHECKSUM`` on the host, computed by the reader threads, hashed here only for
+   rows they did not), reports slots proven bad with ``drop_corrupt`` (I/O errors, short reads and timeouts are
    misses that keep the slot), releases the leases and returns one reason per row (None = good).
 
 A read still running at the deadline is a ``timeout``; its late bytes land only in this load's staging,
@@ -29,12 +35,14 @@ which is never handed to anyone else (the read's closure keeps it alive).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import numpy as np
 import xxhash
 
 from ....io.files import ReadFiles
@@ -81,6 +89,11 @@ class LayerwiseLoad:
             back to by :meth:`finish` once no read can land in it: on the CPU the tensors :meth:`wait_layer`
             returned are views of it, valid until :meth:`finish` only. None: a fresh allocation (kept
             alive by whoever holds those tensors).
+        parallel: tasks per group (each a loop over a share of the group's reads); default the executor's
+            thread count (``_max_workers``), else 8.
+        verify_on_device: verify ``FLAG_DEVCHECK`` frames with the device checksum where the layers landed,
+            from per-group partial sums (:mod:`kvbm_backend.gpu.checksum_partial`). Default: on a CUDA
+            device. True on ``cpu``: the same sums in CPU torch ops (tests the wiring; slower than xxh3).
     Raises:
         TypeError: ``source`` is not a SlotLeaseSource. ValueError: a layout whose block is not whole layers.
     """
@@ -88,7 +101,8 @@ class LayerwiseLoad:
     def __init__(self, source: SlotLeaseSource, layout: KvLayout, keys: Sequence[BlockKey],
                  device: str | torch.device, *, executor: Executor, files: ReadFiles, timeout_s: float,
                  world: int | None = None, min_read: int = DEFAULT_MIN_READ, staging: BufferPool | None = None,
-                 tenant_tag_fn: Callable[[BlockKey], bytes] | None = None) -> None:
+                 tenant_tag_fn: Callable[[BlockKey], bytes] | None = None, parallel: int | None = None,
+                 verify_on_device: bool | None = None) -> None:
         if not isinstance(source, SlotLeaseSource):
             raise TypeError(f"LayerwiseLoad: source {type(source).__name__} is not a SlotLeaseSource (pass the G3 pool)")
         import torch
@@ -102,6 +116,7 @@ class LayerwiseLoad:
         self.groups = layer_groups(self.lb, self.L, min_read)
         self.group_of = [gi for gi, (_, c) in enumerate(self.groups) for _ in range(c)]
         self.executor, self.files, self.world = executor, files, world
+        self.parallel = max(1, int(parallel or getattr(executor, "_max_workers", 0) or 8))
         self.timeout_s = timeout_s
         self.tenant_tag_fn: Callable[[BlockKey], bytes] = tenant_tag_fn or _key_tag
         self.why: list[str | None] = ["not_found"] * self.n  # None = good so far
@@ -110,13 +125,21 @@ class LayerwiseLoad:
         self._staging_pool = staging
         self._leases: list[SlotLease | None] = []
         self._held: dict[int, SlotLease] = {}  # row -> its lease, for rows whose frame is read
-        self._futs: list[list[Future[str | None]]] = []
-        self._frame_rows: list[int] = []
+        self._futs: list[list[tuple[list[int], Future[list[str | None]]]]] = []  # per group: (rows, task)
         self._in: list[bool] = [False] * len(self.groups)  # group reaped (and on the device)
         self._events: list[torch.cuda.Event | None] = [None] * len(self.groups)
         self._stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # unannotated in torch
+        on_dev = self.device.type == "cuda" if verify_on_device is None else verify_on_device
+        self._dev_sums = on_dev and self.lb % 4 == 0  # partial device checksums per group (whole u32 words)
+        self._dev_verify = on_dev
+        self._gsums: list[torch.Tensor | None] = [None] * len(self.groups)  # int64 [count, n, 5] per group
+        # rows' groups still to land (reader threads count down; the one that lands the last hashes the row)
+        self._left: list[int] = []
+        self._digest: list[bytes | None] = [None] * self.n
+        self._pre: list[FrameHeader | str | None] = [None] * self.n  # header checks made by the reader threads
+        self._lock = threading.Lock()
         self._released = False
         self.deadline: Deadline | None = None
 
@@ -129,10 +152,11 @@ class LayerwiseLoad:
         leases = lease_all(self.source, self.keys, "LayerwiseLoad") if self.n else []
         self._leases = leases
         frames: list[tuple[int, int]] = []
+        need = HEADER_BYTES + self.L * self.lb
         for i, ls in enumerate(leases):
             if ls is None:
                 continue
-            if ls.slot_len < HEADER_BYTES + self.layout.bytes_per_block or ls.slot_len % 4096:
+            if ls.slot_len < need or ls.slot_len % 4096:
                 self.why[i] = "length"
                 continue
             self.why[i] = None
@@ -153,72 +177,142 @@ class LayerwiseLoad:
         self.lay_host = host[nh:].view(self.L, max(1, self.n), self.lb)
         self.lay_dev = self.lay_host if self._stream is None else \
             torch.empty((self.L, max(1, self.n), self.lb), dtype=torch.uint8, device=self.device)
+        if self._dev_sums and self._stream is not None:
+            from ....gpu import checksum_partial  # noqa: F401 - imported (and triton checked) before the reads
         if not self.aligned:
             self.counters["unaligned_loads"] += 1
-        self._frame_rows = [r for r, _ in frames]
-        for reads in plan_layer_reads(frames, self.lb, self.groups):
-            self._futs.append([self.executor.submit(self._read, rd, self._held[rd.row].path,
-                                                    self.hdr, self.lay_np) for rd in reads])
+        self._left = [len(self.groups)] * max(1, self.n)
+        paths = {r: self._held[r].path for r, _ in frames}
+        for reads in plan_layer_reads(frames, self.lb, self.groups):  # group 0's reads start before group 1 is built
+            per = -(-len(reads) // self.parallel) if reads else 1
+            tasks = []
+            for a in range(0, len(reads), per):
+                chunk = reads[a:a + per]
+                tasks.append(([rd.row for rd in chunk],
+                              self.executor.submit(self._read_many, chunk, [paths[rd.row] for rd in chunk],
+                                                   self.hdr, self.lay_np)))
+            self._futs.append(tasks)
             self.counters["reads"] += len(reads)
+            self.counters["read_tasks"] += len(tasks)
+            if len(self._futs) == 1:
+                time.sleep(0)  # let the woken readers take the GIL and start group 0 while the rest is planned
         self.counters["groups"] += len(self.groups)
         return self
 
-    def _read(self, rd: LayerRead, path: str, hdr: BlockBuffer, lay: BlockBuffer) -> str | None:
-        """One read (on the executor): the group's layers of one frame. ``hdr`` / ``lay`` are passed in
-        so a late read keeps the staging alive. Returns None or a reason."""
-        iov = ([hdr[rd.row]] if rd.header else []) + [lay[rd.first_layer + k, rd.row] for k in range(rd.n_layers)]
-        want = rd.nbytes(self.lb)
-        try:  # O_DIRECT where the layers are aligned and the filesystem takes it (else buffered, once)
-            got = self.files.preadv(path, iov, rd.offset, self.aligned)
-        except OSError as e:
-            log.warning("G3 layer-wise read of %s at %d failed: %s", path, rd.offset, e)
-            return "io_error"
-        self.counters["bytes_read"] += got
-        return None if got == want else "short"
+    def _read_many(self, reads: list[LayerRead], paths: list[str], hdr: BlockBuffer,
+                   lay: BlockBuffer) -> list[str | None]:
+        """A share of one group's reads (on the executor), in order; the row whose last group this is gets
+        hashed here (host-verified loads). ``hdr`` / ``lay`` are passed in so a late read keeps the staging
+        alive. Returns None or a reason per read."""
+        out: list[str | None] = []
+        nbytes = checked = 0
+        for rd, path in zip(reads, paths):
+            iov = ([hdr[rd.row]] if rd.header else []) + [lay[rd.first_layer + k, rd.row] for k in range(rd.n_layers)]
+            try:  # O_DIRECT where the layers are aligned and the filesystem takes it (else buffered, once)
+                got = self.files.preadv(path, iov, rd.offset, self.aligned)
+            except OSError as e:
+                log.warning("G3 layer-wise read of %s at %d failed: %s", path, rd.offset, e)
+                out.append("io_error")
+                continue
+            nbytes += got
+            if got != rd.nbytes(self.lb):
+                out.append("short")
+                continue
+            out.append(None)
+            if rd.header:  # off the forward's path to layer 0: the check runs here, wait_layer applies it
+                self._pre[rd.row] = self._check_one(rd.row, hdr)
+                checked += 1
+            with self._lock:
+                self._left[rd.row] -= 1
+                last = self._left[rd.row] == 0
+            if last:
+                self._hash_row(rd.row, hdr, lay)
+        with self._lock:
+            self.counters["bytes_read"] += nbytes
+            self.counters["headers_on_readers"] += checked
+        return out
+
+    def _hash_row(self, row: int, hdr: BlockBuffer, lay: BlockBuffer) -> None:
+        """xxh3_128 of row ``row``'s whole payload (every group of it is in), kept for :meth:`finish`."""
+        flags = int.from_bytes(bytes(hdr[row, 10:12]), "little")  # the unchecked header: finish checks it
+        if not flags & FLAG_CHECKSUM or (self._dev_verify and flags & FLAG_DEVCHECK):
+            return  # no host checksum, or verified on the device
+        x = xxhash.xxh3_128()
+        for layer in range(self.L):
+            x.update(lay[layer, row])
+        self._digest[row] = x.digest()
+        with self._lock:
+            self.counters["hashed_on_readers"] += 1
 
     # ---- per layer -----------------------------------------------------------------------------
     def _reap(self, gi: int) -> None:
         """Wait for group ``gi``'s reads (until the deadline), note failures, check headers (group 0),
-        start its copy to the device."""
+        start its copy to the device (and its partial device checksums)."""
         if self._in[gi]:
             return
         t0 = time.perf_counter()
-        for row, f in zip(self._frame_rows, self._futs[gi] if gi < len(self._futs) else []):
+        for rows, f in self._futs[gi] if gi < len(self._futs) else []:
             try:
                 left = self.deadline.left() if self.deadline is not None else None  # reads exist once started
                 res = f.result(timeout=max(0.0, left) if left is not None else None)
             except FutureTimeout:
-                res = "timeout"
+                res = ["timeout"] * len(rows)
             except Exception as e:  # noqa: BLE001 - a failed read is a miss
                 log.warning("G3 layer-wise read failed: %s", e)
-                res = "io_error"
-            if res is not None and self.why[row] is None:
-                self.why[row] = res
-                self.counters[res] += 1
+                res = ["io_error"] * len(rows)
+            for row, r in zip(rows, res):
+                if r is not None and self.why[row] is None:
+                    self.why[row] = r
+                    self.counters[r] += 1
         add_seconds(self.counters, "read_wait_s", time.perf_counter() - t0)
         if gi == 0:
             self._check_headers()
+        l0, cnt = self.groups[gi]
         if self._stream is not None:  # the group's layers to the device, one copy
             import torch
-            l0, cnt = self.groups[gi]
             with torch.cuda.stream(self._stream):
                 self.lay_dev[l0:l0 + cnt].copy_(self.lay_host[l0:l0 + cnt], non_blocking=True)
                 ev = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
                 ev.record(self._stream)
+                self._group_sums(gi)
             self._events[gi] = ev
+        else:
+            self._group_sums(gi)
         self._in[gi] = True
 
+    def _group_sums(self, gi: int) -> None:
+        """Enqueue group ``gi``'s partial device checksums (``[count, n, 5]``, no sync) where verified on the
+        device and some row may need them."""
+        if not self._dev_sums or not self.n or all(w is not None for w in self.why):
+            return
+        from ....gpu.checksum_partial import range_sums
+        l0, cnt = self.groups[gi]
+        self._gsums[gi] = range_sums(self.lay_dev[l0:l0 + cnt].reshape(cnt * self.n, self.lb)).view(cnt, self.n, 5)
+
+    def _check_one(self, i: int, hdr: BlockBuffer) -> FrameHeader | str:
+        """Row ``i``'s frame header checked (:func:`~.stages.check_frame`): the header, or why it is refused."""
+        k = self.keys[i]
+        try:
+            return check_frame(hdr[i], k, self.layout, self.tenant_tag_fn(k), world=self.world,
+                               slot_len=self._held[i].slot_len)
+        except FrameError as e:
+            return e.reason
+
     def _check_headers(self) -> None:
+        """Apply the header checks of group 0's good rows (made by the reader threads as each header landed;
+        here for any they did not make)."""
         for i in range(self.n):
             if self.why[i] is not None:
                 continue
-            k = self.keys[i]
-            try:
-                self.headers[i] = check_frame(self.hdr[i], k, self.layout, self.tenant_tag_fn(k), world=self.world,
-                                              slot_len=self._held[i].slot_len)
-            except FrameError as e:
-                self.why[i] = e.reason
-                self.counters[f"corrupt_{e.reason}"] += 1
+            res = self._pre[i]
+            if res is None:
+                res = self._check_one(i, self.hdr)
+                self.counters["headers_checked_in_wait"] += 1
+            if isinstance(res, str):
+                self.why[i] = res
+                self.counters[f"corrupt_{res}"] += 1
+            else:
+                self.headers[i] = res
 
     def wait_layer(self, layer: int) -> tuple[list[int], torch.Tensor]:
         """Wait for layer ``layer`` (until the deadline). Returns ``(good, t)``: the rows whose reads and
@@ -254,25 +348,43 @@ class LayerwiseLoad:
         finally:
             self._released = True
             release_quietly(self.source, [ls for ls in self._leases if ls is not None])
-            if self._staging_pool is not None and all(f.done() for fs in self._futs for f in fs):
+            if self._staging_pool is not None and all(f.done() for fs in self._futs for _, f in fs):
                 if self._stream is not None:
                     self._stream.synchronize()  # its host-to-device copies have read it
                 self._staging_pool.give(self._host_arr)  # no read can land in it any more
         report_corrupt(self.source, self.keys, self.why)  # the pool proves them bad before dropping
         return list(self.why)
 
-    def _verify(self) -> None:
+    def _device_checks(self, dev: list[int]) -> list[int]:
+        """The device checksums of rows ``dev``: from the groups' partial sums (one small copy to the host,
+        ordered on the side stream only), else (layers not whole u32 words) a pass over the payloads."""
         import torch
+        if self._dev_sums and all(s is not None for s in self._gsums):
+            from ....gpu.checksum_partial import combine
+            parts = [s for s in self._gsums if s is not None]
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):  # where the sums were made, after them
+                    host = torch.cat(parts).cpu()  # waits for this stream only, not for the caller's forward
+            else:
+                host = torch.cat(parts)  # [L, n, 5]
+            got = combine(host.numpy(), np.arange(self.L, dtype=np.int64) * (self.lb // 4))
+            self.counters["devcheck_partial"] += len(dev)
+            return [int(got[i]) for i in dev]
+        from ....gpu.checksum import device_checksums_torch
+        if self._stream is not None:
+            self._stream.synchronize()
+        idx = torch.as_tensor(dev, dtype=torch.long, device=self.device)
+        rows = self.lay_dev.index_select(1, idx).permute(1, 0, 2).reshape(len(dev), self.L * self.lb)
+        self.counters["devcheck_whole"] += len(dev)
+        return device_checksums_torch(rows.contiguous(), 0, self.L * self.lb)
+
+    def _verify(self) -> None:
         good = [i for i in range(self.n) if self.why[i] is None]
         # a good row's header was checked (check_frame): headers[i] is set for each
         heads = {i: h for i in good if (h := self.headers[i]) is not None}
-        dev = [i for i in good if self._stream is not None and heads[i].flags & FLAG_DEVCHECK]
-        if dev and self._stream is not None:
-            from ....gpu.checksum import device_checksums_torch
-            self._stream.synchronize()
-            idx = torch.as_tensor(dev, dtype=torch.long, device=self.device)
-            rows = self.lay_dev.index_select(1, idx).permute(1, 0, 2).reshape(len(dev), self.L * self.lb)
-            for i, got in zip(dev, device_checksums_torch(rows.contiguous(), 0, self.L * self.lb)):
+        dev = [i for i in good if self._dev_verify and heads[i].flags & FLAG_DEVCHECK]
+        if dev:
+            for i, got in zip(dev, self._device_checks(dev)):
                 if got != heads[i].dev_check:
                     self.why[i] = "devcheck"
                     self.counters["corrupt_devcheck"] += 1
@@ -284,10 +396,14 @@ class LayerwiseLoad:
                 self.why[i] = "unverifiable"  # devcheck-only frame on the host: not checked here
                 self.counters["unverifiable"] += 1
                 continue
-            x = xxhash.xxh3_128()
-            for layer in range(self.L):
-                x.update(self.lay_np[layer, i])
-            if x.digest() != h.integrity:
+            digest = self._digest[i]
+            if digest is None:  # not hashed by a reader thread (verified on the device, or no flag seen there)
+                x = xxhash.xxh3_128()
+                for layer in range(self.L):
+                    x.update(self.lay_np[layer, i])
+                digest = x.digest()
+                self.counters["hashed_in_finish"] += 1
+            if digest != h.integrity:
                 self.why[i] = "integrity"
                 self.counters["corrupt_integrity"] += 1
             else:

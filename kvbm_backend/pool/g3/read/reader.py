@@ -40,8 +40,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: bytes of free host staging kept for the next layer-wise loads, per kind (pinned for CUDA devices:
-#: allocating page-locked memory per load would cost more than the reads)
-LAYERWISE_STAGING_KEEP_BYTES = 512 << 20
+#: allocating page-locked memory per load would cost more than the reads). Staging comes in power-of-two
+#: classes: a Llama-3.1-8B hit of 4-8k tokens (0.5-1 GiB) takes a 1 GiB buffer, which 512 MiB did not keep
+#: (every such load page-locked 1 GiB anew)
+LAYERWISE_STAGING_KEEP_BYTES = 2 << 30
 
 
 class _LayerwiseParts:
