@@ -112,7 +112,7 @@ def device_checksums_torch(blocks, payload_offset: int, payload_len: int,
     return [int(x) for x in combine_limb_sums(sums.cpu().numpy())]  # the one device-to-host sync
 
 
-def combine_limb_sums(sums: "npt.NDArray[np.int64]") -> "npt.NDArray[np.uint64]":
+def combine_limb_sums(sums: "npt.NDArray[np.int64] | npt.NDArray[np.uint64]") -> "npt.NDArray[np.uint64]":
     """The checksums (``uint64 [n]``) of :func:`device_limb_sums`'s ``int64 [n, 4]`` limb sums, brought
     to the host: ``(l0 + l1 * 2**32 + (h0 + h1 * 2**32) * 2**16) mod 2**64``, in wrapping uint64
     arithmetic (the same numbers as the per-row ``_combine``)."""
@@ -155,25 +155,31 @@ def device_limb_sums(blocks, payload_offset: int, payload_len: int,
         ok, _ = checksum_triton.usable(pay.device, lambda b, o, n_: device_checksums_torch(b, o, n_, fused=False))
         if ok:
             return checksum_triton.limb_sums(pay.view(torch.int32))
-    m = 0xFFFFFFFF
     parts = []
     rows_per_pass = max(1, max_words_per_pass // nw)
     for r0 in range(0, n, rows_per_pass):
-        part = pay[r0:r0 + rows_per_pass]
-        w = part.view(torch.int32).to(torch.int64) & m  # [r, nw] (last dim contiguous: no copy before)
-        r = w.shape[0]
-        pad = (-nw) % CHUNK_WORDS
-        idx = torch.arange(1, nw + 1, dtype=torch.int64, device=w.device)
-        if pad:
-            w = torch.cat([w, torch.zeros(r, pad, dtype=torch.int64, device=w.device)], dim=1)
-            idx = torch.cat([idx, torch.zeros(pad, dtype=torch.int64, device=w.device)])
-        w = w.view(r, -1, CHUNK_WORDS)
-        idx = idx.view(1, -1, CHUNK_WORDS)
-        lo = ((w & 0xFFFF) * idx).sum(dim=2)  # [r, chunks]
-        hi = ((w >> 16) * idx).sum(dim=2)
-        parts.append(torch.stack([(lo & m).sum(1), (lo >> 32).sum(1), (hi & m).sum(1), (hi >> 32).sum(1)], dim=1))
-        del w, lo, hi  # the next slice reuses this memory
+        # [r, nw] int64 words (last dim contiguous: no copy before)
+        parts.append(limb_sums_torch(pay[r0:r0 + rows_per_pass].view(torch.int32).to(torch.int64) & 0xFFFFFFFF))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def limb_sums_torch(w):
+    """int64 ``[r, 4]`` limb sums of ``sum((j + 1) * w[:, j])`` for int64 words ``w`` ``[r, nw]`` (values in
+    ``[0, 2**32)``), in torch ops on ``w``'s device: chunks of :data:`CHUNK_WORDS` words, each chunk sum
+    below 2**62, split into 32-bit limbs and summed again (the never-overflowing scheme of the module doc)."""
+    torch = _torch()
+    m = 0xFFFFFFFF
+    r, nw = w.shape
+    pad = (-nw) % CHUNK_WORDS
+    idx = torch.arange(1, nw + 1, dtype=torch.int64, device=w.device)
+    if pad:
+        w = torch.cat([w, torch.zeros(r, pad, dtype=torch.int64, device=w.device)], dim=1)
+        idx = torch.cat([idx, torch.zeros(pad, dtype=torch.int64, device=w.device)])
+    w = w.view(r, -1, CHUNK_WORDS)
+    idx = idx.view(1, -1, CHUNK_WORDS)
+    lo = ((w & 0xFFFF) * idx).sum(dim=2)  # [r, chunks]
+    hi = ((w >> 16) * idx).sum(dim=2)
+    return torch.stack([(lo & m).sum(1), (lo >> 32).sum(1), (hi & m).sum(1), (hi >> 32).sum(1)], dim=1)
 
 
 def checksums_match(blocks, payload_offset: int, payload_len: int, expected: Sequence[int]) -> list[bool]:

@@ -21,26 +21,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .checksum import CHUNK_WORDS
+from .checksum import combine_limb_sums, limb_sums_torch
 
 _MAX_WORDS = (1 << 31) - 1
-
-
-def _limbs_torch(w: Any) -> Any:
-    """int64 ``[r, 4]`` limb sums of ``sum((j + 1) * w[:, j])`` for int64 words ``w`` ``[r, nw]`` (torch ops)."""
-    import torch
-    m = 0xFFFFFFFF
-    r, nw = w.shape
-    pad = (-nw) % CHUNK_WORDS
-    idx = torch.arange(1, nw + 1, dtype=torch.int64, device=w.device)
-    if pad:
-        w = torch.cat([w, torch.zeros(r, pad, dtype=torch.int64, device=w.device)], dim=1)
-        idx = torch.cat([idx, torch.zeros(pad, dtype=torch.int64, device=w.device)])
-    w = w.view(r, -1, CHUNK_WORDS)
-    idx = idx.view(1, -1, CHUNK_WORDS)
-    lo = ((w & 0xFFFF) * idx).sum(dim=2)  # [r, chunks], each < 2**62
-    hi = ((w >> 16) * idx).sum(dim=2)
-    return torch.stack([(lo & m).sum(1), (lo >> 32).sum(1), (hi & m).sum(1), (hi >> 32).sum(1)], dim=1)
 
 
 def range_sums(rows: Any, *, fused: bool = True, max_words_per_pass: int = 1 << 24) -> Any:
@@ -78,7 +61,7 @@ def range_sums(rows: Any, *, fused: bool = True, max_words_per_pass: int = 1 << 
     step = max(1, max_words_per_pass // words.shape[1])
     for r0 in range(0, r, step):
         w = words[r0:r0 + step].to(torch.int64) & m
-        parts.append(torch.cat([_limbs_torch(w), w.sum(1)[:, None]], dim=1))
+        parts.append(torch.cat([limb_sums_torch(w), w.sum(1)[:, None]], dim=1))
         del w
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -89,8 +72,8 @@ def combine(sums: npt.NDArray[np.int64], base_words: npt.NDArray[np.int64]) -> n
     its payload). Returns uint64 ``[...]``: ``sum_i (S1_i + base_i * S0_i) mod 2**64``, equal to
     ``frame.device_checksum`` of each payload when the ranges cover it."""
     u = np.ascontiguousarray(sums).view(np.uint64)  # every sum is >= 0 and < 2**63: exact
+    s1 = combine_limb_sums(u[..., :4]).reshape(u.shape[:-1])
     with np.errstate(over="ignore"):
-        s1 = u[..., 0] + (u[..., 1] << np.uint64(32)) + ((u[..., 2] + (u[..., 3] << np.uint64(32))) << np.uint64(16))
         b = np.asarray(base_words, dtype=np.uint64).reshape((-1,) + (1,) * (s1.ndim - 1))
         out: npt.NDArray[np.uint64] = (s1 + b * u[..., 4]).sum(axis=0, dtype=np.uint64)
     return out
