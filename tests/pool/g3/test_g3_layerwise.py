@@ -168,6 +168,25 @@ def test_device_checksum_is_verified_from_per_group_partial_sums(tmp_path):
         pool.close()
 
 
+def test_groups_already_read_are_copied_when_an_earlier_layer_is_waited_for(rig):
+    """A group whose reads are all in is reaped (checked, copied to the device, its partial sums queued) as
+    soon as the forward waits for any earlier layer, not only when it reaches that group: with every read
+    done, waiting for layer 0 takes all later groups in, in group order; the layers are the stored bytes."""
+    pool, ns, keys, blocks, ex, files = rig
+    ld = _load(pool, ns, keys, ex, files)
+    for tasks in ld._futs:  # every read in
+        for _, f in tasks:
+            f.result(timeout=20)
+    ld.wait_layer(0)
+    assert ld.counters["groups_copied_early"] == len(ld.groups) - 1
+    for layer in range(ns.layout.num_layers):
+        good, t = ld.wait_layer(layer)
+        assert good == list(range(len(keys)))
+        assert all(np.array_equal(t[i].numpy(), _layer(b, ns.layout, layer)) for i, b in enumerate(blocks))
+    assert ld.finish() == [None] * len(keys)
+    assert ld.counters["groups_copied_early"] == len(ld.groups) - 1  # each group reaped once
+
+
 def test_layers_arrive_byte_identical_before_finish(rig):
     pool, ns, keys, blocks, ex, files = rig
     ld = _load(pool, ns, keys, ex, files)

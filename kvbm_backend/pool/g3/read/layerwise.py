@@ -17,7 +17,8 @@ still being read, so an engine computes layer ``l - 1`` while layer ``l`` loads.
 2. :meth:`~LayerwiseLoad.wait_layer` (``l``) waits (until the load's deadline) for the reads of ``l``'s
    group, applies the header checks when group 0 is in, copies the group's layers to the device (one host-to-device copy per
    group, on a side stream the caller's stream then waits for, followed there by the group's partial
-   device checksums, :mod:`kvbm_backend.gpu.checksum_partial`) and returns layer ``l`` as a
+   device checksums, :mod:`kvbm_backend.gpu.checksum_partial`; later groups whose reads are already in
+   are copied then too, so their copies run under this layer's compute) and returns layer ``l`` as a
    ``[n, layer_bytes]`` uint8 tensor with the rows that are good so far. Those bytes are NOT verified
    yet: the caller may compute with them only if it drops that computation when :meth:`finish` says
    the row failed (vLLM does: a block reported in ``get_block_ids_with_load_errors`` after the forward
@@ -325,6 +326,13 @@ class LayerwiseLoad:
         gi = self.group_of[layer]
         for g in range(gi + 1):  # group 0 carries the headers
             self._reap(g)
+        for g in range(gi + 1, len(self._futs)):  # later groups already read: their copies start now, under
+            if self._in[g]:  # the compute of this layer, not when the forward reaches them
+                continue
+            if not all(f.done() for _, f in self._futs[g]):
+                break  # in group order: a group's copy never waits on a later one
+            self._reap(g)
+            self.counters["groups_copied_early"] += 1
         ev = self._events[gi]
         if ev is not None:
             import torch
