@@ -526,6 +526,8 @@ def goals_of(res: dict) -> dict:
         goals["layerwise_overlap_captures_ge_half_the_saving"] = {
             "captured": cap, "hit_fractions": [c["hit_fraction"] for c in cases],
             "identical": all(c["max_abs_diff"] == 0 for c in cases),
+            # beside the goal: overlapped forward / the default whole-request path's load + forward (< 1: pays)
+            "overlap_vs_default_path": [c.get("overlap_vs_default") for c in cases],
             "met": all(x >= 0.5 for x in cap) and all(c["max_abs_diff"] == 0 for c in cases)}
     runs = res.get("prefill", {}).get("runs", {})
     longest = max((int(k) for k, v in runs.items() if "ratio_recompute_over_load" in v), default=None)

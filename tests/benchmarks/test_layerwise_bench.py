@@ -1,6 +1,7 @@
 """``benchmarks/layerwise_bench.py --smoke-cpu`` (issue 24 item 5): the layer-wise overlap bench runs on the
-CPU (tiny Llama, a real G3 pool) and writes its JSON: every hit fraction timed four ways, and the forward
-that waited for each layer computed exactly what the forward over resident KV did."""
+CPU (tiny Llama, a real G3 pool) and writes its JSON: every hit fraction timed six ways (the default
+whole-request path among them), and the forwards over loaded KV computed exactly what the forward over
+resident KV did."""
 from __future__ import annotations
 
 import json
@@ -30,8 +31,12 @@ def test_layerwise_bench_smoke_cpu(tmp_path):
     assert [c["hit_fraction"] for c in cases] == [0.25, 0.5, 0.75]
     for c in cases:
         assert c["hit_tokens"] % res["page"] == 0 and 0 < c["hit_tokens"] < res["tokens"]
-        for k in ("load_s", "compute_s", "serial_s", "overlap_s"):
+        for k in ("load_s", "compute_s", "serial_s", "overlap_s", "default_load_s", "default_serial_s"):
             assert c[k] > 0, (k, c)
         assert c["ratio"] == pytest.approx(c["overlap_s"] / c["serial_s"], rel=1e-2)
+        # the default path (whole hit through G3Pool.get, then the forward) is the baseline layer-wise must beat
+        assert c["overlap_vs_default"] == pytest.approx(c["overlap_s"] / c["default_serial_s"], rel=1e-2)
+        assert c["default_load_s"] < c["default_serial_s"]
         assert c["max_abs_diff"] == 0.0 and c["serial_max_abs_diff"] == 0.0, c  # loaded KV == computed KV
+        assert c["default_max_abs_diff"] == 0.0, c
     assert not any(p.name.startswith("kvbm-layerwise-") for p in tmp_path.iterdir())  # the pool dir is removed
