@@ -43,7 +43,9 @@ def _load_syscall() -> "ctypes._NamedFuncPointer | None":
 
 
 _syscall = _load_syscall() if os.uname().sysname == "Linux" else None
-_hows: dict[int, _OpenHow] = {}  # open flags -> the open_how handed to the kernel (read-only once made)
+# open flags -> (the open_how handed to the kernel, read-only once made; a reference to it)
+_hows: dict[int, tuple[_OpenHow, object]] = {}
+_NR, _CWD, _HOW_SIZE = ctypes.c_long(SYS_OPENAT2), ctypes.c_int(AT_FDCWD), ctypes.c_size_t(ctypes.sizeof(_OpenHow))
 _supported: bool | None = None if _syscall is not None else False
 
 
@@ -63,11 +65,11 @@ def open_no_symlinks(path: bytes, flags: int) -> int:
     global _supported
     if _syscall is None or _supported is False:
         raise Unsupported(errno.ENOSYS, "openat2 is not available")
-    how = _hows.get(flags)
-    if how is None:
-        how = _hows.setdefault(flags, _OpenHow(flags, 0, RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS))
-    fd = int(_syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(AT_FDCWD), ctypes.c_char_p(path),
-                      ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how))))
+    made = _hows.get(flags)
+    if made is None:
+        how = _OpenHow(flags, 0, RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+        made = _hows.setdefault(flags, (how, ctypes.pointer(how)))
+    fd = int(_syscall(_NR, _CWD, ctypes.c_char_p(path), made[1], _HOW_SIZE))
     if fd >= 0:
         _supported = True
         return fd

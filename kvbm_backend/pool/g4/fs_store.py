@@ -386,13 +386,12 @@ class FsStore(ObjectStore):
             return None
         fd, direct, size = opened
         try:
-            total = sum(len(m) for m in mvs)
-            want = min(size, total)
+            want = min(size, sum(len(m) for m in mvs))
             lim = -(-want // 4096) * 4096 if direct else want  # O_DIRECT lengths are whole 4 KiB blocks
             got = 0
-            while got < want:
+            while got < want:  # the first read takes the buffers whole (the file's end ends it)
                 try:
-                    n = os.preadv(fd, mvs if got == 0 and lim == total else _iov(mvs, got, lim), got)
+                    n = os.preadv(fd, mvs if got == 0 else _iov(mvs, got, lim), got)
                 except OSError as e:
                     if direct and refuses_direct(e):
                         self._direct = False
