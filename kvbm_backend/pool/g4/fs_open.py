@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 
-__all__ = ["Unsupported", "available", "open_no_symlinks"]
+__all__ = ["Unsupported", "available", "clear_nonblock", "open_no_symlinks", "preadv_clearing"]
 
 SYS_OPENAT2 = 437  # the same number on every Linux architecture (added after the syscall tables were unified)
 AT_FDCWD = -100
@@ -78,3 +79,20 @@ def open_no_symlinks(path: bytes, flags: int) -> int:
         _supported = False
         raise Unsupported(err, f"openat2: {os.strerror(err)}")
     raise OSError(err, os.strerror(err), os.fsdecode(path))
+
+
+def clear_nonblock(fd: int, is_direct: bool) -> None:
+    """Clear O_NONBLOCK on ``fd`` opened for reading (``F_SETFL`` sets only the status flags: of those such an
+    fd has O_DIRECT, kept when ``is_direct``, and O_NONBLOCK). Raises OSError."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, os.O_DIRECT if is_direct else 0)
+
+
+def preadv_clearing(fd: int, buffers: list[memoryview], offset: int, is_direct: bool) -> int:
+    """``os.preadv(fd, buffers, offset)`` on a regular file that may still have O_NONBLOCK from its open: the
+    flag does nothing to a regular file's reads (open(2)), so the reader saves the ``fcntl`` that clears it
+    (one GIL round trip per block) and clears it only if a read ever answers EAGAIN, then reads again."""
+    try:
+        return os.preadv(fd, buffers, offset)
+    except BlockingIOError:
+        clear_nonblock(fd, is_direct)
+        return os.preadv(fd, buffers, offset)

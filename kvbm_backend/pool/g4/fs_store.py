@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import os
 import socket
 import stat
@@ -31,7 +30,7 @@ from ...fsmodes import DIR_MODE, FILE_MODE, makedirs_private
 from ...io.files import open_for_read, refuses_direct
 from ...memory import aligned_empty
 from . import fs_open
-from .fs_open import Unsupported, open_no_symlinks
+from .fs_open import Unsupported, clear_nonblock, open_no_symlinks, preadv_clearing
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -141,14 +140,16 @@ class FsStore(ObjectStore):
             raise
         return fd
 
-    def _open_file(self, name: str, direct: bool) -> tuple[int, bool, int] | None:
+    def _open_file(self, name: str, direct: bool, blocking: bool = True) -> tuple[int, bool, int] | None:
         """``(fd, is_direct, size in bytes)`` of the regular file ``name`` opened read-only, or None if absent.
         O_DIRECT when ``direct`` and the filesystem takes it, by the project's one O_DIRECT open rule
         (:func:`kvbm_backend.io.files.open_for_read`: a refusal at open gives a buffered fd, and this
         store reads buffered from then on). Raises OSError for links, FIFOs, sockets, devices and
-        directories (checked by ``fstat`` after an ``O_NONBLOCK | O_NOFOLLOW`` open, so nothing blocks). First one ``openat2`` refusing links at every component (:mod:`.fs_open`: 1 GIL-retaking call, not ~11),
-        where the root's own path has no link; anything but success there is decided by the walk as before."""
-        fast = self._open_fast(name, direct) if self._fast_root is not None else None
+        directories (checked by ``fstat`` after an ``O_NONBLOCK | O_NOFOLLOW`` open, so nothing blocks).
+        ``blocking`` False leaves O_NONBLOCK set (see :func:`.fs_open.preadv_clearing`). Opened by one ``openat2``
+        refusing links (1 GIL-retaking call, not ~11) where the root's path has no link, else by the walk."""
+        root = self._fast_root  # (set to None by another thread where openat2 turns out unsupported)
+        fast = self._open_fast(root, name, direct) if root is not None else None
         opened = fast or self._open_walk(name, direct)
         if opened is None:
             return None
@@ -157,8 +158,8 @@ class FsStore(ObjectStore):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise self._refused(name, f"not a regular file (mode {st.st_mode:o})")
-            # F_SETFL sets only status flags: of those the fd has O_DIRECT (if is_direct) and O_NONBLOCK (cleared)
-            fcntl.fcntl(fd, fcntl.F_SETFL, os.O_DIRECT if is_direct else 0)
+            if blocking:
+                clear_nonblock(fd, is_direct)
         except BaseException:
             os.close(fd)
             raise
@@ -166,12 +167,11 @@ class FsStore(ObjectStore):
             self._direct = False
         return fd, is_direct, st.st_size
 
-    def _open_fast(self, name: str, direct: bool) -> tuple[int, bool] | None:
-        """``(fd, direct)`` by one ``openat2`` (:meth:`_split` keeps it under the root); None: walk instead."""
-        self._split(name)  # ValueError for an absolute name or one with '..' (openat2 would follow '..')
-        assert self._fast_root is not None  # only called with a fast root
+    def _open_fast(self, root: bytes, name: str, direct: bool) -> tuple[int, bool] | None:
+        """``(fd, direct)`` by one ``openat2`` (names checked by :meth:`_split` first: no '..'); None: walk."""
+        self._split(name)
         try:
-            return open_no_symlinks(self._fast_root + os.fsencode(name),
+            return open_no_symlinks(root + os.fsencode(name),
                                     _READ_FLAGS | (os.O_DIRECT if direct else 0)), direct
         except Unsupported:
             self._fast_root = None
@@ -191,8 +191,8 @@ class FsStore(ObjectStore):
             except FileNotFoundError:
                 return None
             except BlockingIOError:
-                # a regular file whose open must wait (a lease being broken, as a slow or hung mount would make
-                # it): reopen the very inode, checked regular, without O_NONBLOCK (the load deadline bounds it)
+                # an open that must wait (a lease being broken, a slow mount): reopen the very inode, checked
+                # regular, without O_NONBLOCK (the load deadline bounds it)
                 return self._open_waiting(dfd, base, name, direct)
             except OSError as e:
                 if e.errno == errno.ELOOP:
@@ -381,7 +381,7 @@ class FsStore(ObjectStore):
     def _read_into(self, name: str, mvs: list[memoryview], direct: bool) -> int | None:
         """:meth:`get_into` with one open (O_DIRECT if ``direct`` and the filesystem takes it): the size, or
         None if absent. Raises _DirectRefused when the filesystem refused an O_DIRECT read (EINVAL)."""
-        opened = self._open_file(name, direct)
+        opened = self._open_file(name, direct, blocking=False)  # one call fewer per read
         if opened is None:
             return None
         fd, direct, size = opened
@@ -391,7 +391,7 @@ class FsStore(ObjectStore):
             got = 0
             while got < want:  # the first read takes the buffers whole (the file's end ends it)
                 try:
-                    n = os.preadv(fd, mvs if got == 0 else _iov(mvs, got, lim), got)
+                    n = preadv_clearing(fd, mvs if got == 0 else _iov(mvs, got, lim), got, direct)
                 except OSError as e:
                     if direct and refuses_direct(e):
                         self._direct = False

@@ -224,7 +224,8 @@ def test_reading_an_object_deep_in_the_tree_retakes_the_gil_a_few_times_not_per_
     """Issue 24 item 4: a read opened the object by walking root/a/b/c/d one O_NOFOLLOW directory fd at a
     time (17 GIL-retaking calls for this name: 6 opens, 6 closes, 2 fstat, 2 fcntl, the read), which on a
     16-core host kept 16 I/O threads to ~3 busy cores. Now one openat2 refusing links (a ctypes call), then
-    fstat, fcntl, preadv and close. Failed before: 17 calls."""
+    fstat, preadv and close (O_NONBLOCK, which does nothing to a regular file's reads, is left set unless a
+    read says EAGAIN). Failed before: 17 calls."""
     from kvbm_backend.pool.g4 import fs_open
     if not fs_open.available():
         pytest.skip("no openat2 here (kernel < 5.6 or a seccomp filter): the component walk is all there is")
@@ -232,9 +233,9 @@ def test_reading_an_object_deep_in_the_tree_retakes_the_gil_a_few_times_not_per_
     data = _data(4096 + 8192, seed=3)
     assert st.put_if_absent("a/b/c/d/obj", data)
     head, row = aligned_empty(4096), aligned_empty(8192)
-    assert _os_calls(lambda: st.get_into("a/b/c/d/obj", [head, row])) <= 4
+    assert _os_calls(lambda: st.get_into("a/b/c/d/obj", [head, row])) <= 3
     assert head.tobytes() + row.tobytes() == data
-    assert _os_calls(lambda: st.get_into("a/b/c/d/obj", bytearray(len(data)))) <= 4
+    assert _os_calls(lambda: st.get_into("a/b/c/d/obj", bytearray(len(data)))) <= 3
 
 
 @pytest.mark.parametrize("via_link", [False, True], ids=["one-call-open", "walk (root through a link)"])
