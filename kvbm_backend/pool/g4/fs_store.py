@@ -27,10 +27,10 @@ from urllib.parse import ParseResult
 import numpy as np
 
 from ...fsmodes import DIR_MODE, FILE_MODE, makedirs_private
+from ...io import openat2
 from ...io.files import open_for_read, refuses_direct
+from ...io.openat2 import Unsupported, clear_nonblock, open_no_symlinks, preadv_clearing
 from ...memory import aligned_empty
-from . import fs_open
-from .fs_open import Unsupported, clear_nonblock, open_no_symlinks, preadv_clearing
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -70,12 +70,12 @@ class FsStore(ObjectStore):
         self.fsync = fsync
         self._direct: bool | None = None  # O_DIRECT reads: None = not probed yet
         self._direct_write: bool | None = None  # O_DIRECT writes: None = not tried yet, False = refused
-        self._fast_root: bytes | None = None  # reads: one openat2 of root + name (fs_open); None: walk
+        self._fast_root: bytes | None = None  # reads: one openat2 of root + name (io.openat2); None: walk
         try:
             makedirs_private(self.root)
         except OSError as e:
             raise ValueError(f"g4.url {self.url}: cannot create directory: {e}") from None
-        if fs_open.available() and self.root.is_absolute() and os.path.realpath(self.root) == str(self.root):
+        if openat2.available() and self.root.is_absolute() and os.path.realpath(self.root) == str(self.root):
             self._fast_root = os.fsencode(self.root) + b"/"
 
     @classmethod
@@ -146,7 +146,7 @@ class FsStore(ObjectStore):
         (:func:`kvbm_backend.io.files.open_for_read`: a refusal at open gives a buffered fd, and this
         store reads buffered from then on). Raises OSError for links, FIFOs, sockets, devices and
         directories (checked by ``fstat`` after an ``O_NONBLOCK | O_NOFOLLOW`` open, so nothing blocks).
-        ``blocking`` False leaves O_NONBLOCK set (see :func:`.fs_open.preadv_clearing`). Opened by one ``openat2``
+        ``blocking`` False leaves O_NONBLOCK set (see :func:`~kvbm_backend.io.openat2.preadv_clearing`). Opened by one ``openat2``
         refusing links (1 GIL-retaking call, not ~11) where the root's path has no link, else by the walk."""
         root = self._fast_root  # (set to None by another thread where openat2 turns out unsupported)
         fast = self._open_fast(root, name, direct) if root is not None else None
@@ -171,8 +171,7 @@ class FsStore(ObjectStore):
         """``(fd, direct)`` by one ``openat2`` (names checked by :meth:`_split` first: no '..'); None: walk."""
         self._split(name)
         try:
-            return open_no_symlinks(root + os.fsencode(name),
-                                    _READ_FLAGS | (os.O_DIRECT if direct else 0)), direct
+            return open_no_symlinks(root + os.fsencode(name), _READ_FLAGS, direct), direct
         except Unsupported:
             self._fast_root = None
         except OSError:

@@ -226,8 +226,8 @@ def test_reading_an_object_deep_in_the_tree_retakes_the_gil_a_few_times_not_per_
     16-core host kept 16 I/O threads to ~3 busy cores. Now one openat2 refusing links (a ctypes call), then
     fstat, preadv and close (O_NONBLOCK, which does nothing to a regular file's reads, is left set unless a
     read says EAGAIN). Failed before: 17 calls."""
-    from kvbm_backend.pool.g4 import fs_open
-    if not fs_open.available():
+    from kvbm_backend.io import openat2
+    if not openat2.available():
         pytest.skip("no openat2 here (kernel < 5.6 or a seccomp filter): the component walk is all there is")
     st = FsStore(tmp_path / "s")
     data = _data(4096 + 8192, seed=3)

@@ -135,8 +135,8 @@ def test_staged_loads_retake_the_gil_a_few_times_per_block_and_allocate_no_paylo
 
     from kvbm_backend.model.layout import KvLayout
     from kvbm_backend.model.namespace import Namespace
-    from kvbm_backend.pool.g4 import fs_open
-    if not fs_open.available():
+    from kvbm_backend.io import openat2
+    if not openat2.available():
         pytest.skip("no openat2 here (kernel < 5.6 or a seccomp filter): the component walk is all there is")
     ns = Namespace("kvbm-test/staged", KvLayout(num_layers=4, outer_dim=2, page_size=16, inner_dim=1024,
                                                 dtype="bfloat16"))

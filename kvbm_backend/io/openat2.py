@@ -1,6 +1,10 @@
 """Open a file by absolute path in one system call, following no symbolic link at any component: Linux
 ``openat2(2)`` with ``RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS`` (kernel 5.6+), called through ctypes.
 
+O_DIRECT (``direct``) follows :mod:`kvbm_backend.io.files`' rule by leaving the refusal to it: a filesystem
+that refuses O_DIRECT at open raises here like any other error, and the caller opens through
+:func:`kvbm_backend.io.files.open_for_read`, which reads that file buffered.
+
 Why (issue 24 item 4): :class:`~kvbm_backend.pool.g4.fs_store.FsStore` refuses links under its root by
 opening each path component with ``O_NOFOLLOW`` directory fds: for a G4 object four directories deep that is
 11 ``open``/``close`` calls before the read. Each call releases and retakes the GIL, and with many I/O threads
@@ -55,15 +59,17 @@ def available() -> bool:
     return _supported is not False
 
 
-def open_no_symlinks(path: bytes, flags: int) -> int:
-    """The fd of ``path`` (absolute, bytes) opened with ``flags`` (``os.O_*``), refusing a symbolic link
-    or magic link at any component of the path, the last one included (``ELOOP``).
+def open_no_symlinks(path: bytes, flags: int, direct: bool = False) -> int:
+    """The fd of ``path`` (absolute, bytes) opened with ``flags`` (``os.O_*``; O_DIRECT too when ``direct``),
+    refusing a symbolic link or magic link at any component of the path, the last one included (``ELOOP``).
 
     Raises:
         Unsupported: no ``openat2`` here (and from then on, without a system call).
         OSError: the kernel's error otherwise, with its errno (ENOENT, ELOOP, ENOTDIR, EINVAL...).
     """
     global _supported
+    if direct:
+        flags |= os.O_DIRECT
     if _syscall is None or _supported is False:
         raise Unsupported(errno.ENOSYS, "openat2 is not available")
     made = _hows.get(flags)
