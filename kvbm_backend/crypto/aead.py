@@ -11,8 +11,10 @@ opening allocates a payload-sized temporary, and works on read-only input (an S3
 place. cryptography 50 releases the GIL for the whole ``update_into`` (measured: another thread runs
 Python throughout a 256 MiB seal or open, ``tests/pool/g4/test_g4_gil.py``), so G4's I/O threads seal and
 open blocks in parallel; its one-shot ``AESGCM.encrypt_into``/``decrypt_into`` does too and runs at the
-same speed (9.8 GB/s per thread on the dev VM, 2 MiB blocks) but needs the tag after the ciphertext and
-distinct input and output buffers, which the frame (tag in the header) does not give.
+same speed (9.8 GB/s per thread on the dev VM, 2 MiB blocks) but needs the tag after the ciphertext, which
+the frame (tag in the header) does not give in place. :func:`open_tagged_into` uses it where the caller
+has put the tag after the ciphertext in a buffer of its own (G4's staged loads: a bounce buffer opened
+straight into the caller's row in one call, one GIL release, no streaming context built per block).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 NONCE_BYTES = 12
 TAG_BYTES = 16
@@ -74,6 +77,28 @@ def open_into(key: bytes, nonce: bytes, aad: bytes, tag: bytes, ciphertext: Buff
     dec.update_into(ct, pt)
     try:
         dec.finalize()
+    except InvalidTag:
+        raise AeadError("GCM tag mismatch") from None
+
+
+def gcm(key: bytes) -> AESGCM:
+    """A reusable one-shot AES-256-GCM context of ``key`` for :func:`open_tagged_into` (thread-safe: each
+    call is independent). Raises ValueError on a wrong key size."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"AES-256-GCM key: {len(key)} bytes, need {KEY_BYTES}")
+    return AESGCM(key)
+
+
+def open_tagged_into(ctx: AESGCM, nonce: bytes, aad: bytes, ciphertext_and_tag: Buffer, out: Buffer) -> None:
+    """Decrypt ``ciphertext_and_tag`` (N ciphertext bytes, then the 16-byte tag) into ``out`` (writable,
+    exactly N bytes, not overlapping the input) and verify the tag, in one call that releases the GIL.
+
+    Raises AeadError if the tag does not verify (``out`` then holds unverified bytes that must not be
+    used; the input is unchanged); ValueError on a wrong nonce size or mismatched lengths."""
+    if len(nonce) != NONCE_BYTES:
+        raise ValueError(f"GCM nonce: {len(nonce)} bytes, need {NONCE_BYTES}")
+    try:
+        ctx.decrypt_into(nonce, memoryview(ciphertext_and_tag), aad, memoryview(out))
     except InvalidTag:
         raise AeadError("GCM tag mismatch") from None
 

@@ -112,11 +112,17 @@ class _Copier:
             self.stream.wait_stream(torch.cuda.current_stream(device))  # dst may be in use on the compute stream
 
     def copy(self, r: int) -> None:
+        self.copy_rows((r,))
+
+    def copy_rows(self, rows: Sequence[int]) -> None:
+        """Copy staging rows ``rows`` to their ``dst`` tensors, all under one stream context."""
         if self.cuda:
             with _torch().cuda.stream(self.stream):
-                _u8(self.dst[r]).copy_(self.host[r], non_blocking=True)
+                for r in rows:
+                    _u8(self.dst[r]).copy_(self.host[r], non_blocking=True)
         else:
-            _u8(self.dst[r]).copy_(self.host[r])
+            for r in rows:
+                _u8(self.dst[r]).copy_(self.host[r])
 
     def finish(self) -> None:
         if self.cuda:
@@ -139,8 +145,15 @@ def _load_staged(pool, keys, dst, buf, host, rows, device, timeout_s) -> list[bo
                 if end is not None and time.monotonic() >= end:
                     break
                 continue
-            copier.copy(r)
-            copied[r] = True
+            rows_now = [r]  # and every row that verified meanwhile: one wake-up and stream context for all
+            while True:
+                try:
+                    rows_now.append(hits.get_nowait())
+                except queue.Empty:
+                    break
+            copier.copy_rows(rows_now)
+            for r in rows_now:
+                copied[r] = True
         res = batch.future.result(timeout=0 if end is None else max(0.0, end - time.monotonic()))
         ok = [bool(x) for x in res.ok] + [False] * (n - len(res.ok))
     except Exception:  # noqa: BLE001 - late or storage trouble: what verified in time and was copied counts

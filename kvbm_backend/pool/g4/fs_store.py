@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import os
 import socket
 import stat
@@ -28,7 +27,9 @@ from urllib.parse import ParseResult
 import numpy as np
 
 from ...fsmodes import DIR_MODE, FILE_MODE, makedirs_private
+from ...io import openat2
 from ...io.files import open_for_read, refuses_direct
+from ...io.openat2 import Unsupported, clear_nonblock, open_no_symlinks, preadv_clearing
 from ...memory import aligned_empty
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
@@ -69,10 +70,13 @@ class FsStore(ObjectStore):
         self.fsync = fsync
         self._direct: bool | None = None  # O_DIRECT reads: None = not probed yet
         self._direct_write: bool | None = None  # O_DIRECT writes: None = not tried yet, False = refused
+        self._fast_root: bytes | None = None  # reads: one openat2 of root + name (io.openat2); None: walk
         try:
             makedirs_private(self.root)
         except OSError as e:
             raise ValueError(f"g4.url {self.url}: cannot create directory: {e}") from None
+        if openat2.available() and self.root.is_absolute() and os.path.realpath(self.root) == str(self.root):
+            self._fast_root = os.fsencode(self.root) + b"/"
 
     @classmethod
     def from_url(cls, url: str, parsed: ParseResult, opts: StoreOptions) -> "FsStore":
@@ -136,46 +140,65 @@ class FsStore(ObjectStore):
             raise
         return fd
 
-    def _open_file(self, name: str, direct: bool) -> tuple[int, bool] | None:
-        """``(fd, is_direct)`` of the regular file ``name`` opened read-only, or None if absent. O_DIRECT
-        when ``direct`` and the filesystem takes it, by the project's one O_DIRECT open rule
+    def _open_file(self, name: str, direct: bool, blocking: bool = True) -> tuple[int, bool, int] | None:
+        """``(fd, is_direct, size in bytes)`` of the regular file ``name`` opened read-only, or None if absent.
+        O_DIRECT when ``direct`` and the filesystem takes it, by the project's one O_DIRECT open rule
         (:func:`kvbm_backend.io.files.open_for_read`: a refusal at open gives a buffered fd, and this
         store reads buffered from then on). Raises OSError for links, FIFOs, sockets, devices and
-        directories (checked by ``fstat`` after an ``O_NONBLOCK | O_NOFOLLOW`` open, so nothing blocks)."""
+        directories (checked by ``fstat`` after an ``O_NONBLOCK | O_NOFOLLOW`` open, so nothing blocks).
+        ``blocking`` False leaves O_NONBLOCK set (see :func:`~kvbm_backend.io.openat2.preadv_clearing`). Opened by one ``openat2``
+        refusing links (1 GIL-retaking call, not ~11) where the root's path has no link, else by the walk."""
+        root = self._fast_root  # (set to None by another thread where openat2 turns out unsupported)
+        fast = self._open_fast(root, name, direct) if root is not None else None
+        opened = fast or self._open_walk(name, direct)
+        if opened is None:
+            return None
+        fd, is_direct = opened
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._refused(name, f"not a regular file (mode {st.st_mode:o})")
+            if blocking:
+                clear_nonblock(fd, is_direct)
+        except BaseException:
+            os.close(fd)
+            raise
+        if direct and not is_direct:
+            self._direct = False
+        return fd, is_direct, st.st_size
+
+    def _open_fast(self, root: bytes, name: str, direct: bool) -> tuple[int, bool] | None:
+        """``(fd, direct)`` by one ``openat2`` (names checked by :meth:`_split` first: no '..'); None: walk."""
+        self._split(name)
+        try:
+            return open_no_symlinks(root + os.fsencode(name), _READ_FLAGS, direct), direct
+        except Unsupported:
+            self._fast_root = None
+        except OSError:
+            pass
+        return None
+
+    def _open_walk(self, name: str, direct: bool) -> tuple[int, bool] | None:
+        """``(fd, is_direct)`` of ``name`` opened component by component (links refused, the root followed)."""
         dirs, base = self._split(name)
         dfd = self._open_dir(dirs, create=False)
         if dfd is None:
             return None
         try:
             try:
-                fd, is_direct = open_for_read(base, direct, flags=_READ_FLAGS, dir_fd=dfd)
+                return open_for_read(base, direct, flags=_READ_FLAGS, dir_fd=dfd)
             except FileNotFoundError:
                 return None
             except BlockingIOError:
-                # a regular file whose open must wait (a lease being broken, as a slow or hung mount would
-                # make it): reopen the very inode, checked regular, without O_NONBLOCK (the caller's
-                # load deadline bounds the wait)
-                opened = self._open_waiting(dfd, base, name, direct)
-                if opened is None:
-                    return None
-                fd, is_direct = opened
+                # an open that must wait (a lease being broken, a slow mount): reopen the very inode, checked
+                # regular, without O_NONBLOCK (the load deadline bounds it)
+                return self._open_waiting(dfd, base, name, direct)
             except OSError as e:
                 if e.errno == errno.ELOOP:
                     raise self._refused(name, "a symbolic link") from None
                 raise
         finally:
             os.close(dfd)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise self._refused(name, f"not a regular file (mode {st.st_mode:o})")
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        except BaseException:
-            os.close(fd)
-            raise
-        if direct and not is_direct:
-            self._direct = False
-        return fd, is_direct
 
     def _open_waiting(self, dfd: int, base: str, name: str, direct: bool) -> tuple[int, bool] | None:
         try:
@@ -357,18 +380,17 @@ class FsStore(ObjectStore):
     def _read_into(self, name: str, mvs: list[memoryview], direct: bool) -> int | None:
         """:meth:`get_into` with one open (O_DIRECT if ``direct`` and the filesystem takes it): the size, or
         None if absent. Raises _DirectRefused when the filesystem refused an O_DIRECT read (EINVAL)."""
-        opened = self._open_file(name, direct)
+        opened = self._open_file(name, direct, blocking=False)  # one call fewer per read
         if opened is None:
             return None
-        fd, direct = opened
+        fd, direct, size = opened
         try:
-            size = os.fstat(fd).st_size
             want = min(size, sum(len(m) for m in mvs))
             lim = -(-want // 4096) * 4096 if direct else want  # O_DIRECT lengths are whole 4 KiB blocks
             got = 0
-            while got < want:
+            while got < want:  # the first read takes the buffers whole (the file's end ends it)
                 try:
-                    n = os.preadv(fd, _iov(mvs, got, lim), got)
+                    n = preadv_clearing(fd, mvs if got == 0 else _iov(mvs, got, lim), got, direct)
                 except OSError as e:
                     if direct and refuses_direct(e):
                         self._direct = False
@@ -394,7 +416,7 @@ class FsStore(ObjectStore):
             return False
         fd = opened[0]
         try:
-            if os.fstat(fd).st_size != size:
+            if opened[2] != size:
                 return False
             want = _bytes_of(data)
             return os.pread(fd, len(want), 0) == want

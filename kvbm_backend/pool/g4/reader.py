@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ...crypto.aead import AeadError, open_into, seal_into
+from ...crypto.aead import TAG_BYTES, AeadError, gcm, open_into, open_tagged_into, seal_into
 from ...crypto.keyring import Keyring
 from ...deadlines import Deadlines
 from ...memory import BufferPool
@@ -46,6 +46,8 @@ from .tenant_names import TenantNames
 from .throttle import ThrottleWatch, call_throttled
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     from .store import Blob
 
 __all__ = ["G4Reader", "GetBatch", "bounce_buffers", "bounce_slot_bytes", "tenant_miss"]
@@ -170,10 +172,14 @@ class G4Reader:
         self._load_bound_s = load_bound_s
         self._closed = False
         # Stores that read straight into a buffer (file://) get reusable huge-page bounce buffers, one
-        # per I/O thread (see bounce_buffers for the measured reason); others return their own bytes.
-        self.bounce_bytes = bounce_slot_bytes(self._frame_bytes)
-        self.bounce: BufferPool | None = (bounce_buffers(self._frame_bytes, max_inflight)
+        # per I/O thread (see bounce_buffers for the measured reason); others return their own bytes. A
+        # bounce buffer has room for the GCM tag after the payload (open_tagged_into, staged loads).
+        self.bounce_bytes = bounce_slot_bytes(self._frame_bytes + TAG_BYTES)
+        self.bounce: BufferPool | None = (bounce_buffers(self._frame_bytes + TAG_BYTES, max_inflight)
                                           if getattr(store, "reads_into", False) else None)
+        self._reads_parts = bool(getattr(store, "reads_into_parts", False))
+        self._mine = threading.local()  # .buf: this I/O thread's bounce buffer, taken at its first load
+        self._gcm: dict[bytes, AESGCM] = {}  # data key -> its one-shot GCM context (aead.gcm), reused
 
     def close(self) -> None:
         """From now on loads are misses (``miss_closed``) without store I/O."""
@@ -203,9 +209,12 @@ class G4Reader:
         """Load ``keys[i]`` into ``rows[i]`` (writable 1-D uint8 buffers of ``layout.bytes_per_block``
         bytes) that are *scratch*: the pool may read or open a block in its row before it verifies it, so
         a row whose block missed holds garbage (device loads stage here, then copy only verified rows:
-        :func:`kvbm_backend.gpu.host_path.load_via_host`). Saves the bounce-to-row copy: file objects are
-        read straight into the row (header into a bounce buffer, one scatter read) and verified there, S3
-        bodies opened straight into it.
+        :func:`kvbm_backend.gpu.host_path.load_via_host`). Saves the bounce-to-row copy: plaintext file
+        objects are read straight into the row (header into a bounce buffer, one scatter read) and checked
+        there; encrypted ones are read into the bounce buffer and opened from it into the row by one
+        GIL-free call (``AESGCM.decrypt_into``, the tag put after the ciphertext in the bounce buffer: the
+        stored format is unchanged); S3 bodies are opened straight into the row. No payload-sized buffer is
+        allocated per block.
 
         ``on_hit(i)``, if given, is called on an I/O thread once block ``i`` verified in its row (before the
         batch resolves), so callers can start copying it. Returns the batch: ``.future`` gives the
@@ -294,16 +303,22 @@ class G4Reader:
         name = self._names.name(key)
         if self.bounce is None:
             return self._load_from(b, i, key, out, name, None)
-        with self.bounce.lend(self.bounce_bytes) as buf:
-            return self._load_from(b, i, key, out, name, buf)
+        # each I/O thread takes one bounce buffer at its first load and keeps it (a thread runs one load at
+        # a time): no pool lock and no arena bookkeeping per block, a GIL-held cost paid once per thread
+        buf = getattr(self._mine, "buf", None)
+        if buf is None:
+            buf = self._mine.buf = self.bounce.take(self.bounce_bytes)
+        return self._load_from(b, i, key, out, name, buf)
 
     def _load_from(self, b: GetBatch, i: int, key: BlockKey, out: npt.NDArray[np.uint8], name: str,
                    buf: npt.NDArray[np.uint8] | None) -> str | None:
         """:meth:`_load` after the breaker: ``buf`` (bounce buffer of at least one object) or None
         for a store that returns its own bytes."""
         dst = out.reshape(-1).view(np.uint8).data  # ndarray.data: its memoryview (as memoryview(...))
-        split = (b.staged and buf is not None and len(dst) == self._bpb
-                 and getattr(self.store, "reads_into_parts", False))
+        # staged plaintext pools: the payload is read straight into the scratch row and checked there;
+        # encrypted pools read the frame into the bounce buffer and open it from there into the row
+        split = (b.staged and buf is not None and len(dst) == self._bpb and self._reads_parts
+                 and not self._encrypt)
         data: Blob | _Split | None
         try:
             if buf is None:
@@ -350,20 +365,33 @@ class G4Reader:
                         raise FrameError("key_owner", "sealed under another tenant's data key")
                     # revoked, or the file stopped loading, since _load looked: count it as such
                     return tenant_miss(self._tenant_keyring, key.tenant) or "miss_no_key"
-                # in place in our own bounce buffer; a read-only body (S3) into a reused staging buffer
-                if not payload.readonly:
-                    plain = payload
-                elif b.staged and len(dst) == len(payload):
-                    plain = dst  # a read-only body (S3) opened straight into the scratch row
+                aad = exp.identity_bytes()
+                if b.staged and buf is not None and not split and len(dst) == len(payload) \
+                        and len(buf) >= size + TAG_BYTES:
+                    # staged, from our bounce buffer: opened straight into the scratch row in one call, the tag
+                    # put after the ciphertext (the bytes read stay as read, to confirm a bad object)
+                    buf.data[size:size + TAG_BYTES] = hdr.integrity
+                    try:
+                        open_tagged_into(self._gcm_of(dkey), hdr.nonce, aad, buf.data[HEADER_BYTES:size + TAG_BYTES],
+                                         dst)
+                    except AeadError:
+                        raise FrameError("integrity", "GCM tag did not verify") from None
+                    plain = dst
                 else:
-                    scratch = self._frames.take(self._frame_bytes)
-                    plain = scratch.data[:len(payload)]
-                try:
-                    open_into(dkey, hdr.nonce, exp.identity_bytes(), hdr.integrity, payload, plain)
-                except AeadError:
-                    if plain is payload:  # undo the in-place decryption (GCM's CTR keystream again) so
-                        seal_into(dkey, hdr.nonce, b"", plain, payload)  # the bytes read can be confirmed
-                    raise FrameError("integrity", "GCM tag did not verify") from None
+                    # in place in our own bounce buffer; a read-only body (S3) into a reused staging buffer
+                    if not payload.readonly:
+                        plain = payload
+                    elif b.staged and len(dst) == len(payload):
+                        plain = dst  # a read-only body (S3) opened straight into the scratch row
+                    else:
+                        scratch = self._frames.take(self._frame_bytes)
+                        plain = scratch.data[:len(payload)]
+                    try:
+                        open_into(dkey, hdr.nonce, aad, hdr.integrity, payload, plain)
+                    except AeadError:
+                        if plain is payload:  # undo the in-place decryption (GCM's CTR keystream again) so
+                            seal_into(dkey, hdr.nonce, b"", plain, payload)  # the bytes read can be confirmed
+                        raise FrameError("integrity", "GCM tag did not verify") from None
             elif self._encrypt:
                 return "miss_unencrypted_object"  # an encrypted pool serves only authenticated blocks
             elif hdr.flags & FLAG_CHECKSUM:
@@ -400,6 +428,15 @@ class G4Reader:
                 self._frames.give(scratch)
         self._count("bytes_read", size)
         return None
+
+    def _gcm_of(self, dkey: bytes) -> AESGCM:
+        """The reused one-shot GCM context of data key ``dkey`` (those of the 64 most recent keys are kept)."""
+        ctx = self._gcm.get(dkey)
+        if ctx is None:
+            if len(self._gcm) >= 64:
+                self._gcm.clear()
+            ctx = self._gcm.setdefault(dkey, gcm(dkey))
+        return ctx
 
     def _stored_is_bad(self, name: str, data: Blob, size: int) -> bool:
         """True only when the store confirms the object under ``name`` is exactly what was read (``data``,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvbm_backend.crypto.aead import new_nonce, open_into, seal_into
+from kvbm_backend.crypto.aead import gcm, new_nonce, open_into, open_tagged_into, seal_into
 from kvbm_backend.model.frame import payload_checksum
 
 BIG = 256 << 20  # one call runs >= ~20 ms: a held GIL shows as one stall that long
@@ -65,3 +65,16 @@ def test_gcm_open_and_seal_release_the_gil(big):
     tag = seal_into(key, nonce, b"aad", big, ct)
     assert _best_of(lambda: open_into(key, nonce, b"aad", tag, ct, back)) < 0.7
     assert _best_of(lambda: seal_into(key, nonce, b"aad", big, ct)) < 0.7
+
+
+def test_one_shot_gcm_open_into_a_row_releases_the_gil(big):
+    """Staged G4 loads open a frame from the bounce buffer into the row with AESGCM.decrypt_into
+    (:func:`open_tagged_into`): one call, and it too must leave the GIL to the other I/O threads."""
+    key, nonce = os.urandom(32), new_nonce()
+    ct = bytearray(BIG + 16)
+    ct[BIG:] = seal_into(key, nonce, b"aad", big, memoryview(ct)[:BIG])
+    back = bytearray(BIG)
+    ctx = gcm(key)
+    open_tagged_into(ctx, nonce, b"aad", ct, back)
+    assert back == big
+    assert _best_of(lambda: open_tagged_into(ctx, nonce, b"aad", ct, back)) < 0.7
