@@ -49,6 +49,15 @@ FLAG_DEVCHECK = 0x4  # dev_check holds device_checksum() of the plaintext payloa
 _FMT = "<8sHHI8s16sIIQIHHIIQQII12s4s16sQQ"
 _FIXED = struct.calcsize(_FMT)  # 144
 _CHECK = struct.Struct("<Q")
+_IDENTITY = struct.Struct("<8s16sIIQIHHIIQ")  # FrameHeader.identity_bytes: the AEAD additional data
+
+
+def identity_bytes(ns_fp: bytes, tenant_tag: bytes, rank: int, world: int, seq_hash: int, layout: KvLayout) -> bytes:
+    """:meth:`FrameHeader.identity_bytes` of the frame :meth:`FrameHeader.for_block` makes for that block
+    (``payload_len`` the layout's block), without building the header: what a reader binds as AEAD
+    additional data (``docs/format.md``)."""
+    return _IDENTITY.pack(ns_fp, tenant_tag, rank, world, seq_hash, layout.num_layers, layout.outer_dim,
+                          layout.dtype_bytes, layout.page_size, layout.inner_dim, layout.bytes_per_block)
 assert _FIXED == 144
 
 
@@ -109,9 +118,9 @@ class FrameHeader:
 
     def identity_bytes(self) -> bytes:
         """Namespace, tenant, rank, world, sequence hash and layout: bound as AEAD additional data."""
-        return struct.pack("<8s16sIIQIHHIIQ", self.ns_fp, self.tenant_tag, self.rank, self.world, self.seq_hash,
-                           self.num_layers, self.outer_dim, self.dtype_bytes, self.page_size, self.inner_dim,
-                           self.payload_len)
+        return _IDENTITY.pack(self.ns_fp, self.tenant_tag, self.rank, self.world, self.seq_hash,
+                              self.num_layers, self.outer_dim, self.dtype_bytes, self.page_size, self.inner_dim,
+                              self.payload_len)
 
     def pack(self) -> bytes:
         """The 4096-byte header."""

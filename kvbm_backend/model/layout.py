@@ -12,6 +12,7 @@ FullyContiguous: one rank's block is a single contiguous span of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping, TypeVar
 
 import numpy as np
@@ -64,21 +65,21 @@ class KvLayout:
             raise ValueError(f"outer_dim: must be 1 (MLA) or 2 (K and V), got {self.outer_dim!r}")
         dtype_bytes(self.dtype)
 
-    @property
+    @cached_property  # derived from frozen fields: computed once (read per block on the load paths)
     def dtype_bytes(self) -> int:
         return dtype_bytes(self.dtype)
 
-    @property
+    @cached_property  # derived from frozen fields: computed once (read per block on the load paths)
     def bytes_per_token(self) -> int:
         """Bytes of KV per token on this rank (all layers)."""
         return self.num_layers * self.outer_dim * self.inner_dim * self.dtype_bytes
 
-    @property
+    @cached_property  # derived from frozen fields: computed once (read per block on the load paths)
     def bytes_per_block(self) -> int:
         """``num_layers * outer_dim * page_size * inner_dim * dtype_bytes``: one rank's block, bytes."""
         return self.bytes_per_token * self.page_size
 
-    @property
+    @cached_property  # derived from frozen fields: computed once (read per block on the load paths)
     def region_bytes(self) -> int:
         """Bytes of one (layer, outer) region: ``page_size * inner_dim * dtype_bytes``."""
         return self.page_size * self.inner_dim * self.dtype_bytes

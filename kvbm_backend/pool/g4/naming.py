@@ -40,11 +40,11 @@ class TenantNamer:
         dir_fanout: ``g4.dir_fanout`` (1..4096).
     """
 
-    __slots__ = ("ns_fp", "_ns", "pseudonym_hex", "_mac", "_fan", "_w", "_dir")
+    __slots__ = ("ns_fp", "_ns", "pseudonym", "pseudonym_hex", "_mac", "_fan", "_w", "_dir")
 
     def __init__(self, ns_fp: str, pseudonym: bytes, name_key: bytes, dir_fanout: int):
         self.ns_fp, self._ns = ns_fp, bytes.fromhex(ns_fp)
-        self.pseudonym_hex = pseudonym.hex()
+        self.pseudonym, self.pseudonym_hex = pseudonym, pseudonym.hex()
         self._mac = hmac.new(name_key, digestmod=hashlib.sha256)
         self._fan, self._w = dir_fanout, fanout_width(dir_fanout)
         self._dir = f"{ns_fp}/{self.pseudonym_hex}/"

@@ -346,14 +346,14 @@ class G4Reader:
         if data is None:
             return "miss_absent"
         assert size is not None  # None only with data None (absent)
-        exp = self._names.expected_header(key)
+        tag, aad = self._names.expected_identity(key)
         scratch = None
         try:
             if size < HEADER_BYTES:
                 raise FrameError("length", f"object of {size} bytes")
             head, payload = (data.parts() if isinstance(data, _Split) else
                              (memoryview(data)[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:]))
-            hdr = accept(head, key, self._layout, exp.tenant_tag, world=self._world,
+            hdr = accept(head, key, self._layout, tag, world=self._world,
                          stored_len=self._layout.bytes_per_block, frame_bytes=size, exact=True)
             # stage, verify, then copy: nothing unverified ever reaches ``out`` (a miss leaves it untouched);
             # get_staged's rows are scratch, so there the payload is verified in (or opened into) the row
@@ -365,7 +365,6 @@ class G4Reader:
                         raise FrameError("key_owner", "sealed under another tenant's data key")
                     # revoked, or the file stopped loading, since _load looked: count it as such
                     return tenant_miss(self._tenant_keyring, key.tenant) or "miss_no_key"
-                aad = exp.identity_bytes()
                 if b.staged and buf is not None and not split and len(dst) == len(payload) \
                         and len(buf) >= size + TAG_BYTES:
                     # staged, from our bounce buffer: opened straight into the scratch row in one call, the tag

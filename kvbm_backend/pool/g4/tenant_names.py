@@ -15,7 +15,7 @@ import hmac
 
 from ...crypto.keyring import Keyring
 from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
-from ...model.frame import FrameHeader
+from ...model.frame import FrameHeader, identity_bytes
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, tenant_bytes
 from .naming import TenantNamer, legacy_block_name
@@ -39,6 +39,7 @@ class TenantNames:
     def __init__(self, keyring: Keyring | None, namespace: str, layout: KvLayout, world: int, dir_fanout: int):
         self._keyring = keyring
         self._fp = namespace
+        self._ns_bytes = bytes.fromhex(namespace)
         self._layout = layout
         self._world = world
         self._fanout = dir_fanout
@@ -68,6 +69,13 @@ class TenantNames:
     def legacy_name(self, key: BlockKey) -> str:
         """The name format 1 gave ``key`` (sequence hash in clear)."""
         return legacy_block_name(self._fp, self.tag(key.tenant), key.rank, key.seq_hash, self._fanout)
+
+    def expected_identity(self, key: BlockKey) -> tuple[bytes, bytes]:
+        """``(tenant tag, identity bytes)`` that ``key``'s frame must carry: the 16-byte tag and
+        :meth:`~kvbm_backend.model.frame.FrameHeader.identity_bytes` of :meth:`expected_header`, without
+        building the header (a load's per-block cost)."""
+        tag = self._namer(key.tenant).pseudonym
+        return tag, identity_bytes(self._ns_bytes, tag, key.rank, self._world, key.seq_hash, self._layout)
 
     def expected_header(self, key: BlockKey) -> FrameHeader:
         """The header identity ``key``'s frame must carry (flags, key and integrity fields unset)."""

@@ -214,3 +214,16 @@ def test_one_tenants_blocks_spread_evenly_over_dir_fanout_prefixes():
     assert 50 <= min(dirs.values()) and max(dirs.values()) <= 150, dirs.most_common(3)  # 100 each, +-5 sigma
     assert len({legacy_block_name(ns_fp, namer.pseudonym_hex, 0, seq * 256, 256).rsplit("/", 2)[1]
                 for seq in range(1, 1000)}) == 1  # what the keyed id avoids
+
+
+def test_expected_identity_is_the_expected_headers_tag_and_aad(tmp_path):
+    """A load binds ``names.expected_identity(key)`` (built without a FrameHeader, per block) as the tenant
+    tag it accepts and the AEAD additional data it opens with: byte for byte the expected header's
+    ``tenant_tag`` and ``identity_bytes()`` (what the writer sealed with), for each tenant, rank and hash."""
+    ns = namespace()
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", encrypt=False, dir_fanout=FANOUT)
+    with G4Pool(cfg, ns) as p:
+        for k in (ns.key(5, tenant="t"), ns.key(2**64 - 1, tenant="u", rank=0), ns.key(7, tenant="t")):
+            h = p.names.expected_header(k)
+            assert p.names.expected_identity(k) == (h.tenant_tag, h.identity_bytes())
+        assert p.names.expected_identity(ns.key(5, tenant="t")) != p.names.expected_identity(ns.key(5, tenant="u"))
