@@ -59,6 +59,8 @@ class CircuitBreaker:
 
     def allow(self) -> bool:
         """True if a request may go out now (counts a rejection otherwise)."""
+        if self._opened_at is None:  # closed: no lock (every block load and offload asks; with many I/O
+            return True  # threads a shared lock per request queues them; racing an opening is as if earlier)
         with self._mu:
             st = self._state()
             if st == "closed":
@@ -79,6 +81,9 @@ class CircuitBreaker:
             return False
 
     def success(self) -> None:
+        """One request answered: resets the failure count, closes an open breaker."""
+        if self._opened_at is None and self._consecutive == 0 and self._answered:
+            return  # closed and nothing to reset: no lock (as in allow)
         with self._mu:
             was_open = self._opened_at is not None
             down_s = 0.0 if self._first_opened is None else self._clock() - self._first_opened

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -41,6 +42,23 @@ def test_breaker_states():
     assert b.allow()
     b.success()
     assert b.state == "closed" and b.allow() and b.allow()
+
+
+def test_closed_breaker_answers_without_its_lock():
+    """Every G4 block load and offload asks the breaker (allow, then success): on a closed breaker with
+    nothing to reset neither takes its lock, so many I/O threads do not queue on it (issue 24 item 4);
+    a held lock does not hold them up. Failures still count and open it (test_breaker_states: the rest)."""
+    b = CircuitBreaker(failures=2, reset_s=5.0)
+    b.success()  # the store answered once
+    got = []
+    with b._mu:  # held here: a thread asking now must not wait for it
+        t = threading.Thread(target=lambda: got.append((b.allow(), b.success())))
+        t.start()
+        t.join(30)
+        assert got == [(True, None)]
+    b.failure()
+    b.failure()
+    assert b.state == "open" and not b.allow() and b.rejected == 1
 
 
 def _stopped(pid: int, within_s: float = 10.0) -> None:
