@@ -38,9 +38,11 @@ def _stall_fraction(call) -> float:
     return max(b - a for a, b in zip(inside, inside[1:])) / (t1 - t0)
 
 
-def _best_of(call, tries: int = 6) -> float:
+def _best_of(call, tries: int = 6, best=min) -> float:
+    """The clearest of ``tries`` measures: ``min`` for a claim that the call releases the GIL, ``max`` for one
+    that it holds it (on a loaded machine a try can lose the CPU around the call, which dilutes its stall)."""
     call()  # warm (page faults)
-    return min(_stall_fraction(call) for _ in range(tries))
+    return best(_stall_fraction(call) for _ in range(tries))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def test_the_measure_sees_a_held_gil():
     # the control: a pure-Python loop holds the GIL (switches only every 5 ms), a C call that holds it
     # shows as one stall; bytes.translate over a big buffer holds it for the whole call
     data, table = bytes(BIG // 4), bytes(range(256))
-    assert _best_of(lambda: data.translate(table)) > 0.8
+    assert _best_of(lambda: data.translate(table), best=max) > 0.8  # CI saw min 0.69 under three test lanes
 
 
 def test_frame_checksum_releases_the_gil(big):
