@@ -45,27 +45,9 @@ def _words_u32_as_i64(t):
     return b.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
-def _limb_sums(words, base_index: int = 0):
-    """int64 tensor [4]: sums of the 32-bit limbs of chunk sums of ``lo*(i+1)`` and ``hi*(i+1)``."""
-    torch = _torch()
-    n = words.numel()
-    if n > _MAX_WORDS:
-        raise ValueError(f"device_checksum_torch: payload of {n * 4} bytes is over the 8 GiB limit")
-    pad = (-n) % CHUNK_WORDS
-    idx = torch.arange(base_index + 1, base_index + n + 1, dtype=torch.int64, device=words.device)
-    if pad:
-        words = torch.cat([words, torch.zeros(pad, dtype=torch.int64, device=words.device)])
-        idx = torch.cat([idx, torch.zeros(pad, dtype=torch.int64, device=words.device)])
-    words = words.view(-1, CHUNK_WORDS)
-    idx = idx.view(-1, CHUNK_WORDS)
-    lo = ((words & 0xFFFF) * idx).sum(dim=1)  # each chunk < 2**62
-    hi = ((words >> 16) * idx).sum(dim=1)
-    m = 0xFFFFFFFF
-    return torch.stack([(lo & m).sum(), (lo >> 32).sum(), (hi & m).sum(), (hi >> 32).sum()])
-
-
 def _combine(l0: int, l1: int, h0: int, h1: int) -> int:
-    return (l0 + (l1 << 32) + ((h0 + (h1 << 32)) << 16)) & _MASK64
+    """One payload's checksum from its four limb sums (:func:`combine_limb_sums` for one row)."""
+    return int(combine_limb_sums(np.array([[l0, l1, h0, h1]], dtype=np.int64))[0])
 
 
 def device_checksum_torch(tensor) -> int:
@@ -84,8 +66,9 @@ def device_checksum_torch(tensor) -> int:
     if tensor.numel() == 0:
         return 0
     words = _words_u32_as_i64(tensor)
-    sums = _limb_sums(words).cpu().tolist()
-    return _combine(*sums)
+    if words.numel() > _MAX_WORDS:
+        raise ValueError(f"device_checksum_torch: payload of {words.numel() * 4} bytes is over the 8 GiB limit")
+    return int(combine_limb_sums(limb_sums_torch(words.view(1, -1)).cpu().numpy())[0])
 
 
 def device_checksums_torch(blocks, payload_offset: int, payload_len: int,

@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from ....deadlines import Deadline
@@ -53,7 +53,6 @@ class _Pass:
     sums: Any = None  # host int64 [n, 4]: the device checksums' limb sums (CUDA, once ``checked`` is done)
     checked: Any = None  # torch.cuda.Event: headers and sums are on the host
     done: Any = None  # torch.cuda.Event: nothing on the device reads the staging any more (copy-out queued before)
-    keep: list[Any] = field(default_factory=list)  # device tensors queued copies read (alive until the pass ends)
 
 
 def _done(f: Any) -> bool:

@@ -82,10 +82,11 @@ class PassVerifier:
             hdr = hdr_all[:n]
             hdr.copy_(p.staging[:, :HEADER_COPY], non_blocking=True)
             p.headers = hdr.numpy()
-        sums = device_limb_sums(p.staging, HEADER_BYTES, self.layout.bytes_per_block)  # every row: cheap here
+        # every row (cheap here); the device tensor may be freed on return: torch reuses its memory only
+        # after the queued copy below (same stream)
+        sums = device_limb_sums(p.staging, HEADER_BYTES, self.layout.bytes_per_block)
         sums_h = sums_all[:n]
         sums_h.copy_(sums, non_blocking=True)
-        p.keep.append(sums)  # the device tensor stays alive until its copy is done
         p.sums = sums_h.numpy()
         ev = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
         ev.record(self.stream)
