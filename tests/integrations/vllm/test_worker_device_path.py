@@ -321,3 +321,72 @@ def test_restored_salted_tenant_blocks_reach_the_scheduler_mirror(tmp_path):
     finally:
         w.shutdown()
         g3.close()
+
+
+def test_cpu_engine_load_staging_is_reused_across_loads_of_other_lengths(tmp_path):
+    """A CPU engine's load staging comes from the worker's pool, sized to a power of two blocks: a load of 5
+    and one of 7 blocks share one buffer (no fresh pages to fault), and the second load's blocks are its own
+    (the first load's bytes left in the buffer never reach the engine)."""
+    kv = _engine("cpu", seed=5)
+    ns = _ns(kv)
+    g3 = _g3(tmp_path, ns)
+    w = WorkerSide(ns, 0, g3, None, load_timeout_s=30)
+    try:
+        w.register(kv)
+        src = [1, 2, 3, 4, 5, 6, 7]
+        want = [_block_bytes(kv, b) for b in src]
+        _save(w, g3, src, [401, 402, 403, 404, 405, 406, 407])
+        dst = [10, 11, 12, 13, 14, 15, 16]
+        _clear(kv, dst)
+        w.start_loads([LoadJob("a", dst[:5], [401, 402, 403, 404, 405], ["G3"] * 5, "acme")])
+        assert _wait(w, "a") == set()
+        pool = w._load_staging
+        assert (pool.allocated, pool.reused) == (1, 0)
+        _clear(kv, dst)
+        w.start_loads([LoadJob("b", dst, [407, 406, 405, 404, 403, 402, 401], ["G3"] * 7, "acme")])
+        assert _wait(w, "b") == set()
+        assert (pool.allocated, pool.reused) == (1, 1)  # 5 and 7 blocks: both in the 8-block buffer
+        for b, x in zip(dst, reversed(want)):
+            assert torch.equal(_block_bytes(kv, b), x), f"engine block {b} differs from the saved block"
+    finally:
+        w.shutdown()
+        g3.close()
+
+
+def test_cpu_engine_load_staging_a_late_read_may_land_in_is_never_handed_out_again(tmp_path):
+    """A load whose G4 reads hang past the worker's ``load_timeout_s`` (object opens blocked in the kernel,
+    as on a hung mount) fails its blocks; its staging buffer, which the reads may still land in, is not given
+    back to the pool: the next load takes a buffer of its own."""
+    from tests.helpers.held_open import HeldOpen
+    kv = _engine("cpu", seed=6)
+    ns = _ns(kv)
+    g4 = G4Pool(G4Config(enabled=True, url=f"file://{tmp_path / 'g4'}", timeout_s=30, retries=0,
+                         keyring={"path": str(tmp_path / "keys" / "keyring.json")}), ns)
+    w = WorkerSide(ns, 0, None, g4, load_timeout_s=1.0)
+    try:
+        w.register(kv)
+        src, seqs = [1, 2, 3], [501, 502, 503]
+        want = [_block_bytes(kv, b) for b in src]
+        _save(w, g4, src, seqs)
+        held = HeldOpen([g4.store._path(g4.object_name(k)) for k in w._g4_keys(ns.keys(seqs, "acme", 0))])
+        try:
+            w.start_loads([LoadJob("late", [10, 11, 12], seqs, ["G4"] * 3, "acme")])
+            # the load thread ends the load itself (nobody polls get_finished meanwhile, which would mark it
+            # timed out first): it met a get that never answered in time
+            end = time.monotonic() + 30
+            while w._loads["late"].state == "pending" and time.monotonic() < end:
+                time.sleep(0.01)
+            assert _wait(w, "late") == {10, 11, 12}  # late: recomputed, never waited for
+        finally:
+            held.release()
+        pool = w._load_staging
+        assert pool.allocated == 1 and pool.stats()["kept_bytes"] == 0  # taken, never given back
+        _clear(kv, [13, 14, 15])
+        w.start_loads([LoadJob("again", [13, 14, 15], seqs, ["G4"] * 3, "acme")])
+        assert _wait(w, "again") == set()
+        assert (pool.allocated, pool.reused) == (2, 0)  # a buffer of its own, not the abandoned one
+        for b, x in zip([13, 14, 15], want):
+            assert torch.equal(_block_bytes(kv, b), x)
+    finally:
+        w.shutdown()
+        g4.close()
