@@ -41,6 +41,25 @@ def test_cpu_layout_gather_matches_kvbm_block_semantics():
         np.testing.assert_array_equal(blk[li, 1], engine_page_to_region(v_nhd, "NHD"))
 
 
+@pytest.mark.parametrize("shape_kind", ["kv_first", "block_first"])
+def test_gpu_layouts_gather_matches_kvbm_block_semantics(shape_kind):
+    """FlashAttention-style layouts: block b of layer l holds K then V, each ``[page, heads * head_dim]`` of
+    the engine's ``[block_size, heads, head_dim]`` page (written straight into the staging's strided views)."""
+    g = torch.Generator().manual_seed(2)
+    shape = {"kv_first": (2, NB, N, H, D), "block_first": (NB, 2, N, H, D)}[shape_kind]
+    ts = [torch.randn(*shape, generator=g) for _ in range(L)]
+    kv = EngineKv.from_tensors(ts, NB, N, H, D)
+    assert kv.engine_layout == shape_kind
+    arr, host = numpy_staging(3 * kv.layout.bytes_per_block)
+    kv.gather([5, 0, 8], host)
+    for i, b in enumerate((5, 0, 8)):
+        blk = kv.layout.view(split_blocks(arr, kv.layout, 3)[i]).view(np.float32)  # [L, 2, N, H*D]
+        for li in range(L):
+            for o in range(2):
+                page = ts[li][o, b] if shape_kind == "kv_first" else ts[li][b, o]  # [N, H, D]
+                np.testing.assert_array_equal(blk[li, o], page.reshape(N, H * D).numpy())
+
+
 @pytest.mark.parametrize("shape_kind", ["cpu", "kv_first", "block_first"])
 def test_scatter_inverts_gather(shape_kind):
     g = torch.Generator().manual_seed(1)
