@@ -208,6 +208,12 @@ LOAD_REPEATS = 3  # timed G3 loads after the first one (median reported)
 SAVE_JOB_BLOCKS = 128  # blocks per save job in the benchmark (256 MiB of Llama-3.1-8B KV)
 
 
+def _minflt() -> int:
+    """Minor page faults of this process so far (``getrusage``): fresh pages a load touched."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _load_through_worker(worker, ids, seqs, tiers, tenant="bench", timeout=600):
     """``start_loads`` + ``get_finished`` polling, as vLLM drives the connector; (seconds, load errors)."""
     from kvbm_backend.integrations.vllm.metadata import LoadJob
@@ -225,7 +231,8 @@ def _load_through_worker(worker, ids, seqs, tiers, tenant="bench", timeout=600):
 
 
 def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: str = "cuda",
-                         g4_fraction: float = 0.25, sweep: bool = False, io_threads: int = 8) -> None:
+                         g4_fraction: float = 0.25, sweep: bool = False, io_threads: int = 8,
+                         device_checksum: str = "on") -> None:
     """The connector's worker role (:class:`WorkerSide`: what vLLM calls from ``start_load_kv``) loading
     Llama-3.1-8B blocks into vLLM's CUDA KV layout (per layer ``[2, num_blocks, 16, 8, 128]`` bf16) from a
     real G3 pool on each storage in ``workdirs`` (each device path: the probed one and ``pinned-bounce``),
@@ -236,7 +243,11 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
 
     ``sweep``: on storages faster than 5 GB/s, also load through the worker with the device reader's
     pipeline knobs varied (passes in flight, staging bytes per pass, bytes per read), to
-    choose the defaults; recorded under ``sweep``."""
+    choose the defaults; recorded under ``sweep``.
+
+    ``device_checksum``: the worker's setting for the saved frames (``"on"``: what ``auto`` does on a CUDA
+    engine; ``"auto"`` on the CPU: what a CPU engine runs, xxh3 checked on the host). Each load's minor page
+    faults are recorded (``page_faults_per_load``): fresh pages a load touches cost kernel time per load."""
     import shutil
 
     import torch
@@ -296,8 +307,7 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
             cfg = G3Config(paths=[g3dir], capacity_gb=n * (bpb + 8192) / 1e9 * 1.1 + 0.1, files_per_path=4,
                            admission={"policy": "all"}, load_timeout_s=120, device_path=mode, io_threads=io_threads)
             g3 = G3Pool(cfg, ns)
-            # device_checksum "on": what "auto" does on a CUDA engine, also on the CPU smoke run
-            w = WorkerSide(ns, 0, g3, None, load_timeout_s=600, device_checksum="on")
+            w = WorkerSide(ns, 0, g3, None, load_timeout_s=600, device_checksum=device_checksum)
             try:
                 w.register(kv)
                 rd = g3.device_reader(kv.device)
@@ -317,13 +327,14 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
                     so[f"restored_blocks_{mode}"] = g3.stats()["blocks"]
                 # the first load of a process also allocates the reader's staging ring and compiles the
                 # checksum kernel: reported on its own; the rate is the median of the loads after it
-                times, cpus, errs_all, ok_all = [], [], 0, True
+                times, cpus, faults, errs_all, ok_all = [], [], [], 0, True
                 for _ in range(1 + LOAD_REPEATS):
                     clear(ids)
                     _drop_dir_cache(g3dir)
-                    c0 = _cpu_s()
+                    c0, f0 = _cpu_s(), _minflt()
                     dt, errs = _load_through_worker(w, ids, seqs, ["G3"] * n)
                     cpus.append(_cpu_s() - c0)
+                    faults.append(_minflt() - f0)
                     times.append(dt)
                     errs_all += len(errs)
                     ok_all = ok_all and same(ids) and not errs
@@ -332,7 +343,7 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
                      "GBps_payload": round(n * bpb / dt / 1e9, 2), "load_errors": errs_all,
                      "first_load_s": round(times[0], 4), "first_load_GBps": round(n * bpb / times[0] / 1e9, 2),
                      "loads_s": [round(t, 4) for t in times], "bytes_ok": ok_all, "reader_stats": rd.stats(),
-                     "pool_device_hits": g3.stats()["device_hits"],
+                     "pool_device_hits": g3.stats()["device_hits"], "page_faults_per_load": faults,
                      "cpu_cores": round(statistics.median(cpus[1:]) / dt, 2),
                      "cpu_s_per_gb": round(statistics.median(cpus[1:]) / (n * bpb / 1e9), 3)}
                 r["ratio_vs_limit"] = round(r["GBps_payload"] / limit, 3)
@@ -388,9 +399,11 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
                     g4.flush(600)
                 clear(ids[:m])
                 _drop_dir_cache(g4dir)
+                f0 = _minflt()
                 dt, errs = _load_through_worker(w, ids[:m], seqs[:m], ["G4"] * m)
                 so[f"g4_{'encrypted' if enc else 'plain'}"] = {
                     "blocks": m, "seconds": round(dt, 4), "GBps_payload": round(m * bpb / dt / 1e9, 2),
+                    "page_faults": _minflt() - f0,
                     "load_errors": len(errs), "bytes_ok": same(ids[:m]) and not errs}
             finally:
                 w.shutdown()
@@ -553,13 +566,16 @@ def main(argv=None) -> int:
                     "storages (connector section)")
     ap.add_argument("--io-threads", type=int, default=8, help="g3.io_threads of the connector section's pools "
                     "(reads in flight / kvikio threads)")
+    ap.add_argument("--device-checksum", default="on", choices=("on", "auto", "off"),
+                    help="the worker's device_checksum in the connector section (on: what auto does on a CUDA "
+                    "engine; auto with --smoke-cpu: what a CPU engine runs, frames checked with xxh3 on the host)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip (h2d,file,connector,prefill,layerwise)")
     a = ap.parse_args(argv)
     import torch
     if a.smoke_cpu:
         res: dict = {"device": "cpu (smoke)", "errors": {}}
         wd = a.workdir or tempfile.mkdtemp(prefix="kvbm-gpu-bench-")
-        bench_connector_load(res, [wd], int(a.file_gib * GIB), device="cpu")
+        bench_connector_load(res, [wd], int(a.file_gib * GIB), device="cpu", device_checksum=a.device_checksum)
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "gpu_bench-smoke-cpu.json"), "w") as fh:
             json.dump(res, fh, indent=2, sort_keys=True)
@@ -582,7 +598,8 @@ def main(argv=None) -> int:
     skip = set(filter(None, a.skip.split(",")))
     sections = [("h2d", lambda: bench_h2d(res)), ("file", lambda: bench_file_to_hbm(res, workdir, nbytes)),
                 ("connector", lambda: bench_connector_load(res, [d for d in a.workdirs.split(",") if d], nbytes,
-                                                          sweep=a.sweep, io_threads=a.io_threads)),
+                                                          sweep=a.sweep, io_threads=a.io_threads,
+                                                          device_checksum=a.device_checksum)),
                 ("prefill", lambda: bench_prefill(res, [int(x) for x in a.contexts.split(",") if x])),
                 ("layerwise", lambda: bench_layerwise(res, "cuda"))]
     for sec, f in sections:

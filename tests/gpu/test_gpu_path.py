@@ -545,6 +545,8 @@ def test_gpu_bench_connector_section_runs_on_cpu(tmp_path):
     assert loads == 4 and g3["seconds"] == pytest.approx(sorted(g3["loads_s"][1:])[1], abs=1e-4)
     assert g3["pool_device_hits"] == loads * res["blocks"] and g3["reader_stats"]["loaded"] == loads * res["blocks"]
     assert g3["reader_stats"].get("host_verified", 0) == 0  # frames carried the device checksum
+    assert len(g3["page_faults_per_load"]) == loads and all(f >= 0 for f in g3["page_faults_per_load"])
+    assert so["g4_plain"]["page_faults"] >= 0 and so["g4_encrypted"]["page_faults"] >= 0
     assert all(so["corrupt_check"].values()), so["corrupt_check"]
     assert so["g4_plain"]["bytes_ok"] and so["g4_encrypted"]["bytes_ok"]
     assert so["raw_read_GBps"] > 0 and res["best_GBps_payload"] > 0
