@@ -181,7 +181,7 @@ class EngineKv:
         if src.device != self.device:
             src = src.to(self.device, non_blocking=False)
         for li, t in enumerate(self._moved):
-            self._put_layer(t, src[:, li], idx, n)
+            self._put_layer(t, src[:, li], idx)
 
     def scatter_layer(self, layer: int, src: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Write layer ``layer`` of ``len(block_ids)`` blocks into engine blocks ``block_ids``: ``src`` is
@@ -193,13 +193,14 @@ class EngineKv:
         O, N = self.layout.outer_dim, self.layout.page_size
         s = src.reshape(n, -1).view(self._moved[0].dtype).view(n, O, N, self.num_kv_heads, self.head_dim)
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        self._put_layer(self._moved[layer], s, idx, n)
+        self._put_layer(self._moved[layer], s, idx)
 
-    def _put_layer(self, t: torch.Tensor, s: torch.Tensor, idx: torch.Tensor, n: int) -> None:
+    def _put_layer(self, t: torch.Tensor, s: torch.Tensor, idx: torch.Tensor) -> None:
         """``s`` ``[n, outer, N, H, D]`` into engine blocks ``idx`` of one layer's tensor ``t``
         (:meth:`_layer_views`)."""
         tv, dim, sv = self._layer_views(t, s)
         tv.index_copy_(dim, idx, sv)
+
 
 def numpy_staging(nbytes: int, pool: BufferPool | None = None) -> tuple[np.ndarray, torch.Tensor]:
     """A 4 KiB-aligned host buffer of ``nbytes`` as numpy (for the pools) and as a torch uint8 tensor

@@ -274,11 +274,13 @@ class WorkerSide:
     def _take_load_staging(self, n: int, bpb: int) -> tuple[np.ndarray | None, torch.Tensor]:
         """``(buf, staging)``: ``[n, bpb]`` uint8 staging on the engine's KV device. A CPU engine's comes
         from the load staging pool (``buf``: give it back once nothing writes it; its size rounded up to a
-        power of two blocks so loads of other lengths reuse it); a CUDA engine's is HBM (``buf`` None)."""
+        power of two blocks so loads of other lengths reuse it, unless that is more than the pool keeps:
+        then exactly ``n`` blocks); a CUDA engine's is HBM (``buf`` None)."""
         assert self.kv is not None
         if self.kv.device.type != "cpu":
             return None, torch.empty((n, bpb), dtype=torch.uint8, device=self.kv.device)
-        arr, host = numpy_staging((1 << (n - 1).bit_length()) * bpb, self._load_staging)
+        nbytes = (1 << (n - 1).bit_length()) * bpb
+        arr, host = numpy_staging(nbytes if nbytes <= LOAD_STAGING_KEEP_BYTES else n * bpb, self._load_staging)
         return arr, host[:n * bpb].view(n, bpb)
 
     def _run_load(self, ld: _Load) -> None:
