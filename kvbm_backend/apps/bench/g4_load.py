@@ -16,6 +16,12 @@ compared with what was written. Reports, per mode and N: ``gbps`` (payload GB/s,
 (CPU seconds per wall second) and ``minflt_per_block`` (minor page faults per block loaded: a
 payload-sized buffer allocated per block would show as ~512 per 2 MiB block) under ``results[path][mode][N]``, and ``encrypted_over_plain[path][N]``. The page cache of a tmpfs store is
 the store itself, so nothing is dropped between rounds.
+
+``--engine-busy F`` (0 < F <= 1) also measures the ``staged`` loads with an engine's step loop stepping in
+this process (:class:`~kvbm_backend.apps.bench.busy_engine.BusyEngine`: F of each 10 ms step running Python),
+once per ``--switch-ms`` value (the interpreter's switch interval while loads run, as ``load_gil_switch_ms``
+sets it; 5 is CPython's own): ``engine_busy["by_switch_ms"][ms][mode][N]`` holds ``gbps`` and the engine's
+``step_ms_p50`` / ``step_ms_p99`` (its step alone: ``engine_busy["step_ms_alone"]``).
 """
 from __future__ import annotations
 
@@ -42,11 +48,15 @@ def _cpu() -> tuple[float, int]:
 
 
 def run(directory: str = "/dev/shm", blocks: int = 256, layout: str = "llama-3.1-8b", threads=(1, 2, 4, 8),
-        rounds: int = 3, paths=("staged", "get")) -> dict:
+        rounds: int = 3, paths=("staged", "get"), engine_busy: float = 0.0, switch_ms=(5.0, 0.5)) -> dict:
     """Run the benchmark (see the module doc). Returns the JSON-able result.
 
-    Raises ValueError for ``blocks``, ``rounds`` or a thread count < 1, or a missing ``directory``; RuntimeError if a
-    block does not load back verified and equal (never expected)."""
+    Raises ValueError for ``blocks``, ``rounds`` or a thread count < 1, a missing ``directory``, ``engine_busy``
+    outside [0, 1] or a ``switch_ms`` value <= 0; RuntimeError if a block does not load back verified and equal
+    (never expected)."""
+    if not 0 <= engine_busy <= 1 or (engine_busy and (not switch_ms or min(switch_ms) <= 0)):
+        raise ValueError(f"g4_load: --engine-busy must be in [0, 1] ({engine_busy}) and --switch-ms values > 0 "
+                         f"({switch_ms})")
     from kvbm_backend.pool.g4.pool import G4Pool
     if rounds < 1:
         raise ValueError(f"g4_load: --rounds: must be >= 1, got {rounds}")
@@ -81,11 +91,39 @@ def run(directory: str = "/dev/shm", blocks: int = 256, layout: str = "llama-3.1
                 for n in threads:
                     res[str(n)] = _measure(G4Pool(base.model_copy(update={"max_inflight": n}), ns), path, keys, rows,
                                            staging, src, rounds)
+            if engine_busy:
+                _busy(out, engine_busy, switch_ms, mode, base, ns, threads, keys, rows, staging, src, rounds)
         out["encrypted_over_plain"] = {path: {str(n): r["encrypted"][str(n)]["gbps"] / r["plain"][str(n)]["gbps"]
                                               for n in threads} for path, r in out["results"].items()}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return out
+
+
+def _busy(out: dict, fraction: float, switch_ms, mode: str, base, ns, threads, keys, rows, staging, src,
+          rounds: int) -> None:
+    """``staged`` loads of ``mode`` with a :class:`BusyEngine` stepping, per switch interval (see the module doc)."""
+    import sys
+
+    from kvbm_backend.pool.g4.pool import G4Pool
+
+    from .busy_engine import BusyEngine
+    eng = BusyEngine(fraction)
+    eb = out.setdefault("engine_busy", {"busy_fraction": fraction, "step_ms": eng.step_ms,
+                                        "step_ms_alone": round(eng.step_ms_alone, 3), "by_switch_ms": {}})
+    old = sys.getswitchinterval()
+    try:
+        for ms in switch_ms:
+            sys.setswitchinterval(ms / 1e3)
+            res = eb["by_switch_ms"].setdefault(f"{ms:g}", {}).setdefault(mode, {})
+            for n in threads:
+                pool = G4Pool(base.model_copy(update={"max_inflight": n}), ns)
+                with eng:
+                    r = _measure(pool, "staged", keys, rows, staging, src, rounds)
+                rep = eng.report()
+                res[str(n)] = {"gbps": r["gbps"], "step_ms_p50": rep["step_ms_p50"], "step_ms_p99": rep["step_ms_p99"]}
+    finally:
+        sys.setswitchinterval(old)
 
 
 def _measure(pool, path: str, keys, rows, staging, src, rounds: int) -> dict:
@@ -121,11 +159,16 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default="staged,get",
                     help="staged: G4Pool.get_staged (the device-load path); get: G4Pool.get into the same rows "
                          "(bounce buffer, verify, copy: the path device loads took before)")
+    ap.add_argument("--engine-busy", type=float, default=0.0,
+                    help="also load with an engine step loop running Python this share of each 10 ms step (0: off)")
+    ap.add_argument("--switch-ms", default="5,0.5",
+                    help="with --engine-busy: switch intervals (ms) to load under (load_gil_switch_ms; 5: CPython's)")
     ap.add_argument("--json", action="store_true", help="print the JSON result")
     a = ap.parse_args(argv)
     try:
         threads = tuple(int(x) for x in a.threads.split(",") if x.strip())
-        d = run(a.dir, a.blocks, a.layout, threads, a.rounds, tuple(x for x in a.paths.split(",") if x))
+        d = run(a.dir, a.blocks, a.layout, threads, a.rounds, tuple(x for x in a.paths.split(",") if x),
+                a.engine_busy, tuple(float(x) for x in a.switch_ms.split(",") if x.strip()))
     except ValueError as e:
         print(f"error: {e}")
         return 2
@@ -138,6 +181,14 @@ def main(argv=None) -> int:
                     print(f"{path:6s} {mode:9s} N={n:>2s}  {r['gbps']:6.2f} GB/s  {r['cpu_s_per_gb']:5.2f} CPU-s/GB  "
                           f"{r['cores_busy']:4.1f} cores  {r['minflt_per_block']:5.1f} faults/block")
             print(f"{path}: encrypted / plain", {n: round(v, 2) for n, v in d["encrypted_over_plain"][path].items()})
+        eb = d.get("engine_busy")
+        if eb:
+            print(f"engine busy {eb['busy_fraction']:g} of each {eb['step_ms']:g} ms step (alone: {eb['step_ms_alone']} ms):")
+            for ms, modes in eb["by_switch_ms"].items():
+                for mode, res in modes.items():
+                    for n, r in res.items():
+                        print(f"  switch {ms:>4s} ms {mode:9s} N={n:>2s}  {r['gbps']:6.2f} GB/s  engine step p50 "
+                              f"{r['step_ms_p50']} ms p99 {r['step_ms_p99']} ms")
     return 0
 
 

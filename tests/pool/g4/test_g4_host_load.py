@@ -112,6 +112,29 @@ def test_g4_load_bench_reports_both_modes_paths_and_thread_counts(tmp_path, caps
     assert "--dir" in capsys.readouterr().out
 
 
+def test_g4_load_bench_measures_loads_beside_a_busy_engine_per_switch_interval(tmp_path, capsys):
+    """``--engine-busy``: staged loads with an engine step loop running Python beside them, once per
+    ``--switch-ms`` (what ``load_gil_switch_ms`` sets while loads run); the interpreter's own interval is
+    restored afterwards, and a busy share outside [0, 1] is a one-line error naming the option."""
+    import json
+    import sys
+
+    from kvbm_backend.apps.bench import g4_load
+    before = sys.getswitchinterval()
+    assert g4_load.main(["--dir", str(tmp_path), "--blocks", "4", "--layout", "tiny", "--threads", "1",
+                         "--rounds", "1", "--paths", "staged", "--engine-busy", "0.5", "--switch-ms", "5,0.5",
+                         "--json"]) == 0
+    eb = json.loads(capsys.readouterr().out)["engine_busy"]
+    assert eb["busy_fraction"] == 0.5 and eb["step_ms_alone"] > 0 and set(eb["by_switch_ms"]) == {"5", "0.5"}
+    for modes in eb["by_switch_ms"].values():
+        for mode in ("encrypted", "plain"):
+            r = modes[mode]["1"]
+            assert r["gbps"] > 0 and r["step_ms_p50"] > 0 and r["step_ms_p99"] >= r["step_ms_p50"]
+    assert sys.getswitchinterval() == before
+    assert g4_load.main(["--dir", str(tmp_path), "--blocks", "2", "--engine-busy", "1.5"]) == 2
+    assert "--engine-busy" in capsys.readouterr().out
+
+
 def test_g4_load_bench_rejects_zero_rounds(tmp_path, capsys):
     """``--rounds 0`` measured nothing and then indexed the best round, None (TypeError, found by mypy);
     now a one-line error naming the option."""
