@@ -232,7 +232,7 @@ def _load_through_worker(worker, ids, seqs, tiers, tenant="bench", timeout=600):
 
 def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: str = "cuda",
                          g4_fraction: float = 0.25, sweep: bool = False, io_threads: int = 8,
-                         device_checksum: str = "on") -> None:
+                         device_checksum: str = "on", engine_busy: float = 0.0) -> None:
     """The connector's worker role (:class:`WorkerSide`: what vLLM calls from ``start_load_kv``) loading
     Llama-3.1-8B blocks into vLLM's CUDA KV layout (per layer ``[2, num_blocks, 16, 8, 128]`` bf16) from a
     real G3 pool on each storage in ``workdirs`` (each device path: the probed one and ``pinned-bounce``),
@@ -247,7 +247,15 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
 
     ``device_checksum``: the worker's setting for the saved frames (``"on"``: what ``auto`` does on a CUDA
     engine; ``"auto"`` on the CPU: what a CPU engine runs, xxh3 checked on the host). Each load's minor page
-    faults are recorded (``page_faults_per_load``): fresh pages a load touches cost kernel time per load."""
+    faults are recorded (``page_faults_per_load``): fresh pages a load touches cost kernel time per load.
+
+    ``engine_busy`` (0 < F <= 1): the probed G3 path is also loaded with an engine's step loop stepping in this
+    process (:class:`~kvbm_backend.apps.bench.busy_engine.BusyEngine`, F of each 10 ms step running Python), at
+    CPython's 5 ms switch interval and at ``load_gil_switch_ms``'s default (the connector's own setting):
+    ``g3_auto_engine_busy``. Loads otherwise run as the connector runs them (``load_gil_switch_ms`` default)."""
+    from kvbm_backend.config import KvbmBackendConfig
+    from kvbm_backend.integrations import load_priority
+    load_priority.configure(KvbmBackendConfig().load_gil_switch_ms)  # as open_tiers does for the connector
     import shutil
 
     import torch
@@ -351,6 +359,9 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
                 if h2d:
                     r["ratio_vs_pinned_h2d"] = round(r["GBps_payload"] / h2d, 3)
                 so[f"g3_{mode}"] = r
+                if engine_busy and i == 0:
+                    so["g3_auto_engine_busy"] = _engine_busy_loads(w, ids, seqs, n * bpb, clear, same, engine_busy,
+                                                                   r["GBps_payload"])
                 out["storages"][wd] = so  # partial results survive a later failure
                 if r["bytes_ok"]:
                     best = max(best, r["GBps_payload"])
@@ -417,6 +428,40 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
     if h2d:
         out["ratio_best_vs_pinned_h2d"] = round(best / h2d, 3)
     res["connector_load"] = out
+
+
+def _engine_busy_loads(w, ids, seqs, nbytes: int, clear, same, fraction: float, alone_gbps: float) -> dict:
+    """G3 loads through the worker with a :class:`BusyEngine` stepping beside them, at CPython's 5 ms switch
+    interval (``load_gil_switch_ms`` off) and at the setting's default: GB/s (median of ``LOAD_REPEATS``),
+    the ratio to the same loads with no engine (``alone_gbps``), and the engine's step times."""
+    import sys
+
+    from kvbm_backend.apps.bench.busy_engine import BusyEngine
+    from kvbm_backend.config import KvbmBackendConfig
+    from kvbm_backend.integrations import load_priority
+    eng = BusyEngine(fraction)
+    out: dict = {"busy_fraction": fraction, "step_ms_alone": round(eng.step_ms_alone, 3), "by_switch_ms": {}}
+    default_ms = KvbmBackendConfig().load_gil_switch_ms
+    old = sys.getswitchinterval()
+    try:
+        for ms in (None, default_ms):
+            sys.setswitchinterval(0.005)
+            load_priority.configure(ms)
+            times, ok = [], True
+            with eng:
+                for _ in range(LOAD_REPEATS):
+                    clear(ids)
+                    dt, errs = _load_through_worker(w, ids, seqs, ["G3"] * len(ids))
+                    times.append(dt)
+                    ok = ok and not errs and same(ids)
+            g = nbytes / statistics.median(times) / 1e9
+            out["by_switch_ms"][f"{ms or 5:g}"] = {"GBps_payload": round(g, 2), "ratio_vs_alone": round(g / alone_gbps, 3),
+                                                  "bytes_ok": ok, **{k: v for k, v in eng.report().items()
+                                                                     if k.startswith("step_ms_p")}}
+    finally:
+        load_priority.configure(KvbmBackendConfig().load_gil_switch_ms)
+        sys.setswitchinterval(old)
+    return out
 
 
 def _sweep_reader(w, g3, rd, ids, seqs, nbytes: int, clear, same) -> list[dict]:
@@ -569,13 +614,17 @@ def main(argv=None) -> int:
     ap.add_argument("--device-checksum", default="on", choices=("on", "auto", "off"),
                     help="the worker's device_checksum in the connector section (on: what auto does on a CUDA "
                     "engine; auto with --smoke-cpu: what a CPU engine runs, frames checked with xxh3 on the host)")
+    ap.add_argument("--engine-busy", type=float, default=0.0,
+                    help="connector section: also load G3 with an engine step loop running Python this share of each "
+                    "10 ms step, at 5 ms and at load_gil_switch_ms's switch interval (0: off)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip (h2d,file,connector,prefill,layerwise)")
     a = ap.parse_args(argv)
     import torch
     if a.smoke_cpu:
         res: dict = {"device": "cpu (smoke)", "errors": {}}
         wd = a.workdir or tempfile.mkdtemp(prefix="kvbm-gpu-bench-")
-        bench_connector_load(res, [wd], int(a.file_gib * GIB), device="cpu", device_checksum=a.device_checksum)
+        bench_connector_load(res, [wd], int(a.file_gib * GIB), device="cpu", device_checksum=a.device_checksum,
+                             engine_busy=a.engine_busy)
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "gpu_bench-smoke-cpu.json"), "w") as fh:
             json.dump(res, fh, indent=2, sort_keys=True)
@@ -599,9 +648,10 @@ def main(argv=None) -> int:
     sections = [("h2d", lambda: bench_h2d(res)), ("file", lambda: bench_file_to_hbm(res, workdir, nbytes)),
                 ("connector", lambda: bench_connector_load(res, [d for d in a.workdirs.split(",") if d], nbytes,
                                                           sweep=a.sweep, io_threads=a.io_threads,
-                                                          device_checksum=a.device_checksum)),
+                                                          device_checksum=a.device_checksum,
+                                                          engine_busy=a.engine_busy)),
                 ("prefill", lambda: bench_prefill(res, [int(x) for x in a.contexts.split(",") if x])),
-                ("layerwise", lambda: bench_layerwise(res, "cuda"))]
+                ("layerwise", lambda: bench_layerwise(res, "cuda", switch_ms=(5.0, 0.5)))]
     for sec, f in sections:
         if sec in skip:
             continue

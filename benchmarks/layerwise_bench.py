@@ -49,6 +49,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 import torch
 
 from kvbm_backend.config import G3Config
+from kvbm_backend.integrations import load_priority
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g3.pool import G3Pool
@@ -185,12 +186,13 @@ def _case(rig: _Rig, frac: float, repeats: int) -> dict:
         return time.perf_counter() - t0, h
 
     def load_all(c=None):
-        ld = rig.load(keys)
-        for li in range(rig.L):
-            _, t = ld.wait_layer(li)
-            if c is not None:
-                rig.put_layer(c, li, t, P)
-        why = ld.finish()
+        with load_priority.loading():  # as the connector's loads run (load_gil_switch_ms)
+            ld = rig.load(keys)
+            for li in range(rig.L):
+                _, t = ld.wait_layer(li)
+                if c is not None:
+                    rig.put_layer(c, li, t, P)
+            why = ld.finish()
         assert why == [None] * nblk, why
         return ld
 
@@ -201,7 +203,8 @@ def _case(rig: _Rig, frac: float, repeats: int) -> dict:
         stage = torch.empty((nblk, rig.layout.bytes_per_block), dtype=torch.uint8, device=dev)
         _sync(dev)
         t0 = time.perf_counter()
-        ok = rig.pool.get(keys, list(stage.unbind(0))).result(timeout=120).ok
+        with load_priority.loading():
+            ok = rig.pool.get(keys, list(stage.unbind(0))).result(timeout=120).ok
         assert all(ok), ok
         for li in range(rig.L):
             rig.put_layer(c, li, stage.view(nblk, rig.L, -1)[:, li], P)
@@ -229,6 +232,7 @@ def _case(rig: _Rig, frac: float, repeats: int) -> dict:
         c = rig.cache(P, fill=False)
         _sync(dev)
         t0 = time.perf_counter()
+        load_priority.hold()  # start_load_kv .. wait_for_save, as LayerwiseLoads holds it
         ld = rig.load(keys)
         first = []
 
@@ -242,7 +246,10 @@ def _case(rig: _Rig, frac: float, repeats: int) -> dict:
         h = rig.forward(c, P, hooks=[hook_for(li) for li in range(rig.L)])
         _sync(dev)  # the forward is done: finish_s is finish's own tail, not the GPU still computing
         t1 = time.perf_counter()
-        why = ld.finish()
+        try:
+            why = ld.finish()
+        finally:
+            load_priority.release()
         _sync(dev)
         t2 = time.perf_counter()
         assert why == [None] * nblk, why
@@ -283,7 +290,7 @@ def _free(path: str) -> int:
 
 def bench_layerwise(res: dict, device: str, hit_fractions=(0.25, 0.5, 0.75), *, tokens: int | None = None,
                     page: int = 16, repeats: int = 3, workdir: str | None = None, threads: int = 8,
-                    shape: dict | None = None) -> dict:
+                    shape: dict | None = None, switch_ms=None) -> dict:
     """Time load-then-compute vs layer-wise overlap for each hit fraction; fills and returns ``res["layerwise"]``.
 
     Args:
@@ -297,8 +304,13 @@ def bench_layerwise(res: dict, device: str, hit_fractions=(0.25, 0.5, 0.75), *, 
             the system temp dir; removed afterwards).
         threads: reader threads.
         shape: LlamaConfig fields overriding the default shape.
-    Returns ``{"device", "shape", "tokens", "page", "storage", "cases": [per hit fraction: seconds, ratios]}``.
+        switch_ms: switch intervals (ms) the loads run under, as ``load_gil_switch_ms`` sets them (5: CPython's
+            own; default: the setting's default only); each value's cases under ``by_switch_ms``.
+    Returns ``{"device", "shape", "tokens", "page", "storage", "load_gil_switch_ms", "cases": [per hit
+    fraction: seconds, ratios, at the setting's default], "by_switch_ms"}``.
     """
+    from kvbm_backend.config import KvbmBackendConfig
+    default_ms = KvbmBackendConfig().load_gil_switch_ms
     dev = torch.device(device)
     shp = dict(shape or (LLAMA_8B if dev.type == "cuda" else TINY))
     tokens = tokens or (8192 if dev.type == "cuda" else 512)
@@ -306,13 +318,22 @@ def bench_layerwise(res: dict, device: str, hit_fractions=(0.25, 0.5, 0.75), *, 
     base = workdir or (_shm if _free(_shm := "/dev/shm") > need else None)  # tmpfs where it is big enough
     root = Path(tempfile.mkdtemp(prefix="kvbm-layerwise-", dir=base))
     out = {"device": str(dev) if dev.type != "cuda" else torch.cuda.get_device_name(dev), "shape": shp,
-           "tokens": tokens, "page": page, "storage": str(root), "repeats": repeats, "threads": threads, "cases": []}
+           "tokens": tokens, "page": page, "storage": str(root), "repeats": repeats, "threads": threads,
+           "load_gil_switch_ms": default_ms, "cases": [], "by_switch_ms": {}}
     t0 = time.perf_counter()
     rig = _Rig(device, shp, tokens, page, root, threads)
+    old = sys.getswitchinterval()
     try:
-        for f in hit_fractions:
-            out["cases"].append(_case(rig, f, repeats))
+        for ms in (switch_ms or (default_ms,)):
+            sys.setswitchinterval(0.005)  # CPython's own; the loads shorten it to ms (never lengthen it)
+            load_priority.configure(ms)
+            cases = [_case(rig, f, repeats) for f in hit_fractions]
+            out["by_switch_ms"][f"{ms:g}"] = cases
+            if ms == default_ms or not out["cases"]:
+                out["cases"] = cases
     finally:
+        sys.setswitchinterval(old)
+        load_priority.configure(default_ms)
         rig.close()
         shutil.rmtree(root, ignore_errors=True)
     out["wall_s"] = round(time.perf_counter() - t0, 3)
@@ -328,21 +349,27 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--switch-ms", default=None,
+                    help="comma-separated switch intervals (ms) to run the loads under, e.g. 5,0.5 (default: "
+                         "load_gil_switch_ms's default)")
     ap.add_argument("--out", required=True, help="directory for layerwise_bench.json")
     a = ap.parse_args(argv)
     device = "cpu" if a.smoke_cpu else (a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     res: dict = {}
     bench_layerwise(res, device, tokens=a.tokens, repeats=a.repeats or (2 if a.smoke_cpu else 3),
-                    workdir=a.workdir, threads=a.threads)
+                    workdir=a.workdir, threads=a.threads,
+                    switch_ms=tuple(float(x) for x in a.switch_ms.split(",")) if a.switch_ms else None)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "layerwise_bench.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
-    for c in res["layerwise"]["cases"]:
-        print(f"hit {c['hit_fraction']:.2f} ({c['hit_tokens']} tok): load {c['load_s']*1e3:.1f} ms, compute "
-              f"{c['compute_s']*1e3:.1f} ms, serial {c['serial_s']*1e3:.1f} ms, overlap {c['overlap_s']*1e3:.1f} ms "
-              f"(ratio {c['ratio']:.2f}, ideal {c['ideal_ratio']:.2f}), default path {c['default_serial_s']*1e3:.1f} ms "
-              f"(load {c['default_load_s']*1e3:.1f} ms), max_abs_diff {c['max_abs_diff']}")
+    for ms, cases in res["layerwise"]["by_switch_ms"].items():
+        for c in cases:
+            print(f"switch {ms} ms: hit {c['hit_fraction']:.2f} ({c['hit_tokens']} tok): load {c['load_s']*1e3:.1f} "
+                  f"ms, compute {c['compute_s']*1e3:.1f} ms, serial {c['serial_s']*1e3:.1f} ms, overlap "
+                  f"{c['overlap_s']*1e3:.1f} ms (ratio {c['ratio']:.2f}, ideal {c['ideal_ratio']:.2f}), default path "
+                  f"{c['default_serial_s']*1e3:.1f} ms (load {c['default_load_s']*1e3:.1f} ms), max_abs_diff "
+                  f"{c['max_abs_diff']}")
     print(path)
     return 0
 

@@ -335,6 +335,9 @@ class KvbmBackendConfig(_M):
     g3: G3Config = Field(default_factory=G3Config)
     g4: G4Config = Field(default_factory=G4Config)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    load_gil_switch_ms: float | None = Field(default=0.5, gt=0, le=100)
+    """CPython's thread switch interval (ms) while a load is in flight (CPython's own: 5 ms); null: never
+    changed (:mod:`kvbm_backend.integrations.load_priority`)."""
 
 
 def _fmt_loc(loc: tuple) -> str:

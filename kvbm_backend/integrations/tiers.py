@@ -19,6 +19,7 @@ import logging
 import threading
 
 from .. import metrics
+from . import load_priority
 from ..config import KvbmBackendConfig
 from ..model.namespace import Namespace
 from ..pool import open_pool
@@ -76,6 +77,7 @@ def announce_tiers(cfg: KvbmBackendConfig, *, g3: BlockPool | None = None, g4: B
     """Start the metrics endpoint (once per process) and log the start-up line (once per process,
     config and set of open tiers). Never raises: metrics and logs must not stop an engine."""
     try:
+        load_priority.configure(cfg.load_gil_switch_ms)  # every call: the config of the tiers opened last
         port = cfg.metrics.serve_port
         serving = metrics.serve_once(port, cfg.metrics.addr) if port is not None else None
         key = f"{cfg.model_dump_json()}|g3={g3 is not None}|g4={g4 is not None}"
@@ -116,6 +118,8 @@ def startup_line(cfg: KvbmBackendConfig, *, g3=None, g4=None, metrics_serving: b
                      f"write_queue_blocks={c4.write_queue_blocks}")
     else:
         parts.append("G4 off")
+    ms = cfg.load_gil_switch_ms
+    parts.append(f"load_gil_switch_ms={ms:g}" if ms is not None else "load_gil_switch_ms=off")
     port = cfg.metrics.serve_port
     if port is None:
         parts.append("metrics: no endpoint (metrics.port unset)")

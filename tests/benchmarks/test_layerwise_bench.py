@@ -22,13 +22,16 @@ REPO = Path(__file__).resolve().parents[2]
 def test_layerwise_bench_smoke_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "layerwise_bench.py"), "--smoke-cpu",
-                        "--out", str(tmp_path), "--workdir", str(tmp_path)],
+                        "--out", str(tmp_path), "--workdir", str(tmp_path), "--switch-ms", "5,0.5"],
                        capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads((tmp_path / "layerwise_bench.json").read_text())["layerwise"]
     assert res["device"] == "cpu" and res["tokens"] == 512
     cases = res["cases"]
     assert [c["hit_fraction"] for c in cases] == [0.25, 0.5, 0.75]
+    # the loads ran under CPython's 5 ms switch interval, then under load_gil_switch_ms's (the default's cases)
+    assert res["load_gil_switch_ms"] == 0.5 and list(res["by_switch_ms"]) == ["5", "0.5"]
+    assert res["by_switch_ms"]["0.5"] == cases and len(res["by_switch_ms"]["5"]) == 3
     for c in cases:
         assert c["hit_tokens"] % res["page"] == 0 and 0 < c["hit_tokens"] < res["tokens"]
         for k in ("load_s", "compute_s", "serial_s", "overlap_s", "default_load_s", "default_serial_s"):

@@ -92,6 +92,8 @@ FIELD_TESTS: dict[str, list[str]] = {
     "g4.announce_interval_s": ["tests/pool/g4/test_g4_announce.py::test_the_background_thread_flushes_and_polls_every_interval"],
     "g4.announce_ttl_s": ["tests/pool/g4/test_g4_announce.py::test_expired_announcements_are_withdrawn_and_deleted"],
     "g4.fsync": ["tests/pool/g4/test_g4_factory.py::test_g4_fsync_decides_whether_file_objects_and_their_directories_are_fsynced"],
+    "load_gil_switch_ms": ["tests/integrations/vllm/test_load_priority.py::test_the_interval_is_shortened_while_a_worker_load_is_in_flight_and_restored_after",
+                           "tests/integrations/vllm/test_load_priority.py::test_the_default_shortens_it_and_null_leaves_the_interpreter_alone"],
     "metrics.enabled": ["tests/core/test_metrics.py::test_dynamo_metrics_env_names"],
     "metrics.port": ["tests/core/test_metrics.py::test_metrics_port_serves_kvbm_series_when_tiers_open",
                      "tests/core/test_metrics.py::test_metrics_port_in_use_is_one_error_and_the_tiers_still_open"],

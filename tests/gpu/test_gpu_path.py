@@ -535,10 +535,15 @@ def _bench(*args, tmp_path):
 
 def test_gpu_bench_connector_section_runs_on_cpu(tmp_path):
     import json
-    r = _bench("--smoke-cpu", "--file-gib", "0.02", "--workdir", str(tmp_path), tmp_path=tmp_path)
+    r = _bench("--smoke-cpu", "--file-gib", "0.02", "--workdir", str(tmp_path), "--engine-busy", "1.0",
+               tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "gpu_bench-smoke-cpu.json").read_text())["connector_load"]
     so = res["storages"][str(tmp_path)]
+    busy = so["g3_auto_engine_busy"]  # loads beside an engine step loop: CPython's 5 ms and the setting's 0.5 ms
+    assert busy["busy_fraction"] == 1.0 and set(busy["by_switch_ms"]) == {"5", "0.5"}
+    for b in busy["by_switch_ms"].values():
+        assert b["bytes_ok"] and b["GBps_payload"] > 0 and b["ratio_vs_alone"] > 0 and b["step_ms_p50"] > 0
     g3 = so["g3_auto"]  # through the connector's worker role, G3's device seam in host mode
     assert g3["mode"] == "host" and g3["bytes_ok"] and g3["load_errors"] == 0
     loads = len(g3["loads_s"])  # the first load, then the timed ones (median reported)

@@ -31,6 +31,7 @@ from typing import Any
 
 from ...pool.base import G3Extensions, LayerwiseLoading
 from ...transfer.layers import DEFAULT_MIN_READ
+from .. import load_priority
 from . import stats
 from .metadata import FailedLoad, LoadJob, SaveJob, mirror_id
 
@@ -80,6 +81,7 @@ class LayerwiseLoads:
         keys = w.ns.keys(job.seq_hashes, job.tenant, w.rank)
         stats.add(load_jobs=1, load_blocks_requested=n, layerwise_jobs=1)
         ld = None
+        load_priority.hold()  # released in _finish: the forward's Python yields the GIL to the reads sooner
         try:
             ld = w.g3.layerwise_load(keys, kv.device, timeout_s=self.timeout_s, min_read=self.min_read)
         except Exception as e:  # noqa: BLE001 - the load fails whole: the request recomputes
@@ -124,6 +126,12 @@ class LayerwiseLoads:
         return failed
 
     def _finish(self, a: _Active) -> set[str]:
+        try:
+            return self._finish_held(a)
+        finally:
+            load_priority.release()  # the hold() of _start
+
+    def _finish_held(self, a: _Active) -> set[str]:
         job, w = a.job, self.w
         n = len(job.block_ids)
         why: list[str | None] = ["not_started"] * n

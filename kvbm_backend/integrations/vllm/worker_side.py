@@ -40,6 +40,7 @@ from ...memory import BufferPool
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool, G3Extensions, GetResult, PutResult, require_g3_extensions
 from ...deadlines import Deadline
+from .. import load_priority
 from . import stats
 from .kv_io import EngineKv, numpy_staging, split_blocks
 from .metadata import FailedLoad, KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
@@ -284,6 +285,10 @@ class WorkerSide:
         return arr, host[:n * bpb].view(n, bpb)
 
     def _run_load(self, ld: _Load) -> None:
+        with load_priority.loading():  # the GIL comes back to the reading threads sooner (load_gil_switch_ms)
+            self._run_load_held(ld)
+
+    def _run_load_held(self, ld: _Load) -> None:
         job, kv = ld.job, self.kv
         n = len(job.block_ids)
         ok = [False] * n

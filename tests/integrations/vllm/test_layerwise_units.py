@@ -5,6 +5,7 @@ reported through ``load_errors`` / the failed-load report, never kept, and its r
 from __future__ import annotations
 
 import os
+import sys
 import time
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvbm_backend.config import load_config
+from kvbm_backend.integrations import load_priority
 from kvbm_backend.integrations.vllm import stats
 from kvbm_backend.integrations.vllm.kv_io import EngineKv
 from kvbm_backend.integrations.vllm.layerwise import for_worker
@@ -125,11 +127,16 @@ def _same(a: EngineKv, ab: int, b: EngineKv, bb: int) -> bool:
 @pytest.mark.parametrize("layout", ["cpu", "kv_first"])
 def test_layers_land_in_the_engine_as_vllm_waits_for_them(tmp_path, layout):
     src, dst, ns, g3, w, lw, hashes = _rig(tmp_path, layout)
+    interval = sys.getswitchinterval()
     try:
         before = stats.snapshot().get("layerwise_layer_waits", 0)
         job = LoadJob("r", [9, 10, 11, 12, 13], hashes, ["G3"] * 5, "t", layerwise=True)
         other = LoadJob("a", [1], [7], ["G3"], "t")
         assert lw.start([job, other]) == [other]
+        # in flight from start to the step's end: the forward's Python yields the GIL to the reads sooner
+        # (load_gil_switch_ms, default 0.5 ms; tests/integrations/vllm/test_load_priority.py)
+        assert load_priority.stats()["loads_in_flight"] == 1
+        assert sys.getswitchinterval() == pytest.approx(min(interval, 0.0005))
         lw.wait_layer(NAMES[0])
         lw.wait_layer("model.layers.99.not_ours")  # not a KV layer of ours: ignored
         # layer 0 is in the engine blocks before the other layers are waited for
@@ -140,6 +147,7 @@ def test_layers_land_in_the_engine_as_vllm_waits_for_them(tmp_path, layout):
         for n in NAMES[1:]:
             lw.wait_layer(n)
         assert lw.saves([SaveJob("r", [14], [2000], "t")]) == [SaveJob("r", [14], [2000], "t")]
+        assert load_priority.stats()["loads_in_flight"] == 0 and sys.getswitchinterval() == pytest.approx(interval)
         assert all(_same(src, 3 + i, dst, 9 + i) for i in range(5))
         assert w.load_errors() == set() and w.take_failed_loads() == []
         snap = stats.snapshot()
