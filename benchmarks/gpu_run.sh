@@ -4,7 +4,7 @@
 #   doctor (JSON), the GPU tests (tests/gpu, the worker's device path, layer-wise loads, G4 host path),
 #   the G4 host-side load bench (g4_load.json) and benchmarks/gpu_bench.py (gpu_bench-<device>.json).
 # Everything lands in $OUT. Usage (repository root): bash benchmarks/gpu_run.sh [extra gpu_bench.py options]
-# Environment: TEST_S / G4_S / BENCH_S bound the three parts (seconds; defaults 120 / 90 / 300).
+# Environment: TEST_S / G4_S / BENCH_S bound the parts (seconds; defaults 120 / 60 / 300; G4_S bounds each G4 run).
 set -u
 OUT=${OUT:?set OUT to the result directory}
 D=/tmp/kvbm-pydeps
@@ -19,10 +19,13 @@ python3 -m kvbm_backend.apps.cli doctor --path /var/tmp --json > "$OUT/doctor.js
 timeout "${TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/integrations/vllm/test_worker_device_path.py \
   tests/pool/g3/test_g3_layerwise.py -rs > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -12 "$OUT/gpu_tests.log"
-timeout "${G4_S:-90}" python3 -m kvbm_backend.apps.bench.g4_load --threads 4,8,16 --blocks 512 --rounds 2 \
-  --engine-busy 1.0 --switch-ms 5,0.5 --json \
+timeout "${G4_S:-60}" python3 -m kvbm_backend.apps.bench.g4_load --threads 4,8,16 --blocks 512 --rounds 2 --json \
   > "$OUT/g4_load.json" 2> "$OUT/g4_load.err"
 echo "g4_load rc=$?"
+# the same staged loads beside an engine step loop running Python, at CPython's 5 ms and load_gil_switch_ms's 0.5 ms
+timeout "${G4_S:-60}" python3 -m kvbm_backend.apps.bench.g4_load --threads 8,16 --blocks 256 --rounds 1 --paths staged \
+  --engine-busy 1.0 --switch-ms 5,0.5 --json > "$OUT/g4_load_engine_busy.json" 2> "$OUT/g4_load_engine_busy.err"
+echo "g4_load engine busy rc=$?"
 timeout "${BENCH_S:-300}" python3 benchmarks/gpu_bench.py --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
 echo "gpu_bench rc=$?"; grep -E '^\[' "$OUT/bench.log" | tail -8
 python3 - "$OUT" <<'EOF'
