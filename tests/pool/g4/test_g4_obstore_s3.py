@@ -250,7 +250,7 @@ def test_a_put_the_server_cannot_settle_raises_put_unsettled_and_settles_later(s
         direct.close()
 
 
-def _unsettled_pool(seaweed, s3_prefix, tmp_path, client, proxy, n: int, first: int = 1, registry=None):
+def _unsettled_pool(seaweed, s3_prefix, tmp_path, client, proxy, n: int, first: int = 1, registry=None, **cfg_kw):
     """A G4Pool through ``proxy`` (timeout 1 s, 1 retry: an unsettled PUT is re-checked from 0.5 s on, for
     8 s), its ``n`` keys and blocks (sequences ``first`` on); the proxy is armed (every PUT held, ``2 * n`` HEADs unanswered) once
     the pool wrote ``namespace.json``."""
@@ -260,7 +260,7 @@ def _unsettled_pool(seaweed, s3_prefix, tmp_path, client, proxy, n: int, first: 
     keys = ns.keys(range(first, first + n), tenant="t")
     blocks = [payload(s, "t", ns.layout.bytes_per_block) for s in range(first, first + n)]
     cfg = G4Config(url=seaweed.url(s3_prefix), endpoint_url=proxy.endpoint, s3_client=client, timeout_s=1.0,
-                   retries=1, keyring={"path": str(tmp_path / "kr.json")})
+                   retries=1, keyring={"path": str(tmp_path / "kr.json")}, **cfg_kw)
     p = G4Pool(cfg, ns, registry=registry)
     t0 = time.monotonic()
     while not p.writer.namespace_written and time.monotonic() - t0 < 60:
@@ -270,16 +270,19 @@ def _unsettled_pool(seaweed, s3_prefix, tmp_path, client, proxy, n: int, first: 
     return p, cfg, keys, blocks
 
 
-@pytest.mark.parametrize("client", ["obstore", "boto3"])
+@pytest.mark.parametrize("client,breaker", [("obstore", False), ("boto3", False), ("obstore", True)])
 def test_g4_pool_counts_a_landed_put_written_once_the_server_answers_heads_again(seaweed, s3_prefix, tmp_path,
-                                                                                client):
+                                                                                client, breaker):
     """The CI handoff under load: the PUTs landed, their answers and the HEADs settling them came after
-    the timeout. The blocks stay pending (not dropped), are settled by a later HEAD and count written."""
+    the timeout. The blocks stay pending (not dropped), are settled by a later HEAD and count written.
+    ``breaker``: the unsettled PUT opens the circuit breaker (``breaker_failures`` 1): the re-checks wait
+    while it refuses and settle through its half-open probe."""
     import numpy as np
     u = urlparse(seaweed.endpoint)
     proxy = SlowPutProxy(u.hostname, u.port, mode="late", delay_s=4.0, slow_puts=0)
+    kw = {"breaker_failures": 1, "breaker_reset_s": 1.0} if breaker else {}
     try:
-        p, _, keys, blocks = _unsettled_pool(seaweed, s3_prefix, tmp_path, client, proxy, 2)
+        p, _, keys, blocks = _unsettled_pool(seaweed, s3_prefix, tmp_path, client, proxy, 2, **kw)
         with p:
             res = p.put(keys, blocks).result(timeout=60)
             st = p.stats()
@@ -289,6 +292,7 @@ def test_g4_pool_counts_a_landed_put_written_once_the_server_answers_heads_again
         assert (res.written, res.skipped, res.dropped) == (2, 0, 0), st
         assert st["settled_late"] >= 1 and st["unsettled_puts"] >= 1 and st.get("dropped", 0) == 0, st
         assert st["pending_put_blocks"] == st["unsettled_put_blocks"] == 0, st
+        assert st["breaker_opens"] >= int(breaker) and st["breaker_state"] == "closed", st
         assert ok == [True, True] and all(np.array_equal(o, b) for o, b in zip(out, blocks))
     finally:
         proxy.close()
