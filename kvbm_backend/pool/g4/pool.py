@@ -262,7 +262,8 @@ class G4Pool:
 
     def stats(self) -> dict[str, Any]:
         """Counters (``hits``, ``written``, ``miss_<reason>``, ...) and their sums (``misses``, ``dropped``,
-        ``corrupt``, ``skipped``, ``throttled``), queue, breaker, keyring and naming state."""
+        ``corrupt``, ``skipped``, ``throttled``), queue (``pending_put_blocks``; of them
+        ``unsettled_put_blocks``: PUTs waiting to be settled, :mod:`.settle`), breaker, keyring and naming state."""
         s: dict[str, Any] = dict(self.counters.snapshot())
         s["pending_put_blocks"] = self.writer.pending_blocks()
         s["unsettled_put_blocks"] = self.writer.unsettled_blocks()
