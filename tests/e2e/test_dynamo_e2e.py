@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.worker_logs import kvbm_warnings
 from kvbm_backend.integrations.dynamo.stack import (READY_TIMEOUT_S, DynamoStack, clear_kv_blocks,
                                                     http_get as _get, stream_completion)
 
@@ -150,10 +151,10 @@ def _no_kvbm_traceback(log: Path) -> None:
 
 
 def _kvbm_warnings(log: Path, n: int = 10) -> list[str]:
-    """The last ``n`` WARNING/ERROR lines of a worker's log that name kvbm_backend (for failure messages)."""
-    lines = [ln for ln in log.read_text(errors="replace").splitlines()
-             if "kvbm_backend" in ln and ("WARN" in ln or "ERROR" in ln)]
-    return [ln[-300:] for ln in lines[-n:]]
+    """The last ``n`` WARNING/ERROR lines of a worker's log that the package wrote (for failure messages):
+    :func:`tests.helpers.worker_logs.kvbm_warnings` (vLLM's format names the file, ``[breaker.py:134]``,
+    not ``kvbm_backend``: CI printed ``prefill_warnings: []`` for a worker whose breaker had opened)."""
+    return kvbm_warnings(log, n)
 
 
 def _kv_counters(c: dict) -> dict:

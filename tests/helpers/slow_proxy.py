@@ -8,7 +8,7 @@ read timeout). Used to test what a client's retry then meets (e.g. S3's 412 for 
 client never saw in time, e.g. ``b"HTTP/1.1 200 OK"``); interim ``100 Continue`` answers are not held back.
 
 ``SlowPutProxy``: an HTTP proxy whose object PUTs are answered late (they land) or never (they are lost),
-every other request passing through (see its doc).
+every other request passing through, and optionally its first HEADs unanswered too (see its doc).
 """
 from __future__ import annotations
 
@@ -81,10 +81,13 @@ class SlowPutProxy:
       the connection closes without an answer: a write that did not land.
 
     ``slow_puts``: how many PUTs are treated so (None: all); later ones pass. ``held`` counts those held.
+    ``slow_heads``: how many HEADs get no answer (read, never forwarded; the connection closes after
+    ``delay_s``): a server too loaded to settle a PUT with a HEAD; later ones pass. ``held_heads`` counts
+    them. Both limits may be changed while the proxy runs (e.g. armed once a pool has started).
     """
 
     def __init__(self, host: str, port: int, mode: str = "late", delay_s: float = 2.0,
-                 slow_puts: int | None = None):
+                 slow_puts: int | None = None, slow_heads: int = 0):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         from tests.helpers.lying_proxy import reply, upstream
@@ -93,6 +96,7 @@ class SlowPutProxy:
         self.target = (host, port)
         self.mode, self.delay_s, self.slow_puts = mode, delay_s, slow_puts
         self.held = 0
+        self.slow_heads, self.held_heads = slow_heads, 0
         self._mu = threading.Lock()
         proxy = self
 
@@ -105,6 +109,10 @@ class SlowPutProxy:
             def _handle(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
+                if self.command == "HEAD" and proxy._hold_head():
+                    time.sleep(proxy.delay_s)  # no answer: the client's timeout fires first
+                    self.close_connection = True
+                    return
                 if not (self.command == "PUT" and proxy._hold()):
                     return reply(self, *upstream(self, proxy.target, body))
                 if proxy.mode == "late":
@@ -131,6 +139,13 @@ class SlowPutProxy:
             if self.slow_puts is not None and self.held >= self.slow_puts:
                 return False
             self.held += 1
+            return True
+
+    def _hold_head(self) -> bool:
+        with self._mu:
+            if self.held_heads >= self.slow_heads:
+                return False
+            self.held_heads += 1
             return True
 
     def close(self) -> None:

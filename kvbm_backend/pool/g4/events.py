@@ -29,7 +29,7 @@ MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most th
 STORE_ERROR_LOG_S = 300.0  # a store that keeps answering with an error (missing bucket, 403): one line per this
 # miss reasons that are failed store reads
 _READ_FAILURES = {"unavailable", "error", "timeout", "unconfirmed_corrupt", "throttled"}
-_WRITE_FAILURES = {"unavailable", "error", "throttled"}  # drop reasons that are failed store writes
+_WRITE_FAILURES = {"unavailable", "error", "throttled", "unsettled"}  # drop reasons that are failed store writes
 
 
 class G4Counters:

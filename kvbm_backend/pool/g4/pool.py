@@ -155,7 +155,8 @@ class G4Pool:
         self._deadlines = Deadlines("g4-deadlines")
         self.writer = G4Writer(store=self.store, namespace=namespace, names=self.names, keyring=self.keyring,
                                encrypt=self.encrypt, frames=frames, oplog=self.oplog,
-                               executor=self._io_put, write_queue_blocks=cfg.write_queue_blocks,
+                               executor=self._io_put, deadlines=self._deadlines,
+                               write_queue_blocks=cfg.write_queue_blocks,
                                put_bound_s=cfg.timeout_s * (1 + cfg.retries), load_bound_s=self.load_bound_s,
                                breaker=self.breaker, throttle=self.throttle, counters=self.counters)
         self.reader = G4Reader(store=self.store, layout=namespace.layout, world=namespace.tp_world_size,
@@ -261,9 +262,11 @@ class G4Pool:
 
     def stats(self) -> dict[str, Any]:
         """Counters (``hits``, ``written``, ``miss_<reason>``, ...) and their sums (``misses``, ``dropped``,
-        ``corrupt``, ``skipped``, ``throttled``), queue, breaker, keyring and naming state."""
+        ``corrupt``, ``skipped``, ``throttled``), queue (``pending_put_blocks``; of them
+        ``unsettled_put_blocks``: PUTs waiting to be settled, :mod:`.settle`), breaker, keyring and naming state."""
         s: dict[str, Any] = dict(self.counters.snapshot())
         s["pending_put_blocks"] = self.writer.pending_blocks()
+        s["unsettled_put_blocks"] = self.writer.unsettled_blocks()
         kr = self.keyring
         s.update({"tier": self.tier, "encrypted": self.encrypt, "url": self.store.url,
                   "pseudonym_keyed": kr is not None, "names_keyed": kr is not None,

@@ -11,7 +11,8 @@ Same contract as :class:`~kvbm_backend.pool.g4.s3_store.S3Store` (this is a subc
 describes the behaviour), kept request by request:
 
 * create-exclusive publish: ``PUT`` with ``If-None-Match: *`` (``mode="create"``); 412/409 is another
-  writer's copy (a retried PUT compares the stored ETag with the MD5 of its bytes, as boto3's path does);
+  writer's copy (a retried PUT compares the stored ETag with the MD5 of its bytes, as boto3's path does,
+  and raises :class:`~.store.PutUnsettled` when that HEAD fails);
   501 falls back to HEAD-then-PUT;
 * ranged GETs (``get_range``); HEAD for lookups; no LIST on the serving path;
 * per-request bounds: obstore's ``timeout`` (whole request) and ``connect_timeout`` = ``timeout_s``;
@@ -45,7 +46,6 @@ boto3 client the base class builds; credentials come from the same boto3 session
 from __future__ import annotations
 
 import datetime
-import hashlib
 import re
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar
 from urllib.parse import ParseResult
@@ -218,14 +218,3 @@ class ObstoreS3Store(S3Store):
         except _Failed as f:
             self._raise(f, name)
         return None if meta is None else int(meta["size"])
-
-    def _holds_these_bytes(self, name: str, data: DataIn) -> bool:
-        """The object ``name`` has the ETag of ``data`` (MD5 hex): a retried PUT's first attempt landed. The
-        HEAD is retried as any request (:meth:`_ocall`, as the boto3 store's): a single unretried HEAD that
-        timed out on a loaded machine counted blocks this worker had written as another writer's copy
-        (CI, 2026-11-26: 7 of 111 handed-off blocks ``skipped``). False when the HEAD still fails."""
-        try:
-            etag = self._stored_etag(name)
-        except OSError:  # unavailable, throttled, denied: unconfirmed, so another writer's copy
-            return False
-        return etag is not None and etag == hashlib.md5(byte_view(data), usedforsecurity=False).hexdigest()

@@ -28,9 +28,10 @@ traffic is on obstore with ``g4.s3_client: obstore``, the default (:mod:`.s3_obs
 * A PUT whose last attempt got no answer (timeouts, a connection cut) or a 5xx / ``RequestTimeout`` may
   still have landed: before it counts as failed a HEAD settles it (:meth:`S3Store._settle_put`): the
   object holding these very bytes (ETag = MD5) counts as written by this call, another writer's bytes
-  as already there (``put_if_absent`` False), and an absent object (or a HEAD that fails too) raises
-  StoreUnavailable: a landed block is never counted lost, a lost one never counted written (invariant
-  2). This is what keeps the counters true when the worker or the server is too slow for ``timeout_s``
+  as already there (``put_if_absent`` False), and an absent object raises StoreUnavailable; a HEAD that
+  fails too raises :class:`~.store.PutUnsettled` (a StoreUnavailable carrying the MD5), which the G4
+  writer settles later with :meth:`S3Store.settle` (:mod:`.settle`), as it does a retried PUT's 412 whose
+  HEAD failed: a landed block is never counted lost, a lost one never counted written (invariant 2). This is what keeps the counters true when the worker or the server is too slow for ``timeout_s``
   (obstore's bound covers the whole request, upload included; see :mod:`.s3_obstore`).
 * A frame that fails verification is dropped only when :meth:`S3Store.stored_matches` (HEAD: length and
   MD5 ETag of the bytes read) confirms the server holds those very bytes; a proxy or endpoint that
@@ -81,7 +82,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from .store import BucketMissing, ObjectInfo, ObjectStore, StoreThrottled, StoreUnavailable, byte_view
+from .store import BucketMissing, ObjectInfo, ObjectStore, PutUnsettled, StoreThrottled, StoreUnavailable, byte_view
 
 if TYPE_CHECKING:
     from .factory import StoreOptions
@@ -193,7 +194,7 @@ class S3Store(ObjectStore):
             except ClientError as e:
                 code, status = _code(e)
                 if code in _EXISTS or str(status) in _EXISTS:
-                    return _retried(e) and self._holds_these_bytes(key, body)
+                    return _retried(e) and self._holds_these_bytes(name, body)
                 if status == 501 or code == "NotImplemented":
                     self.supports_conditional_put = False
                 else:
@@ -230,26 +231,38 @@ class S3Store(ObjectStore):
         Returns True when the object holds these bytes (its ETag is the MD5 of ``data``, S3's single-part
         ETag; a sealed frame has a fresh nonce, so another writer's copy never matches): this call wrote
         it. False when it holds other bytes: another writer's copy (``put_if_absent``'s "already there").
-        Raises ``failure`` when the object is absent, and StoreUnavailable when the HEAD fails as well:
-        what the server does not confirm is never counted written."""
+        Raises ``failure`` when the object is absent, and :class:`~.store.PutUnsettled` (a StoreUnavailable)
+        when the HEAD fails as well: what the server does not confirm is never counted written, and the
+        caller may settle it later (:meth:`settle`)."""
+        md5 = _md5(data)
         try:
             etag = self._stored_etag(name)
-        except OSError as e:  # unavailable, throttled, denied: cannot tell, so not written
-            raise StoreUnavailable(f"{failure}; a HEAD to see whether it landed failed too: {e}") from None
+        except OSError as e:  # unavailable, throttled, denied: cannot tell now
+            raise PutUnsettled(f"{failure}; a HEAD to see whether it landed failed too: {e}", name, md5) from None
         if etag is None:
             raise failure
-        return etag == hashlib.md5(byte_view(data), usedforsecurity=False).hexdigest()
+        return etag == md5
 
-    def _holds_these_bytes(self, key: str, data: DataIn) -> bool:
-        """The object at ``key`` has the ETag of ``data`` (MD5 hex, S3's single-part ETag). False when the
-        HEAD fails or the server's ETag is not an MD5 (multipart, some gateways): counted as another
-        writer's copy, which is the conservative answer."""
+    def _holds_these_bytes(self, name: str, data: DataIn) -> bool:
+        """A retried PUT of ``data`` met 412/409: True when the object ``name`` has the ETag of ``data`` (MD5
+        hex, S3's single-part ETag: the PUT's own first attempt landed), False when it holds other bytes or
+        is gone (another writer's copy; also where the ETag is not an MD5: multipart, some gateways). The
+        HEAD is retried as any request; when it still fails (unavailable, throttled, denied) raises
+        :class:`~.store.PutUnsettled`: a HEAD that timed out on a loaded machine must not count this
+        worker's own block as another writer's copy (CI, 2026-11-26), nor as written."""
+        md5 = _md5(data)
         try:
-            etag = str(self._call("head", key, lambda _r: self.client.head_object(Bucket=self.bucket, Key=key))
-                       .get("ETag", "")).strip('"')
-        except (ClientError, BotoCoreError, OSError):
-            return False
-        return etag == hashlib.md5(byte_view(data), usedforsecurity=False).hexdigest()
+            etag = self._stored_etag(name)
+        except OSError as e:
+            raise PutUnsettled(f"put {self.url}/{name}: a retried PUT met 412 and a HEAD to see whose copy it "
+                               f"is failed: {e}", name, md5) from None
+        return etag is not None and etag == md5
+
+    def settle(self, name: str, md5_hex: str) -> bool | None:
+        """See :meth:`~.store.ObjectStore.settle` (one HEAD, retried as any request; its ETag against
+        ``md5_hex``). Raises StoreUnavailable, StoreThrottled or OSError as :meth:`head` does."""
+        etag = self._stored_etag(name)
+        return None if etag is None else etag == md5_hex
 
     def _err(self, op: str, name: str, e: ClientError) -> Exception:
         code, status = _code(e)
@@ -379,6 +392,11 @@ class S3Store(ObjectStore):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _md5(data: DataIn) -> str:
+    """Lower-case hex MD5 of ``data`` (S3's ETag of a single-part PUT)."""
+    return hashlib.md5(byte_view(data), usedforsecurity=False).hexdigest()
 
 
 def _body(data: DataIn) -> bytes | bytearray:

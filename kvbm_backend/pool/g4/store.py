@@ -47,6 +47,22 @@ class StoreUnavailable(OSError):
     """The store did not answer in time or failed (counts towards the circuit breaker)."""
 
 
+class PutUnsettled(StoreUnavailable):
+    """A create-exclusive PUT may or may not have landed and the store could not say: its every attempt got
+    no answer (or a 5xx) and the HEAD to settle it failed too, or a retried PUT met 412/409 and the HEAD
+    comparing the stored ETag failed. The caller settles it later with :meth:`ObjectStore.settle`.
+    Only S3 stores raise it (file and memory stores always know).
+
+    Args:
+        msg: what failed, for log lines. name: the object's store-relative name.
+        md5_hex: lower-case hex MD5 of the bytes sent (S3's ETag of a single-part PUT).
+    """
+
+    def __init__(self, msg: str, name: str, md5_hex: str):
+        super().__init__(msg)
+        self.name, self.md5_hex = name, md5_hex
+
+
 class StoreThrottled(OSError):
     """The store answered "slow down" (S3 ``503 SlowDown``, HTTP 429, ``Throttling``, ``RequestLimitExceeded``,
     ...): it is up and shedding load. Not an outage, so never a circuit-breaker failure; the pool retries
@@ -130,6 +146,13 @@ class ObjectStore(ABC):
             return False
         want = byte_view(data)
         return memoryview(fresh).cast("B")[:len(want)] == want
+
+    def settle(self, name: str, md5_hex: str) -> bool | None:
+        """Settle a PUT that raised :class:`PutUnsettled`: True when the object ``name`` holds the bytes
+        whose MD5 is ``md5_hex`` (lower-case hex; the PUT landed), False when it holds other bytes (another
+        writer's copy), None when absent (the PUT was lost). Raises StoreUnavailable / StoreThrottled /
+        OSError when the store does not answer this either. Only stores that raise PutUnsettled implement it."""
+        raise NotImplementedError(f"{type(self).__name__} never raises PutUnsettled: nothing to settle")
 
     @abstractmethod
     def head(self, name: str) -> int | None:

@@ -6,7 +6,9 @@ written).
 Each queued block runs :meth:`G4Writer._put_one` on an offload thread and ends in exactly one of
 ``written`` / ``skipped`` / ``dropped`` (counted by reason: ``dropped_breaker``, ``dropped_unavailable``,
 ``dropped_throttled``, ``dropped_error``, ``dropped_revoked_tenant``, ``dropped_unknown_tenant``, ``dropped_keyring``,
-``skipped_exists``, ``skipped_foreign``); it never raises. A store outage counts towards the breaker; a
+``dropped_unsettled``, ``skipped_exists``, ``skipped_foreign``); it never raises. A PUT the store could not
+settle (no answer, and the HEAD asking whether it landed failed too: :class:`~.store.PutUnsettled`) stays
+pending and is settled later by :class:`~.settle.LateSettler`, off the offload threads' time. A store outage counts towards the breaker; a
 store that answers with an error (403, missing bucket) does not, and is logged
 (:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_error`). A throttled PUT
 (:class:`~.store.StoreThrottled`) is retried after a full-jitter backoff (:mod:`.throttle`) until
@@ -30,15 +32,19 @@ from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, payload_checksum
 from ...model.namespace import BlockKey, Namespace
 from ..base import PutResult, completed
-from ...deadlines import Deadline
+from ...deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
 from .events import G4Counters, OperatorLog
 from .naming import namespace_name
-from .store import ObjectStore, StoreThrottled, StoreUnavailable
+from .settle import LateSettler
+from .store import ObjectStore, PutUnsettled, StoreThrottled, StoreUnavailable
 from .tenant_names import TenantNames
 from .throttle import ThrottleWatch, call_throttled
 
-__all__ = ["G4Writer"]
+__all__ = ["G4Writer", "SETTLE_BOUNDS"]
+
+#: An unsettled PUT (:mod:`.settle`) ends ``dropped_unsettled`` this many put bounds after it became so.
+SETTLE_BOUNDS = 4
 
 
 class G4Writer:
@@ -54,14 +60,16 @@ class G4Writer:
         frames: reused frame buffers of at least ``HEADER_BYTES + bytes_per_block`` bytes.
         breaker, throttle, counters, oplog: the pool's shared collaborators.
         executor: the offload threads (``g4.max_inflight`` of them).
+        deadlines: the pool's timer thread (re-checks of unsettled PUTs, :mod:`.settle`).
         write_queue_blocks: pending blocks past which new offloads are dropped (``dropped_queue_full``).
-        put_bound_s: seconds from a block's first PUT within which throttled PUTs are retried.
+        put_bound_s: seconds from a block's first PUT within which throttled PUTs are retried; an unsettled
+            PUT is re-checked after ``put_bound_s / 4`` (doubling) for up to ``SETTLE_BOUNDS * put_bound_s``.
         load_bound_s: seconds within which the start-up ``namespace.json`` write retries throttles.
     """
 
     def __init__(self, *, store: ObjectStore, namespace: Namespace, names: TenantNames, keyring: Keyring | None,
                  encrypt: bool, frames: BufferPool, breaker: CircuitBreaker, throttle: ThrottleWatch,
-                 counters: G4Counters, oplog: OperatorLog, executor: ThreadPoolExecutor,
+                 counters: G4Counters, oplog: OperatorLog, executor: ThreadPoolExecutor, deadlines: Deadlines,
                  write_queue_blocks: int, put_bound_s: float, load_bound_s: float):
         self.store = store
         self.namespace = namespace
@@ -85,6 +93,9 @@ class G4Writer:
         self._pending_blocks = 0
         self._futures: set[Future[PutResult]] = set()
         self._closed = False
+        self._settler = LateSettler(store=store, executor=executor, deadlines=deadlines, breaker=breaker,
+                                    count=counters.count, first_delay_s=put_bound_s / 4,
+                                    bound_s=SETTLE_BOUNDS * put_bound_s)
         self.namespace_written = False  # {ns_fp}/namespace.json is known to be in the store
 
     # ---- the queue -----------------------------------------------------------------------
@@ -164,9 +175,15 @@ class G4Writer:
                 return False
         return True
 
+    def unsettled_blocks(self) -> int:
+        """Blocks whose PUT waits to be settled (:mod:`.settle`; part of :meth:`pending_blocks`)."""
+        return self._settler.pending()
+
     def close(self) -> None:
-        """From now on offloads are dropped (``dropped_closed``) and ``namespace.json`` is not retried."""
+        """From now on offloads are dropped (``dropped_closed``) and ``namespace.json`` is not retried;
+        blocks still unsettled end now (``dropped_unsettled``)."""
         self._closed = True
+        self._settler.close()
 
     # ---- one block -----------------------------------------------------------------------
     def _seal(self, key: BlockKey, block: npt.NDArray[np.uint8], buf: npt.NDArray[np.uint8]) -> memoryview:
@@ -192,8 +209,10 @@ class G4Writer:
     def _put_one(self, key: BlockKey, block: npt.NDArray[np.uint8], done: Callable[[str], None],
                  queued: float) -> None:
         """One queued offload (``queued``: its ``time.monotonic()`` when queued, for the
-        ``kvbm_backend_g4_offload_seconds`` histogram)."""
+        ``kvbm_backend_g4_offload_seconds`` histogram). ``done(kind)`` is called once the block ended: here,
+        or by the :class:`~.settle.LateSettler` when its PUT is unsettled."""
         kind = "dropped"
+        handed_off = False
         try:
             if key.namespace != self._fp:
                 self._count("skipped_foreign")
@@ -212,7 +231,16 @@ class G4Writer:
                     self._oplog.tenant_once(reason, self._names.tag(key.tenant), e)
                     return
                 name = self._names.name(key)
-                created = self._publish(name, buf)
+                try:
+                    created = self._publish(name, buf)
+                except PutUnsettled as e:  # may have landed; the store could not say: settle it later
+                    handed_off = True
+
+                    def end(kind: str) -> None:
+                        self._counters.offload_ended(time.monotonic() - queued)
+                        done(kind)
+                    self._settler.start(name, e.md5_hex, len(buf), end)
+                    return
             if created is None:
                 return
             self._breaker.success()
@@ -230,18 +258,23 @@ class G4Writer:
             self._count("dropped_error")
             kind = "dropped"
         finally:
-            self._counters.offload_ended(time.monotonic() - queued)
-            done(kind)
+            if not handed_off:
+                self._counters.offload_ended(time.monotonic() - queued)
+                done(kind)
 
     def _publish(self, name: str, buf: memoryview) -> bool | None:
         """Create-exclusive PUT of one frame (throttles backed off within the offload bound). True:
-        written; False: another writer's copy was there; None: dropped (counted here)."""
+        written; False: another writer's copy was there; None: dropped (counted here). Raises
+        :class:`~.store.PutUnsettled` (counted as a breaker failure here) when the store cannot say."""
         try:
             return call_throttled(lambda: self.store.put_if_absent(name, buf),
                                   time.monotonic() + self._put_bound_s,
                                   lambda: self._throttle.note("put"), lambda: self._closed)
         except StoreThrottled:
             self._count("dropped_throttled")  # the store answered: ThrottleWatch.note told the breaker so
+        except PutUnsettled as e:  # no answer: an outage; the caller settles the block later
+            self._breaker.failure(e)
+            raise
         except StoreUnavailable as e:
             self._breaker.failure(e)
             self._count("dropped_unavailable")

@@ -722,6 +722,53 @@ def test_package_logs_go_through_vllms_logger_once():
         lg.setLevel(saved[5])
 
 
+_WORKER_LOG = r"""
+import logging, sys
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging
+configure_logging(LoggingConfig())  # as an engine core or worker process does (vllm/v1/engine/core.py)
+from kvbm_backend.integrations.vllm import plugin
+from kvbm_backend.pool.g4.breaker import CircuitBreaker
+from kvbm_backend.pool.g4.events import OperatorLog
+if sys.argv[1] == "dynamo":  # Dynamo's main process: vLLM's handler with Dynamo's formatter
+    from dynamo.runtime.logging import VllmColorFormatter
+    for h in logging.getLogger("vllm").handlers:
+        h.setFormatter(VllmColorFormatter())
+plugin.route_logs()
+logging.getLogger("kvbm_backend.connector").info("kvbm_backend tiers open: x")
+CircuitBreaker(1, 5.0, name="G4 s3://b/p").failure(OSError("timed out"))
+OperatorLog("G4 s3://b/p", None, "ns").store_error(OSError("AccessDenied"))
+logging.getLogger("vllm.v1.engine.core").warning("vLLM's own warning")
+logging.getLogger("vllm.v1.engine.core").error("vLLM's own error")
+"""
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "vllm_color", "dynamo"])
+def test_worker_log_filter_finds_the_packages_warnings_in_vllms_and_dynamos_formats(tmp_path, fmt):
+    """The Dynamo e2e failure message lists a worker's kvbm_backend WARNING/ERROR lines
+    (tests/helpers/worker_logs.py). In a real worker's log (a process with vLLM's logging and the plugin's
+    route: ``[breaker.py:134]``; Dynamo's formatter: ``breaker._fail:``; colours) they do not say
+    ``kvbm_backend``: CI printed ``prefill_warnings: []`` for a worker whose circuit breaker had opened.
+    The breaker's and the operator log's lines are found; vLLM's own and INFO lines are not."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.worker_logs import kvbm_warnings
+    log = tmp_path / "worker.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CONFIGURE_LOGGING": "1",
+           "VLLM_LOGGING_COLOR": "1" if fmt == "vllm_color" else "0"}
+    with open(log, "wb") as f:
+        subprocess.run([sys.executable, "-c", _WORKER_LOG, fmt], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                       check=True, timeout=300)
+    text = log.read_text()
+    assert "circuit breaker OPEN" in text and "vLLM's own warning" in text, text
+    got = kvbm_warnings(log)
+    assert len(got) == 2, (got, text)
+    assert "circuit breaker OPEN" in got[0] and "the store refuses requests" in got[1], got
+    assert not any("kvbm_backend" in ln for ln in got), got  # what the old filter looked for
+
+
 _SCHED = r"""
 import sys
 from kvbm_backend.integrations.vllm import stats

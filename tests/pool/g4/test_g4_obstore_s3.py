@@ -2,7 +2,8 @@
 obstore store's contract against a real SeaweedFS: create-exclusive PUT, GET, ranged GET, HEAD, absent
 objects and buckets, throttled answers (unretried, unslept), a dead endpoint, per-request timeouts, a
 slow PUT whose retry meets its own first copy, and PUTs whose every attempt got no answer (settled by a
-HEAD: a landed block counts written, a lost one dropped, with either client)."""
+HEAD: a landed block counts written, a lost one dropped, with either client), and PUTs whose settling HEAD
+got no answer either (PutUnsettled: the pool settles them later, or drops them at close)."""
 from __future__ import annotations
 
 import time
@@ -205,5 +206,152 @@ def test_g4_pool_on_obstore_counts_late_answered_offloads_written(seaweed, s3_pr
         else:
             assert (res.written, res.dropped) == (0, 4), st  # unavailable, or the breaker it opened
             assert ok == [False] * 4
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("client", ["obstore", "boto3"])
+def test_a_put_the_server_cannot_settle_raises_put_unsettled_and_settles_later(seaweed, s3_prefix, client):
+    """Neither PUT nor HEAD answered (an overloaded server): the store says it cannot tell
+    (PutUnsettled, with the MD5 of the bytes sent), never "lost" nor "another writer's copy", and
+    :meth:`settle` tells later: these bytes (True), other bytes (False), nothing (None). The same for a
+    retried PUT that met 412 (its first attempt landed) when the HEAD comparing ETags fails."""
+    import hashlib
+
+    from kvbm_backend.pool.g4.store import PutUnsettled
+    u = urlparse(seaweed.endpoint)
+    timeout = 1.0
+    direct = _store(client, seaweed, s3_prefix, seaweed.endpoint, 5.0)
+    late = SlowPutProxy(u.hostname, u.port, mode="late", delay_s=4 * timeout, slow_heads=2)
+    lost = SlowPutProxy(u.hostname, u.port, mode="lost", delay_s=4 * timeout, slow_heads=2)
+    try:
+        st = _store(client, seaweed, s3_prefix, late.endpoint, timeout)
+        with pytest.raises(PutUnsettled) as ei:  # both PUTs and both HEADs unanswered: it landed
+            st.put_if_absent("landed", b"x" * 1000)
+        assert ei.value.md5_hex == hashlib.md5(b"x" * 1000).hexdigest() and late.held_heads == 2
+        assert st.settle("landed", ei.value.md5_hex) is True
+        direct.put_if_absent("theirs", b"t" * 1000)
+        late.held_heads = 0
+        with pytest.raises(PutUnsettled) as ei:  # 412 answered late, HEADs unanswered
+            st.put_if_absent("theirs", b"y" * 1000)
+        assert st.settle("theirs", ei.value.md5_hex) is False
+        late.held, late.slow_puts, late.held_heads = 0, 1, 0  # the first PUT lands late, its retry meets 412
+        with pytest.raises(PutUnsettled) as ei:
+            st.put_if_absent("own-412", b"o" * 1000)
+        assert late.held == 1 and late.held_heads == 2
+        assert st.settle("own-412", ei.value.md5_hex) is True
+        st = _store(client, seaweed, s3_prefix, lost.endpoint, timeout)
+        with pytest.raises(PutUnsettled) as ei:
+            st.put_if_absent("lost", b"z" * 1000)
+        assert st.settle("lost", ei.value.md5_hex) is None and direct.head("lost") is None
+    finally:
+        late.close()
+        lost.close()
+        direct.close()
+
+
+def _unsettled_pool(seaweed, s3_prefix, tmp_path, client, proxy, n: int, first: int = 1, registry=None, **cfg_kw):
+    """A G4Pool through ``proxy`` (timeout 1 s, 1 retry: an unsettled PUT is re-checked from 0.5 s on, for
+    8 s), its ``n`` keys and blocks (sequences ``first`` on); the proxy is armed (every PUT held, ``2 * n`` HEADs unanswered) once
+    the pool wrote ``namespace.json``."""
+    from tests.helpers.g4_writer import namespace, payload
+    from kvbm_backend.pool.g4.pool import G4Pool
+    ns = namespace()
+    keys = ns.keys(range(first, first + n), tenant="t")
+    blocks = [payload(s, "t", ns.layout.bytes_per_block) for s in range(first, first + n)]
+    cfg = G4Config(url=seaweed.url(s3_prefix), endpoint_url=proxy.endpoint, s3_client=client, timeout_s=1.0,
+                   retries=1, keyring={"path": str(tmp_path / "kr.json")}, **cfg_kw)
+    p = G4Pool(cfg, ns, registry=registry)
+    t0 = time.monotonic()
+    while not p.writer.namespace_written and time.monotonic() - t0 < 60:
+        time.sleep(0.05)
+    assert p.writer.namespace_written
+    proxy.slow_puts, proxy.slow_heads = None, 2 * n
+    return p, cfg, keys, blocks
+
+
+@pytest.mark.parametrize("client,breaker", [("obstore", False), ("boto3", False), ("obstore", True)])
+def test_g4_pool_counts_a_landed_put_written_once_the_server_answers_heads_again(seaweed, s3_prefix, tmp_path,
+                                                                                client, breaker):
+    """The CI handoff under load: the PUTs landed, their answers and the HEADs settling them came after
+    the timeout. The blocks stay pending (not dropped), are settled by a later HEAD and count written.
+    ``breaker``: the unsettled PUT opens the circuit breaker (``breaker_failures`` 1): the re-checks wait
+    while it refuses and settle through its half-open probe."""
+    import numpy as np
+    u = urlparse(seaweed.endpoint)
+    proxy = SlowPutProxy(u.hostname, u.port, mode="late", delay_s=4.0, slow_puts=0)
+    kw = {"breaker_failures": 1, "breaker_reset_s": 1.0} if breaker else {}
+    try:
+        p, _, keys, blocks = _unsettled_pool(seaweed, s3_prefix, tmp_path, client, proxy, 2, **kw)
+        with p:
+            res = p.put(keys, blocks).result(timeout=60)
+            st = p.stats()
+            proxy.slow_puts = 0
+            out = [np.zeros_like(b) for b in blocks]
+            ok = p.get(keys, out).result(timeout=60).ok
+        assert (res.written, res.skipped, res.dropped) == (2, 0, 0), st
+        assert st["settled_late"] >= 1 and st["unsettled_puts"] >= 1 and st.get("dropped", 0) == 0, st
+        assert st["pending_put_blocks"] == st["unsettled_put_blocks"] == 0, st
+        assert st["breaker_opens"] >= int(breaker) and st["breaker_state"] == "closed", st
+        assert ok == [True, True] and all(np.array_equal(o, b) for o, b in zip(out, blocks))
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("client", ["obstore", "boto3"])
+def test_g4_pool_settles_a_lost_put_dropped_and_another_writers_copy_skipped(seaweed, s3_prefix, tmp_path, client):
+    """Unsettled PUTs, settled later the other two ways: a lost PUT (nothing there) ends
+    ``dropped_unavailable``, never written; a PUT that met another writer's copy ends ``skipped_exists``,
+    never dropped (the old code counted both dropped_unavailable at once)."""
+    from kvbm_backend.pool.g4.pool import G4Pool
+    u = urlparse(seaweed.endpoint)
+    lost = SlowPutProxy(u.hostname, u.port, mode="lost", delay_s=4.0, slow_puts=0)
+    late = SlowPutProxy(u.hostname, u.port, mode="late", delay_s=4.0, slow_puts=0)
+    try:
+        p, cfg, keys, blocks = _unsettled_pool(seaweed, s3_prefix, tmp_path, client, late, 1)
+        with G4Pool(cfg.model_copy(update={"endpoint_url": seaweed.endpoint}), p.namespace) as other:
+            assert other.put(keys, blocks).result(timeout=60).written == 1  # another writer's copy (its own nonce)
+        with p:
+            res = p.put(keys, blocks).result(timeout=60)
+            st = p.stats()
+        assert (res.written, res.skipped, res.dropped) == (0, 1, 0), st
+        assert st["skipped_exists"] == 1 and st["unsettled_puts"] == 1, st
+        p, cfg, keys, blocks = _unsettled_pool(seaweed, s3_prefix, tmp_path, client, lost, 1, first=2)
+        with p:
+            res = p.put(keys, blocks).result(timeout=60)
+            st = p.stats()
+        assert (res.written, res.skipped, res.dropped) == (0, 0, 1), st
+        assert st["dropped_unavailable"] == 1 and st["unsettled_puts"] == 1 and st["written"] == 0, st
+    finally:
+        lost.close()
+        late.close()
+
+
+@pytest.mark.parametrize("client", ["obstore", "boto3"])
+def test_g4_pool_close_ends_an_unsettled_put_dropped_at_once(seaweed, s3_prefix, tmp_path, client):
+    """A block whose PUT cannot be settled (HEADs keep failing) is in flight until its bound; closing the
+    pool ends it then and there (``dropped_unsettled``): close and flush never wait for the settle bound.
+    Prometheus: a dropped offload of reason ``unsettled``, and a failed store write."""
+    from prometheus_client import CollectorRegistry
+
+    from kvbm_backend.metrics import sample_value
+    u = urlparse(seaweed.endpoint)
+    proxy = SlowPutProxy(u.hostname, u.port, mode="late", delay_s=4.0, slow_puts=0)
+    reg = CollectorRegistry()
+    try:
+        p, _, keys, blocks = _unsettled_pool(seaweed, s3_prefix, tmp_path, client, proxy, 1, registry=reg)
+        proxy.slow_heads = 1000  # never settled while open
+        fut = p.put(keys, blocks)
+        t0 = time.monotonic()
+        while p.stats()["unsettled_put_blocks"] == 0 and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+        assert not fut.done() and p.stats()["pending_put_blocks"] == 1
+        p.close(timeout=0.1)
+        assert fut.done(), "close left the unsettled block in flight"
+        res, st = fut.result(), p.stats()
+        assert (res.written, res.skipped, res.dropped) == (0, 0, 1), st
+        assert st["dropped_unsettled"] == 1 and st["pending_put_blocks"] == 0, st
+        assert sample_value(reg, "kvbm_backend_g4_offloads_dropped_total", {"reason": "unsettled"}) == 1
+        assert sample_value(reg, "kvbm_object_write_failures_total") == 1
     finally:
         proxy.close()
