@@ -32,7 +32,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
-def child(setting: str, workdir: Path, model: str, hit_tokens: int, decode_tokens: int, decoders: int) -> dict:
+def child(setting: str, workdir: Path, model: str, hit_tokens: int, decode_tokens: int, decoders: int,
+          io_threads: int) -> dict:
     """One engine process: the sequence of the module doc under ``load_gil_switch_ms`` = ``setting``."""
     import numpy as np
     from vllm import LLM, SamplingParams
@@ -44,7 +45,7 @@ def child(setting: str, workdir: Path, model: str, hit_tokens: int, decode_token
     mdir = write_model_dir(workdir / "model", mdl, tokenizer=False)
     cfg = {"model": mdl.name, "load_gil_switch_ms": None if setting == "off" else float(setting),
            "g3": {"paths": [str(workdir / "g3")], "capacity_gb": 1.0, "files_per_path": 2,
-                  "admission": {"policy": "all"}}}
+                  "admission": {"policy": "all"}, "io_threads": io_threads}}
     ktc = {"kv_connector": "KvbmBackendConnector", "kv_connector_module_path": "kvbm_backend.integrations.vllm.connector",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kvbm_backend": cfg}}
     bs = 32  # the CPU attention backend takes multiples of 32
@@ -88,7 +89,7 @@ def child(setting: str, workdir: Path, model: str, hit_tokens: int, decode_token
     while eng.has_unfinished_requests():
         eng.step()
     ms = sorted(x * 1e3 for x in during)
-    return {"setting": setting, "decoders": decoders, "hit_s": round(hit_s, 4), "load_wall_s": round(stats.get("load_wall_s") - load0, 4),
+    return {"setting": setting, "decoders": decoders, "io_threads": io_threads, "hit_s": round(hit_s, 4), "load_wall_s": round(stats.get("load_wall_s") - load0, 4),
             "loaded_blocks": stats.get("load_g3_blocks_ok") - ok0, "steps_while_loading": len(during),
             "step_ms_before_p50": round(statistics.median(before) * 1e3, 3),
             "step_ms_during_p50": round(statistics.median(ms), 3), "step_ms_during_max": round(ms[-1], 3)}
@@ -102,12 +103,13 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--decoders", type=int, default=1, help="requests B decoding while A loads")
+    ap.add_argument("--io-threads", type=int, default=8, help="g3.io_threads")
     ap.add_argument("--settings", default="off,0.5", help="load_gil_switch_ms values (off: null)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        r = child(a.child, Path(a.workdir), a.model, a.hit_tokens, a.decode_tokens, a.decoders)
+        r = child(a.child, Path(a.workdir), a.model, a.hit_tokens, a.decode_tokens, a.decoders, a.io_threads)
         Path(a.workdir, "result.json").write_text(json.dumps(r))
         return 0
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
@@ -118,7 +120,8 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory(prefix="kvbm-engine-busy-") as wd:
                 p = subprocess.run([sys.executable, __file__, "--out", a.out, "--child", s, "--workdir", wd,
                                     "--model", a.model, "--hit-tokens", str(a.hit_tokens),
-                                    "--decode-tokens", str(a.decode_tokens), "--decoders", str(a.decoders)], env=env, capture_output=True, text=True)
+                                    "--decode-tokens", str(a.decode_tokens), "--decoders", str(a.decoders),
+                                    "--io-threads", str(a.io_threads)], env=env, capture_output=True, text=True)
                 if p.returncode != 0:
                     print((p.stdout + p.stderr)[-4000:], file=sys.stderr)
                     return 1
