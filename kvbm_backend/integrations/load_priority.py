@@ -32,6 +32,7 @@ _mu = threading.Lock()
 _target_s: float | None = None  # seconds while loads run; None: leave the interpreter's interval alone
 _active = 0  # loads in flight (hold() without release())
 _saved: float | None = None  # the interval before the first load shortened it
+_applied: float | None = None  # the interval the first load set (what release() expects to find)
 _held = 0  # loads that ran with the interval shortened (stats)
 
 
@@ -48,7 +49,7 @@ def configure(ms: float | None) -> None:
 
 def hold() -> None:
     """A load starts: shorten the interval if this is the first load in flight. Pair with :func:`release`."""
-    global _active, _saved, _held
+    global _active, _saved, _applied, _held
     with _mu:
         _active += 1
         if _active == 1 and _target_s is not None:
@@ -56,6 +57,7 @@ def hold() -> None:
             if _target_s < now:
                 _saved = now
                 sys.setswitchinterval(_target_s)
+                _applied = sys.getswitchinterval()  # as the interpreter stores it
         if _saved is not None:
             _held += 1
 
@@ -63,15 +65,15 @@ def hold() -> None:
 def release() -> None:
     """A load ended: restore the interval when it was the last one in flight (unless it was changed
     meanwhile by someone else). A release without a hold raises RuntimeError."""
-    global _active, _saved
+    global _active, _saved, _applied
     with _mu:
         if _active == 0:
             raise RuntimeError("load_priority.release() without hold()")
         _active -= 1
         if _active == 0 and _saved is not None:
-            if _target_s is not None and abs(sys.getswitchinterval() - _target_s) < 1e-7:
+            if sys.getswitchinterval() == _applied:  # a configure() meanwhile does not strand it shortened
                 sys.setswitchinterval(_saved)
-            _saved = None
+            _saved = _applied = None
 
 
 @contextmanager

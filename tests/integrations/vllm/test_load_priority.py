@@ -120,6 +120,11 @@ def test_overlapping_loads_restore_once_the_last_ends_and_never_lengthen_or_undo
     with load_priority.loading():
         sys.setswitchinterval(0.002)  # someone else changed it during the load: left as they set it
     assert sys.getswitchinterval() == pytest.approx(0.002)
+    sys.setswitchinterval(DEFAULT_S)
+    load_priority.configure(0.5)
+    with load_priority.loading():  # tiers opened with the setting off while a load runs: still restored after
+        load_priority.configure(None)
+    assert sys.getswitchinterval() == pytest.approx(DEFAULT_S)
     with pytest.raises(RuntimeError, match="without hold"):
         load_priority.release()
     with pytest.raises(ValueError, match="load_gil_switch_ms"):
