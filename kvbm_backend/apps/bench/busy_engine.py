@@ -51,12 +51,9 @@ class BusyEngine:
     @staticmethod
     def _calibrate(busy_s: float) -> int:
         """Iterations of :func:`_work` that take ``busy_s`` seconds here (best of a few tries)."""
-        n, t = 10_000, 0.0
-        while t < 0.02:
+        n = 10_000
+        while _timed(n) < 0.02:
             n *= 2
-            t0 = time.perf_counter()
-            _work(n)
-            t = time.perf_counter() - t0
         best = min(_timed(n) for _ in range(3))
         return max(1, int(n * busy_s / best))
 

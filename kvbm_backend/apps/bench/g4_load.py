@@ -102,9 +102,13 @@ def run(directory: str = "/dev/shm", blocks: int = 256, layout: str = "llama-3.1
 
 def _busy(out: dict, fraction: float, switch_ms, mode: str, base, ns, threads, keys, rows, staging, src,
           rounds: int) -> None:
-    """``staged`` loads of ``mode`` with a :class:`BusyEngine` stepping, per switch interval (see the module doc)."""
+    """``staged`` loads of ``mode`` with a :class:`BusyEngine` stepping, per switch interval, each load run as the
+    connector runs it (:func:`kvbm_backend.integrations.load_priority.loading`, configured to that interval,
+    from CPython's 5 ms; see the module doc)."""
     import sys
 
+    from kvbm_backend.config import KvbmBackendConfig
+    from kvbm_backend.integrations import load_priority
     from kvbm_backend.pool.g4.pool import G4Pool
 
     from .busy_engine import BusyEngine
@@ -113,16 +117,18 @@ def _busy(out: dict, fraction: float, switch_ms, mode: str, base, ns, threads, k
                                         "step_ms_alone": round(eng.step_ms_alone, 3), "by_switch_ms": {}})
     old = sys.getswitchinterval()
     try:
+        sys.setswitchinterval(0.005)
         for ms in switch_ms:
-            sys.setswitchinterval(ms / 1e3)
+            load_priority.configure(ms)
             res = eb["by_switch_ms"].setdefault(f"{ms:g}", {}).setdefault(mode, {})
             for n in threads:
                 pool = G4Pool(base.model_copy(update={"max_inflight": n}), ns)
-                with eng:
+                with eng, load_priority.loading():
                     r = _measure(pool, "staged", keys, rows, staging, src, rounds)
                 rep = eng.report()
                 res[str(n)] = {"gbps": r["gbps"], "step_ms_p50": rep["step_ms_p50"], "step_ms_p99": rep["step_ms_p99"]}
     finally:
+        load_priority.configure(KvbmBackendConfig().load_gil_switch_ms)
         sys.setswitchinterval(old)
 
 

@@ -236,12 +236,12 @@ class S3Store(ObjectStore):
         caller may settle it later (:meth:`settle`)."""
         md5 = _md5(data)
         try:
-            etag = self._stored_etag(name)
+            landed = self.settle(name, md5)
         except OSError as e:  # unavailable, throttled, denied: cannot tell now
             raise PutUnsettled(f"{failure}; a HEAD to see whether it landed failed too: {e}", name, md5) from None
-        if etag is None:
+        if landed is None:
             raise failure
-        return etag == md5
+        return landed
 
     def _holds_these_bytes(self, name: str, data: DataIn) -> bool:
         """A retried PUT of ``data`` met 412/409: True when the object ``name`` has the ETag of ``data`` (MD5
@@ -252,11 +252,10 @@ class S3Store(ObjectStore):
         worker's own block as another writer's copy (CI, 2026-11-26), nor as written."""
         md5 = _md5(data)
         try:
-            etag = self._stored_etag(name)
+            return bool(self.settle(name, md5))
         except OSError as e:
             raise PutUnsettled(f"put {self.url}/{name}: a retried PUT met 412 and a HEAD to see whose copy it "
                                f"is failed: {e}", name, md5) from None
-        return etag is not None and etag == md5
 
     def settle(self, name: str, md5_hex: str) -> bool | None:
         """See :meth:`~.store.ObjectStore.settle` (one HEAD, retried as any request; its ETag against
