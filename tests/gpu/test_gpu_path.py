@@ -542,6 +542,7 @@ def test_gpu_bench_connector_section_runs_on_cpu(tmp_path):
     so = res["storages"][str(tmp_path)]
     busy = so["g3_auto_engine_busy"]  # loads beside an engine step loop: CPython's 5 ms and the setting's 0.5 ms
     assert busy["busy_fraction"] == 1.0 and set(busy["by_switch_ms"]) == {"5", "0.5"}
+    assert busy["alone_bytes_ok"] and busy["alone_GBps_payload"] > 0 and 0 < busy["blocks"] <= res["blocks"]
     for b in busy["by_switch_ms"].values():
         assert b["bytes_ok"] and b["GBps_payload"] > 0 and b["ratio_vs_alone"] > 0 and b["step_ms_p50"] > 0
     g3 = so["g3_auto"]  # through the connector's worker role, G3's device seam in host mode
