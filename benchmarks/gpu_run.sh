@@ -26,6 +26,13 @@ echo "g4_load rc=$?"
 timeout "${G4_S:-60}" python3 -m kvbm_backend.apps.bench.g4_load --threads 8,16 --blocks 256 --rounds 1 --paths staged \
   --engine-busy 1.0 --switch-ms 5,0.5 --json > "$OUT/g4_load_engine_busy.json" 2> "$OUT/g4_load_engine_busy.err"
 echo "g4_load engine busy rc=$?"
+# GIL hand-offs per block of connector loads into HBM (a perf uprobe; skipped where perf is absent)
+if command -v perf > /dev/null; then
+  timeout 90 python3 benchmarks/gil_handoffs.py --device cuda --blocks 256 --loads 4 --json "$OUT/gil_handoffs.json" \
+    > "$OUT/gil_handoffs.log" 2>&1; echo "gil_handoffs rc=$?"
+else
+  echo "gil_handoffs: perf not installed here"
+fi
 timeout "${BENCH_S:-300}" python3 benchmarks/gpu_bench.py --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
 echo "gpu_bench rc=$?"; grep -E '^\[' "$OUT/bench.log" | tail -8
 python3 - "$OUT" <<'EOF'

@@ -6,6 +6,8 @@
   compat, pinned bounce, host), decided by a real write/read/compare.
 * :func:`~kvbm_backend.gpu.checksum.device_checksum_torch` -- ``frame.device_checksum`` in torch ops
   (:mod:`.checksum_triton`: the fused kernel where Triton runs).
+* :mod:`.rows` -- the destinations of a device load (:class:`~kvbm_backend.gpu.rows.BlockRows`: one
+  ``[n, bytes_per_block]`` tensor, copied into by runs of rows, or a list of block tensors).
 * :mod:`.staging` -- the process-wide pinned / host staging pools (:class:`~kvbm_backend.memory.BufferPool`).
 * :func:`~kvbm_backend.gpu.host_path.load_via_host` -- G4 (encrypted) loads: parallel host decrypt,
   one H2D copy. :func:`~kvbm_backend.gpu.host_path.device_blocks_to_host` -- save side staging.

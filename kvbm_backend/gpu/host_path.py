@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from ..model.namespace import BlockKey
+from .rows import BlockRows, bytes_view
 from .staging import host_staging_pool, take_rows
 
 
@@ -37,19 +38,9 @@ def _give_staging(buf: np.ndarray, device) -> None:
 
 
 def check_dst(dst, nbytes: int, device) -> None:
-    """Raise ValueError naming the first tensor of ``dst`` that is not a contiguous ``nbytes``-byte
-    tensor on ``device``'s type."""
-    torch = _torch()
-    dev = torch.device(device)
-    for i, t in enumerate(dst):
-        if t.device.type != dev.type or not t.is_contiguous() or t.numel() * t.element_size() != nbytes:
-            raise ValueError(f"dst[{i}]: need a contiguous {nbytes}-byte tensor on {dev}, got "
-                             f"{t.numel() * t.element_size()} bytes on {t.device}")
-
-
-def _u8(t):
-    torch = _torch()
-    return t.view(-1) if t.dtype == torch.uint8 else t.view(-1).view(torch.uint8)
+    """Raise ValueError naming the first tensor of ``dst`` (a list of tensors, or one ``[n, nbytes]``
+    matrix) that is not a contiguous ``nbytes``-byte tensor on ``device``'s type."""
+    BlockRows(dst, nbytes, _torch().device(_torch().device(device).type))
 
 
 def load_via_host(pool, keys: Sequence[BlockKey], dst: Sequence, *, timeout_s: float | None = None) -> list[bool]:
@@ -65,7 +56,8 @@ def load_via_host(pool, keys: Sequence[BlockKey], dst: Sequence, *, timeout_s: f
     Args:
         pool: a :class:`~kvbm_backend.pool.base.BlockPool` taking numpy buffers (G4; G3 on a host path).
         keys: block keys.
-        dst: contiguous tensors of ``pool.layout.bytes_per_block`` bytes each, all on one device.
+        dst: one ``[n, pool.layout.bytes_per_block]``-byte tensor (row i: block i), or contiguous tensors of
+            that many bytes each, all on one device (:class:`~.rows.BlockRows`).
         timeout_s: wait for the pool's answer (None: the pool's own timeouts bound it); late = misses.
     Returns:
         ``ok[i]`` True only where the pool verified block i (AEAD tag / checksum) and it was copied;
@@ -79,32 +71,31 @@ def load_via_host(pool, keys: Sequence[BlockKey], dst: Sequence, *, timeout_s: f
     if n == 0:
         return []
     bpb = pool.layout.bytes_per_block
-    device = dst[0].device
-    check_dst(dst, bpb, device)
+    rows_dst = dst if isinstance(dst, BlockRows) else BlockRows(dst, bpb)
+    device = rows_dst.device
     buf, host = _host_staging(n, bpb, device)
     host_np = host.numpy()
     rows = [host_np[r] for r in range(n)]
     if getattr(pool, "get_staged", None) is not None:
-        return _load_staged(pool, keys, dst, buf, host, rows, device, timeout_s)
+        return _load_staged(pool, keys, rows_dst, buf, host, rows, device, timeout_s)
     try:
         res = pool.get(list(keys), rows).result(timeout=timeout_s)
         ok = [bool(x) for x in res.ok] + [False] * (n - len(res.ok))
     except Exception:  # noqa: BLE001 - storage trouble or late: misses (the pool logged and counted)
         return [False] * n  # the staging is not given back: a late read may still write into it
-    copier = _Copier(host, dst, device)
-    for r in range(n):
-        if ok[r]:
-            copier.copy(r)
+    copier = _Copier(host, rows_dst, device)
+    copier.copy_rows([r for r in range(n) if ok[r]])
     copier.finish()
     _give_staging(buf, device)  # the pool's get is done and the copies are synchronised
     return ok
 
 
 class _Copier:
-    """Copies verified staging rows to their ``dst`` tensors: on a side CUDA stream, ``non_blocking``
-    (from pinned rows), one call per row; plain copies on the CPU. :meth:`finish` waits for them."""
+    """Copies verified staging rows to their ``dst`` rows (:class:`~.rows.BlockRows`): on a side CUDA stream,
+    ``non_blocking`` (from pinned rows), one copy per run of consecutive rows; plain copies on the CPU.
+    :meth:`finish` waits for them."""
 
-    def __init__(self, host, dst: Sequence, device):
+    def __init__(self, host, dst: BlockRows, device):
         self.host, self.dst, self.cuda = host, dst, device.type == "cuda"
         if self.cuda:
             torch = _torch()
@@ -115,14 +106,13 @@ class _Copier:
         self.copy_rows((r,))
 
     def copy_rows(self, rows: Sequence[int]) -> None:
-        """Copy staging rows ``rows`` to their ``dst`` tensors, all under one stream context."""
+        """Copy staging rows ``rows`` to the same ``dst`` rows, all under one stream context."""
+        rows = sorted(rows)
         if self.cuda:
             with _torch().cuda.stream(self.stream):
-                for r in rows:
-                    _u8(self.dst[r]).copy_(self.host[r], non_blocking=True)
+                self.dst.copy_in(rows, self.host, rows, non_blocking=True)
         else:
-            for r in rows:
-                _u8(self.dst[r]).copy_(self.host[r])
+            self.dst.copy_in(rows, self.host, rows)
 
     def finish(self) -> None:
         if self.cuda:
@@ -190,7 +180,7 @@ def device_blocks_to_host(src: Sequence, nbytes: int) -> list[np.ndarray]:
     check_dst(src, nbytes, device)
     _, host = _host_staging(len(src), nbytes, device)  # the caller keeps the views: never given back
     for r, t in enumerate(src):
-        host[r].copy_(_u8(t), non_blocking=device.type == "cuda")
+        host[r].copy_(bytes_view(t), non_blocking=device.type == "cuda")
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     arr = host.numpy()

@@ -6,9 +6,10 @@ blocks the caller's thread. Host block buffers are 1-D ``uint8`` numpy arrays of
 ``layout.bytes_per_block`` bytes (FullyContiguous ``[layer, outer, page, inner]``); 4 KiB-aligned
 buffers (:func:`kvbm_backend.memory.aligned_empty`) take the zero-copy O_DIRECT path.
 
-Device destinations (the one seam for loads into HBM): ``get(keys, out)`` also takes ``out`` as
-contiguous torch tensors of ``layout.bytes_per_block`` bytes each, all on one device (``cuda:N``, or
-``cpu``, which runs the same code in host mode). The pool then moves and verifies the bytes itself
+Device destinations (the one seam for loads into HBM): ``get(keys, out)`` also takes ``out`` as one torch
+tensor ``[n, layout.bytes_per_block]`` bytes whose row i is block i's destination (the form loads should use,
+:mod:`kvbm_backend.gpu.rows`), or as contiguous torch tensors of ``layout.bytes_per_block`` bytes each, all on
+one device (``cuda:N``, or ``cpu``, which runs the same code in host mode). The pool then moves and verifies the bytes itself
 (G3: slots read straight into device staging by kvikio/GDS or a pinned bounce, verified on the device,
 see :class:`kvbm_backend.pool.g3.read.device.DeviceLoader`; G4: decrypted and verified on the host, one H2D
 copy, :func:`kvbm_backend.gpu.host_path.load_via_host`). ``ok[i]`` keeps its meaning: True only where
@@ -40,7 +41,7 @@ _T = TypeVar("_T")
 #: a host block buffer: 1-D ``uint8``, ``layout.bytes_per_block`` bytes
 BlockBuffer = npt.NDArray[np.uint8]
 #: where ``get`` puts blocks: host buffers, or torch tensors on one device (see the module docstring)
-GetDestinations = Union[Sequence[BlockBuffer], Sequence["torch.Tensor"]]
+GetDestinations = Union[Sequence[BlockBuffer], Sequence["torch.Tensor"], "torch.Tensor"]
 
 
 @dataclass
@@ -247,10 +248,13 @@ def require_g3_extensions(pool: object, what: str = "g3") -> G3Extensions | None
                     "the connector's worker needs the G3 extensions of kvbm_backend.pool.base")
 
 
-def is_tensor_batch(bufs: Sequence[object]) -> bool:
-    """True when ``bufs`` are torch tensors (the device-destination form of ``get``: its first item is one),
-    without importing torch; False for numpy buffers or an empty list."""
-    return bool(bufs) and type(bufs[0]).__module__.startswith("torch")
+def is_tensor_batch(bufs: Sequence[object] | Any) -> bool:
+    """True when ``bufs`` are torch tensors (the device-destination form of ``get``: one ``[n, bytes_per_block]``
+    tensor, :mod:`kvbm_backend.gpu.rows`, or a list whose first item is a tensor), without importing torch;
+    False for numpy buffers or an empty list."""
+    if type(bufs).__module__.startswith("torch"):
+        return True
+    return bool(len(bufs)) and type(bufs[0]).__module__.startswith("torch")
 
 
 def completed(value: _T) -> Future[_T]:

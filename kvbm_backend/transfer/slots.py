@@ -83,6 +83,16 @@ def contiguous_runs(spans: Sequence[tuple], max_bytes: int | None = None) -> lis
     return runs
 
 
+def file_order(rows: Sequence[int], where: Callable[[int], tuple[str, int]]) -> list[int]:
+    """``rows`` sorted by where each one's bytes lie (``where(row)``: ``(file, offset)``), so that slots
+    adjacent in a file become adjacent rows and :func:`contiguous_runs` finds them as one read.
+
+    Why: the G3 writer stripes consecutive blocks over the pool's files (block k in file ``k % files``), so in
+    key order no two neighbours share a file and every slot would be its own read: for a device load, a
+    kvikio read and its future per 2 MiB block, each costing GIL hand-offs (:mod:`kvbm_backend.gpu.rows`)."""
+    return sorted(rows, key=where)
+
+
 def group_passes(rows: Sequence[tuple[int, int]], max_bytes: int) -> list[tuple[list[int], int]]:
     """Rows grouped into passes of one slot length each, at most ``max_bytes`` of staging per pass.
 

@@ -300,14 +300,18 @@ class WorkerSide:
             i4 = [i for i, t in enumerate(job.tiers) if t != "G3"]
             # One staging tensor on the engine's KV device; its rows are the pools' destinations (the
             # pool seam for device loads: G3 verifies in place on the device, G4 on the host + one H2D).
+            # A tier's rows go to its pool as one [m, bpb] slice when they are consecutive (they are, but for
+            # a G3/G4 mix): a tensor object per block costs GIL hand-offs (kvbm_backend.gpu.rows).
             buf, staging = self._take_load_staging(n, bpb)
-            rows = list(staging.unbind(0))
             for tier_idx, pool in ((i3, self.g3), (i4, self.g4)):
                 if not tier_idx or pool is None:
                     continue
                 tkeys = [keys[i] for i in tier_idx]
-                res, ended = self._get(pool, tkeys if pool is self.g3 else self._g4_keys(tkeys),
-                                       [rows[i] for i in tier_idx], ld.deadline.left())
+                a = tier_idx[0]
+                out = staging[a:a + len(tier_idx)] if tier_idx[-1] - a == len(tier_idx) - 1 else \
+                    [staging[i] for i in tier_idx]
+                res, ended = self._get(pool, tkeys if pool is self.g3 else self._g4_keys(tkeys), out,
+                                       ld.deadline.left())
                 if not ended:
                     buf = None  # a late read may still land in the staging: never handed out again
                 for i, good in zip(tier_idx, res):
@@ -336,7 +340,7 @@ class WorkerSide:
                       load_scatter_s=time.perf_counter() - t0, load_wall_s=time.monotonic() - ld.t0)
             if self.promote_to_g3 and self.g3 is not None and prefix > n3:
                 self._promote([keys[i] for i in range(prefix) if job.tiers[i] != "G3"],
-                              [rows[i] for i in range(prefix) if job.tiers[i] != "G3"])
+                              [staging[i] for i in range(prefix) if job.tiers[i] != "G3"])
                 buf = None  # G3's put of the promoted rows reads them after this returns
             if buf is not None:  # a CPU engine's scatter is done (synchronous) and no read is in flight
                 self._load_staging.give(buf)

@@ -126,7 +126,7 @@ class CanonicalG4:
             return PutResult(written=w, skipped=s + skipped, dropped=n - w - s)
         return _all_of([self.inner.put(pkeys, pbufs)], blocks_of)
 
-    def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> Future[GetResult]:
+    def get(self, keys: Sequence[BlockKey], out: Sequence[Any] | Any) -> Future[GetResult]:
         """Read the parts of each key's rank heads into host buffers and assemble block ``i`` into
         ``out[i]`` (numpy host buffers, or torch tensors on one device: one copy each) only when all its
         parts verified; ``ok[i]`` False otherwise (``out[i]`` untouched). Raises ValueError for mismatched

@@ -191,21 +191,21 @@ class G4Pool:
         the same)."""
         return self.writer.put(keys, blocks)
 
-    def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> Future[GetResult]:
+    def get(self, keys: Sequence[BlockKey], out: Sequence[Any] | Any) -> Future[GetResult]:
         """Load ``keys[i]`` into ``out[i]``; the future gives a :class:`GetResult` within the load bound.
         ``ok[i]`` is True only after header identity and GCM tag (or xxh3) verified in ``out[i]``.
 
-        ``out`` may be torch tensors on one device (the pool seam for device loads,
+        ``out`` may be torch tensors on one device, or one ``[n, bytes_per_block]`` tensor (the pool seam for device loads,
         :mod:`kvbm_backend.pool.base`): blocks are then decrypted and verified on the host into pinned
         staging (in parallel, ``max_inflight`` at once) and copied to the device with one async H2D
         copy (:func:`kvbm_backend.gpu.host_path.load_via_host`); a miss leaves ``out[i]`` untouched.
         Raises ValueError for mismatched lengths or wrong-sized buffers."""
-        keys, out = list(keys), list(out)
+        keys = list(keys)
         if len(keys) != len(out):
             raise ValueError(f"get: {len(keys)} keys but {len(out)} buffers")
-        if is_tensor_batch(out):
+        if is_tensor_batch(out):  # a [n, bytes] matrix stays one tensor (kvbm_backend.gpu.rows)
             return self._get_tensors(keys, out)
-        return self.reader.get(keys, out)
+        return self.reader.get(keys, list(out))
 
     def get_staged(self, keys: Sequence[BlockKey], rows: Sequence[npt.NDArray[np.uint8]],
                    on_hit: Callable[[int], object] | None = None) -> GetBatch:
@@ -214,9 +214,10 @@ class G4Pool:
         ``.idle``); raises ValueError for mismatched lengths or wrong-sized rows."""
         return self.reader.get_staged(keys, rows, on_hit)
 
-    def _get_tensors(self, keys: list[BlockKey], out: list[Any]) -> Future[GetResult]:
-        from ...gpu.host_path import check_dst, load_via_host
-        check_dst(out, self._bpb, out[0].device)  # ValueError at the call, like numpy buffers
+    def _get_tensors(self, keys: list[BlockKey], out: Any) -> Future[GetResult]:
+        from ...gpu.host_path import load_via_host
+        from ...gpu.rows import BlockRows
+        out = BlockRows(out, self._bpb)  # ValueError at the call, like numpy buffers
         fut: Future[GetResult] = Future()
         fut.set_running_or_notify_cancel()
 

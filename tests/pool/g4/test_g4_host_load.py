@@ -39,9 +39,12 @@ def _tamper(pool: G4Pool, key, at: int) -> None:
     assert pool.store.put_if_absent(name, bytes(blob))
 
 
+@pytest.mark.parametrize("form", ["list", "matrix"])
 @pytest.mark.parametrize("encrypt", [True, False], ids=["encrypted", "plain"])
 @pytest.mark.parametrize("store", ["file", "s3"])
-def test_tensor_loads_verify_every_byte_and_leave_misses_untouched(store, encrypt, tmp_path, request):
+def test_tensor_loads_verify_every_byte_and_leave_misses_untouched(store, encrypt, form, tmp_path, request):
+    """``out`` as a list of block tensors, or as one ``[n, bytes_per_block]`` matrix (kvbm_backend.gpu.rows:
+    the connector's form, verified rows copied by runs)."""
     with _pool(store, encrypt, tmp_path, request) as pool:
         ns, bpb = pool.namespace, pool.layout.bytes_per_block
         keys = ns.keys(range(1, N + 1), tenant="t")
@@ -49,7 +52,8 @@ def test_tensor_loads_verify_every_byte_and_leave_misses_untouched(store, encryp
         assert pool.put(keys[:-1], blocks[:-1]).result(timeout=60).written == N - 1  # the last one: absent
         _tamper(pool, keys[3], HEADER_BYTES + bpb // 2)  # payload byte
         _tamper(pool, keys[7], 40)  # header byte (identity / header check)
-        dst = [torch.full((bpb,), SENTINEL, dtype=torch.uint8) for _ in keys]
+        dst = [torch.full((bpb,), SENTINEL, dtype=torch.uint8) for _ in keys] if form == "list" else \
+            torch.full((len(keys), bpb), SENTINEL, dtype=torch.uint8)
         ok = pool.get(keys, dst).result(timeout=60).ok
         bad = {3, 7, N - 1}
         assert ok == [i not in bad for i in range(N)], pool.stats()

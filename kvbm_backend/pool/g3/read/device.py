@@ -65,8 +65,9 @@ from ....model.layout import KvLayout
 from ....model.namespace import BlockKey, tenant_tag
 from ...base import SlotLease, SlotLeaseSource
 from ....deadlines import Deadline
-from ....transfer import group_passes
+from ....transfer import file_order, group_passes
 from ....gpu.probe import MODES, PROBE_BYTES, ProbeResult, probe_device_path
+from ....gpu.rows import BlockRows
 from .passes import PassReader, _Pass
 from .stages import add_seconds, lease_all, release_quietly
 from .verify import PassVerifier
@@ -191,16 +192,17 @@ class DeviceLoader:
 
 
     # -- public ------------------------------------------------------------------------------
-    def load(self, keys: Sequence[BlockKey], dst: Sequence[torch.Tensor], reasons: list[str | None] | None = None,
-             io: dict[str, int] | None = None) -> list[bool]:
+    def load(self, keys: Sequence[BlockKey], dst: torch.Tensor | Sequence[torch.Tensor],
+             reasons: list[str | None] | None = None, io: dict[str, int] | None = None) -> list[bool]:
         """Load ``keys[i]`` into ``dst[i]``.
 
         Args:
             keys: block keys of this rank.
-            dst: one contiguous tensor per key on :attr:`device`, ``layout.bytes_per_block`` bytes each
-                (any dtype; its bytes are overwritten with the FullyContiguous block
-                ``[layer, outer, page, inner]``), e.g. rows of a staging tensor that the connector then
-                scatters into the engine's paged KV.
+            dst: one ``[n, layout.bytes_per_block]``-byte tensor on :attr:`device` whose row ``i`` is key
+                ``i``'s destination (the form to use: copied out by runs of rows, no per-block tensor objects,
+                :mod:`kvbm_backend.gpu.rows`), e.g. the connector's load staging that it then scatters into
+                the engine's paged KV; or one contiguous tensor per key. Any dtype; the bytes are overwritten
+                with the FullyContiguous block ``[layer, outer, page, inner]``.
             reasons: if given, a list that receives one entry per key: None (loaded) or why not
                 (``not_found``, ``io_error``, ``short``, ``timeout``, ``unverifiable``, or a corrupt
                 reason: ``devcheck``, ``integrity``, ``identity``, ``layout``, ``length``, ``magic``,
@@ -216,14 +218,7 @@ class DeviceLoader:
         """
         if len(keys) != len(dst):
             raise ValueError(f"load: {len(keys)} keys but {len(dst)} destination tensors")
-        bpb = self.layout.bytes_per_block
-        for i, t in enumerate(dst):
-            if t.device != self.device and not (t.device.type == self.device.type == "cuda"
-                                                and (self.device.index is None or t.device.index is None)):
-                raise ValueError(f"dst[{i}]: on {t.device}, loader stages on {self.device}")
-            if not t.is_contiguous() or t.numel() * t.element_size() != bpb:
-                raise ValueError(f"dst[{i}]: need a contiguous tensor of {bpb} bytes, got "
-                                 f"{t.numel() * t.element_size()} bytes contiguous={t.is_contiguous()}")
+        rows = BlockRows(dst, self.layout.bytes_per_block, self.device)  # ValueError names a bad one
         n = len(keys)
         why: list[str | None] = ["not_found"] * n
         if n == 0:
@@ -235,7 +230,7 @@ class DeviceLoader:
             with self._call_lock:
                 b0 = self.counters["bytes_read"]
                 try:
-                    self._load_rows(keys, held, dst, why)
+                    self._load_rows(keys, held, rows, why)
                 finally:
                     if io is not None:
                         io["bytes_read"] = self.counters["bytes_read"] - b0
@@ -251,7 +246,8 @@ class DeviceLoader:
     def stats(self) -> dict[str, Any]:
         """Counters: ``loaded``, ``missed``, ``not_found``, ``io_error``, ``short``, ``timeout``,
         ``corrupt_<reason>`` (FrameError reasons, ``devcheck``), ``unverifiable``, ``host_verified``,
-        ``bytes_read``, ``passes``, ``files_o_direct`` / ``files_buffered`` (how slab files are read on
+        ``bytes_read``, ``passes``, ``reads`` (reads put on the wire: runs of slots adjacent in a file, in
+        file order), ``files_o_direct`` / ``files_buffered`` (how slab files are read on
         the bounce/host paths); seconds the caller's thread spent waiting for reads (``read_wait_s``),
         checking and copying out (``verify_s``: of it ``verify_headers_s`` checking headers on the host,
         ``verify_payload_s`` queueing the device checksums and comparing them, ``verify_copy_s`` queueing
@@ -275,7 +271,7 @@ class DeviceLoader:
         self.reads.close()
 
     # -- internals ---------------------------------------------------------------------------
-    def _load_rows(self, keys: Sequence[BlockKey], leases: dict[int, SlotLease], dst: Sequence[torch.Tensor],
+    def _load_rows(self, keys: Sequence[BlockKey], leases: dict[int, SlotLease], dst: BlockRows,
                    why: list[str | None]) -> None:
         import torch
         bpb = self.layout.bytes_per_block
@@ -287,7 +283,8 @@ class DeviceLoader:
                 for i in rows:
                     why[i] = "length"
                 continue
-            passes.append((rows, slot_len))
+            # reads in file order (the writer stripes neighbours over the files): few long reads per pass
+            passes.append((file_order(rows, lambda i: (leases[i].path, leases[i].offset)), slot_len))
         reading: deque[_Pass] = deque()  # reads on the wire, not reaped yet
         checking: deque[_Pass] = deque()  # reaped, checks queued on the device, not completed yet
         t0 = time.perf_counter()
@@ -327,7 +324,7 @@ class DeviceLoader:
         add_seconds(self.counters, "load_s", time.perf_counter() - t0)
 
     def _advance(self, reading: deque[_Pass], checking: deque[_Pass], keys: Sequence[BlockKey],
-                 dst: Sequence[torch.Tensor], why: list[str | None], deadline: Deadline) -> None:
+                 dst: BlockRows, why: list[str | None], deadline: Deadline) -> None:
         """One step of the pipeline: reap the oldest pass still reading and queue its checks on the device;
         complete (check on the host, copy out) the pass reaped before it. So the loader's thread waits for
         the reads of pass k while the device checks pass k - 1, and never for the device itself."""

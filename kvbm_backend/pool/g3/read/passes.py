@@ -69,7 +69,7 @@ class PassReader:
             reader threads (``preadv``, O_DIRECT where the filesystem takes it).
         device: the torch device staging lives on. io_bytes: bytes per read (at least one slot).
         threads: reads in flight (reader threads / kvikio's thread pool).
-        counters: the loader's Counter (``bytes_read``, ``timeout``, ``io_error``, ``short``, ``h2d_submit_s``,
+        counters: the loader's Counter (``reads`` put on the wire, ``bytes_read``, ``timeout``, ``io_error``, ``short``, ``h2d_submit_s``,
             ``files_o_direct`` / ``files_buffered``).
     """
 
@@ -169,6 +169,9 @@ class PassReader:
         """Put the pass's reads on the wire (returns at once): one read per run of adjacent slots of one
         file, at most ``io_bytes`` each (at least one slot)."""
         spans = [(ls.path, ls.offset, ls.slot_len) for ls in p.leases]
+        # one numpy view / flat device view per pass: a tensor object per read or block costs GIL hand-offs
+        host_np = p.host.numpy() if p.host is not None else None
+        flat = p.staging.view(-1) if self.engine is not None else None
         for r0, nr in contiguous_runs(spans, self.io_bytes):
             ls = p.leases[r0]
             try:
@@ -176,35 +179,35 @@ class PassReader:
                 f: Any  # a concurrent Future, or kvikio's IOFuture
                 if self.pool is not None:
                     # bounce / host passes have host rows and a header buffer (DeviceLoader makes them so)
-                    assert p.host is not None and p.headers is not None
-                    f = self.pool.submit(self._read_bounce, ls.path, p.staging[r0:r0 + nr], p.headers[r0:r0 + nr],
-                                          ls.offset, p.host[r0:r0 + nr])
+                    assert host_np is not None and p.headers is not None
+                    f = self.pool.submit(self._read_bounce, ls.path, host_np[r0:r0 + nr], p.headers[r0:r0 + nr],
+                                          ls.offset)
                 else:
-                    assert self.engine is not None  # no reader threads: the kvikio modes' engine reads
-                    f = self.engine.read_to_device_async(fd, p.staging[r0:r0 + nr].reshape(-1), nr * p.slot_len,
-                                                          ls.offset)
+                    assert self.engine is not None and flat is not None  # the kvikio modes' engine reads
+                    f = self.engine.read_to_device_async(fd, flat[r0 * p.slot_len:(r0 + nr) * p.slot_len],
+                                                          nr * p.slot_len, ls.offset)
             except Exception as e:  # noqa: BLE001 - a read that cannot start: its rows are misses
                 log.warning("frame read submit failed (%d rows at %s:%d): %s", nr, ls.path, ls.offset, e)
                 self.counters["io_error"] += nr
                 continue
             p.futs.append((r0, nr, f))
+            self.counters["reads"] += 1
 
-    def _read_bounce(self, path: str, dev: torch.Tensor, hdr: BlockBuffer, offset: int,
-                     host: torch.Tensor) -> tuple[int, None]:
+    def _read_bounce(self, path: str, host: BlockBuffer, hdr: BlockBuffer, offset: int) -> tuple[int, None]:
         """One read of the bounce and host paths (a reader thread): ``preadv`` into ``host``, the pass's
-        host rows ``[nr, slot_len]`` (host mode: the staging itself; ``pinned-bounce``: pinned rows that
-        :meth:`reap` copies to the device staging ``dev`` on the loader's stream, one DMA per pass),
-        then the rows' 4 KiB headers into ``hdr`` (``[nr, HEADER_BYTES]``, host). Returns ``(bytes read, None)``.
+        host rows ``[nr, slot_len]`` as numpy (host mode: the staging itself; ``pinned-bounce``: pinned rows
+        that :meth:`reap` copies to the device staging on the loader's stream, one DMA per pass), then the
+        rows' 4 KiB headers into ``hdr`` (``[nr, HEADER_BYTES]``, host). Returns ``(bytes read, None)``.
 
         Why the loader's thread queues the copies, not the reader threads: on an H200 host (tmpfs, 4 GiB
         of 2 MiB blocks) per-thread copies on per-thread streams, each waited for, loaded at 5-7 GB/s; copies
         queued by the loader on its one stream at 12-14 GB/s (``benchmarks/gpu_bench.py --sweep``, 2026-11-25)."""
-        slot_len = dev.shape[1]
-        buf = host.numpy().reshape(-1)
+        slot_len = host.shape[1]
+        buf = host.reshape(-1)
         got = self.files.preadv(path, [buf], offset, True)  # O_DIRECT (no page-cache copy) where taken
         full = got // slot_len
         if full:
-            hdr[:full] = buf[:full * slot_len].reshape(full, slot_len)[:, :hdr.shape[1]]
+            hdr[:full] = host[:full, :hdr.shape[1]]
         return got, None
 
     def reap(self, p: _Pass, deadline: Deadline) -> None:

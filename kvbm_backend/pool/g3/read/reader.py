@@ -24,6 +24,7 @@ from ....model.frame import FrameError
 from ....model.namespace import BlockKey
 from ....transfer.layers import DEFAULT_MIN_READ
 from ...base import BlockBuffer, GetDestinations, GetResult, SlotLease, is_tensor_batch
+from ....gpu.rows import is_matrix
 from .. import journal as jr
 from ..index import TagKey
 from ..catalog import _MISS_REASON, HDR, SlotCatalog
@@ -101,8 +102,10 @@ class G3Reader:
         if is_tensor_batch(out):
             if len(keys) != len(out):
                 raise ValueError(f"get: {len(keys)} keys but {len(out)} buffers")
-            return self._get_tensors(keys, cast("list[torch.Tensor]", list(out)))  # is_tensor_batch said so
-        self.pool._check_keys(keys, out, "get", writable=True)
+            # a [n, bytes] matrix stays one tensor (copied out by runs of rows, kvbm_backend.gpu.rows)
+            return self._get_tensors(keys, cast("torch.Tensor", out) if is_matrix(out)
+                                     else cast("list[torch.Tensor]", list(out)))
+        self.pool._check_keys(keys, cast("Sequence[BlockBuffer]", out), "get", writable=True)
         # _check_keys let only contiguous 1-D uint8 numpy buffers through
         return HostGet(self, keys, cast("list[BlockBuffer]", list(out))).start()
 
@@ -245,13 +248,13 @@ class G3Reader:
         """``{device: {"mode", "reason"}}`` of the device loaders made so far (``G3Pool.stats``)."""
         return {dev: {"mode": rd.mode, "reason": rd.mode_reason} for dev, rd in list(self.device_readers.items())}
 
-    def _get_tensors(self, keys: list[BlockKey], out: list[torch.Tensor]) -> Future[GetResult]:
+    def _get_tensors(self, keys: list[BlockKey], out: torch.Tensor | list[torch.Tensor]) -> Future[GetResult]:
         """``get`` into torch tensors: the device reader on the device-load thread."""
         cat = self.cat
         fut: Future[GetResult] = Future()
         fut.set_running_or_notify_cancel()
         try:
-            rd = self.device_reader(out[0].device)
+            rd = self.device_reader(cast("torch.Tensor", out if is_matrix(out) else out[0]).device)
         except Exception as e:  # noqa: BLE001 - no device path: every block is a miss, said once per call
             log.warning("G3: device load of %d blocks impossible: %s", len(keys), e)
             fut.set_result(GetResult(ok=[False] * len(keys)))

@@ -1,6 +1,6 @@
 """The verify side of :class:`~.device.DeviceLoader`: a read pass's 4 KiB headers checked on the host,
 payloads checked where they landed (the device checksum on the device, else xxh3_128 on the host),
-verified payloads copied into the caller's tensors in one multi-tensor copy; corrupt slots reported to
+verified payloads copied into the caller's tensors by runs of rows (:class:`kvbm_backend.gpu.rows.BlockRows`); corrupt slots reported to
 the source (invariant 1, never wrong KV).
 
 A pass is verified in two steps so the loader's thread never waits for the device while reads are
@@ -32,6 +32,7 @@ from ....model.frame import FLAG_DEVCHECK, HEADER_BYTES, ChecksumFrames, FrameEr
 from ....model.layout import KvLayout
 from ....model.namespace import BlockKey
 from ....gpu.checksum import combine_limb_sums, device_limb_sums
+from ....gpu.rows import BlockRows
 from ...base import SlotLeaseSource
 from .passes import _Pass
 from .stages import TRANSIENT, add_seconds, check_frame, report_corrupt
@@ -93,8 +94,7 @@ class PassVerifier:
         p.checked = ev
         add_seconds(self.counters, "verify_payload_s", time.perf_counter() - t0)
 
-    def complete(self, p: _Pass, keys: Sequence[BlockKey], dst: Sequence[torch.Tensor],
-                 why: list[str | None]) -> None:
+    def complete(self, p: _Pass, keys: Sequence[BlockKey], dst: BlockRows, why: list[str | None]) -> None:
         """Check headers and payloads of a launched pass; queue the copy of the verified payloads into
         ``dst``; record :attr:`~.passes._Pass.done` (CUDA)."""
         t_start = time.perf_counter()
@@ -113,9 +113,9 @@ class PassVerifier:
             ok_rows = self._check_payloads(p, dev_rows, expect, host_rows)
             t1 = time.perf_counter()
             add_seconds(self.counters, "verify_payload_s", t1 - t0)
-            if ok_rows:  # one multi-tensor copy for the pass (not one launch per block)
-                _copy_all([_bytes_view(dst[p.rows[r]]) for r in ok_rows],
-                          [p.staging[r, HEADER_BYTES:HEADER_BYTES + bpb] for r in ok_rows])
+            # one copy per run of rows (a matrix destination) or one multi-tensor copy: never one per block
+            dst.copy_in([p.rows[r] for r in ok_rows], p.staging[:, HEADER_BYTES:HEADER_BYTES + bpb], ok_rows,
+                        non_blocking=True)
             for r in range(n):
                 i = p.rows[r]
                 why[i] = reason = p.status[r]
@@ -200,10 +200,13 @@ class PassVerifier:
                     ok_rows.append(r)
                 else:
                     p.status[r] = "devcheck"
+        rows_h = None  # the pass's host rows as one numpy array: a tensor object per block costs GIL hand-offs
+        if host_rows:
+            src = p.host if p.host is not None else p.staging
+            rows_h = src.numpy() if src.device.type == "cpu" else None
         for r, h in host_rows:
-            pay = p.host[r, HEADER_BYTES:HEADER_BYTES + bpb] if p.host is not None else \
-                p.staging[r, HEADER_BYTES:HEADER_BYTES + bpb]
-            pay_h = pay.numpy() if pay.device.type == "cpu" else pay.cpu().numpy()
+            pay_h = rows_h[r, HEADER_BYTES:HEADER_BYTES + bpb] if rows_h is not None else \
+                p.staging[r, HEADER_BYTES:HEADER_BYTES + bpb].cpu().numpy()
             if payload_checksum(pay_h) == h.integrity:
                 ok_rows.append(r)
                 self.counters["host_verified"] += 1
@@ -211,22 +214,3 @@ class PassVerifier:
                 p.status[r] = "integrity"
         ok_rows.sort()
         return ok_rows
-
-
-def _bytes_view(t: torch.Tensor) -> torch.Tensor:
-    """1-D uint8 view of a contiguous tensor's bytes."""
-    import torch
-    t = t.view(-1)
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
-
-
-def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """``dsts[i].copy_(srcs[i])`` for all i on the current stream, fused where torch can
-    (``torch._foreach_copy_``), else one copy per pair."""
-    import torch
-    fused = getattr(torch, "_foreach_copy_", None)
-    if fused is not None and len(dsts) > 1:
-        fused(dsts, srcs, non_blocking=True)
-        return
-    for d, s in zip(dsts, srcs):
-        d.copy_(s, non_blocking=True)
