@@ -435,8 +435,9 @@ ENGINE_BUSY_BLOCKS = 256  # blocks per load beside the busy engine (at 5 ms a 4 
 def _engine_busy_loads(w, ids, seqs, bpb: int, clear, same, fraction: float) -> dict:
     """G3 loads of the first :data:`ENGINE_BUSY_BLOCKS` blocks through the worker alone, then with a
     :class:`BusyEngine` stepping beside them at CPython's 5 ms switch interval (``load_gil_switch_ms`` off) and
-    at the setting's default: GB/s (median of ``LOAD_REPEATS``), the ratio to the same loads alone, and the
-    engine's step times."""
+    at the setting's default: GB/s (median of ``LOAD_REPEATS``), the ratio to the same loads alone, the GIL
+    hand-offs per block that slowdown implies (``handoffs_per_block_est``: added seconds per block over the
+    interval) and the engine's step times."""
     import sys
 
     from kvbm_backend.apps.bench.busy_engine import BusyEngine
@@ -466,9 +467,12 @@ def _engine_busy_loads(w, ids, seqs, bpb: int, clear, same, fraction: float) -> 
             load_priority.configure(ms)
             with eng:
                 g, ok = loads()
+            # each GIL hand-off of a load waits up to one interval beside the loop: the time added per block,
+            # in intervals, estimates the hand-offs (benchmarks/gil_handoffs.py counts them exactly)
+            est = (nbytes / g - nbytes / alone) / ((ms or 5) / 1e3) / len(ids)
             out["by_switch_ms"][f"{ms or 5:g}"] = {"GBps_payload": round(g, 2), "ratio_vs_alone": round(g / alone, 3),
-                                                  "bytes_ok": ok, **{k: v for k, v in eng.report().items()
-                                                                     if k.startswith("step_ms_p")}}
+                                                  "bytes_ok": ok, "handoffs_per_block_est": round(est, 2),
+                                                  **{k: v for k, v in eng.report().items() if k.startswith("step_ms_p")}}
     finally:
         load_priority.configure(KvbmBackendConfig().load_gil_switch_ms)
         sys.setswitchinterval(old)

@@ -123,7 +123,8 @@ class BlockRows:
             return
         if self.mat is not None:
             spans = list(runs(dst_rows, src_rows))
-            if len(spans) <= MAX_RUN_COPIES:
+            # index_copy_ needs both sides on one device: host rows into a device matrix go by runs (one DMA each)
+            if len(spans) <= MAX_RUN_COPIES or src.device != self.mat.device:
                 for d0, s0, n in spans:
                     self.mat[d0:d0 + n].copy_(src[s0:s0 + n], non_blocking=non_blocking)
             else:
