@@ -136,40 +136,55 @@ class EngineKv:
             return [t.view(torch.uint8) for t in self.tensors]
         return self.tensors
 
-    def _layer_views(self, t: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """``(tv, dim, sv)``: one layer's engine tensor ``t`` and ``s`` (``[n, outer, page, heads, head_dim]``,
-        that layer of ``n`` KVBM blocks) as views with the same shape but along ``dim``, the engine's
-        block dimension, where block ``i`` of ``sv`` is engine block ``idx[i]`` of ``tv``: gathers are
-        ``index_select(tv, dim, idx, out=sv)``, scatters ``tv.index_copy_(dim, idx, sv)``. Both read and write
-        the strided views as they are: no temporary, one pass over the bytes (a gathered copy then a permuted
-        copy cost two passes and, on the CPU, fresh pages per layer: measured on the 2-core dev VM, 512
-        Llama-3.1-8B blocks of a ``kv_first`` engine, gather 1.3 GB/s and 262,144 page faults that way vs
-        10.5-13.3 GB/s and none; scatter 2.0 vs 9.7 GB/s)."""
+    def _targets(self) -> list[tuple[torch.Tensor, int]]:
+        """``(tv, dim)`` per layer, made once: the engine tensor as moved (:attr:`_moved`) viewed so that
+        ``dim`` is its block dimension, block ``i`` of :meth:`_by_layer`'s layer ``li`` being engine block
+        ``idx[i]`` along it. Cached: every view costs GIL hand-offs per load (:mod:`kvbm_backend.gpu.rows`)."""
+        cached = self.__dict__.get("_targets_cache")
+        if cached is not None:
+            return cached
         H, D, N = self.num_kv_heads, self.head_dim, self.layout.page_size
-        if self.engine_layout == "mla":
-            return t, 0, s.view(s.shape[0], *t.shape[1:])
-        if self.engine_layout == "cpu":
-            # [nb, H, N, 2D] == [nb, H, 2, N, D] in memory; s [n, 2, N, H, D] -> [n, H, 2, N, D]
-            return t.view(-1, H, 2, N, D), 0, s.permute(0, 3, 1, 2, 4)
-        if self.engine_layout == "kv_first":
-            return t, 1, s.permute(1, 0, 2, 3, 4)  # [2, nb, N, H, D] vs s as [2, n, N, H, D]
-        return t, 0, s
+        lay = self.engine_layout
+        out = []
+        for t in self._moved:
+            if lay == "cpu":  # [nb, H, N, 2D] == [nb, H, 2, N, D] in memory
+                out.append((t.view(-1, H, 2, N, D), 0))
+            else:
+                out.append((t, 1 if lay == "kv_first" else 0))
+        self.__dict__["_targets_cache"] = out
+        return out
+
+    def _by_layer(self, blocks: torch.Tensor) -> torch.Tensor:
+        """``blocks`` (``[n, layers, outer, page, heads, head_dim]``, :meth:`block_view`) as one view whose
+        ``[li]`` has layer ``li``'s target shape along its dimension (:meth:`_targets`): gathers are
+        ``index_select(tv, dim, idx, out=view[li])``, scatters ``tv.index_copy_(dim, idx, view[li])``. Both read
+        and write the strided views as they are: no temporary, one pass over the bytes (a gathered copy then a
+        permuted copy cost two passes and, on the CPU, fresh pages per layer: measured on the 2-core dev VM,
+        512 Llama-3.1-8B blocks of a ``kv_first`` engine, gather 1.3 GB/s and 262,144 page faults that way vs
+        10.5-13.3 GB/s and none; scatter 2.0 vs 9.7 GB/s). One permute per call, not one per layer."""
+        lay, n = self.engine_layout, blocks.shape[0]
+        if lay == "mla":  # [n, L, 1, N, 1, D] -> [L, n, *engine block shape]
+            return blocks.transpose(0, 1).view(blocks.shape[1], n, *self.tensors[0].shape[1:])  # a view: gathers write it
+        if lay == "cpu":  # layer li of block i as [H, 2, N, D]
+            return blocks.permute(1, 0, 4, 2, 3, 5)
+        if lay == "kv_first":  # [2, n, N, H, D] per layer
+            return blocks.permute(1, 2, 0, 3, 4, 5)
+        return blocks.transpose(0, 1)  # block_first: [n, 2, N, H, D] per layer
 
     def block_view(self, staging: torch.Tensor, n: int) -> torch.Tensor:
         """View ``n`` contiguous KVBM blocks (uint8, ``n * bytes_per_block``) as
         ``[n, layers, outer, page, heads, head_dim]`` of the KV dtype (``outer`` 2, or 1 for MLA)."""
         L, O, N = self.layout.num_layers, self.layout.outer_dim, self.layout.page_size
-        return staging.view(self._moved[0].dtype).view(n, L, O, N, self.num_kv_heads, self.head_dim)
+        return staging.view(self._targets()[0][0].dtype).view(n, L, O, N, self.num_kv_heads, self.head_dim)
 
     def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         """Copy engine blocks ``block_ids`` into ``staging`` (uint8 tensor of
         ``len(block_ids) * bytes_per_block`` bytes, any device), block i at ``i * bytes_per_block``."""
         n = len(block_ids)
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        dst = self.block_view(staging, n)
-        for li, t in enumerate(self._moved):
-            tv, dim, sv = self._layer_views(t, dst[:, li])
-            torch.index_select(tv, dim, idx, out=sv)
+        dst = self._by_layer(self.block_view(staging, n))
+        for li, (tv, dim) in enumerate(self._targets()):
+            torch.index_select(tv, dim, idx, out=dst[li])
 
     def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Inverse of :meth:`gather`: write block i of ``staging`` into engine block ``block_ids[i]``."""
@@ -180,8 +195,9 @@ class EngineKv:
         src = self.block_view(staging, n)
         if src.device != self.device:
             src = src.to(self.device, non_blocking=False)
-        for li, t in enumerate(self._moved):
-            self._put_layer(t, src[:, li], idx)
+        src = self._by_layer(src)
+        for li, (tv, dim) in enumerate(self._targets()):
+            tv.index_copy_(dim, idx, src[li])
 
     def scatter_layer(self, layer: int, src: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Write layer ``layer`` of ``len(block_ids)`` blocks into engine blocks ``block_ids``: ``src`` is
@@ -191,15 +207,10 @@ class EngineKv:
         if n == 0:
             return
         O, N = self.layout.outer_dim, self.layout.page_size
-        s = src.reshape(n, -1).view(self._moved[0].dtype).view(n, O, N, self.num_kv_heads, self.head_dim)
+        s = src.reshape(n, 1, -1).view(self._targets()[0][0].dtype).view(n, 1, O, N, self.num_kv_heads, self.head_dim)
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        self._put_layer(self._moved[layer], s, idx)
-
-    def _put_layer(self, t: torch.Tensor, s: torch.Tensor, idx: torch.Tensor) -> None:
-        """``s`` ``[n, outer, N, H, D]`` into engine blocks ``idx`` of one layer's tensor ``t``
-        (:meth:`_layer_views`)."""
-        tv, dim, sv = self._layer_views(t, s)
-        tv.index_copy_(dim, idx, sv)
+        tv, dim = self._targets()[layer]
+        tv.index_copy_(dim, idx, self._by_layer(s)[0])
 
 
 def numpy_staging(nbytes: int, pool: BufferPool | None = None) -> tuple[np.ndarray, torch.Tensor]:
