@@ -40,7 +40,7 @@ def _give_staging(buf: np.ndarray, device) -> None:
 def check_dst(dst, nbytes: int, device) -> None:
     """Raise ValueError naming the first tensor of ``dst`` (a list of tensors, or one ``[n, nbytes]``
     matrix) that is not a contiguous ``nbytes``-byte tensor on ``device``'s type."""
-    BlockRows(dst, nbytes, _torch().device(_torch().device(device).type))
+    BlockRows(dst, nbytes, _torch().device(device).type)  # the type only: cuda matches any CUDA index
 
 
 def load_via_host(pool, keys: Sequence[BlockKey], dst: Sequence, *, timeout_s: float | None = None) -> list[bool]:

@@ -49,8 +49,8 @@ class BlockRows:
     """The destinations of one device load: a ``[n, nbytes]`` matrix or a list of ``n`` tensors.
 
     Args:
-        out: the matrix (any dtype whose rows are ``nbytes`` bytes, last dimension contiguous, rows laid
-            out evenly) or a sequence of contiguous ``nbytes``-byte tensors, all on one device.
+        out: the matrix (any dtype whose rows are ``nbytes`` bytes, each row contiguous) or a sequence of
+            contiguous ``nbytes``-byte tensors, all on one device.
         nbytes: bytes per block (``layout.bytes_per_block``).
         device: the device every destination must be on (None: the first one's); ``cuda`` without an
             index matches any CUDA device's tensors.
@@ -107,13 +107,6 @@ class BlockRows:
             dst, wpart = self.mat, part
         dst.index_copy_(0, _index_rows(dst_rows, self.mat.device), wpart)
 
-    def row(self, i: int) -> torch.Tensor:
-        """Destination ``i`` as a 1-D uint8 view (one tensor object: for the rare per-block path)."""
-        if self.mat is not None:
-            return self.mat[i]
-        assert self.items is not None
-        return bytes_view(self.items[i])
-
     def copy_in(self, dst_rows: Sequence[int], src: torch.Tensor, src_rows: Sequence[int],
                 non_blocking: bool = False) -> None:
         """``dst[dst_rows[k]] = src[src_rows[k]]`` for every k, on the current stream. ``src``: ``[m, nbytes]``
@@ -156,7 +149,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     """``t`` (uint8 ``[m, nbytes]``, rows contiguous) as int64 words where its layout allows (fewer, wider
     elements for the copy kernel), else itself."""
     import torch
-    if t.shape[1] % 8 == 0 and t.storage_offset() % 8 == 0 and all(s % 8 == 0 for s in t.stride()[:1]):
+    if t.shape[1] % 8 == 0 and t.storage_offset() % 8 == 0 and t.stride(0) % 8 == 0:
         return t.view(torch.int64)
     return t
 
