@@ -28,8 +28,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 
-def child(workdir: str, blocks: int, loads: int, device: str, save: bool) -> None:
-    """Save (``save``) or warm-load once then load ``loads`` times, through WorkerSide."""
+def child(workdir: str, blocks: int, loads: int, device: str, save: bool, layerwise: bool = False) -> None:
+    """Save (``save``) or warm-load once then load ``loads`` times, through WorkerSide (``layerwise``: as the
+    connector's layer-wise loads, :class:`~kvbm_backend.integrations.vllm.layerwise.LayerwiseLoads`: started,
+    every layer waited for in order and scattered, finished)."""
     import torch
 
     from kvbm_backend.config import G3Config
@@ -57,6 +59,18 @@ def child(workdir: str, blocks: int, loads: int, device: str, save: bool) -> Non
             for a in range(0, blocks, 128):
                 w.save([SaveJob("save", ids[a:a + 128], seqs[a:a + 128], "bench")])
                 g3.flush(timeout=600)
+            return
+        if layerwise:
+            from kvbm_backend.integrations.vllm.layerwise import LayerwiseLoads
+            names = [f"model.layers.{i}.self_attn.attn" for i in range(layout.num_layers)]
+            lw = LayerwiseLoads(w, names, timeout_s=600)
+            for k in range(loads + 1):
+                lw.start([LoadJob(f"l{k}", ids, seqs, ["G3"] * blocks, "bench", layerwise=True)])
+                for n in names:
+                    lw.wait_layer(n)
+                lw.saves([])
+                if w.load_errors():
+                    raise RuntimeError(f"load errors: {w.load_errors()}")
             return
         for k in range(loads + 1):
             w.start_loads([LoadJob(f"l{k}", ids, seqs, ["G3"] * blocks, "bench")])
@@ -105,18 +119,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", type=int, default=4)
     ap.add_argument("--device", default="cpu", help="the engine KV's device (cpu: the reader's host mode)")
     ap.add_argument("--workdir", default=None, help="G3 directory (default: a temporary one under /dev/shm)")
+    ap.add_argument("--layerwise", action="store_true",
+                    help="count the connector's layer-wise loads (g3.layerwise_load) instead of whole-request ones")
     ap.add_argument("--json", default=None, help="also write the result here")
     ap.add_argument("--child", choices=["save", "load"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        child(a.workdir, a.blocks, a.loads, a.device, a.child == "save")
+        child(a.workdir, a.blocks, a.loads, a.device, a.child == "save", a.layerwise)
         return 0
     if a.loads < 1 or a.blocks < 1:
         ap.error("--blocks and --loads: at least 1")
     event = _probe()
     wd = a.workdir or tempfile.mkdtemp(prefix="kvbm-gil-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
-        base = ["--workdir", wd, "--blocks", str(a.blocks), "--device", a.device]
+        base = ["--workdir", wd, "--blocks", str(a.blocks), "--device", a.device] + \
+            (["--layerwise"] if a.layerwise else [])
         subprocess.run([sys.executable, os.path.abspath(__file__), *base, "--loads", "1", "--child", "save"],
                        check=True, env={**os.environ, "PYTHONPATH": REPO})
         n0 = _count(event, [*base, "--loads", "0", "--child", "load"])
@@ -125,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.workdir is None:
             shutil.rmtree(wd, ignore_errors=True)
     per_load = (n1 - n0) / a.loads
-    out = {"bench": "gil_handoffs", "device": a.device, "blocks": a.blocks, "loads": a.loads,
+    out = {"bench": "gil_handoffs", "device": a.device, "load": "layerwise" if a.layerwise else "whole-request", "blocks": a.blocks, "loads": a.loads,
            "take_gil_per_load": round(per_load, 1), "take_gil_per_block": round(per_load / a.blocks, 2)}
     print(json.dumps(out))
     if a.json:

@@ -349,3 +349,16 @@ def header_dev_checks(headers: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint64]:
     (``headers``: uint8 ``(m, stride)``, ``stride >= 144``, rows starting with a header)."""
     out: npt.NDArray[np.uint64] = headers[:, _FIXED - 8:_FIXED].copy().view("<u8").reshape(-1).astype(np.uint64)
     return out
+
+
+def header_flags(headers: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint16]:
+    """The ``flags`` field (``FLAG_*`` bits) of ``m`` headers, uint16 ``[m]`` (``headers`` as in
+    :func:`header_dev_checks`)."""
+    out: npt.NDArray[np.uint16] = headers[:, 10:12].copy().view("<u2").reshape(-1).astype(np.uint16)
+    return out
+
+
+def header_integrity(headers: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """The 16-byte ``integrity`` field (xxh3_128 of the payload, or the GCM tag) of ``m`` headers, uint8
+    ``[m, 16]`` (``headers`` as in :func:`header_dev_checks`)."""
+    return np.ascontiguousarray(headers[:, _OFF_INTEGRITY:_OFF_INTEGRITY + 16])

@@ -53,35 +53,40 @@ def layer_groups(layer_bytes: int, num_layers: int, min_read: int = DEFAULT_MIN_
     return out
 
 
-class LayerRead(NamedTuple):
-    """One read: layers ``[first_layer, first_layer + n_layers)`` of the frame in load row ``row``,
-    ``n_layers * layer_bytes`` bytes at file ``offset`` (plus the 4 KiB header before them when
-    ``header``: then ``offset`` is the frame's own offset). A named tuple: a load plans one per block and
-    group, on the path to its first layer (a frozen dataclass cost ~5x more to build)."""
+class GroupReads(NamedTuple):
+    """The reads of one layer group: one per leased frame, layers ``[first_layer, first_layer + n_layers)``
+    of the frame in load row ``rows[j]``, ``n_layers * layer_bytes`` bytes at file offset ``offsets[j]``
+    (plus the 4 KiB header before them when ``header``: then ``offsets[j]`` is the frame's own offset). One
+    object per group, plain int lists inside: a load of ``n`` blocks in ``G`` groups builds ``G`` of these,
+    not ``n * G`` read objects (each Python object on the path to the first layer costs the GIL)."""
 
-    row: int
     group: int
     first_layer: int
     n_layers: int
-    offset: int
     header: bool
+    rows: list[int]
+    offsets: list[int]
 
     def nbytes(self, layer_bytes: int) -> int:
+        """Bytes of each read of this group."""
         return self.n_layers * layer_bytes + (HEADER_BYTES if self.header else 0)
 
 
 def plan_layer_reads(frames: Sequence[tuple[int, int]], layer_bytes: int,
-                     groups: Sequence[tuple[int, int]]) -> Iterator[list[LayerRead]]:
+                     groups: Sequence[tuple[int, int]]) -> Iterator[GroupReads]:
     """The reads of each group, group by group (a generator: a loader submits group 0's reads before it
-    builds the later groups'; each list in ``frames`` order).
+    builds the later groups'; rows and offsets in ``frames`` order).
 
     Args:
         frames: ``(row, frame_offset)`` of each leased block (offset of its 4 KiB header in its file).
         layer_bytes: bytes of one layer of one block.
         groups: :func:`layer_groups`.
     """
+    rows = [r for r, _ in frames]
+    base = [off for _, off in frames]
     for gi, (l0, cnt) in enumerate(groups):
         if gi == 0:
-            yield [LayerRead(r, 0, l0, cnt, off, True) for r, off in frames]
+            yield GroupReads(0, l0, cnt, True, rows, base)
         else:
-            yield [LayerRead(r, gi, l0, cnt, off + HEADER_BYTES + l0 * layer_bytes, False) for r, off in frames]
+            d = HEADER_BYTES + l0 * layer_bytes
+            yield GroupReads(gi, l0, cnt, False, rows, [off + d for off in base])

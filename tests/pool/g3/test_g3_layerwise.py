@@ -61,7 +61,7 @@ def test_plan_orders_reads_by_layer_group_and_header_first():
     assert groups == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
     groups = [(0, 2), (2, 2), (4, 2)]
     reads = plan_layer_reads([(0, 0), (1, 40960)], 8192, groups)
-    assert [[(r.row, r.first_layer, r.offset, r.header) for r in g] for g in reads] == [
+    assert [[(r, g.first_layer, off, g.header) for r, off in zip(g.rows, g.offsets)] for g in reads] == [
         [(0, 0, 0, True), (1, 0, 40960, True)],
         [(0, 2, HEADER_BYTES + 2 * 8192, False), (1, 2, 40960 + HEADER_BYTES + 2 * 8192, False)],
         [(0, 4, HEADER_BYTES + 4 * 8192, False), (1, 4, 40960 + HEADER_BYTES + 4 * 8192, False)]]
@@ -74,9 +74,8 @@ def test_the_plan_is_built_group_by_group():
     frames = [(r, r * 65536) for r in range(3)]
     it = plan_layer_reads(frames, 8192, layer_groups(8192, 6, 16384))
     first = next(it)
-    assert [(rd.row, rd.group, rd.header, rd.nbytes(8192)) for rd in first] == [(r, 0, True, HEADER_BYTES + 8192)
-                                                                              for r in range(3)]
-    assert [len(g) for g in it] == [3] * 5
+    assert (first.rows, first.group, first.header, first.nbytes(8192)) == ([0, 1, 2], 0, True, HEADER_BYTES + 8192)
+    assert [(g.group, len(g.rows), len(g.offsets)) for g in it] == [(gi, 3, 3) for gi in range(1, 6)]
 
 
 @pytest.mark.parametrize("layer_bytes,num_layers,min_read", [

@@ -5,15 +5,17 @@ still being read, so an engine computes layer ``l - 1`` while layer ``l`` loads.
 (the G3 pool) into ``device`` (``cuda:N``, or ``cpu``: host memory, the same code):
 
 1. :meth:`~LayerwiseLoad.start` leases the slots (pinned until :meth:`~LayerwiseLoad.finish`) and submits
-   the reads of :func:`kvbm_backend.transfer.layers.plan_layer_reads`, ordered by layer group (layer 0
-   alone first, growing groups after), on the caller's thread pool in ``parallel`` tasks per group (each a
-   loop of reads: few futures, little Python per read, the GIL held briefly): ``os.preadv`` (which
-   releases the GIL) of a block's group of layers straight into a layer-major host staging
-   ``[layer, block, layer_bytes]`` (O_DIRECT where the layers are 4 KiB-aligned and the filesystem takes
-   it; pinned memory on a CUDA device), group 0 with the 4 KiB frame header into a header buffer; the
-   reader thread checks the header it read (:func:`~kvbm_backend.model.frame.accept`: identity, layout,
-   lengths) at once. Where a block is verified on the host, the reader thread that reads its last group
-   hashes it (xxh3_128) at once, while later reads and the forward go on.
+   the reads of :func:`kvbm_backend.transfer.layers.plan_layer_reads` (one
+   :class:`~kvbm_backend.transfer.layers.GroupReads` per group: int lists, no object per read), ordered by
+   layer group (layer 0 alone first, growing groups after), on the caller's thread pool in ``parallel``
+   tasks per group (each a tight loop of reads: few futures, little Python per read, the GIL held briefly):
+   ``os.preadv`` (which releases the GIL) of a block's group of layers straight into a layer-major host
+   staging ``[layer, block, layer_bytes]`` (O_DIRECT where the layers are 4 KiB-aligned and the filesystem
+   takes it; pinned memory on a CUDA device), group 0 with the 4 KiB frame header into a header buffer;
+   after its loop a task checks the headers it read together (:class:`~.stages.HeaderChecks`: identity,
+   layout, lengths, header check in numpy compares; a refused one again alone by
+   :func:`~.stages.check_frame`, which names the reason). Where a block is verified on the host, the task
+   that reads its last group hashes it (xxh3_128), while later reads and the forward go on.
 2. :meth:`~LayerwiseLoad.wait_layer` (``l``) waits (until the load's deadline) for the reads of ``l``'s
    group, applies the header checks when group 0 is in, copies the group's layers to the device (one host-to-device copy per
    group, on a side stream the caller's stream then waits for, followed there by the group's partial
@@ -48,12 +50,13 @@ import xxhash
 
 from ....io.files import ReadFiles
 from ....memory import BufferPool
-from ....model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, HEADER_BYTES, FrameError, FrameHeader
+from ....model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, HEADER_BYTES, FrameError, header_dev_checks, \
+    header_flags, header_integrity
 from ....model.layout import KvLayout
 from ....model.namespace import BlockKey, tenant_tag
-from ....transfer.layers import DEFAULT_MIN_READ, LayerRead, layer_aligned, layer_groups, plan_layer_reads
+from ....transfer.layers import DEFAULT_MIN_READ, GroupReads, layer_aligned, layer_groups, plan_layer_reads
 from ...base import BlockBuffer, SlotLease, SlotLeaseSource
-from .stages import add_seconds, check_frame, lease_all, release_quietly, report_corrupt
+from .stages import HeaderChecks, add_seconds, check_frame, lease_all, release_quietly, report_corrupt
 from ....deadlines import Deadline
 
 if TYPE_CHECKING:
@@ -61,6 +64,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+_HEADER_CHECKED = 256  # header bytes the checks read (the fixed fields, the header check), of HEADER_BYTES
 
 #: the owner's read fds (one O_DIRECT open / fallback rule for every reader: :mod:`kvbm_backend.io.files`)
 SlabFiles = ReadFiles
@@ -121,7 +126,6 @@ class LayerwiseLoad:
         self.timeout_s = timeout_s
         self.tenant_tag_fn: Callable[[BlockKey], bytes] = tenant_tag_fn or _key_tag
         self.why: list[str | None] = ["not_found"] * self.n  # None = good so far
-        self.headers: list[FrameHeader | None] = [None] * self.n
         self.counters: Counter[str] = Counter()
         self._staging_pool = staging
         self._leases: list[SlotLease | None] = []
@@ -139,7 +143,10 @@ class LayerwiseLoad:
         # rows' groups still to land (reader threads count down; the one that lands the last hashes the row)
         self._left: list[int] = []
         self._digest: list[bytes | None] = [None] * self.n
-        self._pre: list[FrameHeader | str | None] = [None] * self.n  # header checks made by the reader threads
+        # header checks made by the reader threads: None (not yet), True (accepted) or why refused
+        self._pre: list[bool | str | None] = [None] * self.n
+        self._checks = HeaderChecks(layout, world, self.tenant_tag_fn)  # a task's headers at once
+        self._good: list[int] | None = None  # rows good so far (wait_layer), made again after a reap
         self._lock = threading.Lock()
         self._released = False
         self.deadline: Deadline | None = None
@@ -183,55 +190,74 @@ class LayerwiseLoad:
         if not self.aligned:
             self.counters["unaligned_loads"] += 1
         self._left = [len(self.groups)] * max(1, self.n)
-        paths = {r: self._held[r].path for r, _ in frames}
+        paths = [self._held[r].path for r, _ in frames]  # in frames order, as each group's rows
         for reads in plan_layer_reads(frames, self.lb, self.groups):  # group 0's reads start before group 1 is built
-            per = -(-len(reads) // self.parallel) if reads else 1
+            m = len(reads.rows)
+            per = -(-m // self.parallel) if m else 1
             tasks = []
-            for a in range(0, len(reads), per):
-                chunk = reads[a:a + per]
-                tasks.append(([rd.row for rd in chunk],
-                              self.executor.submit(self._read_many, chunk, [paths[rd.row] for rd in chunk],
-                                                   self.hdr, self.lay_np)))
+            for a in range(0, m, per):
+                tasks.append((reads.rows[a:a + per],
+                              self.executor.submit(self._read_many, reads, a, min(m, a + per), paths, self.hdr,
+                                                   self.lay_np)))
             self._futs.append(tasks)
-            self.counters["reads"] += len(reads)
+            self.counters["reads"] += m
             self.counters["read_tasks"] += len(tasks)
             if len(self._futs) == 1:
                 time.sleep(0)  # let the woken readers take the GIL and start group 0 while the rest is planned
         self.counters["groups"] += len(self.groups)
         return self
 
-    def _read_many(self, reads: list[LayerRead], paths: list[str], hdr: BlockBuffer,
+    def _read_many(self, g: GroupReads, a: int, b: int, paths: list[str], hdr: BlockBuffer,
                    lay: BlockBuffer) -> list[str | None]:
-        """A share of one group's reads (on the executor), in order; the row whose last group this is gets
-        hashed here (host-verified loads). ``hdr`` / ``lay`` are passed in so a late read keeps the staging
+        """Reads ``a .. b - 1`` of group ``g`` (a task on the executor), in order: a tight loop (an iovec
+        of a few numpy views and one ``preadv`` per read); then, for the rows read in full, group 0's
+        headers checked together (:class:`~.stages.HeaderChecks`) and each row whose last group this was
+        hashed (host-verified loads). ``hdr`` / ``lay`` are passed in so a late read keeps the staging
         alive. Returns None or a reason per read."""
         out: list[str | None] = []
-        nbytes = checked = 0
-        for rd, path in zip(reads, paths):
-            iov = ([hdr[rd.row]] if rd.header else []) + [lay[rd.first_layer + k, rd.row] for k in range(rd.n_layers)]
+        landed: list[int] = []  # rows read in full
+        nbytes = 0
+        want = g.nbytes(self.lb)
+        layers = [lay[g.first_layer + k] for k in range(g.n_layers)]  # [n, layer_bytes] each
+        files, aligned, rows, offsets = self.files, self.aligned, g.rows, g.offsets
+        for j in range(a, b):
+            row = rows[j]
+            iov = [x[row] for x in layers]
+            if g.header:
+                iov.insert(0, hdr[row])
             try:  # O_DIRECT where the layers are aligned and the filesystem takes it (else buffered, once)
-                got = self.files.preadv(path, iov, rd.offset, self.aligned)
+                got = files.preadv(paths[j], iov, offsets[j], aligned)
             except OSError as e:
-                log.warning("G3 layer-wise read of %s at %d failed: %s", path, rd.offset, e)
+                log.warning("G3 layer-wise read of %s at %d failed: %s", paths[j], offsets[j], e)
                 out.append("io_error")
                 continue
             nbytes += got
-            if got != rd.nbytes(self.lb):
+            if got != want:
                 out.append("short")
                 continue
             out.append(None)
-            if rd.header:  # off the forward's path to layer 0: the check runs here, wait_layer applies it
-                self._pre[rd.row] = self._check_one(rd.row, hdr)
-                checked += 1
-            with self._lock:
-                self._left[rd.row] -= 1
-                last = self._left[rd.row] == 0
-            if last:
-                self._hash_row(rd.row, hdr, lay)
+            landed.append(row)
+        if g.header and landed:  # off the forward's path to layer 0: checked here, wait_layer applies it
+            self._check_rows(landed)
+        last: list[int] = []
         with self._lock:
             self.counters["bytes_read"] += nbytes
-            self.counters["headers_on_readers"] += checked
+            if g.header:
+                self.counters["headers_on_readers"] += len(landed)
+            for row in landed:
+                self._left[row] -= 1
+                if self._left[row] == 0:
+                    last.append(row)
+        for row in last:
+            self._hash_row(row, hdr, lay)
         return out
+
+    def _check_rows(self, rows: list[int]) -> None:
+        """Check the frame headers of ``rows`` (read in full) together; a header refused there is checked
+        again alone (:func:`~.stages.check_frame`: its reason). Sets ``_pre`` for each row."""
+        ok, _ = self._checks.check(self.hdr[:, :_HEADER_CHECKED][rows], [self.keys[r] for r in rows])
+        for row, good in zip(rows, ok.tolist()):
+            self._pre[row] = True if good else self._check_one(row, self.hdr)
 
     def _hash_row(self, row: int, hdr: BlockBuffer, lay: BlockBuffer) -> None:
         """xxh3_128 of row ``row``'s whole payload (every group of it is in), kept for :meth:`finish`."""
@@ -251,6 +277,7 @@ class LayerwiseLoad:
         start its copy to the device (and its partial device checksums)."""
         if self._in[gi]:
             return
+        self._good = None  # rows may fail here
         t0 = time.perf_counter()
         for rows, f in self._futs[gi] if gi < len(self._futs) else []:
             try:
@@ -290,30 +317,28 @@ class LayerwiseLoad:
         l0, cnt = self.groups[gi]
         self._gsums[gi] = range_sums(self.lay_dev[l0:l0 + cnt].reshape(cnt * self.n, self.lb)).view(cnt, self.n, 5)
 
-    def _check_one(self, i: int, hdr: BlockBuffer) -> FrameHeader | str:
-        """Row ``i``'s frame header checked (:func:`~.stages.check_frame`): the header, or why it is refused."""
+    def _check_one(self, i: int, hdr: BlockBuffer) -> bool | str:
+        """Row ``i``'s frame header checked alone (:func:`~.stages.check_frame`): True, or why it is refused."""
         k = self.keys[i]
         try:
-            return check_frame(hdr[i], k, self.layout, self.tenant_tag_fn(k), world=self.world,
-                               slot_len=self._held[i].slot_len)
+            check_frame(hdr[i], k, self.layout, self.tenant_tag_fn(k), world=self.world,
+                        slot_len=self._held[i].slot_len)
+            return True
         except FrameError as e:
             return e.reason
 
     def _check_headers(self) -> None:
-        """Apply the header checks of group 0's good rows (made by the reader threads as each header landed;
-        here for any they did not make)."""
+        """Apply the header checks of group 0's good rows (made by the reader threads as each task's headers
+        landed; here for any they did not make)."""
+        todo = [i for i in range(self.n) if self.why[i] is None and self._pre[i] is None]
+        if todo:
+            self._check_rows(todo)
+            self.counters["headers_checked_in_wait"] += len(todo)
         for i in range(self.n):
-            if self.why[i] is not None:
-                continue
             res = self._pre[i]
-            if res is None:
-                res = self._check_one(i, self.hdr)
-                self.counters["headers_checked_in_wait"] += 1
-            if isinstance(res, str):
+            if self.why[i] is None and isinstance(res, str):
                 self.why[i] = res
                 self.counters[f"corrupt_{res}"] += 1
-            else:
-                self.headers[i] = res
 
     def wait_layer(self, layer: int) -> tuple[list[int], torch.Tensor]:
         """Wait for layer ``layer`` (until the deadline). Returns ``(good, t)``: the rows whose reads and
@@ -337,7 +362,9 @@ class LayerwiseLoad:
         if ev is not None:
             import torch
             torch.cuda.current_stream(self.device).wait_event(ev)
-        return [i for i in range(self.n) if self.why[i] is None], self.lay_dev[layer, :self.n]
+        if self._good is None:
+            self._good = [i for i in range(self.n) if self.why[i] is None]
+        return list(self._good), self.lay_dev[layer, :self.n]
 
     # ---- finish --------------------------------------------------------------------------------
     def finish(self) -> list[str | None]:
@@ -388,19 +415,24 @@ class LayerwiseLoad:
 
     def _verify(self) -> None:
         good = [i for i in range(self.n) if self.why[i] is None]
-        # a good row's header was checked (check_frame): headers[i] is set for each
-        heads = {i: h for i in good if (h := self.headers[i]) is not None}
-        dev = [i for i in good if self._dev_verify and heads[i].flags & FLAG_DEVCHECK]
-        if dev:
-            for i, got in zip(dev, self._device_checks(dev)):
-                if got != heads[i].dev_check:
-                    self.why[i] = "devcheck"
+        if not good:
+            return
+        # a good row's header was checked (HeaderChecks / check_frame): its fields are read from the bytes
+        hg = self.hdr[:, :_HEADER_CHECKED][good]
+        flags = header_flags(hg).tolist()
+        want_dev = header_dev_checks(hg).tolist()
+        integrity = header_integrity(hg)
+        devs = [j for j, i in enumerate(good) if self._dev_verify and flags[j] & FLAG_DEVCHECK]
+        if devs:
+            for j, got in zip(devs, self._device_checks([good[j] for j in devs])):
+                if got != want_dev[j]:
+                    self.why[good[j]] = "devcheck"
                     self.counters["corrupt_devcheck"] += 1
-        for i in good:
-            if i in dev:
+        on_dev = set(devs)
+        for j, i in enumerate(good):
+            if j in on_dev:
                 continue
-            h = heads[i]
-            if not h.flags & FLAG_CHECKSUM:
+            if not flags[j] & FLAG_CHECKSUM:
                 self.why[i] = "unverifiable"  # devcheck-only frame on the host: not checked here
                 self.counters["unverifiable"] += 1
                 continue
@@ -411,7 +443,7 @@ class LayerwiseLoad:
                     x.update(self.lay_np[layer, i])
                 digest = x.digest()
                 self.counters["hashed_in_finish"] += 1
-            if digest != h.integrity:
+            if digest != integrity[j].tobytes():
                 self.why[i] = "integrity"
                 self.counters["corrupt_integrity"] += 1
             else:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-from ....model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, FrameError, FrameHeader, accept
+import numpy as np
+
+from ....model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, ChecksumFrames, FrameError, FrameHeader, \
+    accept
 from ....model.layout import KvLayout
 from ....model.namespace import BlockKey
 from ...base import BlockBuffer, SlotLease, SlotLeaseSource
@@ -83,6 +86,46 @@ def check_frame(header: BlockBuffer, key: BlockKey, layout: KvLayout, tag: bytes
     if not h.flags & (FLAG_CHECKSUM | FLAG_DEVCHECK):
         raise FrameError("unverifiable", "frame carries no checksum")
     return h
+
+
+class HeaderChecks:
+    """Many frame headers of one layout checked at once (numpy compares, one xxh3_64 per header:
+    :meth:`~kvbm_backend.model.frame.ChecksumFrames.check_headers`, per namespace), for the loaders that
+    check a pass or a group of headers together. A header refused here is not yet proven bad: callers
+    check it again with :func:`check_frame`, which names the reason (or accepts a frame whose writer made
+    other bytes than ``ChecksumFrames``, e.g. another format minor).
+
+    Args:
+        layout: the namespace's layout. world: the TP world size frames must name (None: not checked).
+        tenant_tag_fn: the 16-byte tenant tag a key's frames carry.
+    """
+
+    def __init__(self, layout: KvLayout, world: int | None, tenant_tag_fn: Callable[[BlockKey], bytes]) -> None:
+        self.layout, self.world, self.tenant_tag_fn = layout, world, tenant_tag_fn
+        self._frames: dict[str, ChecksumFrames] = {}  # namespace (hex) -> its header checker
+
+    def check(self, headers: np.ndarray[Any, np.dtype[np.uint8]], keys: Sequence[BlockKey],
+              ) -> tuple[np.ndarray[Any, np.dtype[np.bool_]], np.ndarray[Any, np.dtype[np.bool_]]]:
+        """``(ok, devcheck)`` bool ``[m]`` for headers ``[m, >= 152]`` (row ``j``: the frame read for
+        ``keys[j]``): ``ok`` where the header is exactly what the writer makes for that key; ``devcheck``
+        where it carries ``FLAG_DEVCHECK``."""
+        m = len(keys)
+        ok = np.zeros(m, bool)
+        dev = np.zeros(m, bool)
+        by_ns: dict[str, list[int]] = {}
+        for j, k in enumerate(keys):
+            by_ns.setdefault(k.namespace, []).append(j)
+        for ns, js in by_ns.items():
+            frames = self._frames.get(ns)
+            if frames is None:
+                frames = self._frames[ns] = ChecksumFrames(bytes.fromhex(ns), self.layout, self.world or 0)
+            one = len(js) == m
+            kk = keys if one else [keys[j] for j in js]
+            o, d = frames.check_headers(headers[:m] if one else headers[js], [self.tenant_tag_fn(k) for k in kk],
+                                        [k.rank for k in kk], [k.seq_hash for k in kk],
+                                        check_world=self.world is not None)
+            ok[js], dev[js] = o, d
+        return ok, dev
 
 
 def report_corrupt(source: SlotLeaseSource, keys: Sequence[BlockKey], why: Sequence[str | None],

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ....model.frame import FLAG_DEVCHECK, HEADER_BYTES, ChecksumFrames, FrameError, FrameHeader, \
+from ....model.frame import FLAG_DEVCHECK, HEADER_BYTES, FrameError, FrameHeader, \
     header_dev_checks, payload_checksum
 from ....model.layout import KvLayout
 from ....model.namespace import BlockKey
@@ -35,7 +35,7 @@ from ....gpu.checksum import combine_limb_sums, device_limb_sums
 from ....gpu.rows import BlockRows
 from ...base import SlotLeaseSource
 from .passes import _Pass
-from .stages import TRANSIENT, add_seconds, check_frame, report_corrupt
+from .stages import TRANSIENT, HeaderChecks, add_seconds, check_frame, report_corrupt
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,7 @@ class PassVerifier:
                  stream: torch.cuda.Stream | None) -> None:
         self.source, self.layout, self.device, self.world = source, layout, device, world
         self.tenant_tag_fn, self.counters, self.stream = tenant_tag_fn, counters, stream
-        self._frames: dict[str, ChecksumFrames] = {}  # namespace (hex) -> its header checker
+        self._checks = HeaderChecks(layout, world, tenant_tag_fn)  # whole passes of headers at once
         # ring slot -> pinned (headers [rows, HEADER_COPY] uint8, limb sums [rows, 4] int64): a slot's next pass
         # is launched only after its last one completed, so the queued copies never overlap
         self._pinned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -143,24 +143,9 @@ class PassVerifier:
         """Header checks of the ``good`` rows: ``(device-checked rows, their expected checksums, host-checked
         (row, header))``; a failed row gets its reason in ``p.status``. All rows at once with numpy,
         rows of one namespace per call; any row that fails there is checked again one by one (the reason)."""
-        fast_ok = np.zeros(len(good), bool)
-        fast_dev = np.zeros(len(good), bool)
         hv = headers[:, :HEADER_COPY]
         hg = hv if len(good) == len(hv) else hv[good]
-        ks = [keys[p.rows[r]] for r in good]
-        by_ns: dict[str, list[int]] = {}
-        for j, k in enumerate(ks):
-            by_ns.setdefault(k.namespace, []).append(j)
-        for ns, js in by_ns.items():
-            frames = self._frames.get(ns)
-            if frames is None:
-                frames = self._frames[ns] = ChecksumFrames(bytes.fromhex(ns), self.layout, self.world or 0)
-            one = len(js) == len(ks)
-            kk = ks if one else [ks[j] for j in js]
-            ok, dev = frames.check_headers(hg if one else hg[js], [self.tenant_tag_fn(k) for k in kk],
-                                           [k.rank for k in kk], [k.seq_hash for k in kk],
-                                           check_world=self.world is not None)
-            fast_ok[js], fast_dev[js] = ok, dev
+        fast_ok, fast_dev = self._checks.check(hg, [keys[p.rows[r]] for r in good])
         checks = header_dev_checks(hg).tolist()
         fast = (fast_ok & fast_dev).tolist()
         dev_rows: list[int] = []
