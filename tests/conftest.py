@@ -102,7 +102,8 @@ def s3_prefix(request):
 #     decorator, `@pytest.mark.slow`. Markers are only ever added: a module that is all-side but for a
 #     few tests marks its side tests one by one (tests/e2e/test_connector_e2e.py).
 #   * `s3` and `gpu` are applied here, from what a test uses, so a new test cannot forget them: `s3` - a
-#     SeaweedFS fixture; `gpu` - a CUDA parametrisation or a test_gpu_* test.
+#     SeaweedFS fixture, or an `"s3"` parameter (a store parametrisation whose SeaweedFS fixture is requested
+#     dynamically); `gpu` - a CUDA parametrisation or a test_gpu_* test.
 # `side` - engine tests that assert nothing about wall-clock time (outputs, counters, files only): `ci/test.sh`
 # runs them in a second engine lane at `nice 10` beside the main one, whose tests keep the CPU first when
 # they want it (their timeouts and latency bounds are measured at normal priority). A test that bounds a
@@ -182,8 +183,10 @@ def pytest_ignore_collect(collection_path, config):
 
 def pytest_collection_modifyitems(config, items):
     for it in items:
-        if _S3_FIXTURES & set(getattr(it, "fixturenames", ())):
-            it.add_marker(pytest.mark.s3)
         cs = getattr(it, "callspec", None)
+        # a SeaweedFS fixture named, or an "s3" store parameter (its fixture then requested dynamically:
+        # request.getfixturevalue("seaweed") in the test or in a parametrised fixture)
+        if _S3_FIXTURES & set(getattr(it, "fixturenames", ())) or (cs is not None and "s3" in cs.params.values()):
+            it.add_marker(pytest.mark.s3)
         if it.originalname.startswith("test_gpu_") or (cs is not None and "cuda" in cs.params.values()):
             it.add_marker(pytest.mark.gpu)

@@ -67,3 +67,29 @@ def test_no_test_declares_a_marker_that_takes_a_lane_marker_away():
         names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
                  and n.value.attr == "mark"}
         assert not {n for n in names if n.startswith(("not_", "no_")) and n.split("_", 1)[1] in _MARKERS}, f
+
+
+class _Item:
+    """What ``pytest_collection_modifyitems`` reads of a test item: its fixtures, parameters and name."""
+
+    def __init__(self, fixtures=(), params=None, name="test_x"):
+        self.fixturenames = list(fixtures)
+        self.callspec = None if params is None else type("CallSpec", (), {"params": params})()
+        self.originalname = name
+        self.marks: set = set()
+
+    def add_marker(self, m):
+        self.marks.add(m.name)
+
+
+def test_s3_is_applied_to_tests_that_name_seaweed_or_take_an_s3_store_parameter():
+    """A store parametrisation ("file" / "s3") whose SeaweedFS fixture is requested dynamically
+    (``request.getfixturevalue("seaweed")``) names no S3 fixture, yet starts the server: its "s3" cases are
+    marked s3 (out of the unit lane) like the tests that name the fixture. Nine such cases of
+    test_g4_host_load, test_g4_hostile and test_g4_canonical ran in the unit lane before."""
+    from tests.conftest import pytest_collection_modifyitems
+    items = [_Item(["seaweed", "tmp_path"]), _Item(["request"], {"store": "s3", "encrypt": True}),
+             _Item(["request"], {"store": "file"}), _Item(["request"], {"where": "s3"}), _Item(["tmp_path"]),
+             _Item(["s3_prefix"])]
+    pytest_collection_modifyitems(None, items)
+    assert [("s3" in it.marks) for it in items] == [True, True, False, True, False, True]
