@@ -30,6 +30,9 @@ echo "g4_load engine busy rc=$?"
 if command -v perf > /dev/null; then
   timeout 90 python3 benchmarks/gil_handoffs.py --device cuda --blocks 256 --loads 4 --json "$OUT/gil_handoffs.json" \
     > "$OUT/gil_handoffs.log" 2>&1; echo "gil_handoffs rc=$?"
+  timeout 90 python3 benchmarks/gil_handoffs.py --device cuda --layerwise --blocks 256 --loads 4 \
+    --json "$OUT/gil_handoffs_layerwise.json" > "$OUT/gil_handoffs_layerwise.log" 2>&1
+  echo "gil_handoffs --layerwise rc=$?"
 else
   echo "gil_handoffs: perf not installed here"
 fi
