@@ -564,3 +564,21 @@ def test_gpu_bench_refuses_without_gpu(tmp_path):
     r = _bench(tmp_path=tmp_path)
     assert r.returncode == 2 and "no CUDA device" in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not CUDA_OK, reason="no CUDA device (torch.cuda.is_available() is False)")
+def test_gpu_block_index_does_not_wait_for_the_stream():
+    """The scatter index of a load goes to the GPU without synchronising the current stream: with a long
+    kernel queued there, ``EngineKv.block_index`` returns while it still runs (``query()`` False), where
+    ``torch.as_tensor(ids, device=cuda)`` (pageable memory) waits for it; the ids arrive intact."""
+    from kvbm_backend.integrations.vllm.kv_io import EngineKv
+    t = [torch.zeros(2, 8, 4, 2, 16, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    kv = EngineKv.from_tensors(t, 8, 4, 2, 16)
+    s = torch.cuda.current_stream()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the current stream
+    idx = kv.block_index([5, 1, 7])
+    assert not s.query(), "block_index waited for the stream"
+    assert idx.device.type == "cuda" and idx.tolist() == [5, 1, 7]  # tolist syncs: the copy landed
+    torch.cuda._sleep(2_000_000_000)
+    torch.as_tensor([5, 1, 7], device="cuda")
+    assert s.query()  # the blocking form waited (what the loads did before)

@@ -177,11 +177,26 @@ class EngineKv:
         L, O, N = self.layout.num_layers, self.layout.outer_dim, self.layout.page_size
         return staging.view(self._targets()[0][0].dtype).view(n, L, O, N, self.num_kv_heads, self.head_dim)
 
+    def block_index(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Engine block ids as an int64 index on :attr:`device`, without waiting for the device: on CUDA the
+        ids go through pinned host memory and one ``non_blocking`` copy on the current stream, so nothing
+        waits for the kernels queued there. (``torch.as_tensor(ids, device="cuda")`` copies from pageable
+        memory and synchronises the current stream: inside vLLM's forward, where ``wait_for_layer_load``
+        scatters, that made the host wait for every queued layer before it could launch the next; in the load
+        thread, for the engine's step in flight.) A tensor already on the device is returned as it is."""
+        if isinstance(block_ids, torch.Tensor) and block_ids.device == self.device:
+            return block_ids
+        idx = torch.as_tensor(block_ids if isinstance(block_ids, torch.Tensor) else list(block_ids), dtype=torch.long)
+        if self.device.type == "cuda":
+            # the caching host allocator keeps the pinned block until the copy is done (an event it records)
+            return idx.pin_memory().to(self.device, non_blocking=True)
+        return idx.to(self.device)
+
     def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         """Copy engine blocks ``block_ids`` into ``staging`` (uint8 tensor of
         ``len(block_ids) * bytes_per_block`` bytes, any device), block i at ``i * bytes_per_block``."""
         n = len(block_ids)
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        idx = self.block_index(block_ids)
         dst = self._by_layer(self.block_view(staging, n))
         for li, (tv, dim) in enumerate(self._targets()):
             torch.index_select(tv, dim, idx, out=dst[li])
@@ -191,7 +206,7 @@ class EngineKv:
         n = len(block_ids)
         if n == 0:
             return
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        idx = self.block_index(block_ids)
         src = self.block_view(staging, n)
         if src.device != self.device:
             src = src.to(self.device, non_blocking=False)
@@ -199,16 +214,17 @@ class EngineKv:
         for li, (tv, dim) in enumerate(self._targets()):
             tv.index_copy_(dim, idx, src[li])
 
-    def scatter_layer(self, layer: int, src: torch.Tensor, block_ids: Sequence[int]) -> None:
+    def scatter_layer(self, layer: int, src: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> None:
         """Write layer ``layer`` of ``len(block_ids)`` blocks into engine blocks ``block_ids``: ``src`` is
         ``[n, layer_bytes]`` uint8 on the engine's device (row i: layer ``layer`` of a FullyContiguous block,
-        ``[outer, page, inner]``), as a layer-wise load delivers it."""
+        ``[outer, page, inner]``), as a layer-wise load delivers it. ``block_ids`` may be an index made once
+        for every layer (:meth:`block_index`)."""
         n = len(block_ids)
         if n == 0:
             return
         O, N = self.layout.outer_dim, self.layout.page_size
         s = src.reshape(n, 1, -1).view(self._targets()[0][0].dtype).view(n, 1, O, N, self.num_kv_heads, self.head_dim)
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        idx = self.block_index(block_ids)
         tv, dim = self._targets()[layer]
         tv.index_copy_(dim, idx, self._by_layer(s)[0])
 

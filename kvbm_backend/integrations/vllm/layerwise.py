@@ -46,6 +46,7 @@ class _Active:
     load: LayerwiseLoading | None
     keys: list
     prefix: int                      # rows scattered for every layer waited for so far
+    idx: Any = None                  # the job's engine block ids on the device (EngineKv.block_index), made once
     done: set = field(default_factory=set)
     t0: float = field(default_factory=time.monotonic)
 
@@ -87,7 +88,8 @@ class LayerwiseLoads:
         except Exception as e:  # noqa: BLE001 - the load fails whole: the request recomputes
             log.warning("kvbm_backend: layer-wise load for %s could not start: %s", job.req_id, e)
             stats.add(load_errors=1)
-        self._active.append(_Active(job, ld, keys, n if ld is not None else 0))
+        self._active.append(_Active(job, ld, keys, n if ld is not None else 0,
+                                    kv.block_index(job.block_ids) if ld is not None else None))
 
     def wait_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load``: layer ``layer_name`` of every active load is in vLLM's paged KV (the
@@ -114,7 +116,7 @@ class LayerwiseLoads:
             p += 1
         a.prefix = min(a.prefix, p)
         if a.prefix:
-            self.w.kv.scatter_layer(li, t[:a.prefix], a.job.block_ids[:a.prefix])
+            self.w.kv.scatter_layer(li, t[:a.prefix], a.idx[:a.prefix])
         return True
 
     def finish(self) -> set[str]:

@@ -80,6 +80,37 @@ def test_scatter_inverts_gather(shape_kind):
         assert all(not d.select(blk_axis, k).any() for k in untouched)
 
 
+@pytest.mark.parametrize("shape_kind", ["cpu", "kv_first"])
+def test_scatter_and_scatter_layer_take_an_index_made_once(shape_kind):
+    """``block_index`` gives the engine block ids as an int64 tensor on the engine's device (a tensor already
+    there is passed through); scatter and scatter_layer write the same bytes from it as from a list of ids
+    (layer-wise loads make it once per job instead of once per layer: on CUDA ``torch.as_tensor(ids,
+    device=...)`` waited for the forward's queued kernels every layer)."""
+    g = torch.Generator().manual_seed(3)
+    shape = {"cpu": (NB, H, N, 2 * D), "kv_first": (2, NB, N, H, D)}[shape_kind]
+    src = [torch.randn(*shape, generator=g).to(torch.bfloat16) for _ in range(L)]
+    a = EngineKv.from_tensors(src, NB, N, H, D)
+    by_list = EngineKv.from_tensors([torch.zeros_like(t) for t in src], NB, N, H, D)
+    by_idx = EngineKv.from_tensors([torch.zeros_like(t) for t in src], NB, N, H, D)
+    idx = by_idx.block_index([7, 3, 1])
+    assert idx.dtype == torch.long and idx.device == by_idx.device and idx.tolist() == [7, 3, 1]
+    assert by_idx.block_index(idx) is idx
+    _, host = numpy_staging(3 * a.layout.bytes_per_block)
+    a.gather([0, 2, 4], host)
+    by_list.scatter(host, [7, 3, 1])
+    by_idx.scatter(host, idx)
+    assert all(torch.equal(x, y) for x, y in zip(by_list.tensors, by_idx.tensors))
+    lb = a.layout.bytes_per_block // L
+    rows = host.view(3, L, lb)
+    for t in by_idx.tensors:
+        t.zero_()
+    for li in range(L):
+        by_idx.scatter_layer(li, rows[:2, li].contiguous(), idx[:2])
+    assert all(torch.equal(x.select(1 if shape_kind == "kv_first" else 0, b), y.select(
+        1 if shape_kind == "kv_first" else 0, b)) for x, y in zip(by_list.tensors, by_idx.tensors) for b in (7, 3))
+    assert not any(t.select(1 if shape_kind == "kv_first" else 0, 1).any() for t in by_idx.tensors)
+
+
 def test_unknown_engine_layout_names_the_shape():
     with pytest.raises(ValueError, match=r"shape \(10, 64, 2\)"):
         detect_engine_layout((10, 64, 2), NB, N, H, D)
