@@ -101,11 +101,11 @@ class BlockRows:
         if list(src_rows) == list(range(s0, s0 + len(src_rows))):
             part = src[s0:s0 + len(src_rows)]
         else:
-            part = src.index_select(0, _index_rows(src_rows, src.device))
+            part = src.index_select(0, device_index(src_rows, src.device))
         dst, wpart = _words(self.mat), _words(part)
         if dst.dtype != wpart.dtype:  # one of them cannot be seen as words: copy bytes
             dst, wpart = self.mat, part
-        dst.index_copy_(0, _index_rows(dst_rows, self.mat.device), wpart)
+        dst.index_copy_(0, device_index(dst_rows, self.mat.device), wpart)
 
     def copy_in(self, dst_rows: Sequence[int], src: torch.Tensor, src_rows: Sequence[int],
                 non_blocking: bool = False) -> None:
@@ -135,9 +135,11 @@ class BlockRows:
             d.copy_(s, non_blocking=non_blocking)
 
 
-def _index_rows(rows: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``rows`` as an int64 index tensor on ``device``; on CUDA through pinned memory, copied without waiting
-    (a pageable copy would wait for the stream: the loader's thread never waits for the device)."""
+def device_index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``rows`` (ints) as an int64 index tensor on ``device``; on CUDA through pinned memory and one
+    ``non_blocking`` copy on the current stream, so nothing waits for the kernels queued there (a copy from
+    pageable memory, as ``torch.as_tensor(rows, device="cuda")`` makes, synchronises the stream). The caching
+    host allocator keeps the pinned block until the copy is done (an event it records)."""
     import torch
     idx = torch.tensor(rows, dtype=torch.int64)
     if device.type != "cuda":

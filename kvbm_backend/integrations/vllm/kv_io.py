@@ -37,6 +37,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ...gpu.rows import device_index
 from ...memory import BufferPool
 from ...model.layout import KvLayout
 from .geometry import FP8_CACHE_DTYPES, EngineGeometry, detect_engine_layout, dtype_name
@@ -183,14 +184,11 @@ class EngineKv:
         waits for the kernels queued there. (``torch.as_tensor(ids, device="cuda")`` copies from pageable
         memory and synchronises the current stream: inside vLLM's forward, where ``wait_for_layer_load``
         scatters, that made the host wait for every queued layer before it could launch the next; in the load
-        thread, for the engine's step in flight.) A tensor already on the device is returned as it is."""
-        if isinstance(block_ids, torch.Tensor) and block_ids.device == self.device:
-            return block_ids
-        idx = torch.as_tensor(block_ids if isinstance(block_ids, torch.Tensor) else list(block_ids), dtype=torch.long)
-        if self.device.type == "cuda":
-            # the caching host allocator keeps the pinned block until the copy is done (an event it records)
-            return idx.pin_memory().to(self.device, non_blocking=True)
-        return idx.to(self.device)
+        thread, for the engine's step in flight; :func:`kvbm_backend.gpu.rows.device_index`.) A tensor already
+        on the device is returned as it is."""
+        if isinstance(block_ids, torch.Tensor):
+            return block_ids if block_ids.device == self.device else block_ids.to(self.device)
+        return device_index(list(block_ids), self.device)
 
     def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         """Copy engine blocks ``block_ids`` into ``staging`` (uint8 tensor of
