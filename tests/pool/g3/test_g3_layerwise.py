@@ -167,6 +167,40 @@ def test_device_checksum_is_verified_from_per_group_partial_sums(tmp_path):
         pool.close()
 
 
+def test_device_checksum_of_layers_that_are_not_whole_words_is_one_pass_over_the_rows(tmp_path):
+    """Layers of 6 bytes (not whole u32 words: no partial sums) are verified in finish by one pass over the good
+    rows (``devcheck_whole``; on a GPU on the load's side stream, not the caller's); a corrupt byte is a
+    ``devcheck`` failure and the rest verify."""
+    from kvbm_backend.model.frame import device_checksum
+    odd = KvLayout(num_layers=2, outer_dim=1, page_size=1, inner_dim=3, dtype="bfloat16")  # 6-byte layers
+    ns = Namespace(model="test/layerwise-odd", revision="r1", layout=odd, tp_world_size=1)
+    pool = open_g3(tmp_path / "g3", ns, load_timeout_s=20)
+    ex, files = ThreadPoolExecutor(2), SlabFiles()
+    try:
+        rng = np.random.default_rng(12)
+        keys = ns.keys(list(range(40, 45)), "t", 0)
+        blocks = [rng.integers(0, 256, odd.bytes_per_block, dtype=np.uint8) for _ in keys]
+        assert pool.put(keys, blocks, dev_checks=[device_checksum(b) for b in blocks]).result(30).written == 5
+        assert pool.flush(30)
+        ls = pool.lease([keys[1]])[0]
+        pool.release([ls])
+        with open(ls.path, "r+b") as f:  # a byte of layer 1 of block 1
+            f.seek(ls.offset + HEADER_BYTES + 6 + 2)
+            b = f.read(1)
+            f.seek(ls.offset + HEADER_BYTES + 6 + 2)
+            f.write(bytes([b[0] ^ 0x01]))
+        ld = _load(pool, ns, keys, ex, files, verify_on_device=True)
+        for layer in range(odd.num_layers):
+            ld.wait_layer(layer)
+        assert ld.finish() == [None, "devcheck", None, None, None]
+        assert ld.counters["devcheck_whole"] == 5 and ld.counters["devcheck_partial"] == 0
+        assert all(np.array_equal(ld.block(i).numpy(), blocks[i]) for i in (0, 2, 3, 4))
+    finally:
+        ex.shutdown(wait=True)
+        files.close()
+        pool.close()
+
+
 def test_groups_already_read_are_copied_when_an_earlier_layer_is_waited_for(rig):
     """A group whose reads are all in is reaped (checked, copied to the device, its partial sums queued) as
     soon as the forward waits for any earlier layer, not only when it reaches that group: with every read

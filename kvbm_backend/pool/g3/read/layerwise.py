@@ -37,6 +37,7 @@ which is never handed to anyone else (the read's closure keeps it alive).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -406,12 +407,14 @@ class LayerwiseLoad:
             self.counters["devcheck_partial"] += len(dev)
             return [int(got[i]) for i in dev]
         from ....gpu.checksum import device_checksums_torch
-        if self._stream is not None:
-            self._stream.synchronize()
-        idx = torch.as_tensor(dev, dtype=torch.long, device=self.device)
-        rows = self.lay_dev.index_select(1, idx).permute(1, 0, 2).reshape(len(dev), self.L * self.lb)
+        from ....gpu.rows import device_index
         self.counters["devcheck_whole"] += len(dev)
-        return device_checksums_torch(rows.contiguous(), 0, self.L * self.lb)
+        # on the side stream, after the groups' copies: its one sync (the sums' copy to the host) waits for this
+        # stream only, never for the caller's forward (no index copy from pageable memory on the caller's stream)
+        with (torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()):
+            idx = device_index(dev, self.device)
+            rows = self.lay_dev.index_select(1, idx).permute(1, 0, 2).reshape(len(dev), self.L * self.lb)
+            return device_checksums_torch(rows.contiguous(), 0, self.L * self.lb)
 
     def _verify(self) -> None:
         good = [i for i in range(self.n) if self.why[i] is None]
