@@ -103,19 +103,9 @@ def test_reads_run_as_a_few_tasks_per_group_and_finish_hashes_nothing(rig):
     hashed by the reader thread that read its last group, so finish compares digests only (no whole-payload
     hashing after the forward); a bad header and a corrupt payload are still failures."""
     pool, ns, keys, blocks, ex, files = rig
-    path, off = _slot(pool, keys[5])
     lb = ns.layout.bytes_per_block // ns.layout.num_layers
-    with open(path, "r+b") as f:  # one byte of the last layer of block 5
-        f.seek(off + HEADER_BYTES + 5 * lb + 3)
-        b = f.read(1)
-        f.seek(off + HEADER_BYTES + 5 * lb + 3)
-        f.write(bytes([b[0] ^ 1]))
-    path1, off1 = _slot(pool, keys[1])
-    with open(path1, "r+b") as f:  # a byte of block 1's frame header
-        f.seek(off1 + 40)
-        b = f.read(1)
-        f.seek(off1 + 40)
-        f.write(bytes([b[0] ^ 1]))
+    _flip(pool, keys[5], HEADER_BYTES + 5 * lb + 3)  # one byte of the last layer of block 5
+    _flip(pool, keys[1], 40)  # a byte of block 1's frame header
     ld = _load(pool, ns, keys, ex, files, parallel=3)
     good, _ = ld.wait_layer(0)
     assert 1 not in good and len(good) == len(keys) - 1  # refused by the header check before layer 0
@@ -146,13 +136,7 @@ def test_device_checksum_is_verified_from_per_group_partial_sums(tmp_path):
         blocks[0][:] = 255  # the largest words: the sums must not overflow
         assert pool.put(keys, blocks, dev_checks=[device_checksum(b) for b in blocks]).result(30).written == 6
         assert pool.flush(30)
-        ls = pool.lease([keys[3]])[0]
-        pool.release([ls])
-        with open(ls.path, "r+b") as f:  # layer 4 of block 3
-            f.seek(ls.offset + HEADER_BYTES + 4 * 8192 + 100)
-            b = f.read(1)
-            f.seek(ls.offset + HEADER_BYTES + 4 * 8192 + 100)
-            f.write(bytes([b[0] ^ 0x80]))
+        _flip(pool, keys[3], HEADER_BYTES + 4 * 8192 + 100, 0x80)  # layer 4 of block 3
         ld = _load(pool, ns, keys, ex, files, verify_on_device=True)
         for layer in range(ALIGNED.num_layers):
             good, t = ld.wait_layer(layer)
@@ -182,13 +166,7 @@ def test_device_checksum_of_layers_that_are_not_whole_words_is_one_pass_over_the
         blocks = [rng.integers(0, 256, odd.bytes_per_block, dtype=np.uint8) for _ in keys]
         assert pool.put(keys, blocks, dev_checks=[device_checksum(b) for b in blocks]).result(30).written == 5
         assert pool.flush(30)
-        ls = pool.lease([keys[1]])[0]
-        pool.release([ls])
-        with open(ls.path, "r+b") as f:  # a byte of layer 1 of block 1
-            f.seek(ls.offset + HEADER_BYTES + 6 + 2)
-            b = f.read(1)
-            f.seek(ls.offset + HEADER_BYTES + 6 + 2)
-            f.write(bytes([b[0] ^ 0x01]))
+        _flip(pool, keys[1], HEADER_BYTES + 6 + 2)  # a byte of layer 1 of block 1
         ld = _load(pool, ns, keys, ex, files, verify_on_device=True)
         for layer in range(odd.num_layers):
             ld.wait_layer(layer)
@@ -287,17 +265,22 @@ def _slot(pool, key):
     return ls.path, ls.offset
 
 
-def test_corrupt_payload_is_a_failed_row_and_the_slot_is_dropped(rig):
-    pool, ns, keys, blocks, ex, files = rig
-    path, off = _slot(pool, keys[2])
-    lb = ns.layout.bytes_per_block // ns.layout.num_layers
-    with open(path, "r+b") as f:  # one byte of layer 4 of block 2
-        f.seek(off + HEADER_BYTES + 4 * lb + 77)
+def _flip(pool, key, pos: int, mask: int = 1) -> None:
+    """XOR ``mask`` into the byte at ``pos`` of ``key``'s stored frame (``pos`` 0: the header's first byte)."""
+    path, off = _slot(pool, key)
+    with open(path, "r+b") as f:
+        f.seek(off + pos)
         b = f.read(1)
-        f.seek(off + HEADER_BYTES + 4 * lb + 77)
-        f.write(bytes([b[0] ^ 0x40]))
+        f.seek(off + pos)
+        f.write(bytes([b[0] ^ mask]))
         f.flush()
         os.fsync(f.fileno())
+
+
+def test_corrupt_payload_is_a_failed_row_and_the_slot_is_dropped(rig):
+    pool, ns, keys, blocks, ex, files = rig
+    lb = ns.layout.bytes_per_block // ns.layout.num_layers
+    _flip(pool, keys[2], HEADER_BYTES + 4 * lb + 77, 0x40)  # one byte of layer 4 of block 2
     ld = _load(pool, ns, keys, ex, files)
     good, _ = ld.wait_layer(0)
     assert 2 in good  # layer 0 is fine: nothing is known yet
@@ -365,13 +348,7 @@ def test_gpu_layerwise_loads_verify_the_device_checksum_in_hbm(tmp_path):
         blocks = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8) for _ in keys]
         assert pool.put(keys, blocks, dev_checks=[device_checksum(b) for b in blocks]).result(30).written == 6
         assert pool.flush(30)
-        ls = pool.lease([keys[4]])[0]
-        pool.release([ls])
-        with open(ls.path, "r+b") as f:
-            f.seek(ls.offset + HEADER_BYTES + 3 * 8192 + 11)
-            b = f.read(1)
-            f.seek(ls.offset + HEADER_BYTES + 3 * 8192 + 11)
-            f.write(bytes([b[0] ^ 2]))
+        _flip(pool, keys[4], HEADER_BYTES + 3 * 8192 + 11, 2)
         for _ in range(2):  # the second load reuses the pinned staging
             ld = LayerwiseLoad(pool, layout, keys[:4], "cuda", executor=ex, files=files, timeout_s=20,
                                min_read=8192, staging=staging).start()
