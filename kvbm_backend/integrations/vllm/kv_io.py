@@ -187,7 +187,9 @@ class EngineKv:
         thread, for the engine's step in flight; :func:`kvbm_backend.gpu.rows.device_index`.) A tensor already
         on the device is returned as it is."""
         if isinstance(block_ids, torch.Tensor):
-            return block_ids if block_ids.device == self.device else block_ids.to(self.device)
+            if block_ids.device == self.device:
+                return block_ids
+            return device_index(block_ids.tolist(), self.device)
         return device_index(list(block_ids), self.device)
 
     def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:

@@ -57,7 +57,7 @@ from ....model.layout import KvLayout
 from ....model.namespace import BlockKey, tenant_tag
 from ....transfer.layers import DEFAULT_MIN_READ, GroupReads, layer_aligned, layer_groups, plan_layer_reads
 from ...base import BlockBuffer, SlotLease, SlotLeaseSource
-from .stages import HeaderChecks, add_seconds, check_frame, lease_all, release_quietly, report_corrupt
+from .stages import HEADER_COPY, HeaderChecks, add_seconds, check_frame, lease_all, release_quietly, report_corrupt
 from ....deadlines import Deadline
 
 if TYPE_CHECKING:
@@ -65,8 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-_HEADER_CHECKED = 256  # header bytes the checks read (the fixed fields, the header check), of HEADER_BYTES
 
 #: the owner's read fds (one O_DIRECT open / fallback rule for every reader: :mod:`kvbm_backend.io.files`)
 SlabFiles = ReadFiles
@@ -256,7 +254,7 @@ class LayerwiseLoad:
     def _check_rows(self, rows: list[int]) -> None:
         """Check the frame headers of ``rows`` (read in full) together; a header refused there is checked
         again alone (:func:`~.stages.check_frame`: its reason). Sets ``_pre`` for each row."""
-        ok, _ = self._checks.check(self.hdr[:, :_HEADER_CHECKED][rows], [self.keys[r] for r in rows])
+        ok, _ = self._checks.check(self.hdr[:, :HEADER_COPY][rows], [self.keys[r] for r in rows])
         for row, good in zip(rows, ok.tolist()):
             self._pre[row] = True if good else self._check_one(row, self.hdr)
 
@@ -421,7 +419,7 @@ class LayerwiseLoad:
         if not good:
             return
         # a good row's header was checked (HeaderChecks / check_frame): its fields are read from the bytes
-        hg = self.hdr[:, :_HEADER_CHECKED][good]
+        hg = self.hdr[:, :HEADER_COPY][good]
         flags = header_flags(hg).tolist()
         want_dev = header_dev_checks(hg).tolist()
         integrity = header_integrity(hg)

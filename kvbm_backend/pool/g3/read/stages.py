@@ -22,6 +22,9 @@ from ...base import BlockBuffer, SlotLease, SlotLeaseSource
 
 log = logging.getLogger(__name__)
 
+#: header bytes the checks read per row (the 144-byte fixed part and its check fit; the rest is zeros): what
+#: device loads bring to the host, what the layer-wise loads compare
+HEADER_COPY = 256
 #: reasons that are not the stored bytes' fault: the slot stays (a miss)
 TRANSIENT = ("not_found", "io_error", "short", "timeout")
 #: reasons that never drop a slot (:func:`report_corrupt`)

@@ -35,16 +35,12 @@ from ....gpu.checksum import combine_limb_sums, device_limb_sums
 from ....gpu.rows import BlockRows
 from ...base import SlotLeaseSource
 from .passes import _Pass
-from .stages import TRANSIENT, HeaderChecks, add_seconds, check_frame, report_corrupt
+from .stages import HEADER_COPY, TRANSIENT, HeaderChecks, add_seconds, check_frame, report_corrupt
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-#: header bytes brought to the host per row (the 144-byte fixed part and its check fit; the rest is zeros)
-HEADER_COPY = 256
-
 
 class PassVerifier:
     """Header and payload checks and the copy-out of :class:`~.device.DeviceLoader`.
