@@ -1,10 +1,10 @@
 """Worker role of the connector: gather computed blocks for saves, load + verify + scatter for loads.
 
-Saves: in ``wait_for_save`` (after the step's forward wrote its KV) the blocks named by the step's
-:class:`SaveJob` s are gathered from the engine's per-layer paged tensors into one 4 KiB-aligned host
-staging buffer (a memory copy, bounded by ``max_pending_save_bytes``), then handed to ``G3.put`` and
-``G4.put``, which return at once; storage never runs on the forward path. When pending saves already
-hold ``max_pending_save_bytes`` of staging, new saves are dropped and counted (docs/invariants.md #3).
+Saves (:mod:`.offloads`): in ``wait_for_save`` (after the step's forward wrote its KV) the blocks named by
+the step's :class:`SaveJob` s are staged into host memory (bounded by ``max_pending_save_bytes``; over it
+new saves are dropped and counted, docs/invariants.md #3) and handed to ``G3.put`` and ``G4.put``, which
+return at once; storage never runs on the forward path, and on a CUDA engine the staging copies are queued
+on the stream, never waited for on vLLM's thread.
 
 Loads: ``start_load_kv`` runs, on a background thread, ``G3.get`` / ``G4.get`` with the rows of one
 staging tensor on the engine's KV device as destinations: the pools' seam for device loads
@@ -26,9 +26,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -38,20 +37,15 @@ from ...gpu.checksum import device_checksums_torch
 from ...gpu.host_path import device_blocks_to_host
 from ...memory import BufferPool
 from ...model.namespace import Namespace
-from ...pool.base import BlockPool, G3Extensions, GetResult, PutResult, require_g3_extensions
+from ...pool.base import BlockPool, G3Extensions, GetResult, require_g3_extensions
 from ...deadlines import Deadline
 from .. import load_priority
 from . import stats
-from .kv_io import EngineKv, numpy_staging, split_blocks
+from .kv_io import EngineKv, numpy_staging
+from .offloads import Offloads
 from .metadata import FailedLoad, KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
 
 log = logging.getLogger("kvbm_backend.connector")
-
-#: bytes of free save staging buffers kept for reuse (at most ``max_pending_save_bytes``). Reuse skips the
-#: page faults of a fresh buffer in the gather copy: measured on the 2-core dev VM, copying into a fresh
-#: aligned buffer vs one taken again from the pool: 256 KiB 1.07 vs 0.15 ms, 2 MiB 0.57 vs 0.37 ms,
-#: 16 MiB 8.3 vs 5.6 ms.
-SAVE_STAGING_KEEP_BYTES = 64 << 20
 
 #: bytes of free load staging buffers a CPU engine's worker keeps for reuse (a CUDA engine's staging is HBM
 #: from torch's caching allocator, reused without faults). Sizes are rounded up to a power of two blocks so
@@ -104,14 +98,12 @@ class WorkerSide:
         self._failed_loads: list[FailedLoad] = []  # reported to the scheduler with the next worker_meta
         self._lock = threading.Lock()
         self._exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-load")
-        self._pending_save_bytes = 0
-        # host staging of saves, given back once every pool finished reading it (SAVE_STAGING_KEEP_BYTES)
-        self._staging = BufferPool("host", min(SAVE_STAGING_KEEP_BYTES, max(0, max_pending_save_bytes)),
-                                   name="vllm-save-staging")
         # host staging of a CPU engine's loads (LOAD_STAGING_KEEP_BYTES), given back after the scatter
         self._load_staging = BufferPool("host", LOAD_STAGING_KEEP_BYTES, name="vllm-load-staging")
         # report_g3: the scheduler runs in another process and mirrors our G3 index (KvbmWorkerMeta)
         self.report_g3 = report_g3 and g3 is not None
+        self.offloads = Offloads(namespace, rank, g3, g4, max_pending_bytes=max_pending_save_bytes,
+                                 save_to_g4=save_to_g4, g3_written=self._g3_written if self.report_g3 else None)
         self._snapshot_sent = False
         self._added: list[tuple[bytes, int, int]] = []  # (tenant tag, rank, seq_hash): see KvbmWorkerMeta
         self._removed: list[tuple[bytes, int, int]] = []
@@ -131,6 +123,7 @@ class WorkerSide:
             raise ValueError(f"kv caches: engine block layout {kv.layout} differs from the namespace layout "
                              f"{self.ns.layout}")
         self.kv = kv
+        self.offloads.register(kv)
         log.info("kvbm_backend: registered %d layers, engine layout %s, %d bytes per block, device %s",
                  kv.layout.num_layers, kv.engine_layout, kv.layout.bytes_per_block, kv.device)
         if self.g3 is not None:
@@ -151,105 +144,23 @@ class WorkerSide:
 
     # ---- saves ----------------------------------------------------------------------------------
     def save(self, jobs: list[SaveJob]) -> None:
-        """Gather ``jobs``' blocks into host staging now (memory copy), store them in the background."""
+        """Stage ``jobs``' blocks now (queued copies; see :mod:`.offloads`), store them in the background."""
         if not jobs or self.kv is None or (self.g3 is None and self.g4 is None):
             return
-        bpb = self.kv.layout.bytes_per_block
+        dev_checks = self.dev_checks_on and self.g3 is not None
         for job in jobs:
-            n = len(job.block_ids)
-            if n == 0:
-                continue
-            nbytes = n * bpb
+            self.offloads.save(job, self.kv, dev_checks)
+
+    def flush_saves(self, timeout: float | None = None) -> bool:
+        """Wait until every save made so far was handed to the pools (:meth:`.offloads.Offloads.flush`)."""
+        return self.offloads.flush(timeout)
+
+    def _g3_written(self, keys: list) -> None:
+        g3p = self.g3
+        if g3p is not None:
+            present = [mirror_id(k) for k in keys if g3p.contains(k)]
             with self._lock:
-                if self._pending_save_bytes + nbytes > self.max_pending_save_bytes:
-                    stats.add(save_dropped_blocks=n)
-                    continue
-                self._pending_save_bytes += nbytes
-            t0 = time.perf_counter()
-            arr, host = numpy_staging(nbytes, self._staging)
-            checks = None
-            if self.on_cuda:
-                dev = torch.empty(nbytes, dtype=torch.uint8, device=self.kv.device)
-                self.kv.gather(job.block_ids, dev)
-                if self.dev_checks_on and self.g3 is not None:
-                    checks = device_checksums_torch(dev.view(n, bpb), 0, bpb)  # on the GPU
-                host.copy_(dev)
-            else:
-                self.kv.gather(job.block_ids, host)
-                if self.dev_checks_on and self.g3 is not None:
-                    checks = device_checksums_torch(host.view(n, bpb), 0, bpb)
-            stats.add(save_jobs=1, save_blocks=n, save_gather_s=time.perf_counter() - t0)
-            keys = self.ns.keys(job.seq_hashes, job.tenant, self.rank)
-            blocks = split_blocks(arr, self.kv.layout, n)
-            # A replicated block (MLA) goes to G4 once, from the rank whose key names it.
-            g4 = self.save_to_g4 and self.ns.shared_rank(self.rank) == self.rank
-            self._put_all(keys, blocks, arr, nbytes, g4=g4, dev_checks=checks, recycle=True)
-
-    def _g4_keys(self, keys: list) -> list:
-        """``keys`` as named in G4 (:meth:`Namespace.shared_rank`)."""
-        r = self.ns.shared_rank(self.rank)
-        return keys if r == self.rank else [k._replace(rank=r) for k in keys]
-
-    def _put_all(self, keys, blocks, arr, nbytes: int, g3: bool = True, g4: bool = True,
-                 dev_checks: list | None = None, promote: bool = False, recycle: bool = False) -> None:
-        """Hand ``blocks`` (views of ``arr``) to the pools. ``recycle``: ``arr`` came from the save staging
-        pool and goes back to it when every put completed without an error (after an error a pool may
-        still read it: it is then left to the garbage collector, never reused)."""
-        futs: list[tuple[str, Future]] = []
-        if g3 and self.g3 is not None:
-            kw: dict[str, Any] = {}
-            if dev_checks is not None:
-                kw["dev_checks"] = dev_checks
-            if promote:
-                kw["bypass_admission"] = True
-            futs.append(("g3", self._safe_put(self.g3, keys, blocks, **kw)))
-        if g4 and self.g4 is not None:
-            futs.append(("g4", self._safe_put(self.g4, self._g4_keys(keys), blocks)))
-        if not futs:
-            with self._lock:
-                self._pending_save_bytes -= nbytes
-            if recycle:
-                self._staging.give(arr)
-            return
-        remaining = [len(futs)]
-        failed = [False]
-        rlock = threading.Lock()
-
-        def done(tier: str, f: Future, _arr=arr) -> None:  # _arr keeps the staging alive
-            try:
-                r: PutResult = f.result()
-                g3p = self.g3
-                if tier == "g3" and self.report_g3 and g3p is not None:  # g3p: never None for tier g3
-                    present = [mirror_id(k) for k in keys if g3p.contains(k)]
-                    with self._lock:
-                        self._added.extend(present)
-                stats.add(**{f"{tier}_put_written_blocks": r.written, f"{tier}_put_skipped_blocks": r.skipped,
-                             f"{tier}_put_dropped_blocks": r.dropped,
-                             f"{tier}_put_written_bytes": r.written * self.ns.layout.bytes_per_block})
-            except Exception as e:  # noqa: BLE001 - a failed offload is a dropped offload
-                log.warning("kvbm_backend: %s put failed: %s", tier, e)
-                stats.add(**{f"{tier}_put_errors": 1, f"{tier}_put_dropped_blocks": len(keys)})
-                failed[0] = True
-            with rlock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                with self._lock:
-                    self._pending_save_bytes -= nbytes
-                if recycle and not failed[0]:
-                    self._staging.give(_arr)
-
-        for tier, f in futs:
-            f.add_done_callback(partial(done, tier))
-
-    @staticmethod
-    def _safe_put(pool: BlockPool, keys, blocks, **kw) -> Future:
-        try:
-            return pool.put(keys, blocks, **kw)
-        except Exception as e:  # noqa: BLE001 - storage trouble never reaches the engine
-            f: Future = Future()
-            f.set_exception(e)
-            return f
+                self._added.extend(present)
 
     # ---- loads ----------------------------------------------------------------------------------
     def start_loads(self, jobs: list[LoadJob]) -> None:
@@ -310,7 +221,7 @@ class WorkerSide:
                 a = tier_idx[0]
                 out = staging[a:a + len(tier_idx)] if tier_idx[-1] - a == len(tier_idx) - 1 else \
                     [staging[i] for i in tier_idx]
-                res, ended = self._get(pool, tkeys if pool is self.g3 else self._g4_keys(tkeys), out,
+                res, ended = self._get(pool, tkeys if pool is self.g3 else self.offloads.g4_keys(tkeys), out,
                                        ld.deadline.left())
                 if not ended:
                     buf = None  # a late read may still land in the staging: never handed out again
@@ -368,7 +279,7 @@ class WorkerSide:
             blocks = [r.numpy() for r in rows]
             keep = rows
         stats.add(promote_blocks=len(keys))
-        self._put_all(keys, blocks, keep, 0, g3=True, g4=False, dev_checks=checks, promote=True)
+        self.offloads.put_all(keys, blocks, keep, 0, g3=True, g4=False, dev_checks=checks, promote=True)
 
     def get_finished(self) -> set[str]:
         """Request ids whose loads are over (done, failed or timed out); their failed block ids are
@@ -488,6 +399,7 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        self.offloads.close()
         self._exec.shutdown(wait=True, cancel_futures=False)
 
 

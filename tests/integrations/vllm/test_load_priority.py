@@ -62,7 +62,7 @@ def _held_g4_load(tmp_path, cfg, during):
         seqs = [11, 12, 13]
         w.save([SaveJob("s", [1, 2, 3], seqs, "acme")])
         assert g4.flush(timeout=30)
-        held = HeldOpen([g4.store._path(g4.object_name(k)) for k in w._g4_keys(ns.keys(seqs, "acme", 0))])
+        held = HeldOpen([g4.store._path(g4.object_name(k)) for k in w.offloads.g4_keys(ns.keys(seqs, "acme", 0))])
         try:
             w.start_loads([LoadJob("r", [4, 5, 6], seqs, ["G4"] * 3, "acme")])
             end = time.monotonic() + 30

@@ -69,6 +69,7 @@ def _wait(worker, req, timeout=30):
 
 def _save(worker, pool, ids, seqs, tenant="acme"):
     worker.save([SaveJob("r-save", ids, seqs, tenant)])
+    assert worker.flush_saves(30)  # a CUDA engine hands saves to the pools on its save thread
     pool.flush(timeout=30)
 
 
@@ -165,7 +166,7 @@ def test_worker_g4_hits_land_on_the_device_and_are_promoted_past_admission(tmp_p
         src = [5, 6, 7]
         want = [_block_bytes(kv, b) for b in src]
         wr.save([SaveJob("r-save", src, [301, 302, 303], "acme")])
-        assert writer_g4.flush(30)
+        assert wr.flush_saves(30) and writer_g4.flush(30)
     finally:
         wr.shutdown()
         writer_g4.close()
@@ -368,7 +369,7 @@ def test_cpu_engine_load_staging_a_late_read_may_land_in_is_never_handed_out_aga
         src, seqs = [1, 2, 3], [501, 502, 503]
         want = [_block_bytes(kv, b) for b in src]
         _save(w, g4, src, seqs)
-        held = HeldOpen([g4.store._path(g4.object_name(k)) for k in w._g4_keys(ns.keys(seqs, "acme", 0))])
+        held = HeldOpen([g4.store._path(g4.object_name(k)) for k in w.offloads.g4_keys(ns.keys(seqs, "acme", 0))])
         try:
             w.start_loads([LoadJob("late", [10, 11, 12], seqs, ["G4"] * 3, "acme")])
             # the load thread ends the load itself (nobody polls get_finished meanwhile, which would mark it

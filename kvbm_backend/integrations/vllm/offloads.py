@@ -1,0 +1,237 @@
+"""Offloads of the worker role: engine blocks staged in ``wait_for_save``, handed to G3 / G4 off the
+forward path (a part :class:`~.worker_side.WorkerSide` owns).
+
+Staging (vLLM's thread, :meth:`Offloads.save`): the blocks a :class:`~.metadata.SaveJob` names are gathered
+from the engine's paged tensors into one host staging buffer, bounded by ``max_pending_save_bytes`` (over
+it the save is dropped and counted, ``save_dropped_blocks``: docs/invariants.md #3).
+
+On a CUDA engine nothing here waits for the GPU. The gather (``index_select`` into a device buffer), the
+device checksums (:func:`~kvbm_backend.gpu.checksum.device_limb_sums`) and both copies into pinned host
+memory are queued on the **current stream**, behind the forward that wrote the KV, and an event is
+recorded after them. The blocks thus leave the engine in stream order, before any later kernel on that
+stream can overwrite them (vLLM's forward writes the KV on its current stream). The ``kvbm-save`` thread
+waits for the event, then hands the blocks to the pools. Before, ``wait_for_save`` fetched the checksums
+(``.cpu()``) and copied into pageable memory: vLLM's thread waited there until the step's forward had
+finished on the GPU, which under async scheduling stalls the next step's CPU work (invariant #3, never
+stall decode).
+
+On the CPU engine the gather is a memory copy, done at once, and the hand-off runs inline; ``defer`` sends
+it through the same thread (what a CUDA engine does; tests set it on the CPU). :meth:`Offloads.flush`
+waits for the hand-offs queued so far: after it, the pools' ``flush`` covers every save made before.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ...gpu.checksum import combine_limb_sums, device_limb_sums
+from ...memory import BufferPool
+from ...model.namespace import BlockKey, Namespace
+from ...pool.base import BlockPool, PutResult
+from . import stats
+from .kv_io import EngineKv, numpy_staging, split_blocks
+from .metadata import SaveJob
+
+log = logging.getLogger("kvbm_backend.connector")
+
+#: bytes of free save staging buffers kept for reuse (at most ``max_pending_save_bytes``). Reuse skips the
+#: page faults of a fresh buffer in the gather copy: measured on the 2-core dev VM, copying into a fresh
+#: aligned buffer vs one taken again from the pool: 256 KiB 1.07 vs 0.15 ms, 2 MiB 0.57 vs 0.37 ms,
+#: 16 MiB 8.3 vs 5.6 ms. A CUDA engine's are pinned (torch's caching host allocator), so the copy is a DMA.
+SAVE_STAGING_KEEP_BYTES = 64 << 20
+
+
+@dataclass
+class _Staged:
+    """One save job gathered into host staging ``arr`` (``n`` blocks, ``nbytes``); ``sums``: host int64
+    ``[n, 4]`` device-checksum limb sums (or None); ``ready``: the CUDA event after the copies (None: the
+    bytes are there now)."""
+    job: SaveJob
+    n: int
+    nbytes: int
+    arr: np.ndarray
+    sums: torch.Tensor | None
+    ready: Any
+
+
+class Offloads:
+    """Save staging, its bound and the hand-off to the pools for one :class:`~.worker_side.WorkerSide`.
+
+    Args:
+        namespace, rank: name the saved blocks (``namespace.keys(seq_hashes, tenant, rank)``).
+        g3, g4: the pools blocks go to (either may be None).
+        max_pending_bytes: staging bytes held by saves not yet written (bytes, >= 0).
+        save_to_g4: offload to G4 too (a replicated block goes from the rank whose key names it).
+        g3_written: called with the keys of each completed G3 put (the worker's G3 report), or None.
+    """
+
+    def __init__(self, namespace: Namespace, rank: int, g3: BlockPool | None, g4: BlockPool | None, *,
+                 max_pending_bytes: int, save_to_g4: bool = True,
+                 g3_written: Callable[[list[BlockKey]], None] | None = None) -> None:
+        self.ns, self.rank, self.g3, self.g4 = namespace, rank, g3, g4
+        self.max_pending_bytes, self.save_to_g4, self.g3_written = max_pending_bytes, save_to_g4, g3_written
+        self.defer = False  # hand-offs on the kvbm-save thread (set by register on a CUDA engine)
+        self.pending_bytes = 0
+        self._lock = threading.Lock()
+        self._staging = BufferPool("host", self._keep(), name="vllm-save-staging")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-save")
+
+    def _keep(self) -> int:
+        return min(SAVE_STAGING_KEEP_BYTES, max(0, self.max_pending_bytes))
+
+    def register(self, kv: EngineKv) -> None:
+        """A CUDA engine's saves stage into pinned memory and are handed off on the ``kvbm-save`` thread."""
+        if kv.device.type == "cuda":
+            self._staging = BufferPool("pinned", self._keep(), name="vllm-save-staging")
+            self.defer = True
+
+    # ---- staging (vLLM's thread) ------------------------------------------------------------------
+    def save(self, job: SaveJob, kv: EngineKv, dev_checks: bool) -> None:
+        """Stage ``job``'s blocks (``dev_checks``: with their device checksums) and hand them to the pools,
+        now or on the ``kvbm-save`` thread (:attr:`defer`); never waits for the GPU. A save that would pass
+        ``max_pending_bytes`` is dropped and counted."""
+        n = len(job.block_ids)
+        if n == 0:
+            return
+        bpb = kv.layout.bytes_per_block
+        nbytes = n * bpb
+        with self._lock:
+            if self.pending_bytes + nbytes > self.max_pending_bytes:
+                stats.add(save_dropped_blocks=n)
+                return
+            self.pending_bytes += nbytes
+        t0 = time.perf_counter()
+        try:
+            arr, host = numpy_staging(nbytes, self._staging)
+            sums = ready = None
+            if kv.device.type == "cuda":
+                dev = torch.empty(nbytes, dtype=torch.uint8, device=kv.device)
+                kv.gather(job.block_ids, dev)
+                if dev_checks:
+                    d = device_limb_sums(dev.view(n, bpb), 0, bpb)
+                    sums = torch.empty(d.shape, dtype=d.dtype, pin_memory=True)
+                    sums.copy_(d, non_blocking=True)
+                host.copy_(dev, non_blocking=True)  # pinned: a DMA queued behind the gather
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(kv.device))
+            else:
+                kv.gather(job.block_ids, host)
+                if dev_checks:
+                    sums = device_limb_sums(host.view(n, bpb), 0, bpb)
+        except BaseException:
+            self._release(nbytes)
+            raise
+        stats.add(save_jobs=1, save_blocks=n, save_gather_s=time.perf_counter() - t0)
+        staged = _Staged(job, n, nbytes, arr, sums, ready)
+        if self.defer:
+            self._thread.submit(self._hand_off, staged)
+        else:
+            self._hand_off(staged)
+
+    def _hand_off(self, s: _Staged) -> None:
+        """Wait for the staged bytes (their event), then put them into the pools."""
+        try:
+            if s.ready is not None:
+                s.ready.synchronize()
+            checks = None if s.sums is None else [int(x) for x in combine_limb_sums(s.sums.numpy())]
+            keys = self.ns.keys(s.job.seq_hashes, s.job.tenant, self.rank)
+            blocks = split_blocks(s.arr, self.ns.layout, s.n)
+        except Exception as e:  # noqa: BLE001 - a failed offload is a dropped offload
+            log.warning("kvbm_backend: save of %d blocks dropped: %s", s.n, e)
+            stats.add(save_dropped_blocks=s.n)
+            self._release(s.nbytes)
+            return
+        # A replicated block (MLA) goes to G4 once, from the rank whose key names it.
+        g4 = self.save_to_g4 and self.ns.shared_rank(self.rank) == self.rank
+        self.put_all(keys, blocks, s.arr, s.nbytes, g4=g4, dev_checks=checks, recycle=True)
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self.pending_bytes -= nbytes
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every save staged so far was handed to the pools (seconds; None: no bound). Returns
+        False on timeout."""
+        try:
+            self._thread.submit(lambda: None).result(timeout)  # one thread: it runs after those queued before
+        except FutureTimeout:
+            return False
+        except RuntimeError:  # closed: every hand-off already ran
+            pass
+        return True
+
+    def close(self) -> None:
+        """Hand off the saves staged so far, then stop the thread. Idempotent."""
+        self._thread.shutdown(wait=True)
+
+    # ---- hand-off ---------------------------------------------------------------------------------
+    def g4_keys(self, keys: list) -> list:
+        """``keys`` as named in G4 (:meth:`Namespace.shared_rank`)."""
+        r = self.ns.shared_rank(self.rank)
+        return keys if r == self.rank else [k._replace(rank=r) for k in keys]
+
+    def put_all(self, keys, blocks, arr, nbytes: int, g3: bool = True, g4: bool = True,
+                dev_checks: list | None = None, promote: bool = False, recycle: bool = False) -> None:
+        """Hand ``blocks`` (views of ``arr``) to the pools; ``nbytes`` of :attr:`pending_bytes` are released
+        when every put completed. ``recycle``: ``arr`` came from the save staging and goes back to it when
+        every put completed without an error (after an error a pool may still read it: it is then left to
+        the garbage collector, never reused)."""
+        futs: list[tuple[str, Future]] = []
+        if g3 and self.g3 is not None:
+            kw: dict[str, Any] = {}
+            if dev_checks is not None:
+                kw["dev_checks"] = dev_checks
+            if promote:
+                kw["bypass_admission"] = True
+            futs.append(("g3", self._safe_put(self.g3, keys, blocks, **kw)))
+        if g4 and self.g4 is not None:
+            futs.append(("g4", self._safe_put(self.g4, self.g4_keys(keys), blocks)))
+        if not futs:
+            self._release(nbytes)
+            if recycle:
+                self._staging.give(arr)
+            return
+        remaining = [len(futs)]
+        failed = [False]
+        rlock = threading.Lock()
+
+        def done(tier: str, f: Future, _arr=arr) -> None:  # _arr keeps the staging alive
+            try:
+                r: PutResult = f.result()
+                if tier == "g3" and self.g3_written is not None:
+                    self.g3_written(keys)
+                stats.add(**{f"{tier}_put_written_blocks": r.written, f"{tier}_put_skipped_blocks": r.skipped,
+                             f"{tier}_put_dropped_blocks": r.dropped,
+                             f"{tier}_put_written_bytes": r.written * self.ns.layout.bytes_per_block})
+            except Exception as e:  # noqa: BLE001 - a failed offload is a dropped offload
+                log.warning("kvbm_backend: %s put failed: %s", tier, e)
+                stats.add(**{f"{tier}_put_errors": 1, f"{tier}_put_dropped_blocks": len(keys)})
+                failed[0] = True
+            with rlock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self._release(nbytes)
+                if recycle and not failed[0]:
+                    self._staging.give(_arr)
+
+        for tier, f in futs:
+            f.add_done_callback(partial(done, tier))
+
+    @staticmethod
+    def _safe_put(pool: BlockPool, keys, blocks, **kw) -> Future:
+        try:
+            return pool.put(keys, blocks, **kw)
+        except Exception as e:  # noqa: BLE001 - storage trouble never reaches the engine
+            f: Future = Future()
+            f.set_exception(e)
+            return f

@@ -1,0 +1,104 @@
+"""The worker role's offloads (:mod:`kvbm_backend.integrations.vllm.offloads`): staged in ``wait_for_save``,
+handed to the pools on the ``kvbm-save`` thread where the engine is on CUDA.
+
+These drive the real :class:`WorkerSide` with a CPU engine and real G3 / G4 pools over files, with the
+hand-off deferred as a CUDA engine defers it (``offloads.defer``): what the GPU path adds is only an
+event waited for on that thread (``tests/gpu/test_gpu_path.py`` shows that ``save`` does not wait for the
+stream). The save thread is held busy by a task queued before the save, so the tests see a save that was
+staged but not yet handed off.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbm_backend.integrations.vllm import stats
+from kvbm_backend.integrations.vllm.metadata import LoadJob, SaveJob
+from kvbm_backend.integrations.vllm.worker_side import WorkerSide
+from tests.integrations.vllm.test_worker_device_path import _block_bytes, _clear, _engine, _g3, _ns, _wait
+
+
+@contextlib.contextmanager
+def _worker(tmp_path, seed: int, defer: bool = True, **kw):
+    """A registered CPU :class:`WorkerSide` over a fresh G3 pool, its hand-off deferred: ``(kv, g3, w)``."""
+    kv = _engine("cpu", seed=seed)
+    ns = _ns(kv)
+    g3 = _g3(tmp_path, ns)
+    w = WorkerSide(ns, 0, g3, None, load_timeout_s=30, **kw)
+    try:
+        w.register(kv)
+        w.offloads.defer = defer
+        yield kv, g3, w
+    finally:
+        w.shutdown()
+        g3.close()
+
+
+def _hold(w: WorkerSide) -> threading.Event:
+    """Keep ``w``'s save thread busy until the returned event is set."""
+    gate = threading.Event()
+    w.offloads._thread.submit(gate.wait, 30)
+    return gate
+
+
+def test_a_deferred_save_reaches_the_pools_only_through_flush_saves_and_loads_back_intact(tmp_path):
+    with _worker(tmp_path, 11, device_checksum="on") as (kv, g3, w):
+        src, seqs = [1, 2, 3], [701, 702, 703]
+        want = [_block_bytes(kv, b) for b in src]
+        gate = _hold(w)
+        w.save([SaveJob("r", src, seqs, "acme")])  # returns with the hand-off queued behind the gate
+        bpb = kv.layout.bytes_per_block
+        assert w.offloads.pending_bytes == 3 * bpb  # staged: counted against max_pending_save_bytes
+        assert g3.flush(10) and g3.stats()["blocks"] == 0  # not handed to G3 yet
+        assert not w.flush_saves(0.2)  # the hand-off cannot run: flush_saves says so
+        gate.set()
+        assert w.flush_saves(30) and g3.flush(30)
+        assert g3.stats()["blocks"] == 3
+        assert w.offloads.pending_bytes == 0
+        dst = [10, 11, 12]
+        _clear(kv, dst)
+        w.start_loads([LoadJob("l", dst, seqs, ["G3"] * 3, "acme")])
+        assert _wait(w, "l") == set()
+        for b, x in zip(dst, want):
+            assert torch.equal(_block_bytes(kv, b), x)
+        # the device checksums were carried to the put on the save thread: device loads verified them
+        assert g3.device_reader(kv.device).stats().get("host_verified", 0) == 0
+
+
+def test_shutdown_hands_off_the_saves_staged_before_it(tmp_path):
+    with _worker(tmp_path, 12) as (kv, g3, w):
+        gate = _hold(w)
+        w.save([SaveJob("r", [4, 5], [801, 802], "acme")])
+        threading.Timer(0.2, gate.set).start()
+        w.shutdown()  # waits for the queued hand-off, as the connector's close does before the pools flush
+        assert g3.flush(30) and g3.stats()["blocks"] == 2
+        assert w.flush_saves(1)  # after shutdown: nothing left to wait for
+
+
+def test_saves_staged_but_not_handed_off_count_against_max_pending_save_bytes(tmp_path):
+    bpb = _engine("cpu").layout.bytes_per_block
+    with _worker(tmp_path, 13, max_pending_save_bytes=3 * bpb) as (kv, g3, w):
+        gate = _hold(w)
+        before = stats.get("save_dropped_blocks")
+        w.save([SaveJob("a", [1, 2], [901, 902], "acme")])
+        w.save([SaveJob("b", [3, 4], [903, 904], "acme")])  # 4 blocks would pass 3: dropped, counted
+        assert stats.get("save_dropped_blocks") - before == 2
+        gate.set()
+        assert w.flush_saves(30) and g3.flush(30)
+        assert g3.stats()["blocks"] == 2 and w.offloads.pending_bytes == 0
+        w.save([SaveJob("b", [3, 4], [903, 904], "acme")])  # room again once the first was written
+        assert w.flush_saves(30) and g3.flush(30) and g3.stats()["blocks"] == 4
+
+
+def test_a_save_whose_gather_fails_gives_its_pending_bytes_back(tmp_path):
+    bpb = _engine("cpu").layout.bytes_per_block
+    with _worker(tmp_path, 14, defer=False, max_pending_save_bytes=2 * bpb) as (kv, g3, w):
+        with pytest.raises(IndexError):
+            w.save([SaveJob("bad", [1, 10_000], [1001, 1002], "acme")])  # no engine block 10000: a caller bug
+        assert w.offloads.pending_bytes == 0  # before, the bound kept these bytes forever
+        w.save([SaveJob("ok", [1, 2], [1001, 1002], "acme")])
+        assert w.flush_saves(30) and g3.flush(30) and g3.stats()["blocks"] == 2
