@@ -58,6 +58,7 @@ def child(workdir: str, blocks: int, loads: int, device: str, save: bool, layerw
         if save:
             for a in range(0, blocks, 128):
                 w.save([SaveJob("save", ids[a:a + 128], seqs[a:a + 128], "bench")])
+                w.flush_saves(600)  # a CUDA engine hands saves to the pools on its save thread
                 g3.flush(timeout=600)
             return
         if layerwise:

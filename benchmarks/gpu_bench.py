@@ -325,6 +325,7 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
                         # one job at a time, flushed: the worker's write-behind bound drops what does not fit
                         # (never stall decode), and a benchmark must load every block it saved
                         w.save([SaveJob("save", ids[a:a + SAVE_JOB_BLOCKS], seqs[a:a + SAVE_JOB_BLOCKS], "bench")])
+                        w.flush_saves(600)  # a CUDA engine hands saves to the pools on its save thread
                         g3.flush(timeout=600)
                     so["save_GBps_through_worker"] = round(n * bpb / (_now() - t0) / 1e9, 2)
                     st = g3.stats()
@@ -406,6 +407,7 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
                 for a in range(0, m, SAVE_JOB_BLOCKS):
                     w.save([SaveJob("save", ids[a:min(m, a + SAVE_JOB_BLOCKS)], seqs[a:min(m, a + SAVE_JOB_BLOCKS)],
                                     "bench")])
+                    w.flush_saves(600)
                     g4.flush(600)
                 clear(ids[:m])
                 _drop_dir_cache(g4dir)

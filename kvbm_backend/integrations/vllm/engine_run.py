@@ -188,9 +188,12 @@ def run(spec: dict) -> dict:
         llm.llm_engine.engine_core.shutdown()
     elif conn is not None:
         from . import stats
-        # Let background offloads finish before the stats are read (bounded).
+        # Let background offloads finish before the stats are read (bounded): the workers' hand-offs first.
         from .. import tiers
+        from .offloads import flush_all
         pools = {}
+        if not flush_all(timeout=30.0):
+            pools["save_flush_error"] = "save hand-offs still pending after 30 s"
         for ent in list(tiers._shared.values()):
             for name, p in (("g3", ent[0]), ("g4", ent[1])):
                 if p is None:

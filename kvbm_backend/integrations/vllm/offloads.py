@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -63,6 +64,15 @@ class _Staged:
     ready: Any
 
 
+_LIVE: "weakref.WeakSet[Offloads]" = weakref.WeakSet()  # this process's, for flush_all
+
+
+def flush_all(timeout: float | None = None) -> bool:
+    """:meth:`Offloads.flush` of every worker in this process (``timeout`` seconds each): what a caller
+    that flushes the pools runs first (``engine_run`` before it reads their stats). False if one timed out."""
+    return all([o.flush(timeout) for o in list(_LIVE)])
+
+
 class Offloads:
     """Save staging, its bound and the hand-off to the pools for one :class:`~.worker_side.WorkerSide`.
 
@@ -84,6 +94,7 @@ class Offloads:
         self._lock = threading.Lock()
         self._staging = BufferPool("host", self._keep(), name="vllm-save-staging")
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-save")
+        _LIVE.add(self)
 
     def _keep(self) -> int:
         return min(SAVE_STAGING_KEEP_BYTES, max(0, self.max_pending_bytes))

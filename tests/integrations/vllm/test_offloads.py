@@ -102,3 +102,17 @@ def test_a_save_whose_gather_fails_gives_its_pending_bytes_back(tmp_path):
         assert w.offloads.pending_bytes == 0  # before, the bound kept these bytes forever
         w.save([SaveJob("ok", [1, 2], [1001, 1002], "acme")])
         assert w.flush_saves(30) and g3.flush(30) and g3.stats()["blocks"] == 2
+
+
+def test_flush_all_waits_for_every_worker_of_the_process(tmp_path):
+    """``engine_run`` runs ``offloads.flush_all`` before it flushes the pools and reads their stats."""
+    from kvbm_backend.integrations.vllm.offloads import flush_all
+    with _worker(tmp_path / "a", 15) as (_, g3a, a), _worker(tmp_path / "b", 16) as (_, g3b, b):
+        gate = _hold(b)
+        a.save([SaveJob("r", [1], [1101], "acme")])
+        b.save([SaveJob("r", [1], [1102], "acme")])
+        assert not flush_all(0.2)  # b's hand-off is held
+        gate.set()
+        assert flush_all(30)
+        assert g3a.flush(30) and g3b.flush(30)
+        assert g3a.stats()["blocks"] == 1 and g3b.stats()["blocks"] == 1
