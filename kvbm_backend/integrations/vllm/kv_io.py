@@ -37,6 +37,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ...gpu import layer_copy
 from ...gpu.rows import device_index
 from ...memory import BufferPool
 from ...model.layout import KvLayout
@@ -194,18 +195,26 @@ class EngineKv:
 
     def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         """Copy engine blocks ``block_ids`` into ``staging`` (uint8 tensor of
-        ``len(block_ids) * bytes_per_block`` bytes, any device), block i at ``i * bytes_per_block``."""
+        ``len(block_ids) * bytes_per_block`` bytes, any device), block i at ``i * bytes_per_block``. One kernel
+        launch where :attr:`move_mode` says so, else one ``index_select`` per layer. Raises IndexError for an
+        id outside the engine's blocks."""
+        if not self._launch(block_ids, staging, to_engine=False):
+            self._torch_gather(block_ids, staging)
+
+    def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Inverse of :meth:`gather`: write block i of ``staging`` into engine block ``block_ids[i]``."""
+        if len(block_ids) and not self._launch(block_ids, staging, to_engine=True):
+            self._torch_scatter(staging, block_ids)
+
+    def _torch_gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         n = len(block_ids)
         idx = self.block_index(block_ids)
         dst = self._by_layer(self.block_view(staging, n))
         for li, (tv, dim) in enumerate(self._targets()):
             torch.index_select(tv, dim, idx, out=dst[li])
 
-    def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Inverse of :meth:`gather`: write block i of ``staging`` into engine block ``block_ids[i]``."""
+    def _torch_scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
         n = len(block_ids)
-        if n == 0:
-            return
         idx = self.block_index(block_ids)
         src = self.block_view(staging, n)
         if src.device != self.device:
@@ -213,6 +222,58 @@ class EngineKv:
         src = self._by_layer(src)
         for li, (tv, dim) in enumerate(self._targets()):
             tv.index_copy_(dim, idx, src[li])
+
+    # ---- one launch per move (kvbm_backend.gpu.layer_copy) -----------------------------------------------
+    @property
+    def move_mode(self) -> str:
+        """How :meth:`gather` and :meth:`scatter` move blocks: ``"triton kernel verified"`` (one launch per
+        call, checked once against the torch ops on scratch tensors of this geometry; the first use
+        synchronises the device) or why the per-layer torch ops run."""
+        return self._mover()[1]
+
+    def _mover(self) -> tuple[tuple[layer_copy.Pieces, torch.Tensor] | None, str]:
+        st = self.__dict__.get("_mover_state")
+        if st is None:
+            st = self.__dict__["_mover_state"] = self._make_mover()
+        return st
+
+    def _make_mover(self) -> tuple[tuple[layer_copy.Pieces, torch.Tensor] | None, str]:
+        moved, bpb = self._moved, self.layout.bytes_per_block
+        p, why = layer_copy.plan(moved, self.engine_layout, bpb)
+        if p is None:
+            return None, why
+        ok, why = layer_copy.check(self.engine_layout, bpb, self._scratch, self._reference)
+        if not ok:
+            return None, why
+        return (p, device_index([t.data_ptr() for t in moved], self.device)), why
+
+    def _scratch(self, num_blocks: int) -> list[torch.Tensor]:
+        """Zeroed layer tensors like the engine's (as moved) with ``num_blocks`` blocks (the kernel's check)."""
+        t = self._moved[0]
+        shape = list(t.shape)
+        shape[1 if self.engine_layout == "kv_first" else 0] = num_blocks
+        return [torch.zeros(shape, dtype=t.dtype, device=t.device) for _ in self.tensors]
+
+    def _reference(self, tensors: list[torch.Tensor], staging: torch.Tensor, ids: list[int], to_engine: bool) -> None:
+        """The torch ops' move on ``tensors`` (:meth:`_scratch`) in place of the engine's."""
+        e = EngineKv(tensors, self.geometry)
+        if to_engine:
+            e._torch_scatter(staging, ids)
+        else:
+            e._torch_gather(ids, staging)
+
+    def _launch(self, block_ids: Sequence[int], staging: torch.Tensor, to_engine: bool) -> bool:
+        """Move with the kernel where it is usable for this call; False: the caller runs the torch ops."""
+        mv, _ = self._mover()
+        if mv is None or isinstance(block_ids, torch.Tensor) or staging.device != self.device \
+                or staging.dtype != torch.uint8 or not staging.is_contiguous() or staging.data_ptr() % 4 \
+                or staging.numel() != len(block_ids) * self.layout.bytes_per_block:
+            return False
+        p, ptrs = mv
+        ids = list(block_ids)
+        layer_copy.check_ids(ids, p.num_blocks)
+        layer_copy.move(p, ptrs, staging.reshape(-1), self.block_index(ids), to_engine)
+        return True
 
     def scatter_layer(self, layer: int, src: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> None:
         """Write layer ``layer`` of ``len(block_ids)`` blocks into engine blocks ``block_ids``: ``src`` is

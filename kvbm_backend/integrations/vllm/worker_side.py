@@ -124,8 +124,11 @@ class WorkerSide:
                              f"{self.ns.layout}")
         self.kv = kv
         self.offloads.register(kv)
-        log.info("kvbm_backend: registered %d layers, engine layout %s, %d bytes per block, device %s",
-                 kv.layout.num_layers, kv.engine_layout, kv.layout.bytes_per_block, kv.device)
+        # kv.move_mode: checks the one-launch block mover against the torch ops now (one device sync), not
+        # on the first save in vLLM's thread
+        log.info("kvbm_backend: registered %d layers, engine layout %s, %d bytes per block, device %s, "
+                 "block moves: %s", kv.layout.num_layers, kv.engine_layout, kv.layout.bytes_per_block, kv.device,
+                 kv.move_mode)
         if self.g3 is not None:
             # probe the G3 -> device path now (logged once by the pool), not on the first request
             rd: Any = self.g3.device_reader(kv.device)  # has mode and mode_reason (G3Extensions)

@@ -1,0 +1,144 @@
+"""One kernel launch per block move between staging and the engine's per-layer KV (:mod:`kvbm_backend.gpu.layer_copy`,
+:meth:`EngineKv.gather` / :meth:`EngineKv.scatter`).
+
+The kernel source the GPU compiles runs here in Triton's CPU interpreter (``TRITON_INTERPRET=1``, a child
+process), through ``EngineKv`` as the connector calls it, against the per-layer torch ops; on a CUDA device
+the compiled kernel is checked the same way (skips here).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbm_backend.integrations.vllm.kv_io import EngineKv
+
+_INTERPRETED = r'''
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from kvbm_backend.gpu import layer_copy
+from kvbm_backend.integrations.vllm.kv_io import EngineKv
+
+NB, BS, H, D, L = 10, 4, 2, 8, 3
+DEV = __DEVICE__
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def rand(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)  # any bytes: NaN payloads included
+    if dtype != torch.uint8:
+        t = t.view(dtype)
+    return t.to(DEV)
+
+
+def engine(lay, seed, dtype=torch.bfloat16):
+    e = 2 if dtype == torch.bfloat16 else 1
+    if lay == "mla":
+        return EngineKv.from_tensors([rand((NB, 1, BS, 24 * e), dtype, seed + i) for i in range(L)], NB, BS, 1, 24,
+                                     mla=True)
+    if lay == "mla3":
+        return EngineKv.from_tensors([rand((NB, BS, 24 * e), dtype, seed + i) for i in range(L)], NB, BS, 1, 24,
+                                     mla=True)
+    shape = (2, NB, BS, H, D * e) if lay == "kv_first" else (NB, 2, BS, H, D * e)
+    return EngineKv.from_tensors([rand(shape, dtype, seed + i) for i in range(L)], NB, BS, H, D)
+
+
+def same(a, b):
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.tensors, b.tensors))
+
+
+for lay, dtype in [("kv_first", torch.bfloat16), ("block_first", torch.bfloat16), ("mla", torch.bfloat16),
+                   ("mla3", torch.bfloat16), ("kv_first", torch.float8_e4m3fn)]:
+    kv, ref = engine(lay, 1, dtype), engine(lay, 1, dtype)
+    assert kv.move_mode == "triton kernel verified", (lay, kv.move_mode)
+    bpb = kv.layout.bytes_per_block
+    ids = [7, 2, 9, 0]
+    got, want = torch.zeros(4 * bpb, dtype=torch.uint8, device=DEV), torch.zeros(4 * bpb, dtype=torch.uint8, device=DEV)
+    with Ops() as ops:
+        kv.gather(ids, got)
+        src = rand((4 * bpb,), torch.uint8, 99)
+        kv.scatter(src, [1, 5, 3, 8])
+    assert not any("index_select" in n or "index_copy" in n for n in ops.names), (lay, ops.names)
+    ref._torch_gather(ids, want)
+    assert torch.equal(got, want), lay
+    ref._torch_scatter(src, [1, 5, 3, 8])
+    assert same(kv, ref), lay
+    # a 2-D [n, bytes] staging (the worker's) and a slice of a longer one
+    big = rand((6 * bpb,), torch.uint8, 7)
+    kv.scatter(big[bpb:3 * bpb].view(2, bpb), [4, 6])
+    ref._torch_scatter(big[bpb:3 * bpb].view(2, bpb), [4, 6])
+    assert same(kv, ref), lay
+    # an id outside the engine's blocks: IndexError, as index_copy_ raises, and nothing written
+    try:
+        kv.scatter(src, [1, 5, 3, NB])
+        raise AssertionError("no IndexError")
+    except IndexError as e:
+        assert str(NB) in str(e)
+    assert same(kv, ref), lay
+
+# where the kernel is not used, the reason
+kv = engine("kv_first", 3)
+nc = EngineKv.from_tensors([t.transpose(2, 3).contiguous().transpose(2, 3) for t in kv.tensors], NB, BS, H, D)
+assert "not contiguous" in nc.move_mode, nc.move_mode
+cpu_lay = EngineKv.from_tensors([rand((NB, H, BS, 4 * D), torch.bfloat16, i) for i in range(L)], NB, BS, H, D)  # 2 D bf16
+assert cpu_lay.engine_layout == "cpu" and "interleave" in cpu_lay.move_mode, cpu_lay.move_mode
+
+# the check catches a kernel that writes the wrong place: the torch ops run, and their result is right
+import dataclasses
+real = layer_copy.plan
+def wrong(tensors, lay, bpb):  # V pieces one word off
+    p, why = real(tensors, lay, bpb)
+    return (dataclasses.replace(p, piece_stride=p.piece_stride + 4) if p else None), why
+layer_copy.plan = wrong
+kv, ref = engine("kv_first", 5), engine("kv_first", 5)
+assert kv.move_mode == "triton kernel wrote engine blocks that differ from the torch ops", kv.move_mode
+src = rand((2 * kv.layout.bytes_per_block,), torch.uint8, 11)
+kv.scatter(src, [2, 6])
+ref._torch_scatter(src, [2, 6])
+assert same(kv, ref)
+layer_copy.plan = real
+print("ok")
+'''
+
+
+def _interpret(device: str) -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED.replace("__DEVICE__", repr(device))], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_one_launch_moves_equal_the_torch_ops_in_the_triton_interpreter():
+    """kv_first, block_first, both MLA shapes and FP8: gather and scatter through ``EngineKv`` run the kernel
+    (no ``index_select`` / ``index_copy_`` dispatched) and give the torch ops' bytes; an id out of range raises
+    IndexError and writes nothing; non-contiguous tensors and vLLM's CPU layout say why the torch ops run; a
+    kernel that writes the wrong place fails the check and the torch ops run instead."""
+    _interpret("cpu")
+
+
+def test_a_cpu_engine_moves_with_the_torch_ops_and_says_why():
+    t = [torch.zeros(2, 4, 2, 2, 8, dtype=torch.bfloat16) for _ in range(2)]
+    kv = EngineKv.from_tensors(t, 4, 2, 2, 8)
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        assert "runs on CUDA" in kv.move_mode or "triton unavailable" in kv.move_mode, kv.move_mode
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
+def test_gpu_one_launch_moves_equal_the_torch_ops():
+    """The compiled kernel on the device: the same checks as in the interpreter."""
+    _interpret("cuda")
