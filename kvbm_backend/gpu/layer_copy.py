@@ -44,7 +44,9 @@ try:  # optional: torch's CUDA wheels bring triton; without it the torch ops are
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the sizes differ between the check's scratch tensors and the engine: not specialised on their values
+    # (divisibility), so the check compiles the kernel the loads and saves then use (no compile in vLLM's thread)
+    @triton.jit(do_not_specialize=["LO", "O", "P", "BPB", "LB", "BSTRIDE", "OSTRIDE"])
     def _move(staging, ptrs, idx, LO, O, P, BPB, LB, BSTRIDE, OSTRIDE, TO_ENGINE: tl.constexpr,
               BLOCK: tl.constexpr):
         q = tl.program_id(0).to(tl.int64)

@@ -115,9 +115,11 @@ print("ok")
 '''
 
 
-def _interpret(device: str) -> None:
+def _run_checks(device: str) -> None:
+    """The checks in a child: on ``"cpu"`` under Triton's interpreter, on ``"cuda"`` compiled."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, TRITON_INTERPRET="1" if device == "cpu" else "0",
+               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", _INTERPRETED.replace("__DEVICE__", repr(device))], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
@@ -128,7 +130,7 @@ def test_one_launch_moves_equal_the_torch_ops_in_the_triton_interpreter():
     (no ``index_select`` / ``index_copy_`` dispatched) and give the torch ops' bytes; an id out of range raises
     IndexError and writes nothing; non-contiguous tensors and vLLM's CPU layout say why the torch ops run; a
     kernel that writes the wrong place fails the check and the torch ops run instead."""
-    _interpret("cpu")
+    _run_checks("cpu")
 
 
 def test_a_cpu_engine_moves_with_the_torch_ops_and_says_why():
@@ -141,4 +143,4 @@ def test_a_cpu_engine_moves_with_the_torch_ops_and_says_why():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
 def test_gpu_one_launch_moves_equal_the_torch_ops():
     """The compiled kernel on the device: the same checks as in the interpreter."""
-    _interpret("cuda")
+    _run_checks("cuda")
