@@ -46,8 +46,8 @@ try:  # optional: torch's CUDA wheels bring triton; without it the torch ops are
 
     # the sizes differ between the check's scratch tensors and the engine: not specialised on their values
     # (divisibility), so the check compiles the kernel the loads and saves then use (no compile in vLLM's thread)
-    @triton.jit(do_not_specialize=["LO", "O", "P", "BPB", "LB", "BSTRIDE", "OSTRIDE"])
-    def _move(staging, ptrs, idx, LO, O, P, BPB, LB, BSTRIDE, OSTRIDE, TO_ENGINE: tl.constexpr,
+    @triton.jit(do_not_specialize=["LO", "O", "P", "BPB", "LB", "BSTRIDE", "OSTRIDE", "NB"])
+    def _move(staging, ptrs, idx, LO, O, P, BPB, LB, BSTRIDE, OSTRIDE, NB, TO_ENGINE: tl.constexpr,
               BLOCK: tl.constexpr):
         q = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1).to(tl.int64)
@@ -58,7 +58,8 @@ try:  # optional: torch's CUDA wheels bring triton; without it the torch ops are
         b = tl.load(idx + i)  # engine block id (int64)
         base = tl.load(ptrs + lay).to(tl.pointer_type(tl.int32))  # the layer tensor's address
         offs = c * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < P
+        lim = tl.where((b >= 0) & (b < NB), P, 0)  # an id out of range moves nothing (callers check first)
+        mask = offs < lim
         s = staging + i * BPB + lay * LB + o * P + offs
         d = base + b * BSTRIDE + o * OSTRIDE + offs
         if TO_ENGINE:
@@ -117,18 +118,22 @@ def plan(tensors: Sequence[torch.Tensor], engine_layout: str, block_bytes: int) 
     return p, "triton kernel"
 
 
-def move(p: Pieces, ptrs: torch.Tensor, staging: torch.Tensor, idx: torch.Tensor, to_engine: bool) -> None:
-    """One launch on the current stream: ``len(idx)`` blocks of ``staging`` (uint8, contiguous, 4-byte
-    aligned, on the tensors' device) into engine blocks ``idx`` (``to_engine``), or the reverse. ``ptrs``:
-    int64 ``[layers]`` base addresses on the device. ``idx`` must hold ids in ``[0, num_blocks)``."""
+def move(p: Pieces, ptrs: torch.Tensor, staging: torch.Tensor, idx: torch.Tensor, to_engine: bool,
+         row_bytes: int | None = None) -> None:
+    """One launch on the current stream: ``len(idx)`` blocks of ``staging`` (uint8, 4-byte aligned, on the
+    tensors' device; block ``i`` at ``i * row_bytes`` bytes, default ``p.block_bytes``) into engine blocks
+    ``idx`` (``to_engine``), or the reverse. ``ptrs``: int64 ``[layers]`` base addresses on the device (one
+    layer's: ``staging`` rows hold that layer only). An id outside ``[0, num_blocks)`` moves nothing: callers
+    check ids first (:func:`check_ids`), the mask only keeps memory safe."""
     import torch
     n, L = int(idx.shape[0]), int(ptrs.shape[0])
     if n == 0:
         return
     words = staging.view(torch.int32)
+    rb = p.block_bytes if row_bytes is None else row_bytes
     grid = (n * L * p.pieces, triton.cdiv(p.piece // 4, BLOCK_WORDS))
-    _move[grid](words, ptrs, idx, L * p.pieces, p.pieces, p.piece // 4, p.block_bytes // 4, p.layer_bytes // 4,
-                p.block_stride // 4, p.piece_stride // 4, TO_ENGINE=to_engine, BLOCK=BLOCK_WORDS)
+    _move[grid](words, ptrs, idx, L * p.pieces, p.pieces, p.piece // 4, rb // 4, p.layer_bytes // 4,
+                p.block_stride // 4, p.piece_stride // 4, p.num_blocks, TO_ENGINE=to_engine, BLOCK=BLOCK_WORDS)
 
 
 def check_ids(ids: Sequence[int], num_blocks: int) -> None:

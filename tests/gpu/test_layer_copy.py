@@ -89,6 +89,26 @@ for lay, dtype in [("kv_first", torch.bfloat16), ("block_first", torch.bfloat16)
     except IndexError as e:
         assert str(NB) in str(e)
     assert same(kv, ref), lay
+    # layer-wise: one layer of each block, rows strided as in a group's staging (3 layers per row here),
+    # ids as a list or as an index made once
+    lb = bpb // L
+    grp = rand((3, 3 * lb), torch.uint8, 13)
+    ref.__dict__["_mover_state"] = (None, "forced: the torch ops")
+    for li in range(L):
+        with Ops() as ops:
+            kv.scatter_layer(li, grp[:, li * lb:(li + 1) * lb], [6, 1, 4] if li % 2 else kv.block_index([6, 1, 4]))
+        assert not any("index_copy" in n for n in ops.names), (lay, ops.names)
+        ref.scatter_layer(li, grp[:, li * lb:(li + 1) * lb], [6, 1, 4])
+    assert same(kv, ref), lay
+    try:
+        kv.scatter_layer(0, grp[:, :lb], [6, 1, NB])
+        raise AssertionError("no IndexError")
+    except IndexError:
+        pass
+    # an index tensor is not checked on the host: the kernel writes nothing for an id out of range
+    kv.scatter_layer(0, grp[:2, 2 * lb:3 * lb], kv.block_index([2, NB + 5]))
+    ref.scatter_layer(0, grp[:1, 2 * lb:3 * lb], [2])
+    assert same(kv, ref), lay
 
 # where the kernel is not used, the reason
 kv = engine("kv_first", 3)

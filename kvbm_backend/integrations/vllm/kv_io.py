@@ -247,6 +247,15 @@ class EngineKv:
             return None, why
         return (p, device_index([t.data_ptr() for t in moved], self.device)), why
 
+    def _layer_ptrs(self) -> list[torch.Tensor]:
+        """One-address tables, one per layer (views made once: a view per call costs GIL hand-offs)."""
+        cached = self.__dict__.get("_layer_ptrs_cache")
+        if cached is None:
+            mv, _ = self._mover()
+            assert mv is not None
+            cached = self.__dict__["_layer_ptrs_cache"] = [mv[1][li:li + 1] for li in range(mv[1].shape[0])]
+        return cached
+
     def _scratch(self, num_blocks: int) -> list[torch.Tensor]:
         """Zeroed layer tensors like the engine's (as moved) with ``num_blocks`` blocks (the kernel's check)."""
         t = self._moved[0]
@@ -278,17 +287,27 @@ class EngineKv:
     def scatter_layer(self, layer: int, src: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> None:
         """Write layer ``layer`` of ``len(block_ids)`` blocks into engine blocks ``block_ids``: ``src`` is
         ``[n, layer_bytes]`` uint8 on the engine's device (row i: layer ``layer`` of a FullyContiguous block,
-        ``[outer, page, inner]``), as a layer-wise load delivers it. ``block_ids`` may be an index made once
-        for every layer (:meth:`block_index`)."""
+        ``[outer, page, inner]``; rows may be strided), as a layer-wise load delivers it. ``block_ids`` may be
+        an index made once for every layer (:meth:`block_index`). One kernel launch where :attr:`move_mode`
+        says so (an index tensor's ids are not checked again: an id out of range then moves nothing), else
+        one ``index_copy_``."""
         n = len(block_ids)
         if n == 0:
+            return
+        mv, _ = self._mover()
+        lb = self.layout.bytes_per_block // self.layout.num_layers
+        if mv is not None and src.device == self.device and src.dtype == torch.uint8 and src.dim() == 2 \
+                and src.shape[1] == lb and src.stride(1) == 1 and src.stride(0) % 4 == 0 and src.data_ptr() % 4 == 0:
+            if not isinstance(block_ids, torch.Tensor):
+                layer_copy.check_ids(list(block_ids), mv[0].num_blocks)
+            layer_copy.move(mv[0], self._layer_ptrs()[layer], src, self.block_index(block_ids), True,
+                            row_bytes=src.stride(0))
             return
         O, N = self.layout.outer_dim, self.layout.page_size
         s = src.reshape(n, 1, -1).view(self._targets()[0][0].dtype).view(n, 1, O, N, self.num_kv_heads, self.head_dim)
         idx = self.block_index(block_ids)
         tv, dim = self._targets()[layer]
         tv.index_copy_(dim, idx, self._by_layer(s)[0])
-
 
 def numpy_staging(nbytes: int, pool: BufferPool | None = None) -> tuple[np.ndarray, torch.Tensor]:
     """A 4 KiB-aligned host buffer of ``nbytes`` as numpy (for the pools) and as a torch uint8 tensor
