@@ -115,8 +115,9 @@ class LayerwiseLoads:
         while p < len(good) and good[p] == p:
             p += 1
         a.prefix = min(a.prefix, p)
-        if a.prefix:
-            self.w.kv.scatter_layer(li, t[:a.prefix], a.idx[:a.prefix])
+        if a.prefix:  # whole (the usual case) without slicing: a view per layer costs GIL hand-offs
+            whole = a.prefix == len(t)
+            self.w.kv.scatter_layer(li, t if whole else t[:a.prefix], a.idx if whole else a.idx[:a.prefix])
         return True
 
     def finish(self) -> set[str]:
