@@ -143,10 +143,14 @@ class Offloads:
             raise
         stats.add(save_jobs=1, save_blocks=n, save_gather_s=time.perf_counter() - t0)
         staged = _Staged(job, n, nbytes, arr, sums, ready)
-        if self.defer:
-            self._thread.submit(self._hand_off, staged)
-        else:
+        if not self.defer:
             self._hand_off(staged)
+            return
+        try:
+            self._thread.submit(self._hand_off, staged)
+        except RuntimeError:  # closed (the connector shut down): dropped, counted
+            stats.add(save_dropped_blocks=n)
+            self._release(nbytes)
 
     def _hand_off(self, s: _Staged) -> None:
         """Wait for the staged bytes (their event), then put them into the pools."""

@@ -116,3 +116,12 @@ def test_flush_all_waits_for_every_worker_of_the_process(tmp_path):
         assert flush_all(30)
         assert g3a.flush(30) and g3b.flush(30)
         assert g3a.stats()["blocks"] == 1 and g3b.stats()["blocks"] == 1
+
+
+def test_a_save_after_shutdown_is_dropped_and_counted_not_raised(tmp_path):
+    with _worker(tmp_path, 17) as (_, g3, w):
+        w.shutdown()
+        before = stats.get("save_dropped_blocks")
+        w.save([SaveJob("late", [1, 2], [1201, 1202], "acme")])  # vLLM's thread never sees an error
+        assert stats.get("save_dropped_blocks") - before == 2 and w.offloads.pending_bytes == 0
+        assert g3.flush(10) and g3.stats()["blocks"] == 0
