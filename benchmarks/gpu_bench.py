@@ -348,7 +348,8 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
                     errs_all += len(errs)
                     ok_all = ok_all and same(ids) and not errs
                 dt = statistics.median(times[1:])
-                r = {"mode": rd.mode, "mode_reason": rd.mode_reason, "seconds": round(dt, 4),
+                r = {"mode": rd.mode, "mode_reason": rd.mode_reason, "block_moves": kv.move_mode,
+                     "seconds": round(dt, 4),
                      "GBps_payload": round(n * bpb / dt / 1e9, 2), "load_errors": errs_all,
                      "first_load_s": round(times[0], 4), "first_load_GBps": round(n * bpb / times[0] / 1e9, 2),
                      "loads_s": [round(t, 4) for t in times], "bytes_ok": ok_all, "reader_stats": rd.stats(),
