@@ -440,7 +440,9 @@ def _engine_busy_loads(w, ids, seqs, bpb: int, clear, same, fraction: float) -> 
     :class:`BusyEngine` stepping beside them at CPython's 5 ms switch interval (``load_gil_switch_ms`` off) and
     at the setting's default: GB/s (median of ``LOAD_REPEATS``), the ratio to the same loads alone, the GIL
     hand-offs per block that slowdown implies (``handoffs_per_block_est``: added seconds per block over the
-    interval) and the engine's step times."""
+    interval) and the engine's step times. Where the engine's blocks move with the one-launch kernel
+    (``EngineKv.move_mode``), ``torch_moves_at_default_ms`` repeats the default-interval loads with the
+    per-layer torch ops (the A/B of :mod:`kvbm_backend.gpu.layer_copy`)."""
     import sys
 
     from kvbm_backend.apps.bench.busy_engine import BusyEngine
@@ -476,6 +478,21 @@ def _engine_busy_loads(w, ids, seqs, bpb: int, clear, same, fraction: float) -> 
             out["by_switch_ms"][f"{ms or 5:g}"] = {"GBps_payload": round(g, 2), "ratio_vs_alone": round(g / alone, 3),
                                                   "bytes_ok": ok, "handoffs_per_block_est": round(est, 2),
                                                   **{k: v for k, v in eng.report().items() if k.startswith("step_ms_p")}}
+        kv = w.kv
+        if kv is not None and kv.move_mode == "triton kernel verified":
+            # A/B in the same run: the same busy loads at the default interval with the per-layer torch ops
+            # scattering (the engine's mover state is swapped for this row only)
+            saved = kv.__dict__["_mover_state"]
+            kv.__dict__["_mover_state"] = (None, "torch ops (forced by gpu_bench for comparison)")
+            try:
+                sys.setswitchinterval(0.005)
+                load_priority.configure(default_ms)
+                with eng:
+                    g, ok = loads()
+                out["torch_moves_at_default_ms"] = {"GBps_payload": round(g, 2), "ratio_vs_alone": round(g / alone, 3),
+                                                    "bytes_ok": ok}
+            finally:
+                kv.__dict__["_mover_state"] = saved
     finally:
         load_priority.configure(KvbmBackendConfig().load_gil_switch_ms)
         sys.setswitchinterval(old)
