@@ -184,7 +184,6 @@ class LayerwiseLoad:
         self.lay_host = host[nh:].view(self.L, max(1, self.n), self.lb)
         self.lay_dev = self.lay_host if self._stream is None else \
             torch.empty((self.L, max(1, self.n), self.lb), dtype=torch.uint8, device=self.device)
-        self._lay_views: tuple[torch.Tensor, ...] | None = None  # wait_layer's per-layer views, made once
         if self._dev_sums and self._stream is not None:
             from ....gpu import checksum_partial  # noqa: F401 - imported (and triton checked) before the reads
         if not self.aligned:
@@ -364,9 +363,7 @@ class LayerwiseLoad:
             torch.cuda.current_stream(self.device).wait_event(ev)
         if self._good is None:
             self._good = [i for i in range(self.n) if self.why[i] is None]
-        if self._lay_views is None:  # every layer's [n, layer_bytes] view in one op (a view per call: hand-offs)
-            self._lay_views = self.lay_dev[:, :self.n].unbind(0)
-        return list(self._good), self._lay_views[layer]
+        return list(self._good), self.lay_dev[layer, :self.n]
 
     # ---- finish --------------------------------------------------------------------------------
     def finish(self) -> list[str | None]:
