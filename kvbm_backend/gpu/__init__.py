@@ -10,23 +10,22 @@
   ``[n, bytes_per_block]`` tensor, copied into by runs of rows, or a list of block tensors).
 * :mod:`.staging` -- the process-wide pinned / host staging pools (:class:`~kvbm_backend.memory.BufferPool`).
 * :func:`~kvbm_backend.gpu.host_path.load_via_host` -- G4 (encrypted) loads: parallel host decrypt,
-  one H2D copy. :func:`~kvbm_backend.gpu.host_path.device_blocks_to_host` -- save side staging.
+  one H2D copy. The save side's staging is the connector's (:mod:`kvbm_backend.integrations.vllm.offloads`).
 
 Importing this package does not import torch; the submodules do.
 """
 from __future__ import annotations
 
-__all__ = ["probe_device_path", "load_via_host", "device_blocks_to_host",
-           "device_checksum_torch", "device_checksums_torch"]
+__all__ = ["probe_device_path", "load_via_host", "device_checksum_torch", "device_checksums_torch"]
 
 
 def __getattr__(name):
     if name == "probe_device_path":
         from . import probe
         return probe.probe_device_path
-    if name in ("load_via_host", "device_blocks_to_host"):
+    if name == "load_via_host":
         from . import host_path
-        return getattr(host_path, name)
+        return host_path.load_via_host
     if name in ("device_checksum_torch", "device_checksums_torch"):
         from . import checksum
         return getattr(checksum, name)

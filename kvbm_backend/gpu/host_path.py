@@ -1,5 +1,5 @@
-"""Host-staged device transfers: G4 loads (decrypt on the host, then one host-to-device copy) and
-device saves (one device-to-host copy into pinned staging, then the pool's ``put``).
+"""Host-staged device loads: G4 blocks decrypted on the host, then one host-to-device copy. (Device saves stage
+into pinned memory in the connector: :mod:`kvbm_backend.integrations.vllm.offloads`.)
 
 G4 blocks are sealed with AES-256-GCM (docs/invariants.md #5); the tag is verified on the host where
 the plaintext lands, so for G4 "verified where the bytes land" means the host staging buffer. The pool
@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from ..model.namespace import BlockKey
-from .rows import BlockRows, bytes_view
+from .rows import BlockRows
 from .staging import host_staging_pool, take_rows
 
 
@@ -161,27 +161,3 @@ def _load_staged(pool, keys, dst, buf, host, rows, device, timeout_s) -> list[bo
     if batch.idle.is_set():  # no I/O thread writes a row any more: the staging can be reused
         _give_staging(buf, device)
     return ok
-
-
-def device_blocks_to_host(src: Sequence, nbytes: int) -> list[np.ndarray]:
-    """Save side: gather device block tensors into one pinned host staging tensor (one D2H copy per
-    block on one stream, one sync) and return 1-D uint8 numpy views (``nbytes`` each) for
-    ``pool.put``. The views stay valid as long as the returned list is referenced.
-
-    Args:
-        src: contiguous tensors (CUDA or CPU) of ``nbytes`` bytes each (FullyContiguous blocks).
-    Raises:
-        ValueError: a tensor of the wrong size.
-    """
-    torch = _torch()
-    if not src:
-        return []
-    device = src[0].device
-    check_dst(src, nbytes, device)
-    _, host = _host_staging(len(src), nbytes, device)  # the caller keeps the views: never given back
-    for r, t in enumerate(src):
-        host[r].copy_(bytes_view(t), non_blocking=device.type == "cuda")
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    arr = host.numpy()
-    return [arr[r] for r in range(len(src))]

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvbm_backend.gpu.host_path import device_blocks_to_host, load_via_host
+from kvbm_backend.gpu.host_path import load_via_host
 from kvbm_backend.gpu.probe import probe_device_path
 from kvbm_backend.pool.g3.read.device import DeviceLoader
 from kvbm_backend.io.base import IoOp
@@ -304,15 +304,6 @@ def test_real_g3_pool_through_device_loader(tmp_path):
         ld.close()
     finally:
         pool.close()
-
-
-def test_device_blocks_to_host_roundtrip_cpu():
-    src = [torch.randint(0, 256, (BPB,), dtype=torch.uint8) for _ in range(3)]
-    out = device_blocks_to_host(src, BPB)
-    assert [o.nbytes for o in out] == [BPB] * 3
-    assert all(np.array_equal(o, s.numpy()) for o, s in zip(out, src))
-    with pytest.raises(ValueError):
-        device_blocks_to_host([torch.zeros(5, dtype=torch.uint8)], BPB)
 
 
 # ---- truthfulness where there is no driver ----------------------------------------------------

@@ -53,15 +53,21 @@ SAVE_STAGING_KEEP_BYTES = 64 << 20
 
 @dataclass
 class _Staged:
-    """One save job gathered into host staging ``arr`` (``n`` blocks, ``nbytes``); ``sums``: host int64
-    ``[n, 4]`` device-checksum limb sums (or None); ``ready``: the CUDA event after the copies (None: the
-    bytes are there now)."""
-    job: SaveJob
+    """Blocks staged for the pools: ``n`` blocks in host ``arr`` (``keep`` holds the memory: ``arr`` or the
+    tensor under it); ``nbytes`` of :attr:`Offloads.pending_bytes` they hold; their keys (or the save job
+    that names them); ``sums``: host int64 ``[n, 4]`` device-checksum limb sums (or None); ``ready``: the CUDA
+    event after the copies (None: the bytes are there now); where they go."""
     n: int
     nbytes: int
     arr: np.ndarray
+    keep: Any
     sums: torch.Tensor | None
     ready: Any
+    job: SaveJob | None = None
+    keys: list[BlockKey] | None = None
+    g4: bool = True
+    promote: bool = False
+    recycle: bool = True
 
 
 _LIVE: "weakref.WeakSet[Offloads]" = weakref.WeakSet()  # this process's, for flush_all
@@ -122,35 +128,65 @@ class Offloads:
             self.pending_bytes += nbytes
         t0 = time.perf_counter()
         try:
-            arr, host = numpy_staging(nbytes, self._staging)
-            sums = ready = None
             if kv.device.type == "cuda":
                 dev = torch.empty(nbytes, dtype=torch.uint8, device=kv.device)
                 kv.gather(job.block_ids, dev)
-                if dev_checks:
-                    d = device_limb_sums(dev.view(n, bpb), 0, bpb)
-                    sums = torch.empty(d.shape, dtype=d.dtype, pin_memory=True)
-                    sums.copy_(d, non_blocking=True)
-                host.copy_(dev, non_blocking=True)  # pinned: a DMA queued behind the gather
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(kv.device))
+                arr, sums, ready = self._stage_device(dev.view(n, bpb), dev_checks)
             else:
+                arr, host = numpy_staging(nbytes, self._staging)
                 kv.gather(job.block_ids, host)
-                if dev_checks:
-                    sums = device_limb_sums(host.view(n, bpb), 0, bpb)
+                sums = device_limb_sums(host.view(n, bpb), 0, bpb) if dev_checks else None
+                ready = None
         except BaseException:
             self._release(nbytes)
             raise
         stats.add(save_jobs=1, save_blocks=n, save_gather_s=time.perf_counter() - t0)
-        staged = _Staged(job, n, nbytes, arr, sums, ready)
+        # A replicated block (MLA) goes to G4 once, from the rank whose key names it.
+        g4 = self.save_to_g4 and self.ns.shared_rank(self.rank) == self.rank
+        self._submit(_Staged(n, nbytes, arr, arr, sums, ready, job=job, g4=g4))
+
+    def promote(self, keys: list[BlockKey], rows: torch.Tensor, dev_checks: bool) -> None:
+        """Put blocks loaded from G4 into G3 past its admission filter (a block asked for again is a repeat
+        sighting). ``rows``: their verified staging rows, uint8 ``[m, bytes_per_block]`` on the engine's
+        device; on CUDA copied to pinned staging on the current stream (never waited for here), on the CPU
+        read in place (the caller must not reuse them). Not counted against ``max_pending_save_bytes``."""
+        m, bpb = int(rows.shape[0]), int(rows.shape[1])
+        keep: Any
+        if rows.device.type == "cuda":
+            arr, sums, ready = self._stage_device(rows, dev_checks)
+            keep, recycle = arr, True
+        else:
+            arr, keep, recycle, ready = rows.numpy().reshape(-1), rows, False, None
+            sums = device_limb_sums(rows, 0, bpb) if dev_checks else None
+        stats.add(promote_blocks=m)
+        self._submit(_Staged(m, 0, arr, keep, sums, ready, keys=keys, g4=False, promote=True, recycle=recycle))
+
+    def _stage_device(self, rows: torch.Tensor, dev_checks: bool) -> tuple[np.ndarray, torch.Tensor | None, Any]:
+        """Queue on the current stream the copy of device ``rows`` (``[n, bytes]``) into pinned staging and,
+        with ``dev_checks``, their device checksums' limb sums into pinned memory; record an event after them.
+        Returns (staging as numpy, sums, event); nothing here waits for the device."""
+        n, bpb = int(rows.shape[0]), int(rows.shape[1])
+        arr, host = numpy_staging(n * bpb, self._staging)
+        sums = None
+        if dev_checks:
+            d = device_limb_sums(rows, 0, bpb)
+            sums = torch.empty(d.shape, dtype=d.dtype, pin_memory=True)
+            sums.copy_(d, non_blocking=True)
+        host.copy_(rows.reshape(-1), non_blocking=True)  # pinned: a DMA queued behind the gather / the load
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(rows.device))
+        return arr, sums, ready
+
+    def _submit(self, staged: _Staged) -> None:
+        """Hand ``staged`` off now, or queue it on the ``kvbm-save`` thread (:attr:`defer`)."""
         if not self.defer:
             self._hand_off(staged)
             return
         try:
             self._thread.submit(self._hand_off, staged)
         except RuntimeError:  # closed (the connector shut down): dropped, counted
-            stats.add(save_dropped_blocks=n)
-            self._release(nbytes)
+            stats.add(save_dropped_blocks=staged.n)
+            self._release(staged.nbytes)
 
     def _hand_off(self, s: _Staged) -> None:
         """Wait for the staged bytes (their event), then put them into the pools."""
@@ -158,16 +194,18 @@ class Offloads:
             if s.ready is not None:
                 s.ready.synchronize()
             checks = None if s.sums is None else [int(x) for x in combine_limb_sums(s.sums.numpy())]
-            keys = self.ns.keys(s.job.seq_hashes, s.job.tenant, self.rank)
+            keys = s.keys
+            if keys is None:
+                assert s.job is not None  # a save names its blocks by its job
+                keys = self.ns.keys(s.job.seq_hashes, s.job.tenant, self.rank)
             blocks = split_blocks(s.arr, self.ns.layout, s.n)
         except Exception as e:  # noqa: BLE001 - a failed offload is a dropped offload
-            log.warning("kvbm_backend: save of %d blocks dropped: %s", s.n, e)
+            log.warning("kvbm_backend: %s of %d blocks dropped: %s", "promotion" if s.promote else "save", s.n, e)
             stats.add(save_dropped_blocks=s.n)
             self._release(s.nbytes)
             return
-        # A replicated block (MLA) goes to G4 once, from the rank whose key names it.
-        g4 = self.save_to_g4 and self.ns.shared_rank(self.rank) == self.rank
-        self.put_all(keys, blocks, s.arr, s.nbytes, g4=g4, dev_checks=checks, recycle=True)
+        self.put_all(keys, blocks, s.keep, s.nbytes, g4=s.g4, dev_checks=checks, promote=s.promote,
+                     recycle=s.recycle)
 
     def _release(self, nbytes: int) -> None:
         with self._lock:

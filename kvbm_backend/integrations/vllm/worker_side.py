@@ -15,7 +15,8 @@ counts as loaded only when the pool verified it (``GetResult.ok``); the verified
 into the engine blocks, and every block from the first failure on is reported by
 ``get_block_ids_with_load_errors`` so vLLM recomputes it (never wrong KV). A load still running after
 ``load_timeout_s`` is reported finished with all its unscattered blocks failed; its late bytes land
-only in the abandoned staging buffer. Blocks loaded from G4 are promoted into G3 (``promote_to_g3``),
+only in the abandoned staging buffer. Blocks loaded from G4 are promoted into G3 (``promote_to_g3``;
+staged by :mod:`.offloads` as saves are, so a CUDA engine's load thread never waits for the device there),
 past G3's admission filter: a block asked for again is by definition a repeat sighting.
 
 Frames written for device loads carry the device-verifiable checksum (``device_checksum``: ``auto`` =
@@ -33,8 +34,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 import torch
 
-from ...gpu.checksum import device_checksums_torch
-from ...gpu.host_path import device_blocks_to_host
+from ...gpu.rows import device_index
 from ...memory import BufferPool
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool, G3Extensions, GetResult, require_g3_extensions
@@ -253,9 +253,11 @@ class WorkerSide:
                       load_blocks_failed=n - prefix, load_bytes=prefix * bpb,
                       load_scatter_s=time.perf_counter() - t0, load_wall_s=time.monotonic() - ld.t0)
             if self.promote_to_g3 and self.g3 is not None and prefix > n3:
-                self._promote([keys[i] for i in range(prefix) if job.tiers[i] != "G3"],
-                              [staging[i] for i in range(prefix) if job.tiers[i] != "G3"])
-                buf = None  # G3's put of the promoted rows reads them after this returns
+                g4rows = [i for i in range(prefix) if job.tiers[i] != "G3"]
+                rows = staging[g4rows[0]:g4rows[-1] + 1] if g4rows[-1] - g4rows[0] == len(g4rows) - 1 else \
+                    staging.index_select(0, device_index(g4rows, staging.device))
+                self.offloads.promote([keys[i] for i in g4rows], rows, self.dev_checks_on)
+                buf = None  # G3's put of the promoted rows reads them after this returns (CPU: in place)
             if buf is not None:  # a CPU engine's scatter is done (synchronous) and no read is in flight
                 self._load_staging.give(buf)
         except Exception as e:  # noqa: BLE001 - any failure is a miss, never wrong KV
@@ -266,23 +268,6 @@ class WorkerSide:
                     ld.state = "done"
                     ld.ok_prefix = 0
                     stats.add(load_blocks_failed=n)
-
-    def _promote(self, keys: list, rows: list) -> None:
-        """Write blocks that were loaded from G4 into G3 (async), past G3's admission filter. ``rows``:
-        verified staging rows on the engine's device (a CUDA engine copies them to pinned host first)."""
-        assert self.kv is not None  # loads run once the KV caches are registered
-        bpb = self.kv.layout.bytes_per_block
-        checks = None
-        if self.dev_checks_on:
-            checks = device_checksums_torch(torch.stack(rows) if len(rows) > 1 else rows[0].view(1, -1), 0, bpb)
-        if rows[0].device.type == "cuda":
-            blocks = device_blocks_to_host(rows, bpb)
-            keep = blocks
-        else:
-            blocks = [r.numpy() for r in rows]
-            keep = rows
-        stats.add(promote_blocks=len(keys))
-        self.offloads.put_all(keys, blocks, keep, 0, g3=True, g4=False, dev_checks=checks, promote=True)
 
     def get_finished(self) -> set[str]:
         """Request ids whose loads are over (done, failed or timed out); their failed block ids are

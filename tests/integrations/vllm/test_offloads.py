@@ -125,3 +125,21 @@ def test_a_save_after_shutdown_is_dropped_and_counted_not_raised(tmp_path):
         w.save([SaveJob("late", [1, 2], [1201, 1202], "acme")])  # vLLM's thread never sees an error
         assert stats.get("save_dropped_blocks") - before == 2 and w.offloads.pending_bytes == 0
         assert g3.flush(10) and g3.stats()["blocks"] == 0
+
+
+def test_a_deferred_promotion_reaches_g3_past_admission_through_the_save_thread(tmp_path):
+    """G4 hits promoted into G3 (``Offloads.promote``, the worker's load thread) go through the save thread
+    where hand-offs are deferred, past G3's admission filter, with the rows' bytes."""
+    with _worker(tmp_path, 18) as (kv, g3, w):
+        bpb = kv.layout.bytes_per_block
+        rows = torch.randint(0, 256, (2, bpb), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+        keys = w.ns.keys([1301, 1302], "acme", 0)
+        gate = _hold(w)
+        w.offloads.promote(keys, rows, dev_checks=True)
+        assert g3.flush(10) and not any(g3.contains(k) for k in keys)  # queued behind the gate
+        gate.set()
+        assert w.flush_saves(30) and g3.flush(30)
+        assert all(g3.contains(k) for k in keys) and w.offloads.pending_bytes == 0
+        out = torch.zeros(2, bpb, dtype=torch.uint8)
+        assert g3.get(keys, out).result(timeout=30).ok == [True, True]
+        assert torch.equal(out, rows)

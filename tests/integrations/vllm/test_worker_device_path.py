@@ -154,7 +154,10 @@ def test_worker_corrupt_g3_block_is_a_miss_and_the_engine_block_untouched(tmp_pa
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_worker_g4_hits_land_on_the_device_and_are_promoted_past_admission(tmp_path, device):
+@pytest.mark.parametrize("defer", [False, True], ids=["inline", "deferred"])
+def test_worker_g4_hits_land_on_the_device_and_are_promoted_past_admission(tmp_path, device, defer):
+    """``defer``: the promotion goes to G3 through the worker's save thread (what a CUDA engine does: its rows
+    are copied to pinned staging on the stream, not waited for in the load thread), else inline."""
     kv = _engine(device, seed=3)
     ns = _ns(kv)
     g4cfg = G4Config(enabled=True, url=f"file://{tmp_path / 'g4'}", timeout_s=5,
@@ -177,12 +180,13 @@ def test_worker_g4_hits_land_on_the_device_and_are_promoted_past_admission(tmp_p
     w = WorkerSide(ns, 0, g3, g4, load_timeout_s=30)
     try:
         w.register(kv2)
+        w.offloads.defer = defer
         dst = [0, 1, 2]
         w.start_loads([LoadJob("r3", dst, [301, 302, 303], ["G4"] * 3, "acme")])
         assert _wait(w, "r3") == set()
         for b, x in zip(dst, want):
             assert torch.equal(_block_bytes(kv2, b), x)
-        g3.flush(timeout=30)
+        assert w.flush_saves(30) and g3.flush(timeout=30)
         keys = ns.keys([301, 302, 303], "acme", 0)
         assert all(g3.contains(k) for k in keys), g3.stats()  # promoted on the first sighting
         out = [torch.zeros(kv.layout.bytes_per_block, dtype=torch.uint8, device=kv2.device) for _ in keys]
