@@ -47,6 +47,19 @@ def _load(pool, ns, keys, ex, files, **kw):
     return LayerwiseLoad(pool, ns.layout, keys, "cpu", executor=ex, files=files, min_read=8192, **kw).start()
 
 
+def _store_dev_checked(pool, keys, layout: KvLayout, seed: int, max_first: bool = False) -> list[np.ndarray]:
+    """Random blocks stored under ``keys`` with their device checksums (FLAG_DEVCHECK frames), flushed;
+    ``max_first``: block 0 all 0xFF (the largest words). Returns the blocks."""
+    from kvbm_backend.model.frame import device_checksum
+    rng = np.random.default_rng(seed)
+    blocks = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8) for _ in keys]
+    if max_first:
+        blocks[0][:] = 255
+    assert pool.put(keys, blocks, dev_checks=[device_checksum(b) for b in blocks]).result(30).written == len(keys)
+    assert pool.flush(30)
+    return blocks
+
+
 def _layer(block: np.ndarray, layout: KvLayout, layer: int) -> np.ndarray:
     lb = layout.bytes_per_block // layout.num_layers
     return block[layer * lb:(layer + 1) * lb]
@@ -125,17 +138,12 @@ def test_device_checksum_is_verified_from_per_group_partial_sums(tmp_path):
     """``verify_on_device``: FLAG_DEVCHECK frames are verified from partial device checksums computed per group
     as it lands (here in CPU torch ops, the same code as on a GPU), combined in finish: no pass over the whole
     payloads there (``devcheck_whole`` 0), no host hashing; a corrupted byte is a ``devcheck`` failure."""
-    from kvbm_backend.model.frame import device_checksum
     ns = Namespace(model="test/layerwise-dev", revision="r1", layout=ALIGNED, tp_world_size=1)
     pool = open_g3(tmp_path / "g3", ns, load_timeout_s=20)
     ex, files = ThreadPoolExecutor(2), SlabFiles()
     try:
-        rng = np.random.default_rng(11)
         keys = ns.keys(list(range(30, 36)), "t", 0)
-        blocks = [rng.integers(0, 256, ALIGNED.bytes_per_block, dtype=np.uint8) for _ in keys]
-        blocks[0][:] = 255  # the largest words: the sums must not overflow
-        assert pool.put(keys, blocks, dev_checks=[device_checksum(b) for b in blocks]).result(30).written == 6
-        assert pool.flush(30)
+        _store_dev_checked(pool, keys, ALIGNED, 11, max_first=True)  # the largest words: the sums must not overflow
         _flip(pool, keys[3], HEADER_BYTES + 4 * 8192 + 100, 0x80)  # layer 4 of block 3
         ld = _load(pool, ns, keys, ex, files, verify_on_device=True)
         for layer in range(ALIGNED.num_layers):
@@ -155,17 +163,13 @@ def test_device_checksum_of_layers_that_are_not_whole_words_is_one_pass_over_the
     """Layers of 6 bytes (not whole u32 words: no partial sums) are verified in finish by one pass over the good
     rows (``devcheck_whole``; on a GPU on the load's side stream, not the caller's); a corrupt byte is a
     ``devcheck`` failure and the rest verify."""
-    from kvbm_backend.model.frame import device_checksum
     odd = KvLayout(num_layers=2, outer_dim=1, page_size=1, inner_dim=3, dtype="bfloat16")  # 6-byte layers
     ns = Namespace(model="test/layerwise-odd", revision="r1", layout=odd, tp_world_size=1)
     pool = open_g3(tmp_path / "g3", ns, load_timeout_s=20)
     ex, files = ThreadPoolExecutor(2), SlabFiles()
     try:
-        rng = np.random.default_rng(12)
         keys = ns.keys(list(range(40, 45)), "t", 0)
-        blocks = [rng.integers(0, 256, odd.bytes_per_block, dtype=np.uint8) for _ in keys]
-        assert pool.put(keys, blocks, dev_checks=[device_checksum(b) for b in blocks]).result(30).written == 5
-        assert pool.flush(30)
+        blocks = _store_dev_checked(pool, keys, odd, 12)
         _flip(pool, keys[1], HEADER_BYTES + 6 + 2)  # a byte of layer 1 of block 1
         ld = _load(pool, ns, keys, ex, files, verify_on_device=True)
         for layer in range(odd.num_layers):
@@ -337,17 +341,13 @@ def test_staging_from_a_buffer_pool_is_given_back_and_reused(rig):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_layerwise_loads_verify_the_device_checksum_in_hbm(tmp_path):
     from kvbm_backend.memory import BufferPool
-    from kvbm_backend.model.frame import device_checksum
     layout = ALIGNED
     ns = Namespace(model="test/layerwise-gpu", revision="r1", layout=layout, tp_world_size=1)
     pool = open_g3(tmp_path / "g3", ns, load_timeout_s=20)
     ex, files, staging = ThreadPoolExecutor(4), SlabFiles(), BufferPool("pinned", 64 << 20)
     try:
-        rng = np.random.default_rng(9)
         keys = ns.keys(list(range(10, 16)), "t", 0)
-        blocks = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8) for _ in keys]
-        assert pool.put(keys, blocks, dev_checks=[device_checksum(b) for b in blocks]).result(30).written == 6
-        assert pool.flush(30)
+        blocks = _store_dev_checked(pool, keys, layout, 9)
         _flip(pool, keys[4], HEADER_BYTES + 3 * 8192 + 11, 2)
         for _ in range(2):  # the second load reuses the pinned staging
             ld = LayerwiseLoad(pool, layout, keys[:4], "cuda", executor=ex, files=files, timeout_s=20,
