@@ -136,14 +136,18 @@ def test_g3_pool_get_into_matrix(tmp_path):
         g3.close()
 
 
-def test_load_via_host_into_matrix_copies_only_verified_rows(tmp_path):
-    g3 = open_g3(tmp_path, NS)  # any pool taking numpy buffers: one get into the staging, then the rows
+@pytest.mark.parametrize("chunk_rows", [None, 2], ids=["one_chunk", "chunks_of_2"])
+def test_load_via_host_into_matrix_copies_only_verified_rows(tmp_path, chunk_rows):
+    """Any pool taking numpy buffers: one get per chunk into its staging buffer, then its verified rows (in
+    chunks of 2 rows: 3 gets through 2 reused buffers, the miss in the middle one)."""
+    from kvbm_backend.gpu.host_path import CHUNK_BYTES
+    g3 = open_g3(tmp_path, NS)
     try:
         keys = NS.keys(list(range(1, 7)), "t", 0)
         payloads = _blocks(6, seed=8)
         assert g3.put(keys[:3] + keys[4:], payloads[:3] + payloads[4:]).result(timeout=60).written == 5
         out = torch.full((6, BPB), 0x5A, dtype=torch.uint8)
-        ok = load_via_host(g3, keys, out, timeout_s=60)
+        ok = load_via_host(g3, keys, out, timeout_s=60, chunk_bytes=chunk_rows * BPB if chunk_rows else CHUNK_BYTES)
         assert ok == [True, True, True, False, True, True]
         for i in range(6):
             if ok[i]:

@@ -145,6 +145,7 @@ class G4Pool:
         # reads (gets, lookups, deletes) and writes (offloads) on threads of their own: stuck reads (a hung
         # mount, objects whose open blocks) never hold back offloads of other blocks, nor stuck writes loads
         self._io = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-io")
+        self.read_threads = cfg.max_inflight  # blocks read at once: sizes a device load's staging window
         self._io_put = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-put")
         # get() into torch tensors waits on its own host get here (never on an _io thread it needs)
         self._device_exec = ThreadPoolExecutor(2, thread_name_prefix="g4-device")
@@ -197,8 +198,9 @@ class G4Pool:
 
         ``out`` may be torch tensors on one device, or one ``[n, bytes_per_block]`` tensor (the pool seam for device loads,
         :mod:`kvbm_backend.pool.base`): blocks are then decrypted and verified on the host into pinned
-        staging (in parallel, ``max_inflight`` at once) and copied to the device with one async H2D
-        copy (:func:`kvbm_backend.gpu.host_path.load_via_host`); a miss leaves ``out[i]`` untouched.
+        staging (in parallel, ``max_inflight`` at once, through a window of reused staging buffers) and each
+        verified row is copied to the device asynchronously
+        (:func:`kvbm_backend.gpu.host_path.load_via_host`); a miss leaves ``out[i]`` untouched.
         Raises ValueError for mismatched lengths or wrong-sized buffers."""
         keys = list(keys)
         if len(keys) != len(out):

@@ -85,7 +85,9 @@ class GetBatch:
     """One get batch: per-slot results, guarded so a late reply never writes after close.
 
     ``future`` gives the :class:`~kvbm_backend.pool.base.GetResult`; ``idle`` is set once no I/O thread
-    of the batch touches a row any more (what :meth:`G4Reader.get_staged` callers wait for)."""
+    of the batch touches a row any more (what :meth:`G4Reader.get_staged` callers wait for). A batch whose
+    every block came back is idle before its future resolves (callers reuse its rows at once); one the load
+    bound expired resolves at the bound and is idle once its late reads return."""
 
     def __init__(self, n: int, until: float):
         self.until = until  # time.monotonic() of the load bound
@@ -94,6 +96,7 @@ class GetBatch:
         self.slot_mu = [threading.Lock() for _ in range(n)]
         self.closed = False
         self.remaining = n
+        self.complete = False  # every slot finished before the bound: the future resolves once idle
         self.ok = [False] * n
         self.done = [False] * n
         self.staged = False  # get_staged: ``out`` rows are scratch the pool may fill before verifying
@@ -243,17 +246,15 @@ class G4Reader:
         return b
 
     def _finish_slot(self, b: GetBatch, i: int) -> bool:
-        """Mark slot ``i`` done; False when the batch had already expired it (its miss was counted then)."""
+        """Mark slot ``i`` done; False when the batch had already expired it (its miss was counted then).
+        The last slot closes the batch (``complete``); its future resolves when the batch goes idle."""
         with b.mu:
             if b.closed and not b.done[i]:
                 return False
             b.done[i] = True
             b.remaining -= 1
-            last = b.remaining == 0 and not b.closed
-            if last:
-                b.closed = True
-        if last:
-            b.future.set_result(GetResult(list(b.ok)))
+            if b.remaining == 0 and not b.closed:
+                b.closed = b.complete = True
         return True
 
     def _expire_get(self, b: GetBatch) -> None:
@@ -288,8 +289,11 @@ class G4Reader:
                 self._count(miss or "hits")
             with b.mu:
                 b.working -= 1
-                if b.working == 0:
-                    b.idle.set()
+                idle = b.working == 0
+            if idle:
+                b.idle.set()
+                if b.complete:  # every block came back: answer now that no thread touches a row
+                    b.future.set_result(GetResult(list(b.ok)))
 
     def _load(self, b: GetBatch, i: int, key: BlockKey, out: npt.NDArray[np.uint8]) -> str | None:
         """Fetch, check and open one block into ``out``. Returns None on a hit, else a miss counter."""

@@ -85,6 +85,54 @@ def test_get_staged_reports_each_hit_and_when_its_rows_are_free(tmp_path, reques
             pool.get_staged(list(keys[:1]), [np.zeros(bpb - 1, np.uint8)])
 
 
+@pytest.mark.parametrize("encrypt", [True, False], ids=["encrypted", "plain"])
+def test_a_long_load_goes_through_a_bounded_window_of_reused_staging_buffers(encrypt, tmp_path, request):
+    """Issue 24 item 4: a device load staged the whole load at once (a 1 GiB load took 1 GiB of pinned memory,
+    allocated anew each load past the staging pool's keep). Now chunks of ``chunk_bytes`` go through a few
+    staging buffers reused chunk after chunk (:func:`~kvbm_backend.gpu.host_path.window`): 10 chunks of 2 rows
+    here, 3 buffers (4 read threads), taken once from the staging pool and all given back; misses anywhere
+    (a tampered payload, a tampered header, an absent object in the last chunk) leave their rows untouched.
+    A batch whose blocks all came back is idle when its future resolves (so its buffer is reused at once)."""
+    from kvbm_backend.gpu.host_path import load_via_host, window
+    from kvbm_backend.gpu.staging import host_staging_pool
+    n = 20
+    with _pool("file", encrypt, tmp_path, request) as pool:
+        ns, bpb = pool.namespace, pool.layout.bytes_per_block
+        keys = ns.keys(range(1, n + 1), tenant="t")
+        blocks = [payload(s, "t", bpb) for s in range(1, n + 1)]
+        assert pool.put(keys[:-1], blocks[:-1]).result(timeout=60).written == n - 1
+        _tamper(pool, keys[5], HEADER_BYTES + bpb // 3)
+        _tamper(pool, keys[12], 40)
+        assert window(bpb, pool.read_threads, 2 * bpb) == (2, 3)
+        buffers, idle_at_answer = set(), []
+        own = pool.get_staged
+
+        def recording(ks, rows, on_hit=None):  # the pool's own get_staged, noting which buffer each chunk uses
+            buffers.add(rows[0].ctypes.data)
+            b = own(ks, rows, on_hit)
+            b.future.add_done_callback(lambda _f: idle_at_answer.append(b.idle.is_set()))
+            return b
+        pool.get_staged = recording
+        staging = host_staging_pool(False)
+        st0 = staging.stats()
+        dst = torch.full((n, bpb), SENTINEL, dtype=torch.uint8)
+        ok = load_via_host(pool, keys, dst, chunk_bytes=2 * bpb)
+        st1 = staging.stats()
+        bad = {5, 12, n - 1}
+        assert ok == [i not in bad for i in range(n)], pool.stats()
+        for i in range(n):
+            want = np.full(bpb, SENTINEL, np.uint8) if i in bad else blocks[i]
+            assert np.array_equal(dst[i].numpy(), want), i
+        assert len(buffers) == 3 and len(idle_at_answer) == 10 and all(idle_at_answer)
+        assert (st1["allocated"] + st1["reused"]) - (st0["allocated"] + st0["reused"]) == 3
+        back = [staging.take(2 * bpb) for _ in range(3)]  # all three were given back: the pool lends them again
+        try:
+            assert {x.ctypes.data for x in back} == buffers
+        finally:
+            for x in back:
+                staging.give(x)
+
+
 def test_unaligned_rows_fall_back_to_buffered_scatter_reads(tmp_path, request):
     with _pool("file", False, tmp_path, request) as pool:
         ns, bpb = pool.namespace, pool.layout.bytes_per_block
