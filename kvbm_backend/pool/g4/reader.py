@@ -1,8 +1,9 @@
 """G4 loads (:class:`G4Reader`, a part of :class:`~kvbm_backend.pool.g4.pool.G4Pool` that owns the bounce
 buffers file objects are read through); lookups are :mod:`.lookup`.
 
-* A get batch (:class:`GetBatch`) runs one :meth:`G4Reader._get_one` per block on the I/O threads and
-  resolves when every block is back or at the load bound (``timeout_s * (1 + retries)`` seconds, a
+* A get batch (:class:`GetBatch`) runs one :meth:`G4Reader._get_one` per block on the I/O threads (up to
+  ``g4.max_inflight`` tasks, each taking the batch's next block until none is left; the batch's hit and miss
+  counters are counted once, when it goes idle) and resolves when every block is back or at the load bound (``timeout_s * (1 + retries)`` seconds, a
   :class:`~kvbm_backend.deadlines.Deadline` on the pool's timer thread), whichever is first; a
   block not back by then is a miss (``miss_timeout``) and its late reply never touches the caller's
   buffer (per-block lock + ``closed`` flag). An expired batch counts as one store failure (breaker).
@@ -23,6 +24,7 @@ buffers file objects are read through); lookups are :mod:`.lookup`.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -103,6 +105,9 @@ class GetBatch:
         self.on_hit: Callable[[int], object] | None = None  # get_staged: called with i once block i verified
         self.idle = threading.Event()  # every I/O thread of this batch has left its row
         self.working = n
+        self.next = itertools.count()  # the batch's tasks take blocks in order (next() is atomic under the GIL)
+        self.tally: dict[str, int] = {}  # hits / miss counters of its slots, counted once it goes idle
+        self.sizes = [0] * n  # bytes read for each hit (counted as bytes_read once idle)
 
 
 def tenant_miss(keyring: Keyring | None, tenant: str) -> str | None:
@@ -173,6 +178,7 @@ class G4Reader:
         self._exec = executor
         self._deadlines = deadlines
         self._load_bound_s = load_bound_s
+        self._tasks = max_inflight  # tasks per batch at most (one per I/O thread)
         self._closed = False
         # Stores that read straight into a buffer (file://) get reusable huge-page bounce buffers, one
         # per I/O thread (see bounce_buffers for the measured reason); others return their own bytes. A
@@ -203,8 +209,7 @@ class G4Reader:
             return completed(GetResult([False] * len(keys)))
         b = GetBatch(len(keys), time.monotonic() + self._load_bound_s)
         self._deadlines.add(b.until, lambda: self._expire_get(b))
-        for i, (k, o) in enumerate(zip(keys, out)):
-            self._exec.submit(self._get_one, b, i, k, o)
+        self._start_tasks(b, keys, out)
         return b.future
 
     def get_staged(self, keys: Sequence[BlockKey], rows: Sequence[npt.NDArray[np.uint8]],
@@ -241,9 +246,25 @@ class G4Reader:
             b.future.set_result(GetResult([False] * len(keys)))
             return b
         self._deadlines.add(b.until, lambda: self._expire_get(b))
-        for i, (k, o) in enumerate(zip(keys, rows)):
-            self._exec.submit(self._get_one, b, i, k, o)
+        self._start_tasks(b, keys, rows)
         return b
+
+    def _start_tasks(self, b: GetBatch, keys: Sequence[BlockKey], out: Sequence[npt.NDArray[np.uint8]]) -> None:
+        """Put batch ``b`` on the I/O threads: ``min(n, g4.max_inflight)`` tasks, each a loop taking the
+        batch's next block until none is left (:meth:`_get_many`). A task per block cost a future, a queue
+        hand-off and a thread wake-up per block, each retaking the GIL (a G4 load is bound by the Python it
+        runs per block: docs/gpu.md)."""
+        for _ in range(min(len(keys), self._tasks)):
+            self._exec.submit(self._get_many, b, keys, out)
+
+    def _get_many(self, b: GetBatch, keys: Sequence[BlockKey], out: Sequence[npt.NDArray[np.uint8]]) -> None:
+        """One task of batch ``b``: load its next block until every block is taken."""
+        n = len(keys)
+        while True:
+            i = next(b.next)
+            if i >= n:
+                return
+            self._get_one(b, i, keys[i], out[i])
 
     def _finish_slot(self, b: GetBatch, i: int) -> bool:
         """Mark slot ``i`` done; False when the batch had already expired it (its miss was counted then).
@@ -285,18 +306,25 @@ class G4Reader:
             miss = "miss_error"
         finally:
             # a slot the batch expired had its miss counted then (once); a hit copied in time still counts
-            if self._finish_slot(b, i) or miss is None:
-                self._count(miss or "hits")
+            counted = self._finish_slot(b, i) or miss is None
             with b.mu:
+                if counted:
+                    c = miss or "hits"
+                    b.tally[c] = b.tally.get(c, 0) + 1
                 b.working -= 1
                 idle = b.working == 0
-            if idle:
+            if idle:  # the batch's counters once, before it answers (stats then include it)
+                for c, v in b.tally.items():
+                    self._count(c, v)
+                self._count("bytes_read", sum(b.sizes))
                 b.idle.set()
                 if b.complete:  # every block came back: answer now that no thread touches a row
                     b.future.set_result(GetResult(list(b.ok)))
 
     def _load(self, b: GetBatch, i: int, key: BlockKey, out: npt.NDArray[np.uint8]) -> str | None:
         """Fetch, check and open one block into ``out``. Returns None on a hit, else a miss counter."""
+        if self._closed:  # the pool is closing: the batch's blocks not read yet end here, without I/O
+            return "miss_closed"
         if key.namespace != self._fp:
             return "miss_foreign_namespace"
         no_key = tenant_miss(self._tenant_keyring, key.tenant)
@@ -429,7 +457,7 @@ class G4Reader:
         finally:
             if scratch is not None:
                 self._frames.give(scratch)
-        self._count("bytes_read", size)
+        b.sizes[i] = size  # counted with the batch's hits (bytes_read) once it goes idle
         return None
 
     def _gcm_of(self, dkey: bytes) -> AESGCM:

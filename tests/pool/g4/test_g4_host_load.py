@@ -133,6 +133,32 @@ def test_a_long_load_goes_through_a_bounded_window_of_reused_staging_buffers(enc
                 staging.give(x)
 
 
+def test_a_batch_runs_as_at_most_max_inflight_tasks_and_is_counted_when_it_answers(tmp_path, request):
+    """Issue 24 item 4: a batch of 12 blocks on a pool of 4 read threads is 4 tasks on the executor (each
+    taking the batch's next block; before: 12, a future and a queue hand-off per block), and its hits, misses
+    and bytes read are in the pool's stats as soon as its future answers."""
+    with _pool("file", True, tmp_path, request) as pool:
+        ns, bpb = pool.namespace, pool.layout.bytes_per_block
+        keys = ns.keys(range(1, 13), tenant="t")
+        blocks = [payload(s, "t", bpb) for s in range(1, 13)]
+        assert pool.put(keys[:11], blocks[:11]).result(timeout=60).written == 11
+        frame = os.path.getsize(os.path.join(str(tmp_path / "g4"), pool.object_name(keys[0])))
+        submitted = []
+        own = pool._io.submit
+
+        def recording(fn, *args, **kw):  # the executor's own submit, noting each task
+            submitted.append(fn)
+            return own(fn, *args, **kw)
+        pool._io.submit = recording
+        s0 = pool.stats()
+        rows = np.zeros((12, bpb), np.uint8)
+        ok = pool.get_staged(list(keys), list(rows)).future.result(timeout=60).ok
+        s1 = pool.stats()
+        assert ok == [True] * 11 + [False] and len(submitted) == 4
+        assert (s1["hits"] - s0["hits"], s1["misses"] - s0["misses"]) == (11, 1)
+        assert s1["bytes_read"] - s0["bytes_read"] == 11 * frame and s1.get("miss_absent", 0) == 1
+
+
 def test_unaligned_rows_fall_back_to_buffered_scatter_reads(tmp_path, request):
     with _pool("file", False, tmp_path, request) as pool:
         ns, bpb = pool.namespace, pool.layout.bytes_per_block
