@@ -161,7 +161,6 @@ class _Window:
                  timeout_s: float | None):
         self.pool, self.keys, self.dst, self.rows, self.depth = pool, keys, dst, rows, depth
         self.device = dst.device
-        self.cuda = self.device.type == "cuda"
         self.bpb = pool.layout.bytes_per_block
         self.staged = getattr(pool, "get_staged", None) is not None
         self.end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -212,13 +211,8 @@ class _Window:
                 item = self.wake.get(timeout=None if self.end is None else max(0.0, self.end - time.monotonic()))
             except queue.Empty:
                 break  # late: what verified and was copied counts
-            items = [item]  # and everything that came meanwhile: one wake-up and stream context for all
-            while True:
-                try:
-                    items.append(self.wake.get_nowait())
-                except queue.Empty:
-                    break
-            self._handle(items)
+            # and everything that came meanwhile: one wake-up and stream context for all
+            self._handle([item] + self._drain())
             for c in [c for c in live if c.finished]:
                 live.remove(c)
                 self._retire(c)
@@ -238,6 +232,7 @@ class _Window:
         return self.ok
 
     def _drain(self) -> list:
+        """Everything queued on :attr:`wake` now, without waiting."""
         items = []
         while True:
             try:
