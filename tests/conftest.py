@@ -107,9 +107,9 @@ def s3_prefix(request):
 # `side` - engine tests that assert nothing about wall-clock time (outputs, counters, files only): `ci/test.sh`
 # runs them in a second engine lane at `nice 10` beside the main one, whose tests keep the CPU first when
 # they want it (their timeouts and latency bounds are measured at normal priority). A test that bounds a
-# time (a TTFT, a timeout's cost) is not side, even in a module of side tests; nor is the TP=2 test, which
-# pins one rank to each of the 2 cores: at nice 10 it took 276 s in one CI run (148 s in the main lane), too
-# near its module's 400 s timeout.
+# time (a TTFT, a timeout's cost) is not side, even in a module of side tests; nor are the TP=2 tests, which
+# pin one rank to each of the 2 cores: at nice 10 one took 276 s in one CI run (148 s in the main lane), and
+# the MLA TP=2 test, marked side by mistake, ran past its module's then 400 s timeout in CI (2026-11-28).
 _S3_FIXTURES = {"seaweed", "seaweed_restartable", "s3_prefix"}
 _MARKERS = ("slow", "vllm", "s3", "gpu", "side")
 

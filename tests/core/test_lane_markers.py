@@ -69,6 +69,25 @@ def test_no_test_declares_a_marker_that_takes_a_lane_marker_away():
         assert not {n for n in names if n.startswith(("not_", "no_")) and n.split("_", 1)[1] in _MARKERS}, f
 
 
+def test_no_side_test_runs_a_tensor_parallel_engine():
+    """A TP>1 engine pins one rank to each of the 2 cores, so a TP>1 test is never ``side`` (run at nice 10
+    beside the engine lane): the MLA TP=2 test, marked side by mistake, ran past its hang guard in CI
+    (2026-11-28). Read from the source: a test whose body passes ``tensor_parallel_size`` other than 1."""
+    found = []
+    for f in sorted((TESTS / "e2e").rglob("test_*.py")):
+        tree = ast.parse(f.read_text(), str(f))
+        module_side = "side" in _static_marks(f)
+        for fn in tree.body:
+            if not (isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_")):
+                continue
+            tp = [k for k in ast.walk(fn) if isinstance(k, ast.keyword) and k.arg == "tensor_parallel_size"
+                  and not (isinstance(k.value, ast.Constant) and k.value.value == 1)]
+            side = module_side or any(isinstance(d, ast.Attribute) and d.attr == "side" for d in fn.decorator_list)
+            found.append((f.name, fn.name, bool(tp)))
+            assert not (tp and side), f"{f.name}::{fn.name} runs a TP>1 engine and is marked side"
+    assert sum(tp for _, _, tp in found) >= 4, found  # the check sees the TP=2 tests it guards
+
+
 class _Item:
     """What ``pytest_collection_modifyitems`` reads of a test item: its fixtures, parameters and name."""
 

@@ -20,7 +20,9 @@ from tests.helpers.vllm_runner import connector_extra, prompts, run_engine, vllm
 from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
 from kvbm_backend.model import frame  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(400)]
+# A hang guard, not a bound: the longest test here runs two TP=2 engines (209-222 s in CI on the slow 2-core VM,
+# 2026-11-28), so a loaded machine stays far inside it; an engine that hangs meets run_engine's own guard first.
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 _why = vllm_available()
 if _why:
@@ -313,7 +315,6 @@ def test_mla_fresh_engine_and_restart_load_saved_latents(tmp_path):
     assert d["outputs"][0] != d["outputs"][1], d["outputs"]
 
 
-@pytest.mark.side
 def test_mla_tensor_parallel_two_ranks_share_one_g4_copy_of_the_replicated_latent(tmp_path):
     """MLA with TP=2: the latent is the same on both ranks. Each rank keeps its copy in its own G3 pool,
     but G4 (shared storage) holds ONE object per block, written by rank 0. A fresh TP=2 engine with

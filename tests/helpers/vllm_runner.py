@@ -84,11 +84,13 @@ def connector_extra(workdir: Path, g4_url: str | None = None, keyring: Path | No
 
 
 def run_engine(tmp: Path, name: str, model_dir: Path, prompt_list: list[list[int]], connector: dict | None,
-               max_tokens: int = 4, kvcache_gib: int = 1, timeout: float = 300, env: dict | None = None,
+               max_tokens: int = 4, kvcache_gib: int = 1, timeout: float = 600, env: dict | None = None,
                **spec_kw) -> dict:
     """Run one engine process over ``prompt_list`` (one request at a time) and return its result dict
     (see :mod:`kvbm_backend.integrations.vllm.engine_run`). Raises RuntimeError with the process's output tail on
-    failure."""
+    failure, or when it runs past ``timeout`` seconds (then killed): a hang guard, not a bound (a TP=2 test's two
+    engines took 222 s together in CI on the slow 2-core VM with the other lanes beside it, 2026-11-28), so load
+    alone never trips it."""
     spec = {"model_dir": str(model_dir), "prompts": prompt_list, "connector": connector, "max_tokens": max_tokens,
             "out": str(tmp / f"{name}.result.json"), **spec_kw}
     spec_path = tmp / f"{name}.spec.json"
@@ -98,8 +100,13 @@ def run_engine(tmp: Path, name: str, model_dir: Path, prompt_list: list[list[int
               "PYTHONPATH": str(REPO) + os.pathsep + e.get("PYTHONPATH", ""), "VLLM_LOGGING_LEVEL": "WARNING"})
     if env:
         e.update(env)
-    r = subprocess.run([sys.executable, "-m", "kvbm_backend.integrations.vllm.engine_run", str(spec_path)],
-                       capture_output=True, text=True, timeout=timeout, env=e, cwd=str(tmp))
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvbm_backend.integrations.vllm.engine_run", str(spec_path)],
+                           capture_output=True, text=True, timeout=timeout, env=e, cwd=str(tmp))
+    except subprocess.TimeoutExpired as exc:  # killed by subprocess.run; show where it was
+        tail = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                       for x in (exc.stdout, exc.stderr))[-6000:]
+        raise RuntimeError(f"engine {name} still running after {timeout:.0f} s (hang guard), killed:\n{tail}") from None
     out = Path(spec["out"])
     if r.returncode != 0 or not out.is_file():
         tail = (r.stdout + r.stderr)[-6000:]
