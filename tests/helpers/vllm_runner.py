@@ -1,17 +1,24 @@
 """Run the real vLLM CPU engine in a subprocess (``python -m kvbm_backend.integrations.vllm.engine_run``) for tests.
 
 Each engine gets its own process so pytest's process stays free of vLLM state and a "fresh engine"
-really is a new process (empty engine prefix cache, pools reopened from disk).
+really is a new process (empty engine prefix cache, pools reopened from disk). The process is forked from
+a zygote that has imported vLLM once (:mod:`tests.helpers.engine_zygote`), or, where the zygote cannot serve
+the run's environment or does not start, a new interpreter.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.machinery
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -88,9 +95,11 @@ def run_engine(tmp: Path, name: str, model_dir: Path, prompt_list: list[list[int
                **spec_kw) -> dict:
     """Run one engine process over ``prompt_list`` (one request at a time) and return its result dict
     (see :mod:`kvbm_backend.integrations.vllm.engine_run`). Raises RuntimeError with the process's output tail on
-    failure, or when it runs past ``timeout`` seconds (then killed): a hang guard, not a bound (a TP=2 test's two
-    engines took 222 s together in CI on the slow 2-core VM with the other lanes beside it, 2026-11-28), so load
-    alone never trips it."""
+    failure, or when it runs past ``timeout`` seconds (then killed with everything it started): a hang guard, not a
+    bound (a TP=2 test's two engines took 222 s together in CI on the slow 2-core VM with the other lanes beside
+    it, 2026-11-28), so load alone never trips it. The process is forked from this test process's engine zygote
+    when ``env`` sets nothing vLLM reads at import (:data:`_ZYGOTE_LAZY`), else a new interpreter; the
+    process's output is also in ``tmp/<name>.log`` when forked."""
     spec = {"model_dir": str(model_dir), "prompts": prompt_list, "connector": connector, "max_tokens": max_tokens,
             "out": str(tmp / f"{name}.result.json"), **spec_kw}
     spec_path = tmp / f"{name}.spec.json"
@@ -100,20 +109,115 @@ def run_engine(tmp: Path, name: str, model_dir: Path, prompt_list: list[list[int
               "PYTHONPATH": str(REPO) + os.pathsep + e.get("PYTHONPATH", ""), "VLLM_LOGGING_LEVEL": "WARNING"})
     if env:
         e.update(env)
-    try:
-        r = subprocess.run([sys.executable, "-m", "kvbm_backend.integrations.vllm.engine_run", str(spec_path)],
-                           capture_output=True, text=True, timeout=timeout, env=e, cwd=str(tmp))
-    except subprocess.TimeoutExpired as exc:  # killed by subprocess.run; show where it was
-        tail = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                       for x in (exc.stdout, exc.stderr))[-6000:]
-        raise RuntimeError(f"engine {name} still running after {timeout:.0f} s (hang guard), killed:\n{tail}") from None
+    log = tmp / f"{name}.log"
+    z = _zygote(e, create=not env)  # the zygote takes the environment of a run without overrides
+    if z is not None and z.busy.acquire(blocking=False):  # a second engine at once gets a new interpreter
+        try:
+            rc, text = z.run(spec_path, e, tmp, log, timeout)
+        finally:
+            z.busy.release()
+    else:
+        try:
+            r = subprocess.run([sys.executable, "-m", "kvbm_backend.integrations.vllm.engine_run", str(spec_path)],
+                               capture_output=True, text=True, timeout=timeout, env=e, cwd=str(tmp))
+            rc, text = r.returncode, r.stdout + r.stderr
+        except subprocess.TimeoutExpired as exc:  # killed by subprocess.run
+            rc = None
+            text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                           for x in (exc.stdout, exc.stderr))
+    if rc is None:
+        raise RuntimeError(f"engine {name} still running after {timeout:.0f} s (hang guard), killed:\n{text[-6000:]}")
     out = Path(spec["out"])
-    if r.returncode != 0 or not out.is_file():
-        tail = (r.stdout + r.stderr)[-6000:]
-        raise RuntimeError(f"engine {name} failed (rc={r.returncode}):\n{tail}")
+    if rc != 0 or not out.is_file():
+        raise RuntimeError(f"engine {name} failed (rc={rc}):\n{text[-6000:]}")
     res = json.loads(out.read_text())
-    res["log"] = (r.stdout + r.stderr)[-20000:]
+    res["log"] = text[-20000:]
     return res
+
+
+# Environment variables an engine reads after the zygote's imports (vLLM's ``vllm.envs`` reads lazily until an
+# engine starts; ours at connector start), so a run may set them differently from the zygote. Any other
+# difference (e.g. ``VLLM_LOGGING_LEVEL``, which vLLM reads when imported) sends the run to a new interpreter.
+_ZYGOTE_LAZY = ("PYTEST_", "KVBM_", "DYN_KVBM_", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                "VLLM_ENABLE_V1_MULTIPROCESSING")
+
+
+def _import_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if not k.startswith(_ZYGOTE_LAZY)}
+
+
+class _Zygote:
+    """The client of one :mod:`tests.helpers.engine_zygote` process (one per test process, started on first use,
+    killed at exit)."""
+
+    def __init__(self, env: dict):
+        self.env = _import_env(env)
+        self.busy = threading.Lock()  # the zygote runs one engine at a time
+        self.last_pid = 0  # the last engine process it forked (its own session: pid = process group id)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.engine_zygote"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=str(REPO))
+        atexit.register(self.close)
+        line = self.proc.stdout.readline()  # no timeout: a slow import is slow, and EOF ends it
+        if not line.startswith('{"ready"'):
+            self.close()
+            raise RuntimeError(f"engine zygote did not start (rc={self.proc.returncode})")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, spec_path: Path, env: dict, cwd: Path, log: Path, timeout: float) -> tuple[int | None, str]:
+        """Fork one engine process for ``spec_path``; its exit code (None: still running after ``timeout``
+        seconds, then killed with its process group) and its output."""
+        self.proc.stdin.write(json.dumps({"spec": str(spec_path), "env": env, "cwd": str(cwd),
+                                          "log": str(log)}) + "\n")
+        self.proc.stdin.flush()
+        pid = self.last_pid = json.loads(self.proc.stdout.readline())["pid"]
+        end = time.monotonic() + timeout
+        timed_out = False
+        try:
+            while not select.select([self.proc.stdout], [], [], max(0.0, end - time.monotonic()))[0]:
+                if time.monotonic() >= end:
+                    timed_out = True
+                    break
+        finally:  # timed out, or interrupted (pytest-timeout, ^C): the run goes, and the zygote is ready again
+            if timed_out or sys.exc_info()[0] is not None:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine zygote exited (rc={self.proc.wait()}) while running {spec_path}")
+        rc = json.loads(line)["rc"]
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        return (None if timed_out else rc), text
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_zygote_state: dict = {}
+_zygote_lock = threading.Lock()
+
+
+def _zygote(env: dict, create: bool = True) -> "_Zygote | None":
+    """This process's zygote for a run with environment ``env``, or None where a new interpreter must run it:
+    ``env`` differs from the zygote's in what vLLM reads at import, no zygote runs yet and ``create`` is false,
+    or the zygote failed to start (tried once per process; the runs then go the old way)."""
+    with _zygote_lock:
+        z = _zygote_state.get("z")
+        if z is not None and z.alive():
+            return z if _import_env(env) == z.env else None
+        if _zygote_state.get("failed") or z is not None or not create:  # a zygote that died is not restarted
+            return None
+        try:
+            _zygote_state["z"] = _Zygote(env)
+        except (OSError, RuntimeError) as exc:
+            _zygote_state["failed"] = str(exc)
+            return None
+        return _zygote_state["z"]
 
 
 TIERING_MODULE = "kvbm_backend.integrations.vllm.tiering"

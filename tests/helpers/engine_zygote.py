@@ -1,0 +1,83 @@
+"""A zygote for the tests' engine processes: vLLM imported once, each engine run a fresh fork of it.
+
+``python -m kvbm_backend.integrations.vllm.engine_run SPEC`` spends most of a short test run importing
+vLLM (``from vllm import LLM``: 19 s of a 25 s tiny-model run on the idle 2-core VM, 2026-11-28; the suite
+starts about 50 such engines). This process imports vLLM and :mod:`kvbm_backend.integrations.vllm.engine_run`
+once, with no thread started, then forks one child per request; the child is the engine process the test
+asked for: its own PID and session, the request's environment and working directory, its output in a file,
+``engine_run.main([SPEC])`` run from the start. Nothing of an engine survives into the next one (each is a new
+process from the same imported, never-started state), so "a fresh engine process" still holds.
+
+Protocol (one JSON object per line): the zygote prints ``{"ready": pid}`` once imported (or exits non-zero
+with the import error on stderr); each request ``{"spec", "env", "cwd", "log"}`` on stdin is answered with
+``{"pid": child}`` at once and ``{"rc": exit code}`` (negative: killed by that signal) when the child ends.
+The client is :func:`tests.helpers.vllm_runner.run_engine`, which sends only environments the zygote can
+honour (what vLLM reads at import must equal the zygote's own; see ``vllm_runner._ZYGOTE_LAZY``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import traceback
+
+
+def _child(req: dict) -> None:
+    """In the forked child: become the engine process the request describes, run it, never return."""
+    code = 1
+    try:
+        os.setsid()  # its own group: a timed-out run is killed with everything it started
+        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.argv = [sys.executable, "-m", "kvbm_backend.integrations.vllm.engine_run", req["spec"]]
+        from kvbm_backend.integrations.vllm import engine_run
+        code = engine_run.main([req["spec"]])  # os._exit(0) on success
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the child must report and exit, whatever it was
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve() -> int:
+    from vllm import LLM, SamplingParams  # noqa: F401 - the import each engine run no longer pays
+    from vllm.inputs import TokensPrompt  # noqa: F401
+
+    from kvbm_backend.integrations.vllm import engine_run  # noqa: F401
+    if threading.active_count() != 1:  # forking a process with threads could copy a held lock
+        print(f"engine zygote: threads after import: {threading.enumerate()}", file=sys.stderr)
+        return 3
+    out = sys.stdout
+    out.write(json.dumps({"ready": os.getpid()}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        req = json.loads(line)
+        out.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(req)
+        out.write(json.dumps({"pid": pid}) + "\n")
+        out.flush()
+        _, status = os.waitpid(pid, 0)
+        out.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve())
