@@ -1,6 +1,7 @@
 """The tests' engine zygote (:mod:`tests.helpers.engine_zygote`): an engine forked from it is the engine a new
 interpreter runs (same greedy outputs, G3 blocks saved by one loaded by the next), and a run that hangs is
-killed with its whole process group at ``run_engine``'s hang guard while the zygote serves the next run."""
+killed with its whole process group at ``run_engine``'s hang guard while the zygote serves the next run; a change of
+the test process's environment starts a new zygote with it."""
 from __future__ import annotations
 
 import os
@@ -20,7 +21,7 @@ if _why:
 KW = dict(dtype="float32", num_gpu_blocks=48)
 
 
-def test_forked_and_new_interpreter_engines_agree_and_a_hung_run_is_killed(tmp_path):
+def test_forked_and_new_interpreter_engines_agree_and_a_hung_run_is_killed(tmp_path, monkeypatch):
     model = write_model_dir(tmp_path / "model", TINY, dtype="float32")
     ps = prompts(2, 200, seed=3)
     extra = {"extra": connector_extra(tmp_path / "w")}
@@ -45,3 +46,14 @@ def test_forked_and_new_interpreter_engines_agree_and_a_hung_run_is_killed(tmp_p
     c = run_engine(tmp_path, "after", model, ps, extra, **KW)
     assert vllm_runner._zygote_state["z"] is z and (tmp_path / "after.log").is_file()
     assert c["outputs"] == a["outputs"] and c["cached_tokens"] == [192, 192]
+
+    # this process's environment changes (as importing vLLM here changes it): a new zygote, started with it,
+    # forks the next engine (in CI the old zygote's runs went to new interpreters for good, 2026-11-28)
+    monkeypatch.setenv("KVBM_TEST_ZYGOTE_IMPORT_ENV", "x")  # ours: read late, the zygote stays
+    run_engine(tmp_path, "lazy-env", model, ps, extra, **KW)
+    assert vllm_runner._zygote_state["z"] is z and (tmp_path / "lazy-env.log").is_file()
+    monkeypatch.setenv("TEST_ZYGOTE_IMPORT_ENV", "x")  # anything else may be read at import
+    d = run_engine(tmp_path, "new-env", model, ps, extra, **KW)
+    z2 = vllm_runner._zygote_state["z"]
+    assert z2 is not z and z2.alive() and not z.alive() and (tmp_path / "new-env.log").is_file()
+    assert d["outputs"] == a["outputs"] and d["cached_tokens"] == [192, 192]

@@ -203,19 +203,32 @@ _zygote_lock = threading.Lock()
 
 
 def _zygote(env: dict, create: bool = True) -> "_Zygote | None":
-    """This process's zygote for a run with environment ``env``, or None where a new interpreter must run it:
-    ``env`` differs from the zygote's in what vLLM reads at import, no zygote runs yet and ``create`` is false,
-    or the zygote failed to start (tried once per process; the runs then go the old way)."""
+    """This process's zygote for a run with environment ``env``, or None where a new interpreter must run it.
+    A zygote whose import-time environment differs from ``env`` (this process's environment changed since it
+    started: importing vLLM here sets variables, vllm/env_override.py) is replaced by one started with ``env``
+    when ``create``; without ``create`` (a run with its own overrides) such a run gets a new interpreter. A
+    zygote that died or failed to start is not tried again in this process: the runs then go the old way."""
     with _zygote_lock:
-        z = _zygote_state.get("z")
-        if z is not None and z.alive():
-            return z if _import_env(env) == z.env else None
-        if _zygote_state.get("failed") or z is not None or not create:  # a zygote that died is not restarted
+        if _zygote_state.get("failed"):
             return None
+        z = _zygote_state.get("z")
+        if z is not None and not z.alive():
+            _zygote_state["failed"] = f"engine zygote exited (rc={z.proc.returncode})"
+            return None
+        if z is not None and _import_env(env) == z.env:
+            return z
+        if not create:
+            return None
+        if z is not None:
+            if not z.busy.acquire(blocking=False):  # another thread's engine still runs in it
+                return None
+            z.close()
+            z.busy.release()
         try:
             _zygote_state["z"] = _Zygote(env)
         except (OSError, RuntimeError) as exc:
             _zygote_state["failed"] = str(exc)
+            _zygote_state.pop("z", None)
             return None
         return _zygote_state["z"]
 
