@@ -50,6 +50,10 @@ if _why:
 BLOCK = 32          # engine block size (tokens)
 MAX_TOKENS = 8      # greedy tokens per request
 N_PROMPTS = 3       # prompts per phase (TTFT p50 over them)
+# The client's read timeout: a hang guard, not a bound. A disaggregated request includes the decode worker's
+# wait for the prefill's G4 write (up to handoff_wait_s = 120 s here, below), so stream_completion's 120 s
+# default timed out there in CI on the slow 2-core VM (2026-11-29) while every lane ran.
+CLIENT_TIMEOUT_S = 600
 
 
 class Stack:
@@ -108,7 +112,7 @@ def _prompt(i: int, n_words: int = 300) -> str:
 
 def _stream(base: str, model: str, prompt: str) -> dict:
     """One streaming completion at temperature 0; TTFT = time to the first streamed token at the client."""
-    return stream_completion(base, model, prompt, max_tokens=MAX_TOKENS)
+    return stream_completion(base, model, prompt, max_tokens=MAX_TOKENS, timeout_s=CLIENT_TIMEOUT_S)
 
 
 def _clear_kv_blocks(env: dict) -> list:
@@ -261,7 +265,8 @@ def test_disaggregated_prefill_decode_hand_off_through_g4(stack):
             agg = stack.start_worker("worker-ref", stack.root / "g3-ref")
             COLD.update({p: _stream(stack.base, model, p)["text"] for p in prompts})
             stack.stop_worker(agg)
-        out = [stream_completion(dyn.base, model, p, max_tokens=MAX_TOKENS) for p in prompts]
+        out = [stream_completion(dyn.base, model, p, max_tokens=MAX_TOKENS, timeout_s=CLIENT_TIMEOUT_S)
+               for p in prompts]
         _record("disaggregated_g4_handoff", out)
         assert [r["text"] for r in out] == [COLD[p] for p in prompts]  # the aggregated worker's greedy tokens
         loadable = sum((r["prompt_tokens"] - 1) // BLOCK for r in out)  # the engine computes at least 1 token
