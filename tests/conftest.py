@@ -110,6 +110,8 @@ def s3_prefix(request):
 # time (a TTFT, a timeout's cost) is not side, even in a module of side tests; nor are the TP=2 tests, which
 # pin one rank to each of the 2 cores: at nice 10 one took 276 s in one CI run (148 s in the main lane), and
 # the MLA TP=2 test, marked side by mistake, ran past its module's then 400 s timeout in CI (2026-11-28).
+# `two_cores` - a TP=2 engine test (declared in the test file; selects no lane): `two_cores_last` below runs
+# these last in their lane, when the side and unit lanes are done and both cores are free.
 _S3_FIXTURES = {"seaweed", "seaweed_restartable", "s3_prefix"}
 _MARKERS = ("slow", "vllm", "s3", "gpu", "side")
 
@@ -190,3 +192,14 @@ def pytest_collection_modifyitems(config, items):
             it.add_marker(pytest.mark.s3)
         if it.originalname.startswith("test_gpu_") or (cs is not None and "cuda" in cs.params.values()):
             it.add_marker(pytest.mark.gpu)
+    items[:] = two_cores_last(items)
+
+
+def two_cores_last(items: list) -> list:
+    """``items`` with the ``two_cores`` tests (a TP=2 engine: one rank per core) moved to the end, each
+    group in its collected order. In ``ci/test.sh`` the side and unit lanes finish well before the engine
+    lane, whose other tests keep about one core busy (measured: 0.55-0.75 of the two cores once it ran
+    alone, 2026-11-29); run last, the TP=2 engines get both cores then instead of sharing them with the
+    other lanes at the start (the connector TP=2 test: 209 s on its own, 375 s beside them in CI)."""
+    last = [it for it in items if it.get_closest_marker("two_cores") is not None]
+    return [it for it in items if it.get_closest_marker("two_cores") is None] + last if last else list(items)

@@ -77,15 +77,58 @@ def test_no_side_test_runs_a_tensor_parallel_engine():
     for f in sorted((TESTS / "e2e").rglob("test_*.py")):
         tree = ast.parse(f.read_text(), str(f))
         module_side = "side" in _static_marks(f)
+        module_two = any(isinstance(n, ast.Attribute) and n.attr == "two_cores" for a in tree.body
+                         if isinstance(a, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in a.targets)
+                         for n in ast.walk(a))
         for fn in tree.body:
             if not (isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_")):
                 continue
             tp = [k for k in ast.walk(fn) if isinstance(k, ast.keyword) and k.arg == "tensor_parallel_size"
                   and not (isinstance(k.value, ast.Constant) and k.value.value == 1)]
             side = module_side or any(isinstance(d, ast.Attribute) and d.attr == "side" for d in fn.decorator_list)
+            two = module_two or any(isinstance(d, ast.Attribute) and d.attr == "two_cores" for d in fn.decorator_list)
             found.append((f.name, fn.name, bool(tp)))
             assert not (tp and side), f"{f.name}::{fn.name} runs a TP>1 engine and is marked side"
+            # run last in the engine lane (tests/conftest.py two_cores_last), when both cores are free
+            assert not tp or two, f"{f.name}::{fn.name} runs a TP>1 engine and is not marked two_cores"
     assert sum(tp for _, _, tp in found) >= 4, found  # the check sees the TP=2 tests it guards
+
+
+class _Marked:
+    """What :func:`tests.conftest.two_cores_last` reads of a test item: its closest marker by name."""
+
+    def __init__(self, name: str, *marks: str):
+        self.name, self.marks = name, set(marks)
+
+    def get_closest_marker(self, name):
+        return name if name in self.marks else None
+
+
+def test_two_cores_tests_run_last_in_their_collected_order():
+    from tests.conftest import two_cores_last
+    items = [_Marked("a"), _Marked("tp1", "two_cores", "slow"), _Marked("b", "side"), _Marked("tp2", "two_cores"),
+             _Marked("c")]
+    assert [i.name for i in two_cores_last(items)] == ["a", "b", "c", "tp1", "tp2"]
+    assert [i.name for i in two_cores_last(items[:1])] == ["a"] and two_cores_last([]) == []
+
+
+@pytest.mark.slow  # a collection of the e2e folder: 28 s on the idle 2-core VM
+@pytest.mark.side
+def test_the_engine_lane_collects_its_tensor_parallel_tests_last():
+    """The real collection of the engine lane (ci/test.sh's -m expression, the e2e folder): every
+    ``two_cores`` test comes after every other test, and there are some."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "-m", LANES["engine"], str(TESTS / "e2e")],
+                       capture_output=True, text=True, cwd=TESTS.parent, timeout=600)
+    ids = [ln for ln in r.stdout.splitlines() if "::" in ln]
+    assert ids, r.stdout[-2000:] + r.stderr[-2000:]
+    two = {"test_tensor_parallel_two_ranks_save_and_load_their_slices", "test_tp1_g4_blocks_load_in_a_tp2_engine",
+           "test_mla_tensor_parallel_two_ranks_share_one_g4_copy_of_the_replicated_latent",
+           "test_native_tiers_tensor_parallel_two_ranks"}
+    tail = [i.split("::")[-1] for i in ids[-len(two):]]
+    assert set(tail) == two, ids
 
 
 class _Item:
@@ -99,6 +142,9 @@ class _Item:
 
     def add_marker(self, m):
         self.marks.add(m.name)
+
+    def get_closest_marker(self, name):
+        return name if name in self.marks else None
 
 
 def test_s3_is_applied_to_tests_that_name_seaweed_or_take_an_s3_store_parameter():

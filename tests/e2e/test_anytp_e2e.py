@@ -12,7 +12,7 @@ from tests.helpers.vllm_runner import connector_extra, prompts, run_engine, vllm
 
 from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.two_cores, pytest.mark.timeout(1500)]
 
 _why = vllm_available()
 if _why:

@@ -203,6 +203,7 @@ def test_next_turn_loads_the_previous_answer(tmp_path, model_dir):
     assert b["outputs"] == ref["outputs"]
 
 
+@pytest.mark.two_cores
 def test_tensor_parallel_two_ranks_save_and_load_their_slices(tmp_path, model_dir):
     """TP=2 (two worker processes, one KV head each): each rank offloads its own slice to its own G3
     pool and to G4; a fresh TP=2 engine loads both ranks' slices from G3, and one with empty G3 dirs
@@ -315,6 +316,7 @@ def test_mla_fresh_engine_and_restart_load_saved_latents(tmp_path):
     assert d["outputs"][0] != d["outputs"][1], d["outputs"]
 
 
+@pytest.mark.two_cores
 def test_mla_tensor_parallel_two_ranks_share_one_g4_copy_of_the_replicated_latent(tmp_path):
     """MLA with TP=2: the latent is the same on both ranks. Each rank keeps its copy in its own G3 pool,
     but G4 (shared storage) holds ONE object per block, written by rank 0. A fresh TP=2 engine with

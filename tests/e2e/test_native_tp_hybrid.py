@@ -24,6 +24,7 @@ def _tier(res: dict, kind: str) -> dict:
     return t
 
 
+@pytest.mark.two_cores
 def test_native_tiers_tensor_parallel_two_ranks(tmp_path):
     """TP=2 (two worker processes, one KV head each; the tiers live in the engine core process and store
     each chunk's two rank slices as two G3 blocks): greedy outputs with native offloading equal those
@@ -49,6 +50,7 @@ def test_native_tiers_tensor_parallel_two_ranks(tmp_path):
     assert r["cached_tokens"] == [full, full], r["cached_tokens"]  # from G3: a new engine, a new primary tier
 
 
+@pytest.mark.side
 def test_native_tiers_hybrid_model_groups(tmp_path):
     """The gpt-oss-like hybrid model (alternating sliding-window (64 tokens) / full attention: two KV cache
     groups, see tests/e2e/test_hybrid_e2e.py): the full group offloads every full chunk of each prompt,
