@@ -201,5 +201,4 @@ def two_cores_last(items: list) -> list:
     lane, whose other tests keep about one core busy (measured: 0.55-0.75 of the two cores once it ran
     alone, 2026-11-29); run last, the TP=2 engines get both cores then instead of sharing them with the
     other lanes at the start (the connector TP=2 test: 209 s on its own, 375 s beside them in CI)."""
-    last = [it for it in items if it.get_closest_marker("two_cores") is not None]
-    return [it for it in items if it.get_closest_marker("two_cores") is None] + last if last else list(items)
+    return sorted(items, key=lambda it: it.get_closest_marker("two_cores") is not None)  # a stable sort

@@ -94,22 +94,17 @@ def test_no_side_test_runs_a_tensor_parallel_engine():
     assert sum(tp for _, _, tp in found) >= 4, found  # the check sees the TP=2 tests it guards
 
 
-class _Marked:
-    """What :func:`tests.conftest.two_cores_last` reads of a test item: its closest marker by name."""
-
-    def __init__(self, name: str, *marks: str):
-        self.name, self.marks = name, set(marks)
-
-    def get_closest_marker(self, name):
-        return name if name in self.marks else None
-
-
 def test_two_cores_tests_run_last_in_their_collected_order():
     from tests.conftest import two_cores_last
-    items = [_Marked("a"), _Marked("tp1", "two_cores", "slow"), _Marked("b", "side"), _Marked("tp2", "two_cores"),
-             _Marked("c")]
-    assert [i.name for i in two_cores_last(items)] == ["a", "b", "c", "tp1", "tp2"]
-    assert [i.name for i in two_cores_last(items[:1])] == ["a"] and two_cores_last([]) == []
+
+    def item(name: str, *marks: str) -> _Item:
+        it = _Item(name=name)
+        it.marks |= set(marks)
+        return it
+
+    items = [item("a"), item("tp1", "two_cores", "slow"), item("b", "side"), item("tp2", "two_cores"), item("c")]
+    assert [i.originalname for i in two_cores_last(items)] == ["a", "b", "c", "tp1", "tp2"]
+    assert [i.originalname for i in two_cores_last(items[:1])] == ["a"] and two_cores_last([]) == []
 
 
 @pytest.mark.slow  # a collection of the e2e folder: 28 s on the idle 2-core VM

@@ -80,7 +80,7 @@ def served(tmp_path_factory):
     the same completion again (``b``, its prefix from G3), then SIGTERM. Yields a dict: ``a``, ``b`` (the
     OpenAI completion answers), ``before``/``after`` (the ``metrics.port`` page scraped before ``a`` and
     after ``b``), ``stats`` (the ``stats_path`` file at the end), ``log`` (the server's output), ``g3``
-    (the G3 directory), ``model`` (the model directory)."""
+    (the G3 directory)."""
     tmp_path = tmp_path_factory.mktemp("vllm-serve")
     model = write_model_dir(tmp_path / "model", TINY)
     mport = _free_port()
@@ -99,7 +99,6 @@ def served(tmp_path_factory):
     p = subprocess.Popen(["bash", str(REPO / "examples" / "vllm" / "serve_kvbm_backend.sh"), "--host", "127.0.0.1",
                           "--port", str(port), "--dtype", "float32", "--max-model-len", "2048"],
                          stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
-    st: dict = {}
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_ready(p, base, logf)
@@ -136,7 +135,7 @@ def served(tmp_path_factory):
             p.wait(timeout=10)
         log.close()
     yield {"a": a, "b": b, "before": before, "after": after, "stats": st, "log": logf.read_text(),
-           "g3": tmp_path / "g3", "model": model}
+           "g3": tmp_path / "g3"}
 
 
 def test_example_serve_script_answers_and_offloads(served):
