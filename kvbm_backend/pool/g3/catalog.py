@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 HDR = frame.HEADER_BYTES
 _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+# The journal is compacted (rewritten from the index) once it holds more than this many records and more than
+# 4 per block held: appends stay O(1) and a restart replays at most ~4 records per block.
+COMPACT_MIN_RECORDS = 65536
 # FrameError.reason -> miss reason
 _MISS_REASON = {"magic": "corrupt", "version": "corrupt", "header_check": "corrupt", "integrity": "corrupt",
                 "length": "corrupt", "identity": "identity", "layout": "identity"}
@@ -124,16 +127,25 @@ class SlotCatalog:
                 self.journal.rewrite(self.index.items())
                 self.journal_dirty = False
                 log.warning("G3: journal %s rewritten from the index (repaired)", self.journal.path)
+            elif self.journal.records > max(COMPACT_MIN_RECORDS, 4 * len(self.index)):
+                self._compact()
             self.journal.append(recs)
         except Exception as e:  # noqa: BLE001 - storage trouble (or a bug) must not hang callers
             self.journal_failed(e)
             return False
-        if self.journal.records > max(65536, 4 * len(self.index)):
-            try:
-                self.journal.rewrite(self.index.items())
-            except Exception as e:  # noqa: BLE001 - compaction failed: the appended journal stays valid
-                self.journal_failed(e, dirty=False)
         return True
+
+    def _compact(self) -> None:
+        """Rewrite the journal from the index (one record per block held), *before* an append, never after
+        one: every caller holds the lock from its append to its index change, and the writer journals a
+        group's PUTs first and puts them in the index after (publish after durable), so a rewrite right
+        after that append dropped the group from the journal (found 2026-11-29: 1,000 of 1,953 blocks gone
+        after a warm restart). Here the index holds everything journaled so far. A failed compaction
+        leaves the old journal, still valid, in place (``journal_failed``, not marked for repair)."""
+        try:
+            self.journal.rewrite(self.index.items())
+        except Exception as e:  # noqa: BLE001 - storage trouble (or a bug): the old journal stays valid
+            self.journal_failed(e, dirty=False)
 
     def journal_failed(self, e: BaseException, dirty: bool = True) -> None:
         """The metadata path failed: degrade like slab ENOSPC (no admission for ``degrade_s()`` s, then
