@@ -75,10 +75,21 @@ class G4Lookups:
         self._load_bound_s = load_bound_s
         self._max_inflight = max_inflight
         self._closed = False
+        self._open: set[_Lookup] = set()  # lookups not resolved yet (expire_open)
+        self._open_mu = threading.Lock()
 
     def close(self) -> None:
         """From now on lookups answer 0 without store I/O."""
         self._closed = True
+
+    def expire_open(self) -> None:
+        """Resolve every lookup still open (the pool is closing and its timer thread stops) with the leading
+        keys confirmed so far; their HEADs still queued then end without I/O. Without this a lookup queued
+        behind busy I/O threads at close never resolved."""
+        with self._open_mu:
+            open_now = list(self._open)
+        for b in open_now:
+            self._expire(b, closing=True)
 
     def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Number of leading ``keys`` present (see :meth:`kvbm_backend.pool.g4.pool.G4Pool.lookup_prefix`)."""
@@ -91,9 +102,16 @@ class G4Lookups:
             self._counters.lookup_result(len(keys), 0)
             return completed(0)
         b = _Lookup(len(keys), time.monotonic() + self._load_bound_s)
+        with self._open_mu:
+            self._open.add(b)
+        b.future.add_done_callback(lambda _f: self._untrack(b))
         self._deadlines.add(b.until, lambda: self._expire(b))
         self._wave(b, keys, 0, min(FIRST_WAVE, len(keys)))
         return b.future
+
+    def _untrack(self, b: _Lookup) -> None:
+        with self._open_mu:
+            self._open.discard(b)
 
     def _wave(self, b: _Lookup, keys: Sequence[BlockKey], start: int, width: int) -> None:
         end = min(len(keys), start + width)
@@ -104,7 +122,7 @@ class G4Lookups:
             present = False
             try:
                 k = keys[i]
-                if (k.namespace == self._fp and not b.closed and tenant_miss(self._keyring, k.tenant) is None
+                if (k.namespace == self._fp and not b.closed and not self._closed and tenant_miss(self._keyring, k.tenant) is None
                         and self._breaker.allow()):
                     name = self._names.name(k)
                     try:
@@ -129,7 +147,17 @@ class G4Lookups:
                 self._wave_done(b, keys, start, end)
 
         for i in range(start, end):
-            self._exec.submit(head_one, i)
+            try:
+                self._exec.submit(head_one, i)
+            except RuntimeError:  # the pool closed meanwhile (its I/O threads stopped): the rest are absent
+                for j in range(i, end):
+                    b.done[j] = True
+                with mu:
+                    wave["left"] -= end - i
+                    last = wave["left"] == 0
+                if last:
+                    self._wave_done(b, keys, start, end)
+                return
 
     def _wave_done(self, b: _Lookup, keys: Sequence[BlockKey], start: int, end: int) -> None:
         with b.mu:
@@ -151,7 +179,8 @@ class G4Lookups:
         else:
             self._wave(b, keys, end, min(2 * (end - start), self._max_inflight))
 
-    def _expire(self, b: _Lookup) -> None:
+    def _expire(self, b: _Lookup, closing: bool = False) -> None:
+        """Resolve ``b`` at its load bound (or, ``closing``, at pool close: no timeout counted)."""
         with b.mu:
             if b.closed:
                 return
@@ -160,9 +189,10 @@ class G4Lookups:
             while n < len(b.ok) and b.done[n] and b.ok[n]:
                 n += 1
         self._counters.lookup_result(len(b.ok), n)
-        if b.throttled or self._throttle.throttling():  # waited on "slow down" answers, not on silence
-            self._count("lookup_throttled")
-        else:
-            self._count("lookup_timeout")
-            self._breaker.failure(f"a lookup got no reply within {self._load_bound_s:.2f} s")
+        if not closing:  # at close nothing timed out
+            if b.throttled or self._throttle.throttling():  # waited on "slow down" answers, not on silence
+                self._count("lookup_throttled")
+            else:
+                self._count("lookup_timeout")
+                self._breaker.failure(f"a lookup got no reply within {self._load_bound_s:.2f} s")
         b.future.set_result(n)

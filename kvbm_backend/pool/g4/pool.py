@@ -301,8 +301,13 @@ class G4Pool:
         self.reader.close()
         self.lookups.close()
         self._device_exec.shutdown(wait=True)
-        self._io.shutdown(wait=False, cancel_futures=True)
+        # reads and lookups still queued run, closed: each block or key ends at once without I/O, so their
+        # batches go idle (staging rows free again); those still open are resolved now, since the timer
+        # thread that would have expired them at their load bound stops here
+        self._io.shutdown(wait=False)
         self._io_put.shutdown(wait=False, cancel_futures=True)
+        self.reader.expire_open()
+        self.lookups.expire_open()
         self._deadlines.close()
         if self.keyring is not None:
             try:

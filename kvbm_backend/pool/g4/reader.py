@@ -188,11 +188,23 @@ class G4Reader:
                                           if getattr(store, "reads_into", False) else None)
         self._reads_parts = bool(getattr(store, "reads_into_parts", False))
         self._mine = threading.local()  # .buf: this I/O thread's bounce buffer, taken at its first load
+        self._open: set[GetBatch] = set()  # batches whose future is not resolved yet (expire_open)
+        self._open_mu = threading.Lock()
         self._gcm: dict[bytes, AESGCM] = {}  # data key -> its one-shot GCM context (aead.gcm), reused
 
     def close(self) -> None:
         """From now on loads are misses (``miss_closed``) without store I/O."""
         self._closed = True
+
+    def expire_open(self) -> None:
+        """Resolve every batch still open now (the pool is closing and its timer thread stops): blocks not
+        back yet are ``miss_closed``. A batch's tasks still queued on the I/O threads then end without I/O
+        (``idle`` is set once they have); a read stuck in the kernel keeps its batch's rows busy (not idle)
+        until it returns. Without this a batch queued behind busy I/O threads at close never resolved."""
+        with self._open_mu:
+            open_now = list(self._open)
+        for b in open_now:
+            self._expire_get(b, closing=True)
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[npt.NDArray[np.uint8]]) -> Future[GetResult]:
         """Load ``keys[i]`` into host buffers ``out[i]`` (see :meth:`kvbm_backend.pool.g4.pool.G4Pool.get`).
@@ -208,6 +220,7 @@ class G4Reader:
             self._count("miss_breaker", len(keys))
             return completed(GetResult([False] * len(keys)))
         b = GetBatch(len(keys), time.monotonic() + self._load_bound_s)
+        self._track(b)
         self._deadlines.add(b.until, lambda: self._expire_get(b))
         self._start_tasks(b, keys, out)
         return b.future
@@ -245,9 +258,20 @@ class G4Reader:
             b.idle.set()
             b.future.set_result(GetResult([False] * len(keys)))
             return b
+        self._track(b)
         self._deadlines.add(b.until, lambda: self._expire_get(b))
         self._start_tasks(b, keys, rows)
         return b
+
+    def _track(self, b: GetBatch) -> None:
+        """Count ``b`` open until its future resolves (:meth:`expire_open`)."""
+        with self._open_mu:
+            self._open.add(b)
+        b.future.add_done_callback(lambda _f: self._untrack(b))
+
+    def _untrack(self, b: GetBatch) -> None:
+        with self._open_mu:
+            self._open.discard(b)
 
     def _start_tasks(self, b: GetBatch, keys: Sequence[BlockKey], out: Sequence[npt.NDArray[np.uint8]]) -> None:
         """Put batch ``b`` on the I/O threads: ``min(n, g4.max_inflight)`` tasks, each a loop taking the
@@ -255,7 +279,10 @@ class G4Reader:
         hand-off and a thread wake-up per block, each retaking the GIL (a G4 load is bound by the Python it
         runs per block: docs/gpu.md)."""
         for _ in range(min(len(keys), self._tasks)):
-            self._exec.submit(self._get_many, b, keys, out)
+            try:
+                self._exec.submit(self._get_many, b, keys, out)
+            except RuntimeError:  # the pool closed meanwhile (its I/O threads stopped): closed, so no I/O here
+                self._get_many(b, keys, out)
 
     def _get_many(self, b: GetBatch, keys: Sequence[BlockKey], out: Sequence[npt.NDArray[np.uint8]]) -> None:
         """One task of batch ``b``: load its next block until every block is taken."""
@@ -278,7 +305,8 @@ class G4Reader:
                 b.closed = b.complete = True
         return True
 
-    def _expire_get(self, b: GetBatch) -> None:
+    def _expire_get(self, b: GetBatch, closing: bool = False) -> None:
+        """Resolve ``b`` at its load bound (or, ``closing``, at pool close: late blocks are ``miss_closed``)."""
         with b.mu:
             if b.closed:
                 return
@@ -288,7 +316,9 @@ class G4Reader:
             with b.slot_mu[i]:
                 pass
         missed = sum(1 for i in late if not b.ok[i])
-        if self._throttle.throttling():  # the store answers "slow down": the late reads waited on that
+        if closing:
+            self._count("miss_closed", missed)
+        elif self._throttle.throttling():  # the store answers "slow down": the late reads waited on that
             self._count("miss_throttled", missed)
         else:
             self._count("miss_timeout", missed)

@@ -262,3 +262,38 @@ def test_object_longer_than_a_block_is_a_length_miss(target):
         s = p.stats()
         assert s["corrupt_length"] == 1 and s["deleted_corrupt"] == 1
         assert p.store.head(name) is None
+
+
+def test_close_resolves_gets_and_lookups_queued_behind_busy_io_threads(tmp_path):
+    """A get, a staged get and a lookup queued behind the pool's only I/O thread when ``close`` runs: each
+    resolves (a miss, ``miss_closed``; the lookup with what it confirmed, here nothing) within a bound and the
+    staged batch goes idle (its rows may be reused). Before, close cancelled their queued tasks and dropped the
+    timers that would have expired them: they never resolved and the staged rows were never idle again."""
+    import threading
+    cfg = G4Config(url=f"file://{tmp_path}/g4", encrypt=False, max_inflight=1, timeout_s=0.5, retries=0)
+    pool = G4Pool(cfg, namespace())
+    ns, bpb = pool.namespace, pool.layout.bytes_per_block
+    keys = ns.keys(range(1, 3), tenant="t")
+    assert pool.put(keys, [payload(s, "t", bpb) for s in (1, 2)]).result(timeout=60).written == 2
+    gate, holding = threading.Event(), threading.Event()
+    rows_a = np.zeros((1, bpb), np.uint8)
+
+    def slow_copy(i):  # the caller's copy thread is busy: batch A holds the only I/O thread
+        holding.set()
+        gate.wait(60)
+    a = pool.get_staged([keys[0]], [rows_a[0]], on_hit=slow_copy)
+    assert holding.wait(60)
+    out_b = [np.full(bpb, 7, np.uint8)]
+    b = pool.get([keys[1]], out_b)
+    rows_c = np.zeros((1, bpb), np.uint8)
+    c = pool.get_staged([keys[1]], [rows_c[0]])
+    look = pool.lookup_prefix([keys[1]])
+    pool.close(timeout=0)
+    gate.set()
+    bound = 10 * pool.load_bound_s  # a hang guard far above the load bound
+    assert a.future.result(timeout=bound).ok == [True] and a.idle.wait(bound)
+    assert b.result(timeout=bound).ok == [False] and (out_b[0] == 7).all()  # a miss leaves the buffer untouched
+    assert c.future.result(timeout=bound).ok == [False] and c.idle.wait(bound)
+    assert look.result(timeout=bound) == 0
+    st = pool.stats()
+    assert st["miss_closed"] >= 2 and st.get("miss_timeout", 0) == 0, st
