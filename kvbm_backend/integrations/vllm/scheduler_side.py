@@ -182,6 +182,11 @@ class SchedulerSide:
         if want is None or (self.g3 is None and self.g4 is None):
             return self._matched(request, num_computed_tokens)
         rid = request.request_id
+        st = self._reqs.get(rid)
+        if st is not None and st.no_load:  # its load failed: recomputed at once, never waited for again
+            self.handoff.forget(rid)
+            self._handoff_retry_at.pop(rid, None)
+            return self._matched(request, num_computed_tokens)
         retry = self._handoff_retry_at.get(rid)
         if retry is not None and not retry.expired():
             return None, False

@@ -104,6 +104,24 @@ def test_decode_side_wait_is_bounded_by_handoff_wait_s_and_logged_once(tiers, ca
     assert n0 == 3 * BS
 
 
+def test_a_handed_off_request_whose_load_failed_is_recomputed_without_waiting_again(tiers):
+    """The decode side found every promised block and offered the load; the load failed (a corrupt object, the
+    worker's report), vLLM recomputes from token 0 and asks again: the connector will never offer this request a
+    load, so it answers 0 at once instead of waiting ``handoff_wait_s`` for blocks again (before: 10 s here, a
+    false ``handoff_timeouts`` and a "write-behind keeping up?" warning)."""
+    from kvbm_backend.integrations.vllm.metadata import FailedLoad
+    ns, g3, g4, hs, blocks = tiers
+    assert g4.put(ns.keys(hs[:6]), blocks).result(10).written == 6
+    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=10.0)
+    req = _req("d4", {KEY: {"blocks": 6, "block_size": BS}})
+    (n, is_async), _, _ = _ask(s, req)
+    assert (n, is_async) == (6 * BS, True)
+    timeouts = stats.get("handoff_timeouts")
+    s.loads_failed([FailedLoad("d4", "", hs[0], "miss")])
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert stats.get("handoff_timeouts") == timeouts
+
+
 def test_no_wait_without_a_usable_handoff(tiers):
     ns, g3, g4, hs, blocks = tiers
     s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=30.0)
