@@ -16,8 +16,13 @@ the same step and calls ``start_load_kv`` before the forward. :class:`LayerwiseL
   block from the first failed one on through the connector's failed-load path
   (``get_block_ids_with_load_errors`` + :class:`~.metadata.FailedLoad`). vLLM (``kv_load_failure_policy``
   ``recompute``) then resets the request to its valid prefix and throws the step's token away, so a
-  forward that ran on unverified KV never yields a token (docs/invariants.md #1). Saves of such a request
-  are dropped from then on (its blocks of that step were computed from bad KV).
+  forward that ran on unverified KV never yields a token (docs/invariants.md #1). Every save of a step in
+  which a layer-wise load failed is dropped, and the failed request's saves from then on: vLLM caches a
+  synchronous load's blocks at once, so another request of the same step may have used them as its prefix
+  hit and computed (and would save) KV from the bad rows.
+
+Layer-wise loads run with one TP rank only (:func:`usable`): a rank cannot stop the other ranks from saving
+their slices of KV computed, through the all-reduce, from its bad rows; with TP > 1 hits load asynchronously.
 
 Sync loads are never reported in ``finished_recving`` (vLLM only waits for asynchronous ones).
 """
@@ -176,10 +181,11 @@ class LayerwiseLoads:
 
     def saves(self, saves: list[SaveJob]) -> list[SaveJob]:
         """``wait_for_save``: end the step's loads, then ``saves`` less those of requests whose layer-wise
-        load failed (their KV of that step came from unverified blocks; counted ``save_dropped_blocks``)."""
-        self.finish()
-        keep = [s for s in saves if s.req_id not in self._tainted]
-        dropped = sum(len(s.block_ids) for s in saves if s.req_id in self._tainted)
+        load failed, now or in an earlier step, and none at all when one failed in this step (any request of
+        the step may have computed from its blocks: vLLM caches them at once); counted ``save_dropped_blocks``."""
+        failed_now = self.finish()
+        keep = [] if failed_now else [s for s in saves if s.req_id not in self._tainted]
+        dropped = sum(len(s.block_ids) for s in saves) - sum(len(s.block_ids) for s in keep)
         if dropped:
             stats.add(save_dropped_blocks=dropped, layerwise_save_dropped_blocks=dropped)
         return keep
@@ -188,10 +194,16 @@ class LayerwiseLoads:
         self.finish()
 
 
+def usable(cfg: Any, tp_world_size: int) -> bool:
+    """Whether ``g3.layerwise_load`` applies to an engine of ``tp_world_size`` TP ranks: on, and one rank (see
+    the module doc; the scheduler and the workers both ask, so they agree)."""
+    return bool(cfg.g3.layerwise_load) and tp_world_size == 1
+
+
 def for_worker(cfg: Any, worker: Any, layer_names: list[str]) -> LayerwiseLoads | None:
-    """:class:`LayerwiseLoads` for a connector's worker when ``g3.layerwise_load`` is on and its G3 pool
-    offers slot leases (:class:`~kvbm_backend.pool.base.G3Extensions`), else None. ``worker``: the
+    """:class:`LayerwiseLoads` for a connector's worker when layer-wise loads apply (:func:`usable`) and its G3
+    pool offers slot leases (:class:`~kvbm_backend.pool.base.G3Extensions`), else None. ``worker``: the
     :class:`~.worker_side.WorkerSide` of a model of one full-attention group (others load asynchronously)."""
-    if not cfg.g3.layerwise_load or not isinstance(getattr(worker, "g3", None), G3Extensions):
+    if not usable(cfg, worker.ns.tp_world_size) or not isinstance(getattr(worker, "g3", None), G3Extensions):
         return None
     return LayerwiseLoads(worker, layer_names, timeout_s=cfg.g3.load_timeout_s)

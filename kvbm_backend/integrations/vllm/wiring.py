@@ -257,7 +257,12 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
         parts.sched = SchedulerSide(ns, ns.layout.page_size, groups[0].g3, groups[0].g4, default_tenant=cfg.tenant,
                                     lookup_timeout_s=max(cfg.g4.timeout_s, 0.5), save=opts["save"],
                                     load=opts["load"], save_decode=opts["save_decode"], groups=groups,
-                                    handoff_wait_s=opts["handoff_wait_s"], layerwise=cfg.g3.layerwise_load)
+                                    handoff_wait_s=opts["handoff_wait_s"],
+                                    layerwise=layerwise.usable(cfg, ns.tp_world_size))
+        if cfg.g3.layerwise_load and not layerwise.usable(cfg, ns.tp_world_size):
+            log.warning("kvbm_backend: g3.layerwise_load is on but the engine has %d TP ranks: G3 hits load "
+                        "asynchronously (layer-wise loads run with one rank only: docs/configuration.md)",
+                        ns.tp_world_size)
         if kv_events:
             parts.sched.events = G3KvEvents(ns.tp_world_size, ns.layout.page_size,
                                             kv_cache_config.kv_cache_groups[0].kv_cache_spec, g3=cfg.g3.enabled)

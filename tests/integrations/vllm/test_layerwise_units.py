@@ -1,7 +1,8 @@
 """The connector's layer-wise load path (``g3.layerwise_load``, issue 24 item 5) without an engine: the
 scheduler offers G3-only hits synchronously, and the worker role loads them layer by layer into vLLM's
 paged KV tensors (CPU and FlashAttention layouts) from a real G3 pool on tmp files; a corrupted block is
-reported through ``load_errors`` / the failed-load report, never kept, and its request's saves are dropped."""
+reported through ``load_errors`` / the failed-load report, never kept, and the saves of that step (any request
+may have computed from the failed blocks) and the request's later ones are dropped."""
 from __future__ import annotations
 
 import os
@@ -157,7 +158,7 @@ def test_layers_land_in_the_engine_as_vllm_waits_for_them(tmp_path, layout):
         g3.close()
 
 
-def test_corrupt_block_is_reported_and_its_request_saves_are_dropped(tmp_path):
+def test_corrupt_block_is_reported_and_the_steps_saves_are_dropped(tmp_path):
     src, dst, ns, g3, w, lw, hashes = _rig(tmp_path, "cpu")
     try:
         key = ns.keys([hashes[2]], "t", 0)[0]
@@ -175,14 +176,20 @@ def test_corrupt_block_is_reported_and_its_request_saves_are_dropped(tmp_path):
         lw.start([job])
         for n in NAMES:
             lw.wait_layer(n)
-        kept = lw.saves([SaveJob("r", [14], [2000], "t"), SaveJob("q", [15], [3000], "t")])
-        assert [s.req_id for s in kept] == ["q"]  # r's KV of this step came from a bad block
+        before = stats.snapshot().get("save_dropped_blocks", 0)
+        # r's KV of this step came from a bad block, and so may q's: vLLM caches r's blocks as soon as they are
+        # allocated, so q, scheduled in the same step with the same prefix, may use them as its prefix hit and
+        # compute its own blocks from them (before, q's save of such a block was kept: wrong KV in G3)
+        assert lw.saves([SaveJob("r", [14], [2000], "t"), SaveJob("q", [15], [3000], "t")]) == []
+        assert stats.snapshot()["save_dropped_blocks"] - before == 2
         assert w.load_errors() == {11, 12, 13}  # from the first failed block on: vLLM recomputes them
         (fl,) = w.take_failed_loads()
         assert (fl.req_id, fl.first_failed, fl.reason) == ("r", hashes[2], "miss")
         assert _same(src, 3, dst, 9) and _same(src, 4, dst, 10)
         assert not g3.contains(key)  # proven corrupt: dropped
-        assert lw.saves([SaveJob("r", [15], [2001], "t")]) == []  # and in later steps too
+        # later steps: r's saves stay dropped, the others' are kept again
+        assert lw.saves([SaveJob("r", [15], [2001], "t"), SaveJob("q", [15], [3001], "t")]) == \
+            [SaveJob("q", [15], [3001], "t")]
     finally:
         lw.close()
         g3.close()
@@ -199,6 +206,22 @@ def test_layers_vllm_did_not_wait_for_are_loaded_at_the_end(tmp_path):
         assert stats.snapshot()["layerwise_layers_unwaited"] - before == L - 1
     finally:
         lw.close()
+        g3.close()
+
+
+def test_one_tp_rank_only(tmp_path):
+    """With TP > 1 a rank whose layer-wise load failed cannot stop the other ranks from saving their slices of
+    KV computed, through the all-reduce, from its bad rows: the setting applies to one-rank engines only, and
+    both the scheduler and the workers ask :func:`usable`, so hits load asynchronously there."""
+    from kvbm_backend.integrations.vllm.layerwise import usable
+    kv = _engine("cpu", 0)
+    cfg = _cfg(tmp_path)
+    assert usable(cfg, 1) and not usable(cfg, 2) and not usable(_cfg(tmp_path, layerwise=False), 1)
+    ns2 = Namespace("m", kv.layout, tp_world_size=2)
+    g3, _ = open_tiers(cfg, ns2)
+    try:
+        assert for_worker(cfg, WorkerSide(ns2, 0, g3, None), NAMES) is None
+    finally:
         g3.close()
 
 
