@@ -19,6 +19,7 @@ import heapq
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -31,6 +32,9 @@ __all__ = ["LOCK_NAME", "G3LockedError", "G3PathError", "SlabFile", "SlabSet", "
 log = logging.getLogger(__name__)
 
 GROW_BYTES = 64 << 20  # growth chunk per slab file
+# While a file's cap is below its share (the filesystem was short), an allocation that comes up short re-reads
+# statvfs at most this often (seconds), so the pool grows back once space returns.
+RECHECK_SPACE_S = 5.0
 _SLAB_RE = re.compile(r"^g3-([0-9a-f]{16})-(\d+)\.slab$")
 
 
@@ -53,6 +57,8 @@ class SlabFile:
     cap_slots: int = 0  # slots usable now (max_slots, lowered when the filesystem is short)
     next_unused: int = 0  # high-water mark: slots >= this were never handed out in this run
     free: list[int] = field(default_factory=list)  # heap of released slot indexes < next_unused
+    # released slots at or above a lowered cap (< next_unused), handed out again once the cap rises past them
+    parked: list[int] = field(default_factory=list)
 
     def free_count(self) -> int:
         return sum(1 for s in self.free if s < self.cap_slots) + max(0, self.cap_slots - self.next_unused)
@@ -90,6 +96,7 @@ class SlabSet:
         self.o_direct: dict[str, bool] = {}
         self.dirs: dict[str, G3Dir] = {}  # directory -> its opened, verified, locked G3Dir
         self._rr = 0
+        self._space_checked = time.monotonic()  # last statvfs re-check of files whose cap is below their share
         try:
             self._open(capacity_bytes, files_per_path, o_direct)
         except BaseException:
@@ -196,6 +203,7 @@ class SlabSet:
             taken = used.get(f.index, set())
             f.next_unused = max(min(f.size_slots, f.cap_slots), max(taken, default=-1) + 1)
             f.free = [s for s in range(f.next_unused) if s not in taken]
+            f.parked = []
             heapq.heapify(f.free)
 
     # ---- capacity ----------------------------------------------------------------------------
@@ -211,12 +219,18 @@ class SlabSet:
         return sum(f.free_count() for f in self.files)
 
     def recheck_space(self) -> None:
-        """Re-read statvfs and let files grow again up to their configured share where space returned."""
+        """Re-read statvfs and let files grow again up to their configured share where space returned (the
+        slots parked above a lowered cap are free again once the cap passes them)."""
+        self._space_checked = time.monotonic()
         for f in self.files:
             avail, total = fs_space(f.directory)
             room = avail - self._keep_free(total)
             growable = max(0, room) // self.slot_bytes
             f.cap_slots = max(min(f.max_slots, f.size_slots + growable), min(f.cap_slots, f.size_slots))
+            if f.parked:
+                for s in [s for s in f.parked if s < f.cap_slots]:
+                    heapq.heappush(f.free, s)
+                f.parked = [s for s in f.parked if s >= f.cap_slots]
 
     # ---- allocation --------------------------------------------------------------------------
     def _take(self, f: SlabFile, n: int) -> list[int]:
@@ -232,12 +246,24 @@ class SlabSet:
             if s < f.cap_slots:
                 out.append(s)
             elif s < f.next_unused:
-                pass  # beyond a lowered cap: dropped from the free list until space returns
+                f.parked.append(s)  # beyond a lowered cap: free again once space returns (recheck_space)
         return out
 
     def allocate(self, n: int, run: int) -> list[tuple[int, int]]:
         """Reserve up to ``n`` slots, ``run`` adjacent slots per file before moving to the next file
-        (round-robin striping). Returns (file index, slot) pairs in order; fewer than ``n`` when full."""
+        (round-robin striping). Returns (file index, slot) pairs in order; fewer than ``n`` when full.
+        Short while the filesystem had lowered a file's cap: statvfs is re-read (at most every
+        :data:`RECHECK_SPACE_S` seconds) and the rest taken from the room that returned. Before, the cap was
+        raised only when a degradation ended; if space was still short then, the pool stayed shrunk for
+        the life of the process (found 2026-11-29: 119 of 958 slots after the disk had emptied)."""
+        out = self._allocate(n, run)
+        if (len(out) < n and any(f.cap_slots < f.max_slots for f in self.files)
+                and time.monotonic() - self._space_checked >= RECHECK_SPACE_S):
+            self.recheck_space()
+            out += self._allocate(n - len(out), run)
+        return out
+
+    def _allocate(self, n: int, run: int) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
         nf = len(self.files)
         misses = 0

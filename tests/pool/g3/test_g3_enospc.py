@@ -164,3 +164,35 @@ def test_min_free_fraction_zero_fills_its_filesystem_and_keeps_working(small_fs)
         st = pool.stats()
         assert written_late > 0, st  # still storing once the filesystem is full of slabs
         assert st["evictions"] > 0 and pool.slot_accounting()["leaked"] == 0, st
+
+
+def test_capacity_comes_back_when_space_returns_after_the_degradation_ended(small_fs, monkeypatch):
+    """Review finding (2026-11-29): after a growth ENOSPC a file's cap was raised only when a degradation
+    ended; if the disk was still short then, no growth was tried again, so no ENOSPC, no degradation and no
+    re-check: the pool stayed shrunk for the life of the process. And slots reserved above the lowered cap
+    were dropped from the free list for good (leaked). Now a short allocation re-reads statvfs (at most every
+    ``slabs.RECHECK_SPACE_S``, lowered here) and parked slots are free again once the cap passes them."""
+    from kvbm_backend.pool.g3 import slabs
+    monkeypatch.setattr(slabs, "RECHECK_SPACE_S", 0.2)
+    d = small_fs / "g3"
+    with open_pool(d, capacity_gb=1.0, files_per_path=1, min_free_fraction=0.0) as pool:
+        pool.degrade_s = 0.2
+        configured = pool.stats()["capacity_blocks"]
+        _, r = _put(pool, range(1, 5))
+        assert r.written == 4
+        filler = small_fs / "filler"
+        _fill(filler)
+        with open(filler, "r+b") as f:  # leave the journal room to append, not the slab room to grow
+            f.truncate(os.path.getsize(filler) - (256 << 10))
+        _, r = _put(pool, range(100, 100 + configured))  # needs growth: refused, the tier degrades
+        assert r.dropped > 0 and pool.stats()["degraded"]
+        time.sleep(0.25)
+        _, r = _put(pool, range(2000, 2002))  # the degradation ends here, the disk still short: cap stays low
+        assert r.written == 2 and pool.stats()["capacity_blocks"] < configured
+        filler.unlink()  # space returns
+        time.sleep(0.25)
+        for b in range(3):
+            _, r = _put(pool, range(10_000 * (b + 1), 10_000 * (b + 1) + configured))
+        st, acct = pool.stats(), pool.slot_accounting()
+        assert st["capacity_blocks"] == configured and r.written == configured, (st, acct)
+        assert acct["leaked"] == 0 and acct["used"] == configured, acct  # parked slots are in use again
