@@ -126,3 +126,38 @@ def test_corruption_across_restart(tmp_path):
         assert pool.slot_accounting()["leaked"] == 0
     with open_pool(tmp_path) as pool:  # the dropped entries stay dropped
         assert pool.stats()["restored_blocks"] == 9
+
+
+def test_a_block_written_again_while_its_old_slot_is_proven_bad_is_kept(tmp_path):
+    """Review finding (2026-11-29): a slot reported bad is re-read to prove it (``prove_bad``) outside the
+    pool's lock; if the key was deleted and written again to another slot meanwhile, the DEL record appended
+    for the old slot dropped the new copy at the next restart. The removal and its DEL now happen only while
+    the key still maps to the slot proven bad. The concurrent delete + put is run at that very point (inside
+    the re-read), on the real pool."""
+    pool = open_pool(tmp_path)
+    keys, where = _setup(pool, 4)
+    k = keys[1]
+    path, s = where[k]
+    _flip(path, s * SLOT + frame.HEADER_BYTES + 100)  # the payload of k's first copy
+    rd = pool.reader
+    prove = rd.prove_bad
+    new = payload(999)  # k's new content (any bytes: a block written again)
+
+    def user_rewrites_k_during_the_proof(slot, rec):
+        assert pool.delete([k]).result() == 1
+        assert pool.put([k], [new]).result().written == 1
+        return prove(slot, rec)
+    rd.prove_bad = user_rewrites_k_during_the_proof
+    try:
+        pool.drop_corrupt(k, "devcheck")  # what a device load reports for the old slot
+    finally:
+        rd.prove_bad = prove
+    out = [aligned_empty(BB)]
+    assert pool.get([k], out).result(timeout=30).ok == [True] and np.array_equal(out[0], new)
+    pool.close()
+    pool = open_pool(tmp_path)
+    try:
+        out = [aligned_empty(BB)]
+        assert pool.get([k], out).result(timeout=30).ok == [True] and np.array_equal(out[0], new)  # restart
+    finally:
+        pool.close()

@@ -49,6 +49,12 @@ _Chunk = tuple[list[int], list[G3Key], list[Slot]]
 _Bad = tuple[G3Key, Slot, str]
 
 
+def same_slot(a: Slot | None, b: Slot) -> bool:
+    """``a`` (what the index maps a key to now, or None) is slot ``b``: a proven-bad block is removed and
+    journaled DEL only then, never a copy the key got since (deleted and written again elsewhere)."""
+    return a is not None and tuple(a) == tuple(b)
+
+
 def valid_key(k: G3Key) -> bool:
     """A key a G3 slot can hold: seq_hash an integer in [0, 2**64), rank in [0, 2**32), and a str tenant
     (BlockKey) or a 16-byte tag (a restored :class:`~..index.TagKey`). Anything else is a miss
@@ -311,7 +317,10 @@ class HostGet:
                 if free is not None:
                     cat.slabs.release([free])
             for k, slot, proof in drop:
-                # the index finds a restored TagKey's entry by its fields (namespace, tag, rank, seq_hash) too
+                # the index finds a restored TagKey's entry by its fields (namespace, tag, rank, seq_hash) too;
+                # a key deleted and written again elsewhere meanwhile keeps its new copy (and no DEL drops it)
+                if not same_slot(cat.index.get(cast(BlockKey, k)), slot):
+                    continue
                 free = cat.index.remove(cast(BlockKey, k), slot)
                 if free is not None:
                     cat.slabs.release([free])

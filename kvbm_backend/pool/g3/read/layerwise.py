@@ -379,6 +379,9 @@ class LayerwiseLoad:
             t0 = time.perf_counter()
             self._verify()
             add_seconds(self.counters, "verify_s", time.perf_counter() - t0)
+            # while the leases still pin the slots: the pool re-reads a slot to prove it bad before dropping
+            # it, and an unpinned slot could meanwhile be freed and hold another block
+            report_corrupt(self.source, self.keys, self.why)
         finally:
             self._released = True
             release_quietly(self.source, [ls for ls in self._leases if ls is not None])
@@ -386,7 +389,6 @@ class LayerwiseLoad:
                 if self._stream is not None:
                     self._stream.synchronize()  # its host-to-device copies have read it
                 self._staging_pool.give(self._host_arr)  # no read can land in it any more
-        report_corrupt(self.source, self.keys, self.why)  # the pool proves them bad before dropping
         return list(self.why)
 
     def _device_checks(self, dev: list[int]) -> list[int]:

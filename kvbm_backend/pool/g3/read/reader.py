@@ -29,7 +29,7 @@ from .. import journal as jr
 from ..index import TagKey
 from ..catalog import _MISS_REASON, HDR, SlotCatalog
 from ..pieces import Slot
-from .host import HostGet, valid_key
+from .host import HostGet, same_slot, valid_key
 from .layerwise import LayerwiseLoad
 
 if TYPE_CHECKING:
@@ -154,6 +154,8 @@ class G3Reader:
                         "re-reads and verifies" if why == "good" else "cannot be re-read now")
             return
         with cat.lock:  # counted under the reason of the check that found it (the re-read only proves it)
+            if not same_slot(cat.index.get(key), slot):  # deleted (and maybe written again elsewhere) meanwhile:
+                return  # its new copy stays, and no DEL record drops it at the next restart
             cat.c["corrupt"] += 1
             cat.c["corrupt:" + reason] += 1
             free = cat.index.remove(key, slot)
