@@ -305,7 +305,7 @@ class G4Pool:
         # batches go idle (staging rows free again); those still open are resolved now, since the timer
         # thread that would have expired them at their load bound stops here
         self._io.shutdown(wait=False)
-        self._io_put.shutdown(wait=False, cancel_futures=True)
+        self._io_put.shutdown(wait=False)  # queued offloads end dropped (dropped_closed), their futures resolve
         self.reader.expire_open()
         self.lookups.expire_open()
         self._deadlines.close()

@@ -147,7 +147,10 @@ class G4Writer:
 
         queued = time.monotonic()
         for k, blk in zip(keys[:take], blocks[:take]):
-            self._exec.submit(self._put_one, k, blk, one_done, queued)
+            try:
+                self._exec.submit(self._put_one, k, blk, one_done, queued)
+            except RuntimeError:  # the pool closed meanwhile (its threads stopped): closed, so dropped here
+                self._put_one(k, blk, one_done, queued)
         with self._mu:
             self._futures.add(fut)
         fut.add_done_callback(self._forget_put)
@@ -180,8 +183,9 @@ class G4Writer:
         return self._settler.pending()
 
     def close(self) -> None:
-        """From now on offloads are dropped (``dropped_closed``) and ``namespace.json`` is not retried;
-        blocks still unsettled end now (``dropped_unsettled``)."""
+        """From now on offloads are dropped (``dropped_closed``), those still queued too when their turn comes
+        (without I/O: their futures resolve), and ``namespace.json`` is not retried; blocks still unsettled
+        end now (``dropped_unsettled``)."""
         self._closed = True
         self._settler.close()
 
@@ -214,6 +218,9 @@ class G4Writer:
         kind = "dropped"
         handed_off = False
         try:
+            if self._closed:  # queued when the pool closed: ends now, dropped, without I/O
+                self._count("dropped_closed")
+                return
             if key.namespace != self._fp:
                 self._count("skipped_foreign")
                 kind = "skipped"

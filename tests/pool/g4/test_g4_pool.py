@@ -297,3 +297,21 @@ def test_close_resolves_gets_and_lookups_queued_behind_busy_io_threads(tmp_path)
     assert look.result(timeout=bound) == 0
     st = pool.stats()
     assert st["miss_closed"] >= 2 and st.get("miss_timeout", 0) == 0, st
+
+
+def test_close_ends_queued_offloads_dropped_and_their_futures_resolve(tmp_path):
+    """Review finding (2026-11-29): ``close`` after a bounded flush cancelled the offloads still queued, so
+    their put future never resolved (a caller or ``flush(None)`` waiting on it hung), ``pending_put_blocks``
+    stayed up and nothing counted them. Now each ends ``dropped`` (``dropped_closed``) without I/O."""
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    pool = G4Pool(G4Config(url=f"file://{tmp_path}/g4", encrypt=False, max_inflight=1, write_queue_blocks=64), ns)
+    seqs = list(range(40))
+    fut = pool.put(ns.keys(seqs, tenant="t"), [payload(s, "t", bpb) for s in seqs])
+    pool.close(timeout=0.0)  # its flush times out at once: the rest is dropped
+    r = fut.result(timeout=60)  # a hang guard
+    assert r.written + r.skipped + r.dropped == 40 and r.dropped > 0, r
+    st = pool.stats()
+    assert st["pending_put_blocks"] == 0 and st["dropped_closed"] >= r.dropped - 1, st
+    assert pool.flush(timeout=5)
+    assert pool.put(ns.keys([99], tenant="t"), [payload(99, "t", bpb)]).result(timeout=5).dropped == 1
