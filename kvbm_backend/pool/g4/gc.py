@@ -6,10 +6,13 @@ wrong bytes: every read verifies), and writer temp files only once older than ``
 
 **Time base.** Ages come from the store (S3 ``LastModified``, POSIX ``mtime``) and are measured against
 the store's own clock, never ours alone: ``store_now`` is the server's time where the store states it
-(S3: the ``Date`` header, :meth:`~.store.ObjectStore.server_time`), else this host's clock, and never
-earlier than the newest mtime in the listing (a store whose clock runs ahead of ours, e.g. an NFS server,
-would otherwise make every object look younger than ``--max-age-s``, and ``--max-age-s 0`` delete
-nothing). A block is old when ``store_now - mtime >= max_age_s`` (so 0 means every block).
+(S3: the ``Date`` header, :meth:`~.store.ObjectStore.server_time`), else the mtime of a one-byte probe
+object written now and removed (:func:`store_clock`: an NFS server, not this host, stamps a file's mtime),
+else this host's clock. A block is old when ``store_now - mtime >= max_age_s``; 0 means every block.
+Objects stamped later than ``store_now`` (a writer whose clock runs ahead, a restored file) are young, and
+counted (``future_objects``). Before (2026-11-29), ``store_now`` was never earlier than the newest mtime
+of the listing: one object stamped a day ahead made every block a day older, so ``--max-age-s 3600``
+deleted blocks written seconds before and every writer's temp file in flight.
 
 **Revoked tenants.** Every block under a revoked tenant's pseudonym is reclaimed whatever its age or
 mtime (its data keys are gone: it can never be read again). Only when the tenant was re-created since
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from .naming import parse_block_name
@@ -28,6 +32,32 @@ from .store import ObjectInfo, ObjectStore
 
 if TYPE_CHECKING:
     from ...crypto.keyring import Keyring
+
+CLOCK_PROBE_PREFIX = "gc-clock-probe/"  # probe objects of store_clock (never block names)
+
+
+def store_clock(store: ObjectStore) -> float | None:
+    """The store's clock now (epoch s): what it states (:meth:`~.store.ObjectStore.server_time`), else the
+    mtime of a one-byte probe object written under :data:`CLOCK_PROBE_PREFIX` and removed (probes a crashed
+    gc left, older than a day, go too); None when neither works (e.g. read-only). Never raises."""
+    t = store.server_time()
+    if t is not None:
+        return t
+    name = f"{CLOCK_PROBE_PREFIX}{uuid.uuid4().hex}"
+    try:
+        store.put_if_absent(name, b"\0")
+        probes = list(store.list(CLOCK_PROBE_PREFIX))
+        t = next((o.mtime for o in probes if o.name == name), None)
+        for o in probes:
+            if t is not None and o.name != name and t - o.mtime > 86400:
+                store.delete(o.name)
+    except Exception:  # noqa: BLE001 - no clock from the store: the caller uses this host's
+        t = None
+    try:
+        store.delete(name)
+    except Exception:  # noqa: BLE001 - never written, or the store went away: nothing to remove
+        pass
+    return t
 
 
 def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: float | None = None, target_bytes: int | None = None,
@@ -47,8 +77,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         dry_run: report only.
     Returns:
         dict of counts and bytes: scanned_*, deleted_* and per-reason ``deleted_by``; ``store_now`` (the
-        time base, epoch s), ``time_base`` (``"server"``, ``"local"`` or ``"listing"``: which clock
-        gave it) and ``clock_skew_s`` (``store_now - now``).
+        time base, epoch s), ``time_base`` (``"server"``: the store's clock, stated or probed;
+        ``"local"``: this host's) and ``clock_skew_s`` (``store_now - now``).
     Raises:
         ValueError when ``tenant`` cannot be resolved or a threshold is negative, infinite or NaN
         (before anything is listed or deleted); StoreUnavailable when the store is down.
@@ -66,7 +96,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         else:
             raise ValueError(f"--tenant {tenant!r}: needs --keyring to map a tenant id to its pseudonym "
                              "(or pass the 32-hex pseudonym)")
-    server_now = store.server_time()
+    server_now = store_clock(store)
     revoked = keyring.revoked() if keyring is not None else {}
     # re-created after revocation (revoked is empty without a keyring)
     active = {r["pseudonym"] for r in keyring.info()} if keyring is not None and revoked else set()
@@ -77,15 +107,13 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             continue
         blocks.append((o, meta))
     temps = [o for o in store.list_temps("") if want is None or f"/{want}/" in f"/{o.name}"]
-    newest = max((o.mtime for o in [*(o for o, _ in blocks), *temps]), default=float("-inf"))
     base, store_now = ("server", server_now) if server_now is not None else ("local", now)
-    if newest > store_now:
-        base, store_now = "listing", newest
     skew = store_now - now
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "scanned_objects": len(blocks),
            "scanned_bytes": sum(o.size for o, _ in blocks),
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0}, "deleted_objects": 0,
-           "deleted_bytes": 0, "errors": 0, "store_now": store_now, "time_base": base, "clock_skew_s": skew}
+           "deleted_bytes": 0, "errors": 0, "store_now": store_now, "time_base": base, "clock_skew_s": skew,
+           "future_objects": sum(1 for o, _ in blocks if o.mtime > store_now)}
 
     def drop(o: ObjectInfo, why: str) -> None:
         if not dry_run:
@@ -103,7 +131,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         t_rev = revoked.get(meta["tenant"])
         if t_rev is not None and (meta["tenant"] not in active or o.mtime <= t_rev + skew + 1.0):
             drop(o, "revoked")
-        elif max_age_s is not None and store_now - o.mtime >= max_age_s:
+        elif max_age_s is not None and (max_age_s == 0 or store_now - o.mtime >= max_age_s):
             drop(o, "age")
         else:
             keep.append(o)

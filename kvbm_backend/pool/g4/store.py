@@ -172,7 +172,7 @@ class ObjectStore(ABC):
 
     def server_time(self) -> float | None:
         """The store's own clock now (epoch seconds), when it states one (S3: the ``Date`` header of a
-        HEAD bucket); None when it does not or cannot say (then ``gc`` uses the listing's newest mtime).
+        HEAD bucket); None when it does not or cannot say (then ``gc`` probes it: :func:`.gc.store_clock`).
         Never raises."""
         return None
 

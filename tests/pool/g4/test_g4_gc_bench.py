@@ -117,23 +117,45 @@ def _revoked_at(kr: str, pseudonym: str, t: float) -> None:
     os.replace(tmp, kr)
 
 
-def test_gc_file_store_whose_clock_runs_ahead(tmp_path):
-    """Issue 26 item 12: object mtimes an hour in our future (a shared mount whose server clock runs
-    ahead). ``--max-age-s 0`` still deletes everything, ``--max-age-s 600`` nothing (the blocks are seconds
-    old on the store's clock), and a revoked tenant's blocks are reclaimed whatever their mtime."""
+def test_gc_file_store_whose_clock_runs_ahead_of_ours(tmp_path):
+    """Issue 26 item 12: a shared mount whose server clock runs an hour ahead of this host's (``now`` an hour
+    behind the filesystem's clock here). The probe object's mtime gives the store's clock, so the blocks are
+    seconds old: ``max_age_s=600`` deletes nothing, 0 every block, and a revoked tenant's blocks are
+    reclaimed whatever their mtime."""
+    from kvbm_backend.crypto.keyring import Keyring, provider_for
+    from kvbm_backend.pool.g4.factory import open_store
+    from kvbm_backend.pool.g4.gc import CLOCK_PROBE_PREFIX, run_gc
     url, kr = f"file://{tmp_path / 'store'}", str(tmp_path / "kr.json")
     _fill(url, kr)
-    ahead = time.time() + 3600
-    for f in (tmp_path / "store").rglob("*"):
-        if f.is_file() and f.name != "namespace.json":
-            os.utime(f, (ahead, ahead + (f.stat().st_mtime - time.time())))
-    r = CliRunner().invoke(app, ["keys", "revoke", "--keyring", kr, "--tenant", "bob"])
-    assert r.exit_code == 0, r.output
-    res = _gc("--url", url, "--keyring", kr)
-    assert res["deleted_by"]["revoked"] == 4 and res["time_base"] == "listing" and res["clock_skew_s"] > 3000
-    assert _gc("--url", url, "--max-age-s", "600")["deleted_objects"] == 0
-    res = _gc("--url", url, "--max-age-s", "0")
+    store = open_store(url)
+    behind = time.time() - 3600
+    k = Keyring(kr, provider_for(kr))
+    k.revoke("bob")
+    res = run_gc(store, keyring=Keyring(kr, provider_for(kr)), now=behind)
+    assert res["deleted_by"]["revoked"] == 4 and res["time_base"] == "server" and res["clock_skew_s"] > 3000
+    assert run_gc(store, max_age_s=600, now=behind)["deleted_objects"] == 0
+    res = run_gc(store, max_age_s=0, now=behind)
     assert res["deleted_by"]["age"] == 4 and res["remaining_bytes"] == 0
+    assert not list(store.list(CLOCK_PROBE_PREFIX))  # the probes are gone
+
+
+def test_gc_one_object_stamped_ahead_does_not_age_the_others(tmp_path):
+    """Review finding (2026-11-29): the time base was never earlier than the newest mtime of the listing, so
+    one object stamped a day ahead (a writer whose clock runs ahead, a restored file) made ``--max-age-s
+    3600`` delete blocks written seconds before, and every writer's temp file in flight. The store's clock
+    (a probe object) is the base now; the outlier counts as new (``future_objects``)."""
+    url, kr = f"file://{tmp_path / 'store'}", str(tmp_path / "kr.json")
+    _fill(url, kr)
+    files = sorted(f for f in (tmp_path / "store").rglob("*") if f.is_file() and f.name != "namespace.json"
+                   and not f.name.endswith(".json"))
+    ahead = time.time() + 86400
+    os.utime(files[0], (ahead, ahead))
+    temp = files[1].parent / f".{files[1].name}.otherhost.1.{'0' * 32}.tmp"  # a writer's temp file in flight
+    temp.write_bytes(b"x" * 100)
+    res = _gc("--url", url, "--max-age-s", "3600")
+    assert res["deleted_objects"] == 0 and res["future_objects"] == 1 and res["time_base"] == "server", res
+    assert res["deleted_by"]["temp"] == 0 and temp.exists()
+    assert all(f.exists() for f in files)
 
 
 def test_gc_s3_measures_ages_on_the_servers_clock(seaweed, s3_prefix, tmp_path):
@@ -153,7 +175,7 @@ def test_gc_s3_measures_ages_on_the_servers_clock(seaweed, s3_prefix, tmp_path):
     _revoked_at(kr, ps, behind)
     k = Keyring(kr, provider_for(kr))
     res = run_gc(store, keyring=k, now=behind)
-    assert res["deleted_by"]["revoked"] == 4 and res["time_base"] in ("server", "listing")
+    assert res["deleted_by"]["revoked"] == 4 and res["time_base"] == "server"
     assert res["clock_skew_s"] > 3000
     assert run_gc(store, max_age_s=600, now=behind)["deleted_objects"] == 0
     res = run_gc(store, max_age_s=0, now=behind)
