@@ -262,8 +262,9 @@ class G3Pool:
         or a key the caller named wrongly (e.g. a seq_hash outside [0, 2**64): ``invalid_key``) is a
         miss that leaves the slot in place. A key named twice is read once and its later copies are
         filled from the first (both hits, or both misses). Keys :meth:`keys` returned (restored
-        :class:`~.index.TagKey` s included) read like any other. After a timeout the read may still
-        land in ``out`` (only bytes of the requested key's slot, which stays pinned until then).
+        :class:`~.index.TagKey` s included) read like any other. Once the future resolved nothing more is
+        written into ``out`` (a timed-out get: blocks copied in before the bound are hits, the rest misses),
+        so the caller may reuse its buffers at once.
 
         ``out`` is either 1-D uint8 numpy buffers (the host pipeline below) or torch tensors on one
         device (:meth:`device_reader`: slots leased, read straight into device staging, verified on the

@@ -89,6 +89,7 @@ class HostGet:
         self.todo: collections.deque[_Chunk] = collections.deque()  # chunks not yet submitted
         self.resolved = False
         self.ok = [False] * self.n
+        self.delivered: list[int] = []  # indexes whose verified payload was copied into out (under lock)
         self.bad: list[_Bad] = []  # (key, slot, reason)
         self.dups: list[tuple[int, int]] = []  # (i, j): keys[i] repeats keys[j], served by a copy of out[j]
 
@@ -166,13 +167,20 @@ class HostGet:
 
     # ---- read ----------------------------------------------------------------------------------------
     def _timeout(self) -> None:
+        """The load bound passed: resolve now. Payloads are copied into ``out`` under :attr:`lock` and only
+        while unresolved, so nothing lands there after this (the caller may reuse ``out`` at once: a late copy
+        into a reused buffer served another block's KV, review 2026-11-29); rows copied before are hits."""
         with self.lock:
             if self.resolved:
                 return
             self.resolved = True
+            got = list(self.delivered)
         with self.cat.lock:
-            self.cat.miss("timeout", len(self.slots))
-        self.future.set_result(GetResult(ok=[False] * self.n))
+            self.cat.miss("timeout", len(self.slots) - len(got))
+        ok = [False] * self.n
+        for i in got:
+            ok[i] = True
+        self.future.set_result(GetResult(ok=ok))
 
     def _submit_next(self) -> None:
         """Submit the get's next chunk (at most ``read_chunks_in_flight`` are in flight per get)."""
@@ -254,9 +262,11 @@ class HostGet:
         tags = [k.tag if type(k) is TagKey else tag(k.tenant) for k in keys]
         good = self.p._frames.verify_many(hdrs, payloads, tags, [k.rank for k in keys], [k.seq_hash for k in keys])
         if all_there and good.all():
-            if not self.resolved:
-                for d, pl in zip(dsts, payloads):
-                    d[:] = pl
+            with self.lock:  # never into out once the get resolved (see _timeout)
+                if not self.resolved:
+                    for d, pl in zip(dsts, payloads):
+                        d[:] = pl
+                    self.delivered.extend(idx)
             for i in idx:
                 ok[i] = True
             return
@@ -278,8 +288,10 @@ class HostGet:
                     reason = _MISS_REASON.get(e.reason, "corrupt")
             if reason is None:
                 ok[i] = True
-                if not self.resolved:
-                    dsts[j][:] = payload
+                with self.lock:  # never into out once the get resolved (see _timeout)
+                    if not self.resolved:
+                        dsts[j][:] = payload
+                        self.delivered.append(i)
             else:
                 bad.append((k, slot, reason))
 
