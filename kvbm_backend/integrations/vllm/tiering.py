@@ -88,16 +88,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import xxhash
-from vllm.v1.kv_offload.base import (
-    Locality,
-    LookupResult,
-    Medium,
-    OffloadingEvent,
-    OffloadKey,
-    ReqContext,
-    RequestOffloadingContext,
-    ScheduleEndContext,
-)
+from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingEvent, OffloadKey, ReqContext,
+                                     RequestOffloadingContext, ScheduleEndContext)
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
@@ -196,6 +188,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
             raise ValueError(f"io_threads: must be >= 1, got {io_threads}")
         if job_timeout_s <= 0:
             raise ValueError(f"job_timeout_s: must be > 0, got {job_timeout_s}")
+        if staging_mb < 0:
+            raise ValueError(f"staging_mb: must be >= 0, got {staging_mb}")
         self._job_timeout_s = float(job_timeout_s)
         groups: tuple[KvGroup, ...] = ()
         if len(offloading_spec.config.groups) > 1:
@@ -215,6 +209,16 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._primary = np.asarray(view).view(np.uint8).reshape(-1, self._row_stride)
         metrics.prepare(self.config.metrics.serve_port)  # before the pool creates its series: one endpoint per pod
         self.pool = self._make_pool(self.config, self.namespace)
+        try:  # nothing stays open if the rest fails: the pool (its G3 lock, threads) and vLLM's buffer export
+            self._start(offloading_spec, tier_type, enable_kv_events, io_threads, staging_mb)
+        except BaseException:
+            del self._primary
+            self.pool.close()
+            raise
+
+    def _start(self, offloading_spec: Any, tier_type: str, enable_kv_events: bool, io_threads: int,
+               staging_mb: float) -> None:
+        """The rest of the constructor once the pool is open."""
         announce_tiers(self.config, **{self.pool_tier.lower(): self.pool})  # start-up line, metrics endpoint
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events:
@@ -232,14 +236,16 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._outstanding = 0
         self._cv = threading.Condition()
         self._closed = False
-        if staging_mb < 0:
-            raise ValueError(f"staging_mb: must be >= 0, got {staging_mb}")
         # never more staging than the primary tier can hand us at once (every chunk, every rank)
         self._staging = staging_pool(self.geometry.rank_bytes,
                                      min(int(staging_mb * 2**20) // self.geometry.rank_bytes,
                                          self._primary.shape[0] * self.geometry.copies))
         self._executor = started_executor(io_threads, f"kvbm_{tier_type}")  # no thread starts in submit_*
-        self._lookup = _PoolLookup(self, tier_type)
+        try:
+            self._lookup = _PoolLookup(self, tier_type)
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
         self._counters = {"stores": 0, "stores_failed": 0, "loads": 0, "loads_failed": 0,
                           "chunks_stored": 0, "chunks_loaded": 0, "chunks_load_failed": 0}
 

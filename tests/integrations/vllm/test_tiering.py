@@ -286,9 +286,16 @@ def test_staging_arena_reuses_its_buffers_and_never_blocks():
     assert staging_pool(8192, 0).take(8192).nbytes == 8192
 
 
-def test_staging_mb_is_validated(tmp_path, harnesses):
+def test_staging_mb_is_validated_and_a_refused_tier_leaves_nothing_open(tmp_path, harnesses):
+    """Review finding (2026-11-29): the check came after the pool opened, so a refused tier left the G3 pool's
+    threads running and its directory locked (a retry in the process got G3LockedError)."""
+    import threading
+    before = {t.name for t in threading.enumerate()}
     with pytest.raises(ValueError, match="staging_mb"):
         harnesses([g3_tier(tmp_path / "g3", staging_mb=-1)])
+    assert not {t.name for t in threading.enumerate()} - before
+    h = harnesses([g3_tier(tmp_path / "g3")])  # the same directory opens again at once
+    assert h.tier.pool is not None
 
 
 def test_io_threads_run_before_the_first_job(tmp_path, harnesses):
