@@ -27,16 +27,11 @@ advisory lock (``PATH.lock``) so several worker processes on one host can share 
   rotation) reaches a running process within ``reload_every_s`` of being visible at ``path``. A file
   that stops loading (missing, unparsable, insecure mode, other KEK) fails closed: no key is served
   until it loads again.
-* **Reload on a missing key.** When a read needs a key this keyring does not hold (:meth:`read_key`:
-  a key id it does not know, e.g. a tenant another worker just created on its first write, or a key
-  version newer than the loaded one, e.g. rotated by another worker), or :meth:`write_key` is about to
-  refuse a tenant it does not know, the same check runs at once instead of waiting for
-  ``reload_every_s``, and the key is looked up once more. These on-miss checks are rate-limited to
-  one per ``miss_reload_min_s`` (default 0.1 s) per keyring, so a flood of blocks under keys that
-  really are absent (revoked, foreign) costs at most one ``stat`` (and one re-read if the file
-  changed) per interval; a key still absent afterwards is a miss as before. Nothing else changes: a
-  revoked tenant's keys are not in the file, so it stays refused; a file that does not load still
-  fails closed. :meth:`stats` counts loads and on-miss checks.
+* **Reload on a missing key.** A read needing a key id or version this keyring does not hold
+  (:meth:`read_key`: a tenant or rotation of another worker), or :meth:`write_key` about to refuse an
+  unknown tenant, runs the same check at once (at most one per ``miss_reload_min_s``, default 0.1 s) and
+  looks the key up once more; still absent, it is a miss. :meth:`stats` counts loads and on-miss checks.
+* A keyring file deleted while a process runs (a crypto-shred of every tenant) is never written back.
 * **Tenants are created explicitly** (:meth:`Keyring.create`, ``kvbm-backend keys create``), or on
   first write only when ``auto_create_tenants`` and the keyring is writable. A revoked tenant is never
   re-created implicitly: :meth:`write_key` raises :class:`TenantRevoked` until an explicit ``create``.
@@ -47,6 +42,7 @@ Errors are :class:`KeyringError` with a message naming the file or variable at f
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -220,9 +216,9 @@ class Keyring:
         self._n["loads"] += 1
 
     def _reload(self) -> Doc:
-        """:meth:`_load` when the file exists; the loaded document."""
-        if self.path.exists():
-            self._load()
+        """:meth:`_load`; the document. The file exists from construction on: missing, it was deleted (a
+        crypto-shred), so KeyringError (before 2026-11-29 a flush or close wrote it back, keys and all)."""
+        self._load()
         return self._doc
 
     def _write(self, doc: Doc | None = None) -> None:
@@ -235,12 +231,19 @@ class Keyring:
                                "change it where it is writable (`kvbm-backend keys ...`)")
 
     def _mutate(self, fn: Callable[[Doc], T]) -> T:
-        """Reload under the file lock, merge pending use counts, apply ``fn(doc)``, write, reload."""
+        """Reload under the file lock, merge pending use counts, apply ``fn(doc)``, write, reload. If ``fn``
+        or the write fails the counts stay pending (before 2026-11-29 a refused tenant id dropped them all)."""
         self._check_writable()
         with self._mu, self._locked():
-            self._uses.merge_into(self._reload())
-            out = fn(self._doc)
-            self._write()
+            merged = self._uses.merge_into(self._reload())
+            try:
+                out = fn(self._doc)
+                self._write()
+            except BaseException:
+                self._uses.restore(merged)
+                with contextlib.suppress(KeyringError):
+                    self._load()  # fn's changes to the document in memory go
+                raise
             self._load()
             return out
 

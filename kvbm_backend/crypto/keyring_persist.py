@@ -28,7 +28,7 @@ class UseCounts:
         mu: the keyring's mutex (guards its document and these counts; callers of :meth:`count`,
             :meth:`pending` and :meth:`merge_into` hold it).
         file_lock: a context manager factory: the keyring file's inter-process lock.
-        reload: re-reads the keyring file when it exists and returns the keyring's document (may raise
+        reload: re-reads the keyring file and returns the keyring's document (may raise
             :class:`KeyringError`); called with ``mu`` and the file lock held.
         write: writes a document to the keyring file (fsyncs; may raise OSError, KeyringError); called
             with the file lock held and ``mu`` not held.
@@ -67,14 +67,23 @@ class UseCounts:
             self._thread = th
             th.start()
 
-    def merge_into(self, doc: Doc) -> None:
-        """Add the counts to ``doc``'s versions (those still in it) and clear them. Caller holds ``mu``."""
-        for (tenant, ver), n in self._delta.items():
+    def merge_into(self, doc: Doc) -> dict[tuple[str, int], int]:
+        """Add the counts to ``doc``'s versions (those still in it) and clear them; returns them (for
+        :meth:`restore` when ``doc`` is not written after all). Caller holds ``mu``."""
+        merged = self._delta
+        for (tenant, ver), n in merged.items():
             t = doc["tenants"].get(tenant)
             if t and str(ver) in t["versions"]:
                 t["versions"][str(ver)]["uses"] = int(t["versions"][str(ver)].get("uses", 0)) + n
         self._delta = {}
         self._last = time.monotonic()
+        return merged
+
+    def restore(self, counts: dict[tuple[str, int], int]) -> None:
+        """Put ``counts`` (from :meth:`merge_into`) back: the document they went into was not written.
+        Caller holds ``mu``."""
+        for k, n in counts.items():
+            self._delta[k] = self._delta.get(k, 0) + n
 
     def wait(self) -> None:
         """Wait for a background persist in flight to finish (it took its counts out of memory: a flush
@@ -100,8 +109,7 @@ class UseCounts:
                             if not self._delta:
                                 return
                             doc = self._reload()
-                            snap = dict(self._delta)
-                            self.merge_into(doc)  # the document counts them from now on: rotation sees every use
+                            snap = self.merge_into(doc)  # the document counts them from now on: rotation sees every use
                             copy = json.loads(json.dumps(doc))
                         finally:
                             self._mu.release()
@@ -117,6 +125,5 @@ class UseCounts:
                 if snap:  # the write failed: the file lacks them, and the next load drops them from the doc
                     with contextlib.suppress(KeyringError):
                         self._reload()
-                    for k, n in snap.items():
-                        self._delta[k] = self._delta.get(k, 0) + n
+                    self.restore(snap)
                 self._persisting = False

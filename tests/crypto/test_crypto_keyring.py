@@ -328,3 +328,36 @@ def test_persisting_use_counts_holds_up_no_encryption(tmp_path):
         os.close(fd)
     kr.close()  # the background persist and close's own flush both merge; nothing counted twice
     assert _kr(p).info("t")["versions"][0]["uses"] == 201
+
+
+def test_a_deleted_keyring_file_is_never_written_back(tmp_path):
+    """Review finding (2026-11-29): an operator deleting the keyring file (a crypto-shred of every tenant,
+    the KEK kept) saw a running worker's flush or close write it back from memory, data keys and all. Now
+    the missing file is an error: nothing is written, and no key is served once the deletion is seen."""
+    import secrets
+    path, kek = tmp_path / "keyring.json", LocalKek(secrets.token_bytes(32))
+    Keyring(path, kek).create("acme")
+    worker = Keyring(path, kek, persist_every_s=3600, reload_every_s=0.0)
+    dk = worker.write_key("acme")  # one use pending
+    os.remove(path)
+    with pytest.raises(KeyringError, match="not found"):
+        worker.close()
+    assert not path.exists()
+    assert worker.read_key(dk.key_id, dk.version, tenant="acme") is None  # fails closed
+    with pytest.raises(KeyringError, match="not found"):
+        Keyring(path, kek, create=False)
+
+
+def test_use_counts_survive_a_refused_keyring_change(tmp_path):
+    """Review finding (2026-11-29): a keyring change that failed (here a client's tenant id with a surrogate
+    pair, which the file cannot keep) dropped every tenant's pending use counts, so keys were used past
+    ``rotate_after_uses``. The counts stay pending and reach the file."""
+    import secrets
+    path, kek = tmp_path / "keyring.json", LocalKek(secrets.token_bytes(32))
+    kr = Keyring(path, kek, persist_every_s=3600, rotate_after_uses=1000)
+    for _ in range(900):
+        kr.write_key("acme")
+    with pytest.raises(UnknownTenant):
+        kr.write_key("\ud83d\ude00")
+    kr.close()
+    assert Keyring(path, kek, create=False).info("acme")["versions"][0]["uses"] == 900
