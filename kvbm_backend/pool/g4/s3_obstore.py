@@ -125,7 +125,7 @@ class ObstoreS3Store(S3Store):
 
     def _ocall(self, op: str, name: str, fn: Callable[[], _T]) -> _T | None:
         """``fn()``: one obstore request, made up to ``1 + retries`` times (see the module doc). Returns
-        its result, or None for 404 (absent). Raises StoreThrottled, or :class:`_Failed` for anything else
+        its result, or None for 404 (absent; a PUT answered 404 fails). Raises StoreThrottled, or :class:`_Failed` for anything else
         (AlreadyExists / Precondition answers as status 412)."""
         for attempt in range(self.retries + 1):
             try:
@@ -133,6 +133,8 @@ class ObstoreS3Store(S3Store):
             except FileNotFoundError as e:  # obstore's NotFound: 404 (NoSuchKey, or NoSuchBucket)
                 if _CODE.search(str(e)) and status_and_code(e)[1] == "NoSuchBucket":
                     raise _Failed(op, 404, "NoSuchBucket", attempt > 0, str(e)) from None
+                if op == "put":  # nothing stored (a proxy or gateway path that does not exist): never "written"
+                    raise _Failed(op, 404, status_and_code(e)[1], attempt > 0, str(e)) from None
                 return None
             except (AlreadyExistsError, PreconditionError) as e:
                 raise _Failed(op, 412, "PreconditionFailed", attempt > 0, str(e)) from None
