@@ -67,9 +67,9 @@ the connector's extra config so they carry token ids, which Dynamo's KV router n
 A pool that can list its index (G3: ``keys()``) also reports the chunks it dropped since (evicted for capacity,
 deleted, corrupt): stores are then published with ``removal_expected=True`` (the tracker keeps each chunk's
 payload until the tier's removal, so the ``BlockRemoved`` names the same block hashes), and ``take_events``
-checks the published chunks against the index at most every :attr:`KvbmSecondaryTier.reconcile_interval_s`
-and only when the pool's eviction/deletion/corruption counters moved or it holds fewer blocks, emitting one
-``OffloadingEvent(removed=True)`` for those gone. Memory while events are on: one key per published chunk here,
+emits one ``OffloadingEvent(removed=True)`` for the published chunks the pool dropped since, from G3's log of
+removals (O(removals): :mod:`.tier_removals`; a pool without one is checked against its index at most every
+:attr:`KvbmSecondaryTier.reconcile_interval_s`, and only when its counters moved). Memory while events are on: one key per published chunk here,
 and its payload (token ids) in vLLM's tracker. G4 (no index listing) publishes stores only.
 
 Never wrong KV: a chunk is copied into the primary only after every rank's block was verified by
@@ -102,6 +102,7 @@ from ... import metrics
 from .. import load_priority
 from ..tiers import announce_tiers
 from .geometry import PrimaryGeometry
+from .tier_removals import HeldChunks
 from .tier_threads import started_executor
 
 log = logging.getLogger(__name__)
@@ -228,9 +229,9 @@ class KvbmSecondaryTier(SecondaryTierManager):
                 log.warning("enable_kv_events set on tier %s but KV cache events are disabled globally", tier_type)
         # chunks published stored, for removal events (events on and a pool that lists its index)
         self._removals = self._events is not None and callable(getattr(self.pool, "keys", None))
-        self._held: dict[OffloadKey, None] = {}
-        self._reconcile_at = 0.0
-        self._reconcile_sig: tuple | None = None
+        self._held = HeldChunks(self.pool, self.namespace.fingerprint, self.geometry.copies, offload_key_hash,
+                                self.reconcile_interval_s)
+        self._store_cursor: dict[JobId, int] = {}  # store job -> the pool's removal cursor once published
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[JobId, tuple[list[OffloadKey], bool]] = {}  # job -> (keys, is_store)
         self._outstanding = 0
@@ -357,6 +358,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
             futs.append((len(bkeys), self.pool.put(bkeys, bufs[c0 * c:c1 * c])))
         # on an error or timeout the pool may still read the buffers: they are then not reused
         results = [(n, f.result(timeout=deadline.left())) for n, f in futs]
+        if self._removals:
+            self._store_cursor[job.job_id] = self._held.cursor()
         for b in bufs:
             self._staging.give(b)
         ok = all(res.dropped == 0 and res.written + res.skipped == n for n, res in results)
@@ -425,31 +428,15 @@ class KvbmSecondaryTier(SecondaryTierManager):
                 self._events.append(OffloadingEvent(keys=list(keys), medium=self.medium, removed=False,
                                                     locality=self.locality, removal_expected=self._removals))
                 if self._removals:
-                    self._held.update(dict.fromkeys(keys))
+                    self._held.published(list(keys), self._store_cursor.pop(res.job_id, 0))
+            self._store_cursor.pop(res.job_id, None)
         return out
 
     def _reconcile(self) -> None:
-        """Queue one removal event for the published chunks the pool no longer holds (any rank's block gone);
-        see the module docstring for when the index is read."""
-        now = time.monotonic()
-        if not self._held or now - self._reconcile_at < self.reconcile_interval_s:
-            return
-        self._reconcile_at = now
-        try:
-            st = self.pool.stats()
-        except Exception:  # noqa: BLE001 - no counters: read the index every time
-            st = {}
-        sig = (st.get("evictions"), st.get("corrupt"), st.get("deleted"))
-        if st and sig == self._reconcile_sig and st.get("blocks", 0) >= len(self._held) * self.geometry.copies:
-            return
-        self._reconcile_sig = sig
-        fp = self.namespace.fingerprint
-        present = {(k.seq_hash, k.rank) for k in self.pool.keys() if k.namespace == fp}
-        ranks = range(self.geometry.copies)
-        gone = [k for k in self._held if any((offload_key_hash(k), r) not in present for r in ranks)]
-        for k in gone:
-            del self._held[k]
-        if gone and self._events is not None:  # always: _held fills only while events are on
+        """Queue one removal event for the published chunks the pool dropped since (any rank's block gone):
+        :class:`~.tier_removals.HeldChunks`."""
+        gone = self._held.removed()
+        if gone and self._events is not None:  # always: chunks are held only while events are on
             self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True, locality=self.locality))
 
     def take_events(self) -> Iterable[OffloadingEvent]:

@@ -21,6 +21,7 @@ from ...model import frame
 from ...model.namespace import BlockKey, Namespace, tenant_tag
 from . import journal as jr
 from .compact_index import CompactLruIndex, Slot
+from .index import TagKey
 from .slabs import SlabSet
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,9 @@ _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
 # The journal is compacted (rewritten from the index) once it holds more than this many records and more than
 # 4 per block held: appends stay O(1) and a restart replays at most ~4 records per block.
 COMPACT_MIN_RECORDS = 65536
+# Removals (evicted, deleted, proven corrupt) the pool remembers for G3Pool.removed_since: 24 bytes-ish of
+# tuple each; a reader further behind than this re-reads the index instead.
+REMOVED_LOG_ENTRIES = 1 << 18
 # FrameError.reason -> miss reason
 _MISS_REASON = {"magic": "corrupt", "version": "corrupt", "header_check": "corrupt", "integrity": "corrupt",
                 "length": "corrupt", "identity": "identity", "layout": "identity"}
@@ -66,6 +70,8 @@ class SlotCatalog:
         self.journal_dirty = False  # records were lost (failed append/rewrite): rewrite before appending
         self.journal_reason = "enospc"  # drop reason of the last journal failure
         self._ttags: dict[str, bytes] = {}
+        self.removed: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=REMOVED_LOG_ENTRIES)
+        self.removed_n = 0  # removals noted so far: (number, seq_hash, rank) in ``removed``
         self.index = CompactLruIndex()  # numpy arrays: ~60 bytes per block at 10M (bench --tier index)
         self.slabs = SlabSet(cfg.paths, namespace, self.slot_bytes, int(cfg.capacity_gb * 1e9), cfg.files_per_path,
                              cfg.o_direct, cfg.min_free_fraction)
@@ -187,6 +193,13 @@ class SlotCatalog:
         free = self.index.remove(key, slot) if slot is not None else self.index.remove(key)
         if free is not None:
             self.slabs.release([free])
+        self.note_removed([key])
+
+    def note_removed(self, keys: Iterable[BlockKey | TagKey]) -> None:
+        """Log blocks that left the index (:meth:`~.pool.G3Pool.removed_since`). Caller holds the lock."""
+        for k in keys:
+            self.removed_n += 1
+            self.removed.append((self.removed_n, k.seq_hash, k.rank))
 
     def accounting(self) -> dict[str, int]:
         """Every slot below each file's cap is exactly one of: published, pinned-deferred, reserved,

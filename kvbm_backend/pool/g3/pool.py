@@ -44,6 +44,7 @@ planning (slot runs -> coalesced, aligned ops) is :mod:`kvbm_backend.transfer.sl
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 from concurrent.futures import Future
 from types import TracebackType
@@ -335,6 +336,25 @@ class G3Pool:
             # namespace / rank / seq_hash fields, ``tenant`` a placeholder naming the tag) and every G3 call takes
             # them back (see get), so the protocol's list[BlockKey] holds them by this cast
             return cast("list[BlockKey]", [k for k, _ in self.cat.index.items()])
+
+    def removal_cursor(self) -> int:
+        """The cursor :meth:`removed_since` would return now (removals logged so far)."""
+        return self.cat.removed_n
+
+    def removed_since(self, cursor: int) -> tuple[int, list[tuple[int, int, int]] | None]:
+        """Blocks that left the index (evicted, deleted, proven corrupt) after ``cursor`` (a value this method
+        returned; 0 at first): ``(new cursor, [(number, seq_hash, rank), ...])`` in order, each removal's
+        ``number`` above ``cursor``; None instead of the list when more than ``catalog.REMOVED_LOG_ENTRIES``
+        happened since (read :meth:`keys` then). O(removals since), no I/O: the vLLM tiering tier reports
+        its removals from it without scanning the index on the scheduler thread."""
+        with self.cat.lock:
+            log, n = self.cat.removed, self.cat.removed_n
+            new = n - max(0, cursor)
+            if new <= 0:
+                return n, []
+            if new > len(log):
+                return n, None
+            return n, list(itertools.islice(log, len(log) - new, len(log)))
 
     def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Remove blocks (queued offloads of these keys are cancelled). Future of how many were held.

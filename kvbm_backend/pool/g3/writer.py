@@ -277,6 +277,7 @@ class G3Writer:
                 ev = self.cat.index.evict(n - len(slots))
                 for _, s in ev:
                     self.cat.slabs.release([s])
+                self.cat.note_removed(k for k, _ in ev)
                 evicted_recs = len(ev)
                 slots += self.cat.slabs.allocate(n - len(slots), self._run)
             self.cat.reserved += len(slots)

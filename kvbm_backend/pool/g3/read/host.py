@@ -336,6 +336,7 @@ class HostGet:
                 free = cat.index.remove(cast(BlockKey, k), slot)
                 if free is not None:
                     cat.slabs.release([free])
+                cat.note_removed([k])
                 jrecs.append(jr.encode(jr.DEL, k))
                 cat.c["corrupt"] += 1
                 cat.c["corrupt:" + proof] += 1

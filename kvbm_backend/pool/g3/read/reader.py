@@ -161,6 +161,7 @@ class G3Reader:
             free = cat.index.remove(key, slot)
             if free is not None:
                 cat.slabs.release([free])
+            cat.note_removed([key])
             cat.journal_append([jr.encode(jr.DEL, key)])
             cat.c["deleted"] += 1
             cat.update_gauges()
