@@ -58,6 +58,17 @@ class _Req:
     request: Any = None               # vLLM Request (its all_token_ids grow during decode)
     salt: int = 0
     sync_load: bool = False           # the hit was offered synchronously (g3.layerwise_load: loaded in the step)
+    opaque: bool = False              # KV not a function of token ids (images, prompt embeds): never tiered
+
+
+def kv_beyond_token_ids(request: Any) -> bool:
+    """Whether the request's KV depends on more than its token ids: multimodal inputs (each image is the same
+    placeholder token ids) or prompt embeddings (``prompt_token_ids`` None: vLLM's placeholders are 0s).
+    vLLM's own block hash adds those inputs' hashes (``kv_cache_utils.generate_block_hash_extra_keys``); ours
+    is token ids, ``cache_salt`` and LoRA only, so such a request is neither loaded nor saved (before
+    2026-11-29, a second image with the same text loaded the first image's KV)."""
+    return (bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
+            or getattr(request, "prompt_token_ids", []) is None)
 
 
 HANDOFF_RETRY_S = 0.05  # a handed-off decode request looks at G3/G4 again at most this often (seconds)
@@ -150,7 +161,9 @@ class SchedulerSide:
             assert isinstance(hashes, array)  # sequence_hashes fills and returns ``into``
             st = _Req(request.request_id, cache_salt or self.default_tenant, hashes,
                       lookup_blocks=max(0, (len(toks) - 1) // self.bs), request=request, salt=salt,
-                      group_block_ids=[[] for _ in self.groups])
+                      group_block_ids=[[] for _ in self.groups], opaque=kv_beyond_token_ids(request))
+            if st.opaque:
+                stats.add(requests_not_tiered=1)
             self._reqs[request.request_id] = st
         return st
 
@@ -182,8 +195,8 @@ class SchedulerSide:
         if want is None or (self.g3 is None and self.g4 is None):
             return self._matched(request, num_computed_tokens)
         rid = request.request_id
-        st = self._reqs.get(rid)
-        if st is not None and st.no_load:  # its load failed: recomputed at once, never waited for again
+        st = self._state(request)
+        if st.no_load or st.opaque:  # its load failed, or never tiered: recomputed at once, never waited for
             self.handoff.forget(rid)
             self._handoff_retry_at.pop(rid, None)
             return self._matched(request, num_computed_tokens)
@@ -194,9 +207,7 @@ class SchedulerSide:
         if n is None:
             return None, False
         if self.handoff.should_wait(rid, (num_computed_tokens + n) // self.bs, want):
-            st = self._reqs.get(rid)
-            if st is not None:
-                st.lookup = None  # fresh G3/G4 queries at the next look
+            st.lookup = None  # fresh G3/G4 queries at the next look
             self._handoff_retry_at[rid] = Deadline(HANDOFF_RETRY_S)
             return None, False
         self._handoff_retry_at.pop(rid, None)
@@ -216,7 +227,7 @@ class SchedulerSide:
                 return None, False
         st = self._state(request)
         st.n_local = num_computed_tokens // self.bs
-        if st.no_load:
+        if st.no_load or st.opaque:
             return 0, False
         if st.lookup_blocks <= st.n_local:
             # served by the engine's own prefix cache: remember how much of it G3 holds, so blocks seen
@@ -417,6 +428,8 @@ class SchedulerSide:
         sliding-window group only the window a request resuming at ``end`` reads (``[end - window, end)``
         within ``[a, end)``, engine blocks that are not vLLM's null block). Consecutive offers leave each
         resume point's whole window stored (a window reaching before ``a`` was offered by earlier steps)."""
+        if st.opaque:  # never tiered (kv_beyond_token_ids)
+            return
         for gi, g in enumerate(self.groups):
             gids = st.group_block_ids[gi] if gi < len(st.group_block_ids) else []
             lo = a if g.window_blocks is None else max(a, end - g.window_blocks)
@@ -426,6 +439,8 @@ class SchedulerSide:
                                           group=gi))
 
     def _plan_save(self, meta: KvbmConnectorMetadata, st: _Req, computed_after: int) -> None:
+        if st.opaque:
+            return
         full = min([computed_after // self.bs] + [len(b) for b in st.group_block_ids])
         if self.save_decode and full > len(st.hashes):
             self._extend_hashes(st, full)
@@ -447,4 +462,4 @@ class SchedulerSide:
         self._hit_source.pop(request.request_id, None)
         self.handoff.forget(request.request_id)
         self._handoff_retry_at.pop(request.request_id, None)
-        return False, handoff.finished_params(request, self.bs)
+        return False, None if kv_beyond_token_ids(request) else handoff.finished_params(request, self.bs)
