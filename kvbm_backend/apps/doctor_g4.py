@@ -85,15 +85,16 @@ def _probe(store, rows: _Checks) -> None:
 
 def _s3_checks(store, cfg, timeout_s: float, rows: _Checks) -> bool:
     """endpoint, credentials, bucket. True when the probe may run."""
-    from kvbm_backend.pool.g4.store import BucketMissing, StoreUnavailable
+    from kvbm_backend.pool.g4.store import BucketMissing, StoreUnavailable, redact_url
     later = ("credentials", "bucket", "probe")
     endpoint = getattr(store.client.meta, "endpoint_url", None) or cfg.endpoint_url
     why = _reachable(endpoint, timeout_s)
+    shown = redact_url(endpoint)  # user:secret@ in an endpoint URL never reaches a report
     if why is not None:
-        rows.add("endpoint", False, f"S3 endpoint {endpoint} not reachable ({why})")
+        rows.add("endpoint", False, f"S3 endpoint {shown} not reachable ({why})")
         rows.skip(later, "endpoint not reachable")
         return False
-    rows.add("endpoint", True, f"{endpoint} accepts connections")
+    rows.add("endpoint", True, f"{shown} accepts connections")
     import boto3
     creds = boto3.session.Session().get_credentials()  # the chain the store's client uses
     if creds is None:

@@ -176,6 +176,9 @@ def summary(kind: str, source: Source, cfg, where: dict[str, str], kek: str | No
         value = cfg
         for p in field.split("."):
             value = getattr(value, p)
+        if field in ("g4.url", "g4.endpoint_url") and value:  # credentials in a URL never reach a log line
+            from kvbm_backend.pool.g4.store import redact_url
+            value = redact_url(value)
         parts.append(f"{field}={_fmt(value)} [{where[field]}]")
     if kek:
         parts.append(f"g4.kek=[{kek}]")

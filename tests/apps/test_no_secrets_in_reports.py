@@ -1,0 +1,46 @@
+"""Credentials in an S3 endpoint URL (``http://USER:SECRET@host``, which the config accepts) never reach
+``kvbm-backend config effective`` (its line goes to a worker's log) or ``doctor`` (report and JSON). Review
+finding (2026-11-29): both printed the endpoint in clear, while the start-up line already redacted it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SECRET = "SuperSecret123"
+
+
+@pytest.fixture
+def cfg(tmp_path) -> Path:
+    p = tmp_path / "kvbm.yaml"
+    p.write_text(json.dumps({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 1},
+                             "g4": {"enabled": True, "url": "s3://kvbm-bucket/pfx", "encrypt": False,
+                                    "endpoint_url": f"http://AKIAEXAMPLE:{SECRET}@127.0.0.1:1"}}))
+    return p
+
+
+def _cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBM_BACKEND", "DYN_KVBM"))}
+    env.update(PYTHONPATH=str(REPO), AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=str(REPO))
+
+
+def test_config_effective_redacts_the_endpoint(cfg):
+    ktc = {"kv_connector": "KvbmBackendConnector", "kv_connector_extra_config": {"config_file": str(cfg)}}
+    r = _cli("config", "effective", "--for", "vllm", json.dumps(ktc))
+    assert r.returncode == 0, r.stderr
+    assert "g4.endpoint_url=http://127.0.0.1:1 [file]" in r.stderr, r.stderr
+    assert SECRET not in r.stdout + r.stderr
+
+
+def test_doctor_redacts_the_endpoint(cfg):
+    r = _cli("doctor", "--config", str(cfg), "--json")
+    out = r.stdout + r.stderr
+    assert "127.0.0.1:1" in out and "not reachable" in out, out[-3000:]
+    assert SECRET not in out
