@@ -24,12 +24,20 @@ CONNECTOR = "KvbmBackendConnector"
 
 
 def _arg(argv: list[str], name: str) -> str | None:
+    """The value of option ``name`` (``--a-b``) as vLLM's parser takes it: the last occurrence wins, ``--a_b``
+    is the same option, ``--a-b=V`` and ``--a-b V`` both count. (Before 2026-11-29 the first occurrence was
+    checked: a launch script passes its own ``--kv-transfer-config`` and then the operator's arguments, so the
+    operator's, the one vLLM uses, went unchecked.)"""
+    found = None
     for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(name + "="):
-            return a[len(name) + 1:]
-    return None
+        flag, eq, val = a.partition("=")
+        if not flag.startswith("--") or flag.replace("_", "-") != name:
+            continue
+        if eq:
+            found = val
+        elif i + 1 < len(argv):
+            found = argv[i + 1]
+    return found
 
 
 def _ours(ktc: dict) -> list[dict]:
