@@ -93,10 +93,17 @@ def _yaml_load(text: str) -> Any:
         loader.dispose()
 
 
-def _set_path(d: dict, path: list[str], value: Any) -> None:
-    for p in path[:-1]:
+def _set_path(d: dict, path: list[str], value: Any, name: str = "") -> None:
+    """Set ``path`` in ``d`` to ``value``; a mapping value is merged field by field into a mapping already
+    there (another variable's fields stay). Raises ConfigError naming ``name`` when the path runs through
+    a value that is not a mapping."""
+    for i, p in enumerate(path[:-1]):
         d = d.setdefault(p, {})
-    d[path[-1]] = value
+        if not isinstance(d, dict):
+            raise ConfigError(f"{name}: {'.'.join(path[:i + 1])} is not a section (another variable set it to "
+                              f"{d!r})")
+    old = d.get(path[-1])
+    d[path[-1]] = _merge(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
 
 
 #: Dynamo KVBM settings with no kvbm-backend meaning, and what to use instead (a warning, once per process,
@@ -157,7 +164,10 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
             logging.getLogger("kvbm_backend.config").warning(
                 "%s is Dynamo KVBM's setting; kvbm-backend does not read it (%s; docs/migrating.md)",
                 name, KVBM_ONLY_ENV[name])
-    for k, v in env.items():
+    # whole sections first, then deeper fields: KVBM_BACKEND__G3__ADMISSION__POLICY wins over the policy in
+    # KVBM_BACKEND__G3__ADMISSION, and a section merges with the fields other variables set (before 2026-11-29
+    # it replaced them: KVBM_BACKEND__G3 dropped DYN_KVBM_DISK_CACHE_DIR's paths)
+    for k, v in sorted(env.items(), key=lambda kv: (kv[0].count("__"), kv[0])):
         if k.startswith("KVBM_BACKEND__"):
             path = [p.lower() for p in k[len("KVBM_BACKEND__"):].split("__")]
             try:
@@ -168,7 +178,7 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
                 val = v
             if _too_deep(val):
                 raise _nesting_error(k)
-            _set_path(out, path, val)
+            _set_path(out, path, val, k)
             sources[tuple(path)] = k
     return out
 

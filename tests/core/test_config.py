@@ -235,6 +235,23 @@ def test_bool_is_not_a_number(field, value):
         load_config(_nested(field, value), use_env=False)
 
 
+def test_env_overrides_merge_field_by_field():
+    """Review finding (2026-11-29): an environment variable setting a whole section replaced the fields other
+    variables had set (``DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER``'s policy lost to ``KVBM_BACKEND__G3__ADMISSION``,
+    ``DYN_KVBM_DISK_CACHE_DIR`` to ``KVBM_BACKEND__G3``), and a field under a scalar raised a bare TypeError."""
+    base = {"g3": {"paths": ["/tmp/x"]}}
+    c = load_config(base, environ={"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+                                   "KVBM_BACKEND__G3__ADMISSION": '{"tracker_entries": 4096}'})
+    assert (c.g3.admission.policy, c.g3.admission.tracker_entries) == ("all", 4096)
+    c = load_config(base, environ={"DYN_KVBM_DISK_CACHE_DIR": "/tmp/dyn-g3", "KVBM_BACKEND__G3": '{"capacity_gb": 5}'})
+    assert (c.g3.paths, c.g3.capacity_gb) == (["/tmp/dyn-g3"], 5.0)
+    c = load_config(base, environ={"KVBM_BACKEND__G3__ADMISSION__POLICY": "all",  # the deeper variable wins
+                                   "KVBM_BACKEND__G3__ADMISSION": '{"policy": "frequency", "tracker_entries": 2048}'})
+    assert (c.g3.admission.policy, c.g3.admission.tracker_entries) == ("all", 2048)
+    with pytest.raises(ConfigError, match="KVBM_BACKEND__G3__ADMISSION__POLICY: g3.admission is not a section"):
+        load_config(base, environ={"KVBM_BACKEND__G3__ADMISSION": "1", "KVBM_BACKEND__G3__ADMISSION__POLICY": "all"})
+
+
 def test_bool_from_env_json_is_not_a_number():
     with pytest.raises(ConfigError, match=r"^g3\.capacity_gb \(from KVBM_BACKEND__G3__CAPACITY_GB\): expected a "
                                           r"number, not a boolean"):
