@@ -160,7 +160,7 @@ class G4Announcer:
             todo, self._pending = list(self._pending.items()), OrderedDict()
         if not todo:
             return 0
-        futs = [[self.g4.lookup_prefix(run) for run in self.ns.rank_runs([seq], tenant)[1]]
+        futs = [[self.g4.lookup_prefix(run, request=False) for run in self.ns.rank_runs([seq], tenant)[1]]
                 for (tenant, seq), _ in todo]
         by_tenant: dict[str, list] = {}
         keep = []

@@ -44,6 +44,7 @@ class _Lookup:
         self.ok = [False] * n
         self.done = [False] * n
         self.count = 0  # leading keys confirmed
+        self.request = True  # a request's prefix lookup: counted in lookups, hits, matched tokens, hit rate
 
 
 class G4Lookups:
@@ -91,17 +92,20 @@ class G4Lookups:
         for b in open_now:
             self._expire(b, closing=True)
 
-    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future[int]:
+    def lookup_prefix(self, keys: Sequence[BlockKey], request: bool = True) -> Future[int]:
         """Number of leading ``keys`` present (see :meth:`kvbm_backend.pool.g4.pool.G4Pool.lookup_prefix`)."""
         if type(keys) is not KeyRun:
             keys = list(keys)
-        self._count("lookups")
+        if request:
+            self._count("lookups")
         if not keys or self._closed:
             return completed(0)
         if self._breaker.refuse_if_open():  # answered here: never queued behind stuck I/O threads
-            self._counters.lookup_result(len(keys), 0)
+            if request:
+                self._counters.lookup_result(len(keys), 0)
             return completed(0)
         b = _Lookup(len(keys), time.monotonic() + self._load_bound_s)
+        b.request = request
         with self._open_mu:
             self._open.add(b)
         b.future.add_done_callback(lambda _f: self._untrack(b))
@@ -171,10 +175,11 @@ class G4Lookups:
             if finished:
                 b.closed = True
         if finished:
-            self._count("lookup_hits", n)
+            if b.request:
+                self._count("lookup_hits", n)
+                self._counters.lookup_result(len(keys), n)
             if b.throttled and n < len(keys):
                 self._count("lookup_throttled")
-            self._counters.lookup_result(len(keys), n)
             b.future.set_result(n)
         else:
             self._wave(b, keys, end, min(2 * (end - start), self._max_inflight))
@@ -188,7 +193,8 @@ class G4Lookups:
             n = 0
             while n < len(b.ok) and b.done[n] and b.ok[n]:
                 n += 1
-        self._counters.lookup_result(len(b.ok), n)
+        if b.request:
+            self._counters.lookup_result(len(b.ok), n)
         if not closing:  # at close nothing timed out
             if b.throttled or self._throttle.throttling():  # waited on "slow down" answers, not on silence
                 self._count("lookup_throttled")

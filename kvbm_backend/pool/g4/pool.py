@@ -179,11 +179,13 @@ class G4Pool:
     def layout(self) -> KvLayout:
         return self._layout
 
-    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future[int]:
+    def lookup_prefix(self, keys: Sequence[BlockKey], *, request: bool = True) -> Future[int]:
         """Number of leading ``keys`` present (HEAD requests in growing parallel waves, stopping at the
         first absent one). A store that does not answer within the load bound counts as absent. A
-        :class:`~kvbm_backend.model.namespace.KeyRun` makes its BlockKeys only for the keys a wave probes."""
-        return self.lookups.lookup_prefix(keys)
+        :class:`~kvbm_backend.model.namespace.KeyRun` makes its BlockKeys only for the keys a wave probes.
+        ``request`` False: a background existence check (``g4.announce``), not counted in ``lookups``,
+        ``lookup_hits``, matched tokens or the hit rate (which describe requests' lookups)."""
+        return self.lookups.lookup_prefix(keys, request)
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[npt.NDArray[np.uint8]]) -> Future[PutResult]:
         """Offload blocks (1-D uint8 arrays of ``layout.bytes_per_block`` bytes). The future gives a

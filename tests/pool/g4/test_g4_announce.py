@@ -221,3 +221,37 @@ def test_unencrypted_pools_checksum_records_and_encrypted_pools_refuse_them(tmp_
     finally:
         plain.close()
         sealed.close()
+
+
+@pytest.mark.slow  # imports vLLM (~20 s on the dev VM); no wall-clock assertion
+@pytest.mark.side
+def test_announcement_checks_are_not_counted_as_request_lookups(tmp_path):
+    """Review finding (2026-11-29): the announcer's "is it in G4 yet?" checks went through the pool's
+    lookup_prefix as if a request had looked the blocks up: every announced block raised kvbm_matched_tokens and
+    pulled kvbm_object_cache_hit_rate towards 1 (and the pool's lookups / lookup_hits), with no request at all."""
+    from kvbm_backend import metrics
+    from kvbm_backend.integrations.vllm.g4_announce import G4Announcer
+    from kvbm_backend.integrations.vllm.kv_events import G3KvEvents
+    from kvbm_backend.model.hashing import sequence_hashes
+    reg = metrics.new_registry()
+    pool = G4Pool(G4Config(enabled=True, url=f"file://{tmp_path / 'store'}", announce=True, announce_interval_s=0.1,
+                           keyring={"path": str(tmp_path / "keys" / "keyring.json")}), namespace(), registry=reg)
+    try:
+        ns = namespace()
+        bs = ns.layout.page_size
+        ev = G3KvEvents(1, bs, g3=False)
+        ev.announcer = G4Announcer(ev, pool, ns, 0.1, 3600)
+        toks = list(range(7001, 7001 + 4 * bs))
+        hs = list(sequence_hashes(toks, bs))
+        blocks = [np.full(ns.layout.bytes_per_block, i + 1, np.uint8) for i in range(4)]
+        assert pool.put(ns.keys(hs, tenant="t"), blocks).result(30).written == 4
+        pool.flush(30)
+        ev.learn("t", _request("r", toks, bs), hs, 0, len(hs))
+        assert ev.announcer.flush() == 4  # the checks ran and found the blocks
+        st = pool.stats()
+        assert st.get("lookups", 0) == 0 and st.get("lookup_hits", 0) == 0, st
+        assert not metrics.sample_value(reg, "kvbm_matched_tokens_total")
+        assert pool.lookup_prefix(ns.keys(hs, tenant="t")).result(30) == 4  # a request's lookup still counts
+        assert pool.stats()["lookups"] == 1 and metrics.sample_value(reg, "kvbm_matched_tokens_total") == 4 * bs
+    finally:
+        pool.close()
