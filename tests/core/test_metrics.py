@@ -52,6 +52,30 @@ def test_pool_metrics_names_and_values(tmp_path):
         assert _val(reg, "kvbm_offload_blocks_h2d_total") == 5
 
 
+def test_g3_gauges_sum_every_pool_of_the_process(tmp_path):
+    """A hybrid model opens one G3 pool per KV cache group in each worker process, all on the process's one
+    series. Review finding (2026-11-29): each pool set the gauges to its own values, so the last one to update
+    won (capacity of one group, blocks of another). They are the sum now; a closed pool's share goes."""
+    from tests.helpers.crash_writer import config
+    reg = metrics.new_registry()
+    a = G3Pool(config(tmp_path / "group0", capacity_gb=0.02), NS, registry=reg)
+    b = G3Pool(config(tmp_path / "group1", capacity_gb=0.005), NS, registry=reg)
+    keys = NS.keys(range(1, 9))
+    assert a.put(keys, [payload(k.seq_hash) for k in keys]).result().written == 8
+    assert b.put(keys[:1], [payload(keys[0].seq_hash)]).result().written == 1
+    v = lambda n: metrics.sample_value(reg, n)  # noqa: E731
+    cap = a.stats()["capacity_bytes"] + b.stats()["capacity_bytes"]
+    assert (v("kvbm_backend_g3_capacity_bytes"), v("kvbm_backend_g3_blocks")) == (cap, 9)
+    assert v("kvbm_backend_g3_used_bytes") == 9 * frame.slot_bytes(LAYOUT.bytes_per_block)
+    b.degrade_s = 60
+    b.cat.degrade()
+    assert v("kvbm_backend_g3_degraded") == 1
+    b.close()
+    assert (v("kvbm_backend_g3_capacity_bytes"), v("kvbm_backend_g3_blocks"), v("kvbm_backend_g3_degraded")) == \
+        (a.stats()["capacity_bytes"], 8, 0)
+    a.close()
+
+
 def test_tier_metrics_for_g4_and_serving():
     reg = metrics.new_registry()
     m = metrics.TierMetrics("g4", reg)

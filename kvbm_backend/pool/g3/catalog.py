@@ -34,6 +34,11 @@ COMPACT_MIN_RECORDS = 65536
 # Removals (evicted, deleted, proven corrupt) the pool remembers for G3Pool.removed_since: 24 bytes-ish of
 # tuple each; a reader further behind than this re-reads the index instead.
 REMOVED_LOG_ENTRIES = 1 << 18
+
+# The tier's gauges are one series per process, and a process may hold several G3 pools (a hybrid model: one
+# per KV cache group): each pool's share, summed (degraded: any), so the last pool to update no longer wins.
+_gauge_parts: dict[int, dict[int, tuple[int, int, int, int]]] = {}  # id(blocks gauge) -> {id(pool): values}
+_gauge_lock = threading.Lock()
 # FrameError.reason -> miss reason
 _MISS_REASON = {"magic": "corrupt", "version": "corrupt", "header_check": "corrupt", "integrity": "corrupt",
                 "length": "corrupt", "identity": "identity", "layout": "identity"}
@@ -95,12 +100,24 @@ class SlotCatalog:
         self.c["miss:" + reason] += n
         self.metrics.misses.labels(reason).inc(n)
 
-    def update_gauges(self) -> None:
+    def update_gauges(self, gone: bool = False) -> None:
+        """Set the tier's gauges to the sum over this process's G3 pools (``gone``: this one closed)."""
         m = self.metrics
         assert m.blocks is not None and m.used_bytes is not None and m.capacity_bytes is not None  # tier g3's
-        m.blocks.set(len(self.index))
-        m.used_bytes.set(len(self.index) * self.slot_bytes)
-        m.capacity_bytes.set(self.slabs.capacity_slots * self.slot_bytes)
+        n = len(self.index)
+        mine = (n, n * self.slot_bytes, self.slabs.capacity_slots * self.slot_bytes, int(bool(self.degraded_until)))
+        with _gauge_lock:
+            parts = _gauge_parts.setdefault(id(m.blocks), {})
+            if gone:
+                parts.pop(id(self), None)
+            else:
+                parts[id(self)] = mine
+            blocks, used, cap = (sum(v[i] for v in parts.values()) for i in range(3))
+            degraded = max((v[3] for v in parts.values()), default=0)
+            m.blocks.set(blocks)
+            m.used_bytes.set(used)
+            m.capacity_bytes.set(cap)
+            m.degraded.set(degraded)
 
     # ---- degraded state ------------------------------------------------------------------------------
     def admitting(self, now: float) -> bool:
@@ -108,14 +125,14 @@ class SlotCatalog:
         if self.degraded_until and now >= self.degraded_until:
             self.degraded_until = 0.0
             self.slabs.recheck_space()
-            self.metrics.degraded.set(0)
+            self.update_gauges()
         return not self.degraded_until
 
     def degrade(self) -> bool:
         """No admission for ``degrade_s()`` seconds from now; True if it was not degraded before."""
         first = not self.degraded_until
         self.degraded_until = time.monotonic() + self.degrade_s()
-        self.metrics.degraded.set(1)
+        self.update_gauges()
         return first
 
     # ---- journal -------------------------------------------------------------------------------------
@@ -225,3 +242,4 @@ class SlotCatalog:
                                 "deleted blocks again (each is re-verified before use)", self.journal.path, e)
             self.journal.close()
             self.slabs.close()
+            self.update_gauges(gone=True)
