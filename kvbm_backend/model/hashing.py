@@ -33,18 +33,23 @@ _NATIVE_U32 = sys.byteorder == "little" and array("I").itemsize == 4  # array('I
 Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 
-def salt_bytes(cache_salt: str | None = None, lora_name: str | None = None) -> bytes | None:
-    """The salt for a request: its ``cache_salt`` (the tenant) and LoRA name, canonical JSON.
+def salt_bytes(cache_salt: str | None = None, lora_name: str | None = None,
+               lora_path: str | None = None) -> bytes | None:
+    """The salt for a request: its ``cache_salt`` (the tenant), LoRA name and LoRA path, canonical JSON.
+    The path as vLLM's own block hash has it (``kv_cache_utils._gen_lora_extra_hash_keys``): a LoRA name
+    pointed at another adapter never reuses KV computed with the previous one.
 
-    Returns None when both are absent (salt hash 0, as KVBM does for an unsalted sequence).
+    Returns None when all are absent (salt hash 0, as KVBM does for an unsalted sequence).
     """
-    if not cache_salt and not lora_name:
+    if not cache_salt and not lora_name and not lora_path:
         return None
     d: dict[str, str] = {}
     if cache_salt:
         d["cache_salt"] = cache_salt
     if lora_name:
         d["lora_name"] = lora_name
+    if lora_path:
+        d["lora_path"] = lora_path
     return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
 

@@ -15,6 +15,8 @@ with ``capacity_gb / N`` (:func:`rank_g3_config`).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -89,14 +91,39 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
     if model == "unknown":
         names = vllm_config.model_config.served_model_name
         model = names[0] if isinstance(names, (list, tuple)) else (names or vllm_config.model_config.model)
-    revision = cfg.revision
+    revision = engine_revision(cfg, vllm_config)
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise ValueError(f"parallel_config.pipeline_parallel_size {pp}: KvbmBackendConnector carries one stage's "
+                         "layers per block key, so stages would share keys; run it with pipeline parallelism 1")
     if len(kgs) == 1 and kgs[0].kind != "sliding":
         return Namespace(model=str(model), layout=kgs[0].layout, revision=revision, tp_world_size=tp)
     # several groups, or one sliding-window group (every layer windowed, e.g. Mistral-7B-v0.1: vLLM
     # null-blocks what the window left behind, so blocks are stored window-bounded as in a hybrid model)
     return Namespace(model=str(model), layout=kgs[0].layout, revision=revision, tp_world_size=tp,
                      groups=tuple(kgs), group=0)
+
+
+def engine_revision(cfg: KvbmBackendConfig, vllm_config: "VllmConfig") -> str:
+    """The namespace's ``revision``: ``cfg.revision`` when the operator set it, else vLLM's
+    ``--revision`` (``"main"`` when none), plus ``+q=<method>`` for ``--quantization`` and ``+hf=<digest>`` for
+    ``--hf-overrides`` (e.g. rope scaling, applied to K before it is cached): KV of other weights, another
+    quantization or other overrides is other KV. Unchanged (``"main"``) for an engine with none of them, so
+    such an engine keeps its fingerprint. Before 2026-11-29 none of them reached the namespace: two revisions,
+    or fp8 and unquantized weights, of one model shared keys (review finding)."""
+    if "revision" in cfg.model_fields_set:
+        return cfg.revision
+    mc = vllm_config.model_config
+    rev = str(getattr(mc, "revision", None) or cfg.revision)
+    q = getattr(mc, "quantization", None)
+    if q:
+        rev += f"+q={q}"
+    hf = getattr(mc, "hf_overrides", None)
+    if hf and not callable(hf):
+        blob = json.dumps(hf, sort_keys=True, default=str, separators=(",", ":")).encode()
+        rev += f"+hf={hashlib.sha256(blob).hexdigest()[:16]}"
+    return rev
 
 
 def group_g3_config(cfg: KvbmBackendConfig, ns: Namespace, group: int, sliding_weight: float = 0.25) -> KvbmBackendConfig:

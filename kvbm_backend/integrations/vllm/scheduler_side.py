@@ -1,7 +1,7 @@
 """Scheduler role of the connector: prefix lookup (G3 then G4), load plans, save plans.
 
 Identity: KVBM sequence hashes (:mod:`kvbm_backend.model.hashing`) over the request's tokens in
-vLLM-``block_size`` blocks, salted by ``salt_hash(salt_bytes(cache_salt, lora_name))``; the tenant is
+vLLM-``block_size`` blocks, salted by ``salt_hash(salt_bytes(cache_salt, lora_name, lora_path))``; the tenant is
 the request's ``cache_salt`` (else the configured default tenant). So a block written by one worker is
 found by any other worker of the same namespace, and after restarts.
 
@@ -153,9 +153,9 @@ class SchedulerSide:
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None:
-            lora = getattr(getattr(request, "lora_request", None), "lora_name", None)
+            lr = getattr(request, "lora_request", None)
             cache_salt = getattr(request, "cache_salt", None)
-            salt = salt_hash(salt_bytes(cache_salt, lora))
+            salt = salt_hash(salt_bytes(cache_salt, getattr(lr, "lora_name", None), getattr(lr, "lora_path", None)))
             toks = list(request.prompt_token_ids or [])
             hashes = sequence_hashes(toks, self.bs, salt=salt, into=array("Q"))
             assert isinstance(hashes, array)  # sequence_hashes fills and returns ``into``

@@ -1,0 +1,65 @@
+"""What the connector's block identity covers beyond token ids (review findings, 2026-11-29): vLLM's weights
+revision, quantization and hf_overrides reach the namespace (they change the KV; an engine with none of them
+keeps its fingerprint), a LoRA name pointed at another adapter gets other keys (vLLM's own hash has the path),
+and pipeline parallelism, whose stages would share keys, is refused with the field named."""
+from __future__ import annotations
+
+from types import SimpleNamespace as S
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
+
+from kvbm_backend.config import KvbmBackendConfig, load_config  # noqa: E402
+from kvbm_backend.integrations.vllm.namespaces import namespace_from_vllm  # noqa: E402
+from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
+from kvbm_backend.model.layout import KvLayout  # noqa: E402
+from kvbm_backend.model.namespace import Namespace  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+
+SPEC = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+KCC = S(kv_cache_groups=[KVCacheGroupSpec(layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(4)],
+                                          kv_cache_spec=SPEC)])
+
+
+def _vllm(revision=None, quantization=None, hf_overrides=None, pp=1):
+    mc = S(model="meta-llama/Llama-3.1-8B", served_model_name="meta-llama/Llama-3.1-8B", revision=revision,
+           quantization=quantization, hf_overrides=hf_overrides or {})
+    return S(model_config=mc, parallel_config=S(tensor_parallel_size=1, pipeline_parallel_size=pp),
+             cache_config=S(cache_dtype="auto"))
+
+
+def _fp(vc, cfg=None):
+    return namespace_from_vllm(cfg or KvbmBackendConfig(), vc, KCC).fingerprint
+
+
+def test_weights_revision_quantization_and_overrides_are_part_of_the_namespace():
+    base = _fp(_vllm())
+    assert namespace_from_vllm(KvbmBackendConfig(), _vllm(), KCC).revision == "main"  # unchanged for plain engines
+    others = [_fp(_vllm(revision="v1")), _fp(_vllm(revision="v2")), _fp(_vllm(quantization="fp8")),
+              _fp(_vllm(hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))]
+    assert len({base, *others}) == 5
+    # an operator's explicit revision is the identity they chose (and wins over vLLM's)
+    cfg = load_config({"revision": "r7"}, use_env=False)
+    assert _fp(_vllm(revision="v1"), cfg) == _fp(_vllm(revision="v2"), cfg) != base
+
+
+def test_pipeline_parallelism_is_refused_with_the_field_named():
+    with pytest.raises(ValueError, match="pipeline_parallel_size 2"):
+        namespace_from_vllm(KvbmBackendConfig(), _vllm(pp=2), KCC)
+
+
+def test_a_lora_name_pointed_at_another_adapter_gets_other_keys():
+    ns = Namespace("m", KvLayout(2, 2, 16, 64, "bfloat16"))
+    s = SchedulerSide(ns, 16, None, None)
+
+    def hashes(rid, path):
+        req = S(request_id=rid, prompt_token_ids=list(range(100, 140)), cache_salt=None,
+                lora_request=S(lora_name="sql", lora_path=path))
+        return list(s._state(req).hashes)
+    assert hashes("a", "/adapters/sql-v1") != hashes("b", "/adapters/sql-v2")
+    assert hashes("c", "/adapters/sql-v1") == hashes("a", "/adapters/sql-v1")
