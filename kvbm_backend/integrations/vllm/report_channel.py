@@ -30,7 +30,7 @@ import socket
 import struct
 import tempfile
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 log = logging.getLogger("kvbm_backend.connector")
 
@@ -83,6 +83,23 @@ def encode(group: int, rank: int, added: list, removed: list, snapshot: bool) ->
     entries."""
     body = b"".join(_ENTRY.pack(*e) for e in added) + b"".join(_ENTRY.pack(*e) for e in removed)
     return _HEAD.pack(_HEAD.size - 4 + len(body), group, rank, 1 if snapshot else 0, len(added), len(removed)) + body
+
+
+def pieces(added: list, removed: list, snapshot: bool, cap: int) -> Iterator[tuple[list, list, bool]]:
+    """One report as messages of at most ``cap`` entries, in the order the mirror applies them: removals,
+    then additions; a snapshot's first message replaces the rank's set, the others add to it. Before
+    2026-11-29 a report was one message, and one over ``MAX_ENTRIES`` (a restored G3 of more than 4.2M blocks
+    per rank) was refused: the channel closed and the mirror stayed empty for the engine's life."""
+    if len(added) + len(removed) <= cap:
+        yield added, removed, snapshot
+        return
+    first = True
+    for i in range(0, len(removed), cap):
+        yield [], removed[i:i + cap], snapshot and first
+        first = False
+    for i in range(0, len(added), cap):
+        yield added[i:i + cap], [], snapshot and first
+        first = False
 
 
 def decode(buf: bytes) -> Report:
@@ -206,11 +223,13 @@ class ReportSender:
         return True
 
     def send(self, group: int, rank: int, added: list, removed: list, snapshot: bool) -> None:
-        """Deliver one report of TP rank ``rank``. Raises OSError when the scheduler's end is gone."""
+        """Deliver one report of TP rank ``rank``, in messages of at most :data:`MAX_ENTRIES` entries (a
+        restored G3 of millions of blocks is one snapshot). Raises OSError when the scheduler's end is gone."""
         if self._direct is not None:
             self._direct(group, rank, added, removed, snapshot)
         elif self._sock is not None:
-            self._sock.sendall(encode(group, rank, added, removed, snapshot))
+            for a, r, snap in pieces(added, removed, snapshot, MAX_ENTRIES):
+                self._sock.sendall(encode(group, rank, a, r, snap))
         else:
             raise OSError("report channel not connected")
 
@@ -225,8 +244,9 @@ class ReportPump:
     None) through ``sender`` every ``interval_s`` seconds, on its own thread, until :meth:`stop`."""
 
     def __init__(self, sender: ReportSender, sources: list[Callable], rank: int = 0,
-                 interval_s: float = PUMP_INTERVAL_S):
+                 interval_s: float = PUMP_INTERVAL_S, on_closed: Callable[[], None] | None = None):
         self.sender, self.sources, self.rank, self.interval_s = sender, sources, rank, interval_s
+        self.on_closed = on_closed  # the channel failed: reports go back to the step output (a new snapshot)
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, name="kvbm-report-pump", daemon=True)
         self._t.start()
@@ -241,9 +261,11 @@ class ReportPump:
                 rep = src()
                 if rep is not None:
                     self.sender.send(gi, self.rank, *rep)
-            except OSError as e:  # the scheduler is gone (engine shutting down): nothing to report to
-                log.info("kvbm_backend: report channel closed: %s", e)
+            except OSError as e:  # the scheduler's end went away or refused a report
+                log.info("kvbm_backend: report channel closed: %s; G3 reports travel with engine steps", e)
                 self._stop.set()
+                if self.on_closed is not None:
+                    self.on_closed()
                 return
             except Exception as e:  # noqa: BLE001 - never kill the pump
                 log.warning("kvbm_backend: G3 report not sent: %s", e)
@@ -268,4 +290,10 @@ def start_worker_reports(key: str, workers: list, rank: int = 0) -> ReportPump |
         return None
     for w in workers:
         w.report_by_channel = True
-    return ReportPump(sender, [w.take_g3_report if w.report_g3 else (lambda: None) for w in workers], rank)
+
+    def back_to_steps() -> None:  # a report the channel lost is made whole by a new snapshot in the step output
+        for w in workers:
+            w.resend_snapshot()
+            w.report_by_channel = False
+    return ReportPump(sender, [w.take_g3_report if w.report_g3 else (lambda: None) for w in workers], rank,
+                      on_closed=back_to_steps)

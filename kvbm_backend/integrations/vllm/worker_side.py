@@ -313,6 +313,14 @@ class WorkerSide:
             meta.failed = failed
         return meta
 
+    def resend_snapshot(self) -> None:
+        """The next report is a whole snapshot again (the report channel lost one: the mirror is rebuilt)."""
+        with self._report_lock:
+            self._snapshot_sent = False
+            with self._lock:
+                self._added, self._removed = [], []
+            self._present.clear()
+
     def take_g3_report(self) -> tuple[list, list, bool] | None:
         """The G3 index changes since the last report as ``(added, removed, snapshot)`` (see
         :meth:`worker_meta`), for the report channel; None when nothing changed."""

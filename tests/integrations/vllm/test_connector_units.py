@@ -711,6 +711,70 @@ def test_report_channel_round_trip_and_refusals(tmp_path, monkeypatch):
     assert rc.socket_path("x") is None  # others may enter: not used
 
 
+def test_report_channel_carries_a_large_snapshot_in_pieces_and_falls_back_to_steps(tmp_path, monkeypatch):
+    """Review finding (2026-11-29): a report was one message and one over ``MAX_ENTRIES`` (a restored G3 of more
+    than 4.2M blocks per rank; lowered to 8 here) was refused: the channel closed, the pump stopped, the worker
+    kept reporting nowhere and the scheduler's mirror stayed empty (no G3 hit ever). Now a report goes in
+    pieces, and a channel that fails sends the worker's reports back to the step output with a new snapshot.
+    Real G3 pool, real Unix socket, the scheduler's G3Mirror."""
+    import time
+
+    import numpy as np
+
+    from kvbm_backend.integrations.tiers import open_tiers
+    from kvbm_backend.integrations.vllm import report_channel as rc
+    from kvbm_backend.integrations.vllm.g3_mirror import G3Mirror
+    from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta
+    from kvbm_backend.config import load_config
+    from kvbm_backend.integrations.vllm.worker_side import WorkerSide
+    from kvbm_backend.model.hashing import sequence_hashes
+    from kvbm_backend.model.namespace import Namespace
+
+    import shutil
+    import tempfile
+    xdg = tempfile.mkdtemp(prefix="kvbm-rc-")  # short: a Unix socket path has at most 107 bytes
+    monkeypatch.setenv("XDG_RUNTIME_DIR", xdg)
+    monkeypatch.setattr(rc, "MAX_ENTRIES", 8)
+    assert [(len(a), len(r), s) for a, r, s in rc.pieces(list(range(20)), [1, 2], True, 8)] == \
+        [(0, 2, True), (8, 0, False), (8, 0, False), (4, 0, False)]
+    lay = KvLayout(2, 2, 16, 64, "bfloat16")
+    ns = Namespace("m", lay)
+    cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.05, "files_per_path": 1,
+                              "admission": {"policy": "all"}}}, use_env=False)
+    g3, _ = open_tiers(cfg, ns)
+    hs = sequence_hashes(list(range(1000, 1000 + 16 * 24)), 16)
+    blk = [np.full(lay.bytes_per_block, i, np.uint8) for i in range(24)]
+    assert g3.put(ns.keys(hs[:20]), blk[:20]).result(10).written == 20
+    mirror = G3Mirror(ns)
+    lst = rc.ReportListener("m" * 24, lambda g, r, a, rm, snap: mirror.apply(KvbmWorkerMeta(a, rm, snap), rank=r))
+    rc._local.clear()  # the worker is another process: only the socket
+    ws = WorkerSide(ns, 0, g3, None, report_g3=True)
+    pump = rc.start_worker_reports("m" * 24, [ws], 0)
+    try:
+        assert pump is not None and ws.report_by_channel
+        end = time.monotonic() + 60  # a hang guard
+        while len(mirror) < 20 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert mirror.ready and len(mirror) == 20
+        assert mirror.lookup_prefix(ns.keys(hs[:20])).result() == 20
+        lst.close()  # the scheduler's end goes away: the next reports fail
+        i = 20
+        while ws.report_by_channel and time.monotonic() < end:
+            assert g3.put(ns.keys(hs[i:i + 1]), blk[i:i + 1]).result(10).written == 1
+            ws._g3_written(ns.keys(hs[i:i + 1]))  # what the completed save reports
+            i = min(i + 1, 23)
+            time.sleep(0.3)
+        assert not ws.report_by_channel
+        meta = ws.worker_meta()  # back in the step output: a whole snapshot
+        assert meta is not None and meta.snapshot and len(meta.added) == len(g3.keys())
+    finally:
+        pump.stop() if pump is not None else None
+        lst.close()
+        ws.shutdown()
+        g3.close()
+        shutil.rmtree(xdg, ignore_errors=True)
+
+
 def test_package_logs_go_through_vllms_logger_once():
     """Issue 22 item 4: the vLLM plugin routes ``kvbm_backend.*`` records to vLLM's ``vllm`` logger's handlers
     (its format and level) where the root logger has no handler (``vllm serve``: they were dropped, warnings
