@@ -23,9 +23,11 @@ at each use.
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, TypeVar, Union, runtime_checkable
+from typing import (TYPE_CHECKING, Any, Generic, Mapping, Protocol, Sequence, TypeVar, Union,
+                    runtime_checkable)
 
 import numpy as np
 import numpy.typing as npt
@@ -262,3 +264,25 @@ def completed(value: _T) -> Future[_T]:
     f: Future[_T] = Future()
     f.set_result(value)
     return f
+
+
+class InFlight(Generic[_T]):
+    """Items (batches, put futures) whose future has not resolved yet, for a pool's ``flush`` or ``close``
+    (thread-safe): :meth:`add` holds an item until its future resolves, :meth:`snapshot` lists those held."""
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._items: set[_T] = set()
+
+    def add(self, item: _T, future: Future[Any]) -> None:
+        with self._mu:
+            self._items.add(item)
+        future.add_done_callback(lambda _f: self._discard(item))
+
+    def _discard(self, item: _T) -> None:
+        with self._mu:
+            self._items.discard(item)
+
+    def snapshot(self) -> list[_T]:
+        with self._mu:
+            return list(self._items)

@@ -19,7 +19,7 @@ from typing import Sequence
 from ...crypto.keyring import Keyring
 from ...deadlines import Deadlines
 from ...model.namespace import BlockKey, KeyRun
-from ..base import completed
+from ..base import InFlight, completed
 from .breaker import CircuitBreaker
 from .events import G4Counters
 from .reader import tenant_miss
@@ -76,8 +76,7 @@ class G4Lookups:
         self._load_bound_s = load_bound_s
         self._max_inflight = max_inflight
         self._closed = False
-        self._open: set[_Lookup] = set()  # lookups not resolved yet (expire_open)
-        self._open_mu = threading.Lock()
+        self._open: InFlight[_Lookup] = InFlight()  # lookups not resolved yet (expire_open)
 
     def close(self) -> None:
         """From now on lookups answer 0 without store I/O."""
@@ -87,9 +86,7 @@ class G4Lookups:
         """Resolve every lookup still open (the pool is closing and its timer thread stops) with the leading
         keys confirmed so far; their HEADs still queued then end without I/O. Without this a lookup queued
         behind busy I/O threads at close never resolved."""
-        with self._open_mu:
-            open_now = list(self._open)
-        for b in open_now:
+        for b in self._open.snapshot():
             self._expire(b, closing=True)
 
     def lookup_prefix(self, keys: Sequence[BlockKey], request: bool = True) -> Future[int]:
@@ -106,16 +103,10 @@ class G4Lookups:
             return completed(0)
         b = _Lookup(len(keys), time.monotonic() + self._load_bound_s)
         b.request = request
-        with self._open_mu:
-            self._open.add(b)
-        b.future.add_done_callback(lambda _f: self._untrack(b))
+        self._open.add(b, b.future)
         self._deadlines.add(b.until, lambda: self._expire(b))
         self._wave(b, keys, 0, min(FIRST_WAVE, len(keys)))
         return b.future
-
-    def _untrack(self, b: _Lookup) -> None:
-        with self._open_mu:
-            self._open.discard(b)
 
     def _wave(self, b: _Lookup, keys: Sequence[BlockKey], start: int, width: int) -> None:
         end = min(len(keys), start + width)

@@ -40,7 +40,7 @@ from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey
-from ..base import GetResult, completed
+from ..base import GetResult, InFlight, completed
 from .breaker import CircuitBreaker
 from .events import G4Counters
 from .store import ObjectStore, StoreThrottled, StoreUnavailable
@@ -188,8 +188,7 @@ class G4Reader:
                                           if getattr(store, "reads_into", False) else None)
         self._reads_parts = bool(getattr(store, "reads_into_parts", False))
         self._mine = threading.local()  # .buf: this I/O thread's bounce buffer, taken at its first load
-        self._open: set[GetBatch] = set()  # batches whose future is not resolved yet (expire_open)
-        self._open_mu = threading.Lock()
+        self._open: InFlight[GetBatch] = InFlight()  # batches whose future is not resolved yet (expire_open)
         self._gcm: dict[bytes, AESGCM] = {}  # data key -> its one-shot GCM context (aead.gcm), reused
 
     def close(self) -> None:
@@ -201,9 +200,7 @@ class G4Reader:
         back yet are ``miss_closed``. A batch's tasks still queued on the I/O threads then end without I/O
         (``idle`` is set once they have); a read stuck in the kernel keeps its batch's rows busy (not idle)
         until it returns. Without this a batch queued behind busy I/O threads at close never resolved."""
-        with self._open_mu:
-            open_now = list(self._open)
-        for b in open_now:
+        for b in self._open.snapshot():
             self._expire_get(b, closing=True)
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[npt.NDArray[np.uint8]]) -> Future[GetResult]:
@@ -220,8 +217,6 @@ class G4Reader:
             self._count("miss_breaker", len(keys))
             return completed(GetResult([False] * len(keys)))
         b = GetBatch(len(keys), time.monotonic() + self._load_bound_s)
-        self._track(b)
-        self._deadlines.add(b.until, lambda: self._expire_get(b))
         self._start_tasks(b, keys, out)
         return b.future
 
@@ -258,26 +253,16 @@ class G4Reader:
             b.idle.set()
             b.future.set_result(GetResult([False] * len(keys)))
             return b
-        self._track(b)
-        self._deadlines.add(b.until, lambda: self._expire_get(b))
         self._start_tasks(b, keys, rows)
         return b
-
-    def _track(self, b: GetBatch) -> None:
-        """Count ``b`` open until its future resolves (:meth:`expire_open`)."""
-        with self._open_mu:
-            self._open.add(b)
-        b.future.add_done_callback(lambda _f: self._untrack(b))
-
-    def _untrack(self, b: GetBatch) -> None:
-        with self._open_mu:
-            self._open.discard(b)
 
     def _start_tasks(self, b: GetBatch, keys: Sequence[BlockKey], out: Sequence[npt.NDArray[np.uint8]]) -> None:
         """Put batch ``b`` on the I/O threads: ``min(n, g4.max_inflight)`` tasks, each a loop taking the
         batch's next block until none is left (:meth:`_get_many`). A task per block cost a future, a queue
         hand-off and a thread wake-up per block, each retaking the GIL (a G4 load is bound by the Python it
-        runs per block: docs/gpu.md)."""
+        runs per block: docs/gpu.md). ``b`` is held open (:meth:`expire_open`) and expires at its load bound."""
+        self._open.add(b, b.future)
+        self._deadlines.add(b.until, lambda: self._expire_get(b))
         for _ in range(min(len(keys), self._tasks)):
             try:
                 self._exec.submit(self._get_many, b, keys, out)

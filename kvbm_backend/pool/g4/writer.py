@@ -31,7 +31,7 @@ from ...crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenan
 from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, payload_checksum
 from ...model.namespace import BlockKey, Namespace
-from ..base import PutResult, completed
+from ..base import InFlight, PutResult, completed
 from ...deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
 from .events import G4Counters, OperatorLog
@@ -91,7 +91,7 @@ class G4Writer:
         self._load_bound_s = load_bound_s
         self._mu = threading.Lock()
         self._pending_blocks = 0
-        self._futures: set[Future[PutResult]] = set()
+        self._futures: InFlight[Future[PutResult]] = InFlight()  # puts not ended yet (flush)
         self._closed = False
         self._settler = LateSettler(store=store, executor=executor, deadlines=deadlines, breaker=breaker,
                                     count=counters.count, first_delay_s=put_bound_s / 4,
@@ -151,14 +151,8 @@ class G4Writer:
                 self._exec.submit(self._put_one, k, blk, one_done, queued)
             except RuntimeError:  # the pool closed meanwhile (its threads stopped): closed, so dropped here
                 self._put_one(k, blk, one_done, queued)
-        with self._mu:
-            self._futures.add(fut)
-        fut.add_done_callback(self._forget_put)
+        self._futures.add(fut, fut)
         return fut
-
-    def _forget_put(self, f: Future[PutResult]) -> None:
-        with self._mu:
-            self._futures.discard(f)
 
     def pending_blocks(self) -> int:
         """Blocks queued and not yet ended (written, skipped or dropped)."""
@@ -168,10 +162,8 @@ class G4Writer:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every offload queued so far has finished (written, skipped or dropped).
         Returns False if ``timeout`` seconds passed first."""
-        with self._mu:
-            futs = list(self._futures)
         end = Deadline(timeout)
-        for f in futs:
+        for f in self._futures.snapshot():
             try:
                 f.result(end.left())
             except Exception:  # noqa: BLE001 - TimeoutError
