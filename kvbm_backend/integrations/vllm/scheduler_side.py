@@ -428,8 +428,6 @@ class SchedulerSide:
         sliding-window group only the window a request resuming at ``end`` reads (``[end - window, end)``
         within ``[a, end)``, engine blocks that are not vLLM's null block). Consecutive offers leave each
         resume point's whole window stored (a window reaching before ``a`` was offered by earlier steps)."""
-        if st.opaque:  # never tiered (kv_beyond_token_ids)
-            return
         for gi, g in enumerate(self.groups):
             gids = st.group_block_ids[gi] if gi < len(st.group_block_ids) else []
             lo = a if g.window_blocks is None else max(a, end - g.window_blocks)

@@ -333,10 +333,7 @@ class HostGet:
                 # a key deleted and written again elsewhere meanwhile keeps its new copy (and no DEL drops it)
                 if not same_slot(cat.index.get(cast(BlockKey, k)), slot):
                     continue
-                free = cat.index.remove(cast(BlockKey, k), slot)
-                if free is not None:
-                    cat.slabs.release([free])
-                cat.note_removed([k])
+                cat.remove(cast(BlockKey, k), slot)
                 jrecs.append(jr.encode(jr.DEL, k))
                 cat.c["corrupt"] += 1
                 cat.c["corrupt:" + proof] += 1

@@ -158,10 +158,7 @@ class G3Reader:
                 return  # its new copy stays, and no DEL record drops it at the next restart
             cat.c["corrupt"] += 1
             cat.c["corrupt:" + reason] += 1
-            free = cat.index.remove(key, slot)
-            if free is not None:
-                cat.slabs.release([free])
-            cat.note_removed([key])
+            cat.remove(key, slot)
             cat.journal_append([jr.encode(jr.DEL, key)])
             cat.c["deleted"] += 1
             cat.update_gauges()
