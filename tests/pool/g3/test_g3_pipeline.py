@@ -102,15 +102,37 @@ def test_fsync_setting_decides_whether_slab_files_are_fdatasynced(tmp_path, monk
 def test_publish_only_after_own_fdatasync_while_writes_overlap_syncs(tmp_path, monkeypatch):
     _pipelined(monkeypatch)
     log = Log()
+    # Deterministic on a loaded machine: the writer's second piece is held until the first fdatasync
+    # has started, and that first fdatasync (a slow disk flush) lasts until a write lands. A pipelined
+    # writer submits the second piece while the first one syncs, so the flush ends at once; a writer
+    # that waits for the sync before writing on never lands one, and the check below fails (after 30 s).
+    first_sync_started, write_during_first_sync = threading.Event(), threading.Event()
 
     def slow_sync(fd):
         log.add("sync_start", fd)
-        time.sleep(0.01)  # a slow disk flush, so later pieces' writes land during it
+        if not first_sync_started.is_set():
+            first_sync_started.set()
+            write_during_first_sync.wait(timeout=30)
+        else:
+            time.sleep(0.01)  # a slow disk flush, so later pieces' writes land during it
         real_fdatasync(fd)
         log.add("sync_end", fd)
 
     monkeypatch.setattr(pool_mod, "fdatasync", slow_sync)
     eng = RecordingEngine(log)
+    write_submits = itertools.count(1)
+    plain_submit = eng.submit
+
+    def gated_submit(ops):
+        ops = list(ops)
+        if ops and ops[0].write and next(write_submits) == 2:
+            first_sync_started.wait(timeout=30)
+        out = plain_submit(ops)
+        if ops and ops[0].write and first_sync_started.is_set():
+            out.add_done_callback(lambda f: write_during_first_sync.set())
+        return out
+
+    eng.submit = gated_submit
     try:
         with open_pool(tmp_path, engine=eng, files_per_path=2) as pool:
             pool.index = RecordingIndex(log)
