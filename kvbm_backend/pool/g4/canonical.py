@@ -99,14 +99,14 @@ class CanonicalG4:
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future[PutResult]:
         """Store each block as its rank's head parts (copies made now; the caller's buffers are free when
-        this returns). The result counts blocks: part counts divided by parts per block (rounded down),
-        blocks of a non-writing replica as skipped. Raises ValueError for mismatched lengths, a wrong-sized
-        buffer or a key of another namespace (caller bugs, as G4Pool)."""
+        this returns). The result counts blocks, each by its parts' outcomes (one inner put per block):
+        dropped if any part was dropped, skipped if every part was already stored (or the rank is a
+        non-writing replica), else written. Raises ValueError for mismatched lengths, a wrong-sized buffer
+        or a key of another namespace (caller bugs, as G4Pool)."""
         keys, blocks = list(keys), list(blocks)
         if len(keys) != len(blocks):
             raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
-        pkeys: list[BlockKey] = []
-        pbufs: list[np.ndarray] = []
+        parts: list[tuple[list[BlockKey], list[np.ndarray]]] = []
         skipped = 0
         for k, b in zip(keys, blocks):
             if k.namespace != self._fp:
@@ -114,17 +114,21 @@ class CanonicalG4:
             if not self.heads.writes(k.rank):
                 skipped += 1
                 continue
-            pkeys += self.heads.part_keys(k)
-            pbufs += self.heads.split(b)
-        n = len(keys) - skipped
-        if not pkeys:
+            parts.append((self.heads.part_keys(k), self.heads.split(b)))
+        if not parts:
             return completed(PutResult(skipped=skipped))
 
         def blocks_of(rs: list[PutResult]) -> PutResult:
-            r: PutResult = rs[0]
-            w, s = r.written // self._per, r.skipped // self._per
-            return PutResult(written=w, skipped=s + skipped, dropped=n - w - s)
-        return _all_of([self.inner.put(pkeys, pbufs)], blocks_of)
+            out = PutResult(skipped=skipped)
+            for r in rs:  # one block's parts
+                if r.dropped:
+                    out.dropped += 1
+                elif r.written:
+                    out.written += 1
+                else:
+                    out.skipped += 1
+            return out
+        return _all_of([self.inner.put(pk, pb) for pk, pb in parts], blocks_of)
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[Any] | Any) -> Future[GetResult]:
         """Read the parts of each key's rank heads into host buffers and assemble block ``i`` into

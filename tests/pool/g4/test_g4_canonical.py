@@ -173,3 +173,32 @@ def test_canonical_needs_the_kv_heads_and_an_even_split(tmp_path):
         open_tiers(_cfg(kw), _ns(2), None)
     with pytest.raises(ValueError, match="g4.layout"):
         open_tiers(_cfg(kw), _ns(4), 6)
+
+
+def test_put_counts_each_block_by_its_own_parts(tmp_path):
+    """A block some of whose head parts were already stored (another TP size wrote them) and the rest written
+    now is a written block, not a dropped one; a block whose parts all existed is skipped. Review finding
+    (2026-11-29): the counts were part totals divided by parts per block, so 3 such blocks read as 1 written,
+    1 skipped and 1 dropped."""
+    kw = {"keyring": {"path": str(tmp_path / "keys" / "keyring.json")}, "timeout_s": 5.0,
+          "url": f"file://{tmp_path / 'store'}"}
+    seqs = [301, 302, 303]
+    full = _full_blocks(seqs)
+    w2 = _g4(kw, 2)  # rank 0 of a TP=2 worker writes heads 0-1 of every block
+    try:
+        assert w2.put(_ns(2).keys(seqs, "t", 0), [_rank_slice(b, 2, 0) for b in full]).result(T).written == 3
+        assert w2.flush(T)
+    finally:
+        w2.close()
+    w1 = _g4(kw, 1)  # a TP=1 worker: heads 0-1 exist, heads 2-3 are written now
+    try:
+        r = w1.put(_ns(1).keys(seqs, "t"), full).result(T)
+        assert (r.written, r.skipped, r.dropped) == (3, 0, 0), r
+        assert w1.flush(T)
+        r = w1.put(_ns(1).keys(seqs, "t"), full).result(T)  # now every part exists
+        assert (r.written, r.skipped, r.dropped) == (0, 3, 0), r
+        out = [np.empty(_ns(1).layout.bytes_per_block, np.uint8) for _ in seqs]
+        assert w1.get(_ns(1).keys(seqs, "t"), out).result(T).ok == [True] * 3
+        assert all(np.array_equal(o, b) for o, b in zip(out, full))
+    finally:
+        w1.close()
