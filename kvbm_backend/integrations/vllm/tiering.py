@@ -17,6 +17,9 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
 * ``config``: kvbm-backend config, a YAML/TOML/JSON file path or a dict (:func:`load_config`).
 * ``g3`` / ``g4``: dict merged over that config's ``g3`` / ``g4`` section (e.g. ``paths``, ``url``).
 * ``tenant``: default tenant; a request's ``kv_transfer_params["kvbm_tenant"]`` overrides it.
+* ``revision``: the namespace's revision (default the config's ``revision``). vLLM hands a tier neither
+  ``--revision`` nor ``--quantization`` nor ``--hf-overrides``: engines differing in any of them that share G3
+  paths or a G4 store need distinct values here, or they share blocks.
 * ``num_kv_heads`` (per rank), ``head_dim``, ``mla`` or ``layout`` (a preset in ``layouts/``):
   the geometry needed to map vLLM's page to KVBM's block (below). ``head_dim`` and ``mla`` default
   from the byte sizes when ``num_kv_heads`` is given.

@@ -339,3 +339,34 @@ def test_io_threads_run_before_the_first_job(tmp_path, harnesses):
     h.store(keys, payloads(h, 4))
     h.wait_idle()
     assert len(h.tier._executor._threads) == 3  # the jobs ran on them: none started later
+
+
+def _looked_up(tier, ctx, key):
+    tier.on_new_request(ctx)
+    res = tier.lookup(key, ctx)
+    for _ in range(2000):
+        if res is not LookupResult.RETRY:
+            break
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        time.sleep(0.002)
+        res = tier.lookup(key, ctx)
+    tier.on_request_finished(ctx)
+    return res
+
+
+def test_revision_key_separates_engines_sharing_g3(tmp_path, harnesses):
+    """The tier's ``revision`` key is the namespace's revision (vLLM hands tiers no --revision/--quantization):
+    chunks stored under one revision are misses for a tier of another on the same G3 paths, hits for the same."""
+    h = harnesses([g3_tier(tmp_path / "g3", revision="int8-w")])
+    assert h.tier.namespace.revision == "int8-w"
+    keys, data = keys_for(2, "rev"), payloads(h, 2, seed=3)
+    h.store(keys, data)
+    h.wait_idle()
+    h.shutdown()
+    other = harnesses([g3_tier(tmp_path / "g3", revision="bf16-w")])
+    assert _looked_up(other.tier, other.context(), keys[0]) is LookupResult.MISS
+    other.shutdown()
+    same = harnesses([g3_tier(tmp_path / "g3", revision="int8-w")])
+    assert _looked_up(same.tier, same.context(), keys[0]) is LookupResult.HIT
+    got = same.load(keys)
+    assert len(got) == 2 and all(np.array_equal(a, b) for a, b in zip(got, data))
