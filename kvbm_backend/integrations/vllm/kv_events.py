@@ -29,6 +29,11 @@ class G3KvEvents:
     load). A block found again after a worker restart is published when a request first looks it up.
     G4 is published only with ``g4.announce`` (:mod:`.g4_announce`: every announcing worker is credited with
     every announced G4 block, through :meth:`emit_announced`; ``g3=False`` when this worker has no G3).
+    The router keeps one credit per (worker, vLLM hash, medium), not a count, and G3 and G4 both publish
+    ``DISK``, as do two tenants' G3 blocks of one vLLM hash (requests without a cache salt): each vLLM hash
+    therefore has a count of its holders here (G3 entries, the G4 announcement), and ``BlockStored`` goes out
+    when the first appears, ``BlockRemoved`` only when the last goes (before 2026-11-30 a G3 eviction withdrew
+    the credit of a block G4 still announced, and an expired announcement that of a block G3 still held).
     Memory: per published block its vLLM hash and tokens (~4 bytes per token), kept
     for removal and re-publishing; learned-but-unwritten entries are capped at ``max_pending``.
     """
@@ -48,6 +53,7 @@ class G3KvEvents:
         self._info: OrderedDict[tuple[bytes, int], tuple] = OrderedDict()  # learned, not yet published
         self._ranks: dict[tuple[bytes, int], set[int]] = {}    # ranks whose G3 holds the block
         self._published: dict[tuple[bytes, int], tuple] = {}   # -> what was published (for removal, re-publish)
+        self._holders: dict[Any, int] = {}  # vLLM hash -> G3 entries + G4 announcement publishing it
         self._events: list = []
         self._lock = threading.Lock()
         self.g3 = g3  # False: no G3 (G4 announcements only), nothing learned is kept here
@@ -105,16 +111,22 @@ class G3KvEvents:
         info = self._published[k] = self._info.pop(k)
         self._emit_stored(info)
 
-    def _emit_stored(self, info: tuple) -> None:
+    def _emit_stored(self, info: tuple, count: bool = True) -> None:
         from vllm.v1.core.kv_cache_utils import to_event_extra_keys
         h, parent, toks, extra, lora_id, lora_name = info
         ek = (to_event_extra_keys([extra]) or [None])[0] if extra is not None else None
-        self._emit_stored_event((h, parent, toks, ek, lora_id, lora_name))
+        self._emit_stored_event((h, parent, toks, ek, lora_id, lora_name), count)
 
-    def _emit_stored_event(self, ev_info: tuple) -> None:
-        """``ev_info``: ``(vLLM hash, parent hash, tokens, event-form extra keys, lora_id, lora_name)``."""
+    def _emit_stored_event(self, ev_info: tuple, count: bool = True) -> None:
+        """``ev_info``: ``(vLLM hash, parent hash, tokens, event-form extra keys, lora_id, lora_name)``; with
+        ``count``, one more holder of the hash (queued only for its first)."""
         from vllm.distributed.kv_events import BlockStored
         h, parent, toks, ek, lora_id, lora_name = ev_info
+        if count:
+            n = self._holders.get(h, 0)
+            self._holders[h] = n + 1
+            if n:
+                return
         toks = list(toks)
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockStored) and last.block_hashes[-1] == parent and last.lora_name == lora_name:
@@ -132,7 +144,14 @@ class G3KvEvents:
                                         kv_cache_spec_sliding_window=self.window, locality="LOCAL"))
 
     def _emit_removed(self, h) -> None:
+        """One holder of ``h`` fewer; ``BlockRemoved`` queued when it was the last."""
         from vllm.distributed.kv_events import BlockRemoved
+        n = self._holders.pop(h, 0)
+        if n > 1:
+            self._holders[h] = n - 1
+            return
+        if not n:
+            return
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockRemoved):
             last.block_hashes.append(h)
@@ -155,10 +174,15 @@ class G3KvEvents:
         so they follow the clear."""
         announced = self.announcer.live() if self.announcer is not None else []
         with self._lock:
+            seen: set = set()  # each held hash once; the holder counts stay as they are
             for info in self._published.values():
-                self._emit_stored(info)
+                if info[0] not in seen:
+                    seen.add(info[0])
+                    self._emit_stored(info, count=False)
             for ev_info in announced:
-                self._emit_stored_event(ev_info)
+                if ev_info[0] not in seen:
+                    seen.add(ev_info[0])
+                    self._emit_stored_event(ev_info, count=False)
         stats.add(kv_events_republished=1)
 
     def take(self) -> list:

@@ -544,6 +544,58 @@ def test_g3_kv_events_need_every_tp_rank():
     assert isinstance(rm, BlockRemoved) and rm.block_hashes == [conv(b"h1")]
 
 
+def test_a_router_credit_stays_while_any_holder_of_its_vllm_hash_does():
+    """The router keeps one credit per (worker, vLLM hash, medium). G3 and the G4 announcements both publish
+    ``DISK`` blocks, and two tenants' G3 blocks share a vLLM hash when requests carry no cache salt:
+    ``BlockRemoved`` goes out only when the last holder of the hash goes. Review finding (2026-11-29): a G3
+    eviction withdrew the credit of a block G4 still announced, an expired announcement that of a block G3
+    held, and one tenant's eviction that of the other tenant's block."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as conv
+    from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta
+    from kvbm_backend.integrations.vllm.scheduler_side import G3KvEvents
+    from kvbm_backend.pool.g3.index import tag_of
+
+    def req():
+        return SimpleNamespace(block_hashes=[b"h0"], all_token_ids=list(range(4)), lora_request=None,
+                               cache_salt=None, mm_features=[], prompt_embeds=None, num_prompt_tokens=4)
+
+    def kinds(evs):
+        return [(type(e).__name__, list(e.block_hashes)) for e in evs]
+
+    h = conv(b"h0")
+    ann = (h, None, list(range(4)), None, None, None)  # a G4 announcement of the same block
+    ev = G3KvEvents(1, 4)
+    a, b = tag_of("alice"), tag_of("bob")
+    ev.learn("alice", req(), [11], 0, 1)
+    ev.apply(KvbmWorkerMeta(added=[(a, 0, 11)]))
+    assert kinds(ev.take()) == [("BlockStored", [h])]
+    ev.emit_announced([ann], [])  # G4 announces it too: the router already credits it
+    assert ev.take() == []
+    ev.apply(KvbmWorkerMeta(removed=[(a, 0, 11)]))  # G3 evicts it; G4 still announces it
+    assert ev.take() == []
+    ev.emit_announced([], [h])  # the announcement expires: nothing holds it any more
+    (rm,) = ev.take()
+    assert isinstance(rm, BlockRemoved) and rm.block_hashes == [h]
+    # the other way round, and two tenants of one vLLM hash
+    ev.emit_announced([ann], [])
+    (st,) = ev.take()
+    assert isinstance(st, BlockStored) and st.block_hashes == [h]
+    ev.learn("alice", req(), [11], 0, 1)
+    ev.learn("bob", req(), [21], 0, 1)
+    ev.apply(KvbmWorkerMeta(added=[(a, 0, 11), (b, 0, 21)]))
+    assert ev.take() == []
+    ev.emit_announced([], [h])
+    ev.apply(KvbmWorkerMeta(removed=[(a, 0, 11)]))
+    assert ev.take() == []  # bob's G3 block still holds the hash
+    ev.republish()  # after a prefix-cache reset: each held hash once
+    assert kinds(ev.take()) == [("BlockStored", [h])]
+    ev.apply(KvbmWorkerMeta(removed=[(b, 0, 21)]))
+    assert kinds(ev.take()) == [("BlockRemoved", [h])]
+    ev.apply(KvbmWorkerMeta(removed=[(b, 0, 21)]))  # a repeated report removes nothing twice
+    assert ev.take() == []
+
+
 def test_a_failed_load_is_never_offered_again_to_its_request_and_cools_down_for_others(tmp_path):
     """Issue 26 A: vLLM reschedules a request whose load failed and asks for its match again. The worker's
     report (``KvbmWorkerMeta.failed``) makes the scheduler answer 0 for that request, cut other requests'
