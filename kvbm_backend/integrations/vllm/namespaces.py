@@ -97,6 +97,12 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
     if pp > 1:
         raise ValueError(f"parallel_config.pipeline_parallel_size {pp}: KvbmBackendConnector carries one stage's "
                          "layers per block key, so stages would share keys; run it with pipeline parallelism 1")
+    for fld in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        cp = int(getattr(vllm_config.parallel_config, fld, 1) or 1)
+        if cp > 1:  # vLLM: one block then spans block_size * cp tokens, spread over the ranks (resolve_dcp_kv_block_size)
+            raise ValueError(f"parallel_config.{fld} {cp}: a block then holds block_size x {cp} tokens spread over "
+                             "the context-parallel ranks, which KvbmBackendConnector's keys (block_size tokens per "
+                             "rank) do not describe; run it with context parallelism 1")
     if len(kgs) == 1 and kgs[0].kind != "sliding":
         return Namespace(model=str(model), layout=kgs[0].layout, revision=revision, tp_world_size=tp)
     # several groups, or one sliding-window group (every layer windowed, e.g. Mistral-7B-v0.1: vLLM

@@ -1,7 +1,7 @@
 """What the connector's block identity covers beyond token ids (review findings, 2026-11-29): vLLM's weights
 revision, quantization and hf_overrides reach the namespace (they change the KV; an engine with none of them
 keeps its fingerprint), a LoRA name pointed at another adapter gets other keys (vLLM's own hash has the path),
-and pipeline parallelism, whose stages would share keys, is refused with the field named."""
+and pipeline or context parallelism, whose blocks the keys would not describe, is refused with the field named."""
 from __future__ import annotations
 
 from types import SimpleNamespace as S
@@ -26,10 +26,11 @@ KCC = S(kv_cache_groups=[KVCacheGroupSpec(layer_names=[f"model.layers.{i}.self_a
                                           kv_cache_spec=SPEC)])
 
 
-def _vllm(revision=None, quantization=None, hf_overrides=None, pp=1):
+def _vllm(revision=None, quantization=None, hf_overrides=None, pp=1, dcp=1, pcp=1):
     mc = S(model="meta-llama/Llama-3.1-8B", served_model_name="meta-llama/Llama-3.1-8B", revision=revision,
            quantization=quantization, hf_overrides=hf_overrides or {})
-    return S(model_config=mc, parallel_config=S(tensor_parallel_size=1, pipeline_parallel_size=pp),
+    return S(model_config=mc, parallel_config=S(tensor_parallel_size=1, pipeline_parallel_size=pp,
+                                                decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp),
              cache_config=S(cache_dtype="auto"))
 
 
@@ -51,6 +52,17 @@ def test_weights_revision_quantization_and_overrides_are_part_of_the_namespace()
 def test_pipeline_parallelism_is_refused_with_the_field_named():
     with pytest.raises(ValueError, match="pipeline_parallel_size 2"):
         namespace_from_vllm(KvbmBackendConfig(), _vllm(pp=2), KCC)
+
+
+def test_context_parallelism_is_refused_with_the_field_named():
+    """Under decode (or prefill) context parallelism vLLM's block spans block_size x cp tokens spread over the
+    ranks (vllm/v1/core/kv_cache_utils.py resolve_dcp_kv_block_size); the connector's keys describe block_size
+    tokens per rank, so it refuses (review finding 2026-11-29: accepted, with the fingerprint of cp=1)."""
+    with pytest.raises(ValueError, match="decode_context_parallel_size 2"):
+        namespace_from_vllm(KvbmBackendConfig(), _vllm(dcp=2), KCC)
+    with pytest.raises(ValueError, match="prefill_context_parallel_size 2"):
+        namespace_from_vllm(KvbmBackendConfig(), _vllm(pcp=2), KCC)
+    assert namespace_from_vllm(KvbmBackendConfig(), _vllm(dcp=1, pcp=1), KCC).fingerprint == _fp(_vllm())
 
 
 def test_a_lora_name_pointed_at_another_adapter_gets_other_keys():
