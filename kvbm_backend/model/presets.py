@@ -16,6 +16,9 @@ import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .layout import KvLayout, dtype_bytes
 
@@ -75,8 +78,9 @@ class ModelPreset:
 
     def group_layouts(self, page_size: int = 16, tp: int = 1, dtype: str | None = None) -> dict[str, KvLayout]:
         """Per-rank layouts of the full-attention layers (``"full"``) and, for a hybrid model, the sliding
-        ones (``"sliding"``). vLLM's hybrid KV cache manager cuts them into groups of equal layer count;
-        each group's block is its layers' slice of these."""
+        ones (``"sliding"``). vLLM's hybrid KV cache manager cuts them into groups (of equal layer
+        count for gpt-oss and Gemma 2, of 8-10 layers for Gemma 3); each group's block is its layers' slice of
+        these."""
         inner = self.kv_heads_per_rank(tp) * self.head_dim
         out = {}
         for kind, n in (("full", self.full_layers), ("sliding", self.sliding_layers)):
@@ -93,6 +97,9 @@ class ModelPreset:
         if self.mla:
             return self.num_kv_heads
         if tp > self.num_kv_heads:
+            if tp % self.num_kv_heads:  # vLLM: divide(tp_size, total_num_kv_heads) in QKVParallelLinear
+                raise ValueError(f"tp: {self.name} has {self.num_kv_heads} KV heads; tp={tp} above that must be "
+                                 "a multiple of them (each head replicated on tp / heads ranks)")
             return 1
         if self.num_kv_heads % tp:
             raise ValueError(f"tp: {self.name} has {self.num_kv_heads} KV heads, not divisible by tp={tp}")
@@ -105,6 +112,29 @@ class ModelPreset:
 
     def computed_bytes_per_token(self) -> int:
         return self.num_layers * (1 if self.mla else 2) * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+
+
+_Count = Annotated[int, Field(strict=True, gt=0, le=1 << 20)]
+
+
+class _PresetFile(BaseModel):
+    """What a ``layouts/*.toml`` may hold (unknown keys refused; integers must be TOML integers, > 0)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1)
+    hf_id: str = ""
+    num_layers: _Count
+    num_kv_heads: _Count
+    head_dim: _Count
+    dtype: str = "bfloat16"
+    mla: bool = False
+    bytes_per_token: Annotated[int, Field(strict=True, gt=0)]
+    sliding_layers: Annotated[int, Field(strict=True, ge=0)] = 0
+    sliding_window: Optional[_Count] = None
+    full_bytes_per_token: Optional[Annotated[int, Field(strict=True, ge=0)]] = None
+    sliding_bytes_per_token: Optional[Annotated[int, Field(strict=True, ge=0)]] = None
+    kv_lora_rank: Optional[_Count] = None  # MLA (DeepSeek config.json): head_dim = kv_lora_rank + qk_rope_head_dim
+    qk_rope_head_dim: Optional[_Count] = None
 
 
 def list_presets() -> list[str]:
@@ -123,24 +153,37 @@ def load_preset(name: str) -> ModelPreset:
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"layout {path}: not valid TOML: {e}") from None
     try:
-        p = ModelPreset(name=str(d["name"]), hf_id=str(d.get("hf_id", "")), num_layers=int(d["num_layers"]),
-                        num_kv_heads=int(d["num_kv_heads"]), head_dim=int(d["head_dim"]),
-                        dtype=str(d.get("dtype", "bfloat16")), mla=bool(d.get("mla", False)),
-                        bytes_per_token=int(d["bytes_per_token"]), sliding_layers=int(d.get("sliding_layers", 0)),
-                        sliding_window=int(d["sliding_window"]) if "sliding_window" in d else None)
-    except KeyError as e:
-        raise ValueError(f"layout {path}: missing field {e.args[0]!r}") from None
+        f = _PresetFile.model_validate(d)
+    except ValidationError as e:
+        errs = e.errors(include_url=False)
+        why = "; ".join(f"missing field {'.'.join(str(x) for x in er['loc'])!r}" if er["type"] == "missing" else
+                        f"{'.'.join(str(x) for x in er['loc'])}: {er['msg']} (got {er['input']!r:.80})" for er in errs[:3])
+        raise ValueError(f"layout {path}: {why}" + (f"; and {len(errs) - 3} more" if len(errs) > 3 else "")) from None
+    try:
+        dtype_bytes(f.dtype)
+    except (KeyError, ValueError):
+        raise ValueError(f"layout {path}: dtype: unknown KV dtype {f.dtype!r}") from None
+    if f.mla and f.num_kv_heads != 1:
+        raise ValueError(f"layout {path}: num_kv_heads: an MLA model caches one latent per token, got {f.num_kv_heads}")
+    if f.kv_lora_rank is not None and f.qk_rope_head_dim is not None and \
+            f.kv_lora_rank + f.qk_rope_head_dim != f.head_dim:
+        raise ValueError(f"layout {path}: head_dim: {f.head_dim} != kv_lora_rank {f.kv_lora_rank} + qk_rope_head_dim "
+                         f"{f.qk_rope_head_dim} (the MLA latent)")
+    p = ModelPreset(name=f.name, hf_id=f.hf_id, num_layers=f.num_layers, num_kv_heads=f.num_kv_heads,
+                    head_dim=f.head_dim, dtype=f.dtype, mla=f.mla, bytes_per_token=f.bytes_per_token,
+                    sliding_layers=f.sliding_layers, sliding_window=f.sliding_window)
     if p.computed_bytes_per_token() != p.bytes_per_token:
         raise ValueError(f"layout {path}: bytes_per_token {p.bytes_per_token} != geometry "
                          f"{p.computed_bytes_per_token()}")
     if not 0 <= p.sliding_layers < p.num_layers or (p.sliding_layers > 0) != (p.sliding_window is not None):
         raise ValueError(f"layout {path}: sliding_layers {p.sliding_layers} and sliding_window {p.sliding_window}: "
                          f"give both (0 <= sliding_layers < num_layers {p.num_layers}) or neither")
-    for fld in ("full_bytes_per_token", "sliding_bytes_per_token"):  # not `f`: the file above
-        if p.hybrid and fld not in d:
+    for fld in ("full_bytes_per_token", "sliding_bytes_per_token"):
+        stated = getattr(f, fld)
+        if p.hybrid and stated is None:
             raise ValueError(f"layout {path}: missing field {fld!r} (hybrid presets state both)")
-        if fld in d and int(d[fld]) != getattr(p, fld):
-            raise ValueError(f"layout {path}: {fld} {d[fld]} != geometry {getattr(p, fld)}")
+        if stated is not None and stated != getattr(p, fld):
+            raise ValueError(f"layout {path}: {fld} {stated} != geometry {getattr(p, fld)}")
     return p
 
 

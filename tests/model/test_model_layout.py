@@ -80,3 +80,53 @@ def test_view_checks_size():
     assert lay.view(buf).shape == (2, 2, 4, 16)
     with pytest.raises(ValueError, match="block buffer"):
         lay.view(np.zeros(lay.bytes_per_block - 1, np.uint8))
+
+
+GOOD = ('name = "x"\nnum_layers = 4\nnum_kv_heads = 2\nhead_dim = 64\ndtype = "bfloat16"\nmla = false\n'
+        'bytes_per_token = 2048\n')
+
+
+@pytest.mark.parametrize("change,field", [
+    ("num_kv_heads = 0", "num_kv_heads"),
+    ("num_kv_heads = -8\nhead_dim = -128", "num_kv_heads"),
+    ("num_layers = 4.9", "num_layers"),
+    ("num_kv_heads = true", "num_kv_heads"),
+    ("num_layers = [4]", "num_layers"),
+    ('num_layers = "four"', "num_layers"),
+    ("num_layers = 1000000000", "num_layers"),
+    ('mla = "false"', "mla"),
+    ("sliding_widow = 128", "sliding_widow"),
+    ("sliding_layers = 2\nsliding_window = -128\nfull_bytes_per_token = 1024\nsliding_bytes_per_token = 1024",
+     "sliding_window"),
+    ('dtype = "float7"', "dtype"),
+    ("mla = true\nhead_dim = 256\nbytes_per_token = 2048", "num_kv_heads"),
+    ("mla = true\nnum_kv_heads = 1\nhead_dim = 512\nbytes_per_token = 4096\nkv_lora_rank = 512\n"
+     "qk_rope_head_dim = 64", "head_dim"),
+])
+def test_a_malformed_preset_is_refused_naming_the_file_and_field(tmp_path, change, field):
+    """Review finding (2026-11-29): 0 or negative heads, floats, booleans, strings, a 10^9-layer model, a
+    misspelt key, mla = "false" (read as true), a negative window and an MLA preset with 2 heads or a latent
+    that is not kv_lora_rank + qk_rope_head_dim were accepted (or escaped as a TypeError naming nothing)."""
+    lines = dict(ln.split(" = ", 1) for ln in GOOD.strip().splitlines())
+    lines.update(ln.split(" = ", 1) for ln in change.splitlines())
+    path = tmp_path / "bad.toml"
+    path.write_text("".join(f"{k} = {v}\n" for k, v in lines.items()))
+    with pytest.raises(ValueError) as e:
+        load_preset(str(path))
+    assert str(path) in str(e.value) and field in str(e.value), str(e.value)
+
+
+def test_the_well_formed_preset_of_those_cases_loads(tmp_path):
+    path = tmp_path / "good.toml"
+    path.write_text(GOOD)
+    p = load_preset(str(path))
+    assert (p.num_layers, p.num_kv_heads, p.head_dim, p.mla) == (4, 2, 64, False)
+
+
+def test_tp_above_the_kv_heads_must_be_a_multiple_of_them():
+    """vLLM replicates a KV head over tp / heads ranks (QKVParallelLinear: divide(tp_size, num_kv_heads)), so
+    12 ranks over 8 heads is no engine vLLM starts; the preset said 1 head per rank."""
+    llama = load_preset("llama-3.1-8b")
+    assert llama.kv_heads_per_rank(16) == 1
+    with pytest.raises(ValueError, match="tp=12"):
+        llama.kv_heads_per_rank(12)
