@@ -110,6 +110,11 @@ class Namespace:
             head's part, ``tp_world_size`` the number of parts (KV heads of the model, 1 for MLA) and the
             key's rank the KV head index). The id is part of the fingerprint: a per-rank block is never
             read as a canonical part, nor the reverse.
+        kv_heads: KV heads per rank in ``layout.inner_dim`` (``inner_dim = kv_heads * head_dim``), recorded
+            where an operator states the head split (vLLM secondary tiers: ``num_kv_heads`` / ``layout``):
+            two engines whose settings cut the same bytes into different heads (4 x 32 against 2 x 64) never
+            share blocks. 0 (default): derived from the engine itself, not written into the canonical JSON
+            (fingerprints as before the field).
     """
 
     model: str
@@ -120,10 +125,14 @@ class Namespace:
     groups: tuple[KvGroup, ...] = ()
     group: int = 0
     layout_id: str = "per-rank"
+    kv_heads: int = 0
 
     def __post_init__(self) -> None:
         if self.layout_id not in LAYOUT_IDS:
             raise ValueError(f"namespace.layout_id: {self.layout_id!r} not in {LAYOUT_IDS}")
+        if self.kv_heads < 0 or (self.kv_heads and self.layout.inner_dim % self.kv_heads):
+            raise ValueError(f"namespace.kv_heads: {self.kv_heads} does not divide the layout's inner_dim "
+                             f"{self.layout.inner_dim}")
         if self.groups:
             if len(self.groups) < 2 and self.groups[0].kind != "sliding":
                 raise ValueError("namespace.groups: set only for two or more KV cache groups, or one "
@@ -148,7 +157,8 @@ class Namespace:
                 "dtype": self.layout.dtype, "layout": self.layout.to_dict(),
                 "tp_world_size": self.tp_world_size, "hash_scheme": self.hash_scheme,
                 **({"groups": [g.to_dict() for g in self.groups], "group": self.group} if self.groups else {}),
-                **({"layout_id": self.layout_id} if self.layout_id != "per-rank" else {})}
+                **({"layout_id": self.layout_id} if self.layout_id != "per-rank" else {}),
+                **({"kv_heads": self.kv_heads} if self.kv_heads else {})}
 
     def for_group(self, group: int) -> "Namespace":
         """The namespace of group ``group``'s blocks (same model, revision, TP, structure). Raises
@@ -180,7 +190,7 @@ class Namespace:
         return cls(model=d["model"], revision=d.get("revision", "main"), layout=KvLayout.from_dict(d["layout"]),
                    tp_world_size=int(d.get("tp_world_size", 1)), hash_scheme=d.get("hash_scheme", "kvbm-xxh3-v1"),
                    groups=tuple(KvGroup.from_dict(g) for g in d.get("groups") or ()), group=int(d.get("group", 0)),
-                   layout_id=str(d.get("layout_id", "per-rank")))
+                   layout_id=str(d.get("layout_id", "per-rank")), kv_heads=int(d.get("kv_heads", 0)))
 
     def key(self, seq_hash: int, tenant: str = "", rank: int = 0) -> "BlockKey":
         if not 0 <= rank < self.tp_world_size:

@@ -286,6 +286,10 @@ class PrimaryGeometry(EngineGeometry):
         if layout is not None:
             from ...model.presets import load_preset
             p = load_preset(layout)
+            engine_layers = sum(len(g.layer_names) for g in cfg.groups)
+            if p.num_layers != engine_layers:
+                raise ValueError(f"layout: preset {p.name!r} has {p.num_layers} layers, the engine's KV cache "
+                                 f"groups {engine_layers}: another model's preset")
             num_kv_heads = p.kv_heads_per_rank(tp)
             head_dim, mla = p.head_dim, p.mla
             dtype = p.dtype if dtype in ("", "auto") else dtype

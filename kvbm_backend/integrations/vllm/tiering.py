@@ -20,9 +20,10 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
 * ``revision``: the namespace's revision (default the config's ``revision``). vLLM hands a tier neither
   ``--revision`` nor ``--quantization`` nor ``--hf-overrides``: engines differing in any of them that share G3
   paths or a G4 store need distinct values here, or they share blocks.
-* ``num_kv_heads`` (per rank), ``head_dim``, ``mla`` or ``layout`` (a preset in ``layouts/``):
-  the geometry needed to map vLLM's page to KVBM's block (below). ``head_dim`` and ``mla`` default
-  from the byte sizes when ``num_kv_heads`` is given.
+* ``num_kv_heads`` (per rank), ``head_dim``, ``mla`` or ``layout`` (a preset in ``layouts/``, whose layer
+  count must be the engine's): the geometry needed to map vLLM's page to KVBM's block (below). ``head_dim``
+  defaults from the byte sizes when ``num_kv_heads`` is given, ``mla`` to false. The head split is part of
+  the namespace (``kv_heads``): engines whose settings cut a page into other heads never share blocks.
 * ``kv_cache_layout``: vLLM ``KVCacheLayout`` name; default the engine's resolved one, else ``LBNHC``.
 * ``enable_kv_events`` (emit ``OffloadingEvent`` for stored chunks and, on G3, for chunks it no longer holds;
   below), ``locality`` (``LOCAL``/``REMOTE``),
@@ -55,11 +56,12 @@ numpy) on store and its exact inverse on load, so a load returns the primary's b
 the layout. ``LHBNC``/``BHLNC`` (heads outside the block), canonical layout and padded pages are refused
 with a ValueError naming the setting.
 
-Hybrid models (vLLM's hybrid KV cache manager, several KV cache groups: gpt-oss, Gemma 2/3): vLLM's
+Hybrid models (vLLM's hybrid KV cache manager, several KV cache groups: gpt-oss, Gemma 2): vLLM's
 offloading connector decides per group which blocks it offloads (for a sliding-window group, the ones
 its window needs) and the ``OffloadKey`` carries the group index, so the tier stores what it is handed.
-A chunk of group ``g`` holds that group's layers (vLLM's uniform-page hybrid layout gives every group
-the same layer count and block size; anything else is refused with the counts). The namespace records
+A chunk of group ``g`` holds that group's layers; the tiers need every group to have the same layer count
+and block size, and refuse anything else with the counts (Gemma 3 under vLLM 0.32: its 52 sliding and 10
+full layers make groups of 8, 9 and 10 layers). The namespace records
 the groups (:class:`~kvbm_backend.model.namespace.KvGroup` ``kind="vllm-offload"`` with each group's
 layer names), so a hybrid model's blocks never meet a one-group namespace.
 
@@ -203,7 +205,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self.namespace = Namespace(model=str(offloading_spec.config.model.name),
                                    revision=revision or self.config.revision, layout=self.geometry.kv_layout,
                                    tp_world_size=self.geometry.copies, hash_scheme="vllm-block-hash",
-                                   groups=groups)
+                                   groups=groups, kv_heads=self.geometry.num_kv_heads)
         view = primary_kv_view
         assert view.strides is not None
         self._row_stride = int(view.strides[0])

@@ -97,6 +97,29 @@ def test_geometry_errors_name_the_setting(tmp_path, harnesses):
         harnesses([tier])
     with pytest.raises(ValueError, match="head_dim"):
         harnesses([g3_tier(tmp_path / "g3b", num_kv_heads=3)])
+    # a preset of another model (32 layers against the engine's 4) is refused, not cut to fit
+    with pytest.raises(ValueError, match="layout: preset 'llama-3.1-8b' has 32 layers, the engine's KV cache groups 4"):
+        harnesses([{k: v for k, v in g3_tier(tmp_path / "g3c", layout="llama-3.1-8b").items() if k != "num_kv_heads"}])
+
+
+def test_engines_whose_settings_cut_other_heads_never_share_blocks(tmp_path, harnesses):
+    """Review finding (2026-11-29): num_kv_heads 4 (the model's total, a TP=2 engine's easy mistake; head_dim then
+    derives as 32) and the right 2 x 64 give the same byte total, so both engines got one namespace and each
+    loaded the other's chunks as verified hits, its heads scrambled. The head split is now in the namespace."""
+    wrong = harnesses([g3_tier(tmp_path / "g3", num_kv_heads=4)])
+    assert (wrong.tier.geometry.num_kv_heads, wrong.tier.geometry.head_dim) == (4, 32)
+    keys, data = keys_for(3, "heads"), payloads(wrong, 3, seed=5)
+    wrong.store(keys, data)
+    wrong.wait_idle()
+    wrong_fp = wrong.tier.namespace.fingerprint
+    wrong.shutdown()
+    right = harnesses([g3_tier(tmp_path / "g3")])
+    assert _looked_up(right.tier, right.context(), keys[0]) is LookupResult.MISS
+    assert right.tier.namespace.kv_heads == 2 and right.tier.namespace.fingerprint != wrong_fp
+    right.shutdown()
+    again = harnesses([g3_tier(tmp_path / "g3", num_kv_heads=4)])  # the same settings still find their chunks
+    got = again.load(keys)
+    assert len(got) == 3 and all(np.array_equal(a, b) for a, b in zip(got, data))
 
 
 # ---- store / load through vLLM's manager ------------------------------------------------------
