@@ -153,25 +153,25 @@ def load_preset(name: str) -> ModelPreset:
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"layout {path}: not valid TOML: {e}") from None
     try:
-        f = _PresetFile.model_validate(d)
+        pf = _PresetFile.model_validate(d)
     except ValidationError as e:
         errs = e.errors(include_url=False)
         why = "; ".join(f"missing field {'.'.join(str(x) for x in er['loc'])!r}" if er["type"] == "missing" else
                         f"{'.'.join(str(x) for x in er['loc'])}: {er['msg']} (got {er['input']!r:.80})" for er in errs[:3])
         raise ValueError(f"layout {path}: {why}" + (f"; and {len(errs) - 3} more" if len(errs) > 3 else "")) from None
     try:
-        dtype_bytes(f.dtype)
+        dtype_bytes(pf.dtype)
     except (KeyError, ValueError):
-        raise ValueError(f"layout {path}: dtype: unknown KV dtype {f.dtype!r}") from None
-    if f.mla and f.num_kv_heads != 1:
-        raise ValueError(f"layout {path}: num_kv_heads: an MLA model caches one latent per token, got {f.num_kv_heads}")
-    if f.kv_lora_rank is not None and f.qk_rope_head_dim is not None and \
-            f.kv_lora_rank + f.qk_rope_head_dim != f.head_dim:
-        raise ValueError(f"layout {path}: head_dim: {f.head_dim} != kv_lora_rank {f.kv_lora_rank} + qk_rope_head_dim "
-                         f"{f.qk_rope_head_dim} (the MLA latent)")
-    p = ModelPreset(name=f.name, hf_id=f.hf_id, num_layers=f.num_layers, num_kv_heads=f.num_kv_heads,
-                    head_dim=f.head_dim, dtype=f.dtype, mla=f.mla, bytes_per_token=f.bytes_per_token,
-                    sliding_layers=f.sliding_layers, sliding_window=f.sliding_window)
+        raise ValueError(f"layout {path}: dtype: unknown KV dtype {pf.dtype!r}") from None
+    if pf.mla and pf.num_kv_heads != 1:
+        raise ValueError(f"layout {path}: num_kv_heads: an MLA model caches one latent per token, got {pf.num_kv_heads}")
+    if pf.kv_lora_rank is not None and pf.qk_rope_head_dim is not None and \
+            pf.kv_lora_rank + pf.qk_rope_head_dim != pf.head_dim:
+        raise ValueError(f"layout {path}: head_dim: {pf.head_dim} != kv_lora_rank {pf.kv_lora_rank} + qk_rope_head_dim "
+                         f"{pf.qk_rope_head_dim} (the MLA latent)")
+    p = ModelPreset(name=pf.name, hf_id=pf.hf_id, num_layers=pf.num_layers, num_kv_heads=pf.num_kv_heads,
+                    head_dim=pf.head_dim, dtype=pf.dtype, mla=pf.mla, bytes_per_token=pf.bytes_per_token,
+                    sliding_layers=pf.sliding_layers, sliding_window=pf.sliding_window)
     if p.computed_bytes_per_token() != p.bytes_per_token:
         raise ValueError(f"layout {path}: bytes_per_token {p.bytes_per_token} != geometry "
                          f"{p.computed_bytes_per_token()}")
@@ -179,7 +179,7 @@ def load_preset(name: str) -> ModelPreset:
         raise ValueError(f"layout {path}: sliding_layers {p.sliding_layers} and sliding_window {p.sliding_window}: "
                          f"give both (0 <= sliding_layers < num_layers {p.num_layers}) or neither")
     for fld in ("full_bytes_per_token", "sliding_bytes_per_token"):
-        stated = getattr(f, fld)
+        stated = getattr(pf, fld)
         if p.hybrid and stated is None:
             raise ValueError(f"layout {path}: missing field {fld!r} (hybrid presets state both)")
         if stated is not None and stated != getattr(p, fld):
