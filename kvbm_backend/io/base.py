@@ -6,6 +6,7 @@ Engines (``posix``: thread pool over ``os.preadv``/``os.pwritev``; ``nixl``: NIX
 """
 from __future__ import annotations
 
+import errno
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -15,6 +16,24 @@ import numpy as np
 import numpy.typing as npt
 
 _T = TypeVar("_T")
+
+
+IOV_MAX = 1024  # Linux UIO_MAXIOV: the most iovecs preadv/pwritev take (EINVAL above it); engines refuse more
+
+
+def check_bufs(op: "IoOp", i: int) -> None:
+    """Raise ``OSError(EINVAL)`` naming op ``i`` if it holds more than :data:`IOV_MAX` non-empty buffers or a
+    buffer that is not one C-contiguous block of memory (an engine that hands (address, bytes) to a driver
+    would otherwise read or write past a strided view's elements)."""
+    n = 0
+    for b in op.bufs:
+        if not b.nbytes:
+            continue
+        n += 1
+        if not getattr(getattr(b, "flags", None), "c_contiguous", False):
+            raise OSError(errno.EINVAL, f"op {i}: buffer {n - 1} is not C-contiguous memory")
+    if n > IOV_MAX:
+        raise OSError(errno.EINVAL, f"op {i}: {n} buffers, more than IOV_MAX {IOV_MAX}")
 
 
 @dataclass

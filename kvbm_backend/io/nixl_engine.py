@@ -53,7 +53,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Sequence, TypeAlias
 
-from .base import IoOp
+from .base import IoOp, check_bufs
 from .posix import run_op
 
 log = logging.getLogger(__name__)
@@ -338,6 +338,7 @@ class NixlEngine:
             for i, op in enumerate(job.ops):
                 if op.nbytes == 0:
                     continue
+                check_bufs(op, i)  # NIXL takes (address, bytes): a strided view would be overrun
                 if os.O_DIRECT & fcntl.fcntl(op.fd, fcntl.F_GETFL):
                     _check_o_direct(op, i)
                 if not op.write:
@@ -371,7 +372,8 @@ class NixlEngine:
         for i in nixl_ops:
             op = job.ops[i]
             n = sum(1 for b in op.bufs if b.nbytes)
-            if g_idx and len(local) - g_first + n > self.queue_depth:
+            # one transfer has one direction: a read and a write never share a group
+            if g_idx and (len(local) - g_first + n > self.queue_depth or job.ops[g_idx[0]].write != op.write):
                 groups.append((job, g_idx, list(range(g_first, len(local)))))
                 g_idx, g_first = [], len(local)
             pos = op.offset

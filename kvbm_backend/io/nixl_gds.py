@@ -24,7 +24,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
-from .base import IoOp
+from .base import IoOp, check_bufs
 
 if TYPE_CHECKING:
     import torch
@@ -156,10 +156,10 @@ class NixlGdsEngine:
             files.append((pos, n, fd, ""))
             pos += n
         with self._lock:
-            mreg = a.register_memory([(x, n, d, "") for x, n, d in mem], mem_type)
-            freg = a.register_memory(files, "FILE")
-            h = None
+            h = mreg = freg = None
             try:
+                mreg = a.register_memory([(x, n, d, "") for x, n, d in mem], mem_type)
+                freg = a.register_memory(files, "FILE")
                 local = a.get_xfer_descs(mem, mem_type)
                 h = a.initialize_xfer(op, local, freg.trim(), self._agent_name)
                 st = a.transfer(h)
@@ -175,11 +175,14 @@ class NixlGdsEngine:
             finally:
                 if h is not None:
                     a.release_xfer_handle(h)
-                a.deregister_memory(freg)
-                a.deregister_memory(mreg)
+                if freg is not None:
+                    a.deregister_memory(freg)
+                if mreg is not None:  # also when the file registration failed
+                    a.deregister_memory(mreg)
         return total
 
     def _run_op(self, op: IoOp) -> int:
+        check_bufs(op, 0)
         mem = [(b.ctypes.data, b.nbytes, 0) for b in op.bufs if b.nbytes]
         if not mem:
             return 0
@@ -193,11 +196,12 @@ class NixlGdsEngine:
     def submit(self, ops: Sequence[IoOp]) -> Future[list[int]]:
         """Run host-buffer ops; Future of bytes per op (reads past end of file are short), or the
         first OSError (``EIO`` naming the NIXL failure) after all ops finished."""
-        if self._closed:
-            raise RuntimeError("NixlGdsEngine is closed")
         ops = list(ops)
         out: Future[list[int]] = Future()
         out.set_running_or_notify_cancel()
+        if self._closed:  # as the other engines: a failed Future, never a raise
+            out.set_exception(OSError(errno.EBADF, "NixlGdsEngine is closed"))
+            return out
         futs = [self._pool.submit(self._run_op, o) for o in ops]
 
         def finish() -> None:

@@ -34,7 +34,10 @@ def run_op(op: IoOp) -> int:
     Raises:
         OSError: from the syscall (errno kept), or ``EIO`` if a write makes no progress.
     """
-    views = [b.data.cast("B") for b in op.bufs if b.nbytes]  # .data: the array's memoryview
+    try:
+        views = [b.data.cast("B") for b in op.bufs if b.nbytes]  # .data: the array's memoryview
+    except TypeError as e:  # a strided view (memoryview casts need C-contiguous memory)
+        raise OSError(errno.EINVAL, f"buffer is not C-contiguous memory: {e}") from None
     total = sum(v.nbytes for v in views)
     done = 0
     while done < total:

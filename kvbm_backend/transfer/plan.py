@@ -17,9 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..io.base import IoOp
+from ..io.base import IOV_MAX, IoOp
 
-IOV_MAX = 1024  # Linux UIO_MAXIOV; preadv/pwritev fail with EINVAL above it
 ALIGN = 4096
 
 

@@ -5,6 +5,7 @@ The loader's logic (slot runs, header identity, checksum verified where the byte
 miss + drop, dst untouched on a miss) runs here on the CPU device ("host" mode) over real frames in
 real files and over the real G3 pool. What needs CUDA / the NVIDIA driver skips with the reason.
 """
+import errno
 import os
 
 import numpy as np
@@ -342,9 +343,15 @@ def test_nixl_gds_descriptor_logic_with_posix_backend(tmp_path):
                           IoOp(fd, 4096 + a.nbytes - 4096, [tail], False)]).result(timeout=30)
         assert got == [a.nbytes, 4096]  # a read past end of file is short, as posix
         assert np.array_equal(a, b)
+        with pytest.raises(OSError) as e:  # a strided view: refused, not overrun (as the other engines)
+            eng.submit([IoOp(fd, 0, [np.zeros(8192, np.uint8)[::2]], False)]).result(timeout=30)
+        assert e.value.errno == errno.EINVAL
     finally:
         eng.close()
         os.close(fd)
+    # after close: a failed Future (EBADF) as the other engines give, not a RuntimeError from submit
+    # (review finding 2026-11-29)
+    assert eng.submit([IoOp(0, 0, [aligned_empty(4096)], False)]).exception(timeout=5).errno == errno.EBADF
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------

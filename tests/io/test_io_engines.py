@@ -420,3 +420,61 @@ def test_doctor_engine_choice_says_auto_falls_back_to_posix():
     assert "WILL FAIL" not in out["g3_engine_why"]
     out = engine_choice(KvbmBackendConfig.model_validate({"g3": {"engine": "nixl"}}), {}, {}, nixl, [])
     assert out["g3_engine"] == "nixl" and "WILL FAIL: failed: injected reason" in out["g3_engine_why"]
+
+
+def test_a_read_and_a_write_in_one_submit_each_go_their_way(engine, tmp_path):
+    """The IoOp contract allows reads and writes in one submit. Review finding (2026-11-29): NIXL gave a group
+    of ops its first op's direction, so a read op beside a write wrote the read buffer over the file and
+    reported the read complete (the planner never mixes them today)."""
+    fd = open_file(str(tmp_path / "mixed"), o_direct=True, size=8 * K4)
+    try:
+        old = aligned_empty(K4)
+        old[:] = 0xAA
+        os.pwritev(fd, [old], 4 * K4)
+        w, r = aligned_empty(K4), aligned_empty(K4)
+        w[:], r[:] = 0x11, 0x55
+        assert engine.submit([IoOp(fd, 0, [w], write=True), IoOp(fd, 4 * K4, [r], write=False)]).result(20) == [K4, K4]
+        back = aligned_empty(2 * K4)
+        os.preadv(fd, [back[:K4], back[K4:]], 0), os.preadv(fd, [back[K4:]], 4 * K4)
+        assert (r == 0xAA).all() and (back[:K4] == 0x11).all() and (back[K4:] == 0xAA).all()
+    finally:
+        os.close(fd)
+
+
+def test_a_strided_buffer_is_refused_einval_and_nothing_outside_it_is_touched(engine, tmp_path):
+    """Review finding (2026-11-29): NIXL took (address, nbytes) of a strided view and read the file over the
+    memory between its elements (2,048 bytes outside the view overwritten, success reported); posix raised a
+    TypeError the interface does not promise. Both now fail the Future with EINVAL."""
+    path = str(tmp_path / "strided")
+    with open(path, "wb") as f:
+        f.write(b"\x22" * 2 * K4)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        big = np.full(2 * K4, 0x77, np.uint8)
+        view = big[::2]  # 4 KiB of elements, 8 KiB of memory
+        with pytest.raises(OSError) as e:
+            engine.submit([IoOp(fd, 0, [view], write=False)]).result(20)
+        assert e.value.errno == errno.EINVAL
+        assert (big == 0x77).all()
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+def test_nixl_refuses_an_op_of_more_than_iov_max_buffers_instead_of_hanging(tmp_path):
+    """Review finding (2026-11-29): an op of more than 65,536 buffers was never posted (NIXL's descriptor pool)
+    and never failed: its Future hung, close() never returned, the driver thread spun a core. Posix answers
+    EINVAL above IOV_MAX (1,024); NIXL now does the same."""
+    from kvbm_backend.io.base import IOV_MAX
+    fd = open_file(str(tmp_path / "many"), o_direct=False, size=(IOV_MAX + 1) * 16)
+    eng = make_engine("nixl", threads=2)
+    try:
+        bufs = [np.zeros(16, np.uint8) for _ in range(IOV_MAX + 1)]
+        with pytest.raises(OSError) as e:
+            eng.submit([IoOp(fd, 0, bufs, write=True)]).result(60)
+        assert e.value.errno == errno.EINVAL and "IOV_MAX" in str(e.value)
+        ok = [np.full(16, 3, np.uint8) for _ in range(IOV_MAX)]
+        assert eng.submit([IoOp(fd, 0, ok, write=True)]).result(60) == [16 * IOV_MAX]
+    finally:
+        eng.close()
+        os.close(fd)
