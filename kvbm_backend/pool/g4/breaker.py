@@ -3,6 +3,9 @@
 States: ``closed`` (all requests pass), ``open`` after ``failures`` consecutive failures (every request
 is refused at once for ``reset_s`` seconds: the caller turns it into a miss or a dropped offload),
 ``half_open`` (one probe request passes; success closes, failure re-opens for another ``reset_s``).
+A probe that never reports (its caller ended without asking the store: a revoked tenant's offload, a bug)
+is handed back with :meth:`release`, and in any case lapses after ``reset_s``: another request then probes
+(before 2026-11-30 such a probe kept the breaker half-open for good, every load a miss until a restart).
 Thread-safe.
 
 Operator logs (when ``name`` is given; ``kvbm_backend.pool.g4.breaker`` logger), one line per state change,
@@ -41,6 +44,7 @@ class CircuitBreaker:
         self._last_log = 0.0
         self._rejected_at_open = 0
         self._probe_out = False
+        self._probe_at = 0.0  # when the probe went out (it lapses after reset_s)
         self._answered = False  # some request succeeded: the store was up after start
         self.opens = 0  # times it opened
         self.rejected = 0  # requests refused while open
@@ -65,11 +69,19 @@ class CircuitBreaker:
             st = self._state()
             if st == "closed":
                 return True
-            if st == "half_open" and not self._probe_out:
-                self._probe_out = True
+            if st == "half_open" and (not self._probe_out or self._clock() - self._probe_at >= self.reset_s):
+                self._probe_out, self._probe_at = True, self._clock()
                 return True
             self.rejected += 1
             return False
+
+    def release(self) -> None:
+        """A request :meth:`allow` let through ended without an answer from the store (nothing was sent):
+        if it was the half-open probe, the next request probes. No-op while closed."""
+        if self._opened_at is None:
+            return
+        with self._mu:
+            self._probe_out = False
 
     def refuse_if_open(self) -> bool:
         """True (counting a rejection) while ``open``; False when closed or half-open, so a caller can

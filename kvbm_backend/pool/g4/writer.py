@@ -224,6 +224,7 @@ class G4Writer:
                 try:
                     buf = self._seal(key, block, fbuf)
                 except KeyringError as e:
+                    self._breaker.release()  # nothing went to the store: a probe it held goes back
                     reason = ("dropped_revoked_tenant" if isinstance(e, TenantRevoked) else
                               "dropped_unknown_tenant" if isinstance(e, UnknownTenant) else "dropped_keyring")
                     self._count(reason)
