@@ -199,22 +199,26 @@ def _open_store(url: str, endpoint_url: Optional[str], region: Optional[str]):
 def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
                endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint URL"),
                region: Optional[str] = typer.Option(None, help="S3 region (default: from the AWS environment)"),
-               keyring: Optional[str] = typer.Option(None, help="the workers' keyring (required when they have one)"),
+               keyring: Optional[str] = typer.Option(None, help="the workers' keyring (or --unkeyed)"),
+               unkeyed: bool = typer.Option(False, "--unkeyed", help="the workers have no keyring (or --keyring)"),
                kek_env: str = _ENV, kek_file: Optional[str] = _KF,
                dir_fanout: int = typer.Option(256, help="the workers' g4.dir_fanout"),
                dry_run: bool = typer.Option(False, "--dry-run", help="count, rename nothing"),
                as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Rename blocks stored under format 1 names (sequence hash in clear) to keyed names. Safe while
-    workers run; repeatable. Until it ran, old-named blocks are misses (recomputed)."""
+    workers run; repeatable. Until it ran, old-named blocks are misses (recomputed). Exit 1 when an
+    object could not be renamed (``errors`` > 0; the rest was), 2 for a refused run (nothing written)."""
     from kvbm_backend.crypto.keyring import KeyringError
     from kvbm_backend.pool.g4.migrate import run_migrate
     store = _open_store(url, endpoint_url, region)
     try:
         kr = _open(keyring, kek_env, kek_file, False) if keyring else None
-        res = run_migrate(store, keyring=kr, dir_fanout=dir_fanout, dry_run=dry_run)
+        res = run_migrate(store, keyring=kr, unkeyed=unkeyed, dir_fanout=dir_fanout, dry_run=dry_run)
     except (ValueError, KeyringError, OSError) as e:
         _fail(str(e))
     _out(res, as_json)
+    if res["errors"]:
+        raise typer.Exit(1)
 
 
 def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an existing directory)"),
@@ -231,7 +235,8 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an
        as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Remove G4 blocks by age and/or to a capacity target (oldest first), per tenant too, and every
     block of revoked tenants. Ages are measured on the store's clock (its Date header, or the newest
-    mtime listed when that is ahead of ours). Safe while workers run."""
+    mtime listed when that is ahead of ours). Safe while workers run. Exit 1 when an object could not be
+    deleted (``errors`` > 0; the rest was), 2 for a refused run."""
     from kvbm_backend.crypto.keyring import KeyringError
     from kvbm_backend.pool.g4.gc import run_gc
     if max_age_s is None and target_gb is None and keyring is None:
@@ -251,6 +256,8 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an
     except (ValueError, KeyringError, OSError) as e:
         _fail(str(e))
     _out(res, as_json)
+    if res["errors"]:
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

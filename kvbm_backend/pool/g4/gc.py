@@ -74,7 +74,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         tenant: restrict everything to one tenant (id or pseudonym hex).
         now: this host's clock (epoch s; default ``time.time()``), used where the store states no time.
         temp_grace_s: writer temp files older than this are removed (crashed writers).
-        dry_run: report only.
+        dry_run: report only (writes nothing: no clock probe either, so a store that states no time is
+            measured on this host's clock, ``time_base: "local"``).
     Returns:
         dict of counts and bytes: scanned_*, deleted_* and per-reason ``deleted_by``; ``store_now`` (the
         time base, epoch s), ``time_base`` (``"server"``: the store's clock, stated or probed;
@@ -96,7 +97,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         else:
             raise ValueError(f"--tenant {tenant!r}: needs --keyring to map a tenant id to its pseudonym "
                              "(or pass the 32-hex pseudonym)")
-    server_now = store_clock(store)
+    # a dry run writes nothing, not even the clock probe: the store's stated time, else this host's
+    server_now = store.server_time() if dry_run else store_clock(store)
     revoked = keyring.revoked() if keyring is not None else {}
     # re-created after revocation (revoked is empty without a keyring)
     active = {r["pseudonym"] for r in keyring.info()} if keyring is not None and revoked else set()

@@ -22,25 +22,35 @@ if TYPE_CHECKING:
     from ...crypto.keyring import Keyring
 
 
-def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, dir_fanout: int = 256,
-                dry_run: bool = False) -> dict[str, Any]:
-    """Rename every format 1 block object of ``store`` to its keyed name.
+def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: bool = False,
+                dir_fanout: int = 256, dry_run: bool = False) -> dict[str, Any]:
+    """Rename every format 1 block object of ``store`` to its keyed name, under the same prefix.
+
+    Two passes: every candidate's header is read and checked first (nothing is written before all passed
+    the checks that refuse the run), then each is read whole, published under its new name and deleted.
 
     Args:
-        keyring: the workers' :class:`~kvbm_backend.crypto.keyring.Keyring` (required when they have
-            one: names are keyed by it); None only for pools without a keyring (unkeyed names).
+        keyring: the workers' :class:`~kvbm_backend.crypto.keyring.Keyring` (names are keyed by it, also
+            for an unencrypted pool that has one).
+        unkeyed: the workers have no keyring (names keyed by the public constant). One of ``keyring`` and
+            ``unkeyed`` is required: renaming a keyring pool's blocks unkeyed puts them where no worker
+            looks (before 2026-11-30 a plaintext pool with a keyring lost every block that way).
         dir_fanout: the workers' ``g4.dir_fanout`` (checked against the old names' fan-out directories).
-        dry_run: count only.
+        dry_run: count only (``migrated``: would be renamed; ``already_present``: the new name exists).
     Returns:
         dict: ``legacy_objects`` found, ``migrated``, ``already_present`` (the new name existed: the old
         object was deleted), ``skipped_invalid`` (header does not match the name), ``skipped_revoked``,
         ``skipped_unknown_tenant``, ``errors``.
     Raises:
-        ValueError before anything is written when ``dir_fanout`` does not match the old names, or when an
-        encrypted object is found without ``keyring``; StoreUnavailable when the store is down.
+        ValueError before anything is written when neither or both of ``keyring`` / ``unkeyed`` are given,
+        ``dir_fanout`` does not match the old names, or an encrypted object is found without ``keyring``;
+        StoreUnavailable when the store is down.
     """
     if not 1 <= dir_fanout <= 4096:
         raise ValueError(f"--dir-fanout: must be in [1, 4096] (got {dir_fanout})")
+    if (keyring is None) == (not unkeyed):
+        raise ValueError("--keyring: give the workers' keyring, or --unkeyed when they have none (not both): "
+                         "names are keyed by it, even in an unencrypted pool")
     legacy = []
     for o in store.list(""):
         meta = parse_block_name(o.name)
@@ -59,42 +69,50 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, dir_fanou
     if keyring is not None:
         revoked = set(keyring.revoked())
         known = {r["pseudonym"] for r in keyring.info()}
-    namers: dict[tuple[str, str], TenantNamer] = {}  # (namespace hex, tenant pseudonym hex)
-    for o, meta in legacy:
+    todo = []
+    for o, meta in legacy:  # pass 1: headers only; refusals happen here
         ps = meta["tenant"]
         if known is not None and ps not in known:
             res["skipped_revoked" if ps in revoked else "skipped_unknown_tenant"] += 1
             continue
         try:
-            data = store.get(o.name)
+            head = store.get(o.name, 0, HEADER_BYTES)
         except StoreUnavailable:
             raise
         except OSError:
             res["errors"] += 1
             continue
-        if data is None:  # deleted meanwhile (gc, a reader dropping it)
+        if head is None:  # deleted meanwhile (gc, a reader dropping it)
             continue
-        try:
-            hdr = FrameHeader.unpack(memoryview(data)[:HEADER_BYTES])
-        except FrameError:
-            res["skipped_invalid"] += 1
-            continue
-        if (hdr.ns_fp.hex() != meta["ns"] or hdr.tenant_tag.hex() != ps or hdr.rank != meta["rank"]
-                or hdr.seq_hash != meta["seq_hash"]):
+        hdr = _matching_header(head, meta)
+        if hdr is None:
             res["skipped_invalid"] += 1
             continue
         if keyring is None and hdr.flags & FLAG_ENCRYPTED:
             raise ValueError(f"--keyring: {o.name} is encrypted: its keyed name needs the workers' keyring")
+        todo.append((o, meta))
+    namers: dict[tuple[str, str], TenantNamer] = {}  # (namespace hex, tenant pseudonym hex)
+    for o, meta in todo:  # pass 2: rename
+        ps = meta["tenant"]
         namer = namers.get((meta["ns"], ps))
         if namer is None:
             pb = bytes.fromhex(ps)
             key = keyring.name_key(pb) if keyring is not None else derive_name_key(UNKEYED_PSEUDONYM_KEY, pb)
             namer = namers[(meta["ns"], ps)] = TenantNamer(meta["ns"], pb, key, dir_fanout)
-        if dry_run:
-            res["migrated"] += 1
-            continue
+        # the store's prefix above the namespace stays (a --url above the pool's root must not move blocks out)
+        parts = o.name.split("/")
+        new = "/".join(parts[:-5] + [namer.name(meta["rank"], meta["seq_hash"])])
         try:
-            created = store.put_if_absent(namer.name(meta["rank"], meta["seq_hash"]), data)
+            if dry_run:
+                res["already_present" if store.head(new) is not None else "migrated"] += 1
+                continue
+            data = store.get(o.name)
+            if data is None:
+                continue
+            if _matching_header(memoryview(data)[:HEADER_BYTES], meta) is None:  # replaced since pass 1
+                res["skipped_invalid"] += 1
+                continue
+            created = store.put_if_absent(new, data)
             store.delete(o.name)
         except StoreUnavailable:
             raise
@@ -103,3 +121,16 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, dir_fanou
             continue
         res["migrated" if created else "already_present"] += 1
     return res
+
+
+def _matching_header(head: Any, meta: dict[str, Any]) -> FrameHeader | None:
+    """The frame header in ``head`` (its first HEADER_BYTES bytes) if it names the block ``meta`` (from the
+    object's name) names, else None."""
+    try:
+        hdr = FrameHeader.unpack(memoryview(head)[:HEADER_BYTES])
+    except FrameError:
+        return None
+    if (hdr.ns_fp.hex() != meta["ns"] or hdr.tenant_tag.hex() != meta["tenant"] or hdr.rank != meta["rank"]
+            or hdr.seq_hash != meta["seq_hash"]):
+        return None
+    return hdr

@@ -156,7 +156,7 @@ def test_migrate_renames_format1_names(target):
 def test_unkeyed_pool_names_hide_nothing_from_who_knows_the_tenant(tmp_path):
     """No keyring (unencrypted pool): names are still not the clear hash, but their key is derived from a
     public constant: anyone knowing the tenant id computes them (docs/format.md says so). Migrating such a
-    pool needs no keyring."""
+    pool needs no keyring, only ``--unkeyed`` to say so."""
     ns = namespace()
     cfg = G4Config(url=f"file://{tmp_path / 'store'}", encrypt=False, dir_fanout=FANOUT)
     with G4Pool(cfg, ns) as p:
@@ -168,7 +168,9 @@ def test_unkeyed_pool_names_hide_nothing_from_who_knows_the_tenant(tmp_path):
         k = ns.key(6, tenant="t")
         p.store.put(p.legacy_object_name(k), bytes(p.store.get(p.object_name(k))))
         p.store.delete(p.object_name(k))
-    res = json.loads(_cli("g4", "migrate", "--url", cfg.url, "--dir-fanout", str(FANOUT), "--json"))
+    out = _cli("g4", "migrate", "--url", cfg.url, "--dir-fanout", str(FANOUT), "--json", code=2)
+    assert "--unkeyed" in out  # the operator says the pool has no keyring: it cannot be told from the names
+    res = json.loads(_cli("g4", "migrate", "--url", cfg.url, "--unkeyed", "--dir-fanout", str(FANOUT), "--json"))
     assert res["migrated"] == 1
     with G4Pool(cfg, ns) as p:
         assert _read(p, ns, [5, 6], "t") == [True, True]
