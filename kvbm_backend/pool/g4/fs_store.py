@@ -462,8 +462,12 @@ class FsStore(ObjectStore):
         # ``prefix`` is a name prefix; walk the deepest directory it fully names (links are not followed
         # and only regular files are objects).
         d = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        start = self.root / d if d else self.root
-        if not start.is_dir() or (d and start.is_symlink()):
+        start = self.root
+        for c in d.split("/") if d else ():  # a link at any component under the root: nothing listed
+            start = start / c
+            if start.is_symlink():
+                return
+        if not start.is_dir():
             return
         for dirpath, _dirs, files in os.walk(start):
             for f in files:

@@ -261,6 +261,12 @@ def test_reads_refuse_links_and_odd_files_under_the_root_either_way(tmp_path, vi
     os.symlink(outside, real / "t" / "y")  # a link at a directory component
     with pytest.raises(OSError, match="symbolic link"):
         st.get_into("t/y/obj", buf)
+    # listing does not follow it either, at the last component or above it (review finding 2026-11-29: a
+    # prefix below the link listed the names and sizes outside the root)
+    (outside / "sub").mkdir()
+    (outside / "sub" / "obj2").write_bytes(b"x")
+    assert [o.name for o in st.list("t/")] == ["t/x/obj"]
+    assert list(st.list("t/y/")) == [] and list(st.list("t/y/sub/")) == []
     os.symlink(outside / "obj", real / "t" / "x" / "lnk")  # a link at the object name
     with pytest.raises(OSError, match="symbolic link"):
         st.get_into("t/x/lnk", buf)
