@@ -22,6 +22,7 @@ publish-after-durable path.
 from __future__ import annotations
 
 import logging
+import reprlib
 import time
 from typing import Any
 
@@ -54,18 +55,30 @@ def finished_params(request: Any, block_size: int) -> dict | None:
     return {KEY: {"blocks": n, "block_size": block_size}}
 
 
+def remote_prefill(request: Any) -> bool:
+    """Another connector supplies this request's prompt KV (NixlConnector's ``do_remote_prefill``): a G3/G4
+    lookup for it would only hold the request back (MultiConnector waits for every child's answer)."""
+    return _params(request).get("do_remote_prefill") is True
+
+
+def _count(x: Any) -> int | None:
+    """``x`` if it is a plain int (not bool, float, string: a client's JSON ``1e999`` is a float ``inf``)."""
+    return x if type(x) is int else None
+
+
 def expected_blocks(request: Any, block_size: int) -> int | None:
     """The decode side: how many leading blocks the prefill worker offloaded for this request, or None when
     the request carries no handoff (or one for another block size, which cannot be matched: then the
-    request is served like any other, no wait)."""
+    request is served like any other, no wait). Values come from the client's request: anything but a
+    plain int >= 0 (and >= 1 for ``block_size``) is malformed, served without waiting and logged with a
+    bounded description. Called once per request (the scheduler keeps the answer)."""
     v = _params(request).get(KEY)
     if not isinstance(v, dict):
         return None
-    try:
-        n, bs = int(v["blocks"]), int(v["block_size"])
-    except (KeyError, TypeError, ValueError):
-        log.warning("kvbm_backend handoff: malformed %s %r in request %s; served without waiting", KEY, v,
-                    getattr(request, "request_id", "?"))
+    n, bs = _count(v.get("blocks")), _count(v.get("block_size"))
+    if n is None or bs is None or n < 0 or bs < 1:
+        log.warning("kvbm_backend handoff: malformed %s %s in request %s; served without waiting", KEY,
+                    reprlib.repr(v), getattr(request, "request_id", "?"))
         return None
     if bs != block_size:
         log.warning("kvbm_backend handoff: request %s was prefilled with %d-token blocks, this engine uses %d; "

@@ -59,6 +59,8 @@ class _Req:
     salt: int = 0
     sync_load: bool = False           # the hit was offered synchronously (g3.layerwise_load: loaded in the step)
     opaque: bool = False              # KV not a function of token ids (images, prompt embeds): never tiered
+    handoff_want: int | None = None   # blocks a prefill worker offloaded for it (.handoff), parsed once
+    handoff_done: bool = False        # its handoff wait ended: later asks (after a preemption) do not wait again
 
 
 def kv_beyond_token_ids(request: Any) -> bool:
@@ -162,6 +164,12 @@ class SchedulerSide:
             st = _Req(request.request_id, cache_salt or self.default_tenant, hashes,
                       lookup_blocks=max(0, (len(toks) - 1) // self.bs), request=request, salt=salt,
                       group_block_ids=[[] for _ in self.groups], opaque=kv_beyond_token_ids(request))
+            want = handoff.expected_blocks(request, self.bs)
+            if want is not None and want > st.lookup_blocks:
+                log.warning("kvbm_backend handoff: request %s promises %d blocks, its prompt has %d; served "
+                            "without waiting", request.request_id, want, st.lookup_blocks)
+                want = None
+            st.handoff_want = want
             if st.opaque:
                 stats.add(requests_not_tiered=1)
             self._reqs[request.request_id] = st
@@ -191,11 +199,13 @@ class SchedulerSide:
         ``(None, False)`` while the answer is not known yet (vLLM asks again next step; never blocks). A request
         handed off by a prefill worker (:func:`.handoff.expected_blocks`) is answered only once the tiers show
         the promised blocks, or ``handoff_wait_s`` after the first look (then with what is there)."""
-        want = handoff.expected_blocks(request, self.bs) if self.load_enabled else None
-        if want is None or (self.g3 is None and self.g4 is None):
+        if not self.load_enabled or (self.g3 is None and self.g4 is None):
             return self._matched(request, num_computed_tokens)
         rid = request.request_id
         st = self._state(request)
+        want = st.handoff_want
+        if want is None or st.handoff_done:
+            return self._matched(request, num_computed_tokens)
         if st.no_load or st.opaque:  # its load failed, or never tiered: recomputed at once, never waited for
             self.handoff.forget(rid)
             self._handoff_retry_at.pop(rid, None)
@@ -211,6 +221,7 @@ class SchedulerSide:
             self._handoff_retry_at[rid] = Deadline(HANDOFF_RETRY_S)
             return None, False
         self._handoff_retry_at.pop(rid, None)
+        st.handoff_done = True  # at most handoff_wait_s per request, even when vLLM asks anew (preemption)
         return n, is_async
 
     def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -227,8 +238,8 @@ class SchedulerSide:
                 return None, False
         st = self._state(request)
         st.n_local = num_computed_tokens // self.bs
-        if st.no_load or st.opaque:
-            return 0, False
+        if st.no_load or st.opaque or handoff.remote_prefill(request):  # (NixlConnector clears the flag once
+            return 0, False                                         # it has loaded: asked again, we look)
         if st.lookup_blocks <= st.n_local:
             # served by the engine's own prefix cache: remember how much of it G3 holds, so blocks seen
             # again only in the engine's cache still reach G3 (saved from the engine's blocks this step)

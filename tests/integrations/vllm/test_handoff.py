@@ -138,3 +138,62 @@ def test_handoff_wait_s_is_checked():
             config_from_extra({"kvbm_backend": {"model": "m"}, "handoff_wait_s": bad})
     with pytest.raises(ValueError, match="handoff_wait_s"):
         HandoffWaits(-0.5)
+
+
+def test_hostile_handoff_params_are_a_miss_served_at_once_and_logged_once_bounded(tiers, caplog):
+    """Review findings (2026-11-29): the params come from the client. JSON's 1e999 parses to float inf and
+    int(inf) raised OverflowError out of vLLM's schedule() (the engine core down); a 1,000,000-element list was
+    formatted into a WARNING on every scheduler step (47 MB of log, 1.4 s on the scheduler thread); a promise
+    beyond the prompt's blocks (2**63 - 1) made the request wait handoff_wait_s with a G3/G4 lookup every 50 ms."""
+    import json
+    ns, g3, g4, hs, blocks = tiers
+    assert g4.put(ns.keys(hs[:6]), blocks).result(10).written == 6
+    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=30.0)
+    inf = json.loads('{"blocks": 1e999, "block_size": 32}')
+    hostile = [inf, {"blocks": 6, "block_size": float("-inf")}, {"blocks": float("nan"), "block_size": BS},
+               {"blocks": True, "block_size": BS}, {"blocks": 6.0, "block_size": BS}, {"blocks": -1, "block_size": BS},
+               {"blocks": list(range(1_000_000)), "block_size": BS}, {"blocks": 2 ** 63 - 1, "block_size": BS},
+               {"blocks": 7, "block_size": BS}]  # 7 > the prompt's 6 loadable blocks
+    for i, v in enumerate(hostile):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            (n, _), took, _ = _ask(s, _req(f"h{i}", {KEY: v}))
+            for _ in range(5):  # vLLM asks again (a preemption): no new warning, no wait
+                assert s.get_num_new_matched_tokens(_req(f"h{i}", {KEY: v}), 0)[0] in (None, 6 * BS)
+        assert n == 6 * BS and took < 10.0, (i, took)  # the blocks are there: loaded, never waited for 30 s
+        msgs = [r.getMessage() for r in caplog.records if "handoff" in r.getMessage()]
+        assert len(msgs) == 1 and len(msgs[0]) < 600 and f"h{i}" in msgs[0], (i, [m[:200] for m in msgs])
+
+
+def test_the_wait_is_once_per_request_even_when_vllm_asks_again(tiers):
+    """Review finding (2026-11-29): after a preemption vLLM asks anew for a request (no request_finished); the
+    wait started over each time: 1 s more per ask, a new handoff_timeouts and WARNING each."""
+    ns, g3, g4, hs, blocks = tiers
+    assert g4.put(ns.keys(hs[:3]), blocks[:3]).result(10).written == 3
+    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=1.0)
+    req = _req("d5", {KEY: {"blocks": 6, "block_size": BS}})
+    timeouts = stats.get("handoff_timeouts")
+    (n, _), took, _ = _ask(s, req)
+    assert n == 3 * BS and took >= 1.0 and stats.get("handoff_timeouts") == timeouts + 1
+    for _ in range(3):
+        (n, _), took, _ = _ask(s, req)
+        assert n == 3 * BS and stats.get("handoff_timeouts") == timeouts + 1
+    s.request_finished(req, [])
+    (n, _), took, _ = _ask(s, _req("d5", {KEY: {"blocks": 6, "block_size": BS}}))  # a new request of that id
+    assert took >= 1.0 and stats.get("handoff_timeouts") == timeouts + 2
+
+
+def test_a_request_another_connector_prefills_is_not_looked_up(tiers):
+    """Beside NixlConnector (MultiConnector waits for every child's answer), a request whose prompt KV Nixl
+    brings (do_remote_prefill) was looked up in G3/G4 first and held back meanwhile, for an answer Nixl's
+    overrides. It is answered 0 at once; once Nixl clears the flag (its load done, or asked again after a
+    preemption) the tiers are looked up as for any request."""
+    ns, g3, g4, hs, blocks = tiers
+    assert g4.put(ns.keys(hs[:6]), blocks).result(10).written == 6
+    s = SchedulerSide(ns, BS, g3, g4)
+    params = {"do_remote_prefill": True, "remote_engine_id": "p0"}
+    req = _req("n1", params)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    params["do_remote_prefill"] = False
+    (n, _), _, _ = _ask(s, req)
+    assert n == 6 * BS
