@@ -26,6 +26,7 @@ class _PreemptedRead:
         self.pause_s = pause_s
         self.armed = threading.Event()
         self.hit = threading.Event()
+        self.timed_out = threading.Event()
 
     def __get__(self, obj, typ=None):
         if obj is None:
@@ -34,8 +35,8 @@ class _PreemptedRead:
         if not v and self.armed.is_set() and threading.current_thread().name.startswith("kvbm-g3-verify"):
             self.armed.clear()
             self.hit.set()
-            time.sleep(self.pause_s)
-        return v
+            self.timed_out.wait(self.pause_s)  # descheduled until the load bound passed (at most pause_s:
+        return v                               # the fixed pool holds the get's lock here, so it cannot pass)
 
     def __set__(self, obj, v):
         obj.__dict__["_resolved"] = v
@@ -44,6 +45,13 @@ class _PreemptedRead:
 def test_nothing_lands_in_out_after_a_timed_out_get_resolved(tmp_path, monkeypatch):
     pre = _PreemptedRead(pause_s=1.0)
     monkeypatch.setattr(host.HostGet, "resolved", pre, raising=False)
+    real_timeout = host.HostGet._timeout
+
+    def timeout_after_the_check(self):  # the bound passes while the verifier is preempted, never before it
+        pre.hit.wait(30)                # got there (on a busy machine it might not have reached it in 0.3 s)
+        pre.timed_out.set()
+        real_timeout(self)
+    monkeypatch.setattr(host.HostGet, "_timeout", timeout_after_the_check)
     with open_pool(tmp_path, load_timeout_s=0.3) as pool:
         keys = NS.keys(range(1, 5))
         assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result().written == 4
