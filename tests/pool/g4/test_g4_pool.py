@@ -270,7 +270,9 @@ def test_close_resolves_gets_and_lookups_queued_behind_busy_io_threads(tmp_path)
     staged batch goes idle (its rows may be reused). Before, close cancelled their queued tasks and dropped the
     timers that would have expired them: they never resolved and the staged rows were never idle again."""
     import threading
-    cfg = G4Config(url=f"file://{tmp_path}/g4", encrypt=False, max_inflight=1, timeout_s=0.5, retries=0)
+    # a load bound far above how long a busy runner may take to reach close() below: their own timers must not
+    # resolve b and c first (flake audit); a close that left them would show as miss_timeout or a hang
+    cfg = G4Config(url=f"file://{tmp_path}/g4", encrypt=False, max_inflight=1, timeout_s=30, retries=0)
     pool = G4Pool(cfg, namespace())
     ns, bpb = pool.namespace, pool.layout.bytes_per_block
     keys = ns.keys(range(1, 3), tenant="t")
@@ -290,7 +292,7 @@ def test_close_resolves_gets_and_lookups_queued_behind_busy_io_threads(tmp_path)
     look = pool.lookup_prefix([keys[1]])
     pool.close(timeout=0)
     gate.set()
-    bound = 10 * pool.load_bound_s  # a hang guard far above the load bound
+    bound = 120  # a hang guard
     assert a.future.result(timeout=bound).ok == [True] and a.idle.wait(bound)
     assert b.result(timeout=bound).ok == [False] and (out_b[0] == 7).all()  # a miss leaves the buffer untouched
     assert c.future.result(timeout=bound).ok == [False] and c.idle.wait(bound)
@@ -303,12 +305,29 @@ def test_close_ends_queued_offloads_dropped_and_their_futures_resolve(tmp_path):
     """Review finding (2026-11-29): ``close`` after a bounded flush cancelled the offloads still queued, so
     their put future never resolved (a caller or ``flush(None)`` waiting on it hung), ``pending_put_blocks``
     stayed up and nothing counted them. Now each ends ``dropped`` (``dropped_closed``) without I/O."""
+    import threading
+
+    from kvbm_backend.pool.g4.fs_store import FsStore
+
+    class FirstPutHeld(FsStore):  # a slow store: the first PUT lasts until the test lets it go, so the rest
+        held = threading.Event()  # is still queued when close runs (not written by a fast I/O thread first)
+
+        def put_if_absent(self, name, data):
+            if parse_block_name(name) is not None and not self.held.is_set():  # a block (not namespace.json)
+                self.held.set()
+                release.wait(60)
+            return super().put_if_absent(name, data)
+
+    release = threading.Event()
     ns = namespace()
     bpb = ns.layout.bytes_per_block
-    pool = G4Pool(G4Config(url=f"file://{tmp_path}/g4", encrypt=False, max_inflight=1, write_queue_blocks=64), ns)
+    cfg = G4Config(url=f"file://{tmp_path}/g4", encrypt=False, max_inflight=1, write_queue_blocks=64)
+    pool = G4Pool(cfg, ns, store=FirstPutHeld(f"{tmp_path}/g4"))
     seqs = list(range(40))
     fut = pool.put(ns.keys(seqs, tenant="t"), [payload(s, "t", bpb) for s in seqs])
+    assert FirstPutHeld.held.wait(60)
     pool.close(timeout=0.0)  # its flush times out at once: the rest is dropped
+    release.set()
     r = fut.result(timeout=60)  # a hang guard
     assert r.written + r.skipped + r.dropped == 40 and r.dropped > 0, r
     st = pool.stats()
