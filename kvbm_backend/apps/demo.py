@@ -242,7 +242,7 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
     Dynamo): {"ttft_p50_s", "ttft_p90_s", "hit_rate", "hit_rate_by_tier", "outputs_identical",
     "compared_with", "serving", "bytes_on_disk", "bound_bytes", ...}}, "storage_vs_recompute_p50":
     {"in_process": {...}, "dynamo": {...}}, "cpu_budget_env": {...}, "scaling": {...}, "serving":
-    "dynamo"|"direct", ...}``.
+    "dynamo"|"direct", "ok": every config's outputs equal its baseline's, ...}``.
 
     ``engine``: ``"dynamo"`` (Dynamo frontend + workers, TTFT at the HTTP client) or ``"direct"`` (in-process
     vLLM engines). Raises ValueError for a missing/malformed trace, a bad ``--g4`` URL or ``--engine``.
@@ -383,13 +383,14 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
         table.add_row(name, c["serving"], f"{c['ttft_p50_s']:.3f}", f"{c['ttft_p90_s']:.3f}", f"{c['hit_rate']:.0%}",
                       tier_s, disk, same if ref[name] != name else "(reference)")
     console.print(table)
-    all_same = all(c["outputs_identical"] for c in configs.values())
+    differ = [n for n, c in configs.items() if not c["outputs_identical"]]
+    out["ok"] = not differ  # the CLI exits 1 when not
     for where, label in (("in_process", "in-process engines"), ("dynamo", "under Dynamo")):
         if ratios.get(where):
             console.print(f"storage vs recompute, TTFT p50 {label}: "
                           + ", ".join(f"{n} {r:.1f}x" for n, r in ratios[where].items() if r) + " below baseline")
-    console.print("all greedy outputs identical to their baseline" if all_same else
-                  "[red]OUTPUTS DIFFER from baseline[/red]")
+    console.print("all greedy outputs identical to their baseline" if not differ else
+                  f"[red]OUTPUTS DIFFER from baseline: {', '.join(differ)}[/red]")
     remove = own_tmp and not keep_workdir
     out["workdir_kept"] = not remove
     if json_path:

@@ -1,0 +1,90 @@
+"""``kvbm-backend demo`` around its engines: the real CLI and ``run_demo`` with ``_run_engines`` swapped for a
+stub that returns chosen outputs and TTFTs at once (no vLLM engine starts; the tiny model keeps the model
+directory small and ``vllm_version`` is stubbed so vLLM is not imported). What is checked: the exit status
+and the JSON's ``ok``, the workdir rules, the one-line errors, the wording of the TTFT ratios, the dtype
+recorded, and the clean-up of the demo's own temporary directory."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import kvbm_backend.apps.demo as demo
+from kvbm_backend.apps.cli import app
+from kvbm_backend.apps.engine_model import TINY
+
+
+def _trace(path: Path) -> Path:
+    """Three conversations of three turns (each extends the last), interleaved: 4 requests at the CLI's
+    defaults (64 tokens per trace block; turns of >= 256 scaled tokens)."""
+    rows = []
+    for turn in range(3):
+        for conv in range(3):
+            ids = [1000 * conv + k for k in range(5 + 2 * turn)]
+            rows.append({"timestamp": 100 * len(rows), "input_length": 512 * len(ids), "output_length": 4,
+                         "hash_ids": ids})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+class FakeEngines:
+    """Stands in for ``demo._run_engines``: every config answers ``[1, 2, 3, 4]`` in ``ttft`` seconds, except
+    the configs named in ``differ`` (a different first output) and ``ttft`` overrides per config."""
+
+    def __init__(self):
+        self.differ: set[str] = set()
+        self.ttft: dict[str, float] = {}
+        self.calls = 0
+        self.raise_: BaseException | None = None
+        self.workdirs: list[Path] = []
+
+    def __call__(self, runs, workdir, env_extra, progress, tasks, phases=None):
+        self.calls += 1
+        self.workdirs.append(Path(workdir))
+        if self.raise_ is not None:
+            raise self.raise_
+        out = {}
+        for name, spec in runs:
+            n = len(spec["prompts"])
+            outs = [[1, 2, 3, 4]] * n
+            if name in self.differ:
+                outs = [[9, 9, 9, 9]] + outs[1:]
+            out[name] = {"outputs": outs, "ttft_s": [self.ttft.get(name, 1.0)] * n,
+                         "prompt_tokens": [len(p) for p in spec["prompts"]], "cached_tokens": [0] * n, "init_s": 1.0}
+        return out
+
+
+@pytest.fixture()
+def fake(monkeypatch, tmp_path):
+    import kvbm_backend.integrations.vllm.engine_run as engine_run
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(engine_run, "vllm_version", lambda: "0.test")
+    monkeypatch.setattr(demo, "DEMO", TINY)
+    f = FakeEngines()
+    monkeypatch.setattr(demo, "_run_engines", f)
+    _trace(tmp_path / "t.jsonl")
+    return f
+
+
+def _cli(tmp_path, *extra):
+    args = ["demo", "--engine", "direct", "--trace", str(tmp_path / "t.jsonl"), "--requests", "4",
+            "--json", str(tmp_path / "demo.json"), "--plot", "", *extra]
+    return CliRunner().invoke(app, args)
+
+
+def test_outputs_that_differ_exit_1_with_ok_false_after_writing_the_json(fake, tmp_path):
+    fake.differ = {"native_tiers"}
+    r = _cli(tmp_path)
+    assert r.exit_code == 1, (r.exit_code, r.exception, r.output[-2000:])
+    data = json.loads((tmp_path / "demo.json").read_text())  # written before the exit
+    assert data["ok"] is False
+    assert data["configs"]["native_tiers"]["outputs_identical"] is False
+    assert "OUTPUTS DIFFER" in r.output and "native_tiers" in r.output.split("OUTPUTS DIFFER")[1]
+
+
+def test_identical_outputs_exit_0_with_ok_true(fake, tmp_path):
+    r = _cli(tmp_path)
+    assert r.exit_code == 0, (r.exit_code, r.exception, r.output[-2000:])
+    assert json.loads((tmp_path / "demo.json").read_text())["ok"] is True
