@@ -361,7 +361,8 @@ def demo(
     plot: Optional[str] = typer.Option("kvbm-demo.png", help="where to write the PNG plot ('' for none)"),
     trace: Optional[str] = typer.Option(None, help="trace (default: ../shared/data/mooncake_synthetic_trace.jsonl)"),
     requests: int = typer.Option(24, help="requests taken from the trace"),
-    workdir: Optional[str] = typer.Option(None, help="G3/G4 directories go here (default: a temp dir)"),
+    workdir: Optional[str] = typer.Option(None, help="G3/G4 directories go here; must not hold an "
+                                           "earlier run's (default: a temp dir)"),
     g4: Optional[str] = typer.Option(None, help="G4 URL (default: a local directory store)"),
     endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint for --g4 s3://..."),
     engine: str = typer.Option("dynamo", help="dynamo: Dynamo frontend + dynamo.vllm workers, TTFT at the HTTP "

@@ -70,10 +70,22 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_SIZE = 32  # vLLM CPU attention needs a multiple of 32
 DTYPE = "float32"  # see the module docstring: bfloat16 prefill over a cached prefix is not bit-equal here
+# the tiers' directories under the workdir (demo_native.tier_dirs): a run must find them absent
+TIER_SUBDIRS = ("g3-run", "g3-restart", "g4", "g3-native", "g4-native", "vllm-fs")
 
 
 def default_trace() -> Path:
     return DEFAULT_TRACE
+
+
+def check_workdir(workdir: str | Path | None) -> None:
+    """Raise ValueError naming ``--workdir`` and the leftovers when ``workdir`` already holds any of
+    :data:`TIER_SUBDIRS`: G3's warm restart would find the earlier run's blocks and the bytes on disk would count
+    them. Nothing is deleted (it may be someone's data)."""
+    left = [d for d in TIER_SUBDIRS if workdir is not None and (Path(workdir) / d).exists()]
+    if left:
+        raise ValueError(f"--workdir {workdir}: holds tier directories of an earlier run ({', '.join(left)}), whose "
+                         "blocks this run would count as its own; give a new or empty directory (nothing was deleted)")
 
 
 def select_requests(trace: str | Path, n: int, turns_per_conv: int = 3, block_tokens: int = 64,
@@ -245,8 +257,8 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
     "dynamo"|"direct", "ok": every config's outputs equal its baseline's, ...}``.
 
     ``engine``: ``"dynamo"`` (Dynamo frontend + workers, TTFT at the HTTP client) or ``"direct"`` (in-process
-    vLLM engines). Raises ValueError for a missing/malformed trace, a bad ``--g4`` URL or ``--engine``.
-    """
+    vLLM engines). Raises ValueError for a missing/malformed trace, a bad ``--g4`` URL or ``--engine``, or a
+    ``workdir`` holding an earlier run's tier directories (:func:`check_workdir`)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -265,6 +277,7 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
         raise ValueError(f"--requests: need at least 2, got {requests}")
     if engine not in ("dynamo", "direct"):
         raise ValueError(f"--engine: expected 'dynamo' or 'direct', got {engine!r}")
+    check_workdir(workdir)
     prompts, scaling = select_requests(trace_path, requests, turns_per_conv, block_tokens, max_tokens_per_request,
                                        min_tokens=min(256, max_tokens_per_request // 2), vocab=model.vocab_size)
     own_tmp = workdir is None

@@ -88,3 +88,24 @@ def test_identical_outputs_exit_0_with_ok_true(fake, tmp_path):
     r = _cli(tmp_path)
     assert r.exit_code == 0, (r.exit_code, r.exception, r.output[-2000:])
     assert json.loads((tmp_path / "demo.json").read_text())["ok"] is True
+
+
+@pytest.mark.parametrize("leftover", ["g3-run", "g3-restart", "g4", "g3-native", "g4-native", "vllm-fs"])
+def test_a_workdir_holding_an_earlier_runs_tiers_is_refused_and_kept(fake, tmp_path, leftover):
+    wd = tmp_path / "wd"
+    (wd / leftover).mkdir(parents=True)
+    (wd / leftover / "block.slab").write_bytes(b"earlier run")
+    with pytest.raises(ValueError, match=f"--workdir {wd}: holds tier directories of an earlier run \\({leftover}\\)"):
+        demo.run_demo(json_path=str(tmp_path / "demo.json"), plot=None, trace=str(tmp_path / "t.jsonl"), requests=4,
+                      workdir=str(wd), model=TINY, engine="direct")
+    assert fake.calls == 0  # refused before any engine
+    assert (wd / leftover / "block.slab").read_bytes() == b"earlier run"  # never deleted
+    assert not (tmp_path / "demo.json").exists()
+
+
+def test_a_fresh_or_unrelated_workdir_is_used(fake, tmp_path):
+    wd = tmp_path / "wd"
+    (wd / "notes").mkdir(parents=True)  # other things in it are fine
+    res = demo.run_demo(json_path=None, plot=None, trace=str(tmp_path / "t.jsonl"), requests=4, workdir=str(wd),
+                        model=TINY, engine="direct")
+    assert res["ok"] and fake.workdirs == [wd] and (wd / "notes").is_dir()
