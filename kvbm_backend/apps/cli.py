@@ -373,7 +373,7 @@ def demo(
     offloading with vLLM's fs tier, or with our G3+G4 tiers; in-process)."""
     from pathlib import Path
 
-    from .demo import default_trace, run_demo
+    from .demo import default_trace, demo_requests, run_demo
     # checked here (before minutes of engine start-up) so that only real failures trace back
     _int_at_least("--requests", requests, 2)
     if engine not in ("dynamo", "direct"):
@@ -389,6 +389,10 @@ def demo(
     for name, f in (("--json", json_path), ("--plot", plot)):
         if f:
             _writable_dirs(name, str(Path(f).absolute().parent))
+    try:  # a malformed trace, one with too few requests, a used --workdir: one line, before any engine starts
+        demo_requests(trace=trace, requests=requests, workdir=workdir, g4=g4, engine=engine)
+    except ValueError as e:
+        _fail(str(e))
     res = run_demo(json_path=json_path, plot=plot or None, trace=trace, requests=requests, workdir=workdir, g4=g4,
                    endpoint_url=endpoint_url, engine=engine)
     if not res["ok"]:  # some config's greedy outputs differ from its baseline: different KV

@@ -95,7 +95,7 @@ def select_requests(trace: str | Path, n: int, turns_per_conv: int = 3, block_to
     order of first appearance, at most ``turns_per_conv`` turns each, replayed in trace order; derive
     token ids. Returns ``(prompts, scaling_info)``.
 
-    Raises ValueError naming the trace if it is missing, malformed, or has too few conversations.
+    Raises ValueError naming ``--trace`` if it is missing or malformed, ``--requests`` if it has too few.
     """
     from .replay import TRACE_BLOCK_TOKENS, block_tokens as trace_block_tokens, load_trace
     rows = load_trace(str(trace))
@@ -116,8 +116,8 @@ def select_requests(trace: str | Path, n: int, turns_per_conv: int = 3, block_to
         chosen.extend(turns[:min(turns_per_conv, n - len(chosen))])
     chosen.sort()
     if len(chosen) < n:
-        raise ValueError(f"--trace {trace}: only {len(chosen)} multi-turn requests of >= {min_tokens} scaled tokens; "
-                         f"asked for {n}")
+        raise ValueError(f"--requests {n}: --trace {trace} has only {len(chosen)} multi-turn requests of >= "
+                         f"{min_tokens} scaled tokens")
     cache: dict[int, np.ndarray] = {}
     prompts = []
     lengths = []
@@ -244,28 +244,13 @@ def plot_demo(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-demo.png", trace: str | None = None,
-             requests: int = 24, workdir: str | None = None, g4: str | None = None,
-             endpoint_url: str | None = None, block_tokens: int = 64, turns_per_conv: int = 3,
-             max_tokens_per_request: int = 3072, model=None, keep_workdir: bool | None = None,
-             engine: str = "dynamo") -> dict:
-    """Run the five configurations and write ``json_path`` and ``plot``. Returns the result dict:
-    ``{"configs": {"baseline"|"kvbm_backend"|"restart"|"vllm_fs"|"native_tiers" (+ "baseline_direct" under
-    Dynamo): {"ttft_p50_s", "ttft_p90_s", "hit_rate", "hit_rate_by_tier", "outputs_identical",
-    "compared_with", "serving", "bytes_on_disk", "bound_bytes", ...}}, "storage_vs_recompute_p50":
-    {"in_process": {...}, "dynamo": {...}}, "cpu_budget_env": {...}, "scaling": {...}, "serving":
-    "dynamo"|"direct", "ok": every config's outputs equal its baseline's, ...}``.
-
-    ``engine``: ``"dynamo"`` (Dynamo frontend + workers, TTFT at the HTTP client) or ``"direct"`` (in-process
-    vLLM engines). Raises ValueError for a missing/malformed trace, a bad ``--g4`` URL or ``--engine``, or a
-    ``workdir`` holding an earlier run's tier directories (:func:`check_workdir`)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from .phases import Phases
-    console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
-    phases = Phases(lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))  # above the bars
+def demo_requests(trace: str | None = None, requests: int = 24, workdir: str | None = None, g4: str | None = None,
+                  engine: str = "dynamo", block_tokens: int = 64, turns_per_conv: int = 3,
+                  max_tokens_per_request: int = 3072, model=None) -> tuple[Path, list[list[int]], dict]:
+    """:func:`run_demo`'s checks and request selection, before anything starts (the CLI calls it first).
+    Returns ``(trace path, prompts as token ids, scaling info)``. Raises ValueError naming the option: a
+    missing/malformed trace or one with fewer than ``requests`` usable requests, a bad ``--g4`` URL or
+    ``--engine``, ``requests`` < 2, or a ``workdir`` holding an earlier run's tiers (:func:`check_workdir`)."""
     model = model or DEMO
     trace_path = Path(trace) if trace else default_trace()
     if not trace_path.is_file():
@@ -280,6 +265,33 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
     check_workdir(workdir)
     prompts, scaling = select_requests(trace_path, requests, turns_per_conv, block_tokens, max_tokens_per_request,
                                        min_tokens=min(256, max_tokens_per_request // 2), vocab=model.vocab_size)
+    return trace_path, prompts, scaling
+
+
+def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-demo.png", trace: str | None = None,
+             requests: int = 24, workdir: str | None = None, g4: str | None = None,
+             endpoint_url: str | None = None, block_tokens: int = 64, turns_per_conv: int = 3,
+             max_tokens_per_request: int = 3072, model=None, keep_workdir: bool | None = None,
+             engine: str = "dynamo") -> dict:
+    """Run the five configurations and write ``json_path`` and ``plot``. Returns the result dict:
+    ``{"configs": {"baseline"|"kvbm_backend"|"restart"|"vllm_fs"|"native_tiers" (+ "baseline_direct" under
+    Dynamo): {"ttft_p50_s", "ttft_p90_s", "hit_rate", "hit_rate_by_tier", "outputs_identical",
+    "compared_with", "serving", "bytes_on_disk", "bound_bytes", ...}}, "storage_vs_recompute_p50":
+    {"in_process": {...}, "dynamo": {...}}, "cpu_budget_env": {...}, "scaling": {...}, "serving":
+    "dynamo"|"direct", "ok": every config's outputs equal its baseline's, ...}``.
+
+    ``engine``: ``"dynamo"`` (Dynamo frontend + workers, TTFT at the HTTP client) or ``"direct"`` (in-process
+    vLLM engines). Raises ValueError as :func:`demo_requests` does, before any engine starts."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .phases import Phases
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+    phases = Phases(lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))  # above the bars
+    model = model or DEMO
+    trace_path, prompts, scaling = demo_requests(trace, requests, workdir, g4, engine, block_tokens, turns_per_conv,
+                                                 max_tokens_per_request, model)
     own_tmp = workdir is None
     wd = Path(workdir or tempfile.mkdtemp(prefix="kvbm-demo-"))
     wd.mkdir(parents=True, exist_ok=True)

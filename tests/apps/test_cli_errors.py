@@ -26,6 +26,7 @@ def files(tmp_path):
     (tmp_path / "bench.json").write_text(json.dumps({"write_gbps": 1.0, "baseline_write_gbps": 1.0}))
     (tmp_path / "trace.jsonl").write_text(json.dumps({"timestamp": 0, "input_length": 512, "output_length": 1,
                                                       "hash_ids": [1]}) + "\n")
+    (tmp_path / "used-wd" / "g3-run").mkdir(parents=True)  # a demo workdir of an earlier run
     return tmp_path
 
 
@@ -107,6 +108,11 @@ CASES = [
     (["demo", "--trace", "{d}/missing.jsonl"], "error: --trace: no file {d}/missing.jsonl"),
     (["demo", "--trace", "{d}/trace.jsonl", "--g4", "http://x/y"], "error: --g4:"),
     (["demo", "--trace", "{d}/trace.jsonl", "--workdir", "{d}/a-file"], "error: --workdir: {d}/a-file: is a file"),
+    (["demo", "--trace", "{d}/not.json"], "error: --trace {d}/not.json line 1: not a Mooncake record"),
+    (["demo", "--trace", "{d}/trace.jsonl", "--requests", "50"],
+     "error: --requests 50: --trace {d}/trace.jsonl has only 0 multi-turn requests"),
+    (["demo", "--trace", "{d}/trace.jsonl", "--workdir", "{d}/used-wd"],
+     "error: --workdir {d}/used-wd: holds tier directories of an earlier run (g3-run)"),
     # numbers out of any sane range (issue 26 item 13): one line naming the flag, before any work
     (["layouts", "--tp", "100000"], "error: --tp: must be <= 1,024 (got 100,000)"),
     (["layouts", "--page-size", "1000000000"], "error: --page-size: must be <= 4,096 (got 1,000,000,000)"),
