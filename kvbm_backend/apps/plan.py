@@ -43,7 +43,8 @@ import numpy as np
 from kvbm_backend.config import AdmissionConfig
 from kvbm_backend.model import frame
 from kvbm_backend.model.presets import load_preset
-from .replay import TRACE_BLOCK_TOKENS, KeyMaker, SimPool, capacity_blocks, load_trace, parse_record
+from .replay import (TRACE_BLOCK_TOKENS, KeyMaker, SimPool, capacity_blocks, load_trace, no_block_error,
+                     parse_record)
 
 ROUTING = ("prefix", "round-robin")
 
@@ -255,7 +256,8 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
 
     Raises:
         ValueError: naming the option: unknown layout / TP not dividing its KV heads, page size < 1,
-            capacities < 0 or non-finite, a G3 capacity of 0, bad fleet numbers, unknown routing.
+            capacities < 0 or non-finite, a G3 capacity of 0, a nonzero capacity that holds no block
+            (a worker's share of G3), bad fleet numbers, unknown routing.
     """
     if page_size < 1:
         raise ValueError(f"--page-size: must be >= 1, got {page_size}")
@@ -277,6 +279,12 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
     wb = tp * frame.slot_bytes(lay.bytes_per_block)
     adm = AdmissionConfig(policy="all" if admit_all else "frequency")
     W, WPN = fleet.workers, fleet.workers_per_node
+    for name, caps, per in (("--g3-capacity-gb", g3_capacities_gb, WPN), ("--g4-capacity-gb", g4_capacities_gb, 1)):
+        for c in caps:  # G4 0 = no G4; any other capacity must hold a block (a worker's share, for G3)
+            if c > 0 and capacity_blocks(c * 1e9 / per, wb) < 1:
+                share = f"{c / per:g} GB per worker of {per} per node; " if per > 1 else ""
+                raise ValueError(no_block_error(name, c, wb, f"{share}layout {layout}, tp {tp}, page size {page_size}",
+                                                per))
     points: list[_Point] = []
     for g3 in g3_capacities_gb:
         for g4 in g4_capacities_gb:

@@ -137,6 +137,13 @@ def capacity_blocks(capacity_bytes: float, slot_bytes: int) -> int:
     return int(capacity_bytes) // slot_bytes
 
 
+def no_block_error(option: str, gb: float, slot_bytes: int, what: str, shares: int = 1) -> str:
+    """The message for a capacity of ``gb`` GB (split in ``shares``) that holds no block of ``slot_bytes``
+    bytes."""
+    return (f"{option}: {gb:g} GB holds no block ({what}: {slot_bytes:,} bytes per block, frame header and "
+            f"padding included); give at least {slot_bytes * shares / 1e9:.9g} GB")
+
+
 class SimPool:
     """The pool's index, eviction and admission without I/O (``--simulate``; ``kvbm-backend plan``).
 
@@ -162,6 +169,8 @@ class SimPool:
         return n
 
     def put(self, keys) -> None:
+        if self.capacity < 1:  # room for no block: nothing is stored (as a pool of that size)
+            return
         for k in keys:
             if k in self.index or not self.admission.admit(k):
                 continue
@@ -183,8 +192,8 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
     ``stored_blocks``, ``capacity_blocks``, ``elapsed_s`` and the settings.
 
     Raises:
-        ValueError: a missing/malformed trace, unknown layout, page size < 1, capacity <= 0, or no
-            ``g3_path`` in real mode.
+        ValueError: a missing/malformed trace, unknown layout, page size < 1, a capacity that holds no
+            block, or no ``g3_path`` in real mode.
         RuntimeError: a hit served bytes other than those stored for its key (never expected).
     """
     if page_size < 1:
@@ -202,6 +211,8 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
     admission = AdmissionConfig(policy="all" if admit_all else "frequency")
     bb = lay.bytes_per_block
     sb = frame.slot_bytes(bb)
+    if capacity_blocks(g3_capacity_gb * 1e9, sb) < 1:  # the real pool refuses it too: checked before any I/O
+        raise ValueError(no_block_error("--g3-capacity-gb", g3_capacity_gb, sb, f"layout {layout}, page size {page_size}"))
     km = KeyMaker(page_size)
     chunk = max(1, min(4096, (64 << 20) // bb))
     t_start = time.perf_counter()

@@ -155,3 +155,22 @@ def test_trace_without_timestamp_is_an_error(tmp_path):
     t.write_text(json.dumps({"input_length": 10, "hash_ids": [1]}) + "\n")
     with pytest.raises(ValueError, match="line 1: no numeric timestamp"):
         load_timed_trace(str(t))
+
+
+def test_a_capacity_that_holds_no_block_is_refused_and_an_empty_simpool_stores_nothing(micro):
+    from kvbm_backend.apps.replay import SimPool
+    from kvbm_backend.config import AdmissionConfig
+    reqs = synth_trace(SynthSpec(users=2, turns=2))
+    wb = frame.slot_bytes(load_preset(micro).layout(page_size=PS).bytes_per_block)
+    one = (wb + 1) / 1e9  # GB that hold exactly one block
+    with pytest.raises(ValueError, match=r"--g3-capacity-gb: .* GB holds no block"):
+        run_plan(reqs, micro, PS, g3_capacities_gb=[one / 2])
+    with pytest.raises(ValueError, match=r"--g3-capacity-gb: .* per worker of 4 per node"):  # a node holds 2
+        run_plan(reqs, micro, PS, fleet=Fleet(workers_per_node=4), g3_capacities_gb=[2 * one])
+    with pytest.raises(ValueError, match=r"--g4-capacity-gb: .* GB holds no block"):
+        run_plan(reqs, micro, PS, g3_capacities_gb=[1.0], g4_capacities_gb=[0.0, one / 2])
+    p = run_plan(reqs, micro, PS, g3_capacities_gb=[one], admit_all=True)["points"][0]  # one block: fine
+    assert p["g3_capacity_blocks_per_worker"] == 1 and p["g3_bytes_written"] > 0
+    sim = SimPool(0, AdmissionConfig(policy="all"), wb)
+    sim.put([1, 2, 3])
+    assert sim.written == 0 and len(sim.index) == 0 and sim.lookup_prefix([1]) == 0
