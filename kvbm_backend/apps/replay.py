@@ -217,34 +217,33 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
     chunk = max(1, min(4096, (64 << 20) // bb))
     t_start = time.perf_counter()
 
-    pool = sim = run_dir = None
+    pool = sim = run_dir = st = None
     if simulate:
         sim = SimPool(capacity_blocks(g3_capacity_gb * 1e9, sb), admission, sb)
-    else:
-        from kvbm_backend.memory import aligned_empty
-        from kvbm_backend.metrics import new_registry
-        from kvbm_backend.pool import open_pool
-        assert g3_path  # checked above: real mode needs it
-        if bb % 8 != 0:
-            raise ValueError(f"layout {layout}: block of {bb} bytes is not a multiple of 8")
-        base = np.arange(bb // 8, dtype=np.uint64) * _MIX
-        run_dir = os.path.join(g3_path, f"replay-{uuid.uuid4().hex[:12]}")
-        cfg = G3Config(paths=[run_dir], capacity_gb=g3_capacity_gb, admission=admission,
-                       write_queue_blocks=max(chunk, 1), files_per_path=4)
-        pool = open_pool(cfg, ns, registry=new_registry())
-        wbufs = [aligned_empty(bb) for _ in range(chunk)]
-        rbufs = [aligned_empty(bb) for _ in range(chunk)]
-        expect = aligned_empty(bb)
-
+    elif bb % 8 != 0:
+        raise ValueError(f"layout {layout}: block of {bb} bytes is not a multiple of 8")
     lookup_blocks = hit_blocks = 0
     bar = None
-    if progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-        bar = Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TextColumn("hit {task.fields[hr]}"),
-                       TimeRemainingColumn(), transient=True)
-        bar.start()
-        task = bar.add_task("replay", total=len(reqs), hr="-")
-    try:
+    try:  # from the run directory's creation on: a failure anywhere removes it (finally)
+        if not simulate:
+            from kvbm_backend.memory import aligned_empty
+            from kvbm_backend.metrics import new_registry
+            from kvbm_backend.pool import open_pool
+            assert g3_path  # checked above: real mode needs it
+            base = np.arange(bb // 8, dtype=np.uint64) * _MIX
+            run_dir = os.path.join(g3_path, f"replay-{uuid.uuid4().hex[:12]}")
+            cfg = G3Config(paths=[run_dir], capacity_gb=g3_capacity_gb, admission=admission,
+                           write_queue_blocks=max(chunk, 1), files_per_path=4)
+            pool = open_pool(cfg, ns, registry=new_registry())
+            wbufs = [aligned_empty(bb) for _ in range(chunk)]
+            rbufs = [aligned_empty(bb) for _ in range(chunk)]
+            expect = aligned_empty(bb)
+        if progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            bar = Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("hit {task.fields[hr]}"), TimeRemainingColumn(), transient=True)
+            bar.start()
+            task = bar.add_task("replay", total=len(reqs), hr="-")
         for ri, r in enumerate(reqs):
             keys = [BlockKey(fp, "", 0, h) for h in km.seq_hashes(r["hash_ids"], r["input_length"])]
             lookup_blocks += len(keys)
@@ -277,7 +276,6 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
     finally:
         if bar is not None:
             bar.stop()
-        st = None
         if pool is not None:
             st = pool.stats()
             pool.close()

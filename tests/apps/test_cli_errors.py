@@ -184,6 +184,20 @@ def test_gc_and_bench_create_no_missing_path(tmp_path):
         assert not (tmp_path / "typo").exists(), args
 
 
+def test_a_failed_replay_leaves_no_run_directory(files, monkeypatch):
+    """A real replay that fails after creating ``replay-<id>`` under --g3-path (here: buffers that cannot be
+    allocated once the pool is open) removes it, as a finished one does."""
+    import kvbm_backend.memory
+
+    def no_memory(*a, **k):
+        raise MemoryError("test: no buffers")
+    monkeypatch.setattr(kvbm_backend.memory, "aligned_empty", no_memory)
+    r = CliRunner().invoke(app, ["replay", "--trace", str(files / "trace.jsonl"), "--layout", "tiny", "--g3-path",
+                                 str(files / "ok"), "--g3-capacity-gb", "0.01"])
+    assert r.exit_code == 2 and "error: replay: out of memory (test: no buffers)" in r.output, r.output
+    assert list((files / "ok").iterdir()) == []
+
+
 def test_gc_zero_thresholds_are_explicit_not_errors(tmp_path):
     # 0 means "everything older than now" / "empty it", which an operator may mean; -1 never is
     (tmp_path / "store").mkdir()
