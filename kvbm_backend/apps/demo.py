@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -294,138 +295,142 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
                                                  max_tokens_per_request, model)
     own_tmp = workdir is None
     wd = Path(workdir or tempfile.mkdtemp(prefix="kvbm-demo-"))
-    wd.mkdir(parents=True, exist_ok=True)
-    model_dir = write_model_dir(wd / "model", model)
-    max_len = max(len(p) for p in prompts) + 8
-    num_blocks = math.ceil(max_len / BLOCK_SIZE) + 4  # about one request: earlier turns leave the engine
-    g4_url = g4 or f"file://{wd / 'g4'}"
-    console.print(f"[bold]kvbm-backend demo[/bold]: {len(prompts)} requests from {scaling['conversations']} "
-                  f"conversations of {trace_path}")
-    console.print(f"  scaling: 1 trace block (512 tokens) -> {block_tokens} tokens (x{scaling['length_scale']:.3f}), "
-                  f"capped at {max_tokens_per_request}; mean input {scaling['trace_input_tokens_mean']:.0f} -> "
-                  f"{scaling['demo_input_tokens_mean']:.0f} tokens")
-    console.print(f"  model: Llama {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
-                  f"{model.num_key_value_heads} KV heads x {model.head_dim}, random weights, {DTYPE}; engine KV budget "
-                  f"{num_blocks} blocks x {BLOCK_SIZE} tokens ({num_blocks * BLOCK_SIZE} tokens)")
-    console.print(f"  G3: {wd}/g3-*   G4: {g4_url}   workdir: {wd}")
+    remove = own_tmp and not keep_workdir  # the demo's own temp dir goes, whatever happens
+    try:
+        wd.mkdir(parents=True, exist_ok=True)
+        model_dir = write_model_dir(wd / "model", model)
+        max_len = max(len(p) for p in prompts) + 8
+        num_blocks = math.ceil(max_len / BLOCK_SIZE) + 4  # about one request: earlier turns leave the engine
+        g4_url = g4 or f"file://{wd / 'g4'}"
+        console.print(f"[bold]kvbm-backend demo[/bold]: {len(prompts)} requests from {scaling['conversations']} "
+                      f"conversations of {trace_path}")
+        console.print(f"  scaling: 1 trace block (512 tokens) -> {block_tokens} tokens (x{scaling['length_scale']:.3f}), "
+                      f"capped at {max_tokens_per_request}; mean input {scaling['trace_input_tokens_mean']:.0f} -> "
+                      f"{scaling['demo_input_tokens_mean']:.0f} tokens")
+        console.print(f"  model: Llama {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
+                      f"{model.num_key_value_heads} KV heads x {model.head_dim}, random weights, {DTYPE}; engine KV budget "
+                      f"{num_blocks} blocks x {BLOCK_SIZE} tokens ({num_blocks * BLOCK_SIZE} tokens)")
+        console.print(f"  G3: {wd}/g3-*   G4: {g4_url}   workdir: {wd}")
 
-    g3_gb = 2.0
-    keyring = str(wd / "g4-keyring.json")
-    budget = cpu_budget_env()
-    # CPU primary tier of the native configs: about two engine KV budgets (float32 KV: 2x the bf16 bytes)
-    cpu_bytes = 2 * num_blocks * BLOCK_SIZE * model.kv_bytes_per_token * (2 if DTYPE == "float32" else 1)
+        g3_gb = 2.0
+        keyring = str(wd / "g4-keyring.json")
+        budget = cpu_budget_env()
+        # CPU primary tier of the native configs: about two engine KV budgets (float32 KV: 2x the bf16 bytes)
+        cpu_bytes = 2 * num_blocks * BLOCK_SIZE * model.kv_bytes_per_token * (2 if DTYPE == "float32" else 1)
 
-    def extra(g3_dir: str) -> dict:
-        g4cfg = {"enabled": True, "url": g4_url, "encrypt": True, "keyring": {"path": keyring}, "timeout_s": 5.0}
-        if endpoint_url:
-            g4cfg["endpoint_url"] = endpoint_url
-        cfg = {"model": model.name, "g3": {"paths": [str(wd / g3_dir)], "capacity_gb": g3_gb, "files_per_path": 2,
-                                           "admission": {"policy": "all"}},
-               "g4": g4cfg}
-        return {"kvbm_backend": cfg, "stats_path": str(wd / f"{g3_dir}-stats.json")}
+        def extra(g3_dir: str) -> dict:
+            g4cfg = {"enabled": True, "url": g4_url, "encrypt": True, "keyring": {"path": keyring}, "timeout_s": 5.0}
+            if endpoint_url:
+                g4cfg["endpoint_url"] = endpoint_url
+            cfg = {"model": model.name, "g3": {"paths": [str(wd / g3_dir)], "capacity_gb": g3_gb, "files_per_path": 2,
+                                               "admission": {"policy": "all"}},
+                   "g4": g4cfg}
+            return {"kvbm_backend": cfg, "stats_path": str(wd / f"{g3_dir}-stats.json")}
 
-    base_spec: dict[str, Any] = {"model_dir": str(model_dir), "prompts": prompts, "max_tokens": 4, "block_size": BLOCK_SIZE,
-                 "num_gpu_blocks": num_blocks, "max_model_len": max_len, "dtype": DTYPE}
-    native = [(n, dict(base_spec, native=native_extra(n, wd, model, cpu_bytes=cpu_bytes, g3_capacity_gb=g3_gb,
-                                                      g4_url=g4_url, keyring=keyring, endpoint_url=endpoint_url)))
-              for n in NATIVE_CONFIGS]
-    direct = [("baseline", dict(base_spec, connector=None)),
-              ("kvbm_backend", dict(base_spec, connector={"extra": extra("g3-run")})),
-              ("restart", dict(base_spec, connector={"extra": extra("g3-restart")}))]
-    # Under Dynamo the native configs are in-process engines (no Dynamo script for them here), compared with
-    # an in-process baseline of their own: ``baseline_direct``.
-    inproc = direct + native if engine == "direct" else [("baseline_direct", direct[0][1])] + native
-    order = [n for n, _ in direct] + [n for n, _ in inproc if n not in dict(direct)]
-    results: dict[str, dict] = {}
-    serving: dict = {}
-    t_all = time.monotonic()
-    console.print(f"  serving: {engine}" + (" (Dynamo frontend + 3 dynamo.vllm workers from examples/dynamo/, "
-                                            "TTFT at the streaming HTTP client; workers start side by side, "
-                                            "1-3 min on 2 cores; then the in-process engines)"
-                                            if engine == "dynamo" else
-                                            " (in-process vLLM engines, TTFT = vLLM first_token_latency)"))
-    console.print(f"  CPU budget, every engine: {' '.join(f'{k}={v}' for k, v in budget.items())}; "
-                  f"native configs: CPU tier {cpu_bytes / 2**20:.0f} MiB, {BLOCKS_PER_CHUNK * BLOCK_SIZE}-token chunks")
-    with Progress(TextColumn("{task.description:<15}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
-        tasks = {name: progress.add_task(name, total=len(prompts), start=False) for name in order}
+        base_spec: dict[str, Any] = {"model_dir": str(model_dir), "prompts": prompts, "max_tokens": 4, "block_size": BLOCK_SIZE,
+                     "num_gpu_blocks": num_blocks, "max_model_len": max_len, "dtype": DTYPE}
+        native = [(n, dict(base_spec, native=native_extra(n, wd, model, cpu_bytes=cpu_bytes, g3_capacity_gb=g3_gb,
+                                                          g4_url=g4_url, keyring=keyring, endpoint_url=endpoint_url)))
+                  for n in NATIVE_CONFIGS]
+        direct = [("baseline", dict(base_spec, connector=None)),
+                  ("kvbm_backend", dict(base_spec, connector={"extra": extra("g3-run")})),
+                  ("restart", dict(base_spec, connector={"extra": extra("g3-restart")}))]
+        # Under Dynamo the native configs are in-process engines (no Dynamo script for them here), compared with
+        # an in-process baseline of their own: ``baseline_direct``.
+        inproc = direct + native if engine == "direct" else [("baseline_direct", direct[0][1])] + native
+        order = [n for n, _ in direct] + [n for n, _ in inproc if n not in dict(direct)]
+        results: dict[str, dict] = {}
+        serving: dict = {}
+        t_all = time.monotonic()
+        console.print(f"  serving: {engine}" + (" (Dynamo frontend + 3 dynamo.vllm workers from examples/dynamo/, "
+                                                "TTFT at the streaming HTTP client; workers start side by side, "
+                                                "1-3 min on 2 cores; then the in-process engines)"
+                                                if engine == "dynamo" else
+                                                " (in-process vLLM engines, TTFT = vLLM first_token_latency)"))
+        console.print(f"  CPU budget, every engine: {' '.join(f'{k}={v}' for k, v in budget.items())}; "
+                      f"native configs: CPU tier {cpu_bytes / 2**20:.0f} MiB, {BLOCKS_PER_CHUNK * BLOCK_SIZE}-token chunks")
+        with Progress(TextColumn("{task.description:<15}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as progress:
+            tasks = {name: progress.add_task(name, total=len(prompts), start=False) for name in order}
+            if engine == "dynamo":
+                from .demo_dynamo import run_dynamo
+                results, serving = run_dynamo(prompts, model_dir, wd, lambda g3: extra(g3)["kvbm_backend"],
+                                              block_size=BLOCK_SIZE, num_blocks=num_blocks, max_model_len=max_len,
+                                              dtype=DTYPE, max_tokens=base_spec["max_tokens"], progress=progress,
+                                              tasks=tasks, phases=phases, env=budget)
+            results.update(_run_engines(inproc, wd, budget, progress, tasks, phases))
+        from kvbm_backend.integrations.vllm.engine_run import vllm_version as _vllm_version
+        vllm_version = _vllm_version()
+        engine_s = (f"Dynamo {serving.get('dynamo', '?')} + vLLM {vllm_version} (CPU)" if engine == "dynamo"
+                    else f"vLLM {vllm_version} (CPU), in-process")
+        # each config's outputs against the baseline of its own serving (Dynamo: text; in-process: token ids)
+        ref = {n: ("baseline" if engine == "direct" or n in dict(direct) else "baseline_direct") for n in order}
+        configs = {}
+        for n in order:
+            c = _summary(results[n], None if ref[n] == n else results[ref[n]], BLOCK_SIZE)
+            c["serving"] = engine if n in dict(direct) and engine == "dynamo" else "direct"
+            c["compared_with"] = ref[n]
+            dirs = tier_dirs(n, wd, g4_url)
+            c["bytes_on_disk"] = {k: disk_bytes(v) for k, v in dirs.items()}
+            c["bound_bytes"] = {k: int(g3_gb * 1e9) for k in dirs if k == "G3"}  # G4: the store's; fs: none
+            used = ((c.get("pool_stats") or {}).get("g3") or {}).get("used_bytes")
+            used = (c.get("tier_counters") or {}).get("G3", {}).get("used_bytes", used)
+            if used is not None:  # G3 grows its slab files in ~64 MiB steps: allocated > used
+                c["bytes_used"] = {"G3": int(used)}
+            configs[n] = c
+        for n, c in configs.items():
+            if n != ref[n]:
+                b = configs[ref[n]]["ttft_p50_s"]
+                c["ttft_p50_speedup_vs_baseline"] = b / c["ttft_p50_s"] if c["ttft_p50_s"] > 0 else None
+        ratios = {"in_process": {n: c["ttft_p50_speedup_vs_baseline"] for n, c in configs.items()
+                                 if c["serving"] == "direct" and "ttft_p50_speedup_vs_baseline" in c}}
         if engine == "dynamo":
-            from .demo_dynamo import run_dynamo
-            results, serving = run_dynamo(prompts, model_dir, wd, lambda g3: extra(g3)["kvbm_backend"],
-                                          block_size=BLOCK_SIZE, num_blocks=num_blocks, max_model_len=max_len,
-                                          dtype=DTYPE, max_tokens=base_spec["max_tokens"], progress=progress,
-                                          tasks=tasks, phases=phases, env=budget)
-        results.update(_run_engines(inproc, wd, budget, progress, tasks, phases))
-    from kvbm_backend.integrations.vllm.engine_run import vllm_version as _vllm_version
-    vllm_version = _vllm_version()
-    engine_s = (f"Dynamo {serving.get('dynamo', '?')} + vLLM {vllm_version} (CPU)" if engine == "dynamo"
-                else f"vLLM {vllm_version} (CPU), in-process")
-    # each config's outputs against the baseline of its own serving (Dynamo: text; in-process: token ids)
-    ref = {n: ("baseline" if engine == "direct" or n in dict(direct) else "baseline_direct") for n in order}
-    configs = {}
-    for n in order:
-        c = _summary(results[n], None if ref[n] == n else results[ref[n]], BLOCK_SIZE)
-        c["serving"] = engine if n in dict(direct) and engine == "dynamo" else "direct"
-        c["compared_with"] = ref[n]
-        dirs = tier_dirs(n, wd, g4_url)
-        c["bytes_on_disk"] = {k: disk_bytes(v) for k, v in dirs.items()}
-        c["bound_bytes"] = {k: int(g3_gb * 1e9) for k in dirs if k == "G3"}  # G4: the store's; fs: none
-        used = ((c.get("pool_stats") or {}).get("g3") or {}).get("used_bytes")
-        used = (c.get("tier_counters") or {}).get("G3", {}).get("used_bytes", used)
-        if used is not None:  # G3 grows its slab files in ~64 MiB steps: allocated > used
-            c["bytes_used"] = {"G3": int(used)}
-        configs[n] = c
-    for n, c in configs.items():
-        if n != ref[n]:
-            b = configs[ref[n]]["ttft_p50_s"]
-            c["ttft_p50_speedup_vs_baseline"] = b / c["ttft_p50_s"] if c["ttft_p50_s"] > 0 else None
-    ratios = {"in_process": {n: c["ttft_p50_speedup_vs_baseline"] for n, c in configs.items()
-                             if c["serving"] == "direct" and "ttft_p50_speedup_vs_baseline" in c}}
-    if engine == "dynamo":
-        ratios["dynamo"] = {n: configs[n]["ttft_p50_speedup_vs_baseline"] for n in ("kvbm_backend", "restart")}
-    out = {"configs": configs, "serving": engine, "dynamo": serving or None, "cpu_budget_env": budget,
-           "storage_vs_recompute_p50": ratios,
-           "ttft_measured_at": "HTTP client (streaming)" if engine == "dynamo" else "engine (vLLM first_token_latency)",
-           "scaling": scaling, "model": model.hf_config(), "engine": engine_s,
-           "block_size_tokens": BLOCK_SIZE, "engine_kv_blocks": num_blocks, "g4_url": g4_url,
-           "native_cpu_tier_bytes": cpu_bytes, "g3_capacity_bytes": int(g3_gb * 1e9),
-           "workdir": str(wd), "wall_s": time.monotonic() - t_all}
+            ratios["dynamo"] = {n: configs[n]["ttft_p50_speedup_vs_baseline"] for n in ("kvbm_backend", "restart")}
+        out = {"configs": configs, "serving": engine, "dynamo": serving or None, "cpu_budget_env": budget,
+               "storage_vs_recompute_p50": ratios,
+               "ttft_measured_at": "HTTP client (streaming)" if engine == "dynamo" else "engine (vLLM first_token_latency)",
+               "scaling": scaling, "model": model.hf_config(), "engine": engine_s,
+               "block_size_tokens": BLOCK_SIZE, "engine_kv_blocks": num_blocks, "g4_url": g4_url,
+               "native_cpu_tier_bytes": cpu_bytes, "g3_capacity_bytes": int(g3_gb * 1e9),
+               "workdir": str(wd), "wall_s": time.monotonic() - t_all}
 
-    table = Table(title=f"kvbm-backend demo: {engine_s}, TTFT at {out['ttft_measured_at']}")
-    for col in ("config", "serving", "TTFT p50 s", "TTFT p90 s", "hit rate", "by tier", "MB on disk (bound)",
-                "outputs = baseline"):
-        table.add_column(col)
-    for name, c in configs.items():
-        tiers = c.get("hit_rate_by_tier")
-        tier_s = "-" if tiers is None else " ".join(f"{k} {v:.0%}" for k, v in tiers.items())
-        used = c.get("bytes_used") or {}
-        disk = " ".join(f"{k} {'remote' if v is None else f'{v / 1e6:.1f}'}"
-                        + (f" ({used[k] / 1e6:.1f} used, <= {c['bound_bytes'][k] / 1e6:.0f})" if k in c["bound_bytes"]
-                           and k in used else f" (<= {c['bound_bytes'][k] / 1e6:.0f})" if k in c["bound_bytes"] else
-                           " (no bound)" if k == "fs" else "")
-                        for k, v in c["bytes_on_disk"].items()) or "-"
-        same = "[green]yes[/green]" if c["outputs_identical"] else "[red]NO[/red]"
-        table.add_row(name, c["serving"], f"{c['ttft_p50_s']:.3f}", f"{c['ttft_p90_s']:.3f}", f"{c['hit_rate']:.0%}",
-                      tier_s, disk, same if ref[name] != name else "(reference)")
-    console.print(table)
-    differ = [n for n, c in configs.items() if not c["outputs_identical"]]
-    out["ok"] = not differ  # the CLI exits 1 when not
-    for where, label in (("in_process", "in-process engines"), ("dynamo", "under Dynamo")):
-        if ratios.get(where):
-            console.print(f"storage vs recompute, TTFT p50 {label}: "
-                          + ", ".join(f"{n} {r:.1f}x" for n, r in ratios[where].items() if r) + " below baseline")
-    console.print("all greedy outputs identical to their baseline" if not differ else
-                  f"[red]OUTPUTS DIFFER from baseline: {', '.join(differ)}[/red]")
-    remove = own_tmp and not keep_workdir
-    out["workdir_kept"] = not remove
-    if json_path:
-        Path(json_path).write_text(json.dumps(out, indent=2, sort_keys=True))
-        console.print(f"wrote {json_path}")
-    if plot:
-        plot_demo(out, plot)
-        console.print(f"wrote {plot}")
-    if remove:
-        import shutil
-        shutil.rmtree(wd, ignore_errors=True)
-        out["workdir"] = None
-    return out
+        table = Table(title=f"kvbm-backend demo: {engine_s}, TTFT at {out['ttft_measured_at']}")
+        for col in ("config", "serving", "TTFT p50 s", "TTFT p90 s", "hit rate", "by tier", "MB on disk (bound)",
+                    "outputs = baseline"):
+            table.add_column(col)
+        for name, c in configs.items():
+            tiers = c.get("hit_rate_by_tier")
+            tier_s = "-" if tiers is None else " ".join(f"{k} {v:.0%}" for k, v in tiers.items())
+            used = c.get("bytes_used") or {}
+            disk = " ".join(f"{k} {'remote' if v is None else f'{v / 1e6:.1f}'}"
+                            + (f" ({used[k] / 1e6:.1f} used, <= {c['bound_bytes'][k] / 1e6:.0f})" if k in c["bound_bytes"]
+                               and k in used else f" (<= {c['bound_bytes'][k] / 1e6:.0f})" if k in c["bound_bytes"] else
+                               " (no bound)" if k == "fs" else "")
+                            for k, v in c["bytes_on_disk"].items()) or "-"
+            same = "[green]yes[/green]" if c["outputs_identical"] else "[red]NO[/red]"
+            table.add_row(name, c["serving"], f"{c['ttft_p50_s']:.3f}", f"{c['ttft_p90_s']:.3f}", f"{c['hit_rate']:.0%}",
+                          tier_s, disk, same if ref[name] != name else "(reference)")
+        console.print(table)
+        differ = [n for n, c in configs.items() if not c["outputs_identical"]]
+        out["ok"] = not differ  # the CLI exits 1 when not
+        for where, label in (("in_process", "in-process engines"), ("dynamo", "under Dynamo")):
+            if ratios.get(where):
+                console.print(f"storage vs recompute, TTFT p50 {label}: "
+                              + ", ".join(f"{n} {r:.1f}x" for n, r in ratios[where].items() if r) + " below baseline")
+        console.print("all greedy outputs identical to their baseline" if not differ else
+                      f"[red]OUTPUTS DIFFER from baseline: {', '.join(differ)}[/red]")
+        out["workdir_kept"] = not remove
+        if json_path:
+            Path(json_path).write_text(json.dumps(out, indent=2, sort_keys=True))
+            console.print(f"wrote {json_path}")
+        if plot:
+            plot_demo(out, plot)
+            console.print(f"wrote {plot}")
+        if remove:
+            out["workdir"] = None
+        return out
+    finally:  # a failure or Ctrl-C too: no temp dir of tier files left behind unless asked
+        if remove:
+            shutil.rmtree(wd, ignore_errors=True)
+        else:
+            console.print(f"workdir kept: {wd}", highlight=False, markup=False, soft_wrap=True)

@@ -109,3 +109,29 @@ def test_a_fresh_or_unrelated_workdir_is_used(fake, tmp_path):
     res = demo.run_demo(json_path=None, plot=None, trace=str(tmp_path / "t.jsonl"), requests=4, workdir=str(wd),
                         model=TINY, engine="direct")
     assert res["ok"] and fake.workdirs == [wd] and (wd / "notes").is_dir()
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt(), RuntimeError("demo: engine kvbm_backend failed")])
+def test_a_failed_or_interrupted_demo_removes_its_own_temp_dir(fake, tmp_path, monkeypatch, failure):
+    import tempfile
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where mkdtemp puts the demo's workdir
+    fake.raise_ = failure
+    with pytest.raises(type(failure)):
+        demo.run_demo(json_path=None, plot=None, trace=str(tmp_path / "t.jsonl"), requests=4, model=TINY,
+                      engine="direct")
+    assert fake.workdirs and fake.workdirs[0].parent == tmp_path / "tmp"
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_keep_workdir_keeps_it_and_says_where_on_stderr(fake, tmp_path, monkeypatch, capsys):
+    import tempfile
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    fake.raise_ = RuntimeError("demo: engine restart failed")
+    with pytest.raises(RuntimeError):
+        demo.run_demo(json_path=None, plot=None, trace=str(tmp_path / "t.jsonl"), requests=4, model=TINY,
+                      engine="direct", keep_workdir=True)
+    wd = fake.workdirs[0]
+    assert wd.is_dir() and (wd / "model").is_dir()
+    assert f"workdir kept: {wd}" in capsys.readouterr().err
