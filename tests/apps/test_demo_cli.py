@@ -135,3 +135,14 @@ def test_keep_workdir_keeps_it_and_says_where_on_stderr(fake, tmp_path, monkeypa
     wd = fake.workdirs[0]
     assert wd.is_dir() and (wd / "model").is_dir()
     assert f"workdir kept: {wd}" in capsys.readouterr().err
+
+
+def test_ttft_ratios_say_lower_or_higher(fake, tmp_path):
+    fake.ttft = {"baseline": 1.0, "kvbm_backend": 0.4, "native_tiers": 2.0}  # 2.5x faster, 2x slower
+    r = _cli(tmp_path)
+    assert r.exit_code == 0, r.output[-2000:]
+    line = " ".join(r.output.split()).split("storage vs recompute")[1].split("all greedy outputs")[0]
+    assert "kvbm_backend 2.5x lower" in line and "native_tiers 2.0x higher" in line and "restart 1.0x lower" in line
+    assert "below" not in line
+    ratios = json.loads((tmp_path / "demo.json").read_text())["storage_vs_recompute_p50"]["in_process"]
+    assert ratios["native_tiers"] == pytest.approx(0.5)  # the JSON keeps baseline p50 / config p50
