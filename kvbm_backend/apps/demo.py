@@ -395,7 +395,8 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
         out = {"configs": configs, "serving": engine, "dynamo": serving or None, "cpu_budget_env": budget,
                "storage_vs_recompute_p50": ratios,
                "ttft_measured_at": "HTTP client (streaming)" if engine == "dynamo" else "engine (vLLM first_token_latency)",
-               "scaling": scaling, "model": model.hf_config(), "engine": engine_s,
+               "scaling": scaling, "engine": engine_s,
+               "model": dict(model.hf_config(), torch_dtype=DTYPE),  # the dtype the engines ran, not the file's
                "block_size_tokens": BLOCK_SIZE, "engine_kv_blocks": num_blocks, "g4_url": g4_url,
                "native_cpu_tier_bytes": cpu_bytes, "g3_capacity_bytes": int(g3_gb * 1e9),
                "workdir": str(wd), "wall_s": time.monotonic() - t_all}

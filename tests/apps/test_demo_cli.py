@@ -39,6 +39,7 @@ class FakeEngines:
         self.calls = 0
         self.raise_: BaseException | None = None
         self.workdirs: list[Path] = []
+        self.dtypes: dict[str, str | None] = {}
 
     def __call__(self, runs, workdir, env_extra, progress, tasks, phases=None):
         self.calls += 1
@@ -47,6 +48,7 @@ class FakeEngines:
             raise self.raise_
         out = {}
         for name, spec in runs:
+            self.dtypes[name] = spec.get("dtype")
             n = len(spec["prompts"])
             outs = [[1, 2, 3, 4]] * n
             if name in self.differ:
@@ -146,3 +148,10 @@ def test_ttft_ratios_say_lower_or_higher(fake, tmp_path):
     assert "below" not in line
     ratios = json.loads((tmp_path / "demo.json").read_text())["storage_vs_recompute_p50"]["in_process"]
     assert ratios["native_tiers"] == pytest.approx(0.5)  # the JSON keeps baseline p50 / config p50
+
+
+def test_the_json_records_the_dtype_the_engines_ran(fake, tmp_path):
+    assert _cli(tmp_path).exit_code == 0
+    data = json.loads((tmp_path / "demo.json").read_text())
+    assert set(fake.dtypes.values()) == {"float32"}  # every engine's spec
+    assert data["model"]["torch_dtype"] == "float32"
