@@ -155,3 +155,21 @@ def test_the_json_records_the_dtype_the_engines_ran(fake, tmp_path):
     data = json.loads((tmp_path / "demo.json").read_text())
     assert set(fake.dtypes.values()) == {"float32"}  # every engine's spec
     assert data["model"]["torch_dtype"] == "float32"
+
+
+def test_the_plot_marks_the_baseline_reference_not_equal_to_itself(fake, tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+    labels: list[str] = []
+    real = Axes.annotate
+
+    def record(self, text, *a, **k):
+        labels.append(text)
+        return real(self, text, *a, **k)
+    monkeypatch.setattr(Axes, "annotate", record)
+    fake.differ = {"native_tiers"}
+    res = demo.run_demo(json_path=None, plot=str(tmp_path / "demo.png"), trace=str(tmp_path / "t.jsonl"),
+                        requests=4, model=TINY, engine="direct")
+    names = list(res["configs"])
+    assert names[0] == "baseline" and (tmp_path / "demo.png").stat().st_size > 0
+    assert labels[:len(names)] == ["reference", "outputs = baseline", "outputs = baseline", "outputs = baseline",
+                                   "OUTPUTS DIFFER"]
