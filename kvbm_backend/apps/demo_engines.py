@@ -11,13 +11,17 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 900.0  # an engine's load and warm-up, s from its process start
+SERVE_TIMEOUT_S = 900.0  # an engine's requests, s from when it is let go (engines serve one at a time)
 
 
-def _start_engine(name: str, spec: dict, workdir: Path, env_extra: dict | None = None) -> dict:
+def _start_engine(name: str, spec: dict, workdir: Path, env_extra: dict | None = None,
+                  pause_max_s: float = 3600) -> dict:
     """Start one in-process engine (``engine_run``) that loads, warms up, then waits before its first prompt
-    until :func:`_serve_engine` lets it go, so engines start side by side but serve one at a time."""
+    until :func:`_serve_engine` lets it go, so engines start side by side but serve one at a time.
+    ``pause_max_s``: the longest it waits so, in s (then it serves unasked)."""
     spec = dict(spec, out=str(workdir / f"{name}.result.json"), progress_file=str(workdir / f"{name}.progress"),
-                pause_before=[0], pause_dir=str(workdir / f"{name}.pause"), pause_max_s=3600)
+                pause_before=[0], pause_dir=str(workdir / f"{name}.pause"), pause_max_s=pause_max_s)
     Path(spec["pause_dir"]).mkdir(parents=True, exist_ok=True)
     Path(spec["progress_file"]).write_text("")
     spath = workdir / f"{name}.spec.json"
@@ -35,28 +39,35 @@ def _start_engine(name: str, spec: dict, workdir: Path, env_extra: dict | None =
     return {"name": name, "proc": proc, "spec": spec, "log": workdir / f"{name}.log", "t0": time.monotonic()}
 
 
-def _check(h: dict, timeout_s: float) -> None:
-    if time.monotonic() - h["t0"] > timeout_s:
+def _check(h: dict, since: float, timeout_s: float, what: str) -> None:
+    """Kill engine ``h`` and raise RuntimeError naming its log when ``what`` has taken more than ``timeout_s``
+    seconds since ``since`` (a ``time.monotonic()`` value)."""
+    if time.monotonic() - since > timeout_s:
         h["proc"].kill()
-        raise RuntimeError(f"demo: engine {h['name']} ran past {timeout_s} s (log: {h['log']})")
+        raise RuntimeError(f"demo: engine {h['name']}: {what} ran past {timeout_s} s (log: {h['log']})")
 
 
-def _wait_loaded(h: dict, timeout_s: float = 900) -> None:
-    """Wait until engine ``h`` has loaded and warmed up (it waits before its first prompt), or has exited."""
+def _wait_loaded(h: dict, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Wait until engine ``h`` has loaded and warmed up (it waits before its first prompt), or has exited.
+    ``timeout_s``: seconds from the engine's process start."""
     while h["proc"].poll() is None and not (Path(h["spec"]["pause_dir"]) / "paused-0").exists():
-        _check(h, timeout_s)
+        _check(h, h["t0"], timeout_s, "start-up (load and warm-up)")
         time.sleep(0.2)
 
 
-def _serve_engine(h: dict, progress=None, task=None, timeout_s: float = 900) -> dict:
+def _serve_engine(h: dict, progress=None, task=None, timeout_s: float = SERVE_TIMEOUT_S,
+                  startup_timeout_s: float = START_TIMEOUT_S) -> dict:
     """Let loaded engine ``h`` serve its prompts, and return its result dict. Raises RuntimeError naming the
-    log if it fails or runs past ``timeout_s`` (start-up included)."""
+    log if it fails, if its start-up runs past ``startup_timeout_s`` seconds from its process start, or its
+    serving past ``timeout_s`` seconds from when it is let go (time spent waiting while the engines before
+    it served does not count)."""
     proc, spec, name = h["proc"], h["spec"], h["name"]
     pdir, pfile = Path(spec["pause_dir"]), Path(spec["progress_file"])
-    _wait_loaded(h, timeout_s)
+    _wait_loaded(h, startup_timeout_s)
     (pdir / "resume-0").write_text("")
+    t_serve = time.monotonic()
     while proc.poll() is None:
-        _check(h, timeout_s)
+        _check(h, t_serve, timeout_s, "serving its requests")
         if progress is not None:
             progress.update(task, completed=len(pfile.read_text().split()))
         time.sleep(0.2)
@@ -80,7 +91,9 @@ def _run_engines(runs: list[tuple[str, dict]], workdir: Path, env_extra: dict, p
     try:
         with phases.phase(f"starting {len(runs)} in-process vLLM engines side by side"):
             for name, spec in runs:
-                handles.append(_start_engine(name, spec, workdir, env_extra))
+                # an engine waits (paused) while the others load and those before it serve
+                handles.append(_start_engine(name, spec, workdir, env_extra,
+                                             pause_max_s=START_TIMEOUT_S + len(runs) * SERVE_TIMEOUT_S))
             for h in handles:
                 _wait_loaded(h)
         out = {}

@@ -1,8 +1,9 @@
 """``kvbm-backend demo`` around its engines: the real CLI and ``run_demo`` with ``_run_engines`` swapped for a
 stub that returns chosen outputs and TTFTs at once (no vLLM engine starts; the tiny model keeps the model
 directory small and ``vllm_version`` is stubbed so vLLM is not imported). What is checked: the exit status
-and the JSON's ``ok``, the workdir rules, the one-line errors, the wording of the TTFT ratios, the dtype
-recorded, and the clean-up of the demo's own temporary directory."""
+and the JSON's ``ok``, the workdir rules, the wording of the TTFT ratios, the dtype recorded, the plot's
+labels, the clean-up of the demo's own temporary directory, and (with a stand-in process) each engine's
+start-up and serving timeouts."""
 from __future__ import annotations
 
 import json
@@ -173,3 +174,49 @@ def test_the_plot_marks_the_baseline_reference_not_equal_to_itself(fake, tmp_pat
     assert names[0] == "baseline" and (tmp_path / "demo.png").stat().st_size > 0
     assert labels[:len(names)] == ["reference", "outputs = baseline", "outputs = baseline", "outputs = baseline",
                                    "OUTPUTS DIFFER"]
+
+
+class _Proc:
+    """A stand-in engine process: running for ``polls`` polls, then exits 0 (``None``: runs until killed)."""
+
+    def __init__(self, polls: int | None):
+        self.polls, self.returncode, self.killed = polls, None, False
+
+    def poll(self):
+        if self.returncode is None and self.polls is not None:
+            if self.polls <= 0:
+                self.returncode = 0
+            self.polls -= 1
+        return self.returncode
+
+    def kill(self):
+        self.killed, self.returncode = True, -9
+
+
+def _handle(tmp_path: Path, proc: _Proc, started_s_ago: float, loaded: bool = True) -> dict:
+    import time
+    spec = {"pause_dir": str(tmp_path / "e.pause"), "progress_file": str(tmp_path / "e.progress"),
+            "out": str(tmp_path / "e.result.json"), "prompts": [[1]]}
+    (tmp_path / "e.pause").mkdir(parents=True)
+    if loaded:
+        (tmp_path / "e.pause" / "paused-0").write_text("1")
+    (tmp_path / "e.progress").write_text("")
+    (tmp_path / "e.result.json").write_text('{"served": true}')
+    return {"name": "restart", "proc": proc, "spec": spec, "log": tmp_path / "e.log", "t0": time.monotonic() - started_s_ago}
+
+
+def test_serving_timeout_counts_from_the_engines_own_turn(tmp_path):
+    """An engine that loaded 1000 s ago and waited while the others served is not past its 900 s: its serving
+    time counts from its resume. Its serving and its start-up are each still bounded."""
+    from kvbm_backend.apps.demo_engines import _serve_engine, _wait_loaded
+    h = _handle(tmp_path / "a", _Proc(polls=2), started_s_ago=1000.0)
+    assert _serve_engine(h, timeout_s=900) == {"served": True}
+    assert (tmp_path / "a" / "e.pause" / "resume-0").exists()
+    h = _handle(tmp_path / "b", _Proc(polls=None), started_s_ago=0.0)
+    with pytest.raises(RuntimeError, match="engine restart: serving its requests ran past 0.3 s"):
+        _serve_engine(h, timeout_s=0.3)
+    assert h["proc"].killed
+    h = _handle(tmp_path / "c", _Proc(polls=None), started_s_ago=1000.0, loaded=False)
+    with pytest.raises(RuntimeError, match=r"engine restart: start-up \(load and warm-up\) ran past 900 s"):
+        _wait_loaded(h, 900)
+    assert h["proc"].killed
