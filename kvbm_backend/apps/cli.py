@@ -352,6 +352,8 @@ def plan(
         _fail(f"plan: out of memory ({e})")
     except OSError as e:
         _fail(f"plan: {e}")
+    for w in result.get("warnings", []):  # hybrid layouts: what the model leaves out
+        console.print(f"[yellow]warning:[/yellow] {w}", soft_wrap=True, highlight=False)
     _emit(result, as_json, table_fn=print_plan)
 
 

@@ -237,6 +237,17 @@ def _simulate(requests: list[dict[str, Any]], km: KeyMaker, router: Router, poin
             bar.update(task, advance=1)
 
 
+def hybrid_warning(preset) -> str:
+    """What :func:`run_plan` does not model for a hybrid (sliding-window) preset: it sizes every layer for
+    every token."""
+    return (f"{preset.name} is a hybrid model ({preset.sliding_layers} of {preset.num_layers} layers attend to a "
+            f"{preset.sliding_window}-token window); plan sizes it as if every layer stored every token "
+            f"({preset.bytes_per_token:,} B/token), while the connector stores the full-attention layers "
+            f"({preset.full_bytes_per_token:,} B/token) for every block and the sliding layers only near a "
+            "resume point, in pools of their own: bytes, GB/s and DWPD are overstated and hit rates are "
+            "those of a smaller cache (docs/capacity.md)")
+
+
 def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1, fleet: Fleet = Fleet(),
              g3_capacities_gb: Sequence[float] = (1000.0,), g4_capacities_gb: Sequence[float] = (0.0,),
              admit_all: bool = False, source: dict | None = None, progress: bool = False) -> dict:
@@ -252,7 +263,9 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
     ``points``, one dict per sweep point with ``g3_hit_blocks`` / ``g4_hit_blocks`` (pages),
     ``g3_hit_rate`` / ``g4_hit_rate`` / ``hit_rate`` (of ``lookup_blocks``), byte counts and rates
     (GB/s; per node: mean and busiest node), ``g3_dwpd``, ``ttft_recompute_s_mean``,
-    ``ttft_saved_s_mean`` and ``ttft_saved_fraction``. Rates and DWPD are None when ``span_s`` is.
+    ``ttft_saved_s_mean`` and ``ttft_saved_fraction``. Rates and DWPD are None when ``span_s`` is. A hybrid
+    (sliding-window) layout adds ``warnings`` (:func:`hybrid_warning`: it is sized as if every layer stored
+    every token).
 
     Raises:
         ValueError: naming the option: unknown layout / TP not dividing its KV heads, page size < 1,
@@ -275,7 +288,8 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
             if not math.isfinite(c) or c < 0 or (lo == "gt" and c == 0):
                 raise ValueError(f"{name}: each capacity must be a finite number {'>' if lo == 'gt' else '>='} 0, "
                                  f"got {c}")
-    lay = load_preset(layout).layout(page_size=page_size, tp=tp)  # ValueError "tp: ..." / "layout: ..."
+    preset = load_preset(layout)
+    lay = preset.layout(page_size=page_size, tp=tp)  # ValueError "tp: ..." / "layout: ..."
     wb = tp * frame.slot_bytes(lay.bytes_per_block)
     adm = AdmissionConfig(policy="all" if admit_all else "frequency")
     W, WPN = fleet.workers, fleet.workers_per_node
@@ -349,10 +363,11 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
             "ttft_saved_s_mean": p["saved_s"] / len(requests) if requests else 0.0,
             "ttft_saved_fraction": p["saved_s"] / recompute if recompute else 0.0,
         })
-    return {
+    extra = {"warnings": [hybrid_warning(preset)]} if preset.hybrid else {}  # non-hybrid: as before
+    return extra | {
         "kind": "plan", "source": source or {}, "layout": layout, "page_size": page_size, "tp": tp,
         "admission": adm.policy, "fleet": asdict(fleet) | {"workers": W},
-        "bytes_per_token": load_preset(layout).layout(page_size=1, tp=tp).bytes_per_block * tp,
+        "bytes_per_token": preset.layout(page_size=1, tp=tp).bytes_per_block * tp,
         "breakeven_load_gbps": wb / page_size * fleet.prefill_tokens_per_s / 1e9,
         "worker_block_bytes": wb, "requests": len(requests), "input_tokens": tokens, "span_s": span,
         "unique_blocks": len(unique), "unique_bytes": len(unique) * wb, "points": out_points,

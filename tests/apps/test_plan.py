@@ -174,3 +174,16 @@ def test_a_capacity_that_holds_no_block_is_refused_and_an_empty_simpool_stores_n
     sim = SimPool(0, AdmissionConfig(policy="all"), wb)
     sim.put([1, 2, 3])
     assert sim.written == 0 and len(sim.index) == 0 and sim.lookup_prefix([1]) == 0
+
+
+def test_a_hybrid_layout_is_warned_about_and_a_dense_one_is_not():
+    """plan sizes a sliding-window model as if every layer stored every token (docs/capacity.md): it says so."""
+    reqs = synth_trace(SynthSpec(users=2, turns=2))
+    res = run_plan(reqs, "gemma-3-27b", PS, g3_capacities_gb=[100.0])
+    assert len(res["warnings"]) == 1 and res["warnings"][0].startswith("gemma-3-27b is a hybrid model (52 of 62 layers")
+    assert "warnings" not in run_plan(reqs, "llama-3.1-8b", PS, g3_capacities_gb=[100.0])
+    r = CliRunner().invoke(app, ["plan", "--synthetic", "--users", "2", "--turns", "2", "--layout", "gpt-oss-20b",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    assert "warning: gpt-oss-20b is a hybrid model" in " ".join(r.stderr.split())
+    assert json.loads(r.stdout)["warnings"] == [" ".join(r.stderr.split()).removeprefix("warning: ")]
