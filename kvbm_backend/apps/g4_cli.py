@@ -207,7 +207,7 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
                as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Rename blocks stored under format 1 names (sequence hash in clear) to keyed names. Safe while
     workers run; repeatable. Until it ran, old-named blocks are misses (recomputed). Exit 1 when an
-    object could not be renamed (``errors`` > 0; the rest was), 2 for a refused run (nothing written)."""
+    object could not be renamed (errors > 0; the rest was), 2 for a refused run (nothing written)."""
     from kvbm_backend.crypto.keyring import KeyringError
     from kvbm_backend.pool.g4.migrate import run_migrate
     store = _open_store(url, endpoint_url, region)
@@ -236,7 +236,7 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an
     """Remove G4 blocks by age and/or to a capacity target (oldest first), per tenant too, and every
     block of revoked tenants. Ages are measured on the store's clock (its Date header, or the newest
     mtime listed when that is ahead of ours). Safe while workers run. Exit 1 when an object could not be
-    deleted (``errors`` > 0; the rest was), 2 for a refused run."""
+    deleted (errors > 0; the rest was), 2 for a refused run."""
     from kvbm_backend.crypto.keyring import KeyringError
     from kvbm_backend.pool.g4.gc import run_gc
     if max_age_s is None and target_gb is None and keyring is None:

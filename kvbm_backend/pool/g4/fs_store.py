@@ -462,11 +462,10 @@ class FsStore(ObjectStore):
         # ``prefix`` is a name prefix; walk the deepest directory it fully names (links are not followed
         # and only regular files are objects).
         d = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        start = self.root
-        for c in d.split("/") if d else ():  # a link at any component under the root: nothing listed
-            start = start / c
-            if start.is_symlink():
-                return
+        parts = d.split("/") if d else []  # a link at any component under the root: nothing listed
+        if any(self.root.joinpath(*parts[:i + 1]).is_symlink() for i in range(len(parts))):
+            return
+        start = self.root.joinpath(*parts)
         if not start.is_dir():
             return
         for dirpath, _dirs, files in os.walk(start):
