@@ -209,6 +209,13 @@ def test_worker_storage_secrets_and_keyring():
     assert cfg.g3.paths == [mounts["g3"]["mountPath"]]
     assert "hostPath" in vols["g3"] or "persistentVolumeClaim" in vols["g3"]
     assert not any(k.startswith(("DYN_KVBM_", "KVBM_BACKEND__")) for k in env)
+    if "hostPath" in vols["g3"]:  # one pool per G3 directory (G3LockedError otherwise): one worker per node,
+        dep = objects()[("Deployment", "vllm-worker-kvbm")]["spec"]      # and a rollout stops the old pod first
+        anti = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert any(t["topologyKey"] == "kubernetes.io/hostname"
+                   and t["labelSelector"]["matchLabels"] == dep["selector"]["matchLabels"] for t in anti)
+        assert dep["strategy"]["rollingUpdate"]["maxSurge"] == 0
+    assert {"cpu", "memory"} <= set(c["resources"].get("requests", {}))  # not BestEffort
     # G4 credentials and KEK from Secrets
     secret_env = {k: v["secretKeyRef"]["name"] for k, v in env.items() if isinstance(v, dict) and "secretKeyRef" in v}
     assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", cfg.g4.keyring.kek_env} <= set(secret_env)

@@ -150,7 +150,11 @@ class S3Store(ObjectStore):
         if not parsed.netloc:
             raise ValueError(f"g4.url {url!r}: s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
         if opts.s3_client == "obstore":  # g4.s3_client: the data path on obstore
-            from .s3_obstore import ObstoreS3Store
+            try:
+                from .s3_obstore import ObstoreS3Store
+            except ImportError as e:  # a dependency since 2026-11-30; an older environment may lack it
+                raise ValueError(f"g4.s3_client: obstore is not installed ({e}); pip install 'obstore>=0.12' "
+                                 "or set g4.s3_client: boto3") from None
             return ObstoreS3Store.from_url(url, parsed, opts)
         return cls(parsed.netloc, parsed.path.strip("/"), endpoint_url=opts.endpoint_url, region=opts.region,
                    timeout_s=opts.timeout_s, max_inflight=opts.max_inflight, retries=opts.retries)
