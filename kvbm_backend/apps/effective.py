@@ -283,7 +283,7 @@ def dry_run(argv: list[str]) -> int:
     print("kvbm-backend dry run: exec " + shlex.join(argv))
     env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("KVBM_BACKEND__", "DYN_KVBM_")))
     print("kvbm-backend dry run: env " + shlex.join(env), flush=True)
-    why = check_argv(argv)
+    why = check_argv(argv, create=False)  # a dry run writes nothing (no keyring, no KEK file)
     if why:
         print(f"kvbm-backend: error: {why}", file=sys.stderr)
         return 2

@@ -10,9 +10,12 @@ stayed up, serving nothing, until killed). The launchers (``kvbm_backend.integra
 configuration stops before any engine process exists.
 
 What is checked, for every ``KvbmBackendConnector`` in ``--kv-transfer-config`` (top level or a
-``MultiConnector`` child): ``kv_connector_extra_config`` parses into the config tree (every field rule
-of :mod:`kvbm_backend.config`, G3 paths included), and with G4 encryption on the keyring and its KEK
-open (:meth:`kvbm_backend.crypto.keyring.Keyring.from_config`, exactly as the pool opens them).
+``MultiConnector`` child) and every ``G3Tier``/``G4Tier`` of an ``OffloadingConnector``'s ``secondary_tiers``
+(vLLM's native tiering; before 2026-11-30 those went unchecked): the settings parse into the config tree (every
+field rule of :mod:`kvbm_backend.config`, G3 paths included), and with G4 encryption on the keyring and its
+KEK open (:meth:`kvbm_backend.crypto.keyring.Keyring.from_config`, exactly as the pool opens them). A dry run
+(``create=False``: the scripts' ``KVBM_BACKEND_DRY_RUN``) creates nothing: an existing keyring is opened as
+is, a missing one (the engine would create it and its KEK file) is left missing.
 Storage reachability is not checked here: an unreachable G4 is a degraded tier, not a start-up error.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import sys
 
 CONNECTOR = "KvbmBackendConnector"
+TIER_MODULE = "kvbm_backend.integrations.vllm.tiering"
 
 
 def _arg(argv: list[str], name: str) -> str | None:
@@ -40,35 +44,66 @@ def _arg(argv: list[str], name: str) -> str | None:
     return found
 
 
-def _ours(ktc: dict) -> list[dict]:
-    out = []
+def _ours(ktc: dict) -> list[tuple[str, dict]]:
+    """``("connector", kv_connector_extra_config)`` of each of our connectors and ``("tier", tier dict)`` of each
+    of our secondary tiers in ``ktc`` (MultiConnector children included)."""
+    out: list[tuple[str, dict]] = []
+    extra = ktc.get("kv_connector_extra_config") or {}
     if ktc.get("kv_connector") == CONNECTOR:
-        out.append(ktc.get("kv_connector_extra_config") or {})
-    if ktc.get("kv_connector") == "MultiConnector":
-        for child in (ktc.get("kv_connector_extra_config") or {}).get("connectors", []) or []:
+        out.append(("connector", extra))
+    if ktc.get("kv_connector") == "OffloadingConnector" and isinstance(extra, dict):
+        for tier in extra.get("secondary_tiers") or []:
+            if isinstance(tier, dict) and tier.get("module_path") == TIER_MODULE:
+                out.append(("tier", tier))
+    if ktc.get("kv_connector") == "MultiConnector" and isinstance(extra, dict):
+        for child in extra.get("connectors", []) or []:
             if isinstance(child, dict):
                 out += _ours(child)
     return out
 
 
-def check_extra(extra: dict) -> None:
+def check_extra(extra: dict, *, create: bool = True) -> None:
     """Raise :class:`~kvbm_backend.config.ConfigError` (field named) if the connector's
-    ``kv_connector_extra_config`` cannot start."""
-    from ..config import ConfigError
+    ``kv_connector_extra_config`` cannot start. ``create=False``: write nothing (a dry run)."""
     from .vllm.extra_config import config_from_extra
     cfg, _ = config_from_extra(extra)
+    _check_keyring(cfg, create)
+
+
+def check_tier(tier: dict, *, create: bool = True) -> None:
+    """The same for a ``G3Tier``/``G4Tier`` entry of ``secondary_tiers`` (its ``config``, ``g3``, ``g4`` keys)."""
+    from ..config import ConfigError
+    from .vllm.extra_config import tier_config
+    name = tier.get("type", "tier")
+    try:
+        cfg = tier_config(tier.get("config"), g3=tier.get("g3"), g4=tier.get("g4"))
+        if name == "G4Tier":  # it opens G4 whatever g4.enabled says (tiering.G4Tier._make_pool)
+            if not cfg.g4.url:
+                raise ConfigError("g4.url: required for G4Tier (s3://BUCKET/PREFIX or file:///shared/path)")
+            cfg = cfg.model_copy(update={"g4": cfg.g4.model_copy(update={"enabled": True})})
+            _check_keyring(cfg, create)
+    except (ConfigError, ValueError) as e:
+        raise ConfigError(f"secondary_tiers {name}: {e}") from None
+
+
+def _check_keyring(cfg, create: bool) -> None:
+    import os
+
+    from ..config import ConfigError
     if cfg.g4.enabled and cfg.g4.encrypt:
         from ..crypto.keyring import Keyring, KeyringError
+        if not create and cfg.g4.keyring.path and not os.path.exists(cfg.g4.keyring.path):
+            return  # the engine would create it (and a KEK file): a dry run leaves that to it
         try:
-            Keyring.from_config(cfg.g4.keyring).close()
+            Keyring.from_config(cfg.g4.keyring, create=create).close()
         except (KeyringError, OSError) as e:
             msg = str(e)
             raise ConfigError(msg if msg.startswith("g4.") else f"g4.keyring: {msg}") from None
 
 
-def check_argv(argv: list[str]) -> str | None:
-    """The first problem of the kvbm-backend connectors in ``--kv-transfer-config`` as one line, or
-    None (also None when there is no such argument or no connector of ours)."""
+def check_argv(argv: list[str], *, create: bool = True) -> str | None:
+    """The first problem of the kvbm-backend connectors and tiers in ``--kv-transfer-config`` as one line, or
+    None (also None when there is no such argument or nothing of ours). ``create=False``: write nothing."""
     raw = _arg(argv, "--kv-transfer-config")
     if raw is None:
         return None
@@ -78,9 +113,9 @@ def check_argv(argv: list[str]) -> str | None:
         return f"--kv-transfer-config: not JSON ({e})"
     if not isinstance(ktc, dict):
         return "--kv-transfer-config: expected a JSON object"
-    for extra in _ours(ktc):
+    for kind, d in _ours(ktc):
         try:
-            check_extra(extra)
+            check_extra(d, create=create) if kind == "connector" else check_tier(d, create=create)
         except Exception as e:  # noqa: BLE001 - ConfigError / ValueError: one line for the operator
             return f"kv_connector_extra_config: {e}" if not str(e).startswith("kv_connector_extra_config") else str(e)
     return None

@@ -22,3 +22,56 @@ def test_the_last_kv_transfer_config_of_either_spelling_is_checked(tmp_path):
         why = check_argv(["serve", "m", *argv])
         assert why and "g3.capacity_gb" in why, (argv, why)
     assert check_argv(["serve", "m", "--kv-transfer-config", bad, "--kv-transfer-config", good]) is None
+
+
+def _encrypted_g4(tmp_path):
+    return {"g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": True,
+                   "keyring": {"path": str(tmp_path / "keys" / "keyring.json"), "kek_env": "KVBM_TEST_KEK"}}}
+
+
+def test_a_dry_run_creates_no_keyring_and_no_kek_file(tmp_path, monkeypatch):
+    """Review finding (2026-11-29): the scripts' dry run ("print, check, do not start") created the keyring and a
+    plaintext KEK file on the host. A dry-run check writes nothing; the real start still creates them."""
+    monkeypatch.delenv("KVBM_TEST_KEK", raising=False)
+    (tmp_path / "keys").mkdir()
+    ktc = json.dumps({"kv_connector": "KvbmBackendConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"kvbm_backend": {"g3": {"enabled": False}, **_encrypted_g4(tmp_path)}}})
+    assert check_argv(["serve", "m", "--kv-transfer-config", ktc], create=False) is None
+    assert list((tmp_path / "keys").iterdir()) == []
+    assert check_argv(["serve", "m", "--kv-transfer-config", ktc]) is None  # the launcher's own check creates it
+    assert (tmp_path / "keys" / "keyring.json").exists()
+
+
+def test_native_tiers_are_checked_too(tmp_path, monkeypatch):
+    """Review finding (2026-11-29): only KvbmBackendConnector was checked; a G4Tier whose keyring was wrapped under
+    another KEK passed the tiering script's check and failed inside vLLM's workers (API server up, serving
+    nothing). G3Tier/G4Tier entries of an OffloadingConnector (alone or in a MultiConnector) are checked now."""
+    import base64
+    import os
+
+    from kvbm_backend.config import load_config
+    from kvbm_backend.crypto.keyring import Keyring
+    monkeypatch.setenv("KVBM_TEST_KEK", base64.b64encode(os.urandom(32)).decode())
+    g4 = _encrypted_g4(tmp_path)
+    (tmp_path / "keys").mkdir()
+    Keyring.from_config(load_config(g4, use_env=False).g4.keyring).close()  # wrapped under the first KEK
+    cfg = tmp_path / "kvbm.yaml"
+    cfg.write_text(json.dumps({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 1}, **g4}))
+
+    def tiering(tiers):
+        return json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec", "secondary_tiers": tiers}})
+    mod = "kvbm_backend.integrations.vllm.tiering"
+    ok = tiering([{"type": "G3Tier", "module_path": mod, "config": str(cfg)},
+                  {"type": "G4Tier", "module_path": mod, "config": str(cfg)}])
+    assert check_argv(["serve", "m", "--kv-transfer-config", ok]) is None
+    monkeypatch.setenv("KVBM_TEST_KEK", base64.b64encode(os.urandom(32)).decode())  # another KEK
+    why = check_argv(["serve", "m", "--kv-transfer-config", ok])
+    assert why and "G4Tier" in why and "KEK" in why, why
+    bad_g3 = tiering([{"type": "G3Tier", "module_path": mod, "config": str(cfg), "g3": {"capacity_gb": -1}}])
+    multi = json.dumps({"kv_connector": "MultiConnector", "kv_connector_extra_config": {
+        "connectors": [{"kv_connector": "NixlConnector"}, json.loads(bad_g3)]}})
+    why = check_argv(["serve", "m", "--kv-transfer-config", multi])
+    assert why and "G3Tier" in why and "g3.capacity_gb" in why, why
+    other = tiering([{"type": "fs", "root_dir": "/nowhere"}])  # vLLM's own tiers are not ours to check
+    assert check_argv(["serve", "m", "--kv-transfer-config", other]) is None

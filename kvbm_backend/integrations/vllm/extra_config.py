@@ -58,3 +58,22 @@ def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
         raise ConfigError(f"kv_connector_extra_config.sliding_capacity_weight: expected a number in (0, 1] (a "
                           f"sliding-window group's share of G3 capacity relative to a full-attention group), got {w!r}")
     return cfg, opts
+
+
+def tier_config(config: str | dict | None, *, g3: dict | None = None, g4: dict | None = None) -> KvbmBackendConfig:
+    """The backend config of a vLLM secondary tier (``G3Tier``/``G4Tier`` keys ``config``, ``g3``, ``g4``;
+    :mod:`.tiering`): ``config`` (a file path or a dict, :func:`load_config`) with ``g3``/``g4`` merged over
+    its sections. vLLM's primary tier already decides what is offloaded (tiering has no store_threshold), so
+    G3 admits every cascaded chunk unless the config chose an admission policy itself. Raises ConfigError
+    naming the field."""
+    cfg = load_config(config)
+    data = cfg.model_dump()
+    for name, override in (("g3", g3), ("g4", g4)):
+        if override is not None:
+            if not isinstance(override, dict):
+                raise ConfigError(f"{name}: expected a mapping of {name} settings, got {override!r}")
+            data[name] = {**data[name], **override}
+    g3_set = (g3 or {}).get("admission") is not None or "admission" in cfg.g3.model_fields_set
+    if not g3_set:
+        data["g3"]["admission"] = {**data["g3"]["admission"], "policy": "all"}
+    return load_config(data, use_env=False)

@@ -14,7 +14,7 @@ loaded out of tree (no vLLM patch) with::
 Tier keyword arguments (every other key of the tier's dict reaches ``__init__``, see
 ``SecondaryTierFactory.create_secondary_tier``):
 
-* ``config``: kvbm-backend config, a YAML/TOML/JSON file path or a dict (:func:`load_config`).
+* ``config``: kvbm-backend config, a YAML/TOML/JSON file path or a dict (:func:`.extra_config.tier_config`).
 * ``g3`` / ``g4``: dict merged over that config's ``g3`` / ``g4`` section (e.g. ``paths``, ``url``).
 * ``tenant``: default tenant; a request's ``kv_transfer_params["kvbm_tenant"]`` overrides it.
 * ``revision``: the namespace's revision (default the config's ``revision``). vLLM hands a tier neither
@@ -98,7 +98,7 @@ from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingE
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
-from ...config import ConfigError, KvbmBackendConfig, load_config
+from ...config import ConfigError, KvbmBackendConfig
 from ...memory import BufferPool
 from ...model.namespace import BlockKey, KvGroup, Namespace
 from ...pool import open_pool
@@ -106,6 +106,7 @@ from ...deadlines import Deadline
 from ... import metrics
 from .. import load_priority
 from ..tiers import announce_tiers
+from .extra_config import tier_config
 from .geometry import PrimaryGeometry
 from .tier_removals import HeldChunks
 from .tier_threads import started_executor
@@ -188,7 +189,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self.locality = Locality(locality or self.default_locality)
         self.geometry = PrimaryGeometry.from_spec(offloading_spec, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                                   mla=mla, layout=layout, kv_cache_layout=kv_cache_layout)
-        self.config = self._load_config(config, g3=g3, g4=g4)
+        self.config = tier_config(config, g3=g3, g4=g4)
         self._tenant = self.config.tenant if tenant is None else str(tenant)
         if io_threads < 1:
             raise ValueError(f"io_threads: must be >= 1, got {io_threads}")
@@ -256,21 +257,6 @@ class KvbmSecondaryTier(SecondaryTierManager):
                           "chunks_stored": 0, "chunks_loaded": 0, "chunks_load_failed": 0}
 
     # ---- construction helpers ------------------------------------------------------------------
-    def _load_config(self, config: str | dict | None, *, g3: dict | None, g4: dict | None) -> KvbmBackendConfig:
-        cfg = load_config(config)
-        data = cfg.model_dump()
-        for name, override in (("g3", g3), ("g4", g4)):
-            if override is not None:
-                if not isinstance(override, dict):
-                    raise ConfigError(f"{name}: expected a mapping of {name} settings, got {override!r}")
-                data[name] = {**data[name], **override}
-        # vLLM's primary tier already decides what is offloaded (tiering has no store_threshold):
-        # store every cascaded chunk unless the config chose an admission policy itself.
-        g3_set = (g3 or {}).get("admission") is not None or "admission" in cfg.g3.model_fields_set
-        if not g3_set:
-            data["g3"]["admission"] = {**data["g3"]["admission"], "policy": "all"}
-        return load_config(data, use_env=False)
-
     def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
         raise NotImplementedError
 
