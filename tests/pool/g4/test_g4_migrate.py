@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 from typer.testing import CliRunner
 
-from tests.helpers.g4_writer import namespace, payload
+from tests.helpers.g4_writer import namespace, put_blocks, read_checked
 from kvbm_backend.apps.cli import app
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.naming import parse_block_name
@@ -21,18 +20,6 @@ FANOUT = 16
 def _cli(*args):
     r = CliRunner().invoke(app, list(args))
     return r.exit_code, r.output
-
-
-def _put(p, ns, seqs, tenant):
-    bpb = ns.layout.bytes_per_block
-    return p.put(ns.keys(seqs, tenant=tenant), [payload(s, tenant, bpb) for s in seqs]).result(timeout=30)
-
-
-def _read(p, ns, seqs, tenant):
-    bpb = ns.layout.bytes_per_block
-    out = [np.zeros(bpb, np.uint8) for _ in seqs]
-    ok = p.get(ns.keys(seqs, tenant=tenant), out).result(timeout=30).ok
-    return [bool(o and np.array_equal(b, payload(s, tenant, bpb))) for o, b, s in zip(ok, out, seqs)]
 
 
 def _to_legacy(p, ns, seqs, tenant):
@@ -54,14 +41,14 @@ def test_migrate_from_a_url_above_the_pool_keeps_its_blocks_in_the_pool(tmp_path
     cfg = G4Config(url=f"file://{tmp_path / 'parent' / 'clusterA'}", keyring={"path": str(tmp_path / 'kr.json')},
                    dir_fanout=FANOUT)
     with G4Pool(cfg, ns) as p:
-        assert _put(p, ns, seqs, "alice").written == 6
+        assert put_blocks(p, seqs, "alice").written == 6
         _to_legacy(p, ns, seqs, "alice")
-        assert _read(p, ns, seqs, "alice") == [False] * 6
+        assert read_checked(p, seqs, "alice") == [False] * 6
     code, out = _cli("g4", "migrate", "--url", f"file://{tmp_path / 'parent'}", "--keyring", str(tmp_path / "kr.json"),
                      "--dir-fanout", str(FANOUT), "--json")
     assert code == 0 and json.loads(out)["migrated"] == 6, out
     with G4Pool(cfg, ns) as p:
-        assert _read(p, ns, seqs, "alice") == [True] * 6 and _legacy(p) == 0
+        assert read_checked(p, seqs, "alice") == [True] * 6 and _legacy(p) == 0
 
 
 def test_migrate_needs_keyring_or_unkeyed_and_refuses_before_writing_anything(tmp_path):
@@ -73,7 +60,7 @@ def test_migrate_needs_keyring_or_unkeyed_and_refuses_before_writing_anything(tm
     kr = str(tmp_path / "kr.json")
     plain = G4Config(url=f"file://{tmp_path / 'store'}", encrypt=False, keyring={"path": kr}, dir_fanout=FANOUT)
     with G4Pool(plain, ns) as p:
-        assert _put(p, ns, seqs, "alice").written == 5
+        assert put_blocks(p, seqs, "alice").written == 5
         _to_legacy(p, ns, seqs, "alice")
     base = ["g4", "migrate", "--url", plain.url, "--dir-fanout", str(FANOUT), "--json"]
     code, out = _cli(*base)
@@ -82,7 +69,7 @@ def test_migrate_needs_keyring_or_unkeyed_and_refuses_before_writing_anything(tm
     assert code == 2, out
     enc = G4Config(url=plain.url, keyring={"path": kr}, dir_fanout=FANOUT)  # one encrypted block beside them
     with G4Pool(enc, ns) as p:
-        assert _put(p, ns, [3000], "alice").written == 1
+        assert put_blocks(p, [3000], "alice").written == 1
         _to_legacy(p, ns, [3000], "alice")
         assert _legacy(p) == 6
     code, out = _cli(*base, "--unkeyed")
@@ -94,7 +81,7 @@ def test_migrate_needs_keyring_or_unkeyed_and_refuses_before_writing_anything(tm
     code, out = _cli(*base, "--keyring", kr)
     assert code == 0 and json.loads(out)["migrated"] == 6, out
     with G4Pool(plain, ns) as p:
-        assert _read(p, ns, seqs, "alice") == [True] * 5 and _legacy(p) == 0
+        assert read_checked(p, seqs, "alice") == [True] * 5 and _legacy(p) == 0
     code, out = _cli(*base, "--keyring", kr, "--dry-run")  # nothing left to rename
     assert code == 0 and json.loads(out)["legacy_objects"] == 0
 
@@ -104,7 +91,7 @@ def test_a_dry_run_counts_blocks_whose_new_name_exists_as_already_present(tmp_pa
     kr = str(tmp_path / "kr.json")
     cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT)
     with G4Pool(cfg, ns) as p:
-        assert _put(p, ns, [7, 8], "alice").written == 2
+        assert put_blocks(p, [7, 8], "alice").written == 2
         k = ns.key(7, tenant="alice")  # block 7 under both names
         p.store.put(p.legacy_object_name(k), bytes(p.store.get(p.object_name(k))))
         _to_legacy(p, ns, [8], "alice")
@@ -120,7 +107,7 @@ def test_migrate_and_gc_exit_1_when_an_object_failed(tmp_path, monkeypatch):
     kr = str(tmp_path / "kr.json")
     cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT)
     with G4Pool(cfg, ns) as p:
-        assert _put(p, ns, [11, 12], "alice").written == 2
+        assert put_blocks(p, [11, 12], "alice").written == 2
         k = ns.key(11, tenant="alice")
         new_name = p.object_name(k)
         _to_legacy(p, ns, [11, 12], "alice")
@@ -151,7 +138,7 @@ def test_gc_dry_run_writes_nothing_to_the_store(tmp_path):
     ns = namespace()
     cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": str(tmp_path / 'kr.json')}, dir_fanout=FANOUT)
     with G4Pool(cfg, ns) as p:
-        assert _put(p, ns, [1, 2], "alice").written == 2
+        assert put_blocks(p, [1, 2], "alice").written == 2
     before = sorted(os.listdir(tmp_path / "store"))
     code, out = _cli("gc", "--url", cfg.url, "--max-age-s", "0", "--dry-run", "--json")
     res = json.loads(out)
