@@ -28,13 +28,14 @@ def _doctor(cfg: dict, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _keyring(tmp_path: Path) -> str:
-    """A keyring with one tenant and its KEK file, made by the real CLI."""
+    """A keyring with one tenant and its KEK file (``KEYRING.kek``), made in this process the way ``kvbm-backend
+    keys create`` makes them (tests/apps/test_keys_cli.py runs that command): one interpreter start less per
+    test, which on the busy CI VM is tens of seconds."""
+    from kvbm_backend.crypto.keyring import Keyring, provider_for
     d = tmp_path / "keys"
     kr = str(d / "kr.json")
-    r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "keys", "create", "--keyring", kr, "--tenant",
-                        "alice"], capture_output=True, text=True, timeout=300, cwd=str(REPO),
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0, r.stderr
+    Keyring(kr, provider_for(kr, "KVBM_BACKEND_KEK_UNSET_IN_TESTS", None, create=True), create=True).create("alice")
+    assert Path(kr).exists() and Path(f"{kr}.kek").exists()
     return kr
 
 
@@ -81,26 +82,35 @@ def test_s3_good_then_missing_bucket_then_stopped_server(seaweed_restartable, tm
     assert probs[0].startswith(f"problem: g4 endpoint: S3 endpoint {srv.endpoint} not reachable"), probs
 
 
-def test_file_store_good_bad_kek_and_open_modes(tmp_path):
+def _file_store(tmp_path: Path) -> tuple[Path, str, dict]:
     store = tmp_path / "store"
     store.mkdir(mode=0o700)
     kr = _keyring(tmp_path)
-    cfg = {"g4": {"enabled": True, "url": f"file://{store}", "keyring": {"path": kr}}}
+    return store, kr, {"g4": {"enabled": True, "url": f"file://{store}", "keyring": {"path": kr}}}
+
+
+def _wrong_kek(kr: str) -> None:
+    """Replace the keyring's KEK file by a valid key that is not the one its data keys are wrapped under."""
+    Path(f"{kr}.kek").write_text(base64.b64encode(secrets.token_bytes(32)).decode() + "\n")
+
+
+# The file-store cases are three tests, not one: each runs `doctor` (a fresh interpreter that imports torch and
+# starts a NIXL agent) once or twice, so none comes near the hang guard when the unit lane is starved on the CI VM.
+def test_file_store_good_and_wrong_kek(tmp_path):
+    store, kr, cfg = _file_store(tmp_path)
     _ok(_doctor(cfg))
     assert list(store.iterdir()) == []  # the probe file was removed (and nothing else made)
 
     # a KEK that is not the keyring's (a valid key, the wrong one)
-    kek = Path(f"{kr}.kek")
-    kek.write_text(base64.b64encode(secrets.token_bytes(32)).decode() + "\n")
+    _wrong_kek(kr)
     r = _doctor(cfg)
     last, probs = _verdict(r)
     assert r.returncode == 1 and last == "1 problem", r.stdout[-3000:]
     assert probs[0].startswith(f"problem: g4 keyring: keyring {kr}: wrapped under KEK"), probs
 
-    # the KEK back (re-create the keyring with it) and the store directory opened to everyone
-    for p in (kek, Path(kr)):
-        p.unlink()
-    kr = _keyring(tmp_path)
+
+def test_file_store_open_to_everyone_is_a_problem(tmp_path):
+    store, _, cfg = _file_store(tmp_path)
     os.chmod(store, 0o777)
     r = _doctor(cfg)
     last, probs = _verdict(r)
@@ -108,8 +118,11 @@ def test_file_store_good_bad_kek_and_open_modes(tmp_path):
     assert probs == [f"problem: mode: {store}: directory mode 0777 gives group/others access (fix: chmod 700 "
                      f"{store})"], probs
 
-    # both at once, and a missing store directory: each named, counted
-    kek.write_text(base64.b64encode(secrets.token_bytes(32)).decode() + "\n")
+
+def test_missing_store_wrong_kek_and_open_mode_are_each_counted(tmp_path):
+    store, kr, _ = _file_store(tmp_path)
+    os.chmod(store, 0o777)
+    _wrong_kek(kr)
     r = _doctor({"g4": {"enabled": True, "url": f"file://{tmp_path / 'absent'}", "keyring": {"path": kr}}},
                 "--path", str(store))
     last, probs = _verdict(r)
