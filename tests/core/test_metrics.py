@@ -388,3 +388,12 @@ def test_grafana_dashboard_queries_exactly_the_series_that_exist():
     assert known - named == set(), "series without a panel"
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids))
+    # every series a panel reads is filtered by the instance picker of the endpoint that serves it: our
+    # metrics.port ($instance) or vLLM's /metrics, which under Dynamo is the worker's system port ($vllm_instance)
+    pickers = {v["name"]: v["definition"] for v in d["templating"]["list"] if "definition" in v}
+    assert "kvbm_matched_tokens_total" in pickers["instance"]
+    assert "vllm:kvbm_backend_" in pickers["vllm_instance"]
+    for e in (t["expr"] for p in d["panels"] for t in p["targets"]):
+        for series, labels in re.findall(r"((?:vllm:)?kvbm_[a-z0-9_]+)(\{[^}]*\})?", e):
+            want = "$vllm_instance" if series.startswith("vllm:") else "$instance"
+            assert f'instance=~"{want}"' in labels, (series, e)
