@@ -274,3 +274,33 @@ def test_worker_container_command_passes_the_launchers_checks(tmp_path):
     assert argv[1:3] == ["-m", "kvbm_backend.integrations.dynamo.vllm_worker"]
     assert argv[argv.index("--model") + 1] == env_of(c)["MODEL"]
     assert " ".join(c["args"]) in " ".join(argv)
+
+
+# Fields of the Prometheus Operator's monitoring.coreos.com/v1 PodMonitor that the example may use (the operator's
+# CRD, example/prometheus-operator-crd/monitoring.coreos.com_podmonitors.yaml); there is no client model to walk.
+PODMONITOR_SPEC = {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel", "podTargetLabels", "sampleLimit",
+                   "attachMetadata"}
+PODMONITOR_ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "scheme", "honorLabels", "relabelings",
+                       "metricRelabelings", "params"}
+
+
+def test_podmonitor_scrapes_both_metric_ports_of_the_worker():
+    """examples/k8s/monitoring/podmonitor.yaml selects the worker's pods and scrapes /metrics on the two ports that
+    serve our series: the ConfigMap's metrics.port (kvbm_*, kvbm_backend_*) and DYN_SYSTEM_PORT (Dynamo's, with
+    vLLM's vllm:kvbm_backend_* counters); both are named container ports of the worker."""
+    docs = [d for d in yaml.safe_load_all((K8S / "monitoring" / "podmonitor.yaml").read_text()) if d]
+    assert len(docs) == 1
+    pm = docs[0]
+    assert (pm["apiVersion"], pm["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    assert set(pm["spec"]) <= PODMONITOR_SPEC, set(pm["spec"]) - PODMONITOR_SPEC
+    dep = objects()[("Deployment", "vllm-worker-kvbm")]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    (worker,) = dep["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in worker["ports"]}
+    cm = yaml.safe_load(objects()[("ConfigMap", "kvbm-backend-config")]["data"]["kvbm-backend.yaml"])
+    want = {cm["metrics"]["port"], int(env_of(worker)["DYN_SYSTEM_PORT"])}
+    eps = pm["spec"]["podMetricsEndpoints"]
+    for ep in eps:
+        assert set(ep) <= PODMONITOR_ENDPOINT, set(ep) - PODMONITOR_ENDPOINT
+        assert ep["port"] in ports and ep["path"] == "/metrics", ep
+    assert {ports[ep["port"]] for ep in eps} == want
