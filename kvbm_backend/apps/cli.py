@@ -365,7 +365,8 @@ def demo(
     requests: int = typer.Option(24, help="requests taken from the trace"),
     workdir: Optional[str] = typer.Option(None, help="G3/G4 directories go here; must not hold an "
                                            "earlier run's (default: a temp dir)"),
-    g4: Optional[str] = typer.Option(None, help="G4 URL (default: a local directory store)"),
+    g4: Optional[str] = typer.Option(None, help="G4 URL; each run writes under its own "
+                                                 "sub-prefix kvbm-demo-ID (default: a local directory store)"),
     endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint for --g4 s3://..."),
     engine: str = typer.Option("dynamo", help="dynamo: Dynamo frontend + dynamo.vllm workers, TTFT at the HTTP "
                                               "client; direct: in-process vLLM engines"),

@@ -56,13 +56,14 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .demo_native import (BLOCKS_PER_CHUNK, NATIVE_CONFIGS, cpu_budget_env, disk_bytes, native_extra,
+from .demo_native import (BLOCKS_PER_CHUNK, NATIVE_CONFIGS, cpu_budget_env, disk_bytes, native_extra, native_g4_url,
                           native_tier_summary, tier_dirs)
 from .demo_engines import _run_engines
 from .engine_model import DEMO, write_model_dir
@@ -309,7 +310,9 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
         model_dir = write_model_dir(wd / "model", model)
         max_len = max(len(p) for p in prompts) + 8
         num_blocks = math.ceil(max_len / BLOCK_SIZE) + 4  # about one request: earlier turns leave the engine
-        g4_url = g4 or f"file://{wd / 'g4'}"
+        # A user's --g4 store gets this run's own sub-prefix: an earlier run's blocks there (same model, same
+        # prompts) would turn the cold configs into hits and the ratios into nonsense.
+        g4_url = f"{g4.rstrip('/')}/kvbm-demo-{uuid.uuid4().hex[:12]}" if g4 else f"file://{wd / 'g4'}"
         console.print(f"[bold]kvbm-backend demo[/bold]: {len(prompts)} requests from {scaling['conversations']} "
                       f"conversations of {trace_path}")
         console.print(f"  scaling: 1 trace block (512 tokens) -> {block_tokens} tokens (x{scaling['length_scale']:.3f}), "
@@ -429,6 +432,12 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
         console.print("all greedy outputs identical to their baseline" if not differ else
                       f"[red]OUTPUTS DIFFER from baseline: {', '.join(differ)}[/red]")
         out["workdir_kept"] = not remove
+        if g4:
+            ep = f" --endpoint-url {endpoint_url}" if endpoint_url else ""
+            console.print(f"G4 blocks of this run stay under {g4_url} and {native_g4_url(g4_url)}; remove them: "
+                          + " && ".join(f"kvbm-backend gc --url {u} --max-age-s 0{ep}"
+                                        for u in (g4_url, native_g4_url(g4_url))),
+                          highlight=False, markup=False, soft_wrap=True)
         if json_path:
             Path(json_path).write_text(json.dumps(out, indent=2, sort_keys=True))
             console.print(f"wrote {json_path}")

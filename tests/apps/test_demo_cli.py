@@ -45,6 +45,7 @@ class FakeEngines:
     def __call__(self, runs, workdir, env_extra, progress, tasks, phases=None):
         self.calls += 1
         self.workdirs.append(Path(workdir))
+        self.runs = list(runs)
         if self.raise_ is not None:
             raise self.raise_
         out = {}
@@ -220,3 +221,27 @@ def test_serving_timeout_counts_from_the_engines_own_turn(tmp_path):
     with pytest.raises(RuntimeError, match=r"engine restart: start-up \(load and warm-up\) ran past 900 s"):
         _wait_loaded(h, 900)
     assert h["proc"].killed
+
+
+def test_each_run_keeps_its_g4_blocks_under_its_own_prefix_of_the_users_store(fake, tmp_path, capsys):
+    """Two runs with the same --g4 store: each config of a run reads and writes one sub-prefix of it, a new one per
+    run (the second run's cold configs must not find the first run's blocks), reported in the JSON and on stderr
+    with the command that removes it."""
+    store = tmp_path / "shared-g4"
+    store.mkdir()
+    seen = []
+    for _ in range(2):
+        res = demo.run_demo(json_path=None, plot=None, trace=str(tmp_path / "t.jsonl"), requests=4,
+                            g4=f"file://{store}/", model=TINY, engine="direct")
+        assert res["ok"]
+        runs = [spec for _, spec in fake.runs]
+        urls = {spec["connector"]["extra"]["kvbm_backend"]["g4"]["url"] for spec in runs if spec.get("connector")}
+        native = {t["g4"]["url"] for spec in runs if spec.get("native")
+                  for t in spec["native"]["secondary_tiers"] if "g4" in t}
+        assert urls == {res["g4_url"]} and native == {res["g4_url"] + "-native"}, (urls, native)
+        assert res["g4_url"].startswith(f"file://{store}/kvbm-demo-")
+        err = " ".join(capsys.readouterr().err.split())
+        for u in (res["g4_url"], res["g4_url"] + "-native"):
+            assert f"kvbm-backend gc --url {u} --max-age-s 0" in err, err[-2000:]
+        seen.append(res["g4_url"])
+    assert seen[0] != seen[1]
