@@ -346,4 +346,5 @@ class DeviceLoader:
         finally:
             if q.done is not None:
                 self.reads.ring_done[q.ring] = q.done
+            self.reads.finished(q)  # a buffer kept for its timed-out reads may go back once they end
             add_seconds(self.counters, "verify_s", time.perf_counter() - t1)

@@ -53,6 +53,7 @@ class _Pass:
     sums: Any = None  # host int64 [n, 4]: the device checksums' limb sums (CUDA, once ``checked`` is done)
     checked: Any = None  # torch.cuda.Event: headers and sums are on the host
     done: Any = None  # torch.cuda.Event: nothing on the device reads the staging any more (copy-out queued before)
+    finished: bool = False  # the loader completed it (checked, copied out) or gave it up: its buffers may go
 
 
 def _done(f: Any) -> bool:
@@ -76,8 +77,9 @@ class PassReader:
     def __init__(self, mode: str, device: torch.device, io_bytes: int, threads: int, counters: Counter[str]) -> None:
         self.mode, self.device, self.io_bytes, self.counters = mode, device, io_bytes, counters
         self.files = ReadFiles(counters)  # O_DIRECT on the bounce/host paths where taken, buffered for kvikio
-        # (futures, ring entry) of timed-out reads, kept alive until done
-        self.abandoned: list[tuple[list[Any], _RingEntry | None]] = []
+        # (futures, ring entry, pass) of timed-out reads: the entry is kept until the reads are done and the pass
+        # (None: already given up) is finished, since its rows that did arrive are checked and copied out later
+        self.abandoned: list[tuple[list[Any], _RingEntry | None, _Pass | None]] = []
         self.ring: dict[int, _RingEntry] = {}  # ring slot -> (staging, host, host buffer), reused across calls
         self.ring_done: dict[int, Any] = {}  # ring slot -> event of its last pass's device work (CUDA)
         self.engine: KvikioEngine | None = None  # kvikio (gds / kvikio-compat)
@@ -107,12 +109,28 @@ class PassReader:
 
     def abandon(self, p: _Pass) -> None:
         """The call ended with ``p``'s reads in flight: its buffers are never handed out again until they end."""
-        self.abandoned.append(([f for _, _, f in p.futs], self.ring.pop(p.ring, None)))
+        p.finished = True  # nothing checks or copies out of it any more
+        self.abandoned.append(([f for _, _, f in p.futs], self.ring.pop(p.ring, None), None))
+
+    def finished(self, p: _Pass) -> None:
+        """The loader has completed ``p`` (checked and copied out its rows): a buffer it kept because of
+        timed-out reads goes back to the pool once those reads have ended."""
+        p.finished = True
+        self._release_abandoned()
+
+    def _release_abandoned(self) -> None:
+        keep = []
+        for fs, entry, owner in self.abandoned:
+            if all(_done(x) for x in fs) and (owner is None or owner.finished):
+                self.give_ring(entry)  # the late reads ended and the pass is done with it: free again
+            else:
+                keep.append((fs, entry, owner))
+        self.abandoned = keep
 
     def close(self) -> None:
         """Wait for reads in flight, release files, threads and buffers. Idempotent."""
         if self.engine is not None:
-            for fs, _ in self.abandoned:
+            for fs, _, _ in self.abandoned:
                 for f in fs:
                     try:
                         f.get() if not hasattr(f, "result") else f.result()
@@ -125,7 +143,7 @@ class PassReader:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
-        for entry in list(self.ring.values()) + [e for _, e in self.abandoned]:
+        for entry in list(self.ring.values()) + [e for _, e, _ in self.abandoned]:
             self.give_ring(entry)  # every read has ended (threads joined / kvikio reads waited for)
         self.abandoned = []
         self.ring = {}
@@ -247,12 +265,6 @@ class PassReader:
             t0 = time.perf_counter()
             p.staging.copy_(p.host, non_blocking=True)
             add_seconds(self.counters, "h2d_submit_s", time.perf_counter() - t0)
-        if pending:  # keep the buffers alive until the I/O ends; never hand them out again
-            self.abandoned.append((pending, self.ring.pop(p.ring, None)))
-        keep = []
-        for fs, entry in self.abandoned:
-            if all(_done(x) for x in fs):
-                self.give_ring(entry)  # the late reads ended: the buffer is free again
-            else:
-                keep.append((fs, entry))
-        self.abandoned = keep
+        if pending:  # keep the buffers alive until the I/O ends and p is finished; never hand them out before
+            self.abandoned.append((pending, self.ring.pop(p.ring, None), p))
+        self._release_abandoned()
