@@ -243,6 +243,10 @@ def test_the_pool_facade_is_the_one_entry_point_of_layerwise_loads(tmp_path):
                 assert good == list(range(len(keys)))
                 assert all(np.array_equal(t[i].numpy(), _layer(b, layout, layer)) for i, b in enumerate(blocks))
             assert ld.finish() == [None] * len(keys) + ["not_found"]
+            # its rows were the pool's host staging, given back at finish: whole blocks are refused after it,
+            # never served from a buffer the next load reads into (review finding, 2026-11-29)
+            with pytest.raises(RuntimeError, match="went back to its pool"):
+                ld.block(0)
         assert ld._staging_pool is not None and ld._staging_pool.reused >= 1
         assert sum(th.name.startswith("kvbm-g3-layerwise") for th in threading.enumerate()) <= 2
     finally:

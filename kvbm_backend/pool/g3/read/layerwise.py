@@ -148,6 +148,7 @@ class LayerwiseLoad:
         self._good: list[int] | None = None  # rows good so far (wait_layer), made again after a reap
         self._lock = threading.Lock()
         self._released = False
+        self._staging_given = False  # finish() gave the pooled host staging back
         self.deadline: Deadline | None = None
 
     # ---- start ---------------------------------------------------------------------------------
@@ -389,6 +390,7 @@ class LayerwiseLoad:
                 if self._stream is not None:
                     self._stream.synchronize()  # its host-to-device copies have read it
                 self._staging_pool.give(self._host_arr)  # no read can land in it any more
+                self._staging_given = True
         return list(self.why)
 
     def _device_checks(self, dev: list[int]) -> list[int]:
@@ -455,5 +457,9 @@ class LayerwiseLoad:
     def block(self, row: int) -> torch.Tensor:
         """Row ``row``'s payload as one contiguous ``[bytes_per_block]`` uint8 tensor on :attr:`device`
         (a copy; FullyContiguous ``[layer, outer, page, inner]``). For tests and callers that want whole
-        blocks after :meth:`finish`."""
+        blocks after :meth:`finish`. Raises RuntimeError after :meth:`finish` where the rows were the pool's
+        host staging (a CPU device): finish gave it back, and another load may have read into it since."""
+        if self._staging_given and self.lay_dev is self.lay_host:
+            raise RuntimeError("LayerwiseLoad.block: the host staging went back to its pool at finish(); "
+                               "take the blocks (or wait_layer's tensors) before finish()")
         return self.lay_dev[:, row].reshape(-1).clone()
