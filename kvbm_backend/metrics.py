@@ -7,9 +7,12 @@ with the ``kvbm_`` prefix by KVBM's metrics server) that mean the same thing her
 * ``kvbm_onboard_blocks_d2d``: blocks onboarded disk -> device (G3 gets verified; here they land in the
   caller's buffer on the way to the device).
 * ``kvbm_offload_blocks_d2o`` / ``kvbm_onboard_blocks_o2d``: the same for object storage (G4).
-* ``kvbm_matched_tokens``: tokens matched by prefix lookups.
+* ``kvbm_matched_tokens``: tokens matched by requests' prefix lookups (G3's share and G4's), each request
+  once: its other TP ranks, KV cache groups, repeated asks and prompts the engine's own cache serves are not
+  counted (``lookup_prefix(..., request=False)``, :class:`kvbm_backend.pool.base.BlockPool`).
 * ``kvbm_disk_cache_hit_rate`` / ``kvbm_object_cache_hit_rate``: hit rate (0-1) over a sliding window of
-  lookups (KVBM uses a sliding window too; ours is the last :data:`HIT_RATE_WINDOW` looked-up blocks).
+  lookups (KVBM uses a sliding window too; ours is the last :data:`HIT_RATE_WINDOW` looked-up blocks),
+  counted as matched tokens are; G4's over the blocks G3 lacked.
 * ``kvbm_object_read_failures`` / ``kvbm_object_write_failures``: G4 reads / offloads the store failed
   (unavailable, timed out, or answered with an error such as a missing bucket); refusals by the open
   circuit breaker are not failures of the store, they are ``kvbm_backend_g4_load_misses{reason="breaker"}``

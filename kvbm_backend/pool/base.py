@@ -96,11 +96,13 @@ class BlockPool(Protocol):
     @property
     def layout(self) -> KvLayout: ...
 
-    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future[int]:
+    def lookup_prefix(self, keys: Sequence[BlockKey], *, request: bool = True) -> Future[int]:
         """Number of leading ``keys`` the pool holds (index/metadata only, no payload I/O). ``keys`` is any
         sequence of BlockKeys; every pool also takes a :class:`~kvbm_backend.model.namespace.KeyRun` (one
         namespace, tenant and rank, the seq hashes as a uint64 array: the scheduler's lookups), which
-        indexes that can probe arrays use without making per-key objects."""
+        indexes that can probe arrays use without making per-key objects. ``request`` False: not counted in
+        the pool's lookup counters, ``kvbm_matched_tokens`` or the hit rate (a request's other TP ranks,
+        KV cache groups and repeated asks: those describe each request's lookup once)."""
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[BlockBuffer]) -> Future[PutResult]:
         """Offload: store ``blocks[i]`` under ``keys[i]``, asynchronously and bounded. The pool reads the

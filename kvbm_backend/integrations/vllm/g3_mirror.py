@@ -347,18 +347,19 @@ class G3Mirror:
         """Blocks (per rank) mirrored: distinct fingerprints."""
         return len(self._set)
 
-    def lookup_prefix(self, keys: Iterable) -> Future:
+    def lookup_prefix(self, keys: Iterable, *, request: bool = True) -> Future:
         """Future of how many leading ``keys`` the worker's G3 holds (:meth:`_lookup`), counted as the
         pool counts its own lookups (``lookup_blocks`` / ``lookup_hits``, ``kvbm_matched_tokens``,
-        ``kvbm_disk_cache_hit_rate``)."""
+        ``kvbm_disk_cache_hit_rate``) unless ``request`` is False (see :class:`~kvbm_backend.pool.base.BlockPool`)."""
         if not isinstance(keys, (list, tuple, KeyRun)):
             keys = list(keys)
         n = self._lookup(keys)
-        with self._lock:
-            self.lookup_blocks += len(keys)
-            self.lookup_hits += n
-        self.metrics.matched_tokens.inc(n * self._page)
-        self.metrics.hit_rate.record(len(keys), n)
+        if request:
+            with self._lock:
+                self.lookup_blocks += len(keys)
+                self.lookup_hits += n
+            self.metrics.matched_tokens.inc(n * self._page)
+            self.metrics.hit_rate.record(len(keys), n)
         return completed(n)
 
     def _lookup(self, keys) -> int:

@@ -34,11 +34,15 @@ class TierLookup:
     ``e3`` / ``e4``: ``(keys, pool)`` per key list (BlockKeys or a KeyRun; a None pool is skipped); all
     lists are one length.
     ``timeout_s``: seconds, or a :class:`Deadline` shared with the caller.
+    ``count``: the lookup of each tier's first key list counts as the request's (``kvbm_matched_tokens``, the hit
+    rate, the pools' lookup counters); the other lists (TP ranks, groups) never do, so a request counts once
+    whatever its TP size. False: nothing counts (a window probe, a request already counted).
     """
 
     def __init__(self, e3: list[tuple[Any, BlockPool | None]], e4: list[tuple[Any, BlockPool | None]],
-                 timeout_s: float | Deadline):
+                 timeout_s: float | Deadline, count: bool = True):
         self.deadline = timeout_s if isinstance(timeout_s, Deadline) else Deadline(timeout_s)
+        self.count = count
         lens = [len(k) for k, _ in e3 + e4]
         self.n = n = lens[0] if lens else 0
         self.e3 = [(k, p) for k, p in e3 if p is not None]
@@ -52,14 +56,14 @@ class TierLookup:
             self.p3 = 0
             self._start_g4()
         else:
-            self._g3f = [p.lookup_prefix(k) for k, p in self.e3]
+            self._g3f = [p.lookup_prefix(k, request=count and i == 0) for i, (k, p) in enumerate(self.e3)]
 
     def _start_g4(self) -> None:
         assert self.p3 is not None  # G4 starts once G3's prefix is known
         if not self.e4 or self.p3 >= self.n:
             self.p4 = 0
             return
-        self._g4f = [p.lookup_prefix(k[self.p3:]) for k, p in self.e4]
+        self._g4f = [p.lookup_prefix(k[self.p3:], request=self.count and i == 0) for i, (k, p) in enumerate(self.e4)]
 
     @staticmethod
     def _min_done(futs: list[Future]) -> int | None:
@@ -140,7 +144,7 @@ class PrefixLookup:
                 e3 += [(k, g.g3) for k in by_rank]
                 e4 += [(k, g.g4) for k in g4]
         self.windowed = any(g.window_blocks is not None for g in sched.groups)
-        self.full = TierLookup(e3, e4, self.deadline)
+        self.full = TierLookup(e3, e4, self.deadline, count=not st.counted)  # (a handoff's retries: counted once)
         self.p3: int | None = None
         self.cand: int | None = None
         self.probes = 0
@@ -157,7 +161,8 @@ class PrefixLookup:
                 continue
             a = max(n - g.window_blocks, lo, 0)
             by_rank, g4 = g.ns.rank_runs(self.st.hashes[a:n], self.st.tenant)
-            self.win[gi] = TierLookup([(k, g.g3) for k in by_rank], [(k, g.g4) for k in g4], self.deadline)
+            self.win[gi] = TierLookup([(k, g.g3) for k in by_rank], [(k, g.g4) for k in g4], self.deadline,
+                                      count=False)
 
     def poll(self) -> tuple[int, int, dict[int, tuple[int, int]]] | None:
         """The result once known (see the class doc); None while still running (before the deadline)."""

@@ -280,7 +280,8 @@ class SchedulerSide:
             return None
         try:  # the full-attention groups' prefix (sliding windows are re-offered, see _plan_local_save)
             return min([f.result(timeout=0.05) for f in
-                        [g.g3.lookup_prefix(k) for g in self.groups if g.window_blocks is None and g.g3 is not None
+                        [g.g3.lookup_prefix(k, request=False) for g in self.groups
+                         if g.window_blocks is None and g.g3 is not None
                          for k in self._group_keys(g, st, 0, n)]] or [n])
         except Exception:  # noqa: BLE001 - unknown: nothing extra is saved
             return None

@@ -148,12 +148,16 @@ class _PoolLookup(AsyncLookupManager):
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         t = self._tier
         tenant = t._tenant_of(req_context)
-        futs = [t.pool.lookup_prefix(t._block_keys(k, tenant)) for k in keys]
+        # a chunk is held when all its copies (one block per TP rank it spans) are: the first copy's lookup counts
+        # as the chunk's (kvbm_matched_tokens, hit rate), the others not, so a chunk counts once at any TP size
+        futs = [(t.pool.lookup_prefix(bk[:1]), t.pool.lookup_prefix(bk[1:], request=False) if len(bk) > 1 else None)
+                for bk in (t._block_keys(k, tenant) for k in keys)]
         end = Deadline(t._job_timeout_s)  # one bound for the whole batch, not one per key
         out = []
-        for f in futs:
+        for f0, f1 in futs:
             try:
-                out.append(f.result(timeout=end.left()) == t.geometry.copies)
+                n = f0.result(timeout=end.left()) + (0 if f1 is None else f1.result(timeout=end.left()))
+                out.append(n == t.geometry.copies)
             except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
                 log.debug("lookup failed: %s", e)
                 out.append(False)

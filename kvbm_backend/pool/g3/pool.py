@@ -215,16 +215,19 @@ class G3Pool:
         with self.cat.lock:
             return key in self.cat.index
 
-    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future[int]:
+    def lookup_prefix(self, keys: Sequence[BlockKey], *, request: bool = True) -> Future[int]:
         """Future of the number of leading ``keys`` held (index only). Found entries become most
         recently used. ``keys``: BlockKeys, or a :class:`~kvbm_backend.model.namespace.KeyRun` (the
-        compact index probes its uint64 array, no per-key object)."""
+        compact index probes its uint64 array, no per-key object). ``request`` False: not counted
+        (``lookup_blocks`` / ``lookup_hits``, ``kvbm_matched_tokens``, the hit rate; see :class:`BlockPool`)."""
         with self.cat.lock:
             n = self.cat.index.lookup_prefix(keys, self.fp)  # vectorised: all keys probed at once
-            self.cat.c["lookup_blocks"] += len(keys)
-            self.cat.c["lookup_hits"] += n
-        self.metrics.matched_tokens.inc(n * self.layout.page_size)
-        self.metrics.hit_rate.record(len(keys), n)
+            if request:
+                self.cat.c["lookup_blocks"] += len(keys)
+                self.cat.c["lookup_hits"] += n
+        if request:
+            self.metrics.matched_tokens.inc(n * self.layout.page_size)
+            self.metrics.hit_rate.record(len(keys), n)
         return completed(n)
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[BlockBuffer], *,

@@ -81,9 +81,10 @@ class CanonicalG4:
                 return i
         return len(keys)
 
-    def lookup_prefix(self, keys: Sequence[BlockKey]) -> Future[int]:
+    def lookup_prefix(self, keys: Sequence[BlockKey], *, request: bool = True) -> Future[int]:
         """Leading ``keys`` whose parts (the key rank's heads) are all present: the minimum of the
-        parts' prefixes. A :class:`KeyRun` is probed as one run per head (no per-key objects)."""
+        parts' prefixes. A :class:`KeyRun` is probed as one run per head (no per-key objects); only the
+        first head's probe counts as the request's lookup (``request``: see :class:`BlockPool`)."""
         if isinstance(keys, KeyRun):
             if keys.namespace != self._fp or not len(keys):
                 return completed(0)
@@ -95,7 +96,7 @@ class CanonicalG4:
             heads = sorted({h for r in {k.rank for k in keys} for h in self.heads.heads(r)})
             fp = self.heads.canonical.fingerprint
             runs = [[BlockKey(fp, k.tenant, h, k.seq_hash) for k in keys] for h in heads]
-        return _all_of([self.inner.lookup_prefix(r) for r in runs], min)
+        return _all_of([self.inner.lookup_prefix(r, request=request and i == 0) for i, r in enumerate(runs)], min)
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future[PutResult]:
         """Store each block as its rank's head parts (copies made now; the caller's buffers are free when

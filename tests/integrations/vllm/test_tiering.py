@@ -393,3 +393,30 @@ def test_revision_key_separates_engines_sharing_g3(tmp_path, harnesses):
     assert _looked_up(same.tier, same.context(), keys[0]) is LookupResult.HIT
     got = same.load(keys)
     assert len(got) == 2 and all(np.array_equal(a, b) for a, b in zip(got, data))
+
+
+def test_a_chunk_lookup_counts_once_at_any_tp_size(tmp_path, harnesses):
+    """At TP=2 a chunk is two blocks (one per rank's copy); its lookup counts once in kvbm_matched_tokens and
+    the G3 hit rate (review finding, 2026-11-29: each copy counted, twice the tokens at TP=2)."""
+    from kvbm_backend import metrics
+    h = harnesses([g3_tier(tmp_path / "g3")], world_size=2)
+    assert h.tier.geometry.copies == 2
+    keys, data = keys_for(3, "tp2"), payloads(h, 3)
+    h.store(keys[:2], data[:2])
+    h.wait_idle()
+    before = metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0
+    tier, ctx = h.tier, h.context()
+    tier.on_new_request(ctx)
+    results = {}
+    for _ in range(2000):
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        results = {k: tier.lookup(k, ctx) for k in keys}
+        if LookupResult.RETRY not in results.values():
+            break
+        time.sleep(0.002)
+    assert [results[k] for k in keys] == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+    tier.on_request_finished(ctx)
+    got = metrics.sample_value(None, "kvbm_matched_tokens_total") - before
+    assert got == 2 * GEO["tokens_per_block"], got  # two chunks of one 16-token block each, not four
+    st = tier.pool.stats()
+    assert (st["lookup_blocks"], st["lookup_hits"]) == (3, 2), st

@@ -1,0 +1,66 @@
+"""A request's prefix lookup counts once in ``kvbm_matched_tokens`` and the tiers' hit rates, whatever its TP size.
+Review finding (2026-11-29): the scheduler looks every TP rank's keys up (and every KV cache group's), and each
+pool lookup counted itself, so at TP=2 a 4-block hit counted 8 blocks' tokens; asks for a prompt the engine's
+own prefix cache serves (vLLM is told 0) counted their G3 share each time. The real SchedulerSide, its G3 mirror
+(as the scheduler process has it) and a G4 pool on a file store; requests as vLLM hands them (token ids)."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from kvbm_backend import metrics
+from kvbm_backend.config import load_config
+from kvbm_backend.integrations.vllm.g3_mirror import G3Mirror
+from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta, mirror_id
+from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+from kvbm_backend.model.hashing import sequence_hashes
+from kvbm_backend.model.layout import KvLayout
+from kvbm_backend.model.namespace import Namespace
+from kvbm_backend.pool.g4.pool import G4Pool
+
+BS = 32
+
+
+def _ask(s: SchedulerSide, req, computed: int) -> int:
+    """vLLM's get_num_new_matched_tokens, asked again while the lookup runs (as vLLM does each step)."""
+    for _ in range(20000):
+        n, _ = s.get_num_new_matched_tokens(req, computed)
+        if n is not None:
+            return n
+        time.sleep(0.005)
+    raise AssertionError("the lookup never resolved")
+
+
+def test_tp2_hit_counts_each_block_once_and_local_hits_count_nothing(tmp_path):
+    reg = metrics.new_registry()
+    ns = Namespace("m", KvLayout(2, 2, BS, 64, "bfloat16"), tp_world_size=2)
+    toks = list(range(100, 100 + BS * 4 + 5))  # 4 full blocks
+    hs = sequence_hashes(toks, BS)
+    mirror = G3Mirror(ns, registry=reg)  # G3 (the worker's, as reported to the scheduler): blocks 0-1, both ranks
+    mirror.apply(KvbmWorkerMeta([mirror_id(k) for r in range(2) for k in ns.keys(hs[:2], rank=r)], [], True))
+    cfg = load_config({"g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+    g4 = G4Pool(cfg.g4, ns, registry=reg)  # G4: blocks 2-3, both ranks
+    try:
+        bpb = ns.layout.bytes_per_block
+        for r in range(2):
+            keys = ns.keys(hs[2:4], rank=r)
+            assert g4.put(keys, [np.full(bpb, 7, np.uint8)] * 2).result(60).written == 2
+        s = SchedulerSide(ns, BS, mirror, g4)
+        req = SimpleNamespace(request_id="r1", prompt_token_ids=toks, cache_salt=None, lora_request=None)
+        assert _ask(s, req, 0) == 4 * BS
+        assert metrics.sample_value(reg, "kvbm_matched_tokens_total") == 4 * BS  # not 8 * BS (two ranks)
+        assert metrics.sample_value(reg, "kvbm_disk_cache_hit_rate") == 2 / 4  # G3: 2 of the request's 4 blocks
+        assert metrics.sample_value(reg, "kvbm_object_cache_hit_rate") == 2 / 2  # G4: both of the 2 G3 lacked
+        st = mirror.stats()
+        assert (st["lookup_blocks"], st["lookup_hits"]) == (4, 2)
+
+        # a second request whose blocks the engine's own prefix cache holds: vLLM is told 0, nothing is counted
+        req2 = SimpleNamespace(request_id="r2", prompt_token_ids=toks, cache_salt=None, lora_request=None)
+        for _ in range(3):
+            assert s.get_num_new_matched_tokens(req2, 4 * BS) == (0, False)
+        assert metrics.sample_value(reg, "kvbm_matched_tokens_total") == 4 * BS
+        assert mirror.stats()["lookup_blocks"] == 4
+    finally:
+        g4.close()
