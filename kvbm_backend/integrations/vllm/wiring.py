@@ -10,7 +10,8 @@ from a :class:`~.g3_mirror.G3Mirror` fed by the worker's reports (:mod:`.report_
 :class:`~.metadata.KvbmWorkerMeta` in the step output); G4, shared storage by design, is opened by both. In
 that mode the scheduler writes its counters to ``<stats_path stem>.scheduler<ext>`` and (rank 0's) worker
 merges them into ``stats_path`` (:func:`.stats.merge_snapshots`); rank r > 0 writes
-``<stats_path stem>.rank<r><ext>``.
+``<stats_path stem>.rank<r><ext>``. With ``external_launcher`` and TP > 1 (each process hosts the scheduler and one
+rank's worker) rank r's worker file holds both roles' counters of its process and the scheduler writes none.
 
 TP = N > 1: every rank stores and loads only its slice of each block (its KV heads; one object per
 (block, rank) in G4) in its own G3 pool (:func:`.namespaces.rank_g3_config`); the scheduler looks a prefix
@@ -248,7 +249,8 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
         gcfg = group_g3_config(tier_cfg, ns, gi, opts["sliding_capacity_weight"])
         g3, g4 = tiers(gcfg, gns, total_kv_heads(vllm_config))
         parts._groups.append(TierGroup(gns, gcfg, G3Mirror(gns) if mirror else g3, g4))
-    parts._writer = _stats_writer(parts, opts["stats_path"], split, scheduler)
+    parts._writer = _stats_writer(parts, opts["stats_path"], split, scheduler,
+                                  same_process=backend in (None, "uni", "external_launcher"))
     dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
     parts.channel_key = report_channel.channel_key(str(ktc.engine_id), dp, ns.fingerprint)
     if scheduler:
@@ -288,14 +290,18 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
     return parts
 
 
-def _stats_writer(parts: ConnectorParts, stats_path: str | None, split: bool, scheduler: bool) -> stats.StatsWriter:
-    """The counters' writer of this role (see the module doc for the file names)."""
+def _stats_writer(parts: ConnectorParts, stats_path: str | None, split: bool, scheduler: bool,
+                  same_process: bool = False) -> stats.StatsWriter:
+    """The counters' writer of this role (see the module doc for the file names). ``same_process``: both roles
+    run in this process (``uni``, ``external_launcher``); the counters are per process, so with TP > 1
+    (``external_launcher``: every process hosts the scheduler and one rank's worker) the worker's file holds
+    both roles' counters and the scheduler writes none (merging its file would count everything twice)."""
     merge = stats_path
     if stats_path:
         root, ext = os.path.splitext(stats_path)
-        merge = f"{root}.scheduler{ext}" if split else None  # rank 0's worker merges it into stats_path
+        merge = f"{root}.scheduler{ext}" if split and not same_process else None  # rank 0's worker merges it
         if split and scheduler:
-            stats_path, merge = merge, None
+            stats_path, merge = (None if same_process else merge), None
         elif parts.rank > 0:
             stats_path, merge = f"{root}.rank{parts.rank}{ext}", None
     return stats.StatsWriter(stats_path, extra=parts.pool_stats, merge=merge)

@@ -966,6 +966,34 @@ def test_stats_path_holds_both_roles_counters(tmp_path):
     assert json.loads(sched.read_text())["lookup_requests"] == 2  # its own file is left as it wrote it
 
 
+def test_external_launcher_stats_count_each_event_once(tmp_path):
+    """vLLM's ``external_launcher`` with TP > 1: every process hosts the scheduler and one rank's worker, and the
+    counters are the process's. Review finding (2026-11-29): the wiring split the file names by TP alone, so the
+    scheduler wrote the process's counters to ``.scheduler`` and rank 0's worker merged that file into its own,
+    identical snapshot: every counter in ``stats_path`` doubled. The real writers of both roles, as wired."""
+    import json
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.wiring import ConnectorParts, _stats_writer
+    path = tmp_path / "s" / "kvbm.json"
+    sched, work = ConnectorParts(), ConnectorParts()
+    for p in (sched, work):
+        p.pool_stats = lambda: {}
+    stats.reset()
+    ws = _stats_writer(sched, str(path), split=True, scheduler=True, same_process=True)
+    ww = _stats_writer(work, str(path), split=True, scheduler=False, same_process=True)
+    try:
+        stats.add(lookup_requests=1, load_blocks_ok=4)
+        for w in (ws, ww, ws, ww):
+            w.maybe_write(force=True)
+        out = json.loads(path.read_text())
+    finally:
+        ws.stop()
+        ww.stop()
+        stats.reset()
+    assert (out["lookup_requests"], out["load_blocks_ok"]) == (1, 4)
+    assert not (tmp_path / "s" / "kvbm.scheduler.json").exists()
+
+
 def test_mirror_is_ready_once_every_tp_rank_sent_its_snapshot():
     """With TP > 1 each rank's worker reports by the channel on its own; the first rank's snapshot alone
     must not make the mirror ready (a lookup then missed the other rank's blocks: the TP=2 engine test
