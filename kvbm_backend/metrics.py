@@ -30,7 +30,9 @@ integration opens its tiers with ``metrics.port`` P, :func:`prepare` (before the
 process's series into P's multiprocess files, and :func:`serve_once` serves ``/metrics`` on
 ``metrics.addr:P`` from the first process of the pod that takes P's serving lock, with every process's
 series merged (the scheduler's lookups and the workers' loads in one page). The other processes log
-one INFO line naming the serving process. A port that cannot be bound (another program holds it) is one
+one INFO line naming the serving process and wait for its lock: when it ends (the kernel drops its lock), one
+of them serves in its place (its serving line says it "took over from process N"), and the counters of the
+processes that ended stay in the sums. A port that cannot be bound (another program holds it) is one
 ERROR line naming ``metrics.port``, and the engine runs on without the endpoint. A process whose
 default-registry series existed before :func:`prepare` (pools opened another way first) serves only its
 own series.
@@ -83,6 +85,7 @@ def prepare(port: int | None) -> bool:
             return False
         try:
             d = metrics_mp.metrics_dir(port)
+            metrics_mp.begin(d)  # the first process of a new run: the earlier run's files go
         except OSError as e:
             log.warning("kvbm_backend: metrics.port %d: no multiprocess metrics directory (%s); this process "
                         "serves only its own series", port, e)
@@ -150,9 +153,10 @@ def serve_once(port: int, addr: str = "0.0.0.0") -> bool:
     its series in the same port's files (:func:`prepare`), already does.
 
     True when the series of this process are served (here or by that other process: one INFO line names
-    it). A port that cannot be bound (in use by another program, no permission) logs one ERROR naming
-    ``metrics.port`` per (addr, port) and process and returns False: metrics are an aid, so the engine
-    runs on without the endpoint rather than failing to start.
+    it, and a thread of this process waits to take over serving when that process ends). A port that
+    cannot be bound (in use by another program, no permission) logs one ERROR naming ``metrics.port`` per
+    (addr, port) and process and returns False: metrics are an aid, so the engine runs on without the
+    endpoint rather than failing to start.
     """
     key = (addr, int(port))
     with _serve_lock:
@@ -165,25 +169,48 @@ def serve_once(port: int, addr: str = "0.0.0.0") -> bool:
         if shared is not None:
             lock_fd, holder = metrics_mp.take_serve_lock(shared)
             if lock_fd is None:
-                _servers[key] = (None, None, None)
+                ent = _servers[key] = (None, object(), None)  # the middle: this wait's token
                 log.info("kvbm_backend: metrics.port %d is served by process %s of this pod; this process's "
                          "series are collected there", key[1], holder)
+                threading.Thread(target=_stand_by, args=(key, shared, ent), name=f"kvbm-metrics-{key[1]}",
+                                 daemon=True).start()
                 return True
-            metrics_mp.reap(shared, everything=True)  # files of an earlier run's processes
-        try:
-            reg = metrics_mp.registry_for(shared) if shared is not None else REGISTRY
-            srv, thread = start_http_server(key[1], addr=addr, registry=reg)
-            _servers[key] = (srv, thread, lock_fd)
-        except OSError as e:
-            metrics_mp.drop_serve_lock(lock_fd)
-            _serve_failed[key] = str(e)
-            log.error("metrics.port %d: cannot serve Prometheus /metrics on %s:%d (%s); running on WITHOUT a "
-                      "metrics endpoint. Pick a free port (metrics.port, DYN_KVBM_METRICS_PORT or "
-                      "KVBM_BACKEND__METRICS__PORT)", key[1], addr, key[1], e.strerror or e)
-            return False
-    log.info("kvbm_backend: serving Prometheus metrics on http://%s:%d/metrics%s", addr, key[1],
-             " (every process of this pod with this metrics.port)" if shared else "")
+        return _start(key, shared, lock_fd, "")
+
+
+def _start(key: tuple[str, int], shared: str | None, lock_fd: int | None, note: str) -> bool:
+    """Start serving ``key`` (under ``_serve_lock``; the serve lock of ``shared`` held as ``lock_fd``)."""
+    addr, port = key
+    try:
+        reg = metrics_mp.registry_for(shared) if shared is not None else REGISTRY
+        srv, thread = start_http_server(port, addr=addr, registry=reg)
+        _servers[key] = (srv, thread, lock_fd)
+    except OSError as e:
+        metrics_mp.drop_serve_lock(lock_fd)
+        _serve_failed[key] = str(e)
+        log.error("metrics.port %d: cannot serve Prometheus /metrics on %s:%d (%s); running on WITHOUT a "
+                  "metrics endpoint. Pick a free port (metrics.port, DYN_KVBM_METRICS_PORT or "
+                  "KVBM_BACKEND__METRICS__PORT)", port, addr, port, e.strerror or e)
+        return False
+    log.info("kvbm_backend: serving Prometheus metrics on http://%s:%d/metrics%s", addr, port,
+             f" (every process of this pod with this metrics.port{note})" if shared else "")
     return True
+
+
+def _stand_by(key: tuple[str, int], shared: str, ent: tuple) -> None:
+    """A sibling's thread: wait for the serve lock (the kernel releases it when the serving process ends),
+    then serve in its place."""
+    try:
+        fd, before = metrics_mp.wait_serve_lock(shared)
+    except OSError as e:
+        log.warning("kvbm_backend: metrics.port %d: cannot wait to take over serving (%s)", key[1], e)
+        return
+    with _serve_lock:
+        if _servers.get(key) is not ent:  # stop_serving (tests) forgot this wait
+            metrics_mp.drop_serve_lock(fd)
+            return
+        del _servers[key]
+        _start(key, shared, fd, f"; took over from process {before}, which stopped serving")
 
 
 def stop_serving(port: int, addr: str = "0.0.0.0") -> None:

@@ -18,13 +18,17 @@ would move vLLM's own in-process series into files its single API server does no
 (:func:`value_class`) is prometheus_client's ``MmapedValue`` with the directory passed in.
 
 Files of processes that are gone: live-mode gauge files are removed at each scrape (the gauge then no longer
-counts that process); all files of dead processes from an earlier run are removed when a process takes the
-serving lock (so counters restart with the pod, as Prometheus expects after a restart).
+counts that process); their counter and histogram files stay while the run goes on (a process of the pod still
+lives with files here), so that the sums never go down. A new run (:func:`begin` finds no live process with
+files) starts from clean: the files of an earlier run's processes are removed (counters restart with the pod,
+as Prometheus expects after a restart).
+
+The serving process holds ``serve.lock`` (an ``flock``, which the kernel releases when the process ends); the
+others wait for it in a thread (:func:`wait_serve_lock`), so that one of them serves once it ends.
 """
 from __future__ import annotations
 
 import fcntl
-import glob
 import logging
 import os
 import re
@@ -164,22 +168,35 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def reap(directory: str, everything: bool = False) -> None:
-    """Remove the live-mode gauge files of processes that are gone (``everything``: all their files)."""
-    dead = set()
+def _db_files(directory: str) -> list[tuple[str, int]]:
+    out = []
     for f in os.listdir(directory):
         m = _DB.match(f)
-        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
-            dead.add(int(m.group(1)))
-    for pid in dead:
-        if everything:
-            for f in glob.glob(os.path.join(directory, f"*_{pid}.db")):
-                try:
-                    os.remove(f)
-                except OSError:
-                    pass
-        else:
-            mark_process_dead(pid, directory)
+        if m:
+            out.append((f, int(m.group(1))))
+    return out
+
+
+def begin(directory: str) -> None:
+    """Call before this process's series exist under ``directory``. When no other live process has files
+    there, this is a new run: the files of the earlier run's processes are removed. While the run goes on
+    nothing is removed here (the counters of processes that ended keep counting in the sums)."""
+    me = os.getpid()
+    files = _db_files(directory)
+    if any(pid != me and _alive(pid) for _, pid in files):
+        return
+    for f, pid in files:
+        if pid != me and not _alive(pid):
+            try:
+                os.remove(os.path.join(directory, f))
+            except OSError:
+                pass
+
+
+def reap(directory: str) -> None:
+    """Remove the live-mode gauge files of processes that are gone (their counters stay)."""
+    for pid in {pid for _, pid in _db_files(directory) if pid != os.getpid() and not _alive(pid)}:
+        mark_process_dead(pid, directory)
 
 
 class _Collector:
@@ -204,24 +221,49 @@ def registry_for(directory: str) -> CollectorRegistry:
     return reg
 
 
+def _lock_file(directory: str) -> int:
+    return os.open(os.path.join(directory, "serve.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def _holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    except OSError:
+        return "?"
+
+
+def _own(fd: int) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+
+
 def take_serve_lock(directory: str) -> tuple[int | None, str]:
     """Try to become the process serving ``directory``'s port: ``(fd, "")`` holding an exclusive flock on
     ``serve.lock`` (keep the fd open while serving; :func:`drop_serve_lock`), or ``(None, holder)`` when
     another live process holds it (``holder``: its pid as written in the file, or ``"?"``)."""
-    path = os.path.join(directory, "serve.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = _lock_file(directory)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        try:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        except OSError:
-            holder = "?"
+        holder = _holder(fd)
         os.close(fd)
         return None, holder
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _own(fd)
     return fd, ""
+
+
+def wait_serve_lock(directory: str) -> tuple[int, str]:
+    """Block until this process holds ``serve.lock`` (the serving process ended, or stopped serving):
+    ``(fd, previous holder)``, the pid the previous holder wrote (``"?"`` when unknown)."""
+    fd = _lock_file(directory)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        before = _holder(fd)
+        _own(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, before
 
 
 def drop_serve_lock(fd: int | None) -> None:

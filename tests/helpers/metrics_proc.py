@@ -1,0 +1,84 @@
+"""One engine process of a pod for the ``metrics.port`` tests, driven over stdin/stdout.
+
+``python tests/helpers/metrics_proc.py PORT`` prints ``pid <pid>`` and waits for a line ``start``: only then it
+calls :func:`kvbm_backend.metrics.prepare` (PORT), creates ``TierMetrics("g3")`` (capacity gauge 1000) and
+:func:`kvbm_backend.metrics.serve_once` (PORT, 127.0.0.1), and prints ``serving <bool>``. Then one answer line
+(``ok``) per command: ``inc N [REASON]`` (N offloaded blocks, one load miss for REASON, default ``absent``);
+``quit`` (or end of input) ends it. Logs go to stderr. The environment picks the directory
+(``XDG_RUNTIME_DIR``).
+
+:class:`MetricsProc` starts and drives one from a test.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.paths import REPO
+
+
+class MetricsProc:
+    """A :mod:`tests.helpers.metrics_proc` process; ``log`` (a file) gets its stderr."""
+
+    def __init__(self, port: int, log: Path, xdg: Path, start: bool = True):
+        env = dict(os.environ, XDG_RUNTIME_DIR=str(xdg),
+                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.log = log
+        self.p = subprocess.Popen([sys.executable, __file__, str(port)], env=env, cwd=str(REPO), text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"))
+        self.pid = int(self._line().split()[1])
+        if start:
+            self.start()
+
+    def _line(self) -> str:
+        line = self.p.stdout.readline()  # type: ignore[union-attr]
+        assert line, f"process {self.p.pid} ended: {self.log.read_text()}"
+        return line.strip()
+
+    def start(self) -> bool:
+        """Prepare, create the series and serve; True when this process's series are served (here or by a sibling)."""
+        return self.cmd("start") == "serving True"
+
+    def cmd(self, line: str) -> str:
+        self.p.stdin.write(line + "\n")  # type: ignore[union-attr]
+        self.p.stdin.flush()  # type: ignore[union-attr]
+        return self._line()
+
+    def quit(self) -> None:
+        if self.p.poll() is None:
+            self.p.stdin.write("quit\n")  # type: ignore[union-attr]
+            self.p.stdin.flush()  # type: ignore[union-attr]
+        self.p.wait(timeout=120)
+
+    def kill(self) -> None:
+        self.p.kill()
+        self.p.wait(timeout=120)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(process)d %(levelname)s %(message)s")
+    port = int(sys.argv[1])
+    print("pid", os.getpid(), flush=True)
+    if sys.stdin.readline().strip() != "start":
+        return
+    from kvbm_backend import metrics
+    metrics.prepare(port)
+    m = metrics.TierMetrics("g3")
+    assert m.capacity_bytes is not None
+    m.capacity_bytes.set(1000)
+    print("serving", metrics.serve_once(port, "127.0.0.1"), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        if cmd[0] == "inc":
+            m.offload_blocks.inc(int(cmd[1]))
+            m.misses.labels(cmd[2] if len(cmd) > 2 else "absent").inc()
+        print("ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
