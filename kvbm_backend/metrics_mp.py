@@ -21,7 +21,10 @@ Files of processes that are gone: live-mode gauge files are removed at each scra
 counts that process); their counter and histogram files stay while the run goes on (a process of the pod still
 lives with files here), so that the sums never go down. A new run (:func:`begin` finds no live process with
 files) starts from clean: the files of an earlier run's processes are removed (counters restart with the pod,
-as Prometheus expects after a restart).
+as Prometheus expects after a restart). A process is live while it holds the shared flock on its
+``live_<pid>.lock`` (the kernel drops it when the process ends), not while its pid exists: in a fresh PID
+namespace (a container restarted with a persisting directory) pids repeat, and a process whose pid is a dead
+namesake's never continues that one's series (:func:`begin`).
 
 The serving process holds ``serve.lock`` (an ``flock``, which the kernel releases when the process ends); the
 others wait for it in a thread (:func:`wait_serve_lock`), so that one of them serves once it ends.
@@ -43,7 +46,8 @@ from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger("kvbm_backend.metrics")
 
-_DB = re.compile(r"^(?:counter|histogram|summary|gauge_[a-z]+)_(\d+)\.db$")
+_DB = re.compile(r"^(counter|histogram|summary|gauge_[a-z]+)_(\d+)(-\d+)?\.db$")
+_LIVE = re.compile(r"^live_(\d+)\.lock$")
 
 
 def metrics_dir(port: int) -> str:
@@ -98,6 +102,10 @@ def value_class(directory: str):
                 for f in files.values():
                     f.close()
                 files.clear()
+                try:
+                    begin(directory)  # its live lock; a dead namesake's files are not its own
+                except OSError:
+                    pass
                 for v in values:
                     v._reset()
 
@@ -158,45 +166,108 @@ def metric_classes(directory: str) -> dict:
     return {Counter: MpCounter, Gauge: MpGauge, Histogram: MpHistogram}
 
 
-def _alive(pid: int) -> bool:
+_live: dict[str, tuple[int, int]] = {}  # directory -> (pid, fd) of this process's live lock there
+_live_lock = threading.Lock()
+
+
+def _live_path(directory: str, pid: int) -> str:
+    return os.path.join(directory, f"live_{pid}.lock")
+
+
+def _hold_live(directory: str) -> None:
+    """Hold a shared flock on ``live_<pid>.lock`` for as long as this process lives (the kernel drops it
+    when the process ends: liveness that a reused pid cannot fake). A forked child closes its parent's."""
+    me = os.getpid()
+    with _live_lock:
+        ent = _live.get(directory)
+        if ent is not None and ent[0] == me:
+            return
+        if ent is not None:
+            os.close(ent[1])  # the parent's, inherited by fork: the parent alone keeps its lock
+        path = _live_path(directory, me)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # removed by a new run's clean-up meanwhile (:func:`_gone`): again, on a new file
+        _live[directory] = (me, fd)
+
+
+def _gone(directory: str, pid: int, remove: bool = False) -> bool:
+    """True when no live process holds ``pid``'s live lock (``remove``: its lock file is removed too)."""
+    path = _live_path(directory, pid)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
         return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    try:
+        if remove and os.fstat(fd).st_ino == os.stat(path).st_ino:  # removed while locked: see _hold_live
+            os.remove(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
     return True
 
 
-def _db_files(directory: str) -> list[tuple[str, int]]:
+def _db_files(directory: str) -> list[tuple[str, str, int, bool]]:
+    """``(file, kind, pid, ended)`` of each series file: ``ended`` for the files a namesake renamed."""
     out = []
     for f in os.listdir(directory):
         m = _DB.match(f)
         if m:
-            out.append((f, int(m.group(1))))
+            out.append((f, m.group(1), int(m.group(2)), m.group(3) is not None))
     return out
 
 
 def begin(directory: str) -> None:
-    """Call before this process's series exist under ``directory``. When no other live process has files
-    there, this is a new run: the files of the earlier run's processes are removed. While the run goes on
-    nothing is removed here (the counters of processes that ended keep counting in the sums)."""
+    """Call before this process's series exist under ``directory`` (and in a forked child before it writes).
+
+    When no other live process has files there (liveness by flock, not by pid), this is a new run: the files
+    of the earlier run's processes are removed, those with this process's pid included. While the run goes
+    on, no process's counts are removed (they keep counting in the sums); files named with this process's
+    pid are a dead namesake's (pid reused, a fresh PID namespace): its live gauges are removed and its
+    counters and histograms renamed (``<kind>_<pid>-<n>.db``), so this process starts from zero.
+    """
     me = os.getpid()
     files = _db_files(directory)
-    if any(pid != me and _alive(pid) for _, pid in files):
-        return
-    for f, pid in files:
-        if pid != me and not _alive(pid):
-            try:
-                os.remove(os.path.join(directory, f))
-            except OSError:
-                pass
+    new_run = all(_gone(directory, pid) for pid in {pid for _, _, pid, ended in files if pid != me and not ended})
+    for f, kind, pid, ended in files:
+        path = os.path.join(directory, f)
+        try:
+            if new_run and (ended or pid == me or _gone(directory, pid, remove=True)):
+                os.remove(path)
+            elif pid == me and not ended and kind.startswith("gauge_live"):
+                os.remove(path)
+            elif pid == me and not ended:
+                n = 1
+                while os.path.exists(os.path.join(directory, f"{kind}_{pid}-{n}.db")):
+                    n += 1
+                os.rename(path, os.path.join(directory, f"{kind}_{pid}-{n}.db"))
+        except OSError:
+            pass
+    if new_run:
+        for f in os.listdir(directory):
+            m = _LIVE.match(f)
+            if m and int(m.group(1)) != me:
+                _gone(directory, int(m.group(1)), remove=True)
+    _hold_live(directory)
 
 
 def reap(directory: str) -> None:
     """Remove the live-mode gauge files of processes that are gone (their counters stay)."""
-    for pid in {pid for _, pid in _db_files(directory) if pid != os.getpid() and not _alive(pid)}:
-        mark_process_dead(pid, directory)
+    for pid in {pid for _, _, pid, ended in _db_files(directory) if not ended and pid != os.getpid()}:
+        if _gone(directory, pid):
+            mark_process_dead(pid, directory)
 
 
 class _Collector:

@@ -104,3 +104,85 @@ def test_a_new_run_starts_its_counters_from_zero(tmp_path):
         new.quit()
     assert page[OFFLOADS] == 2 and page[CAPACITY] == 1000
     assert not any("corrupt" in k for k in page), page
+
+
+def _rename_files_of(xdg, pid: int, to: int) -> int:
+    """Give every file of process ``pid`` (ended) the name process ``to`` would have: what a later process
+    with the same pid finds (pids repeat in a fresh PID namespace). Returns how many were renamed."""
+    n = 0
+    for f in xdg.rglob(f"*_{pid}.*"):
+        f.rename(f.with_name(f.name.replace(f"_{pid}.", f"_{to}.")))
+        n += 1
+    return n
+
+
+def test_processes_with_the_pids_of_an_earlier_run_start_from_zero(tmp_path):
+    """Review finding (metrics 2): a container restarted with a persisting XDG_RUNTIME_DIR (or /tmp) runs in
+    a fresh PID namespace, so its processes get the pids of the previous run's: a process reopened its dead
+    namesake's files and continued its counters, and the old labelled series (load_misses{reason="corrupt"})
+    were served again. A process whose pid still had files was also taken for a live member of the run, so
+    the earlier run's files were not cleaned at all. Now liveness is a flock each process holds, and the new
+    run starts from zero. Here z gets x's files and w (running, not yet started) y's."""
+    port, xdg = _free_port(), _xdg(tmp_path)
+    x = MetricsProc(port, tmp_path / "x.log", xdg)
+    y = MetricsProc(port, tmp_path / "y.log", xdg)
+    try:
+        x.cmd("inc 7 corrupt")
+        y.cmd("inc 4 corrupt")
+        assert _scrape(port)[OFFLOADS] == 11
+    finally:
+        x.quit()
+        y.quit()
+    z = MetricsProc(port, tmp_path / "z.log", xdg, start=False)
+    w = MetricsProc(port, tmp_path / "w.log", xdg, start=False)
+    try:
+        assert _rename_files_of(xdg, x.pid, z.pid) >= 3 and _rename_files_of(xdg, y.pid, w.pid) >= 3
+        assert z.start() and w.start()
+        z.cmd("inc 2")
+        w.cmd("inc 1")
+        page = _scrape(port)
+    finally:
+        z.quit()
+        w.quit()
+    assert (page[OFFLOADS], page[CAPACITY]) == (3, 2000), page
+    assert not any("corrupt" in k for k in page), page
+
+
+def test_a_namesake_of_a_process_that_ended_in_this_run_leaves_its_counts_in_the_sums(tmp_path):
+    """A pid reused while the run goes on (d ended, n got its pid): n starts from zero and d's counts stay
+    in the sums (never removed while a process of the run lives); d's capacity is not counted again."""
+    port, xdg = _free_port(), _xdg(tmp_path)
+    s = MetricsProc(port, tmp_path / "s.log", xdg)
+    procs = [s]
+    try:
+        s.cmd("inc 5")
+        d = MetricsProc(port, tmp_path / "d.log", xdg)
+        procs.append(d)
+        d.cmd("inc 3 corrupt")
+        d.quit()
+        n = MetricsProc(port, tmp_path / "n.log", xdg, start=False)
+        procs.append(n)
+        assert _rename_files_of(xdg, d.pid, n.pid) >= 3
+        assert n.start()
+        page = _scrape(port)
+        assert (page[OFFLOADS], page['kvbm_backend_g3_load_misses_total{reason="corrupt"}']) == (8, 1), page
+        assert page[CAPACITY] == 2000, page
+        n.cmd("inc 1")
+        assert _scrape(port)[OFFLOADS] == 9
+    finally:
+        for p in procs:
+            p.quit()
+
+
+def test_a_forked_child_is_a_live_process_of_the_pod(tmp_path):
+    """A process forked after its series exist writes its own files and holds its own live lock: its live
+    gauges count while it lives, and its counters add to the sums."""
+    port, xdg = _free_port(), _xdg(tmp_path)
+    p = MetricsProc(port, tmp_path / "p.log", xdg)
+    try:
+        p.cmd("inc 5")
+        assert p.cmd("fork 3").startswith("ok ")
+        page = _scrape(port)
+    finally:
+        p.quit()
+    assert (page[OFFLOADS], page[CAPACITY]) == (8, 1500), page

@@ -4,7 +4,8 @@
 calls :func:`kvbm_backend.metrics.prepare` (PORT), creates ``TierMetrics("g3")`` (capacity gauge 1000) and
 :func:`kvbm_backend.metrics.serve_once` (PORT, 127.0.0.1), and prints ``serving <bool>``. Then one answer line
 (``ok``) per command: ``inc N [REASON]`` (N offloaded blocks, one load miss for REASON, default ``absent``);
-``quit`` (or end of input) ends it. Logs go to stderr. The environment picks the directory
+``fork N``: a forked child sets the capacity gauge to 500 and offloads N blocks, then lives as long as this
+process (answer ``ok <child pid>`` once it has counted); ``quit`` (or end of input) ends it. Logs go to stderr. The environment picks the directory
 (``XDG_RUNTIME_DIR``).
 
 :class:`MetricsProc` starts and drives one from a test.
@@ -77,7 +78,29 @@ def main() -> None:
         if cmd[0] == "inc":
             m.offload_blocks.inc(int(cmd[1]))
             m.misses.labels(cmd[2] if len(cmd) > 2 else "absent").inc()
+        elif cmd[0] == "fork":
+            print("ok", _fork(m, int(cmd[1])), flush=True)
+            continue
         print("ok", flush=True)
+
+
+def _fork(m, n: int) -> int:
+    done_r, done_w = os.pipe()
+    life_r, life_w = os.pipe()  # the child reads end of input here when this process ends
+    pid = os.fork()
+    if pid == 0:
+        os.close(done_r)
+        os.close(life_w)
+        m.capacity_bytes.set(500)
+        m.offload_blocks.inc(n)
+        os.write(done_w, b"x")
+        os.read(life_r, 1)
+        os._exit(0)
+    os.close(done_w)
+    os.close(life_r)
+    assert os.read(done_r, 1) == b"x"
+    os.close(done_r)
+    return pid
 
 
 if __name__ == "__main__":
