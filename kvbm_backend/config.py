@@ -24,8 +24,10 @@ directory, and a path to be created must not lie under a file.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import reprlib
 import stat
 import tomllib
@@ -306,6 +308,21 @@ class G4Config(_M):
 
 
 KVBM_METRICS_PORT = 6880  # Dynamo KVBM's default DYN_KVBM_METRICS_PORT
+_HOST_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+
+
+def _check_bind_addr(addr: str) -> str:
+    """``metrics.addr``: an IP address, or a host name of valid syntax (RFC 1123 labels; not resolved here)."""
+    try:
+        ipaddress.ip_address(addr)
+        return addr
+    except ValueError:
+        pass
+    labels = (addr[:-1] if addr.endswith(".") else addr).split(".")
+    # a numeric last label is no host name (256.1.1.1, 1.2.3: malformed IPv4 addresses)
+    if len(addr) <= 253 and all(_HOST_LABEL.match(x) for x in labels) and not labels[-1].isdigit():
+        return addr
+    raise PydanticCustomError("bind_addr", "expected an IP address (0.0.0.0, ::, 127.0.0.1) or a host name")
 
 
 class MetricsConfig(_M):
@@ -314,8 +331,8 @@ class MetricsConfig(_M):
     ``port`` is set; true without a port: on KVBM's default port 6880; false: never (registry only)."""
     port: int | None = Field(default=None, ge=1, le=65535)
     """Port of the ``/metrics`` endpoint (env ``DYN_KVBM_METRICS_PORT``), one server per process."""
-    addr: str = "0.0.0.0"
-    """Bind address. All interfaces by default: Prometheus scrapes a pod from elsewhere, at the pod IP
+    addr: Annotated[str, AfterValidator(_check_bind_addr)] = "0.0.0.0"
+    """Bind address (an IP address or a host name). All interfaces by default: Prometheus scrapes a pod from elsewhere, at the pod IP
     (the metrics hold counters only, no keys or tenant ids). ``127.0.0.1`` on a shared host where only
     a local agent scrapes."""
 

@@ -181,17 +181,21 @@ def serve_once(port: int, addr: str = "0.0.0.0") -> bool:
 def _start(key: tuple[str, int], shared: str | None, lock_fd: int | None, note: str) -> bool:
     """Start serving ``key`` (under ``_serve_lock``; the serve lock of ``shared`` held as ``lock_fd``)."""
     addr, port = key
+    started = False
     try:
         reg = metrics_mp.registry_for(shared) if shared is not None else REGISTRY
         srv, thread = start_http_server(port, addr=addr, registry=reg)
         _servers[key] = (srv, thread, lock_fd)
-    except OSError as e:
-        metrics_mp.drop_serve_lock(lock_fd)
+        started = True
+    except Exception as e:  # noqa: BLE001 - OSError (port in use), UnicodeError (an address getaddrinfo refuses)...
         _serve_failed[key] = str(e)
         log.error("metrics.port %d: cannot serve Prometheus /metrics on %s:%d (%s); running on WITHOUT a "
                   "metrics endpoint. Pick a free port (metrics.port, DYN_KVBM_METRICS_PORT or "
-                  "KVBM_BACKEND__METRICS__PORT)", port, addr, port, e.strerror or e)
+                  "KVBM_BACKEND__METRICS__PORT)", port, addr, port, getattr(e, "strerror", None) or e)
         return False
+    finally:
+        if not started:  # a sibling of the pod may serve the port: never keep its lock
+            metrics_mp.drop_serve_lock(lock_fd)
     log.info("kvbm_backend: serving Prometheus metrics on http://%s:%d/metrics%s", addr, port,
              f" (every process of this pod with this metrics.port{note})" if shared else "")
     return True

@@ -98,7 +98,8 @@ FIELD_TESTS: dict[str, list[str]] = {
     "metrics.port": ["tests/core/test_metrics.py::test_metrics_port_serves_kvbm_series_when_tiers_open",
                      "tests/core/test_metrics.py::test_metrics_port_in_use_is_one_error_and_the_tiers_still_open"],
     "metrics.addr": ["tests/core/test_metrics.py::test_metrics_port_serves_kvbm_series_when_tiers_open",
-                     "tests/core/test_metrics.py::test_dynamo_metrics_env_names"],
+                     "tests/core/test_metrics.py::test_dynamo_metrics_env_names",
+                     "tests/core/test_metrics.py::test_metrics_addr_must_be_an_ip_address_or_a_host_name"],
 }
 
 

@@ -195,6 +195,19 @@ def test_dynamo_metrics_env_names():
     assert load_config({"metrics": {"enabled": False, "port": 9400}}, environ={}).metrics.serve_port is None
 
 
+def test_metrics_addr_must_be_an_ip_address_or_a_host_name():
+    """Review finding (metrics 3): an address getaddrinfo refuses with a UnicodeError ("bad..addr") got
+    past the config and broke serving (tests/core/test_metrics_pod.py); it is a config error naming the
+    field now (syntax only: no name is resolved)."""
+    import pytest
+    from kvbm_backend.config import ConfigError, load_config
+    for bad in ("bad..addr", "", "[::1]", "a b", "-x.example", "256.1.1.1", "1.2.3", "x" * 64):
+        with pytest.raises(ConfigError, match=r"^metrics\.addr: expected an IP address .* or a host name"):
+            load_config({"metrics": {"addr": bad}}, use_env=False)
+    for good in ("0.0.0.0", "::", "::1", "127.0.0.1", "localhost", "worker-0.kvbm.svc.cluster.local", "host."):
+        assert load_config({"metrics": {"addr": good}}, use_env=False).metrics.addr == good
+
+
 def test_every_g4_series_moves(tmp_path):
     """Each series of TierMetrics("g4") is updated by G4Pool: the documented set, nothing dead."""
     from tests.helpers.g4_writer import namespace, payload as g4_payload

@@ -186,3 +186,28 @@ def test_a_forked_child_is_a_live_process_of_the_pod(tmp_path):
     finally:
         p.quit()
     assert (page[OFFLOADS], page[CAPACITY]) == (8, 1500), page
+
+
+def test_an_address_that_cannot_be_served_is_one_error_and_a_sibling_serves(tmp_path):
+    """Review finding (metrics 3): serve_once caught only OSError; an address getaddrinfo refuses with a
+    UnicodeError ("bad..addr", now refused by the config as well) escaped it with the serve lock still held:
+    no ERROR line, and the pod's other processes were told the port is served while nothing served it. Now
+    any failure to serve is the documented ERROR, the lock is released, and a sibling serves."""
+    port, xdg = _free_port(), _xdg(tmp_path)
+    bad = MetricsProc(port, tmp_path / "bad.log", xdg, start=False, addr="bad..addr")
+    procs = [bad]
+    try:
+        assert not bad.start() and bad.serving == "serving False", bad.serving
+        good = MetricsProc(port, tmp_path / "good.log", xdg)
+        procs.append(good)
+        good.cmd("inc 2")
+        bad.cmd("inc 3")
+        assert _scrape(port)[OFFLOADS] == 5
+    finally:
+        for p in procs:
+            p.quit()
+    bad_log, good_log = (tmp_path / "bad.log").read_text(), (tmp_path / "good.log").read_text()
+    errors = [ln for ln in bad_log.splitlines() if " ERROR " in ln]
+    assert len(errors) == 1 and f"metrics.port {port}: cannot serve" in errors[0], bad_log
+    assert "WITHOUT a metrics endpoint" in errors[0]
+    assert f"serving Prometheus metrics on http://127.0.0.1:{port}/metrics" in good_log, good_log

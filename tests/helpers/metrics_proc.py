@@ -1,11 +1,12 @@
 """One engine process of a pod for the ``metrics.port`` tests, driven over stdin/stdout.
 
-``python tests/helpers/metrics_proc.py PORT`` prints ``pid <pid>`` and waits for a line ``start``: only then it
-calls :func:`kvbm_backend.metrics.prepare` (PORT), creates ``TierMetrics("g3")`` (capacity gauge 1000) and
-:func:`kvbm_backend.metrics.serve_once` (PORT, 127.0.0.1), and prints ``serving <bool>``. Then one answer line
-(``ok``) per command: ``inc N [REASON]`` (N offloaded blocks, one load miss for REASON, default ``absent``);
-``fork N``: a forked child sets the capacity gauge to 500 and offloads N blocks, then lives as long as this
-process (answer ``ok <child pid>`` once it has counted); ``quit`` (or end of input) ends it. Logs go to stderr. The environment picks the directory
+``python tests/helpers/metrics_proc.py PORT [ADDR]`` prints ``pid <pid>`` and waits for a line ``start``: only
+then it calls :func:`kvbm_backend.metrics.prepare` (PORT), creates ``TierMetrics("g3")`` (capacity gauge 1000)
+and :func:`kvbm_backend.metrics.serve_once` (PORT, ADDR: default 127.0.0.1), and prints ``serving <bool>`` (or
+``serving raised <exception type>``). Then one answer line (``ok``) per command: ``inc N [REASON]`` (N
+offloaded blocks, one load miss for REASON, default ``absent``); ``fork N``: a forked child sets the capacity
+gauge to 500 and offloads N blocks, then lives as long as this process (answer ``ok <child pid>`` once it has
+counted); ``quit`` (or end of input) ends it. Logs go to stderr. The environment picks the directory
 (``XDG_RUNTIME_DIR``).
 
 :class:`MetricsProc` starts and drives one from a test.
@@ -24,11 +25,12 @@ from tests.helpers.paths import REPO
 class MetricsProc:
     """A :mod:`tests.helpers.metrics_proc` process; ``log`` (a file) gets its stderr."""
 
-    def __init__(self, port: int, log: Path, xdg: Path, start: bool = True):
+    def __init__(self, port: int, log: Path, xdg: Path, start: bool = True, addr: str = "127.0.0.1"):
         env = dict(os.environ, XDG_RUNTIME_DIR=str(xdg),
                    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.log = log
-        self.p = subprocess.Popen([sys.executable, __file__, str(port)], env=env, cwd=str(REPO), text=True,
+        self.serving = ""  # the answer to start
+        self.p = subprocess.Popen([sys.executable, __file__, str(port), addr], env=env, cwd=str(REPO), text=True,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"))
         self.pid = int(self._line().split()[1])
         if start:
@@ -41,7 +43,8 @@ class MetricsProc:
 
     def start(self) -> bool:
         """Prepare, create the series and serve; True when this process's series are served (here or by a sibling)."""
-        return self.cmd("start") == "serving True"
+        self.serving = self.cmd("start")
+        return self.serving == "serving True"
 
     def cmd(self, line: str) -> str:
         self.p.stdin.write(line + "\n")  # type: ignore[union-attr]
@@ -70,7 +73,10 @@ def main() -> None:
     m = metrics.TierMetrics("g3")
     assert m.capacity_bytes is not None
     m.capacity_bytes.set(1000)
-    print("serving", metrics.serve_once(port, "127.0.0.1"), flush=True)
+    try:
+        print("serving", metrics.serve_once(port, sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1"), flush=True)
+    except Exception as e:  # noqa: BLE001 - an integration logs it and runs on (tiers.announce_tiers)
+        print("serving raised", type(e).__name__, flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "quit":
