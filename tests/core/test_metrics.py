@@ -278,6 +278,32 @@ def test_every_g4_series_moves(tmp_path):
     assert metrics.sample_value(reg, "kvbm_backend_g4_capacity_bytes") is None
 
 
+def test_g4_pools_share_one_registry(tmp_path):
+    """Review finding (metrics 5): each G4Pool given a registry registered its own ``kvbm_g4_*`` collector,
+    so a second pool on the same registry (a hybrid model opens one per KV cache group) raised prometheus'
+    "Duplicated timeseries" (metrics.py promises idempotent creation per registry). The registry now has one
+    collector that sums the stats of its open pools; a closed pool leaves the sums."""
+    from tests.helpers.g4_writer import namespace, put_blocks
+    from kvbm_backend.config import G4Config
+    from kvbm_backend.pool.g4.pool import G4Pool
+    reg = metrics.new_registry()
+    a = G4Pool(G4Config(url=f"file://{tmp_path / 'group0'}", encrypt=False), namespace(), registry=reg)
+    try:
+        b = G4Pool(G4Config(url=f"file://{tmp_path / 'group1'}", encrypt=False), namespace(), registry=reg)
+        try:
+            assert put_blocks(a, [1, 2, 3], "t").written == 3
+            assert put_blocks(b, [4, 5], "t").written == 2
+            assert _val(reg, "kvbm_g4_written") == 5 and _val(reg, "kvbm_offload_blocks_d2o_total") == 5
+            assert _val(reg, "kvbm_g4_encrypted") == 0 and _val(reg, "kvbm_g4_keyring_ok") == 2  # pools where true
+        finally:
+            b.close()
+        assert _val(reg, "kvbm_g4_written") == 3  # b's gone; the counter series keep what happened
+        assert _val(reg, "kvbm_offload_blocks_d2o_total") == 5
+    finally:
+        a.close()
+    assert metrics.sample_value(reg, "kvbm_g4_written") is None
+
+
 # ---- issue 22 item 5: the truth from every process -------------------------------------------------------
 
 def test_g3_device_loads_count_bytes_read(tmp_path):

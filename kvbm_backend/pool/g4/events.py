@@ -3,6 +3,7 @@
 * :class:`G4Counters` -- the named counters every part of the pool adds to (``hits``, ``written``,
   ``miss_<reason>``, ``dropped_<reason>``, ``corrupt_<reason>``, ``throttled_<op>``, ...) and their
   :class:`~kvbm_backend.metrics.TierMetrics` series; thread-safe.
+* :class:`StatsGauges` -- the ``kvbm_g4_*`` gauges of one registry: the ``stats()`` of its open pools, summed.
 * :class:`OperatorLog` -- the pool's operator log lines about the store (a missing bucket, a store that
   refuses requests: at most one line per kind per :data:`STORE_ERROR_LOG_S` seconds) and about tenants
   whose offloads are dropped (once per reason and tenant pseudonym, at most :data:`MAX_LOGGED_TENANTS`
@@ -14,8 +15,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
+from typing import Any, Iterator
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from ...metrics import TierMetrics
 from .store import BucketMissing, redact_url
@@ -23,13 +27,56 @@ from .store import BucketMissing, redact_url
 # the pool's logger: operator lines are looked up by this name (docstring)
 log = logging.getLogger("kvbm_backend.pool.g4.pool")
 
-__all__ = ["G4Counters", "OperatorLog", "MAX_LOGGED_TENANTS", "STORE_ERROR_LOG_S"]
+__all__ = ["G4Counters", "StatsGauges", "OperatorLog", "MAX_LOGGED_TENANTS", "STORE_ERROR_LOG_S"]
 
 MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most this many distinct ones
 STORE_ERROR_LOG_S = 300.0  # a store that keeps answering with an error (missing bucket, 403): one line per this
 # miss reasons that are failed store reads
 _READ_FAILURES = {"unavailable", "error", "timeout", "unconfirmed_corrupt", "throttled"}
 _WRITE_FAILURES = {"unavailable", "error", "throttled", "unsettled"}  # drop reasons that are failed store writes
+
+
+class StatsGauges:
+    """The ``kvbm_g4_<stat>`` gauges of one registry: each numeric ``stats()`` value summed over the open G4
+    pools that registry was given to (a boolean counts the pools where it holds). One collector per
+    registry (:meth:`join`): prometheus_client refuses a second collector of the same names."""
+
+    _lock = threading.Lock()
+    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, StatsGauges] = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        self._pools: dict[int, Any] = {}  # id(pool) -> pool, while open
+        self._pools_lock = threading.Lock()  # not _lock: register() collects while join holds that
+
+    @classmethod
+    def join(cls, registry: CollectorRegistry, pool: Any) -> None:
+        """Export ``pool.stats()`` in ``registry`` (until :meth:`leave`)."""
+        with cls._lock:
+            c = cls._by_registry.get(registry)
+            if c is None:
+                c = cls._by_registry[registry] = cls()
+                registry.register(c)
+            with c._pools_lock:
+                c._pools[id(pool)] = pool
+
+    @classmethod
+    def leave(cls, registry: CollectorRegistry, pool: Any) -> None:
+        with cls._lock:
+            c = cls._by_registry.get(registry)
+        if c is not None:
+            with c._pools_lock:
+                c._pools.pop(id(pool), None)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self._pools_lock:
+            pools = list(self._pools.values())
+        total: dict[str, float] = {}
+        for pool in pools:
+            for k, v in pool.stats().items():
+                if isinstance(v, (bool, int, float)):
+                    total[k] = total.get(k, 0) + v
+        for k, v in total.items():
+            yield GaugeMetricFamily(f"kvbm_g4_{k}", f"G4 pools {k} (sum over the open pools)", value=v)
 
 
 class G4Counters:

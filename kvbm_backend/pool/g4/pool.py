@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -71,7 +71,7 @@ from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace
 from ..base import GetResult, PutResult, completed, is_tensor_batch
 from .breaker import CircuitBreaker
-from .events import G4Counters, OperatorLog
+from .events import G4Counters, OperatorLog, StatsGauges
 from .factory import open_store
 from .lookup import G4Lookups
 from .reader import G4Reader, GetBatch
@@ -95,7 +95,8 @@ class G4Pool:
         namespace: what the blocks mean; keys of other namespaces are misses.
         registry: optional ``prometheus_client`` registry for the :class:`~kvbm_backend.metrics.TierMetrics`
             series (default: the process registry); given, the pool's :meth:`stats` are also exported
-            there as ``kvbm_g4_*`` gauges.
+            there as ``kvbm_g4_*`` gauges, summed over the open pools given that registry
+            (:class:`~.events.StatsGauges`).
         store, keyring: injected instances (tests, benchmarks); built from ``cfg`` when None.
     Raises:
         ValueError / KeyringError with the field at fault (missing URL, keyring, bad KEK, ...).
@@ -171,8 +172,9 @@ class G4Pool:
                                  max_inflight=cfg.max_inflight, breaker=self.breaker, throttle=self.throttle,
                                  counters=self.counters)
         self.writer.start()
+        self._registry = registry
         if registry is not None:
-            self._register_metrics(registry)
+            StatsGauges.join(registry, self)
 
     # ---- BlockPool ------------------------------------------------------------------------
     @property
@@ -299,6 +301,8 @@ class G4Pool:
             return
         self.flush(2 * self.cfg.timeout_s if timeout is None else timeout)
         self._closed = True
+        if self._registry is not None:
+            StatsGauges.leave(self._registry, self)
         self.writer.close()
         self.reader.close()
         self.lookups.close()
@@ -348,18 +352,3 @@ class G4Pool:
         self.metrics.degraded.set(int(state == "open"))
         if state == "closed" and not self._closed:
             self.writer.store_back()  # namespace.json could not be written at start: write it now
-
-    def _register_metrics(self, registry: CollectorRegistry) -> None:
-        from prometheus_client.core import GaugeMetricFamily
-
-        pool = self
-
-        class _Collector:
-            def collect(self) -> Iterator[GaugeMetricFamily]:
-                for k, v in pool.stats().items():
-                    if isinstance(v, bool):
-                        v = int(v)
-                    if isinstance(v, (int, float)):
-                        yield GaugeMetricFamily(f"kvbm_g4_{k}", f"G4 pool {k}", value=v)
-
-        registry.register(_Collector())
