@@ -304,6 +304,34 @@ def test_g4_pools_share_one_registry(tmp_path):
     assert metrics.sample_value(reg, "kvbm_g4_written") is None
 
 
+def test_g4_degraded_is_the_maximum_over_the_pools_of_the_process(tmp_path):
+    """Review finding (metrics 4): kvbm_backend_g4_degraded was set by whichever G4 pool's breaker changed
+    last, so with two pools on the process's series (a hybrid model: one per KV cache group) one breaker
+    closing set 0 while the other was still open, and a pool closed with its breaker open left 1 behind.
+    It is the maximum over the open pools now, as for G3."""
+    from tests.helpers.g4_writer import namespace
+    from kvbm_backend.config import G4Config
+    from kvbm_backend.pool.g4.pool import G4Pool
+    reg = metrics.new_registry()
+    cfg = G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False, breaker_failures=1)
+    a = G4Pool(cfg, namespace(), registry=reg)
+    b = G4Pool(cfg, namespace(), registry=reg)
+    try:
+        a.breaker.trip("store down")
+        b.breaker.trip("store down")
+        assert _val(reg, "kvbm_backend_g4_degraded") == 1
+        a.breaker.success()
+        assert (a.breaker.state, b.breaker.state, _val(reg, "kvbm_backend_g4_degraded")) == ("closed", "open", 1)
+        b.close()  # closed with its breaker open: its part goes
+        assert _val(reg, "kvbm_backend_g4_degraded") == 0
+        a.breaker.failure("store down")  # it has answered since: one failure opens it (breaker_failures 1)
+        assert _val(reg, "kvbm_backend_g4_degraded") == 1
+    finally:
+        a.close()
+        b.close()
+    assert _val(reg, "kvbm_backend_g4_degraded") == 0
+
+
 # ---- issue 22 item 5: the truth from every process -------------------------------------------------------
 
 def test_g3_device_loads_count_bytes_read(tmp_path):

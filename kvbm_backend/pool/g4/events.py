@@ -3,6 +3,8 @@
 * :class:`G4Counters` -- the named counters every part of the pool adds to (``hits``, ``written``,
   ``miss_<reason>``, ``dropped_<reason>``, ``corrupt_<reason>``, ``throttled_<op>``, ...) and their
   :class:`~kvbm_backend.metrics.TierMetrics` series; thread-safe.
+* :func:`set_degraded` -- ``kvbm_backend_g4_degraded``: the maximum over the process's pools (1 while any
+  pool's circuit breaker is open).
 * :class:`StatsGauges` -- the ``kvbm_g4_*`` gauges of one registry: the ``stats()`` of its open pools, summed.
 * :class:`OperatorLog` -- the pool's operator log lines about the store (a missing bucket, a store that
   refuses requests: at most one line per kind per :data:`STORE_ERROR_LOG_S` seconds) and about tenants
@@ -18,7 +20,7 @@ import time
 import weakref
 from typing import Any, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from ...metrics import TierMetrics
@@ -27,13 +29,31 @@ from .store import BucketMissing, redact_url
 # the pool's logger: operator lines are looked up by this name (docstring)
 log = logging.getLogger("kvbm_backend.pool.g4.pool")
 
-__all__ = ["G4Counters", "StatsGauges", "OperatorLog", "MAX_LOGGED_TENANTS", "STORE_ERROR_LOG_S"]
+__all__ = ["G4Counters", "StatsGauges", "set_degraded", "OperatorLog", "MAX_LOGGED_TENANTS", "STORE_ERROR_LOG_S"]
 
 MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most this many distinct ones
 STORE_ERROR_LOG_S = 300.0  # a store that keeps answering with an error (missing bucket, 403): one line per this
 # miss reasons that are failed store reads
 _READ_FAILURES = {"unavailable", "error", "timeout", "unconfirmed_corrupt", "throttled"}
 _WRITE_FAILURES = {"unavailable", "error", "throttled", "unsettled"}  # drop reasons that are failed store writes
+
+
+_degraded: dict[int, dict[int, int]] = {}  # id(degraded gauge) -> {id(pool): 1 while its breaker is open, else 0}
+_degraded_lock = threading.Lock()
+
+
+def set_degraded(gauge: Gauge, pool: object, value: int | None) -> None:
+    """Set a ``degraded`` gauge to the maximum over the process's G4 pools on it (a hybrid model opens one
+    pool per KV cache group, all on the process's one series), ``pool``'s part now ``value`` (None: it closed)."""
+    with _degraded_lock:
+        parts = _degraded.setdefault(id(gauge), {})
+        if value is None:
+            parts.pop(id(pool), None)
+        else:
+            parts[id(pool)] = value
+        gauge.set(max(parts.values(), default=0))
+        if not parts:
+            del _degraded[id(gauge)]
 
 
 class StatsGauges:

@@ -71,7 +71,7 @@ from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace
 from ..base import GetResult, PutResult, completed, is_tensor_batch
 from .breaker import CircuitBreaker
-from .events import G4Counters, OperatorLog, StatsGauges
+from .events import G4Counters, OperatorLog, StatsGauges, set_degraded
 from .factory import open_store
 from .lookup import G4Lookups
 from .reader import G4Reader, GetBatch
@@ -301,6 +301,7 @@ class G4Pool:
             return
         self.flush(2 * self.cfg.timeout_s if timeout is None else timeout)
         self._closed = True
+        set_degraded(self.metrics.degraded, self, None)
         if self._registry is not None:
             StatsGauges.leave(self._registry, self)
         self.writer.close()
@@ -349,6 +350,6 @@ class G4Pool:
 
     # ---- internals ------------------------------------------------------------------------
     def _on_breaker_change(self, state: str) -> None:
-        self.metrics.degraded.set(int(state == "open"))
+        set_degraded(self.metrics.degraded, self, None if self._closed else int(state == "open"))
         if state == "closed" and not self._closed:
             self.writer.store_back()  # namespace.json could not be written at start: write it now
