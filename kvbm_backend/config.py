@@ -330,7 +330,8 @@ class MetricsConfig(_M):
     """Serve Prometheus ``/metrics`` (env ``DYN_KVBM_METRICS``, as in Dynamo KVBM). None: serve when
     ``port`` is set; true without a port: on KVBM's default port 6880; false: never (registry only)."""
     port: int | None = Field(default=None, ge=1, le=65535)
-    """Port of the ``/metrics`` endpoint (env ``DYN_KVBM_METRICS_PORT``), one server per process."""
+    """Port of the ``/metrics`` endpoint (env ``DYN_KVBM_METRICS_PORT``): one endpoint per pod and port, which
+    serves the series of every process of the pod with this port (:mod:`kvbm_backend.metrics_mp`)."""
     addr: Annotated[str, AfterValidator(_check_bind_addr)] = "0.0.0.0"
     """Bind address (an IP address or a host name). All interfaces by default: Prometheus scrapes a pod from elsewhere, at the pod IP
     (the metrics hold counters only, no keys or tenant ids). ``127.0.0.1`` on a shared host where only

@@ -74,8 +74,8 @@ _announce_lock = threading.Lock()  # not _lock: shared_tiers holds that while it
 
 
 def announce_tiers(cfg: KvbmBackendConfig, *, g3: BlockPool | None = None, g4: BlockPool | None = None) -> None:
-    """Start the metrics endpoint (once per process) and log the start-up line (once per process,
-    config and set of open tiers). Never raises: metrics and logs must not stop an engine."""
+    """Start the pod's metrics endpoint or join it (once per process: :func:`kvbm_backend.metrics.serve_once`)
+    and log the start-up line (once per process, config and set of open tiers). Never raises: metrics and logs must not stop an engine."""
     try:
         load_priority.configure(cfg.load_gil_switch_ms)  # every call: the config of the tiers opened last
         port = cfg.metrics.serve_port
