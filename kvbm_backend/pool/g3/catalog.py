@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 HDR = frame.HEADER_BYTES
 _NOSPACE = (errno.ENOSPC, errno.EDQUOT)
 # The journal is compacted (rewritten from the index) once it holds more than this many records and more than
-# 4 per block held: appends stay O(1) and a restart replays at most ~4 records per block.
+# 4 per block held: appends stay O(1) and a restart replays at most ~4 records per block (a little more while a
+# compaction is being written: the old journal keeps taking appends until the new one replaces it).
 COMPACT_MIN_RECORDS = 65536
 # Removals (evicted, deleted, proven corrupt) the pool remembers for G3Pool.removed_since: 24 bytes-ish of
 # tuple each; a reader further behind than this re-reads the index instead.
@@ -75,6 +76,7 @@ class SlotCatalog:
         self.journal_dirty = False  # records were lost (failed append/rewrite): rewrite before appending
         self.journal_reason = "enospc"  # drop reason of the last journal failure
         self._ttags: dict[str, bytes] = {}
+        self._compactor: threading.Thread | None = None  # the thread writing a journal compaction, if any
         self.removed: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=REMOVED_LOG_ENTRIES)
         self.removed_n = 0  # removals noted so far: (number, seq_hash, rank) in ``removed``
         self.index = CompactLruIndex()  # numpy arrays: ~60 bytes per block at 10M (bench --tier index)
@@ -150,7 +152,8 @@ class SlotCatalog:
                 self.journal.rewrite(self.index.items())
                 self.journal_dirty = False
                 log.warning("G3: journal %s rewritten from the index (repaired)", self.journal.path)
-            elif self.journal.records > max(COMPACT_MIN_RECORDS, 4 * len(self.index)):
+            elif (self.journal.compaction is None and not self.closed
+                  and self.journal.records > max(COMPACT_MIN_RECORDS, 4 * len(self.index))):
                 self._compact()
             self.journal.append(recs)
         except Exception as e:  # noqa: BLE001 - storage trouble (or a bug) must not hang callers
@@ -159,16 +162,56 @@ class SlotCatalog:
         return True
 
     def _compact(self) -> None:
-        """Rewrite the journal from the index (one record per block held), *before* an append, never after
-        one: every caller holds the lock from its append to its index change, and the writer journals a
-        group's PUTs first and puts them in the index after (publish after durable), so a rewrite right
-        after that append dropped the group from the journal (found 2026-11-29: 1,000 of 1,953 blocks gone
-        after a warm restart). Here the index holds everything journaled so far. A failed compaction
-        leaves the old journal, still valid, in place (``journal_failed``, not marked for repair)."""
+        """Start a compaction: the journal rewritten from a snapshot of the index (one record per block
+        held), taken *before* an append, never after one: every caller holds the lock from its append to
+        its index change, and the writer journals a group's PUTs first and puts them in the index after
+        (publish after durable), so a snapshot right after that append missed the group (found 2026-11-29:
+        1,000 of 1,953 blocks gone after a warm restart). Here the index holds everything journaled so far.
+
+        The snapshot is cheap (array copies); encoding and writing it (seconds at millions of blocks, during
+        which lookups, gets and puts used to wait for this lock: decode stalled) runs on a thread without the
+        lock (:meth:`_run_compaction`), while appends go on to the old journal and are remembered for the
+        new one."""
+        c = self.journal.begin_compaction(self.index.items())
+        t = threading.Thread(target=self._run_compaction, args=(c,), name="g3-journal-compaction", daemon=True)
+        self._compactor = t
+        t.start()
+
+    def _run_compaction(self, c: jr.Compaction) -> None:
+        """The compaction thread: write and fsync the snapshot and the appends made meanwhile without the
+        lock, then, holding it, copy the last appends, rename the file over the journal and fsync the
+        directory. The old journal stays valid (and gets every append) until that rename, so a crash or a
+        failure anywhere before it loses nothing; a failure degrades the tier like a failed rewrite
+        (``journal_failed``, the journal not marked for repair) and the temp file is removed. A compaction
+        superseded meanwhile (a repair rewrite, close) just removes its temp file."""
+        j = self.journal
         try:
-            self.journal.rewrite(self.index.items())
+            if j.write_snapshot(c):
+                with self.lock:
+                    pending = j.take_pending(c)
+                j.write_caught_up(c, pending)
+                with self.lock:
+                    if j.compaction is c and not (self.journal_dirty or j.broken or j.fd is None):
+                        j.finish_compaction(c)
+                        self.c["journal_compactions"] += 1
+                        return
         except Exception as e:  # noqa: BLE001 - storage trouble (or a bug): the old journal stays valid
-            self.journal_failed(e, dirty=False)
+            with self.lock:
+                live = j.compaction is c and not self.closed
+                j.abort_compaction(c)
+                if live:
+                    self.journal_failed(e, dirty=False)
+            return
+        with self.lock:
+            j.abort_compaction(c)
+
+    def wait_compaction(self, timeout: float | None = None) -> bool:
+        """Wait (lock NOT held) until no compaction thread runs; False if one still runs after ``timeout``."""
+        t = self._compactor
+        if t is not None:
+            t.join(timeout)
+            return not t.is_alive()
+        return True
 
     def journal_failed(self, e: BaseException, dirty: bool = True) -> None:
         """The metadata path failed: degrade like slab ENOSPC (no admission for ``degrade_s()`` s, then
@@ -231,7 +274,12 @@ class SlotCatalog:
 
     def close(self) -> None:
         """Repair a journal that lost records if it can, close the journal and the slab files (their
-        directory locks). Takes the lock."""
+        directory locks). A compaction in progress is cancelled (the old journal holds everything) and its
+        thread waited for. Takes the lock."""
+        with self.lock:
+            self.closed = True
+            self.journal.cancel_compaction()
+        self.wait_compaction()
         with self.lock:
             if self.journal_dirty:  # last chance to persist removals a failed append lost
                 try:

@@ -22,9 +22,12 @@ every payload is verified again on every read.
 Version 1 journals (``KVBMJRN1``: records with ``<H tenant length> <tenant UTF-8>`` in place of the
 tag) are still read; the pool rewrites them as version 2 at open.
 
-Compaction rewrites the live entries to a uniquely named temp file (``O_EXCL``, 0600), fsyncs it and
-renames it over the journal (never a fixed ``.tmp`` name); until the rename the old journal stays open
-for appends, so a failed rewrite (ENOSPC) leaves a working journal. A failed append is cut back to
+A rewrite writes the live entries to a uniquely named temp file (``O_EXCL``, 0600), fsyncs it and
+renames it over the journal (never a fixed ``.tmp`` name), then fsyncs the directory; until the rename the
+old journal stays open for appends, so a failed rewrite (ENOSPC) leaves a working journal. Compaction
+(:meth:`Journal.begin_compaction`) does the long part -- encoding and writing one record per block -- off
+the pool's lock: the old journal keeps taking appends, each also remembered, and under the lock only the
+records appended meanwhile are copied to the new file before the rename. A failed append is cut back to
 the last whole record (``ftruncate``, which needs no space); if even that fails the journal is marked
 :attr:`Journal.broken` and must be rewritten before the next append.
 """
@@ -124,8 +127,21 @@ def _apply(entries: OrderedDict[K, Slot], by_slot: dict[Slot, K], kind: int, key
         by_slot[slot] = key
 
 
+class Compaction:
+    """A journal rewrite in progress off the pool's lock (:meth:`Journal.begin_compaction`)."""
+
+    def __init__(self, tmp: str, entries: Iterable[tuple["BlockKey | TagKey", Slot]]):
+        self.tmp = tmp  # the temp file's name in the journal's directory
+        self.entries: Iterable[tuple[BlockKey | TagKey, Slot]] | None = entries  # the index snapshot
+        self.fd = -1
+        self.records = 0  # records written to the temp file
+        self.size = 0  # bytes written to the temp file (header included)
+        self.taken = 0  # remembered appends already copied to the temp file
+
+
 class Journal:
-    """The open journal of one pool (not thread-safe: the pool serialises calls).
+    """The open journal of one pool (not thread-safe: the pool serialises calls; a compaction's
+    :meth:`write_snapshot` and :meth:`write_caught_up` are the calls made without the pool's lock).
 
     Args:
         dir_fd: an open fd of ``directory`` (verified by :class:`.slabs.SlabSet`); the journal and its
@@ -144,6 +160,8 @@ class Journal:
         self.fd: int | None = None
         self.size = 0  # bytes of whole records (plus header) in the open journal
         self.broken = False  # an append could not be cut back: rewrite before appending again
+        self.compaction: Compaction | None = None  # the compaction in progress (None: none, or cancelled)
+        self._pending: list[tuple[bytes, int]] = []  # appends since the compaction's snapshot: (bytes, records)
         self._own_dfd = dir_fd is None
         self._dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if dir_fd is None else dir_fd
 
@@ -203,42 +221,124 @@ class Journal:
     def rewrite(self, entries: Iterable[tuple["BlockKey | TagKey", Slot]]) -> None:
         """Atomically replace the journal with PUT records of ``entries`` (oldest first) and open it
         for appending. On failure (ENOSPC...) the temp file is removed and the old journal, if open,
-        stays open for appends (``broken`` unchanged); the error is raised."""
-        tmp = f".journal-{self._fp}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=self._dfd)
-        n = 0
-        size = 0
+        stays open for appends (``broken`` unchanged); the error is raised. A compaction in progress is
+        cancelled (this rewrite supersedes it)."""
+        self.cancel_compaction()
+        c = Compaction(self._tmp_name(), entries)
         try:
-            try:
-                buf = [self._header]
-                for key, slot in entries:
-                    buf.append(encode(PUT, key, slot))
-                    n += 1
-                    if len(buf) >= 4096:
-                        size += _write_all(fd, b"".join(buf))
-                        buf = []
-                size += _write_all(fd, b"".join(buf))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.name, src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
+            self._write_entries(c, None)
+            os.close(c.fd)
+            c.fd = -1
+            os.replace(c.tmp, self.name, src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
         except BaseException:
+            self._discard(c)
+            raise
+        self._installed(c)
+
+    def _tmp_name(self) -> str:
+        return f".journal-{self._fp}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+
+    def _write_entries(self, c: Compaction, owner: "Compaction | None") -> bool:
+        """Create ``c``'s temp file, write the header and a PUT record per entry, fsync. With ``owner``
+        (a compaction, run off the pool's lock), stop and return False once it is no longer the journal's
+        compaction (cancelled: a rewrite or close superseded it). Raises OSError (the caller discards)."""
+        c.fd = os.open(c.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                       dir_fd=self._dfd)
+        assert c.entries is not None
+        buf = [self._header]
+        for key, slot in c.entries:
+            buf.append(encode(PUT, key, slot))
+            c.records += 1
+            if len(buf) >= 4096:
+                c.size += _write_all(c.fd, b"".join(buf))
+                buf = []
+                if owner is not None and self.compaction is not owner:
+                    return False
+        c.entries = None
+        c.size += _write_all(c.fd, b"".join(buf))
+        os.fsync(c.fd)
+        return True
+
+    def _discard(self, c: Compaction) -> None:
+        """Close and remove ``c``'s temp file (never raises)."""
+        if c.fd >= 0:
             try:
-                os.unlink(tmp, dir_fd=self._dfd)
+                os.close(c.fd)
             except OSError:
                 pass
-            raise
+            c.fd = -1
+        try:
+            os.unlink(c.tmp, dir_fd=self._dfd)
+        except OSError:
+            pass
+
+    def _installed(self, c: Compaction) -> None:
+        """``c``'s file was renamed over the journal: fsync the directory (the rename is durable), open
+        the new journal for appending."""
         # the new journal is in place: the old fd (if any) now points at the replaced inode
         self.close()
         try:
             os.fsync(self._dfd)
         except OSError:
             pass  # the rename is done; a lost directory fsync only risks the old journal after a crash
-        self.records = n
-        self.size = size
+        self.records = c.records
+        self.size = c.size
         self.broken = False
         self.fd = os.open(self.name, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dfd)
+
+    # ---- compaction off the pool's lock ----------------------------------------------------------
+    def begin_compaction(self, entries: Iterable[tuple["BlockKey | TagKey", Slot]]) -> Compaction:
+        """(Pool lock held) Start a compaction from ``entries``, a snapshot of the index taken now (every
+        record journaled so far is reflected in it): from here every append is also remembered, to be
+        copied to the new file after the snapshot. Cheap; the file is written by :meth:`write_snapshot`."""
+        self.cancel_compaction()
+        c = self.compaction = Compaction(self._tmp_name(), entries)
+        return c
+
+    def write_snapshot(self, c: Compaction) -> bool:
+        """(Pool lock NOT held) Write and fsync ``c``'s snapshot to its temp file; False: cancelled
+        meanwhile (the caller then calls :meth:`abort_compaction`). Raises OSError."""
+        return self._write_entries(c, c)
+
+    def take_pending(self, c: Compaction) -> list[tuple[bytes, int]]:
+        """(Pool lock held) The appends remembered for ``c`` not yet copied to its temp file."""
+        if self.compaction is not c:
+            return []
+        out = self._pending[c.taken:]
+        c.taken = len(self._pending)
+        return out
+
+    def write_caught_up(self, c: Compaction, pending: list[tuple[bytes, int]]) -> None:
+        """Append ``pending`` (from :meth:`take_pending`) to ``c``'s temp file and fdatasync it (no-op when
+        empty). Called off the lock for the bulk and under it for the rest. Raises OSError."""
+        if pending:
+            c.size += _write_all(c.fd, b"".join(d for d, _ in pending))
+            c.records += sum(n for _, n in pending)
+            os.fdatasync(c.fd)
+
+    def finish_compaction(self, c: Compaction) -> None:
+        """(Pool lock held) Copy the appends made since the last :meth:`take_pending`, rename ``c``'s file
+        over the journal, fsync the directory and append to the new file from now on. The old journal
+        stays valid (it got every append too) until the rename. Raises OSError (the caller discards)."""
+        assert self.compaction is c
+        self.write_caught_up(c, self.take_pending(c))
+        os.close(c.fd)
+        c.fd = -1
+        os.replace(c.tmp, self.name, src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
+        self._installed(c)  # a failure here leaves fd None: the next append rewrites the journal (repair)
+        self.cancel_compaction()
+
+    def abort_compaction(self, c: Compaction) -> None:
+        """Remove ``c``'s temp file and stop remembering appends for it (no-op for another compaction's
+        state); the old journal, which got every append, stays."""
+        self._discard(c)
+        if self.compaction is c:
+            self.cancel_compaction()
+
+    def cancel_compaction(self) -> None:
+        """Forget the compaction in progress (its thread sees it and removes its temp file)."""
+        self.compaction = None
+        self._pending = []
 
     def append(self, records: list[bytes]) -> None:
         """Append encoded records in one write (the kernel keeps them across a kill -9 of this process).
@@ -265,6 +365,8 @@ class Journal:
             raise
         self.size += len(data)
         self.records += len(records)
+        if self.compaction is not None:
+            self._pending.append((data, len(records)))
 
     def sync(self) -> None:
         if self.fd is not None:

@@ -434,7 +434,7 @@ class G3Pool:
         for name in ("offloads_written", "offloads_skipped_present", "offloads_skipped_admission", "offloads_dropped",
                      "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
                      "restored_blocks", "restore_dropped", "lookup_blocks", "lookup_hits", "deleted", "late_reads",
-                     "device_loads", "device_hits", "sync_groups"):
+                     "device_loads", "device_hits", "sync_groups", "journal_compactions"):
             d[name] = c.get(name, 0)
         # the names every pool reports (pool.base.STATS_CONTRACT)
         d["written"], d["dropped"] = d["offloads_written"], d["offloads_dropped"]
