@@ -18,6 +18,12 @@ the message.
 Namespace files: ``namespace.json`` and ``namespace-<fingerprint>.json`` (the owner's
 :meth:`Namespace.canonical_json`, written under a unique temp name and renamed).
 
+Stale temp files: journal rewrites and namespace-file writes go through uniquely named temp files
+(``.journal-<fingerprint>.<pid>.<hex>.tmp``, ``.namespace.json.<pid>.<hex>.tmp``,
+``.namespace-<fingerprint>.json.<pid>.<hex>.tmp``), removed when a write fails but left behind by a process
+killed in the middle of one. Once the lock is taken (no other writer can be live in the directory) the ones of
+this namespace are removed (:attr:`G3Dir.stale_temps_removed`, logged).
+
 Full disk at open: a namespace file or the lock's pid line that cannot be written (ENOSPC/EDQUOT) does
 not fail the open; it is listed in :attr:`G3Dir.metadata_errors` and the namespace files are written
 again by :meth:`G3Dir.write_pending_namespace`. A lock file that cannot be created on a full filesystem
@@ -29,6 +35,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import stat
 import uuid
 
@@ -82,9 +89,11 @@ class G3Dir:
         self.lock_fd = -1  # the flocked lock file (-1: none, e.g. not creatable on a full disk)
         self.metadata_errors: list[str] = []  # metadata writes that failed at open (full disk)
         self.namespace_pending = False  # the namespace files could not be written yet
+        self.stale_temps_removed: list[str] = []  # temp files of a killed writer removed at open
         try:
             self.fd = self._open_verified()
             self._lock()
+            self._remove_stale_temps()
             self._namespace_or_defer()
         except BaseException:
             self.close()
@@ -222,6 +231,26 @@ class G3Dir:
         except OSError as e:  # informational only (the flocks are the lock)
             log.warning("G3: cannot write the holder's pid into %s (%s)", os.path.join(self.path, LOCK_NAME),
                         e.strerror)
+
+    def _remove_stale_temps(self) -> None:
+        """With the lock held (no live writer here), remove this namespace's temp files a killed process
+        left (journal rewrites, namespace files; see the module docstring). Only regular files and links
+        with exactly those names are removed; a failure to remove one is logged, never raised."""
+        fp = re.escape(self.namespace.fingerprint)
+        pat = re.compile(rf"^\.(?:journal-{fp}|namespace\.json|namespace-{fp}\.json)\.\d+\.[0-9a-f]{{32}}\.tmp$")
+        for name in os.listdir(self.fd):
+            if not pat.match(name):
+                continue
+            try:
+                st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                    os.unlink(name, dir_fd=self.fd)
+                    self.stale_temps_removed.append(name)
+            except OSError as e:
+                log.warning("G3: cannot remove the stale temp file %s (%s)", os.path.join(self.path, name), e)
+        if self.stale_temps_removed:
+            log.info("G3: removed %d temp file(s) a killed writer left in %s", len(self.stale_temps_removed),
+                     self.path)
 
     # ---- the namespace files -----------------------------------------------------------------
     def _write_namespace(self) -> None:

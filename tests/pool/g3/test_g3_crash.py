@@ -136,3 +136,43 @@ def test_journal_record_matches_format_md(tmp_path):
     assert info["records"] == 1 and info["torn_bytes"] == 43
     ents, info = load(b"KVBMJRN9" + data[8:])  # unknown magic (version): the whole journal ignored
     assert info["bad_header"] and not ents
+
+
+_KILLED_AT_FSYNC = r'''
+import os, signal, sys
+from tests.helpers.crash_writer import open_pool
+os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # killed right before a temp file's fsync
+open_pool(sys.argv[1])
+'''
+
+
+def test_temp_files_of_a_writer_killed_mid_rewrite_are_removed_at_the_next_open(tmp_path):
+    """A process killed (SIGKILL) in the middle of writing a namespace file (first open of a directory) or
+    of the journal rewrite at open leaves its uniquely named temp file; before, no later open removed it (one
+    per crash, ~43 B per block each). Now the next open, holding the directory lock, removes them, and every
+    block is still restored."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+    def killed_child() -> None:
+        r = subprocess.run([sys.executable, "-c", _KILLED_AT_FSYNC, str(tmp_path)], env=env, timeout=120,
+                           capture_output=True, text=True)
+        assert r.returncode == -signal.SIGKILL, r.stderr
+
+    def temps() -> list[str]:
+        return sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp"))
+
+    killed_child()  # fresh directory: killed writing namespace.json
+    assert [n.startswith(".namespace.json.") for n in temps()] == [True]
+    keys = NS.keys(range(1, 201))
+    with open_pool(tmp_path) as pool:
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60).written == len(keys)
+    assert temps() == []
+    for _ in range(2):  # killed in the journal rewrite at open: each open removed the temp of the one before
+        killed_child()
+        assert len(temps()) == 1 and temps()[0].startswith(f".journal-{NS.fingerprint}.")
+    with open_pool(tmp_path) as pool:
+        assert temps() == []
+        assert pool.stats()["restored_blocks"] == len(keys)
+        out = [aligned_empty(BB) for _ in keys]
+        assert all(pool.get(keys, out).result(timeout=60).ok)
+        assert all(np.array_equal(o, payload(k.seq_hash)) for o, k in zip(out, keys))

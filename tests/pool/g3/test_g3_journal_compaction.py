@@ -162,6 +162,7 @@ def test_kill9_inside_a_compaction_loses_no_published_block(tmp_path, point):
         keys = pool.keys()
         assert {x.seq_hash for x in keys} == held, (st, len(held))
         assert st["restored_blocks"] == len(held) and st["restore_dropped"] == 0, st
+        assert not list(tmp_path.glob(".journal-*.tmp"))  # the killed compaction's temp file is removed at open
         out = [np.zeros_like(payload(0)) for _ in keys]
         assert all(pool.get(keys, out).result(timeout=HANG_S).ok)
         assert all(np.array_equal(o, payload(x.seq_hash)) for o, x in zip(out, keys))
