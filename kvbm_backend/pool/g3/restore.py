@@ -27,7 +27,8 @@ def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
     """Replay ``cat``'s journal: every entry whose slot header reads back and checks (identity, layout,
     lengths, a checksum flag) is published again; the others are dropped and counted (``restore:<reason>``,
     ``restored_blocks``, ``restore_dropped``). The journal is rewritten from the rebuilt index (a failure
-    degrades the tier, never raises). ``engine``: the pool's I/O engine (header reads of ``io_size``)."""
+    degrades the tier, never raises); once it is, slab space the configuration no longer grants is given back
+    (:meth:`~.slabs.SlabSet.trim`). ``engine``: the pool's I/O engine (header reads of ``io_size``)."""
     entries, info = cat.journal.load()
     if info["bad_header"]:
         log.warning("G3: journal %s is not this namespace's; ignored", cat.journal.path)
@@ -84,6 +85,8 @@ def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
         cat.journal.rewrite(cat.index.items())
     except OSError as e:  # full disk at open: serve what is here, admit nothing until it can be written
         cat.journal_failed(e)
+    else:  # the journal names no slot past a lowered capacity, nor a file past files_per_path: give them back
+        cat.slabs.trim()
 
 
 def _read_headers_one_by_one(cat: SlotCatalog, part: list[tuple[BlockKey | TagKey, Slot]],

@@ -11,6 +11,10 @@ Each directory is a :class:`.dirs.G3Dir` (verified fd, lock, namespace files, sa
 opened: they are listed in :attr:`SlabSet.foreign_files` and logged. Metadata writes that failed at open on
 a full disk are listed in :attr:`SlabSet.metadata_errors` (the pool opens degraded); the namespace files
 are written again by :meth:`SlabSet.write_pending_namespaces`.
+
+Lowered settings give disk back at open (:meth:`SlabSet.trim`, after the warm restart's journal rewrite): a slab
+file longer than its share of a lowered ``capacity_gb`` is truncated to it, and this namespace's slab files
+``k >= files_per_path`` of a lowered ``files_per_path`` are removed.
 """
 from __future__ import annotations
 
@@ -91,6 +95,8 @@ class SlabSet:
         # written and nothing evicted (fault campaign, benchmarks/faults.py enospc self_fill).
         self._capacity_bytes = capacity_bytes
         self.paths = [os.path.abspath(p) for p in paths]
+        self.files_per_path = files_per_path
+        self.trimmed: list[str] = []  # what trim() gave back (files truncated or removed)
         self.files: list[SlabFile] = []
         self.foreign_files: list[str] = []
         self.o_direct: dict[str, bool] = {}
@@ -205,6 +211,38 @@ class SlabSet:
             f.free = [s for s in range(f.next_unused) if s not in taken]
             f.parked = []
             heapq.heapify(f.free)
+
+    def trim(self) -> None:
+        """Give back the disk the configuration no longer grants, once nothing refers to it (call after
+        :meth:`restore` and a journal rewrite from the restored index): a file longer than its share
+        (``max_slots``: ``capacity_gb`` was lowered; every slot at or past it was dropped at restore) is
+        truncated to it, and this namespace's slab files with ``k >= files_per_path`` (never opened, so no index
+        entry names them) are removed. Listed in :attr:`trimmed` and logged; a failure is logged, never raised."""
+        for f in self.files:
+            if f.size_slots > f.max_slots:
+                try:
+                    os.ftruncate(f.fd, f.max_slots * self.slot_bytes)
+                except OSError as e:
+                    log.warning("G3: cannot truncate %s to its capacity share (%s)", f.path, e)
+                    continue
+                self.trimmed.append(f"{f.path}: {f.size_slots} -> {f.max_slots} slots")
+                f.size_slots = f.max_slots
+                f.cap_slots = min(f.cap_slots, f.max_slots)
+        for d in self.paths:
+            dfd = self.dirs[d].fd
+            for name in sorted(os.listdir(dfd)):
+                m = _SLAB_RE.match(name)
+                if not m or m.group(1) != self.fp or int(m.group(2)) < self.files_per_path:
+                    continue
+                try:
+                    if os.stat(name, dir_fd=dfd, follow_symlinks=False).st_uid == os.geteuid():
+                        os.unlink(name, dir_fd=dfd)
+                        self.trimmed.append(f"{os.path.join(d, name)}: removed (files_per_path {self.files_per_path})")
+                except OSError as e:
+                    log.warning("G3: cannot remove %s beyond files_per_path (%s)", os.path.join(d, name), e)
+        if self.trimmed:
+            log.warning("G3: gave back disk beyond the configured capacity / files_per_path: %s",
+                        "; ".join(self.trimmed[:8]))
 
     # ---- capacity ----------------------------------------------------------------------------
     @property
