@@ -73,13 +73,21 @@ RESERVE_MAX = 1 << 26  # reserve() sizes the table for at most 64M entries (1 Gi
 FIRST_CHUNK = 512  # lookup_prefix: keys read and probed first (a miss among them ends the lookup there)
 
 
-def _u64(col: Sequence[int], n: int) -> U64:
-    """uint64 array of ``n`` Python ints: ``array('Q')`` (the fastest conversion of 8K ints, ints >= 2**63
-    included), ``np.fromiter`` for what it refuses (e.g. a float), with numpy's own errors."""
+def _prefix(code: str, col: Sequence[int], dtype: type) -> npt.NDArray[Any]:
+    """Array (``array(code)``: ``"Q"`` uint64, ``"I"`` uint32) of the leading items of ``col`` that fit it:
+    all of them in the usual case (one conversion, the fastest for 8K ints). The first item that does not (a
+    negative or too large int, a float...) ends it: no index entry has such a key, so a lookup's prefix
+    ends there (never an OverflowError, and a float is never truncated onto another key)."""
     try:
-        return np.frombuffer(array("Q", col), _U)
+        return np.frombuffer(array(code, col), dtype)
     except (TypeError, OverflowError):
-        return np.fromiter(col, _U, n)
+        m = 0
+        for m, x in enumerate(col):  # noqa: B007 - m is the index of the first item that does not fit
+            try:
+                array(code, (x,))
+            except (TypeError, OverflowError):
+                break
+        return np.frombuffer(array(code, col[:m]), dtype)
 
 
 def _check(key: "BlockKey | TagKey", slot: Slot) -> None:
@@ -231,7 +239,10 @@ class CompactLruIndex:
         o, is_tag = self._owner_of(key)
         if o < 0:
             return -1, -1
-        e, p = self._table.find(o, key.rank, key.seq_hash)
+        try:
+            e, p = self._table.find(o, key.rank, key.seq_hash)
+        except TypeError:  # not an int (a float seq_hash...): no entry has this key
+            return -1, -1
         if e < 0:
             return -1, -1
         vflag = self._ent.vflag
@@ -369,15 +380,22 @@ class CompactLruIndex:
                 return 0
             keys = keys[:n]
             ns_col, ten_col, rank_col, seq_col = ns_col[:n], ten_col[:n], rank_col[:n], seq_col[:n]
-        seq = _u64(seq_col, n)
+        seq = _prefix("Q", seq_col, _U)
+        ranks = _prefix("I", rank_col, np.uint32)
+        if min(len(seq), len(ranks)) < n:  # a key no entry can have (seq_hash or rank out of range): the end
+            n = min(len(seq), len(ranks))
+            if n == 0:
+                return 0
+            keys, seq, ranks = keys[:n], seq[:n], ranks[:n]
+            ns_col, ten_col, rank_col = ns_col[:n], ten_col[:n], rank_col[:n]
         r0 = rank_col[0]
         if ns_col.count(ns_col[0]) == n and ten_col.count(ten_col[0]) == n and rank_col.count(r0) == n:
             o = self._owner_of(keys[0])[0]  # one owner and rank (a sequence's prefix): the windowed probe
             if o < 0:
                 return 0
-            return self._take(self._table.find_run(o, int(np.int64(r0)), seq))
+            return self._take(self._table.find_run(o, int(ranks[0]), seq))
         own = np.fromiter((self._owner_of(k)[0] for k in keys), np.int64, n)
-        return self._take(self._table.find_many(own, np.fromiter(rank_col, np.int64, n), seq))
+        return self._take(self._table.find_many(own, ranks.astype(np.int64), seq))
 
     def _take(self, res: I64) -> int:
         """The leading found entries of ``res`` (entries, -1 = absent): adopted and touched in order;

@@ -14,8 +14,9 @@ that fallback costs one tag hash per miss, and only while tag-keyed entries rema
 """
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, Iterator, NamedTuple, Union
 
 from ...model.namespace import BlockKey, tenant_tag
 
@@ -36,6 +37,22 @@ class TagKey(NamedTuple):
         return f"<tenant tag {self.tag.hex()}>"
 
 
+def valid_key(k: Union[BlockKey, TagKey]) -> bool:
+    """A key a G3 slot can hold: seq_hash an integer in [0, 2**64), rank in [0, 2**32), and a str tenant
+    (BlockKey) or a 16-byte tag (a restored :class:`TagKey`). Anything else is never looked up (a get misses
+    it, ``invalid_key``, so it cannot reach, let alone drop, another key's slot) nor stored (a put drops
+    only it, ``invalid_key``)."""
+    try:
+        if not (0 <= operator.index(k.seq_hash) <= _U64 and 0 <= operator.index(k.rank) <= _U32):
+            return False
+    except TypeError:
+        return False
+    if type(k) is TagKey:
+        return type(k.tag) is bytes and len(k.tag) == 16
+    return isinstance(k.tenant, str)
+
+
+_U64, _U32 = (1 << 64) - 1, (1 << 32) - 1
 _KNOWN = {tenant_tag(""): ""}  # tags resolved at restore: the unsalted tenant
 _tags: dict[str, bytes] = {}
 

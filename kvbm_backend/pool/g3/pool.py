@@ -234,8 +234,9 @@ class G3Pool:
             dev_checks: Sequence[int] | None = None, bypass_admission: bool = False) -> Future[PutResult]:
         """Offload ``blocks[i]`` (``block_bytes`` uint8 each) under ``keys[i]``; returns Future[PutResult]
         at once. Keys already held or in flight and blocks the admission filter turns away are
-        ``skipped``; blocks beyond the queue bound, while degraded, or without room are ``dropped``.
-        The buffers are read until the Future completes.
+        ``skipped``; blocks beyond the queue bound, while degraded, or without room are ``dropped``, and
+        so is a key no slot can hold (seq_hash outside [0, 2**64), rank outside [0, 2**32): ``invalid_key``,
+        only that key, as G4 does). The buffers are read until the Future completes.
 
         Args:
             dev_checks: optional :func:`~kvbm_backend.model.frame.device_checksum` of each block (the

@@ -27,6 +27,7 @@ from ...transfer import plan_ops
 from ..base import BlockBuffer, PutResult
 from . import journal as jr
 from .catalog import _NOSPACE, SlotCatalog
+from .index import valid_key
 from .pieces import PieceFramer, Slot, _Batch, _Job, _Piece
 
 if TYPE_CHECKING:
@@ -89,7 +90,8 @@ class G3Writer:
     def put(self, keys: list[BlockKey], blocks: list[BlockBuffer], checks: list[int] | None,
             bypass_admission: bool) -> Future[PutResult]:
         """``G3Pool.put`` after its argument checks: skip held / in-flight / not admitted keys, drop what
-        the queue bound, the degraded state or a closing pool refuses, queue the rest."""
+        the queue bound, the degraded state or a closing pool refuses, and keys no slot can hold (``valid_key``:
+        dropped one by one, ``invalid_key``), queue the rest."""
         cat = self.cat
         res = PutResult()
         fut: Future[PutResult] = Future()
@@ -100,7 +102,11 @@ class G3Writer:
             ck: list[BlockKey] = []
             cb: list[BlockBuffer] = []
             cc: list[int] = []
+            invalid = 0
             for j, (k, b) in enumerate(zip(keys, blocks)):
+                if not valid_key(k):  # no slot can hold it (frame/journal fields): only it is dropped, as in G4
+                    invalid += 1
+                    continue
                 if k in seen or k in cat.index or k in self._inflight:
                     res.skipped += 1
                     cat.c["offloads_skipped_present"] += 1
@@ -114,6 +120,9 @@ class G3Writer:
                 cb.append(b)
                 if checks is not None:
                     cc.append(checks[j])
+            if invalid:
+                res.dropped += invalid
+                cat.drop("invalid_key", invalid)
             if cat.closed:
                 reason, room = "closed", 0
             elif cat.degraded_until:

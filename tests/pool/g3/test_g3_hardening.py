@@ -412,3 +412,25 @@ def test_version_1_journal_is_read_and_rewritten_as_version_2(tmp_path):
         assert _get(pool, keys) == [True] * 5
     data = (tmp_path / JOURNAL).read_bytes()
     assert data[:8] == jr.FILE_MAGIC and TENANT.encode() not in data
+
+
+def test_a_put_drops_only_its_keys_no_slot_can_hold(tmp_path):
+    """A put batching valid keys with one no slot can hold (seq_hash >= 2**64 or negative, rank >= 2**32, a
+    float seq_hash) writes the valid ones and drops only that key (``invalid_key``), as G4 does. Before, the
+    bad key failed its whole piece in the writer (frame/journal packing): every valid key batched with it
+    was dropped ("write failed"), or the put raised (a float)."""
+    from kvbm_backend.model.namespace import BlockKey
+    with open_pool(tmp_path) as pool:
+        n = 0
+        for bad in (BlockKey(pool.fp, "", 0, 1 << 64), BlockKey(pool.fp, "", 0, -5), BlockKey(pool.fp, "", 1 << 32, 7),
+                    BlockKey(pool.fp, "", 0, 2.5)):
+            good = NS.keys(range(n + 1, n + 4))
+            n += 3
+            r = pool.put([bad] + good, [payload(1)] + [payload(k.seq_hash) for k in good]).result(timeout=60)
+            assert (r.written, r.dropped, r.skipped) == (3, 1, 0), (bad, r)
+            out = [np.zeros_like(payload(0)) for _ in good]
+            assert all(pool.get(good, out).result(timeout=60).ok)
+            assert all(np.array_equal(o, payload(k.seq_hash)) for o, k in zip(out, good))
+        st = pool.stats()
+        assert st["dropped_by_reason"] == {"invalid_key": 4} and st["write_errors"] == 0, st
+        assert pool.slot_accounting()["leaked"] == 0 and len(pool.keys()) == n

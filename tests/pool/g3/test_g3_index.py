@@ -479,3 +479,29 @@ def test_key_run_lookup_matches_the_key_by_key_path(seed):
             assert got == n
         assert list(a.items()) == list(b.items())
     assert [s for _, s in a.evict(len(a))] == [s for _, s in b.evict(len(b))]
+
+
+@pytest.mark.parametrize("n", [3, 8, 9, 40, 700])
+@pytest.mark.parametrize("bad", [("seq", -1), ("seq", 1 << 64), ("seq", 1.5), ("seq", 2.0), ("rank", -1),
+                                 ("rank", 1 << 32), ("rank", 1 << 63), ("rank", 1.5), ("rank", 1.0)])
+def test_a_key_no_entry_can_have_ends_the_prefix_like_the_reference(n, bad):
+    """A key with a seq_hash outside [0, 2**64) or not an int (or such a rank) is held by no entry: the prefix
+    ends there, at any position. Before, the compact index's batch path (> 8 keys) raised OverflowError (-1,
+    2**64) and truncated a float onto another key (1.5 -> key 1, held: a hit for a key never stored); the <= 8
+    path raised TypeError for a float. An integral float (2.0) equals an int key in the OrderedDict reference,
+    but G3 neither stores nor reads such a key (``valid_key``: a get misses it, ``invalid_key``), so the
+    compact index ends the prefix there too; the reference is compared for every other value."""
+    field, value = bad
+    held = [BlockKey(NS, "t", 1, i) for i in range(n)]
+    for at in sorted({0, 1, n // 2, n - 1}):
+        keys = list(held)
+        keys[at] = keys[at]._replace(**{"seq_hash" if field == "seq" else "rank": value})
+        got = []
+        for ix in (LruIndex(), CompactLruIndex()):
+            for i, k in enumerate(held):
+                ix.put(k, (0, i))
+            ix.put(BlockKey(NS, "t", 1, 2), (0, n + 1))  # what a truncated seq 2.x would hit
+            got.append(ix.lookup_prefix(keys, NS))
+        assert got[1] == at, (at, got)
+        if not (isinstance(value, float) and value.is_integer()):
+            assert got[0] == at, (at, got)

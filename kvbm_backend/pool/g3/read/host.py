@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import operator
 import os
 import threading
 import time
@@ -30,7 +29,7 @@ from ....model.namespace import BlockKey
 from ....transfer import Extent, plan_ops, staged_run_extents
 from ...base import BlockBuffer, GetResult
 from .. import journal as jr
-from ..index import TagKey
+from ..index import TagKey, valid_key as valid_key  # re-exported (read/__init__, reader)
 from ..catalog import _MISS_REASON, HDR
 from ..pieces import Slot
 
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_U64, _U32 = (1 << 64) - 1, (1 << 32) - 1
 
 #: a key a G3 get reads: a BlockKey, or a restored TagKey (tenant tag only) that ``G3Pool.keys`` gave out
 G3Key = Union[BlockKey, TagKey]
@@ -53,20 +51,6 @@ def same_slot(a: Slot | None, b: Slot) -> bool:
     """``a`` (what the index maps a key to now, or None) is slot ``b``: a proven-bad block is removed and
     journaled DEL only then, never a copy the key got since (deleted and written again elsewhere)."""
     return a is not None and tuple(a) == tuple(b)
-
-
-def valid_key(k: G3Key) -> bool:
-    """A key a G3 slot can hold: seq_hash an integer in [0, 2**64), rank in [0, 2**32), and a str tenant
-    (BlockKey) or a 16-byte tag (a restored :class:`~..index.TagKey`). Anything else is a miss
-    (``invalid_key``): never looked up, so it cannot reach (let alone drop) another key's slot."""
-    try:
-        if not (0 <= operator.index(k.seq_hash) <= _U64 and 0 <= operator.index(k.rank) <= _U32):
-            return False
-    except TypeError:
-        return False
-    if type(k) is TagKey:
-        return type(k.tag) is bytes and len(k.tag) == 16
-    return isinstance(k.tenant, str)
 
 
 class HostGet:
