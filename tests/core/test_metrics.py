@@ -11,6 +11,7 @@ from kvbm_backend import metrics
 from kvbm_backend.memory import aligned_empty
 from kvbm_backend.model import frame
 from kvbm_backend.pool.g3 import G3Pool
+from tests.helpers.prom import free_port as _free_port, scrape as _scrape
 
 
 def _val(reg, name, **labels):
@@ -107,22 +108,6 @@ def test_hit_rate_window_slides():
 
 
 # ---- metrics.port: served when the tiers open; every KVBM-named G4 series moves ----------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scrape(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
 
 def _tiers_cfg(tmp_path, **metrics_cfg):
     from kvbm_backend.config import load_config

@@ -2,29 +2,12 @@
 (:mod:`tests.helpers.metrics_proc`), a real directory, real sockets; each test has its own ``XDG_RUNTIME_DIR``."""
 from __future__ import annotations
 
-import socket
 import time
-import urllib.request
 
 from tests.helpers.metrics_proc import MetricsProc
+from tests.helpers.prom import free_port as _free_port, scrape as _scrape
 
 HANG_GUARD_S = 120.0  # a bound for what happens at once, on a busy 2-core CI machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scrape(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    out = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def _scrape_when_served(port: int) -> dict[str, float]:

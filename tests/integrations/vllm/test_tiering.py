@@ -234,6 +234,18 @@ def test_restart_finds_blocks_in_g3(tmp_path, harnesses):
     assert len(got) == 4 and all(np.array_equal(a, b) for a, b in zip(got, data))
 
 
+def _resolve(tier, ctx, keys) -> dict:
+    """Each key's lookup result once none is RETRY: the steps vLLM runs (``on_schedule_end`` posts the batch)."""
+    results: dict = {}
+    for _ in range(2000):
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        results = {k: tier.lookup(k, ctx) for k in keys}
+        if LookupResult.RETRY not in results.values():
+            break
+        time.sleep(0.002)
+    return results
+
+
 def test_lookup_is_async_retry_then_hit_or_miss(tmp_path, harnesses):
     h = harnesses([g3_tier(tmp_path / "g3")])
     keys, data = keys_for(2, "l"), payloads(h, 2)
@@ -244,13 +256,7 @@ def test_lookup_is_async_retry_then_hit_or_miss(tmp_path, harnesses):
     # first sighting of a key: the index lookup is posted at the end of the step -> RETRY now
     assert tier.lookup(keys[0], ctx) is LookupResult.RETRY
     assert tier.lookup(keys[1], ctx) is LookupResult.RETRY
-    results = {}
-    for _ in range(2000):
-        tier.on_schedule_end(ScheduleEndContext((), ()))
-        results = {k: tier.lookup(k, ctx) for k in keys}
-        if LookupResult.RETRY not in results.values():
-            break
-        time.sleep(0.002)
+    results = _resolve(tier, ctx, keys)
     assert results[keys[0]] is LookupResult.HIT
     assert results[keys[1]] is LookupResult.MISS
     tier.on_request_finished(ctx)
@@ -407,13 +413,7 @@ def test_a_chunk_lookup_counts_once_at_any_tp_size(tmp_path, harnesses):
     before = metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0
     tier, ctx = h.tier, h.context()
     tier.on_new_request(ctx)
-    results = {}
-    for _ in range(2000):
-        tier.on_schedule_end(ScheduleEndContext((), ()))
-        results = {k: tier.lookup(k, ctx) for k in keys}
-        if LookupResult.RETRY not in results.values():
-            break
-        time.sleep(0.002)
+    results = _resolve(tier, ctx, keys)
     assert [results[k] for k in keys] == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
     tier.on_request_finished(ctx)
     got = metrics.sample_value(None, "kvbm_matched_tokens_total") - before
