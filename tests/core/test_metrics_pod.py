@@ -7,7 +7,7 @@ import time
 from tests.helpers.metrics_proc import MetricsProc
 from tests.helpers.prom import free_port as _free_port, scrape as _scrape
 
-HANG_GUARD_S = 120.0  # a bound for what happens at once, on a busy 2-core CI machine
+HANG_GUARD_S = 600.0  # a bound for what happens at once: generous, the unit lane runs at nice 19 on a busy 2-core VM
 
 
 def _scrape_when_served(port: int) -> dict[str, float]:

@@ -17,7 +17,7 @@ import threading
 from tests.helpers.crash_writer import NS, open_pool, payload
 from kvbm_backend.pool.g3 import catalog, journal as jr
 
-HANG_S = 120.0  # hang guard only
+HANG_S = 600.0  # hang guard only
 
 
 def main() -> None:

@@ -55,11 +55,11 @@ class MetricsProc:
         if self.p.poll() is None:
             self.p.stdin.write("quit\n")  # type: ignore[union-attr]
             self.p.stdin.flush()  # type: ignore[union-attr]
-        self.p.wait(timeout=120)
+        self.p.wait(timeout=600)
 
     def kill(self) -> None:
         self.p.kill()
-        self.p.wait(timeout=120)
+        self.p.wait(timeout=600)
 
 
 def main() -> None:

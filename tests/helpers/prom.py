@@ -13,7 +13,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape(port: int, timeout: float = 30) -> dict[str, float]:
+def scrape(port: int, timeout: float = 120) -> dict[str, float]:
     """GET ``/metrics`` on 127.0.0.1:``port``: every sample line as ``{'name{labels}': value}``."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout).read().decode()
     out = {}

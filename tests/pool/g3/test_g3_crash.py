@@ -154,7 +154,7 @@ def test_temp_files_of_a_writer_killed_mid_rewrite_are_removed_at_the_next_open(
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
 
     def killed_child() -> None:
-        r = subprocess.run([sys.executable, "-c", _KILLED_AT_FSYNC, str(tmp_path)], env=env, timeout=120,
+        r = subprocess.run([sys.executable, "-c", _KILLED_AT_FSYNC, str(tmp_path)], env=env, timeout=600,
                            capture_output=True, text=True)
         assert r.returncode == -signal.SIGKILL, r.stderr
 
