@@ -54,6 +54,14 @@ N_PROMPTS = 3       # prompts per phase (TTFT p50 over them)
 # wait for the prefill's G4 write (up to handoff_wait_s = 120 s here, below), so stream_completion's 120 s
 # default timed out there in CI on the slow 2-core VM (2026-11-29) while every lane ran.
 CLIENT_TIMEOUT_S = 600
+# The workers' g4.timeout_s (per S3 attempt; default 2 s). On the CI VM, with every lane running, processes were seen
+# frozen 13-31 s (SeaweedFS or the worker): with 2 s, the prefill worker's PUTs timed out, so did the HEADs that settle
+# them, its breaker opened, and 7 of 111 blocks that had landed (the decode worker loaded all 111 from G4) ended
+# dropped_unsettled past the settle bound (4 put bounds; pool/g4/settle.py), failing the written-count assertion
+# (2026-11-29). The bound is relaxed, not the assertions: every block must still be counted written.
+G4_TIMEOUT_S = 60
+# How long the tests poll a worker's counters for a value: a hang guard, not a bound (polls end when it is reached).
+POLL_S = 600
 
 
 class Stack:
@@ -67,7 +75,7 @@ class Stack:
             "model": "kvbm-backend/tiny-llama",
             "g3": {"capacity_gb": 0.5, "files_per_path": 2, "admission": {"policy": "all"}},
             "g4": {"enabled": True, "url": s3.url(prefix), "endpoint_url": s3.endpoint, "encrypt": True,
-                   "keyring": {"path": str(root / "g4-keyring.json")}}}))
+                   "timeout_s": G4_TIMEOUT_S, "keyring": {"path": str(root / "g4-keyring.json")}}}))
         self.dyn = DynamoStack(root)
         self.env, self.base = self.dyn.env, self.dyn.base
 
@@ -127,7 +135,7 @@ def _stats(path: Path) -> dict:
         return {}
 
 
-def _wait_stats(path: Path, key: str, at_least: int, timeout: float = 30) -> dict:
+def _wait_stats(path: Path, key: str, at_least: int, timeout: float = POLL_S) -> dict:
     t0 = time.time()
     while True:
         s = _stats(path)
@@ -136,7 +144,7 @@ def _wait_stats(path: Path, key: str, at_least: int, timeout: float = 30) -> dic
         time.sleep(0.25)
 
 
-def _wait_counters(worker, key: str, at_least: int, timeout: float = 30) -> dict:
+def _wait_counters(worker, key: str, at_least: int, timeout: float = POLL_S) -> dict:
     """A Dynamo worker's connector counters (worker and scheduler processes merged) once ``key`` >= ``at_least``."""
     t0 = time.time()
     while True:
@@ -271,7 +279,7 @@ def test_disaggregated_prefill_decode_hand_off_through_g4(stack):
         assert [r["text"] for r in out] == [COLD[p] for p in prompts]  # the aggregated worker's greedy tokens
         loadable = sum((r["prompt_tokens"] - 1) // BLOCK for r in out)  # the engine computes at least 1 token
         _wait_counters(pre, "handoff_offered_requests", N_PROMPTS)  # the scheduler's file (written every 0.5 s)
-        sp = _wait_counters(pre, "g4_put_written_blocks", loadable, timeout=120)  # the same frozen write-behind
+        sp = _wait_counters(pre, "g4_put_written_blocks", loadable)  # the same frozen write-behind
         _wait_counters(dec, "load_g4_blocks_ok", loadable)
         sd = _wait_counters(dec, "handoff_complete_requests", N_PROMPTS)
         # both workers' counters in full on any failure below (a dict in an assert message is cut short)
