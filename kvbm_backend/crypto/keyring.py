@@ -364,10 +364,20 @@ class Keyring:
                 "create it with `kvbm-backend keys create`")
 
     def rotate(self, tenant: str) -> dict[str, Any]:
-        """New data key version for new writes; older versions stay readable. KeyringError if unknown."""
+        """New data key version for new writes; older versions stay readable.
+
+        Raises:
+            TenantRevoked: the tenant was revoked (possibly by another process since this one's last reload:
+                :meth:`write_key` rotates from a view up to ``reload_every_s`` old).
+            KeyringError: no such tenant. Both name the tenant by its pseudonym only: this is reached from
+                the offload path, whose errors the operator log prints (tenant ids are ``cache_salt`` values)."""
         def fn(doc: Doc) -> None:
             if tenant not in doc["tenants"]:
-                raise KeyringError(f"keyring {self.path}: no tenant {tenant!r}")
+                ps = self.pseudonym(tenant).hex()
+                if ps in doc.get("revoked", {}):
+                    raise TenantRevoked(f"keyring {self.path}: tenant {ps} (pseudonym) was revoked; only "
+                                        "`kvbm-backend keys create` re-creates it")
+                raise KeyringError(f"keyring {self.path}: no tenant {ps} (pseudonym)")
             self._new_version(doc, tenant)
         self._mutate(fn)
         return self.info(tenant)

@@ -121,6 +121,39 @@ def test_revoked_tenant_never_recreated_by_write_key(tmp_path):
     assert kr.write_key("alice").version == 1 and kr.tenant_state("alice") == "active"
 
 
+def test_rotation_due_after_a_revocation_elsewhere_is_revoked_and_never_logs_the_tenant(tmp_path, caplog):
+    """A worker whose view predates a revocation (within reload_every_s) and whose key version reached
+    rotate_after_uses: its next seal rotates, the rotation's locked re-read finds the tenant revoked. That is
+    TenantRevoked (``dropped_revoked_tenant``), and neither the error nor the operator log names the tenant id
+    (a cache_salt value): before, a plain KeyringError ``no tenant 'alice@...'`` was logged as dropped_keyring."""
+    tenant = "alice@secret-customer.example"
+    p = tmp_path / "kr.json"
+    stale = Keyring(p, provider_for(p), rotate_after_uses=2, reload_every_s=3600)
+    stale.create(tenant)
+    stale.write_key(tenant), stale.write_key(tenant)  # version 1 reached rotate_after_uses
+    _operator(p).revoke(tenant)
+    with pytest.raises(TenantRevoked) as ei:
+        stale.write_key(tenant)
+    assert tenant not in str(ei.value) and stale.pseudonym(tenant).hex() in str(ei.value)
+    with pytest.raises(KeyringError) as ei:  # an operator rotating an unknown tenant: the pseudonym too
+        stale.rotate("bob@secret-customer.example")
+    assert "bob@" not in str(ei.value)
+
+    d = tmp_path / "pool"
+    kr_path = d / "kr.json"
+    kr = Keyring(kr_path, provider_for(kr_path), rotate_after_uses=1, reload_every_s=3600)
+    cfg = G4Config(url=f"file://{d / 'store'}", keyring={"path": str(kr_path)}, timeout_s=60.0)
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend"), G4Pool(cfg, namespace(), keyring=kr) as pool:
+        assert _put(pool, [1], tenant).written == 1
+        _operator(kr_path).revoke(tenant)
+        assert _put(pool, [2], tenant).dropped == 1
+        st = pool.stats()
+        assert st["dropped_revoked_tenant"] == 1 and st.get("dropped_keyring", 0) == 0, st
+    lines = [r.getMessage() for r in caplog.records if "dropped_revoked_tenant" in r.getMessage()]
+    assert len(lines) == 1 and kr.pseudonym(tenant).hex() in lines[0], lines
+    assert not [r.getMessage() for r in caplog.records if tenant in r.getMessage()]
+
+
 def test_keyring_that_stops_loading_fails_closed(tmp_path):
     p = tmp_path / "keys" / "kr.json"
     cfg = {"url": f"file://{tmp_path / 'store'}", "keyring": {"path": str(p), "reload_interval_s": RELOAD_S}}

@@ -228,7 +228,10 @@ class G4Writer:
                     reason = ("dropped_revoked_tenant" if isinstance(e, TenantRevoked) else
                               "dropped_unknown_tenant" if isinstance(e, UnknownTenant) else "dropped_keyring")
                     self._count(reason)
-                    self._oplog.tenant_once(reason, self._names.tag(key.tenant), e)
+                    ps = self._names.tag(key.tenant)
+                    # the operator log names tenants by pseudonym only, whatever a keyring message says
+                    why = str(e).replace(key.tenant, f"<tenant {ps}>") if key.tenant else str(e)
+                    self._oplog.tenant_once(reason, ps, why)
                     return
                 name = self._names.name(key)
                 try:
