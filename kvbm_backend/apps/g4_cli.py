@@ -173,6 +173,16 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
             new = LocalKek.from_env(new_kek_env)
         else:
             assert new_kek_file  # exactly one of --new-kek-file / --new-kek-env: checked above
+            if Path(new_kek_file).is_dir():
+                _fail(f"--new-kek-file: {new_kek_file}: is a directory, not a file")
+            if not Path(new_kek_file).exists():
+                from kvbm_backend.config import dir_problem
+                parent = Path(new_kek_file).absolute().parent
+                problem = dir_problem(str(parent))
+                if problem:
+                    _fail(f"--new-kek-file: {new_kek_file}: directory {parent}: {problem}")
+                from kvbm_backend.fsmodes import makedirs_private
+                makedirs_private(parent)  # 0700, parents too: as `keys create` makes the keyring's and KEK's
             new = (LocalKek.from_file(new_kek_file) if Path(new_kek_file).exists()
                    else LocalKek.generate_file(new_kek_file))
         n = kr.rewrap(new)

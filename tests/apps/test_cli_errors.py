@@ -173,6 +173,27 @@ def test_cli_error_is_one_line_exit_2(files, args, expect):
     assert expect.replace("{d}", d) in lines[0], out
 
 
+def test_keys_rewrap_new_kek_file_problems_name_the_option(tmp_path, monkeypatch):
+    """``keys rewrap --new-kek-file`` under a file, or naming a directory: one error line naming the option; in
+    a missing directory the KEK file is created there (0700 directory, as ``keys create`` makes the keyring's).
+    Before, the missing directory failed with ``[Errno 2] ... .new.kek.vm.<pid>....tmp``, an internal temp file."""
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    kr = str(tmp_path / "kr.json")
+    (tmp_path / "a-file").write_text("x")
+    assert CliRunner().invoke(app, ["keys", "create", "--keyring", kr, "--tenant", "t"]).exit_code == 0
+    for target, expect in ((tmp_path / "a-file" / "new.kek", f"error: --new-kek-file: {tmp_path}/a-file/new.kek: "
+                                                              f"directory {tmp_path}/a-file: "),
+                           (tmp_path, f"error: --new-kek-file: {tmp_path}: is a directory")):
+        r = CliRunner().invoke(app, ["keys", "rewrap", "--keyring", kr, "--new-kek-file", str(target)])
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith(expect), r.output
+    new = tmp_path / "nodir" / "sub" / "new.kek"
+    r = CliRunner().invoke(app, ["keys", "rewrap", "--keyring", kr, "--new-kek-file", str(new), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["rewrapped_keys"] == 1
+    assert new.stat().st_mode & 0o777 == 0o600 and new.parent.stat().st_mode & 0o777 == 0o700
+
+
 def test_gc_and_bench_create_no_missing_path(tmp_path):
     """Issue 22 item 7: a mistyped path is refused (one line naming the flag, exit 2), not created."""
     for args in (["gc", "--url", f"file://{tmp_path / 'typo'}", "--max-age-s", "0"],
