@@ -43,14 +43,25 @@ def requested(request: Any) -> bool:
     return _params(request).get(KEY) is True
 
 
-def finished_params(request: Any, block_size: int) -> dict | None:
+_warned_nothing_offloaded = False
+
+
+def finished_params(request: Any, block_size: int, offloads: bool = True) -> dict | None:
     """``kv_transfer_params`` for a finished prefill request that asked for a handoff, else None:
     ``{KEY: {"blocks": N, "block_size": tokens per block}}`` with N = ``(prompt tokens - 1) // block_size``,
     the full blocks another engine can load for this prompt (vLLM computes at least the prompt's last token
-    itself, so a block ending on it is never loaded)."""
+    itself, so a block ending on it is never loaded). ``offloads`` False (this connector saves nothing:
+    ``save`` off, or neither G3 nor G4): N = 0, so the decode worker computes the prompt at once instead of
+    waiting ``handoff_wait_s`` for blocks that never come; logged once per process at WARNING."""
+    global _warned_nothing_offloaded
     if not requested(request):
         return None
-    n = max(0, len(getattr(request, "prompt_token_ids", None) or []) - 1) // block_size
+    n = max(0, len(getattr(request, "prompt_token_ids", None) or []) - 1) // block_size if offloads else 0
+    if not offloads and not _warned_nothing_offloaded:
+        _warned_nothing_offloaded = True
+        log.warning("kvbm_backend handoff: request %s asked for a prefill->decode handoff, but this worker offloads "
+                    "nothing (connector save off, or no G3/G4 tier): it answers 0 blocks and the decode worker "
+                    "computes the prompt", getattr(request, "request_id", "?"))
     stats.add(handoff_offered_requests=1, handoff_offered_blocks=n)
     return {KEY: {"blocks": n, "block_size": block_size}}
 

@@ -472,4 +472,7 @@ class SchedulerSide:
         self._hit_source.pop(request.request_id, None)
         self.handoff.forget(request.request_id)
         self._handoff_retry_at.pop(request.request_id, None)
-        return False, None if kv_beyond_token_ids(request) else handoff.finished_params(request, self.bs)
+        if kv_beyond_token_ids(request):
+            return False, None
+        offloads = self.save_enabled and (self.g3 is not None or self.g4 is not None)
+        return False, handoff.finished_params(request, self.bs, offloads)

@@ -15,7 +15,7 @@ from kvbm_backend.config import ConfigError, load_config
 from kvbm_backend.integrations.tiers import open_tiers
 from kvbm_backend.integrations.vllm import stats
 from kvbm_backend.integrations.vllm.extra_config import config_from_extra
-from kvbm_backend.integrations.vllm.handoff import KEY, HandoffWaits
+from kvbm_backend.integrations.vllm.handoff import KEY, HandoffWaits, expected_blocks
 from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
 from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.layout import KvLayout
@@ -67,6 +67,22 @@ def test_prefill_side_answers_the_blocks_it_offloaded(tiers):
     # a prompt of exactly 6 blocks: the engine computes its last token, so only 5 blocks can be loaded
     exact = SimpleNamespace(**{**vars(_req("p3", {KEY: True})), "prompt_token_ids": TOKS[:6 * BS]})
     assert s.request_finished(exact, [])[1] == {KEY: {"blocks": 5, "block_size": BS}}
+
+
+def test_a_prefill_worker_that_offloads_nothing_promises_no_blocks(tiers, caplog):
+    """A prefill connector with ``save`` off, or with neither G3 nor G4, answers 0 blocks (logged once), so its
+    decode worker computes the prompt at once: before, it promised all 6 and every decode request waited the
+    whole ``handoff_wait_s`` and counted a handoff timeout."""
+    ns, g3, g4, hs, blocks = tiers
+    caplog.set_level(logging.WARNING, logger="kvbm_backend.handoff")
+    for side in (SchedulerSide(ns, BS, g3, g4, save=False), SchedulerSide(ns, BS, None, None)):
+        assert side.request_finished(_req("p", {KEY: True}), []) == (False, {KEY: {"blocks": 0, "block_size": BS}})
+    answer = SchedulerSide(ns, BS, g3, g4, save=False).request_finished(_req("p2", {KEY: True}), [])[1]
+    assert expected_blocks(_req("d", answer), BS) == 0  # the decode side expects nothing: no wait
+    waits = HandoffWaits(wait_s=600)
+    assert waits.should_wait("d", found_blocks=0, expected=0) is False
+    msgs = [r.getMessage() for r in caplog.records if "offloads nothing" in r.getMessage()]
+    assert len(msgs) <= 1  # once per process (another test of this process may have logged it already)
 
 
 def test_decode_side_waits_for_the_promised_blocks_then_loads_them(tiers):
