@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvbm_backend.config import G4Config  # noqa: E402
@@ -38,14 +40,14 @@ def put_blocks(pool, seqs, tenant):
     """Put the :func:`payload` blocks of ``seqs`` for ``tenant``; the PutResult."""
     ns = namespace()
     return pool.put(ns.keys(seqs, tenant=tenant), [payload(s, tenant, ns.layout.bytes_per_block) for s in seqs]
-                    ).result(timeout=30)
+                    ).result(timeout=HANG_S)
 
 
 def read_checked(pool, seqs, tenant) -> list[bool]:
     """Get ``seqs`` for ``tenant``; ``ok`` per block, asserting every block served holds its :func:`payload`."""
     ns = namespace()
     out = [np.zeros(ns.layout.bytes_per_block, np.uint8) for _ in seqs]
-    ok = pool.get(ns.keys(seqs, tenant=tenant), out).result(timeout=30).ok
+    ok = pool.get(ns.keys(seqs, tenant=tenant), out).result(timeout=HANG_S).ok
     for o, b, s in zip(ok, out, seqs):
         if o:
             assert np.array_equal(b, payload(s, tenant, ns.layout.bytes_per_block)), "wrong bytes served"

@@ -88,7 +88,8 @@ class SeaweedServer:
                 f"-s3.localSocket={self.dir}/s3.sock", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-master.telemetry=false", "-master.electionTimeout=1s"]
 
-    def start(self, timeout: float = 60.0, bucket: str | None = None) -> "SeaweedServer":
+    # 300 s: a hang guard, not a bound (returns once S3 answers); the busy CI VM froze processes for 13-31 s (2026-11-29)
+    def start(self, timeout: float = 300.0, bucket: str | None = None) -> "SeaweedServer":
         """Start (or restart) the server and wait until S3 answers; create ``bucket`` if given.
         Raises RuntimeError with the log tail if it does not come up within ``timeout`` seconds.
 
@@ -159,7 +160,7 @@ class SeaweedServer:
         """SIGKILL the server (outage simulation); data stays in :attr:`dir`."""
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+            self.proc.wait(300)  # a hang guard: a SIGKILLed process must end
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -168,9 +169,9 @@ class SeaweedServer:
                 self.proc.wait(2)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+                self.proc.wait(300)  # a hang guard: a SIGKILLed process must end
 
-    def restart(self, timeout: float = 60.0, bucket: str | None = None) -> None:
+    def restart(self, timeout: float = 300.0, bucket: str | None = None) -> None:
         """Start again on the same ports and data directory."""
         self.kill()
         self.start(timeout, bucket)

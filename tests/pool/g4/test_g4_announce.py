@@ -18,12 +18,16 @@ from kvbm_backend.config import G4Config
 from kvbm_backend.integrations.vllm import stats
 from kvbm_backend.pool.g4.pool import G4Pool
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for records and results that must come; returns as soon as they do
+
 
 @pytest.fixture
 def fleet(tmp_path, seaweed, s3_prefix):
     """Two G4 pools (workers A and B) on one SeaweedFS prefix and keyring, plus a third pool of another
     fleet (its own keyring) on the same prefix."""
-    kw = {"url": seaweed.url(s3_prefix), "endpoint_url": seaweed.endpoint, "timeout_s": 5.0, "dir_fanout": 16,
+    # timeout_s 60 (was 5): these tests check records, not speed; a request the busy CI VM froze for 13-31 s
+    # (2026-11-29) must not turn a check into a miss
+    kw = {"url": seaweed.url(s3_prefix), "endpoint_url": seaweed.endpoint, "timeout_s": 60.0, "dir_fanout": 16,
           "announce": True, "announce_interval_s": 0.1}
     pools = [G4Pool(G4Config(**kw, keyring={"path": str(tmp_path / "keys" / "keyring.json")}), namespace())
              for _ in range(2)]
@@ -60,8 +64,8 @@ def _save(pool, ev, tenant, toks, rid="r"):
     bs = ns.layout.page_size
     hs = list(sequence_hashes(toks, bs))
     blocks = [np.full(ns.layout.bytes_per_block, i + 1, np.uint8) for i in range(len(hs))]
-    assert pool.put(ns.keys(hs, tenant=tenant), blocks).result(30).written == len(hs)
-    assert pool.flush(30)
+    assert pool.put(ns.keys(hs, tenant=tenant), blocks).result(HANG_S).written == len(hs)
+    assert pool.flush(HANG_S)
     r = _request(rid, toks, bs)
     ev.learn(tenant, r, hs, 0, len(hs))
     return r
@@ -163,7 +167,7 @@ def test_expired_announcements_are_withdrawn_and_deleted(fleet):
     assert a.announcer.flush() == 3
     assert b.announcer.poll() == (3, 0)
     b.take()
-    deadline = time.time() + 60
+    deadline = time.time() + HANG_S
     while time.time() < deadline:  # store mtimes have a 1 s resolution: wait for the TTL on the store's clock
         if b.announcer.poll() != (0, 0):
             break
@@ -189,7 +193,7 @@ def test_the_background_thread_flushes_and_polls_every_interval(fleet):
     try:
         _save(a_pool, a, "tenant-x", list(range(3001, 3001 + 2 * bs)))
         got = []
-        deadline = time.time() + 30
+        deadline = time.time() + HANG_S
         while time.time() < deadline and sum(len(e.block_hashes) for e in got) < 2:
             got += _stored(b.take())
             time.sleep(0.1)
@@ -244,14 +248,14 @@ def test_announcement_checks_are_not_counted_as_request_lookups(tmp_path):
         toks = list(range(7001, 7001 + 4 * bs))
         hs = list(sequence_hashes(toks, bs))
         blocks = [np.full(ns.layout.bytes_per_block, i + 1, np.uint8) for i in range(4)]
-        assert pool.put(ns.keys(hs, tenant="t"), blocks).result(30).written == 4
-        pool.flush(30)
+        assert pool.put(ns.keys(hs, tenant="t"), blocks).result(HANG_S).written == 4
+        pool.flush(HANG_S)
         ev.learn("t", _request("r", toks, bs), hs, 0, len(hs))
         assert ev.announcer.flush() == 4  # the checks ran and found the blocks
         st = pool.stats()
         assert st.get("lookups", 0) == 0 and st.get("lookup_hits", 0) == 0, st
         assert not metrics.sample_value(reg, "kvbm_matched_tokens_total")
-        assert pool.lookup_prefix(ns.keys(hs, tenant="t")).result(30) == 4  # a request's lookup still counts
+        assert pool.lookup_prefix(ns.keys(hs, tenant="t")).result(HANG_S) == 4  # a request's lookup still counts
         assert pool.stats()["lookups"] == 1 and metrics.sample_value(reg, "kvbm_matched_tokens_total") == 4 * bs
     finally:
         pool.close()

@@ -18,6 +18,8 @@ from kvbm_backend.pool.g4.memory_store import MemoryStore
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.pools import TINY_LAYOUT
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
+
 LAYOUT = TINY_LAYOUT
 
 
@@ -66,7 +68,7 @@ def test_g4_fsync_decides_whether_file_objects_and_their_directories_are_fsynced
     keys = ns.keys(sequence_hashes(list(range(64)), 16), tenant="t")
     blocks = [np.full(LAYOUT.bytes_per_block, i, np.uint8) for i in range(len(keys))]
     with G4Pool(G4Config(url=f"file://{root}", encrypt=False, fsync=fsync), ns) as p:
-        assert p.put(keys, blocks).result(timeout=30).written == 4
+        assert p.put(keys, blocks).result(timeout=HANG_S).written == 4
         names = [str(root / p.object_name(k)) for k in keys]
     ours = [f for f in synced if f.startswith(str(root))]
     if fsync:

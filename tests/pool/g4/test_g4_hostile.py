@@ -19,6 +19,8 @@ from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.pools import tiny_ns
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
+
 NS = namespace()
 BPB = NS.layout.bytes_per_block
 
@@ -30,7 +32,7 @@ def _pool(tmp_path, **kw) -> G4Pool:
 
 def _get(pool, seqs, tenant="t", fill=0xEE):
     out = [np.full(BPB, fill, np.uint8) for _ in seqs]
-    ok = pool.get(NS.keys(seqs, tenant=tenant), out).result(timeout=60).ok
+    ok = pool.get(NS.keys(seqs, tenant=tenant), out).result(timeout=HANG_S).ok
     for o, b, s in zip(ok, out, seqs):
         if o:
             assert np.array_equal(b, payload(s, tenant, BPB)), "a block reported ok holds wrong bytes"
@@ -45,7 +47,7 @@ def test_lying_s3_proxy_never_deletes_good_objects(seaweed, s3_prefix, tmp_path)
     seqs = [1, 2]
     try:
         with _pool(tmp_path, url=url, endpoint_url=seaweed.endpoint) as good:
-            assert good.put(NS.keys(seqs, tenant="t"), [payload(s, "t", BPB) for s in seqs]).result(60).written == 2
+            assert good.put(NS.keys(seqs, tenant="t"), [payload(s, "t", BPB) for s in seqs]).result(HANG_S).written == 2
             names = [good.object_name(k) for k in NS.keys(seqs, tenant="t")]
             stored = [bytes(good.store.get(n)) for n in names]
             proxy.other_body = stored[1]
@@ -99,7 +101,7 @@ def test_corrupt_object_leaves_output_buffer_untouched(tmp_path, encrypt, where,
         kw = {"url": sw.url(request.getfixturevalue("s3_prefix")), "endpoint_url": sw.endpoint}
     with _pool(tmp_path, encrypt=encrypt, **kw) as p:
         seqs = [5, 6]
-        assert p.put(NS.keys(seqs, tenant="t"), [payload(s, "t", BPB) for s in seqs]).result(60).written == 2
+        assert p.put(NS.keys(seqs, tenant="t"), [payload(s, "t", BPB) for s in seqs]).result(HANG_S).written == 2
         for s, off in ((5, HEADER_BYTES + 3), (6, HEADER_BYTES + BPB - 1)):  # early and last payload byte
             name = p.object_name(NS.key(s, tenant="t"))
             raw = bytearray(p.store.get(name))
@@ -116,7 +118,7 @@ def test_fifos_and_sockets_in_fs_store_neither_block_nor_serve(tmp_path):
     with _pool(tmp_path, url=f"file://{tmp_path / 'store'}", timeout_s=2.0, retries=0, max_inflight=4) as p:
         root = p.store.root
         ok_seqs = [1, 2]
-        assert p.put(NS.keys(ok_seqs, tenant="t"), [payload(s, "t", BPB) for s in ok_seqs]).result(60).written == 2
+        assert p.put(NS.keys(ok_seqs, tenant="t"), [payload(s, "t", BPB) for s in ok_seqs]).result(HANG_S).written == 2
         bad = list(range(10, 22))  # more than max_inflight: a blocked open would hold every I/O thread
         planted = []
         sock = []
@@ -145,17 +147,17 @@ def test_fifos_and_sockets_in_fs_store_neither_block_nor_serve(tmp_path):
         assert time.monotonic() - t0 < 30  # resolved, not stuck (the load bound is 2 s)
         assert p.stats().get("miss_timeout", 0) == 0  # refused at once, not timed out
         # offloads of the planted names are dropped (never "skipped: already stored"); others complete
-        r = p.put(NS.keys(bad[:3], tenant="t"), [payload(s, "t", BPB) for s in bad[:3]]).result(60)
+        r = p.put(NS.keys(bad[:3], tenant="t"), [payload(s, "t", BPB) for s in bad[:3]]).result(HANG_S)
         assert (r.written, r.skipped, r.dropped) == (0, 0, 3)
         others = list(range(30, 40))
-        assert p.put(NS.keys(others, tenant="t"), [payload(s, "t", BPB) for s in others]).result(60).written == 10
+        assert p.put(NS.keys(others, tenant="t"), [payload(s, "t", BPB) for s in others]).result(HANG_S).written == 10
         assert _get(p, others + ok_seqs)[0] == [True] * 12
-        assert p.lookup_prefix(NS.keys(bad[:1], tenant="t")).result(60) == 0
+        assert p.lookup_prefix(NS.keys(bad[:1], tenant="t")).result(HANG_S) == 0
         for x in sock:
             x.close()
         for path in planted:
             os.unlink(path)
-        assert p.put(NS.keys(bad, tenant="t"), [payload(s, "t", BPB) for s in bad]).result(60).written == len(bad)
+        assert p.put(NS.keys(bad, tenant="t"), [payload(s, "t", BPB) for s in bad]).result(HANG_S).written == len(bad)
         assert _get(p, bad)[0] == [True] * len(bad)
         assert p.flush(30)
 
@@ -167,33 +169,33 @@ def test_symlinked_fanout_dir_is_never_followed(tmp_path):
     with _pool(tmp_path, url=f"file://{tmp_path / 'store'}", encrypt=False) as p:
         root = p.store.root
         k = NS.key(3, tenant="t")
-        assert p.put([k], [payload(3, "t", BPB)]).result(60).written == 1
+        assert p.put([k], [payload(3, "t", BPB)]).result(HANG_S).written == 1
         fan = (root / p.object_name(k)).parent
         os.rename(fan, outside / "moved")  # a valid object, now only reachable through the link
         os.symlink(outside / "moved", fan)
         assert _get(p, [3])[0] == [False]  # reads do not follow it
-        assert p.lookup_prefix([k]).result(60) == 0
+        assert p.lookup_prefix([k]).result(HANG_S) == 0
         before = sorted(os.listdir(outside / "moved"))
         # blocks whose (keyed) names fall in the same fan-out dir: offloads through the link
         seqs = [s for s in range(4, 4000) if (root / p.object_name(NS.key(s, tenant="t"))).parent == fan][:4]
         assert len(seqs) == 4
-        r = p.put(NS.keys(seqs, tenant="t"), [payload(s, "t", BPB) for s in seqs]).result(60)
+        r = p.put(NS.keys(seqs, tenant="t"), [payload(s, "t", BPB) for s in seqs]).result(HANG_S)
         assert (r.written, r.dropped) == (0, 4) and p.stats()["dropped_error"] == 4
         assert sorted(os.listdir(outside / "moved")) == before  # nothing written outside the root
-        assert p.delete([k]).result(60) == 0 and os.listdir(outside / "moved") == before
+        assert p.delete([k]).result(HANG_S) == 0 and os.listdir(outside / "moved") == before
         # a link at a higher component (the tenant dir) too
         t2 = NS.key(4, tenant="u")
         tenant_dir = root / p.object_name(t2).split("/")[0] / p.object_name(t2).split("/")[1]
         tenant_dir.parent.mkdir(parents=True, exist_ok=True)
         os.symlink(outside, tenant_dir)
-        assert p.put([t2], [payload(4, "u", BPB)]).result(60).dropped == 1
+        assert p.put([t2], [payload(4, "u", BPB)]).result(HANG_S).dropped == 1
         assert sorted(os.listdir(outside)) == ["moved"]
         # a link at the object name itself (an object outside the linked fan-out dir: names are keyed, so a
         # fixed sequence hash would fall in that dir now and then, and its put fail there instead)
         k5 = next(NS.key(s, tenant="t") for s in range(5, 4000)
                   if (root / p.object_name(NS.key(s, tenant="t"))).parent != fan)
         target = outside / "obj5"
-        assert p.put([k5], [payload(k5.seq_hash, "t", BPB)]).result(60).written == 1
+        assert p.put([k5], [payload(k5.seq_hash, "t", BPB)]).result(HANG_S).written == 1
         os.rename(root / p.object_name(k5), target)
         os.symlink(target, root / p.object_name(k5))
         assert _get(p, [k5.seq_hash])[0] == [False]
@@ -225,13 +227,13 @@ def test_everything_created_is_private_under_umask_000(tmp_path):
         keys_dir = tmp_path / "kr" / "nested"
         g3dir = tmp_path / "g3parent" / "g3"
         with G4Pool(G4Config(url=f"file://{g4root}", keyring={"path": str(keys_dir / "keyring.json")}), NS) as p:
-            assert p.put(NS.keys([1, 2], tenant="t"), [payload(s, "t", BPB) for s in (1, 2)]).result(60).written == 2
+            assert p.put(NS.keys([1, 2], tenant="t"), [payload(s, "t", BPB) for s in (1, 2)]).result(HANG_S).written == 2
             assert p.flush(30)
         with G4Pool(G4Config(url=f"file://{tmp_path / 'deep' / 'g4plain'}", encrypt=False), NS) as p:
-            assert p.put(NS.keys([1], tenant="t"), [payload(1, "t", BPB)]).result(60).written == 1
+            assert p.put(NS.keys([1], tenant="t"), [payload(1, "t", BPB)]).result(HANG_S).written == 1
         with G3Pool(G3Config(paths=[str(g3dir)], capacity_gb=0.01), NS, registry=new_registry()) as g3:
             for _ in range(2):  # the admission filter may want to see a block twice
-                g3.put(NS.keys([1], tenant="t"), [payload(1, "t", BPB)]).result(60)
+                g3.put(NS.keys([1], tenant="t"), [payload(1, "t", BPB)]).result(HANG_S)
             g3.flush(30)
     finally:
         os.umask(old)

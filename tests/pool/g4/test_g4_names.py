@@ -27,6 +27,8 @@ from kvbm_backend.pool.g4.naming import TenantNamer, legacy_block_name, parse_bl
 from kvbm_backend.pool.g4.pool import TENANT_CACHE_ENTRIES, G4Pool
 from tests.helpers.paths import HELPERS
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for results and processes that must come; returns as soon as they do
+
 WRITER = str(HELPERS / "g4_writer.py")
 FANOUT = 16
 
@@ -44,13 +46,13 @@ def target(request, tmp_path, s3_prefix):
 
 def _put(pool, ns, seqs, tenant):
     bpb = ns.layout.bytes_per_block
-    return pool.put(ns.keys(seqs, tenant=tenant), [payload(s, tenant, bpb) for s in seqs]).result(timeout=30)
+    return pool.put(ns.keys(seqs, tenant=tenant), [payload(s, tenant, bpb) for s in seqs]).result(timeout=HANG_S)
 
 
 def _read(pool, ns, seqs, tenant):
     bpb = ns.layout.bytes_per_block
     out = [np.zeros(bpb, np.uint8) for _ in seqs]
-    ok = pool.get(ns.keys(seqs, tenant=tenant), out).result(timeout=30).ok
+    ok = pool.get(ns.keys(seqs, tenant=tenant), out).result(timeout=HANG_S).ok
     return [bool(o and np.array_equal(b, payload(s, tenant, bpb))) for o, b, s in zip(ok, out, seqs)]
 
 
@@ -93,7 +95,7 @@ def test_names_reveal_no_sequence_hash_and_tenants_share_none(target, tmp_path):
     # a restart in another process (another worker sharing the keyring) finds every block by name
     for tenant in ("alice", "bob"):
         spec = {"mode": "read", "cfg": target, "tenant": tenant, "seqs": seqs}
-        out = subprocess.run([sys.executable, WRITER, json.dumps(spec)], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, WRITER, json.dumps(spec)], capture_output=True, text=True, timeout=HANG_S)
         assert out.returncode == 0, out.stderr
         r = json.loads(out.stdout)
         assert r["lookup"] == 8 and r["correct"] == [True] * 8
@@ -131,7 +133,7 @@ def test_migrate_renames_format1_names(target):
         assert sum(1 for o in st.list("") if (parse_block_name(o.name) or {}).get("legacy")) == 9
     _cli("keys", "revoke", "--keyring", kr, "--tenant", "bob")
     with G4Pool(G4Config(**target), ns) as p:
-        assert p.lookup_prefix(ns.keys(seqs, tenant="alice")).result(timeout=30) == 0  # not migrated yet: misses
+        assert p.lookup_prefix(ns.keys(seqs, tenant="alice")).result(timeout=HANG_S) == 0  # not migrated yet: misses
         assert _read(p, ns, seqs, "alice") == [False] * 6
     s3 = ["--endpoint-url", target["endpoint_url"]] if "endpoint_url" in target else []
     base = ["g4", "migrate", "--url", target["url"], *s3, "--json"]
@@ -143,7 +145,7 @@ def test_migrate_renames_format1_names(target):
     res = json.loads(_cli(*base, "--keyring", kr, "--dir-fanout", str(FANOUT)))
     assert (res["migrated"], res["skipped_invalid"], res["skipped_revoked"], res["errors"]) == (6, 1, 2, 0)
     with G4Pool(G4Config(**target), ns) as p:
-        assert p.lookup_prefix(ns.keys(seqs, tenant="alice")).result(timeout=30) == 6
+        assert p.lookup_prefix(ns.keys(seqs, tenant="alice")).result(timeout=HANG_S) == 6
         assert _read(p, ns, seqs, "alice") == [True] * 6
         assert p.stats().get("corrupt", 0) == 0
     again = json.loads(_cli(*base, "--keyring", kr, "--dir-fanout", str(FANOUT)))
@@ -194,7 +196,7 @@ def test_tenant_cache_stays_at_its_bound_with_a_million_tenants(tmp_path):
             p.names.tag(f"t{i}")
         assert p.tenant_cache_size() == TENANT_CACHE_ENTRIES == p.stats()["tenant_cache_entries"]
         looked = [p.lookup_prefix(ns.keys([7], tenant=f"flood{i}")) for i in range(2000)]
-        assert all(f.result(timeout=60) == 0 for f in looked)
+        assert all(f.result(timeout=HANG_S) == 0 for f in looked)
         assert p.tenant_cache_size() <= TENANT_CACHE_ENTRIES
         assert p.object_name(ns.key(42, tenant="t0")) == first
 

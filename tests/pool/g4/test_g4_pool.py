@@ -25,12 +25,15 @@ from kvbm_backend.pool.base import BlockPool
 from tests.helpers.paths import HELPERS
 
 WRITER = str(HELPERS / "g4_writer.py")
+HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
 
 
 @pytest.fixture(params=["fs", "s3"])
 def target(request, tmp_path, s3_prefix):
     """(cfg kwargs) for one store kind; keyring in tmp_path."""
-    kw = {"keyring": {"path": str(tmp_path / "keys" / "keyring.json")}, "timeout_s": 5.0, "dir_fanout": 16}
+    # load bound 60 s x 2: these tests check bytes and counters, not speed; a read the busy CI VM froze for
+    # 13-31 s must not turn into a miss (2026-11-29)
+    kw = {"keyring": {"path": str(tmp_path / "keys" / "keyring.json")}, "timeout_s": 60.0, "dir_fanout": 16}
     if request.param == "fs":
         kw["url"] = f"file://{tmp_path / 'store'}"
     else:
@@ -53,7 +56,7 @@ def _read(pool, seqs, tenant):
     ns = namespace()
     keys = ns.keys(seqs, tenant=tenant)
     out = [np.full(ns.layout.bytes_per_block, 0xEE, np.uint8) for _ in keys]
-    ok = pool.get(keys, out).result(timeout=30).ok
+    ok = pool.get(keys, out).result(timeout=HANG_S).ok
     want = _blocks(seqs, tenant)
     for o, b, w in zip(ok, out, want):
         if o:
@@ -66,12 +69,12 @@ def test_roundtrip_lookup_and_names(target):
     with _pool(target) as p:
         assert isinstance(p, BlockPool) and p.tier == "G4"
         keys = ns.keys([11, 12, 13, 14], tenant="alice")
-        res = p.put(keys, _blocks([11, 12, 13, 14], "alice")).result(timeout=30)
+        res = p.put(keys, _blocks([11, 12, 13, 14], "alice")).result(timeout=HANG_S)
         assert (res.written, res.dropped) == (4, 0)
-        assert p.put(keys[:2], _blocks([11, 12], "alice")).result(timeout=30).skipped == 2
-        assert p.lookup_prefix(keys).result(timeout=30) == 4
-        assert p.lookup_prefix(keys[:2] + ns.keys([99], tenant="alice") + keys[2:]).result(timeout=30) == 2
-        assert p.lookup_prefix(ns.keys([11], tenant="bob")).result(timeout=30) == 0
+        assert p.put(keys[:2], _blocks([11, 12], "alice")).result(timeout=HANG_S).skipped == 2
+        assert p.lookup_prefix(keys).result(timeout=HANG_S) == 4
+        assert p.lookup_prefix(keys[:2] + ns.keys([99], tenant="alice") + keys[2:]).result(timeout=HANG_S) == 2
+        assert p.lookup_prefix(ns.keys([11], tenant="bob")).result(timeout=HANG_S) == 0
         assert _read(p, [11, 12, 13, 14], "alice") == [True] * 4
         assert _read(p, [11], "bob") == [False]
         name = p.object_name(keys[0])
@@ -91,8 +94,8 @@ def test_roundtrip_lookup_and_names(target):
         assert bytes(_blocks([11], "alice")[0][:64]) not in raw  # ciphertext, not plaintext
         # the namespace's canonical JSON beside the data
         assert json.loads(bytes(p.store.get(namespace_name(ns.fingerprint)))) == json.loads(ns.canonical_json())
-        assert p.delete(keys[:1]).result(timeout=30) == 1
-        assert p.lookup_prefix(keys).result(timeout=30) == 0
+        assert p.delete(keys[:1]).result(timeout=HANG_S) == 1
+        assert p.lookup_prefix(keys).result(timeout=HANG_S) == 0
         st = p.stats()
         assert st["encrypted"] is True and st["written"] == 4 and st["hits"] == 4
 
@@ -101,9 +104,9 @@ def test_restart_persistence_new_process(target):
     ns = namespace()
     seqs = [101, 102, 103]
     with _pool(target) as p:
-        assert p.put(ns.keys(seqs, tenant="t1"), _blocks(seqs, "t1")).result(timeout=30).written == 3
+        assert p.put(ns.keys(seqs, tenant="t1"), _blocks(seqs, "t1")).result(timeout=HANG_S).written == 3
     spec = {"mode": "read", "cfg": target, "tenant": "t1", "seqs": seqs + [104]}
-    out = subprocess.run([sys.executable, WRITER, json.dumps(spec)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, WRITER, json.dumps(spec)], capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["lookup"] == 3 and r["ok"] == [True, True, True, False] and r["correct"] == [True, True, True, False]
@@ -113,8 +116,8 @@ def test_corrupt_swapped_truncated_objects_never_served(target):
     ns = namespace()
     seqs = list(range(200, 207))
     with _pool(target) as p:
-        p.put(ns.keys(seqs, tenant="a"), _blocks(seqs, "a")).result(timeout=30)
-        p.put(ns.keys([300], tenant="b"), _blocks([300], "b")).result(timeout=30)
+        p.put(ns.keys(seqs, tenant="a"), _blocks(seqs, "a")).result(timeout=HANG_S)
+        p.put(ns.keys([300], tenant="b"), _blocks([300], "b")).result(timeout=HANG_S)
         st = p.store
         name = lambda s, t="a": p.object_name(ns.key(s, tenant=t))  # noqa: E731
         raw = {s: bytes(st.get(name(s))) for s in seqs}
@@ -132,7 +135,7 @@ def test_corrupt_swapped_truncated_objects_never_served(target):
         assert s["corrupt_integrity"] >= 1 and s["corrupt_header_check"] == 1 and s["corrupt_length"] == 1
         assert s["corrupt_identity"] == 2  # header names another seq / another tenant
         # corrupt objects were dropped, so the next offload can publish good copies again
-        assert p.put(ns.keys(seqs, tenant="a"), _blocks(seqs, "a")).result(timeout=30).written == 5
+        assert p.put(ns.keys(seqs, tenant="a"), _blocks(seqs, "a")).result(timeout=HANG_S).written == 5
         assert _read(p, seqs, "a") == [True] * 7
 
 
@@ -141,7 +144,7 @@ def test_swap_with_forged_header_fails_aead(target):
     additional data still binds the original identity, so the tag fails."""
     ns = namespace()
     with _pool(target) as p:
-        p.put(ns.keys([400, 401], tenant="a"), _blocks([400, 401], "a")).result(timeout=30)
+        p.put(ns.keys([400, 401], tenant="a"), _blocks([400, 401], "a")).result(timeout=HANG_S)
         raw = bytes(p.store.get(p.object_name(ns.key(401, tenant="a"))))
         hdr = FrameHeader.unpack(raw[:HEADER_BYTES])
         hdr.seq_hash = 400
@@ -154,7 +157,7 @@ def test_wrong_tenant_key_decrypts_nothing(target, tmp_path):
     ns = namespace()
     seqs = [500, 501, 502]
     with _pool(target) as p:
-        p.put(ns.keys(seqs, tenant="alice"), _blocks(seqs, "alice")).result(timeout=30)
+        p.put(ns.keys(seqs, tenant="alice"), _blocks(seqs, "alice")).result(timeout=HANG_S)
     # Another keyring that shares the pseudonym key but holds a different data key for alice.
     other = tmp_path / "other"
     other.mkdir()
@@ -164,12 +167,12 @@ def test_wrong_tenant_key_decrypts_nothing(target, tmp_path):
     kr.revoke("alice")
     kr.create("alice")
     with _pool(target, keyring={"path": str(other / "keyring.json")}) as q:
-        assert q.lookup_prefix(ns.keys(seqs, tenant="alice")).result(timeout=30) == 3  # names exist...
+        assert q.lookup_prefix(ns.keys(seqs, tenant="alice")).result(timeout=HANG_S) == 3  # names exist...
         assert _read(q, seqs, "alice") == [False] * 3  # ...but 0 blocks decrypt
         assert q.stats()["miss_no_key"] == 3 and q.stats()["hits"] == 0
     # A completely unrelated keyring: different pseudonyms, nothing even found.
     with _pool(target, keyring={"path": str(tmp_path / "third" / "keyring.json")}) as r:
-        assert r.lookup_prefix(ns.keys(seqs, tenant="alice")).result(timeout=30) == 0
+        assert r.lookup_prefix(ns.keys(seqs, tenant="alice")).result(timeout=HANG_S) == 0
         assert _read(r, seqs, "alice") == [False] * 3
     with _pool(target) as p:  # the right key still reads all (misses above deleted nothing)
         assert _read(p, seqs, "alice") == [True] * 3
@@ -178,10 +181,10 @@ def test_wrong_tenant_key_decrypts_nothing(target, tmp_path):
 def test_rotation_and_crypto_shred_then_gc(target):
     ns = namespace()
     with _pool(target) as p:
-        p.put(ns.keys([600, 601], tenant="alice"), _blocks([600, 601], "alice")).result(timeout=30)
-        p.put(ns.keys([700], tenant="bob"), _blocks([700], "bob")).result(timeout=30)
+        p.put(ns.keys([600, 601], tenant="alice"), _blocks([600, 601], "alice")).result(timeout=HANG_S)
+        p.put(ns.keys([700], tenant="bob"), _blocks([700], "bob")).result(timeout=HANG_S)
         p.keyring.rotate("alice")
-        p.put(ns.keys([602], tenant="alice"), _blocks([602], "alice")).result(timeout=30)
+        p.put(ns.keys([602], tenant="alice"), _blocks([602], "alice")).result(timeout=HANG_S)
         vers = [FrameHeader.unpack(bytes(p.store.get(p.object_name(ns.key(s, tenant="alice"))))[:HEADER_BYTES]).key_version
                 for s in (600, 601, 602)]
         assert vers == [1, 1, 2]
@@ -192,7 +195,7 @@ def test_rotation_and_crypto_shred_then_gc(target):
         assert _read(q, [700], "bob") == [True]
         res = run_gc(q.store, keyring=q.keyring)
         assert res["deleted_by"]["revoked"] == 3 and res["deleted_objects"] == 3
-        assert q.lookup_prefix(ns.keys([600], tenant="alice")).result(timeout=30) == 0
+        assert q.lookup_prefix(ns.keys([600], tenant="alice")).result(timeout=HANG_S) == 0
         assert _read(q, [700], "bob") == [True]
 
 
@@ -202,7 +205,7 @@ def test_unencrypted_only_when_explicit_and_stats_say_so(target, tmp_path):
     with pytest.raises(KeyringError, match="g4.keyring.path: required"):
         G4Pool(G4Config(**kw), ns)  # encrypt defaults to True
     with G4Pool(G4Config(**kw, encrypt=False), ns) as p:
-        p.put(ns.keys([800], tenant="t"), _blocks([800], "t")).result(timeout=30)
+        p.put(ns.keys([800], tenant="t"), _blocks([800], "t")).result(timeout=HANG_S)
         assert _read(p, [800], "t") == [True]
         st = p.stats()
         assert st["encrypted"] is False and st["pseudonym_keyed"] is False
@@ -218,7 +221,7 @@ def test_encrypted_pool_refuses_plaintext_objects(target):
     ns = namespace()
     with _pool(target) as enc:
         plain = G4Pool(G4Config(**target, encrypt=False), ns)  # same keyring: same names
-        plain.put(ns.keys([900], tenant="t"), _blocks([900], "t")).result(timeout=30)
+        plain.put(ns.keys([900], tenant="t"), _blocks([900], "t")).result(timeout=HANG_S)
         plain.close()
         assert _read(enc, [900], "t") == [False]
         assert enc.stats()["miss_unencrypted_object"] == 1
@@ -228,10 +231,10 @@ def test_offload_queue_bound_drops_and_counts(target):
     ns = namespace()
     seqs = list(range(1000, 1010))
     with _pool(target, write_queue_blocks=3) as p:
-        res = p.put(ns.keys(seqs, tenant="q"), _blocks(seqs, "q")).result(timeout=30)
+        res = p.put(ns.keys(seqs, tenant="q"), _blocks(seqs, "q")).result(timeout=HANG_S)
         assert (res.written, res.dropped) == (3, 7)
         assert p.stats()["dropped_queue_full"] == 7
-        assert p.flush(timeout=10)
+        assert p.flush(timeout=HANG_S)
 
 
 def test_bad_input_errors_are_clear(tmp_path):
@@ -254,7 +257,7 @@ def test_object_longer_than_a_block_is_a_length_miss(target):
     fixed-size bounce buffers) are detected as corrupt_length, never served, and deleted."""
     ns = namespace()
     with _pool(target) as p:
-        p.put(ns.keys([400, 401], tenant="a"), _blocks([400, 401], "a")).result(timeout=30)
+        p.put(ns.keys([400, 401], tenant="a"), _blocks([400, 401], "a")).result(timeout=HANG_S)
         name = p.object_name(ns.key(400, tenant="a"))
         raw = bytes(p.store.get(name))
         p.store.put(name, raw + b"\0" * 8192)
@@ -271,20 +274,21 @@ def test_close_resolves_gets_and_lookups_queued_behind_busy_io_threads(tmp_path)
     timers that would have expired them: they never resolved and the staged rows were never idle again."""
     import threading
     # a load bound far above how long a busy runner may take to reach close() below: their own timers must not
-    # resolve b and c first (flake audit); a close that left them would show as miss_timeout or a hang
-    cfg = G4Config(url=f"file://{tmp_path}/g4", encrypt=False, max_inflight=1, timeout_s=30, retries=0)
+    # resolve b and c first (flake audit); a close that left them would show as miss_timeout or a hang.
+    # 120 s (the maximum): the busy CI VM froze processes for 13-31 s (2026-11-29)
+    cfg = G4Config(url=f"file://{tmp_path}/g4", encrypt=False, max_inflight=1, timeout_s=120, retries=0)
     pool = G4Pool(cfg, namespace())
     ns, bpb = pool.namespace, pool.layout.bytes_per_block
     keys = ns.keys(range(1, 3), tenant="t")
-    assert pool.put(keys, [payload(s, "t", bpb) for s in (1, 2)]).result(timeout=60).written == 2
+    assert pool.put(keys, [payload(s, "t", bpb) for s in (1, 2)]).result(timeout=HANG_S).written == 2
     gate, holding = threading.Event(), threading.Event()
     rows_a = np.zeros((1, bpb), np.uint8)
 
     def slow_copy(i):  # the caller's copy thread is busy: batch A holds the only I/O thread
         holding.set()
-        gate.wait(60)
+        gate.wait(HANG_S)
     a = pool.get_staged([keys[0]], [rows_a[0]], on_hit=slow_copy)
-    assert holding.wait(60)
+    assert holding.wait(HANG_S)
     out_b = [np.full(bpb, 7, np.uint8)]
     b = pool.get([keys[1]], out_b)
     rows_c = np.zeros((1, bpb), np.uint8)
@@ -292,7 +296,7 @@ def test_close_resolves_gets_and_lookups_queued_behind_busy_io_threads(tmp_path)
     look = pool.lookup_prefix([keys[1]])
     pool.close(timeout=0)
     gate.set()
-    bound = 120  # a hang guard
+    bound = HANG_S
     assert a.future.result(timeout=bound).ok == [True] and a.idle.wait(bound)
     assert b.result(timeout=bound).ok == [False] and (out_b[0] == 7).all()  # a miss leaves the buffer untouched
     assert c.future.result(timeout=bound).ok == [False] and c.idle.wait(bound)
@@ -315,7 +319,7 @@ def test_close_ends_queued_offloads_dropped_and_their_futures_resolve(tmp_path):
         def put_if_absent(self, name, data):
             if parse_block_name(name) is not None and not self.held.is_set():  # a block (not namespace.json)
                 self.held.set()
-                release.wait(60)
+                release.wait(HANG_S)
             return super().put_if_absent(name, data)
 
     release = threading.Event()
@@ -325,12 +329,12 @@ def test_close_ends_queued_offloads_dropped_and_their_futures_resolve(tmp_path):
     pool = G4Pool(cfg, ns, store=FirstPutHeld(f"{tmp_path}/g4"))
     seqs = list(range(40))
     fut = pool.put(ns.keys(seqs, tenant="t"), [payload(s, "t", bpb) for s in seqs])
-    assert FirstPutHeld.held.wait(60)
+    assert FirstPutHeld.held.wait(HANG_S)
     pool.close(timeout=0.0)  # its flush times out at once: the rest is dropped
     release.set()
-    r = fut.result(timeout=60)  # a hang guard
+    r = fut.result(timeout=HANG_S)
     assert r.written + r.skipped + r.dropped == 40 and r.dropped > 0, r
     st = pool.stats()
     assert st["pending_put_blocks"] == 0 and st["dropped_closed"] >= r.dropped - 1, st
-    assert pool.flush(timeout=5)
-    assert pool.put(ns.keys([99], tenant="t"), [payload(99, "t", bpb)]).result(timeout=5).dropped == 1
+    assert pool.flush(timeout=HANG_S)
+    assert pool.put(ns.keys([99], tenant="t"), [payload(99, "t", bpb)]).result(timeout=HANG_S).dropped == 1
