@@ -30,8 +30,10 @@ def payload(seq_hash: int) -> np.ndarray:
 
 
 def config(path, **kw) -> G3Config:
+    # load_timeout_s 120 (the maximum; was 10): tests that check bytes must not see a read the busy CI VM froze for
+    # 13-31 s (2026-11-29) as a timeout; tests of the bound pass their own
     base = dict(paths=[str(path)], capacity_gb=0.05, files_per_path=2, admission=AdmissionConfig(policy="all"),
-                load_timeout_s=10.0)
+                load_timeout_s=120.0)
     base.update(kw)
     return G3Config(**base)
 

@@ -25,6 +25,8 @@ from kvbm_backend.pool.g3 import G3Pool
 from kvbm_backend.pool.g3 import pool as pool_mod
 from kvbm_backend.pool.g3 import writer as writer_mod
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for what must come (results, a publication, the test's release); returns as soon as it does
+
 SLOT = frame.slot_bytes(LAYOUT.bytes_per_block)
 PIECE = 3  # blocks per piece (chunk_bytes = 3 slots)
 
@@ -60,7 +62,7 @@ class HoldSecondWrite(PosixEngine):
 
         if n == self.hold:
             def later():
-                self.release.wait(30)
+                self.release.wait(HANG_S)
                 super(HoldSecondWrite, self).submit(ops).add_done_callback(finish)
             threading.Thread(target=later, daemon=True).start()
         else:
@@ -110,7 +112,7 @@ def frozen(monkeypatch):
 def _first_barrier(pool, syncs):
     """One piece alone (write number 1), so the pool has seen a barrier take >= SLOW_S."""
     k = NS.keys([10_000 + i for i in range(PIECE)])
-    assert pool.put(k, [payload(x.seq_hash) for x in k]).result(timeout=30).written == PIECE
+    assert pool.put(k, [payload(x.seq_hash) for x in k]).result(timeout=HANG_S).written == PIECE
     assert len(syncs) == 1 and pool.stats()["sync_groups"] == 1
 
 
@@ -133,16 +135,16 @@ def test_group_commit_ms_bounds_the_wait_for_pieces_in_flight(tmp_path, pieces):
             _first_barrier(pool, pieces)
             keys = NS.keys(range(1, 2 * PIECE + 1))
             fut = pool.put(keys, [payload(k.seq_hash) for k in keys])
-            seen = _wait_visible(pool, keys[0], 20)
+            seen = _wait_visible(pool, keys[0], HANG_S)
             assert seen is not None and not eng.release.is_set()
             assert seen - eng.first_done >= 0.25, "published before group_commit_ms although a piece was in flight"
             assert all(pool.contains(k) for k in keys[:PIECE]) and not any(pool.contains(k) for k in keys[PIECE:])
             assert pool.stats()["sync_groups"] == 2 and len(pieces) == 2  # the first put's, then this piece's
             eng.release.set()
-            assert fut.result(timeout=30).written == 2 * PIECE
+            assert fut.result(timeout=HANG_S).written == 2 * PIECE
             assert pool.stats()["sync_groups"] == 3
             out = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
-            assert all(pool.get(keys, out).result(timeout=30).ok)
+            assert all(pool.get(keys, out).result(timeout=HANG_S).ok)
     finally:
         eng.release.set()
         eng.close()
@@ -165,10 +167,10 @@ def test_group_commit_ms_groups_pieces_under_one_barrier(tmp_path, pieces, froze
                     time.sleep(0.4)
                     assert not pool.contains(keys[0])  # waiting for its group, not published
                 else:
-                    assert _wait_visible(pool, keys[0], 20) is not None  # no wait: published alone
+                    assert _wait_visible(pool, keys[0], HANG_S) is not None  # no wait: published alone
                 journal_before = pool.journal.records
                 eng.release.set()
-                assert fut.result(timeout=30).written == 2 * PIECE
+                assert fut.result(timeout=HANG_S).written == 2 * PIECE
                 st = pool.stats()
                 assert st["sync_groups"] == groups and len(pieces) == groups, (ms, st["sync_groups"], pieces)
                 assert pool.journal.records - journal_before == (2 * PIECE if ms else PIECE)
@@ -189,10 +191,10 @@ def test_group_commit_bytes_starts_the_barrier_without_waiting(tmp_path, pieces,
             _first_barrier(pool, pieces)
             keys = NS.keys(range(1, 2 * PIECE + 1))
             fut = pool.put(keys, [payload(k.seq_hash) for k in keys])
-            assert _wait_visible(pool, keys[0], 20) is not None and not eng.release.is_set(), \
+            assert _wait_visible(pool, keys[0], HANG_S) is not None and not eng.release.is_set(), \
                 "the barrier waited although group_commit_bytes were ready"
             eng.release.set()
-            assert fut.result(timeout=30).written == 2 * PIECE and pool.stats()["sync_groups"] == 3
+            assert fut.result(timeout=HANG_S).written == 2 * PIECE and pool.stats()["sync_groups"] == 3
     finally:
         eng.release.set()
         eng.close()
@@ -220,10 +222,10 @@ def test_no_wait_without_a_slow_barrier(tmp_path, monkeypatch, pieces, frozen):
         with open_pool(tmp_path, engine=eng, files_per_path=1, group_commit_ms=1000, group_commit_bytes=0) as pool:
             keys = NS.keys(range(1, 2 * PIECE + 1))
             fut = pool.put(keys, [payload(k.seq_hash) for k in keys])
-            seen = _wait_visible(pool, keys[0], 20)
+            seen = _wait_visible(pool, keys[0], HANG_S)
             assert seen is not None and not eng.release.is_set()
             eng.release.set()
-            assert fut.result(timeout=30).written == 2 * PIECE
+            assert fut.result(timeout=HANG_S).written == 2 * PIECE
     finally:
         eng.release.set()
         eng.close()

@@ -29,6 +29,8 @@ from kvbm_backend.pool.g3 import journal as jr
 from kvbm_backend.pool.g3.index import LruIndex, TagKey
 from kvbm_backend.pool.g3.slabs import LOCK_NAME, G3PathError
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
+
 SLOT = frame.slot_bytes(LAYOUT.bytes_per_block)
 TENANT = "tenant-secret-4242"
 JOURNAL = f"journal-{NS.fingerprint}.log"
@@ -36,12 +38,12 @@ JOURNAL = f"journal-{NS.fingerprint}.log"
 
 def _put(pool, seqs, tenant=""):
     keys = NS.keys(seqs, tenant=tenant)
-    return keys, pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=30)
+    return keys, pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
 
 
 def _get(pool, keys):
     out = [np.zeros(LAYOUT.bytes_per_block, np.uint8) for _ in keys]
-    r = pool.get(keys, out).result(timeout=30)
+    r = pool.get(keys, out).result(timeout=HANG_S)
     for k, o, ok in zip(keys, out, r.ok):
         if ok:
             assert np.array_equal(o, payload(k.seq_hash))
@@ -106,7 +108,7 @@ def test_delete_never_raises_on_journal_enospc_and_journal_is_repaired(tmp_path)
         keys, r = _put(pool, range(1, 9))
         assert r.written == 8
         hook.full = True
-        assert pool.delete(keys[:3]).result(timeout=5) == 3  # used to raise ENOSPC
+        assert pool.delete(keys[:3]).result(timeout=HANG_S) == 3  # used to raise ENOSPC
         assert not any(pool.contains(k) for k in keys[:3])  # the index removal stands
         assert pool.stats()["degraded"]
         assert pool.slot_accounting()["leaked"] == 0
@@ -125,7 +127,7 @@ def test_delete_repaired_at_close_when_space_returns(tmp_path):
         hook = JournalFull(pool)
         keys, _ = _put(pool, range(1, 5))
         hook.full = True
-        pool.delete(keys[:1]).result(timeout=5)
+        pool.delete(keys[:1]).result(timeout=HANG_S)
         hook.full = False  # no further journal traffic: close() repairs it
     with open_pool(tmp_path) as pool:
         assert pool.stats()["restored_blocks"] == 3 and not pool.contains(keys[0])
@@ -223,14 +225,14 @@ def test_real_full_disk_journal_put_delete_reopen(tmpfs):
         assert r.written + r.dropped == 100 and r.dropped > 0
         assert pool.stats()["degraded"] and pool.stats()["enospc"] >= 1
         assert pool.slot_accounting()["leaked"] == 0
-        assert pool.delete(keys[:1]).result(timeout=5) == 1
+        assert pool.delete(keys[:1]).result(timeout=HANG_S) == 1
         written = [k for k in keys2 if pool.contains(k)]
     # restarted while still full: the journal tail is whole (cut back after the failed append); the
     # delete's DEL record could not be written (documented: the journal is repaired once space returns,
     # or at close if it can), so the deleted block is found again - a verified block of its own key
     with open_pool(d, **kw) as pool:
         assert pool.stats()["restored_blocks"] == 4 + len(written)
-        assert pool.delete(keys[:1]).result(timeout=5) == 1
+        assert pool.delete(keys[:1]).result(timeout=HANG_S) == 1
     os.unlink(d / "namespace.json")
     os.unlink(d / LOCK_NAME)
     _fill(tmpfs / "filler2")
@@ -244,7 +246,7 @@ def test_real_full_disk_journal_put_delete_reopen(tmpfs):
         st = pool.stats()
         assert st["degraded"] and st["restored_blocks"] == 4 + len(written)
         assert _get(pool, keys) == [True] * 4  # serves what it has
-        assert pool.delete(keys[:1]).result(timeout=5) == 1
+        assert pool.delete(keys[:1]).result(timeout=HANG_S) == 1
         _, r = _put(pool, range(500, 510))
         assert r.dropped == 10 and r.written == 0
         filler.unlink()
@@ -426,10 +428,10 @@ def test_a_put_drops_only_its_keys_no_slot_can_hold(tmp_path):
                     BlockKey(pool.fp, "", 0, 2.5)):
             good = NS.keys(range(n + 1, n + 4))
             n += 3
-            r = pool.put([bad] + good, [payload(1)] + [payload(k.seq_hash) for k in good]).result(timeout=60)
+            r = pool.put([bad] + good, [payload(1)] + [payload(k.seq_hash) for k in good]).result(timeout=HANG_S)
             assert (r.written, r.dropped, r.skipped) == (3, 1, 0), (bad, r)
             out = [np.zeros_like(payload(0)) for _ in good]
-            assert all(pool.get(good, out).result(timeout=60).ok)
+            assert all(pool.get(good, out).result(timeout=HANG_S).ok)
             assert all(np.array_equal(o, payload(k.seq_hash)) for o, k in zip(out, good))
         st = pool.stats()
         assert st["dropped_by_reason"] == {"invalid_key": 4} and st["write_errors"] == 0, st

@@ -12,18 +12,20 @@ from kvbm_backend.model.namespace import tenant_bytes, tenant_tag
 from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from tests.helpers.paths import REPO
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for what must come (results, a process, a thread's open); returns as soon as it does
+
 BB = LAYOUT.bytes_per_block
 ODD_TENANTS = ["\udcff", "a\ud800b", "\udfff\ud800", "nul\x00in\x00it", "\x00", "é-ü-中", "x" * 1_000_000]
 
 
 def _put(pool, keys):
-    return pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60)
+    return pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
 
 
 def _get(pool, keys, fill: int = 0):
     """``(ok, out)``; every served block is checked against ``payload``."""
     out = [np.full(BB, fill, np.uint8) for _ in keys]
-    r = pool.get(keys, out).result(timeout=60)
+    r = pool.get(keys, out).result(timeout=HANG_S)
     for k, o, ok in zip(keys, out, r.ok):
         if ok:
             assert np.array_equal(o, payload(k.seq_hash)), k
@@ -157,7 +159,7 @@ def test_corrupt_block_leaves_the_output_buffer_untouched(tmp_path):
             for r, aligned in enumerate((True, False)):  # aligned: the zero-copy O_DIRECT shape of old
                 keys = ns.keys(range(100 * r + 1, 100 * r + 9))
                 blocks = [rng.integers(0, 256, bb, dtype=np.uint8) for _ in keys]
-                assert pool.put(keys, blocks).result(timeout=60).written == 8
+                assert pool.put(keys, blocks).result(timeout=HANG_S).written == 8
                 for j in (2, 5):  # a payload byte, and a header byte
                     fi, si = pool.index.get(keys[j])
                     _flip(pool.slabs.by_index[fi].path, si * sb + (frame.HEADER_BYTES + 1000 if j == 2 else 40))
@@ -166,7 +168,7 @@ def test_corrupt_block_leaves_the_output_buffer_untouched(tmp_path):
                     b = aligned_empty(bb + 1)[1:] if not aligned else aligned_empty(bb)
                     b[:] = 0xA5
                     out.append(b)
-                ok = pool.get(keys, out).result(timeout=60).ok
+                ok = pool.get(keys, out).result(timeout=HANG_S).ok
                 assert ok == [True, True, False, True, True, False, True, True], (sub, ok)
                 for j in range(8):
                     if ok[j]:
@@ -194,7 +196,7 @@ def test_lock_file_deleted_second_process_is_refused(tmp_path):
         keys = NS.keys(range(1, 201), tenant="t")
         assert _put(pool, keys).written == 200
         os.unlink(tmp_path / LOCK_NAME)
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S, env=env)
         assert p.returncode == 3, p.stdout + p.stderr
         line = p.stdout.strip()
         assert "\n" not in line and str(tmp_path) in line and "in use by another pool" in line
@@ -223,7 +225,7 @@ def test_special_file_in_place_of_a_slab_is_a_one_line_error(tmp_path):
             res: list = []
             t = threading.Thread(target=lambda res=res, od=od: res.append(_try_open(tmp_path, od)), daemon=True)
             t.start()
-            t.join(60)
+            t.join(HANG_S)
             assert res, f"opening a pool with {what} under a slab name blocked"  # never blocks on a FIFO
             e = res[0]
             assert isinstance(e, G3PathError), repr(e)

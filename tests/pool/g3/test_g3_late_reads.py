@@ -15,6 +15,8 @@ from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.memory import aligned_empty
 from kvbm_backend.pool.g3.read import host
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for what must come; returns as soon as it does
+
 BB = LAYOUT.bytes_per_block
 
 
@@ -48,7 +50,7 @@ def test_nothing_lands_in_out_after_a_timed_out_get_resolved(tmp_path, monkeypat
     real_timeout = host.HostGet._timeout
 
     def timeout_after_the_check(self):  # the bound passes while the verifier is preempted, never before it
-        pre.hit.wait(30)                # got there (on a busy machine it might not have reached it in 0.3 s)
+        pre.hit.wait(HANG_S)             # got there (on a busy machine it might not have reached it in 0.3 s)
         pre.timed_out.set()
         real_timeout(self)
     monkeypatch.setattr(host.HostGet, "_timeout", timeout_after_the_check)

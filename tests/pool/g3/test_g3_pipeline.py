@@ -23,6 +23,8 @@ from kvbm_backend.pool.g3 import G3Pool
 from kvbm_backend.pool.g3 import pool as pool_mod
 from kvbm_backend.pool.g3.index import LruIndex
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for what must come (results, held steps' events); returns as soon as it does
+
 SLOT = frame.slot_bytes(LAYOUT.bytes_per_block)
 
 
@@ -91,7 +93,7 @@ def test_fsync_setting_decides_whether_slab_files_are_fdatasynced(tmp_path, monk
     monkeypatch.setattr(pool_mod, "fdatasync", recording_sync)
     with open_pool(tmp_path, fsync=fsync, files_per_path=2, io_size_bytes=4 * SLOT) as pool:
         keys = NS.keys(range(1, 17))
-        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60).written == 16
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S).written == 16
         slab_fds = {f.fd for f in pool.slabs.files}
         if fsync:
             assert set(synced) == slab_fds  # 16 blocks in runs of 4 striped over both files
@@ -112,7 +114,7 @@ def test_publish_only_after_own_fdatasync_while_writes_overlap_syncs(tmp_path, m
         log.add("sync_start", fd)
         if not first_sync_started.is_set():
             first_sync_started.set()
-            write_during_first_sync.wait(timeout=30)
+            write_during_first_sync.wait(timeout=HANG_S)
         else:
             time.sleep(0.01)  # a slow disk flush, so later pieces' writes land during it
         real_fdatasync(fd)
@@ -126,7 +128,7 @@ def test_publish_only_after_own_fdatasync_while_writes_overlap_syncs(tmp_path, m
     def gated_submit(ops):
         ops = list(ops)
         if ops and ops[0].write and next(write_submits) == 2:
-            first_sync_started.wait(timeout=30)
+            first_sync_started.wait(timeout=HANG_S)
         out = plain_submit(ops)
         if ops and ops[0].write and first_sync_started.is_set():
             out.add_done_callback(lambda f: write_during_first_sync.set())
@@ -137,7 +139,7 @@ def test_publish_only_after_own_fdatasync_while_writes_overlap_syncs(tmp_path, m
         with open_pool(tmp_path, engine=eng, files_per_path=2) as pool:
             pool.index = RecordingIndex(log)
             keys = NS.keys(range(1, 61))
-            res = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60)
+            res = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
             assert res.written == 60
             ev = list(log.events)
             checked = 0
@@ -162,7 +164,7 @@ def test_publish_only_after_own_fdatasync_while_writes_overlap_syncs(tmp_path, m
                 overlapped |= kind == "written" and open_syncs > 0
             assert overlapped, "no write landed during an fdatasync: the writer is not pipelined"
             out = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
-            assert all(pool.get(keys, out).result(timeout=30).ok)
+            assert all(pool.get(keys, out).result(timeout=HANG_S).ok)
             assert pool.slot_accounting()["leaked"] == 0
     finally:
         eng.close()
@@ -194,7 +196,7 @@ def test_failed_fdatasync_never_publishes_what_it_covered(tmp_path, monkeypatch,
             keys = NS.keys(range(1, 61))
             written = dropped = 0
             for part in (keys[:30], keys[30:]):  # two puts: at least two fdatasync rounds
-                r = pool.put(part, [payload(k.seq_hash) for k in part]).result(timeout=60)
+                r = pool.put(part, [payload(k.seq_hash) for k in part]).result(timeout=HANG_S)
                 written, dropped = written + r.written, dropped + r.dropped
             assert failed_fds
             assert written + dropped == 60 and dropped >= 1
@@ -217,10 +219,10 @@ def test_failed_fdatasync_never_publishes_what_it_covered(tmp_path, monkeypatch,
             assert not any(pool.contains(k) for k in keys if k not in published)
             assert pool.slot_accounting()["leaked"] == 0 and pool.stats()["reserved_slots"] == 0
             out = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
-            got = pool.get(keys, out).result(timeout=30)
+            got = pool.get(keys, out).result(timeout=HANG_S)
             assert [k in published for k in keys] == got.ok
             # the tier keeps working: the dropped blocks are written on the next offer
-            res2 = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60)
+            res2 = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
             assert res2.written == dropped
     finally:
         eng.close()
@@ -237,7 +239,7 @@ def test_reads_verified_off_the_completion_thread_next_chunk_not_waiting(tmp_pat
     release = threading.Event()
     with open_pool(tmp_path, engine=PosixEngine(threads=4)) as pool:
         keys = NS.keys(range(1, 13))  # 4 chunks of 3
-        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60).written == 12
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S).written == 12
         f, s = pool.index.get(keys[10])
         with open(pool.slabs.by_index[f].path, "r+b") as fh:
             fh.seek(s * SLOT + frame.HEADER_BYTES + 3)
@@ -254,7 +256,7 @@ def test_reads_verified_off_the_completion_thread_next_chunk_not_waiting(tmp_pat
             if not first:
                 first.append(threading.current_thread().name)
                 log.add("verify_wait", None)
-                assert release.wait(30)  # the first chunk's verification is held up
+                assert release.wait(HANG_S)  # the first chunk's verification is held up
             log.add("verified", None)
             return real_verify(*a, **kw)
 
@@ -262,14 +264,14 @@ def test_reads_verified_off_the_completion_thread_next_chunk_not_waiting(tmp_pat
         monkeypatch.setattr(pool._frames, "verify_many", verify_many)
         outs = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
         fut = pool.get(keys, outs)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while sum(1 for _, k, _ in log.events if k == "submit") < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         kinds = [k for _, k, _ in log.events]
         assert kinds.count("submit") == 4 and "verified" not in kinds  # all chunks went out meanwhile
         assert not fut.done()
         release.set()
-        res = fut.result(timeout=30)
+        res = fut.result(timeout=HANG_S)
         assert res.ok == [True] * 10 + [False, True]
         assert first[0].startswith("kvbm-g3-verify")
         for o, k in zip(outs, keys):
@@ -285,7 +287,7 @@ def test_verifier_failure_is_a_miss_never_a_hang_or_a_hit(tmp_path, monkeypatch)
     monkeypatch.setattr(G3Pool, "min_chunk_blocks", 1)
     with open_pool(tmp_path, engine=PosixEngine(threads=2)) as pool:
         keys = NS.keys(range(1, 7))  # 2 chunks of 3
-        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60).written == 6
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S).written == 6
         real_verify = pool._frames.verify_many
         calls = []
 
@@ -299,7 +301,7 @@ def test_verifier_failure_is_a_miss_never_a_hang_or_a_hit(tmp_path, monkeypatch)
         outs = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
         for o in outs:
             o[:] = 0xEE
-        res = pool.get(keys, outs).result(timeout=30)
+        res = pool.get(keys, outs).result(timeout=HANG_S)
         assert sum(res.ok) == 3 and calls == [3, 3]
         for ok, o, k in zip(res.ok, outs, keys):
             assert (o == payload(k.seq_hash)).all() if ok else (o == 0xEE).all()
@@ -316,7 +318,7 @@ def test_small_gets_take_small_staging_buffers(tmp_path):
     at most 16 x 2 slots of staging behind (before: 16 x 32 slots, as far as the keep cap allowed)."""
     with open_pool(tmp_path, engine=PosixEngine(threads=4)) as pool:
         keys = NS.keys(range(1, 33))
-        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=60).written == 32
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S).written == 32
         pool._staging.clear()  # the staging pool is process-wide: forget other tests' buffers
         from kvbm_backend.pool.g3.read.host import HostGet
         hg = HostGet(pool.reader, [], [])  # the numpy get's planning, without a get
@@ -324,7 +326,7 @@ def test_small_gets_take_small_staging_buffers(tmp_path):
         outs = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
         futs = [pool.get(keys[i:i + 2], outs[i:i + 2]) for i in range(0, 32, 2)]
         for f in futs:
-            assert f.result(timeout=60).ok == [True, True]
+            assert f.result(timeout=HANG_S).ok == [True, True]
         for o, k in zip(outs, keys):
             assert (o == payload(k.seq_hash)).all()
         kept = pool._staging.stats()["kept_bytes"]
