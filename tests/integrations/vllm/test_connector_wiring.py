@@ -17,6 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for a thread that must end; returns as soon as it does
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
@@ -200,5 +202,5 @@ def test_wire_g4_announce_runs_kv_events_without_g3(tmp_path, caplog, announce, 
     finally:
         s.close()
     if s.announcer is not None:
-        s.announcer._t.join(5)
+        s.announcer._t.join(HANG_S)
         assert not s.announcer._t.is_alive()  # close() stops the thread

@@ -15,6 +15,8 @@ import torch
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import KvGroup, Namespace
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for results, flushes and a load's end that must come; returns as soon as they do
+
 pytestmark = [pytest.mark.vllm]
 
 BS = 32
@@ -148,14 +150,14 @@ def test_hybrid_lookup_needs_every_group_and_only_the_window(hybrid_pools):
 
     toks = list(range(100, 100 + 6 * BS + 5))  # 6 full blocks: a hit covers 6 ((len - 1) // 32)
     hs = sequence_hashes(toks, BS)
-    full.g3.put(full.ns.keys(hs[:6]), [blk] * 6).result(10)
-    sliding.g3.put(sliding.ns.keys(hs[4:6]), [blk] * 2).result(10)   # the window before block 6
+    full.g3.put(full.ns.keys(hs[:6]), [blk] * 6).result(HANG_S)
+    sliding.g3.put(sliding.ns.keys(hs[4:6]), [blk] * 2).result(HANG_S)   # the window before block 6
     toks_b = list(range(5000, 5000 + 6 * BS + 5))
     hb = sequence_hashes(toks_b, BS)
-    full.g3.put(full.ns.keys(hb[:6]), [blk] * 6).result(10)
-    sliding.g3.put(sliding.ns.keys(hb[2:4]), [blk] * 2).result(10)   # only the window before block 4
+    full.g3.put(full.ns.keys(hb[:6]), [blk] * 6).result(HANG_S)
+    sliding.g3.put(sliding.ns.keys(hb[2:4]), [blk] * 2).result(HANG_S)   # only the window before block 4
     for g in groups:
-        g.g3.flush(10)
+        g.g3.flush(HANG_S)
 
     s = SchedulerSide(ns, BS, sliding.g3, None, groups=groups)
     ra = _request("a", toks)
@@ -177,8 +179,8 @@ def test_hybrid_lookup_needs_every_group_and_only_the_window(hybrid_pools):
 
     # neither the window at 6, nor any other stored: no hit (a full prefix alone is not enough)
     toks_c = list(range(9000, 9000 + 6 * BS + 5))
-    full.g3.put(full.ns.keys(sequence_hashes(toks_c, BS)[:6]), [blk] * 6).result(10)
-    full.g3.flush(10)
+    full.g3.put(full.ns.keys(sequence_hashes(toks_c, BS)[:6]), [blk] * 6).result(HANG_S)
+    full.g3.flush(HANG_S)
     assert _matched(s, _request("c", toks_c)) == (0, False)
 
 
@@ -230,11 +232,11 @@ def test_grouped_workers_report_a_failed_group_load_per_request(tmp_path):
         gw.register([EngineKv.from_tensors([torch.zeros(8, 1, BS, 128, dtype=torch.bfloat16) for _ in range(2)],
                                            8, BS, 1, 64) for _ in range(2)])
         blk = np.full(LAY.bytes_per_block, 3, np.uint8)
-        pools[1].put(ns.for_group(1).keys([11, 12]), [blk, blk]).result(10)  # group 1 has its blocks
-        pools[1].flush(10)
+        pools[1].put(ns.for_group(1).keys([11, 12]), [blk, blk]).result(HANG_S)  # group 1 has its blocks
+        pools[1].flush(HANG_S)
         gw.start_loads([LoadJob("x", [1, 2], [11, 12], ["G3", "G3"], "", group=1),
                         LoadJob("x", [5], [12], ["G3"], "", group=0)])  # group 0's window block is absent
-        t = time.monotonic() + 20
+        t = time.monotonic() + HANG_S
         done: set = set()
         failed: set = set()
         while "x" not in done and time.monotonic() < t:

@@ -18,6 +18,8 @@ from kvbm_backend.integrations.vllm.metadata import LoadJob, SaveJob
 from kvbm_backend.integrations.vllm.worker_side import WorkerSide
 from kvbm_backend.model.namespace import Namespace
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for what must come (a flush, a load in flight, its end); returns as soon as it does
+
 NB, BS, H, D, L = 16, 16, 2, 64, 2
 DEFAULT_S = 0.005  # CPython's own switch interval
 
@@ -61,17 +63,17 @@ def _held_g4_load(tmp_path, cfg, during):
         w.register(kv)
         seqs = [11, 12, 13]
         w.save([SaveJob("s", [1, 2, 3], seqs, "acme")])
-        assert g4.flush(timeout=30)
+        assert g4.flush(timeout=HANG_S)
         held = HeldOpen([g4.store._path(g4.object_name(k)) for k in w.offloads.g4_keys(ns.keys(seqs, "acme", 0))])
         try:
             w.start_loads([LoadJob("r", [4, 5, 6], seqs, ["G4"] * 3, "acme")])
-            end = time.monotonic() + 30
+            end = time.monotonic() + HANG_S
             while load_priority.stats()["loads_in_flight"] == 0 and time.monotonic() < end:
                 time.sleep(0.005)
             during()
         finally:
             held.release()
-        end = time.monotonic() + 60
+        end = time.monotonic() + HANG_S
         while "r" not in w.get_finished():
             assert time.monotonic() < end, "the load never ended"
             time.sleep(0.01)
