@@ -14,6 +14,8 @@ from typer.testing import CliRunner
 
 from kvbm_backend.apps.cli import app
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for a process (a CLI run) that must end; returns as soon as it does (the unit lane runs at nice 19)
+
 
 @pytest.fixture()
 def files(tmp_path):
@@ -267,7 +269,7 @@ def _cli_subprocess(*args: str, env: dict | None = None) -> subprocess.Completed
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=str(REPO), env=e)
+                          timeout=HANG_S, cwd=str(REPO), env=e)
 
 
 def _assert_one_bounded_error_line(r: subprocess.CompletedProcess, expect: str) -> None:

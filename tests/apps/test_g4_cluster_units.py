@@ -9,6 +9,8 @@ import uuid
 
 from kvbm_backend.apps.bench.g4_cluster import hosts as g
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for a killed process to end; returns as soon as it does
+
 
 def test_forced_loopback_is_reported(monkeypatch):
     monkeypatch.setenv(g.MODE_ENV, "loopback")
@@ -30,7 +32,7 @@ def test_clean_stale_removes_dead_runs_and_never_kills_a_reused_pid():
         f.write_text(json.dumps(st))
         assert run in g.clean_stale()
         assert not f.exists()
-        assert mine.wait(10) is not None  # ours: killed
+        assert mine.wait(HANG_S) is not None  # ours: killed
         assert victim.poll() is None  # not ours any more: left alone
     finally:
         for p in (victim, mine):

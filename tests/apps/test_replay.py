@@ -13,6 +13,8 @@ from kvbm_backend.model import frame
 from kvbm_backend.model.presets import load_preset
 from kvbm_backend.apps.replay import run_replay
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for a process (a CLI run) that must end; returns as soon as it does (the unit lane runs at nice 19)
+
 TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 LIMIT = 80  # the first 40 requests of this trace share no prefix; 80 give ~3,000 hits
 PS = 16
@@ -86,7 +88,7 @@ def test_default_admission_and_cli(tmp_path, expected):
     _, hits = expected
     p = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "replay", "--trace", str(TRACE),
                         "--layout", "tiny", "--g3-path", str(tmp_path), "--g3-capacity-gb", "1", "--limit", str(LIMIT),
-                        "--simulate", "--json"], capture_output=True, text=True, timeout=120)
+                        "--simulate", "--json"], capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     for k in ("requests", "lookup_blocks", "hit_blocks", "hit_rate", "bytes_written", "bytes_read",

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for a process (a CLI run) that must end; returns as soon as it does (the unit lane runs at nice 19)
+
 pytestmark = [pytest.mark.slow]
 
 pytest.importorskip("transformers")
@@ -23,7 +25,7 @@ def test_layerwise_bench_smoke_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "layerwise_bench.py"), "--smoke-cpu",
                         "--out", str(tmp_path), "--workdir", str(tmp_path), "--switch-ms", "5,0.5"],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+                       capture_output=True, text=True, timeout=HANG_S, env=env, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads((tmp_path / "layerwise_bench.json").read_text())["layerwise"]
     assert res["device"] == "cpu" and res["tokens"] == 512

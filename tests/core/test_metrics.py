@@ -13,6 +13,8 @@ from kvbm_backend.model import frame
 from kvbm_backend.pool.g3 import G3Pool
 from tests.helpers.prom import free_port as _free_port, scrape as _scrape
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for what must come (results, a scrape, processes); returns as soon as it does
+
 
 def _val(reg, name, **labels):
     return metrics.sample_value(reg, name, labels) or 0.0
@@ -92,7 +94,7 @@ def test_tier_metrics_for_g4_and_serving():
         port = s.getsockname()[1]
     server, _ = metrics.serve(port, reg)
     try:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=HANG_S).read().decode()
     finally:
         server.shutdown()
     assert "kvbm_offload_blocks_d2o_total 3.0" in body and 'kvbm_backend_g4_custom_total{reason="x"} 1.0' in body
@@ -127,11 +129,11 @@ def test_metrics_port_serves_kvbm_series_when_tiers_open(tmp_path):
         before = _scrape(port)
         keys = ns.keys(range(1, 5), tenant="t")
         blocks = [g4_payload(k.seq_hash, "t", bpb) for k in keys]
-        assert g3.put(keys, blocks).result(timeout=30).written == 4
-        assert g4.put(keys, blocks).result(timeout=30).written == 4
-        assert g3.get(keys, [aligned_empty(bpb) for _ in keys]).result(timeout=30).ok == [True] * 4
-        assert g4.get(keys, [aligned_empty(bpb) for _ in keys]).result(timeout=30).ok == [True] * 4
-        assert g4.lookup_prefix(keys).result(timeout=30) == 4
+        assert g3.put(keys, blocks).result(timeout=HANG_S).written == 4
+        assert g4.put(keys, blocks).result(timeout=HANG_S).written == 4
+        assert g3.get(keys, [aligned_empty(bpb) for _ in keys]).result(timeout=HANG_S).ok == [True] * 4
+        assert g4.get(keys, [aligned_empty(bpb) for _ in keys]).result(timeout=HANG_S).ok == [True] * 4
+        assert g4.lookup_prefix(keys).result(timeout=HANG_S) == 4
         after = _scrape(port)
     finally:
         g3.close()
@@ -210,22 +212,22 @@ def test_every_g4_series_moves(tmp_path):
     try:
         keys = ns.keys(range(1, 5), tenant="t")
         blocks = [g4_payload(k.seq_hash, "t", bpb) for k in keys]
-        r = pool.put(keys, blocks).result(timeout=30)
+        r = pool.put(keys, blocks).result(timeout=HANG_S)
         assert r.written == 2 and r.dropped == 2  # queue_full
-        assert pool.lookup_prefix(keys).result(timeout=30) == 2
+        assert pool.lookup_prefix(keys).result(timeout=HANG_S) == 2
         with open(pool.store._path(pool.object_name(keys[1])), "r+b") as f:  # corrupt one payload
             f.seek(frame.HEADER_BYTES + 7)
             f.write(b"\xff\x00\xff")
-        assert pool.get(keys, [aligned_empty(bpb) for _ in keys]).result(timeout=30).ok == [True, False, False, False]
+        assert pool.get(keys, [aligned_empty(bpb) for _ in keys]).result(timeout=HANG_S).ok == [True, False, False, False]
         other = ns.keys([50], tenant="u")[0]  # an object whose directory is a file: the store refuses the write
         d = pool.store._path(pool.object_name(other)).parent
         d.parent.mkdir(parents=True, exist_ok=True)
         d.write_bytes(b"x")
-        assert pool.put([other], [g4_payload(50, "u", bpb)]).result(timeout=30).dropped == 1
+        assert pool.put([other], [g4_payload(50, "u", bpb)]).result(timeout=HANG_S).dropped == 1
         k60 = ns.keys([60], tenant="t")[0]  # a read that never returns: its open blocks under our lease
-        assert pool.put([k60], [g4_payload(60, "t", bpb)]).result(timeout=30).written == 1
+        assert pool.put([k60], [g4_payload(60, "t", bpb)]).result(timeout=HANG_S).written == 1
         fifo = HeldOpen([pool.store._path(pool.object_name(k60))])
-        assert pool.get(ns.keys([60], tenant="t"), [aligned_empty(bpb)]).result(timeout=30).ok == [False]
+        assert pool.get(ns.keys([60], tenant="t"), [aligned_empty(bpb)]).result(timeout=HANG_S).ok == [False]
         assert pool.breaker.state == "open"
         # the gauge while the breaker is open (the released reader may close it again below)
         assert metrics.sample_value(reg, "kvbm_backend_g4_degraded") == 1
@@ -329,7 +331,7 @@ def test_g3_device_loads_count_bytes_read(tmp_path):
         keys = NS.keys(range(1, 4))
         assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result().written == 3
         out = [torch.empty(LAYOUT.bytes_per_block, dtype=torch.uint8) for _ in keys]
-        assert pool.get(keys, out).result(timeout=60).ok == [True] * 3
+        assert pool.get(keys, out).result(timeout=HANG_S).ok == [True] * 3
         st = pool.stats()
         assert st["device_hits"] == 3 and st["hits"] == 3
         assert st["bytes_read"] >= 3 * LAYOUT.bytes_per_block, st
@@ -352,7 +354,7 @@ cfg = load_config({"g3": {"paths": [root], "capacity_gb": 0.05, "admission": {"p
 ns = namespace()
 g3, _ = open_tiers(cfg, ns)
 keys = ns.keys(seqs, tenant="t")
-assert g3.put(keys, [payload(k.seq_hash, "t", ns.layout.bytes_per_block) for k in keys]).result(timeout=60).written == len(keys)
+assert g3.put(keys, [payload(k.seq_hash, "t", ns.layout.bytes_per_block) for k in keys]).result(timeout=600).written == len(keys)
 assert g3.lookup_prefix(keys).result() == len(keys)
 print("ready", flush=True)
 sys.stdin.readline()
@@ -389,7 +391,7 @@ def test_one_endpoint_serves_every_process_of_the_pod(tmp_path):
         cap_two = page["kvbm_backend_g3_capacity_bytes"]
         procs[1].stdin.write("\n")
         procs[1].stdin.flush()
-        procs[1].wait(timeout=60)
+        procs[1].wait(timeout=HANG_S)
         page = _scrape(port)
         assert page["kvbm_offload_blocks_h2d_total"] == 5  # what b did stays counted
         assert page["kvbm_backend_g3_blocks"] == 3 and 0 < page["kvbm_backend_g3_capacity_bytes"] < cap_two
@@ -398,7 +400,7 @@ def test_one_endpoint_serves_every_process_of_the_pod(tmp_path):
             if p.poll() is None:
                 p.stdin.write("\n")
                 p.stdin.flush()
-                p.wait(timeout=60)
+                p.wait(timeout=HANG_S)
     a, b = ((tmp_path / f"{n}.log").read_text() for n in "ab")
     assert "serving Prometheus metrics on http://127.0.0.1" in a, a
     assert f"metrics.port {port} is served by process {procs[0].pid}" in b, b

@@ -14,6 +14,8 @@ from kvbm_backend.crypto.aead import AeadError, new_nonce, open_into, seal_into
 from kvbm_backend.crypto.keyring import (Keyring, KeyringError, LocalKek, UnknownTenant, generate_kek_b64,
                                          provider_for)
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for processes and a thread that must end; returns as soon as they do
+
 
 def _kr(path, **kw) -> Keyring:
     return Keyring(path, provider_for(path), **kw)
@@ -199,7 +201,7 @@ def test_workers_starting_together_create_one_keyring(tmp_path, monkeypatch):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
     outs = []
     for p in procs:
-        o, e = p.communicate(timeout=120)
+        o, e = p.communicate(timeout=HANG_S)
         assert p.returncode == 0, e
         outs.append(json.loads(o))
     assert len({o["pseudonym"] for o in outs}) == 1 and len({o["kek"] for o in outs}) == 1
@@ -320,7 +322,7 @@ def test_persisting_use_counts_holds_up_no_encryption(tmp_path):
         got: list = []
         th = threading.Thread(target=lambda: got.extend(kr.write_key("t") for _ in range(200)), daemon=True)
         th.start()
-        th.join(60)  # inline persists would wait for the lock for as long as it is held
+        th.join(HANG_S)  # inline persists would wait for the lock for as long as it is held
         assert not th.is_alive() and len(got) == 200
         assert json.loads(p.read_text())["tenants"]["t"]["versions"]["1"]["uses"] == on_disk  # not persisted yet
     finally:

@@ -23,6 +23,8 @@ from kvbm_backend.crypto.keyring import (Keyring, KeyringError, TenantRevoked, U
 from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameHeader
 
+HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
+
 pytestmark = [pytest.mark.slow]
 
 RELOAD_S = 0.5  # g4.keyring.reload_interval_s used here: the stated revocation bound
@@ -84,7 +86,7 @@ def test_revocation_reaches_running_pool_within_reload_interval(target, monkeypa
         took = _until(lambda: _read(p, [1], "alice") == [False], RELOAD_S + SLACK_S)
         assert took <= RELOAD_S + SLACK_S
         assert _read(p, [1, 2, 3], "alice") == [False] * 3
-        assert p.lookup_prefix(ns.keys([1, 2, 3], tenant="alice")).result(timeout=30) == 0
+        assert p.lookup_prefix(ns.keys([1, 2, 3], tenant="alice")).result(timeout=HANG_S) == 0
         res = _put(p, [4, 5], "alice")
         assert (res.written, res.dropped) == (0, 2)
         st = p.stats()
@@ -238,7 +240,7 @@ def test_blob_sealed_with_other_tenants_key_is_a_miss(target):
         name = p.object_name(key)
         assert p.store.put_if_absent(name, bytes(buf))
         out = [np.zeros(ns.layout.bytes_per_block, np.uint8)]
-        assert p.get([key], out).result(timeout=30).ok == [False]
+        assert p.get([key], out).result(timeout=HANG_S).ok == [False]
         assert not np.array_equal(out[0], evil)
         st = p.stats()
         assert st["corrupt_key_owner"] == 1 and st["hits"] == 0

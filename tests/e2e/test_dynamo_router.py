@@ -138,7 +138,10 @@ def _counters(st: RouterStack, key: str) -> dict[str, int]:
     return {n: _stats(w["stats"]).get(key, 0) for n, w in st.workers.items()}
 
 
-def _wait_change(st: RouterStack, key: str, before: dict[str, int], timeout: float = 30) -> dict[str, int]:
+HANG_S = 300.0  # a hang guard, not a bound (the test's own is 600 s): polls until counters move and settle
+
+
+def _wait_change(st: RouterStack, key: str, before: dict[str, int], timeout: float = HANG_S) -> dict[str, int]:
     """Per worker, how much ``key`` grew (waits until some worker's counter moves and settles)."""
     t0 = time.time()
     last, still = None, 0
