@@ -1,13 +1,8 @@
 """Per-tenant data keys, wrapped by a key-encryption key (KEK), in a versioned keyring file.
 
-File format (JSON, ``"format": "kvbm-backend-keyring/1"``), written atomically with mode 0600 under an
-advisory lock (``PATH.lock``) so several worker processes on one host can share it::
-
-    {"format": "kvbm-backend-keyring/1", "kek_id": "<16 hex>", "pseudonym_key": "<b64 wrapped>",
-     "tenants": {"<tenant id>": {"pseudonym": "<32 hex>", "key_id": <u32>, "current": <version>,
-                                  "versions": {"1": {"wrapped": "<b64>", "created": "<ISO-8601 UTC>",
-                                                     "uses": <int>}}}},
-     "revoked": {"<pseudonym hex>": {"revoked_at": <epoch s>}}}
+File format: JSON ``"format": "kvbm-backend-keyring/1"`` (fields and version rules: docs/format.md, "G4 keyring"),
+written atomically with mode 0600 under an advisory lock (``PATH.lock``) so several worker processes on one host
+can share it.
 
 * Data keys are 256-bit AES-GCM keys, wrapped with AES key wrap (RFC 3394) under the KEK. The KEK
   comes from a :class:`KeyProvider`: :class:`LocalKek` reads it from an env var (base64 of 32 bytes)
@@ -364,13 +359,8 @@ class Keyring:
                 "create it with `kvbm-backend keys create`")
 
     def rotate(self, tenant: str) -> dict[str, Any]:
-        """New data key version for new writes; older versions stay readable.
-
-        Raises:
-            TenantRevoked: the tenant was revoked (possibly by another process since this one's last reload:
-                :meth:`write_key` rotates from a view up to ``reload_every_s`` old).
-            KeyringError: no such tenant. Both name the tenant by its pseudonym only: this is reached from
-                the offload path, whose errors the operator log prints (tenant ids are ``cache_salt`` values)."""
+        """New data key version for new writes; older versions stay readable. Raises TenantRevoked (revoked,
+        maybe since a :meth:`write_key` caller's last reload) or KeyringError (unknown), naming the pseudonym only."""
         def fn(doc: Doc) -> None:
             if tenant not in doc["tenants"]:
                 ps = self.pseudonym(tenant).hex()
