@@ -303,8 +303,10 @@ class G4Config(_M):
     announce_interval_s: float = Field(2.0, gt=0, le=3600)
     """Seconds between a worker's announcement flushes and polls (one LIST of ``{ns}/announce/`` each)."""
     announce_ttl_s: float = Field(3600.0, gt=0, le=30 * 86400)
-    """Announcements expire this many seconds after they were written (store mtime): their blocks are
-    withdrawn from the router (``BlockRemoved``) and the objects deleted. Keep ``gc --max-age-s`` >= it."""
+    """Announcements expire this many seconds after they were written (store mtime, on the store's clock):
+    their blocks are withdrawn from the router (``BlockRemoved``) and the objects deleted. One stamped later
+    than the poller's clock (a writer's clock ahead) expires this long after a poller first listed it. Keep
+    ``gc --max-age-s`` >= it."""
 
 
 KVBM_METRICS_PORT = 6880  # Dynamo KVBM's default DYN_KVBM_METRICS_PORT

@@ -20,6 +20,18 @@ SGLang's HiCache / Mooncake). With ``g4.announce`` each worker's scheduler-side 
   loadable); a block ``kvbm-backend gc`` deletes before the TTL keeps its credit until then (a routing
   preference, never KV: its load misses and the engine recomputes). Run gc with ``--max-age-s`` >= the TTL.
 
+**Time base** (as :mod:`kvbm_backend.pool.g4.gc`): ages are ``now - mtime`` with ``now`` the store's clock
+where it states one (S3: the ``Date`` header, :meth:`~kvbm_backend.pool.g4.store.ObjectStore.server_time`),
+else this host's clock moved by the skew measured on this worker's own batches (the store mtime of a batch
+it wrote minus this host's clock at the write: a free probe, no object written for it; 0 until one is
+listed, and on filesystems whose clients stamp mtimes). ``now`` never follows the listed mtimes: a batch
+stamped later than ``now`` (its writer's clock ahead on a client-stamped filesystem such as CephFS, Lustre
+or some NFS; a restored file) is young, read and credited, and counted (``announce_future_batches``); its age
+runs from when this poller first listed it, so it expires ``announce_ttl_s`` after that (again after a
+restart), not only once its own stamp is that old. Before (2026-11-29), ``now`` was never earlier than the
+newest listed mtime: one batch stamped an hour ahead made every fresh batch an hour old, so with the default
+TTL every poller withdrew and deleted every other batch of the fleet.
+
 Hash domain: the records carry the writer's vLLM block hashes, which every worker computes alike only with
 the same hash function and seed (vLLM's default sha256 with the fixed seed, or one shared ``PYTHONHASHSEED``
 as Dynamo's launcher sets); each batch names its domain (a digest of vLLM's ``NONE_HASH``) and a poller
@@ -28,7 +40,8 @@ ignores batches of another (``announce_ignored_domain``).
 Counters (scheduler stats): ``announce_written_batches`` / ``_blocks``, ``announce_write_errors``,
 ``announce_dropped_absent`` (learned, never found in G4), ``announce_stored_blocks`` /
 ``announce_removed_blocks`` (queued events), ``announce_ignored_{foreign,corrupt,domain}``,
-``announce_expired_batches``, ``announce_poll_errors``.
+``announce_expired_batches``, ``announce_future_batches`` (stamped ahead of the poller's clock, counted once),
+``announce_poll_errors``.
 """
 from __future__ import annotations
 
@@ -130,6 +143,9 @@ class G4Announcer:
         self._batches: dict[str, list] = {}  # live batch name -> its vLLM hashes
         self._bad: OrderedDict[str, float] = OrderedDict()  # names read and ignored -> read again after (monotonic)
         self._live: dict[Any, list] = {}  # vLLM hash -> [live batches announcing it, ev_info]
+        self._own: OrderedDict[str, float] = OrderedDict()  # batches written, not yet listed -> local time of write
+        self._skew = 0.0  # store clock - this host's, measured on our own batches (no server time)
+        self._ahead: dict[str, float] = {}  # listed batches stamped after now -> now when first listed
         self._stop = threading.Event()
         self._t: threading.Thread | None = None
 
@@ -186,7 +202,12 @@ class G4Announcer:
             for i in range(0, len(blocks), self.max_batch):
                 part = blocks[i:i + self.max_batch]
                 try:
-                    self.ann.write(tenant, encode_records(self.writer, domain, self.bs, part))
+                    t0 = time.time()
+                    name = self.ann.write(tenant, encode_records(self.writer, domain, self.bs, part))
+                    with self._lock:  # its store mtime measures the store's clock (see _now)
+                        self._own[name] = (t0 + time.time()) / 2
+                        while len(self._own) > 4096:
+                            self._own.popitem(last=False)
                 except Exception as e:  # noqa: BLE001 - keyring or store trouble: these blocks stay unannounced
                     stats.add(announce_write_errors=1)
                     log.debug("g4.announce: write failed: %s", e)
@@ -207,13 +228,16 @@ class G4Announcer:
         except Exception:  # noqa: BLE001 - store down: try again next interval
             stats.add(announce_poll_errors=1)
             return 0, 0
-        now = self.ann.store.server_time() or time.time()
-        now = max([now] + [b.mtime for b in listed])
+        now = self._now(listed)
         names = {b.name for b in listed}
         gone = [n for n in self._batches if n not in names]
         fresh: list[tuple[Batch, list]] = []
+        self._ahead = {n: t for n, t in self._ahead.items() if n in names}
         for b in listed:
-            if now - b.mtime >= self.ttl_s:
+            if b.mtime > now and b.name not in self._ahead:  # its writer's clock ahead: young (module doc)
+                self._ahead[b.name] = now
+                stats.add(announce_future_batches=1)
+            if now - min(b.mtime, self._ahead.get(b.name, b.mtime)) >= self.ttl_s:
                 if b.name in self._batches:
                     gone.append(b.name)
                 self._expire(b)
@@ -249,6 +273,17 @@ class G4Announcer:
             self.events.emit_announced(stored, removed)
             stats.add(announce_stored_blocks=len(stored), announce_removed_blocks=len(removed))
         return len(stored), len(removed)
+
+    def _now(self, listed: list[Batch]) -> float:
+        """The time base of ages (module doc): the store's stated clock, else this host's moved by the skew
+        measured on this worker's own listed batches. Never the listed mtimes themselves."""
+        with self._lock:
+            for b in listed:
+                t = self._own.pop(b.name, None)
+                if t is not None:
+                    self._skew = b.mtime - t
+        t = self.ann.store.server_time()
+        return t if t is not None else time.time() + self._skew
 
     def _read(self, b: Batch, domain: str) -> list | None:
         try:

@@ -259,3 +259,48 @@ def test_announcement_checks_are_not_counted_as_request_lookups(tmp_path):
         assert pool.stats()["lookups"] == 1 and metrics.sample_value(reg, "kvbm_matched_tokens_total") == 4 * bs
     finally:
         pool.close()
+
+
+@pytest.mark.slow  # imports vLLM (~20 s on the dev VM); no wall-clock assertion (the poller is driven directly)
+@pytest.mark.side
+def test_a_batch_stamped_ahead_neither_ages_nor_deletes_the_fresh_ones(tmp_path):
+    """Review finding (2026-11-29): the poller's ``now`` was never earlier than the newest listed mtime, so one
+    batch stamped an hour ahead (a writer's clock ahead on a client-stamped filesystem, a restored file) made
+    every fresh batch an hour old: with the default TTL the poll withdrew and deleted all of them. Now the
+    fresh batches and the one ahead are all credited and kept; the one ahead expires ``announce_ttl_s`` after
+    this poller first listed it (module doc "Time base"), with the others."""
+    import os
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as conv
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", announce=True,
+                   keyring={"path": str(tmp_path / "keys" / "keyring.json")})
+    assert cfg.announce_ttl_s == 3600
+    a_pool, b_pool = G4Pool(cfg, namespace()), G4Pool(cfg, namespace())
+    try:
+        a, b = _worker(a_pool), _worker(b_pool)
+        bs = namespace().layout.page_size
+        want = []
+        for i in range(4):  # four batches of two blocks each
+            r = _save(a_pool, a, "tenant-x", list(range(9001 + 1000 * i, 9001 + 1000 * i + 2 * bs)), rid=f"r{i}")
+            assert a.announcer.flush() == 2
+            want += [conv(h) for h in r.block_hashes]
+        listed = a.announcer.ann.list()
+        assert len(listed) == 4
+        ahead = listed[0].name
+        fut = time.time() + 3600  # one batch stamped an hour ahead
+        os.utime(tmp_path / "store" / ahead, (fut, fut))
+        before = stats.snapshot()
+        assert b.announcer.poll() == (8, 0)  # every block credited, none withdrawn
+        assert {x.name for x in b.announcer.ann.list()} == {x.name for x in listed}  # nothing deleted
+        assert sorted(h for e in _stored(b.take()) for h in e.block_hashes) == sorted(want)
+        after = stats.snapshot()
+        assert after.get("announce_expired_batches", 0) == before.get("announce_expired_batches", 0)
+        assert after.get("announce_future_batches", 0) - before.get("announce_future_batches", 0) == 1
+        assert b.announcer.poll() == (0, 0)  # nothing changes on the next poll
+        # a TTL later on the poller's clock, every batch expires: the one ahead too, though its stamp is young
+        now = b.announcer._now
+        b.announcer._now = lambda listed: now(listed) + 3600  # type: ignore[method-assign]
+        assert b.announcer.poll() == (0, 8)
+        assert b.announcer.ann.list() == []
+    finally:
+        a_pool.close()
+        b_pool.close()
