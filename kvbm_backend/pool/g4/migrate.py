@@ -7,7 +7,11 @@ are misses (recomputed, never wrong) until this step renames them. It is safe wh
 be repeated: each old object is read, its header checked against its name, published under the new name
 create-exclusive (an existing new object is kept: losing the race is success) and only then deleted.
 Objects whose header does not match their name, of revoked or unknown tenants (with a keyring), are not
-renamed and are left for ``kvbm-backend gc``.
+renamed and are left for ``kvbm-backend gc``; so are encrypted frames whose data key is not their tenant's now
+(``skipped_revoked``): a tenant revoked and then re-created by ``keys create`` keeps its pseudonym, so renaming
+its shredded generation would put unreadable objects under the very names its new blocks take, with a fresh
+mtime that hides them from gc's revoked-tenant rule (found 2026-11-29: the new writes lost every create-exclusive
+PUT and every load missed until ``--max-age-s``).
 """
 from __future__ import annotations
 
@@ -90,6 +94,9 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             continue
         if keyring is None and hdr.flags & FLAG_ENCRYPTED:
             raise ValueError(f"--keyring: {o.name} is encrypted: its keyed name needs the workers' keyring")
+        if keyring is not None and hdr.flags & FLAG_ENCRYPTED and not _key_of(keyring, hdr.key_id, ps):
+            res["skipped_revoked"] += 1  # sealed under a revoked generation of a re-created tenant (module doc)
+            continue
         todo.append((o, meta))
     namers: dict[tuple[str, str], TenantNamer] = {}  # (namespace hex, tenant pseudonym hex)
     for o, meta in todo:  # pass 2: rename
@@ -121,6 +128,12 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             continue
         res["migrated" if created else "already_present"] += 1
     return res
+
+
+def _key_of(keyring: "Keyring", key_id: int, pseudonym_hex: str) -> bool:
+    """Whether data key ``key_id`` belongs to the tenant whose pseudonym is ``pseudonym_hex`` now."""
+    owner = keyring.key_owner(key_id)
+    return owner is not None and keyring.pseudonym(owner).hex() == pseudonym_hex
 
 
 def _matching_header(head: Any, meta: dict[str, Any]) -> FrameHeader | None:

@@ -155,6 +155,37 @@ def test_migrate_renames_format1_names(target):
     assert res["deleted_by"]["revoked"] == 2
 
 
+def test_migrate_leaves_a_re_created_tenants_shredded_generation_for_gc(tmp_path):
+    """A tenant revoked, then re-created by ``keys create`` (same pseudonym, new key id), while format 1 blocks
+    of its old generation exist: migrate must not rename them (``skipped_revoked``). Renamed, they took the very
+    names the new generation writes, with a fresh mtime that hid them from gc's revoked rule: its offloads lost
+    every create-exclusive PUT and its loads missed. Now gc reclaims them and the new generation is served."""
+    ns = namespace()
+    kp = str(tmp_path / "keys" / "keyring.json")
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kp}, timeout_s=60.0, dir_fanout=FANOUT)
+    seqs = [5000 + i for i in range(6)]
+    with G4Pool(cfg, ns) as p:
+        assert _put(p, ns, seqs, "alice").written == 6
+        for s in seqs:  # as the previous format named them
+            k = ns.key(s, tenant="alice")
+            p.store.put(p.legacy_object_name(k), bytes(p.store.get(p.object_name(k))))
+            p.store.delete(p.object_name(k))
+    _cli("keys", "revoke", "--keyring", kp, "--tenant", "alice")
+    revoked = json.loads(open(kp).read())["revoked"]
+    for root, _dirs, files in os.walk(tmp_path / "store"):  # the old generation predates the revocation on any clock
+        for f in files:
+            os.utime(os.path.join(root, f), (1_000_000, 1_000_000))
+    _cli("keys", "create", "--keyring", kp, "--tenant", "alice")
+    base = ["g4", "migrate", "--url", cfg.url, "--keyring", kp, "--dir-fanout", str(FANOUT), "--json"]
+    res = json.loads(_cli(*base))
+    assert (res["migrated"], res["skipped_revoked"], res["errors"]) == (0, 6, 0), (res, revoked)
+    gc = json.loads(_cli("gc", "--url", cfg.url, "--keyring", kp, "--json"))
+    assert gc["deleted_by"]["revoked"] == 6, gc
+    with G4Pool(cfg, ns) as p:
+        assert _put(p, ns, seqs, "alice").written == 6
+        assert _read(p, ns, seqs, "alice") == [True] * 6
+
+
 def test_unkeyed_pool_names_hide_nothing_from_who_knows_the_tenant(tmp_path):
     """No keyring (unencrypted pool): names are still not the clear hash, but their key is derived from a
     public constant: anyone knowing the tenant id computes them (docs/format.md says so). Migrating such a
