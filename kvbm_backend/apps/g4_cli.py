@@ -106,7 +106,11 @@ def keys_create(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant", 
     kek_existed = bool(os.environ.get(kek_env)) or kf.exists()
     with _keyring_errors():
         kr = _open(keyring, kek_env, kek_file, True)
+        was_revoked = tenant not in {r["tenant"] for r in kr.info()} and kr.pseudonym(tenant).hex() in kr.revoked()
         res = dict(kr.create(tenant), state="active", keyring=str(Path(keyring).absolute()))
+    if was_revoked:  # same pseudonym, so the shredded blocks hold the new blocks' names (docs/configuration.md)
+        res["note"] = ("this tenant was revoked: run `kvbm-backend gc --keyring` on every G4 store it used, or its "
+                       "revoked blocks keep the names its new blocks take (offloads skipped, loads missed)")
     src = getattr(kr.provider, "source", "?")
     if src.startswith("$"):
         res["kek"] = f"from {src} (the environment)"

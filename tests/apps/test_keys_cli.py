@@ -73,3 +73,24 @@ def test_gc_report_on_stdout(tmp_path):
     assert r.returncode == 2 and r.stdout == "" and not (tmp_path / "typo").exists()
     assert r.stderr.strip().splitlines() == [f"error: --url: {tmp_path / 'typo'}: no such directory (this command "
                                              "works on an existing G4 store and creates none)"]
+
+
+def test_re_creating_a_revoked_tenant_says_to_run_gc_first(tmp_path, monkeypatch):
+    """``keys create`` of a revoked tenant (same pseudonym: its shredded blocks hold the names its new blocks
+    take until gc reclaims them) says to run ``gc --keyring``; a tenant never revoked gets no such note.
+    In-process (typer's CliRunner): the subprocess path is the test above."""
+    from typer.testing import CliRunner
+
+    from kvbm_backend.apps.cli import app
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    kr = str(tmp_path / "kr.json")
+
+    def create(tenant: str) -> dict:
+        r = CliRunner().invoke(app, ["keys", "create", "--keyring", kr, "--tenant", tenant, "--json"])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)
+
+    assert "note" not in create("alice")
+    assert CliRunner().invoke(app, ["keys", "revoke", "--keyring", kr, "--tenant", "alice"]).exit_code == 0
+    assert "gc --keyring" in create("alice")["note"]
+    assert "note" not in create("alice")  # active now: a no-op create says nothing
