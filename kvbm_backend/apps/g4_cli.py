@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .cli_checks import fail as _fail, finite as _finite
+from .cli_checks import error_line, fail as _fail, finite as _finite
 
 console = Console(stderr=True)
 
@@ -32,6 +32,19 @@ def _out(obj, as_json: bool) -> None:
         _table(obj)
     else:
         Console().print_json(json.dumps(obj))
+
+
+def _report(res: dict, as_json: bool, cmd: str) -> None:
+    """gc's or migrate's report (:func:`_out`); each part of the store it could not list (``unlisted``) an
+    error line on stderr (the first 20); exit 1 when ``errors`` > 0 (the run went on with the rest)."""
+    _out(res, as_json)
+    unlisted = res.get("unlisted", [])
+    for line in unlisted[:20]:
+        error_line(f"{cmd}: {line}: its objects were not examined")
+    if len(unlisted) > 20:
+        error_line(f"{cmd}: {len(unlisted) - 20} more parts of the store not listed (see unlisted)")
+    if res["errors"]:
+        raise typer.Exit(1)
 
 
 @contextmanager
@@ -221,7 +234,8 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
                as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Rename blocks stored under format 1 names (sequence hash in clear) to keyed names. Safe while
     workers run; repeatable. Until it ran, old-named blocks are misses (recomputed). Exit 1 when an
-    object could not be renamed (errors > 0; the rest was), 2 for a refused run (nothing written)."""
+    object could not be renamed or a directory listed (errors > 0; the rest was), 2 for a refused run
+    (nothing written)."""
     from kvbm_backend.crypto.keyring import KeyringError
     from kvbm_backend.pool.g4.migrate import run_migrate
     store = _open_store(url, endpoint_url, region)
@@ -230,9 +244,7 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
         res = run_migrate(store, keyring=kr, unkeyed=unkeyed, dir_fanout=dir_fanout, dry_run=dry_run)
     except (ValueError, KeyringError, OSError) as e:
         _fail(str(e))
-    _out(res, as_json)
-    if res["errors"]:
-        raise typer.Exit(1)
+    _report(res, as_json, "g4 migrate")
 
 
 def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an existing directory)"),
@@ -250,7 +262,7 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an
     """Remove G4 blocks by age and/or to a capacity target (oldest first), per tenant too, and every
     block of revoked tenants. Ages are measured on the store's clock (its Date header, or the newest
     mtime listed when that is ahead of ours). Safe while workers run. Exit 1 when an object could not be
-    deleted (errors > 0; the rest was), 2 for a refused run."""
+    deleted or a directory listed (errors > 0; the rest was), 2 for a refused run."""
     from kvbm_backend.crypto.keyring import KeyringError
     from kvbm_backend.pool.g4.gc import run_gc
     if max_age_s is None and target_gb is None and keyring is None:
@@ -269,9 +281,7 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an
                      temp_grace_s=temp_grace_s, dry_run=dry_run)
     except (ValueError, KeyringError, OSError) as e:
         _fail(str(e))
-    _out(res, as_json)
-    if res["errors"]:
-        raise typer.Exit(1)
+    _report(res, as_json, "gc")
 
 
 def register(app: typer.Typer) -> None:

@@ -31,6 +31,7 @@ from ...io import openat2
 from ...io.files import open_for_read, refuses_direct
 from ...io.openat2 import Unsupported, clear_nonblock, open_no_symlinks, preadv_clearing
 from ...memory import aligned_empty
+from .fs_list import is_temp_name as is_temp_name, walk  # is_temp_name: re-exported
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -47,10 +48,6 @@ _UNAVAILABLE = {errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENOTCONN, errno.
 
 class _DirectRefused(Exception):
     """An O_DIRECT read the filesystem refused (EINVAL): read it again buffered (never an OSError)."""
-
-
-def is_temp_name(basename: str) -> bool:
-    return basename.startswith(".") and basename.endswith(".tmp")
 
 
 class FsStore(ObjectStore):
@@ -458,36 +455,11 @@ class FsStore(ObjectStore):
         except OSError as e:
             raise self._wrap("delete", name, e) from None
 
-    def _walk(self, prefix: str, temps: bool) -> Iterator[ObjectInfo]:
-        # ``prefix`` is a name prefix; walk the deepest directory it fully names (links are not followed
-        # and only regular files are objects).
-        d = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        parts = d.split("/") if d else []  # a link at any component under the root: nothing listed
-        if any(self.root.joinpath(*parts[:i + 1]).is_symlink() for i in range(len(parts))):
-            return
-        start = self.root.joinpath(*parts)
-        if not start.is_dir():
-            return
-        for dirpath, _dirs, files in os.walk(start):
-            for f in files:
-                if is_temp_name(f) != temps:
-                    continue
-                p = os.path.join(dirpath, f)
-                rel = os.path.relpath(p, self.root)
-                if not rel.startswith(prefix):
-                    continue
-                try:
-                    st = os.lstat(p)
-                except FileNotFoundError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    yield ObjectInfo(rel, st.st_size, st.st_mtime)
-
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self._walk(prefix, temps=False)
+        return walk(self.root, self.url, prefix, temps=False)
 
     def list_temps(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self._walk(prefix, temps=True)
+        return walk(self.root, self.url, prefix, temps=True)
 
 
 def _bytes_of(data: DataIn) -> memoryview:

@@ -28,7 +28,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from .naming import parse_block_name
-from .store import ObjectInfo, ObjectStore
+from .store import ObjectInfo, ObjectStore, listing
 
 if TYPE_CHECKING:
     from ...crypto.keyring import Keyring
@@ -79,7 +79,9 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     Returns:
         dict of counts and bytes: scanned_*, deleted_* and per-reason ``deleted_by``; ``store_now`` (the
         time base, epoch s), ``time_base`` (``"server"``: the store's clock, stated or probed;
-        ``"local"``: this host's) and ``clock_skew_s`` (``store_now - now``).
+        ``"local"``: this host's) and ``clock_skew_s`` (``store_now - now``); ``unlisted``: one line per
+        part of the store that could not be listed (a directory of a file store), each counted in ``errors``
+        (what was listed is still processed: nothing unlisted is deleted).
     Raises:
         ValueError when ``tenant`` cannot be resolved or a threshold is negative, infinite or NaN
         (before anything is listed or deleted); StoreUnavailable when the store is down.
@@ -102,19 +104,20 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     revoked = keyring.revoked() if keyring is not None else {}
     # re-created after revocation (revoked is empty without a keyring)
     active = {r["pseudonym"] for r in keyring.info()} if keyring is not None and revoked else set()
-    blocks = []
-    for o in store.list(""):
+    blocks: list[tuple[ObjectInfo, dict[str, Any]]] = []
+    unlisted: list[str] = []  # parts of the store not listed (errors, named)
+    for o in listing(store.list(""), unlisted):
         meta = parse_block_name(o.name)
         if meta is None or (want is not None and meta["tenant"] != want):
             continue
         blocks.append((o, meta))
-    temps = [o for o in store.list_temps("") if want is None or f"/{want}/" in f"/{o.name}"]
+    temps = [o for o in listing(store.list_temps(""), unlisted) if want is None or f"/{want}/" in f"/{o.name}"]
     base, store_now = ("server", server_now) if server_now is not None else ("local", now)
     skew = store_now - now
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "scanned_objects": len(blocks),
            "scanned_bytes": sum(o.size for o, _ in blocks),
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0}, "deleted_objects": 0,
-           "deleted_bytes": 0, "errors": 0, "store_now": store_now, "time_base": base, "clock_skew_s": skew,
+           "deleted_bytes": 0, "errors": len(unlisted), "unlisted": unlisted, "store_now": store_now, "time_base": base, "clock_skew_s": skew,
            "future_objects": sum(1 for o, _ in blocks if o.mtime > store_now)}
 
     def drop(o: ObjectInfo, why: str) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
 from ...model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader
 from .naming import TenantNamer, fanout_width, parse_block_name
-from .store import ObjectStore, StoreUnavailable
+from .store import ObjectStore, StoreUnavailable, listing
 
 if TYPE_CHECKING:
     from ...crypto.keyring import Keyring
@@ -44,7 +44,8 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
     Returns:
         dict: ``legacy_objects`` found, ``migrated``, ``already_present`` (the new name existed: the old
         object was deleted), ``skipped_invalid`` (header does not match the name), ``skipped_revoked``,
-        ``skipped_unknown_tenant``, ``errors``.
+        ``skipped_unknown_tenant``, ``errors``; ``unlisted``: one line per part of the store that could not
+        be listed (a directory of a file store), each counted in ``errors``.
     Raises:
         ValueError before anything is written when neither or both of ``keyring`` / ``unkeyed`` are given,
         ``dir_fanout`` does not match the old names, or an encrypted object is found without ``keyring``;
@@ -56,7 +57,8 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
         raise ValueError("--keyring: give the workers' keyring, or --unkeyed when they have none (not both): "
                          "names are keyed by it, even in an unencrypted pool")
     legacy = []
-    for o in store.list(""):
+    unlisted: list[str] = []  # parts of the store not listed (errors, named)
+    for o in listing(store.list(""), unlisted):
         meta = parse_block_name(o.name)
         if meta is not None and meta["legacy"]:
             legacy.append((o, meta))
@@ -67,7 +69,7 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
                              "(give the workers' value)")
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "legacy_objects": len(legacy), "migrated": 0,
            "already_present": 0, "skipped_invalid": 0, "skipped_revoked": 0, "skipped_unknown_tenant": 0,
-           "errors": 0}
+           "errors": len(unlisted), "unlisted": unlisted}
     known: set[str] | None = None
     revoked: set[str] = set()
     if keyring is not None:

@@ -70,6 +70,26 @@ class StoreThrottled(OSError):
     :class:`StoreUnavailable`: code that catches only that one treats a throttle as an error answer."""
 
 
+class ListIncomplete(OSError):
+    """A listing that could not read part of the store (a file store's directory: EACCES; on NFS ESTALE,
+    EIO), raised once every object it could read was yielded: never a silent partial listing.
+    ``errors``: one line per place not listed, naming it. Consume with :func:`listing`."""
+
+    def __init__(self, url: str, errors: list[str]):
+        super().__init__(f"{url}: listing incomplete: {'; '.join(errors[:3])}"
+                         + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""))
+        self.errors = errors
+
+
+def listing(objects: Iterator[ObjectInfo], errors: list[str]) -> Iterator[ObjectInfo]:
+    """``objects`` (a :meth:`ObjectStore.list`), where a :class:`ListIncomplete` at its end adds its lines to
+    ``errors`` instead of raising (gc and migrate act on what was listed and count the rest as errors)."""
+    try:
+        yield from objects
+    except ListIncomplete as e:
+        errors.extend(line for line in e.errors if line not in errors)  # a second listing names them again
+
+
 class BucketMissing(OSError):
     """The S3 bucket of ``g4.url`` does not exist (the store answered: not an outage). kvbm-backend
     never creates buckets; ``bucket`` names it for the operator's log line."""
@@ -164,7 +184,8 @@ class ObjectStore(ABC):
 
     @abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Published objects whose name starts with ``prefix`` (no temp files)."""
+        """Published objects whose name starts with ``prefix`` (no temp files). Raises
+        :class:`ListIncomplete` at the end when part of the store could not be listed."""
 
     def list_temps(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Unpublished writer temp files (POSIX stores only; S3 has none)."""
