@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .cli_checks import error_line, fail as _fail, finite as _finite
 
@@ -38,6 +39,8 @@ def _report(res: dict, as_json: bool, cmd: str) -> None:
     """gc's or migrate's report (:func:`_out`); each part of the store it could not list (``unlisted``) an
     error line on stderr (the first 20); exit 1 when ``errors`` > 0 (the run went on with the rest)."""
     _out(res, as_json)
+    for w in res.get("warnings", []):
+        console.print(Text.assemble(("warning:", "yellow"), f" {cmd}: {w}"), soft_wrap=True, highlight=False)
     unlisted = res.get("unlisted", [])
     for line in unlisted[:20]:
         error_line(f"{cmd}: {line}: its objects were not examined")
@@ -253,7 +256,7 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an
        max_age_s: Optional[float] = typer.Option(
            None, help="delete blocks at least this old on the store's clock (seconds, >= 0; 0: all)"),
        target_gb: Optional[float] = typer.Option(None, help="then delete oldest until at most this (GB = 1e9 B, 0 to 10,000,000)"),
-       tenant: Optional[str] = typer.Option(None, help="only this tenant (id with --keyring, or pseudonym hex)"),
+       tenant: Optional[str] = typer.Option(None, help="only this tenant: its id (with --keyring) or its 32-hex pseudonym (as keys list shows)"),
        keyring: Optional[str] = typer.Option(None, help="keyring: revoked tenants are reclaimed, --tenant mapped"),
        kek_env: str = _ENV, kek_file: Optional[str] = _KF,
        temp_grace_s: float = typer.Option(3600.0, help="writer temp files younger than this are never touched"),

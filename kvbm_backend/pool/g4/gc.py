@@ -60,6 +60,28 @@ def store_clock(store: ObjectStore) -> float | None:
     return t
 
 
+def _tenant_pseudonym(tenant: str, keyring: Keyring | None) -> tuple[str, str | None]:
+    """``(pseudonym hex, warning or None)`` of gc's ``--tenant``. With a keyring: a tenant id it knows
+    (active, or revoked: its pseudonym is recorded) wins, else a 32-hex value is a pseudonym (``keys list``
+    shows revoked tenants by pseudonym only), else it is a tenant id the keyring does not know (a typo?
+    warned). Before 2026-11-29 a pseudonym given with ``--keyring`` was hashed again as a tenant id: it
+    matched nothing. Without a keyring only a pseudonym can be mapped (ValueError)."""
+    is_hex = len(tenant) == 32 and all(c in "0123456789abcdef" for c in tenant)
+    if keyring is None:
+        if not is_hex:
+            raise ValueError(f"--tenant {tenant!r}: needs --keyring to map a tenant id to its pseudonym "
+                             "(or pass the 32-hex pseudonym)")
+        return tenant, None
+    known = {r["pseudonym"] for r in keyring.info()} | set(keyring.revoked())
+    ps = keyring.pseudonym(tenant).hex()
+    if ps in known:
+        return ps, None
+    if is_hex:
+        return tenant, None if tenant in known else (f"--tenant {tenant}: taken as a pseudonym; the keyring "
+                                                     "has no tenant of that id or pseudonym")
+    return ps, f"--tenant {tenant!r}: not a tenant of the keyring (active or revoked): a typo?"
+
+
 def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: float | None = None, target_bytes: int | None = None,
            tenant: str | None = None, temp_grace_s: float = 3600.0, dry_run: bool = False,
            now: float | None = None) -> dict[str, Any]:
@@ -71,7 +93,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             32-hex pseudonym and revoked tenants are not known.
         max_age_s: delete blocks last modified at least this many seconds before ``store_now`` (0: all).
         target_bytes: then delete oldest blocks until the (tenant's) blocks total at most this.
-        tenant: restrict everything to one tenant (id or pseudonym hex).
+        tenant: restrict everything to one tenant: its id (with ``keyring``) or its 32-hex pseudonym; with
+            ``keyring``, a tenant id the keyring knows wins over a pseudonym (:func:`_tenant_pseudonym`).
         now: this host's clock (epoch s; default ``time.time()``), used where the store states no time.
         temp_grace_s: writer temp files older than this are removed (crashed writers).
         dry_run: report only (writes nothing: no clock probe either, so a store that states no time is
@@ -79,7 +102,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     Returns:
         dict of counts and bytes: scanned_*, deleted_* and per-reason ``deleted_by``; ``store_now`` (the
         time base, epoch s), ``time_base`` (``"server"``: the store's clock, stated or probed;
-        ``"local"``: this host's) and ``clock_skew_s`` (``store_now - now``); ``unlisted``: one line per
+        ``"local"``: this host's) and ``clock_skew_s`` (``store_now - now``); ``warnings`` (only when
+        there are: ``tenant`` unknown to ``keyring``); ``unlisted``: one line per
         part of the store that could not be listed (a directory of a file store), each counted in ``errors``
         (what was listed is still processed: nothing unlisted is deleted).
     Raises:
@@ -90,15 +114,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         if v is not None and not (math.isfinite(v) and v >= 0):
             raise ValueError(f"{name}: must be a finite number >= 0 (got {v})")
     now = time.time() if now is None else now
-    want = None
-    if tenant is not None:
-        if keyring is not None:
-            want = keyring.pseudonym(tenant).hex()
-        elif len(tenant) == 32 and all(c in "0123456789abcdef" for c in tenant):
-            want = tenant
-        else:
-            raise ValueError(f"--tenant {tenant!r}: needs --keyring to map a tenant id to its pseudonym "
-                             "(or pass the 32-hex pseudonym)")
+    want, warning = _tenant_pseudonym(tenant, keyring) if tenant is not None else (None, None)
     # a dry run writes nothing, not even the clock probe: the store's stated time, else this host's
     server_now = store.server_time() if dry_run else store_clock(store)
     revoked = keyring.revoked() if keyring is not None else {}
@@ -119,6 +135,9 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0}, "deleted_objects": 0,
            "deleted_bytes": 0, "errors": len(unlisted), "unlisted": unlisted, "store_now": store_now, "time_base": base, "clock_skew_s": skew,
            "future_objects": sum(1 for o, _ in blocks if o.mtime > store_now)}
+
+    if warning is not None:
+        res["warnings"] = [warning]
 
     def drop(o: ObjectInfo, why: str) -> None:
         if not dry_run:

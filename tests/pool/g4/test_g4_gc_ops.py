@@ -53,3 +53,50 @@ def test_gc_and_migrate_report_a_directory_they_cannot_list(tmp_path):
     finally:
         locked.chmod(0o700)
     assert len(list(st.list(""))) == 64  # a dry run: nothing deleted, nothing renamed
+
+
+def _keyring(tmp_path):
+    import base64
+
+    from kvbm_backend.crypto.keyring import Keyring, provider_for
+    kp = str(tmp_path / "kr.json")
+    kek = tmp_path / "kr.json.kek"
+    kek.write_bytes(base64.b64encode(b"k" * 32))
+    kek.chmod(0o600)
+    kr = Keyring(kp, provider_for(kp, "KVBM_TEST_UNSET_KEK", str(kek), create=True), create=True)
+    return kp, str(kek), kr
+
+
+def test_gc_tenant_as_pseudonym_with_a_keyring(tmp_path, monkeypatch):
+    """Review finding: ``gc --tenant <pseudonym hex> --keyring F`` hashed the hex again as a tenant id and
+    matched nothing (0 scanned; 10 without ``--keyring``), though ``keys list`` shows a revoked tenant by its
+    pseudonym only. A tenant id the keyring knows wins, else 32 hex is a pseudonym; a tenant id the keyring
+    does not know is a warning on stderr (a typo?)."""
+    from typer.testing import CliRunner
+
+    from kvbm_backend.apps.cli import app
+    from kvbm_backend.pool.g4.gc import run_gc
+    monkeypatch.delenv("KVBM_TEST_UNSET_KEK", raising=False)
+    kp, kek, kr = _keyring(tmp_path)
+    kr.create("alice")
+    kr.create("bob")
+    ps = kr.pseudonym("alice").hex()
+    st = FsStore(tmp_path / "store", fsync=False)
+    for i in range(10):
+        st.put_if_absent(f"{NS}/{ps}/0/{i:02x}/{i:032x}", b"x" * 100)
+        st.put_if_absent(f"{NS}/{kr.pseudonym('bob').hex()}/0/{i:02x}/{i:032x}", b"y" * 100)
+    for t in ("alice", ps):
+        res = run_gc(st, keyring=kr, tenant=t, max_age_s=0, dry_run=True)
+        assert res["scanned_objects"] == 10 and "warnings" not in res, (t, res)
+    runner = CliRunner()
+    base = ["gc", "--url", f"file://{tmp_path / 'store'}", "--keyring", kp, "--kek-file", kek]
+    assert runner.invoke(app, ["keys", "revoke", "--keyring", kp, "--kek-file", kek, "--tenant", "alice"]).exit_code == 0
+    r = runner.invoke(app, [*base, "--tenant", ps, "--json"])  # a revoked tenant, by the name keys list shows
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["deleted_by"]["revoked"] == 10 and "warning" not in r.stderr, r.output
+    r = runner.invoke(app, [*base, "--tenant", "bobb", "--max-age-s", "0", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["scanned_objects"] == 0, r.output
+    assert "warning: gc: --tenant 'bobb': not a tenant of the keyring" in " ".join(r.stderr.split()), r.stderr
+    assert len(list(st.list(""))) == 10  # bob's blocks: the typo deleted nothing
+    kr.create(ps)  # a tenant whose id is 32 hex: the keyring's tenant of that name wins over the pseudonym
+    assert run_gc(st, keyring=kr, tenant=ps, max_age_s=0, dry_run=True)["scanned_objects"] == 0
