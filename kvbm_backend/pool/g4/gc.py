@@ -100,7 +100,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         dry_run: report only (writes nothing: no clock probe either, so a store that states no time is
             measured on this host's clock, ``time_base: "local"``).
     Returns:
-        dict of counts and bytes: scanned_*, deleted_* and per-reason ``deleted_by``; ``store_now`` (the
+        dict of counts and bytes: scanned_* (blocks), deleted_* (blocks and temp files) and per-reason
+        ``deleted_by``; ``remaining_bytes`` (blocks left: ``scanned_bytes`` less the blocks' deleted bytes); ``store_now`` (the
         time base, epoch s), ``time_base`` (``"server"``: the store's clock, stated or probed;
         ``"local"``: this host's) and ``clock_skew_s`` (``store_now - now``); ``warnings`` (only when
         there are: ``tenant`` unknown to ``keyring``); ``unlisted``: one line per
@@ -166,8 +167,9 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
                 break
             drop(o, "capacity")
             total -= o.size
+    # blocks only, as scanned_bytes: before 2026-11-29 the temp files' bytes were subtracted too (negative)
+    res["remaining_bytes"] = res["scanned_bytes"] - res["deleted_bytes"]
     for o in temps:
         if store_now - o.mtime > temp_grace_s:
             drop(o, "temp")
-    res["remaining_bytes"] = res["scanned_bytes"] - res["deleted_bytes"] + 0
     return res

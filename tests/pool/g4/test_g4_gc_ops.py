@@ -100,3 +100,23 @@ def test_gc_tenant_as_pseudonym_with_a_keyring(tmp_path, monkeypatch):
     assert len(list(st.list(""))) == 10  # bob's blocks: the typo deleted nothing
     kr.create(ps)  # a tenant whose id is 32 hex: the keyring's tenant of that name wins over the pseudonym
     assert run_gc(st, keyring=kr, tenant=ps, max_age_s=0, dry_run=True)["scanned_objects"] == 0
+
+
+def test_gc_remaining_bytes_counts_blocks_only(tmp_path):
+    """Review finding: ``remaining_bytes`` was ``scanned_bytes`` (blocks) less ``deleted_bytes`` (blocks and
+    temp files): -999000 with a 1000 B block kept and a crashed writer's 1 MB temp file reclaimed."""
+    import time
+
+    from kvbm_backend.pool.g4.gc import run_gc
+    st = FsStore(tmp_path / "store", fsync=False)
+    kept, gone = f"{NS}/{TEN}/0/00/{'0' * 32}", f"{NS}/{TEN}/0/01/{'1' * 32}"
+    st.put_if_absent(kept, b"x" * 1000)
+    st.put_if_absent(gone, b"x" * 300)
+    old = time.time() - 7200
+    os.utime(tmp_path / "store" / gone, (old, old))
+    tmp = tmp_path / "store" / NS / TEN / "0" / "00" / f".{'1' * 32}.host.1.{'f' * 32}.tmp"
+    tmp.write_bytes(b"y" * 1_000_000)
+    os.utime(tmp, (old, old))
+    res = run_gc(st, max_age_s=3600)
+    assert res["deleted_by"] == {"revoked": 0, "age": 1, "capacity": 0, "temp": 1} and not tmp.exists(), res
+    assert res["deleted_bytes"] == 1_000_300 and res["remaining_bytes"] == 1000 == sum(o.size for o in st.list(""))
