@@ -120,3 +120,18 @@ def test_gc_remaining_bytes_counts_blocks_only(tmp_path):
     res = run_gc(st, max_age_s=3600)
     assert res["deleted_by"] == {"revoked": 0, "age": 1, "capacity": 0, "temp": 1} and not tmp.exists(), res
     assert res["deleted_bytes"] == 1_000_300 and res["remaining_bytes"] == 1000 == sum(o.size for o in st.list(""))
+
+
+def test_gc_help_and_docs_state_the_time_base_the_code_uses():
+    """Review finding: ``gc --help`` and docs/configuration.md still said the newest mtime listed sets the
+    time base (true before 2026-11-29); gc uses :func:`~kvbm_backend.pool.g4.gc.store_clock`: the store's
+    stated time, else a probe object's mtime, else this host's clock."""
+    from typer.testing import CliRunner
+
+    from kvbm_backend.apps.cli import app
+    r = CliRunner().invoke(app, ["gc", "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    conf = (ROOT / "docs" / "configuration.md").read_text()
+    gc_doc = conf[conf.index("- **gc**"):conf.index("- **Object names are keyed**")]
+    for text in (" ".join(r.output.replace("│", " ").split()), " ".join(gc_doc.split())):
+        assert "newest" not in text and "probe object" in text and "this host's clock" in text, text
