@@ -14,6 +14,11 @@ counted (``future_objects``). Before (2026-11-29), ``store_now`` was never earli
 of the listing: one object stamped a day ahead made every block a day older, so ``--max-age-s 3600``
 deleted blocks written seconds before and every writer's temp file in flight.
 
+**Throttling.** A LIST page or DELETE the store answers "slow down" (S3 ``503 SlowDown``, 429...) is
+retried after the pool's full-jitter backoff (:mod:`.throttle`), up to :data:`THROTTLE_ATTEMPTS` tries
+(~5 s at most): a still-throttled DELETE is an error, a still-throttled LIST ends the pass (nothing deleted).
+Before (2026-11-29) one "slow down" on any LIST page aborted the pass and every throttled DELETE was an error.
+
 **Revoked tenants.** Every block under a revoked tenant's pseudonym is reclaimed whatever its age or
 mtime (its data keys are gone: it can never be read again). Only when the tenant was re-created since
 (``keys create`` after ``revoke``: the same pseudonym, a new key) are its blocks told apart by time: those
@@ -29,11 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 from .naming import parse_block_name
 from .store import ObjectInfo, ObjectStore, listing
+from .throttle import call_attempts
 
 if TYPE_CHECKING:
     from ...crypto.keyring import Keyring
 
 CLOCK_PROBE_PREFIX = "gc-clock-probe/"  # probe objects of store_clock (never block names)
+THROTTLE_ATTEMPTS = 10  # a LIST page or DELETE the store throttles ("slow down"): tries, backoff between
 
 
 def store_clock(store: ObjectStore) -> float | None:
@@ -123,7 +130,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     active = {r["pseudonym"] for r in keyring.info()} if keyring is not None and revoked else set()
     blocks: list[tuple[ObjectInfo, dict[str, Any]]] = []
     unlisted: list[str] = []  # parts of the store not listed (errors, named)
-    for o in listing(store.list(""), unlisted):
+    for o in listing(store.list_patient("", THROTTLE_ATTEMPTS), unlisted):
         meta = parse_block_name(o.name)
         if meta is None or (want is not None and meta["tenant"] != want):
             continue
@@ -143,8 +150,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     def drop(o: ObjectInfo, why: str) -> None:
         if not dry_run:
             try:
-                store.delete(o.name)
-            except OSError:
+                call_attempts(lambda: store.delete(o.name), THROTTLE_ATTEMPTS)
+            except OSError:  # StoreThrottled too, after THROTTLE_ATTEMPTS "slow down" answers
                 res["errors"] += 1
                 return
         res["deleted_by"][why] += 1

@@ -11,9 +11,10 @@ traffic is on obstore with ``g4.s3_client: obstore``, the default (:mod:`.s3_obs
 * Throttling ("slow down": ``SlowDown``, HTTP 429, ``Throttling``, ``RequestLimitExceeded``... see
   :data:`THROTTLE_CODES`; a bodyless 503 to a HEAD, which is how S3 throttles HEADs) raises
   :class:`~kvbm_backend.pool.g4.store.StoreThrottled` at once: the G4 pool retries it after a full-jitter
-  backoff inside its own bound (:mod:`kvbm_backend.pool.g4.throttle`). botocore's retries are off
-  (``total_max_attempts`` 1) because its ``standard`` mode would own that wait instead: it retries
-  throttles (and every 503) after ``rand() * 2**i`` seconds, up to 20 s, longer still when the server
+  backoff inside its own bound (:mod:`kvbm_backend.pool.g4.throttle`); gc's LIST pages
+  (:meth:`S3Store.list_patient`) and DELETEs are retried the same way a bounded number of times.
+  botocore's retries are off (``total_max_attempts`` 1) because its ``standard`` mode would own that
+  wait instead: it retries throttles (and every 503) after ``rand() * 2**i`` seconds, up to 20 s, longer still when the server
   sends ``x-amz-retry-after``, sleeping inside the request where no load bound can cut it, and its
   client-wide retry quota (500 tokens, 5-14 per retry), once a throttling burst has spent it, stops the
   retries of connection errors too. Its retry conditions are not settable through ``Config``.
@@ -82,6 +83,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from .throttle import call_attempts
 from .store import BucketMissing, ObjectInfo, ObjectStore, PutUnsettled, StoreThrottled, StoreUnavailable, byte_view
 
 if TYPE_CHECKING:
@@ -350,11 +352,17 @@ class S3Store(ObjectStore):
             raise self._unavailable("delete", name, e) from None
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.list_patient(prefix, attempts=1)  # a throttled page: StoreThrottled at once
+
+    def list_patient(self, prefix: str = "", attempts: int = 10) -> Iterator[ObjectInfo]:
         base = f"{self.prefix}/" if self.prefix else ""
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base + prefix}
+
+        def page_once() -> Any:
+            return self._call("list", prefix, lambda _r: self.client.list_objects_v2(**kw))
         try:
             while True:  # one LIST page per request (ListObjectsV2 continuation tokens), each retried like any call
-                page = self._call("list", prefix, lambda _r: self.client.list_objects_v2(**kw))
+                page = call_attempts(page_once, attempts)  # a throttled page: again after a backoff
                 for o in page.get("Contents", []):
                     yield ObjectInfo(o["Key"][len(base):], int(o["Size"]), o["LastModified"].timestamp())
                 if not page.get("IsTruncated") or not page.get("NextContinuationToken"):

@@ -187,6 +187,12 @@ class ObjectStore(ABC):
         """Published objects whose name starts with ``prefix`` (no temp files). Raises
         :class:`ListIncomplete` at the end when part of the store could not be listed."""
 
+    def list_patient(self, prefix: str = "", attempts: int = 10) -> Iterator[ObjectInfo]:
+        """:meth:`list` for batch jobs (gc): a LIST request the store throttles is retried after a full-jitter
+        backoff, at most ``attempts`` times (:func:`.throttle.call_attempts`), instead of ending the listing.
+        Stores that never throttle list as :meth:`list` does."""
+        return self.list(prefix)
+
     def list_temps(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Unpublished writer temp files (POSIX stores only; S3 has none)."""
         return iter(())

@@ -55,6 +55,18 @@ def call_throttled(fn: Callable[[], T], until: float, on_throttle: Callable[[], 
             time.sleep(delay)
 
 
+def call_attempts(fn: Callable[[], T], attempts: int) -> T:
+    """``fn()`` for batch jobs (gc): :func:`call_throttled` with no deadline but at most ``attempts`` calls
+    (the waits between them :func:`backoff_s`: at most ~5 s over 10 attempts); raises the last
+    :class:`StoreThrottled` after that many throttled answers."""
+    calls = [0]
+
+    def spent() -> bool:
+        calls[0] += 1
+        return calls[0] >= attempts
+    return call_throttled(fn, float("inf"), lambda: None, spent)
+
+
 class ThrottleWatch:
     """What a G4 pool does with a throttled answer: count it and tell the breaker the store is up, and
     remember when, so batches that expire soon after are counted as throttled, not as a silent store.
