@@ -32,12 +32,17 @@ can share it.
   re-created implicitly: :meth:`write_key` raises :class:`TenantRevoked` until an explicit ``create``.
 * A data key serves only its own tenant: :meth:`read_key` with ``tenant`` returns None for a key id
   that belongs to another tenant (a blob sealed with B's key under A's name is not A's).
+* **Locking.** Changes to the file hold its inter-process lock (``PATH.lock``) first and the keyring's
+  in-process mutex only briefly inside it, to install what was read and to take or put back use
+  counts: the file read, the KEK wraps and the write with its fsyncs run without the mutex, so
+  :meth:`tenant_state`, :meth:`read_key` and the encryptions of other tenants never wait for them
+  (an implicit tenant creation or rotation on the seal path held the mutex through its fsyncs until
+  2026-12: other tenants' G4 loads timed out behind a slow disk and opened the G4 breaker).
 
 Errors are :class:`KeyringError` with a message naming the file or variable at fault.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import json
@@ -46,18 +51,19 @@ import os
 import secrets
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, TypeVar, overload
 
 from ..fsmodes import makedirs_private
 from ..model.namespace import tenant_bytes
 from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant, _b64,
-                  _check_private, _now_iso, _stamp, _unb64, dir_is_read_only, generate_kek_b64, locked_file,
-                  provider_for, replace_private_json)
+                  _stamp, dir_is_read_only, generate_kek_b64, locked_file, provider_for,
+                  replace_private_json)
+from .keyring_file import FORMAT, FileState, add_tenant, read_keyring, rotate_tenant
 from .keyring_persist import Doc, UseCounts
 from .names import NAME_KEY_LABEL, UNKEYED_PSEUDONYM_KEY, check_storable_tenant, derive_name_key
 
-FORMAT = "kvbm-backend-keyring/1"
 NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
 DEFAULT_ROTATE_AFTER = 2 ** 31
 DEFAULT_MISS_RELOAD_MIN_S = 0.1  # on-miss keyring checks: at most one per this many seconds per keyring
@@ -75,7 +81,8 @@ if TYPE_CHECKING:
 
 
 class Keyring:
-    """A keyring file plus its KEK provider. Thread-safe; several processes may share the file.
+    """A keyring file plus its KEK provider. Thread-safe; several processes may share the file. Lock
+    order: the file lock, then ``_mu``; ``_mu`` is never held during file writes (module docstring).
 
     Args:
         path: the keyring JSON file.
@@ -172,40 +179,13 @@ class Keyring:
         return locked_file(f"{self.path}.lock")  # the keyring's inter-process lock: PATH.lock, flock'd
 
     def _load(self) -> None:
-        """Read, check and unwrap the file. The change stamp comes from the same open file, so a
-        replacement during the read is seen by the next check."""
-        try:
-            with open(self.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                _check_private(self.path, "keyring", st)
-                text = f.read()
-        except FileNotFoundError:
-            raise KeyringError(f"keyring {self.path}: not found") from None
-        except OSError as e:
-            raise KeyringError(f"keyring {self.path}: {e.strerror or e}") from None
-        try:
-            doc = json.loads(text)
-        except ValueError as e:
-            raise KeyringError(f"keyring {self.path}: not valid JSON ({e})") from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise KeyringError(f"keyring {self.path}: format {doc.get('format') if isinstance(doc, dict) else None!r}, "
-                               f"this reader knows {FORMAT!r}")
-        if doc.get("kek_id") != self.provider.key_id:
-            raise KeyringError(f"keyring {self.path}: wrapped under KEK {doc.get('kek_id')}, "
-                               f"but the KEK given ({getattr(self.provider, 'source', 'provider')}) is {self.provider.key_id}")
-        try:
-            pk = self.provider.unwrap(_unb64(doc["pseudonym_key"]))
-            keys, owner = {}, {}
-            for name, t in doc.get("tenants", {}).items():
-                owner[int(t["key_id"])] = name
-                for v, ent in t["versions"].items():
-                    keys[(int(t["key_id"]), int(v))] = self.provider.unwrap(_unb64(ent["wrapped"]))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, KeyringError):
-                raise
-            raise KeyringError(f"keyring {self.path}: malformed entry ({type(e).__name__}: {e})") from None
-        self._doc, self._keys, self._owner, self._pseudonym_key = doc, keys, owner, pk
-        self._stamp = _stamp(st)
+        """Read the file (:func:`read_keyring`) and install it. Raises KeyringError."""
+        self._install(read_keyring(self.path, self.provider))
+
+    def _install(self, st: FileState) -> None:
+        """Make ``st`` the keyring's state. Caller holds ``_mu`` (or is the constructor)."""
+        self._doc, self._keys, self._owner, self._pseudonym_key = st.doc, st.keys, st.owner, st.pseudonym_key
+        self._stamp = st.stamp
         self._error = None
         self._last_check = time.monotonic()
         self._n["loads"] += 1
@@ -226,20 +206,35 @@ class Keyring:
                                "change it where it is writable (`kvbm-backend keys ...`)")
 
     def _mutate(self, fn: Callable[[Doc], T]) -> T:
-        """Reload under the file lock, merge pending use counts, apply ``fn(doc)``, write, reload. If ``fn``
-        or the write fails the counts stay pending (before 2026-11-29 a refused tenant id dropped them all)."""
+        """Under the file lock: re-read the file, merge pending use counts, apply ``fn`` to a copy of the
+        document, write it, re-read. ``_mu`` is taken only to install what was read and to take (or put
+        back) the counts; the reads, ``fn`` (its KEK wraps) and the write (its fsyncs) run without it, so
+        no reader waits for them. The caller must not hold ``_mu`` (lock order: file lock, then ``_mu``).
+        If ``fn`` or the write fails the counts stay pending (before 2026-11-29 a refused tenant id dropped
+        them all)."""
         self._check_writable()
-        with self._mu, self._locked():
-            merged = self._uses.merge_into(self._reload())
+        with self._locked():
+            st = read_keyring(self.path, self.provider)  # missing (deleted: a crypto-shred): never written back
+            with self._mu:
+                self._install(st)
+                merged = self._uses.merge_into(self._doc)  # counted in the document from now on (rotation)
+                doc = json.loads(json.dumps(self._doc))
             try:
-                out = fn(self._doc)
-                self._write()
+                out = fn(doc)
+                self._write(doc)
             except BaseException:
-                self._uses.restore(merged)
-                with contextlib.suppress(KeyringError):
-                    self._load()  # fn's changes to the document in memory go
+                try:
+                    back: FileState | None = read_keyring(self.path, self.provider)  # the file as it was
+                except KeyringError:
+                    back = None
+                with self._mu:
+                    self._uses.restore(merged)
+                    if back is not None:
+                        self._install(back)  # without the merged counts, now pending again
                 raise
-            self._load()
+            st = read_keyring(self.path, self.provider)
+            with self._mu:
+                self._install(st)
             return out
 
     def _maybe_reload(self, *, on_miss: bool = False) -> bool:
@@ -292,8 +287,9 @@ class Keyring:
         flight has written its share. Read-only keyrings keep them in memory (this process's counts)."""
         self._uses.wait()
         with self._mu:
-            if len(self._uses) and not self.read_only:
-                self._mutate(lambda doc: None)
+            pending = len(self._uses) > 0 and not self.read_only
+        if pending:
+            self._mutate(lambda doc: None)
 
     def close(self) -> None:
         """Persist use counts (:meth:`flush`)."""
@@ -322,19 +318,16 @@ class Keyring:
         file, unchanged by ``rewrap``; nothing is stored for it (no file format change)."""
         return derive_name_key(self._pseudonym_key, pseudonym)
 
-    def _new_version(self, doc: Doc, tenant: str) -> None:
-        t = doc["tenants"][tenant]
-        v = max((int(x) for x in t["versions"]), default=0) + 1
-        t["versions"][str(v)] = {"wrapped": _b64(self.provider.wrap(secrets.token_bytes(KEY_BYTES))),
-                                 "created": _now_iso(), "uses": 0}
-        t["current"] = v
-
     def create(self, tenant: str, *, implicit: bool = False) -> dict[str, Any]:
         """Create the tenant's first data key (no-op if it has one). Returns its :meth:`info` row.
 
         Explicit (operator) creation also re-creates a revoked tenant, with a new key id (its old
         blocks stay unreadable; the revocation record stays for ``gc``). ``implicit`` (a worker's
         first write) raises :class:`TenantRevoked` for a revoked tenant, checked under the file lock."""
+        self._mutate(self._create_fn(tenant, implicit))
+        return self.info(tenant)
+
+    def _create_fn(self, tenant: str, implicit: bool) -> Callable[[Doc], None]:
         def fn(doc: Doc) -> None:
             if tenant not in doc["tenants"]:
                 check_storable_tenant(tenant, self.path)
@@ -343,15 +336,8 @@ class Keyring:
                                         "revoked; only `kvbm-backend keys create` re-creates it")
                 if implicit and len(doc["tenants"]) >= self.max_auto_tenants:
                     raise UnknownTenant(self._limit_msg(tenant))
-                used = {int(t["key_id"]) for t in doc["tenants"].values()}
-                kid = 0
-                while kid == 0 or kid in used:
-                    kid = secrets.randbits(32)
-                doc["tenants"][tenant] = {"pseudonym": self.pseudonym(tenant).hex(), "key_id": kid, "current": 0,
-                                          "versions": {}}
-                self._new_version(doc, tenant)
-        self._mutate(fn)
-        return self.info(tenant)
+                add_tenant(doc, tenant, self.pseudonym(tenant).hex(), self.provider)
+        return fn
 
     def _limit_msg(self, tenant: str) -> str:
         return (f"keyring {self.path}: no key for tenant {self.pseudonym(tenant).hex()} (pseudonym) and the keyring "
@@ -361,14 +347,13 @@ class Keyring:
     def rotate(self, tenant: str) -> dict[str, Any]:
         """New data key version for new writes; older versions stay readable. Raises TenantRevoked (revoked,
         maybe since a :meth:`write_key` caller's last reload) or KeyringError (unknown), naming the pseudonym only."""
+        ps = self.pseudonym(tenant).hex()
+
         def fn(doc: Doc) -> None:
             if tenant not in doc["tenants"]:
-                ps = self.pseudonym(tenant).hex()
-                if ps in doc.get("revoked", {}):
-                    raise TenantRevoked(f"keyring {self.path}: tenant {ps} (pseudonym) was revoked; only "
-                                        "`kvbm-backend keys create` re-creates it")
-                raise KeyringError(f"keyring {self.path}: no tenant {ps} (pseudonym)")
-            self._new_version(doc, tenant)
+                raise (TenantRevoked if ps in doc.get("revoked", {}) else KeyringError)(
+                    f"keyring {self.path}: no tenant {ps} (pseudonym; revoked tenants: `keys create` re-creates)")
+            rotate_tenant(doc, tenant, self.provider, self.path, None)
         self._mutate(fn)
         return self.info(tenant)
 
@@ -386,7 +371,7 @@ class Keyring:
     def rewrap(self, new_provider: KeyProvider) -> int:
         """Re-wrap every key under ``new_provider``'s KEK (no block is rewritten). Returns keys re-wrapped."""
         self._check_writable()
-        with self._mu, self._locked():
+        with self._locked(), self._mu:  # an operator's change: readers wait for its write (lock order kept)
             self._load()
             self._uses.merge_into(self._doc)
             doc = self._doc
@@ -459,44 +444,58 @@ class Keyring:
         An unknown tenant is created only when ``auto_create_tenants`` and the keyring is writable
         (else :class:`UnknownTenant`); a revoked one never (:class:`TenantRevoked`). A read-only keyring
         refuses a version that reached ``rotate_after_uses`` encryptions in this process (KeyringError:
-        rotate it with ``keys rotate``). A keyring file that does not load: KeyringError."""
-        with self._mu:
-            self._maybe_reload()
-            if self._error is not None:
+        rotate it with ``keys rotate``). A keyring file that does not load: KeyringError.
+
+        A creation or rotation runs without ``_mu`` (:meth:`_mutate`), then the look-up is repeated:
+        two threads creating one tenant at once both get the one key the file lock let through."""
+        created = False
+        while True:
+            with self._mu:
+                t = self._tenant_for_write(tenant, created)
+                if t is not None:
+                    ver = t["current"]
+                    uses = int(t["versions"][str(ver)].get("uses", 0)) + self._uses.pending(tenant, ver)
+                    if uses < self.rotate_after:
+                        self._uses.count(tenant, ver)  # starts a background persist once per persist_every_s
+                        return DataKey(int(t["key_id"]), ver, self._keys[(int(t["key_id"]), ver)])
+                    if self.read_only:
+                        raise KeyringError(f"keyring {self.path}: key version {ver} of tenant {t['pseudonym']} "
+                                           f"(pseudonym) reached {self.rotate_after} encryptions and this keyring "
+                                           "is read-only; rotate it with `kvbm-backend keys rotate`")
+            if t is None:  # the file I/O without _mu: readers and other tenants' seals go on
+                self._mutate(self._create_fn(tenant, True))
+                created = True
+            else:
+                self._mutate(partial(rotate_tenant, tenant=tenant, provider=self.provider, where=self.path,
+                                     from_version=ver))
+
+    def _tenant_for_write(self, tenant: str, created: bool) -> dict[str, Any] | None:
+        """``tenant``'s entry for :meth:`write_key`, or None: create it (implicitly). Raises what
+        :meth:`write_key` documents. Caller holds ``_mu``."""
+        self._maybe_reload()
+        if self._error is not None:
+            raise KeyringError(self._error)
+        t: dict[str, Any] | None = self._doc["tenants"].get(tenant)
+        if t is None and (self.read_only or not self.auto_create_tenants
+                          or len(self._doc["tenants"]) >= self.max_auto_tenants):
+            if self._maybe_reload(on_miss=True):
+                t = self._doc["tenants"].get(tenant)  # created elsewhere since our last reload
+            elif self._error is not None:
                 raise KeyringError(self._error)
-            t = self._doc["tenants"].get(tenant)
-            if t is None and (self.read_only or not self.auto_create_tenants
-                              or len(self._doc["tenants"]) >= self.max_auto_tenants):
-                if self._maybe_reload(on_miss=True):
-                    t = self._doc["tenants"].get(tenant)  # created elsewhere since our last reload
-                elif self._error is not None:
-                    raise KeyringError(self._error)
-            if t is None:
-                if self.pseudonym(tenant).hex() in self._doc.get("revoked", {}):
-                    raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} (pseudonym) was "
-                                        "revoked; only `kvbm-backend keys create` re-creates it")
-                if self.read_only or not self.auto_create_tenants:
-                    why = "read-only" if self.read_only else "g4.keyring.auto_create_tenants is off"
-                    raise UnknownTenant(f"keyring {self.path}: no key for tenant {self.pseudonym(tenant).hex()} "
-                                        f"(pseudonym) and {why}; create it with `kvbm-backend keys create`")
-                if len(self._doc["tenants"]) >= self.max_auto_tenants:
-                    raise UnknownTenant(self._limit_msg(tenant))
-                self.create(tenant, implicit=True)
-                t = self._doc["tenants"].get(tenant)
-                if t is None:  # revoked between our reload and the locked re-read
-                    raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} was revoked")
-            ver = t["current"]
-            uses = int(t["versions"][str(ver)].get("uses", 0)) + self._uses.pending(tenant, ver)
-            if uses >= self.rotate_after:
-                if self.read_only:
-                    raise KeyringError(f"keyring {self.path}: key version {ver} of tenant {t['pseudonym']} (pseudonym) "
-                                       f"reached {self.rotate_after} encryptions and this keyring is read-only; "
-                                       "rotate it with `kvbm-backend keys rotate`")
-                self.rotate(tenant)
-                t = self._doc["tenants"][tenant]
-                ver = t["current"]
-            self._uses.count(tenant, ver)  # starts a background persist once per persist_every_s
-            return DataKey(int(t["key_id"]), ver, self._keys[(int(t["key_id"]), ver)])
+        if t is not None:
+            return t
+        if self.pseudonym(tenant).hex() in self._doc.get("revoked", {}):
+            raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} (pseudonym) was "
+                                "revoked; only `kvbm-backend keys create` re-creates it")
+        if created:  # our creation went in, yet the tenant is gone: revoked since (or the file replaced)
+            raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} was revoked")
+        if self.read_only or not self.auto_create_tenants:
+            why = "read-only" if self.read_only else "g4.keyring.auto_create_tenants is off"
+            raise UnknownTenant(f"keyring {self.path}: no key for tenant {self.pseudonym(tenant).hex()} "
+                                f"(pseudonym) and {why}; create it with `kvbm-backend keys create`")
+        if len(self._doc["tenants"]) >= self.max_auto_tenants:
+            raise UnknownTenant(self._limit_msg(tenant))
+        return None
 
     def read_key(self, key_id: int, version: int, tenant: str | None = None) -> bytes | None:
         """The data key a frame names, or None if this keyring does not hold it (revoked/foreign), the

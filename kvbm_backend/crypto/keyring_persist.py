@@ -95,11 +95,11 @@ class UseCounts:
     def _persist(self) -> None:
         """The periodic persist, on its own thread so that no seal waits for it. The file lock is taken
         without ``mu`` (another process holding it, e.g. a worker sharing this keyring during its own
-        fsync, costs only this thread); ``mu`` is then tried briefly for the reload and merge (a mutation
-        of this process holding ``mu`` and waiting for the file lock makes this thread let go and retry,
-        so the two lock orders never deadlock), and the write (the fsyncs) runs under the file lock
-        alone. A failed write puts the counts back (nothing is lost; the next period retries) and is
-        logged once per reason."""
+        fsync, costs only this thread); ``mu`` is then tried briefly for the reload and merge (the keyring's
+        lock order is the file lock, then ``mu``, and no one holds ``mu`` waiting for the file lock; should
+        one, this thread lets go and retries, so no deadlock), and the write (the fsyncs) runs under the
+        file lock alone, as the keyring's own mutations do. A failed write puts the counts back (nothing
+        is lost; the next period retries) and is logged once per reason."""
         snap: dict[tuple[str, int], int] = {}
         try:
             while True:
