@@ -16,8 +16,14 @@ deleted blocks written seconds before and every writer's temp file in flight.
 
 **Throttling.** A LIST page or DELETE the store answers "slow down" (S3 ``503 SlowDown``, 429...) is
 retried after the pool's full-jitter backoff (:mod:`.throttle`), up to :data:`THROTTLE_ATTEMPTS` tries
-(~5 s at most): a still-throttled DELETE is an error, a still-throttled LIST ends the pass (nothing deleted).
-Before (2026-11-29) one "slow down" on any LIST page aborted the pass and every throttled DELETE was an error.
+(~5 s at most): a still-throttled DELETE is an error, a still-throttled LIST ends the pass (raised; what the
+pages before it decided stays done). Before (2026-11-29) one "slow down" on any LIST page aborted the pass and
+every throttled DELETE was an error.
+
+**Memory.** Revoked and age deletions are decided while the store is listed, so such a pass keeps nothing per
+object; a capacity target (``target_bytes``) keeps one ``(mtime, size, name)`` tuple per block it may still
+delete, to delete oldest first. Before (2026-11-29) every listed block's ObjectInfo and parsed name were kept
+first (~870 B each: ~40 GiB for 50M objects).
 
 **Revoked tenants.** Every block under a revoked tenant's pseudonym is reclaimed whatever its age or
 mtime (its data keys are gone: it can never be read again). Only when the tenant was re-created since
@@ -33,7 +39,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from .naming import parse_block_name
-from .store import ObjectInfo, ObjectStore, listing
+from .store import ObjectStore, listing
 from .throttle import call_attempts
 
 if TYPE_CHECKING:
@@ -128,55 +134,62 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     revoked = keyring.revoked() if keyring is not None else {}
     # re-created after revocation (revoked is empty without a keyring)
     active = {r["pseudonym"] for r in keyring.info()} if keyring is not None and revoked else set()
-    blocks: list[tuple[ObjectInfo, dict[str, Any]]] = []
-    unlisted: list[str] = []  # parts of the store not listed (errors, named)
-    for o in listing(store.list_patient("", THROTTLE_ATTEMPTS), unlisted):
-        meta = parse_block_name(o.name)
-        if meta is None or (want is not None and meta["tenant"] != want):
-            continue
-        blocks.append((o, meta))
-    temps = [o for o in listing(store.list_temps(""), unlisted) if want is None or f"/{want}/" in f"/{o.name}"]
     base, store_now = ("server", server_now) if server_now is not None else ("local", now)
     skew = store_now - now
-    res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "scanned_objects": len(blocks),
-           "scanned_bytes": sum(o.size for o, _ in blocks),
+    unlisted: list[str] = []  # parts of the store not listed (errors, named)
+    res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "scanned_objects": 0, "scanned_bytes": 0,
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0}, "deleted_objects": 0,
-           "deleted_bytes": 0, "errors": len(unlisted), "unlisted": unlisted, "store_now": store_now, "time_base": base, "clock_skew_s": skew,
-           "future_objects": sum(1 for o, _ in blocks if o.mtime > store_now)}
-
+           "deleted_bytes": 0, "errors": 0, "unlisted": unlisted, "store_now": store_now, "time_base": base,
+           "clock_skew_s": skew, "future_objects": 0}
     if warning is not None:
         res["warnings"] = [warning]
 
-    def drop(o: ObjectInfo, why: str) -> None:
+    def drop(name: str, size: int, why: str) -> None:
         if not dry_run:
             try:
-                call_attempts(lambda: store.delete(o.name), THROTTLE_ATTEMPTS)
+                call_attempts(lambda: store.delete(name), THROTTLE_ATTEMPTS)
             except OSError:  # StoreThrottled too, after THROTTLE_ATTEMPTS "slow down" answers
                 res["errors"] += 1
                 return
         res["deleted_by"][why] += 1
         res["deleted_objects"] += 1
-        res["deleted_bytes"] += o.size
+        res["deleted_bytes"] += size
 
-    keep = []
-    for o, meta in blocks:
+    # Decided while listing (module doc, "Memory"): only the blocks a capacity target may still delete are
+    # kept, as (mtime, size, name) tuples; an age or revoked pass keeps nothing per object.
+    keep: list[tuple[float, int, str]] = []
+    block_bytes = 0  # deleted block bytes (not temp files): remaining_bytes
+    for o in listing(store.list_patient("", THROTTLE_ATTEMPTS), unlisted):
+        meta = parse_block_name(o.name)
+        if meta is None or (want is not None and meta["tenant"] != want):
+            continue
+        res["scanned_objects"] += 1
+        res["scanned_bytes"] += o.size
+        res["future_objects"] += o.mtime > store_now
         t_rev = revoked.get(meta["tenant"])
-        if t_rev is not None and (meta["tenant"] not in active or o.mtime <= t_rev + skew + 1.0):
-            drop(o, "revoked")
-        elif max_age_s is not None and (max_age_s == 0 or store_now - o.mtime >= max_age_s):
-            drop(o, "age")
-        else:
-            keep.append(o)
+        why = ("revoked" if t_rev is not None and (meta["tenant"] not in active or o.mtime <= t_rev + skew + 1.0)
+               else "age" if max_age_s is not None and (max_age_s == 0 or store_now - o.mtime >= max_age_s)
+               else None)
+        if why is not None:
+            before = res["deleted_bytes"]
+            drop(o.name, o.size, why)
+            block_bytes += res["deleted_bytes"] - before
+        elif target_bytes is not None:
+            keep.append((o.mtime, o.size, o.name))
     if target_bytes is not None:
-        total = sum(o.size for o in keep)
-        for o in sorted(keep, key=lambda o: o.mtime):
+        total = sum(size for _, size, _ in keep)
+        keep.sort()
+        for _mtime, size, name in keep:
             if total <= target_bytes:
                 break
-            drop(o, "capacity")
-            total -= o.size
+            before = res["deleted_bytes"]
+            drop(name, size, "capacity")
+            block_bytes += res["deleted_bytes"] - before
+            total -= size
     # blocks only, as scanned_bytes: before 2026-11-29 the temp files' bytes were subtracted too (negative)
-    res["remaining_bytes"] = res["scanned_bytes"] - res["deleted_bytes"]
-    for o in temps:
-        if store_now - o.mtime > temp_grace_s:
-            drop(o, "temp")
+    res["remaining_bytes"] = res["scanned_bytes"] - block_bytes
+    for o in listing(store.list_temps(""), unlisted):
+        if (want is None or f"/{want}/" in f"/{o.name}") and store_now - o.mtime > temp_grace_s:
+            drop(o.name, o.size, "temp")
+    res["errors"] += len(unlisted)
     return res

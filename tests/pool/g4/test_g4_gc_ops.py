@@ -183,7 +183,7 @@ def test_gc_over_s3_retries_throttled_list_pages_and_deletes(monkeypatch):
     """Review finding: one "503 SlowDown" on any LIST page aborted the gc pass (nothing deleted) and each
     throttled DELETE was an error, unretried. Both are retried after the pool's backoff now, a bounded number
     of times (``THROTTLE_ATTEMPTS``): still throttled after that, a DELETE is one error and a LIST ends the
-    pass. (Backoff sleeps made 0 here; the retry count is what is tested.)"""
+    pass (raised, after the pages before it were acted on). (Backoff sleeps made 0 here; the retry count is what is tested.)"""
     from kvbm_backend.pool.g4 import throttle
     from kvbm_backend.pool.g4.gc import THROTTLE_ATTEMPTS, run_gc
     from kvbm_backend.pool.g4.s3_store import S3Store
@@ -199,8 +199,57 @@ def test_gc_over_s3_retries_throttled_list_pages_and_deletes(monkeypatch):
     c = _ScriptedS3(pages=2, throttle_page=1, list_throttles=10**6)
     with pytest.raises(StoreThrottled):
         run_gc(S3Store("b", "p", client=c), max_age_s=3600)
-    assert c.list_calls == 1 + THROTTLE_ATTEMPTS and c.deleted == 0
+    # the first page's blocks were decided (and deleted) as they were listed (gc.py "Memory"); the pass ends at page 2
+    assert c.list_calls == 1 + THROTTLE_ATTEMPTS and c.deleted == 100
     assert list(S3Store("b", "p", client=_ScriptedS3(pages=1)).list("")) != []  # the pool's list: unchanged
     c = _ScriptedS3(pages=2, throttle_page=1)
     with pytest.raises(StoreThrottled):  # the pool's own list never sleeps: its backoff owns the wait
         list(S3Store("b", "p", client=c).list(""))
+
+
+class _ManyObjects:
+    """A store of ``n`` block objects listed lazily (names made on the fly, nothing held per object), the first
+    half old: what gc keeps in memory is then gc's own. Stands in for a bucket of millions of blocks."""
+    url = "mem://many"
+
+    def __init__(self, n: int, now: float):
+        self.n, self.now, self.deleted = n, now, 0
+
+    def server_time(self):
+        return self.now
+
+    def list_patient(self, prefix: str = "", attempts: int = 10):
+        from kvbm_backend.pool.g4.store import ObjectInfo
+        for i in range(self.n):
+            yield ObjectInfo(f"{NS}/{TEN}/0/{i % 16:x}/{i:032x}", 4096, self.now - (7200 if i < self.n // 2 else 0))
+
+    def list_temps(self, prefix: str = ""):
+        return iter(())
+
+    def delete(self, name: str) -> None:
+        self.deleted += 1
+
+
+def test_an_age_pass_keeps_nothing_per_object(tmp_path):
+    """Review finding: gc kept every listed block (its ObjectInfo and parsed name, ~870 B each: ~40 GiB at 50M
+    objects) before deleting any. An age pass now decides while listing: its peak memory over 100,000 objects
+    stays under 4 MB (before: ~80 MB), and a capacity pass keeps only (mtime, size, name) of the blocks it
+    may still delete."""
+    import time
+    import tracemalloc
+
+    from kvbm_backend.pool.g4.gc import run_gc
+    now = time.time()
+    st = _ManyObjects(100_000, now)
+    tracemalloc.start()
+    try:
+        res = run_gc(st, max_age_s=3600, now=now)  # type: ignore[arg-type]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (res["scanned_objects"], res["deleted_by"]["age"], st.deleted) == (100_000, 50_000, 50_000), res
+    assert res["remaining_bytes"] == 50_000 * 4096
+    assert peak < 4 << 20, peak
+    st = _ManyObjects(1000, now)
+    res = run_gc(st, target_bytes=100 * 4096, now=now)  # type: ignore[arg-type]
+    assert (res["deleted_by"]["capacity"], res["remaining_bytes"]) == (900, 100 * 4096), res
