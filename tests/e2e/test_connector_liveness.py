@@ -23,7 +23,11 @@ from tests.helpers.vllm_runner import connector_extra, prompts, run_engine, vllm
 from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
 from kvbm_backend.model import frame  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.side, pytest.mark.timeout(600)]
+# a hang guard: each test runs two engines, each guarded by run_engine at ENGINE_HANG_S (was 600 with 400 s engines)
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.side, pytest.mark.timeout(1500)]
+ENGINE_HANG_S = 600.0  # run_engine's hang guard, not a bound (was 400: a start took 60-280 s on the busy CI VM)
+IDLE_HANG_S = 300.0  # a hang guard, not a bound: under ENGINE_HANG_S, so a channel that never delivers ends in the
+#                      test's assertions (the engine is paused meanwhile), not in the engine's guard
 
 _why = vllm_available()
 if _why:
@@ -102,7 +106,7 @@ def test_failed_g3_loads_are_recomputed_not_offered_again(tmp_path, model_dir):
             os.truncate(f, 0)
 
     b = _run_with_pauses(tmp_path, "reader", model_dir, ps, {"extra": extra}, {1: truncate_slabs},
-                         num_gpu_blocks=NUM_BLOCKS, timeout=400, warmup=False)
+                         num_gpu_blocks=NUM_BLOCKS, timeout=ENGINE_HANG_S, warmup=False)
     sb = b["connector_stats"]
     assert b["outputs"] == a["outputs"]
     assert sb.get("load_planned_requests") == 2, sb       # each request was offered its G3 hit once ...
@@ -129,7 +133,7 @@ def test_failed_g4_load_is_recomputed_not_offered_again(tmp_path, model_dir, sea
         s3.put_object(Bucket=seaweed.bucket, Key=k, Body=body)
     reader = connector_extra(tmp_path / "r", g4, keyring=tmp_path / "g4-keyring.json", endpoint_url=seaweed.endpoint)
     reader["kvbm_backend"]["g3"]["enabled"] = False
-    b = _run(tmp_path, "reader", model_dir, ps, {"extra": reader}, num_gpu_blocks=NUM_BLOCKS, timeout=400,
+    b = _run(tmp_path, "reader", model_dir, ps, {"extra": reader}, num_gpu_blocks=NUM_BLOCKS, timeout=ENGINE_HANG_S,
              warmup=False)
     sb = b["connector_stats"]
     assert b["outputs"] == a["outputs"]
@@ -149,22 +153,33 @@ def test_blocks_offloaded_after_the_last_step_are_found_by_the_next_request(tmp_
     extra = connector_extra(tmp_path / "w")
     stats_file = Path(extra["stats_path"])
 
+    sched_file = stats_file.with_name(stats_file.stem + ".scheduler" + stats_file.suffix)
+
+    def read(path: Path) -> dict:
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return d if isinstance(d, dict) else {}
+
     def idle():
         # the engine is idle (paused between requests): wait until the worker wrote the 21 blocks (its stats
-        # file; generous bound for a loaded machine), then 2 s for the report channel (0.1 s period)
-        end = time.monotonic() + 120
+        # file) and the scheduler's G3 mirror holds them (the scheduler's own stats file, written every 0.5 s:
+        # pools.g3 is the G3Mirror's stats(), "blocks" what apply() took from the report channel; with no
+        # engine step, only the channel can bring them). Polled, not 120 s then a fixed 2 s sleep (windows on
+        # the busy CI VM, processes frozen 13-31 s); at IDLE_HANG_S the engine resumes and the assertions
+        # below say what was missing.
+        end = time.monotonic() + IDLE_HANG_S
         while time.monotonic() < end:
-            try:
-                if json.loads(stats_file.read_text()).get("g3_put_written_blocks", 0) >= 21:
-                    break
-            except (OSError, ValueError):
-                pass
+            mirror = (read(sched_file).get("pools") or {}).get("g3") or {}
+            if (read(stats_file).get("g3_put_written_blocks", 0) >= 21 and mirror.get("mirror")
+                    and mirror.get("blocks", 0) >= 21):
+                break
             time.sleep(0.2)
-        time.sleep(2.0)
 
     b = _run_with_pauses(tmp_path, "idle", model_dir, ps, {"extra": extra}, {1: idle},
                          num_gpu_blocks=NUM_BLOCKS, multiprocessing=True, max_tokens=1, warmup=False,
-                         reset_prefix_cache_before=[1], timeout=400)
+                         reset_prefix_cache_before=[1], timeout=ENGINE_HANG_S)
     ss = b["scheduler_stats"]
     assert b["outputs"][0] == b["outputs"][1]
     assert ss.get("load_planned_g3_blocks", 0) == 21, ss   # the whole prompt (21 full blocks) from G3

@@ -101,7 +101,8 @@ class NativeStack:
         return sum(float(ln.rsplit(" ", 1)[1]) for ln in body.splitlines()
                    if ln.startswith(name) and not ln.startswith("#"))
 
-    def wait_metric(self, name: str, worker: str, at_least: float, timeout: float = 60) -> float:
+    def wait_metric(self, name: str, worker: str, at_least: float, timeout: float = 600) -> float:
+        """Polls until ``name`` reaches ``at_least``; ``timeout`` is a hang guard (was 60 s), then the caller asserts."""
         t0 = time.monotonic()
         while (v := self.metric(name, worker)) < at_least and time.monotonic() - t0 < timeout:
             time.sleep(0.25)

@@ -71,7 +71,7 @@ def _run(argv: list[str], env: dict, log: Path, cwd: Path) -> tuple[int | None, 
                 os.killpg(p.pid, signal.SIGKILL)  # whatever the group left behind
             except ProcessLookupError:
                 pass
-            p.wait(30)
+            p.wait(HANG_S)  # the SIGKILLed group's leader: a hang guard (was 30 s)
     return rc, log.read_text(errors="replace")
 
 

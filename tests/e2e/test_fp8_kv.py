@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
+HANG_S = 600.0  # a hang guard, not a bound: waits for answers, loads and engine processes that must come
 
 BS, H, D, NB, LAYERS = 32, 2, 64, 16, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -35,8 +36,9 @@ NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 def _configs(tmp_path: Path, dtype: torch.dtype, cache_dtype: str = "auto"):
     extra = {"kvbm_backend": {"model": "kvbm-backend/fp8-test",
                               "g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1,
-                                     "admission": {"policy": "all"}},
-                              "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}}
+                                     "admission": {"policy": "all"}, "load_timeout_s": 120},  # not a bound here
+                              "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False,
+                                     "timeout_s": 60}}}  # (busy CI VM: were the 5 s / 2 s defaults)
     ktc = KVTransferConfig(kv_connector="KvbmBackendConnector",
                            kv_connector_module_path="kvbm_backend.integrations.vllm.connector",
                            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
@@ -98,7 +100,7 @@ def _step(rid: str, block_ids: list[int], num_computed: int, num_scheduled: int)
         num_scheduled_tokens={rid: num_scheduled})
 
 
-def _matched(sched, req, timeout: float = 20.0) -> tuple[int, bool]:
+def _matched(sched, req, timeout: float = HANG_S) -> tuple[int, bool]:
     t = time.monotonic() + timeout
     while time.monotonic() < t:
         n, asynchronous = sched.get_num_new_matched_tokens(req, 0)
@@ -150,7 +152,7 @@ def test_fp8_blocks_round_trip_through_the_connector_and_stay_out_of_bf16(tmp_pa
     worker.start_load_kv(None)
     worker.wait_for_save()
     worker.clear_connector_metadata()
-    t = time.monotonic() + 30
+    t = time.monotonic() + HANG_S  # a hang guard (was 30 s): returns once the load finished
     done: set = set()
     while "r2" not in done and time.monotonic() < t:
         _, recv = worker.get_finished(set())
@@ -214,7 +216,7 @@ def _run_fp8(tmp: Path, name: str, model_dir: Path, ps, extra: dict, **spec_kw) 
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), VLLM_LOGGING_LEVEL="WARNING")
     r = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(sp)], capture_output=True, text=True,
-                       timeout=300, env=env, cwd=str(tmp))
+                       timeout=HANG_S, env=env, cwd=str(tmp))  # a hang guard (was 300 s)
     out = Path(spec["out"])
     if r.returncode != 0 or not out.is_file():
         raise RuntimeError(f"engine {name} failed (rc={r.returncode}):\n{(r.stdout + r.stderr)[-6000:]}")
@@ -230,18 +232,24 @@ def _fp8_kv_refusal() -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1800)  # a hang guard: three engines, each guarded at HANG_S (was 600)
 @pytest.mark.skipif(_fp8_kv_refusal() is not None, reason=str(_fp8_kv_refusal()))
 def test_fp8_kv_engine_fresh_engine_and_restart(tmp_path):
     """A Llama with ``kv_cache_dtype="fp8"`` on the CPU engine: a fresh engine process loads from G3 and
     a restarted one (empty G3) from G4, with outputs identical to the engine that computed the KV."""
-    from tests.helpers.vllm_runner import connector_extra, prompts
+    from tests.helpers.vllm_runner import connector_extra as _connector_extra
+    from tests.helpers.vllm_runner import prompts
 
     from kvbm_backend.apps.engine_model import TINY, write_model_dir
     model_dir = write_model_dir(tmp_path / "model", TINY)
     ps = prompts(3, 400, seed=31)
     g4 = f"file://{tmp_path / 'g4'}"
     kw = dict(dtype="bfloat16", num_gpu_blocks=48, warmup=False)
+
+    def connector_extra(workdir, url):  # loads are counted exactly below: G3/G4 bounds that are not the subject
+        extra = _connector_extra(workdir, url, timeout_s=60.0)  # G4: was the 2 s default
+        extra["kvbm_backend"]["g3"]["load_timeout_s"] = 120  # G3: was the 5 s default
+        return extra
     a = _run_fp8(tmp_path, "writer", model_dir, ps, connector_extra(tmp_path / "w", g4), **kw)
     # the KV dtype in the namespace is vLLM's FP8 one (an engine of another KV dtype never loads these
     # blocks); vLLM's CPU backend allocates the FP8 cache as raw bytes (torch.uint8) on AMX CPUs
