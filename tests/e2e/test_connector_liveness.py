@@ -10,7 +10,6 @@ the engine process is bounded by ``run_engine``'s timeout, which then fails the 
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.vllm_runner import connector_extra, prompts, run_engine, vllm_available
+from tests.helpers.vllm_runner import connector_extra, mirrored_blocks, prompts, read_stats, run_engine, vllm_available
 
 from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
 from kvbm_backend.model import frame  # noqa: E402
@@ -155,13 +154,6 @@ def test_blocks_offloaded_after_the_last_step_are_found_by_the_next_request(tmp_
 
     sched_file = stats_file.with_name(stats_file.stem + ".scheduler" + stats_file.suffix)
 
-    def read(path: Path) -> dict:
-        try:
-            d = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return d if isinstance(d, dict) else {}
-
     def idle():
         # the engine is idle (paused between requests): wait until the worker wrote the 21 blocks (its stats
         # file) and the scheduler's G3 mirror holds them (the scheduler's own stats file, written every 0.5 s:
@@ -171,9 +163,7 @@ def test_blocks_offloaded_after_the_last_step_are_found_by_the_next_request(tmp_
         # below say what was missing.
         end = time.monotonic() + IDLE_HANG_S
         while time.monotonic() < end:
-            mirror = (read(sched_file).get("pools") or {}).get("g3") or {}
-            if (read(stats_file).get("g3_put_written_blocks", 0) >= 21 and mirror.get("mirror")
-                    and mirror.get("blocks", 0) >= 21):
+            if read_stats(stats_file).get("g3_put_written_blocks", 0) >= 21 and mirrored_blocks(sched_file) >= 21:
                 break
             time.sleep(0.2)
 

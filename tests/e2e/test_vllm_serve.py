@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.vllm_runner import vllm_available
+from tests.helpers.vllm_runner import mirrored_blocks, read_stats, vllm_available
 
 from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
 from kvbm_backend.integrations.vllm.cli import _vllm_version_alias  # noqa: E402
@@ -117,8 +117,8 @@ def served(tmp_path_factory):
         # stats(), whose "blocks" counts what apply() has put in the mirror.
         sched_stats = stats.with_name(stats.stem + ".scheduler" + stats.suffix)
         deadline = time.monotonic() + HANG_S
-        while _mirrored(sched_stats) < 4:
-            assert time.monotonic() < deadline, (_read(sched_stats), logf.read_text()[-4000:])
+        while mirrored_blocks(sched_stats) < 4:
+            assert time.monotonic() < deadline, (read_stats(sched_stats), logf.read_text()[-4000:])
             time.sleep(0.25)
         req = urllib.request.Request(base + "/reset_prefix_cache", b"", method="POST")
         urllib.request.urlopen(req, timeout=HANG_S).read()
@@ -167,21 +167,6 @@ def test_example_serve_script_answers_and_offloads(served):
     assert len(said) == 1 and f"g3.paths={served['g3']} [file]" in said[0], said
     assert "g3.capacity_gb=0.2 [file]" in said[0] and "/mnt/nvme0" not in said[0]
     assert any(f.is_file() and f.stat().st_size > 0 for f in served["g3"].rglob("*"))
-
-
-def _read(path: Path) -> dict:
-    """A stats file's JSON ({} while it is not written yet; each file is replaced atomically)."""
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return d if isinstance(d, dict) else {}
-
-
-def _mirrored(sched_stats: Path) -> int:
-    """Blocks the scheduler's G3 mirror holds (its stats file's ``pools.g3``, a G3Mirror's ``blocks``)."""
-    g3 = (_read(sched_stats).get("pools") or {}).get("g3") or {}
-    return int(g3.get("blocks", 0)) if g3.get("mirror") else 0
 
 
 def _written(st: dict) -> int:

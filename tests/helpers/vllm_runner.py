@@ -75,6 +75,23 @@ def prompts(n: int, length: int, shared_prefix: int = 0, seed: int = 0, vocab: i
     return [pre + rng.integers(3, vocab, length - shared_prefix).tolist() for _ in range(n)]
 
 
+def read_stats(path: Path) -> dict:
+    """A connector stats file's JSON (``stats_path``, or the scheduler's ``<stem>.scheduler.json``); {} while it
+    is not written yet (each file is replaced atomically, so a read never sees half of one)."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def mirrored_blocks(sched_stats: Path) -> int:
+    """Blocks the scheduler's G3 mirror holds: its stats file's ``pools.g3`` (a G3Mirror's ``stats()``: ``blocks``
+    counts what ``apply()`` took from the worker's reports); 0 until it is there."""
+    g3 = (read_stats(sched_stats).get("pools") or {}).get("g3") or {}
+    return int(g3.get("blocks", 0)) if g3.get("mirror") else 0
+
+
 def connector_extra(workdir: Path, g4_url: str | None = None, keyring: Path | None = None, **g4_kw) -> dict:
     """``kv_connector_extra_config`` for a G3 dir (admit every block) and optionally a G4 URL.
 
