@@ -153,7 +153,7 @@ def test_no_wait_without_a_usable_handoff(tiers):
     s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=30.0)
     for params in (None, {KEY: {"blocks": 6, "block_size": 16}}, {KEY: {"blocks": "x"}}, {KEY: True}):
         (n, _), took, _ = _ask(s, _req(f"r{id(params)}", params))
-        assert n == 0 and took < 5.0  # nothing stored, nothing awaited
+        assert n == 0 and took < 20.0  # nothing stored, nothing awaited (a wait would take handoff_wait_s, 30 s)
     off = SchedulerSide(ns, BS, g3, g4, load=False, handoff_wait_s=30.0)  # loads off: nothing to wait for
     assert off.get_num_new_matched_tokens(_req("r9", {KEY: {"blocks": 6, "block_size": BS}}), 0) == (0, False)
 
@@ -186,7 +186,7 @@ def test_hostile_handoff_params_are_a_miss_served_at_once_and_logged_once_bounde
             (n, _), took, _ = _ask(s, _req(f"h{i}", {KEY: v}))
             for _ in range(5):  # vLLM asks again (a preemption): no new warning, no wait
                 assert s.get_num_new_matched_tokens(_req(f"h{i}", {KEY: v}), 0)[0] in (None, 6 * BS)
-        assert n == 6 * BS and took < 10.0, (i, took)  # the blocks are there: loaded, never waited for 30 s
+        assert n == 6 * BS and took < 20.0, (i, took)  # the blocks are there: loaded, never waited for 30 s
         msgs = [r.getMessage() for r in caplog.records if "handoff" in r.getMessage()]
         assert len(msgs) == 1 and len(msgs[0]) < 600 and f"h{i}" in msgs[0], (i, [m[:200] for m in msgs])
 

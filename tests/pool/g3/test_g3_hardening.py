@@ -146,8 +146,9 @@ def test_get_with_corrupt_slot_resolves_when_journal_is_full(tmp_path):
         hook.full = True
         t0 = time.monotonic()
         out = [np.zeros(LAYOUT.bytes_per_block, np.uint8) for _ in keys]
-        r = pool.get(keys, out).result(timeout=10)  # the DEL of the corrupt slot cannot be journaled
-        assert time.monotonic() - t0 < 10
+        r = pool.get(keys, out).result(timeout=25)  # the DEL of the corrupt slot cannot be journaled
+        # resolved by the load itself, not by the 30 s load bound: < 25 s (was 10; room for the busy CI VM)
+        assert time.monotonic() - t0 < 25
         assert r.ok == [True, False, True]
         assert not pool.contains(keys[1]) and pool.stats()["degraded"]
         assert pool.slot_accounting()["leaked"] == 0
