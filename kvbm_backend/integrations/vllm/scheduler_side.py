@@ -390,10 +390,15 @@ class SchedulerSide:
         """Tokens planned from each tier for a request (``{"G3": t, "G4": t}``)."""
         return self._hit_source.get(request_id, {})
 
+    @property
+    def offloads(self) -> bool:
+        """True when this connector saves blocks: saving is enabled and a G3 or G4 pool is configured."""
+        return self.save_enabled and (self.g3 is not None or self.g4 is not None)
+
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         meta = KvbmConnectorMetadata(loads=self._loads)
         self._loads = []
-        if not self.save_enabled or (self.g3 is None and self.g4 is None):
+        if not self.offloads:
             return meta
         sched = scheduler_output.num_scheduled_tokens
         for nr in scheduler_output.scheduled_new_reqs:
@@ -474,5 +479,4 @@ class SchedulerSide:
         self._handoff_retry_at.pop(request.request_id, None)
         if kv_beyond_token_ids(request):
             return False, None
-        offloads = self.save_enabled and (self.g3 is not None or self.g4 is not None)
-        return False, handoff.finished_params(request, self.bs, offloads)
+        return False, handoff.finished_params(request, self.bs, self.offloads)
