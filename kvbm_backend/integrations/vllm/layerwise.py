@@ -19,7 +19,10 @@ the same step and calls ``start_load_kv`` before the forward. :class:`LayerwiseL
   forward that ran on unverified KV never yields a token (docs/invariants.md #1). Every save of a step in
   which a layer-wise load failed is dropped, and the failed request's saves from then on: vLLM caches a
   synchronous load's blocks at once, so another request of the same step may have used them as its prefix
-  hit and computed (and would save) KV from the bad rows.
+  hit and computed (and would save) KV from the bad rows. Whichever of ``wait_for_save`` and
+  ``get_block_ids_with_load_errors`` ends the loads, the failure is kept until the step's ``wait_for_save``:
+  with speculative decoding vLLM defers ``wait_for_save`` until after the draft model
+  (``defer_kv_connector_finalize``), so ``get_block_ids_with_load_errors`` comes first there.
 
 Layer-wise loads run with one TP rank only (:func:`usable`): a rank cannot stop the other ranks from saving
 their slices of KV computed, through the all-reduce, from its bad rows; with TP > 1 hits load asynchronously.
@@ -73,6 +76,10 @@ class LayerwiseLoads:
         self.timeout_s, self.min_read = timeout_s, min_read
         self._active: list[_Active] = []
         self._tainted: OrderedDict = OrderedDict()
+        # requests whose layer-wise load failed since the last saves(), by whichever finish() ended it: with
+        # vLLM's defer_kv_connector_finalize (speculative decoding) get_block_ids_with_load_errors ends the
+        # step's loads before wait_for_save, and saves() must still drop every save of that step
+        self._step_failed: set[str] = set()
 
     def start(self, jobs: list[LoadJob]) -> list[LoadJob]:
         """Start the layer-wise jobs of ``jobs``; returns the others (asynchronous loads)."""
@@ -126,11 +133,13 @@ class LayerwiseLoads:
         return True
 
     def finish(self) -> set[str]:
-        """End every active load (see the module doc). Returns the request ids with failed blocks."""
+        """End every active load (see the module doc). Returns the request ids with failed blocks (also kept
+        for the step's :meth:`saves`, which may come later: vLLM's ``defer_kv_connector_finalize``)."""
         failed: set[str] = set()
         active, self._active = self._active, []
         for a in active:
             failed |= self._finish(a)
+        self._step_failed |= failed
         return failed
 
     def _finish(self, a: _Active) -> set[str]:
@@ -182,9 +191,15 @@ class LayerwiseLoads:
     def saves(self, saves: list[SaveJob]) -> list[SaveJob]:
         """``wait_for_save``: end the step's loads, then ``saves`` less those of requests whose layer-wise
         load failed, now or in an earlier step, and none at all when one failed in this step (any request of
-        the step may have computed from its blocks: vLLM caches them at once); counted ``save_dropped_blocks``."""
-        failed_now = self.finish()
-        keep = [] if failed_now else [s for s in saves if s.req_id not in self._tainted]
+        the step may have computed from its blocks: vLLM caches them at once); counted ``save_dropped_blocks``.
+        "This step" is every load ended since the previous call, here or by an earlier :meth:`finish`
+        (``get_block_ids_with_load_errors`` first: vLLM's ``defer_kv_connector_finalize``); vLLM calls
+        ``wait_for_save`` once per step in both orders. A step without one (vLLM 0.32, deferred, when
+        ``execute_model`` returns its output itself: none of its saves are made) carries its failure to the next
+        call: more saves dropped, never wrong KV."""
+        self.finish()
+        failed_step, self._step_failed = self._step_failed, set()
+        keep = [] if failed_step else [s for s in saves if s.req_id not in self._tainted]
         dropped = sum(len(s.block_ids) for s in saves) - sum(len(s.block_ids) for s in keep)
         if dropped:
             stats.add(save_dropped_blocks=dropped, layerwise_save_dropped_blocks=dropped)

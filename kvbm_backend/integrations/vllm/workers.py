@@ -123,7 +123,9 @@ class GroupedWorkers:
         """``get_block_ids_with_load_errors``: engine block ids whose load failed since the last call (the
         step's layer-wise loads are ended first); always empty without ``block_errors``."""
         if self.layerwise is not None:
-            self.layerwise.finish()  # wait_for_save may come later (vLLM's defer_finalize)
+            # wait_for_save may come later (vLLM's defer_kv_connector_finalize, speculative decoding): the
+            # failures are kept for it, which still drops every save of this step (LayerwiseLoads.saves)
+            self.layerwise.finish()
         if not self.block_errors:
             return set()
         out: set[int] = set()

@@ -2,7 +2,8 @@
 scheduler offers G3-only hits synchronously, and the worker role loads them layer by layer into vLLM's
 paged KV tensors (CPU and FlashAttention layouts) from a real G3 pool on tmp files; a corrupted block is
 reported through ``load_errors`` / the failed-load report, never kept, and the saves of that step (any request
-may have computed from the failed blocks) and the request's later ones are dropped."""
+may have computed from the failed blocks) and the request's later ones are dropped, in both orders vLLM ends a
+step in (``defer_kv_connector_finalize``: load errors asked for before ``wait_for_save``)."""
 from __future__ import annotations
 
 import os
@@ -23,6 +24,7 @@ from kvbm_backend.integrations.vllm.layerwise import for_worker
 from kvbm_backend.integrations.vllm.metadata import LoadJob, SaveJob
 from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
 from kvbm_backend.integrations.vllm.worker_side import WorkerSide
+from kvbm_backend.integrations.vllm.workers import GroupedWorkers
 from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.namespace import Namespace
@@ -99,7 +101,8 @@ def test_layerwise_load_setting_makes_g3_hits_sync(tmp_path, layerwise):
         g4.close()
 
 
-def _rig(tmp_path, layout):
+def _stored(tmp_path, layout):
+    """A G3 pool holding blocks 3..7 of ``src`` under ``hashes`` (tenant "t", rank 0)."""
     src = _engine(layout, 1)
     ns = Namespace("test/layerwise", src.layout)
     cfg = _cfg(tmp_path)
@@ -109,6 +112,27 @@ def _rig(tmp_path, layout):
     hashes = [1000 + i for i in range(5)]
     writer.save([SaveJob("w", [3, 4, 5, 6, 7], hashes, "t")])
     assert g3.flush(30)
+    return src, ns, cfg, g3, hashes
+
+
+def _corrupt(g3, ns, src, seq_hash):
+    """Flip a byte in the last layer of the stored block ``seq_hash``; returns its key."""
+    key = ns.keys([seq_hash], "t", 0)[0]
+    ls = g3.lease([key])[0]
+    g3.release([ls])
+    with open(ls.path, "r+b") as f:
+        pos = ls.offset + HEADER_BYTES + src.layout.bytes_per_block - 5
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 1]))
+        f.flush()
+        os.fsync(f.fileno())
+    return key
+
+
+def _rig(tmp_path, layout):
+    src, ns, cfg, g3, hashes = _stored(tmp_path, layout)
     dst = _engine(layout, 2)
     w = WorkerSide(ns, 0, g3, None)
     w.register(dst)
@@ -161,17 +185,7 @@ def test_layers_land_in_the_engine_as_vllm_waits_for_them(tmp_path, layout):
 def test_corrupt_block_is_reported_and_the_steps_saves_are_dropped(tmp_path):
     src, dst, ns, g3, w, lw, hashes = _rig(tmp_path, "cpu")
     try:
-        key = ns.keys([hashes[2]], "t", 0)[0]
-        ls = g3.lease([key])[0]
-        g3.release([ls])
-        with open(ls.path, "r+b") as f:  # flip a byte in the last layer of block 2
-            pos = ls.offset + HEADER_BYTES + src.layout.bytes_per_block - 5
-            f.seek(pos)
-            b = f.read(1)
-            f.seek(pos)
-            f.write(bytes([b[0] ^ 1]))
-            f.flush()
-            os.fsync(f.fileno())
+        key = _corrupt(g3, ns, src, hashes[2])
         job = LoadJob("r", [9, 10, 11, 12, 13], hashes, ["G3"] * 5, "t", layerwise=True)
         lw.start([job])
         for n in NAMES:
@@ -192,6 +206,46 @@ def test_corrupt_block_is_reported_and_the_steps_saves_are_dropped(tmp_path):
             [SaveJob("q", [15], [3001], "t")]
     finally:
         lw.close()
+        g3.close()
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["wait_for_save_first", "load_errors_first"])
+def test_every_save_of_the_failed_step_is_dropped_in_either_call_order(tmp_path, deferred):
+    """vLLM ends a step with ``wait_for_save`` then ``get_block_ids_with_load_errors``, except with speculative
+    decoding (``defer_kv_connector_finalize``): ``wait_for_save`` is deferred until after the draft model, so
+    ``get_block_ids_with_load_errors`` ends the step's layer-wise loads first. Before, the failure was seen
+    only by that first call, and q's save of the step (computed, perhaps, from r's unverified rows) reached
+    G3 with a valid checksum: wrong KV served later. Real worker role, layer-wise loads and G3 pool."""
+    src, ns, cfg, g3, hashes = _stored(tmp_path, "cpu")
+    gw = GroupedWorkers([WorkerSide(ns, 0, g3, None)], block_errors=True,
+                        layerwise=lambda w, names: for_worker(cfg, w, names))
+    gw.register([_engine("cpu", 2)], [NAMES])
+    try:
+        _corrupt(g3, ns, src, hashes[2])
+
+        def step(loads, saves, stored):
+            gw.start_loads(loads)  # start_load_kv
+            for n in NAMES:  # the forward
+                gw.wait_layer(n)
+            if deferred:
+                errs = gw.load_errors()
+                gw.save(saves)
+            else:
+                gw.save(saves)
+                errs = gw.load_errors()
+            assert gw.workers[0].flush_saves(30) and g3.flush(30)
+            assert [g3.contains(k) for k in ns.keys([s.seq_hashes[0] for s in saves], "t", 0)] == stored
+            return errs
+
+        r = LoadJob("r", [9, 10, 11, 12, 13], hashes, ["G3"] * 5, "t", layerwise=True)
+        saves = [SaveJob("r", [14], [2000], "t"), SaveJob("q", [15], [3000], "t")]
+        assert step([r], saves, [False, False]) == {11, 12, 13}
+        # the next step (a good layer-wise load of p in it): saves reach G3 again, but r's stay dropped
+        p = LoadJob("p", [1, 2], hashes[:2], ["G3"] * 2, "t", layerwise=True)
+        saves = [SaveJob("r", [14], [2001], "t"), SaveJob("q", [15], [3001], "t"), SaveJob("p", [3], [4001], "t")]
+        assert step([p], saves, [False, True, True]) == set()
+    finally:
+        gw.shutdown()
         g3.close()
 
 
