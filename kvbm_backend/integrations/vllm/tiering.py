@@ -95,7 +95,6 @@ import numpy as np
 import xxhash
 from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingEvent, OffloadKey, ReqContext,
                                      RequestOffloadingContext, ScheduleEndContext)
-from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
 from ...config import ConfigError, KvbmBackendConfig
@@ -108,6 +107,7 @@ from .. import load_priority
 from ..tiers import announce_tiers
 from .extra_config import tier_config
 from .geometry import PrimaryGeometry
+from .tier_lookup import TenantLookup
 from .tier_removals import HeldChunks
 from .tier_threads import started_executor
 
@@ -136,32 +136,6 @@ def staging_pool(nbytes: int, count: int) -> BufferPool:
     4.5 vs 3.0-4.0 GB/s.
     """
     return BufferPool("thp", 0, arena=(max(0, int(count)), nbytes), name="vllm-tier-staging")
-
-
-class _PoolLookup(AsyncLookupManager):
-    """vLLM's async lookup machinery (background thread, one batch per step) over pool index lookups."""
-
-    def __init__(self, tier: "KvbmSecondaryTier", tier_type: str) -> None:
-        self._tier = tier
-        super().__init__(tier_type=tier_type)
-
-    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        t = self._tier
-        tenant = t._tenant_of(req_context)
-        # a chunk is held when all its copies (one block per TP rank it spans) are: the first copy's lookup counts
-        # as the chunk's (kvbm_matched_tokens, hit rate), the others not, so a chunk counts once at any TP size
-        futs = [(t.pool.lookup_prefix(bk[:1]), t.pool.lookup_prefix(bk[1:], request=False) if len(bk) > 1 else None)
-                for bk in (t._block_keys(k, tenant) for k in keys)]
-        end = Deadline(t._job_timeout_s)  # one bound for the whole batch, not one per key
-        out = []
-        for f0, f1 in futs:
-            try:
-                n = f0.result(timeout=end.left()) + (0 if f1 is None else f1.result(timeout=end.left()))
-                out.append(n == t.geometry.copies)
-            except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
-                log.debug("lookup failed: %s", e)
-                out.append(False)
-        return out
 
 
 class KvbmSecondaryTier(SecondaryTierManager):
@@ -243,7 +217,9 @@ class KvbmSecondaryTier(SecondaryTierManager):
                                 self.reconcile_interval_s)
         self._store_cursor: dict[JobId, int] = {}  # store job -> the pool's removal cursor once published
         self._results: queue.SimpleQueue = queue.SimpleQueue()
-        self._jobs: dict[JobId, tuple[list[OffloadKey], bool]] = {}  # job -> (keys, is_store)
+        self._jobs: dict[JobId, tuple[list[OffloadKey], bool, str]] = {}  # job -> (keys, is_store, tenant)
+        # store job -> its chunks the pool holds (published when the job is reported finished)
+        self._store_held: dict[JobId, list[OffloadKey]] = {}
         self._outstanding = 0
         self._cv = threading.Condition()
         self._closed = False
@@ -253,12 +229,12 @@ class KvbmSecondaryTier(SecondaryTierManager):
                                          self._primary.shape[0] * self.geometry.copies))
         self._executor = started_executor(io_threads, f"kvbm_{tier_type}")  # no thread starts in submit_*
         try:
-            self._lookup = _PoolLookup(self, tier_type)
+            self._lookup = TenantLookup(self, tier_type)
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
         self._counters = {"stores": 0, "stores_failed": 0, "loads": 0, "loads_failed": 0,
-                          "chunks_stored": 0, "chunks_loaded": 0, "chunks_load_failed": 0}
+                          "chunks_stored": 0, "chunks_skipped": 0, "chunks_loaded": 0, "chunks_load_failed": 0}
 
     # ---- construction helpers ------------------------------------------------------------------
     def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
@@ -305,7 +281,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         keys = list(job.keys)
         if len(keys) != len(job.chunk_ids):
             raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(job.chunk_ids)} chunk_ids")
-        self._jobs[job.job_id] = (keys, fn == self._run_store)
+        self._jobs[job.job_id] = (keys, fn == self._run_store, self._tenant_of(job.req_context))
         with self._cv:
             self._outstanding += 1
         try:
@@ -324,7 +300,18 @@ class KvbmSecondaryTier(SecondaryTierManager):
         try:
             result = fn(job, keys)
         except Exception as e:  # noqa: BLE001 - any failure is a failed job, never a lost one
-            log.warning("%s job %s failed: %s", self.tier_type, job.job_id, e)
+            why = (f"no answer from the pool within job_timeout_s ({self._job_timeout_s:g} s)"
+                   if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}")
+            log.warning("%s job %s (%s of %d chunks) failed: %s", self.tier_type, job.job_id,
+                        "store" if fn == self._run_store else "load", len(keys), why)
+            # counted like a job that ended with failed blocks (before 2026-11-29 a raised job was not counted)
+            if fn == self._run_store:
+                self._count("stores", 1)
+                self._count("stores_failed", 1)
+            else:
+                self._count("loads", 1)
+                self._count("loads_failed", 1)
+                self._count("chunks_load_failed", len(keys))
             result = JobResult(job_id=job.job_id, success=False)
         result.transfer_time = time.perf_counter() - t0
         self._finish(result)
@@ -360,10 +347,25 @@ class KvbmSecondaryTier(SecondaryTierManager):
         ok = all(res.dropped == 0 and res.written + res.skipped == n for n, res in results)
         self._count("stores", 1)
         if ok:
-            self._count("chunks_stored", len(keys))
+            held = self._held_now(keys, tenant) if any(res.skipped for _, res in results) else keys
+            self._store_held[job.job_id] = held
+            self._count("chunks_stored", len(held))
+            self._count("chunks_skipped", len(keys) - len(held))
         else:
             self._count("stores_failed", 1)
         return JobResult(job_id=job.job_id, success=ok, transfer_bytes=len(keys) * c * g.rank_bytes)
+
+    def _held_now(self, keys: list[OffloadKey], tenant: str) -> list[OffloadKey]:
+        """The chunks of ``keys`` whose every block the pool holds now. A put's ``skipped`` counts blocks already
+        stored, but also blocks its admission filter refused and blocks another job is still writing
+        (:class:`~kvbm_backend.pool.base.PutResult`): announcing those as stored told the router about chunks
+        the tier does not hold (or not yet durably), and kept them forever for removal events that never came
+        (found in review, 2026-11-29). A pool without ``contains`` (G4: skipped is an object the store holds)
+        holds them all."""
+        contains = getattr(self.pool, "contains", None)
+        if not callable(contains):
+            return keys
+        return [k for k in keys if all(contains(bk) for bk in self._block_keys(k, tenant))]
 
     def _run_load(self, job: TransferJob, keys: list[OffloadKey]) -> JobResult:
         """Read every piece of the job at once (one ``pool.get`` each) and copy each piece's verified
@@ -412,18 +414,19 @@ class KvbmSecondaryTier(SecondaryTierManager):
                 res: JobResult = self._results.get_nowait()
             except queue.Empty:
                 break
-            keys, is_store = self._jobs.pop(res.job_id, ([], False))
+            keys, is_store, tenant = self._jobs.pop(res.job_id, ([], False, self._tenant))
+            held = self._store_held.pop(res.job_id, [])
             out.append(res)
             if not res.success and not is_store:
                 # Force the cached verdict of the chunks not loaded to miss, so the scheduler does not
                 # re-issue a doomed promotion (the livelock vLLM's fs tier guards against, #49176).
                 good = set(res.successful_keys or ())
-                self._lookup.mark_miss([k for k in keys if k not in good])
-            elif res.success and is_store and self._events is not None:
-                self._events.append(OffloadingEvent(keys=list(keys), medium=self.medium, removed=False,
+                self._lookup.mark_miss_for([k for k in keys if k not in good], tenant)
+            elif res.success and is_store and self._events is not None and held:
+                self._events.append(OffloadingEvent(keys=list(held), medium=self.medium, removed=False,
                                                     locality=self.locality, removal_expected=self._removals))
                 if self._removals:
-                    self._held.published(list(keys), self._store_cursor.pop(res.job_id, 0))
+                    self._held.published(list(held), self._store_cursor.pop(res.job_id, 0))
             self._store_cursor.pop(res.job_id, None)
         return out
 
@@ -473,7 +476,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
             self._primary = None  # type: ignore[assignment]
 
     def kvbm_stats(self) -> dict:
-        """Tier counters (jobs, chunks) plus the pool's own ``stats()``."""
+        """Tier counters (jobs; chunks stored, skipped (not admitted by the pool, or written by another job),
+        loaded, failed to load) plus the pool's own ``stats()``."""
         with self._cv:
             tier = dict(self._counters)
         return {"tier": tier, "pool": self.pool.stats()}

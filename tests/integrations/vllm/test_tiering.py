@@ -424,3 +424,192 @@ def test_a_chunk_lookup_counts_once_at_any_tp_size(tmp_path, harnesses):
     assert got == 2 * GEO["tokens_per_block"], got  # two chunks of one 16-token block each, not four
     st = tier.pool.stats()
     assert (st["lookup_blocks"], st["lookup_hits"]) == (3, 2), st
+
+
+# ---- verdicts per tenant, what a store publishes, jobs that raise (review of 2026-11-29) -------------------------
+def _tenant(name: str) -> dict:
+    return {"kvbm_tenant": name}
+
+
+def test_lookup_verdicts_are_per_tenant(tmp_path, harnesses):
+    """vLLM's lookup manager caches one verdict per key for as long as a request refers to it, and our tiers key a
+    chunk's blocks by tenant too (``kvbm_tenant``). A tenant holding the chunk gets its hit while another tenant's
+    request for the same chunk (a miss) is alive, and the other tenant never gets the holder's hit (before: the
+    first asker's verdict answered every tenant)."""
+    h = harnesses([g3_tier(tmp_path / "g3")])
+    keys = keys_for(1, "shared-system-prompt")
+    h.store(keys, payloads(h, 1), ctx=h.context(kv_transfer_params=_tenant("alice")))
+    h.wait_idle()
+    tier = h.tier
+    bob, alice, bob2 = (h.context(n, _tenant(t)) for n, t in (("bob", "bob"), ("alice", "alice"), ("bob2", "bob")))
+    for c in (bob, alice, bob2):
+        tier.on_new_request(c)
+    assert _resolve(tier, bob, keys)[keys[0]] is LookupResult.MISS
+    assert _resolve(tier, alice, keys)[keys[0]] is LookupResult.HIT  # bob's live miss is not alice's
+    assert _resolve(tier, bob2, keys)[keys[0]] is LookupResult.MISS  # alice's live hit is not bob's
+    for c in (bob, alice, bob2):
+        tier.on_request_finished(c)
+
+
+def test_a_failed_load_forces_a_miss_for_its_tenant_only(tmp_path, harnesses):
+    """Alice's copy of a chunk is corrupt, Bob's is good: Alice's failed load makes her verdict a miss (no promotion
+    livelock) and leaves Bob's live hit as it was (before: the failure forced every tenant's shared verdict)."""
+    h = harnesses([g3_tier(tmp_path / "g3")])
+    keys, data = keys_for(1, "both"), payloads(h, 1, seed=5)
+    for t in ("alice", "bob"):
+        h.store(keys, data, ctx=h.context(kv_transfer_params=_tenant(t)))
+        h.wait_idle()
+        h.reset_primary()
+    tier = h.tier
+    fi, si = tier.pool.index.get(tier._block_keys(keys[0], "alice")[0])
+    fd = os.open(tier.pool.slabs.by_index[fi].path, os.O_RDWR)
+    try:
+        off = si * tier.pool.slot_bytes + HEADER_BYTES + 100
+        os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 0xFF]), off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    bob = h.context("bob-live", _tenant("bob"))
+    tier.on_new_request(bob)
+    assert _resolve(tier, bob, keys)[keys[0]] is LookupResult.HIT
+    assert h.load(keys, ctx=h.context(kv_transfer_params=_tenant("alice")), timeout=HANG_S) == []
+    assert tier.kvbm_stats()["tier"]["chunks_load_failed"] == 1
+    assert tier.lookup(keys[0], bob) is LookupResult.HIT
+    tier.on_request_finished(bob)
+    got = h.load(keys, ctx=h.context(kv_transfer_params=_tenant("bob")), timeout=HANG_S)
+    assert len(got) == 1 and np.array_equal(got[0], data[0])
+
+
+def test_chunks_the_pool_did_not_take_are_not_published_stored(tmp_path, harnesses):
+    """An operator's ``g3.admission`` policy (``frequency``; the tiers default to ``all``) refuses a first sighting:
+    the chunk is counted skipped, not stored, and is not published as a KV 'stored' event (before: the router was
+    told of chunks G3 does not hold, and each was kept for a removal event that never came). The second sighting
+    is admitted, stored and published."""
+    spec = g3_tier(tmp_path / "g3", enable_kv_events=True)
+    spec["g3"]["admission"] = {"policy": "frequency"}
+    h = harnesses([spec], enable_kv_cache_events=True)
+    keys, data = keys_for(8, "adm"), payloads(h, 8)
+    h.store(keys, data)
+    h.wait_idle()
+    st = h.tier.kvbm_stats()
+    assert st["pool"]["offloads_skipped_admission"] == 8, st["pool"]
+    assert (st["tier"]["chunks_stored"], st["tier"]["chunks_skipped"], st["tier"]["stores_failed"]) == (0, 8, 0)
+    assert [e for e in h.manager.take_events() if e.medium is Medium.STORAGE] == []
+    assert len(h.tier._held) == 0
+    h.reset_primary()  # vLLM's CPU tier forgets them: the next store reaches the tier again
+    h.store(keys, data)
+    h.wait_idle()
+    stored = [e for e in h.manager.take_events() if e.medium is Medium.STORAGE]
+    assert sorted(k for e in stored for k in e.keys) == sorted(keys)
+    assert h.tier.kvbm_stats()["tier"]["chunks_stored"] == 8
+
+
+def _finished(tier, n: int) -> dict:
+    out: dict = {}
+    for _ in range(POLLS):
+        out.update({r.job_id: r.success for r in tier.get_finished_jobs()})
+        if len(out) >= n:
+            return out
+        time.sleep(0.002)
+    raise AssertionError(f"jobs not finished: {out}")
+
+
+def test_a_chunk_another_job_is_still_writing_is_not_published_by_the_second(tmp_path, harnesses, monkeypatch):
+    """The same chunk cascaded twice while the first write is in flight: the second job is not told 'stored' by a
+    write that is not durable yet (publish after durable), and when that write then fails nothing was published."""
+    import errno
+    import threading
+
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from kvbm_backend.pool.g3 import G3Pool
+    h = harnesses([g3_tier(tmp_path / "g3", enable_kv_events=True)], enable_kv_cache_events=True)
+    tier = h.tier
+    gate = threading.Event()
+
+    def held_then_failing_sync(fd):
+        gate.wait(HANG_S)
+        raise OSError(errno.EIO, "test: fdatasync failed")
+
+    monkeypatch.setattr(G3Pool, "_fdatasync", staticmethod(held_then_failing_sync))
+    key = keys_for(1, "dup")
+    h.primary[3, :h.chunk_bytes] = 7
+    ctx = h.context()
+    tier.submit_store(TransferJob(101, key, np.array([3]), False, ctx))
+    for _ in range(POLLS):  # the first job's write is in flight (its flush held at the gate)
+        if tier.pool.writer._inflight:
+            break
+        time.sleep(0.002)
+    try:
+        assert tier.pool.writer._inflight
+        tier.submit_store(TransferJob(102, key, np.array([3]), False, ctx))  # the same chunk cascaded again
+        assert _finished(tier, 1) == {102: True}  # skipped: another job writes it
+        assert [e for e in tier.take_events() if not e.removed] == []  # not durable yet: not published
+    finally:
+        gate.set()
+    assert _finished(tier, 1) == {101: False}
+    assert [e for e in tier.take_events()] == [] and len(tier._held) == 0
+    assert not tier.pool.contains(tier._block_keys(key[0], tier._tenant)[0])
+    st = tier.kvbm_stats()["tier"]
+    assert (st["chunks_stored"], st["chunks_skipped"], st["stores_failed"]) == (0, 1, 1), st
+
+
+def test_jobs_that_raise_are_counted_and_say_why(tmp_path, harnesses, monkeypatch, caplog):
+    """A job past ``job_timeout_s`` (the pool did not answer: a flush or a read held) is counted in the tier's own
+    counters like a job that ended with failed blocks, and the warning names the bound (before: not counted, so
+    ``kvbm_stats`` showed no failure during the stalls an operator needs to see, and the reason was blank)."""
+    import threading
+    from concurrent.futures import Future
+
+    from kvbm_backend.pool.g3 import G3Pool
+    h = harnesses([g3_tier(tmp_path / "g3", job_timeout_s=0.5)])
+    tier = h.tier
+    keys, data = keys_for(3, "t"), payloads(h, 3)
+    h.store(keys[:1], data[:1])
+    h.wait_idle()
+    gate = threading.Event()
+    real_sync = G3Pool._fdatasync
+
+    def held_sync(fd):
+        gate.wait(HANG_S)
+        real_sync(fd)
+
+    monkeypatch.setattr(G3Pool, "_fdatasync", staticmethod(held_sync))
+    try:
+        with caplog.at_level("WARNING", logger="kvbm_backend.integrations.vllm.tiering"):
+            h.store(keys[1:], data[1:])
+            h.wait_idle(timeout=HANG_S)
+    finally:
+        gate.set()
+    st = tier.kvbm_stats()["tier"]
+    assert (st["stores"], st["stores_failed"], st["chunks_stored"]) == (2, 1, 1), st
+    assert "job_timeout_s (0.5 s)" in caplog.text and "store of 2 chunks" in caplog.text, caplog.text
+    engine, real_submit = tier.pool.engine, tier.pool.engine.submit
+    reads = threading.Event()
+
+    def held_submit(ops):  # the disk answers no read until the test is done with the timed-out load
+        ops = list(ops)
+        if not ops or ops[0].write:
+            return real_submit(ops)
+        out: Future = Future()
+
+        def later():
+            reads.wait(HANG_S)
+            try:
+                out.set_result(real_submit(ops).result())
+            except BaseException as e:  # noqa: BLE001
+                out.set_exception(e)
+
+        threading.Thread(target=later, daemon=True).start()
+        return out
+
+    monkeypatch.setattr(engine, "submit", held_submit)
+    h.reset_primary()
+    try:
+        with caplog.at_level("WARNING", logger="kvbm_backend.integrations.vllm.tiering"):
+            assert h.load(keys[:1], timeout=HANG_S) == []
+    finally:
+        reads.set()
+    st = tier.kvbm_stats()["tier"]
+    assert (st["loads"], st["loads_failed"], st["chunks_load_failed"]) == (1, 1, 1), st
+    assert "load of 1 chunks" in caplog.text, caplog.text
