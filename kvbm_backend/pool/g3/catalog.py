@@ -22,6 +22,7 @@ from ...model.namespace import BlockKey, Namespace, tenant_tag
 from . import journal as jr
 from .compact_index import CompactLruIndex, Slot
 from .index import TagKey
+from .journal_home import find_home
 from .slabs import SlabSet
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,10 @@ class SlotCatalog:
                              cfg.o_direct, cfg.min_free_fraction)
         try:
             self.index.reserve(self.slabs.max_capacity_slots)  # the index's hash table never grows while open
-            self.journal = jr.Journal(self.slabs.paths[0], self.fp, dir_fd=self.slabs.dir_fd(self.slabs.paths[0]))
+            # the journal's home: whichever configured directory holds it (the order of g3.paths may have changed)
+            self.journal_home = find_home(self.slabs, self.fp)
+            d = self.journal_home.directory
+            self.journal = jr.Journal(d, self.fp, dir_fd=self.slabs.dir_fd(d), files=self.slabs.file_table())
         except BaseException:
             self.slabs.close()
             raise

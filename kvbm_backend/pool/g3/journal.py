@@ -1,8 +1,10 @@
 """Append-only G3 journal: which slot holds which key, for warm restart (docs/invariants.md #6).
 
-File ``journal-<fingerprint>.log`` in the pool's first directory (mode 0600, opened with
-``O_NOFOLLOW`` relative to the pool's verified directory fd). Format version 2: a 16-byte file header
-(``KVBMJRN2`` + 8 bytes of the namespace fingerprint), then fixed-size records, each::
+File ``journal-<fingerprint>.log`` in one of the pool's directories (its home, chosen by :mod:`.journal_home`:
+where it was found at open, else the first; mode 0600, opened with ``O_NOFOLLOW`` relative to the pool's
+verified directory fd). Format version 3: a file header (``KVBMJRN3``, 8 bytes of the namespace
+fingerprint, the header's length, the file table: ``files_per_path`` and the real path of each directory in
+file-index order, and an xxh3_64 of all that), then fixed-size records, each::
 
     <B type> <H file index> <I slot index> <Q sequence hash> <I rank> <16s tenant tag>
     <Q xxh3_64 of everything before it in the record>
@@ -19,8 +21,12 @@ and per slot) and stops at the first record that does not check (a torn tail aft
 The journal is a hint: every entry it yields is verified against the slot's header before use, and
 every payload is verified again on every read.
 
-Version 1 journals (``KVBMJRN1``: records with ``<H tenant length> <tenant UTF-8>`` in place of the
-tag) are still read; the pool rewrites them as version 2 at open.
+The file index of a record is ``d * files_per_path + k`` for slab file ``k`` of directory ``d`` of the
+header's file table, so a restart maps it to the same file whatever the order of ``g3.paths`` now is
+(:func:`.restore.restore`). Versions 2 (``KVBMJRN2``: a 16-byte header, the same records) and 1
+(``KVBMJRN1``: records with ``<H tenant length> <tenant UTF-8>`` in place of the tag) carry no file table:
+their file indexes are positions in the configured list (read as before); the pool rewrites them as
+version 3 at open.
 
 A rewrite writes the live entries to a uniquely named temp file (``O_EXCL``, 0600), fsyncs it and
 renames it over the journal (never a fixed ``.tmp`` name), then fsyncs the directory; until the rename the
@@ -46,15 +52,20 @@ import xxhash
 from ...model.namespace import BlockKey
 from .index import TagKey, tag_of
 
-FILE_MAGIC = b"KVBMJRN2"
+FILE_MAGIC = b"KVBMJRN3"
+FILE_MAGIC_V2 = b"KVBMJRN2"
 FILE_MAGIC_V1 = b"KVBMJRN1"
 PUT, DEL = 1, 2
-_REC = struct.Struct("<BHIQI16s")  # version 2
+_REC = struct.Struct("<BHIQI16s")  # versions 2 and 3
 _REC_V1 = struct.Struct("<BHIQIH")  # version 1, followed by the tenant UTF-8
 _SUM = struct.Struct("<Q")
+HDR3 = struct.Struct("<8s8sIHH")  # version 3: magic, fingerprint, header length, files_per_path, directories
+_PLEN = struct.Struct("<H")  # version 3: a directory's path length, then its bytes
 RECORD_BYTES = _REC.size + _SUM.size
+MAX_HEADER_BYTES = 1 << 24  # a version-3 header claiming more is damage (65,535 paths of 4 KiB fit in 1/4 of it)
 
 Slot = tuple[int, int]  # (file index, slot index in that file)
+FileTable = tuple[list[str], int]  # (directory identities (real paths) in file-index order, files_per_path)
 K = TypeVar("K", BlockKey, TagKey)
 
 
@@ -62,15 +73,106 @@ class JournalPathError(RuntimeError):
     """The journal path is not a regular file of ours (a directory, a symbolic link, a device...)."""
 
 
+def encode_header(fingerprint: str, files: FileTable) -> bytes:
+    """The version-3 file header of a journal whose file indexes follow ``files`` (docs/format.md).
+
+    Raises:
+        ValueError: more than 65,535 directories, ``files_per_path`` outside 1..65,535, or a path longer
+            than 65,535 bytes.
+    """
+    dirs, per_path = files
+    raw = [os.fsencode(d) for d in dirs]
+    if not 1 <= per_path <= 0xFFFF or len(raw) > 0xFFFF or any(len(b) > 0xFFFF for b in raw):
+        raise ValueError(f"G3 journal: {len(dirs)} directories of {per_path} files do not fit its header")
+    table = b"".join(_PLEN.pack(len(b)) + b for b in raw)
+    size = HDR3.size + len(table) + _SUM.size
+    body = HDR3.pack(FILE_MAGIC, bytes.fromhex(fingerprint), size, per_path, len(dirs)) + table
+    return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def parse_header(data: bytes, fingerprint: str) -> tuple[int, int, FileTable | None] | None:
+    """Check the file header at the start of ``data`` (a journal's bytes, or at least its header) for the
+    namespace ``fingerprint``. Returns ``(version, header bytes, file table)`` (no file table for versions
+    1 and 2: their file indexes are positions in the configured directory list), or None when it is not a
+    journal of this namespace in a known version (another magic or fingerprint, too short, a version-3
+    header whose length or check does not hold)."""
+    fp = bytes.fromhex(fingerprint)
+    if data[:16] == FILE_MAGIC_V2 + fp:
+        return 2, 16, None
+    if data[:16] == FILE_MAGIC_V1 + fp:
+        return 1, 16, None
+    if len(data) < HDR3.size + _SUM.size:
+        return None
+    magic, hfp, size, per_path, ndirs = HDR3.unpack_from(data, 0)
+    if magic != FILE_MAGIC or hfp != fp or not HDR3.size + _SUM.size <= size <= len(data) or not per_path:
+        return None
+    if _SUM.unpack_from(data, size - _SUM.size)[0] != xxhash.xxh3_64_intdigest(data[:size - _SUM.size]):
+        return None
+    dirs, pos = [], HDR3.size
+    for _ in range(ndirs):
+        if pos + _PLEN.size > size - _SUM.size:
+            return None
+        n = _PLEN.unpack_from(data, pos)[0]
+        pos += _PLEN.size
+        dirs.append(os.fsdecode(bytes(data[pos:pos + n])))
+        pos += n
+    if pos != size - _SUM.size:
+        return None
+    return 3, size, (dirs, per_path)
+
+
+def _refuse(path: str, what: str) -> JournalPathError:
+    return JournalPathError(
+        f"G3 journal {path} is {what}, not a regular file: G3 does not follow or replace it. "
+        f"Remove or rename it (the pool rebuilds the journal), then open the pool again.")
+
+
+def read_journal(dir_fd: int, directory: str, name: str, limit: int | None = None) -> tuple[bytes, int] | None:
+    """Read journal ``name`` in ``directory`` (opened relative to its verified ``dir_fd``, ``O_NOFOLLOW``):
+    its first ``limit`` bytes (default: all) and its modification time (``st_mtime_ns``); None when absent.
+
+    Raises:
+        JournalPathError: the name holds a directory, a symbolic link or another non-file.
+        OSError: the read failed.
+    """
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _refuse(path, "a symbolic link") from None
+        if e.errno == errno.EISDIR:
+            raise _refuse(path, "a directory") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise _refuse(path, "a directory")
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(path, "a special file")
+        chunks, got = [], 0
+        while limit is None or got < limit:
+            b = os.read(fd, 1 << 24 if limit is None else min(1 << 24, limit - got))
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+        return b"".join(chunks), st.st_mtime_ns
+    finally:
+        os.close(fd)
+
+
 def encode(kind: int, key: "BlockKey | TagKey", slot: Slot = (0, 0)) -> bytes:
-    """One version-2 record; ``key`` is a BlockKey (its tenant is hashed to the tag) or a TagKey."""
+    """One version-2/3 record; ``key`` is a BlockKey (its tenant is hashed to the tag) or a TagKey."""
     tag = key.tag if type(key) is TagKey else tag_of(key.tenant)
     body = _REC.pack(kind, slot[0], slot[1], key.seq_hash, key.rank, tag)
     return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
 def decode_all(data: bytes, namespace: str) -> tuple["OrderedDict[TagKey, Slot]", int, int]:
-    """Replay version-2 ``data`` (the records after the file header).
+    """Replay version-2/3 ``data`` (the records after the file header).
 
     Returns ``(entries, records, good_bytes)``: key (a :class:`TagKey`) -> slot in LRU order (oldest
     first), the number of good records, and the byte length of the good prefix (a torn tail starts there).
@@ -147,15 +249,19 @@ class Journal:
         dir_fd: an open fd of ``directory`` (verified by :class:`.slabs.SlabSet`); the journal and its
             temp files are opened relative to it with ``O_NOFOLLOW`` (a planted symlink is refused).
             Default: the directory is opened here.
+        files: the file table the pool's file indexes follow (:meth:`.slabs.SlabSet.file_table`), written
+            into every header this journal writes. Default: ``directory`` alone, one file.
+
+    Raises (constructor):
+        ValueError: ``files`` does not fit a header (:func:`encode_header`).
     """
 
-    def __init__(self, directory: str, fingerprint: str, dir_fd: int | None = None):
+    def __init__(self, directory: str, fingerprint: str, dir_fd: int | None = None, files: FileTable | None = None):
         self.name = f"journal-{fingerprint}.log"
         self.path = os.path.join(directory, self.name)
         self.directory = directory
         self._fp = fingerprint
-        self._header = FILE_MAGIC + bytes.fromhex(fingerprint)
-        self._header_v1 = FILE_MAGIC_V1 + bytes.fromhex(fingerprint)
+        self._header = encode_header(fingerprint, files or ([os.path.realpath(directory)], 1))
         self.records = 0
         self.fd: int | None = None
         self.size = 0  # bytes of whole records (plus header) in the open journal
@@ -165,57 +271,33 @@ class Journal:
         self._own_dfd = dir_fd is None
         self._dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if dir_fd is None else dir_fd
 
-    def _refuse(self, what: str) -> JournalPathError:
-        return JournalPathError(
-            f"G3 journal {self.path} is {what}, not a regular file: G3 does not follow or replace it. "
-            f"Remove or rename it (the pool rebuilds the journal), then open the pool again.")
-
     def load(self) -> tuple["OrderedDict[TagKey, Slot] | OrderedDict[BlockKey, Slot]", dict[str, Any]]:
         """Read and replay the journal if present. Returns (entries, info) where info has ``records``,
-        ``torn_bytes``, ``bad_header`` (a journal of another namespace/format is ignored) and
-        ``version``. Keys are TagKeys (version 2) or BlockKeys (version 1).
+        ``torn_bytes``, ``bad_header`` (a journal of another namespace/format is ignored), ``version`` and
+        ``files`` (the header's :data:`FileTable` the entries' file indexes follow; None for versions 1 and
+        2: positions in the configured list). Keys are TagKeys (versions 2, 3) or BlockKeys (version 1).
 
         Raises:
             JournalPathError: the journal path is a directory, a symbolic link or another non-file.
         """
-        info: dict[str, Any] = {"records": 0, "torn_bytes": 0, "bad_header": False, "version": 0}
-        try:
-            fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=self._dfd)
-        except FileNotFoundError:
+        info: dict[str, Any] = {"records": 0, "torn_bytes": 0, "bad_header": False, "version": 0, "files": None}
+        got = read_journal(self._dfd, self.directory, self.name)
+        if got is None:
             return OrderedDict(), info
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise self._refuse("a symbolic link") from None
-            if e.errno == errno.EISDIR:
-                raise self._refuse("a directory") from None
-            raise
-        try:
-            st = os.fstat(fd)
-            if stat.S_ISDIR(st.st_mode):
-                raise self._refuse("a directory")
-            if not stat.S_ISREG(st.st_mode):
-                raise self._refuse("a special file")
-            chunks = []
-            while True:
-                b = os.read(fd, 1 << 24)
-                if not b:
-                    break
-                chunks.append(b)
-            data = b"".join(chunks)
-        finally:
-            os.close(fd)
-        entries: OrderedDict[TagKey, Slot] | OrderedDict[BlockKey, Slot]
-        if data[:16] == self._header:
-            entries, n, good = decode_all(data[16:], self._fp)
-            info["version"] = 2
-        elif data[:16] == self._header_v1:
-            entries, n, good = decode_all_v1(data[16:], self._fp)
-            info["version"] = 1
-        else:
+        data = got[0]
+        head = parse_header(data, self._fp)
+        if head is None:
             info["bad_header"] = True
             return OrderedDict(), info
+        version, start, info["files"] = head
+        entries: OrderedDict[TagKey, Slot] | OrderedDict[BlockKey, Slot]
+        if version == 1:
+            entries, n, good = decode_all_v1(data[start:], self._fp)
+        else:
+            entries, n, good = decode_all(data[start:], self._fp)
+        info["version"] = version
         info["records"] = n
-        info["torn_bytes"] = len(data) - 16 - good
+        info["torn_bytes"] = len(data) - start - good
         return entries, info
 
     def rewrite(self, entries: Iterable[tuple["BlockKey | TagKey", Slot]]) -> None:

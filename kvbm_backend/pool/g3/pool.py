@@ -30,8 +30,9 @@ Invariants kept here (each has tests in ``tests/pool/g3/test_g3_*.py``):
    slots released), a ``delete`` keeps its index removal, the tier degrades and the journal is
    rewritten from the index once it can be; a pool opened on a full disk serves what it has and admits
    nothing until space returns.
-6. Warm restart: the journal (:mod:`.journal`) is replayed at open and every entry's slot header is
-   read and checked before it is served again; unverifiable entries are dropped and counted.
+6. Warm restart: the journal (:mod:`.journal`), found in whichever directory of ``g3.paths`` holds it
+   (:mod:`.journal_home`: the order of the list may change), is replayed at open and every entry's slot
+   header is read and checked before it is served again; unverifiable entries are dropped and counted.
 
 Parts, by job (each owns its state; the pool is a thin facade that builds them, delegates and composes
 ``stats``): :class:`~.catalog.SlotCatalog` the only owner of slot state (index + slabs + journal changed
@@ -98,7 +99,8 @@ class G3Pool:
         G3LockedError: a directory is held by another pool/process (G3 is private to one worker).
         G3PathError: a directory is another uid's or writable by group/others, or a G3 file name holds a
             symbolic link / directory / non-file (the message names the path and the fix).
-        JournalPathError: the journal path is a directory, a symbolic link or another non-file.
+        JournalPathError: the journal path in one of the directories is a directory, a symbolic link or another
+            non-file.
         ValueError: no room for a single slot (capacity or free space).
         OSError: a directory cannot be created or written.
     """

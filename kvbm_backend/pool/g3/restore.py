@@ -19,8 +19,13 @@ from ...io.base import IoEngine
 from ...transfer import header_extents, plan_ops
 from .index import Slot, TagKey
 from .catalog import HDR, SlotCatalog
+from .journal import FileTable
+from .journal_home import remove_stale
 
 log = logging.getLogger(__name__)
+
+_GONE = -1  # a journal's file index whose directory is no longer configured
+_NO_FILE = 1 << 20  # one no file of this run has (past the u16 file index): counted as restore:capacity
 
 
 def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
@@ -28,17 +33,27 @@ def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
     lengths, a checksum flag) is published again; the others are dropped and counted (``restore:<reason>``,
     ``restored_blocks``, ``restore_dropped``). The journal is rewritten from the rebuilt index (a failure
     degrades the tier, never raises); once it is, slab space the configuration no longer grants is given back
-    (:meth:`~.slabs.SlabSet.trim`). ``engine``: the pool's I/O engine (header reads of ``io_size``)."""
+    (:meth:`~.slabs.SlabSet.trim`) and journals of the namespace in other directories are removed
+    (:func:`.journal_home.remove_stale`). A version-3 journal's file indexes are mapped to this run's files by
+    its file table (directory real path, slab number), so the order of ``g3.paths`` does not matter; entries of
+    a directory no longer configured are dropped (``restore:path_removed``). ``engine``: the pool's I/O engine
+    (header reads of ``io_size``)."""
     entries, info = cat.journal.load()
     if info["bad_header"]:
         log.warning("G3: journal %s is not this namespace's; ignored", cat.journal.path)
     if info["torn_bytes"]:
         log.warning("G3: journal %s: %d torn bytes at the tail ignored", cat.journal.path, info["torn_bytes"])
     if info["version"] == 1:
-        log.info("G3: journal %s is format version 1 (tenant ids in clear); rewritten as version 2",
+        log.info("G3: journal %s is format version 1 (tenant ids in clear); rewritten as version 3",
                  cat.journal.path)
+    remap = _file_map(cat, info["files"])
     cand = []
     for key, (fi, si) in entries.items():
+        if remap is not None:  # version 3: the index of this run of the file the journal named
+            fi = remap[fi] if fi < len(remap) else _NO_FILE
+            if fi == _GONE:
+                cat.c["restore:path_removed"] += 1
+                continue
         f = cat.slabs.by_index.get(fi)
         if f is None or si >= f.max_slots:
             cat.c["restore:capacity"] += 1
@@ -87,6 +102,27 @@ def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
         cat.journal_failed(e)
     else:  # the journal names no slot past a lowered capacity, nor a file past files_per_path: give them back
         cat.slabs.trim()
+        remove_stale(cat.slabs, cat.fp, cat.journal_home)  # the rewritten journal is the newest: no stale one left
+
+
+def _file_map(cat: SlotCatalog, files: FileTable | None) -> list[int] | None:
+    """For a version-3 journal's file table ``files``: the file index of this run for each of its file
+    indexes (the same directory, by real path, and the same slab number ``k``; an index no file of this run
+    has where ``k`` is past ``files_per_path``, :data:`_GONE` where the directory is no longer configured,
+    logged). None for versions 1 and 2 (no table): their indexes are positions in ``g3.paths``, as before."""
+    if files is None:
+        return None
+    dirs, per_path = files
+    pos = {ident: d for d, ident in enumerate(cat.slabs.file_table()[0])}
+    now = cat.slabs.files_per_path
+    out = [_GONE if dirs[i // per_path] not in pos else
+           (pos[dirs[i // per_path]] * now + i % per_path if i % per_path < now else _NO_FILE)
+           for i in range(len(dirs) * per_path)]
+    gone = [d for d in dirs if d not in pos]
+    if gone:
+        log.warning("G3: the journal names %d director(ies) no longer in g3.paths (%s): their blocks are dropped",
+                    len(gone), ", ".join(gone[:4]))
+    return out
 
 
 def _read_headers_one_by_one(cat: SlotCatalog, part: list[tuple[BlockKey | TagKey, Slot]],

@@ -1,7 +1,9 @@
 """G3 slab files: capacity, lazy growth and slot allocation over the pool's G3 directories.
 
 A pool owns ``files_per_path`` slab files in each configured directory, named
-``g3-<namespace fingerprint>-<k>.slab``. A slab file is an array of fixed slots of
+``g3-<namespace fingerprint>-<k>.slab``; file ``k`` of the directory at position ``d`` of ``g3.paths`` has the
+file index ``d * files_per_path + k`` in this run, and :meth:`SlabSet.file_table` names each directory by
+its real path, so the journal can map an index of an earlier run (another order) to the same file. A slab file is an array of fixed slots of
 ``frame.slot_bytes(layout.bytes_per_block)`` bytes (4 KiB header + payload padded to 4 KiB), slot ``i``
 at byte ``i * slot_bytes``. Files grow lazily in chunks (``posix_fallocate``) and each growth first
 re-checks ``statvfs`` so the filesystem keeps ``min_free_fraction`` free (invariant 4).
@@ -101,6 +103,7 @@ class SlabSet:
         self.foreign_files: list[str] = []
         self.o_direct: dict[str, bool] = {}
         self.dirs: dict[str, G3Dir] = {}  # directory -> its opened, verified, locked G3Dir
+        self.ids: dict[str, str] = {}  # directory -> its identity in the journal's file table (its real path)
         self._rr = 0
         self._space_checked = time.monotonic()  # last statvfs re-check of files whose cap is below their share
         try:
@@ -144,6 +147,7 @@ class SlabSet:
         budgets = []
         for d in self.paths:
             g = self.dirs[d] = G3Dir(d, self.namespace)
+            self.ids[d] = os.path.realpath(d)  # unique: two names of one directory cannot both take its lock
             dfd = g.fd
             own = 0
             for name in sorted(os.listdir(dfd)):
@@ -201,6 +205,11 @@ class SlabSet:
                 f"(configured {capacity_bytes} bytes; free space above the {self.min_free_fraction:.0%} "
                 "watermark counts too)")
         self.by_index = {f.index: f for f in self.files}
+
+    def file_table(self) -> tuple[list[str], int]:
+        """The journal's file table of this run: each directory's identity (its real path) in :attr:`paths`
+        order, and ``files_per_path`` (file index ``d * files_per_path + k``)."""
+        return [self.ids[d] for d in self.paths], self.files_per_path
 
     def restore(self, used: dict[int, set[int]]) -> None:
         """After a journal replay: mark ``used[file_index]`` slots taken and everything else below the

@@ -95,49 +95,72 @@ def test_kill9_during_writes_then_restart(tmp_path):
 
 
 def test_journal_record_matches_format_md(tmp_path):
-    """docs/format.md's journal layout, read with its offsets only (no journal.py struct): file header,
-    43-byte records, the check over bytes 0..34; and its reading rules: a checksum mismatch or an
-    unknown type ends the replay, the rest is the torn tail."""
+    """docs/format.md's journal layout, read with its offsets only (no journal.py struct): the version-3 file
+    header (path table, header check), 43-byte records, the check over bytes 0..34; and its reading rules: a
+    checksum mismatch or an unknown type ends the replay, the rest is the torn tail; a damaged header makes
+    the whole journal ignored; version 2 (16-byte header, the same records) is still read."""
     import xxhash
 
     from kvbm_backend.model.namespace import BlockKey, tenant_tag
     from kvbm_backend.pool.g3 import journal as jr
     fp = NS.fingerprint
-    j = jr.Journal(str(tmp_path), fp)
+    other = tmp_path / "other-dir"
+    j = jr.Journal(str(tmp_path), fp, files=([str(tmp_path), str(other)], 3))
     key = BlockKey(fp, "alice", 3, 0xFEDCBA9876543210)
     j.rewrite([(key, (5, 70000))])
     j.append([jr.encode(jr.DEL, key)])
     j.close()
     data = (tmp_path / f"journal-{fp}.log").read_bytes()
     u = lambda b: int.from_bytes(b, "little")  # noqa: E731
-    assert data[0:8] == b"KVBMJRN2" and data[8:16] == bytes.fromhex(fp) and len(data) == 16 + 2 * 43
-    r = data[16:16 + 43]
+    assert data[0:8] == b"KVBMJRN3" and data[8:16] == bytes.fromhex(fp)
+    h = u(data[16:20])
+    assert (u(data[20:22]), u(data[22:24])) == (3, 2) and len(data) == h + 2 * 43
+    paths, pos = [], 24
+    for _ in range(2):
+        m = u(data[pos:pos + 2])
+        paths.append(data[pos + 2:pos + 2 + m].decode())
+        pos += 2 + m
+    assert paths == [str(tmp_path), str(other)] and pos == h - 8
+    assert u(data[h - 8:h]) == xxhash.xxh3_64_intdigest(data[0:h - 8])
+    r = data[h:h + 43]
     assert (r[0], u(r[1:3]), u(r[3:7]), u(r[7:15]), u(r[15:19])) == (1, 5, 70000, 0xFEDCBA9876543210, 3)
     assert r[19:35] == tenant_tag("alice") and u(r[35:43]) == xxhash.xxh3_64_intdigest(r[0:35])
-    d = data[59:59 + 43]
+    d = data[h + 43:h + 86]
     assert (d[0], u(d[1:3]), u(d[3:7]), u(d[7:15])) == (2, 0, 0, 0xFEDCBA9876543210)
     assert u(d[35:43]) == xxhash.xxh3_64_intdigest(d[0:35])
 
     def load(b):
         (tmp_path / f"journal-{fp}.log").write_bytes(b)
         return jr.Journal(str(tmp_path), fp).load()
-    ents, info = load(data[:59])  # the PUT alone
+    one = h + 43  # the header and the PUT
+    ents, info = load(data[:one])  # the PUT alone
     assert list(ents.values()) == [(5, 70000)] and info["records"] == 1 and info["torn_bytes"] == 0
+    assert info["version"] == 3 and info["files"] == ([str(tmp_path), str(other)], 3)
     ents, info = load(data)  # PUT then DEL of the key
     assert not ents and info["records"] == 2
-    ents, info = load(data[:59] + data[59:59 + 20])  # a piece shorter than 43 bytes: torn tail
+    ents, info = load(data[:one] + data[one:one + 20])  # a piece shorter than 43 bytes: torn tail
     assert info["records"] == 1 and info["torn_bytes"] == 20
     bad = bytearray(data)
-    bad[59 + 10] ^= 1  # checksum mismatch in record 2
+    bad[one + 10] ^= 1  # checksum mismatch in record 2
     ents, info = load(bytes(bad))
     assert info["records"] == 1 and info["torn_bytes"] == 43 and list(ents.values()) == [(5, 70000)]
     bad = bytearray(data)
-    bad[59] = 3
-    bad[59 + 35:59 + 43] = xxhash.xxh3_64_intdigest(bytes(bad[59:59 + 35])).to_bytes(8, "little")
+    bad[one] = 3
+    bad[one + 35:one + 43] = xxhash.xxh3_64_intdigest(bytes(bad[one:one + 35])).to_bytes(8, "little")
     ents, info = load(bytes(bad))  # an unknown type, even with a good check, ends the replay
     assert info["records"] == 1 and info["torn_bytes"] == 43
     ents, info = load(b"KVBMJRN9" + data[8:])  # unknown magic (version): the whole journal ignored
     assert info["bad_header"] and not ents
+    bad = bytearray(data)
+    bad[26] ^= 1  # a path byte: the header check fails, the whole journal is ignored
+    ents, info = load(bytes(bad))
+    assert info["bad_header"] and not ents
+    ents, info = load(data[:h - 1])  # shorter than its header
+    assert info["bad_header"] and not ents
+    ents, info = load(b"KVBMJRN2" + data[8:16] + data[h:])  # version 2: the same records at offset 16
+    assert info["version"] == 2 and info["files"] is None and not ents and info["records"] == 2
+    ents, info = load(b"KVBMJRN2" + data[8:16] + data[h:one])
+    assert list(ents.values()) == [(5, 70000)] and info["torn_bytes"] == 0
 
 
 _KILLED_AT_FSYNC = r'''

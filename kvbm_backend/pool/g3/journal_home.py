@@ -1,0 +1,119 @@
+"""Which configured G3 directory holds the pool's journal (its *home*), whatever the order of ``g3.paths``.
+
+Before, the journal was always in the first directory of ``g3.paths``: after the list changed order (config
+management sorting it, a drive inserted first) a restart found no journal and started cold, and the old
+journal stayed behind, to be restored stale if the order ever went back.
+
+At open (:func:`find_home`) every configured directory is searched for ``journal-<fingerprint>.log``. The
+journal stays where it is found; with none found, its home is the first directory. More than one directory
+can hold one: a directory that held the journal was left out of ``g3.paths`` for a run (that run started a new
+journal) and came back, a crash came between a rewrite and the removal below, or an older version left one
+behind when the order changed. Then the newest valid one wins: one whose header this version reads (a
+known version of this namespace), then the latest modification time (its last append or rewrite), then the
+earlier position in ``g3.paths``. The others are stale and are removed once the winner has been rewritten at
+open (:func:`remove_stale`), so no later restart can restore them: after a successful open exactly one
+directory of ``g3.paths`` holds a journal of the namespace.
+
+Why pick instead of refusing to open: the journal is a hint. Every entry is checked against its slot's frame
+header before it is indexed and every payload on every read (invariant 1), so restoring from the older of
+two journals can cost hits, never serve wrong bytes; a refusal would turn a restart of a cache tier into an
+outage needing an operator, for a state an older version creates by itself. Both files are named in the log.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from . import journal as jr
+from .slabs import SlabSet
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Home:
+    """Where the journal is (:func:`find_home`)."""
+    directory: str  # the journal's home: the directory the pool reads and writes it in
+    stale: list[str] = field(default_factory=list)  # other configured directories holding one (to remove)
+
+
+def probe(dir_fd: int, directory: str, fingerprint: str) -> tuple[bool, int] | None:
+    """Whether ``directory`` holds a journal of namespace ``fingerprint``: None when not, else ``(valid,
+    st_mtime_ns)``, ``valid`` when its header is one :func:`.journal.parse_header` accepts (reads the
+    header only).
+
+    Raises:
+        JournalPathError: the journal name holds a directory, a symbolic link or another non-file.
+        OSError: the read failed.
+    """
+    name = f"journal-{fingerprint}.log"
+    got = jr.read_journal(dir_fd, directory, name, jr.HDR3.size)
+    if got is None:
+        return None
+    head, mtime = got
+    if head[:8] == jr.FILE_MAGIC and len(head) == jr.HDR3.size:  # version 3: read the whole header
+        got = jr.read_journal(dir_fd, directory, name, min(jr.HDR3.unpack_from(head, 0)[2], jr.MAX_HEADER_BYTES))
+        if got is None:
+            return None
+        head, mtime = got
+    return jr.parse_header(head, fingerprint) is not None, mtime
+
+
+def find_home(slabs: SlabSet, fingerprint: str) -> Home:
+    """Find the journal of namespace ``fingerprint`` among ``slabs``' directories (see the module docstring).
+
+    Raises:
+        JournalPathError: a directory holds a directory, a symbolic link or another non-file under the
+            journal's name (it is never followed or replaced).
+        OSError: a journal could not be read.
+    """
+    found = []  # (valid, mtime, -position, directory)
+    for pos, d in enumerate(slabs.paths):
+        got = probe(slabs.dir_fd(d), d, fingerprint)
+        if got is not None:
+            found.append((got[0], got[1], -pos, d))
+    if not found:
+        held = sum(f.size_slots for f in slabs.files)
+        if held:
+            log.warning("G3: no journal-%s.log in any of g3.paths (%s), but its slab files hold %d slots: a cold "
+                        "start (was the directory holding the journal left out of g3.paths?)", fingerprint,
+                        ", ".join(slabs.paths), held)
+        return Home(slabs.paths[0])
+    best = max(found)
+    home = Home(best[3] if best[0] else slabs.paths[0], [d for *_, d in found])
+    if home.directory in home.stale:
+        home.stale.remove(home.directory)
+    if home.stale:
+        log.warning("G3: journals of namespace %s in %d directories: %s; using %s (%s), the other(s) are removed "
+                    "once it is rewritten", fingerprint, len(found),
+                    ", ".join(os.path.join(d, f"journal-{fingerprint}.log") for *_, d in found),
+                    os.path.join(home.directory, f"journal-{fingerprint}.log"),
+                    "the newest valid one" if best[0] else "none is valid: a cold start")
+    if home.directory != slabs.paths[0]:
+        log.info("G3: journal found in %s, not the first of g3.paths (the list changed); it stays there",
+                 home.directory)
+    return home
+
+
+def remove_stale(slabs: SlabSet, fingerprint: str, home: Home) -> list[str]:
+    """Remove the stale journals of ``home`` (call once the home's journal was rewritten: it is durable and
+    holds the restored index), fsyncing each directory. Returns the paths removed; a failure is logged, never
+    raised (the next open removes it: the home's journal, just rewritten, is the newest)."""
+    out = []
+    name = f"journal-{fingerprint}.log"
+    for d in home.stale:
+        fd = slabs.dir_fd(d)
+        try:
+            os.unlink(name, dir_fd=fd)
+            os.fsync(fd)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.warning("G3: cannot remove the stale journal %s (%s)", os.path.join(d, name), e)
+            continue
+        out.append(os.path.join(d, name))
+    home.stale = []
+    if out:
+        log.info("G3: removed stale journal(s) %s", ", ".join(out))
+    return out

@@ -1,0 +1,207 @@
+"""G3 warm restart whatever the order of ``g3.paths`` (invariant 6; docs/format.md "Where the journal is").
+
+Before, the journal lived in the first directory of ``g3.paths`` and its file indexes were positions in that
+list: a restart with the list reordered (config management sorting it, a drive inserted first) started cold,
+silently, and left the old journal behind, restored stale if the order went back. Now the journal is found in
+whichever configured directory holds it and its version-3 header names each directory by its real path, so
+file indexes map to the same files. Real pools, real slab files in tmp_path, the real posix engine.
+"""
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+
+from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
+from kvbm_backend.memory import aligned_empty
+from kvbm_backend.model.namespace import tenant_tag
+
+HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
+
+BB = LAYOUT.bytes_per_block
+JOURNAL = f"journal-{NS.fingerprint}.log"
+
+
+def _open(dirs, **kw):
+    """A pool on ``dirs`` (in that order); runs of 6 slots (64 KiB I/Os), so blocks spread over every file."""
+    return open_pool(dirs[0], paths=[str(d) for d in dirs], **{"io_size_bytes": 64 << 10, **kw})
+
+
+def _put(pool, seqs):
+    keys = NS.keys(seqs)
+    res = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
+    assert res.written + res.skipped == len(keys), res
+    return keys
+
+
+def _served(pool, keys) -> list[bool]:
+    """Which ``keys`` the pool serves; every served block must hold exactly the bytes written for its key."""
+    out = [aligned_empty(BB) for _ in keys]
+    got = pool.get(keys, out).result(timeout=HANG_S)
+    for k, ok, o in zip(keys, got.ok, out):
+        if ok:
+            assert np.array_equal(o, payload(k.seq_hash)), f"wrong bytes served for {k}"
+    return list(got.ok)
+
+
+def _where(pool, keys) -> dict:
+    """key -> the directory of the slab file holding it."""
+    return {k: pool.slabs.by_index[pool.index.get(k)[0]].directory for k in keys}
+
+
+def _journals(dirs) -> list:
+    return [d for d in dirs if (d / JOURNAL).exists()]
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    out = [tmp_path / n for n in ("a", "b", "c", "new")]
+    for d in out:
+        d.mkdir(mode=0o700)
+    return out
+
+
+def test_reversed_paths_restore_every_block_and_going_back_restores_the_new_state(dirs):
+    a, b = dirs[:2]
+    with _open([a, b]) as pool:
+        keys = _put(pool, range(1, 101))
+        assert set(_where(pool, keys).values()) == {str(a), str(b)}  # blocks in both directories
+    with _open([b, a]) as pool:  # the list reversed
+        st = pool.stats()
+        assert st["restored_blocks"] == 100 and st["restore_dropped"] == 0, st
+        assert pool.lookup_prefix(keys).result(timeout=HANG_S) == 100
+        assert _served(pool, keys) == [True] * 100
+        new = _put(pool, range(200, 260))  # the reordered run changes the state
+        assert pool.delete(keys[:10]).result(timeout=HANG_S) == 10
+        assert pool.slot_accounting()["leaked"] == 0
+    assert _journals(dirs) == [a]  # the journal stayed where it was; none anywhere else
+    with _open([a, b]) as pool:  # back to the first order: the new state, not the old one
+        st = pool.stats()
+        assert st["restored_blocks"] == 150 and st["restore_dropped"] == 0, st
+        assert _served(pool, keys[:10]) == [False] * 10
+        assert _served(pool, keys[10:] + new) == [True] * 150
+        _put(pool, range(300, 340))  # new writes take free slots, never restored ones
+        assert _served(pool, keys[10:] + new) == [True] * 150
+        assert pool.slot_accounting()["leaked"] == 0
+
+
+def test_a_directory_inserted_first_restores_every_block(dirs):
+    a, b, _, new = dirs
+    with _open([a, b], files_per_path=2) as pool:
+        keys = _put(pool, range(1, 101))
+    with _open([new, a, b], files_per_path=2) as pool:
+        st = pool.stats()
+        assert st["restored_blocks"] == 100 and st["restore_dropped"] == 0, st
+        assert _served(pool, keys) == [True] * 100
+        more = _put(pool, range(500, 600))
+        assert str(new) in set(_where(pool, more).values())  # the new directory is used
+    assert _journals(dirs) == [a]
+    with _open([new, a, b], files_per_path=2) as pool:
+        assert pool.stats()["restored_blocks"] == 200
+        assert _served(pool, keys + more) == [True] * 200
+
+
+def test_a_directory_left_out_drops_only_its_blocks(dirs):
+    a, b, c, _ = dirs
+    with _open([a, b, c]) as pool:
+        keys = _put(pool, range(1, 151))
+        where = _where(pool, keys)
+    in_b = [k for k in keys if where[k] == str(b)]
+    rest = [k for k in keys if where[k] != str(b)]
+    assert in_b and rest and {where[k] for k in rest} == {str(a), str(c)}
+    with _open([c, a]) as pool:  # b left out, and the others reordered
+        st = pool.stats()
+        assert st["restored_blocks"] == len(rest), st
+        assert st["restore_dropped"] == len(in_b) and st["restore_dropped_by_reason"] == {"path_removed": len(in_b)}
+        assert _served(pool, rest) == [True] * len(rest)
+        assert _served(pool, in_b) == [False] * len(in_b)
+        assert pool.slot_accounting()["leaked"] == 0
+
+
+def test_lowering_files_per_path_over_several_paths_keeps_the_remaining_files_blocks(dirs):
+    """File indexes follow ``d * files_per_path + k``: the journal's table maps them to (directory, k), so
+    blocks of file 0 of the second directory (index 2 with 2 files per path, 1 with 1) stay."""
+    a, b = dirs[:2]
+    with _open([a, b], files_per_path=2) as pool:
+        keys = _put(pool, range(1, 121))
+        kept = [k for k in keys if pool.slabs.by_index[pool.index.get(k)[0]].path.endswith("-0.slab")]
+        assert len(kept) < len(keys) and set(_where(pool, kept).values()) == {str(a), str(b)}
+    with _open([a, b], files_per_path=1) as pool:
+        st = pool.stats()
+        assert st["restored_blocks"] == len(kept), st
+        assert st["restore_dropped_by_reason"] == {"capacity": len(keys) - len(kept)}
+        assert _served(pool, kept) == [True] * len(kept)
+
+
+@pytest.mark.parametrize("newest", ["current", "stale", "tie"])
+def test_journals_in_two_directories_the_newest_valid_wins_and_the_other_is_removed(dirs, newest):
+    """A directory that held the journal is left out for a run (which starts a new journal) and comes back:
+    two journals. The newest (modification time; a tie: the earlier path) is used and the other removed;
+    whichever is used, no served block holds wrong bytes."""
+    a, b = dirs[:2]
+    with _open([a, b]) as pool:
+        old = _put(pool, range(1, 101))
+    # a left out: a cold start with a new journal in b; a capacity below b's files' size, so the run's writes
+    # take b's slots from slot 0 and overwrite the blocks the journal in a still names there
+    with _open([b], capacity_gb=0.002) as pool:
+        assert pool.stats()["restored_blocks"] == 0
+        cur = _put(pool, range(1000, 1150))
+    assert _journals(dirs) == [a, b]
+    t = 1_700_000_000 * 10**9
+    os.utime(a / JOURNAL, ns=(t, t + (10**9 if newest == "stale" else 0)))
+    os.utime(b / JOURNAL, ns=(t, t + (10**9 if newest == "current" else 0)))
+    with _open([a, b]) as pool:
+        st = pool.stats()
+        got_old, got_cur = _served(pool, old), _served(pool, cur)  # bytes checked for every hit
+        if newest == "current":
+            assert got_cur == [True] * 150 and not any(got_old) and st["restored_blocks"] == 150
+        else:  # a's journal (the stale one, or the earlier path on a tie): its blocks b's run overwrote drop
+            assert not any(got_cur) and 0 < sum(got_old) < 100 and st["restored_blocks"] == sum(got_old), st
+            assert st["restore_dropped"] == 100 - sum(got_old)
+        home = b if newest == "current" else a
+    assert _journals(dirs) == [home]  # exactly one journal left
+    with _open([b, a]) as pool:  # and it is the one a later restart uses, in any order
+        assert pool.stats()["restored_blocks"] == st["restored_blocks"]
+        assert _served(pool, old + cur) == got_old + got_cur
+
+
+def test_a_damaged_journal_never_wins_over_a_valid_one(dirs):
+    """A newer file under the journal's name whose header does not check loses to an older valid journal,
+    and is removed with it rewritten."""
+    a, b = dirs[:2]
+    with _open([a, b]) as pool:
+        keys = _put(pool, range(1, 61))
+    data = bytearray((a / JOURNAL).read_bytes())
+    data[30] ^= 0xFF  # a byte of the header's path table: its check fails
+    (b / JOURNAL).write_bytes(bytes(data))
+    t = 1_700_000_000 * 10**9
+    os.utime(a / JOURNAL, ns=(t, t))
+    os.utime(b / JOURNAL, ns=(t, t + 10**9))
+    with _open([b, a]) as pool:
+        assert pool.stats()["restored_blocks"] == 60
+        assert _served(pool, keys) == [True] * 60
+    assert _journals(dirs) == [a]
+
+
+def test_a_version_2_journal_restores_positionally_and_is_rewritten_as_version_3(dirs):
+    a, b = dirs[:2]
+    with _open([a, b]) as pool:
+        keys = _put(pool, range(1, 41))
+        where = {k: pool.index.get(k) for k in keys}
+    recs = [b"KVBMJRN2" + bytes.fromhex(NS.fingerprint)]  # what an earlier version wrote: positions in g3.paths
+    tag = tenant_tag("")
+    for k in keys:
+        body = struct.pack("<BHIQI16s", 1, where[k][0], where[k][1], k.seq_hash, k.rank, tag)
+        recs.append(body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)))
+    (a / JOURNAL).write_bytes(b"".join(recs))
+    with _open([a, b]) as pool:
+        assert pool.stats()["restored_blocks"] == 40
+        assert _served(pool, keys) == [True] * 40
+    data = (a / JOURNAL).read_bytes()
+    assert data[:8] == b"KVBMJRN3" and os.fsencode(os.path.realpath(b)) in data
+    with _open([b, a]) as pool:  # now the order may change
+        assert pool.stats()["restored_blocks"] == 40
+        assert _served(pool, keys) == [True] * 40
