@@ -107,17 +107,28 @@ def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
 
 def _file_map(cat: SlotCatalog, files: FileTable | None) -> list[int] | None:
     """For a version-3 journal's file table ``files``: the file index of this run for each of its file
-    indexes (the same directory, by real path, and the same slab number ``k``; an index no file of this run
-    has where ``k`` is past ``files_per_path``, :data:`_GONE` where the directory is no longer configured,
-    logged). None for versions 1 and 2 (no table): their indexes are positions in ``g3.paths``, as before."""
+    indexes: the same directory (by real path) and the same slab number ``k``. A directory the journal names
+    that is no longer configured was moved (copied to a new node, mounted elsewhere) when a configured directory
+    the journal does not name is there to take its place: such directories are paired in the order of each list.
+    The others were removed: :data:`_GONE` (logged). An index whose ``k`` is past ``files_per_path`` maps to no
+    file of this run. None for versions 1 and 2 (no table): their indexes are positions in ``g3.paths``, as
+    before. A wrong pairing costs hits, never bytes: every entry is checked against its slot header."""
     if files is None:
         return None
     dirs, per_path = files
-    pos = {ident: d for d, ident in enumerate(cat.slabs.file_table()[0])}
+    now_dirs = cat.slabs.file_table()[0]
+    pos = {ident: d for d, ident in enumerate(now_dirs)}
+    named = set(dirs)
+    moved = dict(zip((d for d in dirs if d not in pos), (j for j, d in enumerate(now_dirs) if d not in named)))
+    pos.update(moved)
     now = cat.slabs.files_per_path
     out = [_GONE if dirs[i // per_path] not in pos else
            (pos[dirs[i // per_path]] * now + i % per_path if i % per_path < now else _NO_FILE)
            for i in range(len(dirs) * per_path)]
+    if moved:
+        log.warning("G3: the journal names %d director(ies) no longer in g3.paths, read as moved to the configured "
+                    "one(s) it does not name: %s", len(moved),
+                    ", ".join(f"{d} -> {now_dirs[j]}" for d, j in list(moved.items())[:4]))
     gone = [d for d in dirs if d not in pos]
     if gone:
         log.warning("G3: the journal names %d director(ies) no longer in g3.paths (%s): their blocks are dropped",

@@ -121,6 +121,30 @@ def test_a_directory_left_out_drops_only_its_blocks(dirs):
         assert pool.slot_accounting()["leaked"] == 0
 
 
+def test_a_directory_moved_keeps_its_blocks(dirs, tmp_path):
+    """A G3 directory copied to another path (a cache moved to a new node, a volume mounted elsewhere) and
+    configured there, beside one that stayed: its blocks are restored and served (the journal's directory not
+    configured now is paired with the configured one it does not name). Before, the journal's real path did not
+    match and every block of the moved directory was dropped (found by tests/e2e/test_layerwise_e2e.py, which
+    copies a writer's G3 directory to each reader)."""
+    import shutil
+    a, b, _, _ = dirs
+    with _open([a, b]) as pool:
+        keys = _put(pool, range(1, 101))
+    moved = tmp_path / "moved-b"
+    shutil.copytree(b, moved)
+    shutil.rmtree(b)
+    with _open([moved, a]) as pool:  # moved, and the list reordered too
+        st = pool.stats()
+        assert st["restored_blocks"] == 100 and st["restore_dropped"] == 0, st
+        assert _served(pool, keys) == [True] * 100
+    alone = tmp_path / "alone"
+    shutil.copytree(a, alone)  # a one-directory pool copied whole (the journal's home moved too)
+    with _open([alone, moved]) as pool:
+        assert pool.stats()["restored_blocks"] == 100
+        assert _served(pool, keys) == [True] * 100
+
+
 def test_lowering_files_per_path_over_several_paths_keeps_the_remaining_files_blocks(dirs):
     """File indexes follow ``d * files_per_path + k``: the journal's table maps them to (directory, k), so
     blocks of file 0 of the second directory (index 2 with 2 files per path, 1 with 1) stay."""
