@@ -1,7 +1,9 @@
 """Prometheus metrics for the pools, with KVBM's names where KVBM has one.
 
 KVBM's own names (dynamo ``lib/runtime/src/metrics/prometheus_names.rs``, module ``kvbm``, exported
-with the ``kvbm_`` prefix by KVBM's metrics server) that mean the same thing here:
+with the ``kvbm_`` prefix by KVBM's metrics server) that mean the same thing here. The counters among them
+carry prometheus_client's ``_total`` suffix, which KVBM's Rust exporter does not add
+(``kvbm_offload_blocks_h2d_total`` here); gauges keep KVBM's name; there is no ``dp_rank`` label:
 
 * ``kvbm_offload_blocks_h2d``: blocks offloaded host -> disk (G3 puts written).
 * ``kvbm_onboard_blocks_d2d``: blocks onboarded disk -> device (G3 gets verified; here they land in the

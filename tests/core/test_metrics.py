@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import time
 import urllib.request
 
 import numpy as np
@@ -77,6 +78,35 @@ def test_g3_gauges_sum_every_pool_of_the_process(tmp_path):
     assert (v("kvbm_backend_g3_capacity_bytes"), v("kvbm_backend_g3_blocks"), v("kvbm_backend_g3_degraded")) == \
         (a.stats()["capacity_bytes"], 8, 0)
     a.close()
+
+
+def test_g3_degraded_gauge_ends_with_its_window_without_a_put(tmp_path):
+    """The degraded window (``degrade_s`` after ENOSPC or a journal failure) ends when it is due: the gauge and
+    ``stats()["degraded"]`` go back to 0 on an idle tier too. Review finding (2026-11-29): they stayed 1 until the
+    next put, so a "G3 degraded" alert kept firing on an idle or draining worker."""
+    from tests.helpers.crash_writer import config
+    reg = metrics.new_registry()
+    with G3Pool(config(tmp_path / "g3"), NS, registry=reg) as pool:
+        pool.degrade_s = 0.2
+        with pool.cat.lock:
+            pool.cat.degrade()
+        assert metrics.sample_value(reg, "kvbm_backend_g3_degraded") == 1 and pool.stats()["degraded"]
+        end = time.monotonic() + HANG_S  # a hang guard: returns as soon as the window ended
+        while metrics.sample_value(reg, "kvbm_backend_g3_degraded") != 0 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert metrics.sample_value(reg, "kvbm_backend_g3_degraded") == 0 and not pool.stats()["degraded"]
+
+
+def test_g3_evictions_counter_follows_the_pools_evictions(tmp_path):
+    """``kvbm_backend_g3_evictions_total`` is the pool's ``evictions``: a small G3 filled past its capacity."""
+    from tests.helpers.crash_writer import config
+    reg = metrics.new_registry()
+    with G3Pool(config(tmp_path / "g3", capacity_gb=0.002), NS, registry=reg) as pool:
+        for i in range(0, 600, 100):
+            keys = NS.keys(range(i + 1, i + 101))
+            pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
+        ev = pool.stats()["evictions"]
+        assert ev > 0 and metrics.sample_value(reg, "kvbm_backend_g3_evictions_total") == ev
 
 
 def test_tier_metrics_for_g4_and_serving():

@@ -74,6 +74,8 @@ class SlotCatalog:
         self.closed = False  # the pool is closing: no new device loaders, no new offloads
         self.reserved = 0  # slots reserved for pieces being written (not yet published or released)
         self.degraded_until = 0.0  # time.monotonic() until which nothing is admitted (0: not degraded)
+        # called with degraded_until by each degrade(): the pool schedules the window's end on its deadline thread
+        self.on_degrade: Callable[[float], None] | None = None
         self.journal_dirty = False  # records were lost (failed append/rewrite): rewrite before appending
         self.journal_reason = "enospc"  # drop reason of the last journal failure
         self._ttags: dict[str, bytes] = {}
@@ -127,7 +129,8 @@ class SlotCatalog:
 
     # ---- degraded state ------------------------------------------------------------------------------
     def admitting(self, now: float) -> bool:
-        """False while degraded; a degradation past its time ends here (statvfs re-read)."""
+        """False while degraded; a degradation past its time ends here (statvfs re-read), at the next put or at
+        the window's end (:attr:`on_degrade`), whichever comes first. Call with :attr:`lock` held."""
         if self.degraded_until and now >= self.degraded_until:
             self.degraded_until = 0.0
             self.slabs.recheck_space()
@@ -139,6 +142,8 @@ class SlotCatalog:
         first = not self.degraded_until
         self.degraded_until = time.monotonic() + self.degrade_s()
         self.update_gauges()
+        if self.on_degrade is not None:
+            self.on_degrade(self.degraded_until)
         return first
 
     # ---- journal -------------------------------------------------------------------------------------

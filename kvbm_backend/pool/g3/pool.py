@@ -47,6 +47,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import time
 from concurrent.futures import Future
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Sequence, cast
@@ -156,6 +157,11 @@ class G3Pool:
         self.writer = G3Writer(self.cat, cfg, self.engine, self._frames, self._staging, self._io_size,
                                make_admission(cfg.admission), type(self))
         self.reader = G3Reader(self.cat, self)  # the one read path: host gets, device gets, slot leases
+        # a degraded window ends when it is due, not at the next put: the degraded gauge and stats() of an idle
+        # tier went back to 0 only once something was offloaded again (found in review, 2026-11-29)
+        self.cat.on_degrade = lambda until: self.reader.deadlines.add(until, self._degraded_due)
+        if self.cat.degraded_until:  # opened degraded (a full disk at open)
+            self.cat.on_degrade(self.cat.degraded_until)
         self.cat.update_gauges()
 
     # ---- the parts' state, as the pool's (tests, the connector, the tiering tier read these) -------------
@@ -195,6 +201,11 @@ class G3Pool:
     @property
     def layout(self) -> KvLayout:
         return self.namespace.layout
+
+    def _degraded_due(self) -> None:
+        with self.cat.lock:
+            if not self.cat.closed:
+                self.cat.admitting(time.monotonic())
 
     def _check_keys(self, keys: Sequence[BlockKey], bufs: Sequence[object] | None, what: str,
                     writable: bool = False) -> None:
