@@ -27,10 +27,13 @@ import time
 from typing import Any
 
 from . import stats
+from .log_limits import LimitedLog
 
 KEY = "kvbm_backend_handoff"
 DEFAULT_WAIT_S = 5.0
 log = logging.getLogger("kvbm_backend.handoff")
+#: the hand-off's per-request WARNINGs, one per kind per minute (:mod:`.log_limits`)
+LOG = LimitedLog(log)
 
 
 def _params(request: Any) -> dict:
@@ -88,12 +91,12 @@ def expected_blocks(request: Any, block_size: int) -> int | None:
         return None
     n, bs = _count(v.get("blocks")), _count(v.get("block_size"))
     if n is None or bs is None or n < 0 or bs < 1:
-        log.warning("kvbm_backend handoff: malformed %s %s in request %s; served without waiting", KEY,
+        LOG.warning("malformed", "kvbm_backend handoff: malformed %s %s in request %s; served without waiting", KEY,
                     reprlib.repr(v), getattr(request, "request_id", "?"))
         return None
     if bs != block_size:
-        log.warning("kvbm_backend handoff: request %s was prefilled with %d-token blocks, this engine uses %d; "
-                    "served without waiting", getattr(request, "request_id", "?"), bs, block_size)
+        LOG.warning("block_size", "kvbm_backend handoff: request %s was prefilled with %d-token blocks, this "
+                    "engine uses %d; served without waiting", getattr(request, "request_id", "?"), bs, block_size)
         return None
     return n
 
@@ -121,7 +124,7 @@ class HandoffWaits:
             return True
         if self._first.pop(request_id, None) is not None:
             stats.add(handoff_timeouts=1, handoff_wait_s=now - first)
-            log.warning("kvbm_backend handoff: request %s found %d of the %d blocks its prefill worker offloaded "
+            LOG.warning("timeout", "kvbm_backend handoff: request %s found %d of the %d blocks its prefill worker offloaded "
                         "after %.1f s (handoff_wait_s); the engine computes the rest. Is G4 shared by both workers "
                         "and reachable, and is the prefill worker's G4 write-behind keeping up?", request_id,
                         found_blocks, expected, now - first)

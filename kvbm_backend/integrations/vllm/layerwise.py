@@ -42,6 +42,7 @@ from ...transfer.layers import DEFAULT_MIN_READ
 from .. import load_priority
 from . import stats
 from .metadata import FailedLoad, LoadJob, SaveJob, mirror_id
+from .log_limits import LimitedLog
 
 log = logging.getLogger("kvbm_backend.connector")
 
@@ -76,6 +77,7 @@ class LayerwiseLoads:
         self.timeout_s, self.min_read = timeout_s, min_read
         self._active: list[_Active] = []
         self._tainted: OrderedDict = OrderedDict()
+        self.log = LimitedLog(log)  # a failed load's WARNING: one per minute, not one per request (.log_limits)
         # requests whose layer-wise load failed since the last saves(), by whichever finish() ended it: with
         # vLLM's defer_kv_connector_finalize (speculative decoding) get_block_ids_with_load_errors ends the
         # step's loads before wait_for_save, and saves() must still drop every save of that step
@@ -174,8 +176,8 @@ class LayerwiseLoads:
         if p == n:
             return set()
         reasons = sorted({str(r) for r in why[p:] if r is not None})
-        log.warning("kvbm_backend: layer-wise load for %s: blocks %d..%d failed (%s); vLLM recomputes them",
-                    job.req_id, p, n - 1, ",".join(reasons) or "late")
+        self.log.warning("failed", "kvbm_backend: layer-wise load for %s: blocks %d..%d failed (%s); vLLM recomputes "
+                         "them", job.req_id, p, n - 1, ",".join(reasons) or "late")
         with w._lock:
             w._load_errors.update(job.block_ids[p:])
             w._failed_loads.append(FailedLoad(job.req_id, job.tenant, int(job.seq_hashes[p]),

@@ -166,8 +166,8 @@ class SchedulerSide:
                       group_block_ids=[[] for _ in self.groups], opaque=kv_beyond_token_ids(request))
             want = handoff.expected_blocks(request, self.bs)
             if want is not None and want > st.lookup_blocks:
-                log.warning("kvbm_backend handoff: request %s promises %d blocks, its prompt has %d; served "
-                            "without waiting", request.request_id, want, st.lookup_blocks)
+                handoff.LOG.warning("promise", "kvbm_backend handoff: request %s promises %d blocks, its prompt has "
+                                    "%d; served without waiting", request.request_id, want, st.lookup_blocks)
                 want = None
             st.handoff_want = want
             if st.opaque:

@@ -15,7 +15,9 @@ from kvbm_backend.config import ConfigError, load_config
 from kvbm_backend.integrations.tiers import open_tiers
 from kvbm_backend.integrations.vllm import stats
 from kvbm_backend.integrations.vllm.extra_config import config_from_extra
+from kvbm_backend.integrations.vllm import handoff
 from kvbm_backend.integrations.vllm.handoff import KEY, HandoffWaits, expected_blocks
+from kvbm_backend.integrations.vllm.log_limits import LimitedLog
 from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
 from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.layout import KvLayout
@@ -25,6 +27,13 @@ HANG_S = 600.0  # a hang guard, not a bound: polls for an answer (or a result) t
 
 BS = 32
 TOKS = list(range(100, 100 + BS * 6 + 5))  # 6 full blocks + 5 tokens
+
+
+@pytest.fixture(autouse=True)
+def _fresh_handoff_log():
+    """Each test sees the hand-off's first WARNING of each kind (they are limited to one per kind per minute)."""
+    handoff.LOG.reset()
+    yield
 
 
 @pytest.fixture()
@@ -182,6 +191,7 @@ def test_hostile_handoff_params_are_a_miss_served_at_once_and_logged_once_bounde
                {"blocks": 7, "block_size": BS}]  # 7 > the prompt's 6 loadable blocks
     for i, v in enumerate(hostile):
         caplog.clear()
+        handoff.LOG.reset()  # each input's own line (the limit per kind is tested below)
         with caplog.at_level(logging.WARNING):
             (n, _), took, _ = _ask(s, _req(f"h{i}", {KEY: v}))
             for _ in range(5):  # vLLM asks again (a preemption): no new warning, no wait
@@ -223,3 +233,25 @@ def test_a_request_another_connector_prefills_is_not_looked_up(tiers):
     params["do_remote_prefill"] = False
     (n, _), _, _ = _ask(s, req)
     assert n == 6 * BS
+
+
+def test_per_request_warnings_are_one_line_per_kind_per_minute(tiers, caplog, monkeypatch):
+    """Review finding (2026-11-29): a WARNING per timed-out or malformed request grew the log at the request rate
+    (100 lines for 50 of each). Now one line per kind per minute; the next one says how many were left out, and the
+    counters count every request."""
+    ns, g3, g4, hs, blocks = tiers
+    now = [1000.0]
+    monkeypatch.setattr(handoff, "LOG", LimitedLog(handoff.log, clock=lambda: now[0]))
+    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=0.0)
+    timeouts = stats.get("handoff_timeouts")
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
+        for i in range(50):
+            _ask(s, _req(f"m{i}", {KEY: {"blocks": -1, "block_size": BS}}))  # malformed
+            _ask(s, _req(f"t{i}", {KEY: {"blocks": 6, "block_size": BS}}))  # none of the 6 in G3/G4: timed out
+        first = [r.getMessage() for r in caplog.records]
+        now[0] += 61.0
+        _ask(s, _req("m-late", {KEY: {"blocks": -1, "block_size": BS}}))
+    assert stats.get("handoff_timeouts") == timeouts + 50
+    assert len(first) == 2 and "m0" in first[0] and "malformed" in first[0] and "t0" in first[1], first
+    late = [r.getMessage() for r in caplog.records][2:]
+    assert len(late) == 1 and "m-late" in late[0] and "49 more like it in the last 61 s" in late[0], late
