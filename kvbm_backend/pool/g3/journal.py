@@ -62,6 +62,7 @@ _SUM = struct.Struct("<Q")
 HDR3 = struct.Struct("<8s8sIHH")  # version 3: magic, fingerprint, header length, files_per_path, directories
 _PLEN = struct.Struct("<H")  # version 3: a directory's path length, then its bytes
 RECORD_BYTES = _REC.size + _SUM.size
+MAX_FILES = 1 << 16  # a record's file index is a u16: a file table naming more files is damage (restore sizes on it)
 MAX_HEADER_BYTES = 1 << 24  # a version-3 header claiming more is damage (65,535 paths of 4 KiB fit in 1/4 of it)
 
 Slot = tuple[int, int]  # (file index, slot index in that file)
@@ -105,6 +106,8 @@ def parse_header(data: bytes, fingerprint: str) -> tuple[int, int, FileTable | N
         return None
     magic, hfp, size, per_path, ndirs = HDR3.unpack_from(data, 0)
     if magic != FILE_MAGIC or hfp != fp or not HDR3.size + _SUM.size <= size <= len(data) or not per_path:
+        return None
+    if ndirs * per_path > MAX_FILES:  # more files than a record's u16 file index can name: damage, never sized on
         return None
     if _SUM.unpack_from(data, size - _SUM.size)[0] != xxhash.xxh3_64_intdigest(data[:size - _SUM.size]):
         return None

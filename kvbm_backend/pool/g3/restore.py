@@ -49,7 +49,7 @@ def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
     remap = _file_map(cat, info["files"])
     cand = []
     for key, (fi, si) in entries.items():
-        if remap is not None:  # version 3: the index of this run of the file the journal named
+        if remap is not None:  # the index of this run of the file the journal named (_file_map)
             fi = remap[fi] if fi < len(remap) else _NO_FILE
             if fi == _GONE:
                 cat.c["restore:path_removed"] += 1
@@ -114,7 +114,7 @@ def _file_map(cat: SlotCatalog, files: FileTable | None) -> list[int] | None:
     file of this run. None for versions 1 and 2 (no table): their indexes are positions in ``g3.paths``, as
     before. A wrong pairing costs hits, never bytes: every entry is checked against its slot header."""
     if files is None:
-        return None
+        return _positional_map(cat)
     dirs, per_path = files
     now_dirs = cat.slabs.file_table()[0]
     pos = {ident: d for d, ident in enumerate(now_dirs)}
@@ -134,6 +134,22 @@ def _file_map(cat: SlotCatalog, files: FileTable | None) -> list[int] | None:
         log.warning("G3: the journal names %d director(ies) no longer in g3.paths (%s): their blocks are dropped",
                     len(gone), ", ".join(gone[:4]))
     return out
+
+
+def _positional_map(cat: SlotCatalog) -> list[int] | None:
+    """A version-1/2 journal's file indexes are positions in the list of paths it was written with, and those
+    versions always kept the journal in that list's first path. Found elsewhere (the list changed order since),
+    its home is moved to position 0 and the other paths kept in their order: right for two paths, a guess beyond
+    (a wrong guess costs hits, never bytes: every record is checked against its slot header). None when the home
+    is first: positions as configured."""
+    paths, home = cat.slabs.paths, cat.journal_home.directory
+    if home == paths[0] or home not in paths:
+        return None
+    old = [home] + [p for p in paths if p != home]
+    now = cat.slabs.files_per_path
+    log.info("G3: journal %s (format version 1/2) is not in the first of g3.paths: read as written when %s was first",
+             cat.journal.path, home)
+    return [paths.index(old[i // now]) * now + i % now for i in range(len(old) * now)]
 
 
 def _read_headers_one_by_one(cat: SlotCatalog, part: list[tuple[BlockKey | TagKey, Slot]],

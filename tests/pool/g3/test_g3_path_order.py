@@ -229,3 +229,37 @@ def test_a_version_2_journal_restores_positionally_and_is_rewritten_as_version_3
     with _open([b, a]) as pool:  # now the order may change
         assert pool.stats()["restored_blocks"] == 40
         assert _served(pool, keys) == [True] * 40
+
+
+def test_a_version_2_journal_found_after_the_list_was_reordered_is_read_in_its_order(dirs):
+    """Review finding (2026-11-29): a version-2 journal (an earlier version kept it in the first path, indexes are
+    positions in that list) found in the second path after the list was reordered at the upgrade was read in the
+    new order: nothing restored. Its home is position 0 of the list it was written with."""
+    from kvbm_backend.pool.g3 import journal as jr
+    a, b = dirs[:2]
+    with _open([a, b]) as pool:
+        keys = _put(pool, range(1, 201))
+    data = (a / JOURNAL).read_bytes()
+    start = jr.parse_header(data, NS.fingerprint)[1]
+    (a / JOURNAL).write_bytes(jr.FILE_MAGIC_V2 + bytes.fromhex(NS.fingerprint) + data[start:])  # the same records
+    with _open([b, a]) as pool:
+        assert pool.stats()["restored_blocks"] == 200
+        assert _served(pool, keys) == [True] * 200
+
+
+def test_a_header_naming_more_files_than_a_record_can_is_damage(dirs):
+    """Review finding (2026-11-29): a version-3 header with a valid check naming 65,535 paths of 65,535 files made
+    restore build a 4.3e9-entry map (MemoryError or the OOM killer at every start). A record's file index is a u16,
+    so a table of more than 65,536 files is damage: the journal is ignored (a cold start), never sized on."""
+    from kvbm_backend.pool.g3 import journal as jr
+    a = dirs[0]
+    head = jr.encode_header(NS.fingerprint, ([os.path.realpath(a)] + [f"/x{i}" for i in range(299)], 256))
+    assert jr.parse_header(head, NS.fingerprint) is None  # 300 x 256 = 76,800 files
+    ok = jr.encode_header(NS.fingerprint, ([os.path.realpath(a)] + [f"/x{i}" for i in range(255)], 256))
+    assert jr.parse_header(ok, NS.fingerprint) is not None  # 65,536: the most a u16 names
+    (a / JOURNAL).write_bytes(head)
+    with _open([a]) as pool:
+        assert pool.stats()["restored_blocks"] == 0
+        keys = _put(pool, range(1, 11))
+    with _open([a]) as pool:  # the damaged journal was replaced
+        assert pool.stats()["restored_blocks"] == 10 and _served(pool, keys) == [True] * 10
