@@ -178,6 +178,12 @@ REPORT: dict = {}
 COLD: dict[str, str] = {}  # prompt -> the aggregated worker's greedy output (the disaggregated test compares)
 
 
+def _prom_sum(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (all label sets) on a Prometheus text page."""
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith(name + "{") or ln.startswith(name + " "))
+
+
 def _record(phase: str, results: list[dict]) -> None:
     ttfts = [r["ttft_s"] for r in results]
     REPORT[phase] = {"ttft_p50_s": round(statistics.median(ttfts), 4), "ttft_s": [round(t, 4) for t in ttfts]}
@@ -223,9 +229,19 @@ def test_aggregated_g3_after_clear_and_restart(stack):
     assert [r["text"] for r in after_clear] == [r["text"] for r in cold]
     assert _stats(a["stats"]).get("load_blocks_failed", 0) == 0
 
-    # Our counters are on the worker's Dynamo /metrics (DYN_SYSTEM_PORT).
-    code, metrics = _get(f"http://127.0.0.1:{a['system_port']}/metrics")
-    assert code == 200 and "kvbm_backend" in metrics, metrics[-2000:]
+    # Our counters are on the worker's Dynamo /metrics (DYN_SYSTEM_PORT), and they moved: vLLM's series of the
+    # connector's transfers (stats.PROM_COUNTERS; created at 0 per engine, so their presence alone proves nothing).
+    # vLLM adds each interval's stats, so the poll (a hang guard) waits for the interval that carries the loads.
+    end, moved = time.monotonic() + POLL_S, {}
+    while time.monotonic() < end:
+        code, metrics = _get(f"http://127.0.0.1:{a['system_port']}/metrics")
+        assert code == 200 and "kvbm_backend" in metrics, metrics[-2000:]
+        moved = {n: _prom_sum(metrics, n) for n in ("vllm:kvbm_backend_onboard_blocks_total",
+                                                     "vllm:kvbm_backend_g3_written_blocks_total")}
+        if all(v > 0 for v in moved.values()):
+            break
+        time.sleep(1.0)
+    assert all(v > 0 for v in moved.values()), (moved, [ln for ln in metrics.splitlines() if "kvbm_backend" in ln])
 
     # A restarted worker process (same G3 directory, empty engine cache) loads from G3 again.
     stack.stop_worker(a)
