@@ -302,10 +302,11 @@ class KvbmSecondaryTier(SecondaryTierManager):
         except Exception as e:  # noqa: BLE001 - any failure is a failed job, never a lost one
             why = (f"no answer from the pool within job_timeout_s ({self._job_timeout_s:g} s)"
                    if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}")
+            store = fn == self._run_store
             log.warning("%s job %s (%s of %d chunks) failed: %s", self.tier_type, job.job_id,
-                        "store" if fn == self._run_store else "load", len(keys), why)
+                        "store" if store else "load", len(keys), why)
             # counted like a job that ended with failed blocks (before 2026-11-29 a raised job was not counted)
-            if fn == self._run_store:
+            if store:
                 self._count("stores", 1)
                 self._count("stores_failed", 1)
             else:

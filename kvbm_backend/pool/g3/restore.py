@@ -111,8 +111,8 @@ def _file_map(cat: SlotCatalog, files: FileTable | None) -> list[int] | None:
     that is no longer configured was moved (copied to a new node, mounted elsewhere) when a configured directory
     the journal does not name is there to take its place: such directories are paired in the order of each list.
     The others were removed: :data:`_GONE` (logged). An index whose ``k`` is past ``files_per_path`` maps to no
-    file of this run. None for versions 1 and 2 (no table): their indexes are positions in ``g3.paths``, as
-    before. A wrong pairing costs hits, never bytes: every entry is checked against its slot header."""
+    file of this run. Versions 1 and 2 (no table): :func:`_positional_map`. A wrong pairing costs hits, never
+    bytes: every entry is checked against its slot header."""
     if files is None:
         return _positional_map(cat)
     dirs, per_path = files
@@ -145,11 +145,10 @@ def _positional_map(cat: SlotCatalog) -> list[int] | None:
     paths, home = cat.slabs.paths, cat.journal_home.directory
     if home == paths[0] or home not in paths:
         return None
-    old = [home] + [p for p in paths if p != home]
-    now = cat.slabs.files_per_path
     log.info("G3: journal %s (format version 1/2) is not in the first of g3.paths: read as written when %s was first",
              cat.journal.path, home)
-    return [paths.index(old[i // now]) * now + i % now for i in range(len(old) * now)]
+    old = [home] + [p for p in paths if p != home]  # the list it was written with, as a version-3 file table
+    return _file_map(cat, ([cat.slabs.ids[p] for p in old], cat.slabs.files_per_path))
 
 
 def _read_headers_one_by_one(cat: SlotCatalog, part: list[tuple[BlockKey | TagKey, Slot]],
