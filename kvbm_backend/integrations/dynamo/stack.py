@@ -45,7 +45,10 @@ def free_port(low: int = 20000, high: int = 32767) -> int:
 def loopback_env(discovery_dir: str | Path, overrides: dict | None = None) -> dict:
     """Environment for Dynamo processes on one host: this process's environment plus ``overrides``, file
     discovery in ``discovery_dir`` (``DYN_FILE_KV``), every Dynamo/vLLM listener on 127.0.0.1, this
-    interpreter as ``PYTHON`` for the example scripts and the repo on ``PYTHONPATH``."""
+    interpreter as ``PYTHON`` for the example scripts and the repo on ``PYTHONPATH``. Dynamo's shutdown grace
+    period (``DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS``, 5 s by default in ``dynamo.common.utils.graceful_shutdown``:
+    in-flight requests drain after the worker leaves discovery) is 0 unless the caller sets it: a loopback stack
+    stops a worker only when nothing is in flight, so the 5 s were a wait per stopped worker."""
     e = {**os.environ, **(overrides or {})}
     bindir = str(Path(sys.executable).parent)
     e.update({"PYTHON": sys.executable, "PATH": bindir + os.pathsep + e.get("PATH", ""),
@@ -53,7 +56,8 @@ def loopback_env(discovery_dir: str | Path, overrides: dict | None = None) -> di
               "DYN_FILE_KV": str(discovery_dir), "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1",
               "DYN_EVENT_PLANE_HOST": "127.0.0.1", "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
               "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": e.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-              "VLLM_LOGGING_LEVEL": e.get("VLLM_LOGGING_LEVEL", "INFO"), "DYN_LOG": e.get("DYN_LOG", "warn")})
+              "VLLM_LOGGING_LEVEL": e.get("VLLM_LOGGING_LEVEL", "INFO"), "DYN_LOG": e.get("DYN_LOG", "warn"),
+              "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": e.get("DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS", "0")})
     return e
 
 
@@ -85,13 +89,18 @@ class Proc:
         except OSError:
             return ""
 
-    def stop(self, grace_s: float = 30) -> None:
-        """SIGTERM to the group (Dynamo and the connector shut down and flush), SIGKILL after ``grace_s``."""
+    def terminate(self) -> None:
+        """SIGTERM to the group, without waiting (:meth:`stop` waits): several processes shut down at once."""
         if self.p.poll() is None:
             try:
                 os.killpg(self.p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+    def stop(self, grace_s: float = 30) -> None:
+        """SIGTERM to the group (Dynamo and the connector shut down and flush), SIGKILL after ``grace_s``."""
+        if self.p.poll() is None:
+            self.terminate()
             try:
                 self.p.wait(grace_s)
             except subprocess.TimeoutExpired:
@@ -259,6 +268,10 @@ class DynamoStack:
             time.sleep(0.3)
 
     def close(self) -> None:
+        """Stop every worker, then the frontends: all workers get SIGTERM at once (each flushes its own tiers),
+        then each is waited for (SIGKILL after :meth:`Proc.stop`'s grace)."""
+        for w in self.workers.values():
+            w.proc.terminate()
         for w in self.workers.values():
             w.proc.stop()
         for f in self.frontends:
