@@ -83,7 +83,7 @@ class SlotCatalog:
         self.removed: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=REMOVED_LOG_ENTRIES)
         self.removed_n = 0  # removals noted so far: (number, seq_hash, rank) in ``removed``
         self.index = CompactLruIndex()  # numpy arrays: ~60 bytes per block at 10M (bench --tier index)
-        self.slabs = SlabSet(cfg.paths, namespace, self.slot_bytes, int(cfg.capacity_gb * 1e9), cfg.files_per_path,
+        self.slabs = SlabSet(cfg.paths, namespace, self.slot_bytes, round(cfg.capacity_gb * 1e9), cfg.files_per_path,
                              cfg.o_direct, cfg.min_free_fraction)
         try:
             self.index.reserve(self.slabs.max_capacity_slots)  # the index's hash table never grows while open

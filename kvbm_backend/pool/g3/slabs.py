@@ -177,12 +177,13 @@ class SlabSet:
         if self.foreign_files:
             log.warning("G3: ignoring %d slab file(s) of another namespace (not %s): %s", len(self.foreign_files),
                         self.fp, ", ".join(self.foreign_files[:4]))
-        cap_per_file = capacity_bytes // len(self.paths) // self.slot_bytes // files_per_path
+        cap_slots = capacity_bytes // len(self.paths) // self.slot_bytes  # per path
         for pi, d in enumerate(self.paths):
-            per_file = budgets[pi] // self.slot_bytes // files_per_path
-            if per_file == 0 and budgets[pi] >= self.slot_bytes:
-                per_file = 1
+            budget_slots = budgets[pi] // self.slot_bytes
             for k in range(files_per_path):
+                # the path's slots spread over its files, the remainder one each to the first files: the files
+                # hold exactly the budget, never more (2 slots over 4 files were 1 slot each: twice capacity_gb)
+                per_file, cap_per_file = _share(budget_slots, files_per_path, k), _share(cap_slots, files_per_path, k)
                 name = f"g3-{self.fp}-{k}.slab"
                 path = os.path.join(d, name)
                 if not self.dirs[d].exists(name) and per_file == 0:
@@ -193,7 +194,7 @@ class SlabSet:
                 # budget never cuts a file below its current size (blocks need not be spread evenly
                 # over the files, and on a full disk the share is small), only the configured capacity
                 # does. Growth beyond the current size is still checked against statvfs (ensure_size).
-                mine = max(per_file, min(size // self.slot_bytes, max(cap_per_file, 1)))
+                mine = max(per_file, min(size // self.slot_bytes, cap_per_file))
                 f = SlabFile(index=pi * files_per_path + k, path=path, directory=d, fd=fd,
                              o_direct=self.o_direct[d], slot_bytes=self.slot_bytes, max_slots=mine,
                              size_slots=size // self.slot_bytes)
@@ -386,3 +387,9 @@ class SlabSet:
         for g in self.dirs.values():
             g.close()
         self.dirs = {}
+
+
+def _share(slots: int, files: int, k: int) -> int:
+    """File ``k``'s share of ``slots`` spread over ``files`` files: ``slots // files``, plus one for the first
+    ``slots % files`` files (the shares sum to ``slots``)."""
+    return slots // files + (1 if k < slots % files else 0)

@@ -196,6 +196,20 @@ def test_io_threads_bounds_the_engine_ops_in_flight(tmp_path):
         assert 1 <= len(names) <= 3, names
 
 
+@pytest.mark.parametrize("cap,files", [(2, 4), (5, 4), (7, 3)])
+def test_capacity_not_a_multiple_of_the_files_is_held_exactly(tmp_path, cap, files):
+    """The configured slots spread over ``files_per_path`` files hold exactly ``capacity_gb``: 2 slots over 4
+    files were 1 slot each (4 blocks held: twice the capacity, invariant 4), 5 over 4 were 4 (a slot lost);
+    and a restart with the same settings keeps them (the files' sizes are not rounded up to a slot each)."""
+    for _ in range(2):
+        with open_pool(tmp_path, files_per_path=files, capacity_gb=cap * SLOT / 1e9) as pool:
+            assert pool.stats()["capacity_blocks"] == cap
+            put_all(pool, list(range(1, 2 * files + cap + 1)))
+            st = pool.stats()
+            assert st["blocks"] == cap and st["used_bytes"] <= cap * SLOT, st
+            assert pool.slot_accounting()["leaked"] == 0
+
+
 def test_lru_eviction_order(tmp_path):
     cap = 8
     with open_pool(tmp_path, files_per_path=1, capacity_gb=cap * SLOT / 1e9) as pool:
