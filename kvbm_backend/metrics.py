@@ -21,11 +21,19 @@ carry prometheus_client's ``_total`` suffix, which KVBM's Rust exporter does not
   / ``kvbm_backend_g4_offloads_dropped{reason="breaker"}``.
 
 Everything KVBM has no name for is ``kvbm_backend_<tier>_*`` (dropped offloads by reason, corrupt
-blocks by reason, misses by reason, bytes, ``degraded``; G3 also evictions, capacity, used bytes and
+blocks by reason, misses by reason: ``offloads_dropped{reason}``, ``corrupt_blocks{reason}``,
+``load_misses{reason}``, bytes, ``degraded``; G3 also evictions, capacity, used bytes and
 blocks; G4 also ``kvbm_backend_g4_offload_seconds``, a histogram of each block offload from queued to
 ended: a worker whose G4 writes stall shows there, not only as late handoffs, and
 ``kvbm_backend_g4_throttled{op}``, requests the store answered "slow down"). Every series listed here
 is updated by the pools (``tests/core/test_metrics.py``).
+
+Reasons: each tier lists every ``reason`` its three labelled counters can carry, with its meaning, next to
+the code that counts them (G3: ``kvbm_backend.pool.g3.catalog.REASONS``; G4:
+``kvbm_backend.pool.g4.events.REASONS``; docs/operations.md "Reasons" has the same tables). A pool creates
+each listed series at 0 when it opens (an alert on ``rate(...{reason="enospc"}[5m])`` sees 0, not "no data").
+A reason a list lacks is still counted, with one WARNING naming it (:func:`count_reason`); the test suite
+fails a run that counted one (``tests/conftest.py``).
 
 Serving: one endpoint per pod and port for every process (:mod:`kvbm_backend.metrics_mp`). When an
 integration opens its tiers with ``metrics.port`` P, :func:`prepare` (before the pools exist) puts this
@@ -49,6 +57,7 @@ import collections
 import logging
 import threading
 import weakref
+from typing import Mapping
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -124,6 +133,26 @@ def counter(name: str, doc: str, labels: tuple[str, ...] = (), registry: Collect
 #: ``kvbm_backend_g4_offload_seconds`` buckets (seconds): a loopback PUT takes ~10 ms, a WAN one ~100 ms; the
 #: top buckets catch stalls beyond the S3 timeouts (``g4.timeout_s`` x ``1 + g4.retries``)
 OFFLOAD_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+#: (series, reason) counted in this process that the tier's list lacks (:func:`count_reason`); the test suite
+#: fails a run that leaves any here (``tests/conftest.py``)
+UNLISTED: set[tuple[str, str]] = set()
+
+
+def count_reason(c: Counter, listed: Mapping[str, str], reason: str, n: float = 1) -> None:
+    """Add ``n`` (blocks) to ``c{reason=reason}``. ``listed``: every reason the tier documents for ``c``
+    (reason -> meaning). An unlisted reason is counted anyway (never lost) and logged as one WARNING per
+    series and reason, and kept in :data:`UNLISTED`: the list and docs/operations.md must gain it."""
+    if reason not in listed:
+        key = (c._name, reason)
+        with _lock:
+            new = key not in UNLISTED
+            UNLISTED.add(key)
+        if new:
+            log.warning("kvbm_backend: %s counted reason %r, which its tier's list of reasons lacks (a bug: "
+                        "alerts and docs/operations.md do not know it)", c._name, reason)
+    c.labels(reason).inc(n)
 
 
 def histogram(name: str, doc: str, buckets: tuple[float, ...], registry: CollectorRegistry | None = None) -> Histogram:
@@ -287,6 +316,8 @@ class TierMetrics:
     Args:
         tier: ``g3`` or ``g4`` (lower case; used in our own names ``kvbm_backend_<tier>_*``).
         registry: where to register (None: the process registry).
+        reasons: the tier's reasons, ``{attribute: {reason: meaning}}`` for ``offloads_dropped``, ``misses``
+            and ``corrupt`` (the pools pass their tier's ``REASONS``): each series is created at 0 now.
 
     KVBM-named series: ``offload_blocks`` (``kvbm_offload_blocks_h2d`` for g3, ``_d2o`` for g4),
     ``onboard_blocks`` (``kvbm_onboard_blocks_d2d`` / ``_o2d``), ``matched_tokens``, ``hit_rate``;
@@ -301,7 +332,8 @@ class TierMetrics:
     _KVBM = {"g3": ("offload_blocks_h2d", "onboard_blocks_d2d", "disk_cache_hit_rate"),
              "g4": ("offload_blocks_d2o", "onboard_blocks_o2d", "object_cache_hit_rate")}
 
-    def __init__(self, tier: str, registry: CollectorRegistry | None = None):
+    def __init__(self, tier: str, registry: CollectorRegistry | None = None,
+                 reasons: Mapping[str, Mapping[str, str]] | None = None):
         tier = tier.lower()
         if tier not in self._KVBM:
             raise ValueError(f"tier: expected g3 or g4, got {tier!r}")
@@ -341,3 +373,7 @@ class TierMetrics:
                                      ("op",), r)
         self.degraded = gauge(p + "degraded", "1 while the tier stopped admitting (ENOSPC, store down)", registry=r,
                               multiprocess_mode="livemax")
+        for attr, listed in (reasons or {}).items():
+            c = getattr(self, attr)
+            for reason in listed:
+                c.labels(reason)  # the series exists (at 0) before its first event

@@ -23,6 +23,7 @@ below. The rule is at "markers: the lanes" below and in docs/testing.md "Markers
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 
 import pytest
@@ -202,3 +203,22 @@ def two_cores_last(items: list) -> list:
     alone, 2026-11-29); run last, the TP=2 engines get both cores then instead of sharing them with the
     other lanes at the start (the connector TP=2 test: 209 s on its own, 375 s beside them in CI)."""
     return sorted(items, key=lambda it: it.get_closest_marker("two_cores") is not None)  # a stable sort
+
+
+# ---- metric reasons: the tiers' lists stay complete --------------------------------------------------------------
+def pytest_sessionfinish(session, exitstatus):
+    """Fail a run in which any test counted a ``reason`` its tier's list lacks (``kvbm_backend.metrics.UNLISTED``,
+    filled by ``count_reason``): the whole suite keeps ``REASONS`` in pool/g3/catalog.py and pool/g4/events.py,
+    and docs/operations.md, complete. Only this process's counts (not engine or helper subprocesses)."""
+    unlisted = sorted(getattr(sys.modules.get("kvbm_backend.metrics"), "UNLISTED", ()))
+    if not unlisted:
+        return
+    msg = f"counted reasons their tier's list lacks (add them to REASONS and docs/operations.md): {unlisted}"
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.ensure_newline()
+        tr.write_line(msg, red=True)
+    else:
+        print(msg, file=sys.stderr)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -16,7 +16,7 @@ import time
 from typing import Callable, Iterable
 
 from ...config import G3Config
-from ...metrics import TierMetrics
+from ...metrics import TierMetrics, count_reason
 from ...model import frame
 from ...model.namespace import BlockKey, Namespace, tenant_tag
 from . import journal as jr
@@ -41,9 +41,51 @@ REMOVED_LOG_ENTRIES = 1 << 18
 # per KV cache group): each pool's share, summed (degraded: any), so the last pool to update no longer wins.
 _gauge_parts: dict[int, dict[int, tuple[int, int, int, int]]] = {}  # id(blocks gauge) -> {id(pool): values}
 _gauge_lock = threading.Lock()
-# FrameError.reason -> miss reason
+# FrameError.reason -> miss reason (any other: "corrupt")
 _MISS_REASON = {"magic": "corrupt", "version": "corrupt", "header_check": "corrupt", "integrity": "corrupt",
                 "length": "corrupt", "identity": "identity", "layout": "identity"}
+
+# Every reason the tier's labelled counters carry, with its meaning (docs/operations.md "Reasons" lists the same:
+# tests/core/test_metric_reasons.py). Counted by SlotCatalog.drop / miss / count_corrupt; each series exists at 0
+# from the pool's start (TierMetrics reasons=). A reason counted that is not here is logged (metrics.count_reason).
+#: ``kvbm_backend_g3_offloads_dropped{reason}``: blocks of a put not stored (writer.py)
+DROP_REASONS = {
+    "invalid_key": "a key no slot can hold (seq_hash outside [0, 2**64), rank outside [0, 2**32))",
+    "queue_full": "the write-behind queue held g3.write_queue_blocks already",
+    "degraded": "put while the tier was degraded (degrade_s after ENOSPC or a failed journal write)",
+    "closed": "the pool was closing: put after close began, or still queued when close's bound ran out",
+    "no_space": "no free slot even after evicting (every slot pinned or reserved)",
+    "enospc": "ENOSPC/EDQUOT writing or syncing the slab file or appending to the journal (tier degraded)",
+    "io_error": "the slab write or its fdatasync failed otherwise (EIO, ...)",
+    "journal_error": "the journal append or rewrite failed otherwise than for space (tier degraded)",
+    "error": "the writer failed on a bug (logged with its traceback)",
+}
+#: ``kvbm_backend_g3_load_misses{reason}``: blocks asked for and not served (read/host.py, read/reader.py)
+MISS_REASONS = {
+    "absent": "not in the index (never stored, evicted, deleted, another namespace)",
+    "invalid_key": "a key no slot can hold",
+    "timeout": "not read and verified within g3.load_timeout_s",
+    "io_error": "the read failed (or its slab file is gone); the stored bytes are not proven bad, the slot stays",
+    "short": "the slab file ends inside the slot (truncated)",
+    "corrupt": "the frame failed its checks (magic, version, header check, length, checksum)",
+    "identity": "the frame names another block or layout than the key asked for",
+    "unverifiable": "a device load found a frame it cannot verify (encrypted, or without checksum)",
+    "duplicate_of_miss": "a key repeated in one get whose first copy missed",
+}
+#: ``kvbm_backend_g3_corrupt_blocks{reason}``: slots proven bad on disk (re-read), dropped from index and journal
+CORRUPT_REASONS = {
+    "magic": "the slot holds no frame (magic bytes wrong)",
+    "version": "a frame format this reader does not know",
+    "header_check": "the header's own checksum does not match",
+    "identity": "the frame names another block than the index says the slot holds (or another TP world)",
+    "layout": "the frame's layout differs from the namespace's",
+    "length": "the frame's lengths do not fit the slot or the layout",
+    "integrity": "the payload's xxh3_128 checksum does not match (host check)",
+    "devcheck": "the payload's device checksum does not match (a device or layer-wise load)",
+    "short": "the slab file ends inside the slot (truncated)",
+}
+#: ``TierMetrics`` attribute -> its reasons (``TierMetrics("g3", reasons=REASONS)``)
+REASONS = {"offloads_dropped": DROP_REASONS, "misses": MISS_REASONS, "corrupt": CORRUPT_REASONS}
 
 
 class SlotCatalog:
@@ -97,16 +139,22 @@ class SlotCatalog:
 
     # ---- counting ---------------------------------------------------------------------------------
     def drop(self, reason: str, n: int) -> None:
-        """``n`` offloads dropped for ``reason``."""
+        """``n`` offloads dropped for ``reason`` (one of :data:`DROP_REASONS`)."""
         self.c["offloads_dropped"] += n
         self.c["dropped:" + reason] += n
-        self.metrics.offloads_dropped.labels(reason).inc(n)
+        count_reason(self.metrics.offloads_dropped, DROP_REASONS, reason, n)
 
     def miss(self, reason: str, n: int = 1) -> None:
-        """``n`` loads missed for ``reason``."""
+        """``n`` loads missed for ``reason`` (one of :data:`MISS_REASONS`)."""
         self.c["misses"] += n
         self.c["miss:" + reason] += n
-        self.metrics.misses.labels(reason).inc(n)
+        count_reason(self.metrics.misses, MISS_REASONS, reason, n)
+
+    def count_corrupt(self, reason: str) -> None:
+        """One slot proven bad for ``reason`` (one of :data:`CORRUPT_REASONS`) and dropped."""
+        self.c["corrupt"] += 1
+        self.c["corrupt:" + reason] += 1
+        count_reason(self.metrics.corrupt, CORRUPT_REASONS, reason)
 
     def update_gauges(self, gone: bool = False) -> None:
         """Set the tier's gauges to the sum over this process's G3 pools (``gone``: this one closed)."""

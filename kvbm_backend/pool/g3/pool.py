@@ -63,7 +63,7 @@ from ...model.namespace import BlockKey, Namespace
 from ..base import BlockBuffer, GetDestinations, GetResult, PutResult, SlotLease, completed
 from . import journal as jr
 from .admission import make_admission
-from .catalog import SlotCatalog
+from .catalog import REASONS, SlotCatalog
 from .read import G3Reader
 from .read.device import DeviceLoader
 from .read.layerwise import LayerwiseLoad
@@ -134,7 +134,7 @@ class G3Pool:
         self.cfg = cfg
         self.namespace = namespace
         self.fp = namespace.fingerprint
-        self.metrics = TierMetrics("g3", registry)
+        self.metrics = TierMetrics("g3", registry, reasons=REASONS)
         self._io_size = cfg.io_size_bytes  # a positive multiple of 4096: G3Config validates it
         self._frames = ChecksumFrames(bytes.fromhex(self.fp), namespace.layout, namespace.tp_world_size)
         self._staging = shared_staging(self.staging_keep_pieces * self.chunk_bytes

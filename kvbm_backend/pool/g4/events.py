@@ -2,7 +2,8 @@
 
 * :class:`G4Counters` -- the named counters every part of the pool adds to (``hits``, ``written``,
   ``miss_<reason>``, ``dropped_<reason>``, ``corrupt_<reason>``, ``throttled_<op>``, ...) and their
-  :class:`~kvbm_backend.metrics.TierMetrics` series; thread-safe.
+  :class:`~kvbm_backend.metrics.TierMetrics` series; thread-safe. :data:`REASONS`: every ``<reason>`` of
+  the dropped / miss / corrupt counters, with its meaning.
 * :func:`set_degraded` -- ``kvbm_backend_g4_degraded``: the maximum over the process's pools (1 while any
   pool's circuit breaker is open).
 * :class:`StatsGauges` -- the ``kvbm_g4_*`` gauges of one registry: the ``stats()`` of its open pools, summed.
@@ -23,16 +24,64 @@ from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from ...metrics import TierMetrics
+from ...metrics import TierMetrics, count_reason
 from .store import BucketMissing, redact_url
 
 # the pool's logger: operator lines are looked up by this name (docstring)
 log = logging.getLogger("kvbm_backend.pool.g4.pool")
 
-__all__ = ["G4Counters", "StatsGauges", "set_degraded", "OperatorLog", "MAX_LOGGED_TENANTS", "STORE_ERROR_LOG_S"]
+__all__ = ["G4Counters", "StatsGauges", "set_degraded", "OperatorLog", "MAX_LOGGED_TENANTS", "STORE_ERROR_LOG_S",
+           "REASONS", "DROP_REASONS", "MISS_REASONS", "CORRUPT_REASONS"]
 
 MAX_LOGGED_TENANTS = 1024  # log lines about unknown/revoked tenants: at most this many distinct ones
 STORE_ERROR_LOG_S = 300.0  # a store that keeps answering with an error (missing bucket, 403): one line per this
+# Every reason the tier's labelled counters carry, with its meaning (docs/operations.md "Reasons" lists the same:
+# tests/core/test_metric_reasons.py): the ``dropped_<reason>``, ``miss_<reason>`` and ``corrupt_<reason>``
+# counters (writer.py, settle.py, reader.py), mirrored by G4Counters. Each series exists at 0 from the pool's
+# start (TierMetrics reasons=); a reason counted that is not here is logged (metrics.count_reason).
+#: ``kvbm_backend_g4_offloads_dropped{reason}``: queued or refused offloads not stored
+DROP_REASONS = {
+    "closed": "the pool was closing (put after close, or still queued)",
+    "breaker": "refused while the circuit breaker was open (store unavailable)",
+    "queue_full": "the offload queue held g4.write_queue_blocks already",
+    "revoked_tenant": "the tenant's keys are revoked (encrypted pools)",
+    "unknown_tenant": "the keyring has no key for the tenant (encrypted pools)",
+    "keyring": "the keyring failed otherwise (file does not load)",
+    "unavailable": "the store did not answer (timeout, connection error, 5xx), or an unsettled PUT was found lost",
+    "throttled": "the store kept answering 'slow down' past the offload's bound",
+    "error": "the store answered with an error (403, a missing bucket), or a bug",
+    "unsettled": "a PUT that got no answer could not be settled by a HEAD within its bound or by close",
+}
+#: ``kvbm_backend_g4_load_misses{reason}``: blocks asked for and not served
+MISS_REASONS = {
+    "absent": "no such object",
+    "closed": "the pool was closing",
+    "breaker": "refused while the circuit breaker was open",
+    "timeout": "no verified answer within the load bound (timeout_s x (1 + retries))",
+    "throttled": "the store kept answering 'slow down' past the load bound",
+    "unavailable": "the store did not answer",
+    "error": "the store answered with an error (403, a missing bucket), or a bug",
+    "foreign_namespace": "a key of another namespace",
+    "revoked_tenant": "the tenant's keys are revoked (encrypted pools)",
+    "keyring_unavailable": "the keyring file does not load (encrypted pools fail closed)",
+    "no_key": "the keyring has no key the object was sealed with (an unknown tenant, a retired key)",
+    "unencrypted_object": "a plaintext object in an encrypted pool (never served)",
+    "corrupt": "the object failed its checks (corrupt_blocks says which); deleted where confirmed",
+    "unconfirmed_corrupt": "the bytes read failed a check the store does not confirm it holds (garbled in transit); kept",
+}
+#: ``kvbm_backend_g4_corrupt_blocks{reason}``: objects whose bytes failed a check (a FrameError reason)
+CORRUPT_REASONS = {
+    "magic": "the object holds no frame (magic bytes wrong)",
+    "version": "a frame format this reader does not know",
+    "header_check": "the header's own checksum does not match",
+    "identity": "the frame names another block (key, tenant, TP world)",
+    "layout": "the frame's layout differs from the namespace's",
+    "length": "the object's size or the frame's lengths do not fit",
+    "integrity": "the payload's checksum or AEAD tag does not verify",
+    "key_owner": "sealed under another tenant's data key",
+}
+#: ``TierMetrics`` attribute -> its reasons (``TierMetrics("g4", reasons=REASONS)``)
+REASONS = {"offloads_dropped": DROP_REASONS, "misses": MISS_REASONS, "corrupt": CORRUPT_REASONS}
 # miss reasons that are failed store reads
 _READ_FAILURES = {"unavailable", "error", "timeout", "unconfirmed_corrupt", "throttled"}
 _WRITE_FAILURES = {"unavailable", "error", "throttled", "unsettled"}  # drop reasons that are failed store writes
@@ -157,15 +206,15 @@ class G4Counters:
         elif name == "bytes_read":
             m.bytes_read.inc(n)
         elif kind == "dropped":
-            m.offloads_dropped.labels(reason).inc(n)
+            count_reason(m.offloads_dropped, DROP_REASONS, reason, n)
             if reason in _WRITE_FAILURES:
                 self._write_failures.inc(n)
         elif kind == "miss":
-            m.misses.labels(reason).inc(n)
+            count_reason(m.misses, MISS_REASONS, reason, n)
             if reason in _READ_FAILURES:
                 self._read_failures.inc(n)
         elif kind == "corrupt":
-            m.corrupt.labels(reason).inc(n)
+            count_reason(m.corrupt, CORRUPT_REASONS, reason, n)
         elif kind == "throttled":
             self._throttled.labels(reason).inc(n)
         elif name == "lookup_unavailable":

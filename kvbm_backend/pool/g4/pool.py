@@ -71,7 +71,7 @@ from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace
 from ..base import GetResult, PutResult, completed, is_tensor_batch
 from .breaker import CircuitBreaker
-from .events import G4Counters, OperatorLog, StatsGauges, set_degraded
+from .events import REASONS, G4Counters, OperatorLog, StatsGauges, set_degraded
 from .factory import open_store
 from .lookup import G4Lookups
 from .reader import G4Reader, GetBatch
@@ -133,7 +133,7 @@ class G4Pool:
             if self.keyring is not None and keyring is None:
                 self.keyring.close()
             raise
-        self.metrics = TierMetrics("g4", registry)
+        self.metrics = TierMetrics("g4", registry, reasons=REASONS)
         where = f" at {redact_url(cfg.endpoint_url)}" if cfg.endpoint_url and self._own_store else ""
         self.where = f"G4 {redact_url(self.store.url)}{where}"  # operator log lines name the store this way
         self.load_bound_s = cfg.timeout_s * (1 + cfg.retries) + _LOAD_SLACK_S

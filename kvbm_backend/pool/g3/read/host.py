@@ -319,9 +319,7 @@ class HostGet:
                     continue
                 cat.remove(cast(BlockKey, k), slot)
                 jrecs.append(jr.encode(jr.DEL, k))
-                cat.c["corrupt"] += 1
-                cat.c["corrupt:" + proof] += 1
-                cat.metrics.corrupt.labels(proof).inc()
+                cat.count_corrupt(proof)
             cat.journal_append(jrecs)
             cat.c["bytes_read"] += nbytes
             if late:

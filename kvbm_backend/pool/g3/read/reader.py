@@ -156,13 +156,11 @@ class G3Reader:
         with cat.lock:  # counted under the reason of the check that found it (the re-read only proves it)
             if not same_slot(cat.index.get(key), slot):  # deleted (and maybe written again elsewhere) meanwhile:
                 return  # its new copy stays, and no DEL record drops it at the next restart
-            cat.c["corrupt"] += 1
-            cat.c["corrupt:" + reason] += 1
+            cat.count_corrupt(reason)
             cat.remove(key, slot)
             cat.journal_append([jr.encode(jr.DEL, key)])
             cat.c["deleted"] += 1
             cat.update_gauges()
-        cat.metrics.corrupt.labels(reason).inc()
 
     def prove_bad(self, slot: Slot, rec: tuple[bytes, int, int]) -> str:
         """Re-read ``slot`` (one synchronous ``preadv`` of the whole slot into a fresh aligned buffer) and
