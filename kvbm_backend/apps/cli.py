@@ -205,7 +205,7 @@ def replay(
     trace: str = typer.Option(..., help="Mooncake-format JSONL trace"),
     layout: str = typer.Option(DEFAULT_LAYOUT, help=LAYOUT_HELP),
     page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
-    g3_path: str = typer.Option(..., help="G3 directory"),
+    g3_path: Optional[str] = typer.Option(None, help="G3 directory (real mode; not used with --simulate)"),
     g3_capacity_gb: float = typer.Option(..., help="G3 capacity, GB (1e9 bytes; at most 10,000,000: 10 PB)"),
     admit_all: bool = typer.Option(False, "--admit-all", help="store every block (default: second sighting)"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
@@ -219,6 +219,8 @@ def replay(
     _int_at_least("--limit", limit, 0)
     _check_layout(layout, page_size)
     if not simulate:
+        if not g3_path:
+            _fail("--g3-path: a directory is needed unless --simulate")
         _writable_dirs("--g3-path", g3_path)
     try:
         result = run_replay(trace=trace, layout=layout, page_size=page_size, g3_path=g3_path,
@@ -292,7 +294,8 @@ def plan(
         _fail(f"--save-trace: only with --synthetic (got {save_trace!r})")
     for name, v, lo in (("--users", users, 1), ("--conversations-per-user", conversations_per_user, 1),
                         ("--turns", turns, 1), ("--system-prompt-tokens", system_prompt_tokens, 0),
-                        ("--turn-tokens", turn_tokens, 1), ("--limit", limit, 0), ("--seed", seed, 0)):
+                        ("--turn-tokens", turn_tokens, 1), ("--limit", limit, 1 if synthetic else 0),
+                        ("--seed", seed, 0)):
         _int_at_least(name, v, lo)
     for name, v, hi in (("--tp", tp, MAX_TP), ("--page-size", page_size, MAX_PAGE_SIZE), ("--nodes", nodes, MAX_NODES),
                         ("--workers-per-node", workers_per_node, MAX_WORKERS_PER_NODE)):

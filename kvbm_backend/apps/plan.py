@@ -15,10 +15,15 @@ Model, per request in trace order (stated; every number follows from it):
 - A worker is one engine instance of ``tp`` ranks; a node holds ``workers_per_node`` of them. Each
   worker has its own G3 pool (KVBM's G3 is per worker) of ``G3 capacity per node / workers_per_node``
   bytes; G4 is one pool shared by the whole fleet.
-- A block stored by a worker is one frame per rank: ``tp x frame.slot_bytes(per-rank block bytes)``
-  bytes (4 KiB header + payload padded to 4 KiB, as the G3 pool stores it).
+- A block stored by a worker in G3 is one frame per rank: ``tp x frame.slot_bytes(per-rank block bytes)``
+  bytes (4 KiB header + payload padded to 4 KiB, as the G3 pool stores it); each rank has its own G3
+  pool of ``1 / tp`` of the worker's share (the connector's ``rank_g3_config``), MLA included (every rank
+  keeps its copy of the replicated latent). In G4 a block is one frame per distinct
+  ``Namespace.shared_rank``: ``tp`` frames, but one for MLA (the latent is stored once, under rank 0's
+  key); every rank still loads its own copy, so a G4 hit reads ``tp`` frames either way.
 - Routing (:class:`Router`): ``round-robin``, or ``prefix``: a stand-in for Dynamo's KV-aware
   router (lowest prefill work plus decayed load).
+- Puts: in puts of :func:`~kvbm_backend.apps.replay.put_blocks` pages, as ``replay`` makes them.
 - Lookup: the worker's G3 serves the longest prefix of the request's pages it holds; G4 then serves
   the longest run of the following pages it holds. Then every page is offered to the worker's G3 and
   to G4 (each tier's own admission filter: KVBM's second-sighting ``frequency`` or ``--admit-all``;
@@ -42,9 +47,10 @@ import numpy as np
 
 from kvbm_backend.config import AdmissionConfig
 from kvbm_backend.model import frame
+from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.model.presets import load_preset
 from .replay import (TRACE_BLOCK_TOKENS, KeyMaker, SimPool, capacity_blocks, load_trace, no_block_error,
-                     parse_record)
+                     parse_record, put_blocks)
 
 ROUTING = ("prefix", "round-robin")
 
@@ -114,13 +120,16 @@ def write_trace(records: list[dict], path: str) -> None:
 
 def load_timed_trace(path: str, limit: int | None = None) -> list[dict]:
     """Read a Mooncake JSONL trace with its timestamps (ms). Raises ValueError naming ``--trace`` and
-    the line of a malformed record or one without a numeric ``timestamp``."""
+    the line of a malformed record or one without a finite numeric ``timestamp`` (NaN and Infinity, which
+    Python's JSON reader accepts, are refused), and for a trace with no request (:func:`load_trace`)."""
     def parse(line: str, p: str, n: int) -> dict:
         r = parse_record(line, p, n)
         try:
             r["timestamp"] = float(json.loads(line)["timestamp"])
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"--trace {p} line {n}: no numeric timestamp (ms)") from None
+        if not math.isfinite(r["timestamp"]):
+            raise ValueError(f"--trace {p} line {n}: timestamp must be a finite number of ms, got {r['timestamp']}")
         return r
     return load_trace(path, limit, parse)
 
@@ -256,7 +265,8 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
     transient rich progress bar on the terminal.
 
     Returns a JSON-able dict: the settings, ``requests``, ``span_s`` (trace span, None for one
-    instant), ``worker_block_bytes`` (bytes of one stored block of one worker, all ranks, frames),
+    instant), ``worker_block_bytes`` (bytes of one block of one worker in G3, all ranks' frames: what a
+    G3 or G4 hit loads), ``g4_block_bytes`` (bytes of one block in G4: one frame for MLA, else ``tp``),
     ``unique_bytes`` (every distinct page once: the capacity that holds the whole trace),
     ``breakeven_load_gbps`` (the load bandwidth at which loading a page takes as long as recomputing
     it: stored bytes per token x prefill tokens/s) and
@@ -268,7 +278,7 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
     every token).
 
     Raises:
-        ValueError: naming the option: unknown layout / TP not dividing its KV heads, page size < 1,
+        ValueError: naming the option: no requests, unknown layout / TP not dividing its KV heads, page size < 1,
             capacities < 0 or non-finite, a G3 capacity of 0, a nonzero capacity that holds no block
             (a worker's share of G3), bad fleet numbers, unknown routing.
     """
@@ -289,23 +299,30 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
                 raise ValueError(f"{name}: each capacity must be a finite number {'>' if lo == 'gt' else '>='} 0, "
                                  f"got {c}")
     preset = load_preset(layout)
+    if not requests:
+        raise ValueError("--trace: no requests (an empty trace, or --limit 0)")
     lay = preset.layout(page_size=page_size, tp=tp)  # ValueError "tp: ..." / "layout: ..."
-    wb = tp * frame.slot_bytes(lay.bytes_per_block)
+    sb = frame.slot_bytes(lay.bytes_per_block)  # one rank's frame
+    wb = tp * sb  # G3: every rank stores (and every rank loads) its own frame of a block
+    g4_frames = len({Namespace(model=f"plan/{layout}", layout=lay, tp_world_size=tp).shared_rank(r) for r in range(tp)})
+    g4b = g4_frames * sb  # G4 stores a block once per distinct shared rank (MLA: once)
+    put_n = put_blocks(lay.bytes_per_block, sb)
     adm = AdmissionConfig(policy="all" if admit_all else "frequency")
     W, WPN = fleet.workers, fleet.workers_per_node
-    for name, caps, per in (("--g3-capacity-gb", g3_capacities_gb, WPN), ("--g4-capacity-gb", g4_capacities_gb, 1)):
-        for c in caps:  # G4 0 = no G4; any other capacity must hold a block (a worker's share, for G3)
-            if c > 0 and capacity_blocks(c * 1e9 / per, wb) < 1:
+    for name, caps, per, ranks, blk in (("--g3-capacity-gb", g3_capacities_gb, WPN, tp, wb),
+                                        ("--g4-capacity-gb", g4_capacities_gb, 1, g4_frames, g4b)):
+        for c in caps:  # G4 0 = no G4; any other capacity must hold a block (a rank's share of a worker's, for G3)
+            if c > 0 and capacity_blocks(c * 1e9 / (per * ranks), sb) < 1:
                 share = f"{c / per:g} GB per worker of {per} per node; " if per > 1 else ""
-                raise ValueError(no_block_error(name, c, wb, f"{share}layout {layout}, tp {tp}, page size {page_size}",
+                raise ValueError(no_block_error(name, c, blk, f"{share}layout {layout}, tp {tp}, page size {page_size}",
                                                 per))
     points: list[_Point] = []
     for g3 in g3_capacities_gb:
         for g4 in g4_capacities_gb:
-            g4_blocks = capacity_blocks(g4 * 1e9, wb)
-            points.append({
-                "g3": [SimPool(capacity_blocks(g3 * 1e9 / WPN, wb), adm, wb) for _ in range(W)],
-                "g4": SimPool(g4_blocks, adm, wb) if g4_blocks > 0 else None,
+            g4_blocks = capacity_blocks(g4 * 1e9 / g4_frames, sb)
+            points.append({  # a worker's G3: its tp ranks' pools, alike (same keys), one simulated for all
+                "g3": [SimPool(capacity_blocks(g3 * 1e9 / (WPN * tp), sb), adm, wb, put_n) for _ in range(W)],
+                "g4": SimPool(g4_blocks, adm, g4b) if g4_blocks > 0 else None,
                 "g3_gb": g3, "g4_gb": g4, "g3_hits": [0] * W, "g4_hits": 0, "saved_s": 0.0})
     router = Router(fleet)
     km = KeyMaker(page_size)
@@ -338,7 +355,7 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
         node_written = [sum(p["g3"][n * WPN + i].written for i in range(WPN)) * wb for n in range(fleet.nodes)]
         node_read = [sum(p["g3_hits"][n * WPN + i] for i in range(WPN)) * wb for n in range(fleet.nodes)]
         g3h, g4h = sum(p["g3_hits"]), p["g4_hits"]
-        g4w = p["g4"].written * wb if p["g4"] is not None else 0
+        g4w = p["g4"].written * g4b if p["g4"] is not None else 0
         recompute = tokens * s_per_token
         out_points.append({
             "g3_capacity_gb_per_node": p["g3_gb"], "g4_capacity_gb": p["g4_gb"],
@@ -351,6 +368,7 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
             "g4_evictions": p["g4"].evictions if p["g4"] is not None else 0,
             "g3_bytes_read": sum(node_read), "g3_bytes_written": sum(node_written),
             "g4_bytes_read": g4h * wb, "g4_bytes_written": g4w,
+            "g3_offloads_dropped": sum(x.dropped for x in p["g3"]),
             "g3_read_gbps_per_node": _none_if(span, sum(node_read) / fleet.nodes / 1e9),
             "g3_write_gbps_per_node": _none_if(span, sum(node_written) / fleet.nodes / 1e9),
             "g3_read_gbps_busiest_node": _none_if(span, max(node_read) / 1e9),
@@ -369,6 +387,6 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
         "admission": adm.policy, "fleet": asdict(fleet) | {"workers": W},
         "bytes_per_token": preset.layout(page_size=1, tp=tp).bytes_per_block * tp,
         "breakeven_load_gbps": wb / page_size * fleet.prefill_tokens_per_s / 1e9,
-        "worker_block_bytes": wb, "requests": len(requests), "input_tokens": tokens, "span_s": span,
+        "worker_block_bytes": wb, "g4_block_bytes": g4b, "requests": len(requests), "input_tokens": tokens, "span_s": span,
         "unique_blocks": len(unique), "unique_bytes": len(unique) * wb, "points": out_points,
     }

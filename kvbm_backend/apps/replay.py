@@ -15,7 +15,8 @@ mismatch raises), then store all its pages (present ones are skipped by the pool
 filter applies) and wait for the writes (so results do not depend on disk speed).
 
 Real mode writes real frames (payload = a deterministic function of the key) into a fresh
-``replay-<random>`` directory under ``g3_path``, removed at the end. ``simulate`` drives the same
+``replay-<random>`` directory under ``g3_path``, removed at the end (also on an error, Ctrl-C or SIGTERM),
+with the directories it created for ``g3_path``. ``simulate`` drives the same
 LRU index and admission code with no I/O, for capacity planning at full scale; its capacity is the
 configured one (free disk space is not consulted).
 """
@@ -24,11 +25,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
@@ -57,20 +60,26 @@ def request_tokens(hash_ids: list[int], input_length: int) -> np.ndarray:
 
 
 def load_trace(path: str, limit: int | None = None, parse=None) -> list[dict]:
-    """Read a Mooncake JSONL trace: up to ``limit`` records, each ``parse(line, path, line_number)``
-    (default :func:`parse_record`). Raises ValueError naming ``--trace`` and the line of a malformed
-    record (or a missing file)."""
+    """Read a Mooncake JSONL trace (UTF-8): up to ``limit`` records, each ``parse(line, path, line_number)``
+    (default :func:`parse_record`). Raises ValueError naming ``--trace`` (and the line) for a missing file,
+    a line that is not UTF-8, a malformed record, or no record at all (an empty trace, ``limit`` 0)."""
     parse = parse or parse_record
     if not os.path.isfile(path):
         raise ValueError(f"--trace: no file {path}")
     out: list[dict[str, Any]] = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"--trace {path} line {n}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             out.append(parse(line, path, n))
+    if not out:
+        raise ValueError(f"--trace {path}: no requests" + (" (--limit 0)" if limit == 0 else " (an empty trace)"))
     return out
 
 
@@ -83,6 +92,9 @@ def parse_record(line: str, path: str, n: int) -> dict:
         length = int(r["input_length"])
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--trace {path} line {n}: not a Mooncake record ({e})") from None
+    bad = next((x for x in ids if x < 0), None)
+    if bad is not None:
+        raise ValueError(f"--trace {path} line {n}: hash_ids must be integers >= 0, got {bad}")
     if length < 0 or length > len(ids) * TRACE_BLOCK_TOKENS:
         raise ValueError(f"--trace {path} line {n}: input_length {length} does not fit "
                          f"{len(ids)} blocks of {TRACE_BLOCK_TOKENS} tokens")
@@ -133,8 +145,19 @@ def payload_for(seq_hash: int, base: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 def capacity_blocks(capacity_bytes: float, slot_bytes: int) -> int:
-    """Slots of ``slot_bytes`` bytes that fit in ``capacity_bytes`` bytes (``int(capacity_bytes)`` // slot)."""
-    return int(capacity_bytes) // slot_bytes
+    """Slots of ``slot_bytes`` bytes that fit in ``capacity_bytes`` bytes: ``round(capacity_bytes) // slot``,
+    the slots a G3 pool of ``capacity_gb = capacity_bytes / 1e9`` holds (its capacity is
+    ``round(capacity_gb * 1e9)`` bytes)."""
+    return round(capacity_bytes) // slot_bytes
+
+
+def put_blocks(block_bytes: int, slot_bytes: int) -> int:
+    """Blocks per ``put`` in a replay (both modes; ``plan`` too): at most 4,096 blocks, 64 MiB of payload
+    and one G3 writer piece, so the real pool publishes a put's blocks in order and its LRU order (hence
+    hits and evictions) is deterministic and equal to :class:`SimPool`'s."""
+    from kvbm_backend.pool.g3.pool import G3Pool
+    piece = max(1, G3Pool.min_chunk_blocks, G3Pool.chunk_bytes // slot_bytes)
+    return max(1, min(4096, (64 << 20) // block_bytes, piece))
 
 
 def no_block_error(option: str, gb: float, slot_bytes: int, what: str, shares: int = 1) -> str:
@@ -145,20 +168,28 @@ def no_block_error(option: str, gb: float, slot_bytes: int, what: str, shares: i
 
 
 class SimPool:
-    """The pool's index, eviction and admission without I/O (``--simulate``; ``kvbm-backend plan``).
+    """The G3 pool's index, eviction and admission without I/O (``--simulate``; ``kvbm-backend plan``).
 
-    ``capacity_blocks`` slots (LRU eviction of one block per store beyond it), the admission filter of
-    ``admission_cfg``; keys are any hashables (replay: BlockKey, plan: sequence hashes)."""
+    ``capacity_blocks`` slots, the admission filter of ``admission_cfg``; keys are any hashables (replay:
+    BlockKey, plan: sequence hashes). :meth:`put` takes its keys in puts of at most ``put_blocks`` and
+    each put follows the real pool (``G3Writer.put`` then ``_start_batch``): first the whole put is
+    sorted out (a key held, or repeated in the put, is skipped and not touched; the admission filter
+    sees each other key once, in order), then the admitted keys take free slots, the least recently
+    used blocks are evicted at once for the ones short of a slot, and keys that still find none (a put
+    larger than the pool) are dropped (``dropped``); the stored keys become most recently used in order."""
 
-    def __init__(self, capacity_blocks: int, admission_cfg: AdmissionConfig, slot_bytes: int):
+    def __init__(self, capacity_blocks: int, admission_cfg: AdmissionConfig, slot_bytes: int,
+                 put_blocks: int | None = None):
         from kvbm_backend.pool.g3.admission import make_admission
         from kvbm_backend.pool.g3.index import LruIndex
         self.index = LruIndex()
         self.admission = make_admission(admission_cfg)
         self.capacity = capacity_blocks
         self.slot_bytes = slot_bytes
+        self.put_blocks = put_blocks
         self.evictions = 0
         self.written = 0
+        self.dropped = 0
 
     def lookup_prefix(self, keys) -> int:
         n = 0
@@ -171,16 +202,70 @@ class SimPool:
     def put(self, keys) -> None:
         if self.capacity < 1:  # room for no block: nothing is stored (as a pool of that size)
             return
-        for k in keys:
-            if k in self.index or not self.admission.admit(k):
+        keys = list(keys)
+        step = self.put_blocks or max(1, len(keys))
+        for c0 in range(0, len(keys), step):
+            self._put_one(keys[c0:c0 + step])
+
+    def _put_one(self, keys) -> None:
+        index = self.index
+        seen: set = set()
+        new = []
+        for k in keys:  # G3Writer.put: held or repeated keys skipped (not touched), the rest offered to admission
+            if k in seen or k in index:
                 continue
-            if len(self.index) >= self.capacity:
-                self.evictions += len(self.index.evict(1))
-            self.index.put(k, (0, 0))
-            self.written += 1
+            seen.add(k)
+            if self.admission.admit(k):
+                new.append(k)
+        if not new:
+            return
+        free = self.capacity - len(index)
+        if len(new) > free:  # _start_batch: the batch's shortfall evicted at once, oldest first
+            ev = index.evict(len(new) - free)
+            self.evictions += len(ev)
+            free += len(ev)
+        take = new[:free]
+        self.dropped += len(new) - len(take)
+        for k in take:
+            index.put(k, (0, 0))
+        self.written += len(take)
 
 
 _SimPool = SimPool  # the name this class had before ``plan`` used it
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """``path`` and those of its ancestors that do not exist, deepest first (what creating it creates)."""
+    out: list[str] = []
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        out.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return out
+
+
+def _sigterm_as_interrupt() -> Callable[[], None]:
+    """Until the returned function is called (it restores the previous handler), SIGTERM raises
+    KeyboardInterrupt, as SIGINT does, so a ``finally`` cleans up (a second SIGTERM is ignored: the
+    cleanup runs to its end). Only in the main thread (where signal handlers are set); a no-op elsewhere."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    fired = False
+
+    def on_term(signum: int, _frame: Any) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
+
+    prev = signal.signal(signal.SIGTERM, on_term)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, prev)
+    return restore
 
 
 def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: str | None = None,
@@ -214,16 +299,18 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
     if capacity_blocks(g3_capacity_gb * 1e9, sb) < 1:  # the real pool refuses it too: checked before any I/O
         raise ValueError(no_block_error("--g3-capacity-gb", g3_capacity_gb, sb, f"layout {layout}, page size {page_size}"))
     km = KeyMaker(page_size)
-    chunk = max(1, min(4096, (64 << 20) // bb))
+    chunk = put_blocks(bb, sb)
     t_start = time.perf_counter()
 
     pool = sim = run_dir = st = None
+    created: list[str] = []  # directories made for g3_path (removed with the run directory)
     if simulate:
-        sim = SimPool(capacity_blocks(g3_capacity_gb * 1e9, sb), admission, sb)
+        sim = SimPool(capacity_blocks(g3_capacity_gb * 1e9, sb), admission, sb, chunk)
     elif bb % 8 != 0:
         raise ValueError(f"layout {layout}: block of {bb} bytes is not a multiple of 8")
     lookup_blocks = hit_blocks = 0
     bar = None
+    restore_sigterm = None if simulate else _sigterm_as_interrupt()
     try:  # from the run directory's creation on: a failure anywhere removes it (finally)
         if not simulate:
             from kvbm_backend.memory import aligned_empty
@@ -231,6 +318,7 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
             from kvbm_backend.pool import open_pool
             assert g3_path  # checked above: real mode needs it
             base = np.arange(bb // 8, dtype=np.uint64) * _MIX
+            created = _missing_dirs(g3_path)
             run_dir = os.path.join(g3_path, f"replay-{uuid.uuid4().hex[:12]}")
             cfg = G3Config(paths=[run_dir], capacity_gb=g3_capacity_gb, admission=admission,
                            write_queue_blocks=max(chunk, 1), files_per_path=4)
@@ -281,6 +369,13 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
             pool.close()
         if run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
+        for d in created:  # deepest first; one that holds something else now stays
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+        if restore_sigterm is not None:
+            restore_sigterm()
     out = {
         "trace": trace,
         "layout": layout,
@@ -298,7 +393,7 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
         "elapsed_s": time.perf_counter() - t_start,
     }
     if sim is not None:
-        out.update(bytes_written=sim.written * sb, bytes_read=hit_blocks * sb, offloads_dropped=0,
+        out.update(bytes_written=sim.written * sb, bytes_read=hit_blocks * sb, offloads_dropped=sim.dropped,
                    evictions=sim.evictions, stored_blocks=len(sim.index), capacity_blocks=sim.capacity,
                    corrupt_blocks=0)
     else:

@@ -104,3 +104,45 @@ def test_bad_trace_errors(tmp_path):
         run_replay(str(bad), "tiny", PS, str(tmp_path), 1.0, simulate=True)
     with pytest.raises(ValueError, match="no file"):
         run_replay(str(tmp_path / "nope"), "tiny", PS, str(tmp_path), 1.0)
+
+
+def test_simulate_needs_no_g3_path_and_real_mode_removes_the_directories_it_made(tmp_path, micro):
+    from typer.testing import CliRunner
+
+    from kvbm_backend.apps.cli import app
+    base = ["replay", "--trace", str(TRACE), "--layout", "tiny", "--g3-capacity-gb", "1", "--limit", "3", "--json"]
+    res = CliRunner().invoke(app, base + ["--simulate"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["requests"] == 3
+    res = CliRunner().invoke(app, base)
+    assert res.exit_code == 2 and res.output.strip() == "error: --g3-path: a directory is needed unless --simulate"
+    (tmp_path / "keep").mkdir()
+    r = run_replay(str(TRACE), micro, PS, str(tmp_path / "new" / "g3"), 0.01, admit_all=True, limit=3)
+    assert r["bytes_written"] > 0 and sorted(p.name for p in tmp_path.iterdir()) == ["keep"]
+    r = run_replay(str(TRACE), micro, PS, str(tmp_path / "keep"), 0.01, admit_all=True, limit=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep"] and list((tmp_path / "keep").iterdir()) == []
+
+
+def test_sigterm_removes_the_run_directory(tmp_path):
+    """A real replay stopped by SIGTERM (what a job runner sends) removes its capacity-sized run directory and
+    the directory it made for --g3-path, as Ctrl-C does. Hang guards only."""
+    import signal
+    import time
+    g3 = tmp_path / "made" / "g3"
+    p = subprocess.Popen([sys.executable, "-m", "kvbm_backend.apps.cli", "replay", "--trace", str(TRACE), "--layout",
+                          "tiny", "--g3-path", str(g3), "--g3-capacity-gb", "2", "--admit-all", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + HANG_S
+        while not (g3.is_dir() and any(g3.glob("replay-*/*"))):  # the pool has opened its files
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < end, "hang guard: no run directory"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=HANG_S)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0 and out == "", err  # interrupted, not finished
+    assert not (tmp_path / "made").exists(), list(g3.rglob("*"))
