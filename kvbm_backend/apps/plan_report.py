@@ -11,7 +11,8 @@ def _f(v, spec: str) -> str:
 
 def print_plan(result: dict, console: Console | None = None) -> None:
     """One row per sweep point: capacities (GB per node / shared), hit rates (%), per-node G3 read and
-    write GB/s (busiest node), G3 drive writes per day, G4 GB/s (fleet), TTFT saved (s, mean per request)."""
+    write GB/s (busiest node) and the share of the node's drive write bandwidth (``--g3-write-gbps``) the
+    writes use, G3 drive writes per day, G4 GB/s (fleet), TTFT saved (s, mean per request)."""
     console = console or Console()
     f = result["fleet"]
     span = result["span_s"]
@@ -25,21 +26,23 @@ def print_plan(result: dict, console: Console | None = None) -> None:
     io = Table(title="bandwidth (busiest node for G3) and SSD wear")
     for t, cols in ((hits, ("G3 GB\nper node", "G4 GB\nshared", "G3\nhit", "G4\nhit", "total\nhit",
                             "TTFT saved\ns/request", "TTFT\nsaved")),
-                    (io, ("G3 GB\nper node", "G4 GB\nshared", "G3 read\nGB/s", "G3 write\nGB/s", "G3\nDWPD",
-                          "G4 read\nGB/s", "G4 write\nGB/s"))):
+                    (io, ("G3 GB\nper node", "G4 GB\nshared", "G3 read\nGB/s", "G3 write\nGB/s",
+                          "of G3\ndrive", "G3\nDWPD", "G4 read\nGB/s", "G4 write\nGB/s"))):
         for c in cols:
             t.add_column(c, justify="right", no_wrap=True)
     for p in result["points"]:
         caps = (f"{p['g3_capacity_gb_per_node']:,.6g}", f"{p['g4_capacity_gb']:,.6g}")
         hits.add_row(*caps, f"{p['g3_hit_rate']:.1%}", f"{p['g4_hit_rate']:.1%}", f"{p['hit_rate']:.1%}",
                      f"{p['ttft_saved_s_mean']:.3g}", f"{p['ttft_saved_fraction']:.1%}")
-        io.add_row(*caps, _f(p["g3_read_gbps_busiest_node"], ".3g"), _f(p["g3_write_gbps_busiest_node"], ".3g"),
+        io.add_row(*caps, _f(p["g3_read_gbps_busiest_node"], ".3g"),
+                   _f(p["g3_write_gbps_busiest_node"], ".3g"), _f(p["g3_write_bandwidth_used"], ".0%"),
                    _f(p["g3_dwpd"], ".3g"), _f(p["g4_read_gbps"], ".3g"), _f(p["g4_write_gbps"], ".3g"))
     console.print(hits)
     console.print(io)
     console.print(f"TTFT without cache (recompute): {result['points'][0]['ttft_recompute_s_mean']:.3g} s per "
                   f"request at {f['prefill_tokens_per_s']:,.0f} tokens/s; loads at {f['g3_read_gbps']:g} GB/s "
-                  f"(G3, node) and {f['g4_read_gbps']:g} GB/s (G4, worker); loading beats recomputing above "
+                  f"(G3, node) and {f['g4_read_gbps']:g} GB/s (G4, worker); G3 drives write {f['g3_write_gbps']:g} "
+                  f"GB/s per node (\"of G3 drive\" over 100%: the offloads outrun them); loading beats recomputing above "
                   f"{result['breakeven_load_gbps']:.3g} GB/s (negative savings: slower than recompute)",
                   highlight=False)
 

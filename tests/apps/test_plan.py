@@ -273,3 +273,18 @@ def test_bad_traces_are_one_line_errors_naming_trace_and_line(tmp_path, content,
         assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: " + expect.format(t=t)), \
             (cmd, res.output)
 
+
+def test_the_g3_drive_write_bandwidth_used_is_shown(tmp_path):
+    """``--g3-write-gbps`` moves the "of G3 drive" column (busiest node's write rate / the drive's)."""
+    base = ["plan", "--synthetic", "--users", "3", "--turns", "3", "--layout", "tiny", "--page-size", "64",
+            "--g3-capacity-gb", "1", "--admit-all", "--think-s", "1"]
+    shown = []
+    for gbps in ("3", "0.00003"):
+        js = CliRunner().invoke(app, base + ["--g3-write-gbps", gbps, "--json"])
+        assert js.exit_code == 0, js.output
+        used = json.loads(js.stdout)["points"][0]["g3_write_bandwidth_used"]
+        tab = CliRunner().invoke(app, base + ["--g3-write-gbps", gbps], env={"COLUMNS": "200"})
+        assert tab.exit_code == 0, tab.output
+        assert "of G3" in tab.stdout and f" {used:.0%} " in tab.stdout, tab.stdout
+        shown.append(used)
+    assert shown[1] == pytest.approx(shown[0] * 1e5) and shown[0] < 0.01 < 1 < shown[1]
