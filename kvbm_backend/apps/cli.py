@@ -26,7 +26,8 @@ MAX_SYNTH_BLOCK_IDS = 100_000_000  # plan --synthetic: block ids the whole trace
 MAX_NODES = 10_000
 MAX_WORKERS_PER_NODE = 256
 DEFAULT_LAYOUT = "llama-3.1-8b"  # every command's --layout default (bench, replay, plan)
-LAYOUT_HELP = f"model preset in layouts/ (default for every command: {DEFAULT_LAYOUT}; see: kvbm-backend layouts)"
+LAYOUT_HELP = (f"model preset in layouts/ (default for every command: {DEFAULT_LAYOUT}; see: kvbm-backend layouts); "
+               "NAME:fp8 for an engine with an FP8 KV cache (--kv-cache-dtype fp8)")
 
 console = Console(stderr=True)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -142,8 +142,19 @@ def list_presets() -> list[str]:
 
 
 def load_preset(name: str) -> ModelPreset:
-    """Load ``layouts/NAME.toml``. Raises ValueError naming the known presets if absent, or the field
-    that is wrong if the file is malformed."""
+    """Load ``layouts/NAME.toml`` (or a ``.toml`` path). ``NAME:DTYPE`` (e.g. ``llama-3.1-8b:fp8``) is that
+    preset with its KV dtype replaced, for an engine whose KV cache dtype differs from its weights' (vLLM's
+    ``--kv-cache-dtype fp8``: 1-byte elements, half a bfloat16 preset's bytes). Raises ValueError naming the
+    known presets if absent, the field that is wrong if the file is malformed, or an unknown ``DTYPE``."""
+    if ":" in name:
+        base, kv_dtype = name.rsplit(":", 1)
+        try:
+            dtype_bytes(kv_dtype)
+        except ValueError as e:
+            raise ValueError(f"layout: {name!r}: after ':' a KV dtype (e.g. fp8): {e}") from None
+        p = load_preset(base)
+        p = replace(p, name=f"{p.name}:{kv_dtype}", dtype=kv_dtype)
+        return replace(p, bytes_per_token=p.computed_bytes_per_token())
     path = Path(name) if name.endswith(".toml") else layouts_dir() / f"{name}.toml"
     if not path.is_file():
         raise ValueError(f"layout: no preset {name!r}; known: {', '.join(list_presets())}")

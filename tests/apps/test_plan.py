@@ -179,6 +179,7 @@ def test_cli_table_json_plot(tmp_path):
     (["--synthetic", "--router-decay-s", "0"], "error: --router-decay-s: must be > 0"),
     (["--synthetic", "--layout", "qwen3-8b", "--tp", "3"], "error: --tp: qwen3-8b has 8 KV heads"),
     (["--synthetic", "--layout", "nope"], "error: --layout: no preset"),
+    (["--synthetic", "--layout", "llama-3.1-8b:fp7"], "error: --layout: 'llama-3.1-8b:fp7': after ':' a KV dtype"),
     (["--synthetic", "--plot", "x.gif"], "error: --plot: unknown image format"),
     (["--trace", "/no/such.jsonl"], "error: --trace: no file /no/such.jsonl"),
     (["--trace", "t.jsonl", "--save-trace", "x.jsonl"], "error: --save-trace: only with --synthetic"),
@@ -288,3 +289,17 @@ def test_the_g3_drive_write_bandwidth_used_is_shown(tmp_path):
         assert "of G3" in tab.stdout and f" {used:.0%} " in tab.stdout, tab.stdout
         shown.append(used)
     assert shown[1] == pytest.approx(shown[0] * 1e5) and shown[0] < 0.01 < 1 < shown[1]
+
+
+def test_an_fp8_kv_cache_is_sized_with_the_dtype_suffix():
+    """``--layout NAME:fp8`` (an engine with ``--kv-cache-dtype fp8``): each frame's payload is half the
+    bfloat16 preset's, through the CLI."""
+    sizes = {}
+    for lay in ("llama-3.1-8b", "llama-3.1-8b:fp8"):
+        res = CliRunner().invoke(app, ["plan", "--synthetic", "--users", "2", "--turns", "2", "--layout", lay,
+                                       "--g3-capacity-gb", "1", "--json"])
+        assert res.exit_code == 0, res.output
+        sizes[lay] = json.loads(res.stdout)["worker_block_bytes"]
+    head = 4096  # frame header (docs/format.md)
+    assert sizes["llama-3.1-8b"] - head == 2 * (sizes["llama-3.1-8b:fp8"] - head) == 2 * 1048576, sizes
+

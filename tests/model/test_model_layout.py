@@ -130,3 +130,21 @@ def test_tp_above_the_kv_heads_must_be_a_multiple_of_them():
     assert llama.kv_heads_per_rank(16) == 1
     with pytest.raises(ValueError, match="tp=12"):
         llama.kv_heads_per_rank(12)
+
+
+def test_a_kv_dtype_suffix_sizes_an_fp8_kv_cache():
+    """``NAME:fp8``: the preset for an engine run with vLLM's ``--kv-cache-dtype fp8`` (the presets carry the
+    weights' dtype, so an FP8 cache was sized at twice its bytes by plan, replay, bench and layouts); review finding."""
+    base, fp8 = load_preset("llama-3.1-8b"), load_preset("llama-3.1-8b:fp8")
+    assert (fp8.name, fp8.dtype, fp8.num_layers, fp8.num_kv_heads) == ("llama-3.1-8b:fp8", "fp8", 32, 8)
+    assert fp8.bytes_per_token * 2 == base.bytes_per_token == 131072
+    assert fp8.layout(16, tp=2).bytes_per_block * 2 == base.layout(16, tp=2).bytes_per_block
+    g, g8 = load_preset("gemma-3-27b"), load_preset("gemma-3-27b:fp8")  # hybrid: both parts halve
+    assert (g8.full_bytes_per_token * 2, g8.sliding_bytes_per_token * 2) == (g.full_bytes_per_token,
+                                                                             g.sliding_bytes_per_token)
+    assert resolve_layout("llama-3.1-8b:float32").bytes_per_block == 2 * base.layout(16).bytes_per_block
+    with pytest.raises(ValueError, match="'llama-3.1-8b:fp7': after ':' a KV dtype"):
+        load_preset("llama-3.1-8b:fp7")
+    with pytest.raises(ValueError, match="no preset 'nope'"):
+        load_preset("nope:fp8")
+
