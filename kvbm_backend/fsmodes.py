@@ -4,9 +4,15 @@ namespace.json; G4 ``file://`` objects, temps and directories; keyring, its lock
 Files are created 0600 and directories 0700 whatever the process umask (a umask can only narrow a mode
 given to ``open``/``mkdir``, never widen it, so an explicit mode is enough for new paths; a directory that
 already exists keeps its mode, and :func:`mode_problems` reports it for ``kvbm-backend doctor``).
+
+Trust (what may be read or locked): :func:`dir_problem` is the one owner/mode rule for directories (G3's
+directory: this uid, not group/other-writable; the keyring's: this uid or root, sticky allowed) and
+:func:`open_trusted` opens the keyring, its KEK file and its lock only when nobody but this uid or root can
+have placed them (docs/format.md, "G4 keyring", "Who may own them").
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -72,3 +78,118 @@ def mode_problems(root: str | os.PathLike, max_entries: int = 10000) -> list[str
             except OSError:
                 continue
     return out
+
+
+# ---- trusted directories and files (G3 directories; the keyring, its KEK file and its lock) ----------------
+class UnsafePath(ValueError):
+    """A directory or file is not safe to trust with secrets: another user's, writable by others, a symbolic
+    link where none is allowed, not a regular file. The message names the path, what is wrong and the fix."""
+
+
+def dir_problem(st: os.stat_result, uid: int | None = None, *, root_ok: bool = False,
+                sticky_ok: bool = False) -> str | None:
+    """What makes a directory with status ``st`` unsafe to hold this process's private files, or None.
+
+    Safe: owned by ``uid`` (default: the effective uid), or by root when ``root_ok``; and not writable by
+    group or others, unless ``sticky_ok`` and the sticky bit is set (then others may add entries but never
+    rename, remove or replace ours: an entry of ours or root's in it cannot be swapped).
+    The G3 directory rule is ``dir_problem(st)``; the keyring's is ``root_ok=True, sticky_ok=True``."""
+    uid = os.geteuid() if uid is None else uid
+    if st.st_uid != uid and not (root_ok and st.st_uid == 0):
+        return f"is owned by uid {st.st_uid}, not by this process (uid {uid}){' or root' if root_ok else ''}"
+    if st.st_mode & 0o022 and not (sticky_ok and st.st_mode & stat.S_ISVTX):
+        return (f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}"
+                f"{', and not sticky' if sticky_ok else ''})")
+    return None
+
+
+def check_trusted_dir(d: str | os.PathLike, what: str) -> None:
+    """The keyring rule for the directory ``d`` holding ``what`` (followed if a link; its parents are not
+    checked): :func:`dir_problem` with ``root_ok`` and ``sticky_ok``. Raises UnsafePath, or OSError
+    (FileNotFoundError when missing)."""
+    d = os.path.abspath(os.fspath(d))
+    problem = dir_problem(os.stat(d), root_ok=True, sticky_ok=True)
+    if problem:
+        uid = os.geteuid()
+        raise UnsafePath(f"directory {d} of the {what} {problem}: another user could plant or replace the "
+                         f"{what} there; refusing it (fix: chown {uid} {d}; chmod 700 {d}, or use a directory of "
+                         "this user's)")
+
+
+MAX_LINKS = 8
+
+
+def _resolve_owned_links(d: str, name: str) -> str:
+    """``name`` in the trusted directory ``d``, its symbolic links resolved the way a Kubernetes Secret or
+    ConfigMap volume makes them (``keyring.json -> ..data/keyring.json``, ``..data -> ..2024_01_01...``): a
+    link is followed only when owned by this uid or root and relative without a ``..`` component (it stays
+    under ``d``), every directory passed is trusted (:func:`dir_problem`, ``root_ok``, ``sticky_ok``), at most
+    :data:`MAX_LINKS` links. Raises UnsafePath, or OSError (FileNotFoundError)."""
+    uid, cur, links = os.geteuid(), d, 0
+    todo = name.split("/")
+    while todo:
+        c = todo.pop(0)
+        if c in ("", "."):
+            continue
+        p = os.path.join(cur, c)
+        if c == "..":
+            raise UnsafePath(f"{p}: a '..' component leaves the directory; refusing it")
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            links += 1
+            target = os.readlink(p)
+            if st.st_uid not in (uid, 0):
+                raise UnsafePath(f"{p} is a symbolic link owned by uid {st.st_uid}, not by this process (uid {uid}) "
+                                 f"or root: refusing to follow it (fix: replace it by a regular file of uid {uid})")
+            if os.path.isabs(target) or ".." in target.split("/") or links > MAX_LINKS:
+                raise UnsafePath(f"{p} is a symbolic link to {target!r}: only relative links that stay in their "
+                                 "directory (as in a Kubernetes Secret volume) are followed; replace it by the file")
+            todo = target.split("/") + todo
+        elif todo:
+            if stat.S_ISDIR(st.st_mode):
+                problem = dir_problem(st, uid, root_ok=True, sticky_ok=True)
+                if problem:
+                    raise UnsafePath(f"directory {p} {problem}: refusing to read through it")
+            cur = p
+        else:
+            return p
+    return cur
+
+
+def open_trusted(path: str | os.PathLike, what: str, flags: int = os.O_RDONLY, *, private: bool = True,
+                 follow_owned_links: bool = False) -> int:
+    """Open ``what`` (a keyring, KEK or lock file) at ``path`` only if nobody but this uid (and root) can
+    have put it there or changed it; returns the fd (blocking, close-on-exec; the caller closes it).
+
+    The rule: the directory holding it passes :func:`check_trusted_dir`; the file is opened with
+    ``O_NOFOLLOW`` (a symbolic link is refused, its target left untouched), except with
+    ``follow_owned_links`` the links :func:`_resolve_owned_links` allows (a Secret volume's); it must be a
+    regular file owned by this uid and, when ``private``, give group and others no access (mode 0600/0400).
+    ``flags`` may include ``O_CREAT`` (created 0600). Raises UnsafePath, or OSError (FileNotFoundError)."""
+    p = os.path.abspath(os.fspath(path))
+    d, name = os.path.split(p)
+    check_trusted_dir(d, what)
+    real = _resolve_owned_links(d, name) if follow_owned_links else p
+    try:  # O_NONBLOCK: a FIFO must not block the open (cleared below)
+        fd = os.open(real, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)
+    except OSError as e:  # ELOOP; EACCES for another uid's link in a sticky directory (fs.protected_symlinks)
+        if e.errno == errno.ELOOP or (e.errno == errno.EACCES and os.path.islink(real)):
+            raise UnsafePath(f"{what} {p} is a symbolic link: refused (a planted link could redirect it; "
+                             f"make it a regular file: rm {p})") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        uid = os.geteuid()
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(f"{what} {p} is not a regular file (mode {stat.filemode(st.st_mode)}): remove it")
+        if st.st_uid != uid:
+            raise UnsafePath(f"{what} {p} is owned by uid {st.st_uid}, not by this process (uid {uid}): refusing "
+                             f"it (another user may have planted it; if it is yours: chown {uid} {p})")
+        if private and st.st_mode & 0o077:
+            raise UnsafePath(f"{what} {p}: mode {stat.S_IMODE(st.st_mode):04o} lets group/others read it; "
+                             f"refusing to use it (run: chmod 600 {p}; a Kubernetes Secret volume: defaultMode: 0400)")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

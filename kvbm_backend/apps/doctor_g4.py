@@ -14,7 +14,8 @@ Checks, in order (a check that cannot run because an earlier one failed is repor
   conditional put every block write uses), a second create-exclusive put of the same name is refused,
   then it is deleted and is gone (``file://``: a file created with ``link()`` and unlinked).
 * ``keyring`` (``g4.encrypt``): the keyring file loads and every key unwraps with its KEK (read-only:
-  no lock file, nothing written); file modes are in doctor's ``modes`` section.
+  no lock file, nothing written), in a directory and with files the worker would trust (owner, mode, links:
+  :func:`kvbm_backend.fsmodes.open_trusted`); file modes are in doctor's ``modes`` section.
 """
 from __future__ import annotations
 
@@ -130,12 +131,17 @@ def _s3_checks(store, cfg, timeout_s: float, rows: _Checks) -> bool:
 
 
 def _keyring_check(kc, rows: _Checks) -> None:
-    from kvbm_backend.crypto.kek import provider_for
+    from kvbm_backend.crypto.kek import provider_for, trusted_dir
     from kvbm_backend.crypto.keyring import Keyring, KeyringError
     if not kc.path:
         rows.add("keyring", False, "g4.keyring.path: required when g4.encrypt is true")
         return
     path = os.path.abspath(os.path.expanduser(kc.path))
+    try:  # the worker's rule (kvbm_backend.fsmodes.open_trusted): a directory others can write is refused
+        trusted_dir(os.path.dirname(path), "keyring")
+    except KeyringError as e:
+        rows.add("keyring", False, str(e))
+        return
     if not os.path.exists(path):
         kek = f"${kc.kek_env}" if os.environ.get(kc.kek_env) else (kc.kek_file or f"{path}.kek")
         from kvbm_backend.config import dir_problem

@@ -1,6 +1,7 @@
 """Key-encryption keys (KEKs) of the keyring (:mod:`.keyring`): the :class:`KeyProvider` protocol, the
 local provider :class:`LocalKek` (env var or 0600 file, AES key wrap RFC 3394) and :func:`provider_for`;
-the keyring's errors; the file checks both use (private mode, read-only directory, directory fsync);
+the keyring's errors; the file checks both use (trusted directory and private files of this uid:
+:func:`kvbm_backend.fsmodes.open_trusted`; read-only directory; directory fsync);
 and the keyring file's small codecs (base64 fields, ISO times, change stamp) and :class:`DataKey`.
 
 Nothing here prints or logs key material. Errors are :class:`KeyringError` naming the file or variable.
@@ -16,13 +17,12 @@ import json
 import os
 import secrets
 import socket
-import stat
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, Protocol, runtime_checkable
 
-from ..fsmodes import makedirs_private
+from ..fsmodes import UnsafePath, check_trusted_dir, makedirs_private, open_trusted
 from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
 
 KEY_BYTES = 32
@@ -108,9 +108,17 @@ class LocalKek:
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> "LocalKek":
         p = Path(path)
-        _check_private(p, "KEK file")
         try:
-            kek = base64.b64decode(p.read_text().strip(), validate=True)
+            with os.fdopen(open_trusted(p, "KEK file", follow_owned_links=True), "r") as f:
+                text = f.read()
+        except UnsafePath as e:
+            raise KeyringError(str(e)) from None
+        except FileNotFoundError:
+            raise KeyringError(f"KEK file {p}: not found") from None
+        except OSError as e:
+            raise KeyringError(f"KEK file {p}: {e.strerror or e}") from None
+        try:
+            kek = base64.b64decode(text.strip(), validate=True)
         except ValueError:
             raise KeyringError(f"KEK file {p}: not valid base64") from None
         return cls(kek, source=f"KEK file {p}")
@@ -124,6 +132,7 @@ class LocalKek:
         creating it at once cannot both win.
         """
         p = Path(path)
+        trusted_dir(p.parent, "KEK file")
         kek = secrets.token_bytes(KEY_BYTES)
         tmp = p.parent / f".{p.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -153,9 +162,13 @@ def _fsync_dir(d: Path) -> None:
 
 @contextlib.contextmanager
 def locked_file(lock_path: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_path`` (created 0600 if missing) for the ``with`` block.
-    Raises OSError."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    """Hold an exclusive ``flock`` on ``lock_path`` (created 0600 if missing) for the ``with`` block: a
+    regular file of this uid in a trusted directory, never a symbolic link (:func:`open_trusted`).
+    Raises KeyringError (an unsafe lock file or directory) or OSError."""
+    try:
+        fd = open_trusted(lock_path, "keyring lock file", os.O_RDWR | os.O_CREAT, private=False)
+    except UnsafePath as e:
+        raise KeyringError(str(e)) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -187,15 +200,17 @@ def generate_kek_b64() -> str:
     return base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode()
 
 
-def _check_private(p: Path, what: str, st: os.stat_result | None = None) -> None:
-    if st is None:
-        try:
-            st = p.stat()
-        except FileNotFoundError:
-            raise KeyringError(f"{what} {p}: not found") from None
-    if st.st_mode & 0o077:
-        raise KeyringError(f"{what} {p}: mode {stat.S_IMODE(st.st_mode):04o} lets group/others read it; "
-                           f"refusing to use it (run: chmod 600 {p}; a Kubernetes Secret volume: defaultMode: 0400)")
+def trusted_dir(d: str | os.PathLike[str], what: str) -> None:
+    """:func:`kvbm_backend.fsmodes.check_trusted_dir` of an existing directory ``d`` (a missing one is
+    created 0700 by whoever needs it). Raises KeyringError."""
+    try:
+        check_trusted_dir(d, what)
+    except FileNotFoundError:
+        pass
+    except UnsafePath as e:
+        raise KeyringError(str(e)) from None
+    except OSError as e:
+        raise KeyringError(f"directory {d} of the {what}: {e.strerror or e}") from None
 
 
 def provider_for(path: str | os.PathLike[str], kek_env: str = "KVBM_BACKEND_KEK", kek_file: str | None = None,
@@ -208,14 +223,15 @@ def provider_for(path: str | os.PathLike[str], kek_env: str = "KVBM_BACKEND_KEK"
     if os.environ.get(kek_env):
         return LocalKek.from_env(kek_env)
     kf = Path(kek_file) if kek_file else Path(f"{path}.kek")
-    if kf.exists():
+    trusted_dir(kf.parent, "KEK file")  # a KEK planted in a directory others can write is never used
+    if os.path.lexists(kf):
         return LocalKek.from_file(kf)
     if create and not Path(path).exists():
         makedirs_private(kf.parent)  # 0700, parents too, whatever the umask
         try:
             return LocalKek.generate_file(kf)
         except KeyringError:
-            if kf.exists():  # another process (a worker starting beside us) created it first: use theirs
+            if os.path.lexists(kf):  # another process (a worker starting beside us) created it first: use theirs
                 return LocalKek.from_file(kf)
             raise
     raise KeyringError(f"keyring {path}: no KEK (set ${kek_env} to a base64 32-byte key or provide {kf})")

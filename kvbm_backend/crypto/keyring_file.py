@@ -13,7 +13,8 @@ import secrets
 from pathlib import Path
 from typing import NamedTuple
 
-from .kek import KEY_BYTES, KeyProvider, KeyringError, _b64, _check_private, _now_iso, _stamp, _unb64
+from ..fsmodes import UnsafePath, open_trusted
+from .kek import KEY_BYTES, KeyProvider, KeyringError, _b64, _now_iso, _stamp, _unb64
 from .keyring_persist import Doc
 
 FORMAT = "kvbm-backend-keyring/1"
@@ -31,12 +32,13 @@ class FileState(NamedTuple):
 def read_keyring(path: Path, provider: KeyProvider) -> FileState:
     """Read, check and unwrap the keyring file at ``path`` under ``provider``'s KEK. The change stamp
     comes from the same open file, so a replacement during the read is seen by the next check.
-    Raises KeyringError (missing, insecure mode, not JSON, other format or KEK, malformed entry)."""
-    try:
-        with open(path, "rb") as f:
+    Raises KeyringError (missing, another uid's, in a directory others can write, insecure mode, not JSON, other format or KEK, malformed entry)."""
+    try:  # a regular 0600/0400 file of this uid in a trusted directory (links: a Secret volume's only)
+        with os.fdopen(open_trusted(path, "keyring", follow_owned_links=True), "rb") as f:
             st = os.fstat(f.fileno())
-            _check_private(path, "keyring", st)
             text = f.read()
+    except UnsafePath as e:
+        raise KeyringError(str(e)) from None
     except FileNotFoundError:
         raise KeyringError(f"keyring {path}: not found") from None
     except OSError as e:

@@ -39,7 +39,7 @@ import re
 import stat
 import uuid
 
-from ...fsmodes import makedirs_private
+from ...fsmodes import dir_problem, makedirs_private
 from ...model.namespace import Namespace
 
 log = logging.getLogger(__name__)
@@ -106,16 +106,13 @@ class G3Dir:
         makedirs_private(d)  # 0700, parents too, whatever the umask
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            st = os.fstat(fd)
-            uid = os.geteuid()
-            if st.st_uid != uid:
+            problem = dir_problem(os.fstat(fd))  # the rule the keyring's directory shares (root, sticky: no)
+            if problem:
+                uid = os.geteuid()
                 raise G3PathError(
-                    f"G3 directory {d} is owned by uid {st.st_uid}, not by this process (uid {uid}): G3 holds "
-                    f"plaintext KV and must live in a directory of its own user (chown {uid} {d}; chmod 700 {d}).")
-            if st.st_mode & 0o022:
-                raise G3PathError(
-                    f"G3 directory {d} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
-                    f"anyone could plant files or links there. Fix: chmod 700 {d}")
+                    f"G3 directory {d} {problem}: G3 holds plaintext KV and must live in a directory of its own "
+                    f"user that no one else can write, else anyone could plant files or links there "
+                    f"(fix: chown {uid} {d}; chmod 700 {d}).")
         except BaseException:
             os.close(fd)
             raise
