@@ -272,7 +272,7 @@ class OperatorLog:
     def tenant_once(self, reason: str, pseudonym_hex: str, err: Exception | str) -> None:
         """An offload of the tenant with pseudonym ``pseudonym_hex`` was dropped for ``reason`` (a
         ``dropped_*`` counter): one WARNING per (reason, tenant), never the tenant id itself (``err``, the
-        reason's text, must not hold it: the writer replaces it by the pseudonym)."""
+        reason's text, must not hold it: the writer passes a fixed text per reason, never a keyring message)."""
         tag = (reason, pseudonym_hex)
         with self._mu:
             if tag in self.logged_tenants or len(self.logged_tenants) > MAX_LOGGED_TENANTS:

@@ -202,6 +202,21 @@ class G4Writer:
         frame[:HEADER_BYTES] = hdr.pack()
         return frame
 
+    def _drop_text(self, reason: str) -> str:
+        """What the operator log says about a tenant's offload dropped for ``reason`` (a keyring refusal): a
+        fixed text with the keyring's settings, nothing of the tenant (its pseudonym is logged beside it)."""
+        kr = self._keyring
+        where = f"keyring {getattr(kr, 'path', '?')}"
+        if reason == "dropped_revoked_tenant":
+            return f"{where}: the tenant was revoked; only `kvbm-backend keys create` brings it back"
+        if reason == "dropped_unknown_tenant":
+            why = ("it is read-only" if getattr(kr, "read_only", False) else
+                   "g4.keyring.auto_create_tenants is off" if not getattr(kr, "auto_create_tenants", True) else
+                   f"it holds g4.keyring.max_auto_tenants={getattr(kr, 'max_auto_tenants', '?')} tenants")
+            return f"{where}: no data key for the tenant and {why}; create it with `kvbm-backend keys create`"
+        return (f"{where}: no data key served (the file does not load or cannot be written, or a read-only key "
+                "version reached its use limit): see the keyring's own log line, `kvbm-backend doctor`")
+
     def _put_one(self, key: BlockKey, block: npt.NDArray[np.uint8], done: Callable[[str], None],
                  queued: float) -> None:
         """One queued offload (``queued``: its ``time.monotonic()`` when queued, for the
@@ -228,10 +243,9 @@ class G4Writer:
                     reason = ("dropped_revoked_tenant" if isinstance(e, TenantRevoked) else
                               "dropped_unknown_tenant" if isinstance(e, UnknownTenant) else "dropped_keyring")
                     self._count(reason)
-                    ps = self._names.tag(key.tenant)
-                    # the operator log names tenants by pseudonym only, whatever a keyring message says
-                    why = str(e).replace(key.tenant, f"<tenant {ps}>") if key.tenant else str(e)
-                    self._oplog.tenant_once(reason, ps, why)
+                    # the operator log names the tenant by its pseudonym only, with a fixed text per reason (never
+                    # the keyring's message: a tenant id replaced in it showed where it occurred, e.g. "7")
+                    self._oplog.tenant_once(reason, self._names.tag(key.tenant), self._drop_text(reason))
                     return
                 name = self._names.name(key)
                 try:

@@ -264,3 +264,23 @@ def test_startup_line_once_without_secrets(tmp_path, caplog):
         assert want in line, (want, line)
     kek = (tmp_path / "kr.json.kek").read_text().strip()
     assert "s3cr3t" not in line and "AKIAUSER" not in line and kek not in line
+
+
+def test_a_dropped_tenant_is_logged_by_pseudonym_without_revealing_a_short_id(tmp_path, caplog, monkeypatch):
+    """Security review item 2: the writer replaced the tenant id in the keyring's message by its pseudonym, so a
+    short id (``7``) showed wherever that character occurred (the keyring path ``keys7``, the pseudonym hex).
+    The log line now has a fixed text per reason and the pseudonym once."""
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    d = tmp_path / "keys7"
+    caplog.set_level(logging.WARNING, logger="kvbm_backend")
+    ns = namespace()
+    with G4Pool(G4Config(url=f"file://{d}/store", keyring={"path": f"{d}/keyring.json", "auto_create_tenants": False},
+                         timeout_s=30), ns) as p:
+        for tenant in ("7", "acme-keys"):
+            res = p.put([ns.key(1, tenant)], [payload(1, tenant, ns.layout.bytes_per_block)]).result(HANG_S)
+            assert res.dropped == 1
+            ps = p.pseudonym(tenant).hex()
+            lines = [r.getMessage() for r in caplog.records if ps in r.getMessage()]
+            assert len(lines) == 1 and "dropped_unknown_tenant" in lines[0], caplog.text
+            assert lines[0].count(ps) == 1 and "<tenant" not in lines[0], lines[0]
+            assert "auto_create_tenants is off; create it with `kvbm-backend keys create`" in lines[0], lines[0]
