@@ -25,13 +25,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -41,6 +39,8 @@ from kvbm_backend.model import frame
 from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.namespace import BlockKey, Namespace
 from kvbm_backend.model.presets import load_preset
+
+from .signals import sigterm_as_interrupt
 
 TRACE_BLOCK_TOKENS = 512
 VOCAB = 32000
@@ -247,27 +247,6 @@ def _missing_dirs(path: str) -> list[str]:
     return out
 
 
-def _sigterm_as_interrupt() -> Callable[[], None]:
-    """Until the returned function is called (it restores the previous handler), SIGTERM raises
-    KeyboardInterrupt, as SIGINT does, so a ``finally`` cleans up (a second SIGTERM is ignored: the
-    cleanup runs to its end). Only in the main thread (where signal handlers are set); a no-op elsewhere."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    fired = False
-
-    def on_term(signum: int, _frame: Any) -> None:
-        nonlocal fired
-        if not fired:
-            fired = True
-            raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
-
-    prev = signal.signal(signal.SIGTERM, on_term)
-
-    def restore() -> None:
-        signal.signal(signal.SIGTERM, prev)
-    return restore
-
-
 def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: str | None = None,
                g3_capacity_gb: float = 1.0, admit_all: bool = False, limit: int | None = None,
                simulate: bool = False, progress: bool = False) -> dict:
@@ -310,7 +289,7 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
         raise ValueError(f"layout {layout}: block of {bb} bytes is not a multiple of 8")
     lookup_blocks = hit_blocks = 0
     bar = None
-    restore_sigterm = None if simulate else _sigterm_as_interrupt()
+    restore_sigterm = None if simulate else sigterm_as_interrupt()
     try:  # from the run directory's creation on: a failure anywhere removes it (finally)
         if not simulate:
             from kvbm_backend.memory import aligned_empty
