@@ -106,6 +106,14 @@ _PAIRS = [
 ]
 
 
+def baseline_label(d: dict) -> str:
+    """The legend of a bench result's baseline bars: its JSON's ``baseline`` description when it has one, else
+    what ``baseline_o_direct`` says (older results)."""
+    if d.get("baseline"):
+        return f"baseline: {d['baseline']}"
+    return "buffered I/O baseline" if d.get("baseline_o_direct") is False else "O_DIRECT baseline"
+
+
 def plot_results(files: Iterable[str], out: str) -> None:
     """Plot each JSON file: demo results (TTFT p50/p90 per config), bench results (ours vs the
     in-run baseline), ``bench --tier index`` results (prefix lookup times and bytes per block),
@@ -149,14 +157,15 @@ def plot_results(files: Iterable[str], out: str) -> None:
             pairs = [(lbl, d[a], d[b], a.startswith("ours")) for lbl, a, b in _PAIRS if a in d and b in d]
             if not pairs:
                 raise ValueError(f"{name}: neither demo ('configs') nor bench (*_gbps) results")
-            base_label = "vLLM fs tier" if pairs[0][3] else "O_DIRECT baseline"
+            import textwrap
+            base_label = "vLLM fs tier" if pairs[0][3] else textwrap.fill(baseline_label(d), 48)
             x = range(len(pairs))
             ax.bar([i - 0.2 for i in x], [p[1] for p in pairs], 0.4, label="kvbm_backend")
             ax.bar([i + 0.2 for i in x], [p[2] for p in pairs], 0.4, label=base_label)
             ax.set_xticks(list(x), [p[0] for p in pairs])
             ax.set_ylabel("GB/s (1e9 B/s)")
             ax.set_title(f"{name}: {d.get('tier', '')} {d.get('engine', '')}".strip())
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -39,6 +39,8 @@ def test_bench_vllm_tiers_json(tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.output[r.output.index("{"):])
     assert TIER_KEYS <= set(d)
+    # what the plot's panel title and the JSON's readers need (tier, the engine our tier ran, I/Os in flight)
+    assert d["tier"] == "vllm-tiers" and d["engine"] in ("nixl", "posix") and d["inflight"] == 8
     assert all(d[k] > 0 for k in TIER_KEYS)
     # the same-durability ratio compares like with like: no flush on either side, same O_DIRECT choice
     assert d["same_durability"] and d["vllm_fs_o_direct"] == d["ours_nofsync_o_direct"] == d["ours_o_direct"]

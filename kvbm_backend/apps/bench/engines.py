@@ -8,6 +8,10 @@ transfers of one 1-op descriptor each: the same I/Os in flight as the baseline),
 (NIXL POSIX/AIO, 64 descriptors per transfer: NIXL's strength, many more I/Os in the kernel queue),
 ``nixl_uring`` (as ``nixl`` with io_uring). Each runs on its own fresh temp file; reads are checked
 against what was written.
+
+The baseline is the disk's limit, not the variants' settings: the best of plain ``pwrite``/``pread`` over
+1, 4, 8, 16 and 64 threads (64: the batched variant's queue depth) x the I/O size, 1 MiB and 4 MiB
+(:func:`kvbm_backend.apps.bench.baseline.odirect_sweep`; every point in ``baseline["sweep"]``).
 """
 from __future__ import annotations
 
@@ -15,8 +19,10 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+from typing import NoReturn
 
 import numpy as np
 
@@ -24,9 +30,10 @@ from kvbm_backend.io import make_engine
 from kvbm_backend.io.base import IoOp
 from kvbm_backend.io.probe import fdatasync, open_file, probe_o_direct
 from kvbm_backend.memory import aligned_empty
-from .baseline import check_sizes, drop_cache, odirect_baseline, random_aligned
+from .baseline import SWEEP_THREADS, check_sizes, drop_cache, odirect_sweep, random_aligned
 
 VARIANTS = ("posix", "nixl", "nixl_batched", "nixl_uring")
+BASELINE_THREADS = (*SWEEP_THREADS, 64)  # 64: nixl_batched's descriptors per transfer
 
 
 def _engine(variant: str, inflight: int):
@@ -82,12 +89,14 @@ def engine_run(variant: str, directory: str, total_bytes: int, io_size: int, inf
 
 def compare_engines(directory: str, total_bytes: int, io_size: int, inflight: int, *,
                     repeats: int = 1, variants: tuple[str, ...] = VARIANTS) -> dict:
-    """Baseline and every engine variant, interleaved ``repeats`` times; medians and bests are reported.
+    """Baseline sweep and every engine variant, interleaved ``repeats`` times; medians and bests are reported.
 
     Returns ``{"params": {...}, "baseline": {...}, VARIANT: {..., "write_ratio", "read_ratio",
     "write_ratio_best", "read_ratio_best"}, ...}``: ratios are the variant's GB/s over the baseline's
-    (medians of the same run; ``*_best``: best run over best run, less sensitive to other load). A variant that
-    cannot run here (NIXL missing) appears as ``{"error": reason}``.
+    (medians of the same run, the baseline's at its best point of that direction; ``*_best``: best run over
+    best run, less sensitive to other load). The baseline is the best point of a threads x I/O size sweep
+    (first repeat: every point; later ones: the best points again), every point in ``baseline["sweep"]``.
+    A variant that cannot run here (NIXL missing) appears as ``{"error": reason}``.
 
     Raises:
         ValueError: bad sizes (see :func:`kvbm_backend.apps.bench.baseline.check_sizes`) or ``repeats`` < 1.
@@ -95,13 +104,11 @@ def compare_engines(directory: str, total_bytes: int, io_size: int, inflight: in
     check_sizes(total_bytes, io_size, inflight)
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    runs: dict[str, list[dict]] = {"baseline": [], **{v: [] for v in variants}}
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     errors: dict[str, str] = {}
-    o_direct = None
-    for _ in range(repeats):
-        b = odirect_baseline(directory, total_bytes, io_size, inflight)
-        o_direct = b["o_direct"]
-        runs["baseline"].append(b)
+    sweep = odirect_sweep([directory], total_bytes, io_size, threads=BASELINE_THREADS)
+    for rep in range(repeats):
+        sweep.measure(full=rep == 0)
         for v in variants:
             if v in errors:
                 continue
@@ -119,9 +126,14 @@ def compare_engines(directory: str, total_bytes: int, io_size: int, inflight: in
         return m
 
     out: dict = {"params": {"directory": directory, "total_bytes": total_bytes, "io_size": io_size,
-                            "inflight": inflight, "repeats": repeats, "o_direct": o_direct,
+                            "inflight": inflight, "repeats": repeats, "o_direct": sweep.o_direct,
                             "cpus": os.cpu_count()}}
-    base = med(runs["baseline"])
+    sw = sweep.result()
+    bw, br = sw["best_write"], sw["best_read"]
+    wruns = next(p["write_gbps_runs"] for p in sw["points"] if p["threads"] == bw["threads"] and p["io_size"] == bw["io_size"])
+    rruns = next(p["read_gbps_runs"] for p in sw["points"] if p["threads"] == br["threads"] and p["io_size"] == br["io_size"])
+    base = {"write_gbps": statistics.median(wruns), "read_gbps": statistics.median(rruns),
+            "write_gbps_best": bw["gbps"], "read_gbps_best": br["gbps"], "sweep": sw}
     out["baseline"] = base
     for v in variants:
         if v in errors:
@@ -136,14 +148,35 @@ def compare_engines(directory: str, total_bytes: int, io_size: int, inflight: in
     return out
 
 
+def _fail(msg: str) -> NoReturn:
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _check_args(a: argparse.Namespace) -> None:
+    """One ``error:`` line naming the option (exit 2) for a bad value."""
+    for name, v in (("--total-mib", a.total_mib), ("--io-kib", a.io_kib), ("--inflight", a.inflight),
+                    ("--repeats", a.repeats)):
+        if v < 1:
+            _fail(f"{name}: must be >= 1 (got {v})")
+    if a.io_kib % 4:
+        _fail(f"--io-kib: must be a multiple of 4 (4 KiB, the O_DIRECT alignment; got {a.io_kib})")
+    if a.total_mib * 1024 % a.io_kib:
+        _fail(f"--total-mib: {a.total_mib} MiB is not a whole number of --io-kib {a.io_kib} I/Os")
+    if not os.path.isdir(a.directory):
+        _fail(f"DIRECTORY: {a.directory}: no such directory")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.error = _fail  # type: ignore[method-assign,assignment]  # usage errors as one line too
     p.add_argument("directory", nargs="?", default=tempfile.gettempdir())
     p.add_argument("--total-mib", type=int, default=256)
     p.add_argument("--io-kib", type=int, default=1024)
     p.add_argument("--inflight", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
+    _check_args(a)
     import logging
 
     try:  # NIXL configures its logger (INFO, to stdout) on import: import first, then quieten it
@@ -151,7 +184,10 @@ def main(argv: list[str] | None = None) -> None:
     except Exception:  # noqa: BLE001 - NIXL missing: its variants report the reason
         pass
     logging.getLogger("nixl").setLevel(logging.WARNING)  # keep stdout pure JSON
-    res = compare_engines(a.directory, a.total_mib << 20, a.io_kib << 10, a.inflight, repeats=a.repeats)
+    try:
+        res = compare_engines(a.directory, a.total_mib << 20, a.io_kib << 10, a.inflight, repeats=a.repeats)
+    except (OSError, RuntimeError) as e:
+        _fail(f"{a.directory}: {e}")
     print(json.dumps(res, indent=2))
 
 

@@ -3,10 +3,16 @@ on ``s3://BUCKET/PREFIX`` (``--endpoint-url``) or ``file:///path``, against a ba
 taken in the same run:
 
 * S3: plain ``PUT``/``GET`` of objects of the same size (header + payload) with the same client
-  (``g4.s3_client``: obstore by default; ``BenchOptions.s3_client``) and configuration and the same number
-  of requests in flight (``--threads``).
-* file: plain O_DIRECT I/O (:func:`kvbm_backend.apps.bench.baseline.odirect_baseline`), same I/O size
-  and in-flight count.
+  (``g4.s3_client``: obstore by default; ``BenchOptions.s3_client``) and configuration, best of 1, 4, 8
+  and 16 requests in flight (whatever the pool's ``--threads``).
+* file: the store's own I/O done plainly (:func:`kvbm_backend.apps.bench.baseline.object_files_sweep`):
+  one file per object of the stored size, written whole with one ``pwrite`` + ``fsync`` and read whole
+  (O_DIRECT where taken), best of 1, 4, 8 and 16 threads.
+
+``baseline_sweep`` lists every point measured and the best of each direction; the ratios are against
+those bests. Every object is moved whole, so ``io_size_bytes`` is the object size (``--io-size`` does not
+apply; the CLI refuses it). The S3 store is probed first (a bucket HEAD with a short timeout), so an
+unreachable ``--endpoint-url`` fails in seconds.
 
 Both pool modes run in every invocation, encrypted (AES-256-GCM, per-tenant key from a throwaway
 keyring) and unencrypted (xxh3_128 checksums), alternating with the baseline for ``ROUNDS`` rounds; the
@@ -33,17 +39,18 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from kvbm_backend.config import G4Config, io_size_problem
+from kvbm_backend.config import G4Config
 from kvbm_backend.crypto.aead import gcm_gbps_per_core
 from kvbm_backend.memory import aligned_empty
-from kvbm_backend.model.frame import HEADER_BYTES, slot_bytes
+from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.model.presets import load_preset
 from . import BenchOptions, rounds_progress
-from .baseline import random_aligned
+from .baseline import SWEEP_THREADS, Sweep, object_files_sweep, random_aligned
 
 ROUNDS = 2
 BENCH_TIMEOUT_S = 120.0
+PROBE_TIMEOUT_S = 5.0  # the store's first answer (bucket HEAD): an unreachable endpoint fails this fast
 
 
 def _cpu() -> float:
@@ -101,6 +108,10 @@ def _pool_round(url: str, ns: Namespace, opts: BenchOptions, encrypt: bool, keyr
         res = pool.put(keys, blocks).result()
         write_s, c1 = time.perf_counter() - t0, _cpu()
         if res.written != n:
+            u = urlparse(url)
+            if u.scheme == "file" and shutil.disk_usage(os.path.dirname(u.path)).free < (n - res.written) * (bb + 8192):
+                raise OSError(f"--url: no room for --blocks {n} in {os.path.dirname(u.path)}: the pool wrote "
+                              f"{res.written}; free space there or use fewer --blocks")
             raise RuntimeError(f"bench: pool wrote {res.written} of {n} blocks ({res}); stats {pool.stats()}")
         _drop_page_cache(url)
         c2, t0 = _cpu(), time.perf_counter()
@@ -118,15 +129,34 @@ def _pool_round(url: str, ns: Namespace, opts: BenchOptions, encrypt: bool, keyr
         _cleanup(url, opts)
 
 
-def _s3_baseline(url: str, opts: BenchOptions, object_bytes: int, n: int) -> dict:
-    """Plain PUT then GET of ``n`` objects of ``object_bytes`` with the pool's client config."""
+def probe_s3(url: str, opts: BenchOptions) -> None:
+    """HEAD the bucket with the pool's client and a :data:`PROBE_TIMEOUT_S` timeout, no retry. Raises
+    ValueError naming ``--url`` / ``--endpoint-url`` when the store does not answer or refuses."""
     from kvbm_backend.pool.g4.factory import open_store
-    st = open_store(url, endpoint_url=opts.endpoint_url, timeout_s=BENCH_TIMEOUT_S, max_inflight=opts.threads,
+    try:
+        st = open_store(url, endpoint_url=opts.endpoint_url, timeout_s=PROBE_TIMEOUT_S, retries=0,
+                        s3_client=opts.s3_client)
+    except ValueError as e:  # a bad bucket name, ...: the message names g4.url, the option is --url
+        raise ValueError(f"--url {url}: {str(e).removeprefix(f'g4.url {url!r}: ')}") from None
+    try:
+        st.probe()
+    except OSError as e:
+        raise ValueError(f"--url {url} / --endpoint-url {opts.endpoint_url}: the store did not answer a bucket "
+                         f"HEAD within {PROBE_TIMEOUT_S:g} s or refused it ({type(e).__name__}: {e})") from None
+    finally:
+        st.close()
+
+
+def _s3_baseline(url: str, opts: BenchOptions, object_bytes: int, n: int, threads: int) -> dict:
+    """Plain PUT then GET of ``n`` objects of ``object_bytes`` with the pool's client config, ``threads`` requests
+    in flight."""
+    from kvbm_backend.pool.g4.factory import open_store
+    st = open_store(url, endpoint_url=opts.endpoint_url, timeout_s=BENCH_TIMEOUT_S, max_inflight=threads,
                     retries=1, s3_client=opts.s3_client)
     data = os.urandom(object_bytes)
     names = [f"obj-{i:08d}" for i in range(n)]
     try:
-        with ThreadPoolExecutor(opts.threads) as ex:
+        with ThreadPoolExecutor(threads) as ex:
             t0 = time.perf_counter()
             list(ex.map(lambda nm: st.put(nm, data), names))
             write_s = time.perf_counter() - t0
@@ -146,15 +176,13 @@ def run(opts: BenchOptions) -> dict:
     """Run the G4 benchmark. Returns the JSON-able result (see module doc).
 
     Raises:
-        ValueError: no/bad ``--url``, ``blocks`` < 1, bad layout, I/O size not a multiple of 4 KiB.
+        ValueError: no/bad ``--url``, ``blocks`` < 1, bad layout, an S3 store that does not answer.
         RuntimeError: blocks lost or corrupted (never expected).
     """
     if not opts.url:
         raise ValueError("--url: bench --tier g4 needs s3://BUCKET/PREFIX (with --endpoint-url) or file:///path")
     if opts.blocks < 1:
         raise ValueError(f"--blocks: must be >= 1, got {opts.blocks}")
-    if io_size_problem(opts.io_size_bytes):
-        raise ValueError(f"--io-size: {io_size_problem(opts.io_size_bytes)} (got {opts.io_size_bytes})")
     u = urlparse(opts.url)
     if u.scheme not in ("s3", "file"):
         raise ValueError(f"--url {opts.url!r}: expected s3://BUCKET/PREFIX or file:///path")
@@ -163,30 +191,29 @@ def run(opts: BenchOptions) -> dict:
     lay = load_preset(opts.layout).layout(page_size=opts.page_size, tp=opts.tp)
     ns = Namespace(model=f"bench/{opts.layout}", layout=lay, tp_world_size=opts.tp)
     bb, n = lay.bytes_per_block, opts.blocks
+    base = opts.url.rstrip("/")
+    obj = HEADER_BYTES + bb
+    if u.scheme == "s3":
+        probe_s3(base, opts)
+        sweep = Sweep("plain PUT/GET, same client", [{"threads": t, "object_bytes": obj} for t in sorted({min(t, n) for t in SWEEP_THREADS})],
+                      lambda p: _s3_baseline(f"{base}/kvbm-bench-g4-base-{uuid.uuid4().hex[:8]}", opts, obj, n,
+                                             p["threads"]), bytes=obj * n)
+    else:
+        sweep = object_files_sweep(u.path, obj, n)
     src = random_aligned(-(-n * bb // 4096) * 4096, seed=11)
     dst = aligned_empty(src.nbytes)
-    base = opts.url.rstrip("/")
     kdir = tempfile.mkdtemp(prefix="kvbm-bench-keys-")
     keyring = os.path.join(kdir, "keyring.json")
     runs: dict[bool, list] = {True: [], False: []}
-    base_runs = []
     try:
         gcm = gcm_gbps_per_core()
         with rounds_progress(opts.progress, "bench g4", 3 * ROUNDS) as advance:
-            for _ in range(ROUNDS):
+            for rnd in range(ROUNDS):
                 for enc in (opts.encrypt, not opts.encrypt):
                     runs[enc].append(_pool_round(f"{base}/kvbm-bench-g4-{uuid.uuid4().hex[:8]}", ns, opts, enc,
                                                  keyring, src, dst))
                     advance()
-                if u.scheme == "s3":
-                    base_runs.append(_s3_baseline(f"{base}/kvbm-bench-g4-base-{uuid.uuid4().hex[:8]}", opts,
-                                                  HEADER_BYTES + bb, n))
-                else:
-                    from .baseline import odirect_baseline
-                    os.makedirs(u.path, exist_ok=True)
-                    io = opts.io_size_bytes
-                    total = -(-n * slot_bytes(bb) // io) * io
-                    base_runs.append(odirect_baseline(u.path, total, io, opts.threads))
+                sweep.measure(full=rnd == 0)
                 advance()
     finally:
         shutil.rmtree(kdir, ignore_errors=True)
@@ -200,8 +227,7 @@ def run(opts: BenchOptions) -> dict:
 
     sel = opts.encrypt
     client = runs[sel][0]["client"]
-    bw = max(r["write_gbps"] for r in base_runs)
-    br = max(r["read_gbps"] for r in base_runs)
+    bw, br = sweep.best_gbps("write"), sweep.best_gbps("read")
     enc_r, plain_r = best(True, "read"), best(False, "read")
     return {
         "tier": "g4",
@@ -214,7 +240,7 @@ def run(opts: BenchOptions) -> dict:
         "object_bytes": HEADER_BYTES + bb,
         "blocks": n,
         "payload_bytes": payload,
-        "io_size_bytes": HEADER_BYTES + bb if u.scheme == "s3" else opts.io_size_bytes,
+        "io_size_bytes": obj,  # every object is written and read whole
         "inflight": opts.threads,
         "engine": client if u.scheme == "s3" else "posix",
         "client": client if u.scheme == "s3" else "posix",
@@ -225,7 +251,11 @@ def run(opts: BenchOptions) -> dict:
         "read_gbps": best(sel, "read"),
         "baseline_write_gbps": bw,
         "baseline_read_gbps": br,
-        "baseline": "plain PUT/GET, same client and concurrency" if u.scheme == "s3" else "plain O_DIRECT I/O",
+        "baseline": ("best of plain PUT/GET, same client (1-16 requests in flight)" if u.scheme == "s3" else
+                     f"best of plain {'O_DIRECT ' if sweep.o_direct else ''}file per object, written whole + fsync"
+                     ", read whole (1-16 threads)"),
+        "baseline_o_direct": sweep.o_direct if u.scheme == "file" else None,
+        "baseline_sweep": sweep.result(),
         "write_ratio": best(sel, "write") / bw if bw else None,
         "read_ratio": best(sel, "read") / br if br else None,
         "cpu_s_per_gb": min(r["cpu_s"] for r in runs[sel]) / (2 * payload / 1e9),
@@ -247,5 +277,4 @@ def run(opts: BenchOptions) -> dict:
         "aes_gcm_open_gbps_per_core": gcm["open_gbps"],
         "pool_read_s": {"encrypted": [r["read_s"] for r in runs[True]],
                         "unencrypted": [r["read_s"] for r in runs[False]]},
-        "baseline_read_gbps_runs": [r["read_gbps"] for r in base_runs],
     }

@@ -95,9 +95,10 @@ def _one_tier(name: str, tier_cfg: dict, geo: dict, keys: list[OffloadKey], payl
         h.wait_idle(timeout=600)
         t_write, c_write = time.perf_counter() - t0, _cpu_s() - c0
         o_direct = bool(getattr(h.tier, "_use_o_direct", False))
-        sync_groups = None
+        sync_groups = engine = None
         if hasattr(h.tier, "kvbm_stats"):
             pst = h.tier.kvbm_stats()["pool"]
+            engine = pst.get("engine")
             od = pst.get("o_direct", {})
             o_direct = all(od.values()) if isinstance(od, dict) and od else bool(od)
             sync_groups = pst.get("sync_groups")
@@ -115,7 +116,8 @@ def _one_tier(name: str, tier_cfg: dict, geo: dict, keys: list[OffloadKey], payl
                 f"{name}_write_s": t_write, f"{name}_read_s": t_read,
                 f"{name}_write_cpu_s_per_gb": c_write / (nbytes / 1e9), f"{name}_read_cpu_s_per_gb": c_read / (nbytes / 1e9), f"{name}_o_direct": o_direct,
                 f"{name}_read_cache_dropped": files > 0, f"{name}_read_verified": ok,
-                f"{name}_blocks_read": len(got), f"{name}_sync_groups": sync_groups}
+                f"{name}_blocks_read": len(got), f"{name}_sync_groups": sync_groups,
+                f"{name}_engine": engine}
     finally:
         h.shutdown()
 
@@ -148,7 +150,8 @@ def run(opts: BenchOptions, rounds_n: int = ROUNDS) -> dict:
     batch = 16
     threads = max(1, opts.threads)
     capacity_gb = max(1.0, 2.5 * rounds_n * opts.blocks * layout.bytes_per_block / 1e9)
-    result: dict[str, Any] = {"layout": opts.layout, "block_bytes": layout.bytes_per_block, "blocks": opts.blocks,
+    result: dict[str, Any] = {"tier": "vllm-tiers", "engine": opts.engine, "inflight": threads,
+                              "io_size_bytes": opts.io_size_bytes, "layout": opts.layout, "block_bytes": layout.bytes_per_block, "blocks": opts.blocks,
                               "chunks_per_store_job": batch, "path": opts.path, "rounds": rounds_n}
     rounds: dict[str, list[dict]] = {"vllm_fs": [], "ours": [], "ours_nofsync": []}
     try:
@@ -180,6 +183,7 @@ def run(opts: BenchOptions, rounds_n: int = ROUNDS) -> dict:
             result[f"{name}_sync_groups_rounds"] = [r[f"{name}_sync_groups"] for r in rs]
         for flag in ("o_direct", "read_cache_dropped", "read_verified"):
             result[f"{name}_{flag}"] = all(r[f"{name}_{flag}"] for r in rs)
+    result["engine"] = rounds["ours"][0]["ours_engine"] or opts.engine  # the engine our G3 tier ran
     result["write_ratio"] = result["ours_write_gbps"] / result["vllm_fs_write_gbps"]
     result["same_durability"] = result["vllm_fs_o_direct"] == result["ours_nofsync_o_direct"]
     result["write_ratio_same_durability"] = (result["ours_nofsync_write_gbps"] / result["vllm_fs_write_gbps"]
