@@ -14,7 +14,8 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
-from .cli_checks import error_line, finite as _finite, int_range
+from .cli_checks import check_layout as _check_layout, config_error_text as _config_error_text, error_line
+from .cli_checks import finite as _finite, int_range
 
 # Upper bounds of the numeric flags (a value past them is an operator mistake that would otherwise end
 # in a MemoryError or OverflowError traceback minutes later). Capacities: config.MAX_CAPACITY_GB.
@@ -87,11 +88,6 @@ def _max_capacity_gb() -> float:
     return MAX_CAPACITY_GB
 
 
-def _host_memory_bytes() -> int:
-    import os
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def _writable_dirs(name: str, value: Optional[str], sep: Optional[str] = None) -> None:
     """Each directory named (``sep``-separated) exists as a writable directory or can be created."""
     from kvbm_backend.config import dir_problem
@@ -106,25 +102,6 @@ def _writable_dirs(name: str, value: Optional[str], sep: Optional[str] = None) -
 def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         _fail(f"{name}: expected {', '.join(choices[:-1])} or {choices[-1]} (got {value!r})")
-
-
-def _check_layout(layout: str, page_size: int, tp: int = 1) -> None:
-    """The preset exists, parses, and splits over ``tp`` ranks (messages name --layout / --tp)."""
-    from kvbm_backend.model.presets import load_preset
-    try:
-        load_preset(layout).layout(page_size=page_size, tp=tp)
-    except ValueError as e:
-        msg = str(e)
-        if msg.startswith("tp: "):
-            _fail(f"--tp: {msg[4:]} (got {tp})")
-        _fail(f"--layout: {msg.removeprefix('layout: ').removeprefix('layout ')}")
-
-
-def _config_error_text(e: Exception) -> str:
-    from pydantic import ValidationError
-
-    from kvbm_backend.config import _fmt_error
-    return _fmt_error(e) if isinstance(e, ValidationError) else str(e)
 
 
 @app.command()
@@ -144,60 +121,19 @@ def bench(
     encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help="g4: AES-256-GCM per tenant"),
     s3_client: str = typer.Option("obstore", help="g4 on s3://: the S3 client of the block traffic, "
                                                   "obstore | boto3 (g4.s3_client; its default)"),
-    io_size: int = typer.Option(1 << 20, help="bytes per coalesced I/O per rank (a multiple of 4096, at most 1 GiB)"),
-    engine: str = typer.Option("auto", help="auto | posix | nixl | kvikio"),
-    threads: int = typer.Option(8, help=f"I/Os in flight (1-{MAX_THREADS})"),
+    io_size: Optional[int] = typer.Option(None, help="g3 / vllm-tiers: bytes per coalesced I/O per rank of the pool "
+                                                     "(a multiple of 4096, at most 1 GiB; default 1 MiB)"),
+    engine: Optional[str] = typer.Option(None, help="g3 / vllm-tiers: auto | posix | nixl | kvikio (default auto)"),
+    threads: Optional[int] = typer.Option(None, help=f"g3 / g4 / vllm-tiers: the pool's I/Os in flight (1-{MAX_THREADS}"
+                                                     "; default 8)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Write then read N blocks through a tier, with an in-run baseline of the same bytes."""
-    from .bench import BenchOptions
-    from kvbm_backend.config import ConfigError, io_size_problem
-    _one_of("--tier", tier, ("g3", "g4", "vllm-tiers", "index"))
-    _int_at_least("--page-size", page_size, 1, MAX_PAGE_SIZE)
-    _int_at_least("--tp", tp, 1, MAX_TP)
-    _int_at_least("--blocks", blocks, 1, MAX_INDEX_BLOCKS if tier == "index" else None)
-    _int_at_least("--threads", threads, 1, MAX_THREADS)
-    if io_size_problem(io_size):
-        _fail(f"--io-size: {io_size_problem(io_size)} (got {io_size})")
-    if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
-        _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
-    _one_of("--engine", engine, ("auto", "posix", "nixl", "kvikio"))
-    _one_of("--s3-client", s3_client, ("boto3", "obstore"))
-    _check_layout(layout, page_size, tp)
-    if tier != "index":
-        from kvbm_backend.model.presets import load_preset
-        need = 2 * blocks * load_preset(layout).layout(page_size=page_size, tp=tp).bytes_per_block
-        if need > _host_memory_bytes():
-            _fail(f"--blocks: {blocks:,} blocks need {need / 1e9:,.1f} GB of host buffers (written and read "
-                  f"back), more than this host's {_host_memory_bytes() / 1e9:,.1f} GB of memory (got {blocks})")
-    from .cli_checks import existing_dir, file_url_path
-    why = "bench writes its files inside an existing directory and creates none"
-    if tier != "g4":
-        for d in ([x.strip() for x in path.split(",") if x.strip()] if path else []):
-            existing_dir("--path", d, why)
-    elif url and (url_dir := file_url_path(url)) is not None:
-        existing_dir("--url", url_dir, why)
-    opts = BenchOptions(tier=tier, layout=layout, page_size=page_size, tp=tp, blocks=blocks, path=path, url=url,
-                        endpoint_url=endpoint_url, encrypt=encrypt, io_size_bytes=io_size, engine=engine,
-                        threads=threads, progress=not as_json, s3_client=s3_client)
-    try:
-        if tier == "g3":
-            from .bench.g3 import run
-        elif tier == "g4":
-            from .bench.g4 import run
-        elif tier == "vllm-tiers":
-            from .bench.vllm_tiers import run
-        elif tier == "index":
-            from .bench.index import run
-        else:
-            _fail(f"--tier: expected g3, g4 or vllm-tiers, got {tier!r}")
-        result = run(opts)
-    except (ValueError, ConfigError) as e:  # pydantic's ValidationError is a ValueError
-        _fail(_config_error_text(e))
-    except MemoryError as e:
-        _fail(f"bench --tier {tier}: out of memory for --blocks {blocks} ({e})")
-    except OSError as e:
-        _fail(f"bench --tier {tier}: {e}")
+    """Write then read N blocks through a tier, against the best plain I/O of the same bytes in the same run."""
+    from .bench_cli import run_bench
+    result = run_bench(tier=tier, layout=layout, page_size=page_size, tp=tp, blocks=blocks, path=path, url=url,
+                       endpoint_url=endpoint_url, encrypt=encrypt, s3_client=s3_client, io_size=io_size,
+                       engine=engine, threads=threads, as_json=as_json, max_page_size=MAX_PAGE_SIZE, max_tp=MAX_TP,
+                       max_threads=MAX_THREADS, max_index_blocks=MAX_INDEX_BLOCKS)
     _emit(result, as_json)
 
 

@@ -81,3 +81,23 @@ def file_url_path(url: str) -> str | None:
     from urllib.parse import urlparse
     u = urlparse(url)
     return u.path if u.scheme == "file" and u.netloc in ("", "localhost") and u.path.startswith("/") else None
+
+
+def check_layout(layout: str, page_size: int, tp: int = 1) -> None:
+    """The preset exists, parses, and splits over ``tp`` ranks (messages name --layout / --tp)."""
+    from kvbm_backend.model.presets import load_preset
+    try:
+        load_preset(layout).layout(page_size=page_size, tp=tp)
+    except ValueError as e:
+        msg = str(e)
+        if msg.startswith("tp: "):
+            fail(f"--tp: {msg[4:]} (got {tp})")
+        fail(f"--layout: {msg.removeprefix('layout: ').removeprefix('layout ')}")
+
+
+def config_error_text(e: Exception) -> str:
+    """A configuration error as one text: pydantic's ValidationError formatted as the config loader does."""
+    from pydantic import ValidationError
+
+    from kvbm_backend.config import _fmt_error
+    return _fmt_error(e) if isinstance(e, ValidationError) else str(e)

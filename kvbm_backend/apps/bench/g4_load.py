@@ -30,6 +30,7 @@ import json
 import os
 import resource
 import shutil
+import sys
 import tempfile
 import time
 
@@ -157,6 +158,11 @@ def _measure(pool, path: str, keys, rows, staging, src, rounds: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+    def usage_error(msg: str) -> None:  # argparse's usage errors as one line too
+        print(f"error: {msg}", file=sys.stderr)
+        raise SystemExit(2)
+    ap.error = usage_error  # type: ignore[method-assign,assignment]
     ap.add_argument("--dir", default="/dev/shm", help="directory of the file:// store (tmpfs by default)")
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--layout", default="llama-3.1-8b")
@@ -171,12 +177,19 @@ def main(argv=None) -> int:
                     help="with --engine-busy: switch intervals (ms) to load under (load_gil_switch_ms; 5: CPython's)")
     ap.add_argument("--json", action="store_true", help="print the JSON result")
     a = ap.parse_args(argv)
+    def nums(flag: str, text: str, kind: type) -> tuple:
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"{flag}: expected comma-separated {kind.__name__} values (got {text!r})") from None
+
     try:
-        threads = tuple(int(x) for x in a.threads.split(",") if x.strip())
+        threads = nums("--threads", a.threads, int)
+        switch_ms = nums("--switch-ms", a.switch_ms, float)
         d = run(a.dir, a.blocks, a.layout, threads, a.rounds, tuple(x for x in a.paths.split(",") if x),
-                a.engine_busy, tuple(float(x) for x in a.switch_ms.split(",") if x.strip()))
+                a.engine_busy, switch_ms)
     except ValueError as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if a.json:
         print(json.dumps(d, indent=1))

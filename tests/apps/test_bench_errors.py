@@ -1,0 +1,130 @@
+"""``kvbm-backend bench`` (and the ``engines`` / ``g4_load`` bench modules): a flag a tier does not use is
+refused, every error is one line naming the flag (exit 2), an unreachable S3 store fails fast, SIGTERM cleans
+up. Hang guards only, no wall-clock assertions."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvbm_backend.apps.cli import app
+
+HANG_S = 120.0  # a hang guard, not a bound
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _one_line_error(r, *names: str) -> str:
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in r.output, r.output
+    for n in names:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def test_flags_a_tier_does_not_use_are_refused(tmp_path):
+    store = tmp_path / "g4"
+    store.mkdir()
+    for flag, value in (("--io-size", "4096"), ("--engine", "posix")):
+        r = CliRunner().invoke(app, ["bench", "--tier", "g4", "--url", f"file://{store}", "--layout", "tiny",
+                                     "--blocks", "1", flag, value])
+        _one_line_error(r, flag, "g4")
+    for flag, value in (("--engine", "posix"), ("--io-size", "4096"), ("--threads", "2")):
+        r = CliRunner().invoke(app, ["bench", "--tier", "index", "--blocks", "10", flag, value])
+        _one_line_error(r, flag, "index")
+
+
+@pytest.mark.parametrize("url,names", [("s3://kvbm-bench/x", ("--url", "--endpoint-url")),
+                                       ("s3://b/x", ("--url", "bucket"))])  # a bucket name S3 refuses
+def test_unreachable_s3_endpoint_fails_fast_naming_the_flags(url, names):
+    try:
+        p = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "bench", "--tier", "g4", "--url",
+                            url, "--endpoint-url", "http://127.0.0.1:1", "--blocks", "1", "--layout", "tiny",
+                            "--json"], capture_output=True, text=True, timeout=HANG_S, cwd=ROOT,
+                           env={**ENV, "AWS_ACCESS_KEY_ID": "kvbm-test", "AWS_SECRET_ACCESS_KEY": "kvbm-test"})
+    except subprocess.TimeoutExpired:
+        pytest.fail("hang guard: an unreachable endpoint was not refused")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and p.stdout == "", p.stderr
+    assert all(n in lines[0] for n in names) and "Traceback" not in p.stderr, lines[0]
+
+
+def test_run_errors_are_one_line(tmp_path, monkeypatch):
+    import kvbm_backend.pool.g3.slabs as slabs
+    (tmp_path / "g3").mkdir()
+    total = 100 << 30  # a filesystem with room for a dozen tiny slots past g3.min_free_fraction
+    monkeypatch.setattr(slabs, "fs_space", lambda d: (int(total * 0.02) + 12 * 36864, total))
+    r = CliRunner().invoke(app, ["bench", "--tier", "g3", "--path", str(tmp_path / "g3"), "--layout", "tiny",
+                                 "--blocks", "64", "--json"])
+    _one_line_error(r, "--path", "--blocks", "no room")
+    monkeypatch.undo()
+    import kvbm_backend.apps.bench.g3 as g3
+
+    def boom(_opts):
+        raise RuntimeError("bench: pool lost a block")
+    monkeypatch.setattr(g3, "run", boom)
+    r = CliRunner().invoke(app, ["bench", "--tier", "g3", "--path", str(tmp_path / "g3"), "--layout", "tiny"])
+    _one_line_error(r, "bench --tier g3", "lost a block")
+
+
+def test_engine_that_cannot_run_here_is_one_line(tmp_path):
+    from kvbm_backend.io import make_engine
+    try:
+        make_engine("kvikio", threads=1).close()
+        pytest.skip("kvikio runs on this host")
+    except (RuntimeError, ImportError, OSError):
+        pass
+    r = CliRunner().invoke(app, ["bench", "--tier", "g3", "--path", str(tmp_path), "--layout", "tiny", "--blocks",
+                                 "4", "--engine", "kvikio"])
+    _one_line_error(r, "--engine kvikio")
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--total-mib", "0"], "--total-mib"), (["--io-kib", "3"], "--io-kib"), (["--inflight", "0"], "--inflight"),
+    (["--repeats", "0"], "--repeats"), (["--inflight", "x"], "--inflight")])
+def test_engines_module_bad_values_are_one_line(tmp_path, args, flag):
+    p = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.bench.engines", str(tmp_path), *args],
+                       capture_output=True, text=True, timeout=HANG_S, env=ENV, cwd=ROOT)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and flag in lines[0] and p.stdout == "", p.stderr
+
+
+def test_engines_module_missing_dir_and_g4_load_threads_are_one_line(tmp_path):
+    for mod, args, name in (("engines", [str(tmp_path / "missing")], "missing"),
+                            ("g4_load", ["--dir", str(tmp_path), "--threads", "a"], "--threads"),
+                            ("g4_load", ["--dir", str(tmp_path), "--blocks", "x"], "--blocks")):
+        p = subprocess.run([sys.executable, "-m", f"kvbm_backend.apps.bench.{mod}", *args], capture_output=True,
+                           text=True, timeout=HANG_S, env=ENV, cwd=ROOT)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and name in lines[0] and "Traceback" not in p.stderr, p.stderr
+
+
+def test_sigterm_during_bench_g3_removes_its_files(tmp_path):
+    """A real ``bench --tier g3`` stopped by SIGTERM while its baseline file exists removes it and the pool's
+    directories, as Ctrl-C does."""
+    d = tmp_path / "g3"
+    d.mkdir()
+    p = subprocess.Popen([sys.executable, "-m", "kvbm_backend.apps.cli", "bench", "--tier", "g3", "--path", str(d),
+                          "--layout", "llama-3.1-8b", "--blocks", "32", "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        end = time.monotonic() + HANG_S
+        while not any(d.glob(".kvbm-baseline-*")):  # the first baseline point runs (after the first pool round)
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < end, "hang guard: no baseline file"
+            time.sleep(0.005)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=HANG_S)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0 and out == "", err  # interrupted, not finished
+    assert list(d.iterdir()) == []
