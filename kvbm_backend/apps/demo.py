@@ -66,6 +66,7 @@ import numpy as np
 from .demo_native import (BLOCKS_PER_CHUNK, NATIVE_CONFIGS, cpu_budget_env, disk_bytes, native_extra, native_g4_url,
                           native_tier_summary, tier_dirs)
 from .demo_engines import _run_engines
+from ..fsmodes import makedirs_private
 from .engine_model import DEMO, write_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -324,7 +325,10 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
         console.print(f"  G3: {wd}/g3-*   G4: {g4_url}   workdir: {wd}")
 
         g3_gb = 2.0
-        keyring = str(wd / "g4-keyring.json")
+        # the keyring in a 0700 directory of its own: a --workdir made group-writable (umask 002) is refused as the
+        # keyring's directory (another user could plant a keyring there: fsmodes.open_trusted)
+        makedirs_private(wd / "g4-keyring")
+        keyring = str(wd / "g4-keyring" / "g4-keyring.json")
         budget = cpu_budget_env()
         # CPU primary tier of the native configs: about two engine KV budgets (float32 KV: 2x the bf16 bytes)
         cpu_bytes = 2 * num_blocks * BLOCK_SIZE * model.kv_bytes_per_token * (2 if DTYPE == "float32" else 1)
