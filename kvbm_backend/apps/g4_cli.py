@@ -260,6 +260,8 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an
        keyring: Optional[str] = typer.Option(None, help="keyring: revoked tenants are reclaimed, --tenant mapped"),
        kek_env: str = _ENV, kek_file: Optional[str] = _KF,
        temp_grace_s: float = typer.Option(3600.0, help="writer temp files younger than this are never touched"),
+       announce_ttl_s: float = typer.Option(
+           3600.0, help="announcement batches (g4.announce) at least this old on the store's clock are deleted"),
        dry_run: bool = typer.Option(False, "--dry-run", help="report, delete nothing"),
        as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Remove G4 blocks by age and/or to a capacity target (oldest first), per tenant too, and every
@@ -278,12 +280,13 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an
     from kvbm_backend.config import MAX_CAPACITY_GB
     _finite("--target-gb", target_gb, ge=0, le=MAX_CAPACITY_GB)
     _finite("--temp-grace-s", temp_grace_s, ge=0)
+    _finite("--announce-ttl-s", announce_ttl_s, ge=0)
     store = _open_store(url, endpoint_url, region)
     try:
         kr = _open(keyring, kek_env, kek_file, False) if keyring else None
         res = run_gc(store, keyring=kr, max_age_s=max_age_s,
                      target_bytes=None if target_gb is None else int(target_gb * 1e9), tenant=tenant,
-                     temp_grace_s=temp_grace_s, dry_run=dry_run)
+                     temp_grace_s=temp_grace_s, dry_run=dry_run, announce_ttl_s=announce_ttl_s)
     except (ValueError, KeyringError, OSError) as e:
         _fail(str(e))
     _report(res, as_json, "gc")

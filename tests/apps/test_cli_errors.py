@@ -105,6 +105,7 @@ CASES = [
     (["gc", "--url", "file://{d}/store", "--target-gb", "-1"], "error: --target-gb: must be >= 0 (got -1)"),
     (["gc", "--url", "file://{d}/store", "--target-gb", "inf"], "error: --target-gb: must be a finite number"),
     (["gc", "--url", "file://{d}/store", "--max-age-s", "5", "--temp-grace-s", "-5"], "error: --temp-grace-s:"),
+    (["gc", "--url", "file://{d}/store", "--max-age-s", "5", "--announce-ttl-s", "-5"], "error: --announce-ttl-s:"),
     (["gc", "--url", "ftp://host/x", "--max-age-s", "5"], "error: --url: 'ftp://host/x': scheme 'ftp' not supported"),
     (["gc", "--url", "s3://bkt/p", "--endpoint-url", "not-a-url", "--max-age-s", "5"], "error: --endpoint-url:"),
     (["gc", "--url", "file://{d}/store", "--max-age-s", "soon"], "'--max-age-s'"),

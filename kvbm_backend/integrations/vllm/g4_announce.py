@@ -14,8 +14,10 @@ SGLang's HiCache / Mooncake). With ``g4.announce`` each worker's scheduler-side 
   ``BlockStored`` (``medium="DISK"``, Dynamo's ``disk_blocks``) for their blocks, the worker's own included,
   through the connector's KV events (:class:`~.kv_events.G3KvEvents`; published by vLLM's scheduler, or by
   the idle publisher while the engine does not step); re-published after a prefix-cache reset.
-* **removal**: records expire. A batch whose store mtime is ``announce_ttl_s`` old, or that disappeared
-  (any poller deletes expired batches), is withdrawn: ``BlockRemoved`` for blocks no live batch still
+* **removal**: records expire. A batch ``announce_ttl_s`` old (the older of its store mtime and the write
+  time sealed in it, :mod:`.g4_records`: a copy of an expired batch written back is still expired), that
+  disappeared (any poller deletes expired batches), or whose tenant was revoked since (its key is re-checked
+  every poll; ``announce_revoked_batches``) is withdrawn: ``BlockRemoved`` for blocks no live batch still
   announces. Blocks are not re-announced, so a block older than the TTL loses its router credit (it stays
   loadable); a block ``kvbm-backend gc`` deletes before the TTL keeps its credit until then (a routing
   preference, never KV: its load misses and the engine recomputes). Run gc with ``--max-age-s`` >= the TTL.
@@ -23,8 +25,11 @@ SGLang's HiCache / Mooncake). With ``g4.announce`` each worker's scheduler-side 
 **Time base** (as :mod:`kvbm_backend.pool.g4.gc`): ages are ``now - mtime`` with ``now`` the store's clock
 where it states one (S3: the ``Date`` header, :meth:`~kvbm_backend.pool.g4.store.ObjectStore.server_time`),
 else this host's clock moved by the skew measured on this worker's own batches (the store mtime of a batch
-it wrote minus this host's clock at the write: a free probe, no object written for it; 0 until one is
-listed, and on filesystems whose clients stamp mtimes). ``now`` never follows the listed mtimes: a batch
+it wrote minus this host's clock at the write: a free probe) or, when none was measured in the last
+``CLOCK_REMEASURE_S``, on a probe object (:func:`~kvbm_backend.pool.g4.gc.store_clock`, gc's). Nothing is
+expired or deleted before the clock is measured: before (2026-11-30) the skew was 0 until the poller listed a
+batch of its own, so a poller whose host clock ran 2 h ahead deleted every fresh batch of the fleet. A store
+that cannot be measured (read-only) expires nothing; batches are then withdrawn when they disappear. ``now`` never follows the listed mtimes: a batch
 stamped later than ``now`` (its writer's clock ahead on a client-stamped filesystem such as CephFS, Lustre
 or some NFS; a restored file) is young, read and credited, and counted (``announce_future_batches``); its age
 runs from when this poller first listed it, so it expires ``announce_ttl_s`` after that (again after a
@@ -37,82 +42,41 @@ the same hash function and seed (vLLM's default sha256 with the fixed seed, or o
 as Dynamo's launcher sets); each batch names its domain (a digest of vLLM's ``NONE_HASH``) and a poller
 ignores batches of another (``announce_ignored_domain``).
 
+**Caps** (a fleet member that holds the keyring can write anything): at most ``MAX_BATCHES_PER_POLL``
+batches are read a poll (the rest wait for the next), ``MAX_BATCH_RECORDS`` records a batch (larger:
+corrupt), objects over 64 MiB are refused unread (:mod:`kvbm_backend.pool.g4.announce`), and at most
+``MAX_LIVE_BLOCKS`` blocks are credited: a batch beyond it is not credited (``announce_ignored_capped``,
+logged once, read again after ``FOREIGN_RETRY_S``). Blocks are credited one batch per hold of this
+announcer's lock, and queued ``EMIT_CHUNK`` per hold of the events lock (:meth:`~.kv_events.G3KvEvents.
+emit_announced`): the scheduler's step never waits for a whole import.
+
 Counters (scheduler stats): ``announce_written_batches`` / ``_blocks``, ``announce_write_errors``,
 ``announce_dropped_absent`` (learned, never found in G4), ``announce_stored_blocks`` /
 ``announce_removed_blocks`` (queued events), ``announce_ignored_{foreign,corrupt,domain}``,
-``announce_expired_batches``, ``announce_future_batches`` (stamped ahead of the poller's clock, counted once),
+``announce_ignored_capped``, ``announce_expired_batches``, ``announce_revoked_batches``,
+``announce_future_batches`` (stamped ahead of the poller's clock, counted once),
 ``announce_poll_errors``.
 """
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
 import os
 import threading
 import time
-from array import array
 from collections import OrderedDict
 from typing import Any
 
 from ...pool.g4.announce import Announcements, Batch
+from ...pool.g4.gc import store_clock
 from . import stats
+from .g4_records import MAX_BATCH_RECORDS, RECORD_VERSION, decode_records, encode_records, hash_domain
 
+__all__ = ["G4Announcer", "RECORD_VERSION", "decode_records", "encode_records", "hash_domain"]
 log = logging.getLogger(__name__)
-RECORD_VERSION = 1
 FOREIGN_RETRY_S = 60.0  # a batch sealed under a key this keyring lacks is read again after this long
-
-
-def hash_domain() -> str | None:
-    """Digest of vLLM's ``NONE_HASH`` and hash form (None before vLLM set it): equal across workers exactly
-    when their block hashes agree."""
-    from vllm import envs
-    from vllm.v1.core import kv_cache_utils as kcu
-    if kcu.NONE_HASH is None:
-        return None
-    form = b"int" if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else b"bytes"
-    return hashlib.sha256(bytes(kcu.NONE_HASH) + form).hexdigest()[:16]
-
-
-def _enc_hash(h: Any) -> Any:
-    return None if h is None else (h.hex() if isinstance(h, (bytes, bytearray)) else int(h))
-
-
-def _dec_hash(v: Any) -> Any:
-    if v is None or isinstance(v, int):
-        return v
-    if isinstance(v, str):
-        return bytes.fromhex(v)
-    raise ValueError("hash")
-
-
-def _freeze(v: Any) -> Any:
-    return tuple(_freeze(x) for x in v) if isinstance(v, list) else v
-
-
-def encode_records(writer: str, domain: str, block_size: int, blocks: list[tuple]) -> dict:
-    """Record batch (JSON-able) of ``blocks``: ``(seq_hash, parent_seq, ev_info)`` with ``ev_info`` =
-    ``(vLLM hash, parent hash, tokens, event extra keys, lora_id, lora_name)``."""
-    out = []
-    for seq, pseq, (h, ph, toks, ek, lora_id, lora_name) in blocks:
-        out.append([seq, pseq, _enc_hash(h), _enc_hash(ph), base64.b64encode(array("I", toks).tobytes()).decode(),
-                    ek, lora_id, lora_name])
-    return {"v": RECORD_VERSION, "w": writer, "d": domain, "bs": block_size, "b": out}
-
-
-def decode_records(recs: dict, domain: str, block_size: int) -> list[tuple] | None:
-    """``[(seq, parent_seq, ev_info), ...]`` of a batch, or None when it is of another version, hash domain or
-    block size. Raises ValueError/TypeError/KeyError on malformed records."""
-    if recs.get("v") != RECORD_VERSION or recs.get("d") != domain or recs.get("bs") != block_size:
-        return None
-    out = []
-    for seq, pseq, h, ph, toks, ek, lora_id, lora_name in recs["b"]:
-        t = array("I")
-        t.frombytes(base64.b64decode(toks, validate=True))
-        if len(t) != block_size or not isinstance(seq, int) or h is None:
-            raise ValueError("record")
-        out.append((seq, pseq, (_dec_hash(h), _dec_hash(ph), t, _freeze(ek), lora_id, lora_name)))
-    return out
+MAX_BATCHES_PER_POLL = 16  # batches read (GET, open, decode) in one poll at most; the rest wait for the next
+MAX_LIVE_BLOCKS = 1 << 19  # announced blocks credited at once at most (module doc, "Caps")
+CLOCK_REMEASURE_S = 600.0  # a probed store clock skew is measured again after this long
 
 
 class G4Announcer:
@@ -134,17 +98,19 @@ class G4Announcer:
         self.ann = Announcements(pool.store, pool.namespace.fingerprint, pool.keyring, pool.encrypt, pool.pseudonym)
         self.events, self.g4, self.ns, self.bs = events, g4, ns, ns.layout.page_size
         self.interval_s, self.ttl_s = interval_s, ttl_s
-        self.max_pending, self.max_batch = max_pending, max_batch
+        self.max_pending, self.max_batch = max_pending, min(max_batch, MAX_BATCH_RECORDS)
         self.absent_s = max(30.0, 10 * interval_s)  # a learned block not in G4 by then was dropped
         self.writer = os.urandom(8).hex()
         self._lock = threading.Lock()
         self._pending: OrderedDict[tuple[str, int], tuple] = OrderedDict()  # -> (parent_seq, ev_info, t)
         self._known: OrderedDict[tuple[str, int], None] = OrderedDict()  # learned once (bounded)
-        self._batches: dict[str, list] = {}  # live batch name -> its vLLM hashes
+        self._batches: dict[str, tuple] = {}  # live batch name -> (its vLLM hashes, sealed time, its key)
         self._bad: OrderedDict[str, float] = OrderedDict()  # names read and ignored -> read again after (monotonic)
         self._live: dict[Any, list] = {}  # vLLM hash -> [live batches announcing it, ev_info]
         self._own: OrderedDict[str, float] = OrderedDict()  # batches written, not yet listed -> local time of write
-        self._skew = 0.0  # store clock - this host's, measured on our own batches (no server time)
+        self._skew = 0.0  # store clock - this host's, measured on our own batches or a probe (no server time)
+        self._skew_at: float | None = None  # monotonic time it was last measured (None: never)
+        self._capped_logged = False
         self._ahead: dict[str, float] = {}  # listed batches stamped after now -> now when first listed
         self._stop = threading.Event()
         self._t: threading.Thread | None = None
@@ -198,12 +164,13 @@ class G4Announcer:
             for k, v in keep:
                 self._pending.setdefault(k, v)
         n = 0
+        t_store = self._clock()[0] if by_tenant else 0.0  # sealed with the records: the age pollers go by
         for tenant, blocks in by_tenant.items():
             for i in range(0, len(blocks), self.max_batch):
                 part = blocks[i:i + self.max_batch]
                 try:
                     t0 = time.time()
-                    name = self.ann.write(tenant, encode_records(self.writer, domain, self.bs, part))
+                    name = self.ann.write(tenant, encode_records(self.writer, domain, self.bs, part, t_store))
                     with self._lock:  # its store mtime measures the store's clock (see _now)
                         self._own[name] = (t0 + time.time()) / 2
                         while len(self._own) > 4096:
@@ -219,7 +186,8 @@ class G4Announcer:
     # ---- poller side ----------------------------------------------------------------------------
     def poll(self) -> tuple[int, int]:
         """List the announcements once: queue ``BlockStored`` for blocks of new batches and ``BlockRemoved``
-        for blocks no live batch announces any more. Returns ``(stored, removed)`` blocks queued."""
+        for blocks no live batch announces any more (expired, deleted, or of a revoked tenant). Returns
+        ``(stored, removed)`` blocks queued."""
         domain = hash_domain()
         if domain is None:
             return 0, 0
@@ -228,66 +196,124 @@ class G4Announcer:
         except Exception:  # noqa: BLE001 - store down: try again next interval
             stats.add(announce_poll_errors=1)
             return 0, 0
-        now = self._now(listed)
+        now, measured = self._now(listed)
         names = {b.name for b in listed}
         gone = [n for n in self._batches if n not in names]
-        fresh: list[tuple[Batch, list]] = []
         self._ahead = {n: t for n, t in self._ahead.items() if n in names}
+        stored: list = []
+        reads = 0
         for b in listed:
             if b.mtime > now and b.name not in self._ahead:  # its writer's clock ahead: young (module doc)
                 self._ahead[b.name] = now
                 stats.add(announce_future_batches=1)
-            if now - min(b.mtime, self._ahead.get(b.name, b.mtime)) >= self.ttl_s:
-                if b.name in self._batches:
+            live = self._batches.get(b.name)
+            stamp = min(b.mtime, self._ahead.get(b.name, b.mtime), live[1] if live is not None else b.mtime)
+            if measured and now - stamp >= self.ttl_s:  # never on an unmeasured clock (module doc)
+                if live is not None:
                     gone.append(b.name)
                 self._expire(b)
                 continue
-            if b.name in self._batches or self._bad.get(b.name, 0.0) > time.monotonic():
+            if live is not None:
+                if not self.ann.key_held(live[2]):  # its tenant revoked: withdrawn
+                    gone.append(b.name)
+                    stats.add(announce_revoked_batches=1)
                 continue
-            blocks = self._read(b, domain)
-            if blocks is not None:
-                fresh.append((b, blocks))
-        stored, removed = [], []
-        with self._lock:
-            for name in gone:
-                for h in self._batches.pop(name, ()):
+            if self._bad.get(b.name, 0.0) > time.monotonic() or reads >= MAX_BATCHES_PER_POLL:
+                continue
+            if len(self._live) >= MAX_LIVE_BLOCKS:
+                self._cap(b)
+                continue
+            reads += 1
+            got = self._read(b, domain)
+            if got is None:
+                continue
+            t, blocks, key = got
+            if measured and now - min(stamp, t) >= self.ttl_s:  # sealed long ago (a replayed copy)
+                self._bad[b.name] = float("inf")
+                self._expire(b)
+                continue
+            if len(self._live) + len(blocks) > MAX_LIVE_BLOCKS:
+                self._cap(b)
+                continue
+            stored += self._credit(b, t, key, blocks)
+        removed = self._withdraw(gone)
+        n_st, n_rm = len(stored), len(removed)
+        if stored or removed:
+            self.events.emit_announced(stored, removed)
+            stats.add(announce_stored_blocks=n_st, announce_removed_blocks=n_rm)
+        return n_st, n_rm
+
+    def _credit(self, b: Batch, t: float, key: Any, blocks: list) -> list:
+        """Count ``b``'s blocks live; their ``ev_info`` not live before (to publish)."""
+        stored, hs = [], []
+        with self._lock:  # one batch (<= MAX_BATCH_RECORDS) at a time: learn() never waits long
+            for _seq, _pseq, ev_info in blocks:
+                h = ev_info[0]
+                hs.append(h)
+                ent = self._live.get(h)
+                if ent is None:
+                    self._live[h] = [1, ev_info]
+                    stored.append(ev_info)
+                else:
+                    ent[0] += 1
+            self._batches[b.name] = (hs, t, key)
+        return stored
+
+    def _withdraw(self, gone: list[str]) -> list:
+        removed = []
+        for name in gone:
+            with self._lock:
+                ent_b = self._batches.pop(name, None)
+                for h in ent_b[0] if ent_b is not None else ():
                     ent = self._live.get(h)
                     if ent is not None:
                         ent[0] -= 1
                         if ent[0] <= 0:
                             del self._live[h]
                             removed.append(h)
-            for b, blocks in fresh:
-                hs = []
-                for _seq, _pseq, ev_info in blocks:
-                    h = ev_info[0]
-                    hs.append(h)
-                    ent = self._live.get(h)
-                    if ent is None:
-                        self._live[h] = [1, ev_info]
-                        stored.append(ev_info)
-                    else:
-                        ent[0] += 1
-                self._batches[b.name] = hs
-        if stored or removed:
-            self.events.emit_announced(stored, removed)
-            stats.add(announce_stored_blocks=len(stored), announce_removed_blocks=len(removed))
-        return len(stored), len(removed)
+        return removed
 
-    def _now(self, listed: list[Batch]) -> float:
-        """The time base of ages (module doc): the store's stated clock, else this host's moved by the skew
-        measured on this worker's own listed batches. Never the listed mtimes themselves."""
+    def _cap(self, b: Batch) -> None:
+        """``b`` would take the live blocks past MAX_LIVE_BLOCKS: not credited, read again later."""
+        if b.name not in self._bad:
+            stats.add(announce_ignored_capped=1)
+        self._bad[b.name] = time.monotonic() + FOREIGN_RETRY_S
+        if not self._capped_logged:
+            self._capped_logged = True
+            log.warning("g4.announce: %d announced blocks credited, the most a worker holds; further batches "
+                        "are not credited until some expire (announce_ignored_capped)", MAX_LIVE_BLOCKS)
+
+    def _clock(self) -> tuple[float, bool]:
+        """``(now, measured)`` on the store's clock (module doc, "Time base"): the store's stated time, else
+        this host's moved by the skew last measured (on this worker's own batches, or a probe object of
+        :func:`~kvbm_backend.pool.g4.gc.store_clock` when none was within CLOCK_REMEASURE_S); ``measured``
+        False when neither worked (a read-only store): nothing then expires nor is deleted."""
+        t = self.ann.store.server_time()
+        if t is not None:
+            return t, True
+        mono = time.monotonic()
+        if self._skew_at is None or mono - self._skew_at > CLOCK_REMEASURE_S:
+            t0 = time.time()
+            probed = store_clock(self.ann.store)
+            if probed is not None:
+                with self._lock:
+                    self._skew, self._skew_at = probed - (t0 + time.time()) / 2, mono
+        return time.time() + self._skew, self._skew_at is not None
+
+    def _now(self, listed: list[Batch]) -> tuple[float, bool]:
+        """:meth:`_clock`, after measuring the skew on this worker's own listed batches. Never the listed
+        mtimes themselves."""
         with self._lock:
             for b in listed:
                 t = self._own.pop(b.name, None)
                 if t is not None:
-                    self._skew = b.mtime - t
-        t = self.ann.store.server_time()
-        return t if t is not None else time.time() + self._skew
+                    self._skew, self._skew_at = b.mtime - t, time.monotonic()
+        return self._clock()
 
-    def _read(self, b: Batch, domain: str) -> list | None:
+    def _read(self, b: Batch, domain: str) -> tuple[float, list, Any] | None:
+        """``(sealed time, blocks, key)`` of ``b``, or None (ignored, counted, or a store error)."""
         try:
-            recs, why = self.ann.read(b)
+            recs, why, key = self.ann.open(b)
         except Exception:  # noqa: BLE001 - store trouble: read it again next time
             stats.add(announce_poll_errors=1)
             return None
@@ -296,13 +322,14 @@ class G4Announcer:
                 self._ignore(b, why)
             return None
         try:
-            blocks = decode_records(recs, domain, self.bs)
-        except (ValueError, TypeError, KeyError):
+            got = decode_records(recs, domain, self.bs, lambda salt: self.ann.names_tenant(b, salt))
+        except (ValueError, TypeError, KeyError, RecursionError, MemoryError):
             self._ignore(b, "corrupt")
             return None
-        if blocks is None:
+        if got is None:
             self._ignore(b, "domain")
-        return blocks
+            return None
+        return got[0], got[1], key
 
     def _ignore(self, b: Batch, why: str) -> None:
         """Count ``b`` ignored; not read again (``foreign``: not for ``FOREIGN_RETRY_S``, the keyring may

@@ -10,6 +10,7 @@ from typing import Any
 
 from . import stats
 
+EMIT_CHUNK = 1024  # announced blocks queued per hold of the events lock (emit_announced)
 
 class G3KvEvents:
     """G3 contents as vLLM KV events (``BlockStored`` / ``BlockRemoved``, ``medium="DISK"``), returned by
@@ -160,12 +161,18 @@ class G3KvEvents:
 
     def emit_announced(self, stored: list, removed: list) -> None:
         """G4 blocks announced by any worker (:mod:`.g4_announce`): ``stored`` ``ev_info`` tuples (see
-        :meth:`_emit_stored_event`) and ``removed`` vLLM hashes, queued as this worker's ``DISK`` blocks."""
-        with self._lock:
-            for ev_info in stored:
-                self._emit_stored_event(ev_info)
-            for h in removed:
-                self._emit_removed(h)
+        :meth:`_emit_stored_event`) and ``removed`` vLLM hashes, queued as this worker's ``DISK`` blocks.
+        The lock the scheduler's :meth:`take` needs is held for :data:`EMIT_CHUNK` blocks at a time, never
+        for the whole import (before 2026-11-30: 2.5 s for 600k records, every step waiting)."""
+        stored = [(h, ph, list(toks), ek, li, ln) for h, ph, toks, ek, li, ln in stored]  # built unlocked
+        for i in range(0, len(stored), EMIT_CHUNK):
+            with self._lock:
+                for ev_info in stored[i:i + EMIT_CHUNK]:
+                    self._emit_stored_event(ev_info)
+        for i in range(0, len(removed), EMIT_CHUNK):
+            with self._lock:
+                for h in removed[i:i + EMIT_CHUNK]:
+                    self._emit_removed(h)
 
     def republish(self) -> None:
         """Publish every block G3 holds again: vLLM's ``AllBlocksCleared`` (a reset of the engine's prefix
@@ -179,10 +186,12 @@ class G3KvEvents:
                 if info[0] not in seen:
                     seen.add(info[0])
                     self._emit_stored(info, count=False)
-            for ev_info in announced:
-                if ev_info[0] not in seen:
-                    seen.add(ev_info[0])
-                    self._emit_stored_event(ev_info, count=False)
+        for i in range(0, len(announced), EMIT_CHUNK):  # the lock for a chunk at a time (emit_announced)
+            with self._lock:
+                for ev_info in announced[i:i + EMIT_CHUNK]:
+                    if ev_info[0] not in seen:
+                        seen.add(ev_info[0])
+                        self._emit_stored_event(ev_info, count=False)
         stats.add(kv_events_republished=1)
 
     def take(self) -> list:

@@ -17,6 +17,12 @@ the tenant of its directory, ``ANNOUNCE_RANK`` and the batch id of its name, and
 verifies under a key this keyring holds for that very tenant; anything else is ``None`` with a reason
 (``foreign``: a key this keyring does not hold; ``corrupt``: anything else). Listing (:meth:`list`) is for
 background pollers only, never the serving path.
+
+Size: an object the listing sizes above :data:`MAX_OBJECT_BYTES` is ``corrupt`` without a byte of it read,
+and a read never asks for more than that (one that grew since it was listed is cut short, so corrupt too).
+Before (2026-11-30) every poller read any object under ``announce/`` whole before checking its size (a 1 GiB
+sparse file cost each of them 1 GiB per poll). Records nested too deep to parse (RecursionError) or too large
+to hold (MemoryError) are ``corrupt`` too, never a retried error.
 """
 from __future__ import annotations
 
@@ -33,16 +39,36 @@ from .store import ObjectInfo, ObjectStore
 ANNOUNCE_DIR = "announce"
 ANNOUNCE_RANK = 0xFFFFFFFE  # never a TP rank: a block frame is never taken for records, nor the reverse
 MAX_RECORD_BYTES = 64 << 20  # a batch larger than this is refused when read (corrupt or hostile)
+MAX_OBJECT_BYTES = HEADER_BYTES + MAX_RECORD_BYTES  # larger objects are never read (module doc, "Size")
+
+
+def batch_prefix(name: str) -> bool:
+    """True when ``name`` (store-relative) lies under some namespace's ``announce/`` directory."""
+    parts = name.split("/", 2)
+    return len(parts) == 3 and parts[1] == ANNOUNCE_DIR and len(parts[0]) == 16
+
+
+def parse_batch_name(name: str) -> tuple[str, int] | None:
+    """``(tenant pseudonym hex, batch id)`` of an announcement object name, None when it is not one."""
+    parts = name.split("/")
+    if len(parts) != 4 or parts[1] != ANNOUNCE_DIR or len(parts[0]) != 16 or len(parts[2]) != 32 or len(parts[3]) != 16:
+        return None
+    try:
+        bytes.fromhex(parts[0] + parts[2])
+        return parts[2], int(parts[3], 16)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
 class Batch:
     """One announcement object as listed: ``name``, ``tenant_hex`` (pseudonym), ``batch_id``, ``mtime``
-    (epoch s, the store's)."""
+    (epoch s, the store's), ``size`` (bytes, as listed)."""
     name: str
     tenant_hex: str
     batch_id: int
     mtime: float
+    size: int = 0
 
 
 class Announcements:
@@ -100,51 +126,72 @@ class Announcements:
         return out
 
     def _parse(self, o: ObjectInfo) -> Batch | None:
-        parts = o.name[len(self.prefix):].split("/") if o.name.startswith(self.prefix) else []
-        if len(parts) != 2 or len(parts[0]) != 32 or len(parts[1]) != 16:
-            return None
-        try:
-            bytes.fromhex(parts[0])
-            return Batch(o.name, parts[0], int(parts[1], 16), o.mtime)
-        except ValueError:
-            return None
+        p = parse_batch_name(o.name) if o.name.startswith(self.prefix) else None
+        return None if p is None else Batch(o.name, p[0], p[1], o.mtime, o.size)
 
     def read(self, b: Batch) -> tuple[dict[str, Any] | None, str]:
         """``(records, "ok")``, or ``(None, reason)``: ``absent`` (deleted since listed), ``foreign`` (sealed
         under a key this keyring does not hold: another fleet's or a revoked tenant's), ``corrupt`` (bad
-        frame, identity, tag, key of another tenant, or not JSON). Raises the store's errors."""
-        data = self.store.get(b.name)
+        frame, identity, tag, key of another tenant, too large, or not JSON). Raises the store's errors."""
+        recs, why, _key = self.open(b)
+        return recs, why
+
+    def names_tenant(self, b: Batch, tenant: str) -> bool:
+        """True when ``tenant`` (an id, e.g. a record's cache salt) is the tenant whose directory ``b`` is in."""
+        try:
+            return self._pseudonym(tenant).hex() == b.tenant_hex
+        except Exception:  # noqa: BLE001 - not a tenant id the pool can map (e.g. not UTF-8)
+            return False
+
+    def key_held(self, key: tuple[int, int] | None) -> bool:
+        """False when ``key`` (``(key_id, version)`` of a batch :meth:`open` opened) is no longer held: its
+        tenant was revoked (crypto-shredded). True for checksummed batches (``None``) and while the keyring
+        cannot be read (a withdrawal needs the keyring to say so)."""
+        if key is None or self.keyring is None:
+            return True
+        try:
+            return self.keyring.read_key(key[0], key[1]) is not None and self.keyring.key_owner(key[0]) is not None
+        except KeyringError:
+            return True
+
+    def open(self, b: Batch) -> tuple[dict[str, Any] | None, str, tuple[int, int] | None]:
+        """:meth:`read` plus the ``(key_id, version)`` the batch was sealed under (None: checksummed)."""
+        if b.size > MAX_OBJECT_BYTES:
+            return None, "corrupt", None  # never read (module doc, "Size")
+        data = self.store.get(b.name, 0, MAX_OBJECT_BYTES + 1)
         if data is None:
-            return None, "absent"
+            return None, "absent", None
+        key = None
         mv = memoryview(data).cast("B")
         try:
             hdr = FrameHeader.unpack(mv[:HEADER_BYTES])
             want = self._header(bytes.fromhex(b.tenant_hex), b.batch_id, hdr.payload_len)
             if (hdr.identity_bytes() != want.identity_bytes() or hdr.payload_len > MAX_RECORD_BYTES
                     or len(mv) != HEADER_BYTES + hdr.payload_len):
-                return None, "corrupt"
+                return None, "corrupt", None
             body = mv[HEADER_BYTES:]
             plain = bytearray(len(body))
             if hdr.flags & FLAG_ENCRYPTED:
                 if self.keyring is None:
-                    return None, "foreign"
-                key = self.keyring.read_key(hdr.key_id, hdr.key_version)  # a key not held yet: reloads the file
-                owner = self.keyring.key_owner(hdr.key_id) if key is not None else None
+                    return None, "foreign", None
+                dk = self.keyring.read_key(hdr.key_id, hdr.key_version)  # a key not held yet: reloads the file
+                owner = self.keyring.key_owner(hdr.key_id) if dk is not None else None
                 if owner is None:
-                    return None, "foreign"
+                    return None, "foreign", None
                 if self._pseudonym(owner).hex() != b.tenant_hex:
-                    return None, "corrupt"  # sealed under another tenant's data key
-                open_into(key, hdr.nonce, hdr.identity_bytes(), hdr.integrity, body, plain)
+                    return None, "corrupt", None  # sealed under another tenant's data key
+                open_into(dk, hdr.nonce, hdr.identity_bytes(), hdr.integrity, body, plain)
+                key = (hdr.key_id, hdr.key_version)
             elif hdr.flags & FLAG_CHECKSUM and not self.encrypt:
                 plain[:] = body
                 if payload_checksum(plain) != hdr.integrity:
-                    return None, "corrupt"
+                    return None, "corrupt", None
             else:  # plaintext records in an encrypted pool: never trusted
-                return None, "corrupt"
+                return None, "corrupt", None
             recs = json.loads(bytes(plain))
-            return (recs, "ok") if isinstance(recs, dict) else (None, "corrupt")
-        except (FrameError, AeadError, ValueError, KeyringError):
-            return None, "corrupt"
+            return (recs, "ok", key) if isinstance(recs, dict) else (None, "corrupt", None)
+        except (FrameError, AeadError, ValueError, KeyringError, RecursionError, MemoryError):
+            return None, "corrupt", None  # too deep or too large to parse: corrupt, never retried
 
     def delete(self, b: Batch) -> None:
         """Remove an expired batch (absent is fine). Raises the store's errors."""

@@ -30,6 +30,13 @@ mtime (its data keys are gone: it can never be read again). Only when the tenant
 (``keys create`` after ``revoke``: the same pseudonym, a new key) are its blocks told apart by time: those
 last modified up to ``revoked_at`` (the keyring writer's clock, moved onto the store's by the measured
 skew ``store_now - now``) + 1 s go, newer ones are the new tenant's.
+
+**Announcements** (``{ns}/announce/``, :mod:`.announce`): a batch at least ``announce_ttl_s`` old by its
+mtime on the store's clock is deleted, as an announcing worker would (a batch sealed earlier than its mtime is
+older still for pollers: gc, which does not open batches, deletes it no sooner than they); so is any object
+under ``announce/`` whose name is not an announcement's. Only on a measured store clock (``time_base``
+``"server"``), never on this host's alone; counted ``deleted_by["announce"]``, not in ``scanned_*``. Before
+(2026-11-30) gc never deleted them: a fleet that turned announcements off kept them for ever.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from .announce import batch_prefix, parse_batch_name
 from .naming import parse_block_name
 from .store import ObjectStore, listing
 from .throttle import call_attempts
@@ -45,6 +53,7 @@ from .throttle import call_attempts
 if TYPE_CHECKING:
     from ...crypto.keyring import Keyring
 
+ANNOUNCE_TTL_S = 3600.0  # g4.announce_ttl_s's default: the age gc deletes announcement batches at
 CLOCK_PROBE_PREFIX = "gc-clock-probe/"  # probe objects of store_clock (never block names)
 THROTTLE_ATTEMPTS = 10  # a LIST page or DELETE the store throttles ("slow down"): tries, backoff between
 
@@ -97,7 +106,7 @@ def _tenant_pseudonym(tenant: str, keyring: Keyring | None) -> tuple[str, str | 
 
 def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: float | None = None, target_bytes: int | None = None,
            tenant: str | None = None, temp_grace_s: float = 3600.0, dry_run: bool = False,
-           now: float | None = None) -> dict[str, Any]:
+           now: float | None = None, announce_ttl_s: float = ANNOUNCE_TTL_S) -> dict[str, Any]:
     """One gc pass over ``store``.
 
     Args:
@@ -110,6 +119,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             ``keyring``, a tenant id the keyring knows wins over a pseudonym (:func:`_tenant_pseudonym`).
         now: this host's clock (epoch s; default ``time.time()``), used where the store states no time.
         temp_grace_s: writer temp files older than this are removed (crashed writers).
+        announce_ttl_s: announcement batches at least this old (store clock) are deleted (module doc).
         dry_run: report only (writes nothing: no clock probe either, so a store that states no time is
             measured on this host's clock, ``time_base: "local"``).
     Returns:
@@ -124,7 +134,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         ValueError when ``tenant`` cannot be resolved or a threshold is negative, infinite or NaN
         (before anything is listed or deleted); StoreUnavailable when the store is down.
     """
-    for name, v in (("max_age_s", max_age_s), ("target_bytes", target_bytes), ("temp_grace_s", temp_grace_s)):
+    for name, v in (("max_age_s", max_age_s), ("target_bytes", target_bytes), ("temp_grace_s", temp_grace_s),
+                    ("announce_ttl_s", announce_ttl_s)):
         if v is not None and not (math.isfinite(v) and v >= 0):
             raise ValueError(f"{name}: must be a finite number >= 0 (got {v})")
     now = time.time() if now is None else now
@@ -138,7 +149,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     skew = store_now - now
     unlisted: list[str] = []  # parts of the store not listed (errors, named)
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "scanned_objects": 0, "scanned_bytes": 0,
-           "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0}, "deleted_objects": 0,
+           "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0, "announce": 0}, "deleted_objects": 0,
            "deleted_bytes": 0, "errors": 0, "unlisted": unlisted, "store_now": store_now, "time_base": base,
            "clock_skew_s": skew, "future_objects": 0}
     if warning is not None:
@@ -161,6 +172,12 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     block_bytes = 0  # deleted block bytes (not temp files): remaining_bytes
     for o in listing(store.list_patient("", THROTTLE_ATTEMPTS), unlisted):
         meta = parse_block_name(o.name)
+        if meta is None and batch_prefix(o.name):  # an announcement, or junk under announce/
+            ann = parse_batch_name(o.name)
+            if base == "server" and ((ann is None and want is None) or (
+                    ann is not None and (want is None or ann[0] == want) and store_now - o.mtime >= announce_ttl_s)):
+                drop(o.name, o.size, "announce")
+            continue
         if meta is None or (want is not None and meta["tenant"] != want):
             continue
         res["scanned_objects"] += 1

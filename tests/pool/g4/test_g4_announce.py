@@ -298,7 +298,7 @@ def test_a_batch_stamped_ahead_neither_ages_nor_deletes_the_fresh_ones(tmp_path)
         assert b.announcer.poll() == (0, 0)  # nothing changes on the next poll
         # a TTL later on the poller's clock, every batch expires: the one ahead too, though its stamp is young
         now = b.announcer._now
-        b.announcer._now = lambda listed: now(listed) + 3600  # type: ignore[method-assign]
+        b.announcer._now = lambda listed: (now(listed)[0] + 3600, True)  # type: ignore[method-assign]
         assert b.announcer.poll() == (0, 8)
         assert b.announcer.ann.list() == []
     finally:

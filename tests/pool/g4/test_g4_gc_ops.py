@@ -118,7 +118,7 @@ def test_gc_remaining_bytes_counts_blocks_only(tmp_path):
     tmp.write_bytes(b"y" * 1_000_000)
     os.utime(tmp, (old, old))
     res = run_gc(st, max_age_s=3600)
-    assert res["deleted_by"] == {"revoked": 0, "age": 1, "capacity": 0, "temp": 1} and not tmp.exists(), res
+    assert res["deleted_by"] == {"revoked": 0, "age": 1, "capacity": 0, "temp": 1, "announce": 0} and not tmp.exists(), res
     assert res["deleted_bytes"] == 1_000_300 and res["remaining_bytes"] == 1000 == sum(o.size for o in st.list(""))
 
 
