@@ -257,6 +257,7 @@ class G4Announcer:
                 else:
                     ent[0] += 1
             self._batches[b.name] = (hs, t, key)
+        time.sleep(0)  # a learn() waiting for the lock gets it between batches
         return stored
 
     def _withdraw(self, gone: list[str]) -> list:
@@ -271,6 +272,7 @@ class G4Announcer:
                         if ent[0] <= 0:
                             del self._live[h]
                             removed.append(h)
+            time.sleep(0)  # a learn() waiting for the lock gets it between batches
         return removed
 
     def _cap(self, b: Batch) -> None:

@@ -169,10 +169,12 @@ class G3KvEvents:
             with self._lock:
                 for ev_info in stored[i:i + EMIT_CHUNK]:
                     self._emit_stored_event(ev_info)
+            time.sleep(0)  # let a waiting take() have the lock (a released Lock is not handed over)
         for i in range(0, len(removed), EMIT_CHUNK):
             with self._lock:
                 for h in removed[i:i + EMIT_CHUNK]:
                     self._emit_removed(h)
+            time.sleep(0)
 
     def republish(self) -> None:
         """Publish every block G3 holds again: vLLM's ``AllBlocksCleared`` (a reset of the engine's prefix
@@ -192,6 +194,7 @@ class G3KvEvents:
                     if ev_info[0] not in seen:
                         seen.add(ev_info[0])
                         self._emit_stored_event(ev_info, count=False)
+            time.sleep(0)
         stats.add(kv_events_republished=1)
 
     def take(self) -> list:

@@ -153,7 +153,7 @@ def test_a_poller_whose_clock_runs_ahead_deletes_nothing(mk):
     _save(a_pool, a, "tenant-x", list(range(7001, 7001 + 3 * bs)))
     assert a.announcer.flush() == 3
     real = time
-    ga.time = types.SimpleNamespace(time=lambda: real.time() + 7200, monotonic=real.monotonic)  # type: ignore[assignment]
+    ga.time = types.SimpleNamespace(time=lambda: real.time() + 7200, monotonic=real.monotonic, sleep=real.sleep)  # type: ignore[assignment]
     try:
         before = stats.snapshot()
         assert c.announcer.poll() == (3, 0)
