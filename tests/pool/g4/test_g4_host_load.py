@@ -192,7 +192,8 @@ def test_g4_load_bench_reports_both_modes_paths_and_thread_counts(tmp_path, caps
         assert set(d["encrypted_over_plain"][path]) == {"1", "2"}
     assert d["blocks"] == 6 and os.listdir(tmp_path) == []  # its store is removed afterwards
     assert g4_load.main(["--dir", str(tmp_path / "nope"), "--blocks", "2"]) == 2
-    assert "--dir" in capsys.readouterr().out
+    err = capsys.readouterr().err  # one line on stderr (errors are not results)
+    assert "--dir" in err and len(err.strip().splitlines()) == 1
 
 
 def test_g4_load_bench_measures_loads_beside_a_busy_engine_per_switch_interval(tmp_path, capsys):
@@ -215,7 +216,8 @@ def test_g4_load_bench_measures_loads_beside_a_busy_engine_per_switch_interval(t
             assert r["gbps"] > 0 and r["step_ms_p50"] > 0 and r["step_ms_p99"] >= r["step_ms_p50"]
     assert sys.getswitchinterval() == before
     assert g4_load.main(["--dir", str(tmp_path), "--blocks", "2", "--engine-busy", "1.5"]) == 2
-    assert "--engine-busy" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert "--engine-busy" in err and len(err.strip().splitlines()) == 1
 
 
 def test_g4_load_bench_rejects_zero_rounds(tmp_path, capsys):
@@ -224,7 +226,8 @@ def test_g4_load_bench_rejects_zero_rounds(tmp_path, capsys):
     from kvbm_backend.apps.bench import g4_load
     assert g4_load.main(["--dir", str(tmp_path), "--blocks", "2", "--layout", "tiny", "--threads", "1",
                          "--rounds", "0"]) == 2
-    assert "--rounds: must be >= 1, got 0" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert "--rounds: must be >= 1, got 0" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("encrypt", [True, False], ids=["encrypted", "plain"])
