@@ -20,22 +20,27 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 
 
+def missing_dirs(path: str | os.PathLike) -> list[str]:
+    """``path`` (absolute) and those of its ancestors that are not directories, deepest first: what
+    ``os.makedirs(path)`` creates (``replay`` removes them again afterwards)."""
+    out: list[str] = []
+    p = os.path.abspath(os.fspath(path))
+    while not os.path.isdir(p):
+        out.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return out
+
+
 def makedirs_private(path: str | os.PathLike) -> None:
     """``os.makedirs(path, exist_ok=True)`` where every directory it creates (parents too) is 0700.
 
     Existing directories are left as they are. Raises OSError like ``os.makedirs`` (FileExistsError when
     a component exists and is not a directory).
     """
-    path = os.fspath(path)
-    missing = []
-    p = os.path.abspath(path)
-    while not os.path.isdir(p):
-        missing.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    for d in reversed(missing):
+    for d in reversed(missing_dirs(path)):
         try:
             os.mkdir(d, DIR_MODE)
         except FileExistsError:

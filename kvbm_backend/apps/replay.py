@@ -35,6 +35,7 @@ import numpy as np
 import xxhash
 
 from kvbm_backend.config import AdmissionConfig, G3Config
+from kvbm_backend.fsmodes import missing_dirs
 from kvbm_backend.model import frame
 from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.namespace import BlockKey, Namespace
@@ -234,19 +235,6 @@ class SimPool:
 _SimPool = SimPool  # the name this class had before ``plan`` used it
 
 
-def _missing_dirs(path: str) -> list[str]:
-    """``path`` and those of its ancestors that do not exist, deepest first (what creating it creates)."""
-    out: list[str] = []
-    p = os.path.abspath(path)
-    while not os.path.lexists(p):
-        out.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    return out
-
-
 def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: str | None = None,
                g3_capacity_gb: float = 1.0, admit_all: bool = False, limit: int | None = None,
                simulate: bool = False, progress: bool = False) -> dict:
@@ -297,7 +285,7 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
             from kvbm_backend.pool import open_pool
             assert g3_path  # checked above: real mode needs it
             base = np.arange(bb // 8, dtype=np.uint64) * _MIX
-            created = _missing_dirs(g3_path)
+            created = missing_dirs(g3_path)
             run_dir = os.path.join(g3_path, f"replay-{uuid.uuid4().hex[:12]}")
             cfg = G3Config(paths=[run_dir], capacity_gb=g3_capacity_gb, admission=admission,
                            write_queue_blocks=max(chunk, 1), files_per_path=4)

@@ -28,9 +28,25 @@ from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap
 KEY_BYTES = 32
 
 
-
 class KeyringError(ValueError):
     """Keyring trouble: unreadable, insecure mode, wrong KEK, unknown tenant. Names the file/variable."""
+
+
+def read_trusted(path: Path, what: str) -> tuple[bytes, os.stat_result]:
+    """The bytes and status of ``what`` (the keyring or a KEK file) at ``path``, read from one open of
+    :func:`~kvbm_backend.fsmodes.open_trusted` (a regular 0600/0400 file of this uid in a trusted directory;
+    links: a Kubernetes Secret volume's only). Raises KeyringError naming ``what`` and ``path`` (missing,
+    another uid's, in a directory others can write, insecure mode, unreadable)."""
+    try:
+        with os.fdopen(open_trusted(path, what, follow_owned_links=True), "rb") as f:
+            st = os.fstat(f.fileno())  # before the read: a change during it shows as a newer stamp next time
+            return f.read(), st
+    except UnsafePath as e:
+        raise KeyringError(str(e)) from None
+    except FileNotFoundError:
+        raise KeyringError(f"{what} {path}: not found") from None
+    except OSError as e:
+        raise KeyringError(f"{what} {path}: {e.strerror or e}") from None
 
 
 class UnknownTenant(KeyringError):
@@ -108,15 +124,7 @@ class LocalKek:
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> "LocalKek":
         p = Path(path)
-        try:
-            with os.fdopen(open_trusted(p, "KEK file", follow_owned_links=True), "r") as f:
-                text = f.read()
-        except UnsafePath as e:
-            raise KeyringError(str(e)) from None
-        except FileNotFoundError:
-            raise KeyringError(f"KEK file {p}: not found") from None
-        except OSError as e:
-            raise KeyringError(f"KEK file {p}: {e.strerror or e}") from None
+        text, _ = read_trusted(p, "KEK file")
         try:
             kek = base64.b64decode(text.strip(), validate=True)
         except ValueError:

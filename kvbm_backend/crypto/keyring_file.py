@@ -8,13 +8,11 @@ never holds up the readers of the keyring (see :meth:`~kvbm_backend.crypto.keyri
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from pathlib import Path
 from typing import NamedTuple
 
-from ..fsmodes import UnsafePath, open_trusted
-from .kek import KEY_BYTES, KeyProvider, KeyringError, _b64, _now_iso, _stamp, _unb64
+from .kek import KEY_BYTES, KeyProvider, KeyringError, _b64, _now_iso, _stamp, _unb64, read_trusted
 from .keyring_persist import Doc
 
 FORMAT = "kvbm-backend-keyring/1"
@@ -33,16 +31,7 @@ def read_keyring(path: Path, provider: KeyProvider) -> FileState:
     """Read, check and unwrap the keyring file at ``path`` under ``provider``'s KEK. The change stamp
     comes from the same open file, so a replacement during the read is seen by the next check.
     Raises KeyringError (missing, another uid's, in a directory others can write, insecure mode, not JSON, other format or KEK, malformed entry)."""
-    try:  # a regular 0600/0400 file of this uid in a trusted directory (links: a Secret volume's only)
-        with os.fdopen(open_trusted(path, "keyring", follow_owned_links=True), "rb") as f:
-            st = os.fstat(f.fileno())
-            text = f.read()
-    except UnsafePath as e:
-        raise KeyringError(str(e)) from None
-    except FileNotFoundError:
-        raise KeyringError(f"keyring {path}: not found") from None
-    except OSError as e:
-        raise KeyringError(f"keyring {path}: {e.strerror or e}") from None
+    text, st = read_trusted(path, "keyring")
     try:
         doc = json.loads(text)
     except ValueError as e:

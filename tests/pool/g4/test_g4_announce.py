@@ -37,23 +37,24 @@ def fleet(tmp_path, seaweed, s3_prefix):
         p.close()
 
 
-def _request(rid, toks, bs):
+def _request(rid, toks, bs, salt=None):
+    """A vLLM request of ``toks`` with vLLM's block hasher (``salt``: its ``cache_salt``)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
     init_none_hash(sha256_cbor)
     return Request(rid, toks, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(bs, sha256_cbor),
-                   cache_salt=None)
+                   cache_salt=salt)
 
 
-def _worker(pool):
+def _worker(pool, ttl=None):
     """A scheduler's KV events (no G3) with the announcer the connector wires for ``g4.announce``."""
     from kvbm_backend.integrations.vllm.g4_announce import G4Announcer
     from kvbm_backend.integrations.vllm.kv_events import G3KvEvents
     ns = namespace()
     ev = G3KvEvents(1, ns.layout.page_size, g3=False)
-    ev.announcer = G4Announcer(ev, pool, ns, pool.cfg.announce_interval_s, pool.cfg.announce_ttl_s)
+    ev.announcer = G4Announcer(ev, pool, ns, pool.cfg.announce_interval_s, ttl or pool.cfg.announce_ttl_s)
     return ev
 
 

@@ -10,10 +10,10 @@ import time
 import types
 from array import array
 
-import numpy as np
 import pytest
 
 from tests.helpers.g4_writer import namespace
+from tests.pool.g4.test_g4_announce import _request, _save, _worker  # the same worker and save steps
 
 from kvbm_backend.config import G4Config
 from kvbm_backend.integrations.vllm import stats
@@ -27,16 +27,6 @@ def _init_hash():
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core.kv_cache_utils import init_none_hash
     init_none_hash(sha256_cbor)
-
-
-def _request(rid, toks, bs, salt=None):
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.request import Request
-    _init_hash()
-    return Request(rid, toks, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(bs, sha256_cbor),
-                   cache_salt=salt)
 
 
 @pytest.fixture
@@ -56,26 +46,6 @@ def mk(tmp_path):
         p.close()
 
 
-def _worker(pool, ttl=None):
-    from kvbm_backend.integrations.vllm.g4_announce import G4Announcer
-    from kvbm_backend.integrations.vllm.kv_events import G3KvEvents
-    ns = namespace()
-    ev = G3KvEvents(1, ns.layout.page_size, g3=False)
-    ev.announcer = G4Announcer(ev, pool, ns, pool.cfg.announce_interval_s, ttl or pool.cfg.announce_ttl_s)
-    return ev
-
-
-def _save(pool, ev, tenant, toks, rid="r"):
-    from kvbm_backend.model.hashing import sequence_hashes
-    ns = namespace()
-    bs = ns.layout.page_size
-    hs = list(sequence_hashes(toks, bs))
-    blocks = [np.full(ns.layout.bytes_per_block, i + 1, np.uint8) for i in range(len(hs))]
-    assert pool.put(ns.keys(hs, tenant=tenant), blocks).result(HANG_S).written == len(hs)
-    assert pool.flush(HANG_S)
-    r = _request(rid, toks, bs)
-    ev.learn(tenant, r, hs, 0, len(hs))
-    return r, hs
 
 
 def _tok64(toks):
