@@ -4,10 +4,8 @@ up. Hang guards only, no wall-clock assertions."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -111,20 +109,10 @@ def test_sigterm_during_bench_g3_removes_its_files(tmp_path):
     directories, as Ctrl-C does."""
     d = tmp_path / "g3"
     d.mkdir()
-    p = subprocess.Popen([sys.executable, "-m", "kvbm_backend.apps.cli", "bench", "--tier", "g3", "--path", str(d),
-                          "--layout", "llama-3.1-8b", "--blocks", "32", "--json"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
-    try:
-        end = time.monotonic() + HANG_S
-        while not any(d.glob(".kvbm-baseline-*")):  # the first baseline point runs (after the first pool round)
-            assert p.poll() is None, p.communicate()
-            assert time.monotonic() < end, "hang guard: no baseline file"
-            time.sleep(0.005)
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=HANG_S)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode != 0 and out == "", err  # interrupted, not finished
+    from tests.helpers.sigterm import sigterm_when
+    rc, out, err = sigterm_when([sys.executable, "-m", "kvbm_backend.apps.cli", "bench", "--tier", "g3", "--path", str(d),
+                                 "--layout", "llama-3.1-8b", "--blocks", "32", "--json"],
+                                lambda: any(d.glob(".kvbm-baseline-*")),  # the first baseline point runs
+                                "no baseline file", HANG_S, poll_s=0.005, env=ENV, cwd=ROOT)
+    assert rc != 0 and out == "", err  # interrupted, not finished
     assert list(d.iterdir()) == []

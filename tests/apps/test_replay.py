@@ -126,23 +126,12 @@ def test_simulate_needs_no_g3_path_and_real_mode_removes_the_directories_it_made
 def test_sigterm_removes_the_run_directory(tmp_path):
     """A real replay stopped by SIGTERM (what a job runner sends) removes its capacity-sized run directory and
     the directory it made for --g3-path, as Ctrl-C does. Hang guards only."""
-    import signal
-    import time
+    from tests.helpers.sigterm import sigterm_when
     g3 = tmp_path / "made" / "g3"
-    p = subprocess.Popen([sys.executable, "-m", "kvbm_backend.apps.cli", "replay", "--trace", str(TRACE), "--layout",
-                          "tiny", "--g3-path", str(g3), "--g3-capacity-gb", "2", "--admit-all", "--json"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        end = time.monotonic() + HANG_S
-        while not (g3.is_dir() and any(g3.glob("replay-*/*"))):  # the pool has opened its files
-            assert p.poll() is None, p.communicate()
-            assert time.monotonic() < end, "hang guard: no run directory"
-            time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=HANG_S)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode != 0 and out == "", err  # interrupted, not finished
+    rc, out, err = sigterm_when([sys.executable, "-m", "kvbm_backend.apps.cli", "replay", "--trace", str(TRACE),
+                                 "--layout", "tiny", "--g3-path", str(g3), "--g3-capacity-gb", "2", "--admit-all",
+                                 "--json"],
+                                lambda: g3.is_dir() and any(g3.glob("replay-*/*")),  # the pool has opened its files
+                                "no run directory", HANG_S)
+    assert rc != 0 and out == "", err  # interrupted, not finished
     assert not (tmp_path / "made").exists(), list(g3.rglob("*"))
