@@ -18,6 +18,8 @@ Why pick instead of refusing to open: the journal is a hint. Every entry is chec
 header before it is indexed and every payload on every read (invariant 1), so restoring from the older of
 two journals can cost hits, never serve wrong bytes; a refusal would turn a restart of a cache tier into an
 outage needing an operator, for a state an older version creates by itself. Both files are named in the log.
+Slab files the winner's file table does not name (a directory that only the stale journal named), and every
+file when no journal is found, are scanned for their slot headers instead (:mod:`.scan`).
 """
 from __future__ import annotations
 
@@ -76,9 +78,9 @@ def find_home(slabs: SlabSet, fingerprint: str) -> Home:
     if not found:
         held = sum(f.size_slots for f in slabs.files)
         if held:
-            log.warning("G3: no journal-%s.log in any of g3.paths (%s), but its slab files hold %d slots: a cold "
-                        "start (was the directory holding the journal left out of g3.paths?)", fingerprint,
-                        ", ".join(slabs.paths), held)
+            log.warning("G3: no journal-%s.log in any of g3.paths (%s), but its slab files hold %d slots: the "
+                        "index is rebuilt from their slot headers (was the directory holding the journal left out "
+                        "of g3.paths?)", fingerprint, ", ".join(slabs.paths), held)
         return Home(slabs.paths[0])
     best = max(found)
     home = Home(best[3] if best[0] else slabs.paths[0], [d for *_, d in found])
@@ -89,7 +91,7 @@ def find_home(slabs: SlabSet, fingerprint: str) -> Home:
                     "once it is rewritten", fingerprint, len(found),
                     ", ".join(os.path.join(d, f"journal-{fingerprint}.log") for *_, d in found),
                     os.path.join(home.directory, f"journal-{fingerprint}.log"),
-                    "the newest valid one" if best[0] else "none is valid: a cold start")
+                    "the newest valid one" if best[0] else "none is valid: the slot headers are scanned")
     if home.directory != slabs.paths[0]:
         log.info("G3: journal found in %s, not the first of g3.paths (the list changed); it stays there",
                  home.directory)

@@ -64,10 +64,12 @@ from ..base import BlockBuffer, GetDestinations, GetResult, PutResult, SlotLease
 from . import journal as jr
 from .admission import make_admission
 from .catalog import REASONS, SlotCatalog
+from .index import Slot
 from .read import G3Reader
 from .read.device import DeviceLoader
 from .read.layerwise import LayerwiseLoad
 from .restore import restore
+from .scan import clear_headers
 from .staging import shared_staging
 from .writer import Admission, G3Writer
 
@@ -374,19 +376,24 @@ class G3Pool:
             return n, list(itertools.islice(log, len(log) - new, len(log)))
 
     def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
-        """Remove blocks (queued offloads of these keys are cancelled). Future of how many were held.
+        """Remove blocks (queued offloads of these keys are cancelled); their slot headers are zeroed first, so
+        no restart brings them back (:func:`.scan.clear_headers`). Future of how many were held.
         Never raises for storage trouble: the index removal stands; a DEL record that cannot be
         journaled degrades the tier and the journal is rewritten from the index once it can be."""
         n = 0
         recs: list[bytes] = []
         cat = self.cat
         with cat.lock:
+            held: dict[BlockKey, Slot] = {}
             for k in keys:
                 self.writer.cancel(k)
-                if cat.index.get(k) is None:
-                    continue
+                slot = cat.index.get(k)
+                if slot is not None:
+                    held[k] = slot
+            clear_headers(cat, list(held.values()))  # before the slots can be reused: scan.py
+            for k, slot in held.items():
                 n += 1
-                cat.remove(k)
+                cat.remove(k, slot)
                 recs.append(jr.encode(jr.DEL, k))
             cat.journal_append(recs)
             cat.c["deleted"] += n
@@ -447,7 +454,8 @@ class G3Pool:
             }
         for name in ("offloads_written", "offloads_skipped_present", "offloads_skipped_admission", "offloads_dropped",
                      "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
-                     "restored_blocks", "restore_dropped", "lookup_blocks", "lookup_hits", "deleted", "late_reads",
+                     "restored_blocks", "restore_dropped", "restored_by_scan", "restore_scanned_slots", "lookup_blocks",
+                     "lookup_hits", "deleted", "late_reads",
                      "device_loads", "device_hits", "sync_groups", "journal_compactions"):
             d[name] = c.get(name, 0)
         # the names every pool reports (pool.base.STATS_CONTRACT)

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
-from typing import cast
+from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
-from ...memory import aligned_empty
-from ...model import frame
 from ...model.frame import FrameError
-from ...model.namespace import BlockKey, tenant_tag
+from ...model.namespace import BlockKey
 from ...io.base import IoEngine
-from ...transfer import header_extents, plan_ops
 from .index import Slot, TagKey
 from .catalog import HDR, SlotCatalog
 from .journal import FileTable
 from .journal_home import remove_stale
+from .scan import check_header, read_headers, scan
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +30,10 @@ def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
     (:meth:`~.slabs.SlabSet.trim`) and journals of the namespace in other directories are removed
     (:func:`.journal_home.remove_stale`). A version-3 journal's file indexes are mapped to this run's files by
     its file table (directory real path, slab number), so the order of ``g3.paths`` does not matter; entries of
-    a directory no longer configured are dropped (``restore:path_removed``). ``engine``: the pool's I/O engine
-    (header reads of ``io_size``)."""
+    a directory no longer configured are dropped (``restore:path_removed``). Slab files no journal covers (none
+    found, its header unreadable, or a directory its file table does not name) are scanned instead: their
+    slot headers are indexed (:func:`.scan.scan`, before the journal's blocks in LRU order). ``engine``: the
+    pool's I/O engine (header reads of ``io_size``)."""
     entries, info = cat.journal.load()
     if info["bad_header"]:
         log.warning("G3: journal %s is not this namespace's; ignored", cat.journal.path)
@@ -61,41 +57,31 @@ def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
             cat.c["restore:short"] += 1
         else:
             cand.append((key, (fi, si)))
-    good = []
-    chunk = 4096
-    for c0 in range(0, len(cand), chunk):
-        part = cand[c0:c0 + chunk]
-        hdrs = aligned_empty(len(part) * HDR)
-        exts = header_extents([slot for _, slot in part], hdrs, cat.slot_bytes, HDR, cat.fd_of)
-        readable = None
-        try:
-            engine.submit(plan_ops(exts, io_size, write=False)).result()
-        except OSError as e:  # one bad read must not cost the chunk: read the headers one by one
-            log.warning("G3 restore: header reads failed (%s); reading %d headers one by one", e, len(part))
-            readable = _read_headers_one_by_one(cat, part, hdrs)
-        for j, (key, slot) in enumerate(part):
+    good: list[tuple[BlockKey | TagKey, Slot]] = []
+    for c0, hdrs, readable in read_headers(cat, engine, io_size, [slot for _, slot in cand]):
+        for j in range(len(hdrs) // HDR):
+            key, slot = cand[c0 + j]
             if readable is not None and not readable[j]:
                 cat.c["restore:io_error"] += 1
                 continue
             try:
-                # accept reads the key's namespace, rank and seq_hash only, which a TagKey has too (the tenant
-                # is the tag passed next); frame.accept's annotation (model/) names BlockKey only
-                h = frame.accept(hdrs[j * HDR:(j + 1) * HDR], cast(BlockKey, key), cat.layout,
-                                 key.tag if type(key) is TagKey else tenant_tag(key.tenant),
-                                 world=cat.namespace.tp_world_size, stored_len=cat.block_bytes)
-                if not h.flags & frame.FLAG_CHECKSUM:
-                    raise FrameError("length", "frame carries no checksum")
+                check_header(cat, hdrs[j * HDR:(j + 1) * HDR], key)
             except FrameError as e:
                 cat.c["restore:" + e.reason] += 1
                 continue
             good.append((key, slot))
+    journaled = len(good)
+    covered = _covered(cat, info, remap)
+    bare = [f for f in cat.slabs.files if f.index not in covered]
+    if bare:  # files no journal covers: their slot headers are the index (scan.py)
+        good[:0] = scan(cat, engine, io_size, bare, {k for k, _ in good})
     used: dict[int, set[int]] = collections.defaultdict(set)
     cat.index.restore_many(good)  # one vectorised build, oldest first
     for _key, slot in good:
         used[slot[0]].add(slot[1])
     cat.slabs.restore(used)
     cat.c["restored_blocks"] = len(good)
-    cat.c["restore_dropped"] = len(entries) - len(good)
+    cat.c["restore_dropped"] = len(entries) - journaled
     try:
         cat.journal.rewrite(cat.index.items())
     except OSError as e:  # full disk at open: serve what is here, admit nothing until it can be written
@@ -103,6 +89,17 @@ def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
     else:  # the journal names no slot past a lowered capacity, nor a file past files_per_path: give them back
         cat.slabs.trim()
         remove_stale(cat.slabs, cat.fp, cat.journal_home)  # the rewritten journal is the newest: no stale one left
+
+
+def _covered(cat: SlotCatalog, info: dict[str, Any], remap: list[int] | None) -> set[int]:
+    """File indexes of this run a journal covers: none without a journal (absent, or its header unreadable:
+    ``version`` 0), every file for versions 1 and 2 (positions in the configured list), and for version 3 the
+    files its file table maps to (:func:`_file_map`). The others are scanned (:mod:`.scan`)."""
+    if info["version"] == 0:
+        return set()
+    if remap is None:
+        return set(cat.slabs.by_index)
+    return {fi for fi in remap if fi in cat.slabs.by_index}
 
 
 def _file_map(cat: SlotCatalog, files: FileTable | None) -> list[int] | None:
@@ -149,16 +146,3 @@ def _positional_map(cat: SlotCatalog) -> list[int] | None:
              cat.journal.path, home)
     old = [home] + [p for p in paths if p != home]  # the list it was written with, as a version-3 file table
     return _file_map(cat, ([cat.slabs.ids[p] for p in old], cat.slabs.files_per_path))
-
-
-def _read_headers_one_by_one(cat: SlotCatalog, part: list[tuple[BlockKey | TagKey, Slot]],
-                             hdrs: npt.NDArray[np.uint8]) -> list[bool]:
-    """Read the header of each ``(key, slot)`` of ``part`` into ``hdrs[j * HDR:]`` with its own
-    ``preadv``; returns which reads returned the whole header."""
-    out = []
-    for j, (_, (fi, si)) in enumerate(part):
-        try:
-            out.append(os.preadv(cat.fd_of(fi), [hdrs[j * HDR:(j + 1) * HDR].data], si * cat.slot_bytes) == HDR)
-        except (OSError, KeyError):
-            out.append(False)
-    return out

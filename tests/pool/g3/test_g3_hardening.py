@@ -212,8 +212,9 @@ def test_real_full_disk_journal_put_delete_reopen(tmpfs):
     """A 16 MiB tmpfs filled by someone else: slab writes into already-grown space still succeed, but
     the journal cannot grow: the put resolves with drops, delete does not raise, the tier degrades; a
     reopen on the full disk (namespace and lock files gone too) opens degraded and serves its blocks;
-    when space returns everything recovers (the journal is rewritten from the index, so the delete
-    finally sticks) and a restart finds exactly the published blocks."""
+    when space returns everything recovers (the journal is rewritten from the index) and a restart finds
+    exactly the published blocks. A delete sticks even while its DEL record cannot be journaled: the slot's
+    header is zeroed first (scan.clear_headers), so the journal's PUT no longer checks."""
     d = tmpfs / "g3"
     filler = tmpfs / "filler"
     kw = dict(capacity_gb=1.0, files_per_path=1, min_free_fraction=0.0)
@@ -229,11 +230,11 @@ def test_real_full_disk_journal_put_delete_reopen(tmpfs):
         assert pool.delete(keys[:1]).result(timeout=HANG_S) == 1
         written = [k for k in keys2 if pool.contains(k)]
     # restarted while still full: the journal tail is whole (cut back after the failed append); the
-    # delete's DEL record could not be written (documented: the journal is repaired once space returns,
-    # or at close if it can), so the deleted block is found again - a verified block of its own key
+    # delete's DEL record could not be written, but the deleted block's header is gone: not found again
     with open_pool(d, **kw) as pool:
-        assert pool.stats()["restored_blocks"] == 4 + len(written)
-        assert pool.delete(keys[:1]).result(timeout=HANG_S) == 1
+        st = pool.stats()
+        assert st["restored_blocks"] == 3 + len(written) and st["restore_dropped_by_reason"] == {"magic": 1}, st
+        assert not pool.contains(keys[0]) and pool.delete(keys[:1]).result(timeout=HANG_S) == 0
     os.unlink(d / "namespace.json")
     os.unlink(d / LOCK_NAME)
     _fill(tmpfs / "filler2")
@@ -245,9 +246,9 @@ def test_real_full_disk_journal_put_delete_reopen(tmpfs):
     pool.degrade_s = 0.2
     with pool:
         st = pool.stats()
-        assert st["degraded"] and st["restored_blocks"] == 4 + len(written)
-        assert _get(pool, keys) == [True] * 4  # serves what it has
-        assert pool.delete(keys[:1]).result(timeout=HANG_S) == 1
+        assert st["degraded"] and st["restored_blocks"] == 3 + len(written)
+        assert _get(pool, keys) == [False] + [True] * 3  # serves what it has
+        assert pool.delete(keys[1:2]).result(timeout=HANG_S) == 1
         _, r = _put(pool, range(500, 510))
         assert r.dropped == 10 and r.written == 0
         filler.unlink()
@@ -257,7 +258,8 @@ def test_real_full_disk_journal_put_delete_reopen(tmpfs):
         assert r.written == 10 and not pool.stats()["degraded"]
         assert (d / "namespace.json").read_text().strip() == NS.canonical_json()
     with open_pool(d, **kw) as pool:
-        assert pool.stats()["restored_blocks"] == 13 + len(written)
+        assert pool.stats()["restored_blocks"] == 12 + len(written)
+        assert _get(pool, keys) == [False, False, True, True]
 
 
 # ---- 2. odd files where G3 expects its own -------------------------------------------------------

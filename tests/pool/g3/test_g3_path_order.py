@@ -164,14 +164,21 @@ def test_lowering_files_per_path_over_several_paths_keeps_the_remaining_files_bl
 def test_journals_in_two_directories_the_newest_valid_wins_and_the_other_is_removed(dirs, newest):
     """A directory that held the journal is left out for a run (which starts a new journal) and comes back:
     two journals. The newest (modification time; a tie: the earlier path) is used and the other removed;
-    whichever is used, no served block holds wrong bytes."""
+    whichever is used, no served block holds wrong bytes. The run without the journal found its directory's
+    blocks by their slot headers (scan.py), and when the newest journal does not name the directory that
+    came back, that directory's blocks are found the same way: nothing intact is lost."""
     a, b = dirs[:2]
     with _open([a, b]) as pool:
         old = _put(pool, range(1, 101))
-    # a left out: a cold start with a new journal in b; a capacity below b's files' size, so the run's writes
-    # take b's slots from slot 0 and overwrite the blocks the journal in a still names there
+        in_a = [k for k, d in _where(pool, old).items() if d == str(a)]
+    assert 0 < len(in_a) < 100
+    # a left out: no journal; b's slot headers are scanned. A capacity below b's files' size, so the run's
+    # writes take b's slots from slot 0 and overwrite the blocks the journal in a still names there
     with _open([b], capacity_gb=0.002) as pool:
-        assert pool.stats()["restored_blocks"] == 0
+        st = pool.stats()
+        found = _served(pool, old)
+        assert st["restored_blocks"] == st["restored_by_scan"] == sum(found) > 0, st
+        assert st["restore_scanned_slots"] > 0 and not any(f for k, f in zip(old, found) if k in in_a)
         cur = _put(pool, range(1000, 1150))
     assert _journals(dirs) == [a, b]
     t = 1_700_000_000 * 10**9
@@ -180,8 +187,10 @@ def test_journals_in_two_directories_the_newest_valid_wins_and_the_other_is_remo
     with _open([a, b]) as pool:
         st = pool.stats()
         got_old, got_cur = _served(pool, old), _served(pool, cur)  # bytes checked for every hit
-        if newest == "current":
-            assert got_cur == [True] * 150 and not any(got_old) and st["restored_blocks"] == 150
+        if newest == "current":  # b's journal names b only: a's blocks come back by a scan of a's files
+            assert got_cur == [True] * 150 and st["restored_by_scan"] == len(in_a), st
+            assert all(f for k, f in zip(old, got_old) if k in in_a), got_old
+            assert st["restored_blocks"] == 150 + sum(got_old), st
         else:  # a's journal (the stale one, or the earlier path on a tie): its blocks b's run overwrote drop
             assert not any(got_cur) and 0 < sum(got_old) < 100 and st["restored_blocks"] == sum(got_old), st
             assert st["restore_dropped"] == 100 - sum(got_old)
