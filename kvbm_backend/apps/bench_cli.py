@@ -8,15 +8,27 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from .cli_checks import check_layout, config_error_text, existing_dir, fail, file_url_path, int_range
+from .cli_checks import DEFAULT_LAYOUT, check_layout, config_error_text, existing_dir, fail, file_url_path, int_range
 
 IO_SIZE_DEFAULT = 1 << 20
 ENGINE_DEFAULT = "auto"
 THREADS_DEFAULT = 8
 TIERS = ("g3", "g4", "vllm-tiers", "index")
-# options a tier does not use: refused when given (g4 moves every object whole with the store's own I/O; the
-# index bench does no I/O)
-UNUSED = {"g4": ("--io-size", "--engine"), "index": ("--io-size", "--engine", "--threads")}
+_G4_ONLY = ("--url", "--endpoint-url", "--encrypt/--no-encrypt", "--s3-client")
+# options a tier does not use, with why: refused when given
+UNUSED = {
+    "g3": dict.fromkeys(_G4_ONLY, "it writes G3 slab files in --path"),
+    "vllm-tiers": dict.fromkeys(_G4_ONLY, "its tiers write G3 slab files in --path"),
+    "g4": {"--path": "it writes objects in --url",
+           **dict.fromkeys(("--io-size", "--engine"), "it moves every object whole with the store's own I/O; "
+                                                       "io_size_bytes in its JSON is the object size")},
+    "index": dict.fromkeys(("--path", "--layout", "--page-size", "--tp", "--io-size", "--engine", "--threads",
+                            *_G4_ONLY), "it builds the in-memory index of --blocks entries of a fixed tiny layout "
+                                        "and does no I/O"),
+}
+PAGE_SIZE_DEFAULT = 16
+TP_DEFAULT = 1
+S3_CLIENT_DEFAULT = "obstore"
 
 
 def _check_engine(engine: str, threads: int) -> None:
@@ -30,26 +42,33 @@ def _check_engine(engine: str, threads: int) -> None:
         fail(f"--engine {engine}: cannot run here ({e})")
 
 
-def run_bench(*, tier: str, layout: str, page_size: int, tp: int, blocks: int, path: Optional[str],
-              url: Optional[str], endpoint_url: Optional[str], encrypt: bool, s3_client: str,
-              io_size: Optional[int], engine: Optional[str], threads: Optional[int], as_json: bool,
-              max_page_size: int, max_tp: int, max_threads: int, max_index_blocks: int) -> dict:
-    """Check the options (:func:`fail` on the first bad one), run the tier's benchmark and return its result."""
+def run_bench(*, tier: str, layout: Optional[str], page_size: Optional[int], tp: Optional[int], blocks: int,
+              path: Optional[str], url: Optional[str], endpoint_url: Optional[str], encrypt: Optional[bool],
+              s3_client: Optional[str], io_size: Optional[int], engine: Optional[str], threads: Optional[int],
+              as_json: bool, max_page_size: int, max_tp: int, max_threads: int, max_index_blocks: int) -> dict:
+    """Check the options (:func:`fail` on the first bad one), run the tier's benchmark and return its result.
+    An option left out is None (its default is applied here); one given that the tier does not use is refused
+    (:data:`UNUSED`)."""
     from kvbm_backend.config import ConfigError, io_size_problem
 
     from .bench import BenchOptions
     from .signals import sigterm_interrupts
     if tier not in TIERS:
         fail(f"--tier: expected {', '.join(TIERS[:-1])} or {TIERS[-1]} (got {tier!r})")
-    given = {"--io-size": io_size, "--engine": engine, "--threads": threads}
-    for name in UNUSED.get(tier, ()):
+    given = {"--io-size": io_size, "--engine": engine, "--threads": threads, "--path": path, "--url": url,
+             "--endpoint-url": endpoint_url, "--encrypt/--no-encrypt": encrypt, "--s3-client": s3_client,
+             "--layout": layout, "--page-size": page_size, "--tp": tp}
+    for name, why in UNUSED[tier].items():
         if given[name] is not None:
-            why = ("it does no I/O" if tier == "index" else
-                   "it moves every object whole with the store's own I/O; io_size_bytes in its JSON is the object size")
             fail(f"{name}: not used by bench --tier {tier} ({why}); leave it out")
     io_size = IO_SIZE_DEFAULT if io_size is None else io_size
     engine = ENGINE_DEFAULT if engine is None else engine
     threads = THREADS_DEFAULT if threads is None else threads
+    layout = DEFAULT_LAYOUT if layout is None else layout
+    page_size = PAGE_SIZE_DEFAULT if page_size is None else page_size
+    tp = TP_DEFAULT if tp is None else tp
+    encrypt = True if encrypt is None else encrypt
+    s3_client = S3_CLIENT_DEFAULT if s3_client is None else s3_client
     int_range("--page-size", page_size, 1, max_page_size)
     int_range("--tp", tp, 1, max_tp)
     int_range("--blocks", blocks, 1, max_index_blocks if tier == "index" else None)

@@ -15,7 +15,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from .cli_checks import check_layout as _check_layout, config_error_text as _config_error_text, error_line
-from .cli_checks import finite as _finite, int_range
+from .cli_checks import DEFAULT_LAYOUT, finite as _finite, int_range
 
 # Upper bounds of the numeric flags (a value past them is an operator mistake that would otherwise end
 # in a MemoryError or OverflowError traceback minutes later). Capacities: config.MAX_CAPACITY_GB.
@@ -26,7 +26,6 @@ MAX_INDEX_BLOCKS = 100_000_000  # bench --tier index entries
 MAX_SYNTH_BLOCK_IDS = 100_000_000  # plan --synthetic: block ids the whole trace holds
 MAX_NODES = 10_000
 MAX_WORKERS_PER_NODE = 256
-DEFAULT_LAYOUT = "llama-3.1-8b"  # every command's --layout default (bench, replay, plan)
 LAYOUT_HELP = (f"model preset in layouts/ (default for every command: {DEFAULT_LAYOUT}; see: kvbm-backend layouts); "
                "NAME:fp8 for an engine with an FP8 KV cache (--kv-cache-dtype fp8)")
 
@@ -108,9 +107,11 @@ def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
 def bench(
     tier: str = typer.Option(..., help="g3 | g4 | vllm-tiers | index (the in-memory G3 index; --blocks N "
                                        "entries, default 1M and 10M)"),
-    layout: str = typer.Option(DEFAULT_LAYOUT, help=LAYOUT_HELP),
-    page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PAGE_SIZE})"),
-    tp: int = typer.Option(1, help=f"TP degree (block size is per rank; 1-{MAX_TP})"),
+    layout: Optional[str] = typer.Option(None, help=LAYOUT_HELP + " (g3 / g4 / vllm-tiers)"),
+    page_size: Optional[int] = typer.Option(None, help=f"tokens per block (1-{MAX_PAGE_SIZE}; default 16; "
+                                                       "g3 / g4 / vllm-tiers)"),
+    tp: Optional[int] = typer.Option(None, help=f"TP degree (block size is per rank; 1-{MAX_TP}; default 1; "
+                                                "g3 / g4 / vllm-tiers)"),
     blocks: int = typer.Option(256, help="blocks to write then read (their source and read-back buffers must fit "
                                          f"in host memory; index: at most {MAX_INDEX_BLOCKS:,})"),
     path: Optional[str] = typer.Option(None, help="g3 / vllm-tiers: an existing directory (several: "
@@ -118,9 +119,10 @@ def bench(
     url: Optional[str] = typer.Option(None, help="g4: s3://BUCKET/PREFIX or file:///shared/path (an existing "
                                                  "directory)"),
     endpoint_url: Optional[str] = typer.Option(None, help="g4: S3 endpoint URL"),
-    encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help="g4: AES-256-GCM per tenant"),
-    s3_client: str = typer.Option("obstore", help="g4 on s3://: the S3 client of the block traffic, "
-                                                  "obstore | boto3 (g4.s3_client; its default)"),
+    encrypt: Optional[bool] = typer.Option(None, "--encrypt/--no-encrypt", help="g4: AES-256-GCM per tenant "
+                                                                                  "(default: --encrypt)"),
+    s3_client: Optional[str] = typer.Option(None, help="g4 on s3://: the S3 client of the block traffic, "
+                                                       "obstore | boto3 (default obstore: g4.s3_client's default)"),
     io_size: Optional[int] = typer.Option(None, help="g3 / vllm-tiers: bytes per coalesced I/O per rank of the pool "
                                                      "(a multiple of 4096, at most 1 GiB; default 1 MiB)"),
     engine: Optional[str] = typer.Option(None, help="g3 / vllm-tiers: auto | posix | nixl | kvikio (default auto)"),

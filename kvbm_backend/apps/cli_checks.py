@@ -12,6 +12,7 @@ from rich.text import Text
 console = Console(stderr=True)
 
 
+DEFAULT_LAYOUT = "llama-3.1-8b"  # every command's --layout default (bench, replay, plan)
 MAX_ERROR_CHARS = 2000
 
 

@@ -34,9 +34,18 @@ def test_flags_a_tier_does_not_use_are_refused(tmp_path):
         r = CliRunner().invoke(app, ["bench", "--tier", "g4", "--url", f"file://{store}", "--layout", "tiny",
                                      "--blocks", "1", flag, value])
         _one_line_error(r, flag, "g4")
-    for flag, value in (("--engine", "posix"), ("--io-size", "4096"), ("--threads", "2")):
+    for flag, value in (("--engine", "posix"), ("--io-size", "4096"), ("--threads", "2"), ("--layout", "tiny"),
+                        ("--page-size", "32"), ("--tp", "2"), ("--path", str(tmp_path)), ("--s3-client", "boto3")):
         r = CliRunner().invoke(app, ["bench", "--tier", "index", "--blocks", "10", flag, value])
         _one_line_error(r, flag, "index")
+    r = CliRunner().invoke(app, ["bench", "--tier", "g4", "--url", f"file://{store}", "--path", str(tmp_path)])
+    _one_line_error(r, "--path", "g4")
+    for tier in ("g3", "vllm-tiers"):  # G4's options: these tiers write G3 slab files
+        for extra in (["--url", f"file://{store}"], ["--endpoint-url", "http://127.0.0.1:1"], ["--no-encrypt"],
+                      ["--encrypt"], ["--s3-client", "boto3"]):
+            r = CliRunner().invoke(app, ["bench", "--tier", tier, "--path", str(tmp_path), "--layout", "tiny",
+                                         "--blocks", "1", *extra])
+            _one_line_error(r, extra[0].split("-no-")[-1].lstrip("-"), tier)
 
 
 @pytest.mark.parametrize("url,names", [("s3://kvbm-bench/x", ("--url", "--endpoint-url")),
