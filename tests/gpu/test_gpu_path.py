@@ -584,3 +584,24 @@ def test_gpu_block_index_does_not_wait_for_the_stream():
     torch.cuda._sleep(2_000_000_000)
     torch.as_tensor([5, 1, 7], device="cuda")
     assert s.query()  # the blocking form waited (what the loads did before)
+
+
+@pytest.mark.skipif(not CUDA_OK, reason="no CUDA device (torch.cuda.is_available() is False)")
+def test_gpu_load_waits_for_work_queued_on_the_callers_stream(tmp_path):
+    """``dst`` may still be in use by work queued on the caller's stream (the connector's load staging is freed
+    while its scatter is queued, and the allocator hands the memory to the next load): the loader's stream
+    waits for the caller's stream before writing. Here a fill of ``dst`` queued behind ~1 s of GPU time must
+    land before the loaded bytes; without the wait the loader wrote first and the fill overwrote the blocks."""
+    n = 8
+    keys = NS.keys(range(900, 900 + n), tenant="t")
+    pays = _blocks(n, seed=9)
+    src = FileSlots(tmp_path / "slab", keys, pays)
+    ld = DeviceLoader(src, LAYOUT, "cuda", probe_dir=str(tmp_path), mode="pinned-bounce", world=1, timeout_s=LOAD_S)
+    dst = torch.empty((n, BPB), dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the current stream
+    dst.fill_(0xAB)  # queued behind it: the previous user of dst's memory
+    assert ld.load(keys, dst) == [True] * n
+    torch.cuda.current_stream().synchronize()
+    for i in range(n):
+        assert torch.equal(dst[i].cpu(), torch.from_numpy(pays[i])), i
+    ld.close()

@@ -288,6 +288,9 @@ class DeviceLoader:
         reading: deque[_Pass] = deque()  # reads on the wire, not reaped yet
         checking: deque[_Pass] = deque()  # reaped, checks queued on the device, not completed yet
         t0 = time.perf_counter()
+        if self._stream is not None:  # dst may still be in use by work queued on the caller's stream (a scatter
+            # of the previous load out of memory the allocator has just handed out again as this dst): wait for it
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         ctx: ContextManager[Any] = (torch.cuda.stream(self._stream) if self._stream is not None
                                     else contextlib.nullcontext())
         try:

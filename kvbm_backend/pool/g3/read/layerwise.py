@@ -185,6 +185,8 @@ class LayerwiseLoad:
         self.lay_host = host[nh:].view(self.L, max(1, self.n), self.lb)
         self.lay_dev = self.lay_host if self._stream is None else \
             torch.empty((self.L, max(1, self.n), self.lb), dtype=torch.uint8, device=self.device)
+        if self._stream is not None:  # lay_dev's memory may still be read by work queued on the caller's stream
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         if self._dev_sums and self._stream is not None:
             from ....gpu import checksum_partial  # noqa: F401 - imported (and triton checked) before the reads
         if not self.aligned:
