@@ -29,6 +29,23 @@ _DTYPE_BYTES = {
 }
 
 
+# every accepted spelling -> the one name a namespace records (torch's: what the vLLM path passes), so two
+# engines describing the same element type alike share blocks whatever spelling their config used. vLLM's
+# ``--kv-cache-dtype fp8`` is e4m3 on CUDA (vllm/utils/torch_utils.py), hence fp8 -> float8_e4m3fn.
+_CANONICAL = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn",
+              "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def canonical_dtype(dtype: str) -> str:
+    """The name a namespace records for the KV dtype ``dtype`` (any case, any alias of :data:`_DTYPE_BYTES`):
+    ``bf16``/``BFloat16`` -> ``bfloat16``, ``fp8``/``fp8_e4m3`` -> ``float8_e4m3fn``, ``fp8_e5m2`` ->
+    ``float8_e5m2``, ``fp16``/``half`` -> ``float16``, ``fp32`` -> ``float32``. Raises ValueError on an
+    unknown name (as :func:`dtype_bytes`)."""
+    dtype_bytes(dtype)
+    low = dtype.lower()
+    return _CANONICAL.get(low, low)
+
+
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a dtype name (``bfloat16`` -> 2). Raises ValueError on an unknown name."""
     try:
@@ -47,7 +64,8 @@ class KvLayout:
         page_size: tokens per block.
         inner_dim: elements per token per layer per outer index on this rank
             (``kv_heads_per_rank * head_dim``).
-        dtype: element type name, e.g. ``bfloat16``.
+        dtype: element type name, e.g. ``bfloat16``; any alias or case is stored as :func:`canonical_dtype`'s
+            name (``bf16`` -> ``bfloat16``), so the namespace fingerprint does not depend on the spelling.
     """
 
     num_layers: int
@@ -63,7 +81,9 @@ class KvLayout:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
         if self.outer_dim not in (1, 2):
             raise ValueError(f"outer_dim: must be 1 (MLA) or 2 (K and V), got {self.outer_dim!r}")
-        dtype_bytes(self.dtype)
+        if not isinstance(self.dtype, str):
+            raise ValueError(f"dtype: must be a name such as 'bfloat16', got {self.dtype!r}")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))  # frozen: set once, here
 
     @cached_property  # derived from frozen fields: computed once (read per block on the load paths)
     def dtype_bytes(self) -> int:

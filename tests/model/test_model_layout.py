@@ -148,3 +148,25 @@ def test_a_kv_dtype_suffix_sizes_an_fp8_kv_cache():
     with pytest.raises(ValueError, match="no preset 'nope'"):
         load_preset("nope:fp8")
 
+
+
+def test_a_dtype_alias_or_case_is_one_namespace():
+    """Reviewer (2026-11-30): dtype names were recorded as given, so bf16 / bfloat16 / BFloat16 and fp8 /
+    float8_e4m3fn gave different namespace fingerprints (equal caches never shared blocks). Every spelling is
+    recorded as torch's name; e4m3 and e5m2 stay apart, and a canonical name's fingerprint is unchanged."""
+    from kvbm_backend.model.namespace import Namespace
+
+    def fp(dtype):
+        return Namespace(model="m", layout=KvLayout(2, 2, 16, 64, dtype)).fingerprint
+    assert {fp(d) for d in ("bfloat16", "bf16", "BFloat16", "BF16")} == {fp("bfloat16")}
+    assert {fp(d) for d in ("float8_e4m3fn", "fp8", "fp8_e4m3", "FP8")} == {fp("float8_e4m3fn")}
+    assert {fp(d) for d in ("float16", "fp16", "half")} == {fp("float16")}
+    assert fp("fp8_e5m2") == fp("float8_e5m2") != fp("float8_e4m3fn")
+    assert fp("uint8") != fp("float8_e4m3fn")  # a raw-bytes cache stays its own namespace
+    assert KvLayout(2, 2, 16, 64, "bf16").dtype == "bfloat16"
+    # canonical names keep the fingerprints they had before the change (computed with the previous code)
+    assert (fp("bfloat16"), fp("float8_e4m3fn")) == ("481a1d608f90c3e6", "ae32f157720d802c")
+    with pytest.raises(ValueError, match="dtype"):
+        KvLayout(2, 2, 16, 64, "int4")
+    with pytest.raises(ValueError, match="dtype"):
+        KvLayout(2, 2, 16, 64, 2)  # type: ignore[arg-type]
