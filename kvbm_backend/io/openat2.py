@@ -66,8 +66,11 @@ def open_no_symlinks(path: bytes, flags: int, direct: bool = False) -> int:
     Raises:
         Unsupported: no ``openat2`` here (and from then on, without a system call).
         OSError: the kernel's error otherwise, with its errno (ENOENT, ELOOP, ENOTDIR, EINVAL...).
+        ValueError: ``path`` holds a NUL byte (as ``os.open``: C would read the path only up to it, another file).
     """
     global _supported
+    if b"\0" in path:
+        raise ValueError(f"embedded null byte in path {path!r}")
     if direct:
         flags |= os.O_DIRECT
     if _syscall is None or _supported is False:

@@ -299,3 +299,19 @@ def test_each_io_thread_keeps_one_bounce_buffer_instead_of_lending_one_per_block
         assert all(np.array_equal(a, b) for a, b in zip(out, data))
         st = p.reader.bounce.stats()
         assert st["reused"] + st["allocated"] <= 2, st  # at most one per I/O thread
+
+
+@pytest.mark.parametrize("via_link", [False, True], ids=["one-call-open", "walk (root through a link)"])
+def test_a_name_with_a_nul_byte_is_refused_either_way(tmp_path, via_link):
+    """Reviewer (2026-11-30): the one-call open passed the path through ctypes.c_char_p, which ends it at the
+    first NUL: ``obj\\x00junk`` opened ``obj``, where the walk (os.open) raises ValueError. Both refuse now."""
+    real = tmp_path / "real"
+    real.mkdir()
+    root = real
+    if via_link:
+        root = tmp_path / "via"
+        root.symlink_to(real, target_is_directory=True)
+    st = FsStore(root)
+    assert st.put_if_absent("t/x/obj", _data(5000, seed=5))
+    with pytest.raises(ValueError, match="null byte"):
+        st.get_into("t/x/obj\x00junk", bytearray(8192))
