@@ -4,8 +4,9 @@ An engine is several processes (vLLM's API server, engine core with the connecto
 worker per TP rank with the worker role; Dynamo's worker the same), and the events behind one series happen
 in different ones: prefix lookups (``kvbm_matched_tokens``, the hit rates) in the scheduler, loads and
 offloads in the workers. Each process that opens tiers with ``metrics.port`` P keeps its series in mmap
-files under :func:`metrics_dir` (P) (prometheus_client's multiprocess format: ``counter_<pid>.db``,
-``gauge_<mode>_<pid>.db``, ``histogram_<pid>.db``), and the one process that holds the serving lock of P
+files under :func:`metrics_dir` (P) (prometheus_client's multiprocess format: ``counter_<id>.db``,
+``gauge_<mode>_<id>.db``, ``histogram_<id>.db``, where ``<id>`` is ``<pid>.<random>``: pids repeat, see
+below), and the one process that holds the serving lock of P
 (:func:`take_serve_lock`, first come) serves them all, merged by prometheus_client's
 ``MultiProcessCollector``: counters and histograms summed over processes (dead ones included: what
 happened stays counted), gauges by the mode each series declares (:func:`kvbm_backend.metrics.gauge`:
@@ -22,9 +23,13 @@ counts that process); their counter and histogram files stay while the run goes 
 lives with files here), so that the sums never go down. A new run (:func:`begin` finds no live process with
 files) starts from clean: the files of an earlier run's processes are removed (counters restart with the pod,
 as Prometheus expects after a restart). A process is live while it holds the shared flock on its
-``live_<pid>.lock`` (the kernel drops it when the process ends), not while its pid exists: in a fresh PID
-namespace (a container restarted with a persisting directory) pids repeat, and a process whose pid is a dead
-namesake's never continues that one's series (:func:`begin`).
+``live_<id>.lock`` (the kernel drops it when the process ends), not while its pid exists. Pids repeat: in a
+fresh PID namespace (a container restarted with a persisting directory), and at the same time in two
+containers of one pod that share the directory (each has its own PID namespace, both may be pid 1); the
+random part of ``<id>`` (new in each process, a forked child included) keeps their files apart, so no
+process writes, renames or removes another's files, live or dead. A forked child does not inherit its
+parent's liveness (it closes the inherited live-lock descriptors at fork, which leaves the parent's lock
+held) nor a lock another thread held at the fork (the module's locks are new in the child).
 
 The serving process holds ``serve.lock`` (an ``flock``, which the kernel releases when the process ends); the
 others wait for it in a thread (:func:`wait_serve_lock`), so that one of them serves once it ends.
@@ -46,8 +51,19 @@ from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger("kvbm_backend.metrics")
 
-_DB = re.compile(r"^(counter|histogram|summary|gauge_[a-z]+)_(\d+)(-\d+)?\.db$")
-_LIVE = re.compile(r"^live_(\d+)\.lock$")
+# ``<id>``: ``<pid>.<16 hex>``; a bare ``<pid>`` (and ``<pid>-<n>``, renamed: ended) is an earlier version's
+_DB = re.compile(r"^(counter|histogram|summary|gauge_[a-z]+)_(\d+(?:\.[0-9a-f]{16})?)(-\d+)?\.db$")
+_LIVE = re.compile(r"^live_(\d+(?:\.[0-9a-f]{16})?)\.lock$")
+_me: dict[int, str] = {}  # pid -> its <id>: only this process's
+
+
+def _id() -> str:
+    """This process's ``<id>`` in file names: its pid and 64 random bits, drawn again in a forked child."""
+    pid = os.getpid()
+    if pid not in _me:
+        _me.clear()
+        _me[pid] = f"{pid}.{os.urandom(8).hex()}"
+    return _me[pid]
 
 
 def metrics_dir(port: int) -> str:
@@ -75,14 +91,13 @@ def value_class(directory: str):
     files: dict = {}
     values: list = []
     pid = {"value": os.getpid()}
-    lock = threading.Lock()
 
     class MmapedValue:
         _multiprocess = True
 
         def __init__(self, typ, metric_name, name, labelnames, labelvalues, help_text, multiprocess_mode="", **kw):
             self._params = typ, metric_name, name, labelnames, labelvalues, help_text, multiprocess_mode
-            with lock:
+            with _value_lock:
                 self._check_pid()
                 self._reset()
                 values.append(self)
@@ -91,7 +106,7 @@ def value_class(directory: str):
             typ, metric_name, name, labelnames, labelvalues, help_text, mode = self._params
             prefix = f"{typ}_{mode}" if typ == "gauge" else typ
             if prefix not in files:
-                files[prefix] = MmapedDict(os.path.join(directory, f"{prefix}_{pid['value']}.db"))
+                files[prefix] = MmapedDict(os.path.join(directory, f"{prefix}_{_id()}.db"))
             self._file = files[prefix]
             self._key = mmap_key(metric_name, name, labelnames, labelvalues, help_text)
             self._value, self._timestamp = self._file.read_value(self._key)
@@ -103,21 +118,21 @@ def value_class(directory: str):
                     f.close()
                 files.clear()
                 try:
-                    begin(directory)  # its live lock; a dead namesake's files are not its own
+                    begin(directory)  # its own live lock (its own <id>)
                 except OSError:
                     pass
                 for v in values:
                     v._reset()
 
         def inc(self, amount):
-            with lock:
+            with _value_lock:
                 self._check_pid()
                 self._value += amount
                 self._timestamp = 0.0
                 self._file.write_value(self._key, self._value, self._timestamp)
 
         def set(self, value, timestamp=None):
-            with lock:
+            with _value_lock:
                 self._check_pid()
                 self._value = value
                 self._timestamp = timestamp or 0.0
@@ -127,7 +142,7 @@ def value_class(directory: str):
             return
 
         def get(self):
-            with lock:
+            with _value_lock:
                 self._check_pid()
                 return self._value
 
@@ -168,14 +183,44 @@ def metric_classes(directory: str) -> dict:
 
 _live: dict[str, tuple[int, int]] = {}  # directory -> (pid, fd) of this process's live lock there
 _live_lock = threading.Lock()
+_value_lock = threading.Lock()  # the values of every value_class
 
 
-def _live_path(directory: str, pid: int) -> str:
-    return os.path.join(directory, f"live_{pid}.lock")
+def _before_fork() -> None:
+    _live_lock.acquire()  # no live-lock descriptor half-recorded in _live at the fork
+
+
+def _after_fork_in_parent() -> None:
+    _live_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """New locks (another thread of the parent may have held one at the fork: the child's copy stays held),
+    a new ``<id>``, and the parent's live-lock descriptors closed: an flock belongs to the open file
+    description, which the parent's descriptor keeps (its lock stays held), while the child's copy would keep
+    the parent live after the parent ended."""
+    global _live_lock, _value_lock
+    _live_lock = threading.Lock()
+    _value_lock = threading.Lock()
+    _id()
+    for _, fd in _live.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _live.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
+
+
+def _live_path(directory: str, ident: str) -> str:
+    return os.path.join(directory, f"live_{ident}.lock")
 
 
 def _hold_live(directory: str) -> None:
-    """Hold a shared flock on ``live_<pid>.lock`` for as long as this process lives (the kernel drops it
+    """Hold a shared flock on ``live_<id>.lock`` for as long as this process lives (the kernel drops it
     when the process ends: liveness that a reused pid cannot fake). A forked child closes its parent's."""
     me = os.getpid()
     with _live_lock:
@@ -184,7 +229,7 @@ def _hold_live(directory: str) -> None:
             return
         if ent is not None:
             os.close(ent[1])  # the parent's, inherited by fork: the parent alone keeps its lock
-        path = _live_path(directory, me)
+        path = _live_path(directory, _id())
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -197,9 +242,10 @@ def _hold_live(directory: str) -> None:
         _live[directory] = (me, fd)
 
 
-def _gone(directory: str, pid: int, remove: bool = False) -> bool:
-    """True when no live process holds ``pid``'s live lock (``remove``: its lock file is removed too)."""
-    path = _live_path(directory, pid)
+def _gone(directory: str, ident: str, remove: bool = False) -> bool:
+    """True when no live process holds the live lock of ``<id>`` ``ident`` (``remove``: its lock file is
+    removed too)."""
+    path = _live_path(directory, ident)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -219,13 +265,13 @@ def _gone(directory: str, pid: int, remove: bool = False) -> bool:
     return True
 
 
-def _db_files(directory: str) -> list[tuple[str, str, int, bool]]:
-    """``(file, kind, pid, ended)`` of each series file: ``ended`` for the files a namesake renamed."""
+def _db_files(directory: str) -> list[tuple[str, str, str, bool]]:
+    """``(file, kind, id, ended)`` of each series file: ``ended`` for the files an earlier version renamed."""
     out = []
     for f in os.listdir(directory):
         m = _DB.match(f)
         if m:
-            out.append((f, m.group(1), int(m.group(2)), m.group(3) is not None))
+            out.append((f, m.group(1), m.group(2), m.group(3) is not None))
     return out
 
 
@@ -233,41 +279,32 @@ def begin(directory: str) -> None:
     """Call before this process's series exist under ``directory`` (and in a forked child before it writes).
 
     When no other live process has files there (liveness by flock, not by pid), this is a new run: the files
-    of the earlier run's processes are removed, those with this process's pid included. While the run goes
-    on, no process's counts are removed (they keep counting in the sums); files named with this process's
-    pid are a dead namesake's (pid reused, a fresh PID namespace): its live gauges are removed and its
-    counters and histograms renamed (``<kind>_<pid>-<n>.db``), so this process starts from zero.
+    of the earlier run's processes are removed. While the run goes on, no process's files are removed or
+    renamed (the counts of those that ended keep counting in the sums; :func:`reap` drops their live
+    gauges). This process's files are named by its own ``<id>``, never another's (pids repeat).
     """
-    me = os.getpid()
+    me = _id()
     files = _db_files(directory)
-    new_run = all(_gone(directory, pid) for pid in {pid for _, _, pid, ended in files if pid != me and not ended})
-    for f, kind, pid, ended in files:
-        path = os.path.join(directory, f)
-        try:
-            if new_run and (ended or pid == me or _gone(directory, pid, remove=True)):
-                os.remove(path)
-            elif pid == me and not ended and kind.startswith("gauge_live"):
-                os.remove(path)
-            elif pid == me and not ended:
-                n = 1
-                while os.path.exists(os.path.join(directory, f"{kind}_{pid}-{n}.db")):
-                    n += 1
-                os.rename(path, os.path.join(directory, f"{kind}_{pid}-{n}.db"))
-        except OSError:
-            pass
+    new_run = all(_gone(directory, i) for i in {i for _, _, i, ended in files if i != me and not ended})
     if new_run:
+        for f, _, i, ended in files:
+            try:
+                if i != me and (ended or _gone(directory, i, remove=True)):
+                    os.remove(os.path.join(directory, f))
+            except OSError:
+                pass
         for f in os.listdir(directory):
             m = _LIVE.match(f)
-            if m and int(m.group(1)) != me:
-                _gone(directory, int(m.group(1)), remove=True)
+            if m and m.group(1) != me:
+                _gone(directory, m.group(1), remove=True)
     _hold_live(directory)
 
 
 def reap(directory: str) -> None:
     """Remove the live-mode gauge files of processes that are gone (their counters stay)."""
-    for pid in {pid for _, _, pid, ended in _db_files(directory) if not ended and pid != os.getpid()}:
-        if _gone(directory, pid):
-            mark_process_dead(pid, directory)
+    for i in {i for _, _, i, ended in _db_files(directory) if not ended and i != _id()}:
+        if _gone(directory, i):
+            mark_process_dead(i, directory)
 
 
 class _Collector:

@@ -2,7 +2,11 @@
 (:mod:`tests.helpers.metrics_proc`), a real directory, real sockets; each test has its own ``XDG_RUNTIME_DIR``."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
+
+import pytest
 
 from tests.helpers.metrics_proc import MetricsProc
 from tests.helpers.prom import free_port as _free_port, scrape as _scrape
@@ -194,3 +198,51 @@ def test_an_address_that_cannot_be_served_is_one_error_and_a_sibling_serves(tmp_
     assert len(errors) == 1 and f"metrics.port {port}: cannot serve" in errors[0], bad_log
     assert "WITHOUT a metrics endpoint" in errors[0]
     assert f"serving Prometheus metrics on http://127.0.0.1:{port}/metrics" in good_log, good_log
+
+
+def _unshare_pid() -> tuple[str, ...]:
+    """A command prefix that runs a process as pid 1 of a new PID namespace (skips where that is refused)."""
+    cmd = ("unshare", "--pid", "--fork", "--kill-child")
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    if subprocess.run([*cmd, "true"], capture_output=True, timeout=HANG_GUARD_S).returncode != 0:
+        pytest.skip("unshare --pid refused (needs root or user namespaces)")
+    return cmd
+
+
+def test_two_live_processes_with_one_pid_keep_their_own_series(tmp_path):
+    """Review finding (metrics_mp 1): two containers of a pod sharing the directory have their own PID
+    namespaces, so two live processes can have one pid (here both are pid 1). The second took the first's
+    files for a dead namesake's: it renamed the first's counter file, removed its capacity gauge (capacity
+    1000 instead of 2000), and both wrote counter_1.db. Now each process's files carry a random part of its
+    own: both count, both capacities are summed, the first's counts stay in the sums once it ends, and a new
+    run still starts from zero."""
+    ns = _unshare_pid()
+    port, xdg = _free_port(), _xdg(tmp_path)
+    a = MetricsProc(port, tmp_path / "a.log", xdg, prefix=ns)
+    procs = [a]
+    try:
+        b = MetricsProc(port, tmp_path / "b.log", xdg, prefix=ns)
+        procs.append(b)
+        assert a.pid == b.pid == 1
+        a.cmd("inc 5")
+        b.cmd("inc 7")
+        page = _scrape(port)
+        assert (page[OFFLOADS], page[CAPACITY]) == (12, 2000), page
+        a.cmd("inc 1")
+        b.cmd("inc 1")
+        page = _scrape(port)
+        assert (page[OFFLOADS], page[CAPACITY]) == (14, 2000), page
+        a.quit()  # the serving process ends; b serves
+        page = _scrape_when_served(port)
+        assert (page[OFFLOADS], page[CAPACITY]) == (14, 1000), page
+    finally:
+        for p in procs:
+            p.quit()
+    c = MetricsProc(port, tmp_path / "c.log", xdg)
+    try:
+        c.cmd("inc 2")
+        page = _scrape_when_served(port)
+    finally:
+        c.quit()
+    assert (page[OFFLOADS], page[CAPACITY]) == (2, 1000), page

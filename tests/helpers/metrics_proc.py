@@ -25,12 +25,15 @@ from tests.helpers.paths import REPO
 class MetricsProc:
     """A :mod:`tests.helpers.metrics_proc` process; ``log`` (a file) gets its stderr."""
 
-    def __init__(self, port: int, log: Path, xdg: Path, start: bool = True, addr: str = "127.0.0.1"):
+    def __init__(self, port: int, log: Path, xdg: Path, start: bool = True, addr: str = "127.0.0.1",
+                 prefix: tuple[str, ...] = ()):
+        """``prefix``: a command that runs the process (``unshare --pid --fork``: its pid is 1)."""
         env = dict(os.environ, XDG_RUNTIME_DIR=str(xdg),
                    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.log = log
         self.serving = ""  # the answer to start
-        self.p = subprocess.Popen([sys.executable, __file__, str(port), addr], env=env, cwd=str(REPO), text=True,
+        self.p = subprocess.Popen([*prefix, sys.executable, __file__, str(port), addr], env=env, cwd=str(REPO),
+                                  text=True,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"))
         self.pid = int(self._line().split()[1])
         if start:
