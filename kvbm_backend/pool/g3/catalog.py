@@ -11,11 +11,16 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import os
 import threading
 import time
 from typing import Callable, Iterable
 
+import numpy as np
+import numpy.typing as npt
+
 from ...config import G3Config
+from ...memory import aligned_empty
 from ...metrics import TierMetrics, count_reason
 from ...model import frame
 from ...model.namespace import BlockKey, Namespace, tenant_tag
@@ -122,6 +127,8 @@ class SlotCatalog:
         self.journal_reason = "enospc"  # drop reason of the last journal failure
         self._ttags: dict[str, bytes] = {}
         self._compactor: threading.Thread | None = None  # the thread writing a journal compaction, if any
+        self._zero: npt.NDArray[np.uint8] | None = None  # one zeroed, aligned header (clear_headers)
+        self._cleared: set[int] = set()  # files with headers zeroed since open: fdatasync'ed at close
         self.removed: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=REMOVED_LOG_ENTRIES)
         self.removed_n = 0  # removals noted so far: (number, seq_hash, rank) in ``removed``
         self.index = CompactLruIndex()  # numpy arrays: ~60 bytes per block at 10M (bench --tier index)
@@ -306,11 +313,35 @@ class SlotCatalog:
                 self.slabs.release([free])
 
     def remove(self, key: BlockKey, slot: Slot | None = None) -> None:
-        """Remove ``key`` (at ``slot``, if given) from the index; its slot is freed (or once unpinned)."""
-        free = self.index.remove(key, slot) if slot is not None else self.index.remove(key)
+        """Remove ``key`` (at ``slot``, if given) from the index; its slot's header is zeroed first
+        (:meth:`clear_headers`: a deleted or corrupt block is not found again by a header scan) and the slot is
+        freed (or once unpinned)."""
+        held = self.index.get(key)
+        if held is None or (slot is not None and tuple(held) != tuple(slot)):
+            return
+        self.clear_headers([held])
+        free = self.index.remove(key, held)
         if free is not None:
             self.slabs.release([free])
         self.note_removed([key])
+
+    def clear_headers(self, slots: Iterable[Slot]) -> None:
+        """Zero the frame header of each of ``slots`` (one 4 KiB ``pwrite`` each, no sync: the file is
+        ``fdatasync``'ed by the writer's next barrier on it or at :meth:`close`), so that a header scan
+        (:mod:`.scan`: a restart without the journal) cannot bring their blocks back. Call holding the lock
+        before the slots are released (a released slot may be written again at once). A reader of such a slot
+        meanwhile finds no frame: a miss, never wrong bytes. A failed write is logged, never raised (the
+        journal's DEL record still stands)."""
+        for fi, si in slots:
+            try:
+                if self._zero is None:
+                    self._zero = aligned_empty(HDR)
+                    self._zero[:] = 0
+                os.pwritev(self.fd_of(fi), [self._zero.data], si * self.slot_bytes)
+                self._cleared.add(fi)
+            except (OSError, KeyError) as e:
+                log.warning("G3: cannot clear the header of removed slot %d of file %d (%s): a restart without "
+                            "the journal could find that block again", si, fi, e)
 
     def note_removed(self, keys: Iterable[BlockKey | TagKey]) -> None:
         """Log blocks that left the index (:meth:`~.pool.G3Pool.removed_since`). Caller holds the lock."""
@@ -345,6 +376,12 @@ class SlotCatalog:
                 except OSError as e:
                     log.warning("G3: journal %s could not be repaired at close (%s); a restart may find "
                                 "deleted blocks again (each is re-verified before use)", self.journal.path, e)
+            for fi in sorted(self._cleared):  # headers zeroed since open: durable before the files close
+                try:
+                    os.fdatasync(self.fd_of(fi))
+                except (OSError, KeyError) as e:
+                    log.warning("G3: fdatasync of slab file %d at close failed (%s)", fi, e)
+            self._cleared.clear()
             self.journal.close()
             self.slabs.close()
             self.update_gauges(gone=True)

@@ -64,12 +64,10 @@ from ..base import BlockBuffer, GetDestinations, GetResult, PutResult, SlotLease
 from . import journal as jr
 from .admission import make_admission
 from .catalog import REASONS, SlotCatalog
-from .index import Slot
 from .read import G3Reader
 from .read.device import DeviceLoader
 from .read.layerwise import LayerwiseLoad
 from .restore import restore
-from .scan import clear_headers
 from .staging import shared_staging
 from .writer import Admission, G3Writer
 
@@ -147,7 +145,7 @@ class G3Pool:
         self._own_engine = engine is None
         try:
             self.engine = engine if engine is not None else make_engine(cfg.engine, threads=cfg.io_threads)
-            restore(self.cat, self.engine, self._io_size)
+            restore(self.cat, cfg.io_threads)
             if self.cat.slabs.metadata_errors:  # full disk at open (namespace / lock file): opened degraded
                 with self.cat.lock:
                     self.cat.journal_failed(OSError(errno.ENOSPC, "; ".join(self.cat.slabs.metadata_errors)),
@@ -376,24 +374,21 @@ class G3Pool:
             return n, list(itertools.islice(log, len(log) - new, len(log)))
 
     def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
-        """Remove blocks (queued offloads of these keys are cancelled); their slot headers are zeroed first, so
-        no restart brings them back (:func:`.scan.clear_headers`). Future of how many were held.
+        """Remove blocks (queued offloads of these keys are cancelled, a cancelled write's slot is cleared too);
+        their slot headers are zeroed first, so no restart brings them back, even one without the journal
+        (:meth:`.catalog.SlotCatalog.clear_headers`). Future of how many were held.
         Never raises for storage trouble: the index removal stands; a DEL record that cannot be
         journaled degrades the tier and the journal is rewritten from the index once it can be."""
         n = 0
         recs: list[bytes] = []
         cat = self.cat
         with cat.lock:
-            held: dict[BlockKey, Slot] = {}
             for k in keys:
                 self.writer.cancel(k)
-                slot = cat.index.get(k)
-                if slot is not None:
-                    held[k] = slot
-            clear_headers(cat, list(held.values()))  # before the slots can be reused: scan.py
-            for k, slot in held.items():
+                if cat.index.get(k) is None:
+                    continue
                 n += 1
-                cat.remove(k, slot)
+                cat.remove(k)  # its header zeroed: a scan without the journal does not find it again
                 recs.append(jr.encode(jr.DEL, k))
             cat.journal_append(recs)
             cat.c["deleted"] += n

@@ -9,12 +9,11 @@ from typing import Any
 
 from ...model.frame import FrameError
 from ...model.namespace import BlockKey
-from ...io.base import IoEngine
 from .index import Slot, TagKey
-from .catalog import HDR, SlotCatalog
+from .catalog import SlotCatalog
 from .journal import FileTable
 from .journal_home import remove_stale
-from .scan import check_header, read_headers, scan
+from .scan import check_header, read_headers, scan, written_by_g3
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +21,7 @@ _GONE = -1  # a journal's file index whose directory is no longer configured
 _NO_FILE = 1 << 20  # one no file of this run has (past the u16 file index): counted as restore:capacity
 
 
-def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
+def restore(cat: SlotCatalog, threads: int) -> None:
     """Replay ``cat``'s journal: every entry whose slot header reads back and checks (identity, layout,
     lengths, a checksum flag) is published again; the others are dropped and counted (``restore:<reason>``,
     ``restored_blocks``, ``restore_dropped``). The journal is rewritten from the rebuilt index (a failure
@@ -32,8 +31,8 @@ def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
     its file table (directory real path, slab number), so the order of ``g3.paths`` does not matter; entries of
     a directory no longer configured are dropped (``restore:path_removed``). Slab files no journal covers (none
     found, its header unreadable, or a directory its file table does not name) are scanned instead: their
-    slot headers are indexed (:func:`.scan.scan`, before the journal's blocks in LRU order). ``engine``: the
-    pool's I/O engine (header reads of ``io_size``)."""
+    slot headers are indexed (:func:`.scan.scan`, before the journal's blocks in LRU order). ``threads``: header
+    reads in flight (the pool's ``g3.io_threads``; :func:`.scan.read_headers`)."""
     entries, info = cat.journal.load()
     if info["bad_header"]:
         log.warning("G3: journal %s is not this namespace's; ignored", cat.journal.path)
@@ -58,23 +57,27 @@ def restore(cat: SlotCatalog, engine: IoEngine, io_size: int) -> None:
         else:
             cand.append((key, (fi, si)))
     good: list[tuple[BlockKey | TagKey, Slot]] = []
-    for c0, hdrs, readable in read_headers(cat, engine, io_size, [slot for _, slot in cand]):
-        for j in range(len(hdrs) // HDR):
-            key, slot = cand[c0 + j]
-            if readable is not None and not readable[j]:
+    for c0, rows, readable in read_headers(cat, threads, [slot for _, slot in cand]):
+        part = cand[c0:c0 + len(rows)]
+        keys = [k for k, _ in part]
+        fast = written_by_g3(cat, rows, [k.tag if type(k) is TagKey else cat.tag(k.tenant) for k in keys],
+                             [k.rank for k in keys], [k.seq_hash for k in keys])
+        for j, (key, slot) in enumerate(part):
+            if not readable[j]:
                 cat.c["restore:io_error"] += 1
                 continue
-            try:
-                check_header(cat, hdrs[j * HDR:(j + 1) * HDR], key)
-            except FrameError as e:
-                cat.c["restore:" + e.reason] += 1
-                continue
+            if not fast[j]:
+                try:
+                    check_header(cat, rows[j], key)
+                except FrameError as e:
+                    cat.c["restore:" + e.reason] += 1
+                    continue
             good.append((key, slot))
     journaled = len(good)
     covered = _covered(cat, info, remap)
     bare = [f for f in cat.slabs.files if f.index not in covered]
     if bare:  # files no journal covers: their slot headers are the index (scan.py)
-        good[:0] = scan(cat, engine, io_size, bare, {k for k, _ in good})
+        good[:0] = scan(cat, threads, bare, {k for k, _ in good})
     used: dict[int, set[int]] = collections.defaultdict(set)
     cat.index.restore_many(good)  # one vectorised build, oldest first
     for _key, slot in good:

@@ -449,7 +449,8 @@ class G3Writer:
                 if err is None:
                     cancelled = self._cancelled
                     for job, k, slot in zip(pc.jobs, pc.keys, pc.slots):
-                        if cancelled and k in cancelled:
+                        if cancelled and k in cancelled:  # deleted while written: its frame must not come back
+                            self.cat.clear_headers([slot])
                             self.cat.slabs.release([slot])
                             job.result.skipped += 1
                             continue

@@ -73,6 +73,7 @@ class LateSettler:
         ``end(kind)`` (``"written"``, ``"skipped"`` or ``"dropped"``) is called exactly once, after its
         counter is counted, from a timer or offload thread (or from here when already closed)."""
         u = _Unsettled(name, md5_hex, nbytes, end, time.monotonic() + self._bound_s, self._first_delay_s)
+        self._count("unsettled_puts")  # every outcome below is one of these (dropped_unsettled <= unsettled_puts)
         with self._mu:
             closed = self._closed
             if not closed:
@@ -80,7 +81,6 @@ class LateSettler:
         if closed:
             self._finish(u, "dropped_unsettled", force=True)
             return
-        self._count("unsettled_puts")
         self._schedule(u)
 
     def close(self) -> None:

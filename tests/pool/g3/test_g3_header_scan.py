@@ -140,3 +140,70 @@ def test_damaged_slots_are_skipped_or_missed_never_served(dirs):
     other = type(NS)(model="test/other", layout=LAYOUT)
     with open_pool(a, ns=other, files_per_path=1) as pool:  # another namespace's files: none of ours indexed
         assert pool.stats()["restored_blocks"] == 0
+
+
+def test_a_write_cancelled_by_delete_and_a_corrupt_block_do_not_come_back(dirs, monkeypatch):
+    """Reviewer (2026-11-30): a put still being written when delete() cancelled it was released with its frame
+    intact, and a block dropped as corrupt kept its header: a scan without the journal found both again (the
+    corrupt one to be dropped again). Both headers are zeroed before their slots are released now."""
+    import threading
+    import kvbm_backend.pool.g3.pool as g3pool
+    a = dirs[0]
+    gate, entered = threading.Event(), threading.Event()
+    real = g3pool.fdatasync
+
+    def slow_sync(fd):
+        entered.set()  # the frames are written: the barrier waits until the delete ran
+        gate.wait(HANG_S)
+        real(fd)
+    with _open([a], files_per_path=1) as pool:
+        kept = _put(pool, range(1, 11))
+        monkeypatch.setattr(g3pool, "fdatasync", slow_sync)
+        keys = NS.keys(range(100, 108))
+        fut = pool.put(keys, [payload(k.seq_hash) for k in keys])
+        assert entered.wait(HANG_S)
+        assert pool.delete(keys).result(timeout=HANG_S) == 0  # none held yet: the write in flight is cancelled
+        gate.set()
+        res = fut.result(timeout=HANG_S)
+        assert res.written == 0, res
+        monkeypatch.setattr(g3pool, "fdatasync", real)
+        bad = kept[0]
+        slot = pool.index.get(bad)
+    slab = next(a.glob("g3-*.slab"))
+    with open(slab, "r+b") as f:
+        f.seek(slot[1] * SLOT + frame.HEADER_BYTES + 10)  # a payload byte: the header still checks
+        f.write(b"\xff")
+    with _open([a], files_per_path=1) as pool:
+        assert _served(pool, kept) == [False] + [True] * 9  # proven corrupt, dropped
+    os.unlink(a / JOURNAL)
+    with _open([a], files_per_path=1) as pool:
+        st = pool.stats()
+        assert st["restored_by_scan"] == 9 and st["corrupt"] == 0, st
+        assert _served(pool, kept + keys) == [False] + [True] * 9 + [False] * 8
+
+
+def test_scanned_files_are_made_durable_before_their_blocks_are_published(dirs, monkeypatch):
+    """Reviewer (2026-11-30): a frame written but never synced (the worker killed during its barrier) was
+    indexed by a scan and named by the rewritten journal without a sync: after a power loss the journal named
+    torn slots. Each scanned file is fdatasync'ed before its blocks are indexed; a file whose sync fails
+    restores nothing."""
+    import kvbm_backend.pool.g3.scan as scan_mod
+    a, b = dirs[:2]
+    with _open([a, b]) as pool:
+        keys = _put(pool, range(1, 41))
+        where = {k: pool.slabs.by_index[pool.index.get(k)[0]].path for k in keys}
+    os.unlink(a / JOURNAL)
+    synced, real = [], os.fdatasync
+    failing = {os.stat(p).st_ino for p in set(where.values()) if p.startswith(str(b))}
+
+    def sync(fd):
+        synced.append(os.fstat(fd).st_ino)
+        if os.fstat(fd).st_ino in failing:
+            raise OSError(5, "EIO (test)")
+        real(fd)
+    monkeypatch.setattr(scan_mod.os, "fdatasync", sync)
+    with _open([a, b]) as pool:
+        monkeypatch.setattr(scan_mod.os, "fdatasync", real)
+        slabs = {os.stat(f.path).st_ino for f in pool.slabs.files}
+        assert slabs <= set(synced)  # every scanned file
+        assert _served(pool, keys) == [not where[k].startswith(str(b)) for k in keys]
