@@ -26,7 +26,8 @@ Load it with::
   (:mod:`.handoff`, ``examples/dynamo/disagg_*_g4.sh``): how long a decode request waits for the blocks its
   prefill worker said it offloaded before the engine computes what is missing.
 * ``promote_to_g3`` (bool, default true): blocks loaded from G4 are also written into G3.
-* ``max_pending_save_bytes`` (int bytes, default 1 GiB): host staging bound for offloads.
+* ``max_pending_save_bytes`` (int bytes, default 1 GiB): host staging bound for offloads (a save's leading
+  blocks that fit are staged, the rest dropped and counted: ``save_dropped_blocks``).
 
 How it is put together (roles, executors, TP ranks, KV cache groups, stats files): :mod:`.wiring`, which
 builds every part once from vLLM's configs; this class only delegates vLLM's hooks to those parts. Every

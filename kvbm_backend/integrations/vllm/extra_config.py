@@ -50,9 +50,10 @@ def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
     if isinstance(hw, bool) or not isinstance(hw, (int, float)) or not 0 <= hw <= 600:
         raise ConfigError(f"kv_connector_extra_config.handoff_wait_s: expected seconds in [0, 600], got {hw!r}")
     opts["handoff_wait_s"] = float(hw)
-    if not isinstance(opts["max_pending_save_bytes"], int) or opts["max_pending_save_bytes"] <= 0:
+    mp = opts["max_pending_save_bytes"]
+    if isinstance(mp, bool) or not isinstance(mp, int) or mp <= 0:  # bool is an int: true would be 1 byte
         raise ConfigError(f"kv_connector_extra_config.max_pending_save_bytes: expected a positive integer "
-                          f"(bytes), got {opts['max_pending_save_bytes']!r}")
+                          f"(bytes), got {mp!r}")
     w = opts["sliding_capacity_weight"]
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= 1:
         raise ConfigError(f"kv_connector_extra_config.sliding_capacity_weight: expected a number in (0, 1] (a "

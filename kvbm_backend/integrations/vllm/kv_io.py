@@ -131,6 +131,12 @@ class EngineKv:
         return self.tensors[0].device
 
     @property
+    def num_blocks(self) -> int:
+        """Engine blocks per layer tensor (ids are ``0 .. num_blocks - 1``)."""
+        tv, dim = self._targets()[0]
+        return int(tv.shape[dim])
+
+    @property
     def _moved(self) -> list[torch.Tensor]:
         """The tensors as moved: FP8 (any 1-byte float) as ``uint8`` views of the same memory."""
         t0 = self.tensors[0]

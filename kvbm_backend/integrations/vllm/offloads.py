@@ -2,8 +2,15 @@
 forward path (a part :class:`~.worker_side.WorkerSide` owns).
 
 Staging (vLLM's thread, :meth:`Offloads.save`): the blocks a :class:`~.metadata.SaveJob` names are gathered
-from the engine's paged tensors into one host staging buffer, bounded by ``max_pending_save_bytes`` (over
-it the save is dropped and counted, ``save_dropped_blocks``: docs/invariants.md #3).
+from the engine's paged tensors into one host staging buffer, bounded by ``max_pending_save_bytes``: the
+job's leading blocks that fit under it are staged, the rest are dropped and counted (``save_dropped_blocks``,
+``save_dropped_full_blocks``: docs/invariants.md #3). The leading ones, because a prefix's blocks are found
+only as a prefix; and a job is one request's blocks of one step, so a long prefill chunk (a 4,096-token
+chunk of a 256 KiB/token model is the whole default bound) would otherwise never be offloaded. A staging
+that fails (a transient ``torch.OutOfMemoryError`` of the device buffer, pinned memory exhausted) drops its
+blocks too, counted (``save_dropped_error_blocks``) and logged at most once a minute: an offload never
+fails the engine's step. Engine block ids out of range are a caller's bug, raised (IndexError) before
+anything is staged.
 
 On a CUDA engine nothing here waits for the GPU. The gather (``index_select`` into a device buffer), the
 device checksums (:func:`~kvbm_backend.gpu.checksum.device_limb_sums`) and both copies into pinned host
@@ -27,7 +34,7 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
 
@@ -35,14 +42,18 @@ import numpy as np
 import torch
 
 from ...gpu.checksum import combine_limb_sums, device_limb_sums
+from ...gpu.layer_copy import check_ids
 from ...memory import BufferPool
 from ...model.namespace import BlockKey, Namespace
 from ...pool.base import BlockPool, PutResult
 from . import stats
 from .kv_io import EngineKv, numpy_staging, split_blocks
+from .log_limits import LimitedLog
 from .metadata import SaveJob
 
 log = logging.getLogger("kvbm_backend.connector")
+#: failed stagings / hand-offs: one WARNING per kind per minute, not one per step (:mod:`.log_limits`)
+LOG = LimitedLog(log)
 
 #: bytes of free save staging buffers kept for reuse (at most ``max_pending_save_bytes``). Reuse skips the
 #: page faults of a fresh buffer in the gather copy: measured on the 2-core dev VM, copying into a fresh
@@ -114,18 +125,27 @@ class Offloads:
     # ---- staging (vLLM's thread) ------------------------------------------------------------------
     def save(self, job: SaveJob, kv: EngineKv, dev_checks: bool) -> None:
         """Stage ``job``'s blocks (``dev_checks``: with their device checksums) and hand them to the pools,
-        now or on the ``kvbm-save`` thread (:attr:`defer`); never waits for the GPU. A save that would pass
-        ``max_pending_bytes`` is dropped and counted."""
+        now or on the ``kvbm-save`` thread (:attr:`defer`); never waits for the GPU. Only the job's leading
+        blocks that fit under ``max_pending_bytes`` are staged; the rest, and every block of a staging that
+        fails, are dropped and counted (never raised: an offload does not fail the engine's step).
+
+        Raises:
+            IndexError: an engine block id outside the engine's blocks (a caller's bug; nothing staged).
+        """
         n = len(job.block_ids)
         if n == 0:
             return
+        check_ids(job.block_ids, kv.num_blocks)
         bpb = kv.layout.bytes_per_block
-        nbytes = n * bpb
         with self._lock:
-            if self.pending_bytes + nbytes > self.max_pending_bytes:
-                stats.add(save_dropped_blocks=n)
+            fit = min(n, max(0, self.max_pending_bytes - self.pending_bytes) // bpb)
+            self.pending_bytes += fit * bpb
+        if fit < n:
+            stats.add(save_dropped_blocks=n - fit, save_dropped_full_blocks=n - fit)
+            if fit == 0:
                 return
-            self.pending_bytes += nbytes
+            job = replace(job, block_ids=job.block_ids[:fit], seq_hashes=job.seq_hashes[:fit])
+        n, nbytes = fit, fit * bpb
         t0 = time.perf_counter()
         try:
             if kv.device.type == "cuda":
@@ -137,6 +157,12 @@ class Offloads:
                 kv.gather(job.block_ids, host)
                 sums = device_limb_sums(host.view(n, bpb), 0, bpb) if dev_checks else None
                 ready = None
+        except Exception as e:  # noqa: BLE001 - a failed offload is a dropped offload, never the engine's error
+            self._release(nbytes)
+            stats.add(save_dropped_blocks=n, save_dropped_error_blocks=n)
+            LOG.warning("save_staging", "kvbm_backend: save of %d blocks dropped: staging failed: %s: %s",
+                        n, type(e).__name__, e)
+            return
         except BaseException:
             self._release(nbytes)
             raise
@@ -185,7 +211,7 @@ class Offloads:
         try:
             self._thread.submit(self._hand_off, staged)
         except RuntimeError:  # closed (the connector shut down): dropped, counted
-            stats.add(save_dropped_blocks=staged.n)
+            stats.add(save_dropped_blocks=staged.n, save_dropped_closed_blocks=staged.n)
             self._release(staged.nbytes)
 
     def _hand_off(self, s: _Staged) -> None:
@@ -200,8 +226,9 @@ class Offloads:
                 keys = self.ns.keys(s.job.seq_hashes, s.job.tenant, self.rank)
             blocks = split_blocks(s.arr, self.ns.layout, s.n)
         except Exception as e:  # noqa: BLE001 - a failed offload is a dropped offload
-            log.warning("kvbm_backend: %s of %d blocks dropped: %s", "promotion" if s.promote else "save", s.n, e)
-            stats.add(save_dropped_blocks=s.n)
+            LOG.warning("hand_off", "kvbm_backend: %s of %d blocks dropped: %s: %s",
+                        "promotion" if s.promote else "save", s.n, type(e).__name__, e)
+            stats.add(save_dropped_blocks=s.n, save_dropped_error_blocks=s.n)
             self._release(s.nbytes)
             return
         self.put_all(keys, blocks, s.keep, s.nbytes, g4=s.g4, dev_checks=checks, promote=s.promote,

@@ -128,6 +128,9 @@ def test_extra_config_errors_name_the_field(tmp_path):
         config_from_extra({"config_file": str(tmp_path / "missing.yaml")})
     with pytest.raises(ConfigError, match="max_pending_save_bytes"):
         config_from_extra({"max_pending_save_bytes": "lots"})
+    for v in (True, False, 0, -1, 1.5):  # true is an int in Python: it was taken as 1 byte, every save dropped
+        with pytest.raises(ConfigError, match=r"kv_connector_extra_config.max_pending_save_bytes: expected a positive"):
+            config_from_extra({"max_pending_save_bytes": v})
     with pytest.raises(ConfigError, match="either"):
         config_from_extra({"kvbm_backend": {}, "config_file": "x.yaml"})
     f = tmp_path / "c.json"

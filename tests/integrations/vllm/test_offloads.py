@@ -85,24 +85,92 @@ def test_saves_staged_but_not_handed_off_count_against_max_pending_save_bytes(tm
     bpb = _engine("cpu").layout.bytes_per_block
     with _worker(tmp_path, 13, max_pending_save_bytes=3 * bpb) as (kv, g3, w):
         gate = _hold(w)
-        before = stats.get("save_dropped_blocks")
+        before = stats.snapshot()
         w.save([SaveJob("a", [1, 2], [901, 902], "acme")])
-        w.save([SaveJob("b", [3, 4], [903, 904], "acme")])  # 4 blocks would pass 3: dropped, counted
-        assert stats.get("save_dropped_blocks") - before == 2
+        w.save([SaveJob("b", [3, 4], [903, 904], "acme")])  # 4 blocks would pass 3: b's first is staged, its last dropped
+        after = stats.snapshot()
+        assert after["save_dropped_blocks"] - before.get("save_dropped_blocks", 0) == 1
+        assert after["save_dropped_full_blocks"] - before.get("save_dropped_full_blocks", 0) == 1
+        assert w.offloads.pending_bytes == 3 * bpb  # the bound held
+        w.save([SaveJob("c", [5], [905], "acme")])  # nothing fits: dropped whole
+        assert stats.get("save_dropped_blocks") - before.get("save_dropped_blocks", 0) == 2
         gate.set()
         assert w.flush_saves(HANG_S) and g3.flush(HANG_S)
-        assert g3.stats()["blocks"] == 2 and w.offloads.pending_bytes == 0
-        w.save([SaveJob("b", [3, 4], [903, 904], "acme")])  # room again once the first was written
+        assert w.offloads.pending_bytes == 0
+        assert [g3.contains(k) for k in w.ns.keys([901, 902, 903, 904, 905], "acme", 0)] == [True] * 3 + [False] * 2
+        w.save([SaveJob("b", [3, 4], [903, 904], "acme")])  # room again once the first were written
         assert w.flush_saves(HANG_S) and g3.flush(HANG_S) and g3.stats()["blocks"] == 4
 
 
-def test_a_save_whose_gather_fails_gives_its_pending_bytes_back(tmp_path):
+def test_a_save_larger_than_max_pending_save_bytes_stages_its_leading_blocks(tmp_path):
+    """One save job is one request's blocks of one step (a whole prefill chunk): one larger than the bound keeps
+    its leading blocks (a prefix is found only as a prefix), the bound holding; only the tail is dropped."""
+    bpb = _engine("cpu").layout.bytes_per_block
+    with _worker(tmp_path, 19, max_pending_save_bytes=4 * bpb + bpb // 2) as (kv, g3, w):
+        src, seqs = [1, 2, 3, 4, 5, 6], [1401, 1402, 1403, 1404, 1405, 1406]
+        want = [_block_bytes(kv, b) for b in src[:4]]
+        gate = _hold(w)
+        before = stats.snapshot()
+        w.save([SaveJob("big", src, seqs, "acme")])
+        assert w.offloads.pending_bytes == 4 * bpb  # never past the bound
+        after = stats.snapshot()
+        assert after["save_dropped_blocks"] - before.get("save_dropped_blocks", 0) == 2
+        assert after["save_dropped_full_blocks"] - before.get("save_dropped_full_blocks", 0) == 2
+        assert after["save_blocks"] - before.get("save_blocks", 0) == 4
+        gate.set()
+        assert w.flush_saves(HANG_S) and g3.flush(HANG_S) and w.offloads.pending_bytes == 0
+        keys = w.ns.keys(seqs, "acme", 0)
+        assert [g3.contains(k) for k in keys] == [True] * 4 + [False] * 2
+        dst = [20, 21, 22, 23]
+        _clear(kv, dst)
+        w.start_loads([LoadJob("l", dst, seqs[:4], ["G3"] * 4, "acme")])  # each block under its own hash
+        assert _wait(w, "l") == set()
+        for b, x in zip(dst, want):
+            assert torch.equal(_block_bytes(kv, b), x)
+
+
+def test_a_save_with_an_engine_block_id_out_of_range_raises_before_staging(tmp_path):
     bpb = _engine("cpu").layout.bytes_per_block
     with _worker(tmp_path, 14, defer=False, max_pending_save_bytes=2 * bpb) as (kv, g3, w):
         with pytest.raises(IndexError):
             w.save([SaveJob("bad", [1, 10_000], [1001, 1002], "acme")])  # no engine block 10000: a caller bug
         assert w.offloads.pending_bytes == 0  # before, the bound kept these bytes forever
         w.save([SaveJob("ok", [1, 2], [1001, 1002], "acme")])
+        assert w.flush_saves(HANG_S) and g3.flush(HANG_S) and g3.stats()["blocks"] == 2
+
+
+@pytest.mark.parametrize("where", ["staging", "gather"])
+def test_a_failed_staging_is_a_dropped_save_counted_and_logged_once_not_raised(tmp_path, monkeypatch, caplog, where):
+    """A staging allocation that fails (on CUDA a transient ``torch.OutOfMemoryError`` of the device buffer) or
+    a failed gather never reaches vLLM's ``wait_for_save``: the blocks are dropped, counted, their bytes given
+    back, and a WARNING logged at most once a minute."""
+    from kvbm_backend.integrations.vllm import offloads
+    from kvbm_backend.integrations.vllm.log_limits import LimitedLog
+    from kvbm_backend.integrations.vllm.workers import GroupedWorkers
+    bpb = _engine("cpu").layout.bytes_per_block
+    with _worker(tmp_path, 20, defer=False, max_pending_save_bytes=4 * bpb) as (kv, g3, w):
+        monkeypatch.setattr(offloads, "LOG", LimitedLog(offloads.log))
+        if where == "staging":
+            def fail(nbytes, pool=None):
+                raise MemoryError(f"cannot allocate {nbytes} bytes")
+            monkeypatch.setattr(offloads, "numpy_staging", fail)
+        else:
+            def fail(block_ids, staging):
+                raise RuntimeError("gather failed")
+            monkeypatch.setattr(kv, "gather", fail)
+        gw = GroupedWorkers([w], block_errors=True)
+        before = stats.snapshot()
+        with caplog.at_level("WARNING", logger="kvbm_backend.connector"):
+            gw.save([SaveJob("r", [1, 2], [1501, 1502], "acme")])  # what wait_for_save calls
+            gw.save([SaveJob("s", [3, 4, 5, 6, 7], [1503, 1504, 1505, 1506, 1507], "acme")])  # 4 fit, 1 over the bound
+        after = stats.snapshot()
+        assert after["save_dropped_blocks"] - before.get("save_dropped_blocks", 0) == 7
+        assert after["save_dropped_error_blocks"] - before.get("save_dropped_error_blocks", 0) == 6
+        assert after["save_dropped_full_blocks"] - before.get("save_dropped_full_blocks", 0) == 1
+        assert w.offloads.pending_bytes == 0
+        assert len([r for r in caplog.records if "staging failed" in r.getMessage()]) == 1
+        monkeypatch.undo()
+        w.save([SaveJob("ok", [1, 2], [1501, 1502], "acme")])  # the next save stages as before
         assert w.flush_saves(HANG_S) and g3.flush(HANG_S) and g3.stats()["blocks"] == 2
 
 
@@ -123,9 +191,12 @@ def test_flush_all_waits_for_every_worker_of_the_process(tmp_path):
 def test_a_save_after_shutdown_is_dropped_and_counted_not_raised(tmp_path):
     with _worker(tmp_path, 17) as (_, g3, w):
         w.shutdown()
-        before = stats.get("save_dropped_blocks")
+        before = stats.snapshot()
         w.save([SaveJob("late", [1, 2], [1201, 1202], "acme")])  # vLLM's thread never sees an error
-        assert stats.get("save_dropped_blocks") - before == 2 and w.offloads.pending_bytes == 0
+        after = stats.snapshot()
+        assert after["save_dropped_blocks"] - before.get("save_dropped_blocks", 0) == 2
+        assert after["save_dropped_closed_blocks"] - before.get("save_dropped_closed_blocks", 0) == 2
+        assert w.offloads.pending_bytes == 0
         assert g3.flush(HANG_S) and g3.stats()["blocks"] == 0
 
 
