@@ -245,6 +245,9 @@ def _check_endpoint(url: str | None) -> str | None:
     return url
 
 
+G4_LOAD_SLACK_S = 0.05  # seconds added to timeout_s x (1 + retries): the G4 load bound (G4Config.load_bound_s)
+
+
 class G4Config(_M):
     enabled: bool = False
     url: Annotated[str | None, AfterValidator(_check_g4_url)] = Field(default=None, validate_default=True)
@@ -307,6 +310,13 @@ class G4Config(_M):
     their blocks are withdrawn from the router (``BlockRemoved``) and the objects deleted. One stamped later
     than the poller's clock (a writer's clock ahead) expires this long after a poller first listed it. Keep
     ``gc --max-age-s`` >= it."""
+
+    @property
+    def load_bound_s(self) -> float:
+        """Seconds within which a G4 lookup or load resolves: ``timeout_s x (1 + retries)`` plus
+        :data:`G4_LOAD_SLACK_S` (the pool's deadline; the vLLM connector's lookup timeout and load deadline
+        are built from it, so a G4 answer the pool would give in time is never cut short)."""
+        return self.timeout_s * (1 + self.retries) + G4_LOAD_SLACK_S
 
 
 KVBM_METRICS_PORT = 6880  # Dynamo KVBM's default DYN_KVBM_METRICS_PORT

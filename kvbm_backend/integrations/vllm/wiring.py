@@ -257,7 +257,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
         groups = [GroupTiers(tg.ns, tg.g3, tg.g4, (ns.groups[gi].window_blocks if ns.groups else None))
                   for gi, tg in enumerate(parts._groups)]
         parts.sched = SchedulerSide(ns, ns.layout.page_size, groups[0].g3, groups[0].g4, default_tenant=cfg.tenant,
-                                    lookup_timeout_s=max(cfg.g4.timeout_s, 0.5), save=opts["save"],
+                                    lookup_timeout_s=max(cfg.g4.load_bound_s, 0.5), save=opts["save"],
                                     load=opts["load"], save_decode=opts["save_decode"], groups=groups,
                                     handoff_wait_s=opts["handoff_wait_s"],
                                     layerwise=layerwise.usable(cfg, ns.tp_world_size))
@@ -277,7 +277,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
         if mirror or kv_events:
             parts._listener = report_channel.ReportListener(parts.channel_key, parts.on_g3_report)
     else:
-        ws = [WorkerSide(tg.ns, parts.rank, tg.g3, tg.g4, load_timeout_s=cfg.g3.load_timeout_s + cfg.g4.timeout_s,
+        ws = [WorkerSide(tg.ns, parts.rank, tg.g3, tg.g4, load_timeout_s=cfg.g3.load_timeout_s + cfg.g4.load_bound_s,
                          promote_to_g3=opts["promote_to_g3"], save_to_g4=opts["save_to_g4"],
                          max_pending_save_bytes=opts["max_pending_save_bytes"], report_g3=split or kv_events,
                          device_checksum=cfg.g3.device_checksum)

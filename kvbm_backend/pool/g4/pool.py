@@ -83,7 +83,6 @@ from .writer import G4Writer
 log = logging.getLogger(__name__)
 
 __all__ = ["G4Pool", "TENANT_CACHE_ENTRIES"]
-_LOAD_SLACK_S = 0.05  # added to timeout_s * (1 + retries): the load bound, seconds
 
 
 class G4Pool:
@@ -136,7 +135,7 @@ class G4Pool:
         self.metrics = TierMetrics("g4", registry, reasons=REASONS)
         where = f" at {redact_url(cfg.endpoint_url)}" if cfg.endpoint_url and self._own_store else ""
         self.where = f"G4 {redact_url(self.store.url)}{where}"  # operator log lines name the store this way
-        self.load_bound_s = cfg.timeout_s * (1 + cfg.retries) + _LOAD_SLACK_S
+        self.load_bound_s = cfg.load_bound_s  # timeout_s * (1 + retries) + slack (one formula: G4Config)
         self.counters = G4Counters(self.metrics, namespace.layout.page_size)
         self.oplog = OperatorLog(self.where, cfg.endpoint_url, self._fp)
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s, name=self.where,

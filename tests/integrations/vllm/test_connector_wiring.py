@@ -8,7 +8,8 @@ KV cache specs and configs (stand-ins only for what vLLM's engine would fill in)
   parts a hybrid model has several of; only the failed-load reporting and layer-wise loads differ, decided
   here once;
 * ``g4.announce`` runs the scheduler's KV events with G4 alone and starts the announcer (and warns without
-  vLLM's KV events).
+  vLLM's KV events);
+* the scheduler's G4 lookups and the worker's load deadline wait for G4's whole load bound, retries included.
 """
 from __future__ import annotations
 
@@ -204,3 +205,48 @@ def test_wire_g4_announce_runs_kv_events_without_g3(tmp_path, caplog, announce, 
     if s.announcer is not None:
         s.announcer._t.join(HANG_S)
         assert not s.announcer._t.is_alive()  # close() stops the thread
+
+
+def test_wire_g4_lookup_timeout_and_load_deadline_count_g4_retries(tmp_path):
+    """``g4.retries``: the G4 pool resolves within ``timeout_s x (1 + retries)`` (``G4Config.load_bound_s``), so
+    the scheduler's lookups and the worker's load deadline wait that long. Review finding 7: they used
+    ``timeout_s`` alone, and a G4 answer that took longer than one attempt (within the pool's bound) was a
+    counted lookup timeout, matched 0 tokens. Here every HEAD waits until one attempt's ``timeout_s`` passed."""
+    import time
+
+    import numpy as np
+
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.model.hashing import sequence_hashes
+    g4cfg = {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False, "timeout_s": 1.0, "retries": 10}
+    extra = {"kvbm_backend": {"model": "kvbm-backend/wiring-test", "g3": {"enabled": False}, "g4": g4cfg}}
+    cfg = load_config(extra["kvbm_backend"], use_env=False)
+    ktc, vc, kcc = _configs(extra)
+    s = wire(ConnectorParts(), ktc, vc, KVConnectorRole.SCHEDULER, kcc)
+    w = wire(ConnectorParts(), ktc, vc, KVConnectorRole.WORKER, kcc)
+    try:
+        assert w.worker.workers[0].load_timeout_s == cfg.g3.load_timeout_s + cfg.g4.load_bound_s
+        g4, ns = s._groups[0].g4, s._groups[0].ns
+        assert g4.load_bound_s == cfg.g4.load_bound_s == 1.0 * 11 + 0.05
+        toks = list(range(100, 100 + BS * 4 + 5))
+        keys = ns.keys(sequence_hashes(toks, BS)[:4])
+        blocks = [np.full(ns.layout.bytes_per_block, i, np.uint8) for i in range(4)]
+        assert g4.put(keys, blocks).result(HANG_S).written == 4
+        real, slow_until = g4.store.head, [0.0]
+
+        def slow_head(name):  # slower than one attempt, well inside the pool's bound
+            while time.monotonic() < slow_until[0]:
+                time.sleep(0.01)
+            return real(name)
+        g4.store.head = slow_head
+        stats.reset()
+        req = SimpleNamespace(request_id="r1", prompt_token_ids=toks, cache_salt=None, lora_request=None)
+        slow_until[0] = time.monotonic() + cfg.g4.timeout_s + 0.1
+        end = time.monotonic() + HANG_S
+        while (n := s.sched.get_num_new_matched_tokens(req, 0)[0]) is None:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        assert n == 4 * BS and stats.get("lookup_timeouts") == 0
+    finally:
+        w.close()
+        s.close()
