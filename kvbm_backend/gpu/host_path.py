@@ -62,7 +62,7 @@ def window(nbytes: int, read_threads: int, chunk_bytes: int = CHUNK_BYTES) -> tu
 
 
 def load_via_host(pool, keys: Sequence[BlockKey], dst: Sequence, *, timeout_s: float | None = None,
-                  chunk_bytes: int = CHUNK_BYTES) -> list[bool]:
+                  chunk_bytes: int = CHUNK_BYTES, timed_out: list[bool] | None = None) -> list[bool]:
     """Load blocks through the host into device (or CPU) tensors, in chunks through a bounded staging window.
 
     The load is cut into chunks of ``chunk_bytes`` (:func:`window`); a few are in flight at once, each in
@@ -83,6 +83,9 @@ def load_via_host(pool, keys: Sequence[BlockKey], dst: Sequence, *, timeout_s: f
         timeout_s: wait for the pool's answers (None: the pool's own timeouts bound each chunk); blocks not
             verified and copied by then are misses.
         chunk_bytes: staging bytes per chunk (see :func:`window`).
+        timed_out: if given, a list that receives one flag per key: True where the block missed because
+            time ran out (``timeout_s``, or the pool's own bound: ``GetResult.timed_out``), not because the
+            pool proved it absent or bad.
     Returns:
         ``ok[i]`` True only where the pool verified block i (AEAD tag / checksum) and it was copied;
         ``dst[i]`` is untouched where False.
@@ -96,7 +99,11 @@ def load_via_host(pool, keys: Sequence[BlockKey], dst: Sequence, *, timeout_s: f
     bpb = pool.layout.bytes_per_block
     rows_dst = dst if isinstance(dst, BlockRows) else BlockRows(dst, bpb)
     rows, depth = window(bpb, int(getattr(pool, "read_threads", 0) or 0), chunk_bytes)
-    return _Window(pool, list(keys), rows_dst, rows, depth, timeout_s).run()
+    w = _Window(pool, list(keys), rows_dst, rows, depth, timeout_s)
+    ok = w.run()
+    if timed_out is not None:
+        timed_out.extend(w.timed_out)
+    return ok
 
 
 class _Copier:
@@ -165,6 +172,7 @@ class _Window:
         self.staged = getattr(pool, "get_staged", None) is not None
         self.end = None if timeout_s is None else time.monotonic() + timeout_s
         self.ok = [False] * len(keys)
+        self.timed_out = [False] * len(keys)  # missed because time ran out (ours or the pool's)
         self.wake: queue.SimpleQueue = queue.SimpleQueue()  # (chunk, row) hits and (chunk, None) answers
         self.spare: list[tuple[np.ndarray, object, object]] = []  # (buf, host, event of its last copies)
         self.held: list[_Chunk] = []  # finished chunks whose buffer the pool may still write (not reused)
@@ -222,7 +230,10 @@ class _Window:
         for c in live:  # late chunks: their rows that verified and were copied count
             for i in range(c.n):
                 self.ok[c.start + i] = c.copied[i]
+                self.timed_out[c.start + i] = not c.copied[i]
             self.held.append(c)
+        for i in range(nxt, n):  # never asked for: time ran out first
+            self.timed_out[i] = True
         self.copier.finish()
         for buf, _host, _ev in self.spare:
             _give_staging(buf, self.device)
@@ -261,13 +272,15 @@ class _Window:
         try:
             res = c.future.result(timeout=0)
             got = [bool(x) for x in res.ok] + [False] * (c.n - len(res.ok))
+            late = [res.timed_out_at(i) for i in range(c.n)]
         except Exception:  # noqa: BLE001 - storage trouble: misses (the pool logged and counted)
-            got = [False] * c.n
+            got, late = [False] * c.n, [False] * c.n
         if not self.staged:
             self.copier.copy_rows(c.host, [i for i in range(c.n) if got[i]], c.start)
             c.copied = got
         for i in range(c.n):
             self.ok[c.start + i] = got[i] and c.copied[i]
+            self.timed_out[c.start + i] = late[i] and not self.ok[c.start + i]
         c.finished = True
 
     def _retire(self, c: _Chunk) -> None:

@@ -58,9 +58,17 @@ class PutResult:
 @dataclass
 class GetResult:
     """Outcome of one get batch: ``ok[i]`` is True only if block i was found, its header identity
-    matched and its integrity value verified in the caller's buffer. False is a miss (recompute)."""
+    matched and its integrity value verified in the caller's buffer. False is a miss (recompute).
+
+    ``timed_out[i]`` is True where block i is a miss only because the get's time bound ran out before its
+    read came back verified (G3: ``g3.load_timeout_s``; G4: the load bound, its late blocks counted
+    ``timeout`` or ``throttled``): the block may well still be stored, so callers must not take it for
+    absent or corrupt (no cooling, no removal from a mirror). Every pool fills it when a get times out;
+    an empty list (the default) or a shorter one means no (other) block timed out. Never True where
+    ``ok[i]`` is."""
 
     ok: list[bool] = field(default_factory=list)
+    timed_out: list[bool] = field(default_factory=list)
 
     @property
     def prefix_hits(self) -> int:
@@ -71,6 +79,10 @@ class GetResult:
                 break
             n += 1
         return n
+
+    def timed_out_at(self, i: int) -> bool:
+        """Whether block ``i`` missed because the get's time bound ran out (see the class doc)."""
+        return i < len(self.timed_out) and bool(self.timed_out[i])
 
 
 STATS_CONTRACT = {
@@ -111,7 +123,8 @@ class BlockPool(Protocol):
     def get(self, keys: Sequence[BlockKey], out: GetDestinations) -> Future[GetResult]:
         """Onboard: read ``keys[i]`` into ``out[i]`` (numpy host buffers, or torch tensors on one
         device: see the module docstring). Failed, short, corrupt, foreign or late reads are misses
-        (``ok[i] = False``, ``out[i]`` untouched); corrupt slots/objects are dropped and counted."""
+        (``ok[i] = False``, ``out[i]`` untouched); corrupt slots/objects are dropped and counted. Late reads
+        (the pool's time bound ran out) are also marked ``timed_out[i] = True`` (:class:`GetResult`)."""
 
     def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Remove blocks; the future gives how many were present."""

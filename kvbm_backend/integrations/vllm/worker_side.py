@@ -15,7 +15,11 @@ counts as loaded only when the pool verified it (``GetResult.ok``); the verified
 into the engine blocks, and every block from the first failure on is reported by
 ``get_block_ids_with_load_errors`` so vLLM recomputes it (never wrong KV). A load still running after
 ``load_timeout_s`` is reported finished with all its unscattered blocks failed; its late bytes land
-only in the abandoned staging buffer. Blocks loaded from G4 are promoted into G3 (``promote_to_g3``;
+only in the abandoned staging buffer. A load past its deadline (or already reported finished) issues no
+further pool reads. A load whose first failed block ran out of time (the load's deadline, or the pool's own
+bound: ``GetResult.timed_out``) is a timeout (``FailedLoad`` reason ``timeout``, counted ``load_timeouts``),
+not a miss: the scheduler does not cool the block, and a G3 block is reported removed to the scheduler's
+mirror only when the pool's index no longer holds it. Blocks loaded from G4 are promoted into G3 (``promote_to_g3``;
 staged by :mod:`.offloads` as saves are, so a CUDA engine's load thread never waits for the device there),
 past G3's admission filter: a block asked for again is by definition a repeat sighting.
 
@@ -28,6 +32,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -174,17 +179,25 @@ class WorkerSide:
             stats.add(load_jobs=1, load_blocks_requested=len(job.block_ids))
             self._exec.submit(self._run_load, ld)
 
-    def _get(self, pool: BlockPool, keys, out, timeout: float | None) -> tuple[list[bool], bool]:
-        """``(ok, ended)``: per-key hits, and whether the pool's get ended (False: it failed or was late,
-        so its reads may still land in ``out``)."""
+    def _get(self, pool: BlockPool, keys, out, timeout: float | None) -> tuple[list[bool], list[bool], bool]:
+        """``(ok, late, ended)``: per-key hits; per-key misses for lack of time (the pool's bound ran out,
+        ``GetResult.timed_out``, or the load's: every key when its answer did not come within ``timeout``);
+        and whether the pool's get ended (False: it failed or was late, so its reads may still land in
+        ``out``)."""
+        n = len(keys)
         try:
             r: GetResult = pool.get(keys, out).result(timeout=timeout)
-            ok = list(r.ok)
-            return ok + [False] * (len(keys) - len(ok)), True
-        except Exception as e:  # noqa: BLE001 - late or failed read: a miss
-            log.warning("kvbm_backend: %s get of %d blocks failed: %s", pool.tier, len(keys), e)
+        except FuturesTimeout:  # the load's deadline passed first: a timeout, not a miss
+            log.warning("kvbm_backend: %s get of %d blocks got no answer within the load timeout", pool.tier, n)
             stats.add(load_get_errors=1)
-            return [False] * len(keys), False
+            return [False] * n, [True] * n, False
+        except Exception as e:  # noqa: BLE001 - failed read: a miss
+            log.warning("kvbm_backend: %s get of %d blocks failed: %s", pool.tier, n, e)
+            stats.add(load_get_errors=1)
+            return [False] * n, [False] * n, False
+        ok = list(r.ok)
+        ok += [False] * (n - len(ok))
+        return ok, [r.timed_out_at(i) and not ok[i] for i in range(n)], True
 
     def _take_load_staging(self, n: int, bpb: int) -> tuple[np.ndarray | None, torch.Tensor]:
         """``(buf, staging)``: ``[n, bpb]`` uint8 staging on the engine's KV device. A CPU engine's comes
@@ -202,12 +215,25 @@ class WorkerSide:
         with load_priority.loading():  # the GIL comes back to the reading threads sooner (load_gil_switch_ms)
             self._run_load_held(ld)
 
+    def _late(self, ld: _Load) -> bool:
+        """True when ``ld`` must issue no more reads: its deadline passed or :meth:`get_finished` already
+        reported it. A pending load is marked timed out here (counted as :meth:`get_finished` counts it)."""
+        with ld.lock:
+            if ld.state == "pending" and ld.deadline.expired():
+                ld.state = "timed_out"
+                ld.ok_prefix = 0
+                stats.add(load_timeouts=1, load_blocks_failed=len(ld.job.block_ids))
+            return ld.state != "pending"
+
     def _run_load_held(self, ld: _Load) -> None:
         job, kv = ld.job, self.kv
         n = len(job.block_ids)
         ok = [False] * n
+        late = [False] * n  # missed for lack of time (a tier's get timed out, or was never issued)
         try:
             assert kv is not None, "load before register_kv_caches"
+            if self._late(ld):  # queued past its deadline: no read for a load nobody waits for
+                return
             bpb = kv.layout.bytes_per_block
             keys = self.ns.keys(job.seq_hashes, job.tenant, self.rank)
             i3 = [i for i, t in enumerate(job.tiers) if t == "G3"]
@@ -220,21 +246,28 @@ class WorkerSide:
             for tier_idx, pool in ((i3, self.g3), (i4, self.g4)):
                 if not tier_idx or pool is None:
                     continue
+                if self._late(ld):  # a slow tier gets no reads for a load that is over (finding 6)
+                    if buf is not None:  # no read of this load is in flight: the staging is free
+                        self._load_staging.give(buf)
+                    return
                 tkeys = [keys[i] for i in tier_idx]
                 a = tier_idx[0]
                 out = staging[a:a + len(tier_idx)] if tier_idx[-1] - a == len(tier_idx) - 1 else \
                     [staging[i] for i in tier_idx]
-                res, ended = self._get(pool, tkeys if pool is self.g3 else self.offloads.g4_keys(tkeys), out,
-                                       ld.deadline.left())
+                res, res_late, ended = self._get(pool, tkeys if pool is self.g3 else self.offloads.g4_keys(tkeys),
+                                                 out, ld.deadline.left())
                 if not ended:
                     buf = None  # a late read may still land in the staging: never handed out again
-                for i, good in zip(tier_idx, res):
-                    ok[i] = bool(good)
+                for i, good, lt in zip(tier_idx, res, res_late):
+                    ok[i], late[i] = bool(good), bool(lt)
                 if not all(res):
                     break  # the prefix ends here; later tiers would not be used
             prefix = 0
             while prefix < n and ok[prefix]:
                 prefix += 1
+            # the first block not loaded ran out of time (here or in its pool), or the load did: a timeout,
+            # not a miss (FailedLoad "timeout": the block is not cooled; counted in load_timeouts)
+            timed_out = prefix < n and (late[prefix] or ld.deadline.expired())
             t0 = time.perf_counter()
             with ld.lock:
                 if ld.state != "pending":
@@ -242,13 +275,12 @@ class WorkerSide:
                 if prefix:
                     kv.scatter(staging.view(-1)[:prefix * bpb], job.block_ids[:prefix])
                 ld.ok_prefix = prefix
-                ld.state = "done"
+                ld.state = "timed_out" if timed_out else "done"
             if self.report_g3:
-                bad = [mirror_id(keys[i]) for i in i3 if not ok[i]]
-                if bad:
-                    with self._lock:
-                        self._removed.extend(bad)
+                self._report_load_misses([keys[i] for i in i3 if not ok[i] and not late[i]])
             n3 = sum(1 for i in range(prefix) if job.tiers[i] == "G3")
+            if timed_out:
+                stats.add(load_timeouts=1)
             stats.add(load_blocks_ok=prefix, load_g3_blocks_ok=n3, load_g4_blocks_ok=prefix - n3,
                       load_blocks_failed=n - prefix, load_bytes=prefix * bpb,
                       load_scatter_s=time.perf_counter() - t0, load_wall_s=time.monotonic() - ld.t0)
@@ -268,6 +300,16 @@ class WorkerSide:
                     ld.state = "done"
                     ld.ok_prefix = 0
                     stats.add(load_blocks_failed=n)
+
+    def _report_load_misses(self, missed: list) -> None:
+        """G3 blocks a load missed that the pool proved gone (no longer in its index: absent, or dropped as
+        corrupt) are reported removed to the scheduler's mirror; a block missed for a read error, a timeout
+        or a key naming another block stays in G3 and stays reported."""
+        g3p = self.g3
+        bad = [mirror_id(k) for k in missed if g3p is not None and not g3p.contains(k)]
+        if bad:
+            with self._lock:
+                self._removed.extend(bad)
 
     def get_finished(self) -> set[str]:
         """Request ids whose loads are over (done, failed or timed out); their failed block ids are

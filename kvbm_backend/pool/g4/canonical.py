@@ -152,9 +152,11 @@ class CanonicalG4:
         def assemble(rs: list[GetResult]) -> GetResult:
             pok = list(rs[0].ok)
             ok = [False] * len(keys)
+            late = [False] * len(keys)  # a part timed out: the block may be stored (GetResult.timed_out)
             for i in range(own):
                 sl = slice(i * self._per, (i + 1) * self._per)
                 if len(pok) < sl.stop or not all(pok[sl]):
+                    late[i] = any(rs[0].timed_out_at(j) for j in range(sl.start, sl.stop))
                     continue
                 if tensors:
                     import torch
@@ -164,7 +166,7 @@ class CanonicalG4:
                 else:
                     self.heads.join(pbufs[sl], out[i].reshape(-1))
                 ok[i] = True
-            return GetResult(ok)
+            return GetResult(ok, late)
         return _all_of([self.inner.get(pkeys, pbufs)], assemble)
 
     def delete(self, keys: Sequence[BlockKey]) -> Future[int]:

@@ -227,12 +227,13 @@ class G4Pool:
         fut.set_running_or_notify_cancel()
 
         def run() -> None:
+            late: list[bool] = []
             try:
-                ok = load_via_host(self, keys, out, timeout_s=self.load_bound_s + 1.0)
+                ok = load_via_host(self, keys, out, timeout_s=self.load_bound_s + 1.0, timed_out=late)
             except Exception as e:  # noqa: BLE001 - storage trouble: misses (a bug is logged with its trace)
                 log.exception("G4: device load of %d blocks failed: %s", len(keys), e)
-                ok = [False] * len(keys)
-            fut.set_result(GetResult(list(ok)))
+                ok, late = [False] * len(keys), []
+            fut.set_result(GetResult(list(ok), late))
         try:
             self._device_exec.submit(run)
         except RuntimeError:  # closing

@@ -5,8 +5,8 @@ buffers file objects are read through); lookups are :mod:`.lookup`.
   ``g4.max_inflight`` tasks, each taking the batch's next block until none is left; the batch's hit and miss
   counters are counted once, when it goes idle) and resolves when every block is back or at the load bound (``timeout_s * (1 + retries)`` seconds, a
   :class:`~kvbm_backend.deadlines.Deadline` on the pool's timer thread), whichever is first; a
-  block not back by then is a miss (``miss_timeout``) and its late reply never touches the caller's
-  buffer (per-block lock + ``closed`` flag). An expired batch counts as one store failure (breaker).
+  block not back by then is a miss (``miss_timeout``, marked ``GetResult.timed_out``) and its late reply
+  never touches the caller's buffer (per-block lock + ``closed`` flag). An expired batch counts as one store failure (breaker).
 * A block is a hit only after :func:`kvbm_backend.model.frame.accept` (header identity, layout, exact
   length) and the GCM tag (or xxh3) verified in a staging buffer the pool owns (the bounce buffer,
   decrypted in place, or a fresh one for a store's read-only bytes); only then are the bytes copied into
@@ -309,7 +309,11 @@ class G4Reader:
             self._count("miss_timeout", missed)
             if missed:  # silence is a failure: nothing else reports a read hung in the kernel
                 self._breaker.failure(f"{missed} block reads got no reply within {self._load_bound_s:.2f} s")
-        b.future.set_result(GetResult(list(b.ok)))
+        timed_out = [False] * len(b.ok)
+        if not closing:  # the load bound ran out on these (silent or throttling store): they may be stored
+            for i in late:
+                timed_out[i] = not b.ok[i]
+        b.future.set_result(GetResult(list(b.ok), timed_out))
 
     def _get_one(self, b: GetBatch, i: int, key: BlockKey, out: npt.NDArray[np.uint8]) -> None:
         miss: str | None = "miss_timeout"

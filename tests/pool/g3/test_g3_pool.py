@@ -280,6 +280,23 @@ def test_load_timeout_is_a_miss_and_slot_stays_pinned(tmp_path):
         eng.close()
 
 
+def test_load_timeout_marks_the_late_blocks_timed_out_not_the_absent_ones(tmp_path):
+    """``GetResult.timed_out``: the blocks G3 holds but could not read in time are marked (the connector reports
+    such a load as a timeout, not a miss); an absent key is a plain miss, its repeat follows its first copy."""
+    eng = GateEngine(hold_reads=True)
+    try:
+        with open_pool(tmp_path, engine=eng, load_timeout_s=0.2) as pool:
+            keys, _ = put_all(pool, range(1, 3))
+            ask = keys + NS.keys([99]) + keys[:1]  # two stored, one absent, a repeat of the first
+            got = pool.get(ask, [aligned_empty(BB) for _ in ask]).result(timeout=HANG_S)
+            assert got.ok == [False] * 4
+            assert got.timed_out == [True, True, False, True]
+            assert [got.timed_out_at(i) for i in range(5)] == [True, True, False, True, False]
+    finally:
+        eng.gate.set()
+        eng.close()
+
+
 def test_second_pool_or_process_is_refused(tmp_path):
     with open_pool(tmp_path):
         with pytest.raises(G3LockedError, match="in use by another pool"):

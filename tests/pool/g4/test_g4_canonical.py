@@ -119,7 +119,8 @@ def test_a_block_with_a_missing_or_corrupt_part_is_a_miss(store):
         keys = _ns(1).keys(seqs, "t")
         assert rd.lookup_prefix(keys).result(T) == 1  # 202 lacks head 3, 203 heads 2-3
         out = [np.full(_ns(1).layout.bytes_per_block, 0xEE, np.uint8) for _ in seqs]
-        assert rd.get(keys, out).result(T).ok == [True, False, False]
+        res = rd.get(keys, out).result(T)
+        assert res.ok == [True, False, False] and not any(res.timed_out)  # absent parts: misses, not late
         assert np.array_equal(out[0], full[0])
         assert (out[1] == 0xEE).all() and (out[2] == 0xEE).all()  # a miss leaves the buffer untouched
         if kind == "fs":  # flip one byte of one part of block 201: the AEAD tag fails, the block is a miss
@@ -202,3 +203,30 @@ def test_put_counts_each_block_by_its_own_parts(tmp_path):
         assert all(np.array_equal(o, b) for o, b in zip(out, full))
     finally:
         w1.close()
+
+
+def test_a_block_whose_part_did_not_come_in_time_is_marked_timed_out(tmp_path):
+    """One head part of block 402 hangs in the kernel (its object's open blocks, as on a hung mount) past the
+    load bound: block 402 is a miss marked ``timed_out`` (the connector then reports a timeout, not a miss);
+    block 401, whose parts all came, is a hit."""
+    from tests.helpers.held_open import HeldOpen
+    kw = {"keyring": {"path": str(tmp_path / "keys" / "keyring.json")}, "timeout_s": 0.3, "retries": 0,
+          "url": f"file://{tmp_path / 'store'}"}
+    seqs = [401, 402]
+    full = _full_blocks(seqs)
+    g4 = _g4(kw, 1)
+    held = None
+    try:
+        keys = _ns(1).keys(seqs, "t")
+        assert g4.put(keys, full).result(T).written == 2
+        assert g4.flush(T)
+        part = g4.heads.part_keys(keys[1])[1]
+        held = HeldOpen([g4.inner.store._path(g4.inner.object_name(part))])
+        out = [np.zeros(_ns(1).layout.bytes_per_block, np.uint8) for _ in seqs]
+        res = g4.get(keys, out).result(T)
+        assert res.ok == [True, False] and res.timed_out == [False, True]
+        assert np.array_equal(out[0], full[0]) and not out[1].any()
+    finally:
+        if held is not None:
+            held.release()
+        g4.close()

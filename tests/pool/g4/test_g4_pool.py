@@ -298,7 +298,9 @@ def test_close_resolves_gets_and_lookups_queued_behind_busy_io_threads(tmp_path)
     gate.set()
     bound = HANG_S
     assert a.future.result(timeout=bound).ok == [True] and a.idle.wait(bound)
-    assert b.result(timeout=bound).ok == [False] and (out_b[0] == 7).all()  # a miss leaves the buffer untouched
+    rb = b.result(timeout=bound)
+    assert rb.ok == [False] and (out_b[0] == 7).all()  # a miss leaves the buffer untouched
+    assert not rb.timed_out_at(0)  # closed, not timed out (GetResult.timed_out)
     assert c.future.result(timeout=bound).ok == [False] and c.idle.wait(bound)
     assert look.result(timeout=bound) == 0
     st = pool.stats()

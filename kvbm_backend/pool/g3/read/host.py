@@ -69,6 +69,7 @@ class HostGet:
         self.future.set_running_or_notify_cancel()
         self.lock = threading.Lock()
         self.slots: list[Slot] = []  # slots of the present keys (pinned until the read finishes)
+        self.idx: list[int] = []  # the get's index of each slot in slots
         self.left = 0  # chunks not yet verified
         self.todo: collections.deque[_Chunk] = collections.deque()  # chunks not yet submitted
         self.resolved = False
@@ -118,7 +119,7 @@ class HostGet:
             return self.future
         per = self.piece_slots
         chunks: list[_Chunk] = [(idx[a:a + per], pk[a:a + per], ps[a:a + per]) for a in range(0, len(ps), per)]
-        self.slots, self.left, self.todo = ps, len(chunks), collections.deque(chunks)
+        self.slots, self.idx, self.left, self.todo = ps, idx, len(chunks), collections.deque(chunks)
         self.rd.deadlines.add(time.monotonic() + self.p.cfg.load_timeout_s, self._timeout)
         for _ in range(min(max(1, self.p.read_chunks_in_flight), len(chunks))):
             self._submit_next()
@@ -164,7 +165,12 @@ class HostGet:
         ok = [False] * self.n
         for i in got:
             ok[i] = True
-        self.future.set_result(GetResult(ok=ok))
+        late = [False] * self.n  # present but not read and verified in time (GetResult.timed_out)
+        for i in self.idx:
+            late[i] = not ok[i]
+        for i, j in self.dups:
+            late[i] = late[j]
+        self.future.set_result(GetResult(ok=ok, timed_out=late))
 
     def _submit_next(self) -> None:
         """Submit the get's next chunk (at most ``read_chunks_in_flight`` are in flight per get)."""

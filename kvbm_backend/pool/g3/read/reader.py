@@ -281,7 +281,7 @@ class G3Reader:
                         cat.miss(r)
             cat.metrics.onboard_blocks.inc(hits)
             cat.metrics.bytes_read.inc(nread)
-            fut.set_result(GetResult(ok=list(ok)))
+            fut.set_result(GetResult(ok=list(ok), timed_out=[r == "timeout" and not g for r, g in zip(why, ok)]))
 
         def guarded() -> None:
             try:
