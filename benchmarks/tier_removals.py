@@ -45,7 +45,7 @@ def run(chunks: int, evictions: int, rounds: int) -> dict:
             for i, k in enumerate(keys):
                 cat.index.put(t.namespace.key(offload_key_hash(k), t._tenant, 0), (0, i))
             if mode == "scan":
-                t._held._since = None  # the tier as it was: no removal log, the index read at every check
+                t._held._watch._since = None  # the tier as it was: no removal log, the index read at every check
                 t._held.interval_s = 0.0
             t._held.published(keys, t._held.cursor())
             times, removed = [], []

@@ -1,20 +1,84 @@
-"""Chunks a vLLM tiering tier published as stored (KV events on), and which of them its pool dropped since
-(:class:`HeldChunks`), for the tier's removal events (:mod:`.tiering`, "KV events").
+"""What a pool dropped from its index since a cursor (:class:`RemovalWatch`), and the chunks a vLLM tiering tier
+published as stored (KV events on) that its pool dropped since (:class:`HeldChunks`, for the tier's removal events:
+:mod:`.tiering`, "KV events"). The worker's G3 report to the scheduler's mirror (:mod:`.g3_report`) reads its
+removals through :class:`RemovalWatch` too.
 
 A G3 pool logs what leaves its index (evicted, deleted, proven corrupt: :meth:`G3Pool.removed_since
-<kvbm_backend.pool.g3.pool.G3Pool.removed_since>`), so each check costs O(removals since the last one), on
-vLLM's scheduler thread (``take_events``). Before (2026-11-29) every check read the whole index into a set and
-hashed every published chunk: 1.2-2.3 s per check at 200,000 chunks, run every second while the pool evicted
-(review measurement), so the scheduler spent more than a second per second on it. A pool without that log
-(or a log that overflowed) is still checked by reading its index, at most every ``interval_s`` and only
-when its eviction/deletion/corruption counters moved or it holds fewer blocks.
+<kvbm_backend.pool.g3.pool.G3Pool.removed_since>`), so each check costs O(removals since the last one), no I/O.
+Before (2026-11-29) every check read the whole index into a set and hashed every published chunk: 1.2-2.3 s per
+check at 200,000 chunks, run every second while the pool evicted (review measurement), so the scheduler spent
+more than a second per second on it; the worker's report did the same until 2026-11-30 (4.2 s per check at
+500,000 blocks). A pool without that log, or a log that overflowed (more than ``catalog.REMOVED_LOG_ENTRIES``
+removals between two checks), is checked by reading its index, at most every ``interval_s``; without a log only
+when its eviction/deletion/corruption counters moved or it holds fewer blocks than checked. An overflow is owed
+until that read happens (a read skipped for ``interval_s`` is not lost).
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Callable, Hashable
 
-__all__ = ["HeldChunks"]
+__all__ = ["HeldChunks", "RemovalWatch"]
+
+#: one removal of :meth:`RemovalWatch.poll`: (number in the pool's log, seq_hash, rank)
+Removal = tuple[int, int, int]
+
+
+class RemovalWatch:
+    """A pool's removals since the last :meth:`poll`, and when the caller must read the index instead.
+
+    Args:
+        pool: the pool (``stats()``; ``removed_since`` / ``removal_cursor`` where it logs removals, a G3 pool).
+        interval_s: the index is read at most this often (seconds).
+
+    ``scans``: how many times :meth:`poll` asked for the index to be read (tests count it).
+    """
+
+    def __init__(self, pool: Any, interval_s: float):
+        self._pool, self.interval_s = pool, interval_s
+        self._since = getattr(pool, "removed_since", None)
+        self._cursor = self.cursor()
+        self._owed = False  # the log overflowed: what left is known only by reading the index
+        self._at = 0.0
+        self._sig: tuple | None = None
+        self.scans = 0
+
+    def cursor(self) -> int:
+        """The pool's removal cursor now (0 for a pool without a removal log)."""
+        return int(self._pool.removal_cursor()) if self._since is not None else 0
+
+    def poll(self, held: int) -> tuple[list[Removal], bool]:
+        """``(removals, read_index)``: the removals logged since the last poll, ``[(number, seq_hash, rank),
+        ...]`` in order (empty without a log), and whether the caller must now check its ``held`` blocks (a
+        count) against the pool's index (``keys()``) because the log cannot tell: it overflowed (owed until
+        then), or the pool keeps none and its counters say something left. At most every ``interval_s``;
+        never when ``held`` is 0. O(removals) without a read; never raises for a pool whose ``stats()`` fails."""
+        log: list[Removal] = []
+        if self._since is not None:
+            self._cursor, got = self._since(self._cursor)
+            if got is None:
+                self._owed = True
+            else:
+                log = got
+            if not self._owed:
+                return log, False
+        if not held:
+            self._owed = False  # nothing to check: what left before now concerns no held block
+            return log, False
+        now = time.monotonic()
+        if now - self._at < self.interval_s:
+            return log, False
+        self._at = now
+        try:
+            st = self._pool.stats()
+        except Exception:  # noqa: BLE001 - no counters: read the index every time
+            st = {}
+        sig = (st.get("evictions"), st.get("corrupt"), st.get("deleted"))
+        if not self._owed and st and sig == self._sig and st.get("blocks", 0) >= held:
+            return log, False
+        self._sig, self._owed = sig, False
+        self.scans += 1
+        return log, True
 
 
 class HeldChunks:
@@ -29,21 +93,27 @@ class HeldChunks:
     """
 
     def __init__(self, pool: Any, namespace: str, copies: int, key_hash: Callable[[Any], int], interval_s: float):
-        self._pool, self._fp, self._copies, self._hash, self.interval_s = pool, namespace, copies, key_hash, interval_s
-        self._since = getattr(pool, "removed_since", None)
+        self._pool, self._fp, self._copies, self._hash = pool, namespace, copies, key_hash
+        self._watch = RemovalWatch(pool, interval_s)
         self._held: dict[Hashable, int] = {}  # chunk key -> the pool's removal cursor when it was published
         self._by_hash: dict[int, Hashable] = {}
-        self._cursor = self.cursor()
-        self._at = 0.0
-        self._sig: tuple | None = None
 
     def __len__(self) -> int:
         return len(self._held)
 
+    @property
+    def interval_s(self) -> float:
+        """Seconds between reads of the pool's index, when its removal log cannot tell (:class:`RemovalWatch`)."""
+        return self._watch.interval_s
+
+    @interval_s.setter
+    def interval_s(self, v: float) -> None:
+        self._watch.interval_s = v
+
     def cursor(self) -> int:
         """The pool's removal cursor now (0 for a pool without a removal log). A store job reads it once its
         blocks are published: removals logged up to it are older than the chunk's copy."""
-        return int(self._pool.removal_cursor()) if self._since is not None else 0
+        return self._watch.cursor()
 
     def published(self, keys: list[Any], cursor: int) -> None:
         """``keys`` were published stored; ``cursor``: :meth:`cursor` read after their blocks were."""
@@ -53,16 +123,13 @@ class HeldChunks:
 
     def removed(self) -> list[Any]:
         """The published chunks the pool dropped since the last call (each reported once)."""
-        if self._since is not None:
-            self._cursor, log = self._since(self._cursor)
-            if log is not None:
-                gone = []
-                for n, seq_hash, _rank in log:
-                    k = self._by_hash.get(seq_hash)
-                    if k is not None and self._held.get(k, n) < n:  # dropped after it was published
-                        gone.append(self._forget(k))
-                return gone
-        return self._scan()
+        log, read_index = self._watch.poll(len(self._held) * self._copies)
+        gone = []
+        for n, seq_hash, _rank in log:
+            k = self._by_hash.get(seq_hash)
+            if k is not None and self._held.get(k, n) < n:  # dropped after it was published
+                gone.append(self._forget(k))
+        return gone + self._scan() if read_index else gone
 
     def _forget(self, k: Any) -> Any:
         del self._held[k]
@@ -70,19 +137,7 @@ class HeldChunks:
         return k
 
     def _scan(self) -> list[Any]:
-        """The fallback: every published chunk against the pool's index (rate-limited, see the module doc)."""
-        now = time.monotonic()
-        if not self._held or now - self._at < self.interval_s:
-            return []
-        self._at = now
-        try:
-            st = self._pool.stats()
-        except Exception:  # noqa: BLE001 - no counters: read the index every time
-            st = {}
-        sig = (st.get("evictions"), st.get("corrupt"), st.get("deleted"))
-        if st and sig == self._sig and st.get("blocks", 0) >= len(self._held) * self._copies:
-            return []
-        self._sig = sig
+        """Every published chunk against the pool's index (when :class:`RemovalWatch` says so)."""
         present = {(k.seq_hash, k.rank) for k in self._pool.keys() if k.namespace == self._fp}
         return [self._forget(k) for k in list(self._held)
                 if any((self._hash(k), r) not in present for r in range(self._copies))]

@@ -46,6 +46,7 @@ from ...pool.base import BlockPool, G3Extensions, GetResult, require_g3_extensio
 from ...deadlines import Deadline
 from .. import load_priority
 from . import stats
+from .g3_report import ReportedBlocks
 from .kv_io import EngineKv, numpy_staging
 from .offloads import Offloads
 from .metadata import FailedLoad, KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
@@ -112,12 +113,10 @@ class WorkerSide:
         self._snapshot_sent = False
         self._added: list[tuple[bytes, int, int]] = []  # (tenant tag, rank, seq_hash): see KvbmWorkerMeta
         self._removed: list[tuple[bytes, int, int]] = []
-        # what the scheduler was told is present: blocks G3 dropped by itself (evicted, corrupt) are found
-        # by a reconcile against the index when the pool's eviction/corruption counters move
-        self._present: set[tuple[bytes, int, int]] = set()
-        self._reconcile_sig: tuple | None = None
-        self._reconcile_at = 0.0
-        self.reconcile_interval_s = 0.5
+        self._written: list = []  # keys of completed G3 puts, checked against the index at the next report
+        # what the scheduler was told is present; blocks G3 dropped by itself (evicted, corrupt) are found
+        # from G3's removal log at each report, O(removals) (.g3_report)
+        self._present = ReportedBlocks(g3, namespace.fingerprint) if self.report_g3 else None
         # G3 index changes go to the scheduler by report_channel (set by the connector), not with steps
         self.report_by_channel = False
         self._report_lock = threading.Lock()  # one report at a time (the channel's pump, or a step)
@@ -164,11 +163,8 @@ class WorkerSide:
         return self.offloads.flush(timeout)
 
     def _g3_written(self, keys: list) -> None:
-        g3p = self.g3
-        if g3p is not None:
-            present = [mirror_id(k) for k in keys if g3p.contains(k)]
-            with self._lock:
-                self._added.extend(present)
+        with self._lock:  # those G3 holds are reported added (ReportedBlocks.held, at the next report)
+            self._written.extend(keys)
 
     # ---- loads ----------------------------------------------------------------------------------
     def start_loads(self, jobs: list[LoadJob]) -> None:
@@ -360,8 +356,9 @@ class WorkerSide:
         with self._report_lock:
             self._snapshot_sent = False
             with self._lock:
-                self._added, self._removed = [], []
-            self._present.clear()
+                self._added, self._removed, self._written = [], [], []
+            if self._present is not None:
+                self._present.clear()
 
     def take_g3_report(self) -> tuple[list, list, bool] | None:
         """The G3 index changes since the last report as ``(added, removed, snapshot)`` (see
@@ -374,20 +371,24 @@ class WorkerSide:
             return self._g3_report_locked()
 
     def _g3_report_locked(self) -> KvbmWorkerMeta | None:
+        present = self._present
+        assert present is not None and self.g3 is not None  # reports (report_g3) need a G3 pool
+        present.poll()  # first (before the index snapshot and the writes are taken): see ReportedBlocks.poll
         snap = not self._snapshot_sent
         if snap:
             self._snapshot_sent = True
             fp = self.ns.fingerprint
-            keys = self._index_keys()
+            # restored entries of tenants not seen since the restart are keyed by tag only: the mirror is
+            # keyed by tag, so they are reported too (and hits after a restart)
+            ids = present.ids(k for k in self.g3.keys() if k.namespace == fp)
             with self._lock:
-                # restored entries of tenants not seen since the restart are keyed by tag only: the
-                # mirror is keyed by tag, so they are reported too (and hits after a restart)
-                self._added.extend(mirror_id(k) for k in keys if k.namespace == fp)
+                self._added.extend(ids)
         with self._lock:
-            added, removed, self._added, self._removed = self._added, self._removed, [], []
-        self._present.difference_update(removed)
-        self._present.update(added)
-        gone = self._reconcile()
+            added, removed, written = self._added, self._removed, self._written
+            self._added, self._removed, self._written = [], [], []
+        added.extend(present.held(written))
+        present.update(removed, added)
+        gone = present.gone()
         if gone:  # the scheduler applies removals first: a block gone since it was added is not re-added
             gs = set(gone)
             added = [k for k in added if k not in gs]
@@ -398,33 +399,16 @@ class WorkerSide:
         stats.add(g3_reported_added=len(added), g3_reported_removed=len(removed))
         return KvbmWorkerMeta(added, removed, snap)
 
-    def _reconcile(self) -> list[tuple[bytes, int, int]]:
-        """Blocks reported present that G3 no longer holds (evicted for capacity, dropped as corrupt or
-        unreadable): checked against the index when the pool's eviction/corruption counters moved or it
-        holds fewer blocks than reported, at most every ``reconcile_interval_s``."""
-        now = time.monotonic()
-        if not self._present or now - self._reconcile_at < self.reconcile_interval_s:
-            return []
-        self._reconcile_at = now
-        assert self.g3 is not None  # reports (report_g3) need a G3 pool
-        try:
-            s = self.g3.stats()
-        except Exception:  # noqa: BLE001 - no counters: compare every time
-            s = {}
-        sig = (s.get("evictions"), s.get("corrupt"), s.get("deleted"))
-        if sig == self._reconcile_sig and s.get("blocks", 0) >= len(self._present) and s:
-            return []
-        self._reconcile_sig = sig
-        fp = self.ns.fingerprint
-        current = {mirror_id(k) for k in self._index_keys() if k.namespace == fp}
-        gone = [k for k in self._present if k not in current]
-        self._present.difference_update(gone)
-        return gone
+    @property
+    def reconcile_interval_s(self) -> float:
+        """Seconds between reads of the whole G3 index for the report, when its removal log cannot tell
+        (overflowed, or a pool without one): :class:`~.g3_report.ReportedBlocks`."""
+        return self._present.watch.interval_s if self._present is not None else 0.5
 
-    def _index_keys(self) -> list:
-        """The G3 pool's published keys (:meth:`G3Extensions.keys`: an index snapshot, no I/O)."""
-        assert self.g3 is not None  # reports (report_g3) need a G3 pool
-        return self.g3.keys()
+    @reconcile_interval_s.setter
+    def reconcile_interval_s(self, v: float) -> None:
+        if self._present is not None:
+            self._present.watch.interval_s = v
 
     def load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
