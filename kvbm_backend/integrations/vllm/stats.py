@@ -67,15 +67,46 @@ WORKER_PREFIXES = ("save_", "load_blocks", "load_g3_", "load_g4_", "load_jobs", 
                    "load_timeouts", "load_get_errors", "g3_put_", "g4_put_", "promote_")
 
 
-class Interval:
-    """Per-interval deltas of the worker counters (for vLLM's ``get_kv_connector_stats``)."""
+def _is_block_count(name: str) -> bool:
+    """A counter of blocks (``load_blocks_ok``, ``save_dropped_blocks``, ``g3_put_written_blocks``, ...)."""
+    return "blocks" in name
 
-    def __init__(self) -> None:
+
+def first_worker() -> bool:
+    """True unless this process's worker is a TP or PP rank other than 0 of its vLLM engine (data-parallel
+    replica), per vLLM's model-parallel state; True where that state is not set up (one worker, tools, tests)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        return int(get_tp_group().rank_in_group) == 0 and int(get_pp_group().rank_in_group) == 0
+    except Exception:  # noqa: BLE001 - not initialized (AssertionError) or no vLLM: the one worker
+        return True
+
+
+class Interval:
+    """Per-interval deltas of the worker counters (for vLLM's ``get_kv_connector_stats``).
+
+    vLLM sums every worker's stats into one (``KVOutputAggregator``), and each TP/PP worker counts the blocks
+    whose slice it moved (its heads, its layers): block counters (names with ``blocks``) are therefore reported
+    by the engine's first worker only (TP rank 0, PP rank 0), so that the sum counts each block of KV once,
+    as that worker saw it (a replicated MLA block goes to G4 from that rank too). Bytes, seconds and the other
+    counts are every worker's own, summed.
+
+    Args:
+        first: this worker reports block counters (default: :func:`first_worker`, read at the first
+            :meth:`delta`, once vLLM's model-parallel state is set up).
+    """
+
+    def __init__(self, first: bool | None = None) -> None:
         self._last: dict = {}
+        self.first = first
 
     def delta(self) -> dict:
-        """Counters that changed since the previous call: ``{name: increase}`` (empty if none)."""
-        now = {k: v for k, v in snapshot().items() if k.startswith(WORKER_PREFIXES)}
+        """Counters that changed since the previous call: ``{name: increase}`` (empty if none); without block
+        counters on a worker that is not the engine's first."""
+        if self.first is None:
+            self.first = first_worker()
+        now = {k: v for k, v in snapshot().items()
+               if k.startswith(WORKER_PREFIXES) and (self.first or not _is_block_count(k))}
         d = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
         self._last = now
         return d
@@ -111,9 +142,11 @@ class KvbmConnectorStats(_StatsBase):
 
 
 # vLLM Prometheus counters fed from KvbmConnectorStats: (metric name, help, counters summed into it).
-# Named in KVBM's terms (offload = engine -> G3/G4, onboard = G3/G4 -> engine).
+# Named in KVBM's terms (offload = engine -> G3/G4, onboard = G3/G4 -> engine). Block counters come from the
+# engine's first worker only (Interval): each block once at any TP/PP; bytes from every worker
+# (docs/operations.md, Metrics).
 PROM_COUNTERS = (
-    ("vllm:kvbm_backend_onboard_blocks", "KV blocks loaded from G3/G4 into the engine (verified)",
+    ("vllm:kvbm_backend_onboard_blocks", "KV blocks loaded from G3/G4 into the engine (verified; each block once, as TP rank 0 counts)",
      ("load_blocks_ok",)),
     ("vllm:kvbm_backend_onboard_failed_blocks", "KV blocks whose load failed (recomputed)", ("load_blocks_failed",)),
     ("vllm:kvbm_backend_onboard_bytes", "bytes loaded from G3/G4 into the engine", ("load_bytes",)),
