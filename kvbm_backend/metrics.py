@@ -45,7 +45,8 @@ of them serves in its place (its serving line says it "took over from process N"
 processes that ended stay in the sums. A port that cannot be bound (another program holds it) is one
 ERROR line naming ``metrics.port``, and the engine runs on without the endpoint. A process whose
 default-registry series existed before :func:`prepare` (pools opened another way first) serves only its
-own series.
+own series. A child forked without exec neither serves nor waits for its parent: it joins as another process
+of the pod (:func:`_after_fork_in_child`).
 
 Metric objects are created idempotently per :class:`~prometheus_client.CollectorRegistry` (the
 ``prometheus_client`` library refuses duplicate registration), so several pools in one process share
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import weakref
 from typing import Mapping
@@ -73,6 +75,34 @@ _servers: dict[tuple[str, int], tuple] = {}  # (addr, port) -> (server, thread, 
 _serve_failed: dict[tuple[str, int], str] = {}  # (addr, port) -> error, logged once
 _by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, dict]" = weakref.WeakKeyDictionary()
 _mp: dict = {}  # "dir", "classes": the default registry's series live in that port's multiprocess files
+_hit_rates: "weakref.WeakSet[HitRate]" = weakref.WeakSet()  # each gets a new lock in a forked child
+
+
+def _after_fork_in_child() -> None:
+    """A child forked without exec (multiprocessing's fork, an engine forking its workers) is a new process
+    of the pod, not the one that served or waited: new locks (another thread of the parent may have held one
+    at the fork: the child's copy stays held, and its first metrics call would hang), and no serving or
+    waiting state. The parent's server threads and waiting thread do not exist in the child; it closes its
+    copy of the listening socket (else the port stays bound after the parent ends, and no sibling can serve
+    it) and forgets them, so that :func:`serve_once` there joins as any other process of the pod (waits for
+    the serve lock). :mod:`kvbm_backend.metrics_mp` closes the inherited serve-lock descriptors (the
+    parent's lock stays held: it belongs to the open file description, which the parent's descriptor keeps)."""
+    global _lock, _serve_lock
+    _lock = threading.Lock()
+    _serve_lock = threading.Lock()
+    for srv, _, _ in _servers.values():
+        if srv is not None:
+            try:
+                srv.socket.close()
+            except OSError:
+                pass
+    _servers.clear()
+    _serve_failed.clear()
+    for h in list(_hit_rates):
+        h._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def new_registry() -> CollectorRegistry:
@@ -289,6 +319,14 @@ class HitRate:
         self._hits = 0
         self._n = 0
         self._lock = threading.Lock()
+        _hit_rates.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a new lock, and the sums again from the window (a thread of the parent may have
+        been between the two at the fork)."""
+        self._lock = threading.Lock()
+        self._n = sum(r for r, _ in self._win)
+        self._hits = sum(h for _, h in self._win)
 
     def record(self, requested: int, hit: int) -> None:
         """One lookup: ``requested`` blocks asked for, ``hit`` of them found."""

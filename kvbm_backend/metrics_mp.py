@@ -32,7 +32,9 @@ parent's liveness (it closes the inherited live-lock descriptors at fork, which 
 held) nor a lock another thread held at the fork (the module's locks are new in the child).
 
 The serving process holds ``serve.lock`` (an ``flock``, which the kernel releases when the process ends); the
-others wait for it in a thread (:func:`wait_serve_lock`), so that one of them serves once it ends.
+others wait for it in a thread (:func:`wait_serve_lock`), so that one of them serves once it ends. A forked
+child closes its copies of the serve-lock descriptors at the fork (held or waited on: the parent's lock stays
+held), so that it never keeps the port's lock after the parent ended.
 """
 from __future__ import annotations
 
@@ -184,31 +186,39 @@ def metric_classes(directory: str) -> dict:
 _live: dict[str, tuple[int, int]] = {}  # directory -> (pid, fd) of this process's live lock there
 _live_lock = threading.Lock()
 _value_lock = threading.Lock()  # the values of every value_class
+_serve_fds: set[int] = set()  # this process's serve.lock descriptors (held, or waited on by a thread)
+_serve_fds_lock = threading.Lock()  # opening / closing one and recording it in _serve_fds
 
 
 def _before_fork() -> None:
     _live_lock.acquire()  # no live-lock descriptor half-recorded in _live at the fork
+    _serve_fds_lock.acquire()  # nor a serve-lock descriptor in _serve_fds
 
 
 def _after_fork_in_parent() -> None:
+    _serve_fds_lock.release()
     _live_lock.release()
 
 
 def _after_fork_in_child() -> None:
     """New locks (another thread of the parent may have held one at the fork: the child's copy stays held),
-    a new ``<id>``, and the parent's live-lock descriptors closed: an flock belongs to the open file
-    description, which the parent's descriptor keeps (its lock stays held), while the child's copy would keep
-    the parent live after the parent ended."""
-    global _live_lock, _value_lock
+    a new ``<id>``, and the parent's live-lock and serve-lock descriptors closed: an flock belongs to the open
+    file description, which the parent's descriptor keeps (its lock stays held), while the child's copy would
+    keep the parent live, or keep serving the port locked, after the parent ended. A serve lock a thread of
+    the parent was waiting for goes too (that thread is not in the child, and its lock, once taken, would be
+    the child's as well)."""
+    global _live_lock, _value_lock, _serve_fds_lock
     _live_lock = threading.Lock()
     _value_lock = threading.Lock()
+    _serve_fds_lock = threading.Lock()
     _id()
-    for _, fd in _live.values():
+    for fd in [fd for _, fd in _live.values()] + list(_serve_fds):
         try:
             os.close(fd)
         except OSError:
             pass
     _live.clear()
+    _serve_fds.clear()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
@@ -330,7 +340,12 @@ def registry_for(directory: str) -> CollectorRegistry:
 
 
 def _lock_file(directory: str) -> int:
-    return os.open(os.path.join(directory, "serve.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    """A new descriptor of ``serve.lock``, recorded (a forked child closes it: :func:`_after_fork_in_child`);
+    :func:`drop_serve_lock` closes it."""
+    with _serve_fds_lock:
+        fd = os.open(os.path.join(directory, "serve.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        _serve_fds.add(fd)
+    return fd
 
 
 def _holder(fd: int) -> str:
@@ -354,7 +369,7 @@ def take_serve_lock(directory: str) -> tuple[int | None, str]:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _holder(fd)
-        os.close(fd)
+        drop_serve_lock(fd)
         return None, holder
     _own(fd)
     return fd, ""
@@ -369,14 +384,17 @@ def wait_serve_lock(directory: str) -> tuple[int, str]:
         before = _holder(fd)
         _own(fd)
     except BaseException:
-        os.close(fd)
+        drop_serve_lock(fd)
         raise
     return fd, before
 
 
 def drop_serve_lock(fd: int | None) -> None:
+    """Close a descriptor :func:`take_serve_lock` or :func:`wait_serve_lock` gave (its lock goes with it)."""
     if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+        with _serve_fds_lock:
+            _serve_fds.discard(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass

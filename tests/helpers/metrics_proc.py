@@ -6,7 +6,9 @@ and :func:`kvbm_backend.metrics.serve_once` (PORT, ADDR: default 127.0.0.1), and
 ``serving raised <exception type>``). Then one answer line (``ok``) per command: ``inc N [REASON]`` (N
 offloaded blocks, one load miss for REASON, default ``absent``); ``fork N``: a forked child sets the capacity
 gauge to 500 and offloads N blocks, then lives as long as this process (answer ``ok <child pid>`` once it has
-counted); ``quit`` (or end of input) ends it. Logs go to stderr. The environment picks the directory
+counted); ``fork N outlive [serve]``: the same, but the child lives on after this process ended, until its
+standard input (this process's, inherited) ends; with ``serve`` it also calls ``serve_once`` (PORT, ADDR) first
+(answer ``ok <child pid> <its result>``); ``quit`` (or end of input) ends it. Logs go to stderr. The environment picks the directory
 (``XDG_RUNTIME_DIR``).
 
 :class:`MetricsProc` starts and drives one from a test.
@@ -76,8 +78,9 @@ def main() -> None:
     m = metrics.TierMetrics("g3")
     assert m.capacity_bytes is not None
     m.capacity_bytes.set(1000)
+    addr = sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1"
     try:
-        print("serving", metrics.serve_once(port, sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1"), flush=True)
+        print("serving", metrics.serve_once(port, addr), flush=True)
     except Exception as e:  # noqa: BLE001 - an integration logs it and runs on (tiers.announce_tiers)
         print("serving raised", type(e).__name__, flush=True)
     for line in sys.stdin:
@@ -88,28 +91,40 @@ def main() -> None:
             m.offload_blocks.inc(int(cmd[1]))
             m.misses.labels(cmd[2] if len(cmd) > 2 else "absent").inc()
         elif cmd[0] == "fork":
-            print("ok", _fork(m, int(cmd[1])), flush=True)
+            serve = (port, addr) if cmd[2:] == ["outlive", "serve"] else None
+            print("ok", _fork(m, int(cmd[1]), outlive=cmd[2:3] == ["outlive"], serve=serve), flush=True)
             continue
         print("ok", flush=True)
 
 
-def _fork(m, n: int) -> int:
+def _fork(m, n: int, outlive: bool = False, serve: tuple[int, str] | None = None) -> str:
     done_r, done_w = os.pipe()
     life_r, life_w = os.pipe()  # the child reads end of input here when this process ends
     pid = os.fork()
     if pid == 0:
-        os.close(done_r)
-        os.close(life_w)
-        m.capacity_bytes.set(500)
-        m.offload_blocks.inc(n)
-        os.write(done_w, b"x")
-        os.read(life_r, 1)
-        os._exit(0)
+        code = 1
+        try:
+            os.close(done_r)
+            os.close(life_w)
+            m.capacity_bytes.set(500)
+            m.offload_blocks.inc(n)
+            said = "x"
+            if serve is not None:
+                from kvbm_backend import metrics
+                said += str(metrics.serve_once(*serve))
+            os.write(done_w, said.encode())
+            os.read(life_r, 1)
+            while outlive and os.read(0, 4096):  # after this process ended: until the test closes its input
+                pass
+            code = 0
+        finally:
+            os._exit(code)
     os.close(done_w)
     os.close(life_r)
-    assert os.read(done_r, 1) == b"x"
+    said = os.read(done_r, 64).decode()
+    assert said.startswith("x"), said
     os.close(done_r)
-    return pid
+    return f"{pid} {said[1:]}".strip()
 
 
 if __name__ == "__main__":
