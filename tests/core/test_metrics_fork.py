@@ -5,13 +5,13 @@ directory (each test has its own ``XDG_RUNTIME_DIR``)."""
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
+from tests.helpers.forked import exit_status
 from kvbm_backend import metrics, metrics_mp
 from tests.helpers.metrics_proc import MetricsProc
 from tests.helpers.prom import free_port, scrape
@@ -23,15 +23,7 @@ CAPACITY = "kvbm_backend_g3_capacity_bytes"
 
 def _exit_status(pid: int) -> int | None:
     """``pid``'s exit status once it ended; None when it still ran after :data:`HANG_S` (then killed)."""
-    end = time.monotonic() + HANG_S
-    while time.monotonic() < end:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
+    return exit_status(pid, HANG_S)
 
 
 class _HeldRegistry(CollectorRegistry):

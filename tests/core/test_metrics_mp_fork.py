@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
+from tests.helpers.forked import exit_status
 from kvbm_backend import metrics_mp
 
 HANG_S = 120.0  # a bound for what happens at once (a child's first write, a child's exit)
@@ -23,15 +23,7 @@ def _dir(tmp_path) -> str:
 
 def _exit_status(pid: int) -> int | None:
     """``pid``'s exit status once it ended; None when it still ran after :data:`HANG_S` (then killed)."""
-    end = time.monotonic() + HANG_S
-    while time.monotonic() < end:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
+    return exit_status(pid, HANG_S)
 
 
 def _page(d: str) -> tuple[float | None, float | None]:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
-from kvbm_backend.memory import aligned_empty
+from tests.pool.g3.test_g3_path_order import _open, _served  # a pool on dirs; served bytes checked
 from kvbm_backend.model import frame
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
@@ -23,24 +22,11 @@ SLOT = frame.slot_bytes(BB)
 JOURNAL = f"journal-{NS.fingerprint}.log"
 
 
-def _open(dirs, **kw):
-    return open_pool(dirs[0], paths=[str(d) for d in dirs], **{"io_size_bytes": 64 << 10, **kw})
-
-
 def _put(pool, seqs, tenant=""):
     keys = NS.keys(seqs, tenant=tenant)
     res = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
     assert res.written == len(keys), res
     return keys
-
-
-def _served(pool, keys) -> list[bool]:
-    out = [aligned_empty(BB) for _ in keys]
-    got = pool.get(keys, out).result(timeout=HANG_S)
-    for k, ok, o in zip(keys, got.ok, out):
-        if ok:
-            assert np.array_equal(o, payload(k.seq_hash)), f"wrong bytes served for {k}"
-    return list(got.ok)
 
 
 @pytest.fixture

@@ -240,18 +240,24 @@ def test_reading_an_object_deep_in_the_tree_retakes_the_gil_a_few_times_not_per_
     assert _os_calls(lambda: st.get_into("a/b/c/d/obj", bytearray(len(data)))) <= 3
 
 
-@pytest.mark.parametrize("via_link", [False, True], ids=["one-call-open", "walk (root through a link)"])
-def test_reads_refuse_links_and_odd_files_under_the_root_either_way(tmp_path, via_link):
-    """The one-call open (openat2) and the component walk it falls back to (a root whose own path has a
-    link, which the operator may choose and which is followed) answer alike: objects read, absent is None,
-    a link at a directory or at the object is refused (OSError), a FIFO is refused without blocking."""
+def _store_maybe_via_link(tmp_path, via_link: bool) -> tuple:
+    """``(real root directory, FsStore)``: the store's root is that directory, or (``via_link``) a symbolic link
+    to it, which makes the store open objects by the component walk instead of one openat2."""
     real = tmp_path / "real"
     real.mkdir()
     root = real
     if via_link:
         root = tmp_path / "via"
         root.symlink_to(real, target_is_directory=True)
-    st = FsStore(root)
+    return real, FsStore(root)
+
+
+@pytest.mark.parametrize("via_link", [False, True], ids=["one-call-open", "walk (root through a link)"])
+def test_reads_refuse_links_and_odd_files_under_the_root_either_way(tmp_path, via_link):
+    """The one-call open (openat2) and the component walk it falls back to (a root whose own path has a
+    link, which the operator may choose and which is followed) answer alike: objects read, absent is None,
+    a link at a directory or at the object is refused (OSError), a FIFO is refused without blocking."""
+    real, st = _store_maybe_via_link(tmp_path, via_link)
     data = _data(5000, seed=4)
     assert st.put_if_absent("t/x/obj", data) and st.put_if_absent("t/y/obj", data)
     buf = bytearray(8192)
@@ -305,13 +311,7 @@ def test_each_io_thread_keeps_one_bounce_buffer_instead_of_lending_one_per_block
 def test_a_name_with_a_nul_byte_is_refused_either_way(tmp_path, via_link):
     """Reviewer (2026-11-30): the one-call open passed the path through ctypes.c_char_p, which ends it at the
     first NUL: ``obj\\x00junk`` opened ``obj``, where the walk (os.open) raises ValueError. Both refuse now."""
-    real = tmp_path / "real"
-    real.mkdir()
-    root = real
-    if via_link:
-        root = tmp_path / "via"
-        root.symlink_to(real, target_is_directory=True)
-    st = FsStore(root)
+    _, st = _store_maybe_via_link(tmp_path, via_link)
     assert st.put_if_absent("t/x/obj", _data(5000, seed=5))
     with pytest.raises(ValueError, match="null byte"):
         st.get_into("t/x/obj\x00junk", bytearray(8192))
