@@ -58,6 +58,13 @@ def engine_geometries(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
             for g in kv_groups(kv_cache_config)]
 
 
+def namespace_model(cfg: KvbmBackendConfig, engine_name: Any) -> str:
+    """The namespace's ``model``: ``cfg.model`` when the operator set it (not its default ``"unknown"``), else
+    the name the engine gives (``engine_name``). The connector and the native tiers both decide it here: two
+    fine-tunes mounted at one path with different ``model`` settings never share blocks."""
+    return str(cfg.model if cfg.model != "unknown" else engine_name)
+
+
 def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                         geometries: list[EngineGeometry] | None = None) -> Namespace:
     """The Namespace of this engine's KV: model (``cfg.model``, else vLLM's served model name),
@@ -87,10 +94,9 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
     if len(sizes) != 1:
         raise ValueError(f"kv cache: KV cache groups with block sizes {sorted(sizes)}; KvbmBackendConnector "
                          "needs one block size (a block's sequence hash covers block_size tokens)")
-    model = cfg.model
-    if model == "unknown":
-        names = vllm_config.model_config.served_model_name
-        model = names[0] if isinstance(names, (list, tuple)) else (names or vllm_config.model_config.model)
+    names = vllm_config.model_config.served_model_name
+    model = namespace_model(cfg, names[0] if isinstance(names, (list, tuple)) else
+                            (names or vllm_config.model_config.model))
     revision = engine_revision(cfg, vllm_config)
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
     pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)

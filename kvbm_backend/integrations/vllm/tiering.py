@@ -33,7 +33,8 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
 
 Keys: vLLM's ``OffloadKey`` (block hash bytes + 4-byte KV-group index) becomes the 64-bit sequence
 hash ``xxh3_64(offload_key)`` of a :class:`BlockKey` in a namespace with ``hash_scheme =
-"vllm-block-hash"`` (model = vLLM's model name, TP world size = the ranks sharing one primary chunk).
+"vllm-block-hash"`` (model = the config's ``model`` when set, else vLLM's model name, as the connector decides:
+:func:`.namespaces.namespace_model`; TP world size = the ranks sharing one primary chunk).
 vLLM's cache salt is already inside its block hash; the tenant only selects G4's key and prefix.
 
 Mapping of the primary buffer to FullyContiguous blocks (vLLM 0.32, direct layout):
@@ -107,6 +108,7 @@ from .. import load_priority
 from ..tiers import announce_tiers
 from .extra_config import tier_config
 from .geometry import PrimaryGeometry
+from .namespaces import namespace_model
 from .tier_lookup import TenantLookup
 from .tier_removals import HeldChunks
 from .tier_threads import started_executor
@@ -181,7 +183,9 @@ class KvbmSecondaryTier(SecondaryTierManager):
             groups = tuple(KvGroup("vllm-offload", self.geometry.kv_layout, layers=tuple(g.layer_names))
                            for g in offloading_spec.config.groups)
         # one namespace for every group: the OffloadKey (and so the sequence hash) carries the group index
-        self.namespace = Namespace(model=str(offloading_spec.config.model.name),
+        # config ``model`` when set, else vLLM's model name: decided as the connector does (before 2026-11-30 the
+        # tier ignored ``model``, so fine-tunes mounted at one path with different ``model`` shared blocks)
+        self.namespace = Namespace(model=namespace_model(self.config, offloading_spec.config.model.name),
                                    revision=revision or self.config.revision, layout=self.geometry.kv_layout,
                                    tp_world_size=self.geometry.copies, hash_scheme="vllm-block-hash",
                                    groups=groups, kv_heads=self.geometry.num_kv_heads)
