@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +28,7 @@ from ...model.namespace import KeyRun, Namespace
 from ...pool.base import BlockPool
 from ...deadlines import Deadline
 from . import handoff, stats
+from .failed_blocks import FailedBlocks
 from .g3_mirror import G3Mirror
 from .kv_events import G3KvEvents, IdlePublisher
 from .lookup import GroupTiers, PrefixLookup
@@ -74,49 +74,6 @@ def kv_beyond_token_ids(request: Any) -> bool:
 
 
 HANDOFF_RETRY_S = 0.05  # a handed-off decode request looks at G3/G4 again at most this often (seconds)
-#: seconds a block whose load failed (absent, unreadable or corrupt in the tier that was to serve it) ends
-#: every prefix offered to any request: the failed request itself is never offered a load again (vLLM
-#: reschedules it and asks again: the same hit would fail the same way, forever); others recompute from
-#: that block until it was re-verified by a later lookup after the cool-down (a dropped slot is then simply
-#: absent; a recomputed block offloaded again is a hit again)
-FAILED_BLOCK_COOLDOWN_S = 30.0
-FAILED_BLOCKS_MAX = 1 << 16  # (tenant, sequence hash) entries kept, oldest dropped first
-
-
-class FailedBlocks:
-    """``(tenant, sequence hash)`` of blocks whose load failed, each for ``cooldown_s`` seconds, at most
-    ``max_entries`` (oldest forgotten first). Scheduler thread only."""
-
-    def __init__(self, cooldown_s: float = FAILED_BLOCK_COOLDOWN_S, max_entries: int = FAILED_BLOCKS_MAX):
-        self.cooldown_s, self.max_entries = cooldown_s, max_entries
-        self._until: OrderedDict[tuple[str, int], float] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._until)
-
-    def add(self, tenant: str, seq_hash: int) -> None:
-        k = (tenant, int(seq_hash))
-        self._until.pop(k, None)
-        self._until[k] = time.monotonic() + self.cooldown_s
-        while len(self._until) > self.max_entries:
-            self._until.popitem(last=False)
-
-    def first_in(self, tenant: str, hashes, start: int, end: int) -> int:
-        """Index of the first of ``hashes[start:end]`` that failed within the cool-down, else ``end``."""
-        if not self._until or start >= end:
-            return end
-        now = time.monotonic()
-        while self._until:  # expired entries leave in insertion (= expiry) order
-            k, t = next(iter(self._until.items()))
-            if t > now:
-                break
-            del self._until[k]
-        for i in range(start, end):
-            if (tenant, int(hashes[i])) in self._until:
-                return i
-        return end
-
-
 class SchedulerSide:
     """State and decisions of the scheduler-role connector (one per engine)."""
 

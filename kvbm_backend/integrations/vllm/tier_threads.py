@@ -1,4 +1,5 @@
-"""The I/O thread pool of a vLLM secondary tier (:mod:`.tiering`), with every thread started up front.
+"""The I/O thread pool of a vLLM secondary tier (:mod:`.tiering`), with every thread started up front, and its
+staging arena (:func:`staging_pool`).
 
 Why: ``ThreadPoolExecutor`` starts a thread inside ``submit`` while fewer than ``max_workers`` exist and
 none is idle, so the first ``io_threads`` jobs' ``submit_store``/``submit_load`` (called on vLLM's
@@ -11,7 +12,9 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["started_executor"]
+from ...memory import BufferPool
+
+__all__ = ["staging_pool", "started_executor"]
 
 
 def started_executor(threads: int, name: str, timeout_s: float = 60.0) -> ThreadPoolExecutor:
@@ -31,3 +34,16 @@ def started_executor(threads: int, name: str, timeout_s: float = 60.0) -> Thread
         ex.shutdown(wait=False, cancel_futures=True)
         raise
     return ex
+
+
+def staging_pool(nbytes: int, count: int) -> BufferPool:
+    """The tier's staging: ``count`` block buffers of ``nbytes`` (the FullyContiguous images of jobs in
+    flight) in one arena allocated and pre-faulted now, on transparent huge pages (``"thp"``); a job past
+    them gets fresh buffers, not kept (``keep_bytes`` 0), so taking never blocks.
+
+    Why pre-faulted: measured on the 2-core dev VM, first-touch page faults of 256 MiB took ~0.7 s, most
+    of a cold store job's time. Why THP: building a 256 MiB arena of 512 KiB buffers took 0.08 s on huge
+    pages vs 0.30-0.34 s with ``MAP_POPULATE`` on 4 KiB pages (the previous arena), and copies into it ran
+    4.5 vs 3.0-4.0 GB/s.
+    """
+    return BufferPool("thp", 0, arena=(max(0, int(count)), nbytes), name="vllm-tier-staging")

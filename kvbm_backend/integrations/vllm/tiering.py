@@ -81,7 +81,9 @@ and its payload (token ids) in vLLM's tracker. G4 (no index listing) publishes s
 Never wrong KV: a chunk is copied into the primary only after every rank's block was verified by
 the pool (header identity + integrity in our staging buffer); failed chunks are reported failed
 (``JobResult.success=False`` with ``successful_keys`` the verified ones), their lookup verdict is
-forced to miss, and the primary slot stays untouched.
+forced to miss (and for the connector's 30 s cool-down every new lookup of them: :class:`.failed_blocks.FailedChunks`;
+G3 deletes a copy it failed to read, not by a timeout, so the recomputed chunk is written again), and the primary
+slot stays untouched.
 """
 from __future__ import annotations
 
@@ -99,7 +101,6 @@ from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingE
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
 from ...config import ConfigError, KvbmBackendConfig
-from ...memory import BufferPool
 from ...model.namespace import BlockKey, KvGroup, Namespace
 from ...pool import open_pool
 from ...deadlines import Deadline
@@ -107,16 +108,17 @@ from ... import metrics
 from .. import load_priority
 from ..tiers import announce_tiers
 from .extra_config import tier_config
+from .failed_blocks import FailedChunks, drop_blocks
 from .geometry import PrimaryGeometry
 from .namespaces import namespace_model
 from .tier_lookup import TenantLookup
 from .tier_removals import HeldChunks
-from .tier_threads import started_executor
+from .tier_threads import staging_pool, started_executor
 
 log = logging.getLogger(__name__)
 
 __all__ = ["G3Tier", "G4Tier", "KvbmSecondaryTier", "PrimaryGeometry", "offload_key_hash", "staging_pool"]
-# PrimaryGeometry: defined in .geometry (with EngineGeometry), importable from here as before
+# PrimaryGeometry: defined in .geometry (with EngineGeometry), staging_pool in .tier_threads; importable from here
 
 MODULE_PATH = __name__
 
@@ -125,19 +127,6 @@ def offload_key_hash(key: bytes) -> int:
     """Stable 64-bit sequence hash of a vLLM ``OffloadKey`` (block hash bytes + 4-byte group index):
     ``xxh3_64(key)``, seed 0. Independent of ``PYTHONHASHSEED`` and of the process."""
     return xxhash.xxh3_64_intdigest(bytes(key))
-
-
-def staging_pool(nbytes: int, count: int) -> BufferPool:
-    """The tier's staging: ``count`` block buffers of ``nbytes`` (the FullyContiguous images of jobs in
-    flight) in one arena allocated and pre-faulted now, on transparent huge pages (``"thp"``); a job past
-    them gets fresh buffers, not kept (``keep_bytes`` 0), so taking never blocks.
-
-    Why pre-faulted: measured on the 2-core dev VM, first-touch page faults of 256 MiB took ~0.7 s, most
-    of a cold store job's time. Why THP: building a 256 MiB arena of 512 KiB buffers took 0.08 s on huge
-    pages vs 0.30-0.34 s with ``MAP_POPULATE`` on 4 KiB pages (the previous arena), and copies into it ran
-    4.5 vs 3.0-4.0 GB/s.
-    """
-    return BufferPool("thp", 0, arena=(max(0, int(count)), nbytes), name="vllm-tier-staging")
 
 
 class KvbmSecondaryTier(SecondaryTierManager):
@@ -157,6 +146,9 @@ class KvbmSecondaryTier(SecondaryTierManager):
     piece_bytes: ClassVar[int] = 8 << 20
     #: seconds between checks of the published chunks against the pool's index (KV events on, G3)
     reconcile_interval_s: ClassVar[float] = 1.0
+    #: delete a chunk whose load failed other than by a timeout (a read error G3 kept the slot for), so the
+    #: recomputed chunk's store writes it again (G3; a shared G4 store keeps its objects)
+    drop_unreadable: ClassVar[bool] = False
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str, *,
                  config: str | dict | None = None, g3: dict | None = None, g4: dict | None = None,
@@ -217,6 +209,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
                 log.warning("enable_kv_events set on tier %s but KV cache events are disabled globally", tier_type)
         # chunks published stored, for removal events (events on and a pool that lists its index)
         self._removals = self._events is not None and callable(getattr(self.pool, "keys", None))
+        self._failed = FailedChunks(offload_key_hash)  # (tenant, chunk) whose load failed: a miss for a while
         self._held = HeldChunks(self.pool, self.namespace.fingerprint, self.geometry.copies, offload_key_hash,
                                 self.reconcile_interval_s)
         self._store_cursor: dict[JobId, int] = {}  # store job -> the pool's removal cursor once published
@@ -238,7 +231,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
             self._executor.shutdown(wait=False)
             raise
         self._counters = {"stores": 0, "stores_failed": 0, "loads": 0, "loads_failed": 0,
-                          "chunks_stored": 0, "chunks_skipped": 0, "chunks_loaded": 0, "chunks_load_failed": 0}
+                          "chunks_stored": 0, "chunks_skipped": 0, "chunks_loaded": 0, "chunks_load_failed": 0,
+                          "blocks_dropped": 0}
 
     # ---- construction helpers ------------------------------------------------------------------
     def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
@@ -270,6 +264,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT if every rank's block is in the pool index, MISS if not, RETRY while the async index
         lookup (posted at the end of this step) has not answered."""
+        if self._failed.cooling(self._tenant_of(req_context), key):
+            return LookupResult.MISS  # its load failed within the cool-down (FailedChunks)
         r = self._lookup.lookup(key, req_context)
         if r is None:
             return LookupResult.RETRY
@@ -353,6 +349,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._count("stores", 1)
         if ok:
             held = self._held_now(keys, tenant) if any(res.skipped for _, res in results) else keys
+            held = self._failed.not_cooling(tenant, held)  # a copy that failed to load is no held chunk
             self._store_held[job.job_id] = held
             self._count("chunks_stored", len(held))
             self._count("chunks_skipped", len(keys) - len(held))
@@ -391,6 +388,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
             bkeys = [bk for key in keys[c0:c1] for bk in self._block_keys(key, tenant)]
             futs.append((c0, c1, self.pool.get(bkeys, bufs[c0 * c:c1 * c])))
         good: list[OffloadKey] = []
+        unreadable: list[BlockKey] = []  # blocks of chunks that failed other than by a timeout
         for c0, c1, fut in futs:
             # on a timeout the pool may still write the buffers: they are then not reused
             res = fut.result(timeout=deadline.left())
@@ -401,6 +399,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
                     for r in range(c):
                         g.block_to_engine(bufs[i * c + r], self._slice(job.chunk_ids[i], r))
                     good.append(keys[i])
+                elif not any(res.timed_out_at(j) for j in range((i - c0) * c, (i - c0 + 1) * c)):
+                    unreadable += self._block_keys(keys[i], tenant)
         for b in bufs:
             self._staging.give(b)
         self._count("loads", 1)
@@ -409,6 +409,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
             return JobResult(job_id=job.job_id, success=True, transfer_bytes=len(keys) * c * g.rank_bytes)
         self._count("loads_failed", 1)
         self._count("chunks_load_failed", len(keys) - len(good))
+        if unreadable and self.drop_unreadable:
+            self._count("blocks_dropped", drop_blocks(self.pool, unreadable, deadline, self.tier_type))
         return JobResult(job_id=job.job_id, success=False, successful_keys=tuple(good) if good else None,
                          transfer_bytes=len(good) * c * g.rank_bytes)
 
@@ -426,6 +428,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
                 # Force the cached verdict of the chunks not loaded to miss, so the scheduler does not
                 # re-issue a doomed promotion (the livelock vLLM's fs tier guards against, #49176).
                 good = set(res.successful_keys or ())
+                self._failed.add(tenant, [k for k in keys if k not in good])  # new requests miss them a while
                 self._lookup.mark_miss_for([k for k in keys if k not in good], tenant)
             elif res.success and is_store and self._events is not None and held:
                 self._events.append(OffloadingEvent(keys=list(held), medium=self.medium, removed=False,
@@ -481,8 +484,9 @@ class KvbmSecondaryTier(SecondaryTierManager):
             self._primary = None  # type: ignore[assignment]
 
     def kvbm_stats(self) -> dict:
-        """Tier counters (jobs; chunks stored, skipped (not admitted by the pool, or written by another job),
-        loaded, failed to load) plus the pool's own ``stats()``."""
+        """Tier counters (jobs; chunks stored, skipped (not admitted by the pool, written by another job, or
+        cooling after a failed load), loaded, failed to load; blocks deleted after a failed read) plus the pool's
+        own ``stats()``."""
         with self._cv:
             tier = dict(self._counters)
         return {"tier": tier, "pool": self.pool.stats()}
@@ -493,6 +497,7 @@ class G3Tier(KvbmSecondaryTier):
 
     pool_tier = "G3"
     default_locality = "LOCAL"
+    drop_unreadable = True
 
     def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
         return open_pool(cfg.g3, namespace)

@@ -4,15 +4,19 @@ a chunk whose load failed is not a hit again at once, removals logged while a st
 tenant's copy dropped is not the chunk removed, and a G4 lookup stops at a request's first missing chunk."""
 from __future__ import annotations
 
+import errno
+import os
+
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
-from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, Medium  # noqa: E402
 
+from kvbm_backend.integrations.vllm.tiering import offload_key_hash  # noqa: E402
 from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness, offloading_config  # noqa: E402
-from tests.integrations.vllm.test_tiering import GEO, _looked_up, g3_tier, keys_for, payloads  # noqa: E402
+from tests.integrations.vllm.test_tiering import GEO, HANG_S, _looked_up, g3_tier, keys_for, payloads  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -53,3 +57,67 @@ def test_config_model_names_the_namespace_as_in_the_connector(tmp_path, make):
     same.shutdown()
     plain = make([g3_tier(tmp_path / "g3plain")], model="/model")
     assert plain.tier.namespace.model == "/model"
+
+
+def _inject_eio(monkeypatch, tier, key) -> None:
+    """Reads of ``key``'s G3 slot fail with EIO (a bad sector; G3 cannot prove the bytes bad, so keeps the slot)."""
+    fi, si = tier.pool.index.get(tier.namespace.key(offload_key_hash(key)))
+    spath, sb = os.path.realpath(tier.pool.slabs.by_index[fi].path), tier.pool.slot_bytes
+    real_preadv, real_pread = os.preadv, os.pread
+
+    def bad(fd, off) -> bool:
+        try:
+            return si * sb <= off < (si + 1) * sb and os.readlink(f"/proc/self/fd/{fd}") == spath
+        except OSError:
+            return False
+
+    def preadv(fd, bufs, off, *a):
+        if bad(fd, off):
+            raise OSError(errno.EIO, "injected bad sector")
+        return real_preadv(fd, bufs, off, *a)
+
+    def pread(fd, n, off, *a):
+        if bad(fd, off):
+            raise OSError(errno.EIO, "injected bad sector")
+        return real_pread(fd, n, off, *a)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "pread", pread)
+
+
+@pytest.mark.parametrize("drop", [True, False], ids=["deleted", "kept"])
+def test_a_chunk_g3_cannot_read_is_no_hit_again_and_is_rewritten(tmp_path, make, monkeypatch, drop):
+    """A read error G3 cannot prove bad keeps the slot: before, every new request was offered the chunk, loaded it
+    in vain and recomputed it, and the recomputed chunk's store (skipped: held) was published stored again. Now the
+    tier deletes the unreadable copy (published removed), new requests miss the chunk for the cool-down (no load
+    scheduled), the recomputed chunk's store writes a new copy but is not published while cooling, and that copy
+    serves the exact bytes once the cool-down is over (a fresh tier). ``kept``: a tier that keeps the copy (G4, or
+    a deletion that failed) still misses the chunk and publishes none of its stores while it cools."""
+    t = g3_tier(tmp_path / "g3", enable_kv_events=True)
+    t["g3"]["engine"] = "posix"  # reads through os.preadv/os.pread, where the bad sector is injected
+    h = make([t], enable_kv_cache_events=True)
+    tier = h.tier
+    monkeypatch.setattr(tier, "drop_unreadable", drop, raising=False)
+    keys, data = keys_for(1, "bad-sector"), payloads(h, 1, seed=7)
+    h.store(keys, data)
+    h.wait_idle()
+    assert [(e.removed, len(e.keys)) for e in h.manager.take_events() if e.medium is Medium.STORAGE] == [(False, 1)]
+    with monkeypatch.context() as mp:
+        _inject_eio(mp, tier, keys[0])
+        for attempt in range(3):
+            h.reset_primary()
+            assert h.load(keys, ctx=h.context(f"req-{attempt}"), timeout=HANG_S) == []
+            h.reset_primary()
+            h.store(keys, data)  # the request recomputed the chunk; vLLM offloads it again
+            h.wait_idle()
+            ev = [(e.removed, len(e.keys)) for e in h.manager.take_events() if e.medium is Medium.STORAGE]
+            assert ev == ([(True, 1)] if attempt == 0 and drop else []), (attempt, ev)  # never published stored
+            st = tier.kvbm_stats()["tier"]
+            assert (st["loads"], st["loads_failed"], st["blocks_dropped"]) == (1, 1, int(drop)), (attempt, st)
+            assert st["chunks_stored"] == 1, st  # the first store only: the cooling chunk's stores are skipped
+        assert _looked_up(tier, h.context("new"), keys[0]) is LookupResult.MISS
+        assert tier.pool.contains(tier.namespace.key(offload_key_hash(keys[0])))  # recomputed (deleted) or kept
+    h.shutdown()
+    again = make([g3_tier(tmp_path / "g3")])
+    got = again.load(keys, timeout=HANG_S)
+    assert len(got) == 1 and np.array_equal(got[0], data[0])
