@@ -111,12 +111,16 @@ class HeldChunks:
         self._watch.interval_s = v
 
     def cursor(self) -> int:
-        """The pool's removal cursor now (0 for a pool without a removal log). A store job reads it once its
-        blocks are published: removals logged up to it are older than the chunk's copy."""
+        """The pool's removal cursor now (0 for a pool without a removal log). A store job reads it before its
+        first put: every removal logged after a block is published comes later. Read after the puts (before
+        2026-11-30), an eviction logged between a block's publication and the read was taken for an older copy's:
+        the chunk was never reported removed and stayed here (and its payload in vLLM's tracker) for good. A
+        removal of an older copy logged after the read reports a chunk removed that the pool holds again: the
+        safe side (the router misses a hit)."""
         return self._watch.cursor()
 
     def published(self, keys: list[Any], cursor: int) -> None:
-        """``keys`` were published stored; ``cursor``: :meth:`cursor` read after their blocks were."""
+        """``keys`` were published stored; ``cursor``: :meth:`cursor` read before their blocks were written."""
         for k in keys:
             self._held[k] = cursor
             self._by_hash[self._hash(k)] = k

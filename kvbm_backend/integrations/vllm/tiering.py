@@ -212,7 +212,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._failed = FailedChunks(offload_key_hash)  # (tenant, chunk) whose load failed: a miss for a while
         self._held = HeldChunks(self.pool, self.namespace.fingerprint, self.geometry.copies, offload_key_hash,
                                 self.reconcile_interval_s)
-        self._store_cursor: dict[JobId, int] = {}  # store job -> the pool's removal cursor once published
+        self._store_cursor: dict[JobId, int] = {}  # store job -> the pool's removal cursor before its first put
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[JobId, tuple[list[OffloadKey], bool, str]] = {}  # job -> (keys, is_store, tenant)
         # store job -> its chunks the pool holds (published when the job is reported finished)
@@ -331,6 +331,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
         c = g.copies
         bufs = [self._staging.take(g.rank_bytes) for _ in range(len(keys) * c)]
         deadline = Deadline(self._job_timeout_s)
+        if self._removals:  # before the first put: a removal logged once a block is published is after it
+            self._store_cursor[job.job_id] = self._held.cursor()
         futs = []
         for c0, c1 in self._pieces(len(keys)):
             bkeys: list[BlockKey] = []
@@ -341,8 +343,6 @@ class KvbmSecondaryTier(SecondaryTierManager):
             futs.append((len(bkeys), self.pool.put(bkeys, bufs[c0 * c:c1 * c])))
         # on an error or timeout the pool may still read the buffers: they are then not reused
         results = [(n, f.result(timeout=deadline.left())) for n, f in futs]
-        if self._removals:
-            self._store_cursor[job.job_id] = self._held.cursor()
         for b in bufs:
             self._staging.give(b)
         ok = all(res.dropped == 0 and res.written + res.skipped == n for n, res in results)

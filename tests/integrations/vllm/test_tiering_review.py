@@ -121,3 +121,29 @@ def test_a_chunk_g3_cannot_read_is_no_hit_again_and_is_rewritten(tmp_path, make,
     again = make([g3_tier(tmp_path / "g3")])
     got = again.load(keys, timeout=HANG_S)
     assert len(got) == 1 and np.array_equal(got[0], data[0])
+
+
+def test_a_chunk_evicted_right_after_its_store_published_is_reported_removed(tmp_path, make, monkeypatch):
+    """Another job's eviction of a chunk lands right after this job's put published it (here: the put's block is
+    deleted as soon as the put completes). Before, the tier read the pool's removal cursor only after its puts,
+    took that removal for an older copy's, and kept the chunk published (and vLLM's tracker its payload) for good."""
+    h = make([g3_tier(tmp_path / "g3", enable_kv_events=True)], enable_kv_cache_events=True)
+    tier = h.tier
+    keys, data = keys_for(2, "evicted-at-once"), payloads(h, 2, seed=9)
+    doomed = tier.namespace.key(offload_key_hash(keys[0]))
+    real_put = tier.pool.put
+
+    def put_then_evict(bkeys, bufs):
+        fut = real_put(bkeys, bufs)
+        fut.result(timeout=HANG_S)  # published ...
+        if doomed in bkeys:
+            tier.pool.delete([doomed]).result(timeout=HANG_S)  # ... and evicted at once
+        return fut
+
+    monkeypatch.setattr(tier.pool, "put", put_then_evict)
+    h.store(keys, data)
+    h.wait_idle()
+    ev = [(e.removed, sorted(e.keys)) for e in h.manager.take_events() if e.medium is Medium.STORAGE]
+    assert (True, [keys[0]]) in ev, ev
+    assert len(tier._held) == 1  # only the chunk the pool still holds stays published
+    assert not tier.pool.contains(doomed)
