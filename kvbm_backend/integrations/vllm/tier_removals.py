@@ -90,13 +90,23 @@ class HeldChunks:
         copies: TP ranks per chunk (a chunk is gone once any rank's block is).
         key_hash: a chunk key's sequence hash in the pool (``offload_key_hash``).
         interval_s: the index-reading check runs at most this often (seconds).
+        block_keys: ``(chunk key, tenant) -> [BlockKey per rank]`` (the tier's), for pools that key a chunk's
+            blocks by tenant too (``contains``): a chunk is gone once no tenant it was published for holds every
+            rank's block. None: any removal of its hash is the chunk's.
+
+    Tenants: the pool's removal log names a block by sequence hash and rank only, so before 2026-11-30 one tenant's
+    copy dropped was reported as the chunk removed while another tenant's copy was held (and published).
     """
 
-    def __init__(self, pool: Any, namespace: str, copies: int, key_hash: Callable[[Any], int], interval_s: float):
+    def __init__(self, pool: Any, namespace: str, copies: int, key_hash: Callable[[Any], int], interval_s: float,
+                 block_keys: Callable[[Any, str], list] | None = None):
         self._pool, self._fp, self._copies, self._hash = pool, namespace, copies, key_hash
         self._watch = RemovalWatch(pool, interval_s)
         self._held: dict[Hashable, int] = {}  # chunk key -> the pool's removal cursor when it was published
         self._by_hash: dict[int, Hashable] = {}
+        self._contains = getattr(pool, "contains", None) if block_keys is not None else None
+        self._block_keys = block_keys
+        self._tenants: dict[Hashable, set[str]] = {}  # chunk key -> tenants it was published for (block_keys)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -119,11 +129,23 @@ class HeldChunks:
         safe side (the router misses a hit)."""
         return self._watch.cursor()
 
-    def published(self, keys: list[Any], cursor: int) -> None:
-        """``keys`` were published stored; ``cursor``: :meth:`cursor` read before their blocks were written."""
+    def published(self, keys: list[Any], cursor: int, tenant: str = "") -> None:
+        """``keys`` were published stored (``tenant``'s copies); ``cursor``: :meth:`cursor` read before their
+        blocks were written."""
         for k in keys:
             self._held[k] = cursor
             self._by_hash[self._hash(k)] = k
+            if self._contains is not None:
+                self._tenants.setdefault(k, set()).add(tenant)
+
+    def _still_held(self, k: Any) -> bool:
+        """Whether a tenant ``k`` was published for still holds every rank's block (keeping only those)."""
+        if self._contains is None or self._block_keys is None:
+            return False
+        contains, bks = self._contains, self._block_keys
+        left = {t for t in self._tenants.get(k, ()) if all(contains(bk) for bk in bks(k, t))}
+        self._tenants[k] = left
+        return bool(left)
 
     def removed(self) -> list[Any]:
         """The published chunks the pool dropped since the last call (each reported once)."""
@@ -131,17 +153,19 @@ class HeldChunks:
         gone = []
         for n, seq_hash, _rank in log:
             k = self._by_hash.get(seq_hash)
-            if k is not None and self._held.get(k, n) < n:  # dropped after it was published
+            if k is not None and self._held.get(k, n) < n and not self._still_held(k):  # dropped after publishing
                 gone.append(self._forget(k))
         return gone + self._scan() if read_index else gone
 
     def _forget(self, k: Any) -> Any:
         del self._held[k]
         self._by_hash.pop(self._hash(k), None)
+        self._tenants.pop(k, None)
         return k
 
     def _scan(self) -> list[Any]:
         """Every published chunk against the pool's index (when :class:`RemovalWatch` says so)."""
         present = {(k.seq_hash, k.rank) for k in self._pool.keys() if k.namespace == self._fp}
         return [self._forget(k) for k in list(self._held)
-                if any((self._hash(k), r) not in present for r in range(self._copies))]
+                if any((self._hash(k), r) not in present for r in range(self._copies))
+                or (self._contains is not None and not self._still_held(k))]  # some copy: a published tenant's?

@@ -73,8 +73,8 @@ the connector's extra config so they carry token ids, which Dynamo's KV router n
 A pool that can list its index (G3: ``keys()``) also reports the chunks it dropped since (evicted for capacity,
 deleted, corrupt): stores are then published with ``removal_expected=True`` (the tracker keeps each chunk's
 payload until the tier's removal, so the ``BlockRemoved`` names the same block hashes), and ``take_events``
-emits one ``OffloadingEvent(removed=True)`` for the published chunks the pool dropped since, from G3's log of
-removals (O(removals): :mod:`.tier_removals`; a pool without one is checked against its index at most every
+emits one ``OffloadingEvent(removed=True)`` for the published chunks the pool dropped since (a chunk stored for
+several tenants once none of their copies is left), from G3's log of removals (O(removals): :mod:`.tier_removals`; a pool without one is checked against its index at most every
 :attr:`KvbmSecondaryTier.reconcile_interval_s`, and only when its counters moved). Memory while events are on: one key per published chunk here,
 and its payload (token ids) in vLLM's tracker. G4 (no index listing) publishes stores only.
 
@@ -211,7 +211,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._removals = self._events is not None and callable(getattr(self.pool, "keys", None))
         self._failed = FailedChunks(offload_key_hash)  # (tenant, chunk) whose load failed: a miss for a while
         self._held = HeldChunks(self.pool, self.namespace.fingerprint, self.geometry.copies, offload_key_hash,
-                                self.reconcile_interval_s)
+                                self.reconcile_interval_s, self._block_keys)
         self._store_cursor: dict[JobId, int] = {}  # store job -> the pool's removal cursor before its first put
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[JobId, tuple[list[OffloadKey], bool, str]] = {}  # job -> (keys, is_store, tenant)
@@ -434,7 +434,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
                 self._events.append(OffloadingEvent(keys=list(held), medium=self.medium, removed=False,
                                                     locality=self.locality, removal_expected=self._removals))
                 if self._removals:
-                    self._held.published(list(held), self._store_cursor.pop(res.job_id, 0))
+                    self._held.published(list(held), self._store_cursor.pop(res.job_id, 0), tenant)
             self._store_cursor.pop(res.job_id, None)
         return out
 
