@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TenantLookup"]
+__all__ = ["TenantLookup", "prefix_runs"]
 
 
 class TenantLookup(AsyncLookupManager):
@@ -45,21 +45,61 @@ class TenantLookup(AsyncLookupManager):
         self.mark_miss([cast(Any, (k, tenant)) for k in keys])
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        """Background thread: ``keys`` are the ``(OffloadKey, tenant)`` pairs :meth:`lookup` posted. A chunk is
-        held when all its copies (one block per TP rank it spans) are: the first copy's lookup counts as the
-        chunk's (``kvbm_matched_tokens``, hit rate), the others not, so a chunk counts once at any TP size. One
-        ``job_timeout_s`` bounds the whole batch; a failed or late lookup is a miss."""
+        """Background thread: ``keys`` are the ``(OffloadKey, tenant)`` pairs :meth:`lookup` posted for one request
+        (vLLM's manager calls this once per request and step). A chunk is held when all its copies (one block per
+        TP rank it spans) are: the first copies are looked up as a request (``kvbm_matched_tokens``, hit rate), the
+        others not, so a chunk counts once at any TP size. One ``job_timeout_s`` bounds the whole batch; a failed
+        or late lookup is a miss.
+
+        Prefix runs (:func:`prefix_runs`): the pairs of one tenant and KV group that vLLM posted in ascending
+        position order (its full-attention prefix scan) are one ``lookup_prefix`` (G4: HEAD waves that stop at the
+        first absent object), every pair after the run's first miss False: block hashes chain, so the request
+        cannot use a chunk after a missing one. Before 2026-11-30 each chunk was its own lookup: vLLM posts every
+        chunk of a prompt in its first step, so G4 sent one HEAD per chunk even when chunk 0 was absent (256 for
+        256 chunks). Other pairs (a sliding-window group, scanned from its end; no positions) are looked up one by
+        one."""
         t = self._tier
         pairs = cast("list[tuple[OffloadKey, str]]", keys)
-        futs = [(t.pool.lookup_prefix(bk[:1]), t.pool.lookup_prefix(bk[1:], request=False) if len(bk) > 1 else None)
-                for bk in (t._block_keys(k, tenant) for k, tenant in pairs)]
+        c = t.geometry.copies
+        runs = prefix_runs(pairs, req_context)
+        futs = []
+        for run in runs:
+            bks = [t._block_keys(pairs[i][0], pairs[i][1]) for i in run]
+            rest = [bk for b in bks for bk in b[1:]]
+            futs.append((t.pool.lookup_prefix([b[0] for b in bks]),
+                         t.pool.lookup_prefix(rest, request=False) if rest else None))
         end = Deadline(t._job_timeout_s)
-        out = []
-        for f0, f1 in futs:
+        out = [False] * len(pairs)
+        for run, (f0, f1) in zip(runs, futs):
             try:
-                n = f0.result(timeout=end.left()) + (0 if f1 is None else f1.result(timeout=end.left()))
-                out.append(n == t.geometry.copies)
+                n0 = f0.result(timeout=end.left())
+                n1 = f1.result(timeout=end.left()) if f1 is not None else 0
             except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
                 log.debug("lookup failed: %s", e)
-                out.append(False)
+                continue
+            for j, i in enumerate(run):  # chunk j: its first copy among the n0, its others among the n1
+                out[i] = j < n0 and (j + 1) * (c - 1) <= n1
         return out
+
+
+def prefix_runs(pairs: list[tuple[OffloadKey, str]], req_context: ReqContext) -> list[list[int]]:
+    """Indices of ``pairs`` in runs to look up as prefixes: per (tenant, KV group: the key's last 4 bytes), the
+    pairs in posted order while their positions in the request (``ReqContext.get_offload_key_position``, the end
+    token vLLM records for every key) ascend; a pair without a position, or out of order, is a run of its own."""
+    pos = getattr(req_context, "get_offload_key_position", None)
+    runs: list[list[int]] = []
+    last: dict[tuple[str, bytes], tuple[int, int]] = {}  # (tenant, group) -> (index in runs, its last position)
+    for i, (k, tenant) in enumerate(pairs):
+        p = pos(k) if callable(pos) else None
+        g = (tenant, bytes(k[-4:]))
+        prev = last.get(g)
+        if p is not None and prev is not None and p > prev[1]:
+            runs[prev[0]].append(i)
+            last[g] = (prev[0], p)
+            continue
+        runs.append([i])
+        if p is not None:
+            last[g] = (len(runs) - 1, p)
+        else:
+            last.pop(g, None)
+    return runs

@@ -114,9 +114,14 @@ class TieringHarness:
         """Step lookups until the prefix resolves, as vLLM's ``OffloadingConnectorScheduler.
         _maximal_prefix_lookup`` does (scan on through HIT_PENDING and RETRY so every chunk's lookup
         and promotion start in one step; stop at MISS). Returns how many leading keys are primary
-        HITs (promoted from a secondary tier where needed). Raises TimeoutError."""
+        HITs (promoted from a secondary tier where needed). Each key's position in the request is recorded first
+        where none is (``ReqContext.set_offload_key_position``, as vLLM's ``update_offload_keys`` does for every
+        key: the tiers look a request's ascending keys up as one prefix). Raises TimeoutError."""
         from vllm.v1.kv_offload.base import LookupResult
         ctx = ctx or self.context()
+        for i, k in enumerate(keys):
+            if ctx.get_offload_key_position(k) is None:
+                ctx.set_offload_key_position(k, i + 1)
         deadline = time.monotonic() + timeout
         while True:
             n, defer = 0, False

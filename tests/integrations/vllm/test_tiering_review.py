@@ -16,7 +16,7 @@ from vllm.v1.kv_offload.base import LookupResult, Medium  # noqa: E402
 
 from kvbm_backend.integrations.vllm.tiering import offload_key_hash  # noqa: E402
 from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness, offloading_config  # noqa: E402
-from tests.integrations.vllm.test_tiering import GEO, HANG_S, _looked_up, g3_tier, keys_for, payloads  # noqa: E402
+from tests.integrations.vllm.test_tiering import GEO, HANG_S, _looked_up, _resolve, g3_tier, keys_for, payloads  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -177,3 +177,60 @@ def test_one_tenants_copy_dropped_is_not_the_chunk_removed(tmp_path, make):
     assert events() == [(True, keys)] and len(tier._held) == 0
     assert events() == []
 
+
+def _positioned(ctx, keys):
+    """Record each key's end position in the request, as vLLM's ``update_offload_keys`` does (16 tokens a chunk)."""
+    for i, k in enumerate(keys):
+        ctx.set_offload_key_position(k, (i + 1) * 16)
+    return ctx
+
+
+def test_a_g4_lookup_stops_at_the_requests_first_missing_chunk(tmp_path, make):
+    """vLLM posts every chunk of a prompt in its first step: one HEAD per chunk before (64 here, with only chunks
+    0-3 in G4); now one prefix lookup per request and tenant, whose HEAD waves stop at chunk 4."""
+    tier_spec = {"type": "G4Tier", "module_path": "kvbm_backend.integrations.vllm.tiering",
+                 "num_kv_heads": GEO["num_kv_heads"], "io_threads": 2,
+                 "g4": {"url": f"file://{tmp_path / 'g4'}", "keyring": {"path": str(tmp_path / "keys" / "kr.json")},
+                        "timeout_s": 60.0}}
+    h = make([tier_spec], chunks=64)
+    keys, data = keys_for(64, "long-prompt"), payloads(h, 4, seed=13)
+    h.store(keys[:4], data)
+    h.wait_idle()
+    h.reset_primary()
+    tier = h.tier
+    heads: list = []
+    store, real_head = tier.pool.lookups.store, tier.pool.lookups.store.head
+    store.head = lambda name: heads.append(name) or real_head(name)
+    ctx = _positioned(h.context("R"), keys)
+    tier.on_new_request(ctx)
+    got = _resolve(tier, ctx, keys)
+    assert [got[k] for k in keys] == [LookupResult.HIT] * 4 + [LookupResult.MISS] * 60
+    assert 5 <= len(heads) <= 16, len(heads)  # the first wave(s) only, not 64
+    tier.on_request_finished(ctx)
+
+
+def test_prefix_lookups_follow_vllms_scan_order(tmp_path, make):
+    """Ascending positions (vLLM's full-attention prefix scan): a chunk after a missing one is a miss, the request
+    cannot use it. Descending (its sliding-window scan from the end) or no positions: each chunk on its own, so a
+    missing last chunk hides no earlier one."""
+    h = make([g3_tier(tmp_path / "g3")])
+    keys, data = keys_for(6, "scan"), payloads(h, 6, seed=17)
+    held = [0, 1, 3]
+    h.store([keys[i] for i in held], [data[i] for i in held])
+    h.wait_idle()
+    tier = h.tier
+    expect = [LookupResult.HIT if i in held else LookupResult.MISS for i in range(6)]
+    fwd = _positioned(h.context("fwd"), keys)
+    back = _positioned(h.context("back"), keys)
+    bare = h.context("bare")
+    for ctx in (fwd, back, bare):
+        tier.on_new_request(ctx)
+    got = _resolve(tier, fwd, keys)
+    assert [got[k] for k in keys] == expect[:2] + [LookupResult.MISS] * 4  # chunk 3: after the missing chunk 2
+    tier.on_request_finished(fwd)
+    got = _resolve(tier, back, keys[::-1])
+    assert [got[k] for k in keys] == expect
+    tier.on_request_finished(back)
+    got = _resolve(tier, bare, keys)
+    assert [got[k] for k in keys] == expect
+    tier.on_request_finished(bare)
