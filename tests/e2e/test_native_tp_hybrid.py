@@ -39,8 +39,11 @@ def test_native_tiers_tensor_parallel_two_ranks(tmp_path):
     extra = native_extra(tmp_path / "w", num_kv_heads=1)  # heads per rank
 
     base = run_engine(tmp_path, "tp-base", model_dir, ps, None, **kw)
+    # every full chunk of both prompts, the 2 whole chunks of their shared 320-token prefix once (5 + 3), x 2
+    # ranks: the G3 blocks the restart must find (the writer waits for them: a quiet window alone was not enough)
+    stored = (2 * (full // CHUNK_TOKENS) - 320 // CHUNK_TOKENS) * 2
     w = run_engine(tmp_path, "tp-writer", model_dir, ps + ps, None, native=extra, reset_prefix_cache_before=[2],
-                   settle_dirs=[str(g3)], **kw)
+                   settle_dirs=[str(g3)], settle_g3_blocks=stored, **kw)
     assert w["outputs"] == base["outputs"] * 2
     assert w["cached_tokens"][2:] == [full, full], w["cached_tokens"]  # loaded from the CPU primary tier
     assert w["settled"]

@@ -26,7 +26,8 @@ SPEC (JSON) fields:
   tiers' pools (G3 persists its index). With ``multiprocessing`` (or TP > 1) the engine core steps
   itself while offloads are pending; the run waits until the files under ``settle_dirs`` (list of
   directories, e.g. the G3 paths) have not changed for ``settle_s`` seconds (default 3; ``settled`` in
-  the result says whether they did within 120 s), then shuts the engine down; ``tier_stats`` and
+  the result says whether they did within 120 s; ``settle_g3_blocks`` N: and until the G3 journals there
+  name at least N blocks), then shuts the engine down; ``tier_stats`` and
   ``native_loads`` are then absent (the tiers live in the engine core process). ``tier_stats`` in the result: per secondary tier, ``type`` and
   (our tiers) ``kvbm_stats()`` read before the shutdown. ``native_loads`` in the result, the same counts
   for every tier type (vLLM's ``fs`` included), after the warm-up request: ``chunks_by_source``
@@ -157,7 +158,8 @@ def run(spec: dict) -> dict:
         # The engine core (another process) keeps stepping while its OffloadingConnector has pending work
         # (vLLM's Scheduler.has_requests -> has_pending_push_work); wait until the tiers' files settle,
         # then shut it down (its scheduler shuts the tiers down: jobs drain, pools close).
-        result["settled"] = _settle(spec.get("settle_dirs") or [], float(spec.get("settle_s", 3.0)))
+        result["settled"] = _settle(spec.get("settle_dirs") or [], float(spec.get("settle_s", 3.0)),
+                                    int(spec.get("settle_g3_blocks", 0)))
         llm.llm_engine.engine_core.shutdown()
     if conn is not None and mp:
         # Engine core and worker are other processes: shut them down (the connectors flush and write
@@ -263,9 +265,12 @@ def _drain_native(llm, max_s: float = 60.0) -> list[dict]:
     return out
 
 
-def _settle(dirs: list[str], quiet_s: float, max_s: float = 120.0) -> bool:
-    """Wait until no file under ``dirs`` changed (count, sizes, mtimes) for ``quiet_s`` seconds, at most
-    ``max_s``. True if they settled."""
+def _settle(dirs: list[str], quiet_s: float, g3_blocks: int = 0, max_s: float = 120.0) -> bool:
+    """Wait until the G3 journals under ``dirs`` name at least ``g3_blocks`` blocks (published: durable) and
+    then no file under ``dirs`` changed (count, sizes, mtimes) for ``quiet_s`` seconds, at most ``max_s``.
+    True if they settled. A quiet window alone is not enough on a busy machine: the engine core may not step
+    for longer than it while its stores into the tiers are still to come (a TP=2 restart test found a run
+    shut down with three chunks never stored)."""
     def sig():
         return sorted((os.path.join(d, f), st.st_size, st.st_mtime_ns) for root in dirs if os.path.isdir(root)
                       for d, _, fs in os.walk(root) for f in fs
@@ -277,9 +282,32 @@ def _settle(dirs: list[str], quiet_s: float, max_s: float = 120.0) -> bool:
         cur = sig()
         if cur != last:
             last, since = cur, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
+        elif time.monotonic() - since >= quiet_s and _journaled_blocks(dirs) >= g3_blocks:
             return True
     return False
+
+
+def _journaled_blocks(dirs: list[str]) -> int:
+    """Blocks the G3 journals (``journal-<fingerprint>.log``) under ``dirs`` name (0 for none or unreadable)."""
+    if not dirs:
+        return 0
+    from kvbm_backend.pool.g3 import journal as jr
+    n = 0
+    for root in dirs:
+        for d, _, fs in os.walk(root):
+            for f in fs:
+                if not (f.startswith("journal-") and f.endswith(".log")):
+                    continue
+                fp = f[len("journal-"):-len(".log")]
+                try:
+                    with open(os.path.join(d, f), "rb") as fh:
+                        data = fh.read()
+                except OSError:
+                    continue
+                head = jr.parse_header(data, fp)
+                if head is not None and head[0] >= 2:
+                    n += len(jr.decode_all(data[head[1]:], fp)[0])
+    return n
 
 
 def _pause(pause_dir: str, i: int, max_s: float) -> None:
