@@ -127,14 +127,6 @@ def staged_run_extents(slots: Sequence[Slot], stage: np.ndarray, slot_bytes: int
     return out
 
 
-def header_extents(slots: Sequence[Slot], hdrs: np.ndarray, slot_bytes: int, header_bytes: int,
-                   fd_of: Callable[[int], int]) -> list[Extent]:
-    """Extents reading (or writing) only the first ``header_bytes`` of each slot: slot ``j``'s header
-    maps to ``hdrs[j * header_bytes:(j + 1) * header_bytes]``."""
-    return [Extent(fd_of(fi), si * slot_bytes, [hdrs[j * header_bytes:(j + 1) * header_bytes]])
-            for j, (fi, si) in enumerate(slots)]
-
-
 def plan_ops(extents: Sequence[Extent], io_size: int, write: bool) -> list[IoOp]:
     """:func:`coalesce` (same arguments, same errors): adjacent extents merged, ops of ~``io_size``."""
     return coalesce(extents, io_size, write)

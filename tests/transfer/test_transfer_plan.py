@@ -181,17 +181,14 @@ def test_staged_slot_runs_become_io_size_ops_on_file_boundaries():
     assert sum(op.nbytes for op in ops) == stage.nbytes
 
 
-def test_slot_extent_and_header_extents():
-    from kvbm_backend.transfer import cut_at, header_extents, slot_extent
+def test_slot_extent_and_cut_at():
+    from kvbm_backend.transfer import cut_at, slot_extent
     hdr, body = aligned_empty(K4), aligned_empty(7 * K4)
     e = slot_extent(5, 3, 8 * K4, [hdr, body], 16 * K4)
     assert e.offset == 24 * K4 and [b.nbytes for b in e.bufs] == [K4, 7 * K4]  # 24..32 KiB: one window
     e = slot_extent(5, 1, 8 * K4, [hdr, body], 12 * K4)  # 8..16 KiB crosses the 12 KiB boundary
     assert [b.nbytes for b in e.bufs] == [K4, 3 * K4, 4 * K4]
     assert cut_at([body], 0, 1 << 20)[0] is body  # uncut buffers are passed through as is
-    hdrs = aligned_empty(2 * K4)
-    ext = header_extents([(0, 4), (1, 2)], hdrs, 8 * K4, K4, {0: 3, 1: 4}.__getitem__)
-    assert [(x.fd, x.offset, x.nbytes) for x in ext] == [(3, 32 * K4, K4), (4, 16 * K4, K4)]
 
 
 # ---- device-loader planning (transfer/slots.py): leased slots -> runs (reads) and passes ---------------
