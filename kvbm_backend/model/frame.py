@@ -280,8 +280,8 @@ class ChecksumFrames:
             return False
         return xxhash.xxh3_128_digest(_buf(payload)) == hb[_OFF_INTEGRITY:_OFF_INTEGRITY + 16]
 
-    def check_headers(self, headers: npt.NDArray[np.uint8], tenant_tags: Sequence[bytes], ranks: Sequence[int],
-                      seq_hashes: Iterable[int], *, check_world: bool = True,
+    def check_headers(self, headers: npt.NDArray[np.uint8], tenant_tags: Sequence[bytes] | npt.NDArray[np.uint8],
+                      ranks: Sequence[int] | npt.NDArray[Any], seq_hashes: Iterable[int], *, check_world: bool = True,
                       ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
         """The header half of :meth:`verify_many` for ``m`` headers at once (numpy compares, one xxh3_64
         call per header): True where the header is exactly what :meth:`write_header` makes for that block

@@ -12,8 +12,8 @@ Per size, per index:
   the index holds them). The compact index also reports ``array_bytes`` (its numpy arrays' ``nbytes``,
   capacity included) and ``capacity``.
 - ``rebuild_s``: warm-restart build of the index from the journal's entries. Compact: from arrays
-  (``restore_arrays``: tags, ranks, seq hashes, files, slots), and ``rebuild_from_keys_s`` from (TagKey,
-  slot) pairs (``restore_many``, what the journal loader yields today; at most 1M). OrderedDict:
+  (``restore_arrays``: tags, ranks, seq hashes, files, slots: the journal's columns, what a restart builds
+  from), and ``rebuild_from_keys_s`` from (TagKey, slot) pairs (``restore_many``; at most 1M). OrderedDict:
   ``restore`` one by one. Journal file reading and decoding is not included.
 - ``prefix_lookup_ms``: the scheduler's prefix lookup of an 8192-block prefix (all present, random start;
   blocks of one tenant, touched as found), median / p99 / min / max of ``LOOKUPS`` calls, timed on the

@@ -291,7 +291,7 @@ def _journaled_blocks(dirs: list[str]) -> int:
     """Blocks the G3 journals (``journal-<fingerprint>.log``) under ``dirs`` name (0 for none or unreadable)."""
     if not dirs:
         return 0
-    from kvbm_backend.pool.g3 import journal as jr
+    from kvbm_backend.pool.g3 import journal as jr, journal_columns as jc
     n = 0
     for root in dirs:
         for d, _, fs in os.walk(root):
@@ -306,7 +306,7 @@ def _journaled_blocks(dirs: list[str]) -> int:
                     continue
                 head = jr.parse_header(data, fp)
                 if head is not None and head[0] >= 2:
-                    n += len(jr.decode_all(data[head[1]:], fp)[0])
+                    n += len(jc.decode(data[head[1]:])[0])
     return n
 
 

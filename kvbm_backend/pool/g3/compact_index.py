@@ -53,7 +53,7 @@ at open. Entry capacity growth copies the arrays (a memcpy).
 from __future__ import annotations
 
 from array import array
-from typing import Any, Iterable, Iterator, Sequence, cast
+from typing import Any, Iterable, Iterator, Mapping, Sequence, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -66,6 +66,7 @@ from .compact_owners import KNOWN, OWNER_SLACK, Owners  # noqa: F401  (OWNER_SLA
 from .compact_restore import restore_columns, restore_pairs
 from .compact_table import _LOAD, _MIN_TAB_BITS, _U, U64, HashTable
 from .index import SlotPins, TagKey, tag_of
+from .journal_columns import JournalColumns
 
 Slot = tuple[int, int]
 
@@ -133,6 +134,14 @@ class _Items:
 
     def __getitem__(self, i: int) -> tuple["BlockKey | TagKey", Slot]:
         return list(self)[i]
+
+    def columns(self) -> JournalColumns:
+        """The snapshot as journal columns (tenant tags, ranks, sequence hashes, files, slots), oldest first:
+        what a journal rewrite encodes, without a key object per entry."""
+        own, rank, seq, file, slot, _flag = self._a
+        otags = np.frombuffer(b"".join(p[1] if p is not None else bytes(16) for p in self._owners), np.uint8)
+        return JournalColumns(otags.reshape(-1, 16)[own], rank.astype(np.uint32), seq.astype(np.uint64),
+                              file.astype(np.uint16), slot.astype(np.uint32))
 
 
 class CompactLruIndex:
@@ -315,7 +324,8 @@ class CompactLruIndex:
         restore_pairs(self._owners, self._ent, self._table, self._lru, entries)
 
     def restore_arrays(self, namespace: str, tags: npt.NDArray[Any], ranks: npt.NDArray[Any],
-                       seqs: npt.NDArray[Any], files: npt.NDArray[Any], slots: npt.NDArray[Any]) -> None:
+                       seqs: npt.NDArray[Any], files: npt.NDArray[Any], slots: npt.NDArray[Any],
+                       tenants: Mapping[bytes, str] | None = None) -> None:
         """Vectorised :meth:`restore` of N journal entries (oldest first; a repeated key keeps its last).
 
         Args:
@@ -324,11 +334,14 @@ class CompactLruIndex:
                 as a :class:`TagKey` entry until adopted.
             ranks, seqs, files, slots: (N,) integer arrays (rank < 2**32, seq_hash < 2**64 as uint64,
                 file < 2**16, slot < 2**32).
+            tenants: tag -> tenant string where known (a version-1 journal names them): those entries are
+                restored as BlockKeys.
 
         Raises:
             ValueError: shapes disagree, or a rank, file or slot index is outside the widths above.
         """
-        restore_columns(self._owners, self._ent, self._table, self._lru, namespace, tags, ranks, seqs, files, slots)
+        restore_columns(self._owners, self._ent, self._table, self._lru, namespace, tags, ranks, seqs, files, slots,
+                        tenants)
 
     def lookup_prefix(self, keys: Sequence[BlockKey] | KeyRun, namespace: str | None = None) -> int:
         """How many leading ``keys`` are held (a key of another ``namespace``, when given, ends the

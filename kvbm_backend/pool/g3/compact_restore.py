@@ -9,7 +9,7 @@ LRU log (each changed only through its own methods, the entry columns excepted: 
 from __future__ import annotations
 
 from operator import itemgetter
-from typing import Any, Hashable, Iterable
+from typing import Any, Hashable, Iterable, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -67,7 +67,8 @@ def restore_pairs(owners: Owners, ent: Entries, table: HashTable, lru: LruLog,
 
 
 def restore_columns(owners: Owners, ent: Entries, table: HashTable, lru: LruLog, namespace: str,
-                    tags: npt.NDArray[Any], ranks: Ints, seqs: Ints, files: Ints, slots: Ints) -> None:
+                    tags: npt.NDArray[Any], ranks: Ints, seqs: Ints, files: Ints, slots: Ints,
+                    tenants: Mapping[bytes, str] | None = None) -> None:
     """:meth:`CompactLruIndex.restore_arrays <.compact_index.CompactLruIndex.restore_arrays>` on the index's
     parts (arguments, widths and errors as documented there)."""
     tags = np.ascontiguousarray(tags, np.uint8)
@@ -88,8 +89,9 @@ def restore_columns(owners: Owners, ent: Entries, table: HashTable, lru: LruLog,
     flag = np.ones(len(uniq), np.uint8)
     for i, t in enumerate(uniq.tolist()):
         t = bytes(t)
-        oid[i] = owners.intern(namespace, t, None)
-        flag[i] = t not in KNOWN
+        who = tenants.get(t) if tenants else None
+        oid[i] = owners.intern(namespace, t, who)
+        flag[i] = t not in KNOWN and who is None
     run_of = np.cumsum(start) - 1
     _build(ent, table, lru, oid[inv][run_of], np.asarray(ranks, np.int64), np.asarray(seqs, _U),
            np.asarray(files, np.int64), np.asarray(slots, np.int64), flag[inv][run_of])

@@ -45,12 +45,14 @@ import stat
 import struct
 import uuid
 from collections import OrderedDict
-from typing import Any, Iterable, TypeVar
+from typing import Any, Iterable, Protocol, TypeVar, runtime_checkable
 
 import xxhash
 
 from ...model.namespace import BlockKey
+from . import journal_columns as jc
 from .index import TagKey, tag_of
+from .journal_columns import JournalColumns
 
 FILE_MAGIC = b"KVBMJRN3"
 FILE_MAGIC_V2 = b"KVBMJRN2"
@@ -68,6 +70,18 @@ MAX_HEADER_BYTES = 1 << 24  # a version-3 header claiming more is damage (65,535
 Slot = tuple[int, int]  # (file index, slot index in that file)
 FileTable = tuple[list[str], int]  # (directory identities (real paths) in file-index order, files_per_path)
 K = TypeVar("K", BlockKey, TagKey)
+WRITE_RECORDS = 4096  # records encoded per write of a rewrite or compaction (176 KB; a compaction checks for a
+# cancel between): each batch holds the GIL about a millisecond, beside an engine serving from the same process
+
+
+@runtime_checkable
+class Columnar(Protocol):
+    """Entries that give their columns at once (the index's snapshot, ``CompactLruIndex.items()``)."""
+
+    def columns(self) -> JournalColumns: ...
+
+
+JournalEntries = Iterable[tuple["BlockKey | TagKey", Slot]] | Columnar  # (key, slot) pairs, oldest first, or columns
 
 
 class JournalPathError(RuntimeError):
@@ -174,30 +188,10 @@ def encode(kind: int, key: "BlockKey | TagKey", slot: Slot = (0, 0)) -> bytes:
     return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def decode_all(data: bytes, namespace: str) -> tuple["OrderedDict[TagKey, Slot]", int, int]:
-    """Replay version-2/3 ``data`` (the records after the file header).
-
-    Returns ``(entries, records, good_bytes)``: key (a :class:`TagKey`) -> slot in LRU order (oldest
-    first), the number of good records, and the byte length of the good prefix (a torn tail starts there).
-    """
-    entries: OrderedDict[TagKey, Slot] = OrderedDict()
-    by_slot: dict[Slot, TagKey] = {}
-    pos = 0
-    n = 0
-    mv = memoryview(data)
-    while pos + RECORD_BYTES <= len(data):
-        kind, fi, si, seq, rank, tag = _REC.unpack_from(mv, pos)
-        end = pos + _REC.size
-        if kind not in (PUT, DEL) or _SUM.unpack_from(mv, end)[0] != xxhash.xxh3_64_intdigest(mv[pos:end]):
-            break
-        _apply(entries, by_slot, kind, TagKey(namespace, tag, rank, seq), (fi, si))
-        pos = end + _SUM.size
-        n += 1
-    return entries, n, pos
-
-
 def decode_all_v1(data: bytes, namespace: str) -> tuple["OrderedDict[BlockKey, Slot]", int, int]:
-    """Replay version-1 records (tenant strings in clear); same result shape as :func:`decode_all`."""
+    """Replay version-1 records (tenant strings in clear). Returns ``(entries, records, good_bytes)``: key -> slot
+    in LRU order (oldest first), the number of good records, the byte length of the good prefix. Versions 2 and 3
+    replay in :func:`.journal_columns.decode`, to the same rule (:func:`_apply`)."""
     entries: OrderedDict[BlockKey, Slot] = OrderedDict()
     by_slot: dict[Slot, BlockKey] = {}
     pos = 0
@@ -235,9 +229,9 @@ def _apply(entries: OrderedDict[K, Slot], by_slot: dict[Slot, K], kind: int, key
 class Compaction:
     """A journal rewrite in progress off the pool's lock (:meth:`Journal.begin_compaction`)."""
 
-    def __init__(self, tmp: str, entries: Iterable[tuple["BlockKey | TagKey", Slot]]):
+    def __init__(self, tmp: str, entries: JournalEntries):
         self.tmp = tmp  # the temp file's name in the journal's directory
-        self.entries: Iterable[tuple[BlockKey | TagKey, Slot]] | None = entries  # the index snapshot
+        self.entries: JournalEntries | None = entries  # the index snapshot
         self.fd = -1
         self.records = 0  # records written to the temp file
         self.size = 0  # bytes written to the temp file (header included)
@@ -274,36 +268,45 @@ class Journal:
         self._own_dfd = dir_fd is None
         self._dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if dir_fd is None else dir_fd
 
-    def load(self) -> tuple["OrderedDict[TagKey, Slot] | OrderedDict[BlockKey, Slot]", dict[str, Any]]:
-        """Read and replay the journal if present. Returns (entries, info) where info has ``records``,
-        ``torn_bytes``, ``bad_header`` (a journal of another namespace/format is ignored), ``version`` and
-        ``files`` (the header's :data:`FileTable` the entries' file indexes follow; None for versions 1 and
-        2: positions in the configured list). Keys are TagKeys (versions 2, 3) or BlockKeys (version 1).
+    def load_columns(self) -> tuple[JournalColumns, dict[str, Any]]:
+        """Read and replay the journal if present. Returns ``(entries, info)``: the live entries as columns,
+        oldest first, and ``info`` with ``records``, ``torn_bytes``, ``bad_header`` (a journal of another
+        namespace/format is ignored), ``version``, ``files`` (the header's :data:`FileTable` the entries' file
+        indexes follow; None for versions 1 and 2: positions in the configured list) and ``tenants`` (version
+        1, which names tenants in clear: tag -> tenant of its entries; else None).
 
         Raises:
             JournalPathError: the journal path is a directory, a symbolic link or another non-file.
         """
-        info: dict[str, Any] = {"records": 0, "torn_bytes": 0, "bad_header": False, "version": 0, "files": None}
+        info: dict[str, Any] = {"records": 0, "torn_bytes": 0, "bad_header": False, "version": 0, "files": None,
+                                "tenants": None}
         got = read_journal(self._dfd, self.directory, self.name)
         if got is None:
-            return OrderedDict(), info
+            return jc.empty(), info
         data = got[0]
         head = parse_header(data, self._fp)
         if head is None:
             info["bad_header"] = True
-            return OrderedDict(), info
+            return jc.empty(), info
         version, start, info["files"] = head
-        entries: OrderedDict[TagKey, Slot] | OrderedDict[BlockKey, Slot]
         if version == 1:
             entries, n, good = decode_all_v1(data[start:], self._fp)
+            cols = jc.columns_of(entries.items())
+            info["tenants"] = {tag_of(k.tenant): k.tenant for k in entries}
         else:
-            entries, n, good = decode_all(data[start:], self._fp)
+            cols, n, good = jc.decode(memoryview(data)[start:])
         info["version"] = version
         info["records"] = n
         info["torn_bytes"] = len(data) - start - good
-        return entries, info
+        return cols, info
 
-    def rewrite(self, entries: Iterable[tuple["BlockKey | TagKey", Slot]]) -> None:
+    def load(self) -> tuple["OrderedDict[TagKey | BlockKey, Slot]", dict[str, Any]]:
+        """:meth:`load_columns` with the entries as key -> slot, oldest first: TagKeys (versions 2, 3) or
+        BlockKeys (version 1)."""
+        cols, info = self.load_columns()
+        return OrderedDict(jc.pairs_of(cols, self._fp, info["tenants"])), info
+
+    def rewrite(self, entries: JournalEntries) -> None:
         """Atomically replace the journal with PUT records of ``entries`` (oldest first) and open it
         for appending. On failure (ENOSPC...) the temp file is removed and the old journal, if open,
         stays open for appends (``broken`` unchanged); the error is raised. A compaction in progress is
@@ -330,17 +333,15 @@ class Journal:
         c.fd = os.open(c.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                        dir_fd=self._dfd)
         assert c.entries is not None
-        buf = [self._header]
-        for key, slot in c.entries:
-            buf.append(encode(PUT, key, slot))
-            c.records += 1
-            if len(buf) >= 4096:
-                c.size += _write_all(c.fd, b"".join(buf))
-                buf = []
-                if owner is not None and self.compaction is not owner:
-                    return False
+        cols = c.entries.columns() if isinstance(c.entries, Columnar) else jc.columns_of(c.entries)
         c.entries = None
-        c.size += _write_all(c.fd, b"".join(buf))
+        c.size += _write_all(c.fd, self._header)
+        for a in range(0, len(cols), WRITE_RECORDS):  # records encoded a batch at a time (numpy: jc.encode)
+            part = cols.take(slice(a, a + WRITE_RECORDS))
+            c.size += _write_all(c.fd, jc.encode(PUT, part))
+            c.records += len(part)
+            if owner is not None and self.compaction is not owner:
+                return False
         os.fsync(c.fd)
         return True
 
@@ -372,7 +373,7 @@ class Journal:
         self.fd = os.open(self.name, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dfd)
 
     # ---- compaction off the pool's lock ----------------------------------------------------------
-    def begin_compaction(self, entries: Iterable[tuple["BlockKey | TagKey", Slot]]) -> Compaction:
+    def begin_compaction(self, entries: JournalEntries) -> Compaction:
         """(Pool lock held) Start a compaction from ``entries``, a snapshot of the index taken now (every
         record journaled so far is reflected in it): from here every append is also remembered, to be
         copied to the new file after the snapshot. Cheap; the file is written by :meth:`write_snapshot`."""

@@ -3,13 +3,15 @@ rebuild the index and the slab free lists. Run once by :class:`~kvbm_backend.poo
 on its :class:`~.catalog.SlotCatalog`."""
 from __future__ import annotations
 
-import collections
 import logging
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from ...model.frame import FrameError
-from ...model.namespace import BlockKey
-from .index import Slot, TagKey
+from . import journal_columns as jc
+from .index import TagKey
 from .catalog import SlotCatalog
 from .journal import FileTable
 from .journal_home import remove_stale
@@ -33,7 +35,7 @@ def restore(cat: SlotCatalog, threads: int) -> None:
     found, its header unreadable, or a directory its file table does not name) are scanned instead: their
     slot headers are indexed (:func:`.scan.scan`, before the journal's blocks in LRU order). ``threads``: header
     reads in flight (the pool's ``g3.io_threads``; :func:`.scan.read_headers`)."""
-    entries, info = cat.journal.load()
+    cols, info = cat.journal.load_columns()
     if info["bad_header"]:
         log.warning("G3: journal %s is not this namespace's; ignored", cat.journal.path)
     if info["torn_bytes"]:
@@ -42,49 +44,31 @@ def restore(cat: SlotCatalog, threads: int) -> None:
         log.info("G3: journal %s is format version 1 (tenant ids in clear); rewritten as version 3",
                  cat.journal.path)
     remap = _file_map(cat, info["files"])
-    cand = []
-    for key, (fi, si) in entries.items():
-        if remap is not None:  # the index of this run of the file the journal named (_file_map)
-            fi = remap[fi] if fi < len(remap) else _NO_FILE
-            if fi == _GONE:
-                cat.c["restore:path_removed"] += 1
-                continue
-        f = cat.slabs.by_index.get(fi)
-        if f is None or si >= f.max_slots:
-            cat.c["restore:capacity"] += 1
-        elif (si + 1) * cat.slot_bytes > f.size_slots * cat.slot_bytes:
-            cat.c["restore:short"] += 1
-        else:
-            cand.append((key, (fi, si)))
-    good: list[tuple[BlockKey | TagKey, Slot]] = []
-    for c0, rows, readable in read_headers(cat, threads, [slot for _, slot in cand]):
-        part = cand[c0:c0 + len(rows)]
-        keys = [k for k, _ in part]
-        fast = written_by_g3(cat, rows, [k.tag if type(k) is TagKey else cat.tag(k.tenant) for k in keys],
-                             [k.rank for k in keys], [k.seq_hash for k in keys])
-        for j, (key, slot) in enumerate(part):
-            if not readable[j]:
-                cat.c["restore:io_error"] += 1
-                continue
-            if not fast[j]:
-                try:
-                    check_header(cat, rows[j], key)
-                except FrameError as e:
-                    cat.c["restore:" + e.reason] += 1
-                    continue
-            good.append((key, slot))
+    cand = cols.take(_placed(cat, cols, remap))
+    ok = np.zeros(len(cand), bool)
+    for c0, rows, readable in read_headers(cat, threads, list(zip(cand.files.tolist(), cand.slots.tolist()))):
+        part = cand.take(slice(c0, c0 + len(rows)))
+        fast = written_by_g3(cat, rows, part.tags, part.ranks, part.seqs)
+        _count(cat, "restore:io_error", ~readable)
+        ok[c0:c0 + len(rows)] = readable & fast
+        for j in np.flatnonzero(readable & ~fast).tolist():  # another writer's frame, or the reason it fails
+            try:
+                check_header(cat, rows[j], TagKey(cat.fp, bytes(part.tags[j]), int(part.ranks[j]), int(part.seqs[j])))
+            except FrameError as e:
+                cat.c["restore:" + e.reason] += 1
+            else:
+                ok[c0 + j] = True
+    good = cand.take(ok)
     journaled = len(good)
     covered = _covered(cat, info, remap)
     bare = [f for f in cat.slabs.files if f.index not in covered]
     if bare:  # files no journal covers: their slot headers are the index (scan.py)
-        good[:0] = scan(cat, threads, bare, {k for k, _ in good})
-    used: dict[int, set[int]] = collections.defaultdict(set)
-    cat.index.restore_many(good)  # one vectorised build, oldest first
-    for _key, slot in good:
-        used[slot[0]].add(slot[1])
-    cat.slabs.restore(used)
+        held = {k for k, _ in jc.pairs_of(good, cat.fp)}
+        good = jc.JournalColumns.concat([jc.columns_of(scan(cat, threads, bare, held)), good])
+    cat.index.restore_arrays(cat.fp, good.tags, good.ranks, good.seqs, good.files, good.slots, info["tenants"])
+    cat.slabs.restore({f: set(good.slots[good.files == f].tolist()) for f in np.unique(good.files).tolist()})
     cat.c["restored_blocks"] = len(good)
-    cat.c["restore_dropped"] = len(entries) - journaled
+    cat.c["restore_dropped"] = len(cols) - journaled
     try:
         cat.journal.rewrite(cat.index.items())
     except OSError as e:  # full disk at open: serve what is here, admit nothing until it can be written
@@ -92,6 +76,39 @@ def restore(cat: SlotCatalog, threads: int) -> None:
     else:  # the journal names no slot past a lowered capacity, nor a file past files_per_path: give them back
         cat.slabs.trim()
         remove_stale(cat.slabs, cat.fp, cat.journal_home)  # the rewritten journal is the newest: no stale one left
+
+
+def _placed(cat: SlotCatalog, cols: jc.JournalColumns, remap: list[int] | None) -> npt.NDArray[np.bool_]:
+    """Which journal entries name a slot this run has: their file indexes mapped to this run's (``remap``,
+    :func:`_file_map`; ``cols.files`` rewritten in place) and the slot inside the file's configured share and
+    its size. The others are counted: ``restore:path_removed`` (the directory is no longer configured),
+    ``restore:capacity`` (no such file, or past its share), ``restore:short`` (past the file's end)."""
+    fi = cols.files.astype(np.int64)
+    if remap is not None:  # the index of this run of the file the journal named
+        table = np.asarray(remap + [_NO_FILE], np.int64)
+        fi = table[np.minimum(fi, len(remap))]
+    gone = fi == _GONE
+    n_files = max(cat.slabs.by_index, default=-1) + 1
+    max_slots, size_slots = np.full(n_files + 1, -1, np.int64), np.zeros(n_files + 1, np.int64)
+    for idx, f in cat.slabs.by_index.items():
+        max_slots[idx], size_slots[idx] = f.max_slots, f.size_slots
+    at = np.where((fi >= 0) & (fi < n_files), fi, n_files)  # n_files: no such file (max_slots -1)
+    si = cols.slots.astype(np.int64)
+    capacity = ~gone & (si >= max_slots[at])
+    short = ~gone & ~capacity & (si >= size_slots[at])
+    _count(cat, "restore:path_removed", gone)
+    _count(cat, "restore:capacity", capacity)
+    _count(cat, "restore:short", short)
+    keep: npt.NDArray[np.bool_] = ~(gone | capacity | short)
+    cols.files[keep] = fi[keep]
+    return keep
+
+
+def _count(cat: SlotCatalog, reason: str, where: npt.NDArray[np.bool_]) -> None:
+    """Count the True entries of ``where`` under ``reason`` (a reason seen 0 times stays absent from stats)."""
+    n = int(where.sum())
+    if n:
+        cat.c[reason] += n
 
 
 def _covered(cat: SlotCatalog, info: dict[str, Any], remap: list[int] | None) -> set[int]:

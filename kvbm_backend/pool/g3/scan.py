@@ -29,7 +29,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 import time
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -88,8 +88,8 @@ def check_header(cat: SlotCatalog, hdr: npt.NDArray[np.uint8], key: BlockKey | T
     return h
 
 
-def written_by_g3(cat: SlotCatalog, rows: npt.NDArray[np.uint8], tags: Sequence[bytes], ranks: Sequence[int],
-                  seqs: Sequence[int]) -> npt.NDArray[np.bool_]:
+def written_by_g3(cat: SlotCatalog, rows: npt.NDArray[np.uint8], tags: Sequence[bytes] | npt.NDArray[np.uint8],
+                  ranks: Sequence[int] | npt.NDArray[Any], seqs: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
     """The fast form of :func:`check_header` for ``m`` headers at once (numpy compares, one xxh3 per header):
     True where ``rows[j]`` is exactly the header the G3 writer makes for block ``(tags[j], ranks[j], seqs[j])``
     (:meth:`~kvbm_backend.model.frame.ChecksumFrames.check_headers`). A True passes :func:`check_header`; a
