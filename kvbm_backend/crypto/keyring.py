@@ -26,7 +26,8 @@ can share it.
   (:meth:`read_key`: a tenant or rotation of another worker), or :meth:`write_key` about to refuse an
   unknown tenant, runs the same check at once (at most one per ``miss_reload_min_s``, default 0.1 s) and
   looks the key up once more; still absent, it is a miss. :meth:`stats` counts loads and on-miss checks.
-* A keyring file deleted while a process runs (a crypto-shred of every tenant) is never written back.
+* A keyring file deleted while a process runs (a crypto-shred of every tenant) is never written back. A new
+  file made there (``keys create``) has a new pseudonym key: :meth:`naming_generation` counts such changes.
 * **Tenants are created explicitly** (:meth:`Keyring.create`, ``kvbm-backend keys create``), or on
   first write only when ``auto_create_tenants`` and the keyring is writable. A revoked tenant is never
   re-created implicitly: :meth:`write_key` raises :class:`TenantRevoked` until an explicit ``create``.
@@ -60,7 +61,7 @@ from ..model.namespace import tenant_bytes
 from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant, _b64,
                   _stamp, dir_is_read_only, generate_kek_b64, locked_file, provider_for,
                   replace_private_json)
-from .keyring_file import FORMAT, FileState, add_tenant, read_keyring, rotate_tenant
+from .keyring_file import FORMAT, FileState, add_tenant, read_keyring, rewrap_doc, rotate_tenant, tenant_rows
 from .keyring_persist import Doc, UseCounts
 from .names import NAME_KEY_LABEL, UNKEYED_PSEUDONYM_KEY, check_storable_tenant, derive_name_key
 
@@ -130,7 +131,7 @@ class Keyring:
         self._doc: Doc = {}
         self._keys: dict[tuple[int, int], bytes] = {}  # (key_id, version) -> unwrapped key
         self._owner: dict[int, str] = {}  # key_id -> tenant
-        self._pseudonym_key = b""
+        self._naming: tuple[int, bytes] = (0, b"")  # (generation, pseudonym key): one tuple, read without _mu
         self._stamp: tuple[int, int, int, int, int] | None = None
         self._error: str | None = None  # set while the file does not load: fail closed
         self._logged_errors: set[str] = set()
@@ -184,9 +185,10 @@ class Keyring:
 
     def _install(self, st: FileState) -> None:
         """Make ``st`` the keyring's state. Caller holds ``_mu`` (or is the constructor)."""
-        self._doc, self._keys, self._owner, self._pseudonym_key = st.doc, st.keys, st.owner, st.pseudonym_key
-        self._stamp = st.stamp
-        self._error = None
+        self._doc, self._keys, self._owner = st.doc, st.keys, st.owner
+        if st.pseudonym_key != self._naming[1]:  # another pseudonym key: the file was replaced (a new keyring)
+            self._naming = (self._naming[0] + bool(self._naming[1]), st.pseudonym_key)  # 0: the first loaded
+        self._stamp, self._error = st.stamp, None
         self._last_check = time.monotonic()
         self._n["loads"] += 1
 
@@ -310,13 +312,27 @@ class Keyring:
     # ---- tenants ---------------------------------------------------------------------------
     def pseudonym(self, tenant: str) -> bytes:
         """16-byte pseudonym of ``tenant``: HMAC-SHA256(pseudonym key, UTF-8 tenant id)[:16]."""
-        return hmac.new(self._pseudonym_key, tenant_bytes(tenant), hashlib.sha256).digest()[:16]
+        return hmac.new(self._naming[1], tenant_bytes(tenant), hashlib.sha256).digest()[:16]
 
     def name_key(self, pseudonym: bytes) -> bytes:
         """The 32-byte key G4 names a tenant's blocks with (:func:`derive_name_key` under the keyring's
         pseudonym key), from the tenant's 16-byte ``pseudonym``: the same in every process sharing the
         file, unchanged by ``rewrap``; nothing is stored for it (no file format change)."""
-        return derive_name_key(self._pseudonym_key, pseudonym)
+        return derive_name_key(self._naming[1], pseudonym)
+
+    def naming(self, tenant: str) -> tuple[int, bytes, bytes]:
+        """``(naming_generation, pseudonym, name key)`` of ``tenant`` (16 and 32 bytes), from one pseudonym key."""
+        gen, pk = self._naming
+        ps = hmac.new(pk, tenant_bytes(tenant), hashlib.sha256).digest()[:16]
+        return gen, ps, derive_name_key(pk, ps)
+
+    def naming_generation(self) -> int:
+        """Which pseudonym key this keyring holds: 0 for the first loaded, one more each time a reload brings
+        another (the file replaced: deleted, then ``keys create``): every tenant's pseudonym and G4 names
+        change. Checks the file for changes first (at most every ``reload_every_s``); never raises."""
+        with self._mu:
+            self._maybe_reload()
+            return self._naming[0]
 
     def create(self, tenant: str, *, implicit: bool = False) -> dict[str, Any]:
         """Create the tenant's first data key (no-op if it has one). Returns its :meth:`info` row.
@@ -374,14 +390,7 @@ class Keyring:
         with self._locked(), self._mu:  # an operator's change: readers wait for its write (lock order kept)
             self._load()
             self._uses.merge_into(self._doc)
-            doc = self._doc
-            n = 0
-            doc["pseudonym_key"] = _b64(new_provider.wrap(self._pseudonym_key))
-            for t in doc["tenants"].values():
-                for v, ent in t["versions"].items():
-                    ent["wrapped"] = _b64(new_provider.wrap(self._keys[(int(t["key_id"]), int(v))]))
-                    n += 1
-            doc["kek_id"] = new_provider.key_id
+            n = rewrap_doc(self._doc, self._keys, self._naming[1], new_provider)
             self.provider = new_provider
             self._write()
             self._load()
@@ -396,15 +405,7 @@ class Keyring:
     def info(self, tenant: str | None = None) -> list[dict[str, Any]] | dict[str, Any]:
         """Tenants, versions, use counts, created dates; never key material."""
         with self._mu:
-            rows = []
-            for name, t in sorted(self._doc["tenants"].items()):
-                vers = []
-                for v, ent in sorted(t["versions"].items(), key=lambda kv: int(kv[0])):
-                    uses = int(ent.get("uses", 0)) + self._uses.pending(name, int(v))
-                    vers.append({"version": int(v), "created": ent["created"], "uses": uses,
-                                 "current": int(v) == t["current"]})
-                rows.append({"tenant": name, "pseudonym": t["pseudonym"], "key_id": t["key_id"],
-                             "current_version": t["current"], "versions": vers})
+            rows = tenant_rows(self._doc, self._uses.pending)
             if tenant is not None:
                 for r in rows:
                     if r["tenant"] == tenant:

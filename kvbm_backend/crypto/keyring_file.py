@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import secrets
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from .kek import KEY_BYTES, KeyProvider, KeyringError, _b64, _now_iso, _stamp, _unb64, read_trusted
 from .keyring_persist import Doc
@@ -87,3 +87,30 @@ def rotate_tenant(doc: Doc, tenant: str, provider: KeyProvider, where: Path, fro
         raise KeyringError(f"keyring {where}: no tenant {tenant!r}")
     if from_version is None or t["current"] == from_version:
         new_version(doc, tenant, provider)
+
+
+def tenant_rows(doc: Doc, pending: Callable[[str, int], int]) -> list[dict[str, Any]]:
+    """:meth:`~kvbm_backend.crypto.keyring.Keyring.info`'s rows of ``doc``: tenants by name, their versions
+    with use counts (the file's plus ``pending(tenant, version)``, not yet in it); never key material."""
+    rows = []
+    for name, t in sorted(doc["tenants"].items()):
+        vers = []
+        for v, ent in sorted(t["versions"].items(), key=lambda kv: int(kv[0])):
+            uses = int(ent.get("uses", 0)) + pending(name, int(v))
+            vers.append({"version": int(v), "created": ent["created"], "uses": uses, "current": int(v) == t["current"]})
+        rows.append({"tenant": name, "pseudonym": t["pseudonym"], "key_id": t["key_id"],
+                     "current_version": t["current"], "versions": vers})
+    return rows
+
+
+def rewrap_doc(doc: Doc, keys: dict[tuple[int, int], bytes], pseudonym_key: bytes, provider: KeyProvider) -> int:
+    """Wrap ``doc``'s pseudonym key and every data key (``keys``: their unwrapped values) under ``provider``'s
+    KEK, in place, and name that KEK. Returns the data keys re-wrapped."""
+    doc["pseudonym_key"] = _b64(provider.wrap(pseudonym_key))
+    n = 0
+    for t in doc["tenants"].values():
+        for v, ent in t["versions"].items():
+            ent["wrapped"] = _b64(provider.wrap(keys[(int(t["key_id"]), int(v))]))
+            n += 1
+    doc["kek_id"] = provider.key_id
+    return n

@@ -101,12 +101,12 @@ class Announcements:
         random batch id. Returns the object name. Raises KeyringError (revoked/unknown tenant, keyring
         unreadable) and the store's errors (StoreUnavailable, StoreThrottled, OSError)."""
         plain = json.dumps(records, separators=(",", ":")).encode()
+        dk = self.keyring.write_key(tenant) if self.encrypt else None  # may reload the keyring: before the tag
         tag = self._pseudonym(tenant)
         batch_id = int.from_bytes(os.urandom(8), "little")
         hdr = self._header(tag, batch_id, len(plain))
         body = bytearray(len(plain))
-        if self.encrypt:
-            dk = self.keyring.write_key(tenant)
+        if dk is not None:
             hdr.flags, hdr.key_id, hdr.key_version, hdr.nonce = FLAG_ENCRYPTED, dk.key_id, dk.version, new_nonce()
             hdr.integrity = seal_into(dk.key, hdr.nonce, hdr.identity_bytes(), plain, body)
         else:

@@ -44,6 +44,7 @@ from ..base import GetResult, InFlight, completed
 from .breaker import CircuitBreaker
 from .events import G4Counters
 from .store import ObjectStore, StoreThrottled, StoreUnavailable
+from .naming import TenantNamer
 from .tenant_names import TenantNames
 from .throttle import ThrottleWatch, call_throttled
 
@@ -351,20 +352,21 @@ class G4Reader:
             return no_key
         if not self._breaker.allow():
             return "miss_breaker"
-        name = self._names.name(key)
+        namer = self._names.namer(key.tenant)  # one for the name and the identity checked (module tenant_names)
+        name = self._names.name(key, namer)
         if self.bounce is None:
-            return self._load_from(b, i, key, out, name, None)
+            return self._load_from(b, i, key, out, name, None, namer)
         # each I/O thread takes one bounce buffer at its first load and keeps it (a thread runs one load at
         # a time): no pool lock and no arena bookkeeping per block, a GIL-held cost paid once per thread
         buf = getattr(self._mine, "buf", None)
         if buf is None:
             buf = self._mine.buf = self.bounce.take(self.bounce_bytes)
-        return self._load_from(b, i, key, out, name, buf)
+        return self._load_from(b, i, key, out, name, buf, namer)
 
     def _load_from(self, b: GetBatch, i: int, key: BlockKey, out: npt.NDArray[np.uint8], name: str,
-                   buf: npt.NDArray[np.uint8] | None) -> str | None:
+                   buf: npt.NDArray[np.uint8] | None, namer: TenantNamer) -> str | None:
         """:meth:`_load` after the breaker: ``buf`` (bounce buffer of at least one object) or None
-        for a store that returns its own bytes."""
+        for a store that returns its own bytes; ``namer`` named ``name``."""
         dst = out.reshape(-1).view(np.uint8).data  # ndarray.data: its memoryview (as memoryview(...))
         # staged plaintext pools: the payload is read straight into the scratch row and checked there;
         # encrypted pools read the frame into the bounce buffer and open it from there into the row
@@ -397,7 +399,7 @@ class G4Reader:
         if data is None:
             return "miss_absent"
         assert size is not None  # None only with data None (absent)
-        tag, aad = self._names.expected_identity(key)
+        tag, aad = self._names.expected_identity(key, namer)
         scratch = None
         try:
             if size < HEADER_BYTES:

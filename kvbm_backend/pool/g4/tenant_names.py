@@ -6,12 +6,22 @@ pools without a keyring), and block ids are keyed HMACs under the tenant's namin
 (:class:`~kvbm_backend.pool.g4.naming.TenantNamer`, ``docs/format.md`` "G4 names"). Both cost an HMAC per
 tenant, so the last :data:`TENANT_CACHE_ENTRIES` tenants' namers are kept (LRU): a flood of distinct
 ``cache_salt`` values costs one HMAC per miss, never memory (200k tenants once held 75 MB).
+
+The cache follows the keyring's pseudonym key: when a reload brings another one (the keyring file replaced,
+e.g. deleted, a crypto-shred of every tenant, then made anew by ``keys create``) the keyring's
+:meth:`~kvbm_backend.crypto.keyring.Keyring.naming_generation` changes, the cache is dropped (logged once) and
+every name, header and pseudonym is the new keyring's from then on. Before 2026-11-30 the cached ones stayed:
+a running pool kept naming and tagging blocks with the shredded keyring's pseudonyms while sealing them under
+the new keys, so fresh workers never found them and its own offloads of blocks the old generation held were
+``skipped_exists`` (their loads ``miss_no_key``) until it restarted.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import hmac
+import logging
+import threading
 
 from ...crypto.keyring import Keyring
 from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
@@ -21,6 +31,7 @@ from ...model.namespace import BlockKey, tenant_bytes
 from .naming import TenantNamer, legacy_block_name
 
 __all__ = ["TENANT_CACHE_ENTRIES", "TenantNames"]
+log = logging.getLogger(__name__)
 
 TENANT_CACHE_ENTRIES = 4096  # tenants whose pseudonym and naming key a pool keeps (LRU); more are recomputed
 
@@ -43,43 +54,69 @@ class TenantNames:
         self._layout = layout
         self._world = world
         self._fanout = dir_fanout
+        self._mu = threading.Lock()
+        self._gen = self._generation()  # the keyring's naming generation the cached namers are of
+        # (tenant, generation) -> namer: one computed under an older key is never served once a newer is seen
         self._namer = functools.lru_cache(maxsize=TENANT_CACHE_ENTRIES)(self._new_namer)
 
-    def pseudonym(self, tenant: str) -> bytes:
-        """16-byte tenant pseudonym: keyed HMAC under the keyring's pseudonym key (unkeyed HMAC only
-        without a keyring)."""
-        if self._keyring is not None:
-            return self._keyring.pseudonym(tenant)
-        return hmac.new(UNKEYED_PSEUDONYM_KEY, tenant_bytes(tenant), hashlib.sha256).digest()[:16]
+    def _generation(self) -> int:
+        return self._keyring.naming_generation() if self._keyring is not None else 0
 
-    def _new_namer(self, tenant: str) -> TenantNamer:
-        ps = self.pseudonym(tenant)
-        key = (self._keyring.name_key(ps) if self._keyring is not None
-               else derive_name_key(UNKEYED_PSEUDONYM_KEY, ps))  # public: such names hide nothing (format.md)
+    def namer(self, tenant: str) -> TenantNamer:
+        """The tenant's pseudonym and namer under the keyring's current pseudonym key (cached, LRU). Name a
+        block and build its header from one namer: a pseudonym key replaced in between cannot split them."""
+        gen = self._generation()
+        if gen != self._gen:
+            self._switch(gen)
+        return self._namer(tenant, gen)
+
+    def _switch(self, gen: int) -> None:
+        with self._mu:
+            if gen <= self._gen:
+                return
+            old, self._gen = self._gen, gen
+            self._namer.cache_clear()
+        log.warning("G4 (namespace %s): the keyring's pseudonym key changed (generation %d -> %d: the keyring file "
+                    "was replaced): tenant pseudonyms and block names follow the new keyring from now on; blocks "
+                    "under the old names are no longer found (gc --max-age-s reclaims them)", self._fp, old, gen)
+
+    def _new_namer(self, tenant: str, gen: int) -> TenantNamer:
+        if self._keyring is not None:
+            _gen, ps, key = self._keyring.naming(tenant)  # newer than gen at most: then never looked up again
+        else:
+            ps = hmac.new(UNKEYED_PSEUDONYM_KEY, tenant_bytes(tenant), hashlib.sha256).digest()[:16]
+            key = derive_name_key(UNKEYED_PSEUDONYM_KEY, ps)  # public: such names hide nothing (format.md)
         return TenantNamer(self._fp, ps, key, self._fanout)
+
+    def pseudonym(self, tenant: str) -> bytes:
+        """16-byte tenant pseudonym: keyed HMAC under the keyring's (current) pseudonym key (unkeyed HMAC
+        only without a keyring)."""
+        return self.namer(tenant).pseudonym
 
     def tag(self, tenant: str) -> str:
         """The tenant's pseudonym, hex (32 characters): what names, headers and log lines carry."""
-        return self._namer(tenant).pseudonym_hex
+        return self.namer(tenant).pseudonym_hex
 
-    def name(self, key: BlockKey) -> str:
-        """The store-relative object name of ``key`` (keyed: ``docs/format.md``, "G4 names")."""
-        return self._namer(key.tenant).name(key.rank, key.seq_hash)
+    def name(self, key: BlockKey, namer: TenantNamer | None = None) -> str:
+        """The store-relative object name of ``key`` (keyed: ``docs/format.md``, "G4 names"), by ``namer``
+        (default: :meth:`namer` of its tenant)."""
+        return (namer or self.namer(key.tenant)).name(key.rank, key.seq_hash)
 
     def legacy_name(self, key: BlockKey) -> str:
         """The name format 1 gave ``key`` (sequence hash in clear)."""
         return legacy_block_name(self._fp, self.tag(key.tenant), key.rank, key.seq_hash, self._fanout)
 
-    def expected_identity(self, key: BlockKey) -> tuple[bytes, bytes]:
+    def expected_identity(self, key: BlockKey, namer: TenantNamer | None = None) -> tuple[bytes, bytes]:
         """``(tenant tag, identity bytes)`` that ``key``'s frame must carry: the 16-byte tag and
         :meth:`~kvbm_backend.model.frame.FrameHeader.identity_bytes` of :meth:`expected_header`, without
-        building the header (a load's per-block cost)."""
-        tag = self._namer(key.tenant).pseudonym
+        building the header (a load's per-block cost); ``namer`` as in :meth:`name`."""
+        tag = (namer or self.namer(key.tenant)).pseudonym
         return tag, identity_bytes(self._ns_bytes, tag, key.rank, self._world, key.seq_hash, self._layout)
 
-    def expected_header(self, key: BlockKey) -> FrameHeader:
-        """The header identity ``key``'s frame must carry (flags, key and integrity fields unset)."""
-        return FrameHeader.for_block(key, self._layout, self._world, bytes.fromhex(self.tag(key.tenant)))
+    def expected_header(self, key: BlockKey, namer: TenantNamer | None = None) -> FrameHeader:
+        """The header identity ``key``'s frame must carry (flags, key and integrity fields unset); ``namer``
+        as in :meth:`name`."""
+        return FrameHeader.for_block(key, self._layout, self._world, (namer or self.namer(key.tenant)).pseudonym)
 
     def cache_size(self) -> int:
         """Tenants whose pseudonym and naming key are cached now (at most :data:`TENANT_CACHE_ENTRIES`)."""

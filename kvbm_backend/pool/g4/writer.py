@@ -182,25 +182,31 @@ class G4Writer:
         self._settler.close()
 
     # ---- one block -----------------------------------------------------------------------
-    def _seal(self, key: BlockKey, block: npt.NDArray[np.uint8], buf: npt.NDArray[np.uint8]) -> memoryview:
+    def _seal(self, key: BlockKey, block: npt.NDArray[np.uint8],
+              buf: npt.NDArray[np.uint8]) -> tuple[memoryview, str]:
         """Frame ``block`` into ``buf`` (a reused uint8 buffer of at least ``HEADER_BYTES + bpb`` bytes,
         from the frame buffers): AES-256-GCM straight from the caller's block into the payload (or one copy
-        and xxh3 for plaintext), header in front. Returns the frame's memoryview (no copy). Raises
-        KeyringError when the tenant has no data key to write with (revoked, unknown, keyring down)."""
-        hdr = self._names.expected_header(key)
-        frame = buf.data.cast("B")[:HEADER_BYTES + self._bpb]  # ndarray.data: its memoryview, no copy
-        payload = frame[HEADER_BYTES:]
-        src = np.ascontiguousarray(block).reshape(-1).view(np.uint8).data
+        and xxh3 for plaintext), header in front. Returns the frame's memoryview (no copy) and the object
+        name, both from one namer taken after the data key (whose look-up may reload the keyring: a replaced
+        pseudonym key then names and tags the block too). Raises KeyringError when the tenant has no data
+        key to write with (revoked, unknown, keyring down)."""
+        dk = None
         if self._encrypt:
             assert self._keyring is not None  # G4Pool: an encrypted pool always has a keyring
             dk = self._keyring.write_key(key.tenant)
+        namer = self._names.namer(key.tenant)
+        hdr = self._names.expected_header(key, namer)
+        frame = buf.data.cast("B")[:HEADER_BYTES + self._bpb]  # ndarray.data: its memoryview, no copy
+        payload = frame[HEADER_BYTES:]
+        src = np.ascontiguousarray(block).reshape(-1).view(np.uint8).data
+        if dk is not None:
             hdr.flags, hdr.key_id, hdr.key_version, hdr.nonce = FLAG_ENCRYPTED, dk.key_id, dk.version, new_nonce()
             hdr.integrity = seal_into(dk.key, hdr.nonce, hdr.identity_bytes(), src, payload)
         else:
             payload[:] = src
             hdr.flags, hdr.integrity = FLAG_CHECKSUM, payload_checksum(src)
         frame[:HEADER_BYTES] = hdr.pack()
-        return frame
+        return frame, self._names.name(key, namer)
 
     def _drop_text(self, reason: str) -> str:
         """What the operator log says about a tenant's offload dropped for ``reason`` (a keyring refusal): a
@@ -237,7 +243,7 @@ class G4Writer:
                 return
             with self._frames.lend(self._frame_bytes) as fbuf:  # reused: no allocation, no page faults
                 try:
-                    buf = self._seal(key, block, fbuf)
+                    buf, name = self._seal(key, block, fbuf)
                 except KeyringError as e:
                     self._breaker.release()  # nothing went to the store: a probe it held goes back
                     reason = ("dropped_revoked_tenant" if isinstance(e, TenantRevoked) else
@@ -247,7 +253,6 @@ class G4Writer:
                     # the keyring's message: a tenant id replaced in it showed where it occurred, e.g. "7")
                     self._oplog.tenant_once(reason, self._names.tag(key.tenant), self._drop_text(reason))
                     return
-                name = self._names.name(key)
                 try:
                     created = self._publish(name, buf)
                 except PutUnsettled as e:  # may have landed; the store could not say: settle it later
