@@ -173,7 +173,8 @@ class G3Config(_M):
     start-up in the first path (kvikio read + compare: ``gds`` where cuFile has GDS, ``kvikio-compat``
     where it runs in compat mode, else ``pinned-bounce``), and logs the choice; ``gds`` /
     ``kvikio-compat`` still probe and fall back (logged) if the probe fails; ``pinned-bounce`` skips
-    kvikio (``preadv`` into pinned host memory, then one H2D copy per pass)."""
+    kvikio (``preadv`` into pinned host memory, then one H2D copy per pass). A CPU device always loads in
+    ``host`` mode, whatever is set here."""
     device_checksum: Literal["auto", "on", "off"] = "auto"
     """Frames carry the device-verifiable checksum (``FLAG_DEVCHECK``, docs/format.md): ``auto``
     when the engine's KV cache is on a CUDA device (computed there at save time, at no host cost; a

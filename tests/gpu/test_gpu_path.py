@@ -401,16 +401,20 @@ def test_gpu_device_loader_verifies_on_device(tmp_path, mode):
     ld.close()
 
 
-@pytest.mark.parametrize("mode", ["host", "auto", "pinned-bounce"])
-def test_pipelined_checks_name_each_fault_in_every_pass(tmp_path, mode):
+@pytest.mark.parametrize("mode,device", [("host", "cpu"), ("pinned-bounce", "cpu"), ("auto", "cuda"),
+                                         ("pinned-bounce", "cuda")],
+                         ids=["host", "pinned-bounce-cpu", "auto", "pinned-bounce"])
+def test_pipelined_checks_name_each_fault_in_every_pass(tmp_path, mode, device):
     """Many passes in flight (checks of pass k queued while pass k + 1 is reaped, headers checked in
     batches): in one load, a payload flip (``devcheck``), a header naming another tenant (``identity``),
     a frame of another TP world (``identity``), a checksum-only frame (verified on the host) and a
     truncated last block (``short``) are each a miss or a host check of exactly that row, in whichever
     pass it falls (kvikio: the truncated block is an ``io_error``); every other block lands byte-exact,
-    twice in a row. ``host`` runs here; the CUDA
-    modes run where a GPU is (the same pipeline with device events)."""
-    if mode != "host" and not CUDA_OK:
+    twice in a row. ``host`` and the bounce path on the CPU (``pinned-bounce-cpu``: reads into the ring's
+    separate host rows, one copy per pass into the staging, the checksum-only frame hashed in the host rows,
+    the ring reused by the second load) run here; the CUDA modes run where a GPU is (the same pipeline
+    with device events)."""
+    if device == "cuda" and not CUDA_OK:
         pytest.skip("no CUDA device (torch.cuda.is_available() is False)")
     n = 40
     keys = NS.keys(range(700, 700 + n), tenant="t1")
@@ -434,9 +438,10 @@ def test_pipelined_checks_name_each_fault_in_every_pass(tmp_path, mode):
     src.slot_of[NS.key(711, tenant="t2")] = 11  # asked as another tenant: the header names t1
     req = list(keys)
     req[11] = NS.key(711, tenant="t2")
-    device = "cpu" if mode == "host" else "cuda"
     ld = DeviceLoader(src, LAYOUT, device, probe_dir=str(tmp_path), mode="auto" if mode == "host" else mode,
                       world=1, staging_bytes=3 * SLOT, depth=3, io_bytes=2 * SLOT, threads=3, timeout_s=LOAD_S)
+    if mode != "auto":
+        assert ld.mode == mode, ld.mode_reason
     # a read past the end of the file: ``short`` from preadv; kvikio refuses the read itself (EOF error)
     bad = {5: "devcheck", 11: "identity", 22: "identity", 39: "io_error" if ld.reads.engine is not None else "short"}
     for _ in range(2):
@@ -448,9 +453,13 @@ def test_pipelined_checks_name_each_fault_in_every_pass(tmp_path, mode):
                 assert (dst[i] == 0xAB).all().item(), i
             else:
                 assert torch.equal(dst[i].cpu(), torch.from_numpy(pays[i])), i
+        if ld.mode == "pinned-bounce":  # the ring's rows: staging and the host rows the reads land in, apart
+            assert len(ld.reads.ring) == 3 and all(
+                h is not None and h.data_ptr() != stg.data_ptr() for stg, h, _ in ld.reads.ring.values())
     st = ld.stats()
     assert st["host_verified"] == 2 and st["corrupt_devcheck"] == 2 and st["corrupt_identity"] == 4, st
     assert st["passes"] == 2 * 14
+    assert (st.get("h2d_submit_s", 0) > 0) == (ld.mode == "pinned-bounce"), st  # one copy per pass, bounce only
     ld.close()
 
 
@@ -468,12 +477,17 @@ def test_gpu_pinned_pool_buffers_are_pinned_as_torch_sees_them():
     pool.give(b2)
 
 
-@pytest.mark.skipif(not CUDA_OK, reason="no CUDA device (torch.cuda.is_available() is False)")
-def test_gpu_bounce_one_dma_per_pass_byte_exact(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_gpu_bounce_one_dma_per_pass_byte_exact(tmp_path, device):
     """pinned-bounce with one slot per read, 3 reader threads and one DMA per pass from the ring's
     pinned rows; passes share the staging ring, a second load reuses everything; every byte lands, the corrupt block stays a miss,
-    the headers the threads copied out are the ones checked, and close gives the pinned rows back."""
+    the headers the threads copied out are the ones checked, and close gives the pinned rows back. The last
+    pass holds a truncated block (``short``) beside a checksum-only frame (hashed in the host rows) and two
+    good ones: the pass is still copied to the device and those three land. On the CPU the same path runs
+    with plain host rows (from the ``host`` staging pool: nothing is pinned there)."""
     from kvbm_backend.gpu.staging import host_staging_pool
+    if device == "cuda" and not CUDA_OK:
+        pytest.skip("no CUDA device (torch.cuda.is_available() is False)")
     n = 48
     keys = NS.keys(range(300, 300 + n))
     pays = _blocks(n, seed=33)
@@ -483,22 +497,30 @@ def test_gpu_bounce_one_dma_per_pass_byte_exact(tmp_path):
         b = f.read(1)
         f.seek(17 * SLOT + HEADER_BYTES + 5)
         f.write(bytes([b[0] ^ 1]))
-    ld = DeviceLoader(src, LAYOUT, "cuda", mode="pinned-bounce", threads=3, io_bytes=SLOT, staging_bytes=4 * SLOT,
+        f.seek(45 * SLOT)  # block 45: checksum-only frame, verified with xxh3 on the host
+        f.write(FrameHeader.for_block(keys[45], LAYOUT, world=1, tenant_tag=tenant_tag(keys[45].tenant),
+                                      flags=FLAG_CHECKSUM, integrity=frame.payload_checksum(pays[45])).pack())
+    os.truncate(src.path, (n - 1) * SLOT + HEADER_BYTES + 100)  # block 47 truncated: the last pass is 44-47
+    bad = {17: "devcheck", 47: "short"}
+    ld = DeviceLoader(src, LAYOUT, device, mode="pinned-bounce", threads=3, io_bytes=SLOT, staging_bytes=4 * SLOT,
                       depth=3, timeout_s=LOAD_S)
+    assert ld.mode == "pinned-bounce" and ld.reads.pinned == (device == "cuda")
     for _ in range(2):
-        dst = _dst(n, "cuda")
-        assert ld.load(keys, dst) == [i != 17 for i in range(n)]
+        dst, why = _dst(n, device), []
+        assert ld.load(keys, dst, why) == [i not in bad for i in range(n)]
+        assert {i: w for i, w in enumerate(why) if w} == bad
         for i, (d, p) in enumerate(zip(dst, pays)):
-            if i != 17:
+            if i in bad:
+                assert (d == 0xAB).all().item(), i
+            else:
                 assert torch.equal(d.cpu(), torch.from_numpy(p)), i
-        assert (dst[17] == 0xAB).all().item()
     st = ld.stats()
-    assert st["corrupt_devcheck"] == 2, st  # once per load: this source keeps what drop_corrupt names
+    assert st["corrupt_devcheck"] == 2 and st["host_verified"] == 2, st  # once per load: drop_corrupt keeps it
     assert st["h2d_submit_s"] > 0 and st["passes"] == 2 * n // 4, st
-    pool = host_staging_pool(True)
+    pool = host_staging_pool(device == "cuda")
     kept = pool.stats()["kept_bytes"]
     ld.close()
-    assert pool.stats()["kept_bytes"] > kept  # the ring's pinned rows went back
+    assert pool.stats()["kept_bytes"] > kept  # the ring's host rows went back (pinned ones on CUDA only)
 
 
 @needs_gpu

@@ -93,7 +93,9 @@ class DeviceLoader:
         device: torch device for staging (``cuda:N``; ``cpu`` runs the same path on the host).
         probe_dir: directory for the start-up probe (a pool directory); default: none, which on CUDA
             means ``pinned-bounce`` unless ``mode`` forces otherwise.
-        mode: ``auto`` (probe) or one of :data:`MODES`.
+        mode: ``auto`` (probe) or one of :data:`MODES`. A CPU device runs ``host`` unless ``pinned-bounce``
+            is asked: then the bounce path itself (separate host rows, one copy into the staging per pass, the
+            staging ring; plain host memory, no CUDA stream) runs on the CPU, so tests cover its wiring.
         world: the TP world size frames must name (None: not checked).
         tenant_tag_fn: expected 16-byte frame tenant tag of a key (default: G3's
             :func:`~kvbm_backend.model.namespace.tenant_tag` of ``key.tenant``).
@@ -143,7 +145,10 @@ class DeviceLoader:
         self.counters: Counter[str] = Counter()
         self._call_lock = threading.Lock()
         self._stream: torch.cuda.Stream | None = None
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and mode == "pinned-bounce":
+            probe = ProbeResult("pinned-bounce", "forced on the CPU: reads land in host rows copied into the "
+                                "staging once per pass (the CUDA bounce path's wiring, no pinned memory)")
+        elif self.device.type == "cpu":
             probe = ProbeResult("host", "device is the CPU: frames are read into host memory and verified there")
         elif mode == "pinned-bounce":
             probe = ProbeResult("pinned-bounce", "forced by configuration")

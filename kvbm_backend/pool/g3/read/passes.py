@@ -68,7 +68,8 @@ class PassReader:
         mode: the loader's device path (:data:`kvbm_backend.gpu.probe.MODES`): kvikio (``gds`` /
             ``kvikio-compat``) reads into the device; ``pinned-bounce`` / ``host`` read with ``threads``
             reader threads (``preadv``, O_DIRECT where the filesystem takes it).
-        device: the torch device staging lives on. io_bytes: bytes per read (at least one slot).
+        device: the torch device staging lives on (``pinned-bounce`` on the CPU: the same bounce path, its
+            host rows plain host memory and its per-pass copy a host copy; what the CPU suite runs). io_bytes: bytes per read (at least one slot).
         threads: reads in flight (reader threads / kvikio's thread pool).
         counters: the loader's Counter (``reads`` put on the wire, ``bytes_read``, ``timeout``, ``io_error``, ``short``, ``h2d_submit_s``,
             ``files_o_direct`` / ``files_buffered``).
@@ -76,6 +77,9 @@ class PassReader:
 
     def __init__(self, mode: str, device: torch.device, io_bytes: int, threads: int, counters: Counter[str]) -> None:
         self.mode, self.device, self.io_bytes, self.counters = mode, device, io_bytes, counters
+        # the bounce path's host rows are page-locked for a CUDA device only (one DMA per pass); on the CPU
+        # (the bounce path run by the CPU suite) plain host rows: pinning needs an accelerator there
+        self.pinned = mode == "pinned-bounce" and device.type == "cuda"
         self.files = ReadFiles(counters)  # O_DIRECT on the bounce/host paths where taken, buffered for kvikio
         # (futures, ring entry, pass) of timed-out reads: the entry is kept until the reads are done and the pass
         # (None: already given up) is finished, since its rows that did arrive are checked and copied out later
@@ -171,8 +175,8 @@ class PassReader:
                 st = torch.empty(need, dtype=torch.uint8, device=self.device)
                 host = None
                 if self.mode == "pinned-bounce":
-                    hbuf = host_staging_pool(True).take(need)
-                    host = torch.from_numpy(hbuf)  # page-locked: the pass's copy is one DMA
+                    hbuf = host_staging_pool(self.pinned).take(need)
+                    host = torch.from_numpy(hbuf)  # page-locked on CUDA: the pass's copy is one DMA
             buf = self.ring[ring] = (st, host, hbuf)
         st, host, _ = buf
         return (st[:need].view(n, slot_len), None if host is None else host[:need].view(n, slot_len))
@@ -180,7 +184,7 @@ class PassReader:
     def give_ring(self, entry: _RingEntry | None) -> None:
         """Give a ring entry's host buffer back to the pool (nothing reads into it any more)."""
         if entry is not None and entry[2] is not None:
-            host_staging_pool(self.mode != "host").give(entry[2])
+            host_staging_pool(self.pinned).give(entry[2])
 
     # -- reads -------------------------------------------------------------------------------
     def submit(self, p: _Pass) -> None:

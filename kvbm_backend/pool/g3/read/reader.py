@@ -216,7 +216,9 @@ class G3Reader:
                 raise RuntimeError("G3 pool is closed")
             rd = self.device_readers.get(str(dev))
             if rd is None:
-                rd = DeviceLoader(self, cat.layout, dev, probe_dir=cat.slabs.paths[0], mode=self.pool.cfg.device_path,
+                # g3.device_path is how slots reach a CUDA device: a CPU device always loads in ``host`` mode
+                mode = self.pool.cfg.device_path if dev.type == "cuda" else "auto"
+                rd = DeviceLoader(self, cat.layout, dev, probe_dir=cat.slabs.paths[0], mode=mode,
                                   world=cat.namespace.tp_world_size, timeout_s=self.pool.cfg.load_timeout_s,
                                   threads=self.pool.cfg.io_threads, io_bytes=max(self.pool._io_size, 16 << 20))
                 self.device_readers[str(dev)] = rd
