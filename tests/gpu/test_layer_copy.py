@@ -23,8 +23,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvbm_backend.gpu import layer_copy
 from kvbm_backend.integrations.vllm.kv_io import EngineKv
 
-NB, BS, H, D, L = 10, 4, 2, 8, 3
+NB, BS, H, D, MD, L = __GEOMETRY__  # MD: the MLA latent dim
 DEV = __DEVICE__
+# pieces (a layer's K or V, or its whole MLA / block_first layer) longer than one program's BLOCK_WORDS, ending
+# in a partial program: the kernel's programs c > 0 and its tail mask run
+LONG = __LONG__
 
 
 class Ops(TorchDispatchMode):
@@ -48,10 +51,10 @@ def rand(shape, dtype, seed):
 def engine(lay, seed, dtype=torch.bfloat16):
     e = 2 if dtype == torch.bfloat16 else 1
     if lay == "mla":
-        return EngineKv.from_tensors([rand((NB, 1, BS, 24 * e), dtype, seed + i) for i in range(L)], NB, BS, 1, 24,
+        return EngineKv.from_tensors([rand((NB, 1, BS, MD * e), dtype, seed + i) for i in range(L)], NB, BS, 1, MD,
                                      mla=True)
     if lay == "mla3":
-        return EngineKv.from_tensors([rand((NB, BS, 24 * e), dtype, seed + i) for i in range(L)], NB, BS, 1, 24,
+        return EngineKv.from_tensors([rand((NB, BS, MD * e), dtype, seed + i) for i in range(L)], NB, BS, 1, MD,
                                      mla=True)
     shape = (2, NB, BS, H, D * e) if lay == "kv_first" else (NB, 2, BS, H, D * e)
     return EngineKv.from_tensors([rand(shape, dtype, seed + i) for i in range(L)], NB, BS, H, D)
@@ -66,6 +69,8 @@ for lay, dtype in [("kv_first", torch.bfloat16), ("block_first", torch.bfloat16)
     kv, ref = engine(lay, 1, dtype), engine(lay, 1, dtype)
     assert kv.move_mode == "triton kernel verified", (lay, kv.move_mode)
     bpb = kv.layout.bytes_per_block
+    words = layer_copy.plan(kv.tensors, kv.engine_layout, bpb)[0].piece // 4
+    assert (words > layer_copy.BLOCK_WORDS and words % layer_copy.BLOCK_WORDS > 0) == LONG, (lay, words)
     ids = [7, 2, 9, 0]
     got, want = torch.zeros(4 * bpb, dtype=torch.uint8, device=DEV), torch.zeros(4 * bpb, dtype=torch.uint8, device=DEV)
     with Ops() as ops:
@@ -135,13 +140,22 @@ print("ok")
 '''
 
 
-def _run_checks(device: str) -> None:
+#: (engine blocks, block size, heads, head dim, MLA latent dim, layers): pieces of 32-192 bytes, all in one
+#: program of the kernel
+SHORT = (10, 4, 2, 8, 24, 3)
+#: pieces of 2304-4608 words (BLOCK_WORDS = 1024 per program): several programs per piece, the last one partial
+#: (kv_first bf16 2304 words, FP8 1152, block_first 4608, MLA 576-dim 4608; Llama-like head dim 72, block size 16)
+LONG = (10, 16, 4, 72, 576, 2)
+
+
+def _run_checks(device: str, geometry: tuple[int, ...] = SHORT) -> None:
     """The checks in a child: on ``"cpu"`` under Triton's interpreter, on ``"cuda"`` compiled."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1" if device == "cpu" else "0",
                PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _INTERPRETED.replace("__DEVICE__", repr(device))], env=env,
-                       capture_output=True, text=True, timeout=600)
+    code = (_INTERPRETED.replace("__DEVICE__", repr(device)).replace("__GEOMETRY__", repr(geometry))
+            .replace("__LONG__", repr(geometry == LONG)))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
@@ -153,6 +167,15 @@ def test_one_launch_moves_equal_the_torch_ops_in_the_triton_interpreter():
     _run_checks("cpu")
 
 
+@pytest.mark.slow  # ~30 s on the 2-core VM (the interpreter runs every program in Python)
+def test_pieces_longer_than_one_program_move_exactly_in_the_triton_interpreter():
+    """The same checks with pieces of several programs each, the last one partial (head dim 72, block size
+    16, and a 576-dim MLA latent): the kernel's programs ``c > 0`` and its tail mask run here, not only on
+    a GPU; a program that skipped its offset or dropped the tail would fail ``check`` (the torch ops would
+    run, ``move_mode`` says so) and this test."""
+    _run_checks("cpu", LONG)
+
+
 def test_a_cpu_engine_moves_with_the_torch_ops_and_says_why(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would run the kernel on the CPU
     t = [torch.zeros(2, 4, 2, 2, 8, dtype=torch.bfloat16) for _ in range(2)]
@@ -162,5 +185,6 @@ def test_a_cpu_engine_moves_with_the_torch_ops_and_says_why(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
 def test_gpu_one_launch_moves_equal_the_torch_ops():
-    """The compiled kernel on the device: the same checks as in the interpreter."""
+    """The compiled kernel on the device: the same checks as in the interpreter, short and long pieces."""
     _run_checks("cuda")
+    _run_checks("cuda", LONG)
