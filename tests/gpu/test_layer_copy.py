@@ -168,6 +168,7 @@ def test_one_launch_moves_equal_the_torch_ops_in_the_triton_interpreter():
 
 
 @pytest.mark.slow  # ~30 s on the 2-core VM (the interpreter runs every program in Python)
+@pytest.mark.side  # no wall-clock assertion: beside the engine lane, not on its critical path
 def test_pieces_longer_than_one_program_move_exactly_in_the_triton_interpreter():
     """The same checks with pieces of several programs each, the last one partial (head dim 72, block size
     16, and a 576-dim MLA latent): the kernel's programs ``c > 0`` and its tail mask run here, not only on
