@@ -3,7 +3,7 @@
 # processes with distinct ports where namespaces cannot be made). See docs/g4_cluster.md.
 #   bash ci/g4_cluster.sh test                 # the cluster tests (also part of ci/test.sh: markers s3, slow)
 #   bash ci/g4_cluster.sh bench [--workers 1,2,4,8 --blocks 16 ...]
-#                                              # scaling curve -> benchmarks/results/g4_cluster-<mode>-<date>.json/.png
+#                                              # scaling curve vs plain S3 PUT/GET -> benchmarks/results/g4_cluster-<mode>-<date>.json/.png
 #   bash ci/g4_cluster.sh up DIR [--workers 4] # start one and keep it until Ctrl-C (prints hosts and endpoint)
 #   bash ci/g4_cluster.sh clean                # remove namespaces/bridges/processes left by runs whose owner died
 # KVBM_G4_CLUSTER_MODE=loopback forces the fallback; =netns fails instead of falling back.

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import uuid
 
+import pytest
+
 from kvbm_backend.apps.bench.g4_cluster import hosts as g
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for a killed process to end; returns as soon as it does
@@ -59,3 +61,79 @@ def test_scaling_json_plots(tmp_path):
     (tmp_path / "s.json").write_text(json.dumps(d))
     plot_results([str(tmp_path / "s.json")], str(tmp_path / "s.png"))
     assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def _tripwire(monkeypatch):
+    """A started cluster fails the test at once (an option check must come before any server)."""
+    from kvbm_backend.apps.bench.g4_cluster import cluster
+
+    def started(self, *a, **kw):
+        raise AssertionError("a cluster was started before the options were checked")
+    monkeypatch.setattr(cluster.G4Cluster, "start", started)
+
+
+BAD_BENCH_OPTIONS = [
+    (["--workers", "0"], "--workers: every worker count must be >= 1, got 0"),
+    (["--workers=-2,4"], "--workers: every worker count must be >= 1, got -2"),
+    (["--workers", "1,x"], "--workers: expected comma-separated worker counts"),
+    (["--workers", ","], "--workers: no worker count given"),
+    (["--blocks", "0", "--read-passes", "0"], "--blocks: must be >= 1, got 0"),
+    (["--blocks=-3"], "--blocks: must be >= 1, got -3"),
+    (["--read-passes", "0"], "--read-passes: must be >= 1, got 0"),
+    (["--inflight", "0"], "--inflight: must be >= 1, got 0"),
+    (["--rounds", "0"], "--rounds: must be >= 1, got 0"),
+    (["--page-size", "0"], "--page-size: must be >= 1, got 0"),
+    (["--layout", "no-such-model"], "--layout:"),
+    (["--volumes", "1"], "--volumes: replication 001 keeps 2 copies on different volume servers"),
+    (["--volumes", "2", "--replication", "002"], "--volumes: replication 002 keeps 3 copies"),
+    (["--volumes", "0", "--replication", "000"], "--volumes: replication 000 keeps 1 copies"),
+    (["--replication", "010"], "--replication: the test bed has one data center and one rack"),
+    (["--replication", "1"], "--replication: expected 3 digits"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_BENCH_OPTIONS, ids=[" ".join(a) for a, _ in BAD_BENCH_OPTIONS])
+def test_cluster_bench_refuses_bad_options_before_starting_a_cluster(tmp_path, monkeypatch, capsys, args, message):
+    """``--blocks 0 --read-passes 0`` ran and reported 0.0 GB/s, ``--workers 0`` started SeaweedFS and then
+    died with an IndexError, negatives and impossible replica placements were taken: each is now an
+    argparse error (exit 2) naming the option, and no server starts."""
+    from kvbm_backend.apps.bench.g4_cluster.__main__ import main
+    _tripwire(monkeypatch)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--workers", "1", "--blocks", "2", "--layout", "tiny", "--rounds", "1", *args,
+              "--out", str(out / "b.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_good_cluster_bench_options_pass_the_checks():
+    """The checks refuse only what cannot run: one volume server holds replication 000, three hold 002."""
+    from kvbm_backend.apps.bench.g4_cluster.bench import check_options
+    check_options([1, 2], 1, "tiny", 16, 1, rounds=1, read_passes=1, replication="000", volumes=1)
+    check_options([8], 4, "llama-3.1-8b", 16, 4, replication="002", volumes=3)
+
+
+def test_cluster_up_refuses_too_few_volume_servers_before_making_anything(tmp_path, monkeypatch, capsys):
+    from kvbm_backend.apps.bench.g4_cluster import G4Cluster
+    from kvbm_backend.apps.bench.g4_cluster.__main__ import main
+    _tripwire(monkeypatch)
+    with pytest.raises(ValueError, match="--volumes: replication 001 keeps 2 copies"):
+        G4Cluster(tmp_path / "a", workers=1, volumes=1)
+    with pytest.raises(ValueError, match="--workers: must be >= 0, got -1"):
+        G4Cluster(tmp_path / "a", workers=-1)
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(SystemExit) as e:
+        main(["up", "--dir", str(tmp_path / "b"), "--volumes", "1"])
+    assert e.value.code == 2 and "--volumes" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_one_worker_point_says_it_reads_its_own_blocks():
+    """With one worker the bench's reader is the writer (``seqs[(w + 1) % n]``) while the JSON said every
+    worker read "the blocks the next worker wrote"; the point and the text now say which."""
+    from kvbm_backend.apps.bench.g4_cluster.bench import _reads_from
+    assert _reads_from(1) == "its own blocks (one worker: no other host to read from)"
+    assert _reads_from(2) == "the blocks the next worker wrote (another host)"

@@ -10,7 +10,9 @@ own G4Pool on one shared namespace and keyring.
 * a volume server SIGKILLed while 4 workers write: every acknowledged block loads correctly
   afterwards from another host (its second copy), nothing wrong is ever served;
 * a worker cut off the network (netns: its switch port down; loopback: its relay SIGSTOPped) pays
-  at most its timeout bound per call, the others go on, and it recovers by itself after the heal.
+  at most its timeout bound per call, the others go on, and it recovers by itself after the heal;
+* the scaling bench's baseline: plain S3 PUT / GET from the same workers, of objects of the size G4
+  stores, with the pool's client and requests in flight, and the pool's ratio to it.
 """
 from __future__ import annotations
 
@@ -167,3 +169,37 @@ def test_volume_server_killed_mid_run_loses_no_acknowledged_block(cluster):
         cl.start_volume(victim, timeout=HANG_S)  # a hang guard (the default was 30 s)
     r = cl.workers[0].call("read", seqs=acked[2])
     assert all(r["correct"])
+
+
+def test_the_bench_measures_plain_s3_put_get_on_the_same_cluster_as_its_baseline(cluster):
+    """The bench reported G4's GB/s alone, with nothing measured to compare it with. Each point now has a
+    baseline from the same workers on the same cluster in the same run: plain PUT / GET of objects of the
+    size G4 stores, the pool's client, as many requests in flight, every byte checked, all deleted after;
+    ``ratio`` is the pool's GB/s over it. (Two workers only, to keep the module's cost: one round is ~4 s of
+    synchronized starts; the one-worker labels are checked in tests/apps/test_g4_cluster_units.py.)"""
+    from kvbm_backend.apps.bench.g4_cluster import BUCKET
+    from kvbm_backend.apps.bench.g4_cluster.bench import bench_on
+    from kvbm_backend.model.frame import HEADER_BYTES
+    cl = cluster
+    res = bench_on(cl, [2], blocks=3, layout="tiny", page_size=16, encrypt=True, inflight=2, rounds=1,
+                   read_passes=2, progress=lambda s: None)
+    assert [p["workers"] for p in res["points"]] == [2]
+    for p in res["points"]:
+        b = p["baseline"]
+        assert b["write_gbps"] > 0 and b["read_gbps"] > 0 and len(b["rounds"]) == 1
+        assert b["object_bytes"] == HEADER_BYTES + p["block_bytes"] and b["inflight_per_worker"] == 2
+        assert b["client"] == "obstore"  # g4.s3_client's default: the client the pools used
+        assert p["write_ratio"] == p["write_gbps"] / b["write_gbps"]
+        assert p["read_ratio"] == p["read_gbps"] / b["read_gbps"]
+    assert res["ratio"] == {"write": [p["write_ratio"] for p in res["points"]],
+                            "read": [p["read_ratio"] for p in res["points"]]}
+    assert res["baseline"]["write GB/s"] == [p["baseline"]["write_gbps"] for p in res["points"]]
+    assert res["points"][0]["reads"].startswith("the blocks the next worker wrote")
+    s3 = cl.s3_client()
+    left = s3.list_objects_v2(Bucket=BUCKET, Prefix="bench-").get("Contents", [])
+    assert not [o["Key"] for o in left if "-plain/" in o["Key"]]  # the baseline's objects were deleted
+    # the baseline's object size is what G4 stores for one encrypted block of this layout
+    prefix = _open(cl, "objsize", 60.0)
+    assert cl.workers[0].call("write", seqs=_seqs(0, 1))["acked"] == _seqs(0, 1)
+    sizes = {o["Size"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/").get("Contents", [])}
+    assert res["points"][0]["baseline"]["object_bytes"] in sizes, sizes

@@ -147,6 +147,22 @@ def probe_s3(url: str, opts: BenchOptions) -> None:
         st.close()
 
 
+def plain_s3_phase(st, ex: ThreadPoolExecutor, op: str, names: list[str], data: bytes) -> float:
+    """One timed phase of the plain S3 baseline: ``op`` "put" PUTs ``data`` under every name in ``names``,
+    "get" GETs every name, both through ``st`` (an opened store) from the threads of ``ex`` (its size is the
+    requests in flight). Returns the wall seconds of the requests alone. Raises RuntimeError when a GET
+    returns bytes other than ``data`` (checked after the timed part), OSError for a failed request."""
+    t0 = time.perf_counter()
+    if op == "put":
+        list(ex.map(lambda nm: st.put(nm, data), names))
+        return time.perf_counter() - t0
+    got = list(ex.map(st.get, names))
+    elapsed = time.perf_counter() - t0
+    if any(g is None or bytes(g) != data for g in got):
+        raise RuntimeError("bench: S3 baseline read back different bytes than it wrote")
+    return elapsed
+
+
 def _s3_baseline(url: str, opts: BenchOptions, object_bytes: int, n: int, threads: int) -> dict:
     """Plain PUT then GET of ``n`` objects of ``object_bytes`` with the pool's client config, ``threads`` requests
     in flight."""
@@ -157,14 +173,8 @@ def _s3_baseline(url: str, opts: BenchOptions, object_bytes: int, n: int, thread
     names = [f"obj-{i:08d}" for i in range(n)]
     try:
         with ThreadPoolExecutor(threads) as ex:
-            t0 = time.perf_counter()
-            list(ex.map(lambda nm: st.put(nm, data), names))
-            write_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            got = list(ex.map(st.get, names))
-            read_s = time.perf_counter() - t0
-        if any(g is None or bytes(g) != data for g in got):
-            raise RuntimeError("bench: S3 baseline read back different bytes than it wrote")
+            write_s = plain_s3_phase(st, ex, "put", names, data)
+            read_s = plain_s3_phase(st, ex, "get", names, data)
     finally:
         st.close()
         _cleanup(url, opts)

@@ -32,8 +32,12 @@ run has a unique id; its state file ``/tmp/kvbm-g4c-<uid>/<id>.json`` names the 
 The bench (:func:`.bench.bench`, ``python -m kvbm_backend.apps.bench.g4_cluster bench``): for each worker count
 n in ``--workers`` the first n workers write ``--blocks`` blocks each at the same instant (aggregate
 write GB/s = all payload bytes / time until the last worker's last block is acknowledged), then each
-reads and verifies the blocks another worker wrote (aggregate read GB/s likewise). GB = 1e9 bytes,
-payload bytes only, encrypted (AES-256-GCM) unless ``--no-encrypt``.
+reads and verifies the blocks the next worker wrote (with one worker: its own; aggregate read GB/s
+likewise). GB = 1e9 bytes, payload bytes only, encrypted (AES-256-GCM) unless ``--no-encrypt``. Each point
+has a baseline taken in the same run, alternating with the pool's rounds: the same workers PUT then GET
+plain objects of the stored size (header + payload) with the store the pool's config opens (same S3
+client, as many requests in flight), and ``ratio`` is the pool's GB/s over it. Every option is checked
+before any server starts (an argparse error naming it).
 
 Modules, by job: ``hosts.py`` (network namespaces / loopback, ports, process groups, stale-run cleanup),
 ``cluster.py`` (:class:`G4Cluster`: SeaweedFS and the workers, partitions; :class:`Worker`: one worker's

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from . import __doc__ as _doc
-from .bench import bench
+from .bench import bench, check_options
 from .cluster import G4Cluster
 from .hosts import clean_stale
 from .worker import relay_main, worker_main
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--workers", type=int, default=4)
     up.add_argument("--volumes", type=int, default=3)
     sub.add_parser("clean", help="remove namespaces/bridges/processes of runs whose owner died")
-    b = sub.add_parser("bench", help="aggregate G4 GB/s for 1..N workers (JSON + plot)")
+    b = sub.add_parser("bench", help="aggregate G4 GB/s for 1..N workers vs plain S3 PUT/GET (JSON + plot)")
     b.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts")
     b.add_argument("--blocks", type=int, default=16, help="blocks per worker")
     b.add_argument("--layout", default="llama-3.1-8b")
@@ -39,9 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--inflight", type=int, default=4, help="G4 max_inflight per worker")
     b.add_argument("--rounds", type=int, default=2)
     b.add_argument("--no-encrypt", action="store_true")
-    b.add_argument("--replication", default="001", help="SeaweedFS replica placement (001: 2 copies)")
-    b.add_argument("--volumes", type=int, default=3, help="volume servers")
-    b.add_argument("--read-passes", type=int, default=3, help="each worker reads the other's blocks this often")
+    b.add_argument("--replication", default="001", help="SeaweedFS replica placement 00z (001: 2 copies)")
+    b.add_argument("--volumes", type=int, default=3, help="volume servers (>= 1 + z)")
+    b.add_argument("--read-passes", type=int, default=3,
+                   help="each worker reads the next worker's blocks this often (one worker: its own)")
     b.add_argument("--out", help="JSON file to write")
     b.add_argument("--plot", help="PNG to write (kvbm-backend plot)")
     b.add_argument("--out-dir", help="write g4_cluster-<mode>-<date>.json and .png here (mode as it ran)")
@@ -54,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"cleaned": clean_stale()}))
         return 0
     if a.cmd == "up":
-        cl = G4Cluster(a.dir, workers=a.workers, volumes=a.volumes).start()
+        try:
+            cl = G4Cluster(a.dir, workers=a.workers, volumes=a.volumes)
+        except ValueError as e:  # names the option; nothing was started
+            ap.error(f"up: {e}")
+        cl.start()
         print(json.dumps(cl.info(), indent=1), flush=True)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -67,7 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (a.out or a.out_dir):
         ap.error("bench: --out FILE.json or --out-dir DIR")
-    counts = sorted({int(x) for x in a.workers.split(",") if x.strip()})
+    try:
+        counts = sorted({int(x) for x in a.workers.split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"bench: --workers: expected comma-separated worker counts such as 1,2,4, got {a.workers!r}")
+    try:  # every option is checked before any server starts
+        check_options(counts, a.blocks, a.layout, a.page_size, a.inflight, a.rounds, a.read_passes, a.replication,
+                      a.volumes)
+    except ValueError as e:
+        ap.error(f"bench: {e}")
     res = bench(counts, a.blocks, a.layout, a.page_size, not a.no_encrypt, a.inflight, rounds=a.rounds,
                 replication=a.replication, volumes=a.volumes, read_passes=a.read_passes, progress=lambda s: print(s, file=sys.stderr, flush=True))
     if a.out_dir:
@@ -75,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         a.out, a.plot = a.out or f"{stem}.json", a.plot or f"{stem}.png"
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps({k: res[k] for k in ("mode", "fallback_reason", "workers", "series")}, indent=1))
+    print(json.dumps({k: res[k] for k in ("mode", "fallback_reason", "workers", "series", "ratio")}, indent=1))
     if a.plot:
         from kvbm_backend.apps.report import plot_results
         plot_results([a.out], a.plot)

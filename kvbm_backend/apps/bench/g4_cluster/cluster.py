@@ -28,6 +28,23 @@ AWS_ENV = {"AWS_ACCESS_KEY_ID": "kvbmtest", "AWS_SECRET_ACCESS_KEY": "kvbmtest-s
            "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def replication_problem(replication: str, volumes: int) -> str | None:
+    """Why ``volumes`` volume servers cannot hold SeaweedFS replica placement ``replication`` in this cluster
+    (one data center, one rack), naming the option (``--replication`` / ``--volumes``); None when they can.
+    ``xyz``: x copies in other data centers, y in other racks, z on other servers of the same rack."""
+    if len(replication) != 3 or not replication.isdigit():
+        return (f"--replication: expected 3 digits xyz (SeaweedFS replica placement: x copies in other data "
+                f"centers, y in other racks, z on other servers of the rack), got {replication!r}")
+    if replication[:2] != "00":
+        return (f"--replication: the test bed has one data center and one rack, so only 00z placements "
+                f"(z other volume servers) can be written, got {replication!r}")
+    need = 1 + int(replication[2])
+    if volumes < need:
+        return (f"--volumes: replication {replication} keeps {need} copies on different volume servers, so it "
+                f"needs >= {need} of them, got {volumes}")
+    return None
+
+
 class Worker:
     """A G4 worker process; :meth:`call` sends one JSON command and waits for its JSON reply."""
 
@@ -76,15 +93,24 @@ class G4Cluster:
     Args:
         workdir: server data, logs and the shared keyring.
         workers: G4 worker processes, one per host.
-        volumes: volume servers (>= 2 for replication ``001``).
+        volumes: volume servers (>= 1 + z for replication ``00z``: ``001`` needs 2).
+        replication: SeaweedFS replica placement, ``00z`` (one data center, one rack).
         mode: ``auto`` / ``netns`` / ``loopback``; default from ``$KVBM_G4_CLUSTER_MODE``, else auto
             (netns when it works here, else loopback with the reason in :attr:`fallback_reason`).
         relays: loopback mode: put each worker behind its own relay process (needed for partitions;
             the bench turns it off to measure the store, not the relay).
+
+    Raises ValueError (naming ``--volumes`` / ``--replication`` / ``--workers``) before anything is made or
+    started when the volume servers cannot hold ``replication`` (:func:`replication_problem`) or ``workers`` < 0.
     """
 
     def __init__(self, workdir: str | os.PathLike, workers: int = 4, volumes: int = 3, mode: str | None = None,
                  replication: str = "001", relays: bool = True, volume_size_mb: int = 64):
+        why = replication_problem(replication, volumes)
+        if why:  # before anything is made or started
+            raise ValueError(why)
+        if workers < 0:
+            raise ValueError(f"--workers: must be >= 0, got {workers}")
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.nworkers, self.nvolumes, self.replication = workers, volumes, replication

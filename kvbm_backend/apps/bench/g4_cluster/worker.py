@@ -25,6 +25,8 @@ class _WorkerState:
     def __init__(self):
         self.pool = None
         self.ns = None
+        self.base = None  # the bench baseline's plain store and its thread pool (base_put .. base_delete)
+        self.base_ex = None
 
     def open(self, cfg: dict, layout: str, page_size: int) -> dict:
         from kvbm_backend.config import G4Config
@@ -102,6 +104,48 @@ class _WorkerState:
 
     def delete(self, seqs: list[int], tenant: str = "t") -> dict:
         return {"deleted": self.pool.delete(self.ns.keys(seqs, tenant=tenant)).result(120)}
+
+    # the bench's baseline: plain S3 PUT / GET of objects of a block's stored size, no G4 in between, with
+    # the store the pool's own config opens (same client, timeouts, retries) and as many requests in flight
+    # as the pool (g4.max_inflight threads); every object of one writer holds the same bytes (seeded)
+    def base_put(self, cfg: dict, names: list[str], object_bytes: int, seed: int,
+                 start_at: float | None = None) -> dict:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from kvbm_backend.apps.bench.g4 import plain_s3_phase
+        from kvbm_backend.config import G4Config
+        from kvbm_backend.pool.g4.factory import open_store
+        self.base_delete([])
+        c = G4Config(**cfg)
+        self.base, self.base_ex = open_store(c.url or "", c), ThreadPoolExecutor(c.max_inflight)
+        data = bytes(payload(seed, "baseline", object_bytes))
+        if start_at:
+            while time.time() < start_at:
+                time.sleep(0.0005)
+        t0, cpu0 = time.time(), time.process_time()
+        plain_s3_phase(self.base, self.base_ex, "put", names, data)
+        return {"t0": t0, "end": time.time(), "cpu_s": time.process_time() - cpu0,
+                "client": getattr(self.base, "client_name", "?")}
+
+    def base_get(self, names: list[str], object_bytes: int, seed: int, start_at: float | None = None) -> dict:
+        """GET ``names`` (written by the worker whose ``base_put`` had ``seed``) and check every byte (after
+        the timed part; RuntimeError for different bytes)."""
+        from kvbm_backend.apps.bench.g4 import plain_s3_phase
+        data = bytes(payload(seed, "baseline", object_bytes))
+        if start_at:
+            while time.time() < start_at:
+                time.sleep(0.0005)
+        t0 = time.time()
+        elapsed = plain_s3_phase(self.base, self.base_ex, "get", names, data)
+        return {"t0": t0, "end": t0 + elapsed}  # at the last GET's answer: the byte check after it is not timed
+
+    def base_delete(self, names: list[str]) -> dict:
+        if self.base is not None:
+            list(self.base_ex.map(self.base.delete, names))
+            self.base_ex.shutdown()
+            self.base.close()
+        self.base = self.base_ex = None
+        return {"deleted": len(names)}
 
 
 def worker_main(index: int) -> int:
