@@ -126,7 +126,9 @@ def keys_create(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant", 
         res = dict(kr.create(tenant), state="active", keyring=str(Path(keyring).absolute()))
     if was_revoked:  # same pseudonym, so the shredded blocks hold the new blocks' names (docs/configuration.md)
         res["note"] = ("this tenant was revoked: run `kvbm-backend gc --keyring` on every G4 store it used, or its "
-                       "revoked blocks keep the names its new blocks take (offloads skipped, loads missed)")
+                       "revoked blocks keep the names its new blocks take (offloads skipped, loads missed); run it "
+                       "again once every worker re-read the keyring: it reclaims blocks sealed under the revoked "
+                       "key after the revocation")
     src = getattr(kr.provider, "source", "?")
     if src.startswith("$"):
         res["kek"] = f"from {src} (the environment)"

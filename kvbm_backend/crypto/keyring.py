@@ -61,7 +61,8 @@ from ..model.namespace import tenant_bytes
 from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant, _b64,
                   _stamp, dir_is_read_only, generate_kek_b64, locked_file, provider_for,
                   replace_private_json)
-from .keyring_file import FORMAT, FileState, add_tenant, read_keyring, rewrap_doc, rotate_tenant, tenant_rows
+from .keyring_file import (FORMAT, FileState, add_tenant, read_keyring, revoke_tenant, revoked_key_ids, rewrap_doc,
+                           rotate_tenant, tenant_rows)
 from .keyring_persist import Doc, UseCounts
 from .names import NAME_KEY_LABEL, UNKEYED_PSEUDONYM_KEY, check_storable_tenant, derive_name_key
 
@@ -188,8 +189,7 @@ class Keyring:
         self._doc, self._keys, self._owner = st.doc, st.keys, st.owner
         if st.pseudonym_key != self._naming[1]:  # another pseudonym key: the file was replaced (a new keyring)
             self._naming = (self._naming[0] + bool(self._naming[1]), st.pseudonym_key)  # 0: the first loaded
-        self._stamp, self._error = st.stamp, None
-        self._last_check = time.monotonic()
+        self._stamp, self._error, self._last_check = st.stamp, None, time.monotonic()
         self._n["loads"] += 1
 
     def _reload(self) -> Doc:
@@ -374,14 +374,8 @@ class Keyring:
         return self.info(tenant)
 
     def revoke(self, tenant: str) -> dict[str, Any]:
-        """Delete every key of ``tenant`` (crypto-shred) and record its pseudonym as revoked now."""
-        def fn(doc: Doc) -> str:
-            if tenant not in doc["tenants"]:
-                raise KeyringError(f"keyring {self.path}: no tenant {tenant!r}")
-            ps: str = doc["tenants"].pop(tenant)["pseudonym"]
-            doc.setdefault("revoked", {})[ps] = {"revoked_at": time.time()}
-            return ps
-        ps = self._mutate(fn)
+        """Crypto-shred ``tenant``, record it revoked (:func:`~.keyring_file.revoke_tenant`). KeyringError: unknown."""
+        ps = self._mutate(partial(revoke_tenant, tenant=tenant, where=self.path))
         return {"tenant": tenant, "pseudonym": ps, "revoked": True}
 
     def rewrap(self, new_provider: KeyProvider) -> int:
@@ -418,6 +412,12 @@ class Keyring:
         with self._mu:
             self._maybe_reload()
             return {k: float(v["revoked_at"]) for k, v in self._doc.get("revoked", {}).items()}
+
+    def revoked_key_ids(self, pseudonym_hex: str) -> frozenset[int]:
+        """Data key ids revoked for pseudonym ``pseudonym_hex`` (empty: none recorded); never readable again."""
+        with self._mu:
+            self._maybe_reload()
+            return revoked_key_ids(self._doc.get("revoked", {}).get(pseudonym_hex, {}))
 
     def tenant_state(self, tenant: str) -> str:
         """``"active"`` (has a data key), ``"revoked"``, ``"unknown"``, or ``"unavailable"`` (the file

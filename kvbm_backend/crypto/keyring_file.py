@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -67,8 +68,11 @@ def new_version(doc: Doc, tenant: str, provider: KeyProvider) -> None:
 
 
 def add_tenant(doc: Doc, tenant: str, pseudonym_hex: str, provider: KeyProvider) -> None:
-    """Add ``tenant`` with a fresh key id (unique in ``doc``, never 0) and its first data key version."""
-    used = {int(t["key_id"]) for t in doc["tenants"].values()}
+    """Add ``tenant`` with a fresh key id (never 0, unique in ``doc``: no current tenant's, and no key id a
+    revocation recorded, so a frame's key id never names both a revoked and a current key) and its first
+    data key version."""
+    used = {int(t["key_id"]) for t in doc["tenants"].values()} | set().union(
+        *(revoked_key_ids(r) for r in doc.get("revoked", {}).values()))
     kid = 0
     while kid == 0 or kid in used:
         kid = secrets.randbits(32)
@@ -114,3 +118,22 @@ def rewrap_doc(doc: Doc, keys: dict[tuple[int, int], bytes], pseudonym_key: byte
             n += 1
     doc["kek_id"] = provider.key_id
     return n
+
+
+def revoke_tenant(doc: Doc, tenant: str, where: Path) -> str:
+    """Remove ``tenant``'s entry (every wrapped key: crypto-shred) and record its pseudonym in ``revoked``:
+    ``revoked_at`` now and ``key_ids``, the key ids revoked for that pseudonym (those of earlier revocations
+    of the same pseudonym kept). Returns the pseudonym hex. Raises KeyringError for an unknown tenant."""
+    if tenant not in doc["tenants"]:
+        raise KeyringError(f"keyring {where}: no tenant {tenant!r}")
+    t = doc["tenants"].pop(tenant)
+    ps: str = t["pseudonym"]
+    ids = revoked_key_ids(doc.get("revoked", {}).get(ps, {})) | {int(t["key_id"])}
+    doc.setdefault("revoked", {})[ps] = {"revoked_at": time.time(), "key_ids": sorted(ids)}
+    return ps
+
+
+def revoked_key_ids(record: dict[str, object]) -> frozenset[int]:
+    """The key ids a ``revoked`` record names (empty for records written before 2026-11-30, which had none)."""
+    ids = record.get("key_ids", ())
+    return frozenset(k for k in ids if isinstance(k, int)) if isinstance(ids, list) else frozenset()

@@ -363,3 +363,24 @@ def test_use_counts_survive_a_refused_keyring_change(tmp_path):
         kr.write_key("\ud83d\ude00")
     kr.close()
     assert Keyring(path, kek, create=False).info("acme")["versions"][0]["uses"] == 900
+
+
+def test_revocation_records_its_key_ids_and_a_re_creation_never_reuses_one(tmp_path, monkeypatch):
+    """``revoke`` records the tenant's key id under its pseudonym (``key_ids``, docs/format.md), kept across a
+    second revocation of the re-created tenant; a re-creation never takes a recorded key id (offered it first,
+    ``add_tenant`` draws again): a frame's key id never names both a revoked and a current key, which is what
+    gc and the G4 reader delete late writes under a revoked key by (tests/pool/g4/test_g4_revoked_late_writes.py)."""
+    from kvbm_backend.crypto import keyring_file
+    p = tmp_path / "kr.json"
+    kr = Keyring(p, LocalKek(os.urandom(32)))
+    first = kr.create("alice")["key_id"]
+    ps = kr.revoke("alice")["pseudonym"]
+    assert json.loads(p.read_text())["revoked"][ps]["key_ids"] == [first]
+    assert kr.revoked_key_ids(ps) == {first} and kr.revoked_key_ids("0" * 32) == frozenset()
+    offers = iter([first, first ^ 1])
+    monkeypatch.setattr(keyring_file.secrets, "randbits", lambda bits: next(offers))
+    second = kr.create("alice")["key_id"]
+    assert second == first ^ 1
+    kr.revoke("alice")
+    assert json.loads(p.read_text())["revoked"][ps]["key_ids"] == sorted({first, second})
+    assert kr.revoked_key_ids(ps) == {first, second}

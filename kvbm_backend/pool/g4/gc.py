@@ -27,9 +27,20 @@ first (~870 B each: ~40 GiB for 50M objects).
 
 **Revoked tenants.** Every block under a revoked tenant's pseudonym is reclaimed whatever its age or
 mtime (its data keys are gone: it can never be read again). Only when the tenant was re-created since
-(``keys create`` after ``revoke``: the same pseudonym, a new key) are its blocks told apart by time: those
-last modified up to ``revoked_at`` (the keyring writer's clock, moved onto the store's by the measured
-skew ``store_now - now``) + 1 s go, newer ones are the new tenant's.
+(``keys create`` after ``revoke``: the same pseudonym, a new key id) are its blocks told apart: those last
+modified up to ``revoked_at`` (the keyring writer's clock, moved onto the store's by the measured skew
+``store_now - now``) + 1 s go unread; of those modified later, up to ``revoked_at`` + :data:`LATE_WRITE_S`,
+gc reads the frame header (4 KiB, ``headers_read``) and deletes the block when its ``key_id`` is one the
+revocation recorded (a record from before 2026-11-30 names none: then any key id but the tenant's current
+one). Those are late writes: a worker seals under the revoked key until it re-reads the keyring
+(``g4.keyring.reload_interval_s``, plus the Secret's propagation on Kubernetes), and such a block held the
+re-created tenant's name for ever (its offloads ``skipped_exists``, loads ``miss_no_key``): before
+(2026-11-30) gc kept every block newer than ``revoked_at`` + 1 s. A block of the tenant's current key, an
+unparsable or plaintext frame, or one gc could not read (``errors``) is kept. Blocks modified later are not
+read (their headers would be read on every pass, for ever): a worker seals under a revoked key only until
+its next keyring check (``reload_interval_s`` <= 300 s, plus the Secret's propagation), and the window is on
+the block's mtime, so any later pass finds a late write. Loads never delete such a block (a reader's
+keyring may be another fleet's copy: ``miss_no_key``).
 
 **Announcements** (``{ns}/announce/``, :mod:`.announce`): a batch at least ``announce_ttl_s`` old by its
 mtime on the store's clock is deleted, as an announcing worker would (a batch sealed earlier than its mtime is
@@ -45,6 +56,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from ...model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader
 from .announce import batch_prefix, parse_batch_name
 from .naming import parse_block_name
 from .store import ObjectStore, listing
@@ -56,6 +68,7 @@ if TYPE_CHECKING:
 ANNOUNCE_TTL_S = 3600.0  # g4.announce_ttl_s's default: the age gc deletes announcement batches at
 CLOCK_PROBE_PREFIX = "gc-clock-probe/"  # probe objects of store_clock (never block names)
 THROTTLE_ATTEMPTS = 10  # a LIST page or DELETE the store throttles ("slow down"): tries, backoff between
+LATE_WRITE_S = 3600.0  # a re-created tenant's blocks up to revoked_at + this: frame header read (module doc)
 
 
 def store_clock(store: ObjectStore) -> float | None:
@@ -126,7 +139,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         dict of counts and bytes: scanned_* (blocks), deleted_* (blocks and temp files) and per-reason
         ``deleted_by``; ``remaining_bytes`` (blocks left: ``scanned_bytes`` less the blocks' deleted bytes); ``store_now`` (the
         time base, epoch s), ``time_base`` (``"server"``: the store's clock, stated or probed;
-        ``"local"``: this host's) and ``clock_skew_s`` (``store_now - now``); ``warnings`` (only when
+        ``"local"``: this host's) and ``clock_skew_s`` (``store_now - now``); ``headers_read``: frame headers
+        read to tell a re-created tenant's late writes under a revoked key (module doc); ``warnings`` (only when
         there are: ``tenant`` unknown to ``keyring``); ``unlisted``: one line per
         part of the store that could not be listed (a directory of a file store), each counted in ``errors``
         (what was listed is still processed: nothing unlisted is deleted).
@@ -143,17 +157,35 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     # a dry run writes nothing, not even the clock probe: the store's stated time, else this host's
     server_now = store.server_time() if dry_run else store_clock(store)
     revoked = keyring.revoked() if keyring is not None else {}
-    # re-created after revocation (revoked is empty without a keyring)
-    active = {r["pseudonym"] for r in keyring.info()} if keyring is not None and revoked else set()
+    # re-created after revocation (revoked is empty without a keyring): pseudonym -> its current key id
+    active = {r["pseudonym"]: int(r["key_id"]) for r in keyring.info()} if keyring is not None and revoked else {}
+    shredded = {ps: keyring.revoked_key_ids(ps) for ps in active if ps in revoked} if keyring is not None else {}
     base, store_now = ("server", server_now) if server_now is not None else ("local", now)
     skew = store_now - now
     unlisted: list[str] = []  # parts of the store not listed (errors, named)
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "scanned_objects": 0, "scanned_bytes": 0,
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0, "announce": 0}, "deleted_objects": 0,
            "deleted_bytes": 0, "errors": 0, "unlisted": unlisted, "store_now": store_now, "time_base": base,
-           "clock_skew_s": skew, "future_objects": 0}
+           "clock_skew_s": skew, "future_objects": 0, "headers_read": 0}
     if warning is not None:
         res["warnings"] = [warning]
+
+    def late_write(name: str, ps: str) -> bool:
+        """Whether block ``name`` of re-created pseudonym ``ps`` was sealed under a revoked key (module doc)."""
+        try:
+            head = call_attempts(lambda: store.get(name, 0, HEADER_BYTES), THROTTLE_ATTEMPTS)
+        except OSError:  # StoreUnavailable, StoreThrottled after THROTTLE_ATTEMPTS too: kept, counted (as drop)
+            res["errors"] += 1
+            return False
+        res["headers_read"] += 1
+        try:
+            hdr = FrameHeader.unpack(head) if head is not None else None
+        except FrameError:
+            return False
+        if hdr is None or not hdr.flags & FLAG_ENCRYPTED:
+            return False
+        ids = shredded[ps]
+        return hdr.key_id in ids if ids else hdr.key_id != active[ps]
 
     def drop(name: str, size: int, why: str) -> None:
         if not dry_run:
@@ -183,8 +215,10 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         res["scanned_objects"] += 1
         res["scanned_bytes"] += o.size
         res["future_objects"] += o.mtime > store_now
-        t_rev = revoked.get(meta["tenant"])
-        why = ("revoked" if t_rev is not None and (meta["tenant"] not in active or o.mtime <= t_rev + skew + 1.0)
+        ps, t_rev = meta["tenant"], revoked.get(meta["tenant"])
+        why = ("revoked" if t_rev is not None and (
+                   ps not in active or o.mtime <= t_rev + skew + 1.0
+                   or (o.mtime <= t_rev + skew + LATE_WRITE_S and late_write(o.name, ps)))
                else "age" if max_age_s is not None and (max_age_s == 0 or store_now - o.mtime >= max_age_s)
                else None)
         if why is not None:
