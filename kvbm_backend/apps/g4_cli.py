@@ -236,6 +236,10 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
                kek_env: str = _ENV, kek_file: Optional[str] = _KF,
                dir_fanout: int = typer.Option(256, help="the workers' g4.dir_fanout"),
                dry_run: bool = typer.Option(False, "--dry-run", help="count, rename nothing"),
+               encrypted: Optional[bool] = typer.Option(
+                   None, "--encrypted/--plaintext",
+                   help="the workers' g4.encrypt; with --keyring required once a plaintext object is found "
+                        "(--encrypted leaves plaintext objects for gc: an encrypted pool never serves them)"),
                as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Rename blocks stored under format 1 names (sequence hash in clear) to keyed names. Safe while
     workers run; repeatable. Until it ran, old-named blocks are misses (recomputed). Exit 1 when an
@@ -246,7 +250,8 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
     store = _open_store(url, endpoint_url, region)
     try:
         kr = _open(keyring, kek_env, kek_file, False) if keyring else None
-        res = run_migrate(store, keyring=kr, unkeyed=unkeyed, dir_fanout=dir_fanout, dry_run=dry_run)
+        res = run_migrate(store, keyring=kr, unkeyed=unkeyed, dir_fanout=dir_fanout, dry_run=dry_run,
+                          encrypted=encrypted)
     except (ValueError, KeyringError, OSError) as e:
         _fail(str(e))
     _report(res, as_json, "g4 migrate")

@@ -65,7 +65,7 @@ MISS_REASONS = {
     "revoked_tenant": "the tenant's keys are revoked (encrypted pools)",
     "keyring_unavailable": "the keyring file does not load (encrypted pools fail closed)",
     "no_key": "the keyring has no key the object was sealed with (an unknown tenant, a retired key)",
-    "unencrypted_object": "a plaintext object in an encrypted pool (never served)",
+    "unencrypted_object": "a plaintext object in an encrypted pool (never served; deleted where confirmed)",
     "corrupt": "the object failed its checks (corrupt_blocks says which); deleted where confirmed",
     "unconfirmed_corrupt": "the bytes read failed a check the store does not confirm it holds (garbled in transit); kept",
 }

@@ -12,6 +12,13 @@ renamed and are left for ``kvbm-backend gc``; so are encrypted frames whose data
 its shredded generation would put unreadable objects under the very names its new blocks take, with a fresh
 mtime that hides them from gc's revoked-tenant rule (found 2026-11-29: the new writes lost every create-exclusive
 PUT and every load missed until ``--max-age-s``).
+
+Plaintext objects with a keyring need the workers' ``g4.encrypt`` (``encrypted``; the names cannot tell: a keyring
+names the blocks of plaintext and encrypted pools alike). An encrypted pool never serves a plaintext frame: before
+2026-11-30 migrate renamed them into its keyed names regardless, where each then held its name against the
+encrypted copy (workers now delete such frames on their first load: one miss each). ``encrypted=True`` leaves them
+(``skipped_plaintext``, for ``gc --max-age-s``), ``False`` renames them; unsaid, a plaintext object refuses the run
+before anything is renamed.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ if TYPE_CHECKING:
 
 
 def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: bool = False,
-                dir_fanout: int = 256, dry_run: bool = False) -> dict[str, Any]:
+                dir_fanout: int = 256, dry_run: bool = False, encrypted: bool | None = None) -> dict[str, Any]:
     """Rename every format 1 block object of ``store`` to its keyed name, under the same prefix.
 
     Two passes: every candidate's header is read and checked first (nothing is written before all passed
@@ -41,14 +48,18 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             looks (before 2026-11-30 a plaintext pool with a keyring lost every block that way).
         dir_fanout: the workers' ``g4.dir_fanout`` (checked against the old names' fan-out directories).
         dry_run: count only (``migrated``: would be renamed; ``already_present``: the new name exists).
+        encrypted: the workers' ``g4.encrypt``: True leaves plaintext objects where they are (an encrypted pool
+            never serves them: ``skipped_plaintext``), False renames them; None (not known) refuses the run when
+            a plaintext object is found with ``keyring``. Without a keyring the pool is plaintext.
     Returns:
         dict: ``legacy_objects`` found, ``migrated``, ``already_present`` (the new name existed: the old
         object was deleted), ``skipped_invalid`` (header does not match the name), ``skipped_revoked``,
-        ``skipped_unknown_tenant``, ``errors``; ``unlisted``: one line per part of the store that could not
+        ``skipped_unknown_tenant``, ``skipped_plaintext``, ``errors``; ``unlisted``: one line per part of the store that could not
         be listed (a directory of a file store), each counted in ``errors``.
     Raises:
         ValueError before anything is written when neither or both of ``keyring`` / ``unkeyed`` are given,
-        ``dir_fanout`` does not match the old names, or an encrypted object is found without ``keyring``;
+        ``dir_fanout`` does not match the old names, an encrypted object is found without ``keyring``, a
+        plaintext one with ``keyring`` and ``encrypted`` None, or ``encrypted`` is True with ``unkeyed``;
         StoreUnavailable when the store is down.
     """
     if not 1 <= dir_fanout <= 4096:
@@ -56,6 +67,8 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
     if (keyring is None) == (not unkeyed):
         raise ValueError("--keyring: give the workers' keyring, or --unkeyed when they have none (not both): "
                          "names are keyed by it, even in an unencrypted pool")
+    if unkeyed and encrypted:
+        raise ValueError("--encrypted: an encrypted pool has a keyring: give it with --keyring, not --unkeyed")
     legacy = []
     unlisted: list[str] = []  # parts of the store not listed (errors, named)
     for o in listing(store.list(""), unlisted):
@@ -69,6 +82,7 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
                              "(give the workers' value)")
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "legacy_objects": len(legacy), "migrated": 0,
            "already_present": 0, "skipped_invalid": 0, "skipped_revoked": 0, "skipped_unknown_tenant": 0,
+           "skipped_plaintext": 0,
            "errors": len(unlisted), "unlisted": unlisted}
     known: set[str] | None = None
     revoked: set[str] = set()
@@ -99,6 +113,14 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
         if keyring is not None and hdr.flags & FLAG_ENCRYPTED and not _key_of(keyring, hdr.key_id, ps):
             res["skipped_revoked"] += 1  # sealed under a revoked generation of a re-created tenant (module doc)
             continue
+        if keyring is not None and not hdr.flags & FLAG_ENCRYPTED:
+            if encrypted is None:
+                raise ValueError(f"--encrypted / --plaintext: {o.name} is plaintext and the workers have a keyring: "
+                                 "say whether they encrypt (g4.encrypt); an encrypted pool never serves a plaintext "
+                                 "block (--encrypted leaves them for gc, --plaintext renames them)")
+            if encrypted:
+                res["skipped_plaintext"] += 1
+                continue
         todo.append((o, meta))
     namers: dict[tuple[str, str], TenantNamer] = {}  # (namespace hex, tenant pseudonym hex)
     for o, meta in todo:  # pass 2: rename

@@ -31,7 +31,10 @@ any node, with the same keyring, finds blocks by name.
   deleted (a corrupt object would otherwise block re-publishing forever under create-exclusive).
   Objects sealed under keys this keyring does not hold (revoked or foreign tenants) are misses
   (``miss_no_key``) and are left for ``kvbm-backend gc``. An object sealed under another tenant's
-  key id (a blob sealed with B's key under A's name and identity) is ``corrupt_key_owner``.
+  key id (a blob sealed with B's key under A's name and identity) is ``corrupt_key_owner``. A plaintext
+  frame found by an encrypted pool is never served (``miss_unencrypted_object``) and deleted once the
+  store confirms it (``deleted_unencrypted``), so the encrypted copy can be written; a plaintext pool
+  never deletes an encrypted frame it cannot open (``miss_no_key``).
 * Tenants (encrypted pools): loads and lookups of a revoked tenant, or while the keyring file does
   not load, are misses without store I/O (``miss_revoked_tenant``, ``miss_keyring_unavailable``); an
   unknown tenant's loads are misses too (no key: ``miss_no_key``, or absent); offloads are

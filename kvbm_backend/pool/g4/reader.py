@@ -444,8 +444,8 @@ class G4Reader:
                         if plain is payload:  # undo the in-place decryption (GCM's CTR keystream again) so
                             seal_into(dkey, hdr.nonce, b"", plain, payload)  # the bytes read can be confirmed
                         raise FrameError("integrity", "GCM tag did not verify") from None
-            elif self._encrypt:
-                return "miss_unencrypted_object"  # an encrypted pool serves only authenticated blocks
+            elif self._encrypt:  # an encrypted pool serves only authenticated blocks
+                return self._drop_unencrypted(name, data.joined() if isinstance(data, _Split) else data, size)
             elif hdr.flags & FLAG_CHECKSUM:
                 if payload_checksum(payload) != hdr.integrity:
                     raise FrameError("integrity", "payload checksum mismatch")
@@ -480,6 +480,22 @@ class G4Reader:
                 self._frames.give(scratch)
         b.sizes[i] = size  # counted with the batch's hits (bytes_read) once it goes idle
         return None
+
+    def _drop_unencrypted(self, name: str, data: Blob, size: int) -> str:
+        """A plaintext frame (``data``: the bytes read of an object of ``size`` bytes) under ``name`` in an
+        encrypted pool: never served; deleted once the store confirms it holds those bytes
+        (``deleted_unencrypted``, else ``unconfirmed_unencrypted``), else it held the name against the encrypted
+        copy for good under create-exclusive (g4.encrypt switched on: docs/configuration.md). Plaintext pools
+        never delete encrypted frames they cannot open. Returns ``"miss_unencrypted_object"``."""
+        if not self._stored_is_bad(name, data, size):
+            self._count("unconfirmed_unencrypted")
+            return "miss_unencrypted_object"
+        try:
+            self.store.delete(name)
+            self._count("deleted_unencrypted")
+        except OSError:
+            pass
+        return "miss_unencrypted_object"
 
     def _gcm_of(self, dkey: bytes) -> AESGCM:
         """The reused one-shot GCM context of data key ``dkey`` (those of the 64 most recent keys are kept)."""

@@ -76,14 +76,50 @@ def test_migrate_needs_keyring_or_unkeyed_and_refuses_before_writing_anything(tm
     assert code == 2 and "encrypted" in out, out
     with G4Pool(plain, ns) as p:
         assert _legacy(p) == 6  # nothing renamed
-    code, out = _cli(*base, "--keyring", kr, "--dry-run")
+    code, out = _cli(*base, "--keyring", kr, "--plaintext", "--dry-run")  # the workers' g4.encrypt: false
     assert code == 0 and json.loads(out)["migrated"] == 6
-    code, out = _cli(*base, "--keyring", kr)
+    code, out = _cli(*base, "--keyring", kr, "--plaintext")
     assert code == 0 and json.loads(out)["migrated"] == 6, out
     with G4Pool(plain, ns) as p:
         assert read_checked(p, seqs, "alice") == [True] * 5 and _legacy(p) == 0
     code, out = _cli(*base, "--keyring", kr, "--dry-run")  # nothing left to rename
     assert code == 0 and json.loads(out)["legacy_objects"] == 0
+
+
+def test_migrate_asks_the_workers_encrypt_setting_before_renaming_plaintext_blocks_with_a_keyring(tmp_path):
+    """A keyring names the blocks of plaintext and encrypted pools alike, so the names cannot say whether the
+    workers encrypt. Before: plaintext format 1 objects were renamed into the keyed names of an encrypted pool,
+    which never serves them: each held its name against the encrypted copy (offloads skipped_exists, loads
+    misses, for good). Now, with --keyring, a plaintext object refuses the run (exit 2, nothing renamed) until
+    --encrypted (they are left for gc: skipped_plaintext; encrypted ones are renamed) or --plaintext (renamed)."""
+    ns, seqs = namespace(), [4000 + i for i in range(4)]
+    kr = str(tmp_path / "kr.json")
+    plain = G4Config(url=f"file://{tmp_path / 'store'}", encrypt=False, keyring={"path": kr}, dir_fanout=FANOUT)
+    enc = G4Config(url=plain.url, keyring={"path": kr}, dir_fanout=FANOUT)
+    with G4Pool(plain, ns) as p:
+        assert put_blocks(p, seqs, "alice").written == 4
+        _to_legacy(p, ns, seqs, "alice")
+    with G4Pool(enc, ns) as p:
+        assert put_blocks(p, [4100], "alice").written == 1
+        _to_legacy(p, ns, [4100], "alice")
+        assert _legacy(p) == 5
+    base = ["g4", "migrate", "--url", plain.url, "--dir-fanout", str(FANOUT), "--json"]
+    code, out = _cli(*base, "--keyring", kr)
+    assert code == 2 and "--encrypted" in out and "--plaintext" in out, out
+    code, out = _cli(*base, "--unkeyed", "--encrypted")  # an encrypted pool has a keyring
+    assert code == 2 and "--keyring" in out, out
+    with G4Pool(enc, ns) as p:
+        assert _legacy(p) == 5  # nothing renamed
+    code, out = _cli(*base, "--keyring", kr, "--encrypted")
+    res = json.loads(out)
+    assert code == 0 and (res["migrated"], res["skipped_plaintext"], res["errors"]) == (1, 4, 0), out
+    with G4Pool(enc, ns) as p:
+        assert read_checked(p, [4100], "alice") == [True] and _legacy(p) == 4  # plaintext ones left for gc
+        assert put_blocks(p, seqs, "alice").written == 4  # the encrypted pool's names are free for its blocks
+        assert read_checked(p, seqs, "alice") == [True] * 4 and p.stats().get("miss_unencrypted_object", 0) == 0
+    code, out = _cli(*base, "--keyring", kr, "--plaintext")  # had the workers been plaintext: renamed
+    res = json.loads(out)
+    assert code == 0 and (res["migrated"], res["already_present"]) == (0, 4), out
 
 
 def test_a_dry_run_counts_blocks_whose_new_name_exists_as_already_present(tmp_path):
