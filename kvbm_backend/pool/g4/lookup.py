@@ -7,7 +7,8 @@ prefix confirmed so far and counts as one store failure (breaker), unless the st
 down". Throttled HEADs (:class:`~kvbm_backend.pool.g4.store.StoreThrottled`) are retried after a
 full-jitter backoff (:mod:`.throttle`) until the bound: each throttled answer counts ``throttled_head``, a
 HEAD still throttled at the bound ends the lookup there (``lookup_throttled``), never a breaker failure.
-Keys of another namespace, or of a revoked tenant (encrypted pools), are absent without store I/O.
+Keys of another namespace, or of a revoked tenant (any pool with a keyring, plaintext ones too), or any key while
+the keyring file does not load, are absent without store I/O.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class G4Lookups:
         store: HEADed for each key.
         namespace: the pool's namespace fingerprint (other keys are absent).
         names: object names per tenant.
-        keyring: an encrypted pool's keyring (revoked tenants are absent); None for plaintext pools.
+        keyring: the pool's keyring (revoked tenants are absent; encrypted or not); None for a pool without one.
         breaker, throttle, counters: the pool's shared collaborators.
         executor: the read threads; deadlines: the pool's timer thread.
         load_bound_s: seconds within which a lookup resolves; max_inflight: the widest wave.

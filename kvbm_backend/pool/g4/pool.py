@@ -35,13 +35,14 @@ any node, with the same keyring, finds blocks by name.
   frame found by an encrypted pool is never served (``miss_unencrypted_object``) and deleted once the
   store confirms it (``deleted_unencrypted``), so the encrypted copy can be written; a plaintext pool
   never deletes an encrypted frame it cannot open (``miss_no_key``).
-* Tenants (encrypted pools): loads and lookups of a revoked tenant, or while the keyring file does
-  not load, are misses without store I/O (``miss_revoked_tenant``, ``miss_keyring_unavailable``); an
-  unknown tenant's loads are misses too (no key: ``miss_no_key``, or absent); offloads are
-  dropped (``dropped_revoked_tenant``, ``dropped_unknown_tenant``, ``dropped_keyring``), logged once
-  per tenant pseudonym (never the tenant id: it is the request's cache_salt). The keyring re-reads
-  its file at most every ``g4.keyring.reload_interval_s``: a revocation reaches a running pool within
-  that bound (plus requests already in flight).
+* Tenants (every pool with a keyring, plaintext ones too): loads and lookups of a revoked tenant, or
+  while the keyring file does not load, are misses without store I/O (``miss_revoked_tenant``,
+  ``miss_keyring_unavailable``), offloads dropped (``dropped_revoked_tenant``, ``dropped_keyring``).
+  Encrypted pools: an unknown tenant's loads are misses too (no key: ``miss_no_key``, or absent) and its
+  offloads dropped (``dropped_unknown_tenant``); a plaintext pool stores and serves it (it needs no data
+  key). Drops are logged once per tenant pseudonym (never the tenant id: it is the request's
+  cache_salt). The keyring re-reads its file at most every ``g4.keyring.reload_interval_s``: a
+  revocation reaches a running pool within that bound (plus requests already in flight).
 
 Modules, by job: this module is the facade: the public API, construction, shutdown and ``stats()``,
 wiring parts that each own their state and get what they use handed in (no part reaches into another's
@@ -169,7 +170,7 @@ class G4Pool:
                                load_bound_s=self.load_bound_s, max_inflight=cfg.max_inflight,
                                breaker=self.breaker, throttle=self.throttle, counters=self.counters)
         self.lookups = G4Lookups(store=self.store, namespace=self._fp, names=self.names,
-                                 keyring=self.keyring if self.encrypt else None, executor=self._io,
+                                 keyring=self.keyring, executor=self._io,
                                  deadlines=self._deadlines, load_bound_s=self.load_bound_s,
                                  max_inflight=cfg.max_inflight, breaker=self.breaker, throttle=self.throttle,
                                  counters=self.counters)

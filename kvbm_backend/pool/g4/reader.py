@@ -112,9 +112,11 @@ class GetBatch:
 
 
 def tenant_miss(keyring: Keyring | None, tenant: str) -> str | None:
-    """A miss counter, without store I/O, when an encrypted pool's ``keyring`` (None for plaintext pools)
-    says ``tenant`` is revoked or the keyring file does not load; else None. (An unknown tenant's objects
-    still get read and counted by what they are: absent, plaintext, or ``miss_no_key``.)"""
+    """A miss counter, without store I/O, when a pool's ``keyring`` (None for a plaintext pool without one)
+    says ``tenant`` is revoked or the keyring file does not load; else None. Plaintext pools with a keyring
+    ask it too: a revoked tenant's plaintext blocks stop being served (before 2026-11-30 only encrypted pools
+    asked). (An unknown tenant's objects still get read and counted by what they are: absent, plaintext, or
+    ``miss_no_key``.)"""
     if keyring is None:
         return None
     state = keyring.tenant_state(tenant)
@@ -170,7 +172,7 @@ class G4Reader:
         self._names = names
         self._keyring = keyring
         self._encrypt = encrypt
-        self._tenant_keyring = keyring if encrypt else None  # what tenant_miss asks (plaintext pools: nothing)
+        self._tenant_keyring = keyring  # what tenant_miss asks: plaintext pools with a keyring honour it too
         self._frames = frames
         self._frame_bytes = HEADER_BYTES + self._bpb
         self._breaker = breaker

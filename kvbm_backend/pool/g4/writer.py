@@ -55,7 +55,8 @@ class G4Writer:
         store: where frames are published.
         namespace: what the blocks mean (keys of other namespaces are skipped).
         names: object names and expected headers per tenant.
-        keyring: the tenants' data keys when ``encrypt`` (None only for plaintext pools).
+        keyring: the tenants' data keys when ``encrypt`` (None only for plaintext pools); a plaintext pool's
+            keyring is asked for the tenant's state (revoked tenants' offloads dropped, as when encrypted).
         encrypt: seal with AES-256-GCM (else xxh3-checksummed plaintext).
         frames: reused frame buffers of at least ``HEADER_BYTES + bytes_per_block`` bytes.
         breaker, throttle, counters, oplog: the pool's shared collaborators.
@@ -187,13 +188,21 @@ class G4Writer:
         """Frame ``block`` into ``buf`` (a reused uint8 buffer of at least ``HEADER_BYTES + bpb`` bytes,
         from the frame buffers): AES-256-GCM straight from the caller's block into the payload (or one copy
         and xxh3 for plaintext), header in front. Returns the frame's memoryview (no copy) and the object
-        name, both from one namer taken after the data key (whose look-up may reload the keyring: a replaced
+        name, both from one namer taken after the keyring was asked (a look-up may reload it: a replaced
         pseudonym key then names and tags the block too). Raises KeyringError when the tenant has no data
-        key to write with (revoked, unknown, keyring down)."""
+        key to write with (revoked, unknown, keyring down); a plaintext pool with a keyring raises it for a
+        revoked tenant and while the keyring file does not load (an unknown tenant needs no data key there:
+        written)."""
         dk = None
         if self._encrypt:
             assert self._keyring is not None  # G4Pool: an encrypted pool always has a keyring
             dk = self._keyring.write_key(key.tenant)
+        elif self._keyring is not None:  # a plaintext pool with a keyring honours its tenant state too
+            state = self._keyring.tenant_state(key.tenant)
+            if state == "revoked":
+                raise TenantRevoked("the tenant was revoked")
+            if state == "unavailable":
+                raise KeyringError("the keyring file does not load")
         namer = self._names.namer(key.tenant)
         hdr = self._names.expected_header(key, namer)
         frame = buf.data.cast("B")[:HEADER_BYTES + self._bpb]  # ndarray.data: its memoryview, no copy

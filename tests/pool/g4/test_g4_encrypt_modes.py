@@ -1,17 +1,19 @@
 """G4 pools of both ``g4.encrypt`` settings on one store and keyring (review findings of 2026-11-30, reproduced on
 real file stores and SeaweedFS): a pool switched to encryption drops the plaintext blocks it can never serve
 instead of keeping them for good, a fleet mid-rollout converges without deleting blocks the other setting
-serves."""
+serves, and a plaintext pool with a keyring honours a tenant's revocation."""
 from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
 from kvbm_backend.config import G4Config
 from kvbm_backend.model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameHeader
+from kvbm_backend.pool.g4.gc import run_gc
 from kvbm_backend.pool.g4.pool import G4Pool
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
@@ -99,3 +101,57 @@ def test_a_fleet_mid_rollout_converges_on_encrypted_blocks_both_settings_serve(t
         assert _flags(enc, 20, "alice") == FLAG_ENCRYPTED
         for p in (plain, blind):
             assert p.stats().get("deleted_corrupt", 0) == 0 and p.stats().get("deleted_unencrypted", 0) == 0
+
+
+def test_a_plaintext_pool_with_a_keyring_honours_revocation(target):
+    """g4.encrypt false with a keyring (keyed names). Before: the pool never asked its keyring about tenants, so a
+    revoked tenant's blocks were still found and served and its offloads written. Now as in encrypted pools:
+    lookups and loads miss (miss_revoked_tenant), offloads are dropped (dropped_revoked_tenant); other
+    tenants, and unknown ones (no data key needed), are served; gc --keyring reclaims the revoked blocks."""
+    with _pool(target, encrypt=False) as p:
+        p.keyring.create("alice")
+        p.keyring.create("bob")
+        assert put_blocks(p, [1], "alice").written == 1 and put_blocks(p, [2], "bob").written == 1
+        assert read_checked(p, [1], "alice") == [True]
+        p.keyring.revoke("alice")
+        assert _lookup(p, [1], "alice") == 0
+        assert read_checked(p, [1], "alice") == [False]
+        assert put_blocks(p, [3], "alice").dropped == 1
+        st = p.stats()
+        assert st["miss_revoked_tenant"] == 1 and st["dropped_revoked_tenant"] == 1, st
+        assert _flags(p, 1, "alice") == FLAG_CHECKSUM and _flags(p, 3, "alice") is None  # kept for gc; not written
+        assert _lookup(p, [2], "bob") == 1 and read_checked(p, [2], "bob") == [True]
+        assert put_blocks(p, [4], "bob").written == 1
+        assert put_blocks(p, [5], "carol").written == 1 and read_checked(p, [5], "carol") == [True]  # unknown
+        res = run_gc(p.store, keyring=p.keyring)
+        assert res["deleted_by"]["revoked"] == 1 and _flags(p, 1, "alice") is None, res
+        p.keyring.create("alice")  # re-created by the operator: served and written again
+        assert put_blocks(p, [1], "alice").written == 1 and read_checked(p, [1], "alice") == [True]
+
+
+def test_a_plaintext_pool_with_a_keyring_fails_closed_while_it_does_not_load(tmp_path):
+    """As encrypted pools: a keyring file that stops loading (it may hold a revocation the pool cannot see) makes
+    loads and lookups miss (miss_keyring_unavailable) and drops offloads (dropped_keyring) until it loads again.
+    Before: the plaintext pool never asked its keyring and served on."""
+    path = tmp_path / "keys" / "kr.json"
+    reload_s = 0.05
+    cfg = {"url": f"file://{tmp_path / 'store'}", "encrypt": False, "timeout_s": 60.0,
+           "keyring": {"path": str(path), "reload_interval_s": reload_s}}
+
+    def replace(data: bytes) -> None:
+        tmp = path.with_name("next.tmp")
+        tmp.write_bytes(data)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+        time.sleep(2 * reload_s)  # at least one reload interval: the pool's next keyring call re-reads the file
+
+    with _pool(cfg) as p:
+        assert put_blocks(p, [1], "alice").written == 1 and read_checked(p, [1], "alice") == [True]
+        good = path.read_bytes()
+        replace(b"{not json")
+        assert read_checked(p, [1], "alice") == [False]
+        assert _lookup(p, [1], "alice") == 0 and put_blocks(p, [2], "alice").dropped == 1
+        st = p.stats()
+        assert st["keyring_ok"] is False and st["miss_keyring_unavailable"] == 1 and st["dropped_keyring"] == 1, st
+        replace(good)
+        assert read_checked(p, [1], "alice") == [True] and put_blocks(p, [2], "alice").written == 1
