@@ -21,10 +21,12 @@ Load it with::
 * ``save`` / ``load`` (bool, default true): offload computed blocks / serve prefix hits.
 * ``save_decode`` (bool, default true): also offload blocks filled by generated tokens (the next turn
   of a conversation then finds the previous answer's KV); false saves prompt blocks only.
-* ``save_to_g4`` (bool, default true): write-through to G4 as well as G3.
-* ``handoff_wait_s`` (seconds, default 5): disaggregated prefill/decode through the shared tiers
+* ``save_to_g4`` (bool, default true): write-through to G4 as well as G3. A prefill worker's handoff promises
+  blocks only with it (and G4) on: G3 is private to one worker.
+* ``handoff_wait_s`` (seconds in [0, 600], default 5): disaggregated prefill/decode through G4
   (:mod:`.handoff`, ``examples/dynamo/disagg_*_g4.sh``): how long a decode request waits for the blocks its
-  prefill worker said it offloaded before the engine computes what is missing.
+  prefill worker said it offloaded before the engine computes what is missing (no wait when the handoff names
+  another G4 namespace or tenant).
 * ``promote_to_g3`` (bool, default true): blocks loaded from G4 are also written into G3.
 * ``max_pending_save_bytes`` (int bytes, default 1 GiB): host staging bound for offloads (a save's leading
   blocks that fit are staged, the rest dropped and counted: ``save_dropped_blocks``).

@@ -1,19 +1,33 @@
-"""Prefill -> decode handoff through the shared tiers (G4, or a G3 both workers mount): the "cache-mediated"
-form of disaggregated serving, no KV transport between the engines.
+"""Prefill -> decode handoff through the shared tier G4: the "cache-mediated" form of disaggregated serving,
+no KV transport between the engines. (G3 is private to one worker: a second process on the same G3
+directory is refused, ``G3LockedError``; only G4 is shared.)
 
 The prefill worker computes the prompt and its connector offloads the prompt's full blocks as usual (G3 and
-G4, write-behind); the decode worker's connector onboards them like any G3/G4 hit. The only thing that
+G4, write-behind); the decode worker's connector onboards them like any G4 hit. The only thing that
 crosses from prefill to decode is a hint in vLLM's ``kv_transfer_params`` (Dynamo passes it from the
 prefill response to the decode request):
 
 * the prefill request carries ``{"kvbm_backend_handoff": true}`` (set by Dynamo's PD protocol for our
   connector, :mod:`kvbm_backend.integrations.dynamo.pd_protocol`, or by any router);
-* when it finishes, the prefill connector answers ``{"kvbm_backend_handoff": {"blocks": N, "block_size": B}}``:
-  N = the prompt's full blocks of B tokens it has offloaded;
+* when it finishes, the prefill connector answers ``{"kvbm_backend_handoff": {"blocks": N, "block_size": B,
+  "namespace": F, "tenant": T}}``: N = the prompt's full blocks another engine can load, ``(prompt tokens - 1)
+  // B``, when this worker writes them to G4 (G4 open, ``save`` and ``save_to_g4`` on), else 0 (nothing to
+  wait for). Blocks this worker did not compute for the request (loaded from its own G3 or G4, or served by
+  its engine's prefix cache) are written to G4 too, where G4 lacks them (``SaveJob.g4_only``: checked
+  with one ``lookup_prefix``, then only the missing ones are put). N is what the write-behind is asked to
+  store, not a receipt: a put that is dropped (queue full, store down) ends the decode side's wait at
+  ``handoff_wait_s``. F = the fingerprint of the namespace the prefill worker's G4 blocks are stored under
+  (:func:`g4_fingerprint`: model, revision, dtype, layout, TP world size, or the canonical namespace with
+  ``g4.layout: canonical``), T = the first 8 bytes (hex) of the request's tenant pseudonym in G4 (a keyed
+  HMAC with an encrypted pool's keyring: the tenant id is not in the clear);
 * the decode connector, seeing that, waits (without blocking the scheduler: vLLM's "ask me again" ``None``
   from ``get_num_new_matched_tokens``) until its tiers show those N blocks, at most ``wait_s`` from the first
   look; past it, it takes what is there and the engine computes the rest (counted ``handoff_timeouts`` and
-  logged once per request at WARNING, with the request id and the blocks found).
+  logged once per request at WARNING, with the request id and the blocks found). It does not wait at all
+  when F or T differ from its own (the blocks are under names it never reads: a prefill worker of another
+  TP size, dtype or revision, or with another default tenant): served at once, counted
+  ``handoff_identity_mismatches``, one WARNING per pair of values. Params without F and T (older prefill
+  workers) are waited for as before.
 
 Never wrong KV: the decode side loads only blocks whose frames check (the ordinary load path); the wait
 only decides *when* it looks. The write-behind that makes blocks visible is the prefill side's ordinary
@@ -46,27 +60,65 @@ def requested(request: Any) -> bool:
     return _params(request).get(KEY) is True
 
 
-_warned_nothing_offloaded = False
+_warned_nothing_shared = False
 
 
-def finished_params(request: Any, block_size: int, offloads: bool = True) -> dict | None:
+def g4_fingerprint(g4: Any) -> str | None:
+    """The fingerprint of the namespace ``g4``'s blocks are stored under (the canonical namespace with
+    ``g4.layout: canonical``, which every TP size shares; else the engine's per-rank namespace), or None
+    without G4."""
+    if g4 is None:
+        return None
+    heads = getattr(g4, "heads", None)  # CanonicalG4
+    ns = heads.canonical if heads is not None else getattr(g4, "namespace", None)
+    return getattr(ns, "fingerprint", None)
+
+
+def tenant_tag(g4: Any, tenant: str) -> str | None:
+    """The first 8 bytes (16 hex characters) of ``tenant``'s pseudonym in ``g4`` (a keyed HMAC under an
+    encrypted pool's keyring), or None without G4 or when the pool cannot say (a keyring error)."""
+    ps = getattr(g4, "pseudonym", None)
+    if ps is None:
+        return None
+    try:
+        return bytes(ps(tenant))[:8].hex()
+    except Exception:  # noqa: BLE001 - no tag: the handoff is judged without it
+        return None
+
+
+def identity(g4: Any, tenant: str) -> dict[str, str]:
+    """``{"namespace": F, "tenant": T}`` of this engine's G4 for ``tenant`` (keys left out when unknown)."""
+    out = {"namespace": g4_fingerprint(g4), "tenant": tenant_tag(g4, tenant)}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def finished_params(request: Any, block_size: int, offloads: bool = True,
+                    ident: dict[str, str] | None = None) -> dict | None:
     """``kv_transfer_params`` for a finished prefill request that asked for a handoff, else None:
-    ``{KEY: {"blocks": N, "block_size": tokens per block}}`` with N = ``(prompt tokens - 1) // block_size``,
-    the full blocks another engine can load for this prompt (vLLM computes at least the prompt's last token
-    itself, so a block ending on it is never loaded). ``offloads`` False (this connector saves nothing:
-    ``save`` off, or neither G3 nor G4): N = 0, so the decode worker computes the prompt at once instead of
-    waiting ``handoff_wait_s`` for blocks that never come; logged once per process at WARNING."""
-    global _warned_nothing_offloaded
+    ``{KEY: {"blocks": N, "block_size": tokens per block, **ident}}`` with N = ``(prompt tokens - 1) //
+    block_size``, the full blocks another engine can load for this prompt (vLLM computes at least the prompt's
+    last token itself, so a block ending on it is never loaded). ``offloads``: this connector writes the
+    prompt's blocks to the shared G4 (G4 open, ``save`` and ``save_to_g4`` on); False: N = 0, so the decode
+    worker computes the prompt at once instead of waiting ``handoff_wait_s`` for blocks that never reach a tier
+    it reads (before 2026-11-30 a worker with G3 alone, or ``save_to_g4`` off, promised every block); logged
+    once per process at WARNING. ``ident``: :func:`identity` of the request's tenant, added to the answer."""
+    global _warned_nothing_shared
     if not requested(request):
         return None
     n = max(0, len(getattr(request, "prompt_token_ids", None) or []) - 1) // block_size if offloads else 0
-    if not offloads and not _warned_nothing_offloaded:
-        _warned_nothing_offloaded = True
-        log.warning("kvbm_backend handoff: request %s asked for a prefill->decode handoff, but this worker offloads "
-                    "nothing (connector save off, or no G3/G4 tier): it answers 0 blocks and the decode worker "
-                    "computes the prompt", getattr(request, "request_id", "?"))
+    if not offloads and not _warned_nothing_shared:
+        _warned_nothing_shared = True
+        log.warning("kvbm_backend handoff: request %s asked for a prefill->decode handoff, but this worker writes "
+                    "nothing to a shared G4 (no G4 tier, or connector save / save_to_g4 off; G3 is private to one "
+                    "worker): it answers 0 blocks and the decode worker computes the prompt",
+                    getattr(request, "request_id", "?"))
     stats.add(handoff_offered_requests=1, handoff_offered_blocks=n)
-    return {KEY: {"blocks": n, "block_size": block_size}}
+    return {KEY: {"blocks": n, "block_size": block_size, **(ident or {})}}
+
+
+def offered(request: Any) -> bool:
+    """The decode side: the request carries a prefill worker's handoff answer (a dict under ``KEY``)."""
+    return isinstance(_params(request).get(KEY), dict)
 
 
 def remote_prefill(request: Any) -> bool:
@@ -80,23 +132,61 @@ def _count(x: Any) -> int | None:
     return x if type(x) is int else None
 
 
-def expected_blocks(request: Any, block_size: int) -> int | None:
+_IDENT_FIELDS = ("namespace", "tenant")
+_MAX_WARNED_PAIRS = 256
+_warned_pairs: set[tuple[str, str, str]] = set()  # (field, theirs, ours) already logged (bounded)
+
+
+def _mismatch(request: Any, v: dict, ours: dict[str, str] | None) -> bool:
+    """The handoff's identity fields name another namespace or tenant than ``ours`` (:func:`identity` of
+    this engine; None or no G4: it can load nothing a prefill worker wrote, so any identity mismatches).
+    Params without the fields (older prefill workers) never mismatch. Logged at WARNING once per pair
+    of values (the first :data:`_MAX_WARNED_PAIRS` pairs; later ones by the ``identity`` rate limit)."""
+    for f in _IDENT_FIELDS:
+        theirs = v.get(f)
+        if theirs is None:
+            continue
+        mine = (ours or {}).get(f)
+        if theirs == mine:
+            continue
+        stats.add(handoff_identity_mismatches=1)
+        pair = (f, reprlib.repr(theirs), str(mine))
+        what = {"namespace": "G4 namespace (model, revision, dtype, KV layout, TP size: both workers need the same, "
+                             "or g4.layout: canonical)",
+                "tenant": "tenant (pseudonym prefix; the request's cache_salt, else each worker's default tenant)"}[f]
+        text = ("kvbm_backend handoff: request %s was prefilled under %s %s, this engine's is %s: the prefill "
+                "worker's blocks are not ones this worker reads; served without waiting")
+        args = (getattr(request, "request_id", "?"), what, pair[1], mine if mine is not None else "none (no G4)")
+        if pair not in _warned_pairs and len(_warned_pairs) < _MAX_WARNED_PAIRS:
+            _warned_pairs.add(pair)
+            log.warning(text, *args)
+        elif pair not in _warned_pairs:
+            LOG.warning("identity", text, *args)
+        return True
+    return False
+
+
+def expected_blocks(request: Any, block_size: int, ours: dict[str, str] | None = None) -> int | None:
     """The decode side: how many leading blocks the prefill worker offloaded for this request, or None when
-    the request carries no handoff (or one for another block size, which cannot be matched: then the
-    request is served like any other, no wait). Values come from the client's request: anything but a
-    plain int >= 0 (and >= 1 for ``block_size``) is malformed, served without waiting and logged with a
-    bounded description. Called once per request (the scheduler keeps the answer)."""
+    the request carries no handoff (or one for another block size, or for another G4 namespace or tenant than
+    ``ours``, :func:`identity` of this engine: those cannot be matched, so the request is served like any
+    other, no wait). Values come from the client's request: anything but a plain int >= 0 (and >= 1 for
+    ``block_size``), or an identity field that is not a string, is malformed, served without waiting and
+    logged with a bounded description. Called once per request (the scheduler keeps the answer)."""
     v = _params(request).get(KEY)
     if not isinstance(v, dict):
         return None
     n, bs = _count(v.get("blocks")), _count(v.get("block_size"))
-    if n is None or bs is None or n < 0 or bs < 1:
+    if (n is None or bs is None or n < 0 or bs < 1
+            or any(not isinstance(v.get(f), (str, type(None))) for f in _IDENT_FIELDS)):
         LOG.warning("malformed", "kvbm_backend handoff: malformed %s %s in request %s; served without waiting", KEY,
                     reprlib.repr(v), getattr(request, "request_id", "?"))
         return None
     if bs != block_size:
         LOG.warning("block_size", "kvbm_backend handoff: request %s was prefilled with %d-token blocks, this "
                     "engine uses %d; served without waiting", getattr(request, "request_id", "?"), bs, block_size)
+        return None
+    if _mismatch(request, v, ours):
         return None
     return n
 

@@ -42,13 +42,15 @@ class LoadJob:
 @dataclass
 class SaveJob:
     """Offload engine blocks ``block_ids`` (full blocks computed this step) of KV cache group ``group``
-    under ``seq_hashes``."""
+    under ``seq_hashes``. ``g4_only``: blocks a handed-off prefill request did not compute (its G3 or its
+    engine's prefix cache has them): written to G4 alone, and only those G4 does not hold yet."""
 
     req_id: str
     block_ids: list[int]
     seq_hashes: list[int]
     tenant: str
     group: int = 0
+    g4_only: bool = False
 
 
 @dataclass

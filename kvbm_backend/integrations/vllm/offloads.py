@@ -34,6 +34,7 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
@@ -90,6 +91,9 @@ def flush_all(timeout: float | None = None) -> bool:
     return all([o.flush(timeout) for o in list(_LIVE)])
 
 
+CLOSE_LOOKUP_WAIT_S = 30.0  # close: at most this long (seconds) for G4-only saves' lookups (each has G4's own bound)
+
+
 class Offloads:
     """Save staging, its bound and the hand-off to the pools for one :class:`~.worker_side.WorkerSide`.
 
@@ -109,6 +113,7 @@ class Offloads:
         self.defer = False  # hand-offs on the kvbm-save thread (set by register on a CUDA engine)
         self.pending_bytes = 0
         self._lock = threading.Lock()
+        self._lookups: set[Future] = set()  # G4-only saves whose put waits for their lookup (_put_missing)
         self._staging = BufferPool("host", self._keep(), name="vllm-save-staging")
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-save")
         _LIVE.add(self)
@@ -133,7 +138,9 @@ class Offloads:
             IndexError: an engine block id outside the engine's blocks (a caller's bug; nothing staged).
         """
         n = len(job.block_ids)
-        if n == 0:
+        # A replicated block (MLA) goes to G4 once, from the rank whose key names it.
+        g4 = self.save_to_g4 and self.ns.shared_rank(self.rank) == self.rank
+        if n == 0 or (job.g4_only and (not g4 or self.g4 is None)):
             return
         check_ids(job.block_ids, kv.num_blocks)
         bpb = kv.layout.bytes_per_block
@@ -167,8 +174,6 @@ class Offloads:
             self._release(nbytes)
             raise
         stats.add(save_jobs=1, save_blocks=n, save_gather_s=time.perf_counter() - t0)
-        # A replicated block (MLA) goes to G4 once, from the rank whose key names it.
-        g4 = self.save_to_g4 and self.ns.shared_rank(self.rank) == self.rank
         self._submit(_Staged(n, nbytes, arr, arr, sums, ready, job=job, g4=g4))
 
     def promote(self, keys: list[BlockKey], rows: torch.Tensor, dev_checks: bool) -> None:
@@ -231,27 +236,35 @@ class Offloads:
             stats.add(save_dropped_blocks=s.n, save_dropped_error_blocks=s.n)
             self._release(s.nbytes)
             return
-        self.put_all(keys, blocks, s.keep, s.nbytes, g4=s.g4, dev_checks=checks, promote=s.promote,
-                     recycle=s.recycle)
+        g4_only = s.job is not None and s.job.g4_only
+        self.put_all(keys, blocks, s.keep, s.nbytes, g3=not g4_only, g4=s.g4, dev_checks=checks, promote=s.promote,
+                     recycle=s.recycle, g4_missing_only=g4_only)
 
     def _release(self, nbytes: int) -> None:
         with self._lock:
             self.pending_bytes -= nbytes
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every save staged so far was handed to the pools (seconds; None: no bound). Returns
-        False on timeout."""
+        """Wait until every save staged so far was handed to the pools (seconds; None: no bound), G4-only saves
+        past their lookup (:meth:`_put_missing`). Returns False on timeout."""
+        end = None if timeout is None else time.monotonic() + timeout
         try:
             self._thread.submit(lambda: None).result(timeout)  # one thread: it runs after those queued before
         except FutureTimeout:
             return False
         except RuntimeError:  # closed: every hand-off already ran
             pass
-        return True
+        with self._lock:
+            pending = list(self._lookups)
+        left = None if end is None else max(0.0, end - time.monotonic())
+        return not futures_wait(pending, left).not_done
 
     def close(self) -> None:
-        """Hand off the saves staged so far, then stop the thread. Idempotent."""
+        """Hand off the saves staged so far (G4-only ones past their lookup), then stop the thread. Idempotent."""
         self._thread.shutdown(wait=True)
+        with self._lock:
+            pending = list(self._lookups)
+        futures_wait(pending, CLOSE_LOOKUP_WAIT_S)
 
     # ---- hand-off ---------------------------------------------------------------------------------
     def g4_keys(self, keys: list) -> list:
@@ -260,9 +273,11 @@ class Offloads:
         return keys if r == self.rank else [k._replace(rank=r) for k in keys]
 
     def put_all(self, keys, blocks, arr, nbytes: int, g3: bool = True, g4: bool = True,
-                dev_checks: list | None = None, promote: bool = False, recycle: bool = False) -> None:
+                dev_checks: list | None = None, promote: bool = False, recycle: bool = False,
+                g4_missing_only: bool = False) -> None:
         """Hand ``blocks`` (views of ``arr``) to the pools; ``nbytes`` of :attr:`pending_bytes` are released
-        when every put completed. ``recycle``: ``arr`` came from the save staging and goes back to it when
+        when every put completed. ``g4_missing_only``: G4 is asked first which leading blocks it holds
+        (:meth:`_put_missing`), and only the others are put. ``recycle``: ``arr`` came from the save staging and goes back to it when
         every put completed without an error (after an error a pool may still read it: it is then left to
         the garbage collector, never reused)."""
         futs: list[tuple[str, Future]] = []
@@ -274,7 +289,8 @@ class Offloads:
                 kw["bypass_admission"] = True
             futs.append(("g3", self._safe_put(self.g3, keys, blocks, **kw)))
         if g4 and self.g4 is not None:
-            futs.append(("g4", self._safe_put(self.g4, self.g4_keys(keys), blocks)))
+            put = self._put_missing if g4_missing_only else self._safe_put
+            futs.append(("g4", put(self.g4, self.g4_keys(keys), blocks)))
         if not futs:
             self._release(nbytes)
             if recycle:
@@ -306,6 +322,48 @@ class Offloads:
 
         for tier, f in futs:
             f.add_done_callback(partial(done, tier))
+
+    def _put_missing(self, pool: BlockPool, keys, blocks) -> Future:
+        """Put the blocks from the first one ``pool`` lacks on (one ``lookup_prefix``, not counted as a request's
+        lookup; blocks chain, so a prefix is what a reader loads). The ones it holds count as skipped; a lookup
+        that fails puts them all (the pool skips those it holds). The put is handed to the pool when the lookup
+        ends (on its thread, never the engine's): :meth:`flush` waits for that hand-off."""
+        out: Future = Future()
+        handed: Future = Future()
+        with self._lock:
+            self._lookups.add(handed)
+        handed.add_done_callback(self._lookup_ended)
+        try:
+            look = pool.lookup_prefix(keys, request=False)
+        except Exception:  # noqa: BLE001 - unknown: put them all
+            look = Future()
+            look.set_result(0)
+
+        def after(f: Future) -> None:
+            try:
+                k = min(max(int(f.result()), 0), len(keys))
+            except Exception:  # noqa: BLE001 - unknown: put them all
+                k = 0
+            if k == len(keys):
+                handed.set_result(None)
+                out.set_result(PutResult(skipped=k))
+                return
+
+            def done(p: Future) -> None:
+                try:
+                    r = p.result()
+                    out.set_result(PutResult(r.written, r.skipped + k, r.dropped))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    out.set_exception(e)
+            put = self._safe_put(pool, keys[k:], blocks[k:])
+            handed.set_result(None)
+            put.add_done_callback(done)
+        look.add_done_callback(after)
+        return out
+
+    def _lookup_ended(self, f: Future) -> None:
+        with self._lock:
+            self._lookups.discard(f)
 
     @staticmethod
     def _safe_put(pool: BlockPool, keys, blocks, **kw) -> Future:

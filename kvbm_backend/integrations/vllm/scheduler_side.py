@@ -80,7 +80,7 @@ class SchedulerSide:
     def __init__(self, namespace: Namespace, block_size: int, g3: BlockPool | None, g4: BlockPool | None,
                  default_tenant: str = "", lookup_timeout_s: float = 2.0, save: bool = True, load: bool = True,
                  save_decode: bool = True, groups: list[GroupTiers] | None = None,
-                 handoff_wait_s: float = handoff.DEFAULT_WAIT_S, layerwise: bool = False):
+                 handoff_wait_s: float = handoff.DEFAULT_WAIT_S, layerwise: bool = False, save_to_g4: bool = True):
         """``groups``: the KV cache groups (:class:`GroupTiers`, index = vLLM's group index); None for one
         full-attention group (``namespace``, ``g3``, ``g4``). A hit counts only when every group has what the
         engine reads (:class:`PrefixLookup`), and loads/saves are planned per group (one :class:`LoadJob` /
@@ -88,7 +88,9 @@ class SchedulerSide:
         request handed off by a prefill worker waits for the blocks it was promised (:mod:`.handoff`).
         ``layerwise`` (``g3.layerwise_load``): a hit served by G3 alone is offered synchronously (vLLM loads it
         inside the step, layer by layer: :mod:`.layerwise`); G4 hits and models of several or windowed groups
-        stay asynchronous (layer-wise failures are reported as block ids: :func:`.workers.block_level_errors`)."""
+        stay asynchronous (layer-wise failures are reported as block ids: :func:`.workers.block_level_errors`).
+        ``save_to_g4``: the workers write saves to G4 too (the connector option): a prefill request's handoff
+        promises blocks only then (:attr:`hands_off`)."""
         self.groups = list(groups) if groups else [GroupTiers(namespace, g3, g4, None)]
         self.ns, self.bs = namespace, block_size
         self.save_decode = save_decode
@@ -96,6 +98,7 @@ class SchedulerSide:
         self.default_tenant = default_tenant
         self.lookup_timeout_s = lookup_timeout_s
         self.save_enabled, self.load_enabled = save, load
+        self.save_to_g4 = save_to_g4
         self.layerwise = layerwise and len(self.groups) == 1 and self.groups[0].window_blocks is None
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
@@ -121,7 +124,8 @@ class SchedulerSide:
             st = _Req(request.request_id, cache_salt or self.default_tenant, hashes,
                       lookup_blocks=max(0, (len(toks) - 1) // self.bs), request=request, salt=salt,
                       group_block_ids=[[] for _ in self.groups], opaque=kv_beyond_token_ids(request))
-            want = handoff.expected_blocks(request, self.bs)
+            ours = handoff.identity(self.g4, st.tenant) if self.g4 is not None and handoff.offered(request) else None
+            want = handoff.expected_blocks(request, self.bs, ours)
             if want is not None and want > st.lookup_blocks:
                 handoff.LOG.warning("promise", "kvbm_backend handoff: request %s promises %d blocks, its prompt has "
                                     "%d; served without waiting", request.request_id, want, st.lookup_blocks)
@@ -352,6 +356,12 @@ class SchedulerSide:
         """True when this connector saves blocks: saving is enabled and a G3 or G4 pool is configured."""
         return self.save_enabled and (self.g3 is not None or self.g4 is not None)
 
+    @property
+    def hands_off(self) -> bool:
+        """True when a prefill request's blocks reach a tier another worker reads: G4 is open and saving to it is
+        on (``save``, ``save_to_g4``). G3 is private to its worker, so it never counts (:mod:`.handoff`)."""
+        return self.save_enabled and self.save_to_g4 and self.g4 is not None
+
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         meta = KvbmConnectorMetadata(loads=self._loads)
         self._loads = []
@@ -366,6 +376,7 @@ class SchedulerSide:
             if st.saved_upto is None:
                 st.saved_upto = nr.num_computed_tokens // self.bs
                 self._plan_local_save(meta, st)
+                self._plan_handoff_g4(meta, st)
             self._plan_save(meta, st, nr.num_computed_tokens + sched.get(nr.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
@@ -396,6 +407,33 @@ class SchedulerSide:
         stats.add(save_local_hit_blocks=n_local - held)
         if self.events is not None:
             self.events.learn(st.tenant, st.request, st.hashes, held, n_local)
+
+    def _plan_handoff_g4(self, meta: KvbmConnectorMetadata, st: _Req) -> None:
+        """A prefill request that asked for a handoff (:mod:`.handoff`) promises every loadable prompt block in
+        G4, but the ordinary saves offer only blocks it computes: blocks ``[0, saved_upto)`` came from its
+        engine's prefix cache or a load (its own G3, or G4), and the decode worker reads G4 only. Those not
+        saved by :meth:`_plan_local_save` (``[g3_local, n_local)``) are offered to G4 alone
+        (``SaveJob.g4_only``: the worker puts only those G4 lacks), from the engine's blocks, whose KV is final
+        once the request is scheduled. Full-attention groups only (the decode worker waits for those)."""
+        if not self.hands_off or st.opaque or not handoff.requested(st.request):
+            return
+        end = min(st.saved_upto or 0, st.lookup_blocks, len(st.hashes))
+        held, n_local = st.g3_local, min(st.n_local, len(st.group_block_ids[0]) if st.group_block_ids else 0)
+        skip = set(range(held, n_local)) if held is not None else set()  # saved to G3+G4 by _plan_local_save
+        if st.hit is not None:  # blocks loaded from G4 are there
+            skip.update(range(max(st.hit[1], st.n_local), st.hit[0]))
+        planned = 0
+        for gi, g in enumerate(self.groups):
+            gids = st.group_block_ids[gi] if gi < len(st.group_block_ids) else []
+            if g.window_blocks is not None or g.g4 is None:
+                continue
+            pos = [i for i in range(0, min(end, len(gids))) if i not in skip and gids[i] != 0]
+            if pos:
+                meta.saves.append(SaveJob(st.req_id, [gids[i] for i in pos], [st.hashes[i] for i in pos], st.tenant,
+                                          group=gi, g4_only=True))
+                planned += len(pos)
+        if planned:
+            stats.add(handoff_g4_offered_blocks=planned)
 
     def _group_saves(self, meta: KvbmConnectorMetadata, st: _Req, a: int, end: int) -> None:
         """Offer blocks ``[a, end)`` of every full-attention group, and of every
@@ -430,10 +468,14 @@ class SchedulerSide:
         ``wait_for_save``), so no engine block has to outlive its request: always ``(False, None)``.
         An in-flight load keeps its blocks through vLLM's WAITING_FOR_REMOTE_KVS handling until the
         worker reports the request in ``finished_recving``."""
-        self._reqs.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
         self._hit_source.pop(request.request_id, None)
         self.handoff.forget(request.request_id)
         self._handoff_retry_at.pop(request.request_id, None)
         if kv_beyond_token_ids(request):
             return False, None
-        return False, handoff.finished_params(request, self.bs, self.offloads)
+        if not handoff.requested(request):
+            return False, None
+        tenant = st.tenant if st is not None else (getattr(request, "cache_salt", None) or self.default_tenant)
+        return False, handoff.finished_params(request, self.bs, self.hands_off,
+                                              handoff.identity(self.g4, tenant) if self.hands_off else None)

@@ -260,7 +260,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
                                     lookup_timeout_s=max(cfg.g4.load_bound_s, 0.5), save=opts["save"],
                                     load=opts["load"], save_decode=opts["save_decode"], groups=groups,
                                     handoff_wait_s=opts["handoff_wait_s"],
-                                    layerwise=layerwise.usable(cfg, ns.tp_world_size))
+                                    layerwise=layerwise.usable(cfg, ns.tp_world_size), save_to_g4=opts["save_to_g4"])
         if cfg.g3.layerwise_load and not layerwise.usable(cfg, ns.tp_world_size):
             log.warning("kvbm_backend: g3.layerwise_load is on but the engine has %d TP ranks: G3 hits load "
                         "asynchronously (layer-wise loads run with one rank only: docs/configuration.md)",

@@ -72,12 +72,13 @@ def test_prefill_side_answers_the_blocks_it_offloaded(tiers):
     ns, g3, g4, hs, blocks = tiers
     s = SchedulerSide(ns, BS, g3, g4)
     before = stats.get("handoff_offered_requests")
-    assert s.request_finished(_req("p1", {KEY: True}), []) == (False, {KEY: {"blocks": 6, "block_size": BS}})
+    ident = {"namespace": ns.fingerprint, "tenant": g4.pseudonym("")[:8].hex()}  # the default tenant's
+    assert s.request_finished(_req("p1", {KEY: True}), []) == (False, {KEY: {"blocks": 6, "block_size": BS, **ident}})
     assert stats.get("handoff_offered_requests") == before + 1
     assert s.request_finished(_req("p2"), []) == (False, None)  # no handoff asked: nothing to say
     # a prompt of exactly 6 blocks: the engine computes its last token, so only 5 blocks can be loaded
     exact = SimpleNamespace(**{**vars(_req("p3", {KEY: True})), "prompt_token_ids": TOKS[:6 * BS]})
-    assert s.request_finished(exact, [])[1] == {KEY: {"blocks": 5, "block_size": BS}}
+    assert s.request_finished(exact, [])[1] == {KEY: {"blocks": 5, "block_size": BS, **ident}}
 
 
 def test_a_prefill_worker_that_offloads_nothing_promises_no_blocks(tiers, caplog):
@@ -255,3 +256,153 @@ def test_per_request_warnings_are_one_line_per_kind_per_minute(tiers, caplog, mo
     assert len(first) == 2 and "m0" in first[0] and "malformed" in first[0] and "t0" in first[1], first
     late = [r.getMessage() for r in caplog.records][2:]
     assert len(late) == 1 and "m-late" in late[0] and "49 more like it in the last 61 s" in late[0], late
+
+
+def test_a_prefill_worker_without_a_shared_g4_promises_no_blocks(tiers, tmp_path):
+    """Review finding (2026-11-30, r1/r9): ``offloads`` was true whenever G3 or G4 existed, so a prefill worker
+    with G3 alone (private to it: a second process is refused its directory), or with G4 but ``save_to_g4``
+    false, promised all 21 blocks and its decode worker waited the whole ``handoff_wait_s`` (5.02 s; ttft 5.63 vs
+    0.69 s) for blocks no tier it reads would ever hold. Only a worker that writes to G4 promises blocks now."""
+    ns, g3, g4, hs, blocks = tiers
+    _, opts = config_from_extra({"kvbm_backend": {"model": "m"}, "save_to_g4": False})
+    for side in (SchedulerSide(ns, BS, g3, None),  # G3 alone
+                 SchedulerSide(ns, BS, g3, g4, save_to_g4=opts["save_to_g4"]),  # G4 open, never written
+                 SchedulerSide(ns, BS, None, g4, save=False)):
+        assert side.hands_off is False
+        answer = side.request_finished(_req("p", {KEY: True}), [])[1]
+        assert answer == {KEY: {"blocks": 0, "block_size": BS}}, answer
+        assert expected_blocks(_req("d", answer), BS, handoff.identity(g4, "")) == 0  # the decode side: no wait
+    assert SchedulerSide(ns, BS, None, g4).request_finished(_req("p", {KEY: True}), [])[1][KEY]["blocks"] == 6
+
+
+def test_a_handoff_names_its_g4_namespace_and_tenant_and_a_mismatch_is_not_waited_for(tiers, tmp_path, caplog):
+    """Review finding (2026-11-30, r8): the handoff carried no identity, so a decode worker whose G4 names differ
+    from the prefill worker's (TP 1 vs TP 2 on the per-rank layout, another dtype or revision, another default
+    tenant) waited ``handoff_wait_s`` on every request for blocks stored under names it never reads, and its
+    WARNING asked whether G4 was shared. The prefill side now sends its G4 namespace fingerprint and a tenant
+    pseudonym prefix; on a mismatch the decode side does not wait, and says so once per pair of values."""
+    ns, g3, g4, hs, blocks = tiers
+    assert g4.put(ns.keys(hs[:6]), blocks).result(HANG_S).written == 6  # the prefill worker's blocks, stored
+    handoff._warned_pairs.clear()
+    pre = SchedulerSide(ns, BS, g3, g4).request_finished(_req("p", {KEY: True}), [])[1]
+    assert pre[KEY]["namespace"] == ns.fingerprint and pre[KEY]["tenant"] == g4.pseudonym("")[:8].hex()
+    assert "" not in pre[KEY].values() and len(pre[KEY]["tenant"]) == 16
+    # a decode worker of another TP size (per-rank G4 layout: another namespace) over the same store
+    tp2 = Namespace("m", ns.layout, tp_world_size=2)
+    cfg = load_config({"g3": {"enabled": False},
+                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+    _, g4_tp2 = open_tiers(cfg, tp2)
+    mism = stats.get("handoff_identity_mismatches")
+    try:
+        dec = SchedulerSide(tp2, BS, None, g4_tp2, handoff_wait_s=600.0)
+        with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
+            for rid in ("d1", "d2"):
+                req = _req(rid, pre)
+                dec.get_num_new_matched_tokens(req, 0)
+                assert dec._reqs[rid].handoff_want is None  # not waited for (before: 6, then 600 s of "not yet")
+                (n, _), _, _ = _ask(dec, req)
+                assert n == 0  # its G4 names hold nothing: computed at once
+        msgs = [r.getMessage() for r in caplog.records if "prefilled under" in r.getMessage()]
+        assert len(msgs) == 1 and ns.fingerprint in msgs[0] and tp2.fingerprint in msgs[0] and "d1" in msgs[0], msgs
+        assert stats.get("handoff_identity_mismatches") == mism + 2
+    finally:
+        g4_tp2.close()
+    # the same namespace, another default tenant: no wait either, named by pseudonym prefixes only
+    caplog.clear()
+    other = SchedulerSide(ns, BS, g3, g4, default_tenant="bob", handoff_wait_s=600.0)
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
+        other.get_num_new_matched_tokens(_req("d3", pre), 0)
+    assert other._reqs["d3"].handoff_want is None
+    msgs = [r.getMessage() for r in caplog.records if "prefilled under" in r.getMessage()]
+    assert len(msgs) == 1 and pre[KEY]["tenant"] in msgs[0] and g4.pseudonym("bob")[:8].hex() in msgs[0], msgs
+    assert "bob" not in msgs[0].replace(g4.pseudonym("bob")[:8].hex(), "")
+    # the same namespace and tenant (a request's cache_salt counts on both sides): waited for and loaded
+    same = SchedulerSide(ns, BS, g3, g4, default_tenant="bob", handoff_wait_s=600.0)
+    salted = SimpleNamespace(**{**vars(_req("p4", {KEY: True})), "cache_salt": "alice"})
+    answer = SchedulerSide(ns, BS, g3, g4).request_finished(salted, [])[1]
+    assert answer[KEY]["tenant"] == g4.pseudonym("alice")[:8].hex()
+    from kvbm_backend.model.hashing import salt_bytes, salt_hash
+    salted_hs = sequence_hashes(TOKS, BS, salt=salt_hash(salt_bytes("alice", None, None)))
+    assert g4.put(ns.keys(salted_hs[:6], "alice"), blocks).result(HANG_S).written == 6
+    d4 = SimpleNamespace(**{**vars(_req("d4", answer)), "cache_salt": "alice"})
+    (n, _), _, _ = _ask(same, d4)
+    assert same._reqs["d4"].handoff_want == 6 and n == 6 * BS
+    # params without the identity (older prefill workers) are waited for as before; a non-string one is malformed
+    assert expected_blocks(_req("d5", {KEY: {"blocks": 6, "block_size": BS}}), BS, handoff.identity(g4, "")) == 6
+    assert expected_blocks(_req("d6", {KEY: {**pre[KEY], "namespace": 7}}), BS, handoff.identity(g4, "")) is None
+
+
+def test_prompt_blocks_a_prefill_worker_loaded_from_its_g3_are_written_to_g4_for_the_decode_worker(tmp_path):
+    """Review finding (2026-11-30, r2): a prefill worker that loaded a prompt from its own G3 saved nothing (only
+    blocks it computes are offered), so G4 never got the blocks it promised: the decode worker waited 6.15 s and
+    computed the prompt (cached_tokens 0). Now such blocks are offered to G4 alone once the request is scheduled
+    (``SaveJob.g4_only``; their KV is final in the engine's blocks then), and the worker puts only those G4 lacks.
+    Real parts: the scheduler side and a CPU engine's worker side over real G3/G4 pools; the decode side is a
+    second engine's scheduler side with its own G3 and the shared G4."""
+    pytest.importorskip("torch")
+    from kvbm_backend.integrations.vllm.worker_side import WorkerSide
+    from kvbm_backend.integrations.vllm.metadata import SaveJob
+    from tests.integrations.vllm.test_connector_units import _step
+    from tests.integrations.vllm.test_worker_device_path import BS as EBS, _block_bytes, _engine, _wait
+
+    kv = _engine("cpu", seed=3)
+    ns = Namespace("m", kv.layout)
+    toks = list(range(500, 500 + EBS * 6 + 5))  # 6 loadable blocks
+    hs = sequence_hashes(toks, EBS)
+
+    def cfg(g3_dir):
+        return load_config({"g3": {"paths": [str(tmp_path / g3_dir)], "capacity_gb": 0.1, "files_per_path": 1,
+                                   "admission": {"policy": "all"}},
+                            "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+    g3, g4 = open_tiers(cfg("prefill-g3"), ns)
+    d3, d4 = open_tiers(cfg("decode-g3"), ns)
+    w = WorkerSide(ns, 0, g3, g4, load_timeout_s=HANG_S)
+    try:
+        w.register(kv)
+        src = [1, 2, 3, 4, 5, 6]
+        want = [_block_bytes(kv, b) for b in src]
+        assert g3.put(ns.keys(hs[:6]), [x.numpy() for x in want]).result(HANG_S).written == 6  # an earlier request's
+        assert g4.lookup_prefix(ns.keys(hs[:6])).result(HANG_S) == 0  # ... G3 only (G4 down then, or another worker)
+        req = SimpleNamespace(request_id="p", prompt_token_ids=toks, cache_salt=None, lora_request=None,
+                              kv_transfer_params={KEY: True})
+        pre = SchedulerSide(ns, EBS, g3, g4)
+        (n, is_async), _, _ = _ask(pre, req)
+        assert (n, is_async) == (6 * EBS, True)  # a G3 hit: loaded, not computed
+        dst = [10, 11, 12, 13, 14, 15, 16]
+        pre.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (dst,)), n)
+        load = pre.build_connector_meta(_step())  # the step that starts the load (the request is not scheduled)
+        assert not load.saves and len(load.loads) == 1
+        w.start_loads(load.loads)
+        assert _wait(w, "p") == set()
+        meta = pre.build_connector_meta(_step(new=[("p", dst, 6 * EBS)], sched={"p": 5}))  # scheduled after it
+        g4_jobs = [j for j in meta.saves if j.g4_only]
+        assert [(j.block_ids, j.seq_hashes) for j in g4_jobs] == [(dst[:6], list(hs[:6]))]
+        g3_blocks = g3.stats()["blocks"]
+        w.save(meta.saves)
+        assert w.flush_saves(HANG_S) and g4.flush(HANG_S) and g3.flush(HANG_S)
+        assert g4.lookup_prefix(ns.keys(hs[:6])).result(HANG_S) == 6  # before: 0
+        assert g3.stats()["blocks"] == g3_blocks  # G3 had them: nothing written there again
+        answer = pre.request_finished(req, [])[1]
+        assert answer[KEY]["blocks"] == 6
+        # the decode worker: its own G3 (empty), the shared G4; waited for and found all 6, no timeout
+        dec = SchedulerSide(ns, EBS, d3, d4, handoff_wait_s=600.0)
+        done, timeouts = stats.get("handoff_complete_requests"), stats.get("handoff_timeouts")
+        dreq = SimpleNamespace(**{**vars(req), "request_id": "d", "kv_transfer_params": answer})
+        (n, _), _, _ = _ask(dec, dreq)
+        assert n == 6 * EBS and stats.get("handoff_complete_requests") == done + 1
+        assert stats.get("handoff_timeouts") == timeouts
+        out = [np.zeros(kv.layout.bytes_per_block, np.uint8) for _ in range(6)]
+        assert all(d4.get(ns.keys(hs[:6]), out).result(HANG_S).ok)
+        assert all(np.array_equal(o, x.numpy()) for o, x in zip(out, want))  # the KV the prefill worker loaded
+        # a g4_only save puts only the blocks G4 lacks (one lookup first): 3 held, 3 written
+        hs2 = sequence_hashes(list(range(900, 900 + EBS * 6)), EBS)
+        assert g4.put(ns.keys(hs2[:3]), [x.numpy() for x in want[:3]]).result(HANG_S).written == 3
+        written = g4.stats()["written"]
+        w.save([SaveJob("q", src, list(hs2[:6]), "", g4_only=True)])
+        assert w.flush_saves(HANG_S) and g4.flush(HANG_S)
+        assert g4.stats()["written"] == written + 3 and g4.lookup_prefix(ns.keys(hs2[:6])).result(HANG_S) == 6
+        assert g3.lookup_prefix(ns.keys(hs2[:1])).result(HANG_S) == 0  # G4 alone
+    finally:
+        w.shutdown()
+        for p in (g3, g4, d3, d4):
+            p.close()
