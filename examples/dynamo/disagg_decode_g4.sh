@@ -3,7 +3,9 @@
 # the engines. The prefill worker offloads the prompt's blocks to G3/G4 and tells the decode worker how many
 # (vLLM kv_transfer_params, passed on by Dynamo); the decode worker onboards them from G4 (its own G3 after a
 # first load), waiting at most handoff_wait_s for the prefill worker's write-behind.
-# Both workers must share one G4 (S3 bucket or shared mount) and one keyring (g4.keyring in the YAML).
+# Both workers must share one G4 (S3 bucket or shared mount) and one keyring (g4.keyring in the YAML), and one G4
+# namespace: the same model, revision, dtype and TP size, or g4.layout: canonical. G3 is private to each worker;
+# without G4 (or with save_to_g4 false) the preflight refuses to start (dry run: exit 2, one line).
 # Pair: disagg_prefill_g4.sh + disagg_decode_g4.sh + frontend.sh (tests/e2e/test_dynamo_e2e.py runs all three).
 # Parameters (environment): MODEL, PYTHON, KVBM_BACKEND_CONFIG_FILE / KVBM_BACKEND_STATS_PATH /
 # KVBM_BACKEND_HANDOFF_WAIT_S (put into the JSON

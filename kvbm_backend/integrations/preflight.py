@@ -16,6 +16,12 @@ field rule of :mod:`kvbm_backend.config`, G3 paths included), and with G4 encryp
 KEK open (:meth:`kvbm_backend.crypto.keyring.Keyring.from_config`, exactly as the pool opens them). A dry run
 (``create=False``: the scripts' ``KVBM_BACKEND_DRY_RUN``) creates nothing: an existing keyring is opened as
 is, a missing one (the engine would create it and its KEK file) is left missing.
+With ``--disaggregation-mode prefill`` or ``decode`` (Dynamo's vLLM worker) and our connector as the engine's
+only connector (the handoff through G4, ``examples/dynamo/disagg_*_g4.sh``; beside ``NixlConnector`` in a
+``MultiConnector`` NIXL carries the KV and ours only caches), the handoff needs a G4 both workers share: G4 off
+(or, on the prefill side, connector ``save`` or ``save_to_g4`` off) is refused, since the prefill worker's blocks
+would reach no tier the decode worker reads (G3 is private to one worker). Before 2026-11-30 such a prefill worker
+started, promised every prompt block, and each decode request waited ``handoff_wait_s`` for nothing.
 Storage reachability is not checked here: an unreachable G4 is a degraded tier, not a start-up error.
 """
 from __future__ import annotations
@@ -62,12 +68,24 @@ def _ours(ktc: dict) -> list[tuple[str, dict]]:
     return out
 
 
-def check_extra(extra: dict, *, create: bool = True) -> None:
+def check_extra(extra: dict, *, create: bool = True, disagg: str | None = None) -> None:
     """Raise :class:`~kvbm_backend.config.ConfigError` (field named) if the connector's
-    ``kv_connector_extra_config`` cannot start. ``create=False``: write nothing (a dry run)."""
+    ``kv_connector_extra_config`` cannot start. ``create=False``: write nothing (a dry run). ``disagg``: the
+    worker's ``--disaggregation-mode`` when our connector hands off through G4 (prefill or decode: G4 required;
+    prefill: ``save`` and ``save_to_g4`` on too)."""
+    from ..config import ConfigError
     from .vllm.extra_config import config_from_extra
-    cfg, _ = config_from_extra(extra)
+    cfg, opts = config_from_extra(extra)
     _check_keyring(cfg, create)
+    if disagg in ("prefill", "decode"):
+        if not (cfg.g4.enabled and cfg.g4.url):
+            raise ConfigError(f"g4.enabled: --disaggregation-mode {disagg} with KvbmBackendConnector alone hands the "
+                              "prompt's KV off through G4, which is off here (G3 is private to one worker); enable G4 "
+                              "on both workers (the same store and keyring), or run NixlConnector beside it")
+        for k in ("save", "save_to_g4"):
+            if disagg == "prefill" and not opts[k]:
+                raise ConfigError(f"kv_connector_extra_config.{k}: --disaggregation-mode prefill hands the prompt's "
+                                  f"KV off through G4, but {k} is false: the decode worker would find nothing")
 
 
 def check_tier(tier: dict, *, create: bool = True) -> None:
@@ -113,9 +131,14 @@ def check_argv(argv: list[str], *, create: bool = True) -> str | None:
         return f"--kv-transfer-config: not JSON ({e})"
     if not isinstance(ktc, dict):
         return "--kv-transfer-config: expected a JSON object"
+    mode = _arg(argv, "--disaggregation-mode")
+    alone = ktc.get("kv_connector") == CONNECTOR  # the G4 handoff's form (a MultiConnector's transport does PD)
     for kind, d in _ours(ktc):
         try:
-            check_extra(d, create=create) if kind == "connector" else check_tier(d, create=create)
+            if kind == "connector":
+                check_extra(d, create=create, disagg=mode if alone else None)
+            else:
+                check_tier(d, create=create)
         except Exception as e:  # noqa: BLE001 - ConfigError / ValueError: one line for the operator
             return f"kv_connector_extra_config: {e}" if not str(e).startswith("kv_connector_extra_config") else str(e)
     return None

@@ -34,6 +34,7 @@ WITH_G3_DEFAULT = {"dynamo/agg_kvbm_backend.sh": ["/mnt/nvme0/kvbm"], "dynamo/di
                    "dynamo/disagg_decode_g4.sh": ["/mnt/nvme0/kvbm"],
                    **{n: ["/mnt/nvme0/kvbm"] for n in NATIVE},
                    "vllm/serve_tiering.sh": ["/mnt/nvme0/kvbm", "/mnt/nvme1/kvbm"]}
+G4_HANDOFF = ("dynamo/disagg_prefill_g4.sh", "dynamo/disagg_decode_g4.sh")
 CLEAR = ("DYN_KVBM_DISK_CACHE_DIR", "DYN_KVBM_DISK_CACHE_GB", "KVBM_BACKEND_KEK", "KVBM_BACKEND_CPU_BYTES",
          "KVBM_BACKEND_NUM_KV_HEADS",
          "KVBM_BACKEND_STATS_PATH", "KVBM_BACKEND_HANDOFF_WAIT_S", "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER")
@@ -148,7 +149,11 @@ def test_script_defaults_only_where_nothing_is_given(script, tmp_path):
     bare = tmp_path / "bare.yaml"
     bare.write_text("model: m\n")
     r = run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(bare))
-    assert r.returncode == 0, r.stderr[-3000:]
+    if script in G4_HANDOFF:  # no G4 in the file: the G4 handoff cannot work, refused in one line (exit 2)
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+            "kvbm-backend: error: kv_connector_extra_config: g4.enabled: --disaggregation-mode "), r.stderr[-3000:]
+    else:
+        assert r.returncode == 0, r.stderr[-3000:]
     line, ktc, env = parse(r)
     want = WITH_G3_DEFAULT[script]
     assert f"g3.paths={','.join(want)} [script]" in line and "g3.capacity_gb=800 [script]" in line, line
@@ -222,3 +227,21 @@ def test_cli_subcommand_is_the_same_entry(tmp_path, user):
     assert r.returncode == 0, r.stderr
     assert f"g3.paths={tmp_path / 'user-g3'} [file]" in r.stderr and "export" not in r.stdout
     assert r.stdout.startswith("KV_TRANSFER_CONFIG=")
+
+
+@pytest.mark.parametrize("script", G4_HANDOFF)
+def test_the_g4_handoff_scripts_refuse_to_start_without_g4(script, tmp_path, user):
+    """Review finding (2026-11-30, r5): ``disagg_prefill_g4.sh`` with a YAML without G4 printed g4.enabled=false
+    [default] and exited 0 (the prefill worker then promised blocks no decode worker could read). Now the
+    launcher's preflight (the dry run runs it) refuses, one line; with the user's G4 it starts (exit 0)."""
+    g3_only = tmp_path / "g3-only.yaml"
+    g3_only.write_text(f"model: m\ng3:\n  paths: [{tmp_path / 'g3'}]\n  capacity_gb: 0.3\n")
+    r = run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(g3_only))
+    mode = "prefill" if "prefill" in script else "decode"
+    err = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("kvbm-backend: error:")]
+    assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert err[0].startswith(f"kvbm-backend: error: kv_connector_extra_config: g4.enabled: --disaggregation-mode {mode}")
+    assert run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(user)).returncode == 0
+    r = run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(user), KVBM_BACKEND_HANDOFF_WAIT_S="601")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "kvbm-backend: error: KVBM_BACKEND_HANDOFF_WAIT_S: expected seconds in [0, 600] (handoff_wait_s), got '601'")

@@ -160,9 +160,31 @@ def test_ktc_env_overrides():
     check_kv_transfer_config(out)
     waited = apply_env(ours, {"KVBM_BACKEND_HANDOFF_WAIT_S": "30"})["kv_connector_extra_config"]
     assert waited == {"config_file": "/etc/x.yaml", "handoff_wait_s": 30.0}
-    for bad in ("-1", "soon", "inf"):
+    for bad in ("-1", "soon", "inf", "nan", "601"):
         with pytest.raises(ValueError, match="KVBM_BACKEND_HANDOFF_WAIT_S"):
             apply_env(ours, {"KVBM_BACKEND_HANDOFF_WAIT_S": bad})
+    assert apply_env(ours, {"KVBM_BACKEND_HANDOFF_WAIT_S": "600"})["kv_connector_extra_config"]["handoff_wait_s"] == 600
+
+
+def test_ktc_refuses_what_the_connector_refuses_in_one_line(monkeypatch, capsys):
+    """Review finding (2026-11-30): ``KVBM_BACKEND_HANDOFF_WAIT_S=601`` passed the script (the connector then
+    refused it inside vLLM's workers) and ``abc`` ended the script with a traceback. Both are one line now, exit 2,
+    with the connector's own bounds."""
+    import json as _json
+
+    from kvbm_backend.integrations.dynamo import ktc
+    from kvbm_backend.integrations.vllm.extra_config import config_from_extra
+    ours = _json.dumps({"kv_connector": "KvbmBackendConnector", "kv_connector_extra_config": {}})
+    for bad in ("abc", "601", "-0.5"):
+        monkeypatch.setenv("KVBM_BACKEND_HANDOFF_WAIT_S", bad)
+        assert ktc.main([ours]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.splitlines() == [
+            f"kvbm-backend: error: KVBM_BACKEND_HANDOFF_WAIT_S: expected seconds in [0, 600] (handoff_wait_s), got {bad!r}"]
+    monkeypatch.setenv("KVBM_BACKEND_HANDOFF_WAIT_S", "600")
+    assert ktc.main([ours]) == 0
+    extra = _json.loads(capsys.readouterr().out)["kv_connector_extra_config"]
+    assert config_from_extra({"kvbm_backend": {"model": "m"}, **extra})[1]["handoff_wait_s"] == 600.0  # the connector agrees
 
 
 def test_kvbm_backend_yaml_loads():

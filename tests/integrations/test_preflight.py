@@ -75,3 +75,37 @@ def test_native_tiers_are_checked_too(tmp_path, monkeypatch):
     assert why and "G3Tier" in why and "g3.capacity_gb" in why, why
     other = tiering([{"type": "fs", "root_dir": "/nowhere"}])  # vLLM's own tiers are not ours to check
     assert check_argv(["serve", "m", "--kv-transfer-config", other]) is None
+
+
+def test_a_g4_handoff_worker_without_g4_is_refused(tmp_path):
+    """Review finding (2026-11-30, r1/r5): ``disagg_prefill_g4.sh`` started without G4 and said nothing (the dry
+    run's effective line showed g4.enabled=false [default], exit 0); the prefill worker's blocks reached only its
+    own G3, which no other worker can open, and each decode request waited ``handoff_wait_s`` for them. With our
+    connector alone (the G4 handoff) a prefill or decode worker needs G4, and a prefill worker save_to_g4."""
+    g3 = {"paths": [str(tmp_path / "g3")], "capacity_gb": 1}
+    g4 = {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}
+
+    def ktc(backend, connector="KvbmBackendConnector", **opts):
+        ours = {"kv_connector": "KvbmBackendConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"kvbm_backend": backend, **opts}}
+        if connector == "MultiConnector":
+            return json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+                "connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}, ours]}})
+        return json.dumps(ours)
+
+    no_g4 = ktc({"g3": g3})
+    for mode in ("prefill", "decode"):
+        why = check_argv(["--disaggregation-mode", mode, "--kv-transfer-config", no_g4], create=False)
+        assert why and why.startswith("kv_connector_extra_config: g4.enabled: --disaggregation-mode " + mode), why
+        assert "G3 is private" in why
+        assert check_argv([f"--disaggregation-mode={mode}", "--kv-transfer-config", ktc({"g3": g3, "g4": g4})]) is None
+    why = check_argv(["--disaggregation-mode", "prefill", "--kv-transfer-config",
+                      ktc({"g3": g3, "g4": g4}, save_to_g4=False)])
+    assert why and "save_to_g4" in why, why
+    assert check_argv(["--disaggregation-mode", "decode", "--kv-transfer-config",
+                       ktc({"g3": g3, "g4": g4}, save_to_g4=False)]) is None  # a decode worker only reads G4
+    # aggregated, or beside NixlConnector (NIXL carries the KV): G3 alone is fine
+    assert check_argv(["--kv-transfer-config", no_g4]) is None
+    assert check_argv(["--disaggregation-mode", "agg", "--kv-transfer-config", no_g4]) is None
+    assert check_argv(["--disaggregation-mode", "prefill", "--kv-transfer-config",
+                       ktc({"g3": g3}, connector="MultiConnector")]) is None

@@ -6,10 +6,13 @@ Applies to every ``KvbmBackendConnector`` entry (top level or a ``MultiConnector
 
 * ``KVBM_BACKEND_CONFIG_FILE``: ``kv_connector_extra_config.config_file`` (drops an inline ``kvbm_backend``);
 * ``KVBM_BACKEND_STATS_PATH``: ``kv_connector_extra_config.stats_path`` (the connector's JSON counters);
-* ``KVBM_BACKEND_HANDOFF_WAIT_S``: ``kv_connector_extra_config.handoff_wait_s`` (seconds, a number >= 0: how
-  long a decode worker waits for its prefill worker's blocks; the disaggregated G4 scripts write 5.0).
+* ``KVBM_BACKEND_HANDOFF_WAIT_S``: ``kv_connector_extra_config.handoff_wait_s`` (seconds in [0, 600], the
+  connector's own bounds: how long a decode worker waits for its prefill worker's blocks; the disaggregated G4
+  scripts write 5.0).
 
-Unset variables leave the JSON as written. A bad value raises ValueError naming the variable.
+Unset variables leave the JSON as written. A bad value raises ValueError naming the variable (:func:`main`: one
+line ``kvbm-backend: error: ...`` on stderr, exit 2, as the launchers' preflight; before 2026-11-30 ``abc`` was a
+traceback and 601 passed here, to be refused by the connector inside vLLM's workers).
 """
 from __future__ import annotations
 
@@ -17,17 +20,24 @@ import json
 import os
 import sys
 
+from ..vllm.extra_config import HANDOFF_WAIT_MAX_S
+
 CONNECTOR = "KvbmBackendConnector"
 _VARS = ("KVBM_BACKEND_CONFIG_FILE", "KVBM_BACKEND_STATS_PATH", "KVBM_BACKEND_HANDOFF_WAIT_S")
 
 
 def _seconds(name: str, raw: str) -> float:
+    """``raw`` as seconds in [0, 600] (``kv_connector_extra_config.handoff_wait_s``'s bounds).
+
+    Raises:
+        ValueError: naming ``name``, for anything else (not a number, NaN, out of bounds).
+    """
     try:
         v = float(raw)
     except ValueError:
         v = float("nan")
-    if not v >= 0 or v == float("inf"):
-        raise ValueError(f"{name}: need a finite number of seconds >= 0, got {raw!r}")
+    if not 0 <= v <= HANDOFF_WAIT_MAX_S:
+        raise ValueError(f"{name}: expected seconds in [0, {HANDOFF_WAIT_MAX_S:g}] (handoff_wait_s), got {raw!r}")
     return v
 
 
@@ -58,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m kvbm_backend.integrations.dynamo.ktc KV_TRANSFER_CONFIG_JSON", file=sys.stderr)
         return 2
-    print(json.dumps(apply_env(json.loads(args[0]))))
+    try:
+        print(json.dumps(apply_env(json.loads(args[0]))))
+    except ValueError as e:  # a bad variable (or JSON): one line, as the launchers' preflight says it
+        print(f"kvbm-backend: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

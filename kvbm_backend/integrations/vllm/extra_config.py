@@ -10,6 +10,7 @@ from ...config import ConfigError, KvbmBackendConfig, load_config
 
 EXTRA_KEYS = {"kvbm_backend", "config_file", "stats_path", "save", "load", "save_decode", "save_to_g4",
               "promote_to_g3", "max_pending_save_bytes", "sliding_capacity_weight", "handoff_wait_s"}
+HANDOFF_WAIT_MAX_S = 600.0  # handoff_wait_s's upper bound (seconds; the scripts' KVBM_BACKEND_HANDOFF_WAIT_S too)
 
 
 def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
@@ -47,8 +48,9 @@ def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
         if not isinstance(opts[k], bool):
             raise ConfigError(f"kv_connector_extra_config.{k}: expected true/false, got {opts[k]!r}")
     hw = opts["handoff_wait_s"]
-    if isinstance(hw, bool) or not isinstance(hw, (int, float)) or not 0 <= hw <= 600:
-        raise ConfigError(f"kv_connector_extra_config.handoff_wait_s: expected seconds in [0, 600], got {hw!r}")
+    if isinstance(hw, bool) or not isinstance(hw, (int, float)) or not 0 <= hw <= HANDOFF_WAIT_MAX_S:
+        raise ConfigError(f"kv_connector_extra_config.handoff_wait_s: expected seconds in [0, {HANDOFF_WAIT_MAX_S:g}], "
+                          f"got {hw!r}")
     opts["handoff_wait_s"] = float(hw)
     mp = opts["max_pending_save_bytes"]
     if isinstance(mp, bool) or not isinstance(mp, int) or mp <= 0:  # bool is an int: true would be 1 byte
