@@ -1,9 +1,16 @@
-"""Version-guarded compatibility shims for ``dynamo.vllm`` (ai-dynamo 1.6.1) on the CPU engine.
+"""Compatibility shims for ``dynamo.vllm`` (ai-dynamo 1.6.1) on the CPU engine, and our connector's registrations.
 
 Loaded only by :mod:`.vllm_worker` (never on import of ``kvbm_backend``); nothing here edits an installed
 file: each shim puts a module attribute or a stand-in module in place at start-up, and only when the
 installed packages lack what ``dynamo.vllm`` imports. Each shim says why and which upstream change
 removes the need; :func:`apply` returns the names of the shims it applied (logged by the worker).
+
+Shims 1 and 2 patch around the exact packages they were written against: they run only where ai-dynamo is one
+of :data:`DYNAMO_VERSIONS`; elsewhere :func:`apply` skips them and logs one WARNING saying so. Entries 3 and 4
+are registrations in the registries vLLM and Dynamo provide (each adds an entry only where none of that name is
+there: idempotent), applied whatever the version: before 2026-11-30 they sat behind the same guard, so under
+any other ai-dynamo (1.6.2) the G4-handoff form's prefill worker refused every request ("Unsupported
+kv_connector='KvbmBackendConnector' for PD") and nothing was logged.
 
 1. ``torchvision``: ``dynamo.vllm.handlers`` imports ``dynamo.vllm.multimodal_utils``, whose Qwen-VL
    helper does ``from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize``;
@@ -37,12 +44,15 @@ removes the need; :func:`apply` returns the names of the shims it applied (logge
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import sys
 import types
 
-# Guards: the versions these shims were written against. Outside them apply() does nothing and says so.
+# Guard of shims 1 and 2: the ai-dynamo versions they were written against. Outside them apply() skips them and
+# says so (one WARNING); the registrations (3, 4) are applied whatever the version.
 DYNAMO_VERSIONS = ("1.6.1",)
+log = logging.getLogger("kvbm_backend.dynamo")
 
 
 def _dynamo_version() -> str | None:
@@ -123,14 +133,21 @@ def _shim_register_connector() -> bool:
 
 
 def apply() -> list[str]:
-    """Apply the shims the installed packages need; returns their names (empty when none was needed)."""
-    if _dynamo_version() not in DYNAMO_VERSIONS:
-        return []
+    """Apply what the installed packages need; returns the names of what this call applied (empty when nothing
+    was needed). The registrations (3, 4) whatever the ai-dynamo version; the shims 1 and 2 only under
+    :data:`DYNAMO_VERSIONS` (else one WARNING on ``kvbm_backend.dynamo`` names the version and what was skipped)."""
     done = []
-    if _shim_qwen2_vl_without_torchvision():
-        done.append("qwen2_vl-smart_resize-without-torchvision")
-    if _shim_get_engine_zmq_addresses():
-        done.append("vllm.get_engine_zmq_addresses")
+    version = _dynamo_version()
+    if version in DYNAMO_VERSIONS:  # the shims first, as before: the registrations import vLLM's factory
+        if _shim_qwen2_vl_without_torchvision():
+            done.append("qwen2_vl-smart_resize-without-torchvision")
+        if _shim_get_engine_zmq_addresses():
+            done.append("vllm.get_engine_zmq_addresses")
+    else:
+        log.warning("kvbm_backend: ai-dynamo %s is not a version the compat shims were written for (%s): the "
+                    "torchvision and vllm.get_engine_zmq_addresses shims are skipped (where dynamo.vllm then fails to "
+                    "import, see kvbm_backend/integrations/dynamo/compat.py); the connector's registrations are "
+                    "applied", version or "(not installed)", ", ".join(DYNAMO_VERSIONS))
     if _shim_register_connector():
         done.append("vllm.KVConnectorFactory+KvbmBackendConnector")
     from .pd_protocol import register
