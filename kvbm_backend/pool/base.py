@@ -116,6 +116,13 @@ class BlockPool(Protocol):
         the pool's lookup counters, ``kvbm_matched_tokens`` or the hit rate (a request's other TP ranks,
         KV cache groups and repeated asks: those describe each request's lookup once)."""
 
+    def count_lookup(self, requested: int, found: int) -> None:
+        """Count one request's lookup of ``requested`` blocks (>= 0) that found ``found`` leading ones (<=
+        ``requested``) as :meth:`lookup_prefix` with ``request`` True counts its own (the pool's lookup counters,
+        ``kvbm_matched_tokens``, the hit rate); no I/O, never raises. For a request whose looks ran uncounted
+        and whose result is settled elsewhere: a prefill -> decode hand-off's wait is counted once, from the
+        look that ended it (:mod:`kvbm_backend.integrations.vllm.handoff`)."""
+
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[BlockBuffer]) -> Future[PutResult]:
         """Offload: store ``blocks[i]`` under ``keys[i]``, asynchronously and bounded. The pool reads the
         buffers until the future completes. Never raises for storage trouble: drops and counts."""

@@ -138,6 +138,36 @@ def test_stats_name_the_same_counters(pool):
     assert st["bytes_written"] >= 2 * LAYOUT.bytes_per_block and st["bytes_read"] >= 2 * LAYOUT.bytes_per_block
 
 
+def _lookup_counts(pool) -> dict:
+    """The pool's lookup counters (``lookup*`` in stats) and the matched tokens of its registry."""
+    st = pool.stats()
+    out = {k: v for k, v in st.items() if k.startswith("lookup") and isinstance(v, (int, float))}
+    out["matched_tokens"] = pool.metrics.registry.get_sample_value("kvbm_matched_tokens_total") or 0.0
+    return out
+
+
+def _delta(a: dict, b: dict) -> dict:
+    return {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b) if b.get(k, 0) != a.get(k, 0)}
+
+
+def test_count_lookup_counts_what_a_counted_lookup_counts(pool):
+    """``count_lookup(requested, found)`` (a hand-off's wait settles its request's lookup outside the pool) moves the
+    pool's lookup counters and ``kvbm_matched_tokens`` as a counted ``lookup_prefix`` with that result does; an
+    uncounted one (``request=False``) moves none."""
+    keys = _keys(NS)
+    assert pool.put(keys[:3], _blocks(3)).result(30).written == 3
+    c0 = _lookup_counts(pool)
+    assert pool.lookup_prefix(keys, request=False).result(10) == 3
+    c1 = _lookup_counts(pool)
+    assert _delta(c0, c1) == {}
+    assert pool.lookup_prefix(keys).result(10) == 3
+    c2 = _lookup_counts(pool)
+    counted = _delta(c1, c2)
+    assert counted.get("lookup_hits") == 3 and counted.get("matched_tokens") == 3 * LAYOUT.page_size, counted
+    pool.count_lookup(N, 3)
+    assert _delta(c2, _lookup_counts(pool)) == counted
+
+
 def test_flush_waits_for_queued_offloads_and_says_whether_it_finished(pool):
     keys = _keys(NS)
     fut = pool.put(keys, _blocks(N))  # not waited on

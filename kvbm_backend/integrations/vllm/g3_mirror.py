@@ -355,12 +355,16 @@ class G3Mirror:
             keys = list(keys)
         n = self._lookup(keys)
         if request:
-            with self._lock:
-                self.lookup_blocks += len(keys)
-                self.lookup_hits += n
-            self.metrics.matched_tokens.inc(n * self._page)
-            self.metrics.hit_rate.record(len(keys), n)
+            self.count_lookup(len(keys), n)
         return completed(n)
+
+    def count_lookup(self, requested: int, found: int) -> None:
+        """Count a request's lookup settled elsewhere (:meth:`~kvbm_backend.pool.base.BlockPool.count_lookup`)."""
+        with self._lock:
+            self.lookup_blocks += requested
+            self.lookup_hits += found
+        self.metrics.matched_tokens.inc(found * self._page)
+        self.metrics.hit_rate.record(requested, found)
 
     def _lookup(self, keys) -> int:
         """How many leading ``keys`` (BlockKeys, or a :class:`KeyRun`: fingerprinted straight

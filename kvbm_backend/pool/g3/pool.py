@@ -235,13 +235,17 @@ class G3Pool:
         (``lookup_blocks`` / ``lookup_hits``, ``kvbm_matched_tokens``, the hit rate; see :class:`BlockPool`)."""
         with self.cat.lock:
             n = self.cat.index.lookup_prefix(keys, self.fp)  # vectorised: all keys probed at once
-            if request:
-                self.cat.c["lookup_blocks"] += len(keys)
-                self.cat.c["lookup_hits"] += n
         if request:
-            self.metrics.matched_tokens.inc(n * self.layout.page_size)
-            self.metrics.hit_rate.record(len(keys), n)
+            self.count_lookup(len(keys), n)
         return completed(n)
+
+    def count_lookup(self, requested: int, found: int) -> None:
+        """Count a request's lookup settled elsewhere (:meth:`BlockPool.count_lookup`)."""
+        with self.cat.lock:
+            self.cat.c["lookup_blocks"] += requested
+            self.cat.c["lookup_hits"] += found
+        self.metrics.matched_tokens.inc(found * self.layout.page_size)
+        self.metrics.hit_rate.record(requested, found)
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[BlockBuffer], *,
             dev_checks: Sequence[int] | None = None, bypass_admission: bool = False) -> Future[PutResult]:

@@ -98,6 +98,10 @@ class CanonicalG4:
             runs = [[BlockKey(fp, k.tenant, h, k.seq_hash) for k in keys] for h in heads]
         return _all_of([self.inner.lookup_prefix(r, request=request and i == 0) for i, r in enumerate(runs)], min)
 
+    def count_lookup(self, requested: int, found: int) -> None:
+        """Counted as the first head's probe of a lookup is (:meth:`BlockPool.count_lookup`)."""
+        self.inner.count_lookup(requested, found)
+
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future[PutResult]:
         """Store each block as its rank's head parts (copies made now; the caller's buffers are free when
         this returns). The result counts blocks, each by its parts' outcomes (one inner put per block):

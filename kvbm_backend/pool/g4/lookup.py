@@ -109,6 +109,12 @@ class G4Lookups:
         self._wave(b, keys, 0, min(FIRST_WAVE, len(keys)))
         return b.future
 
+    def count_lookup(self, requested: int, found: int) -> None:
+        """One request's lookup counted as :meth:`lookup_prefix` with ``request`` True counts it, without I/O."""
+        self._count("lookups")
+        self._count("lookup_hits", found)
+        self._counters.lookup_result(requested, found)
+
     def _wave(self, b: _Lookup, keys: Sequence[BlockKey], start: int, width: int) -> None:
         end = min(len(keys), start + width)
         wave = {"left": end - start}

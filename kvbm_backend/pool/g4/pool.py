@@ -192,6 +192,11 @@ class G4Pool:
         ``lookup_hits``, matched tokens or the hit rate (which describe requests' lookups)."""
         return self.lookups.lookup_prefix(keys, request)
 
+    def count_lookup(self, requested: int, found: int) -> None:
+        """Count a request's lookup settled elsewhere (:meth:`BlockPool.count_lookup`): ``lookups``,
+        ``lookup_hits``, matched tokens and the hit rate, as a counted :meth:`lookup_prefix` does."""
+        self.lookups.count_lookup(requested, found)
+
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[npt.NDArray[np.uint8]]) -> Future[PutResult]:
         """Offload blocks (1-D uint8 arrays of ``layout.bytes_per_block`` bytes). The future gives a
         :class:`PutResult`; storage trouble drops and counts, never raises. Raises ValueError at once
