@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import reprlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from . import stats
@@ -191,34 +192,82 @@ def expected_blocks(request: Any, block_size: int, ours: dict[str, str] | None =
     return n
 
 
+#: seconds before a waiting decode request looks at G3/G4 again: the first after a look that found more blocks than
+#: the request's looks before (the prefill's write-behind is landing), each next one after every look in a row that
+#: found nothing new, the last for all later ones; never past the end of the wait (``wait_s`` after the first look)
+RETRY_S = (0.05, 0.1, 0.2, 0.4)
+
+
+@dataclass
+class _Wait:
+    first: float        # clock of the first look
+    next_at: float      # no look before it
+    found: int = -1     # most blocks a look found
+    idle: int = 0       # looks in a row that found nothing new
+
+
 class HandoffWaits:
-    """Per decode request, when it was first looked up, so the wait is bounded by ``wait_s`` (seconds)."""
+    """The decode side's waits, per request: when it may look again and whether it keeps waiting.
+
+    A request waits (vLLM's "not yet") until a look shows every block its prefill worker offloaded, at most
+    ``wait_s`` seconds from its first look; looks follow :data:`RETRY_S` (:meth:`may_look`). Each look asks only
+    beyond the prefix the request's earlier looks confirmed (:class:`~.lookup.TierLookup` ``known``): a block once
+    found stays counted for the request (the load verifies every block; one gone meanwhile is a failed load,
+    recomputed: :meth:`~.scheduler_side.SchedulerSide.loads_failed`). The wait also ends at once when the look lacks
+    blocks and every G4 pool that could supply them has its circuit breaker open (``refused``: they answer every
+    lookup 0 without asking the store, :func:`~.lookup.breaker_open`): counted ``handoff_timeouts`` and
+    ``handoff_breaker_timeouts``, the engine computes the rest, so a G4 outage costs no hand-off ``wait_s``.
+    The request's lookup counts once, from the look that ended its wait (:meth:`~.lookup.TierLookup.count_request`).
+
+    Args:
+        wait_s: seconds (>= 0; ``handoff_wait_s``). Raises ValueError below 0.
+        clock: monotonic seconds (tests pass their own).
+    """
 
     def __init__(self, wait_s: float = DEFAULT_WAIT_S, clock=time.monotonic):
         if wait_s < 0:
             raise ValueError(f"handoff_wait_s: expected >= 0 seconds, got {wait_s!r}")
         self.wait_s, self._clock = float(wait_s), clock
-        self._first: dict[str, float] = {}
+        self._w: dict[str, _Wait] = {}
 
-    def should_wait(self, request_id: str, found_blocks: int, expected: int) -> bool:
-        """True while fewer than ``expected`` blocks are found and ``wait_s`` has not passed since the first
-        look at ``request_id``; False once they are all there (counted ``handoff_complete_requests``) or the
-        wait is over (``handoff_timeouts``, logged once)."""
+    def may_look(self, request_id: str) -> bool:
+        """Whether ``request_id`` may look at the tiers now: before its first look, then once the delay that
+        :meth:`should_wait` set (:data:`RETRY_S`) has passed."""
+        w = self._w.get(request_id)
+        return w is None or self._clock() >= w.next_at
+
+    def should_wait(self, request_id: str, found_blocks: int, expected: int, refused: bool = False) -> bool:
+        """A look at ``request_id`` found ``found_blocks`` leading blocks: True while fewer than ``expected`` are
+        found, ``wait_s`` has not passed since its first look and ``refused`` is False (then the next look waits
+        :data:`RETRY_S`); False once they are all there (counted ``handoff_complete_requests``), when ``refused``
+        (G4's breakers open: ``handoff_timeouts`` and ``handoff_breaker_timeouts``) or the wait is over
+        (``handoff_timeouts``); each ending is logged (limited: :data:`LOG`). ``handoff_wait_s`` adds the seconds
+        waited."""
         now = self._clock()
-        first = self._first.setdefault(request_id, now)
+        w = self._w.setdefault(request_id, _Wait(now, now))
         if found_blocks >= expected:
-            if self._first.pop(request_id, None) is not None:
-                stats.add(handoff_complete_requests=1, handoff_wait_s=now - first)
+            if self._w.pop(request_id, None) is not None:
+                stats.add(handoff_complete_requests=1, handoff_wait_s=now - w.first)
             return False
-        if now - first < self.wait_s:
+        if refused:
+            self._w.pop(request_id, None)
+            stats.add(handoff_timeouts=1, handoff_breaker_timeouts=1, handoff_wait_s=now - w.first)
+            LOG.warning("breaker", "kvbm_backend handoff: request %s found %d of the %d blocks its prefill worker "
+                        "offloaded and G4 is unavailable (circuit breaker open); the engine computes the rest at once "
+                        "instead of waiting handoff_wait_s", request_id, found_blocks, expected)
+            return False
+        if now - w.first < self.wait_s:
+            w.idle = 0 if found_blocks > w.found else w.idle + 1
+            w.found = max(w.found, found_blocks)
+            w.next_at = min(now + RETRY_S[min(w.idle, len(RETRY_S) - 1)], w.first + self.wait_s)
             return True
-        if self._first.pop(request_id, None) is not None:
-            stats.add(handoff_timeouts=1, handoff_wait_s=now - first)
+        if self._w.pop(request_id, None) is not None:
+            stats.add(handoff_timeouts=1, handoff_wait_s=now - w.first)
             LOG.warning("timeout", "kvbm_backend handoff: request %s found %d of the %d blocks its prefill worker offloaded "
                         "after %.1f s (handoff_wait_s); the engine computes the rest. Is G4 shared by both workers "
                         "and reachable, and is the prefill worker's G4 write-behind keeping up?", request_id,
-                        found_blocks, expected, now - first)
+                        found_blocks, expected, now - w.first)
         return False
 
     def forget(self, request_id: str) -> None:
-        self._first.pop(request_id, None)
+        self._w.pop(request_id, None)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from ...model.namespace import Namespace
 from ...pool.base import BlockPool
+from ...pool.g4.canonical import CanonicalG4
+from ...pool.g4.pool import G4Pool
 from ...deadlines import Deadline
 from . import stats
 
@@ -36,17 +38,24 @@ class TierLookup:
     ``timeout_s``: seconds, or a :class:`Deadline` shared with the caller.
     ``count``: the lookup of each tier's first key list counts as the request's (``kvbm_matched_tokens``, the hit
     rate, the pools' lookup counters); the other lists (TP ranks, groups) never do, so a request counts once
-    whatever its TP size. False: nothing counts (a window probe, a request already counted).
+    whatever its TP size. False: nothing counts (a window probe, a request already counted, a hand-off wait's
+    looks: :meth:`count_request` counts the one that ended it).
+    ``known``: ``(g3, g4)`` leading blocks an earlier look of the same keys confirmed (blocks ``[0, g3)`` in G3,
+    ``[g3, g3 + g4)`` in G4): they are not asked again. G3 is asked from block ``g3`` on (an index lookup),
+    G4 only beyond both what is confirmed and what G3 now holds; the result counts them as found. With ``count``
+    True, ``known`` must be ``(0, 0)`` (the pools count the keys they are asked).
     """
 
     def __init__(self, e3: list[tuple[Any, BlockPool | None]], e4: list[tuple[Any, BlockPool | None]],
-                 timeout_s: float | Deadline, count: bool = True):
+                 timeout_s: float | Deadline, count: bool = True, known: tuple[int, int] = (0, 0)):
         self.deadline = timeout_s if isinstance(timeout_s, Deadline) else Deadline(timeout_s)
         self.count = count
         lens = [len(k) for k, _ in e3 + e4]
         self.n = n = lens[0] if lens else 0
         self.e3 = [(k, p) for k, p in e3 if p is not None]
         self.e4 = [(k, p) for k, p in e4 if p is not None]
+        k3 = min(known[0], n) if self.e3 else 0
+        self._k3, self._known = k3, min(k3 + known[1], n)  # G3's confirmed prefix; all confirmed
         self.p3: int | None = None
         self.p4: int | None = None
         if n == 0:
@@ -56,14 +65,33 @@ class TierLookup:
             self.p3 = 0
             self._start_g4()
         else:
-            self._g3f = [p.lookup_prefix(k, request=count and i == 0) for i, (k, p) in enumerate(self.e3)]
+            self._g3f = [p.lookup_prefix(k[k3:] if k3 else k, request=count and i == 0)
+                         for i, (k, p) in enumerate(self.e3)]
 
     def _start_g4(self) -> None:
         assert self.p3 is not None  # G4 starts once G3's prefix is known
-        if not self.e4 or self.p3 >= self.n:
-            self.p4 = 0
+        self._g4_at = a = max(self.p3, self._known)  # [p3, known) confirmed in G4 by an earlier look
+        if not self.e4 or a >= self.n:
+            self.p4 = a - self.p3
             return
-        self._g4f = [p.lookup_prefix(k[self.p3:], request=self.count and i == 0) for i, (k, p) in enumerate(self.e4)]
+        self._g4f = [p.lookup_prefix(k[a:], request=self.count and i == 0) for i, (k, p) in enumerate(self.e4)]
+
+    def count_request(self) -> None:
+        """Count the result (once known) as the request's lookup, as ``count`` True counts it: the first key list
+        of each tier that was asked, over the blocks it would have been asked (G3 all, G4 those G3 lacks)."""
+        assert self.p3 is not None and self.p4 is not None
+        if self.e3:
+            self.e3[0][1].count_lookup(self.n, self.p3)
+        if self.e4 and self.p3 < self.n:
+            self.e4[0][1].count_lookup(self.n - self.p3, self.p4)
+
+    def g4_refused(self) -> bool:
+        """True when G4 could supply blocks this lookup lacks but every G4 pool asked (each key list's) has its
+        circuit breaker open (:mod:`kvbm_backend.pool.g4.breaker`): they answer every lookup 0 without asking the
+        store until it reopens, so looking again changes nothing. False without G4 pools or when all are found."""
+        if not self.e4 or self.p3 is None or self.p4 is None or self.p3 + self.p4 >= self.n:
+            return False
+        return all(breaker_open(p) for _, p in self.e4)
 
     @staticmethod
     def _min_done(futs: list[Future]) -> int | None:
@@ -88,7 +116,7 @@ class TierLookup:
                 return None
             if v is None:
                 stats.add(lookup_timeouts=1)
-            self.p3 = min(v or 0, self.n)
+            self.p3 = min(self._k3 + (v or 0), self.n)
             self._start_g4()
         if self.p4 is None:
             v = self._min_done(self._g4f)
@@ -96,8 +124,17 @@ class TierLookup:
                 return None
             if v is None:
                 stats.add(lookup_timeouts=1)
-            self.p4 = min(v or 0, self.n - self.p3)
+            a = self._g4_at
+            self.p4 = a - self.p3 + min(v or 0, self.n - a)
         return self.p3, self.p4
+
+
+def breaker_open(pool: BlockPool | None) -> bool:
+    """Whether ``pool`` (a G4 pool, or the canonical view of one) refuses every request now: its circuit breaker is
+    ``open`` (not ``half_open``: then the next request probes the store). False for any other pool."""
+    while isinstance(pool, CanonicalG4):
+        pool = pool.inner
+    return isinstance(pool, G4Pool) and pool.breaker.state == "open"
 
 
 @dataclass
@@ -129,11 +166,15 @@ class PrefixLookup:
     blocks ``[start, n)`` are loaded, the first ``k3`` from G3, the rest from G4. A dense model (one full
     group) resolves to ``(g3 + g4, g3, {})``. A hit not beyond the engine's own prefix cache (``n_local``)
     resolves to ``(n, g3_full, {})`` without windows, and to ``(0, 0, {})`` with them (their G3 share at
-    ``n_local`` was not probed)."""
+    ``n_local`` was not probed).
+
+    ``known``: the full-attention prefix an earlier look of this request confirmed (:attr:`confirmed`; a hand-off's
+    wait looks again from there, :class:`TierLookup`). ``count`` False: the pools do not count this look as the
+    request's (``full.count_request()`` can, later)."""
 
     max_probes = 8
 
-    def __init__(self, sched: "SchedulerSide", st: "_Req"):
+    def __init__(self, sched: "SchedulerSide", st: "_Req", known: tuple[int, int] = (0, 0), count: bool = True):
         self.sched, self.st = sched, st
         self.deadline = Deadline(sched.lookup_timeout_s)
         n = st.lookup_blocks
@@ -144,12 +185,19 @@ class PrefixLookup:
                 e3 += [(k, g.g3) for k in by_rank]
                 e4 += [(k, g.g4) for k in g4]
         self.windowed = any(g.window_blocks is not None for g in sched.groups)
-        self.full = TierLookup(e3, e4, self.deadline, count=not st.counted)  # (a handoff's retries: counted once)
+        self.full = TierLookup(e3, e4, self.deadline, count=count and not st.counted, known=known)
         self.p3: int | None = None
         self.cand: int | None = None
         self.probes = 0
         self.win: dict[int, TierLookup] = {}
         self.result: tuple[int, int, dict[int, tuple[int, int]]] | None = None
+
+    @property
+    def confirmed(self) -> tuple[int, int]:
+        """``(g3, g4)``: the full-attention blocks this look found in G3 and then in G4 (``(0, 0)`` before it is
+        known): the ``known`` of the request's next look."""
+        f = self.full
+        return (f.p3, f.p4) if f.p3 is not None and f.p4 is not None else (0, 0)
 
     def _start(self, n: int) -> None:
         self.cand = n

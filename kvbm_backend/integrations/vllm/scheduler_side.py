@@ -26,7 +26,6 @@ from typing import Any
 from ...model.hashing import salt_bytes, salt_hash, sequence_hashes
 from ...model.namespace import KeyRun, Namespace
 from ...pool.base import BlockPool
-from ...deadlines import Deadline
 from . import handoff, stats
 from .failed_blocks import FailedBlocks
 from .g3_mirror import G3Mirror
@@ -61,6 +60,7 @@ class _Req:
     opaque: bool = False              # KV not a function of token ids (images, prompt embeds): never tiered
     handoff_want: int | None = None   # blocks a prefill worker offloaded for it (.handoff), parsed once
     handoff_done: bool = False        # its handoff wait ended: later asks (after a preemption) do not wait again
+    handoff_known: tuple[int, int] = (0, 0)  # (G3, G4) leading blocks its wait's looks confirmed: not asked again
 
 
 def kv_beyond_token_ids(request: Any) -> bool:
@@ -73,7 +73,6 @@ def kv_beyond_token_ids(request: Any) -> bool:
             or getattr(request, "prompt_token_ids", []) is None)
 
 
-HANDOFF_RETRY_S = 0.05  # a handed-off decode request looks at G3/G4 again at most this often (seconds)
 class SchedulerSide:
     """State and decisions of the scheduler-role connector (one per engine)."""
 
@@ -109,7 +108,6 @@ class SchedulerSide:
         self.idle_events: IdlePublisher | None = None  # publishes them while the engine does not step
         self.handoff = handoff.HandoffWaits(handoff_wait_s)
         self.failed_blocks = FailedBlocks()
-        self._handoff_retry_at: dict[str, Deadline] = {}  # no new look at G3/G4 before it
 
     # ---- identity ------------------------------------------------------------------------------
     def _state(self, request: Any) -> _Req:
@@ -159,7 +157,8 @@ class SchedulerSide:
         """vLLM's ``get_num_new_matched_tokens``: ``(tokens loadable beyond num_computed_tokens, async)``, or
         ``(None, False)`` while the answer is not known yet (vLLM asks again next step; never blocks). A request
         handed off by a prefill worker (:func:`.handoff.expected_blocks`) is answered only once the tiers show
-        the promised blocks, or ``handoff_wait_s`` after the first look (then with what is there)."""
+        the promised blocks, or ``handoff_wait_s`` after the first look, or at once when G4 is unavailable (then with
+        what is there): :class:`.handoff.HandoffWaits` (its looks, their timing, how it is counted)."""
         if not self.load_enabled or (self.g3 is None and self.g4 is None):
             return self._matched(request, num_computed_tokens)
         rid = request.request_id
@@ -169,23 +168,28 @@ class SchedulerSide:
             return self._matched(request, num_computed_tokens)
         if st.no_load or st.opaque:  # its load failed, or never tiered: recomputed at once, never waited for
             self.handoff.forget(rid)
-            self._handoff_retry_at.pop(rid, None)
             return self._matched(request, num_computed_tokens)
-        retry = self._handoff_retry_at.get(rid)
-        if retry is not None and not retry.expired():
+        if not self.handoff.may_look(rid):
             return None, False
-        n, is_async = self._matched(request, num_computed_tokens)
+        n, is_async = self._matched(request, num_computed_tokens, count=False)  # counted when the wait ends
         if n is None:
             return None, False
-        if self.handoff.should_wait(rid, (num_computed_tokens + n) // self.bs, want):
-            st.lookup = None  # fresh G3/G4 queries at the next look
-            self._handoff_retry_at[rid] = Deadline(HANDOFF_RETRY_S)
+        look = st.lookup  # this look (None: none was needed, e.g. the engine's own prefix cache had it all)
+        refused = look is not None and look.full.g4_refused()
+        if self.handoff.should_wait(rid, (num_computed_tokens + n) // self.bs, want, refused=refused):
+            if look is not None:
+                st.handoff_known = look.confirmed  # the next look asks G3/G4 only beyond what this one found
+            st.lookup = None
             return None, False
-        self._handoff_retry_at.pop(rid, None)
         st.handoff_done = True  # at most handoff_wait_s per request, even when vLLM asks anew (preemption)
+        if look is not None and st.hit is not None and not st.counted:
+            look.full.count_request()  # the look that ended the wait is the request's (pools' lookup counters)
+            self._count_request(st)
         return n, is_async
 
-    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def _matched(self, request: Any, num_computed_tokens: int, count: bool = True) -> tuple[int | None, bool]:
+        """The answer of the tiers (and the engine's own prefix cache) for ``request``; ``count`` False: its lookup
+        is not counted as the request's (a hand-off's wait counts the look that ends it)."""
         if self.g3 is None and self.g4 is None:
             return 0, False
         if not self.load_enabled:
@@ -209,7 +213,7 @@ class SchedulerSide:
                 self.events.learn(st.tenant, request, st.hashes, 0, st.g3_local)
             return 0, False
         if st.lookup is None:
-            st.lookup = PrefixLookup(self, st)
+            st.lookup = PrefixLookup(self, st, known=st.handoff_known, count=count)
         res = st.lookup.poll()
         if res is None:
             return None, False
@@ -224,15 +228,22 @@ class SchedulerSide:
         st.g3_local = min(p3, st.n_local)
         if self.events is not None and p3:
             self.events.learn(st.tenant, request, st.hashes, 0, p3)  # e.g. found again after a restart
-        if not st.counted:
-            st.counted = True
-            stats.add(lookup_requests=1, lookup_blocks=st.lookup_blocks, local_hit_blocks=st.n_local,
-                      g3_found_blocks=p3, g4_found_blocks=p4)
+        if count:
+            self._count_request(st)
         total = p3 + p4
         if total <= st.n_local:
             return 0, False
         st.sync_load = self.layerwise and p4 == 0
         return (total - st.n_local) * self.bs, not st.sync_load
+
+    def _count_request(self, st: _Req) -> None:
+        """The connector's counters of the request's lookup (``st.hit``), once per request."""
+        if st.counted or st.hit is None:
+            return
+        st.counted = True
+        n, p3 = st.hit[0], st.hit[1]
+        stats.add(lookup_requests=1, lookup_blocks=st.lookup_blocks, local_hit_blocks=st.n_local,
+                  g3_found_blocks=p3, g4_found_blocks=n - p3)
 
     def _g3_prefix(self, st: _Req, n: int) -> int | None:
         """Leading blocks of ``st``'s first ``n`` that G3 holds for every rank (an index lookup, no
@@ -471,7 +482,6 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         self._hit_source.pop(request.request_id, None)
         self.handoff.forget(request.request_id)
-        self._handoff_retry_at.pop(request.request_id, None)
         if kv_beyond_token_ids(request):
             return False, None
         if not handoff.requested(request):
