@@ -397,13 +397,24 @@ def _fmt_error(e: ValidationError, env_sources: dict[tuple, str] | None = None) 
     errors = e.errors(include_url=False)
     for err in errors[:_ERRORS_SHOWN]:
         loc = tuple(err["loc"])
-        src = next((v for k, v in (env_sources or {}).items() if loc[:len(k)] == k), None)
+        src = _env_source(loc, err["type"], env_sources or {})
         where = _fmt_loc(loc)[:200] + (f" (from {src})" if src else "")
         hint = _did_you_mean(loc) if err["type"] == "extra_forbidden" else ""
         parts.append(f"{where}: {err['msg']}{hint} (got {_short_repr(err.get('input'))})")
     if len(errors) > _ERRORS_SHOWN:
         parts.append(f"and {len(errors) - _ERRORS_SHOWN} more errors")
     return "; ".join(parts)
+
+
+def _env_source(loc: tuple, kind: str, env_sources: dict[tuple, str]) -> str | None:
+    """The variable that set the value at ``loc``: the deepest one naming ``loc`` or a section above it
+    (sources are recorded per field); for an unknown key (``extra_forbidden``, e.g. a whole unknown section
+    ``KVBM_BACKEND__NOSUCH='{"a": 1}'``), the variables that set fields below it. None: not the environment."""
+    hits = [k for k in env_sources if loc[:len(k)] == k]
+    if hits:
+        return env_sources[max(hits, key=len)]
+    below = sorted({v for k, v in env_sources.items() if k[:len(loc)] == loc}) if kind == "extra_forbidden" else []
+    return ", ".join(below) or None
 
 
 def _did_you_mean(loc: tuple) -> str:

@@ -129,7 +129,9 @@ def _kvbm_flag(env: Mapping[str, str], name: str) -> bool:
 
 def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, str] | None = None) -> dict:
     """The overrides the environment gives, as a nested dict. ``sources`` (if given) is filled with
-    field path tuple -> environment variable name, for error messages.
+    field path tuple -> environment variable name, one entry per field a variable sets (a section variable
+    such as ``KVBM_BACKEND__G3='{"capacity_gb": 5}'`` gives ``("g3", "capacity_gb")`` only, not ``("g3",)``;
+    an empty mapping is recorded at its own path), for error messages and ``config effective``.
 
     Raises ConfigError naming ``DYN_KVBM_DISK_CACHE_DIR`` when it has an empty entry (``/a::/b``, a
     leading or trailing ``:``), which would otherwise put G3 in the current directory."""
@@ -179,8 +181,22 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
             if _too_deep(val):
                 raise _nesting_error(k)
             _set_path(out, path, val, k)
-            sources[tuple(path)] = k
+            _record(sources, tuple(path), val, k)
     return out
+
+
+def _record(sources: dict[tuple, str], path: tuple, value: Any, name: str) -> None:
+    """Note that variable ``name`` set ``path`` to ``value``: one entry per field it holds (a mapping is
+    merged field by field, so a section variable sets only its own fields; an empty mapping is recorded at
+    ``path``). A value that is not a mapping replaces whatever was below ``path``: those entries go."""
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _record(sources, path + (str(k),), v, name)
+        return
+    if not isinstance(value, dict):
+        for old in [s for s in sources if len(s) > len(path) and s[:len(path)] == path]:
+            del sources[old]
+    sources[path] = name
 
 
 def _merge(a: dict, b: dict) -> dict:

@@ -7,7 +7,8 @@ every kvbm-backend config in it (``KvbmBackendConnector``'s ``config_file`` / in
 
 * applies each script default (``--default g3.paths='["/mnt/nvme0/kvbm"]'``) only where neither the config file
   nor the environment (``DYN_KVBM_*``, ``KVBM_BACKEND__SECTION__FIELD``) gives the field, as an exported
-  ``KVBM_BACKEND__SECTION__FIELD`` (never a ``DYN_KVBM_*`` name: Dynamo's KVBM reads those too);
+  ``KVBM_BACKEND__SECTION__FIELD`` (never a ``DYN_KVBM_*`` name: Dynamo's KVBM reads those too); a section
+  variable (``KVBM_BACKEND__G3='{"capacity_gb": 5}'``) gives only the fields it holds;
 * tiering form (an ``OffloadingConnector``, alone or in a ``MultiConnector``): points every tier's ``config``
   at ``$KVBM_BACKEND_CONFIG_FILE`` when set, takes ``cpu_bytes_to_use`` from ``$KVBM_BACKEND_CPU_BYTES`` and
   the tiers' ``num_kv_heads`` (KV heads per TP rank, replacing their ``layout`` preset) from
@@ -17,7 +18,8 @@ every kvbm-backend config in it (``KvbmBackendConnector``'s ``config_file`` / in
 * prints on stdout the shell lines the script evaluates (``export ...``, ``KV_TRANSFER_CONFIG=...``).
 
 A missing config file, an invalid field or, with G4 encryption on, no KEK (neither ``$kek_env`` nor the KEK
-file, and no new keyring to create one for) is one ``kvbm-backend: error: ...`` line and exit 2.
+file, and no new keyring to create one for) is one ``kvbm-backend: error: ...`` line and exit 2 (an invalid
+script default is named ``(from --default FIELD)``, not by the variable it is exported as).
 
 ``--dry-run ARGV...`` (what the scripts exec instead of the engine when ``KVBM_BACKEND_DRY_RUN`` is set):
 print ``kvbm-backend dry run: exec ARGV`` (shell-quoted) and ``kvbm-backend dry run: env K=V ...`` (the
@@ -131,8 +133,11 @@ def effective(source: Source, defaults: dict[str, Any], environ: dict[str, str] 
             for sec, over in source.inline.items():
                 data[sec] = {**data[sec], **over}
             cfg = load_config(data, use_env=False)
-    except ConfigError as e:
-        raise EffectiveError(str(e)) from None
+    except ConfigError as e:  # a script default is the script's, not a variable the operator set
+        msg = str(e)
+        for field in (f for f in defaults if _env_name(f) in exports):
+            msg = msg.replace(f"(from {_env_name(field)})", f"(from --default {field})")
+        raise EffectiveError(msg) from None
     where: dict[str, str] = {}
     inline_keys = _flatten(source.inline)
     for field in SHOWN:
@@ -141,7 +146,8 @@ def effective(source: Source, defaults: dict[str, Any], environ: dict[str, str] 
         elif _env_name(field) in exports:
             where[field] = "script"
         else:
-            hit = next((v for k, v in env_keys.items() if k == field or field.startswith(k + ".")), None)
+            hits = [k for k in env_keys if k == field or field.startswith(k + ".")]  # one per field a variable sets
+            hit = env_keys[max(hits, key=len)] if hits else None
             where[field] = (f"env {hit}" if hit else file_label if _given(field, file_fields) else "default")
     return cfg, exports, where
 

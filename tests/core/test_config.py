@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from kvbm_backend.config import ConfigError, load_config
+from kvbm_backend.config import ConfigError, env_overrides, load_config
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for a process (a CLI run) that must end; returns as soon as it does (the unit lane runs at nice 19)
 
@@ -252,6 +252,31 @@ def test_env_overrides_merge_field_by_field():
     assert (c.g3.admission.policy, c.g3.admission.tracker_entries) == ("all", 2048)
     with pytest.raises(ConfigError, match="KVBM_BACKEND__G3__ADMISSION__POLICY: g3.admission is not a section"):
         load_config(base, environ={"KVBM_BACKEND__G3__ADMISSION": "1", "KVBM_BACKEND__G3__ADMISSION__POLICY": "all"})
+
+
+def test_env_sources_are_recorded_per_field():
+    """Review finding (2026-11-30): ``KVBM_BACKEND__G3='{"capacity_gb": 5}'`` was recorded as setting the whole g3
+    section (``("g3",)``), so ``config effective`` took every g3 field as the environment's and dropped the launch
+    script's ``g3.paths`` default. A section variable sets only the fields it holds: one source per field."""
+    src: dict = {}
+    env_overrides({"KVBM_BACKEND__G3": '{"capacity_gb": 5, "admission": {"policy": "all"}}'}, src)
+    assert src == {("g3", "capacity_gb"): "KVBM_BACKEND__G3", ("g3", "admission", "policy"): "KVBM_BACKEND__G3"}
+    src = {}
+    env_overrides({"DYN_KVBM_DISK_CACHE_DIR": "/tmp/a", "KVBM_BACKEND__G3": '{"paths": ["/tmp/b"]}',
+                   "KVBM_BACKEND__G4": "{}", "KVBM_BACKEND__G3__CAPACITY_GB": "2"}, src)
+    assert src == {("g3", "paths"): "KVBM_BACKEND__G3", ("g4",): "KVBM_BACKEND__G4",  # an empty mapping: its own path
+                   ("g3", "capacity_gb"): "KVBM_BACKEND__G3__CAPACITY_GB"}
+    src = {}  # a value that is not a mapping replaces the fields below it: their sources go too
+    assert env_overrides({"DYN_KVBM_DISK_CACHE_DIR": "/tmp/a", "KVBM_BACKEND__G3": "5"}, src) == {"g3": 5}
+    assert src == {("g3",): "KVBM_BACKEND__G3"}
+    # errors still name the variable: a field it holds, an unknown section it is, a whole section set to a scalar
+    for env, want in (({"KVBM_BACKEND__G3": '{"capacity_gb": "x"}'}, r"^g3\.capacity_gb \(from KVBM_BACKEND__G3\): "),
+                      ({"KVBM_BACKEND__NOSUCH": '{"a": 1}'}, r"^nosuch \(from KVBM_BACKEND__NOSUCH\): Extra inputs"),
+                      ({"KVBM_BACKEND__G3": "5"}, r"^g3 \(from KVBM_BACKEND__G3\): "),
+                      ({"KVBM_BACKEND__G3": '{"capacity_gb": "x"}', "KVBM_BACKEND__G3__CAPACITY_GB": "y"},
+                       r"^g3\.capacity_gb \(from KVBM_BACKEND__G3__CAPACITY_GB\): ")):
+        with pytest.raises(ConfigError, match=want):
+            load_config({"g3": {"paths": ["/tmp/x"]}}, environ=env)
 
 
 def test_bool_from_env_json_is_not_a_number():

@@ -245,3 +245,20 @@ def test_the_g4_handoff_scripts_refuse_to_start_without_g4(script, tmp_path, use
     r = run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(user), KVBM_BACKEND_HANDOFF_WAIT_S="601")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
         "kvbm-backend: error: KVBM_BACKEND_HANDOFF_WAIT_S: expected seconds in [0, 600] (handoff_wait_s), got '601'")
+
+
+def test_a_section_variable_leaves_the_scripts_other_defaults(tmp_path):
+    """Review finding (2026-11-30): ``KVBM_BACKEND__G3='{"capacity_gb": 5}'`` (a section variable, which sets
+    only the fields it holds) was taken as setting every g3 field: the script's ``g3.paths`` default was not
+    exported, G3 opened in ./kvbm-g3 under the working directory, and the line blamed the variable for it."""
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("model: m\n")
+    r = run("dynamo/agg_kvbm_backend.sh", tmp_path, KVBM_BACKEND_CONFIG_FILE=str(bare),
+            KVBM_BACKEND__G3='{"capacity_gb": 5}')
+    assert r.returncode == 0, r.stderr[-3000:]
+    line, ktc, env = parse(r)
+    assert "g3.paths=/mnt/nvme0/kvbm [script]" in line and "g3.capacity_gb=5 [env KVBM_BACKEND__G3]" in line, line
+    assert "g3.enabled=true [default]" in line, line
+    assert json.loads(env["KVBM_BACKEND__G3__PATHS"]) == ["/mnt/nvme0/kvbm"], env
+    assert "KVBM_BACKEND__G3__CAPACITY_GB" not in env  # the operator's 5, not the script's 800
+    assert all(c.g3.paths == ["/mnt/nvme0/kvbm"] and c.g3.capacity_gb == 5 for c in configs_engine_loads(ktc, env))
