@@ -23,7 +23,8 @@ script default is named ``(from --default FIELD)``, not by the variable it is ex
 
 ``--dry-run ARGV...`` (what the scripts exec instead of the engine when ``KVBM_BACKEND_DRY_RUN`` is set):
 print ``kvbm-backend dry run: exec ARGV`` (shell-quoted) and ``kvbm-backend dry run: env K=V ...`` (the
-``KVBM_BACKEND__*`` / ``DYN_KVBM_*`` variables the engine would see) on stdout, run the launchers' preflight
+``KVBM_BACKEND__*`` / ``DYN_KVBM_*`` variables the engine would see; URLs with credentials or a query in either
+line, or in the error, pass through :func:`~kvbm_backend.pool.g4.store.redact_urls`) on stdout, run the launchers' preflight
 (:func:`kvbm_backend.integrations.preflight.check_argv`) and exit 0, or 2 with its one-line error.
 """
 from __future__ import annotations
@@ -286,12 +287,13 @@ def _default_arg(raw: str) -> tuple[str, Any]:
 def dry_run(argv: list[str]) -> int:
     """Print the command a script would exec and run the launchers' preflight on it; 0 or 2."""
     from ..integrations.preflight import check_argv
-    print("kvbm-backend dry run: exec " + shlex.join(argv))
+    from ..pool.g4.store import redact_urls  # credentials in a URL (an S3 endpoint's) never reach the log
+    print("kvbm-backend dry run: exec " + redact_urls(shlex.join(argv)))
     env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("KVBM_BACKEND__", "DYN_KVBM_")))
-    print("kvbm-backend dry run: env " + shlex.join(env), flush=True)
+    print("kvbm-backend dry run: env " + redact_urls(shlex.join(env)), flush=True)
     why = check_argv(argv, create=False)  # a dry run writes nothing (no keyring, no KEK file)
     if why:
-        print(f"kvbm-backend: error: {why}", file=sys.stderr)
+        print(f"kvbm-backend: error: {redact_urls(why)}", file=sys.stderr)
         return 2
     return 0
 
@@ -317,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             raise EffectiveError("--kv-transfer-config: expected a JSON object")
         new, exports, lines = resolve(ktc, ns.kind, dict(_default_arg(d) for d in ns.default))
     except ValueError as e:  # EffectiveError, or JSON
-        print(f"kvbm-backend: error: {e}", file=sys.stderr)
+        from ..pool.g4.store import redact_urls
+        print(f"kvbm-backend: error: {redact_urls(str(e))}", file=sys.stderr)
         return 2
     for line in lines:
         print(line, file=sys.stderr)

@@ -250,11 +250,13 @@ def test_the_g4_handoff_scripts_refuse_to_start_without_g4(script, tmp_path, use
 def test_a_section_variable_leaves_the_scripts_other_defaults(tmp_path):
     """Review finding (2026-11-30): ``KVBM_BACKEND__G3='{"capacity_gb": 5}'`` (a section variable, which sets
     only the fields it holds) was taken as setting every g3 field: the script's ``g3.paths`` default was not
-    exported, G3 opened in ./kvbm-g3 under the working directory, and the line blamed the variable for it."""
+    exported, G3 opened in ./kvbm-g3 under the working directory, and the line blamed the variable for it. The
+    same dry run's env line never shows an endpoint's credentials (it goes to the worker's log)."""
     bare = tmp_path / "bare.yaml"
     bare.write_text("model: m\n")
     r = run("dynamo/agg_kvbm_backend.sh", tmp_path, KVBM_BACKEND_CONFIG_FILE=str(bare),
-            KVBM_BACKEND__G3='{"capacity_gb": 5}')
+            KVBM_BACKEND__G3='{"capacity_gb": 5}',
+            KVBM_BACKEND__G4__ENDPOINT_URL="http://AKIAEXAMPLE:TopSecret123@127.0.0.1:1")
     assert r.returncode == 0, r.stderr[-3000:]
     line, ktc, env = parse(r)
     assert "g3.paths=/mnt/nvme0/kvbm [script]" in line and "g3.capacity_gb=5 [env KVBM_BACKEND__G3]" in line, line
@@ -262,3 +264,5 @@ def test_a_section_variable_leaves_the_scripts_other_defaults(tmp_path):
     assert json.loads(env["KVBM_BACKEND__G3__PATHS"]) == ["/mnt/nvme0/kvbm"], env
     assert "KVBM_BACKEND__G3__CAPACITY_GB" not in env  # the operator's 5, not the script's 800
     assert all(c.g3.paths == ["/mnt/nvme0/kvbm"] and c.g3.capacity_gb == 5 for c in configs_engine_loads(ktc, env))
+    assert env["KVBM_BACKEND__G4__ENDPOINT_URL"] == "http://127.0.0.1:1"
+    assert "TopSecret123" not in r.stdout + r.stderr
