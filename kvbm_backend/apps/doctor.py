@@ -343,7 +343,8 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
         config: a config file (YAML/TOML/JSON) or inline JSON; None: defaults plus environment.
     Returns:
         ``{"gpu", "gds", "kvikio", "nixl", "paths", "modes", "engine", "g4", "config", "problems",
-        "verdict"}`` (see the module docstring); JSON-serialisable.
+        "verdict"}`` (see the module docstring); JSON-serialisable. ``config`` is the argument as given,
+        URLs in it without credentials or query (:func:`kvbm_backend.pool.g4.store.redact_urls`).
     Raises:
         ConfigError: the config is invalid (message names the field).
     """
@@ -365,8 +366,10 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
     problems = list(g4["problems"]) + [f"mode: {m}" for m in modes["problems"]]
     if "WILL FAIL" in engine.get("g3_engine_why", ""):
         problems.append(f"g3.engine {engine['g3_engine']}: {engine['g3_engine_why']}")
+    from kvbm_backend.pool.g4.store import redact_urls  # an inline config's endpoint credentials stay out
     return {"gpu": gpu, "gds": gds, "kvikio": kvk, "nixl": nixl, "paths": pinfo, "modes": modes,
-            "engine": engine, "g4": g4, "config": config, "problems": problems, "verdict": verdict(problems)}
+            "engine": engine, "g4": g4, "config": redact_urls(config) if config else config, "problems": problems,
+            "verdict": verdict(problems)}
 
 
 def verdict(problems: list[str]) -> str:

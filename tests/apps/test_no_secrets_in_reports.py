@@ -48,6 +48,17 @@ def test_doctor_redacts_the_endpoint(cfg):
     assert SECRET not in out
 
 
+def test_doctor_redacts_an_inline_configs_endpoint(tmp_path):
+    """Review finding (2026-11-30): ``doctor --json --config '{...}'`` echoed the inline config, endpoint
+    credentials included, in its ``config`` key."""
+    inline = json.dumps({"g3": {"enabled": False}, "g4": {"enabled": True, "encrypt": False, "url": "s3://kvbm-test/p",
+                                                          "endpoint_url": f"http://AKIAEXAMPLE:{SECRET}@127.0.0.1:1"}})
+    r = _cli("doctor", "--json", "--config", inline)
+    report = json.loads(r.stdout)
+    assert json.loads(report["config"])["g4"]["endpoint_url"] == "http://127.0.0.1:1", report["config"]
+    assert SECRET not in r.stdout + r.stderr
+
+
 def _dry_run(argv: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("KVBM_BACKEND", "DYN_KVBM"))}
     return subprocess.run([sys.executable, "-m", "kvbm_backend.apps.effective", "--dry-run", *argv], capture_output=True,
