@@ -57,11 +57,49 @@ def test_model_command_refuses_what_it_would_overwrite(tmp_path):
     for args, expect in ((["model", "tiny", str(tmp_path / "full")], f"error: DIR: {tmp_path / 'full'}: not empty"),
                          (["model", "tiny", str(tmp_path / "f")], f"error: DIR: {tmp_path / 'f'}: is a file"),
                          (["model", "huge", str(tmp_path / "n")], "error: PRESET: expected tiny or demo (got 'huge')"),
-                         (["model", "tiny", str(tmp_path / "n"), "--dtype", "int4"], "error: --dtype:")):
+                         (["model", "tiny", str(tmp_path / "n"), "--dtype", "int4"], "error: --dtype:"),
+                         (["model", "tiny", str(tmp_path / "n"), "--seed", str(2**64)],  # was an OverflowError
+                          "error: --seed: must be <= 18,446,744,073,709,551,615 (got 18,446,744,073,709,551,616)")):
         r = _cli(*args)
         assert r.returncode == 2 and r.stderr.strip().splitlines()[0].startswith(expect), r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert (tmp_path / "full" / "x").read_text() == "keep me" and not (tmp_path / "n").exists()
+
+
+def _cli_with_file_size_limit(limit: int, *args: str) -> subprocess.CompletedProcess:
+    """The CLI with RLIMIT_FSIZE ``limit`` bytes (SIGXFSZ ignored): a write past it fails with EFBIG, as on a
+    full disk, for real (no stub)."""
+    import resource
+    import signal
+
+    def lim():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    e = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "COLUMNS": "200",
+         "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=str(REPO), env=e, preexec_fn=lim)
+
+
+@pytest.mark.parametrize("limit,expect", [
+    pytest.param(256, "File too large", id="config.json-fails"),  # before the weights: no torch import
+    pytest.param(65536, "Error while serializing", marks=pytest.mark.slow, id="weights-fail"),  # SafetensorError
+])
+def test_a_failed_write_leaves_nothing_and_the_retry_is_accepted(tmp_path, limit, expect):
+    """A write that fails part-way (here: a file-size limit, as a full disk) is one error line, exit 2, and
+    leaves neither files in DIR nor a new DIR (nor the parents made for it), so the same command works
+    again. Before: config.json and kvbm_model.json stayed (weights failing: a SafetensorError traceback,
+    exit 1) and the retry was refused as "not empty"."""
+    new, empty = tmp_path / "a" / "b" / "m", tmp_path / "empty"
+    empty.mkdir()
+    for d in (new, empty):
+        r = _cli_with_file_size_limit(limit, "model", "tiny", str(d))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: DIR: {d}: {expect}"), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and list(empty.iterdir()) == []
+    if limit == 65536:  # the retry (torch imported anyway in this case)
+        r = _cli("model", "tiny", str(empty))
+        assert r.returncode == 0 and (empty / "model.safetensors").stat().st_size > limit, r.stderr
 
 
 def test_readme_serving_recipe_names_prompt_tokens_details_and_the_vllm_script():
