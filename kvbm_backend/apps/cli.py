@@ -376,7 +376,11 @@ def layouts(page_size: int = typer.Option(16, help=f"tokens per block (1-{MAX_PA
     _int_at_least("--page-size", page_size, 1, MAX_PAGE_SIZE)
     _int_at_least("--tp", tp, 1, MAX_TP)
     rows: dict[str, dict[str, Any]] = {}
-    for n in list_presets():
+    try:
+        names = list_presets()
+    except ValueError as e:  # no presets directory: say where it was looked for, not an empty list
+        _fail(str(e).removeprefix("layout: "))
+    for n in names:
         try:  # a malformed preset file is listed with its error (the file and field), the rest still are
             p = load_preset(n)
         except ValueError as e:

@@ -24,11 +24,17 @@ from .layout import KvLayout, dtype_bytes
 
 
 def layouts_dir() -> Path:
-    """Directory holding the presets: ``$KVBM_BACKEND_LAYOUTS`` or the repo's ``layouts/``."""
+    """Directory holding the presets: ``$KVBM_BACKEND_LAYOUTS`` or the repo's ``layouts/``. Raises
+    ValueError (``layout: ...``, one line) when it is not a directory, saying where the name came from:
+    otherwise a typo in the variable, or a package installed without the repo, reads as "no presets"."""
     env = os.environ.get("KVBM_BACKEND_LAYOUTS")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "layouts"
+    d = Path(env) if env else Path(__file__).resolve().parents[2] / "layouts"
+    if not d.is_dir():
+        why = "no such directory" if not d.exists() else "not a directory"
+        src = ("set by KVBM_BACKEND_LAYOUTS" if env else
+               "the repository's layouts/; set KVBM_BACKEND_LAYOUTS to the directory of preset .toml files")
+        raise ValueError(f"layout: presets directory {d}: {why} ({src})")
+    return d
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,7 @@ class _PresetFile(BaseModel):
 
 
 def list_presets() -> list[str]:
+    """Names of the presets in :func:`layouts_dir` (ValueError when it is not a directory)."""
     return sorted(p.stem for p in layouts_dir().glob("*.toml"))
 
 
@@ -145,7 +152,8 @@ def load_preset(name: str) -> ModelPreset:
     """Load ``layouts/NAME.toml`` (or a ``.toml`` path). ``NAME:DTYPE`` (e.g. ``llama-3.1-8b:fp8``) is that
     preset with its KV dtype replaced, for an engine whose KV cache dtype differs from its weights' (vLLM's
     ``--kv-cache-dtype fp8``: 1-byte elements, half a bfloat16 preset's bytes). Raises ValueError naming the
-    known presets if absent, the field that is wrong if the file is malformed, or an unknown ``DTYPE``."""
+    known presets if absent, the field that is wrong if the file is malformed, an unknown ``DTYPE``, or no
+    presets directory (:func:`layouts_dir`)."""
     if ":" in name:
         base, kv_dtype = name.rsplit(":", 1)
         try:

@@ -257,6 +257,33 @@ def test_layouts_lists_a_malformed_preset_file_with_its_error_and_the_rest(tmp_p
     r = CliRunner().invoke(app, ["layouts"])
     assert r.exit_code == 0 and "broken" in r.output and "qwen3-8b" in r.output, r.output
 
+def test_a_missing_presets_directory_is_one_line_naming_it_and_its_source(tmp_path, monkeypatch):
+    """KVBM_BACKEND_LAYOUTS naming no directory: `layouts` and every --layout user fail with one line naming
+    the directory and the variable, exit 2 (was: `layouts` printed {} with exit 0 and plan said
+    "no preset 'llama-3.1-8b'; known:" with an empty list). A package without the repository's layouts/
+    and no variable: the same, saying to set it."""
+    nope = tmp_path / "nope"
+    monkeypatch.setenv("KVBM_BACKEND_LAYOUTS", str(nope))
+    why = f"presets directory {nope}: no such directory (set by KVBM_BACKEND_LAYOUTS)"
+    for args, expect in ((["layouts", "--json"], f"error: {why}"),
+                         (["plan", "--synthetic", "--users", "2", "--turns", "2"], f"error: --layout: {why}"),
+                         (["replay", "--trace", "t.jsonl", "--simulate", "--g3-capacity-gb", "1"],
+                          f"error: --layout: {why}")):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2 and r.output.strip().splitlines() == [expect], r.output
+    monkeypatch.delenv("KVBM_BACKEND_LAYOUTS")
+    import shutil
+    site = tmp_path / "site"  # the package alone, as installed: no layouts/ two levels above it
+    shutil.copytree(REPO / "kvbm_backend", site / "kvbm_backend", ignore=shutil.ignore_patterns("__pycache__"))
+    e = {k: v for k, v in os.environ.items() if k != "KVBM_BACKEND_LAYOUTS"}
+    e["PYTHONPATH"] = str(site)
+    r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "layouts"], capture_output=True, text=True,
+                       timeout=HANG_S, cwd=str(tmp_path), env=e)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: presets directory {site / 'layouts'}: no such directory (the repository's layouts/; set "
+        "KVBM_BACKEND_LAYOUTS to the directory of preset .toml files)"], r.stderr
+
+
 # --- hostile config inputs (issue 26 item 7), through the real entry point in a subprocess -------------
 
 REPO = Path(__file__).resolve().parents[2]
