@@ -86,13 +86,21 @@ def load_trace(path: str, limit: int | None = None, parse=None) -> list[dict]:
 
 def parse_record(line: str, path: str, n: int) -> dict:
     """One trace line as ``{"hash_ids": [int], "input_length": int}``. Raises ValueError naming
-    ``path`` and line ``n`` when it is not a Mooncake record or its length does not fit its blocks."""
+    ``path`` and line ``n`` when it is not a Mooncake record (``hash_ids`` a list of JSON integers,
+    ``input_length`` one: a float, a boolean or a string is refused, never truncated, since ``1.2`` and ``1.7``
+    would become the same block) or its length does not fit its blocks."""
     try:
         r = json.loads(line)
-        ids = [int(x) for x in r["hash_ids"]]
-        length = int(r["input_length"])
+        ids, length = r["hash_ids"], r["input_length"]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--trace {path} line {n}: not a Mooncake record ({e})") from None
+    if not isinstance(ids, list):
+        raise ValueError(f"--trace {path} line {n}: hash_ids must be a list of integers, got {ids!r:.80}")
+    if not _is_int(length):
+        raise ValueError(f"--trace {path} line {n}: input_length must be an integer, got {length!r:.80}")
+    bad = next((x for x in ids if not _is_int(x)), None)
+    if bad is not None:
+        raise ValueError(f"--trace {path} line {n}: hash_ids must be integers >= 0, got {bad!r:.80}")
     bad = next((x for x in ids if x < 0), None)
     if bad is not None:
         raise ValueError(f"--trace {path} line {n}: hash_ids must be integers >= 0, got {bad}")
@@ -100,6 +108,11 @@ def parse_record(line: str, path: str, n: int) -> dict:
         raise ValueError(f"--trace {path} line {n}: input_length {length} does not fit "
                          f"{len(ids)} blocks of {TRACE_BLOCK_TOKENS} tokens")
     return {"hash_ids": ids, "input_length": length}
+
+
+def _is_int(x: object) -> bool:
+    """A JSON integer (Python's JSON reader gives int; bool is an int subclass, but ``true`` is no id)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class KeyMaker:

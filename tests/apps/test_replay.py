@@ -135,3 +135,40 @@ def test_sigterm_removes_the_run_directory(tmp_path):
                                 "no run directory", HANG_S)
     assert rc != 0 and out == "", err  # interrupted, not finished
     assert not (tmp_path / "made").exists(), list(g3.rglob("*"))
+
+
+def _replay_cli(*args: str):
+    from typer.testing import CliRunner
+
+    from kvbm_backend.apps.cli import app
+    return CliRunner().invoke(app, ["replay", *args])
+
+
+@pytest.mark.parametrize("record,expect", [
+    ('"input_length": 512, "hash_ids": [1.2]', "hash_ids must be integers >= 0, got 1.2"),
+    ('"input_length": 512, "hash_ids": [true]', "hash_ids must be integers >= 0, got True"),
+    ('"input_length": 512, "hash_ids": ["7"]', "hash_ids must be integers >= 0, got '7'"),
+    ('"input_length": 512, "hash_ids": "12"', "hash_ids must be a list of integers, got '12'"),
+    ('"input_length": 512.0, "hash_ids": [1]', "input_length must be an integer, got 512.0"),
+    ('"input_length": true, "hash_ids": [1]', "input_length must be an integer, got True"),
+])
+def test_non_integer_trace_fields_are_refused_not_truncated(tmp_path, record, expect):
+    """hash_ids and input_length must be JSON integers: a float, boolean or string is a `--trace FILE line N`
+    error in replay and plan. Before: int() truncated them, so ids 1.2 and 1.7 were the same block (the
+    second request of the trace below hit every page of the first), and "12" was the ids 1 and 2."""
+    t = tmp_path / "t.jsonl"
+    t.write_text('{"timestamp": 0, "input_length": 512, "hash_ids": [1]}\n{"timestamp": 1, %s}\n' % record)
+    from typer.testing import CliRunner
+
+    from kvbm_backend.apps.cli import app
+    for cmd in (["replay", "--simulate"], ["plan"]):
+        r = CliRunner().invoke(app, cmd + ["--trace", str(t), "--layout", "tiny", "--g3-capacity-gb", "1",
+                                           "--admit-all", "--json"])
+        assert r.exit_code == 2 and r.output.strip().splitlines() == [f"error: --trace {t} line 2: {expect}"], \
+            (cmd, r.output)
+    if "1.2" not in record:
+        return
+    t.write_text('{"timestamp": 0, "input_length": 512, "hash_ids": [1.2]}\n'
+                 '{"timestamp": 1, "input_length": 512, "hash_ids": [1.7]}\n')  # the reviewer's trace: was 32/64 hits
+    r = _replay_cli("--trace", str(t), "--simulate", "--admit-all", "--g3-capacity-gb", "1", "--json")
+    assert r.exit_code == 2 and r.output.strip() == f"error: --trace {t} line 1: hash_ids must be integers >= 0, got 1.2"
