@@ -15,7 +15,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from .cli_checks import check_layout as _check_layout, config_error_text as _config_error_text, error_line
-from .cli_checks import DEFAULT_LAYOUT, finite as _finite, int_range
+from .cli_checks import DEFAULT_LAYOUT, finite as _finite, int_range, output_file as _output_file
 
 # Upper bounds of the numeric flags (a value past them is an operator mistake that would otherwise end
 # in a MemoryError or OverflowError traceback minutes later). Capacities: config.MAX_CAPACITY_GB.
@@ -200,7 +200,8 @@ def plan(
     arrival_rate: float = typer.Option(1.0, help="synthetic: new conversations per second (Poisson)"),
     think_s: float = typer.Option(60.0, help="synthetic: mean seconds between turns (exponential)"),
     seed: int = typer.Option(0, help="synthetic: random seed (>= 0)"),
-    save_trace: Optional[str] = typer.Option(None, help="synthetic: also write the trace here (JSONL)"),
+    save_trace: Optional[str] = typer.Option(None, help="synthetic: also write the trace here (JSONL; an existing "
+                                                        "directory)"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
     layout: str = typer.Option(DEFAULT_LAYOUT, help=LAYOUT_HELP),
     tp: int = typer.Option(1, help=f"TP degree of a worker (1-{MAX_TP})"),
@@ -217,8 +218,9 @@ def plan(
     g4_read_gbps: float = typer.Option(2.0, help="G4 read GB/s per worker"),
     prefill_tokens_per_s: float = typer.Option(10000.0, help="prefill tokens/s per worker (recompute)"),
     admit_all: bool = typer.Option(False, "--admit-all", help="store every block (default: second sighting)"),
-    out: Optional[str] = typer.Option(None, help="write the results JSON here"),
-    plot_out: Optional[str] = typer.Option(None, "--plot", help="write a PNG/PDF/SVG plot here"),
+    out: Optional[str] = typer.Option(None, help="write the results JSON here (in an existing directory)"),
+    plot_out: Optional[str] = typer.Option(None, "--plot", help="write a PNG/PDF/SVG plot here (in an existing "
+                                                                "directory)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Capacity planner: per-tier hit rates, bytes/s, SSD drive writes per day and TTFT saved over a
@@ -260,8 +262,8 @@ def plan(
     g4s = _gb_list("--g4-capacity-gb", g4_capacity_gb)
     _check_layout(layout, page_size, tp)
     for name, f in (("--out", out), ("--plot", plot_out), ("--save-trace", save_trace)):
-        if f:
-            _writable_dirs(name, str(Path(f).absolute().parent))
+        if f is not None:  # before the simulation: a bad name must not cost its results
+            _output_file(name, f)
     if plot_out and Path(plot_out).suffix.lower() not in (".png", ".pdf", ".svg"):
         _fail(f"--plot: unknown image format; use .png, .pdf or .svg (got {plot_out!r})")
     spec = None
@@ -272,7 +274,10 @@ def plan(
                              arrival_rate=arrival_rate, think_s=think_s, seed=seed)
             reqs = synth_trace(spec)[:limit]
             if save_trace:
-                write_trace(reqs, save_trace)
+                try:
+                    write_trace(reqs, save_trace)
+                except OSError as e:
+                    _fail(f"--save-trace: {save_trace}: {e.strerror or e}")
             source: dict[str, Any] = {"synthetic": spec.__dict__}
         else:
             assert trace is not None  # checked above: a trace file or --synthetic
@@ -284,19 +289,37 @@ def plan(
                       router_decay_s=router_decay_s)
         result = run_plan(reqs, layout, page_size, tp, fleet, g3s, g4s, admit_all=admit_all, source=source,
                           progress=not as_json)
-        if out:
-            Path(out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-        if plot_out:
-            plot_plan(result, plot_out)
     except ValueError as e:
         _fail(str(e))
     except MemoryError as e:
         _fail(f"plan: out of memory ({e})")
     except OSError as e:
         _fail(f"plan: {e}")
-    for w in result.get("warnings", []):  # hybrid layouts: what the model leaves out
-        console.print(f"[yellow]warning:[/yellow] {w}", soft_wrap=True, highlight=False)
+    # A file that cannot be written now (the disk filled up, the directory went away) is an error line
+    # naming its option, after the results are printed: the simulation's work is not lost.
+    write_errors = []
+    if out:
+        try:
+            Path(out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        except OSError as e:
+            write_errors.append(f"--out: {out}: {e.strerror or e}")
+    if plot_out:
+        try:
+            plot_plan(result, plot_out)
+        except OSError as e:
+            write_errors.append(f"--plot: {plot_out}: {e.strerror or e}")
+    _print_warnings(result)
     _emit(result, as_json, table_fn=print_plan)
+    for msg in write_errors:
+        error_line(msg)
+    if write_errors:
+        raise typer.Exit(2)
+
+
+def _print_warnings(result: dict) -> None:
+    """``warning:`` lines on stderr for ``result["warnings"]`` (hybrid layouts: what plan / replay leave out)."""
+    for w in result.get("warnings", []):
+        console.print(f"[yellow]warning:[/yellow] {w}", soft_wrap=True, highlight=False)
 
 
 @app.command()
@@ -332,8 +355,8 @@ def demo(
         _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
     _writable_dirs("--workdir", workdir)
     for name, f in (("--json", json_path), ("--plot", plot)):
-        if f:
-            _writable_dirs(name, str(Path(f).absolute().parent))
+        if f:  # written after minutes of runs: checked now
+            _output_file(name, f)
     try:  # a malformed trace, one with too few requests, a used --workdir: one line, before any engine starts
         demo_requests(trace=trace, requests=requests, workdir=workdir, g4=g4, engine=engine)
     except ValueError as e:
@@ -426,7 +449,7 @@ def plot(files: list[str] = typer.Argument(..., help="benchmark or demo JSON fil
             _fail(f"FILES: {f}: not JSON ({e})")
         if not isinstance(d, dict):
             _fail(f"FILES: {f}: expected a JSON object (bench or demo results), got {type(d).__name__}")
-    _writable_dirs("--out", str(Path(out).absolute().parent))
+    _output_file("--out", out)
     try:
         import matplotlib.figure
         supported = matplotlib.figure.Figure().canvas.get_supported_filetypes()

@@ -77,6 +77,30 @@ def existing_dir(name: str, path: str, why: str) -> None:
         fail(f"{name}: {path}: no such directory ({why})")
 
 
+def output_file(name: str, path: str) -> None:
+    """``path`` is a file this command may write when it finishes: its directory exists and this process can
+    write it, and ``path`` is not a directory (nor an existing file it cannot write); else :func:`fail`
+    naming ``name``. Checked before the work (a plan's simulation, a demo's engines), so a typo does not
+    cost the results; the directory is never created."""
+    import os
+    from pathlib import Path
+
+    from kvbm_backend.config import dir_problem
+    if not path.strip():
+        fail(f"{name}: empty file name")
+    target = Path(path).absolute()
+    parent = target.parent
+    problem = dir_problem(str(parent))  # a file in the way, a directory this process cannot write
+    if problem:
+        fail(f"{name}: {parent}: {problem}")
+    if not parent.is_dir():
+        fail(f"{name}: {path}: no directory {parent} (create it first)")
+    if target.is_dir():
+        fail(f"{name}: {path}: is a directory (give a file name)")
+    if target.exists() and not os.access(target, os.W_OK):
+        fail(f"{name}: {path}: not writable by this process")
+
+
 def file_url_path(url: str) -> str | None:
     """The local path of a ``file://`` URL (``file:///p`` or ``file://localhost/p``), else None."""
     from urllib.parse import urlparse

@@ -29,6 +29,7 @@ def files(tmp_path):
     (tmp_path / "trace.jsonl").write_text(json.dumps({"timestamp": 0, "input_length": 512, "output_length": 1,
                                                       "hash_ids": [1]}) + "\n")
     (tmp_path / "used-wd" / "g3-run").mkdir(parents=True)  # a demo workdir of an earlier run
+    (tmp_path / "dir.png").mkdir()  # a directory where an output file is named
     return tmp_path
 
 
@@ -156,6 +157,13 @@ CASES = [
     (["doctor", "--config", '{"g3": {"capacity_gb": 1e300}}'], "error: g3.capacity_gb: Input should be less than"),
     (["doctor", "--config", '{"g3": {"capacity_gb": true}}'], "error: g3.capacity_gb: expected a number, not a bool"),
     (["doctor", "--config", '{"metrics": {"port": true}}'], "error: metrics.port: expected a number, not a boolean"),
+    # output files: checked before the work, their directory never created (was: accepted, failed when written)
+    (["plot", "{d}/bench.json", "--out", "{d}/nodir/x.png"],
+     "error: --out: {d}/nodir/x.png: no directory {d}/nodir (create it first)"),
+    (["plot", "{d}/bench.json", "--out", "{d}/dir.png"], "error: --out: {d}/dir.png: is a directory"),
+    (["demo", "--trace", "{d}/trace.jsonl", "--json", "{d}/nodir/r.json"],
+     "error: --json: {d}/nodir/r.json: no directory {d}/nodir"),
+    (["demo", "--trace", "{d}/trace.jsonl", "--plot", "{d}/dir.png"], "error: --plot: {d}/dir.png: is a directory"),
     # doctor, unknown command
     (["doctor", "--config", "{d}/missing.yaml"], "error: config file {d}/missing.yaml: not found"),
     (["doctor", "--config", '{"g3": {"paths": [""]}}'], "error: g3.paths[0]: empty path"),

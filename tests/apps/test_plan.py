@@ -303,3 +303,47 @@ def test_an_fp8_kv_cache_is_sized_with_the_dtype_suffix():
     head = 4096  # frame header (docs/format.md)
     assert sizes["llama-3.1-8b"] - head == 2 * (sizes["llama-3.1-8b:fp8"] - head) == 2 * 1048576, sizes
 
+
+
+SMALL = ["plan", "--synthetic", "--users", "2", "--turns", "2", "--layout", "tiny", "--page-size", "64",
+         "--g3-capacity-gb", "1"]
+
+
+@pytest.mark.parametrize("option,name", [("--out", "x.json"), ("--plot", "x.png"), ("--save-trace", "x.jsonl")])
+@pytest.mark.parametrize("case", ["missing-dir", "a-directory"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_simulation(tmp_path, option, name, case):
+    """--out / --plot / --save-trace: a missing parent directory (never created) or a name that is a
+    directory is one error line naming the option and the path, before anything runs. Before: the pre-check
+    passed both, the simulation ran to its end, then `error: plan: [Errno 2] ...` (or 21): results lost."""
+    if case == "missing-dir":
+        f, expect = tmp_path / "nodir" / name, f"no directory {tmp_path / 'nodir'} (create it first)"
+    else:
+        f, expect = tmp_path / name, "is a directory (give a file name)"
+        f.mkdir()
+    res = CliRunner().invoke(app, SMALL + [option, str(f), "--json"])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 2 and lines == [f"error: {option}: {f}: {expect}"], res.output
+    assert not (tmp_path / "nodir").exists()
+
+
+def test_a_failed_write_after_the_simulation_names_the_option_and_still_prints_the_results(tmp_path):
+    """--out fails when written (here: a real file-size limit, as a full disk): the results are printed all
+    the same, then `error: --out: PATH: File too large`, exit 2. Before: `error: plan: [Errno 27] ...` and
+    nothing on stdout."""
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def lim():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
+    out = tmp_path / "p.json"
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", *SMALL, "--out", str(out), "--json"],
+                       capture_output=True, text=True, timeout=600, cwd=repo, env=env, preexec_fn=lim)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: --out: {out}: File too large", r.stderr
+    assert json.loads(r.stdout)["kind"] == "plan" and out.stat().st_size <= 512
