@@ -171,7 +171,8 @@ def replay(
         _fail(f"replay: out of memory ({e})")
     except OSError as e:
         _fail(f"replay: {e}")
-    _emit(result, as_json)
+    _print_warnings(result)
+    _emit(result if as_json else {k: v for k, v in result.items() if k != "warnings"}, as_json)  # table: on stderr
 
 
 def _gb_list(name: str, value: str) -> list[float]:

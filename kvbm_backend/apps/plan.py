@@ -49,8 +49,8 @@ from kvbm_backend.config import AdmissionConfig
 from kvbm_backend.model import frame
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.model.presets import load_preset
-from .replay import (TRACE_BLOCK_TOKENS, KeyMaker, SimPool, capacity_blocks, load_trace, no_block_error,
-                     parse_record, put_blocks)
+from .replay import (TRACE_BLOCK_TOKENS, KeyMaker, SimPool, capacity_blocks, hybrid_warning, load_trace,
+                     no_block_error, parse_record, put_blocks)
 
 ROUTING = ("prefix", "round-robin")
 
@@ -246,17 +246,6 @@ def _simulate(requests: list[dict[str, Any]], km: KeyMaker, router: Router, poin
             bar.update(task, advance=1)
 
 
-def hybrid_warning(preset) -> str:
-    """What :func:`run_plan` does not model for a hybrid (sliding-window) preset: it sizes every layer for
-    every token."""
-    return (f"{preset.name} is a hybrid model ({preset.sliding_layers} of {preset.num_layers} layers attend to a "
-            f"{preset.sliding_window}-token window); plan sizes it as if every layer stored every token "
-            f"({preset.bytes_per_token:,} B/token), while the connector stores the full-attention layers "
-            f"({preset.full_bytes_per_token:,} B/token) for every block and the sliding layers only near a "
-            "resume point, in pools of their own: bytes, GB/s and DWPD are overstated and hit rates are "
-            "those of a smaller cache (docs/capacity.md)")
-
-
 def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1, fleet: Fleet = Fleet(),
              g3_capacities_gb: Sequence[float] = (1000.0,), g4_capacities_gb: Sequence[float] = (0.0,),
              admit_all: bool = False, source: dict | None = None, progress: bool = False) -> dict:
@@ -381,7 +370,7 @@ def run_plan(requests: list[dict], layout: str, page_size: int = 16, tp: int = 1
             "ttft_saved_s_mean": p["saved_s"] / len(requests) if requests else 0.0,
             "ttft_saved_fraction": p["saved_s"] / recompute if recompute else 0.0,
         })
-    extra = {"warnings": [hybrid_warning(preset)]} if preset.hybrid else {}  # non-hybrid: as before
+    extra = {"warnings": [hybrid_warning(preset, "plan")]} if preset.hybrid else {}  # non-hybrid: as before
     return extra | {
         "kind": "plan", "source": source or {}, "layout": layout, "page_size": page_size, "tp": tp,
         "admission": adm.policy, "fleet": asdict(fleet) | {"workers": W},

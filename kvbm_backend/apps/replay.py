@@ -248,13 +248,26 @@ class SimPool:
 _SimPool = SimPool  # the name this class had before ``plan`` used it
 
 
+def hybrid_warning(preset, command: str) -> str:
+    """What ``command`` (``plan`` / ``replay``, which size a layout's every layer for every token) does not
+    model for a hybrid (sliding-window) preset, as one warning text."""
+    overstated = "bytes, GB/s and DWPD are" if command == "plan" else "bytes are"
+    return (f"{preset.name} is a hybrid model ({preset.sliding_layers} of {preset.num_layers} layers attend to a "
+            f"{preset.sliding_window}-token window); {command} sizes it as if every layer stored every token "
+            f"({preset.bytes_per_token:,} B/token), while the connector stores the full-attention layers "
+            f"({preset.full_bytes_per_token:,} B/token) for every block and the sliding layers only near a "
+            f"resume point, in pools of their own: {overstated} overstated and hit rates are "
+            "those of a smaller cache (docs/capacity.md)")
+
+
 def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: str | None = None,
                g3_capacity_gb: float = 1.0, admit_all: bool = False, limit: int | None = None,
                simulate: bool = False, progress: bool = False) -> dict:
     """Replay ``trace`` (see module doc). Returns a JSON-able dict with ``requests``, ``lookup_blocks``,
     ``hit_blocks``, ``hit_rate``, ``bytes_written``, ``bytes_read`` (frame bytes incl. 4 KiB headers),
     ``prefill_tokens_saved`` (hit blocks x page size), ``offloads_dropped``, ``evictions``,
-    ``stored_blocks``, ``capacity_blocks``, ``elapsed_s`` and the settings.
+    ``stored_blocks``, ``capacity_blocks``, ``elapsed_s`` and the settings; a hybrid (sliding-window) layout
+    adds ``warnings`` (:func:`hybrid_warning`: every layer is sized for every token).
 
     Raises:
         ValueError: a missing/malformed trace, unknown layout, page size < 1, a capacity that holds no
@@ -269,7 +282,8 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
         raise ValueError(f"--limit: must be >= 0, got {limit}")
     if not simulate and not g3_path:
         raise ValueError("--g3-path: a directory is needed unless --simulate")
-    lay = load_preset(layout).layout(page_size=page_size)
+    preset = load_preset(layout)
+    lay = preset.layout(page_size=page_size)
     ns = Namespace(model=f"replay/{layout}", layout=lay)
     fp = ns.fingerprint
     reqs = load_trace(trace, limit)
@@ -372,6 +386,8 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
         "prefill_tokens_saved": hit_blocks * page_size,
         "elapsed_s": time.perf_counter() - t_start,
     }
+    if preset.hybrid:  # as plan: the result says what it leaves out (non-hybrid: no key)
+        out["warnings"] = [hybrid_warning(preset, "replay")]
     if sim is not None:
         out.update(bytes_written=sim.written * sb, bytes_read=hit_blocks * sb, offloads_dropped=sim.dropped,
                    evictions=sim.evictions, stored_blocks=len(sim.index), capacity_blocks=sim.capacity,

@@ -144,6 +144,25 @@ def _replay_cli(*args: str):
     return CliRunner().invoke(app, ["replay", *args])
 
 
+def test_a_hybrid_layout_is_warned_about_as_plan_does(tmp_path):
+    """replay sizes every layer of a sliding-window preset for every token, as plan does: its result holds
+    the same kind of ``warnings`` entry (and a ``warning:`` line on stderr); a dense layout has neither.
+    Before: no key, nothing on stderr."""
+    t = tmp_path / "t.jsonl"
+    t.write_text('{"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]}\n' * 2)
+    r = _replay_cli("--trace", str(t), "--simulate", "--g3-capacity-gb", "10", "--layout", "gpt-oss-20b", "--json")
+    assert r.exit_code == 0 and "warnings" in json.loads(r.stdout), r.output
+    from kvbm_backend.apps.replay import hybrid_warning  # plan's text, naming replay
+    want = hybrid_warning(load_preset("gpt-oss-20b"), "replay")
+    assert want.startswith("gpt-oss-20b is a hybrid model (") and "replay sizes it as if every layer" in want
+    assert json.loads(r.stdout)["warnings"] == [want]
+    assert " ".join(r.stderr.split()) == f"warning: {want}"
+    r = _replay_cli("--trace", str(t), "--simulate", "--g3-capacity-gb", "10", "--layout", "gpt-oss-20b")
+    assert r.exit_code == 0 and "warning: gpt-oss-20b" in r.stderr and "hit_rate" in r.stdout, r.output
+    r = _replay_cli("--trace", str(t), "--simulate", "--g3-capacity-gb", "10", "--layout", "tiny", "--json")
+    assert r.exit_code == 0 and "warnings" not in json.loads(r.stdout) and r.stderr == "", r.output
+
+
 @pytest.mark.parametrize("record,expect", [
     ('"input_length": 512, "hash_ids": [1.2]', "hash_ids must be integers >= 0, got 1.2"),
     ('"input_length": 512, "hash_ids": [true]', "hash_ids must be integers >= 0, got True"),
