@@ -447,8 +447,10 @@ def load_config(source: str | Path | dict | None = None, *, environ: dict[str, s
         data = _json_loads(source, "inline JSON config")
     elif source is not None:
         p = Path(source)
+        if p.is_dir():
+            raise ConfigError(f"config file {p}: is a directory, not a config file")
         if not p.is_file():
-            raise ConfigError(f"config file {p}: not found")
+            raise ConfigError(f"config file {p}: " + ("not a regular file" if p.exists() else "not found"))
         try:
             if p.suffix in (".yaml", ".yml"):
                 data = _yaml_load(p.read_text()) or {}

@@ -194,3 +194,9 @@ def test_bad_config_is_a_clear_error_and_table_is_default(tmp_path):
     for title in ("GPU", "GDS", "KVIKIO", "NIXL", "PATHS", "ENGINE", "O_DIRECT"):
         assert title in r.stdout
     assert r.stdout.strip().splitlines()[-1] == "OK"
+
+
+def test_config_dir_is_not_a_config_file(tmp_path):
+    r = _cli("--config", str(tmp_path))
+    assert r.returncode == 2
+    assert f"config file {tmp_path}: is a directory, not a config file" in r.stderr, r.stderr
