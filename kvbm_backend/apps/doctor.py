@@ -21,6 +21,8 @@ Sections of the result (:func:`run_doctor`):
 * ``g4``: the configured G4 store and keyring, probed (:func:`kvbm_backend.apps.doctor_g4.g4_info`: URL,
   endpoint reachable, credentials, bucket, a create-exclusive put/delete of a probe object, keyring
   loads with its KEK).
+* ``config``: the config file's absolute path, ``"inline JSON"`` (never the text: it may carry
+  credentials), or None.
 * ``problems`` / ``verdict``: every problem found (G4 checks, file modes, a configured engine that
   will fail), one line each, and ``"OK"`` or ``"N problems"``; ``kvbm-backend doctor`` exits 1 when
   there is any.
@@ -366,10 +368,16 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
     problems = list(g4["problems"]) + [f"mode: {m}" for m in modes["problems"]]
     if "WILL FAIL" in engine.get("g3_engine_why", ""):
         problems.append(f"g3.engine {engine['g3_engine']}: {engine['g3_engine_why']}")
-    from kvbm_backend.pool.g4.store import redact_urls  # an inline config's endpoint credentials stay out
     return {"gpu": gpu, "gds": gds, "kvikio": kvk, "nixl": nixl, "paths": pinfo, "modes": modes,
-            "engine": engine, "g4": g4, "config": redact_urls(config) if config else config, "problems": problems,
-            "verdict": verdict(problems)}
+            "engine": engine, "g4": g4, "config": config_label(config), "problems": problems, "verdict": verdict(problems)}
+
+
+def config_label(config: str | None) -> str | None:
+    """What the report names as its config: the file's absolute path, ``"inline JSON"`` for an inline config
+    (never its text: it may carry credentials, e.g. an ``endpoint_url`` with ``USER:SECRET@``), or None."""
+    if config is None:
+        return None
+    return "inline JSON" if config.lstrip().startswith("{") else os.path.abspath(config)
 
 
 def verdict(problems: list[str]) -> str:

@@ -48,15 +48,21 @@ def test_doctor_redacts_the_endpoint(cfg):
     assert SECRET not in out
 
 
-def test_doctor_redacts_an_inline_configs_endpoint(tmp_path):
-    """Review finding (2026-11-30): ``doctor --json --config '{...}'`` echoed the inline config, endpoint
-    credentials included, in its ``config`` key."""
-    inline = json.dumps({"g3": {"enabled": False}, "g4": {"enabled": True, "encrypt": False, "url": "s3://kvbm-test/p",
+def test_doctor_json_names_an_inline_config_without_echoing_it(cfg, tmp_path):
+    """Review finding (2026-11-30): ``doctor --json --config '<inline JSON>'`` echoed the raw string in
+    "config", endpoint credentials included, while its G4 section redacted them. Now "config" is
+    "inline JSON" for an inline config and the absolute path for a file."""
+    inline = json.dumps({"g3": {"enabled": False}, "g4": {"enabled": True, "url": "s3://kvbm-bucket/pfx",
+                                                          "encrypt": False,
                                                           "endpoint_url": f"http://AKIAEXAMPLE:{SECRET}@127.0.0.1:1"}})
     r = _cli("doctor", "--json", "--config", inline)
-    report = json.loads(r.stdout)
-    assert json.loads(report["config"])["g4"]["endpoint_url"] == "http://127.0.0.1:1", report["config"]
+    assert r.stdout.strip().startswith("{"), r.stderr[-2000:]
     assert SECRET not in r.stdout + r.stderr
+    assert json.loads(r.stdout)["config"] == "inline JSON"
+    r = _cli("doctor", "--config", inline)  # the table
+    assert "127.0.0.1:1" in r.stdout and SECRET not in r.stdout + r.stderr
+    r = _cli("doctor", "--json", "--config", str(cfg))
+    assert json.loads(r.stdout)["config"] == str(cfg)
 
 
 def _dry_run(argv: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
