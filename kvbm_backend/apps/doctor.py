@@ -11,7 +11,10 @@ Sections of the result (:func:`run_doctor`):
   missing), whether the POSIX backend starts, whether GDS_MT is usable.
 * ``paths``: per given or configured path: filesystem type, O_DIRECT (a real aligned write/read probe
   via :func:`kvbm_backend.io.probe_o_direct`), free and total bytes. A missing directory is probed at
-  its nearest existing ancestor (where the pool would create it) and says so.
+  its nearest existing ancestor (where the pool would create it) and says so. Each G3 directory is judged
+  by the G3 pool's own open rules (:mod:`.doctor_paths`: writable directory, O_DIRECT decision, room for
+  a slot and for the path's share of ``g3.capacity_gb``); a ``--path`` that is a URL other than
+  ``file:///path`` is refused (ConfigError).
 * ``modes``: ``{"checked": [...], "problems": [...]}``: every G3 directory, ``file://`` G4 root and the
   keyring (file, lock, KEK file and directory) looked at, and one line per path whose mode gives group
   or others access (:func:`kvbm_backend.fsmodes.mode_problems`; everything kvbm-backend creates is
@@ -23,8 +26,8 @@ Sections of the result (:func:`run_doctor`):
   loads with its KEK).
 * ``config``: the config file's absolute path, ``"inline JSON"`` (never the text: it may carry
   credentials), or None.
-* ``problems`` / ``verdict``: every problem found (G4 checks, file modes, a configured engine that
-  will fail), one line each, and ``"OK"`` or ``"N problems"``; ``kvbm-backend doctor`` exits 1 when
+* ``problems`` / ``verdict``: every problem found (G4 checks, file modes, a G3 path the pool cannot use,
+  a configured engine that will fail), one line each, and ``"OK"`` or ``"N problems"``; ``kvbm-backend doctor`` exits 1 when
   there is any.
 """
 from __future__ import annotations
@@ -209,60 +212,8 @@ def nixl_info() -> dict:
         nl.setLevel(old)
 
 
-# ---- paths ---------------------------------------------------------------------------------------
-def _mounts() -> list[tuple[str, str, str]]:
-    out = []
-    try:
-        with open("/proc/self/mounts") as f:
-            for ln in f:
-                p = ln.split()
-                if len(p) >= 3:
-                    out.append((p[1].replace("\\040", " "), p[2], p[0]))
-    except OSError:
-        pass
-    return out
-
-
-def fs_type(path: str) -> str:
-    """Filesystem type of the mount holding ``path`` (longest matching mount point in /proc/self/mounts)."""
-    rp = os.path.realpath(path)
-    best, typ = "", "unknown"
-    for mnt, t, _dev in _mounts():
-        if (rp == mnt or rp.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-            best, typ = mnt, t
-    return typ
-
-
-def path_info(path: str) -> dict:
-    """O_DIRECT (real probe), filesystem type, free/total bytes of one directory. Never raises."""
-    from kvbm_backend.io import probe_o_direct
-    if path.startswith("file://"):
-        path = path[len("file://"):]
-    ap = os.path.abspath(os.path.expanduser(path))
-    out: dict[str, Any] = {"path": path, "exists": os.path.isdir(ap)}
-    probe = ap
-    while not os.path.isdir(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if probe != ap:
-        out["probed_at"] = probe
-        out["note"] = "missing: probed at the nearest existing ancestor (the pool creates it)"
-    out["fs_type"] = fs_type(probe)
-    try:
-        st = os.statvfs(probe)
-        out["free_bytes"] = st.f_bavail * st.f_frsize
-        out["total_bytes"] = st.f_blocks * st.f_frsize
-    except OSError as e:
-        out["free_bytes"] = None
-        out["statvfs_error"] = _err(e)
-    try:
-        out["o_direct"] = bool(probe_o_direct(probe))
-    except OSError as e:
-        out["o_direct"] = None
-        out["o_direct_error"] = f"cannot probe ({_err(e)})"
-    return out
+# ---- paths (doctor_paths.py) ---------------------------------------------------------------------
+from .doctor_paths import fs_type, path_info  # noqa: E402,F401 - re-exported: doctor's API since before the split
 
 
 # ---- engine choice -------------------------------------------------------------------------------
@@ -348,12 +299,18 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
         "verdict"}`` (see the module docstring); JSON-serialisable. ``config`` is the argument as given,
         URLs in it without credentials or query (:func:`kvbm_backend.pool.g4.store.redact_urls`).
     Raises:
-        ConfigError: the config is invalid (message names the field).
+        ConfigError: the config is invalid (message names the field), or a ``paths`` entry is a URL
+            other than ``file:///path``.
     """
     from kvbm_backend.config import load_config
+
+    from .doctor_paths import check_path_arg, g3_path_problems, g4_path_problems
+    for p in paths:
+        check_path_arg(p)
     cfg = load_config(config)
-    all_paths = list(dict.fromkeys(list(paths) + list(cfg.g3.paths if (cfg.g3.enabled and (config or not paths)) else [])
-                                   + ([cfg.g4.url] if cfg.g4.enabled and cfg.g4.url and cfg.g4.url.startswith("file://") else [])))
+    g3_configured = list(cfg.g3.paths if (cfg.g3.enabled and (config or not paths)) else [])
+    g4_url = cfg.g4.url if cfg.g4.enabled and cfg.g4.url and cfg.g4.url.startswith("file://") else None
+    all_paths = list(dict.fromkeys(list(paths) + g3_configured + ([g4_url] if g4_url else [])))
     gpu = gpu_info()
     gds = gds_info()
     kvk = kvikio_info()
@@ -366,6 +323,13 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
     engine = engine_choice(cfg, gpu, kvk, nixl, pinfo)
     g4 = g4_info(cfg)
     problems = list(g4["problems"]) + [f"mode: {m}" for m in modes["problems"]]
+    g3_dirs = [p for p in all_paths if not p.startswith("file://")]
+    for p, info in zip(all_paths, pinfo):
+        if not p.startswith("file://"):  # a G3 directory: judged by the pool's own rules (doctor_paths)
+            problems += g3_path_problems(info, cfg.g3, len(g3_configured) if p in g3_configured else len(g3_dirs),
+                                         configured=p in g3_configured)
+        elif p != g4_url:  # the configured store is probed by g4_info (a real put)
+            problems += g4_path_problems(info)
     if "WILL FAIL" in engine.get("g3_engine_why", ""):
         problems.append(f"g3.engine {engine['g3_engine']}: {engine['g3_engine_why']}")
     return {"gpu": gpu, "gds": gds, "kvikio": kvk, "nixl": nixl, "paths": pinfo, "modes": modes,

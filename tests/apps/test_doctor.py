@@ -136,9 +136,11 @@ def test_ramfs_refuses_o_direct(tmp_path):
     r = subprocess.run([unshare, "-m", "sh", "-c",
                         f"mount -t ramfs none {mnt} && chmod 700 {mnt} && exec {sys.executable} -m kvbm_backend.apps.cli doctor "
                         f"--path {mnt} --json"], capture_output=True, text=True, timeout=HANG_S, cwd=REPO)
-    assert r.returncode == 0, r.stderr
-    p = json.loads(r.stdout)["paths"][0]
+    rep = json.loads(r.stdout)
+    p = rep["paths"][0]
     assert p["fs_type"] == "ramfs" and p["o_direct"] is False
+    # a ramfs reports no free space (statvfs 0 of 0): a G3 pool gets no slot there, so it is a problem (exit 1)
+    assert r.returncode == 1 and [x.split(":")[1] for x in rep["problems"]] == [" room for no slot"], rep["problems"]
     assert not any(mnt.iterdir())  # the namespace's mount is gone; nothing leaked here
 
 
@@ -196,7 +198,186 @@ def test_bad_config_is_a_clear_error_and_table_is_default(tmp_path):
     assert r.stdout.strip().splitlines()[-1] == "OK"
 
 
+# ---- G3 paths the pool cannot use: doctor's verdict agrees with G3Pool's open (review finding 2026-11-30: OK,
+# exit 0, for a read-only, a full and a ramfs filesystem, a regular file, and `--path s3://...` probed as a
+# local relative directory) ----------------------------------------------------------------------------------
+def _json_cli(*args):
+    r = _cli(*args, "--json")
+    return r, (json.loads(r.stdout) if r.stdout.strip().startswith("{") else None)
+
+
+def _open_pool_error(cfg_file) -> str | None:
+    """G3Pool's open with the same config (the crash-writer namespace: 8 KiB blocks): None, or its error."""
+    from tests.helpers.crash_writer import NS
+    from kvbm_backend.config import load_config
+    from kvbm_backend.pool.g3 import G3Pool
+    try:
+        G3Pool(load_config(str(cfg_file), use_env=False).g3, NS).close()
+    except (ValueError, OSError) as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_a_file_and_a_path_under_a_file_are_problems(tmp_path):
+    f = tmp_path / "trace.jsonl"
+    f.write_text("{}\n")
+    f.chmod(0o600)
+    for p, why in ((f, "is a file, not a directory"), (f / "g3", f"{f} is a file: the directory cannot be created")):
+        r, rep = _json_cli("--path", str(p))
+        assert r.returncode == 1, r.stderr
+        line = f"g3 path {p}: {why} under it" if "created" in why else f"g3 path {p}: {why}"
+        # the path under a file also has its mode check's line (cannot stat), as before
+        assert [x for x in rep["problems"] if not x.startswith("mode: ")] == [line], rep["problems"]
+        assert "the pool creates it" not in rep["paths"][0]["note"]
+
+
+@pytest.mark.slow
+def test_a_url_other_than_file_is_refused_not_probed_as_a_local_directory(tmp_path):
+    for p in ("s3://kvbm-test/p", "mem://x", "file://relative/p", ""):
+        r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "doctor", "--json", "--path", p],
+                           capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": REPO})
+        assert r.returncode == 2 and r.stdout == "", (p, r.stdout[-500:])
+        assert f"--path {p!r}" in r.stderr, r.stderr
+    assert not any(tmp_path.iterdir())  # nothing created or probed under the current directory ("s3:/...")
+    r, rep = _json_cli("--path", f"file://{tmp_path}")  # a file:// G4 root is still probed
+    assert r.returncode == 0 and rep["paths"][0]["path"] == str(tmp_path), r.stderr
+
+
 def test_config_dir_is_not_a_config_file(tmp_path):
     r = _cli("--config", str(tmp_path))
     assert r.returncode == 2
     assert f"config file {tmp_path}: is a directory, not a config file" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_no_room_for_a_slot_is_a_problem_exactly_when_the_pool_cannot_open(tmp_path):
+    """A real directory and the real statvfs: a watermark above the free fraction leaves no room for a slot;
+    doctor says so and G3Pool's open with the same config fails; with the default watermark both succeed."""
+    g3 = tmp_path / "g3"
+    g3.mkdir(mode=0o700)
+    st = os.statvfs(g3)
+    free_fraction = st.f_bavail / st.f_blocks
+    if free_fraction > 0.999:
+        pytest.skip(f"{g3}'s filesystem is {free_fraction:.2%} free: no watermark below 1 can be above that")
+    cfg = tmp_path / "c.json"
+    for mff, fits in ((round(free_fraction + 0.0005, 4), False), (0.0, True)):
+        cfg.write_text(json.dumps({"g3": {"paths": [str(g3)], "capacity_gb": 0.001, "min_free_fraction": mff}}))
+        cfg.chmod(0o600)
+        r, rep = _json_cli("--config", str(cfg))
+        pool_error = _open_pool_error(cfg)
+        if fits:
+            assert r.returncode == 0 and rep["problems"] == [] and pool_error is None, (r.stderr, rep["problems"])
+            assert rep["paths"][0]["room_bytes"] >= 10**6
+        else:
+            assert r.returncode == 1, r.stderr
+            assert len(rep["problems"]) == 1 and rep["problems"][0].startswith(f"g3 path {g3}: room for no slot")
+            assert pool_error is not None and "room for no slot" in pool_error
+
+
+@pytest.mark.slow
+def test_less_room_than_the_capacity_share_is_a_problem_that_says_so(tmp_path):
+    g3a, g3b = tmp_path / "a", tmp_path / "b"
+    g3a.mkdir(mode=0o700)
+    g3b.mkdir(mode=0o700)
+    st = os.statvfs(g3a)
+    cap_gb = 2 * st.f_blocks * st.f_frsize / 1e9 * 1.5  # each path's share (cap/2) is 1.5x the filesystem
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"g3": {"paths": [str(g3a), str(g3b)], "capacity_gb": cap_gb}}))
+    cfg.chmod(0o600)
+    r, rep = _json_cli("--config", str(cfg))
+    assert r.returncode == 1
+    assert len(rep["problems"]) == 2, rep["problems"]
+    for p, line in zip((g3a, g3b), rep["problems"]):
+        assert line.startswith(f"g3 path {p}: room for ") and "less than its share of g3.capacity_gb" in line
+        assert "over 2 paths): the pool opens with less" in line
+    assert _open_pool_error(cfg) is None  # it opens, with less than capacity_gb
+
+
+def _in_private_mounts(tmp_path, script: str) -> subprocess.CompletedProcess:
+    """Run ``script`` (sh) in a private mount namespace in which tmp_path/full is a full 64 KiB tmpfs,
+    tmp_path/ro a read-only tmpfs and tmp_path/ramfs a ramfs (all 0700); skip where that cannot be done."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) to mount a private tmpfs and ramfs")
+    for d in ("full", "ro", "ramfs"):
+        (tmp_path / d).mkdir()
+    setup = (f"mount -t tmpfs -o size=64k,mode=700 tmpfs {tmp_path}/full && "
+             f"(dd if=/dev/zero of={tmp_path}/full/fill bs=4k count=100 2>/dev/null; chmod 600 {tmp_path}/full/fill) && "
+             f"mount -t tmpfs -o ro,mode=700 tmpfs {tmp_path}/ro && mount -t ramfs -o mode=700 ramfs {tmp_path}/ramfs")
+    probe = subprocess.run([unshare, "--mount", "--propagation", "private", "sh", "-c", setup + " && echo ok"],
+                           capture_output=True, text=True, timeout=HANG_S)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount in a private mount namespace here: {probe.stderr.strip()[:200]}")
+    r = subprocess.run([unshare, "--mount", "--propagation", "private", "sh", "-c", f"{setup} && {script}"],
+                       capture_output=True, text=True, timeout=HANG_S, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": REPO})
+    for d in ("full", "ro", "ramfs"):
+        assert not any((tmp_path / d).iterdir())  # the namespace's mounts are gone; nothing leaked here
+    return r
+
+
+@pytest.mark.slow
+def test_read_only_full_and_ramfs_paths_are_problems(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    doctor = f"{sys.executable} -m kvbm_backend.apps.cli doctor --json"
+    script = " ; ".join(f"{doctor} --path {tmp_path}/{d} > {out}/{d}.json 2>{out}/{d}.err; echo $? > {out}/{d}.rc"
+                        for d in ("ro", "full", "ramfs"))
+    r = _in_private_mounts(tmp_path, script)
+    assert r.returncode == 0, r.stderr
+    res = {d: (int((out / f"{d}.rc").read_text()), json.loads((out / f"{d}.json").read_text()))
+           for d in ("ro", "full", "ramfs")}
+    rc, rep = res["ro"]
+    assert rc == 1 and rep["problems"] == [f"g3 path {tmp_path}/ro: directory is not writable by this process "
+                                           "(read-only filesystem)"], rep["problems"]
+    for d in ("full", "ramfs"):
+        rc, rep = res[d]
+        assert rc == 1, (out / f"{d}.err").read_text()
+        assert any(p.startswith(f"g3 path {tmp_path}/{d}: room for no slot: 0 bytes") for p in rep["problems"]), \
+            rep["problems"]
+    assert res["ramfs"][1]["paths"][0]["o_direct"] is False
+    assert res["full"][1]["paths"][0]["free_bytes"] == 0
+
+
+_POOL_OPEN = """
+import sys
+from tests.helpers.crash_writer import NS
+from kvbm_backend.config import load_config
+from kvbm_backend.pool.g3 import G3Pool
+try:
+    G3Pool(load_config(sys.argv[1], use_env=False).g3, NS).close()
+    print("opened")
+except (ValueError, OSError) as e:
+    print("failed:", e)
+"""
+
+
+@pytest.mark.slow
+def test_doctor_and_the_pool_agree_on_a_full_tmpfs_and_a_ramfs(tmp_path):
+    """Via --config: doctor says a problem (exit 1) for the G3 configs whose pool cannot open; g3.o_direct on a
+    ramfs (no O_DIRECT) is named."""
+    out = tmp_path / "out"
+    out.mkdir(mode=0o700)
+    cases = {"full": {"paths": [f"{tmp_path}/full"]}, "ramfs": {"paths": [f"{tmp_path}/ramfs"]},
+             "ramfs_on": {"paths": [f"{tmp_path}/ramfs"], "o_direct": "on"}}
+    lines = []
+    for name, g3 in cases.items():
+        (out / f"{name}.cfg.json").write_text(json.dumps({"g3": {**g3, "capacity_gb": 1, "engine": "posix"}}))
+        (out / f"{name}.cfg.json").chmod(0o600)
+        lines.append(f"{sys.executable} -m kvbm_backend.apps.cli doctor --json --config {out}/{name}.cfg.json "
+                     f"> {out}/{name}.json 2>{out}/{name}.err; echo $? > {out}/{name}.rc; "
+                     f"{sys.executable} -c '{_POOL_OPEN}' {out}/{name}.cfg.json > {out}/{name}.pool")
+    r = _in_private_mounts(tmp_path, " ; ".join(lines))
+    assert r.returncode == 0, r.stderr
+    for name in cases:
+        rc, rep = int((out / f"{name}.rc").read_text()), json.loads((out / f"{name}.json").read_text())
+        pool = (out / f"{name}.pool").read_text()
+        assert pool.startswith("failed:") and "room for no slot" in pool, pool
+        assert rc == 1 and rep["verdict"] != "OK", (out / f"{name}.err").read_text()
+        assert any("room for no slot" in p for p in rep["problems"]), rep["problems"]
+    on = json.loads((out / "ramfs_on.json").read_text())["problems"]
+    assert any("g3.o_direct is on but ramfs refuses O_DIRECT" in p for p in on), on
+    auto = json.loads((out / "ramfs.json").read_text())["problems"]
+    assert not any("O_DIRECT" in p for p in auto), auto  # auto: buffered I/O there, no O_DIRECT problem

@@ -33,7 +33,8 @@ from ...io import probe_o_direct
 from ...model.namespace import Namespace
 from .dirs import LOCK_NAME, NOSPACE as _NOSPACE, G3Dir, G3LockedError, G3PathError
 
-__all__ = ["LOCK_NAME", "G3LockedError", "G3PathError", "SlabFile", "SlabSet", "fs_space"]
+__all__ = ["LOCK_NAME", "G3LockedError", "G3PathError", "SlabFile", "SlabSet", "fs_space", "keep_free_bytes",
+           "o_direct_choice", "slab_bytes_in", "space_budget"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,72 @@ def fs_space(directory: str) -> tuple[int, int]:
     """``(available_bytes, total_bytes)`` of the filesystem holding ``directory`` (statvfs, unprivileged)."""
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def keep_free_bytes(total: int, capacity_bytes: int, slot_bytes: int, min_free_fraction: float) -> int:
+    """Bytes of a filesystem of ``total`` bytes that slab files leave free: the ``min_free_fraction``
+    watermark, and never less than the metadata reserve (256 KiB plus 256 bytes per slot of
+    ``slot_bytes`` the pool, ``capacity_bytes`` in all, can have on that filesystem)."""
+    slots = min(capacity_bytes, total) // max(1, slot_bytes)
+    return max(int(min_free_fraction * total), (256 << 10) + 256 * slots)
+
+
+def space_budget(directory: str, own: int, capacity_bytes: int, n_paths: int, slot_bytes: int,
+                 min_free_fraction: float) -> tuple[int, int]:
+    """``(budget, room)`` in bytes of one of ``n_paths`` G3 directories at open: ``room`` is the space slab
+    files may take there (``own``: bytes its slab files already hold, plus the free space, less
+    :func:`keep_free_bytes`; negative when the filesystem is below it), ``budget`` the slot bytes the pool
+    gives the directory (``room`` capped at its share ``capacity_bytes // n_paths``, at least 0). A budget
+    under ``slot_bytes`` in every directory makes the open fail (``g3.capacity_gb: room for no slot``).
+
+    Raises:
+        OSError: ``statvfs`` of ``directory`` failed.
+    """
+    avail, total = fs_space(directory)
+    room = own + avail - keep_free_bytes(total, capacity_bytes, slot_bytes, min_free_fraction)
+    return max(0, min(capacity_bytes // n_paths, room)), room
+
+
+def slab_bytes_in(dir_fd: int | str, fingerprint: str | None = None) -> tuple[int, list[str]]:
+    """Disk bytes (allocated blocks) the slab files of namespace ``fingerprint`` hold in a directory
+    (``dir_fd``: an fd or a path), and the names of the other namespaces' slab files there.
+    ``fingerprint`` None: every namespace's slab files count (nothing is foreign)."""
+    own, foreign = 0, []
+    for name in sorted(os.listdir(dir_fd)):
+        m = _SLAB_RE.match(name)
+        if not m:
+            continue
+        if fingerprint is not None and m.group(1) != fingerprint:
+            foreign.append(name)
+            continue
+        if isinstance(dir_fd, int):
+            own += os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
+        else:
+            own += os.stat(os.path.join(dir_fd, name), follow_symlinks=False).st_blocks * 512
+    return own, foreign
+
+
+def o_direct_choice(directory: str, setting: str) -> bool:
+    """Whether the pool opens the slab files of ``directory`` with O_DIRECT for ``g3.o_direct``
+    ``setting``: ``on`` True and ``off`` False without a probe; ``auto`` the real probe
+    (:func:`kvbm_backend.io.probe_o_direct`), False when the filesystem is full (ENOSPC/EDQUOT: buffered
+    I/O works everywhere; logged).
+
+    Raises:
+        OSError: the ``auto`` probe failed otherwise (the directory cannot be written: EROFS, EACCES...);
+            the pool's open fails with it.
+    """
+    if setting == "on":
+        return True
+    if setting == "off":
+        return False
+    try:
+        return probe_o_direct(directory)
+    except OSError as e:
+        if e.errno not in _NOSPACE:
+            raise
+        log.warning("G3: cannot probe O_DIRECT in %s (%s); using buffered I/O", directory, e.strerror)
+        return False
 
 
 @dataclass
@@ -148,32 +215,11 @@ class SlabSet:
         for d in self.paths:
             g = self.dirs[d] = G3Dir(d, self.namespace)
             self.ids[d] = os.path.realpath(d)  # unique: two names of one directory cannot both take its lock
-            dfd = g.fd
-            own = 0
-            for name in sorted(os.listdir(dfd)):
-                m = _SLAB_RE.match(name)
-                if not m:
-                    continue
-                if m.group(1) != self.fp:
-                    self.foreign_files.append(os.path.join(d, name))
-                    continue
-                own += os.stat(name, dir_fd=dfd, follow_symlinks=False).st_blocks * 512
-            if o_direct == "on":
-                od = True
-            elif o_direct == "off":
-                od = False
-            else:
-                try:
-                    od = probe_o_direct(d)
-                except OSError as e:
-                    if e.errno not in _NOSPACE:
-                        raise
-                    od = False  # full disk: the probe cannot write; buffered I/O works everywhere
-                    log.warning("G3: cannot probe O_DIRECT in %s (%s); using buffered I/O", d, e.strerror)
-            self.o_direct[d] = od
-            avail, total = fs_space(d)
-            room = own + avail - self._keep_free(total)
-            budgets.append(max(0, min(capacity_bytes // len(self.paths), room)))
+            own, foreign = slab_bytes_in(g.fd, self.fp)
+            self.foreign_files += [os.path.join(d, name) for name in foreign]
+            self.o_direct[d] = o_direct_choice(d, o_direct)
+            budgets.append(space_budget(d, own, capacity_bytes, len(self.paths), self.slot_bytes,
+                                        self.min_free_fraction)[0])
         if self.foreign_files:
             log.warning("G3: ignoring %d slab file(s) of another namespace (not %s): %s", len(self.foreign_files),
                         self.fp, ", ".join(self.foreign_files[:4]))
@@ -337,8 +383,7 @@ class SlabSet:
         """Bytes of a filesystem of ``total`` bytes that slab growth leaves free: the
         ``min_free_fraction`` watermark, and never less than the metadata reserve (256 KiB plus 256
         bytes per slot the pool can have on that filesystem)."""
-        slots = min(self._capacity_bytes, total) // max(1, self.slot_bytes)
-        return max(int(self.min_free_fraction * total), (256 << 10) + 256 * slots)
+        return keep_free_bytes(total, self._capacity_bytes, self.slot_bytes, self.min_free_fraction)
 
     def ensure_size(self, fi: int, upto_slot: int) -> None:
         """Grow file ``fi`` so slot ``upto_slot`` exists (chunked ``posix_fallocate``).
