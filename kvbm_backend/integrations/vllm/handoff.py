@@ -27,7 +27,8 @@ prefill response to the decode request):
   when F or T differ from its own (the blocks are under names it never reads: a prefill worker of another
   TP size, dtype or revision, or with another default tenant): served at once, counted
   ``handoff_identity_mismatches``, one WARNING per pair of values. Params without F and T (older prefill
-  workers) are waited for as before.
+  workers) are waited for as before; T is sent only by a pool with a keyring (an unkeyed pseudonym would let a
+  client confirm a guessed tenant id).
 
 Never wrong KV: the decode side loads only blocks whose frames check (the ordinary load path); the wait
 only decides *when* it looks. The write-behind that makes blocks visible is the prefill side's ordinary
@@ -76,10 +77,12 @@ def g4_fingerprint(g4: Any) -> str | None:
 
 
 def tenant_tag(g4: Any, tenant: str) -> str | None:
-    """The first 8 bytes (16 hex characters) of ``tenant``'s pseudonym in ``g4`` (a keyed HMAC under an
-    encrypted pool's keyring), or None without G4 or when the pool cannot say (a keyring error)."""
+    """The first 8 bytes (16 hex characters) of ``tenant``'s pseudonym in ``g4`` (a keyed HMAC under the pool's
+    keyring), or None without G4, without a keyring, or when the pool cannot say (a keyring error). Without a
+    keyring the pseudonym is an HMAC under a public key: a client reading ``kv_transfer_params`` could confirm a
+    guessed tenant id with it, so it is left out (those workers then match tenants by waiting, as before)."""
     ps = getattr(g4, "pseudonym", None)
-    if ps is None:
+    if ps is None or getattr(getattr(g4, "inner", g4), "keyring", None) is None:
         return None
     try:
         return bytes(ps(tenant))[:8].hex()

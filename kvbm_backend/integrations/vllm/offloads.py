@@ -131,8 +131,10 @@ class Offloads:
     def save(self, job: SaveJob, kv: EngineKv, dev_checks: bool) -> None:
         """Stage ``job``'s blocks (``dev_checks``: with their device checksums) and hand them to the pools,
         now or on the ``kvbm-save`` thread (:attr:`defer`); never waits for the GPU. Only the job's leading
-        blocks that fit under ``max_pending_bytes`` are staged; the rest, and every block of a staging that
-        fails, are dropped and counted (never raised: an offload does not fail the engine's step).
+        blocks that fit under ``max_pending_bytes`` are staged (a ``g4_only`` handoff job: under half the room
+        left, :meth:`.worker_side.WorkerSide.save` stages it after the step's computed blocks); the rest, and
+        every block of a staging that fails, are dropped and counted (never raised: an offload does not fail
+        the engine's step).
 
         Raises:
             IndexError: an engine block id outside the engine's blocks (a caller's bug; nothing staged).
@@ -145,10 +147,16 @@ class Offloads:
         check_ids(job.block_ids, kv.num_blocks)
         bpb = kv.layout.bytes_per_block
         with self._lock:
-            fit = min(n, max(0, self.max_pending_bytes - self.pending_bytes) // bpb)
+            room = max(0, self.max_pending_bytes - self.pending_bytes)
+            # a handoff job's blocks (not computed here; G4 is asked which it lacks only once they are staged)
+            # take at most half the room left: the next steps' computed blocks, which G4 lacks, keep the rest
+            fit = min(n, (room // 2 if job.g4_only else room) // bpb)
             self.pending_bytes += fit * bpb
         if fit < n:
-            stats.add(save_dropped_blocks=n - fit, save_dropped_full_blocks=n - fit)
+            if job.g4_only:  # blocks G4 may hold already: not the staging-full drops of computed blocks
+                stats.add(save_dropped_blocks=n - fit, handoff_g4_dropped_blocks=n - fit)
+            else:
+                stats.add(save_dropped_blocks=n - fit, save_dropped_full_blocks=n - fit)
             if fit == 0:
                 return
             job = replace(job, block_ids=job.block_ids[:fit], seq_hashes=job.seq_hashes[:fit])

@@ -151,11 +151,13 @@ class WorkerSide:
 
     # ---- saves ----------------------------------------------------------------------------------
     def save(self, jobs: list[SaveJob]) -> None:
-        """Stage ``jobs``' blocks now (queued copies; see :mod:`.offloads`), store them in the background."""
+        """Stage ``jobs``' blocks now (queued copies; see :mod:`.offloads`), store them in the background. The
+        step's computed blocks first: handoff jobs of blocks a prefill request did not compute (``g4_only``,
+        which G4 may already hold) take what staging room is left (:meth:`.offloads.Offloads.save`)."""
         if not jobs or self.kv is None or (self.g3 is None and self.g4 is None):
             return
         dev_checks = self.dev_checks_on and self.g3 is not None
-        for job in jobs:
+        for job in sorted(jobs, key=lambda j: j.g4_only):  # stable: the order of each kind is kept
             self.offloads.save(job, self.kv, dev_checks)
 
     def flush_saves(self, timeout: float | None = None) -> bool:

@@ -42,7 +42,8 @@ def tiers(tmp_path):
     ns = Namespace("m", lay)
     cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1,
                               "admission": {"policy": "all"}},
-                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False,
+                              "keyring": {"path": str(tmp_path / "keys" / "kr.json")}}}, use_env=False)  # keyed names
     g3, g4 = open_tiers(cfg, ns)
     hs = sequence_hashes(TOKS, BS)
     blocks = [np.full(lay.bytes_per_block, i, np.uint8) for i in range(6)]
@@ -56,11 +57,12 @@ def _req(rid, params=None):
                            kv_transfer_params=params)
 
 
-def _ask(s, req, until_s=HANG_S):
-    """Call like vLLM's scheduler (every step) until an answer; returns (answer, seconds, number of Nones)."""
+def _ask(s, req, until_s=HANG_S, computed=0):
+    """Call like vLLM's scheduler (every step) until an answer (``computed``: tokens the engine's prefix cache
+    holds); returns (answer, seconds, number of Nones)."""
     t0, nones = time.monotonic(), 0
     while time.monotonic() - t0 < until_s:
-        n, is_async = s.get_num_new_matched_tokens(req, 0)
+        n, is_async = s.get_num_new_matched_tokens(req, computed)
         if n is not None:
             return (n, is_async), time.monotonic() - t0, nones
         nones += 1
@@ -290,7 +292,8 @@ def test_a_handoff_names_its_g4_namespace_and_tenant_and_a_mismatch_is_not_waite
     # a decode worker of another TP size (per-rank G4 layout: another namespace) over the same store
     tp2 = Namespace("m", ns.layout, tp_world_size=2)
     cfg = load_config({"g3": {"enabled": False},
-                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False,
+                              "keyring": {"path": str(tmp_path / "keys" / "kr.json")}}}, use_env=False)
     _, g4_tp2 = open_tiers(cfg, tp2)
     mism = stats.get("handoff_identity_mismatches")
     try:
@@ -330,6 +333,16 @@ def test_a_handoff_names_its_g4_namespace_and_tenant_and_a_mismatch_is_not_waite
     # params without the identity (older prefill workers) are waited for as before; a non-string one is malformed
     assert expected_blocks(_req("d5", {KEY: {"blocks": 6, "block_size": BS}}), BS, handoff.identity(g4, "")) == 6
     assert expected_blocks(_req("d6", {KEY: {**pre[KEY], "namespace": 7}}), BS, handoff.identity(g4, "")) is None
+    # a pool without a keyring sends no tenant: its pseudonym is an HMAC under a public key, so a client reading
+    # kv_transfer_params could confirm a guessed tenant id with it (review finding, 2026-11-30)
+    cfg = load_config({"g3": {"enabled": False},
+                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4-unkeyed'}", "encrypt": False}},
+                      use_env=False)
+    _, unkeyed = open_tiers(cfg, ns)
+    try:
+        assert handoff.identity(unkeyed, "acme-internal-prod") == {"namespace": ns.fingerprint}
+    finally:
+        unkeyed.close()
 
 
 def test_prompt_blocks_a_prefill_worker_loaded_from_its_g3_are_written_to_g4_for_the_decode_worker(tmp_path):
@@ -406,3 +419,52 @@ def test_prompt_blocks_a_prefill_worker_loaded_from_its_g3_are_written_to_g4_for
         w.shutdown()
         for p in (g3, g4, d3, d4):
             p.close()
+
+
+def test_a_handoff_job_of_cached_blocks_never_crowds_out_the_steps_computed_blocks(tmp_path):
+    """Review finding (2026-11-30): a handed-off prefill request whose 19-block prefix was in the engine's prefix
+    cache (and G3 and G4) got a ``g4_only`` job for those 19 blocks, staged before the step's 4 computed blocks
+    and charged to ``max_pending_save_bytes`` (8 blocks here) before G4 was asked which it lacks: the 4 computed
+    blocks, the ones G4 lacked and the decode worker waits for, were dropped (``save_dropped_full_blocks`` 15).
+    Now the worker stages the step's computed blocks first and a ``g4_only`` job in at most half the room left
+    (its leftovers counted ``handoff_g4_dropped_blocks``, not as staging-full drops)."""
+    pytest.importorskip("torch")
+    from kvbm_backend.integrations.vllm.worker_side import WorkerSide
+    from tests.integrations.vllm.test_connector_units import _step
+    from tests.integrations.vllm.test_worker_device_path import BS as EBS, _block_bytes, _engine
+
+    kv = _engine("cpu", seed=3)
+    ns = Namespace("m", kv.layout)
+    cached, new = 19, 4
+    toks = list(range(500, 500 + EBS * (cached + new) + 5))
+    hs = sequence_hashes(toks, EBS)
+    cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1,
+                              "admission": {"policy": "all"}},
+                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+    g3, g4 = open_tiers(cfg, ns)
+    w = WorkerSide(ns, 0, g3, g4, load_timeout_s=HANG_S, max_pending_save_bytes=8 * kv.layout.bytes_per_block)
+    try:
+        w.register(kv)
+        dst = list(range(1, cached + new + 2))
+        blocks = [_block_bytes(kv, b).numpy() for b in dst[:cached]]
+        for pool in (g3, g4):  # an earlier request's, in both tiers
+            assert pool.put(ns.keys(hs[:cached]), blocks).result(HANG_S).written == cached
+            assert pool.flush(HANG_S)
+        pre = SchedulerSide(ns, EBS, g3, g4)
+        req = SimpleNamespace(request_id="p", prompt_token_ids=toks, cache_salt=None, lora_request=None,
+                              kv_transfer_params={KEY: True})
+        (n, _), _, _ = _ask(pre, req, computed=cached * EBS)  # the engine's prefix cache holds the 19
+        pre.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (dst,)), n)
+        meta = pre.build_connector_meta(_step(new=[("p", dst, cached * EBS)], sched={"p": new * EBS + 5}))
+        assert sorted((len(j.block_ids), j.g4_only) for j in meta.saves) == [(4, False), (19, True)]
+        full, g4_dropped = stats.get("save_dropped_full_blocks") or 0, stats.get("handoff_g4_dropped_blocks") or 0
+        w.save(meta.saves)
+        assert w.flush_saves(HANG_S) and g4.flush(HANG_S) and g3.flush(HANG_S)
+        assert (stats.get("save_dropped_full_blocks") or 0) == full  # before: 15 (the 4 computed among them)
+        assert (stats.get("handoff_g4_dropped_blocks") or 0) - g4_dropped == cached - 2  # half of the 4 slots left
+        assert g4.lookup_prefix(ns.keys(hs[:cached + new])).result(HANG_S) == cached + new  # before: 19
+        assert pre.request_finished(req, [])[1][KEY]["blocks"] == cached + new
+    finally:
+        w.shutdown()
+        g3.close()
+        g4.close()
