@@ -39,6 +39,7 @@ from pydantic_core import PydanticCustomError
 
 from .config_sources import (KVBM_ONLY_ENV, MAX_ERROR_CHARS, MAX_NESTING, ConfigError, _json_loads,  # noqa: F401
                              _kvbm_only_warned, _merge, _nesting_error, _too_deep, _yaml_load, env_overrides)
+from .store_url import redact_urls
 
 
 MAX_CAPACITY_GB = 10_000_000
@@ -392,7 +393,8 @@ def _short_repr(value: Any) -> str:
 def _fmt_error(e: ValidationError, env_sources: dict[tuple, str] | None = None) -> str:
     """``field.path: message (got value)``, ``; ``-joined (the first few, then how many more); ``(from
     ENV_VAR)`` after the field path when the value came from the environment. Quoted values are
-    shortened (:func:`_short_repr`)."""
+    shortened (:func:`_short_repr`), URLs with credentials or a query redacted
+    (:func:`~kvbm_backend.store_url.redact_urls`)."""
     parts = []
     errors = e.errors(include_url=False)
     for err in errors[:_ERRORS_SHOWN]:
@@ -400,7 +402,8 @@ def _fmt_error(e: ValidationError, env_sources: dict[tuple, str] | None = None) 
         src = _env_source(loc, err["type"], env_sources or {})
         where = _fmt_loc(loc)[:200] + (f" (from {src})" if src else "")
         hint = _did_you_mean(loc) if err["type"] == "extra_forbidden" else ""
-        parts.append(f"{where}: {err['msg']}{hint} (got {_short_repr(err.get('input'))})")
+        # redacted: a refused endpoint_url's USER:SECRET@ or signed query never reaches a worker's start-up log
+        parts.append(redact_urls(f"{where}: {err['msg']}{hint} (got {_short_repr(err.get('input'))})"))
     if len(errors) > _ERRORS_SHOWN:
         parts.append(f"and {len(errors) - _ERRORS_SHOWN} more errors")
     return "; ".join(parts)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from urllib.parse import urlsplit
+from urllib.parse import urlparse, urlsplit
 
 SCHEMES: dict[str, str] = {
     "s3": "kvbm_backend.pool.g4.s3_store:S3Store",
@@ -130,3 +130,35 @@ def endpoint_problem(endpoint_url: str) -> str | None:
     if not (is_valid_endpoint_url(endpoint_url) or is_valid_ipv6_endpoint_url(endpoint_url)):
         return "not a valid endpoint (host name)"
     return None
+
+
+def redact_url(url: str | None) -> str:
+    """``url`` without credentials or query (``https://user:secret@host/p?X-Amz-Signature=..`` ->
+    ``https://host/p``), for log lines and start-up summaries."""
+    if not url:
+        return ""
+    u = urlparse(url)
+    host = u.hostname or ""
+    if u.port:
+        host = f"{host}:{u.port}"
+    if u.scheme == "file" or not u.scheme:
+        return f"{u.scheme}://{u.path}" if u.scheme else url.split("?")[0]
+    return f"{u.scheme}://{host}{u.path}"
+
+
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with every URL in it that carries credentials or a query passed through :func:`redact_url`
+    (``KVBM_BACKEND__G4__ENDPOINT_URL=http://user:secret@host``, a JSON value or argument holding one); other
+    text, and URLs without either, unchanged. For lines that echo environment or config values."""
+    return _URL_IN_TEXT.sub(_redact_match, text)
+
+
+def _redact_match(m: re.Match[str]) -> str:
+    """One URL of :func:`redact_urls`; punctuation ending a sentence (``did you mean s3://b/p?``) is not its query."""
+    url, tail = m.group(0), ""
+    while url and url[-1] in "?.,;:)]}":
+        url, tail = url[:-1], url[-1] + tail
+    return (redact_url(url) if "@" in url or "?" in url else url) + tail

@@ -86,7 +86,8 @@ def _probe(store, rows: _Checks) -> None:
 
 def _s3_checks(store, cfg, timeout_s: float, rows: _Checks) -> bool:
     """endpoint, credentials, bucket. True when the probe may run."""
-    from kvbm_backend.pool.g4.store import BucketMissing, StoreUnavailable, redact_url
+    from kvbm_backend.pool.g4.store import BucketMissing, StoreUnavailable
+    from kvbm_backend.store_url import redact_url
     later = ("credentials", "bucket", "probe")
     endpoint = getattr(store.client.meta, "endpoint_url", None) or cfg.endpoint_url
     why = _reachable(endpoint, timeout_s)
@@ -178,7 +179,7 @@ def g4_info(cfg, timeout_s: float = 5.0) -> dict:
         ``ok`` True passed, False a problem (also in ``problems``, as ``"g4 CHECK: DETAIL"``), None not
         checked. Never raises.
     """
-    from kvbm_backend.pool.g4.store import redact_url
+    from kvbm_backend.store_url import redact_url
     g4 = cfg.g4
     out: dict[str, Any] = {"enabled": bool(g4.enabled), "url": redact_url(g4.url) if g4.url else None}
     rows = _Checks()

@@ -184,7 +184,7 @@ def summary(kind: str, source: Source, cfg, where: dict[str, str], kek: str | No
         for p in field.split("."):
             value = getattr(value, p)
         if field in ("g4.url", "g4.endpoint_url") and value:  # credentials in a URL never reach a log line
-            from kvbm_backend.pool.g4.store import redact_url
+            from kvbm_backend.store_url import redact_url
             value = redact_url(value)
         parts.append(f"{field}={_fmt(value)} [{where[field]}]")
     if kek:
@@ -287,7 +287,7 @@ def _default_arg(raw: str) -> tuple[str, Any]:
 def dry_run(argv: list[str]) -> int:
     """Print the command a script would exec and run the launchers' preflight on it; 0 or 2."""
     from ..integrations.preflight import check_argv
-    from ..pool.g4.store import redact_urls  # credentials in a URL (an S3 endpoint's) never reach the log
+    from ..store_url import redact_urls  # credentials in a URL (an S3 endpoint's) never reach the log
     print("kvbm-backend dry run: exec " + redact_urls(shlex.join(argv)))
     env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("KVBM_BACKEND__", "DYN_KVBM_")))
     print("kvbm-backend dry run: env " + redact_urls(shlex.join(env)), flush=True)
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             raise EffectiveError("--kv-transfer-config: expected a JSON object")
         new, exports, lines = resolve(ktc, ns.kind, dict(_default_arg(d) for d in ns.default))
     except ValueError as e:  # EffectiveError, or JSON
-        from ..pool.g4.store import redact_urls
+        from ..store_url import redact_urls
         print(f"kvbm-backend: error: {redact_urls(str(e))}", file=sys.stderr)
         return 2
     for line in lines:

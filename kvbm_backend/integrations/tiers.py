@@ -105,7 +105,7 @@ def startup_line(cfg: KvbmBackendConfig, *, g3=None, g4=None, metrics_serving: b
     else:
         parts.append("G3 off")
     if g4 is not None:
-        from ..pool.g4.store import redact_url
+        from ..store_url import redact_url
         c4 = cfg.g4
         st = _stats(g4)
         kr = "none"

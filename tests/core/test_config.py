@@ -469,3 +469,18 @@ def test_io_size_not_a_multiple_of_4096_is_refused_by_the_config(value, tmp_path
     assert cfg.g3.io_size_bytes == 12288
     from kvbm_backend.config import io_size_problem
     assert io_size_problem(value) and io_size_problem(0) and io_size_problem(2 << 30) and not io_size_problem(4096)
+
+
+def test_a_refused_url_is_quoted_without_its_credentials():
+    """Review note (2026-11-30): a config error quoted the value it refused as given, so a worker's start-up
+    error (printed by vLLM, kept by the pod's log) carried an ``endpoint_url``'s ``USER:SECRET@``; the CLI's own
+    reports redacted it, the error itself did not. Now every config error line passes URLs through
+    ``store_url.redact_urls``."""
+    secret = "TopSecret123"
+    bad = {"g4": {"enabled": True, "url": "s3://kvbm-bucket/p", "endpoint_url": f"ftp://AKIAUSER:{secret}@127.0.0.1:1"}}
+    with pytest.raises(ConfigError) as e:
+        load_config(bad, use_env=False)
+    assert "g4.endpoint_url" in str(e.value) and "ftp://127.0.0.1:1" in str(e.value) and secret not in str(e.value)
+    with pytest.raises(ConfigError) as e:  # from the environment too, named by its variable
+        load_config({}, environ={"KVBM_BACKEND__G4__ENDPOINT_URL": f"ftp://AKIAUSER:{secret}@127.0.0.1:1"})
+    assert "KVBM_BACKEND__G4__ENDPOINT_URL" in str(e.value) and secret not in str(e.value)

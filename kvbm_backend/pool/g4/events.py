@@ -25,7 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from ...metrics import TierMetrics, count_reason
-from .store import BucketMissing, redact_url
+from .store import BucketMissing
+from ...store_url import redact_url
 
 # the pool's logger: operator lines are looked up by this name (docstring)
 log = logging.getLogger("kvbm_backend.pool.g4.pool")

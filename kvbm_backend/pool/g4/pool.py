@@ -79,7 +79,8 @@ from .events import REASONS, G4Counters, OperatorLog, StatsGauges, set_degraded
 from .factory import open_store
 from .lookup import G4Lookups
 from .reader import G4Reader, GetBatch
-from .store import ObjectStore, redact_url
+from .store import ObjectStore
+from ...store_url import redact_url
 from .tenant_names import TENANT_CACHE_ENTRIES as TENANT_CACHE_ENTRIES, TenantNames
 from .throttle import ThrottleWatch
 from .writer import G4Writer

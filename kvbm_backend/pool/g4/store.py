@@ -15,11 +15,11 @@ objects are ``None``/``False`` results, never exceptions.
 """
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, Union
-from urllib.parse import ParseResult, urlparse
+from urllib.parse import ParseResult
+
 
 if TYPE_CHECKING:
     import numpy as np
@@ -218,31 +218,6 @@ def byte_view(data: DataIn) -> memoryview:
     """``data`` (bytes-like or a contiguous uint8 array) as a flat byte memoryview, without a copy."""
     # numpy's stubs give ndarray ``__buffer__`` only for Python >= 3.12 (this code targets 3.11)
     return memoryview(data).cast("B")  # type: ignore[arg-type]
-
-
-def redact_url(url: str | None) -> str:
-    """``url`` without credentials or query (``https://user:secret@host/p?X-Amz-Signature=..`` ->
-    ``https://host/p``), for log lines and start-up summaries."""
-    if not url:
-        return ""
-    u = urlparse(url)
-    host = u.hostname or ""
-    if u.port:
-        host = f"{host}:{u.port}"
-    if u.scheme == "file" or not u.scheme:
-        return f"{u.scheme}://{u.path}" if u.scheme else url.split("?")[0]
-    return f"{u.scheme}://{host}{u.path}"
-
-
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
-
-
-def redact_urls(text: str) -> str:
-    """``text`` with every URL in it that carries credentials or a query passed through :func:`redact_url`
-    (``KVBM_BACKEND__G4__ENDPOINT_URL=http://user:secret@host``, a JSON value or argument holding one); other
-    text, and URLs without either, unchanged. For lines that echo environment or config values."""
-    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)) if "@" in m.group(0) or "?" in m.group(0)
-                            else m.group(0), text)
 
 
 def open_store(url: str, cfg: G4Config | None = None, **opts: Any) -> ObjectStore:
