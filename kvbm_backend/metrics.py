@@ -11,10 +11,13 @@ carry prometheus_client's ``_total`` suffix, which KVBM's Rust exporter does not
 * ``kvbm_offload_blocks_d2o`` / ``kvbm_onboard_blocks_o2d``: the same for object storage (G4).
 * ``kvbm_matched_tokens``: tokens matched by requests' prefix lookups (G3's share and G4's), each request
   once: its other TP ranks, KV cache groups, repeated asks and prompts the engine's own cache serves are not
-  counted (``lookup_prefix(..., request=False)``, :class:`kvbm_backend.pool.base.BlockPool`).
+  counted (``lookup_prefix(..., request=False)``, :class:`kvbm_backend.pool.base.BlockPool`). With vLLM's
+  native tiers (``G3Tier`` above ``G4Tier`` in one offloading manager, which asks both about every chunk) the
+  tier below counts only its share as the connector does (:mod:`kvbm_backend.integrations.vllm.tier_lookup`), so
+  a chunk both tiers hold counts once.
 * ``kvbm_disk_cache_hit_rate`` / ``kvbm_object_cache_hit_rate``: hit rate (0-1) over a sliding window of
   lookups (KVBM uses a sliding window too; ours is the last :data:`HIT_RATE_WINDOW` looked-up blocks),
-  counted as matched tokens are; G4's over the blocks G3 lacked.
+  counted as matched tokens are; G4's over the blocks G3 lacked (a request G3 serves whole is not in it).
 * ``kvbm_object_read_failures`` / ``kvbm_object_write_failures``: G4 reads / offloads the store failed
   (unavailable, timed out, or answered with an error such as a missing bucket); refusals by the open
   circuit breaker are not failures of the store, they are ``kvbm_backend_g4_load_misses{reason="breaker"}``

@@ -9,10 +9,20 @@ another tenant's request for it was alive, a hit cached for the holder sent anot
 that could only fail, and that failure forced the holder's verdict to a miss (found in review, 2026-11-29). Here
 the manager's key is ``(OffloadKey, tenant)``: each tenant gets its own verdict, and a failed load marks only the
 tenant that asked.
+
+Counting (``kvbm_matched_tokens``, the hit rates, the pools' lookup counters): vLLM's tiering manager asks its
+secondary tiers in their configured order and loads a chunk from the first that answers HIT, but each tier's
+lookup runs on its own thread, posted in the same step as the others' (every tier answers RETRY at first), so
+every tier is asked about every chunk. A tier below one of ours in the same manager (G4 under G3) therefore
+looks up uncounted and counts only its share, as the connector does (:class:`.lookup.TierLookup`): over the
+chunks the tiers above lack, what it found beyond them. Before 2026-11-30 each tier counted its whole lookup: a
+chunk held by G3 and G4 was matched twice (6 chunks of 16 tokens loaded moved ``kvbm_matched_tokens`` by 192)
+and G4's hit rate was over every chunk instead of those G3 lacked.
 """
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -26,15 +36,52 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TenantLookup", "prefix_runs"]
+__all__ = ["TenantLookup", "prefix_runs", "tiers_above"]
+
+_REGISTRY = "_kvbm_native_tiers"  # attribute of vLLM's offloading spec: our tiers it made, in order
+
+
+def tiers_above(tier: KvbmSecondaryTier, offloading_spec: Any) -> list[weakref.ReferenceType]:
+    """Register ``tier`` on ``offloading_spec`` (the spec that builds one manager's tiers, in the configured order,
+    each over the manager's primary buffer) and return (weak references to) our tiers made before it over the
+    same primary buffer: the tiers vLLM's manager asks first. Empty when the spec takes no attribute."""
+    addr = tier._primary.ctypes.data
+    try:
+        reg = offloading_spec.__dict__.setdefault(_REGISTRY, [])
+    except AttributeError:
+        return []
+    above = [r for r, a in reg if a == addr and r() is not None]
+    reg[:] = [(r, a) for r, a in reg if r() is not None] + [(weakref.ref(tier), addr)]
+    return above
 
 
 class TenantLookup(AsyncLookupManager):
     """vLLM's async lookup machinery over the tier's pool index, verdicts keyed by ``(OffloadKey, tenant)``."""
 
-    def __init__(self, tier: KvbmSecondaryTier, tier_type: str) -> None:
+    def __init__(self, tier: KvbmSecondaryTier, tier_type: str, offloading_spec: Any = None) -> None:
         self._tier = tier
+        self._above = tiers_above(tier, offloading_spec) if offloading_spec is not None else []
         super().__init__(tier_type=tier_type)
+
+    def _asked_first(self, req_context: ReqContext) -> list[KvbmSecondaryTier]:
+        """Our tiers the manager asks before this one for the request (open, allowed by its load tier filter)."""
+        live = [t for t in (r() for r in self._above) if t is not None and not t._closed]
+        filt = getattr(req_context, "load_tier_filter", None)
+        return [t for t in live if filt is None or filt.allows(t.medium, t.locality)]
+
+    def _held_above(self, tiers: list[KvbmSecondaryTier], keys: list[OffloadKey], req_context: ReqContext,
+                    end: Deadline) -> int:
+        """Leading ``keys`` (one run) the tiers asked first hold (their first copies, uncounted; the longest
+        prefix: a chunk loads from whichever holds it). A failed or late look is 0."""
+        best = 0
+        for u in tiers:
+            tenant = u._tenant_of(req_context)
+            try:
+                n = u.pool.lookup_prefix([u._block_keys(k, tenant)[0] for k in keys], request=False)
+                best = max(best, int(n.result(timeout=end.left())))
+            except Exception as e:  # noqa: BLE001 - a failed look holds nothing
+                log.debug("lookup of the tier above failed: %s", e)
+        return best
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """Scheduler thread: the cached verdict of ``key`` for the request's tenant (None: not answered yet)."""
@@ -57,25 +104,37 @@ class TenantLookup(AsyncLookupManager):
         cannot use a chunk after a missing one. Before 2026-11-30 each chunk was its own lookup: vLLM posts every
         chunk of a prompt in its first step, so G4 sent one HEAD per chunk even when chunk 0 was absent (256 for
         256 chunks). Other pairs (a sliding-window group, scanned from its end; no positions) are looked up one by
-        one."""
+        one.
+
+        Below another of our tiers in the manager (G4 under G3: :func:`tiers_above`) every look is uncounted and a
+        run counts only the chunks the tiers above lack (none: not counted), found as far as this tier holds
+        beyond them (:meth:`BlockPool.count_lookup`); a failed or late look of this tier finds none."""
         t = self._tier
         pairs = cast("list[tuple[OffloadKey, str]]", keys)
         c = t.geometry.copies
+        above = self._asked_first(req_context) if self._above else []
         runs = prefix_runs(pairs, req_context)
         futs = []
         for run in runs:
             bks = [t._block_keys(pairs[i][0], pairs[i][1]) for i in run]
             rest = [bk for b in bks for bk in b[1:]]
-            futs.append((t.pool.lookup_prefix([b[0] for b in bks]),
+            futs.append((t.pool.lookup_prefix([b[0] for b in bks], request=not above),
                          t.pool.lookup_prefix(rest, request=False) if rest else None))
         end = Deadline(t._job_timeout_s)
         out = [False] * len(pairs)
         for run, (f0, f1) in zip(runs, futs):
+            n0 = 0
             try:
                 n0 = f0.result(timeout=end.left())
                 n1 = f1.result(timeout=end.left()) if f1 is not None else 0
             except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
                 log.debug("lookup failed: %s", e)
+                n1 = -1
+            if above:  # this tier's share: the chunks the tiers asked first lack
+                pa = self._held_above(above, [pairs[i][0] for i in run], req_context, end)
+                if pa < len(run):
+                    t.pool.count_lookup(len(run) - pa, max(0, n0 - pa))
+            if n1 < 0:
                 continue
             for j, i in enumerate(run):  # chunk j: its first copy among the n0, its others among the n1
                 out[i] = j < n0 and (j + 1) * (c - 1) <= n1

@@ -226,7 +226,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
                                          self._primary.shape[0] * self.geometry.copies))
         self._executor = started_executor(io_threads, f"kvbm_{tier_type}")  # no thread starts in submit_*
         try:
-            self._lookup = TenantLookup(self, tier_type)
+            self._lookup = TenantLookup(self, tier_type, offloading_spec)  # counts as vLLM asks
         except BaseException:
             self._executor.shutdown(wait=False)
             raise

@@ -1,0 +1,106 @@
+"""The native tiers count a request's lookup once across the tiers of one vLLM manager (review finding,
+2026-11-30): vLLM's TieringOffloadingManager posts every secondary tier's lookup in the same step (each answers
+RETRY first), so G3Tier and G4Tier were both asked about every chunk and each counted it: a chunk both held moved
+``kvbm_matched_tokens`` twice and G4's hit rate was over every chunk, not "over the blocks G3 lacked"
+(kvbm_backend/metrics.py). vLLM's real offloading spec and manager, a real G3 directory, a file:// G4 store."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
+
+from kvbm_backend import metrics  # noqa: E402
+from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness, offloading_config  # noqa: E402
+from tests.integrations.vllm.test_tiering import GEO, MOD, g3_tier, keys_for, payloads  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+
+
+@pytest.fixture
+def harnesses():
+    made: list[TieringHarness] = []
+
+    def make(tiers):
+        h = TieringHarness(offloading_config(secondary_tiers=tiers, chunks=32, **GEO))
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        if h.primary is not None:
+            h.shutdown()
+
+
+def _g4_tier(store) -> dict:
+    return {"type": "G4Tier", "module_path": MOD, "num_kv_heads": GEO["num_kv_heads"], "io_threads": 2,
+            "g4": {"url": f"file://{store}", "encrypt": False, "timeout_s": 60.0}}
+
+
+def _window(tier) -> list:
+    """The pool's hit-rate window: one ``(requested, found)`` per counted lookup (process-wide per tier kind)."""
+    return list(tier.pool.metrics.hit_rate._win)
+
+
+def test_g4_under_g3_counts_only_the_chunks_g3_lacked(tmp_path, harnesses):
+    """G4 holds chunks 0-5, G3 (above it) 0-2, chunk 6 is nowhere: the 6 chunks load (0-2 from G3, 3-5 from G4)
+    and kvbm_matched_tokens moves by their 96 tokens (before: 192, G4 counted 0-5 too); G3 counts 3 of 7, G4
+    3 of the 4 G3 lacked (before: 6 of 7)."""
+    keys = keys_for(7, "share")
+    only_g4 = harnesses([_g4_tier(tmp_path / "g4")])
+    data = payloads(only_g4, 7, seed=5)
+    only_g4.store(keys[:6], data[:6])
+    only_g4.wait_idle()
+    only_g4.shutdown()
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3, g4 = h.manager.secondary_tiers
+    h.store(keys[:3], data[:3])
+    h.wait_idle()
+    assert g3.kvbm_stats()["tier"]["chunks_stored"] == 3
+    h.reset_primary()
+    tokens0 = metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0
+    s3, s4 = g3.pool.stats(), g4.pool.stats()
+    got = h.load(keys)
+    assert len(got) == 6 and all(np.array_equal(a, b) for a, b in zip(got, data))
+    moved = metrics.sample_value(None, "kvbm_matched_tokens_total") - tokens0
+    assert moved == 6 * GEO["tokens_per_block"], moved  # the loaded chunks' tokens, each once
+    t3, t4 = g3.pool.stats(), g4.pool.stats()
+    assert (t3["lookup_blocks"] - s3["lookup_blocks"], t3["lookup_hits"] - s3["lookup_hits"]) == (7, 3)
+    assert (t4.get("lookups", 0) - s4.get("lookups", 0), t4.get("lookup_hits", 0) - s4.get("lookup_hits", 0)) == (1, 3), t4
+    assert _window(g3)[-1] == (7, 3)
+    assert _window(g4)[-1] == (4, 3)  # G4's hit rate: over the 4 chunks G3 lacked
+
+
+def test_g4_under_g3_counts_nothing_when_g3_serves_every_chunk(tmp_path, harnesses):
+    """Both tiers hold all 6 chunks: G3 serves them, kvbm_matched_tokens moves by their 96 tokens once (before:
+    192) and G4 counts no lookup (before: 6 hits of 6)."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3, g4 = h.manager.secondary_tiers
+    keys, data = keys_for(6, "both"), payloads(h, 6, seed=6)
+    h.store(keys, data)
+    h.wait_idle()
+    assert [t.kvbm_stats()["tier"]["chunks_stored"] for t in (g3, g4)] == [6, 6]
+    h.reset_primary()
+    tokens0 = metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0
+    s4 = g4.pool.stats()
+    got = h.load(keys)
+    assert len(got) == 6 and all(np.array_equal(a, b) for a, b in zip(got, data))
+    assert metrics.sample_value(None, "kvbm_matched_tokens_total") - tokens0 == 6 * GEO["tokens_per_block"]
+    t4 = g4.pool.stats()
+    assert (t4.get("lookups", 0) - s4.get("lookups", 0), t4.get("lookup_hits", 0) - s4.get("lookup_hits", 0)) == (0, 0), t4
+
+
+def test_a_tier_alone_or_first_still_counts_its_whole_lookup(tmp_path, harnesses):
+    """G4 alone (no tier above it) counts every chunk it is asked, as before."""
+    h = harnesses([_g4_tier(tmp_path / "g4")])
+    keys, data = keys_for(3, "alone"), payloads(h, 3, seed=7)
+    h.store(keys[:2], data[:2])
+    h.wait_idle()
+    h.reset_primary()
+    tokens0 = metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0
+    s4 = h.tier.pool.stats()
+    assert len(h.load(keys)) == 2
+    assert metrics.sample_value(None, "kvbm_matched_tokens_total") - tokens0 == 2 * GEO["tokens_per_block"]
+    t4 = h.tier.pool.stats()
+    assert (t4.get("lookups", 0) - s4.get("lookups", 0), t4.get("lookup_hits", 0) - s4.get("lookup_hits", 0)) == (1, 2), t4
+    assert _window(h.tier)[-1] == (3, 2)
