@@ -165,6 +165,7 @@ def counter(name: str, doc: str, labels: tuple[str, ...] = (), registry: Collect
 
 #: ``kvbm_backend_g4_offload_seconds`` buckets (seconds): a loopback PUT takes ~10 ms, a WAN one ~100 ms; the
 #: top buckets catch stalls beyond the S3 timeouts (``g4.timeout_s`` x ``1 + g4.retries``)
+THROTTLED_OPS = ("get", "head", "put")  # the ops of kvbm_backend_g4_throttled_total{op}, each created at 0
 OFFLOAD_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -364,7 +365,8 @@ class TierMetrics:
     ``onboard_blocks`` (``kvbm_onboard_blocks_d2d`` / ``_o2d``), ``matched_tokens``, ``hit_rate``;
     g4 only: ``read_failures``, ``write_failures`` (``kvbm_object_read_failures`` / ``_write_failures``),
     ``offload_seconds`` (histogram, :data:`OFFLOAD_SECONDS_BUCKETS`), ``throttled{op}`` (requests the
-    store answered "slow down", each retried after a backoff: ``kvbm_backend_g4_throttled``).
+    store answered "slow down", each retried after a backoff: ``kvbm_backend_g4_throttled``; one series per op
+    of :data:`THROTTLED_OPS`, each created at 0).
     Ours: ``offloads_dropped{reason}``, ``corrupt{reason}``, ``misses{reason}``, ``bytes_written``,
     ``bytes_read``, ``degraded``; g3 only (G4 has no capacity or eviction of its own; ``gc`` trims
     it): ``evictions``, ``capacity_bytes``, ``used_bytes``, ``blocks``. Attributes a tier lacks are None.
@@ -412,6 +414,8 @@ class TierMetrics:
             self.throttled = counter(p + "throttled", "G4 requests the store answered 'slow down' (S3 503 SlowDown, "
                                      "429), by op (get, head, put); each is retried after a jittered backoff",
                                      ("op",), r)
+            for op in THROTTLED_OPS:
+                self.throttled.labels(op)  # exported (at 0) before the store first throttles
         self.degraded = gauge(p + "degraded", "1 while the tier stopped admitting (ENOSPC, store down)", registry=r,
                               multiprocess_mode="livemax")
         for attr, listed in (reasons or {}).items():

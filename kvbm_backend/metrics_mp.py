@@ -10,7 +10,9 @@ below), and the one process that holds the serving lock of P
 (:func:`take_serve_lock`, first come) serves them all, merged by prometheus_client's
 ``MultiProcessCollector``: counters and histograms summed over processes (dead ones included: what
 happened stays counted), gauges by the mode each series declares (:func:`kvbm_backend.metrics.gauge`:
-capacities summed over live processes, the hit rates the most recent value, ``degraded`` the maximum).
+capacities summed over live processes, the hit rates the most recent value, ``degraded`` the maximum). A
+most-recent gauge is shown from its creation, at its value then (0), stamped :data:`SEED_TIMESTAMP`: any
+value a process of the pod sets later (stamped with the time) wins over it, in that process or another.
 
 This is vLLM's own scheme (``PROMETHEUS_MULTIPROC_DIR``, used by vLLM when it runs several API servers), with
 a directory per port instead of one environment variable: the variable must be set before a process imports
@@ -57,6 +59,12 @@ log = logging.getLogger("kvbm_backend.metrics")
 _DB = re.compile(r"^(counter|histogram|summary|gauge_[a-z]+)_(\d+(?:\.[0-9a-f]{16})?)(-\d+)?\.db$")
 _LIVE = re.compile(r"^live_(\d+(?:\.[0-9a-f]{16})?)\.lock$")
 _me: dict[int, str] = {}  # pid -> its <id>: only this process's
+_MOST_RECENT = frozenset(("mostrecent", "livemostrecent"))
+# The timestamp a most-recent gauge's value gets when the gauge is created: MultiProcessCollector shows, of a
+# most-recent gauge's values in the processes' files, the one with the latest timestamp later than 0, so a
+# value no process has set (timestamp 0) is never shown and the series would be absent until its first set.
+# 1 s after the epoch: above 0, below every set (Gauge.set stamps time.time()), so any set value wins.
+SEED_TIMESTAMP = 1.0
 
 
 def _id() -> str:
@@ -112,6 +120,9 @@ def value_class(directory: str):
             self._file = files[prefix]
             self._key = mmap_key(metric_name, name, labelnames, labelvalues, help_text)
             self._value, self._timestamp = self._file.read_value(self._key)
+            if typ == "gauge" and mode in _MOST_RECENT and not self._timestamp:
+                self._timestamp = SEED_TIMESTAMP  # exported (at its value, 0) before its first set
+                self._file.write_value(self._key, self._value, self._timestamp)
 
         def _check_pid(self):
             if pid["value"] != os.getpid():  # forked: the child writes its own files

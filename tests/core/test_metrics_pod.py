@@ -246,3 +246,34 @@ def test_two_live_processes_with_one_pid_keep_their_own_series(tmp_path):
     finally:
         c.quit()
     assert (page[OFFLOADS], page[CAPACITY]) == (2, 1000), page
+
+
+HIT_RATES = ("kvbm_disk_cache_hit_rate", "kvbm_object_cache_hit_rate")
+THROTTLED = tuple(f'kvbm_backend_g4_throttled_total{{op="{op}"}}' for op in ("get", "head", "put"))
+
+
+def test_the_hit_rates_and_throttle_counts_are_on_the_page_at_zero_before_any_traffic(tmp_path):
+    """Review finding (observability 2): on the pod's shared page the hit-rate gauges (most recent value of
+    the pod's processes) were absent until a process first counted a lookup, since MultiProcessCollector
+    shows only a value stamped later than 0 and an unset gauge is stamped 0; and no
+    ``kvbm_backend_g4_throttled_total{op}`` series existed until the store first throttled (the dashboard
+    said "No data"). Now each is on the page at 0 from the start; a hit rate a process records wins over
+    the 0 of a process that started after it."""
+    port, xdg = _free_port(), _xdg(tmp_path)
+    procs = []
+    try:
+        a = MetricsProc(port, tmp_path / "a.log", xdg)
+        procs.append(a)
+        page = _scrape(port)
+        assert [page.get(k) for k in HIT_RATES + THROTTLED] == [0.0] * 5, page
+        a.cmd("hit 4 3")
+        assert _scrape(port)["kvbm_disk_cache_hit_rate"] == 0.75
+        b = MetricsProc(port, tmp_path / "b.log", xdg)  # a later process: its own hit rate, not set yet
+        procs.append(b)
+        page = _scrape(port)
+        assert [page.get(k) for k in HIT_RATES + THROTTLED] == [0.75, 0.0, 0.0, 0.0, 0.0], page
+        b.cmd("hit 4 1")
+        assert _scrape(port)["kvbm_disk_cache_hit_rate"] == 0.25
+    finally:
+        for p in procs:
+            p.quit()

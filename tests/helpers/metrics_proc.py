@@ -2,9 +2,9 @@
 
 ``python tests/helpers/metrics_proc.py PORT [ADDR]`` prints ``pid <pid>`` and waits for a line ``start``: only
 then it calls :func:`kvbm_backend.metrics.prepare` (PORT), creates ``TierMetrics("g3")`` (capacity gauge 1000)
-and :func:`kvbm_backend.metrics.serve_once` (PORT, ADDR: default 127.0.0.1), and prints ``serving <bool>`` (or
+and ``TierMetrics("g4")``, and :func:`kvbm_backend.metrics.serve_once` (PORT, ADDR: default 127.0.0.1), and prints ``serving <bool>`` (or
 ``serving raised <exception type>``). Then one answer line (``ok``) per command: ``inc N [REASON]`` (N
-offloaded blocks, one load miss for REASON, default ``absent``); ``fork N``: a forked child sets the capacity
+offloaded blocks, one load miss for REASON, default ``absent``); ``hit R H``: one G3 prefix lookup of R blocks, H found (the G3 hit rate); ``fork N``: a forked child sets the capacity
 gauge to 500 and offloads N blocks, then lives as long as this process (answer ``ok <child pid>`` once it has
 counted); ``fork N outlive [serve]``: the same, but the child lives on after this process ended, until its
 standard input (this process's, inherited) ends; with ``serve`` it also calls ``serve_once`` (PORT, ADDR) first
@@ -78,6 +78,7 @@ def main() -> None:
     m = metrics.TierMetrics("g3")
     assert m.capacity_bytes is not None
     m.capacity_bytes.set(1000)
+    metrics.TierMetrics("g4")
     addr = sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1"
     try:
         print("serving", metrics.serve_once(port, addr), flush=True)
@@ -90,6 +91,8 @@ def main() -> None:
         if cmd[0] == "inc":
             m.offload_blocks.inc(int(cmd[1]))
             m.misses.labels(cmd[2] if len(cmd) > 2 else "absent").inc()
+        elif cmd[0] == "hit":
+            m.hit_rate.record(int(cmd[1]), int(cmd[2]))
         elif cmd[0] == "fork":
             serve = (port, addr) if cmd[2:] == ["outlive", "serve"] else None
             print("ok", _fork(m, int(cmd[1]), outlive=cmd[2:3] == ["outlive"], serve=serve), flush=True)
