@@ -276,9 +276,9 @@ class OperatorLog:
         reason's text, must not hold it: the writer passes a fixed text per reason, never a keyring message)."""
         tag = (reason, pseudonym_hex)
         with self._mu:
-            if tag in self.logged_tenants or len(self.logged_tenants) > MAX_LOGGED_TENANTS:
+            if tag in self.logged_tenants or len(self.logged_tenants) >= MAX_LOGGED_TENANTS:
                 return
             self.logged_tenants.add(tag)
-            last = len(self.logged_tenants) > MAX_LOGGED_TENANTS
+            last = len(self.logged_tenants) >= MAX_LOGGED_TENANTS
         log.warning("G4: offload for tenant pseudonym %s %s (%s): %s%s", tag[1], reason, self._fp, err,
                     "; further tenants are counted, not logged" if last else "")

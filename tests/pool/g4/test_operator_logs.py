@@ -284,3 +284,20 @@ def test_a_dropped_tenant_is_logged_by_pseudonym_without_revealing_a_short_id(tm
             assert len(lines) == 1 and "dropped_unknown_tenant" in lines[0], caplog.text
             assert lines[0].count(ps) == 1 and "<tenant" not in lines[0], lines[0]
             assert "auto_create_tenants is off; create it with `kvbm-backend keys create`" in lines[0], lines[0]
+
+
+def test_the_tenant_warnings_stop_at_the_cap(caplog):
+    """Review finding (observability 5): the tenant warnings of a pool were capped one late, 1025 of them for
+    1100 tenants whose offloads were dropped, while docs/operations.md says at most MAX_LOGGED_TENANTS (1024).
+    Now the 1024th is the last, and it says further tenants are counted, not logged."""
+    from kvbm_backend.pool.g4.events import MAX_LOGGED_TENANTS, OperatorLog
+    caplog.set_level(logging.WARNING, logger=POOL_LOG)
+    ol = OperatorLog("G4 file:///x", None, "ns")
+    for i in range(MAX_LOGGED_TENANTS + 76):
+        ol.tenant_once("dropped_unknown_tenant", f"{i:032x}", "no key")
+    ol.tenant_once("dropped_unknown_tenant", f"{0:032x}", "no key")  # a tenant already logged: not again
+    warned = _lines(caplog, POOL_LOG, "offload for tenant pseudonym", logging.WARNING)
+    assert len(warned) == MAX_LOGGED_TENANTS == 1024, len(warned)
+    assert warned[-1].endswith("; further tenants are counted, not logged"), warned[-1]
+    assert f"{MAX_LOGGED_TENANTS - 1:032x}" in warned[-1], warned[-1]
+    assert not any("further tenants" in w for w in warned[:-1])
