@@ -253,3 +253,29 @@ def test_an_age_pass_keeps_nothing_per_object(tmp_path):
     st = _ManyObjects(1000, now)
     res = run_gc(st, target_bytes=100 * 4096, now=now)  # type: ignore[arg-type]
     assert (res["deleted_by"]["capacity"], res["remaining_bytes"]) == (900, 100 * 4096), res
+
+
+def test_docs_name_every_key_of_the_gc_report(tmp_path):
+    """Review finding (observability 3): docs/cli.md's gc row named none of the report's counters
+    (``headers_read``, ``deleted_by``, ...), and docs/operations.md had no word on where the counters
+    that are no Prometheus series appear. Every key of a real gc report (a file store; and ``warnings``, only
+    there when there are) is named in the gc row, and in operations.md's table of such counters (but for the
+    run's context: dry_run, url, the clock, warnings), which names today's counters of stats() and stats_path."""
+    import re
+
+    from kvbm_backend.pool.g4.gc import run_gc
+    st = FsStore(tmp_path / "store", fsync=False)
+    st.put_if_absent(f"{NS}/{TEN}/0/00/{'0' * 32}", b"x" * 1000)
+    res = run_gc(st, max_age_s=3600)
+    assert "headers_read" in res and "deleted_by" in res, res
+    keys = set(res) | set(res["deleted_by"]) | {"warnings"}
+    cli = (ROOT / "docs" / "cli.md").read_text()
+    row = next(line for line in cli.splitlines() if line.startswith("| `kvbm-backend gc "))
+    assert sorted(k for k in keys if f"`{k}`" not in row) == [], row
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    table = ops[ops.index("**Counters in `stats()` / `stats_path` / gc output"):ops.index("Tests that the series move")]
+    context = {"dry_run", "url", "store_now", "time_base", "clock_skew_s", "warnings"}
+    assert sorted(k for k in keys - context if f"`{k}`" not in table) == []
+    named = set(re.findall(r"`([a-z0-9_]+)`", table))
+    assert {"handoff_g4_offered_blocks", "deleted_unencrypted", "unconfirmed_unencrypted", "restored_by_scan",
+            "restore_scanned_slots"} <= named
