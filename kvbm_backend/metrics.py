@@ -163,9 +163,10 @@ def counter(name: str, doc: str, labels: tuple[str, ...] = (), registry: Collect
     return _get(registry, Counter, name, doc, labels)
 
 
+THROTTLED_OPS = ("get", "head", "put")  # the ops of kvbm_backend_g4_throttled_total{op}, each created at 0
+
 #: ``kvbm_backend_g4_offload_seconds`` buckets (seconds): a loopback PUT takes ~10 ms, a WAN one ~100 ms; the
 #: top buckets catch stalls beyond the S3 timeouts (``g4.timeout_s`` x ``1 + g4.retries``)
-THROTTLED_OPS = ("get", "head", "put")  # the ops of kvbm_backend_g4_throttled_total{op}, each created at 0
 OFFLOAD_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
