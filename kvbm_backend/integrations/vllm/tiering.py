@@ -29,7 +29,8 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
   below), ``locality`` (``LOCAL``/``REMOTE``),
   ``io_threads`` (jobs in flight), ``job_timeout_s`` (past it a job fails; the pool's own timeouts
   usually fire first), ``staging_mb`` (MiB of block staging buffers, default 256, capped at the primary
-  tier's size, allocated and pre-faulted at construction; jobs beyond it allocate fresh buffers).
+  tier's size, allocated and pre-faulted at construction; jobs beyond it allocate fresh buffers). Each key is
+  checked by type and range before anything opens, a bad one refused naming it (:mod:`.tier_options`).
 
 Keys: vLLM's ``OffloadKey`` (block hash bytes + 4-byte KV-group index) becomes the 64-bit sequence
 hash ``xxh3_64(offload_key)`` of a :class:`BlockKey` in a namespace with ``hash_scheme =
@@ -96,7 +97,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import xxhash
-from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingEvent, OffloadKey, ReqContext,
+from vllm.v1.kv_offload.base import (LookupResult, Medium, OffloadingEvent, OffloadKey, ReqContext,
                                      RequestOffloadingContext, ScheduleEndContext)
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
@@ -112,6 +113,7 @@ from .failed_blocks import FailedChunks, drop_blocks
 from .geometry import PrimaryGeometry
 from .namespaces import namespace_model
 from .tier_lookup import TenantLookup
+from .tier_options import check_options
 from .tier_removals import HeldChunks
 from .tier_threads import staging_pool, started_executor
 
@@ -158,18 +160,17 @@ class KvbmSecondaryTier(SecondaryTierManager):
                  locality: str | None = None, io_threads: int = 8, job_timeout_s: float = 60.0,
                  staging_mb: float = 256, backpressure_detector: Any = None) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self.locality = Locality(locality or self.default_locality)
+        opts = check_options(default_locality=self.default_locality, locality=locality,
+                             enable_kv_events=enable_kv_events, io_threads=io_threads, job_timeout_s=job_timeout_s,
+                             staging_mb=staging_mb, config=config, tenant=tenant, revision=revision,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, mla=mla, layout=layout,
+                             kv_cache_layout=kv_cache_layout)  # every key by type and range, before anything opens
+        self.locality = opts.locality
         self.geometry = PrimaryGeometry.from_spec(offloading_spec, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                                   mla=mla, layout=layout, kv_cache_layout=kv_cache_layout)
         self.config = tier_config(config, g3=g3, g4=g4)
         self._tenant = self.config.tenant if tenant is None else str(tenant)
-        if io_threads < 1:
-            raise ValueError(f"io_threads: must be >= 1, got {io_threads}")
-        if job_timeout_s <= 0:
-            raise ValueError(f"job_timeout_s: must be > 0, got {job_timeout_s}")
-        if staging_mb < 0:
-            raise ValueError(f"staging_mb: must be >= 0, got {staging_mb}")
-        self._job_timeout_s = float(job_timeout_s)
+        self._job_timeout_s = opts.job_timeout_s
         groups: tuple[KvGroup, ...] = ()
         if len(offloading_spec.config.groups) > 1:
             groups = tuple(KvGroup("vllm-offload", self.geometry.kv_layout, layers=tuple(g.layer_names))
@@ -191,7 +192,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         metrics.prepare(self.config.metrics.serve_port)  # before the pool creates its series: one endpoint per pod
         self.pool = self._make_pool(self.config, self.namespace)
         try:  # nothing stays open if the rest fails: the pool (its G3 lock, threads) and vLLM's buffer export
-            self._start(offloading_spec, tier_type, enable_kv_events, io_threads, staging_mb)
+            self._start(offloading_spec, tier_type, opts.enable_kv_events, opts.io_threads, opts.staging_mb)
         except BaseException:
             del self._primary
             self.pool.close()
