@@ -22,7 +22,7 @@ DIR_MODE = 0o700
 
 def missing_dirs(path: str | os.PathLike) -> list[str]:
     """``path`` (absolute) and those of its ancestors that are not directories, deepest first: what
-    ``os.makedirs(path)`` creates (``replay`` removes them again afterwards)."""
+    ``os.makedirs(path)`` creates (``replay`` and ``model`` remove them again: :func:`remove_made_dirs`)."""
     out: list[str] = []
     p = os.path.abspath(os.fspath(path))
     while not os.path.isdir(p):
@@ -32,6 +32,16 @@ def missing_dirs(path: str | os.PathLike) -> list[str]:
             break
         p = parent
     return out
+
+
+def remove_made_dirs(made: list[str]) -> None:
+    """Remove the directories :func:`missing_dirs` listed (deepest first) once a run that made them is done with
+    them; stops at the first that holds something else now (never raises)."""
+    for d in made:
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
 
 
 def makedirs_private(path: str | os.PathLike) -> None:

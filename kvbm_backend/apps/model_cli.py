@@ -64,7 +64,7 @@ def _write_whole(d: Path, write) -> Path:
     import shutil
     import uuid
 
-    from kvbm_backend.fsmodes import missing_dirs
+    from kvbm_backend.fsmodes import missing_dirs, remove_made_dirs
     if d.is_dir():
         try:
             write(d)
@@ -81,11 +81,7 @@ def _write_whole(d: Path, write) -> Path:
         os.rename(tmp, d)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        for m in made:  # deepest first; one that holds something else now stays
-            try:
-                os.rmdir(m)
-            except OSError:
-                break
+        remove_made_dirs(made)
         raise
     return d
 

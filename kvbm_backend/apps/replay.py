@@ -35,7 +35,7 @@ import numpy as np
 import xxhash
 
 from kvbm_backend.config import AdmissionConfig, G3Config
-from kvbm_backend.fsmodes import missing_dirs
+from kvbm_backend.fsmodes import missing_dirs, remove_made_dirs
 from kvbm_backend.model import frame
 from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.namespace import BlockKey, Namespace
@@ -363,11 +363,7 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
             pool.close()
         if run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
-        for d in created:  # deepest first; one that holds something else now stays
-            try:
-                os.rmdir(d)
-            except OSError:
-                break
+        remove_made_dirs(created)
         if restore_sigterm is not None:
             restore_sigterm()
     out = {

@@ -15,21 +15,15 @@ from kvbm_backend.config import G4Config
 from kvbm_backend.model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameHeader
 from kvbm_backend.pool.g4.gc import run_gc
 from kvbm_backend.pool.g4.pool import G4Pool
+from tests.helpers.g4_target import g4_target
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
 
 
 @pytest.fixture(params=["fs", "s3"])
 def target(request, tmp_path, s3_prefix):
-    """(cfg kwargs) for one store kind; keyring in tmp_path. Load bound 60 s x 2: these tests check bytes and
-    counters, not speed."""
-    kw = {"keyring": {"path": str(tmp_path / "keys" / "keyring.json")}, "timeout_s": 60.0, "dir_fanout": 16}
-    if request.param == "fs":
-        kw["url"] = f"file://{tmp_path / 'store'}"
-    else:
-        sw = request.getfixturevalue("seaweed")
-        kw.update(url=sw.url(s3_prefix), endpoint_url=sw.endpoint)
-    return kw
+    """(cfg kwargs) for one store kind; keyring in tmp_path (:func:`tests.helpers.g4_target.g4_target`)."""
+    return g4_target(request, tmp_path, s3_prefix)
 
 
 def _pool(kw, **over) -> G4Pool:

@@ -26,6 +26,7 @@ from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g4.naming import TenantNamer, legacy_block_name, parse_block_name
 from kvbm_backend.pool.g4.pool import TENANT_CACHE_ENTRIES, G4Pool
 from tests.helpers.paths import HELPERS
+from tests.helpers.g4_target import g4_target
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for results and processes that must come; returns as soon as they do
 
@@ -35,13 +36,7 @@ FANOUT = 16
 
 @pytest.fixture(params=["fs", "s3"])
 def target(request, tmp_path, s3_prefix):
-    kw = {"keyring": {"path": str(tmp_path / "keys" / "keyring.json")}, "timeout_s": 5.0, "dir_fanout": FANOUT}
-    if request.param == "fs":
-        kw["url"] = f"file://{tmp_path / 'store'}"
-    else:
-        sw = request.getfixturevalue("seaweed")
-        kw.update(url=sw.url(s3_prefix), endpoint_url=sw.endpoint)
-    return kw
+    return g4_target(request, tmp_path, s3_prefix, timeout_s=5.0, dir_fanout=FANOUT)
 
 
 def _put(pool, ns, seqs, tenant):
