@@ -217,9 +217,11 @@ class G4Writer:
         frame[:HEADER_BYTES] = hdr.pack()
         return frame, self._names.name(key, namer)
 
-    def _drop_text(self, reason: str) -> str:
+    def _drop_text(self, reason: str, tenant: str | None = None) -> str:
         """What the operator log says about a tenant's offload dropped for ``reason`` (a keyring refusal): a
-        fixed text with the keyring's settings, nothing of the tenant (its pseudonym is logged beside it)."""
+        fixed text with the keyring's settings, nothing of the tenant (its pseudonym is logged beside it), except
+        that the empty tenant ``""`` (not secret: the config's default ``tenant``, which every request without a
+        ``cache_salt`` has) is named as such, with the command that creates it."""
         kr = self._keyring
         where = f"keyring {getattr(kr, 'path', '?')}"
         if reason == "dropped_revoked_tenant":
@@ -228,6 +230,10 @@ class G4Writer:
             why = ("it is read-only" if getattr(kr, "read_only", False) else
                    "g4.keyring.auto_create_tenants is off" if not getattr(kr, "auto_create_tenants", True) else
                    f"it holds g4.keyring.max_auto_tenants={getattr(kr, 'max_auto_tenants', '?')} tenants")
+            if tenant == "":
+                return (f"{where}: no data key for the empty tenant \"\" (the default `tenant`: every request "
+                        f"without a cache_salt has it) and {why}; create it with `kvbm-backend keys create "
+                        f"--keyring {getattr(kr, 'path', 'KEYRING')} --tenant ''`, or set `tenant:` in the config")
             return f"{where}: no data key for the tenant and {why}; create it with `kvbm-backend keys create`"
         return (f"{where}: no data key served (the file does not load or cannot be written, or a read-only key "
                 "version reached its use limit): see the keyring's own log line, `kvbm-backend doctor`")
@@ -260,7 +266,7 @@ class G4Writer:
                     self._count(reason)
                     # the operator log names the tenant by its pseudonym only, with a fixed text per reason (never
                     # the keyring's message: a tenant id replaced in it showed where it occurred, e.g. "7")
-                    self._oplog.tenant_once(reason, self._names.tag(key.tenant), self._drop_text(reason))
+                    self._oplog.tenant_once(reason, self._names.tag(key.tenant), self._drop_text(reason, key.tenant))
                     return
                 try:
                     created = self._publish(name, buf)
