@@ -58,10 +58,14 @@ def makedirs_private(path: str | os.PathLike) -> None:
                 raise
 
 
-def mode_problems(root: str | os.PathLike, max_entries: int = 10000) -> list[str]:
+def mode_problems(root: str | os.PathLike, max_entries: int = 10000, notes: list[str] | None = None) -> list[str]:
     """One line per path at or under ``root`` (not following links) whose mode gives group or others any
     access (``chmod`` fixes named), at most ``max_entries`` paths looked at. Nothing for a missing root.
-    Never raises (an unreadable directory is itself a line)."""
+    Never raises (an unreadable directory is itself a line).
+
+    With ``notes`` (a list, appended to): a directory that group and others may list but not write
+    (e.g. 0755, what kubelet's ``hostPath`` ``DirectoryOrCreate`` makes) is a line there instead of a
+    problem: the G3 directory rule (:func:`dir_problem`) accepts it, no one else can plant files in it."""
     root = os.fspath(root)
     out: list[str] = []
     seen = 0
@@ -69,6 +73,10 @@ def mode_problems(root: str | os.PathLike, max_entries: int = 10000) -> list[str
     def check(p: str, st: os.stat_result) -> None:
         mode = stat.S_IMODE(st.st_mode)
         if stat.S_ISLNK(st.st_mode) or not mode & 0o077:
+            return
+        if notes is not None and stat.S_ISDIR(st.st_mode) and not mode & 0o022:
+            notes.append(f"{p}: directory mode {mode:04o} lets group/others list it, not write it (accepted; "
+                         f"chmod 700 {p} makes it private)")
             return
         want = DIR_MODE if stat.S_ISDIR(st.st_mode) else FILE_MODE
         kind = "directory" if stat.S_ISDIR(st.st_mode) else "file"

@@ -15,10 +15,13 @@ Sections of the result (:func:`run_doctor`):
   by the G3 pool's own open rules (:mod:`.doctor_paths`: writable directory, O_DIRECT decision, room for
   a slot and for the path's share of ``g3.capacity_gb``); a ``--path`` that is a URL other than
   ``file:///path`` is refused (ConfigError).
-* ``modes``: ``{"checked": [...], "problems": [...]}``: every G3 directory, ``file://`` G4 root and the
-  keyring (file, lock, KEK file and directory) looked at, and one line per path whose mode gives group
-  or others access (:func:`kvbm_backend.fsmodes.mode_problems`; everything kvbm-backend creates is
-  0600/0700, but a directory that already existed keeps its mode).
+* ``modes``: ``{"checked": [...], "problems": [...], "notes": [...]}``: every G3 directory, ``file://`` G4
+  root and the keyring (file, lock, KEK file and directory) looked at, and one line per path whose mode
+  gives group or others access (:func:`kvbm_backend.fsmodes.mode_problems`; everything kvbm-backend creates
+  is 0600/0700, but a directory that already existed keeps its mode). What the code accepts is a note, not
+  a problem: a store directory others may list but not write (0755: kubelet's ``hostPath``
+  ``DirectoryOrCreate``), and a keyring directory the keyring's own rule
+  (:func:`kvbm_backend.fsmodes.check_trusted_dir`) accepts (a Kubernetes Secret volume's tmpfs, 1777).
 * ``engine``: the G3 I/O engine ``make_engine`` will build from the config and why; the device load
   path (``gds`` / ``kvikio-compat`` / ``pinned-bounce`` / none) and why.
 * ``g4``: the configured G4 store and keyring, probed (:func:`kvbm_backend.apps.doctor_g4.g4_info`: URL,
@@ -37,6 +40,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import subprocess
 from typing import Any
 
@@ -269,22 +273,45 @@ def engine_choice(cfg, gpu: dict, kvk: dict, nixl: dict, paths: list[dict]) -> d
 
 def modes_info(paths: list[str], keyring_paths: list[str]) -> dict:
     """Mode check of store directories (``paths``, ``file://`` allowed, walked) and keyring files (each
-    and its directory). Never raises."""
-    from kvbm_backend.fsmodes import mode_problems
-    checked, problems = [], []
+    and its directory). Never raises.
+
+    A store directory group/others may list but not write (0755) is a note, not a problem (the G3 pool's
+    rule, :func:`kvbm_backend.fsmodes.dir_problem`, accepts it). A keyring's directory is judged by the
+    keyring's own rule (:func:`kvbm_backend.fsmodes.check_trusted_dir`: this uid or root, not writable by
+    others unless sticky, e.g. a Kubernetes Secret volume's tmpfs root, 1777): a problem when it refuses,
+    a note when it accepts a mode wider than 0700. Returns ``{"checked", "problems", "notes"}``."""
+    from kvbm_backend.fsmodes import UnsafePath, check_trusted_dir, mode_problems
+    checked: list[str] = []
+    problems: list[str] = []
+    notes: list[str] = []
     for p in paths:
         p = p[len("file://"):] if p.startswith("file://") else p
         if "://" in p:
             continue
         checked.append(p)
-        problems += mode_problems(os.path.abspath(os.path.expanduser(p)))
+        problems += mode_problems(os.path.abspath(os.path.expanduser(p)), notes=notes)
     for k in keyring_paths:
         k = os.path.abspath(os.path.expanduser(k))
-        for q in (os.path.dirname(k), k, f"{k}.lock", f"{k}.kek"):
+        d = os.path.dirname(k)
+        if d not in checked:
+            checked.append(d)
+            try:
+                check_trusted_dir(d, "keyring")
+                mode = stat.S_IMODE(os.stat(d).st_mode)
+                if mode & 0o077:
+                    notes.append(f"{d}: directory mode {mode:04o}: the keyring's rule accepts it (owner this uid "
+                                 "or root; not writable by others, or sticky: no one else can replace its files)")
+            except UnsafePath as e:
+                problems.append(str(e))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                problems.append(f"{d}: cannot stat ({e.strerror})")
+        for q in (k, f"{k}.lock", f"{k}.kek"):
             if q not in checked:
                 checked.append(q)
                 problems += [x for x in mode_problems(q, max_entries=0) if x not in problems]
-    return {"checked": checked, "problems": problems}
+    return {"checked": checked, "problems": problems, "notes": notes}
 
 
 def run_doctor(paths: list[str], config: str | None = None) -> dict:
@@ -400,8 +427,10 @@ def print_doctor(result: dict, console=None) -> None:
                   _gb(p.get("total_bytes")), p.get("note") or p.get("o_direct_error") or "")
     console.print(t)
     modes = result.get("modes") or {}
-    if modes.get("checked") and not modes.get("problems"):
+    if modes.get("checked") and not modes.get("problems") and not modes.get("notes"):
         console.print(f"modes: {len(modes['checked'])} paths checked, all private (0600 files, 0700 directories)")
+    for n in modes.get("notes") or []:
+        console.print(f"note: mode: {n}", soft_wrap=True, highlight=False, markup=False)
     t = Table(title="ENGINE", show_header=False, title_justify="left")
     t.add_column("key", style="bold")
     t.add_column("value", overflow="fold")

@@ -4,6 +4,8 @@ the pool's own rules so that doctor's verdict and :class:`~kvbm_backend.pool.g3.
 
 * :func:`kvbm_backend.config.dir_problem` (what ``g3.paths`` is validated with): a file, a path under a file,
   a directory this process cannot write (a read-only filesystem, another uid);
+* :func:`kvbm_backend.fsmodes.dir_problem` (the pool's trust rule for its directory): owned by another uid
+  (writable by group or others is doctor's ``modes`` problem line; 0755 passes, a ``modes`` note);
 * :func:`kvbm_backend.pool.g3.slabs.o_direct_choice` (the open's O_DIRECT decision): with ``g3.o_direct``
   ``auto`` a probe that fails otherwise than ENOSPC/EDQUOT fails the open; with ``on``, a filesystem that
   refuses O_DIRECT fails it too;
@@ -120,6 +122,15 @@ def g3_path_problems(info: dict, g3, n_paths: int, configured: bool) -> list[str
     p = info["path"]
     if info.get("dir_problem"):  # the pool cannot create or write it: nothing else to judge
         return [f"g3 path {p}: {info['dir_problem']}"]
+    from kvbm_backend.fsmodes import dir_problem as trust_problem
+    try:  # the pool's owner rule for its directory (G3Pool's open refuses it with G3PathError); its mode
+        st = os.stat(os.path.abspath(os.path.expanduser(p)))  # half is doctor's ``modes`` line, not repeated here
+        trust = trust_problem(st) if st.st_uid != os.geteuid() else None
+    except OSError:
+        trust = None  # missing: the pool creates it 0700
+    if trust:
+        return [f"g3 path {p}: directory {trust}: G3Pool's open refuses it (fix: chown {os.geteuid()} {p}; "
+                f"chmod 700 {p})"]
     probe = info.get("probed_at", os.path.abspath(os.path.expanduser(p)))
     out = []
     slabs_log = logging.getLogger("kvbm_backend.pool.g3.slabs")

@@ -381,3 +381,99 @@ def test_doctor_and_the_pool_agree_on_a_full_tmpfs_and_a_ramfs(tmp_path):
     assert any("g3.o_direct is on but ramfs refuses O_DIRECT" in p for p in on), on
     auto = json.loads((out / "ramfs.json").read_text())["problems"]
     assert not any("O_DIRECT" in p for p in auto), auto  # auto: buffered I/O there, no O_DIRECT problem
+
+
+def _k8s_doctor_config(tmp_path, keyring_dir: str) -> str:
+    """The examples/k8s ConfigMap's YAML with its G3 directory, G4 store (file://) and keyring mapped to temp
+    paths (the keyring at ``keyring_dir``/keyring.json); returns the config file's path."""
+    import yaml
+    docs = list(yaml.safe_load_all(open(os.path.join(REPO, "examples", "k8s", "worker.yaml"))))
+    cm = yaml.safe_load(next(d for d in docs if d and d["kind"] == "ConfigMap")["data"]["kvbm-backend.yaml"])
+    cm["g3"].update(paths=[f"{tmp_path}/kvbm-g3"], capacity_gb=0.001)
+    cm["g4"].update(url=f"file://{tmp_path}/store")
+    cm["g4"].pop("endpoint_url", None)
+    cm["g4"]["keyring"]["path"] = f"{keyring_dir}/keyring.json"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(cm))
+    cfg.chmod(0o600)
+    return str(cfg)
+
+
+def _keys_create(keyring: str, env: dict) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "keys", "create", "--keyring", keyring,
+                        "--tenant", "TENANT", "--json"], capture_output=True, text=True, timeout=HANG_S, cwd=REPO,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_doctor_accepts_the_k8s_secret_volume_and_hostpath_modes_the_code_accepts(tmp_path):
+    """Deployment review: on examples/k8s as documented doctor always failed (exit 1): the keyring's directory,
+    a Secret volume (a read-only tmpfs, mode 1777, kubelet's ``..data`` link layout), and a G3 ``hostPath``
+    directory kubelet's DirectoryOrCreate makes 0755 were 'problems' with a 'chmod 700' fix, although the
+    keyring (fsmodes.check_trusted_dir) and G3Pool accept both. Doctor now judges them by those rules: notes,
+    exit 0; and the keyring really loads there and G3Pool really opens on the 0755 directory. Real CLI, a
+    real tmpfs in a private mount namespace."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) to mount a private tmpfs")
+    env = {**os.environ, "PYTHONPATH": REPO,
+           "KVBM_BACKEND_KEK": __import__("base64").b64encode(os.urandom(32)).decode()}
+    (tmp_path / "op").mkdir(mode=0o700)
+    _keys_create(f"{tmp_path}/op/keyring.json", env)
+    for d in ("mnt", "kvbm-g3", "store", "out"):
+        (tmp_path / d).mkdir(mode=0o755)
+    os.chmod(tmp_path / "kvbm-g3", 0o755)
+    os.chmod(tmp_path / "store", 0o755)
+    cfg = _k8s_doctor_config(tmp_path, f"{tmp_path}/mnt")
+    m, ts, out = f"{tmp_path}/mnt", "..2026_11_30_07_45_00.000000001", f"{tmp_path}/out"
+    setup = (f"mount -t tmpfs -o size=1m,mode=1777 tmpfs {m} && mkdir -m 755 {m}/{ts} && "
+             f"cp {tmp_path}/op/keyring.json {m}/{ts}/ && chmod 400 {m}/{ts}/keyring.json && "
+             f"ln -s {ts} {m}/..data && ln -s ..data/keyring.json {m}/keyring.json && mount -o remount,ro {m}")
+    probe = subprocess.run([unshare, "--mount", "--propagation", "private", "sh", "-c", setup + " && echo ok"],
+                           capture_output=True, text=True, timeout=HANG_S)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a private mount namespace here: {probe.stderr.strip()[:200]}")
+    script = (f"{setup} && {sys.executable} -m kvbm_backend.apps.cli doctor --json --config {cfg} > {out}/doc.json "
+              f"2> {out}/doc.err; echo $? > {out}/doc.rc; {sys.executable} -c '{_POOL_OPEN}' {cfg} > {out}/pool")
+    r = subprocess.run([unshare, "--mount", "--propagation", "private", "sh", "-c", script],
+                       capture_output=True, text=True, timeout=HANG_S, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr
+    assert not any((tmp_path / "mnt").iterdir())  # the namespace's mount is gone; nothing leaked here
+    assert (tmp_path / "out" / "pool").read_text().strip() == "opened"  # G3Pool accepts the 0755 directory
+    rep = json.loads((tmp_path / "out" / "doc.json").read_text())
+    rc = int((tmp_path / "out" / "doc.rc").read_text())
+    assert rc == 0 and rep["problems"] == [] and rep["verdict"] == "OK", rep["problems"]
+    assert any(c["check"] == "keyring" and c["ok"] for c in rep["g4"]["checks"]), rep["g4"]  # it loads there
+    notes = rep["modes"]["notes"]
+    assert any(n.startswith(f"{m}: directory mode 1777: the keyring's rule accepts it") for n in notes), notes
+    assert any(n.startswith(f"{tmp_path}/kvbm-g3: directory mode 0755 lets group/others list it") for n in notes), notes
+
+
+def test_doctor_keeps_what_the_pool_and_keyring_refuse_as_problems(tmp_path):
+    """The other side of the rule: a keyring directory others can write (0777, no sticky bit), a G3 directory
+    others can write and one of another uid are problems (exit 1), as the keyring and G3Pool refuse them."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a directory to another uid")
+    env = {**os.environ, "PYTHONPATH": REPO,
+           "KVBM_BACKEND_KEK": __import__("base64").b64encode(os.urandom(32)).decode()}
+    (tmp_path / "kr").mkdir(mode=0o700)
+    _keys_create(f"{tmp_path}/kr/keyring.json", env)
+    os.chmod(tmp_path / "kr", 0o777)
+    (tmp_path / "store").mkdir(mode=0o700)
+    (tmp_path / "kvbm-g3").mkdir(mode=0o700)
+    os.chmod(tmp_path / "kvbm-g3", 0o777)
+    (tmp_path / "other").mkdir(mode=0o700)
+    os.chown(tmp_path / "other", 4321, 4321)
+    cfg = _k8s_doctor_config(tmp_path, f"{tmp_path}/kr")
+    r = _cli("--json", "--config", cfg, "--path", f"{tmp_path}/other", env=env)
+    assert r.returncode == 1, r.stderr
+    probs = json.loads(r.stdout)["problems"]
+    assert any(p.startswith(f"mode: directory {tmp_path}/kr of the keyring is writable by group or others "
+                            "(mode 0777, and not sticky)") for p in probs), probs
+    assert f"mode: {tmp_path}/kvbm-g3: directory mode 0777 gives group/others access (fix: chmod 700 " \
+           f"{tmp_path}/kvbm-g3)" in probs, probs
+    assert any(p.startswith(f"g3 path {tmp_path}/other: directory is owned by uid 4321, not by this process")
+               and "G3Pool's open refuses it" in p for p in probs), probs
+    assert any(p.startswith(f"g4 keyring: directory {tmp_path}/kr of the keyring is writable") for p in probs), probs
+    assert len(probs) == 4, probs  # those, and the g4 check's keyring row (the keyring's own refusal)
