@@ -354,6 +354,8 @@ def demo(
         _fail(f"--g4: expected s3://BUCKET/PREFIX or file:///path (got {g4!r})")
     if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
         _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
+    if endpoint_url is not None and not (g4 or "").startswith("s3://"):  # else it would be ignored
+        _fail("--endpoint-url needs --g4 s3://...")
     _writable_dirs("--workdir", workdir)
     for name, f in (("--json", json_path), ("--plot", plot)):
         if f:  # written after minutes of runs: checked now

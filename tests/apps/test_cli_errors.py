@@ -120,6 +120,11 @@ CASES = [
     (["demo", "--engine", "sglang"], "error: --engine: expected dynamo or direct (got 'sglang')"),
     (["demo", "--trace", "{d}/missing.jsonl"], "error: --trace: no file {d}/missing.jsonl"),
     (["demo", "--trace", "{d}/trace.jsonl", "--g4", "http://x/y"], "error: --g4:"),
+    # an S3 endpoint without an S3 G4 was accepted and ignored (review 2026-11-30)
+    (["demo", "--trace", "{d}/trace.jsonl", "--endpoint-url", "http://127.0.0.1:8333"],
+     "error: --endpoint-url needs --g4 s3://..."),
+    (["demo", "--trace", "{d}/trace.jsonl", "--g4", "file:///tmp/g4", "--endpoint-url", "http://127.0.0.1:8333"],
+     "error: --endpoint-url needs --g4 s3://..."),
     (["demo", "--trace", "{d}/trace.jsonl", "--workdir", "{d}/a-file"], "error: --workdir: {d}/a-file: is a file"),
     (["demo", "--trace", "{d}/not.json"], "error: --trace {d}/not.json line 1: not a Mooncake record"),
     (["demo", "--trace", "{d}/trace.jsonl", "--requests", "50"],
