@@ -185,6 +185,8 @@ class SchedulerSide:
         if look is not None and st.hit is not None and not st.counted:
             look.full.count_request()  # the look that ended the wait is the request's (pools' lookup counters)
             self._count_request(st)
+        elif look is None and st.lookup_blocks <= st.n_local:  # the engine's prefix cache had it all
+            self._count_request(st, local=True)
         return n, is_async
 
     def _matched(self, request: Any, num_computed_tokens: int, count: bool = True) -> tuple[int | None, bool]:
@@ -211,6 +213,8 @@ class SchedulerSide:
             st.g3_local = self._g3_prefix(st, st.n_local)
             if self.events is not None and st.g3_local:
                 self.events.learn(st.tenant, request, st.hashes, 0, st.g3_local)
+            if count:
+                self._count_request(st, local=True)
             return 0, False
         if st.lookup is None:
             st.lookup = PrefixLookup(self, st, known=st.handoff_known, count=count)
@@ -236,11 +240,19 @@ class SchedulerSide:
         st.sync_load = self.layerwise and p4 == 0
         return (total - st.n_local) * self.bs, not st.sync_load
 
-    def _count_request(self, st: _Req) -> None:
-        """The connector's counters of the request's lookup (``st.hit``), once per request."""
-        if st.counted or st.hit is None:
+    def _count_request(self, st: _Req, local: bool = False) -> None:
+        """The connector's counters of the request's lookup (``st.hit``), once per request. ``local``: the
+        engine's own prefix cache had every loadable block (no tier was asked): counted with those blocks as
+        ``local_hit_blocks`` (before 2026-11-30 such a request was not counted at all, so the demo's "engine"
+        tier missed every engine hit); a request with no full block to look up is not counted."""
+        if st.counted or (st.hit is None and not local) or (local and st.lookup_blocks == 0):
             return
         st.counted = True
+        if local:
+            stats.add(lookup_requests=1, lookup_blocks=st.lookup_blocks,
+                      local_hit_blocks=min(st.n_local, st.lookup_blocks))
+            return
+        assert st.hit is not None
         n, p3 = st.hit[0], st.hit[1]
         stats.add(lookup_requests=1, lookup_blocks=st.lookup_blocks, local_hit_blocks=st.n_local,
                   g3_found_blocks=p3, g4_found_blocks=n - p3)

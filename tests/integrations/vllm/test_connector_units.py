@@ -196,6 +196,57 @@ def test_scheduler_plans_g3_then_g4_and_saves_only_new_blocks(tmp_path):
         g4.close()
 
 
+def test_a_request_the_engines_prefix_cache_covers_counts_its_local_hit_blocks_once(tmp_path):
+    """Review finding 2026-11-30: a request whose every loadable block the engine's own prefix cache held returned
+    before its lookup was counted, so ``local_hit_blocks`` (the demo's "engine" tier) missed every engine hit
+    (kvbm_backend: hit_rate 0.495, engine tier 0.0). Real G3 pool (holding 2 of the 4 blocks): the covered request
+    counts once, with its 4 local blocks and no tier found; a partly covered one is counted as before."""
+    from kvbm_backend.config import load_config
+    from kvbm_backend.integrations.tiers import open_tiers
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+    from kvbm_backend.model.hashing import sequence_hashes
+    from kvbm_backend.model.namespace import Namespace
+    import time
+
+    lay = KvLayout(2, 2, 32, 64, "bfloat16")
+    ns = Namespace("m", lay)
+    cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1,
+                              "admission": {"policy": "all"}}}, use_env=False)
+    g3, g4 = open_tiers(cfg, ns)
+    keys = ("lookup_requests", "lookup_blocks", "local_hit_blocks", "g3_found_blocks", "g4_found_blocks")
+    try:
+        toks = list(range(300, 300 + 32 * 4 + 5))  # 4 full blocks + 5 tokens: 4 loadable blocks
+        hs = sequence_hashes(toks, 32)
+        assert g3.put(ns.keys(hs[:2]), [np.full(lay.bytes_per_block, i, np.uint8) for i in range(2)]
+                      ).result(HANG_S).written == 2
+        g3.flush(HANG_S)
+        s = SchedulerSide(ns, 32, g3, g4)
+        before = {k: stats.get(k) for k in keys}
+        req = SimpleNamespace(request_id="local", prompt_token_ids=toks, cache_salt=None, lora_request=None)
+        assert s.get_num_new_matched_tokens(req, 4 * 32) == (0, False)
+        assert s.get_num_new_matched_tokens(req, 4 * 32) == (0, False)  # asked again: counted once
+        got = {k: stats.get(k) - before[k] for k in keys}
+        assert got == {"lookup_requests": 1, "lookup_blocks": 4, "local_hit_blocks": 4, "g3_found_blocks": 0,
+                       "g4_found_blocks": 0}, got
+        short = SimpleNamespace(request_id="short", prompt_token_ids=toks[:20], cache_salt=None, lora_request=None)
+        assert s.get_num_new_matched_tokens(short, 0) == (0, False)  # no full block to look up: not counted
+        assert stats.get("lookup_requests") - before["lookup_requests"] == 1
+        part = SimpleNamespace(request_id="part", prompt_token_ids=toks, cache_salt=None, lora_request=None)
+        n = None
+        for _ in range(POLLS):
+            n, _ = s.get_num_new_matched_tokens(part, 32)  # the engine has block 0, G3 blocks 0-1
+            if n is not None:
+                break
+            time.sleep(0.01)
+        assert n == 32
+        got = {k: stats.get(k) - before[k] for k in keys}
+        assert got == {"lookup_requests": 2, "lookup_blocks": 8, "local_hit_blocks": 5, "g3_found_blocks": 2,
+                       "g4_found_blocks": 0}, got
+    finally:
+        g3.close()
+
+
 def _step(new=(), cached=(), sched=None):
     """A SchedulerOutput-shaped object: ``new`` = [(req_id, block_ids, num_computed)],
     ``cached`` = [(req_id, new_block_ids or None, num_computed)], ``sched`` = {req_id: tokens}."""

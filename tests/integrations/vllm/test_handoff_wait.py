@@ -170,6 +170,20 @@ def test_a_handed_off_request_counts_the_look_that_ended_its_wait(tiers):
     assert stats.get("lookup_requests") - before["lookup_requests"] == 1
 
 
+def test_a_handed_off_request_the_engines_prefix_cache_covers_counts_its_local_hit_blocks_once(tiers):
+    """Review finding 2026-11-30: a handed-off request whose every block the engine's prefix cache held (no look
+    needed) ended its wait uncounted (``local_hit_blocks`` missed it). It counts once, with its local blocks."""
+    g3, g4 = tiers
+    s = SchedulerSide(NS, BS, g3, g4, handoff_wait_s=600.0)
+    keys = ("lookup_requests", "lookup_blocks", "local_hit_blocks", "g3_found_blocks", "g4_found_blocks")
+    before = {k: stats.get(k) for k in keys}
+    assert s.get_num_new_matched_tokens(_req("cov"), NB * BS) == (0, False)
+    assert s.get_num_new_matched_tokens(_req("cov"), NB * BS) == (0, False)  # asked again: not recounted
+    got = {k: stats.get(k) - before[k] for k in keys}
+    assert got == {"lookup_requests": 1, "lookup_blocks": NB, "local_hit_blocks": NB, "g3_found_blocks": 0,
+                   "g4_found_blocks": 0}, got
+
+
 def test_the_wait_ends_at_once_when_g4s_breaker_is_open(tmp_path, caplog, monkeypatch):
     """G4 refusing connections (nothing listens at its endpoint), its breaker open: a handed-off request stops waiting at its first look (counted
     handoff_timeouts and handoff_breaker_timeouts, one WARNING) instead of looking again for handoff_wait_s (the
