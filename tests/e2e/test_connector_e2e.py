@@ -111,6 +111,22 @@ def _corrupt_payloads(g3_dir: Path, block_bytes: int, every: int = 3) -> int:
 
 
 @pytest.mark.side
+def test_the_warm_up_request_is_not_in_the_prompts_connector_counters(tmp_path, model_dir):
+    """Review finding 2026-11-30: the in-process engine's warm-up request ([7] * 40, one full block) was in its
+    connector counters (the native ones count from after it), so the demo's kvbm_backend, sharing G4 with restart,
+    reported the other config's warm-up block as a G4 load. Now ``connector_stats`` counts the prompts only (old
+    code: 2 lookup requests for one prompt) and ``warmup_connector_stats`` holds the warm-up's own."""
+    ps = prompts(1, 100, seed=21)  # 3 loadable blocks of 32
+    r = _run(tmp_path, "warm", model_dir, ps, {"extra": connector_extra(tmp_path / "w", f"file://{tmp_path / 'g4'}")},
+             num_gpu_blocks=NUM_BLOCKS)
+    sc = r["connector_stats"]
+    assert (sc.get("lookup_requests"), sc.get("lookup_blocks")) == (1, 3), sc
+    assert sc.get("load_g4_blocks_ok", 0) == 0 and sc.get("load_g3_blocks_ok", 0) == 0, sc
+    sw = r["warmup_connector_stats"]
+    assert (sw.get("lookup_requests"), sw.get("lookup_blocks")) == (1, 1), sw
+
+
+@pytest.mark.side
 def test_corrupt_block_is_a_miss_never_wrong_output(tmp_path, model_dir):
     ps = _prompts()[:2]
     extra = connector_extra(tmp_path / "w")

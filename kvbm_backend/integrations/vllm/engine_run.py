@@ -55,9 +55,12 @@ Result JSON: ``outputs`` (greedy token ids per prompt), ``ttft_s`` (vLLM's ``fir
 per request, seconds: arrival to first token, loads included), ``e2e_s`` (wall seconds per
 ``generate`` call), ``cached_tokens`` (vLLM's ``num_cached_tokens`` per request: prompt tokens not
 computed, engine prefix cache plus connector loads), ``prompt_tokens``, ``init_s``, and with a
-connector ``connector_stats`` (:mod:`kvbm_backend.integrations.vllm.stats`), ``connector_info`` (KV cache
+connector ``connector_stats`` (:mod:`kvbm_backend.integrations.vllm.stats`; in-process, counted after the
+warm-up request, whose own counters are ``warmup_connector_stats``: before 2026-11-30 they were in the prompts'
+counters, so the demo's kvbm_backend reported the other config's warm-up block as a G4 load; with
+``multiprocessing`` the stats files hold the warm-up too), ``connector_info`` (KV cache
 tensor shape per layer, engine layout, bytes per block, namespace) and ``pool_stats``
-(G3/G4 ``stats()`` after a bounded flush).
+(G3/G4 ``stats()`` after a bounded flush; the warm-up included).
 """
 from __future__ import annotations
 
@@ -123,6 +126,9 @@ def run(spec: dict) -> dict:
     if spec.get("warmup", True):
         llm.generate([TokensPrompt(prompt_token_ids=[7] * 40)], SamplingParams(temperature=0.0, max_tokens=1,
                      detokenize=False), use_tqdm=False)
+    warm_stats = None
+    if conn is not None and not mp and spec.get("warmup", True):  # the connector's counters, from here too
+        warm_stats = _settled_connector_stats()[0]
     native_loads = None
     if spec.get("native") is not None and not mp:  # counted from here: the warm-up request is not in them
         native_loads = _count_native_loads(llm, bs * int(spec["native"].get("blocks_per_chunk") or 0) or None)
@@ -190,24 +196,35 @@ def run(spec: dict) -> dict:
         llm.llm_engine.engine_core.shutdown()
     elif conn is not None:
         from . import stats
-        # Let background offloads finish before the stats are read (bounded): the workers' hand-offs first.
-        from .. import tiers
-        from .offloads import flush_all
-        pools = {}
-        if not flush_all(timeout=30.0):
-            pools["save_flush_error"] = "save hand-offs still pending after 30 s"
-        for ent in list(tiers._shared.values()):
-            for name, p in (("g3", ent[0]), ("g4", ent[1])):
-                if p is None:
-                    continue
-                if not p.flush(timeout=30.0):
-                    pools[f"{name}_flush_error"] = "offloads still pending after 30 s"
-                pools[name] = p.stats()
-        time.sleep(0.05)
-        result["connector_stats"] = stats.snapshot()
+        now, pools = _settled_connector_stats()
+        if warm_stats is not None:  # the warm-up request's loads, saves and lookups are not the prompts'
+            now = {k: v - warm_stats.get(k, 0) for k, v in now.items() if v != warm_stats.get(k, 0)}
+            result["warmup_connector_stats"] = warm_stats
+        result["connector_stats"] = now
         result["connector_info"] = stats.info()
         result["pool_stats"] = pools
     return result
+
+
+def _settled_connector_stats() -> tuple[dict, dict]:
+    """In-process connector: let background offloads finish (bounded: the workers' hand-offs, then each pool's
+    writes, 30 s each), then read the counters. Returns ``(connector counters, {"g3"|"g4": pool stats, and
+    "<tier>_flush_error" / "save_flush_error" for what was still pending})``."""
+    from .. import tiers
+    from . import stats
+    from .offloads import flush_all
+    pools: dict[str, Any] = {}
+    if not flush_all(timeout=30.0):
+        pools["save_flush_error"] = "save hand-offs still pending after 30 s"
+    for ent in list(tiers._shared.values()):
+        for name, p in (("g3", ent[0]), ("g4", ent[1])):
+            if p is None:
+                continue
+            if not p.flush(timeout=30.0):
+                pools[f"{name}_flush_error"] = "offloads still pending after 30 s"
+            pools[name] = p.stats()
+    time.sleep(0.05)
+    return stats.snapshot(), pools
 
 
 def _with_params(sp, kv_transfer_params: dict):
