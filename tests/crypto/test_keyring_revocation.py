@@ -22,6 +22,7 @@ from kvbm_backend.crypto.keyring import (Keyring, KeyringError, TenantRevoked, U
                                          provider_for)
 from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameHeader
+from tests.helpers.g4_target import g4_target
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
 
@@ -33,14 +34,7 @@ SLACK_S = 1.0  # scheduling slack on 2 shared cores
 
 @pytest.fixture(params=["fs", "s3"])
 def target(request, tmp_path, s3_prefix):
-    kw = {"keyring": {"path": str(tmp_path / "keys" / "keyring.json"), "reload_interval_s": RELOAD_S},
-          "timeout_s": 5.0, "dir_fanout": 16}
-    if request.param == "fs":
-        kw["url"] = f"file://{tmp_path / 'store'}"
-    else:
-        sw = request.getfixturevalue("seaweed")
-        kw.update(url=sw.url(s3_prefix), endpoint_url=sw.endpoint)
-    return kw
+    return g4_target(request, tmp_path, s3_prefix, timeout_s=5.0, reload_interval_s=RELOAD_S)
 
 
 def _pool(kw, **keyring_over) -> G4Pool:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.helpers.g4_target import g4_target
 
 pytestmark = [pytest.mark.slow]
 
@@ -30,13 +31,8 @@ def _spawn(specs):
 
 @pytest.fixture(params=["fs", "s3"])
 def cfg(request, tmp_path, s3_prefix):
-    kw = {"keyring": {"path": str(tmp_path / "keyring.json")}, "timeout_s": 60.0, "dir_fanout": 8}  # no drop allowed: not a bound (was 10)
-    if request.param == "fs":
-        kw["url"] = f"file://{tmp_path / 'store'}"
-    else:
-        sw = request.getfixturevalue("seaweed")
-        kw.update(url=sw.url(s3_prefix), endpoint_url=sw.endpoint)
-    return kw
+    # timeout 60 s: no drop allowed, not a bound (was 10)
+    return g4_target(request, tmp_path, s3_prefix, timeout_s=60.0, dir_fanout=8, keyring_path=tmp_path / "keyring.json")
 
 
 @pytest.mark.slow

@@ -11,25 +11,11 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
 from kvbm_backend import metrics  # noqa: E402
-from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness, offloading_config  # noqa: E402
+from tests.integrations.vllm import test_tiering  # noqa: E402
 from tests.integrations.vllm.test_tiering import GEO, MOD, g3_tier, keys_for, payloads  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
-
-
-@pytest.fixture
-def harnesses():
-    made: list[TieringHarness] = []
-
-    def make(tiers):
-        h = TieringHarness(offloading_config(secondary_tiers=tiers, chunks=32, **GEO))
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        if h.primary is not None:
-            h.shutdown()
+harnesses = test_tiering.harnesses  # the fixture: TieringHarness makers, shut down after the test
 
 
 def _g4_tier(store) -> dict:
