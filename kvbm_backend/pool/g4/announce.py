@@ -10,7 +10,8 @@ bytes, then the records (UTF-8 JSON) sealed exactly as a block: AES-256-GCM unde
 AAD = the header identity (namespace, tenant pseudonym, rank, batch id, length), so records moved to
 another name, tenant or namespace fail to open; an unencrypted pool (``g4.encrypt: false``) stores them
 xxh3-checksummed like its blocks. Token ids are prompt content: with encryption on they never reach the
-store in clear.
+store in clear. A plaintext pool with a keyring writes no records for a revoked tenant (TenantRevoked), as
+it writes none of its blocks (:class:`~.writer.G4Writer`); before (2026-11-30) its announcements were written.
 
 Readers (:meth:`Announcements.read`) accept a record batch only when its header names this namespace,
 the tenant of its directory, ``ANNOUNCE_RANK`` and the batch id of its name, and its tag (or checksum)
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...crypto.aead import AeadError, new_nonce, open_into, seal_into
-from ...crypto.keyring import KeyringError
+from ...crypto.keyring import KeyringError, TenantRevoked
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader, payload_checksum
 from .store import ObjectInfo, ObjectStore
 
@@ -99,9 +100,17 @@ class Announcements:
     def write(self, tenant: str, records: dict[str, Any]) -> str:
         """Seal ``records`` (a JSON-able dict) for ``tenant`` and publish them create-exclusive under a fresh
         random batch id. Returns the object name. Raises KeyringError (revoked/unknown tenant, keyring
-        unreadable) and the store's errors (StoreUnavailable, StoreThrottled, OSError)."""
+        unreadable; a plaintext pool with a keyring: TenantRevoked for a revoked tenant and KeyringError while
+        the file does not load, as its block writes) and the store's errors (StoreUnavailable, StoreThrottled,
+        OSError)."""
         plain = json.dumps(records, separators=(",", ":")).encode()
         dk = self.keyring.write_key(tenant) if self.encrypt else None  # may reload the keyring: before the tag
+        if dk is None and self.keyring is not None:  # plaintext with a keyring: its tenant state holds too
+            state = self.keyring.tenant_state(tenant)
+            if state == "revoked":
+                raise TenantRevoked("the tenant was revoked")
+            if state == "unavailable":
+                raise KeyringError("the keyring file does not load")
         tag = self._pseudonym(tenant)
         batch_id = int.from_bytes(os.urandom(8), "little")
         hdr = self._header(tag, batch_id, len(plain))
