@@ -422,15 +422,15 @@ class Keyring:
     def tenant_state(self, tenant: str) -> str:
         """``"active"`` (has a data key), ``"revoked"``, ``"unknown"``, or ``"unavailable"`` (the file
         does not load right now), as of the last reload (at most ``reload_every_s`` old)."""
+        return self.tenant_key(tenant)[0]
+
+    def tenant_key(self, tenant: str) -> tuple[str, int | None]:
+        """``(tenant_state, its current data key's id)``; the id None unless active (re-created: a new id)."""
         with self._mu:
             self._maybe_reload()
-            if self._error is not None:
-                return "unavailable"
-            if tenant in self._doc["tenants"]:
-                return "active"
-            if self.pseudonym(tenant).hex() in self._doc.get("revoked", {}):
-                return "revoked"
-            return "unknown"
+            st = "unavailable" if self._error is not None else "active" if tenant in self._doc["tenants"] else (
+                "revoked" if self.pseudonym(tenant).hex() in self._doc.get("revoked", {}) else "unknown")
+            return st, int(self._doc["tenants"][tenant]["key_id"]) if st == "active" else None
 
     def key_owner(self, key_id: int) -> str | None:
         """The tenant whose data key has ``key_id`` (None: no current tenant has it)."""

@@ -8,7 +8,12 @@ SGLang's HiCache / Mooncake). With ``g4.announce`` each worker's scheduler-side 
   keys, LoRA; learned with the G3 events' :meth:`~.kv_events.G3KvEvents.learn`), and every
   ``announce_interval_s`` checks which of them G4 now holds (HEAD, the pool's ``lookup_prefix``: published
   after durable) and writes them as one sealed record batch per tenant (:mod:`kvbm_backend.pool.g4.announce`:
-  AES-256-GCM under the tenant's data key, so prompt tokens never reach the store in clear);
+  AES-256-GCM under the tenant's data key, so prompt tokens never reach the store in clear). A block is
+  announced once per name and key: one learned again is announced again only when its tenant's blocks are
+  now named or sealed otherwise (the keyring file replaced: another naming generation; the tenant revoked and
+  re-created: another key id); before (2026-11-30) a block was announced once per process, so blocks stored
+  again after a keyring swap or a re-creation never regained their router credit. A revoked tenant's batches
+  are never written (plaintext pools with a keyring too);
 * **polls**: on the same background thread lists the namespace's announcement objects (a LIST, never on the
   serving path), opens the new ones (foreign, corrupt, other hash domain: ignored and counted) and queues
   ``BlockStored`` (``medium="DISK"``, Dynamo's ``disk_blocks``) for their blocks, the worker's own included,
@@ -18,8 +23,8 @@ SGLang's HiCache / Mooncake). With ``g4.announce`` each worker's scheduler-side 
   time sealed in it, :mod:`.g4_records`: a copy of an expired batch written back is still expired), that
   disappeared (any poller deletes expired batches), or whose tenant was revoked since (its key is re-checked
   every poll; ``announce_revoked_batches``) is withdrawn: ``BlockRemoved`` for blocks no live batch still
-  announces. Blocks are not re-announced, so a block older than the TTL loses its router credit (it stays
-  loadable); a block ``kvbm-backend gc`` deletes before the TTL keeps its credit until then (a routing
+  announces. Blocks are not re-announced under the same name and key, so a block older than the TTL loses
+  its router credit (it stays loadable); a block ``kvbm-backend gc`` deletes before the TTL keeps its credit until then (a routing
   preference, never KV: its load misses and the engine recomputes). Run gc with ``--max-age-s`` >= the TTL.
 
 **Time base** (as :mod:`kvbm_backend.pool.g4.gc`): ages are ``now - mtime`` with ``now`` the store's clock
@@ -103,7 +108,7 @@ class G4Announcer:
         self.writer = os.urandom(8).hex()
         self._lock = threading.Lock()
         self._pending: OrderedDict[tuple[str, int], tuple] = OrderedDict()  # -> (parent_seq, ev_info, t)
-        self._known: OrderedDict[tuple[str, int], None] = OrderedDict()  # learned once (bounded)
+        self._known: OrderedDict[tuple[str, int], Any] = OrderedDict()  # learned -> tenant _ident then (bounded)
         self._batches: dict[str, tuple] = {}  # live batch name -> (its vLLM hashes, sealed time, its key)
         self._bad: OrderedDict[str, float] = OrderedDict()  # names read and ignored -> read again after (monotonic)
         self._live: dict[Any, list] = {}  # vLLM hash -> [live batches announcing it, ev_info]
@@ -119,10 +124,12 @@ class G4Announcer:
     def learn(self, tenant: str, seq: int, parent_seq: int | None, info: tuple) -> None:
         """A block a request saves (``info`` as :meth:`~.kv_events.G3KvEvents.learn` builds it)."""
         k = (tenant, int(seq))
+        ident = self._ident(tenant)
         with self._lock:
-            if k in self._known:
-                return
-            self._known[k] = None
+            if k in self._pending or self._known.get(k) == ident:
+                return  # waiting for G4, or learned under this name and key already (module doc, "writes")
+            self._known.pop(k, None)
+            self._known[k] = ident
             if len(self._known) > 4 * self.max_pending:
                 self._known.popitem(last=False)
             h, ph, toks, extra, lora_id, lora_name = info
@@ -130,6 +137,15 @@ class G4Announcer:
             while len(self._pending) > self.max_pending:
                 self._pending.popitem(last=False)
                 stats.add(announce_dropped_absent=1)
+
+    def _ident(self, tenant: str) -> tuple[int, Any]:
+        """What names and seals ``tenant``'s blocks now: ``(keyring naming generation, current data key id, or
+        the tenant's state when it has none)``; ``(0, None)`` without a keyring."""
+        kr = self.ann.keyring
+        if kr is None:
+            return 0, None
+        state, key_id = kr.tenant_key(tenant)
+        return kr.naming_generation(), key_id if key_id is not None else state
 
     def flush(self, timeout_s: float = 10.0) -> int:
         """Announce the learned blocks G4 now holds (one object per tenant per ``max_batch``). Returns the
@@ -171,8 +187,12 @@ class G4Announcer:
                 try:
                     t0 = time.time()
                     name = self.ann.write(tenant, encode_records(self.writer, domain, self.bs, part, t_store))
+                    ident = self._ident(tenant)  # after the write: a tenant it created has its key id now
                     with self._lock:  # its store mtime measures the store's clock (see _now)
                         self._own[name] = (t0 + time.time()) / 2
+                        for seq, _pseq, _info in part:
+                            if (tenant, seq) in self._known:
+                                self._known[(tenant, seq)] = ident
                         while len(self._own) > 4096:
                             self._own.popitem(last=False)
                 except Exception as e:  # noqa: BLE001 - keyring or store trouble: these blocks stay unannounced

@@ -1,5 +1,10 @@
 """G4 announcements and the keyring (``g4.announce``), on a real file:// G4 store and a real keyring file.
 
+* A block stored again under another name or key is announced again. Before (2026-11-30) the announcer
+  remembered each ``(tenant, seq_hash)`` it had learned for the life of the process, so after the keyring
+  file was replaced (new pseudonyms and block names) or the tenant was revoked and re-created (a new data key
+  id; gc reclaimed its old blocks) the blocks stored anew were never announced: other workers' routers lost
+  the credit for them (they stayed loadable). Plain repeats are still suppressed.
 * A plaintext pool (``g4.encrypt: false``) with a keyring writes no announcement for a revoked tenant, as it
   writes none of its blocks (:class:`~kvbm_backend.pool.g4.writer.G4Writer`). Before (2026-11-30) it did.
 """
@@ -12,9 +17,12 @@ import pytest
 
 from kvbm_backend.config import G4Config
 from kvbm_backend.crypto.keyring import Keyring, TenantRevoked, provider_for
+from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.pool.g4.announce import Announcements
+from kvbm_backend.pool.g4.gc import run_gc
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace
+from tests.pool.g4.test_g4_announce import _request, _save, _worker  # the same worker and save steps
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for what must come; returns as soon as it does
 RELOAD_S = 0.2  # g4.keyring.reload_interval_s of the pools
@@ -37,6 +45,76 @@ def _operator(tmp_path) -> Keyring:
     """The operator's own view of the keyring file (``kvbm-backend keys ...``)."""
     p = tmp_path / "keys" / "keyring.json"
     return Keyring(p, provider_for(p), reload_every_s=0)
+
+
+def _batches_of(pool, tenant: str) -> int:
+    ann = Announcements(pool.store, pool.namespace.fingerprint, pool.keyring, pool.encrypt, pool.pseudonym)
+    return sum(1 for b in ann.list() if b.tenant_hex == pool.pseudonym(tenant).hex())
+
+
+def _relearn(ev, tenant, toks, rid):
+    """The same blocks saved again by a request (the scheduler learns them again)."""
+    bs = namespace().layout.page_size
+    hs = list(sequence_hashes(toks, bs))
+    ev.learn(tenant, _request(rid, toks, bs), hs, 0, len(hs))
+
+
+@pytest.mark.slow  # imports vLLM (~20 s on the dev VM); no wall-clock assertion
+@pytest.mark.side
+def test_blocks_stored_again_after_the_keyring_file_is_replaced_are_announced_again(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)  # the KEK file next to the keyring (kept)
+    cfg = _cfg(tmp_path)
+    kr = tmp_path / "keys" / "keyring.json"
+    bs = namespace().layout.page_size
+    toks = list(range(7001, 7001 + 4 * bs))
+    with G4Pool(cfg, namespace()) as pool:
+        a = _worker(pool)
+        _save(pool, a, "tenant-x", toks)
+        assert a.announcer.flush() == 4
+        _relearn(a, "tenant-x", toks, "again")
+        assert a.announcer.flush() == 0  # a plain repeat: announced once
+        old = pool.pseudonym("tenant-x").hex()
+
+        kr.unlink()  # a crypto-shred of every tenant, then a new keyring file (a new pseudonym key)
+        _operator(tmp_path).create("tenant-x")
+        _until(lambda: pool.keyring.naming_generation() == 1)
+        assert pool.pseudonym("tenant-x").hex() != old
+        _save(pool, a, "tenant-x", toks, rid="after-swap")  # stored anew: 4 written under the new names
+        assert a.announcer.flush() == 4  # the old code: 0 (learned once per process)
+        assert _batches_of(pool, "tenant-x") == 1  # under the new pseudonym
+        _relearn(a, "tenant-x", toks, "again2")
+        assert a.announcer.flush() == 0  # repeats under the new names: suppressed again
+
+        with G4Pool(cfg, namespace()) as fresh:  # a worker on the new keyring credits them
+            assert _worker(fresh).announcer.poll() == (4, 0)
+
+
+@pytest.mark.slow  # imports vLLM (~20 s on the dev VM); no wall-clock assertion
+@pytest.mark.side
+def test_blocks_stored_again_after_the_tenant_is_revoked_and_re_created_are_announced_again(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    cfg = _cfg(tmp_path)
+    bs = namespace().layout.page_size
+    toks = list(range(5001, 5001 + 3 * bs))
+    with G4Pool(cfg, namespace()) as pool:
+        a = _worker(pool)
+        _save(pool, a, "tenant-x", toks)
+        assert a.announcer.flush() == 3
+        key_id = pool.keyring.info("tenant-x")["key_id"]
+        op = _operator(tmp_path)
+        op.revoke("tenant-x")
+        _until(lambda: pool.keyring.tenant_state("tenant-x") == "revoked")
+        assert run_gc(pool.store, keyring=op)["deleted_by"]["revoked"] == 3  # its blocks reclaimed
+        op.create("tenant-x")  # the operator brings the tenant back: a new key id, the same pseudonym
+        _until(lambda: pool.keyring.tenant_state("tenant-x") == "active")
+        assert pool.keyring.info("tenant-x")["key_id"] != key_id
+        _save(pool, a, "tenant-x", toks, rid="re-created")  # stored anew: 3 written under the new key
+        assert a.announcer.flush() == 3  # the old code: 0
+        _relearn(a, "tenant-x", toks, "again")
+        assert a.announcer.flush() == 0  # then repeats are suppressed
+
+        with G4Pool(cfg, namespace()) as fresh:  # the revoked key's batch is foreign; the new one credited
+            assert _worker(fresh).announcer.poll() == (3, 0)
 
 
 def test_a_plaintext_pool_writes_no_announcement_for_a_revoked_tenant(tmp_path, monkeypatch):
