@@ -59,14 +59,14 @@ def open_tiers(cfg: KvbmBackendConfig, namespace: Namespace,
 
 def _open_g4(cfg: KvbmBackendConfig, namespace: Namespace, kv_heads: int | None) -> BlockPool:
     if cfg.g4.layout != "canonical":
-        return open_pool(cfg.g4, namespace)
+        return open_pool(cfg.g4, namespace, default_tenant=cfg.tenant)
     from ..model.canonical import HeadMap
     from ..pool.g4.canonical import CanonicalG4
     if kv_heads is None and namespace.layout.outer_dim != 1:
         raise ValueError("g4.layout: canonical needs the model's KV head count (the vLLM connector gives it); "
                          "this integration stores per-rank blocks only")
     heads = HeadMap(namespace, int(kv_heads or 1))
-    return CanonicalG4(open_pool(cfg.g4, heads.canonical), heads)
+    return CanonicalG4(open_pool(cfg.g4, heads.canonical, default_tenant=cfg.tenant), heads)
 
 
 _announced: set[str] = set()

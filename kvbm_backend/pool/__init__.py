@@ -16,7 +16,7 @@ __all__ = ["open_pool"]
 
 
 def open_pool(cfg: G3Config | G4Config, namespace: Namespace, *, registry: CollectorRegistry | None = None,
-              engine: IoEngine | None = None) -> BlockPool:
+              engine: IoEngine | None = None, default_tenant: str = "") -> BlockPool:
     """Open the pool a config section describes, bound to ``namespace``. Imports the tier only when it
     is opened (G4 pulls in the crypto and, for ``s3://``, boto3).
 
@@ -28,6 +28,8 @@ def open_pool(cfg: G3Config | G4Config, namespace: Namespace, *, registry: Colle
         namespace: what the blocks mean; keys of other namespaces are misses.
         registry: ``prometheus_client`` registry for the tier's metrics (default: the process registry).
         engine: G3 only: an I/O engine to share (not closed by the pool); None: the pool makes its own.
+        default_tenant: G4 only: the config's ``tenant`` (the tenant of requests without a cache_salt), so
+            that a drop's log line can say a missing key is the default tenant's (never logging its id).
     Raises:
         ValueError: a G4 config with ``enabled`` false (naming ``g4.enabled``), or with ``layout: canonical``
             for a per-rank namespace (naming ``g4.layout``: only :func:`~kvbm_backend.integrations.tiers.open_tiers`
@@ -49,5 +51,5 @@ def open_pool(cfg: G3Config | G4Config, namespace: Namespace, *, registry: Colle
                              "integrations.tiers.open_tiers) only; this caller stores per-rank blocks: set "
                              "g4.layout: per-rank")
         from .g4 import G4Pool
-        return G4Pool(cfg, namespace, registry=registry)
+        return G4Pool(cfg, namespace, registry=registry, default_tenant=default_tenant)
     raise TypeError(f"open_pool: cfg must be a G3Config or G4Config, got {type(cfg).__name__}")

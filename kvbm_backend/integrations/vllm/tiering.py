@@ -514,4 +514,5 @@ class G4Tier(KvbmSecondaryTier):
     def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
         if not cfg.g4.url:
             raise ConfigError("g4.url: required for G4Tier (s3://BUCKET/PREFIX or file:///shared/path)")
-        return open_pool(cfg.g4.model_copy(update={"enabled": True}), namespace)
+        return open_pool(cfg.g4.model_copy(update={"enabled": True}), namespace,
+                         default_tenant=self._tenant)  # the tier's ``tenant``, else the config's

@@ -102,6 +102,8 @@ class G4Pool:
             there as ``kvbm_g4_*`` gauges, summed over the open pools given that registry
             (:class:`~.events.StatsGauges`).
         store, keyring: injected instances (tests, benchmarks); built from ``cfg`` when None.
+        default_tenant: the configured default tenant (the config's ``tenant``: requests without a cache_salt):
+            a drop's log line names it as such, never by its id (:meth:`~.writer.G4Writer._drop_text`).
     Raises:
         ValueError / KeyringError with the field at fault (missing URL, keyring, bad KEK, ...).
 
@@ -116,7 +118,7 @@ class G4Pool:
     tier = "G4"
 
     def __init__(self, cfg: G4Config, namespace: Namespace, *, registry: CollectorRegistry | None = None,
-                 store: ObjectStore | None = None, keyring: Keyring | None = None):
+                 store: ObjectStore | None = None, keyring: Keyring | None = None, default_tenant: str = ""):
         self.cfg = cfg
         self.namespace = namespace
         self._layout = namespace.layout
@@ -164,6 +166,7 @@ class G4Pool:
                                executor=self._io_put, deadlines=self._deadlines,
                                write_queue_blocks=cfg.write_queue_blocks,
                                put_bound_s=cfg.timeout_s * (1 + cfg.retries), load_bound_s=self.load_bound_s,
+                               default_tenant=default_tenant,
                                breaker=self.breaker, throttle=self.throttle, counters=self.counters)
         self.reader = G4Reader(store=self.store, layout=namespace.layout, world=namespace.tp_world_size,
                                namespace=self._fp, names=self.names, keyring=self.keyring, encrypt=self.encrypt,

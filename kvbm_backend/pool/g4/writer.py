@@ -66,18 +66,21 @@ class G4Writer:
         put_bound_s: seconds from a block's first PUT within which throttled PUTs are retried; an unsettled
             PUT is re-checked after ``put_bound_s / 4`` (doubling) for up to ``SETTLE_BOUNDS * put_bound_s``.
         load_bound_s: seconds within which the start-up ``namespace.json`` write retries throttles.
+        default_tenant: the configured default tenant (the ``tenant`` setting: the tenant of every request that
+            names none of its own); only compared with, never logged (see :meth:`_drop_text`).
     """
 
     def __init__(self, *, store: ObjectStore, namespace: Namespace, names: TenantNames, keyring: Keyring | None,
                  encrypt: bool, frames: BufferPool, breaker: CircuitBreaker, throttle: ThrottleWatch,
                  counters: G4Counters, oplog: OperatorLog, executor: ThreadPoolExecutor, deadlines: Deadlines,
-                 write_queue_blocks: int, put_bound_s: float, load_bound_s: float):
+                 write_queue_blocks: int, put_bound_s: float, load_bound_s: float, default_tenant: str = ""):
         self.store = store
         self.namespace = namespace
         self._fp = namespace.fingerprint
         self._bpb = namespace.layout.bytes_per_block
         self._frame_bytes = HEADER_BYTES + self._bpb
         self._names = names
+        self._default_tenant = default_tenant
         self._keyring = keyring
         self._encrypt = encrypt
         self._frames = frames
@@ -219,9 +222,14 @@ class G4Writer:
 
     def _drop_text(self, reason: str, tenant: str | None = None) -> str:
         """What the operator log says about a tenant's offload dropped for ``reason`` (a keyring refusal): a
-        fixed text with the keyring's settings, nothing of the tenant (its pseudonym is logged beside it), except
-        that the empty tenant ``""`` (not secret: the config's default ``tenant``, which every request without a
-        ``cache_salt`` has) is named as such, with the command that creates it."""
+        fixed text with the keyring's settings, nothing of the tenant (its pseudonym is logged beside it).
+
+        The rule: a log line never holds a tenant id, not even the configured default one (a request's tenant is
+        its client's cache_salt; the configured value may be one too, and logs travel further than the config).
+        Two tenants are named all the same, without their id: the configured default (``default_tenant``, the
+        ``tenant`` setting) as "the default tenant (`tenant`)", with a ``keys create`` command that takes the
+        value from the config; and the empty tenant ``""`` (it has no id to hide), with ``--tenant ''``.
+        """
         kr = self._keyring
         where = f"keyring {getattr(kr, 'path', '?')}"
         if reason == "dropped_revoked_tenant":
@@ -230,10 +238,17 @@ class G4Writer:
             why = ("it is read-only" if getattr(kr, "read_only", False) else
                    "g4.keyring.auto_create_tenants is off" if not getattr(kr, "auto_create_tenants", True) else
                    f"it holds g4.keyring.max_auto_tenants={getattr(kr, 'max_auto_tenants', '?')} tenants")
+            create = f"kvbm-backend keys create --keyring {getattr(kr, 'path', 'KEYRING')} --tenant"
+            default = "every request without a cache_salt has it"
+            if tenant == self._default_tenant == "":
+                return (f"{where}: no data key for the empty tenant \"\" (the default `tenant`: {default}) and "
+                        f"{why}; create it with `{create} ''`, or set `tenant:` in the config")
+            if tenant == self._default_tenant:
+                return (f"{where}: no data key for the configured default tenant (the value of `tenant`, not "
+                        f"logged: {default}) and {why}; create it with `{create} <the configured tenant>`")
             if tenant == "":
-                return (f"{where}: no data key for the empty tenant \"\" (the default `tenant`: every request "
-                        f"without a cache_salt has it) and {why}; create it with `kvbm-backend keys create "
-                        f"--keyring {getattr(kr, 'path', 'KEYRING')} --tenant ''`, or set `tenant:` in the config")
+                return (f"{where}: no data key for the empty tenant \"\" (not the default `tenant`: a request "
+                        f"named it) and {why}; create it with `{create} ''`")
             return f"{where}: no data key for the tenant and {why}; create it with `kvbm-backend keys create`"
         return (f"{where}: no data key served (the file does not load or cannot be written, or a read-only key "
                 "version reached its use limit): see the keyring's own log line, `kvbm-backend doctor`")
