@@ -30,7 +30,8 @@ Sections of the result (:func:`run_doctor`):
 * ``config``: the config file's absolute path, ``"inline JSON"`` (never the text: it may carry
   credentials), or None.
 * ``problems`` / ``verdict``: every problem found (G4 checks, file modes, a G3 path the pool cannot use,
-  a configured engine that will fail), one line each, and ``"OK"`` or ``"N problems"``; ``kvbm-backend doctor`` exits 1 when
+  a configured engine that will fail), one line each (a keyring path both the G4 ``keyring`` check and the
+  mode check refuse is one line: :func:`report_problems`; ``modes["problems"]`` still lists it), and ``"OK"`` or ``"N problems"``; ``kvbm-backend doctor`` exits 1 when
   there is any.
 """
 from __future__ import annotations
@@ -271,7 +272,7 @@ def engine_choice(cfg, gpu: dict, kvk: dict, nixl: dict, paths: list[dict]) -> d
     return out
 
 
-def modes_info(paths: list[str], keyring_paths: list[str]) -> dict:
+def modes_info(paths: list[str], keyring_paths: list[str], owners: dict[str, str] | None = None) -> dict:
     """Mode check of store directories (``paths``, ``file://`` allowed, walked) and keyring files (each
     and its directory). Never raises.
 
@@ -279,11 +280,13 @@ def modes_info(paths: list[str], keyring_paths: list[str]) -> dict:
     rule, :func:`kvbm_backend.fsmodes.dir_problem`, accepts it). A keyring's directory is judged by the
     keyring's own rule (:func:`kvbm_backend.fsmodes.check_trusted_dir`: this uid or root, not writable by
     others unless sticky, e.g. a Kubernetes Secret volume's tmpfs root, 1777): a problem when it refuses,
-    a note when it accepts a mode wider than 0700. Returns ``{"checked", "problems", "notes"}``."""
+    a note when it accepts a mode wider than 0700. Returns ``{"checked", "problems", "notes"}``; ``owners`` (a
+    dict, filled) maps each problem of a keyring path (its directory, file, lock, KEK file) to that path."""
     from kvbm_backend.fsmodes import UnsafePath, check_trusted_dir, mode_problems
     checked: list[str] = []
     problems: list[str] = []
     notes: list[str] = []
+    own = owners if owners is not None else {}
     for p in paths:
         p = p[len("file://"):] if p.startswith("file://") else p
         if "://" in p:
@@ -303,6 +306,7 @@ def modes_info(paths: list[str], keyring_paths: list[str]) -> dict:
                                  "or root; not writable by others, or sticky: no one else can replace its files)")
             except UnsafePath as e:
                 problems.append(str(e))
+                own[str(e)] = d
             except FileNotFoundError:
                 pass
             except OSError as e:
@@ -310,8 +314,37 @@ def modes_info(paths: list[str], keyring_paths: list[str]) -> dict:
         for q in (k, f"{k}.lock", f"{k}.kek"):
             if q not in checked:
                 checked.append(q)
-                problems += [x for x in mode_problems(q, max_entries=0) if x not in problems]
+                for x in mode_problems(q, max_entries=0):
+                    if x not in problems:
+                        problems.append(x)
+                        own[x] = q
     return {"checked": checked, "problems": problems, "notes": notes}
+
+
+def report_problems(g4: dict, mode_problems: list[str], owners: dict[str, str]) -> list[str]:
+    """The report's G4 and mode problem lines, each keyring path in one line: a mode problem of a keyring path
+    (``owners``: problem -> path, from :func:`modes_info`) that the failed G4 ``keyring`` check names too is
+    folded into that check's line (``"; mode: ..."`` added when its text is not the check's own), not a
+    second line. Before 2026-11-30 a keyring directory or file with a loose mode was two problems (the G4
+    check's refusal and the mode check's line) and counted twice in the verdict."""
+    row = next((r for r in g4.get("checks", []) if r["check"] == "keyring" and r["ok"] is False), None)
+    folded: list[str] = []
+    rest: list[str] = []
+    for m in mode_problems:
+        p = owners.get(m)
+        # the path as a whole word of the check's text: /d/keyring.json is not /d/keyring.json.kek
+        named = p is not None and row is not None and re.search(
+            rf"(?<![\w./-]){re.escape(p)}(?![\w/-]|\.\w)", row["detail"]) is not None
+        if not named:
+            rest.append(f"mode: {m}")
+        elif row is not None and m != row["detail"]:
+            folded.append(m)
+    out = []
+    for line in g4.get("problems", []):
+        if row is not None and folded and line == f"g4 keyring: {row['detail']}":
+            line += "".join(f"; mode: {m}" for m in folded)
+        out.append(line)
+    return out + rest
 
 
 def run_doctor(paths: list[str], config: str | None = None) -> dict:
@@ -346,10 +379,11 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
     kr = [x for x in ((cfg.g4.keyring.path if cfg.g4.enabled else None),
                       getattr(cfg.g4.keyring, "kek_file", None) if cfg.g4.enabled else None) if x]
     from .doctor_g4 import g4_info
-    modes = modes_info(all_paths, kr)
+    owners: dict[str, str] = {}
+    modes = modes_info(all_paths, kr, owners)
     engine = engine_choice(cfg, gpu, kvk, nixl, pinfo)
     g4 = g4_info(cfg)
-    problems = list(g4["problems"]) + [f"mode: {m}" for m in modes["problems"]]
+    problems = report_problems(g4, modes["problems"], owners)  # a keyring path the G4 check names: one line
     g3_dirs = [p for p in all_paths if not p.startswith("file://")]
     for p, info in zip(all_paths, pinfo):
         if not p.startswith("file://"):  # a G3 directory: judged by the pool's own rules (doctor_paths)

@@ -131,3 +131,38 @@ def test_missing_store_wrong_kek_and_open_mode_are_each_counted(tmp_path):
     assert r.returncode == 1 and last == "3 problems", r.stdout[-3000:]
     assert [p.split(":")[1] for p in probs] == [" g4 url", " g4 keyring", " mode"], probs
     assert not (tmp_path / "absent").exists()  # doctor creates nothing
+
+
+# A keyring path with a loose mode is one problem line, not two: before 2026-11-30 the G4 keyring check's refusal
+# and the mode check's line of the same directory or file were both problems (the verdict counted it twice).
+def test_a_keyring_directory_others_can_write_is_one_problem(tmp_path):
+    _, kr, cfg = _file_store(tmp_path)
+    d = os.path.dirname(kr)
+    os.chmod(d, 0o777)
+    r = _doctor(cfg)
+    last, probs = _verdict(r)
+    assert r.returncode == 1 and last == "1 problem", r.stdout[-3000:]
+    assert probs[0].startswith(f"problem: g4 keyring: directory {d} of the keyring is writable by group or others "
+                               "(mode 0777, and not sticky)"), probs
+    assert sum(f"directory {d} " in p for p in probs) == 1, probs
+
+
+def test_a_keyring_file_group_can_read_is_one_problem_with_both_facts(tmp_path):
+    _, kr, cfg = _file_store(tmp_path)
+    os.chmod(kr, 0o644)
+    r = _doctor(cfg)
+    last, probs = _verdict(r)
+    assert r.returncode == 1 and last == "1 problem", r.stdout[-3000:]
+    # the worker's refusal (the G4 check) and the mode fact (the mode check), in one line
+    assert probs[0].startswith(f"problem: g4 keyring: keyring {kr}: mode 0644 lets group/others read it; refusing "
+                               "to use it"), probs
+    assert probs[0].endswith(f"; mode: {kr}: file mode 0644 gives group/others access (fix: chmod 600 {kr})"), probs
+
+    # the directory refused too: the G4 check names the directory only, so the file's mode stays its own line
+    os.chmod(os.path.dirname(kr), 0o777)
+    r = _doctor(cfg)
+    last, probs = _verdict(r)
+    assert r.returncode == 1 and last == "2 problems", r.stdout[-3000:]
+    assert probs[0].startswith(f"problem: g4 keyring: directory {os.path.dirname(kr)} of the keyring"), probs
+    assert "; mode:" not in probs[0], probs
+    assert probs[1] == f"problem: mode: {kr}: file mode 0644 gives group/others access (fix: chmod 600 {kr})", probs
