@@ -363,9 +363,9 @@ class KvbmSecondaryTier(SecondaryTierManager):
         stored, but also blocks its admission filter refused and blocks another job is still writing
         (:class:`~kvbm_backend.pool.base.PutResult`): announcing those as stored told the router about chunks
         the tier does not hold (or not yet durably), and kept them forever for removal events that never came
-        (found in review, 2026-11-29). A pool without ``contains`` (G4) counts them all held, though its ``skipped``
-        says only that an object of that name exists, which it may not serve (docs/operations.md "chunks_stored":
-        a plaintext frame once ``g4.encrypt`` is on, a re-created tenant's revoked-key object until gc)."""
+        (found in review, 2026-11-29). A pool without ``contains`` (G4) counts them all held: its ``skipped`` are
+        objects whose frame header says it serves them (one it will not serve, e.g. a plaintext frame once
+        ``g4.encrypt`` is on, comes back ``dropped``: ``skipped_unservable``, docs/operations.md "chunks_stored")."""
         contains = getattr(self.pool, "contains", None)
         if not callable(contains):
             return keys

@@ -203,7 +203,9 @@ class G4Pool:
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[npt.NDArray[np.uint8]]) -> Future[PutResult]:
         """Offload blocks (1-D uint8 arrays of ``layout.bytes_per_block`` bytes). The future gives a
-        :class:`PutResult`; storage trouble drops and counts, never raises. Raises ValueError at once
+        :class:`PutResult`; storage trouble drops and counts, never raises. ``skipped``: an object this pool
+        serves was already there (``skipped_exists``); one it would not serve counts in ``dropped``
+        (``skipped_unservable``: not stored; :mod:`.writer`). Raises ValueError at once
         for mismatched lengths, wrong-sized buffers or a key of another namespace (caller bugs; G3 does
         the same)."""
         return self.writer.put(keys, blocks)
@@ -301,7 +303,7 @@ class G4Pool:
                   "dropped": sum(v for k, v in s.items() if k.startswith("dropped_")),
                   "skipped": sum(v for k, v in s.items() if k.startswith("skipped_")),
                   "throttled": sum(v for k, v in s.items() if k.startswith("throttled_"))})
-        for k in ("hits", "written", "skipped_exists", "bytes_written", "bytes_read"):
+        for k in ("hits", "written", "skipped_exists", "skipped_unservable", "bytes_written", "bytes_read"):
             s.setdefault(k, 0)
         if self.reader.bounce is not None:  # reads that found every bounce buffer lent (a fresh one allocated)
             s["bounce_overflow"] = self.reader.bounce.stats()["allocated"]

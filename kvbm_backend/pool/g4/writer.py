@@ -6,7 +6,13 @@ written).
 Each queued block runs :meth:`G4Writer._put_one` on an offload thread and ends in exactly one of
 ``written`` / ``skipped`` / ``dropped`` (counted by reason: ``dropped_breaker``, ``dropped_unavailable``,
 ``dropped_throttled``, ``dropped_error``, ``dropped_revoked_tenant``, ``dropped_unknown_tenant``, ``dropped_keyring``,
-``dropped_unsettled``, ``skipped_exists``, ``skipped_foreign``); it never raises. A PUT the store could not
+``dropped_unsettled``, ``skipped_exists``, ``skipped_foreign``, ``skipped_unservable``); it never raises.
+A create-exclusive PUT that finds an object under the name asks, with one ranged GET of its frame header, whether
+this pool would serve it (:meth:`G4Writer._serves_existing`: the reader's header checks, plaintext in an encrypted
+pool, a data key this keyring no longer holds for the tenant): if so the block is ``skipped_exists`` (skipped);
+if not, ``skipped_unservable`` and reported to the caller as ``dropped`` (not stored: the tier neither counts
+nor publishes it); a failed GET counts ``skipped_exists`` as before. The object stays (the reader deletes what it
+can confirm bad on load; ``kvbm-backend gc`` a revoked key's blocks). A PUT the store could not
 settle (no answer, and the HEAD asking whether it landed failed too: :class:`~.store.PutUnsettled`) stays
 pending and is settled later by :class:`~.settle.LateSettler`, off the offload threads' time. A store outage counts towards the breaker; a
 store that answers with an error (403, missing bucket) does not, and is logged
@@ -29,7 +35,7 @@ import numpy.typing as npt
 from ...crypto.aead import new_nonce, seal_into
 from ...crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenant
 from ...memory import BufferPool
-from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, payload_checksum
+from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
 from ...model.namespace import BlockKey, Namespace
 from ..base import InFlight, PutResult, completed
 from ...deadlines import Deadline, Deadlines
@@ -38,6 +44,7 @@ from .events import G4Counters, OperatorLog
 from .naming import namespace_name
 from .settle import LateSettler
 from .store import ObjectStore, PutUnsettled, StoreThrottled, StoreUnavailable
+from .naming import TenantNamer
 from .tenant_names import TenantNames
 from .throttle import ThrottleWatch, call_throttled
 
@@ -187,11 +194,11 @@ class G4Writer:
 
     # ---- one block -----------------------------------------------------------------------
     def _seal(self, key: BlockKey, block: npt.NDArray[np.uint8],
-              buf: npt.NDArray[np.uint8]) -> tuple[memoryview, str]:
+              buf: npt.NDArray[np.uint8]) -> tuple[memoryview, str, TenantNamer]:
         """Frame ``block`` into ``buf`` (a reused uint8 buffer of at least ``HEADER_BYTES + bpb`` bytes,
         from the frame buffers): AES-256-GCM straight from the caller's block into the payload (or one copy
-        and xxh3 for plaintext), header in front. Returns the frame's memoryview (no copy) and the object
-        name, both from one namer taken after the keyring was asked (a look-up may reload it: a replaced
+        and xxh3 for plaintext), header in front. Returns the frame's memoryview (no copy), the object
+        name and the namer, name and header both from that one namer taken after the keyring was asked (a look-up may reload it: a replaced
         pseudonym key then names and tags the block too). Raises KeyringError when the tenant has no data
         key to write with (revoked, unknown, keyring down); a plaintext pool with a keyring raises it for a
         revoked tenant and while the keyring file does not load (an unknown tenant needs no data key there:
@@ -218,7 +225,7 @@ class G4Writer:
             payload[:] = src
             hdr.flags, hdr.integrity = FLAG_CHECKSUM, payload_checksum(src)
         frame[:HEADER_BYTES] = hdr.pack()
-        return frame, self._names.name(key, namer)
+        return frame, self._names.name(key, namer), namer
 
     def _drop_text(self, reason: str, tenant: str | None = None) -> str:
         """What the operator log says about a tenant's offload dropped for ``reason`` (a keyring refusal): a
@@ -273,7 +280,7 @@ class G4Writer:
                 return
             with self._frames.lend(self._frame_bytes) as fbuf:  # reused: no allocation, no page faults
                 try:
-                    buf, name = self._seal(key, block, fbuf)
+                    buf, name, namer = self._seal(key, block, fbuf)
                 except KeyringError as e:
                     self._breaker.release()  # nothing went to the store: a probe it held goes back
                     reason = ("dropped_revoked_tenant" if isinstance(e, TenantRevoked) else
@@ -303,9 +310,11 @@ class G4Writer:
                 kind = "written"
                 self._count("written")
                 self._count("bytes_written", len(buf))
-            else:
+            elif self._serves_existing(key, name, namer):
                 kind = "skipped"
                 self._count("skipped_exists")
+            else:  # an object this pool will not serve holds the name: not stored (the caller must not count it)
+                self._count("skipped_unservable")
         except Exception:  # noqa: BLE001 - never let an offload raise
             self._count("dropped_error")
             kind = "dropped"
@@ -335,6 +344,34 @@ class G4Writer:
             self._count("dropped_error")
             self._oplog.store_error(e)
         return None
+
+    def _serves_existing(self, key: BlockKey, name: str, namer: TenantNamer) -> bool:
+        """Whether this pool would serve the object a create-exclusive PUT of ``key`` found under ``name``, as
+        far as its frame header (one ranged GET of ``HEADER_BYTES``) tells: the reader's header checks
+        (:func:`~kvbm_backend.model.frame.accept`: format, block identity with ``namer``'s tenant tag, layout,
+        TP world, length), an encrypted frame's data key still held by the keyring for this tenant, a plaintext
+        frame only in a plaintext pool. Payload integrity is not checked (that needs the whole object). True
+        too when it cannot tell (the GET failed or the object is gone since): today's ``skipped_exists``.
+        Never raises."""
+        try:
+            head = self.store.get(name, 0, HEADER_BYTES)
+        except Exception:  # noqa: BLE001 - unknown: counted as before (skipped_exists)
+            return True
+        if head is None:
+            return True
+        try:
+            hdr = accept(head, key, self.namespace.layout, namer.pseudonym, world=self.namespace.tp_world_size,
+                         stored_len=self._bpb)
+        except FrameError:
+            return False
+        if hdr.flags & FLAG_ENCRYPTED:
+            if self._keyring is None:
+                return False
+            try:
+                return self._keyring.read_key(hdr.key_id, hdr.key_version, tenant=key.tenant) is not None
+            except Exception:  # noqa: BLE001 - unknown: as before
+                return True
+        return not self._encrypt and bool(hdr.flags & FLAG_CHECKSUM)
 
     # ---- namespace.json ------------------------------------------------------------------
     def start(self) -> None:

@@ -13,6 +13,7 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 from kvbm_backend import metrics  # noqa: E402
 from tests.integrations.vllm import test_tiering  # noqa: E402
 from tests.integrations.vllm.test_tiering import GEO, MOD, g3_tier, keys_for, payloads  # noqa: E402
+from vllm.v1.kv_offload.base import Medium  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 harnesses = test_tiering.harnesses  # the fixture: TieringHarness makers, shut down after the test
@@ -90,3 +91,39 @@ def test_a_tier_alone_or_first_still_counts_its_whole_lookup(tmp_path, harnesses
     t4 = h.tier.pool.stats()
     assert (t4.get("lookups", 0) - s4.get("lookups", 0), t4.get("lookup_hits", 0) - s4.get("lookup_hits", 0)) == (1, 2), t4
     assert _window(h.tier)[-1] == (3, 2)
+
+
+def test_g4_does_not_report_a_chunk_stored_over_a_plaintext_copy_once_encryption_is_on(tmp_path, harnesses):
+    """A G4 store written with ``g4.encrypt: false``, then the tier runs encrypted with the same keyring (same
+    names): the plaintext objects are never served. Before: the pool said skipped_exists, so the tier counted the
+    3 chunks stored and published them as KV 'stored' events, while their loads missed. Now the pool finds those
+    objects unservable (skipped_unservable) and reports them not stored: no chunk stored, no event; once a load
+    dropped the plaintext copies the next store writes the encrypted ones (the chunks are a miss for the failed
+load's 30 s cool-down meanwhile, tests/integrations/vllm/test_tiering.py)."""
+    keyring = {"path": str(tmp_path / "keys" / "keyring.json")}
+    plain = _g4_tier(tmp_path / "g4")
+    plain["g4"]["keyring"] = keyring
+    keys = keys_for(3, "enc-on")
+    first = harnesses([plain])
+    data = payloads(first, 3, seed=8)
+    first.store(keys, data)
+    first.wait_idle()
+    assert first.tier.kvbm_stats()["tier"]["chunks_stored"] == 3
+    first.shutdown()
+    enc = _g4_tier(tmp_path / "g4")
+    enc["g4"].update(encrypt=True, keyring=keyring)
+    enc["enable_kv_events"] = True
+    h = harnesses([enc], enable_kv_cache_events=True)
+    h.store(keys, data)
+    h.wait_idle()
+    st = h.tier.kvbm_stats()
+    assert (st["tier"]["chunks_stored"], st["tier"]["stores_failed"]) == (0, 1), st["tier"]
+    assert st["pool"]["skipped_unservable"] == 3 and st["pool"]["skipped_exists"] == 0, st["pool"]
+    assert [e for e in h.manager.take_events() if e.medium is Medium.STORAGE] == []
+    h.reset_primary()
+    assert h.load(keys) == []  # never served; the load drops the plaintext copies
+    assert h.tier.pool.stats()["deleted_unencrypted"] == 3
+    h.reset_primary()
+    h.store(keys, data)  # the encrypted copies go in (published after the failed load's cool-down: test_tiering)
+    h.wait_idle()
+    assert h.tier.pool.stats()["written"] == 3

@@ -105,8 +105,9 @@ def test_gc_reclaims_a_late_write_under_the_revoked_key_after_re_creation(kind, 
     bpb = ns.layout.bytes_per_block
     with _fresh(url, endpoint, kr) as p:  # the re-created alice writes a block of her own first
         assert p.put(ns.keys([NEW], tenant="alice"), [payload(NEW, "alice", bpb)]).result(HANG_S).written == 1
-        k = ns.keys([LATE], tenant="alice")  # the late write holds the name: skipped, then a miss
-        assert p.put(k, [payload(LATE, "alice", bpb)]).result(HANG_S).skipped == 1
+        k = ns.keys([LATE], tenant="alice")  # the late write holds the name: not stored, then a miss
+        assert p.put(k, [payload(LATE, "alice", bpb)]).result(HANG_S).dropped == 1  # before: skipped (stored)
+        assert p.stats()["skipped_unservable"] == 1 and p.stats()["skipped_exists"] == 0
         assert p.lookup_prefix(k).result(HANG_S) == 1
         assert p.get(k, [np.zeros(bpb, np.uint8)]).result(HANG_S).ok == [False] and p.stats()["miss_no_key"] == 1
     res = _cli("gc", "--url", url, *(["--endpoint-url", endpoint] if endpoint else []), "--keyring", kr)
