@@ -11,6 +11,7 @@ import itertools
 import logging
 import threading
 import time
+from .threads import start_thread
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,7 @@ class Deadlines:
         self._cv = threading.Condition()
         self._seq = itertools.count()
         self._stop = False
-        self._t = threading.Thread(target=self._run, name=name, daemon=True)
-        self._t.start()
+        self._t = start_thread(self._run, name=name)
 
     def add(self, at: float, fn) -> None:
         """Call ``fn()`` once ``time.monotonic() >= at`` (seconds)."""

@@ -67,6 +67,7 @@ from typing import Mapping
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from . import metrics_mp
+from .threads import start_thread
 
 KVBM_PREFIX = "kvbm_"
 HIT_RATE_WINDOW = 10_000  # looked-up blocks in the sliding hit-rate window
@@ -238,8 +239,7 @@ def serve_once(port: int, addr: str = "0.0.0.0") -> bool:
                 ent = _servers[key] = (None, object(), None)  # the middle: this wait's token
                 log.info("kvbm_backend: metrics.port %d is served by process %s of this pod; this process's "
                          "series are collected there", key[1], holder)
-                threading.Thread(target=_stand_by, args=(key, shared, ent), name=f"kvbm-metrics-{key[1]}",
-                                 daemon=True).start()
+                start_thread(_stand_by, args=(key, shared, ent), name=f"kvbm-metrics-{key[1]}")
                 return True
         return _start(key, shared, lock_fd, "")
 

@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, ContextManager
 
 from .kek import KeyringError
+from ..threads import start_thread
 
 Doc = dict[str, Any]  # the keyring file's JSON document
 
@@ -63,7 +64,7 @@ class UseCounts:
         if self._writable and not self._persisting and time.monotonic() - self._last > self._every_s:
             self._persisting = True
             self._last = time.monotonic()
-            th = threading.Thread(target=self._persist, name="kvbm-keyring-persist", daemon=True)
+            th = start_thread(self._persist, name="kvbm-keyring-persist", start=False)
             self._thread = th
             th.start()
 

@@ -23,10 +23,11 @@ import errno
 import functools
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Protocol, Sequence
 
 from .base import IoOp, gather
+from ..threads import executor
 
 NO_DRIVER_REASON = "libcuda.so.1 not loadable: kvikio needs the NVIDIA driver for file I/O"
 
@@ -197,7 +198,7 @@ class KvikioEngine:
             self.direct_reads = False
         self._handles: dict[int, tuple[int, int, _CuFile]] = {}
         self._lock = threading.Lock()
-        self._dispatch = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-kvikio")
+        self._dispatch = executor(threads, "kvbm-kvikio")
         self._closed = False
 
     # -- handles -------------------------------------------------------------------------------

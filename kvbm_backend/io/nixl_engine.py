@@ -55,6 +55,7 @@ from typing import Any, Sequence, TypeAlias
 
 from .base import IoOp, check_bufs
 from .posix import run_op
+from ..threads import start_thread
 
 log = logging.getLogger(__name__)
 ALIGN = 4096
@@ -221,8 +222,7 @@ class NixlEngine:
         self._closed = False
         self._starting: _Job | None = None
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._drive, name="kvbm-nixl-io", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._drive, name="kvbm-nixl-io")
 
     # -- public ------------------------------------------------------------------------------------
     def submit(self, ops: Sequence[IoOp]) -> Future[list[int]]:

@@ -21,10 +21,11 @@ import itertools
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Sequence
 
 from .base import IoOp, check_bufs
+from ..threads import executor, start_thread
 
 if TYPE_CHECKING:
     import torch
@@ -144,7 +145,7 @@ class NixlGdsEngine:
             raise RuntimeError(f"nixl-gds engine unavailable: {backend} backend failed to start "
                                f"({type(e).__name__}: {e})") from e
         self._lock = threading.Lock()  # one NIXL call sequence at a time per agent
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-nixl-gds")
+        self._pool = executor(threads, "kvbm-nixl-gds")
         self._closed = False
 
     def _xfer(self, op: str, mem: list[tuple[int, int, int]], mem_type: str, fd: int, offset: int) -> int:
@@ -216,7 +217,7 @@ class NixlGdsEngine:
                 out.set_exception(err)
             else:
                 out.set_result(res)
-        threading.Thread(target=finish, daemon=True).start() if futs else out.set_result([])
+        start_thread(finish, name="kvbm-nixl-gds-finish") if futs else out.set_result([])
         return out
 
     def read_to_device(self, fd: int, dev_buf: torch.Tensor, size: int, file_offset: int) -> int:

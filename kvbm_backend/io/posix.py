@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import errno
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Sequence
 
 from .base import IoOp, gather
+from ..threads import executor
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
@@ -69,7 +70,7 @@ class PosixEngine:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-posix-io")
+        self._pool = executor(threads, "kvbm-posix-io")
 
     def submit(self, ops: Sequence[IoOp]) -> Future[list[int]]:
         """Queue ``ops``; returns at once. The Future resolves to bytes per op (in order) after every op

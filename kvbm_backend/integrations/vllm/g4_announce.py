@@ -75,6 +75,7 @@ from ...pool.g4.announce import Announcements, Batch
 from ...pool.g4.gc import store_clock
 from . import stats
 from .g4_records import MAX_BATCH_RECORDS, RECORD_VERSION, decode_records, encode_records, hash_domain
+from ...threads import start_thread
 
 __all__ = ["G4Announcer", "RECORD_VERSION", "decode_records", "encode_records", "hash_domain"]
 log = logging.getLogger(__name__)
@@ -379,8 +380,7 @@ class G4Announcer:
     def start(self) -> None:
         """Flush and poll every ``interval_s`` on a daemon thread until :meth:`stop`."""
         if self._t is None:
-            self._t = threading.Thread(target=self._loop, name="kvbm-g4-announce", daemon=True)
-            self._t.start()
+            self._t = start_thread(self._loop, name="kvbm-g4-announce")
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import stats
+from ...threads import start_thread
 
 EMIT_CHUNK = 1024  # announced blocks queued per hold of the events lock (emit_announced)
 
@@ -250,8 +251,7 @@ class IdlePublisher:
         if self._publisher is not None or publisher is None or not callable(getattr(publisher, "publish", None)):
             return
         self._publisher = publisher
-        self._t = threading.Thread(target=self._loop, name="kvbm-kv-events", daemon=True)
-        self._t.start()
+        self._t = start_thread(self._loop, name="kvbm-kv-events")
 
     def take(self) -> list:
         """The step's take (vLLM publishes the result right after)."""

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
@@ -51,6 +51,7 @@ from . import stats
 from .kv_io import EngineKv, numpy_staging, split_blocks
 from .log_limits import LimitedLog
 from .metadata import SaveJob
+from ...threads import executor
 
 log = logging.getLogger("kvbm_backend.connector")
 #: failed stagings / hand-offs: one WARNING per kind per minute, not one per step (:mod:`.log_limits`)
@@ -115,7 +116,7 @@ class Offloads:
         self._lock = threading.Lock()
         self._lookups: set[Future] = set()  # G4-only saves whose put waits for their lookup (_put_missing)
         self._staging = BufferPool("host", self._keep(), name="vllm-save-staging")
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-save")
+        self._thread = executor(1, "kvbm-save")
         _LIVE.add(self)
 
     def _keep(self) -> int:

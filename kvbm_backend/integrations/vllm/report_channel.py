@@ -31,6 +31,7 @@ import struct
 import tempfile
 import threading
 from typing import Callable, Iterator
+from ...threads import start_thread
 
 log = logging.getLogger("kvbm_backend.connector")
 
@@ -152,7 +153,7 @@ class ReportListener:
             return
         self.path, self._sock = path, s
         atexit.register(self.close)  # the socket file goes with the process (engine ids are new each start)
-        threading.Thread(target=self._accept, args=(s,), name="kvbm-report-listen", daemon=True).start()
+        start_thread(self._accept, args=(s,), name="kvbm-report-listen")
 
     def _accept(self, sock: socket.socket) -> None:
         while not self._closed:
@@ -160,7 +161,7 @@ class ReportListener:
                 conn, _ = sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), name="kvbm-report-recv", daemon=True).start()
+            start_thread(self._serve, args=(conn,), name="kvbm-report-recv")
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -248,8 +249,7 @@ class ReportPump:
         self.sender, self.sources, self.rank, self.interval_s = sender, sources, rank, interval_s
         self.on_closed = on_closed  # the channel failed: reports go back to the step output (a new snapshot)
         self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, name="kvbm-report-pump", daemon=True)
-        self._t.start()
+        self._t = start_thread(self._loop, name="kvbm-report-pump")
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -27,6 +27,7 @@ import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
+from ...threads import start_thread
 
 log = logging.getLogger("kvbm_backend.connector")
 
@@ -62,7 +63,7 @@ def arm_exit_on_stop(grace_s: float = GRACE_S) -> bool:
         prev = signal.getsignal(sig)
 
         def handler(signum, frame, prev=prev):
-            threading.Thread(target=_exit_later, args=(grace_s,), name="kvbm-exit-on-stop", daemon=True).start()
+            start_thread(_exit_later, args=(grace_s,), name="kvbm-exit-on-stop")
             if callable(prev):
                 prev(signum, frame)
             elif prev == signal.SIG_DFL:

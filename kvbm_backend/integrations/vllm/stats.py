@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+from ...threads import start_thread
 
 _lock = threading.Lock()
 _counts: dict[str, float] = {}  # name -> count (int) or seconds (float)
@@ -251,7 +252,7 @@ class StatsWriter:
         self._stop = threading.Event()
         if path:
             # a daemon thread, so the file also catches what happens after the engine's last step
-            threading.Thread(target=self._loop, name="kvbm-stats", daemon=True).start()
+            start_thread(self._loop, name="kvbm-stats")
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from ...memory import BufferPool
+from ...threads import executor
 
 __all__ = ["staging_pool", "started_executor"]
 
@@ -23,7 +24,7 @@ def started_executor(threads: int, name: str, timeout_s: float = 60.0) -> Thread
     for ``threads`` < 1, ``threading.BrokenBarrierError`` if they do not all start within ``timeout_s``."""
     if threads < 1:
         raise ValueError(f"io_threads: must be >= 1, got {threads}")
-    ex = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+    ex = executor(threads, name)
     gate = threading.Barrier(threads + 1)
     try:
         futs = [ex.submit(gate.wait, timeout_s) for _ in range(threads)]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -50,6 +49,7 @@ from .g3_report import ReportedBlocks
 from .kv_io import EngineKv, numpy_staging
 from .offloads import Offloads
 from .metadata import FailedLoad, KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
+from ...threads import executor
 
 log = logging.getLogger("kvbm_backend.connector")
 
@@ -103,7 +103,7 @@ class WorkerSide:
         self._failed_reqs: set[str] = set()  # requests whose load had a failed block (hybrid: failed_recving)
         self._failed_loads: list[FailedLoad] = []  # reported to the scheduler with the next worker_meta
         self._lock = threading.Lock()
-        self._exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-load")
+        self._exec = executor(2, "kvbm-load")
         # host staging of a CPU engine's loads (LOAD_STAGING_KEEP_BYTES), given back after the scatter
         self._load_staging = BufferPool("host", LOAD_STAGING_KEEP_BYTES, name="vllm-load-staging")
         # report_g3: the scheduler runs in another process and mirrors our G3 index (KvbmWorkerMeta)

@@ -29,6 +29,7 @@ from .compact_index import CompactLruIndex, Slot
 from .index import TagKey
 from .journal_home import find_home
 from .slabs import SlabSet
+from ...threads import start_thread
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class SlotCatalog:
         lock (:meth:`_run_compaction`), while appends go on to the old journal and are remembered for the
         new one."""
         c = self.journal.begin_compaction(self.index.items())
-        t = threading.Thread(target=self._run_compaction, args=(c,), name="g3-journal-compaction", daemon=True)
+        t = start_thread(self._run_compaction, args=(c,), name="g3-journal-compaction", start=False)
         self._compactor = t
         t.start()
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 import time
 from typing import Any, Iterator, Sequence
 
@@ -41,6 +40,7 @@ from ...model.namespace import BlockKey
 from .catalog import HDR, SlotCatalog
 from .index import Slot, TagKey
 from .slabs import SlabFile
+from ...threads import executor
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def read_headers(cat: SlotCatalog, threads: int,
     no per-header future or plan: a warm restart reads one header per block). Yields ``(start, rows, readable)``
     per chunk: ``rows[j]`` (uint8 ``[HDR]``) is the header of ``slots[start + j]``, ``readable[j]`` whether its
     read returned the whole header (a failed read, EIO on a bad sector, costs its slot only)."""
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="g3-restore") as ex:
+    with executor(max(1, threads), "g3-restore") as ex:
         for c0 in range(0, len(slots), CHUNK_SLOTS):
             part = slots[c0:c0 + CHUNK_SLOTS]
             hdrs = aligned_empty(len(part) * HDR)  # 4 KiB-aligned rows: O_DIRECT fds read into them too

@@ -12,9 +12,8 @@ import collections
 import errno
 import functools
 import logging
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Hashable, Protocol, Sequence
 
 from ...config import G3Config
@@ -29,6 +28,7 @@ from . import journal as jr
 from .catalog import _NOSPACE, SlotCatalog
 from .index import valid_key
 from .pieces import PieceFramer, Slot, _Batch, _Job, _Piece
+from ...threads import executor, start_thread
 
 if TYPE_CHECKING:
     from .pool import G3Pool
@@ -75,12 +75,9 @@ class G3Writer:
         self._pieces_writing = 0
         self._last_barrier_s = 0.0  # seconds the last group's fdatasyncs took (bounds the next group's wait)
         self._err_gen: dict[int, int] = {}  # file index -> failed fdatasync count
-        self._sync_pool = ThreadPoolExecutor(max_workers=min(16, max(1, len(cat.slabs.files))),
-                                             thread_name_prefix="kvbm-g3-sync")
-        self._writer = threading.Thread(target=self._write_loop, name="kvbm-g3-writer", daemon=True)
-        self._syncer = threading.Thread(target=self._sync_loop, name="kvbm-g3-syncer", daemon=True)
-        self._writer.start()
-        self._syncer.start()
+        self._sync_pool = executor(min(16, max(1, len(cat.slabs.files))), "kvbm-g3-sync")
+        self._writer = start_thread(self._write_loop, name="kvbm-g3-writer")
+        self._syncer = start_thread(self._sync_loop, name="kvbm-g3-syncer")
 
     @property
     def pending(self) -> int:

@@ -58,7 +58,7 @@ operator log lines (the ``kvbm_backend.pool.g4.pool`` logger). Stores are opened
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -84,6 +84,7 @@ from ...store_url import redact_url
 from .tenant_names import TENANT_CACHE_ENTRIES as TENANT_CACHE_ENTRIES, TenantNames
 from .throttle import ThrottleWatch
 from .writer import G4Writer
+from ...threads import executor
 
 log = logging.getLogger(__name__)
 
@@ -151,11 +152,11 @@ class G4Pool:
         self.names = TenantNames(self.keyring, self._fp, namespace.layout, namespace.tp_world_size, cfg.dir_fanout)
         # reads (gets, lookups, deletes) and writes (offloads) on threads of their own: stuck reads (a hung
         # mount, objects whose open blocks) never hold back offloads of other blocks, nor stuck writes loads
-        self._io = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-io")
+        self._io = executor(cfg.max_inflight, "g4-io")
         self.read_threads = cfg.max_inflight  # blocks read at once: sizes a device load's staging window
-        self._io_put = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="g4-put")
+        self._io_put = executor(cfg.max_inflight, "g4-put")
         # get() into torch tensors waits on its own host get here (never on an _io thread it needs)
-        self._device_exec = ThreadPoolExecutor(2, thread_name_prefix="g4-device")
+        self._device_exec = executor(2, "g4-device")
         # frames of offloads (and plaintext staging of reads whose body is read-only, S3): reused, kept up
         # to one per I/O thread of each kind, allocated on first use (a fresh 2 MiB bytearray per block cost
         # page faults and zeroing: ~0.1-0.3 CPU-s/GB, issue 25)

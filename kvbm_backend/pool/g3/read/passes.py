@@ -22,6 +22,7 @@ from ....gpu.staging import host_staging_pool
 from ....io.files import ReadFiles
 from ...base import BlockBuffer, SlotLease
 from .stages import add_seconds
+from ....threads import executor
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +99,7 @@ class PassReader:
         """Reader threads of the bounce/host paths (between loads; kvikio's pool is sized at start)."""
         if self.engine is not None:
             return
-        old, self.pool = self.pool, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbm-dev-read")
+        old, self.pool = self.pool, executor(threads, "kvbm-dev-read")
         if old is not None:
             old.shutdown(wait=True)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Sequence, cast
 
 from ....deadlines import Deadlines
@@ -31,6 +31,7 @@ from ..catalog import _MISS_REASON, HDR, SlotCatalog
 from ..pieces import Slot
 from .host import HostGet, same_slot, valid_key
 from .layerwise import LayerwiseLoad
+from ....threads import executor
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +53,7 @@ class _LayerwiseParts:
     order), slab fds (:class:`~kvbm_backend.io.files.ReadFiles`) and host staging (pinned / host)."""
 
     def __init__(self, threads: int) -> None:
-        self.executor = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvbm-g3-layerwise")
+        self.executor = executor(max(1, threads), "kvbm-g3-layerwise")
         self.files = ReadFiles()
         self._staging: dict[bool, BufferPool] = {}
 
@@ -87,11 +88,11 @@ class G3Reader:
         self.pool = pool
         # read chunks are verified here, not on the engine's completion thread, so the engine keeps
         # posting and reaping I/O while a chunk's headers/checksums are checked and copied out
-        self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-g3-verify")
+        self.verifier = executor(1, "kvbm-g3-verify")
         self.deadlines = Deadlines("kvbm-g3-deadlines")
         self.device_readers: dict[str, DeviceLoader] = {}  # str(device) -> DeviceLoader (device_reader)
         self._device_lock = threading.Lock()
-        self._device_exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbm-g3-device")
+        self._device_exec = executor(2, "kvbm-g3-device")
         self._layerwise: _LayerwiseParts | None = None  # made by the first layerwise_load
         self._closed = False
 
