@@ -9,7 +9,9 @@ Publish protocol (invariant 2), safe with many writers on many nodes:
 3. unlink the temp, ``fsync`` the directory.
 
 Readers only ever open final names, so they see complete objects or nothing. Directories are
-created on demand (0700, an existing one is fine), which is race-free. No path component under the
+created on demand (0700, an existing one is fine), which is race-free; gc removes those its deletions left
+empty (:meth:`FsStore.prune_dirs`, ``rmdir`` only), and a writer whose directory went between its
+``mkdir`` and step 1 makes it again. No path component under the
 root is ever followed if it is a symbolic link (:class:`FsStore`).
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import socket
 import stat
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal, overload
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, overload
 from urllib.parse import ParseResult
 
 import numpy as np
@@ -32,6 +34,7 @@ from ...io.files import open_for_read, refuses_direct
 from ...io.openat2 import Unsupported, clear_nonblock, open_no_symlinks, preadv_clearing
 from ...memory import aligned_empty
 from .fs_list import is_temp_name as is_temp_name, walk  # is_temp_name: re-exported
+from .fs_prune import prune_empty_dirs
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -44,6 +47,7 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _HOST = socket.gethostname().replace("/", "_").replace(".", "_")
 _UNAVAILABLE = {errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENOTCONN, errno.EHOSTDOWN, errno.EHOSTUNREACH,
                 errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+_DIR_ATTEMPTS = 3  # a put whose directory gc removed meanwhile makes it again (FsStore._open_and_write)
 
 
 class _DirectRefused(Exception):
@@ -249,12 +253,33 @@ class FsStore(ObjectStore):
         os.close(fd)
         return tmp
 
+    def _open_and_write(self, dirs: list[str], base: str, data: DataIn) -> tuple[int, str]:
+        """``(fd of the object's directory, made as needed, temp file written in it)``. gc removes directories
+        left empty (:meth:`prune_dirs`): one (or a parent of it) it removed between this making or opening it
+        and the temp file's create (ENOENT; ESTALE on NFS) is made again, up to :data:`_DIR_ATTEMPTS` tries
+        (once the temp file is in it, the directory is not empty and cannot be removed)."""
+        for attempt in range(_DIR_ATTEMPTS):
+            dfd = -1
+            try:
+                dfd = self._open_dir(dirs, create=True)
+                return dfd, self._write_temp(dfd, base, data)
+            except OSError as e:
+                if dfd >= 0:
+                    os.close(dfd)
+                if e.errno not in (errno.ENOENT, errno.ESTALE) or attempt == _DIR_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def prune_dirs(self, names: Iterable[str]) -> int:
+        """Remove the directories of ``names`` left empty, and their emptied parents (``rmdir`` only; never
+        the root or its own subdirectories): :func:`.fs_prune.prune_empty_dirs`. Returns how many."""
+        return prune_empty_dirs(self._open_dir, names)
+
     def put_if_absent(self, name: str, data: DataIn) -> bool:
         dirs, base = self._split(name)
         try:
-            dfd = self._open_dir(dirs, create=True)
+            dfd, tmp = self._open_and_write(dirs, base, data)
             try:
-                tmp = self._write_temp(dfd, base, data)
                 try:
                     os.link(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
                     created = True
@@ -276,9 +301,8 @@ class FsStore(ObjectStore):
     def put(self, name: str, data: DataIn) -> None:
         dirs, base = self._split(name)
         try:
-            dfd = self._open_dir(dirs, create=True)
+            dfd, tmp = self._open_and_write(dirs, base, data)
             try:
-                tmp = self._write_temp(dfd, base, data)
                 try:
                     os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
                 except BaseException:

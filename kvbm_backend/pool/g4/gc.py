@@ -48,6 +48,16 @@ older still for pollers: gc, which does not open batches, deletes it no sooner t
 under ``announce/`` whose name is not an announcement's. Only on a measured store clock (``time_base``
 ``"server"``), never on this host's alone; counted ``deleted_by["announce"]``, not in ``scanned_*``. Before
 (2026-11-30) gc never deleted them: a fleet that turned announcements off kept them for ever.
+
+**Directories** (file stores): after the pass, each directory gc deleted an object from (a block, a temp file,
+an announcement batch) is removed if it is now empty, then its parent if that is now empty, and so on
+(:meth:`~.store.ObjectStore.prune_dirs`, :mod:`.fs_prune`): ``rmdir`` only, which refuses a directory a
+writer has just put anything in, and never the store root or a namespace's own directory (the root's
+subdirectories); a put whose directory went meanwhile makes it again. Counted ``pruned_dirs``; a dry run
+removes none. Before (2026-11-30) gc left every emptied fan-out, rank and tenant directory for ever: a
+long-lived shared mount's tree (inodes, walk time of every later gc and listing) grew without bound. gc keeps
+one entry per directory it deleted from (at most the fan-out directories of the store). Directories left empty
+before this, under which nothing is deleted any more, stay.
 """
 from __future__ import annotations
 
@@ -143,7 +153,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         read to tell a re-created tenant's late writes under a revoked key (module doc); ``warnings`` (only when
         there are: ``tenant`` unknown to ``keyring``); ``unlisted``: one line per
         part of the store that could not be listed (a directory of a file store), each counted in ``errors``
-        (what was listed is still processed: nothing unlisted is deleted).
+        (what was listed is still processed: nothing unlisted is deleted); ``pruned_dirs``: directories of a
+        file store removed because the pass's deletions left them empty (module doc, "Directories").
     Raises:
         ValueError when ``tenant`` cannot be resolved or a threshold is negative, infinite or NaN
         (before anything is listed or deleted); StoreUnavailable when the store is down.
@@ -166,7 +177,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "scanned_objects": 0, "scanned_bytes": 0,
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0, "announce": 0}, "deleted_objects": 0,
            "deleted_bytes": 0, "errors": 0, "unlisted": unlisted, "store_now": store_now, "time_base": base,
-           "clock_skew_s": skew, "future_objects": 0, "headers_read": 0}
+           "clock_skew_s": skew, "future_objects": 0, "headers_read": 0, "pruned_dirs": 0}
     if warning is not None:
         res["warnings"] = [warning]
 
@@ -187,6 +198,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         ids = shredded[ps]
         return hdr.key_id in ids if ids else hdr.key_id != active[ps]
 
+    emptied: set[str] = set()  # directories objects were deleted from (one name each): pruned at the end
+
     def drop(name: str, size: int, why: str) -> None:
         if not dry_run:
             try:
@@ -194,6 +207,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             except OSError:  # StoreThrottled too, after THROTTLE_ATTEMPTS "slow down" answers
                 res["errors"] += 1
                 return
+            if "/" in name:
+                emptied.add(name.rsplit("/", 1)[0] + "/")
         res["deleted_by"][why] += 1
         res["deleted_objects"] += 1
         res["deleted_bytes"] += size
@@ -243,4 +258,5 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         if (want is None or f"/{want}/" in f"/{o.name}") and store_now - o.mtime > temp_grace_s:
             drop(o.name, o.size, "temp")
     res["errors"] += len(unlisted)
+    res["pruned_dirs"] = store.prune_dirs(emptied) if emptied else 0
     return res

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, Union
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, Union
 from urllib.parse import ParseResult
 
 
@@ -193,6 +193,11 @@ class ObjectStore(ABC):
         backoff, at most ``attempts`` times (:func:`.throttle.call_attempts`), instead of ending the listing.
         Stores that never throttle list as :meth:`list` does."""
         return self.list(prefix)
+
+    def prune_dirs(self, names: Iterable[str]) -> int:
+        """Remove the directories the deletion of objects ``names`` left empty (file stores; gc calls it after a
+        pass). Returns how many were removed. Default: 0 (an S3 prefix is no object: nothing to remove)."""
+        return 0
 
     def list_temps(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Unpublished writer temp files (POSIX stores only; S3 has none)."""

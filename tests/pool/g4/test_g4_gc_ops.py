@@ -229,6 +229,10 @@ class _ManyObjects:
     def delete(self, name: str) -> None:
         self.deleted += 1
 
+    def prune_dirs(self, names) -> int:
+        self.pruned = sorted(names)  # the directories gc deleted from: one entry each, not one per object
+        return 0
+
 
 def test_an_age_pass_keeps_nothing_per_object(tmp_path):
     """Review finding: gc kept every listed block (its ObjectInfo and parsed name, ~870 B each: ~40 GiB at 50M
@@ -250,6 +254,7 @@ def test_an_age_pass_keeps_nothing_per_object(tmp_path):
     assert (res["scanned_objects"], res["deleted_by"]["age"], st.deleted) == (100_000, 50_000, 50_000), res
     assert res["remaining_bytes"] == 50_000 * 4096
     assert peak < 4 << 20, peak
+    assert st.pruned == [f"{NS}/{TEN}/0/{f:x}/" for f in range(16)]
     st = _ManyObjects(1000, now)
     res = run_gc(st, target_bytes=100 * 4096, now=now)  # type: ignore[arg-type]
     assert (res["deleted_by"]["capacity"], res["remaining_bytes"]) == (900, 100 * 4096), res
