@@ -22,13 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 HANG_S = 600.0  # a hang guard only: the child returns as soon as its pools have written
 
 CHILD = textwrap.dedent("""
-    import json, os, sys, threading
+    import json, logging, os, sys, threading
     import numpy as np
     from kvbm_backend.config import G4Config
     from kvbm_backend.pool import open_pool
     from tests.helpers.pools import open_g3, tiny_ns
 
     tmp = sys.argv[1]
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
     c0, c1 = sorted(os.sched_getaffinity(0))[:2]
     stop = threading.Event()
     omp = threading.Thread(target=lambda: (os.sched_setaffinity(0, {c1}), stop.wait()), name="omp")
@@ -74,6 +75,9 @@ def test_pool_threads_run_on_every_core_of_the_process_not_the_one_their_creator
     assert any(n.startswith("g4-put") for n in names), names
     narrow = {n: cpus for n, cpus in res["ours"].items() if cpus != both}
     assert not narrow, f"threads bound like their creator, not to the process's cores {both}: {narrow}"
+    cpus = ",".join(map(str, both))
+    line = f"kvbm_backend.threads INFO kvbm_backend: threads run on CPUs {cpus} (the thread starting them is bound to {both[0]})"
+    assert out.stderr.count(line) == 1, out.stderr[-3000:]  # docs/operations.md, "Logs": once per process
 
 
 def test_every_thread_the_library_starts_goes_through_kvbm_backend_threads():
