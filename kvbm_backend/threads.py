@@ -78,16 +78,17 @@ def io_cpus() -> frozenset[int]:
 
 def on_io_cpus() -> None:
     """Set the calling thread's CPU affinity to :func:`io_cpus` when it is narrower (a thread that inherited
-    one core's binding); never raises (an affinity the kernel refuses leaves the thread as it was)."""
-    cpus = io_cpus()
-    if not cpus:
-        return
+    one core's binding); never raises (an affinity the kernel refuses, or a ``/proc`` that cannot be read,
+    leaves the thread as it was: an executor whose initializer raised would refuse all work)."""
     try:
+        cpus = io_cpus()
+        if not cpus:
+            return
         mine = os.sched_getaffinity(0)
         if cpus <= mine:
             return
         os.sched_setaffinity(0, cpus)
-    except OSError:
+    except Exception:  # noqa: BLE001 - never fail a thread's start over its CPUs
         return
     pid = os.getpid()
     with _lock:
