@@ -124,18 +124,10 @@ def test_tmpfs_o_direct_is_reported_truthfully():
 
 
 def test_ramfs_refuses_o_direct(tmp_path):
-    unshare = shutil.which("unshare")
-    if unshare is None or os.geteuid() != 0:
-        pytest.skip("needs root and unshare(1) to mount a private ramfs")
     mnt = tmp_path / "ramfs"
     mnt.mkdir()
-    probe = subprocess.run([unshare, "-m", "sh", "-c", f"mount -t ramfs none {mnt} && echo ok"],
-                           capture_output=True, text=True, timeout=HANG_S)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount ramfs in a private mount namespace: {probe.stderr.strip()}")
-    r = subprocess.run([unshare, "-m", "sh", "-c",
-                        f"mount -t ramfs none {mnt} && chmod 700 {mnt} && exec {sys.executable} -m kvbm_backend.apps.cli doctor "
-                        f"--path {mnt} --json"], capture_output=True, text=True, timeout=HANG_S, cwd=REPO)
+    r = _unshare_sh(f"mount -t ramfs none {mnt} && chmod 700 {mnt}",
+                    f"exec {sys.executable} -m kvbm_backend.apps.cli doctor --path {mnt} --json")
     rep = json.loads(r.stdout)
     p = rep["paths"][0]
     assert p["fs_type"] == "ramfs" and p["o_direct"] is False
@@ -295,24 +287,30 @@ def test_less_room_than_the_capacity_share_is_a_problem_that_says_so(tmp_path):
     assert _open_pool_error(cfg) is None  # it opens, with less than capacity_gb
 
 
+def _unshare_sh(setup: str, script: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``setup && script`` (sh) in a private mount namespace (``unshare --mount``), from the repository with
+    ``env`` (default: this environment with PYTHONPATH the repository); skip where ``setup`` cannot run there
+    (not root, no unshare(1), mounts refused)."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) to mount in a private mount namespace")
+    ns = [unshare, "--mount", "--propagation", "private", "sh", "-c"]
+    probe = subprocess.run(ns + [setup + " && echo ok"], capture_output=True, text=True, timeout=HANG_S)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount in a private mount namespace here: {probe.stderr.strip()[:200]}")
+    return subprocess.run(ns + [f"{setup} && {script}"], capture_output=True, text=True, timeout=HANG_S, cwd=REPO,
+                          env=env if env is not None else {**os.environ, "PYTHONPATH": REPO})
+
+
 def _in_private_mounts(tmp_path, script: str) -> subprocess.CompletedProcess:
     """Run ``script`` (sh) in a private mount namespace in which tmp_path/full is a full 64 KiB tmpfs,
     tmp_path/ro a read-only tmpfs and tmp_path/ramfs a ramfs (all 0700); skip where that cannot be done."""
-    unshare = shutil.which("unshare")
-    if unshare is None or os.geteuid() != 0:
-        pytest.skip("needs root and unshare(1) to mount a private tmpfs and ramfs")
     for d in ("full", "ro", "ramfs"):
         (tmp_path / d).mkdir()
     setup = (f"mount -t tmpfs -o size=64k,mode=700 tmpfs {tmp_path}/full && "
              f"(dd if=/dev/zero of={tmp_path}/full/fill bs=4k count=100 2>/dev/null; chmod 600 {tmp_path}/full/fill) && "
              f"mount -t tmpfs -o ro,mode=700 tmpfs {tmp_path}/ro && mount -t ramfs -o mode=700 ramfs {tmp_path}/ramfs")
-    probe = subprocess.run([unshare, "--mount", "--propagation", "private", "sh", "-c", setup + " && echo ok"],
-                           capture_output=True, text=True, timeout=HANG_S)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount in a private mount namespace here: {probe.stderr.strip()[:200]}")
-    r = subprocess.run([unshare, "--mount", "--propagation", "private", "sh", "-c", f"{setup} && {script}"],
-                       capture_output=True, text=True, timeout=HANG_S, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": REPO})
+    r = _unshare_sh(setup, script)
     for d in ("full", "ro", "ramfs"):
         assert not any((tmp_path / d).iterdir())  # the namespace's mounts are gone; nothing leaked here
     return r
@@ -414,9 +412,6 @@ def test_doctor_accepts_the_k8s_secret_volume_and_hostpath_modes_the_code_accept
     keyring (fsmodes.check_trusted_dir) and G3Pool accept both. Doctor now judges them by those rules: notes,
     exit 0; and the keyring really loads there and G3Pool really opens on the 0755 directory. Real CLI, a
     real tmpfs in a private mount namespace."""
-    unshare = shutil.which("unshare")
-    if unshare is None or os.geteuid() != 0:
-        pytest.skip("needs root and unshare(1) to mount a private tmpfs")
     env = {**os.environ, "PYTHONPATH": REPO,
            "KVBM_BACKEND_KEK": __import__("base64").b64encode(os.urandom(32)).decode()}
     (tmp_path / "op").mkdir(mode=0o700)
@@ -430,14 +425,9 @@ def test_doctor_accepts_the_k8s_secret_volume_and_hostpath_modes_the_code_accept
     setup = (f"mount -t tmpfs -o size=1m,mode=1777 tmpfs {m} && mkdir -m 755 {m}/{ts} && "
              f"cp {tmp_path}/op/keyring.json {m}/{ts}/ && chmod 400 {m}/{ts}/keyring.json && "
              f"ln -s {ts} {m}/..data && ln -s ..data/keyring.json {m}/keyring.json && mount -o remount,ro {m}")
-    probe = subprocess.run([unshare, "--mount", "--propagation", "private", "sh", "-c", setup + " && echo ok"],
-                           capture_output=True, text=True, timeout=HANG_S)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs in a private mount namespace here: {probe.stderr.strip()[:200]}")
-    script = (f"{setup} && {sys.executable} -m kvbm_backend.apps.cli doctor --json --config {cfg} > {out}/doc.json "
+    script = (f"{sys.executable} -m kvbm_backend.apps.cli doctor --json --config {cfg} > {out}/doc.json "
               f"2> {out}/doc.err; echo $? > {out}/doc.rc; {sys.executable} -c '{_POOL_OPEN}' {cfg} > {out}/pool")
-    r = subprocess.run([unshare, "--mount", "--propagation", "private", "sh", "-c", script],
-                       capture_output=True, text=True, timeout=HANG_S, cwd=REPO, env=env)
+    r = _unshare_sh(setup, script, env)
     assert r.returncode == 0, r.stderr
     assert not any((tmp_path / "mnt").iterdir())  # the namespace's mount is gone; nothing leaked here
     assert (tmp_path / "out" / "pool").read_text().strip() == "opened"  # G3Pool accepts the 0755 directory
