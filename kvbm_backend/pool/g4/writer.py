@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -103,6 +103,7 @@ class G4Writer:
         self._mu = threading.Lock()
         self._pending_blocks = 0
         self._futures: InFlight[Future[PutResult]] = InFlight()  # puts not ended yet (flush)
+        self._ns_writes: InFlight[Future[None]] = InFlight()  # namespace.json writes queued (flush waits too)
         self._closed = False
         self._settler = LateSettler(store=store, executor=executor, deadlines=deadlines, breaker=breaker,
                                     count=counters.count, first_delay_s=put_bound_s / 4,
@@ -171,10 +172,12 @@ class G4Writer:
             return self._pending_blocks
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every offload queued so far has finished (written, skipped or dropped).
-        Returns False if ``timeout`` seconds passed first."""
+        """Wait until every offload queued so far has finished (written, skipped or dropped), and every
+        queued ``namespace.json`` write (so none lands after the pool closed: the file store makes its
+        directories again for it). Returns False if ``timeout`` seconds passed first."""
         end = Deadline(timeout)
-        for f in self._futures.snapshot():
+        pending: list[Future[Any]] = [*self._futures.snapshot(), *self._ns_writes.snapshot()]
+        for f in pending:
             try:
                 f.result(end.left())
             except Exception:  # noqa: BLE001 - TimeoutError
@@ -376,7 +379,11 @@ class G4Writer:
     # ---- namespace.json ------------------------------------------------------------------
     def start(self) -> None:
         """Queue the start-up check and ``namespace.json`` write on an offload thread."""
-        self._exec.submit(self.write_namespace_json)
+        self._queue_namespace_json()
+
+    def _queue_namespace_json(self) -> None:
+        fut = self._exec.submit(self.write_namespace_json)
+        self._ns_writes.add(fut, fut)
 
     def store_back(self) -> None:
         """The breaker closed: if ``namespace.json`` could not be written at start (store down), queue it
@@ -384,7 +391,7 @@ class G4Writer:
         if self.namespace_written or self._closed:
             return
         try:
-            self._exec.submit(self.write_namespace_json)
+            self._queue_namespace_json()
         except RuntimeError:  # closing: the I/O threads are gone
             pass
 
