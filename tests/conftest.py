@@ -23,7 +23,9 @@ below. The rule is at "markers: the lanes" below and in docs/testing.md "Markers
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 
 import pytest
@@ -203,6 +205,26 @@ def two_cores_last(items: list) -> list:
     alone, 2026-11-29); run last, the TP=2 engines get both cores then instead of sharing them with the
     other lanes at the start (the connector TP=2 test: 209 s on its own, 375 s beside them in CI)."""
     return sorted(items, key=lambda it: it.get_closest_marker("two_cores") is not None)  # a stable sort
+
+
+# ---- vLLM's ZMQ sockets: in a directory of this run, removed at its end --------------------------------------------
+_RPC_DIR: str | None = None
+
+
+def pytest_configure(config):
+    """Every vLLM engine a test starts (in this process, the zygote, ``vllm serve``, Dynamo workers: they inherit
+    the environment) makes its ZMQ IPC sockets under ``VLLM_RPC_BASE_PATH`` (vllm/envs.py; default the system temp
+    directory) and never removes them: a suite run left ~250 uuid-named sockets in /tmp. Unless the caller set it,
+    they go into a directory of this run, removed at its end."""
+    global _RPC_DIR
+    if not os.environ.get("VLLM_RPC_BASE_PATH"):
+        _RPC_DIR = tempfile.mkdtemp(prefix="kvbm-vllm-rpc-")  # short: a socket path has at most 107 bytes
+        os.environ["VLLM_RPC_BASE_PATH"] = _RPC_DIR
+
+
+def pytest_unconfigure(config):
+    if _RPC_DIR is not None:
+        shutil.rmtree(_RPC_DIR, ignore_errors=True)
 
 
 # ---- metric reasons: the tiers' lists stay complete --------------------------------------------------------------
