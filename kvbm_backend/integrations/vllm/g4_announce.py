@@ -23,7 +23,9 @@ SGLang's HiCache / Mooncake). With ``g4.announce`` each worker's scheduler-side 
   time sealed in it, :mod:`.g4_records`: a copy of an expired batch written back is still expired), that
   disappeared (any poller deletes expired batches), or whose tenant was revoked since (its key is re-checked
   every poll; ``announce_revoked_batches``) is withdrawn: ``BlockRemoved`` for blocks no live batch still
-  announces. Blocks are not re-announced under the same name and key, so a block older than the TTL loses
+  announces. In a plaintext pool with a keyring a checksummed batch's tenant state is re-checked instead (by
+  pseudonym), since that pool no longer serves a revoked tenant's blocks; before (2026-11-30) such batches
+  written before the revocation kept their router credit. Blocks are not re-announced under the same name and key, so a block older than the TTL loses
   its router credit (it stays loadable); a block ``kvbm-backend gc`` deletes before the TTL keeps its credit until then (a routing
   preference, never KV: its load misses and the engine recomputes). Run gc with ``--max-age-s`` >= the TTL.
 
@@ -235,7 +237,7 @@ class G4Announcer:
                 self._expire(b)
                 continue
             if live is not None:
-                if not self.ann.key_held(live[2]):  # its tenant revoked: withdrawn
+                if not self.ann.key_held(live[2], b.tenant_hex):  # its tenant revoked: withdrawn
                     gone.append(b.name)
                     stats.add(announce_revoked_batches=1)
                 continue

@@ -16,7 +16,11 @@ it writes none of its blocks (:class:`~.writer.G4Writer`); before (2026-11-30) i
 Readers (:meth:`Announcements.read`) accept a record batch only when its header names this namespace,
 the tenant of its directory, ``ANNOUNCE_RANK`` and the batch id of its name, and its tag (or checksum)
 verifies under a key this keyring holds for that very tenant; anything else is ``None`` with a reason
-(``foreign``: a key this keyring does not hold; ``corrupt``: anything else). Listing (:meth:`list`) is for
+(``foreign``: a key this keyring does not hold, or in a plaintext pool with a keyring a checksummed batch of a
+tenant it records revoked and not re-created; ``corrupt``: anything else). Such a plaintext pool no longer
+serves a revoked tenant's blocks (:func:`~.reader.tenant_miss`), so its batches written before the revocation
+are withdrawn like sealed ones (:meth:`key_held`); before (2026-11-30) checksummed batches counted as held for
+good and kept the router crediting blocks whose loads missed. Listing (:meth:`list`) is for
 background pollers only, never the serving path.
 
 Size: an object the listing sizes above :data:`MAX_OBJECT_BYTES` is ``corrupt`` without a byte of it read,
@@ -140,7 +144,8 @@ class Announcements:
 
     def read(self, b: Batch) -> tuple[dict[str, Any] | None, str]:
         """``(records, "ok")``, or ``(None, reason)``: ``absent`` (deleted since listed), ``foreign`` (sealed
-        under a key this keyring does not hold: another fleet's or a revoked tenant's), ``corrupt`` (bad
+        under a key this keyring does not hold: another fleet's or a revoked tenant's; or checksummed for a
+        tenant a plaintext pool's keyring records revoked), ``corrupt`` (bad
         frame, identity, tag, key of another tenant, too large, or not JSON). Raises the store's errors."""
         recs, why, _key = self.open(b)
         return recs, why
@@ -152,16 +157,33 @@ class Announcements:
         except Exception:  # noqa: BLE001 - not a tenant id the pool can map (e.g. not UTF-8)
             return False
 
-    def key_held(self, key: tuple[int, int] | None) -> bool:
-        """False when ``key`` (``(key_id, version)`` of a batch :meth:`open` opened) is no longer held: its
-        tenant was revoked (crypto-shredded). True for checksummed batches (``None``) and while the keyring
-        cannot be read (a withdrawal needs the keyring to say so)."""
-        if key is None or self.keyring is None:
+    def key_held(self, key: tuple[int, int] | None, tenant_hex: str | None = None) -> bool:
+        """False when a batch :meth:`open` opened is no longer held: ``key`` (its ``(key_id, version)``) is
+        gone, its tenant revoked (crypto-shredded); or, for a checksummed batch (``key`` None) of a plaintext
+        pool with a keyring, its tenant pseudonym ``tenant_hex`` is revoked now (that pool no longer serves
+        its blocks: :func:`~.reader.tenant_miss`). True otherwise, and while the keyring cannot be read (a
+        withdrawal needs the keyring to say so). Never raises."""
+        if self.keyring is None:
             return True
+        if key is None:
+            return tenant_hex is None or not self._revoked(tenant_hex)
         try:
             return self.keyring.read_key(key[0], key[1]) is not None and self.keyring.key_owner(key[0]) is not None
         except KeyringError:
             return True
+
+    def _revoked(self, tenant_hex: str) -> bool:
+        """True when the keyring records pseudonym ``tenant_hex`` revoked and no current tenant has it (not
+        re-created): the reader's ``"revoked"`` tenant state, by pseudonym. False without a keyring and while
+        the file does not load."""
+        if self.keyring is None:
+            return False
+        try:
+            if tenant_hex not in self.keyring.revoked() or self.keyring.error is not None:
+                return False
+            return all(r["pseudonym"] != tenant_hex for r in self.keyring.info())
+        except KeyringError:
+            return False
 
     def open(self, b: Batch) -> tuple[dict[str, Any] | None, str, tuple[int, int] | None]:
         """:meth:`read` plus the ``(key_id, version)`` the batch was sealed under (None: checksummed)."""
@@ -192,6 +214,8 @@ class Announcements:
                 open_into(dk, hdr.nonce, hdr.identity_bytes(), hdr.integrity, body, plain)
                 key = (hdr.key_id, hdr.key_version)
             elif hdr.flags & FLAG_CHECKSUM and not self.encrypt:
+                if self._revoked(b.tenant_hex):  # a revoked tenant's: its blocks are not served either
+                    return None, "foreign", None
                 plain[:] = body
                 if payload_checksum(plain) != hdr.integrity:
                     return None, "corrupt", None

@@ -7,6 +7,8 @@
   the credit for them (they stayed loadable). Plain repeats are still suppressed.
 * A plaintext pool (``g4.encrypt: false``) with a keyring writes no announcement for a revoked tenant, as it
   writes none of its blocks (:class:`~kvbm_backend.pool.g4.writer.G4Writer`). Before (2026-11-30) it did.
+* Such a pool withdraws a revoked tenant's batches written before the revocation (it no longer serves their
+  blocks) and does not credit them again. Before (2026-11-30) checksummed batches counted as held for good.
 """
 from __future__ import annotations
 
@@ -134,3 +136,45 @@ def test_a_plaintext_pool_writes_no_announcement_for_a_revoked_tenant(tmp_path, 
         block = np.zeros(namespace().layout.bytes_per_block, np.uint8)
         res = pool.put(namespace().keys([1], tenant="tenant-x"), [block]).result(HANG_S)
         assert res.dropped == 1  # as the pool's own block writes for the tenant
+
+
+@pytest.mark.slow  # imports vLLM (~20 s on the dev VM); no wall-clock assertion
+@pytest.mark.side
+def test_a_plaintext_pool_withdraws_a_revoked_tenants_older_batches(tmp_path, monkeypatch):
+    """A plaintext pool with a keyring stops serving a revoked tenant's blocks (reader: ``miss_revoked_tenant``),
+    so its batches written before the revocation are withdrawn (``announce_revoked_batches``) and not credited
+    again, as an encrypted pool's are. Before (2026-11-30) checksummed batches counted as held for good: the
+    router kept crediting blocks whose loads miss."""
+    from vllm.distributed.kv_events import BlockRemoved
+
+    from kvbm_backend.integrations.vllm import stats
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    cfg = _cfg(tmp_path, encrypt=False)
+    ns, bs = namespace(), namespace().layout.page_size
+    with G4Pool(cfg, ns) as a_pool, G4Pool(cfg, ns) as b_pool:
+        op = _operator(tmp_path)
+        op.create("tenant-y")
+        op.create("tenant-z")
+        a, b = _worker(a_pool), _worker(b_pool)
+        toks = list(range(3001, 3001 + 3 * bs))
+        _save(a_pool, a, "tenant-y", toks)
+        _save(a_pool, a, "tenant-z", list(range(4001, 4001 + 2 * bs)), rid="z")
+        assert a.announcer.flush() == 5
+        assert b.announcer.poll() == (5, 0)
+        b.take()
+        keys = ns.keys(list(sequence_hashes(toks, bs)), tenant="tenant-y")
+        out = [np.zeros(ns.layout.bytes_per_block, np.uint8) for _ in keys]
+        assert b_pool.get(keys, out).result(HANG_S).ok == [True] * 3  # served before the revocation
+
+        op.revoke("tenant-y")
+        _until(lambda: b_pool.keyring.tenant_state("tenant-y") == "revoked")
+        assert b_pool.get(keys, out).result(HANG_S).ok == [False] * 3  # the pool no longer serves them
+        before = stats.snapshot()
+        assert b.announcer.poll() == (0, 3)  # the old code: (0, 0), the 3 blocks kept their router credit
+        assert stats.snapshot().get("announce_revoked_batches", 0) - before.get("announce_revoked_batches", 0) == 1
+        assert sum(len(e.block_hashes) for e in b.take() if isinstance(e, BlockRemoved)) == 3
+        assert len(b.announcer.live()) == 2
+        assert b.announcer.poll() == (0, 0)  # not credited again (ignored as foreign, as an encrypted one)
+
+        with G4Pool(cfg, ns) as fresh:  # a worker started after the revocation credits tenant-z only
+            assert _worker(fresh).announcer.poll() == (2, 0)
