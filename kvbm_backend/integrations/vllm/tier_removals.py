@@ -107,6 +107,7 @@ class HeldChunks:
         self._contains = getattr(pool, "contains", None) if block_keys is not None else None
         self._block_keys = block_keys
         self._tenants: dict[Hashable, set[str]] = {}  # chunk key -> tenants it was published for (block_keys)
+        self._gone: list[Any] = []  # published chunks the pool no longer held then, for the next removed()
 
     def __len__(self) -> int:
         return len(self._held)
@@ -131,12 +132,18 @@ class HeldChunks:
 
     def published(self, keys: list[Any], cursor: int, tenant: str = "") -> None:
         """``keys`` were published stored (``tenant``'s copies); ``cursor``: :meth:`cursor` read before their
-        blocks were written."""
+        blocks were written. With ``contains``, those the pool no longer holds now (any rank's block gone) are
+        reported by the next :meth:`removed`; a later removal is logged after this check, so :meth:`removed`
+        reads it. Before 2026-11-30 none was checked: a store job finished, its chunk was evicted, and a
+        :meth:`removed` call (vLLM's ``take_events``) before the job was polled took the removal from the log as
+        no published chunk's: the chunk was then published stored and never reported removed."""
         for k in keys:
             self._held[k] = cursor
             self._by_hash[self._hash(k)] = k
             if self._contains is not None:
                 self._tenants.setdefault(k, set()).add(tenant)
+                if not self._still_held(k):
+                    self._gone.append(self._forget(k))
 
     def _still_held(self, k: Any) -> bool:
         """Whether a tenant ``k`` was published for still holds every rank's block (keeping only those)."""
@@ -150,7 +157,7 @@ class HeldChunks:
     def removed(self) -> list[Any]:
         """The published chunks the pool dropped since the last call (each reported once)."""
         log, read_index = self._watch.poll(len(self._held) * self._copies)
-        gone = []
+        gone, self._gone = self._gone, []
         for n, seq_hash, _rank in log:
             k = self._by_hash.get(seq_hash)
             if k is not None and self._held.get(k, n) < n and not self._still_held(k):  # dropped after publishing

@@ -1,6 +1,7 @@
 """Review findings on the native tiers (G3Tier/G4Tier through vLLM's real TieringOffloadingSpec and manager, real
 G3/G4 pools on tmp_path, out of tree via ``module_path``), 2026-11-30: the config's ``model`` names the namespace,
-a chunk whose load failed is not a hit again at once, removals logged while a store publishes are not lost, one
+a chunk whose load failed is not a hit again at once, removals logged while a store publishes are not lost (nor
+those polled before its job was), one
 tenant's copy dropped is not the chunk removed, and a G4 lookup stops at a request's first missing chunk."""
 from __future__ import annotations
 
@@ -151,6 +152,34 @@ def test_a_chunk_evicted_right_after_its_store_published_is_reported_removed(tmp
     assert (True, [keys[0]]) in ev, ev
     assert len(tier._held) == 1  # only the chunk the pool still holds stays published
     assert not tier.pool.contains(doomed)
+
+
+def test_a_chunk_evicted_before_its_store_job_is_polled_is_not_published(tmp_path, make):
+    """The store job finished, its chunk was evicted (here: deleted from G3), and vLLM asked for events before its
+    step polled the job. Before, that ``take_events`` took the removal from G3's log as no published chunk's, then
+    the job's chunks were all published stored: a chunk the pool did not hold, never reported removed (kept for
+    good, and its payload in vLLM's tracker). Now only the chunks G3 holds when the job is polled are published."""
+    h = make([g3_tier(tmp_path / "g3", enable_kv_events=True)], enable_kv_cache_events=True)
+    tier = h.tier
+    keys, data = keys_for(2, "polled-late"), payloads(h, 2, seed=5)
+    h.store(keys, data)
+    tier.drain_jobs()  # the job ended; its result waits for the next step's get_finished_jobs
+    doomed = tier._block_keys(keys[0], tier._tenant)
+    assert tier.pool.delete(doomed).result(timeout=HANG_S) == 1  # evicted before the job is polled
+
+    def events():
+        return [(e.removed, list(e.keys)) for e in h.manager.take_events() if e.medium is Medium.STORAGE]
+
+    ev = events()
+    h.wait_idle()
+    ev += events()
+    stored = [k for removed, ks in ev if not removed for k in ks]
+    gone = [k for removed, ks in ev if removed for k in ks]
+    assert [k for k in stored if k not in gone] == [keys[1]], ev  # announced: exactly what G3 holds
+    assert list(tier._held._held) == [keys[1]]
+    assert not tier.pool.contains(doomed[0]) and tier.pool.contains(tier._block_keys(keys[1], tier._tenant)[0])
+    tier.pool.delete(tier._block_keys(keys[1], tier._tenant)).result(timeout=HANG_S)
+    assert events() == [(True, [keys[1]])] and len(tier._held) == 0
 
 
 def test_one_tenants_copy_dropped_is_not_the_chunk_removed(tmp_path, make):
