@@ -13,7 +13,12 @@ threads, after ``first_delay_s`` doubling to at most ``bound_s / 2`` (no thread 
 fails, until ``bound_s`` seconds after it became unsettled. Outcome, exactly one per block:
 
 * the object holds these bytes: ``written`` (and ``settled_late``, ``bytes_written``);
-* other bytes: ``skipped_exists`` (another writer's copy);
+* other bytes: the writer's check of a found object (the ``serves`` callback given to :meth:`LateSettler.start`:
+  one ranged GET of its frame header, :meth:`~.writer.G4Writer._serves_existing`): an object this pool serves
+  is ``skipped_exists`` (another writer's copy; the block ends skipped, stored); one it will not serve
+  (plaintext in an encrypted pool, a revoked or foreign data key, another block's or a damaged header) is
+  ``skipped_unservable`` and the block ends ``dropped`` for the caller (not stored), as on the direct path.
+  A header GET that fails keeps ``skipped_exists`` (before 2026-11-30 this path never checked);
 * absent: ``dropped_unavailable`` (the PUT was lost);
 * still unknown past ``bound_s``, or the pool closing: ``dropped_unsettled``.
 """
@@ -32,11 +37,11 @@ __all__ = ["LateSettler"]
 
 
 class _Unsettled:
-    __slots__ = ("name", "md5_hex", "nbytes", "end", "give_up_at", "delay_s", "ended")
+    __slots__ = ("name", "md5_hex", "nbytes", "end", "serves", "give_up_at", "delay_s", "ended")
 
-    def __init__(self, name: str, md5_hex: str, nbytes: int, end: Callable[[str], None], give_up_at: float,
-                 delay_s: float):
-        self.name, self.md5_hex, self.nbytes, self.end = name, md5_hex, nbytes, end
+    def __init__(self, name: str, md5_hex: str, nbytes: int, end: Callable[[str], None],
+                 serves: Callable[[], bool] | None, give_up_at: float, delay_s: float):
+        self.name, self.md5_hex, self.nbytes, self.end, self.serves = name, md5_hex, nbytes, end, serves
         self.give_up_at, self.delay_s = give_up_at, delay_s
         self.ended = False
 
@@ -68,11 +73,16 @@ class LateSettler:
         with self._mu:
             return len(self._pending)
 
-    def start(self, name: str, md5_hex: str, nbytes: int, end: Callable[[str], None]) -> None:
+    def start(self, name: str, md5_hex: str, nbytes: int, end: Callable[[str], None],
+              serves: Callable[[], bool] | None = None) -> None:
         """Settle the block published as ``name`` (``nbytes`` bytes whose MD5 is ``md5_hex``) later;
         ``end(kind)`` (``"written"``, ``"skipped"`` or ``"dropped"``) is called exactly once, after its
-        counter is counted, from a timer or offload thread (or from here when already closed)."""
-        u = _Unsettled(name, md5_hex, nbytes, end, time.monotonic() + self._bound_s, self._first_delay_s)
+        counter is counted, from a timer or offload thread (or from here when already closed).
+        ``serves()`` is asked, on an offload thread, once the object is found holding other bytes: True
+        (this pool serves it, or cannot tell) ends the block ``skipped_exists`` (kind ``"skipped"``), False
+        ``skipped_unservable`` (kind ``"dropped"``: not stored); it should not raise (one that does counts as
+        True). None: every such block is ``skipped_exists``."""
+        u = _Unsettled(name, md5_hex, nbytes, end, serves, time.monotonic() + self._bound_s, self._first_delay_s)
         self._count("unsettled_puts")  # every outcome below is one of these (dropped_unsettled <= unsettled_puts)
         with self._mu:
             closed = self._closed
@@ -123,12 +133,23 @@ class LateSettler:
                 self._finish(u, "dropped_error")
                 return
         if settled:
-            self._finish(u, "written" if outcome else "skipped_exists" if outcome is False else "dropped_unavailable")
+            self._finish(u, "written" if outcome else "dropped_unavailable" if outcome is None else
+                         "skipped_exists" if self._serves(u) else "skipped_unservable")
         elif time.monotonic() >= u.give_up_at:
             self._finish(u, "dropped_unsettled")
         else:
             u.delay_s = min(2 * u.delay_s, self._bound_s / 2)
             self._schedule(u)
+
+    @staticmethod
+    def _serves(u: _Unsettled) -> bool:
+        """Whether the pool serves the other bytes found under ``u.name`` (True when it cannot tell)."""
+        if u.serves is None:
+            return True
+        try:
+            return bool(u.serves())
+        except Exception:  # noqa: BLE001 - unknown: counted as before (skipped_exists)
+            return True
 
     def _finish(self, u: _Unsettled, counter: str, force: bool = False) -> None:
         with self._mu:
@@ -142,4 +163,5 @@ class LateSettler:
             self._count("bytes_written", u.nbytes)
         else:
             self._count(counter)
-        u.end(counter.partition("_")[0])
+        # an unservable object is no copy of the block: the caller hears dropped (counted skipped_unservable)
+        u.end("dropped" if counter == "skipped_unservable" else counter.partition("_")[0])

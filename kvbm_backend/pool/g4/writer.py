@@ -14,7 +14,10 @@ if not, ``skipped_unservable`` and reported to the caller as ``dropped`` (not st
 nor publishes it); a failed GET counts ``skipped_exists`` as before. The object stays (the reader deletes what it
 can confirm bad on load; ``kvbm-backend gc`` a revoked key's blocks). A PUT the store could not
 settle (no answer, and the HEAD asking whether it landed failed too: :class:`~.store.PutUnsettled`) stays
-pending and is settled later by :class:`~.settle.LateSettler`, off the offload threads' time. A store outage counts towards the breaker; a
+pending and is settled later by :class:`~.settle.LateSettler`, off the offload threads' time; when it finds other
+bytes there it asks the same :meth:`G4Writer._serves_existing` (a callback: the settler does not import the
+writer), so a late-settled block ends ``skipped_exists`` or ``skipped_unservable`` (dropped) as above. A store
+outage counts towards the breaker; a
 store that answers with an error (403, missing bucket) does not, and is logged
 (:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_error`). A throttled PUT
 (:class:`~.store.StoreThrottled`) is retried after a full-jitter backoff (:mod:`.throttle`) until
@@ -301,7 +304,8 @@ class G4Writer:
                     def end(kind: str) -> None:
                         self._counters.offload_ended(time.monotonic() - queued)
                         done(kind)
-                    self._settler.start(name, e.md5_hex, len(buf), end)
+                    self._settler.start(name, e.md5_hex, len(buf), end,
+                                        lambda: self._serves_existing(key, name, namer))
                     return
             if created is None:
                 return
@@ -349,7 +353,8 @@ class G4Writer:
         return None
 
     def _serves_existing(self, key: BlockKey, name: str, namer: TenantNamer) -> bool:
-        """Whether this pool would serve the object a create-exclusive PUT of ``key`` found under ``name``, as
+        """Whether this pool would serve the object a create-exclusive PUT of ``key`` found under ``name`` (or
+        that a late settle, :mod:`.settle`, found holding other bytes than the unsettled PUT's), as
         far as its frame header (one ranged GET of ``HEADER_BYTES``) tells: the reader's header checks
         (:func:`~kvbm_backend.model.frame.accept`: format, block identity with ``namer``'s tenant tag, layout,
         TP world, length), an encrypted frame's data key still held by the keyring for this tenant, a plaintext

@@ -3,7 +3,8 @@ obstore store's contract against a real SeaweedFS: create-exclusive PUT, GET, ra
 objects and buckets, throttled answers (unretried, unslept), a dead endpoint, per-request timeouts, a
 slow PUT whose retry meets its own first copy, and PUTs whose every attempt got no answer (settled by a
 HEAD: a landed block counts written, a lost one dropped, with either client), and PUTs whose settling HEAD
-got no answer either (PutUnsettled: the pool settles them later, or drops them at close)."""
+got no answer either (PutUnsettled: the pool settles them later, or drops them at close; other bytes found
+then are checked as a direct PUT's found object: skipped_exists, or skipped_unservable and not stored)."""
 from __future__ import annotations
 
 import time
@@ -326,6 +327,40 @@ def test_g4_pool_settles_a_lost_put_dropped_and_another_writers_copy_skipped(sea
         assert st["dropped_unavailable"] == 1 and st["unsettled_puts"] == 1 and st["written"] == 0, st
     finally:
         lost.close()
+        late.close()
+
+
+@pytest.mark.parametrize("theirs", ["plaintext", "another_block"])
+def test_g4_pool_settles_a_put_that_met_an_object_it_will_not_serve_not_stored(seaweed, s3_prefix, tmp_path, theirs):
+    """An unsettled PUT settled later whose name holds other bytes the pool will not serve: a plaintext frame
+    (another worker with ``g4.encrypt: false``; this pool encrypts) or another block's frame (bob's, copied
+    under t's name). As on the direct path (tests/pool/g4/test_g4_unservable_skip.py) the late settle reads the
+    frame header: ``skipped_unservable``, and the put reports the block dropped (not stored). Before, the late
+    path ended ``skipped_exists`` unchecked: PutResult(written=0, skipped=1, dropped=0), a block the caller
+    counted stored and every load missed. (A servable copy still ends skipped_exists: the test above.)"""
+    from kvbm_backend.pool.g4.pool import G4Pool
+    u = urlparse(seaweed.endpoint)
+    late = SlowPutProxy(u.hostname, u.port, mode="late", delay_s=4.0, slow_puts=0)
+    try:
+        p, cfg, keys, blocks = _unsettled_pool(seaweed, s3_prefix, tmp_path, "obstore", late, 1)
+        direct = cfg.model_copy(update={"endpoint_url": seaweed.endpoint})
+        if theirs == "plaintext":
+            with G4Pool(direct.model_copy(update={"encrypt": False}), p.namespace) as other:
+                assert other.object_name(keys[0]) == p.object_name(keys[0])
+                assert other.put(keys, blocks).result(timeout=HANG_S).written == 1
+        else:
+            with G4Pool(direct, p.namespace) as other:
+                bob = p.namespace.keys([1], tenant="bob")
+                assert other.put(bob, blocks).result(timeout=HANG_S).written == 1
+                frame = bytes(other.store.get(other.object_name(bob[0])))
+                assert other.store.put_if_absent(p.object_name(keys[0]), frame)
+        with p:
+            res = p.put(keys, blocks).result(timeout=HANG_S)
+            st = p.stats()
+        assert st["unsettled_puts"] == 1 and st.get("settled_late", 0) == 0, st
+        assert (res.written, res.skipped, res.dropped) == (0, 0, 1), (res, st)
+        assert st["skipped_unservable"] == 1 and st["skipped_exists"] == 0, st
+    finally:
         late.close()
 
 
