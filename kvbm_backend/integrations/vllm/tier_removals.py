@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Hashable
 
-__all__ = ["HeldChunks", "RemovalWatch"]
+__all__ = ["HeldChunks", "RemovalWatch", "held_now"]
 
 #: one removal of :meth:`RemovalWatch.poll`: (number in the pool's log, seq_hash, rank)
 Removal = tuple[int, int, int]
@@ -176,3 +176,18 @@ class HeldChunks:
         return [self._forget(k) for k in list(self._held)
                 if any((self._hash(k), r) not in present for r in range(self._copies))
                 or (self._contains is not None and not self._still_held(k))]  # some copy: a published tenant's?
+
+
+def held_now(pool: Any, keys: list, block_keys: Callable[[Any], list]) -> list:
+    """The chunks of ``keys`` whose every block (``block_keys(chunk)``) ``pool`` holds now (a tier's store job
+    whose puts skipped blocks, :mod:`.tiering`). A put's ``skipped`` counts blocks already
+    stored, but also blocks its admission filter refused and blocks another job is still writing
+    (:class:`~kvbm_backend.pool.base.PutResult`): announcing those as stored told the router about chunks
+    the tier does not hold (or not yet durably), and kept them forever for removal events that never came
+    (found in review, 2026-11-29). A pool without ``contains`` (G4) counts them all held: its ``skipped`` are
+    objects whose frame header says it serves them (one it will not serve, e.g. a plaintext frame once
+    ``g4.encrypt`` is on, comes back ``dropped``: ``skipped_unservable``, docs/operations.md "chunks_stored")."""
+    contains = getattr(pool, "contains", None)
+    if not callable(contains):
+        return keys
+    return [k for k in keys if all(contains(bk) for bk in block_keys(k))]

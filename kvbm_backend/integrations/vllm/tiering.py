@@ -27,7 +27,8 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
 * ``kv_cache_layout``: vLLM ``KVCacheLayout`` name; default the engine's resolved one, else ``LBNHC``.
 * ``enable_kv_events`` (emit ``OffloadingEvent`` for stored chunks and, on G3, for chunks it no longer holds;
   below), ``locality`` (``LOCAL``/``REMOTE``),
-  ``io_threads`` (jobs in flight), ``job_timeout_s`` (past it a job fails; the pool's own timeouts
+  ``io_threads`` (jobs in flight), ``job_timeout_s`` (seconds from vLLM's submission of a job: past it the
+  job fails, one still queued behind busy ``io_threads`` without asking the pool; the pool's own timeouts
   usually fire first), ``staging_mb`` (MiB of block staging buffers, default 256, capped at the primary
   tier's size, allocated and pre-faulted at construction; jobs beyond it allocate fresh buffers). Each key is
   checked by type and range before anything opens, a bad one refused naming it (:mod:`.tier_options`).
@@ -114,7 +115,7 @@ from .geometry import PrimaryGeometry
 from .namespaces import namespace_model
 from .tier_lookup import TenantLookup
 from .tier_options import check_options
-from .tier_removals import HeldChunks
+from .tier_removals import HeldChunks, held_now
 from .tier_threads import staging_pool, started_executor
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,10 @@ __all__ = ["G3Tier", "G4Tier", "KvbmSecondaryTier", "PrimaryGeometry", "offload_
 # PrimaryGeometry: defined in .geometry (with EngineGeometry), staging_pool in .tier_threads; importable from here
 
 MODULE_PATH = __name__
+
+
+class _Queued(TimeoutError):
+    """A job whose ``job_timeout_s`` (from its submission) passed before an I/O thread took it up."""
 
 
 def offload_key_hash(key: bytes) -> int:
@@ -285,8 +290,9 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._jobs[job.job_id] = (keys, fn == self._run_store, self._tenant_of(job.req_context))
         with self._cv:
             self._outstanding += 1
+        deadline = Deadline(self._job_timeout_s)  # from vLLM's submission, not from when an I/O thread is free
         try:
-            self._executor.submit(self._guard, fn, job, keys)
+            self._executor.submit(self._guard, fn, job, keys, deadline)
         except RuntimeError:  # executor shut down: report the job failed, never lose it
             self._finish(JobResult(job_id=job.job_id, success=False))
 
@@ -296,12 +302,18 @@ class KvbmSecondaryTier(SecondaryTierManager):
             self._outstanding -= 1
             self._cv.notify_all()
 
-    def _guard(self, fn, job: TransferJob, keys: list[OffloadKey]) -> None:
+    def _guard(self, fn, job: TransferJob, keys: list[OffloadKey], deadline: Deadline) -> None:
         t0 = time.perf_counter()
         try:
-            result = fn(job, keys)
+            # queued past its bound behind stuck jobs: fails without asking the pool (before 2026-11-30 the bound
+            # ran from here, so with a hung pool a queued job and drain_jobs waited (jobs / io_threads) bounds)
+            if deadline.expired():
+                raise _Queued(f"job_timeout_s ({self._job_timeout_s:g} s) passed while it was queued behind "
+                              f"other jobs (io_threads busy); the pool was not asked")
+            result = fn(job, keys, deadline)
         except Exception as e:  # noqa: BLE001 - any failure is a failed job, never a lost one
-            why = (f"no answer from the pool within job_timeout_s ({self._job_timeout_s:g} s)"
+            why = (str(e) if isinstance(e, _Queued) else
+                   f"no answer from the pool within job_timeout_s ({self._job_timeout_s:g} s)"
                    if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}")
             store = fn == self._run_store
             log.warning("%s job %s (%s of %d chunks) failed: %s", self.tier_type, job.job_id,
@@ -323,7 +335,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         per = max(1, self.piece_bytes // (self.geometry.copies * self.geometry.rank_bytes))
         return [(c0, min(n, c0 + per)) for c0 in range(0, n, per)]
 
-    def _run_store(self, job: TransferJob, keys: list[OffloadKey]) -> JobResult:
+    def _run_store(self, job: TransferJob, keys: list[OffloadKey], deadline: Deadline) -> JobResult:
         """Permute the job's chunks into staging piece by piece, handing each piece to ``pool.put`` as
         soon as it is ready (the pool's writer merges queued puts into one batch, one fdatasync per
         file), so the first bytes are on the wire after one piece, not after the whole job."""
@@ -331,7 +343,6 @@ class KvbmSecondaryTier(SecondaryTierManager):
         tenant = self._tenant_of(job.req_context)
         c = g.copies
         bufs = [self._staging.take(g.rank_bytes) for _ in range(len(keys) * c)]
-        deadline = Deadline(self._job_timeout_s)
         if self._removals:  # before the first put: a removal logged once a block is published is after it
             self._store_cursor[job.job_id] = self._held.cursor()
         futs = []
@@ -349,7 +360,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
         ok = all(res.dropped == 0 and res.written + res.skipped == n for n, res in results)
         self._count("stores", 1)
         if ok:
-            held = self._held_now(keys, tenant) if any(res.skipped for _, res in results) else keys
+            held = (held_now(self.pool, keys, lambda k: self._block_keys(k, tenant))
+                        if any(res.skipped for _, res in results) else keys)
             held = self._failed.not_cooling(tenant, held)  # a copy that failed to load is no held chunk
             self._store_held[job.job_id] = held
             self._count("chunks_stored", len(held))
@@ -358,33 +370,19 @@ class KvbmSecondaryTier(SecondaryTierManager):
             self._count("stores_failed", 1)
         return JobResult(job_id=job.job_id, success=ok, transfer_bytes=len(keys) * c * g.rank_bytes)
 
-    def _held_now(self, keys: list[OffloadKey], tenant: str) -> list[OffloadKey]:
-        """The chunks of ``keys`` whose every block the pool holds now. A put's ``skipped`` counts blocks already
-        stored, but also blocks its admission filter refused and blocks another job is still writing
-        (:class:`~kvbm_backend.pool.base.PutResult`): announcing those as stored told the router about chunks
-        the tier does not hold (or not yet durably), and kept them forever for removal events that never came
-        (found in review, 2026-11-29). A pool without ``contains`` (G4) counts them all held: its ``skipped`` are
-        objects whose frame header says it serves them (one it will not serve, e.g. a plaintext frame once
-        ``g4.encrypt`` is on, comes back ``dropped``: ``skipped_unservable``, docs/operations.md "chunks_stored")."""
-        contains = getattr(self.pool, "contains", None)
-        if not callable(contains):
-            return keys
-        return [k for k in keys if all(contains(bk) for bk in self._block_keys(k, tenant))]
-
-    def _run_load(self, job: TransferJob, keys: list[OffloadKey]) -> JobResult:
+    def _run_load(self, job: TransferJob, keys: list[OffloadKey], deadline: Deadline) -> JobResult:
         """Read every piece of the job at once (one ``pool.get`` each) and copy each piece's verified
         chunks into the primary as soon as that piece lands, overlapping the permutation with the
         later pieces' reads. A chunk reaches the primary only if every rank's block verified. The GIL
         comes back to the reading threads sooner meanwhile (``load_gil_switch_ms``)."""
         with load_priority.loading():
-            return self._run_load_held(job, keys)
+            return self._run_load_held(job, keys, deadline)
 
-    def _run_load_held(self, job: TransferJob, keys: list[OffloadKey]) -> JobResult:
+    def _run_load_held(self, job: TransferJob, keys: list[OffloadKey], deadline: Deadline) -> JobResult:
         g = self.geometry
         tenant = self._tenant_of(job.req_context)
         c = g.copies
         bufs = [self._staging.take(g.rank_bytes) for _ in range(len(keys) * c)]
-        deadline = Deadline(self._job_timeout_s)
         futs = []
         for c0, c1 in self._pieces(len(keys)):
             bkeys = [bk for key in keys[c0:c1] for bk in self._block_keys(key, tenant)]

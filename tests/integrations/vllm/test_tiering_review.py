@@ -2,7 +2,8 @@
 G3/G4 pools on tmp_path, out of tree via ``module_path``), 2026-11-30: the config's ``model`` names the namespace,
 a chunk whose load failed is not a hit again at once, removals logged while a store publishes are not lost (nor
 those polled before its job was), one
-tenant's copy dropped is not the chunk removed, and a G4 lookup stops at a request's first missing chunk."""
+tenant's copy dropped is not the chunk removed, a G4 lookup stops at a request's first missing chunk, and a job's
+``job_timeout_s`` counts from its submission (one queued past it fails without asking the pool)."""
 from __future__ import annotations
 
 import errno
@@ -263,3 +264,78 @@ def test_prefix_lookups_follow_vllms_scan_order(tmp_path, make):
     got = _resolve(tier, bare, keys)
     assert [got[k] for k in keys] == expect
     tier.on_request_finished(bare)
+
+
+def test_a_job_queued_past_its_deadline_fails_without_asking_the_pool(tmp_path, make, monkeypatch, caplog):
+    """``job_timeout_s`` counts from vLLM's submission of a job. One I/O thread, a G4 ``file://`` store whose
+    object opens block in the kernel (a hung mount): load job 901 waits for its object until its deadline; job 902,
+    submitted with it and queued behind it past its own deadline, fails without opening its object. Before, its
+    bound started when the thread took it up: it opened its object and waited a whole ``job_timeout_s`` more (with
+    n jobs queued, a request and ``drain_jobs`` waited n bounds)."""
+    import logging
+    import threading
+    import time
+
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from tests.helpers.held_open import HeldOpen
+    timeout_s = 0.5
+    h = make([{"type": "G4Tier", "module_path": "kvbm_backend.integrations.vllm.tiering",
+               "num_kv_heads": GEO["num_kv_heads"], "io_threads": 1, "job_timeout_s": timeout_s,
+               "g4": {"url": f"file://{tmp_path / 'g4'}", "keyring": {"path": str(tmp_path / "keys" / "kr.json")},
+                      "timeout_s": 60.0}}])  # the pool's own bound far beyond the job's
+    tier = h.tier
+    keys, data = keys_for(2, "queued"), payloads(h, 2, seed=19)
+    h.store(keys, data)
+    h.wait_idle(timeout=HANG_S)
+    assert tier.kvbm_stats()["tier"]["chunks_stored"] == 2
+    name = [tier.pool.object_name(tier._block_keys(k, tier._tenant)[0]) for k in keys]
+    opened: list[str] = []
+    store = tier.pool.store
+
+    def recording(real):
+        return lambda n, *a: opened.append(n) or real(n, *a)
+
+    for m in ("get", "get_into"):  # every object read of the G4 store starts with one of these (then opens it)
+        monkeypatch.setattr(store, m, recording(getattr(store, m)))
+
+    class HoldFirstFailure(logging.Handler):
+        """Holds the I/O thread in job 901's failure warning (before its next job) until the test lets it go:
+        job 902 is then taken up past its deadline whatever the machine's scheduling (no race of microseconds)."""
+        logged, go = threading.Event(), threading.Event()
+
+        def emit(self, record):
+            if "job 901 " in record.getMessage():
+                self.logged.set()
+                self.go.wait(HANG_S)
+
+    hold = HoldFirstFailure()
+    logger = logging.getLogger("kvbm_backend.integrations.vllm.tiering")
+    logger.addHandler(hold)
+    held = HeldOpen([store._path(n) for n in name])
+    try:
+        with caplog.at_level("WARNING", logger="kvbm_backend.integrations.vllm.tiering"):
+            tier.submit_load(TransferJob(901, keys[:1], np.array([5]), True, h.context()))
+            tier.submit_load(TransferJob(902, keys[1:], np.array([6]), True, h.context()))
+            passed = time.monotonic() + timeout_s  # job 902's deadline is no later than this
+            assert hold.logged.wait(HANG_S), "job 901 never failed"
+            assert name[0] in opened  # job 901 asked its object of the hung store
+            while time.monotonic() <= passed:  # an ordering guard, no bound: job 902 is now past its deadline
+                time.sleep(0.01)
+            hold.go.set()
+            done: dict = {}
+            end = time.monotonic() + HANG_S
+            while len(done) < 2:
+                assert time.monotonic() < end, f"jobs not finished: {done}"
+                done.update({r.job_id: r.success for r in tier.get_finished_jobs()})
+                time.sleep(0.002)
+        assert done == {901: False, 902: False}
+        assert name[1] not in opened, opened  # before: job 902 opened its object and waited job_timeout_s more
+        st = tier.kvbm_stats()["tier"]
+        assert (st["loads"], st["loads_failed"], st["chunks_load_failed"], st["chunks_loaded"]) == (2, 2, 2, 0), st
+        assert "job 902 (load of 1 chunks) failed: job_timeout_s (0.5 s) passed while it was queued" in caplog.text
+        assert "the pool was not asked" in caplog.text, caplog.text
+    finally:
+        hold.go.set()
+        logger.removeHandler(hold)
+        held.release()
