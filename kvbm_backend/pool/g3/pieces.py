@@ -32,6 +32,8 @@ class _Job:
     future: Future[PutResult]
     result: PutResult
     checks: list[int] | None = None  # per block: device_checksum of the payload, or None
+    # keys deleted while queued/written and put again meanwhile: a later job writes them, this one must not publish
+    lost: set[BlockKey] = field(default_factory=set)
 
 
 @dataclass

@@ -378,7 +378,8 @@ class G3Pool:
             return n, list(itertools.islice(log, len(log) - new, len(log)))
 
     def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
-        """Remove blocks (queued offloads of these keys are cancelled, a cancelled write's slot is cleared too);
+        """Remove blocks (queued offloads of these keys are cancelled, a cancelled write's slot is cleared too, and a
+        later ``put`` of such a key is queued anew: before 2026-11-30 it was answered ``skipped`` and never stored);
         their slot headers are zeroed first, so no restart brings them back, even one without the journal
         (:meth:`.catalog.SlotCatalog.clear_headers`). Future of how many were held.
         Never raises for storage trouble: the index removal stands; a DEL record that cannot be

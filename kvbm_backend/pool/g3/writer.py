@@ -68,8 +68,8 @@ class G3Writer:
         self._queue: collections.deque[_Job] = collections.deque()
         self._pending = 0
         self._writing = 0
-        self._inflight: set[BlockKey] = set()
-        self._cancelled: set[BlockKey] = set()
+        self._inflight: dict[BlockKey, _Job] = {}  # key -> the job that writes it (see put, _release_keys)
+        self._cancelled: set[BlockKey] = set()  # in-flight keys deleted meanwhile: their owner job must not publish
         self._stop_sync = False
         self._ready: list[_Piece] = []  # written pieces waiting for the syncer
         self._pieces_writing = 0
@@ -104,7 +104,7 @@ class G3Writer:
                 if not valid_key(k):  # no slot can hold it (frame/journal fields): only it is dropped, as in G4
                     invalid += 1
                     continue
-                if k in seen or k in cat.index or k in self._inflight:
+                if k in seen or k in cat.index or (k in self._inflight and k not in self._cancelled):
                     res.skipped += 1
                     cat.c["offloads_skipped_present"] += 1
                     continue
@@ -133,17 +133,29 @@ class G3Writer:
                 cat.drop(reason, dropped)
             if take_k:
                 self._pending += len(take_k)
-                self._inflight.update(take_k)
-                self._queue.append(_Job(take_k, take_b, fut, res, cc[:room] if checks is not None else None))
+                job = _Job(take_k, take_b, fut, res, cc[:room] if checks is not None else None)
+                for k in take_k:  # a key deleted while in flight and put again: this job writes it, the old one not
+                    if (old := self._inflight.get(k)) is not None:
+                        old.lost.add(k)
+                        self._cancelled.discard(k)
+                    self._inflight[k] = job
+                self._queue.append(job)
                 cat.cv.notify_all()
         if not take_k:
             fut.set_result(res)
         return fut
 
     def cancel(self, key: BlockKey) -> None:
-        """``key`` was deleted: a queued or in-flight offload of it is not published (caller holds the lock)."""
+        """``key`` was deleted (caller holds the lock): its queued/in-flight offload is not published, a new put is queued."""
         if key in self._inflight:
             self._cancelled.add(key)
+
+    def _release_keys(self, job: _Job, keys: Sequence[BlockKey]) -> None:
+        """``job`` is done with ``keys`` (published, cancelled or dropped). Caller holds the lock."""
+        for k in keys:
+            if self._inflight.get(k) is job:
+                del self._inflight[k]
+                self._cancelled.discard(k)
 
     def flush(self, timeout: float | None = None) -> bool:
         """See ``G3Pool.flush``."""
@@ -228,8 +240,7 @@ class G3Writer:
     def _batch_done_locked(self, batch: "_Batch") -> list[_Job]:
         for job in batch.jobs:
             self._pending -= len(job.keys)
-            self._inflight.difference_update(job.keys)
-            self._cancelled.difference_update(job.keys)
+            self._release_keys(job, job.keys)
             if batch.broken:
                 left = len(job.keys) - job.result.written - job.result.skipped - job.result.dropped
                 if left > 0:
@@ -243,8 +254,7 @@ class G3Writer:
         with self.cat.cv:
             n = len(job.keys)
             self._pending -= n
-            self._inflight.difference_update(job.keys)
-            self._cancelled.difference_update(job.keys)
+            self._release_keys(job, job.keys)
             job.result.dropped += n
             self.cat.drop(reason, n)
             self.cat.cv.notify_all()
@@ -263,15 +273,16 @@ class G3Writer:
             cancelled = self._cancelled
             for job in batch.jobs:
                 jc: Sequence[int | None] = job.checks if job.checks is not None else [None] * len(job.keys)
-                if not cancelled:
+                if not cancelled and not job.lost:
                     lj.extend([job] * len(job.keys))
                     lk.extend(job.keys)
                     lb.extend(job.blocks)
                     lc.extend(jc)
                     continue
                 for k, b, c in zip(job.keys, job.blocks, jc):
-                    if k in cancelled:
+                    if k in cancelled or k in job.lost:
                         job.result.skipped += 1
+                        self._release_keys(job, [k])
                     else:
                         lj.append(job)
                         lk.append(k)
@@ -289,8 +300,9 @@ class G3Writer:
             self.cat.reserved += len(slots)
             self.cat.c["evictions"] += evicted_recs
             m = len(slots)
-            for job in lj[m:]:
+            for job, k in zip(lj[m:], lk[m:]):
                 job.result.dropped += 1
+                self._release_keys(job, [k])
             if n > m:
                 self.cat.drop("no_space", n - m)
                 del lj[m:], lk[m:], lb[m:], lc[m:]
@@ -446,10 +458,11 @@ class G3Writer:
                 if err is None:
                     cancelled = self._cancelled
                     for job, k, slot in zip(pc.jobs, pc.keys, pc.slots):
-                        if cancelled and k in cancelled:  # deleted while written: its frame must not come back
+                        if k in cancelled or k in job.lost:  # deleted while written: its frame must not come back
                             self.cat.clear_headers([slot])
                             self.cat.slabs.release([slot])
                             job.result.skipped += 1
+                            self._release_keys(job, [k])
                             continue
                         pub_j.append(job)
                         pub_k.append(k)
@@ -467,8 +480,9 @@ class G3Writer:
                                         self.cat.degrade_s())
                         else:
                             log.warning("G3: write failed (%s); blocks of the batch dropped", err)
-                    for job in pc.jobs:
+                    for job, k in zip(pc.jobs, pc.keys):
                         job.result.dropped += 1
+                        self._release_keys(job, [k])
                     self.cat.drop(reason, len(pc.jobs))
                 pc.batch.left -= 1
                 if pc.batch.left == 0:
@@ -484,6 +498,8 @@ class G3Writer:
                 for job, k, slot in zip(pub_j, pub_k, pub_s):
                     self.cat.index.put(k, slot)
                     job.result.written += 1
+            for job, k in zip(pub_j, pub_k):  # in the index, or dropped: a later put is not "in flight"
+                self._release_keys(job, (k,))
             for b in finished:
                 done.extend(self._batch_done_locked(b))
             if recs:
