@@ -219,7 +219,9 @@ class HandoffWaits:
     recomputed: :meth:`~.scheduler_side.SchedulerSide.loads_failed`). The wait also ends at once when the look lacks
     blocks and every G4 pool that could supply them has its circuit breaker open (``refused``: they answer every
     lookup 0 without asking the store, :func:`~.lookup.breaker_open`): counted ``handoff_timeouts`` and
-    ``handoff_breaker_timeouts``, the engine computes the rest, so a G4 outage costs no hand-off ``wait_s``.
+    ``handoff_breaker_timeouts``, the engine computes the rest, so a G4 outage costs no hand-off ``wait_s``. So too
+    once a look has every block before a promised one that cools after a failed load (no hit goes past it for
+    ``FAILED_BLOCK_COOLDOWN_S``, :mod:`.failed_blocks`): ``handoff_timeouts`` and ``handoff_cooled_timeouts``.
     The request's lookup counts once, from the look that ended its wait (:meth:`~.lookup.TierLookup.count_request`).
 
     Args:
@@ -239,13 +241,16 @@ class HandoffWaits:
         w = self._w.get(request_id)
         return w is None or self._clock() >= w.next_at
 
-    def should_wait(self, request_id: str, found_blocks: int, expected: int, refused: bool = False) -> bool:
+    def should_wait(self, request_id: str, found_blocks: int, expected: int, refused: bool = False,
+                    reachable: int | None = None) -> bool:
         """A look at ``request_id`` found ``found_blocks`` leading blocks: True while fewer than ``expected`` are
         found, ``wait_s`` has not passed since its first look and ``refused`` is False (then the next look waits
         :data:`RETRY_S`); False once they are all there (counted ``handoff_complete_requests``), when ``refused``
-        (G4's breakers open: ``handoff_timeouts`` and ``handoff_breaker_timeouts``) or the wait is over
-        (``handoff_timeouts``); each ending is logged (limited: :data:`LOG`). ``handoff_wait_s`` adds the seconds
-        waited."""
+        (G4's breakers open: ``handoff_timeouts`` and ``handoff_breaker_timeouts``), when ``found_blocks`` reaches
+        ``reachable`` (the index of a promised block cooling after a failed load, :mod:`.failed_blocks`: no load
+        goes past it, whatever the tiers hold; ``handoff_timeouts`` and ``handoff_cooled_timeouts``) or the wait is
+        over (``handoff_timeouts``); each ending is logged (limited: :data:`LOG`). ``handoff_wait_s`` adds the
+        seconds waited."""
         now = self._clock()
         w = self._w.setdefault(request_id, _Wait(now, now))
         if found_blocks >= expected:
@@ -258,6 +263,14 @@ class HandoffWaits:
             LOG.warning("breaker", "kvbm_backend handoff: request %s found %d of the %d blocks its prefill worker "
                         "offloaded and G4 is unavailable (circuit breaker open); the engine computes the rest at once "
                         "instead of waiting handoff_wait_s", request_id, found_blocks, expected)
+            return False
+        if reachable is not None and found_blocks >= reachable:
+            self._w.pop(request_id, None)
+            stats.add(handoff_timeouts=1, handoff_cooled_timeouts=1, handoff_wait_s=now - w.first)
+            LOG.warning("cooled", "kvbm_backend handoff: request %s found the %d blocks before block %d of the %d its "
+                        "prefill worker offloaded; a load of that block failed lately (cooling down), so the engine "
+                        "computes from it at once instead of waiting handoff_wait_s", request_id, found_blocks,
+                        reachable, expected)
             return False
         if now - w.first < self.wait_s:
             w.idle = 0 if found_blocks > w.found else w.idle + 1

@@ -2,7 +2,7 @@
 operator sees": once per state change, never once per request).
 
 Some conditions are found per request: a decode request whose prefill worker's blocks did not all arrive within
-``handoff_wait_s`` (or whose wait G4's open circuit breaker cut short), hand-off parameters a client sent malformed or for another block size, a layer-wise load with
+``handoff_wait_s`` (or whose wait G4's open circuit breaker or a cooling failed block cut short), hand-off parameters a client sent malformed or for another block size, a layer-wise load with
 failed blocks. Each used to log one WARNING per request, so a slow G4 or a misbehaving client grew the log at the
 request rate (found in review, 2026-11-29: 100 lines for 50 timed-out and 50 malformed requests). Now the first
 of a kind is logged with its request, later ones within :data:`LOG_EVERY_S` are counted, and the next line logged

@@ -176,7 +176,9 @@ class SchedulerSide:
             return None, False
         look = st.lookup  # this look (None: none was needed, e.g. the engine's own prefix cache had it all)
         refused = look is not None and look.full.g4_refused()
-        if self.handoff.should_wait(rid, (num_computed_tokens + n) // self.bs, want, refused=refused):
+        cool = self.failed_blocks.first_in(st.tenant, st.hashes, st.n_local, want)  # no hit goes past it
+        if self.handoff.should_wait(rid, (num_computed_tokens + n) // self.bs, want, refused=refused,
+                                    reachable=cool if cool < want else None):
             if look is not None:
                 st.handoff_known = look.confirmed  # the next look asks G3/G4 only beyond what this one found
             st.lookup = None

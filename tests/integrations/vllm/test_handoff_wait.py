@@ -218,3 +218,62 @@ def test_the_wait_ends_at_once_when_g4s_breaker_is_open(tmp_path, caplog, monkey
     finally:
         g3.close()
         g4.close()
+
+
+def test_a_promised_block_cooling_after_a_failed_load_ends_the_wait_once_the_blocks_before_it_are_there(tiers, caplog):
+    """Review finding (2026-11-30): a load of the promised prefix missed block 10 (the worker's report), so for
+    ``FAILED_BLOCK_COOLDOWN_S`` every lookup's hit ends before it (``lookup_failed_block_cuts``). A handed-off
+    request of that prefix then never found more than 10 of its 16 blocks, whatever G4 held: it waited the whole
+    ``handoff_wait_s`` (600 s of the wait's clock here), a look every 400 ms each counting another cut, and its
+    WARNING asked whether the prefill's write-behind kept up although every block was there. Now its wait ends at
+    the look that finds every block before the cooling one (counted ``handoff_timeouts`` and
+    ``handoff_cooled_timeouts``, 0 s waited, one cut counted); one that finds fewer waits for those as before."""
+    from kvbm_backend.integrations.vllm.metadata import FailedLoad
+    g3, g4 = tiers
+    hs = sequence_hashes(TOKS, BS)
+    s = SchedulerSide(NS, BS, g3, g4, handoff_wait_s=600.0)
+    now = [0.0]
+    s.handoff._clock = lambda: now[0]
+    s.failed_blocks.cooldown_s = HANG_S  # cooling for the whole test, however slow the machine
+    s.loads_failed([FailedLoad("earlier", "", hs[10], "miss")])  # an earlier request's load of block 10 missed
+    keys = ("handoff_timeouts", "handoff_cooled_timeouts", "handoff_wait_s", "handoff_complete_requests",
+            "lookup_failed_block_cuts")
+    before = {k: stats.get(k) or 0 for k in keys}
+    _put(g4, 0, NB)  # the prefill worker's blocks, every one of them there
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
+        n, _ = _wait_out(s, _req("c1"), now, step_s=1.0)
+    assert n == 10 * BS  # the load stops before the cooling block: the engine computes from it
+    got = {k: (stats.get(k) or 0) - before[k] for k in keys}
+    assert got == {"handoff_timeouts": 1, "handoff_cooled_timeouts": 1, "handoff_wait_s": 0.0,
+                   "handoff_complete_requests": 0, "lookup_failed_block_cuts": 1}, got  # before: wait_s 600, cuts 600+
+    msgs = [r.getMessage() for r in caplog.records if "c1" in r.getMessage()]
+    assert len(msgs) == 1 and "block 10" in msgs[0] and "keeping up" not in msgs[0], msgs
+
+
+def test_a_request_waits_for_the_blocks_before_a_cooling_one(tiers):
+    """The same cooling block 10, but only 4 blocks there at the first look: the request waits (the blocks before
+    the cooling one may still land), and its wait ends at the look that finds the 10, not at handoff_wait_s."""
+    from kvbm_backend.integrations.vllm.metadata import FailedLoad
+    g3, g4 = tiers
+    _put(g4, 0, 4)
+    rec = _Recorder(g4)
+    s = SchedulerSide(NS, BS, g3, g4, handoff_wait_s=600.0)
+    now = [0.0]
+    s.handoff._clock = lambda: now[0]
+    s.failed_blocks.cooldown_s = HANG_S  # cooling for the whole test, however slow the machine
+    s.loads_failed([FailedLoad("earlier", "", sequence_hashes(TOKS, BS)[10], "miss")])
+    keys = ("handoff_timeouts", "handoff_cooled_timeouts", "handoff_wait_s")
+    before = {k: stats.get(k) or 0 for k in keys}
+    req, t0 = _req("c2"), time.monotonic()
+    while (ans := s.get_num_new_matched_tokens(req, 0))[0] is None:
+        assert time.monotonic() - t0 < HANG_S, "no answer"
+        if rec.looks and all(f.done() for f in rec.looks):  # the wait's clock moves between G4's looks only
+            if len(rec.looks) == 1:
+                assert rec.looks[0].result() == 4
+                _put(g4, 4, NB)  # the prefill's write lands after the first look
+            now[0] += 0.5
+        time.sleep(0.002)
+    assert ans[0] == 10 * BS
+    got = {k: (stats.get(k) or 0) - before[k] for k in keys}
+    assert got["handoff_timeouts"] == 1 and got["handoff_cooled_timeouts"] == 1, got
+    assert got["handoff_wait_s"] < 600.0, got  # ended at a look, not at the wait's end (before: 600)
