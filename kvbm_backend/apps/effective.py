@@ -3,7 +3,7 @@ launch scripts run before they start an engine, so a script's defaults never ove
 
 Given the script's ``--kv-transfer-config`` JSON (after :mod:`kvbm_backend.integrations.dynamo.ktc`), it finds
 every kvbm-backend config in it (``KvbmBackendConnector``'s ``config_file`` / inline ``kvbm_backend``, a
-``G3Tier``/``G4Tier``'s ``config``), and:
+``G3Tier``/``G4Tier``'s ``config``; inline as a mapping or its JSON text, as the engine takes them), and:
 
 * applies each script default (``--default g3.paths='["/mnt/nvme0/kvbm"]'``) only where neither the config file
   nor the environment (``DYN_KVBM_*``, ``KVBM_BACKEND__SECTION__FIELD``) gives the field, as an exported
@@ -81,9 +81,23 @@ def _fmt(v: Any) -> str:
 
 
 class Source:
-    """One kvbm-backend config as a script hands it to the engine: a file path, an inline dict, or None."""
+    """One kvbm-backend config as a script hands it to the engine: a file path, an inline dict, or None.
 
-    def __init__(self, spec: Any, inline: dict | None = None):
+    ``spec`` as the engine takes it (:func:`kvbm_backend.config.load_config`): a string starting with ``{`` is
+    inline JSON, parsed here into its dict (before 2026-11-30 it was taken for a file name and refused as not
+    found, although the connector and the tiers load it); anything but a path, a mapping or None raises
+    EffectiveError naming ``where`` (the connector's own check; it was a traceback)."""
+
+    def __init__(self, spec: Any, inline: dict | None = None, where: str = "config"):
+        from ..config import ConfigError, _json_loads
+        if isinstance(spec, str) and spec.lstrip().startswith("{"):
+            try:
+                spec = _json_loads(spec, f"{where}: inline JSON config")
+            except ConfigError as e:
+                raise EffectiveError(str(e)) from None
+        if spec is not None and not isinstance(spec, (str, Path, dict)):
+            raise EffectiveError(f"{where}: expected a mapping, a JSON string or a file path, got "
+                                 f"{type(spec).__name__}")
         self.spec, self.inline = spec, inline or {}
 
     def describe(self) -> str:
@@ -200,9 +214,9 @@ def _sources(ktc: dict, environ: dict) -> list[tuple[dict, Source]]:
     extra = ktc.get("kv_connector_extra_config") or {}
     if kind == CONNECTOR:
         if "config_file" in extra:
-            out.append((ktc, Source(extra["config_file"])))
+            out.append((ktc, Source(extra["config_file"], where="kv_connector_extra_config.config_file")))
         else:
-            out.append((ktc, Source(extra.get("kvbm_backend"))))
+            out.append((ktc, Source(extra.get("kvbm_backend"), where="kv_connector_extra_config.kvbm_backend")))
     elif kind == "MultiConnector":
         for child in extra.get("connectors") or []:
             if isinstance(child, dict):
@@ -213,7 +227,7 @@ def _sources(ktc: dict, environ: dict) -> list[tuple[dict, Source]]:
                 if environ.get(DEFAULT_CONFIG_VAR):
                     tier["config"] = environ[DEFAULT_CONFIG_VAR]
                 inline = {s: tier[s] for s in ("g3", "g4") if isinstance(tier.get(s), dict)}
-                out.append((tier, Source(tier.get("config"), inline)))
+                out.append((tier, Source(tier.get("config"), inline, where=f"{tier.get('type', 'tier')}.config")))
     return out
 
 

@@ -5,14 +5,26 @@
   so the script's ``g3.paths`` default was dropped (G3 opened in ./kvbm-g3) and the line said
   ``g3.paths=./kvbm-g3 [env KVBM_BACKEND__G3]``;
 * a bad ``--default`` was reported as coming from the ``KVBM_BACKEND__...`` variable it is exported as, which the
-  operator never set.
+  operator never set;
+* inline JSON text (the connector's ``kvbm_backend``, a tier's ``config``), which the engine loads, was taken for
+  a file name and refused (``config file {...}: not found``); a list there was a traceback.
 The launch scripts themselves run in tests/examples/test_example_effective.py.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from kvbm_backend.apps.effective import EffectiveError, Source, effective
+from kvbm_backend.integrations.vllm.extra_config import config_from_extra, tier_config
+
+HANG_S = 600.0  # a hang guard, not a bound: a CLI run that must end (the unit lane runs at nice 19)
+REPO = Path(__file__).resolve().parents[2]
 
 DEFAULTS = {"g3.paths": ["/mnt/nvme0/kvbm"], "g3.capacity_gb": 800}
 
@@ -52,3 +64,42 @@ def test_a_bad_default_is_blamed_on_the_default_not_a_variable(bare):
     # the operator's own variable of that name: the default is not applied, the variable is named
     with pytest.raises(EffectiveError, match=r"^g3\.paths \(from KVBM_BACKEND__G3__PATHS\): Input should be a valid"):
         effective(bare, {"g3.paths": "/x"}, {"KVBM_BACKEND__G3__PATHS": "/y"})
+
+
+def _cli(ktc: dict, *args: str) -> subprocess.CompletedProcess:
+    """``python -m kvbm_backend.apps.effective --for vllm ARGS KTC`` without the caller's kvbm-backend variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBM_BACKEND", "DYN_KVBM_"))}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, "-m", "kvbm_backend.apps.effective", "--for", "vllm", *args,
+                           json.dumps(ktc)], capture_output=True, text=True, env=env, timeout=HANG_S)
+
+
+def test_inline_json_text_is_a_config_as_the_engine_takes_it(tmp_path):
+    """Review finding (2026-11-30): the connector's ``kvbm_backend`` (and a tier's ``config``) may be the config's
+    JSON text (``config_from_extra`` / ``tier_config`` load it), but ``config effective`` took the text for a file
+    name: ``config file {"g3": ...}: not found``, exit 2, so a launch script refused a config the engine accepts."""
+    g3 = str(tmp_path / "g3")
+    text = json.dumps({"g3": {"paths": [g3], "capacity_gb": 3}})
+    engine_cfg, _ = config_from_extra({"kvbm_backend": text})  # what the connector loads
+    assert (engine_cfg.g3.paths, engine_cfg.g3.capacity_gb) == ([g3], 3)
+    ktc = {"kv_connector": "KvbmBackendConnector", "kv_connector_extra_config": {"kvbm_backend": text}}
+    r = _cli(ktc, "--default", 'g3.paths=["/mnt/nvme0/kvbm"]', "--default", "g3.capacity_gb=800")
+    assert r.returncode == 0, r.stderr
+    assert f"g3.paths={g3} [script] g3.capacity_gb=3 [script]" in r.stderr, r.stderr
+    assert "export" not in r.stdout  # the inline settings give both fields: no script default applies
+    assert tier_config(text).g3.paths == [g3]  # a native tier's config as JSON text, too
+    tier = {"type": "G3Tier", "module_path": "kvbm_backend.integrations.vllm.tiering", "config": text}
+    r = _cli({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"secondary_tiers": [tier]}})
+    assert r.returncode == 0 and f"g3.paths={g3} [script]" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("value, why", [
+    (["x"], "kv_connector_extra_config.kvbm_backend: expected a mapping, a JSON string or a file path, got list"),
+    ('{"g3":', "kv_connector_extra_config.kvbm_backend: inline JSON config: Expecting value"),
+])
+def test_a_bad_inline_config_is_one_line_naming_the_key(value, why):
+    """A ``kvbm_backend`` that is no config was a traceback (a list) or a 'config file ... not found' (bad JSON
+    text); now one ``kvbm-backend: error:`` line naming the key, exit 2, as the connector refuses it."""
+    r = _cli({"kv_connector": "KvbmBackendConnector", "kv_connector_extra_config": {"kvbm_backend": value}})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"kvbm-backend: error: {why}"), r.stderr
