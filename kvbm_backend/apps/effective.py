@@ -127,7 +127,7 @@ def effective(source: Source, defaults: dict[str, Any], environ: dict[str, str] 
     script defaults the operator left open, and field -> source label for :data:`SHOWN`.
 
     Raises EffectiveError (one line naming the field, variable or file)."""
-    from ..config import ConfigError, env_overrides, load_config
+    from ..config import ConfigError, _merge, env_overrides, load_config
     env = dict(os.environ if environ is None else environ)
     file_fields, file_label = source.file_fields()
     env_src: dict[tuple, str] = {}
@@ -145,8 +145,8 @@ def effective(source: Source, defaults: dict[str, Any], environ: dict[str, str] 
         cfg = load_config(spec, environ={**env, **exports})
         if source.inline:
             data = cfg.model_dump()
-            for sec, over in source.inline.items():
-                data[sec] = {**data[sec], **over}
+            for sec, over in source.inline.items():  # field by field, as the tiers merge them (tier_config)
+                data[sec] = _merge(data[sec], over)
             cfg = load_config(data, use_env=False)
     except ConfigError as e:  # a script default is the script's, not a variable the operator set
         msg = str(e)

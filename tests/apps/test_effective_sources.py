@@ -103,3 +103,28 @@ def test_a_bad_inline_config_is_one_line_naming_the_key(value, why):
     r = _cli({"kv_connector": "KvbmBackendConnector", "kv_connector_extra_config": {"kvbm_backend": value}})
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"kvbm-backend: error: {why}"), r.stderr
+
+
+def test_a_tiers_nested_override_merges_field_by_field(tmp_path, monkeypatch):
+    """Review finding (2026-11-30): a tier's ``g4: {"keyring": {...}}`` replaced the config's whole keyring section,
+    so one keyring field given on the tier (here ``reload_interval_s``) silently reset the file's ``path``,
+    ``kek_env`` and ``auto_create_tenants: false`` (true again: client-chosen tenants created) and the operator's
+    ``KVBM_BACKEND__G4__KEYRING__MAX_AUTO_TENANTS`` to their defaults; ``config effective`` then refused the
+    script (``g4.keyring.path: required``). The docs promise field by field precedence."""
+    (tmp_path / "g4").mkdir()
+    kr = tmp_path / "kr"
+    kr.mkdir(mode=0o700)
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"g3: {{enabled: false}}\ng4:\n  enabled: true\n  url: file://{tmp_path / 'g4'}\n"
+                        f"  keyring: {{path: {kr / 'keyring.json'}, kek_env: MY_KEK, auto_create_tenants: false}}\n")
+    monkeypatch.setenv("KVBM_BACKEND__G4__KEYRING__MAX_AUTO_TENANTS", "7")
+    cfg = tier_config(str(cfg_file), g4={"keyring": {"reload_interval_s": 5}})
+    k = cfg.g4.keyring
+    assert (k.path, k.kek_env, k.auto_create_tenants, k.max_auto_tenants, k.reload_interval_s) == (
+        str(kr / "keyring.json"), "MY_KEK", False, 7, 5)
+    # config effective merges the tier's keys as the tier does, and names the file's keyring
+    tier = {"type": "G4Tier", "module_path": "kvbm_backend.integrations.vllm.tiering", "config": str(cfg_file),
+            "g4": {"keyring": {"reload_interval_s": 5}}}
+    r = _cli({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"secondary_tiers": [tier]}})
+    assert r.returncode == 0, r.stderr
+    assert f"g4.keyring.path={kr / 'keyring.json'} [file]" in r.stderr, r.stderr

@@ -6,7 +6,7 @@ read the same settings the connector does.
 """
 from __future__ import annotations
 
-from ...config import ConfigError, KvbmBackendConfig, load_config
+from ...config import ConfigError, KvbmBackendConfig, _merge, load_config
 
 EXTRA_KEYS = {"kvbm_backend", "config_file", "stats_path", "save", "load", "save_decode", "save_to_g4",
               "promote_to_g3", "max_pending_save_bytes", "sliding_capacity_weight", "handoff_wait_s"}
@@ -66,7 +66,9 @@ def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
 def tier_config(config: str | dict | None, *, g3: dict | None = None, g4: dict | None = None) -> KvbmBackendConfig:
     """The backend config of a vLLM secondary tier (``G3Tier``/``G4Tier`` keys ``config``, ``g3``, ``g4``;
     :mod:`.tiering`): ``config`` (a file path or a dict, :func:`load_config`) with ``g3``/``g4`` merged over
-    its sections. vLLM's primary tier already decides what is offloaded (tiering has no store_threshold), so
+    its sections field by field, nested sections too (``g4: {"keyring": {"read_only": true}}`` keeps the
+    keyring's ``path``, ``kek_env``, ``auto_create_tenants`` from the file or the environment; before
+    2026-11-30 it replaced the whole ``keyring`` section, which then fell back to its defaults). vLLM's primary tier already decides what is offloaded (tiering has no store_threshold), so
     G3 admits every cascaded chunk unless the config chose an admission policy itself. Raises ConfigError
     naming the field."""
     cfg = load_config(config)
@@ -75,7 +77,7 @@ def tier_config(config: str | dict | None, *, g3: dict | None = None, g4: dict |
         if override is not None:
             if not isinstance(override, dict):
                 raise ConfigError(f"{name}: expected a mapping of {name} settings, got {override!r}")
-            data[name] = {**data[name], **override}
+            data[name] = _merge(data[name], override)
     g3_set = (g3 or {}).get("admission") is not None or "admission" in cfg.g3.model_fields_set
     if not g3_set:
         data["g3"]["admission"] = {**data["g3"]["admission"], "policy": "all"}

@@ -15,7 +15,8 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
 ``SecondaryTierFactory.create_secondary_tier``):
 
 * ``config``: kvbm-backend config, a YAML/TOML/JSON file path or a dict (:func:`.extra_config.tier_config`).
-* ``g3`` / ``g4``: dict merged over that config's ``g3`` / ``g4`` section (e.g. ``paths``, ``url``).
+* ``g3`` / ``g4``: dict merged over that config's ``g3`` / ``g4`` section field by field, nested sections
+  (``keyring``, ``admission``) too (e.g. ``paths``, ``url``).
 * ``tenant``: default tenant; a request's ``kv_transfer_params["kvbm_tenant"]`` overrides it.
 * ``revision``: the namespace's revision (default the config's ``revision``). vLLM hands a tier neither
   ``--revision`` nor ``--quantization`` nor ``--hf-overrides``: engines differing in any of them that share G3
