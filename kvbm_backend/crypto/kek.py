@@ -185,10 +185,23 @@ def locked_file(lock_path: str) -> Iterator[None]:
         os.close(fd)
 
 
+KEYRING_TMP_MARK = "kvbm-keyring-tmp"  # a keyring temp file: .PATH.kvbm-keyring-tmp.<host>.<pid>.<uuid hex>
+
+
 def replace_private_json(path: Path, doc: object) -> None:
     """Replace ``path`` with ``doc`` as JSON atomically, mode 0600: a unique temp name in the same
-    directory, fsync, rename, fsync the directory. Raises OSError (the temp file removed)."""
-    tmp = path.parent / f".{path.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+    directory (``.NAME.kvbm-keyring-tmp.<host>.<pid>.<uuid>``), fsync, rename, fsync the directory.
+    The caller holds ``path``'s lock (``PATH.lock``), so any temp file of ``path`` found here is one a
+    killed writer left: it is removed first (it holds every tenant's wrapped data key, a revoked one's
+    too: left, it would outlive a crypto-shred), and the directory fsync makes that durable.
+    Raises OSError (the temp file removed)."""
+    prefix = f".{path.name}.{KEYRING_TMP_MARK}."
+    with os.scandir(path.parent) as entries:
+        stale = [e.path for e in entries if e.name.startswith(prefix)]
+    for s in stale:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(s)
+    tmp = path.parent / f"{prefix}{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "w") as f:

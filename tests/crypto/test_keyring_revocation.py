@@ -18,6 +18,7 @@ from tests.helpers.g4_writer import namespace, put_blocks, read_checked
 from kvbm_backend.apps.cli import app
 from kvbm_backend.config import G4Config, KeyringConfig
 from kvbm_backend.crypto.aead import new_nonce, seal_into
+from kvbm_backend.crypto.kek import KEYRING_TMP_MARK
 from kvbm_backend.crypto.keyring import (Keyring, KeyringError, TenantRevoked, UnknownTenant, dir_is_read_only,
                                          provider_for)
 from kvbm_backend.pool.g4.pool import G4Pool
@@ -330,7 +331,7 @@ def test_shared_keyring_on_read_only_mount(tmp_path, monkeypatch):
         # the pool wrote nothing beside the keyring: no lock, no temp, no use counts
         after = _listing(src)
         assert set(after) == set(snap) and "keyring.json.lock" in snap  # the operator's own lock only
-        assert not any(n.endswith(".tmp") for n in after)
+        assert not any(n.endswith(".tmp") or KEYRING_TMP_MARK in n for n in after)
     finally:
         subprocess.run(["umount", str(ro)], check=False)
 
