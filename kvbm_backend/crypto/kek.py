@@ -36,17 +36,28 @@ def read_trusted(path: Path, what: str) -> tuple[bytes, os.stat_result]:
     """The bytes and status of ``what`` (the keyring or a KEK file) at ``path``, read from one open of
     :func:`~kvbm_backend.fsmodes.open_trusted` (a regular 0600/0400 file of this uid in a trusted directory;
     links: a Kubernetes Secret volume's only). Raises KeyringError naming ``what`` and ``path`` (missing,
-    another uid's, in a directory others can write, insecure mode, unreadable)."""
-    try:
-        with os.fdopen(open_trusted(path, what, follow_owned_links=True), "rb") as f:
-            st = os.fstat(f.fileno())  # before the read: a change during it shows as a newer stamp next time
-            return f.read(), st
-    except UnsafePath as e:
-        raise KeyringError(str(e)) from None
-    except FileNotFoundError:
-        raise KeyringError(f"{what} {path}: not found") from None
-    except OSError as e:
-        raise KeyringError(f"{what} {path}: {e.strerror or e}") from None
+    another uid's, in a directory others can write, insecure mode, unreadable).
+
+    ``path`` a link (a Secret volume's) and its file gone between the links' resolution and the open: the
+    kubelet's update renamed a new ``..data`` over the old and removed the old directory; resolved again,
+    up to :data:`SWAP_RETRIES` times (before 2026-11-30 that read was "not found", the keyring failed closed)."""
+    for attempt in range(SWAP_RETRIES + 1):
+        try:
+            with os.fdopen(open_trusted(path, what, follow_owned_links=True), "rb") as f:
+                st = os.fstat(f.fileno())  # before the read: a change during it shows as a newer stamp next time
+                return f.read(), st
+        except UnsafePath as e:
+            raise KeyringError(str(e)) from None
+        except FileNotFoundError:
+            if attempt < SWAP_RETRIES and os.path.islink(path):
+                continue  # a Secret volume update replaced the file under us: resolve the links again
+            raise KeyringError(f"{what} {path}: not found") from None
+        except OSError as e:
+            raise KeyringError(f"{what} {path}: {e.strerror or e}") from None
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+SWAP_RETRIES = 3  # read_trusted: re-resolutions of a link whose target a Secret volume update removed
 
 
 class UnknownTenant(KeyringError):

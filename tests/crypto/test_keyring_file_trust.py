@@ -231,3 +231,44 @@ def test_doctor_reports_the_same_check(tmp_path):
     os.unlink(kr)  # absent keyring: the directory is still checked
     r = row()
     assert r["ok"] is False and "writable by group or others" in r["detail"], r
+
+
+def test_a_secret_volume_update_during_a_read_is_not_a_missing_keyring(tmp_path, monkeypatch):
+    """The kubelet updates a Secret volume by renaming a new ``..data`` link over the old one, then
+    removing the old timestamped directory. A reader that resolved ``keyring.json`` through the old
+    ``..data`` just before, and opens the file just after, found it gone: "not found", so a worker
+    starting then failed, and a running one served no G4 key until its next reload (review 2026-11-30:
+    ~1% of reads failed while updates ran back to back). The update is placed, not timed: it runs
+    inside the reader's open of the resolved file, once per read the test arms it."""
+    import shutil
+    op = _make(tmp_path / "operator", "alice")
+    monkeypatch.setenv("KVBM_BACKEND_KEK", Path(f"{op}.kek").read_text().strip())
+    mnt = tmp_path / "etc-kvbm-keyring"
+    stamps = iter(f"..2026_01_01_00_00_00.00000000{i}" for i in range(1, 10))
+    cur = [next(stamps)]
+    _secret_volume(mnt, {"keyring.json": Path(op).read_bytes()}, cur[0])
+    real_open, armed, swapped = os.open, [True], []
+
+    def open_during_an_update(path, *a, **kw):  # the kubelet's update lands between resolve and open
+        p = os.fspath(path)
+        if os.path.dirname(p) == str(mnt / cur[0]) and armed[0]:
+            armed[0] = False
+            swapped.append(cur[0])
+            old, cur[0] = cur[0], next(stamps)
+            _secret_volume(mnt, {"keyring.json": Path(op).read_bytes()}, cur[0])
+            shutil.rmtree(mnt / old)
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(os, "open", open_during_an_update)
+    kr = str(mnt / "keyring.json")
+    k = Keyring(kr, provider_for(kr, create=False), read_only=True, reload_every_s=0.0)  # a worker starting
+    assert k.tenant_state("alice") == "active"
+    opk = Keyring(op, provider_for(op))  # the operator adds bob; the Secret is updated, mid-read again
+    opk.create("bob")
+    opk.close()
+    old, cur[0] = cur[0], next(stamps)
+    _secret_volume(mnt, {"keyring.json": Path(op).read_bytes()}, cur[0])
+    shutil.rmtree(mnt / old)
+    armed[0] = True  # the reload that reads bob's version meets the next update
+    assert k.tenant_state("bob") == "active" and k.tenant_state("alice") == "active" and k.error is None
+    assert len(swapped) == 2 and not armed[0]  # both reads met an update
