@@ -121,7 +121,9 @@ def startup_line(cfg: KvbmBackendConfig, *, g3=None, g4=None, metrics_serving: b
     ms = cfg.load_gil_switch_ms
     parts.append(f"load_gil_switch_ms={ms:g}" if ms is not None else "load_gil_switch_ms=off")
     port = cfg.metrics.serve_port
-    if port is None:
+    if cfg.metrics.enabled is False:
+        parts.append("metrics: disabled (metrics.enabled false)")
+    elif port is None:
         parts.append("metrics: no endpoint (metrics.port unset)")
     elif metrics_serving is False:
         parts.append(f"metrics: NOT serving, port {port} could not be bound (see the error above)")

@@ -301,3 +301,21 @@ def test_the_tenant_warnings_stop_at_the_cap(caplog):
     assert warned[-1].endswith("; further tenants are counted, not logged"), warned[-1]
     assert f"{MAX_LOGGED_TENANTS - 1:032x}" in warned[-1], warned[-1]
     assert not any("further tenants" in w for w in warned[:-1])
+
+
+def test_startup_line_says_metrics_are_disabled_when_they_are(tmp_path, caplog):
+    """``metrics.enabled: false`` with ``metrics.port`` set: the line says disabled, not "port unset"
+    (a real YAML file, the real open_tiers)."""
+    caplog.set_level(logging.INFO, logger="kvbm_backend.tiers")
+    f = tmp_path / "c.yaml"
+    f.write_text(f"model: m-disabled\ng3:\n  paths: ['{tmp_path / 'g3'}']\n  capacity_gb: 0.01\n"
+                 "metrics:\n  enabled: false\n  port: 9\n")
+    cfg = load_config(str(f), use_env=False)
+    assert cfg.metrics.serve_port is None
+    g3, g4 = open_tiers(cfg, namespace())
+    g3.close()
+    assert g4 is None
+    lines = _lines(caplog, "kvbm_backend.tiers", "kvbm_backend tiers open", logging.INFO)
+    assert len(lines) == 1
+    assert "metrics: disabled (metrics.enabled false)" in lines[0], lines[0]
+    assert "metrics.port unset" not in lines[0], lines[0]
