@@ -118,13 +118,20 @@ KVBM_ONLY_ENV = {
 _kvbm_only_warned: set[str] = set()
 
 
-def _kvbm_flag(env: Mapping[str, str], name: str) -> bool:
-    """A KVBM boolean environment switch (true/false, 1/0, yes/no, on/off; unset: False).
-    Raises ConfigError naming ``name`` for another value."""
+#: the one rule of every ``DYN_KVBM_*`` boolean (any case, surrounding spaces ignored; docs/configuration.md)
+KVBM_TRUE = ("1", "true", "yes", "on")
+KVBM_FALSE = ("0", "false", "no", "off")
+
+
+def _kvbm_flag(env: Mapping[str, str], name: str) -> bool | None:
+    """A KVBM boolean environment switch: true/false, 1/0, yes/no, on/off, any case, surrounding spaces
+    ignored; unset or blank: None. Raises ConfigError naming ``name`` for another value."""
     raw = env.get(name, "").strip().lower()
-    if raw and raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise ConfigError(f"{name}: expected true/false, got {raw!r}")
-    return raw in ("1", "true", "yes", "on")
+    if not raw:
+        return None
+    if raw not in KVBM_TRUE + KVBM_FALSE:
+        raise ConfigError(f"{name}: expected true/false, 1/0, yes/no or on/off, got {env[name]!r}")
+    return raw in KVBM_TRUE
 
 
 def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, str] | None = None) -> dict:
@@ -150,10 +157,13 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
     if env.get("DYN_KVBM_DISK_CACHE_GB"):
         _set_path(out, ["g3", "capacity_gb"], env["DYN_KVBM_DISK_CACHE_GB"])
         sources[("g3", "capacity_gb")] = "DYN_KVBM_DISK_CACHE_GB"
-    for name, field in (("DYN_KVBM_METRICS", "enabled"), ("DYN_KVBM_METRICS_PORT", "port")):  # KVBM's names
-        if env.get(name):
-            _set_path(out, ["metrics", field], env[name])
-            sources[("metrics", field)] = name
+    flag = _kvbm_flag(env, "DYN_KVBM_METRICS")  # KVBM's names; the boolean by the DYN_KVBM_* rule
+    if flag is not None:
+        _set_path(out, ["metrics", "enabled"], flag)
+        sources[("metrics", "enabled")] = "DYN_KVBM_METRICS"
+    if env.get("DYN_KVBM_METRICS_PORT"):
+        _set_path(out, ["metrics", "port"], env["DYN_KVBM_METRICS_PORT"])
+        sources[("metrics", "port")] = "DYN_KVBM_METRICS_PORT"
     if _kvbm_flag(env, "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"):  # KVBM's switch for its disk-offload filter
         _set_path(out, ["g3", "admission", "policy"], "all")
         sources[("g3", "admission", "policy")] = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER"

@@ -484,3 +484,31 @@ def test_a_refused_url_is_quoted_without_its_credentials():
     with pytest.raises(ConfigError) as e:  # from the environment too, named by its variable
         load_config({}, environ={"KVBM_BACKEND__G4__ENDPOINT_URL": f"ftp://AKIAUSER:{secret}@127.0.0.1:1"})
     assert "KVBM_BACKEND__G4__ENDPOINT_URL" in str(e.value) and secret not in str(e.value)
+
+
+# --- one rule for every DYN_KVBM_* boolean (review finding 2026-11-30) ----------------------------------
+
+_KVBM_SWITCHES = {  # variable -> (what a true value gives, read off the loaded config)
+    "DYN_KVBM_METRICS": (True, lambda c: c.metrics.enabled),
+    "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": ("all", lambda c: c.g3.admission.policy),
+    "DYN_KVBM_DISK_DISABLE_O_DIRECT": ("off", lambda c: c.g3.o_direct),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_KVBM_SWITCHES))
+def test_every_dyn_kvbm_boolean_reads_by_one_rule(name):
+    """Review finding (2026-11-30): ``DYN_KVBM_METRICS`` went to pydantic (refused ``" true"``, took ``t``/``y``)
+    while the other switches went through ``_kvbm_flag`` (spaces stripped, ``t``/``y`` refused). Every one now
+    takes true/false, 1/0, yes/no, on/off, any case, spaces around ignored, and refuses anything else naming
+    itself (docs/configuration.md)."""
+    want, read = _KVBM_SWITCHES[name]
+    unset = read(load_config({}, environ={}))
+    for v in ("true", " true", "TRUE ", "1", "yes", "On"):
+        assert read(load_config({}, environ={name: v})) == want, v
+    for v in ("false", " 0", "No", "off "):
+        got = read(load_config({}, environ={name: v}))
+        assert got == (False if name == "DYN_KVBM_METRICS" else unset), v
+    assert read(load_config({}, environ={name: "  "})) == unset  # blank: unset
+    for v in ("t", "y", "f", "n", "enable", "2"):
+        with pytest.raises(ConfigError, match=rf"^{name}: expected true/false, 1/0, yes/no or on/off, got '{v}'$"):
+            load_config({}, environ={name: v})
