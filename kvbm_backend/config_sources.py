@@ -141,7 +141,8 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
     an empty mapping is recorded at its own path), for error messages and ``config effective``.
 
     Raises ConfigError naming ``DYN_KVBM_DISK_CACHE_DIR`` when it has an empty entry (``/a::/b``, a
-    leading or trailing ``:``), which would otherwise put G3 in the current directory."""
+    leading or trailing ``:``) or an entry with spaces around it (``/a: /b``: `` /b`` is relative), either of
+    which would otherwise put G3 in the current directory."""
     env = os.environ if environ is None else environ
     out: dict = {}
     sources = {} if sources is None else sources
@@ -152,6 +153,11 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
         if bad:
             raise ConfigError(f"DYN_KVBM_DISK_CACHE_DIR: empty path entry {bad[0]} ('::' or a leading/trailing"
                               f" ':'); G3 would open in the current directory (got {raw!r})")
+        spaced = [x for x in parts if x != x.strip()]
+        if spaced:  # ' /b' is a relative path in the current directory; KVBM takes its one path verbatim
+            raise ConfigError(f"DYN_KVBM_DISK_CACHE_DIR: path entry {spaced[0]!r} has spaces around it (a path"
+                              f" starting with a space is relative: G3 would open in the current directory;"
+                              f" separate entries with ':' alone; got {raw!r})")
         _set_path(out, ["g3", "paths"], parts)
         sources[("g3", "paths")] = "DYN_KVBM_DISK_CACHE_DIR"
     if env.get("DYN_KVBM_DISK_CACHE_GB"):

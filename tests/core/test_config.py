@@ -512,3 +512,17 @@ def test_every_dyn_kvbm_boolean_reads_by_one_rule(name):
     for v in ("t", "y", "f", "n", "enable", "2"):
         with pytest.raises(ConfigError, match=rf"^{name}: expected true/false, 1/0, yes/no or on/off, got '{v}'$"):
             load_config({}, environ={name: v})
+
+
+@pytest.mark.parametrize("sep", [": ", " :", ":  "])
+def test_kvbm_dir_env_entry_with_spaces_refused(tmp_path, monkeypatch, sep):
+    """Review finding (2026-11-30): ``DYN_KVBM_DISK_CACHE_DIR='/a: /b'`` gave G3 the path ``' /b'``, relative:
+    a G3 directory named `` /b`` in the current directory. Now one error naming the variable and the entry."""
+    monkeypatch.chdir(tmp_path)
+    a, b = tmp_path / "a", tmp_path / "b"
+    value = f"{a}{sep}{b}"
+    with pytest.raises(ConfigError, match=r"^DYN_KVBM_DISK_CACHE_DIR: path entry .* has spaces around it") as ei:
+        load_config(None, environ={"DYN_KVBM_DISK_CACHE_DIR": value})
+    assert repr(value) in str(ei.value)
+    assert sorted(os.listdir(tmp_path)) == []  # nothing made in the current directory
+    assert load_config(None, environ={"DYN_KVBM_DISK_CACHE_DIR": f"{a}:{b}"}).g3.paths == [str(a), str(b)]
