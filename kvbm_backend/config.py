@@ -438,7 +438,8 @@ def _did_you_mean(loc: tuple) -> str:
 
 def load_config(source: str | Path | dict | None = None, *, environ: dict[str, str] | None = None,
                 use_env: bool = True) -> KvbmBackendConfig:
-    """Build the config from a file path (``.yaml``/``.yml``/``.toml``/``.json``), a dict (e.g. vLLM's
+    """Build the config from a file path (``.yaml``/``.yml``/``.toml``, any case; anything else is read as
+    JSON), a dict (e.g. vLLM's
     ``kv_connector_extra_config["kvbm_backend"]``), a JSON string, or nothing; then apply env.
 
     Raises ConfigError naming the field on any invalid value, or the file on a parse error.
@@ -455,9 +456,10 @@ def load_config(source: str | Path | dict | None = None, *, environ: dict[str, s
         if not p.is_file():
             raise ConfigError(f"config file {p}: " + ("not a regular file" if p.exists() else "not found"))
         try:
-            if p.suffix in (".yaml", ".yml"):
+            suffix = p.suffix.lower()  # config.YAML / .Yml / .TOML are YAML / TOML too, not JSON
+            if suffix in (".yaml", ".yml"):
                 data = _yaml_load(p.read_text()) or {}
-            elif p.suffix == ".toml":
+            elif suffix == ".toml":
                 data = tomllib.loads(p.read_text())
             else:
                 data = json.loads(p.read_text())

@@ -4,7 +4,9 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -526,3 +528,23 @@ def test_kvbm_dir_env_entry_with_spaces_refused(tmp_path, monkeypatch, sep):
     assert repr(value) in str(ei.value)
     assert sorted(os.listdir(tmp_path)) == []  # nothing made in the current directory
     assert load_config(None, environ={"DYN_KVBM_DISK_CACHE_DIR": f"{a}:{b}"}).g3.paths == [str(a), str(b)]
+
+
+@pytest.mark.parametrize("name, text", [
+    ("c.YAML", "model: m\ng3:\n  capacity_gb: 3\n"),
+    ("c.Yml", "model: m\ng3:\n  capacity_gb: 3\n"),
+    ("c.TOML", 'model = "m"\n[g3]\ncapacity_gb = 3\n'),
+], ids=["YAML", "Yml", "TOML"])
+def test_config_file_suffix_is_read_in_any_case(tmp_path, name, text):
+    """Review finding (2026-11-30): ``config.YAML`` / ``.Yml`` / ``.TOML`` were parsed as JSON (``config file
+    ...: Expecting value``). Checked through the real ``python -m kvbm_backend.apps.effective`` too."""
+    p = tmp_path / name
+    p.write_text(text)
+    assert load_config(str(p), use_env=False).g3.capacity_gb == 3
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBM_BACKEND", "DYN_KVBM_"))}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    ktc = {"kv_connector": "KvbmBackendConnector", "kv_connector_extra_config": {"config_file": str(p)}}
+    r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.effective", "--for", "vllm", json.dumps(ktc)],
+                       capture_output=True, text=True, env=env, timeout=600)  # a hang guard only
+    assert r.returncode == 0, r.stderr
+    assert "g3.capacity_gb=3 [file]" in r.stderr, r.stderr
