@@ -128,3 +128,24 @@ def test_a_tiers_nested_override_merges_field_by_field(tmp_path, monkeypatch):
     r = _cli({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"secondary_tiers": [tier]}})
     assert r.returncode == 0, r.stderr
     assert f"g4.keyring.path={kr / 'keyring.json'} [file]" in r.stderr, r.stderr
+
+
+def test_a_tiers_own_keys_win_over_the_environment_as_documented(tmp_path):
+    """Review finding (2026-11-30): a native tier's ``g3``/``g4`` keys are merged after the environment
+    (``tier_config``), so they override ``KVBM_BACKEND__*``, and ``config effective`` agrees, but
+    docs/configuration.md's precedence line ended at ``KVBM_BACKEND__*``. It names the tier keys last now."""
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("model: m\ng3:\n  capacity_gb: 3\n")
+    tier = {"type": "G3Tier", "module_path": "kvbm_backend.integrations.vllm.tiering", "config": str(cfg_file),
+            "g3": {"capacity_gb": 7}}
+    ktc = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"secondary_tiers": [tier]}}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBM_BACKEND", "DYN_KVBM_"))}
+    env.update(PYTHONPATH=str(REPO), KVBM_BACKEND__G3__CAPACITY_GB="5")
+    r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.effective", "--for", "vllm", json.dumps(ktc)],
+                       capture_output=True, text=True, env=env, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    assert "g3.capacity_gb=7 [inline]" in r.stderr, r.stderr  # the tier's key, not the variable's 5
+    doc = " ".join((REPO / "docs" / "configuration.md").read_text().split())
+    line = doc[doc.index("Precedence, later wins"):]
+    line = line[:line.index("The effective configuration is logged")]
+    assert line.index("`KVBM_BACKEND__*`") < line.index("its own `g3`/`g4` keys"), line
