@@ -169,7 +169,8 @@ def effective(source: Source, defaults: dict[str, Any], environ: dict[str, str] 
 
 def kek_source(cfg, environ: dict[str, str] | None = None) -> str:
     """Where the G4 keyring's KEK comes from (``env NAME``, ``file PATH``, ``new file PATH``); raises
-    EffectiveError when there is none (the same rule as :func:`kvbm_backend.crypto.kek.provider_for`)."""
+    EffectiveError when there is none, or the KEK file is a symbolic link to nothing (the same rule as
+    :func:`kvbm_backend.crypto.kek.provider_for`, which takes any name there, a link too, as the KEK file)."""
     env = os.environ if environ is None else environ
     kr = cfg.g4.keyring
     if not kr.path:
@@ -177,7 +178,11 @@ def kek_source(cfg, environ: dict[str, str] | None = None) -> str:
     if env.get(kr.kek_env):
         return f"env {kr.kek_env}"
     kf = kr.kek_file or f"{kr.path}.kek"
-    if Path(kf).exists():
+    if os.path.lexists(kf):  # as provider_for: a symbolic link there is the KEK file, never "create one"
+        if not Path(kf).exists():
+            raise EffectiveError(f"g4.keyring: KEK file {kf} is a symbolic link to nothing "
+                                 f"({os.readlink(kf)!r}): the keyring opener reads it and fails; replace it by "
+                                 f"the file or set ${kr.kek_env}")
         return f"file {kf}"
     if not Path(kr.path).exists():
         return f"new file {kf}"

@@ -149,3 +149,25 @@ def test_a_tiers_own_keys_win_over_the_environment_as_documented(tmp_path):
     line = doc[doc.index("Precedence, later wins"):]
     line = line[:line.index("The effective configuration is logged")]
     assert line.index("`KVBM_BACKEND__*`") < line.index("its own `g3`/`g4` keys"), line
+
+
+def test_a_dangling_kek_link_is_not_reported_as_a_new_kek(tmp_path):
+    """Review finding (2026-11-30): ``kek_source`` looked for the KEK file with Path.exists, the keyring opener
+    (``provider_for``) with os.path.lexists. With no keyring yet and ``kr.json.kek`` a symbolic link to nothing,
+    ``config effective`` said ``new file`` and exited 0 while the opener refuses the link: the engine failed
+    after the launch script passed. Both now take the link as the KEK file; ``config effective`` names it."""
+    from kvbm_backend.crypto.kek import KeyringError, provider_for
+    kdir = tmp_path / "k"
+    kdir.mkdir(mode=0o700)
+    kr, kek = kdir / "kr.json", kdir / "kr.json.kek"
+    kek.symlink_to(kdir / "nowhere")
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"model: m\ng3:\n  enabled: false\ng4:\n  enabled: true\n  url: file://{tmp_path / 'g4'}\n"
+                        f"  keyring:\n    path: {kr}\n    kek_env: KVBM_TEST_NO_SUCH_KEK\n")
+    with pytest.raises(KeyringError):  # what the engine would meet
+        provider_for(kr, kek_env="KVBM_TEST_NO_SUCH_KEK")
+    r = _cli({"kv_connector": "KvbmBackendConnector", "kv_connector_extra_config": {"config_file": str(cfg_file)}})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"kvbm-backend: error: g4.keyring: KEK file {kek} is a symbolic link to nothing"), \
+        r.stderr
+    assert not kr.exists() and os.path.islink(kek)  # nothing created
