@@ -163,7 +163,7 @@ def load_preset(name: str) -> ModelPreset:
         p = load_preset(base)
         p = replace(p, name=f"{p.name}:{kv_dtype}", dtype=kv_dtype)
         return replace(p, bytes_per_token=p.computed_bytes_per_token())
-    path = Path(name) if name.endswith(".toml") else layouts_dir() / f"{name}.toml"
+    path = Path(name) if name.lower().endswith(".toml") else layouts_dir() / f"{name}.toml"  # .TOML too
     if not path.is_file():
         raise ValueError(f"layout: no preset {name!r}; known: {', '.join(list_presets())}")
     with open(path, "rb") as f:

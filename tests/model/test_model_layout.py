@@ -116,8 +116,10 @@ def test_a_malformed_preset_is_refused_naming_the_file_and_field(tmp_path, chang
     assert str(path) in str(e.value) and field in str(e.value), str(e.value)
 
 
-def test_the_well_formed_preset_of_those_cases_loads(tmp_path):
-    path = tmp_path / "good.toml"
+@pytest.mark.parametrize("name", ["good.toml", "good.TOML", "good.Toml"])
+def test_the_well_formed_preset_of_those_cases_loads(tmp_path, name):
+    """A layout file's suffix is matched in any case, as config files' are (config.load_config)."""
+    path = tmp_path / name
     path.write_text(GOOD)
     p = load_preset(str(path))
     assert (p.num_layers, p.num_kv_heads, p.head_dim, p.mla) == (4, 2, 64, False)
