@@ -27,20 +27,24 @@ first (~870 B each: ~40 GiB for 50M objects).
 
 **Revoked tenants.** Every block under a revoked tenant's pseudonym is reclaimed whatever its age or
 mtime (its data keys are gone: it can never be read again). Only when the tenant was re-created since
-(``keys create`` after ``revoke``: the same pseudonym, a new key id) are its blocks told apart: those last
-modified up to ``revoked_at`` (the keyring writer's clock, moved onto the store's by the measured skew
-``store_now - now``) + 1 s go unread; of those modified later, up to ``revoked_at`` + :data:`LATE_WRITE_S`,
-gc reads the frame header (4 KiB, ``headers_read``) and deletes the block when its ``key_id`` is one the
-revocation recorded (a record from before 2026-11-30 names none: then any key id but the tenant's current
-one). Those are late writes: a worker seals under the revoked key until it re-reads the keyring
-(``g4.keyring.reload_interval_s``, plus the Secret's propagation on Kubernetes), and such a block held the
-re-created tenant's name for ever (its offloads ``skipped_exists``, loads ``miss_no_key``): before
-(2026-11-30) gc kept every block newer than ``revoked_at`` + 1 s. A block of the tenant's current key, an
-unparsable or plaintext frame, or one gc could not read (``errors``) is kept. Blocks modified later are not
-read (their headers would be read on every pass, for ever): a worker seals under a revoked key only until
-its next keyring check (``reload_interval_s`` <= 300 s, plus the Secret's propagation), and the window is on
-the block's mtime, so any later pass finds a late write. Loads never delete such a block (a reader's
-keyring may be another fleet's copy: ``miss_no_key``).
+(``keys create`` after ``revoke``: the same pseudonym, a new key id) are its blocks told apart, by their frame
+header: gc reads it (4 KiB, ``headers_read``) for each block last modified up to ``revoked_at`` (the keyring
+writer's clock, moved onto the store's by the measured skew ``store_now - now``) + :data:`LATE_WRITE_S` and
+deletes the block when its ``key_id`` is one the revocation recorded (a record from before 2026-11-30 names
+none: then any key id but the tenant's current one). A block of the tenant's current key, or one gc could not
+read (``errors``), is kept; an unparsable or plaintext frame (it names no key) is deleted when modified up to
+``revoked_at`` + 1 s, kept when later. Late writes: a worker seals under the revoked key until it re-reads the
+keyring (``g4.keyring.reload_interval_s``, plus the Secret's propagation on Kubernetes), and such a block held
+the re-created tenant's name for ever (its offloads ``skipped_exists``, loads ``miss_no_key``): before
+(2026-11-30) gc kept every block newer than ``revoked_at`` + 1 s. Also before (2026-11-30), blocks modified up
+to ``revoked_at`` + 1 s were deleted unread; ``revoked_at`` is the clock of the host that ran ``keys revoke``,
+so where that clock ran ahead of the store's (and gc's host's) the re-created tenant's blocks of its current key
+written within the lead were deleted: good blocks every worker serves. A block of a revoked key is read once
+(then deleted); the current key's blocks up to ``revoked_at`` + :data:`LATE_WRITE_S`, on every pass. Blocks
+modified later are not read (their headers would be read on every pass, for ever): a worker seals under a
+revoked key only until its next keyring check (``reload_interval_s`` <= 300 s, plus the Secret's propagation),
+and the window is on the block's mtime, so any later pass finds a late write. Loads never delete such a block
+(a reader's keyring may be another fleet's copy: ``miss_no_key``).
 
 **Announcements** (``{ns}/announce/``, :mod:`.announce`): a batch at least ``announce_ttl_s`` old by its
 mtime on the store's clock is deleted, as an announcing worker would (a batch sealed earlier than its mtime is
@@ -181,20 +185,23 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     if warning is not None:
         res["warnings"] = [warning]
 
-    def late_write(name: str, ps: str) -> bool:
-        """Whether block ``name`` of re-created pseudonym ``ps`` was sealed under a revoked key (module doc)."""
+    def late_write(name: str, ps: str, early: bool) -> bool:
+        """Whether block ``name`` of re-created pseudonym ``ps`` was sealed under a revoked key (module doc);
+        ``early``: modified up to ``revoked_at`` + 1 s, where a frame naming no key (unparsable, plaintext) goes."""
         try:
             head = call_attempts(lambda: store.get(name, 0, HEADER_BYTES), THROTTLE_ATTEMPTS)
         except OSError:  # StoreUnavailable, StoreThrottled after THROTTLE_ATTEMPTS too: kept, counted (as drop)
             res["errors"] += 1
             return False
+        if head is None:  # deleted since listed
+            return False
         res["headers_read"] += 1
         try:
-            hdr = FrameHeader.unpack(head) if head is not None else None
+            hdr = FrameHeader.unpack(head)
         except FrameError:
-            return False
-        if hdr is None or not hdr.flags & FLAG_ENCRYPTED:
-            return False
+            return early
+        if not hdr.flags & FLAG_ENCRYPTED:
+            return early
         ids = shredded[ps]
         return hdr.key_id in ids if ids else hdr.key_id != active[ps]
 
@@ -232,8 +239,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         res["future_objects"] += o.mtime > store_now
         ps, t_rev = meta["tenant"], revoked.get(meta["tenant"])
         why = ("revoked" if t_rev is not None and (
-                   ps not in active or o.mtime <= t_rev + skew + 1.0
-                   or (o.mtime <= t_rev + skew + LATE_WRITE_S and late_write(o.name, ps)))
+                   ps not in active or (o.mtime <= t_rev + skew + LATE_WRITE_S
+                                        and late_write(o.name, ps, o.mtime <= t_rev + skew + 1.0)))
                else "age" if max_age_s is not None and (max_age_s == 0 or store_now - o.mtime >= max_age_s)
                else None)
         if why is not None:

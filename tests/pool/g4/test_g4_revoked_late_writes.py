@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from kvbm_backend.apps.cli import app
 from kvbm_backend.config import G4Config
+from kvbm_backend.pool.g4.naming import parse_block_name
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace, payload
 
@@ -143,3 +144,49 @@ def test_gc_with_a_revocation_record_from_before_key_ids_were_recorded(tmp_path)
     with _fresh(url, None, kr) as p:
         assert p.put(ns.keys([LATE], tenant="alice"), [payload(LATE, "alice", bpb)]).result(HANG_S).written == 1
         assert p.get(ns.keys([NEW], tenant="alice"), [np.zeros(bpb, np.uint8)]).result(HANG_S).ok == [True]
+
+
+AHEAD_S = 600.0  # how far the clock of the host that ran `keys revoke` ran ahead of the store's (and gc's)
+OLD = 6  # sequence hash of alice's block sealed under her first key, before the revocation
+
+
+def test_gc_keeps_a_re_created_tenants_blocks_when_the_revoking_host_clock_ran_ahead(tmp_path):
+    """`keys revoke` ran on a host whose clock was AHEAD_S ahead of the store's and of gc's host: ``revoked_at``
+    lies AHEAD_S in the store's future, so the blocks the re-created alice wrote since (sealed under her
+    current key, served by every worker) are stamped before it. Before: gc deleted them unread (every block
+    of a re-created tenant modified up to ``revoked_at`` + 1 s), although docs/configuration.md says blocks
+    under the tenant's current key are never touched. Now gc reads the frame header of each such block and
+    keeps those of the current key; alice's block sealed under the revoked key, and an unparsable object
+    under her name, are still reclaimed."""
+    url = f"file://{tmp_path / 'store'}"
+    (tmp_path / "store").mkdir()
+    (tmp_path / "keys").mkdir(mode=0o700)
+    kr = str(tmp_path / "keys" / "kr.json")
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    for t in ("alice", "bob"):
+        _cli("keys", "create", "--keyring", kr, "--tenant", t)
+    with _fresh(url, None, kr) as p:
+        assert p.put(ns.keys([OLD], tenant="alice"), [payload(OLD, "alice", bpb)]).result(HANG_S).written == 1
+        assert p.put(ns.keys([OTHER], tenant="bob"), [payload(OTHER, "bob", bpb)]).result(HANG_S).written == 1
+        alice = p.keyring.pseudonym("alice").hex()
+        (old_name,) = [o.name for o in p.store.list("") if (parse_block_name(o.name) or {}).get("tenant") == alice]
+    junk = old_name.rsplit("/", 1)[0] + "/" + "0" * 32  # not a frame: unparsable, under alice's name
+    (tmp_path / "store" / junk).write_bytes(b"not a frame")
+    _cli("keys", "revoke", "--keyring", kr, "--tenant", "alice")
+    _backdate_revocation(kr, -AHEAD_S)  # as the revoking host's clock, AHEAD_S ahead, wrote it
+    _cli("keys", "create", "--keyring", kr, "--tenant", "alice")
+    with _fresh(url, None, kr) as p:  # alice's new blocks: stamped by the store before revoked_at
+        assert p.put(ns.keys([NEW], tenant="alice"), [payload(NEW, "alice", bpb)]).result(HANG_S).written == 1
+    res = _cli("gc", "--url", url, "--keyring", kr)
+    assert res["deleted_by"]["revoked"] == 2 and res["deleted_objects"] == 2, res  # before: 3 (NEW too)
+    assert res["scanned_objects"] == 4 and res["headers_read"] == 3 and res["errors"] == 0, res
+    with _fresh(url, None, kr) as p:
+        for seq, tenant in ((NEW, "alice"), (OTHER, "bob")):
+            out = [np.zeros(bpb, np.uint8)]
+            assert p.get(ns.keys([seq], tenant=tenant), out).result(HANG_S).ok == [True], (seq, tenant)
+            assert np.array_equal(out[0], payload(seq, tenant, bpb))
+        assert p.put(ns.keys([OLD], tenant="alice"), [payload(OLD, "alice", bpb)]).result(HANG_S).written == 1
+    assert not (tmp_path / "store" / junk).exists()
+    again = _cli("gc", "--url", url, "--keyring", kr)
+    assert again["deleted_objects"] == 0 and again["errors"] == 0, again  # current key: kept
