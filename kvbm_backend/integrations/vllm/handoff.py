@@ -29,6 +29,8 @@ prefill response to the decode request):
   ``handoff_identity_mismatches``, one WARNING per pair of values. Params without F and T (older prefill
   workers) are waited for as before; T is sent only by a pool with a keyring (an unkeyed pseudonym would let a
   client confirm a guessed tenant id).
+  A decode request that also carries NIXL's ``do_remote_prefill`` (:func:`remote_prefill`; a ``MultiConnector``
+  merges both connectors' params) is not waited for: NIXL brings its KV.
 
 Never wrong KV: the decode side loads only blocks whose frames check (the ordinary load path); the wait
 only decides *when* it looks. The write-behind that makes blocks visible is the prefill side's ordinary

@@ -158,7 +158,9 @@ class SchedulerSide:
         ``(None, False)`` while the answer is not known yet (vLLM asks again next step; never blocks). A request
         handed off by a prefill worker (:func:`.handoff.expected_blocks`) is answered only once the tiers show
         the promised blocks, or ``handoff_wait_s`` after the first look, or at once when G4 is unavailable (then with
-        what is there): :class:`.handoff.HandoffWaits` (its looks, their timing, how it is counted)."""
+        what is there): :class:`.handoff.HandoffWaits` (its looks, their timing, how it is counted). One that also
+        carries NIXL's ``do_remote_prefill`` (both forms' params, merged by a ``MultiConnector``) is never waited
+        for: NIXL brings its KV."""
         if not self.load_enabled or (self.g3 is None and self.g4 is None):
             return self._matched(request, num_computed_tokens)
         rid = request.request_id
@@ -167,6 +169,10 @@ class SchedulerSide:
         if want is None or st.handoff_done:
             return self._matched(request, num_computed_tokens)
         if st.no_load or st.opaque:  # its load failed, or never tiered: recomputed at once, never waited for
+            self.handoff.forget(rid)
+            return self._matched(request, num_computed_tokens)
+        if handoff.remote_prefill(request):  # NIXL's form of the hand-off brings its KV (MultiConnector): never
+            st.handoff_done = True           # waited for, then or after NIXL clears the flag (looked up as any)
             self.handoff.forget(rid)
             return self._matched(request, num_computed_tokens)
         if not self.handoff.may_look(rid):

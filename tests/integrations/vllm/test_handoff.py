@@ -468,3 +468,23 @@ def test_a_handoff_job_of_cached_blocks_never_crowds_out_the_steps_computed_bloc
         w.shutdown()
         g3.close()
         g4.close()
+
+
+def test_a_request_nixl_prefills_is_not_waited_for_even_with_our_handoff_params(tiers):
+    """Review finding (2026-11-30): beside NixlConnector in a MultiConnector, the prefill response merges both
+    connectors' params, so the decode request carries NIXL's ``do_remote_prefill`` and our handoff dict. The
+    lookup answered 0 (NIXL brings the KV) yet the hand-off waited for its promised blocks: every such request was
+    held back (MultiConnector waits for every child) the whole ``handoff_wait_s`` and counted a handoff timeout.
+    Now it is answered 0 at once, nothing counted; once NIXL clears the flag it is looked up as any request,
+    without a hand-off wait (3 of the 6 promised blocks there: those 3, at once)."""
+    ns, g3, g4, hs, blocks = tiers
+    assert g4.put(ns.keys(hs[:3]), blocks[:3]).result(HANG_S).written == 3
+    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=600.0)
+    params = {"do_remote_prefill": True, "remote_engine_id": "p0", KEY: {"blocks": 6, "block_size": BS}}
+    req = _req("nh1", params)
+    timeouts, done = stats.get("handoff_timeouts"), stats.get("handoff_complete_requests")
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    params["do_remote_prefill"] = False
+    (n, _), _, _ = _ask(s, req)  # a hand-off wait would answer 3 blocks only after handoff_wait_s (600 s)
+    assert n == 3 * BS
+    assert stats.get("handoff_timeouts") == timeouts and stats.get("handoff_complete_requests") == done
