@@ -247,12 +247,16 @@ class HandoffWaits:
                     reachable: int | None = None) -> bool:
         """A look at ``request_id`` found ``found_blocks`` leading blocks: True while fewer than ``expected`` are
         found, ``wait_s`` has not passed since its first look and ``refused`` is False (then the next look waits
-        :data:`RETRY_S`); False once they are all there (counted ``handoff_complete_requests``), when ``refused``
+        :data:`RETRY_S`); False once they are all there (counted ``handoff_complete_requests``; a promise of 0 blocks,
+        ``expected`` <= 0, is no hand-off: False, nothing counted), when ``refused``
         (G4's breakers open: ``handoff_timeouts`` and ``handoff_breaker_timeouts``), when ``found_blocks`` reaches
         ``reachable`` (the index of a promised block cooling after a failed load, :mod:`.failed_blocks`: no load
         goes past it, whatever the tiers hold; ``handoff_timeouts`` and ``handoff_cooled_timeouts``) or the wait is
         over (``handoff_timeouts``); each ending is logged (limited: :data:`LOG`). ``handoff_wait_s`` adds the
         seconds waited."""
+        if expected <= 0:  # a promise of nothing (the prefill worker wrote nothing to G4): no hand-off, not counted
+            self._w.pop(request_id, None)
+            return False
         now = self._clock()
         w = self._w.setdefault(request_id, _Wait(now, now))
         if found_blocks >= expected:

@@ -488,3 +488,18 @@ def test_a_request_nixl_prefills_is_not_waited_for_even_with_our_handoff_params(
     (n, _), _, _ = _ask(s, req)  # a hand-off wait would answer 3 blocks only after handoff_wait_s (600 s)
     assert n == 3 * BS
     assert stats.get("handoff_timeouts") == timeouts and stats.get("handoff_complete_requests") == done
+
+
+def test_a_promise_of_no_blocks_is_not_counted_a_completed_handoff(tiers):
+    """Review finding (2026-11-30): a prefill worker that writes nothing to G4 promises 0 blocks; the decode side
+    served it at once (right) but counted it in ``handoff_complete_requests``, overstating the hand-offs whose
+    blocks arrived. Now it counts nowhere among the decode side's hand-off counters, and is looked up as any
+    request (3 blocks in G4 from earlier traffic: loaded)."""
+    ns, g3, g4, hs, blocks = tiers
+    assert g4.put(ns.keys(hs[:3]), blocks[:3]).result(HANG_S).written == 3
+    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=600.0)
+    keys = ("handoff_complete_requests", "handoff_timeouts")
+    before = {k: stats.get(k) for k in keys}
+    (n, _), _, _ = _ask(s, _req("z1", {KEY: {"blocks": 0, "block_size": BS}}))
+    assert n == 3 * BS
+    assert {k: stats.get(k) - before[k] for k in keys} == {"handoff_complete_requests": 0, "handoff_timeouts": 0}
