@@ -41,7 +41,7 @@ from ...pool.base import G3Extensions, LayerwiseLoading
 from ...transfer.layers import DEFAULT_MIN_READ
 from .. import load_priority
 from . import stats
-from .metadata import FailedLoad, LoadJob, SaveJob, mirror_id
+from .metadata import FailedLoad, LoadJob, SaveJob
 from .log_limits import LimitedLog
 
 log = logging.getLogger("kvbm_backend.connector")
@@ -182,8 +182,8 @@ class LayerwiseLoads:
             w._load_errors.update(job.block_ids[p:])
             w._failed_loads.append(FailedLoad(job.req_id, job.tenant, int(job.seq_hashes[p]),
                                               "timeout" if why[p] == "timeout" else "miss"))
-            if w.report_g3:
-                w._removed.extend(mirror_id(a.keys[i]) for i in range(p, n) if why[i] not in (None, "timeout"))
+        if w.report_g3:  # removed from the mirror only when G3 no longer holds it (a read error leaves the slot)
+            w._report_load_misses([a.keys[i] for i in range(p, n) if why[i] not in (None, "timeout")])
         self._tainted[job.req_id] = None
         while len(self._tainted) > TAINTED_MAX:
             self._tainted.popitem(last=False)

@@ -290,3 +290,49 @@ def test_off_by_default_and_needs_a_g3_pool(tmp_path):
         assert for_worker(_cfg(tmp_path), WorkerSide(ns, 0, None, None), NAMES) is None
     finally:
         g3.close()
+
+
+def test_a_block_a_layerwise_read_failed_on_stays_reported_while_g3_holds_it(tmp_path, monkeypatch):
+    """A layer-wise load whose read of a block fails (EIO: the slot stays, only a proven-bad slot is dropped)
+    reports that block failed (vLLM recomputes it) but not removed to the scheduler's mirror / the router's KV
+    events while G3 still holds it, as an asynchronous load does (``WorkerSide._report_load_misses``). Before,
+    every failed row but a timeout was reported removed: the mirror and the events lost a block G3 holds (and
+    served the next request through the asynchronous path). A block G3 no longer holds (dropped as corrupt) is
+    still reported removed."""
+    from kvbm_backend.io.files import ReadFiles
+    from kvbm_backend.integrations.vllm.metadata import mirror_id
+    src, ns, cfg, g3, hashes = _stored(tmp_path, "cpu")
+    w = WorkerSide(ns, 0, g3, None, report_g3=True)  # report_g3: a split scheduler or G3 KV events
+    w.register(_engine("cpu", 2))
+    lw = for_worker(cfg, w, NAMES)
+    assert lw is not None
+    try:
+        assert w.worker_meta().snapshot  # the first report (the whole index) is out
+        keys = ns.keys(hashes, "t", 0)
+        ls = g3.lease([keys[1]])[0]
+        g3.release([ls])
+        bad_path, lo, hi = ls.path, ls.offset, ls.offset + HEADER_BYTES + ns.layout.bytes_per_block
+        real = ReadFiles.preadv
+
+        def eio(self, path, bufs, offset, direct):  # the disk fails reads of block 1's slot
+            if path == bad_path and lo <= offset < hi:
+                raise OSError(5, "Input/output error")
+            return real(self, path, bufs, offset, direct)
+        monkeypatch.setattr(ReadFiles, "preadv", eio)
+        corrupt = _corrupt(g3, ns, src, hashes[3])  # and block 3 is corrupt: dropped, so gone
+
+        lw.start([LoadJob("r", [9, 10, 11, 12, 13], hashes, ["G3"] * 5, "t", layerwise=True)])
+        for n in NAMES:
+            lw.wait_layer(n)
+        assert lw.finish() == {"r"}
+        assert w.load_errors() == {10, 11, 12, 13}  # from the failed read on: recomputed
+        assert g3.contains(keys[1]) and not g3.contains(corrupt)
+        meta = w.worker_meta()
+        removed = set(meta.removed) if meta is not None else set()
+        assert mirror_id(keys[1]) not in removed  # stored, only unreadable this time: stays reported
+        assert mirror_id(corrupt) in removed  # gone from G3: reported removed
+        assert not removed & {mirror_id(k) for k in (keys[0], keys[2], keys[4])}
+    finally:
+        lw.close()
+        w.shutdown()
+        g3.close()
