@@ -184,6 +184,8 @@ class LayerwiseLoads:
                                               "timeout" if why[p] == "timeout" else "miss"))
         if w.report_g3:  # removed from the mirror only when G3 no longer holds it (a read error leaves the slot)
             w._report_load_misses([a.keys[i] for i in range(p, n) if why[i] not in (None, "timeout")])
+        if why[p] == "timeout":  # the first failed block ran out of time: a timeout, as an asynchronous load counts it
+            stats.add(load_timeouts=1)
         self._tainted[job.req_id] = None
         while len(self._tainted) > TAINTED_MAX:
             self._tainted.popitem(last=False)

@@ -336,3 +336,37 @@ def test_a_block_a_layerwise_read_failed_on_stays_reported_while_g3_holds_it(tmp
         lw.close()
         w.shutdown()
         g3.close()
+
+
+def test_a_layerwise_load_that_runs_out_of_time_is_counted_a_timeout(tmp_path, monkeypatch):
+    """A layer-wise load whose reads outlive its deadline is a timeout (``FailedLoad`` reason ``timeout``, the
+    block not cooled) and is counted in ``load_timeouts``, as an asynchronous load is (docs/operations.md). Before,
+    the layer-wise path reported the reason but never counted it: ``load_timeouts`` read 0."""
+    import threading
+    from kvbm_backend.io.files import ReadFiles
+    from kvbm_backend.integrations.vllm.layerwise import LayerwiseLoads
+    _, ns, _, g3, hashes = _stored(tmp_path, "cpu")
+    w = WorkerSide(ns, 0, g3, None)
+    w.register(_engine("cpu", 2))
+    lw = LayerwiseLoads(w, NAMES, timeout_s=0.3)  # the deadline that must run out: reads are gated past it
+    gate = threading.Event()
+    real = ReadFiles.preadv
+
+    def slow(self, *a, **k):  # a slow disk: reads wait until the test opens the gate
+        gate.wait(600.0)  # a hang guard, not a bound
+        return real(self, *a, **k)
+    monkeypatch.setattr(ReadFiles, "preadv", slow)
+    try:
+        before = stats.snapshot().get("load_timeouts", 0)
+        lw.start([LoadJob("r", [9, 10], hashes[:2], ["G3"] * 2, "t", layerwise=True)])
+        for n in NAMES:
+            lw.wait_layer(n)
+        assert lw.finish() == {"r"}
+        assert w.load_errors() == {9, 10}
+        assert [(f.first_failed, f.reason) for f in w.take_failed_loads()] == [(hashes[0], "timeout")]
+        assert stats.snapshot().get("load_timeouts", 0) - before == 1
+    finally:
+        gate.set()
+        lw.close()
+        w.shutdown()
+        g3.close()
