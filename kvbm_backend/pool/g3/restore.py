@@ -32,8 +32,8 @@ def restore(cat: SlotCatalog, threads: int) -> None:
     (:func:`.journal_home.remove_stale`). A version-3 journal's file indexes are mapped to this run's files by
     its file table (directory real path, slab number), so the order of ``g3.paths`` does not matter; entries of
     a directory no longer configured are dropped (``restore:path_removed``). Slab files no journal covers (none
-    found, its header unreadable, or a directory its file table does not name) are scanned instead: their
-    slot headers are indexed (:func:`.scan.scan`, before the journal's blocks in LRU order). ``threads``: header
+    found, its header unreadable, or a directory its file table does not name, one read as moved included) are
+    scanned: their slot headers not already restored from the journal are indexed (:func:`.scan.scan`, before the journal's blocks in LRU order). ``threads``: header
     reads in flight (the pool's ``g3.io_threads``; :func:`.scan.read_headers`)."""
     cols, info = cat.journal.load_columns()
     if info["bad_header"]:
@@ -114,12 +114,20 @@ def _count(cat: SlotCatalog, reason: str, where: npt.NDArray[np.bool_]) -> None:
 def _covered(cat: SlotCatalog, info: dict[str, Any], remap: list[int] | None) -> set[int]:
     """File indexes of this run a journal covers: none without a journal (absent, or its header unreadable:
     ``version`` 0), every file for versions 1 and 2 (positions in the configured list), and for version 3 the
-    files its file table maps to (:func:`_file_map`). The others are scanned (:mod:`.scan`)."""
+    files its file table maps to (:func:`_file_map`) in a directory it names. The others are scanned
+    (:mod:`.scan`), the files of a directory read as moved included: the pairing is a guess, and the directory
+    may instead be one left out for a run that came back (``g3.paths`` [a, b] -> [a, c] -> [a, b]: the journal
+    names a and c), whose blocks only its slot headers know. Before, such files counted as covered: every block
+    of the returning directory was dropped and its slots reused (found in review, 2026-11-30)."""
     if info["version"] == 0:
         return set()
     if remap is None:
         return set(cat.slabs.by_index)
-    return {fi for fi in remap if fi in cat.slabs.by_index}
+    if info["files"] is None:  # version 1/2 found outside the first path: a positional map, no directory moved
+        return {fi for fi in remap if fi in cat.slabs.by_index}
+    dirs, per_path = info["files"]
+    named = set(dirs) & set(cat.slabs.file_table()[0])  # directories of this run the journal names
+    return {fi for i, fi in enumerate(remap) if fi in cat.slabs.by_index and dirs[i // per_path] in named}
 
 
 def _file_map(cat: SlotCatalog, files: FileTable | None) -> list[int] | None:
@@ -128,8 +136,9 @@ def _file_map(cat: SlotCatalog, files: FileTable | None) -> list[int] | None:
     that is no longer configured was moved (copied to a new node, mounted elsewhere) when a configured directory
     the journal does not name is there to take its place: such directories are paired in the order of each list.
     The others were removed: :data:`_GONE` (logged). An index whose ``k`` is past ``files_per_path`` maps to no
-    file of this run. Versions 1 and 2 (no table): :func:`_positional_map`. A wrong pairing costs hits, never
-    bytes: every entry is checked against its slot header."""
+    file of this run. Versions 1 and 2 (no table): :func:`_positional_map`. A wrong pairing costs no bytes (every
+    entry is checked against its slot header) and no blocks: a paired directory's files are scanned too
+    (:func:`_covered`)."""
     if files is None:
         return _positional_map(cat)
     dirs, per_path = files

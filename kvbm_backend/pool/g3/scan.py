@@ -4,7 +4,8 @@ Every stored frame's 4 KiB header names its block (namespace fingerprint, tenant
 its layout, its lengths and its payload checksum (docs/format.md "Frame"), so the journal is an index of the
 headers, not the only record of them. When the journal is gone (the directory that held it failed or was left
 out of ``g3.paths``; its header is damaged) or names only some of the configured directories (a directory that
-was left out for a run came back; the journal of that run won), the slab files it does not cover are scanned:
+was left out for a run came back; the journal of that run won; one read as moved to a directory the journal
+does not name, :func:`.restore._file_map`), the slab files it does not cover are scanned:
 each slot's header is read and checked exactly as a journal entry's is (:func:`.restore.restore`: identity,
 layout, lengths, a checksum flag) and the slot is indexed under the key its header names. The files are
 ``fdatasync``'ed first (a frame written but never synced before a crash is made durable before it is

@@ -272,3 +272,25 @@ def test_a_header_naming_more_files_than_a_record_can_is_damage(dirs):
         keys = _put(pool, range(1, 11))
     with _open([a]) as pool:  # the damaged journal was replaced
         assert pool.stats()["restored_blocks"] == 10 and _served(pool, keys) == [True] * 10
+
+
+def test_a_directory_swapped_out_for_a_run_and_back_keeps_its_blocks(dirs):
+    """A config change reverted: ``g3.paths`` [a, b] -> [a, c] (b swapped for a new drive c for a run) -> [a, b]
+    again. In the last run the journal (written by the middle run) names a and c; c is not configured and b is
+    not named, so c is read as moved to b. b's slab files still hold its blocks of the first run, intact: they are
+    found by their slot headers (the journal names nothing in b that checks) and served. Before, b's files were
+    taken as covered by the journal and not scanned: every block b held was dropped and its slots reused."""
+    a, b, c, _ = dirs
+    with _open([a, b]) as pool:
+        keys = _put(pool, range(1, 151))
+        where = _where(pool, keys)
+    in_b = [k for k in keys if where[k] == str(b)]
+    assert in_b and len(in_b) < len(keys)
+    with _open([a, c]) as pool:  # b swapped for c: c's share is empty, b's blocks are not held
+        assert pool.stats()["restored_blocks"] == len(keys) - len(in_b)
+    with _open([a, b]) as pool:  # and back
+        st = pool.stats()
+        assert st["restored_blocks"] == len(keys), st
+        assert st["restored_by_scan"] == len(in_b), st
+        assert _served(pool, keys) == [True] * len(keys)
+        assert pool.slot_accounting()["leaked"] == 0
