@@ -18,6 +18,9 @@ straight into the caller's row in one call, one GIL release, no streaming contex
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import hmac
 import os
 from typing import TYPE_CHECKING
 
@@ -35,6 +38,31 @@ if TYPE_CHECKING:
 
 class AeadError(ValueError):
     """The tag did not verify: wrong key, wrong identity (AAD), or altered bytes."""
+
+
+KEY_CHECK_LABEL = b"kvbm-backend key check v1"
+
+
+@functools.lru_cache(maxsize=256)
+def key_check(key: bytes) -> int:
+    """The frame header's ``key_check`` of data key ``key`` (``docs/format.md``): the first 4 bytes of
+    HMAC-SHA256(key, ``KEY_CHECK_LABEL``) as a little-endian u32, 0 mapped to 1 (0 marks a frame written
+    before the field existed). It names the key *material*, so a reader holding another key under the same
+    ``(key_id, version)`` (two copies of a keyring rotated apart) tells a frame it cannot open from a corrupt
+    one; a one-way function of the key, it reveals nothing usable about it. Cached per key (the 256 most
+    recent). Raises ValueError on a key that is not 32 bytes."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"AES-256-GCM key: {len(key)} bytes, need {KEY_BYTES}")
+    v = int.from_bytes(hmac.new(key, KEY_CHECK_LABEL, hashlib.sha256).digest()[:4], "little")
+    return v or 1
+
+
+def key_check_differs(check: int, key: bytes) -> bool:
+    """True when a frame's ``key_check`` (``check``) names other key material than ``key``: the frame was
+    sealed under another key of the same ``(key_id, version)`` (a diverged keyring copy), so a failing GCM
+    tag proves nothing about its bytes. False for ``check`` 0 (a frame written before the field existed:
+    a failing tag then is corruption, as before). Raises ValueError on a key that is not 32 bytes."""
+    return check != 0 and check != key_check(key)
 
 
 def new_nonce() -> bytes:

@@ -45,8 +45,8 @@ FLAG_DEVCHECK = 0x4  # dev_check holds device_checksum() of the plaintext payloa
 
 # magic, version, flags, header_len, ns_fp, tenant_tag, rank, world, seq_hash,
 # num_layers, outer_dim, dtype_bytes, page_size, inner_dim, payload_len, stored_len,
-# key_id, key_version, nonce, reserved, integrity, created_ns, dev_check
-_FMT = "<8sHHI8s16sIIQIHHIIQQII12s4s16sQQ"
+# key_id, key_version, nonce, key_check, integrity, created_ns, dev_check
+_FMT = "<8sHHI8s16sIIQIHHIIQQII12sI16sQQ"
 _FIXED = struct.calcsize(_FMT)  # 144
 _CHECK = struct.Struct("<Q")
 _IDENTITY = struct.Struct("<8s16sIIQIHHIIQ")  # FrameHeader.identity_bytes: the AEAD additional data
@@ -102,6 +102,7 @@ class FrameHeader:
     key_id: int = 0
     key_version: int = 0
     nonce: bytes = b"\x00" * 12
+    key_check: int = 0  # encrypted frames: aead.key_check of the data key (0: written before it existed)
     integrity: bytes = b"\x00" * 16
     created_ns: int = field(default_factory=time.time_ns)
     dev_check: int = 0
@@ -127,7 +128,7 @@ class FrameHeader:
         fixed = struct.pack(_FMT, MAGIC, self.version, self.flags, HEADER_BYTES, self.ns_fp, self.tenant_tag,
                             self.rank, self.world, self.seq_hash, self.num_layers, self.outer_dim,
                             self.dtype_bytes, self.page_size, self.inner_dim, self.payload_len,
-                            self.stored_len, self.key_id, self.key_version, self.nonce, b"\x00" * 4,
+                            self.stored_len, self.key_id, self.key_version, self.nonce, self.key_check,
                             self.integrity, self.created_ns, self.dev_check)
         check = _CHECK.pack(xxhash.xxh3_64_intdigest(fixed))
         return fixed + check + b"\x00" * (HEADER_BYTES - _FIXED - 8)
@@ -142,7 +143,7 @@ class FrameHeader:
         if fixed[:8] != MAGIC:
             raise FrameError("magic")
         (_m, version, flags, hlen, ns_fp, ttag, rank, world, seq, nl, od, db, ps, inner, plen, slen, kid, kver,
-         nonce, _r, integ, created, devc) = struct.unpack(_FMT, fixed)
+         nonce, kcheck, integ, created, devc) = struct.unpack(_FMT, fixed)
         if version != FORMAT_VERSION:
             raise FrameError("version", f"frame format {version}, this reader knows {FORMAT_VERSION}")
         if _CHECK.unpack(bytes(mv[_FIXED:_FIXED + 8]))[0] != xxhash.xxh3_64_intdigest(fixed):
@@ -151,8 +152,8 @@ class FrameHeader:
             raise FrameError("length", f"header_len {hlen}")
         return cls(ns_fp=ns_fp, tenant_tag=ttag, rank=rank, world=world, seq_hash=seq, num_layers=nl, outer_dim=od,
                    dtype_bytes=db, page_size=ps, inner_dim=inner, payload_len=plen, stored_len=slen, flags=flags,
-                   key_id=kid, key_version=kver, nonce=nonce, integrity=integ, created_ns=created, dev_check=devc,
-                   version=version)
+                   key_id=kid, key_version=kver, nonce=nonce, key_check=kcheck, integrity=integ, created_ns=created,
+                   dev_check=devc, version=version)
 
     def check_identity(self, key: KeyIdentity, layout: KvLayout, tenant_tag: bytes) -> None:
         """Raise FrameError('identity'/'layout') unless this header names exactly ``key`` in ``layout``."""
@@ -254,7 +255,7 @@ class ChecksumFrames:
         flags = FLAG_CHECKSUM if dev_check is None else FLAG_CHECKSUM | FLAG_DEVCHECK
         _FIXED_STRUCT.pack_into(buf, offset, MAGIC, FORMAT_VERSION, flags, HEADER_BYTES, self._ns_fp,
                                 tenant_tag, rank, self._world, seq_hash, a[0], a[1], a[2], a[3], a[4], a[5], a[6],
-                                0, 0, b"\x00" * 12, b"\x00" * 4, integrity, created_ns,
+                                0, 0, b"\x00" * 12, 0, integrity, created_ns,
                                 0 if dev_check is None else dev_check & 0xFFFFFFFFFFFFFFFF)
         _CHECK.pack_into(buf, offset + _FIXED, xxhash.xxh3_64_intdigest(buf[offset:offset + _FIXED]))
         buf[offset + _FIXED + 8:offset + HEADER_BYTES] = _HEADER_TAIL

@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ...crypto.aead import AeadError, new_nonce, open_into, seal_into
+from ...crypto.aead import AeadError, key_check, key_check_differs, new_nonce, open_into, seal_into
 from ...crypto.keyring import KeyringError, TenantRevoked
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader, payload_checksum
 from .store import ObjectInfo, ObjectStore
@@ -121,6 +121,7 @@ class Announcements:
         body = bytearray(len(plain))
         if dk is not None:
             hdr.flags, hdr.key_id, hdr.key_version, hdr.nonce = FLAG_ENCRYPTED, dk.key_id, dk.version, new_nonce()
+            hdr.key_check = key_check(dk.key)
             hdr.integrity = seal_into(dk.key, hdr.nonce, hdr.identity_bytes(), plain, body)
         else:
             body[:] = plain
@@ -207,7 +208,7 @@ class Announcements:
                     return None, "foreign", None
                 dk = self.keyring.read_key(hdr.key_id, hdr.key_version)  # a key not held yet: reloads the file
                 owner = self.keyring.key_owner(hdr.key_id) if dk is not None else None
-                if owner is None:
+                if owner is None or key_check_differs(hdr.key_check, dk):  # not held, or other key material
                     return None, "foreign", None
                 if self._pseudonym(owner).hex() != b.tenant_hex:
                     return None, "corrupt", None  # sealed under another tenant's data key

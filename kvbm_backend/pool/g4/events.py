@@ -66,6 +66,7 @@ MISS_REASONS = {
     "revoked_tenant": "the tenant was revoked (pools with a keyring, encrypted or not)",
     "keyring_unavailable": "the keyring file does not load (pools with a keyring fail closed)",
     "no_key": "the keyring has no key the object was sealed with (an unknown tenant, a retired key)",
+    "key_mismatch": "other key material under the object's key id and version (a diverged keyring copy); kept",
     "unencrypted_object": "a plaintext object in an encrypted pool (never served; deleted where confirmed)",
     "corrupt": "the object failed its checks (corrupt_blocks says which); deleted where confirmed",
     "unconfirmed_corrupt": "the bytes read failed a check the store does not confirm it holds (garbled in transit); kept",

@@ -30,7 +30,9 @@ any node, with the same keyring, finds blocks by name.
 * Corrupt, truncated, swapped or foreign objects are misses, counted under ``corrupt_<reason>`` and
   deleted (a corrupt object would otherwise block re-publishing forever under create-exclusive).
   Objects sealed under keys this keyring does not hold (revoked or foreign tenants) are misses
-  (``miss_no_key``) and are left for ``kvbm-backend gc``. An object sealed under another tenant's
+  (``miss_no_key``) and are left for ``kvbm-backend gc``; so are those whose frame ``key_check`` names other
+  key material than this keyring holds under their key id and version (``miss_key_mismatch``: a keyring copy
+  rotated apart, docs/format.md), never deleted as corrupt. An object sealed under another tenant's
   key id (a blob sealed with B's key under A's name and identity) is ``corrupt_key_owner``. A plaintext
   frame found by an encrypted pool is never served (``miss_unencrypted_object``) and deleted once the
   store confirms it (``deleted_unencrypted``), so the encrypted copy can be written; a plaintext pool

@@ -7,14 +7,14 @@ buffers file objects are read through); lookups are :mod:`.lookup`.
   :class:`~kvbm_backend.deadlines.Deadline` on the pool's timer thread), whichever is first; a
   block not back by then is a miss (``miss_timeout``, marked ``GetResult.timed_out``) and its late reply
   never touches the caller's buffer (per-block lock + ``closed`` flag). An expired batch counts as one store failure (breaker).
-* A block is a hit only after :func:`kvbm_backend.model.frame.accept` (header identity, layout, exact
-  length) and the GCM tag (or xxh3) verified in a staging buffer the pool owns (the bounce buffer,
-  decrypted in place, or a fresh one for a store's read-only bytes); only then are the bytes copied into
-  the caller's buffer, so a miss never touches it. Corrupt objects are misses counted under
-  ``corrupt_<reason>`` and deleted when the reason is in :data:`_DELETE_ON` *and* the store confirms it
-  holds exactly the bytes read (:meth:`~kvbm_backend.pool.g4.store.ObjectStore.stored_matches`: an S3
-  HEAD's length and MD5 ETag, a fresh re-read of a file); otherwise (a lying endpoint or proxy, a bad
-  read) the miss is ``miss_unconfirmed_corrupt`` (detail ``unconfirmed_<reason>``) and the object stays.
+* A block is a hit only after :func:`kvbm_backend.model.frame.accept` (header identity, layout, exact length) and the
+  GCM tag (or xxh3) verified in a staging buffer the pool owns (the bounce buffer, decrypted in place, or a fresh one
+  for a store's read-only bytes); only then are the bytes copied into the caller's buffer, so a miss never touches it.
+  Corrupt objects are misses counted under ``corrupt_<reason>`` and deleted when the reason is in :data:`_DELETE_ON`
+  *and* the store confirms it holds exactly the bytes read
+  (:meth:`~kvbm_backend.pool.g4.store.ObjectStore.stored_matches`: an S3 HEAD's length and MD5 ETag, a fresh re-read
+  of a file); otherwise (a lying endpoint or proxy, a bad read) the miss is ``miss_unconfirmed_corrupt`` (detail
+  ``unconfirmed_<reason>``) and the object stays; so does a ``miss_key_mismatch`` (other key material: docs/format.md).
 * Throttled reads (:class:`~kvbm_backend.pool.g4.store.StoreThrottled`) are retried after a
   full-jitter backoff (:mod:`.throttle`) until the batch's load bound: each throttled answer counts
   ``throttled_get``; a block still throttled at the bound is ``miss_throttled``. A throttle is the store
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ...crypto.aead import TAG_BYTES, AeadError, gcm, open_into, open_tagged_into, seal_into
+from ...crypto.aead import TAG_BYTES, AeadError, gcm, key_check_differs, open_into, open_tagged_into, seal_into
 from ...crypto.keyring import Keyring
 from ...deadlines import Deadlines
 from ...memory import BufferPool
@@ -420,6 +420,8 @@ class G4Reader:
                         raise FrameError("key_owner", "sealed under another tenant's data key")
                     # revoked, or the file stopped loading, since _load looked: count it as such
                     return tenant_miss(self._tenant_keyring, key.tenant) or "miss_no_key"
+                if key_check_differs(hdr.key_check, dkey):  # sealed under other key material of that (key_id,
+                    return "miss_key_mismatch"  # version): a diverged keyring copy; not provably bad, so kept
                 if b.staged and buf is not None and not split and len(dst) == len(payload) \
                         and len(buf) >= size + TAG_BYTES:
                     # staged, from our bounce buffer: opened straight into the scratch row in one call, the tag

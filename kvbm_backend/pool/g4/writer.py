@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ...crypto.aead import new_nonce, seal_into
+from ...crypto.aead import key_check, key_check_differs, new_nonce, seal_into
 from ...crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenant
 from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
@@ -226,6 +226,7 @@ class G4Writer:
         src = np.ascontiguousarray(block).reshape(-1).view(np.uint8).data
         if dk is not None:
             hdr.flags, hdr.key_id, hdr.key_version, hdr.nonce = FLAG_ENCRYPTED, dk.key_id, dk.version, new_nonce()
+            hdr.key_check = key_check(dk.key)
             hdr.integrity = seal_into(dk.key, hdr.nonce, hdr.identity_bytes(), src, payload)
         else:
             payload[:] = src
@@ -357,7 +358,8 @@ class G4Writer:
         that a late settle, :mod:`.settle`, found holding other bytes than the unsettled PUT's), as
         far as its frame header (one ranged GET of ``HEADER_BYTES``) tells: the reader's header checks
         (:func:`~kvbm_backend.model.frame.accept`: format, block identity with ``namer``'s tenant tag, layout,
-        TP world, length), an encrypted frame's data key still held by the keyring for this tenant, a plaintext
+        TP world, length), an encrypted frame's data key still held by the keyring for this tenant (and, where the
+        frame names it, the same key material: its ``key_check``), a plaintext
         frame only in a plaintext pool. Payload integrity is not checked (that needs the whole object). True
         too when it cannot tell (the GET failed or the object is gone since): today's ``skipped_exists``.
         Never raises."""
@@ -376,9 +378,10 @@ class G4Writer:
             if self._keyring is None:
                 return False
             try:
-                return self._keyring.read_key(hdr.key_id, hdr.key_version, tenant=key.tenant) is not None
+                dkey = self._keyring.read_key(hdr.key_id, hdr.key_version, tenant=key.tenant)
             except Exception:  # noqa: BLE001 - unknown: as before
                 return True
+            return dkey is not None and not key_check_differs(hdr.key_check, dkey)  # other key material: unservable
         return not self._encrypt and bool(hdr.flags & FLAG_CHECKSUM)
 
     # ---- namespace.json ------------------------------------------------------------------
