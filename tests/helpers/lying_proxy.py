@@ -10,7 +10,11 @@ passes through unchanged, so the server itself keeps the true objects.
 * ``html``: an HTML error page (``Content-Type: text/html``).
 
 The server's ETag header is kept (a proxy that rewrites bodies rarely touches it). ``proxy.lied`` counts
-rewritten answers. Used by tests/pool/g4/test_g4_hostile.py and the ``lyings3`` fault campaign kind.
+rewritten answers.
+
+``proxy.redirect_to = "https://host:port"``: every request (any method, any path) is answered ``301 Moved
+Permanently`` to that origin and the same path, with an HTML body and no S3 headers, and never reaches the
+server: an http endpoint behind a front end that sends everything to https. ``proxy.redirected`` counts them. Used by tests/pool/g4/test_g4_hostile.py and the ``lyings3`` fault campaign kind.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODES = ("short", "garbage", "other", "html")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "expect", "proxy-connection"}
+MOVED = b"<html><head><title>301 Moved Permanently</title></head><body><h1>301 Moved Permanently</h1></body></html>\n"
 HTML = b"<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1></body></html>\n"
 
 
@@ -56,6 +61,8 @@ class LyingProxy:
         self.mode = "pass"
         self.other_body = b""
         self.lied = 0
+        self.redirect_to: str | None = None
+        self.redirected = 0
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -66,6 +73,13 @@ class LyingProxy:
 
             def _forward(self):
                 n = int(self.headers.get("Content-Length") or 0)
+                if proxy.redirect_to is not None:
+                    if n:
+                        self.rfile.read(n)
+                    proxy.redirected += 1
+                    reply(self, 301, [("Location", proxy.redirect_to + self.path), ("Content-Type", "text/html")],
+                          MOVED, str(len(MOVED)))
+                    return
                 status, out_hdrs, data, length = upstream(self, proxy.target, self.rfile.read(n) if n else None)
                 if (self.command == "GET" and status == 200 and proxy.mode != "pass"
                         and "?" not in self.path and self.path.count("/") >= 2):

@@ -37,6 +37,9 @@ traffic is on obstore with ``g4.s3_client: obstore``, the default (:mod:`.s3_obs
 * A frame that fails verification is dropped only when :meth:`S3Store.stored_matches` (HEAD: length and
   MD5 ETag of the bytes read) confirms the server holds those very bytes; a proxy or endpoint that
   answers 200 with a wrong body never gets a good object deleted.
+* botocore's region redirector is kept (a wrong ``region``: one redirect to the region the answer names),
+  but a HEAD bucket answered with a redirect that names no region is not looked up again
+  (:func:`_no_region_lookup_loop`): such an answer (an http endpoint sent to https) raises an OSError.
 * botocore's optional CRC request/response checksums are off (``when_required``): every frame carries
   its own xxh3 or GCM tag, verified where the bytes land.
 
@@ -142,6 +145,7 @@ class S3Store(ObjectStore):
                      s3={"addressing_style": "path"} if endpoint_url else None)
         self.client = client or boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region,
                                                                 config=cfg)
+        self.client.meta.events.register_first("needs-retry.s3", _no_region_lookup_loop)
         self.supports_conditional_put = True
         self._mu = threading.Lock()
 
@@ -403,6 +407,23 @@ class S3Store(ObjectStore):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _no_region_lookup_loop(request_dict: dict[str, Any], response: Any, operation: Any, **_: Any) -> None:
+    """botocore hook (``needs-retry.s3``, ahead of its region redirector): a HEAD bucket answered with a
+    redirect or 400 that names no region is not redirected. The redirector looks an unnamed region up with a
+    HEAD bucket, whose own redirect it looks up again: a front end that redirects every request (an http
+    endpoint sent to https) made each store call ~80 requests deep and raise RecursionError. Now that
+    lookup fails once and the call raises the server's answer (a ClientError, an OSError here)."""
+    if response is None or getattr(operation, "name", "") != "HeadBucket":
+        return
+    parsed = response[1]
+    if "x-amz-bucket-region" in parsed.get("ResponseMetadata", {}).get("HTTPHeaders", {}) \
+            or parsed.get("Error", {}).get("Region"):
+        return  # the answer names the region: botocore's one redirect to it stands
+    redirect = request_dict.get("context", {}).get("s3_redirect")
+    if isinstance(redirect, dict):
+        redirect["redirected"] = True  # what the redirector checks before redirecting (once per request)
 
 
 def _md5(data: DataIn) -> str:

@@ -286,3 +286,32 @@ def test_any_str_is_a_g4_tenant(tmp_path, encrypt):
             assert g4.lookup_prefix(ns.keys([1, 2], t + "!")).result(30) == 0  # another tenant: nothing
     finally:
         g4.close()
+
+
+@pytest.mark.parametrize("client", ["boto3", "obstore"])
+def test_an_endpoint_that_redirects_everything_is_an_error_answer_not_a_request_storm(seaweed, s3_prefix, client):
+    """An http ``g4.endpoint_url`` whose front end answers every request ``301`` to https (no S3 region in
+    the answer): each call raises an OSError naming the answer after a few requests. Before, boto3's region
+    redirector looked the bucket's region up with a HEAD bucket, which was redirected and looked it up
+    again: some 80 requests per call, then a RecursionError (not an OSError) out of every store call."""
+    from kvbm_backend.pool.g4.factory import open_store
+    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = LyingProxy(host, int(port))
+    proxy.redirect_to = "https://127.0.0.1:9"  # where the redirect points refuses connections
+    url = seaweed.url(s3_prefix)
+    st = open_store(url, G4Config(url=url, endpoint_url=proxy.endpoint, s3_client=client, timeout_s=2.0, retries=1))
+    try:
+        calls = {"probe": st.probe, "get": lambda: st.get("x"), "ranged get": lambda: st.get("x", 10, 10),
+                 "head": lambda: st.head("x"), "put_if_absent": lambda: st.put_if_absent("x", b"1" * 100),
+                 "put": lambda: st.put("x", b"1" * 100), "delete": lambda: st.delete("x"),
+                 "list": lambda: list(st.list()), "settle": lambda: st.settle("x", "0" * 32)}
+        for what, call in calls.items():
+            before = proxy.redirected
+            with pytest.raises(OSError):
+                call()
+            # one request, its retry, and a settling HEAD of a PUT (and its retry) at most: never a storm
+            assert proxy.redirected - before <= 4, (what, proxy.redirected - before)
+        assert st.stored_matches("x", b"1" * 100, 100) is False  # cannot confirm: an answer, not an exception
+    finally:
+        st.close()
+        proxy.close()
