@@ -14,12 +14,20 @@ rewritten answers.
 
 ``proxy.redirect_to = "https://host:port"``: every request (any method, any path) is answered ``301 Moved
 Permanently`` to that origin and the same path, with an HTML body and no S3 headers, and never reaches the
-server: an http endpoint behind a front end that sends everything to https. ``proxy.redirected`` counts them. Used by tests/pool/g4/test_g4_hostile.py and the ``lyings3`` fault campaign kind.
+server: an http endpoint behind a front end that sends everything to https. ``proxy.redirected`` counts them.
+
+``proxy.cut_short = n``: the next ``n`` object GETs answered 200 (whole or ranged, mode ignored) are cut
+short in transit: the full ``Content-Length`` header, then only the first third of the body, then the
+connection is closed (a reset link, a proxy that died mid-answer). ``proxy.cut`` counts them. Set a large
+``n`` for "every answer".
+
+Used by tests/pool/g4/test_g4_hostile.py and the ``lyings3`` fault campaign kind.
 """
 from __future__ import annotations
 
 import http.client
 import os
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -63,6 +71,8 @@ class LyingProxy:
         self.lied = 0
         self.redirect_to: str | None = None
         self.redirected = 0
+        self.cut_short = 0
+        self.cut = 0
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -81,8 +91,22 @@ class LyingProxy:
                           MOVED, str(len(MOVED)))
                     return
                 status, out_hdrs, data, length = upstream(self, proxy.target, self.rfile.read(n) if n else None)
-                if (self.command == "GET" and status == 200 and proxy.mode != "pass"
-                        and "?" not in self.path and self.path.count("/") >= 2):
+                obj_get = self.command == "GET" and status in (200, 206) and "?" not in self.path \
+                    and self.path.count("/") >= 2
+                if obj_get and proxy.cut_short > 0 and len(data) >= 3:
+                    proxy.cut_short -= 1
+                    proxy.cut += 1
+                    self.send_response(status)
+                    for k, v in out_hdrs:
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data[: len(data) // 3])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if obj_get and status == 200 and proxy.mode != "pass":
                     data, out_hdrs = proxy._lie(data, out_hdrs)
                 reply(self, status, out_hdrs, data, length)
 

@@ -175,7 +175,8 @@ class S3Store(ObjectStore):
         """``fn(retried)``: one S3 request (and the read of its body), made up to ``1 + retries`` times.
 
         A throttled answer raises :class:`StoreThrottled` at once (never retried or slept on here). A
-        failure in transit (botocore connection errors and timeouts, a body cut short) or a 500/502/503/504 or
+        failure in transit (botocore connection errors and timeouts; a body cut short, which botocore raises as
+        ResponseStreamingError, an HTTPClientError) or a 500/502/503/504 or
         ``RequestTimeout`` answer is retried at once while attempts remain; ``retried`` tells ``fn`` that an
         earlier attempt failed so (its request may have reached the server). Anything else, and the last
         transient failure, is raised as botocore raised it (a ClientError carries ``kvbm_retried``)."""
