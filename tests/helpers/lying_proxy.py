@@ -15,6 +15,7 @@ rewritten answers.
 ``proxy.redirect_to = "https://host:port"``: every request (any method, any path) is answered ``301 Moved
 Permanently`` to that origin and the same path, with an HTML body and no S3 headers, and never reaches the
 server: an http endpoint behind a front end that sends everything to https. ``proxy.redirected`` counts them.
+``proxy.endpoint`` as the origin is a redirect loop; ``""`` answers ``301`` with no ``Location`` header.
 
 ``proxy.cut_short = n``: the next ``n`` object GETs answered 200 (whole or ranged, mode ignored) are cut
 short in transit: the full ``Content-Length`` header, then only the first third of the body, then the
@@ -87,8 +88,8 @@ class LyingProxy:
                     if n:
                         self.rfile.read(n)
                     proxy.redirected += 1
-                    reply(self, 301, [("Location", proxy.redirect_to + self.path), ("Content-Type", "text/html")],
-                          MOVED, str(len(MOVED)))
+                    loc = [("Location", proxy.redirect_to + self.path)] if proxy.redirect_to else []
+                    reply(self, 301, loc + [("Content-Type", "text/html")], MOVED, str(len(MOVED)))
                     return
                 status, out_hdrs, data, length = upstream(self, proxy.target, self.rfile.read(n) if n else None)
                 obj_get = self.command == "GET" and status in (200, 206) and "?" not in self.path \

@@ -39,6 +39,11 @@ describes the behaviour), kept request by request:
 obstore reports a failed request as an exception whose message carries the HTTP status
 (``non-2xx status code: 503``) and the S3 error body (``<Code>SlowDown</Code>``); :func:`status_and_code`
 reads both; no status means the request did not complete (connect error, timeout, a body cut short).
+obstore follows a redirect itself (reqwest: up to 10 hops); one it cannot follow (``error following
+redirect``: a loop; ``Received redirect without LOCATION``) is the server's answer, an OSError ``... Redirect
+(HTTP 3xx ...)``, never retried nor a StoreUnavailable (not a circuit-breaker failure), as boto3's 301 is.
+A redirect to a place that does not answer (an https origin refusing connections) still reads as a
+connect error, StoreUnavailable: obstore's message does not say a redirect led there.
 Control-plane calls (probe, the server's clock, LIST for ``gc``, DELETE, the ETag checks) stay on the
 boto3 client the base class builds; credentials come from the same boto3 session chain
 (``obstore.auth.boto3.Boto3CredentialProvider``), the endpoint and region from that client.
@@ -69,10 +74,19 @@ _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
 
 
+#: reqwest's words for a redirect it could not follow (a loop past 10 hops, a 3xx with no Location): an answer
+_REDIRECT = re.compile(r"error following redirect|redirect without LOCATION", re.IGNORECASE)
+#: the status given to such an answer (reqwest does not say which 3xx it was)
+REDIRECT_STATUS = 300
+
+
 def status_and_code(e: BaseException) -> tuple[int | None, str]:
-    """``(HTTP status or None, S3 error code or "")`` of an obstore exception (None: no answer)."""
+    """``(HTTP status or None, S3 error code or "")`` of an obstore exception (None: no answer). A redirect
+    obstore could not follow is an answer: ``(REDIRECT_STATUS, "Redirect")``."""
     msg = str(e)
     st, code = _STATUS.search(msg), _CODE.search(msg)
+    if st is None and _REDIRECT.search(msg):
+        return REDIRECT_STATUS, "Redirect"
     return (int(st.group(1)) if st else None), (code.group(1) if code else "")
 
 
@@ -155,6 +169,8 @@ class ObstoreS3Store(S3Store):
             raise self._bucket_missing() from None
         if _unanswered(f):
             raise self._unavailable_error(f, name) from None
+        if f.code == "Redirect":
+            raise OSError(f"{f.op} {self.url}/{name}: Redirect (HTTP 3xx, not followed: {f})") from None
         raise OSError(f"{f.op} {self.url}/{name}: {f.code or '-'} (HTTP {f.status})") from None
 
     def put_if_absent(self, name: str, data: DataIn) -> bool:

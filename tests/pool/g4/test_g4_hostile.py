@@ -348,3 +348,43 @@ def test_a_body_cut_short_is_retried_and_never_served(seaweed, s3_prefix, client
     finally:
         st.close()
         proxy.close()
+
+
+@pytest.mark.parametrize("client", ["boto3", "obstore"])
+@pytest.mark.parametrize("redirect", ["loop", "no Location"])
+def test_a_redirect_the_client_cannot_follow_is_an_error_answer_for_both_clients(seaweed, s3_prefix, tmp_path,
+                                                                                 client, redirect):
+    """An endpoint that answers every request 301 to itself (a loop) or 301 with no Location: each data-path
+    call raises the same kind with either client, an OSError that is no StoreUnavailable / PutUnsettled (the
+    server answered: not retried, and not a circuit-breaker failure), and the G4 pool's breaker stays closed
+    through more failed reads than ``breaker_failures``. Before, obstore (which follows redirects itself,
+    up to 10 hops) raised StoreUnavailable for GET, ranged GET, HEAD and settle ("error following redirect",
+    "Received redirect without LOCATION": no status in the message), retried them (22 requests per call in
+    a loop) and opened the breaker, while boto3 raised OSError '... (HTTP 301)'."""
+    from kvbm_backend.pool.g4.factory import open_store
+    from kvbm_backend.pool.g4.store import StoreUnavailable
+    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = LyingProxy(host, int(port))
+    proxy.redirect_to = proxy.endpoint if redirect == "loop" else ""
+    url = seaweed.url(s3_prefix)
+    st = open_store(url, G4Config(url=url, endpoint_url=proxy.endpoint, s3_client=client, timeout_s=60.0, retries=1))
+    try:
+        calls = {"probe": st.probe, "get": lambda: st.get("x"), "ranged get": lambda: st.get("x", 10, 10),
+                 "head": lambda: st.head("x"), "put_if_absent": lambda: st.put_if_absent("x", b"1" * 100),
+                 "put": lambda: st.put("x", b"1" * 100), "delete": lambda: st.delete("x"),
+                 "list": lambda: list(st.list()), "settle": lambda: st.settle("x", "0" * 32)}
+        for what, call in calls.items():
+            before = proxy.redirected
+            with pytest.raises(OSError) as ei:
+                call()
+            assert not isinstance(ei.value, StoreUnavailable), (what, ei.value)
+            # not retried: one request (and boto3's one HEAD bucket looking for a region), or one followed 10 times by
+            # obstore (reqwest's limit) in a loop
+            assert proxy.redirected - before <= (11 if redirect == "loop" else 2), (what, proxy.redirected - before)
+        with _pool(tmp_path, url=url, endpoint_url=proxy.endpoint, s3_client=client, breaker_failures=2) as pool:
+            for s in range(4):
+                assert _get(pool, [s])[0] == [False]
+            assert pool.breaker.state == "closed" and pool.breaker.opens == 0
+    finally:
+        st.close()
+        proxy.close()
