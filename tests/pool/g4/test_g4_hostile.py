@@ -288,23 +288,31 @@ def test_any_str_is_a_g4_tenant(tmp_path, encrypt):
         g4.close()
 
 
+def _proxied_store(seaweed, s3_prefix, client: str, timeout_s: float):
+    """A SeaweedFS-backed store of ``client`` reached through a :class:`LyingProxy` (honest until told otherwise),
+    and the store calls every redirect test makes, by name."""
+    from kvbm_backend.pool.g4.factory import open_store
+    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = LyingProxy(host, int(port))
+    url = seaweed.url(s3_prefix)
+    st = open_store(url, G4Config(url=url, endpoint_url=proxy.endpoint, s3_client=client, timeout_s=timeout_s,
+                                  retries=1))
+    calls = {"probe": st.probe, "get": lambda: st.get("x"), "ranged get": lambda: st.get("x", 10, 10),
+             "head": lambda: st.head("x"), "put_if_absent": lambda: st.put_if_absent("x", b"1" * 100),
+             "put": lambda: st.put("x", b"1" * 100), "delete": lambda: st.delete("x"),
+             "list": lambda: list(st.list()), "settle": lambda: st.settle("x", "0" * 32)}
+    return proxy, url, st, calls
+
+
 @pytest.mark.parametrize("client", ["boto3", "obstore"])
 def test_an_endpoint_that_redirects_everything_is_an_error_answer_not_a_request_storm(seaweed, s3_prefix, client):
     """An http ``g4.endpoint_url`` whose front end answers every request ``301`` to https (no S3 region in
     the answer): each call raises an OSError naming the answer after a few requests. Before, boto3's region
     redirector looked the bucket's region up with a HEAD bucket, which was redirected and looked it up
     again: some 80 requests per call, then a RecursionError (not an OSError) out of every store call."""
-    from kvbm_backend.pool.g4.factory import open_store
-    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
-    proxy = LyingProxy(host, int(port))
+    proxy, _url, st, calls = _proxied_store(seaweed, s3_prefix, client, timeout_s=2.0)
     proxy.redirect_to = "https://127.0.0.1:9"  # where the redirect points refuses connections
-    url = seaweed.url(s3_prefix)
-    st = open_store(url, G4Config(url=url, endpoint_url=proxy.endpoint, s3_client=client, timeout_s=2.0, retries=1))
     try:
-        calls = {"probe": st.probe, "get": lambda: st.get("x"), "ranged get": lambda: st.get("x", 10, 10),
-                 "head": lambda: st.head("x"), "put_if_absent": lambda: st.put_if_absent("x", b"1" * 100),
-                 "put": lambda: st.put("x", b"1" * 100), "delete": lambda: st.delete("x"),
-                 "list": lambda: list(st.list()), "settle": lambda: st.settle("x", "0" * 32)}
         for what, call in calls.items():
             before = proxy.redirected
             with pytest.raises(OSError):
@@ -325,12 +333,8 @@ def test_a_body_cut_short_is_retried_and_never_served(seaweed, s3_prefix, client
     ranged and open-ended GETs, both clients alike (boto3: botocore's ResponseStreamingError, an
     HTTPClientError, also under urllib3 1.26; obstore: "request or response body error", no status).
     A guard for the retry the s3_store module doc promises for "a body cut short"."""
-    from kvbm_backend.pool.g4.factory import open_store
     from kvbm_backend.pool.g4.store import StoreUnavailable
-    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
-    proxy = LyingProxy(host, int(port))
-    url = seaweed.url(s3_prefix)
-    st = open_store(url, G4Config(url=url, endpoint_url=proxy.endpoint, s3_client=client, timeout_s=60.0, retries=1))
+    proxy, _url, st, _calls = _proxied_store(seaweed, s3_prefix, client, timeout_s=60.0)
     data = os.urandom(300_000)
     try:
         st.put("x", data)
@@ -361,18 +365,10 @@ def test_a_redirect_the_client_cannot_follow_is_an_error_answer_for_both_clients
     up to 10 hops) raised StoreUnavailable for GET, ranged GET, HEAD and settle ("error following redirect",
     "Received redirect without LOCATION": no status in the message), retried them (22 requests per call in
     a loop) and opened the breaker, while boto3 raised OSError '... (HTTP 301)'."""
-    from kvbm_backend.pool.g4.factory import open_store
     from kvbm_backend.pool.g4.store import StoreUnavailable
-    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
-    proxy = LyingProxy(host, int(port))
+    proxy, url, st, calls = _proxied_store(seaweed, s3_prefix, client, timeout_s=60.0)
     proxy.redirect_to = proxy.endpoint if redirect == "loop" else ""
-    url = seaweed.url(s3_prefix)
-    st = open_store(url, G4Config(url=url, endpoint_url=proxy.endpoint, s3_client=client, timeout_s=60.0, retries=1))
     try:
-        calls = {"probe": st.probe, "get": lambda: st.get("x"), "ranged get": lambda: st.get("x", 10, 10),
-                 "head": lambda: st.head("x"), "put_if_absent": lambda: st.put_if_absent("x", b"1" * 100),
-                 "put": lambda: st.put("x", b"1" * 100), "delete": lambda: st.delete("x"),
-                 "list": lambda: list(st.list()), "settle": lambda: st.settle("x", "0" * 32)}
         for what, call in calls.items():
             before = proxy.redirected
             with pytest.raises(OSError) as ei:
