@@ -83,6 +83,14 @@ class _Recorder:
         g4.lookup_prefix = lookup_prefix
 
 
+def _on_clock(g3, g4, wait_s: float):
+    """A scheduler side over ``g3``/``g4`` whose hand-off waits run on the returned clock (``now[0]`` seconds)."""
+    s = SchedulerSide(NS, BS, g3, g4, handoff_wait_s=wait_s)
+    now = [0.0]
+    s.handoff._clock = lambda: now[0]
+    return s, now
+
+
 def _wait_out(s, req, now, step_s=0.01, on_look=None):
     """Ask as vLLM's scheduler does, the wait's clock moving ``step_s`` per ask, until an answer; returns it."""
     t0 = time.monotonic()
@@ -104,9 +112,7 @@ def test_a_waiting_request_asks_g4_only_beyond_the_prefix_it_found_and_backs_off
     g3, g4 = tiers
     _put(g4, 0, 12)
     rec = _Recorder(g4)
-    s = SchedulerSide(NS, BS, g3, g4, handoff_wait_s=2.0)
-    now = [0.0]
-    s.handoff._clock = lambda: now[0]
+    s, now = _on_clock(g3, g4, 2.0)
     n, _ = _wait_out(s, _req("w1"), now)
     assert n == 12 * BS  # what is there, at the end of the wait; the engine computes the rest
     assert rec.asked[0] == NB and rec.asked[1:] and set(rec.asked[1:]) == {NB - 12}, rec.asked
@@ -143,9 +149,7 @@ def test_a_handed_off_request_counts_the_look_that_ended_its_wait(tiers):
     g3, g4 = tiers
     _put(g4, 0, 4)
     rec = _Recorder(g4)
-    s = SchedulerSide(NS, BS, g3, g4, handoff_wait_s=600.0)
-    now = [0.0]
-    s.handoff._clock = lambda: now[0]
+    s, now = _on_clock(g3, g4, 600.0)
     keys = ("lookup_requests", "lookup_blocks", "g3_found_blocks", "g4_found_blocks", "handoff_complete_requests")
     before = {k: stats.get(k) for k in keys}
     pool_before = g4.stats()
@@ -231,9 +235,7 @@ def test_a_promised_block_cooling_after_a_failed_load_ends_the_wait_once_the_blo
     from kvbm_backend.integrations.vllm.metadata import FailedLoad
     g3, g4 = tiers
     hs = sequence_hashes(TOKS, BS)
-    s = SchedulerSide(NS, BS, g3, g4, handoff_wait_s=600.0)
-    now = [0.0]
-    s.handoff._clock = lambda: now[0]
+    s, now = _on_clock(g3, g4, 600.0)
     s.failed_blocks.cooldown_s = HANG_S  # cooling for the whole test, however slow the machine
     s.loads_failed([FailedLoad("earlier", "", hs[10], "miss")])  # an earlier request's load of block 10 missed
     keys = ("handoff_timeouts", "handoff_cooled_timeouts", "handoff_wait_s", "handoff_complete_requests",
@@ -257,9 +259,7 @@ def test_a_request_waits_for_the_blocks_before_a_cooling_one(tiers):
     g3, g4 = tiers
     _put(g4, 0, 4)
     rec = _Recorder(g4)
-    s = SchedulerSide(NS, BS, g3, g4, handoff_wait_s=600.0)
-    now = [0.0]
-    s.handoff._clock = lambda: now[0]
+    s, now = _on_clock(g3, g4, 600.0)
     s.failed_blocks.cooldown_s = HANG_S  # cooling for the whole test, however slow the machine
     s.loads_failed([FailedLoad("earlier", "", sequence_hashes(TOKS, BS)[10], "miss")])
     keys = ("handoff_timeouts", "handoff_cooled_timeouts", "handoff_wait_s")
