@@ -306,3 +306,17 @@ def test_podmonitor_scrapes_both_metric_ports_of_the_worker():
         assert set(ep) <= PODMONITOR_ENDPOINT, set(ep) - PODMONITOR_ENDPOINT
         assert ep["port"] in ports and ep["path"] == "/metrics", ep
     assert {ports[ep["port"]] for ep in eps} == want
+
+
+def test_readme_steps_do_not_wait_on_a_command_that_never_ends():
+    """Review finding (2026-11-30): the README's last step was ``kubectl port-forward ... && curl ...``.
+    ``kubectl port-forward`` runs until it is interrupted (and then exits non-zero), so the ``curl`` after ``&&``
+    never ran. Every long-running command in the README's shell blocks is started in the background."""
+    text = (K8S / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    lines = [ln.split("#", 1)[0].rstrip() for b in blocks for ln in b.splitlines()]
+    forwards = [ln for ln in lines if "kubectl port-forward" in ln]
+    assert forwards, "the README shows how to reach the frontend"
+    for ln in forwards:
+        assert ln.endswith("&") and not ln.endswith("&&") and "&&" not in ln.split("port-forward", 1)[1], ln
+    assert any(ln.lstrip().startswith(("curl", "sleep")) and "curl localhost:8000/v1/models" in ln for ln in lines)
