@@ -271,6 +271,11 @@ def test_worker_container_command_passes_the_launchers_checks(tmp_path):
     g3 = mapped[mounts["g3"]]
     assert f"g3.paths={g3} [file]" in line[0] and "g3.capacity_gb=800 [file]" in line[0], line[0]
     assert f"g4.keyring.path={keyring} [file]" in line[0] and "g4.kek=[env KVBM_BACKEND_KEK]" in line[0], line[0]
+    # the line examples/k8s/README.md quotes is how this one starts (it left out the first field, g3.enabled)
+    quoted = re.search(r"`(kvbm-backend effective \(dynamo, [^`]*?) \.\.\.`", (K8S / "README.md").read_text()).group(1)
+    for src, dst in mapped.items():
+        quoted = quoted.replace(src + "/", f"{dst}/").replace(src + " ", f"{dst} ")
+    assert line[0].startswith(quoted + " "), (quoted, line[0])
     exec_line = next(ln for ln in r.stdout.splitlines() if ln.startswith("kvbm-backend dry run: exec "))
     argv = shlex.split(exec_line[len("kvbm-backend dry run: exec "):])
     assert argv[1:3] == ["-m", "kvbm_backend.integrations.dynamo.vllm_worker"]
