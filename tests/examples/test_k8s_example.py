@@ -193,6 +193,9 @@ def test_discovery_and_planes_agree():
     fsvc = objs[("Service", "dynamo-frontend")]
     assert fsvc["spec"]["selector"].items() <= objs[("Deployment", "dynamo-frontend")]["spec"]["template"]["metadata"]["labels"].items()
     assert fe["HTTP_PORT"] == "8000" and w["readinessProbe"]["httpGet"]["port"] == "system"
+    # a gated model's tokenizer is fetched by the frontend too (Dynamo 1.6.1's model card download): the same
+    # optional hf-token Secret as the worker's
+    assert fe["HF_TOKEN"] == we["HF_TOKEN"] and fe["HF_TOKEN"]["secretKeyRef"]["optional"] is True
 
 
 def test_worker_storage_secrets_and_keyring():
