@@ -92,7 +92,7 @@ STATS_CONTRACT = {
     "misses": "blocks a get did not deliver (absent, foreign, corrupt, late, failed)",
     "corrupt": "blocks found corrupt (dropped, never served)",
     "written": "blocks a put made durable and published",
-    "skipped": "blocks a put did not write: already stored, or not admitted",
+    "skipped": "blocks a put did not write: already stored, not admitted, or deleted while queued",
     "dropped": "blocks a put could not store (queue full, no space, store down)",
     "bytes_read": "payload bytes read from storage",
     "bytes_written": "payload bytes written to storage",

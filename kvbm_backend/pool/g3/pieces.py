@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import xxhash
@@ -34,6 +35,35 @@ class _Job:
     checks: list[int] | None = None  # per block: device_checksum of the payload, or None
     # keys deleted while queued/written and put again meanwhile: a later job writes them, this one must not publish
     lost: set[BlockKey] = field(default_factory=set)
+
+
+def live_blocks(jobs: list[_Job], cancelled: set[BlockKey]) -> tuple[
+        list[_Job], list[BlockKey], list[BlockBuffer], list[int | None], list[tuple[_Job, BlockKey]]]:
+    """The blocks of ``jobs`` to write, as parallel lists (per block: its job, key, block, device checksum or
+    None), and ``(job, key)`` of those not to write: deleted while queued (``cancelled``, the writer's set) or
+    put again since by another job (``job.lost``)."""
+    lj: list[_Job] = []
+    lk: list[BlockKey] = []
+    lb: list[BlockBuffer] = []
+    lc: list[int | None] = []
+    gone: list[tuple[_Job, BlockKey]] = []
+    for job in jobs:
+        jc: Sequence[int | None] = job.checks if job.checks is not None else [None] * len(job.keys)
+        if not cancelled and not job.lost:
+            lj.extend([job] * len(job.keys))
+            lk.extend(job.keys)
+            lb.extend(job.blocks)
+            lc.extend(jc)
+            continue
+        for k, b, c in zip(job.keys, job.blocks, jc):
+            if k in cancelled or k in job.lost:
+                gone.append((job, k))
+            else:
+                lj.append(job)
+                lk.append(k)
+                lb.append(b)
+                lc.append(c)
+    return lj, lk, lb, lc, gone
 
 
 @dataclass

@@ -250,8 +250,9 @@ class G3Pool:
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[BlockBuffer], *,
             dev_checks: Sequence[int] | None = None, bypass_admission: bool = False) -> Future[PutResult]:
         """Offload ``blocks[i]`` (``block_bytes`` uint8 each) under ``keys[i]``; returns Future[PutResult]
-        at once. Keys already held or in flight and blocks the admission filter turns away are
-        ``skipped``; blocks beyond the queue bound, while degraded, or without room are ``dropped``, and
+        at once. Keys already held or in flight, blocks the admission filter turns away, and keys
+        deleted (:meth:`delete`) while queued or being written (not stored) are ``skipped`` (``stats()``
+        ``offloads_skipped_present``, ``_admission``, ``_deleted``; ``skipped`` sums them); blocks beyond the queue bound, while degraded, or without room are ``dropped``, and
         so is a key no slot can hold (seq_hash outside [0, 2**64), rank outside [0, 2**32): ``invalid_key``,
         only that key, as G4 does). The buffers are read until the Future completes.
 
@@ -379,7 +380,8 @@ class G3Pool:
 
     def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Remove blocks (queued offloads of these keys are cancelled, a cancelled write's slot is cleared too, and a
-        later ``put`` of such a key is queued anew: before 2026-11-30 it was answered ``skipped`` and never stored);
+        later ``put`` of such a key is queued anew: before 2026-11-30 it was answered ``skipped`` and never stored;
+        the cancelled write is ``skipped`` in its own put's result, counted ``offloads_skipped_deleted``);
         their slot headers are zeroed first, so no restart brings them back, even one without the journal
         (:meth:`.catalog.SlotCatalog.clear_headers`). Future of how many were held.
         Never raises for storage trouble: the index removal stands; a DEL record that cannot be
@@ -452,7 +454,8 @@ class G3Pool:
                 "foreign_files": list(cat.slabs.foreign_files),
                 "journal_records": cat.journal.records,
             }
-        for name in ("offloads_written", "offloads_skipped_present", "offloads_skipped_admission", "offloads_dropped",
+        for name in ("offloads_written", "offloads_skipped_present", "offloads_skipped_admission",
+                     "offloads_skipped_deleted", "offloads_dropped",
                      "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
                      "restored_blocks", "restore_dropped", "restored_by_scan", "restore_scanned_slots", "lookup_blocks",
                      "lookup_hits", "deleted", "late_reads",
@@ -460,7 +463,7 @@ class G3Pool:
             d[name] = c.get(name, 0)
         # the names every pool reports (pool.base.STATS_CONTRACT)
         d["written"], d["dropped"] = d["offloads_written"], d["offloads_dropped"]
-        d["skipped"] = d["offloads_skipped_present"] + d["offloads_skipped_admission"]
+        d["skipped"] = d["offloads_skipped_present"] + d["offloads_skipped_admission"] + d["offloads_skipped_deleted"]
         d["dropped_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("dropped:")}
         d["misses_by_reason"] = {k[5:]: v for k, v in c.items() if k.startswith("miss:")}
         d["corrupt_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("corrupt:")}

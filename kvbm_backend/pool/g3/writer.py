@@ -27,7 +27,7 @@ from ..base import BlockBuffer, PutResult
 from . import journal as jr
 from .catalog import _NOSPACE, SlotCatalog
 from .index import valid_key
-from .pieces import PieceFramer, Slot, _Batch, _Job, _Piece
+from .pieces import PieceFramer, Slot, _Batch, _Job, _Piece, live_blocks
 from ...threads import executor, start_thread
 
 if TYPE_CHECKING:
@@ -157,6 +157,13 @@ class G3Writer:
                 del self._inflight[k]
                 self._cancelled.discard(k)
 
+    def _skip_deleted(self, job: _Job, key: BlockKey) -> None:
+        """``job`` does not write ``key``: deleted while queued or written (:meth:`cancel`; or put again since,
+        ``job.lost``). Skipped in the put's result and counted ``offloads_skipped_deleted``. Caller holds the lock."""
+        job.result.skipped += 1
+        self.cat.c["offloads_skipped_deleted"] += 1
+        self._release_keys(job, [key])
+
     def flush(self, timeout: float | None = None) -> bool:
         """See ``G3Pool.flush``."""
         end = Deadline(timeout)
@@ -263,31 +270,12 @@ class G3Writer:
 
     def _start_batch(self, batch: "_Batch") -> None:
         """Reserve slots for the batch's blocks and submit its pieces (returns once all are submitted)."""
-        lj: list[_Job] = []  # per live block: job, key, block, device checksum (parallel lists)
-        lk: list[BlockKey] = []
-        lb: list[BlockBuffer] = []
-        lc: list[int | None] = []
         any_checks = any(job.checks is not None for job in batch.jobs)
         evicted_recs = 0
         with self.cat.lock:
-            cancelled = self._cancelled
-            for job in batch.jobs:
-                jc: Sequence[int | None] = job.checks if job.checks is not None else [None] * len(job.keys)
-                if not cancelled and not job.lost:
-                    lj.extend([job] * len(job.keys))
-                    lk.extend(job.keys)
-                    lb.extend(job.blocks)
-                    lc.extend(jc)
-                    continue
-                for k, b, c in zip(job.keys, job.blocks, jc):
-                    if k in cancelled or k in job.lost:
-                        job.result.skipped += 1
-                        self._release_keys(job, [k])
-                    else:
-                        lj.append(job)
-                        lk.append(k)
-                        lb.append(b)
-                        lc.append(c)
+            lj, lk, lb, lc, gone = live_blocks(batch.jobs, self._cancelled)  # per live block: job, key, ...
+            for job, k in gone:
+                self._skip_deleted(job, k)
             n = len(lk)
             slots = self.cat.slabs.allocate(n, self._run)
             if len(slots) < n:
@@ -461,8 +449,7 @@ class G3Writer:
                         if k in cancelled or k in job.lost:  # deleted while written: its frame must not come back
                             self.cat.clear_headers([slot])
                             self.cat.slabs.release([slot])
-                            job.result.skipped += 1
-                            self._release_keys(job, [k])
+                            self._skip_deleted(job, k)
                             continue
                         pub_j.append(job)
                         pub_k.append(k)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from tests.helpers.crash_writer import NS, open_pool, payload
 from kvbm_backend.io.posix import PosixEngine
@@ -26,9 +27,15 @@ def _served(pool, key) -> bool:
     return bool(ok) and bool(np.array_equal(out, payload(key.seq_hash)))
 
 
-def _check_counts(pool, results, offered):
+def _check_counts(pool, results, offered, deleted=1):
+    """The put results add up to ``offered`` and agree with ``stats()``: a write cancelled by ``delete`` is
+    ``skipped`` in its put's result and counted ``offloads_skipped_deleted`` (before, in no counter:
+    ``stats()["skipped"]`` was lower than the results' sum)."""
     st = pool.stats()
     assert sum(r.written for r in results) == st["written"] == st["blocks"], (results, st)
+    assert sum(r.skipped for r in results) == st["skipped"], (results, st)
+    assert sum(r.dropped for r in results) == st["dropped"], (results, st)
+    assert st["offloads_skipped_deleted"] == deleted, st
     assert sum(r.written + r.skipped + r.dropped for r in results) == offered, results
     assert pool.slot_accounting()["leaked"] == 0
 
@@ -93,4 +100,43 @@ def test_put_again_while_the_cancelled_write_is_still_queued_is_stored(tmp_path)
             assert pool.contains(k) and _served(pool, k), (rs, pool.stats())
             _check_counts(pool, rs, 3)
     finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("where", ["queued", "syncing"])
+def test_a_write_cancelled_by_delete_is_counted_skipped_in_stats(tmp_path, monkeypatch, where):
+    """A key deleted while its write is queued or waiting for its fdatasync, and not put again: not stored, its
+    put answers it ``skipped``, and ``stats()`` counts it there (``offloads_skipped_deleted``, in ``skipped``), so
+    the pool's counters agree with the put results. Before, the cancelled write was in no counter."""
+    gate, entered = threading.Event(), threading.Event()
+    eng = HeldEngine()
+    real = pool_mod.fdatasync
+
+    def held_sync(fd):
+        entered.set()
+        gate.wait(HANG_S)
+        real(fd)
+    try:
+        with open_pool(tmp_path, engine=eng if where == "queued" else None) as pool:
+            futs = []
+            if where == "queued":
+                first = NS.keys([1])
+                futs.append(pool.put(first, [payload(first[0].seq_hash)]))
+                assert eng.entered.wait(HANG_S)  # the writer is inside the first batch's submit
+            else:
+                monkeypatch.setattr(pool_mod, "fdatasync", held_sync)
+            k = NS.keys([7])[0]
+            futs.append(pool.put([k], [payload(k.seq_hash)]))
+            if where == "syncing":
+                assert entered.wait(HANG_S)
+            assert pool.delete([k]).result(timeout=HANG_S) == 0  # in flight, not held: its write is cancelled
+            eng.gate.set()
+            gate.set()
+            rs = [f.result(timeout=HANG_S) for f in futs]
+            assert pool.flush(HANG_S)
+            assert not pool.contains(k) and rs[-1].skipped == 1, (rs, pool.stats())
+            _check_counts(pool, rs, len(futs))
+    finally:
+        eng.gate.set()
+        gate.set()
         eng.close()
