@@ -15,7 +15,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from .cli_checks import check_layout as _check_layout, config_error_text as _config_error_text, error_line
-from .cli_checks import DEFAULT_LAYOUT, finite as _finite, int_range, output_file as _output_file
+from .cli_checks import DEFAULT_LAYOUT, finite as _finite, int_range, output_file as _output_file, write_whole
 
 # Upper bounds of the numeric flags (a value past them is an operator mistake that would otherwise end
 # in a MemoryError or OverflowError traceback minutes later). Capacities: config.MAX_CAPACITY_GB.
@@ -276,7 +276,7 @@ def plan(
             reqs = synth_trace(spec)[:limit]
             if save_trace:
                 try:
-                    write_trace(reqs, save_trace)
+                    write_whole(save_trace, lambda p: write_trace(reqs, p))
                 except OSError as e:
                     _fail(f"--save-trace: {save_trace}: {e.strerror or e}")
             source: dict[str, Any] = {"synthetic": spec.__dict__}
@@ -297,16 +297,18 @@ def plan(
     except OSError as e:
         _fail(f"plan: {e}")
     # A file that cannot be written now (the disk filled up, the directory went away) is an error line
-    # naming its option, after the results are printed: the simulation's work is not lost.
+    # naming its option, after the results are printed: the simulation's work is not lost. Each file is
+    # written whole (write_whole): a failed write leaves no truncated file, an earlier one as it was.
     write_errors = []
     if out:
         try:
-            Path(out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+            text = json.dumps(result, indent=2, sort_keys=True) + "\n"
+            write_whole(out, lambda p: Path(p).write_text(text))
         except OSError as e:
             write_errors.append(f"--out: {out}: {e.strerror or e}")
     if plot_out:
         try:
-            plot_plan(result, plot_out)
+            write_whole(plot_out, lambda p: plot_plan(result, p))
         except OSError as e:
             write_errors.append(f"--plot: {plot_out}: {e.strerror or e}")
     _print_warnings(result)
@@ -461,11 +463,11 @@ def plot(files: list[str] = typer.Argument(..., help="benchmark or demo JSON fil
     if Path(out).suffix.lower().lstrip(".") not in supported:
         _fail(f"--out: unknown image format {Path(out).suffix or '(none)'!r}; use .png, .pdf or .svg (got {out!r})")
     try:
-        plot_results(files, out)
+        write_whole(out, lambda p: plot_results(files, p))
     except ValueError as e:  # a JSON object that is neither bench nor demo results
         _fail(f"FILES: {e}")
-    except OSError as e:
-        _fail(f"--out: {e}")
+    except OSError as e:  # the write failed (a full disk): no part of it was left (write_whole)
+        _fail(f"--out: {out}: {e.strerror or e}")
     console.print(f"wrote {out}")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -126,3 +126,32 @@ def config_error_text(e: Exception) -> str:
 
     from kvbm_backend.config import _fmt_error
     return _fmt_error(e) if isinstance(e, ValidationError) else str(e)
+
+
+def write_whole(path: str, write: Callable[[str], object]) -> None:
+    """Write the file ``path`` whole or not at all: ``write(tmp)`` writes a sibling ``.STEM.partial-*SUFFIX``
+    (the suffix kept: matplotlib picks the image format by it), renamed over ``path`` when complete (with the
+    mode of a file it replaces). A failed write (a full disk, a file size limit, Ctrl-C) removes the temp file
+    and re-raises, so no truncated file is left and an earlier file of that name stays as it was. A ``path``
+    that exists and is not a regular file (``/dev/stdout``, a FIFO) is written in place. Raises what ``write``
+    raises, or OSError from the rename."""
+    import os
+    import stat
+    import uuid
+    from pathlib import Path
+    target = Path(os.path.realpath(path))  # a symlink's target is replaced, not the link
+    if target.exists() and not target.is_file():
+        write(path)
+        return
+    tmp = target.parent / f".{target.stem}.partial-{uuid.uuid4().hex[:8]}{target.suffix}"
+    try:
+        write(str(tmp))
+        if target.exists():
+            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise

@@ -66,6 +66,7 @@ import numpy as np
 from .demo_native import (BLOCKS_PER_CHUNK, NATIVE_CONFIGS, cpu_budget_env, disk_bytes, native_extra, native_g4_url,
                           native_tier_summary, tier_dirs)
 from .demo_engines import _run_engines
+from .cli_checks import write_whole
 from ..fsmodes import makedirs_private
 from .engine_model import DEMO, write_model_dir
 
@@ -443,10 +444,11 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
                                         for u in (g4_url, native_g4_url(g4_url))),
                           highlight=False, markup=False, soft_wrap=True)
         if json_path:
-            Path(json_path).write_text(json.dumps(out, indent=2, sort_keys=True))
+            text = json.dumps(out, indent=2, sort_keys=True)
+            write_whole(json_path, lambda p: Path(p).write_text(text))
             console.print(f"wrote {json_path}")
         if plot:
-            plot_demo(out, plot)
+            write_whole(plot, lambda p: plot_demo(out, p))
             console.print(f"wrote {plot}")
         if remove:
             out["workdir"] = None

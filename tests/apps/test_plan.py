@@ -4,6 +4,9 @@ the stated formulas on a hand-made trace; routing; the CLI (table, JSON, plot, o
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,9 @@ from kvbm_backend.model import frame
 from kvbm_backend.model.presets import load_preset
 from kvbm_backend.apps.plan import Fleet, Router, SynthSpec, load_timed_trace, run_plan, synth_trace, write_trace
 from kvbm_backend.apps.replay import run_replay
+
+HANG_S = 600.0  # a hang guard, not a bound: waits for a CLI subprocess that must end; returns as soon as it does
+REPO = Path(__file__).resolve().parents[2]
 
 TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 LIMIT = 80
@@ -346,4 +352,47 @@ def test_a_failed_write_after_the_simulation_names_the_option_and_still_prints_t
     r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", *SMALL, "--out", str(out), "--json"],
                        capture_output=True, text=True, timeout=600, cwd=repo, env=env, preexec_fn=lim)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: --out: {out}: File too large", r.stderr
-    assert json.loads(r.stdout)["kind"] == "plan" and out.stat().st_size <= 512
+    assert json.loads(r.stdout)["kind"] == "plan" and not out.exists()  # no truncated file (write_whole)
+
+
+def _fsize_limited_cli(args: list[str], limit: int) -> subprocess.CompletedProcess:
+    """The real entry point in a subprocess whose files cannot grow past ``limit`` bytes (RLIMIT_FSIZE: a write
+    past it fails with EFBIG, as on a full disk; SIGXFSZ ignored), so a file it writes fails part-way."""
+    import resource
+    import signal
+
+    def cap() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="200",
+               PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", *args], capture_output=True, text=True,
+                          timeout=HANG_S, cwd=str(REPO), env=env, preexec_fn=cap)
+
+
+@pytest.mark.parametrize("option", ["--out", "--plot", "--save-trace", "plot --out"])
+def test_a_write_that_fails_part_way_leaves_no_truncated_file(tmp_path, option):
+    """A result file whose write fails part-way (here: past a 2 KB file size limit; a full disk alike) is
+    one error line naming the option, exit 2, and leaves no part of it: an earlier file of that name stays
+    as it was and no temp file is left. Before 2026-11-30 plan --out / --plot / --save-trace and plot --out
+    wrote in place: a 2048-byte cut of the JSON, PNG or trace replaced the earlier file."""
+    target = tmp_path / {"--out": "r.json", "--plot": "p.png", "--save-trace": "t.jsonl", "plot --out": "q.png"}[option]
+    target.write_text("earlier\n")
+    plan = ["plan", "--synthetic", "--users", "8", "--turns", "3", "--layout", "tiny", "--g3-capacity-gb", "0.01,1",
+            "--json"]
+    if option == "plot --out":
+        res = CliRunner().invoke(app, plan + ["--out", str(tmp_path / "in.json")])
+        assert res.exit_code == 0, res.output
+        args = ["plot", str(tmp_path / "in.json"), "--out", str(target)]
+    else:
+        args = plan + [option, str(target)]
+    r = _fsize_limited_cli(args, 2048)
+    name = option.split()[-1]
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {name}: {target}: File too large"), r.stderr
+    assert target.read_bytes() == b"earlier\n"
+    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
+    r = _fsize_limited_cli(args, 1 << 30)  # room: written whole over the earlier file
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert target.read_bytes() != b"earlier\n" and target.stat().st_size > 2048
+    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
