@@ -119,7 +119,7 @@ def prepare(port: int | None) -> bool:
     that the process serving the port shows them (:mod:`kvbm_backend.metrics_mp`). Call it before the
     pools are opened. True when this process's series go there; False when ``port`` is None, the series
     already exist in memory (created before: they stay process-local), they go to another port's files,
-    or the directory is unusable (logged)."""
+    or the directory is unusable (logged; its filesystem full included: the series stay in this process)."""
     if port is None:
         return False
     with _lock:
@@ -128,12 +128,14 @@ def prepare(port: int | None) -> bool:
         if _by_registry.get(REGISTRY):
             log.info("kvbm_backend: metrics created before metrics.port %d was known stay in this process", port)
             return False
+        d = None
         try:
             d = metrics_mp.metrics_dir(port)
             metrics_mp.begin(d)  # the first process of a new run: the earlier run's files go
+            metrics_mp.reserve(d)  # its files allocated on disk now: a full disk is an error here, not a SIGBUS
         except OSError as e:
-            log.warning("kvbm_backend: metrics.port %d: no multiprocess metrics directory (%s); this process "
-                        "serves only its own series", port, e)
+            log.warning("kvbm_backend: metrics.port %d: no multiprocess metrics directory (%s%s); this process "
+                        "serves only its own series", port, f"{d}: " if d else "", e)
             return False
         _mp.update(port=int(port), dir=d, classes=metrics_mp.metric_classes(d))
         return True

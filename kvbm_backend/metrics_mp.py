@@ -33,6 +33,13 @@ process writes, renames or removes another's files, live or dead. A forked child
 parent's liveness (it closes the inherited live-lock descriptors at fork, which leaves the parent's lock
 held) nor a lock another thread held at the fork (the module's locks are new in the child).
 
+Disk space: every file is allocated on disk before it is mapped (:class:`_AllocatedDict`: ``posix_fallocate``,
+under a temporary name until then). prometheus_client maps a sparse file, and the first write to a page of it
+on a full filesystem (a full ``/tmp`` or ``$XDG_RUNTIME_DIR``) is a SIGBUS that killed the engine process with
+no Python error (before 2026-11-30). :func:`reserve` allocates this process's files when it joins
+(:func:`kvbm_backend.metrics.prepare`); a full filesystem is then an ``OSError`` there, and the process keeps its
+series in memory (logged), never a zero-length file that would fail every scrape of the pod.
+
 The serving process holds ``serve.lock`` (an ``flock``, which the kernel releases when the process ends); the
 others wait for it in a thread (:func:`wait_serve_lock`), so that one of them serves once it ends. A forked
 child closes its copies of the serve-lock descriptors at the fork (held or waited on: the parent's lock stays
@@ -49,6 +56,7 @@ import tempfile
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import mmap_dict
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.utils import floatToGoString
@@ -74,6 +82,51 @@ def _id() -> str:
         _me.clear()
         _me[pid] = f"{pid}.{os.urandom(8).hex()}"
     return _me[pid]
+
+
+#: the file prefixes of this package's series (counters, the offload histogram, the gauges' modes:
+#: :func:`kvbm_backend.metrics.gauge`), each allocated by :func:`reserve`
+PREFIXES = ("counter", "histogram", "gauge_livesum", "gauge_livemax", "gauge_livemostrecent")
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Allocate ``size`` bytes of ``fd``'s file on disk (its size grows to at least ``size``).
+    Raises OSError (ENOSPC: the filesystem is full)."""
+    os.posix_fallocate(fd, 0, size)
+
+
+class _AllocatedDict(MmapedDict):
+    """prometheus_client's ``MmapedDict`` over a file whose mapped bytes are allocated on disk (writing to an
+    unallocated page of a mapped file on a full filesystem is a SIGBUS, not an error). A new file appears
+    under its name only once allocated (a zero-length ``.db`` would fail every scrape of the pod).
+
+    Raises:
+        OSError: the file cannot be created or allocated (ENOSPC); nothing is left under ``filename``.
+    """
+
+    def __init__(self, filename: str):
+        if not os.path.exists(filename):
+            tmp = f"{filename}.{os.urandom(4).hex()}.new"  # not *.db: the collector never reads it
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                _allocate(fd, mmap_dict._INITIAL_MMAP_SIZE)
+                os.rename(tmp, filename)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+            finally:
+                os.close(fd)
+        super().__init__(filename)
+
+    def _init_value(self, key):
+        encoded = key.encode("utf-8")
+        need = self._used + 4 + len(encoded) + (8 - (len(encoded) + 4) % 8) + 16  # MmapedDict's entry size
+        cap = self._capacity
+        while need > cap:
+            cap *= 2
+        if cap > self._capacity:  # MmapedDict grows the file (truncate: sparse) to cap: allocate it first
+            _allocate(self._f.fileno(), cap)
+        super()._init_value(key)
 
 
 def metrics_dir(port: int) -> str:
@@ -116,7 +169,7 @@ def value_class(directory: str):
             typ, metric_name, name, labelnames, labelvalues, help_text, mode = self._params
             prefix = f"{typ}_{mode}" if typ == "gauge" else typ
             if prefix not in files:
-                files[prefix] = MmapedDict(os.path.join(directory, f"{prefix}_{_id()}.db"))
+                files[prefix] = _AllocatedDict(os.path.join(directory, f"{prefix}_{_id()}.db"))
             self._file = files[prefix]
             self._key = mmap_key(metric_name, name, labelnames, labelvalues, help_text)
             self._value, self._timestamp = self._file.read_value(self._key)
@@ -319,6 +372,16 @@ def begin(directory: str) -> None:
             if m and m.group(1) != me:
                 _gone(directory, m.group(1), remove=True)
     _hold_live(directory)
+
+
+def reserve(directory: str) -> None:
+    """Create and allocate this process's files of :data:`PREFIXES` under ``directory`` (after :func:`begin`).
+
+    Raises:
+        OSError: the filesystem is full (ENOSPC) or refuses; the files allocated so far stay (valid, empty).
+    """
+    for prefix in PREFIXES:
+        _AllocatedDict(os.path.join(directory, f"{prefix}_{_id()}.db")).close()
 
 
 def reap(directory: str) -> None:

@@ -2,6 +2,7 @@
 (:mod:`tests.helpers.metrics_proc`), a real directory, real sockets; each test has its own ``XDG_RUNTIME_DIR``."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -277,3 +278,51 @@ def test_the_hit_rates_and_throttle_counts_are_on_the_page_at_zero_before_any_tr
     finally:
         for p in procs:
             p.quit()
+
+
+def test_a_full_metrics_filesystem_is_a_warning_and_the_process_serves_its_own_series(tmp_path):
+    """Review finding (metrics_mp 2): prometheus_client maps its files sparse, and the first write to a page
+    of one on a full filesystem (a full /tmp or $XDG_RUNTIME_DIR) is a SIGBUS: the engine process died at
+    start ("Bus error", exit 135, no Python error, no log line). Now the files are allocated before they are
+    mapped: a full filesystem is one WARNING naming metrics.port and the cause, and the process runs on with
+    its series in memory, served on the port. Here the process runs in a mount namespace of its own where
+    ``XDG_RUNTIME_DIR`` is a 256 KiB tmpfs filled up before it starts."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=HANG_GUARD_S).returncode != 0:
+        pytest.skip("unshare -rm refused (needs user namespaces)")
+    full = ("unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=256k tmpfs "$XDG_RUNTIME_DIR" && '
+            '{ head -c 1048576 /dev/zero > "$XDG_RUNTIME_DIR/fill" 2>/dev/null; exec "$@"; }', "sh")
+    port = _free_port()
+    p = MetricsProc(port, tmp_path / "p.log", _xdg(tmp_path), prefix=full)
+    try:
+        assert p.serving == "serving True", p.log.read_text()
+        assert p.cmd("inc 4") == "ok"
+        page = _scrape(port)
+        assert (page[OFFLOADS], page[CAPACITY]) == (4, 1000), page
+        log = p.log.read_text()
+        assert f"metrics.port {port}: no multiprocess metrics directory" in log, log
+        assert "No space left on device" in log, log
+    finally:
+        p.quit()
+    assert p.p.returncode == 0, (p.p.returncode, p.log.read_text())
+
+
+def test_a_series_file_that_grows_stays_allocated_on_disk(tmp_path):
+    """The same finding, for a file that outgrows its first 64 KiB: prometheus_client grows it with a
+    truncate (sparse: the new pages, once written through the map, are a SIGBUS on a full filesystem); the
+    package's dict allocates the grown size first. A real file on the test's filesystem: every byte of its
+    size is allocated (``st_blocks``) after 100 KiB of series."""
+    from kvbm_backend.metrics_mp import _AllocatedDict
+
+    path = str(tmp_path / "counter_1.0000000000000000.db")
+    d = _AllocatedDict(path)
+    try:
+        for i in range(1000):  # ~100 bytes each
+            d.write_value(f'["kvbm_test", "kvbm_test_total", {{"n": "{i:08d}"}}, "a test series"]', i, 0.0)
+        st = os.stat(path)
+        assert st.st_size > 1 << 16, st.st_size
+        assert st.st_blocks * 512 >= st.st_size, (st.st_blocks * 512, st.st_size)
+    finally:
+        d.close()
+    assert sorted(os.listdir(tmp_path)) == ["counter_1.0000000000000000.db"]  # no temporary file left
