@@ -89,6 +89,9 @@ def _id() -> str:
 PREFIXES = ("counter", "histogram", "gauge_livesum", "gauge_livemax", "gauge_livemostrecent")
 
 
+_INITIAL_BYTES = getattr(mmap_dict, "_INITIAL_MMAP_SIZE", 1 << 16)  # a new MmapedDict file's size (64 KiB)
+
+
 def _allocate(fd: int, size: int) -> None:
     """Allocate ``size`` bytes of ``fd``'s file on disk (its size grows to at least ``size``).
     Raises OSError (ENOSPC: the filesystem is full)."""
@@ -109,7 +112,7 @@ class _AllocatedDict(MmapedDict):
             tmp = f"{filename}.{os.urandom(4).hex()}.new"  # not *.db: the collector never reads it
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                _allocate(fd, mmap_dict._INITIAL_MMAP_SIZE)
+                _allocate(fd, _INITIAL_BYTES)
                 os.rename(tmp, filename)
             except BaseException:
                 os.unlink(tmp)
@@ -119,13 +122,15 @@ class _AllocatedDict(MmapedDict):
         super().__init__(filename)
 
     def _init_value(self, key):
-        encoded = key.encode("utf-8")
-        need = self._used + 4 + len(encoded) + (8 - (len(encoded) + 4) % 8) + 16  # MmapedDict's entry size
-        cap = self._capacity
-        while need > cap:
-            cap *= 2
-        if cap > self._capacity:  # MmapedDict grows the file (truncate: sparse) to cap: allocate it first
-            _allocate(self._f.fileno(), cap)
+        used, cap0, f = (getattr(self, a, None) for a in ("_used", "_capacity", "_f"))
+        if isinstance(used, int) and isinstance(cap0, int) and cap0 > 0 and f is not None:  # prometheus_client's
+            encoded = key.encode("utf-8")  # internals (0.26); a version without them: its own growth, unallocated
+            need = used + 4 + len(encoded) + (8 - (len(encoded) + 4) % 8) + 16  # MmapedDict's entry size
+            cap = cap0
+            while need > cap:
+                cap *= 2
+            if cap > cap0:  # MmapedDict grows the file (truncate: sparse) to cap: allocate it first
+                _allocate(f.fileno(), cap)
         super()._init_value(key)
 
 
