@@ -145,7 +145,9 @@ class S3Store(ObjectStore):
                      s3={"addressing_style": "path"} if endpoint_url else None)
         self.client = client or boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region,
                                                                 config=cfg)
-        self.client.meta.events.register_first("needs-retry.s3", _no_region_lookup_loop)
+        events = getattr(getattr(self.client, "meta", None), "events", None)  # a botocore client's (not a stand-in's)
+        if events is not None:
+            events.register_first("needs-retry.s3", _no_region_lookup_loop)
         self.supports_conditional_put = True
         self._mu = threading.Lock()
 
