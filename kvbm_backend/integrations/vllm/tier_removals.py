@@ -43,6 +43,11 @@ class RemovalWatch:
         self._sig: tuple | None = None
         self.scans = 0
 
+    @property
+    def logs(self) -> bool:
+        """Whether the pool logs its removals (``removed_since``; its cursor counts every block that left)."""
+        return self._since is not None
+
     def cursor(self) -> int:
         """The pool's removal cursor now (0 for a pool without a removal log)."""
         return int(self._pool.removal_cursor()) if self._since is not None else 0
@@ -137,12 +142,15 @@ class HeldChunks:
         reads it. Before 2026-11-30 none was checked: a store job finished, its chunk was evicted, and a
         :meth:`removed` call (vLLM's ``take_events``) before the job was polled took the removal from the log as
         no published chunk's: the chunk was then published stored and never reported removed."""
+        # nothing left the pool since the job's cursor (its log counts every removal): every chunk is held, no
+        # index lookup (the scheduler thread publishes whole jobs; a lookup takes the pool's lock per block)
+        check = self._contains is not None and (not self._watch.logs or self._watch.cursor() != cursor)
         for k in keys:
             self._held[k] = cursor
             self._by_hash[self._hash(k)] = k
             if self._contains is not None:
                 self._tenants.setdefault(k, set()).add(tenant)
-                if not self._still_held(k):
+                if check and not self._still_held(k):
                     self._gone.append(self._forget(k))
 
     def _still_held(self, k: Any) -> bool:
