@@ -153,8 +153,9 @@ def load_preset(name: str) -> ModelPreset:
     preset with its KV dtype replaced, for an engine whose KV cache dtype differs from its weights' (vLLM's
     ``--kv-cache-dtype fp8``: 1-byte elements, half a bfloat16 preset's bytes). Raises ValueError naming the
     known presets if absent, the field that is wrong if the file is malformed, an unknown ``DTYPE``, or no
-    presets directory (:func:`layouts_dir`)."""
-    if ":" in name:
+    presets directory (:func:`layouts_dir`). A name ending in ``.toml`` is a path, whatever ``:`` it holds
+    (``/runs/12:00/model.toml``); ``PATH.toml:DTYPE`` is that file with its KV dtype replaced."""
+    if ":" in name and not name.lower().endswith(".toml"):
         base, kv_dtype = name.rsplit(":", 1)
         try:
             dtype_bytes(kv_dtype)

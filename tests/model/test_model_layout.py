@@ -172,3 +172,20 @@ def test_a_dtype_alias_or_case_is_one_namespace():
         KvLayout(2, 2, 16, 64, "int4")
     with pytest.raises(ValueError, match="dtype"):
         KvLayout(2, 2, 16, 64, 2)  # type: ignore[arg-type]
+
+
+def test_a_preset_path_with_a_colon_in_its_directory_loads(tmp_path):
+    """Review (2026-11-30): ``NAME:DTYPE`` was split at the last ``:`` of any name, so a ``.toml`` path whose
+    directory holds one (a run directory named by time, ``/runs/12:00/llama.toml``) was refused as an unknown
+    KV dtype ``00/llama.toml``. A name ending in ``.toml`` is a path; ``PATH.toml:fp8`` still replaces the dtype."""
+    d = tmp_path / "run-12:00"
+    d.mkdir()
+    src = load_preset("llama-3.1-8b")
+    f = d / "llama.toml"
+    f.write_text('name = "llama-local"\nnum_layers = 32\nnum_kv_heads = 8\nhead_dim = 128\n'
+                 'dtype = "bfloat16"\nbytes_per_token = 131072\n')
+    p = load_preset(str(f))
+    assert (p.name, p.num_layers, p.num_kv_heads, p.head_dim, p.dtype) == ("llama-local", 32, 8, 128, "bfloat16")
+    assert p.layout(16, tp=2) == src.layout(16, tp=2)
+    p8 = load_preset(f"{f}:fp8")
+    assert (p8.dtype, p8.bytes_per_token) == ("fp8", 65536)
