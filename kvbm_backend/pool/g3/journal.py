@@ -16,7 +16,8 @@ lookup with the real key adopts them. The tag is a plain hash: a guessable (low-
 still be confirmed by hashing candidates, exactly as from the slot headers.
 
 ``type`` is 1 (PUT: the slot holds the key; appended only after the slot's bytes were fdatasync'ed,
-invariant 2) or 2 (DEL: the key was deleted). Replay applies records in order (last one wins per key
+invariant 2, and fdatasync'ed itself -- once per group-commit round, off the pool's lock -- before the put is
+reported stored: :mod:`.writer`) or 2 (DEL: the key was deleted). Replay applies records in order (last one wins per key
 and per slot) and stops at the first record that does not check (a torn tail after a crash).
 The journal is a hint: every entry it yields is verified against the slot's header before use, and
 every payload is verified again on every read.
@@ -457,6 +458,13 @@ class Journal:
     def sync(self) -> None:
         if self.fd is not None:
             os.fdatasync(self.fd)
+
+    def sync_handle(self) -> int | None:
+        """(Pool lock held) A duplicate of the open journal's fd (None when none is open), for the writer's
+        once-per-round ``fdatasync`` off the lock: a compaction or repair that replaces (and closes) the journal
+        meanwhile cannot turn it into another file's fd; syncing the replaced file is harmless (the new one was
+        fsynced with every record). The caller closes it. Raises OSError (EMFILE)."""
+        return None if self.fd is None else os.dup(self.fd)
 
     def close(self) -> None:
         if self.fd is not None:

@@ -459,7 +459,7 @@ class G3Pool:
                      "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
                      "restored_blocks", "restore_dropped", "restored_by_scan", "restore_scanned_slots", "lookup_blocks",
                      "lookup_hits", "deleted", "late_reads",
-                     "device_loads", "device_hits", "sync_groups", "journal_compactions"):
+                     "device_loads", "device_hits", "sync_groups", "journal_syncs", "journal_compactions"):
             d[name] = c.get(name, 0)
         # the names every pool reports (pool.base.STATS_CONTRACT)
         d["written"], d["dropped"] = d["offloads_written"], d["offloads_dropped"]

@@ -1,11 +1,7 @@
 """:class:`G3Writer`, the write part of a G3 pool: queued offloads -> batches -> pieces -> writes -> group
-fdatasync -> publish.
-
-It owns the write-behind queue, its threads (writer, syncer, the fdatasync pool) and what is in flight,
-and changes slot state only through the pool's :class:`~.catalog.SlotCatalog` under its lock (slots
-reserved, published into the index and journal, released). Invariant 2 (publish after durable) is kept
-here, per piece.
-"""
+fdatasync -> publish -> journal fdatasync -> puts resolved. It owns the write-behind queue, its threads (writer,
+syncer, the fdatasync pool) and what is in flight, and changes slot state only through the pool's
+:class:`~.catalog.SlotCatalog` under its lock. Invariant 2 (publish after durable) is kept here, per piece."""
 from __future__ import annotations
 
 import collections
@@ -25,6 +21,7 @@ from ...model.namespace import BlockKey
 from ...transfer import plan_ops
 from ..base import BlockBuffer, PutResult
 from . import journal as jr
+from . import journal_sync as js
 from .catalog import _NOSPACE, SlotCatalog
 from .index import valid_key
 from .pieces import PieceFramer, Slot, _Batch, _Job, _Piece, live_blocks
@@ -202,7 +199,8 @@ class G3Writer:
     # reserves slots, cuts the batch into pieces of ~chunk_bytes and submits them, at most
     # ``chunks_in_flight`` being written at once across batches. A written piece goes to the syncer
     # thread, which fdatasyncs every file the ready pieces touched (one call per file per round: group
-    # commit) and only then publishes those pieces with one journal append. So the next pieces' writes
+    # commit) and only then publishes those pieces with one journal append, then fdatasyncs the journal
+    # once (off the lock) before their puts resolve (journal_sync.py). So the next pieces' writes
     # are in flight while earlier pieces' fdatasync runs. A round waits for pieces still being written
     # (bounded by g3.group_commit_ms / g3.group_commit_bytes, see _group_wait_locked) so that one
     # barrier covers as many blocks as are on their way: durable writes cost a few barriers per
@@ -428,15 +426,15 @@ class G3Writer:
         return errs
 
     def _settle(self, pieces: list[_Piece], sync_errs: dict[int, BaseException]) -> None:
-        """Publish the pieces that were written and synced (index + journal in one lock hold); release
-        and count the others; finish batches whose last piece this was."""
-        done: list[_Job] = []
+        """Publish the pieces that were written and synced (journal append + index in one lock hold); release
+        and count the others. Then, off the lock, ``fdatasync`` the journal once for the whole round
+        (:mod:`.journal_sync`), and only then count the blocks written and finish the batches whose last piece
+        this was (their futures resolve stored: no put is reported before its journal record is durable)."""
         with self.cat.cv:
             recs: list[bytes] = []
             pub_j: list[_Job] = []  # publishable blocks (journaled first, then put in the index)
             pub_k: list[BlockKey] = []
             pub_s: list[Slot] = []
-            finished: list[_Batch] = []
             for pc in pieces:
                 self.cat.reserved -= len(pc.slots)
                 err = pc.error
@@ -471,9 +469,6 @@ class G3Writer:
                         job.result.dropped += 1
                         self._release_keys(job, [k])
                     self.cat.drop(reason, len(pc.jobs))
-                pc.batch.left -= 1
-                if pc.batch.left == 0:
-                    finished.append(pc.batch)
             if recs and not self.cat.journal_append(recs):
                 # not journaled, so not published: dropped, counted, slots released (tier degraded)
                 self.cat.slabs.release(pub_s)
@@ -482,11 +477,26 @@ class G3Writer:
                 self.cat.drop(self.cat.journal_reason, len(pub_s))
                 recs = []
             else:
-                for job, k, slot in zip(pub_j, pub_k, pub_s):
+                for k, slot in zip(pub_k, pub_s):
                     self.cat.index.put(k, slot)
-                    job.result.written += 1
             for job, k in zip(pub_j, pub_k):  # in the index, or dropped: a later put is not "in flight"
                 self._release_keys(job, (k,))
+            handle = js.handle_locked(self.cat) if recs and self.cfg.fsync else None
+        jerr = js.sync(self.cat, handle) if recs and self.cfg.fsync else None
+        done: list[_Job] = []
+        with self.cat.cv:
+            if jerr is not None:  # the round's records may not be on disk: repair, else withdraw the round
+                if not js.repair_or_withdraw_locked(self.cat, jerr, list(zip(pub_j, pub_k, pub_s))):
+                    recs = []
+            elif handle is not None:
+                self.cat.c["journal_syncs"] += 1
+            for job in pub_j if recs else ():
+                job.result.written += 1
+            finished: list[_Batch] = []
+            for pc in pieces:
+                pc.batch.left -= 1
+                if pc.batch.left == 0:
+                    finished.append(pc.batch)
             for b in finished:
                 done.extend(self._batch_done_locked(b))
             if recs:

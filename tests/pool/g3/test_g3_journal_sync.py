@@ -1,0 +1,153 @@
+"""Invariant 2 for the journal: a put is reported stored (its future resolves with the block written) only
+after the block's journal record is on disk AND an ``fdatasync`` of the journal started after that record
+was written. Before (found in review, 2026-11-30) journal appends were never synced until close: a power cut
+lost recently published blocks from the journal, and a restart, which trusts the journal for the files it
+covers (no rescan), lost their hits. The barrier is one per group-commit round, not one per block.
+
+Power loss cannot be simulated here; the real ``os.fdatasync`` is wrapped to record which file it synced and
+how long that file was when the call started, and the put's done callback reads the journal through a
+separate fd at the moment the put resolves. Faults (EIO from the journal's barrier and from the repair's
+fsync) are injected the same way, as a failing disk would return them."""
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import threading
+
+import numpy as np
+
+from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
+from kvbm_backend.memory import aligned_empty
+from kvbm_backend.pool.g3 import journal as jr
+from kvbm_backend.pool.g3 import journal_columns as jc
+
+HANG_S = 600.0  # a hang guard, not a bound
+
+
+class SyncSpy:
+    """Wraps ``os.fdatasync``: records (order, path, file size when the call started) of each successful call;
+    ``fail_journal`` > 0 makes that many calls on the journal fail with EIO (not calling the real one)."""
+
+    def __init__(self, monkeypatch, journal_path: str):
+        self.real = os.fdatasync
+        self.journal = os.path.realpath(journal_path)
+        self.seq = itertools.count()
+        self.lock = threading.Lock()
+        self.calls: list[tuple[int, str, int]] = []
+        self.fail_journal = 0
+        monkeypatch.setattr(os, "fdatasync", self)
+
+    def __call__(self, fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        size = os.fstat(fd).st_size
+        if path == self.journal and self.fail_journal > 0:
+            self.fail_journal -= 1
+            raise OSError(errno.EIO, "injected journal fdatasync failure")
+        self.real(fd)
+        with self.lock:
+            self.calls.append((next(self.seq), path, size))
+
+    def journal_syncs(self) -> list[tuple[int, str, int]]:
+        with self.lock:
+            return [c for c in self.calls if c[1] == self.journal]
+
+    def mark(self) -> int:
+        with self.lock:
+            return next(self.seq)
+
+
+def _journal_seqs(pool) -> tuple[set[int], int]:
+    """The sequence hashes of the live PUT entries of the pool's journal as on disk now (read through a new fd),
+    and the byte length of the file."""
+    with open(pool.journal.path, "rb") as f:
+        data = f.read()
+    head = jr.parse_header(data, pool.cat.fp)
+    assert head is not None
+    cols, _, _ = jc.decode(memoryview(data)[head[1]:])
+    return set(np.asarray(cols.seqs).tolist()), len(data)
+
+
+def test_put_resolves_only_after_its_journal_records_are_fdatasynced(tmp_path, monkeypatch):
+    """At the moment a put resolves, the journal file (read through another fd) holds every block's record,
+    and an fdatasync of the journal that started with the file at least that long ran before: the records
+    are durable. The old code resolved puts with the records only in the page cache (no journal fdatasync
+    before close): this test failed on it."""
+    with open_pool(tmp_path) as pool:
+        spy = SyncSpy(monkeypatch, pool.journal.path)
+        for round_ in range(3):
+            keys = NS.keys(range(100 * round_ + 1, 100 * round_ + 41))
+            seen: dict[str, object] = {}
+            called = threading.Event()
+
+            def at_resolve(f, seen=seen, called=called):
+                seen["order"] = spy.mark()
+                seen["seqs"], seen["size"] = _journal_seqs(pool)
+                called.set()
+
+            fut = pool.put(keys, [payload(k.seq_hash) for k in keys])
+            fut.add_done_callback(at_resolve)
+            assert fut.result(timeout=HANG_S).written == len(keys)
+            assert called.wait(HANG_S)
+            assert {k.seq_hash for k in keys} <= seen["seqs"], "put resolved before its records were in the journal"
+            durable = [c for c in spy.journal_syncs() if c[0] < seen["order"] and c[2] >= seen["size"]]
+            assert durable, (f"round {round_}: put resolved stored, but no fdatasync of the journal covering its "
+                             f"records ran before (journal syncs: {spy.journal_syncs()})")
+        assert pool.stats()["journal_syncs"] == len(spy.journal_syncs())
+
+
+def test_journal_is_synced_once_per_round_not_per_block(tmp_path, monkeypatch):
+    """256 blocks in one put are one piece and one group-commit round: one journal fdatasync, not 256. Over
+    many small puts every journal fdatasync is one round's (``journal_syncs`` <= ``sync_groups``)."""
+    with open_pool(tmp_path) as pool:
+        spy = SyncSpy(monkeypatch, pool.journal.path)
+        keys = NS.keys(range(1, 257))
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S).written == 256
+        st = pool.stats()
+        assert len(spy.journal_syncs()) == 1 == st["journal_syncs"] == st["sync_groups"]
+        more = NS.keys(range(1000, 1064))
+        futs = [pool.put([k], [payload(k.seq_hash)]) for k in more]
+        assert sum(f.result(timeout=HANG_S).written for f in futs) == 64
+        st = pool.stats()
+        assert 2 <= len(spy.journal_syncs()) == st["journal_syncs"] <= st["sync_groups"]
+
+
+def test_failed_journal_fdatasync_is_repaired_by_a_rewrite_before_the_put_resolves(tmp_path, monkeypatch):
+    """The journal's barrier fails (EIO): the tier degrades and the journal is rewritten from the index (temp
+    file, fsync, rename) before the put resolves, so the blocks are reported stored durably and a restart finds
+    them."""
+    keys = NS.keys(range(1, 33))
+    with open_pool(tmp_path) as pool:
+        spy = SyncSpy(monkeypatch, pool.journal.path)
+        spy.fail_journal = 1
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S).written == 32
+        assert pool.cat.c["journal_errors"] == 1 and pool.stats()["degraded"]
+        assert {k.seq_hash for k in keys} <= _journal_seqs(pool)[0]
+        monkeypatch.undo()
+    with open_pool(tmp_path) as pool:
+        assert pool.stats()["restored_blocks"] == 32
+        out = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
+        assert all(pool.get(keys, out).result(timeout=HANG_S).ok)
+
+
+def test_failed_journal_fdatasync_and_failed_repair_withdraw_the_round(tmp_path, monkeypatch):
+    """The journal's barrier fails and so does the repair rewrite (its fsync): the round's blocks are taken out
+    of the index and the put counts them dropped (``journal_error``), never stored."""
+    keys = NS.keys(range(1, 33))
+    with open_pool(tmp_path) as pool:
+        spy = SyncSpy(monkeypatch, pool.journal.path)
+        spy.fail_journal = 1
+        real_fsync = os.fsync
+
+        def failing_fsync(fd):
+            if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".journal-"):
+                raise OSError(errno.EIO, "injected journal rewrite fsync failure")
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", failing_fsync)
+        res = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
+        assert (res.written, res.dropped) == (0, 32)
+        assert pool.stats()["dropped_by_reason"].get("journal_error") == 32
+        assert not any(pool.contains(k) for k in keys)
+        assert pool.cat.accounting()["leaked"] == 0
+        monkeypatch.undo()
