@@ -325,6 +325,16 @@ def _print_warnings(result: dict) -> None:
         console.print(f"[yellow]warning:[/yellow] {w}", soft_wrap=True, highlight=False)
 
 
+def _g4_problem(g4: str) -> str | None:
+    """Why ``--g4`` is not a store the demo can use (``g4.url``'s own check: ``s3://BUCKET/PREFIX``, or a
+    ``file:`` URL of an absolute path, ``file:///path`` or ``file:/path``), or None."""
+    from kvbm_backend.store_url import url_problem
+    why = url_problem(g4)
+    if why is None and not g4.startswith(("s3:", "file:")):
+        why = "expected s3://BUCKET/PREFIX or file:///path"
+    return why
+
+
 @app.command()
 def demo(
     json_path: str = typer.Option("kvbm-demo.json", "--json", help="where to write the results JSON"),
@@ -352,8 +362,8 @@ def demo(
     trace_path = Path(trace) if trace else default_trace()
     if not trace_path.is_file():
         _fail(f"--trace: no file {trace_path}" + ("" if trace else " (the default trace; give --trace FILE)"))
-    if g4 is not None and not g4.startswith(("s3://", "file:///")):
-        _fail(f"--g4: expected s3://BUCKET/PREFIX or file:///path (got {g4!r})")
+    if g4 is not None and (why := _g4_problem(g4)):
+        _fail(f"--g4: {why} (got {g4!r})")
     if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
         _fail(f"--endpoint-url: expected http://HOST:PORT or https://HOST (got {endpoint_url!r})")
     if endpoint_url is not None and not (g4 or "").startswith("s3://"):  # else it would be ignored

@@ -268,8 +268,12 @@ def demo_requests(trace: str | None = None, requests: int = 24, workdir: str | N
     if not trace_path.is_file():
         raise ValueError(f"--trace: no file {trace_path} (default is ../shared/data/mooncake_synthetic_trace.jsonl "
                          "relative to the repo root)")
-    if g4 is not None and not (g4.startswith("s3://") or g4.startswith("file://")):
-        raise ValueError(f"--g4: expected s3://BUCKET/PREFIX or file:///path, got {g4!r}")
+    if g4 is not None:
+        from kvbm_backend.store_url import url_problem
+        why = url_problem(g4) or (None if g4.startswith(("s3:", "file:")) else "expected s3://BUCKET/PREFIX or "
+                                  "file:///path")
+        if why:
+            raise ValueError(f"--g4: {why} (got {g4!r})")
     if requests < 2:
         raise ValueError(f"--requests: need at least 2, got {requests}")
     if engine not in ("dynamo", "direct"):

@@ -72,7 +72,9 @@ def native_extra(kind: str, wd: Path, model, *, cpu_bytes: int, g3_capacity_gb: 
 
 
 def _local(url: str) -> Path | None:
-    return Path(url[len("file://"):]) if url.startswith("file://") else None
+    from kvbm_backend.store_url import file_url_path
+    local = file_url_path(url)  # file:///p, file:/p, file://localhost/p -> /p
+    return Path(local) if local is not None else None
 
 
 def tier_dirs(name: str, wd: Path, g4_url: str) -> dict[str, Path | None]:

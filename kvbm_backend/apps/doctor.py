@@ -13,8 +13,9 @@ Sections of the result (:func:`run_doctor`):
   via :func:`kvbm_backend.io.probe_o_direct`), free and total bytes. A missing directory is probed at
   its nearest existing ancestor (where the pool would create it) and says so. Each G3 directory is judged
   by the G3 pool's own open rules (:mod:`.doctor_paths`: writable directory, O_DIRECT decision, room for
-  a slot and for the path's share of ``g3.capacity_gb``); a ``--path`` that is a URL other than
-  ``file:///path`` is refused (ConfigError).
+  a slot and for the path's share of ``g3.capacity_gb``); a ``--path`` that is a URL other than a
+  ``file:`` URL of an absolute path (``file:///path``, ``file:/path``, ``file://localhost/path``: that path, a
+  G4 root) is refused (ConfigError).
 * ``modes``: ``{"checked": [...], "problems": [...], "notes": [...]}``: every G3 directory, ``file://`` G4
   root and the keyring (file, lock, KEK file and directory) looked at, and one line per path whose mode
   gives group or others access (:func:`kvbm_backend.fsmodes.mode_problems`; everything kvbm-backend creates
@@ -283,12 +284,14 @@ def modes_info(paths: list[str], keyring_paths: list[str], owners: dict[str, str
     a note when it accepts a mode wider than 0700. Returns ``{"checked", "problems", "notes"}``; ``owners`` (a
     dict, filled) maps each problem of a keyring path (its directory, file, lock, KEK file) to that path."""
     from kvbm_backend.fsmodes import UnsafePath, check_trusted_dir, mode_problems
+
+    from .doctor_paths import local_dir
     checked: list[str] = []
     problems: list[str] = []
     notes: list[str] = []
     own = owners if owners is not None else {}
     for p in paths:
-        p = p[len("file://"):] if p.startswith("file://") else p
+        p = local_dir(p)
         if "://" in p:
             continue
         checked.append(p)
@@ -360,16 +363,16 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
         URLs in it without credentials or query (:func:`kvbm_backend.pool.g4.store.redact_urls`).
     Raises:
         ConfigError: the config is invalid (message names the field), or a ``paths`` entry is a URL
-            other than ``file:///path``.
+            other than a ``file:`` URL of an absolute path (``file:///path``, ``file:/path``).
     """
     from kvbm_backend.config import load_config
 
-    from .doctor_paths import check_path_arg, g3_path_problems, g4_path_problems
+    from .doctor_paths import check_path_arg, g3_path_problems, g4_path_problems, is_g4_root
     for p in paths:
         check_path_arg(p)
     cfg = load_config(config)
     g3_configured = list(cfg.g3.paths if (cfg.g3.enabled and (config or not paths)) else [])
-    g4_url = cfg.g4.url if cfg.g4.enabled and cfg.g4.url and cfg.g4.url.startswith("file://") else None
+    g4_url = cfg.g4.url if cfg.g4.enabled and cfg.g4.url and is_g4_root(cfg.g4.url) else None
     all_paths = list(dict.fromkeys(list(paths) + g3_configured + ([g4_url] if g4_url else [])))
     gpu = gpu_info()
     gds = gds_info()
@@ -384,9 +387,9 @@ def run_doctor(paths: list[str], config: str | None = None) -> dict:
     engine = engine_choice(cfg, gpu, kvk, nixl, pinfo)
     g4 = g4_info(cfg)
     problems = report_problems(g4, modes["problems"], owners)  # a keyring path the G4 check names: one line
-    g3_dirs = [p for p in all_paths if not p.startswith("file://")]
+    g3_dirs = [p for p in all_paths if not is_g4_root(p)]
     for p, info in zip(all_paths, pinfo):
-        if not p.startswith("file://"):  # a G3 directory: judged by the pool's own rules (doctor_paths)
+        if not is_g4_root(p):  # a G3 directory: judged by the pool's own rules (doctor_paths)
             problems += g3_path_problems(info, cfg.g3, len(g3_configured) if p in g3_configured else len(g3_dirs),
                                          configured=p in g3_configured)
         elif p != g4_url:  # the configured store is probed by g4_info (a real put)

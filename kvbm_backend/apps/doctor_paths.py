@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 from kvbm_backend.config import ConfigError, dir_problem
@@ -53,19 +54,48 @@ def fs_type(path: str) -> str:
     return typ
 
 
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def url_scheme(p: str) -> str | None:
+    """The URL scheme of a ``--path`` entry, or None for a local path: ``SCHEME://...`` with any scheme, or
+    ``SCHEME:...`` with a store scheme (``file:/abs``, ``s3:/bucket``; :data:`kvbm_backend.store_url.SCHEMES`).
+    A local directory whose name starts that way is given as ``./file:x``."""
+    from kvbm_backend.store_url import SCHEMES
+    m = _SCHEME.match(p)
+    if m is None:
+        return None
+    scheme = m.group(1)
+    return scheme if p[m.end():].startswith("//") or scheme.lower() in SCHEMES else None
+
+
+def local_dir(p: str) -> str:
+    """The local directory a doctor path names: a ``file:`` URL's path (``file:///abs``, ``file:/abs``,
+    ``file://localhost/abs`` -> ``/abs``, as :class:`~kvbm_backend.pool.g4.fs_store.FsStore` opens it), else
+    ``p`` as given."""
+    from kvbm_backend.store_url import file_url_path
+    return (file_url_path(p) or p) if url_scheme(p) == "file" else p
+
+
+def is_g4_root(p: str) -> bool:
+    """``p`` is a ``file:`` URL (a G4 root), not a G3 directory."""
+    return url_scheme(p) == "file"
+
+
 def check_path_arg(p: str) -> None:
-    """A ``--path`` entry must be a local path or a ``file:///path`` URL.
+    """A ``--path`` entry must be a local path or a ``file:`` URL of an absolute path (``file:///path``,
+    ``file:/path`` or ``file://localhost/path``, as ``g4.url`` accepts them, RFC 8089).
 
     Raises:
         ConfigError: an empty entry, any other URL (``s3://...``: that store is checked from ``g4.url`` of ``--config``) or
-            a malformed ``file://`` URL; the message names the entry.
+            a malformed ``file:`` URL (``file://relative``, ``file:relative``); the message names the entry.
     """
     if not p.strip():
         raise ConfigError("--path '': empty (it would mean the current directory)")
-    if "://" not in p:
+    scheme = url_scheme(p)
+    if scheme is None:
         return
     from kvbm_backend.store_url import url_problem
-    scheme = p.split("://", 1)[0]
     if scheme != "file":
         raise ConfigError(f"--path {p!r}: not a local directory; give a G3 directory or a file:///path G4 root "
                           f"(an {scheme}:// store is checked from g4.url: doctor --config FILE)")
@@ -79,7 +109,7 @@ def path_info(path: str) -> dict:
     :func:`kvbm_backend.config.dir_problem` refuses it. A missing directory is probed at its nearest existing
     ancestor (``probed_at``). Never raises."""
     from kvbm_backend.io import probe_o_direct
-    path = path[len("file://"):] if path.startswith("file://") else path
+    path = local_dir(path)
     ap = os.path.abspath(os.path.expanduser(path))
     out: dict[str, Any] = {"path": path, "exists": os.path.isdir(ap)}
     problem = dir_problem(os.path.expanduser(path))

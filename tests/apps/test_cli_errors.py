@@ -125,6 +125,16 @@ CASES = [
      "error: --endpoint-url needs --g4 s3://..."),
     (["demo", "--trace", "{d}/trace.jsonl", "--g4", "file:///tmp/g4", "--endpoint-url", "http://127.0.0.1:8333"],
      "error: --endpoint-url needs --g4 s3://..."),
+    # file:/abs and file://localhost/abs are g4.url's own forms (RFC 8089): accepted as file:///abs is (the
+    # next check refuses), not "--g4: expected ..."; file:relative, mem:// and a bad bucket are refused up front
+    (["demo", "--trace", "{d}/trace.jsonl", "--g4", "file:/tmp/g4", "--endpoint-url", "http://127.0.0.1:8333"],
+     "error: --endpoint-url needs --g4 s3://..."),
+    (["demo", "--trace", "{d}/trace.jsonl", "--g4", "file://localhost/tmp/g4", "--endpoint-url", "http://127.0.0.1:8333"],
+     "error: --endpoint-url needs --g4 s3://..."),
+    (["demo", "--trace", "{d}/trace.jsonl", "--g4", "file:relative"],
+     "error: --g4: file URLs must be absolute, file:///path (got 'file:relative')"),
+    (["demo", "--trace", "{d}/trace.jsonl", "--g4", "mem://x"], "error: --g4: expected s3://BUCKET/PREFIX or file:///path"),
+    (["demo", "--trace", "{d}/trace.jsonl", "--g4", "s3://My_Bucket/p"], "error: --g4: s3:// URL: bucket 'My_Bucket'"),
     (["demo", "--trace", "{d}/trace.jsonl", "--workdir", "{d}/a-file"], "error: --workdir: {d}/a-file: is a file"),
     (["demo", "--trace", "{d}/not.json"], "error: --trace {d}/not.json line 1: not a Mooncake record"),
     (["demo", "--trace", "{d}/trace.jsonl", "--requests", "50"],

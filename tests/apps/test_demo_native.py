@@ -46,6 +46,11 @@ def test_disk_bytes_and_tier_dirs(tmp_path):
     assert tier_dirs("kvbm_backend", tmp_path, "s3://b/p")["G4"] is None  # remote: not measured
     assert tier_dirs("vllm_fs", tmp_path, "s3://b/p") == {"fs": tmp_path / "vllm-fs"}
     assert native_g4_url("s3://b/p/") == "s3://b/p-native"
+    # every file URL form --g4 takes names the same absolute directory (file://localhost/p was measured as the
+    # relative localhost/p, file:/p as nothing: the disk bytes of the demo's G4 tier were those of another path)
+    for url in (f"file:{tmp_path}/g4", f"file://localhost{tmp_path}/g4"):
+        assert tier_dirs("kvbm_backend", tmp_path, url)["G4"] == tmp_path / "g4", url
+        assert tier_dirs("native_tiers", tmp_path, url)["G4"] == tmp_path / "g4-native", url
 
 
 def test_native_extra_configs():

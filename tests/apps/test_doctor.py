@@ -237,6 +237,35 @@ def test_a_url_other_than_file_is_refused_not_probed_as_a_local_directory(tmp_pa
     assert r.returncode == 0 and rep["paths"][0]["path"] == str(tmp_path), r.stderr
 
 
+@pytest.mark.slow
+def test_every_file_url_form_g4_url_accepts_is_probed_at_its_absolute_path(tmp_path):
+    """``file:/abs`` (RFC 8089, one slash) and ``file://localhost/abs`` are the absolute ``/abs``, as ``g4.url``
+    takes them; before 2026-11-30 doctor probed them as relative directories (``file:`` and ``localhost``) under
+    the current one and reported that. ``file:relative`` and ``s3:/b`` are refused naming the value."""
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    env = {**os.environ, "PYTHONPATH": REPO}
+    for p in (f"file:{root}", f"file://localhost{root}", f"file://{root}"):
+        r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "doctor", "--json", "--path", p],
+                           capture_output=True, text=True, timeout=HANG_S, cwd=cwd, env=env)
+        assert r.returncode == 0, (p, r.stderr[-2000:])
+        rep = json.loads(r.stdout)
+        assert rep["paths"][0]["path"] == str(root) and rep["paths"][0]["exists"] is True, (p, rep["paths"])
+        assert "probed_at" not in rep["paths"][0], (p, rep["paths"])
+        assert rep["modes"]["checked"] == [str(root)], (p, rep["modes"])
+    for p in ("file:relative", "s3:/kvbm-test/p", "file:/"):
+        r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "doctor", "--json", "--path", p],
+                           capture_output=True, text=True, timeout=HANG_S, cwd=cwd, env=env)
+        assert r.returncode == 2 and r.stdout == "", (p, r.stdout[-500:])
+        assert f"--path {p!r}" in r.stderr, r.stderr
+    assert not any(cwd.iterdir())
+    # a configured g4.url of that form is the G4 root doctor probes and mode-checks (not a relative directory)
+    r, rep = _json_cli("--config", json.dumps({"g4": {"enabled": True, "url": f"file:{root}", "encrypt": False}}))
+    assert str(root) in rep["modes"]["checked"] and f"file:{root}" not in rep["modes"]["checked"], rep["modes"]
+
+
 def test_config_dir_is_not_a_config_file(tmp_path):
     r = _cli("--config", str(tmp_path))
     assert r.returncode == 2
