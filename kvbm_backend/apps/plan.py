@@ -120,14 +120,17 @@ def write_trace(records: list[dict], path: str) -> None:
 
 def load_timed_trace(path: str, limit: int | None = None) -> list[dict]:
     """Read a Mooncake JSONL trace with its timestamps (ms). Raises ValueError naming ``--trace`` and
-    the line of a malformed record or one without a finite numeric ``timestamp`` (NaN and Infinity, which
-    Python's JSON reader accepts, are refused), and for a trace with no request (:func:`load_trace`)."""
+    the line of a malformed record or one without a finite numeric ``timestamp`` (a JSON number: a string
+    such as ``"5"`` or a boolean is refused, as are NaN and Infinity, which Python's JSON reader accepts), and for a trace with no request (:func:`load_trace`)."""
     def parse(line: str, p: str, n: int) -> dict:
         r = parse_record(line, p, n)
         try:
-            r["timestamp"] = float(json.loads(line)["timestamp"])
+            ts = json.loads(line)["timestamp"]
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"--trace {p} line {n}: no numeric timestamp (ms)") from None
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)):  # "5" or true is no time: float() took them
+            raise ValueError(f"--trace {p} line {n}: timestamp must be a JSON number of ms, got {ts!r:.80}")
+        r["timestamp"] = float(ts)
         if not math.isfinite(r["timestamp"]):
             raise ValueError(f"--trace {p} line {n}: timestamp must be a finite number of ms, got {r['timestamp']}")
         return r

@@ -260,6 +260,11 @@ def test_mla_g4_stores_a_block_once_and_g3_once_per_rank():
      "--trace {t} line 1: timestamp must be a finite number of ms, got nan", False),
     (b'{"timestamp": 0, "input_length": 6, "hash_ids": [1]}\n{"timestamp": Infinity, "input_length": 6, '
      b'"hash_ids": [1]}\n', [], "--trace {t} line 2: timestamp must be a finite number of ms, got inf", False),
+    # a string or boolean timestamp was float()ed: "5" -> 5 ms, true -> 1 ms, against docs/capacity.md
+    (b'{"timestamp": "5", "input_length": 6, "hash_ids": [1]}\n', [],
+     "--trace {t} line 1: timestamp must be a JSON number of ms, got '5'", False),
+    (b'{"timestamp": 0, "input_length": 6, "hash_ids": [1]}\n{"timestamp": true, "input_length": 6, '
+     b'"hash_ids": [1]}\n', [], "--trace {t} line 2: timestamp must be a JSON number of ms, got True", False),
     (b'{"timestamp": 0, "input_length": 600, "hash_ids": [-1, 2]}\n', [],
      "--trace {t} line 1: hash_ids must be integers >= 0, got -1", True),
     (b'{"timestamp": 0, "input_length": 6, "hash_ids": [1]}\n\xff\xfe\n', [], "--trace {t} line 2: not UTF-8 text", True),
