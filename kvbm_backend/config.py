@@ -64,10 +64,17 @@ class _M(BaseModel):
 
 def dir_problem(path: str) -> str | None:
     """Why ``path`` cannot serve as a directory this process writes (G3 paths, bench ``--path``), or
-    None. An existing path must be a directory this process can write; a missing one is created later,
+    None. A URL (``file:/x``, ``file:///x``, ``s3://b``; :func:`kvbm_backend.store_url.path_url_scheme`) is not
+    one. An existing path must be a directory this process can write; a missing one is created later,
     so only a file among its ancestors is a problem (a missing parent's permissions are not judged)."""
     if not path.strip():
         return "empty path (it would mean the current directory)"
+    from .store_url import file_url_path, path_url_scheme
+    scheme = path_url_scheme(path)
+    if scheme is not None:  # else "file:/x" is the relative directory "file:" and "x" under the current one
+        local = file_url_path(path) if scheme == "file" else None
+        hint = f"; give the directory {local}" if local and local.startswith("/") else ""
+        return f"a {scheme}: URL, not a directory path{hint}"
     try:
         target = Path(os.path.abspath(path))
     except ValueError as e:  # embedded NUL

@@ -104,6 +104,20 @@ def url_problem(url: str) -> str | None:
     return None
 
 
+_SCHEME_PREFIX = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def path_url_scheme(p: str) -> str | None:
+    """The URL scheme of ``p`` where a local path is expected (a G3 directory, doctor's ``--path``), or None
+    for a path: ``SCHEME://...`` with any scheme, or ``SCHEME:...`` with a store scheme (``file:/abs``,
+    ``s3:/bucket``; :data:`SCHEMES`), lowercased. A directory whose name starts so is given as ``./NAME``."""
+    m = _SCHEME_PREFIX.match(p)
+    if m is None:
+        return None
+    scheme = m.group(1).lower()
+    return scheme if p[m.end():].startswith("//") or scheme in SCHEMES else None
+
+
 def file_url_path(url: str) -> str | None:
     """The directory a well-formed ``file://`` URL names, or None for other schemes."""
     u = urlsplit(url)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Any
 
 from kvbm_backend.config import ConfigError, dir_problem
@@ -54,19 +53,11 @@ def fs_type(path: str) -> str:
     return typ
 
 
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
-
-
 def url_scheme(p: str) -> str | None:
-    """The URL scheme of a ``--path`` entry, or None for a local path: ``SCHEME://...`` with any scheme, or
-    ``SCHEME:...`` with a store scheme (``file:/abs``, ``s3:/bucket``; :data:`kvbm_backend.store_url.SCHEMES`).
-    A local directory whose name starts that way is given as ``./file:x``."""
-    from kvbm_backend.store_url import SCHEMES
-    m = _SCHEME.match(p)
-    if m is None:
-        return None
-    scheme = m.group(1)
-    return scheme if p[m.end():].startswith("//") or scheme.lower() in SCHEMES else None
+    """The URL scheme of a ``--path`` entry, or None for a local path
+    (:func:`kvbm_backend.store_url.path_url_scheme`: ``SCHEME://...``, or ``file:/abs``, ``s3:/bucket``)."""
+    from kvbm_backend.store_url import path_url_scheme
+    return path_url_scheme(p)
 
 
 def local_dir(p: str) -> str:

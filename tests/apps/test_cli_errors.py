@@ -66,6 +66,16 @@ CASES = [
      "error: --url: {d}/no-store: no such directory"),
     # replay
     (["replay", "--layout", "tiny", "--g3-path", "{d}/g3", "--g3-capacity-gb", "1"], "Missing option '--trace'"),
+    # a URL where a G3 directory is expected: file:/x was the relative directory "file:" + x under the current
+    # one (replay wrote there and reported success; a config's g3.paths opened the pool there)
+    (["replay", "--trace", "{d}/trace.jsonl", "--layout", "tiny", "--g3-path", "file:{d}/g3", "--g3-capacity-gb", "1"],
+     "error: --g3-path: file:{d}/g3: a file: URL, not a directory path; give the directory {d}/g3"),
+    (["replay", "--trace", "{d}/trace.jsonl", "--layout", "tiny", "--g3-path", "file:///{d}/g3", "--g3-capacity-gb",
+      "1"], "error: --g3-path: file:///{d}/g3: a file: URL, not a directory path"),
+    (["bench", "--tier", "g3", "--path", "s3:/bucket/p", "--layout", "tiny"],
+     "error: --path: s3:/bucket/p: a s3: URL, not a directory path"),
+    (["doctor", "--config", '{"g3": {"paths": ["file:{d}/g3"]}}'],
+     "error: g3.paths[0]: a file: URL, not a directory path; give the directory {d}/g3"),
     (["replay", "--trace", "{d}/missing.jsonl", "--layout", "tiny", "--g3-path", "{d}/g3", "--g3-capacity-gb", "1"],
      "error: --trace:"),
     (["replay", "--trace", "{d}/not.json", "--layout", "tiny", "--g3-path", "{d}/g3", "--g3-capacity-gb", "1"],
