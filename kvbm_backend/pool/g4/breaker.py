@@ -2,7 +2,9 @@
 
 States: ``closed`` (all requests pass), ``open`` after ``failures`` consecutive failures (every request
 is refused at once for ``reset_s`` seconds: the caller turns it into a miss or a dropped offload),
-``half_open`` (one probe request passes; success closes, failure re-opens for another ``reset_s``).
+``half_open`` (one probe request passes; success closes, a failure re-opens for another ``reset_s``: the
+probe's, or any other, such as a load batch that expired queued behind I/O threads stuck on a hung mount and
+so never probed).
 A probe that never reports (its caller ended without asking the store: a revoked tenant's offload, a bug)
 is handed back with :meth:`release`, and in any case lapses after ``reset_s``: another request then probes
 (before 2026-11-30 such a probe kept the breaker half-open for good, every load a miss until a restart).
@@ -127,7 +129,12 @@ class CircuitBreaker:
             now = self._clock()
             force = force and not self._answered
             self._consecutive += 1
-            if force or self._probe_out or (self._opened_at is None and self._consecutive >= self.failures):
+            # half-open: any failure re-opens, the probe's or not (a batch that expired behind stuck I/O
+            # threads never reached allow(), so no probe was out: before 2026-11-30 it left the breaker
+            # half-open for good, every later load queued behind those threads for its whole load bound)
+            half_open = self._opened_at is not None and now - self._opened_at >= self.reset_s
+            if force or self._probe_out or half_open or (self._opened_at is None
+                                                          and self._consecutive >= self.failures):
                 if self._opened_at is None:
                     self.opens += 1
                     opened = True

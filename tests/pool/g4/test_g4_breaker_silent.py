@@ -1,0 +1,84 @@
+"""A half-open breaker whose probe never gets to run. Review finding (2026-11-30): a G4 batch (get or lookup)
+that expires counts as one store failure, but a failure re-opened a half-open breaker only when it came from
+the probe (:meth:`CircuitBreaker.allow` had let one out). On a hung mount every read thread is stuck in the
+kernel, so a batch queued while the breaker was half-open never reached ``allow``: its expiry failed without a
+probe out and the breaker stayed half-open for good. Every later load and lookup was then queued behind the
+stuck threads (one more task per block on the executor's queue each time) and waited out the whole load bound
+instead of being refused at once, for as long as the mount stayed hung. Any failure while half-open now
+re-opens the breaker."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers.g4_writer import namespace, payload
+from tests.helpers.held_open import HeldOpen
+from kvbm_backend.config import G4Config
+from kvbm_backend.pool.g4.breaker import CircuitBreaker
+from kvbm_backend.pool.g4.pool import G4Pool
+
+HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
+RESET_S = 3600.0  # the breaker's reset: the test moves the breaker's clock past it (never waits for it)
+
+
+def test_a_failure_while_half_open_reopens_without_a_probe_out():
+    now = [0.0]
+    b = CircuitBreaker(failures=1, reset_s=5.0, clock=lambda: now[0])
+    b.failure()
+    now[0] = 5.0
+    assert b.state == "half_open"
+    b.failure("a batch expired: its reads never started")  # no probe was let out
+    assert b.state == "open" and not b.allow() and b.opens == 1
+    now[0] = 10.0
+    assert b.state == "half_open" and b.allow()  # a reset_s after the re-opening: probes again
+    b.success()
+    assert b.state == "closed"
+
+
+@pytest.mark.slow
+def test_loads_queued_behind_a_hung_mount_reopen_the_half_open_breaker(tmp_path):
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    cfg = G4Config(url=f"file://{tmp_path / 'mnt'}", timeout_s=0.5, retries=0, breaker_failures=1,
+                   breaker_reset_s=RESET_S, max_inflight=2, keyring={"path": str(tmp_path / "kr.json")})
+    pool = G4Pool(cfg, ns)
+    skew = [0.0]
+    pool.breaker._clock = lambda: time.monotonic() + skew[0]  # the reset passes when the test says so
+    seqs = [1, 2, 3, 4]
+    keys = ns.keys(seqs, tenant="t")
+    blocks = [payload(s, "t", bpb) for s in seqs]
+    assert pool.put(keys, blocks).result(timeout=HANG_S).written == 4
+    held = HeldOpen([pool.store._path(pool.object_name(k)) for k in keys[:2]])  # the mount hangs under these
+    try:
+        out = [np.zeros(bpb, np.uint8) for _ in range(2)]
+        res = pool.get(keys[:2], out).result(timeout=HANG_S)  # both read threads now stuck in open()
+        assert res.timed_out == [True, True] and pool.breaker.state == "open"
+        skew[0] = RESET_S  # the reset has passed: half-open, the next request may probe
+        assert pool.breaker.state == "half_open"
+        # a load of two healthy objects: its reads queue behind the stuck threads and never start
+        res = pool.get(keys[2:], out).result(timeout=HANG_S)
+        assert res.ok == [False, False] and res.timed_out == [True, True]
+        # that silence re-opened the breaker: the next load and lookup are answered at once, without queueing
+        assert pool.breaker.state == "open", pool.breaker.state
+        fut = pool.get(keys[2:], out)
+        assert fut.done() and fut.result().ok == [False, False]
+        assert pool.lookup_prefix(keys[2:]).done()
+        st = pool.stats()
+        assert st["miss_timeout"] == 4 and st["miss_breaker"] == 2, st
+    finally:
+        held.release()
+    skew[0] = 2 * RESET_S  # the mount is back and the reset passed again: the pool recovers by itself
+    deadline = time.monotonic() + HANG_S
+    got = [np.zeros(bpb, np.uint8) for _ in seqs]
+    ok: list[bool] = []
+    while time.monotonic() < deadline:
+        ok = pool.get(keys, got).result(timeout=HANG_S).ok
+        if all(ok):
+            break
+        skew[0] += RESET_S
+        time.sleep(0.1)
+    assert ok == [True] * 4 and all(np.array_equal(g, b) for g, b in zip(got, blocks))
+    assert pool.breaker.state == "closed"
+    pool.close()
