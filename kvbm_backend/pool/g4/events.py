@@ -238,18 +238,22 @@ class OperatorLog:
         self._fp = namespace
         self._mu = threading.Lock()
         self.store_errors_logged: dict[str, float] = {}  # kind -> time.monotonic() when last logged
+        self.read_errors_logged: dict[str, float] = {}  # the same for loads' and lookups' errors (never reset)
         self.logged_tenants: set[tuple[str, str]] = set()  # (reason, tenant pseudonym hex) logged once
 
-    def store_error(self, e: OSError) -> None:
+    def store_error(self, e: OSError, read: bool = False) -> None:
         """The store answered with an error (not an outage): log it, at most once per kind per
-        :data:`STORE_ERROR_LOG_S` seconds. A missing bucket is named with how to create it."""
+        :data:`STORE_ERROR_LOG_S` seconds. A missing bucket is named with how to create it. ``read``: a load's or
+        lookup's error, rate-limited on its own: a successful write (:meth:`store_ok`) does not reset it, so a
+        store that takes PUTs but refuses GETs (or one object's name) logs one line per period, not one per write."""
         kind = "bucket_missing" if isinstance(e, BucketMissing) else "store_error"
+        logged = self.read_errors_logged if read else self.store_errors_logged
         now = time.monotonic()
         with self._mu:
-            last = self.store_errors_logged.get(kind)
+            last = logged.get(kind)
             if last is not None and now - last < STORE_ERROR_LOG_S:
                 return
-            self.store_errors_logged[kind] = now
+            logged[kind] = now
         if isinstance(e, BucketMissing):
             ep = f" --endpoint-url {redact_url(self._endpoint_url)}" if self._endpoint_url else ""
             log.error("%s: bucket %r does not exist: every G4 offload is dropped and every load misses until it "

@@ -6,7 +6,9 @@ absent key, and resolves within the load bound (``timeout_s * (1 + retries)`` se
 prefix confirmed so far and counts as one store failure (breaker), unless the store was answering "slow
 down". Throttled HEADs (:class:`~kvbm_backend.pool.g4.store.StoreThrottled`) are retried after a
 full-jitter backoff (:mod:`.throttle`) until the bound: each throttled answer counts ``throttled_head``, a
-HEAD still throttled at the bound ends the lookup there (``lookup_throttled``), never a breaker failure.
+HEAD still throttled at the bound ends the lookup there (``lookup_throttled``), never a breaker failure. A HEAD
+answered with an error (an OSError neither outage nor throttle: 403, a link at the name) finds the key absent and
+is logged as the writer's errors are (:meth:`~.events.OperatorLog.store_error`, ``the store refuses requests``).
 Keys of another namespace, or of a revoked tenant (any pool with a keyring, plaintext ones too), or any key while
 the keyring file does not load, are absent without store I/O.
 """
@@ -22,7 +24,7 @@ from ...deadlines import Deadlines
 from ...model.namespace import BlockKey, KeyRun
 from ..base import InFlight, completed
 from .breaker import CircuitBreaker
-from .events import G4Counters
+from .events import G4Counters, OperatorLog
 from .reader import tenant_miss
 from .store import ObjectStore, StoreThrottled, StoreUnavailable
 from .tenant_names import TenantNames
@@ -56,13 +58,13 @@ class G4Lookups:
         namespace: the pool's namespace fingerprint (other keys are absent).
         names: object names per tenant.
         keyring: the pool's keyring (revoked tenants are absent; encrypted or not); None for a pool without one.
-        breaker, throttle, counters: the pool's shared collaborators.
+        breaker, throttle, counters, oplog: the pool's shared collaborators.
         executor: the read threads; deadlines: the pool's timer thread.
         load_bound_s: seconds within which a lookup resolves; max_inflight: the widest wave.
     """
 
     def __init__(self, *, store: ObjectStore, namespace: str, names: TenantNames, keyring: Keyring | None,
-                 breaker: CircuitBreaker, throttle: ThrottleWatch, counters: G4Counters,
+                 breaker: CircuitBreaker, throttle: ThrottleWatch, counters: G4Counters, oplog: OperatorLog,
                  executor: ThreadPoolExecutor, deadlines: Deadlines, load_bound_s: float, max_inflight: int):
         self.store = store
         self._fp = namespace
@@ -72,6 +74,7 @@ class G4Lookups:
         self._throttle = throttle
         self._counters = counters
         self._count = counters.count
+        self._oplog = oplog
         self._exec = executor
         self._deadlines = deadlines
         self._load_bound_s = load_bound_s
@@ -136,8 +139,9 @@ class G4Lookups:
                     except StoreUnavailable as e:
                         self._breaker.failure(e)
                         self._count("lookup_unavailable")
-                    except OSError:
+                    except OSError as e:  # an error answer (denied, a link refused): absent, named in the log
                         self._breaker.success()
+                        self._oplog.store_error(e, read=True)
             except Exception:  # noqa: BLE001
                 present = False
             b.ok[i] = present

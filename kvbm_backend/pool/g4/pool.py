@@ -175,12 +175,13 @@ class G4Pool:
                                namespace=self._fp, names=self.names, keyring=self.keyring, encrypt=self.encrypt,
                                frames=frames, executor=self._io, deadlines=self._deadlines,
                                load_bound_s=self.load_bound_s, max_inflight=cfg.max_inflight,
-                               breaker=self.breaker, throttle=self.throttle, counters=self.counters)
+                               breaker=self.breaker, throttle=self.throttle, counters=self.counters,
+                               oplog=self.oplog)
         self.lookups = G4Lookups(store=self.store, namespace=self._fp, names=self.names,
                                  keyring=self.keyring, executor=self._io,
                                  deadlines=self._deadlines, load_bound_s=self.load_bound_s,
                                  max_inflight=cfg.max_inflight, breaker=self.breaker, throttle=self.throttle,
-                                 counters=self.counters)
+                                 counters=self.counters, oplog=self.oplog)
         self.writer.start()
         self._registry = registry
         if registry is not None:

@@ -11,16 +11,17 @@ buffers file objects are read through); lookups are :mod:`.lookup`.
   GCM tag (or xxh3) verified in a staging buffer the pool owns (the bounce buffer, decrypted in place, or a fresh one
   for a store's read-only bytes); only then are the bytes copied into the caller's buffer, so a miss never touches it.
   Corrupt objects are misses counted under ``corrupt_<reason>`` and deleted when the reason is in :data:`_DELETE_ON`
-  *and* the store confirms it holds exactly the bytes read
-  (:meth:`~kvbm_backend.pool.g4.store.ObjectStore.stored_matches`: an S3 HEAD's length and MD5 ETag, a fresh re-read
-  of a file); otherwise (a lying endpoint or proxy, a bad read) the miss is ``miss_unconfirmed_corrupt`` (detail
-  ``unconfirmed_<reason>``) and the object stays; so does a ``miss_key_mismatch`` (other key material: docs/format.md).
-* Throttled reads (:class:`~kvbm_backend.pool.g4.store.StoreThrottled`) are retried after a
-  full-jitter backoff (:mod:`.throttle`) until the batch's load bound: each throttled answer counts
-  ``throttled_get``; a block still throttled at the bound is ``miss_throttled``. A throttle is the store
-  answering: never a breaker failure, and a batch that expires while the pool is being throttled (its
-  slots sat in backoff, or queued behind reads that did) counts its late blocks ``miss_throttled``, not
-  as a silent store.
+  *and* the store confirms it holds exactly the bytes read (:meth:`~.store.ObjectStore.stored_matches`: an S3
+  HEAD's length and MD5 ETag, a fresh re-read of a file); otherwise (a lying endpoint or proxy, a bad read) the miss
+  is ``miss_unconfirmed_corrupt`` (detail ``unconfirmed_<reason>``) and the object stays; so does a
+  ``miss_key_mismatch`` (other key material: docs/format.md).
+  An error answer (an OSError neither outage nor throttle: 403, no bucket, a link at the name) is ``miss_error``,
+  logged as the writer's are (:meth:`~.events.OperatorLog.store_error`, ``the store refuses requests``).
+* Throttled reads (:class:`~kvbm_backend.pool.g4.store.StoreThrottled`) are retried after a full-jitter backoff
+  (:mod:`.throttle`) until the batch's load bound: each throttled answer counts ``throttled_get``; a block still
+  throttled at the bound is ``miss_throttled``. A throttle is the store answering: never a breaker failure, and a
+  batch that expires while the pool is being throttled (its slots sat in backoff, or queued behind reads that did)
+  counts its late blocks ``miss_throttled``, not as a silent store.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from ...model.layout import KvLayout
 from ...model.namespace import BlockKey
 from ..base import GetResult, InFlight, completed
 from .breaker import CircuitBreaker
-from .events import G4Counters
+from .events import G4Counters, OperatorLog
 from .store import ObjectStore, StoreThrottled, StoreUnavailable
 from .naming import TenantNamer
 from .tenant_names import TenantNames
@@ -154,15 +155,14 @@ class G4Reader:
         keyring: data keys to open encrypted frames (None: plaintext pool without keyring).
         encrypt: an encrypted pool serves only authenticated blocks.
         frames: reused staging for read-only bodies (S3), buffers of ``HEADER_BYTES + bytes_per_block``.
-        breaker, throttle, counters: the pool's shared collaborators.
-        executor: the read threads (``g4.max_inflight``); deadlines: the pool's timer thread.
-        load_bound_s: seconds within which a batch resolves.
-        max_inflight: read threads, the number of bounce buffers kept.
+        breaker, throttle, counters, oplog: the pool's shared collaborators. executor: the read threads
+        (``g4.max_inflight``); deadlines: the pool's timer thread.
+        load_bound_s: seconds within which a batch resolves. max_inflight: read threads, bounce buffers kept.
     """
 
     def __init__(self, *, store: ObjectStore, layout: KvLayout, world: int, namespace: str, names: TenantNames,
                  keyring: Keyring | None, encrypt: bool, frames: BufferPool, breaker: CircuitBreaker,
-                 throttle: ThrottleWatch, counters: G4Counters, executor: ThreadPoolExecutor,
+                 throttle: ThrottleWatch, counters: G4Counters, oplog: OperatorLog, executor: ThreadPoolExecutor,
                  deadlines: Deadlines, load_bound_s: float, max_inflight: int):
         self.store = store
         self._layout = layout
@@ -177,7 +177,7 @@ class G4Reader:
         self._frame_bytes = HEADER_BYTES + self._bpb
         self._breaker = breaker
         self._throttle = throttle
-        self._count = counters.count
+        self._count, self._oplog = counters.count, oplog
         self._exec = executor
         self._deadlines = deadlines
         self._load_bound_s = load_bound_s
@@ -331,8 +331,7 @@ class G4Reader:
             counted = self._finish_slot(b, i) or miss is None
             with b.mu:
                 if counted:
-                    c = miss or "hits"
-                    b.tally[c] = b.tally.get(c, 0) + 1
+                    b.tally[miss or "hits"] = b.tally.get(miss or "hits", 0) + 1
                 b.working -= 1
                 idle = b.working == 0
             if idle:  # the batch's counters once, before it answers (stats then include it)
@@ -394,8 +393,9 @@ class G4Reader:
         except StoreUnavailable as e:
             self._breaker.failure(e)
             return "miss_unavailable"
-        except OSError:
+        except OSError as e:  # an error answer (denied, no bucket, a link refused): named in the log, rate-limited
             self._breaker.success()
+            self._oplog.store_error(e, read=True)
             return "miss_error"
         self._breaker.success()
         if data is None:
