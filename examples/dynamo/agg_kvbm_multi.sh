@@ -5,6 +5,8 @@
 # KVBM's own disk tier is left off (no DYN_KVBM_DISK_CACHE_GB): G3 is ours.
 # Parameters (environment): MODEL, PYTHON, KVBM_BACKEND_CONFIG_FILE / KVBM_BACKEND_STATS_PATH (put into the JSON
 # below by kvbm_backend.integrations.dynamo.ktc), DYN_SYSTEM_PORT; further arguments go to dynamo.vllm.
+# Script defaults, used only where neither the YAML nor the environment gives the field: G3 in /mnt/nvme0/kvbm,
+# 800 GB.
 # Launcher: `python -m dynamo.vllm` with kvbm-backend's version-guarded compat shims (see agg_kvbm_backend.sh).
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
@@ -37,7 +39,8 @@ KV_TRANSFER_CONFIG='{
 KV_TRANSFER_CONFIG="$("$PYTHON" -m kvbm_backend.integrations.dynamo.ktc "$KV_TRANSFER_CONFIG")"
 # Effective settings: the script's defaults apply only where neither the YAML nor the environment sets the field;
 # one line on stderr says each G3/G4 setting and where it came from (kvbm_backend/apps/effective.py).
-EFFECTIVE="$("$PYTHON" -m kvbm_backend.apps.effective --for dynamo "$KV_TRANSFER_CONFIG")"
+EFFECTIVE="$("$PYTHON" -m kvbm_backend.apps.effective --for dynamo \
+  --default 'g3.paths=["/mnt/nvme0/kvbm"]' --default g3.capacity_gb=800 "$KV_TRANSFER_CONFIG")"
 eval "$EFFECTIVE"
 
 # KVBM_BACKEND_DRY_RUN=1: print the command and run the launcher's preflight instead of starting the engine.
