@@ -182,3 +182,47 @@ def test_metrics_docs_say_one_endpoint_per_pod_and_port():
         text = " ".join(text.split())
         assert "one server per process" not in text, where
         assert "one endpoint per pod and port" in text.lower(), where
+
+
+# docs/migrating.md's KVBM table: a value to set each variable to, and the field path -> value it must give
+KVBM_SAMPLES = {"DYN_KVBM_DISK_CACHE_DIR": ("/a:/b", ("g3", "paths"), ["/a", "/b"]),
+                "DYN_KVBM_DISK_CACHE_GB": ("7", ("g3", "capacity_gb"), 7),
+                "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": ("true", ("g3", "admission", "policy"), "all"),
+                "DYN_KVBM_DISK_DISABLE_O_DIRECT": ("true", ("g3", "o_direct"), "off"),
+                "DYN_KVBM_METRICS": ("true", ("metrics", "enabled"), True),
+                "DYN_KVBM_METRICS_PORT": ("9999", ("metrics", "port"), 9999)}
+
+
+def test_migrating_table_maps_exactly_the_kvbm_variables_the_code_reads(caplog):
+    """docs/migrating.md "From Dynamo KVBM" names exactly the ``DYN_KVBM_*`` variables the code reads or warns
+    about (kvbm_backend/config_sources.py), and each does what its row says, live through
+    :func:`~kvbm_backend.config_sources.env_overrides` and :func:`~kvbm_backend.config.load_config`: a mapped one
+    sets the field its row names (the k-th variable of a row the k-th field), a "(warning)" one sets nothing and logs one WARNING naming it."""
+    import logging
+
+    from kvbm_backend import config_sources
+    from kvbm_backend.config import load_config
+    text = (ROOT / "docs" / "migrating.md").read_text()
+    rows = re.findall(r"^\| (`DYN_KVBM_\w+`(?:, `DYN_KVBM_\w+`)*) \| (.+) \|$", text, re.M)
+    documented = {n: right for names, right in rows for n in re.findall(r"DYN_KVBM_\w+", names)}
+    position = {n: i for names, _ in rows for i, n in enumerate(re.findall(r"DYN_KVBM_\w+", names))}
+    read = set(re.findall(r'"(DYN_KVBM_\w+)"', (ROOT / "kvbm_backend" / "config_sources.py").read_text()))
+    assert set(documented) == read, (sorted(set(documented) - read), sorted(read - set(documented)))
+    warned = {n for n, right in documented.items() if "(warning)" in right}
+    assert warned == set(config_sources.KVBM_ONLY_ENV)
+    assert set(documented) - warned == set(KVBM_SAMPLES)
+    for name, (value, path, want) in KVBM_SAMPLES.items():
+        # a row of several variables names their fields in the same order (`metrics.enabled`, `metrics.port`)
+        field = re.findall(r"`((?:g3|g4|metrics)\.[a-z_.]+)", documented[name])[position[name]]
+        assert tuple(field.split(".")) == path, (name, field)
+        got = load_config({}, environ={name: value})
+        for part in path:
+            got = getattr(got, part)
+        assert got == want, (name, got)
+    config_sources._kvbm_only_warned.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.config"):
+        for name in sorted(warned):
+            assert config_sources.env_overrides({name: "1"}) == {}, name
+    for name in warned:
+        assert sum(r.getMessage().startswith(f"{name} is Dynamo KVBM's setting") and "docs/migrating.md" in r.getMessage()
+                   for r in caplog.records) == 1, name

@@ -481,3 +481,58 @@ def test_grafana_dashboard_queries_exactly_the_series_that_exist():
         for series, labels in re.findall(r"((?:vllm:)?kvbm_[a-z0-9_]+)(\{[^}]*\})?", e):
             want = "$vllm_instance" if series.startswith("vllm:") else "$instance"
             assert f'instance=~"{want}"' in labels, (series, e)
+
+
+# identifiers that start like a metric and are none: the package, request/transfer-param keys, a tier method
+NOT_SERIES = {"kvbm_backend", "kvbm_backend_handoff", "kvbm_tenant", "kvbm_stats", "kvbm_multi"}
+TARGET_LABELS = {"instance", "job", "namespace", "pod", "container"}  # Prometheus's and the Operator's own
+
+
+def test_operator_docs_name_only_series_and_labels_the_code_registers():
+    """Every ``kvbm_*`` / ``vllm:kvbm_backend_*`` name an operator reads in the docs (docs/*.md, README.md, every
+    examples/ README and the PodMonitor, the metrics module's docstring) is a series or family the code registers
+    (our endpoint's :class:`metrics.TierMetrics`, the connector's ``stats.PROM_COUNTERS``), and every label written
+    after it (``{reason}``, ``{op}``, ``{reason="enospc"}``) is one of that family's labels (or a scrape-target label),
+    a ``reason`` value one its tier lists. The Grafana check above covers the dashboard; this one the prose: a
+    renamed series or label that the docs keep fails here instead of leaving alerts on "no data"."""
+    import re
+    from pathlib import Path
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.pool.g3.catalog import REASONS as G3_REASONS
+    from kvbm_backend.pool.g4.events import REASONS as G4_REASONS
+    root = Path(__file__).resolve().parents[2]
+    reg = metrics.new_registry()
+    metrics.TierMetrics("g3", reg)
+    metrics.TierMetrics("g4", reg)
+    labels: dict[str, set[str]] = {}  # family and each of its series names -> label names
+    for collector, names in reg._collector_to_names.items():  # a labelled family has no sample before a child
+        lab = set(getattr(collector, "_labelnames", ()))
+        for n in set(names) | {getattr(collector, "_name", "")} - {""}:
+            labels[n] = lab | {"le"} if n.endswith("_bucket") else lab
+    assert set(labels) >= metrics.series_names()
+    for name, _, _ in stats.PROM_COUNTERS:  # vLLM labels them by model_name / engine
+        labels[name] = labels[name + "_total"] = {"model_name", "engine"}
+    files = sorted((root / "docs").glob("*.md")) + [root / "README.md"] + sorted((root / "examples").rglob("README.md"))
+    files.append(root / "examples" / "k8s" / "monitoring" / "podmonitor.yaml")
+    texts = {str(f.relative_to(root)): f.read_text() for f in files}
+    texts["kvbm_backend/metrics.py (docstring)"] = metrics.__doc__ or ""
+    reason_lists = {"g3": G3_REASONS, "g4": G4_REASONS}
+    key = {"offloads_dropped": "offloads_dropped", "load_misses": "misses", "corrupt_blocks": "corrupt"}
+    unknown, bad_labels = [], []
+    for where, text in texts.items():
+        for name, inner in re.findall(r"((?:vllm:)?kvbm_[a-z0-9_]*[a-z0-9])(?![a-z0-9_<])(\{[^}]*\})?", text):
+            if name in NOT_SERIES:
+                continue
+            if name not in labels:
+                unknown.append((where, name))
+                continue
+            for part in filter(None, (p.strip() for p in inner.strip("{}").split(","))):
+                lab, _, value = re.match(r'([a-z_]+)\s*(=~|!=|!~|=)?\s*"?([^"]*)"?', part).groups()
+                if lab not in labels[name] | TARGET_LABELS:
+                    bad_labels.append((where, name, lab))
+                elif lab == "reason" and value:
+                    tier, series = re.match(r"kvbm_backend_(g[34])_(\w+?)(?:_total)?$", name).groups()
+                    if value not in reason_lists[tier][key[series]]:
+                        bad_labels.append((where, name, f"reason={value}"))
+    assert unknown == [], "names no code registers"
+    assert bad_labels == [], "labels the series does not carry"
