@@ -136,7 +136,7 @@ class SlotCatalog:
         self.slabs = SlabSet(cfg.paths, namespace, self.slot_bytes, round(cfg.capacity_gb * 1e9), cfg.files_per_path,
                              cfg.o_direct, cfg.min_free_fraction)
         try:
-            self.index.reserve(self.slabs.max_capacity_slots)  # the index's hash table never grows while open
+            self.index.reserve(self.slabs.reachable_slots())  # the index's hash table never grows while open
             # the journal's home: whichever configured directory holds it (the order of g3.paths may have changed)
             self.journal_home = find_home(self.slabs, self.fp)
             d = self.journal_home.directory

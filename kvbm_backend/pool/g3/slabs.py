@@ -6,7 +6,10 @@ file index ``d * files_per_path + k`` in this run, and :meth:`SlabSet.file_table
 its real path, so the journal can map an index of an earlier run (another order) to the same file. A slab file is an array of fixed slots of
 ``frame.slot_bytes(layout.bytes_per_block)`` bytes (4 KiB header + payload padded to 4 KiB), slot ``i``
 at byte ``i * slot_bytes``. Files grow lazily in chunks (``posix_fallocate``) and each growth first
-re-checks ``statvfs`` so the filesystem keeps ``min_free_fraction`` free (invariant 4).
+re-checks ``statvfs`` so the filesystem keeps ``min_free_fraction`` free (invariant 4). A file's share of
+``capacity_gb`` (:attr:`SlabFile.max_slots`) is fixed by the configuration; the free space only caps it for now
+(:attr:`SlabFile.cap_slots`: at open its part of the directory's free space, re-read by
+:meth:`SlabSet.recheck_space`, which splits a filesystem's room over its files).
 
 Each directory is a :class:`.dirs.G3Dir` (verified fd, lock, namespace files, safe opens: see
 :mod:`.dirs`); this module opens the slab files through it. Slab files of another namespace are never
@@ -171,6 +174,8 @@ class SlabSet:
         self.o_direct: dict[str, bool] = {}
         self.dirs: dict[str, G3Dir] = {}  # directory -> its opened, verified, locked G3Dir
         self.ids: dict[str, str] = {}  # directory -> its identity in the journal's file table (its real path)
+        self._flags: dict[str, int] = {}  # directory -> open flags of its slab files (read-write, O_DIRECT or not)
+        self._dev: dict[str, int] = {}  # directory -> st_dev of its filesystem (recheck_space splits its room)
         self._rr = 0
         self._space_checked = time.monotonic()  # last statvfs re-check of files whose cap is below their share
         try:
@@ -215,15 +220,18 @@ class SlabSet:
         for d in self.paths:
             g = self.dirs[d] = G3Dir(d, self.namespace)
             self.ids[d] = os.path.realpath(d)  # unique: two names of one directory cannot both take its lock
+            self._dev[d] = os.fstat(g.fd).st_dev  # its filesystem: directories on one share its room
             own, foreign = slab_bytes_in(g.fd, self.fp)
             self.foreign_files += [os.path.join(d, name) for name in foreign]
             self.o_direct[d] = o_direct_choice(d, o_direct)
+            self._flags[d] = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.o_direct[d] else 0)  # slab opens
             budgets.append(space_budget(d, own, capacity_bytes, len(self.paths), self.slot_bytes,
                                         self.min_free_fraction)[0])
         if self.foreign_files:
             log.warning("G3: ignoring %d slab file(s) of another namespace (not %s): %s", len(self.foreign_files),
                         self.fp, ", ".join(self.foreign_files[:4]))
         cap_slots = capacity_bytes // len(self.paths) // self.slot_bytes  # per path
+        later: list[tuple[int, str, int, int]] = []  # files without a budget now: created once the open holds
         for pi, d in enumerate(self.paths):
             budget_slots = budgets[pi] // self.slot_bytes
             for k in range(files_per_path):
@@ -231,27 +239,49 @@ class SlabSet:
                 # hold exactly the budget, never more (2 slots over 4 files were 1 slot each: twice capacity_gb)
                 per_file, cap_per_file = _share(budget_slots, files_per_path, k), _share(cap_slots, files_per_path, k)
                 name = f"g3-{self.fp}-{k}.slab"
-                path = os.path.join(d, name)
                 if not self.dirs[d].exists(name) and per_file == 0:
+                    if cap_per_file:
+                        later.append((pi, d, k, cap_per_file))
                     continue
-                fd = self.open_in(d, name, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.o_direct[d] else 0))
-                size = os.fstat(fd).st_size
-                # Space a slab file already holds is the pool's own: the even share of the free-space
-                # budget never cuts a file below its current size (blocks need not be spread evenly
-                # over the files, and on a full disk the share is small), only the configured capacity
-                # does. Growth beyond the current size is still checked against statvfs (ensure_size).
-                mine = max(per_file, min(size // self.slot_bytes, cap_per_file))
-                f = SlabFile(index=pi * files_per_path + k, path=path, directory=d, fd=fd,
-                             o_direct=self.o_direct[d], slot_bytes=self.slot_bytes, max_slots=mine,
-                             size_slots=size // self.slot_bytes)
-                f.cap_slots = mine
-                self.files.append(f)
-        if not any(f.max_slots for f in self.files):
+                self._add_file(pi, d, k, cap_per_file, per_file)
+        if not any(f.cap_slots for f in self.files):
             raise ValueError(
                 f"g3.capacity_gb: room for no slot of {self.slot_bytes} bytes in {', '.join(self.paths)} "
                 f"(configured {capacity_bytes} bytes; free space above the {self.min_free_fraction:.0%} "
                 "watermark counts too)")
+        for pi, d, k, cap_per_file in later:  # no room now: an empty file that grows once space returns
+            try:
+                self._add_file(pi, d, k, cap_per_file, 0)
+            except OSError as e:
+                if e.errno not in _NOSPACE:
+                    raise
+                log.warning("G3: cannot create slab file %d in %s (%s): the directory uses its other files",
+                            k, d, e.strerror)
+        self.files.sort(key=lambda f: f.index)
         self.by_index = {f.index: f for f in self.files}
+
+    def _add_file(self, pi: int, d: str, k: int, share: int, budget: int) -> None:
+        """Open (create) slab file ``k`` of directory ``d`` (position ``pi``): ``share`` its slots of
+        ``capacity_gb`` (``max_slots``), capped for now (``cap_slots``) by ``budget``, its part of the free
+        space at open, or its current size, whichever is more (never more than ``share``).
+
+        Raises:
+            G3PathError: the name holds a link or a non-file. OSError: the open failed (ENOSPC...).
+        """
+        name = f"g3-{self.fp}-{k}.slab"
+        fd = self.open_in(d, name, self._flags[d])
+        size = os.fstat(fd).st_size
+        # Space a slab file already holds is the pool's own: the even share of the free-space budget never
+        # cuts a file below its current size (blocks need not be spread evenly over the files, and on a full
+        # disk the share is small), only the configured capacity does. The share itself stays what capacity_gb
+        # grants: the free space of the moment only caps it (cap_slots), and recheck_space raises the cap again
+        # once space returns. Before, a pool opened while another writer held most of the filesystem kept that
+        # moment's free space as its share for the life of the process (review, 2026-11-30).
+        f = SlabFile(index=pi * self.files_per_path + k, path=os.path.join(d, name), directory=d, fd=fd,
+                     o_direct=self.o_direct[d], slot_bytes=self.slot_bytes, max_slots=share,
+                     size_slots=size // self.slot_bytes)
+        f.cap_slots = min(share, max(budget, f.size_slots))
+        self.files.append(f)
 
     def file_table(self) -> tuple[list[str], int]:
         """The journal's file table of this run: each directory's identity (its real path) in :attr:`paths`
@@ -309,22 +339,47 @@ class SlabSet:
     def max_capacity_slots(self) -> int:
         return sum(f.max_slots for f in self.files)
 
+    def reachable_slots(self) -> int:
+        """Slots the files can ever hold: each file's share (``max_slots``), at most its filesystem's size
+        (what the index reserves room for at open; ``capacity_gb`` may be far beyond the disks).
+
+        Raises:
+            OSError: ``statvfs`` of a directory failed.
+        """
+        total = {d: fs_space(d)[1] // self.slot_bytes for d in self.paths}
+        return sum(min(f.max_slots, total[f.directory]) for f in self.files)
+
     def free_slots(self) -> int:
         return sum(f.free_count() for f in self.files)
 
-    def recheck_space(self) -> None:
+    def recheck_space(self, pending: dict[int, int] | None = None) -> None:
         """Re-read statvfs and let files grow again up to their configured share where space returned (the
-        slots parked above a lowered cap are free again once the cap passes them)."""
+        slots parked above a lowered cap are free again once the cap passes them). The room of a filesystem
+        is split over its files that can grow (evenly, what one cannot take going to the others): before, each
+        file was promised the whole room, so a batch striped over several files found the shortfall by ENOSPC
+        (batch dropped, tier degraded) instead of evicting. ``pending``: file index -> slots it must hold for
+        an allocation in progress (its slots past the file's end, not grown yet)."""
         self._space_checked = time.monotonic()
+        pending = pending or {}
+        groups: dict[int, list[SlabFile]] = {}
         for f in self.files:
-            avail, total = fs_space(f.directory)
-            room = avail - self._keep_free(total)
-            growable = max(0, room) // self.slot_bytes
-            f.cap_slots = max(min(f.max_slots, f.size_slots + growable), min(f.cap_slots, f.size_slots))
-            if f.parked:
-                for s in [s for s in f.parked if s < f.cap_slots]:
-                    heapq.heappush(f.free, s)
-                f.parked = [s for s in f.parked if s >= f.cap_slots]
+            groups.setdefault(self._dev.get(f.directory, -1), []).append(f)
+        for files in groups.values():
+            avail, total = fs_space(files[0].directory)
+            # slots this allocation already took past a file's end take their room first
+            base = {f.index: max(f.size_slots, min(pending.get(f.index, 0), f.max_slots)) for f in files}
+            room = max(0, (avail - self._keep_free(total)) // self.slot_bytes
+                       - sum(base[f.index] - f.size_slots for f in files))
+            left = len(files)
+            for f in sorted(files, key=lambda f: f.max_slots - base[f.index]):  # water-filling
+                growable = min(max(0, f.max_slots - base[f.index]), room // left)
+                room -= growable
+                left -= 1
+                f.cap_slots = max(min(f.max_slots, base[f.index] + growable), min(f.cap_slots, f.size_slots))
+                if f.parked:
+                    for s in [s for s in f.parked if s < f.cap_slots]:
+                        heapq.heappush(f.free, s)
+                    f.parked = [s for s in f.parked if s >= f.cap_slots]
 
     # ---- allocation --------------------------------------------------------------------------
     def _take(self, f: SlabFile, n: int) -> list[int]:
@@ -353,7 +408,10 @@ class SlabSet:
         out = self._allocate(n, run)
         if (len(out) < n and any(f.cap_slots < f.max_slots for f in self.files)
                 and time.monotonic() - self._space_checked >= RECHECK_SPACE_S):
-            self.recheck_space()
+            top: dict[int, int] = {}
+            for fi, s in out:
+                top[fi] = max(top.get(fi, 0), s + 1)
+            self.recheck_space(top)
             out += self._allocate(n - len(out), run)
         return out
 
@@ -395,8 +453,10 @@ class SlabSet:
         f = self.by_index[fi]
         if upto_slot < f.size_slots:
             return
-        chunk = max(1, min(GROW_BYTES // self.slot_bytes, f.max_slots // 8))  # lazy: at most 1/8 of the share
-        want = min(max(upto_slot + 1, f.size_slots + chunk), f.max_slots)
+        # lazy: at most 1/8 of the share usable now, never past it (the cap is this file's part of the room)
+        limit = max(min(f.cap_slots, f.max_slots), upto_slot + 1)
+        chunk = max(1, min(GROW_BYTES // self.slot_bytes, limit // 8))
+        want = min(max(upto_slot + 1, f.size_slots + chunk), limit)
         want = max(want, upto_slot + 1)
         grow = (want - f.size_slots) * self.slot_bytes
         avail, total = fs_space(f.directory)
@@ -408,7 +468,7 @@ class SlabSet:
                 raise OSError(errno.ENOSPC, f"G3: growing {f.path} by {need_min} bytes would cross the "
                                             f"{self.min_free_fraction:.0%} free-space watermark (or the metadata reserve)")
             want = upto_slot + 1 + max(0, room - need_min) // self.slot_bytes
-            want = min(want, f.max_slots)
+            want = min(want, limit)
             grow = (want - f.size_slots) * self.slot_bytes
         try:
             os.posix_fallocate(f.fd, f.size_slots * self.slot_bytes, grow)

@@ -198,3 +198,56 @@ def test_capacity_comes_back_when_space_returns_after_the_degradation_ended(smal
         st, acct = pool.stats(), pool.slot_accounting()
         assert st["capacity_blocks"] == configured and r.written == configured, (st, acct)
         assert acct["leaked"] == 0 and acct["used"] == configured, acct  # parked slots are in use again
+
+
+def test_a_pool_opened_on_a_filled_disk_grows_to_the_space_that_returns(small_fs, monkeypatch):
+    """Review finding (2026-11-30): a pool opened while another writer held most of its filesystem took the
+    free space of that moment as its configured share (``max_slots``) for the life of the process: once the
+    space came back it stayed at that size (nothing ever raised the cap above it), evicting at a fraction of its
+    capacity. Now the share stays what ``capacity_gb`` grants, the free space only caps it for now, and the
+    space that returns is taken."""
+    from kvbm_backend.pool.g3 import slabs
+    monkeypatch.setattr(slabs, "RECHECK_SPACE_S", 0.0)
+    filler = small_fs / "filler"
+    _fill(filler)
+    with open(filler, "r+b") as f:  # another writer holds all but ~1 MiB
+        f.truncate(os.path.getsize(filler) - (1 << 20))
+    with open_pool(small_fs / "g3", capacity_gb=1.0, files_per_path=2, min_free_fraction=0.0) as pool:
+        pool.degrade_s = 0.0  # the journal's growth may still cost a batch at the very end of the room
+        at_open = pool.stats()["capacity_blocks"]
+        assert 0 < at_open < (1 << 20) // SLOT
+        filler.unlink()  # the space returns
+        for b in range(4):
+            _, r = _put(pool, range(10_000 * (b + 1), 10_000 * (b + 1) + 2 * at_open))
+        st, acct = pool.stats(), pool.slot_accounting()
+        avail, total = fs_space(str(small_fs))
+        room = avail - pool.slabs._keep_free(total)
+        assert st["capacity_blocks"] > 2 * at_open and st["blocks"] == st["capacity_blocks"], (at_open, st)
+        assert room < SLOT * len(pool.slabs.files), (room, st)  # the space that came back is the pool's again
+        assert acct["leaked"] == 0 and acct["reserved"] == 0, acct
+
+
+def test_a_recheck_splits_the_room_over_the_files_instead_of_promising_it_to_each(small_fs):
+    """Review finding (2026-11-30): re-reading statvfs gave every slab file of a directory the whole free room
+    (``g3.files_per_path`` 4: four times the space there is): ``capacity_blocks`` (and the capacity gauge)
+    claimed it, and a batch striped over the files found the shortfall by ENOSPC (batch dropped, tier degraded)
+    where evicting would have stored it. Now the room is split over the files, and the pool evicts."""
+    d = small_fs / "g3"
+    with open_pool(d, capacity_gb=1.0, files_per_path=4, min_free_fraction=0.0) as pool:
+        pool.degrade_s = 600  # an ENOSPC would show as drops for the rest of the test (no wall-clock window)
+        _, r = _put(pool, range(1, 9))
+        assert r.written == 8
+        avail, total = fs_space(str(small_fs))
+        keep = pool.slabs._keep_free(total)
+        with open(small_fs / "filler", "wb") as f:  # another writer leaves room for 12 slots (and half of one)
+            f.write(b"\xff" * (avail - keep - 12 * SLOT - SLOT // 2))
+        with pool.cat.lock:
+            pool.slabs.recheck_space()
+        held = sum(f.size_slots for f in pool.slabs.files)
+        room = (fs_space(str(small_fs))[0] - keep) // SLOT
+        assert room == 12
+        assert pool.stats()["capacity_blocks"] <= held + room, (held, room, pool.stats()["capacity_blocks"])
+        keys, r = _put(pool, range(100, 100 + held + room))  # more than fits: the oldest are evicted
+        st = pool.stats()
+        assert st["enospc"] == 0 and r.written == held + room and st["evictions"] > 0, (r, st)
+        assert pool.slot_accounting()["leaked"] == 0
