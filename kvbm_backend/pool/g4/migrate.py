@@ -4,8 +4,14 @@
 Workers look blocks up under keyed names only (a second HEAD/GET per miss under the old name would double
 the store requests of every miss, the common case of a cold prefix): after an upgrade, old-named blocks
 are misses (recomputed, never wrong) until this step renames them. It is safe while workers run and can
-be repeated: each old object is read, its header checked against its name, published under the new name
-create-exclusive (an existing new object is kept: losing the race is success) and only then deleted.
+be repeated: each old object is read, its header checked against its name, the whole object read and verified
+(length; GCM tag under the keyring's data key, or xxh3), published under the new name create-exclusive (an
+existing new object is kept: losing the race is success) and only then deleted. Before 2026-11-30 only the
+header was checked: a read that came back damaged with its header intact (an S3 endpoint or proxy answering 200
+with a short body) was published under the new name and the good source deleted, losing the block. A read that
+does not verify now renames and deletes nothing: an error (the run exits 1; run it again), or
+``skipped_invalid`` when the store confirms it holds those very bytes (:meth:`~.store.ObjectStore.stored_matches`:
+a damaged object, left for gc).
 Objects whose header does not match their name, of revoked or unknown tenants (with a keyring), are not
 renamed and are left for ``kvbm-backend gc``; so are encrypted frames whose data key is not their tenant's now
 (``skipped_revoked``): a tenant revoked and then re-created by ``keys create`` keeps its pseudonym, so renaming
@@ -24,8 +30,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ...crypto.aead import AeadError, key_check_differs, open_into
 from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
-from ...model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader
+from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader, payload_checksum
 from .naming import TenantNamer, fanout_width, parse_block_name
 from .store import ObjectStore, StoreUnavailable, listing
 
@@ -53,8 +60,10 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             a plaintext object is found with ``keyring``. Without a keyring the pool is plaintext.
     Returns:
         dict: ``legacy_objects`` found, ``migrated``, ``already_present`` (the new name existed: the old
-        object was deleted), ``skipped_invalid`` (header does not match the name), ``skipped_revoked``,
-        ``skipped_unknown_tenant``, ``skipped_plaintext``, ``errors``; ``unlisted``: one line per part of the store that could not
+        object was deleted), ``skipped_invalid`` (header does not match the name, or the stored payload does
+        not verify), ``skipped_revoked``,
+        ``skipped_unknown_tenant``, ``skipped_plaintext``, ``errors`` (a read that did not verify, the
+        store not confirming it holds those bytes, is one); ``unlisted``: one line per part of the store that could not
         be listed (a directory of a file store), each counted in ``errors``.
     Raises:
         ValueError before anything is written when neither or both of ``keyring`` / ``unkeyed`` are given,
@@ -140,8 +149,16 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             data = store.get(o.name)
             if data is None:
                 continue
-            if _matching_header(memoryview(data)[:HEADER_BYTES], meta) is None:  # replaced since pass 1
+            hdr = _matching_header(memoryview(data)[:HEADER_BYTES], meta)
+            if hdr is None:  # replaced since pass 1
                 res["skipped_invalid"] += 1
+                continue
+            why = _unverified(hdr, data, keyring)  # never publish (and delete the source) unverified bytes
+            if why == "revoked":  # its data key went since pass 1
+                res["skipped_revoked"] += 1
+                continue
+            if why is not None:  # the store holds these very bytes: damaged, left for gc; else a bad read: error
+                res["skipped_invalid" if store.stored_matches(o.name, data, o.size) else "errors"] += 1
                 continue
             created = store.put_if_absent(new, data)
             store.delete(o.name)
@@ -152,6 +169,27 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             continue
         res["migrated" if created else "already_present"] += 1
     return res
+
+
+def _unverified(hdr: FrameHeader, data: Any, keyring: "Keyring | None") -> str | None:
+    """None when ``data`` (a whole object read) is exactly the frame ``hdr`` describes and its payload
+    verifies (the GCM tag under the data key the keyring holds for it, or a plaintext frame's xxh3);
+    ``"revoked"`` when the keyring no longer holds that key (or holds other key material under its id);
+    ``"invalid"`` otherwise (a wrong length, a tag or checksum that fails)."""
+    mv = memoryview(data).cast("B")
+    if len(mv) != HEADER_BYTES + hdr.stored_len or hdr.stored_len != hdr.payload_len:
+        return "invalid"
+    payload = mv[HEADER_BYTES:]
+    if hdr.flags & FLAG_ENCRYPTED:
+        dkey = keyring.read_key(hdr.key_id, hdr.key_version) if keyring is not None else None
+        if dkey is None or key_check_differs(hdr.key_check, dkey):
+            return "revoked"
+        try:
+            open_into(dkey, hdr.nonce, hdr.identity_bytes(), hdr.integrity, payload, bytearray(len(payload)))
+        except (AeadError, ValueError):
+            return "invalid"
+        return None
+    return None if hdr.flags & FLAG_CHECKSUM and payload_checksum(payload) == hdr.integrity else "invalid"
 
 
 def _key_of(keyring: "Keyring", key_id: int, pseudonym_hex: str) -> bool:

@@ -1,0 +1,108 @@
+"""``kvbm-backend g4 migrate`` deletes a format 1 object only once the bytes it published under the keyed name
+verified (review 2026-11-30): before, it checked the frame header alone, so a read that came back damaged (an S3
+endpoint or proxy answering 200 with a short body, the header intact) was published under the keyed name and the
+good source deleted: the block was gone from the store. Real SeaweedFS behind a real loopback proxy; real file
+stores."""
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from kvbm_backend.apps.cli import app
+from kvbm_backend.config import G4Config
+from kvbm_backend.model.frame import HEADER_BYTES
+from kvbm_backend.pool.g4.naming import parse_block_name
+from kvbm_backend.pool.g4.pool import G4Pool
+from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.lying_proxy import LyingProxy
+
+FANOUT = 16
+
+
+def _cli(*args):
+    r = CliRunner().invoke(app, list(args))
+    return r.exit_code, r.output
+
+
+def _to_legacy(p, ns, seqs, tenant) -> dict[str, bytes]:
+    """Move ``seqs``' objects to their format 1 names; ``{legacy name: bytes}``."""
+    out = {}
+    for s in seqs:
+        k = ns.key(s, tenant=tenant)
+        data = bytes(p.store.get(p.object_name(k)))
+        p.store.put(p.legacy_object_name(k), data)
+        p.store.delete(p.object_name(k))
+        out[p.legacy_object_name(k)] = data
+    return out
+
+
+def _legacy(p) -> int:
+    return sum(1 for o in p.store.list("") if (parse_block_name(o.name) or {}).get("legacy"))
+
+
+def test_migrate_through_a_proxy_cutting_bodies_short_keeps_the_source(seaweed, s3_prefix, tmp_path):
+    """A proxy answering whole-object GETs with the first third of the body (Content-Length to match; ranged
+    GETs, which pass 1 reads headers with, honest). Old code: 3 of 3 reported ``migrated``, the sources deleted,
+    the keyed names holding 12 KiB of a 36 KiB frame: every block lost. Now: nothing renamed or deleted, each
+    counted an error (exit 1); a run through an honest endpoint then renames all three."""
+    ns, seqs = namespace(), [9100, 9101, 9102]
+    kr = str(tmp_path / "kr.json")
+    cfg = G4Config(url=seaweed.url(s3_prefix), endpoint_url=seaweed.endpoint, keyring={"path": kr},
+                   dir_fanout=FANOUT, timeout_s=10.0)
+    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = LyingProxy(host, int(port))
+    try:
+        with G4Pool(cfg, ns) as p:
+            assert put_blocks(p, seqs, "alice").written == 3
+            sources = _to_legacy(p, ns, seqs, "alice")
+        proxy.mode = "short"
+        base = ["g4", "migrate", "--url", cfg.url, "--keyring", kr, "--dir-fanout", str(FANOUT), "--json"]
+        code, out = _cli(*base, "--endpoint-url", proxy.endpoint)
+        res = json.loads(out)
+        assert proxy.lied >= 3
+        assert (code, res["migrated"], res["errors"]) == (1, 0, 3), out
+        with G4Pool(cfg, ns) as p:
+            for name, data in sources.items():  # every source still there, byte for byte
+                assert bytes(p.store.get(name)) == data
+            assert _legacy(p) == 3
+            for s in seqs:  # and nothing damaged under the keyed names
+                assert p.store.head(p.object_name(ns.key(s, tenant="alice"))) is None
+        proxy.mode = "pass"
+        code, out = _cli(*base, "--endpoint-url", proxy.endpoint)
+        assert code == 0 and json.loads(out)["migrated"] == 3, out
+        with G4Pool(cfg, ns) as p:
+            assert read_checked(p, seqs, "alice") == [True] * 3 and _legacy(p) == 0
+    finally:
+        proxy.close()
+
+
+def test_migrate_leaves_a_stored_object_whose_payload_fails_verification(tmp_path):
+    """A format 1 object whose header matches its name but whose stored payload is damaged (an encrypted one:
+    GCM tag; a plaintext one: xxh3). Old code renamed both (``migrated`` 2): a damaged object under the keyed
+    name, reported as a renamed block. Now both stay where they are (``skipped_invalid``: the store confirms
+    it holds those bytes, so it is no bad read; gc reclaims them) and a good one beside them is renamed."""
+    ns = namespace()
+    kr = str(tmp_path / "kr.json")
+    enc = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT)
+    plain = G4Config(url=enc.url, encrypt=False, keyring={"path": kr}, dir_fanout=FANOUT)
+    damaged = []
+    for cfg, seqs in ((enc, [9200, 9201]), (plain, [9202])):
+        with G4Pool(cfg, ns) as p:
+            assert put_blocks(p, seqs, "alice").written == len(seqs)
+            sources = _to_legacy(p, ns, seqs, "alice")
+            name, data = next(iter(sources.items()))  # the first of each: a payload byte flipped in the store
+            bad = bytearray(data)
+            bad[HEADER_BYTES + 100] ^= 0x01
+            p.store.delete(name)
+            p.store.put(name, bytes(bad))
+            damaged.append((name, bytes(bad)))
+    code, out = _cli("g4", "migrate", "--url", enc.url, "--keyring", kr, "--plaintext", "--dir-fanout",
+                     str(FANOUT), "--json")
+    res = json.loads(out)
+    assert (code, res["migrated"], res["skipped_invalid"], res["errors"]) == (0, 1, 2, 0), out
+    with G4Pool(enc, ns) as p:
+        for name, data in damaged:
+            assert bytes(p.store.get(name)) == data  # left in place, for gc
+        assert read_checked(p, [9201], "alice") == [True]
+        assert p.store.head(p.object_name(ns.key(9200, tenant="alice"))) is None
