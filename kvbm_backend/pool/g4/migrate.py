@@ -11,7 +11,12 @@ header was checked: a read that came back damaged with its header intact (an S3 
 with a short body) was published under the new name and the good source deleted, losing the block. A read that
 does not verify now renames and deletes nothing: an error (the run exits 1; run it again), or
 ``skipped_invalid`` when the store confirms it holds those very bytes (:meth:`~.store.ObjectStore.stored_matches`:
-a damaged object, left for gc).
+a damaged object, left for gc). An object already under the new name (a worker's, or an earlier run's) counts
+``already_present`` and the old one is deleted only when that copy is one the workers serve (its header names the
+block, its payload verifies under a key the keyring holds, sealed where they encrypt); otherwise the old object,
+the only good copy, stays (``kept_name_taken``): a worker drops a damaged copy on its first load, gc one sealed
+under a revoked key or a plaintext one, and a later run renames it. Before 2026-11-30 it was deleted whatever
+the new name held, and the block was lost once that copy was dropped.
 Objects whose header does not match their name, of revoked or unknown tenants (with a keyring), are not
 renamed and are left for ``kvbm-backend gc``; so are encrypted frames whose data key is not their tenant's now
 (``skipped_revoked``): a tenant revoked and then re-created by ``keys create`` keeps its pseudonym, so renaming
@@ -60,7 +65,8 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             a plaintext object is found with ``keyring``. Without a keyring the pool is plaintext.
     Returns:
         dict: ``legacy_objects`` found, ``migrated``, ``already_present`` (the new name existed: the old
-        object was deleted), ``skipped_invalid`` (header does not match the name, or the stored payload does
+        object was deleted: it held a copy the workers serve), ``kept_name_taken`` (the new name held an
+        object the workers would not serve: the old object was kept), ``skipped_invalid`` (header does not match the name, or the stored payload does
         not verify), ``skipped_revoked``,
         ``skipped_unknown_tenant``, ``skipped_plaintext``, ``errors`` (a read that did not verify, the
         store not confirming it holds those bytes, is one); ``unlisted``: one line per part of the store that could not
@@ -91,7 +97,7 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
                              "(give the workers' value)")
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "legacy_objects": len(legacy), "migrated": 0,
            "already_present": 0, "skipped_invalid": 0, "skipped_revoked": 0, "skipped_unknown_tenant": 0,
-           "skipped_plaintext": 0,
+           "skipped_plaintext": 0, "kept_name_taken": 0,
            "errors": len(unlisted), "unlisted": unlisted}
     known: set[str] | None = None
     revoked: set[str] = set()
@@ -161,6 +167,9 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
                 res["skipped_invalid" if store.stored_matches(o.name, data, o.size) else "errors"] += 1
                 continue
             created = store.put_if_absent(new, data)
+            if not created and not _serves(store.get(new), meta, keyring, encrypted):
+                res["kept_name_taken"] += 1  # the old object stays: the only good copy (module doc)
+                continue
             store.delete(o.name)
         except StoreUnavailable:
             raise
@@ -169,6 +178,18 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             continue
         res["migrated" if created else "already_present"] += 1
     return res
+
+
+def _serves(data: Any, meta: dict[str, Any], keyring: "Keyring | None", encrypted: bool | None) -> bool:
+    """Whether ``data`` (the object found under a block's keyed name; None: gone since) is a copy of the block
+    ``meta`` names that the workers serve: its header names that block, its payload verifies under a key the
+    keyring holds (:func:`_unverified`), and it is sealed where the workers encrypt."""
+    if data is None:
+        return False
+    hdr = _matching_header(memoryview(data)[:HEADER_BYTES], meta)
+    if hdr is None or _unverified(hdr, data, keyring) is not None:
+        return False
+    return not (encrypted and not hdr.flags & FLAG_ENCRYPTED)
 
 
 def _unverified(hdr: FrameHeader, data: Any, keyring: "Keyring | None") -> str | None:

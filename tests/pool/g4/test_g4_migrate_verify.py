@@ -106,3 +106,34 @@ def test_migrate_leaves_a_stored_object_whose_payload_fails_verification(tmp_pat
             assert bytes(p.store.get(name)) == data  # left in place, for gc
         assert read_checked(p, [9201], "alice") == [True]
         assert p.store.head(p.object_name(ns.key(9200, tenant="alice"))) is None
+
+
+def test_migrate_keeps_the_source_when_the_new_name_holds_a_damaged_object(tmp_path):
+    """The keyed name already holds an object, but a damaged one (a payload byte flipped in the store), while the
+    format 1 source is good. Old code: ``already_present`` 1 and the source deleted; the worker's load then found
+    the damaged copy, deleted it (confirmed corrupt): the block gone from the store. Now the source stays
+    (``kept_name_taken``), and once the damaged copy is gone a second run renames it: served again."""
+    ns = namespace()
+    kr = str(tmp_path / "kr.json")
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT)
+    with G4Pool(cfg, ns) as p:
+        assert put_blocks(p, [9300], "alice").written == 1
+        k = ns.key(9300, tenant="alice")
+        good = bytes(p.store.get(p.object_name(k)))
+        p.store.put(p.legacy_object_name(k), good)  # the good block under its format 1 name
+        bad = bytearray(good)
+        bad[HEADER_BYTES + 7] ^= 0x40
+        p.store.delete(p.object_name(k))
+        p.store.put(p.object_name(k), bytes(bad))  # and a damaged copy under its keyed name
+    base = ["g4", "migrate", "--url", cfg.url, "--keyring", kr, "--dir-fanout", str(FANOUT), "--json"]
+    code, out = _cli(*base)
+    res = json.loads(out)
+    assert (code, res["already_present"], res["migrated"], res["kept_name_taken"]) == (0, 0, 0, 1), out
+    with G4Pool(cfg, ns) as p:
+        assert bytes(p.store.get(p.legacy_object_name(k))) == good  # the source kept
+        assert read_checked(p, [9300], "alice") == [False]  # the worker drops the damaged copy on load
+        assert p.stats()["deleted_corrupt"] == 1
+    code, out = _cli(*base)
+    assert code == 0 and json.loads(out)["migrated"] == 1, out
+    with G4Pool(cfg, ns) as p:
+        assert read_checked(p, [9300], "alice") == [True] and _legacy(p) == 0
