@@ -8,11 +8,13 @@ Publish protocol (invariant 2), safe with many writers on many nodes:
    (EEXIST means another writer published first, which is success);
 3. unlink the temp, ``fsync`` the directory.
 
+A directory created on the way is ``fsync``\ ed into its parent (before 2026-11-30 it was not: a power cut
+after a publish could lose the directory holding the object).
+
 Readers only ever open final names, so they see complete objects or nothing. Directories are
 created on demand (0700, an existing one is fine), which is race-free; gc removes those its deletions left
 empty (:meth:`FsStore.prune_dirs`, ``rmdir`` only), and a writer whose directory went between its
-``mkdir`` and step 1 makes it again. No path component under the
-root is ever followed if it is a symbolic link (:class:`FsStore`).
+``mkdir`` and step 1 makes it again. No path component under the root is ever followed if it is a symbolic link.
 """
 from __future__ import annotations
 
@@ -129,6 +131,8 @@ class FsStore(ObjectStore):
                         os.mkdir(c, DIR_MODE, dir_fd=fd)
                     except FileExistsError:
                         pass
+                    if self.fsync:  # the new entry durable in its parent (module docstring)
+                        os.fsync(fd)
                     nfd = os.open(c, _DIR_FLAGS, dir_fd=fd)
                 except OSError as e:
                     if e.errno in (errno.ELOOP, errno.ENOTDIR):
