@@ -137,6 +137,8 @@ class SlotCatalog:
                              cfg.o_direct, cfg.min_free_fraction)
         try:
             self.index.reserve(self.slabs.reachable_slots())  # the index's hash table never grows while open
+            if cfg.fsync:  # the slab and namespace files just created: their entries durable (slabs.sync_dirs)
+                self.slabs.sync_dirs()
             # the journal's home: whichever configured directory holds it (the order of g3.paths may have changed)
             self.journal_home = find_home(self.slabs, self.fp)
             d = self.journal_home.directory

@@ -260,6 +260,12 @@ class SlabSet:
         self.files.sort(key=lambda f: f.index)
         self.by_index = {f.index: f for f in self.files}
 
+    def sync_dirs(self) -> None:
+        """``fsync`` each directory: the slab and namespace files the open created are then durable names (a
+        power cut in a pool's first run lost them, and every hit the journal recorded in them). Raises OSError."""
+        for g in self.dirs.values():
+            os.fsync(g.fd)
+
     def _add_file(self, pi: int, d: str, k: int, share: int, budget: int) -> None:
         """Open (create) slab file ``k`` of directory ``d`` (position ``pi``): ``share`` its slots of
         ``capacity_gb`` (``max_slots``), capped for now (``cap_slots``) by ``budget``, its part of the free
