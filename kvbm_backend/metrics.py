@@ -10,7 +10,7 @@ carry prometheus_client's ``_total`` suffix, which KVBM's Rust exporter does not
   caller's buffer on the way to the device).
 * ``kvbm_offload_blocks_d2o`` / ``kvbm_onboard_blocks_o2d``: the same for object storage (G4).
 * ``kvbm_matched_tokens``: tokens matched by requests' prefix lookups (G3's share and G4's), each request
-  once: its other TP ranks, KV cache groups, repeated asks and prompts the engine's own cache serves are not
+  once, as the prefix every TP rank holds (the hit the request gets): its other TP ranks, KV cache groups, repeated asks and prompts the engine's own cache serves are not
   counted (``lookup_prefix(..., request=False)``, :class:`kvbm_backend.pool.base.BlockPool`). With vLLM's
   native tiers (``G3Tier`` above ``G4Tier`` in one offloading manager, which asks both about every chunk) the
   tier below counts only its share as the connector does (:mod:`kvbm_backend.integrations.vllm.tier_lookup`), so

@@ -36,10 +36,12 @@ class TierLookup:
     ``e3`` / ``e4``: ``(keys, pool)`` per key list (BlockKeys or a KeyRun; a None pool is skipped); all
     lists are one length.
     ``timeout_s``: seconds, or a :class:`Deadline` shared with the caller.
-    ``count``: the lookup of each tier's first key list counts as the request's (``kvbm_matched_tokens``, the hit
-    rate, the pools' lookup counters); the other lists (TP ranks, groups) never do, so a request counts once
-    whatever its TP size. False: nothing counts (a window probe, a request already counted, a hand-off wait's
-    looks: :meth:`count_request` counts the one that ended it).
+    ``count``: once the result is known, it counts as the request's lookup (:meth:`count_request`:
+    ``kvbm_matched_tokens``, the hit rate, the pools' lookup counters), once whatever the TP size and over the
+    prefix every key list holds (the pools are asked with ``request=False``). Before 2026-11-30 each tier's
+    first key list (TP rank 0) counted its own pool lookup, so blocks rank 0 held beyond another rank's prefix
+    counted as G3 hits, and again as G4 hits when G4 supplied them. False: nothing counts (a window probe, a
+    request already counted, a hand-off wait's looks: :meth:`count_request` counts the one that ended it).
     ``known``: ``(g3, g4)`` leading blocks an earlier look of the same keys confirmed (blocks ``[0, g3)`` in G3,
     ``[g3, g3 + g4)`` in G4): they are not asked again. G3 is asked from block ``g3`` on (an index lookup),
     G4 only beyond both what is confirmed and what G3 now holds; the result counts them as found. With ``count``
@@ -60,13 +62,13 @@ class TierLookup:
         self.p4: int | None = None
         if n == 0:
             self.p3, self.p4 = 0, 0
+            self.count = False  # nothing asked, nothing counted
             return
         if not self.e3:
             self.p3 = 0
             self._start_g4()
         else:
-            self._g3f = [p.lookup_prefix(k[k3:] if k3 else k, request=count and i == 0)
-                         for i, (k, p) in enumerate(self.e3)]
+            self._g3f = [p.lookup_prefix(k[k3:] if k3 else k, request=False) for k, p in self.e3]
 
     def _start_g4(self) -> None:
         assert self.p3 is not None  # G4 starts once G3's prefix is known
@@ -74,11 +76,12 @@ class TierLookup:
         if not self.e4 or a >= self.n:
             self.p4 = a - self.p3
             return
-        self._g4f = [p.lookup_prefix(k[a:], request=self.count and i == 0) for i, (k, p) in enumerate(self.e4)]
+        self._g4f = [p.lookup_prefix(k[a:], request=False) for k, p in self.e4]
 
     def count_request(self) -> None:
-        """Count the result (once known) as the request's lookup, as ``count`` True counts it: the first key list
-        of each tier that was asked, over the blocks it would have been asked (G3 all, G4 those G3 lacks)."""
+        """Count the result (once known) as the request's lookup, as ``count`` True does when it resolves: one
+        pool of each tier that was asked (the first key list's), over the blocks that tier is asked for (G3 all,
+        G4 those G3 lacks), finding the prefix every key list holds (``p3`` / ``p4``)."""
         assert self.p3 is not None and self.p4 is not None
         if self.e3:
             self.e3[0][1].count_lookup(self.n, self.p3)
@@ -126,6 +129,9 @@ class TierLookup:
                 stats.add(lookup_timeouts=1)
             a = self._g4_at
             self.p4 = a - self.p3 + min(v or 0, self.n - a)
+        if self.count:
+            self.count = False  # counted once
+            self.count_request()
         return self.p3, self.p4
 
 
