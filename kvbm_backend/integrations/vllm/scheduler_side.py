@@ -121,7 +121,7 @@ class SchedulerSide:
             assert isinstance(hashes, array)  # sequence_hashes fills and returns ``into``
             st = _Req(request.request_id, cache_salt or self.default_tenant, hashes,
                       lookup_blocks=max(0, (len(toks) - 1) // self.bs), request=request, salt=salt,
-                      group_block_ids=[[] for _ in self.groups], opaque=kv_beyond_token_ids(request))
+                      group_block_ids=[[] for _ in self.groups])
             ours = handoff.identity(self.g4, st.tenant) if self.g4 is not None and handoff.offered(request) else None
             want = handoff.expected_blocks(request, self.bs, ours)
             if want is not None and want > st.lookup_blocks:
@@ -129,9 +129,16 @@ class SchedulerSide:
                                     "%d; served without waiting", request.request_id, want, st.lookup_blocks)
                 want = None
             st.handoff_want = want
-            if st.opaque:
-                stats.add(requests_not_tiered=1)
             self._reqs[request.request_id] = st
+        return self._renew_opaque(st)
+
+    @staticmethod
+    def _renew_opaque(st: _Req) -> _Req:
+        """``st``, ``opaque`` renewed: a streaming session's next chunk (``StreamingUpdate``) may bring images (before
+        2026-11-30 the first chunk's verdict stayed: the image chunk was saved under token-id hashes)."""
+        if not st.opaque and kv_beyond_token_ids(st.request):
+            st.opaque = True
+            stats.add(requests_not_tiered=1)
         return st
 
     def _extend_hashes(self, st: _Req, upto_blocks: int) -> None:
@@ -403,6 +410,7 @@ class SchedulerSide:
             st = self._reqs.get(nr.req_id)
             if st is None:
                 continue
+            self._renew_opaque(st)  # a streaming session's next chunk comes as a new request
             st.group_block_ids = [list(b) for b in nr.block_ids]
             if st.saved_upto is None:
                 st.saved_upto = nr.num_computed_tokens // self.bs
@@ -415,6 +423,7 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is None:
                 continue
+            self._renew_opaque(st)
             nb = cached.new_block_ids[i]
             if rid in resumed:
                 st.group_block_ids = [list(b) for b in nb] if nb is not None else [[] for _ in self.groups]

@@ -91,3 +91,34 @@ def test_prompt_embeds_requests_are_neither_loaded_nor_saved_and_text_requests_a
     s.update_state_after_alloc(t, S(get_block_ids=lambda: ([5, 6, 7],)), 0)
     saves = s.build_connector_meta(_step("T", [5, 6, 7], 0, 40)).saves
     assert [j.block_ids for j in saves] == [[5, 6]]
+
+
+def test_streaming_session_that_adds_an_image_is_no_longer_saved(sched):
+    """Review finding (2026-11-30): a streaming-input session (vLLM 0.32 ``resumable`` requests) that starts with
+    text and whose next input chunk brings an image (``StreamingUpdate.mm_features``; vLLM's own
+    ``Scheduler._update_request_as_session`` applies it to the same ``Request``) kept the ``opaque`` verdict of its
+    first chunk: the chunk's blocks (image placeholder ids, then text whose KV depends on the image) were offered
+    under token-id hashes, so another request with the same ids would load this image's KV."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus, StreamingUpdate
+    ns, g3, s, hasher = sched
+    text = list(range(200, 240))  # first chunk: 40 text tokens, 2 full blocks
+    r = Request("S", list(text), SamplingParams(max_tokens=1), None, block_hasher=hasher, resumable=True)
+    assert not kv_beyond_token_ids(r)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, S(get_block_ids=lambda: ([1, 2, 3],)), 0)
+    assert [j.block_ids for j in s.build_connector_meta(_step("S", [1, 2, 3], 0, 40)).saves] == [[1, 2]]
+    # the first chunk ends (its sampled token is discarded by the session update), the next brings an image
+    r.num_computed_tokens = 40
+    r.append_output_token_ids(999)
+    r.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+    f = MultiModalFeatureSpec(data=None, modality="image", identifier="img-cat",
+                              mm_position=PlaceholderRange(offset=0, length=32), mm_hash="img-cat")
+    upd = StreamingUpdate(mm_features=[f], prompt_token_ids=[IMG] * 32 + list(range(300, 308)), max_tokens=1,
+                          arrival_time=0.0, sampling_params=SamplingParams(max_tokens=1))
+    vllm_sched = S(hash_block_size=BS, log_stats=False, num_waiting_for_streaming_input=1)
+    Scheduler._update_request_as_session(vllm_sched, r, upd)  # vLLM's own session update
+    assert r.num_tokens == 80 and r.status == RequestStatus.WAITING and kv_beyond_token_ids(r)
+    # the session is scheduled again as a new request (status WAITING) holding its blocks: 40 computed, 40 new
+    meta = s.build_connector_meta(_step("S", [1, 2, 3, 4, 5], 40, 40))
+    assert meta.saves == []
