@@ -1071,3 +1071,40 @@ def test_mirror_is_ready_once_every_tp_rank_sent_its_snapshot():
     m2 = G3Mirror(ns)
     m2.apply(KvbmWorkerMeta(snapshot=True))
     assert m2.ready
+
+
+def test_a_preempted_request_resumed_on_other_blocks_saves_from_its_new_blocks(tmp_path):
+    """Preemption (vLLM frees the request's blocks and gives them to others): the resumed request's block ids
+    are the whole new list (``CachedRequestData.resumed_req_ids``), so a block saved after the resume is
+    gathered from the new engine block at its position, never from a freed one; blocks saved before the
+    preemption are not offered again."""
+    from kvbm_backend.config import load_config
+    from kvbm_backend.integrations.tiers import open_tiers
+    from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+    from kvbm_backend.model.hashing import sequence_hashes
+    from kvbm_backend.model.namespace import Namespace
+
+    bs = 16
+    ns = Namespace("m", KvLayout(2, 2, bs, 64, "bfloat16"))
+    cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1}}, use_env=False)
+    g3, g4 = open_tiers(cfg, ns)
+    try:
+        s = SchedulerSide(ns, bs, g3, g4)
+        prompt = list(range(300, 300 + 4 * bs + 3))
+        req = SimpleNamespace(request_id="r", prompt_token_ids=prompt, all_token_ids=list(prompt), cache_salt=None,
+                              lora_request=None)
+        s.get_num_new_matched_tokens(req, 0)
+        s.update_state_after_alloc(req, _Blocks([1, 2, 3, 4, 5]), 0)
+        # a chunk of 2 blocks, then preempted: its blocks 1..5 are freed
+        meta = s.build_connector_meta(_step(new=[("r", [1, 2, 3, 4, 5], 0)], sched={"r": 2 * bs}))
+        assert [sv.block_ids for sv in meta.saves] == [[1, 2]]
+        # resumed (recomputed from 0) on blocks 40..44: only blocks 2 and 3 are new, from engine blocks 42, 43
+        resumed = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={"r": 4 * bs},
+                                  scheduled_cached_reqs=SimpleNamespace(req_ids=["r"], resumed_req_ids={"r"},
+                                                                        new_block_ids=[([40, 41, 42, 43, 44],)],
+                                                                        num_computed_tokens=[0]))
+        meta = s.build_connector_meta(resumed)
+        assert [sv.block_ids for sv in meta.saves] == [[42, 43]]
+        assert list(meta.saves[0].seq_hashes) == sequence_hashes(prompt, bs)[2:4]
+    finally:
+        g3.close()
