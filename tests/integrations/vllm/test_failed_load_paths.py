@@ -1,0 +1,203 @@
+"""A failed load is never offered again to its request, on the connector's load paths beyond the G3 one that
+``test_connector_units::test_a_failed_load_is_never_offered_again_to_its_request_and_cools_down_for_others`` and
+``tests/e2e/test_connector_liveness.py`` cover (vLLM's ``kv_load_failure_policy=recompute`` reschedules the request
+and asks for its match again: the same hit would fail the same way, forever).
+
+* G4 blocks the pool reports present at lookup (an existence check) but that fail at load: the object deleted in
+  between (as ``gc`` does), its bytes damaged, the tenant's key revoked. The worker reports a ``miss``; the
+  scheduler answers 0 for that request and ends other requests' hits before the failed block while it cools.
+* TP: the block fails on one rank only (a read error on rank 1's slot, which G3 keeps; rank 0 loads it): the
+  ranks' reports aggregated by vLLM's own ``KVOutputAggregator`` withdraw the request's hit, and the block ends
+  other requests' hits for every rank, although every rank's index still holds it.
+
+Real parts: the CPU engine's tensors, the worker role, real G3 files and a ``file://`` G4 store with its keyring,
+the scheduler role, vLLM's aggregator. The load plan is the scheduler's own (``update_state_after_alloc``).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbm_backend.config import G4Config  # noqa: E402
+from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta  # noqa: E402
+from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
+from kvbm_backend.integrations.vllm.worker_side import WorkerSide  # noqa: E402
+from kvbm_backend.model.hashing import salt_bytes, salt_hash, sequence_hashes  # noqa: E402
+from kvbm_backend.model.namespace import Namespace  # noqa: E402
+from kvbm_backend.pool.g4.pool import G4Pool  # noqa: E402
+from kvbm_backend.pool.g3 import G3Pool  # noqa: E402
+from tests.helpers.pools import g3_config  # noqa: E402
+from tests.integrations.vllm.test_worker_device_path import LOAD_S, _engine, _save  # noqa: E402
+
+HANG_S = 600.0  # a hang guard, not a bound: waits for what must come (a lookup's answer, a load's end)
+TENANT = "acme"
+N = 4  # blocks of the prompt that may be loaded
+
+
+def _prompt(bs: int) -> tuple[list[int], list[int]]:
+    """``(tokens, sequence hashes)`` of a prompt of ``N`` full blocks plus one token, as the scheduler hashes it."""
+    toks = list(range(1000, 1000 + N * bs + 1))
+    return toks, list(sequence_hashes(toks, bs, salt=salt_hash(salt_bytes(TENANT, None, None))))
+
+
+def _req(rid: str, toks: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, prompt_token_ids=toks, cache_salt=TENANT, lora_request=None)
+
+
+def _ask(s: SchedulerSide, req) -> int:
+    """The scheduler's answer (tokens offered beyond none computed) once its lookup is done."""
+    end = time.monotonic() + HANG_S
+    while True:
+        n, _ = s.get_num_new_matched_tokens(req, 0)
+        if n is not None:
+            return n
+        assert time.monotonic() < end, "lookup never finished"
+        time.sleep(0.01)
+
+
+def _plan(s: SchedulerSide, req, n_tokens: int, block_ids: list[int]) -> list:
+    """The scheduler's load jobs for ``req`` after vLLM allocated ``block_ids`` for its ``n_tokens`` hit."""
+    s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (block_ids,)), n_tokens)
+    return s.build_connector_meta(None).loads  # save=False: only the planned loads
+
+
+def _finish(w: WorkerSide, rid: str) -> tuple[set[int], KvbmWorkerMeta | None]:
+    end = time.monotonic() + HANG_S
+    while rid not in w.get_finished():
+        assert time.monotonic() < end, f"load {rid} never finished"
+        time.sleep(0.01)
+    return w.load_errors(), w.worker_meta()
+
+
+def _flip_payload_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-100, os.SEEK_END)  # inside the (sealed) payload, past the header
+        b = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("fault", ["deleted", "corrupt", "revoked"])
+def test_a_g4_block_found_at_lookup_that_fails_at_load_is_not_offered_again(tmp_path, fault):
+    """The scheduler's G4 lookup finds all ``N`` blocks; then block 1 is deleted (gc), damaged, or the tenant's
+    key is revoked (every block unreadable); the load fails at that block, reported a miss. The same request is
+    then answered 0 (recomputed, never reloaded); a new request with the same prompt is offered only the blocks
+    before the failed one (G4 itself now misses it in all three cases: the reader deletes an object it proved
+    damaged, and a revoked tenant's names are no longer looked up; the cool-down cuts it as well)."""
+    kv = _engine("cpu", seed=31)
+    bs = kv.layout.page_size
+    ns = Namespace(model="test/failed-load-paths", revision="r1", layout=kv.layout, tp_world_size=1)
+    g4 = G4Pool(G4Config(enabled=True, url=f"file://{tmp_path / 'g4'}", keyring={"path": str(tmp_path / "kr.json")}),
+                ns)
+    w = WorkerSide(ns, 0, None, g4, load_timeout_s=LOAD_S)
+    try:
+        w.register(kv)
+        toks, hs = _prompt(bs)
+        _save(w, g4, list(range(1, N + 1)), hs[:N], tenant=TENANT)
+        s = SchedulerSide(ns, bs, None, g4, save=False)
+        r1 = _req("r1", toks)
+        assert _ask(s, r1) == N * bs  # every block found (an existence check)
+        jobs = _plan(s, r1, N * bs, list(range(10, 10 + N)))
+        assert [j.tiers for j in jobs] == [["G4"] * N]
+        key = w.offloads.g4_keys(ns.keys([hs[1]], TENANT, 0))[0]
+        path = str(g4.store._path(g4.object_name(key)))
+        if fault == "deleted":
+            os.remove(path)
+        elif fault == "corrupt":
+            _flip_payload_byte(path)
+        else:
+            assert g4.keyring is not None
+            g4.keyring.revoke(TENANT)
+        first = 0 if fault == "revoked" else 1
+        w.start_loads(jobs)
+        errs, meta = _finish(w, "r1")
+        assert errs == set(range(10 + first, 10 + N))  # vLLM recomputes from the failed block
+        assert meta is not None and [(f.first_failed, f.reason) for f in meta.failed] == [(hs[first], "miss")]
+        s.update_connector_output(meta)
+        assert s.get_num_new_matched_tokens(r1, 0) == (0, False)  # vLLM asks again: never the same load
+        assert _ask(s, _req("r2", toks)) == first * bs  # others: the hit ends before the cooling block
+    finally:
+        w.shutdown()
+        g4.close()
+
+
+def _inject_eio(monkeypatch, g3, key) -> None:
+    """Reads that cover ``key``'s G3 slot fail with EIO (a bad sector: G3 cannot prove the bytes bad, so keeps the
+    slot). A read of consecutive slots (the reader merges them) fails as a whole, as the disk's would."""
+    fi, si = g3.index.get(key)
+    spath, sb = os.path.realpath(g3.slabs.by_index[fi].path), g3.slot_bytes
+    real_preadv, real_pread = os.preadv, os.pread
+
+    def bad(fd, off, n) -> bool:
+        try:
+            return off < (si + 1) * sb and off + n > si * sb and os.readlink(f"/proc/self/fd/{fd}") == spath
+        except OSError:
+            return False
+
+    def preadv(fd, bufs, off, *a):
+        if bad(fd, off, sum(memoryview(b).nbytes for b in bufs)):
+            raise OSError(errno.EIO, "injected bad sector")
+        return real_preadv(fd, bufs, off, *a)
+
+    def pread(fd, n, off, *a):
+        if bad(fd, off, n):
+            raise OSError(errno.EIO, "injected bad sector")
+        return real_pread(fd, n, off, *a)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "pread", pread)
+
+
+def test_a_block_that_fails_on_one_tp_rank_is_withdrawn_for_every_rank(tmp_path, monkeypatch):
+    """TP 2: both ranks stored the prompt; rank 1's slot of block 1 has a read error (kept by G3), rank 0's reads
+    fine. vLLM's KVOutputAggregator merges the ranks' outputs (invalid block ids: their union; worker meta: both
+    reports); the scheduler answers the request 0 from then on and offers a new request only block 0 (no rank's
+    index dropped block 1, so only the cool-down withdraws it)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
+    from copy import copy
+
+    kvs = [_engine("cpu", seed=41), _engine("cpu", seed=42)]
+    bs = kvs[0].layout.page_size
+    ns = Namespace(model="test/failed-load-paths", revision="r1", layout=kvs[0].layout, tp_world_size=2)
+    # the posix engine reads through os.preadv / os.pread, where the bad sector is injected
+    g3 = G3Pool(g3_config(tmp_path / "g3", files_per_path=1, load_timeout_s=LOAD_S, engine="posix"), ns)
+    ws = [WorkerSide(ns, r, g3, None, load_timeout_s=LOAD_S) for r in (0, 1)]
+    try:
+        toks, hs = _prompt(bs)
+        for w, kv in zip(ws, kvs):
+            w.register(kv)
+        for i in range(N):  # one block at a time, rank by rank: no two slots of a rank are adjacent, so the bad
+            for w in ws:    # sector fails only rank 1's block 1 (the reader merges reads of adjacent slots)
+                _save(w, g3, [i + 1], [hs[i]], tenant=TENANT)
+        s = SchedulerSide(ns, bs, g3, None, save=False)
+        r1 = _req("r1", toks)
+        assert _ask(s, r1) == N * bs  # both ranks hold every block
+        jobs = _plan(s, r1, N * bs, list(range(10, 10 + N)))
+        bad = ns.key(hs[1], TENANT, 1)
+        _inject_eio(monkeypatch, g3, bad)
+        outs = []
+        for w in ws:
+            w.start_loads(jobs)
+            errs, meta = _finish(w, "r1")
+            o = copy(EMPTY_MODEL_RUNNER_OUTPUT)
+            o.kv_connector_output = KVConnectorOutput(finished_recving={"r1"}, invalid_block_ids=errs,
+                                                      kv_connector_worker_meta=meta)
+            outs.append(o)
+        agg = KVOutputAggregator(expected_finished_count=2).aggregate(outs, output_rank=0).kv_connector_output
+        assert agg.finished_recving == {"r1"} and agg.invalid_block_ids == set(range(11, 10 + N))
+        assert [(f.first_failed, f.reason) for f in agg.kv_connector_worker_meta.failed] == [(hs[1], "miss")]
+        s.update_connector_output(agg.kv_connector_worker_meta)
+        assert g3.contains(bad) and g3.contains(ns.key(hs[1], TENANT, 0))  # kept: the lookup alone would offer it
+        assert s.get_num_new_matched_tokens(r1, 0) == (0, False)
+        assert _ask(s, _req("r2", toks)) == 1 * bs
+    finally:
+        for w in ws:
+            w.shutdown()
+        g3.close()
