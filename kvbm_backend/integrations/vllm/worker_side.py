@@ -19,7 +19,9 @@ only in the abandoned staging buffer. A load past its deadline (or already repor
 further pool reads. A load whose first failed block ran out of time (the load's deadline, or the pool's own
 bound: ``GetResult.timed_out``) is a timeout (``FailedLoad`` reason ``timeout``, counted ``load_timeouts``),
 not a miss: the scheduler does not cool the block, and a G3 block is reported removed to the scheduler's
-mirror only when the pool's index no longer holds it. Blocks loaded from G4 are promoted into G3 (``promote_to_g3``;
+mirror only when the pool's index no longer holds it. A G3 block whose read failed otherwise (absent, corrupt, a
+read error) is a miss, and one G3 still holds (a read error it cannot prove bad) is deleted
+(:meth:`WorkerSide.drop_unreadable`), so the recompute's save stores it again. Blocks loaded from G4 are promoted into G3 (``promote_to_g3``;
 staged by :mod:`.offloads` as saves are, so a CUDA engine's load thread never waits for the device there),
 past G3's admission filter: a block asked for again is by definition a repeat sighting.
 
@@ -45,6 +47,7 @@ from ...pool.base import BlockPool, G3Extensions, GetResult, require_g3_extensio
 from ...deadlines import Deadline
 from .. import load_priority
 from . import stats
+from .failed_blocks import drop_blocks
 from .g3_report import ReportedBlocks
 from .kv_io import EngineKv, numpy_staging
 from .offloads import Offloads
@@ -241,6 +244,7 @@ class WorkerSide:
             # A tier's rows go to its pool as one [m, bpb] slice when they are consecutive (they are, but for
             # a G3/G4 mix): a tensor object per block costs GIL hand-offs (kvbm_backend.gpu.rows).
             buf, staging = self._take_load_staging(n, bpb)
+            g3_answered = False  # G3's get answered per block (not raised, not late): its misses are its verdicts
             for tier_idx, pool in ((i3, self.g3), (i4, self.g4)):
                 if not tier_idx or pool is None:
                     continue
@@ -256,6 +260,7 @@ class WorkerSide:
                                                  out, ld.deadline.left())
                 if not ended:
                     buf = None  # a late read may still land in the staging: never handed out again
+                g3_answered = g3_answered or (ended and pool is self.g3)
                 for i, good, lt in zip(tier_idx, res, res_late):
                     ok[i], late[i] = bool(good), bool(lt)
                 if not all(res):
@@ -266,6 +271,8 @@ class WorkerSide:
             # the first block not loaded ran out of time (here or in its pool), or the load did: a timeout,
             # not a miss (FailedLoad "timeout": the block is not cooled; counted in load_timeouts)
             timed_out = prefix < n and (late[prefix] or ld.deadline.expired())
+            if g3_answered and prefix < n:  # before the load ends: the recompute's save comes after the delete
+                self.drop_unreadable([keys[i] for i in i3 if not ok[i] and not late[i]])
             t0 = time.perf_counter()
             with ld.lock:
                 if ld.state != "pending":
@@ -299,10 +306,21 @@ class WorkerSide:
                     ld.ok_prefix = 0
                     stats.add(load_blocks_failed=n)
 
+    def drop_unreadable(self, missed: list) -> None:
+        """Delete from G3 the blocks of ``missed`` (G3 keys whose load failed other than by a timeout) it still
+        holds: a read error G3 could not prove bad keeps the slot, and before 2026-11-30 the block was offered
+        again after every cool-down (:mod:`.failed_blocks`), failed again, and the recomputed block's save was
+        skipped as held, for good. Deleted, the recompute's save writes it again. Counted
+        ``load_g3_dropped_blocks``; a failed delete is logged (the block then only cools). Never raises."""
+        g3p = self.g3
+        held = [k for k in missed if g3p is not None and g3p.contains(k)]
+        if held and g3p is not None:
+            stats.add(load_g3_dropped_blocks=drop_blocks(g3p, held, Deadline(self.load_timeout_s), "G3"))
+
     def _report_load_misses(self, missed: list) -> None:
         """G3 blocks a load missed that the pool proved gone (no longer in its index: absent, or dropped as
-        corrupt) are reported removed to the scheduler's mirror; a block missed for a read error, a timeout
-        or a key naming another block stays in G3 and stays reported."""
+        corrupt, or deleted by :meth:`drop_unreadable`) are reported removed to the scheduler's mirror; a block
+        missed for a timeout stays in G3 and stays reported."""
         g3p = self.g3
         bad = [mirror_id(k) for k in missed if g3p is not None and not g3p.contains(k)]
         if bad:

@@ -157,8 +157,8 @@ def _inject_eio(monkeypatch, g3, key) -> None:
 def test_a_block_that_fails_on_one_tp_rank_is_withdrawn_for_every_rank(tmp_path, monkeypatch):
     """TP 2: both ranks stored the prompt; rank 1's slot of block 1 has a read error (kept by G3), rank 0's reads
     fine. vLLM's KVOutputAggregator merges the ranks' outputs (invalid block ids: their union; worker meta: both
-    reports); the scheduler answers the request 0 from then on and offers a new request only block 0 (no rank's
-    index dropped block 1, so only the cool-down withdraws it)."""
+    reports); the scheduler answers the request 0 from then on and offers a new request only block 0 (rank 1's
+    unreadable copy is deleted, rank 0's is kept; the cool-down of the block's sequence hash is rank-independent)."""
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
     from copy import copy
@@ -194,10 +194,53 @@ def test_a_block_that_fails_on_one_tp_rank_is_withdrawn_for_every_rank(tmp_path,
         assert agg.finished_recving == {"r1"} and agg.invalid_block_ids == set(range(11, 10 + N))
         assert [(f.first_failed, f.reason) for f in agg.kv_connector_worker_meta.failed] == [(hs[1], "miss")]
         s.update_connector_output(agg.kv_connector_worker_meta)
-        assert g3.contains(bad) and g3.contains(ns.key(hs[1], TENANT, 0))  # kept: the lookup alone would offer it
+        # rank 1's unreadable copy is deleted (rewritten by the recompute's save), rank 0's is kept
+        assert not g3.contains(bad) and g3.contains(ns.key(hs[1], TENANT, 0))
         assert s.get_num_new_matched_tokens(r1, 0) == (0, False)
         assert _ask(s, _req("r2", toks)) == 1 * bs
     finally:
         for w in ws:
             w.shutdown()
+        g3.close()
+
+
+def test_a_g3_block_a_read_error_missed_is_deleted_so_its_recompute_is_stored_again(tmp_path, monkeypatch):
+    """A read error G3 cannot prove bad (EIO on the slot) keeps the slot: before, the connector's scheduler cooled
+    the block for 30 s and then offered it again, every new request's load failed on it again, and the recomputed
+    block's store was skipped (held), so it was never written again: a failed load and a recompute every cool-down,
+    for good. Now the worker deletes a G3 block whose read failed other than by a timeout (as the native G3 tier
+    does), reports it removed to the scheduler's mirror, and the recompute's store writes it again: it then loads
+    the exact bytes."""
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.metadata import LoadJob, mirror_id
+    from tests.integrations.vllm.test_worker_device_path import _block_bytes
+
+    kv = _engine("cpu", seed=51)
+    bs = kv.layout.page_size
+    ns = Namespace(model="test/failed-load-paths", revision="r1", layout=kv.layout, tp_world_size=1)
+    g3 = G3Pool(g3_config(tmp_path / "g3", files_per_path=1, load_timeout_s=LOAD_S, engine="posix"), ns)
+    w = WorkerSide(ns, 0, g3, None, load_timeout_s=LOAD_S, report_g3=True)
+    try:
+        w.register(kv)
+        _, hs = _prompt(bs)
+        _save(w, g3, [1, 2], hs[:2], tenant=TENANT)
+        w.worker_meta()  # the first report (snapshot) is out
+        bad = ns.key(hs[1], TENANT, 0)
+        stats.reset()
+        with monkeypatch.context() as mp:
+            _inject_eio(mp, g3, bad)
+            w.start_loads([LoadJob("r1", [11], [hs[1]], ["G3"], TENANT)])
+            errs, meta = _finish(w, "r1")
+        assert errs == {11}
+        assert meta is not None and [(f.first_failed, f.reason) for f in meta.failed] == [(hs[1], "miss")]
+        assert not g3.contains(bad) and g3.contains(ns.key(hs[0], TENANT, 0))  # only the unreadable block
+        assert mirror_id(bad) in meta.removed  # the scheduler's mirror no longer offers it
+        assert stats.get("load_g3_dropped_blocks") == 1
+        _save(w, g3, [2], [hs[1]], tenant=TENANT)  # vLLM recomputed it; the step's save
+        assert g3.contains(bad)
+        w.start_loads([LoadJob("r2", [12], [hs[1]], ["G3"], TENANT)])
+        errs, _ = _finish(w, "r2")
+        assert errs == set() and torch.equal(_block_bytes(kv, 12), _block_bytes(kv, 2))
+    finally:
+        w.shutdown()
         g3.close()

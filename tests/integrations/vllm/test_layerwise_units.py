@@ -293,12 +293,13 @@ def test_off_by_default_and_needs_a_g3_pool(tmp_path):
 
 
 def test_a_block_a_layerwise_read_failed_on_stays_reported_while_g3_holds_it(tmp_path, monkeypatch):
-    """A layer-wise load whose read of a block fails (EIO: the slot stays, only a proven-bad slot is dropped)
-    reports that block failed (vLLM recomputes it) but not removed to the scheduler's mirror / the router's KV
-    events while G3 still holds it, as an asynchronous load does (``WorkerSide._report_load_misses``). Before,
-    every failed row but a timeout was reported removed: the mirror and the events lost a block G3 holds (and
-    served the next request through the asynchronous path). A block G3 no longer holds (dropped as corrupt) is
-    still reported removed."""
+    """A layer-wise load whose read of a block fails reports the blocks from it on failed (vLLM recomputes them)
+    but removed to the scheduler's mirror / the router's KV events only those G3 no longer holds, as an
+    asynchronous load does (``WorkerSide._report_load_misses``). Before, every failed row but a timeout was
+    reported removed: the mirror and the events lost blocks G3 holds (the ones after the failed read). The block
+    whose read failed (EIO: G3 cannot prove it bad) is deleted by the worker since 2026-11-30
+    (``WorkerSide.drop_unreadable``: else it was offered again after every cool-down and its recompute never
+    stored), so it is reported removed, as is a block G3 dropped as corrupt."""
     from kvbm_backend.io.files import ReadFiles
     from kvbm_backend.integrations.vllm.metadata import mirror_id
     src, ns, cfg, g3, hashes = _stored(tmp_path, "cpu")
@@ -326,12 +327,13 @@ def test_a_block_a_layerwise_read_failed_on_stays_reported_while_g3_holds_it(tmp
             lw.wait_layer(n)
         assert lw.finish() == {"r"}
         assert w.load_errors() == {10, 11, 12, 13}  # from the failed read on: recomputed
-        assert g3.contains(keys[1]) and not g3.contains(corrupt)
+        assert not g3.contains(keys[1]) and not g3.contains(corrupt)
+        assert all(g3.contains(k) for k in (keys[0], keys[2], keys[4]))  # read fine, or not read: kept
         meta = w.worker_meta()
         removed = set(meta.removed) if meta is not None else set()
-        assert mirror_id(keys[1]) not in removed  # stored, only unreadable this time: stays reported
+        assert mirror_id(keys[1]) in removed  # unreadable: deleted, so reported removed
         assert mirror_id(corrupt) in removed  # gone from G3: reported removed
-        assert not removed & {mirror_id(k) for k in (keys[0], keys[2], keys[4])}
+        assert not removed & {mirror_id(k) for k in (keys[0], keys[2], keys[4])}  # G3 holds them: stay reported
     finally:
         lw.close()
         w.shutdown()
