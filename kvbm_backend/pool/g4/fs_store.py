@@ -8,7 +8,7 @@ Publish protocol (invariant 2), safe with many writers on many nodes:
    (EEXIST means another writer published first, which is success);
 3. unlink the temp, ``fsync`` the directory.
 
-A directory created on the way is ``fsync``\ ed into its parent (before 2026-11-30 it was not: a power cut
+A directory created on the way is fsynced into its parent (before 2026-11-30 it was not: a power cut
 after a publish could lose the directory holding the object).
 
 Readers only ever open final names, so they see complete objects or nothing. Directories are
