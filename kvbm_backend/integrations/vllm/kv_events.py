@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import stats
+from .rank_masks import RankMasks, block_fps, report_columns
 from ...threads import start_thread
 
 EMIT_CHUNK = 1024  # announced blocks queued per hold of the events lock (emit_announced)
@@ -37,7 +38,17 @@ class G3KvEvents:
     when the first appears, ``BlockRemoved`` only when the last goes (before 2026-11-30 a G3 eviction withdrew
     the credit of a block G4 still announced, and an expired announcement that of a block G3 still held).
     Memory: per published block its vLLM hash and tokens (~4 bytes per token), kept
-    for removal and re-publishing; learned-but-unwritten entries are capped at ``max_pending``.
+    for removal and re-publishing; learned-but-unwritten entries are capped at ``max_pending``. Per block
+    any rank reports present (restored blocks no request asks for included: most of a big G3), which ranks
+    hold it: a 64-bit fingerprint of (tenant tag, seq_hash) and a rank bitmask in numpy tables
+    (:class:`~.rank_masks.RankMasks`), 18 to 36 bytes per block at TP <= 8 (up to 64 at TP 64); before
+    2026-11-30 a dict of sets, ~357 bytes per block at TP=2 (4-14 GB for a G3 of 10-40M blocks).
+    Fingerprint collisions (only between blocks of different tenants: the fingerprint is a bijection of the
+    sequence hash for one tenant; probability about n^2 / 2^65 for n blocks, 4e-5 at 40M) make two blocks
+    share one rank mask: a block can be published stored while a rank lacks it, or withheld or withdrawn
+    while every rank holds it. That costs at most one wrong routing credit: the router only routes, and the
+    worker looks the block up in its own G3 index and verifies every frame it loads (a miss is recomputed,
+    never wrong KV).
     """
 
     MEDIUM = "DISK"
@@ -53,7 +64,8 @@ class G3KvEvents:
             self.window = get_kv_cache_spec_sliding_window(kv_cache_spec)
         self.max_pending = max_pending
         self._info: OrderedDict[tuple[bytes, int], tuple] = OrderedDict()  # learned, not yet published
-        self._ranks: dict[tuple[bytes, int], set[int]] = {}    # ranks whose G3 holds the block
+        self._ranks = RankMasks(tp_world_size)  # block fingerprint -> ranks whose G3 holds it (bitmask)
+        self._full = (1 << tp_world_size) - 1  # the mask of a block every rank holds
         self._published: dict[tuple[bytes, int], tuple] = {}   # -> what was published (for removal, re-publish)
         self._holders: dict[Any, int] = {}  # vLLM hash -> G3 entries + G4 announcement publishing it
         self._events: list = []
@@ -71,6 +83,7 @@ class G3KvEvents:
         tag = tag_of(tenant)
         end = min(end, len(seq_hashes), len(vh), len(toks) // self.bs)
         ann = self.announcer
+        new: list[tuple[bytes, int]] = []
         with self._lock:
             for i in range(max(first, 0), end):
                 k = (tag, seq_hashes[i])
@@ -85,31 +98,61 @@ class G3KvEvents:
                 if not self.g3 or k in self._published or k in self._info:
                     continue
                 self._info[k] = info
-                self._maybe_store(k)
+                new.append(k)
+            if new:  # in block order, as each was learned (the rank masks do not change meanwhile)
+                for k, m in zip(new, self._ranks.masks(block_fps([k[0] for k in new], [k[1] for k in new]))):
+                    if m == self._full:
+                        self._store(k)
             while len(self._info) > self.max_pending:  # learned but never written (dropped offloads)
                 self._info.popitem(last=False)
 
     def apply(self, meta: Any) -> None:
-        """A worker's G3 index report (``(tenant tag, rank, seq_hash)`` entries added / removed)."""
-        with self._lock:
-            for tag, rank, seq in meta.removed:
-                k = (tag, seq)
-                r = self._ranks.get(k)
-                if r is not None:
-                    r.discard(rank)
-                    if not r:
-                        del self._ranks[k]
-                info = self._published.pop(k, None)
-                if info is not None:
-                    self._emit_removed(info[0])
-            for tag, rank, seq in meta.added:
-                k = (tag, seq)
-                self._ranks.setdefault(k, set()).add(rank)
-                self._maybe_store(k)
-
-    def _maybe_store(self, k) -> None:
-        if k in self._published or len(self._ranks.get(k, ())) < self.tp or k not in self._info:
+        """A worker's G3 index report (``(tenant tag, rank, seq_hash)`` entries added / removed): ``removed``
+        first, then ``added``, each in order. Ranks outside ``[0, tp)`` hold nothing here (the namespace
+        never cuts such keys)."""
+        if not self.g3:  # nothing learned is kept, so nothing reported can be published
             return
+        rem, add = meta.removed, meta.added
+        with self._lock:
+            if rem:
+                tags, ranks, seqs = report_columns(rem)
+                fps, ranks = self._valid(block_fps(tags, seqs), ranks)
+                self._ranks.clear_bits(fps, ranks)
+                pub = self._published
+                if pub:
+                    for tag, _, seq in rem:
+                        info = pub.pop((tag, seq), None)
+                        if info is not None:
+                            self._emit_removed(info[0])
+            if add:
+                tags, ranks, seqs = report_columns(add)
+                fps = block_fps(tags, seqs)
+                info_ = self._info
+                # learned blocks: stored when the entry that completes their mask comes, in report order
+                sel = [i for i, (tag, _, seq) in enumerate(add) if (tag, seq) in info_] if info_ else []
+                if sel:
+                    cur: dict[int, int] = {}
+                    fl = fps[sel].tolist()
+                    for i, f, m in zip(sel, fl, self._ranks.masks(fps[sel])):
+                        m = cur.get(f, m)
+                        r = ranks[i]
+                        if 0 <= r < self.tp:
+                            m |= 1 << r
+                        cur[f] = m
+                        k = (tags[i], seqs[i])
+                        if m == self._full and k in info_ and k not in self._published:
+                            self._store(k)
+                self._ranks.set_bits(*self._valid(fps, ranks))
+
+    def _valid(self, fps: Any, ranks: list) -> tuple[Any, list]:
+        """``fps`` and ``ranks`` without the entries of a rank outside ``[0, tp)``."""
+        if ranks and (min(ranks) < 0 or max(ranks) >= self.tp):
+            keep = [i for i, r in enumerate(ranks) if 0 <= r < self.tp]
+            return fps[keep], [ranks[i] for i in keep]
+        return fps, ranks
+
+    def _store(self, k) -> None:
+        """Publish learned block ``k`` (in ``_info``, held by every rank)."""
         info = self._published[k] = self._info.pop(k)
         self._emit_stored(info)
 
