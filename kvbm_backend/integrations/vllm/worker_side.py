@@ -273,6 +273,8 @@ class WorkerSide:
             timed_out = prefix < n and (late[prefix] or ld.deadline.expired())
             if g3_answered and prefix < n:  # before the load ends: the recompute's save comes after the delete
                 self.drop_unreadable([keys[i] for i in i3 if not ok[i] and not late[i]])
+            n3 = sum(1 for i in range(prefix) if job.tiers[i] == "G3")
+            promote = self.promote_to_g3 and self.g3 is not None and prefix > n3
             t0 = time.perf_counter()
             with ld.lock:
                 if ld.state != "pending":
@@ -280,23 +282,26 @@ class WorkerSide:
                 if prefix:
                     kv.scatter(staging.view(-1)[:prefix * bpb], job.block_ids[:prefix])
                 ld.ok_prefix = prefix
+                if buf is not None and not promote:
+                    # a CPU engine's scatter is done (synchronous) and no read is in flight: the staging goes
+                    # back before get_finished can report the load, so the next load (started on that report)
+                    # reuses it rather than faulting in fresh pages
+                    self._load_staging.give(buf)
+                    buf = None
                 ld.state = "timed_out" if timed_out else "done"
             if self.report_g3:
                 self._report_load_misses([keys[i] for i in i3 if not ok[i] and not late[i]])
-            n3 = sum(1 for i in range(prefix) if job.tiers[i] == "G3")
             if timed_out:
                 stats.add(load_timeouts=1)
             stats.add(load_blocks_ok=prefix, load_g3_blocks_ok=n3, load_g4_blocks_ok=prefix - n3,
                       load_blocks_failed=n - prefix, load_bytes=prefix * bpb,
                       load_scatter_s=time.perf_counter() - t0, load_wall_s=time.monotonic() - ld.t0)
-            if self.promote_to_g3 and self.g3 is not None and prefix > n3:
+            if promote:
                 g4rows = [i for i in range(prefix) if job.tiers[i] != "G3"]
                 rows = staging[g4rows[0]:g4rows[-1] + 1] if g4rows[-1] - g4rows[0] == len(g4rows) - 1 else \
                     staging.index_select(0, device_index(g4rows, staging.device))
+                # G3's put of the promoted rows reads them after this returns (CPU: in place): buf is not given back
                 self.offloads.promote([keys[i] for i in g4rows], rows, self.dev_checks_on)
-                buf = None  # G3's put of the promoted rows reads them after this returns (CPU: in place)
-            if buf is not None:  # a CPU engine's scatter is done (synchronous) and no read is in flight
-                self._load_staging.give(buf)
         except Exception as e:  # noqa: BLE001 - any failure is a miss, never wrong KV
             log.exception("kvbm_backend: load for %s failed: %s", job.req_id, e)
             stats.add(load_errors=1)

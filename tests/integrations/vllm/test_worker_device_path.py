@@ -363,6 +363,52 @@ def test_cpu_engine_load_staging_is_reused_across_loads_of_other_lengths(tmp_pat
         g3.close()
 
 
+def test_cpu_engine_load_staging_is_back_in_the_pool_when_the_load_is_reported_finished(tmp_path):
+    """When ``get_finished`` reports a CPU engine's load, its staging buffer is already back in the pool, even
+    if the load thread is then held up (descheduled on a busy host; here: held in the G3 report of the load's
+    misses, which runs after the load is over): the next load, started on that report, reuses the buffer
+    rather than allocating and faulting in a fresh one. Before 2026-11-30 the buffer went back only at the
+    end of the load thread, after the load was reported: under load the next load took a new buffer (the
+    flake of test_cpu_engine_load_staging_is_reused_across_loads_of_other_lengths, (2, 0) != (1, 1))."""
+    import threading
+    kv = _engine("cpu", seed=7)
+    ns = _ns(kv)
+    g3 = _g3(tmp_path, ns)
+    w = WorkerSide(ns, 0, g3, None, load_timeout_s=LOAD_S, report_g3=True)
+    hold, held = threading.Event(), threading.Event()
+    report = w._report_load_misses
+
+    def held_up(missed):  # the load thread, after its load is over, stalls here until the test is done
+        held.set()
+        hold.wait(HANG_S)
+        report(missed)
+
+    w._report_load_misses = held_up
+    try:
+        w.register(kv)
+        src = [1, 2, 3, 4, 5, 6, 7]
+        want = [_block_bytes(kv, b) for b in src]
+        _save(w, g3, src, [601, 602, 603, 604, 605, 606, 607])
+        dst = [10, 11, 12, 13, 14, 15, 16]
+        _clear(kv, dst)
+        w.start_loads([LoadJob("a", dst[:5], [601, 602, 603, 604, 605], ["G3"] * 5, "acme")])
+        assert _wait(w, "a") == set()
+        pool = w._load_staging
+        assert held.wait(HANG_S)  # a's thread is past its load's end, and stays there
+        assert pool.allocated == 1
+        assert pool.stats()["kept_bytes"] == 8 * kv.layout.bytes_per_block  # a's 8-block buffer is back
+        _clear(kv, dst)
+        w.start_loads([LoadJob("b", dst, [607, 606, 605, 604, 603, 602, 601], ["G3"] * 7, "acme")])
+        assert _wait(w, "b") == set()  # on the executor's other thread
+        assert (pool.allocated, pool.reused) == (1, 1)  # b took a's buffer
+        for b, x in zip(dst, reversed(want)):
+            assert torch.equal(_block_bytes(kv, b), x), f"engine block {b} differs from the saved block"
+    finally:
+        hold.set()
+        w.shutdown()
+        g3.close()
+
+
 def test_cpu_engine_load_staging_a_late_read_may_land_in_is_never_handed_out_again(tmp_path):
     """A load whose G4 reads hang past the worker's ``load_timeout_s`` (object opens blocked in the kernel,
     as on a hung mount) fails its blocks; its staging buffer, which the reads may still land in, is not given
