@@ -106,6 +106,13 @@ class TenantLookup(AsyncLookupManager):
         256 chunks). Other pairs (a sliding-window group, scanned from its end; no positions) are looked up one by
         one.
 
+        Past a gap (G3, :attr:`KvbmSecondaryTier.look_past_gaps`: index lookups, no I/O) the chunks after the
+        run's first missing one are looked up too, uncounted (:meth:`_past_gap`): the request cannot use a chunk
+        after one no tier holds, but vLLM's manager takes each chunk from the first tier holding it, so G3's chunks
+        after one only G4 holds are G3 hits. Before 2026-11-30 they were misses and read from G4 instead (S3 for
+        what is on local disk), or recomputed when the tier below lacked them too. G4 stops at its first gap (one
+        HEAD per chunk otherwise).
+
         Below another of our tiers in the manager (G4 under G3: :func:`tiers_above`) every look is uncounted and a
         run counts only the chunks the tiers above lack (none: not counted), found as far as this tier holds
         beyond them (:meth:`BlockPool.count_lookup`); a failed or late look of this tier finds none."""
@@ -138,7 +145,28 @@ class TenantLookup(AsyncLookupManager):
                 continue
             for j, i in enumerate(run):  # chunk j: its first copy among the n0, its others among the n1
                 out[i] = j < n0 and (j + 1) * (c - 1) <= n1
+            held = sum(out[i] for i in run)  # the run's held prefix; the chunk after it is not held
+            if t.look_past_gaps and held + 1 < len(run):
+                self._past_gap([pairs[i] for i in run[held + 1:]], run[held + 1:], out, end)
         return out
+
+    def _past_gap(self, pairs: list[tuple[OffloadKey, str]], idx: list[int], out: list[bool], end: Deadline) -> None:
+        """Set ``out[idx[j]]`` for the chunks ``pairs`` after a run's first chunk the tier lacks: held when every
+        copy is, each gap skipped (uncounted: the run's lookup counted the request's prefix). Another tier may
+        hold the gap (vLLM's manager promotes each chunk from the first tier that answers HIT), so a chunk this
+        tier holds after it is a hit. One uncounted prefix lookup per gap; a failed or late one leaves misses."""
+        t, c = self._tier, self._tier.geometry.copies
+        s = 0
+        while s < len(pairs):
+            try:
+                n = int(t.pool.lookup_prefix([bk for k, tenant in pairs[s:] for bk in t._block_keys(k, tenant)],
+                                             request=False).result(timeout=end.left()))
+            except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
+                log.debug("lookup past a gap failed: %s", e)
+                return
+            for j in range(s, s + n // c):
+                out[idx[j]] = True
+            s += n // c + 1  # chunk s + n // c: some copy absent
 
 
 def prefix_runs(pairs: list[tuple[OffloadKey, str]], req_context: ReqContext) -> list[list[int]]:

@@ -157,6 +157,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
     #: delete a chunk whose load failed other than by a timeout (a read error G3 kept the slot for), so the
     #: recomputed chunk's store writes it again (G3; a shared G4 store keeps its objects)
     drop_unreadable: ClassVar[bool] = False
+    #: chunks after the first one the tier lacks are looked up too (G3; G4: misses, no HEAD each): tier_lookup
+    look_past_gaps: ClassVar[bool] = False
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str, *,
                  config: str | dict | None = None, g3: dict | None = None, g4: dict | None = None,
@@ -499,6 +501,7 @@ class G3Tier(KvbmSecondaryTier):
     pool_tier = "G3"
     default_locality = "LOCAL"
     drop_unreadable = True
+    look_past_gaps = True
 
     def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
         return open_pool(cfg.g3, namespace)
