@@ -18,7 +18,11 @@ Both ends derive the address from the engine's ``kv_transfer_config.engine_id`` 
 (:func:`channel_key`). A worker uses the channel when it can reach the scheduler's listener at its first
 report; otherwise (no listener: an older scheduler, a directory it may not use) its reports keep travelling
 in the step output as before. Each worker's reports take exactly one of the two ways for the engine's
-lifetime, so they arrive in order.
+lifetime, so they arrive in order. A scheduler that takes none of a report's bytes for ``STALL_S`` seconds (a
+stopped or hung process) fails the channel (the worker's reports go back to the step output, with a new
+snapshot) rather than blocking the worker's pump for ever, and at shutdown the pump is not waited for more than
+2 s; one pump sends at a time (before 2026-11-30 the pump sent with a blocking ``sendall`` and no timeout, and
+``ReportPump.stop`` sent a second report on the same socket while the pump thread was blocked in the first).
 """
 from __future__ import annotations
 
@@ -39,6 +43,9 @@ PUMP_INTERVAL_S = 0.1  # how often a worker sends the G3 index changes it has (s
 _ENTRY = struct.Struct("<16sIQ")  # (tenant tag, rank, seq_hash): metadata.mirror_id
 _HEAD = struct.Struct("<IIIBII")  # length of the rest, group, TP rank, snapshot, n added, n removed
 MAX_ENTRIES = 1 << 22             # per message: a message announcing more is refused (not applied)
+#: a worker gives the channel up when the scheduler has taken none of a report's bytes for this long (seconds;
+#: a scheduler process that is stopped or hung): its reports go back to the step output
+STALL_S = 30.0
 
 #: listeners of schedulers in this process, by channel key (the ``uni`` executor's worker calls them)
 _local: dict[str, Callable] = {}
@@ -199,12 +206,13 @@ class ReportListener:
 
 
 class ReportSender:
-    """A worker's end: :meth:`connect` once, then :meth:`send` reports (in order)."""
+    """A worker's end: :meth:`connect` once, then :meth:`send` reports (in order, from one thread at a time)."""
 
     def __init__(self, key: str):
         self.key = key
         self._direct: Callable | None = None
         self._sock: socket.socket | None = None
+        self._broken = False
 
     def connect(self) -> bool:
         """True when a listener for this key is reachable (in this process, or its socket)."""
@@ -218,6 +226,7 @@ class ReportSender:
         try:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(path)
+            s.settimeout(STALL_S)  # each send waits at most this long for the scheduler to take bytes
         except OSError:
             return False
         self._sock = s
@@ -225,17 +234,37 @@ class ReportSender:
 
     def send(self, group: int, rank: int, added: list, removed: list, snapshot: bool) -> None:
         """Deliver one report of TP rank ``rank``, in messages of at most :data:`MAX_ENTRIES` entries (a
-        restored G3 of millions of blocks is one snapshot). Raises OSError when the scheduler's end is gone."""
+        restored G3 of millions of blocks is one snapshot). Raises OSError when the scheduler's end is gone,
+        or has taken none of the bytes for :data:`STALL_S` seconds (``TimeoutError``); the channel is then
+        closed (a message may have been cut: nothing more may follow it) and every later send raises too."""
         if self._direct is not None:
             self._direct(group, rank, added, removed, snapshot)
-        elif self._sock is not None:
-            for a, r, snap in pieces(added, removed, snapshot, MAX_ENTRIES):
-                self._sock.sendall(encode(group, rank, a, r, snap))
-        else:
+            return
+        sock = self._sock
+        if sock is None or self._broken:
             raise OSError("report channel not connected")
+        try:
+            for a, r, snap in pieces(added, removed, snapshot, MAX_ENTRIES):
+                view = memoryview(encode(group, rank, a, r, snap))
+                while view:  # send(), not sendall(): the timeout bounds a stall, not a long message
+                    view = view[sock.send(view):]
+        except OSError:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Give the channel up: the scheduler sees it end (a cut message is dropped there), and a send blocked
+        in another thread returns with an OSError."""
+        self._broken = True
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         if self._sock is not None:
+            self._broken = True
             self._sock.close()
             self._sock = None
 
@@ -249,6 +278,7 @@ class ReportPump:
         self.sender, self.sources, self.rank, self.interval_s = sender, sources, rank, interval_s
         self.on_closed = on_closed  # the channel failed: reports go back to the step output (a new snapshot)
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # one pump at a time: two senders' bytes would interleave on the socket
         self._t = start_thread(self._loop, name="kvbm-report-pump")
 
     def _loop(self) -> None:
@@ -256,6 +286,12 @@ class ReportPump:
             self.pump()
 
     def pump(self) -> None:
+        with self._lock:
+            self._pump_locked()
+
+    def _pump_locked(self) -> None:
+        if self.sender._broken:  # the channel failed before (on_closed was called then)
+            return
         for gi, src in enumerate(self.sources):
             try:
                 rep = src()
@@ -271,9 +307,13 @@ class ReportPump:
                 log.warning("kvbm_backend: G3 report not sent: %s", e)
 
     def stop(self) -> None:
+        """Stop the pump and send what the last interval gathered; a pump blocked on a scheduler that takes
+        no bytes is not waited for more than 2 s (the channel is given up: the engine is shutting down)."""
         self._stop.set()
         self._t.join(timeout=2.0)
-        self.pump()  # what the last interval gathered
+        if self._t.is_alive():
+            self.sender.abort()
+        self.pump()  # what the last interval gathered (nothing once the channel was given up)
         self.sender.close()
 
 
