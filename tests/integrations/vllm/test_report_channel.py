@@ -43,6 +43,12 @@ def stalled_scheduler(monkeypatch):
                          stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        rc._local.clear()  # the scheduler is another process: only the socket
+        live = rc.ReportSender(KEY)  # the channel works: a whole report is applied
+        assert live.connect()
+        live.send(0, 0, [(b"t" * 16, 0, 1)], [], True)
+        assert p.stdout.readline().strip() == "0 1 0"
+        live.close()
         yield p
     finally:
         try:
