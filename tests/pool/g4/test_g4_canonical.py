@@ -22,7 +22,8 @@ T = 30
 
 
 def _ns(tp: int) -> Namespace:
-    return Namespace(model="m", layout=KvLayout(LAYERS, 2, PAGE, HEADS // tp * D, "bfloat16"), tp_world_size=tp)
+    return Namespace(model="m", layout=KvLayout(LAYERS, 2, PAGE, max(1, HEADS // tp) * D, "bfloat16"),
+                     tp_world_size=tp)  # TP > HEADS: one (replicated) head per rank, as vLLM
 
 
 def _cfg(kw: dict, layout: str = "canonical") -> KvbmBackendConfig:
@@ -230,3 +231,64 @@ def test_a_block_whose_part_did_not_come_in_time_is_marked_timed_out(tmp_path):
         if held is not None:
             held.release()
         g4.close()
+
+
+def _rank_of_replicated(block: np.ndarray, tp: int, rank: int) -> np.ndarray:
+    """What TP rank ``rank`` of ``tp > HEADS`` holds of a TP=1 block: the one KV head vLLM gives it
+    (``rank // (tp // HEADS)``, replicated over ``tp // HEADS`` ranks)."""
+    head = rank // (tp // HEADS)
+    v = block.reshape(LAYERS * 2 * PAGE, HEADS, D * 2)
+    return np.ascontiguousarray(v[:, head, :]).reshape(-1)
+
+
+def _holds(block: np.ndarray, tp: int, rank: int) -> np.ndarray:
+    return _rank_slice(block, tp, rank) if tp <= HEADS else _rank_of_replicated(block, tp, rank)
+
+
+@pytest.mark.parametrize("writer_tp", [2, 8])
+def test_any_tp_writer_serves_tp1_tp4_tp8_readers_their_exact_heads(tmp_path, writer_tp):
+    """A TP=2 writer (two ranks, two heads each) and a TP=8 writer (4 KV heads over 8 ranks: each head
+    replicated on two ranks, only the first replica writes) store one canonical block set; readers of TP 1,
+    4 and 8 (replicated heads again) get, rank by rank, exactly the bytes of the KV heads vLLM gives that
+    rank, for every (layer, K/V, token, head, dim). Until every writing rank stored its heads, a reader
+    needing a missing head gets a miss with its buffer untouched."""
+    kw = {"keyring": {"path": str(tmp_path / "keys" / "keyring.json")}, "timeout_s": 5.0,
+          "url": f"file://{tmp_path / 'store'}"}
+    seqs = [501, 502]
+    full = _full_blocks(seqs)
+    bpb1 = _ns(1).layout.bytes_per_block
+    w = _g4(kw, writer_tp)
+    try:
+        wns = _ns(writer_tp)
+        written = []
+        for rank in range(writer_tp):
+            r = w.put(wns.keys(seqs, "t", rank), [_holds(b, writer_tp, rank) for b in full]).result(T)
+            written.append(r.written)
+            if rank == 0:  # heads 1.. are not stored yet: a TP=1 reader misses, its buffer untouched
+                assert w.flush(T)
+                rd = _g4(kw, 1)
+                try:
+                    out = [np.full(bpb1, 0xEE, np.uint8)]
+                    assert rd.lookup_prefix(_ns(1).keys(seqs, "t")).result(T) == 0
+                    assert rd.get(_ns(1).keys(seqs[:1], "t"), out).result(T).ok == [False]
+                    assert (out[0] == 0xEE).all()
+                finally:
+                    rd.close()
+        # replicas write once: TP=8 ranks 1, 3, 5, 7 hold the heads ranks 0, 2, 4, 6 stored
+        assert written == ([2] * writer_tp if writer_tp <= HEADS else [2, 0] * (writer_tp // 2))
+        assert w.flush(T)
+        assert w.inner.stats()["written"] == len(seqs) * HEADS
+    finally:
+        w.close()
+    for tp in (1, 4, 8):
+        rns = _ns(tp)
+        rd = _g4(kw, tp)
+        try:
+            for rank in range(tp):
+                out = [np.full(rns.layout.bytes_per_block, 0xEE, np.uint8) for _ in seqs]
+                assert rd.lookup_prefix(rns.run(seqs, "t", rank)).result(T) == len(seqs)
+                assert rd.get(rns.keys(seqs, "t", rank), out).result(T).ok == [True] * len(seqs)
+                for o, b in zip(out, full):
+                    assert np.array_equal(o, _holds(b, tp, rank)), (writer_tp, tp, rank)
+        finally:
+            rd.close()
