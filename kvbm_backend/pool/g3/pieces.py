@@ -7,10 +7,11 @@ frame (4 KiB header with the payload's xxh3_128, the payload, zero padding) into
 """
 from __future__ import annotations
 
+import copy
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import xxhash
@@ -35,6 +36,27 @@ class _Job:
     checks: list[int] | None = None  # per block: device_checksum of the payload, or None
     # keys deleted while queued/written and put again meanwhile: a later job writes them, this one must not publish
     lost: set[BlockKey] = field(default_factory=set)
+    gone: bool = False  # resolved by a close that gave up on it (abandon_locked): later settling must not resolve it
+
+
+def abandon_locked(batches: Iterable["_Batch"], cat: SlotCatalog) -> list[tuple[Future[PutResult], PutResult]]:
+    """A closing pool gave up waiting for ``batches`` (their writes or flushes hang): each job's blocks not yet
+    accounted for are dropped (``closed``) and the job is marked ``gone`` (its later settling resolves nothing and
+    publishes nothing, see ``G3Writer._settle``). Caller holds ``cat``'s lock. Returns (future, a copy of its
+    result) to resolve once the lock is released."""
+    out: list[tuple[Future[PutResult], PutResult]] = []
+    for b in batches:
+        for job in b.jobs:
+            if job.gone or job.future.done():
+                continue
+            job.gone = True
+            r = copy.copy(job.result)
+            left = len(job.keys) - r.written - r.skipped - r.dropped
+            if left > 0:
+                r.dropped += left
+                cat.drop("closed", left)
+            out.append((job.future, r))
+    return out
 
 
 def live_blocks(jobs: list[_Job], cancelled: set[BlockKey]) -> tuple[

@@ -70,6 +70,7 @@ from .read.layerwise import LayerwiseLoad
 from .restore import restore
 from .staging import shared_staging
 from .writer import Admission, G3Writer
+from ...threads import start_thread
 
 if TYPE_CHECKING:
     import torch
@@ -409,14 +410,27 @@ class G3Pool:
 
     def close(self) -> None:
         """Write what is queued (bounded by ~``load_timeout_s`` + 10 s, the rest is dropped), then
-        release files, the directory locks and threads. Idempotent."""
+        release files, the directory locks and threads; returns within ~2 x (``load_timeout_s`` + 10) s even
+        when writes or flushes hang: every put is resolved then (blocks not yet stored dropped, ``closed``,
+        never published later), and the slab files and directory locks are released only once the hung I/O
+        returned (a ``kvbm-g3-close`` thread waits for it). Idempotent."""
         cat = self.cat
         with cat.cv:
             if cat.closed:
                 return
             cat.closed = True
             cat.cv.notify_all()
-        self.writer.close(self.cfg.load_timeout_s + 10)
+        if self.writer.close(self.cfg.load_timeout_s + 10):
+            self._release()
+        else:
+            start_thread(self._release_late, name="kvbm-g3-close")
+
+    def _release_late(self) -> None:
+        self.writer.finish()
+        self._release()
+
+    def _release(self) -> None:
+        cat = self.cat
         self.reader.close_device()
         self.writer.close_sync_pool()
         if self._own_engine:

@@ -22,6 +22,7 @@ from ...transfer import plan_ops
 from ..base import BlockBuffer, PutResult
 from . import journal as jr
 from . import journal_sync as js
+from . import writer_close as wc
 from .catalog import _NOSPACE, SlotCatalog
 from .index import valid_key
 from .pieces import PieceFramer, Slot, _Batch, _Job, _Piece, live_blocks
@@ -68,6 +69,8 @@ class G3Writer:
         self._inflight: dict[BlockKey, _Job] = {}  # key -> the job that writes it (see put, _release_keys)
         self._cancelled: set[BlockKey] = set()  # in-flight keys deleted meanwhile: their owner job must not publish
         self._stop_sync = False
+        self._batches: dict[int, _Batch] = {}  # id -> batch being written (not yet finished)
+        self._abandoned = False  # close gave up waiting for what is in flight (see close)
         self._ready: list[_Piece] = []  # written pieces waiting for the syncer
         self._pieces_writing = 0
         self._last_barrier_s = 0.0  # seconds the last group's fdatasyncs took (bounds the next group's wait)
@@ -171,25 +174,13 @@ class G3Writer:
                 self.cat.cv.wait(end.left())
         return True
 
-    def close(self, bound_s: float) -> None:
-        """The pool is closing (``cat.closed`` is set): write what is queued for at most ``bound_s``
-        seconds (the rest is dropped, ``closed``), let pieces being written or synced settle (another
-        ``bound_s`` at most), then stop the threads. Call once."""
-        cat = self.cat
-        self._writer.join(timeout=bound_s)
-        with cat.lock:
-            jobs = list(self._queue)
-            self._queue.clear()
-        for job in jobs:  # writer did not get to them in time
-            self._finish_job_dropped(job, "closed")
-        end = Deadline(bound_s)
-        with cat.cv:  # pieces still being written or synced settle first
-            while self._writing and not end.expired():
-                cat.cv.wait(end.left())
-            self._stop_sync = True
-            cat.cv.notify_all()
-        left = end.left()  # a number: bound_s is one
-        self._syncer.join(timeout=None if left is None else left + 1)
+    def close(self, bound_s: float) -> bool:
+        """The pool is closing (``cat.closed`` is set): see :func:`.writer_close.close_writer`. Call once."""
+        return wc.close_writer(self, bound_s)
+
+    def finish(self) -> None:
+        """After :meth:`close` returned False: see :func:`.writer_close.finish_writer`."""
+        wc.finish_writer(self)
 
     def close_sync_pool(self) -> None:
         self._sync_pool.shutdown(wait=True)
@@ -223,7 +214,8 @@ class G3Writer:
                     jobs.append(j)
                     nbytes += len(j.keys) * sb
                 self._writing += 1
-            batch = _Batch(jobs)
+                batch = _Batch(jobs)
+                self._batches[id(batch)] = batch
             try:
                 self._start_batch(batch)
             except Exception:  # noqa: BLE001 - a bug must not hang futures or kill the writer
@@ -252,8 +244,9 @@ class G3Writer:
                     job.result.dropped += left
                     self.cat.drop("error", left)
         self._writing -= 1
+        self._batches.pop(id(batch), None)
         self.cat.update_gauges()
-        return batch.jobs
+        return [job for job in batch.jobs if not job.gone]
 
     def _finish_job_dropped(self, job: _Job, reason: str) -> None:
         with self.cat.cv:
@@ -322,8 +315,8 @@ class G3Writer:
             with self.cat.cv:
                 while self._pieces_writing >= self.tuning.chunks_in_flight:
                     self.cat.cv.wait()
-                if batch.failed is not None:  # an earlier piece failed: the rest is dropped unwritten
-                    pc.error = batch.failed
+                if batch.failed is not None or self._abandoned:  # an earlier piece failed, or close gave up
+                    pc.error = batch.failed or OSError(errno.ESHUTDOWN, "G3 pool closed")
                     self._to_ready_locked(pc)
                     self.cat.cv.notify_all()
                     continue
@@ -360,13 +353,14 @@ class G3Writer:
                     self.cat.cv.wait()
                 if not self._ready:
                     return
-                if self.cfg.fsync:
+                fsync = self.cfg.fsync and not self._abandoned
+                if fsync:
                     self._group_wait_locked()
                 ready, self._ready = self._ready, []
                 self.cat.c["sync_groups"] += 1
             errs: dict[int, BaseException] = {}
             try:
-                if self.cfg.fsync:
+                if fsync:
                     files = sorted({fi for pc in ready if pc.error is None for fi in pc.files})
                     if files:
                         t0 = time.monotonic()
@@ -431,6 +425,9 @@ class G3Writer:
         (:mod:`.journal_sync`), and only then count the blocks written and finish the batches whose last piece
         this was (their futures resolve stored: no put is reported before its journal record is durable)."""
         with self.cat.cv:
+            if self._abandoned:  # close gave up on these: released, never published (their puts are resolved)
+                wc.settle_abandoned_locked(self, pieces)
+                return
             recs: list[bytes] = []
             pub_j: list[_Job] = []  # publishable blocks (journaled first, then put in the index)
             pub_k: list[BlockKey] = []
