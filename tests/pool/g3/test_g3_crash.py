@@ -166,7 +166,12 @@ def test_journal_record_matches_format_md(tmp_path):
 _KILLED_AT_FSYNC = r'''
 import os, signal, sys
 from tests.helpers.crash_writer import open_pool
-os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # killed right before a temp file's fsync
+_fsync = os.fsync
+def fsync(fd):  # killed right before a temp file's fsync (a directory's fsync goes through)
+    if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    _fsync(fd)
+os.fsync = fsync
 open_pool(sys.argv[1])
 '''
 
