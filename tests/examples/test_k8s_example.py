@@ -328,3 +328,16 @@ def test_readme_steps_do_not_wait_on_a_command_that_never_ends():
     for ln in forwards:
         assert ln.endswith("&") and not ln.endswith("&&") and "&&" not in ln.split("port-forward", 1)[1], ln
     assert any(ln.lstrip().startswith(("curl", "sleep")) and "curl localhost:8000/v1/models" in ln for ln in lines)
+
+
+def test_worker_grace_period_covers_the_pools_close_bounds():
+    """Kubernetes SIGKILLs a pod ``terminationGracePeriodSeconds`` after SIGTERM (default 30 s). The worker's
+    shutdown closes G3 (queued offloads written for up to ``g3.load_timeout_s + 10`` s, twice that when
+    storage hangs: ``G3Pool.close``) and G4 (up to ``2 x g4.timeout_s``: ``G4Pool.close``); the grace period
+    lets both run to their bound with the ConfigMap's settings."""
+    from kvbm_backend.config import load_config
+    spec = pod("vllm-worker-kvbm")
+    cm = yaml.safe_load(objects()[("ConfigMap", "kvbm-backend-config")]["data"]["kvbm-backend.yaml"])
+    cfg = load_config(cm, use_env=False)
+    need = 2 * (cfg.g3.load_timeout_s + 10) + (2 * cfg.g4.timeout_s if cfg.g4.enabled else 0)
+    assert spec.get("terminationGracePeriodSeconds", 30) >= need, need
