@@ -111,7 +111,7 @@ class HeadMap:
         groups = tuple(dataclasses.replace(g, layout=self._part_layout(g.layout, h)) for g in ns.groups)
         return Namespace(model=ns.model, layout=self._part_layout(ns.layout, h), revision=ns.revision,
                          tp_world_size=self.parts, hash_scheme=ns.hash_scheme, groups=groups, group=ns.group,
-                         layout_id=CANONICAL)
+                         layout_id=CANONICAL, kv_version=ns.kv_version)
 
     @property
     def part_bytes(self) -> int:

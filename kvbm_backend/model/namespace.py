@@ -29,6 +29,7 @@ HASH_SCHEMES = ("kvbm-xxh3-v1", "vllm-block-hash")
 #: stored layout ids: ``per-rank`` (one block per TP rank, its KV heads; every namespace before any-TP G4)
 #: and ``canonical-head/1`` (one part per KV head, TP-independent: :mod:`.canonical`)
 LAYOUT_IDS = ("per-rank", "canonical-head/1")
+KV_VERSIONS = (0, 2)  # Namespace.kv_version: 0 as before the field, 2 a vLLM GPU engine's packed K|V read right
 GROUP_KINDS = ("full", "sliding", "mla", "vllm-offload")
 
 
@@ -115,6 +116,11 @@ class Namespace:
             two engines whose settings cut the same bytes into different heads (4 x 32 against 2 x 64) never
             share blocks. 0 (default): derived from the engine itself, not written into the canonical JSON
             (fingerprints as before the field).
+        kv_version: 0 (default, not written into the canonical JSON: fingerprints as before the field) or 2:
+            the blocks were read from a vLLM GPU engine's packed K|V tensors with the reading fixed on
+            2026-11-30 (``kvbm_backend.integrations.vllm.kv_io`` ``"packed"``). Before that, such tensors were
+            read as the CPU backend's K-rows-then-V-rows and stored a wrong K/V interleave; the version keeps
+            those blocks (fingerprint without it) from ever being read as right KV. CPU engines keep 0.
     """
 
     model: str
@@ -126,8 +132,11 @@ class Namespace:
     group: int = 0
     layout_id: str = "per-rank"
     kv_heads: int = 0
+    kv_version: int = 0
 
     def __post_init__(self) -> None:
+        if self.kv_version not in KV_VERSIONS:
+            raise ValueError(f"namespace.kv_version: {self.kv_version!r} not in {KV_VERSIONS}")
         if self.layout_id not in LAYOUT_IDS:
             raise ValueError(f"namespace.layout_id: {self.layout_id!r} not in {LAYOUT_IDS}")
         if self.kv_heads < 0 or (self.kv_heads and self.layout.inner_dim % self.kv_heads):
@@ -158,7 +167,8 @@ class Namespace:
                 "tp_world_size": self.tp_world_size, "hash_scheme": self.hash_scheme,
                 **({"groups": [g.to_dict() for g in self.groups], "group": self.group} if self.groups else {}),
                 **({"layout_id": self.layout_id} if self.layout_id != "per-rank" else {}),
-                **({"kv_heads": self.kv_heads} if self.kv_heads else {})}
+                **({"kv_heads": self.kv_heads} if self.kv_heads else {}),
+                **({"kv_version": self.kv_version} if self.kv_version else {})}
 
     def for_group(self, group: int) -> "Namespace":
         """The namespace of group ``group``'s blocks (same model, revision, TP, structure). Raises
@@ -190,7 +200,8 @@ class Namespace:
         return cls(model=d["model"], revision=d.get("revision", "main"), layout=KvLayout.from_dict(d["layout"]),
                    tp_world_size=int(d.get("tp_world_size", 1)), hash_scheme=d.get("hash_scheme", "kvbm-xxh3-v1"),
                    groups=tuple(KvGroup.from_dict(g) for g in d.get("groups") or ()), group=int(d.get("group", 0)),
-                   layout_id=str(d.get("layout_id", "per-rank")), kv_heads=int(d.get("kv_heads", 0)))
+                   layout_id=str(d.get("layout_id", "per-rank")), kv_heads=int(d.get("kv_heads", 0)),
+                   kv_version=int(d.get("kv_version", 0)))
 
     def key(self, seq_hash: int, tenant: str = "", rank: int = 0) -> "BlockKey":
         if not 0 <= rank < self.tp_world_size:

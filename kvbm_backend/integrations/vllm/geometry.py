@@ -25,8 +25,8 @@ import numpy as np
 
 from ...model.layout import KvLayout, dtype_bytes
 
-__all__ = ["EngineGeometry", "PrimaryGeometry", "detect_engine_layout", "dtype_name", "kv_dtype_name", "KV_DTYPES",
-           "FP8_CACHE_DTYPES", "total_kv_heads"]
+__all__ = ["EngineGeometry", "PrimaryGeometry", "detect_engine_layout", "engine_kv_packed", "dtype_name",
+           "kv_dtype_name", "KV_DTYPES", "FP8_CACHE_DTYPES", "total_kv_heads"]
 
 #: KV cache dtypes the tiers store (names as torch spells them, without ``torch.``)
 KV_DTYPES = ("bfloat16", "float16", "float32", "uint8", "int8", "float8_e4m3fn", "float8_e5m2")
@@ -74,13 +74,17 @@ def dtype_name(dtype: Any) -> str:
 
 
 def detect_engine_layout(shape: Sequence[int], num_blocks: int, block_size: int, num_kv_heads: int,
-                         head_dim: int, mla: bool = False) -> str:
-    """Name the engine layout of one layer's KV tensor (``"cpu"``, ``"kv_first"``, ``"block_first"`` or
-    ``"mla"``; see :mod:`.kv_io`).
+                         head_dim: int, mla: bool = False, packed: bool = False) -> str:
+    """Name the engine layout of one layer's KV tensor (``"cpu"``, ``"packed"``, ``"kv_first"``,
+    ``"block_first"`` or ``"mla"``; see :mod:`.kv_io`).
 
     Args:
         mla: the KV cache is an MLA latent cache (``num_kv_heads`` must then be 1 and ``head_dim`` the
             latent width, e.g. 576); only the ``"mla"`` layout matches then, and only it matches MLA.
+        packed: how a ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` tensor holds K and V
+            (both vLLM 0.32 conventions have that logical shape): True for the GPU backends' packed K|V
+            (``"packed"``: K = ``[..., :head_dim]``, V = ``[..., head_dim:]``), False for the CPU
+            backend's K rows then V rows (``"cpu"``). :func:`engine_kv_packed` decides it.
     Raises ValueError naming the shape when it matches none of the known layouts.
     """
     s = tuple(int(x) for x in shape)
@@ -93,13 +97,27 @@ def detect_engine_layout(shape: Sequence[int], num_blocks: int, block_size: int,
                          f"block_size={block_size}, latent head_size={head_dim} (expected "
                          f"{(num_blocks, 1, block_size, head_dim)} or {(num_blocks, block_size, head_dim)})")
     if s == (num_blocks, num_kv_heads, block_size, 2 * head_dim):
-        return "cpu"
+        return "packed" if packed else "cpu"
     if s == (2, num_blocks, block_size, num_kv_heads, head_dim):
         return "kv_first"
     if s == (num_blocks, 2, block_size, num_kv_heads, head_dim):
         return "block_first"
     raise ValueError(f"kv cache tensor shape {s}: not a known vLLM layout for num_blocks={num_blocks}, "
                      f"block_size={block_size}, kv_heads={num_kv_heads}, head_dim={head_dim}")
+
+
+def engine_kv_packed(device_type: str) -> bool:
+    """Whether an engine on ``device_type`` (``"cuda"``, ``"cpu"``, ...: the KV tensors' ``device.type``,
+    or vLLM's ``DeviceConfig.device_type`` on the scheduler side) keeps K and V packed on the last dim of a
+    ``[num_blocks, heads, block_size, 2 * head_dim]`` tensor. vLLM 0.32: every GPU backend allocates
+    that logical shape and splits the last dim, K = ``[..., :head_size]``, V = ``[..., head_size:]``
+    (``vllm/v1/attention/backends/flash_attn.py`` ``kv_cache.transpose(1, 2).split(self.head_size,
+    dim=-1)``; ``triton_attn.py``, ``flex_attention.py`` the same; the offloading connector's
+    ``canonical_mapping.py`` ``_packed_kv_regions`` reads this convention), in any stride order of
+    ``KVCacheLayout`` (NHD default, HND, block-major). Only vLLM's CPU backend (``cpu_attn.py``, the
+    one backend of ``device_type == "cpu"``) views the same shape as ``[num_blocks, heads, 2 *
+    block_size, head_dim]``: K rows then V rows. So: packed unless the device is the CPU."""
+    return str(device_type) != "cpu"
 
 
 @dataclass(frozen=True)
@@ -171,15 +189,17 @@ class EngineGeometry:
         return cls(int(num_layers), int(spec.num_kv_heads), int(spec.head_size), 1 if mla else 2,
                    kv_dtype_name(spec.dtype, cache_dtype), int(spec.block_size), tp_world_size=int(tp_world_size))
 
-    def with_engine_layout(self, shape: Sequence[int], num_blocks: int, mla: bool | None = None) -> "EngineGeometry":
+    def with_engine_layout(self, shape: Sequence[int], num_blocks: int, mla: bool | None = None,
+                           packed: bool = False) -> "EngineGeometry":
         """This geometry with ``engine_layout`` detected from one layer's tensor ``shape`` (vLLM's
         ``KVCacheConfig.num_blocks`` blocks). ``mla`` None: decided from the shape (MLA when one KV head and
-        ``[num_blocks, (1,) block_size, head_dim]``, which no K/V layout matches). Raises ValueError
+        ``[num_blocks, (1,) block_size, head_dim]``, which no K/V layout matches). ``packed``: the engine's
+        K/V convention (:func:`detect_engine_layout`, :func:`engine_kv_packed`). Raises ValueError
         naming the shape when it is no known layout."""
         n, tpb, h, d = num_blocks, self.tokens_per_block, self.num_kv_heads, self.head_dim
         if mla is None:
             mla = h == 1 and tuple(int(x) for x in shape) in ((n, tpb, d), (n, 1, tpb, d))
-        lay = detect_engine_layout(shape, n, tpb, h, d, mla=mla)
+        lay = detect_engine_layout(shape, n, tpb, h, d, mla=mla, packed=packed)
         return replace(self, outer_dim=1 if mla else 2, engine_layout=lay)
 
 

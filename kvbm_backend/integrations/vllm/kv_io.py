@@ -4,11 +4,24 @@ A KVBM block of one TP rank is FullyContiguous ``[layer, outer(K,V), page, inner
 ``inner = kv_heads_per_rank * head_dim`` (:mod:`kvbm_backend.model.layout`). vLLM keeps one tensor
 per attention layer whose layout depends on the attention backend:
 
-* ``"cpu"``: vLLM's CPU backend (``vllm/v1/attention/backends/cpu_attn.py``), tensor
-  ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, which the backend views as
+* ``"packed"``: vLLM 0.32's GPU backends (FlashAttention ``flash_attn.py``, Triton ``triton_attn.py``,
+  FlexAttention ``flex_attention.py``, ...): one tensor of logical shape
+  ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` with K and V adjacent on the last dim
+  (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``: K = ``[..., :head_dim]``, V =
+  ``[..., head_dim:]``), in the stride order of vLLM's ``KVCacheLayout`` (NHD = ``LBNHC``, the default:
+  physically ``[num_blocks, block_size, heads, 2 * head_dim]``; HND = ``LBHNC``; the block-major
+  ``BLNHC``/``BLHNC``). Moved through the view ``[num_blocks, heads, block_size, 2, head_dim]``
+  (``unflatten`` of the last dim: valid for every one of those stride orders).
+* ``"cpu"``: vLLM's CPU backend (``vllm/v1/attention/backends/cpu_attn.py``), the same logical shape
+  ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` (contiguous), which that backend views as
   ``[num_blocks, heads, 2 * block_size, head_dim]`` and splits K (first ``block_size`` rows) and V
   (next ``block_size`` rows). So one engine block is ``[heads, 2(K,V), page, head_dim]``.
-* ``"kv_first"``: FlashAttention / FlashInfer / Triton NHD, tensor
+  The shape cannot tell ``"packed"`` from ``"cpu"``: the tensors' device decides
+  (:func:`.geometry.engine_kv_packed`: CPU -> ``"cpu"``, any accelerator -> ``"packed"``). Before
+  2026-11-30 every such tensor was read as ``"cpu"``: on a GPU engine that view raised for NHD strides
+  with more than one KV head and stored a wrong K/V interleave for HND; GPU engines' namespaces now
+  carry ``kv_version`` 2 so those blocks are never read (:class:`~kvbm_backend.model.namespace.Namespace`).
+* ``"kv_first"``: older vLLM FlashAttention / FlashInfer / Triton NHD, tensor
   ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
 * ``"block_first"``: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
 * ``"mla"`` (DeepSeek-V2/V3/R1 style Multi-head Latent Attention): one compressed latent per token,
@@ -41,7 +54,7 @@ from ...gpu import layer_copy
 from ...gpu.rows import device_index
 from ...memory import BufferPool
 from ...model.layout import KvLayout
-from .geometry import FP8_CACHE_DTYPES, EngineGeometry, detect_engine_layout, dtype_name
+from .geometry import FP8_CACHE_DTYPES, EngineGeometry, detect_engine_layout, dtype_name, engine_kv_packed
 
 __all__ = ["EngineKv", "detect_engine_layout", "numpy_staging", "split_blocks", "torch_dtype_name"]
 
@@ -63,8 +76,8 @@ class EngineKv:
         geometry: the group's :class:`~.geometry.EngineGeometry` with ``engine_layout`` detected from the
             tensors (``num_layers`` = tensors given, ``dtype`` = theirs).
     Properties: ``layout`` (the per-rank KvLayout of one block, ``page_size`` = vLLM ``block_size``,
-    ``outer_dim`` 1 for MLA, else 2), ``engine_layout`` (``"cpu"``, ``"kv_first"``, ``"block_first"`` or
-    ``"mla"``), ``num_kv_heads`` and ``head_dim`` (per rank; MLA: 1 and the latent width).
+    ``outer_dim`` 1 for MLA, else 2), ``engine_layout`` (``"packed"``, ``"cpu"``, ``"kv_first"``,
+    ``"block_first"`` or ``"mla"``), ``num_kv_heads`` and ``head_dim`` (per rank; MLA: 1 and the latent width).
     """
 
     tensors: list[torch.Tensor]
@@ -90,7 +103,7 @@ class EngineKv:
 
     @classmethod
     def from_geometry(cls, tensors: Sequence[torch.Tensor], geometry: EngineGeometry, num_blocks: int,
-                      mla: bool | None = None) -> "EngineKv":
+                      mla: bool | None = None, packed: bool | None = None) -> "EngineKv":
         """Wrap the per-layer tensors of a KV cache group whose geometry vLLM's KV cache spec gave
         (:meth:`EngineGeometry.from_kv_cache_spec`); layer count and dtype are the tensors' own, so a
         mismatch with the spec shows as a layout mismatch at registration.
@@ -100,6 +113,9 @@ class EngineKv:
             mla: True for an MLA latent cache, False for K/V caches, None to decide from the shape
                 (MLA when ``num_kv_heads == 1`` and the tensor is ``[num_blocks, (1,) block_size,
                 head_dim]``, which no K/V layout matches).
+            packed: the K/V convention of a ``[num_blocks, heads, block_size, 2 * head_dim]`` tensor
+                (``"packed"`` or ``"cpu"``); None: from the tensors' device
+                (:func:`.geometry.engine_kv_packed`: packed unless on the CPU).
         Raises ValueError for no tensors, an unknown shape (named), or layers that differ.
         """
         if not tensors:
@@ -109,7 +125,9 @@ class EngineKv:
         if dtype == "uint8" and geometry.dtype in FP8_CACHE_DTYPES.values():
             dtype = geometry.dtype  # vLLM allocates FP8 caches as raw bytes (geometry.kv_dtype_name)
         geo = replace(geometry, num_layers=len(ts), dtype=dtype)
-        geo = geo.with_engine_layout(ts[0].shape, num_blocks, mla=mla)
+        if packed is None:
+            packed = engine_kv_packed(ts[0].device.type)
+        geo = geo.with_engine_layout(ts[0].shape, num_blocks, mla=mla, packed=packed)
         for t in ts:
             if tuple(t.shape) != tuple(ts[0].shape) or t.dtype != ts[0].dtype:
                 raise ValueError(f"kv caches: layers differ in shape/dtype ({tuple(t.shape)} {t.dtype} vs "
@@ -118,13 +136,14 @@ class EngineKv:
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int,
-                     num_kv_heads: int, head_dim: int, mla: bool | None = None) -> "EngineKv":
+                     num_kv_heads: int, head_dim: int, mla: bool | None = None,
+                     packed: bool | None = None) -> "EngineKv":
         """:meth:`from_geometry` with the geometry given as numbers (tests, benchmarks)."""
         if not tensors:
             raise ValueError("kv caches: no attention layers registered")
         geo = EngineGeometry(len(tensors), int(num_kv_heads), int(head_dim), 2,
                              torch_dtype_name(tensors[0].dtype), int(block_size))
-        return cls.from_geometry(tensors, geo, num_blocks, mla=mla)
+        return cls.from_geometry(tensors, geo, num_blocks, mla=mla, packed=packed)
 
     @property
     def device(self) -> torch.device:
@@ -157,6 +176,8 @@ class EngineKv:
         for t in self._moved:
             if lay == "cpu":  # [nb, H, N, 2D] == [nb, H, 2, N, D] in memory
                 out.append((t.view(-1, H, 2, N, D), 0))
+            elif lay == "packed":  # [nb, H, N, 2D], any strides, K|V on the last dim -> [nb, H, N, 2, D]
+                out.append((t.unflatten(-1, (2, D)), 0))
             else:
                 out.append((t, 1 if lay == "kv_first" else 0))
         self.__dict__["_targets_cache"] = out
@@ -175,6 +196,8 @@ class EngineKv:
             return blocks.transpose(0, 1).view(blocks.shape[1], n, *self.tensors[0].shape[1:])  # a view: gathers write it
         if lay == "cpu":  # layer li of block i as [H, 2, N, D]
             return blocks.permute(1, 0, 4, 2, 3, 5)
+        if lay == "packed":  # layer li of block i as [H, N, 2, D]
+            return blocks.permute(1, 0, 4, 3, 2, 5)
         if lay == "kv_first":  # [2, n, N, H, D] per layer
             return blocks.permute(1, 2, 0, 3, 4, 5)
         return blocks.transpose(0, 1)  # block_first: [n, 2, N, H, D] per layer

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...config import KvbmBackendConfig
 from ...model.namespace import KvGroup, Namespace
-from .geometry import EngineGeometry
+from .geometry import EngineGeometry, engine_kv_packed
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -109,12 +109,41 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
             raise ValueError(f"parallel_config.{fld} {cp}: a block then holds block_size x {cp} tokens spread over "
                              "the context-parallel ranks, which KvbmBackendConnector's keys (block_size tokens per "
                              "rank) do not describe; run it with context parallelism 1")
+    kv_version = engine_kv_version(vllm_config, kgs)
     if len(kgs) == 1 and kgs[0].kind != "sliding":
-        return Namespace(model=str(model), layout=kgs[0].layout, revision=revision, tp_world_size=tp)
+        return Namespace(model=str(model), layout=kgs[0].layout, revision=revision, tp_world_size=tp,
+                         kv_version=kv_version)
     # several groups, or one sliding-window group (every layer windowed, e.g. Mistral-7B-v0.1: vLLM
     # null-blocks what the window left behind, so blocks are stored window-bounded as in a hybrid model)
     return Namespace(model=str(model), layout=kgs[0].layout, revision=revision, tp_world_size=tp,
-                     groups=tuple(kgs), group=0)
+                     groups=tuple(kgs), group=0, kv_version=kv_version)
+
+
+def engine_device_type(vllm_config: Any) -> str:
+    """The engine's device type: vLLM's ``DeviceConfig.device_type`` (``vllm/config/device.py``: the
+    platform's, ``"cuda"``, ``"cpu"``, ...); ``"cpu"`` where the config has none (stand-ins)."""
+    return str(getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu")
+
+
+def engine_kv_version(vllm_config: Any, kgs: list[KvGroup]) -> int:
+    """The namespace's ``kv_version``: 2 for an engine whose K/V caches are vLLM's packed K|V tensors
+    (:func:`.geometry.engine_kv_packed` of :func:`engine_device_type`: every non-CPU engine) with at least
+    one K/V (non-MLA) group, else 0 (CPU engines and MLA-only engines: their blocks were always read right,
+    their fingerprints are unchanged). The worker checks its tensors agree (:func:`check_kv_version`)."""
+    packed = engine_kv_packed(engine_device_type(vllm_config))
+    return 2 if packed and any(k.kind != "mla" for k in kgs) else 0
+
+
+def check_kv_version(ns: Namespace, engine_layout: str) -> None:
+    """Raise ValueError when the worker's tensors (``engine_layout``, :func:`.geometry.detect_engine_layout`)
+    contradict the namespace's ``kv_version`` (the scheduler's :func:`engine_kv_version`): a ``"packed"``
+    engine under version 0 or a ``"cpu"`` engine under version 2 would name its blocks with the other
+    convention's fingerprint."""
+    want = {"packed": 2, "cpu": 0}.get(engine_layout)
+    if want is not None and ns.kv_version != want:
+        raise ValueError(f"kv caches: engine layout {engine_layout!r} but the namespace has kv_version "
+                         f"{ns.kv_version} (vLLM device_type {'cpu' if ns.kv_version == 0 else 'non-cpu'}); "
+                         f"expected {want}: the tensors' device and vLLM's DeviceConfig disagree")
 
 
 def engine_revision(cfg: KvbmBackendConfig, vllm_config: "VllmConfig") -> str:

@@ -41,7 +41,8 @@ from .g4_announce import G4Announcer
 from .kv_events import G3KvEvents, IdlePublisher
 from .kv_io import EngineKv
 from .metadata import KvbmWorkerMeta
-from .namespaces import engine_geometries, group_g3_config, kv_groups, namespace_from_vllm, rank_g3_config
+from .namespaces import (check_kv_version, engine_geometries, group_g3_config, kv_groups, namespace_from_vllm,
+                         rank_g3_config)
 from .scheduler_side import GroupTiers, SchedulerSide
 from .worker_side import WorkerSide
 from .workers import GroupedWorkers, block_level_errors
@@ -113,6 +114,7 @@ class ConnectorParts:
                      tuple(t0.shape), t0.stride(), t0.dtype, t0.device)
             kvs.append(EngineKv.from_geometry([kv_caches[n] for n in gnames], geo,
                                               num_blocks=int(kv_cache_config.num_blocks)))
+            check_kv_version(self.ns, kvs[-1].engine_layout)
             names.append(gnames)
         self.worker_role().register(kvs, names)
         t0, kv = kv_caches[names[0][0]], kvs[0]
