@@ -22,15 +22,22 @@ only connector (the handoff through G4, ``examples/dynamo/disagg_*_g4.sh``; besi
 (or, on the prefill side, connector ``save`` or ``save_to_g4`` off) is refused, since the prefill worker's blocks
 would reach no tier the decode worker reads (G3 is private to one worker). Before 2026-11-30 such a prefill worker
 started, promised every prompt block, and each decode request waited ``handoff_wait_s`` for nothing.
+The mode is Dynamo's: the flag, else its environment variable ``DYN_VLLM_DISAGGREGATION_MODE`` (the flag's
+default in ``dynamo.vllm``'s parser, so the flag wins where both are given). Before 2026-11-30 the variable was not
+read: a worker made a prefill worker by it (how a deployment's environment sets a role) passed the check, dry run
+included, with G3 alone.
 Storage reachability is not checked here: an unreachable G4 is a degraded tier, not a start-up error.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 CONNECTOR = "KvbmBackendConnector"
 TIER_MODULE = "kvbm_backend.integrations.vllm.tiering"
+MODE_ENV = "DYN_VLLM_DISAGGREGATION_MODE"
+"""Dynamo's environment variable for ``--disaggregation-mode`` (``dynamo.vllm``: the flag's default)."""
 
 
 def _arg(argv: list[str], name: str) -> str | None:
@@ -68,24 +75,30 @@ def _ours(ktc: dict) -> list[tuple[str, dict]]:
     return out
 
 
-def check_extra(extra: dict, *, create: bool = True, disagg: str | None = None) -> None:
+def check_extra(extra: dict, *, create: bool = True, disagg: str | None = None,
+                disagg_from: str = "--disaggregation-mode") -> None:
     """Raise :class:`~kvbm_backend.config.ConfigError` (field named) if the connector's
     ``kv_connector_extra_config`` cannot start. ``create=False``: write nothing (a dry run). ``disagg``: the
-    worker's ``--disaggregation-mode`` when our connector hands off through G4 (prefill or decode: G4 required;
-    prefill: ``save`` and ``save_to_g4`` on too)."""
+    worker's disaggregation mode when our connector hands off through G4 (prefill or decode: G4 required;
+    prefill: ``save`` and ``save_to_g4`` on too); ``disagg_from``: where it was given (named in the error)."""
     from ..config import ConfigError
     from .vllm.extra_config import config_from_extra
     cfg, opts = config_from_extra(extra)
     _check_keyring(cfg, create)
     if disagg in ("prefill", "decode"):
         if not (cfg.g4.enabled and cfg.g4.url):
-            raise ConfigError(f"g4.enabled: --disaggregation-mode {disagg} with KvbmBackendConnector alone hands the "
+            raise ConfigError(f"g4.enabled: {_mode_text(disagg_from, disagg)} with KvbmBackendConnector alone hands the "
                               "prompt's KV off through G4, which is off here (G3 is private to one worker); enable G4 "
                               "on both workers (the same store and keyring), or run NixlConnector beside it")
         for k in ("save", "save_to_g4"):
             if disagg == "prefill" and not opts[k]:
-                raise ConfigError(f"kv_connector_extra_config.{k}: --disaggregation-mode prefill hands the prompt's "
+                raise ConfigError(f"kv_connector_extra_config.{k}: {_mode_text(disagg_from, disagg)} hands the prompt's "
                                   f"KV off through G4, but {k} is false: the decode worker would find nothing")
+
+
+def _mode_text(source: str, mode: str) -> str:
+    """``--disaggregation-mode prefill`` or ``DYN_VLLM_DISAGGREGATION_MODE=prefill``: the mode as it was given."""
+    return f"{source} {mode}" if source.startswith("--") else f"{source}={mode}"
 
 
 def check_tier(tier: dict, *, create: bool = True) -> None:
@@ -105,8 +118,6 @@ def check_tier(tier: dict, *, create: bool = True) -> None:
 
 
 def _check_keyring(cfg, create: bool) -> None:
-    import os
-
     from ..config import ConfigError
     if cfg.g4.enabled and cfg.g4.encrypt:
         from ..crypto.keyring import Keyring, KeyringError
@@ -131,12 +142,14 @@ def check_argv(argv: list[str], *, create: bool = True) -> str | None:
         return f"--kv-transfer-config: not JSON ({e})"
     if not isinstance(ktc, dict):
         return "--kv-transfer-config: expected a JSON object"
-    mode = _arg(argv, "--disaggregation-mode")
+    mode, mode_from = _arg(argv, "--disaggregation-mode"), "--disaggregation-mode"
+    if mode is None and os.environ.get(MODE_ENV):  # dynamo.vllm takes the variable where the flag is absent
+        mode, mode_from = os.environ[MODE_ENV], MODE_ENV
     alone = ktc.get("kv_connector") == CONNECTOR  # the G4 handoff's form (a MultiConnector's transport does PD)
     for kind, d in _ours(ktc):
         try:
             if kind == "connector":
-                check_extra(d, create=create, disagg=mode if alone else None)
+                check_extra(d, create=create, disagg=mode if alone else None, disagg_from=mode_from)
             else:
                 check_tier(d, create=create)
         except Exception as e:  # noqa: BLE001 - ConfigError / ValueError: one line for the operator

@@ -252,6 +252,23 @@ def test_the_g4_handoff_scripts_refuse_to_start_without_g4(script, tmp_path, use
         "kvbm-backend: error: KVBM_BACKEND_HANDOFF_WAIT_S: expected seconds in [0, 600] (handoff_wait_s), got '601'")
 
 
+def test_a_worker_made_a_prefill_worker_by_dynamos_variable_is_checked_too(tmp_path, user):
+    """Review finding (2026-11-30, dyn): ``agg_kvbm_backend.sh`` (our connector alone) under
+    ``DYN_VLLM_DISAGGREGATION_MODE=prefill`` starts a Dynamo prefill worker (``dynamo.vllm`` takes the flag from
+    that variable), but the dry run's preflight read only the flag: with G3 alone it exited 0. Now it refuses, one
+    line naming the variable; with the user's G4 it passes."""
+    g3_only = tmp_path / "g3-only.yaml"
+    g3_only.write_text(f"model: m\ng3:\n  paths: [{tmp_path / 'g3'}]\n  capacity_gb: 0.3\n")
+    r = run("dynamo/agg_kvbm_backend.sh", tmp_path, KVBM_BACKEND_CONFIG_FILE=str(g3_only),
+            DYN_VLLM_DISAGGREGATION_MODE="prefill")
+    err = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("kvbm-backend: error:")]
+    assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert err[0].startswith("kvbm-backend: error: kv_connector_extra_config: g4.enabled: "
+                             "DYN_VLLM_DISAGGREGATION_MODE=prefill with"), err
+    assert run("dynamo/agg_kvbm_backend.sh", tmp_path, KVBM_BACKEND_CONFIG_FILE=str(user),
+               DYN_VLLM_DISAGGREGATION_MODE="prefill").returncode == 0
+
+
 def test_a_section_variable_leaves_the_scripts_other_defaults(tmp_path):
     """Review finding (2026-11-30): ``KVBM_BACKEND__G3='{"capacity_gb": 5}'`` (a section variable, which sets
     only the fields it holds) was taken as setting every g3 field: the script's ``g3.paths`` default was not

@@ -109,3 +109,24 @@ def test_a_g4_handoff_worker_without_g4_is_refused(tmp_path):
     assert check_argv(["--disaggregation-mode", "agg", "--kv-transfer-config", no_g4]) is None
     assert check_argv(["--disaggregation-mode", "prefill", "--kv-transfer-config",
                        ktc({"g3": g3}, connector="MultiConnector")]) is None
+
+
+def test_the_disaggregation_mode_from_dynamos_environment_variable_is_checked(tmp_path, monkeypatch):
+    """Review finding (2026-11-30, dyn): ``dynamo.vllm`` takes ``--disaggregation-mode`` from
+    ``DYN_VLLM_DISAGGREGATION_MODE`` where the flag is absent (its parser's default; the flag wins where both are
+    given), but the preflight read only the flag: a G3-only worker of our connector alone, made a prefill worker by
+    the variable, passed (dry run included) and promised blocks no decode worker could read."""
+    g3 = {"paths": [str(tmp_path / "g3")], "capacity_gb": 1}
+    no_g4 = json.dumps({"kv_connector": "KvbmBackendConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"kvbm_backend": {"g3": g3}}})
+    for mode in ("prefill", "decode"):
+        monkeypatch.setenv("DYN_VLLM_DISAGGREGATION_MODE", mode)
+        why = check_argv(["--model", "m", "--kv-transfer-config", no_g4], create=False)
+        assert why and why.startswith(
+            f"kv_connector_extra_config: g4.enabled: DYN_VLLM_DISAGGREGATION_MODE={mode} with"), why
+        # the flag beats the variable, as in dynamo.vllm's parser
+        assert check_argv(["--disaggregation-mode", "agg", "--kv-transfer-config", no_g4], create=False) is None
+    monkeypatch.setenv("DYN_VLLM_DISAGGREGATION_MODE", "agg")
+    why = check_argv(["--disaggregation-mode", "prefill", "--kv-transfer-config", no_g4], create=False)
+    assert why and "g4.enabled: --disaggregation-mode prefill with" in why, why
+    assert check_argv(["--kv-transfer-config", no_g4], create=False) is None
