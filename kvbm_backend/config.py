@@ -20,7 +20,8 @@ would turn a slow store into a stalled decode); a boolean is never taken as a nu
 is an error, not 1 GB); every number has an upper bound (sizes, counts, timeouts; each field's
 description gives it); G3 paths must be non-empty,
 and an enabled G3's paths are checked when the config is loaded: an existing path must be a writable
-directory, and a path to be created must not lie under a file.
+directory, and a path to be created must not lie under a file, its nearest existing ancestor a directory this
+process can write.
 """
 from __future__ import annotations
 
@@ -66,7 +67,9 @@ def dir_problem(path: str) -> str | None:
     """Why ``path`` cannot serve as a directory this process writes (G3 paths, bench ``--path``), or
     None. A URL (``file:/x``, ``file:///x``, ``s3://b``; :func:`kvbm_backend.store_url.path_url_scheme`) is not
     one. An existing path must be a directory this process can write; a missing one is created later,
-    so only a file among its ancestors is a problem (a missing parent's permissions are not judged)."""
+    so its nearest existing ancestor must be a directory this process can write (before 2026-11-30 only a file
+    there was judged: a G3 path under an unwritable parent passed the launchers' preflight and the pool's
+    ``makedirs`` failed inside the engine)."""
     if not path.strip():
         return "empty path (it would mean the current directory)"
     from .store_url import file_url_path, path_url_scheme
@@ -91,9 +94,10 @@ def dir_problem(path: str) -> str | None:
             if q == target:
                 return f"is {kind}, not a directory"
             return f"{q} is {kind}: the directory cannot be created under it"
-        if q == target and not os.access(q, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        if not os.access(q, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
             ro = bool(os.statvfs(q).f_flag & os.ST_RDONLY)
-            return f"directory is not writable by this process ({'read-only filesystem' if ro else f'uid {os.geteuid()}'})"
+            why = f"not writable by this process ({'read-only filesystem' if ro else f'uid {os.geteuid()}'})"
+            return f"directory is {why}" if q == target else f"cannot be created: {q} is {why}"
         return None
     return None  # not reached: / exists
 

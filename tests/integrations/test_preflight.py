@@ -130,3 +130,39 @@ def test_the_disaggregation_mode_from_dynamos_environment_variable_is_checked(tm
     why = check_argv(["--disaggregation-mode", "prefill", "--kv-transfer-config", no_g4], create=False)
     assert why and "g4.enabled: --disaggregation-mode prefill with" in why, why
     assert check_argv(["--kv-transfer-config", no_g4], create=False) is None
+
+
+def test_a_g3_path_that_cannot_be_created_is_refused_before_the_engine_starts(tmp_path):
+    """Review finding (2026-11-30, dyn): a missing ``g3.paths`` entry whose nearest existing ancestor this process
+    cannot write (the scripts' default ``/mnt/nvme0/kvbm`` on a host without that mount, for a non-root worker)
+    passed the preflight and the dry run: "a missing parent's permissions are not judged". The pool's
+    ``makedirs_private`` then failed inside vLLM's worker (a traceback there, not one line here). Root bypasses
+    directory permissions, so as root the check runs with the effective uid of ``nobody`` (a real permission
+    check, as tests/core/test_config.py does)."""
+    import os
+    import tempfile
+
+    import pytest
+
+    from kvbm_backend.fsmodes import makedirs_private
+    from tests.core.test_config import _effective_uid
+    uid = 65534 if os.geteuid() == 0 else None
+    d = tempfile.mkdtemp(prefix="kvbm-ro-", dir="/tmp")  # /tmp: reachable by `nobody` (pytest's tmp is 0700)
+    g3 = os.path.join(d, "nvme0", "kvbm")
+    ktc = json.dumps({"kv_connector": "KvbmBackendConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"kvbm_backend": {"g3": {"paths": [g3], "capacity_gb": 1}}}})
+    try:
+        os.chmod(d, 0o555)
+        with _effective_uid(uid):
+            with pytest.raises(PermissionError):  # what the pool would meet inside the engine
+                makedirs_private(g3)
+            why = check_argv(["--model", "m", "--kv-transfer-config", ktc], create=False)
+        assert why and why.startswith("kv_connector_extra_config.kvbm_backend: g3.paths[0]: cannot be created: "), why
+        assert f"{d} is not writable by this process" in why, why
+        os.chmod(d, 0o777)
+        with _effective_uid(uid):
+            assert check_argv(["--model", "m", "--kv-transfer-config", ktc], create=False) is None
+    finally:
+        os.chmod(d, 0o700)
+        import shutil
+        shutil.rmtree(d)
