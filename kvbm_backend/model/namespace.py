@@ -29,7 +29,7 @@ HASH_SCHEMES = ("kvbm-xxh3-v1", "vllm-block-hash")
 #: stored layout ids: ``per-rank`` (one block per TP rank, its KV heads; every namespace before any-TP G4)
 #: and ``canonical-head/1`` (one part per KV head, TP-independent: :mod:`.canonical`)
 LAYOUT_IDS = ("per-rank", "canonical-head/1")
-KV_VERSIONS = (0, 2)  # Namespace.kv_version: 0 as before the field, 2 a vLLM GPU engine's packed K|V read right
+KV_VERSIONS = (0, 2)  # Namespace.kv_version: 0 as before the field, 2 K/V read with the 2026-11-30 fix (below)
 GROUP_KINDS = ("full", "sliding", "mla", "vllm-offload")
 
 
@@ -121,6 +121,9 @@ class Namespace:
             2026-11-30 (``kvbm_backend.integrations.vllm.kv_io`` ``"packed"``). Before that, such tensors were
             read as the CPU backend's K-rows-then-V-rows and stored a wrong K/V interleave; the version keeps
             those blocks (fingerprint without it) from ever being read as right KV. CPU engines keep 0.
+            vLLM secondary tiers (``integrations/vllm/tiering.py``, ``hash_scheme="vllm-block-hash"``) the
+            other way round: 2 for a CPU engine's K/V blocks, read as vLLM's CPU backend keeps them (K rows
+            then V rows) since 2026-11-30, before as packed K|V (scrambled); GPU engines' tiers keep 0.
     """
 
     model: str

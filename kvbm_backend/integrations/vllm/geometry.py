@@ -25,8 +25,8 @@ import numpy as np
 
 from ...model.layout import KvLayout, dtype_bytes
 
-__all__ = ["EngineGeometry", "PrimaryGeometry", "detect_engine_layout", "engine_kv_packed", "dtype_name",
-           "kv_dtype_name", "KV_DTYPES", "FP8_CACHE_DTYPES", "total_kv_heads"]
+__all__ = ["EngineGeometry", "PrimaryGeometry", "detect_engine_layout", "engine_kv_packed", "spec_device_type",
+           "dtype_name", "kv_dtype_name", "KV_DTYPES", "FP8_CACHE_DTYPES", "total_kv_heads"]
 
 #: KV cache dtypes the tiers store (names as torch spells them, without ``torch.``)
 KV_DTYPES = ("bfloat16", "float16", "float32", "uint8", "int8", "float8_e4m3fn", "float8_e5m2")
@@ -219,6 +219,11 @@ class PrimaryGeometry(EngineGeometry):
             replicated_layout``).
         rank_bytes: bytes of one rank's slice (``CPUOffloadingSpec.cpu_page_size_per_worker``).
         kv_cache_layout: vLLM KVCacheLayout name (``OffloadingConfig.kv_cache_layout``).
+        packed: how a page's ``C`` holds K and V (:func:`engine_kv_packed`): True (default) for vLLM's GPU
+            backends, K|V packed on the last dim, a page ``[H, N, 2, D]`` (``*HNC``) or ``[N, H, 2, D]``
+            (``*NHC``); False for vLLM's CPU backend (``cpu_attn.py`` views ``[nb, H, N, 2D]`` as ``[nb, H,
+            2N, D]`` and ``chunk(2, dim=2)``: K rows then V rows), a page ``[H, 2, N, D]``, LBHNC only (the
+            one layout ``CPUAttentionBackend.supported_kv_cache_layouts`` gives). MLA (one latent): no K/V.
     Raises ValueError naming the setting for a layout it cannot map or sizes that disagree.
     """
 
@@ -226,6 +231,14 @@ class PrimaryGeometry(EngineGeometry):
     copies: int
     rank_bytes: int
     kv_cache_layout: str = "LBNHC"
+    packed: bool = True
+
+    @property
+    def kv_version(self) -> int:
+        """The native tier namespace's ``kv_version``: 2 for a CPU engine's K/V blocks (read as K rows then
+        V rows since 2026-11-30; before, as packed K|V: scrambled blocks under version 0), else 0 (GPU
+        engines and MLA: their reading did not change, nor do their fingerprints)."""
+        return 0 if self.packed or self.mla else 2
 
     def __post_init__(self) -> None:
         if self.kv_cache_layout not in _LAYER_MAJOR and self.kv_cache_layout not in _BLOCK_MAJOR:
@@ -233,6 +246,9 @@ class PrimaryGeometry(EngineGeometry):
                 f"kv_cache_layout: {self.kv_cache_layout!r} is not supported by the kvbm tiers "
                 f"(supported: {sorted({**_LAYER_MAJOR, **_BLOCK_MAJOR})}; heads outside the block cannot "
                 "be mapped to one block)")
+        if not self.packed and not self.mla and self.kv_cache_layout != "LBHNC":
+            raise ValueError(f"kv_cache_layout: {self.kv_cache_layout!r} on a CPU engine; vLLM's CPU attention "
+                             "backend keeps only LBHNC (K rows then V rows per block and head)")
         want = (self.num_layers * self.outer_dim * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
                 * self.tokens_per_block * self.blocks_per_chunk)
         if want != self.rank_bytes:
@@ -253,10 +269,12 @@ class PrimaryGeometry(EngineGeometry):
             outer, page = ("L", "J"), _LAYER_MAJOR[self.kv_cache_layout]
         else:
             outer, page = ("J", "L"), _BLOCK_MAJOR[self.kv_cache_layout]
-        page_axes = ("H", "N") if page == "HNC" else ("N", "H")
+        page_axes = ("H", "N", "O", "D") if page == "HNC" else ("N", "H", "O", "D")
+        if not self.packed:  # the CPU backend's page (LBHNC only): per head K rows then V rows
+            page_axes = ("H", "O", "N", "D")
         sizes = {"L": self.num_layers, "J": self.blocks_per_chunk, "H": self.num_kv_heads,
                  "N": self.tokens_per_block, "O": self.outer_dim, "D": self.head_dim * dtype_bytes(self.dtype)}
-        return outer + page_axes + ("O", "D"), sizes
+        return outer + page_axes, sizes
 
     def engine_to_block(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy one rank's primary slice ``src`` (``rank_bytes`` uint8) into ``dst`` as the FullyContiguous
@@ -278,6 +296,10 @@ class PrimaryGeometry(EngineGeometry):
         """Derive the geometry from vLLM's ``OffloadingSpec`` (``spec.config``: groups, model dtype,
         parallel, ``kv_cache_layout``; ``spec.cpu_page_size_per_worker``) plus what vLLM does not say on
         the scheduler side: heads per rank (``num_kv_heads``) or a ``layout`` preset.
+
+        ``packed`` (the engine's K/V convention): :func:`engine_kv_packed` of :func:`spec_device_type`, so
+        False only for :class:`~.native_cpu.CpuTieringOffloadingSpec` on vLLM's CPU platform (its
+        ``kv_cache_layout`` defaults to LBHNC then, the CPU backend's only one; else LBNHC).
 
         Raises ValueError naming the missing or inconsistent setting.
         """
@@ -326,7 +348,17 @@ class PrimaryGeometry(EngineGeometry):
                 raise ValueError(f"head_dim: cannot derive from {rank_bytes} B per rank chunk with "
                                  f"{num_layers} layers x {num_kv_heads} heads; set 'head_dim'")
             head_dim = rank_bytes // denom
-        kvl = kv_cache_layout or getattr(cfg, "kv_cache_layout", None) or "LBNHC"
+        packed = engine_kv_packed(spec_device_type(spec))
+        kvl = kv_cache_layout or getattr(cfg, "kv_cache_layout", None) or ("LBNHC" if packed else "LBHNC")
         return cls(num_layers, int(num_kv_heads), int(head_dim), outer, dtype, tpb,
                    blocks_per_chunk=bpc, copies=copies, rank_bytes=rank_bytes, kv_cache_layout=str(kvl).upper(),
-                   tp_world_size=tp)
+                   packed=packed, tp_world_size=tp)
+
+
+def spec_device_type(spec: Any) -> str:
+    """The device type of the engine an ``OffloadingSpec`` serves, as the scheduler side sees it: the spec's
+    ``engine_device_type`` where it has one (:class:`~.native_cpu.CpuTieringOffloadingSpec`: vLLM's
+    ``current_platform.device_type``), else ``"cuda"``: vLLM 0.32's own ``TieringOffloadingSpec`` runs only
+    on CUDA/XPU (``vllm/v1/kv_offload/cpu/spec.py`` ``get_worker`` refuses other platforms), i.e. on
+    packed K|V engines (the ``OffloadingConfig`` carries no device type)."""
+    return str(getattr(spec, "engine_device_type", None) or "cuda")

@@ -147,6 +147,13 @@ class CpuTieringOffloadingSpec(TieringOffloadingSpec):
     """vLLM's ``TieringOffloadingSpec`` with :class:`CpuOffloadingWorker` where the engine's KV is on the
     CPU (vLLM's own worker elsewhere). Load with ``spec_name`` + ``spec_module_path`` (module docstring)."""
 
+    @property
+    def engine_device_type(self) -> str:
+        """The engine's device type, as the secondary tiers need it (:func:`.geometry.spec_device_type`): vLLM's
+        ``current_platform.device_type`` (what ``DeviceConfig`` takes), ``"cpu"`` on vLLM's CPU platform."""
+        from vllm.platforms import current_platform
+        return str(current_platform.device_type)
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None and all(t.tensor.device.type == "cpu" for t in kv_caches.tensors):
             # vLLM's get_worker returns whatever _worker holds (typed as its GPU<->CPU worker): ours, for a CPU engine

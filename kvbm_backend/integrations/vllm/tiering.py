@@ -25,10 +25,9 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
   count must be the engine's): the geometry needed to map vLLM's page to KVBM's block (below). ``head_dim``
   defaults from the byte sizes when ``num_kv_heads`` is given, ``mla`` to false. The head split is part of
   the namespace (``kv_heads``): engines whose settings cut a page into other heads never share blocks.
-* ``kv_cache_layout``: vLLM ``KVCacheLayout`` name; default the engine's resolved one, else ``LBNHC``.
+* ``kv_cache_layout``: vLLM ``KVCacheLayout`` name; default the engine's resolved one, else LBNHC (CPU: LBHNC).
 * ``enable_kv_events`` (emit ``OffloadingEvent`` for stored chunks and, on G3, for chunks it no longer holds;
-  below), ``locality`` (``LOCAL``/``REMOTE``),
-  ``io_threads`` (jobs in flight), ``job_timeout_s`` (seconds from vLLM's submission of a job: past it the
+  below), ``locality`` (``LOCAL``/``REMOTE``), ``io_threads`` (jobs in flight), ``job_timeout_s`` (seconds from vLLM's submission of a job: past it the
   job fails, one still queued behind busy ``io_threads`` without asking the pool; the pool's own timeouts
   usually fire first), ``staging_mb`` (MiB of block staging buffers, default 256, capped at the primary
   tier's size, allocated and pre-faulted at construction; jobs beyond it allocate fresh buffers). Each key is
@@ -51,14 +50,16 @@ Mapping of the primary buffer to FullyContiguous blocks (vLLM 0.32, direct layou
   layouts (``BLHNC``, ``BLNHC``: one cross-layer tensor) give ``[sub_block, layer, page]``.
 * A page (one layer, one GPU block) is vLLM's logical ``[H, N, C]`` (RFC #42082) in physical order
   ``[H, N, C]`` (``*HNC``) or ``[N, H, C]`` (``*NHC``); ``C = (K head_dim | V head_dim) * dtype`` bytes,
-  i.e. ``[outer=2, head_dim]`` (MLA: ``outer=1``, the latent).
+  i.e. ``[outer=2, head_dim]`` (MLA: ``outer=1``, the latent). A CPU engine's page (LBHNC only;
+  :class:`.native_cpu.CpuTieringOffloadingSpec` on vLLM's CPU platform, ``cpu_attn.py``) is ``[H, 2, N, D]``:
+  per head K rows then V rows. Its namespace has ``kv_version`` 2 (blocks before 2026-11-30 read it as packed).
 * Our block is KVBM FullyContiguous ``[layer, outer, token, heads*head_dim]`` with ``token =
   sub_block * tokens_per_block + n`` (``page_size = blocks_per_chunk * tokens_per_block``).
 
 :class:`PrimaryGeometry` (:mod:`.geometry`) does this permutation (one copy, in the tier's I/O threads, ~10 GB/s with
 numpy) on store and its exact inverse on load, so a load returns the primary's bytes exactly whatever
-the layout. ``LHBNC``/``BHLNC`` (heads outside the block), canonical layout and padded pages are refused
-with a ValueError naming the setting.
+the layout. ``LHBNC``/``BHLNC`` (heads outside the block), canonical layout and padded pages are refused with a
+ValueError naming the setting.
 
 Hybrid models (vLLM's hybrid KV cache manager, several KV cache groups: gpt-oss, Gemma 2): vLLM's
 offloading connector decides per group which blocks it offloads (for a sliding-window group, the ones
@@ -81,10 +82,9 @@ several tenants once none of their copies is left), from G3's log of removals (O
 :attr:`KvbmSecondaryTier.reconcile_interval_s`, and only when its counters moved). Memory while events are on: one key per published chunk here,
 and its payload (token ids) in vLLM's tracker. G4 (no index listing) publishes stores only.
 
-Never wrong KV: a chunk is copied into the primary only after every rank's block was verified by
-the pool (header identity + integrity in our staging buffer); failed chunks are reported failed
-(``JobResult.success=False`` with ``successful_keys`` the verified ones), their lookup verdict is
-forced to miss (and for the connector's 30 s cool-down every new lookup of them: :class:`.failed_blocks.FailedChunks`;
+Never wrong KV: a chunk is copied into the primary only after every rank's block was verified by the pool (header
+identity + integrity in our staging buffer); failed chunks are reported failed (``JobResult.success=False`` with
+``successful_keys`` the verified ones), their lookup verdict is forced to miss (and for the connector's 30 s cool-down every new lookup of them: :class:`.failed_blocks.FailedChunks`;
 G3 deletes a copy it failed to read, not by a timeout, so the recomputed chunk is written again), and the primary
 slot stays untouched.
 """
@@ -183,13 +183,13 @@ class KvbmSecondaryTier(SecondaryTierManager):
         if len(offloading_spec.config.groups) > 1:
             groups = tuple(KvGroup("vllm-offload", self.geometry.kv_layout, layers=tuple(g.layer_names))
                            for g in offloading_spec.config.groups)
-        # one namespace for every group: the OffloadKey (and so the sequence hash) carries the group index
-        # config ``model`` when set, else vLLM's model name: decided as the connector does (before 2026-11-30 the
-        # tier ignored ``model``, so fine-tunes mounted at one path with different ``model`` shared blocks)
+        # one namespace for every group (the OffloadKey carries the group index); model: the config's, else vLLM's
+        # name, as the connector decides (before 2026-11-30 fine-tunes at one path with other ``model`` shared blocks)
         self.namespace = Namespace(model=namespace_model(self.config, offloading_spec.config.model.name),
                                    revision=revision or self.config.revision, layout=self.geometry.kv_layout,
                                    tp_world_size=self.geometry.copies, hash_scheme="vllm-block-hash",
-                                   groups=groups, kv_heads=self.geometry.num_kv_heads)
+                                   groups=groups, kv_heads=self.geometry.num_kv_heads,
+                                   kv_version=self.geometry.kv_version)  # 2: a CPU engine's K/V, read right
         view = primary_kv_view
         assert view.strides is not None
         self._row_stride = int(view.strides[0])

@@ -50,12 +50,13 @@ def offloading_config(*, secondary_tiers: list[dict], num_layers: int, num_kv_he
 
 class TieringHarness:
     """vLLM's real ``TieringOffloadingSpec`` / ``TieringOffloadingManager`` driven like its scheduler
-    would, with a host primary buffer and no engine. ``config`` is an ``OffloadingConfig``."""
+    would, with a host primary buffer and no engine. ``config`` is an ``OffloadingConfig``; ``spec_cls`` a
+    ``TieringOffloadingSpec`` subclass (e.g. :class:`.native_cpu.CpuTieringOffloadingSpec`, a CPU engine's)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, spec_cls: Any = None) -> None:
         from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-        self.spec = TieringOffloadingSpec(config)
+        self.spec = (spec_cls or TieringOffloadingSpec)(config)
         manager = self.spec.get_manager()
         assert isinstance(manager, TieringOffloadingManager)  # what a TieringOffloadingSpec makes
         self.manager = manager
