@@ -281,24 +281,27 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
     n = max(8, nbytes // bpb)
     nb = n + 8
     g = torch.Generator(device=device).manual_seed(99)
-    tensors = [torch.randint(-30000, 30000, (2, nb, 16, heads, hd), dtype=torch.int16, device=device, generator=g)
-               .view(torch.bfloat16) for _ in range(layout.num_layers)]
-    kv = EngineKv.from_tensors(tensors, nb, 16, heads, hd)
-    assert kv.layout == layout and kv.engine_layout == "kv_first"
+    # vLLM 0.32's GPU KV cache (FlashAttention's default KVCacheLayout LBNHC, NHD): memory [nb, 16, heads, 2 * hd],
+    # the logical [nb, heads, 16, 2 * hd] with K|V packed on the last dim (kv_io "packed"; on --smoke-cpu too)
+    tensors = [torch.randint(-30000, 30000, (nb, 16, heads, 2 * hd), dtype=torch.int16, device=device, generator=g)
+               .view(torch.bfloat16).permute(0, 2, 1, 3) for _ in range(layout.num_layers)]
+    kv = EngineKv.from_tensors(tensors, nb, 16, heads, hd, packed=True)
+    assert kv.layout == layout and kv.engine_layout == "packed"
     ref = [t.clone() for t in tensors]
-    ns = Namespace(model="bench/llama-3.1-8b", revision="random", layout=layout, tp_world_size=1)
+    ns = Namespace(model="bench/llama-3.1-8b", revision="random", layout=layout, tp_world_size=1, kv_version=2)
     ids, seqs = list(range(n)), list(range(1, n + 1))
     h2d = res.get("h2d", {}).get("pinned_GBps")
     out: dict = {"io_threads": io_threads, "blocks": n, "bytes_per_block": bpb, "payload_bytes": n * bpb, "tokens": n * layout.page_size,
-                 "engine_layout": "kv_first [2, num_blocks, 16, 8, 128] bf16 x 32 layers", "storages": {}}
+                 "engine_layout": "packed LBNHC [num_blocks, 8, 16, 2 x 128] bf16 x 32 layers (vLLM 0.32 GPU default)",
+                 "storages": {}}
 
     def clear(rows):
         for t in tensors:
-            t[:, rows] = 0
+            t[rows] = 0
 
     def same(rows) -> bool:
         idx = torch.as_tensor(list(rows), device=device)  # compared as int16: random bf16 bits hold NaNs
-        return all(torch.equal(t.view(torch.int16).index_select(1, idx), r.view(torch.int16).index_select(1, idx))
+        return all(torch.equal(t.view(torch.int16).index_select(0, idx), r.view(torch.int16).index_select(0, idx))
                    for t, r in zip(tensors, ref))
 
     best = 0.0
@@ -393,7 +396,7 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
                     so["corrupt_check"] = {
                         "errors_are_the_corrupt_block_and_after": sorted(errs) == rows[2:],
                         "prefix_loaded_ok": same(rows[:2]),
-                        "corrupt_dst_untouched": all(not t.index_select(1, idx).any() for t in tensors),
+                        "corrupt_dst_untouched": all(not t.index_select(0, idx).any() for t in tensors),
                         "dropped_from_pool": not g3.contains(ns.key(seqs[bad], "bench", 0))}
                     for t, r0 in zip(tensors, ref):  # the engine's KV as saved again (the next storage saves it)
                         t.copy_(r0)
