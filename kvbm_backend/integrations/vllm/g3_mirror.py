@@ -118,6 +118,19 @@ def _distinct(a: np.ndarray) -> np.ndarray:
     return b[keep]
 
 
+def cluster_tails(tab: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
+    """The occupied cells of open-addressing table ``tab`` (power-of-two size, 0 = empty) after each just-freed
+    cell of ``pos`` up to the next empty one (the rest of its cluster; the tails are disjoint), concatenated, or
+    None: what a backward-shift deletion re-places."""
+    mask, tails, q = len(tab) - 1, [], pos
+    while q.size:
+        q = (q + 1) & mask
+        q = q[tab[q] != 0]
+        if q.size:
+            tails.append(q)
+    return np.concatenate(tails) if tails else None
+
+
 def _fps_of_keys(keys: Sequence, namespace: str) -> np.ndarray:
     """:func:`fingerprint` of each key's mirror id, up to (not including) the first key of another
     namespace fingerprint. Keys are BlockKeys (tenant string) or restored tag-only keys (``TagKey``:
@@ -267,18 +280,11 @@ class FingerprintSet:
         pos = pos[pos >= 0]
         if not len(pos):
             return 0
-        tab, mask = self._tab, len(self._tab) - 1
+        tab = self._tab
         tab[pos] = 0
         self._n -= len(pos)
-        # The rest of each freed cell's cluster (up to the next empty or freed cell: the tails are disjoint)
-        tails, q = [], pos
-        while q.size:
-            q = (q + 1) & mask
-            q = q[tab[q] != 0]
-            if q.size:
-                tails.append(q)
-        if tails:
-            t = np.concatenate(tails)
+        t = cluster_tails(tab, pos)
+        if t is not None:
             vals = tab[t]
             tab[t] = 0
             self._place(vals)

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .g3_mirror import _U, FingerprintSet, _distinct, _fps_cols
+from .g3_mirror import _U, FingerprintSet, _distinct, _fps_cols, cluster_tails
 
 _TAG, _RANK, _SEQ = itemgetter(0), itemgetter(1), itemgetter(2)
 
@@ -131,18 +131,12 @@ class RankMasks(FingerprintSet):
         (backward-shift deletion in batch, as :meth:`FingerprintSet.remove`)."""
         if not len(pos):
             return 0
-        tab, val, mask = self._tab, self._val, len(self._tab) - 1
+        tab, val = self._tab, self._val
         tab[pos] = 0
         val[pos] = 0
         self._n -= len(pos)
-        tails, q = [], pos
-        while q.size:
-            q = (q + 1) & mask
-            q = q[tab[q] != 0]
-            if q.size:
-                tails.append(q)
-        if tails:
-            t = np.concatenate(tails)
+        t = cluster_tails(tab, pos)
+        if t is not None:
             fps, vals = tab[t], val[t]
             tab[t] = 0
             val[t] = 0

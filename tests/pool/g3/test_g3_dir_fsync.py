@@ -6,23 +6,12 @@ from __future__ import annotations
 import os
 
 from tests.helpers.pools import open_g3, tiny_ns
-
-
-def _record_fsyncs(monkeypatch) -> list[str]:
-    synced: list[str] = []
-    real = os.fsync
-
-    def fsync(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    return synced
+from tests.helpers.fsync_spy import record_fsyncs
 
 
 def test_a_new_pool_fsyncs_each_directory_after_creating_its_slab_files(tmp_path, monkeypatch):
     a, b = tmp_path / "a", tmp_path / "b"
-    synced = _record_fsyncs(monkeypatch)
+    synced = record_fsyncs(monkeypatch)
     with open_g3(a, tiny_ns(), paths=[str(a), str(b)], files_per_path=2):
         slabs = {d: sorted(n for n in os.listdir(d) if n.endswith(".slab")) for d in (a, b)}
         assert all(len(v) == 2 for v in slabs.values()), slabs
@@ -33,7 +22,7 @@ def test_a_new_pool_fsyncs_each_directory_after_creating_its_slab_files(tmp_path
 def test_fsync_off_syncs_no_slab_directory(tmp_path, monkeypatch):
     """(The journal's directory is synced by the journal's own create-and-rename, whatever ``fsync`` says.)"""
     a, b = tmp_path / "a", tmp_path / "b"
-    synced = _record_fsyncs(monkeypatch)
+    synced = record_fsyncs(monkeypatch)
     with open_g3(a, tiny_ns(), paths=[str(a), str(b)], fsync=False):
         assert any(n.endswith(".slab") for n in os.listdir(b))
     assert str(b) not in synced, synced

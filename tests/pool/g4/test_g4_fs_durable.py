@@ -3,27 +3,14 @@ returns (a power cut after the publish must not lose the directory holding the o
 ``os.fsync`` wrapped to record which directory each synced fd is."""
 from __future__ import annotations
 
-import os
-
 from kvbm_backend.pool.g4.fs_store import FsStore
-
-
-def _record_fsyncs(monkeypatch) -> list[str]:
-    synced: list[str] = []
-    real = os.fsync
-
-    def fsync(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    return synced
+from tests.helpers.fsync_spy import record_fsyncs
 
 
 def test_every_directory_a_put_creates_is_fsynced_into_its_parent(tmp_path, monkeypatch):
     root = tmp_path / "store"
     st = FsStore(root)
-    synced = _record_fsyncs(monkeypatch)
+    synced = record_fsyncs(monkeypatch)
     st.put("team/a/b/obj", b"x" * 5000)
     assert (root / "team/a/b/obj").read_bytes() == b"x" * 5000
     # the parent of each new directory (root, team, team/a) and the object's own directory (team/a/b)
@@ -37,6 +24,6 @@ def test_every_directory_a_put_creates_is_fsynced_into_its_parent(tmp_path, monk
 
 def test_a_store_without_fsync_syncs_nothing(tmp_path, monkeypatch):
     st = FsStore(tmp_path / "store", fsync=False)
-    synced = _record_fsyncs(monkeypatch)
+    synced = record_fsyncs(monkeypatch)
     st.put("team/a/obj", b"z")
     assert synced == []
