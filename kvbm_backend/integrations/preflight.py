@@ -26,10 +26,13 @@ The mode is Dynamo's: the flag, else its environment variable ``DYN_VLLM_DISAGGR
 default in ``dynamo.vllm``'s parser, so the flag wins where both are given). Before 2026-11-30 the variable was not
 read: a worker made a prefill worker by it (how a deployment's environment sets a role) passed the check, dry run
 included, with G3 alone.
+The ``--kv-transfer-config`` checked is the one vLLM resolves (:func:`check_argv`: the last flag, ``--config
+FILE.yaml``, dotted ``--kv-transfer-config.KEY`` options, through vLLM's own parser).
 Storage reachability is not checked here: an unreachable G4 is a degraded tier, not a start-up error.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -55,6 +58,46 @@ def _arg(argv: list[str], name: str) -> str | None:
         elif i + 1 < len(argv):
             found = argv[i + 1]
     return found
+
+
+def _vllm_argv(argv: list[str]) -> list[str]:
+    """``argv`` as vLLM 0.32's own ``FlexibleArgumentParser.parse_args`` hands it to argparse
+    (``vllm/utils/argparse_utils.py``): ``--config FILE.yaml`` pulled in before the command line's options
+    (lines 334-335, 479-567; a YAML mapping value becomes one JSON argument, 627-631), option names
+    ``_`` -> ``-`` (344-356), and the dotted ``--kv-transfer-config.a.b=V`` options merged into one full JSON
+    ``--kv-transfer-config`` appended after everything else (409-463), so it replaces an earlier full JSON.
+    vLLM's code does it (no copy here): a subclass takes the list that reaches argparse and parses nothing.
+    Importing it costs vLLM's import (torch, seconds), which the engine pays next anyway; :func:`check_argv`
+    calls this only where ``--config`` or a dotted option is given. Raises what vLLM raises (``OSError`` for
+    an unreadable file, ``ValueError``, ``AssertionError`` for two ``--config``, ``yaml.YAMLError``)."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class _Seen(FlexibleArgumentParser):
+        seen: list[str] = []
+
+        def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+            self.seen = list(args or [])
+            return argparse.Namespace(), []
+
+    p = _Seen(add_help=False)
+    p.parse_args(list(argv))
+    return p.seen
+
+
+def _needs_vllm(argv: list[str]) -> bool:
+    """Whether vLLM's preprocessing can change which ``--kv-transfer-config`` counts: a ``--config`` token (the
+    exact test of argparse_utils.py line 334; ``--config=F`` is not pulled in by vLLM either) or a dotted option
+    name (line 425). Otherwise the last ``--kv-transfer-config`` under either spelling is vLLM's answer."""
+    return "--config" in argv or any(a.startswith("-") and "." in a.partition("=")[0] for a in argv)
+
+
+def _dropped_ours(argv: list[str]) -> bool:
+    """Whether the last full ``--kv-transfer-config`` JSON on the command line names ours (then replaced)."""
+    try:
+        full = json.loads(_arg(argv, "--kv-transfer-config") or "null")
+    except ValueError:
+        return False
+    return isinstance(full, dict) and bool(_ours(full))
 
 
 def _ours(ktc: dict) -> list[tuple[str, dict]]:
@@ -132,8 +175,22 @@ def _check_keyring(cfg, create: bool) -> None:
 
 def check_argv(argv: list[str], *, create: bool = True) -> str | None:
     """The first problem of the kvbm-backend connectors and tiers in ``--kv-transfer-config`` as one line, or
-    None (also None when there is no such argument or nothing of ours). ``create=False``: write nothing."""
-    raw = _arg(argv, "--kv-transfer-config")
+    None (also None when there is no such argument or nothing of ours). ``create=False``: write nothing.
+    The config checked is the one vLLM uses: the last ``--kv-transfer-config`` (``--kv_transfer_config``,
+    ``=V`` or ``V``) after vLLM's own preprocessing (:func:`_vllm_argv`: ``--config FILE.yaml``, dotted
+    ``--kv-transfer-config.KEY``). A ``--config`` vLLM cannot read is reported as a problem (the engine would
+    not start either), not passed unchecked. Before 2026-11-30 ``--config`` and dotted options went unseen."""
+    given = argv
+    if _needs_vllm(argv):
+        try:
+            given = _vllm_argv(argv)
+        except ImportError as e:
+            return f"--config / dotted options: vLLM's argument parser cannot be imported ({e}); not checked"
+        except Exception as e:  # noqa: BLE001 - vLLM refuses these arguments too: one line, not a pass
+            where = f"--config {argv[argv.index('--config') + 1]}" if "--config" in argv[:-1] else "arguments"
+            return (f"{where}: vLLM cannot read its arguments ({type(e).__name__}: {e}); "
+                    "the --kv-transfer-config it would use is not known, so it is not checked")
+    raw = _arg(given, "--kv-transfer-config")
     if raw is None:
         return None
     try:
@@ -142,6 +199,10 @@ def check_argv(argv: list[str], *, create: bool = True) -> str | None:
         return f"--kv-transfer-config: not JSON ({e})"
     if not isinstance(ktc, dict):
         return "--kv-transfer-config: expected a JSON object"
+    if "kv_connector" not in ktc and given is not argv and _dropped_ours(argv):
+        return ("--kv-transfer-config: vLLM merges the dotted --kv-transfer-config.KEY options into one JSON given "
+                "after the full one, which it replaces; that JSON names no kv_connector, so KvbmBackendConnector "
+                "would not run: give every key dotted (kv_connector too) or all of them in the JSON")
     mode, mode_from = _arg(argv, "--disaggregation-mode"), "--disaggregation-mode"
     if mode is None and os.environ.get(MODE_ENV):  # dynamo.vllm takes the variable where the flag is absent
         mode, mode_from = os.environ[MODE_ENV], MODE_ENV

@@ -166,3 +166,54 @@ def test_a_g3_path_that_cannot_be_created_is_refused_before_the_engine_starts(tm
         os.chmod(d, 0o700)
         import shutil
         shutil.rmtree(d)
+
+
+def test_the_kv_transfer_config_vllm_resolves_from_config_files_and_dotted_options_is_checked(tmp_path):
+    """Review finding (2026-11-30, pre): the preflight read only ``--kv-transfer-config JSON`` flags. vLLM 0.32's
+    ``FlexibleArgumentParser`` also takes it from ``--config FILE.yaml`` (a mapping or a JSON string; the command
+    line's flags win over the file's) and from dotted ``--kv-transfer-config.KEY=V`` options, merged into one JSON
+    given after the others (so it replaces a full one). A bad G3 setting given so passed the check and failed
+    inside vLLM's worker. The check now takes the config vLLM's own parser resolves."""
+    import yaml
+    good, bad = _ktc(tmp_path, 1), _ktc(tmp_path, -1)
+
+    def config(name, body):
+        f = tmp_path / name
+        f.write_text(yaml.safe_dump(body))
+        return str(f)
+
+    bad_map = config("bad_map.yaml", {"kv-transfer-config": json.loads(bad), "port": 8000})
+    bad_str = config("bad_str.yaml", {"kv_transfer_config": bad})
+    good_map = config("good_map.yaml", {"kv-transfer-config": json.loads(good)})
+    dotted = ["--kv-transfer-config.kv_connector", "KvbmBackendConnector", "--kv_transfer_config.kv_role=kv_both",
+              f"--kv-transfer-config.kv_connector_extra_config.kvbm_backend.g3.paths+={tmp_path / 'g3'}"]
+    refused = {
+        "config mapping": ["serve", "m", "--config", bad_map],
+        "config JSON string, no subcommand": ["--model", "m", "--config", bad_str],
+        "config, other flags after it": ["serve", "m", "--config", bad_map, "--port", "1"],
+        "dotted": ["serve", "m", *dotted, "--kv-transfer-config.kv_connector_extra_config.kvbm_backend.g3.capacity_gb",
+                   "-1"],
+        "dotted after a good full JSON": ["serve", "m", "--kv-transfer-config", good, *dotted,
+                                          "--kv-transfer-config.kv_connector_extra_config.kvbm_backend.g3."
+                                          "capacity_gb=-1"],
+        "equals form": ["serve", "m", f"--kv-transfer-config={good}", f"--kv-transfer-config={bad}"],
+    }
+    for form, argv in refused.items():
+        why = check_argv(argv, create=False)
+        assert why and "g3.capacity_gb" in why, (form, why)
+    passed = {
+        "config mapping": ["serve", "m", "--config", good_map],
+        "the command line beats the file": ["serve", "m", "--config", bad_map, "--kv-transfer-config", good],
+        "dotted": ["serve", "m", *dotted, "--kv-transfer-config.kv_connector_extra_config.kvbm_backend.g3."
+                   "capacity_gb=1"],
+    }
+    for form, argv in passed.items():
+        assert check_argv(argv, create=False) is None, form
+    # a dotted option alone replaces the full JSON naming ours: vLLM would run without our connector
+    why = check_argv(["serve", "m", "--kv-transfer-config", good,
+                      "--kv-transfer-config.kv_connector_extra_config.kvbm_backend.g3.capacity_gb=1"], create=False)
+    assert why and "names no kv_connector" in why, why
+    # a --config vLLM cannot read: one line naming it, not a silent pass
+    for path in (str(tmp_path / "missing.yaml"), str(tmp_path / "kvbm.json")):
+        why = check_argv(["serve", "m", "--config", path, "--kv-transfer-config", good], create=False)
+        assert why and why.startswith(f"--config {path}: vLLM cannot read its arguments") and "not checked" in why, why
