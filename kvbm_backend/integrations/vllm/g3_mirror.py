@@ -2,9 +2,10 @@
 processes (:class:`G3Mirror`); fed by the worker's :class:`~.metadata.KvbmWorkerMeta` reports.
 
 The mirror holds 64-bit fingerprints of :func:`~.metadata.mirror_id` triples in a numpy open-addressing
-hash set (:class:`FingerprintSet`): 8 bytes per table cell at load 1/4 to 1/2, i.e. 16 to 32 bytes per
-block per rank (a Python ``set`` of the triples took ~150+ bytes: ~6 GB for a 10 TB G3 of 256 KiB
-rank-blocks, ~0.6-1.2 GB here).
+hash table (:class:`FingerprintSet`, with each entry's rank as a one-bit mask beside it:
+:class:`~.rank_masks.RankMasks`): 9 bytes per table cell at TP <= 8, at load 1/4 to 1/2, i.e. 18 to 36 bytes
+per block per rank (a Python ``set`` of the triples took ~150+ bytes: ~6 GB for a 10 TB G3 of 256 KiB
+rank-blocks, ~0.7-1.4 GB here).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ...model.mix64 import fmix64, fmix64_v
 from ...model.namespace import KeyRun, Namespace, key_columns
 from ...pool.base import completed
 from ...pool.g3.index import tag_of
-from .metadata import KvbmWorkerMeta
+from .metadata import KvbmWorkerMeta, snapshot_ranks
 
 _U = np.uint64
 _MIN_BITS = 10  # smallest table: 1024 cells (8 KiB)
@@ -302,8 +303,10 @@ class G3Mirror:
     snapshot of the restored index). It can be stale only towards "present": a block the worker has
     since evicted is planned, fails to load, is recomputed (never wrong KV) and reported removed.
 
-    Memory: one 64-bit :func:`fingerprint` per (tenant tag, rank, seq_hash) in a :class:`FingerprintSet`,
-    16 to 32 bytes per block per rank at the peak count (``stats()["bytes"]``), no Python object per entry.
+    Memory: one 64-bit :func:`fingerprint` per (tenant tag, rank, seq_hash) in a
+    :class:`~.rank_masks.RankMasks` (its rank as a one-bit mask in a parallel array, so that a snapshot can
+    drop one rank's entries): 9 bytes per cell at TP <= 8 (10 at <= 16, 12 at <= 32, 16 at <= 64), 18 to 36
+    bytes per block per rank at the peak count at TP <= 8 (``stats()["bytes"]``), no Python object per entry.
 
     Fingerprint collisions (never between two blocks of one tenant and rank: :func:`fingerprint` is a
     bijection of the sequence hash for a fixed (tag, rank)): two distinct ids with the same fingerprint count
@@ -323,11 +326,14 @@ class G3Mirror:
         self.fp = namespace.fingerprint
         layout = getattr(namespace, "layout", None)  # tokens per block, for kvbm_matched_tokens (0: not known)
         self._page = int(getattr(layout, "page_size", 0) or 0)
-        self._set = FingerprintSet()  # fingerprints of metadata.mirror_id: (tenant tag, rank, seq_hash)
+        self._world = int(getattr(namespace, "tp_world_size", 1) or 1)
+        from .rank_masks import RankMasks  # here: rank_masks builds on this module's FingerprintSet
+        # fingerprints of metadata.mirror_id (tenant tag, rank, seq_hash), with the rank as a bitmask (one bit)
+        self._set = RankMasks(self._world)
         self._lock = threading.Lock()
         self.ready = False
-        self._world = int(getattr(namespace, "tp_world_size", 1) or 1)
         self._snap_ranks: set[int] = set()  # TP ranks whose first report (snapshot) came by the channel
+        self._snapped: set[int] = set()  # TP ranks whose snapshot was applied (by either way)
         self.lookup_blocks = self.lookup_hits = 0
         # the scheduler's G3 lookups happen here, not in the worker's pool: their series are counted here
         # (kvbm_matched_tokens, kvbm_disk_cache_hit_rate; served with the worker's by metrics.port)
@@ -337,12 +343,30 @@ class G3Mirror:
         """Apply one worker report: ``meta.removed`` first, then ``meta.added``. ``meta.snapshot`` marks the
         mirror ready: at once for a step's report (``rank`` None: vLLM aggregated every TP rank's), else once
         every TP rank's snapshot came (reports by the channel travel per rank; a lookup before the last
-        rank's snapshot would miss its blocks)."""
+        rank's snapshot would miss its blocks). A snapshot of a rank that sent one before (the report channel
+        failed and lost a report: the rank's reports went back to the step output with a new snapshot; the
+        ranks are ``rank`` or ``meta.snap_ranks``, :func:`~.metadata.snapshot_ranks`) first drops every entry
+        of that rank, so removals the lost report carried do not stay present (before 2026-11-30 they did:
+        their loads missed and recomputed)."""
         rem = _fps_of_ids(meta.removed)
         add = _fps_of_ids(meta.added)
+        snap = snapshot_ranks(meta, rank)
         with self._lock:
+            for r in snap:
+                if r in self._snapped:
+                    self._set.drop_rank(r)
+            self._snapped.update(snap)
             self._set.remove(rem)
-            self._set.add(add)
+            if len(add):
+                ranks = [i[1] for i in meta.added]
+                ok = [i for i, r in enumerate(ranks) if 0 <= r < self._world] if (
+                    min(ranks) < 0 or max(ranks) >= self._world) else None
+                if ok is None:
+                    self._set.set_bits(add, ranks)
+                else:  # a rank outside [0, world): present with no rank bit (never dropped by a snapshot)
+                    self._set.add(add)
+                    if ok:
+                        self._set.set_bits(add[ok], [ranks[i] for i in ok])
             if meta.snapshot:
                 if rank is not None:
                     self._snap_ranks.add(rank)

@@ -8,7 +8,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from . import stats
+from .metadata import snapshot_ranks
 from .rank_masks import RankMasks, block_fps, report_columns
 from ...threads import start_thread
 
@@ -72,6 +75,7 @@ class G3KvEvents:
         self._lock = threading.Lock()
         self.g3 = g3  # False: no G3 (G4 announcements only), nothing learned is kept here
         self.announcer: Any = None  # a .g4_announce.G4Announcer (g4.announce), told every learned block
+        self._snapped: set[int] = set()  # TP ranks whose snapshot was applied
 
     def learn(self, tenant: str, request: Any, seq_hashes: Sequence[int], first: int, end: int) -> None:
         """Blocks ``[first, end)`` of ``request`` (KVBM ``seq_hashes``) are, or are about to be, in G3."""
@@ -106,14 +110,26 @@ class G3KvEvents:
             while len(self._info) > self.max_pending:  # learned but never written (dropped offloads)
                 self._info.popitem(last=False)
 
-    def apply(self, meta: Any) -> None:
+    def apply(self, meta: Any, rank: int | None = None) -> None:
         """A worker's G3 index report (``(tenant tag, rank, seq_hash)`` entries added / removed): ``removed``
         first, then ``added``, each in order. Ranks outside ``[0, tp)`` hold nothing here (the namespace
-        never cuts such keys)."""
+        never cuts such keys). ``rank``: the TP rank whose report this is (the report channel), None for a
+        step's output (every rank's aggregated).
+
+        A snapshot of a rank that sent one before (its report channel failed and lost a report, see
+        :meth:`~.g3_mirror.G3Mirror.apply`) replaces that rank's entries: the rank is first taken out of every
+        block's mask, and the published blocks it held that the snapshot does not hold again are withdrawn
+        (``BlockRemoved`` once no other holder of their hash is left) and kept as learned, so that a later
+        report completing their mask publishes them again (a snapshot over ``MAX_ENTRIES`` entries comes in
+        several messages, the replacement with the first). Before 2026-11-30 a snapshot only added: the
+        removals of the lost report were never published and the router kept credit for those blocks."""
         if not self.g3:  # nothing learned is kept, so nothing reported can be published
             return
         rem, add = meta.removed, meta.added
+        snap = snapshot_ranks(meta, rank)
         with self._lock:
+            lost = [self._ranks.drop_rank(r) for r in snap if r in self._snapped]
+            self._snapped.update(snap)
             if rem:
                 tags, ranks, seqs = report_columns(rem)
                 fps, ranks = self._valid(block_fps(tags, seqs), ranks)
@@ -143,6 +159,24 @@ class G3KvEvents:
                         if m == self._full and k in info_ and k not in self._published:
                             self._store(k)
                 self._ranks.set_bits(*self._valid(fps, ranks))
+            if lost and self._published:
+                self._withdraw(np.concatenate(lost))
+
+    def _withdraw(self, lost: Any) -> None:
+        """Withdraw the published blocks of fingerprints ``lost`` (their mask lost a rank) that some rank no
+        longer holds; each is learned again (re-published when its mask is full again). Lock held."""
+        keys = list(self._published)
+        fps = block_fps([k[0] for k in keys], [k[1] for k in keys])
+        idx = np.flatnonzero(np.isin(fps, lost))
+        if not idx.size:
+            return
+        for i, m in zip(idx.tolist(), self._ranks.masks(fps[idx])):
+            if m != self._full:
+                k = keys[i]
+                info = self._info[k] = self._published.pop(k)
+                self._emit_removed(info[0])
+        while len(self._info) > self.max_pending:
+            self._info.popitem(last=False)
 
     def _valid(self, fps: Any, ranks: list) -> tuple[Any, list]:
         """``fps`` and ``ranks`` without the entries of a rank outside ``[0, tp)``."""

@@ -102,6 +102,9 @@ class KvbmWorkerMeta(KVConnectorWorkerMetadata):
     snapshot: bool = False
     others: dict[int, "KvbmWorkerMeta"] = field(default_factory=dict)
     failed: list[FailedLoad] = field(default_factory=list)
+    #: TP ranks whose whole index this snapshot carries (each worker names its own; aggregated by vLLM): the
+    #: scheduler replaces those ranks' entries with it when they reported before (a report the channel lost)
+    snap_ranks: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvbmWorkerMeta":
         assert isinstance(other, KvbmWorkerMeta)  # vLLM aggregates the metadata of this connector's workers
@@ -109,11 +112,20 @@ class KvbmWorkerMeta(KVConnectorWorkerMetadata):
         for g, m in other.others.items():
             others[g] = others[g].aggregate(m) if g in others else m
         return KvbmWorkerMeta(self.added + other.added, self.removed + other.removed, self.snapshot or other.snapshot,
-                              others, self.failed + other.failed)
+                              others, self.failed + other.failed, self.snap_ranks + other.snap_ranks)
 
     def for_group(self, group: int) -> "KvbmWorkerMeta | None":
         """The report of KV cache group ``group`` (``self`` for 0), None when that group sent none."""
         return self if group == 0 else self.others.get(group)
+
+
+def snapshot_ranks(meta: KvbmWorkerMeta, rank: int | None = None) -> list[int]:
+    """The TP ranks whose whole G3 index ``meta`` carries: none unless ``meta.snapshot``; ``[rank]`` for one
+    rank's report (the report channel), else the ranks the workers named (``meta.snap_ranks``; a step's
+    output, every rank's aggregated)."""
+    if not meta.snapshot:
+        return []
+    return [rank] if rank is not None else list(dict.fromkeys(meta.snap_ranks))
 
 
 def mirror_id(key) -> tuple[bytes, int, int]:

@@ -120,6 +120,25 @@ class RankMasks(FingerprintSet):
         cells = _distinct(cells)
         self._delete(cells[self._val[cells] == 0])
 
+    def drop_rank(self, r: int) -> np.ndarray:
+        """Take rank ``r`` out of every mask (a vectorised scan of the whole table: for the rare snapshot that
+        replaces a rank's entries); a fingerprint left with no rank is deleted. Returns the fingerprints whose
+        mask had rank ``r`` (uint64 array; empty for a rank outside ``[0, tp)``)."""
+        if not self._n or not 0 <= r < self.tp:
+            return np.zeros(0, _U)
+        bit = 1 << r
+        if self._dt is object:
+            cells = np.flatnonzero(np.fromiter((bool(v & bit) for v in self._val), bool, len(self._val)))
+            for c in cells.tolist():
+                self._val[c] &= ~bit
+        else:
+            dt = self._dt
+            cells = np.flatnonzero(self._val & dt(bit))
+            self._val[cells] &= dt(~bit & ((1 << 8 * np.dtype(dt).itemsize) - 1))
+        fps = self._tab[cells].copy()
+        self._delete(cells[self._val[cells] == 0])
+        return fps
+
     def remove(self, fps: np.ndarray) -> int:
         """Delete fingerprints and their masks (absent ones and duplicates are skipped); returns how many were
         present."""

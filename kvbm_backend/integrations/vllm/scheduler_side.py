@@ -376,7 +376,7 @@ class SchedulerSide:
         if isinstance(g.g3, G3Mirror):
             g.g3.apply(meta, rank=rank)
         if group == 0 and self.events is not None:
-            self.events.apply(meta)
+            self.events.apply(meta, rank=rank)
 
     def take_events(self, engine_cache_reset: bool = False) -> list:
         if self.events is None:

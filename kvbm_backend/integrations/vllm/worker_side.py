@@ -422,7 +422,7 @@ class WorkerSide:
         if not (snap or added or removed):
             return None
         stats.add(g3_reported_added=len(added), g3_reported_removed=len(removed))
-        return KvbmWorkerMeta(added, removed, snap)
+        return KvbmWorkerMeta(added, removed, snap, snap_ranks=[self.rank] if snap else [])
 
     @property
     def reconcile_interval_s(self) -> float:
