@@ -226,14 +226,26 @@ class EngineKv:
         """Copy engine blocks ``block_ids`` into ``staging`` (uint8 tensor of
         ``len(block_ids) * bytes_per_block`` bytes, any device), block i at ``i * bytes_per_block``. One kernel
         launch where :attr:`move_mode` says so, else one ``index_select`` per layer. Raises IndexError for an
-        id outside the engine's blocks."""
+        id outside the engine's blocks (checked on the host first, whichever way the blocks move)."""
+        self._check_ids(block_ids)
         if not self._launch(block_ids, staging, to_engine=False):
             self._torch_gather(block_ids, staging)
 
     def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Inverse of :meth:`gather`: write block i of ``staging`` into engine block ``block_ids[i]``."""
+        """Inverse of :meth:`gather`: write block i of ``staging`` into engine block ``block_ids[i]``. Raises
+        IndexError for an id outside the engine's blocks before any engine byte is written."""
+        self._check_ids(block_ids)
         if len(block_ids) and not self._launch(block_ids, staging, to_engine=True):
             self._torch_scatter(staging, block_ids)
+
+    def _check_ids(self, block_ids: Sequence[int] | torch.Tensor) -> None:
+        """Raise IndexError for a listed engine block id outside ``[0, num_blocks)``, on the host, before a
+        move. The torch ops alone do not do it right: on the CPU ``index_copy_`` raises only after it wrote
+        the layers before the bad id; on CUDA an id out of range is a device-side assert (the process's CUDA
+        context is lost), and ``"packed"`` engines (vLLM 0.32's GPU caches) always move with the torch ops.
+        An index tensor (:meth:`block_index`) is not checked (it lives on the device)."""
+        if not isinstance(block_ids, torch.Tensor):
+            layer_copy.check_ids(block_ids, self.num_blocks)
 
     def _torch_gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         n = len(block_ids)
@@ -307,10 +319,8 @@ class EngineKv:
                 or staging.dtype != torch.uint8 or not staging.is_contiguous() or staging.data_ptr() % 4 \
                 or staging.numel() != len(block_ids) * self.layout.bytes_per_block:
             return False
-        p, ptrs = mv
-        ids = list(block_ids)
-        layer_copy.check_ids(ids, p.num_blocks)
-        layer_copy.move(p, ptrs, staging.reshape(-1), self.block_index(ids), to_engine)
+        p, ptrs = mv  # ids checked by the caller (_check_ids)
+        layer_copy.move(p, ptrs, staging.reshape(-1), self.block_index(list(block_ids)), to_engine)
         return True
 
     def scatter_layer(self, layer: int, src: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> None:
@@ -318,17 +328,17 @@ class EngineKv:
         ``[n, layer_bytes]`` uint8 on the engine's device (row i: layer ``layer`` of a FullyContiguous block,
         ``[outer, page, inner]``; rows may be strided), as a layer-wise load delivers it. ``block_ids`` may be
         an index made once for every layer (:meth:`block_index`). One kernel launch where :attr:`move_mode`
-        says so (an index tensor's ids are not checked again: an id out of range then moves nothing), else
-        one ``index_copy_``."""
+        says so, else one ``index_copy_``. Listed ids outside the engine's blocks raise IndexError before any
+        byte moves; an index tensor's ids are not checked again (out of range, the kernel moves nothing, the
+        torch ops raise on the CPU and hit a device-side assert on CUDA)."""
         n = len(block_ids)
         if n == 0:
             return
+        self._check_ids(block_ids)
         mv, _ = self._mover()
         lb = self.layout.bytes_per_block // self.layout.num_layers
         if mv is not None and src.device == self.device and src.dtype == torch.uint8 and src.dim() == 2 \
                 and src.shape[1] == lb and src.stride(1) == 1 and src.stride(0) % 4 == 0 and src.data_ptr() % 4 == 0:
-            if not isinstance(block_ids, torch.Tensor):
-                layer_copy.check_ids(list(block_ids), mv[0].num_blocks)
             layer_copy.move(mv[0], self._layer_ptrs()[layer], src, self.block_index(block_ids), True,
                             row_bytes=src.stride(0))
             return

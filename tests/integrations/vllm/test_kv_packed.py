@@ -133,3 +133,27 @@ def test_gpu_engines_namespace_differs_from_the_old_one_and_cpu_engines_is_uncha
         check_kv_version(cpu, "packed")
     with pytest.raises(ValueError, match="kv_version"):
         check_kv_version(gpu, "cpu")
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_out_of_range_block_id_raises_before_any_engine_byte_moves(layout):
+    """A ``"packed"`` engine always moves with the torch ops (the Triton kernel refuses the layout), which
+    bounds-check per element: on the CPU ``index_copy_`` raised only after writing layer 0 of the good ids,
+    and on CUDA an out-of-range id is a device-side assert, not the IndexError gather/scatter document. The
+    ids are now checked on the host first: IndexError, and no engine (or staging) byte written."""
+    H = 2
+    ts = [t.zero_() for t in _packed(layout, H)]
+    kv = EngineKv.from_tensors(ts, NB, N, H, D, packed=True)
+    bpb = kv.layout.bytes_per_block
+    ones = torch.ones(2 * bpb, dtype=torch.uint8)
+    with pytest.raises(IndexError, match=str(NB)):
+        kv.scatter(ones, [1, NB])
+    with pytest.raises(IndexError):
+        kv.scatter(ones, [-1, 2])
+    with pytest.raises(IndexError, match=str(NB)):
+        kv.scatter_layer(0, ones[:2 * (bpb // L)].view(2, -1), [3, NB + 1])
+    assert not any(t.any() for t in ts)
+    staging = torch.zeros_like(ones)
+    with pytest.raises(IndexError, match=str(NB)):
+        kv.gather([2, NB], staging)
+    assert not staging.any()
