@@ -37,6 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...gpu.layer_copy import check_ids
 from ...pool.base import G3Extensions, LayerwiseLoading
 from ...transfer.layers import DEFAULT_MIN_READ
 from .. import load_priority
@@ -97,7 +98,8 @@ class LayerwiseLoads:
         stats.add(load_jobs=1, load_blocks_requested=n, layerwise_jobs=1)
         ld = None
         load_priority.hold()  # released in _finish: the forward's Python yields the GIL to the reads sooner
-        try:
+        try:  # engine block ids checked first: out of range, vLLM 0.32's packed GPU caches hit a device-side assert
+            check_ids(list(job.block_ids), kv.num_blocks)  # in the forward's scatter_layer (index tensor: unchecked)
             ld = w.g3.layerwise_load(keys, kv.device, timeout_s=self.timeout_s, min_read=self.min_read)
         except Exception as e:  # noqa: BLE001 - the load fails whole: the request recomputes
             log.warning("kvbm_backend: layer-wise load for %s could not start: %s", job.req_id, e)

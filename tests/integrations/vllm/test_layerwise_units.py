@@ -372,3 +372,24 @@ def test_a_layerwise_load_that_runs_out_of_time_is_counted_a_timeout(tmp_path, m
         lw.close()
         w.shutdown()
         g3.close()
+
+
+def test_a_layerwise_load_naming_an_engine_block_out_of_range_fails_whole_before_any_read(tmp_path):
+    """A job whose engine block ids leave the engine's blocks fails at start (the request recomputes), never in
+    the forward: its layer scatters index with a device tensor the torch ops check only as they copy (a
+    device-side assert on CUDA, where vLLM 0.32's packed caches always take them; an IndexError on the CPU)."""
+    src, dst, ns, g3, w, lw, hashes = _rig(tmp_path, "cpu")
+    try:
+        before = dst.tensors[0].clone()
+        job = LoadJob("r", [9, 10, NB + 3, 12, 13], hashes, ["G3"] * 5, "t", layerwise=True)
+        assert lw.start([job]) == []
+        for n in NAMES:
+            lw.wait_layer(n)  # no IndexError into vLLM's forward
+        assert lw.saves([]) == []
+        assert w.load_errors() == {9, 10, NB + 3, 12, 13}
+        (fl,) = w.take_failed_loads()
+        assert fl.req_id == "r"
+        assert torch.equal(dst.tensors[0], before)  # nothing written
+    finally:
+        lw.close()
+        g3.close()
