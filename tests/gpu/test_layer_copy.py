@@ -56,6 +56,21 @@ def engine(lay, seed, dtype=torch.bfloat16):
     if lay == "mla3":
         return EngineKv.from_tensors([rand((NB, BS, MD * e), dtype, seed + i) for i in range(L)], NB, BS, 1, MD,
                                      mla=True)
+    if lay == "LBNHC":  # vLLM 0.32's GPU default (NHD): physically [nb, N, H, 2D], logically [nb, H, N, 2D]
+        return EngineKv.from_tensors([rand((NB, BS, H, 2 * D * e), dtype, seed + i).permute(0, 2, 1, 3)
+                                      for i in range(L)], NB, BS, H, D, packed=True)
+    if lay == "LBHNC":  # HND: physically as logically
+        return EngineKv.from_tensors([rand((NB, H, BS, 2 * D * e), dtype, seed + i) for i in range(L)], NB, BS, H, D,
+                                     packed=True)
+    if lay == "BLNHC":  # block-major: one [nb, L, N, H, 2D] buffer, a layer is a strided slice
+        buf = rand((NB, L, BS, H, 2 * D * e), dtype, seed)
+        return EngineKv.from_tensors([buf[:, i].permute(0, 2, 1, 3) for i in range(L)], NB, BS, H, D, packed=True)
+    if lay == "cpu":  # vLLM's CPU backend: [nb, H, N, 2D] read as [nb, H, 2, N, D]
+        return EngineKv.from_tensors([rand((NB, H, BS, 2 * D * e), dtype, seed + i) for i in range(L)], NB, BS, H, D,
+                                     packed=False)
+    if lay == "kv_first_nc":  # kv_first with tokens and heads transposed in memory: not contiguous
+        return EngineKv.from_tensors([rand((2, NB, H, BS, D * e), dtype, seed + i).transpose(2, 3) for i in range(L)],
+                                     NB, BS, H, D)
     shape = (2, NB, BS, H, D * e) if lay == "kv_first" else (NB, 2, BS, H, D * e)
     return EngineKv.from_tensors([rand(shape, dtype, seed + i) for i in range(L)], NB, BS, H, D)
 
@@ -65,11 +80,13 @@ def same(a, b):
 
 
 for lay, dtype in [("kv_first", torch.bfloat16), ("block_first", torch.bfloat16), ("mla", torch.bfloat16),
-                   ("mla3", torch.bfloat16), ("kv_first", torch.float8_e4m3fn)]:
+                   ("mla3", torch.bfloat16), ("kv_first", torch.float8_e4m3fn), ("LBNHC", torch.bfloat16),
+                   ("LBHNC", torch.bfloat16), ("BLNHC", torch.bfloat16), ("LBNHC", torch.float8_e4m3fn),
+                   ("cpu", torch.bfloat16), ("kv_first_nc", torch.bfloat16)]:
     kv, ref = engine(lay, 1, dtype), engine(lay, 1, dtype)
     assert kv.move_mode == "triton kernel verified", (lay, kv.move_mode)
     bpb = kv.layout.bytes_per_block
-    words = layer_copy.plan(kv.tensors, kv.engine_layout, bpb)[0].piece // 4
+    words = layer_copy.plan([tv for tv, _ in kv._targets()], kv._dims, bpb)[0].piece // 4
     assert (words > layer_copy.BLOCK_WORDS and words % layer_copy.BLOCK_WORDS > 0) == LONG, (lay, words)
     ids = [7, 2, 9, 0]
     got, want = torch.zeros(4 * bpb, dtype=torch.uint8, device=DEV), torch.zeros(4 * bpb, dtype=torch.uint8, device=DEV)
@@ -116,11 +133,10 @@ for lay, dtype in [("kv_first", torch.bfloat16), ("block_first", torch.bfloat16)
     assert same(kv, ref), lay
 
 # where the kernel is not used, the reason
-kv = engine("kv_first", 3)
-nc = EngineKv.from_tensors([t.transpose(2, 3).contiguous().transpose(2, 3) for t in kv.tensors], NB, BS, H, D)
-assert "not contiguous" in nc.move_mode, nc.move_mode
-cpu_lay = EngineKv.from_tensors([rand((NB, H, BS, 4 * D), torch.bfloat16, i) for i in range(L)], NB, BS, H, D)  # 2 D bf16
-assert cpu_lay.engine_layout == "cpu" and "interleave" in cpu_lay.move_mode, cpu_lay.move_mode
+strided = [rand((2, NB, BS, H, 4 * D), torch.bfloat16, i)[..., ::2] for i in range(L)]  # head_dim every other element
+assert "head_dim is not contiguous" in EngineKv.from_tensors(strided, NB, BS, H, D).move_mode
+mixed = engine("LBNHC", 3).tensors[:-1] + engine("LBHNC", 3).tensors[-1:]  # one layer in another stride order
+assert "differ in strides" in EngineKv.from_tensors(mixed, NB, BS, H, D, packed=True).move_mode
 
 # the check catches a kernel that writes the wrong place: the torch ops run, and their result is right
 import dataclasses
@@ -160,10 +176,12 @@ def _run_checks(device: str, geometry: tuple[int, ...] = SHORT) -> None:
 
 
 def test_one_launch_moves_equal_the_torch_ops_in_the_triton_interpreter():
-    """kv_first, block_first, both MLA shapes and FP8: gather and scatter through ``EngineKv`` run the kernel
-    (no ``index_select`` / ``index_copy_`` dispatched) and give the torch ops' bytes; an id out of range raises
-    IndexError and writes nothing; non-contiguous tensors and vLLM's CPU layout say why the torch ops run; a
-    kernel that writes the wrong place fails the check and the torch ops run instead."""
+    """kv_first, block_first, both MLA shapes, FP8, vLLM 0.32's packed GPU caches in the stride orders vLLM
+    allocates (NHD/LBNHC, HND/LBHNC, block-major BLNHC slices; bf16 and FP8), vLLM's CPU layout and a
+    non-contiguous kv_first: gather and scatter through ``EngineKv`` run the kernel (no ``index_select`` /
+    ``index_copy_`` dispatched) and give the torch ops' bytes; an id out of range raises IndexError and writes
+    nothing; a head_dim that is not contiguous and layers in different stride orders say why the torch ops run;
+    a kernel that writes the wrong place fails the check and the torch ops run instead."""
     _run_checks("cpu")
 
 

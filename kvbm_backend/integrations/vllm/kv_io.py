@@ -36,7 +36,8 @@ per attention layer whose layout depends on the attention backend:
 
 :class:`EngineKv` detects which one it has from the shapes (raising ``ValueError`` naming the shape
 when it is none of these) and moves blocks with torch indexing (any strides), on whatever device the
-tensors are.
+tensors are, or on CUDA with one Triton launch per move (:mod:`kvbm_backend.gpu.layer_copy`: every layout
+above, packed ones in any of vLLM's stride orders; :attr:`EngineKv.move_mode` says which).
 
 FP8 KV caches (``--kv-cache-dtype fp8``: ``torch.float8_e4m3fn`` / ``float8_e5m2`` tensors) are moved as
 their bytes (``uint8`` views of the same storage; torch has no CPU ``index_copy_`` for float8): the
@@ -170,18 +171,30 @@ class EngineKv:
         cached = self.__dict__.get("_targets_cache")
         if cached is not None:
             return cached
-        H, D, N = self.num_kv_heads, self.head_dim, self.layout.page_size
-        lay = self.engine_layout
-        out = []
-        for t in self._moved:
-            if lay == "cpu":  # [nb, H, N, 2D] == [nb, H, 2, N, D] in memory
-                out.append((t.view(-1, H, 2, N, D), 0))
-            elif lay == "packed":  # [nb, H, N, 2D], any strides, K|V on the last dim -> [nb, H, N, 2, D]
-                out.append((t.unflatten(-1, (2, D)), 0))
-            else:
-                out.append((t, 1 if lay == "kv_first" else 0))
+        dim = 1 if self.engine_layout == "kv_first" else 0
+        out = [(tv, dim) for tv in self._views(self._moved)]
         self.__dict__["_targets_cache"] = out
         return out
+
+    def _views(self, moved: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Layer tensors as moved viewed as :meth:`_targets` moves them; their dimensions are
+        :attr:`_dims`."""
+        H, D, N = self.num_kv_heads, self.head_dim, self.layout.page_size
+        lay = self.engine_layout
+        if lay == "cpu":  # [nb, H, N, 2D] == [nb, H, 2, N, D] in memory
+            return [t.view(-1, H, 2, N, D) for t in moved]
+        if lay == "packed":  # [nb, H, N, 2D], any strides, K|V on the last dim -> [nb, H, N, 2, D]
+            return [t.unflatten(-1, (2, D)) for t in moved]
+        return list(moved)
+
+    @property
+    def _dims(self) -> str:
+        """What each dimension of a :meth:`_views` tensor is (:func:`kvbm_backend.gpu.layer_copy.plan`):
+        ``b`` engine block, ``o`` K/V, ``t`` token, ``h`` head, ``d`` head_dim."""
+        lay = self.engine_layout
+        if lay == "mla":
+            return "bhtd" if self.tensors[0].dim() == 4 else "btd"
+        return {"cpu": "bhotd", "packed": "bhtod", "kv_first": "obthd", "block_first": "bothd"}[lay]
 
     def _by_layer(self, blocks: torch.Tensor) -> torch.Tensor:
         """``blocks`` (``[n, layers, outer, page, heads, head_dim]``, :meth:`block_view`) as one view whose
@@ -242,7 +255,7 @@ class EngineKv:
         """Raise IndexError for a listed engine block id outside ``[0, num_blocks)``, on the host, before a
         move. The torch ops alone do not do it right: on the CPU ``index_copy_`` raises only after it wrote
         the layers before the bad id; on CUDA an id out of range is a device-side assert (the process's CUDA
-        context is lost), and ``"packed"`` engines (vLLM 0.32's GPU caches) always move with the torch ops.
+        context is lost), and an engine whose kernel check failed moves with the torch ops.
         An index tensor (:meth:`block_index`) is not checked (it lives on the device)."""
         if not isinstance(block_ids, torch.Tensor):
             layer_copy.check_ids(block_ids, self.num_blocks)
@@ -280,10 +293,10 @@ class EngineKv:
 
     def _make_mover(self) -> tuple[tuple[layer_copy.Pieces, torch.Tensor] | None, str]:
         moved, bpb = self._moved, self.layout.bytes_per_block
-        p, why = layer_copy.plan(moved, self.engine_layout, bpb)
+        p, why = layer_copy.plan([tv for tv, _ in self._targets()], self._dims, bpb)
         if p is None:
             return None, why
-        ok, why = layer_copy.check(self.engine_layout, bpb, self._scratch, self._reference)
+        ok, why = layer_copy.check(self._dims, bpb, self._scratch, self._views, self._reference)
         if not ok:
             return None, why
         return (p, device_index([t.data_ptr() for t in moved], self.device)), why
@@ -298,11 +311,16 @@ class EngineKv:
         return cached
 
     def _scratch(self, num_blocks: int) -> list[torch.Tensor]:
-        """Zeroed layer tensors like the engine's (as moved) with ``num_blocks`` blocks (the kernel's check)."""
+        """Zeroed layer tensors like the engine's (as moved) with ``num_blocks`` blocks, in the engine's stride
+        order (vLLM 0.32's NHD caches are permuted views), dense (the kernel's check)."""
         t = self._moved[0]
         shape = list(t.shape)
         shape[1 if self.engine_layout == "kv_first" else 0] = num_blocks
-        return [torch.zeros(shape, dtype=t.dtype, device=t.device) for _ in self.tensors]
+        st = t.stride()
+        order = sorted(range(t.dim()), key=lambda d: (-st[d], d))  # outermost dimension first
+        back = [order.index(d) for d in range(t.dim())]
+        return [torch.zeros([shape[d] for d in order], dtype=t.dtype, device=t.device).permute(back)
+                for _ in self.tensors]
 
     def _reference(self, tensors: list[torch.Tensor], staging: torch.Tensor, ids: list[int], to_engine: bool) -> None:
         """The torch ops' move on ``tensors`` (:meth:`_scratch`) in place of the engine's."""

@@ -137,8 +137,8 @@ def test_gpu_engines_namespace_differs_from_the_old_one_and_cpu_engines_is_uncha
 
 @pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
 def test_out_of_range_block_id_raises_before_any_engine_byte_moves(layout):
-    """A ``"packed"`` engine always moves with the torch ops (the Triton kernel refuses the layout), which
-    bounds-check per element: on the CPU ``index_copy_`` raised only after writing layer 0 of the good ids,
+    """A ``"packed"`` engine moves with the torch ops where the Triton kernel is not usable (here: a CPU
+    device; on a GPU: a failed kernel check), which bounds-check per element: on the CPU ``index_copy_`` raised only after writing layer 0 of the good ids,
     and on CUDA an out-of-range id is a device-side assert, not the IndexError gather/scatter document. The
     ids are now checked on the host first: IndexError, and no engine (or staging) byte written."""
     H = 2
