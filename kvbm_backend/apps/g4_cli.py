@@ -235,7 +235,8 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
                unkeyed: bool = typer.Option(False, "--unkeyed", help="the workers have no keyring (or --keyring)"),
                kek_env: str = _ENV, kek_file: Optional[str] = _KF,
                dir_fanout: int = typer.Option(256, help="the workers' g4.dir_fanout"),
-               dry_run: bool = typer.Option(False, "--dry-run", help="count, rename nothing"),
+               dry_run: bool = typer.Option(False, "--dry-run", help="count what the run would do (reading and "
+                                            "verifying as it does); write and delete nothing"),
                encrypted: Optional[bool] = typer.Option(
                    None, "--encrypted/--plaintext",
                    help="the workers' g4.encrypt; with --keyring required once a plaintext object is found "

@@ -59,7 +59,11 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             ``unkeyed`` is required: renaming a keyring pool's blocks unkeyed puts them where no worker
             looks (before 2026-11-30 a plaintext pool with a keyring lost every block that way).
         dir_fanout: the workers' ``g4.dir_fanout`` (checked against the old names' fan-out directories).
-        dry_run: count only (``migrated``: would be renamed; ``already_present``: the new name exists).
+        dry_run: count only, writing and deleting nothing: every object is read and verified as the run
+            would, and an object already under the new name checked as the run would (``migrated``: would be
+            renamed; ``already_present``: the new name holds a copy the workers serve; ``kept_name_taken``: it
+            holds one they would not). Before 2026-11-30 it counted ``already_present`` for any object under
+            the new name and ``migrated`` for sources the run would leave (``skipped_invalid``, errors).
         encrypted: the workers' ``g4.encrypt``: True leaves plaintext objects where they are (an encrypted pool
             never serves them: ``skipped_plaintext``), False renames them; None (not known) refuses the run when
             a plaintext object is found with ``keyring``. Without a keyring the pool is plaintext.
@@ -149,9 +153,6 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
         parts = o.name.split("/")
         new = "/".join(parts[:-5] + [namer.name(meta["rank"], meta["seq_hash"])])
         try:
-            if dry_run:
-                res["already_present" if store.head(new) is not None else "migrated"] += 1
-                continue
             data = store.get(o.name)
             if data is None:
                 continue
@@ -165,6 +166,11 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
                 continue
             if why is not None:  # the store holds these very bytes: damaged, left for gc; else a bad read: error
                 res["skipped_invalid" if store.stored_matches(o.name, data, o.size) else "errors"] += 1
+                continue
+            if dry_run:  # what the run would do, writing and deleting nothing
+                there = store.get(new)
+                res["migrated" if there is None else
+                    "already_present" if _serves(there, meta, keyring, encrypted) else "kept_name_taken"] += 1
                 continue
             created = store.put_if_absent(new, data)
             if not created and not _serves(store.get(new), meta, keyring, encrypted):

@@ -137,3 +137,51 @@ def test_migrate_keeps_the_source_when_the_new_name_holds_a_damaged_object(tmp_p
     assert code == 0 and json.loads(out)["migrated"] == 1, out
     with G4Pool(cfg, ns) as p:
         assert read_checked(p, [9300], "alice") == [True] and _legacy(p) == 0
+
+
+def _files(root) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def test_a_dry_run_reports_what_the_run_does_on_a_mixed_store(tmp_path):
+    """A store holding format 1 objects whose keyed name holds a good copy, a damaged copy, a foreign object
+    (another block's frame), nothing, and one damaged source. Old code: the dry run counted ``already_present``
+    for every existing keyed name and ``migrated`` for the damaged source ((migrated, already_present,
+    kept_name_taken, skipped_invalid) = (2, 3, 0, 0)) while the run did (1, 1, 2, 1). Now the dry run reads and
+    verifies as the run does: every count equal, and the store untouched by it, byte for byte."""
+    ns = namespace()
+    kr = str(tmp_path / "kr.json")
+    root = tmp_path / "store"
+    cfg = G4Config(url=f"file://{root}", keyring={"path": kr}, dir_fanout=FANOUT)
+    good, damaged, foreign, absent, bad_src = 9400, 9401, 9402, 9403, 9404
+    with G4Pool(cfg, ns) as p:
+        assert put_blocks(p, [good, damaged, foreign, absent, bad_src, 9499], "alice").written == 6
+        for s in (good, damaged, foreign):  # the block under both names
+            k = ns.key(s, tenant="alice")
+            p.store.put(p.legacy_object_name(k), bytes(p.store.get(p.object_name(k))))
+        kd = ns.key(damaged, tenant="alice")  # a payload byte flipped in the keyed copy
+        bad = bytearray(p.store.get(p.object_name(kd)))
+        bad[HEADER_BYTES + 7] ^= 0x40
+        p.store.delete(p.object_name(kd))
+        p.store.put(p.object_name(kd), bytes(bad))
+        kf = ns.key(foreign, tenant="alice")  # another block's frame under the keyed name
+        other = bytes(p.store.get(p.object_name(ns.key(9499, tenant="alice"))))
+        p.store.delete(p.object_name(kf))
+        p.store.put(p.object_name(kf), other)
+        _to_legacy(p, ns, [absent], "alice")
+        name, data = next(iter(_to_legacy(p, ns, [bad_src], "alice").items()))  # a damaged source
+        src = bytearray(data)
+        src[HEADER_BYTES + 100] ^= 0x01
+        p.store.delete(name)
+        p.store.put(name, bytes(src))
+    base = ["g4", "migrate", "--url", cfg.url, "--keyring", kr, "--dir-fanout", str(FANOUT), "--json"]
+    before = _files(root)
+    code_dry, out = _cli(*base, "--dry-run")
+    dry = json.loads(out)
+    assert _files(root) == before  # nothing written, nothing deleted
+    code, out = _cli(*base)
+    real = json.loads(out)
+    keys = ("migrated", "already_present", "kept_name_taken", "skipped_invalid", "errors")
+    assert [real[k] for k in keys] == [1, 1, 2, 1, 0], out
+    assert (code_dry, [dry[k] for k in keys]) == (code, [real[k] for k in keys])
+    assert {k: v for k, v in dry.items() if k != "dry_run"} == {k: v for k, v in real.items() if k != "dry_run"}
