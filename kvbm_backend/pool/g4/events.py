@@ -8,7 +8,8 @@
   pool's circuit breaker is open).
 * :class:`StatsGauges` -- the ``kvbm_g4_*`` gauges of one registry: the ``stats()`` of its open pools, summed.
 * :class:`OperatorLog` -- the pool's operator log lines about the store (a missing bucket, a store that
-  refuses requests: at most one line per kind per :data:`STORE_ERROR_LOG_S` seconds) and about tenants
+  refuses requests, a load or lookup that failed unexpectedly: at most one line per kind per
+  :data:`STORE_ERROR_LOG_S` seconds) and about tenants
   whose offloads are dropped (once per reason and tenant pseudonym, at most :data:`MAX_LOGGED_TENANTS`
   of them). They keep the logger they have always had, ``kvbm_backend.pool.g4.pool`` (operators and
   ``tests/pool/test_operator_logs.py`` filter on that name).
@@ -240,6 +241,7 @@ class OperatorLog:
         self.store_errors_logged: dict[str, float] = {}  # kind -> time.monotonic() when last logged
         self.read_errors_logged: dict[str, float] = {}  # the same for loads' and lookups' errors (never reset)
         self.logged_tenants: set[tuple[str, str]] = set()  # (reason, tenant pseudonym hex) logged once
+        self.unexpected_logged: dict[str, float] = {}  # "what: exception type" -> time.monotonic() when last logged
 
     def store_error(self, e: OSError, read: bool = False) -> None:
         """The store answered with an error (not an outage): log it, at most once per kind per
@@ -263,6 +265,26 @@ class OperatorLog:
             log.warning("%s: the store refuses requests: %s (offloads dropped as dropped_error, loads miss as "
                         "miss_error; check credentials and permissions); repeated at most every %.0f s",
                         self.where, e, STORE_ERROR_LOG_S)
+
+    def unexpected(self, e: BaseException, what: str) -> None:
+        """A G4 ``what`` (``"load"``, ``"lookup"``) failed with an exception no store, I/O or frame error explains
+        (a bug, e.g. a TypeError; it stays a miss / an absent key): an ERROR naming its type and message, at most
+        once per (``what``, exception type) per :data:`STORE_ERROR_LOG_S` seconds (at most 64 types), with the
+        traceback the first time that type is logged. Never raises."""
+        kind = f"{what}: {type(e).__name__}"
+        now = time.monotonic()
+        with self._mu:
+            last = self.unexpected_logged.get(kind)
+            if (last is not None and now - last < STORE_ERROR_LOG_S) or (last is None and len(
+                    self.unexpected_logged) >= 64):
+                return
+            self.unexpected_logged[kind] = now
+        try:
+            log.error("%s: a G4 %s failed unexpectedly (%s: %s): a miss, never served; not a store error: "
+                      "please report it with this line's traceback; repeated at most every %.0f s", self.where,
+                      what, type(e).__name__, e, STORE_ERROR_LOG_S, exc_info=e if last is None else None)
+        except Exception:  # noqa: BLE001 - logging never fails a load
+            pass
 
     def store_ok(self) -> None:
         """A write succeeded: clear logged store errors (one INFO line when the bucket appeared). Cheap

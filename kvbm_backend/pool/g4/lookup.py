@@ -8,7 +8,8 @@ down". Throttled HEADs (:class:`~kvbm_backend.pool.g4.store.StoreThrottled`) are
 full-jitter backoff (:mod:`.throttle`) until the bound: each throttled answer counts ``throttled_head``, a
 HEAD still throttled at the bound ends the lookup there (``lookup_throttled``), never a breaker failure. A HEAD
 answered with an error (an OSError neither outage nor throttle: 403, a link at the name) finds the key absent and
-is logged as the writer's errors are (:meth:`~.events.OperatorLog.store_error`, ``the store refuses requests``).
+is logged as the writer's errors are (:meth:`~.events.OperatorLog.store_error`, ``the store refuses requests``);
+any other exception (a bug) finds it absent too, logged with its type and traceback (:meth:`~.events.OperatorLog.unexpected`).
 Keys of another namespace, or of a revoked tenant (any pool with a keyring, plaintext ones too), or any key while
 the keyring file does not load, are absent without store I/O.
 """
@@ -142,8 +143,9 @@ class G4Lookups:
                     except OSError as e:  # an error answer (denied, a link refused): absent, named in the log
                         self._breaker.success()
                         self._oplog.store_error(e, read=True)
-            except Exception:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - a lookup never raises: absent, named in the log (a bug)
                 present = False
+                self._oplog.unexpected(e, "lookup")
             b.ok[i] = present
             b.done[i] = True
             with mu:

@@ -16,7 +16,8 @@ buffers file objects are read through); lookups are :mod:`.lookup`.
   is ``miss_unconfirmed_corrupt`` (detail ``unconfirmed_<reason>``) and the object stays; so does a
   ``miss_key_mismatch`` (other key material: docs/format.md).
   An error answer (an OSError neither outage nor throttle: 403, no bucket, a link at the name) is ``miss_error``,
-  logged as the writer's are (:meth:`~.events.OperatorLog.store_error`, ``the store refuses requests``).
+  logged as the writer's are (:meth:`~.events.OperatorLog.store_error`, ``the store refuses requests``); so is
+  any other exception (a bug), logged with its type and traceback (:meth:`~.events.OperatorLog.unexpected`).
 * Throttled reads (:class:`~kvbm_backend.pool.g4.store.StoreThrottled`) are retried after a full-jitter backoff
   (:mod:`.throttle`) until the batch's load bound: each throttled answer counts ``throttled_get``; a block still
   throttled at the bound is ``miss_throttled``. A throttle is the store answering: never a breaker failure, and a
@@ -173,14 +174,12 @@ class G4Reader:
         self._keyring = keyring
         self._encrypt = encrypt
         self._tenant_keyring = keyring  # what tenant_miss asks: plaintext pools with a keyring honour it too
-        self._frames = frames
-        self._frame_bytes = HEADER_BYTES + self._bpb
+        self._frames, self._frame_bytes = frames, HEADER_BYTES + self._bpb
         self._breaker = breaker
         self._throttle = throttle
         self._count, self._oplog = counters.count, oplog
         self._exec = executor
-        self._deadlines = deadlines
-        self._load_bound_s = load_bound_s
+        self._deadlines, self._load_bound_s = deadlines, load_bound_s
         self._tasks = max_inflight  # tasks per batch at most (one per I/O thread)
         self._closed = False
         # Stores that read straight into a buffer (file://) get reusable huge-page bounce buffers, one
@@ -324,8 +323,9 @@ class G4Reader:
             if b.closed:
                 return
             miss = self._load(b, i, key, out)
-        except Exception:  # noqa: BLE001 - a read never raises to the caller
+        except Exception as e:  # noqa: BLE001 - a read never raises to the caller: a miss, named in the log
             miss = "miss_error"
+            self._oplog.unexpected(e, "load")
         finally:
             # a slot the batch expired had its miss counted then (once); a hit copied in time still counts
             counted = self._finish_slot(b, i) or miss is None
