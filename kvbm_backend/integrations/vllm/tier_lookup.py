@@ -30,6 +30,7 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 
 from ...deadlines import Deadline
+from .tier_gaps import skip_held
 
 if TYPE_CHECKING:
     from .tiering import KvbmSecondaryTier
@@ -110,8 +111,10 @@ class TenantLookup(AsyncLookupManager):
         run's first missing one are looked up too, uncounted (:meth:`_past_gap`): the request cannot use a chunk
         after one no tier holds, but vLLM's manager takes each chunk from the first tier holding it, so G3's chunks
         after one only G4 holds are G3 hits. Before 2026-11-30 they were misses and read from G4 instead (S3 for
-        what is on local disk), or recomputed when the tier below lacked them too. G4 stops at its first gap (one
-        HEAD per chunk otherwise).
+        what is on local disk), or recomputed when the tier below lacked them too. G4 (HEADs) looks past a gap
+        only below our tiers, where they hold it, from the next chunk they lack (:func:`.tier_gaps.skip_held`):
+        before 2026-11-30 a G4 lacking chunk k answered k+1.. misses though G3 above served k, so the chunks
+        after k that G3 lacked and G4 held were recomputed.
 
         Below another of our tiers in the manager (G4 under G3: :func:`tiers_above`) every look is uncounted and a
         run counts only the chunks the tiers above lack (none: not counted), found as far as this tier holds
@@ -146,18 +149,27 @@ class TenantLookup(AsyncLookupManager):
             for j, i in enumerate(run):  # chunk j: its first copy among the n0, its others among the n1
                 out[i] = j < n0 and (j + 1) * (c - 1) <= n1
             held = sum(out[i] for i in run)  # the run's held prefix; the chunk after it is not held
-            if t.look_past_gaps and held + 1 < len(run):
-                self._past_gap([pairs[i] for i in run[held + 1:]], run[held + 1:], out, end)
+            if (t.look_past_gaps or above) and held + 1 < len(run):
+                self._past_gap([pairs[i] for i in run[held:]], run[held:], out, end,
+                               None if t.look_past_gaps else (above, req_context))
         return out
 
-    def _past_gap(self, pairs: list[tuple[OffloadKey, str]], idx: list[int], out: list[bool], end: Deadline) -> None:
-        """Set ``out[idx[j]]`` for the chunks ``pairs`` after a run's first chunk the tier lacks: held when every
-        copy is, each gap skipped (uncounted: the run's lookup counted the request's prefix). Another tier may
-        hold the gap (vLLM's manager promotes each chunk from the first tier that answers HIT), so a chunk this
-        tier holds after it is a hit. One uncounted prefix lookup per gap; a failed or late one leaves misses."""
+    def _past_gap(self, pairs: list[tuple[OffloadKey, str]], idx: list[int], out: list[bool], end: Deadline,
+                  filled_by: tuple[list[KvbmSecondaryTier], ReqContext] | None = None) -> None:
+        """Set ``out[idx[j]]`` for the chunks ``pairs[1:]`` after a run's first chunk the tier lacks
+        (``pairs[0]``): held when every copy is, each gap skipped (uncounted: the run's lookup counted the
+        request's prefix). Another tier may hold the gap (vLLM's manager promotes each chunk from the first tier
+        that answers HIT), so a chunk this tier holds after it is a hit. One uncounted prefix lookup per gap; a
+        failed or late one leaves misses. ``filled_by`` (G4 below our tiers, whose lookups are HEADs): past a gap
+        only where those tiers hold it, and from the next chunk they lack (:func:`.tier_gaps.skip_held`, index
+        lookups; the chunks they hold stay misses here, vLLM loads them from above). So G4 HEADs only from a chunk
+        the request can use and no tier above holds; past a chunk no tier holds, none."""
         t, c = self._tier, self._tier.geometry.copies
-        s = 0
-        while s < len(pairs):
+        g = 0  # pairs[g]: a chunk this tier lacks
+        while True:
+            s = g + 1 if filled_by is None else skip_held(filled_by[0], pairs, g, filled_by[1], end)
+            if s == g or s >= len(pairs):
+                return
             try:
                 n = int(t.pool.lookup_prefix([bk for k, tenant in pairs[s:] for bk in t._block_keys(k, tenant)],
                                              request=False).result(timeout=end.left()))
@@ -166,7 +178,7 @@ class TenantLookup(AsyncLookupManager):
                 return
             for j in range(s, s + n // c):
                 out[idx[j]] = True
-            s += n // c + 1  # chunk s + n // c: some copy absent
+            g = s + n // c  # some copy of chunk g absent
 
 
 def prefix_runs(pairs: list[tuple[OffloadKey, str]], req_context: ReqContext) -> list[list[int]]:

@@ -157,7 +157,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
     #: delete a chunk whose load failed other than by a timeout (a read error G3 kept the slot for), so the
     #: recomputed chunk's store writes it again (G3; a shared G4 store keeps its objects)
     drop_unreadable: ClassVar[bool] = False
-    #: chunks after the first one the tier lacks are looked up too (G3; G4: misses, no HEAD each): tier_lookup
+    #: chunks after any chunk the tier lacks are looked up (G3; G4 only past one a tier above holds): tier_lookup
     look_past_gaps: ClassVar[bool] = False
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str, *,

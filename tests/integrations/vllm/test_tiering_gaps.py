@@ -67,3 +67,90 @@ def test_a_chunk_missing_from_one_rank_is_still_a_miss_past_the_gap(tmp_path, ha
     results = test_tiering._resolve(tier, ctx, keys)
     tier.on_request_finished(ctx)
     assert [results[k] for k in keys] == [LookupResult.MISS, LookupResult.HIT, LookupResult.MISS, LookupResult.HIT]
+
+
+def _g4_only(tmp_path, harnesses, keys, data, world_size=1) -> None:
+    """Write ``data`` under ``keys`` to the file:// G4 store through a manager with G4 alone."""
+    h = harnesses([_g4_tier(tmp_path / "g4")], world_size=world_size)
+    h.store(keys, data)
+    h.wait_idle()
+    h.shutdown()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_g4_serves_the_chunks_it_holds_after_a_chunk_only_g3_holds(tmp_path, harnesses, world_size):
+    """G3 (above) holds chunk 1 only, G4 chunks 0, 2, 3: all 4 load, 1 from G3 and 0, 2, 3 from G4, bytes exact.
+    Before: G4 looked its chunks up as one prefix and answered 2 and 3 missing behind its gap at 1 (vLLM posts
+    every chunk to every tier in the prompt's first step, when each still answers RETRY, and caches the verdicts),
+    so the request stopped at chunk 2: 2 chunks loaded, [1, 1], chunks 2-3 recomputed."""
+    keys = keys_for(4, f"g4gap-{world_size}")
+    probe = harnesses([g3_tier(tmp_path / "g3")], world_size=world_size)
+    data = payloads(probe, 4, seed=21)
+    probe.store(keys[1:2], data[1:2])
+    probe.wait_idle()
+    probe.shutdown()
+    _g4_only(tmp_path, harnesses, [keys[0]] + keys[2:], [data[0]] + data[2:], world_size)
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")], world_size=world_size)
+    g3, g4 = h.manager.secondary_tiers
+    got = h.load(keys)
+    assert len(got) == 4 and all(np.array_equal(a, b) for a, b in zip(got, data)), len(got)  # before: 2
+    loaded = [t.kvbm_stats()["tier"]["chunks_loaded"] for t in (g3, g4)]
+    assert loaded == [1, 3], loaded  # before: [1, 1]
+
+
+def _heads(tier) -> list:
+    """The object names the tier's G4 pool HEADs from now on (its real store, spied)."""
+    heads: list = []
+    store = tier.pool.lookups.store
+    real_head = store.head
+    store.head = lambda name: heads.append(name) or real_head(name)
+    return heads
+
+
+def _g4_verdicts(h, keys) -> list:
+    """G4's (the manager's second tier) verdicts of ``keys`` posted as one request's ascending prefix."""
+    g4 = h.manager.secondary_tiers[1]
+    ctx = h.context()
+    for i, k in enumerate(keys):
+        ctx.set_offload_key_position(k, i + 1)
+    h.manager.on_new_request(ctx)
+    got = test_tiering._resolve(g4, ctx, keys)
+    h.manager.on_request_finished(ctx)
+    return [got[k] for k in keys]
+
+
+def _seed(tmp_path, harnesses, keys, in_g3, in_g4, seed) -> list:
+    """Payloads for ``keys``; chunks ``in_g3`` written to the G3 directory, ``in_g4`` to the G4 store."""
+    probe = harnesses([g3_tier(tmp_path / "g3")], chunks=64)
+    data = payloads(probe, len(keys), seed=seed)
+    probe.store([keys[i] for i in in_g3], [data[i] for i in in_g3])
+    probe.wait_idle()
+    probe.shutdown()
+    h = harnesses([_g4_tier(tmp_path / "g4")], chunks=64)
+    h.store([keys[i] for i in in_g4], [data[i] for i in in_g4])
+    h.wait_idle()
+    h.shutdown()
+    return data
+
+
+def test_g4_stops_at_a_chunk_no_tier_holds(tmp_path, harnesses):
+    """G3 holds chunk 1, G4 chunks 0, 2, 4, 5; chunk 3 is nowhere: G4 answers 0 and 2 hits (past its gap at 1,
+    which G3 holds), 4 and 5 misses (the request ends at 3). Before: 2 a miss as well."""
+    from vllm.v1.kv_offload.base import LookupResult
+    keys = keys_for(6, "g4stop")
+    _seed(tmp_path, harnesses, keys, [1], [0, 2, 4, 5], seed=22)
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    hit, miss = LookupResult.HIT, LookupResult.MISS
+    assert _g4_verdicts(h, keys) == [hit, miss, hit, miss, miss, miss]
+
+
+def test_g4_sends_no_head_for_the_chunks_g3_holds_past_its_gap(tmp_path, harnesses):
+    """G3 holds chunks 0-39, G4 0-4: G4's lookup ends at its gap (G3 serves 5-39), no further HEADs; each name is
+    HEADed once (a G4 looking past each gap G3 fills would send a wave of HEADs per chunk after 5)."""
+    keys = keys_for(40, "g4full")
+    _seed(tmp_path, harnesses, keys, list(range(40)), list(range(5)), seed=23)
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")], chunks=64)
+    heads = _heads(h.manager.secondary_tiers[1])
+    verdicts = _g4_verdicts(h, keys)
+    assert [v.name for v in verdicts] == ["HIT"] * 5 + ["MISS"] * 35
+    assert heads and len(heads) == len(set(heads)), sorted(heads)
