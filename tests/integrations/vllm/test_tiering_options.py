@@ -74,3 +74,29 @@ def test_good_tier_keys_are_taken_as_given(tmp_path):
         assert h.tier._events == [] and h.tier.locality is Locality.LOCAL  # G3's default
     finally:
         h.shutdown()
+
+
+
+def test_g4_layout_canonical_is_refused_by_g4tier_naming_the_field(tmp_path):
+    """``g4.layout: canonical`` (the connector's TP-independent G4: one object per KV head) is refused when vLLM
+    builds a G4Tier, with an error naming ``g4.layout`` (``open_pool``: the tier cuts per-rank blocks), whether set
+    in the tier's ``g4`` key or in the config file it names, leaving nothing open or written: an operator who set
+    it is never left believing engines of other TP sizes share the tier's G4. ``per-rank`` (set) starts."""
+    store = tmp_path / "g4"
+    tier = {"type": "G4Tier", "module_path": MOD, "num_kv_heads": GEO["num_kv_heads"], "io_threads": 2,
+            "g4": {"url": f"file://{store}", "encrypt": False, "layout": "canonical"}}
+    cfg_file = tmp_path / "kvbm.yaml"
+    cfg_file.write_text(f"g4:\n  url: file://{store}\n  encrypt: false\n  layout: canonical\n")
+    from_file = {k: v for k, v in tier.items() if k != "g4"} | {"config": str(cfg_file)}
+    before = {t.name for t in threading.enumerate()}
+    for t in (tier, from_file):
+        with pytest.raises(ValueError, match=r"^g4\.layout: canonical is served through the vLLM connector "
+                                             r"\(KvbmBackendConnector.*set g4\.layout: per-rank"):
+            _make(t)
+    assert not store.exists() or not any(store.rglob("*"))  # nothing written
+    assert not {t.name for t in threading.enumerate()} - before  # no pool thread left running
+    h = _make({**tier, "g4": {**tier["g4"], "layout": "per-rank"}})
+    try:
+        assert h.tier.pool is not None
+    finally:
+        h.shutdown()
