@@ -27,17 +27,22 @@ default in ``dynamo.vllm``'s parser, so the flag wins where both are given). Bef
 read: a worker made a prefill worker by it (how a deployment's environment sets a role) passed the check, dry run
 included, with G3 alone.
 The ``--kv-transfer-config`` checked is the one vLLM resolves (:func:`check_argv`: the last flag, ``--config
-FILE.yaml``, dotted ``--kv-transfer-config.KEY`` options, through vLLM's own parser).
+FILE.yaml``, dotted ``--kv-transfer-config.KEY`` options, abbreviations such as ``--kv-transfer-conf``, through
+vLLM's own parser). Before 2026-11-30 an abbreviated name (argparse's ``allow_abbrev``, which vLLM keeps on) went
+unseen. ``--disaggregation-mode`` is read by its full name only: ``dynamo.vllm``'s own parser sets
+``allow_abbrev=False`` (``--disaggregation-mod prefill`` is refused there as an unrecognized argument).
 Storage reachability is not checked here: an unreachable G4 is a degraded tier, not a start-up error.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 
 CONNECTOR = "KvbmBackendConnector"
+KTC = "--kv-transfer-config"
 TIER_MODULE = "kvbm_backend.integrations.vllm.tiering"
 MODE_ENV = "DYN_VLLM_DISAGGREGATION_MODE"
 """Dynamo's environment variable for ``--disaggregation-mode`` (``dynamo.vllm``: the flag's default)."""
@@ -60,16 +65,25 @@ def _arg(argv: list[str], name: str) -> str | None:
     return found
 
 
-def _vllm_argv(argv: list[str]) -> list[str]:
-    """``argv`` as vLLM 0.32's own ``FlexibleArgumentParser.parse_args`` hands it to argparse
-    (``vllm/utils/argparse_utils.py``): ``--config FILE.yaml`` pulled in before the command line's options
-    (lines 334-335, 479-567; a YAML mapping value becomes one JSON argument, 627-631), option names
-    ``_`` -> ``-`` (344-356), and the dotted ``--kv-transfer-config.a.b=V`` options merged into one full JSON
-    ``--kv-transfer-config`` appended after everything else (409-463), so it replaces an earlier full JSON.
-    vLLM's code does it (no copy here): a subclass takes the list that reaches argparse and parses nothing.
-    Importing it costs vLLM's import (torch, seconds), which the engine pays next anyway; :func:`check_argv`
-    calls this only where ``--config`` or a dotted option is given. Raises what vLLM raises (``OSError`` for
-    an unreadable file, ``ValueError``, ``AssertionError`` for two ``--config``, ``yaml.YAMLError``)."""
+def _vllm_values(argv: list[str]) -> list[str]:
+    """Each value vLLM 0.32's own parser assigns to ``--kv-transfer-config`` for ``argv``, in order (the last is
+    the one the engine uses; ``[]``: none given). Two steps, both vLLM's and argparse's code (no copy here):
+
+    1. ``FlexibleArgumentParser.parse_args``'s preprocessing (``vllm/utils/argparse_utils.py``): ``--config
+       FILE.yaml`` pulled in before the command line's options (lines 334-335, 479-567; a YAML mapping value
+       becomes one JSON argument, 627-631), option names ``_`` -> ``-`` (344-356), dotted ``--NAME.a.b=V``
+       options merged into one JSON ``--NAME`` appended after everything else (409-463).
+    2. argparse's option resolution on that list, by the parser the engine's options go through: ``vllm serve``'s
+       (``make_arg_parser``, ``argv[0] == "serve"``) else the engine parser ``dynamo.vllm`` hands vLLM's options to
+       (``AsyncEngineArgs.add_cli_args``). ``FlexibleArgumentParser`` leaves argparse's ``allow_abbrev`` True, so
+       an unambiguous prefix (``--kv-transfer-conf``, ``--kv_t=V``) is ``--kv-transfer-config``. Values are kept
+       as given (no type conversion); other options are parsed and dropped.
+
+    Importing vLLM costs seconds (torch), which the engine pays next anyway; :func:`check_argv` calls this only
+    where :func:`_needs_vllm` says the answer can differ from the plain reading. Raises what vLLM raises
+    (``OSError`` for an unreadable file, ``ValueError``, ``AssertionError`` for two ``--config``,
+    ``yaml.YAMLError``) and ``ValueError`` for what argparse refuses (``ambiguous option: --kv could match ...``,
+    a missing value)."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     class _Seen(FlexibleArgumentParser):
@@ -81,20 +95,63 @@ def _vllm_argv(argv: list[str]) -> list[str]:
 
     p = _Seen(add_help=False)
     p.parse_args(list(argv))
-    return p.seen
+    serve = p.seen[:1] == ["serve"]
+    ns = argparse.Namespace(kv_transfer_config=[])
+    argparse.ArgumentParser.parse_known_args(_engine_parser(serve), p.seen[1:] if serve else p.seen, ns)
+    return ns.kv_transfer_config
+
+
+@functools.lru_cache(maxsize=2)
+def _engine_parser(serve: bool) -> argparse.ArgumentParser:
+    """vLLM's parser for ``vllm serve`` (``serve``) or for the engine's options alone, built by vLLM's code, with
+    every action's type and choices dropped (values stay strings), help a no-op, errors raised (``ValueError``),
+    and ``--kv-transfer-config`` appending each value it is given to the namespace's list."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class _Raising(FlexibleArgumentParser):
+        def error(self, message: str):  # type: ignore[override]
+            raise ValueError(message)
+
+    class _Record(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            getattr(namespace, self.dest).append(values)
+
+    class _Ignore(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            pass
+
+    if serve:  # vllm/entrypoints/cli/serve.py: subparsers.add_parser("serve", ...) then make_arg_parser
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        parser = make_arg_parser(_Raising())
+    else:  # dynamo/vllm/args.py: FlexibleArgumentParser(add_help=False); AsyncEngineArgs.add_cli_args(...)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        parser = _Raising(add_help=False)
+        AsyncEngineArgs.add_cli_args(parser, async_args_only=False)
+    for a in parser._actions:
+        a.type, a.choices = None, None
+        if a.dest == "kv_transfer_config":
+            a.__class__ = _Record
+        elif isinstance(a, (argparse._HelpAction, argparse._VersionAction)):
+            a.__class__ = _Ignore  # type: ignore[assignment]
+    return parser
 
 
 def _needs_vllm(argv: list[str]) -> bool:
-    """Whether vLLM's preprocessing can change which ``--kv-transfer-config`` counts: a ``--config`` token (the
-    exact test of argparse_utils.py line 334; ``--config=F`` is not pulled in by vLLM either) or a dotted option
-    name (line 425). Otherwise the last ``--kv-transfer-config`` under either spelling is vLLM's answer."""
-    return "--config" in argv or any(a.startswith("-") and "." in a.partition("=")[0] for a in argv)
+    """Whether vLLM's parsing can change which ``--kv-transfer-config`` counts: a ``--config`` token (the exact
+    test of argparse_utils.py line 334; ``--config=F`` is not pulled in by vLLM either), a dotted option name
+    (line 425), or an option name that argparse could take as an abbreviation of ``--kv-transfer-config`` (a
+    proper prefix of it, ``_`` as ``-``). Otherwise the last ``--kv-transfer-config`` under either spelling is
+    vLLM's answer."""
+    def abbrev(a: str) -> bool:
+        name = a.partition("=")[0].partition(".")[0].replace("_", "-")
+        return len(name) > 2 and name != KTC and KTC.startswith(name)
+    return "--config" in argv or any(a.startswith("-") and ("." in a.partition("=")[0] or abbrev(a)) for a in argv)
 
 
-def _dropped_ours(argv: list[str]) -> bool:
-    """Whether the last full ``--kv-transfer-config`` JSON on the command line names ours (then replaced)."""
+def _names_ours(raw: str) -> bool:
+    """Whether the ``--kv-transfer-config`` JSON ``raw`` names one of our connectors or tiers."""
     try:
-        full = json.loads(_arg(argv, "--kv-transfer-config") or "null")
+        full = json.loads(raw)
     except ValueError:
         return False
     return isinstance(full, dict) and bool(_ours(full))
@@ -177,20 +234,22 @@ def check_argv(argv: list[str], *, create: bool = True) -> str | None:
     """The first problem of the kvbm-backend connectors and tiers in ``--kv-transfer-config`` as one line, or
     None (also None when there is no such argument or nothing of ours). ``create=False``: write nothing.
     The config checked is the one vLLM uses: the last ``--kv-transfer-config`` (``--kv_transfer_config``,
-    ``=V`` or ``V``) after vLLM's own preprocessing (:func:`_vllm_argv`: ``--config FILE.yaml``, dotted
-    ``--kv-transfer-config.KEY``). A ``--config`` vLLM cannot read is reported as a problem (the engine would
-    not start either), not passed unchecked. Before 2026-11-30 ``--config`` and dotted options went unseen."""
-    given = argv
+    ``=V`` or ``V``) after vLLM's own parsing (:func:`_vllm_values`: ``--config FILE.yaml``, dotted
+    ``--kv-transfer-config.KEY``, an abbreviated name such as ``--kv-transfer-conf``). Arguments vLLM cannot read
+    (a ``--config`` it cannot open, an ambiguous abbreviation) are reported as a problem (the engine would not
+    start either), not passed unchecked. Before 2026-11-30 ``--config``, dotted options and abbreviations went
+    unseen."""
+    values: list[str] | None = None
     if _needs_vllm(argv):
         try:
-            given = _vllm_argv(argv)
+            values = _vllm_values(argv)
         except ImportError as e:
-            return f"--config / dotted options: vLLM's argument parser cannot be imported ({e}); not checked"
+            return f"--config / dotted / abbreviated options: vLLM's argument parser cannot be imported ({e}); not checked"
         except Exception as e:  # noqa: BLE001 - vLLM refuses these arguments too: one line, not a pass
             where = f"--config {argv[argv.index('--config') + 1]}" if "--config" in argv[:-1] else "arguments"
             return (f"{where}: vLLM cannot read its arguments ({type(e).__name__}: {e}); "
                     "the --kv-transfer-config it would use is not known, so it is not checked")
-    raw = _arg(given, "--kv-transfer-config")
+    raw = _arg(argv, KTC) if values is None else (values[-1] if values else None)
     if raw is None:
         return None
     try:
@@ -199,7 +258,7 @@ def check_argv(argv: list[str], *, create: bool = True) -> str | None:
         return f"--kv-transfer-config: not JSON ({e})"
     if not isinstance(ktc, dict):
         return "--kv-transfer-config: expected a JSON object"
-    if "kv_connector" not in ktc and given is not argv and _dropped_ours(argv):
+    if "kv_connector" not in ktc and values and len(values) > 1 and _names_ours(values[-2]):
         return ("--kv-transfer-config: vLLM merges the dotted --kv-transfer-config.KEY options into one JSON given "
                 "after the full one, which it replaces; that JSON names no kv_connector, so KvbmBackendConnector "
                 "would not run: give every key dotted (kv_connector too) or all of them in the JSON")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvbm_backend.integrations.preflight import check_argv
 
 
@@ -217,3 +219,35 @@ def test_the_kv_transfer_config_vllm_resolves_from_config_files_and_dotted_optio
     for path in (str(tmp_path / "missing.yaml"), str(tmp_path / "kvbm.json")):
         why = check_argv(["serve", "m", "--config", path, "--kv-transfer-config", good], create=False)
         assert why and why.startswith(f"--config {path}: vLLM cannot read its arguments") and "not checked" in why, why
+
+
+@pytest.mark.slow  # imports vLLM (torch) and builds its parsers: ~20 s on a busy 2-core machine
+def test_an_abbreviated_kv_transfer_config_is_resolved_as_vllms_parser_resolves_it(tmp_path):
+    """Review finding (2026-11-30): vLLM 0.32's ``FlexibleArgumentParser`` is an ``argparse.ArgumentParser`` with
+    ``allow_abbrev`` left True (``vllm serve``'s parser and the engine parser ``dynamo.vllm`` hands vLLM's options
+    to), so ``--kv-transfer-conf JSON`` (any unambiguous prefix, either spelling, ``=V``, dotted) is the
+    ``--kv-transfer-config`` the engine uses. The preflight matched the full name only: a bad G3 setting given so
+    passed the check (None) and failed inside vLLM's worker. It now takes the value vLLM's own parser assigns."""
+    import yaml
+    good, bad = _ktc(tmp_path, 1), _ktc(tmp_path, -1)
+    cfg = tmp_path / "abbrev.yaml"
+    cfg.write_text(yaml.safe_dump({"kv-transfer-conf": json.loads(bad)}))
+    refused = {
+        "prefix": ["serve", "m", "--kv-transfer-conf", bad],
+        "short prefix, underscores, =V": ["serve", "m", f"--kv_t={bad}"],
+        "an abbreviation after the full name wins": ["serve", "m", "--kv-transfer-config", good, "--kv-tr", bad],
+        "dynamo.vllm form (no subcommand)": ["--model", "m", "--kv-transfer-co", bad],
+        "dotted under an abbreviated name": [
+            "serve", "m", "--kv-transfer-conf.kv_connector", "KvbmBackendConnector", "--kv-transfer-conf.kv_role",
+            "kv_both", f"--kv-transfer-conf.kv_connector_extra_config.kvbm_backend.g3.paths+={tmp_path / 'g3'}",
+            "--kv-transfer-conf.kv_connector_extra_config.kvbm_backend.g3.capacity_gb=-1"],
+        "abbreviated key in --config FILE": ["serve", "m", "--config", str(cfg)],
+    }
+    for form, argv in refused.items():
+        why = check_argv(argv, create=False)
+        assert why and "g3.capacity_gb" in why, (form, why)
+    assert check_argv(["serve", "m", "--kv-transfer-conf", bad, "--kv-transfer-config", good], create=False) is None
+    assert check_argv(["serve", "m", "--kv-transfer-conf", good], create=False) is None
+    # an ambiguous prefix: vLLM refuses the command line, so the preflight names it instead of passing it
+    why = check_argv(["serve", "m", "--kv", bad], create=False)
+    assert why and "ambiguous option: --kv" in why and "not checked" in why, why
