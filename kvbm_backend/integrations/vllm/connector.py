@@ -168,10 +168,10 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         self.parts.scheduler_role().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self.parts.scheduler_role().build_connector_meta(scheduler_output)
+        return self.parts.build_connector_meta(scheduler_output)
 
     def build_connector_worker_meta(self):
-        return self.parts.worker_meta()
+        return self.parts.worker_meta(self._connector_metadata)
 
     def update_connector_output(self, connector_output) -> None:
         self.parts.update_connector_output(connector_output)

@@ -55,8 +55,13 @@ class SaveJob:
 
 @dataclass
 class KvbmConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, every engine step: the step's load and save jobs, and ``channel``: the scheduler's
+    report channel token (:func:`.report_channel.channel_key`; ``""``: no token, the worker reports in the step
+    output)."""
+
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    channel: str = ""
 
 
 @dataclass(frozen=True)

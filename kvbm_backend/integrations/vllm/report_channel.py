@@ -14,10 +14,15 @@ returning after a pause recomputed what G3 held. Here the worker's report pump
   announce blocks the worker does not hold, which makes a load miss and recompute (loads verify every
   block), never wrong KV.
 
-Both ends derive the address from the engine's ``kv_transfer_config.engine_id`` and data-parallel rank
-(:func:`channel_key`). A worker uses the channel when it can reach the scheduler's listener at its first
-report; otherwise (no listener: an older scheduler, a directory it may not use) its reports keep travelling
-in the step output as before. Each worker's reports take exactly one of the two ways for the engine's
+Both ends derive the address from the engine's ``kv_transfer_config.engine_id``, data-parallel rank, namespace
+and a random token the scheduler draws at start and sends its workers in every step's connector metadata
+(``KvbmConnectorMetadata.channel``; :func:`channel_key`). The token makes the address one engine's even when two
+engines on one host (or in one process) are given the same explicit ``engine_id`` (a copied Dynamo config):
+before 2026-11-30 the address came from the engine id alone, so the second engine's scheduler took the first's
+socket (unlinked as "stale") and its in-process listener, and the first engine's worker reports reached the other
+engine's scheduler (its own mirror never filled: G3 hits missed). A worker uses the channel when it can reach the
+scheduler's listener at its first report, with the token of the metadata bound then; otherwise (no token, no
+listener: an older scheduler, a directory it may not use) its reports keep travelling in the step output. Each worker's reports take exactly one of the two ways for the engine's
 lifetime, so they arrive in order. A scheduler that takes none of a report's bytes for ``STALL_S`` seconds (a
 stopped or hung process) fails the channel (the worker's reports go back to the step output, with a new
 snapshot) rather than blocking the worker's pump for ever, and at shutdown the pump is not waited for more than
@@ -30,6 +35,7 @@ import atexit
 import hashlib
 import logging
 import os
+import secrets
 import socket
 import struct
 import tempfile
@@ -54,10 +60,17 @@ _local_lock = threading.Lock()
 Report = tuple[int, int, list, list, bool]  # (group, TP rank, added, removed, snapshot)
 
 
-def channel_key(engine_id: str, dp_rank: int, namespace: str) -> str:
-    """Key shared by an engine's scheduler and its workers: sha256 of engine id, data-parallel rank and
-    namespace fingerprint, 24 hex characters."""
-    return hashlib.sha256(f"{engine_id}|{dp_rank}|{namespace}".encode("utf-8", "surrogatepass")).hexdigest()[:24]
+def channel_key(engine_id: str, dp_rank: int, namespace: str, token: str = "") -> str:
+    """Key shared by an engine's scheduler and its workers: sha256 of engine id, data-parallel rank, namespace
+    fingerprint and the scheduler's token (:func:`new_token`), 24 hex characters (the socket is
+    ``<dir>/<key>.sock``: its length does not grow with the inputs)."""
+    raw = f"{engine_id}|{dp_rank}|{namespace}|{token}"
+    return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def new_token() -> str:
+    """A scheduler's report channel token: 16 random hex characters (64 bits), new at every start."""
+    return secrets.token_hex(8)
 
 
 def _private_dir() -> str | None:

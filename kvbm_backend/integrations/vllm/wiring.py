@@ -40,7 +40,7 @@ from .geometry import EngineGeometry, total_kv_heads
 from .g4_announce import G4Announcer
 from .kv_events import G3KvEvents, IdlePublisher
 from .kv_io import EngineKv
-from .metadata import KvbmWorkerMeta
+from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta
 from .namespaces import (check_kv_version, engine_geometries, group_g3_config, kv_groups, namespace_from_vllm,
                          rank_g3_config)
 from .scheduler_side import GroupTiers, SchedulerSide
@@ -80,7 +80,9 @@ class ConnectorParts:
         self._pump: Any = None
         self.sched: SchedulerSide | None = None
         self.worker: GroupedWorkers | None = None
-        self.channel_key = ""
+        self.channel_key = ""  # the scheduler's listener key (report_channel.channel_key, with its token)
+        self.channel_base: tuple[str, int, str] = ("", 0, "")  # engine id, DP rank, namespace: the key's inputs
+        self.channel_token = ""  # the scheduler's token, sent to the workers in every step's metadata
         self.rank = 0
         self._interval, self._closed, self._channel_decided = stats.Interval(), False, False
 
@@ -136,12 +138,17 @@ class ConnectorParts:
         self._writer.maybe_write()
         return out
 
-    def worker_meta(self) -> KvbmWorkerMeta | None:
+    def worker_meta(self, bound: Any = None) -> KvbmWorkerMeta | None:
+        """The worker's report for this step. ``bound``: the connector metadata bound for the step; at the first
+        report its ``channel`` token names the scheduler's report channel (none: reports go in the step output)."""
         if self.worker is None:
             return None
         if not self._channel_decided:  # at the worker's first report (report_channel.start_worker_reports)
             self._channel_decided = True
-            self._pump = report_channel.start_worker_reports(self.channel_key, self.worker.workers, self.rank)
+            token = getattr(bound, "channel", "") or ""
+            if token:
+                self.channel_key = report_channel.channel_key(*self.channel_base, token)
+                self._pump = report_channel.start_worker_reports(self.channel_key, self.worker.workers, self.rank)
         return self.worker.worker_meta()
 
     def interval_stats(self) -> stats.KvbmConnectorStats | None:
@@ -151,6 +158,13 @@ class ConnectorParts:
         return stats.KvbmConnectorStats(data=d) if d else None
 
     # ---- scheduler role ---------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
+        """The step's metadata for the workers (:meth:`.SchedulerSide.build_connector_meta`) with this
+        scheduler's report channel token."""
+        meta = self.scheduler_role().build_connector_meta(scheduler_output)
+        meta.channel = self.channel_token
+        return meta
+
     def on_g3_report(self, group: int, rank: int, added: list, removed: list, snapshot: bool) -> None:
         self.scheduler_role().apply_g3_report(group, KvbmWorkerMeta(added, removed, snapshot), rank=rank)
         stats.add(g3_reports_by_channel=1)
@@ -254,7 +268,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
     parts._writer = _stats_writer(parts, opts["stats_path"], split, scheduler,
                                   same_process=backend in (None, "uni", "external_launcher"))
     dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-    parts.channel_key = report_channel.channel_key(str(ktc.engine_id), dp, ns.fingerprint)
+    parts.channel_base = (str(ktc.engine_id), dp, ns.fingerprint)
     if scheduler:
         groups = [GroupTiers(tg.ns, tg.g3, tg.g4, (ns.groups[gi].window_blocks if ns.groups else None))
                   for gi, tg in enumerate(parts._groups)]
@@ -276,7 +290,9 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
                                               cfg.g4.announce_ttl_s)
                 parts.sched.events.announcer = parts.announcer
                 parts.announcer.start()
-        if mirror or kv_events:
+        if mirror or kv_events:  # one engine's: its own token, even where another has the same engine_id
+            parts.channel_token = report_channel.new_token()
+            parts.channel_key = report_channel.channel_key(*parts.channel_base, parts.channel_token)
             parts._listener = report_channel.ReportListener(parts.channel_key, parts.on_g3_report)
     else:
         ws = [WorkerSide(tg.ns, parts.rank, tg.g3, tg.g4, load_timeout_s=cfg.g3.load_timeout_s + cfg.g4.load_bound_s,
