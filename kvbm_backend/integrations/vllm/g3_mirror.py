@@ -155,12 +155,13 @@ class FingerprintSet:
     batched and vectorised: probing advances all pending values one cell per round (rounds = the longest
     probe, a few at load <= 1/2). Deletion leaves no tombstones: a batch removal empties the freed cells,
     then takes out and re-inserts the rest of each freed cell's cluster (the entries after it up to the
-    next empty cell), the batch form of backward-shift deletion. Not thread-safe.
+    next empty cell), the batch form of backward-shift deletion. A subclass with per-cell data beside the
+    table (:class:`~.rank_masks.RankMasks`' masks) keeps it with its values through growth and deletion by
+    three hooks: :meth:`_new_table`, :meth:`_take`, :meth:`_land`. Not thread-safe.
     """
 
     def __init__(self, bits: int = _MIN_BITS) -> None:
-        self._bits = max(_MIN_BITS, int(bits))
-        self._tab = np.zeros(1 << self._bits, _U)
+        self._new_table(max(_MIN_BITS, int(bits)))
         self._n = 0
 
     def __len__(self) -> int:
@@ -231,19 +232,40 @@ class FingerprintSet:
         """bool array: which values are present."""
         return self.find(fps) >= 0
 
-    def _place(self, fps: np.ndarray) -> None:
-        """Insert distinct values none of which is present; the table has room for them."""
+    def _place(self, fps: np.ndarray, payload: np.ndarray | None = None) -> None:
+        """Insert distinct values none of which is present; the table has room for them. ``payload``: an array
+        aligned with ``fps`` (a subclass's per-cell data, from :meth:`_take`) handed to :meth:`_land` with the
+        cells its values landed in, round by round; None: none."""
         tab, mask = self._tab, len(self._tab) - 1
         pos = self._home(fps)
-        f = fps
+        f, p = fps, payload
         while f.size:
             e = np.flatnonzero(tab[pos] == 0)
             keep = np.ones(len(f), bool)
             if e.size:
                 pe, fe = pos[e], f[e]
                 tab[pe] = fe  # values sharing a cell: one write wins; the others see it and move on
-                keep[e[tab[pe] == fe]] = False
+                won = e[tab[pe] == fe]
+                if p is not None:
+                    self._land(pos[won], p[won])
+                keep[won] = False
             f, pos = f[keep], (pos[keep] + 1) & mask
+            if p is not None:
+                p = p[keep]
+
+    def _new_table(self, bits: int) -> None:
+        """An empty table of ``2**bits`` cells (a subclass adds its per-cell arrays)."""
+        self._bits = bits
+        self._tab = np.zeros(1 << bits, _U)
+
+    def _take(self, cells: np.ndarray) -> np.ndarray | None:
+        """A subclass's per-cell data of ``cells`` (an index array or a bool mask over the table), emptied
+        there, for :meth:`_place` to move with its values; None here (a set has none)."""
+        return None
+
+    def _land(self, cells: np.ndarray, payload: np.ndarray) -> None:
+        """Write per-cell data ``payload`` into ``cells`` (where :meth:`_place` put its values); never called
+        here (no payload)."""
 
     def _grow_for(self, n: int) -> None:
         bits = self._bits
@@ -251,10 +273,10 @@ class FingerprintSet:
             bits += 1
         if bits == self._bits:
             return
-        vals = self._tab[self._tab != 0]
-        self._bits = bits
-        self._tab = np.zeros(1 << bits, _U)
-        self._place(vals)
+        live = self._tab != 0
+        vals, payload = self._tab[live], self._take(live)
+        self._new_table(bits)
+        self._place(vals, payload)
 
     def add(self, fps: np.ndarray) -> int:
         """Insert values (duplicates and present ones are skipped, 0 is taken as 1); returns how many
@@ -278,17 +300,22 @@ class FingerprintSet:
         if not len(fps) or not self._n:
             return 0
         pos = self.find(_distinct(fps))
-        pos = pos[pos >= 0]
+        return self._delete(pos[pos >= 0])
+
+    def _delete(self, pos: np.ndarray) -> int:
+        """Empty cells ``pos`` (distinct, occupied), then take out and re-place the rest of each one's cluster
+        (:func:`cluster_tails`) with its per-cell data: backward-shift deletion in batch. Returns ``len(pos)``."""
         if not len(pos):
             return 0
         tab = self._tab
         tab[pos] = 0
+        self._take(pos)
         self._n -= len(pos)
         t = cluster_tails(tab, pos)
         if t is not None:
-            vals = tab[t]
+            vals, payload = tab[t], self._take(t)
             tab[t] = 0
-            self._place(vals)
+            self._place(vals, payload)
         return len(pos)
 
     def values(self) -> np.ndarray:

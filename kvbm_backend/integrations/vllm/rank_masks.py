@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .g3_mirror import _U, FingerprintSet, _distinct, _fps_cols, cluster_tails
+from .g3_mirror import _U, FingerprintSet, _distinct, _fps_cols
 
 _TAG, _RANK, _SEQ = itemgetter(0), itemgetter(1), itemgetter(2)
 
@@ -42,13 +42,13 @@ def _dtype(tp: int) -> Any:
 class RankMasks(FingerprintSet):
     """Non-zero 64-bit fingerprints -> bitmask of TP ranks (bit ``r``: rank ``r``), with the fingerprints in a
     :class:`~.g3_mirror.FingerprintSet` table and the masks in a parallel array (moved with their
-    fingerprints on growth and deletion). A fingerprint whose mask becomes 0 is deleted. Not thread-safe."""
+    fingerprints on growth and deletion, through the set's per-cell hooks; :meth:`remove` deletes
+    fingerprints and their masks). A fingerprint whose mask becomes 0 is deleted. Not thread-safe."""
 
     def __init__(self, tp: int) -> None:
         self.tp = tp
         self._dt = _dtype(tp)
         super().__init__()
-        self._val = np.zeros(len(self._tab), self._dt)
 
     @property
     def nbytes(self) -> int:
@@ -60,37 +60,18 @@ class RankMasks(FingerprintSet):
             return np.array([1 << r for r in ranks], object)
         return np.left_shift(np.ones(len(ranks), self._dt), np.asarray(ranks, self._dt))
 
-    def _place(self, fps: np.ndarray, vals: np.ndarray | None = None) -> None:
-        tab, val, mask = self._tab, self._val, len(self._tab) - 1
-        v = np.zeros(len(fps), self._dt) if vals is None else vals
-        pos, f = self._home(fps), fps
-        while f.size:
-            e = np.flatnonzero(tab[pos] == 0)
-            keep = np.ones(len(f), bool)
-            if e.size:
-                pe, fe = pos[e], f[e]
-                tab[pe] = fe  # values sharing a cell: one write wins; the others see it and move on
-                won = tab[pe] == fe
-                val[pe[won]] = v[e[won]]
-                keep[e[won]] = False
-            f, v, pos = f[keep], v[keep], (pos[keep] + 1) & mask
+    # the masks move with their fingerprints through FingerprintSet's growth and deletion (its per-cell hooks)
+    def _new_table(self, bits: int) -> None:
+        super()._new_table(bits)
+        self._val = np.zeros(len(self._tab), self._dt)
 
-    def _grow_for(self, n: int) -> None:
-        bits = self._bits_for(n)
-        if bits == self._bits:
-            return
-        live = self._tab != 0
-        fps, vals = self._tab[live], self._val[live]
-        self._bits = bits
-        self._tab = np.zeros(1 << bits, _U)
-        self._val = np.zeros(1 << bits, self._dt)
-        self._place(fps, vals)
+    def _take(self, cells: np.ndarray) -> np.ndarray:
+        v = self._val[cells]
+        self._val[cells] = 0
+        return v
 
-    def _bits_for(self, n: int) -> int:
-        bits = self._bits
-        while 2 * n > (1 << bits):
-            bits += 1
-        return bits
+    def _land(self, cells: np.ndarray, payload: np.ndarray) -> None:
+        self._val[cells] = payload
 
     def masks(self, fps: np.ndarray) -> list:
         """The mask of each fingerprint (Python ints; 0 where absent)."""
@@ -138,26 +119,3 @@ class RankMasks(FingerprintSet):
         fps = self._tab[cells].copy()
         self._delete(cells[self._val[cells] == 0])
         return fps
-
-    def remove(self, fps: np.ndarray) -> int:
-        """Delete fingerprints and their masks (absent ones and duplicates are skipped); returns how many were
-        present."""
-        pos = self.find(_distinct(self._arr(fps)))
-        return self._delete(pos[pos >= 0])
-
-    def _delete(self, pos: np.ndarray) -> int:
-        """Empty cells ``pos`` (distinct, occupied), then re-place the rest of each one's cluster
-        (backward-shift deletion in batch, as :meth:`FingerprintSet.remove`)."""
-        if not len(pos):
-            return 0
-        tab, val = self._tab, self._val
-        tab[pos] = 0
-        val[pos] = 0
-        self._n -= len(pos)
-        t = cluster_tails(tab, pos)
-        if t is not None:
-            fps, vals = tab[t], val[t]
-            tab[t] = 0
-            val[t] = 0
-            self._place(fps, vals)
-        return len(pos)

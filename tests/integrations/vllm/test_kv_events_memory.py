@@ -79,3 +79,47 @@ def test_rank_masks_agree_with_a_dict_of_rank_sets(tp):
         want = [sum(1 << r for r in ref.get(k, ())) for k in range(1, 1501)]
         assert rm.masks(keys) == want and len(rm) == len(ref)
     assert rm.remove(keys) == len(ref) and len(rm) == 0 and rm.masks(keys) == [0] * 1500
+
+
+@pytest.mark.parametrize("tp", [8, 100])
+def test_rank_masks_removed_then_readded_start_empty_and_keep_masks_through_growth(tp):
+    """:meth:`RankMasks.remove` of fingerprints that still have ranks, then new and removed fingerprints added
+    again with one rank each (fitting without growth, which would rebuild the table), then growth: a freed
+    cell's mask goes with it (a fingerprint placed there later starts with no rank), and the masks moved by the
+    deletion and by the growth stay with their fingerprints. Small fingerprints share home cell 0 (one long
+    cluster, re-placed on every deletion), random ones spread over the table; the other RankMasks tests never
+    add after a removal of ranked fingerprints. TP 100: object masks."""
+    import random
+
+    import numpy as np
+
+    from kvbm_backend.integrations.vllm.rank_masks import RankMasks
+    rng = random.Random(tp)
+    rm, ref = RankMasks(tp), {}
+
+    def add(fs):
+        rs = [rng.randrange(tp) for _ in fs]
+        rm.set_bits(np.array(fs, np.uint64), rs)
+        for f, r in zip(fs, rs):
+            ref.setdefault(f, set()).add(r)
+
+    def check():
+        keys = list(ref)
+        assert len(rm) == len(ref)
+        assert rm.masks(np.array(keys, np.uint64)) == [sum(1 << r for r in ref[f]) for f in keys]
+
+    first = list(range(1, 201)) + [rng.randrange(1, 1 << 64) for _ in range(150)]
+    for _ in range(3):  # several ranks per fingerprint
+        add(first)
+    gone = rng.sample(first, 200)
+    assert rm.remove(np.array(gone, np.uint64)) == 200
+    for f in gone:
+        del ref[f]
+    check()
+    cap = rm.capacity
+    add(list(range(201, 301)) + gone)  # no growth: new ones land in freed cells, the removed come back with one rank
+    assert rm.capacity == cap
+    check()
+    add([rng.randrange(1, 1 << 64) for _ in range(2 * cap)])  # growth moves every mask to the new table
+    assert rm.capacity > cap
+    check()
