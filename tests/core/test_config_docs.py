@@ -50,7 +50,9 @@ FIELD_TESTS: dict[str, list[str]] = {
     "g3.device_path": ["tests/integrations/vllm/test_worker_device_path.py::test_device_path_setting_reaches_the_reader"],
     "g3.device_checksum": ["tests/integrations/vllm/test_worker_device_path.py::test_device_checksum_setting_decides_the_frame_flags"],
     "g3.layerwise_load": ["tests/integrations/vllm/test_layerwise_units.py::test_layerwise_load_setting_makes_g3_hits_sync",
-                          "tests/e2e/test_layerwise_e2e.py::test_layerwise_on_off_and_no_connector_agree"],
+                          "tests/e2e/test_layerwise_e2e.py::test_layerwise_on_off_and_no_connector_agree",
+                          "tests/integrations/vllm/test_connector_wiring.py::"
+                          "test_layerwise_loads_are_not_offered_under_async_scheduling"],
     "g4.enabled": ["tests/pool/test_pool_conformance.py::test_open_tiers_opens_only_the_enabled_tiers",
                    "tests/pool/test_pool_conformance.py::test_open_pool_opens_the_tier_its_config_section_names"],
     "g4.url": ["tests/pool/g4/test_g4_factory.py::test_the_scheme_picks_the_store_and_the_config_its_options",

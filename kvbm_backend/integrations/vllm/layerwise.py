@@ -26,6 +26,12 @@ the same step and calls ``start_load_kv`` before the forward. :class:`LayerwiseL
 
 Layer-wise loads run with one TP rank only (:func:`usable`): a rank cannot stop the other ranks from saving
 their slices of KV computed, through the all-reduce, from its bad rows; with TP > 1 hits load asynchronously.
+They also run only without vLLM's async scheduling (``--async-scheduling``, vLLM's default on GPUs; its CPU
+engine turns it off): there step N + 1 is scheduled before step N's output (its ``invalid_block_ids``) is
+processed, so a request of step N + 1 can take the failed, already cached blocks as its prefix hit and
+compute, sample and save from them; vLLM's recovery (``Scheduler._update_requests_with_invalid_blocks``)
+keeps such a request's in-flight step, and with ``recompute`` it does not evict the blocks. With async
+scheduling hits load asynchronously (vLLM caches them only once verified) and a warning says so at start.
 
 Sync loads are never reported in ``finished_recving`` (vLLM only waits for asynchronous ones).
 """
@@ -217,16 +223,26 @@ class LayerwiseLoads:
         self.finish()
 
 
-def usable(cfg: Any, tp_world_size: int) -> bool:
-    """Whether ``g3.layerwise_load`` applies to an engine of ``tp_world_size`` TP ranks: on, and one rank (see
-    the module doc; the scheduler and the workers both ask, so they agree)."""
-    return bool(cfg.g3.layerwise_load) and tp_world_size == 1
+def usable(cfg: Any, tp_world_size: int, *, async_scheduling: bool) -> bool:
+    """Whether ``g3.layerwise_load`` applies to an engine of ``tp_world_size`` TP ranks: on, one rank and
+    ``async_scheduling`` (vLLM's ``scheduler_config.async_scheduling``, see :func:`async_scheduling_on`) off
+    (see the module doc; the scheduler and the workers both ask, so they agree)."""
+    return bool(cfg.g3.layerwise_load) and tp_world_size == 1 and not async_scheduling
 
 
-def for_worker(cfg: Any, worker: Any, layer_names: list[str]) -> LayerwiseLoads | None:
+def async_scheduling_on(vllm_config: Any) -> bool:
+    """Whether vLLM schedules a step before the previous step's output is processed
+    (``vllm_config.scheduler_config.async_scheduling``); True unless it is False (unset or missing: vLLM's
+    GPU default, so layer-wise loads are not offered where it cannot be told)."""
+    sc = getattr(vllm_config, "scheduler_config", None)
+    return getattr(sc, "async_scheduling", None) is not False
+
+
+def for_worker(cfg: Any, worker: Any, layer_names: list[str], *, async_scheduling: bool) -> LayerwiseLoads | None:
     """:class:`LayerwiseLoads` for a connector's worker when layer-wise loads apply (:func:`usable`) and its G3
     pool offers slot leases (:class:`~kvbm_backend.pool.base.G3Extensions`), else None. ``worker``: the
     :class:`~.worker_side.WorkerSide` of a model of one full-attention group (others load asynchronously)."""
-    if not usable(cfg, worker.ns.tp_world_size) or not isinstance(getattr(worker, "g3", None), G3Extensions):
+    if (not usable(cfg, worker.ns.tp_world_size, async_scheduling=async_scheduling)
+            or not isinstance(getattr(worker, "g3", None), G3Extensions)):
         return None
     return LayerwiseLoads(worker, layer_names, timeout_s=cfg.g3.load_timeout_s)

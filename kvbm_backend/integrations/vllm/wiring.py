@@ -243,6 +243,8 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
     backend = vllm_config.parallel_config.distributed_executor_backend
     split = backend not in (None, "uni", "external_launcher") or ns.tp_world_size > 1
     blocks = block_level_errors(ns)
+    async_sched = layerwise.async_scheduling_on(vllm_config)  # layer-wise loads need it off (layerwise.py doc)
+    lw_on = layerwise.usable(cfg, ns.tp_world_size, async_scheduling=async_sched)
     kv_events_cfg = getattr(vllm_config, "kv_events_config", None)
     events_on = bool(kv_events_cfg is not None and kv_events_cfg.enable_kv_cache_events)
     announce = events_on and cfg.g4.enabled and cfg.g4.announce
@@ -276,11 +278,15 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
                                     lookup_timeout_s=max(cfg.g4.load_bound_s, 0.5), save=opts["save"],
                                     load=opts["load"], save_decode=opts["save_decode"], groups=groups,
                                     handoff_wait_s=opts["handoff_wait_s"],
-                                    layerwise=layerwise.usable(cfg, ns.tp_world_size), save_to_g4=opts["save_to_g4"])
-        if cfg.g3.layerwise_load and not layerwise.usable(cfg, ns.tp_world_size):
+                                    layerwise=lw_on, save_to_g4=opts["save_to_g4"])
+        if cfg.g3.layerwise_load and ns.tp_world_size > 1:
             log.warning("kvbm_backend: g3.layerwise_load is on but the engine has %d TP ranks: G3 hits load "
                         "asynchronously (layer-wise loads run with one rank only: docs/configuration.md)",
                         ns.tp_world_size)
+        elif cfg.g3.layerwise_load and async_sched:
+            log.warning("kvbm_backend: g3.layerwise_load is on but vLLM's async scheduling is on: G3 hits load "
+                        "asynchronously (a failed layer-wise load could serve a request of the next step; run "
+                        "with --no-async-scheduling to use layer-wise loads: docs/configuration.md)")
         if kv_events:
             parts.sched.events = G3KvEvents(ns.tp_world_size, ns.layout.page_size,
                                             kv_cache_config.kv_cache_groups[0].kv_cache_spec, g3=cfg.g3.enabled)
@@ -300,7 +306,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
                          max_pending_save_bytes=opts["max_pending_save_bytes"], report_g3=split or kv_events,
                          device_checksum=cfg.g3.device_checksum)
               for tg in parts._groups]
-        lw = (lambda w, names: layerwise.for_worker(cfg, w, names)) if blocks else None
+        lw = (lambda w, names: layerwise.for_worker(cfg, w, names, async_scheduling=async_sched)) if blocks else None
         parts.worker = GroupedWorkers(ws, block_errors=blocks, layerwise=lw)
     log.info("kvbm_backend connector (%s): namespace %s %s, G3=%s G4=%s, G3 KV events=%s", role.name,
              ns.fingerprint, json.dumps(ns.to_dict()), parts._groups[0].g3 is not None,

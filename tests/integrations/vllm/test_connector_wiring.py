@@ -13,9 +13,11 @@ KV cache specs and configs (stand-ins only for what vLLM's engine would fill in)
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for a thread that must end; returns as soon as it does
@@ -23,7 +25,7 @@ HANG_S = 600.0  # a hang guard, not a bound: waits for a thread that must end; r
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.config import KVTransferConfig, SchedulerConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -37,6 +39,7 @@ from kvbm_backend.integrations import tiers  # noqa: E402
 from kvbm_backend.integrations.vllm.wiring import ConnectorParts, wire  # noqa: E402
 from kvbm_backend.integrations.vllm.workers import GroupedWorkers  # noqa: E402
 from kvbm_backend.pool.base import G3Extensions, require_g3_extensions  # noqa: E402
+from kvbm_backend.model.hashing import sequence_hashes  # noqa: E402
 from tests.helpers.pools import tiny_ns
 
 BS, H, D, NB = 16, 2, 64, 32
@@ -51,14 +54,16 @@ def _extra(tmp_path: Path, **over) -> dict:
     return extra
 
 
-def _configs(extra: dict, hybrid: bool = False):
+def _configs(extra: dict, hybrid: bool = False, async_scheduling: bool = False):
     ktc = KVTransferConfig(kv_connector="KvbmBackendConnector",
                            kv_connector_module_path="kvbm_backend.integrations.vllm.connector",
                            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     vc = SimpleNamespace(kv_transfer_config=ktc, kv_events_config=None,
                          model_config=SimpleNamespace(served_model_name="m", model="m"),
                          parallel_config=SimpleNamespace(tensor_parallel_size=1, distributed_executor_backend=None),
-                         cache_config=SimpleNamespace(cache_dtype="auto"))
+                         cache_config=SimpleNamespace(cache_dtype="auto"),
+                         scheduler_config=SchedulerConfig(async_scheduling=async_scheduling, max_model_len=4096,
+                                                          is_encoder_decoder=False))
     full = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
     groups = [KVCacheGroupSpec(NAMES, full)]
     if hybrid:
@@ -175,6 +180,42 @@ def test_wire_one_path_for_one_and_several_kv_cache_groups(tmp_path, hybrid):
         w.close()
         s.close()
     assert not tiers._shared  # every group's tiers released
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async-scheduling", "sync-scheduling"])
+def test_layerwise_loads_are_not_offered_under_async_scheduling(tmp_path, caplog, async_scheduling):
+    """vLLM's async scheduling (``scheduler_config.async_scheduling``, its GPU default) schedules step N + 1
+    before step N's ``invalid_block_ids`` are processed: a request of step N + 1 could take the blocks of a
+    failed layer-wise load (cached at allocation) as its prefix hit and compute and sample from them. So with
+    it on a G3 hit is answered asynchronously (``load_async=True``), the workers run no layer-wise loads and
+    one WARNING names ``g3.layerwise_load`` and async scheduling; with it off layer-wise loads run as before
+    (the old wiring offered them synchronously either way)."""
+    ktc, vc, kcc = _configs(_extra(tmp_path), async_scheduling=async_scheduling)
+    with caplog.at_level("WARNING", logger="kvbm_backend"):
+        s = wire(ConnectorParts(), ktc, vc, KVConnectorRole.SCHEDULER, kcc)
+        w = wire(ConnectorParts(), ktc, vc, KVConnectorRole.WORKER, kcc)
+    try:
+        ns, g3 = s._groups[0].ns, s._groups[0].g3
+        toks = list(range(100, 100 + BS * 3 + 1))
+        blocks = [np.full(ns.layout.bytes_per_block, i, np.uint8) for i in range(3)]
+        assert g3.put(ns.keys(sequence_hashes(toks, BS)), blocks).result(10).written == 3
+        g3.flush(10)
+        req = SimpleNamespace(request_id="r1", prompt_token_ids=toks, cache_salt=None, lora_request=None)
+        deadline = time.monotonic() + HANG_S
+        while (answer := s.scheduler_role().get_num_new_matched_tokens(req, BS))[0] is None:
+            assert time.monotonic() < deadline, "no answer from the scheduler's G3 lookup"
+            time.sleep(0.01)
+        assert answer == (2 * BS, async_scheduling)  # G3 serves blocks 1..2; sync (layer-wise) only without it
+        assert s.sched.layerwise is (not async_scheduling)
+        warned = [r.getMessage() for r in caplog.records if "async scheduling" in r.getMessage()]
+        assert len(warned) == (1 if async_scheduling else 0)
+        if async_scheduling:
+            assert "g3.layerwise_load is on but vLLM's async scheduling is on" in warned[0]
+        w.register_kv_caches({n: torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16) for n in NAMES}, kcc)
+        assert (w.worker.layerwise is None) is async_scheduling
+    finally:
+        w.close()
+        s.close()
 
 
 @pytest.mark.parametrize("announce, events", [(True, True), (False, True), (True, False)],

@@ -136,7 +136,7 @@ def _rig(tmp_path, layout):
     dst = _engine(layout, 2)
     w = WorkerSide(ns, 0, g3, None)
     w.register(dst)
-    lw = for_worker(cfg, w, NAMES)
+    lw = for_worker(cfg, w, NAMES, async_scheduling=False)
     assert lw is not None
     return src, dst, ns, g3, w, lw, hashes
 
@@ -218,7 +218,7 @@ def test_every_save_of_the_failed_step_is_dropped_in_either_call_order(tmp_path,
     G3 with a valid checksum: wrong KV served later. Real worker role, layer-wise loads and G3 pool."""
     src, ns, cfg, g3, hashes = _stored(tmp_path, "cpu")
     gw = GroupedWorkers([WorkerSide(ns, 0, g3, None)], block_errors=True,
-                        layerwise=lambda w, names: for_worker(cfg, w, names))
+                        layerwise=lambda w, names: for_worker(cfg, w, names, async_scheduling=False))
     gw.register([_engine("cpu", 2)], [NAMES])
     try:
         _corrupt(g3, ns, src, hashes[2])
@@ -270,11 +270,13 @@ def test_one_tp_rank_only(tmp_path):
     from kvbm_backend.integrations.vllm.layerwise import usable
     kv = _engine("cpu", 0)
     cfg = _cfg(tmp_path)
-    assert usable(cfg, 1) and not usable(cfg, 2) and not usable(_cfg(tmp_path, layerwise=False), 1)
+    assert usable(cfg, 1, async_scheduling=False) and not usable(cfg, 2, async_scheduling=False)
+    assert not usable(_cfg(tmp_path, layerwise=False), 1, async_scheduling=False)
+    assert not usable(cfg, 1, async_scheduling=True)  # vLLM's async scheduling: test_connector_wiring.py
     ns2 = Namespace("m", kv.layout, tp_world_size=2)
     g3, _ = open_tiers(cfg, ns2)
     try:
-        assert for_worker(cfg, WorkerSide(ns2, 0, g3, None), NAMES) is None
+        assert for_worker(cfg, WorkerSide(ns2, 0, g3, None), NAMES, async_scheduling=False) is None
     finally:
         g3.close()
 
@@ -286,8 +288,8 @@ def test_off_by_default_and_needs_a_g3_pool(tmp_path):
     cfg = _cfg(tmp_path, layerwise=False)
     g3, _ = open_tiers(cfg, ns)
     try:
-        assert for_worker(cfg, WorkerSide(ns, 0, g3, None), NAMES) is None
-        assert for_worker(_cfg(tmp_path), WorkerSide(ns, 0, None, None), NAMES) is None
+        assert for_worker(cfg, WorkerSide(ns, 0, g3, None), NAMES, async_scheduling=False) is None
+        assert for_worker(_cfg(tmp_path), WorkerSide(ns, 0, None, None), NAMES, async_scheduling=False) is None
     finally:
         g3.close()
 
@@ -305,7 +307,7 @@ def test_a_block_a_layerwise_read_failed_on_stays_reported_while_g3_holds_it(tmp
     src, ns, cfg, g3, hashes = _stored(tmp_path, "cpu")
     w = WorkerSide(ns, 0, g3, None, report_g3=True)  # report_g3: a split scheduler or G3 KV events
     w.register(_engine("cpu", 2))
-    lw = for_worker(cfg, w, NAMES)
+    lw = for_worker(cfg, w, NAMES, async_scheduling=False)
     assert lw is not None
     try:
         assert w.worker_meta().snapshot  # the first report (the whole index) is out
