@@ -1,6 +1,10 @@
 """Retention for G4: remove blocks by age and/or down to a capacity target (oldest first), per tenant
 too, plus blocks of revoked tenants (crypto-shredded) and stale writer temp files.
 
+Only block names of this store (five components under its prefix, :func:`.naming.parse_block_name`) are blocks:
+another fleet's store nested below this one's root is never deleted from (its writers' stale temp files aside);
+its blocks are counted ``nested_blocks``. Before 2026-11-30 the outer fleet's age and capacity passes deleted them.
+
 Safe while workers run: only published objects are deleted (a concurrent reader gets a miss, never
 wrong bytes: every read verifies), and writer temp files only once older than ``temp_grace_s``.
 
@@ -158,7 +162,9 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         there are: ``tenant`` unknown to ``keyring``); ``unlisted``: one line per
         part of the store that could not be listed (a directory of a file store), each counted in ``errors``
         (what was listed is still processed: nothing unlisted is deleted); ``pruned_dirs``: directories of a
-        file store removed because the pass's deletions left them empty (module doc, "Directories").
+        file store removed because the pass's deletions left them empty (module doc, "Directories");
+        ``nested_blocks``: block names deeper below the store's root (another store nested in this one:
+        never deleted).
     Raises:
         ValueError when ``tenant`` cannot be resolved or a threshold is negative, infinite or NaN
         (before anything is listed or deleted); StoreUnavailable when the store is down.
@@ -181,7 +187,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "scanned_objects": 0, "scanned_bytes": 0,
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0, "announce": 0}, "deleted_objects": 0,
            "deleted_bytes": 0, "errors": 0, "unlisted": unlisted, "store_now": store_now, "time_base": base,
-           "clock_skew_s": skew, "future_objects": 0, "headers_read": 0, "pruned_dirs": 0}
+           "clock_skew_s": skew, "future_objects": 0, "headers_read": 0, "pruned_dirs": 0, "nested_blocks": 0}
     if warning is not None:
         res["warnings"] = [warning]
 
@@ -226,6 +232,9 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     block_bytes = 0  # deleted block bytes (not temp files): remaining_bytes
     for o in listing(store.list_patient("", THROTTLE_ATTEMPTS), unlisted):
         meta = parse_block_name(o.name)
+        if meta is None and parse_block_name(o.name, nested=True) is not None:
+            res["nested_blocks"] += 1  # another store's block below this one's root: never ours to delete
+            continue
         if meta is None and batch_prefix(o.name):  # an announcement, or junk under announce/
             ann = parse_batch_name(o.name)
             if base == "server" and ((ann is None and want is None) or (

@@ -91,7 +91,7 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
     legacy = []
     unlisted: list[str] = []  # parts of the store not listed (errors, named)
     for o in listing(store.list(""), unlisted):
-        meta = parse_block_name(o.name)
+        meta = parse_block_name(o.name, nested=True)  # renamed in place: under its own prefix
         if meta is not None and meta["legacy"]:
             legacy.append((o, meta))
     w = fanout_width(dir_fanout)

@@ -80,14 +80,20 @@ def _hex(s: str, n: int) -> bool:
     return len(s) == n and all(c in "0123456789abcdef" for c in s)
 
 
-def parse_block_name(name: str) -> dict[str, Any] | None:
+def parse_block_name(name: str, nested: bool = False) -> dict[str, Any] | None:
     """What a block name says, or None if ``name`` is not a block name (namespace.json, foreign files).
 
     Keyed names: ``{"ns": str, "tenant": pseudonym hex, "rank": int, "fan": str, "block_id": 32 hex,
     "legacy": False}``. Format 1 names: the same with ``"seq_hash": int`` instead of ``block_id`` and
-    ``"legacy": True``."""
+    ``"legacy": True``.
+
+    ``name`` is store-relative (as a listing gives it): a block name has exactly five components. A name with
+    more (``team-b/{ns}/...``) is another store's object below this store's root (a second fleet's G4 prefix
+    nested in this one's): None, so gc never deletes it (before 2026-11-30 the last five components were
+    parsed and the outer fleet's gc deleted the inner fleet's blocks). ``nested``: parse the last five
+    components of a deeper name too (``g4 migrate``, which renames a block in place, under its own prefix)."""
     parts = name.split("/")
-    if len(parts) < 5:
+    if len(parts) < 5 or (len(parts) > 5 and not nested):
         return None
     ns, ten, rank, fan, last = parts[-5:]
     if not (_hex(ns, 16) and _hex(ten, 32) and rank.isdigit() and fan and _hex(fan, len(fan))):
