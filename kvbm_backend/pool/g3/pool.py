@@ -319,6 +319,13 @@ class G3Pool:
         or cannot be read, stays (a miss)."""
         self.reader.drop_corrupt(key, reason)
 
+    def drop_unreadable(self, keys: Sequence[BlockKey]) -> Future[int]:
+        """Delete the blocks of ``keys`` whose load failed other than by a timeout, except those whose slot a
+        fresh synchronous re-read shows good (header and checksum verify: the failed read was a transient
+        error, and the block stays). A slot that re-reads bad or not at all is removed as :meth:`delete`
+        removes it. Future of how many were deleted (completed at once). Never raises for storage trouble."""
+        return completed(self.reader.drop_unreadable(list(keys)))
+
     def device_reader(self, device: str | torch.device) -> DeviceLoader:
         """The pool's :class:`~kvbm_backend.pool.g3.read.device.DeviceLoader` for ``device`` (created on
         first use: the device path is probed in this pool's first directory and logged once;

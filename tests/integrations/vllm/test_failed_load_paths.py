@@ -127,18 +127,25 @@ def test_a_g4_block_found_at_lookup_that_fails_at_load_is_not_offered_again(tmp_
         g4.close()
 
 
-def _inject_eio(monkeypatch, g3, key) -> None:
+def _inject_eio(monkeypatch, g3, key, times: int | None = None) -> None:
     """Reads that cover ``key``'s G3 slot fail with EIO (a bad sector: G3 cannot prove the bytes bad, so keeps the
-    slot). A read of consecutive slots (the reader merges them) fails as a whole, as the disk's would."""
+    slot). A read of consecutive slots (the reader merges them) fails as a whole, as the disk's would. ``times``:
+    only the first that many such reads fail (a transient error), the later ones read the slot as stored."""
     fi, si = g3.index.get(key)
     spath, sb = os.path.realpath(g3.slabs.by_index[fi].path), g3.slot_bytes
     real_preadv, real_pread = os.preadv, os.pread
+    left = [times]
 
     def bad(fd, off, n) -> bool:
         try:
-            return off < (si + 1) * sb and off + n > si * sb and os.readlink(f"/proc/self/fd/{fd}") == spath
+            hit = off < (si + 1) * sb and off + n > si * sb and os.readlink(f"/proc/self/fd/{fd}") == spath
         except OSError:
             return False
+        if hit and left[0] is not None:
+            if left[0] <= 0:
+                return False
+            left[0] -= 1
+        return hit
 
     def preadv(fd, bufs, off, *a):
         if bad(fd, off, sum(memoryview(b).nbytes for b in bufs)):
@@ -238,6 +245,44 @@ def test_a_g3_block_a_read_error_missed_is_deleted_so_its_recompute_is_stored_ag
         assert stats.get("load_g3_dropped_blocks") == 1
         _save(w, g3, [2], [hs[1]], tenant=TENANT)  # vLLM recomputed it; the step's save
         assert g3.contains(bad)
+        w.start_loads([LoadJob("r2", [12], [hs[1]], ["G3"], TENANT)])
+        errs, _ = _finish(w, "r2")
+        assert errs == set() and torch.equal(_block_bytes(kv, 12), _block_bytes(kv, 2))
+    finally:
+        w.shutdown()
+        g3.close()
+
+
+def test_a_g3_block_whose_read_failed_once_but_re_reads_good_is_kept(tmp_path, monkeypatch):
+    """Hostile review 2026-11-30: one transient read error (a single EIO, a flaky controller, an io_uring
+    submission refused under memory pressure) on a load made the worker delete the G3 block, although the
+    slot re-reads and verifies: good blocks lost to one bad read (and a recompute and a rewrite for each). Now
+    the worker asks G3 to drop a block only after a fresh re-read of the slot fails to verify
+    (``G3Pool.drop_unreadable``): the slot re-reads good here, so it is kept, the load fails once (the
+    request recomputes), and the next load of the block gets its exact bytes. Deleted before the fix."""
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.metadata import LoadJob
+    from tests.integrations.vllm.test_worker_device_path import _block_bytes
+
+    kv = _engine("cpu", seed=53)
+    bs = kv.layout.page_size
+    ns = Namespace(model="test/failed-load-paths", revision="r1", layout=kv.layout, tp_world_size=1)
+    g3 = G3Pool(g3_config(tmp_path / "g3", files_per_path=1, load_timeout_s=LOAD_S, engine="posix"), ns)
+    w = WorkerSide(ns, 0, g3, None, load_timeout_s=LOAD_S, report_g3=True)
+    try:
+        w.register(kv)
+        _, hs = _prompt(bs)
+        _save(w, g3, [1, 2], hs[:2], tenant=TENANT)
+        w.worker_meta()
+        key = ns.key(hs[1], TENANT, 0)
+        stats.reset()
+        with monkeypatch.context() as mp:
+            _inject_eio(mp, g3, key, times=1)  # the load's read fails; every later read of the slot is fine
+            w.start_loads([LoadJob("r1", [11], [hs[1]], ["G3"], TENANT)])
+            errs, _ = _finish(w, "r1")
+        assert errs == {11}  # that load failed (vLLM recomputes), never wrong KV
+        assert g3.contains(key), "a good block was deleted after one failed read"
+        assert not stats.get("load_g3_dropped_blocks")
         w.start_loads([LoadJob("r2", [12], [hs[1]], ["G3"], TENANT)])
         errs, _ = _finish(w, "r2")
         assert errs == set() and torch.equal(_block_bytes(kv, 12), _block_bytes(kv, 2))

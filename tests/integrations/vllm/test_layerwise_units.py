@@ -322,6 +322,17 @@ def test_a_block_a_layerwise_read_failed_on_stays_reported_while_g3_holds_it(tmp
                 raise OSError(5, "Input/output error")
             return real(self, path, bufs, offset, direct)
         monkeypatch.setattr(ReadFiles, "preadv", eio)
+        real_os = os.preadv
+
+        def os_eio(fd, bufs, offset, *a):  # every read of the slot: G3's re-read before it drops a block too
+            try:
+                on_bad = os.path.realpath(os.readlink(f"/proc/self/fd/{fd}")) == os.path.realpath(bad_path)
+            except OSError:
+                on_bad = False
+            if on_bad and lo <= offset < hi:
+                raise OSError(5, "Input/output error")
+            return real_os(fd, bufs, offset, *a)
+        monkeypatch.setattr(os, "preadv", os_eio)
         corrupt = _corrupt(g3, ns, src, hashes[3])  # and block 3 is corrupt: dropped, so gone
 
         lw.start([LoadJob("r", [9, 10, 11, 12, 13], hashes, ["G3"] * 5, "t", layerwise=True)])

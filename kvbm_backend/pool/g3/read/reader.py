@@ -163,6 +163,33 @@ class G3Reader:
             cat.c["deleted"] += 1
             cat.update_gauges()
 
+    def drop_unreadable(self, keys: Sequence[BlockKey]) -> int:
+        """See ``G3Pool.drop_unreadable``."""
+        cat, n = self.cat, 0
+        for key in keys:
+            with cat.lock:
+                slot = cat.index.get(key) if valid_key(key) and key.namespace == cat.fp else None
+                rec = None if slot is None else cat.index.identity(key, slot)
+                if slot is None or rec is None:
+                    continue
+                cat.index.pin(slot)  # not evicted or reused while it is re-read
+            try:
+                if self.prove_bad(slot, rec) == "good":  # the failed read was the read's, not the bytes'
+                    log.warning("G3: a load reported slot %s unreadable but it re-reads and verifies; kept", slot)
+                    continue
+                with cat.lock:
+                    if not same_slot(cat.index.get(key), slot):  # deleted (maybe written again) meanwhile
+                        continue
+                    cat.remove(key, slot)
+                    cat.journal_append([jr.encode(jr.DEL, key)])
+                    cat.c["deleted"] += 1
+                    n += 1
+            finally:
+                self.unpin([slot])
+        if n:
+            cat.update_gauges()
+        return n
+
     def prove_bad(self, slot: Slot, rec: tuple[bytes, int, int]) -> str:
         """Re-read ``slot`` (one synchronous ``preadv`` of the whole slot into a fresh aligned buffer) and
         check it against ``rec`` = (tenant tag, rank, seq_hash), what the index says the slot holds.
