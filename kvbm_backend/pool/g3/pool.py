@@ -315,8 +315,8 @@ class G3Pool:
     def drop_corrupt(self, key: BlockKey, reason: str) -> None:
         """A reader outside the host pipeline found ``key``'s slot bad (``reason``, a FrameError reason):
         remove it from the index and journal (the slot is freed once its last lease is released) once
-        the stored bytes are proven bad (re-read and checked): a slot whose frame re-reads and verifies,
-        or cannot be read, stays (a miss)."""
+        the stored bytes are proven bad (re-read and checked, the slot pinned meanwhile; dropped only if ``key``
+        still maps to it): a slot whose frame re-reads and verifies, or cannot be read, stays (a miss)."""
         self.reader.drop_corrupt(key, reason)
 
     def drop_unreadable(self, keys: Sequence[BlockKey]) -> Future[int]:

@@ -163,3 +163,48 @@ def test_a_block_written_again_while_its_old_slot_is_proven_bad_is_kept(tmp_path
         assert pool.get([k], out).result(timeout=HANG_S).ok == [True] and np.array_equal(out[0], new)  # restart
     finally:
         pool.close()
+
+
+def test_a_block_written_again_into_the_slot_being_proven_bad_is_kept(tmp_path):
+    """Review finding (2026-11-30): ``drop_corrupt`` re-read the slot to prove it bad without pinning it. The
+    check above (the key still maps to the slot proven bad) then cannot tell the bad old copy from a good new
+    copy written into that very slot meanwhile: deleted during the proof, the slot was free at once, and on a
+    full pool the key's new write took it; the proof's verdict on the old bytes then dropped the new copy (and
+    journaled DEL). The slot is now pinned during the proof (as the host get does), so a delete meanwhile only
+    defers its free and the new copy lands elsewhere. The re-read sees the corrupt old frame, then the user
+    deletes and rewrites the key (inside the proof, on the real pool)."""
+    slots = 8
+    pool = open_pool(tmp_path, capacity_gb=slots * SLOT / 1e9, files_per_path=1)
+    keys, where = _setup(pool, slots)  # the pool is full: a freed slot is the next one written
+    k = keys[3]
+    path, s = where[k]
+    _flip(path, s * SLOT + frame.HEADER_BYTES + 100)  # the payload of k's copy
+    rd = pool.reader
+    prove = rd.prove_bad
+    new = payload(999)
+    landed = []
+
+    def user_rewrites_k_during_the_proof(slot, rec):
+        verdict = prove(slot, rec)  # the old, corrupt bytes
+        assert verdict == "integrity"
+        assert pool.delete([k]).result() == 1
+        assert pool.put([k], [new]).result(timeout=HANG_S).written == 1
+        landed.append(pool.index.get(k))
+        return verdict
+    rd.prove_bad = user_rewrites_k_during_the_proof
+    try:
+        pool.drop_corrupt(k, "integrity")  # what a device load reports for the slot
+    finally:
+        rd.prove_bad = prove
+    assert landed and landed[0] is not None
+    out = [aligned_empty(BB)]
+    assert pool.get([k], out).result(timeout=HANG_S).ok == [True] and np.array_equal(out[0], new)
+    assert pool.slot_accounting()["leaked"] == 0
+    pool.close()
+    pool = open_pool(tmp_path, capacity_gb=slots * SLOT / 1e9, files_per_path=1)
+    try:
+        out = [aligned_empty(BB)]
+        assert pool.get([k], out).result(timeout=HANG_S).ok == [True] and np.array_equal(out[0], new)  # restart
+        assert pool.slot_accounting()["leaked"] == 0
+    finally:
+        pool.close()

@@ -147,14 +147,25 @@ class G3Reader:
             slot = cat.index.get(key) if valid_key(key) else None
             rec = None if slot is None else cat.index.identity(key, slot)
             cat.miss(_MISS_REASON.get(reason, "corrupt"))
+            if slot is not None and rec is not None:
+                # pinned while it is proven (prove_bad's precondition): the caller's lease, if any, may pin
+                # another slot (the key moved since), and an unpinned slot deleted meanwhile is free at once, so
+                # the key's new copy could be written into it and then be dropped on the old bytes' verdict
+                cat.index.pin(slot)
         if slot is None or rec is None:
             return
-        why = self.prove_bad(slot, rec)
+        try:
+            why = self.prove_bad(slot, rec)
+        except BaseException:
+            self.unpin([slot])
+            raise
         if why in ("good", "unreadable"):
+            self.unpin([slot])
             log.warning("G3: a device load reported slot %s bad (%s) but it %s; kept", slot, reason,
                         "re-reads and verifies" if why == "good" else "cannot be re-read now")
             return
         with cat.lock:  # counted under the reason of the check that found it (the re-read only proves it)
+            cat.release_slots([slot])  # unpinned first: a slot deleted meanwhile is freed here
             if not same_slot(cat.index.get(key), slot):  # deleted (and maybe written again elsewhere) meanwhile:
                 return  # its new copy stays, and no DEL record drops it at the next restart
             cat.count_corrupt(reason)
