@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import errno
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Protocol, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 _T = TypeVar("_T")
+_A = TypeVar("_A")
 
 
 IOV_MAX = 1024  # Linux UIO_MAXIOV: the most iovecs preadv/pwritev take (EINVAL above it); engines refuse more
@@ -51,6 +52,24 @@ class IoOp:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.bufs)
+
+
+def submit_each(pool: Executor, fn: Callable[[_A], _T], items: Sequence[_A], engine: str) -> list[Future[_T]]:
+    """``pool.submit(fn, item)`` for each of ``items``; a submission the pool refuses (``RuntimeError``: it
+    was shut down, e.g. by the engine's ``close`` racing this submit) becomes a Future failed with
+    ``OSError(EBADF, "<engine> is closed: ...")``, so the ops already submitted are still waited for
+    (:func:`gather`) before the caller may reuse its buffers. A raise from the middle of a submit left those
+    ops writing into buffers the caller had handed back (review 2026-11-30: kvikio and NIXL GDS engines)."""
+    futs: list[Future[_T]] = []
+    for item in items:
+        try:
+            f = pool.submit(fn, item)
+        except RuntimeError as e:  # shut down
+            f = Future()
+            f.set_running_or_notify_cancel()
+            f.set_exception(OSError(errno.EBADF, f"{engine} is closed: {e}"))
+        futs.append(f)
+    return futs
 
 
 def gather(futs: Sequence[Future[_T]]) -> Future[list[_T]]:

@@ -26,7 +26,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Protocol, Sequence
 
-from .base import IoOp, gather
+from .base import IoOp, gather, submit_each
 from ..threads import executor
 
 NO_DRIVER_REASON = "libcuda.so.1 not loadable: kvikio needs the NVIDIA driver for file I/O"
@@ -254,7 +254,7 @@ class KvikioEngine:
         OSError (``EIO`` wrapping kvikio's RuntimeError) of the lowest-index failed op."""
         if self._closed:
             raise RuntimeError("KvikioEngine is closed")
-        return gather([self._dispatch.submit(self._run_op, op) for op in ops])
+        return gather(submit_each(self._dispatch, self._run_op, ops, "KvikioEngine"))
 
     # -- device buffers ------------------------------------------------------------------------
     def read_to_device(self, fd: int, dev_buf: object, size: int, file_offset: int) -> int:

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Sequence
 
-from .base import IoOp, check_bufs
+from .base import IoOp, check_bufs, submit_each
 from ..threads import executor, start_thread
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ class NixlGdsEngine:
         if self._closed:  # as the other engines: a failed Future, never a raise
             out.set_exception(OSError(errno.EBADF, "NixlGdsEngine is closed"))
             return out
-        futs = [self._pool.submit(self._run_op, o) for o in ops]
+        futs = submit_each(self._pool, self._run_op, ops, "NixlGdsEngine")
 
         def finish() -> None:
             res: list[int] = []

@@ -13,7 +13,7 @@ import os
 from concurrent.futures import Future
 from typing import Sequence
 
-from .base import IoOp, gather
+from .base import IoOp, gather, submit_each
 from ..threads import executor
 
 
@@ -76,15 +76,7 @@ class PosixEngine:
         """Queue ``ops``; returns at once. The Future resolves to bytes per op (in order) after every op
         has finished, or raises the OSError of the lowest-index failed op (also only after all ops
         have finished, so the caller may reuse its buffers as soon as the Future is done)."""
-        futs: list[Future[int]] = []
-        for op in ops:
-            try:
-                f = self._pool.submit(run_op, op)
-            except RuntimeError as e:  # pool shut down
-                f = Future()
-                f.set_exception(OSError(errno.EBADF, f"posix engine is closed: {e}"))
-            futs.append(f)
-        return gather(futs)
+        return gather(submit_each(self._pool, run_op, ops, "posix engine"))
 
     def close(self) -> None:
         """Wait for queued ops, then stop the threads. Later submits fail with EBADF."""

@@ -191,6 +191,58 @@ def test_empty_submit_and_closed_engine():
         eng.submit([IoOp(0, 0, [aligned_zeros(K4)], write=False)]).result(timeout=HANG_S)
 
 
+def _gds_posix():
+    pytest.importorskip("nixl")
+    from kvbm_backend.io.nixl_gds import NixlGdsEngine, plugin_load_error
+    if plugin_load_error("POSIX") is not None:
+        pytest.skip(f"NIXL POSIX plugin does not load: {plugin_load_error('POSIX')}")
+    return NixlGdsEngine(backend="POSIX", threads=2)
+
+
+@pytest.mark.parametrize("name", ["posix", "nixl_gds"])
+def test_a_close_racing_a_submit_fails_the_future_after_the_started_ops(tmp_path, name):
+    """The engine's pool shut down between two ops of one submit (its ``close`` racing the submit): the ops
+    already started are waited for, and the submit returns a Future failed with EBADF instead of raising
+    from the middle (the caller would hand back buffers an op still writes into; review 2026-11-30: the
+    NIXL GDS and kvikio engines raised RuntimeError there)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    eng = make_engine("posix", threads=2) if name == "posix" else _gds_posix()
+    attr = "_pool"
+    started, release = threading.Event(), threading.Event()
+
+    class ClosesAfterOneSubmit(ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            def held(*a, **k):
+                started.set()
+                release.wait(HANG_S)  # the first op is still running when the submit returns
+                return fn(*a, **k)
+            f = super().submit(held, *args, **kwargs)
+            self.shutdown(wait=False)  # close() racing the submit
+            return f
+
+    real = getattr(eng, attr)
+    pool = ClosesAfterOneSubmit(max_workers=1)
+    setattr(eng, attr, pool)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, b"x" * (2 * K4), 0)
+        bufs = [aligned_zeros(K4), aligned_zeros(K4)]
+        fut = eng.submit([IoOp(fd, 0, [bufs[0]], write=False), IoOp(fd, K4, [bufs[1]], write=False)])
+        assert started.wait(HANG_S)
+        assert not fut.done()  # the started op is waited for
+        release.set()
+        e = fut.exception(timeout=HANG_S)
+        assert isinstance(e, OSError) and e.errno == errno.EBADF and "closed" in str(e), e
+        assert bytes(bufs[0]) == b"x" * K4  # the started op ran to its end before the Future resolved
+    finally:
+        release.set()
+        pool.shutdown(wait=True)
+        setattr(eng, attr, real)
+        eng.close()
+        os.close(fd)
+
+
 def test_make_engine_names():
     eng = make_engine("auto")
     assert eng.name in ("posix", "nixl")
