@@ -188,6 +188,8 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._gpu_block_pool = gpu_block_pool
         self._gpu_cache_map = id(getattr(gpu_block_pool, "cached_block_hash_to_block", None))
+        if self.sched is not None:  # a failed layer-wise load's blocks leave vLLM's prefix cache (loads_failed)
+            self.sched.evict_engine_blocks = lambda ids: gpu_block_pool.evict_blocks(set(ids))
 
     def take_events(self):
         """G3 stored/removed blocks as vLLM KV events (``medium="DISK"``; :class:`~.kv_events.G3KvEvents`),

@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FAILED_BLOCK_COOLDOWN_S", "FAILED_BLOCKS_MAX", "FailedBlocks", "FailedChunks", "drop_blocks"]
+__all__ = ["FAILED_BLOCK_COOLDOWN_S", "FAILED_BLOCKS_MAX", "FailedBlocks", "FailedChunks", "drop_blocks",
+           "unloaded_engine_blocks"]
 
 #: seconds a block whose load failed (absent, unreadable or corrupt in the tier that was to serve it) ends
 #: every prefix offered to any request: the failed request itself is never offered a load again (vLLM
@@ -106,3 +107,19 @@ def drop_blocks(pool: Any, keys: list[Any], deadline: Any, tier_type: str) -> in
         log.warning("%s: deleted %d blocks that failed to load (read error); a later store writes them again",
                     tier_type, n)
     return n
+
+
+def unloaded_engine_blocks(hashes: Any, block_ids: list[int], start: int, first_failed: int) -> list[int]:
+    """Engine block ids of a request whose synchronous (layer-wise) load failed, from its first failed block on
+    (``first_failed``: that block's sequence hash, searched from block ``start``, the load's first; not found:
+    every block from ``start``). vLLM caches a synchronous load's blocks when it schedules it, and with
+    ``kv_load_failure_policy`` ``recompute`` it leaves the failed blocks, and those computed after them in that
+    step, in its prefix cache for the request to recompute; until it does (never, when it is aborted or
+    preempted) another request hits them and computes from, and the connector saves, KV that was never loaded.
+    The scheduler removes these blocks from vLLM's prefix cache (``BlockPool.evict_blocks``, what vLLM does
+    itself under the ``fail`` policy): the next request recomputes them. Never raises."""
+    try:
+        p = list(hashes).index(int(first_failed), max(0, start))
+    except ValueError:
+        p = max(0, start)
+    return [b for b in block_ids[p:] if b]  # block 0 is vLLM's null block

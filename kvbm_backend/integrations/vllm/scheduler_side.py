@@ -21,13 +21,13 @@ import logging
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ...model.hashing import salt_bytes, salt_hash, sequence_hashes
 from ...model.namespace import KeyRun, Namespace
 from ...pool.base import BlockPool
 from . import handoff, stats
-from .failed_blocks import FailedBlocks
+from .failed_blocks import FailedBlocks, unloaded_engine_blocks
 from .g3_mirror import G3Mirror
 from .kv_events import G3KvEvents, IdlePublisher
 from .lookup import GroupTiers, PrefixLookup
@@ -91,23 +91,19 @@ class SchedulerSide:
         ``save_to_g4``: the workers write saves to G4 too (the connector option): a prefill request's handoff
         promises blocks only then (:attr:`hands_off`)."""
         self.groups = list(groups) if groups else [GroupTiers(namespace, g3, g4, None)]
-        self.ns, self.bs = namespace, block_size
-        self.save_decode = save_decode
-        self.g3, self.g4 = g3, g4
-        self.default_tenant = default_tenant
-        self.lookup_timeout_s = lookup_timeout_s
-        self.save_enabled, self.load_enabled = save, load
-        self.save_to_g4 = save_to_g4
+        self.ns, self.bs, self.save_decode, self.g3, self.g4 = namespace, block_size, save_decode, g3, g4
+        self.default_tenant, self.lookup_timeout_s = default_tenant, lookup_timeout_s
+        self.save_enabled, self.load_enabled, self.save_to_g4 = save, load, save_to_g4
         self.layerwise = layerwise and len(self.groups) == 1 and self.groups[0].window_blocks is None
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._hit_source: dict[str, dict[str, int]] = {}
-        self.mirror_wait_s = 10.0
-        self._first_query: float | None = None
+        self.mirror_wait_s, self._first_query = 10.0, cast("float | None", None)
         self.events: G3KvEvents | None = None  # set by the connector when vLLM publishes KV events
         self.idle_events: IdlePublisher | None = None  # publishes them while the engine does not step
         self.handoff = handoff.HandoffWaits(handoff_wait_s)
         self.failed_blocks = FailedBlocks()
+        self.evict_engine_blocks: Any = None  # vLLM's BlockPool.evict_blocks (connector.bind_gpu_block_pool)
 
     # ---- identity ------------------------------------------------------------------------------
     def _state(self, request: Any) -> _Req:
@@ -342,11 +338,15 @@ class SchedulerSide:
             st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
 
     def loads_failed(self, failed) -> None:
-        """Worker reports of loads that did not deliver every block (:class:`~.metadata.FailedLoad`): the
-        request is never offered a load again (it is recomputed from its first failed block on) and, for a
-        miss (not a timeout), that block ends every prefix offered for ``FAILED_BLOCK_COOLDOWN_S``."""
+        """Worker reports of loads that did not deliver every block (:class:`~.metadata.FailedLoad`): the request
+        is never offered a load again (it is recomputed from its first failed block on); for a miss (not a timeout)
+        that block ends every prefix offered for ``FAILED_BLOCK_COOLDOWN_S``; a failed synchronous load's blocks
+        leave vLLM's prefix cache (:func:`~.failed_blocks.unloaded_engine_blocks`: why)."""
         for f in failed:
             st = self._reqs.get(f.req_id)
+            if st is not None and st.sync_load and st.group_block_ids and self.evict_engine_blocks is not None:
+                self.evict_engine_blocks(unloaded_engine_blocks(st.hashes, st.group_block_ids[0], st.n_local,
+                                                                f.first_failed))
             if st is not None and not st.no_load:
                 st.no_load, st.lookup, st.hit, st.planned = True, None, None, None
                 stats.add(load_failed_requests=1)
