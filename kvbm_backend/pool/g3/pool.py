@@ -478,7 +478,8 @@ class G3Pool:
         for name in ("offloads_written", "offloads_skipped_present", "offloads_skipped_admission",
                      "offloads_skipped_deleted", "offloads_dropped",
                      "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
-                     "restored_blocks", "restore_dropped", "restored_by_scan", "restore_scanned_slots", "lookup_blocks",
+                     "restored_blocks", "restore_dropped", "restored_by_scan", "restore_scanned_slots",
+                     "restore_header_retries", "lookup_blocks",
                      "lookup_hits", "deleted", "late_reads",
                      "device_loads", "device_hits", "sync_groups", "journal_syncs", "journal_compactions"):
             d[name] = c.get(name, 0)

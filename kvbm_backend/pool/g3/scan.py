@@ -46,6 +46,7 @@ from ...threads import executor
 log = logging.getLogger(__name__)
 
 CHUNK_SLOTS = 4096  # headers read per engine submission (16 MiB of buffer)
+HEADER_READ_TRIES = 3  # reads of one slot header (the first and 2 retries, no sleep) before its slot is dropped
 _FP_AT = 16  # byte offset of ns_fp in the frame header (docs/format.md: magic 8, version 2, flags 2, header_len 4)
 
 
@@ -55,28 +56,54 @@ def read_headers(cat: SlotCatalog, threads: int,
     reading a contiguous share of a chunk by one ``preadv`` per header (the GIL is released in the system call;
     no per-header future or plan: a warm restart reads one header per block). Yields ``(start, rows, readable)``
     per chunk: ``rows[j]`` (uint8 ``[HDR]``) is the header of ``slots[start + j]``, ``readable[j]`` whether its
-    read returned the whole header (a failed read, EIO on a bad sector, costs its slot only)."""
+    read returned the whole header. A read that fails (OSError: EIO on a bad sector, a transient device-path
+    error; or short) is retried at once, :data:`HEADER_READ_TRIES` reads in all, so one flaky read does not drop
+    a block: only a slot none of whose reads returned its header is unreadable (its slot only; the caller drops
+    it, ``restore:io_error``). Before 2026-11-30 one failed read dropped the block and the rewritten journal
+    freed its slot. Slots whose first read failed are counted ``restore_header_retries`` in ``cat.c`` (logged);
+    the happy path costs nothing more (no sleep, no extra read)."""
+    retried = 0
     with executor(max(1, threads), "g3-restore") as ex:
         for c0 in range(0, len(slots), CHUNK_SLOTS):
             part = slots[c0:c0 + CHUNK_SLOTS]
             hdrs = aligned_empty(len(part) * HDR)  # 4 KiB-aligned rows: O_DIRECT fds read into them too
             ok = np.zeros(len(part), bool)
+            tries = np.zeros(len(part), np.uint8)
             step = -(-len(part) // max(1, threads))
-            for f in [ex.submit(_read_share, cat, part, hdrs, ok, j0, min(len(part), j0 + step))
+            for f in [ex.submit(_read_share, cat, part, hdrs, ok, tries, j0, min(len(part), j0 + step))
                       for j0 in range(0, len(part), step)]:
                 f.result()
+            again = tries > 1
+            if again.any():
+                n, lost = int(again.sum()), int((again & ~ok).sum())
+                retried += n
+                log.warning("G3: %d slot header read(s) failed and were retried at restart: %d read back, %d "
+                            "unreadable after %d reads (dropped)", n, n - lost, lost, HEADER_READ_TRIES)
             yield c0, hdrs.reshape(-1, HDR), ok
+    if retried:
+        cat.c["restore_header_retries"] += retried
 
 
 def _read_share(cat: SlotCatalog, part: Sequence[Slot], hdrs: npt.NDArray[np.uint8], ok: npt.NDArray[np.bool_],
-                j0: int, j1: int) -> None:
+                tries: npt.NDArray[np.uint8], j0: int, j1: int) -> None:
+    """Read headers ``j0:j1`` of ``part`` into ``hdrs``: ``ok[j]`` whether one of at most
+    :data:`HEADER_READ_TRIES` reads returned the whole header, ``tries[j]`` the reads made (0: no such file)."""
     sb = cat.slot_bytes
     for j in range(j0, j1):
         fi, si = part[j]
         try:
-            ok[j] = os.preadv(cat.fd_of(fi), [hdrs[j * HDR:(j + 1) * HDR].data], si * sb) == HDR
-        except (OSError, KeyError):
-            pass
+            fd = cat.fd_of(fi)
+        except KeyError:  # no such file this run: nothing to retry
+            continue
+        buf = hdrs[j * HDR:(j + 1) * HDR].data
+        for t in range(1, HEADER_READ_TRIES + 1):
+            tries[j] = t
+            try:
+                if os.preadv(fd, [buf], si * sb) == HDR:
+                    ok[j] = True
+                    break
+            except OSError:
+                pass
 
 
 def check_header(cat: SlotCatalog, hdr: npt.NDArray[np.uint8], key: BlockKey | TagKey) -> frame.FrameHeader:
