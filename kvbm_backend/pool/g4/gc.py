@@ -2,8 +2,12 @@
 too, plus blocks of revoked tenants (crypto-shredded) and stale writer temp files.
 
 Only block names of this store (five components under its prefix, :func:`.naming.parse_block_name`) are blocks:
-another fleet's store nested below this one's root is never deleted from (its writers' stale temp files aside);
-its blocks are counted ``nested_blocks``. Before 2026-11-30 the outer fleet's age and capacity passes deleted them.
+another fleet's store nested below this one's root is never deleted from; its blocks are counted ``nested_blocks``.
+Before 2026-11-30 the outer fleet's age and capacity passes deleted them. Likewise only writer temp files in a
+directory this store's writers write to (:func:`own_temp`: ``{ns}/``, ``{ns}/announce/{tenant}/``,
+``{ns}/{tenant}/{rank}/{fan}/``, ``gc-clock-probe/``) are removed once stale; the others (a nested store's, in
+flight or not) are counted ``nested_temps`` and left (before 2026-11-30 the outer gc removed the nested fleet's
+temp files older than ``temp_grace_s``: with a short grace, its writes in flight failed).
 
 Safe while workers run: only published objects are deleted (a concurrent reader gets a miss, never
 wrong bytes: every read verifies), and writer temp files only once older than ``temp_grace_s``.
@@ -75,7 +79,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from ...model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader
-from .announce import batch_prefix, parse_batch_name
+from .announce import ANNOUNCE_DIR, batch_prefix, parse_batch_name
 from .naming import parse_block_name
 from .store import ObjectStore, listing
 from .throttle import call_attempts
@@ -87,6 +91,25 @@ ANNOUNCE_TTL_S = 3600.0  # g4.announce_ttl_s's default: the age gc deletes annou
 CLOCK_PROBE_PREFIX = "gc-clock-probe/"  # probe objects of store_clock (never block names)
 THROTTLE_ATTEMPTS = 10  # a LIST page or DELETE the store throttles ("slow down"): tries, backoff between
 LATE_WRITE_S = 3600.0  # a re-created tenant's blocks up to revoked_at + this: frame header read (module doc)
+
+
+def own_temp(name: str) -> bool:
+    """Whether the writer temp file ``name`` (store-relative) lies in a directory this store's own writers write
+    to: ``{ns}/`` (namespace.json), ``{ns}/announce/{tenant}/`` (announcements), ``{ns}/{tenant}/{rank}/{fan}/``
+    (blocks: the five-component rule of :func:`.naming.parse_block_name`) or ``gc-clock-probe/``
+    (:func:`store_clock`). A temp file deeper down, or elsewhere, is another store's (one nested below this
+    store's root): False."""
+    d = name.split("/")[:-1]
+    if len(d) == 1:
+        return _hexn(d[0], 16) or d[0] + "/" == CLOCK_PROBE_PREFIX
+    if len(d) == 3:
+        return _hexn(d[0], 16) and d[1] == ANNOUNCE_DIR and _hexn(d[2], 32)
+    return (len(d) == 4 and _hexn(d[0], 16) and _hexn(d[1], 32) and d[2].isdigit()
+            and _hexn(d[3], len(d[3])) and bool(d[3]))
+
+
+def _hexn(s: str, n: int) -> bool:
+    return len(s) == n and all(c in "0123456789abcdef" for c in s)
 
 
 def store_clock(store: ObjectStore) -> float | None:
@@ -164,7 +187,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         (what was listed is still processed: nothing unlisted is deleted); ``pruned_dirs``: directories of a
         file store removed because the pass's deletions left them empty (module doc, "Directories");
         ``nested_blocks``: block names deeper below the store's root (another store nested in this one:
-        never deleted).
+        never deleted); ``nested_temps``: writer temp files outside this store's own directories
+        (:func:`own_temp`; never deleted).
     Raises:
         ValueError when ``tenant`` cannot be resolved or a threshold is negative, infinite or NaN
         (before anything is listed or deleted); StoreUnavailable when the store is down.
@@ -187,7 +211,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "scanned_objects": 0, "scanned_bytes": 0,
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0, "announce": 0}, "deleted_objects": 0,
            "deleted_bytes": 0, "errors": 0, "unlisted": unlisted, "store_now": store_now, "time_base": base,
-           "clock_skew_s": skew, "future_objects": 0, "headers_read": 0, "pruned_dirs": 0, "nested_blocks": 0}
+           "clock_skew_s": skew, "future_objects": 0, "headers_read": 0, "pruned_dirs": 0, "nested_blocks": 0,
+           "nested_temps": 0}
     if warning is not None:
         res["warnings"] = [warning]
 
@@ -271,7 +296,9 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     # blocks only, as scanned_bytes: before 2026-11-29 the temp files' bytes were subtracted too (negative)
     res["remaining_bytes"] = res["scanned_bytes"] - block_bytes
     for o in listing(store.list_temps(""), unlisted):
-        if (want is None or f"/{want}/" in f"/{o.name}") and store_now - o.mtime > temp_grace_s:
+        if not own_temp(o.name):
+            res["nested_temps"] += 1  # another store's writer below this one's root: never ours to delete
+        elif (want is None or f"/{want}/" in f"/{o.name}") and store_now - o.mtime > temp_grace_s:
             drop(o.name, o.size, "temp")
     res["errors"] += len(unlisted)
     res["pruned_dirs"] = store.prune_dirs(emptied) if emptied else 0

@@ -5,6 +5,10 @@ components, so the outer fleet's ``gc --max-age-s`` / ``--target-gb`` deleted th
 pools on real ``file://`` stores."""
 from __future__ import annotations
 
+import os
+import time
+import uuid
+
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.gc import run_gc
@@ -29,3 +33,41 @@ def test_gc_of_the_outer_store_keeps_the_inner_fleets_blocks(tmp_path):
             assert res["errors"] == 0 and res["nested_blocks"] == 16, res
             assert res["scanned_objects"] == (8 if "max_age_s" in kw else 0), res
         assert read_checked(a, range(1, 9), "alice") == [False] * 8  # the outer fleet's own blocks did go
+
+
+def _stale_temp(store_root, obj_name: str) -> str:
+    """A crashed writer's temp file beside ``obj_name`` (FsStore's ``.{base}.{host}.{pid}.{uuid}.tmp``), its
+    mtime two hours back; returns its store-relative name."""
+    d, base = obj_name.rsplit("/", 1)
+    rel = f"{d}/.{base}.crashed-host.4242.{uuid.uuid4().hex}.tmp"
+    p = store_root / rel
+    p.write_bytes(b"x" * 1000)
+    old = time.time() - 7200
+    os.utime(p, (old, old))
+    return rel
+
+
+def test_gc_of_the_outer_store_keeps_the_inner_fleets_temp_files(tmp_path):
+    """Reproduced before the fix: the outer fleet's gc removed the inner fleet's writer temp files older than
+    ``temp_grace_s`` (its temp listing walked the whole tree below its root). Now only temp files in the outer
+    store's own directories (a block directory, the namespace directory) are removed; the inner store's are
+    counted ``nested_temps`` and left for the inner fleet's own gc, which removes them."""
+    outer, inner = tmp_path / "g4", tmp_path / "g4" / "team-b"
+    ns = namespace()
+    with G4Pool(G4Config(url=f"file://{inner}", keyring={"path": str(tmp_path / "b.json")}), ns) as b, \
+            G4Pool(G4Config(url=f"file://{outer}", keyring={"path": str(tmp_path / "a.json")}), ns) as a:
+        assert put_blocks(b, range(1, 5), "bob").written == 4
+        assert put_blocks(a, range(1, 5), "alice").written == 4
+    mine = sorted(o.name for o in FsStore(outer, fsync=False).list("") if "/" in o.name and "team-b" not in o.name)
+    theirs = sorted(o.name for o in FsStore(inner, fsync=False).list(""))
+    ns_json = next(n for n in mine if n.endswith("/namespace.json"))
+    outer_temps = [_stale_temp(outer, mine[0] if mine[0] != ns_json else mine[1]), _stale_temp(outer, ns_json)]
+    inner_temps = [_stale_temp(inner, next(n for n in theirs if not n.endswith(".json"))),
+                   _stale_temp(inner, next(n for n in theirs if n.endswith("/namespace.json")))]
+    res = run_gc(FsStore(outer, fsync=False), temp_grace_s=3600.0)
+    assert [(inner / t).exists() for t in inner_temps] == [True, True], res
+    assert [(outer / t).exists() for t in outer_temps] == [False, False], res
+    assert res["deleted_by"]["temp"] == 2 and res["nested_temps"] == 2 and res["errors"] == 0, res
+    res = run_gc(FsStore(inner, fsync=False), temp_grace_s=3600.0)  # the inner fleet's own gc: its temps go
+    assert res["deleted_by"]["temp"] == 2 and res["nested_temps"] == 0, res
+    assert [(inner / t).exists() for t in inner_temps] == [False, False]
