@@ -35,6 +35,7 @@ from ...io import openat2
 from ...io.files import open_for_read, refuses_direct
 from ...io.openat2 import Unsupported, clear_nonblock, open_no_symlinks, preadv_clearing
 from ...memory import aligned_empty
+from .fs_confirm import reread_matches
 from .fs_list import is_temp_name as is_temp_name, walk  # is_temp_name: re-exported
 from .fs_prune import prune_empty_dirs
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
@@ -432,23 +433,9 @@ class FsStore(ObjectStore):
 
     def stored_matches(self, name: str, data: DataIn, size: int) -> bool:
         """True only when the file ``name`` is a regular file of ``size`` bytes that starts with ``data``,
-        read afresh (a bad read, not bad stored bytes, gives False); False on any error."""
-        try:
-            opened = self._open_file(name, False)
-        except (OSError, ValueError):
-            return False
-        if opened is None:
-            return False
-        fd = opened[0]
-        try:
-            if opened[2] != size:
-                return False
-            want = _bytes_of(data)
-            return os.pread(fd, len(want), 0) == want
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
+        read afresh past the page cache (O_DIRECT, else after POSIX_FADV_DONTNEED: :mod:`.fs_confirm`; a bad
+        read, not bad stored bytes, gives False); False on any error."""
+        return reread_matches(lambda n, d: self._open_file(n, d), name, _bytes_of(data), size)
 
     def head(self, name: str) -> int | None:
         dirs, base = self._split(name)
