@@ -12,12 +12,15 @@ carry prometheus_client's ``_total`` suffix, which KVBM's Rust exporter does not
 * ``kvbm_matched_tokens``: tokens matched by requests' prefix lookups (G3's share and G4's), each request
   once, as the prefix every TP rank holds (the hit the request gets): its other TP ranks, KV cache groups, repeated asks and prompts the engine's own cache serves are not
   counted (``lookup_prefix(..., request=False)``, :class:`kvbm_backend.pool.base.BlockPool`). With vLLM's
-  native tiers (``G3Tier`` above ``G4Tier`` in one offloading manager, which asks both about every chunk) the
-  tier below counts only its share as the connector does (:mod:`kvbm_backend.integrations.vllm.tier_lookup`), so
-  a chunk both tiers hold counts once.
+  native tiers (``G3Tier`` above ``G4Tier`` in one offloading manager, which asks both about every chunk and
+  loads each from the first tier holding it) the lower tier counts the request's usable prefix (the leading
+  chunks some tier holds, however the tiers interleave) once, each chunk as the share of the tier it loads from
+  (:mod:`kvbm_backend.integrations.vllm.tier_lookup`): a chunk both tiers hold counts once, a chunk after one no
+  tier holds not at all.
 * ``kvbm_disk_cache_hit_rate`` / ``kvbm_object_cache_hit_rate``: hit rate (0-1) over a sliding window of
   lookups (KVBM uses a sliding window too; ours is the last :data:`HIT_RATE_WINDOW` looked-up blocks),
-  counted as matched tokens are; G4's over the blocks G3 lacked (a request G3 serves whole is not in it).
+  counted as matched tokens are; G4's over the blocks G3 lacked (did not serve: a request G3 serves whole is not
+  in it).
 * ``kvbm_object_read_failures`` / ``kvbm_object_write_failures``: G4 reads / offloads the store failed
   (unavailable, timed out, or answered with an error such as a missing bucket); refusals by the open
   circuit breaker are not failures of the store, they are ``kvbm_backend_g4_load_misses{reason="breaker"}``

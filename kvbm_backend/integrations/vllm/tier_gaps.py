@@ -6,6 +6,10 @@ chunk from the first that answers HIT; the scheduler (``_maximal_prefix_lookup``
 in its first step, when each async tier still answers RETRY, so every tier is posted every chunk and its verdicts
 stay cached while the request lives. A G4 that lacked chunk k answered every later chunk a miss: with G3 above
 holding k, G3 served k and the chunks after it that G4 held were recomputed (review, 2026-11-30).
+
+:func:`split_prefix` counts a request's usable prefix among the tiers (the lowest of our tiers counts for all):
+each tier's own leading prefix undercounted chunks the tiers fill between them (G3 holding 1 and G4 0, 2, 3 loaded
+4 chunks and counted 1, review 2026-11-30).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["skip_held"]
+__all__ = ["skip_held", "split_prefix"]
 
 
 def skip_held(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, str]], g: int, req_context: ReqContext,
@@ -34,14 +38,45 @@ def skip_held(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, str]
     while s < len(pairs):
         m = 0
         for u in tiers:
-            c = u.geometry.copies
             tenant = u._tenant_of(req_context)
-            bks = [bk for k, _ in pairs[s:] for bk in u._block_keys(k, tenant)]
-            try:
-                m = max(m, int(u.pool.lookup_prefix(bks, request=False).result(timeout=end.left())) // c)
-            except Exception as e:  # noqa: BLE001 - a failed look holds nothing
-                log.debug("lookup of the tier above failed: %s", e)
+            m = max(m, _held_from(u, [bk for k, _ in pairs[s:] for bk in u._block_keys(k, tenant)], end))
         if m == 0:
             return s
         s += m
     return s
+
+
+def _held_from(u: KvbmSecondaryTier, bks: list, end: Deadline) -> int:
+    """Leading chunks of ``bks`` (``u``'s block keys, every copy of each chunk in turn) ``u`` holds every copy of
+    (an uncounted index lookup); a failed or late lookup holds none. Never raises."""
+    c = u.geometry.copies
+    try:
+        return int(u.pool.lookup_prefix(bks, request=False).result(timeout=end.left())) // c
+    except Exception as e:  # noqa: BLE001 - a failed look holds nothing
+        log.debug("lookup of the tier above failed: %s", e)
+        return 0
+
+
+def split_prefix(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, str]], own: list[bool],
+                 req_context: ReqContext, end: Deadline) -> list[int]:
+    """The request's usable prefix of ``pairs`` (a run's chunks, ascending: the leading chunks some tier holds,
+    what vLLM loads; the chunk after it no tier holds and the rest are recomputed) split by the tier each chunk
+    loads from, the first in the manager's order that holds it: the chunks each of ``tiers`` (our tiers asked
+    before this one, in order) serves, then this tier's (``own[j]``: its verdict of ``pairs[j]``, all copies).
+    Uncounted index lookups of the tiers above, one per tier and stretch they hold (one per chunk this tier
+    serves); a failed or late one holds nothing. Never raises."""
+    bks = [[bk for k, _ in pairs for bk in u._block_keys(k, u._tenant_of(req_context))] for u in tiers]
+    shares = [0] * (len(tiers) + 1)
+    s = 0
+    while s < len(pairs):
+        first, n = next(((i, m) for i, (u, b) in enumerate(zip(tiers, bks))
+                         if (m := _held_from(u, b[s * u.geometry.copies:], end))), (None, 0))
+        if first is None:
+            if not own[s]:
+                break
+            first, n = len(tiers), 1
+        elif first > 0:
+            n = 1  # a tier asked before ``first`` may hold the stretch's later chunks
+        shares[first] += n
+        s += n
+    return shares

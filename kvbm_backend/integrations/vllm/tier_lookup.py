@@ -13,11 +13,13 @@ tenant that asked.
 Counting (``kvbm_matched_tokens``, the hit rates, the pools' lookup counters): vLLM's tiering manager asks its
 secondary tiers in their configured order and loads a chunk from the first that answers HIT, but each tier's
 lookup runs on its own thread, posted in the same step as the others' (every tier answers RETRY at first), so
-every tier is asked about every chunk. A tier below one of ours in the same manager (G4 under G3) therefore
-looks up uncounted and counts only its share, as the connector does (:class:`.lookup.TierLookup`): over the
-chunks the tiers above lack, what it found beyond them. Before 2026-11-30 each tier counted its whole lookup: a
-chunk held by G3 and G4 was matched twice (6 chunks of 16 tokens loaded moved ``kvbm_matched_tokens`` by 192)
-and G4's hit rate was over every chunk instead of those G3 lacked.
+every tier is asked about every chunk. With several of ours in the same manager (G3 above G4) each looks up
+uncounted and the lowest counts the request once for all, as the connector does (:class:`.lookup.TierLookup`):
+the usable prefix (leading chunks some tier holds), each chunk for the first tier holding it; the first tier over
+every chunk asked, each below over the chunks not served above. Before 2026-11-30 each tier counted its whole
+lookup: a chunk held by G3 and G4 was matched twice (6 chunks of 16 tokens loaded moved ``kvbm_matched_tokens``
+by 192) and G4's hit rate was over every chunk instead of those G3 lacked; then each counted its own leading
+prefix, so chunks one tier served past a gap the other filled loaded uncounted (G3 chunk 1, G4 0, 2, 3: 1 of 4).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 
 from ...deadlines import Deadline
-from .tier_gaps import skip_held
+from .tier_gaps import skip_held, split_prefix
 
 if TYPE_CHECKING:
     from .tiering import KvbmSecondaryTier
@@ -62,27 +64,33 @@ class TenantLookup(AsyncLookupManager):
     def __init__(self, tier: KvbmSecondaryTier, tier_type: str, offloading_spec: Any = None) -> None:
         self._tier = tier
         self._above = tiers_above(tier, offloading_spec) if offloading_spec is not None else []
+        self._reg: list = getattr(offloading_spec, "__dict__", {}).get(_REGISTRY, [])  # our tiers, in order
         super().__init__(tier_type=tier_type)
+
+    @staticmethod
+    def _asked(tiers: Iterable[KvbmSecondaryTier | None], req_context: ReqContext) -> list[KvbmSecondaryTier]:
+        """Those of ``tiers`` the manager asks for the request (open, allowed by its load tier filter)."""
+        filt = getattr(req_context, "load_tier_filter", None)
+        return [t for t in tiers if t is not None and not t._closed
+                and (filt is None or filt.allows(t.medium, t.locality))]
 
     def _asked_first(self, req_context: ReqContext) -> list[KvbmSecondaryTier]:
         """Our tiers the manager asks before this one for the request (open, allowed by its load tier filter)."""
-        live = [t for t in (r() for r in self._above) if t is not None and not t._closed]
-        filt = getattr(req_context, "load_tier_filter", None)
-        return [t for t in live if filt is None or filt.allows(t.medium, t.locality)]
+        return self._asked((r() for r in self._above), req_context)
 
-    def _held_above(self, tiers: list[KvbmSecondaryTier], keys: list[OffloadKey], req_context: ReqContext,
-                    end: Deadline) -> int:
-        """Leading ``keys`` (one run) the tiers asked first hold (their first copies, uncounted; the longest
-        prefix: a chunk loads from whichever holds it). A failed or late look is 0."""
-        best = 0
-        for u in tiers:
-            tenant = u._tenant_of(req_context)
-            try:
-                n = u.pool.lookup_prefix([u._block_keys(k, tenant)[0] for k in keys], request=False)
-                best = max(best, int(n.result(timeout=end.left())))
-            except Exception as e:  # noqa: BLE001 - a failed look holds nothing
-                log.debug("lookup of the tier above failed: %s", e)
-        return best
+    def _asked_after(self, req_context: ReqContext) -> list[KvbmSecondaryTier]:
+        """Our tiers the manager asks after this one for the request (registered later over the same primary
+        buffer, open, allowed): the lowest of them counts the request's lookup for this one."""
+        t = self._tier
+        addr = t._primary.ctypes.data
+        after: list[KvbmSecondaryTier | None] | None = None  # set once past this tier's entry
+        for r, a in list(self._reg):
+            u = r()
+            if u is t:
+                after = []
+            elif after is not None and a == addr:
+                after.append(u)
+        return self._asked(after or [], req_context)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """Scheduler thread: the cached verdict of ``key`` for the request's tenant (None: not answered yet)."""
@@ -95,8 +103,8 @@ class TenantLookup(AsyncLookupManager):
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         """Background thread: ``keys`` are the ``(OffloadKey, tenant)`` pairs :meth:`lookup` posted for one request
         (vLLM's manager calls this once per request and step). A chunk is held when all its copies (one block per
-        TP rank it spans) are: the first copies are looked up as a request (``kvbm_matched_tokens``, hit rate), the
-        others not, so a chunk counts once at any TP size. One ``job_timeout_s`` bounds the whole batch; a failed
+        TP rank it spans) are: the first copies are looked up as a request (``kvbm_matched_tokens``, hit rate; with
+        other tiers of ours, below), the others not, so a chunk counts once at any TP size. One ``job_timeout_s`` bounds the whole batch; a failed
         or late lookup is a miss.
 
         Prefix runs (:func:`prefix_runs`): the pairs of one tenant and KV group that vLLM posted in ascending
@@ -116,19 +124,24 @@ class TenantLookup(AsyncLookupManager):
         before 2026-11-30 a G4 lacking chunk k answered k+1.. misses though G3 above served k, so the chunks
         after k that G3 lacked and G4 held were recomputed.
 
-        Below another of our tiers in the manager (G4 under G3: :func:`tiers_above`) every look is uncounted and a
-        run counts only the chunks the tiers above lack (none: not counted), found as far as this tier holds
-        beyond them (:meth:`BlockPool.count_lookup`); a failed or late look of this tier finds none."""
+        With another of our tiers in the manager (G3 above G4: :func:`tiers_above`) every look is uncounted and
+        the lowest of them counts each run for all (:meth:`BlockPool.count_lookup`): the request's usable prefix
+        (the leading chunks some tier holds, :func:`.tier_gaps.split_prefix`), each chunk for the first tier
+        holding it, the first tier over every chunk asked and each below over the chunks not served above (none
+        left: not counted); a failed or late look of this tier finds none. Before 2026-11-30 each tier counted
+        its own leading prefix beyond the tiers above's (G4: ``n0 - pa``), so chunks loaded past a gap another
+        tier filled went uncounted (G3 holding chunk 1 and G4 0, 2, 3: 4 chunks loaded, 1 counted)."""
         t = self._tier
         pairs = cast("list[tuple[OffloadKey, str]]", keys)
         c = t.geometry.copies
         above = self._asked_first(req_context) if self._above else []
+        below = bool(self._asked_after(req_context)) if self._reg else False
         runs = prefix_runs(pairs, req_context)
         futs = []
         for run in runs:
             bks = [t._block_keys(pairs[i][0], pairs[i][1]) for i in run]
             rest = [bk for b in bks for bk in b[1:]]
-            futs.append((t.pool.lookup_prefix([b[0] for b in bks], request=not above),
+            futs.append((t.pool.lookup_prefix([b[0] for b in bks], request=not above and not below),
                          t.pool.lookup_prefix(rest, request=False) if rest else None))
         end = Deadline(t._job_timeout_s)
         out = [False] * len(pairs)
@@ -140,18 +153,20 @@ class TenantLookup(AsyncLookupManager):
             except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
                 log.debug("lookup failed: %s", e)
                 n1 = -1
-            if above:  # this tier's share: the chunks the tiers asked first lack
-                pa = self._held_above(above, [pairs[i][0] for i in run], req_context, end)
-                if pa < len(run):
-                    t.pool.count_lookup(len(run) - pa, max(0, n0 - pa))
-            if n1 < 0:
-                continue
-            for j, i in enumerate(run):  # chunk j: its first copy among the n0, its others among the n1
-                out[i] = j < n0 and (j + 1) * (c - 1) <= n1
-            held = sum(out[i] for i in run)  # the run's held prefix; the chunk after it is not held
-            if (t.look_past_gaps or above) and held + 1 < len(run):
-                self._past_gap([pairs[i] for i in run[held:]], run[held:], out, end,
-                               None if t.look_past_gaps else (above, req_context))
+            if n1 >= 0:
+                for j, i in enumerate(run):  # chunk j: its first copy among the n0, its others among the n1
+                    out[i] = j < n0 and (j + 1) * (c - 1) <= n1
+                held = sum(out[i] for i in run)  # the run's held prefix; the chunk after it is not held
+                if (t.look_past_gaps or above) and held + 1 < len(run):
+                    self._past_gap([pairs[i] for i in run[held:]], run[held:], out, end,
+                                   None if t.look_past_gaps else (above, req_context))
+            if above and not below:  # the lowest of our tiers counts the request's usable prefix for each
+                shares = split_prefix(above, [pairs[i] for i in run], [out[i] for i in run], req_context, end)
+                served = 0  # the first tier counts over every chunk asked, each below over those not served above
+                for k, (u, n) in enumerate(zip([*above, t], shares)):
+                    if k == 0 or served < len(run):
+                        u.pool.count_lookup(len(run) - served, n)
+                    served += n
         return out
 
     def _past_gap(self, pairs: list[tuple[OffloadKey, str]], idx: list[int], out: list[bool], end: Deadline,

@@ -127,3 +127,51 @@ load's 30 s cool-down meanwhile, tests/integrations/vllm/test_tiering.py)."""
     h.store(keys, data)  # the encrypted copies go in (published after the failed load's cool-down: test_tiering)
     h.wait_idle()
     assert h.tier.pool.stats()["written"] == 3
+
+
+def _counted(h, keys) -> tuple:
+    """Load ``keys`` through ``h`` (G3 above G4) and return (chunks loaded, matched tokens moved in chunks, G3's
+    (lookup_blocks, lookup_hits) moved, G4's (lookups, lookup_hits) moved, G3's last hit-rate window entry, G4's)."""
+    g3, g4 = h.manager.secondary_tiers
+    tokens0 = metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0
+    s3, s4 = g3.pool.stats(), g4.pool.stats()
+    w3, w4 = len(_window(g3)), len(_window(g4))
+    got = h.load(keys)
+    moved = (metrics.sample_value(None, "kvbm_matched_tokens_total") - tokens0) / GEO["tokens_per_block"]
+    t3, t4 = g3.pool.stats(), g4.pool.stats()
+    return (len(got), moved,
+            (t3["lookup_blocks"] - s3["lookup_blocks"], t3["lookup_hits"] - s3["lookup_hits"]),
+            (t4.get("lookups", 0) - s4.get("lookups", 0), t4.get("lookup_hits", 0) - s4.get("lookup_hits", 0)),
+            _window(g3)[w3:], _window(g4)[w4:])
+
+
+def _seed(tmp_path, harnesses, keys, in_g3, in_g4, world_size) -> None:
+    """Chunks ``in_g3`` of ``keys`` written to the G3 directory, ``in_g4`` to the G4 store (payloads: seed 31)."""
+    for tier, held in ((g3_tier(tmp_path / "g3"), in_g3), (_g4_tier(tmp_path / "g4"), in_g4)):
+        h = harnesses([tier], chunks=64, world_size=world_size)
+        data = payloads(h, len(keys), seed=31)
+        h.store([keys[i] for i in held], [data[i] for i in held])
+        h.wait_idle()
+        h.shutdown()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("in_g3, in_g4, n, want", [
+    # G3 holds 1, G4 0, 2, 3: all 4 load (G4 0, 2, 3; G3 1). Before: 1 counted (G4's prefix 0; G3's prefix none)
+    ([1], [0, 2, 3], 4, (4, 4, (4, 1), (1, 3), [(4, 1)], [(3, 3)])),
+    # chunk 3 nowhere: the usable prefix is 0-2 (G4 0, 2; G3 1); chunk 4 (G4) comes after it, not counted
+    ([1], [0, 2, 4], 5, (3, 3, (5, 1), (1, 2), [(5, 1)], [(4, 2)])),
+    # G3 looks past its gap: G3 0, 2, 3, G4 1: all 4 load. Before: 1 counted (G3's prefix 0; G4's share 0)
+    ([0, 2, 3], [1], 4, (4, 4, (4, 3), (1, 1), [(4, 3)], [(1, 1)])),
+])
+def test_a_prefix_the_tiers_fill_between_them_counts_every_usable_chunk_once(tmp_path, harnesses, in_g3, in_g4,
+                                                                                n, want, world_size):
+    """G3 above G4, their chunks interleaved: kvbm_matched_tokens moves by the request's usable prefix (the
+    leading chunks some tier holds: what vLLM loads), each chunk once, G3 counting those it serves over every
+    chunk asked and G4 those it serves over the chunks G3 did not serve. Before: each tier counted its own
+    leading prefix, so the chunks after a gap the other tier filled loaded uncounted (1 chunk in each case).
+    At TP 2 a chunk is 2 blocks per tier; it still counts once."""
+    keys = keys_for(n, f"split-{n}-{in_g3[0]}-{world_size}")
+    _seed(tmp_path, harnesses, keys, in_g3, in_g4, world_size)
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")], chunks=64, world_size=world_size)
+    assert _counted(h, keys) == want
