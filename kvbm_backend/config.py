@@ -214,7 +214,8 @@ class KeyringConfig(_M):
     the process (offloads dropped, ``dropped_keyring``) until the operator runs ``keys rotate``."""
     auto_create_tenants: bool = True
     """A worker's first write for an unknown tenant creates its data key (writable keyrings only).
-    Never re-creates a revoked tenant. Off: offloads of unknown tenants are dropped
+    Never re-creates a revoked tenant, never creates a tenant id over 1024 UTF-8 bytes
+    (``crypto.names.MAX_AUTO_TENANT_BYTES``: ``keys create`` adds those). Off: offloads of unknown tenants are dropped
     (``dropped_unknown_tenant``, logged once per tenant pseudonym) and their loads are misses; tenants
     then come only from ``kvbm-backend keys create``."""
     max_auto_tenants: int = Field(default=4096, ge=0, le=1_000_000)

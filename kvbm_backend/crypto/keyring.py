@@ -59,12 +59,11 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, TypeVar, overlo
 from ..fsmodes import makedirs_private
 from ..model.namespace import tenant_bytes
 from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant, _b64,
-                  _stamp, dir_is_read_only, generate_kek_b64, locked_file, provider_for,
-                  replace_private_json)
+                  _stamp, dir_is_read_only, generate_kek_b64, locked_file, provider_for, replace_private_json)
 from .keyring_file import (FORMAT, FileState, add_tenant, read_keyring, revoke_tenant, revoked_key_ids, rewrap_doc,
                            rotate_tenant, tenant_rows)
 from .keyring_persist import Doc, UseCounts
-from .names import NAME_KEY_LABEL, UNKEYED_PSEUDONYM_KEY, check_storable_tenant, derive_name_key
+from .names import NAME_KEY_LABEL, UNKEYED_PSEUDONYM_KEY, auto_creatable, check_storable_tenant, derive_name_key
 
 NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
 DEFAULT_ROTATE_AFTER = 2 ** 31
@@ -346,7 +345,7 @@ class Keyring:
     def _create_fn(self, tenant: str, implicit: bool) -> Callable[[Doc], None]:
         def fn(doc: Doc) -> None:
             if tenant not in doc["tenants"]:
-                check_storable_tenant(tenant, self.path)
+                check_storable_tenant(tenant, self.path, implicit)
                 if implicit and self.pseudonym(tenant).hex() in doc.get("revoked", {}):
                     raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} (pseudonym) was "
                                         "revoked; only `kvbm-backend keys create` re-creates it")
@@ -477,7 +476,7 @@ class Keyring:
         if self._error is not None:
             raise KeyringError(self._error)
         t: dict[str, Any] | None = self._doc["tenants"].get(tenant)
-        if t is None and (self.read_only or not self.auto_create_tenants
+        if t is None and (self.read_only or not self.auto_create_tenants or not auto_creatable(tenant)
                           or len(self._doc["tenants"]) >= self.max_auto_tenants):
             if self._maybe_reload(on_miss=True):
                 t = self._doc["tenants"].get(tenant)  # created elsewhere since our last reload
@@ -496,6 +495,7 @@ class Keyring:
                                 f"(pseudonym) and {why}; create it with `kvbm-backend keys create`")
         if len(self._doc["tenants"]) >= self.max_auto_tenants:
             raise UnknownTenant(self._limit_msg(tenant))
+        check_storable_tenant(tenant, self.path, implicit=True)  # a long id: UnknownTenant, never created
         return None
 
     def read_key(self, key_id: int, version: int, tenant: str | None = None) -> bytes | None:

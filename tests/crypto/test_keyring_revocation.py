@@ -19,6 +19,7 @@ from kvbm_backend.apps.cli import app
 from kvbm_backend.config import G4Config, KeyringConfig
 from kvbm_backend.crypto.aead import new_nonce, seal_into
 from kvbm_backend.crypto.kek import KEYRING_TMP_MARK
+from kvbm_backend.crypto.names import MAX_AUTO_TENANT_BYTES
 from kvbm_backend.crypto.keyring import (Keyring, KeyringError, TenantRevoked, UnknownTenant, dir_is_read_only,
                                          provider_for)
 from kvbm_backend.pool.g4.pool import G4Pool
@@ -216,6 +217,29 @@ def test_max_auto_tenants_bounds_the_tenants_a_flood_creates(target, caplog, mon
         _keys_cli("create", "--keyring", kr_path, "--tenant", "salt-19")  # the operator is not limited
         _until(lambda: _put(p, [4], "salt-19").written == 1, RELOAD_S + SLACK_S)
         assert _read(p, [4], "salt-19") == [True]
+
+
+
+def test_a_long_tenant_id_is_never_created_implicitly(target, caplog, monkeypatch):
+    """A worker never writes a client's very long cache_salt (tenant id) into the keyring file: every
+    creation rewrites that file and every worker re-reads it, so before 2026-11-30 ``max_auto_tenants``
+    salts of 1 MB made it 4 GB (each 100 KB salt here added 100 KB). An id over ``MAX_AUTO_TENANT_BYTES``
+    (UTF-8 bytes) is dropped as an unknown tenant, logged by pseudonym with that reason; one at the bound
+    is created as before, and ``keys create`` still takes a long id."""
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    kr_path = target["keyring"]["path"]
+    at_bound, long_ids = "é" * (MAX_AUTO_TENANT_BYTES // 2), [f"{i}" + "x" * 100_000 for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.pool.g4.pool"), _pool(target) as p:
+        assert _put(p, [1], at_bound).written == 1 and _read(p, [1], at_bound) == [True]
+        res = [_put(p, [2], t) for t in long_ids + ["é" * (MAX_AUTO_TENANT_BYTES // 2) + "x"]]
+        assert [r.dropped for r in res] == [1, 1, 1, 1] and p.stats()["dropped_unknown_tenant"] == 4
+        assert set(json.loads(Path(kr_path).read_text())["tenants"]) == {at_bound}
+        assert Path(kr_path).stat().st_size < 20_000
+        lines = [r.getMessage() for r in caplog.records if "dropped_unknown_tenant" in r.getMessage()]
+        assert lines and all(f"over {MAX_AUTO_TENANT_BYTES} bytes" in x and "xxxx" not in x for x in lines)
+        _keys_cli("create", "--keyring", kr_path, "--tenant", long_ids[0])  # the operator is not limited
+        _until(lambda: _put(p, [3], long_ids[0]).written == 1, RELOAD_S + SLACK_S)
+        assert _read(p, [3], long_ids[0]) == [True]
 
 
 # ---- 4. a key id serves only its own tenant -----------------------------------------------------

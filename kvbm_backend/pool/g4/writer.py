@@ -37,9 +37,10 @@ import numpy.typing as npt
 
 from ...crypto.aead import key_check, key_check_differs, new_nonce, seal_into
 from ...crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenant
+from ...crypto.names import MAX_AUTO_TENANT_BYTES
 from ...memory import BufferPool
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
-from ...model.namespace import BlockKey, Namespace
+from ...model.namespace import BlockKey, Namespace, tenant_bytes
 from ..base import InFlight, PutResult, completed
 from ...deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
@@ -251,6 +252,8 @@ class G4Writer:
         if reason == "dropped_unknown_tenant":
             why = ("it is read-only" if getattr(kr, "read_only", False) else
                    "g4.keyring.auto_create_tenants is off" if not getattr(kr, "auto_create_tenants", True) else
+                   f"the tenant id is over {MAX_AUTO_TENANT_BYTES} bytes (never created implicitly)"
+                   if tenant is not None and len(tenant_bytes(tenant)) > MAX_AUTO_TENANT_BYTES else
                    f"it holds g4.keyring.max_auto_tenants={getattr(kr, 'max_auto_tenants', '?')} tenants")
             create = f"kvbm-backend keys create --keyring {getattr(kr, 'path', 'KEYRING')} --tenant"
             default = "every request without a cache_salt has it"
