@@ -4,8 +4,9 @@ A tenant (the request's ``cache_salt``) is never stored or logged: objects are n
 its 16-byte pseudonym, a keyed HMAC under the keyring's pseudonym key (an unkeyed HMAC only for unencrypted
 pools without a keyring), and block ids are keyed HMACs under the tenant's naming key
 (:class:`~kvbm_backend.pool.g4.naming.TenantNamer`, ``docs/format.md`` "G4 names"). Both cost an HMAC per
-tenant, so the last :data:`TENANT_CACHE_ENTRIES` tenants' namers are kept (LRU): a flood of distinct
-``cache_salt`` values costs one HMAC per miss, never memory (200k tenants once held 75 MB).
+tenant, so the last :data:`TENANT_CACHE_ENTRIES` tenants' namers are kept (LRU), ids of at most
+:data:`CACHE_TENANT_CHARS` characters only: a flood of distinct ``cache_salt`` values, however long, costs one
+HMAC per miss, never memory (200k tenants once held 75 MB; 4096 salts of 1 MB, 4 GB).
 
 The cache follows the keyring's pseudonym key: when a reload brings another one (the keyring file replaced,
 e.g. deleted, a crypto-shred of every tenant, then made anew by ``keys create``) the keyring's
@@ -30,10 +31,12 @@ from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, tenant_bytes
 from .naming import TenantNamer, legacy_block_name
 
-__all__ = ["TENANT_CACHE_ENTRIES", "TenantNames"]
+__all__ = ["CACHE_TENANT_CHARS", "TENANT_CACHE_ENTRIES", "TenantNames"]
 log = logging.getLogger(__name__)
 
 TENANT_CACHE_ENTRIES = 4096  # tenants whose pseudonym and naming key a pool keeps (LRU); more are recomputed
+CACHE_TENANT_CHARS = 256  # longer tenant ids are never cached (recomputed each time): the cache holds the ids,
+# so 4096 client salts of 1 MB each kept 4 GB per worker before 2026-11-30 (as G3's tag cache, pool/g3/index.py)
 
 
 class TenantNames:
@@ -63,12 +66,13 @@ class TenantNames:
         return self._keyring.naming_generation() if self._keyring is not None else 0
 
     def namer(self, tenant: str) -> TenantNamer:
-        """The tenant's pseudonym and namer under the keyring's current pseudonym key (cached, LRU). Name a
-        block and build its header from one namer: a pseudonym key replaced in between cannot split them."""
+        """The tenant's pseudonym and namer under the keyring's current pseudonym key (cached, LRU; an id over
+        :data:`CACHE_TENANT_CHARS` characters is not kept). Name a block and build its header from one namer: a
+        pseudonym key replaced in between cannot split them."""
         gen = self._generation()
         if gen != self._gen:
             self._switch(gen)
-        return self._namer(tenant, gen)
+        return self._namer(tenant, gen) if len(tenant) <= CACHE_TENANT_CHARS else self._new_namer(tenant, gen)
 
     def _switch(self, gen: int) -> None:
         with self._mu:

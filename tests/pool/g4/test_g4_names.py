@@ -25,6 +25,7 @@ from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g4.naming import TenantNamer, legacy_block_name, parse_block_name
 from kvbm_backend.pool.g4.pool import TENANT_CACHE_ENTRIES, G4Pool
+from kvbm_backend.pool.g4.tenant_names import CACHE_TENANT_CHARS
 from tests.helpers.paths import HELPERS
 from tests.helpers.g4_target import g4_target
 
@@ -225,6 +226,33 @@ def test_tenant_cache_stays_at_its_bound_with_a_million_tenants(tmp_path):
         assert all(f.result(timeout=HANG_S) == 0 for f in looked)
         assert p.tenant_cache_size() <= TENANT_CACHE_ENTRIES
         assert p.object_name(ns.key(42, tenant="t0")) == first
+
+
+
+def test_tenant_cache_keeps_no_long_tenant_ids(tmp_path):
+    """A tenant id is a client's cache_salt, of any length: the pool's tenant cache (names, pseudonyms) keeps
+    none over CACHE_TENANT_CHARS characters, so salts of 100 KB looked up and offloaded through a real file://
+    pool with a keyring hold no memory once done (before 2026-11-30 each stayed in the LRU: 4096 salts of 1 MB
+    were 4 GB per worker). A long tenant is named the same every time, and its blocks still round-trip."""
+    ns = namespace()
+    cfg = G4Config(url=f"file://{tmp_path / 'g4'}", keyring={"path": str(tmp_path / "kr.json")})
+    long_t = "L" * 100_000  # over the keyring's bound for implicit creation: created explicitly
+    Keyring(tmp_path / "kr.json", provider_for(tmp_path / "kr.json")).create(long_t)
+    with G4Pool(cfg, ns) as p:
+        assert p.object_name(ns.key(1, tenant=long_t)) == p.object_name(ns.key(1, tenant=long_t))
+        _put(p, ns, [1], long_t)
+        assert _read(p, ns, [1], long_t) == [True]
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        looked = [p.lookup_prefix(ns.keys([7], tenant=f"{i}" + "x" * 100_000)) for i in range(40)]
+        assert all(f.result(timeout=HANG_S) == 0 for f in looked)
+        del looked
+        grown = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert grown < 1_000_000, f"{grown} bytes kept after 40 lookups of 100 KB tenant ids"
+        assert p.tenant_cache_size() == 0 and len(long_t) > CACHE_TENANT_CHARS
+        _put(p, ns, [2], "short")
+        assert p.tenant_cache_size() == 1
 
 
 def test_one_tenants_blocks_spread_evenly_over_dir_fanout_prefixes():
