@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -327,6 +327,23 @@ class SlotCatalog:
         if free is not None:
             self.slabs.release([free])
         self.note_removed([key])
+
+    def release_unpublished(self, slots: Sequence[Slot]) -> None:
+        """Release slots a put reserved and did not publish (its write, slab sync or journal append failed; a
+        close abandoned it) or evicted and did not reuse: their headers are zeroed first (:meth:`clear_headers`),
+        since a frame may be there whole. Before (reviewer, 2026-11-30) they were released with it: a key
+        deleted afterwards (not held: nothing to clear) came back from a restart without the journal. Caller
+        holds the lock. A slot past its file's end holds no frame and is not written (a 4 KiB write there would
+        allocate space the filesystem may be out of: an ENOSPC-failed write's slots are released here)."""
+        ends: dict[int, int] = {}
+        for fi, _ in slots:
+            if fi not in ends:
+                try:
+                    ends[fi] = os.fstat(self.fd_of(fi)).st_size
+                except (OSError, KeyError):
+                    ends[fi] = 1 << 62  # unknown: try the write (clear_headers logs a failure)
+        self.clear_headers([(fi, si) for fi, si in slots if si * self.slot_bytes < ends[fi]])
+        self.slabs.release(slots)
 
     def clear_headers(self, slots: Iterable[Slot]) -> None:
         """Zero the frame header of each of ``slots`` (one 4 KiB ``pwrite`` each, no sync: the file is

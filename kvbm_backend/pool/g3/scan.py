@@ -12,13 +12,15 @@ layout, lengths, a checksum flag) and the slot is indexed under the key its head
 published again). The payload is checked on every read as always (invariant 1), so a scan never serves bytes
 the journal would not have.
 
-What a scan cannot know, the journal knew: which blocks were evicted (their headers stay in slots that were
-free when the journal was lost; a block comes back as a hit, which a cache may serve: the bytes are that
-block's) and the LRU order (scanned blocks are ordered by the header's write time, ``created_ns``, and placed
-before the journal's blocks, to be evicted first). Blocks deleted or proven corrupt while the pool held them
-do not come back: their headers are zeroed before their slots can be reused
-(:meth:`.catalog.SlotCatalog.clear_headers`), a write cancelled by a delete included. A block deleted in a run
-whose ``g3.paths`` left its directory out was not held then, and is found again when the directory returns.
+What a scan cannot know, the journal knew: the LRU order (scanned blocks are ordered by the header's write
+time, ``created_ns``, and placed before the journal's blocks, to be evicted first). Blocks deleted or proven
+corrupt while the pool held them do not come back: their headers are zeroed before their slots can be reused
+(:meth:`.catalog.SlotCatalog.clear_headers`), a write cancelled by a delete included. Nor do slots a put
+reserved and did not publish (its write, slab sync or journal append failed) or evicted blocks: the evicting
+write overwrites the header, or it is zeroed (:meth:`.catalog.SlotCatalog.release_unpublished`). Only a
+worker killed between an eviction and that write leaves an evicted block's header (a hit of its own bytes).
+A block deleted in a run whose ``g3.paths`` left its directory out was not held then, and is found again when
+the directory returns.
 
 Cost: one 4 KiB read per slot the files cover (their size, not the configured capacity), by ``g3.io_threads``
 threads; headers without the frame magic and this namespace's fingerprint are dropped without parsing, and the

@@ -276,6 +276,7 @@ class G3Writer:
                 self.cat.note_removed(k for k, _ in ev)
                 evicted_recs = len(ev)
                 slots += self.cat.slabs.allocate(n - len(slots), self._run)
+                self.cat.clear_headers(set(s for _, s in ev).difference(slots))  # evicted, not reused: no scan finds it
             self.cat.reserved += len(slots)
             self.cat.c["evictions"] += evicted_recs
             m = len(slots)
@@ -451,7 +452,7 @@ class G3Writer:
                         pub_s.append(slot)
                         recs.append(jr.encode(jr.PUT, k, slot))
                 else:
-                    self.cat.slabs.release(pc.slots)
+                    self.cat.release_unpublished(pc.slots)  # a frame may be whole there: headers zeroed
                     reason = "enospc" if getattr(err, "errno", None) in _NOSPACE else "io_error"
                     if not pc.batch.counted:
                         pc.batch.counted = True
@@ -468,7 +469,7 @@ class G3Writer:
                     self.cat.drop(reason, len(pc.jobs))
             if recs and not self.cat.journal_append(recs):
                 # not journaled, so not published: dropped, counted, slots released (tier degraded)
-                self.cat.slabs.release(pub_s)
+                self.cat.release_unpublished(pub_s)
                 for job in pub_j:
                     job.result.dropped += 1
                 self.cat.drop(self.cat.journal_reason, len(pub_s))

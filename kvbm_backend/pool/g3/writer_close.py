@@ -73,7 +73,7 @@ def settle_abandoned_locked(w: G3Writer, pieces: list[_Piece]) -> None:
     puts were resolved by :func:`close_writer`)."""
     for pc in pieces:
         w.cat.reserved -= len(pc.slots)
-        w.cat.slabs.release(pc.slots)
+        w.cat.release_unpublished(pc.slots)
         pc.batch.left -= 1
         if pc.batch.left == 0:
             w._batch_done_locked(pc.batch)
