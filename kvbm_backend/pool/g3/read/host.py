@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import threading
@@ -173,25 +174,51 @@ class HostGet:
         self.future.set_result(GetResult(ok=ok, timed_out=late))
 
     def _submit_next(self) -> None:
-        """Submit the get's next chunk (at most ``read_chunks_in_flight`` are in flight per get)."""
-        with self.lock:
-            if not self.todo:
+        """Submit the get's next chunk (at most ``read_chunks_in_flight`` are in flight per get). A chunk whose
+        future is already done when its callback is added (the engine refused it: a closed pool's engine fails
+        every submit at once) is handed on here and the next one submitted by this loop. Before (reviewer,
+        2026-11-30) that callback ran inline and recursed into this method once per chunk: a get of a few
+        hundred chunks hit RecursionError inside ``add_done_callback`` (swallowed by concurrent.futures), and
+        the get never resolved, its slots pinned."""
+        while True:
+            with self.lock:
+                if not self.todo:
+                    return
+                ch = self.todo.popleft()
+            stages: list[BlockBuffer] = []
+            ef: Future[Any]  # the engine's byte counts (not used: headers and checksums say what arrived)
+            try:
+                exts = self._extents(ch, stages)
+                ef = self.p.engine.submit(plan_ops(exts, self.p._io_size, write=False))
+            except Exception as e:  # noqa: BLE001 - engine refused: the chunk's blocks are misses
+                ef = Future()
+                ef.set_exception(e)
+            state = [True, False]  # [still in this loop, done while it was]: read and set under self.lock
+            ef.add_done_callback(functools.partial(self._engine_done, ch, stages=stages, state=state))
+            with self.lock:
+                state[0] = False
+                inline = state[1]
+            if not inline:
                 return
-            ch = self.todo.popleft()
-        stages: list[BlockBuffer] = []
-        ef: Future[Any]  # the engine's byte counts (not used: headers and checksums say what arrived)
-        try:
-            exts = self._extents(ch, stages)
-            ef = self.p.engine.submit(plan_ops(exts, self.p._io_size, write=False))
-        except Exception as e:  # noqa: BLE001 - engine refused: the chunk's blocks are misses
-            ef = Future()
-            ef.set_exception(e)
-        ef.add_done_callback(lambda f: self._chunk_done(ch, f, stages))
+            self._hand_off(ch, ef, stages)
+
+    def _engine_done(self, ch: _Chunk, ef: Future[Any], *, stages: list[BlockBuffer], state: list[bool]) -> None:
+        """The chunk's done callback: left to the submitting loop while it is still running (it hands the chunk
+        on and submits the next); otherwise :meth:`_chunk_done`."""
+        with self.lock:
+            if state[0]:
+                state[1] = True
+                return
+        self._chunk_done(ch, ef, stages)
 
     def _chunk_done(self, ch: _Chunk, ef: Future[Any], stages: list[BlockBuffer]) -> None:
         """Engine callback (the engine's completion thread): submit the next chunk at once, then hand
         this chunk to the verifier thread, so I/O is never waiting on verification."""
         self._submit_next()
+        self._hand_off(ch, ef, stages)
+
+    def _hand_off(self, ch: _Chunk, ef: Future[Any], stages: list[BlockBuffer]) -> None:
+        """Verify the finished chunk on the verifier thread (here when the verifier is shut down)."""
         exc = ef.exception()
         try:
             self.rd.verifier.submit(self._verify, ch, exc, stages)
