@@ -228,7 +228,7 @@ class SchedulerSide:
                 self._count_request(st, local=True)
             return 0, False
         if st.lookup is None:
-            st.lookup = PrefixLookup(self, st, known=st.handoff_known, count=count)
+            st.lookup = PrefixLookup(self, st, known=st.handoff_known, count=count and not st.counted)
         res = st.lookup.poll()
         if res is None:
             return None, False
@@ -284,7 +284,7 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.g3 is None and self.g4 is None:
             return
-        self._state(request)
+        self._state(request).lookup = None  # answered: vLLM asks again only after a preemption, to be looked up anew
         if num_external_tokens <= 0:
             return
         self._plan_load(request, self._reqs[request.request_id], blocks, num_external_tokens)
@@ -347,8 +347,8 @@ class SchedulerSide:
             if st is not None and st.sync_load and st.group_block_ids and self.evict_engine_blocks is not None:
                 self.evict_engine_blocks(unloaded_engine_blocks(st.hashes, st.group_block_ids[0], st.n_local,
                                                                 f.first_failed))
-            if st is not None and not st.no_load:
-                st.no_load, st.lookup, st.hit, st.planned = True, None, None, None
+            if st is not None and not st.no_load:  # saved_upto: reset at its next schedule (recomputed: saved again)
+                st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
                 stats.add(load_failed_requests=1)
             if f.reason == "miss":
                 self.failed_blocks.add(f.tenant, f.first_failed)
