@@ -274,7 +274,14 @@ def test_load_timeout_is_a_miss_and_slot_stays_pinned(tmp_path):
                 time.sleep(0.02)
             assert pool.stats()["pinned_slots"] == 0 and pool.stats()["late_reads"] == 4
             eng.hold_reads = False
-            assert all(read_back(pool, keys).ok)
+            # the blocks read again; under the 0.2 s bound a busy 2-core host can time a read out (seen once,
+            # 2026-11-30, six test files at once): such a miss must be a timeout, and a repeat then reads
+            for _ in range(50):
+                got = read_back(pool, keys)
+                if all(got.ok):
+                    break
+                assert all(t for ok, t in zip(got.ok, got.timed_out) if not ok), got
+            assert all(got.ok)
     finally:
         eng.gate.set()
         eng.close()
