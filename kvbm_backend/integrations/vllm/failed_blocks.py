@@ -1,6 +1,7 @@
 """Blocks whose load failed, kept out of lookups for a cool-down: the connector's scheduler (:mod:`.scheduler_side`,
 per ``(tenant, sequence hash)``) and the native tiers (:class:`FailedChunks`, per ``(tenant, chunk)``) share the rule
-and its constants."""
+and its constants. Also the scheduler's containment of a failed synchronous (layer-wise) load: its unloaded engine
+blocks, and the requests that took them as their prefix hit (:func:`contain_failed_sync_load`)."""
 from __future__ import annotations
 
 import logging
@@ -9,10 +10,12 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable
 
+from . import stats
+
 log = logging.getLogger(__name__)
 
-__all__ = ["FAILED_BLOCK_COOLDOWN_S", "FAILED_BLOCKS_MAX", "FailedBlocks", "FailedChunks", "drop_blocks",
-           "unloaded_engine_blocks"]
+__all__ = ["FAILED_BLOCK_COOLDOWN_S", "FAILED_BLOCKS_MAX", "FailedBlocks", "FailedChunks", "contain_failed_sync_load",
+           "drop_blocks", "unloaded_engine_blocks", "withhold_tainted"]
 
 #: seconds a block whose load failed (absent, unreadable or corrupt in the tier that was to serve it) ends
 #: every prefix offered to any request: the failed request itself is never offered a load again (vLLM
@@ -123,3 +126,46 @@ def unloaded_engine_blocks(hashes: Any, block_ids: list[int], start: int, first_
     except ValueError:
         p = max(0, start)
     return [b for b in block_ids[p:] if b]  # block 0 is vLLM's null block
+
+
+def contain_failed_sync_load(reqs: dict[str, Any], failed: Any, first_failed: int, evict: Any) -> list[str]:
+    """A synchronous (layer-wise) load of request ``failed`` (the scheduler's ``_Req``) failed from the block whose
+    sequence hash is ``first_failed`` on. Its unloaded engine blocks (:func:`unloaded_engine_blocks`) leave vLLM's
+    prefix cache (``evict``: ``BlockPool.evict_blocks``, None when not bound). Every other request of ``reqs``
+    whose engine blocks include one of them took it as its prefix hit in the same step (vLLM cached it when it
+    scheduled the load) and stays on it (``recompute`` leaves it for the failed request to recompute: never,
+    when that one is aborted or preempted first): such a request is tainted from its first such block on
+    (``save_limit``): none of its blocks from there on is saved (:func:`withhold_tainted`), and those vLLM cached
+    leave its prefix cache too. Returns the tainted request ids (counted ``layerwise_tainted_requests``).
+    Never raises."""
+    bad = set(unloaded_engine_blocks(failed.hashes, failed.group_block_ids[0], failed.n_local, first_failed))
+    if evict is not None:
+        evict(sorted(bad))
+    tainted = []
+    for rid, st in reqs.items():
+        ids = st.group_block_ids[0] if st is not failed and st.group_block_ids else []
+        i = next((i for i, b in enumerate(ids) if b in bad), None)
+        if i is not None and i < st.save_limit:
+            st.save_limit = i
+            tainted.append(rid)
+            if evict is not None:
+                evict([b for b in ids[i:] if b])
+    if tainted:
+        log.warning("layer-wise load of request %s failed: requests %s computed on its unloaded blocks; their "
+                    "blocks from there on are never saved", failed.req_id, tainted)
+        stats.add(layerwise_tainted_requests=len(tainted))
+    return tainted
+
+
+def withhold_tainted(st: Any, a: int, end: int, evict: Any) -> int:
+    """End of the blocks of request ``st`` (the scheduler's ``_Req``) in ``[a, end)`` that may be saved: those
+    from its ``save_limit`` on (computed on KV a failed synchronous load never filled:
+    :func:`contain_failed_sync_load`) are not, are counted ``layerwise_save_withheld_blocks`` and leave vLLM's
+    prefix cache (``evict``, None when not bound; vLLM caches a block as the step that computes it is scheduled)."""
+    cut = max(a, min(end, st.save_limit))
+    if cut < end:
+        stats.add(layerwise_save_withheld_blocks=end - cut)
+        ids = st.group_block_ids[0] if st.group_block_ids else []
+        if evict is not None:
+            evict([b for b in ids[cut:end] if b])
+    return cut

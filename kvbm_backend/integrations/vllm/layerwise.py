@@ -21,7 +21,10 @@ the same step and calls ``start_load_kv`` before the forward. :class:`LayerwiseL
   synchronous load's blocks at once, so another request of the same step may have used them as its prefix
   hit and computed (and would save) KV from the bad rows. The scheduler then removes the request's blocks from
   the first failed one on from vLLM's prefix cache (:func:`.failed_blocks.unloaded_engine_blocks`), so no later
-  request hits them before they are recomputed. Whichever of ``wait_for_save`` and
+  request hits them before they are recomputed; another request that took them as its prefix hit in that step
+  (vLLM leaves it on them, for the failed request to recompute: never, if that one is aborted first) saves none of
+  its blocks from the first of them on, and those leave the prefix cache too
+  (:func:`.failed_blocks.contain_failed_sync_load`). Whichever of ``wait_for_save`` and
   ``get_block_ids_with_load_errors`` ends the loads, the failure is kept until the step's ``wait_for_save``:
   with speculative decoding vLLM defers ``wait_for_save`` until after the draft model
   (``defer_kv_connector_finalize``), so ``get_block_ids_with_load_errors`` comes first there.

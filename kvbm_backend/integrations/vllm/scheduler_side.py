@@ -27,7 +27,7 @@ from ...model.hashing import salt_bytes, salt_hash, sequence_hashes
 from ...model.namespace import KeyRun, Namespace
 from ...pool.base import BlockPool
 from . import handoff, stats
-from .failed_blocks import FailedBlocks, unloaded_engine_blocks
+from .failed_blocks import FailedBlocks, contain_failed_sync_load, withhold_tainted
 from .g3_mirror import G3Mirror
 from .kv_events import G3KvEvents, IdlePublisher
 from .lookup import GroupTiers, PrefixLookup
@@ -42,8 +42,7 @@ log = logging.getLogger("kvbm_backend.connector")
 class _Req:
     req_id: str
     tenant: str
-    hashes: array                     # array('Q'): sequence hashes of every full prompt block (then decode
-    #                                   blocks); lookups take it as uint64 with nothing converted
+    hashes: array                     # array('Q'): sequence hashes of full prompt (then decode) blocks, uint64 as is
     lookup_blocks: int                # blocks that may be served from outside: (prompt_len - 1) // bs
     lookup: PrefixLookup | None = None
     n_local: int = 0                  # blocks the engine's own prefix cache had at the last query
@@ -53,6 +52,7 @@ class _Req:
     hit: tuple | None = None          # PrefixLookup's result (n, g3_full, windows), failed blocks cut
     no_load: bool = False             # a load of this request failed: it is recomputed, never reloaded
     saved_upto: int | None = None     # blocks [0, saved_upto) are stored or owned by someone else
+    save_limit: int = 1 << 62         # blocks from here on are never saved (computed on a failed sync load's blocks)
     counted: bool = False
     request: Any = None               # vLLM Request (its all_token_ids grow during decode)
     salt: int = 0
@@ -340,13 +340,12 @@ class SchedulerSide:
     def loads_failed(self, failed) -> None:
         """Worker reports of loads that did not deliver every block (:class:`~.metadata.FailedLoad`): the request
         is never offered a load again (it is recomputed from its first failed block on); for a miss (not a timeout)
-        that block ends every prefix offered for ``FAILED_BLOCK_COOLDOWN_S``; a failed synchronous load's blocks
-        leave vLLM's prefix cache (:func:`~.failed_blocks.unloaded_engine_blocks`: why)."""
+        that block ends every prefix offered for ``FAILED_BLOCK_COOLDOWN_S``; a failed synchronous load's blocks leave
+        vLLM's prefix cache; requests that took them as their hit save nothing from them on (:mod:`.failed_blocks`)."""
         for f in failed:
             st = self._reqs.get(f.req_id)
-            if st is not None and st.sync_load and st.group_block_ids and self.evict_engine_blocks is not None:
-                self.evict_engine_blocks(unloaded_engine_blocks(st.hashes, st.group_block_ids[0], st.n_local,
-                                                                f.first_failed))
+            if st is not None and st.sync_load and st.group_block_ids:
+                contain_failed_sync_load(self._reqs, st, f.first_failed, self.evict_engine_blocks)
             if st is not None and not st.no_load:  # saved_upto: reset at its next schedule (recomputed: saved again)
                 st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
                 stats.add(load_failed_requests=1)
@@ -436,14 +435,14 @@ class SchedulerSide:
         return meta
 
     def _plan_local_save(self, meta: KvbmConnectorMetadata, st: _Req) -> None:
-        """Blocks the engine's own prefix cache served (``[0, n_local)``) but G3 lacks from
-        ``g3_local`` on: offered to the pools from the engine's blocks (their KV is final). Without
-        this, a prefix used again while it is still in the engine's cache never reaches G3, because
-        only newly computed blocks are offered and G3's admission filter wants a second sighting."""
+        """Blocks the engine's own prefix cache served (``[0, n_local)``) but G3 lacks from ``g3_local`` on: offered to
+        the pools from the engine's blocks (their KV is final). Without this, a prefix used again while it is still in
+        the engine's cache never reaches G3, because only newly computed blocks are offered and G3's admission filter
+        wants a second sighting."""
         held, n_local = st.g3_local, min(st.n_local, len(st.group_block_ids[0]), len(st.hashes))
         if held is None or held >= n_local:
             return
-        self._group_saves(meta, st, held, n_local)
+        n_local = max(held, self._group_saves(meta, st, held, n_local))
         stats.add(save_local_hit_blocks=n_local - held)
         if self.events is not None:
             self.events.learn(st.tenant, st.request, st.hashes, held, n_local)
@@ -457,7 +456,7 @@ class SchedulerSide:
         once the request is scheduled. Full-attention groups only (the decode worker waits for those)."""
         if not self.hands_off or st.opaque or not handoff.requested(st.request):
             return
-        end = min(st.saved_upto or 0, st.lookup_blocks, len(st.hashes))
+        end = min(st.saved_upto or 0, st.lookup_blocks, len(st.hashes), st.save_limit)
         held, n_local = st.g3_local, min(st.n_local, len(st.group_block_ids[0]) if st.group_block_ids else 0)
         skip = set(range(held, n_local)) if held is not None else set()  # saved to G3+G4 by _plan_local_save
         if st.hit is not None:  # blocks loaded from G4 are there
@@ -475,11 +474,13 @@ class SchedulerSide:
         if planned:
             stats.add(handoff_g4_offered_blocks=planned)
 
-    def _group_saves(self, meta: KvbmConnectorMetadata, st: _Req, a: int, end: int) -> None:
-        """Offer blocks ``[a, end)`` of every full-attention group, and of every
-        sliding-window group only the window a request resuming at ``end`` reads (``[end - window, end)``
-        within ``[a, end)``, engine blocks that are not vLLM's null block). Consecutive offers leave each
-        resume point's whole window stored (a window reaching before ``a`` was offered by earlier steps)."""
+    def _group_saves(self, meta: KvbmConnectorMetadata, st: _Req, a: int, end: int) -> int:
+        """Offer blocks ``[a, end)`` of every full-attention group, and of every sliding-window group only the window a
+        request resuming at ``end`` reads (``[end - window, end)`` within ``[a, end)``, engine blocks that are not
+        vLLM's null block). Consecutive offers leave each resume point's whole window stored (a window reaching before
+        ``a`` was offered by earlier steps). Returns the end offered: a tainted request's blocks from its ``save_limit``
+        on are not (:func:`.failed_blocks.withhold_tainted`)."""
+        end = withhold_tainted(st, a, end, self.evict_engine_blocks)
         for gi, g in enumerate(self.groups):
             gids = st.group_block_ids[gi] if gi < len(st.group_block_ids) else []
             lo = a if g.window_blocks is None else max(a, end - g.window_blocks)
@@ -487,6 +488,7 @@ class SchedulerSide:
             if pos:
                 meta.saves.append(SaveJob(st.req_id, [gids[i] for i in pos], [st.hashes[i] for i in pos], st.tenant,
                                           group=gi))
+        return end
 
     def _plan_save(self, meta: KvbmConnectorMetadata, st: _Req, computed_after: int) -> None:
         if st.opaque:
@@ -497,17 +499,15 @@ class SchedulerSide:
         full = min(full, len(st.hashes))
         if st.saved_upto is None or full <= st.saved_upto:
             return
-        a = st.saved_upto
-        st.saved_upto = full
-        self._group_saves(meta, st, a, full)
-        if self.events is not None:
+        a, st.saved_upto = st.saved_upto, full
+        full = self._group_saves(meta, st, a, full)
+        if self.events is not None and full > a:
             self.events.learn(st.tenant, st.request, st.hashes, a, full)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """Saves are gathered into host staging inside the step that computed them (the worker's
-        ``wait_for_save``), so no engine block has to outlive its request: always ``(False, None)``.
-        An in-flight load keeps its blocks through vLLM's WAITING_FOR_REMOTE_KVS handling until the
-        worker reports the request in ``finished_recving``."""
+        """Saves are gathered into host staging inside the step that computed them (the worker's ``wait_for_save``), so
+        no engine block has to outlive its request: always ``(False, None)``. An in-flight load keeps its blocks through
+        vLLM's WAITING_FOR_REMOTE_KVS handling until the worker reports the request in ``finished_recving``."""
         st = self._reqs.pop(request.request_id, None)
         self._hit_source.pop(request.request_id, None)
         self.handoff.forget(request.request_id)

@@ -24,6 +24,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
+from kvbm_backend.integrations.vllm import stats  # noqa: E402
 from kvbm_backend.integrations.vllm.metadata import FailedLoad, KvbmWorkerMeta  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
@@ -130,5 +131,67 @@ def test_a_failed_layerwise_load_leaves_no_unloaded_block_in_the_engines_prefix_
             assert saved == list(zip(nb.block_ids[0][2:6], hs[2:6]))  # before: A's unloaded blocks 2..7 offered
         else:  # G3 still holds 2..7 (a timeout is not a miss): B loads them into its own blocks
             assert loaded == list(zip(nb.block_ids[0][2:8], hs[2:8])) and not saved
+    finally:
+        s.shutdown()
+
+
+def test_a_request_that_shared_a_failed_layerwise_loads_blocks_saves_nothing_computed_on_them(tmp_path):
+    """Review finding 2026-11-30 (request lifecycle): request C scheduled in the same step as A's synchronous
+    (layer-wise) G3 load takes A's blocks, which vLLM caches at allocation, as its local prefix hit. A's load fails
+    from block 2 on; vLLM (``recompute``) rolls C back to before the step but leaves C on A's blocks, for A to
+    recompute; A is aborted first. C then computes its later blocks on KV that never loaded, and the connector
+    offered them (blocks 11..13 and its decode blocks, ``_plan_save``) to G3/G4 under their right hashes: wrong
+    KV served to later requests (the worker's guard drops only saves of the failed step and of A). Now C is
+    tainted from its first block A's load failed to fill: none of its blocks from there on is saved."""
+    s = _scheduler(tmp_path)
+    try:
+        init_none_hash(sha256_cbor)
+        hasher = get_request_block_hasher(BS, sha256_cbor)
+        sd = s.connector.sched
+        g3, ns = sd.groups[0].g3, sd.groups[0].ns
+        prefix = list(range(1000, 1000 + 8 * BS))
+        a = Request("A", prefix + [7] * 5, SamplingParams(max_tokens=4), None, 0, block_hasher=hasher)
+        c = Request("C", prefix + list(range(5000, 5000 + 6 * BS)) + [9] * 5, SamplingParams(max_tokens=4), None,
+                    0, block_hasher=hasher)
+        hs = [int(h) for h in sd._state(a).hashes]
+        hc = [int(h) for h in sd._state(c).hashes]
+        assert hc[:8] == hs and len(hc) == 14
+        bpb = ns.layout.bytes_per_block
+        assert g3.put(ns.keys(hs), [np.full(bpb, i, np.uint8) for i in range(8)]).result(HANG_S).written == 8
+        g3.flush(HANG_S)
+        end = time.monotonic() + HANG_S  # both lookups done before the step, so A and C are scheduled together
+        while sd.get_num_new_matched_tokens(a, 0)[0] is None or sd.get_num_new_matched_tokens(c, 0)[0] is None:
+            assert time.monotonic() < end, "lookups never done"
+            time.sleep(0.01)
+
+        s.add_request(a)
+        s.add_request(c)
+        so = s.schedule()
+        assert set(so.num_scheduled_tokens) == {"A", "C"}
+        a_blocks = list(s.kv_cache_manager.get_block_ids("A")[0])
+        c_blocks = list(s.kv_cache_manager.get_block_ids("C")[0])
+        (job,) = so.kv_connector_metadata.loads
+        assert job.req_id == "A" and job.layerwise and job.block_ids == a_blocks[:8]
+        assert c_blocks[:8] == a_blocks[:8]  # C's local prefix hit: A's blocks, cached before they loaded
+        tainted = stats.snapshot().get("layerwise_tainted_requests", 0)
+        s.update_from_output(so, _output(so, invalid=a_blocks[2:8], failed=[FailedLoad("A", "", hs[2], "timeout")]))
+        assert a.num_computed_tokens == 2 * BS and c.num_computed_tokens == 8 * BS  # C stays on A's blocks 2..7
+        s.finish_requests("A", RequestStatus.FINISHED_ABORTED)  # the client left before A recomputed
+
+        saved: list[int] = []  # C's blocks offered from now on (by index in C's hashes)
+        for _ in range(20):
+            if c.is_finished():
+                break
+            so = s.schedule()
+            assert "C" in so.num_scheduled_tokens
+            saved += [hc.index(int(h)) if int(h) in hc else -1
+                      for j in so.kv_connector_metadata.saves if j.req_id == "C" for h in j.seq_hashes]
+            s.update_from_output(so, _output(so))
+        assert c.is_finished() and c.num_computed_tokens >= 14 * BS  # C went on to compute all its blocks
+        assert saved == []  # before: [11, 12, 13]: blocks computed on KV A's load never filled
+        assert stats.snapshot().get("layerwise_tainted_requests") == tainted + 1  # C
+        # nor does vLLM's prefix cache keep them (reachable again once another request recomputes blocks 2..7)
+        pool = s.kv_cache_manager.block_pool
+        assert [b for b in c_blocks[2:14] if pool.blocks[b].block_hash is not None] == []
     finally:
         s.shutdown()
