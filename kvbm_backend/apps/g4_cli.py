@@ -154,9 +154,16 @@ def keys_rotate(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "
 @keys_app.command("revoke")
 def keys_revoke(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant", help="tenant id"), kek_env: str = _ENV,
                 kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
-    """Delete every key of the tenant (crypto-shred: its blocks become unreadable; gc reclaims them)."""
+    """Delete every key of the tenant (crypto-shred: its G4 blocks become unreadable; gc reclaims them).
+    Workers' G3 tiers (local plaintext) are not reached: the report's note says so."""
     with _keyring_errors():
-        _out(_open(keyring, kek_env, kek_file, False).revoke(tenant), as_json)
+        _out(dict(_open(keyring, kek_env, kek_file, False).revoke(tenant), note=REVOKE_NOTE), as_json)
+
+
+#: ``keys revoke``'s report: what the crypto-shred does not reach (docs/configuration.md)
+REVOKE_NOTE = ("G4 only: the tenant's blocks in a worker's G3 (local plaintext SSD, its own saves and blocks promoted "
+               "from G4) are not shredded and are still served to its requests until evicted; delete the workers' "
+               "g3.paths where they must go (docs/configuration.md, \"Revocation does not reach G3\")")
 
 
 @keys_app.command("list")
@@ -183,7 +190,8 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
                 new_kek_env: Optional[str] = typer.Option(None, help="env var with the new base64 KEK"),
                 kek_env: str = _ENV, kek_file: Optional[str] = _KF,
                 as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
-    """Re-wrap every key under a new KEK (KEK rotation) without rewriting any block."""
+    """Re-wrap every key under a new KEK (KEK rotation) without rewriting any block. Running workers with
+    the old KEK fail closed at their next reload until restarted with the new one (the report's note)."""
     from pathlib import Path
 
     from kvbm_backend.crypto.keyring import LocalKek
@@ -208,7 +216,13 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
             new = (LocalKek.from_file(new_kek_file) if Path(new_kek_file).exists()
                    else LocalKek.generate_file(new_kek_file))
         n = kr.rewrap(new)
-        _out({"rewrapped_keys": n, "kek_id": new.key_id}, as_json)
+        _out({"rewrapped_keys": n, "kek_id": new.key_id, "note": REWRAP_NOTE}, as_json)
+
+
+#: ``keys rewrap``'s report: the keyring names one KEK, so a worker still holding the old one fails closed
+REWRAP_NOTE = ("every worker still holding the old KEK stops serving G4 keys at its next keyring reload (G4 misses, "
+               "offloads dropped, keyring_ok false) until it is restarted with the new KEK: a running worker reads "
+               "its KEK once, at start (docs/configuration.md, \"KEK rotation\")")
 
 
 def _open_store(url: str, endpoint_url: Optional[str], region: Optional[str]):

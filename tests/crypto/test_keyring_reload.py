@@ -9,6 +9,7 @@ keyring's own counters (``Keyring.stats()``, ``keyring_*`` in G4 pool stats) and
 """
 from __future__ import annotations
 
+import json
 import secrets
 import time
 import types
@@ -230,3 +231,48 @@ def test_read_only_keyring_write_key_sees_operator_created_tenant_at_once(tmp_pa
     with pytest.raises(TenantRevoked):
         kr.write_key("dan")
     assert kr.tenant_state("dan") == "revoked" and kr.stats()["miss_reloads"] == 3
+
+
+def test_keys_rewrap_while_a_worker_runs_fails_it_closed_and_the_report_says_so(cfg, tmp_path):
+    """``keys rewrap`` (a new KEK) under a running worker: the keyring names one KEK and the worker read its
+    KEK once, at start, so at its next reload it fails closed (misses ``keyring_unavailable``, offloads
+    dropped), never serves a key, never crashes; restarted with the new KEK, it serves the old blocks again.
+    The CLI report says so (``note``; before 2026-11-30 nothing did, docs/configuration.md "KEK rotation")."""
+    from typer.testing import CliRunner
+
+    from kvbm_backend.apps.cli import app
+    with _pool(cfg) as w:
+        assert _put(w, [1], "alice").written == 1
+        new_kek = tmp_path / "keys" / "new.kek"
+        r = CliRunner().invoke(app, ["keys", "rewrap", "--keyring", cfg["keyring"]["path"],
+                                     "--new-kek-file", str(new_kek), "--json"])
+        assert r.exit_code == 0, r.output
+        rep = json.loads(r.output)
+        assert rep["rewrapped_keys"] == 1 and "restarted with the new KEK" in rep.get("note", ""), rep
+        w.keyring.reload_every_s = 0  # the worker's next periodic check is due
+        assert _read(w, [1], "alice") == [False]
+        assert "wrapped under KEK" in (w.keyring.error or "") and w.stats()["miss_keyring_unavailable"] == 1
+        assert _put(w, [2], "alice").written == 0
+    restarted = dict(cfg, keyring=dict(cfg["keyring"], kek_file=str(new_kek)))
+    with _pool(restarted) as w2:
+        assert _read(w2, [1], "alice") == [True]
+
+
+def test_keys_revoke_shreds_g4_only_and_the_report_says_g3_copies_stay(cfg, tmp_path):
+    """``keys revoke`` through the CLI: the worker's G4 misses the tenant's block from its next reload on, but
+    its G3 (local plaintext, no keyring) still serves the copy it holds; the report's ``note`` says so
+    (before 2026-11-30 nothing did: docs/configuration.md "Revocation does not reach G3")."""
+    from typer.testing import CliRunner
+
+    from kvbm_backend.apps.cli import app
+    from tests.helpers.pools import open_g3
+    with _pool(cfg) as g4, open_g3(tmp_path / "g3", namespace()) as g3:
+        assert _put(g4, [1], "alice").written == 1 and _put(g3, [1], "alice").written == 1
+        r = CliRunner().invoke(app, ["keys", "revoke", "--keyring", cfg["keyring"]["path"], "--tenant", "alice",
+                                     "--json"])
+        assert r.exit_code == 0, r.output
+        rep = json.loads(r.output)
+        assert rep["revoked"] is True and "not shredded" in rep.get("note", "") and "g3.paths" in rep["note"], rep
+        g4.keyring.reload_every_s = 0
+        assert _read(g4, [1], "alice") == [False] and g4.stats()["miss_revoked_tenant"] == 1
+        assert _read(g3, [1], "alice") == [True]  # what the note and the docs say: G3 is not reached
