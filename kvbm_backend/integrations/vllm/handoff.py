@@ -14,7 +14,9 @@ prefill response to the decode request):
   // B``, when this worker writes them to G4 (G4 open, ``save`` and ``save_to_g4`` on), else 0 (nothing to
   wait for). Blocks this worker did not compute for the request (loaded from its own G3 or G4, or served by
   its engine's prefix cache) are written to G4 too, where G4 lacks them (``SaveJob.g4_only``: checked
-  with one ``lookup_prefix``, then only the missing ones are put). N is what the write-behind is asked to
+  with one ``lookup_prefix``, then only the missing ones are put; of a sliding-window group the window before
+  them). A hybrid model's sliding-window groups store the window before block N too, which the decode side's
+  hit needs (:meth:`~.scheduler_side.SchedulerSide._group_saves`). N is what the write-behind is asked to
   store, not a receipt: a put that is dropped (queue full, store down) ends the decode side's wait at
   ``handoff_wait_s``. F = the fingerprint of the namespace the prefill worker's G4 blocks are stored under
   (:func:`g4_fingerprint`: model, revision, dtype, layout, TP world size, or the canonical namespace with

@@ -17,7 +17,6 @@ tier's timeout counts as a miss beyond what is already known (the lookups: :mod:
 """
 from __future__ import annotations
 
-import logging
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -34,8 +33,6 @@ from .lookup import GroupTiers, PrefixLookup
 from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob
 
 __all__ = ["G3KvEvents", "G3Mirror", "GroupTiers", "SchedulerSide"]  # G3KvEvents, G3Mirror: re-exported
-
-log = logging.getLogger("kvbm_backend.connector")
 
 
 @dataclass
@@ -449,24 +446,23 @@ class SchedulerSide:
 
     def _plan_handoff_g4(self, meta: KvbmConnectorMetadata, st: _Req) -> None:
         """A prefill request that asked for a handoff (:mod:`.handoff`) promises every loadable prompt block in
-        G4, but the ordinary saves offer only blocks it computes: blocks ``[0, saved_upto)`` came from its
-        engine's prefix cache or a load (its own G3, or G4), and the decode worker reads G4 only. Those not
-        saved by :meth:`_plan_local_save` (``[g3_local, n_local)``) are offered to G4 alone
-        (``SaveJob.g4_only``: the worker puts only those G4 lacks), from the engine's blocks, whose KV is final
-        once the request is scheduled. Full-attention groups only (the decode worker waits for those)."""
+        G4, but the ordinary saves offer only blocks it computes: blocks ``[0, saved_upto)`` came from its engine's
+        prefix cache or a load (its own G3, or G4), and the decode worker reads G4 only. Those not saved by
+        :meth:`_plan_local_save` (``[g3_local, n_local)``) are offered to G4 alone (``SaveJob.g4_only``: the worker puts
+        only those G4 lacks), from the engine's blocks, whose KV is final once the request is scheduled; of a
+        sliding-window group the window before them, which the decode side's hit needs too (before 2026-11-30 never
+        offered: a prompt the prefill worker's engine or G3 held was no hit on the decode side, which waited)."""
         if not self.hands_off or st.opaque or not handoff.requested(st.request):
             return
         end = min(st.saved_upto or 0, st.lookup_blocks, len(st.hashes), st.save_limit)
         held, n_local = st.g3_local, min(st.n_local, len(st.group_block_ids[0]) if st.group_block_ids else 0)
-        skip = set(range(held, n_local)) if held is not None else set()  # saved to G3+G4 by _plan_local_save
-        if st.hit is not None:  # blocks loaded from G4 are there
-            skip.update(range(max(st.hit[1], st.n_local), st.hit[0]))
+        local = set(range(held, n_local)) if held is not None else set()  # saved to G3+G4 by _plan_local_save
+        g4 = set(range(max(st.hit[1], st.n_local), st.hit[0])) if st.hit is not None else set()  # loaded from G4
         planned = 0
         for gi, g in enumerate(self.groups):
-            gids = st.group_block_ids[gi] if gi < len(st.group_block_ids) else []
-            if g.window_blocks is not None or g.g4 is None:
-                continue
-            pos = [i for i in range(0, min(end, len(gids))) if i not in skip and gids[i] != 0]
+            gids = st.group_block_ids[gi] if gi < len(st.group_block_ids) and g.g4 is not None else []
+            lo, sk = (0, local | g4) if g.window_blocks is None else (max(0, end - g.window_blocks), local)
+            pos = [i for i in range(lo, min(end, len(gids))) if i not in sk and gids[i] != 0]
             if pos:
                 meta.saves.append(SaveJob(st.req_id, [gids[i] for i in pos], [st.hashes[i] for i in pos], st.tenant,
                                           group=gi, g4_only=True))
@@ -477,13 +473,16 @@ class SchedulerSide:
     def _group_saves(self, meta: KvbmConnectorMetadata, st: _Req, a: int, end: int) -> int:
         """Offer blocks ``[a, end)`` of every full-attention group, and of every sliding-window group only the window a
         request resuming at ``end`` reads (``[end - window, end)`` within ``[a, end)``, engine blocks that are not
-        vLLM's null block). Consecutive offers leave each resume point's whole window stored (a window reaching before
-        ``a`` was offered by earlier steps). Returns the end offered: a tainted request's blocks from its ``save_limit``
-        on are not (:func:`.failed_blocks.withhold_tainted`)."""
+        vLLM's null block), from the window before ``lookup_blocks`` when it is in ``(a, end]``: where the same prompt
+        (a hand-off) resumes, a block before ``end`` for a block-aligned prompt (before 2026-11-30 not stored: never a
+        hit, a hand-off waited ``handoff_wait_s``). Consecutive offers leave each resume point's whole window stored (a
+        window reaching before ``a`` was offered by earlier steps). Returns the end offered: a tainted request's blocks
+        from its ``save_limit`` on are not (:func:`.failed_blocks.withhold_tainted`)."""
         end = withhold_tainted(st, a, end, self.evict_engine_blocks)
+        resume = min(end, st.lookup_blocks) if a < st.lookup_blocks else end
         for gi, g in enumerate(self.groups):
             gids = st.group_block_ids[gi] if gi < len(st.group_block_ids) else []
-            lo = a if g.window_blocks is None else max(a, end - g.window_blocks)
+            lo = a if g.window_blocks is None else max(a, resume - g.window_blocks)
             pos = [i for i in range(lo, min(end, len(gids))) if gids[i] != 0]
             if pos:
                 meta.saves.append(SaveJob(st.req_id, [gids[i] for i in pos], [st.hashes[i] for i in pos], st.tenant,

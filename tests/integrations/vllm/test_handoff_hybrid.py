@@ -1,0 +1,141 @@
+"""The prefill -> decode hand-off through G4 (:mod:`kvbm_backend.integrations.vllm.handoff`) for a hybrid model (a
+sliding-window and a full-attention KV cache group), through vLLM's real ``Scheduler`` on both sides with
+``KvbmBackendConnector``'s scheduler role, real G3 pools and a real shared G4 ``file://`` store. The worker's part is
+played by putting the blocks each step's save jobs name into the pools those jobs are for (G3 and G4, or G4 alone for
+a hand-off's ``g4_only`` job), as the worker's write-behind does."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.utils.hashing import sha256_cbor  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,  # noqa: E402
+                                        SlidingWindowSpec)
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
+from kvbm_backend.integrations.vllm import stats  # noqa: E402
+from kvbm_backend.integrations.vllm.handoff import KEY  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+
+HANG_S = 600.0  # a hang guard, not a bound: steps until a lookup that must end has ended; returns as soon as it has
+BS, NBLK, WINDOW = 16, 64, 32  # the sliding group needs the 2 blocks before a resume point
+
+
+def _scheduler(tmp: Path, name: str) -> Scheduler:
+    """vLLM's Scheduler with KvbmBackendConnector over a hybrid KV cache (layers 0, 2 sliding, 1, 3 full), its own G3
+    and the shared G4; ``handoff_wait_s`` 0: a decode request's wait ends at its first look, complete or not."""
+    model = write_model_dir(tmp / "model", TINY)
+    ktc = KVTransferConfig(
+        kv_connector="KvbmBackendConnector", kv_connector_module_path="kvbm_backend.integrations.vllm.connector",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"handoff_wait_s": 0, "kvbm_backend": {
+            "model": "tiny", "g4": {"enabled": True, "url": f"file://{tmp / 'g4'}", "encrypt": False},
+            "g3": {"paths": [str(tmp / name / "g3")], "capacity_gb": 0.05, "files_per_path": 1,
+                   "admission": {"policy": "all"}}}})
+    vc = VllmConfig(model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=512,
+                                             skip_tokenizer_init=True),
+                    cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+                    scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512,
+                                                     enable_chunked_prefill=True, is_encoder_decoder=False),
+                    kv_transfer_config=ktc)
+    vc.cache_config.num_gpu_blocks = NBLK
+    vc.parallel_config.distributed_executor_backend = "uni"
+    kw = dict(block_size=BS, num_kv_heads=TINY.num_key_value_heads,
+              head_size=TINY.hidden_size // TINY.num_attention_heads, dtype=torch.float32)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(TINY.num_hidden_layers)]
+    kcc = KVCacheConfig(num_blocks=NBLK, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(names[0::2], SlidingWindowSpec(sliding_window=WINDOW, **kw)),
+        KVCacheGroupSpec(names[1::2], FullAttentionSpec(**kw))])
+    return Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BS)
+
+
+def _output(so) -> ModelRunnerOutput:
+    rids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
+                             sampled_token_ids=[[5] for _ in rids])
+
+
+def _step_until(s: Scheduler, rid: str, loads: bool = False):
+    """Step until ``rid`` is scheduled (``loads``: or a load for it is planned): the connector answers once its
+    lookup (and a hand-off's wait) has ended."""
+    end = time.monotonic() + HANG_S
+    while time.monotonic() < end:
+        so = s.schedule()
+        if rid in so.num_scheduled_tokens or (loads and any(j.req_id == rid for j in so.kv_connector_metadata.loads)):
+            return so
+        s.update_from_output(so, _output(so))
+        time.sleep(0.01)
+    raise AssertionError(f"{rid} never scheduled")
+
+
+def _store(s: Scheduler, so, g3_only: bool = False) -> None:
+    """The worker's part: the blocks the step's save jobs name, put into the pools they are for."""
+    for j in so.kv_connector_metadata.saves:
+        g = s.connector.sched.groups[j.group]
+        keys = g.ns.keys(j.seq_hashes, j.tenant)
+        blocks = [np.full(g.ns.layout.bytes_per_block, 1 + j.group, np.uint8) for _ in keys]
+        pools = [g.g3] if g3_only else [g.g4] if j.g4_only else [g.g3, g.g4]
+        for p in pools:
+            p.put(keys, blocks).result(HANG_S)
+            assert p.flush(HANG_S)
+
+
+@pytest.mark.parametrize("tokens, cached", [(6 * BS, False), (6 * BS, True), (6 * BS + 5, True)],
+                         ids=["block-aligned", "block-aligned-cached", "cached"])
+def test_a_hybrid_models_handoff_stores_the_window_the_decode_side_resumes_at(tmp_path, tokens, cached):
+    """Review finding 2026-11-30 (hand-off): a decode request's hit needs, besides the full group's blocks, the
+    sliding group's window before the point it resumes at: ``(prompt tokens - 1) // block_size`` blocks, the blocks
+    its prefill worker promised. The prefill side stored the window before its own computed end only: a prompt
+    ending on a block boundary (``block-aligned``: 6 blocks, resumed at 5, window blocks 3..4; block 3 was never
+    stored), and every prompt the prefill worker's engine or G3 held (``cached``: the hand-off's ``g4_only`` job
+    offered full-attention groups only), never had the window in G4: the decode side found 0 of the 5 (or 6)
+    promised blocks, waited ``handoff_wait_s`` for nothing (counted ``handoff_timeouts``) and computed the whole
+    prompt. Now both windows are offered: the decode side finds every promised block at its first look and loads
+    the full group's blocks and the sliding group's window."""
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(BS, sha256_cbor)
+    prompt = list(range(1000, 1000 + tokens))
+    want = (tokens - 1) // BS
+    pre = _scheduler(tmp_path, "prefill")
+    dec = None
+    try:
+        if cached:  # an earlier request of the same prompt: in the prefill worker's G3 (G4 missed its writes)
+            pre.add_request(Request("p0", prompt, SamplingParams(max_tokens=1), None, 0, block_hasher=hasher))
+            so = _step_until(pre, "p0")
+            _store(pre, so, g3_only=True)
+            pre.update_from_output(so, _output(so))
+        pre.add_request(Request("p", prompt, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
+            KEY: True}}), None, 0, block_hasher=hasher))
+        so = _step_until(pre, "p")
+        _store(pre, so)
+        outs = pre.update_from_output(so, _output(so))
+        (params,) = [o.kv_transfer_params for eco in outs.values() for o in eco.outputs if o.request_id == "p"]
+        assert params[KEY]["blocks"] == want
+
+        dec = _scheduler(tmp_path, "decode")
+        done, timeouts = stats.get("handoff_complete_requests"), stats.get("handoff_timeouts")
+        dec.add_request(Request("d", prompt, SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}),
+                                None, 0, block_hasher=hasher))
+        so = _step_until(dec, "d", loads=True)
+        loads = sorted((j.group, len(j.block_ids)) for j in so.kv_connector_metadata.loads if j.req_id == "d")
+        assert loads == [(0, WINDOW // BS), (1, want)]  # before: [] (d computed the prompt)
+        assert stats.get("handoff_complete_requests") == done + 1
+        assert stats.get("handoff_timeouts") == timeouts  # before: + 1 (the whole handoff_wait_s waited)
+    finally:
+        pre.shutdown()
+        if dec is not None:
+            dec.shutdown()
