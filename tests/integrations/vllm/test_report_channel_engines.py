@@ -12,6 +12,8 @@ Real connectors (vLLM's ``KVConnectorBase_V1`` API: ``build_connector_meta``, ``
 the scheduler mirrors it), the listener in this process or only its Unix socket (as for another process)."""
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -79,8 +81,10 @@ def _wait(cond) -> None:
 
 @pytest.mark.parametrize("same_process", [True, False], ids=["listener-in-process", "socket-only"])
 def test_two_engines_with_one_engine_id_keep_their_own_report_channels(tmp_path, monkeypatch, same_process):
-    (tmp_path / "run").mkdir()
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    # a short runtime dir: the socket path must fit AF_UNIX's 108 bytes, and pytest's tmp_path under the CI
+    # lanes' --basetemp does not (the channel is then refused and reports travel with the steps)
+    run = tempfile.mkdtemp(prefix="kvrc-", dir="/tmp")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", run)
     engines = [_engine(tmp_path / "a"), _engine(tmp_path / "b")]
     (sa, wa), (sb, wb) = engines
     try:
@@ -106,3 +110,4 @@ def test_two_engines_with_one_engine_id_keep_their_own_report_channels(tmp_path,
             w.shutdown()
             s.shutdown()
     assert not any(Path(p).exists() for p in paths)  # each scheduler removed its own socket
+    shutil.rmtree(run, ignore_errors=True)
