@@ -15,19 +15,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.utils.hashing import sha256_cbor  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,  # noqa: E402
-                                        SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
 from kvbm_backend.integrations.vllm import stats  # noqa: E402
 from kvbm_backend.integrations.vllm.handoff import KEY  # noqa: E402
+from tests.helpers.vllm_sched import tiny_scheduler  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -38,29 +35,13 @@ BS, NBLK, WINDOW = 16, 64, 32  # the sliding group needs the 2 blocks before a r
 def _scheduler(tmp: Path, name: str) -> Scheduler:
     """vLLM's Scheduler with KvbmBackendConnector over a hybrid KV cache (layers 0, 2 sliding, 1, 3 full), its own G3
     and the shared G4; ``handoff_wait_s`` 0: a decode request's wait ends at its first look, complete or not."""
-    model = write_model_dir(tmp / "model", TINY)
-    ktc = KVTransferConfig(
-        kv_connector="KvbmBackendConnector", kv_connector_module_path="kvbm_backend.integrations.vllm.connector",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"handoff_wait_s": 0, "kvbm_backend": {
-            "model": "tiny", "g4": {"enabled": True, "url": f"file://{tmp / 'g4'}", "encrypt": False},
-            "g3": {"paths": [str(tmp / name / "g3")], "capacity_gb": 0.05, "files_per_path": 1,
-                   "admission": {"policy": "all"}}}})
-    vc = VllmConfig(model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=512,
-                                             skip_tokenizer_init=True),
-                    cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-                    scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512,
-                                                     enable_chunked_prefill=True, is_encoder_decoder=False),
-                    kv_transfer_config=ktc)
-    vc.cache_config.num_gpu_blocks = NBLK
-    vc.parallel_config.distributed_executor_backend = "uni"
-    kw = dict(block_size=BS, num_kv_heads=TINY.num_key_value_heads,
-              head_size=TINY.hidden_size // TINY.num_attention_heads, dtype=torch.float32)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(TINY.num_hidden_layers)]
-    kcc = KVCacheConfig(num_blocks=NBLK, kv_cache_tensors=[], kv_cache_groups=[
+    extra = {"handoff_wait_s": 0, "kvbm_backend": {
+        "model": "tiny", "g4": {"enabled": True, "url": f"file://{tmp / 'g4'}", "encrypt": False},
+        "g3": {"paths": [str(tmp / name / "g3")], "capacity_gb": 0.05, "files_per_path": 1,
+               "admission": {"policy": "all"}}}}
+    return tiny_scheduler(tmp, extra, lambda kw, names: [
         KVCacheGroupSpec(names[0::2], SlidingWindowSpec(sliding_window=WINDOW, **kw)),
-        KVCacheGroupSpec(names[1::2], FullAttentionSpec(**kw))])
-    return Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BS)
+        KVCacheGroupSpec(names[1::2], FullAttentionSpec(**kw))], block_size=BS, num_blocks=NBLK, batched_tokens=512)
 
 
 def _output(so) -> ModelRunnerOutput:

@@ -14,18 +14,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.utils.hashing import sha256_cbor  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
 from kvbm_backend.integrations.vllm import stats  # noqa: E402
 from kvbm_backend.integrations.vllm.metadata import FailedLoad, KvbmWorkerMeta  # noqa: E402
+from tests.helpers.vllm_sched import tiny_scheduler  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -36,26 +34,28 @@ BS, NBLK = 16, 64
 def _scheduler(tmp: Path) -> Scheduler:
     """vLLM's Scheduler with KvbmBackendConnector (``uni`` executor: the scheduler role uses the G3 pool itself),
     ``g3.layerwise_load`` on, ``kv_load_failure_policy`` ``recompute``, 64 tokens a step."""
-    model = write_model_dir(tmp / "model", TINY)
-    ktc = KVTransferConfig(
-        kv_connector="KvbmBackendConnector", kv_connector_module_path="kvbm_backend.integrations.vllm.connector",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"kvbm_backend": {"model": "tiny", "g3": {
-            "paths": [str(tmp / "g3")], "capacity_gb": 0.05, "files_per_path": 1, "admission": {"policy": "all"},
-            "layerwise_load": True}}})
-    vc = VllmConfig(model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=512,
-                                             skip_tokenizer_init=True),
-                    cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-                    scheduler_config=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512,
-                                                     enable_chunked_prefill=True, is_encoder_decoder=False),
-                    kv_transfer_config=ktc)
-    vc.cache_config.num_gpu_blocks = NBLK
-    vc.parallel_config.distributed_executor_backend = "uni"
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=TINY.num_key_value_heads,
-                             head_size=TINY.hidden_size // TINY.num_attention_heads, dtype=torch.float32)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(TINY.num_hidden_layers)]
-    kcc = KVCacheConfig(num_blocks=NBLK, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
-    return Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BS)
+    extra = {"kvbm_backend": {"model": "tiny", "g3": {
+        "paths": [str(tmp / "g3")], "capacity_gb": 0.05, "files_per_path": 1, "admission": {"policy": "all"},
+        "layerwise_load": True}}}
+    return tiny_scheduler(tmp, extra, lambda kw, names: [KVCacheGroupSpec(names, FullAttentionSpec(**kw))],
+                          block_size=BS, num_blocks=NBLK, batched_tokens=64)
+
+
+def _a_held_in_g3(s: Scheduler):
+    """Request A (an 8-block prefix and 5 more tokens, vLLM's SHA-256 block hasher) with its 8 blocks in the
+    connector's G3: ``(scheduler side, g3, namespace, hasher, prefix tokens, A, A's sequence hashes)``."""
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(BS, sha256_cbor)
+    sd = s.connector.sched
+    g3, ns = sd.groups[0].g3, sd.groups[0].ns
+    prefix = list(range(1000, 1000 + 8 * BS))
+    a = Request("A", prefix + [7] * 5, SamplingParams(max_tokens=4), None, 0, block_hasher=hasher)
+    hs = [int(h) for h in sd._state(a).hashes]
+    assert len(hs) == 8
+    bpb = ns.layout.bytes_per_block
+    assert g3.put(ns.keys(hs), [np.full(bpb, i, np.uint8) for i in range(8)]).result(HANG_S).written == 8
+    g3.flush(HANG_S)
+    return sd, g3, ns, hasher, prefix, a, hs
 
 
 def _output(so, invalid=(), failed=()) -> ModelRunnerOutput:
@@ -93,17 +93,7 @@ def test_a_failed_layerwise_load_leaves_no_unloaded_block_in_the_engines_prefix_
     engine block A's load failed to fill."""
     s = _scheduler(tmp_path)
     try:
-        init_none_hash(sha256_cbor)
-        hasher = get_request_block_hasher(BS, sha256_cbor)
-        sd = s.connector.sched
-        g3, ns = sd.groups[0].g3, sd.groups[0].ns
-        prefix = list(range(1000, 1000 + 8 * BS))
-        a = Request("A", prefix + [7] * 5, SamplingParams(max_tokens=4), None, 0, block_hasher=hasher)
-        hs = [int(h) for h in sd._state(a).hashes]
-        assert len(hs) == 8
-        bpb = ns.layout.bytes_per_block
-        assert g3.put(ns.keys(hs), [np.full(bpb, i, np.uint8) for i in range(8)]).result(HANG_S).written == 8
-        g3.flush(HANG_S)
+        sd, g3, ns, hasher, prefix, a, hs = _a_held_in_g3(s)
 
         s.add_request(a)
         so = _schedule_until(s, "A")
@@ -145,20 +135,11 @@ def test_a_request_that_shared_a_failed_layerwise_loads_blocks_saves_nothing_com
     tainted from its first block A's load failed to fill: none of its blocks from there on is saved."""
     s = _scheduler(tmp_path)
     try:
-        init_none_hash(sha256_cbor)
-        hasher = get_request_block_hasher(BS, sha256_cbor)
-        sd = s.connector.sched
-        g3, ns = sd.groups[0].g3, sd.groups[0].ns
-        prefix = list(range(1000, 1000 + 8 * BS))
-        a = Request("A", prefix + [7] * 5, SamplingParams(max_tokens=4), None, 0, block_hasher=hasher)
+        sd, g3, ns, hasher, prefix, a, hs = _a_held_in_g3(s)
         c = Request("C", prefix + list(range(5000, 5000 + 6 * BS)) + [9] * 5, SamplingParams(max_tokens=4), None,
                     0, block_hasher=hasher)
-        hs = [int(h) for h in sd._state(a).hashes]
         hc = [int(h) for h in sd._state(c).hashes]
         assert hc[:8] == hs and len(hc) == 14
-        bpb = ns.layout.bytes_per_block
-        assert g3.put(ns.keys(hs), [np.full(bpb, i, np.uint8) for i in range(8)]).result(HANG_S).written == 8
-        g3.flush(HANG_S)
         end = time.monotonic() + HANG_S  # both lookups done before the step, so A and C are scheduled together
         while sd.get_num_new_matched_tokens(a, 0)[0] is None or sd.get_num_new_matched_tokens(c, 0)[0] is None:
             assert time.monotonic() < end, "lookups never done"
