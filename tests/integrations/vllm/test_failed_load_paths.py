@@ -211,6 +211,24 @@ def test_a_block_that_fails_on_one_tp_rank_is_withdrawn_for_every_rank(tmp_path,
         g3.close()
 
 
+
+def _worker_with_two_blocks(tmp_path, seed: int):
+    """A CPU engine's ``WorkerSide`` over a real G3 pool holding blocks 1 and 2 of a prompt (saved from the
+    engine): ``(engine kv, namespace, g3, worker, the prompt's sequence hashes)``. Shut down on failure here."""
+    kv = _engine("cpu", seed=seed)
+    ns = Namespace(model="test/failed-load-paths", revision="r1", layout=kv.layout, tp_world_size=1)
+    g3 = G3Pool(g3_config(tmp_path / "g3", files_per_path=1, load_timeout_s=LOAD_S, engine="posix"), ns)
+    w = WorkerSide(ns, 0, g3, None, load_timeout_s=LOAD_S, report_g3=True)
+    try:
+        w.register(kv)
+        _, hs = _prompt(kv.layout.page_size)
+        _save(w, g3, [1, 2], hs[:2], tenant=TENANT)
+    except BaseException:
+        w.shutdown()
+        g3.close()
+        raise
+    return kv, ns, g3, w, hs
+
 def test_a_g3_block_a_read_error_missed_is_deleted_so_its_recompute_is_stored_again(tmp_path, monkeypatch):
     """A read error G3 cannot prove bad (EIO on the slot) keeps the slot: before, the connector's scheduler cooled
     the block for 30 s and then offered it again, every new request's load failed on it again, and the recomputed
@@ -222,15 +240,8 @@ def test_a_g3_block_a_read_error_missed_is_deleted_so_its_recompute_is_stored_ag
     from kvbm_backend.integrations.vllm.metadata import LoadJob, mirror_id
     from tests.integrations.vllm.test_worker_device_path import _block_bytes
 
-    kv = _engine("cpu", seed=51)
-    bs = kv.layout.page_size
-    ns = Namespace(model="test/failed-load-paths", revision="r1", layout=kv.layout, tp_world_size=1)
-    g3 = G3Pool(g3_config(tmp_path / "g3", files_per_path=1, load_timeout_s=LOAD_S, engine="posix"), ns)
-    w = WorkerSide(ns, 0, g3, None, load_timeout_s=LOAD_S, report_g3=True)
+    kv, ns, g3, w, hs = _worker_with_two_blocks(tmp_path, 51)
     try:
-        w.register(kv)
-        _, hs = _prompt(bs)
-        _save(w, g3, [1, 2], hs[:2], tenant=TENANT)
         w.worker_meta()  # the first report (snapshot) is out
         bad = ns.key(hs[1], TENANT, 0)
         stats.reset()
@@ -264,15 +275,8 @@ def test_a_g3_block_whose_read_failed_once_but_re_reads_good_is_kept(tmp_path, m
     from kvbm_backend.integrations.vllm.metadata import LoadJob
     from tests.integrations.vllm.test_worker_device_path import _block_bytes
 
-    kv = _engine("cpu", seed=53)
-    bs = kv.layout.page_size
-    ns = Namespace(model="test/failed-load-paths", revision="r1", layout=kv.layout, tp_world_size=1)
-    g3 = G3Pool(g3_config(tmp_path / "g3", files_per_path=1, load_timeout_s=LOAD_S, engine="posix"), ns)
-    w = WorkerSide(ns, 0, g3, None, load_timeout_s=LOAD_S, report_g3=True)
+    kv, ns, g3, w, hs = _worker_with_two_blocks(tmp_path, 53)
     try:
-        w.register(kv)
-        _, hs = _prompt(bs)
-        _save(w, g3, [1, 2], hs[:2], tenant=TENANT)
         w.worker_meta()
         key = ns.key(hs[1], TENANT, 0)
         stats.reset()
