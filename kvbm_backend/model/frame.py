@@ -50,6 +50,10 @@ _FMT = "<8sHHI8s16sIIQIHHIIQQII12sI16sQQ"
 _FIXED = struct.calcsize(_FMT)  # 144
 _CHECK = struct.Struct("<Q")
 _IDENTITY = struct.Struct("<8s16sIIQIHHIIQ")  # FrameHeader.identity_bytes: the AEAD additional data
+#: Header bytes ``[152, 168)``: the block's token digest (:func:`kvbm_backend.model.hashing.token_digests`),
+#: zero when the writer had none (docs/format.md "Token digest").
+TOKEN_DIGEST_OFF, TOKEN_DIGEST_BYTES = 152, 16
+NO_DIGEST = bytes(TOKEN_DIGEST_BYTES)
 
 
 def identity_bytes(ns_fp: bytes, tenant_tag: bytes, rank: int, world: int, seq_hash: int, layout: KvLayout) -> bytes:
@@ -62,12 +66,39 @@ assert _FIXED == 144
 
 
 class FrameError(ValueError):
-    """A frame that must not be served. ``reason`` is a short counter label
-    (``magic``, ``version``, ``header_check``, ``identity``, ``layout``, ``length``, ``integrity``)."""
+    """A frame that must not be served. ``reason`` is a short counter label (``magic``, ``version``,
+    ``header_check``, ``identity``, ``layout``, ``length``, ``integrity``, ``token_digest``)."""
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+
+
+def key_digest(key: object) -> bytes | None:
+    """The token digest a key names (``key.token_digest``: a :class:`~.namespace.DigestKey`, 16 bytes), or
+    None for a key that names none (its frames are not checked for one)."""
+    d = getattr(key, "token_digest", None)
+    return d if isinstance(d, bytes) else None
+
+
+def key_digests(keys: Iterable[object]) -> list[bytes | None] | None:
+    """:func:`key_digest` of each key, or None when no key names one (the readers' fast path)."""
+    ds = [key_digest(k) for k in keys]
+    return ds if any(d is not None for d in ds) else None
+
+
+def digest_rows(headers: npt.NDArray[np.uint8], digests: Sequence[bytes | None] | None) -> npt.NDArray[np.bool_]:
+    """True for each of ``m`` header rows (uint8 ``(m, >= 168)``) whose token digest is the one ``digests``
+    names, or that has none named (None, or ``digests`` None)."""
+    m = len(headers)
+    ok: npt.NDArray[np.bool_] = np.ones(m, bool)
+    if digests is None:
+        return ok
+    rows = [j for j in range(m) if digests[j] is not None]
+    if rows:
+        want = np.frombuffer(b"".join(cast(bytes, digests[j]) for j in rows), np.uint8).reshape(len(rows), 16)
+        ok[rows] = (headers[rows, TOKEN_DIGEST_OFF:TOKEN_DIGEST_OFF + TOKEN_DIGEST_BYTES] == want).all(axis=1)
+    return ok
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -107,10 +138,12 @@ class FrameHeader:
     created_ns: int = field(default_factory=time.time_ns)
     dev_check: int = 0
     version: int = FORMAT_VERSION
+    token_digest: bytes = NO_DIGEST  # 16 bytes after the header check (zero: the writer had none)
 
     @classmethod
     def for_block(cls, key: KeyIdentity, layout: KvLayout, world: int, tenant_tag: bytes,
                   **kw: Any) -> "FrameHeader":
+        kw.setdefault("token_digest", key_digest(key) or NO_DIGEST)  # a DigestKey's frames carry its digest
         return cls(ns_fp=bytes.fromhex(key.namespace), tenant_tag=tenant_tag, rank=key.rank, world=world,
                    seq_hash=key.seq_hash, num_layers=layout.num_layers, outer_dim=layout.outer_dim,
                    dtype_bytes=layout.dtype_bytes, page_size=layout.page_size, inner_dim=layout.inner_dim,
@@ -131,7 +164,9 @@ class FrameHeader:
                             self.stored_len, self.key_id, self.key_version, self.nonce, self.key_check,
                             self.integrity, self.created_ns, self.dev_check)
         check = _CHECK.pack(xxhash.xxh3_64_intdigest(fixed))
-        return fixed + check + b"\x00" * (HEADER_BYTES - _FIXED - 8)
+        if len(self.token_digest) != TOKEN_DIGEST_BYTES:
+            raise ValueError(f"token_digest: {len(self.token_digest)} bytes, a frame holds {TOKEN_DIGEST_BYTES}")
+        return fixed + check + self.token_digest + b"\x00" * (HEADER_BYTES - TOKEN_DIGEST_OFF - TOKEN_DIGEST_BYTES)
 
     @classmethod
     def unpack(cls, buf: BytesLike) -> "FrameHeader":
@@ -153,13 +188,19 @@ class FrameHeader:
         return cls(ns_fp=ns_fp, tenant_tag=ttag, rank=rank, world=world, seq_hash=seq, num_layers=nl, outer_dim=od,
                    dtype_bytes=db, page_size=ps, inner_dim=inner, payload_len=plen, stored_len=slen, flags=flags,
                    key_id=kid, key_version=kver, nonce=nonce, key_check=kcheck, integrity=integ, created_ns=created,
-                   dev_check=devc, version=version)
+                   dev_check=devc, version=version,
+                   token_digest=bytes(mv[TOKEN_DIGEST_OFF:TOKEN_DIGEST_OFF + TOKEN_DIGEST_BYTES]).ljust(16, b"\x00"))
 
     def check_identity(self, key: KeyIdentity, layout: KvLayout, tenant_tag: bytes) -> None:
-        """Raise FrameError('identity'/'layout') unless this header names exactly ``key`` in ``layout``."""
+        """Raise FrameError('identity'/'layout') unless this header names exactly ``key`` in ``layout``, and
+        FrameError('token_digest') when ``key`` names a token digest (:func:`key_digest`) it does not hold."""
         if (self.ns_fp != bytes.fromhex(key.namespace) or self.tenant_tag != tenant_tag
                 or self.rank != key.rank or self.seq_hash != key.seq_hash):
             raise FrameError("identity", "header names another block")
+        want = key_digest(key)
+        if want is not None and self.token_digest != want:
+            raise FrameError("token_digest", "token digest differs: another token sequence with this sequence hash, "
+                                         "or a frame written without a digest")
         if (self.num_layers, self.outer_dim, self.dtype_bytes, self.page_size, self.inner_dim) != (
                 layout.num_layers, layout.outer_dim, layout.dtype_bytes, layout.page_size, layout.inner_dim):
             raise FrameError("layout", "header layout differs from the namespace's")
@@ -245,12 +286,14 @@ class ChecksumFrames:
         self._world = world
 
     def write_header(self, buf: memoryview | bytearray, offset: int, tenant_tag: bytes, rank: int, seq_hash: int,
-                     integrity: bytes, created_ns: int, dev_check: int | None = None) -> None:
+                     integrity: bytes, created_ns: int, dev_check: int | None = None,
+                     token_digest: bytes | None = None) -> None:
         """Write the full 4096-byte header of one block at ``buf[offset:offset + 4096]`` (a writable
         buffer, e.g. a memoryview of a staging array). ``integrity``: :func:`payload_checksum` of the
         payload (16 bytes). ``dev_check``: the payload's :func:`device_checksum` (an int in
         ``[0, 2**64)``) if the writer has it: the frame then also carries ``FLAG_DEVCHECK`` and can be
-        verified where it lands on a GPU without coming back to the host."""
+        verified where it lands on a GPU without coming back to the host. ``token_digest``: the block's
+        16-byte token digest (:func:`key_digest` of its key), written at bytes 152..167 (zero when None)."""
         a = self._args
         flags = FLAG_CHECKSUM if dev_check is None else FLAG_CHECKSUM | FLAG_DEVCHECK
         _FIXED_STRUCT.pack_into(buf, offset, MAGIC, FORMAT_VERSION, flags, HEADER_BYTES, self._ns_fp,
@@ -259,6 +302,8 @@ class ChecksumFrames:
                                 0 if dev_check is None else dev_check & 0xFFFFFFFFFFFFFFFF)
         _CHECK.pack_into(buf, offset + _FIXED, xxhash.xxh3_64_intdigest(buf[offset:offset + _FIXED]))
         buf[offset + _FIXED + 8:offset + HEADER_BYTES] = _HEADER_TAIL
+        if token_digest is not None:
+            buf[offset + TOKEN_DIGEST_OFF:offset + TOKEN_DIGEST_OFF + TOKEN_DIGEST_BYTES] = token_digest
 
     def prefix(self, tenant_tag: bytes, rank: int, seq_hash: int) -> bytes:
         """The first 88 header bytes (magic .. stored_len) this writer makes for that block."""
@@ -267,13 +312,15 @@ class ChecksumFrames:
                             self._world, seq_hash, *a)
 
     def verify(self, header: SliceableBytes, payload: BytesLike, tenant_tag: bytes, rank: int,
-               seq_hash: int) -> bool:
-        """True only if ``header`` (>= 152 bytes) is exactly what :meth:`write_header` makes for this
-        block (identity, layout, lengths, flags, header check) and ``payload``'s xxh3_128 matches its
+               seq_hash: int, token_digest: bytes | None = None) -> bool:
+        """True only if ``header`` (>= 168 bytes) is exactly what :meth:`write_header` makes for this
+        block (identity, layout, lengths, flags, header check; ``token_digest`` when given) and ``payload``'s xxh3_128 matches its
         integrity field. False says nothing about why: callers re-check with :meth:`FrameHeader.unpack`,
         :meth:`FrameHeader.check_identity` and :func:`verify_payload` to name the reason (a frame that
         passes here passes those too)."""
-        hb = bytes(header[:_FIXED + 8])
+        hb = bytes(header[:TOKEN_DIGEST_OFF + TOKEN_DIGEST_BYTES])
+        if token_digest is not None and hb[TOKEN_DIGEST_OFF:] != token_digest:
+            return False
         want = self.prefix(tenant_tag, rank, seq_hash)
         if hb[:88] != want and hb[:88] != want[:10] + _FLAGS_DEV + want[12:]:
             return False
@@ -283,6 +330,7 @@ class ChecksumFrames:
 
     def check_headers(self, headers: npt.NDArray[np.uint8], tenant_tags: Sequence[bytes] | npt.NDArray[np.uint8],
                       ranks: Sequence[int] | npt.NDArray[Any], seq_hashes: Iterable[int], *, check_world: bool = True,
+                      digests: Sequence[bytes | None] | None = None,
                       ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
         """The header half of :meth:`verify_many` for ``m`` headers at once (numpy compares, one xxh3_64
         call per header): True where the header is exactly what :meth:`write_header` makes for that block
@@ -290,8 +338,9 @@ class ChecksumFrames:
         check). ``check_world`` False: any TP world is accepted (readers that were not told one).
 
         Args:
-            headers: uint8 ``(m, stride)``, ``stride >= 152``: row ``j`` starts with block ``j``'s header.
+            headers: uint8 ``(m, stride)``, ``stride >= 168``: row ``j`` starts with block ``j``'s header.
             tenant_tags: ``m`` 16-byte tags; ranks, seq_hashes: ``m`` ints.
+            digests: None, or ``m`` token digests (:func:`key_digests`; None: that row's is not checked).
         Returns:
             ``(ok, devcheck)``: bool arrays of ``m``; ``devcheck[j]``: the header carries FLAG_DEVCHECK
             (its ``dev_check`` field, :func:`header_dev_checks`, is the payload's device checksum).
@@ -317,19 +366,20 @@ class ChecksumFrames:
         cuts = map(slice, range(0, m * row, row), range(_FIXED, m * row + _FIXED, row))  # map chain: no bytecode per row
         checks = np.fromiter(map(xxhash.xxh3_64_intdigest, map(flat.__getitem__, cuts)), dtype="<u8", count=m)
         ok &= h[:, _FIXED:_FIXED + 8].copy().view("<u8").reshape(m) == checks
+        ok &= digest_rows(h, digests)
         return ok, devcheck
 
     def verify_many(self, headers: npt.NDArray[np.uint8], payloads: Sequence[BytesLike],
                     tenant_tags: Sequence[bytes], ranks: Sequence[int],
-                    seq_hashes: Iterable[int]) -> npt.NDArray[np.bool_]:
+                    seq_hashes: Iterable[int], digests: Sequence[bytes | None] | None = None) -> npt.NDArray[np.bool_]:
         """:meth:`verify` for ``m`` blocks at once (numpy compares instead of per-block Python).
 
         Args:
-            headers: uint8 array of shape ``(m, stride)``, ``stride >= 152``, C-contiguous rows: row
+            headers: uint8 array of shape ``(m, stride)``, ``stride >= 168``, C-contiguous rows: row
                 ``j`` starts with block ``j``'s header bytes (e.g. a staging buffer of whole slots
                 reshaped to ``(m, slot_bytes)``, or packed 4 KiB headers).
             payloads: ``m`` buffers of ``block_bytes`` each.
-            tenant_tags: ``m`` 16-byte tags; ranks, seq_hashes: ``m`` ints.
+            tenant_tags: ``m`` 16-byte tags; ranks, seq_hashes: ``m`` ints; digests: as :meth:`check_headers`.
 
         Returns:
             ``np.ndarray`` of ``m`` bools: True exactly where :meth:`verify` would return True.
@@ -338,7 +388,7 @@ class ChecksumFrames:
         if m == 0:
             return np.zeros(0, bool)
         h = headers[:m]
-        ok, _ = self.check_headers(h, tenant_tags, ranks, seq_hashes)
+        ok, _ = self.check_headers(h, tenant_tags, ranks, seq_hashes, digests=digests)
         bufs = cast("Sequence[Buffer]", payloads)  # as _buf, for the whole list (map: no per-item Python call)
         digs = np.frombuffer(b"".join(map(xxhash.xxh3_128_digest, bufs)), np.uint8).reshape(m, 16)
         ok &= (h[:, _OFF_INTEGRITY:_OFF_INTEGRITY + 16] == digs).all(axis=1)

@@ -9,11 +9,16 @@ Source: dynamo ``lib/llm/src/tokens.rs`` (KVBM's token blocks):
 
 Only full blocks are hashed; a trailing partial block has no identity.
 
+KVBM's sequence hash is not collision resistant (xxh3_64, public seed): token ids can be searched whose
+block has another prompt's sequence hash. :func:`token_digests` is the strong identity our frames carry
+beside it (docs/format.md "Token digest"): a load serves a frame only when its digest is the request's.
+
 Dynamo's router hash (``dynamo._core.compute_block_hash_for_seq``) is the unchained BlockHash with
 seed 1337 (:data:`ROUTER_SEED`); tests check equality with it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import sys
@@ -133,4 +138,47 @@ def sequence_hashes(tokens: Tokens, page_size: int, salt: int = 0,
         b = digest(buf[i * step:(i + 1) * step], salt)  # positional seed: ~15% faster than seed=
         parent = b if parent is None else digest(pack(parent & _U64, b), cseed)
         add(parent)
+    return out
+
+
+#: Bytes of a token digest (BLAKE2b-128).
+DIGEST_BYTES = 16
+
+
+def digest_root(salt: bytes | None) -> bytes:
+    """The chain's start for a request with salt bytes ``salt`` (:func:`salt_bytes`; None: no salt):
+    BLAKE2b-128 of the salt bytes, personalisation ``kvbm-digest-root``."""
+    return hashlib.blake2b(salt or b"", digest_size=DIGEST_BYTES, person=b"kvbm-digest-root").digest()
+
+
+def token_digests(tokens: Tokens, page_size: int, salt: bytes | None = None, parent: bytes | None = None,
+                  into: bytearray | None = None) -> bytearray:
+    """Token digests of every full ``page_size``-token block of ``tokens``: 16 bytes per block, chained
+    like the sequence hash but collision resistant. Block ``i``'s digest is BLAKE2b-128 (RFC 7693) of its
+    tokens as little-endian u32, keyed with block ``i-1``'s digest (the first block: :func:`digest_root` of
+    the salt, or ``parent``), personalisation ``kvbm-digest-blk``: it names the salt and every token of the
+    prefix up to the block's end (docs/format.md "Token digest").
+
+    Args:
+        tokens: token ids (u32 range); page_size: tokens per block.
+        salt: the request's salt bytes (:func:`salt_bytes`), used when ``parent`` is None.
+        parent: digest of the block preceding ``tokens[0]``, if any.
+        into: a bytearray the digests are appended to (and returned).
+    Returns:
+        ``16 * n`` bytes for ``n`` full blocks: a new bytearray, or ``into``.
+    Raises:
+        ValueError: ``page_size`` not positive, or ``parent`` not 16 bytes.
+    """
+    if page_size <= 0:
+        raise ValueError(f"page_size: must be positive, got {page_size}")
+    d = digest_root(salt) if parent is None else bytes(parent)
+    if len(d) != DIGEST_BYTES:
+        raise ValueError(f"parent: a token digest is {DIGEST_BYTES} bytes, got {len(d)}")
+    buf = _u32_le(tokens)
+    step = 4 * page_size
+    out = bytearray() if into is None else into
+    b2 = hashlib.blake2b
+    for i in range(len(buf) // step):
+        d = b2(buf[i * step:(i + 1) * step], digest_size=DIGEST_BYTES, key=d, person=b"kvbm-digest-blk").digest()
+        out += d
     return out

@@ -211,12 +211,21 @@ class Namespace:
             raise ValueError(f"rank: {rank} outside TP world size {self.tp_world_size}")
         return BlockKey(self.fingerprint, tenant, rank, seq_hash & ((1 << 64) - 1))
 
-    def keys(self, seq_hashes: Iterable[int], tenant: str = "", rank: int = 0) -> list["BlockKey"]:
-        """``[self.key(h, tenant, rank) for h in seq_hashes]``, with the checks done once."""
+    def keys(self, seq_hashes: Iterable[int], tenant: str = "", rank: int = 0,
+             digests: bytes | bytearray | None = None) -> list["BlockKey"]:
+        """``[self.key(h, tenant, rank) for h in seq_hashes]``, with the checks done once. ``digests``: the
+        blocks' token digests, 16 bytes each in order (:func:`~.hashing.token_digests`): the keys are then
+        :class:`DigestKey` s. Raises ValueError for a rank outside the TP world or digests of another count."""
         if not 0 <= rank < self.tp_world_size:
             raise ValueError(f"rank: {rank} outside TP world size {self.tp_world_size}")
         fp, m = self.fingerprint, (1 << 64) - 1
-        return [BlockKey(fp, tenant, rank, h & m) for h in seq_hashes]
+        if digests is None:
+            return [BlockKey(fp, tenant, rank, h & m) for h in seq_hashes]
+        hs = list(seq_hashes)
+        if len(digests) != 16 * len(hs):
+            raise ValueError(f"digests: {len(digests)} bytes for {len(hs)} blocks (16 bytes each)")
+        d = bytes(digests)
+        return [DigestKey(fp, tenant, rank, h & m, d[16 * i:16 * i + 16]) for i, h in enumerate(hs)]
 
     def run(self, seq_hashes: "SeqHashes | HashesLike", tenant: str = "", rank: int = 0) -> "KeyRun":
         """The keys ``self.keys(seq_hashes, tenant, rank)`` as one :class:`KeyRun` (no per-key object).
@@ -252,6 +261,28 @@ class BlockKey(NamedTuple):
     tenant: str
     rank: int
     seq_hash: int
+
+
+class DigestKey(BlockKey):
+    """A :class:`BlockKey` that also names its block's token digest (``token_digest``: 16 bytes,
+    :func:`~.hashing.token_digests`). Equal to, and hashed as, its :class:`BlockKey` (indexes and sets
+    treat both alike); frames written under it carry the digest and a read serves a frame for it only when
+    the frame holds that digest (``frame.accept``, docs/format.md "Token digest")."""
+
+    token_digest: bytes
+
+    def __new__(cls, namespace: str, tenant: str, rank: int, seq_hash: int, token_digest: bytes) -> "DigestKey":
+        if not isinstance(token_digest, bytes) or len(token_digest) != 16:
+            raise ValueError(f"token_digest: 16 bytes expected, got {token_digest!r:.40}")
+        self = super().__new__(cls, namespace, tenant, rank, seq_hash)
+        self.token_digest = token_digest
+        return self
+
+    def __getnewargs__(self) -> tuple[str, str, int, int, bytes]:
+        return (self.namespace, self.tenant, self.rank, self.seq_hash, self.token_digest)
+
+    def _replace(self, **kw: Any) -> "DigestKey":
+        return DigestKey(*BlockKey._replace(self, **kw), self.token_digest)
 
 
 class KeyIdentity(Protocol):

@@ -49,7 +49,7 @@ _gauge_parts: dict[int, dict[int, tuple[int, int, int, int]]] = {}  # id(blocks 
 _gauge_lock = threading.Lock()
 # FrameError.reason -> miss reason (any other: "corrupt")
 _MISS_REASON = {"magic": "corrupt", "version": "corrupt", "header_check": "corrupt", "integrity": "corrupt",
-                "length": "corrupt", "identity": "identity", "layout": "identity"}
+                "length": "corrupt", "identity": "identity", "layout": "identity", "token_digest": "token_digest"}
 
 # Every reason the tier's labelled counters carry, with its meaning (docs/operations.md "Reasons" lists the same:
 # tests/core/test_metric_reasons.py). Counted by SlotCatalog.drop / miss / count_corrupt; each series exists at 0
@@ -76,6 +76,7 @@ MISS_REASONS = {
     "corrupt": "the frame failed its checks (magic, version, header check, length, checksum)",
     "identity": "the frame names another block or layout than the key asked for",
     "unverifiable": "a device load found a frame it cannot verify (encrypted, or without checksum)",
+    "token_digest": "the frame holds another token digest than the request's (another token sequence, or none)",
     "duplicate_of_miss": "a key repeated in one get whose first copy missed",
 }
 #: ``kvbm_backend_g3_corrupt_blocks{reason}``: slots proven bad on disk (re-read), dropped from index and journal
@@ -89,6 +90,7 @@ CORRUPT_REASONS = {
     "integrity": "the payload's xxh3_128 checksum does not match (host check)",
     "devcheck": "the payload's device checksum does not match (a device or layer-wise load)",
     "short": "the slab file ends inside the slot (truncated)",
+    "token_digest": "not the requesting block's token digest (another token sequence, or written without one)",
 }
 #: ``TierMetrics`` attribute -> its reasons (``TierMetrics("g3", reasons=REASONS)``)
 REASONS = {"offloads_dropped": DROP_REASONS, "misses": MISS_REASONS, "corrupt": CORRUPT_REASONS}

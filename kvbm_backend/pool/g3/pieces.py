@@ -17,7 +17,7 @@ import numpy as np
 import xxhash
 
 from ...memory import BufferPool, is_aligned
-from ...model.frame import ALIGN, ChecksumFrames, align_up
+from ...model.frame import ALIGN, ChecksumFrames, align_up, key_digest
 from ...model.namespace import BlockKey
 from ...transfer import Extent, slot_extent, staged_run_extents
 from ..base import BlockBuffer, PutResult
@@ -143,7 +143,7 @@ class PieceFramer:
         m = len(pc.keys)
         now = time.time_ns()
         wh = self.frames.write_header
-        digest = xxhash.xxh3_128_digest
+        digest = xxhash.xxh3_128_digest  # the payload's; key_digest: the block's token digest (None: none named)
         if self.gather:  # small blocks: one staged slot image per piece, one iovec per I/O
             stage = self.staging.take(piece_slots * sb)
             pc.stage.append(stage)
@@ -155,7 +155,8 @@ class PieceFramer:
             off = 0
             checks: list[int | None] = pc.checks or [None] * m
             for key, block, dc in zip(pc.keys, pc.blocks, checks):
-                wh(mv, off, self.cat.tag(key.tenant), key.rank, key.seq_hash, digest(block.data), now, dc)
+                wh(mv, off, self.cat.tag(key.tenant), key.rank, key.seq_hash, digest(block.data), now, dc,
+                   key_digest(key))
                 off += sb
             return staged_run_extents(pc.slots, stage[:m * sb], sb, self.io_size, self.cat.fd_of)
         hdrs = self.staging.take(piece_slots * HDR)
@@ -166,7 +167,8 @@ class PieceFramer:
         checks = pc.checks or [None] * m
         for j, (key, block, (fi, si), dc) in enumerate(zip(pc.keys, pc.blocks, pc.slots, checks)):
             f = files[fi]
-            wh(mv, j * HDR, self.cat.tag(key.tenant), key.rank, key.seq_hash, digest(block.data), now, dc)
+            wh(mv, j * HDR, self.cat.tag(key.tenant), key.rank, key.seq_hash, digest(block.data), now, dc,
+               key_digest(key))
             hv = hdrs[j * HDR:(j + 1) * HDR]
             if f.o_direct and not is_aligned(block):
                 st = self.staging.take(self._stored_padded)  # aligned; back once the piece is written

@@ -82,6 +82,7 @@ CORRUPT_REASONS = {
     "length": "the object's size or the frame's lengths do not fit",
     "integrity": "the payload's checksum or AEAD tag does not verify",
     "key_owner": "sealed under another tenant's data key",
+    "token_digest": "not the requesting block's token digest (another token sequence, or written without one)",
 }
 #: ``TierMetrics`` attribute -> its reasons (``TierMetrics("g4", reasons=REASONS)``)
 REASONS = {"offloads_dropped": DROP_REASONS, "misses": MISS_REASONS, "corrupt": CORRUPT_REASONS}

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 __all__ = ["G4Reader", "GetBatch", "bounce_buffers", "bounce_slot_bytes", "tenant_miss"]
 
 # Reasons for which an object is deleted when read (it can never become a hit).
-_DELETE_ON = {"magic", "header_check", "identity", "layout", "length", "integrity", "key_owner"}
+_DELETE_ON = {"magic", "header_check", "identity", "layout", "length", "integrity", "key_owner", "token_digest"}
 
 PAGE = 4096  # bounce buffer sizes are rounded up to this, bytes
 

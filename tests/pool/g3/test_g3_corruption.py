@@ -145,10 +145,10 @@ def test_a_block_written_again_while_its_old_slot_is_proven_bad_is_kept(tmp_path
     prove = rd.prove_bad
     new = payload(999)  # k's new content (any bytes: a block written again)
 
-    def user_rewrites_k_during_the_proof(slot, rec):
+    def user_rewrites_k_during_the_proof(slot, rec, digest=None):
         assert pool.delete([k]).result() == 1
         assert pool.put([k], [new]).result().written == 1
-        return prove(slot, rec)
+        return prove(slot, rec, digest)
     rd.prove_bad = user_rewrites_k_during_the_proof
     try:
         pool.drop_corrupt(k, "devcheck")  # what a device load reports for the old slot
@@ -184,8 +184,8 @@ def test_a_block_written_again_into_the_slot_being_proven_bad_is_kept(tmp_path):
     new = payload(999)
     landed = []
 
-    def user_rewrites_k_during_the_proof(slot, rec):
-        verdict = prove(slot, rec)  # the old, corrupt bytes
+    def user_rewrites_k_during_the_proof(slot, rec, digest=None):
+        verdict = prove(slot, rec, digest)  # the old, corrupt bytes
         assert verdict == "integrity"
         assert pool.delete([k]).result() == 1
         assert pool.put([k], [new]).result(timeout=HANG_S).written == 1

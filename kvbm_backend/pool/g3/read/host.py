@@ -277,7 +277,8 @@ class HostGet:
         payloads = [mv[o:o + bb] for o in range(HDR, m * sb, sb)]
         dsts = [self.out[i] for i in idx]
         tags = [k.tag if type(k) is TagKey else tag(k.tenant) for k in keys]
-        good = self.p._frames.verify_many(hdrs, payloads, tags, [k.rank for k in keys], [k.seq_hash for k in keys])
+        good = self.p._frames.verify_many(hdrs, payloads, tags, [k.rank for k in keys], [k.seq_hash for k in keys],
+                                          frame.key_digests(keys))
         if all_there and good.all():
             with self.lock:  # never into out once the get resolved (see _timeout)
                 if not self.resolved:
@@ -329,7 +330,7 @@ class HostGet:
         drop: list[_Bad] = []  # proven bad: (key, slot, FrameError reason or "short")
         why: list[str] = []  # miss reasons
         for (k, slot, reason), rec in zip(bad, recs):
-            proof = "gone" if rec is None else self.rd.prove_bad(slot, rec)
+            proof = "gone" if rec is None else self.rd.prove_bad(slot, rec, frame.key_digest(k))
             if proof == "good":
                 why.append("identity" if reason == "identity" else "io_error")
             elif proof in ("unreadable", "gone"):

@@ -155,7 +155,7 @@ class G3Reader:
         if slot is None or rec is None:
             return
         try:
-            why = self.prove_bad(slot, rec)
+            why = self.prove_bad(slot, rec, frame.key_digest(key))
         except BaseException:
             self.unpin([slot])
             raise
@@ -185,7 +185,7 @@ class G3Reader:
                     continue
                 cat.index.pin(slot)  # not evicted or reused while it is re-read
             try:
-                if self.prove_bad(slot, rec) == "good":  # the failed read was the read's, not the bytes'
+                if self.prove_bad(slot, rec, frame.key_digest(key)) == "good":  # the read's failure, not the bytes'
                     log.warning("G3: a load reported slot %s unreadable but it re-reads and verifies; kept", slot)
                     continue
                 with cat.lock:
@@ -201,9 +201,11 @@ class G3Reader:
             cat.update_gauges()
         return n
 
-    def prove_bad(self, slot: Slot, rec: tuple[bytes, int, int]) -> str:
+    def prove_bad(self, slot: Slot, rec: tuple[bytes, int, int], digest: bytes | None = None) -> str:
         """Re-read ``slot`` (one synchronous ``preadv`` of the whole slot into a fresh aligned buffer) and
-        check it against ``rec`` = (tenant tag, rank, seq_hash), what the index says the slot holds.
+        check it against ``rec`` = (tenant tag, rank, seq_hash), what the index says the slot holds, and
+        ``digest``, the token digest the requesting key named (None: not checked; a frame holding another is
+        ``"token_digest"``: it cannot serve that key, and is dropped so the key's own block can be saved).
 
         Returns ``"good"`` (the stored frame verifies: the failed read was a read error, or the caller's
         key did not name what the slot holds), ``"unreadable"`` (the re-read failed too: a read error,
@@ -238,7 +240,7 @@ class G3Reader:
             frame.verify_payload(hdr, buf[HDR:HDR + cat.block_bytes])
         except FrameError as e:
             return e.reason
-        return "good"
+        return "token_digest" if digest is not None and hdr.token_digest != digest else "good"
 
     # ---- device loads ------------------------------------------------------------------------------
     def device_reader(self, device: str | torch.device) -> DeviceLoader:

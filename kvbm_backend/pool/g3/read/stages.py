@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ....model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, FLAG_ENCRYPTED, ChecksumFrames, FrameError, FrameHeader, \
-    accept
+    accept, key_digests
 from ....model.layout import KvLayout
 from ....model.namespace import BlockKey
 from ...base import BlockBuffer, SlotLease, SlotLeaseSource
@@ -81,7 +81,7 @@ def check_frame(header: BlockBuffer, key: BlockKey, layout: KvLayout, tag: bytes
 
     Raises:
         FrameError: its reason (``magic``, ``version``, ``header_check``, ``identity``, ``layout``,
-            ``length``; ``unverifiable`` for an encrypted or unchecked frame).
+            ``length``, ``token_digest``; ``unverifiable`` for an encrypted or unchecked frame).
     """
     h = accept(header, key, layout, tag, world=world, stored_len=layout.bytes_per_block, frame_bytes=slot_len)
     if h.flags & FLAG_ENCRYPTED:
@@ -109,7 +109,7 @@ class HeaderChecks:
 
     def check(self, headers: np.ndarray[Any, np.dtype[np.uint8]], keys: Sequence[BlockKey],
               ) -> tuple[np.ndarray[Any, np.dtype[np.bool_]], np.ndarray[Any, np.dtype[np.bool_]]]:
-        """``(ok, devcheck)`` bool ``[m]`` for headers ``[m, >= 152]`` (row ``j``: the frame read for
+        """``(ok, devcheck)`` bool ``[m]`` for headers ``[m, >= 168]`` (row ``j``: the frame read for
         ``keys[j]``): ``ok`` where the header is exactly what the writer makes for that key; ``devcheck``
         where it carries ``FLAG_DEVCHECK``."""
         m = len(keys)
@@ -126,7 +126,7 @@ class HeaderChecks:
             kk = keys if one else [keys[j] for j in js]
             o, d = frames.check_headers(headers[:m] if one else headers[js], [self.tenant_tag_fn(k) for k in kk],
                                         [k.rank for k in kk], [k.seq_hash for k in kk],
-                                        check_world=self.world is not None)
+                                        check_world=self.world is not None, digests=key_digests(kk))
             ok[js], dev[js] = o, d
         return ok, dev
 

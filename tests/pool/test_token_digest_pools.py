@@ -1,0 +1,105 @@
+"""Every pool read path serves a frame for a :class:`DigestKey` only when the frame holds that token digest
+(docs/format.md "Token digest"): G3's host get, device loader and layer-wise loader, G4 per-rank and canonical.
+A frame with another digest, or none (written before digests, or by a writer that names none), is a miss counted
+under ``token_digest`` and dropped, so the block's own frame is stored at the next put; keys naming no digest
+(the native tiers, the CLI) read every frame as before. Real G3 files and ``file://`` G4 stores."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbm_backend.config import KvbmBackendConfig  # noqa: E402
+from kvbm_backend.integrations.tiers import open_tiers  # noqa: E402
+from kvbm_backend.model.layout import KvLayout  # noqa: E402
+from kvbm_backend.model.namespace import Namespace  # noqa: E402
+from tests.helpers.pools import open_g3  # noqa: E402
+
+HANG_S = 600.0  # a hang guard, not a bound
+LAYOUT = KvLayout(num_layers=4, outer_dim=2, page_size=16, inner_dim=128, dtype="bfloat16")  # 8 KiB layers
+NS = Namespace(model="test/token-digest-pools", revision="r1", layout=LAYOUT, tp_world_size=1)
+D1, D2 = b"\x01" * 16, b"\x02" * 16
+
+
+def _blocks(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, LAYOUT.bytes_per_block, dtype=np.uint8) for _ in range(n)]
+
+
+def _host_get(pool, keys) -> tuple[list[bool], list[np.ndarray]]:
+    out = [np.zeros(LAYOUT.bytes_per_block, np.uint8) for _ in keys]
+    return list(pool.get(keys, out).result(timeout=HANG_S).ok), out
+
+
+def _device_get(pool, keys) -> tuple[list[bool], torch.Tensor]:
+    out = torch.zeros(len(keys), LAYOUT.bytes_per_block, dtype=torch.uint8)
+    return list(pool.get(keys, out).result(timeout=HANG_S).ok), out
+
+
+def _layerwise_get(pool, keys) -> tuple[list[bool], None]:
+    ld = pool.layerwise_load(keys, "cpu", min_read=8192)
+    for layer in range(LAYOUT.num_layers):
+        ld.wait_layer(layer)
+    return [r is None for r in ld.finish()], None
+
+
+@pytest.mark.parametrize("read", [_host_get, _device_get, _layerwise_get], ids=["host", "device", "layerwise"])
+def test_g3_serves_a_frame_only_for_its_token_digest(tmp_path, read):
+    pool = open_g3(tmp_path / "g3", NS, load_timeout_s=120.0)
+    try:
+        k1 = NS.keys([11, 12], "t", 0, D1 + D1)
+        blocks = _blocks(2, 1)
+        assert pool.put(k1, blocks).result(timeout=HANG_S).written == 2
+        assert pool.put(NS.keys([13], "t"), _blocks(1, 2)).result(timeout=HANG_S).written == 1  # no digest
+        assert pool.flush(HANG_S)
+        ok, out = read(pool, k1)
+        assert ok == [True, True]
+        if out is not None:
+            assert all(np.array_equal(np.asarray(out[i]), blocks[i]) for i in range(2))
+        assert read(pool, NS.keys([11, 12], "t"))[0] == [True, True]  # a key naming no digest: not checked
+        # another digest under block 12's name, and a digest asked of block 13 written without one: misses
+        ok, out = read(pool, [k1[0]] + NS.keys([12, 13], "t", 0, D2 + D2))
+        assert ok == [True, False, False]
+        if out is not None:
+            assert not np.asarray(out[1]).any() and not np.asarray(out[2]).any()  # nothing unverified delivered
+        st = pool.stats()
+        assert st["corrupt_by_reason"].get("token_digest") == 2  # both proven unservable for those keys: dropped
+        assert not pool.contains(NS.key(12, "t")) and not pool.contains(NS.key(13, "t")) and pool.contains(k1[0])
+        if read is _host_get:
+            assert st["misses_by_reason"].get("token_digest") == 2
+        # the block's own frame can now be stored under the name, and serves
+        k2 = NS.keys([12], "t", 0, D2)
+        assert pool.put(k2, _blocks(1, 3)).result(timeout=HANG_S).written == 1
+        assert pool.flush(HANG_S)
+        assert read(pool, k2)[0] == [True]
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("layout", ["per-rank", "canonical"])
+def test_g4_serves_a_frame_only_for_its_token_digest(tmp_path, layout):
+    cfg = KvbmBackendConfig(model="m", g3={"enabled": False}, g4={
+        "enabled": True, "layout": layout, "url": f"file://{tmp_path / 'store'}",
+        "keyring": {"path": str(tmp_path / "keyring.json")}})
+    _, g4 = open_tiers(cfg, NS, 1)
+    assert g4 is not None
+    try:
+        k1 = NS.keys([21, 22], "alice", 0, D1 + D1)
+        blocks = _blocks(2, 4)
+        assert g4.put(k1, blocks).result(timeout=HANG_S).written == 2
+        assert g4.put(NS.keys([23], "alice"), _blocks(1, 5)).result(timeout=HANG_S).written == 1
+        assert g4.flush(HANG_S)
+        ok, out = _host_get(g4, k1)
+        assert ok == [True, True] and all(np.array_equal(out[i], blocks[i]) for i in range(2))
+        assert _host_get(g4, NS.keys([21, 22], "alice"))[0] == [True, True]
+        ok, out = _host_get(g4, [k1[0]] + NS.keys([22, 23], "alice", 0, D2 + D2))
+        assert ok == [True, False, False] and not out[1].any() and not out[2].any()
+        st = g4.stats()
+        assert st.get("corrupt_token_digest", 0) >= 2  # canonical: counted per head part
+        assert _host_get(g4, NS.keys([22, 23], "alice"))[0] == [False, False]  # deleted: the store confirmed
+        assert g4.put(NS.keys([22], "alice", 0, D2), _blocks(1, 6)).result(timeout=HANG_S).written == 1
+        assert g4.flush(HANG_S)
+        assert _host_get(g4, NS.keys([22], "alice", 0, D2))[0] == [True]
+    finally:
+        g4.close()
