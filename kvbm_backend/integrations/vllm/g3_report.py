@@ -137,7 +137,7 @@ class ReportedBlocks:
         out = []
         for k in keys:
             i = mirror_id(k)
-            if type(k) is BlockKey and i[0] not in self._tenants:
+            if isinstance(k, BlockKey) and i[0] not in self._tenants:
                 if len(self._tenants) >= TENANTS_KEPT:
                     self._tenants.clear()
                 self._tenants[i[0]] = k.tenant

@@ -105,7 +105,7 @@ class LayerwiseLoads:
     def _start(self, job: LoadJob) -> None:
         w, kv = self.w, self.w.kv
         n = len(job.block_ids)
-        keys = w.ns.keys(job.seq_hashes, job.tenant, w.rank)
+        keys = w.ns.keys(job.seq_hashes, job.tenant, w.rank, job.digests or None)
         stats.add(load_jobs=1, load_blocks_requested=n, layerwise_jobs=1)
         ld = None
         load_priority.hold()  # released in _finish: the forward's Python yields the GIL to the reads sooner

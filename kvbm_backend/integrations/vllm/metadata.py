@@ -28,6 +28,8 @@ class LoadJob:
         layerwise: the scheduler offered this hit synchronously (``g3.layerwise_load``, G3 blocks only):
             the worker loads it layer by layer inside the step (:mod:`.layerwise`) and never reports it
             in ``finished_recving``.
+        digests: token digest of each block, 16 bytes each in order (:mod:`.identity`): a frame is served only
+            when it holds its block's (empty: not checked).
     """
 
     req_id: str
@@ -37,13 +39,15 @@ class LoadJob:
     tenant: str
     group: int = 0
     layerwise: bool = False
+    digests: bytes = b""
 
 
 @dataclass
 class SaveJob:
     """Offload engine blocks ``block_ids`` (full blocks computed this step) of KV cache group ``group``
     under ``seq_hashes``. ``g4_only``: blocks a handed-off prefill request did not compute (its G3 or its
-    engine's prefix cache has them): written to G4 alone, and only those G4 does not hold yet."""
+    engine's prefix cache has them): written to G4 alone, and only those G4 does not hold yet. ``digests``: the
+    blocks' token digests, 16 bytes each (:mod:`.identity`), written in their frames (empty: none)."""
 
     req_id: str
     block_ids: list[int]
@@ -51,6 +55,7 @@ class SaveJob:
     tenant: str
     group: int = 0
     g4_only: bool = False
+    digests: bytes = b""
 
 
 @dataclass

@@ -160,7 +160,8 @@ class Offloads:
                 stats.add(save_dropped_blocks=n - fit, save_dropped_full_blocks=n - fit)
             if fit == 0:
                 return
-            job = replace(job, block_ids=job.block_ids[:fit], seq_hashes=job.seq_hashes[:fit])
+            job = replace(job, block_ids=job.block_ids[:fit], seq_hashes=job.seq_hashes[:fit],
+                          digests=job.digests[:16 * fit])
         n, nbytes = fit, fit * bpb
         t0 = time.perf_counter()
         try:
@@ -237,7 +238,7 @@ class Offloads:
             keys = s.keys
             if keys is None:
                 assert s.job is not None  # a save names its blocks by its job
-                keys = self.ns.keys(s.job.seq_hashes, s.job.tenant, self.rank)
+                keys = self.ns.keys(s.job.seq_hashes, s.job.tenant, self.rank, s.job.digests or None)
             blocks = split_blocks(s.arr, self.ns.layout, s.n)
         except Exception as e:  # noqa: BLE001 - a failed offload is a dropped offload
             LOG.warning("hand_off", "kvbm_backend: %s of %d blocks dropped: %s: %s",

@@ -22,17 +22,18 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from ...model.hashing import salt_bytes, salt_hash, sequence_hashes
+from ...model.hashing import salt_hash, sequence_hashes
 from ...model.namespace import KeyRun, Namespace
 from ...pool.base import BlockPool
 from . import handoff, stats
+from .identity import block_digests, kv_beyond_token_ids, request_salt
 from .failed_blocks import FailedBlocks, contain_failed_sync_load, withhold_tainted
 from .g3_mirror import G3Mirror
 from .kv_events import G3KvEvents, IdlePublisher
 from .lookup import GroupTiers, PrefixLookup
 from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob
 
-__all__ = ["G3KvEvents", "G3Mirror", "GroupTiers", "SchedulerSide"]  # G3KvEvents, G3Mirror: re-exported
+__all__ = ["G3KvEvents", "G3Mirror", "GroupTiers", "SchedulerSide", "kv_beyond_token_ids"]  # re-exported
 
 
 @dataclass
@@ -58,16 +59,7 @@ class _Req:
     handoff_want: int | None = None   # blocks a prefill worker offloaded for it (.handoff), parsed once
     handoff_done: bool = False        # its handoff wait ended: later asks (after a preemption) do not wait again
     handoff_known: tuple[int, int] = (0, 0)  # (G3, G4) leading blocks its wait's looks confirmed: not asked again
-
-
-def kv_beyond_token_ids(request: Any) -> bool:
-    """Whether the request's KV depends on more than its token ids: multimodal inputs (each image is the same
-    placeholder token ids) or prompt embeddings (``prompt_token_ids`` None: vLLM's placeholders are 0s).
-    vLLM's own block hash adds those inputs' hashes (``kv_cache_utils.generate_block_hash_extra_keys``); ours
-    is token ids, ``cache_salt`` and LoRA only, so such a request is neither loaded nor saved (before
-    2026-11-29, a second image with the same text loaded the first image's KV)."""
-    return (bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
-            or getattr(request, "prompt_token_ids", []) is None)
+    digests: bytearray = field(default_factory=bytearray)  # token digests of its first blocks (.identity)
 
 
 class SchedulerSide:
@@ -106,9 +98,8 @@ class SchedulerSide:
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None:
-            lr = getattr(request, "lora_request", None)
             cache_salt = getattr(request, "cache_salt", None)
-            salt = salt_hash(salt_bytes(cache_salt, getattr(lr, "lora_name", None), getattr(lr, "lora_path", None)))
+            salt = salt_hash(request_salt(request))
             toks = list(request.prompt_token_ids or [])
             hashes = sequence_hashes(toks, self.bs, salt=salt, into=array("Q"))
             assert isinstance(hashes, array)  # sequence_hashes fills and returns ``into``
@@ -312,7 +303,8 @@ class SchedulerSide:
             if not pos:
                 continue
             self._loads.append(LoadJob(request.request_id, [gids[i] for i in pos], [st.hashes[i] for i in pos],
-                                       tiers, st.tenant, group=gi, layerwise=st.sync_load))
+                                       tiers, st.tenant, group=gi, layerwise=st.sync_load,
+                                       digests=block_digests(st, pos, self.bs)))
             planned += len(pos)
             g3n += tiers.count("G3")
         st.planned = (first, end)
@@ -465,7 +457,7 @@ class SchedulerSide:
             pos = [i for i in range(lo, min(end, len(gids))) if i not in sk and gids[i] != 0]
             if pos:
                 meta.saves.append(SaveJob(st.req_id, [gids[i] for i in pos], [st.hashes[i] for i in pos], st.tenant,
-                                          group=gi, g4_only=True))
+                                          group=gi, g4_only=True, digests=block_digests(st, pos, self.bs)))
                 planned += len(pos)
         if planned:
             stats.add(handoff_g4_offered_blocks=planned)
@@ -486,7 +478,7 @@ class SchedulerSide:
             pos = [i for i in range(lo, min(end, len(gids))) if gids[i] != 0]
             if pos:
                 meta.saves.append(SaveJob(st.req_id, [gids[i] for i in pos], [st.hashes[i] for i in pos], st.tenant,
-                                          group=gi))
+                                          group=gi, digests=block_digests(st, pos, self.bs)))
         return end
 
     def _plan_save(self, meta: KvbmConnectorMetadata, st: _Req, computed_after: int) -> None:

@@ -237,7 +237,7 @@ class WorkerSide:
             if self._late(ld):  # queued past its deadline: no read for a load nobody waits for
                 return
             bpb = kv.layout.bytes_per_block
-            keys = self.ns.keys(job.seq_hashes, job.tenant, self.rank)
+            keys = self.ns.keys(job.seq_hashes, job.tenant, self.rank, job.digests or None)
             i3 = [i for i, t in enumerate(job.tiers) if t == "G3"]
             i4 = [i for i, t in enumerate(job.tiers) if t != "G3"]
             # One staging tensor on the engine's KV device; its rows are the pools' destinations (the

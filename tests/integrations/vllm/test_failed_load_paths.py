@@ -28,7 +28,7 @@ from kvbm_backend.config import G4Config  # noqa: E402
 from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta  # noqa: E402
 from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from kvbm_backend.integrations.vllm.worker_side import WorkerSide  # noqa: E402
-from kvbm_backend.model.hashing import salt_bytes, salt_hash, sequence_hashes  # noqa: E402
+from kvbm_backend.model.hashing import salt_bytes, salt_hash, sequence_hashes, token_digests  # noqa: E402
 from kvbm_backend.model.namespace import Namespace  # noqa: E402
 from kvbm_backend.pool.g4.pool import G4Pool  # noqa: E402
 from kvbm_backend.pool.g3 import G3Pool  # noqa: E402
@@ -44,6 +44,12 @@ def _prompt(bs: int) -> tuple[list[int], list[int]]:
     """``(tokens, sequence hashes)`` of a prompt of ``N`` full blocks plus one token, as the scheduler hashes it."""
     toks = list(range(1000, 1000 + N * bs + 1))
     return toks, list(sequence_hashes(toks, bs, salt=salt_hash(salt_bytes(TENANT, None, None))))
+
+
+def _digests(bs: int, blocks: list[int]) -> bytes:
+    """The token digests of blocks ``blocks`` of :func:`_prompt`'s prompt, as the scheduler sends them with a save."""
+    d = token_digests(_prompt(bs)[0], bs, salt_bytes(TENANT, None, None))
+    return b"".join(d[16 * i:16 * i + 16] for i in blocks)
 
 
 def _req(rid: str, toks: list[int]) -> SimpleNamespace:
@@ -99,7 +105,7 @@ def test_a_g4_block_found_at_lookup_that_fails_at_load_is_not_offered_again(tmp_
     try:
         w.register(kv)
         toks, hs = _prompt(bs)
-        _save(w, g4, list(range(1, N + 1)), hs[:N], tenant=TENANT)
+        _save(w, g4, list(range(1, N + 1)), hs[:N], tenant=TENANT, digests=_digests(bs, list(range(N))))
         s = SchedulerSide(ns, bs, None, g4, save=False)
         r1 = _req("r1", toks)
         assert _ask(s, r1) == N * bs  # every block found (an existence check)
@@ -182,7 +188,7 @@ def test_a_block_that_fails_on_one_tp_rank_is_withdrawn_for_every_rank(tmp_path,
             w.register(kv)
         for i in range(N):  # one block at a time, rank by rank: no two slots of a rank are adjacent, so the bad
             for w in ws:    # sector fails only rank 1's block 1 (the reader merges reads of adjacent slots)
-                _save(w, g3, [i + 1], [hs[i]], tenant=TENANT)
+                _save(w, g3, [i + 1], [hs[i]], tenant=TENANT, digests=_digests(bs, [i]))
         s = SchedulerSide(ns, bs, g3, None, save=False)
         r1 = _req("r1", toks)
         assert _ask(s, r1) == N * bs  # both ranks hold every block
@@ -222,7 +228,7 @@ def _worker_with_two_blocks(tmp_path, seed: int):
     try:
         w.register(kv)
         _, hs = _prompt(kv.layout.page_size)
-        _save(w, g3, [1, 2], hs[:2], tenant=TENANT)
+        _save(w, g3, [1, 2], hs[:2], tenant=TENANT, digests=_digests(kv.layout.page_size, [0, 1]))
     except BaseException:
         w.shutdown()
         g3.close()

@@ -19,7 +19,7 @@ from kvbm_backend.integrations.vllm import handoff
 from kvbm_backend.integrations.vllm.handoff import KEY, HandoffWaits, expected_blocks
 from kvbm_backend.integrations.vllm.log_limits import LimitedLog
 from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
-from kvbm_backend.model.hashing import sequence_hashes
+from kvbm_backend.model.hashing import sequence_hashes, token_digests
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 
@@ -374,7 +374,8 @@ def test_prompt_blocks_a_prefill_worker_loaded_from_its_g3_are_written_to_g4_for
         w.register(kv)
         src = [1, 2, 3, 4, 5, 6]
         want = [_block_bytes(kv, b) for b in src]
-        assert g3.put(ns.keys(hs[:6]), [x.numpy() for x in want]).result(HANG_S).written == 6  # an earlier request's
+        digests = bytes(token_digests(toks, EBS))[:6 * 16]  # what an earlier request's save named them with
+        assert g3.put(ns.keys(hs[:6], "", 0, digests), [x.numpy() for x in want]).result(HANG_S).written == 6
         assert g4.lookup_prefix(ns.keys(hs[:6])).result(HANG_S) == 0  # ... G3 only (G4 down then, or another worker)
         req = SimpleNamespace(request_id="p", prompt_token_ids=toks, cache_salt=None, lora_request=None,
                               kv_transfer_params={KEY: True})

@@ -72,8 +72,9 @@ def _wait(worker, req, timeout=HANG_S):
     raise AssertionError(f"load {req} never finished")
 
 
-def _save(worker, pool, ids, seqs, tenant="acme"):
-    worker.save([SaveJob("r-save", ids, seqs, tenant)])
+def _save(worker, pool, ids, seqs, tenant="acme", digests=b""):
+    """Save engine blocks ``ids`` under ``seqs`` (``digests``: their token digests, as the scheduler sends them)."""
+    worker.save([SaveJob("r-save", ids, seqs, tenant, digests=digests)])
     assert worker.flush_saves(HANG_S)  # a CUDA engine hands saves to the pools on its save thread
     pool.flush(timeout=HANG_S)
 
