@@ -290,9 +290,5 @@ def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode()
 
 
-def _unb64(s: str) -> bytes:
-    return base64.b64decode(s)
-
-
 def _now_iso() -> str:
     return datetime.now(timezone.utc).replace(microsecond=0).isoformat()

@@ -20,8 +20,8 @@ can share it.
   (per process). Every keyring, read-only or not, re-reads the file when its mtime/ctime/size/inode
   changed, checked at most every ``reload_every_s`` seconds on use: a change (revocation, new tenant,
   rotation) reaches a running process within ``reload_every_s`` of being visible at ``path``. A file
-  that stops loading (missing, unparsable, insecure mode, other KEK) fails closed: no key is served
-  until it loads again.
+  that stops loading (missing, unparsable, a member missing or mistyped, insecure mode, other KEK) fails
+  closed: no key is served until it loads again.
 * **Reload on a missing key.** A read needing a key id or version this keyring does not hold
   (:meth:`read_key`: a tenant or rotation of another worker), or :meth:`write_key` about to refuse an
   unknown tenant, runs the same check at once (at most one per ``miss_reload_min_s``, default 0.1 s) and
