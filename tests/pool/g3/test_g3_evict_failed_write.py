@@ -10,6 +10,7 @@ failing disk would (before or after the bytes land)."""
 from __future__ import annotations
 
 import errno
+import os
 from concurrent.futures import Future
 
 import numpy as np
@@ -74,4 +75,55 @@ def test_block_evicted_for_a_failed_write_after_restart(tmp_path, land):
         ok, out = _read(pool, old)
         assert ok == [k not in gone for k in old]
         assert all(np.array_equal(o.view(np.uint8), payload(k.seq_hash)) for o, k, h in zip(out, old, ok) if h)
+        assert pool.cat.accounting()["leaked"] == 0
+
+
+CAP = 4  # the lowered cap of the slab file: evicted slots at or above it are not reused
+
+
+@pytest.mark.parametrize("journal", ["kept", "removed"])
+@pytest.mark.parametrize("fail", [True, False], ids=["write_fails", "write_succeeds"])
+def test_evicted_slots_the_batch_did_not_reuse_stay_gone_after_restart(tmp_path, monkeypatch, fail, journal):
+    """The batch's "evicted, not reused" slots (``G3Writer._start_batch``: ``clear_headers`` of the evicted
+    slots the second allocation did not return). With the allocator as it is, a batch re-reserves every slot it
+    evicted (free slots are taken only once a file's room above its high-water mark is gone, and the first
+    allocation took all of it): the branch is reached only by an evicted slot at or above its file's cap, which
+    the allocator parks instead of handing out. The slab code never lowers a cap below a published slot, so the
+    test lowers it by hand (``cap_slots``, as a shrunk filesystem lowers it) and keeps statvfs from being re-read
+    (``RECHECK_SPACE_S``) so it stays there for the batch: 8 blocks evicted, 4 slots reused (the write then fails,
+    or succeeds), 4 not. No DEL is journaled for an eviction, so only the zeroed header keeps a not-reused
+    block from coming back at the restart: by its journal PUT (``journal`` kept) or by a header scan (removed),
+    even though it was deleted meanwhile (not held: nothing to clear)."""
+    from kvbm_backend.pool.g3 import slabs
+    monkeypatch.setattr(slabs, "RECHECK_SPACE_S", 1e9)
+    cfg = dict(capacity_gb=SLOTS * 12288 / 1e9, files_per_path=1)
+    old = NS.keys(range(1, SLOTS + 1))
+    new = NS.keys(range(1000, 1008))
+    eng = FailingWrites()
+    try:
+        with open_pool(tmp_path, engine=eng, **cfg) as pool:
+            assert pool.put(old, [payload(k.seq_hash) for k in old]).result(timeout=HANG_S).written == SLOTS
+            with pool.cat.lock:
+                slot_of = {k: tuple(pool.cat.index.get(k)) for k in old}
+                (f,) = pool.slabs.files
+                assert f.cap_slots == f.next_unused == SLOTS
+                f.cap_slots = CAP
+            eng.fail = fail
+            res = pool.put(new, [payload(k.seq_hash) for k in new]).result(timeout=HANG_S)
+            assert (res.written, res.dropped) == ((0, 8) if fail else (CAP, 8 - CAP)), res
+            gone = [k for k in old if not pool.contains(k)]
+            not_reused = [k for k in gone if slot_of[k][1] >= CAP]
+            assert len(gone) == 8 and len(not_reused) == 8 - CAP, (gone, slot_of)
+            eng.fail = False
+            assert pool.delete(gone).result(timeout=HANG_S) == 0  # evicted: not held, no DEL journaled
+    finally:
+        eng.close()
+    if journal == "removed":
+        os.unlink(tmp_path / f"journal-{NS.fingerprint}.log")
+    with open_pool(tmp_path, **cfg) as pool:
+        assert [k for k in gone if pool.contains(k)] == []  # before the zeroing: the not-reused 4 came back
+        ok, out = _read(pool, old)
+        assert ok == [k not in gone for k in old]
+        assert all(np.array_equal(o.view(np.uint8), payload(k.seq_hash)) for o, k, h in zip(out, old, ok) if h)
+        assert [pool.contains(k) for k in new] == [not fail and i < CAP for i in range(len(new))]
         assert pool.cat.accounting()["leaked"] == 0
