@@ -43,7 +43,9 @@ same 8192-block prefixes, all present), ``partial_lookup_ms`` (the same with blo
 ``sequence_hashes_ms``: what the scheduler does for every new request before its lookup, hashing the
 prompt's full blocks (:func:`~kvbm_backend.model.hashing.sequence_hashes`, KVBM's chained xxh3) from a list
 of Python int token ids as vLLM holds them into an ``array('Q')`` (as the scheduler does): ``PREFIX`` blocks
-of ``HASH_BLOCK_TOKENS`` tokens, median / p99 / min / max of ``HASH_RUNS`` calls.
+of ``HASH_BLOCK_TOKENS`` tokens, median / p99 / min / max of ``HASH_RUNS`` calls. ``token_digests_ms``: the same
+prompt's token digests (:func:`~kvbm_backend.model.hashing.token_digests`, BLAKE2b-128 chained), which the scheduler
+computes for the blocks its load and save jobs name (docs/format.md "Token digest"): the same statistics.
 
 Keys: random 64-bit sequence hashes, 8 tenants (one of them ``""``, the rest restored as tag entries),
 rank 0, 8 files. Times are wall-clock (``perf_counter``), on whatever else the machine runs.
@@ -284,17 +286,22 @@ def _mirror(d, n: int) -> dict:
             "prefix_lookup_path": "Namespace.rank_runs(hashes, tenant) -> G3Mirror.lookup_prefix(run).result()"}
 
 
-def _hashing() -> dict:
-    """``sequence_hashes`` of a ``PREFIX``-block prompt given as a list of Python ints (the module docstring)."""
-    from kvbm_backend.model.hashing import sequence_hashes
+def _hashing(digests: bool = False) -> dict:
+    """``sequence_hashes`` (``digests``: ``token_digests``) of a ``PREFIX``-block prompt given as a list of Python ints
+    (the module docstring)."""
+    from kvbm_backend.model.hashing import salt_bytes, sequence_hashes, token_digests
     toks = np.random.default_rng(1).integers(0, 128_000, PREFIX * HASH_BLOCK_TOKENS).tolist()
     times = []
     for _ in range(HASH_RUNS):
         t0 = time.perf_counter()
-        n = len(sequence_hashes(toks, HASH_BLOCK_TOKENS, into=array("Q")))  # as the scheduler hashes
+        if digests:  # as the scheduler's identity.block_digests: into the request's bytearray, 16 bytes a block
+            n = len(token_digests(toks, HASH_BLOCK_TOKENS, salt_bytes("tenant-a"), into=bytearray())) // 16
+        else:
+            n = len(sequence_hashes(toks, HASH_BLOCK_TOKENS, into=array("Q")))  # as the scheduler hashes
         times.append(time.perf_counter() - t0)
         if n != PREFIX:
-            raise RuntimeError(f"index bench: sequence_hashes gave {n} hashes for {PREFIX} blocks")
+            raise RuntimeError(f"index bench: {'token_digests' if digests else 'sequence_hashes'} gave {n} for "
+                               f"{PREFIX} blocks")
     return {**_ms(times), "blocks": PREFIX, "block_tokens": HASH_BLOCK_TOKENS}
 
 
@@ -306,6 +313,7 @@ def run(opts: BenchOptions) -> dict:
            "memory_method": "tracemalloc (traced bytes after build minus before)", "prefix_blocks": PREFIX,
            "cpu_count": os.cpu_count(), "compact": {}, "ordereddict": {}, "mirror": {}}
     res["sequence_hashes_ms"] = _hashing()
+    res["token_digests_ms"] = _hashing(digests=True)
     for n in sizes:
         res["compact"][str(n)] = _compact(d, n)
         gc.collect()
