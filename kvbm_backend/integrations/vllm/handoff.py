@@ -16,10 +16,13 @@ prefill response to the decode request):
   its engine's prefix cache) are written to G4 too, where G4 lacks them (``SaveJob.g4_only``: checked
   with one ``lookup_prefix``, then only the missing ones are put; of a sliding-window group the window before
   them). A hybrid model's sliding-window groups store the window before block N too, which the decode side's
-  hit needs (:meth:`~.scheduler_side.SchedulerSide._group_saves`). N is what the write-behind is asked to
-  store, not a receipt: a put that is dropped (queue full, store down) ends the decode side's wait at
-  ``handoff_wait_s``. F = the fingerprint of the namespace the prefill worker's G4 blocks are stored under
-  (:func:`g4_fingerprint`: model, revision, dtype, layout, TP world size, or the canonical namespace with
+  hit needs (:meth:`~.scheduler_side.SchedulerSide._group_saves`). N stops at the first block the prefill side
+  knows it will not write (:class:`Promises`: a failed layer-wise load's step, whose saves the worker drops; a
+  request that computed on its unloaded blocks). Otherwise N is what the write-behind is asked to store, not a
+  receipt: a put that is dropped (staging room, queue full, store down), or a save of the step in which the request
+  finished dropped for a layer-wise load failed in that step (reported after ``request_finished``), ends the decode
+  side's wait at ``handoff_wait_s``. F = the fingerprint of the namespace the prefill worker's G4 blocks are stored
+  under (:func:`g4_fingerprint`: model, revision, dtype, layout, TP world size, or the canonical namespace with
   ``g4.layout: canonical``), T = the first 8 bytes (hex) of the request's tenant pseudonym in G4 (a keyed
   HMAC with an encrypted pool's keyring: the tenant id is not in the clear);
 * the decode connector, seeing that, waits (without blocking the scheduler: vLLM's "ask me again" ``None``
@@ -101,7 +104,7 @@ def identity(g4: Any, tenant: str) -> dict[str, str]:
 
 
 def finished_params(request: Any, block_size: int, offloads: bool = True,
-                    ident: dict[str, str] | None = None) -> dict | None:
+                    ident: dict[str, str] | None = None, limit: int | None = None) -> dict | None:
     """``kv_transfer_params`` for a finished prefill request that asked for a handoff, else None:
     ``{KEY: {"blocks": N, "block_size": tokens per block, **ident}}`` with N = ``(prompt tokens - 1) //
     block_size``, the full blocks another engine can load for this prompt (vLLM computes at least the prompt's
@@ -109,11 +112,16 @@ def finished_params(request: Any, block_size: int, offloads: bool = True,
     prompt's blocks to the shared G4 (G4 open, ``save`` and ``save_to_g4`` on); False: N = 0, so the decode
     worker computes the prompt at once instead of waiting ``handoff_wait_s`` for blocks that never reach a tier
     it reads (before 2026-11-30 a worker with G3 alone, or ``save_to_g4`` off, promised every block); logged
-    once per process at WARNING. ``ident``: :func:`identity` of the request's tenant, added to the answer."""
+    once per process at WARNING. ``limit``: the first block this worker is known not to write to G4
+    (:meth:`Promises.limit`; None: none known): N stops there, the blocks cut counted
+    ``handoff_promise_cut_blocks``. ``ident``: :func:`identity` of the request's tenant, added to the answer."""
     global _warned_nothing_shared
     if not requested(request):
         return None
     n = max(0, len(getattr(request, "prompt_token_ids", None) or []) - 1) // block_size if offloads else 0
+    if limit is not None and limit < n:
+        stats.add(handoff_promise_cut_blocks=n - max(0, limit))
+        n = max(0, limit)
     if not offloads and not _warned_nothing_shared:
         _warned_nothing_shared = True
         log.warning("kvbm_backend handoff: request %s asked for a prefill->decode handoff, but this worker writes "
@@ -122,6 +130,70 @@ def finished_params(request: Any, block_size: int, offloads: bool = True,
                     getattr(request, "request_id", "?"))
     stats.add(handoff_offered_requests=1, handoff_offered_blocks=n)
     return {KEY: {"blocks": n, "block_size": block_size, **(ident or {})}}
+
+
+class Promises:
+    """The prefill side's bound on its hand-off promises (:func:`finished_params`): per request that asked for a
+    hand-off, the first block its worker is known not to write to G4, so N never counts blocks that cannot come
+    (before 2026-11-30 N counted every loadable block whatever was dropped, and the decode worker waited
+    ``handoff_wait_s`` for blocks that never came, then computed them).
+
+    Known, from the step reports that reach the scheduler before the request finishes: a layer-wise load
+    (``g3.layerwise_load``) that failed in a step. The worker then drops every save of that step and the failed
+    request's saves from then on (:meth:`~.layerwise.LayerwiseLoads.saves`); the scheduler re-offers none of them
+    (a request vLLM rolls back after the failure computes its blocks again, but they are not offered again,
+    or are withheld). So each such request loses from the first block its jobs of that step named, and the failed
+    one from its first failed block too. A request that computed on the unloaded blocks is cut at its
+    ``save_limit`` (:func:`.failed_blocks.contain_failed_sync_load`), read by :meth:`limit`.
+
+    Not known, the bound of the promise: vLLM calls ``request_finished`` before the step's connector output
+    reaches the scheduler (``Scheduler.update_from_output``), so a request that finishes in the very step whose
+    layer-wise load fails still promises that step's blocks (the failed request and those on its blocks do not
+    finish there: vLLM rolls them back); and the worker's later drops (``max_pending_save_bytes``, a hand-off job's
+    half of the staging room, a full G4 write queue, a store that fails) are never reported. For those the decode
+    side waits ``handoff_wait_s`` at most, as for a slow write-behind. Scheduler thread only."""
+
+    def __init__(self) -> None:
+        self._meta: Any = None            # the last step's KvbmConnectorMetadata (its loads and saves)
+        self._lost: dict[str, int] = {}   # request id -> first block its worker will not write (hand-offs only)
+
+    def step(self, meta: Any) -> Any:
+        """``meta`` (a :class:`~.metadata.KvbmConnectorMetadata` being built: its ``saves`` list is filled after
+        this call) is the step whose outcome the next :meth:`loads_failed` reports; returns ``meta``."""
+        self._meta = meta
+        return meta
+
+    def loads_failed(self, failed: list, reqs: dict[str, Any]) -> None:
+        """The worker's reports of failed loads (:class:`~.metadata.FailedLoad`) for the last :meth:`step`;
+        ``reqs``: the scheduler's ``_Req`` by request id. Only a layer-wise job of that step makes its saves
+        dropped; an asynchronous load's blocks are offered again as they are recomputed (and those before the
+        failed one to G4 alone), so nothing is lost then."""
+        meta = self._meta
+        sync = {j.req_id for j in meta.loads if j.layerwise} if meta is not None else set()
+        hit = [f for f in failed if f.req_id in sync]
+        if not hit:
+            return
+        for j in meta.saves:  # every save of the step was dropped
+            if j.seq_hashes:
+                self._lose(reqs.get(j.req_id), j.seq_hashes[0])
+        for f in hit:  # and the failed request's from its first failed block on
+            self._lose(reqs.get(f.req_id), f.first_failed)
+
+    def _lose(self, st: Any, seq_hash: int) -> None:
+        if st is None or not requested(st.request):
+            return
+        try:
+            i = st.hashes.index(seq_hash)
+        except (ValueError, OverflowError, TypeError):  # not one of its blocks: promise none
+            i = 0
+        self._lost[st.req_id] = min(i, self._lost.get(st.req_id, i))
+
+    def limit(self, request_id: str, st: Any = None) -> int | None:
+        """The first block of ``request_id`` (``st``: its ``_Req``, or None) its worker is known not to write to G4,
+        or None when none is known; forgets the request (call once, at ``request_finished``)."""
+        cuts = [self._lost.pop(request_id, None), getattr(st, "save_limit", None)]
+        known = [c for c in cuts if c is not None]
+        return min(known) if known else None
 
 
 def offered(request: Any) -> bool:

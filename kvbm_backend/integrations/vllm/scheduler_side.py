@@ -91,6 +91,7 @@ class SchedulerSide:
         self.events: G3KvEvents | None = None  # set by the connector when vLLM publishes KV events
         self.idle_events: IdlePublisher | None = None  # publishes them while the engine does not step
         self.handoff = handoff.HandoffWaits(handoff_wait_s)
+        self.promises = handoff.Promises()  # the prefill side's: blocks its hand-off answers must not promise
         self.failed_blocks = FailedBlocks()
         self.evict_engine_blocks: Any = None  # vLLM's BlockPool.evict_blocks (connector.bind_gpu_block_pool)
 
@@ -327,10 +328,11 @@ class SchedulerSide:
             st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
 
     def loads_failed(self, failed) -> None:
-        """Worker reports of loads that did not deliver every block (:class:`~.metadata.FailedLoad`): the request
-        is never offered a load again (it is recomputed from its first failed block on); for a miss (not a timeout)
-        that block ends every prefix offered for ``FAILED_BLOCK_COOLDOWN_S``; a failed synchronous load's blocks leave
-        vLLM's prefix cache; requests that took them as their hit save nothing from them on (:mod:`.failed_blocks`)."""
+        """Worker reports of loads that did not deliver every block (:class:`~.metadata.FailedLoad`): the request is
+        never offered a load again (recomputed from its first failed block on); for a miss (not a timeout) that block
+        ends every prefix offered for ``FAILED_BLOCK_COOLDOWN_S``; a failed synchronous load's blocks leave vLLM's prefix
+        cache, hits on them save nothing from them on (:mod:`.failed_blocks`), hand-offs promise no dropped save."""
+        self.promises.loads_failed(failed, self._reqs)
         for f in failed:
             st = self._reqs.get(f.req_id)
             if st is not None and st.sync_load and st.group_block_ids:
@@ -389,7 +391,7 @@ class SchedulerSide:
         return self.save_enabled and self.save_to_g4 and self.g4 is not None
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
-        meta = KvbmConnectorMetadata(loads=self._loads)
+        meta = self.promises.step(KvbmConnectorMetadata(loads=self._loads))  # (saves are appended below)
         self._loads = []
         if not self.offloads:
             return meta
@@ -502,10 +504,9 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         self._hit_source.pop(request.request_id, None)
         self.handoff.forget(request.request_id)
-        if kv_beyond_token_ids(request):
-            return False, None
-        if not handoff.requested(request):
+        limit = self.promises.limit(request.request_id, st)  # (forgets it, handed off or not)
+        if kv_beyond_token_ids(request) or not handoff.requested(request):
             return False, None
         tenant = st.tenant if st is not None else (getattr(request, "cache_salt", None) or self.default_tenant)
         return False, handoff.finished_params(request, self.bs, self.hands_off,
-                                              handoff.identity(self.g4, tenant) if self.hands_off else None)
+                                              handoff.identity(self.g4, tenant) if self.hands_off else None, limit)
