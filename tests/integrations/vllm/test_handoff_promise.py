@@ -29,6 +29,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from kvbm_backend.apps.engine_model import TINY  # noqa: E402
 from kvbm_backend.integrations.vllm import stats  # noqa: E402
+from kvbm_backend.integrations.vllm.identity import block_digests  # noqa: E402
 from kvbm_backend.integrations.vllm.handoff import KEY  # noqa: E402
 from kvbm_backend.integrations.vllm.kv_io import EngineKv  # noqa: E402
 from kvbm_backend.integrations.vllm.layerwise import for_worker  # noqa: E402
@@ -144,7 +145,7 @@ def test_a_prefill_worker_promises_no_block_a_failed_layerwise_load_kept_out_of_
         hs = {r: [int(h) for h in sd._state(q).hashes] for r, q in reqs.items()}
         tenant = sd._state(reqs["A"]).tenant
         bpb = ns.layout.bytes_per_block
-        a_keys = ns.keys(hs["A"], tenant)
+        a_keys = ns.keys(hs["A"], tenant, 0, block_digests(sd._state(reqs["A"]), list(range(8)), BS))  # as A's save
         assert g3.put(a_keys, [np.full(bpb, i, np.uint8) for i in range(8)]).result(HANG_S).written == 8
         assert g3.flush(HANG_S)  # A's prompt in G3 only (G4 missed its writes: down then, or another worker's)
         _looked_up(sd, list(reqs.values()))  # so A, C and Q are scheduled together
@@ -202,7 +203,7 @@ def test_a_failed_asynchronous_load_keeps_its_promise_through_the_recompute(tmp_
             max_tokens=1, extra_args={"kv_transfer_params": {KEY: True}}), None, 0, block_hasher=hasher)
         hs, tenant = [int(h) for h in sd._state(a).hashes], sd._state(a).tenant
         bpb = ns.layout.bytes_per_block
-        a_keys = ns.keys(hs, tenant)
+        a_keys = ns.keys(hs, tenant, 0, block_digests(sd._state(a), list(range(8)), BS))  # as its save names them
         assert g3.put(a_keys, [np.full(bpb, i, np.uint8) for i in range(8)]).result(HANG_S).written == 8
         assert g3.flush(HANG_S)  # in G3 only
         _corrupt(g3, a_keys[2], bpb)
