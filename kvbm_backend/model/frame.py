@@ -36,6 +36,10 @@ def _buf(data: BytesLike) -> Buffer:
 
 MAGIC = b"KVBMFRM\x00"
 FORMAT_VERSION = 1
+#: An encrypted frame whose AEAD additional data also binds its token digest (docs/format.md "Token digest");
+#: every other frame is version 1. Readers from before 2026-12-01 know only version 1: such a frame is a miss
+#: to them, never dropped (a G4 ``version`` miss is not).
+DIGEST_AAD_VERSION = 2
 HEADER_BYTES = 4096
 ALIGN = 4096
 
@@ -72,6 +76,13 @@ class FrameError(ValueError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+
+
+def bound_aad(hdr: FrameHeader, identity: bytes) -> bytes:
+    """The AEAD additional data of frame ``hdr`` given its ``identity`` bytes (:func:`identity_bytes`, the reader's
+    expectation): those alone (format version 1), or followed by the header's token digest (version
+    :data:`DIGEST_AAD_VERSION`: a frame whose digest was changed in the store fails its tag)."""
+    return identity + hdr.token_digest if hdr.version == DIGEST_AAD_VERSION else identity
 
 
 def key_digest(key: object) -> bytes | None:
@@ -151,10 +162,11 @@ class FrameHeader:
                    stored_len=kw.pop("stored_len", layout.bytes_per_block), **kw)
 
     def identity_bytes(self) -> bytes:
-        """Namespace, tenant, rank, world, sequence hash and layout: bound as AEAD additional data."""
-        return _IDENTITY.pack(self.ns_fp, self.tenant_tag, self.rank, self.world, self.seq_hash,
-                              self.num_layers, self.outer_dim, self.dtype_bytes, self.page_size, self.inner_dim,
-                              self.payload_len)
+        """The AEAD additional data: namespace, tenant, rank, world, sequence hash and layout, then (frame version
+        :data:`DIGEST_AAD_VERSION`) the token digest."""
+        return bound_aad(self, _IDENTITY.pack(self.ns_fp, self.tenant_tag, self.rank, self.world, self.seq_hash,
+                                              self.num_layers, self.outer_dim, self.dtype_bytes, self.page_size,
+                                              self.inner_dim, self.payload_len))
 
     def pack(self) -> bytes:
         """The 4096-byte header."""
@@ -179,8 +191,9 @@ class FrameHeader:
             raise FrameError("magic")
         (_m, version, flags, hlen, ns_fp, ttag, rank, world, seq, nl, od, db, ps, inner, plen, slen, kid, kver,
          nonce, kcheck, integ, created, devc) = struct.unpack(_FMT, fixed)
-        if version != FORMAT_VERSION:
-            raise FrameError("version", f"frame format {version}, this reader knows {FORMAT_VERSION}")
+        if version != FORMAT_VERSION and not (version == DIGEST_AAD_VERSION and flags & FLAG_ENCRYPTED):
+            raise FrameError("version", f"frame format {version}, this reader knows {FORMAT_VERSION} and "
+                                        f"{DIGEST_AAD_VERSION} (encrypted)")
         if _CHECK.unpack(bytes(mv[_FIXED:_FIXED + 8]))[0] != xxhash.xxh3_64_intdigest(fixed):
             raise FrameError("header_check")
         if hlen != HEADER_BYTES:

@@ -282,7 +282,15 @@ class DigestKey(BlockKey):
         return (self.namespace, self.tenant, self.rank, self.seq_hash, self.token_digest)
 
     def _replace(self, **kw: Any) -> "DigestKey":
-        return DigestKey(*BlockKey._replace(self, **kw), self.token_digest)
+        vals = [kw.pop(f, v) for f, v in zip(self._fields, self)]
+        if kw:
+            raise ValueError(f"DigestKey._replace: unknown fields {sorted(kw)}")
+        ns, tenant, rank, seq_hash = vals
+        return DigestKey(ns, tenant, rank, seq_hash, self.token_digest)
+
+    @classmethod
+    def _make(cls, iterable: Iterable[Any]) -> "DigestKey":  # type: ignore[override]
+        raise TypeError("DigestKey._make: a DigestKey names its token digest (DigestKey(..., token_digest))")
 
 
 class KeyIdentity(Protocol):

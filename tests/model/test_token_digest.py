@@ -132,3 +132,32 @@ def test_checksum_frames_write_and_check_the_digest():
 
 def test_block_key_tuples_unchanged():
     assert BlockKey._fields == ("namespace", "tenant", "rank", "seq_hash")
+
+
+def test_a_digest_key_cannot_be_made_without_its_digest():
+    """``_make`` (namedtuple's constructor from an iterable) would give a DigestKey with no digest, read as "not
+    checked": refused. ``_replace`` keeps the digest and refuses unknown fields."""
+    k = DigestKey(NS.fingerprint, "t", 0, 5, b"\x09" * 16)
+    with pytest.raises(TypeError, match="names its token digest"):
+        DigestKey._make(tuple(k))
+    with pytest.raises(ValueError, match="unknown fields"):
+        k._replace(seq=6)
+    assert k._replace(seq_hash=6) == NS.key(6, "t") and k._replace(seq_hash=6).token_digest == b"\x09" * 16
+
+
+def test_an_encrypted_frame_binds_its_token_digest_in_the_aad():
+    """Version 2 (docs/format.md "Token digest"): an encrypted frame's AEAD additional data ends with its token
+    digest, so a digest changed in the store fails the GCM tag. Other frames, and frames without one, stay version 1
+    (readers from before know only version 1: to them a version 2 frame is a miss, never dropped)."""
+    d = b"\x33" * 16
+    key = DigestKey(NS.fingerprint, "t", 0, 9, d)
+    h = FrameHeader.for_block(key, LAYOUT, 1, b"\x05" * 16)
+    base = frame.identity_bytes(NS.fingerprint_bytes, b"\x05" * 16, 0, 1, 9, LAYOUT)
+    assert h.identity_bytes() == base  # version 1: unchanged
+    h.version, h.flags = frame.DIGEST_AAD_VERSION, frame.FLAG_ENCRYPTED
+    assert h.identity_bytes() == base + d and frame.bound_aad(h, base) == base + d
+    assert FrameHeader.unpack(h.pack()).version == 2
+    h.flags = frame.FLAG_CHECKSUM  # version 2 is only ever an encrypted frame
+    with pytest.raises(FrameError) as e:
+        FrameHeader.unpack(h.pack())
+    assert e.value.reason == "version"

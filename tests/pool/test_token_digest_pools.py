@@ -68,6 +68,8 @@ def test_g3_serves_a_frame_only_for_its_token_digest(tmp_path, read):
         assert not pool.contains(NS.key(12, "t")) and not pool.contains(NS.key(13, "t")) and pool.contains(k1[0])
         if read is _host_get:
             assert st["misses_by_reason"].get("token_digest") == 2
+            # one get naming a block twice with two digests: the repeat is not served from the first copy
+            assert _host_get(pool, NS.keys([11, 11], "t", 0, D1 + D2))[0] == [True, False]
         # the block's own frame can now be stored under the name, and serves
         k2 = NS.keys([12], "t", 0, D2)
         assert pool.put(k2, _blocks(1, 3)).result(timeout=HANG_S).written == 1
@@ -101,5 +103,32 @@ def test_g4_serves_a_frame_only_for_its_token_digest(tmp_path, layout):
         assert g4.put(NS.keys([22], "alice", 0, D2), _blocks(1, 6)).result(timeout=HANG_S).written == 1
         assert g4.flush(HANG_S)
         assert _host_get(g4, NS.keys([22], "alice", 0, D2))[0] == [True]
+    finally:
+        g4.close()
+
+
+def test_an_encrypted_g4_frame_whose_digest_was_changed_in_the_store_fails_its_tag(tmp_path):
+    """Review finding (2026-12-01): the digest sat outside the AEAD additional data, so whoever could write to the
+    store could relabel a block with another prompt's digest (a forged sequence hash already gives both the same
+    object name) and have it served. Encrypted frames with a digest are now format version 2, whose additional data
+    ends with the digest: a changed digest fails the GCM tag (a miss, the object dropped as corrupt)."""
+    from kvbm_backend.model.frame import HEADER_BYTES, FrameHeader
+    cfg = KvbmBackendConfig(model="m", g3={"enabled": False}, g4={
+        "enabled": True, "encrypt": True, "url": f"file://{tmp_path / 'store'}",
+        "keyring": {"path": str(tmp_path / "keyring.json")}})
+    _, g4 = open_tiers(cfg, NS, 1)
+    assert g4 is not None
+    try:
+        k1 = NS.keys([31], "alice", 0, D1)
+        assert g4.put(k1, _blocks(1, 7)).result(timeout=HANG_S).written == 1
+        assert g4.flush(HANG_S)
+        path = g4.store._path(g4.object_name(k1[0]))
+        raw = bytearray(path.read_bytes())
+        hdr = FrameHeader.unpack(raw[:HEADER_BYTES])
+        assert hdr.version == 2 and hdr.token_digest == D1
+        raw[152:168] = D2  # the store relabels it with another prompt's digest
+        path.write_bytes(bytes(raw))
+        assert _host_get(g4, NS.keys([31], "alice", 0, D2))[0] == [False]  # before: [True], D1's KV served
+        assert g4.stats().get("corrupt_integrity", 0) == 1
     finally:
         g4.close()

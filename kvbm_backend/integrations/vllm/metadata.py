@@ -41,6 +41,9 @@ class LoadJob:
     layerwise: bool = False
     digests: bytes = b""
 
+    def __post_init__(self) -> None:
+        _check_digests(self.digests, self.seq_hashes)
+
 
 @dataclass
 class SaveJob:
@@ -56,6 +59,16 @@ class SaveJob:
     group: int = 0
     g4_only: bool = False
     digests: bytes = b""
+
+    def __post_init__(self) -> None:
+        _check_digests(self.digests, self.seq_hashes)
+
+
+def _check_digests(digests: bytes, seq_hashes: list[int]) -> None:
+    """A job's ``digests``: none, or 16 bytes per block (ValueError otherwise: a wiring bug caught where the job is
+    made, never a worker loading blocks of some digests unchecked)."""
+    if digests and len(digests) != 16 * len(seq_hashes):
+        raise ValueError(f"digests: {len(digests)} bytes for {len(seq_hashes)} blocks (16 bytes each, or none)")
 
 
 @dataclass

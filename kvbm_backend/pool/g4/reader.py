@@ -39,7 +39,7 @@ from ...crypto.aead import TAG_BYTES, AeadError, gcm, key_check_differs, open_in
 from ...crypto.keyring import Keyring
 from ...deadlines import Deadlines
 from ...memory import BufferPool
-from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
+from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, bound_aad, payload_checksum
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey
 from ..base import GetResult, InFlight, completed
@@ -410,8 +410,8 @@ class G4Reader:
                              (memoryview(data)[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:]))
             hdr = accept(head, key, self._layout, tag, world=self._world,
                          stored_len=self._layout.bytes_per_block, frame_bytes=size, exact=True)
-            # stage, verify, then copy: nothing unverified ever reaches ``out`` (a miss leaves it untouched);
-            # get_staged's rows are scratch, so there the payload is verified in (or opened into) the row
+            aad = bound_aad(hdr, aad)  # version 2: the token digest accept checked, bound by the GCM tag too
+            # stage, verify, then copy: nothing unverified reaches ``out``; get_staged's rows are scratch (verified there)
             if hdr.flags & FLAG_ENCRYPTED:
                 dkey = (self._keyring.read_key(hdr.key_id, hdr.key_version, tenant=key.tenant)
                         if self._keyring else None)

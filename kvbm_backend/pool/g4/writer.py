@@ -39,7 +39,8 @@ from ...crypto.aead import key_check, key_check_differs, new_nonce, seal_into
 from ...crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenant
 from ...crypto.names import MAX_AUTO_TENANT_BYTES
 from ...memory import BufferPool
-from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, payload_checksum
+from ...model.frame import DIGEST_AAD_VERSION, FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, NO_DIGEST, FrameError, accept, \
+    payload_checksum
 from ...model.namespace import BlockKey, Namespace, tenant_bytes
 from ..base import InFlight, PutResult, completed
 from ...deadlines import Deadline, Deadlines
@@ -228,6 +229,7 @@ class G4Writer:
         if dk is not None:
             hdr.flags, hdr.key_id, hdr.key_version, hdr.nonce = FLAG_ENCRYPTED, dk.key_id, dk.version, new_nonce()
             hdr.key_check = key_check(dk.key)
+            hdr.version = DIGEST_AAD_VERSION if hdr.token_digest != NO_DIGEST else hdr.version  # AAD binds it
             hdr.integrity = seal_into(dk.key, hdr.nonce, hdr.identity_bytes(), src, payload)
         else:
             payload[:] = src

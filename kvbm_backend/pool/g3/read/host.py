@@ -77,7 +77,7 @@ class HostGet:
         self.ok = [False] * self.n
         self.delivered: list[int] = []  # indexes whose verified payload was copied into out (under lock)
         self.bad: list[_Bad] = []  # (key, slot, reason)
-        self.dups: list[tuple[int, int]] = []  # (i, j): keys[i] repeats keys[j], served by a copy of out[j]
+        self.dups: list[tuple[int, int]] = []  # (i, j): keys[i] repeats keys[j], served by a copy of out[j] (same digest)
 
     # ---- lease + plan ------------------------------------------------------------------------------
     def start(self) -> Future[GetResult]:
@@ -321,8 +321,9 @@ class HostGet:
             late = self.resolved
             self.resolved = True
         if not late:
-            for i, j in self.dups:
-                if ok[j]:
+            kd = frame.key_digest
+            for i, j in self.dups:  # a repeat naming another token digest is not that block: a miss
+                if ok[j] and kd(self.keys[i]) == kd(self.keys[j]):
                     self.out[i][:] = self.out[j]
                     ok[i] = True
         with cat.lock:
@@ -362,9 +363,12 @@ class HostGet:
                 cat.c["hits"] += hits
                 for r in why:
                     cat.miss(r)
-                dmiss = sum(1 for i, _ in self.dups if not ok[i])
+                dmiss = sum(1 for i, j in self.dups if not ok[i] and not ok[j])
                 if dmiss:
                     cat.miss("duplicate_of_miss", dmiss)
+                other = sum(1 for i, j in self.dups if ok[j] and not ok[i])  # another digest: never the copy
+                if other:
+                    cat.miss("token_digest", other)
             cat.update_gauges()
         cat.metrics.bytes_read.inc(nbytes)
         if not late:
