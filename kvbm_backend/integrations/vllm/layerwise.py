@@ -111,7 +111,8 @@ class LayerwiseLoads:
         load_priority.hold()  # released in _finish: the forward's Python yields the GIL to the reads sooner
         try:  # engine block ids checked first: out of range, vLLM 0.32's packed GPU caches hit a device-side assert
             check_ids(list(job.block_ids), kv.num_blocks)  # in the forward's scatter_layer (index tensor: unchecked)
-            ld = w.g3.layerwise_load(keys, kv.device, timeout_s=self.timeout_s, min_read=self.min_read)
+            if not w.g3_refused(job.tenant, n):  # a revoked tenant's G3 blocks are not read: the load fails whole
+                ld = w.g3.layerwise_load(keys, kv.device, timeout_s=self.timeout_s, min_read=self.min_read)
         except Exception as e:  # noqa: BLE001 - the load fails whole: the request recomputes
             log.warning("kvbm_backend: layer-wise load for %s could not start: %s", job.req_id, e)
             stats.add(load_errors=1)

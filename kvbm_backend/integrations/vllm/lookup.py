@@ -176,7 +176,8 @@ class PrefixLookup:
 
     ``known``: the full-attention prefix an earlier look of this request confirmed (:attr:`confirmed`; a hand-off's
     wait looks again from there, :class:`TierLookup`). ``count`` False: the pools do not count this look as the
-    request's (``full.count_request()`` can, later)."""
+    request's (``full.count_request()`` can, later). A tenant G3 refuses (``sched.revoked``: revoked in G4's keyring)
+    is looked up in G4 alone (counted ``lookup_g3_revoked``)."""
 
     max_probes = 8
 
@@ -185,10 +186,13 @@ class PrefixLookup:
         self.deadline = Deadline(sched.lookup_timeout_s)
         n = st.lookup_blocks
         e3, e4 = [], []
+        self.g3_off = sched.revoked is not None and sched.revoked.refused(st.tenant)
+        if self.g3_off:
+            stats.add(lookup_g3_revoked=1)
         for g in sched.groups:
             if g.window_blocks is None:
                 by_rank, g4 = g.ns.rank_runs(st.hashes[:n], st.tenant)  # built once, shared by G3 and G4
-                e3 += [(k, g.g3) for k in by_rank]
+                e3 += [(k, None if self.g3_off else g.g3) for k in by_rank]
                 e4 += [(k, g.g4) for k in g4]
         self.windowed = any(g.window_blocks is not None for g in sched.groups)
         self.full = TierLookup(e3, e4, self.deadline, count=count and not st.counted, known=known)
@@ -215,8 +219,8 @@ class PrefixLookup:
                 continue
             a = max(n - g.window_blocks, lo, 0)
             by_rank, g4 = g.ns.rank_runs(self.st.hashes[a:n], self.st.tenant)
-            self.win[gi] = TierLookup([(k, g.g3) for k in by_rank], [(k, g.g4) for k in g4], self.deadline,
-                                      count=False)
+            self.win[gi] = TierLookup([(k, None if self.g3_off else g.g3) for k in by_rank], [(k, g.g4) for k in g4],
+                                      self.deadline, count=False)
 
     def poll(self) -> tuple[int, int, dict[int, tuple[int, int]]] | None:
         """The result once known (see the class doc); None while still running (before the deadline)."""

@@ -47,6 +47,7 @@ from ...gpu.layer_copy import check_ids
 from ...memory import BufferPool
 from ...model.namespace import BlockKey, Namespace
 from ...pool.base import BlockPool, PutResult
+from ..revoked_tenants import RevokedTenants
 from . import stats
 from .kv_io import EngineKv, numpy_staging, split_blocks
 from .log_limits import LimitedLog
@@ -104,12 +105,15 @@ class Offloads:
         max_pending_bytes: staging bytes held by saves not yet written (bytes, >= 0).
         save_to_g4: offload to G4 too (a replicated block goes from the rank whose key names it).
         g3_written: called with the keys of each completed G3 put (the worker's G3 report), or None.
+        revoked: the tenants G3 refuses (:class:`~kvbm_backend.integrations.revoked_tenants.RevokedTenants`): their
+            blocks are not put into G3 (counted ``save_g3_revoked_blocks``); None: every tenant's are.
     """
 
     def __init__(self, namespace: Namespace, rank: int, g3: BlockPool | None, g4: BlockPool | None, *,
                  max_pending_bytes: int, save_to_g4: bool = True,
-                 g3_written: Callable[[list[BlockKey]], None] | None = None) -> None:
-        self.ns, self.rank, self.g3, self.g4 = namespace, rank, g3, g4
+                 g3_written: Callable[[list[BlockKey]], None] | None = None,
+                 revoked: RevokedTenants | None = None) -> None:
+        self.ns, self.rank, self.g3, self.g4, self.revoked = namespace, rank, g3, g4, revoked
         self.max_pending_bytes, self.save_to_g4, self.g3_written = max_pending_bytes, save_to_g4, g3_written
         self.defer = False  # hand-offs on the kvbm-save thread (set by register on a CUDA engine)
         self.pending_bytes = 0
@@ -297,7 +301,10 @@ class Offloads:
                 kw["dev_checks"] = dev_checks
             if promote:
                 kw["bypass_admission"] = True
-            futs.append(("g3", self._safe_put(self.g3, keys, blocks, **kw)))
+            put3 = partial(self._safe_put, self.g3, keys, blocks, **kw)
+            f3 = put3() if self.revoked is None or not keys else self.revoked.put_g3(keys[0].tenant, put3, len(keys))
+            if f3 is not None:
+                futs.append(("g3", f3))
         if g4 and self.g4 is not None:
             put = self._put_missing if g4_missing_only else self._safe_put
             futs.append(("g4", put(self.g4, self.g4_keys(keys), blocks)))

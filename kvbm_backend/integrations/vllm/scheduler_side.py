@@ -25,6 +25,7 @@ from typing import Any, cast
 from ...model.hashing import salt_hash, sequence_hashes
 from ...model.namespace import KeyRun, Namespace
 from ...pool.base import BlockPool
+from ..revoked_tenants import RevokedTenants
 from . import handoff, stats
 from .identity import block_digests, kv_beyond_token_ids, request_salt
 from .failed_blocks import FailedBlocks, contain_failed_sync_load, withhold_tainted
@@ -94,6 +95,7 @@ class SchedulerSide:
         self.promises = handoff.Promises()  # the prefill side's: blocks its hand-off answers must not promise
         self.failed_blocks = FailedBlocks()
         self.evict_engine_blocks: Any = None  # vLLM's BlockPool.evict_blocks (connector.bind_gpu_block_pool)
+        self.revoked: RevokedTenants | None = None  # tenants G3 does not serve (.revoked_tenants; set by the wiring)
 
     # ---- identity ------------------------------------------------------------------------------
     def _state(self, request: Any) -> _Req:
@@ -260,7 +262,7 @@ class SchedulerSide:
     def _g3_prefix(self, st: _Req, n: int) -> int | None:
         """Leading blocks of ``st``'s first ``n`` that G3 holds for every rank (an index lookup, no
         I/O); None without G3 or when the answer is not there at once."""
-        if self.g3 is None or n <= 0:
+        if self.g3 is None or n <= 0 or (self.revoked is not None and self.revoked.refused(st.tenant)):
             return None
         try:  # the full-attention groups' prefix (sliding windows are re-offered, see _plan_local_save)
             return min([f.result(timeout=0.05) for f in

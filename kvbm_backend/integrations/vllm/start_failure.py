@@ -98,6 +98,8 @@ def release_partial(connector) -> None:
         connector._listener.close()
     if getattr(connector, "_writer", None) is not None:
         connector._writer.stop()
+    if getattr(connector, "revoked", None) is not None:
+        connector.revoked.close()
     for gns, gcfg, _, _ in getattr(connector, "_groups", []):
         release_tiers(gcfg, gns)
     connector._groups = []

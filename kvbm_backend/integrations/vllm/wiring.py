@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from ...config import KvbmBackendConfig
 from ...model.namespace import Namespace
+from ..revoked_tenants import RevokedTenants, keyring_of
 from ..tiers import release_tiers, shared_tiers
 from . import layerwise, report_channel, start_failure, stats
 from .extra_config import config_from_extra
@@ -84,6 +85,7 @@ class ConnectorParts:
         self.channel_base: tuple[str, int, str] = ("", 0, "")  # engine id, DP rank, namespace: the key's inputs
         self.channel_token = ""  # the scheduler's token, sent to the workers in every step's metadata
         self.rank = 0
+        self.revoked: RevokedTenants | None = None  # the tenants G3 refuses (with G3 and a G4 keyring)
         self._interval, self._closed, self._channel_decided = stats.Interval(), False, False
 
     def release_partial(self) -> None:
@@ -192,6 +194,8 @@ class ConnectorParts:
         if self._closed:
             return
         self._closed = True
+        if self.revoked is not None:
+            self.revoked.close()
         if self.worker is not None:
             self.worker.shutdown()
         if self._pump is not None:
@@ -269,6 +273,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
         parts._groups.append(TierGroup(gns, gcfg, G3Mirror(gns) if mirror else g3, g4))
     parts._writer = _stats_writer(parts, opts["stats_path"], split, scheduler,
                                   same_process=backend in (None, "uni", "external_launcher"))
+    parts.revoked = revoked_tenants(parts._groups, scheduler)
     dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
     parts.channel_base = (str(ktc.engine_id), dp, ns.fingerprint)
     if scheduler:
@@ -279,6 +284,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
                                     load=opts["load"], save_decode=opts["save_decode"], groups=groups,
                                     handoff_wait_s=opts["handoff_wait_s"],
                                     layerwise=lw_on, save_to_g4=opts["save_to_g4"])
+        parts.sched.revoked = parts.revoked
         if cfg.g3.layerwise_load and ns.tp_world_size > 1:
             log.warning("kvbm_backend: g3.layerwise_load is on but the engine has %d TP ranks: G3 hits load "
                         "asynchronously (layer-wise loads run with one rank only: docs/configuration.md)",
@@ -304,7 +310,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
         ws = [WorkerSide(tg.ns, parts.rank, tg.g3, tg.g4, load_timeout_s=cfg.g3.load_timeout_s + cfg.g4.load_bound_s,
                          promote_to_g3=opts["promote_to_g3"], save_to_g4=opts["save_to_g4"],
                          max_pending_save_bytes=opts["max_pending_save_bytes"], report_g3=split or kv_events,
-                         device_checksum=cfg.g3.device_checksum)
+                         device_checksum=cfg.g3.device_checksum, revoked=parts.revoked)
               for tg in parts._groups]
         lw = (lambda w, names: layerwise.for_worker(cfg, w, names, async_scheduling=async_sched)) if blocks else None
         parts.worker = GroupedWorkers(ws, block_errors=blocks, layerwise=lw)
@@ -312,6 +318,17 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
              ns.fingerprint, json.dumps(ns.to_dict()), parts._groups[0].g3 is not None,
              parts._groups[0].g4 is not None, kv_events)
     return parts
+
+
+def revoked_tenants(groups: list[TierGroup], scheduler: bool) -> RevokedTenants | None:
+    """The tenants G3 refuses (:mod:`..revoked_tenants`), when G3 is on and G4 has a keyring: group 0's G4 keyring,
+    checked every ``g4.keyring.reload_interval_s``. The worker role also purges every group's G3 pool of them
+    (the scheduler's G3 is the worker's, or a mirror of it: only refused)."""
+    kr = keyring_of(groups[0].g4) if groups else None
+    if kr is None or all(tg.g3 is None for tg in groups):
+        return None
+    return RevokedTenants(kr, [] if scheduler else [tg.g3 for tg in groups], interval_s=kr.reload_every_s,
+                          count=stats.add)
 
 
 def _stats_writer(parts: ConnectorParts, stats_path: str | None, split: bool, scheduler: bool,

@@ -48,6 +48,7 @@ from ...pool.base import BlockPool, G3Extensions, GetResult, require_g3_extensio
 from ...deadlines import Deadline
 from .. import load_priority
 from . import stats
+from ..revoked_tenants import RevokedTenants
 from .failed_blocks import drop_blocks
 from .g3_report import ReportedBlocks
 from .kv_io import EngineKv, numpy_staging
@@ -84,12 +85,14 @@ class WorkerSide:
     connector drives them through :class:`~.workers.GroupedWorkers`).
 
     ``g3`` must satisfy :class:`~kvbm_backend.pool.base.G3Extensions` (a G3 pool; else TypeError naming it).
+    ``revoked``: the tenants G3 refuses (revoked in G4's keyring: :mod:`kvbm_backend.integrations.revoked_tenants`):
+    their G3 blocks are neither loaded (a miss, counted ``load_g3_revoked_blocks``) nor stored; None: no keyring.
     """
 
     def __init__(self, namespace: Namespace, rank: int, g3: BlockPool | None, g4: BlockPool | None, *,
                  load_timeout_s: float = 5.0, promote_to_g3: bool = True,
                  max_pending_save_bytes: int = 1 << 30, save_to_g4: bool = True, report_g3: bool = False,
-                 device_checksum: str = "auto"):
+                 device_checksum: str = "auto", revoked: RevokedTenants | None = None):
         if device_checksum not in ("auto", "on", "off"):
             raise ValueError(f"device_checksum: expected auto, on or off, got {device_checksum!r}")
         self.ns, self.rank, self.g4 = namespace, rank, g4
@@ -112,8 +115,10 @@ class WorkerSide:
         self._load_staging = BufferPool("host", LOAD_STAGING_KEEP_BYTES, name="vllm-load-staging")
         # report_g3: the scheduler runs in another process and mirrors our G3 index (KvbmWorkerMeta)
         self.report_g3 = report_g3 and g3 is not None
+        self.revoked = revoked
         self.offloads = Offloads(namespace, rank, g3, g4, max_pending_bytes=max_pending_save_bytes,
-                                 save_to_g4=save_to_g4, g3_written=self._g3_written if self.report_g3 else None)
+                                 save_to_g4=save_to_g4, g3_written=self._g3_written if self.report_g3 else None,
+                                 revoked=revoked)
         self._snapshot_sent = False
         self._added: list[tuple[bytes, int, int]] = []  # (tenant tag, rank, seq_hash): see KvbmWorkerMeta
         self._removed: list[tuple[bytes, int, int]] = []
@@ -246,7 +251,7 @@ class WorkerSide:
             # a G3/G4 mix): a tensor object per block costs GIL hand-offs (kvbm_backend.gpu.rows).
             buf, staging = self._take_load_staging(n, bpb)
             g3_answered = False  # G3's get answered per block (not raised, not late): its misses are its verdicts
-            for tier_idx, pool in ((i3, self.g3), (i4, self.g4)):
+            for tier_idx, pool in ((i3, None if self.g3_refused(job.tenant, len(i3)) else self.g3), (i4, self.g4)):
                 if not tier_idx or pool is None:
                     continue
                 if self._late(ld):  # a slow tier gets no reads for a load that is over (finding 6)
@@ -311,6 +316,14 @@ class WorkerSide:
                     ld.state = "done"
                     ld.ok_prefix = 0
                     stats.add(load_blocks_failed=n)
+
+    def g3_refused(self, tenant: str, n: int) -> bool:
+        """True when G3 must not serve ``tenant`` (revoked: ``revoked``); its ``n`` blocks are then counted
+        ``load_g3_revoked_blocks`` (misses: the engine recomputes them)."""
+        if n <= 0 or self.revoked is None or not self.revoked.refused(tenant):
+            return False
+        stats.add(load_g3_revoked_blocks=n)
+        return True
 
     def drop_unreadable(self, missed: list) -> None:
         """Delete from G3 the blocks of ``missed`` (G3 keys whose load failed other than by a timeout) it still

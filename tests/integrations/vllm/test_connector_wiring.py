@@ -291,3 +291,38 @@ def test_wire_g4_lookup_timeout_and_load_deadline_count_g4_retries(tmp_path):
     finally:
         w.close()
         s.close()
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
+def test_wire_g3_follows_the_g4_keyrings_revocations_in_both_roles(tmp_path, monkeypatch, hybrid):
+    """With G3 and a G4 keyring both roles get the tenants G3 refuses (``kvbm-backend keys revoke``:
+    integrations/revoked_tenants.py): the scheduler's lookups skip G3 for them, the worker (every group's
+    WorkerSide) neither loads nor stores them and purges every group's G3 pool of them; the scheduler's purges
+    nothing (its G3 is the worker's). Without a keyring (or without G3) there is nothing to follow: None. Closing the
+    parts stops the checks. Before 2026-12 no part followed the keyring: G3 served revoked tenants."""
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    g4 = {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "keyring": {"path": str(tmp_path / "kr.json"),
+                                                                          "reload_interval_s": 7.0}}
+    extra = _extra(tmp_path)
+    extra["kvbm_backend"]["g4"] = g4
+    ktc, vc, kcc = _configs(extra, hybrid=hybrid)
+    w = wire(ConnectorParts(), ktc, vc, KVConnectorRole.WORKER, kcc)
+    s = wire(ConnectorParts(), ktc, vc, KVConnectorRole.SCHEDULER, kcc)
+    try:
+        assert w.revoked is not None and s.revoked is not None and s.sched.revoked is s.revoked
+        assert w.revoked.g3 == [tg.g3 for tg in w._groups] and len(w.revoked.g3) == (2 if hybrid else 1)
+        assert s.revoked.g3 == [] and w.revoked.interval_s == s.revoked.interval_s == 7.0
+        assert all(ws.revoked is w.revoked and ws.offloads.revoked is w.revoked for ws in w.worker.workers)
+        assert w.revoked.keyring is w._groups[0].g4.keyring
+    finally:
+        w.close()
+        s.close()
+    assert not w.revoked._ticker.is_alive() and not s.revoked._ticker.is_alive()
+    plain = _extra(tmp_path / "plain")
+    plain["kvbm_backend"]["g4"] = {"enabled": True, "url": f"file://{tmp_path / 'g4p'}", "encrypt": False}
+    ktc, vc, kcc = _configs(plain)
+    w = wire(ConnectorParts(), ktc, vc, KVConnectorRole.WORKER, kcc)
+    try:
+        assert w.revoked is None and all(ws.revoked is None for ws in w.worker.workers)
+    finally:
+        w.close()
