@@ -155,15 +155,17 @@ def keys_rotate(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "
 def keys_revoke(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant", help="tenant id"), kek_env: str = _ENV,
                 kek_file: Optional[str] = _KF, as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Delete every key of the tenant (crypto-shred: its G4 blocks become unreadable; gc reclaims them).
-    Workers' G3 tiers (local plaintext) are not reached: the report's note says so."""
+    Workers' G3 tiers (local plaintext) have nothing to shred: what reaches them is in the report's note."""
     with _keyring_errors():
         _out(dict(_open(keyring, kek_env, kek_file, False).revoke(tenant), note=REVOKE_NOTE), as_json)
 
 
 #: ``keys revoke``'s report: what the crypto-shred does not reach (docs/configuration.md)
-REVOKE_NOTE = ("G4 only: the tenant's blocks in a worker's G3 (local plaintext SSD, its own saves and blocks promoted "
-               "from G4) are not shredded and are still served to its requests until evicted; delete the workers' "
-               "g3.paths where they must go (docs/configuration.md, \"Revocation does not reach G3\")")
+REVOKE_NOTE = ("G4 is shredded; the tenant's blocks in a worker's G3 (local plaintext SSD, its own saves and blocks "
+               "promoted from G4) are not shredded: workers of the vLLM connector with G3 and this keyring stop "
+               "serving them and delete them at their next keyring check (blocks a restarted worker restored at the "
+               "tenant's next request); workers without this keyring (the tiering form's G3Tier included) or down "
+               "keep them: delete their g3.paths where they must go (docs/configuration.md, \"Revocation and G3\")")
 
 
 @keys_app.command("list")

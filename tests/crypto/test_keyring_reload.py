@@ -261,7 +261,8 @@ def test_keys_rewrap_while_a_worker_runs_fails_it_closed_and_the_report_says_so(
 def test_keys_revoke_shreds_g4_only_and_the_report_says_g3_copies_stay(cfg, tmp_path):
     """``keys revoke`` through the CLI: the worker's G4 misses the tenant's block from its next reload on, but
     its G3 (local plaintext, no keyring) still serves the copy it holds; the report's ``note`` says so
-    (before 2026-11-30 nothing did: docs/configuration.md "Revocation does not reach G3")."""
+    (before 2026-11-30 nothing did: docs/configuration.md "Revocation and G3"; a G3 pool alone knows no keyring:
+    the vLLM connector's wiring deletes such copies, tests/integrations/vllm/test_revoked_tenants.py)."""
     from typer.testing import CliRunner
 
     from kvbm_backend.apps.cli import app
