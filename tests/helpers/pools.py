@@ -35,3 +35,21 @@ def open_g3(path, ns: Namespace, *, engine=None, registry=None, **kw: Any):
     """``G3Pool(g3_config(path, **kw), ns, engine=engine, registry=registry)`` (close it, or use ``with``)."""
     from kvbm_backend.pool.g3 import G3Pool
     return G3Pool(g3_config(path, **kw), ns, engine=engine, registry=registry)
+
+
+def flip_g3_payload(g3, key, block_bytes: int) -> None:
+    """Flip one byte near the end of the stored payload of ``key`` in G3 pool ``g3`` (its last layer; the checksum
+    no longer verifies), written through to the disk. ``block_bytes``: the layout's bytes per block."""
+    import os
+
+    from kvbm_backend.model.frame import HEADER_BYTES
+    ls = g3.lease([key])[0]
+    g3.release([ls])
+    with open(ls.path, "r+b") as f:
+        pos = ls.offset + HEADER_BYTES + block_bytes - 5
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 1]))
+        f.flush()
+        os.fsync(f.fileno())

@@ -79,13 +79,19 @@ def test_g3_serves_a_frame_only_for_its_token_digest(tmp_path, read):
         pool.close()
 
 
-@pytest.mark.parametrize("layout", ["per-rank", "canonical"])
-def test_g4_serves_a_frame_only_for_its_token_digest(tmp_path, layout):
+def _g4(tmp_path, **kw):
+    """A G4 pool on a ``file://`` store under ``tmp_path`` with its keyring (``kw``: more ``g4`` settings)."""
     cfg = KvbmBackendConfig(model="m", g3={"enabled": False}, g4={
-        "enabled": True, "layout": layout, "url": f"file://{tmp_path / 'store'}",
-        "keyring": {"path": str(tmp_path / "keyring.json")}})
+        "enabled": True, "url": f"file://{tmp_path / 'store'}", "keyring": {"path": str(tmp_path / "keyring.json")},
+        **kw})
     _, g4 = open_tiers(cfg, NS, 1)
     assert g4 is not None
+    return g4
+
+
+@pytest.mark.parametrize("layout", ["per-rank", "canonical"])
+def test_g4_serves_a_frame_only_for_its_token_digest(tmp_path, layout):
+    g4 = _g4(tmp_path, layout=layout)
     try:
         k1 = NS.keys([21, 22], "alice", 0, D1 + D1)
         blocks = _blocks(2, 4)
@@ -113,11 +119,7 @@ def test_an_encrypted_g4_frame_whose_digest_was_changed_in_the_store_fails_its_t
     object name) and have it served. Encrypted frames with a digest are now format version 2, whose additional data
     ends with the digest: a changed digest fails the GCM tag (a miss, the object dropped as corrupt)."""
     from kvbm_backend.model.frame import HEADER_BYTES, FrameHeader
-    cfg = KvbmBackendConfig(model="m", g3={"enabled": False}, g4={
-        "enabled": True, "encrypt": True, "url": f"file://{tmp_path / 'store'}",
-        "keyring": {"path": str(tmp_path / "keyring.json")}})
-    _, g4 = open_tiers(cfg, NS, 1)
-    assert g4 is not None
+    g4 = _g4(tmp_path, encrypt=True)
     try:
         k1 = NS.keys([31], "alice", 0, D1)
         assert g4.put(k1, _blocks(1, 7)).result(timeout=HANG_S).written == 1

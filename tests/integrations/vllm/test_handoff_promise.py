@@ -9,7 +9,6 @@ G4 ``file://`` store), and the connector's real worker role (:class:`GroupedWork
 one process); the failed load is a real one (a corrupted G3 payload, found by the load's checksum)."""
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -35,8 +34,8 @@ from kvbm_backend.integrations.vllm.kv_io import EngineKv  # noqa: E402
 from kvbm_backend.integrations.vllm.layerwise import for_worker  # noqa: E402
 from kvbm_backend.integrations.vllm.worker_side import WorkerSide  # noqa: E402
 from kvbm_backend.integrations.vllm.workers import GroupedWorkers  # noqa: E402
-from kvbm_backend.model.frame import HEADER_BYTES  # noqa: E402
 from tests.helpers.vllm_sched import tiny_scheduler  # noqa: E402
+from tests.helpers.pools import flip_g3_payload  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -71,18 +70,7 @@ def _workers(s: Scheduler) -> GroupedWorkers:
     return gw
 
 
-def _corrupt(g3, key, bpb: int) -> None:
-    """Flip a byte of the stored payload of ``key`` (its checksum no longer verifies)."""
-    ls = g3.lease([key])[0]
-    g3.release([ls])
-    with open(ls.path, "r+b") as f:
-        pos = ls.offset + HEADER_BYTES + bpb - 5
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 1]))
-        f.flush()
-        os.fsync(f.fileno())
+_corrupt = flip_g3_payload  # the stored payload of a key no longer verifies
 
 
 def _looked_up(sd, reqs: list) -> None:

@@ -29,6 +29,7 @@ from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.integrations.tiers import open_tiers
+from tests.helpers.pools import flip_g3_payload
 
 NB, BS, H, D, L = 16, 16, 2, 64, 4
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
@@ -118,16 +119,7 @@ def _stored(tmp_path, layout):
 def _corrupt(g3, ns, src, seq_hash):
     """Flip a byte in the last layer of the stored block ``seq_hash``; returns its key."""
     key = ns.keys([seq_hash], "t", 0)[0]
-    ls = g3.lease([key])[0]
-    g3.release([ls])
-    with open(ls.path, "r+b") as f:
-        pos = ls.offset + HEADER_BYTES + src.layout.bytes_per_block - 5
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 1]))
-        f.flush()
-        os.fsync(f.fileno())
+    flip_g3_payload(g3, key, src.layout.bytes_per_block)
     return key
 
 

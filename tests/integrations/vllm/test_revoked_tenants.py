@@ -35,6 +35,7 @@ from kvbm_backend.model.namespace import Namespace  # noqa: E402
 from kvbm_backend.pool.g3.index import TagKey, tag_of  # noqa: E402
 from kvbm_backend.pool.g4.pool import G4Pool  # noqa: E402
 from tests.helpers.pools import open_g3  # noqa: E402
+from tests.integrations.vllm.test_failed_load_paths import _ask, _plan  # noqa: E402
 from tests.integrations.vllm.test_worker_device_path import LOAD_S, _block_bytes, _engine  # noqa: E402
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for what must come (a lookup's answer, a load's end, a check)
@@ -53,22 +54,6 @@ def _prompt(bs: int, tenant: str) -> tuple[list[int], list[int], bytes]:
 
 def _req(rid: str, toks: list[int], tenant: str) -> SimpleNamespace:
     return SimpleNamespace(request_id=rid, prompt_token_ids=toks, cache_salt=tenant, lora_request=None)
-
-
-def _ask(s: SchedulerSide, req) -> int:
-    """The scheduler's answer (tokens offered beyond none computed) once its lookup is done."""
-    end = time.monotonic() + HANG_S
-    while True:
-        n, _ = s.get_num_new_matched_tokens(req, 0)
-        if n is not None:
-            return n
-        assert time.monotonic() < end, "lookup never finished"
-        time.sleep(0.01)
-
-
-def _plan(s: SchedulerSide, req, n_tokens: int, block_ids: list[int]) -> list:
-    s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (block_ids,)), n_tokens)
-    return s.build_connector_meta(None).loads  # save=False: only the planned loads
 
 
 def _load(w: WorkerSide, jobs: list) -> set[int]:
