@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from .layout import KvLayout
+from .frame import key_digest
 from .namespace import BlockKey, DigestKey, KeyRun, Namespace
 
 CANONICAL = "canonical-head/1"
@@ -120,7 +121,7 @@ class HeadMap:
     def part_keys(self, key: BlockKey) -> list[BlockKey]:
         """The parts' keys of per-rank ``key`` (its rank's heads)."""
         fp = self.canonical.fingerprint
-        d = getattr(key, "token_digest", None)  # a DigestKey's parts name its token digest too
+        d = key_digest(key)  # a DigestKey's parts name its token digest too
         if d is not None:
             return [DigestKey(fp, key.tenant, h, key.seq_hash, d) for h in self.heads(key.rank)]
         return [BlockKey(fp, key.tenant, h, key.seq_hash) for h in self.heads(key.rank)]

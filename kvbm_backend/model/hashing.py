@@ -9,8 +9,8 @@ Source: dynamo ``lib/llm/src/tokens.rs`` (KVBM's token blocks):
 
 Only full blocks are hashed; a trailing partial block has no identity.
 
-KVBM's sequence hash is not collision resistant (xxh3_64, public seed): token ids can be searched whose
-block has another prompt's sequence hash. :func:`token_digests` is the strong identity our frames carry
+KVBM's sequence hash is not collision resistant (xxh3_64, public seed): token ids whose block has another
+prompt's sequence hash are written down without a search (tests/model/test_token_digest.py). :func:`token_digests` is the strong identity our frames carry
 beside it (docs/format.md "Token digest"): a load serves a frame only when its digest is the request's.
 
 Dynamo's router hash (``dynamo._core.compute_block_hash_for_seq``) is the unchained BlockHash with
