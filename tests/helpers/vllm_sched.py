@@ -1,6 +1,6 @@
 """vLLM's real ``Scheduler`` with ``KvbmBackendConnector`` on the tiny model (no engine, no GPU): tests drive its
 ``schedule`` / ``update_from_output`` and play the worker's part themselves (tests/integrations/vllm/
-test_sched_lifecycle.py, test_sched_resume.py, test_handoff_hybrid.py)."""
+test_sched_lifecycle.py, test_sched_resume.py, test_handoff_hybrid.py, test_handoff_promise.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +10,7 @@ import torch
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvbm_backend.apps.engine_model import TINY, write_model_dir
@@ -39,3 +40,14 @@ def tiny_scheduler(tmp: Path, extra: dict[str, Any], groups: Callable[[dict[str,
     names = [f"model.layers.{i}.self_attn.attn" for i in range(TINY.num_hidden_layers)]
     kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups(kw, names))
     return Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=block_size)
+
+
+def runner_output(s: Scheduler, so: Any, connector: KVConnectorOutput | None = None) -> ModelRunnerOutput:
+    """The step output vLLM's model runner sends for ``so`` (a ``SchedulerOutput`` of ``s``, after ``s.schedule()``):
+    one sampled token (5) for each scheduled request whose prompt is computed by this step, none for a request still
+    in a partial (chunked) prefill (vLLM's runner discards those tokens), and ``connector`` as the connector's part."""
+    rids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
+                             sampled_token_ids=[[5] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens
+                                                else [] for r in rids],
+                             kv_connector_output=connector)

@@ -19,12 +19,11 @@ from vllm.utils.hashing import sha256_cbor  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvbm_backend.integrations.vllm import stats  # noqa: E402
 from kvbm_backend.integrations.vllm.handoff import KEY  # noqa: E402
-from tests.helpers.vllm_sched import tiny_scheduler  # noqa: E402
+from tests.helpers.vllm_sched import runner_output, tiny_scheduler  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -44,12 +43,6 @@ def _scheduler(tmp: Path, name: str) -> Scheduler:
         KVCacheGroupSpec(names[1::2], FullAttentionSpec(**kw))], block_size=BS, num_blocks=NBLK, batched_tokens=512)
 
 
-def _output(so) -> ModelRunnerOutput:
-    rids = list(so.num_scheduled_tokens)
-    return ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
-                             sampled_token_ids=[[5] for _ in rids])
-
-
 def _step_until(s: Scheduler, rid: str, loads: bool = False):
     """Step until ``rid`` is scheduled (``loads``: or a load for it is planned): the connector answers once its
     lookup (and a hand-off's wait) has ended."""
@@ -58,7 +51,7 @@ def _step_until(s: Scheduler, rid: str, loads: bool = False):
         so = s.schedule()
         if rid in so.num_scheduled_tokens or (loads and any(j.req_id == rid for j in so.kv_connector_metadata.loads)):
             return so
-        s.update_from_output(so, _output(so))
+        s.update_from_output(so, runner_output(s, so))
         time.sleep(0.01)
     raise AssertionError(f"{rid} never scheduled")
 
@@ -98,12 +91,12 @@ def test_a_hybrid_models_handoff_stores_the_window_the_decode_side_resumes_at(tm
             pre.add_request(Request("p0", prompt, SamplingParams(max_tokens=1), None, 0, block_hasher=hasher))
             so = _step_until(pre, "p0")
             _store(pre, so, g3_only=True)
-            pre.update_from_output(so, _output(so))
+            pre.update_from_output(so, runner_output(pre, so))
         pre.add_request(Request("p", prompt, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
             KEY: True}}), None, 0, block_hasher=hasher))
         so = _step_until(pre, "p")
         _store(pre, so)
-        outs = pre.update_from_output(so, _output(so))
+        outs = pre.update_from_output(so, runner_output(pre, so))
         (params,) = [o.kv_transfer_params for eco in outs.values() for o in eco.outputs if o.request_id == "p"]
         assert params[KEY]["blocks"] == want
 

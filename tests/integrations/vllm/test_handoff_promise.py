@@ -23,7 +23,7 @@ from vllm.utils.hashing import sha256_cbor  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvbm_backend.apps.engine_model import TINY  # noqa: E402
@@ -34,7 +34,7 @@ from kvbm_backend.integrations.vllm.kv_io import EngineKv  # noqa: E402
 from kvbm_backend.integrations.vllm.layerwise import for_worker  # noqa: E402
 from kvbm_backend.integrations.vllm.worker_side import WorkerSide  # noqa: E402
 from kvbm_backend.integrations.vllm.workers import GroupedWorkers  # noqa: E402
-from tests.helpers.vllm_sched import tiny_scheduler  # noqa: E402
+from tests.helpers.vllm_sched import runner_output, tiny_scheduler  # noqa: E402
 from tests.helpers.pools import flip_g3_payload  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
@@ -94,13 +94,8 @@ def _step(s: Scheduler, gw: GroupedWorkers):
     gw.save(meta.saves)
     done, _ = gw.take_finished()  # get_finished, then get_block_ids_with_load_errors (vLLM's order)
     errs = gw.load_errors()
-    rids = list(so.num_scheduled_tokens)
-    out = ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
-                            sampled_token_ids=[[5] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens
-                                               else [] for r in rids],  # a partial prefill samples nothing
-                            kv_connector_output=KVConnectorOutput(finished_recving=done or None,
-                                                                  invalid_block_ids=errs,
-                                                                  kv_connector_worker_meta=gw.worker_meta()))
+    out = runner_output(s, so, KVConnectorOutput(finished_recving=done or None, invalid_block_ids=errs,
+                                                 kv_connector_worker_meta=gw.worker_meta()))
     return so, s.update_from_output(so, out)
 
 

@@ -23,7 +23,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from kvbm_backend.integrations.vllm import stats  # noqa: E402
 from kvbm_backend.integrations.vllm.metadata import FailedLoad, KvbmWorkerMeta  # noqa: E402
-from tests.helpers.vllm_sched import tiny_scheduler  # noqa: E402
+from tests.helpers.vllm_sched import runner_output, tiny_scheduler  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -58,14 +58,11 @@ def _a_held_in_g3(s: Scheduler):
     return sd, g3, ns, hasher, prefix, a, hs
 
 
-def _output(so, invalid=(), failed=()) -> ModelRunnerOutput:
-    """The step output a worker sends: one sampled token per scheduled request, the connector's load report."""
-    rids = list(so.num_scheduled_tokens)
-    return ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
-                             sampled_token_ids=[[5] for _ in rids],
-                             kv_connector_output=KVConnectorOutput(
-                                 invalid_block_ids=set(invalid),
-                                 kv_connector_worker_meta=KvbmWorkerMeta(failed=list(failed)) if failed else None))
+def _output(s: Scheduler, so, invalid=(), failed=()) -> ModelRunnerOutput:
+    """The step output a worker sends (:func:`runner_output`) with the connector's load report."""
+    return runner_output(s, so, KVConnectorOutput(
+        invalid_block_ids=set(invalid),
+        kv_connector_worker_meta=KvbmWorkerMeta(failed=list(failed)) if failed else None))
 
 
 def _schedule_until(s: Scheduler, rid: str):
@@ -75,7 +72,7 @@ def _schedule_until(s: Scheduler, rid: str):
         so = s.schedule()
         if rid in so.num_scheduled_tokens:
             return so
-        s.update_from_output(so, _output(so))
+        s.update_from_output(so, _output(s, so))
         time.sleep(0.01)
     raise AssertionError(f"{rid} never scheduled")
 
@@ -104,7 +101,7 @@ def test_a_failed_layerwise_load_leaves_no_unloaded_block_in_the_engines_prefix_
         # WorkerSide.drop_unreadable does; a timeout: G3 still holds them)
         if reason == "miss":
             assert g3.delete(ns.keys(hs[2:])).result(HANG_S) == 6
-        s.update_from_output(so, _output(so, invalid=a_blocks[2:8], failed=[FailedLoad("A", "", hs[2], reason)]))
+        s.update_from_output(so, _output(s, so, invalid=a_blocks[2:8], failed=[FailedLoad("A", "", hs[2], reason)]))
         assert a.num_computed_tokens == 2 * BS  # vLLM cut A back to its valid prefix
         s.finish_requests("A", RequestStatus.FINISHED_ABORTED)  # the client left before A recomputed
 
@@ -155,7 +152,7 @@ def test_a_request_that_shared_a_failed_layerwise_loads_blocks_saves_nothing_com
         assert job.req_id == "A" and job.layerwise and job.block_ids == a_blocks[:8]
         assert c_blocks[:8] == a_blocks[:8]  # C's local prefix hit: A's blocks, cached before they loaded
         tainted = stats.snapshot().get("layerwise_tainted_requests", 0)
-        s.update_from_output(so, _output(so, invalid=a_blocks[2:8], failed=[FailedLoad("A", "", hs[2], "timeout")]))
+        s.update_from_output(so, _output(s, so, invalid=a_blocks[2:8], failed=[FailedLoad("A", "", hs[2], "timeout")]))
         assert a.num_computed_tokens == 2 * BS and c.num_computed_tokens == 8 * BS  # C stays on A's blocks 2..7
         s.finish_requests("A", RequestStatus.FINISHED_ABORTED)  # the client left before A recomputed
 
@@ -167,7 +164,7 @@ def test_a_request_that_shared_a_failed_layerwise_loads_blocks_saves_nothing_com
             assert "C" in so.num_scheduled_tokens
             saved += [hc.index(int(h)) if int(h) in hc else -1
                       for j in so.kv_connector_metadata.saves if j.req_id == "C" for h in j.seq_hashes]
-            s.update_from_output(so, _output(so))
+            s.update_from_output(so, _output(s, so))
         assert c.is_finished() and c.num_computed_tokens >= 14 * BS  # C went on to compute all its blocks
         assert saved == []  # before: [11, 12, 13]: blocks computed on KV A's load never filled
         assert stats.snapshot().get("layerwise_tainted_requests") == tainted + 1  # C
