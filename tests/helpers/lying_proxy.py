@@ -22,7 +22,11 @@ short in transit: the full ``Content-Length`` header, then only the first third 
 connection is closed (a reset link, a proxy that died mid-answer). ``proxy.cut`` counts them. Set a large
 ``n`` for "every answer".
 
-Used by tests/pool/g4/test_g4_hostile.py and the ``lyings3`` fault campaign kind.
+``proxy.no_conditional_delete = True``: a DELETE carrying ``If-Match`` is answered ``501 NotImplemented`` (an S3
+XML error) and never reaches the server: an S3-compatible server without conditional deletes.
+``proxy.refused_deletes`` counts them.
+
+Used by tests/pool/g4/test_g4_hostile.py, tests/pool/g4/test_g4_drop_race.py and the ``lyings3`` fault campaign kind.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 MODES = ("short", "garbage", "other", "html")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "expect", "proxy-connection"}
 MOVED = b"<html><head><title>301 Moved Permanently</title></head><body><h1>301 Moved Permanently</h1></body></html>\n"
+NOT_IMPLEMENTED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NotImplemented</Code><Message>A header you '
+                   b'provided implies functionality that is not implemented</Message></Error>')
 HTML = b"<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1></body></html>\n"
 
 
@@ -74,6 +80,8 @@ class LyingProxy:
         self.redirected = 0
         self.cut_short = 0
         self.cut = 0
+        self.no_conditional_delete = False
+        self.refused_deletes = 0
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -90,6 +98,11 @@ class LyingProxy:
                     proxy.redirected += 1
                     loc = [("Location", proxy.redirect_to + self.path)] if proxy.redirect_to else []
                     reply(self, 301, loc + [("Content-Type", "text/html")], MOVED, str(len(MOVED)))
+                    return
+                if proxy.no_conditional_delete and self.command == "DELETE" and "If-Match" in self.headers:
+                    proxy.refused_deletes += 1
+                    err = NOT_IMPLEMENTED
+                    reply(self, 501, [("Content-Type", "application/xml")], err, str(len(err)))
                     return
                 status, out_hdrs, data, length = upstream(self, proxy.target, self.rfile.read(n) if n else None)
                 obj_get = self.command == "GET" and status in (200, 206) and "?" not in self.path \

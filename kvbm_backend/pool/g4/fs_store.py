@@ -11,7 +11,8 @@ Publish protocol (invariant 2), safe with many writers on many nodes:
 A directory created on the way is fsynced into its parent (before 2026-11-30 it was not: a power cut
 after a publish could lose the directory holding the object).
 
-Readers only ever open final names, so they see complete objects or nothing. Directories are
+Readers only ever open final names, so they see complete objects or nothing. A corrupt object is deleted by way
+of a quarantine name shaped as a temp file (:mod:`.fs_quarantine`: never a good copy published meanwhile). Directories are
 created on demand (0700, an existing one is fine), which is race-free; gc removes those its deletions left
 empty (:meth:`FsStore.prune_dirs`, ``rmdir`` only), and a writer whose directory went between its
 ``mkdir`` and step 1 makes it again. No path component under the root is ever followed if it is a symbolic link.
@@ -38,6 +39,7 @@ from ...memory import aligned_empty
 from .fs_confirm import reread_matches
 from .fs_list import is_temp_name as is_temp_name, walk  # is_temp_name: re-exported
 from .fs_prune import prune_empty_dirs
+from .fs_quarantine import delete_if_matches
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -436,6 +438,11 @@ class FsStore(ObjectStore):
         read afresh past the page cache (O_DIRECT, else after POSIX_FADV_DONTNEED: :mod:`.fs_confirm`; a bad
         read, not bad stored bytes, gives False); False on any error."""
         return reread_matches(lambda n, d: self._open_file(n, d), name, _bytes_of(data), size)
+
+    def delete_if_matches(self, name: str, data: DataIn, size: int) -> bool:
+        """Delete ``name`` only while it holds the bytes proven bad (renamed to a quarantine name, read again,
+        then unlinked or put back): :mod:`.fs_quarantine`, :meth:`~.store.ObjectStore.delete_if_matches`."""
+        return delete_if_matches(self, name, _bytes_of(data), size)
 
     def head(self, name: str) -> int | None:
         dirs, base = self._split(name)

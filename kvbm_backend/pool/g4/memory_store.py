@@ -88,6 +88,17 @@ class MemoryStore(ObjectStore):
         with _LOCK:
             self._objs.pop(name, None)
 
+    def delete_if_matches(self, name: str, data: DataIn, size: int) -> bool:
+        """Delete ``name`` only when it holds ``size`` bytes starting with ``data``, compared and deleted under
+        the store's lock (atomic): see :meth:`~.store.ObjectStore.delete_if_matches`."""
+        want = byte_view(data)
+        with _LOCK:
+            ent = self._objs.get(name)
+            if ent is None or len(ent[0]) != size or memoryview(ent[0])[:len(want)] != want:
+                return False
+            del self._objs[name]
+            return True
+
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         with _LOCK:
             items = [(k, len(v[0]), v[1]) for k, v in self._objs.items() if k.startswith(prefix)]

@@ -11,10 +11,11 @@ buffers file objects are read through); lookups are :mod:`.lookup`.
   GCM tag (or xxh3) verified in a staging buffer the pool owns (the bounce buffer, decrypted in place, or a fresh one
   for a store's read-only bytes); only then are the bytes copied into the caller's buffer, so a miss never touches it.
   Corrupt objects are misses counted under ``corrupt_<reason>`` and deleted when the reason is in :data:`_DELETE_ON`
-  *and* the store confirms it holds exactly the bytes read (:meth:`~.store.ObjectStore.stored_matches`: an S3
-  HEAD's length and MD5 ETag, a fresh re-read of a file); otherwise (a lying endpoint or proxy, a bad read) the miss
+  *and* the store confirms it holds exactly the bytes read (:mod:`.bad_objects`: an S3 HEAD's length and MD5
+  ETag, a fresh re-read of a file); otherwise (a lying endpoint or proxy, a bad read) the miss
   is ``miss_unconfirmed_corrupt`` (detail ``unconfirmed_<reason>``) and the object stays; so does a
-  ``miss_key_mismatch`` (other key material: docs/format.md).
+  ``miss_key_mismatch`` (other key material: docs/format.md). The delete is conditional on the name still
+  holding those bytes (:func:`.bad_objects.drop_if_same`: a good copy published meanwhile stays).
   An error answer (an OSError neither outage nor throttle: 403, no bucket, a link at the name) is ``miss_error``,
   logged as the writer's are (:meth:`~.events.OperatorLog.store_error`, ``the store refuses requests``); so is
   any other exception (a bug), logged with its type and traceback (:meth:`~.events.OperatorLog.unexpected`).
@@ -43,6 +44,7 @@ from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameErr
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey
 from ..base import GetResult, InFlight, completed
+from .bad_objects import drop_if_same, stored_is_bad
 from .breaker import CircuitBreaker
 from .events import G4Counters, OperatorLog
 from .store import ObjectStore, StoreThrottled, StoreUnavailable
@@ -465,19 +467,15 @@ class G4Reader:
             if b.on_hit is not None:
                 b.on_hit(i)
         except FrameError as e:
-            if e.reason in _DELETE_ON and not self._stored_is_bad(
-                    name, data.joined() if isinstance(data, _Split) else data, size):
+            read = data.joined() if isinstance(data, _Split) else data
+            if e.reason in _DELETE_ON and not stored_is_bad(self.store, name, read, size):
                 # the bytes read are bad but the store does not confirm it holds them (a lying endpoint
                 # or proxy, a failed read): a miss, and the object stays
                 self._count(f"unconfirmed_{e.reason}")
                 return "miss_unconfirmed_corrupt"
             self._count(f"corrupt_{e.reason}")
-            if e.reason in _DELETE_ON:
-                try:
-                    self.store.delete(name)
-                    self._count("deleted_corrupt")
-                except OSError:
-                    pass
+            if e.reason in _DELETE_ON and drop_if_same(self.store, name, read, size):
+                self._count("deleted_corrupt")
             return "miss_corrupt"
         finally:
             if scratch is not None:
@@ -491,14 +489,11 @@ class G4Reader:
         (``deleted_unencrypted``, else ``unconfirmed_unencrypted``), else it held the name against the encrypted
         copy for good under create-exclusive (g4.encrypt switched on: docs/configuration.md). Plaintext pools
         never delete encrypted frames they cannot open. Returns ``"miss_unencrypted_object"``."""
-        if not self._stored_is_bad(name, data, size):
+        if not stored_is_bad(self.store, name, data, size):
             self._count("unconfirmed_unencrypted")
             return "miss_unencrypted_object"
-        try:
-            self.store.delete(name)
+        if drop_if_same(self.store, name, data, size):  # only while it still holds those bytes
             self._count("deleted_unencrypted")
-        except OSError:
-            pass
         return "miss_unencrypted_object"
 
     def _gcm_of(self, dkey: bytes) -> AESGCM:
@@ -509,12 +504,3 @@ class G4Reader:
                 self._gcm.clear()
             ctx = self._gcm.setdefault(dkey, gcm(dkey))
         return ctx
-
-    def _stored_is_bad(self, name: str, data: Blob, size: int) -> bool:
-        """True only when the store confirms the object under ``name`` is exactly what was read (``data``,
-        the first bytes of an object of ``size`` bytes): then dropping it drops the bad copy, not a good
-        one a transport garbled (:meth:`~kvbm_backend.pool.g4.store.ObjectStore.stored_matches`)."""
-        try:
-            return bool(self.store.stored_matches(name, data, size))
-        except Exception:  # noqa: BLE001 - unconfirmed: keep the object
-            return False

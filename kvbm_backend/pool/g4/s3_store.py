@@ -36,7 +36,9 @@ traffic is on obstore with ``g4.s3_client: obstore``, the default (:mod:`.s3_obs
   (obstore's bound covers the whole request, upload included; see :mod:`.s3_obstore`).
 * A frame that fails verification is dropped only when :meth:`S3Store.stored_matches` (HEAD: length and
   MD5 ETag of the bytes read) confirms the server holds those very bytes; a proxy or endpoint that
-  answers 200 with a wrong body never gets a good object deleted.
+  answers 200 with a wrong body never gets a good object deleted. The DELETE then carries ``If-Match:`` that
+  ETag (:meth:`S3Store.delete_if_matches`), so a good copy another writer published after the HEAD is kept
+  (SeaweedFS 4.x honours it: 412; a server that ignores the header deletes whatever the name holds).
 * botocore's region redirector is kept (a wrong ``region``: one redirect to the region the answer names),
   but a HEAD bucket answered with a redirect that names no region is not looked up again
   (:func:`_no_region_lookup_loop`): such an answer (an http endpoint sent to https) raises an OSError.
@@ -149,6 +151,7 @@ class S3Store(ObjectStore):
         if events is not None:
             events.register_first("needs-retry.s3", _no_region_lookup_loop)
         self.supports_conditional_put = True
+        self.supports_conditional_delete = True  # DELETE with If-Match (False once the server answered 501)
         self._mu = threading.Lock()
 
     @classmethod
@@ -357,6 +360,35 @@ class S3Store(ObjectStore):
             raise self._err("delete", name, e) from None
         except BotoCoreError as e:
             raise self._unavailable("delete", name, e) from None
+
+    def delete_if_matches(self, name: str, data: DataIn, size: int) -> bool:
+        """DELETE ``name`` with ``If-Match:`` the ETag of ``data`` (its MD5: the ETag :meth:`stored_matches`
+        proved the server holds), so a copy another writer published since that proof is kept (412): see
+        :meth:`~.store.ObjectStore.delete_if_matches`. False when ``data`` is not the whole object (``size``
+        bytes: no ETag to name), on 412/409 (other bytes, or absent: SeaweedFS 4.x answers 412) and on 404.
+        A server that answers 501 is then sent a plain DELETE after a fresh :meth:`stored_matches` (racy; once
+        seen, for this store's life). A server that ignores ``If-Match`` on DELETE deletes unconditionally
+        (the race stays open there: docs/operations.md "Reasons"). A DELETE whose answer was lost and whose
+        retry met 412/404 returns False although it deleted. Raises StoreUnavailable, StoreThrottled, OSError."""
+        want = byte_view(data)
+        if len(want) != size:
+            return False
+        if self.supports_conditional_delete:
+            etag = f'"{_md5(want)}"'
+            try:
+                self._call("delete", name, lambda _r: self.client.delete_object(Bucket=self.bucket, Key=self._key(name),
+                                                                                IfMatch=etag))
+                return True
+            except ClientError as e:
+                code, status = _code(e)
+                if code in _EXISTS or str(status) in _EXISTS or code in _MISSING or status == 404:
+                    return False
+                if not (status == 501 or code == "NotImplemented"):
+                    raise self._err("delete", name, e) from None
+                self.supports_conditional_delete = False
+            except BotoCoreError as e:
+                raise self._unavailable("delete", name, e) from None
+        return super().delete_if_matches(name, data, size)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return self.list_patient(prefix, attempts=1)  # a throttled page: StoreThrottled at once

@@ -168,6 +168,24 @@ class ObjectStore(ABC):
         want = byte_view(data)
         return memoryview(fresh).cast("B")[:len(want)] == want
 
+    def delete_if_matches(self, name: str, data: DataIn, size: int) -> bool:
+        """Delete ``name`` only while it is still the object :meth:`stored_matches` proved bad: ``size`` bytes
+        starting with ``data`` (bytes-like, what a read returned). The reader drops corrupt objects with it, so
+        a good copy another worker published under the name after that proof (a third worker deleted the bad
+        one, then a create-exclusive write succeeded) is never deleted in its place.
+
+        Returns True when this call deleted those bytes; False when ``name`` is absent or holds other bytes
+        (kept). Raises :class:`StoreUnavailable`, :class:`StoreThrottled` or OSError when the store fails (the
+        object is then kept, or, on a file store, left under a quarantine name that gc collects:
+        :mod:`.fs_quarantine`). File stores rename the object to a quarantine name first
+        (:mod:`.fs_quarantine`), S3 stores send ``If-Match`` with the ETag (:mod:`.s3_store`), the memory store
+        compares and deletes under its lock. This default, for other stores, compares and then deletes: not
+        atomic (the race above stays open for them)."""
+        if not self.stored_matches(name, data, size):
+            return False
+        self.delete(name)
+        return True
+
     def settle(self, name: str, md5_hex: str) -> bool | None:
         """Settle a PUT that raised :class:`PutUnsettled`: True when the object ``name`` holds the bytes
         whose MD5 is ``md5_hex`` (lower-case hex; the PUT landed), False when it holds other bytes (another

@@ -1,0 +1,37 @@
+"""Dropping a G4 object a load found bad (:mod:`.reader`): only once the store confirms it holds the very bytes
+read, and only while its name still holds them.
+
+* :func:`stored_is_bad` -- the proof: :meth:`~.store.ObjectStore.stored_matches` (an S3 HEAD's length and MD5
+  ETag, a file store's re-read past the page cache). Without it a miss keeps the object (a lying endpoint or
+  proxy, a bad read never gets a good object deleted).
+* :func:`drop_if_same` -- the delete: :meth:`~.store.ObjectStore.delete_if_matches` (a file store renames the
+  object to a quarantine name and compares again, :mod:`.fs_quarantine`; S3 sends ``If-Match``), so a good copy
+  another worker published under the name after the proof (a third worker deleted the bad one, then a
+  create-exclusive write succeeded) stays. Before 2026-12-01 the delete went by name (review finding 4).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .store import Blob, ObjectStore
+
+
+def stored_is_bad(store: ObjectStore, name: str, data: Blob, size: int) -> bool:
+    """True only when ``store`` confirms the object under ``name`` is exactly what was read (``data``, the first
+    bytes of an object of ``size`` bytes): then dropping it drops the bad copy, not a good one a transport
+    garbled (:meth:`~kvbm_backend.pool.g4.store.ObjectStore.stored_matches`). False on any error."""
+    try:
+        return bool(store.stored_matches(name, data, size))
+    except Exception:  # noqa: BLE001 - unconfirmed: keep the object
+        return False
+
+
+def drop_if_same(store: ObjectStore, name: str, data: Blob, size: int) -> bool:
+    """Delete ``name`` only while it still holds the bytes :func:`stored_is_bad` proved bad (``data``, of an
+    object of ``size`` bytes). True when deleted; False when the name holds other bytes or none (kept), or the
+    store failed (OSError: the object stays, a later load tries again)."""
+    try:
+        return bool(store.delete_if_matches(name, data, size))
+    except OSError:
+        return False

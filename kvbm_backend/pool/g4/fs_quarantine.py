@@ -1,0 +1,89 @@
+"""Deleting a corrupt object of a file store only while it is the very object proven bad
+(:meth:`.fs_store.FsStore.delete_if_matches`).
+
+A G4 reader that read a bad frame has the store confirm it holds those bytes (:mod:`.fs_confirm`) and then
+deletes the object. By name alone that is a race: worker A confirms corrupt X; worker B deletes X; worker C's
+create-exclusive write publishes a good X' under the name; A's delete removes X' (a good block lost, written
+again only by the next offload). POSIX has no "unlink if it is this file" (and inode numbers are reused at
+once), so the delete goes in three steps, each safe against any writer, reader or gc in between:
+
+1. ``rename`` the name to a unique quarantine name in the same directory (atomic on local filesystems and
+   NFS): whatever the name held at that instant is now out of reach of readers (a miss) and of writers (a
+   create-exclusive write may publish a new copy under the name at once);
+2. read the quarantined file again past the page cache (:func:`.fs_confirm.reread_matches`) and compare it
+   with the bytes proven bad;
+3. the same bytes: ``unlink`` it. Other bytes (a replacement), a read that failed, or a file gone: it goes back
+   under its name by ``link`` (create-exclusive: a copy published meanwhile stays, and then the quarantined
+   one is dropped, since the name holds a complete copy of the block), then the quarantine name is unlinked.
+
+So a bad object is never served (readers never open quarantine names, and every read verifies anyway) and a
+good one is never deleted in place of a bad one. Quarantine names have the shape of writer temp files,
+``.{name}.quarantine.{hostname}.{pid}.{uuid4}.tmp`` (:func:`.fs_list.is_temp_name`): listings, migrate and
+the pool never see them, and gc removes one that a crash (or an error between steps 1 and 3) left behind as
+it does a crashed writer's temp file, once its mtime is ``temp_grace_s`` old (a rename keeps the object's
+mtime: a quarantined old bad object goes at the next gc, a just written good one only after the grace).
+Before 2026-12-01 the reader deleted by name after the confirmation (review finding 4).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import TYPE_CHECKING
+
+from .fs_confirm import reread_matches
+
+if TYPE_CHECKING:
+    from .fs_store import FsStore
+
+_HOST = socket.gethostname().replace("/", "_").replace(".", "_")
+
+
+def quarantine_name(base: str) -> str:
+    """A fresh quarantine name for the object file ``base`` (its last name component), in its directory."""
+    return f".{base}.quarantine.{_HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+
+
+def delete_if_matches(store: FsStore, name: str, want: memoryview, size: int) -> bool:
+    """Delete object ``name`` of ``store`` only when it is a file of ``size`` bytes starting with the bytes
+    ``want`` (module doc: quarantine, compare, unlink or put back). True when deleted; False when absent or
+    holding other bytes (put back, or dropped when a newer copy took the name meanwhile). Raises
+    StoreUnavailable (EIO, ESTALE...) or OSError when a step fails: the object then stays under its name, or
+    under its quarantine name when putting it back failed (gc collects it: module doc)."""
+    dirs, base = store._split(name)
+    try:
+        dfd = store._open_dir(dirs, create=False)
+        if dfd is None:
+            return False
+        try:
+            return _swap_out(store, dfd, dirs, base, want, size)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        raise store._wrap("delete", name, e) from None
+
+
+def _swap_out(store: FsStore, dfd: int, dirs: list[str], base: str, want: memoryview, size: int) -> bool:
+    q = quarantine_name(base)
+    try:
+        os.rename(base, q, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except FileNotFoundError:  # gone already (another reader's drop, gc)
+        return False
+    if reread_matches(lambda n, d: store._open_file(n, d), "/".join([*dirs, q]), want, size):
+        _unlink(q, dfd)
+        return True
+    try:  # a replacement (or not readable now): back under its name, never over a copy published meanwhile
+        os.link(q, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+    except (FileExistsError, FileNotFoundError):  # a newer copy holds the name / gc took the quarantined one
+        pass
+    _unlink(q, dfd)
+    if store.fsync:
+        os.fsync(dfd)  # the name back for good
+    return False
+
+
+def _unlink(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
