@@ -21,7 +21,7 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from ...deadlines import Deadline
 
 if TYPE_CHECKING:
-    from .tiering import KvbmSecondaryTier
+    from .tier_base import KvbmSecondaryTier
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from ...deadlines import Deadline
 from .tier_gaps import skip_held, split_prefix
 
 if TYPE_CHECKING:
-    from .tiering import KvbmSecondaryTier
+    from .tier_base import KvbmSecondaryTier
 
 log = logging.getLogger(__name__)
 
