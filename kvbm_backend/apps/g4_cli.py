@@ -162,10 +162,11 @@ def keys_revoke(keyring: str = _KR, tenant: str = typer.Option(..., "--tenant", 
 
 #: ``keys revoke``'s report: what the crypto-shred does not reach (docs/configuration.md)
 REVOKE_NOTE = ("G4 is shredded; the tenant's blocks in a worker's G3 (local plaintext SSD, its own saves and blocks "
-               "promoted from G4) are not shredded: workers of the vLLM connector with G3 and this keyring stop "
-               "serving them and delete them at their next keyring check (blocks a restarted worker restored at the "
-               "tenant's next request); workers without this keyring (the tiering form's G3Tier included) or down "
-               "keep them: delete their g3.paths where they must go (docs/configuration.md, \"Revocation and G3\")")
+               "promoted from G4) are not shredded: workers of the vLLM connector with G3 and this keyring, and "
+               "G3Tiers following it (their config's keyring or their G4Tier's), stop serving them and delete them "
+               "at their next keyring check (blocks a restarted worker restored at the tenant's next request); "
+               "workers and G3Tiers without this keyring, or down, keep them: delete their g3.paths where they must "
+               "go (docs/configuration.md, \"Revocation and G3\")")
 
 
 @keys_app.command("list")

@@ -202,7 +202,8 @@ def _mode_text(source: str, mode: str) -> str:
 
 
 def check_tier(tier: dict, *, create: bool = True) -> None:
-    """The same for a ``G3Tier``/``G4Tier`` entry of ``secondary_tiers`` (its ``config``, ``g3``, ``g4`` keys)."""
+    """The same for a ``G3Tier``/``G4Tier`` entry of ``secondary_tiers`` (its ``config``, ``g3``, ``g4`` keys); a
+    G3Tier's keyring too when its config names one (it follows its revocations, :mod:`.vllm.tier_revoked`)."""
     from ..config import ConfigError
     from .vllm.extra_config import tier_config
     name = tier.get("type", "tier")
@@ -213,6 +214,9 @@ def check_tier(tier: dict, *, create: bool = True) -> None:
                 raise ConfigError("g4.url: required for G4Tier (s3://BUCKET/PREFIX or file:///shared/path)")
             cfg = cfg.model_copy(update={"g4": cfg.g4.model_copy(update={"enabled": True})})
             _check_keyring(cfg, create)
+        elif name == "G3Tier" and cfg.g4.keyring.path:  # it follows that keyring's revocations (tier_revoked)
+            _check_keyring(cfg.model_copy(update={"g4": cfg.g4.model_copy(update={"enabled": True, "encrypt": True})}),
+                           create)
     except (ConfigError, ValueError) as e:
         raise ConfigError(f"secondary_tiers {name}: {e}") from None
 

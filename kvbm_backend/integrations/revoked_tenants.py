@@ -7,6 +7,8 @@ restarts too. :class:`RevokedTenants` is the seam between the two, in the integr
 keyring, the keyring no G3): the worker's G4 pool's keyring says which tenants are revoked (``revoked()``:
 pseudonym -> revocation time; a tenant is named by its HMAC pseudonym there), the requests say which tenant ids
 exist (G3 keys carry the id, or after a restart only its tag ``tag_of(tenant)``: :mod:`kvbm_backend.pool.g3.index`).
+Its users: the vLLM connector (:mod:`.vllm.wiring`, below) and the tiering form's G3Tier
+(:mod:`.vllm.tier_revoked`: its lookups, loads and stores refused the same way, the same counters in the tier's own).
 
 * **Refused** (:meth:`RevokedTenants.refused`; dict and set look-ups, no keyring call, no I/O: the scheduler's
   thread may ask): a tenant whose pseudonym the keyring records revoked and that no current tenant has (not

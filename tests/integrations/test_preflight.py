@@ -69,6 +69,10 @@ def test_native_tiers_are_checked_too(tmp_path, monkeypatch):
     assert check_argv(["serve", "m", "--kv-transfer-config", ok]) is None
     monkeypatch.setenv("KVBM_TEST_KEK", base64.b64encode(os.urandom(32)).decode())  # another KEK
     why = check_argv(["serve", "m", "--kv-transfer-config", ok])
+    # the G3Tier, first, opens that keyring too: it follows its revocations (since 2026-12, tier_revoked)
+    assert why and "G3Tier" in why and "g4.keyring" in why and "KEK" in why, why
+    g4_alone = tiering([{"type": "G4Tier", "module_path": mod, "config": str(cfg)}])
+    why = check_argv(["serve", "m", "--kv-transfer-config", g4_alone])
     assert why and "G4Tier" in why and "KEK" in why, why
     bad_g3 = tiering([{"type": "G3Tier", "module_path": mod, "config": str(cfg), "g3": {"capacity_gb": -1}}])
     multi = json.dumps({"kv_connector": "MultiConnector", "kv_connector_extra_config": {

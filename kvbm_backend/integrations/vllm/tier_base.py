@@ -4,7 +4,8 @@
 :class:`kvbm_backend.pool.base.BlockPool`: store and load jobs on the tier's I/O threads (the primary's chunks
 permuted to and from FullyContiguous blocks, :class:`~.geometry.PrimaryGeometry`), the async index lookups
 (:mod:`.tier_lookup`), failed-load cool-downs (:mod:`.failed_blocks`), KV events and removals
-(:mod:`.tier_removals`), counters. :class:`~.tiering.G3Tier` and :class:`~.tiering.G4Tier` choose the pool.
+(:mod:`.tier_removals`), counters. :class:`~.tiering.G3Tier` and :class:`~.tiering.G4Tier` choose the pool;
+a tier that follows the keyring's revocations (G3Tier, :mod:`.tier_revoked`) sets :attr:`KvbmSecondaryTier._revoked`.
 Log lines go to the ``kvbm_backend.integrations.vllm.tiering`` logger, as they did before this module was split
 out of :mod:`.tiering` (operators' filters and tests name it).
 """
@@ -15,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Collection, Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import xxhash
@@ -37,6 +38,9 @@ from .tier_lookup import TenantLookup
 from .tier_options import check_options
 from .tier_removals import HeldChunks, held_now
 from .tier_threads import staging_pool, started_executor
+
+if TYPE_CHECKING:
+    from .tier_revoked import TierRevocation
 
 log = logging.getLogger("kvbm_backend.integrations.vllm.tiering")  # the tiers' logger, whatever module logs
 
@@ -150,6 +154,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
                                      min(int(staging_mb * 2**20) // self.geometry.rank_bytes,
                                          self._primary.shape[0] * self.geometry.copies))
         self._executor = started_executor(io_threads, f"kvbm_{tier_type}")  # no thread starts in submit_*
+        self._revoked: TierRevocation | None = None  # the keyring's revocations this tier follows (G3Tier)
         try:
             self._lookup = TenantLookup(self, tier_type, offloading_spec)  # counts as vLLM asks
         except BaseException:
@@ -162,6 +167,10 @@ class KvbmSecondaryTier(SecondaryTierManager):
     # ---- construction helpers ------------------------------------------------------------------
     def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
         raise NotImplementedError
+
+    def follow_keyring(self, keyring: Any, *, owned: bool, source: str) -> bool:
+        """Follow ``keyring``'s revocations (:mod:`.tier_revoked`); True if this tier now does. Only G3Tier does."""
+        return False
 
     def _count(self, name: str, n: int) -> None:
         with self._cv:
@@ -178,6 +187,18 @@ class KvbmSecondaryTier(SecondaryTierManager):
         h = offload_key_hash(key)
         return [self.namespace.key(h, tenant, r) for r in range(self.geometry.copies)]
 
+    def _serves(self, tenant: str) -> bool:
+        """False while the tier refuses ``tenant`` (revoked in the keyring it follows: :mod:`.tier_revoked`); no
+        I/O, any thread. The tiers below ask it too: a refused tenant's chunks here fill no gap of theirs."""
+        return self._revoked is None or not self._revoked.refused(tenant)
+
+    def _put(self, tenant: str, bkeys: list[BlockKey], bufs: list) -> Any:
+        """``pool.put(bkeys, bufs)``'s future; None when the tier refuses ``tenant`` (nothing put, counted
+        ``save_g3_revoked_blocks``: :meth:`.tier_revoked.TierRevocation.put`)."""
+        if self._revoked is None:
+            return self.pool.put(bkeys, bufs)
+        return self._revoked.put(tenant, lambda: self.pool.put(bkeys, bufs), len(bkeys))
+
     def _slice(self, chunk_id: int, rank: int) -> np.ndarray:
         p = self.geometry.rank_bytes
         return self._primary[int(chunk_id), rank * p:(rank + 1) * p]
@@ -188,8 +209,12 @@ class KvbmSecondaryTier(SecondaryTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT if every rank's block is in the pool index, MISS if not, RETRY while the async index
-        lookup (posted at the end of this step) has not answered."""
-        if self._failed.cooling(self._tenant_of(req_context), key):
+        lookup (posted at the end of this step) has not answered. MISS without asking the pool for a tenant the
+        tier refuses (revoked: :mod:`.tier_revoked`), whatever verdict was cached before."""
+        tenant = self._tenant_of(req_context)
+        if self._revoked is not None and self._revoked.lookup_refused(tenant, req_context.req_id):
+            return LookupResult.MISS
+        if self._failed.cooling(tenant, key):
             return LookupResult.MISS  # its load failed within the cool-down (FailedChunks)
         r = self._lookup.lookup(key, req_context)
         if r is None:
@@ -257,7 +282,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
     def _run_store(self, job: TransferJob, keys: list[OffloadKey], deadline: Deadline) -> JobResult:
         """Permute the job's chunks into staging piece by piece, handing each piece to ``pool.put`` as
         soon as it is ready (the pool's writer merges queued puts into one batch, one fdatasync per
-        file), so the first bytes are on the wire after one piece, not after the whole job."""
+        file), so the first bytes are on the wire after one piece, not after the whole job. A piece of a tenant
+        the tier refuses is not put (:meth:`_put`): its chunks count skipped and are not published."""
         g = self.geometry
         tenant = self._tenant_of(job.req_context)
         c = g.copies
@@ -271,16 +297,17 @@ class KvbmSecondaryTier(SecondaryTierManager):
                 for r, bk in enumerate(self._block_keys(keys[i], tenant)):
                     g.engine_to_block(self._slice(job.chunk_ids[i], r), bufs[i * c + r])
                     bkeys.append(bk)
-            futs.append((len(bkeys), self.pool.put(bkeys, bufs[c0 * c:c1 * c])))
+            futs.append((c0, c1, len(bkeys), self._put(tenant, bkeys, bufs[c0 * c:c1 * c])))
         # on an error or timeout the pool may still read the buffers: they are then not reused
-        results = [(n, f.result(timeout=deadline.left())) for n, f in futs]
+        results = [(c0, c1, n, None if f is None else f.result(timeout=deadline.left())) for c0, c1, n, f in futs]
         for b in bufs:
             self._staging.give(b)
-        ok = all(res.dropped == 0 and res.written + res.skipped == n for n, res in results)
+        ok = all(res is None or (res.dropped == 0 and res.written + res.skipped == n) for _, _, n, res in results)
         self._count("stores", 1)
         if ok:
-            held = (held_now(self.pool, keys, lambda k: self._block_keys(k, tenant))
-                        if any(res.skipped for _, res in results) else keys)
+            put_keys = [k for c0, c1, _, res in results if res is not None for k in keys[c0:c1]]  # not refused
+            held = (held_now(self.pool, put_keys, lambda k: self._block_keys(k, tenant))
+                    if any(res is not None and res.skipped for _, _, _, res in results) else put_keys)
             held = self._failed.not_cooling(tenant, held)  # a copy that failed to load is no held chunk
             self._store_held[job.job_id] = held
             self._count("chunks_stored", len(held))
@@ -293,7 +320,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
         """Read every piece of the job at once (one ``pool.get`` each) and copy each piece's verified
         chunks into the primary as soon as that piece lands, overlapping the permutation with the
         later pieces' reads. A chunk reaches the primary only if every rank's block verified. The GIL
-        comes back to the reading threads sooner meanwhile (``load_gil_switch_ms``)."""
+        comes back to the reading threads sooner meanwhile (``load_gil_switch_ms``). A tenant the tier refuses
+        (revoked: :mod:`.tier_revoked`) reads nothing: the job fails, every chunk a miss the engine recomputes."""
         with load_priority.loading():
             return self._run_load_held(job, keys, deadline)
 
@@ -301,6 +329,11 @@ class KvbmSecondaryTier(SecondaryTierManager):
         g = self.geometry
         tenant = self._tenant_of(job.req_context)
         c = g.copies
+        if self._revoked is not None and self._revoked.load_refused(tenant, len(keys) * c):
+            self._count("loads", 1)
+            self._count("loads_failed", 1)
+            self._count("chunks_load_failed", len(keys))
+            return JobResult(job_id=job.job_id, success=False)
         bufs = [self._staging.take(g.rank_bytes) for _ in range(len(keys) * c)]
         futs = []
         for c0, c1 in self._pieces(len(keys)):
@@ -382,6 +415,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookup.cleanup(req_context.req_id)
+        if self._revoked is not None:
+            self._revoked.request_finished(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookup.flush()
@@ -390,7 +425,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
         return
 
     def shutdown(self) -> None:
-        """Stop lookups, wait for jobs in flight, close the pool, release the primary buffer."""
+        """Stop lookups, wait for jobs in flight, stop the keyring checks (a purge running ends first), close the
+        pool, release the primary buffer."""
         if self._closed:
             return
         self._closed = True
@@ -398,14 +434,16 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self.drain_jobs()
         self._executor.shutdown(wait=True)
         try:
+            if self._revoked is not None:
+                self._revoked.close()
             self.pool.close()
         finally:  # closed, never read again: drop our export of vLLM's memoryview so its mmap can close
             self._primary = None  # type: ignore[assignment]
 
     def kvbm_stats(self) -> dict:
-        """Tier counters (jobs; chunks stored, skipped (not admitted by the pool, written by another job, or
-        cooling after a failed load), loaded, failed to load; blocks deleted after a failed read) plus the pool's
-        own ``stats()``."""
+        """Tier counters (jobs; chunks stored, skipped (not admitted by the pool, written by another job, cooling
+        after a failed load, or of a tenant the tier refuses), loaded, failed to load; blocks deleted after a failed
+        read; G3Tier: the keyring's revocations, :data:`.tier_revoked.COUNTERS`) plus the pool's own ``stats()``."""
         with self._cv:
             tier = dict(self._counters)
         return {"tier": tier, "pool": self.pool.stats()}

@@ -39,7 +39,8 @@ def skip_held(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, str]
         m = 0
         for u in tiers:
             tenant = u._tenant_of(req_context)
-            m = max(m, _held_from(u, [bk for k, _ in pairs[s:] for bk in u._block_keys(k, tenant)], end))
+            if u._serves(tenant):  # a tenant ``u`` refuses (revoked: .tier_revoked) holds nothing there
+                m = max(m, _held_from(u, [bk for k, _ in pairs[s:] for bk in u._block_keys(k, tenant)], end))
         if m == 0:
             return s
         s += m
@@ -50,6 +51,8 @@ def _held_from(u: KvbmSecondaryTier, bks: list, end: Deadline) -> int:
     """Leading chunks of ``bks`` (``u``'s block keys, every copy of each chunk in turn) ``u`` holds every copy of
     (an uncounted index lookup); a failed or late lookup holds none. Never raises."""
     c = u.geometry.copies
+    if not bks:
+        return 0
     try:
         return int(u.pool.lookup_prefix(bks, request=False).result(timeout=end.left())) // c
     except Exception as e:  # noqa: BLE001 - a failed look holds nothing
@@ -65,7 +68,8 @@ def split_prefix(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, s
     before this one, in order) serves, then this tier's (``own[j]``: its verdict of ``pairs[j]``, all copies).
     Uncounted index lookups of the tiers above, one per tier and stretch they hold (one per chunk this tier
     serves); a failed or late one holds nothing. Never raises."""
-    bks = [[bk for k, _ in pairs for bk in u._block_keys(k, u._tenant_of(req_context))] for u in tiers]
+    bks = [[bk for k, _ in pairs for bk in u._block_keys(k, u._tenant_of(req_context))]
+           if u._serves(u._tenant_of(req_context)) else [] for u in tiers]  # a refused tenant: nothing held
     shares = [0] * (len(tiers) + 1)
     s = 0
     while s < len(pairs):

@@ -67,6 +67,10 @@ class TenantLookup(AsyncLookupManager):
         self._reg: list = getattr(offloading_spec, "__dict__", {}).get(_REGISTRY, [])  # our tiers, in order
         super().__init__(tier_type=tier_type)
 
+    def above(self) -> list[KvbmSecondaryTier]:
+        """Our tiers built before this one over the same primary buffer (:func:`tiers_above`), still alive."""
+        return [u for u in (r() for r in self._above) if u is not None]
+
     @staticmethod
     def _asked(tiers: Iterable[KvbmSecondaryTier | None], req_context: ReqContext) -> list[KvbmSecondaryTier]:
         """Those of ``tiers`` the manager asks for the request (open, allowed by its load tier filter)."""
@@ -130,13 +134,19 @@ class TenantLookup(AsyncLookupManager):
         holding it, the first tier over every chunk asked and each below over the chunks not served above (none
         left: not counted); a failed or late look of this tier finds none. Before 2026-11-30 each tier counted
         its own leading prefix beyond the tiers above's (G4: ``n0 - pa``), so chunks loaded past a gap another
-        tier filled went uncounted (G3 holding chunk 1 and G4 0, 2, 3: 4 chunks loaded, 1 counted)."""
+        tier filled went uncounted (G3 holding chunk 1 and G4 0, 2, 3: 4 chunks loaded, 1 counted).
+
+        A tenant the tier refuses (revoked in the keyring it follows: :mod:`.tier_revoked`) is answered misses without
+        asking the pool, and holds nothing for the tiers below (:meth:`KvbmSecondaryTier._serves`)."""
         t = self._tier
         pairs = cast("list[tuple[OffloadKey, str]]", keys)
         c = t.geometry.copies
         above = self._asked_first(req_context) if self._above else []
         below = bool(self._asked_after(req_context)) if self._reg else False
         runs = prefix_runs(pairs, req_context)
+        refused = {tn for tn in {tn for _, tn in pairs} if not t._serves(tn)}  # revoked: misses, the pool not asked
+        if refused:
+            runs = [run for run in runs if pairs[run[0]][1] not in refused]  # a run is one tenant's
         futs = []
         for run in runs:
             bks = [t._block_keys(pairs[i][0], pairs[i][1]) for i in run]

@@ -16,7 +16,8 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
 
 * ``config``: kvbm-backend config, a YAML/TOML/JSON file path or a dict (:func:`.extra_config.tier_config`).
 * ``g3`` / ``g4``: dict merged over that config's ``g3`` / ``g4`` section field by field, nested sections
-  (``keyring``, ``admission``) too (e.g. ``paths``, ``url``).
+  (``keyring``, ``admission``) too (e.g. ``paths``, ``url``). A G3Tier whose config names ``g4.keyring.path``
+  follows that keyring's revocations (below).
 * ``tenant``: default tenant; a request's ``kv_transfer_params["kvbm_tenant"]`` overrides it.
 * ``revision``: the namespace's revision (default the config's ``revision``). vLLM hands a tier neither
   ``--revision`` nor ``--quantization`` nor ``--hf-overrides``: engines differing in any of them that share G3
@@ -88,17 +89,28 @@ identity + integrity in our staging buffer); failed chunks are reported failed (
 G3 deletes a copy it failed to read, not by a timeout, so the recomputed chunk is written again), and the primary
 slot stays untouched.
 
+Revocations (G3Tier, :mod:`.tier_revoked`): a G3Tier follows the G4 keyring its config names, else that of a
+G4Tier of ours in the same manager; a tenant revoked there (``kvbm-backend keys revoke``) is neither looked up nor
+loaded nor stored in G3 and its G3 blocks are deleted, as the connector's G3 does (docs/configuration.md
+"Revocation and G3"). Without a keyring it follows none.
+
 The classes vLLM loads by name from this module (``module_path``): :class:`G3Tier`, :class:`G4Tier`, defined here
 over :class:`.tier_base.KvbmSecondaryTier` (jobs, lookups, events, counters), which is importable from here too.
 """
 from __future__ import annotations
+
+import logging
+from typing import Any
 
 from ...config import ConfigError, KvbmBackendConfig
 from ...model.namespace import Namespace
 from ...pool import open_pool
 from .geometry import PrimaryGeometry
 from .tier_base import KvbmSecondaryTier, offload_key_hash
+from .tier_revoked import COUNTERS, TierRevocation, own_keyring, share_keyrings
 from .tier_threads import staging_pool
+
+log = logging.getLogger(__name__)
 
 __all__ = ["G3Tier", "G4Tier", "KvbmSecondaryTier", "PrimaryGeometry", "offload_key_hash", "staging_pool"]
 # PrimaryGeometry: defined in .geometry (with EngineGeometry), staging_pool in .tier_threads, KvbmSecondaryTier and
@@ -108,7 +120,9 @@ MODULE_PATH = __name__
 
 
 class G3Tier(KvbmSecondaryTier):
-    """G3 (local NVMe / mounted filesystem) pool as a vLLM secondary tier (``type: G3Tier``)."""
+    """G3 (local NVMe / mounted filesystem) pool as a vLLM secondary tier (``type: G3Tier``). Follows the G4
+    keyring's revocations where it has one (module doc, :mod:`.tier_revoked`). Raises ConfigError naming
+    ``g4.keyring`` when the keyring its config names does not open."""
 
     pool_tier = "G3"
     default_locality = "LOCAL"
@@ -118,9 +132,34 @@ class G3Tier(KvbmSecondaryTier):
     def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
         return open_pool(cfg.g3, namespace)
 
+    def _start(self, offloading_spec: Any, tier_type: str, *rest: Any) -> None:
+        kr = own_keyring(self.config)  # before any thread starts: a keyring that does not open leaves none running
+        try:
+            super()._start(offloading_spec, tier_type, *rest)
+        except BaseException:
+            if kr is not None:
+                kr.close()
+            raise
+        self._counters.update(dict.fromkeys(COUNTERS, 0))
+        if kr is not None:
+            self.follow_keyring(kr, owned=True, source="g4.keyring.path")
+        else:  # a G4Tier of ours built before this one over the same primary buffer (G4 above G3)
+            share_keyrings(self, self._lookup.above())
+
+    def follow_keyring(self, keyring: Any, *, owned: bool, source: str) -> bool:
+        """Follow ``keyring``'s revocations (``owned``: this tier opened it and closes it) unless it follows one
+        already; ``source`` says where it came from (the log line). True if it follows ``keyring`` now."""
+        if self._revoked is not None or self._closed:
+            return False
+        self._revoked = TierRevocation(keyring, self.pool, self._count, owned=owned)
+        log.info("%s: follows the revocations of keyring %s (from %s): a revoked tenant's G3 chunks are neither "
+                 "served nor stored, and are deleted", self.tier_type, keyring.path, source)
+        return True
+
 
 class G4Tier(KvbmSecondaryTier):
-    """G4 (shared S3 / shared POSIX, per-tenant encrypted) pool as a vLLM secondary tier (``type: G4Tier``)."""
+    """G4 (shared S3 / shared POSIX, per-tenant encrypted) pool as a vLLM secondary tier (``type: G4Tier``). Hands
+    its keyring to the G3Tiers of ours built before it over the same primary buffer that follow none."""
 
     pool_tier = "G4"
     default_locality = "REMOTE"
@@ -130,3 +169,7 @@ class G4Tier(KvbmSecondaryTier):
             raise ConfigError("g4.url: required for G4Tier (s3://BUCKET/PREFIX or file:///shared/path)")
         return open_pool(cfg.g4.model_copy(update={"enabled": True}), namespace,
                          default_tenant=self._tenant)  # the tier's ``tenant``, else the config's
+
+    def _start(self, offloading_spec: Any, tier_type: str, *rest: Any) -> None:
+        super()._start(offloading_spec, tier_type, *rest)
+        share_keyrings(self, self._lookup.above())
