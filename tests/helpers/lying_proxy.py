@@ -26,15 +26,24 @@ connection is closed (a reset link, a proxy that died mid-answer). ``proxy.cut``
 XML error) and never reaches the server: an S3-compatible server without conditional deletes.
 ``proxy.refused_deletes`` counts them.
 
-Used by tests/pool/g4/test_g4_hostile.py, tests/pool/g4/test_g4_drop_race.py and the ``lyings3`` fault campaign kind.
+``proxy.repeat_list_pages = n``: the next ``n`` ListObjectsV2 pages are each served twice (an S3-compatible
+server repeating a page): the first answer hands out a continuation token of the proxy's own (on the listing's
+last page too, then marked truncated), and the client's request for that token is answered, without reaching the
+server, with the page again as the server sent it (its true token, or none): the client lists the page's objects
+twice and goes on. ``proxy.repeated`` counts the pages served again.
+
+Used by tests/pool/g4/test_g4_hostile.py, tests/pool/g4/test_g4_drop_race.py, tests/pool/g4/test_g4_gc_repeats.py
+and the ``lyings3`` fault campaign kind.
 """
 from __future__ import annotations
 
 import http.client
 import os
+import re
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
 
 MODES = ("short", "garbage", "other", "html")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "expect", "proxy-connection"}
@@ -82,6 +91,11 @@ class LyingProxy:
         self.cut = 0
         self.no_conditional_delete = False
         self.refused_deletes = 0
+        self.repeat_list_pages = 0
+        self.repeated = 0
+        self._made = 0  # tokens of the proxy's made so far
+        self._pages: dict[str, tuple[list, bytes]] = {}  # a token of the proxy's -> the page to serve again
+        self._lock = threading.Lock()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -104,6 +118,10 @@ class LyingProxy:
                     err = NOT_IMPLEMENTED
                     reply(self, 501, [("Content-Type", "application/xml")], err, str(len(err)))
                     return
+                query = parse_qs(urlsplit(self.path).query)
+                if self.command == "GET" and query.get("list-type") == ["2"]:
+                    self._list(query)
+                    return
                 status, out_hdrs, data, length = upstream(self, proxy.target, self.rfile.read(n) if n else None)
                 obj_get = self.command == "GET" and status in (200, 206) and "?" not in self.path \
                     and self.path.count("/") >= 2
@@ -122,6 +140,31 @@ class LyingProxy:
                     return
                 if obj_get and status == 200 and proxy.mode != "pass":
                     data, out_hdrs = proxy._lie(data, out_hdrs)
+                reply(self, status, out_hdrs, data, length)
+
+            def _list(self, query: dict[str, list[str]]) -> None:
+                """A ListObjectsV2 page: ``repeat_list_pages`` (module doc)."""
+                token = (query.get("continuation-token") or [""])[0]
+                with proxy._lock:
+                    again = proxy._pages.pop(token, None)
+                    if again is not None:
+                        proxy.repeated += 1
+                if again is not None:
+                    reply(self, 200, again[0], again[1], str(len(again[1])))
+                    return
+                status, out_hdrs, data, length = upstream(self, proxy.target, None)
+                with proxy._lock:
+                    fake = f"kvbm-repeat-{proxy._made}" if status == 200 and proxy.repeat_list_pages > 0 else None
+                    if fake is not None:
+                        proxy._made += 1
+                        proxy.repeat_list_pages -= 1
+                        proxy._pages[fake] = (out_hdrs, data)
+                if fake is not None:
+                    tag = f"<NextContinuationToken>{fake}</NextContinuationToken>".encode()
+                    data, hit = re.subn(rb"<NextContinuationToken>[^<]*</NextContinuationToken>", tag, data)
+                    if not hit:
+                        data = data.replace(b"<IsTruncated>false</IsTruncated>", b"<IsTruncated>true</IsTruncated>" + tag)
+                    length = str(len(data))
                 reply(self, status, out_hdrs, data, length)
 
             do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward

@@ -30,8 +30,18 @@ every throttled DELETE was an error.
 
 **Memory.** Revoked and age deletions are decided while the store is listed, so such a pass keeps nothing per
 object; a capacity target (``target_bytes``) keeps one ``(mtime, size, name)`` tuple per block it may still
-delete, to delete oldest first. Before (2026-11-29) every listed block's ObjectInfo and parsed name were kept
+delete, by name (repeats: below), to delete oldest first. Before (2026-11-29) every listed block's ObjectInfo and parsed name were kept
 first (~870 B each: ~40 GiB for 50M objects).
+
+**Repeated listings.** A listing may name an object twice: an S3-compatible server that repeats a page (a
+continuation token answered with the previous page again), a file store's directory read while it changes (NFS
+``readdir``). A capacity pass keeps one entry per name (the latest listed), so its total is each block once and
+it deletes oldest blocks only down to ``target_bytes``; every further entry of a kept name is counted
+``listed_duplicates`` (not in ``scanned_*``). Before 2026-12-01 each entry counted: a listing naming every
+object twice made a pass with a target of 8 of 10 blocks delete 6 good blocks, not 2. An age or revoked pass keeps
+nothing per object (above), so it does not see repeats: a repeated entry of a block it deleted is deleted again
+(a no-op on the store) and counted again in ``deleted_*``; ``listed_duplicates`` counts only the repeats of
+blocks a capacity target kept.
 
 **Revoked tenants.** Every block under a revoked tenant's pseudonym is reclaimed whatever its age or
 mtime (its data keys are gone: it can never be read again). Only when the tenant was re-created since
@@ -188,7 +198,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         file store removed because the pass's deletions left them empty (module doc, "Directories");
         ``nested_blocks``: block names deeper below the store's root (another store nested in this one:
         never deleted); ``nested_temps``: writer temp files outside this store's own directories
-        (:func:`own_temp`; never deleted).
+        (:func:`own_temp`; never deleted); ``listed_duplicates``: listing entries naming a block a capacity
+        target keeps that was listed already (module doc, "Repeated listings"; each block counts once).
     Raises:
         ValueError when ``tenant`` cannot be resolved or a threshold is negative, infinite or NaN
         (before anything is listed or deleted); StoreUnavailable when the store is down.
@@ -212,7 +223,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0, "announce": 0}, "deleted_objects": 0,
            "deleted_bytes": 0, "errors": 0, "unlisted": unlisted, "store_now": store_now, "time_base": base,
            "clock_skew_s": skew, "future_objects": 0, "headers_read": 0, "pruned_dirs": 0, "nested_blocks": 0,
-           "nested_temps": 0}
+           "nested_temps": 0, "listed_duplicates": 0}
     if warning is not None:
         res["warnings"] = [warning]
 
@@ -252,10 +263,17 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         res["deleted_bytes"] += size
 
     # Decided while listing (module doc, "Memory"): only the blocks a capacity target may still delete are
-    # kept, as (mtime, size, name) tuples; an age or revoked pass keeps nothing per object.
-    keep: list[tuple[float, int, str]] = []
+    # kept, as name -> (mtime, size, name) (one entry per name: "Repeated listings"); an age or revoked pass
+    # keeps nothing per object.
+    keep: dict[str, tuple[float, int, str]] = {}
     block_bytes = 0  # deleted block bytes (not temp files): remaining_bytes
     for o in listing(store.list_patient("", THROTTLE_ATTEMPTS), unlisted):
+        seen = keep.get(o.name)
+        if seen is not None:  # listed again (a repeated page): one block, counted once, its latest entry kept
+            res["listed_duplicates"] += 1
+            res["scanned_bytes"] += o.size - seen[1]
+            keep[o.name] = (o.mtime, o.size, o.name)
+            continue
         meta = parse_block_name(o.name)
         if meta is None and parse_block_name(o.name, nested=True) is not None:
             res["nested_blocks"] += 1  # another store's block below this one's root: never ours to delete
@@ -282,11 +300,13 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             drop(o.name, o.size, why)
             block_bytes += res["deleted_bytes"] - before
         elif target_bytes is not None:
-            keep.append((o.mtime, o.size, o.name))
+            keep[o.name] = (o.mtime, o.size, o.name)
     if target_bytes is not None:
-        total = sum(size for _, size, _ in keep)
-        keep.sort()
-        for _mtime, size, name in keep:
+        oldest = list(keep.values())  # the dict's tuples, not copies
+        keep.clear()
+        total = sum(size for _, size, _ in oldest)
+        oldest.sort()
+        for _mtime, size, name in oldest:
             if total <= target_bytes:
                 break
             before = res["deleted_bytes"]
