@@ -99,8 +99,9 @@ def drop_blocks(pool: Any, keys: list[Any], deadline: Any, tier_type: str) -> in
     """Delete ``keys`` (the blocks of chunks a tier failed to read, not by a timeout) from ``pool`` (a G3 pool:
     ``G3Pool.drop_unreadable``), so the recomputed chunks' stores write them again instead of skipping them as
     held; how many it deleted. A block whose slot re-reads and verifies stays: the failed read was transient
-    (before 2026-11-30 it was deleted too: good blocks lost to one bad read). Never raises (logged): a block left
-    in place only stays cooling (:class:`FailedChunks`)."""
+    (before 2026-11-30 it was deleted too: good blocks lost to one bad read); so does one a re-read cannot read
+    either until it stayed unreadable (docs/invariants.md #1). Never raises (logged): a block left in place only
+    stays cooling (:class:`FailedChunks`)."""
     try:
         n = int(pool.drop_unreadable(keys).result(timeout=deadline.left()))
     except Exception as e:  # noqa: BLE001 - the failed load is reported either way

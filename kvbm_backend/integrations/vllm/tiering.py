@@ -86,8 +86,8 @@ and its payload (token ids) in vLLM's tracker. G4 (no index listing) publishes s
 Never wrong KV: a chunk is copied into the primary only after every rank's block was verified by the pool (header
 identity + integrity in our staging buffer); failed chunks are reported failed (``JobResult.success=False`` with
 ``successful_keys`` the verified ones), their lookup verdict is forced to miss (and for the connector's 30 s cool-down every new lookup of them: :class:`.failed_blocks.FailedChunks`;
-G3 deletes a copy it failed to read, not by a timeout, so the recomputed chunk is written again), and the primary
-slot stays untouched.
+G3 deletes a copy it failed to read, not by a timeout, so the recomputed chunk is written again: at once on a proof of bad bytes (a re-read's frame error, short file or other token digest); a copy the re-read cannot read either (an I/O error) is kept, cooling, and deleted only once its re-reads failed in 3 loads over 300 s or more, none verifying:
+docs/invariants.md #1, :mod:`kvbm_backend.pool.g3.read.unreadable`), and the primary slot stays untouched.
 
 Revocations (G3Tier, :mod:`.tier_revoked`): a G3Tier follows the G4 keyring its config names, else that of a
 G4Tier of ours in the same manager; a tenant revoked there (``kvbm-backend keys revoke``) is neither looked up nor

@@ -20,9 +20,10 @@ further pool reads. A load whose first failed block ran out of time (the load's 
 bound: ``GetResult.timed_out``) is a timeout (``FailedLoad`` reason ``timeout``, counted ``load_timeouts``),
 not a miss: the scheduler does not cool the block, and a G3 block is reported removed to the scheduler's
 mirror only when the pool's index no longer holds it. A G3 block whose read failed otherwise (absent, corrupt, a
-read error) is a miss, and one G3 still holds (a read error it cannot prove bad) is deleted
-(:meth:`WorkerSide.drop_unreadable`) unless a fresh re-read of its slot verifies (``G3Pool.drop_unreadable``: a
-transient read error keeps a good block), so the recompute's save stores it again. Blocks loaded from G4 are promoted into G3 (``promote_to_g3``;
+read error) is a miss, and one G3 still holds is deleted (:meth:`WorkerSide.drop_unreadable`) when a fresh re-read
+of its slot proves its bytes bad, or once it stayed unreadable over several failed loads and minutes
+(``G3Pool.drop_unreadable``: a read error keeps a good block, docs/invariants.md #1), so the recompute's save
+stores it again. Blocks loaded from G4 are promoted into G3 (``promote_to_g3``;
 staged by :mod:`.offloads` as saves are, so a CUDA engine's load thread never waits for the device there),
 past G3's admission filter: a block asked for again is by definition a repeat sighting.
 
@@ -329,8 +330,9 @@ class WorkerSide:
         """Delete from G3 the blocks of ``missed`` (G3 keys whose load failed other than by a timeout) it still
         holds: a read error G3 could not prove bad keeps the slot, and before 2026-11-30 the block was offered
         again after every cool-down (:mod:`.failed_blocks`), failed again, and the recomputed block's save was
-        skipped as held, for good. Deleted, the recompute's save writes it again. A block whose slot re-reads and
-        verifies stays (``G3Pool.drop_unreadable``: the failed read was transient). Counted
+        skipped as held, for good. Deleted, the recompute's save writes it again. G3 deletes only on a proof of
+        bad bytes, or once the block stayed unreadable (``G3Pool.drop_unreadable``: a block whose slot re-reads
+        and verifies, or cannot be re-read for now, stays). Counted
         ``load_g3_dropped_blocks``; a failed delete is logged (the block then only cools). Never raises."""
         g3p = self.g3
         held = [k for k in missed if g3p is not None and g3p.contains(k)]

@@ -320,10 +320,13 @@ class G3Pool:
         self.reader.drop_corrupt(key, reason)
 
     def drop_unreadable(self, keys: Sequence[BlockKey]) -> Future[int]:
-        """Delete the blocks of ``keys`` whose load failed other than by a timeout, except those whose slot a
-        fresh synchronous re-read shows good (header and checksum verify: the failed read was a transient
-        error, and the block stays). A slot that re-reads bad or not at all is removed as :meth:`delete`
-        removes it. Future of how many were deleted (completed at once). Never raises for storage trouble."""
+        """Delete the blocks of ``keys`` whose load failed other than by a timeout once a fresh synchronous
+        re-read proves their stored bytes bad (a FrameError reason, ``short``, ``token_digest``): removed as
+        :meth:`delete` removes them. A slot that re-reads good stays (the failed read was transient); one the
+        re-read cannot read either (an I/O error: no proof) stays too (``unreadable_kept``) until it has stayed
+        unreadable over several failed loads and minutes (``unreadable_deleted``: :mod:`.read.unreadable`,
+        docs/invariants.md #1). Future of how many were deleted (completed at once). Never raises for storage
+        trouble."""
         return completed(self.reader.drop_unreadable(list(keys)))
 
     def device_reader(self, device: str | torch.device) -> DeviceLoader:
@@ -480,7 +483,7 @@ class G3Pool:
                      "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
                      "restored_blocks", "restore_dropped", "restored_by_scan", "restore_scanned_slots",
                      "restore_header_retries", "lookup_blocks",
-                     "lookup_hits", "deleted", "late_reads",
+                     "lookup_hits", "deleted", "late_reads", "unreadable_kept", "unreadable_deleted",
                      "device_loads", "device_hits", "sync_groups", "journal_syncs", "journal_compactions"):
             d[name] = c.get(name, 0)
         # the names every pool reports (pool.base.STATS_CONTRACT)

@@ -170,8 +170,9 @@ def _inject_eio(monkeypatch, g3, key, times: int | None = None) -> None:
 def test_a_block_that_fails_on_one_tp_rank_is_withdrawn_for_every_rank(tmp_path, monkeypatch):
     """TP 2: both ranks stored the prompt; rank 1's slot of block 1 has a read error (kept by G3), rank 0's reads
     fine. vLLM's KVOutputAggregator merges the ranks' outputs (invalid block ids: their union; worker meta: both
-    reports); the scheduler answers the request 0 from then on and offers a new request only block 0 (rank 1's
-    unreadable copy is deleted, rank 0's is kept; the cool-down of the block's sequence hash is rank-independent)."""
+    reports); the scheduler answers the request 0 from then on and offers a new request only block 0 (the cool-down
+    of the block's sequence hash is rank-independent). Both copies stay in G3: rank 1's read error is no proof of
+    bad bytes (docs/invariants.md #1; before 2026-12-01 it was deleted), and rank 0's read fine."""
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
     from copy import copy
@@ -207,8 +208,8 @@ def test_a_block_that_fails_on_one_tp_rank_is_withdrawn_for_every_rank(tmp_path,
         assert agg.finished_recving == {"r1"} and agg.invalid_block_ids == set(range(11, 10 + N))
         assert [(f.first_failed, f.reason) for f in agg.kv_connector_worker_meta.failed] == [(hs[1], "miss")]
         s.update_connector_output(agg.kv_connector_worker_meta)
-        # rank 1's unreadable copy is deleted (rewritten by the recompute's save), rank 0's is kept
-        assert not g3.contains(bad) and g3.contains(ns.key(hs[1], TENANT, 0))
+        # rank 1's unreadable copy is kept (an I/O error proves nothing; it cools), rank 0's too
+        assert g3.contains(bad) and g3.contains(ns.key(hs[1], TENANT, 0))
         assert s.get_num_new_matched_tokens(r1, 0) == (0, False)
         assert _ask(s, _req("r2", toks)) == 1 * bs
     finally:
@@ -235,33 +236,79 @@ def _worker_with_two_blocks(tmp_path, seed: int):
         raise
     return kv, ns, g3, w, hs
 
-def test_a_g3_block_a_read_error_missed_is_deleted_so_its_recompute_is_stored_again(tmp_path, monkeypatch):
-    """A read error G3 cannot prove bad (EIO on the slot) keeps the slot: before, the connector's scheduler cooled
-    the block for 30 s and then offered it again, every new request's load failed on it again, and the recomputed
-    block's store was skipped (held), so it was never written again: a failed load and a recompute every cool-down,
-    for good. Now the worker deletes a G3 block whose read failed other than by a timeout (as the native G3 tier
-    does), reports it removed to the scheduler's mirror, and the recompute's store writes it again: it then loads
-    the exact bytes."""
+def test_a_g3_block_that_stays_unreadable_is_deleted_so_its_recompute_is_stored_again(tmp_path, monkeypatch):
+    """A read error G3 cannot prove bad (EIO on the slot) keeps the slot. Before 2026-11-30 the scheduler cooled the
+    block for 30 s and then offered it again, every new request's load failed on it again, and the recomputed
+    block's store was skipped (held), so it was never written again, for good; from 2026-11-30 the worker deleted it
+    at its first failed load, also when the error was a hiccup of milliseconds (review 2026-12-01, finding 3: an
+    I/O error is no proof of bad bytes, docs/invariants.md #1). Now each failed load is a miss the scheduler cools
+    (reason ``miss``) while the block stays in G3 and in the mirror; once its re-reads have failed in
+    ``UNREADABLE_STRIKES`` loads over ``UNREADABLE_SPAN_S`` (the pool's clock, set here: the loads 150 s apart),
+    the worker's delete goes through, the block is reported removed, and the recompute's store writes it again: it
+    then loads the exact bytes."""
     from kvbm_backend.integrations.vllm import stats
     from kvbm_backend.integrations.vllm.metadata import LoadJob, mirror_id
+    from kvbm_backend.pool.g3.read.unreadable import UNREADABLE_SPAN_S, UNREADABLE_STRIKES
     from tests.integrations.vllm.test_worker_device_path import _block_bytes
 
+    assert (UNREADABLE_STRIKES, UNREADABLE_SPAN_S) == (3, 300.0)  # the schedule below
     kv, ns, g3, w, hs = _worker_with_two_blocks(tmp_path, 51)
     try:
         w.worker_meta()  # the first report (snapshot) is out
         bad = ns.key(hs[1], TENANT, 0)
+        now = [1000.0]
+        g3.reader.unreadable.clock = lambda: now[0]
         stats.reset()
         with monkeypatch.context() as mp:
             _inject_eio(mp, g3, bad)
-            w.start_loads([LoadJob("r1", [11], [hs[1]], ["G3"], TENANT)])
-            errs, meta = _finish(w, "r1")
-        assert errs == {11}
-        assert meta is not None and [(f.first_failed, f.reason) for f in meta.failed] == [(hs[1], "miss")]
+            for t in (0.0, 150.0, 300.0):
+                now[0] = 1000.0 + t
+                rid = f"r{int(t)}"
+                w.start_loads([LoadJob(rid, [11], [hs[1]], ["G3"], TENANT)])
+                errs, meta = _finish(w, rid)
+                assert errs == {11}
+                assert meta is not None and [(f.first_failed, f.reason) for f in meta.failed] == [(hs[1], "miss")]
+                if t < 300.0:  # kept: still in G3 and in the scheduler's mirror (the failed load cools it there)
+                    assert g3.contains(bad) and mirror_id(bad) not in meta.removed, t
+                    assert not stats.get("load_g3_dropped_blocks")
         assert not g3.contains(bad) and g3.contains(ns.key(hs[0], TENANT, 0))  # only the unreadable block
         assert mirror_id(bad) in meta.removed  # the scheduler's mirror no longer offers it
         assert stats.get("load_g3_dropped_blocks") == 1
         _save(w, g3, [2], [hs[1]], tenant=TENANT)  # vLLM recomputed it; the step's save
         assert g3.contains(bad)
+        w.start_loads([LoadJob("r2", [12], [hs[1]], ["G3"], TENANT)])
+        errs, _ = _finish(w, "r2")
+        assert errs == set() and torch.equal(_block_bytes(kv, 12), _block_bytes(kv, 2))
+    finally:
+        w.shutdown()
+        g3.close()
+
+
+def test_a_g3_block_a_burst_of_read_errors_missed_is_kept_and_loads_after_it(tmp_path, monkeypatch):
+    """Review 2026-12-01, finding 3: every read of the slot fails for a moment (a device reset, an NFS server
+    restarting), covering the load's read and G3's re-read before a delete. The load fails (vLLM recomputes; the
+    scheduler cools the block: reason ``miss``), but the block is kept and stays in the scheduler's mirror, and once
+    the reads work again the next load gets its exact bytes. Before the fix it was deleted (and reported removed)."""
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.metadata import LoadJob, mirror_id
+    from tests.helpers.eio import slot_eio
+    from tests.integrations.vllm.test_worker_device_path import _block_bytes
+
+    kv, ns, g3, w, hs = _worker_with_two_blocks(tmp_path, 57)
+    try:
+        w.worker_meta()
+        key = ns.key(hs[1], TENANT, 0)
+        stats.reset()
+        with monkeypatch.context() as mp:
+            eio = slot_eio(mp, g3, key)
+            w.start_loads([LoadJob("r1", [11], [hs[1]], ["G3"], TENANT)])
+            errs, meta = _finish(w, "r1")
+            assert eio.failed >= 2, eio  # the load's read and the re-read before the delete
+        assert errs == {11}
+        assert meta is not None and [(f.first_failed, f.reason) for f in meta.failed] == [(hs[1], "miss")]
+        assert g3.contains(key), "a good block was deleted after a burst of read errors"
+        assert mirror_id(key) not in meta.removed and not stats.get("load_g3_dropped_blocks")
+        assert g3.stats()["unreadable_kept"] == 1
         w.start_loads([LoadJob("r2", [12], [hs[1]], ["G3"], TENANT)])
         errs, _ = _finish(w, "r2")
         assert errs == set() and torch.equal(_block_bytes(kv, 12), _block_bytes(kv, 2))

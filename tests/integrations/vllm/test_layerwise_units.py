@@ -291,9 +291,10 @@ def test_a_block_a_layerwise_read_failed_on_stays_reported_while_g3_holds_it(tmp
     but removed to the scheduler's mirror / the router's KV events only those G3 no longer holds, as an
     asynchronous load does (``WorkerSide._report_load_misses``). Before, every failed row but a timeout was
     reported removed: the mirror and the events lost blocks G3 holds (the ones after the failed read). The block
-    whose read failed (EIO: G3 cannot prove it bad) is deleted by the worker since 2026-11-30
-    (``WorkerSide.drop_unreadable``: else it was offered again after every cool-down and its recompute never
-    stored), so it is reported removed, as is a block G3 dropped as corrupt."""
+    whose read failed (EIO: G3 cannot prove it bad) is kept and stays reported since 2026-12-01 (an I/O error is no
+    proof of bad bytes, docs/invariants.md #1: ``G3Pool.drop_unreadable`` deletes it only once it stayed unreadable
+    over several failed loads; from 2026-11-30 the worker deleted it at once and reported it removed); a block G3
+    dropped as corrupt is reported removed."""
     from kvbm_backend.io.files import ReadFiles
     from kvbm_backend.integrations.vllm.metadata import mirror_id
     src, ns, cfg, g3, hashes = _stored(tmp_path, "cpu")
@@ -332,13 +333,13 @@ def test_a_block_a_layerwise_read_failed_on_stays_reported_while_g3_holds_it(tmp
             lw.wait_layer(n)
         assert lw.finish() == {"r"}
         assert w.load_errors() == {10, 11, 12, 13}  # from the failed read on: recomputed
-        assert not g3.contains(keys[1]) and not g3.contains(corrupt)
+        assert g3.contains(keys[1]) and not g3.contains(corrupt)  # a read error proves nothing: kept
         assert all(g3.contains(k) for k in (keys[0], keys[2], keys[4]))  # read fine, or not read: kept
         meta = w.worker_meta()
         removed = set(meta.removed) if meta is not None else set()
-        assert mirror_id(keys[1]) in removed  # unreadable: deleted, so reported removed
         assert mirror_id(corrupt) in removed  # gone from G3: reported removed
-        assert not removed & {mirror_id(k) for k in (keys[0], keys[2], keys[4])}  # G3 holds them: stay reported
+        # G3 holds them (keys[1]: unreadable now, kept): they stay reported
+        assert not removed & {mirror_id(k) for k in (keys[0], keys[1], keys[2], keys[4])}
     finally:
         lw.close()
         w.shutdown()

@@ -90,11 +90,13 @@ def _inject_eio(monkeypatch, tier, key) -> None:
 @pytest.mark.parametrize("drop", [True, False], ids=["deleted", "kept"])
 def test_a_chunk_g3_cannot_read_is_no_hit_again_and_is_rewritten(tmp_path, make, monkeypatch, drop):
     """A read error G3 cannot prove bad keeps the slot: before, every new request was offered the chunk, loaded it
-    in vain and recomputed it, and the recomputed chunk's store (skipped: held) was published stored again. Now the
-    tier deletes the unreadable copy, new requests miss the chunk for the cool-down (no load
-    scheduled), the recomputed chunk's store writes a new copy but is not published while cooling, and that copy
-    serves the exact bytes once the cool-down is over (a fresh tier). ``kept``: a tier that keeps the copy (G4, or
-    a deletion that failed) still misses the chunk and publishes none of its stores while it cools."""
+    in vain and recomputed it, and the recomputed chunk's store (skipped: held) was published stored again. Now
+    new requests miss the chunk for the cool-down (no load scheduled) and the recomputed chunk's stores are not
+    published while it cools. ``deleted``: the copy has stayed unreadable long enough (two earlier failed loads'
+    re-reads, 150 and 300 s before this one on the pool's clock: ``G3Pool.drop_unreadable``), so the tier deletes
+    it, the recompute's store writes a new copy, and that copy serves the exact bytes once the cool-down is over (a
+    fresh tier). ``kept``: a tier that keeps the copy (G4, or a deletion that failed) still misses the chunk and
+    publishes none of its stores while it cools."""
     t = g3_tier(tmp_path / "g3", enable_kv_events=True)
     t["g3"]["engine"] = "posix"  # reads through os.preadv/os.pread, where the bad sector is injected
     h = make([t], enable_kv_cache_events=True)
@@ -106,6 +108,12 @@ def test_a_chunk_g3_cannot_read_is_no_hit_again_and_is_rewritten(tmp_path, make,
     assert [(e.removed, len(e.keys)) for e in h.manager.take_events() if e.medium is Medium.STORAGE] == [(False, 1)]
     with monkeypatch.context() as mp:
         _inject_eio(mp, tier, keys[0])
+        now = [1000.0]
+        tier.pool.reader.unreadable.clock = lambda: now[0]
+        for t in (1000.0, 1150.0):  # earlier failed loads' re-reads (kept: docs/invariants.md #1)
+            now[0] = t
+            assert tier.pool.drop_unreadable(tier._block_keys(keys[0], tier._tenant)).result(timeout=HANG_S) == 0
+        now[0] = 1300.0
         for attempt in range(3):
             h.reset_primary()
             assert h.load(keys, ctx=h.context(f"req-{attempt}"), timeout=HANG_S) == []
@@ -123,6 +131,37 @@ def test_a_chunk_g3_cannot_read_is_no_hit_again_and_is_rewritten(tmp_path, make,
             assert st["chunks_stored"] == 1, st  # the first store only: the cooling chunk's stores are skipped
         assert _looked_up(tier, h.context("new"), keys[0]) is LookupResult.MISS
         assert tier.pool.contains(tier.namespace.key(offload_key_hash(keys[0])))  # recomputed (deleted) or kept
+    h.shutdown()
+    again = make([g3_tier(tmp_path / "g3")])
+    got = again.load(keys, timeout=HANG_S)
+    assert len(got) == 1 and np.array_equal(got[0], data[0])
+
+
+def test_a_burst_of_read_errors_keeps_the_g3_chunk_cooling_and_it_loads_after(tmp_path, make, monkeypatch):
+    """Review 2026-12-01, finding 3 (the reviewer's r2_eio_burst on a G3Tier): every read of the chunk's slot fails
+    for a moment, covering the load's read, the get's re-read and the tier's re-read before a delete. The load fails
+    (the request recomputes) and new requests miss the chunk while it cools (not offered again), but G3 keeps it: an
+    I/O error is no proof of bad bytes (docs/invariants.md #1). Once the reads work again, a fresh tier (the
+    cool-down is the tier's) loads its exact bytes. Before the fix the tier deleted it (``blocks_dropped`` 1)."""
+    t = g3_tier(tmp_path / "g3")
+    t["g3"]["engine"] = "posix"  # reads through os.preadv/os.pread, where the errors are injected
+    h = make([t])
+    tier = h.tier
+    keys, data = keys_for(1, "eio-burst"), payloads(h, 1, seed=13)
+    h.store(keys, data)
+    h.wait_idle()
+    h.reset_primary()
+    bkey = tier.namespace.key(offload_key_hash(keys[0]))
+    from tests.helpers.eio import slot_eio
+    with monkeypatch.context() as mp:
+        eio = slot_eio(mp, tier.pool, bkey)
+        assert h.load(keys, ctx=h.context("req-burst"), timeout=HANG_S) == []
+        assert eio.failed >= 3, eio  # the load's read, the get's re-read, the tier's re-read
+    st = tier.kvbm_stats()
+    assert (st["tier"]["loads_failed"], st["tier"].get("blocks_dropped", 0)) == (1, 0), st["tier"]
+    assert tier.pool.contains(bkey), "a good block was deleted after a burst of read errors"
+    assert st["pool"]["unreadable_kept"] == 1 and st["pool"]["deleted"] == 0, st["pool"]
+    assert _looked_up(tier, h.context("new"), keys[0]) is LookupResult.MISS  # cooling: not offered again
     h.shutdown()
     again = make([g3_tier(tmp_path / "g3")])
     got = again.load(keys, timeout=HANG_S)

@@ -2,7 +2,8 @@
 
 * lease -- slots are pinned in the catalog while read (:meth:`.reader.G3Reader.lease` / ``release``; host
   gets pin in :class:`.host.HostGet`); a slot is dropped only once its stored bytes are proven bad
-  (:meth:`.reader.G3Reader.prove_bad`, :meth:`~.reader.G3Reader.drop_corrupt`).
+  (:meth:`.reader.G3Reader.prove_bad`, :meth:`~.reader.G3Reader.drop_corrupt`), or once it stayed unreadable over
+  several failed loads (:meth:`~.reader.G3Reader.drop_unreadable`, :mod:`.unreadable`).
 * plan -- :mod:`kvbm_backend.transfer`: chunks of staged slot runs (host), passes of contiguous runs
   (device), reads ordered by layer group (layer-wise, :mod:`kvbm_backend.transfer.layers`).
 * read -- :mod:`kvbm_backend.io`: the pool's engine (posix / nixl) for host gets; kvikio

@@ -6,7 +6,8 @@ timer, one :class:`~.device.DeviceLoader` per device and the thread that runs te
 loads the reader threads, slab fds and host staging, made on first use) and reaches slot
 state only through the pool's slot catalog (``cat``: the index, slab files, journal and counters under
 ``cat.lock``, :class:`~kvbm_backend.pool.g3.catalog.SlotCatalog`): it pins slots it reads, unpins them, and drops a slot
-from the index and the journal only once its stored bytes are proven bad (:meth:`G3Reader.prove_bad`).
+from the index and the journal only once its stored bytes are proven bad (:meth:`G3Reader.prove_bad`), or, asked by
+a failed load's caller (:meth:`G3Reader.drop_unreadable`), once its slot stayed unreadable (:mod:`.unreadable`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from ..catalog import _MISS_REASON, HDR, SlotCatalog
 from ..pieces import Slot
 from .host import HostGet, same_slot, valid_key
 from .layerwise import LayerwiseLoad
+from .unreadable import UNREADABLE_SPAN_S, UNREADABLE_STRIKES, UnreadableBlocks
 from ....threads import executor
 
 if TYPE_CHECKING:
@@ -95,6 +97,7 @@ class G3Reader:
         self._device_exec = executor(2, "kvbm-g3-device")
         self._layerwise: _LayerwiseParts | None = None  # made by the first layerwise_load
         self._closed = False
+        self.unreadable = UnreadableBlocks()  # drop_unreadable's failed re-reads (how long a block is kept)
 
     # ---- get: numpy (host pipeline) or tensors (device loader) -----------------------------------
     def get(self, keys: list[BlockKey], out: GetDestinations) -> Future[GetResult]:
@@ -175,8 +178,8 @@ class G3Reader:
             cat.update_gauges()
 
     def drop_unreadable(self, keys: Sequence[BlockKey]) -> int:
-        """See ``G3Pool.drop_unreadable``."""
-        cat, n = self.cat, 0
+        """See ``G3Pool.drop_unreadable`` (and :mod:`.unreadable`)."""
+        cat, n, kept, persistent = self.cat, 0, 0, 0
         for key in keys:
             with cat.lock:
                 slot = cat.index.get(key) if valid_key(key) and key.namespace == cat.fp else None
@@ -185,8 +188,13 @@ class G3Reader:
                     continue
                 cat.index.pin(slot)  # not evicted or reused while it is re-read
             try:
-                if self.prove_bad(slot, rec, frame.key_digest(key)) == "good":  # the read's failure, not the bytes'
+                why = self.prove_bad(slot, rec, frame.key_digest(key))
+                if why == "good":  # the read's failure, not the bytes'
+                    self.unreadable.forget(key)
                     log.warning("G3: a load reported slot %s unreadable but it re-reads and verifies; kept", slot)
+                    continue
+                if why == "unreadable" and not self.unreadable.failed(key, slot):  # an I/O error proves nothing
+                    kept += 1
                     continue
                 with cat.lock:
                     if not same_slot(cat.index.get(key), slot):  # deleted (maybe written again) meanwhile
@@ -194,9 +202,22 @@ class G3Reader:
                     cat.remove(key, slot)
                     cat.journal_append([jr.encode(jr.DEL, key)])
                     cat.c["deleted"] += 1
+                    if why == "unreadable":
+                        cat.c["unreadable_deleted"] += 1
+                        persistent += 1
                     n += 1
+                self.unreadable.forget(key)
             finally:
                 self.unpin([slot])
+        if kept:
+            with cat.lock:
+                cat.c["unreadable_kept"] += kept
+            log.warning("G3: %d block(s) a load could not read and a re-read could not either (I/O error, no proof of "
+                        "bad bytes): kept (deleted once unreadable in %d failed loads over %.0f s)", kept,
+                        UNREADABLE_STRIKES, UNREADABLE_SPAN_S)
+        if persistent:
+            log.warning("G3: %d block(s) unreadable in %d failed loads or more over %.0f s or more: deleted", persistent,
+                        UNREADABLE_STRIKES, UNREADABLE_SPAN_S)
         if n:
             cat.update_gauges()
         return n
