@@ -15,7 +15,6 @@ the scheduler role, vLLM's aggregator. The load plan is the scheduler's own (``u
 """
 from __future__ import annotations
 
-import errno
 import os
 import time
 from types import SimpleNamespace
@@ -32,6 +31,7 @@ from kvbm_backend.model.hashing import salt_bytes, salt_hash, sequence_hashes, t
 from kvbm_backend.model.namespace import Namespace  # noqa: E402
 from kvbm_backend.pool.g4.pool import G4Pool  # noqa: E402
 from kvbm_backend.pool.g3 import G3Pool  # noqa: E402
+from tests.helpers.eio import slot_eio  # noqa: E402
 from tests.helpers.pools import g3_config  # noqa: E402
 from tests.integrations.vllm.test_worker_device_path import LOAD_S, _engine, _save  # noqa: E402
 
@@ -133,40 +133,6 @@ def test_a_g4_block_found_at_lookup_that_fails_at_load_is_not_offered_again(tmp_
         g4.close()
 
 
-def _inject_eio(monkeypatch, g3, key, times: int | None = None) -> None:
-    """Reads that cover ``key``'s G3 slot fail with EIO (a bad sector: G3 cannot prove the bytes bad, so keeps the
-    slot). A read of consecutive slots (the reader merges them) fails as a whole, as the disk's would. ``times``:
-    only the first that many such reads fail (a transient error), the later ones read the slot as stored."""
-    fi, si = g3.index.get(key)
-    spath, sb = os.path.realpath(g3.slabs.by_index[fi].path), g3.slot_bytes
-    real_preadv, real_pread = os.preadv, os.pread
-    left = [times]
-
-    def bad(fd, off, n) -> bool:
-        try:
-            hit = off < (si + 1) * sb and off + n > si * sb and os.readlink(f"/proc/self/fd/{fd}") == spath
-        except OSError:
-            return False
-        if hit and left[0] is not None:
-            if left[0] <= 0:
-                return False
-            left[0] -= 1
-        return hit
-
-    def preadv(fd, bufs, off, *a):
-        if bad(fd, off, sum(memoryview(b).nbytes for b in bufs)):
-            raise OSError(errno.EIO, "injected bad sector")
-        return real_preadv(fd, bufs, off, *a)
-
-    def pread(fd, n, off, *a):
-        if bad(fd, off, n):
-            raise OSError(errno.EIO, "injected bad sector")
-        return real_pread(fd, n, off, *a)
-
-    monkeypatch.setattr(os, "preadv", preadv)
-    monkeypatch.setattr(os, "pread", pread)
-
-
 def test_a_block_that_fails_on_one_tp_rank_is_withdrawn_for_every_rank(tmp_path, monkeypatch):
     """TP 2: both ranks stored the prompt; rank 1's slot of block 1 has a read error (kept by G3), rank 0's reads
     fine. vLLM's KVOutputAggregator merges the ranks' outputs (invalid block ids: their union; worker meta: both
@@ -195,7 +161,7 @@ def test_a_block_that_fails_on_one_tp_rank_is_withdrawn_for_every_rank(tmp_path,
         assert _ask(s, r1) == N * bs  # both ranks hold every block
         jobs = _plan(s, r1, N * bs, list(range(10, 10 + N)))
         bad = ns.key(hs[1], TENANT, 1)
-        _inject_eio(monkeypatch, g3, bad)
+        slot_eio(monkeypatch, g3, bad)
         outs = []
         for w in ws:
             w.start_loads(jobs)
@@ -260,7 +226,7 @@ def test_a_g3_block_that_stays_unreadable_is_deleted_so_its_recompute_is_stored_
         g3.reader.unreadable.clock = lambda: now[0]
         stats.reset()
         with monkeypatch.context() as mp:
-            _inject_eio(mp, g3, bad)
+            slot_eio(mp, g3, bad)
             for t in (0.0, 150.0, 300.0):
                 now[0] = 1000.0 + t
                 rid = f"r{int(t)}"
@@ -291,7 +257,6 @@ def test_a_g3_block_a_burst_of_read_errors_missed_is_kept_and_loads_after_it(tmp
     the reads work again the next load gets its exact bytes. Before the fix it was deleted (and reported removed)."""
     from kvbm_backend.integrations.vllm import stats
     from kvbm_backend.integrations.vllm.metadata import LoadJob, mirror_id
-    from tests.helpers.eio import slot_eio
     from tests.integrations.vllm.test_worker_device_path import _block_bytes
 
     kv, ns, g3, w, hs = _worker_with_two_blocks(tmp_path, 57)
@@ -334,7 +299,7 @@ def test_a_g3_block_whose_read_failed_once_but_re_reads_good_is_kept(tmp_path, m
         key = ns.key(hs[1], TENANT, 0)
         stats.reset()
         with monkeypatch.context() as mp:
-            _inject_eio(mp, g3, key, times=1)  # the load's read fails; every later read of the slot is fine
+            slot_eio(mp, g3, key, times=1)  # the load's read fails; every later read of the slot is fine
             w.start_loads([LoadJob("r1", [11], [hs[1]], ["G3"], TENANT)])
             errs, _ = _finish(w, "r1")
         assert errs == {11}  # that load failed (vLLM recomputes), never wrong KV
