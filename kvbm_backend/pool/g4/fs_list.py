@@ -17,6 +17,13 @@ def is_temp_name(basename: str) -> bool:
     return basename.startswith(".") and basename.endswith(".tmp")
 
 
+def stat_version(st: os.stat_result) -> str:
+    """A listed file's :attr:`~.store.ObjectInfo.version`: ``"{st_ino}:{st_mtime_ns}:{st_size}"`` (a rename
+    keeps all three; a file written since differs in one unless it got the freed inode, the same mtime to the
+    nanosecond, or to the filesystem's timestamp granularity, and the same size)."""
+    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+
+
 def walk(root: Path, url: str, prefix: str, temps: bool) -> Iterator[ObjectInfo]:
     """Objects (``temps``: writer temp files) of the store at ``root`` (``url`` for messages) whose name
     starts with ``prefix``: walks the deepest directory ``prefix`` fully names."""
@@ -46,6 +53,6 @@ def walk(root: Path, url: str, prefix: str, temps: bool) -> Iterator[ObjectInfo]
                 unlisted(e)
                 continue
             if stat.S_ISREG(st.st_mode):
-                yield ObjectInfo(rel, st.st_size, st.st_mtime)
+                yield ObjectInfo(rel, st.st_size, st.st_mtime, stat_version(st))
     if failed:
         raise ListIncomplete(url, failed)

@@ -23,18 +23,24 @@ the pool never see them, and gc removes one that a crash (or an error between st
 it does a crashed writer's temp file, once its mtime is ``temp_grace_s`` old (a rename keeps the object's
 mtime: a quarantined old bad object goes at the next gc, a just written good one only after the grace).
 Before 2026-12-01 the reader deleted by name after the confirmation (review finding 4).
+
+gc deletes what it listed the same way (:func:`delete_if_listed`): step 2 compares the quarantined file's
+inode, mtime (ns) and size with the listing's (:func:`.fs_list.stat_version`) instead of reading it. Before
+2026-12-01 gc unlinked by name: a good copy written under the name between its listing and its delete went.
 """
 from __future__ import annotations
 
 import os
 import socket
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .fs_confirm import reread_matches
+from .fs_list import stat_version
 
 if TYPE_CHECKING:
     from .fs_store import FsStore
+    from .store import ObjectInfo
 
 _HOST = socket.gethostname().replace("/", "_").replace(".", "_")
 
@@ -50,26 +56,52 @@ def delete_if_matches(store: FsStore, name: str, want: memoryview, size: int) ->
     holding other bytes (put back, or dropped when a newer copy took the name meanwhile). Raises
     StoreUnavailable (EIO, ESTALE...) or OSError when a step fails: the object then stays under its name, or
     under its quarantine name when putting it back failed (gc collects it: module doc)."""
+    dirs = store._split(name)[0]
+    return _swap_out(store, name, lambda dfd, q: reread_matches(lambda n, d: store._open_file(n, d),
+                                                                "/".join([*dirs, q]), want, size))
+
+
+def delete_if_listed(store: FsStore, info: ObjectInfo) -> bool:
+    """Delete object ``info.name`` of ``store`` only while it is the file listed as ``info`` (its
+    :attr:`~.store.ObjectInfo.version`: inode, mtime, size; by name when None): gc's deletes. True when deleted;
+    False when absent or another file (put back, or dropped when a newer copy took the name meanwhile). Raises as
+    :func:`delete_if_matches`."""
+    if info.version is None:
+        store.delete(info.name)
+        return True
+    return _swap_out(store, info.name, lambda dfd, q: stat_version(
+        os.stat(q, dir_fd=dfd, follow_symlinks=False)) == info.version)
+
+
+def _swap_out(store: FsStore, name: str, same: Callable[[int, str], bool]) -> bool:
+    """Quarantine ``name``, then unlink it when ``same(dir_fd, quarantine name)``, else put it back (module doc).
+    Raises the store's wrapped OSError."""
     dirs, base = store._split(name)
     try:
         dfd = store._open_dir(dirs, create=False)
         if dfd is None:
             return False
         try:
-            return _swap_out(store, dfd, dirs, base, want, size)
+            return _swap_out_at(store, dfd, base, same)
         finally:
             os.close(dfd)
     except OSError as e:
         raise store._wrap("delete", name, e) from None
 
 
-def _swap_out(store: FsStore, dfd: int, dirs: list[str], base: str, want: memoryview, size: int) -> bool:
+def _swap_out_at(store: FsStore, dfd: int, base: str, same: Callable[[int, str], bool]) -> bool:
     q = quarantine_name(base)
     try:
         os.rename(base, q, src_dir_fd=dfd, dst_dir_fd=dfd)
     except FileNotFoundError:  # gone already (another reader's drop, gc)
         return False
-    if reread_matches(lambda n, d: store._open_file(n, d), "/".join([*dirs, q]), want, size):
+    try:
+        matches = same(dfd, q)
+    except FileNotFoundError:  # gc took the quarantined one meanwhile
+        return False
+    except OSError:  # cannot tell (EIO, ESTALE): kept, back under its name
+        matches = False
+    if matches:
         _unlink(q, dfd)
         return True
     try:  # a replacement (or not readable now): back under its name, never over a copy published meanwhile

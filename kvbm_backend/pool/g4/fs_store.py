@@ -39,7 +39,7 @@ from ...memory import aligned_empty
 from .fs_confirm import reread_matches
 from .fs_list import is_temp_name as is_temp_name, walk  # is_temp_name: re-exported
 from .fs_prune import prune_empty_dirs
-from .fs_quarantine import delete_if_matches
+from .fs_quarantine import delete_if_listed, delete_if_matches
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -443,6 +443,10 @@ class FsStore(ObjectStore):
         """Delete ``name`` only while it holds the bytes proven bad (renamed to a quarantine name, read again,
         then unlinked or put back): :mod:`.fs_quarantine`, :meth:`~.store.ObjectStore.delete_if_matches`."""
         return delete_if_matches(self, name, _bytes_of(data), size)
+
+    def delete_if_listed(self, info: ObjectInfo) -> bool:
+        """Quarantine rename, then inode/mtime/size compared with the listing: :func:`.fs_quarantine.delete_if_listed`."""
+        return delete_if_listed(self, info)
 
     def head(self, name: str) -> int | None:
         dirs, base = self._split(name)

@@ -39,9 +39,17 @@ continuation token answered with the previous page again), a file store's direct
 it deletes oldest blocks only down to ``target_bytes``; every further entry of a kept name is counted
 ``listed_duplicates`` (not in ``scanned_*``). Before 2026-12-01 each entry counted: a listing naming every
 object twice made a pass with a target of 8 of 10 blocks delete 6 good blocks, not 2. An age or revoked pass keeps
-nothing per object (above), so it does not see repeats: a repeated entry of a block it deleted is deleted again
-(a no-op on the store) and counted again in ``deleted_*``; ``listed_duplicates`` counts only the repeats of
-blocks a capacity target kept.
+nothing per object (above), so it does not see repeats: a repeated entry of a block it deleted is found gone
+(counted ``changed_since_listed``, below; on a store that lists no versions, deleted again: a no-op, counted
+again in ``deleted_*``); ``listed_duplicates`` counts only the repeats of blocks a capacity target kept.
+
+**Deleting what was listed.** Every block and announcement is deleted only while its name still holds the object
+listed (:meth:`~.store.ObjectStore.delete_if_listed`: S3 ``If-Match:`` the listed ETag, file stores a quarantine
+rename and the listed inode, mtime and size compared): when another process deleted it and a worker wrote the
+block again between the listing and the delete, the new copy is kept. Such a listed object, or one gone by the
+delete, is counted ``changed_since_listed`` (not ``deleted_*``); a capacity pass counts its bytes as gone (it
+never deletes more because of it). Writer temp files have unique names: deleted by name. Before 2026-12-01 gc
+deleted by name: that race deleted the good new copy (a block lost, never wrong bytes).
 
 **Revoked tenants.** Every block under a revoked tenant's pseudonym is reclaimed whatever its age or
 mtime (its data keys are gone: it can never be read again). Only when the tenant was re-created since
@@ -91,7 +99,7 @@ from typing import TYPE_CHECKING, Any
 from ...model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader
 from .announce import ANNOUNCE_DIR, batch_prefix, parse_batch_name
 from .naming import parse_block_name
-from .store import ObjectStore, listing
+from .store import ObjectInfo, ObjectStore, listing
 from .throttle import call_attempts
 
 if TYPE_CHECKING:
@@ -199,7 +207,9 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         ``nested_blocks``: block names deeper below the store's root (another store nested in this one:
         never deleted); ``nested_temps``: writer temp files outside this store's own directories
         (:func:`own_temp`; never deleted); ``listed_duplicates``: listing entries naming a block a capacity
-        target keeps that was listed already (module doc, "Repeated listings"; each block counts once).
+        target keeps that was listed already (module doc, "Repeated listings"; each block counts once);
+        ``changed_since_listed``: listed objects not deleted because by the delete their name was gone or held
+        another object (module doc, "Deleting what was listed").
     Raises:
         ValueError when ``tenant`` cannot be resolved or a threshold is negative, infinite or NaN
         (before anything is listed or deleted); StoreUnavailable when the store is down.
@@ -223,7 +233,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0, "announce": 0}, "deleted_objects": 0,
            "deleted_bytes": 0, "errors": 0, "unlisted": unlisted, "store_now": store_now, "time_base": base,
            "clock_skew_s": skew, "future_objects": 0, "headers_read": 0, "pruned_dirs": 0, "nested_blocks": 0,
-           "nested_temps": 0, "listed_duplicates": 0}
+           "nested_temps": 0, "listed_duplicates": 0, "changed_since_listed": 0}
     if warning is not None:
         res["warnings"] = [warning]
 
@@ -249,12 +259,19 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
 
     emptied: set[str] = set()  # directories objects were deleted from (one name each): pruned at the end
 
-    def drop(name: str, size: int, why: str) -> None:
+    def drop(name: str, size: int, why: str, listed: ObjectInfo | None = None) -> None:
+        """Delete ``name`` (``size`` bytes) for reason ``why``: only while it is the object ``listed``
+        (module doc, "Deleting what was listed"); by name when None (writer temp files: unique names) or when
+        the store listed no version."""
         if not dry_run:
             try:
-                call_attempts(lambda: store.delete(name), THROTTLE_ATTEMPTS)
+                gone = call_attempts(lambda: store.delete(name) if listed is None or listed.version is None
+                                     else store.delete_if_listed(listed), THROTTLE_ATTEMPTS)
             except OSError:  # StoreThrottled too, after THROTTLE_ATTEMPTS "slow down" answers
                 res["errors"] += 1
+                return
+            if gone is False:  # the name is gone or holds another object since listed: kept, not deleted
+                res["changed_since_listed"] += 1
                 return
             if "/" in name:
                 emptied.add(name.rsplit("/", 1)[0] + "/")
@@ -263,16 +280,16 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         res["deleted_bytes"] += size
 
     # Decided while listing (module doc, "Memory"): only the blocks a capacity target may still delete are
-    # kept, as name -> (mtime, size, name) (one entry per name: "Repeated listings"); an age or revoked pass
-    # keeps nothing per object.
-    keep: dict[str, tuple[float, int, str]] = {}
+    # kept, as name -> (mtime, size, name, version) (one entry per name: "Repeated listings"); an age or revoked
+    # pass keeps nothing per object.
+    keep: dict[str, tuple[float, int, str, str | None]] = {}
     block_bytes = 0  # deleted block bytes (not temp files): remaining_bytes
     for o in listing(store.list_patient("", THROTTLE_ATTEMPTS), unlisted):
         seen = keep.get(o.name)
         if seen is not None:  # listed again (a repeated page): one block, counted once, its latest entry kept
             res["listed_duplicates"] += 1
             res["scanned_bytes"] += o.size - seen[1]
-            keep[o.name] = (o.mtime, o.size, o.name)
+            keep[o.name] = (o.mtime, o.size, o.name, o.version)
             continue
         meta = parse_block_name(o.name)
         if meta is None and parse_block_name(o.name, nested=True) is not None:
@@ -282,7 +299,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             ann = parse_batch_name(o.name)
             if base == "server" and ((ann is None and want is None) or (
                     ann is not None and (want is None or ann[0] == want) and store_now - o.mtime >= announce_ttl_s)):
-                drop(o.name, o.size, "announce")
+                drop(o.name, o.size, "announce", o)
             continue
         if meta is None or (want is not None and meta["tenant"] != want):
             continue
@@ -297,20 +314,20 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
                else None)
         if why is not None:
             before = res["deleted_bytes"]
-            drop(o.name, o.size, why)
+            drop(o.name, o.size, why, o)
             block_bytes += res["deleted_bytes"] - before
         elif target_bytes is not None:
-            keep[o.name] = (o.mtime, o.size, o.name)
+            keep[o.name] = (o.mtime, o.size, o.name, o.version)
     if target_bytes is not None:
         oldest = list(keep.values())  # the dict's tuples, not copies
         keep.clear()
-        total = sum(size for _, size, _ in oldest)
-        oldest.sort()
-        for _mtime, size, name in oldest:
+        total = sum(e[1] for e in oldest)
+        oldest.sort(key=lambda e: e[:3])  # names are unique: the version is never compared
+        for mtime, size, name, version in oldest:
             if total <= target_bytes:
                 break
             before = res["deleted_bytes"]
-            drop(name, size, "capacity")
+            drop(name, size, "capacity", ObjectInfo(name, size, mtime, version))
             block_bytes += res["deleted_bytes"] - before
             total -= size
     # blocks only, as scanned_bytes: before 2026-11-29 the temp files' bytes were subtracted too (negative)

@@ -373,22 +373,45 @@ class S3Store(ObjectStore):
         want = byte_view(data)
         if len(want) != size:
             return False
-        if self.supports_conditional_delete:
-            etag = f'"{_md5(want)}"'
-            try:
-                self._call("delete", name, lambda _r: self.client.delete_object(Bucket=self.bucket, Key=self._key(name),
-                                                                                IfMatch=etag))
-                return True
-            except ClientError as e:
-                code, status = _code(e)
-                if code in _EXISTS or str(status) in _EXISTS or code in _MISSING or status == 404:
-                    return False
-                if not (status == 501 or code == "NotImplemented"):
-                    raise self._err("delete", name, e) from None
-                self.supports_conditional_delete = False
-            except BotoCoreError as e:
-                raise self._unavailable("delete", name, e) from None
-        return super().delete_if_matches(name, data, size)
+        done = self._delete_if_etag(name, f'"{_md5(want)}"')
+        return super().delete_if_matches(name, data, size) if done is None else done
+
+    def _delete_if_etag(self, name: str, etag: str) -> bool | None:
+        """DELETE ``name`` with ``If-Match: etag`` (quoted). True: deleted; False: 412/409 (another object, or
+        absent: SeaweedFS 4.x answers 412) or 404; None: the server does not do conditional deletes (501, now or
+        before: :attr:`supports_conditional_delete`), the caller falls back. Raises StoreUnavailable,
+        StoreThrottled, OSError."""
+        if not self.supports_conditional_delete:
+            return None
+        try:
+            self._call("delete", name, lambda _r: self.client.delete_object(Bucket=self.bucket, Key=self._key(name),
+                                                                            IfMatch=etag))
+            return True
+        except ClientError as e:
+            code, status = _code(e)
+            if code in _EXISTS or str(status) in _EXISTS or code in _MISSING or status == 404:
+                return False
+            if not (status == 501 or code == "NotImplemented"):
+                raise self._err("delete", name, e) from None
+            self.supports_conditional_delete = False
+            return None
+        except BotoCoreError as e:
+            raise self._unavailable("delete", name, e) from None
+
+    def delete_if_listed(self, info: ObjectInfo) -> bool:
+        """DELETE with ``If-Match:`` the ETag the listing gave (:meth:`~.store.ObjectStore.delete_if_listed`;
+        412/409/404 as :meth:`delete_if_matches`: False). A server that answers 501: a HEAD compares the ETag,
+        then a plain DELETE (racy). A lost answer whose retry met 412/404 returns False although it deleted."""
+        if info.version is None:
+            return super().delete_if_listed(info)
+        etag = info.version if info.version.startswith('"') else f'"{info.version}"'
+        done = self._delete_if_etag(info.name, etag)
+        if done is not None:
+            return done
+        if self._stored_etag(info.name) != etag.strip('"').lower():
+            return False
+        self.delete(info.name)
+        return True
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return self.list_patient(prefix, attempts=1)  # a throttled page: StoreThrottled at once
@@ -403,7 +426,8 @@ class S3Store(ObjectStore):
             while True:  # one LIST page per request (ListObjectsV2 continuation tokens), each retried like any call
                 page = call_attempts(page_once, attempts)  # a throttled page: again after a backoff
                 for o in page.get("Contents", []):
-                    yield ObjectInfo(o["Key"][len(base):], int(o["Size"]), o["LastModified"].timestamp())
+                    yield ObjectInfo(o["Key"][len(base):], int(o["Size"]), o["LastModified"].timestamp(),
+                                     o.get("ETag") or None)
                 if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
                     break
                 kw["ContinuationToken"] = page["NextContinuationToken"]

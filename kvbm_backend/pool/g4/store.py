@@ -16,7 +16,7 @@ objects are ``None``/``False`` results, never exceptions.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, Union
 from urllib.parse import ParseResult
 
@@ -105,6 +105,10 @@ class ObjectInfo:
     name: str  # relative key
     size: int  # bytes
     mtime: float  # epoch seconds (S3 LastModified, POSIX st_mtime)
+    #: which object the name held when listed, for :meth:`ObjectStore.delete_if_listed`: S3 the listed ETag
+    #: (quoted, as the server sent it), file stores ``"{st_ino}:{st_mtime_ns}:{st_size}"``; None where the store
+    #: gives none (then that delete is by name). Not compared: two listings of one object are equal.
+    version: str | None = field(default=None, compare=False)
 
 
 class ObjectStore(ABC):
@@ -184,6 +188,17 @@ class ObjectStore(ABC):
         if not self.stored_matches(name, data, size):
             return False
         self.delete(name)
+        return True
+
+    def delete_if_listed(self, info: ObjectInfo) -> bool:
+        """Delete ``info.name`` only while it is still the object listed as ``info`` (gc's deletes): a copy
+        published under the name since the listing (another process deleted the listed one, a worker wrote the
+        block again) is kept. True when this call deleted the listed object; False when the name is absent or
+        holds another object (kept). S3 stores send ``If-Match:`` the listed ETag (:mod:`.s3_store`), file stores
+        rename to a quarantine name and compare inode, mtime and size (:func:`.fs_quarantine.delete_if_listed`).
+        This default, for stores that list no ``version`` (``info.version`` None), deletes by name and returns
+        True. Raises :class:`StoreUnavailable`, :class:`StoreThrottled` or OSError when the store fails."""
+        self.delete(info.name)
         return True
 
     def settle(self, name: str, md5_hex: str) -> bool | None:

@@ -154,16 +154,24 @@ def test_migrate_and_gc_exit_1_when_an_object_failed(tmp_path, monkeypatch):
     os.rmdir(tmp_path / "store" / new_name)
     # gc: the store refuses one delete, as a failing disk would (EIO injected into the real file store)
     from kvbm_backend.pool.g4.fs_store import FsStore
-    real_delete, calls = FsStore.delete, []
+    real_delete, real_listed, calls = FsStore.delete, FsStore.delete_if_listed, []
 
-    def failing_once(self, name):
+    def fail_first(name):
         if parse_block_name(name) is not None:
             calls.append(name)
         if len(calls) == 1 and calls[0] == name:
             raise OSError(5, "Input/output error (injected)")
+
+    def failing_once(self, name):
+        fail_first(name)
         return real_delete(self, name)
 
+    def failing_once_listed(self, info):  # gc's delete of a listed object since 2026-12-01
+        fail_first(info.name)
+        return real_listed(self, info)
+
     monkeypatch.setattr(FsStore, "delete", failing_once)
+    monkeypatch.setattr(FsStore, "delete_if_listed", failing_once_listed)
     code, out = _cli("gc", "--url", cfg.url, "--max-age-s", "0", "--json")
     res = json.loads(out)
     assert code == 1 and res["errors"] == 1 and res["deleted_objects"] >= 1, out
