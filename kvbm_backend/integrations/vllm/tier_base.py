@@ -11,6 +11,7 @@ out of :mod:`.tiering` (operators' filters and tests name it).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -25,7 +26,7 @@ from vllm.v1.kv_offload.base import (LookupResult, Medium, OffloadingEvent, Offl
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
 from ...config import KvbmBackendConfig
-from ...model.namespace import BlockKey, KvGroup, Namespace
+from ...model.namespace import BlockKey, DigestKey, KvGroup, Namespace
 from ...deadlines import Deadline
 from ... import metrics
 from .. import load_priority
@@ -44,7 +45,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvbm_backend.integrations.vllm.tiering")  # the tiers' logger, whatever module logs
 
-__all__ = ["KvbmSecondaryTier", "offload_key_hash"]
+__all__ = ["OFFLOAD_KEY_PERSON", "KvbmSecondaryTier", "offload_key_digest", "offload_key_hash"]
+
+#: BLAKE2b personalisation of :func:`offload_key_digest`: no connector token digest (``kvbm-digest-root``,
+#: ``kvbm-digest-blk``, keyed) is ever computed under it
+OFFLOAD_KEY_PERSON = b"kvbm-offload-key"
 
 
 class _Queued(TimeoutError):
@@ -55,6 +60,14 @@ def offload_key_hash(key: bytes) -> int:
     """Stable 64-bit sequence hash of a vLLM ``OffloadKey`` (block hash bytes + 4-byte group index):
     ``xxh3_64(key)``, seed 0. Independent of ``PYTHONHASHSEED`` and of the process."""
     return xxhash.xxh3_64_intdigest(bytes(key))
+
+
+def offload_key_digest(key: bytes) -> bytes:
+    """The 16-byte token digest the native tiers' keys name for a vLLM ``OffloadKey`` (36 bytes: block hash +
+    4-byte group index; any length accepted): ``BLAKE2b(key, digest_size=16, person=OFFLOAD_KEY_PERSON)``. It binds
+    the whole key, so two keys sharing :func:`offload_key_hash` (64 bits, no collision resistance) never read each
+    other's frames (docs/format.md "Token digest"). About 1 us per chunk."""
+    return hashlib.blake2b(bytes(key), digest_size=16, person=OFFLOAD_KEY_PERSON).digest()
 
 
 class KvbmSecondaryTier(SecondaryTierManager):
@@ -184,8 +197,10 @@ class KvbmSecondaryTier(SecondaryTierManager):
         return self._tenant
 
     def _block_keys(self, key: OffloadKey, tenant: str) -> list[BlockKey]:
-        h = offload_key_hash(key)
-        return [self.namespace.key(h, tenant, r) for r in range(self.geometry.copies)]
+        """Every rank's :class:`DigestKey` of chunk ``key``: sequence hash :func:`offload_key_hash` (the name: G3's
+        index, G4's object), token digest :func:`offload_key_digest` (what a frame served for it must hold)."""
+        h, d, fp = offload_key_hash(key), offload_key_digest(key), self.namespace.fingerprint
+        return [DigestKey(fp, tenant, r, h, d) for r in range(self.geometry.copies)]
 
     def _serves(self, tenant: str) -> bool:
         """False while the tier refuses ``tenant`` (revoked in the keyring it follows: :mod:`.tier_revoked`); no

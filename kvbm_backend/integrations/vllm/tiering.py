@@ -34,11 +34,16 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
   tier's size, allocated and pre-faulted at construction; jobs beyond it allocate fresh buffers). Each key is
   checked by type and range before anything opens, a bad one refused naming it (:mod:`.tier_options`).
 
-Keys: vLLM's ``OffloadKey`` (block hash bytes + 4-byte KV-group index) becomes the 64-bit sequence
-hash ``xxh3_64(offload_key)`` of a :class:`BlockKey` in a namespace with ``hash_scheme =
-"vllm-block-hash"`` (model = the config's ``model`` when set, else vLLM's model name, as the connector decides:
-:func:`.namespaces.namespace_model`; TP world size = the ranks sharing one primary chunk).
-vLLM's cache salt is already inside its block hash; the tenant only selects G4's key and prefix.
+Keys: vLLM's ``OffloadKey`` (block hash bytes + 4-byte KV-group index) becomes a
+:class:`~kvbm_backend.model.namespace.DigestKey` in a namespace with ``hash_scheme = "vllm-block-hash"`` (model =
+the config's ``model`` when set, else vLLM's model name, as the connector decides:
+:func:`.namespaces.namespace_model`; TP world size = the ranks sharing one primary chunk): its name, the 64-bit
+sequence hash ``xxh3_64(offload_key)`` (:func:`.tier_base.offload_key_hash`), and its token digest, BLAKE2b-128 of
+the whole key (:func:`.tier_base.offload_key_digest`), which every frame served for it must hold. The name alone
+resists no search: before 2026-12-01 two keys sharing it shared a block, and one request was served the other's
+KV; now the second is a miss (docs/format.md "The native tiers' digest": colliding keys, frames written before,
+and why vLLM's ``--prefix-caching-hash-algo`` bounds the strength). vLLM's cache salt is already inside its block
+hash; the tenant only selects G4's key and prefix.
 
 Mapping of the primary buffer to FullyContiguous blocks (vLLM 0.32, direct layout):
 
@@ -106,15 +111,16 @@ from ...config import ConfigError, KvbmBackendConfig
 from ...model.namespace import Namespace
 from ...pool import open_pool
 from .geometry import PrimaryGeometry
-from .tier_base import KvbmSecondaryTier, offload_key_hash
+from .tier_base import KvbmSecondaryTier, offload_key_digest, offload_key_hash
 from .tier_revoked import COUNTERS, TierRevocation, own_keyring, share_keyrings
 from .tier_threads import staging_pool
 
 log = logging.getLogger(__name__)
 
-__all__ = ["G3Tier", "G4Tier", "KvbmSecondaryTier", "PrimaryGeometry", "offload_key_hash", "staging_pool"]
-# PrimaryGeometry: defined in .geometry (with EngineGeometry), staging_pool in .tier_threads, KvbmSecondaryTier and
-# offload_key_hash in .tier_base; importable from here
+__all__ = ["G3Tier", "G4Tier", "KvbmSecondaryTier", "PrimaryGeometry", "offload_key_digest", "offload_key_hash",
+           "staging_pool"]
+# PrimaryGeometry: defined in .geometry (with EngineGeometry), staging_pool in .tier_threads, KvbmSecondaryTier,
+# offload_key_digest and offload_key_hash in .tier_base; importable from here
 
 MODULE_PATH = __name__
 
