@@ -100,7 +100,9 @@ class HeldChunks:
             rank's block. None: any removal of its hash is the chunk's.
 
     Tenants: the pool's removal log names a block by sequence hash and rank only, so before 2026-11-30 one tenant's
-    copy dropped was reported as the chunk removed while another tenant's copy was held (and published).
+    copy dropped was reported as the chunk removed while another tenant's copy was held (and published). Names: two
+    chunk keys with one ``key_hash`` (a collision) share the pool's block; its removal is both chunks' (before
+    2026-12-01 only the one published last was reported, the other stayed published for good).
     """
 
     def __init__(self, pool: Any, namespace: str, copies: int, key_hash: Callable[[Any], int], interval_s: float,
@@ -108,7 +110,8 @@ class HeldChunks:
         self._pool, self._fp, self._copies, self._hash = pool, namespace, copies, key_hash
         self._watch = RemovalWatch(pool, interval_s)
         self._held: dict[Hashable, int] = {}  # chunk key -> the pool's removal cursor when it was published
-        self._by_hash: dict[int, Hashable] = {}
+        self._by_hash: dict[int, Hashable] = {}  # sequence hash -> the first published chunk of that name
+        self._also: dict[int, list[Hashable]] = {}  # sequence hash -> the others (keys whose hashes collide)
         self._contains = getattr(pool, "contains", None) if block_keys is not None else None
         self._block_keys = block_keys
         self._tenants: dict[Hashable, set[str]] = {}  # chunk key -> tenants it was published for (block_keys)
@@ -147,7 +150,7 @@ class HeldChunks:
         check = self._contains is not None and (not self._watch.logs or self._watch.cursor() != cursor)
         for k in keys:
             self._held[k] = cursor
-            self._by_hash[self._hash(k)] = k
+            self._name(k)
             if self._contains is not None:
                 self._tenants.setdefault(k, set()).add(tenant)
                 if check and not self._still_held(k):
@@ -167,14 +170,34 @@ class HeldChunks:
         log, read_index = self._watch.poll(len(self._held) * self._copies)
         gone, self._gone = self._gone, []
         for n, seq_hash, _rank in log:
-            k = self._by_hash.get(seq_hash)
-            if k is not None and self._held.get(k, n) < n and not self._still_held(k):  # dropped after publishing
-                gone.append(self._forget(k))
+            first = self._by_hash.get(seq_hash)
+            for k in ([] if first is None else [first, *self._also.get(seq_hash, ())]):
+                if self._held.get(k, n) < n and not self._still_held(k):  # dropped after publishing
+                    gone.append(self._forget(k))
         return gone + self._scan() if read_index else gone
+
+    def _name(self, k: Any) -> None:
+        """Index published chunk ``k`` by its sequence hash (several chunks of one name: :attr:`_also`)."""
+        h = self._hash(k)
+        first = self._by_hash.setdefault(h, k)
+        if first != k:
+            also = self._also.setdefault(h, [])
+            if k not in also:
+                also.append(k)
 
     def _forget(self, k: Any) -> Any:
         del self._held[k]
-        self._by_hash.pop(self._hash(k), None)
+        h = self._hash(k)
+        also = self._also.get(h)
+        if self._by_hash.get(h) == k:
+            if also:
+                self._by_hash[h] = also.pop(0)
+            else:
+                self._by_hash.pop(h, None)
+        elif also and k in also:
+            also.remove(k)
+        if also is not None and not also:
+            del self._also[h]
         self._tenants.pop(k, None)
         return k
 

@@ -17,7 +17,7 @@ import xxhash
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
-from vllm.v1.kv_offload.base import LookupResult, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, Medium, make_offload_key  # noqa: E402
 
 from kvbm_backend.integrations.vllm.failed_blocks import FailedChunks  # noqa: E402
 from kvbm_backend.integrations.vllm.tiering import offload_key_hash  # noqa: E402
@@ -161,3 +161,25 @@ def test_a_chunk_stored_before_the_digest_costs_one_failed_load(tmp_path, make, 
     st = tier.kvbm_stats()["tier"]
     assert (st["loads_failed"], st["chunks_load_failed"], st["chunks_loaded"]) == (1, 1, 2)
 
+
+def test_removal_events_name_every_published_chunk_of_a_dropped_name(tmp_path, make):
+    """KV events on: k1 stored, then k2 (same name: G3 skips it as held without reading it, so it is published
+    stored too). The name dropped is both chunks removed, each reported once (before 2026-12-01 the removal log,
+    by sequence hash, found only the chunk published last: k1 stayed published to the router for good)."""
+    h = make([g3_tier(tmp_path / "g3", enable_kv_events=True)], enable_kv_cache_events=True)
+    tier = h.tier
+    k1, k2 = colliding_keys()
+    p1, p2 = payloads(h, 2, seed=3)
+    for k, p in ((k1, p1), (k2, p2)):
+        h.store([k], [p])
+        h.wait_idle()
+        h.reset_primary()
+
+    def events():
+        return [(e.removed, sorted(e.keys)) for e in h.manager.take_events() if e.medium is Medium.STORAGE]
+
+    assert events() == [(False, [k1]), (False, [k2])]
+    assert tier.pool.delete(tier._block_keys(k1, tier._tenant)).result(timeout=HANG_S) == 1
+    assert events() == [(True, sorted([k1, k2]))] and len(tier._held) == 0
+    assert not tier._held._by_hash and not tier._held._also  # nothing of either kept
+    assert events() == []
