@@ -1,8 +1,12 @@
 """Every pool read path serves a frame for a :class:`DigestKey` only when the frame holds that token digest
 (docs/format.md "Token digest"): G3's host get, device loader and layer-wise loader, G4 per-rank and canonical.
-A frame with another digest, or none (written before digests, or by a writer that names none), is a miss counted
-under ``token_digest`` and dropped, so the block's own frame is stored at the next put; keys naming no digest
-(the native tiers, the CLI) read every frame as before. Real G3 files and ``file://`` G4 stores."""
+A frame written without a digest (the zero digest: before digests, or by a writer that names none) asked for by
+a key naming one is a miss counted under ``token_digest`` and dropped, so the block's own frame, with its digest,
+is stored at the next put. A verified frame holding another NONZERO digest is another token sequence's good
+block under that name (the sequence hash is forgeable): a miss counted under ``other_digest``, and KEPT, and a
+put of the other digest's block under the name does not replace it (review 2026-12-01: before, it was dropped,
+so a tenant-mate's forged prompt deleted the victim's block). Keys naming no digest (the native tiers, the CLI)
+read every frame as before. Real G3 files and ``file://`` G4 stores."""
 from __future__ import annotations
 
 import numpy as np
@@ -64,17 +68,47 @@ def test_g3_serves_a_frame_only_for_its_token_digest(tmp_path, read):
         if out is not None:
             assert not np.asarray(out[1]).any() and not np.asarray(out[2]).any()  # nothing unverified delivered
         st = pool.stats()
-        assert st["corrupt_by_reason"].get("token_digest") == 2  # both proven unservable for those keys: dropped
-        assert not pool.contains(NS.key(12, "t")) and not pool.contains(NS.key(13, "t")) and pool.contains(k1[0])
+        # 13, written without a digest: proven unservable for a key naming one, dropped (re-stored with it)
+        assert st["corrupt_by_reason"].get("token_digest") == 1 and not pool.contains(NS.key(13, "t"))
+        assert st["misses_by_reason"].get("token_digest") == 1
+        # 12, another token sequence's verified block: a miss for D2, kept (before: dropped as token_digest)
+        assert st["misses_by_reason"].get("other_digest") == 1 and pool.contains(NS.key(12, "t"))
+        ok, out = read(pool, k1[1:])
+        assert ok == [True] and (out is None or np.array_equal(np.asarray(out[0]), blocks[1]))
         if read is _host_get:
-            assert st["misses_by_reason"].get("token_digest") == 2
             # one get naming a block twice with two digests: the repeat is not served from the first copy
             assert _host_get(pool, NS.keys([11, 11], "t", 0, D1 + D2))[0] == [True, False]
-        # the block's own frame can now be stored under the name, and serves
-        k2 = NS.keys([12], "t", 0, D2)
-        assert pool.put(k2, _blocks(1, 3)).result(timeout=HANG_S).written == 1
+            assert pool.stats()["misses_by_reason"].get("other_digest") == 2
+        # D2's own block put under the name D1's holds: D1's block stays (G3 skips a held key), D2 still misses
+        assert pool.put(NS.keys([12], "t", 0, D2), _blocks(1, 3)).result(timeout=HANG_S).written == 0
         assert pool.flush(HANG_S)
-        assert read(pool, k2)[0] == [True]
+        ok, out = read(pool, k1[1:])
+        assert ok == [True] and (out is None or np.array_equal(np.asarray(out[0]), blocks[1]))
+        assert read(pool, NS.keys([12], "t", 0, D2))[0] == [False] and pool.contains(NS.key(12, "t"))
+        # block 13's own frame, with its digest, can now be stored under the name, and serves
+        k3 = NS.keys([13], "t", 0, D2)
+        assert pool.put(k3, _blocks(1, 4)).result(timeout=HANG_S).written == 1
+        assert pool.flush(HANG_S)
+        assert read(pool, k3)[0] == [True]
+    finally:
+        pool.close()
+
+
+def test_g3_drop_unreadable_keeps_another_digests_block(tmp_path):
+    """The connector's worker asks G3 to delete a block whose load failed (``G3Pool.drop_unreadable``, after a
+    forged prompt's load of the victim's block, too): a frame written without a digest is dropped, a verified frame
+    of another nonzero digest is kept and still serves its own digest."""
+    pool = open_g3(tmp_path / "g3", NS, load_timeout_s=120.0)
+    try:
+        blocks = _blocks(1, 5)
+        assert pool.put(NS.keys([41], "t", 0, D1), blocks).result(timeout=HANG_S).written == 1
+        assert pool.put(NS.keys([42], "t"), _blocks(1, 6)).result(timeout=HANG_S).written == 1
+        assert pool.flush(HANG_S)
+        assert pool.drop_unreadable(NS.keys([41, 42], "t", 0, D2 + D2)).result(timeout=HANG_S) == 1
+        assert pool.contains(NS.key(41, "t")) and not pool.contains(NS.key(42, "t"))  # before: both dropped
+        ok, out = _host_get(pool, NS.keys([41], "t", 0, D1))
+        assert ok == [True] and np.array_equal(out[0], blocks[0])
+        assert pool.stats()["unreadable_kept"] == 0  # not an I/O error: nothing to strike
     finally:
         pool.close()
 
@@ -89,26 +123,43 @@ def _g4(tmp_path, **kw):
     return g4
 
 
+def _g4_device_get(pool, keys) -> tuple[list[bool], list[np.ndarray]]:
+    """A tensor get (``G4Pool.get`` into one ``[n, bytes]`` tensor: staged rows, :meth:`G4Reader.get_staged`)."""
+    ok, out = _device_get(pool, keys)
+    return ok, [out[i].numpy() for i in range(len(keys))]
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+@pytest.mark.parametrize("read", [_host_get, _g4_device_get], ids=["host", "staged"])
 @pytest.mark.parametrize("layout", ["per-rank", "canonical"])
-def test_g4_serves_a_frame_only_for_its_token_digest(tmp_path, layout):
-    g4 = _g4(tmp_path, layout=layout)
+def test_g4_serves_a_frame_only_for_its_token_digest(tmp_path, layout, read, encrypt):
+    g4 = _g4(tmp_path, layout=layout, encrypt=encrypt)
     try:
         k1 = NS.keys([21, 22], "alice", 0, D1 + D1)
         blocks = _blocks(2, 4)
         assert g4.put(k1, blocks).result(timeout=HANG_S).written == 2
         assert g4.put(NS.keys([23], "alice"), _blocks(1, 5)).result(timeout=HANG_S).written == 1
         assert g4.flush(HANG_S)
-        ok, out = _host_get(g4, k1)
+        ok, out = read(g4, k1)
         assert ok == [True, True] and all(np.array_equal(out[i], blocks[i]) for i in range(2))
-        assert _host_get(g4, NS.keys([21, 22], "alice"))[0] == [True, True]
-        ok, out = _host_get(g4, [k1[0]] + NS.keys([22, 23], "alice", 0, D2 + D2))
+        assert read(g4, NS.keys([21, 22], "alice"))[0] == [True, True]
+        ok, out = read(g4, [k1[0]] + NS.keys([22, 23], "alice", 0, D2 + D2))
         assert ok == [True, False, False] and not out[1].any() and not out[2].any()
         st = g4.stats()
-        assert st.get("corrupt_token_digest", 0) >= 2  # canonical: counted per head part
-        assert _host_get(g4, NS.keys([22, 23], "alice"))[0] == [False, False]  # deleted: the store confirmed
-        assert g4.put(NS.keys([22], "alice", 0, D2), _blocks(1, 6)).result(timeout=HANG_S).written == 1
+        assert st.get("corrupt_token_digest", 0) >= 1  # 23, written without one (canonical: counted per part)
+        assert st.get("miss_other_digest", 0) >= 1  # 22, another token sequence's verified block
+        # 22 kept (before: deleted), 23 deleted (the store confirmed)
+        assert read(g4, NS.keys([22, 23], "alice"))[0] == [True, False]
+        # D2's own block put under the name D1's holds: create-exclusive keeps D1's (not stored, not served)
+        assert g4.put(NS.keys([22], "alice", 0, D2), _blocks(1, 6)).result(timeout=HANG_S).written == 0
         assert g4.flush(HANG_S)
-        assert _host_get(g4, NS.keys([22], "alice", 0, D2))[0] == [True]
+        ok, out = read(g4, k1[1:])
+        assert ok == [True] and np.array_equal(out[0], blocks[1])
+        assert read(g4, NS.keys([22], "alice", 0, D2))[0] == [False]
+        # block 23's own frame, with its digest, can now be stored under the name, and serves
+        assert g4.put(NS.keys([23], "alice", 0, D2), _blocks(1, 7)).result(timeout=HANG_S).written == 1
+        assert g4.flush(HANG_S)
+        assert read(g4, NS.keys([23], "alice", 0, D2))[0] == [True]
     finally:
         g4.close()
 

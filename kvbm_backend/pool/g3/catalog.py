@@ -76,7 +76,8 @@ MISS_REASONS = {
     "corrupt": "the frame failed its checks (magic, version, header check, length, checksum)",
     "identity": "the frame names another block or layout than the key asked for",
     "unverifiable": "a device load found a frame it cannot verify (encrypted, or without checksum)",
-    "token_digest": "the frame holds another token digest than the request's (another token sequence, or none)",
+    "token_digest": "the frame was written without a token digest and the request names one (dropped once proven)",
+    "other_digest": "a verified frame of another token sequence under this name (another nonzero token digest); kept",
     "duplicate_of_miss": "a key repeated in one get whose first copy missed",
 }
 #: ``kvbm_backend_g3_corrupt_blocks{reason}``: slots proven bad on disk (re-read), dropped from index and journal
@@ -90,7 +91,7 @@ CORRUPT_REASONS = {
     "integrity": "the payload's xxh3_128 checksum does not match (host check)",
     "devcheck": "the payload's device checksum does not match (a device or layer-wise load)",
     "short": "the slab file ends inside the slot (truncated)",
-    "token_digest": "not the requesting block's token digest (another token sequence, or written without one)",
+    "token_digest": "written without a token digest, asked for by a key that names one (re-stored with it)",
 }
 #: ``TierMetrics`` attribute -> its reasons (``TierMetrics("g3", reasons=REASONS)``)
 REASONS = {"offloads_dropped": DROP_REASONS, "misses": MISS_REASONS, "corrupt": CORRUPT_REASONS}

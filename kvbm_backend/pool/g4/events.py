@@ -71,6 +71,7 @@ MISS_REASONS = {
     "unencrypted_object": "a plaintext object in an encrypted pool (never served; deleted where confirmed)",
     "corrupt": "the object failed its checks (corrupt_blocks says which); deleted where confirmed",
     "unconfirmed_corrupt": "the bytes read failed a check the store does not confirm it holds (garbled in transit); kept",
+    "other_digest": "a verified frame of another token sequence under this name (another nonzero token digest); kept",
 }
 #: ``kvbm_backend_g4_corrupt_blocks{reason}``: objects whose bytes failed a check (a FrameError reason)
 CORRUPT_REASONS = {
@@ -82,7 +83,7 @@ CORRUPT_REASONS = {
     "length": "the object's size or the frame's lengths do not fit",
     "integrity": "the payload's checksum or AEAD tag does not verify",
     "key_owner": "sealed under another tenant's data key",
-    "token_digest": "not the requesting block's token digest (another token sequence, or written without one)",
+    "token_digest": "written without a token digest, asked for by a key that names one (re-stored with it)",
 }
 #: ``TierMetrics`` attribute -> its reasons (``TierMetrics("g4", reasons=REASONS)``)
 REASONS = {"offloads_dropped": DROP_REASONS, "misses": MISS_REASONS, "corrupt": CORRUPT_REASONS}

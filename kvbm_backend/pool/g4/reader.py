@@ -10,6 +10,9 @@ buffers file objects are read through); lookups are :mod:`.lookup`.
 * A block is a hit only after :func:`kvbm_backend.model.frame.accept` (header identity, layout, exact length) and the
   GCM tag (or xxh3) verified in a staging buffer the pool owns (the bounce buffer, decrypted in place, or a fresh one
   for a store's read-only bytes); only then are the bytes copied into the caller's buffer, so a miss never touches it.
+  A verified frame holding another NONZERO token digest than the key names is another token sequence's good block
+  under that name: ``miss_other_digest``, kept (docs/format.md "Token digest"); one holding the zero digest (written
+  without one) is ``corrupt_token_digest``.
   Corrupt objects are misses counted under ``corrupt_<reason>`` and deleted when the reason is in :data:`_DELETE_ON`
   *and* the store confirms it holds exactly the bytes read (:mod:`.bad_objects`: an S3 HEAD's length and MD5
   ETag, a fresh re-read of a file); otherwise (a lying endpoint or proxy, a bad read) the miss
@@ -40,7 +43,8 @@ from ...crypto.aead import TAG_BYTES, AeadError, gcm, key_check_differs, open_in
 from ...crypto.keyring import Keyring
 from ...deadlines import Deadlines
 from ...memory import BufferPool
-from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, accept, bound_aad, payload_checksum
+from ...model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, NO_DIGEST, FrameError, accept, bound_aad,
+                            key_digest, payload_checksum)
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey
 from ..base import GetResult, InFlight, completed
@@ -410,9 +414,12 @@ class G4Reader:
                 raise FrameError("length", f"object of {size} bytes")
             head, payload = (data.parts() if isinstance(data, _Split) else
                              (memoryview(data)[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:]))
-            hdr = accept(head, key, self._layout, tag, world=self._world,
+            want = key_digest(key)  # checked once the frame verified: another nonzero one is kept (below)
+            hdr = accept(head, key if want is None else BlockKey(*key), self._layout, tag, world=self._world,
                          stored_len=self._layout.bytes_per_block, frame_bytes=size, exact=True)
-            aad = bound_aad(hdr, aad)  # version 2: the token digest accept checked, bound by the GCM tag too
+            if want is not None and hdr.token_digest == NO_DIGEST:  # written without one: deleted (re-stored with it)
+                raise FrameError("token_digest", "a frame written without a token digest")
+            aad = bound_aad(hdr, aad)  # version 2: the token digest (checked below), bound by the GCM tag too
             # stage, verify, then copy: nothing unverified reaches ``out``; get_staged's rows are scratch (verified there)
             if hdr.flags & FLAG_ENCRYPTED:
                 dkey = (self._keyring.read_key(hdr.key_id, hdr.key_version, tenant=key.tenant)
@@ -458,6 +465,10 @@ class G4Reader:
                 plain = payload
             else:
                 raise FrameError("integrity", "frame has neither checksum nor AEAD tag")
+            if want is not None and hdr.token_digest != want:
+                # a verified frame of another token sequence with this name: someone else's good block, kept (a
+                # forged prompt's load must not delete it: docs/format.md "Token digest"); nothing reached ``out``
+                return "miss_other_digest"
             with b.slot_mu[i]:
                 if b.closed:
                     return "miss_timeout"

@@ -334,6 +334,8 @@ class HostGet:
             proof = "gone" if rec is None else self.rd.prove_bad(slot, rec, frame.key_digest(k))
             if proof == "good":
                 why.append("identity" if reason == "identity" else "io_error")
+            elif proof == "other_digest":  # another token sequence's verified block: a miss, kept
+                why.append("other_digest")
             elif proof in ("unreadable", "gone"):
                 why.append("io_error" if proof == "unreadable" else reason)
             else:
@@ -366,9 +368,12 @@ class HostGet:
                 dmiss = sum(1 for i, j in self.dups if not ok[i] and not ok[j])
                 if dmiss:
                     cat.miss("duplicate_of_miss", dmiss)
-                other = sum(1 for i, j in self.dups if ok[j] and not ok[i])  # another digest: never the copy
-                if other:
-                    cat.miss("token_digest", other)
+                # a repeat naming another digest than its served first copy: never the copy, the block kept
+                other = [frame.key_digest(self.keys[j]) is None for i, j in self.dups if ok[j] and not ok[i]]
+                if other.count(False):  # the frame holds the first copy's (nonzero) digest
+                    cat.miss("other_digest", other.count(False))
+                if other.count(True):
+                    cat.miss("token_digest", other.count(True))
             cat.update_gauges()
         cat.metrics.bytes_read.inc(nbytes)
         if not late:

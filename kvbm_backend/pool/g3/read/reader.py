@@ -149,7 +149,8 @@ class G3Reader:
         with cat.lock:
             slot = cat.index.get(key) if valid_key(key) else None
             rec = None if slot is None else cat.index.identity(key, slot)
-            cat.miss(_MISS_REASON.get(reason, "corrupt"))
+            if reason != "token_digest" or rec is None:  # else counted once proven (other_digest: kept)
+                cat.miss(_MISS_REASON.get(reason, "corrupt"))
             if slot is not None and rec is not None:
                 # pinned while it is proven (prove_bad's precondition): the caller's lease, if any, may pin
                 # another slot (the key moved since), and an unpinned slot deleted meanwhile is free at once, so
@@ -162,6 +163,12 @@ class G3Reader:
         except BaseException:
             self.unpin([slot])
             raise
+        if reason == "token_digest":
+            with cat.lock:
+                cat.miss("other_digest" if why == "other_digest" else "token_digest")
+        if why == "other_digest":  # another token sequence's verified block: a miss for this key, kept
+            self.unpin([slot])
+            return
         if why in ("good", "unreadable"):
             self.unpin([slot])
             log.warning("G3: a device load reported slot %s bad (%s) but it %s; kept", slot, reason,
@@ -189,6 +196,8 @@ class G3Reader:
                 cat.index.pin(slot)  # not evicted or reused while it is re-read
             try:
                 why = self.prove_bad(slot, rec, frame.key_digest(key))
+                if why == "other_digest":  # another token sequence's verified block: not this key's, kept
+                    continue
                 if why == "good":  # the read's failure, not the bytes'
                     self.unreadable.forget(key)
                     log.warning("G3: a load reported slot %s unreadable but it re-reads and verifies; kept", slot)
@@ -225,13 +234,16 @@ class G3Reader:
     def prove_bad(self, slot: Slot, rec: tuple[bytes, int, int], digest: bytes | None = None) -> str:
         """Re-read ``slot`` (one synchronous ``preadv`` of the whole slot into a fresh aligned buffer) and
         check it against ``rec`` = (tenant tag, rank, seq_hash), what the index says the slot holds, and
-        ``digest``, the token digest the requesting key named (None: not checked; a frame holding another is
-        ``"token_digest"``: it cannot serve that key, and is dropped so the key's own block can be saved).
+        ``digest``, the token digest the requesting key named (None: not checked).
 
         Returns ``"good"`` (the stored frame verifies: the failed read was a read error, or the caller's
-        key did not name what the slot holds), ``"unreadable"`` (the re-read failed too: a read error,
-        the stored bytes are not proven bad), or the reason the stored bytes are bad: ``"short"`` (the
-        file ends inside the slot) or a FrameError reason. Only the last kind may drop a slot.
+        key did not name what the slot holds), ``"other_digest"`` (it verifies but holds another NONZERO token
+        digest: another token sequence's good block under this name, a miss for the asker and kept: a forged
+        prompt must not delete it, docs/format.md "Token digest"), ``"unreadable"`` (the re-read failed too: a
+        read error, the stored bytes are not proven bad), or the reason the stored bytes are bad: ``"short"``
+        (the file ends inside the slot), a FrameError reason, or ``"token_digest"`` (it verifies but holds the
+        zero digest, written without one: dropped so the key's own block, with its digest, can be saved).
+        Only the last kind may drop a slot.
         The slot must stay pinned (or be otherwise unreusable) meanwhile."""
         cat = self.cat
         fi, si = slot
@@ -261,7 +273,11 @@ class G3Reader:
             frame.verify_payload(hdr, buf[HDR:HDR + cat.block_bytes])
         except FrameError as e:
             return e.reason
-        return "token_digest" if digest is not None and hdr.token_digest != digest else "good"
+        if digest is None or hdr.token_digest == digest:
+            return "good"
+        # a verified frame of another token sequence with this name: someone else's good block, kept (a forged
+        # prompt's failed load must not delete it); one written without a digest cannot prove it is the asker's
+        return "token_digest" if hdr.token_digest == frame.NO_DIGEST else "other_digest"
 
     # ---- device loads ------------------------------------------------------------------------------
     def device_reader(self, device: str | torch.device) -> DeviceLoader:
