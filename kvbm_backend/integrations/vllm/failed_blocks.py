@@ -11,11 +11,12 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from . import stats
+from .identity import block_digests
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FAILED_BLOCK_COOLDOWN_S", "FAILED_BLOCKS_MAX", "FailedBlocks", "FailedChunks", "contain_failed_sync_load",
-           "drop_blocks", "unloaded_engine_blocks", "withhold_tainted"]
+__all__ = ["FAILED_BLOCK_COOLDOWN_S", "FAILED_BLOCKS_MAX", "FAILED_DIGESTS_MAX", "FailedBlocks", "FailedChunks", "contain_failed_sync_load",
+           "drop_blocks", "request_digest_of", "unloaded_engine_blocks", "withhold_tainted"]
 
 #: seconds a block whose load failed (absent, unreadable or corrupt in the tier that was to serve it) ends
 #: every prefix offered to any request: the failed request itself is never offered a load again (vLLM
@@ -26,26 +27,53 @@ FAILED_BLOCK_COOLDOWN_S = 30.0
 FAILED_BLOCKS_MAX = 1 << 16  # (tenant, sequence hash) entries kept, oldest dropped first
 
 
+#: token digests remembered per cooling ``(tenant, sequence hash)`` (oldest forgotten first): a forger cycling
+#: digests only un-cools its own oldest prompts, never widens the entry to every request of the tenant
+FAILED_DIGESTS_MAX = 64
+
+
 class FailedBlocks:
     """``(tenant, sequence hash)`` of blocks whose load failed, each for ``cooldown_s`` seconds, at most
-    ``max_entries`` (oldest forgotten first). Scheduler thread only."""
+    ``max_entries`` (oldest forgotten first). Scheduler thread only.
+
+    An entry added with the failed request's token digest of that block (:meth:`add` ``digest``) cools only
+    requests whose own digest for the block is one of those (:meth:`first_in` ``digest_of``): the sequence hash is
+    forgeable (docs/format.md "Token digest"), and before 2026-12-02 a tenant-mate's forged prompt, failing on the
+    victim's stored block, cooled that block for every request of the tenant. An entry added without one (the
+    job named no digests, or the request is gone) cools every request, as before."""
 
     def __init__(self, cooldown_s: float = FAILED_BLOCK_COOLDOWN_S, max_entries: int = FAILED_BLOCKS_MAX):
         self.cooldown_s, self.max_entries = cooldown_s, max_entries
         self._until: OrderedDict[tuple[str, int], float] = OrderedDict()
+        # (tenant, seq hash) -> the failed requests' digests (insertion-ordered); absent: every request cools
+        self._digests: dict[tuple[str, int], dict[bytes, None]] = {}
 
     def __len__(self) -> int:
         return len(self._until)
 
-    def add(self, tenant: str, seq_hash: int) -> None:
+    def add(self, tenant: str, seq_hash: int, digest: bytes | None = None) -> None:
+        """``tenant``'s load of the block ``seq_hash`` failed now; ``digest``: the failed request's token digest
+        of that block (16 bytes), None: unknown (every request of the tenant cools on it)."""
         k = (tenant, int(seq_hash))
-        self._until.pop(k, None)
+        held = self._until.pop(k, None) is not None
         self._until[k] = time.monotonic() + self.cooldown_s
+        ds = self._digests.pop(k, None)
+        if digest is not None and (ds is not None or not held):  # a digest-less entry stays digest-less
+            ds = {} if ds is None else ds
+            ds.pop(digest, None)
+            ds[digest] = None
+            while len(ds) > FAILED_DIGESTS_MAX:
+                del ds[next(iter(ds))]
+            self._digests[k] = ds
         while len(self._until) > self.max_entries:
-            self._until.popitem(last=False)
+            old, _ = self._until.popitem(last=False)
+            self._digests.pop(old, None)
 
-    def first_in(self, tenant: str, hashes, start: int, end: int) -> int:
-        """Index of the first of ``hashes[start:end]`` that failed within the cool-down, else ``end``."""
+    def first_in(self, tenant: str, hashes, start: int, end: int,
+                 digest_of: Callable[[int], bytes | None] | None = None) -> int:
+        """Index of the first of ``hashes[start:end]`` that failed within the cool-down for this request, else
+        ``end``. ``digest_of(i)``: the asking request's token digest of block ``i`` (asked only for blocks whose
+        entry names digests, computed lazily); None, or a None answer: the block cools whatever the digests."""
         if not self._until or start >= end:
             return end
         now = time.monotonic()
@@ -54,10 +82,47 @@ class FailedBlocks:
             if t > now:
                 break
             del self._until[k]
+            self._digests.pop(k, None)
         for i in range(start, end):
-            if (tenant, int(hashes[i])) in self._until:
-                return i
+            k = (tenant, int(hashes[i]))
+            if k in self._until:
+                ds = self._digests.get(k)
+                d = None if ds is None or digest_of is None else digest_of(i)
+                if d is None or d in ds:  # type: ignore[operator]
+                    return i
         return end
+
+    def add_failed_load(self, tenant: str, st: Any, first_failed: int, block_size: int) -> None:
+        """:meth:`add` for a load of ``tenant`` that failed at block ``first_failed`` (a sequence hash), with the
+        failed request's digest of that block where it can be computed (:func:`request_digest_of`) from its
+        scheduler state ``st`` (``_Req``: ``tenant``, ``hashes``, ``request``, ``digests``; None: the request is
+        gone, and the block cools for every request of the tenant)."""
+        i = None
+        if st is not None and st.tenant == tenant:
+            try:
+                i = list(st.hashes).index(int(first_failed))
+            except ValueError:
+                pass
+        self.add(tenant, first_failed, None if i is None else request_digest_of(st, block_size)(i))
+
+    def first_for(self, st: Any, end: int, block_size: int) -> int:
+        """:meth:`first_in` of request state ``st`` (``_Req``) from its local blocks (``n_local``) to ``end``,
+        with its own token digests (:func:`request_digest_of`)."""
+        if not self._until:
+            return end
+        return self.first_in(st.tenant, st.hashes, st.n_local, end, request_digest_of(st, block_size))
+
+
+def request_digest_of(st: Any, block_size: int) -> Callable[[int], bytes | None]:
+    """``i -> `` the token digest of block ``i`` of the scheduler's request state ``st``
+    (:func:`.identity.block_digests`: computed once per request as far as asked, cached in ``st.digests``); None
+    when it cannot be (a block not full in the request's tokens, a request without token ids)."""
+    def of(i: int) -> bytes | None:
+        try:
+            return block_digests(st, [i], block_size)
+        except (ValueError, TypeError, AttributeError):
+            return None
+    return of
 
 
 class FailedChunks:

@@ -176,7 +176,7 @@ class SchedulerSide:
             return None, False
         look = st.lookup  # this look (None: none was needed, e.g. the engine's own prefix cache had it all)
         refused = look is not None and look.full.g4_refused()
-        cool = self.failed_blocks.first_in(st.tenant, st.hashes, st.n_local, want)  # no hit goes past it
+        cool = self.failed_blocks.first_for(st, want, self.bs)  # no hit goes past it
         if self.handoff.should_wait(rid, (num_computed_tokens + n) // self.bs, want, refused=refused,
                                     reachable=cool if cool < want else None):
             if look is not None:
@@ -225,7 +225,7 @@ class SchedulerSide:
             return None, False
         n, p3, wins = res
         if not wins:  # (a hit with windows was probed at n: not cut here)
-            cut = self.failed_blocks.first_in(st.tenant, st.hashes, st.n_local, n)
+            cut = self.failed_blocks.first_for(st, n, self.bs)
             if cut < n:
                 stats.add(lookup_failed_block_cuts=1)
                 n, p3 = cut, min(p3, cut)
@@ -343,7 +343,7 @@ class SchedulerSide:
                 st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
                 stats.add(load_failed_requests=1)
             if f.reason == "miss":
-                self.failed_blocks.add(f.tenant, f.first_failed)
+                self.failed_blocks.add_failed_load(f.tenant, st, f.first_failed, self.bs)
                 stats.add(load_failed_blocks_cooled=1)
 
     def update_connector_output(self, worker_meta) -> None:

@@ -58,8 +58,14 @@ def test_a_prompt_with_another_prompts_sequence_hashes_never_loads_its_kv(tmp_pa
     """Prompt A is computed and saved through the scheduler's save plan; a second request of A loads it (the
     digests match). Prompt B, whose every block has A's sequence hash, is offered A's blocks by the lookup (names
     match), but its load fails at the first block: no byte of A's KV reaches B's engine blocks, vLLM recomputes
-    them, the scheduler never offers them to B again, and A's frame, proven not B's, is dropped (counted under
-    ``token_digest``) so that B's own KV can be stored at its next save. Before the fix B loaded A's KV."""
+    them, and the scheduler never offers them to B (nor to another request of prompt B) within the cool-down.
+    Before 2026-12-01 B loaded A's KV.
+
+    A's frame, a verified block of another token sequence, is KEPT (a miss counted ``other_digest``): A's next
+    request, on the same scheduler and on a fresh one, is offered it and loads it byte for byte, and B's
+    recomputed blocks saved under the same names do not replace it. Before 2026-12-02 the frame was dropped as
+    ``token_digest`` (from G3 and the shared G4) and the scheduler cooled the block for every request of the
+    tenant: a forged prompt sent every 30 s kept A's prefix at 0 % hits (review 2026-12-02, /tmp/rev-b)."""
     kv = _engine("cpu", seed=61)
     bs = kv.layout.page_size
     a, b = colliding_prompts(bs, N)
@@ -103,13 +109,32 @@ def test_a_prompt_with_another_prompts_sequence_hashes_never_loads_its_kv(tmp_pa
         assert report is not None and [(f.first_failed, f.reason) for f in report.failed] == [(hs[0], "miss")]
         s.update_connector_output(report)
         assert s.get_num_new_matched_tokens(rb, 0) == (0, False)  # recomputed, never offered again
+        assert _ask(s, _req("B2", b)) == 0  # nor to another request of prompt B within the cool-down
         st = pool.stats()
         if tier == "G3":
-            assert g3 is not None and st["corrupt_by_reason"].get("token_digest", 0) >= 1
-            assert not g3.contains(ns.key(hs[0]))  # dropped: B's own block can be saved
+            assert g3 is not None and st["misses_by_reason"].get("other_digest", 0) >= 1
+            assert st["corrupt_by_reason"].get("token_digest", 0) == 0
+            assert g3.contains(ns.key(hs[0]))  # A's good block kept (before: dropped)
         else:
-            assert g4 is not None and st.get("corrupt_token_digest", 0) >= 1
-            assert g4.store.get(g4.object_name(ns.key(hs[0]))) is None
+            assert g4 is not None and st.get("miss_other_digest", 0) >= 1 and st.get("corrupt_token_digest", 0) == 0
+            assert g4.store.get(g4.object_name(ns.key(hs[0]))) is not None
+
+        # B recomputed: its blocks saved under A's names (a fresh request: B's own is done) do not replace A's
+        rb3, bsrc = _req("B3", b), list(range(19, 20 + N))
+        assert _ask(s, rb3) == 0
+        s.update_state_after_alloc(rb3, _Blocks(bsrc), 0)
+        w.save(s.build_connector_meta(_step(new=[("B3", bsrc, 0)], sched={"B3": len(b)})).saves)
+        assert w.flush_saves(HANG_S)
+        pool.flush(timeout=HANG_S)
+
+        # A's next request is offered A's blocks and loads them byte for byte, on this scheduler (the cool-down
+        # was B's) and on a fresh one (another worker's, or after the cool-down)
+        for sched, rid, dst in ((s, "A3", list(range(8, 8 + N))), (SchedulerSide(ns, bs, g3, g4), "A4", src[:N])):
+            for i in dst:
+                kv.scatter(torch.zeros(kv.layout.bytes_per_block, dtype=torch.uint8), [i])
+            offered, errs, _ = _load(sched, w, _req(rid, a), dst)
+            assert offered == N * bs and errs == set(), rid  # before: 0 (cooled, and the block deleted)
+            assert all(torch.equal(_block_bytes(kv, d), a_kv[i]) for i, d in enumerate(dst)), rid
     finally:
         w.shutdown()
         pool.close()
