@@ -38,7 +38,7 @@ class FailedBlocks:
 
     An entry added with the failed request's token digest of that block (:meth:`add` ``digest``) cools only
     requests whose own digest for the block is one of those (:meth:`first_in` ``digest_of``): the sequence hash is
-    forgeable (docs/format.md "Token digest"), and before 2026-12-02 a tenant-mate's forged prompt, failing on the
+    forgeable (docs/format.md "Token digest"), and before 2026-12-01 a tenant-mate's forged prompt, failing on the
     victim's stored block, cooled that block for every request of the tenant. An entry added without one (the
     job named no digests, or the request is gone) cools every request, as before."""
 

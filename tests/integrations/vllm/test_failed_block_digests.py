@@ -1,6 +1,6 @@
 """The scheduler's failed-load cool-down per ``(tenant, sequence hash)`` cools only requests whose own token digest
 of the block is a failed request's (:class:`~kvbm_backend.integrations.vllm.failed_blocks.FailedBlocks`): the
-sequence hash is forgeable (docs/format.md "Token digest"), and before 2026-12-02 a tenant-mate's forged prompt,
+sequence hash is forgeable (docs/format.md "Token digest"), and before 2026-12-01 a tenant-mate's forged prompt,
 failing on the victim's stored block, cooled it for every request of the tenant for 30 s. Pure units (the
 connector-level proof: tests/integrations/vllm/test_forged_hashes.py)."""
 from __future__ import annotations

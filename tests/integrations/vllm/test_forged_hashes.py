@@ -63,9 +63,9 @@ def test_a_prompt_with_another_prompts_sequence_hashes_never_loads_its_kv(tmp_pa
 
     A's frame, a verified block of another token sequence, is KEPT (a miss counted ``other_digest``): A's next
     request, on the same scheduler and on a fresh one, is offered it and loads it byte for byte, and B's
-    recomputed blocks saved under the same names do not replace it. Before 2026-12-02 the frame was dropped as
+    recomputed blocks saved under the same names do not replace it. Before 2026-12-01 the frame was dropped as
     ``token_digest`` (from G3 and the shared G4) and the scheduler cooled the block for every request of the
-    tenant: a forged prompt sent every 30 s kept A's prefix at 0 % hits (review 2026-12-02, /tmp/rev-b)."""
+    tenant: a forged prompt sent every 30 s kept A's prefix at 0 % hits (review 2026-12-01, /tmp/rev-b)."""
     kv = _engine("cpu", seed=61)
     bs = kv.layout.page_size
     a, b = colliding_prompts(bs, N)

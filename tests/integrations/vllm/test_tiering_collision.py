@@ -4,8 +4,8 @@ AAD), so a second key with the same 64 bits was served the first key's KV. xxh3_
 36-byte keys below share one (lanes cancelled against xxh3's public secret); a birthday search over prompts finds
 real ones, and at fleet scale chance does. Now every key the tiers build is a ``DigestKey`` whose digest binds the
 whole OffloadKey (:func:`~kvbm_backend.integrations.vllm.tier_base.offload_key_digest`): the second key is a miss
-(the frame proven not its own is dropped, so its recompute is stored), the first loads byte for byte, and a frame
-written before the fix (no digest) costs one clean failed load, then is stored again. Through vLLM's real tiering
+(the frame under the name holds the first key's nonzero digest: kept, docs/format.md), the first loads byte for
+byte, and a frame written before the fix (no digest) costs one clean failed load, then is stored again. Through vLLM's real tiering
 manager (:mod:`~kvbm_backend.integrations.vllm.tiering_harness`), real G3 and G4 (``file://``) pools."""
 from __future__ import annotations
 
@@ -101,9 +101,9 @@ def test_colliding_keys_share_a_name_never_a_digest():
 @pytest.mark.parametrize("kind", ["g3", "g4-encrypted", "g4-plain"])
 def test_a_colliding_key_is_a_miss_and_the_first_still_loads(tmp_path, make, kind):
     """k1 stored, k2 (same xxh3_64) asked: before the fix k2 was served k1's bytes (a hit); now a miss (the frame
-    under the shared name holds k1's digest), k1 loads byte for byte, k2's failed load is no hit again (the frame
-    proven not k2's is dropped, so the name is free: G3's index and G4's HEAD say so, past the cool-down too), and
-    k2's recompute stored under the name is then k2's: k2 loads its own bytes, k1 is the miss."""
+    under the shared name holds k1's digest), k1's frame is kept (another nonzero digest is no proof of bad bytes:
+    docs/format.md "Token digest"; until 2026-12-01 it was dropped), k2's recompute stored under the name does not
+    replace it, and past the cool-down k1 still loads byte for byte while k2 is only ever a miss."""
     h = make([tier_spec(kind, tmp_path)])
     tier = h.tier
     assert tier.pool.stats().get("encrypted", False) is (kind == "g4-encrypted")
@@ -120,20 +120,19 @@ def test_a_colliding_key_is_a_miss_and_the_first_still_loads(tmp_path, make, kin
     assert isinstance(b1, DigestKey) and BlockKey(*b1) == BlockKey(*b2) and b1.token_digest != b2.token_digest
     st = tier.kvbm_stats()["tier"]
     assert (st["loads_failed"], st["chunks_load_failed"]) == (1, 1)
-    assert _looked_up(tier, h.context(), k2) is LookupResult.MISS  # cooling (FailedChunks) ...
-    assert not _held(tier, k2) and not _held(tier, k1)  # ... and the name is free: no hit once it has cooled
+    assert _looked_up(tier, h.context(), k2) is LookupResult.MISS  # cooling (FailedChunks)
+    assert _held(tier, k1)  # k1's frame is kept: k2's failed load proves nothing bad about it
     tier._failed = FailedChunks(offload_key_hash, cooldown_s=0.0)  # past the cool-down (30 s), without waiting
-    assert _looked_up(tier, h.context(), k2) is LookupResult.MISS
-    h.store([k2], [p2])
+    h.store([k2], [p2])  # k2's recompute under the shared name: G3 skips the held name, G4's PUT finds k1's object
     h.wait_idle()
-    assert _loads(h, k2, p2)
-    if kind != "g3":  # the object under the name holds k2's digest; an encrypted one binds it (format version 2)
+    if kind != "g3":  # the object under the name still holds k1's digest; an encrypted one binds it (version 2)
         from kvbm_backend.integrations.vllm.tier_base import offload_key_digest
         head = tier.pool.store.get(tier.pool.object_name(b2), 0, HEADER_BYTES)
         hdr = FrameHeader.unpack(bytes(head)[:HEADER_BYTES])
-        assert hdr.token_digest == offload_key_digest(k2) and hdr.version == (2 if kind == "g4-encrypted" else 1)
+        assert hdr.token_digest == offload_key_digest(k1) and hdr.version == (2 if kind == "g4-encrypted" else 1)
+    assert _loads(h, k1, p1)  # k1 still loads byte for byte
     h.reset_primary()
-    assert h.load([k1]) == []  # only ever a miss, both ways
+    assert h.load([k2]) == []  # k2: only ever a miss, never k1's bytes
     st = tier.kvbm_stats()["tier"]
     assert (st["loads_failed"], st["chunks_loaded"]) == (2, 2)
 
