@@ -53,7 +53,7 @@ def test_a_preempted_request_is_looked_up_again_when_it_resumes(tmp_path):
         s.add_request(a)
         so = _schedule_until(s, "A")
         assert not so.kv_connector_metadata.loads  # G3 empty: nothing to load
-        s.update_from_output(so, _output(so))
+        s.update_from_output(so, _output(s, so))
         _store(sd, hs)
         s.running.remove(a)
         s._preempt_request(a, time.monotonic())
@@ -79,7 +79,7 @@ def test_blocks_recomputed_after_a_block_level_load_failure_are_saved_again(tmp_
         (job,) = so.kv_connector_metadata.loads
         assert job.block_ids == a_blocks[:8]
         assert g3.delete(ns.keys(hs[2:])).result(HANG_S) == 6  # the worker dropped them as unreadable: a miss
-        s.update_from_output(so, _output(so, invalid=a_blocks[2:8], failed=[FailedLoad("A", "", hs[2], "miss")]))
+        s.update_from_output(so, _output(s, so, invalid=a_blocks[2:8], failed=[FailedLoad("A", "", hs[2], "miss")]))
         assert a.num_computed_tokens == 2 * BS
         so = s.schedule()
         assert so.num_scheduled_tokens["A"] == 64  # blocks 2..5 recomputed this step
