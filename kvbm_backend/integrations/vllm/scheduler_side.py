@@ -265,10 +265,10 @@ class SchedulerSide:
         if self.g3 is None or n <= 0 or (self.revoked is not None and self.revoked.refused(st.tenant)):
             return None
         try:  # the full-attention groups' prefix (sliding windows are re-offered, see _plan_local_save)
-            return min([f.result(timeout=0.05) for f in
-                        [g.g3.lookup_prefix(k, request=False) for g in self.groups
-                         if g.window_blocks is None and g.g3 is not None
-                         for k in self._group_keys(g, st, 0, n)]] or [n])
+            futs = [g.g3.lookup_prefix(k, request=False) for g in self.groups
+                    if g.window_blocks is None and g.g3 is not None for k in self._group_keys(g, st, 0, n)]
+            # never waited for: a pool whose lock is busy answers later (pool/g3/lookup_defer.py): unknown now
+            return min([f.result() for f in futs] or [n]) if all(f.done() for f in futs) else None
         except Exception:  # noqa: BLE001 - unknown: nothing extra is saved
             return None
 

@@ -129,6 +129,7 @@ class SlotCatalog:
         self.on_degrade: Callable[[float], None] | None = None
         self.journal_dirty = False  # records were lost (failed append/rewrite): rewrite before appending
         self.journal_reason = "enospc"  # drop reason of the last journal failure
+        self.dirty_gen = 0  # journal failures that lost records so far (a compaction installs only if unchanged)
         self._ttags: dict[str, bytes] = {}
         self._compactor: threading.Thread | None = None  # the thread writing a journal compaction, if any
         self._zero: npt.NDArray[np.uint8] | None = None  # one zeroed, aligned header (clear_headers)
@@ -211,21 +212,27 @@ class SlotCatalog:
     def journal_append(self, recs: list[bytes]) -> bool:
         """Journal ``recs``. Never raises: a failed append or rewrite (ENOSPC, EIO, anything) goes to
         `journal_failed` (tier degraded, journal marked for repair) and False is returned (``recs``
-        not journaled). A journal marked for repair (or one that could not be opened) is first rewritten
-        from the index, with any namespace file still unwritten: records lost earlier (DELs) are
-        repaired there."""
+        not journaled). A journal marked for repair (records lost earlier: DELs) is rewritten from the index
+        off the lock (a compaction, :meth:`_compact`, with any namespace file still unwritten written first),
+        while ``recs`` go on to the old journal (and to the new one once it is in place); one that cannot take
+        appends (:attr:`~.journal.Journal.broken`, or not open) is first rewritten here, under the lock."""
         if not recs:
             return True
         try:
-            if self.journal_dirty or self.journal.broken or self.journal.fd is None:
+            j = self.journal
+            if j.broken or j.fd is None:  # nothing to append to: the repair is written here, under the lock
                 self.slabs.write_pending_namespaces()
-                self.journal.rewrite(self.index.items())
+                j.rewrite(self.index.items())
                 self.journal_dirty = False
-                log.warning("G3: journal %s rewritten from the index (repaired)", self.journal.path)
-            elif (self.journal.compaction is None and not self.closed
-                  and self.journal.records > max(COMPACT_MIN_RECORDS, 4 * len(self.index))):
+                log.warning("G3: journal %s rewritten from the index (repaired)", j.path)
+            elif self.journal_dirty:  # the old journal takes appends: repaired off the lock (_compact)
+                if (j.compaction is None or j.compaction.gen != self.dirty_gen) and not self.closed:
+                    self.slabs.write_pending_namespaces()
+                    self._compact()
+            elif (j.compaction is None and not self.closed
+                  and j.records > max(COMPACT_MIN_RECORDS, 4 * len(self.index))):
                 self._compact()
-            self.journal.append(recs)
+            j.append(recs)
         except Exception as e:  # noqa: BLE001 - storage trouble (or a bug) must not hang callers
             self.journal_failed(e)
             return False
@@ -243,6 +250,7 @@ class SlotCatalog:
         lock (:meth:`_run_compaction`), while appends go on to the old journal and are remembered for the
         new one."""
         c = self.journal.begin_compaction(self.index.items())
+        c.gen = self.dirty_gen
         t = start_thread(self._run_compaction, args=(c,), name="g3-journal-compaction", start=False)
         self._compactor = t
         t.start()
@@ -253,7 +261,11 @@ class SlotCatalog:
         directory. The old journal stays valid (and gets every append) until that rename, so a crash or a
         failure anywhere before it loses nothing; a failure degrades the tier like a failed rewrite
         (``journal_failed``, the journal not marked for repair) and the temp file is removed. A compaction
-        superseded meanwhile (a repair rewrite, close) just removes its temp file."""
+        superseded meanwhile (a repair rewrite, close) just removes its temp file, and so does one after whose
+        snapshot records were lost (``dirty_gen`` moved on: a failed append). One started while the journal was
+        marked for repair (:meth:`journal_append`) is the repair: its snapshot has what the lost records said,
+        and once installed the journal is clean again (before 2026-12-01 the repair was rewritten under the lock:
+        a slow or stalled disk stalled every lookup, i.e. the engine's steps, that long)."""
         j = self.journal
         try:
             if j.write_snapshot(c):
@@ -261,9 +273,13 @@ class SlotCatalog:
                     pending = j.take_pending(c)
                 j.write_caught_up(c, pending)
                 with self.lock:
-                    if j.compaction is c and not (self.journal_dirty or j.broken or j.fd is None):
+                    if j.compaction is c and c.gen == self.dirty_gen and not (j.broken or j.fd is None):
                         j.finish_compaction(c)
-                        self.c["journal_compactions"] += 1
+                        if self.journal_dirty:
+                            self.journal_dirty = False
+                            log.warning("G3: journal %s rewritten from the index (repaired)", j.path)
+                        else:
+                            self.c["journal_compactions"] += 1
                         return
         except Exception as e:  # noqa: BLE001 - storage trouble (or a bug): the old journal stays valid
             with self.lock:
@@ -289,6 +305,7 @@ class SlotCatalog:
         nospace = getattr(e, "errno", None) in _NOSPACE
         self.journal_reason = "enospc" if nospace else "journal_error"
         self.journal_dirty = self.journal_dirty or dirty
+        self.dirty_gen += dirty  # a compaction snapshot taken before now lacks what was lost: never installed
         self.c["journal_errors"] += 1
         self.c["enospc" if nospace else "write_errors"] += 1
         if self.degrade() or not isinstance(e, OSError):

@@ -237,6 +237,7 @@ class Compaction:
         self.records = 0  # records written to the temp file
         self.size = 0  # bytes written to the temp file (header included)
         self.taken = 0  # remembered appends already copied to the temp file
+        self.gen = 0  # the pool's count of record-losing journal failures at the snapshot (catalog.dirty_gen)
 
 
 class Journal:

@@ -64,6 +64,7 @@ from ..base import BlockBuffer, GetDestinations, GetResult, PutResult, SlotLease
 from . import journal as jr
 from .admission import make_admission
 from .catalog import REASONS, SlotCatalog
+from .lookup_defer import G3Lookups
 from .read import G3Reader
 from .read.device import DeviceLoader
 from .read.layerwise import LayerwiseLoad
@@ -142,6 +143,7 @@ class G3Pool:
                                        + (self.read_chunks_in_flight + 2) * self.read_chunk_bytes)
         # the parts: the slot catalog (the only owner of slot state), the writer, the reader
         self.cat = SlotCatalog(cfg, namespace, self.metrics, lambda: self.degrade_s)
+        self._lookups = G3Lookups(self.cat, self.fp, self._count_metrics)
         self.block_bytes, self.slot_bytes = self.cat.block_bytes, self.cat.slot_bytes
         self._own_engine = engine is None
         try:
@@ -233,18 +235,16 @@ class G3Pool:
         """Future of the number of leading ``keys`` held (index only). Found entries become most
         recently used. ``keys``: BlockKeys, or a :class:`~kvbm_backend.model.namespace.KeyRun` (the
         compact index probes its uint64 array, no per-key object). ``request`` False: not counted
-        (``lookup_blocks`` / ``lookup_hits``, ``kvbm_matched_tokens``, the hit rate; see :class:`BlockPool`)."""
-        with self.cat.lock:
-            n = self.cat.index.lookup_prefix(keys, self.fp)  # vectorised: all keys probed at once
-        if request:
-            self.count_lookup(len(keys), n)
-        return completed(n)
+        (``lookup_blocks`` / ``lookup_hits``, ``kvbm_matched_tokens``, the hit rate; see :class:`BlockPool`).
+        Never waits for the pool's lock: while another thread holds it the future resolves later
+        (:mod:`.lookup_defer`, counted ``lookups_deferred``)."""
+        return self._lookups.lookup_prefix(keys, request)
 
     def count_lookup(self, requested: int, found: int) -> None:
-        """Count a request's lookup settled elsewhere (:meth:`BlockPool.count_lookup`)."""
-        with self.cat.lock:
-            self.cat.c["lookup_blocks"] += requested
-            self.cat.c["lookup_hits"] += found
+        """Count a request's lookup settled elsewhere (:meth:`BlockPool.count_lookup`); never waits for the lock."""
+        self._lookups.count(requested, found)
+
+    def _count_metrics(self, requested: int, found: int) -> None:
         self.metrics.matched_tokens.inc(found * self.layout.page_size)
         self.metrics.hit_rate.record(requested, found)
 
@@ -447,6 +447,7 @@ class G3Pool:
             self.engine.close()
         self.reader.close_verifier()  # after the engine: its last callbacks may still queue there
         cat.close()
+        self._lookups.join(1.0)  # a deferred lookup has the lock by now (its future resolves)
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges. Sizes in bytes; ``*_blocks``/counts in blocks."""
@@ -482,10 +483,10 @@ class G3Pool:
                      "offloads_skipped_deleted", "offloads_dropped",
                      "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
                      "restored_blocks", "restore_dropped", "restored_by_scan", "restore_scanned_slots",
-                     "restore_header_retries", "lookup_blocks",
-                     "lookup_hits", "deleted", "late_reads", "unreadable_kept", "unreadable_deleted",
+                     "restore_header_retries", "deleted", "late_reads", "unreadable_kept", "unreadable_deleted",
                      "device_loads", "device_hits", "sync_groups", "journal_syncs", "journal_compactions"):
             d[name] = c.get(name, 0)
+        d.update(self._lookups.snapshot())  # lookup_blocks, lookup_hits, lookups_deferred
         # the names every pool reports (pool.base.STATS_CONTRACT)
         d["written"], d["dropped"] = d["offloads_written"], d["offloads_dropped"]
         d["skipped"] = d["offloads_skipped_present"] + d["offloads_skipped_admission"] + d["offloads_skipped_deleted"]

@@ -233,7 +233,10 @@ def test_real_full_disk_journal_put_delete_reopen(tmpfs):
     # delete's DEL record could not be written, but the deleted block's header is gone: not found again
     with open_pool(d, **kw) as pool:
         st = pool.stats()
-        assert st["restored_blocks"] == 3 + len(written) and st["restore_dropped_by_reason"] == {"magic": 1}, st
+        # the DEL went to the old journal (a journal marked for repair still takes appends while the repair is
+        # written off the lock, since 2026-12-01) where its page had room, else its zeroed header drops it
+        assert st["restored_blocks"] == 3 + len(written), st
+        assert st["restore_dropped_by_reason"] in ({"magic": 1}, {}), st
         assert not pool.contains(keys[0]) and pool.delete(keys[:1]).result(timeout=HANG_S) == 0
     os.unlink(d / "namespace.json")
     os.unlink(d / LOCK_NAME)
