@@ -21,11 +21,12 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, make_offload_key  # no
 
 from kvbm_backend.integrations.vllm.failed_blocks import FailedChunks  # noqa: E402
 from kvbm_backend.integrations.vllm.tiering import offload_key_hash  # noqa: E402
-from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness, offloading_config  # noqa: E402
+from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness  # noqa: E402
 from kvbm_backend.model.frame import HEADER_BYTES, FrameHeader  # noqa: E402
 from kvbm_backend.model.hashing import digest_root, token_digests  # noqa: E402
 from kvbm_backend.model.namespace import BlockKey, DigestKey  # noqa: E402
 from tests.integrations.vllm.test_tiering import GEO, HANG_S, _looked_up, g3_tier, payloads  # noqa: E402
+from tests.integrations.vllm import test_tiering_review as _review  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -56,19 +57,7 @@ def tier_spec(kind: str, tmp_path) -> dict:
     return {"type": "G4Tier", "module_path": MOD, "num_kv_heads": GEO["num_kv_heads"], "io_threads": 2, "g4": g4}
 
 
-@pytest.fixture
-def make():
-    made: list[TieringHarness] = []
-
-    def mk(tiers, **kw):
-        h = TieringHarness(offloading_config(secondary_tiers=tiers, chunks=16, **GEO, **kw))
-        made.append(h)
-        return h
-
-    yield mk
-    for h in made:
-        if h.primary is not None:
-            h.shutdown()
+make = _review.make  # the fixture: harnesses made by a test are shut down after it
 
 
 def _held(tier, key) -> bool:
