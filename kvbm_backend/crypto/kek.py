@@ -20,7 +20,7 @@ import socket
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Callable, Iterator, Protocol, runtime_checkable
 
 from ..fsmodes import UnsafePath, check_trusted_dir, makedirs_private, open_trusted
 from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
@@ -58,6 +58,12 @@ def read_trusted(path: Path, what: str) -> tuple[bytes, os.stat_result]:
 
 
 SWAP_RETRIES = 3  # read_trusted: re-resolutions of a link whose target a Secret volume update removed
+
+
+class KeyringReplaced(KeyringError):
+    """The keyring file at the path is not the version a change read: another file was put there without
+    the keyring's lock (a copy restored with ``cp``/``mv``). Nothing was written; the change is re-read and
+    applied again (:func:`~.keyring_publish.retry_replaced`)."""
 
 
 class UnknownTenant(KeyringError):
@@ -199,13 +205,14 @@ def locked_file(lock_path: str) -> Iterator[None]:
 KEYRING_TMP_MARK = "kvbm-keyring-tmp"  # a keyring temp file: .PATH.kvbm-keyring-tmp.<host>.<pid>.<uuid hex>
 
 
-def replace_private_json(path: Path, doc: object) -> None:
+def replace_private_json(path: Path, doc: object, before_publish: Callable[[], None] | None = None) -> None:
     """Replace ``path`` with ``doc`` as JSON atomically, mode 0600: a unique temp name in the same
-    directory (``.NAME.kvbm-keyring-tmp.<host>.<pid>.<uuid>``), fsync, rename, fsync the directory.
+    directory (``.NAME.kvbm-keyring-tmp.<host>.<pid>.<uuid>``), fsync, ``before_publish()`` (an exception
+    it raises: nothing published, the temp file removed, the exception raised), rename, fsync the directory.
     The caller holds ``path``'s lock (``PATH.lock``), so any temp file of ``path`` found here is one a
     killed writer left: it is removed first (it holds every tenant's wrapped data key, a revoked one's
     too: left, it would outlive a crypto-shred), and the directory fsync makes that durable.
-    Raises OSError (the temp file removed)."""
+    Raises OSError, or what ``before_publish`` raises (the temp file removed either way)."""
     prefix = f".{path.name}.{KEYRING_TMP_MARK}."
     with os.scandir(path.parent) as entries:
         stale = [e.path for e in entries if e.name.startswith(prefix)]
@@ -219,6 +226,8 @@ def replace_private_json(path: Path, doc: object) -> None:
             json.dump(doc, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
+        if before_publish is not None:
+            before_publish()  # keyring_publish: still the version read (a deletion is never undone here)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

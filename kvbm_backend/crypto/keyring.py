@@ -26,8 +26,10 @@ can share it.
   (:meth:`read_key`: a tenant or rotation of another worker), or :meth:`write_key` about to refuse an
   unknown tenant, runs the same check at once (at most one per ``miss_reload_min_s``, default 0.1 s) and
   looks the key up once more; still absent, it is a miss. :meth:`stats` counts loads and on-miss checks.
-* A keyring file deleted while a process runs (a crypto-shred of every tenant) is never written back. A new
-  file made there (``keys create``) has a new pseudonym key: :meth:`naming_generation` counts such changes.
+* A keyring file deleted while a process runs (a crypto-shred of every tenant) is not written back: a change
+  publishes only over the version it read (:mod:`.keyring_publish`; a plain ``rm`` racing the rename itself, a
+  window of microseconds, still loses: ``kvbm-backend keys destroy`` deletes under the lock). A new file made
+  there (``keys create``) has a new pseudonym key: :meth:`naming_generation` counts such changes.
 * **Tenants are created explicitly** (:meth:`Keyring.create`, ``kvbm-backend keys create``), or on
   first write only when ``auto_create_tenants`` and the keyring is writable. A revoked tenant is never
   re-created implicitly: :meth:`write_key` raises :class:`TenantRevoked` until an explicit ``create``.
@@ -49,7 +51,6 @@ import hmac
 import json
 import logging
 import os
-import secrets
 import threading
 import time
 from functools import partial
@@ -58,11 +59,12 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, TypeVar, overlo
 
 from ..fsmodes import makedirs_private
 from ..model.namespace import tenant_bytes
-from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant, _b64,
-                  _stamp, dir_is_read_only, generate_kek_b64, locked_file, provider_for, replace_private_json)
-from .keyring_file import (FORMAT, FileState, add_tenant, read_keyring, revoke_tenant, revoked_key_ids, rewrap_doc,
-                           rotate_tenant, tenant_rows)
-from .keyring_persist import Doc, UseCounts
+from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant, _stamp,
+                  dir_is_read_only, generate_kek_b64, locked_file, provider_for)
+from .keyring_file import (FORMAT, FileState, create_tenant, limit_msg, read_keyring, revoke_tenant, revoked_key_ids,
+                           rewrap_doc, rotate_tenant, tenant_rows)
+from .keyring_persist import Doc, Stamp, UseCounts
+from .keyring_publish import create_keyring, publish_keyring, retry_replaced  # publish: only over what was read
 from .names import NAME_KEY_LABEL, UNKEYED_PSEUDONYM_KEY, auto_creatable, check_storable_tenant, derive_name_key
 
 NIST_GCM_RANDOM_NONCE_LIMIT = 2 ** 32
@@ -138,7 +140,8 @@ class Keyring:
         self._last_check = 0.0
         self._last_miss_check = float("-inf")
         self._n = {"loads": 0, "miss_reloads": 0, "miss_reload_loads": 0, "miss_reloads_limited": 0}
-        self._uses = UseCounts(mu=self._mu, file_lock=self._locked, reload=self._reload, write=self._write,
+        self._uses = UseCounts(mu=self._mu, file_lock=self._locked, reload=self._reload,
+                               write=partial(publish_keyring, self.path),
                                warn_once=self._warn_once, every_s=persist_every_s, writable=not self.read_only,
                                where=str(self.path))  # uses not yet in the file, persisted in the background
         if self.path.exists():
@@ -152,10 +155,7 @@ class Keyring:
                 if self.path.exists():
                     self._load()
                 else:
-                    pk = secrets.token_bytes(KEY_BYTES)
-                    self._doc = {"format": FORMAT, "kek_id": provider.key_id, "pseudonym_key": _b64(provider.wrap(pk)),
-                                 "tenants": {}, "revoked": {}}
-                    self._write()
+                    create_keyring(self.path, provider)
                     self._load()
         else:
             raise KeyringError(f"keyring {self.path}: not found")
@@ -191,15 +191,12 @@ class Keyring:
         self._stamp, self._error, self._last_check = st.stamp, None, time.monotonic()
         self._n["loads"] += 1
 
-    def _reload(self) -> Doc:
-        """:meth:`_load`; the document. The file exists from construction on: missing, it was deleted (a
-        crypto-shred), so KeyringError (before 2026-11-29 a flush or close wrote it back, keys and all)."""
+    def _reload(self) -> tuple[Doc, Stamp]:
+        """:meth:`_load`; the document and its version's stamp. The file exists from construction on: missing,
+        it was deleted (a crypto-shred), so KeyringError (before 2026-11-29 a flush or close wrote it back)."""
         self._load()
-        return self._doc
-
-    def _write(self, doc: Doc | None = None) -> None:
-        """Atomic replace with ``doc`` (default: the loaded one): :func:`replace_private_json`."""
-        replace_private_json(self.path, self._doc if doc is None else doc)
+        assert self._stamp is not None  # set by every load
+        return self._doc, self._stamp
 
     def _check_writable(self) -> None:
         if self.read_only:
@@ -215,28 +212,33 @@ class Keyring:
         them all)."""
         self._check_writable()
         with self._locked():
-            st = read_keyring(self.path, self.provider)  # missing (deleted: a crypto-shred): never written back
-            with self._mu:
-                self._install(st)
-                merged = self._uses.merge_into(self._doc)  # counted in the document from now on (rotation)
-                doc = json.loads(json.dumps(self._doc))
-            try:
-                out = fn(doc)
-                self._write(doc)
-            except BaseException:
-                try:
-                    back: FileState | None = read_keyring(self.path, self.provider)  # the file as it was
-                except KeyringError:
-                    back = None
-                with self._mu:
-                    self._uses.restore(merged)
-                    if back is not None:
-                        self._install(back)  # without the merged counts, now pending again
-                raise
+            out = retry_replaced(partial(self._mutate_once, fn))  # again: the file was replaced without the lock
             st = read_keyring(self.path, self.provider)
             with self._mu:
                 self._install(st)
             return out
+
+    def _mutate_once(self, fn: Callable[[Doc], T]) -> T:
+        """One try of :meth:`_mutate`, file lock held. Raises KeyringReplaced (file replaced since read)."""
+        st = read_keyring(self.path, self.provider)  # missing (deleted: a crypto-shred): never written back
+        with self._mu:
+            self._install(st)
+            merged = self._uses.merge_into(self._doc)  # counted in the document from now on (rotation)
+            doc = json.loads(json.dumps(self._doc))
+        try:
+            out = fn(doc)
+            publish_keyring(self.path, doc, st.stamp)  # only over the version read; gone: KeyringError, as at the read
+        except BaseException:
+            try:
+                back: FileState | None = read_keyring(self.path, self.provider)  # the file as it is
+            except KeyringError:
+                back = None
+            with self._mu:
+                self._uses.restore(merged)
+                if back is not None:
+                    self._install(back)  # without the merged counts, now pending again
+            raise
+        return out
 
     def _maybe_reload(self, *, on_miss: bool = False) -> bool:
         """Re-read the file if it changed. Periodic (the default): checked at most every
@@ -343,21 +345,8 @@ class Keyring:
         return self.info(tenant)
 
     def _create_fn(self, tenant: str, implicit: bool) -> Callable[[Doc], None]:
-        def fn(doc: Doc) -> None:
-            if tenant not in doc["tenants"]:
-                check_storable_tenant(tenant, self.path, implicit)
-                if implicit and self.pseudonym(tenant).hex() in doc.get("revoked", {}):
-                    raise TenantRevoked(f"keyring {self.path}: tenant {self.pseudonym(tenant).hex()} (pseudonym) was "
-                                        "revoked; only `kvbm-backend keys create` re-creates it")
-                if implicit and len(doc["tenants"]) >= self.max_auto_tenants:
-                    raise UnknownTenant(self._limit_msg(tenant))
-                add_tenant(doc, tenant, self.pseudonym(tenant).hex(), self.provider)
-        return fn
-
-    def _limit_msg(self, tenant: str) -> str:
-        return (f"keyring {self.path}: no key for tenant {self.pseudonym(tenant).hex()} (pseudonym) and the keyring "
-                f"holds g4.keyring.max_auto_tenants={self.max_auto_tenants} tenants: no more are created implicitly; "
-                "create it with `kvbm-backend keys create`")
+        return partial(create_tenant, tenant=tenant, pseudonym=self.pseudonym, provider=self.provider,
+                       where=self.path, implicit=implicit, max_auto=self.max_auto_tenants)
 
     def rotate(self, tenant: str) -> dict[str, Any]:
         """New data key version for new writes; older versions stay readable. Raises TenantRevoked (revoked,
@@ -381,13 +370,22 @@ class Keyring:
         """Re-wrap every key under ``new_provider``'s KEK (no block is rewritten). Returns keys re-wrapped."""
         self._check_writable()
         with self._locked(), self._mu:  # an operator's change: readers wait for its write (lock order kept)
-            self._load()
-            self._uses.merge_into(self._doc)
-            n = rewrap_doc(self._doc, self._keys, self._naming[1], new_provider)
+            n = retry_replaced(partial(self._rewrap_once, new_provider))
             self.provider = new_provider
-            self._write()
             self._load()
             return n
+
+    def _rewrap_once(self, new_provider: KeyProvider) -> int:
+        cur, read = self._reload()  # file lock and _mu held
+        doc = json.loads(json.dumps(cur))
+        merged = self._uses.merge_into(doc)
+        try:
+            n = rewrap_doc(doc, self._keys, self._naming[1], new_provider)
+            publish_keyring(self.path, doc, read)
+        except BaseException:
+            self._uses.restore(merged)
+            raise
+        return n
 
     @overload
     def info(self, tenant: None = None) -> list[dict[str, Any]]: ...
@@ -494,7 +492,7 @@ class Keyring:
             raise UnknownTenant(f"keyring {self.path}: no key for tenant {self.pseudonym(tenant).hex()} "
                                 f"(pseudonym) and {why}; create it with `kvbm-backend keys create`")
         if len(self._doc["tenants"]) >= self.max_auto_tenants:
-            raise UnknownTenant(self._limit_msg(tenant))
+            raise UnknownTenant(limit_msg(self.path, self.pseudonym(tenant).hex(), self.max_auto_tenants))
         check_storable_tenant(tenant, self.path, implicit=True)  # a long id: UnknownTenant, never created
         return None
 

@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, NoReturn
 
-from .kek import KEY_BYTES, KeyProvider, KeyringError, _b64, _now_iso, _stamp, read_trusted
+from .kek import (KEY_BYTES, KeyProvider, KeyringError, TenantRevoked, UnknownTenant, _b64, _now_iso, _stamp,
+                  read_trusted)
 from .keyring_persist import Doc
+from .names import check_storable_tenant
 
 FORMAT = "kvbm-backend-keyring/1"
 
@@ -211,6 +213,31 @@ def add_tenant(doc: Doc, tenant: str, pseudonym_hex: str, provider: KeyProvider)
         kid = secrets.randbits(32)
     doc["tenants"][tenant] = {"pseudonym": pseudonym_hex, "key_id": kid, "current": 0, "versions": {}}
     new_version(doc, tenant, provider)
+
+
+def create_tenant(doc: Doc, tenant: str, *, pseudonym: Callable[[str], bytes], provider: KeyProvider, where: Path,
+                  implicit: bool, max_auto: int) -> None:
+    """Add ``tenant`` (:func:`add_tenant`) unless ``doc`` has it; ``pseudonym``: the keyring's (read when
+    applied: the pseudonym key of the version read). ``implicit`` (a worker's first write) raises
+    :class:`TenantRevoked` for a revoked tenant and :class:`UnknownTenant` once ``doc`` holds ``max_auto``
+    tenants; either way :func:`~.names.check_storable_tenant` (an id the file cannot keep)."""
+    if tenant in doc["tenants"]:
+        return
+    check_storable_tenant(tenant, where, implicit)
+    ps = pseudonym(tenant).hex()
+    if implicit and ps in doc.get("revoked", {}):
+        raise TenantRevoked(f"keyring {where}: tenant {ps} (pseudonym) was revoked; only `kvbm-backend keys create` "
+                            "re-creates it")
+    if implicit and len(doc["tenants"]) >= max_auto:
+        raise UnknownTenant(limit_msg(where, ps, max_auto))
+    add_tenant(doc, tenant, ps, provider)
+
+
+def limit_msg(where: Path, pseudonym_hex: str, max_auto: int) -> str:
+    """The refusal of an implicit creation at ``g4.keyring.max_auto_tenants``."""
+    return (f"keyring {where}: no key for tenant {pseudonym_hex} (pseudonym) and the keyring holds "
+            f"g4.keyring.max_auto_tenants={max_auto} tenants: no more are created implicitly; create it with "
+            "`kvbm-backend keys create`")
 
 
 def rotate_tenant(doc: Doc, tenant: str, provider: KeyProvider, where: Path, from_version: int | None) -> None:

@@ -15,10 +15,12 @@ import threading
 import time
 from typing import Any, Callable, ContextManager
 
-from .kek import KeyringError
+from .kek import KeyringError, KeyringReplaced
 from ..threads import start_thread
 
 Doc = dict[str, Any]  # the keyring file's JSON document
+Stamp = tuple[int, int, int, int, int]  # one version of the keyring file: kek._stamp (mtime, ctime, size, inode, dev)
+REPLACED_RETRIES = 3  # a change re-read and applied again at most this many times after KeyringReplaced
 
 
 class UseCounts:
@@ -29,10 +31,12 @@ class UseCounts:
         mu: the keyring's mutex (guards its document and these counts; callers of :meth:`count`,
             :meth:`pending` and :meth:`merge_into` hold it).
         file_lock: a context manager factory: the keyring file's inter-process lock.
-        reload: re-reads the keyring file and returns the keyring's document (may raise
-            :class:`KeyringError`); called with ``mu`` and the file lock held.
-        write: writes a document to the keyring file (fsyncs; may raise OSError, KeyringError); called
-            with the file lock held and ``mu`` not held.
+        reload: re-reads the keyring file and returns the keyring's document and the stamp of the version
+            read (may raise :class:`KeyringError`); called with ``mu`` and the file lock held.
+        write: ``write(doc, stamp)`` writes a document to the keyring file only over the version stamped
+            (fsyncs; may raise OSError, KeyringError: the file vanished since read, a crypto-shred, so nothing
+            is written back, or :class:`KeyringReplaced`: another file there, read again); called with the
+            file lock held and ``mu`` not held.
         warn_once: logs a message once (the keyring's bounded set of logged errors).
         every_s: the persist period in seconds.
         writable: False for a read-only keyring: counts are kept in memory, never persisted.
@@ -40,7 +44,7 @@ class UseCounts:
     """
 
     def __init__(self, *, mu: threading.RLock, file_lock: Callable[[], ContextManager[None]],
-                 reload: Callable[[], Doc], write: Callable[[Doc], None], warn_once: Callable[[str], None],
+                 reload: Callable[[], tuple[Doc, Stamp]], write: Callable[[Doc, Stamp], None], warn_once: Callable[[str], None],
                  every_s: float, writable: bool, where: str) -> None:
         self._mu, self._file_lock, self._reload, self._write = mu, file_lock, reload, write
         self._warn_once, self._every_s, self._writable, self._where = warn_once, every_s, writable, where
@@ -102,6 +106,7 @@ class UseCounts:
         file lock alone, as the keyring's own mutations do. A failed write puts the counts back (nothing
         is lost; the next period retries) and is logged once per reason."""
         snap: dict[tuple[str, int], int] = {}
+        replaced = 0  # writes refused because the file was replaced without the lock (re-read, at most 3 times)
         try:
             while True:
                 with self._file_lock():
@@ -109,12 +114,21 @@ class UseCounts:
                         try:
                             if not self._delta:
                                 return
-                            doc = self._reload()
+                            doc, stamp = self._reload()
                             snap = self.merge_into(doc)  # the document counts them from now on: rotation sees every use
                             copy = json.loads(json.dumps(doc))
                         finally:
                             self._mu.release()
-                        self._write(copy)
+                        try:
+                            self._write(copy, stamp)  # deleted since the reload: KeyringError, never written back
+                        except KeyringReplaced:
+                            replaced += 1
+                            if replaced > REPLACED_RETRIES:
+                                raise
+                            with self._mu:
+                                self.restore(snap)  # merged again into the file read next
+                            snap = {}
+                            continue
                         snap = {}
                         return
                 time.sleep(0.01)  # a mutation of this process holds mu and waits for the file lock: it goes first

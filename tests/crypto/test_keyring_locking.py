@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 import kvbm_backend.crypto.kek as kek_mod
-import kvbm_backend.crypto.keyring as keyring_mod
+import kvbm_backend.crypto.keyring_publish as publish_mod
 from kvbm_backend.config import G4Config
 from kvbm_backend.crypto.keyring import Keyring, LocalKek
 from kvbm_backend.pool.g4.pool import G4Pool
@@ -134,19 +134,19 @@ def test_two_threads_creating_one_tenant_get_one_key(tmp_path, monkeypatch):
     kr = _keyring(path)
     first_in, release = threading.Event(), threading.Event()
     second_at_lock = threading.Event()
-    orig_write, orig_locked = keyring_mod.replace_private_json, kr._locked
+    orig_write, orig_locked = publish_mod.replace_private_json, kr._locked
 
-    def slow_write(p: Path, doc: object) -> None:  # the first creation waits before its write (file unchanged)
+    def slow_write(p: Path, doc: object, **kw) -> None:  # the first creation waits before its write (file unchanged)
         if threading.current_thread().name == "first":
             first_in.set()
             assert release.wait(GUARD_S), "hang guard: the test never released the first creation"
-        orig_write(p, doc)
+        orig_write(p, doc, **kw)
 
     def locked():
         if threading.current_thread().name == "second":
             second_at_lock.set()  # it decided to create too and now waits for the file lock
         return orig_locked()
-    monkeypatch.setattr(keyring_mod, "replace_private_json", slow_write)
+    monkeypatch.setattr(publish_mod, "replace_private_json", slow_write)
     monkeypatch.setattr(kr, "_locked", locked)
     got: dict = {}
     first = _thread(lambda: kr.write_key("acme"), got, "first")
