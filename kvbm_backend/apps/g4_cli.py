@@ -1,4 +1,4 @@
-"""``kvbm-backend gc``, ``kvbm-backend g4 migrate`` and ``kvbm-backend keys create|rotate|revoke|list|rewrap``.
+"""``kvbm-backend gc``, ``kvbm-backend g4 migrate`` and ``kvbm-backend keys create|rotate|revoke|list|rewrap|destroy``.
 
 No command prints key material: ``keys list`` shows tenants, pseudonyms, key ids, versions, use
 counts and creation dates only.
@@ -20,7 +20,8 @@ from .cli_checks import error_line, fail as _fail, finite as _finite
 console = Console(stderr=True)
 
 keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                       help="Per-tenant G4 data keys: create, rotate, revoke (crypto-shred), list, rewrap.")
+                       help="Per-tenant G4 data keys: create, rotate, revoke (crypto-shred), list, rewrap, "
+                            "destroy (crypto-shred of every tenant).")
 g4_app = typer.Typer(add_completion=False, no_args_is_help=True, help="G4 store maintenance: migrate.")
 
 
@@ -226,6 +227,33 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
 REWRAP_NOTE = ("every worker still holding the old KEK stops serving G4 keys at its next keyring reload (G4 misses, "
                "offloads dropped, keyring_ok false) until it is restarted with the new KEK: a running worker reads "
                "its KEK once, at start (docs/configuration.md, \"KEK rotation\")")
+
+
+@keys_app.command("destroy")
+def keys_destroy(keyring: str = _KR, yes: bool = typer.Option(False, "--yes", help="confirm: every tenant's keys are "
+                                                                                  "deleted for good"),
+                 as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
+    """Crypto-shred every tenant: delete the keyring file (and temp files killed writers left) holding its
+    lock, so no running worker's change writes it back, then fsync its directory. The KEK stays; `keys create`
+    then makes a new keyring (new pseudonym key). Needs --yes. A plain `rm` can race a worker's write."""
+    if not yes:
+        _fail(f"keys destroy: deletes every tenant's data keys in {keyring} for good (all their G4 blocks "
+              "become unreadable); add --yes to confirm")
+    from pathlib import Path
+    if Path(keyring).is_dir():
+        _fail(f"--keyring: {keyring}: is a directory, not a file")
+    with _keyring_errors():
+        from kvbm_backend.crypto.keyring_publish import destroy_keyring
+        _out(dict(destroy_keyring(keyring), note=DESTROY_NOTE), as_json)
+
+
+#: ``keys destroy``'s report: what deleting the keyring does not reach (docs/configuration.md)
+DESTROY_NOTE = ("every tenant's G4 blocks are unreadable from now on (gc --max-age-s reclaims them: no revocation is "
+                "recorded); running workers fail closed at their next keyring reload (G4 misses, offloads dropped) "
+                "until `kvbm-backend keys create` makes a new keyring; copies of the keyring (backups, read-only "
+                "mounts, Secrets) still hold the keys: delete them too; workers' G3 copies (local plaintext) are not "
+                "shredded: delete their g3.paths where they must go (docs/configuration.md, \"Replacing the keyring "
+                "file\")")
 
 
 def _open_store(url: str, endpoint_url: Optional[str], region: Optional[str]):

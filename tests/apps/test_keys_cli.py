@@ -94,3 +94,72 @@ def test_re_creating_a_revoked_tenant_says_to_run_gc_first(tmp_path, monkeypatch
     assert CliRunner().invoke(app, ["keys", "revoke", "--keyring", kr, "--tenant", "alice"]).exit_code == 0
     assert "gc --keyring" in create("alice")["note"]
     assert "note" not in create("alice")  # active now: a no-op create says nothing
+
+
+def test_keys_destroy_needs_yes_and_deletes_the_keyring_and_writer_temp_files(tmp_path):
+    """``keys destroy`` (the crypto-shred of every tenant, 2026-12-01): refused without ``--yes``; deletes the
+    keyring and any temp file a killed writer left (they hold every wrapped key), keeps the KEK; ``keys create``
+    then makes a new keyring with a new pseudonym key. A missing keyring or a file that is no keyring: exit 2."""
+    from kvbm_backend.crypto.keyring import Keyring, provider_for
+    kr = str(tmp_path / "keys" / "kr.json")
+    k = Keyring(kr, provider_for(kr))  # what `keys create` makes (tests above): keyring and KEK file
+    k.create("alice")
+    old_ps = k.create("bob")["pseudonym"]
+    stale = tmp_path / "keys" / ".kr.json.kvbm-keyring-tmp.host.1.0123abcd"
+    stale.write_bytes(Path(kr).read_bytes())
+    r = _cli("keys", "destroy", "--keyring", kr)
+    assert r.returncode == 2 and "--yes" in r.stderr and r.stdout == "", r.stdout + r.stderr
+    assert Path(kr).exists() and stale.exists()
+    res = json.loads(_ok(_cli("keys", "destroy", "--keyring", kr, "--yes", "--json")))
+    assert res["destroyed"] is True and res["tenants"] == 2 and res["removed_temp_files"] == 1
+    assert res["keyring"] == kr and "keys create" in res["note"] and "G3" in res["note"]
+    assert sorted(f.name for f in (tmp_path / "keys").iterdir()) == ["kr.json.kek", "kr.json.lock"]
+    new = Keyring(kr, provider_for(kr)).create("bob")  # what `keys create` does: a new keyring
+    assert new["pseudonym"] != old_ps  # a new pseudonym key: the old blocks' names are never used again
+    r = _cli("keys", "destroy", "--keyring", str(tmp_path / "keys" / "nope.json"), "--yes")
+    assert r.returncode == 2 and "not found" in r.stderr
+    assert not (tmp_path / "keys" / "nope.json.lock").exists()
+    other = tmp_path / "notes.json"
+    other.write_text('{"format": "something else"}')
+    r = _cli("keys", "destroy", "--keyring", str(other), "--yes")
+    assert r.returncode == 2 and "not a keyring file" in r.stderr and other.exists()
+
+
+def _waits_for_flock(pid: int, lock: Path) -> bool:
+    """``pid`` is blocked in flock() on ``lock`` (/proc/locks: a ``->`` line of that pid and inode)."""
+    st = os.stat(lock)
+    ino = f":{st.st_ino} "
+    return any(line.split()[1] == "->" and line.split()[5] == str(pid) and ino in line
+               for line in Path("/proc/locks").read_text().splitlines() if "->" in line)
+
+
+def test_keys_destroy_waits_for_a_workers_change_in_flight_and_deletes_after_it(tmp_path, monkeypatch):
+    """The deletion ``keys destroy`` makes takes ``PATH.lock``: a worker process in the middle of a change (stopped
+    inside its write) finishes it, and the keyring is deleted after it, never written back."""
+    import time
+
+    from kvbm_backend.crypto.keyring import Keyring, generate_kek_b64, provider_for
+    from tests.helpers.keyring_writer import PausedKeyringWriter
+    kek = generate_kek_b64()
+    monkeypatch.setenv("KVBM_BACKEND_KEK", kek)
+    path = tmp_path / "kr.json"
+    Keyring(path, provider_for(path)).create("acme")
+    w = PausedKeyringWriter(path, "create")
+    try:
+        d = subprocess.Popen([sys.executable, "-m", "kvbm_backend.apps.cli", "keys", "destroy", "--keyring", str(path),
+                              "--yes", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
+        guard = time.monotonic() + HANG_S  # a hang guard: returns as soon as destroy waits for the lock
+        while not _waits_for_flock(d.pid, Path(f"{path}.lock")):
+            assert d.poll() is None, d.communicate()
+            assert time.monotonic() < guard, "hang guard: keys destroy never waited for the keyring lock"
+            time.sleep(0.01)
+        assert path.exists()  # not deleted while the worker's change is in flight
+        rep = w.finish()
+        assert rep["result"] == "ok", rep  # the change published over the file it read
+        out, err = d.communicate(timeout=HANG_S)
+    finally:
+        w.kill()
+    assert d.returncode == 0, err
+    assert json.loads(out)["tenants"] == 2  # it deleted the file the worker wrote: acme and newcomer
+    assert not path.exists()
