@@ -102,3 +102,24 @@ def test_a_keyring_that_vanishes_before_a_change_publishes_is_refused_in_process
     with pytest.raises(KeyringReplaced, match="replaced during this change"):
         publish_keyring(path, kr._doc, read)
     assert Keyring(path, provider_for(path), create=False).pseudonym("a") != kr.pseudonym("a")  # left as it was
+
+
+def test_a_keyring_replaced_during_a_rewrap_is_rewrapped_not_overwritten(tmp_path, monkeypatch):
+    """``keys rewrap`` (KEK rotation) with another keyring put at the path (``mv``, no lock) between its read and
+    its rename: the new file is read again and rewrapped; before, the old document overwrote it."""
+    from kvbm_backend.crypto.keyring import LocalKek
+    old_kek, new_kek = LocalKek(os.urandom(32)), LocalKek(os.urandom(32))
+    path, other = tmp_path / "kr.json", tmp_path / "other" / "kr.json"
+    kr = Keyring(path, old_kek, persist_every_s=3600)
+    kr.create("acme")
+    Keyring(other, old_kek, persist_every_s=3600).create("restored")
+    real_fsync, moved = os.fsync, []
+
+    def fsync(fd: int) -> None:  # the rewrap's temp file is on disk: the operator's `mv` lands now
+        real_fsync(fd)
+        if not moved and os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(f".{path.name}."):
+            moved.append(1)
+            os.replace(other, path)
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert kr.rewrap(new_kek) == 1  # the restored file's one key
+    assert moved and [r["tenant"] for r in Keyring(path, new_kek, create=False).info()] == ["restored"]
