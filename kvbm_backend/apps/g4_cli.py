@@ -234,8 +234,8 @@ def keys_destroy(keyring: str = _KR, yes: bool = typer.Option(False, "--yes", he
                                                                                   "deleted for good"),
                  as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Crypto-shred every tenant: delete the keyring file (and temp files killed writers left) holding its
-    lock, so no running worker's change writes it back, then fsync its directory. The KEK stays; `keys create`
-    then makes a new keyring (new pseudonym key). Needs --yes. A plain `rm` can race a worker's write."""
+    lock, so no running worker's change writes it back, then fsync its directory. The KEK stays; keys create
+    then makes a new keyring (new pseudonym key). Needs --yes. A plain rm can race a worker's write."""
     if not yes:
         _fail(f"keys destroy: deletes every tenant's data keys in {keyring} for good (all their G4 blocks "
               "become unreadable); add --yes to confirm")
