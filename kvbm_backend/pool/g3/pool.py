@@ -480,7 +480,7 @@ class G3Pool:
                 "journal_records": cat.journal.records,
             }
         for name in ("offloads_written", "offloads_skipped_present", "offloads_skipped_admission",
-                     "offloads_skipped_deleted", "offloads_dropped",
+                     "offloads_skipped_deleted", "offloads_dropped", "restore_unverified",
                      "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
                      "restored_blocks", "restore_dropped", "restored_by_scan", "restore_scanned_slots",
                      "restore_header_retries", "deleted", "late_reads", "unreadable_kept", "unreadable_deleted",

@@ -26,7 +26,10 @@ _NO_FILE = 1 << 20  # one no file of this run has (past the u16 file index): cou
 def restore(cat: SlotCatalog, threads: int) -> None:
     """Replay ``cat``'s journal: every entry whose slot header reads back and checks (identity, layout,
     lengths, a checksum flag) is published again; the others are dropped and counted (``restore:<reason>``,
-    ``restored_blocks``, ``restore_dropped``). The journal is rewritten from the rebuilt index (a failure
+    ``restored_blocks``, ``restore_dropped``), except one whose header no read returned (EIO, short, after the
+    re-reads of :func:`.scan.read_headers`): that proves nothing, so it is published unverified, journaled and
+    its slot kept (``restore_unverified``; every load verifies it, and one still unreadable then goes by the
+    runtime policy, :mod:`.read.unreadable`). Before 2026-12-01 it was dropped and its slot reused. The journal is rewritten from the rebuilt index (a failure
     degrades the tier, never raises); once it is, slab space the configuration no longer grants is given back
     (:meth:`~.slabs.SlabSet.trim`) and journals of the namespace in other directories are removed
     (:func:`.journal_home.remove_stale`). A version-3 journal's file indexes are mapped to this run's files by
@@ -46,11 +49,12 @@ def restore(cat: SlotCatalog, threads: int) -> None:
     remap = _file_map(cat, info["files"])
     cand = cols.take(_placed(cat, cols, remap))
     ok = np.zeros(len(cand), bool)
+    unverified = 0
     for c0, rows, readable in read_headers(cat, threads, list(zip(cand.files.tolist(), cand.slots.tolist()))):
         part = cand.take(slice(c0, c0 + len(rows)))
         fast = written_by_g3(cat, rows, part.tags, part.ranks, part.seqs)
-        _count(cat, "restore:io_error", ~readable)
-        ok[c0:c0 + len(rows)] = readable & fast
+        ok[c0:c0 + len(rows)] = ~readable | fast  # an unread header proves nothing: kept unverified
+        unverified += int((~readable).sum())
         for j in np.flatnonzero(readable & ~fast).tolist():  # another writer's frame, or the reason it fails
             try:
                 check_header(cat, rows[j], TagKey(cat.fp, bytes(part.tags[j]), int(part.ranks[j]), int(part.seqs[j])))
@@ -60,6 +64,11 @@ def restore(cat: SlotCatalog, threads: int) -> None:
                 ok[c0 + j] = True
     good = cand.take(ok)
     journaled = len(good)
+    if unverified:
+        cat.c["restore_unverified"] += unverified
+        log.warning("G3: %d journaled block(s) whose slot header could not be read at restart are kept unverified "
+                    "(every load verifies them; one still unreadable then goes by the unreadable-block policy)",
+                    unverified)
     covered = _covered(cat, info, remap)
     bare = [f for f in cat.slabs.files if f.index not in covered]
     if bare:  # files no journal covers: their slot headers are the index (scan.py)

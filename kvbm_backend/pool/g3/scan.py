@@ -48,7 +48,9 @@ from ...threads import executor
 log = logging.getLogger(__name__)
 
 CHUNK_SLOTS = 4096  # headers read per engine submission (16 MiB of buffer)
-HEADER_READ_TRIES = 3  # reads of one slot header (the first and 2 retries, no sleep) before its slot is dropped
+HEADER_READ_TRIES = 3  # reads of one slot header at once (the first and 2 retries, no sleep)
+HEADER_RETRY_WINDOW_S = 5.0  # then re-read with backoff until this long after the open's first failed read
+HEADER_RETRY_PAUSE_S = (0.005, 0.5)  # the first pause between re-reads, doubled up to the second
 _FP_AT = 16  # byte offset of ns_fp in the frame header (docs/format.md: magic 8, version 2, flags 2, header_len 4)
 
 
@@ -57,49 +59,83 @@ def read_headers(cat: SlotCatalog, threads: int,
     """Read the header of each slot of ``slots``, :data:`CHUNK_SLOTS` at a time, with ``threads`` threads each
     reading a contiguous share of a chunk by one ``preadv`` per header (the GIL is released in the system call;
     no per-header future or plan: a warm restart reads one header per block). Yields ``(start, rows, readable)``
-    per chunk: ``rows[j]`` (uint8 ``[HDR]``) is the header of ``slots[start + j]``, ``readable[j]`` whether its
-    read returned the whole header. A read that fails (OSError: EIO on a bad sector, a transient device-path
-    error; or short) is retried at once, :data:`HEADER_READ_TRIES` reads in all, so one flaky read does not drop
-    a block: only a slot none of whose reads returned its header is unreadable (its slot only; the caller drops
-    it, ``restore:io_error``). Before 2026-11-30 one failed read dropped the block and the rewritten journal
-    freed its slot. Slots whose first read failed are counted ``restore_header_retries`` in ``cat.c`` (logged);
-    the happy path costs nothing more (no sleep, no extra read)."""
+    per chunk: ``rows[j]`` (uint8 ``[HDR]``) is the header of ``slots[start + j]``, ``readable[j]`` whether a
+    read returned the whole header. A read that fails (OSError: EIO on a bad sector, a device-path or NFS
+    hiccup; or short) is retried at once, :data:`HEADER_READ_TRIES` reads in all; a header still unread is then
+    re-read with backoff (pauses from :data:`HEADER_RETRY_PAUSE_S`, doubling) until
+    :data:`HEADER_RETRY_WINDOW_S` after the first failed read of this call (one window for all chunks: a
+    restart never waits longer than that for its headers; a chunk reached after it gets the reads at once only).
+    A slot none of whose reads returned its header is ``readable`` False: no proof that its bytes are bad
+    (the caller keeps a journaled block unverified, ``restore_unverified``; a scan skips the slot). Before
+    2026-12-01 the 3 reads ran back to back and such a block was dropped: an outage of a few ms destroyed
+    intact blocks for good. Slots whose first read failed are counted ``restore_header_retries`` in ``cat.c``
+    (logged); the happy path costs nothing more (no sleep, no extra read)."""
     retried = 0
+    deadline: list[float] = []  # set at the first failed read: the end of the re-read window
     with executor(max(1, threads), "g3-restore") as ex:
         for c0 in range(0, len(slots), CHUNK_SLOTS):
             part = slots[c0:c0 + CHUNK_SLOTS]
             hdrs = aligned_empty(len(part) * HDR)  # 4 KiB-aligned rows: O_DIRECT fds read into them too
             ok = np.zeros(len(part), bool)
-            tries = np.zeros(len(part), np.uint8)
-            step = -(-len(part) // max(1, threads))
-            for f in [ex.submit(_read_share, cat, part, hdrs, ok, tries, j0, min(len(part), j0 + step))
-                      for j0 in range(0, len(part), step)]:
-                f.result()
+            tries = np.zeros(len(part), np.uint32)
+            _read_rows(ex, threads, cat, part, hdrs, ok, tries, np.arange(len(part)), HEADER_READ_TRIES)
             again = tries > 1
             if again.any():
+                t0 = time.monotonic()
+                if not deadline:
+                    deadline.append(t0 + HEADER_RETRY_WINDOW_S)
+                _read_later(ex, threads, cat, part, hdrs, ok, tries, deadline[0])
                 n, lost = int(again.sum()), int((again & ~ok).sum())
                 retried += n
                 log.warning("G3: %d slot header read(s) failed and were retried at restart: %d read back, %d "
-                            "unreadable after %d reads (dropped)", n, n - lost, lost, HEADER_READ_TRIES)
+                            "still unreadable after %d read(s) over %.2f s (journaled blocks kept unverified, "
+                            "scanned slots skipped)", n, n - lost, lost, int(tries.max()), time.monotonic() - t0)
             yield c0, hdrs.reshape(-1, HDR), ok
     if retried:
         cat.c["restore_header_retries"] += retried
 
 
+def _read_later(ex: Any, threads: int, cat: SlotCatalog, part: Sequence[Slot], hdrs: npt.NDArray[np.uint8],
+                ok: npt.NDArray[np.bool_], tries: npt.NDArray[np.uint32], deadline: float) -> None:
+    """Re-read the headers of ``part`` not yet read (``~ok`` with ``tries`` > 0: a file of this run), one read
+    each per round, pausing before each round (:data:`HEADER_RETRY_PAUSE_S`, doubling), until all are read or
+    ``deadline`` (``time.monotonic()`` seconds) has passed."""
+    pause, cap = HEADER_RETRY_PAUSE_S
+    while True:
+        left = np.flatnonzero(~ok & (tries > 0))
+        wait = deadline - time.monotonic()
+        if not len(left) or wait <= 0:
+            return
+        time.sleep(min(pause, wait))  # a backoff between re-reads, not a synchronisation
+        pause = min(pause * 2, cap)
+        _read_rows(ex, threads, cat, part, hdrs, ok, tries, left, 1)
+
+
+def _read_rows(ex: Any, threads: int, cat: SlotCatalog, part: Sequence[Slot], hdrs: npt.NDArray[np.uint8],
+               ok: npt.NDArray[np.bool_], tries: npt.NDArray[np.uint32], rows: npt.NDArray[np.int64],
+               n_tries: int) -> None:
+    """Read the headers ``rows`` of ``part`` into ``hdrs`` on ``threads`` threads of ``ex``, each a contiguous
+    share of ``rows``: at most ``n_tries`` reads per header (:func:`_read_share`)."""
+    step = -(-len(rows) // max(1, threads))
+    for f in [ex.submit(_read_share, cat, part, hdrs, ok, tries, rows[j0:j0 + step], n_tries)
+              for j0 in range(0, len(rows), step)]:
+        f.result()
+
+
 def _read_share(cat: SlotCatalog, part: Sequence[Slot], hdrs: npt.NDArray[np.uint8], ok: npt.NDArray[np.bool_],
-                tries: npt.NDArray[np.uint8], j0: int, j1: int) -> None:
-    """Read headers ``j0:j1`` of ``part`` into ``hdrs``: ``ok[j]`` whether one of at most
-    :data:`HEADER_READ_TRIES` reads returned the whole header, ``tries[j]`` the reads made (0: no such file)."""
+                tries: npt.NDArray[np.uint32], rows: npt.NDArray[np.int64], n_tries: int) -> None:
+    """Read headers ``rows`` of ``part`` into ``hdrs``: ``ok[j]`` whether one of at most ``n_tries`` reads
+    returned the whole header, ``tries[j]`` the reads made so far (0: no such file)."""
     sb = cat.slot_bytes
-    for j in range(j0, j1):
+    for j in rows.tolist():
         fi, si = part[j]
         try:
             fd = cat.fd_of(fi)
         except KeyError:  # no such file this run: nothing to retry
             continue
         buf = hdrs[j * HDR:(j + 1) * HDR].data
-        for t in range(1, HEADER_READ_TRIES + 1):
-            tries[j] = t
+        for _ in range(n_tries):
+            tries[j] += 1
             try:
                 if os.preadv(fd, [buf], si * sb) == HDR:
                     ok[j] = True
