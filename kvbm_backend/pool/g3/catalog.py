@@ -144,9 +144,10 @@ class SlotCatalog:
             if cfg.fsync:  # the slab and namespace files just created: their entries durable (slabs.sync_dirs)
                 self.slabs.sync_dirs()
             # the journal's home: whichever configured directory holds it (the order of g3.paths may have changed)
-            self.journal_home = find_home(self.slabs, self.fp)
+            self.journal_home = find_home(self.slabs, self.fp, sync=cfg.fsync)
             d = self.journal_home.directory
-            self.journal = jr.Journal(d, self.fp, dir_fd=self.slabs.dir_fd(d), files=self.slabs.file_table())
+            self.journal = jr.Journal(d, self.fp, dir_fd=self.slabs.dir_fd(d), files=self.slabs.file_table(),
+                                      generation=self.journal_home.generation)
         except BaseException:
             self.slabs.close()
             raise

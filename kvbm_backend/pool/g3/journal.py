@@ -17,7 +17,8 @@ still be confirmed by hashing candidates, exactly as from the slot headers.
 
 ``type`` is 1 (PUT: the slot holds the key; appended only after the slot's bytes were fdatasync'ed,
 invariant 2, and fdatasync'ed itself -- once per group-commit round, off the pool's lock -- before the put is
-reported stored: :mod:`.writer`) or 2 (DEL: the key was deleted). Replay applies records in order (last one wins per key
+reported stored: :mod:`.writer`) or 2 (DEL: the key was deleted). The first record a pool writes after the
+header is its generation record, a DEL of a key no block has (:mod:`.journal_gen`: which of two journals is newer). Replay applies records in order (last one wins per key
 and per slot) and stops at the first record that does not check (a torn tail after a crash).
 The journal is a hint: every entry it yields is verified against the slot's header before use, and
 every payload is verified again on every read.
@@ -52,6 +53,7 @@ import xxhash
 
 from ...model.namespace import BlockKey
 from . import journal_columns as jc
+from . import journal_gen
 from .index import TagKey, tag_of
 from .journal_columns import JournalColumns
 
@@ -250,12 +252,16 @@ class Journal:
             Default: the directory is opened here.
         files: the file table the pool's file indexes follow (:meth:`.slabs.SlabSet.file_table`), written
             into every header this journal writes. Default: ``directory`` alone, one file.
+        generation: this run's journal generation (:mod:`.journal_gen`), written as the first record of every
+            file it writes; 0 writes none (as versions before 2026-12-01 did).
 
     Raises (constructor):
         ValueError: ``files`` does not fit a header (:func:`encode_header`).
     """
 
-    def __init__(self, directory: str, fingerprint: str, dir_fd: int | None = None, files: FileTable | None = None):
+    def __init__(self, directory: str, fingerprint: str, dir_fd: int | None = None, files: FileTable | None = None,
+                 generation: int = 0):
+        self.generation = generation  # written first by every rewrite (0: none; :mod:`.journal_gen`)
         self.name = f"journal-{fingerprint}.log"
         self.path = os.path.join(directory, self.name)
         self.directory = directory
@@ -273,7 +279,8 @@ class Journal:
     def load_columns(self) -> tuple[JournalColumns, dict[str, Any]]:
         """Read and replay the journal if present. Returns ``(entries, info)``: the live entries as columns,
         oldest first, and ``info`` with ``records``, ``torn_bytes``, ``bad_header`` (a journal of another
-        namespace/format is ignored), ``version``, ``files`` (the header's :data:`FileTable` the entries' file
+        namespace/format is ignored), ``version``, ``generation`` (its generation record's, None without one:
+        :mod:`.journal_gen`), ``files`` (the header's :data:`FileTable` the entries' file
         indexes follow; None for versions 1 and 2: positions in the configured list) and ``tenants`` (version
         1, which names tenants in clear: tag -> tenant of its entries; else None).
 
@@ -281,7 +288,7 @@ class Journal:
             JournalPathError: the journal path is a directory, a symbolic link or another non-file.
         """
         info: dict[str, Any] = {"records": 0, "torn_bytes": 0, "bad_header": False, "version": 0, "files": None,
-                                "tenants": None}
+                                "tenants": None, "generation": None}
         got = read_journal(self._dfd, self.directory, self.name)
         if got is None:
             return jc.empty(), info
@@ -297,6 +304,7 @@ class Journal:
             info["tenants"] = {tag_of(k.tenant): k.tenant for k in entries}
         else:
             cols, n, good = jc.decode(memoryview(data)[start:])
+            info["generation"] = journal_gen.parse_record(memoryview(data)[start:start + good])
         info["version"] = version
         info["records"] = n
         info["torn_bytes"] = len(data) - start - good
@@ -338,6 +346,9 @@ class Journal:
         cols = c.entries.columns() if isinstance(c.entries, Columnar) else jc.columns_of(c.entries)
         c.entries = None
         c.size += _write_all(c.fd, self._header)
+        if self.generation:
+            c.size += _write_all(c.fd, journal_gen.encode_record(self.generation))
+            c.records += 1
         for a in range(0, len(cols), WRITE_RECORDS):  # records encoded a batch at a time (numpy: jc.encode)
             part = cols.take(slice(a, a + WRITE_RECORDS))
             c.size += _write_all(c.fd, jc.encode(PUT, part))

@@ -23,6 +23,7 @@ HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; r
 
 BB = LAYOUT.bytes_per_block
 JOURNAL = f"journal-{NS.fingerprint}.log"
+GEN_MARKER = f"journal-{NS.fingerprint}.gen"
 
 
 def _open(dirs, **kw):
@@ -160,11 +161,36 @@ def test_lowering_files_per_path_over_several_paths_keeps_the_remaining_files_bl
         assert _served(pool, kept) == [True] * len(kept)
 
 
+def _marker(d) -> int:
+    """The generation recorded in directory ``d``'s marker (journal_gen.py)."""
+    from kvbm_backend.pool.g3 import journal_gen as jg
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return jg.read_marker(fd, str(d), NS.fingerprint)
+    finally:
+        os.close(fd)
+
+
+def _strip_generation(path) -> None:
+    """Make the journal at ``path`` what a version before 2026-12-01 wrote: no generation record (the first
+    record after the version-3 header, journal_gen.py) and no generation markers beside it."""
+    data = path.read_bytes()
+    h = int.from_bytes(data[16:20], "little")
+    assert data[h] == 2 and data[h + 35 - 16:h + 35] == b"KVBM-journal-gen", "no generation record to strip"
+    path.write_bytes(data[:h] + data[h + 43:])
+    (path.parent / GEN_MARKER).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("gens", ["with", "without", "mixed"])
 @pytest.mark.parametrize("newest", ["current", "stale", "tie"])
-def test_journals_in_two_directories_the_newest_valid_wins_and_the_other_is_removed(dirs, newest):
+def test_journals_in_two_directories_the_newest_valid_wins_and_the_other_is_removed(dirs, newest, gens):
     """A directory that held the journal is left out for a run (which starts a new journal) and comes back:
-    two journals. The newest (modification time; a tie: the earlier path) is used and the other removed;
-    whichever is used, no served block holds wrong bytes. The run without the journal found its directory's
+    two journals. The newest is used and the other removed: by generation (journal_gen.py), whatever the
+    modification times say (a run whose clock was behind; review 2026-12-01, finding 6: before, the stale
+    journal won on an mtime set back and every block of the run without it was lost); journals of an earlier
+    version (``gens`` "without": no generation; "mixed": one without) by modification time as before (a tie:
+    the earlier path).
+    Whichever is used, no served block holds wrong bytes. The run without the journal found its directory's
     blocks by their slot headers (scan.py), and when the newest journal does not name the directory that
     came back, that directory's blocks are found the same way: nothing intact is lost."""
     a, b = dirs[:2]
@@ -181,24 +207,58 @@ def test_journals_in_two_directories_the_newest_valid_wins_and_the_other_is_remo
         assert st["restore_scanned_slots"] > 0 and not any(f for k, f in zip(old, found) if k in in_a)
         cur = _put(pool, range(1000, 1150))
     assert _journals(dirs) == [a, b]
+    if gens != "with":  # "mixed": a's journal from an earlier version, b's from this one
+        _strip_generation(a / JOURNAL)
+    if gens == "without":
+        _strip_generation(b / JOURNAL)
     t = 1_700_000_000 * 10**9
     os.utime(a / JOURNAL, ns=(t, t + (10**9 if newest == "stale" else 0)))
     os.utime(b / JOURNAL, ns=(t, t + (10**9 if newest == "current" else 0)))
+    current_wins = gens == "with" or newest == "current"
     with _open([a, b]) as pool:
         st = pool.stats()
         got_old, got_cur = _served(pool, old), _served(pool, cur)  # bytes checked for every hit
-        if newest == "current":  # b's journal names b only: a's blocks come back by a scan of a's files
+        if current_wins:  # b's journal names b only: a's blocks come back by a scan of a's files
             assert got_cur == [True] * 150 and st["restored_by_scan"] == len(in_a), st
             assert all(f for k, f in zip(old, got_old) if k in in_a), got_old
             assert st["restored_blocks"] == 150 + sum(got_old), st
         else:  # a's journal (the stale one, or the earlier path on a tie): its blocks b's run overwrote drop
             assert not any(got_cur) and 0 < sum(got_old) < 100 and st["restored_blocks"] == sum(got_old), st
             assert st["restore_dropped"] == 100 - sum(got_old)
-        home = b if newest == "current" else a
+        home = b if current_wins else a
     assert _journals(dirs) == [home]  # exactly one journal left
     with _open([b, a]) as pool:  # and it is the one a later restart uses, in any order
         assert pool.stats()["restored_blocks"] == st["restored_blocks"]
         assert _served(pool, old + cur) == got_old + got_cur
+
+
+def test_the_generation_is_one_more_than_any_directory_showed_and_recorded_in_each(dirs):
+    """Every open picks one more than the highest generation any configured directory shows (its journal's
+    record, its marker) and records it in every configured directory before the journal is rewritten with it,
+    so a run on a subset of the directories (here b alone) still picks a higher one than the journal it cannot
+    see (in a). The journal's first record is the generation record (docs/format.md); an earlier version
+    replays it as the delete of a key it never held."""
+    from kvbm_backend.pool.g3 import journal_gen as jg
+    a, b = dirs[:2]
+    with _open([a, b]) as pool:
+        keys = _put(pool, range(1, 41))
+        assert pool.cat.journal_home.generation == 1
+    assert [_marker(d) for d in (a, b)] == [1, 1]
+    data = (a / JOURNAL).read_bytes()
+    h = int.from_bytes(data[16:20], "little")
+    assert jg.parse_record(data[h:]) == 1
+    from kvbm_backend.pool.g3 import journal as jr
+    ents, info = jr.Journal(str(a), NS.fingerprint).load()  # the replay every version runs: a DEL of no key held
+    assert len(ents) == 40 and info["generation"] == 1 and info["records"] == 41 and info["torn_bytes"] == 0
+    with _open([b]) as pool:  # b's marker says 1: this run's journal (in b) gets 2
+        assert pool.cat.journal_home.generation == 2
+    assert [_marker(d) for d in (a, b)] == [1, 2]
+    data = (b / JOURNAL).read_bytes()
+    assert jg.parse_record(data[int.from_bytes(data[16:20], "little"):]) == 2
+    with _open([a, b]) as pool:
+        assert pool.cat.journal_home.generation == 3 and pool.cat.journal_home.directory == str(b)
+        assert _served(pool, keys) == [True] * 40
+    assert _journals(dirs) == [b]
 
 
 def test_a_damaged_journal_never_wins_over_a_valid_one(dirs):
