@@ -21,8 +21,9 @@ Why pick instead of refusing to open: the journal is a hint. Every entry is chec
 header before it is indexed and every payload on every read (invariant 1), so restoring from the older of
 two journals can cost hits, never serve wrong bytes; a refusal would turn a restart of a cache tier into an
 outage needing an operator, for a state an older version creates by itself. Both files are named in the log.
-Slab files the winner's file table does not name (a directory that only the stale journal named), and every
-file when no journal is found, are scanned for their slot headers instead (:mod:`.scan`).
+Slab files the winner's file table does not name (a directory that only the stale journal named), those of a
+directory holding a journal that lost (whichever won: a wrong pick then costs no blocks), and every file when no
+journal is found, are scanned for their slot headers instead (:mod:`.scan`).
 """
 from __future__ import annotations
 

@@ -35,8 +35,9 @@ def restore(cat: SlotCatalog, threads: int) -> None:
     (:func:`.journal_home.remove_stale`). A version-3 journal's file indexes are mapped to this run's files by
     its file table (directory real path, slab number), so the order of ``g3.paths`` does not matter; entries of
     a directory no longer configured are dropped (``restore:path_removed``). Slab files no journal covers (none
-    found, its header unreadable, or a directory its file table does not name, one read as moved included) are
-    scanned: their slot headers not already restored from the journal are indexed (:func:`.scan.scan`, before the journal's blocks in LRU order). ``threads``: header
+    found, its header unreadable, or a directory its file table does not name, one read as moved included), and
+    those of a directory holding another journal of the namespace (one that lost: a wrong pick then costs
+    no blocks, :mod:`.journal_home`), are scanned: their slot headers not already restored from the journal are indexed (:func:`.scan.scan`, before the journal's blocks in LRU order). ``threads``: header
     reads in flight (the pool's ``g3.io_threads``; :func:`.scan.read_headers`)."""
     cols, info = cat.journal.load_columns()
     if info["bad_header"]:
@@ -70,7 +71,8 @@ def restore(cat: SlotCatalog, threads: int) -> None:
                     "(every load verifies them; one still unreadable then goes by the unreadable-block policy)",
                     unverified)
     covered = _covered(cat, info, remap)
-    bare = [f for f in cat.slabs.files if f.index not in covered]
+    losers = set(cat.journal_home.stale)  # directories holding a journal that lost: scanned whichever won
+    bare = [f for f in cat.slabs.files if f.index not in covered or f.directory in losers]
     if bare:  # files no journal covers: their slot headers are the index (scan.py)
         held = {k for k, _ in jc.pairs_of(good, cat.fp)}
         good = jc.JournalColumns.concat([jc.columns_of(scan(cat, threads, bare, held)), good])

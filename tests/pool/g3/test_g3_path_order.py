@@ -189,7 +189,8 @@ def test_journals_in_two_directories_the_newest_valid_wins_and_the_other_is_remo
     modification times say (a run whose clock was behind; review 2026-12-01, finding 6: before, the stale
     journal won on an mtime set back and every block of the run without it was lost); journals of an earlier
     version (``gens`` "without": no generation; "mixed": one without) by modification time as before (a tie:
-    the earlier path).
+    the earlier path); the directory holding the journal that lost is scanned, so even a wrong pick (a clock
+    behind with a journal of an earlier version) loses no intact block (before: every block of b's run).
     Whichever is used, no served block holds wrong bytes. The run without the journal found its directory's
     blocks by their slot headers (scan.py), and when the newest journal does not name the directory that
     came back, that directory's blocks are found the same way: nothing intact is lost."""
@@ -222,8 +223,10 @@ def test_journals_in_two_directories_the_newest_valid_wins_and_the_other_is_remo
             assert got_cur == [True] * 150 and st["restored_by_scan"] == len(in_a), st
             assert all(f for k, f in zip(old, got_old) if k in in_a), got_old
             assert st["restored_blocks"] == 150 + sum(got_old), st
-        else:  # a's journal (the stale one, or the earlier path on a tie): its blocks b's run overwrote drop
-            assert not any(got_cur) and 0 < sum(got_old) < 100 and st["restored_blocks"] == sum(got_old), st
+        else:  # a's journal (the stale one, or the earlier path on a tie): its blocks b's run overwrote drop,
+            # and b, which holds the journal that lost, is scanned: b's run's blocks are found by their headers
+            assert got_cur == [True] * 150 and st["restored_by_scan"] == 150, st
+            assert 0 < sum(got_old) < 100 and st["restored_blocks"] == sum(got_old) + 150, st
             assert st["restore_dropped"] == 100 - sum(got_old)
         home = b if current_wins else a
     assert _journals(dirs) == [home]  # exactly one journal left
