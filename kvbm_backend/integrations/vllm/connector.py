@@ -26,7 +26,8 @@ Load it with::
 * ``handoff_wait_s`` (seconds in [0, 600], default 5): disaggregated prefill/decode through G4
   (:mod:`.handoff`, ``examples/dynamo/disagg_*_g4.sh``): how long a decode request waits for the blocks its
   prefill worker said it offloaded before the engine computes what is missing (no wait when the handoff names
-  another G4 namespace or tenant, none while G4's circuit breaker is open: :class:`.handoff.HandoffWaits`).
+  another G4 namespace or tenant, none while G4's circuit breaker is open or its keyring serves no key of the
+  tenant: :class:`.handoff.HandoffWaits`).
 * ``promote_to_g3`` (bool, default true): blocks loaded from G4 are also written into G3.
 * ``max_pending_save_bytes`` (int bytes, default 1 GiB): host staging bound for offloads (a save's leading
   blocks that fit are staged, the rest dropped and counted: ``save_dropped_blocks``).

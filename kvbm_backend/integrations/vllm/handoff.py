@@ -11,9 +11,9 @@ prefill response to the decode request):
   connector, :mod:`kvbm_backend.integrations.dynamo.pd_protocol`, or by any router);
 * when it finishes, the prefill connector answers ``{"kvbm_backend_handoff": {"blocks": N, "block_size": B,
   "namespace": F, "tenant": T}}``: N = the prompt's full blocks another engine can load, ``(prompt tokens - 1)
-  // B``, when this worker writes them to G4 (G4 open, ``save`` and ``save_to_g4`` on), else 0 (nothing to
-  wait for). Blocks this worker did not compute for the request (loaded from its own G3 or G4, or served by
-  its engine's prefix cache) are written to G4 too, where G4 lacks them (``SaveJob.g4_only``: checked
+  // B``, when this worker writes them to G4 (G4 open, ``save`` and ``save_to_g4`` on, and its G4 keyring does not
+  refuse the request's tenant: :func:`write_refusal`), else 0 (nothing to wait for). Blocks this worker did not
+  compute for the request (loaded from its own G3 or G4, or served by its engine's prefix cache) are written to G4 too, where G4 lacks them (``SaveJob.g4_only``: checked
   with one ``lookup_prefix``, then only the missing ones are put; of a sliding-window group the window before
   them). A hybrid model's sliding-window groups store the window before block N too, which the decode side's
   hit needs (:meth:`~.scheduler_side.SchedulerSide._group_saves`). N stops at the first block the prefill side
@@ -24,7 +24,8 @@ prefill response to the decode request):
   side's wait at ``handoff_wait_s``. F = the fingerprint of the namespace the prefill worker's G4 blocks are stored
   under (:func:`g4_fingerprint`: model, revision, dtype, layout, TP world size, or the canonical namespace with
   ``g4.layout: canonical``), T = the first 8 bytes (hex) of the request's tenant pseudonym in G4 (a keyed
-  HMAC with an encrypted pool's keyring: the tenant id is not in the clear);
+  HMAC with an encrypted pool's keyring: the tenant id is not in the clear). The scheduler thread asks the keyring
+  only through the pool's :class:`~kvbm_backend.pool.g4.keyring_view.KeyringView` (no file I/O, no keyring lock);
 * the decode connector, seeing that, waits (without blocking the scheduler: vLLM's "ask me again" ``None``
   from ``get_num_new_matched_tokens``) until its tiers show those N blocks, at most ``wait_s`` from the first
   look; past it, it takes what is there and the engine computes the rest (counted ``handoff_timeouts`` and
@@ -83,18 +84,47 @@ def g4_fingerprint(g4: Any) -> str | None:
     return getattr(ns, "fingerprint", None)
 
 
+def keyring_view(g4: Any) -> Any:
+    """The :class:`~kvbm_backend.pool.g4.keyring_view.KeyringView` of a G4 pool (or of the pool a canonical view
+    wraps): what the scheduler thread may ask its keyring without I/O or its lock; None without G4 or a keyring."""
+    while g4 is not None and getattr(g4, "keyring_view", None) is None and hasattr(g4, "inner"):
+        g4 = g4.inner
+    return getattr(g4, "keyring_view", None) if g4 is not None else None
+
+
+def start_keyring_view(g4: Any) -> None:
+    """Start the refresh of ``g4``'s :func:`keyring_view` (its first snapshot made on this thread); no-op without."""
+    view = keyring_view(g4)
+    if view is not None:
+        view.start()
+
+
+def tenant_state(g4: Any, tenant: str) -> str | None:
+    """``tenant``'s state in ``g4``'s keyring as of the view's last refresh (``"active"``, ``"revoked"``,
+    ``"unknown"``, ``"unavailable"``; ``"unknown"`` only for an encrypted pool: a plaintext one needs no key to read a
+    tenant's blocks, so None); None without a keyring. No I/O, no keyring lock."""
+    view = keyring_view(g4)
+    st = view.state(tenant) if view is not None else None
+    return None if st == "unknown" and not view.encrypt else st
+
+
+def write_refusal(g4: Any, tenant: str) -> str | None:
+    """Why ``g4`` drops every offload of ``tenant`` (a key of :data:`REFUSAL_TEXT`), or None: written as far as its
+    keyring's view knows (:meth:`~kvbm_backend.pool.g4.keyring_view.KeyringView.write_refusal`). No I/O, no lock."""
+    view = keyring_view(g4)
+    return view.write_refusal(tenant) if view is not None else None
+
+
 def tenant_tag(g4: Any, tenant: str) -> str | None:
     """The first 8 bytes (16 hex characters) of ``tenant``'s pseudonym in ``g4`` (a keyed HMAC under the pool's
-    keyring), or None without G4, without a keyring, or when the pool cannot say (a keyring error). Without a
-    keyring the pseudonym is an HMAC under a public key: a client reading ``kv_transfer_params`` could confirm a
-    guessed tenant id with it, so it is left out (those workers then match tenants by waiting, as before)."""
-    ps = getattr(g4, "pseudonym", None)
-    if ps is None or getattr(getattr(g4, "inner", g4), "keyring", None) is None:
-        return None
-    try:
-        return bytes(ps(tenant))[:8].hex()
-    except Exception:  # noqa: BLE001 - no tag: the handoff is judged without it
-        return None
+    keyring), or None without G4 or without a keyring. Without a keyring the pseudonym is an HMAC under a public
+    key: a client reading ``kv_transfer_params`` could confirm a guessed tenant id with it, so it is left out
+    (those workers then match tenants by waiting, as before). Under the pseudonym key the keyring holds now, never
+    re-reading its file: vLLM's scheduler thread calls this (before 2026-12-01 it ran the keyring's reload, 82-176
+    ms with 4,096 tenants, whenever the file had changed); a key replaced meanwhile gives a stale tag until the
+    keyring's next reload elsewhere, at worst a miss (:mod:`~kvbm_backend.pool.g4.keyring_view`)."""
+    view = keyring_view(g4)
+    return bytes(view.pseudonym(tenant))[:8].hex() if view is not None else None
 
 
 def identity(g4: Any, tenant: str) -> dict[str, str]:
@@ -103,8 +133,18 @@ def identity(g4: Any, tenant: str) -> dict[str, str]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+#: what the prefill worker's log says of each :meth:`~kvbm_backend.pool.g4.keyring_view.KeyringView.write_refusal`
+REFUSAL_TEXT = {
+    "revoked_tenant": "the tenant was revoked (only `kvbm-backend keys create` brings it back)",
+    "unknown_tenant": "the keyring holds no key for the tenant and creates none here (a read-only keyring, "
+                      "g4.keyring.auto_create_tenants off, g4.keyring.max_auto_tenants reached, or an id over 1024 "
+                      "bytes: create it with `kvbm-backend keys create`)",
+    "keyring": "the keyring file does not load (see the keyring's own ERROR line, `kvbm-backend doctor`)"}
+
+
 def finished_params(request: Any, block_size: int, offloads: bool = True,
-                    ident: dict[str, str] | None = None, limit: int | None = None) -> dict | None:
+                    ident: dict[str, str] | None = None, limit: int | None = None,
+                    refused: str | None = None) -> dict | None:
     """``kv_transfer_params`` for a finished prefill request that asked for a handoff, else None:
     ``{KEY: {"blocks": N, "block_size": tokens per block, **ident}}`` with N = ``(prompt tokens - 1) //
     block_size``, the full blocks another engine can load for this prompt (vLLM computes at least the prompt's
@@ -112,16 +152,26 @@ def finished_params(request: Any, block_size: int, offloads: bool = True,
     prompt's blocks to the shared G4 (G4 open, ``save`` and ``save_to_g4`` on); False: N = 0, so the decode
     worker computes the prompt at once instead of waiting ``handoff_wait_s`` for blocks that never reach a tier
     it reads (before 2026-11-30 a worker with G3 alone, or ``save_to_g4`` off, promised every block); logged
-    once per process at WARNING. ``limit``: the first block this worker is known not to write to G4
+    once per process at WARNING. ``refused``: this worker's G4 drops every offload of the request's tenant, by
+    its keyring (a key of :data:`REFUSAL_TEXT`: :meth:`~kvbm_backend.pool.g4.keyring_view.KeyringView.write_refusal`):
+    N = 0 too, counted ``handoff_unwritable_tenant_requests``, logged at WARNING (one per minute, :data:`LOG`;
+    before 2026-12-01 every block was promised and the decode worker waited ``handoff_wait_s`` each time).
+    ``limit``: the first block this worker is known not to write to G4
     (:meth:`Promises.limit`; None: none known): N stops there, the blocks cut counted
     ``handoff_promise_cut_blocks``. ``ident``: :func:`identity` of the request's tenant, added to the answer."""
     global _warned_nothing_shared
     if not requested(request):
         return None
-    n = max(0, len(getattr(request, "prompt_token_ids", None) or []) - 1) // block_size if offloads else 0
+    writes = offloads and refused is None
+    n = max(0, len(getattr(request, "prompt_token_ids", None) or []) - 1) // block_size if writes else 0
     if limit is not None and limit < n:
         stats.add(handoff_promise_cut_blocks=n - max(0, limit))
         n = max(0, limit)
+    if offloads and refused is not None:
+        stats.add(handoff_unwritable_tenant_requests=1)
+        LOG.warning("unwritable", "kvbm_backend handoff: request %s asked for a prefill->decode handoff, but this "
+                    "worker's G4 drops every offload of its tenant: %s; it answers 0 blocks and the decode worker "
+                    "computes the prompt", getattr(request, "request_id", "?"), REFUSAL_TEXT.get(refused, refused))
     if not offloads and not _warned_nothing_shared:
         _warned_nothing_shared = True
         log.warning("kvbm_backend handoff: request %s asked for a prefill->decode handoff, but this worker writes "
@@ -271,6 +321,11 @@ def expected_blocks(request: Any, block_size: int, ours: dict[str, str] | None =
     return n
 
 
+#: the timeout WARNING's question when this worker's keyring holds no key of the request's tenant
+UNKNOWN_TENANT_HINT = ("This worker's G4 keyring holds no key of the request's tenant: does the prefill worker's "
+                       "keyring create none (read-only, g4.keyring.auto_create_tenants off, max_auto_tenants reached, "
+                       "an id over 1024 bytes) or do the workers use different keyring files?")
+
 #: seconds before a waiting decode request looks at G3/G4 again: the first after a look that found more blocks than
 #: the request's looks before (the prefill's write-behind is landing), each next one after every look in a row that
 #: found nothing new, the last for all later ones; never past the end of the wait (``wait_s`` after the first look)
@@ -296,6 +351,8 @@ class HandoffWaits:
     blocks and every G4 pool that could supply them has its circuit breaker open (``refused``: they answer every
     lookup 0 without asking the store, :func:`~.lookup.breaker_open`): counted ``handoff_timeouts`` and
     ``handoff_breaker_timeouts``, the engine computes the rest, so a G4 outage costs no hand-off ``wait_s``. So too
+    when this worker's keyring serves no key of the request's tenant (revoked, or its file does not load: its G4 loads
+    none of the blocks): ``handoff_timeouts`` and ``handoff_keyring_timeouts``. So too
     once a look has every block before a promised one that cools after a failed load (no hit goes past it for
     ``FAILED_BLOCK_COOLDOWN_S``, :mod:`.failed_blocks`): ``handoff_timeouts`` and ``handoff_cooled_timeouts``.
     The request's lookup counts once, from the look that ended its wait (:meth:`~.lookup.TierLookup.count_request`).
@@ -318,16 +375,19 @@ class HandoffWaits:
         return w is None or self._clock() >= w.next_at
 
     def should_wait(self, request_id: str, found_blocks: int, expected: int, refused: bool = False,
-                    reachable: int | None = None) -> bool:
+                    reachable: int | None = None, tenant_state: str | None = None) -> bool:
         """A look at ``request_id`` found ``found_blocks`` leading blocks: True while fewer than ``expected`` are
         found, ``wait_s`` has not passed since its first look and ``refused`` is False (then the next look waits
         :data:`RETRY_S`); False once they are all there (counted ``handoff_complete_requests``; a promise of 0 blocks,
         ``expected`` <= 0, is no hand-off: False, nothing counted), when ``refused``
         (G4's breakers open: ``handoff_timeouts`` and ``handoff_breaker_timeouts``), when ``found_blocks`` reaches
         ``reachable`` (the index of a promised block cooling after a failed load, :mod:`.failed_blocks`: no load
-        goes past it, whatever the tiers hold; ``handoff_timeouts`` and ``handoff_cooled_timeouts``) or the wait is
-        over (``handoff_timeouts``); each ending is logged (limited: :data:`LOG`). ``handoff_wait_s`` adds the
-        seconds waited."""
+        goes past it, whatever the tiers hold; ``handoff_timeouts`` and ``handoff_cooled_timeouts``), when
+        ``tenant_state`` (the request's tenant in this worker's G4 keyring, :meth:`~kvbm_backend.pool.g4.keyring_view.
+        KeyringView.state`) is ``"revoked"`` or ``"unavailable"``: this worker loads none of its blocks
+        (``handoff_timeouts`` and ``handoff_keyring_timeouts``), or the wait is over (``handoff_timeouts``; its
+        WARNING names the keyring when ``tenant_state`` is ``"unknown"``); each ending is logged (limited:
+        :data:`LOG`). ``handoff_wait_s`` adds the seconds waited."""
         if expected <= 0:  # a promise of nothing (the prefill worker wrote nothing to G4): no hand-off, not counted
             self._w.pop(request_id, None)
             return False
@@ -343,6 +403,14 @@ class HandoffWaits:
             LOG.warning("breaker", "kvbm_backend handoff: request %s found %d of the %d blocks its prefill worker "
                         "offloaded and G4 is unavailable (circuit breaker open); the engine computes the rest at once "
                         "instead of waiting handoff_wait_s", request_id, found_blocks, expected)
+            return False
+        if tenant_state in ("revoked", "unavailable"):
+            self._w.pop(request_id, None)
+            stats.add(handoff_timeouts=1, handoff_keyring_timeouts=1, handoff_wait_s=now - w.first)
+            LOG.warning("keyring", "kvbm_backend handoff: request %s found %d of the %d blocks its prefill worker "
+                        "offloaded and this worker's G4 keyring serves no key of its tenant (%s); the engine computes "
+                        "the rest at once instead of waiting handoff_wait_s", request_id, found_blocks, expected,
+                        "the tenant was revoked" if tenant_state == "revoked" else "the keyring file does not load")
             return False
         if reachable is not None and found_blocks >= reachable:
             self._w.pop(request_id, None)
@@ -360,9 +428,10 @@ class HandoffWaits:
         if self._w.pop(request_id, None) is not None:
             stats.add(handoff_timeouts=1, handoff_wait_s=now - w.first)
             LOG.warning("timeout", "kvbm_backend handoff: request %s found %d of the %d blocks its prefill worker offloaded "
-                        "after %.1f s (handoff_wait_s); the engine computes the rest. Is G4 shared by both workers "
-                        "and reachable, and is the prefill worker's G4 write-behind keeping up?", request_id,
-                        found_blocks, expected, now - w.first)
+                        "after %.1f s (handoff_wait_s); the engine computes the rest. %s", request_id,
+                        found_blocks, expected, now - w.first, UNKNOWN_TENANT_HINT if tenant_state == "unknown" else
+                        "Is G4 shared by both workers and reachable, and is the prefill worker's G4 write-behind "
+                        "keeping up?")
         return False
 
     def forget(self, request_id: str) -> None:

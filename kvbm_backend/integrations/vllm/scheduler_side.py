@@ -96,6 +96,7 @@ class SchedulerSide:
         self.failed_blocks = FailedBlocks()
         self.evict_engine_blocks: Any = None  # vLLM's BlockPool.evict_blocks (connector.bind_gpu_block_pool)
         self.revoked: RevokedTenants | None = None  # tenants G3 does not serve (.revoked_tenants; set by the wiring)
+        handoff.start_keyring_view(g4)  # hand-offs ask G4's keyring through it: no I/O on the scheduler thread
 
     # ---- identity ------------------------------------------------------------------------------
     def _state(self, request: Any) -> _Req:
@@ -178,7 +179,8 @@ class SchedulerSide:
         refused = look is not None and look.full.g4_refused()
         cool = self.failed_blocks.first_for(st, want, self.bs)  # no hit goes past it
         if self.handoff.should_wait(rid, (num_computed_tokens + n) // self.bs, want, refused=refused,
-                                    reachable=cool if cool < want else None):
+                                    reachable=cool if cool < want else None,
+                                    tenant_state=handoff.tenant_state(self.g4, st.tenant)):
             if look is not None:
                 st.handoff_known = look.confirmed  # the next look asks G3/G4 only beyond what this one found
             st.lookup = None
@@ -510,5 +512,6 @@ class SchedulerSide:
         if kv_beyond_token_ids(request) or not handoff.requested(request):
             return False, None
         tenant = st.tenant if st is not None else (getattr(request, "cache_salt", None) or self.default_tenant)
-        return False, handoff.finished_params(request, self.bs, self.hands_off,
-                                              handoff.identity(self.g4, tenant) if self.hands_off else None, limit)
+        on = self.hands_off  # and then the tenant's G4 writes refused by the keyring, if they are: 0 blocks promised
+        return False, handoff.finished_params(request, self.bs, on, handoff.identity(self.g4, tenant) if on else None,
+                                              limit, handoff.write_refusal(self.g4, tenant) if on else None)

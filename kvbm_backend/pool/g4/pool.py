@@ -52,6 +52,7 @@ attributes): :class:`~.writer.G4Writer` (:mod:`.writer`) seals and publishes off
 offload queue; :class:`~.reader.G4Reader` (:mod:`.reader`) loads, verifies and owns the bounce buffers;
 :class:`~.lookup.G4Lookups` (:mod:`.lookup`) answers prefix lookups; :class:`~.tenant_names.TenantNames`
 (:mod:`.tenant_names`) turns tenants into pseudonyms, object names and expected headers;
+:class:`~.keyring_view.KeyringView` (:mod:`.keyring_view`) answers vLLM's scheduler thread about tenants;
 :class:`~.throttle.ThrottleWatch` (:mod:`.throttle`) counts "slow down" answers; and
 :class:`~.events.G4Counters` / :class:`~.events.OperatorLog` (:mod:`.events`) hold the counters and the
 operator log lines (the ``kvbm_backend.pool.g4.pool`` logger). Stores are opened by URL scheme in
@@ -79,6 +80,7 @@ from ..base import GetResult, PutResult, completed, is_tensor_batch
 from .breaker import CircuitBreaker
 from .events import REASONS, G4Counters, OperatorLog, StatsGauges, set_degraded
 from .factory import open_store
+from .keyring_view import KeyringView
 from .lookup import G4Lookups
 from .reader import G4Reader, GetBatch
 from .store import ObjectStore
@@ -152,6 +154,8 @@ class G4Pool:
                                       on_change=self._on_breaker_change)
         self.throttle = ThrottleWatch(self.breaker, self.counters.count, self.load_bound_s)
         self.names = TenantNames(self.keyring, self._fp, namespace.layout, namespace.tp_world_size, cfg.dir_fanout)
+        # what vLLM's scheduler thread asks of the keyring, without I/O or its lock (:mod:`.keyring_view`)
+        self.keyring_view = KeyringView(self.keyring, self.encrypt) if self.keyring is not None else None
         # reads (gets, lookups, deletes) and writes (offloads) on threads of their own: stuck reads (a hung
         # mount, objects whose open blocks) never hold back offloads of other blocks, nor stuck writes loads
         self._io = executor(cfg.max_inflight, "g4-io")
@@ -335,6 +339,8 @@ class G4Pool:
         self.reader.expire_open()
         self.lookups.expire_open()
         self._deadlines.close()
+        if self.keyring_view is not None:
+            self.keyring_view.close()
         if self.keyring is not None:
             try:
                 self.keyring.close()
