@@ -175,11 +175,15 @@ class SlotLeaseSource(Protocol):
     Contract: every lease returned by :meth:`lease` is handed back exactly once with :meth:`release`;
     until then the slot is neither evicted nor rewritten. Nothing in a slot is trusted: the reader
     checks header identity and integrity itself (:mod:`kvbm_backend.model.frame`) and reports bad
-    slots with :meth:`drop_corrupt`. None of the three calls does I/O or blocks on storage.
+    slots with :meth:`drop_corrupt`. None of the three calls does I/O; :meth:`lease` waits for storage at most
+    its ``timeout_s`` (another thread's journal I/O holding G3's lock, docs/invariants.md #3).
     """
 
-    def lease(self, keys: Sequence[BlockKey]) -> list[SlotLease | None]:
-        """Pin the slots of ``keys``; None for absent or foreign keys (misses, counted by the pool)."""
+    def lease(self, keys: Sequence[BlockKey], timeout_s: float | None = None) -> list[SlotLease | None]:
+        """Pin the slots of ``keys``; None for absent or foreign keys (misses, counted by the pool). Waits at most
+        ``timeout_s`` seconds (None: no bound) for the pool's own bookkeeping (G3: its lock, held by other
+        threads across journal I/O). Raises TimeoutError past it: nothing leased, the keys counted ``timeout``
+        misses by the pool."""
 
     def release(self, leases: Sequence[SlotLease]) -> None:
         """Unpin leases from :meth:`lease` (a slot evicted meanwhile is freed now)."""
@@ -228,7 +232,9 @@ class G3Extensions(BlockPool, SlotLeaseSource, Protocol):
     ``layerwise_load`` (which starts reads and returns) does storage I/O."""
 
     def contains(self, key: BlockKey) -> bool:
-        """True when ``key`` is published in the index (no I/O; the payload is verified only by ``get``)."""
+        """True when ``key`` is known published in the index (no I/O; the payload is verified only by ``get``).
+        G3 answers False when its lock stays busy (another thread's journal I/O) past a short bound: a caller that
+        takes False for "gone" asks ``holds`` where the pool has it (None: unknown)."""
 
     def keys(self) -> list[BlockKey]:
         """Snapshot of every published key (index only, no I/O)."""

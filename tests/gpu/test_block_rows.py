@@ -28,7 +28,7 @@ class StripedSlots:
         self.part_of = {k: self.parts[i % files] for i, k in enumerate(keys)}
         self.dropped = []
 
-    def lease(self, keys):
+    def lease(self, keys, timeout_s=None):
         return [self.part_of[k].lease([k])[0] if k in self.part_of else None for k in keys]
 
     def release(self, leases):

@@ -55,7 +55,7 @@ class FileSlots:
                 f.seek(self.slot_of[k] * SLOT)
                 f.write(h.pack() + p.tobytes() + b"\0" * (SLOT - HEADER_BYTES - BPB))
 
-    def lease(self, keys):
+    def lease(self, keys, timeout_s=None):
         out = []
         for key in keys:
             i = self.slot_of.get(key)

@@ -103,7 +103,9 @@ class ReportedBlocks:
     check of which of them G3 dropped since. Not thread-safe: the worker calls it under its report lock.
 
     Args:
-        pool: the worker's G3 pool (``contains``, ``keys``, ``stats``; ``removed_since`` / ``removal_cursor``).
+        pool: the worker's G3 pool (``contains`` or ``holds``, ``keys``, ``stats``; ``removed_since`` /
+            ``removal_cursor``). With ``holds`` (G3), a check the pool cannot answer now (its lock held across
+            journal I/O) is asked again at the next report: neither reported held nor gone meanwhile.
         namespace: the worker's namespace fingerprint (16 hex chars; the index's other namespaces are not ours).
         interval_s: the index is read (log overflowed, or no log) at most this often, in seconds.
     """
@@ -114,6 +116,16 @@ class ReportedBlocks:
         self._ids = _Ids()
         self._tenants: dict[bytes, str] = {}  # tag -> tenant id, of BlockKeys seen (for lookups by BlockKey)
         self._polled: tuple[list[Removal], bool] = ([], False)
+        self._retry_written: list[BlockKey] = []  # written blocks a busy pool could not confirm: asked again
+        self._retry_log: list[Removal] = []  # logged removals a busy pool could not check: checked again
+
+    def _ask(self, keys: list) -> list[bool] | None:
+        """Whether G3 holds each of ``keys`` (one index lookup each), or None when it cannot tell now."""
+        holds = getattr(self._pool, "holds", None)  # G3: None while its lock is busy (never waited for long)
+        if holds is None:
+            return [bool(self._pool.contains(k)) for k in keys]
+        result: list[bool] | None = holds(keys)
+        return result
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -124,6 +136,7 @@ class ReportedBlocks:
     def clear(self) -> None:
         """Forget every reported block (the next report is a snapshot)."""
         self._ids.clear()
+        self._retry_written, self._retry_log = [], []
 
     def poll(self) -> None:
         """Read G3's removals since the last poll (kept for :meth:`gone`). Call it BEFORE reading the index for
@@ -145,8 +158,16 @@ class ReportedBlocks:
         return out
 
     def held(self, keys: list[BlockKey]) -> list[Id]:
-        """Mirror ids of those ``keys`` (written by this worker) G3 holds now: one index lookup each."""
-        return [i for k, i in zip(keys, self.ids(keys)) if self._pool.contains(k)]
+        """Mirror ids of those ``keys`` (written by this worker) G3 holds now: one index lookup each. When G3 cannot
+        tell now (its lock busy), none is reported and all are asked again by the next call."""
+        keys, self._retry_written = self._retry_written + list(keys), []
+        if not keys:
+            return []
+        got = self._ask(keys)
+        if got is None:
+            self._retry_written = keys
+            return []
+        return [i for k, i, h in zip(keys, self.ids(keys), got) if h]
 
     def update(self, removed: Iterable[Id], added: Iterable[Id]) -> None:
         """Apply one report's explicit ``removed``, then ``added`` (as the scheduler's mirror does)."""
@@ -167,12 +188,16 @@ class ReportedBlocks:
         one index lookup per logged removal that names a reported block's sequence hash and rank; the whole index
         (``keys()``) only when the poll said so."""
         (log, read_index), self._polled = self._polled, ([], False)
-        ids, contains = self._ids, self._pool.contains
+        log, self._retry_log = self._retry_log + log, []
+        ids = self._ids
         out: list[Id] = []
-        for _n, seq, rank in log:
-            for tag in ids.tags_at(rank, seq):
-                i = (tag, rank, seq)
-                if not contains(self._key(i)):
+        cands = [(tag, rank, seq) for _n, seq, rank in log for tag in ids.tags_at(rank, seq)]
+        got = self._ask([self._key(i) for i in cands]) if cands else []
+        if got is None:  # G3 cannot tell now (its lock busy): nothing reported gone, checked again next time
+            self._retry_log = log
+        else:
+            for i, held in zip(cands, got):
+                if not held and i in ids:
                     ids.discard(i)
                     out.append(i)
         if read_index:

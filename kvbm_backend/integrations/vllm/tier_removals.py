@@ -113,7 +113,11 @@ class HeldChunks:
         self._by_hash: dict[int, Hashable] = {}  # sequence hash -> the first published chunk of that name
         self._also: dict[int, list[Hashable]] = {}  # sequence hash -> the others (keys whose hashes collide)
         self._contains = getattr(pool, "contains", None) if block_keys is not None else None
+        # G3: whether it holds keys, or None while its lock is busy (journal I/O): the scheduler never waits for it
+        self._holds = getattr(pool, "holds", None) if self._contains is not None else None
         self._block_keys = block_keys
+        self._unsure: dict[Hashable, None] = {}  # published chunks whose check found the pool busy: checked again
+        self._busy = False  # the pool answered "unknown" in this call: no more checks until the next call
         self._tenants: dict[Hashable, set[str]] = {}  # chunk key -> tenants it was published for (block_keys)
         self._gone: list[Any] = []  # published chunks the pool no longer held then, for the next removed()
 
@@ -148,20 +152,49 @@ class HeldChunks:
         # nothing left the pool since the job's cursor (its log counts every removal): every chunk is held, no
         # index lookup (the scheduler thread publishes whole jobs; a lookup takes the pool's lock per block)
         check = self._contains is not None and (not self._watch.logs or self._watch.cursor() != cursor)
+        self._busy = False
         for k in keys:
             self._held[k] = cursor
             self._name(k)
             if self._contains is not None:
                 self._tenants.setdefault(k, set()).add(tenant)
-                if check and not self._still_held(k):
-                    self._gone.append(self._forget(k))
+                if check:
+                    self._check(k, self._gone)
 
-    def _still_held(self, k: Any) -> bool:
-        """Whether a tenant ``k`` was published for still holds every rank's block (keeping only those)."""
+    def _check(self, k: Any, gone: list[Any]) -> None:
+        """Check published chunk ``k`` against the pool: forgotten into ``gone`` when no tenant holds it, kept when
+        one does, and kept for the next :meth:`removed` when the pool could not tell (its lock busy): a chunk the
+        pool holds is never reported removed because of a busy lock."""
+        held = self._still_held(k)
+        if held is None:
+            self._unsure[k] = None
+        else:
+            self._unsure.pop(k, None)
+            if not held:
+                gone.append(self._forget(k))
+
+    def _still_held(self, k: Any) -> bool | None:
+        """Whether a tenant ``k`` was published for still holds every rank's block (keeping only those); None when
+        the pool's lock stayed busy (G3's ``holds``; nothing asked again in this call once it was)."""
         if self._contains is None or self._block_keys is None:
             return False
         contains, bks = self._contains, self._block_keys
-        left = {t for t in self._tenants.get(k, ()) if all(contains(bk) for bk in bks(k, t))}
+        tenants = list(self._tenants.get(k, ()))
+        if self._holds is None:
+            left = {t for t in tenants if all(contains(bk) for bk in bks(k, t))}
+        else:
+            if self._busy:
+                return None
+            per = [bks(k, t) for t in tenants]
+            got = self._holds([bk for b in per for bk in b])
+            if got is None:
+                self._busy = True
+                return None
+            left, a = set(), 0
+            for t, b in zip(tenants, per):
+                if all(got[a:a + len(b)]):
+                    left.add(t)
+                a += len(b)
         self._tenants[k] = left
         return bool(left)
 
@@ -169,11 +202,17 @@ class HeldChunks:
         """The published chunks the pool dropped since the last call (each reported once)."""
         log, read_index = self._watch.poll(len(self._held) * self._copies)
         gone, self._gone = self._gone, []
+        self._busy = False
+        for k in list(self._unsure):  # checks the busy pool could not answer before
+            if k not in self._held:
+                self._unsure.pop(k, None)
+            elif not self._busy:
+                self._check(k, gone)
         for n, seq_hash, _rank in log:
             first = self._by_hash.get(seq_hash)
             for k in ([] if first is None else [first, *self._also.get(seq_hash, ())]):
-                if self._held.get(k, n) < n and not self._still_held(k):  # dropped after publishing
-                    gone.append(self._forget(k))
+                if self._held.get(k, n) < n:  # dropped after publishing
+                    self._check(k, gone)
         return gone + self._scan() if read_index else gone
 
     def _name(self, k: Any) -> None:
@@ -187,6 +226,7 @@ class HeldChunks:
 
     def _forget(self, k: Any) -> Any:
         del self._held[k]
+        self._unsure.pop(k, None)
         h = self._hash(k)
         also = self._also.get(h)
         if self._by_hash.get(h) == k:
@@ -204,9 +244,13 @@ class HeldChunks:
     def _scan(self) -> list[Any]:
         """Every published chunk against the pool's index (when :class:`RemovalWatch` says so)."""
         present = {(k.seq_hash, k.rank) for k in self._pool.keys() if k.namespace == self._fp}
-        return [self._forget(k) for k in list(self._held)
-                if any((self._hash(k), r) not in present for r in range(self._copies))
-                or (self._contains is not None and not self._still_held(k))]  # some copy: a published tenant's?
+        gone: list[Any] = []
+        for k in list(self._held):
+            if any((self._hash(k), r) not in present for r in range(self._copies)):
+                gone.append(self._forget(k))
+            elif self._contains is not None:  # some copy: a published tenant's?
+                self._check(k, gone)
+        return gone
 
 
 def held_now(pool: Any, keys: list, block_keys: Callable[[Any], list]) -> list:

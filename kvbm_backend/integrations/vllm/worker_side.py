@@ -344,7 +344,13 @@ class WorkerSide:
         corrupt, or deleted by :meth:`drop_unreadable`) are reported removed to the scheduler's mirror; a block
         missed for a timeout stays in G3 and stays reported."""
         g3p = self.g3
-        bad = [mirror_id(k) for k in missed if g3p is not None and not g3p.contains(k)]
+        if g3p is None or not missed:
+            return
+        # G3 cannot tell while its lock is busy (journal I/O): then none is reported (a block it dropped is in
+        # its removal log, which the next reports read)
+        holds = getattr(g3p, "holds", None)
+        got = holds(missed) if holds is not None else [g3p.contains(k) for k in missed]
+        bad = [mirror_id(k) for k, held in zip(missed, got or [True] * len(missed)) if not held]
         if bad:
             with self._lock:
                 self._removed.extend(bad)

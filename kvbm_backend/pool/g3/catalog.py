@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import itertools
 import logging
 import os
 import threading
@@ -70,7 +71,7 @@ DROP_REASONS = {
 MISS_REASONS = {
     "absent": "not in the index (never stored, evicted, deleted, another namespace)",
     "invalid_key": "a key no slot can hold",
-    "timeout": "not read and verified within g3.load_timeout_s",
+    "timeout": "not read and verified within g3.load_timeout_s (also: the pool's lock stayed busy that long)",
     "io_error": "the read failed (or its slab file is gone); the stored bytes are not proven bad, the slot stays",
     "short": "the slab file ends inside the slot (truncated)",
     "corrupt": "the frame failed its checks (magic, version, header check, length, checksum)",
@@ -136,6 +137,11 @@ class SlotCatalog:
         self._cleared: set[int] = set()  # files with headers zeroed since open: fdatasync'ed at close
         self.removed: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=REMOVED_LOG_ENTRIES)
         self.removed_n = 0  # removals noted so far: (number, seq_hash, rank) in ``removed``
+        # the removal log's own lock: removed_since (vLLM's scheduler thread) never waits for ``lock``
+        self.removed_mu = threading.Lock()
+        # counts made without ``lock`` (a load that could not get it in time): stats() adds them to ``c``
+        self.side: collections.Counter[str] = collections.Counter()
+        self.side_mu = threading.Lock()
         self.index = CompactLruIndex()  # numpy arrays: ~60 bytes per block at 10M (bench --tier index)
         self.slabs = SlabSet(cfg.paths, namespace, self.slot_bytes, round(cfg.capacity_gb * 1e9), cfg.files_per_path,
                              cfg.o_direct, cfg.min_free_fraction)
@@ -164,6 +170,19 @@ class SlotCatalog:
         self.c["misses"] += n
         self.c["miss:" + reason] += n
         count_reason(self.metrics.misses, MISS_REASONS, reason, n)
+
+    def miss_unlocked(self, reason: str, n: int = 1) -> None:
+        """:meth:`miss` for a caller that does NOT hold :attr:`lock` (a load that could not get it within its
+        deadline): counted in :attr:`side` (``stats()`` adds it to the counters) and in the metrics at once."""
+        with self.side_mu:
+            self.side["misses"] += n
+            self.side["miss:" + reason] += n
+        count_reason(self.metrics.misses, MISS_REASONS, reason, n)
+
+    def add_unlocked(self, **counts: int) -> None:
+        """``c[name] += n`` for a caller that does NOT hold :attr:`lock` (counted in :attr:`side`)."""
+        with self.side_mu:
+            self.side.update(counts)
 
     def count_corrupt(self, reason: str) -> None:
         """One slot proven bad for ``reason`` (one of :data:`CORRUPT_REASONS`) and dropped."""
@@ -386,9 +405,22 @@ class SlotCatalog:
 
     def note_removed(self, keys: Iterable[BlockKey | TagKey]) -> None:
         """Log blocks that left the index (:meth:`~.pool.G3Pool.removed_since`). Caller holds the lock."""
-        for k in keys:
-            self.removed_n += 1
-            self.removed.append((self.removed_n, k.seq_hash, k.rank))
+        with self.removed_mu:
+            for k in keys:
+                self.removed_n += 1
+                self.removed.append((self.removed_n, k.seq_hash, k.rank))
+
+    def removed_since(self, cursor: int) -> tuple[int, list[tuple[int, int, int]] | None]:
+        """See :meth:`~.pool.G3Pool.removed_since`. Takes only :attr:`removed_mu`, never :attr:`lock` (held by
+        other threads across journal I/O): vLLM's scheduler thread asks this every step (docs/invariants.md #3)."""
+        with self.removed_mu:
+            log, n = self.removed, self.removed_n
+            new = n - max(0, cursor)
+            if new <= 0:
+                return n, []
+            if new > len(log):
+                return n, None
+            return n, list(itertools.islice(log, len(log) - new, len(log)))
 
     def accounting(self) -> dict[str, int]:
         """Every slot below each file's cap is exactly one of: published, pinned-deferred, reserved,

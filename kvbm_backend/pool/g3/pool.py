@@ -18,9 +18,11 @@ Invariants kept here (each has tests in ``tests/pool/g3/test_g3_*.py``):
    written piece waits for pieces still in flight (no longer than the last barrier took, at most
    ``g3.group_commit_ms``, until ``g3.group_commit_bytes`` wait), so one barrier (fdatasync per file +
    one journal append) covers them all.
-3. Never stall: ``put``/``get``/``lookup_prefix``/``delete`` return Futures at once; offloads wait in
-   a bounded write-behind queue (``g3.write_queue_blocks``) and overflow is dropped and counted; loads
-   past ``g3.load_timeout_s`` are misses.
+3. Never stall: ``put``/``get``/``lookup_prefix``/``delete`` return Futures (a ``get`` within
+   ``g3.load_timeout_s``: the catalog lock, held by other threads across journal I/O, is waited for that long
+   at most); offloads wait in a bounded write-behind queue (``g3.write_queue_blocks``) and overflow is dropped
+   and counted; loads past ``g3.load_timeout_s`` are misses. What vLLM's scheduler thread asks (``lookup_prefix``,
+   ``removed_since``, ``holds``/``contains``, ``stats``) never waits for a busy lock long (:mod:`.lock_bounded`).
 4. Capacity is real: slots never exceed ``g3.capacity_gb`` nor the filesystem's free space above
    ``g3.min_free_fraction`` (checked at open and before every file growth); ENOSPC/EDQUOT releases every
    reservation of the batch and degrades the tier (no admission for :attr:`G3Pool.degrade_s` seconds,
@@ -45,7 +47,6 @@ planning (slot runs -> coalesced, aligned ops) is :mod:`kvbm_backend.transfer.sl
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import time
 from concurrent.futures import Future
@@ -64,6 +65,7 @@ from ..base import BlockBuffer, GetDestinations, GetResult, PutResult, SlotLease
 from . import journal as jr
 from .admission import make_admission
 from .catalog import REASONS, SlotCatalog
+from .lock_bounded import LOCK_WAIT_S, StatsCache, holds, pool_stats
 from .lookup_defer import G3Lookups
 from .read import G3Reader
 from .read.device import DeviceLoader
@@ -166,6 +168,8 @@ class G3Pool:
         if self.cat.degraded_until:  # opened degraded (a full disk at open)
             self.cat.on_degrade(self.cat.degraded_until)
         self.cat.update_gauges()
+        self._stats = StatsCache()
+        self.stats()  # the snapshot stats() answers from while the lock stays busy
 
     # ---- the parts' state, as the pool's (tests, the connector, the tiering tier read these) -------------
     @property
@@ -227,9 +231,18 @@ class G3Pool:
                 raise ValueError(f"{what}: buffer {i} is read-only")
 
     def contains(self, key: BlockKey) -> bool:
-        """True if ``key`` is published in the index (no I/O; the payload is verified only by get)."""
-        with self.cat.lock:
-            return key in self.cat.index
+        """True if ``key`` is known published in the index (no I/O; the payload is verified only by get). Waits at
+        most :data:`~.lock_bounded.LOCK_WAIT_S` for the pool's lock and answers False past it (not known held:
+        a caller that takes False for "gone" asks :meth:`holds`, which tells "unknown" apart)."""
+        got = holds(self.cat, [key])
+        return bool(got and got[0])
+
+    def holds(self, keys: Sequence[BlockKey], timeout_s: float | None = LOCK_WAIT_S) -> list[bool] | None:
+        """Whether the index holds each of ``keys`` (no I/O), or None when the pool's lock stayed busy
+        ``timeout_s`` seconds (held by another thread across journal I/O: unknown, ask again later). vLLM's
+        scheduler thread asks this (the native ``G3Tier``'s removal checks), so it waits a bound, never the
+        journal's stall (docs/invariants.md #3; :mod:`.lock_bounded`)."""
+        return holds(self.cat, keys, timeout_s)
 
     def lookup_prefix(self, keys: Sequence[BlockKey], *, request: bool = True) -> Future[int]:
         """Future of the number of leading ``keys`` held (index only). Found entries become most
@@ -301,12 +314,15 @@ class G3Pool:
         return self.reader.get(list(keys), out)
 
     # ---- SlotLeaseSource: in-place reads by the device and layer-wise loaders (pool/g3/read) -------
-    def lease(self, keys: Sequence[BlockKey]) -> list[SlotLease | None]:
+    def lease(self, keys: Sequence[BlockKey], timeout_s: float | None = None) -> list[SlotLease | None]:
         """Pin the slots of ``keys`` for a reader outside the host pipeline (the device and layer-wise
         loaders read frames straight into their staging); None for absent or foreign keys (counted as
         ``absent`` misses). Every lease must go back through :meth:`release`; until then the slot is not
-        evicted or reused. The reader verifies header and payload itself (the frame is not trusted)."""
-        return self.reader.lease(keys)
+        evicted or reused. The reader verifies header and payload itself (the frame is not trusted).
+        Raises TimeoutError when the pool's lock stays busy ``timeout_s`` seconds (default ``g3.load_timeout_s``),
+        held by another thread across journal I/O: nothing leased, the keys counted ``timeout`` misses
+        (docs/invariants.md #3)."""
+        return self.reader.lease(keys, self.cfg.load_timeout_s if timeout_s is None else timeout_s)
 
     def release(self, leases: Sequence[SlotLease]) -> None:
         """Unpin leases from :meth:`lease` (a slot evicted meanwhile is freed now)."""
@@ -379,15 +395,9 @@ class G3Pool:
         returned; 0 at first): ``(new cursor, [(number, seq_hash, rank), ...])`` in order, each removal's
         ``number`` above ``cursor``; None instead of the list when more than ``catalog.REMOVED_LOG_ENTRIES``
         happened since (read :meth:`keys` then). O(removals since), no I/O: the vLLM tiering tier reports
-        its removals from it without scanning the index on the scheduler thread."""
-        with self.cat.lock:
-            log, n = self.cat.removed, self.cat.removed_n
-            new = n - max(0, cursor)
-            if new <= 0:
-                return n, []
-            if new > len(log):
-                return n, None
-            return n, list(itertools.islice(log, len(log) - new, len(log)))
+        its removals from it without scanning the index on the scheduler thread: it takes the removal log's own
+        lock, never the pool's (held across journal I/O)."""
+        return self.cat.removed_since(cursor)
 
     def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Remove blocks (queued offloads of these keys are cancelled, a cancelled write's slot is cleared too, and a
@@ -450,53 +460,10 @@ class G3Pool:
         self._lookups.join(1.0)  # a deferred lookup has the lock by now (its future resolves)
 
     def stats(self) -> dict[str, Any]:
-        """Counters and gauges. Sizes in bytes; ``*_blocks``/counts in blocks."""
-        cat = self.cat
-        with cat.lock:
-            c = dict(cat.c)
-            d: dict[str, Any] = {
-                "tier": self.tier,
-                "namespace": self.fp,
-                "paths": list(cat.slabs.paths),
-                "files": len(cat.slabs.files),
-                "o_direct": dict(cat.slabs.o_direct),
-                "engine": getattr(self.engine, "name", type(self.engine).__name__),
-                "block_bytes": self.block_bytes,
-                "slot_bytes": self.slot_bytes,
-                "io_size_bytes": self._io_size,
-                "blocks": len(cat.index),
-                "used_bytes": len(cat.index) * self.slot_bytes,
-                "capacity_blocks": cat.slabs.capacity_slots,
-                "capacity_bytes": cat.slabs.capacity_slots * self.slot_bytes,
-                "configured_capacity_blocks": cat.slabs.max_capacity_slots,
-                "free_slots": cat.slabs.free_slots(),
-                "reserved_slots": cat.reserved,
-                "pinned_slots": cat.index.pinned,
-                "deferred_free_slots": cat.index.deferred,
-                "pending_blocks": self.writer.pending,
-                "degraded": bool(cat.degraded_until),
-                "admission": self.admission.policy,
-                "foreign_files": list(cat.slabs.foreign_files),
-                "journal_records": cat.journal.records,
-            }
-        for name in ("offloads_written", "offloads_skipped_present", "offloads_skipped_admission",
-                     "offloads_skipped_deleted", "offloads_dropped", "restore_unverified",
-                     "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
-                     "restored_blocks", "restore_dropped", "restored_by_scan", "restore_scanned_slots",
-                     "restore_header_retries", "deleted", "late_reads", "unreadable_kept", "unreadable_deleted",
-                     "device_loads", "device_hits", "sync_groups", "journal_syncs", "journal_compactions"):
-            d[name] = c.get(name, 0)
-        d.update(self._lookups.snapshot())  # lookup_blocks, lookup_hits, lookups_deferred
-        # the names every pool reports (pool.base.STATS_CONTRACT)
-        d["written"], d["dropped"] = d["offloads_written"], d["offloads_dropped"]
-        d["skipped"] = d["offloads_skipped_present"] + d["offloads_skipped_admission"] + d["offloads_skipped_deleted"]
-        d["dropped_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("dropped:")}
-        d["misses_by_reason"] = {k[5:]: v for k, v in c.items() if k.startswith("miss:")}
-        d["corrupt_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("corrupt:")}
-        d["restore_dropped_by_reason"] = {k[8:]: v for k, v in c.items() if k.startswith("restore:")}
-        d["hit_rate"] = d["lookup_hits"] / d["lookup_blocks"] if d["lookup_blocks"] else 0.0
-        d["device_paths"] = self.reader.device_paths()
-        return d
+        """Counters and gauges. Sizes in bytes; ``*_blocks``/counts in blocks. Never waits for a busy pool lock
+        longer than :data:`~.lock_bounded.LOCK_WAIT_S`: then the gauges are the last read's (``stats_stale``
+        True; :func:`~.lock_bounded.pool_stats`)."""
+        return pool_stats(self, self._stats)
 
     def slot_accounting(self) -> dict[str, int]:
         """Every slot below each file's cap is exactly one of: published, pinned-deferred, reserved,

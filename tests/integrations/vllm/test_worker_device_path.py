@@ -213,7 +213,7 @@ def test_loader_refuses_a_source_that_is_not_a_lease_source(tmp_path):
         def __init__(self):
             self.released = []
 
-        def lease(self, keys):
+        def lease(self, keys, timeout_s=None):
             return [("/nonexistent", 0, 8192) for _ in keys]
 
         def release(self, leases):

@@ -21,12 +21,12 @@ CAP = 64  # blocks G3 holds
 
 
 class _Spy:
-    """Counts the calls the worker makes to the real pool's ``keys`` (a whole-index read) and ``contains``
-    (one index lookup), passing them through."""
+    """Counts the calls the worker makes to the real pool's ``keys`` (a whole-index read) and its index lookups
+    (``contains``: one; ``holds``: one per key), passing them through."""
 
     def __init__(self, g3):
         self.keys = self.contains = 0
-        real_keys, real_contains = g3.keys, g3.contains
+        real_keys, real_contains, real_holds = g3.keys, g3.contains, g3.holds
 
         def keys():
             self.keys += 1
@@ -35,7 +35,11 @@ class _Spy:
         def contains(k):
             self.contains += 1
             return real_contains(k)
-        g3.keys, g3.contains = keys, contains
+
+        def holds(ks, *a, **kw):
+            self.contains += len(ks)
+            return real_holds(ks, *a, **kw)
+        g3.keys, g3.contains, g3.holds = keys, contains, holds
 
 
 @pytest.fixture

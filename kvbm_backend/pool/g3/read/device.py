@@ -212,7 +212,9 @@ class DeviceLoader:
                 (``not_found``, ``io_error``, ``short``, ``timeout``, ``unverifiable``, or a corrupt
                 reason: ``devcheck``, ``integrity``, ``identity``, ``layout``, ``length``, ``magic``,
                 ``version``, ``header_check``).
-            io: if given, a dict that receives ``bytes_read``: the bytes this call read from the slab files.
+            io: if given, a dict that receives ``bytes_read``: the bytes this call read from the slab files
+                (``lease_timeouts``: the keys, all of them, when the lease ran out of time: every row ``timeout``,
+                already counted as misses by the source).
         Returns:
             ``ok[i]``: True only if the frame was found, read in full, its header identity matched and
             its payload checksum verified on :attr:`device`; only then was ``dst[i]`` written.
@@ -228,14 +230,24 @@ class DeviceLoader:
         why: list[str | None] = ["not_found"] * n
         if n == 0:
             return []
-        leases = lease_all(self.source, keys, "DeviceLoader")
+        deadline = Deadline(self.timeout_s)  # the lease and the reads together
+        try:  # the pool's lock may be held across another thread's journal I/O: waited for within timeout_s only
+            leases = lease_all(self.source, keys, "DeviceLoader", deadline.left())
+        except TimeoutError:  # nothing leased: every row a timeout (counted by the pool's lease)
+            self.counters["timeout"] += n
+            self.counters["missed"] += n
+            if io is not None:
+                io["lease_timeouts"] = n
+            if reasons is not None:
+                reasons[:] = ["timeout"] * n
+            return [False] * n
         held = {i: ls for i, ls in enumerate(leases) if ls is not None}  # row -> its lease
         self.counters["not_found"] += n - len(held)
         try:
             with self._call_lock:
                 b0 = self.counters["bytes_read"]
                 try:
-                    self._load_rows(keys, held, rows, why)
+                    self._load_rows(keys, held, rows, why, deadline)
                 finally:
                     if io is not None:
                         io["bytes_read"] = self.counters["bytes_read"] - b0
@@ -277,10 +289,9 @@ class DeviceLoader:
 
     # -- internals ---------------------------------------------------------------------------
     def _load_rows(self, keys: Sequence[BlockKey], leases: dict[int, SlotLease], dst: BlockRows,
-                   why: list[str | None]) -> None:
+                   why: list[str | None], deadline: Deadline) -> None:
         import torch
         bpb = self.layout.bytes_per_block
-        deadline = Deadline(self.timeout_s)
         passes: list[tuple[list[int], int]] = []
         for rows, slot_len in group_passes([(i, ls.slot_len) for i, ls in leases.items()], self.staging_bytes):
             if slot_len < HEADER_BYTES + bpb or slot_len % 4096:

@@ -88,7 +88,12 @@ class HostGet:
         pk: list[G3Key] = []
         ps: list[Slot] = []
         invalid = 0
-        with cat.lock:
+        # the load's bound starts now: the pool's lock may be held across another thread's journal I/O (a stalled
+        # drive: unbounded), so it is waited for within the bound only (docs/invariants.md #3)
+        at = time.monotonic() + self.p.cfg.load_timeout_s
+        if not cat.lock.acquire(timeout=max(0.0, at - time.monotonic())):
+            return self._lock_timeout()
+        try:
             get, pin = cat.index.get, cat.index.pin
             first: dict[G3Key, int] = {}
             for i, k in enumerate(keys):
@@ -115,15 +120,24 @@ class HostGet:
             absent = n - len(ps) - invalid - len(self.dups)
             if absent:
                 cat.miss("absent", absent)
+        finally:
+            cat.lock.release()
         if not ps:
             self.future.set_result(GetResult(ok=[False] * n))
             return self.future
         per = self.piece_slots
         chunks: list[_Chunk] = [(idx[a:a + per], pk[a:a + per], ps[a:a + per]) for a in range(0, len(ps), per)]
         self.slots, self.idx, self.left, self.todo = ps, idx, len(chunks), collections.deque(chunks)
-        self.rd.deadlines.add(time.monotonic() + self.p.cfg.load_timeout_s, self._timeout)
+        self.rd.deadlines.add(at, self._timeout)
         for _ in range(min(max(1, self.p.read_chunks_in_flight), len(chunks))):
             self._submit_next()
+        return self.future
+
+    def _lock_timeout(self) -> Future[GetResult]:
+        """The pool's lock stayed busy past the load's bound: every key a ``timeout`` miss (not known absent:
+        ``timed_out`` True, nothing dropped or cooled as bad), nothing pinned, counted without the lock."""
+        self.cat.miss_unlocked("timeout", self.n)
+        self.future.set_result(GetResult(ok=[False] * self.n, timed_out=[True] * self.n))
         return self.future
 
     @property
@@ -161,8 +175,7 @@ class HostGet:
                 return
             self.resolved = True
             got = list(self.delivered)
-        with self.cat.lock:
-            self.cat.miss("timeout", len(self.slots) - len(got))
+        self.cat.miss_unlocked("timeout", len(self.slots) - len(got))  # the timer thread never waits for the lock
         ok = [False] * self.n
         for i in got:
             ok[i] = True

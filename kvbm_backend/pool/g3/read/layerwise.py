@@ -157,7 +157,13 @@ class LayerwiseLoad:
         returns something other than SlotLease/None (a wiring bug; nothing stays leased)."""
         import torch
         self.deadline = Deadline(self.timeout_s)
-        leases = lease_all(self.source, self.keys, "LayerwiseLoad") if self.n else []
+        late = 0
+        try:  # the pool's lock may be held across another thread's journal I/O: waited for within the deadline only
+            leases = lease_all(self.source, self.keys, "LayerwiseLoad", self.deadline.left()) if self.n else []
+        except TimeoutError:  # nothing leased: every row a timeout (the pool counted them)
+            leases, late = [None] * self.n, self.n
+            self.why = ["timeout"] * self.n
+            self.counters["timeout"] += late
         self._leases = leases
         frames: list[tuple[int, int]] = []
         need = HEADER_BYTES + self.L * self.lb
@@ -170,7 +176,7 @@ class LayerwiseLoad:
             self.why[i] = None
             self._held[i] = ls
             frames.append((i, ls.offset))
-        self.counters["not_found"] += self.n - len(frames)
+        self.counters["not_found"] += self.n - len(frames) - late
         pinned = self.device.type == "cuda"
         nb = max(1, self.n) * (HEADER_BYTES + self.L * self.lb)
         pool = self._staging_pool or BufferPool("pinned" if pinned else "host", 0, name="layerwise-staging")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence, cast
 
 from ....deadlines import Deadlines
@@ -29,6 +29,7 @@ from ....gpu.rows import is_matrix
 from .. import journal as jr
 from ..index import TagKey
 from ..catalog import _MISS_REASON, HDR, SlotCatalog
+from ..lock_bounded import LOCK_WAIT_S, held_within
 from ..pieces import Slot
 from .host import HostGet, same_slot, valid_key
 from .layerwise import LayerwiseLoad
@@ -98,6 +99,7 @@ class G3Reader:
         self._layerwise: _LayerwiseParts | None = None  # made by the first layerwise_load
         self._closed = False
         self.unreadable = UnreadableBlocks()  # drop_unreadable's failed re-reads (how long a block is kept)
+        self._unpins: ThreadPoolExecutor | None = None  # unpins deferred while the lock was busy (unpin)
 
     # ---- get: numpy (host pipeline) or tensors (device loader) -----------------------------------
     def get(self, keys: list[BlockKey], out: GetDestinations) -> Future[GetResult]:
@@ -114,12 +116,16 @@ class G3Reader:
         return HostGet(self, keys, cast("list[BlockBuffer]", list(out))).start()
 
     # ---- SlotLeaseSource: in-place reads by the device and layer-wise loaders ---------------------
-    def lease(self, keys: Sequence[BlockKey]) -> list[SlotLease | None]:
-        """See ``G3Pool.lease``."""
+    def lease(self, keys: Sequence[BlockKey], timeout_s: float | None = None) -> list[SlotLease | None]:
+        """See ``G3Pool.lease`` (TimeoutError: the lock stayed busy ``timeout_s`` s; nothing pinned, counted)."""
         cat = self.cat
         out: list[SlotLease | None] = []
         absent = 0
-        with cat.lock:
+        if not cat.lock.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
+            cat.miss_unlocked("timeout", len(keys))
+            raise TimeoutError(f"G3: lease of {len(keys)} slots: the pool's lock stayed busy {timeout_s:.3g} s "
+                               "(another thread's journal I/O)")
+        try:
             get, pin, files = cat.index.get, cat.index.pin, cat.slabs.by_index
             sb = cat.slot_bytes
             for k in keys:
@@ -132,6 +138,8 @@ class G3Reader:
                 out.append(SlotLease(k, files[slot[0]].path, slot[1] * sb, sb, slot))
             if absent:
                 cat.miss("absent", absent)
+        finally:
+            cat.lock.release()
         return out
 
     def release(self, leases: Sequence[SlotLease]) -> None:
@@ -139,7 +147,25 @@ class G3Reader:
         self.unpin([cast(Slot, ls.token) for ls in leases])  # lease() makes each token its slot
 
     def unpin(self, slots: Sequence[Slot]) -> None:
-        """Unpin ``slots`` (a slot evicted meanwhile is freed now)."""
+        """Unpin ``slots`` (a slot evicted meanwhile is freed now). Waits at most
+        :data:`~..lock_bounded.LOCK_WAIT_S` for the pool's lock (a layer-wise load's ``finish`` runs in the
+        forward; the lock may be held across another thread's journal I/O); past it the slots are unpinned on the
+        ``kvbm-g3-unpin`` thread once the lock is free (pinned a little longer: never evicted early)."""
+        if not slots:
+            return
+        cat = self.cat
+        with held_within(cat.lock, LOCK_WAIT_S) as got:
+            if got:
+                cat.release_slots(slots)
+                return
+        with self._device_lock:
+            if self._unpins is None:
+                self._unpins = executor(1, "kvbm-g3-unpin")
+            unpins = self._unpins
+        unpins.submit(self._unpin_later, list(slots))
+
+    def _unpin_later(self, slots: list[Slot]) -> None:
+        """The ``kvbm-g3-unpin`` thread: unpin ``slots`` once the pool's lock is free."""
         with self.cat.lock:
             self.cat.release_slots(slots)
 
@@ -350,15 +376,14 @@ class G3Reader:
                 ok, why = [False] * len(keys), ["io_error"] * len(keys)
             hits = sum(ok)
             nread = io.get("bytes_read", 0)
-            with cat.lock:
-                cat.c["hits"] += hits
-                cat.c["bytes_read"] += nread
-                cat.c["device_loads"] += len(keys)
-                cat.c["device_hits"] += hits
-                # absent keys were counted by lease(), corrupt slots by drop_corrupt()
+            # counted without the pool's lock (held across journal I/O): the future resolves without waiting for it
+            cat.add_unlocked(hits=hits, bytes_read=nread, device_loads=len(keys), device_hits=hits)
+            # absent keys were counted by lease() (and all of them, timeouts, when it timed out), corrupt slots by
+            # drop_corrupt()
+            if not io.get("lease_timeouts"):
                 for r in why:
                     if r in ("io_error", "short", "timeout", "unverifiable"):
-                        cat.miss(r)
+                        cat.miss_unlocked(r)
             cat.metrics.onboard_blocks.inc(hits)
             cat.metrics.bytes_read.inc(nread)
             fut.set_result(GetResult(ok=list(ok), timed_out=[r == "timeout" and not g for r, g in zip(why, ok)]))
@@ -390,8 +415,11 @@ class G3Reader:
                 rd.close()
             self.device_readers.clear()
             lw, self._layerwise = self._layerwise, None
+            unpins, self._unpins = self._unpins, None
         if lw is not None:
             lw.close()
+        if unpins is not None:  # deferred unpins done (the catalog is still open)
+            unpins.shutdown(wait=True)
 
     def close_verifier(self) -> None:
         """Stop the verifier thread (after the engine: its last callbacks may still queue here)."""

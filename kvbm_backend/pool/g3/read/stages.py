@@ -37,14 +37,16 @@ def add_seconds(counters: Counter[str], name: str, seconds: float) -> None:
     counters[name] += seconds  # type: ignore[assignment]  # a float value in a Counter: see the docstring
 
 
-def lease_all(source: SlotLeaseSource, keys: Sequence[BlockKey], who: str) -> list[SlotLease | None]:
-    """``source.lease(keys)``, checked: one ``SlotLease`` (for that key) or None per key.
+def lease_all(source: SlotLeaseSource, keys: Sequence[BlockKey], who: str,
+              timeout_s: float | None = None) -> list[SlotLease | None]:
+    """``source.lease(keys, timeout_s)``, checked: one ``SlotLease`` (for that key) or None per key.
 
     Raises:
         TypeError: the source returned another count, a non-SlotLease or a lease of another key (a
             wiring bug, never a silent miss); every typed lease is released first.
+        TimeoutError: the source could not lease within ``timeout_s`` seconds (nothing leased).
     """
-    leases = source.lease(list(keys))
+    leases = source.lease(list(keys), timeout_s=timeout_s)
     typed = [x for x in leases if isinstance(x, SlotLease)]
     problem = None
     if len(leases) != len(keys):

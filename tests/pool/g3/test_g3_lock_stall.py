@@ -1,0 +1,155 @@
+"""Never stall decode (docs/invariants.md #3) against a stalled journal write: the pool's lock is held by another
+thread across journal I/O (here a delete's DEL append, its ``os.write`` held at the OS boundary). Reviewer repro
+(2026-12-01, findings 1 and 2): host gets, leases and layer-wise loads waited for the whole stall, past
+``g3.load_timeout_s``; ``removed_since``, ``contains`` and ``stats`` (vLLM's scheduler thread, through the native
+``G3Tier``) too.
+
+Real G3 files; the held write is released on :class:`threading.Event` handshakes. The assertions are about what
+returns while the other thread is still inside the held write, never about durations (``GUARD_S`` is a hang
+guard only: the old code waited until it ran out)."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kvbm_backend.model.layout import KvLayout
+from kvbm_backend.model.namespace import Namespace
+from kvbm_backend.pool.g3 import G3Pool
+from tests.helpers.pools import g3_config
+
+GUARD_S = 20.0  # hang guard: what must happen while the write is held gets this long
+LOAD_S = 0.3  # the loads' bound here (g3.load_timeout_s)
+
+
+class _HeldWrite:
+    """Holds the first ``os.write`` on the pool's journal until :meth:`release` (others pass)."""
+
+    def __init__(self, monkeypatch, pool):
+        self.inside, self.released, self.real, self.held = threading.Event(), threading.Event(), os.write, False
+
+        def hook(fd, *a):
+            if not self.held and fd == pool.cat.journal.fd:
+                self.held = True
+                self.inside.set()
+                self.released.wait(GUARD_S * 3)
+            return self.real(fd, *a)
+        monkeypatch.setattr(os, "write", hook)
+
+    def release(self):
+        self.released.set()
+
+
+def _bg(fn):
+    done, out = threading.Event(), {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            out["error"] = e
+        finally:
+            done.set()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, done, out
+
+
+@pytest.fixture
+def stalled(tmp_path, monkeypatch):
+    """A pool holding 4 blocks (and 1 extra), with a delete of the extra block inside its held journal write
+    (the pool's lock held). Yields ``(pool, keys, hold, deleted)`` (``deleted``: set once the delete returned); the write is released and the pool closed after."""
+    lay = KvLayout(num_layers=2, outer_dim=2, page_size=16, inner_dim=64, dtype="float16")
+    ns = Namespace(model="t/lockstall", revision="r", layout=lay, tp_world_size=1)
+    pool = G3Pool(g3_config(tmp_path / "g3", load_timeout_s=LOAD_S), ns)
+    keys = [ns.key(100 + i, "", 0) for i in range(4)]
+    extra = ns.key(999, "", 0)
+    blocks = [np.full(lay.bytes_per_block, i + 1, np.uint8) for i in range(5)]
+    assert pool.put(keys + [extra], blocks).result(GUARD_S).written == 5
+    assert pool.flush(GUARD_S)
+    hold = _HeldWrite(monkeypatch, pool)
+    deleter, deleted, _ = _bg(lambda: pool.delete([extra]).result(GUARD_S))
+    try:
+        assert hold.inside.wait(GUARD_S)
+        assert pool.cat.lock.locked()  # the append holds the pool's lock across its os.write
+        yield pool, keys, hold, deleted
+    finally:
+        hold.release()
+        deleter.join(GUARD_S)
+        pool.close()
+
+
+def _while_held(hold, fn):
+    """Run ``fn`` on a thread; return ``(returned while the write was still held, its result or error)``."""
+    t, done, out = _bg(fn)
+    returned = done.wait(GUARD_S)
+    still_held = not hold.released.is_set()
+    hold.release()
+    t.join(GUARD_S)
+    return returned and still_held, out
+
+
+def test_a_host_get_is_a_timeout_miss_within_its_bound_while_a_journal_write_holds_the_lock(stalled):
+    pool, keys, hold, deleted = stalled
+    out = [np.zeros(pool.block_bytes, np.uint8) for _ in keys]
+    ok, got = _while_held(hold, lambda: pool.get(keys, out).result(GUARD_S))
+    assert ok, "the get waited for the stalled journal write"
+    res = got["value"]
+    assert res.ok == [False] * len(keys) and res.timed_out == [True] * len(keys)
+    assert all(not b.any() for b in out)  # nothing landed
+    st = pool.stats()
+    assert st["misses_by_reason"].get("timeout") == len(keys)
+    assert st["pinned_slots"] == 0  # nothing pinned
+    assert pool.get(keys, out).result(GUARD_S).ok == [True] * len(keys)  # the lock free again: hits
+
+
+def test_a_lease_raises_timeout_with_nothing_pinned_while_a_journal_write_holds_the_lock(stalled):
+    pool, keys, hold, deleted = stalled
+    ok, got = _while_held(hold, lambda: pool.lease(keys, timeout_s=LOAD_S))
+    assert ok, "the lease waited for the stalled journal write"
+    assert isinstance(got.get("error"), TimeoutError)
+    st = pool.stats()
+    assert st["misses_by_reason"].get("timeout") == len(keys)
+    assert st["pinned_slots"] == 0
+
+
+def test_a_layerwise_load_ends_as_timeouts_within_its_bound_while_a_journal_write_holds_the_lock(stalled):
+    pytest.importorskip("torch")
+    pool, keys, hold, deleted = stalled
+
+    def load():
+        ld = pool.layerwise_load(keys, "cpu", timeout_s=LOAD_S)
+        for layer in range(pool.layout.num_layers):
+            good, _ = ld.wait_layer(layer)
+            assert good == []
+        return ld.finish()  # as the forward ends it (wait_for_save)
+    ok, got = _while_held(hold, load)
+    assert ok, "the layer-wise load waited for the stalled journal write"
+    assert got.get("value") == ["timeout"] * len(keys), got
+    st = pool.stats()
+    assert st["misses_by_reason"].get("timeout") == len(keys) and st["pinned_slots"] == 0
+
+
+def test_scheduler_queries_answer_while_a_journal_write_holds_the_lock(stalled):
+    """removed_since (its own lock), holds (unknown: None), contains (not known held: False) and stats (the last
+    snapshot, ``stats_stale``) return while the write is held; after it, they answer from the index again."""
+    pool, keys, hold, deleted = stalled
+    cursor = pool.removal_cursor()
+
+    def ask():
+        return (pool.removed_since(0), pool.holds(keys), pool.contains(keys[0]), pool.stats())
+    ok, got = _while_held(hold, ask)
+    assert ok, "a scheduler query waited for the stalled journal write"
+    since, holds, contains, st = got["value"]
+    assert since == (cursor, since[1]) and since[1] is not None
+    assert holds is None and contains is False
+    assert st["stats_stale"] is True  # the gauges of the last read (the counters made without the lock: current)
+    # once the write is through: the delete shows, every answer from the index again
+    assert deleted.wait(GUARD_S)
+    assert pool.holds(keys) == [True] * len(keys) and pool.contains(keys[0])
+    st = pool.stats()
+    assert st["stats_stale"] is False and st["blocks"] == 4
+    assert pool.removed_since(cursor) == (cursor, [])  # the delete was logged before its DEL record was written
+    assert [(s, r) for _, s, r in pool.removed_since(cursor - 1)[1] or []] == [(999, 0)]
