@@ -9,6 +9,7 @@ returns while the other thread is still inside the held write, never about durat
 guard only: the old code waited until it ran out)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -57,10 +58,12 @@ def _bg(fn):
     return t, done, out
 
 
-@pytest.fixture
-def stalled(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def _stalled_pool(tmp_path, monkeypatch, lease_first=False):
     """A pool holding 4 blocks (and 1 extra), with a delete of the extra block inside its held journal write
-    (the pool's lock held). Yields ``(pool, keys, hold, deleted)`` (``deleted``: set once the delete returned); the write is released and the pool closed after."""
+    (the pool's lock held). Yields ``(pool, keys, hold, deleted)`` (``deleted``: set once the delete returned);
+    the write is released and the pool closed after. ``lease_first``: the 4 blocks leased before the write was
+    held (``pool.test_leases``)."""
     lay = KvLayout(num_layers=2, outer_dim=2, page_size=16, inner_dim=64, dtype="float16")
     ns = Namespace(model="t/lockstall", revision="r", layout=lay, tp_world_size=1)
     pool = G3Pool(g3_config(tmp_path / "g3", load_timeout_s=LOAD_S), ns)
@@ -69,6 +72,8 @@ def stalled(tmp_path, monkeypatch):
     blocks = [np.full(lay.bytes_per_block, i + 1, np.uint8) for i in range(5)]
     assert pool.put(keys + [extra], blocks).result(GUARD_S).written == 5
     assert pool.flush(GUARD_S)
+    if lease_first:
+        pool.test_leases = pool.lease(keys)
     hold = _HeldWrite(monkeypatch, pool)
     deleter, deleted, _ = _bg(lambda: pool.delete([extra]).result(GUARD_S))
     try:
@@ -79,6 +84,13 @@ def stalled(tmp_path, monkeypatch):
         hold.release()
         deleter.join(GUARD_S)
         pool.close()
+
+
+@pytest.fixture
+def stalled(tmp_path, monkeypatch):
+    """:func:`_stalled_pool`."""
+    with _stalled_pool(tmp_path, monkeypatch) as got:
+        yield got
 
 
 def _while_held(hold, fn):
@@ -153,3 +165,22 @@ def test_scheduler_queries_answer_while_a_journal_write_holds_the_lock(stalled):
     assert st["stats_stale"] is False and st["blocks"] == 4
     assert pool.removed_since(cursor) == (cursor, [])  # the delete was logged before its DEL record was written
     assert [(s, r) for _, s, r in pool.removed_since(cursor - 1)[1] or []] == [(999, 0)]
+
+
+def test_a_release_returns_while_a_journal_write_holds_the_lock_and_unpins_once_it_is_free(tmp_path, monkeypatch):
+    """A layer-wise load's ``finish`` (in the forward) releases its leases: while the lock is held it returns at
+    once, the slots stay pinned (never evicted early) and are unpinned once the lock is free."""
+    with _stalled_pool(tmp_path, monkeypatch, lease_first=True) as (pool, keys, hold, deleted):
+        _release_while_held(pool, hold, deleted)
+
+
+def _release_while_held(pool, hold, deleted):
+    leases = pool.test_leases
+    assert all(ls is not None for ls in leases)
+    ok, got = _while_held(hold, lambda: pool.release(leases))
+    assert ok, "the release waited for the stalled journal write"
+    assert "error" not in got
+    assert deleted.wait(GUARD_S)
+    pool.reader._unpins.submit(lambda: None).result(GUARD_S)  # the unpin thread's queue (FIFO) is through
+    assert pool.stats()["pinned_slots"] == 0
+    assert pool.slot_accounting()["leaked"] == 0
