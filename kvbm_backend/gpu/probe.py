@@ -60,7 +60,8 @@ def probe_device_path(directory: str, device, prefer: str = "auto") -> ProbeResu
         return ProbeResult("pinned-bounce", f"kvikio unusable: {why}")
     info = kvikio_mode()
     data = os.urandom(PROBE_BYTES)
-    fd_tmp, path = tempfile.mkstemp(prefix=".kvbm-gpu-probe-", dir=directory)
+    # the pid in its name: a G3 pool's open removes the file a killed probe left (pool.g3.dirs, PROBE_STALE_S)
+    fd_tmp, path = tempfile.mkstemp(prefix=f".kvbm-gpu-probe-{os.getpid()}-", dir=directory)
     eng = None
     try:
         os.write(fd_tmp, data)
@@ -78,7 +79,10 @@ def probe_device_path(directory: str, device, prefer: str = "auto") -> ProbeResu
             eng.forget_fd(fd_tmp)
             eng.close()
         os.close(fd_tmp)
-        os.unlink(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass  # removed meanwhile (as stale, by a G3 pool's open): nothing left to remove
     if info.get("io") == "gds":
         return ProbeResult("gds", "kvikio probe read verified; cuFile reports GDS available", info)
     return ProbeResult("kvikio-compat", f"kvikio probe read verified; {info.get('reason', 'compat mode')}", info)

@@ -68,14 +68,16 @@ def fdatasync(fd: int) -> None:
 
 def probe_o_direct(directory: str) -> bool:
     """True if files in ``directory`` take O_DIRECT: opens a temp file there with O_DIRECT, writes and
-    reads back one 4 KiB aligned block, compares, and removes the file.
+    reads back one 4 KiB aligned block, compares, and removes the file (``.kvbm-odirect-probe-<pid>-<random>``:
+    one a killed probe left is removed by a G3 pool's open once that pid no longer runs).
 
     Returns False when the filesystem refuses O_DIRECT (EINVAL/EOPNOTSUPP at open or I/O).
 
     Raises:
         OSError: the directory is missing or not writable (that is not an O_DIRECT answer).
     """
-    fd_tmp, path = tempfile.mkstemp(prefix=".kvbm-odirect-probe-", dir=directory)
+    # the pid in its name: a pool's open removes the file a killed probe left (pool.g3.dirs, PROBE_STALE_S)
+    fd_tmp, path = tempfile.mkstemp(prefix=f".kvbm-odirect-probe-{os.getpid()}-", dir=directory)
     os.close(fd_tmp)
     try:
         try:
@@ -99,4 +101,7 @@ def probe_o_direct(directory: str) -> bool:
         finally:
             os.close(fd)
     finally:
-        os.unlink(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass  # removed meanwhile (as stale, by a pool's open): nothing left to remove

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -25,8 +25,9 @@ from ...memory import aligned_empty
 from ...metrics import TierMetrics, count_reason
 from ...model import frame
 from ...model.namespace import BlockKey, Namespace, tenant_tag
-from . import journal as jr
+from . import forked, journal as jr
 from .compact_index import CompactLruIndex, Slot
+from .forked import ForkedLock
 from .index import TagKey
 from .journal_home import find_home
 from .slabs import SlabSet
@@ -120,8 +121,10 @@ class SlotCatalog:
         self.slot_bytes = frame.slot_bytes(self.block_bytes)
         self.metrics = metrics
         self.degrade_s = degrade_s
-        self.lock = threading.Lock()
-        self.cv = threading.Condition(self.lock)
+        # a forked child's are a ForkedLock (every call raises G3ForkedError: forget_in_child, :mod:`.forked`)
+        self.lock: threading.Lock | ForkedLock = threading.Lock()
+        self.cv = threading.Condition(cast(threading.Lock, self.lock))
+        self.pid = os.getpid()  # the process that opened the pool
         self.c: collections.Counter[str] = collections.Counter()  # the pool's counters (stats)
         self.closed = False  # the pool is closing: no new device loaders, no new offloads
         self.reserved = 0  # slots reserved for pieces being written (not yet published or released)
@@ -157,6 +160,7 @@ class SlotCatalog:
         except BaseException:
             self.slabs.close()
             raise
+        forked.opened(self)
 
     # ---- counting ---------------------------------------------------------------------------------
     def drop(self, reason: str, n: int) -> None:
@@ -432,6 +436,33 @@ class SlotCatalog:
             return {"capacity": cap, "used": used, "free": free, "reserved": self.reserved,
                     "deferred": self.index.deferred,
                     "leaked": cap - used - free - self.reserved - self.index.deferred}
+
+    def begin_close(self) -> bool:
+        """The pool starts closing (``closed`` set, waiters woken): True the first time; False when it was closing
+        already, or in a child forked from the opener (the parent's pool is not the child's to close)."""
+        if isinstance(self.lock, ForkedLock):
+            return False
+        with self.cv:
+            if self.closed:
+                return False
+            self.closed = True
+            self.cv.notify_all()
+        return True
+
+    def forget_in_child(self) -> None:
+        """At the fork, in a child forked without exec from the opener (:mod:`.forked`; no other thread runs):
+        close the child's copies of the journal's and the slab files' fds (no sync, nothing written; the
+        directory locks stay the opener's: :mod:`.dirs`) and make every call of the pool raise
+        :class:`~.forked.G3ForkedError` (the lock becomes a :class:`~.forked.ForkedLock`)."""
+        self.lock = ForkedLock(
+            f"G3 pool {', '.join(self.slabs.paths)} was opened by process {self.pid}; process {os.getpid()} was "
+            "forked from it without exec and cannot use it (writes from two processes would corrupt its slots and "
+            "journal; this process's copies of its files were closed at the fork). Open a G3 pool of its own, on a "
+            "directory of its own, or fork before opening the pool")
+        self.cv = threading.Condition(cast(threading.Lock, self.lock))
+        self.closed = True
+        self.journal.forget()
+        self.slabs.close_files()  # (the directories' fds: .dirs closes them at the fork, without unlocking)
 
     def close(self) -> None:
         """Repair a journal that lost records if it can, close the journal and the slab files (their

@@ -15,6 +15,14 @@ or a second pool in this one, opening the directory is refused with :class:`G3Lo
 lock file while a pool runs does not let a second process in; the lock file keeps the holder's pid for
 the message.
 
+A child forked without exec (multiprocessing's fork, a zygote, an engine forking helpers) would share the
+lock's open file descriptions (``O_CLOEXEC`` covers exec only, and an ``flock`` belongs to the open file
+description): after its parent was killed it kept the directory locked until it ended, and its ``close``
+(``LOCK_UN``) released the lock of its still running parent. Now the child closes its copies of every open
+directory's descriptors at the fork (:func:`_after_fork_in_child`; the parent's descriptors keep its lock) and
+never unlocks; the opens and closes of these descriptors hold :data:`_fork_lock`, which a fork waits for, so no
+descriptor is half recorded at a fork. A refusal says whether the pid in the lock file still runs.
+
 Namespace files: ``namespace.json`` and ``namespace-<fingerprint>.json`` (the owner's
 :meth:`Namespace.canonical_json`, written under a unique temp name and renamed).
 
@@ -22,7 +30,10 @@ Stale temp files: journal rewrites and namespace-file writes go through uniquely
 (``.journal-<fingerprint>.<pid>.<hex>.tmp``, ``.namespace.json.<pid>.<hex>.tmp``,
 ``.namespace-<fingerprint>.json.<pid>.<hex>.tmp``), removed when a write fails but left behind by a process
 killed in the middle of one. Once the lock is taken (no other writer can be live in the directory) the ones of
-this namespace are removed (:attr:`G3Dir.stale_temps_removed`, logged).
+this namespace are removed (:attr:`G3Dir.stale_temps_removed`, logged), and so are the 4 KiB files of an
+O_DIRECT or device-path probe (``.kvbm-odirect-probe-<pid>-<random>``, ``.kvbm-gpu-probe-<pid>-<random>``;
+:mod:`kvbm_backend.io.probe`, :mod:`kvbm_backend.gpu.probe`) whose pid no longer runs, or that are older than
+:data:`PROBE_STALE_S` (a probe takes milliseconds; names without a pid, of versions before 2026-12-01, only so).
 
 Full disk at open: a namespace file or the lock's pid line that cannot be written (ENOSPC/EDQUOT) does
 not fail the open; it is listed in :attr:`G3Dir.metadata_errors` and the namespace files are written
@@ -37,7 +48,10 @@ import logging
 import os
 import re
 import stat
+import threading
+import time
 import uuid
+import weakref
 
 from ...fsmodes import dir_problem, makedirs_private
 from ...model.namespace import Namespace
@@ -46,6 +60,53 @@ log = logging.getLogger(__name__)
 
 LOCK_NAME = ".kvbm-g3.lock"
 NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+PROBE_STALE_S = 3600.0  # a probe file older than this (seconds, by its mtime) is stale whatever its pid
+_PROBE = re.compile(r"^\.kvbm-(?:odirect|gpu)-probe-(?:(\d+)-)?[a-z0-9_]{8}$")  # tempfile.mkstemp's 8 characters
+
+_fork_lock = threading.Lock()  # held while a G3Dir's descriptors are opened or closed (and by a fork)
+_open_dirs: "weakref.WeakSet[G3Dir]" = weakref.WeakSet()  # this process's G3Dirs (a forked child closes their fds)
+
+
+def _before_fork() -> None:
+    _fork_lock.acquire()  # no descriptor opened and not yet recorded (or closed and still recorded) at the fork
+
+
+def _after_fork_in_parent() -> None:
+    _fork_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """Close the child's copies of every G3Dir's descriptors, without unlocking: the parent's descriptors keep
+    its locks (an ``flock`` belongs to the open file description), and the child no longer holds them once its
+    parent ended. The child's G3Dirs are then closed (their :meth:`G3Dir.close` does nothing more)."""
+    global _fork_lock
+    _fork_lock = threading.Lock()  # the parent's is held (by _before_fork) in the child's copy
+    for g in list(_open_dirs):
+        g._close_fds(unlock=False)
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (this pid namespace; a zombie, killed and not yet reaped, does not)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except FileNotFoundError:
+        return False  # ended meanwhile
+    except OSError:
+        return True  # no /proc: kill(0) said it exists
+    return state != [b"Z"]
 
 
 class G3LockedError(RuntimeError):
@@ -89,10 +150,13 @@ class G3Dir:
         self.lock_fd = -1  # the flocked lock file (-1: none, e.g. not creatable on a full disk)
         self.metadata_errors: list[str] = []  # metadata writes that failed at open (full disk)
         self.namespace_pending = False  # the namespace files could not be written yet
-        self.stale_temps_removed: list[str] = []  # temp files of a killed writer removed at open
+        self.stale_temps_removed: list[str] = []  # temp and probe files of a killed process removed at open
+        self.pid = os.getpid()  # the opener: only it unlocks (a forked child closes its copies: module docstring)
         try:
-            self.fd = self._open_verified()
-            self._lock()
+            with _fork_lock:
+                _open_dirs.add(self)
+                self.fd = self._open_verified()
+                self._lock()
             self._remove_stale_temps()
             self._namespace_or_defer()
         except BaseException:
@@ -192,8 +256,18 @@ class G3Dir:
             os.close(fd)
 
     def _refuse(self) -> G3LockedError:
+        """The refusal (one line): the directory, the holder the lock file names, and whether that pid still
+        runs (when not, a process that inherited its descriptors holds the lock: one it forked without exec
+        before this version, or a C-level fork; the lock goes once that one ends)."""
+        holder = self._holder()
+        m = re.fullmatch(r"pid (\d+)", holder)
+        if m and pid_alive(int(m.group(1))):
+            holder += ", running"
+        elif m:
+            holder += (", no longer running (in this pid namespace): a process that inherited its descriptors "
+                       "(one it forked) holds the lock until it ends")
         return G3LockedError(
-            f"G3 directory {self.path} is in use by another pool (holder: {self._holder()}). "
+            f"G3 directory {self.path} is in use by another pool (holder: {holder}). "
             "G3 is private to one worker: give each worker its own directory.")
 
     def _lock(self) -> None:
@@ -231,22 +305,26 @@ class G3Dir:
 
     def _remove_stale_temps(self) -> None:
         """With the lock held (no live writer here), remove this namespace's temp files a killed process
-        left (journal rewrites, namespace files; see the module docstring). Only regular files and links
-        with exactly those names are removed; a failure to remove one is logged, never raised."""
+        left (journal rewrites, namespace files) and stale probe files (see the module docstring). Only regular
+        files and links with exactly those names are removed; a failure to remove one is logged, never raised."""
         fp = re.escape(self.namespace.fingerprint)
         pat = re.compile(rf"^\.(?:journal-{fp}|namespace\.json|namespace-{fp}\.json)\.\d+\.[0-9a-f]{{32}}\.tmp$")
         for name in os.listdir(self.fd):
-            if not pat.match(name):
+            probe = _PROBE.match(name)
+            if not probe and not pat.match(name):
                 continue
             try:
                 st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+                if probe and time.time() - st.st_mtime < PROBE_STALE_S and (
+                        probe.group(1) is None or pid_alive(int(probe.group(1)))):
+                    continue  # recent, of a pid that runs (or a name without one): a probe that may still run
                 if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
                     os.unlink(name, dir_fd=self.fd)
                     self.stale_temps_removed.append(name)
             except OSError as e:
                 log.warning("G3: cannot remove the stale temp file %s (%s)", os.path.join(self.path, name), e)
         if self.stale_temps_removed:
-            log.info("G3: removed %d temp file(s) a killed writer left in %s", len(self.stale_temps_removed),
+            log.info("G3: removed %d temp or probe file(s) a killed process left in %s", len(self.stale_temps_removed),
                      self.path)
 
     # ---- the namespace files -----------------------------------------------------------------
@@ -321,10 +399,22 @@ class G3Dir:
 
     # ---- teardown ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the lock and close the fds (idempotent)."""
+        """Release the lock and close the fds (idempotent). In a process forked from the opener only its
+        copies are closed (its fds were closed at the fork already): the opener's lock stays held."""
+        with _fork_lock:
+            self._close_fds(unlock=self.pid == os.getpid())
+
+    def _close_fds(self, unlock: bool) -> None:
+        """Close the fds (``_fork_lock`` held, or in a child at the fork); ``unlock``: ``LOCK_UN`` the lock file
+        and the directory first (only the opener: it unlocks the open file description, every process's copy)."""
+        for fd in (self.lock_fd, self.fd) if unlock else ():
+            if fd >= 0:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except OSError:
+                    pass
         if self.lock_fd >= 0:
             try:
-                fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
                 os.close(self.lock_fd)
             except OSError:
                 pass

@@ -487,6 +487,18 @@ class Journal:
             os.close(self.fd)
             self.fd = None
 
+    def forget(self) -> None:
+        """In a child forked from the process that opened the journal (:mod:`.forked`): close the child's copies
+        of its fds (the journal, a compaction's temp file, a directory fd of its own); no sync, nothing written."""
+        c, self.compaction = self.compaction, None
+        for fd in (self.fd, -1 if c is None else c.fd, self._dfd if self._own_dfd else -1):
+            if fd is not None and fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.fd, self._dfd = None, -1 if self._own_dfd else self._dfd
+
     def close_dir(self) -> None:
         """Close the directory fd if this journal opened it."""
         if self._own_dfd and self._dfd >= 0:

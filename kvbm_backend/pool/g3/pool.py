@@ -108,6 +108,8 @@ class G3Pool:
             non-file.
         ValueError: no room for a single slot (capacity or free space).
         OSError: a directory cannot be created or written.
+
+    In a child forked without exec from the process that opened it every call raises G3ForkedError (:mod:`.forked`).
     """
 
     tier = "G3"
@@ -433,13 +435,9 @@ class G3Pool:
         release files, the directory locks and threads; returns within ~2 x (``load_timeout_s`` + 10) s even
         when writes or flushes hang: every put is resolved then (blocks not yet stored dropped, ``closed``,
         never published later), and the slab files and directory locks are released only once the hung I/O
-        returned (a ``kvbm-g3-close`` thread waits for it). Idempotent."""
-        cat = self.cat
-        with cat.cv:
-            if cat.closed:
-                return
-            cat.closed = True
-            cat.cv.notify_all()
+        returned (a ``kvbm-g3-close`` thread waits for it). Idempotent; does nothing in a forked child."""
+        if not self.cat.begin_close():  # closed already, or a forked child's copy (:mod:`.forked`): nothing to do
+            return
         if self.writer.close(self.cfg.load_timeout_s + 10):
             self._release()
         else:

@@ -489,15 +489,21 @@ class SlabSet:
 
     # ---- teardown ----------------------------------------------------------------------------
     def close(self) -> None:
+        self.close_files()
+        for g in self.dirs.values():
+            g.close()
+        self.dirs = {}
+
+
+    def close_files(self) -> None:
+        """Close the slab files' fds, no sync (what a forked child does at the fork, :mod:`.forked`: its copies
+        of the directories' fds are closed by :mod:`.dirs`)."""
         for f in self.files:
             try:
                 os.close(f.fd)
             except OSError:
                 pass
         self.files = []
-        for g in self.dirs.values():
-            g.close()
-        self.dirs = {}
 
 
 def _share(slots: int, files: int, k: int) -> int:
