@@ -395,8 +395,14 @@ class SlotCatalog:
         (:mod:`.scan`: a restart without the journal) cannot bring their blocks back. Call holding the lock
         before the slots are released (a released slot may be written again at once). A reader of such a slot
         meanwhile finds no frame: a miss, never wrong bytes. A failed write is logged, never raised (the
-        journal's DEL record still stands)."""
+        journal's DEL record still stands). A slot past its file's end holds no frame, and one past its file's
+        share whose block left was emptied when it was released (:func:`.slab_share.release_slot`): neither is
+        written (a write would allocate the disk given back), the file is still synced at close."""
         for fi, si in slots:
+            f = self.slabs.by_index.get(fi)
+            if f is not None and (si >= f.size_slots or (si >= f.max_slots and si not in f.over)):
+                self._cleared.add(fi)
+                continue
             try:
                 if self._zero is None:
                     self._zero = aligned_empty(HDR)
@@ -432,7 +438,8 @@ class SlotCatalog:
         with self.lock:
             cap = self.slabs.capacity_slots
             free = self.slabs.free_slots()
-            used = sum(1 for _, (fi, si) in self.index.items() if si < self.slabs.by_index[fi].cap_slots)
+            files = self.slabs.by_index  # a block past its file's share (slab_share) holds a slot lent to it
+            used = sum(1 for _, (fi, si) in self.index.items() if si < files[fi].cap_slots or si in files[fi].over)
             return {"capacity": cap, "used": used, "free": free, "reserved": self.reserved,
                     "deferred": self.index.deferred,
                     "leaked": cap - used - free - self.reserved - self.index.deferred}
@@ -465,15 +472,17 @@ class SlotCatalog:
         self.slabs.close_files()  # (the directories' fds: .dirs closes them at the fork, without unlocking)
 
     def close(self) -> None:
-        """Repair a journal that lost records if it can, close the journal and the slab files (their
-        directory locks). A compaction in progress is cancelled (the old journal holds everything) and its
+        """Repair a journal that lost records (or holds those of blocks past their share that left) if it can,
+        close the journal and the slab files (their directory locks). A compaction in progress is cancelled (the old journal holds everything) and its
         thread waited for. Takes the lock."""
         with self.lock:
             self.closed = True
             self.journal.cancel_compaction()
         self.wait_compaction()
         with self.lock:
-            if self.journal_dirty:  # last chance to persist removals a failed append lost
+            # last chance to persist removals a failed append lost; and blocks past their file's share evicted
+            # (slab_share: no later PUT supersedes their records, whose slots are punched or truncated away)
+            if self.journal_dirty or self.slabs.over_released:
                 try:
                     self.journal.rewrite(self.index.items())
                     self.journal_dirty = False

@@ -32,7 +32,9 @@ def restore(cat: SlotCatalog, threads: int) -> None:
     runtime policy, :mod:`.read.unreadable`). Before 2026-12-01 it was dropped and its slot reused. The journal is rewritten from the rebuilt index (a failure
     degrades the tier, never raises); once it is, slab space the configuration no longer grants is given back
     (:meth:`~.slabs.SlabSet.trim`) and journals of the namespace in other directories are removed
-    (:func:`.journal_home.remove_stale`). A version-3 journal's file indexes are mapped to this run's files by
+    (:func:`.journal_home.remove_stale`). Blocks past their file's share of ``capacity_gb`` (``g3.paths`` or
+    ``files_per_path`` changed) are kept while the pool's total capacity holds them (:mod:`.slab_share`); the
+    oldest of the rest are dropped (``restore:capacity``). A version-3 journal's file indexes are mapped to this run's files by
     its file table (directory real path, slab number), so the order of ``g3.paths`` does not matter; entries of
     a directory no longer configured are dropped (``restore:path_removed``). Slab files no journal covers (none
     found, its header unreadable, or a directory its file table does not name, one read as moved included), and
@@ -76,10 +78,13 @@ def restore(cat: SlotCatalog, threads: int) -> None:
     if bare:  # files no journal covers: their slot headers are the index (scan.py)
         held = {k for k, _ in jc.pairs_of(good, cat.fp)}
         good = jc.JournalColumns.concat([jc.columns_of(scan(cat, threads, bare, held)), good])
+    fit = cat.slabs.keep_mask(good.files, good.slots)  # past a file's share: kept while the pool has room
+    _count(cat, "restore:capacity", ~fit)
+    good = good.take(fit)
     cat.index.restore_arrays(cat.fp, good.tags, good.ranks, good.seqs, good.files, good.slots, info["tenants"])
     cat.slabs.restore({f: set(good.slots[good.files == f].tolist()) for f in np.unique(good.files).tolist()})
     cat.c["restored_blocks"] = len(good)
-    cat.c["restore_dropped"] = len(cols) - journaled
+    cat.c["restore_dropped"] = len(cols) - journaled + int((~fit).sum())
     try:
         cat.journal.rewrite(cat.index.items())
     except OSError as e:  # full disk at open: serve what is here, admit nothing until it can be written
@@ -91,9 +96,10 @@ def restore(cat: SlotCatalog, threads: int) -> None:
 
 def _placed(cat: SlotCatalog, cols: jc.JournalColumns, remap: list[int] | None) -> npt.NDArray[np.bool_]:
     """Which journal entries name a slot this run has: their file indexes mapped to this run's (``remap``,
-    :func:`_file_map`; ``cols.files`` rewritten in place) and the slot inside the file's configured share and
-    its size. The others are counted: ``restore:path_removed`` (the directory is no longer configured),
-    ``restore:capacity`` (no such file, or past its share), ``restore:short`` (past the file's end)."""
+    :func:`_file_map`; ``cols.files`` rewritten in place) and the slot inside the file's size (a slot past the
+    file's share is placed too: :meth:`~.slabs.SlabSet.keep_mask` decides once the headers check). The others
+    are counted: ``restore:path_removed`` (the directory is no longer configured), ``restore:capacity`` (no
+    such file), ``restore:short`` (past the file's end)."""
     fi = cols.files.astype(np.int64)
     if remap is not None:  # the index of this run of the file the journal named
         table = np.asarray(remap + [_NO_FILE], np.int64)
@@ -105,7 +111,7 @@ def _placed(cat: SlotCatalog, cols: jc.JournalColumns, remap: list[int] | None) 
         max_slots[idx], size_slots[idx] = f.max_slots, f.size_slots
     at = np.where((fi >= 0) & (fi < n_files), fi, n_files)  # n_files: no such file (max_slots -1)
     si = cols.slots.astype(np.int64)
-    capacity = ~gone & (si >= max_slots[at])
+    capacity = ~gone & (max_slots[at] < 0)
     short = ~gone & ~capacity & (si >= size_slots[at])
     _count(cat, "restore:path_removed", gone)
     _count(cat, "restore:capacity", capacity)

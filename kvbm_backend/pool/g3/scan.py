@@ -170,10 +170,11 @@ def scan(cat: SlotCatalog, threads: int, files: Sequence[SlabFile],
          held: set[BlockKey | TagKey]) -> list[tuple[TagKey, Slot]]:
     """Index entries of the slots of ``files`` whose headers check (:func:`check_header`, a TP rank below the
     world) and name a key not in ``held`` (the journal's): ``[(key, slot)]`` oldest first by the header's
-    ``created_ns``; a key found in several slots keeps its newest. Reads slots below each file's size and its
-    configured share (``max_slots``) with ``threads`` threads (:func:`read_headers`). Counts
+    ``created_ns``; a key found in several slots keeps its newest. Reads slots below each file's size (past its
+    share too: :func:`.restore.restore` keeps what the pool's capacity holds) with ``threads`` threads
+    (:func:`read_headers`). Counts
     ``restore_scanned_slots`` and ``restored_by_scan`` in ``cat.c`` and logs what it did."""
-    slots = [(f.index, s) for f in files for s in range(min(f.size_slots, f.max_slots))]
+    slots = [(f.index, s) for f in files for s in range(f.size_slots)]
     if not slots:
         return []
     t0 = time.monotonic()

@@ -8,8 +8,8 @@ its real path, so the journal can map an index of an earlier run (another order)
 at byte ``i * slot_bytes``. Files grow lazily in chunks (``posix_fallocate``) and each growth first
 re-checks ``statvfs`` so the filesystem keeps ``min_free_fraction`` free (invariant 4). A file's share of
 ``capacity_gb`` (:attr:`SlabFile.max_slots`) is fixed by the configuration; the free space only caps it for now
-(:attr:`SlabFile.cap_slots`: at open its part of the directory's free space, re-read by
-:meth:`SlabSet.recheck_space`, which splits a filesystem's room over its files).
+(:attr:`SlabFile.cap_slots`: at open its part of its filesystem's room, split over the directories there by
+:func:`.slab_room.split_room`; re-read by :meth:`SlabSet.recheck_space`, which splits it over the files).
 
 Each directory is a :class:`.dirs.G3Dir` (verified fd, lock, namespace files, safe opens: see
 :mod:`.dirs`); this module opens the slab files through it. Slab files of another namespace are never
@@ -17,9 +17,10 @@ opened: they are listed in :attr:`SlabSet.foreign_files` and logged. Metadata wr
 a full disk are listed in :attr:`SlabSet.metadata_errors` (the pool opens degraded); the namespace files
 are written again by :meth:`SlabSet.write_pending_namespaces`.
 
-Lowered settings give disk back at open (:meth:`SlabSet.trim`, after the warm restart's journal rewrite): a slab
-file longer than its share of a lowered ``capacity_gb`` is truncated to it, and this namespace's slab files
-``k >= files_per_path`` of a lowered ``files_per_path`` are removed.
+Blocks past their file's share after ``g3.paths`` or ``files_per_path`` changed are kept while the pool's total
+capacity holds them (:mod:`.slab_share`). Settings that shrink the pool give disk back at open
+(:meth:`SlabSet.trim`, after the warm restart's journal rewrite): a slab file is truncated past its share and
+its last kept block, and this namespace's slab files ``k >= files_per_path`` are removed.
 """
 from __future__ import annotations
 
@@ -27,13 +28,17 @@ import errno
 import heapq
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import numpy as np
+import numpy.typing as npt
+
 from ...io import probe_o_direct
 from ...model.namespace import Namespace
+from . import slab_share
+from .slab_room import _SLAB_RE, fs_space, keep_free_bytes, slab_bytes_in, space_budget, split_room
 from .dirs import LOCK_NAME, NOSPACE as _NOSPACE, G3Dir, G3LockedError, G3PathError
 
 __all__ = ["LOCK_NAME", "G3LockedError", "G3PathError", "SlabFile", "SlabSet", "fs_space", "keep_free_bytes",
@@ -45,56 +50,6 @@ GROW_BYTES = 64 << 20  # growth chunk per slab file
 # While a file's cap is below its share (the filesystem was short), an allocation that comes up short re-reads
 # statvfs at most this often (seconds), so the pool grows back once space returns.
 RECHECK_SPACE_S = 5.0
-_SLAB_RE = re.compile(r"^g3-([0-9a-f]{16})-(\d+)\.slab$")
-
-
-def fs_space(directory: str) -> tuple[int, int]:
-    """``(available_bytes, total_bytes)`` of the filesystem holding ``directory`` (statvfs, unprivileged)."""
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-
-
-def keep_free_bytes(total: int, capacity_bytes: int, slot_bytes: int, min_free_fraction: float) -> int:
-    """Bytes of a filesystem of ``total`` bytes that slab files leave free: the ``min_free_fraction``
-    watermark, and never less than the metadata reserve (256 KiB plus 256 bytes per slot of
-    ``slot_bytes`` the pool, ``capacity_bytes`` in all, can have on that filesystem)."""
-    slots = min(capacity_bytes, total) // max(1, slot_bytes)
-    return max(int(min_free_fraction * total), (256 << 10) + 256 * slots)
-
-
-def space_budget(directory: str, own: int, capacity_bytes: int, n_paths: int, slot_bytes: int,
-                 min_free_fraction: float) -> tuple[int, int]:
-    """``(budget, room)`` in bytes of one of ``n_paths`` G3 directories at open: ``room`` is the space slab
-    files may take there (``own``: bytes its slab files already hold, plus the free space, less
-    :func:`keep_free_bytes`; negative when the filesystem is below it), ``budget`` the slot bytes the pool
-    gives the directory (``room`` capped at its share ``capacity_bytes // n_paths``, at least 0). A budget
-    under ``slot_bytes`` in every directory makes the open fail (``g3.capacity_gb: room for no slot``).
-
-    Raises:
-        OSError: ``statvfs`` of ``directory`` failed.
-    """
-    avail, total = fs_space(directory)
-    room = own + avail - keep_free_bytes(total, capacity_bytes, slot_bytes, min_free_fraction)
-    return max(0, min(capacity_bytes // n_paths, room)), room
-
-
-def slab_bytes_in(dir_fd: int | str, fingerprint: str | None = None) -> tuple[int, list[str]]:
-    """Disk bytes (allocated blocks) the slab files of namespace ``fingerprint`` hold in a directory
-    (``dir_fd``: an fd or a path), and the names of the other namespaces' slab files there.
-    ``fingerprint`` None: every namespace's slab files count (nothing is foreign)."""
-    own, foreign = 0, []
-    for name in sorted(os.listdir(dir_fd)):
-        m = _SLAB_RE.match(name)
-        if not m:
-            continue
-        if fingerprint is not None and m.group(1) != fingerprint:
-            foreign.append(name)
-            continue
-        if isinstance(dir_fd, int):
-            own += os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
-        else:
-            own += os.stat(os.path.join(dir_fd, name), follow_symlinks=False).st_blocks * 512
-    return own, foreign
 
 
 def o_direct_choice(directory: str, setting: str) -> bool:
@@ -135,9 +90,16 @@ class SlabFile:
     free: list[int] = field(default_factory=list)  # heap of released slot indexes < next_unused
     # released slots at or above a lowered cap (< next_unused), handed out again once the cap rises past them
     parked: list[int] = field(default_factory=list)
+    # held slots at or past max_slots, kept from an earlier configuration's larger share (slab_share): never
+    # handed out again; ``over_top`` is a max-heap (negated) of them for the lazy truncation
+    over: set[int] = field(default_factory=set)
+    over_top: list[int] = field(default_factory=list)
+    lent: int = 0  # free slots of its share held back for other files' blocks past their shares (slab_share)
 
     def free_count(self) -> int:
-        return sum(1 for s in self.free if s < self.cap_slots) + max(0, self.cap_slots - self.next_unused)
+        """Slots it may hand out now: free below its cap, less those lent."""
+        raw = sum(1 for s in self.free if s < self.cap_slots) + max(0, self.cap_slots - self.next_unused)
+        return max(0, raw - self.lent)
 
 
 class SlabSet:
@@ -169,6 +131,7 @@ class SlabSet:
         self.paths = [os.path.abspath(p) for p in paths]
         self.files_per_path = files_per_path
         self.trimmed: list[str] = []  # what trim() gave back (files truncated or removed)
+        self.over_released = 0  # slots past their file's share emptied since open (slab_share)
         self.files: list[SlabFile] = []
         self.foreign_files: list[str] = []
         self.o_direct: dict[str, bool] = {}
@@ -216,17 +179,25 @@ class SlabSet:
 
     # ---- set-up ------------------------------------------------------------------------------
     def _open(self, capacity_bytes: int, files_per_path: int, o_direct: str) -> None:
-        budgets = []
+        owns: dict[str, int] = {}
         for d in self.paths:
             g = self.dirs[d] = G3Dir(d, self.namespace)
             self.ids[d] = os.path.realpath(d)  # unique: two names of one directory cannot both take its lock
             self._dev[d] = os.fstat(g.fd).st_dev  # its filesystem: directories on one share its room
-            own, foreign = slab_bytes_in(g.fd, self.fp)
+            owns[d], foreign = slab_bytes_in(g.fd, self.fp)
             self.foreign_files += [os.path.join(d, name) for name in foreign]
             self.o_direct[d] = o_direct_choice(d, o_direct)
             self._flags[d] = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.o_direct[d] else 0)  # slab opens
-            budgets.append(space_budget(d, own, capacity_bytes, len(self.paths), self.slot_bytes,
-                                        self.min_free_fraction)[0])
+        # each filesystem's room split over its directories (before, each was promised all of it: split_room)
+        by_dev: dict[int, list[str]] = {}
+        for d in self.paths:
+            by_dev.setdefault(self._dev[d], []).append(d)
+        got: dict[str, int] = {}
+        for ds in by_dev.values():
+            avail, total = fs_space(ds[0])
+            free = avail - keep_free_bytes(total, capacity_bytes, self.slot_bytes, self.min_free_fraction)
+            got.update(zip(ds, split_room([owns[d] for d in ds], free, capacity_bytes // len(self.paths))))
+        budgets = [got[d] for d in self.paths]
         if self.foreign_files:
             log.warning("G3: ignoring %d slab file(s) of another namespace (not %s): %s", len(self.foreign_files),
                         self.fp, ", ".join(self.foreign_files[:4]))
@@ -237,7 +208,7 @@ class SlabSet:
             for k in range(files_per_path):
                 # the path's slots spread over its files, the remainder one each to the first files: the files
                 # hold exactly the budget, never more (2 slots over 4 files were 1 slot each: twice capacity_gb)
-                per_file, cap_per_file = _share(budget_slots, files_per_path, k), _share(cap_slots, files_per_path, k)
+                per_file, cap_per_file = slab_share.share(budget_slots, files_per_path, k), slab_share.share(cap_slots, files_per_path, k)
                 name = f"g3-{self.fp}-{k}.slab"
                 if not self.dirs[d].exists(name) and per_file == 0:
                     if cap_per_file:
@@ -277,12 +248,9 @@ class SlabSet:
         name = f"g3-{self.fp}-{k}.slab"
         fd = self.open_in(d, name, self._flags[d])
         size = os.fstat(fd).st_size
-        # Space a slab file already holds is the pool's own: the even share of the free-space budget never
-        # cuts a file below its current size (blocks need not be spread evenly over the files, and on a full
-        # disk the share is small), only the configured capacity does. The share itself stays what capacity_gb
-        # grants: the free space of the moment only caps it (cap_slots), and recheck_space raises the cap again
-        # once space returns. Before, a pool opened while another writer held most of the filesystem kept that
-        # moment's free space as its share for the life of the process (review, 2026-11-30).
+        # Space a slab file holds is the pool's own: the free-space budget never cuts a file below its size. The
+        # share stays what capacity_gb grants; the free space only caps it (cap_slots, raised by recheck_space).
+        # Before, a pool opened on a filled disk kept that moment's free space as its share (review, 2026-11-30).
         f = SlabFile(index=pi * self.files_per_path + k, path=os.path.join(d, name), directory=d, fd=fd,
                      o_direct=self.o_direct[d], slot_bytes=self.slot_bytes, max_slots=share,
                      size_slots=size // self.slot_bytes)
@@ -294,32 +262,48 @@ class SlabSet:
         order, and ``files_per_path`` (file index ``d * files_per_path + k``)."""
         return [self.ids[d] for d in self.paths], self.files_per_path
 
+    def keep_mask(self, files: npt.NDArray[np.integer], slots: npt.NDArray[np.integer]) -> npt.NDArray[np.bool_]:
+        """Which restored entries (oldest first, each in a file of this run) the pool keeps:
+        :func:`.slab_share.keep_mask` over the files' shares (blocks past their file's share are kept while the
+        other files' unused shares hold them)."""
+        return slab_share.keep_mask(files, slots, {f.index: f.max_slots for f in self.files})
+
     def restore(self, used: dict[int, set[int]]) -> None:
         """After a journal replay: mark ``used[file_index]`` slots taken and everything else below the
-        file's size free."""
+        file's size free. Slots at or past a file's share (kept by :meth:`keep_mask`: ``g3.paths`` or
+        ``files_per_path`` changed) are held as over-share slots, each lent a slot by the files with unused
+        share (:func:`.slab_share.lend`; logged)."""
         for f in self.files:
             taken = used.get(f.index, set())
-            f.next_unused = max(min(f.size_slots, f.cap_slots), max(taken, default=-1) + 1)
+            f.over = {s for s in taken if s >= f.max_slots}
+            f.over_top = [-s for s in f.over]
+            heapq.heapify(f.over_top)
+            under = taken - f.over if f.over else taken
+            f.next_unused = max(min(f.size_slots, f.cap_slots), max(under, default=-1) + 1)
             f.free = [s for s in range(f.next_unused) if s not in taken]
             f.parked = []
             heapq.heapify(f.free)
+        over = sum(len(f.over) for f in self.files)
+        lent = slab_share.lend({f.index: f.max_slots - len(used.get(f.index, ())) + len(f.over)
+                                for f in self.files}, over)
+        for f in self.files:
+            f.lent = lent[f.index]
+        if over:
+            log.warning("G3: kept %d block(s) past their slab file's share of g3.capacity_gb (g3.paths or "
+                        "files_per_path changed): they stay readable, are not written again, and give their room "
+                        "back as they are evicted; %s lend them room", over,
+                        ", ".join(f"{f.path} ({f.lent} slots)" for f in self.files if f.lent)[:600])
 
     def trim(self) -> None:
         """Give back the disk the configuration no longer grants, once nothing refers to it (call after
-        :meth:`restore` and a journal rewrite from the restored index): a file longer than its share
-        (``max_slots``: ``capacity_gb`` was lowered; every slot at or past it was dropped at restore) is
-        truncated to it, and this namespace's slab files with ``k >= files_per_path`` (never opened, so no index
-        entry names them) are removed. Listed in :attr:`trimmed` and logged; a failure is logged, never raised."""
+        :meth:`restore` and a journal rewrite from the restored index): a file longer than its share is truncated
+        past its last block kept past it (:func:`.slab_share.trim_file`, which punches out the slots between), and
+        this namespace's slab files with ``k >= files_per_path`` (never opened, so no index entry names them) are
+        removed. Listed in :attr:`trimmed` and logged; a failure is logged, never raised."""
         for f in self.files:
-            if f.size_slots > f.max_slots:
-                try:
-                    os.ftruncate(f.fd, f.max_slots * self.slot_bytes)
-                except OSError as e:
-                    log.warning("G3: cannot truncate %s to its capacity share (%s)", f.path, e)
-                    continue
-                self.trimmed.append(f"{f.path}: {f.size_slots} -> {f.max_slots} slots")
-                f.size_slots = f.max_slots
-                f.cap_slots = min(f.cap_slots, f.max_slots)
+            done = slab_share.trim_file(f, self.slot_bytes)
+            if done:
+                self.trimmed.append(done)
         for d in self.paths:
             dfd = self.dirs[d].fd
             for name in sorted(os.listdir(dfd)):
@@ -389,7 +373,10 @@ class SlabSet:
 
     # ---- allocation --------------------------------------------------------------------------
     def _take(self, f: SlabFile, n: int) -> list[int]:
-        """Up to ``n`` slots of file ``f``: contiguous from the high-water mark when possible."""
+        """Up to ``n`` slots of file ``f``: contiguous from the high-water mark when possible; never the
+        slots it lends (:attr:`SlabFile.lent`)."""
+        if f.lent:
+            n = min(n, f.free_count())
         out: list[int] = []
         room = f.cap_slots - f.next_unused
         if room > 0:
@@ -437,11 +424,34 @@ class SlabSet:
         return out
 
     def release(self, slots: Iterable[tuple[int, int]]) -> None:
-        """Give slots back (never published, dropped or evicted)."""
+        """Give slots back (never published, dropped or evicted). A slot past its file's share
+        (:attr:`SlabFile.over`) is not handed out again: one lent slot goes back to its lender, its bytes are
+        punched out and the file truncated once its tail past the share is free (or a growth chunk of it)."""
         for fi, s in slots:
             f = self.by_index.get(fi)
-            if f is not None and s < f.next_unused:
+            if f is None:
+                continue
+            if s in f.over:
+                self._release_over(f, s)
+            elif s < f.next_unused:
                 heapq.heappush(f.free, s)
+
+    def _release_over(self, f: SlabFile, s: int) -> None:
+        f.over.discard(s)
+        self.over_released += 1  # its journal record stays until a rewrite (catalog's close)
+        slab_share.release_slot(f.fd, s, self.slot_bytes)  # its disk back now (or its header zeroed)
+        lender = max(self.files, key=lambda g: g.lent)
+        lender.lent = max(0, lender.lent - 1)
+        while f.over_top and -f.over_top[0] not in f.over:
+            heapq.heappop(f.over_top)
+        end = max(f.max_slots, -f.over_top[0] + 1 if f.over_top else 0)
+        if f.size_slots > end and (not f.over or f.size_slots - end >= GROW_BYTES // self.slot_bytes):
+            try:
+                os.ftruncate(f.fd, end * self.slot_bytes)
+            except OSError as e:
+                log.warning("G3: cannot truncate %s past its share (%s)", f.path, e)
+                return
+            f.size_slots = end
 
     def _keep_free(self, total: int) -> int:
         """Bytes of a filesystem of ``total`` bytes that slab growth leaves free: the
@@ -505,8 +515,3 @@ class SlabSet:
                 pass
         self.files = []
 
-
-def _share(slots: int, files: int, k: int) -> int:
-    """File ``k``'s share of ``slots`` spread over ``files`` files: ``slots // files``, plus one for the first
-    ``slots % files`` files (the shares sum to ``slots``)."""
-    return slots // files + (1 if k < slots % files else 0)

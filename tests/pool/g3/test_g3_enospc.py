@@ -251,3 +251,18 @@ def test_a_recheck_splits_the_room_over_the_files_instead_of_promising_it_to_eac
         st = pool.stats()
         assert st["enospc"] == 0 and r.written == held + room and st["evictions"] > 0, (r, st)
         assert pool.slot_accounting()["leaked"] == 0
+
+
+def test_two_paths_on_one_filesystem_split_its_room_at_open(small_fs):
+    """Review finding (2026-12-01): the open gave each of two ``g3.paths`` on one filesystem a budget of the
+    whole free space (35 MiB promised on a 20 MiB tmpfs; ``recheck_space`` already split it, the open did not),
+    so the first fill found the shortfall by ENOSPC: a batch dropped and the tier degraded instead of evicting.
+    Now the open splits each filesystem's room over its directories (slab_room.split_room)."""
+    from kvbm_backend.pool.g3.slabs import keep_free_bytes
+    a, b = small_fs / "a", small_fs / "b"
+    with open_pool(a, paths=[str(a), str(b)], capacity_gb=1.0, files_per_path=1, min_free_fraction=0.1) as pool:
+        avail, total = fs_space(str(small_fs))
+        room = avail - keep_free_bytes(total, round(1.0e9), SLOT, 0.1)
+        st = pool.stats()
+        assert 0 < st["capacity_bytes"] <= room, (st["capacity_bytes"], room, total)
+        assert {f.directory for f in pool.slabs.files if f.cap_slots} == {str(a), str(b)}  # both got a part

@@ -1,0 +1,94 @@
+"""G3 slab space: the free space of a filesystem, the part slab files leave free, the room a directory's
+slab files may take at open, and how the room of one filesystem is split over its directories.
+
+**Room of a filesystem at open** (:func:`split_room`): several ``g3.paths`` on one filesystem share its free
+space; before 2026-12-01 each was promised all of it at open (35 MiB promised on a 20 MiB tmpfs), so the first
+fill hit ENOSPC, dropped a batch and degraded the tier instead of evicting. The split follows
+:meth:`.slabs.SlabSet.recheck_space` (while the pool runs).
+
+Used by :class:`.slabs.SlabSet` (which re-exports these names) and ``kvbm-backend doctor``
+(:mod:`kvbm_backend.apps.doctor_paths`: :func:`space_budget`, :func:`slab_bytes_in`).
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Sequence
+
+_SLAB_RE = re.compile(r"^g3-([0-9a-f]{16})-(\d+)\.slab$")
+
+
+def fs_space(directory: str) -> tuple[int, int]:
+    """``(available_bytes, total_bytes)`` of the filesystem holding ``directory`` (statvfs, unprivileged)."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def keep_free_bytes(total: int, capacity_bytes: int, slot_bytes: int, min_free_fraction: float) -> int:
+    """Bytes of a filesystem of ``total`` bytes that slab files leave free: the ``min_free_fraction``
+    watermark, and never less than the metadata reserve (256 KiB plus 256 bytes per slot of
+    ``slot_bytes`` the pool, ``capacity_bytes`` in all, can have on that filesystem)."""
+    slots = min(capacity_bytes, total) // max(1, slot_bytes)
+    return max(int(min_free_fraction * total), (256 << 10) + 256 * slots)
+
+
+def space_budget(directory: str, own: int, capacity_bytes: int, n_paths: int, slot_bytes: int,
+                 min_free_fraction: float) -> tuple[int, int]:
+    """``(budget, room)`` in bytes of one of ``n_paths`` G3 directories at open: ``room`` is the space slab
+    files may take there (``own``: bytes its slab files already hold, plus the free space, less
+    :func:`keep_free_bytes`; negative when the filesystem is below it), ``budget`` the slot bytes the pool
+    gives the directory (``room`` capped at its share ``capacity_bytes // n_paths``, at least 0). A budget
+    under ``slot_bytes`` in every directory makes the open fail (``g3.capacity_gb: room for no slot``).
+
+    Raises:
+        OSError: ``statvfs`` of ``directory`` failed.
+    """
+    avail, total = fs_space(directory)
+    room = own + avail - keep_free_bytes(total, capacity_bytes, slot_bytes, min_free_fraction)
+    return max(0, min(capacity_bytes // n_paths, room)), room
+
+
+def slab_bytes_in(dir_fd: int | str, fingerprint: str | None = None) -> tuple[int, list[str]]:
+    """Disk bytes (allocated blocks) the slab files of namespace ``fingerprint`` hold in a directory
+    (``dir_fd``: an fd or a path), and the names of the other namespaces' slab files there.
+    ``fingerprint`` None: every namespace's slab files count (nothing is foreign)."""
+    own, foreign = 0, []
+    for name in sorted(os.listdir(dir_fd)):
+        m = _SLAB_RE.match(name)
+        if not m:
+            continue
+        if fingerprint is not None and m.group(1) != fingerprint:
+            foreign.append(name)
+            continue
+        if isinstance(dir_fd, int):
+            own += os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
+        else:
+            own += os.stat(os.path.join(dir_fd, name), follow_symlinks=False).st_blocks * 512
+    return own, foreign
+
+
+def water_fill(wants: Sequence[int], room: int) -> list[int]:
+    """Split ``room`` (>= 0) over claimants wanting ``wants[i]`` (>= 0) each: evenly, what one does not want
+    going to the others. Returns each one's part (sums to at most ``room``, each at most its want)."""
+    parts = [0] * len(wants)
+    left = len(wants)
+    for i in sorted(range(len(wants)), key=lambda i: wants[i]):
+        parts[i] = min(wants[i], room // left)
+        room -= parts[i]
+        left -= 1
+    return parts
+
+
+def split_room(owns: Sequence[int], free: int, share: int) -> list[int]:
+    """Space budgets (bytes) at open of directories on one filesystem: directory ``i`` holds ``owns[i]``
+    bytes of slab files already; ``free`` is the filesystem's free space less what slab files leave free
+    (:func:`.slabs.keep_free_bytes`; negative below it); ``share`` each directory's share of
+    ``capacity_gb``. Each budget is its own bytes plus its part of ``free`` (split by :func:`water_fill` over
+    what each lacks to its share), at most ``share`` and at least 0, so the budgets of one filesystem never
+    promise its free space twice. Below the watermark (``free < 0``) each keeps ``own + free``, as one
+    directory alone did."""
+    if free <= 0:
+        return [max(0, min(share, own + free)) for own in owns]
+    parts = water_fill([max(0, share - own) for own in owns], free)
+    return [max(0, min(share, own + part)) for own, part in zip(owns, parts)]
+
