@@ -89,6 +89,7 @@ def _locked_part(pool: G3Pool) -> tuple[dict[str, Any], dict[str, int]]:
         "degraded": bool(cat.degraded_until),
         "admission": pool.admission.policy,
         "foreign_files": list(cat.slabs.foreign_files),
+        "foreign_bytes": cat.slabs.foreign_bytes,
         "journal_records": cat.journal.records,
     }
     return d, dict(cat.c)

@@ -6,16 +6,30 @@ space; before 2026-12-01 each was promised all of it at open (35 MiB promised on
 fill hit ENOSPC, dropped a batch and degraded the tier instead of evicting. The split follows
 :meth:`.slabs.SlabSet.recheck_space` (while the pool runs).
 
+**Files of another namespace** (:func:`foreign_in`, :func:`warn_foreign`): a change of model, revision,
+dtype, page size or TP size gives the pool a new namespace fingerprint, and the old namespace's slab files and
+journal stay in the directory: never opened, never removed, their space not the new pool's (it gets what is
+left; before 2026-12-01 only the slab files' names were logged, so ``capacity_bytes`` fell short of
+``capacity_gb`` with no word of why). They are logged with their bytes at every open and counted in ``stats()``
+(``foreign_files``, ``foreign_bytes``). They are not removed automatically: the directory's lock
+(:mod:`.dirs`) proves no live pool uses them, but not that none will (two revisions or page sizes deployed in
+turn on one node each find their warm blocks again; a ``model`` or ``revision`` set wrong by mistake would
+otherwise wipe the cache it meant to use); the operator removes them.
+
 Used by :class:`.slabs.SlabSet` (which re-exports these names) and ``kvbm-backend doctor``
 (:mod:`kvbm_backend.apps.doctor_paths`: :func:`space_budget`, :func:`slab_bytes_in`).
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Sequence
 
+log = logging.getLogger(__name__)
+
 _SLAB_RE = re.compile(r"^g3-([0-9a-f]{16})-(\d+)\.slab$")
+_JOURNAL_RE = re.compile(r"^journal-([0-9a-f]{16})\.log$")
 
 
 def fs_space(directory: str) -> tuple[int, int]:
@@ -92,3 +106,29 @@ def split_room(owns: Sequence[int], free: int, share: int) -> list[int]:
     parts = water_fill([max(0, share - own) for own in owns], free)
     return [max(0, min(share, own + part)) for own, part in zip(owns, parts)]
 
+
+def foreign_in(dir_fd: int, fingerprint: str) -> list[tuple[str, int]]:
+    """The slab files and journals of namespaces other than ``fingerprint`` in a G3 directory (``dir_fd``, its
+    verified fd): ``(name, disk bytes)`` each (allocated blocks), by name; a file gone meanwhile is left out."""
+    out = []
+    for name in sorted(os.listdir(dir_fd)):
+        m = _SLAB_RE.match(name) or _JOURNAL_RE.match(name)
+        if m and m.group(1) != fingerprint:
+            try:
+                out.append((name, os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512))
+            except FileNotFoundError:
+                continue
+    return out
+
+
+def warn_foreign(found: Sequence[tuple[str, int]], fingerprint: str) -> int:
+    """Log the files of other namespaces in the pool's directories (``found``: ``(path, bytes)``; nothing when
+    empty) with their bytes, and what an operator does about them. Returns their bytes in all."""
+    held = sum(n for _, n in found)
+    if found:
+        log.warning("G3: %d file(s) of another namespace (not %s) hold %d bytes in g3.paths, space this pool cannot "
+                    "use (a change of model, revision, dtype, page size or TP size leaves them): %s. Remove them "
+                    "(with their namespace-<fingerprint>.json) once no worker of that namespace will open these "
+                    "directories again", len(found), fingerprint, held,
+                    ", ".join(f"{p} ({n} bytes)" for p, n in found[:8]) + (", ..." if len(found) > 8 else ""))
+    return held

@@ -13,9 +13,10 @@ re-checks ``statvfs`` so the filesystem keeps ``min_free_fraction`` free (invari
 
 Each directory is a :class:`.dirs.G3Dir` (verified fd, lock, namespace files, safe opens: see
 :mod:`.dirs`); this module opens the slab files through it. Slab files of another namespace are never
-opened: they are listed in :attr:`SlabSet.foreign_files` and logged. Metadata writes that failed at open on
-a full disk are listed in :attr:`SlabSet.metadata_errors` (the pool opens degraded); the namespace files
-are written again by :meth:`SlabSet.write_pending_namespaces`.
+opened: they are listed in :attr:`SlabSet.foreign_files` and logged with their bytes
+(:func:`.slab_room.warn_foreign`). Metadata writes that failed at open on a full disk are listed in
+:attr:`SlabSet.metadata_errors` (the pool opens degraded); the namespace files are written again by
+:meth:`SlabSet.write_pending_namespaces`.
 
 Blocks past their file's share after ``g3.paths`` or ``files_per_path`` changed are kept while the pool's total
 capacity holds them (:mod:`.slab_share`). Settings that shrink the pool give disk back at open
@@ -38,7 +39,8 @@ import numpy.typing as npt
 from ...io import probe_o_direct
 from ...model.namespace import Namespace
 from . import slab_share
-from .slab_room import _SLAB_RE, fs_space, keep_free_bytes, slab_bytes_in, space_budget, split_room
+from .slab_room import (_SLAB_RE, foreign_in, fs_space, keep_free_bytes, slab_bytes_in, space_budget, split_room,
+                        warn_foreign)
 from .dirs import LOCK_NAME, NOSPACE as _NOSPACE, G3Dir, G3LockedError, G3PathError
 
 __all__ = ["LOCK_NAME", "G3LockedError", "G3PathError", "SlabFile", "SlabSet", "fs_space", "keep_free_bytes",
@@ -133,7 +135,8 @@ class SlabSet:
         self.trimmed: list[str] = []  # what trim() gave back (files truncated or removed)
         self.over_released = 0  # slots past their file's share emptied since open (slab_share)
         self.files: list[SlabFile] = []
-        self.foreign_files: list[str] = []
+        self.foreign_files: list[str] = []  # other namespaces' slab files (never opened; slab_room.warn_foreign)
+        self.foreign_bytes = 0  # disk their slab files and journals hold
         self.o_direct: dict[str, bool] = {}
         self.dirs: dict[str, G3Dir] = {}  # directory -> its opened, verified, locked G3Dir
         self.ids: dict[str, str] = {}  # directory -> its identity in the journal's file table (its real path)
@@ -198,9 +201,8 @@ class SlabSet:
             free = avail - keep_free_bytes(total, capacity_bytes, self.slot_bytes, self.min_free_fraction)
             got.update(zip(ds, split_room([owns[d] for d in ds], free, capacity_bytes // len(self.paths))))
         budgets = [got[d] for d in self.paths]
-        if self.foreign_files:
-            log.warning("G3: ignoring %d slab file(s) of another namespace (not %s): %s", len(self.foreign_files),
-                        self.fp, ", ".join(self.foreign_files[:4]))
+        found = [(os.path.join(d, name), n) for d in self.paths for name, n in foreign_in(self.dirs[d].fd, self.fp)]
+        self.foreign_bytes = warn_foreign(found, self.fp)  # slab files and journals of other namespaces (logged)
         cap_slots = capacity_bytes // len(self.paths) // self.slot_bytes  # per path
         later: list[tuple[int, str, int, int]] = []  # files without a budget now: created once the open holds
         for pi, d in enumerate(self.paths):

@@ -341,6 +341,29 @@ def test_warm_restart_finds_blocks(tmp_path):
         assert pool.slot_accounting()["leaked"] == 0
 
 
+def test_another_namespaces_files_are_logged_with_their_bytes_and_counted(tmp_path, caplog):
+    """Review finding (2026-12-01): after a namespace change (here the page size) the old namespace's slab files
+    and journal stay in the directory, and the new pool silently gets only the space they leave. They are not
+    removed (a pool of that namespace may come back), but every open names them with their bytes (one WARNING)
+    and ``stats()`` counts them (``foreign_bytes``), so an operator sees what holds the space."""
+    import logging
+    other = Namespace(model="test/g3", layout=KvLayout(num_layers=2, outer_dim=2, page_size=32, inner_dim=64,
+                                                       dtype="bfloat16"))
+    with open_pool(tmp_path) as pool:
+        put_all(pool, range(1, 21))
+    old = [n for n in os.listdir(tmp_path) if NS.fingerprint in n and n.endswith((".slab", ".log"))]
+    held = sum(os.stat(tmp_path / n).st_blocks * 512 for n in old)
+    assert len(old) == 3 and held > 0  # two slab files and the journal
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.pool.g3"):
+        with open_pool(tmp_path, ns=other) as pool_b:
+            st = pool_b.stats()
+    assert st["foreign_bytes"] == held and len(st["foreign_files"]) == 2, st
+    lines = [r.getMessage() for r in caplog.records if "of another namespace" in r.getMessage()]
+    assert len(lines) == 1 and f"hold {held} bytes" in lines[0], lines
+    assert all(str(tmp_path / n) in lines[0] for n in old), lines
+    assert sorted(n for n in os.listdir(tmp_path) if NS.fingerprint in n and n.endswith((".slab", ".log"))) == sorted(old)
+
+
 def test_foreign_namespace_never_hits(tmp_path):
     other = Namespace(model="test/other-model", layout=LAYOUT)
     with open_pool(tmp_path) as pool:
