@@ -325,7 +325,8 @@ class SlabSet:
     # ---- capacity ----------------------------------------------------------------------------
     @property
     def capacity_slots(self) -> int:
-        return sum(f.cap_slots for f in self.files)
+        """Slots usable now: each file's cap less what it lends, plus the blocks kept past the shares (slab_share)."""
+        return sum(max(0, f.cap_slots - f.lent) + len(f.over) for f in self.files)
 
     @property
     def max_capacity_slots(self) -> int:

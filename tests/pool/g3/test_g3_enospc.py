@@ -14,6 +14,7 @@ import subprocess
 import time
 from concurrent.futures import Future
 
+import numpy as np
 import pytest
 
 from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
@@ -266,3 +267,25 @@ def test_two_paths_on_one_filesystem_split_its_room_at_open(small_fs):
         st = pool.stats()
         assert 0 < st["capacity_bytes"] <= room, (st["capacity_bytes"], room, total)
         assert {f.directory for f in pool.slabs.files if f.cap_slots} == {str(a), str(b)}  # both got a part
+
+
+def test_blocks_past_their_share_are_counted_when_the_new_drive_is_full(small_fs, tmp_path):
+    """A directory added to ``g3.paths`` on a filesystem another writer filled: the blocks past the old files'
+    shrunk shares are kept (slab_share.py, lent by the new files' shares), though the new files cannot grow now.
+    The pool's capacity and slot accounting count them: before, ``capacity_blocks`` summed only the caps of
+    the files (the new ones at 0) and the accounting showed the kept blocks as leaked (negative)."""
+    a, b = str(tmp_path / "a"), str(small_fs / "b")
+    keys = NS.keys(range(1, 701))
+    with open_pool(a, paths=[a], capacity_gb=0.01, files_per_path=2) as pool:
+        for i in range(0, 700, 100):
+            _, r = _put(pool, range(1 + i, 101 + i))
+            assert r.written == 100
+    os.makedirs(b)
+    _fill(small_fs / "filler")
+    with open_pool(a, paths=[a, b], capacity_gb=0.01, files_per_path=2) as pool:
+        st, acct = pool.stats(), pool.slot_accounting()
+        assert st["restored_blocks"] == 700 and st["restore_dropped"] == 0, st
+        assert not any(f.cap_slots for f in pool.slabs.files if f.directory == b)  # the new drive has no room
+        assert acct["leaked"] == 0 and acct["used"] == 700 == st["capacity_blocks"], (acct, st)
+        out = [np.zeros(LAYOUT.bytes_per_block, np.uint8) for _ in keys]
+        assert pool.get(keys, out).result(timeout=HANG_S).ok == [True] * 700
