@@ -473,8 +473,8 @@ class SlotCatalog:
 
     def close(self) -> None:
         """Repair a journal that lost records (or holds those of blocks past their share that left) if it can,
-        close the journal and the slab files (their directory locks). A compaction in progress is cancelled (the old journal holds everything) and its
-        thread waited for. Takes the lock."""
+        close the journal and the slab files (their directory locks). A compaction in progress is cancelled (the
+        old journal holds everything) and its thread waited for. Takes the lock."""
         with self.lock:
             self.closed = True
             self.journal.cancel_compaction()

@@ -34,7 +34,8 @@ def restore(cat: SlotCatalog, threads: int) -> None:
     (:meth:`~.slabs.SlabSet.trim`) and journals of the namespace in other directories are removed
     (:func:`.journal_home.remove_stale`). Blocks past their file's share of ``capacity_gb`` (``g3.paths`` or
     ``files_per_path`` changed) are kept while the pool's total capacity holds them (:mod:`.slab_share`); the
-    oldest of the rest are dropped (``restore:capacity``). A version-3 journal's file indexes are mapped to this run's files by
+    oldest of the rest are dropped (``restore:capacity``).
+    A version-3 journal's file indexes are mapped to this run's files by
     its file table (directory real path, slab number), so the order of ``g3.paths`` does not matter; entries of
     a directory no longer configured are dropped (``restore:path_removed``). Slab files no journal covers (none
     found, its header unreadable, or a directory its file table does not name, one read as moved included), and

@@ -210,7 +210,8 @@ class SlabSet:
             for k in range(files_per_path):
                 # the path's slots spread over its files, the remainder one each to the first files: the files
                 # hold exactly the budget, never more (2 slots over 4 files were 1 slot each: twice capacity_gb)
-                per_file, cap_per_file = slab_share.share(budget_slots, files_per_path, k), slab_share.share(cap_slots, files_per_path, k)
+                per_file = slab_share.share(budget_slots, files_per_path, k)
+                cap_per_file = slab_share.share(cap_slots, files_per_path, k)
                 name = f"g3-{self.fp}-{k}.slab"
                 if not self.dirs[d].exists(name) and per_file == 0:
                     if cap_per_file:
