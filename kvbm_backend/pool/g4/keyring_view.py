@@ -39,10 +39,11 @@ from ...threads import start_thread
 if TYPE_CHECKING:
     from ...crypto.keyring import Keyring
 
-__all__ = ["KeyringView", "MIN_REFRESH_S"]
+__all__ = ["CLOSE_WAIT_S", "KeyringView", "MIN_REFRESH_S"]
 log = logging.getLogger(__name__)
 
 MIN_REFRESH_S = 0.05  # the refresh thread's shortest interval (seconds; a reload_interval_s of 0 is allowed)
+CLOSE_WAIT_S = 5.0  # how long close waits for a refresh in flight (seconds)
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,10 @@ class KeyringView:
                 log.exception("kvbm_backend: G4 keyring view refresh failed (retried in %.1f s)", every)
 
     def close(self) -> None:
-        """Stop the refresh thread (it ends at its next wait). Idempotent."""
+        """Stop the refresh thread (it ends at its next wait). Waits for it at most :data:`CLOSE_WAIT_S`: a
+        refresh stuck in the keyring file's I/O (a hung NFS mount) must not hang the pool's close; the thread is
+        a daemon and ends with its refresh. Idempotent."""
         self._stop.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
-            t.join()
+            t.join(CLOSE_WAIT_S)
