@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 if TYPE_CHECKING:
     from ...model.namespace import BlockKey
@@ -33,8 +33,17 @@ if TYPE_CHECKING:
 LOCK_WAIT_S = 0.02
 
 
+class _Lock(Protocol):
+    """What :func:`held_within` needs of a lock: a ``threading.Lock``, or a forked child's
+    :class:`~.forked.ForkedLock` (whose acquire raises ``G3ForkedError``)."""
+
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
+
+    def release(self) -> None: ...
+
+
 @contextlib.contextmanager
-def held_within(lock: threading.Lock, timeout_s: float | None) -> Iterator[bool]:
+def held_within(lock: _Lock, timeout_s: float | None) -> Iterator[bool]:
     """``with held_within(lock, t) as got:`` -- ``lock`` acquired waiting at most ``timeout_s`` seconds (None: no
     bound; 0 or less: only if free at once); ``got`` says whether it was, and it is released on exit if so."""
     got = lock.acquire() if timeout_s is None else lock.acquire(timeout=max(0.0, timeout_s))
