@@ -92,18 +92,21 @@ class FailedBlocks:
                     return i
         return end
 
-    def add_failed_load(self, tenant: str, st: Any, first_failed: int, block_size: int) -> None:
+    def add_failed_load(self, tenant: str, st: Any, first_failed: int, block_size: int,
+                        digest: bytes | None = None) -> None:
         """:meth:`add` for a load of ``tenant`` that failed at block ``first_failed`` (a sequence hash), with the
         failed request's digest of that block where it can be computed (:func:`request_digest_of`) from its
         scheduler state ``st`` (``_Req``: ``tenant``, ``hashes``, ``request``, ``digests``; None: the request is
-        gone, and the block cools for every request of the tenant)."""
+        gone), else ``digest`` (the worker's report's, :class:`~.metadata.FailedLoad`); neither: the block cools
+        for every request of the tenant."""
         i = None
         if st is not None and st.tenant == tenant:
             try:
                 i = list(st.hashes).index(int(first_failed))
             except ValueError:
                 pass
-        self.add(tenant, first_failed, None if i is None else request_digest_of(st, block_size)(i))
+        d = None if i is None else request_digest_of(st, block_size)(i)
+        self.add(tenant, first_failed, d if d is not None else digest)
 
     def first_for(self, st: Any, end: int, block_size: int) -> int:
         """:meth:`first_in` of request state ``st`` (``_Req``) from its local blocks (``n_local``) to ``end``,

@@ -195,7 +195,7 @@ class LayerwiseLoads:
         with w._lock:
             w._load_errors.update(job.block_ids[p:])
             w._failed_loads.append(FailedLoad(job.req_id, job.tenant, int(job.seq_hashes[p]),
-                                              "timeout" if why[p] == "timeout" else "miss"))
+                                              "timeout" if why[p] == "timeout" else "miss", job.digest_of(p)))
         if a.load is not None:  # a block read in vain (not late, not unstarted): deleted so its recompute is stored
             w.drop_unreadable([a.keys[i] for i in range(p, n) if why[i] not in (None, "timeout", "not_started")])
         if w.report_g3:  # removed from the mirror only when G3 no longer holds it

@@ -44,6 +44,10 @@ class LoadJob:
     def __post_init__(self) -> None:
         _check_digests(self.digests, self.seq_hashes)
 
+    def digest_of(self, i: int) -> bytes | None:
+        """Token digest of block ``i`` of the job (16 bytes), None when the job names none."""
+        return self.digests[16 * i:16 * i + 16] if self.digests else None
+
 
 @dataclass
 class SaveJob:
@@ -92,12 +96,17 @@ class FailedLoad:
         first_failed: KVBM sequence hash of the first block that was not loaded.
         reason: ``"miss"`` (the pool did not serve a verified block: absent, unreadable, corrupt,
             foreign) or ``"timeout"`` (the load outlived the connector's load timeout).
+        digest: the job's token digest of that block (16 bytes; None: the job named none). The scheduler cools
+            the block only for requests of this digest (:class:`~.failed_blocks.FailedBlocks`), also when the
+            request is gone by then (aborted during its load: before 2026-12-01 the entry then cooled the block
+            for every request of the tenant, a tenant-mate's forged prompt aborted at once included).
     """
 
     req_id: str
     tenant: str
     first_failed: int
     reason: str
+    digest: bytes | None = None
 
 
 @dataclass

@@ -345,7 +345,7 @@ class SchedulerSide:
                 st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
                 stats.add(load_failed_requests=1)
             if f.reason == "miss":
-                self.failed_blocks.add_failed_load(f.tenant, st, f.first_failed, self.bs)
+                self.failed_blocks.add_failed_load(f.tenant, st, f.first_failed, self.bs, f.digest)
                 stats.add(load_failed_blocks_cooled=1)
 
     def update_connector_output(self, worker_meta) -> None:

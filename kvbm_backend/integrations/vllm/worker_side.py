@@ -372,7 +372,8 @@ class WorkerSide:
                 failed = ld.job.block_ids[ld.ok_prefix:]
                 if failed:
                     self._failed_loads.append(FailedLoad(rid, ld.job.tenant, int(ld.job.seq_hashes[ld.ok_prefix]),
-                                                         "timeout" if ld.state == "timed_out" else "miss"))
+                                                         "timeout" if ld.state == "timed_out" else "miss",
+                                                         ld.job.digest_of(ld.ok_prefix)))
             self._load_errors.update(failed)
             if failed:
                 self._failed_reqs.add(rid)
