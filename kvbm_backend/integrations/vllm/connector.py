@@ -115,6 +115,8 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
+        if isinstance(meta, KvbmConnectorMetadata) and meta.reinvalidate:
+            self.parts.worker_role().reinvalidate(meta.reinvalidate)
         if isinstance(meta, KvbmConnectorMetadata) and meta.loads:
             self.parts.worker_role().start_loads(meta.loads)
 

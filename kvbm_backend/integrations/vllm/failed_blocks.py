@@ -16,7 +16,7 @@ from .identity import block_digests
 log = logging.getLogger(__name__)
 
 __all__ = ["FAILED_BLOCK_COOLDOWN_S", "FAILED_BLOCKS_MAX", "FAILED_DIGESTS_MAX", "FailedBlocks", "FailedChunks", "contain_failed_sync_load",
-           "drop_blocks", "request_digest_of", "unloaded_engine_blocks", "withhold_tainted"]
+           "Unrecomputed", "drop_blocks", "request_digest_of", "unloaded_engine_blocks", "withhold_tainted"]
 
 #: seconds a block whose load failed (absent, unreadable or corrupt in the tier that was to serve it) ends
 #: every prefix offered to any request: the failed request itself is never offered a load again (vLLM
@@ -197,7 +197,8 @@ def unloaded_engine_blocks(hashes: Any, block_ids: list[int], start: int, first_
     return [b for b in block_ids[p:] if b]  # block 0 is vLLM's null block
 
 
-def contain_failed_sync_load(reqs: dict[str, Any], failed: Any, first_failed: int, evict: Any) -> list[str]:
+def contain_failed_sync_load(reqs: dict[str, Any], failed: Any, first_failed: int, evict: Any,
+                             debts: "Unrecomputed | None" = None) -> list[str]:
     """A synchronous (layer-wise) load of request ``failed`` (the scheduler's ``_Req``) failed from the block whose
     sequence hash is ``first_failed`` on. Its unloaded engine blocks (:func:`unloaded_engine_blocks`) leave vLLM's
     prefix cache (``evict``: ``BlockPool.evict_blocks``, None when not bound). Every other request of ``reqs``
@@ -205,20 +206,29 @@ def contain_failed_sync_load(reqs: dict[str, Any], failed: Any, first_failed: in
     scheduled the load) and stays on it (``recompute`` leaves it for the failed request to recompute: never,
     when that one is aborted or preempted first): such a request is tainted from its first such block on
     (``save_limit``): none of its blocks from there on is saved (:func:`withhold_tainted`), and those vLLM cached
-    leave its prefix cache too. Returns the tainted request ids (counted ``layerwise_tainted_requests``).
+    leave its prefix cache too. The blocks they share are recorded in ``debts`` (:class:`Unrecomputed`), until
+    one of their holders recomputed them. Returns the tainted request ids (counted ``layerwise_tainted_requests``).
     Never raises."""
     bad = set(unloaded_engine_blocks(failed.hashes, failed.group_block_ids[0], failed.n_local, first_failed))
     if evict is not None:
         evict(sorted(bad))
     tainted = []
+    shared: dict[int, dict[str, int]] = {}  # unloaded block -> {holder: the block's index in its blocks}
     for rid, st in reqs.items():
         ids = st.group_block_ids[0] if st is not failed and st.group_block_ids else []
         i = next((i for i, b in enumerate(ids) if b in bad), None)
+        for j in range(len(ids)) if i is not None else ():
+            if ids[j] in bad:
+                shared.setdefault(ids[j], {})[rid] = j
         if i is not None and i < st.save_limit:
             st.save_limit = i
             tainted.append(rid)
             if evict is not None:
                 evict([b for b in ids[i:] if b])
+    if debts is not None:
+        fids = failed.group_block_ids[0]
+        for b, hs in shared.items():
+            debts.add(b, {**hs, **({failed.req_id: fids.index(b)} if b in fids else {})})
     if tainted:
         log.warning("layer-wise load of request %s failed: requests %s computed on its unloaded blocks; their "
                     "blocks from there on are never saved", failed.req_id, tainted)
@@ -238,3 +248,67 @@ def withhold_tainted(st: Any, a: int, end: int, evict: Any) -> int:
         if evict is not None:
             evict([b for b in ids[cut:end] if b])
     return cut
+
+
+class Unrecomputed:
+    """Engine blocks a failed synchronous (layer-wise) load left unloaded and other requests share
+    (:func:`contain_failed_sync_load`), until some holder recomputed them. Scheduler thread only.
+
+    vLLM (``recompute`` policy) rolls the failed request back to its first failed block and leaves every other
+    request on a shared failed block counted as computed, for the failed request to recompute it. When that one is
+    aborted or preempted first (or recomputes it only in part), nobody does: before 2026-12-01 the others computed
+    and decoded on the block's stale bytes (docs/invariants.md #1). :meth:`step`, at every schedule, returns the
+    blocks some holder reads in that step (scheduled from past the block's recomputed part) while no holder's step
+    recomputes them: the worker reports them again (``KvbmConnectorMetadata.reinvalidate``,
+    ``get_block_ids_with_load_errors``), and vLLM rolls those readers back (the first to the block, to recompute
+    it; the step of each is discarded). A report reaches only requests holding the block as computed: at worst a
+    needless recompute, never wrong KV."""
+
+    def __init__(self) -> None:
+        # engine block id -> ({holder request id: the block's index in its blocks}, tokens of it recomputed)
+        self._debts: dict[int, tuple[dict[str, int], int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._debts)
+
+    def add(self, block: int, holders: dict[str, int]) -> None:
+        """Engine block ``block`` was not loaded; ``holders``: request id -> the block's index in its block ids
+        (the failed request's and those of the requests that took it as their prefix hit)."""
+        old = self._debts.get(int(block), ({}, 0))[0]
+        self._debts[int(block)] = ({**old, **holders}, 0)
+
+    def step(self, scheduler_output: Any, reqs: dict[str, Any], block_size: int) -> list[int]:
+        """The blocks to report again in this step (see the class), from the step's ``SchedulerOutput``: each
+        scheduled request's range ``[num_computed_tokens, + num_scheduled_tokens)``; a request scheduled new or
+        resumed (new block ids) and one gone from ``reqs`` no longer holds any. A block fully recomputed is
+        forgotten. Never raises."""
+        if not self._debts:
+            return []
+        sched = scheduler_output.num_scheduled_tokens
+        ranges = {nr.req_id: nr.num_computed_tokens for nr in scheduler_output.scheduled_new_reqs}
+        fresh = set(ranges) | set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ())
+        c = scheduler_output.scheduled_cached_reqs
+        ranges.update((rid, c.num_computed_tokens[i]) for i, rid in enumerate(c.req_ids))
+        for hs, _ in self._debts.values():
+            for rid in [r for r in hs if r in fresh or r not in reqs]:
+                del hs[rid]
+        # a holder reading a block's unrecomputed part computes wrong KV: what it writes recomputes nothing
+        stale = {rid for hs, done in self._debts.values() for rid, i in hs.items()
+                 if ranges.get(rid, -1) > i * block_size + done}
+        out = []
+        for b, (hs, done) in list(self._debts.items()):
+            for rid, i in hs.items():  # recomputes first: a step's reads see its own writes (vLLM's premise)
+                a = ranges.get(rid)
+                if a is not None and rid not in stale and a <= i * block_size + done:
+                    done = max(done, min(block_size, a + sched.get(rid, 0) - i * block_size))
+            if not hs or done >= block_size:
+                del self._debts[b]
+                continue
+            self._debts[b] = (hs, done)
+            if any(ranges.get(rid, -1) > i * block_size + done for rid, i in hs.items()):
+                out.append(b)
+        if out:
+            log.warning("blocks %s a failed layer-wise load left unloaded are read before they were recomputed: "
+                        "reported again (their readers recompute them)", out)
+            stats.add(layerwise_reinvalidated_blocks=len(out))
+        return out

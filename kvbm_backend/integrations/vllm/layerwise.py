@@ -24,7 +24,9 @@ the same step and calls ``start_load_kv`` before the forward. :class:`LayerwiseL
   request hits them before they are recomputed; another request that took them as its prefix hit in that step
   (vLLM leaves it on them, for the failed request to recompute: never, if that one is aborted first) saves none of
   its blocks from the first of them on, and those leave the prefix cache too
-  (:func:`.failed_blocks.contain_failed_sync_load`). Whichever of ``wait_for_save`` and
+  (:func:`.failed_blocks.contain_failed_sync_load`); in a step where it reads one of them before any request
+  recomputed it, the block is reported to vLLM again and it rolls back (:class:`.failed_blocks.Unrecomputed`;
+  before 2026-12-01 it decoded on the block's stale bytes). Whichever of ``wait_for_save`` and
   ``get_block_ids_with_load_errors`` ends the loads, the failure is kept until the step's ``wait_for_save``:
   with speculative decoding vLLM defers ``wait_for_save`` until after the draft model
   (``defer_kv_connector_finalize``), so ``get_block_ids_with_load_errors`` comes first there.

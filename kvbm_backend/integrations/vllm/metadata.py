@@ -79,11 +79,14 @@ def _check_digests(digests: bytes, seq_hashes: list[int]) -> None:
 class KvbmConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, every engine step: the step's load and save jobs, and ``channel``: the scheduler's
     report channel token (:func:`.report_channel.channel_key`; ``""``: no token, the worker reports in the step
-    output)."""
+    output); ``reinvalidate``: engine block ids a failed layer-wise load left unloaded that a request reads this step
+    before any recomputed them (:class:`~.failed_blocks.Unrecomputed`): the workers report them in the step's
+    ``get_block_ids_with_load_errors``."""
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     channel: str = ""
+    reinvalidate: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

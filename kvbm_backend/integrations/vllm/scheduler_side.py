@@ -28,7 +28,7 @@ from ...pool.base import BlockPool
 from ..revoked_tenants import RevokedTenants
 from . import handoff, stats
 from .identity import block_digests, kv_beyond_token_ids, request_salt
-from .failed_blocks import FailedBlocks, contain_failed_sync_load, withhold_tainted
+from .failed_blocks import FailedBlocks, Unrecomputed, contain_failed_sync_load, withhold_tainted
 from .g3_mirror import G3Mirror
 from .kv_events import G3KvEvents, IdlePublisher
 from .lookup import GroupTiers, PrefixLookup
@@ -93,7 +93,7 @@ class SchedulerSide:
         self.idle_events: IdlePublisher | None = None  # publishes them while the engine does not step
         self.handoff = handoff.HandoffWaits(handoff_wait_s)
         self.promises = handoff.Promises()  # the prefill side's: blocks its hand-off answers must not promise
-        self.failed_blocks = FailedBlocks()
+        self.failed_blocks, self.unrecomputed = FailedBlocks(), Unrecomputed()
         self.evict_engine_blocks: Any = None  # vLLM's BlockPool.evict_blocks (connector.bind_gpu_block_pool)
         self.revoked: RevokedTenants | None = None  # tenants G3 does not serve (.revoked_tenants; set by the wiring)
         handoff.start_keyring_view(g4)  # hand-offs ask G4's keyring through it: no I/O on the scheduler thread
@@ -340,7 +340,7 @@ class SchedulerSide:
         for f in failed:
             st = self._reqs.get(f.req_id)
             if st is not None and st.sync_load and st.group_block_ids:
-                contain_failed_sync_load(self._reqs, st, f.first_failed, self.evict_engine_blocks)
+                contain_failed_sync_load(self._reqs, st, f.first_failed, self.evict_engine_blocks, self.unrecomputed)
             if st is not None and not st.no_load:  # saved_upto: reset at its next schedule (recomputed: saved again)
                 st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
                 stats.add(load_failed_requests=1)
@@ -395,7 +395,8 @@ class SchedulerSide:
         return self.save_enabled and self.save_to_g4 and self.g4 is not None
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
-        meta = self.promises.step(KvbmConnectorMetadata(loads=self._loads))  # (saves are appended below)
+        again = self.unrecomputed.step(scheduler_output, self._reqs, self.bs)  # unloaded blocks read: reported again
+        meta = self.promises.step(KvbmConnectorMetadata(loads=self._loads, reinvalidate=again))  # (saves: below)
         self._loads = []
         if not self.offloads:
             return meta

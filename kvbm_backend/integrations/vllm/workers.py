@@ -59,6 +59,7 @@ class GroupedWorkers:
         self.layerwise: LayerwiseLoads | None = None
         self._pending: dict[str, set[int]] = {}
         self._failed: set[str] = set()
+        self._again: set[int] = set()  # engine block ids to report again (reinvalidate), for the next load_errors
         self._lock = threading.Lock()
 
     def register(self, kvs: list[EngineKv], layer_names: list[list[str]] | None = None) -> None:
@@ -91,6 +92,13 @@ class GroupedWorkers:
             for j in jobs:
                 self._pending.setdefault(j.req_id, set()).add(j.group)
         self._route(jobs, lambda w, mine: w.start_loads(mine))
+
+    def reinvalidate(self, block_ids: list[int]) -> None:
+        """``start_load_kv``: engine blocks a failed layer-wise load left unloaded that a request reads this step
+        before any recomputed them (``KvbmConnectorMetadata.reinvalidate``): reported by this step's
+        :meth:`load_errors`, so vLLM rolls that request back (only with ``block_errors``)."""
+        with self._lock:
+            self._again.update(int(b) for b in block_ids)
 
     def wait_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load``: without layer-wise loads, loads are whole requests between steps."""
@@ -126,9 +134,10 @@ class GroupedWorkers:
             # wait_for_save may come later (vLLM's defer_kv_connector_finalize, speculative decoding): the
             # failures are kept for it, which still drops every save of this step (LayerwiseLoads.saves)
             self.layerwise.finish()
+        with self._lock:
+            out, self._again = self._again, set()
         if not self.block_errors:
             return set()
-        out: set[int] = set()
         for w in self.workers:
             out |= w.load_errors()
         return out
