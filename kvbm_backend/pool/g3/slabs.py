@@ -11,12 +11,11 @@ re-checks ``statvfs`` so the filesystem keeps ``min_free_fraction`` free (invari
 (:attr:`SlabFile.cap_slots`: at open its part of its filesystem's room, split over the directories there by
 :func:`.slab_room.split_room`; re-read by :meth:`SlabSet.recheck_space`, which splits it over the files).
 
-Each directory is a :class:`.dirs.G3Dir` (verified fd, lock, namespace files, safe opens: see
-:mod:`.dirs`); this module opens the slab files through it. Slab files of another namespace are never
-opened: they are listed in :attr:`SlabSet.foreign_files` and logged with their bytes
-(:func:`.slab_room.warn_foreign`). Metadata writes that failed at open on a full disk are listed in
-:attr:`SlabSet.metadata_errors` (the pool opens degraded); the namespace files are written again by
-:meth:`SlabSet.write_pending_namespaces`.
+Each directory is a :class:`.dirs.G3Dir` (verified fd, lock, namespace files, safe opens: see :mod:`.dirs`); this
+module opens the slab files through it. Slab files of another namespace are never opened: they are listed in
+:attr:`SlabSet.foreign_files` and logged with their bytes (:func:`.slab_room.warn_foreign`). Metadata writes that
+failed at open on a full disk are listed in :attr:`SlabSet.metadata_errors` (the pool opens degraded); the
+namespace files are written again by :meth:`SlabSet.write_pending_namespaces`.
 
 Blocks past their file's share after ``g3.paths`` or ``files_per_path`` changed are kept while the pool's total
 capacity holds them (:mod:`.slab_share`). Settings that shrink the pool give disk back at open
