@@ -9,7 +9,6 @@ thread is still inside the held I/O, never about durations (``GUARD_S`` is a han
 from __future__ import annotations
 
 import os
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +18,7 @@ from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g3 import G3Pool
+from tests.helpers.held_io import HeldIO, in_background
 from tests.helpers.pools import g3_config
 
 GUARD_S = 60.0  # hang guard: what must happen at once (the fix) gets this long; the old code waited forever
@@ -43,38 +43,6 @@ def _request(toks, rid="r1"):
                            lora_request=None, kv_transfer_params=None)
 
 
-class _Hold:
-    """Holds the first call of ``os.<name>`` whose fd passes ``match`` until :meth:`release` (others pass)."""
-
-    def __init__(self, monkeypatch, name, match):
-        self.inside, self.released, self.real = threading.Event(), threading.Event(), getattr(os, name)
-        self.match, self.held = match, False
-
-        def hook(fd, *a):
-            if not self.held and self.match(fd):
-                self.held = True
-                self.inside.set()
-                assert self.released.wait(GUARD_S), "hang guard: the held I/O was never released"
-            return self.real(fd, *a)
-        monkeypatch.setattr(os, name, hook)
-
-    def release(self):
-        self.released.set()
-
-
-def _in_background(fn):
-    done, out = threading.Event(), {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        finally:
-            done.set()
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, done, out
-
-
 def test_scheduler_lookup_returns_while_a_journal_append_holds_the_pool_lock(tmp_path, monkeypatch):
     """A journal append's ``os.write`` (under the pool's lock) is held; the scheduler's lookup returns at once
     with "not yet" (None), counted ``lookups_deferred``, and finds the prefix once the lock is free."""
@@ -82,11 +50,11 @@ def test_scheduler_lookup_returns_while_a_journal_append_holds_the_pool_lock(tmp
     try:
         s = SchedulerSide(ns, BS, g3, None)
         s.mirror_wait_s = 0
-        hold = _Hold(monkeypatch, "write", lambda fd: fd == g3.cat.journal.fd)
-        deleter, deleted, _ = _in_background(lambda: g3.delete([extra[0]]).result(GUARD_S))
+        hold = HeldIO(monkeypatch, "write", lambda fd: fd == g3.cat.journal.fd, GUARD_S)
+        deleter, deleted, _ = in_background(lambda: g3.delete([extra[0]]).result(GUARD_S))
         assert hold.inside.wait(GUARD_S)
         assert g3.cat.lock.locked()  # the append holds the pool's lock across its os.write
-        sched, answered, ans = _in_background(lambda: s.get_num_new_matched_tokens(_request(toks), 0))
+        sched, answered, ans = in_background(lambda: s.get_num_new_matched_tokens(_request(toks), 0))
         returned = answered.wait(GUARD_S)
         still_held = not deleted.is_set()
         hold.release()
@@ -129,8 +97,8 @@ def test_journal_repair_is_written_off_the_pool_lock(tmp_path, monkeypatch):
         failing["on"] = False
         assert g3.cat.journal_dirty
         directory = os.path.realpath(g3.cat.journal.directory)
-        hold = _Hold(monkeypatch, "fsync", lambda fd: _journal_file(fd, directory))
-        deleter, deleted, _ = _in_background(lambda: g3.delete([extra[1]]).result(GUARD_S))
+        hold = HeldIO(monkeypatch, "fsync", lambda fd: _journal_file(fd, directory), GUARD_S)
+        deleter, deleted, _ = in_background(lambda: g3.delete([extra[1]]).result(GUARD_S))
         assert hold.inside.wait(GUARD_S) or deleted.wait(GUARD_S)
         got = g3.cat.lock.acquire(timeout=GUARD_S)  # hang guard: free at once once the delete returned
         if got:

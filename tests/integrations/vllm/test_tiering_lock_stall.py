@@ -10,8 +10,6 @@ delete's journal ``os.write`` held at the OS boundary on :class:`threading.Event
 asserted; ``GUARD_S`` is a hang guard)."""
 from __future__ import annotations
 
-import os
-import threading
 
 import numpy as np
 import pytest
@@ -22,42 +20,12 @@ from vllm.v1.kv_offload.base import Medium  # noqa: E402
 
 from kvbm_backend.integrations.vllm.tier_removals import HeldChunks  # noqa: E402
 from kvbm_backend.integrations.vllm.tiering import G3Tier, offload_key_hash  # noqa: E402
+from tests.helpers.held_io import held_journal_write, in_background  # noqa: E402
 from tests.integrations.vllm.test_tiering import g3_tier, harnesses, keys_for, payloads  # noqa: E402,F401
 
 pytestmark = [pytest.mark.vllm]
 
 GUARD_S = 60.0
-
-
-class _HeldWrite:
-    """Holds the first ``os.write`` on ``pool``'s journal until :meth:`release` (others pass)."""
-
-    def __init__(self, monkeypatch, pool):
-        self.inside, self.released, self.real, self.held = threading.Event(), threading.Event(), os.write, False
-
-        def hook(fd, *a):
-            if not self.held and fd == pool.cat.journal.fd:
-                self.held = True
-                self.inside.set()
-                self.released.wait(GUARD_S * 3)
-            return self.real(fd, *a)
-        monkeypatch.setattr(os, "write", hook)
-
-    def release(self):
-        self.released.set()
-
-
-def _bg(fn):
-    done, out = threading.Event(), {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        finally:
-            done.set()
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, done, out
 
 
 def _removed(events):
@@ -67,8 +35,8 @@ def _removed(events):
 def _stall_a_delete(monkeypatch, pool, keys):
     """Start deleting ``keys`` on a thread and hold its journal write (the pool's lock held, the removals
     logged). Returns ``(hold, deleter thread, deleted event)``."""
-    hold = _HeldWrite(monkeypatch, pool)
-    t, done, _ = _bg(lambda: pool.delete(keys).result(GUARD_S))
+    hold = held_journal_write(monkeypatch, pool, GUARD_S * 3)
+    t, done, _ = in_background(lambda: pool.delete(keys).result(GUARD_S))
     assert hold.inside.wait(GUARD_S)
     assert pool.cat.lock.locked()
     return hold, t, done
@@ -94,7 +62,7 @@ def test_take_events_returns_while_a_journal_write_holds_the_pool_lock(tmp_path,
     assert pool.flush(GUARD_S)
     hold, deleter, deleted = _stall_a_delete(monkeypatch, pool, tier._block_keys(keys[1], ""))
     try:
-        t, done, out = _bg(lambda: list(h.manager.take_events()))
+        t, done, out = in_background(lambda: list(h.manager.take_events()))
         returned = done.wait(GUARD_S)
         still_held = not hold.released.is_set()
     finally:
@@ -122,7 +90,7 @@ def test_a_published_check_the_busy_pool_cannot_answer_keeps_the_chunk_and_asks_
     cursor = held.cursor()
     hold, deleter, deleted = _stall_a_delete(monkeypatch, pool, tier._block_keys(keys[1], ""))
     try:
-        t, done, _ = _bg(lambda: held.published([keys[0]], cursor))  # the cursor moved: it is checked
+        t, done, _ = in_background(lambda: held.published([keys[0]], cursor))  # the cursor moved: it is checked
         returned = done.wait(GUARD_S)
         still_held = not hold.released.is_set()
     finally:

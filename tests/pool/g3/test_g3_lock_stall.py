@@ -10,8 +10,6 @@ guard only: the old code waited until it ran out)."""
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 
 import numpy as np
 import pytest
@@ -19,43 +17,11 @@ import pytest
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g3 import G3Pool
+from tests.helpers.held_io import held_journal_write, in_background
 from tests.helpers.pools import g3_config
 
 GUARD_S = 20.0  # hang guard: what must happen while the write is held gets this long
 LOAD_S = 0.3  # the loads' bound here (g3.load_timeout_s)
-
-
-class _HeldWrite:
-    """Holds the first ``os.write`` on the pool's journal until :meth:`release` (others pass)."""
-
-    def __init__(self, monkeypatch, pool):
-        self.inside, self.released, self.real, self.held = threading.Event(), threading.Event(), os.write, False
-
-        def hook(fd, *a):
-            if not self.held and fd == pool.cat.journal.fd:
-                self.held = True
-                self.inside.set()
-                self.released.wait(GUARD_S * 3)
-            return self.real(fd, *a)
-        monkeypatch.setattr(os, "write", hook)
-
-    def release(self):
-        self.released.set()
-
-
-def _bg(fn):
-    done, out = threading.Event(), {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - the test reads it
-            out["error"] = e
-        finally:
-            done.set()
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, done, out
 
 
 @contextlib.contextmanager
@@ -74,8 +40,8 @@ def _stalled_pool(tmp_path, monkeypatch, lease_first=False):
     assert pool.flush(GUARD_S)
     if lease_first:
         pool.test_leases = pool.lease(keys)
-    hold = _HeldWrite(monkeypatch, pool)
-    deleter, deleted, _ = _bg(lambda: pool.delete([extra]).result(GUARD_S))
+    hold = held_journal_write(monkeypatch, pool, GUARD_S * 3)
+    deleter, deleted, _ = in_background(lambda: pool.delete([extra]).result(GUARD_S))
     try:
         assert hold.inside.wait(GUARD_S)
         assert pool.cat.lock.locked()  # the append holds the pool's lock across its os.write
@@ -95,7 +61,7 @@ def stalled(tmp_path, monkeypatch):
 
 def _while_held(hold, fn):
     """Run ``fn`` on a thread; return ``(returned while the write was still held, its result or error)``."""
-    t, done, out = _bg(fn)
+    t, done, out = in_background(fn)
     returned = done.wait(GUARD_S)
     still_held = not hold.released.is_set()
     hold.release()
