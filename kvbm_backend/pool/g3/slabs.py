@@ -427,12 +427,12 @@ class SlabSet:
         return out
 
     def release(self, slots: Iterable[tuple[int, int]]) -> None:
-        """Give slots back (never published, dropped or evicted). A slot past its file's share
-        (:attr:`SlabFile.over`) is not handed out again: one lent slot goes back to its lender, its bytes are
-        punched out and the file truncated once its tail past the share is free (or a growth chunk of it)."""
+        """Give slots back (never published, dropped or evicted; none once closed). A slot past its file's share
+        (:attr:`SlabFile.over`) is not handed out again: one lent slot goes back to its lender, its bytes are punched
+        out and the file truncated once its tail past the share is free (or a growth chunk of it)."""
         for fi, s in slots:
             f = self.by_index.get(fi)
-            if f is None:
+            if f is None or f.fd < 0:  # closed: nothing to give back (a late unpin after close)
                 continue
             if s in f.over:
                 self._release_over(f, s)
@@ -443,8 +443,8 @@ class SlabSet:
         f.over.discard(s)
         self.over_released += 1  # its journal record stays until a rewrite (catalog's close)
         slab_share.release_slot(f.fd, s, self.slot_bytes)  # its disk back now (or its header zeroed)
-        lender = max(self.files, key=lambda g: g.lent)
-        lender.lent = max(0, lender.lent - 1)
+        for lender in sorted(self.files, key=lambda g: -g.lent)[:1]:  # the file lending most (none once closed)
+            lender.lent = max(0, lender.lent - 1)
         while f.over_top and -f.over_top[0] not in f.over:
             heapq.heappop(f.over_top)
         end = max(f.max_slots, -f.over_top[0] + 1 if f.over_top else 0)
@@ -507,7 +507,6 @@ class SlabSet:
             g.close()
         self.dirs = {}
 
-
     def close_files(self) -> None:
         """Close the slab files' fds, no sync (what a forked child does at the fork, :mod:`.forked`: its copies
         of the directories' fds are closed by :mod:`.dirs`)."""
@@ -516,5 +515,6 @@ class SlabSet:
                 os.close(f.fd)
             except OSError:
                 pass
-        self.files = []
+            f.fd = -1  # a late release finds it closed, not an fd number reused by another file
+        self.files, self.by_index = [], {}
 

@@ -10,6 +10,7 @@ as LRU evicts them (slab_share.py).
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -96,3 +97,35 @@ def test_a_lowered_capacity_keeps_what_it_holds_past_the_shares_and_drops_the_ol
         assert acct["leaked"] == 0 and acct["used"] == configured and acct["free"] == 0, acct
         _check_readable(pool, pool.keys())
         assert _disk(a, b) <= small * 1e9, _disk(a, b)
+
+
+def test_a_lease_of_a_block_past_its_share_released_after_close_touches_no_file(tmp_path):
+    """Merged-review finding (2026-12-01): a lease released after the pool closed (directly, or by the deferred
+    unpin of a release that found the lock busy during close) gave back a slot past its file's share: it punched
+    the slot out of the CLOSED slab fd's number, by then another file of the process (12 KiB of its bytes
+    zeroed), then raised ValueError. Now a closed slab set gives nothing back and no unpin thread starts."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    keys = NS.keys(range(1, 701))
+    with open_pool(a, capacity_gb=BIG, paths=[a], files_per_path=2) as pool:
+        _put(pool, keys)
+    pool = open_pool(a, capacity_gb=BIG, paths=[a, b], files_per_path=2)
+    idx = {tuple(v): k for k, v in pool.cat.index.items()}
+    f = next(f for f in pool.cat.slabs.files if f.over)
+    top = max(f.over)
+    lease = pool.lease([idx[(f.index, top)]])
+    assert lease[0] is not None
+    past = [idx[(f.index, s)] for s in f.over]  # the leased one too: pinned, its slot freed at the release
+    assert pool.delete(past).result(timeout=HANG_S) == len(past)
+    fd, size = f.fd, f.size_slots * pool.slot_bytes
+    pool.close()
+    victims = []
+    for i in range(12):  # the process reuses the closed fd numbers for files of its own
+        vfd = os.open(str(tmp_path / f"victim{i}"), os.O_RDWR | os.O_CREAT)
+        os.write(vfd, b"V" * size)
+        victims.append(vfd)
+    assert fd in victims, "no file reused the slab's fd number: the test proves nothing"
+    pool.release(lease)
+    for vfd in victims:
+        assert os.fstat(vfd).st_size == size and os.pread(vfd, size, 0) == b"V" * size, "a released lease wrote here"
+        os.close(vfd)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("kvbm-g3-unpin")]

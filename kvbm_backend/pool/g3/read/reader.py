@@ -159,6 +159,8 @@ class G3Reader:
                 cat.release_slots(slots)
                 return
         with self._device_lock:
+            if self._closed:  # closing: the catalog's close takes every pin with it; no thread after close
+                return
             if self._unpins is None:
                 self._unpins = executor(1, "kvbm-g3-unpin")
             unpins = self._unpins
