@@ -97,10 +97,10 @@ class SlabFile:
     over_top: list[int] = field(default_factory=list)
     lent: int = 0  # free slots of its share held back for other files' blocks past their shares (slab_share)
 
-    def free_count(self) -> int:
-        """Slots it may hand out now: free below its cap, less those lent."""
+    def free_count(self, less_lent: bool = True) -> int:
+        """Slots it may hand out now: free below its cap, less those lent (``less_lent`` False: not less them)."""
         raw = sum(1 for s in self.free if s < self.cap_slots) + max(0, self.cap_slots - self.next_unused)
-        return max(0, raw - self.lent)
+        return max(0, raw - self.lent) if less_lent else raw
 
 
 class SlabSet:
@@ -325,8 +325,8 @@ class SlabSet:
     # ---- capacity ----------------------------------------------------------------------------
     @property
     def capacity_slots(self) -> int:
-        """Slots usable now: each file's cap less what it lends, plus the blocks kept past the shares (slab_share)."""
-        return sum(max(0, f.cap_slots - f.lent) + len(f.over) for f in self.files)
+        """Slots usable now: caps less what each file really holds back for loans, plus blocks past the shares."""
+        return sum(f.cap_slots - min(f.lent, f.free_count(less_lent=False)) + len(f.over) for f in self.files)
 
     @property
     def max_capacity_slots(self) -> int:

@@ -289,3 +289,26 @@ def test_blocks_past_their_share_are_counted_when_the_new_drive_is_full(small_fs
         assert acct["leaked"] == 0 and acct["used"] == 700 == st["capacity_blocks"], (acct, st)
         out = [np.zeros(LAYOUT.bytes_per_block, np.uint8) for _ in keys]
         assert pool.get(keys, out).result(timeout=HANG_S).ok == [True] * 700
+
+
+def test_a_lending_file_that_holds_blocks_and_loses_its_room_keeps_the_accounting_whole(small_fs, tmp_path):
+    """Merged-review finding F2 (2026-12-01): a new drive's files lend their shares' free slots to the old files'
+    blocks past their shrunk shares. Once those lending files hold blocks of their own and their filesystem fills
+    (another writer), their caps drop below what they lend: capacity counted ``cap - lent`` (clamped at 0), so the
+    lenders' own blocks counted as no capacity (``leaked`` -40, ``capacity_blocks`` below the slots in use). A file
+    holds back for its loans at most the free slots it really has."""
+    a, b = str(tmp_path / "a"), str(small_fs / "b")
+    with open_pool(a, paths=[a], capacity_gb=0.01, files_per_path=2) as pool:
+        for i in range(0, 700, 100):
+            assert _put(pool, range(1 + i, 101 + i))[1].written == 100
+    os.makedirs(b)
+    with open_pool(a, paths=[a, b], capacity_gb=0.01, files_per_path=2) as pool:
+        assert _put(pool, range(2001, 2041))[1].written == 40
+        lenders = [f for f in pool.slabs.files if f.directory == b]
+        assert sum(f.lent for f in lenders) and sum(f.next_unused for f in lenders), "no lender holds a block"
+        _fill(small_fs / "filler")
+        with pool.cat.lock:
+            pool.cat.slabs.recheck_space()  # the growth path's statvfs re-read (real, on the full filesystem)
+        st, acct = pool.stats(), pool.slot_accounting()
+        # blocks at slots a lowered cap left above it stay held and out of both counts (as for any file)
+        assert acct["leaked"] == 0 and st["capacity_blocks"] == acct["capacity"] >= acct["used"] > 700, (acct, st)
