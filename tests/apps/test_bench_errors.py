@@ -125,3 +125,24 @@ def test_sigterm_during_bench_g3_removes_its_files(tmp_path):
                                 "no baseline file", HANG_S, poll_s=0.005, env=ENV, cwd=ROOT)
     assert rc != 0 and out == "", err  # interrupted, not finished
     assert list(d.iterdir()) == []
+
+
+def test_a_baseline_interrupted_right_after_making_its_file_leaves_nothing(tmp_path, monkeypatch):
+    """The window test_sigterm_during_bench_g3_removes_its_files aims at (its SIGTERM goes the moment a baseline
+    file appears; CI 2026-12-01 caught it there): the interrupt lands after ``mkstemp`` made the file and before
+    the baseline had noted it. Its cleanup removes every file this process made in the directory."""
+    import tempfile
+
+    from kvbm_backend.apps.bench import baseline as b
+    real = tempfile.mkstemp
+
+    def made_then_interrupted(*a, **k):
+        fd, path = real(*a, **k)
+        if ".kvbm-baseline-" in k.get("prefix", ""):
+            os.close(fd)
+            raise KeyboardInterrupt("SIGTERM just after the file was made")
+        return fd, path
+    monkeypatch.setattr(b.tempfile, "mkstemp", made_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        b.odirect_baseline([str(tmp_path)], 4 << 20, 1 << 20, 2)
+    assert list(tmp_path.iterdir()) == []

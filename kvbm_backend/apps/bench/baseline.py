@@ -8,6 +8,8 @@ point of each direction is the baseline.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import tempfile
 import time
@@ -80,12 +82,10 @@ def odirect_baseline(directory: str | Sequence[str], total_bytes: int, io_size: 
     dst[:] = 0  # fault the pages in before timing (both baseline and engines); a reused buffer holds no old bytes
     k = len(dirs)
     o_direct = all(probe_o_direct(d) for d in dirs)
-    paths: list[str] = []
     fds: list[int] = []
     try:
         for d in dirs:
-            fd_tmp, path = tempfile.mkstemp(prefix=".kvbm-baseline-", dir=d)
-            paths.append(path)
+            fd_tmp, path = tempfile.mkstemp(prefix=f".kvbm-baseline-{os.getpid()}-", dir=d)
             os.close(fd_tmp)
             fds.append(open_file(path, o_direct=probe_o_direct(d), create=False))
 
@@ -115,8 +115,13 @@ def odirect_baseline(directory: str | Sequence[str], total_bytes: int, io_size: 
     finally:
         for fd in fds:
             os.close(fd)
-        for path in paths:
-            os.unlink(path)
+        # every file this process made here, also one a SIGTERM (KeyboardInterrupt) caught between its creation and
+        # its registration here or inside an O_DIRECT probe (CI, 2026-12-01: the file outlived the interrupted bench)
+        for d in dirs:
+            for pat in (f".kvbm-baseline-{os.getpid()}-*", f".kvbm-odirect-probe-{os.getpid()}-*"):
+                for path in glob.glob(os.path.join(glob.escape(d), pat)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
     return {
         "write_gbps": total_bytes / write_s / 1e9,
         "read_gbps": total_bytes / read_s / 1e9,
