@@ -146,3 +146,22 @@ def test_a_baseline_interrupted_right_after_making_its_file_leaves_nothing(tmp_p
     with pytest.raises(KeyboardInterrupt):
         b.odirect_baseline([str(tmp_path)], 4 << 20, 1 << 20, 2)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_baseline_interrupted_in_its_first_o_direct_probe_leaves_nothing(tmp_path, monkeypatch):
+    """The same run of CI (2026-12-01) left ``.kvbm-odirect-probe-<pid>-*``: the interrupt landed in the O_DIRECT
+    probe the baseline runs before its first file (after the probe made its file, before its own cleanup)."""
+    import tempfile
+
+    from kvbm_backend.apps.bench import baseline as b
+    from kvbm_backend.io import probe
+    real = tempfile.mkstemp
+
+    def made_then_interrupted(*a, **k):
+        fd, path = real(*a, **k)
+        os.close(fd)
+        raise KeyboardInterrupt("SIGTERM just after the probe's file was made")
+    monkeypatch.setattr(probe.tempfile, "mkstemp", made_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        b.odirect_baseline([str(tmp_path)], 4 << 20, 1 << 20, 2)
+    assert list(tmp_path.iterdir()) == []

@@ -81,9 +81,9 @@ def odirect_baseline(directory: str | Sequence[str], total_bytes: int, io_size: 
     src, dst = src[:total_bytes], dst[:total_bytes]
     dst[:] = 0  # fault the pages in before timing (both baseline and engines); a reused buffer holds no old bytes
     k = len(dirs)
-    o_direct = all(probe_o_direct(d) for d in dirs)
     fds: list[int] = []
     try:
+        o_direct = all(probe_o_direct(d) for d in dirs)  # in the try: an interrupted probe's file is removed too
         for d in dirs:
             fd_tmp, path = tempfile.mkstemp(prefix=f".kvbm-baseline-{os.getpid()}-", dir=d)
             os.close(fd_tmp)
