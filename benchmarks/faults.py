@@ -145,6 +145,14 @@ def check_served(keys, ok, out) -> list:
     return [k for k, o, b in zip(keys, ok, out) if o and not np.array_equal(b, payload(k.seq_hash, k.tenant))]
 
 
+def acked_lost(written: int, served: list[bool]) -> int:
+    """Blocks of one put batch acknowledged ``written`` that a direct read of the same keys did not serve.
+    A :class:`PutResult` counts blocks, it does not say which of them were written (a throttled or dropped
+    block may be any of the batch, not only its tail), so the loss is the count written less the count
+    served, never below 0."""
+    return max(0, written - sum(bool(x) for x in served))
+
+
 class Kind:
     """Outcome counters of one fault kind."""
 
@@ -1441,15 +1449,20 @@ def campaign_throttle(K: Kind, rng: random.Random, tmp: Path, s3) -> None:
             proxy.first_n, proxy.share = rng.randrange(4), (1.0 if always else rng.choice((0.0, 0.2, 0.4)))
             seq += 2
             K.tried += 1
+            dropped_before = pool.stats().get("dropped_throttled", 0)
             res, took = wait(pool.put(keys, [payload(k.seq_hash, "th") for k in keys]))
             if isinstance(res, TimeoutError):
                 K.fail("throttle: offload did not resolve")
                 continue
             if always and res.written:
                 K.fail("throttle: a block written through a store that throttles everything", result=repr(res))
-            if not always and res.written != 2:
+            # a block still throttled at the offload's bound is dropped (``dropped_throttled``, documented): with a
+            # share of 40 % a few are; any other reason, or a count that does not add up, is a failure
+            throttled_drops = pool.stats().get("dropped_throttled", 0) - dropped_before
+            if not always and (res.written + throttled_drops != 2 or res.dropped != throttled_drops):
                 K.fail("throttle: offload not written despite backoff", result=repr(res), first_n=proxy.first_n,
-                       share=proxy.share)
+                       share=proxy.share, dropped_throttled=throttled_drops)
+            K.extra["throttled_drops"] = K.extra.get("throttled_drops", 0) + throttled_drops
             proxy.first_n = 0  # the reads below meet only the share (the gets' own first ones are throttled)
             out = [np.full(BB, 0xA5, np.uint8) for _ in keys]
             res_g, took = wait(pool.get(keys, out))
@@ -1465,7 +1478,7 @@ def campaign_throttle(K: Kind, rng: random.Random, tmp: Path, s3) -> None:
             r2, _ = wait(good.get(keys, o2))
             if not isinstance(r2, TimeoutError):
                 K.wrong += len(check_served(keys, r2.ok, o2))
-                K.lost += sum(1 for i in range(res.written) if not r2.ok[i])
+                K.lost += acked_lost(res.written, r2.ok)
             if pool.breaker.opens or pool.breaker.state != "closed":
                 K.fail("throttle: the breaker opened on throttling", state=pool.breaker.state)
                 break
