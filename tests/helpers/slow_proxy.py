@@ -6,6 +6,9 @@ read timeout). Used to test what a client's retry then meets (e.g. S3's 412 for 
 ``slow_connections - 1`` get the server's bytes ``delay_s`` seconds late; later ones pass straight through.
 ``first_answers[i]`` holds the first bytes of the server's first final answer on connection ``i`` (what the
 client never saw in time, e.g. ``b"HTTP/1.1 200 OK"``); interim ``100 Continue`` answers are not held back.
+A client that gives up and closes its connection does not close the proxy's connection to the server: the
+server still answers (and is not told the request was abandoned), so ``first_answers`` records that answer even
+when it comes after the client's timeout; :meth:`wait_answer` waits for it.
 
 ``SlowPutProxy``: an HTTP proxy whose object PUTs are answered late (they land) or never (they are lost),
 every other request passing through, and optionally its first HEADs unanswered too (see its doc).
@@ -27,6 +30,8 @@ class SlowAnswerProxy:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._n = 0
         self._closed = False
+        self._answered = threading.Condition()
+        self._upstream: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -37,6 +42,7 @@ class SlowAnswerProxy:
                 return
             i, self._n = self._n, self._n + 1
             s = socket.create_connection(self.target)
+            self._upstream.append(s)
             threading.Thread(target=self._pipe, args=(c, s, None, 0.0), daemon=True).start()
             slow = self.delay_s if i < self.slow_connections else 0.0
             threading.Thread(target=self._pipe, args=(s, c, i, slow), daemon=True).start()
@@ -50,22 +56,42 @@ class SlowAnswerProxy:
                 if conn is not None and conn not in self.first_answers and not data.startswith(b"HTTP/1.1 100 "):
                     # an interim ``100 Continue`` (botocore sends ``Expect: 100-continue`` with a PUT body)
                     # passes at once: the request's body must reach the server, only its answer is late
-                    self.first_answers[conn] = data[:64]
+                    with self._answered:
+                        self.first_answers[conn] = data[:64]
+                        self._answered.notify_all()
                     time.sleep(delay_s)
                 dst.sendall(data)
         except OSError:
             pass
         finally:
-            for x in (src, dst):
+            # the client's side ending (its timeout closed it) leaves the server's connection to the answering
+            # thread: the server answers what it received, and that answer is recorded (close() ends it)
+            for x in ((src,) if conn is None else (src, dst)):
                 try:
                     x.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
                 x.close()
 
+    def wait_answer(self, conn: int, timeout_s: float = 60.0) -> bytes:
+        """The first bytes of the server's first final answer on connection ``conn``, once it came (the
+        server may answer after the client gave up). Raises ``TimeoutError`` after ``timeout_s`` seconds (a hang
+        guard, not a measurement)."""
+        with self._answered:
+            if not self._answered.wait_for(lambda: conn in self.first_answers, timeout_s):
+                raise TimeoutError(f"no answer from the server on connection {conn} in {timeout_s} s: "
+                                   f"{self.first_answers}")
+            return self.first_answers[conn]
+
     def close(self) -> None:
         self._closed = True
         self._srv.close()
+        for s in self._upstream:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
 
 
 class SlowPutProxy:

@@ -109,7 +109,7 @@ def test_obstore_store_bounds_each_request_and_a_late_put_counts_as_its_own(seaw
         # the first PUT's answer comes after its timeout; the retry (new connection) meets 412 for the
         # copy the server stored from the first attempt: the ETag matches, so this call created it
         assert st.put_if_absent("a", b"x" * 1000) is True
-        assert proxy.first_answers[0].startswith(b"HTTP/1.1 200"), proxy.first_answers
+        assert proxy.wait_answer(0).startswith(b"HTTP/1.1 200"), proxy.first_answers
         assert st.put_if_absent("a", b"y" * 1000) is False
     finally:
         proxy.close()

@@ -242,7 +242,7 @@ def test_slow_answer_to_a_put_then_412_on_the_retry_counts_as_written(seaweed, s
     try:
         st = S3Store(seaweed.bucket, s3_prefix, endpoint_url=proxy.endpoint, timeout_s=TIMEOUT_S, retries=1)
         assert st.put_if_absent("a", b"x" * 1000) is True
-        assert proxy.first_answers[0].startswith(b"HTTP/1.1 200"), proxy.first_answers  # the server stored it
+        assert proxy.wait_answer(0).startswith(b"HTTP/1.1 200"), proxy.first_answers  # the server stored it
         assert st.get("a") == b"x" * 1000
         assert st.put_if_absent("a", b"y" * 1000) is False  # someone else's bytes under that name: exists
     finally:
