@@ -13,7 +13,13 @@ SGLang's HiCache / Mooncake). With ``g4.announce`` each worker's scheduler-side 
   now named or sealed otherwise (the keyring file replaced: another naming generation; the tenant revoked and
   re-created: another key id); before (2026-11-30) a block was announced once per process, so blocks stored
   again after a keyring swap or a re-creation never regained their router credit. A revoked tenant's batches
-  are never written (plaintext pools with a keyring too);
+  are never written (plaintext pools with a keyring too). Whether a learned block is such a repeat is judged
+  on the scheduler thread against the name and key the last flush found (no keyring call there: its reload
+  reads and unwraps the whole file, 82-176 ms with 4,096 tenants) and checked again by the next flush against
+  the keyring itself; a block is remembered as announced only once its batch is written, so one that was not
+  yet in G4 (``announce_dropped_absent``) or whose batch failed (``announce_write_errors``) is announced when
+  learned again. Before (2026-12-01) the scheduler thread asked the keyring (reloading it whenever the file
+  had changed) and such blocks counted as announced for good;
 * **polls**: on the same background thread lists the namespace's announcement objects (a LIST, never on the
   serving path), opens the new ones (foreign, corrupt, other hash domain: ignored and counted) and queues
   ``BlockStored`` (``medium="DISK"``, Dynamo's ``disk_blocks``) for their blocks, the worker's own included,
@@ -81,6 +87,7 @@ from ...threads import start_thread
 
 __all__ = ["G4Announcer", "RECORD_VERSION", "decode_records", "encode_records", "hash_domain"]
 log = logging.getLogger(__name__)
+_UNSEEN = object()  # a tenant no flush has looked up yet
 FOREIGN_RETRY_S = 60.0  # a batch sealed under a key this keyring lacks is read again after this long
 MAX_BATCHES_PER_POLL = 16  # batches read (GET, open, decode) in one poll at most; the rest wait for the next
 MAX_LIVE_BLOCKS = 1 << 19  # announced blocks credited at once at most (module doc, "Caps")
@@ -111,7 +118,9 @@ class G4Announcer:
         self.writer = os.urandom(8).hex()
         self._lock = threading.Lock()
         self._pending: OrderedDict[tuple[str, int], tuple] = OrderedDict()  # -> (parent_seq, ev_info, t)
-        self._known: OrderedDict[tuple[str, int], Any] = OrderedDict()  # learned -> tenant _ident then (bounded)
+        self._known: OrderedDict[tuple[str, int], Any] = OrderedDict()  # announced -> its tenant's _ident (bounded)
+        self._idents: dict[str, Any] = {}  # tenant -> its _ident as the last flush found it (the flush thread's)
+        self._recheck: OrderedDict[tuple[str, int], tuple] = OrderedDict()  # learned, judged repeats -> pending value
         self._batches: dict[str, tuple] = {}  # live batch name -> (its vLLM hashes, sealed time, its key)
         self._bad: OrderedDict[str, float] = OrderedDict()  # names read and ignored -> read again after (monotonic)
         self._live: dict[Any, list] = {}  # vLLM hash -> [live batches announcing it, ev_info]
@@ -125,18 +134,22 @@ class G4Announcer:
 
     # ---- writer side ----------------------------------------------------------------------------
     def learn(self, tenant: str, seq: int, parent_seq: int | None, info: tuple) -> None:
-        """A block a request saves (``info`` as :meth:`~.kv_events.G3KvEvents.learn` builds it)."""
+        """A block a request saves (``info`` as :meth:`~.kv_events.G3KvEvents.learn` builds it). Runs on vLLM's
+        scheduler thread: no keyring call (its reload reads and unwraps the whole file under its lock), only this
+        announcer's lock. A block announced under its tenant's name and key as the last :meth:`flush` found them is
+        a repeat: set aside for the next flush, which announces it again only if they changed since."""
         k = (tenant, int(seq))
-        ident = self._ident(tenant)
+        h, ph, toks, extra, lora_id, lora_name = info
+        v = (parent_seq, (h, ph, toks, extra, lora_id, lora_name), time.monotonic())
         with self._lock:
-            if k in self._pending or self._known.get(k) == ident:
-                return  # waiting for G4, or learned under this name and key already (module doc, "writes")
-            self._known.pop(k, None)
-            self._known[k] = ident
-            if len(self._known) > 4 * self.max_pending:
-                self._known.popitem(last=False)
-            h, ph, toks, extra, lora_id, lora_name = info
-            self._pending[k] = (parent_seq, (h, ph, toks, extra, lora_id, lora_name), time.monotonic())
+            if k in self._pending:
+                return  # waiting for G4
+            if k in self._known and self._known[k] == self._idents.get(tenant, _UNSEEN):
+                self._recheck[k] = v  # announced already, as far as the last flush knew (module doc, "writes")
+                while len(self._recheck) > self.max_pending:
+                    self._recheck.popitem(last=False)
+                return
+            self._pending[k] = v
             while len(self._pending) > self.max_pending:
                 self._pending.popitem(last=False)
                 stats.add(announce_dropped_absent=1)
@@ -159,6 +172,15 @@ class G4Announcer:
             return 0
         with self._lock:
             todo, self._pending = list(self._pending.items()), OrderedDict()
+            again, self._recheck = list(self._recheck.items()), OrderedDict()
+        idents = {t: self._ident(t) for t in {k[0] for k, _ in todo + again}}  # this thread reads the keyring
+        with self._lock:
+            self._idents.update(idents)
+            if len(self._idents) > 4 * self.max_pending:
+                self._idents = dict(idents)
+            # a repeat whose tenant is named or sealed otherwise now is announced again; a block announced
+            # meanwhile (learned twice before this flush) is not
+            todo = [(k, v) for k, v in dict(again + todo).items() if self._known.get(k) != idents[k[0]]]
         if not todo:
             return 0
         futs = [[self.g4.lookup_prefix(run, request=False) for run in self.ns.rank_runs([seq], tenant)[1]]
@@ -193,9 +215,11 @@ class G4Announcer:
                     ident = self._ident(tenant)  # after the write: a tenant it created has its key id now
                     with self._lock:  # its store mtime measures the store's clock (see _now)
                         self._own[name] = (t0 + time.time()) / 2
-                        for seq, _pseq, _info in part:
-                            if (tenant, seq) in self._known:
-                                self._known[(tenant, seq)] = ident
+                        for seq, _pseq, _info in part:  # announced under this name and key: repeats suppressed
+                            self._known.pop((tenant, seq), None)
+                            self._known[(tenant, seq)] = ident
+                        while len(self._known) > 4 * self.max_pending:
+                            self._known.popitem(last=False)
                         while len(self._own) > 4096:
                             self._own.popitem(last=False)
                 except Exception as e:  # noqa: BLE001 - keyring or store trouble: these blocks stay unannounced

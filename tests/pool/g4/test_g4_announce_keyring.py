@@ -178,3 +178,82 @@ def test_a_plaintext_pool_withdraws_a_revoked_tenants_older_batches(tmp_path, mo
 
         with G4Pool(cfg, ns) as fresh:  # a worker started after the revocation credits tenant-z only
             assert _worker(fresh).announcer.poll() == (2, 0)
+
+
+@pytest.mark.slow  # imports vLLM (~20 s on the dev VM); no wall-clock assertion
+@pytest.mark.side
+def test_learning_a_block_never_reloads_the_keyring_on_the_scheduler_thread(tmp_path, monkeypatch):
+    """vLLM's scheduler thread calls ``learn`` for every saved block. Another worker changed the keyring file (a new
+    tenant; use-count persists do the same) and the reload interval passed: ``learn`` must not read the file there
+    (the keyring's reload parses and unwraps every key under its lock: 82-176 ms with 4,096 tenants). Before
+    (2026-12-01) it asked the keyring for the tenant's name and key, which reloaded it on that thread. The
+    background flush reads the keyring and still announces the blocks, and suppresses a plain repeat."""
+    import threading
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", encrypt=True, announce=True, dir_fanout=16, timeout_s=60.0,
+                   keyring={"path": str(tmp_path / "keys" / "keyring.json"), "reload_interval_s": 0.001})
+    bs = namespace().layout.page_size
+    with G4Pool(cfg, namespace()) as pool:
+        a = _worker(pool)
+        _save(pool, a, "tenant-x", list(range(9001, 9001 + 2 * bs)), rid="first")
+        assert a.announcer.flush() == 2
+        kr = pool.keyring
+        loaders: list[int] = []
+        real = kr._load
+        kr._load = lambda: loaders.append(threading.get_ident()) or real()  # records who reads the file
+        toks = list(range(9101, 9101 + 3 * bs))
+        hs = list(sequence_hashes(toks, bs))
+        assert pool.put(namespace().keys(hs, tenant="tenant-x"), [np.full(namespace().layout.bytes_per_block, 7,
+                                                                          np.uint8)] * 3).result(HANG_S).written == 3
+        for i in range(3):
+            op = _operator(tmp_path)
+            op.create(f"other-{i}")  # the file changed; its reload interval (1 ms) passes meanwhile
+            time.sleep(0.01)
+            a.learn("tenant-x", _request(f"r{i}", toks, bs), hs, 0, len(hs))  # what the scheduler thread does
+        assert threading.get_ident() not in loaders  # the old code: the reload ran here
+        del kr._load
+        assert a.announcer.flush() == 3  # the flush (its own thread in a worker) reads the keyring and announces
+        _relearn(a, "tenant-x", toks, "again")
+        assert a.announcer.flush() == 0  # a plain repeat: suppressed
+
+
+@pytest.mark.slow  # imports vLLM (~20 s on the dev VM); no wall-clock assertion
+@pytest.mark.side
+def test_a_block_not_announced_the_first_time_is_announced_when_learned_again(tmp_path, monkeypatch):
+    """A learned block is remembered as announced only once its batch is written. Before (2026-12-01) ``learn``
+    remembered it at once, so a block learned before its offload reached G4 (``announce_dropped_absent``) or
+    whose batch write failed (``announce_write_errors``: a store error) was a "repeat" every later time it was
+    learned: never announced, its router credit lost for the life of the process."""
+    from kvbm_backend.integrations.vllm import stats
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    ns, bs = namespace(), namespace().layout.page_size
+    with G4Pool(_cfg(tmp_path), ns) as pool:
+        a = _worker(pool)
+        a.announcer.absent_s = 0.0  # a learned block not in G4 at the flush is dropped at once
+        _save(pool, a, "tenant-x", list(range(7001, 7001 + bs)), rid="created")  # the tenant has its data key
+        assert a.announcer.flush() == 1
+        toks = list(range(8001, 8001 + 2 * bs))
+        hs = list(sequence_hashes(toks, bs))
+        before = stats.snapshot()
+        a.learn("tenant-x", _request("early", toks, bs), hs, 0, len(hs))  # before its blocks reached G4
+        assert a.announcer.flush() == 0
+        assert stats.snapshot().get("announce_dropped_absent", 0) - before.get("announce_dropped_absent", 0) == 2
+        _save(pool, a, "tenant-x", toks, rid="stored")  # stored now, learned again
+        assert a.announcer.flush() == 2  # the old code: 0
+
+        toks2 = list(range(8101, 8101 + 3 * bs))
+
+        def store_error(*_a, **_k):
+            raise OSError("the store answered 500")
+        a.announcer.ann.write = store_error
+        before = stats.snapshot()
+        _save(pool, a, "tenant-x", toks2, rid="w")
+        assert a.announcer.flush() == 0
+        assert stats.snapshot().get("announce_write_errors", 0) - before.get("announce_write_errors", 0) == 1
+        del a.announcer.ann.write  # the store answers again
+        _relearn(a, "tenant-x", toks2, "w2")
+        assert a.announcer.flush() == 3  # the old code: 0
+        _relearn(a, "tenant-x", toks2, "w3")
+        assert a.announcer.flush() == 0  # now a repeat
+        with G4Pool(_cfg(tmp_path), ns) as fresh:
+            assert _worker(fresh).announcer.poll() == (6, 0)
