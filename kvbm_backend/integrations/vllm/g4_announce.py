@@ -25,8 +25,11 @@ SGLang's HiCache / Mooncake). With ``g4.announce`` each worker's scheduler-side 
   ``BlockStored`` (``medium="DISK"``, Dynamo's ``disk_blocks``) for their blocks, the worker's own included,
   through the connector's KV events (:class:`~.kv_events.G3KvEvents`; published by vLLM's scheduler, or by
   the idle publisher while the engine does not step); re-published after a prefix-cache reset.
-* **removal**: records expire. A batch ``announce_ttl_s`` old (the older of its store mtime and the write
-  time sealed in it, :mod:`.g4_records`: a copy of an expired batch written back is still expired), that
+* **removal**: records expire. A batch as old as the ``announce_ttl_s`` of the worker that wrote it (sealed in
+  it; a batch written before 2026-12-01, with none, or ignored when read: the poller's own; before, every poller
+  used its own, so one worker configured with a short TTL withdrew and deleted the whole fleet's batches) (its
+  age: the older of its store mtime and the write time sealed in it, :mod:`.g4_records`: a copy of an expired
+  batch written back is still expired; a batch not read yet is read before it is judged), that
   disappeared (any poller deletes expired batches), or whose tenant was revoked since (its key is re-checked
   every poll; ``announce_revoked_batches``) is withdrawn: ``BlockRemoved`` for blocks no live batch still
   announces. In a plaintext pool with a keyring a checksummed batch's tenant state is re-checked instead (by
@@ -82,7 +85,8 @@ from typing import Any
 from ...pool.g4.announce import Announcements, Batch
 from ...pool.g4.gc import store_clock
 from . import stats
-from .g4_records import MAX_BATCH_RECORDS, RECORD_VERSION, decode_records, encode_records, hash_domain
+from .g4_records import (MAX_BATCH_RECORDS, MAX_TTL_S, RECORD_VERSION, decode_records, encode_records, hash_domain,
+                         sealed_ttl)
 from ...threads import start_thread
 
 __all__ = ["G4Announcer", "RECORD_VERSION", "decode_records", "encode_records", "hash_domain"]
@@ -211,7 +215,8 @@ class G4Announcer:
                 part = blocks[i:i + self.max_batch]
                 try:
                     t0 = time.time()
-                    name = self.ann.write(tenant, encode_records(self.writer, domain, self.bs, part, t_store))
+                    name = self.ann.write(tenant, encode_records(self.writer, domain, self.bs, part, t_store,
+                                                                 self.ttl_s))
                     ident = self._ident(tenant)  # after the write: a tenant it created has its key id now
                     with self._lock:  # its store mtime measures the store's clock (see _now)
                         self._own[name] = (t0 + time.time()) / 2
@@ -255,7 +260,10 @@ class G4Announcer:
                 stats.add(announce_future_batches=1)
             live = self._batches.get(b.name)
             stamp = min(b.mtime, self._ahead.get(b.name, b.mtime), live[1] if live is not None else b.mtime)
-            if measured and now - stamp >= self.ttl_s:  # never on an unmeasured clock (module doc)
+            # a batch is judged by the TTL its writer sealed in it; one not read yet is read first (unless older
+            # than any TTL may be), one ignored when read (foreign, corrupt, other domain) by this poller's own
+            ttl = live[3] if live is not None else MAX_TTL_S if b.name not in self._bad else self.ttl_s
+            if measured and now - stamp >= ttl:  # never on an unmeasured clock (module doc)
                 if live is not None:
                     gone.append(b.name)
                 self._expire(b)
@@ -274,15 +282,15 @@ class G4Announcer:
             got = self._read(b, domain)
             if got is None:
                 continue
-            t, blocks, key = got
-            if measured and now - min(stamp, t) >= self.ttl_s:  # sealed long ago (a replayed copy)
+            t, blocks, key, ttl = got
+            if measured and now - min(stamp, t) >= ttl:  # its writer's TTL passed, or sealed long ago (a replay)
                 self._bad[b.name] = float("inf")
                 self._expire(b)
                 continue
             if len(self._live) + len(blocks) > MAX_LIVE_BLOCKS:
                 self._cap(b)
                 continue
-            stored += self._credit(b, t, key, blocks)
+            stored += self._credit(b, t, key, blocks, ttl)
         removed = self._withdraw(gone)
         n_st, n_rm = len(stored), len(removed)
         if stored or removed:
@@ -290,7 +298,7 @@ class G4Announcer:
             stats.add(announce_stored_blocks=n_st, announce_removed_blocks=n_rm)
         return n_st, n_rm
 
-    def _credit(self, b: Batch, t: float, key: Any, blocks: list) -> list:
+    def _credit(self, b: Batch, t: float, key: Any, blocks: list, ttl: float) -> list:
         """Count ``b``'s blocks live; their ``ev_info`` not live before (to publish)."""
         stored, hs = [], []
         with self._lock:  # one batch (<= MAX_BATCH_RECORDS) at a time: learn() never waits long
@@ -303,7 +311,7 @@ class G4Announcer:
                     stored.append(ev_info)
                 else:
                     ent[0] += 1
-            self._batches[b.name] = (hs, t, key)
+            self._batches[b.name] = (hs, t, key, ttl)
         time.sleep(0)  # a learn() waiting for the lock gets it between batches
         return stored
 
@@ -359,8 +367,9 @@ class G4Announcer:
                     self._skew, self._skew_at = b.mtime - t, time.monotonic()
         return self._clock()
 
-    def _read(self, b: Batch, domain: str) -> tuple[float, list, Any] | None:
-        """``(sealed time, blocks, key)`` of ``b``, or None (ignored, counted, or a store error)."""
+    def _read(self, b: Batch, domain: str) -> tuple[float, list, Any, float] | None:
+        """``(sealed time, blocks, key, its writer's TTL)`` of ``b``, or None (ignored, counted, or a store
+        error)."""
         try:
             recs, why, key = self.ann.open(b)
         except Exception:  # noqa: BLE001 - store trouble: read it again next time
@@ -378,7 +387,7 @@ class G4Announcer:
         if got is None:
             self._ignore(b, "domain")
             return None
-        return got[0], got[1], key
+        return got[0], got[1], key, sealed_ttl(recs, self.ttl_s)
 
     def _ignore(self, b: Batch, why: str) -> None:
         """Count ``b`` ignored; not read again (``foreign``: not for ``FOREIGN_RETRY_S``, the keyring may

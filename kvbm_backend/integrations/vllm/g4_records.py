@@ -99,15 +99,32 @@ def _extra_keys(ek: Any, lora_name: str | None, tenant_ok: Callable[[str], bool]
     return tuple(out)
 
 
-def encode_records(writer: str, domain: str, block_size: int, blocks: list[tuple], t: float) -> dict:
+def encode_records(writer: str, domain: str, block_size: int, blocks: list[tuple], t: float,
+                   ttl_s: float | None = None) -> dict:
     """Record batch (JSON-able) of ``blocks``: ``(seq_hash, parent_seq, ev_info)`` with ``ev_info`` =
     ``(vLLM hash, parent hash, tokens, event extra keys, lora_id, lora_name)``, written at ``t`` (epoch s,
-    the store's clock as the writer measures it)."""
+    the store's clock as the writer measures it), live for ``ttl_s`` seconds (the writer's
+    ``g4.announce_ttl_s``, key ``"ttl"``; batches written before 2026-12-01 have none: :func:`sealed_ttl`)."""
     out = []
     for seq, pseq, (h, ph, toks, ek, lora_id, lora_name) in blocks:
         out.append([seq, pseq, _enc_hash(h), _enc_hash(ph), base64.b64encode(array("I", toks).tobytes()).decode(),
                     ek, lora_id, lora_name])
-    return {"v": RECORD_VERSION, "w": writer, "d": domain, "bs": block_size, "t": t, "b": out}
+    recs = {"v": RECORD_VERSION, "w": writer, "d": domain, "bs": block_size, "t": t, "b": out}
+    if ttl_s is not None:
+        recs["ttl"] = float(ttl_s)
+    return recs
+
+
+MAX_TTL_S = 30 * 86400.0  # g4.announce_ttl_s's upper bound (config.py): a sealed TTL above it is clamped
+
+
+def sealed_ttl(recs: dict, default_s: float) -> float:
+    """The TTL (seconds) a batch's writer sealed in it (clamped to ``(0, MAX_TTL_S]``), else ``default_s`` (a
+    batch written before 2026-12-01, or a value that is not a positive finite number)."""
+    v = recs.get("ttl")
+    if type(v) not in (int, float) or not math.isfinite(v) or v <= 0:
+        return default_s
+    return min(float(v), MAX_TTL_S)
 
 
 def decode_records(recs: dict, domain: str, block_size: int,

@@ -158,11 +158,12 @@ def test_unwritten_foreign_misplaced_and_corrupt_records_are_ignored(fleet):
 
 def test_expired_announcements_are_withdrawn_and_deleted(fleet):
     """``g4.announce_ttl_s``: records expire (removal is by expiry, not announced): B withdraws the blocks
-    (``BlockRemoved``) once the batch is that old on the store's clock and deletes the object."""
+    (``BlockRemoved``) once the batch is as old as its writer's TTL (A's, sealed in it) on the store's clock and
+    deletes the object."""
     from vllm.distributed.kv_events import BlockRemoved
     a_pool, _, _ = fleet
-    b_pool = G4Pool(a_pool.cfg.model_copy(update={"announce_ttl_s": 3.0}), namespace())
-    a, b = _worker(a_pool), _worker(b_pool)
+    b_pool = G4Pool(a_pool.cfg, namespace())
+    a, b = _worker(a_pool, ttl=3.0), _worker(b_pool)  # B's own TTL is the default (3600 s): A's governs its batch
     bs = namespace().layout.page_size
     r = _save(a_pool, a, "tenant-x", list(range(4001, 4001 + 3 * bs)))
     assert a.announcer.flush() == 3
@@ -180,6 +181,38 @@ def test_expired_announcements_are_withdrawn_and_deleted(fleet):
     b.republish()
     assert _stored(b.take()) == []  # withdrawn blocks are not re-published
     b_pool.close()
+
+
+def test_a_poller_with_a_shorter_ttl_keeps_another_writers_batches_for_the_writers_ttl(fleet):
+    """``g4.announce_ttl_s`` is set per worker. Before (2026-12-01) every poller withdrew and deleted any batch older
+    than its OWN TTL: one worker configured with a short TTL stripped the fleet's router credit for G4 blocks (on
+    every worker: the batches were deleted; their blocks are not announced again under the same name and key). Now
+    a batch is judged by the TTL its writer sealed in it; a batch written before then (none sealed) by the
+    poller's own, as before."""
+    a_pool, b_pool, _ = fleet
+    a, b = _worker(a_pool), _worker(b_pool, ttl=2.0)  # A seals the default 3600 s; B's own TTL is 2 s
+    bs = namespace().layout.page_size
+    _save(a_pool, a, "tenant-x", list(range(6001, 6001 + 3 * bs)))
+    assert a.announcer.flush() == 3
+    assert b.announcer.poll() == (3, 0)
+    time.sleep(3.5)  # the batch is now older than B's TTL on the store's clock (mtimes: 1 s resolution)
+    assert b.announcer.poll() == (0, 0)  # the old code: (0, 3), and the batch deleted
+    assert len(b.announcer.ann.list()) == 1
+    assert _worker(b_pool, ttl=2.0).announcer.poll() == (3, 0)  # a poller that never read it: reads it, credits it
+
+    old = _worker(a_pool)
+    old.announcer.ttl_s = None  # writes its batch without a TTL, as writers before 2026-12-01 did
+    _save(a_pool, old, "tenant-x", list(range(6101, 6101 + 2 * bs)), rid="old")
+    assert old.announcer.flush() == 2
+    assert b.announcer.poll() == (2, 0)
+    deadline = time.time() + HANG_S
+    while time.time() < deadline:  # B's own 2 s on the store's clock
+        got = b.announcer.poll()
+        if got != (0, 0):
+            break
+        time.sleep(0.5)
+    assert got == (0, 2)  # withdrawn by B's own TTL, and deleted; A's batch stays
+    assert len(b.announcer.ann.list()) == 1
 
 
 def test_the_background_thread_flushes_and_polls_every_interval(fleet):
