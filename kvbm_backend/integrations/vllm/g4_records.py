@@ -122,7 +122,7 @@ def sealed_ttl(recs: dict, default_s: float) -> float:
     """The TTL (seconds) a batch's writer sealed in it (clamped to ``(0, MAX_TTL_S]``), else ``default_s`` (a
     batch written before 2026-12-01, or a value that is not a positive finite number)."""
     v = recs.get("ttl")
-    if type(v) not in (int, float) or not math.isfinite(v) or v <= 0:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
         return default_s
     return min(float(v), MAX_TTL_S)
 
