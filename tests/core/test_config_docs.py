@@ -228,3 +228,32 @@ def test_migrating_table_maps_exactly_the_kvbm_variables_the_code_reads(caplog):
     for name in warned:
         assert sum(r.getMessage().startswith(f"{name} is Dynamo KVBM's setting") and "docs/migrating.md" in r.getMessage()
                    for r in caplog.records) == 1, name
+
+
+def _name_fields(parts: list[str]) -> list[str]:
+    """``{tenant_pseudonym_hex}`` / ``TENANT_PSEUDONYM`` -> ``tenant_pseudonym``."""
+    return [re.sub(r"_hex$", "", p.strip("{}").lower()) for p in parts]
+
+
+def test_g4_object_names_in_the_configuration_reference_are_the_code_s():
+    """Review finding (docs 1): docs/configuration.md "G4 set-up" gave block names as
+    ``PREFIX/NS_FINGERPRINT/TENANT_PSEUDONYM/RANK/FANOUT/SEQHASH``, the format 1 names (the sequence hash in clear)
+    only ``g4 migrate`` reads; the code ends a name with the keyed block id. Its pattern, naming.py's and
+    docs/format.md "G4 names"' name the same components, and a name the code makes ends with the keyed id."""
+    from kvbm_backend.pool.g4 import naming
+    conf = next(ln for ln in (ROOT / "docs" / "configuration.md").read_text().splitlines()
+                if ln.startswith("- Names: `"))
+    doc = re.search(r"`([^`]+)`", conf).group(1).split("/")
+    code = re.search(r"``(\{ns_fingerprint\}/[^`]+)``", naming.__doc__ or "").group(1).split("/")
+    fmt = (ROOT / "docs" / "format.md").read_text()
+    section = fmt[fmt.index("## G4 names"):]
+    spec = re.search(r"`(\{prefix\}/\{ns_fingerprint\}/\{tenant[^`]+)`", section).group(1).split("/")
+    assert doc[0] == "PREFIX" and spec[0] == "{prefix}"
+    assert _name_fields(doc[1:]) == _name_fields(code) == _name_fields(spec[1:]), (doc, code, spec)
+    assert _name_fields(code)[-1] == "block_id"
+    namer = naming.TenantNamer("0123456789abcdef", bytes(range(16)), bytes(32), 256)
+    name = namer.name(3, 0x1234)
+    assert naming.parse_block_name(name) == {"ns": "0123456789abcdef", "tenant": bytes(range(16)).hex(), "rank": 3,
+                                             "fan": name.split("/")[3], "block_id": namer.block_id(3, 0x1234).hex(),
+                                             "legacy": False}
+    assert name.split("/")[-1] == namer.block_id(3, 0x1234).hex() != f"{0x1234:016x}"
