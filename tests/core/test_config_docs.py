@@ -8,7 +8,9 @@ field by name (so renaming or deleting a test cannot silently drop a field's cov
 from __future__ import annotations
 
 import ast
+import math
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -257,3 +259,76 @@ def test_g4_object_names_in_the_configuration_reference_are_the_code_s():
                                              "fan": name.split("/")[3], "block_id": namer.block_id(3, 0x1234).hex(),
                                              "legacy": False}
     assert name.split("/")[-1] == namer.block_id(3, 0x1234).hex() != f"{0x1234:016x}"
+
+
+def numeric_fields(model: type[BaseModel] = KvbmBackendConfig, prefix: str = ""):
+    """(dotted name, section class, field name, field) of every int/float leaf field (``X | None`` too)."""
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from numeric_fields(ann, f"{prefix}{name}.")
+            continue
+        kinds = set(typing.get_args(ann)) - {type(None)} if typing.get_args(ann) else {ann}
+        if kinds and kinds <= {int, float}:
+            yield prefix + name, model, name, f
+
+
+def upper_bound(section: type[BaseModel], name: str, f) -> tuple[float, bool]:
+    """The field's upper bound from its pydantic constraints, and whether the bound itself is allowed; checked
+    against validation (the bound, or just below an exclusive one, is accepted, just beyond it refused), so a
+    validator that bounds it lower fails here."""
+    import annotated_types as at
+    from pydantic import ValidationError
+    les = [m.le for m in f.metadata if isinstance(m, at.Le)]
+    lts = [m.lt for m in f.metadata if isinstance(m, at.Lt)]
+    assert len(les) + len(lts) == 1, f"{section.__name__}.{name}: no upper bound (le= or lt=)"
+    bound, inclusive = (les[0], True) if les else (lts[0], False)
+    is_int = int in (set(typing.get_args(f.annotation)) or {f.annotation})
+    below = bound - 1 if is_int else math.nextafter(bound, -math.inf)
+    beyond = bound + 1 if is_int else math.nextafter(bound, math.inf)
+    section.model_validate({name: bound if inclusive else below})
+    for refused in ([beyond] if inclusive else [bound, beyond]):
+        with pytest.raises(ValidationError):
+            section.model_validate({name: refused})
+    return bound, inclusive
+
+
+def _bound_spellings(bound: float, field: str) -> set[str]:
+    """How a row may write ``bound``: 1000000, 1,000,000; 2^26 (powers of two); 1 GiB (``_bytes`` fields)."""
+    n = int(bound) if float(bound).is_integer() else bound
+    out = {str(n), f"{n:,}"}
+    if isinstance(n, int) and n >= 1024 and n & (n - 1) == 0:
+        out.add(f"2^{n.bit_length() - 1}")
+        if field.endswith("_bytes"):
+            for k, unit in enumerate(("KiB", "MiB", "GiB", "TiB"), 1):
+                if n % 1024 ** k == 0:
+                    out.add(f"{n // 1024 ** k} {unit}")
+    return out
+
+
+def _meaning(row: str) -> str:
+    """A table row's third cell on (the meaning), backticks dropped."""
+    return "|".join(row.replace("\\|", "\x00").split("|")[3:]).replace("\x00", "|").replace("`", "")
+
+
+def test_every_numeric_field_s_upper_bound_is_in_its_row():
+    """Review finding (docs 3): docs/configuration.md promises every number has an upper bound stated; nine
+    fields (g3.files_per_path, g3.io_threads, g4.max_inflight, g4.dir_fanout, g4.retries,
+    g4.keyring.reload_interval_s, g4.announce_interval_s, g4.announce_ttl_s, load_gil_switch_ms) stated theirs
+    nowhere. Each numeric field's bound, taken from the model, is in its row as "at most B", "A to B", "A-B"."""
+    lines = (ROOT / "docs" / "configuration.md").read_text().splitlines()
+    rows = {}
+    for ln in lines[lines.index("| field | default | meaning |") + 2:]:
+        if not ln.startswith("|"):
+            break
+        for name in re.findall(r"`([^`]+)`", ln.split("|")[1]):
+            rows[name] = ln
+    fields = list(numeric_fields())
+    assert len(fields) >= 20
+    missing = []
+    for dotted, section, name, f in fields:
+        bound, _ = upper_bound(section, name, f)
+        alts = "|".join(re.escape(s) for s in sorted(_bound_spellings(bound, name), key=len, reverse=True))
+        if not re.search(rf"(?:at most|up to|below|\bto|-)\s*(?:{alts})(?![\d^]|[.,]\d)", _meaning(rows[dotted])):
+            missing.append(f"{dotted} <= {bound}")
+    assert not missing, f"docs/configuration.md rows that do not state the field's upper bound: {missing}"
