@@ -18,7 +18,8 @@
 # DYN_KVBM_DISK_CACHE_DIR / _GB and KVBM_BACKEND__SECTION__FIELD (override the YAML), DYN_SYSTEM_PORT,
 # KVBM_BACKEND_DRY_RUN (print, check, do not start). Further arguments go to dynamo.vllm.
 # Script defaults, used only where neither the YAML nor the environment gives the field: G3 in /mnt/nvme0/kvbm,
-# 800 GB. G4 comes from the YAML only: without g4.enabled the G4Tier is left out (the printed line says so).
+# 800 GB. G4 comes from the YAML only: without g4.enabled the G4Tier is left out, and with g3.enabled false the
+# G3Tier (the printed line says so; a tier whose section is off would refuse to start).
 # Launcher: `python -m dynamo.vllm` with kvbm-backend's version-guarded compat shims (see agg_kvbm_backend.sh).
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
@@ -50,8 +51,8 @@ KV_TRANSFER_CONFIG='{
   }
 }'
 # Tiers' config <- KVBM_BACKEND_CONFIG_FILE, cpu_bytes_to_use <- KVBM_BACKEND_CPU_BYTES, num_kv_heads <-
-# KVBM_BACKEND_NUM_KV_HEADS, defaults where nothing is given, G4Tier only with G4 on; one line on stderr with the
-# effective settings (kvbm_backend/apps/effective.py).
+# KVBM_BACKEND_NUM_KV_HEADS, defaults where nothing is given, G3Tier/G4Tier only with G3/G4 on; one line on
+# stderr with the effective settings (kvbm_backend/apps/effective.py).
 EFFECTIVE="$("$PYTHON" -m kvbm_backend.apps.effective --for dynamo \
   --default 'g3.paths=["/mnt/nvme0/kvbm"]' --default g3.capacity_gb=800 "$KV_TRANSFER_CONFIG")"
 eval "$EFFECTIVE"

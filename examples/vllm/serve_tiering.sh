@@ -11,8 +11,8 @@
 # (print, check, do not start). Further arguments go to `vllm serve`.
 # Script defaults, used only where neither the YAML nor the environment gives the field: G3 in
 # /mnt/nvme0/kvbm and /mnt/nvme1/kvbm, 800 GB. G4 comes from the YAML only: without g4.enabled the G4Tier is
-# left out (and the printed line says so). The KEK is whatever g4.keyring names: $kek_env (default
-# KVBM_BACKEND_KEK) or the keyring's KEK file; it is checked before the engine starts.
+# left out, and with g3.enabled false the G3Tier (and the printed line says so). The KEK is whatever g4.keyring
+# names: $kek_env (default KVBM_BACKEND_KEK) or the keyring's KEK file; it is checked before the engine starts.
 set -euo pipefail
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
 PYTHON="${PYTHON:-python}"
@@ -40,7 +40,8 @@ KV_TRANSFER_CONFIG='{
   }
 }'
 # Tiers' config <- KVBM_BACKEND_CONFIG_FILE, cpu_bytes_to_use <- KVBM_BACKEND_CPU_BYTES, defaults where nothing
-# is given, G4Tier only with G4 on; one line on stderr with the effective settings (kvbm_backend/apps/effective.py).
+# is given, G3Tier/G4Tier only with G3/G4 on; one line on stderr with the effective settings
+# (kvbm_backend/apps/effective.py).
 EFFECTIVE="$("$PYTHON" -m kvbm_backend.apps.effective --for vllm \
   --default 'g3.paths=["/mnt/nvme0/kvbm","/mnt/nvme1/kvbm"]' --default g3.capacity_gb=800 "$KV_TRANSFER_CONFIG")"
 eval "$EFFECTIVE"

@@ -12,7 +12,10 @@ every kvbm-backend config in it (``KvbmBackendConnector``'s ``config_file`` / in
 * tiering form (an ``OffloadingConnector``, alone or in a ``MultiConnector``): points every tier's ``config``
   at ``$KVBM_BACKEND_CONFIG_FILE`` when set, takes ``cpu_bytes_to_use`` from ``$KVBM_BACKEND_CPU_BYTES`` and
   the tiers' ``num_kv_heads`` (KV heads per TP rank, replacing their ``layout`` preset) from
-  ``$KVBM_BACKEND_NUM_KV_HEADS`` when set, and leaves ``G4Tier`` out when G4 is off;
+  ``$KVBM_BACKEND_NUM_KV_HEADS`` when set, and leaves ``G3Tier`` out when G3 is off and ``G4Tier`` when G4 is off
+  (unset included), each said in the line (a tier whose section is off refuses to start:
+  :func:`kvbm_backend.integrations.vllm.extra_config.check_tier_section`; before 2026-12-01 the G3Tier stayed and
+  opened G3 at the script's default paths);
 * prints ONE line on stderr with the effective G3/G4 settings and where each came from: ``file`` (the config
   file), ``env NAME``, ``script`` (the script's default or its inline settings), ``default`` (kvbm-backend's);
 * prints on stdout the shell lines the script evaluates (``export ...``, ``KV_TRANSFER_CONFIG=...``).
@@ -286,9 +289,10 @@ def resolve(ktc: dict, kind: str, defaults: dict[str, Any], environ: dict[str, s
             seen[key] = cfg
             exports.update(ex)
             lines.append((src, cfg, where, kek))
-        if owner.get("type") == "G4Tier" and not seen[key].g4.enabled:
+        sec = {"G3Tier": "g3", "G4Tier": "g4"}.get(owner.get("type", ""))
+        if sec and not getattr(seen[key], sec).enabled:  # the tier would refuse to start (check_tier_section)
             extra["secondary_tiers"] = [t for t in extra["secondary_tiers"] if t is not owner]
-            notes.append("G4Tier left out (g4.enabled=false)")
+            notes.append(f"{owner['type']} left out ({sec}.enabled=false)")
     return ktc, exports, [summary(kind, s, c, w, k, notes if i == len(lines) - 1 else [])
                           for i, (s, c, w, k) in enumerate(lines)]
 

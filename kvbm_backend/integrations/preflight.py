@@ -203,16 +203,17 @@ def _mode_text(source: str, mode: str) -> str:
 
 def check_tier(tier: dict, *, create: bool = True) -> None:
     """The same for a ``G3Tier``/``G4Tier`` entry of ``secondary_tiers`` (its ``config``, ``g3``, ``g4`` keys); a
-    G3Tier's keyring too when its config names one (it follows its revocations, :mod:`.vllm.tier_revoked`)."""
+    G3Tier's keyring too when its config names one (it follows its revocations, :mod:`.vllm.tier_revoked`). A tier
+    whose own section is off (``g3.enabled: false`` for a G3Tier, ``g4.enabled: false`` set for a G4Tier) is refused
+    naming the field, as the tier refuses it (:func:`.vllm.extra_config.check_tier_section`; before 2026-12-01 both
+    passed, and the tiers opened their pools anyway)."""
     from ..config import ConfigError
     from .vllm.extra_config import tier_config
     name = tier.get("type", "tier")
-    try:
-        cfg = tier_config(tier.get("config"), g3=tier.get("g3"), g4=tier.get("g4"))
-        if name == "G4Tier":  # it opens G4 whatever g4.enabled says (tiering.G4Tier._make_pool)
-            if not cfg.g4.url:
-                raise ConfigError("g4.url: required for G4Tier (s3://BUCKET/PREFIX or file:///shared/path)")
-            cfg = cfg.model_copy(update={"g4": cfg.g4.model_copy(update={"enabled": True})})
+    try:  # the tier's own section on (g3.enabled / g4.enabled, g4.url), as the tier checks it when vLLM builds it
+        cfg = tier_config(tier.get("config"), g3=tier.get("g3"), g4=tier.get("g4"),
+                          tier={"G3Tier": "G3", "G4Tier": "G4"}.get(name))
+        if name == "G4Tier":
             _check_keyring(cfg, create)
         elif name == "G3Tier" and cfg.g4.keyring.path:  # it follows that keyring's revocations (tier_revoked)
             _check_keyring(cfg.model_copy(update={"g4": cfg.g4.model_copy(update={"enabled": True, "encrypt": True})}),

@@ -288,3 +288,29 @@ def test_a_section_variable_leaves_the_scripts_other_defaults(tmp_path):
     assert all(c.g3.paths == ["/mnt/nvme0/kvbm"] and c.g3.capacity_gb == 5 for c in configs_engine_loads(ktc, env))
     assert env["KVBM_BACKEND__G4__ENDPOINT_URL"] == "http://127.0.0.1:1"
     assert "TopSecret123" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("script", [*NATIVE, "vllm/serve_tiering.sh"])
+def test_the_native_scripts_leave_out_a_tier_whose_section_is_off_and_say_so(script, tmp_path, user):
+    """Review finding (2026-12-01): with ``g3.enabled: false`` (the YAML or ``KVBM_BACKEND__G3__ENABLED``) the
+    native scripts kept the G3Tier, which opened G3 anyway, at the script's default /mnt/nvme0/kvbm, 800 GB,
+    unchecked. Now the G3Tier is left out as the G4Tier is when G4 is off, the line says so, and the launcher's
+    preflight (run by the dry run: exit 0) agrees with what is left; with both off, no tier of ours is left."""
+    off = tmp_path / "g3-off.yaml"
+    off.write_text(user.read_text().replace("g3:\n", "g3:\n  enabled: false\n", 1))
+    for env in ({"KVBM_BACKEND_CONFIG_FILE": str(off)},
+                {"KVBM_BACKEND_CONFIG_FILE": str(user), "KVBM_BACKEND__G3__ENABLED": "false"}):
+        r = run(script, tmp_path, **env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        line, ktc, _ = parse(r)
+        assert [t["type"] for t in offloading_extra(ktc)["secondary_tiers"]] == ["G4Tier"], line
+        assert "G3Tier left out (g3.enabled=false)" in line and "g3.enabled=false [" in line, line
+        assert "G4Tier left out" not in line, line
+    none = tmp_path / "none.yaml"
+    none.write_text("model: m\ng3: {enabled: false}\n")
+    r = run(script, tmp_path, KVBM_BACKEND_CONFIG_FILE=str(none))
+    assert r.returncode == 0, r.stderr[-3000:]
+    line, ktc, _ = parse(r)
+    assert offloading_extra(ktc)["secondary_tiers"] == [], line
+    assert "G3Tier left out (g3.enabled=false)" in line and "G4Tier left out (g4.enabled=false)" in line, line
+    assert not (tmp_path / "user-g3").exists()

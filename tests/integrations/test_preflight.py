@@ -255,3 +255,33 @@ def test_an_abbreviated_kv_transfer_config_is_resolved_as_vllms_parser_resolves_
     # an ambiguous prefix: vLLM refuses the command line, so the preflight names it instead of passing it
     why = check_argv(["serve", "m", "--kv", bad], create=False)
     assert why and "ambiguous option: --kv" in why and "not checked" in why, why
+
+
+def test_a_native_tier_whose_section_is_off_is_refused_as_the_tier_refuses_it(tmp_path, monkeypatch):
+    """Review finding (2026-12-01): a G3Tier with ``g3.enabled: false`` and a G4Tier with ``g4.enabled: false`` passed
+    the preflight (the G4 check even forced ``enabled`` on), and the tiers opened their pools anyway. The tiers refuse
+    such a config now (tests/integrations/vllm/test_tiering_config.py) and the preflight says so first, with the same
+    line, naming the field, in a dry run too; a G4Tier whose g4.enabled is unset (the tier is the opt-in) passes."""
+    monkeypatch.delenv("KVBM_BACKEND__G3__ENABLED", raising=False)
+    monkeypatch.delenv("KVBM_BACKEND__G4__ENABLED", raising=False)
+    mod = "kvbm_backend.integrations.vllm.tiering"
+    cfg = tmp_path / "kvbm.yaml"
+    cfg.write_text(f"g3: {{paths: [{tmp_path / 'g3'}], enabled: false}}\n"
+                   f"g4: {{url: 'file://{tmp_path / 'g4'}', encrypt: false}}\n")
+
+    def argv(*tiers):
+        return ["serve", "m", "--kv-transfer-config", json.dumps({
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "secondary_tiers": list(tiers)}})]
+    g3t = {"type": "G3Tier", "module_path": mod, "config": str(cfg)}
+    g4t = {"type": "G4Tier", "module_path": mod, "config": str(cfg)}
+    for create in (True, False):
+        why = check_argv(argv(g3t, g4t), create=create)
+        assert why and why.startswith("kv_connector_extra_config: secondary_tiers G3Tier: g3.enabled: false, but "
+                                      "secondary_tiers has a G3Tier"), why
+        assert "set g3.enabled: true" in why, why
+    assert check_argv(argv(g4t)) is None  # g4.enabled unset: the G4Tier is the opt-in
+    why = check_argv(argv({**g4t, "g4": {"enabled": False}}))
+    assert why and why.startswith("kv_connector_extra_config: secondary_tiers G4Tier: g4.enabled: false"), why
+    assert check_argv(argv({**g3t, "g3": {"enabled": True}}, g4t)) is None  # the tier's own key turns it on
+    assert not (tmp_path / "g3").exists() and not (tmp_path / "g4").exists()

@@ -63,14 +63,19 @@ def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
     return cfg, opts
 
 
-def tier_config(config: str | dict | None, *, g3: dict | None = None, g4: dict | None = None) -> KvbmBackendConfig:
+def tier_config(config: str | dict | None, *, g3: dict | None = None, g4: dict | None = None,
+                tier: str | None = None) -> KvbmBackendConfig:
     """The backend config of a vLLM secondary tier (``G3Tier``/``G4Tier`` keys ``config``, ``g3``, ``g4``;
     :mod:`.tiering`): ``config`` (a file path or a dict, :func:`load_config`) with ``g3``/``g4`` merged over
     its sections field by field, nested sections too (``g4: {"keyring": {"read_only": true}}`` keeps the
     keyring's ``path``, ``kek_env``, ``auto_create_tenants`` from the file or the environment; before
-    2026-11-30 it replaced the whole ``keyring`` section, which then fell back to its defaults). vLLM's primary tier already decides what is offloaded (tiering has no store_threshold), so
-    G3 admits every cascaded chunk unless the config chose an admission policy itself. Raises ConfigError
-    naming the field."""
+    2026-11-30 it replaced the whole ``keyring`` section, which then fell back to its defaults). vLLM's primary tier
+    already decides what is offloaded (tiering has no store_threshold), so G3 admits every cascaded chunk unless the
+    config chose an admission policy itself.
+
+    ``tier`` (``"G3"`` for a G3Tier, ``"G4"`` for a G4Tier; None: no tier check) also checks that the tier's own
+    section is on (:func:`check_tier_section`); for ``"G4"`` the result has ``g4.enabled`` true. Raises
+    ConfigError naming the field."""
     cfg = load_config(config)
     data = cfg.model_dump()
     for name, override in (("g3", g3), ("g4", g4)):
@@ -81,4 +86,28 @@ def tier_config(config: str | dict | None, *, g3: dict | None = None, g4: dict |
     g3_set = (g3 or {}).get("admission") is not None or "admission" in cfg.g3.model_fields_set
     if not g3_set:
         data["g3"]["admission"] = {**data["g3"]["admission"], "policy": "all"}
+    if tier is not None:
+        g4_set = "enabled" in cfg.g4.model_fields_set or "enabled" in (g4 or {})
+        check_tier_section(tier, g3_enabled=bool(data["g3"]["enabled"]), g4_enabled=bool(data["g4"]["enabled"]),
+                           g4_enabled_set=g4_set, g4_url=data["g4"]["url"])
+        if tier == "G4":
+            data["g4"]["enabled"] = True
     return load_config(data, use_env=False)
+
+
+def check_tier_section(tier: str, *, g3_enabled: bool, g4_enabled: bool, g4_enabled_set: bool,
+                       g4_url: str | None) -> None:
+    """Refuse a native tier whose own section is off (before 2026-12-01 a G3Tier opened G3 whatever
+    ``g3.enabled`` said, at ``g3.paths`` unchecked, and a G4Tier forced ``g4.enabled`` on). ``tier``: ``"G3"`` or
+    ``"G4"``. A G4Tier's ``g4.enabled`` left unset counts as on (the G4Tier is the opt-in, as before; the example
+    scripts leave a G4Tier out unless the config sets it true); set false anywhere (the config file, the
+    environment, the tier's ``g4`` key) it is refused, as is a G4Tier without ``g4.url``. Raises ConfigError."""
+    for name, on, known in (("G3", g3_enabled, True), ("G4", g4_enabled, g4_enabled_set)):
+        if tier == name and known and not on:
+            sec = name.lower()
+            raise ConfigError(f"{sec}.enabled: false, but secondary_tiers has a {name}Tier, which is a {name} pool: "
+                              f"set {sec}.enabled: true (in the config file, KVBM_BACKEND__{name}__ENABLED or the "
+                              f"tier's {sec} key), or remove the {name}Tier from secondary_tiers (the example scripts "
+                              f"leave it out: kvbm-backend config effective)")
+    if tier == "G4" and not g4_url:
+        raise ConfigError("g4.url: required for G4Tier (s3://BUCKET/PREFIX or file:///shared/path)")

@@ -109,7 +109,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self.locality = opts.locality
         self.geometry = PrimaryGeometry.from_spec(offloading_spec, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                                   mla=mla, layout=layout, kv_cache_layout=kv_cache_layout)
-        self.config = tier_config(config, g3=g3, g4=g4)
+        # the tier's own section must be on (g3.enabled / g4.enabled), checked before anything opens
+        self.config = tier_config(config, g3=g3, g4=g4, tier=self.pool_tier or None)
         self._tenant = self.config.tenant if tenant is None else str(tenant)
         self._job_timeout_s = opts.job_timeout_s
         groups: tuple[KvGroup, ...] = ()

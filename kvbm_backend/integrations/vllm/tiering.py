@@ -17,7 +17,9 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
 * ``config``: kvbm-backend config, a YAML/TOML/JSON file path or a dict (:func:`.extra_config.tier_config`).
 * ``g3`` / ``g4``: dict merged over that config's ``g3`` / ``g4`` section field by field, nested sections
   (``keyring``, ``admission``) too (e.g. ``paths``, ``url``). A G3Tier whose config names ``g4.keyring.path``
-  follows that keyring's revocations (below).
+  follows that keyring's revocations (below). The tier's own section must be on: a G3Tier whose config says
+  ``g3.enabled: false``, a G4Tier whose config sets ``g4.enabled: false`` (unset counts as on) raises ConfigError
+  naming the field when vLLM builds it.
 * ``tenant``: default tenant; a request's ``kv_transfer_params["kvbm_tenant"]`` overrides it.
 * ``revision``: the namespace's revision (default the config's ``revision``). vLLM hands a tier neither
   ``--revision`` nor ``--quantization`` nor ``--hf-overrides``: engines differing in any of them that share G3
@@ -107,7 +109,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ...config import ConfigError, KvbmBackendConfig
+from ...config import KvbmBackendConfig
 from ...model.namespace import Namespace
 from ...pool import open_pool
 from .geometry import PrimaryGeometry
@@ -128,7 +130,8 @@ MODULE_PATH = __name__
 class G3Tier(KvbmSecondaryTier):
     """G3 (local NVMe / mounted filesystem) pool as a vLLM secondary tier (``type: G3Tier``). Follows the G4
     keyring's revocations where it has one (module doc, :mod:`.tier_revoked`). Raises ConfigError naming
-    ``g4.keyring`` when the keyring its config names does not open."""
+    ``g4.keyring`` when the keyring its config names does not open, and naming ``g3.enabled`` when G3 is off (before
+    anything opens; before 2026-12-01 it opened G3 anyway)."""
 
     pool_tier = "G3"
     default_locality = "LOCAL"
@@ -165,16 +168,16 @@ class G3Tier(KvbmSecondaryTier):
 
 class G4Tier(KvbmSecondaryTier):
     """G4 (shared S3 / shared POSIX, per-tenant encrypted) pool as a vLLM secondary tier (``type: G4Tier``). Hands
-    its keyring to the G3Tiers of ours built before it over the same primary buffer that follow none."""
+    its keyring to the G3Tiers of ours built before it over the same primary buffer that follow none. ``g4.enabled``
+    unset counts as on (the tier is the opt-in); set false it raises ConfigError naming it, before anything opens
+    (before 2026-12-01 it opened G4 anyway), as without ``g4.url``."""
 
     pool_tier = "G4"
     default_locality = "REMOTE"
 
     def _make_pool(self, cfg: KvbmBackendConfig, namespace: Namespace):
-        if not cfg.g4.url:
-            raise ConfigError("g4.url: required for G4Tier (s3://BUCKET/PREFIX or file:///shared/path)")
-        return open_pool(cfg.g4.model_copy(update={"enabled": True}), namespace,
-                         default_tenant=self._tenant)  # the tier's ``tenant``, else the config's
+        # cfg.g4 is on with a url here: tier_config(tier="G4") refused g4.enabled set false and a missing g4.url
+        return open_pool(cfg.g4, namespace, default_tenant=self._tenant)  # the tier's ``tenant``, else the config's
 
     def _start(self, offloading_spec: Any, tier_type: str, *rest: Any) -> None:
         super()._start(offloading_spec, tier_type, *rest)
