@@ -19,7 +19,8 @@
 # KVBM_BACKEND_DRY_RUN (print, check, do not start). Further arguments go to dynamo.vllm.
 # Script defaults, used only where neither the YAML nor the environment gives the field: G3 in /mnt/nvme0/kvbm,
 # 800 GB. G4 comes from the YAML only: without g4.enabled the G4Tier is left out, and with g3.enabled false the
-# G3Tier (the printed line says so; a tier whose section is off would refuse to start).
+# G3Tier (the printed line says so; a tier whose section is off would refuse to start). G3 admission: the YAML's
+# g3.admission.policy if set, else all (examples/kvbm-backend.yaml leaves it unset: docs/configuration.md).
 # Launcher: `python -m dynamo.vllm` with kvbm-backend's version-guarded compat shims (see agg_kvbm_backend.sh).
 set -euo pipefail
 PYTHON="${PYTHON:-python}"

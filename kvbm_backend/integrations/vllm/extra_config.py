@@ -69,9 +69,12 @@ def tier_config(config: str | dict | None, *, g3: dict | None = None, g4: dict |
     :mod:`.tiering`): ``config`` (a file path or a dict, :func:`load_config`) with ``g3``/``g4`` merged over
     its sections field by field, nested sections too (``g4: {"keyring": {"read_only": true}}`` keeps the
     keyring's ``path``, ``kek_env``, ``auto_create_tenants`` from the file or the environment; before
-    2026-11-30 it replaced the whole ``keyring`` section, which then fell back to its defaults). vLLM's primary tier
-    already decides what is offloaded (tiering has no store_threshold), so G3 admits every cascaded chunk unless the
-    config chose an admission policy itself.
+    2026-11-30 it replaced the whole ``keyring`` section, which then fell back to its defaults).
+
+    Admission: vLLM's primary tier already decides what is offloaded (tiering has no store_threshold) and hands a
+    chunk down once per residency, so G3 admits every cascaded chunk (``all``) unless ``g3.admission.policy`` itself
+    is set (file, environment, the tier's ``g3`` key). Before 2026-12-01 any ``g3.admission`` field chose (a
+    ``min_sightings`` alone switched the tier to ``frequency``).
 
     ``tier`` (``"G3"`` for a G3Tier, ``"G4"`` for a G4Tier; None: no tier check) also checks that the tier's own
     section is on (:func:`check_tier_section`); for ``"G4"`` the result has ``g4.enabled`` true. Raises
@@ -83,8 +86,8 @@ def tier_config(config: str | dict | None, *, g3: dict | None = None, g4: dict |
             if not isinstance(override, dict):
                 raise ConfigError(f"{name}: expected a mapping of {name} settings, got {override!r}")
             data[name] = _merge(data[name], override)
-    g3_set = (g3 or {}).get("admission") is not None or "admission" in cfg.g3.model_fields_set
-    if not g3_set:
+    adm = (g3 or {}).get("admission")
+    if not ((isinstance(adm, dict) and "policy" in adm) or "policy" in cfg.g3.admission.model_fields_set):
         data["g3"]["admission"] = {**data["g3"]["admission"], "policy": "all"}
     if tier is not None:
         g4_set = "enabled" in cfg.g4.model_fields_set or "enabled" in (g4 or {})

@@ -19,7 +19,9 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
   (``keyring``, ``admission``) too (e.g. ``paths``, ``url``). A G3Tier whose config names ``g4.keyring.path``
   follows that keyring's revocations (below). The tier's own section must be on: a G3Tier whose config says
   ``g3.enabled: false``, a G4Tier whose config sets ``g4.enabled: false`` (unset counts as on) raises ConfigError
-  naming the field when vLLM builds it.
+  naming the field when vLLM builds it. G3 admits every chunk vLLM's CPU tier hands down (``all``) unless
+  ``g3.admission.policy`` is set (``frequency`` logs a WARNING at start: vLLM hands a chunk down once per residency,
+  so it skips most; :func:`.extra_config.tier_config`, docs/configuration.md).
 * ``tenant``: default tenant; a request's ``kv_transfer_params["kvbm_tenant"]`` overrides it.
 * ``revision``: the namespace's revision (default the config's ``revision``). vLLM hands a tier neither
   ``--revision`` nor ``--quantization`` nor ``--hf-overrides``: engines differing in any of them that share G3
@@ -131,7 +133,8 @@ class G3Tier(KvbmSecondaryTier):
     """G3 (local NVMe / mounted filesystem) pool as a vLLM secondary tier (``type: G3Tier``). Follows the G4
     keyring's revocations where it has one (module doc, :mod:`.tier_revoked`). Raises ConfigError naming
     ``g4.keyring`` when the keyring its config names does not open, and naming ``g3.enabled`` when G3 is off (before
-    anything opens; before 2026-12-01 it opened G3 anyway)."""
+    anything opens; before 2026-12-01 it opened G3 anyway). Logs a WARNING at start when it runs the ``frequency``
+    admission policy (it skips most chunks here: :func:`.extra_config.tier_config`)."""
 
     pool_tier = "G3"
     default_locality = "LOCAL"
@@ -150,6 +153,14 @@ class G3Tier(KvbmSecondaryTier):
                 kr.close()
             raise
         self._counters.update(dict.fromkeys(COUNTERS, 0))
+        adm = self.config.g3.admission
+        if adm.policy == "frequency" and adm.min_sightings > 1:
+            log.warning("%s: g3.admission.policy is frequency (min_sightings=%d): vLLM's CPU tier hands a chunk to "
+                        "its secondary tiers once per residency, so G3 skips every chunk's first %d offloads "
+                        "(chunks_skipped) and stores a chunk only after it left the CPU tier and was computed and "
+                        "offloaded again that often; the native tiers' default is all (leave g3.admission.policy "
+                        "unset, or set all) unless that is what you want", tier_type, adm.min_sightings,
+                        adm.min_sightings - 1)
         if kr is not None:
             self.follow_keyring(kr, owned=True, source="g4.keyring.path")
         else:  # a G4Tier of ours built before this one over the same primary buffer (G4 above G3)
