@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # field -> tests ("path::function") that show what it does; at least one of them names the field
 FIELD_TESTS: dict[str, list[str]] = {
     "model": ["tests/integrations/vllm/test_connector_units.py::test_model_and_revision_from_the_config_name_the_namespace"],
-    "revision": ["tests/integrations/vllm/test_connector_units.py::test_model_and_revision_from_the_config_name_the_namespace"],
+    "revision": ["tests/integrations/vllm/test_connector_units.py::test_model_and_revision_from_the_config_name_the_namespace",
+                 "tests/integrations/vllm/test_namespace_identity.py::"
+                 "test_an_explicit_revision_keeps_the_quantization_and_overrides_suffixes"],
     "tenant": ["tests/integrations/vllm/test_tiering.py::test_g4_tier_store_then_load"],
     "g3.enabled": ["tests/pool/test_pool_conformance.py::test_open_tiers_opens_only_the_enabled_tiers",
                    "tests/core/test_config.py::test_g3_path_that_is_a_file_refused"],

@@ -147,23 +147,38 @@ def check_kv_version(ns: Namespace, engine_layout: str) -> None:
 
 
 def engine_revision(cfg: KvbmBackendConfig, vllm_config: "VllmConfig") -> str:
-    """The namespace's ``revision``: ``cfg.revision`` when the operator set it, else vLLM's
-    ``--revision`` (``"main"`` when none), plus ``+q=<method>`` for ``--quantization`` and ``+hf=<digest>`` for
-    ``--hf-overrides`` (e.g. rope scaling, applied to K before it is cached): KV of other weights, another
-    quantization or other overrides is other KV. Unchanged (``"main"``) for an engine with none of them, so
-    such an engine keeps its fingerprint. Before 2026-11-29 none of them reached the namespace: two revisions,
-    or fp8 and unquantized weights, of one model shared keys (review finding)."""
-    if "revision" in cfg.model_fields_set:
-        return cfg.revision
+    """The namespace's ``revision`` of a connector engine: :func:`namespace_revision` of vLLM's ``--revision``,
+    ``--quantization`` and ``--hf-overrides`` (``vllm_config.model_config``)."""
     mc = vllm_config.model_config
-    rev = str(getattr(mc, "revision", None) or cfg.revision)
-    q = getattr(mc, "quantization", None)
-    if q:
-        rev += f"+q={q}"
-    hf = getattr(mc, "hf_overrides", None)
-    if hf and not callable(hf):
-        blob = json.dumps(hf, sort_keys=True, default=str, separators=(",", ":")).encode()
-        rev += f"+hf={hashlib.sha256(blob).hexdigest()[:16]}"
+    return namespace_revision(cfg, getattr(mc, "revision", None), quantization=getattr(mc, "quantization", None),
+                              hf_overrides=getattr(mc, "hf_overrides", None))
+
+
+def namespace_revision(cfg: KvbmBackendConfig, engine_rev: Any = None, *, quantization: Any = None,
+                       hf_overrides: Any = None, override: str | None = None) -> str:
+    """The namespace's ``revision``, for the connector and the native tiers alike: the weights revision
+    (``override``: a native tier's ``revision`` key; else ``cfg.revision`` when the operator set it; else the
+    engine's ``engine_rev``, vLLM's ``--revision``; else ``"main"``) plus ``+q=<method>`` for ``quantization``
+    (``--quantization``) and ``+hf=<digest>`` for ``hf_overrides`` (``--hf-overrides``, e.g. rope scaling,
+    applied to K before it is cached): KV of other weights, another quantization or other overrides is other
+    KV. The suffixes follow an explicit revision too (one already in it is not added twice): before
+    2026-12-01 a config's ``revision`` was used as it stood, and an fp8 and a bf16 engine whose configs both
+    said ``revision: main`` shared blocks (review finding). ``"main"`` for an engine with none of them, so
+    such an engine keeps its fingerprint. Native tiers pass neither ``quantization`` nor ``hf_overrides``:
+    vLLM does not hand them to tiers (docs/configuration.md)."""
+    if override:
+        rev = str(override)
+    elif "revision" in cfg.model_fields_set:
+        rev = str(cfg.revision)
+    else:
+        rev = str(engine_rev or cfg.revision)
+    have = rev.split("+")[1:]  # the suffixes an operator's revision already holds, whole ("+q=fp8", not "+q=fp8x")
+    if quantization and f"q={quantization}" not in have:
+        rev += f"+q={quantization}"
+    if hf_overrides and not callable(hf_overrides):
+        blob = json.dumps(hf_overrides, sort_keys=True, default=str, separators=(",", ":")).encode()
+        hf = f"hf={hashlib.sha256(blob).hexdigest()[:16]}"
+        rev += "" if hf in have else "+" + hf
     return rev
 
 

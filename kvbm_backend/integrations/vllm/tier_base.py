@@ -34,7 +34,7 @@ from ..tiers import announce_tiers
 from .extra_config import tier_config
 from .failed_blocks import FailedChunks, drop_blocks
 from .geometry import PrimaryGeometry
-from .namespaces import namespace_model
+from .namespaces import namespace_model, namespace_revision
 from .tier_lookup import TenantLookup
 from .tier_options import check_options
 from .tier_removals import HeldChunks, held_now
@@ -120,7 +120,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
         # one namespace for every group (the OffloadKey carries the group index); model: the config's, else vLLM's
         # name, as the connector decides (before 2026-11-30 fine-tunes at one path with other ``model`` shared blocks)
         self.namespace = Namespace(model=namespace_model(self.config, offloading_spec.config.model.name),
-                                   revision=revision or self.config.revision, layout=self.geometry.kv_layout,
+                                   revision=namespace_revision(self.config, override=revision),
+                                   layout=self.geometry.kv_layout,
                                    tp_world_size=self.geometry.copies, hash_scheme="vllm-block-hash",
                                    groups=groups, kv_heads=self.geometry.num_kv_heads,
                                    kv_version=self.geometry.kv_version)  # 2: a CPU engine's K/V, read right

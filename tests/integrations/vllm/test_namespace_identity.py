@@ -75,3 +75,28 @@ def test_a_lora_name_pointed_at_another_adapter_gets_other_keys():
         return list(s._state(req).hashes)
     assert hashes("a", "/adapters/sql-v1") != hashes("b", "/adapters/sql-v2")
     assert hashes("c", "/adapters/sql-v1") == hashes("a", "/adapters/sql-v1")
+
+
+def test_an_explicit_revision_keeps_the_quantization_and_overrides_suffixes(tmp_path):
+    """Review finding (2026-12-01): a config that sets ``revision`` (the examples said ``revision: main``) was used
+    as it stood, dropping ``+q=``/``+hf=``: an fp8 and a bf16 engine of one model shared G3/G4 blocks (wrong KV).
+    The suffixes now follow an explicit revision too; one the operator already wrote in is not added twice."""
+    f = tmp_path / "kvbm-backend.yaml"  # a real file, as the examples' ConfigMap / YAML set it
+    f.write_text("revision: main\ng3:\n  paths: [" + str(tmp_path / "g3") + "]\n")
+    cfg = load_config(str(f), use_env=False)
+    assert "revision" in cfg.model_fields_set
+    fp8 = namespace_from_vllm(cfg, _vllm(quantization="fp8"), KCC)
+    assert fp8.revision == "main+q=fp8"
+    assert fp8.fingerprint != _fp(_vllm(), cfg) == _fp(_vllm())  # bf16 keeps "main" (the unset default's)
+    rope = namespace_from_vllm(cfg, _vllm(hf_overrides={"rope_scaling": {"factor": 8}}), KCC)
+    assert rope.revision.startswith("main+hf=") and rope.revision == namespace_from_vllm(
+        KvbmBackendConfig(), _vllm(hf_overrides={"rope_scaling": {"factor": 8}}), KCC).revision
+    # the explicit revision still wins over vLLM's --revision; the suffixes are added to it
+    r7 = load_config({"revision": "r7"}, use_env=False)
+    assert namespace_from_vllm(r7, _vllm(revision="v1", quantization="fp8"), KCC).revision == "r7+q=fp8"
+    # an operator who wrote the suffix in keeps that namespace (not "+q=fp8+q=fp8")
+    own = load_config({"revision": "main+q=fp8"}, use_env=False)
+    assert namespace_from_vllm(own, _vllm(quantization="fp8"), KCC).fingerprint == fp8.fingerprint
+    # ... and only that suffix, whole: another method whose name starts alike still gets its own
+    assert namespace_from_vllm(own, _vllm(quantization="fp8_e4m3"), KCC).revision == "main+q=fp8+q=fp8_e4m3"
+
