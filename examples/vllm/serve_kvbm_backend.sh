@@ -8,7 +8,8 @@
 # `vllm serve`. Environment: MODEL, PYTHON (default python), KVBM_BACKEND_CONFIG_FILE (replaces the
 # inline settings, which are this script's defaults), KVBM_BACKEND_STATS_PATH (the connector's counters as
 # JSON), DYN_KVBM_DISK_CACHE_DIR / _GB and KVBM_BACKEND__SECTION__FIELD (override file and inline settings),
-# KVBM_BACKEND_DRY_RUN (print, check, do not start).
+# KVBM_BACKEND_DRY_RUN (print, check, do not start). The settings name no `model`: the KV namespace takes vLLM's
+# served model name ($MODEL), so another model served through this script never shares this one's blocks.
 # tests/e2e/test_vllm_serve.py runs this script (tiny model, loopback), so it cannot rot.
 set -euo pipefail
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
@@ -21,7 +22,6 @@ KV_TRANSFER_CONFIG='{
   "kv_load_failure_policy": "recompute",
   "kv_connector_extra_config": {
     "kvbm_backend": {
-      "model": "meta-llama/Llama-3.1-8B-Instruct",
       "g3": {"paths": ["/mnt/nvme0/kvbm"], "capacity_gb": 500},
       "g4": {"enabled": true, "url": "s3://kvbm-g4/llama-3.1-8b",
              "endpoint_url": "http://minio.storage.svc:9000", "encrypt": true,

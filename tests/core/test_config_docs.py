@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # field -> tests ("path::function") that show what it does; at least one of them names the field
 FIELD_TESTS: dict[str, list[str]] = {
-    "model": ["tests/integrations/vllm/test_connector_units.py::test_model_and_revision_from_the_config_name_the_namespace"],
+    "model": ["tests/integrations/vllm/test_connector_units.py::test_model_and_revision_from_the_config_name_the_namespace",
+              "tests/integrations/vllm/test_namespace_identity.py::test_a_config_model_vllm_does_not_serve_is_one_warning_naming_both"],
     "revision": ["tests/integrations/vllm/test_connector_units.py::test_model_and_revision_from_the_config_name_the_namespace",
                  "tests/integrations/vllm/test_namespace_identity.py::"
                  "test_an_explicit_revision_keeps_the_quantization_and_overrides_suffixes"],

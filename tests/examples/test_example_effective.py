@@ -69,7 +69,8 @@ def user(tmp_path):
 def run(script: str, tmp_path: Path, **env) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if k not in CLEAR and not k.startswith("KVBM_BACKEND__")}
     e.update(PYTHON=sys.executable, MODEL=str(tmp_path / "model"), KVBM_BACKEND_DRY_RUN="1",
-             PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+             PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    e.update(env)  # a test's MODEL replaces the default one
     return subprocess.run(["bash", str(EX / script)], env=e, capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
 
 
@@ -314,3 +315,24 @@ def test_the_native_scripts_leave_out_a_tier_whose_section_is_off_and_say_so(scr
     assert offloading_extra(ktc)["secondary_tiers"] == [], line
     assert "G3Tier left out (g3.enabled=false)" in line and "G4Tier left out (g4.enabled=false)" in line, line
     assert not (tmp_path / "user-g3").exists()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_served_model_names_the_namespace(script, tmp_path):
+    """Review finding (2026-12-01): serve_kvbm_backend.sh's inline settings and examples/kvbm-backend.yaml (the
+    YAML examples/dynamo/README.md starts the workers with) named ``model: meta-llama/Llama-3.1-8B-Instruct``
+    beside the scripts' ``MODEL``: a worker serving any other model stored its KV in the Instruct model's
+    namespace. Each script runs as written (its inline settings, or the example YAML) with another ``MODEL``;
+    every config the engine builds puts the blocks under the model it serves."""
+    from kvbm_backend.integrations.vllm.namespaces import namespace_model
+    served = "my-org/llama-3.1-8b-finetune"
+    overrides = {"KVBM_BACKEND__G3__PATHS": json.dumps([str(tmp_path / "g3")])}
+    sources = [{"KVBM_BACKEND_CONFIG_FILE": str(EX / "kvbm-backend.yaml")}]
+    if script == "vllm/serve_kvbm_backend.sh":
+        sources.append({})  # its inline settings
+    for src in sources:
+        r = run(script, tmp_path, MODEL=served, **overrides, **src)
+        _, ktc, env = parse(r)
+        cfgs = configs_engine_loads(ktc, env)
+        assert cfgs, r.stderr[-3000:]
+        assert [namespace_model(c, served) for c in cfgs] == [served] * len(cfgs), (src, [c.model for c in cfgs])

@@ -341,3 +341,24 @@ def test_worker_grace_period_covers_the_pools_close_bounds():
     cfg = load_config(cm, use_env=False)
     need = 2 * (cfg.g3.load_timeout_s + 10) + (2 * cfg.g4.timeout_s if cfg.g4.enabled else 0)
     assert spec.get("terminationGracePeriodSeconds", 30) >= need, need
+
+
+def test_the_worker_model_env_alone_names_the_kv_namespace(tmp_path):
+    """Review finding (2026-12-01): the ConfigMap said ``model: meta-llama/Llama-3.1-8B-Instruct`` and ``revision:
+    main`` beside the container's ``MODEL``: changing MODEL alone kept the Instruct model's namespace (another
+    model's KV under it), and the fixed revision dropped the ``+q=``/``+hf=`` suffixes of a quantized engine. The
+    ConfigMap, loaded as the connector loads it, now leaves both to the engine: the namespace follows MODEL."""
+    from kvbm_backend.integrations.vllm.extra_config import config_from_extra
+    from kvbm_backend.integrations.vllm.namespaces import namespace_model, namespace_revision
+    c = pod("vllm-worker-kvbm")["containers"][0]
+    cm_text = objects()[("ConfigMap", "kvbm-backend-config")]["data"]["kvbm-backend.yaml"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    for name in ("g3", "keyring"):
+        (tmp_path / name).mkdir()
+        cm_text = cm_text.replace(mounts[name], str(tmp_path / name))
+    f = tmp_path / "kvbm-backend.yaml"
+    f.write_text(cm_text)
+    cfg, _ = config_from_extra({"config_file": str(f)})
+    for served in (env_of(c)["MODEL"], "my-org/llama-3.1-8b-finetune"):  # the manifest's, and an operator's edit
+        assert namespace_model(cfg, served) == served, cfg.model
+    assert namespace_revision(cfg, None, quantization="fp8") == "main+q=fp8"

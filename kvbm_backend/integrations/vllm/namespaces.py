@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 from ...config import KvbmBackendConfig
@@ -27,6 +29,8 @@ from .geometry import EngineGeometry, engine_kv_packed
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("kvbm_backend.connector")
 
 
 def _group_of(spec: Any, geo: EngineGeometry) -> KvGroup:
@@ -58,11 +62,48 @@ def engine_geometries(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
             for g in kv_groups(kv_cache_config)]
 
 
-def namespace_model(cfg: KvbmBackendConfig, engine_name: Any) -> str:
+def namespace_model(cfg: KvbmBackendConfig, engine_name: Any, *engine_names: Any) -> str:
     """The namespace's ``model``: ``cfg.model`` when the operator set it (not its default ``"unknown"``), else
     the name the engine gives (``engine_name``). The connector and the native tiers both decide it here: two
-    fine-tunes mounted at one path with different ``model`` settings never share blocks."""
-    return str(cfg.model if cfg.model != "unknown" else engine_name)
+    fine-tunes mounted at one path with different ``model`` settings never share blocks.
+
+    A set ``model`` that names none of the engine's names (``engine_name`` and ``engine_names``: the served
+    name, the ``--model`` path; equal, or equal in their last path component, as a local copy
+    ``/models/Llama-3.1-8B-Instruct`` of ``meta-llama/Llama-3.1-8B-Instruct``) is one WARNING per process and
+    pair (:func:`warn_model_mismatch`): the blocks go under the config's name, shared with every engine of
+    that name. Not refused: naming the weights apart from vLLM's name is what the field is for (a local path,
+    an alias from ``--served-model-name``, fine-tunes at one path), as KVBM's model id is the operator's."""
+    if cfg.model == "unknown":
+        return str(engine_name)
+    warn_model_mismatch(str(cfg.model), [engine_name, *engine_names])
+    return str(cfg.model)
+
+
+_warned_models: set[tuple[str, tuple[str, ...]]] = set()
+_warned_lock = threading.Lock()
+
+
+def _last_part(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1].lower()
+
+
+def warn_model_mismatch(model: str, engine_names: list[Any]) -> bool:
+    """Log one WARNING (once per process, ``model`` and names) when ``model`` (the config's) names none of
+    ``engine_names`` (None entries ignored); True when it did differ. The trap it catches: a config (a
+    ConfigMap, a script's inline settings) that keeps naming one model while the deployment's ``MODEL`` serves
+    another, whose blocks then share that model's namespace."""
+    names = tuple(dict.fromkeys(str(n) for n in engine_names if n))
+    if not names or any(model == n or _last_part(model) == _last_part(n) for n in names):
+        return False
+    with _warned_lock:
+        if (model, names) in _warned_models:
+            return True
+        _warned_models.add((model, names))
+    log.warning("kvbm_backend: the config's model %r is not the model vLLM serves (%s): its KV blocks are stored "
+                "and looked up under %r, shared with every engine whose config names that model. Remove `model` "
+                "from the kvbm-backend config to use vLLM's name, or keep it only if %r names these weights "
+                "(docs/configuration.md, model)", model, " / ".join(repr(n) for n in names), model, model)
+    return True
 
 
 def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
@@ -95,8 +136,8 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
         raise ValueError(f"kv cache: KV cache groups with block sizes {sorted(sizes)}; KvbmBackendConnector "
                          "needs one block size (a block's sequence hash covers block_size tokens)")
     names = vllm_config.model_config.served_model_name
-    model = namespace_model(cfg, names[0] if isinstance(names, (list, tuple)) else
-                            (names or vllm_config.model_config.model))
+    model = namespace_model(cfg, names[0] if isinstance(names, (list, tuple)) and names else
+                            (names or vllm_config.model_config.model), vllm_config.model_config.model)
     revision = engine_revision(cfg, vllm_config)
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
     pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)

@@ -100,3 +100,24 @@ def test_an_explicit_revision_keeps_the_quantization_and_overrides_suffixes(tmp_
     # ... and only that suffix, whole: another method whose name starts alike still gets its own
     assert namespace_from_vllm(own, _vllm(quantization="fp8_e4m3"), KCC).revision == "main+q=fp8+q=fp8_e4m3"
 
+
+def test_a_config_model_vllm_does_not_serve_is_one_warning_naming_both(caplog):
+    """Review finding (2026-12-01): the examples hard-coded ``model: meta-llama/Llama-3.1-8B-Instruct`` beside a
+    ``MODEL`` parameter; any other model served through them shared the Instruct model's namespace, silently.
+    The config's ``model`` still names the namespace (a local path or an alias may need it: not refused), but
+    one that names none of vLLM's names is a WARNING naming both, once per process; a matching one says nothing."""
+    import logging
+    caplog.set_level(logging.WARNING, logger="kvbm_backend")
+    pinned = load_config({"model": "meta-llama/Llama-3.1-8B-Instruct"}, use_env=False)
+    for _ in range(2):
+        assert namespace_from_vllm(pinned, _vllm(), KCC).model == "meta-llama/Llama-3.1-8B-Instruct"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "'meta-llama/Llama-3.1-8B-Instruct'" in warned[0] and "'meta-llama/Llama-3.1-8B'" in warned[0], warned[0]
+    caplog.clear()
+    for same in ("meta-llama/Llama-3.1-8B", "/models/Llama-3.1-8B"):  # the served name, a local copy of it
+        assert namespace_from_vllm(load_config({"model": same}, use_env=False), _vllm(), KCC).model == same
+    local = _vllm()
+    local.model_config.model, local.model_config.served_model_name = "/models/llama-8b", "llama"  # an alias
+    assert namespace_from_vllm(load_config({"model": "/models/llama-8b"}, use_env=False), local, KCC)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
