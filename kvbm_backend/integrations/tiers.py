@@ -53,7 +53,7 @@ def open_tiers(cfg: KvbmBackendConfig, namespace: Namespace,
             if g3 is not None:
                 g3.close()
             raise
-    announce_tiers(cfg, g3=g3, g4=g4)
+    announce_tiers(cfg, namespace=namespace, g3=g3, g4=g4)
     return g3, g4
 
 
@@ -73,26 +73,38 @@ _announced: set[str] = set()
 _announce_lock = threading.Lock()  # not _lock: shared_tiers holds that while it opens pools
 
 
-def announce_tiers(cfg: KvbmBackendConfig, *, g3: BlockPool | None = None, g4: BlockPool | None = None) -> None:
+def announce_tiers(cfg: KvbmBackendConfig, *, namespace: Namespace | None = None, g3: BlockPool | None = None,
+                   g4: BlockPool | None = None) -> None:
     """Start the pod's metrics endpoint or join it (once per process: :func:`kvbm_backend.metrics.serve_once`)
-    and log the start-up line (once per process, config and set of open tiers). Never raises: metrics and logs must not stop an engine."""
+    and log the start-up line (once per process, config, namespace and set of open tiers). Never raises:
+    metrics and logs must not stop an engine."""
     try:
         load_priority.configure(cfg.load_gil_switch_ms)  # every call: the config of the tiers opened last
         port = cfg.metrics.serve_port
         serving = metrics.serve_once(port, cfg.metrics.addr) if port is not None else None
-        key = f"{cfg.model_dump_json()}|g3={g3 is not None}|g4={g4 is not None}"
+        ns_key = namespace.canonical_json() if namespace is not None else ""
+        key = f"{cfg.model_dump_json()}|{ns_key}|g3={g3 is not None}|g4={g4 is not None}"
         with _announce_lock:
             if key in _announced:
                 return
             _announced.add(key)
-        log.info("%s", startup_line(cfg, g3=g3, g4=g4, metrics_serving=serving))
+        log.info("%s", startup_line(cfg, namespace=namespace, g3=g3, g4=g4, metrics_serving=serving))
     except Exception:  # noqa: BLE001 - a bug here is logged, the pools stay open
         log.exception("kvbm_backend: start-up summary failed")
 
 
-def startup_line(cfg: KvbmBackendConfig, *, g3=None, g4=None, metrics_serving: bool | None = None) -> str:
-    """The effective configuration in one line: what an operator checks first in a worker's log."""
-    parts = [f"model={cfg.model}@{cfg.revision}"]
+def startup_line(cfg: KvbmBackendConfig, *, namespace: Namespace | None = None, g3=None, g4=None,
+                 metrics_serving: bool | None = None) -> str:
+    """The effective configuration in one line: what an operator checks first in a worker's log. It names the
+    ``namespace`` the blocks are stored under (``model=M@REVISION namespace=FINGERPRINT``: the model and revision
+    the connector or tier decided, ``+q=``/``+hf=`` suffixes included, and the fingerprint that names its
+    directories and objects); without one (a caller that has none), the config's ``model@revision``. Before
+    2026-12-01 it always printed the config's, which is not the namespace when vLLM named the model or when a
+    suffix was added (review finding)."""
+    if namespace is not None:
+        parts = [f"model={namespace.model}@{namespace.revision} namespace={namespace.fingerprint}"]
+    else:
+        parts = [f"model={cfg.model}@{cfg.revision} (config)"]
     if g3 is not None:
         c = cfg.g3
         st = _stats(g3)

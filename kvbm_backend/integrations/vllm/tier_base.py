@@ -144,7 +144,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
     def _start(self, offloading_spec: Any, tier_type: str, enable_kv_events: bool, io_threads: int,
                staging_mb: float) -> None:
         """The rest of the constructor once the pool is open."""
-        announce_tiers(self.config, **{self.pool_tier.lower(): self.pool})  # start-up line, metrics endpoint
+        announce_tiers(self.config, namespace=self.namespace,  # start-up line (the namespace in use), metrics
+                       **{self.pool_tier.lower(): self.pool})
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:

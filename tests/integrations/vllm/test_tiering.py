@@ -613,3 +613,21 @@ def test_jobs_that_raise_are_counted_and_say_why(tmp_path, harnesses, monkeypatc
     st = tier.kvbm_stats()["tier"]
     assert (st["loads"], st["loads_failed"], st["chunks_load_failed"]) == (1, 1, 1), st
     assert "load of 1 chunks" in caplog.text, caplog.text
+
+
+def test_a_tier_decides_its_namespace_as_the_connector_and_says_so(tmp_path, harnesses, caplog):
+    """The native tiers take model and revision from the connector's functions (namespaces.namespace_model /
+    namespace_revision: one rule for both forms): a config ``model`` that is not vLLM's model name is one WARNING
+    naming both; the start-up line names the namespace in use (model, the tier's ``revision`` key, fingerprint),
+    not the config's (review finding 2026-12-01: it printed ``<config model>@<config revision>``)."""
+    import logging
+    caplog.set_level(logging.INFO, logger="kvbm_backend")
+    h = harnesses([g3_tier(tmp_path / "g3", revision="int8-w", config={"model": "org/pinned-model"})],
+                  model="org/served-model")
+    ns = h.tier.namespace
+    assert (ns.model, ns.revision) == ("org/pinned-model", "int8-w")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "org/pinned-model" in
+              r.getMessage()]
+    assert len(warned) == 1 and "'org/served-model'" in warned[0], caplog.text
+    lines = [r.getMessage() for r in caplog.records if "kvbm_backend tiers open" in r.getMessage()]
+    assert len(lines) == 1 and f"model=org/pinned-model@int8-w namespace={ns.fingerprint};" in lines[0], lines

@@ -319,3 +319,20 @@ def test_startup_line_says_metrics_are_disabled_when_they_are(tmp_path, caplog):
     assert len(lines) == 1
     assert "metrics: disabled (metrics.enabled false)" in lines[0], lines[0]
     assert "metrics.port unset" not in lines[0], lines[0]
+
+
+def test_startup_line_names_the_namespace_in_use_not_the_configs(tmp_path, caplog):
+    """Review finding (2026-12-01): the line said ``model=<config model>@<config revision>``: ``unknown@main`` for a
+    config that leaves the model to vLLM, ``main`` for an fp8 engine stored under ``main+q=fp8``. It now names the
+    namespace the pools were opened for (model, revision with its suffixes, fingerprint)."""
+    import dataclasses
+    caplog.set_level(logging.INFO, logger="kvbm_backend.tiers")
+    cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.01}}, use_env=False)
+    assert cfg.model == "unknown" and cfg.revision == "main"
+    ns = dataclasses.replace(namespace(), model="org/served-model", revision="main+q=fp8")
+    g3, g4 = open_tiers(cfg, ns)
+    g3.close()
+    lines = _lines(caplog, "kvbm_backend.tiers", "kvbm_backend tiers open", logging.INFO)
+    assert len(lines) == 1
+    assert f"model=org/served-model@main+q=fp8 namespace={ns.fingerprint};" in lines[0], lines[0]
+    assert "unknown" not in lines[0], lines[0]
