@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -163,6 +164,12 @@ def test_example_serve_script_answers_and_offloads(served):
         hits = [ln for ln in text.splitlines() if line in ln]
         assert hits, f"{line!r} missing from the server log:\n{text[-4000:]}"
         assert all("INFO" in ln for ln in hits), hits  # vLLM's formatter: level, time, file
+    # the start-up line names the namespace in use (review finding 2026-12-01: it printed the config's fields), and
+    # the config's `model`, which is not the model served (its directory), is one WARNING naming both per process
+    opened = [ln for ln in text.splitlines() if "kvbm_backend tiers open: " in ln]
+    assert all(re.search(r"model=kvbm-backend/tiny-llama@main namespace=[0-9a-f]{16};", ln) for ln in opened), opened
+    warned = [ln for ln in text.splitlines() if "the config's model 'kvbm-backend/tiny-llama' is not the model" in ln]
+    assert warned and all("WARNING" in ln and repr(str(served["g3"].parent / "model")) in ln for ln in warned), warned
     if len(os.sched_getaffinity(0)) >= 2:  # vLLM's CPU worker binds its main thread to one of them: ours widen
         hits = [ln for ln in text.splitlines() if "kvbm_backend: threads run on CPUs " in ln]
         assert hits and all("INFO" in ln for ln in hits), text[-4000:]  # docs/operations.md, "Logs"
