@@ -394,6 +394,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
             keys, is_store, tenant = self._jobs.pop(res.job_id, ([], False, self._tenant))
             held = self._store_held.pop(res.job_id, [])
             out.append(res)
+            if res.success and is_store and held:  # a live request's cached miss of them is asked again
+                self._lookup.stored(held, tenant)
             if not res.success and not is_store:
                 # Force the cached verdict of the chunks not loaded to miss, so the scheduler does not
                 # re-issue a doomed promotion (the livelock vLLM's fs tier guards against, #49176).

@@ -10,6 +10,16 @@ that could only fail, and that failure forced the holder's verdict to a miss (fo
 the manager's key is ``(OffloadKey, tenant)``: each tenant gets its own verdict, and a failed load marks only the
 tenant that asked.
 
+A cached miss outlived what it said (review, 2026-12-01): vLLM keeps a verdict while any live request refers to the
+key, so a request that found G3 empty, offloaded the chunks and kept generating held its miss for its whole life;
+G3 stored them, the tier published them stored (KV events: the router steers their prefix here), and every later
+request with that prefix got the cached miss and recomputed (4 chunks: 0 served to 3 requests while the first
+lived). A miss forced after a failed load outlived the tier's cool-down the same way. Now a store's published
+chunks (:meth:`TenantLookup.stored`) and a failed load's chunks once their cool-down ends
+(:meth:`TenantLookup.mark_miss_for`) are asked again: the next lookup of a cached miss among them by a request
+not holding that verdict yet posts it to the pool again (RETRY for one step, then the index's answer); the
+requests holding it keep it (the one whose load failed would otherwise load it again and again).
+
 Counting (``kvbm_matched_tokens``, the hit rates, the pools' lookup counters): vLLM's tiering manager asks its
 secondary tiers in their configured order and loads a chunk from the first that answers HIT, but each tier's
 lookup runs on its own thread, posted in the same step as the others' (every tier answers RETRY at first), so
@@ -29,7 +39,7 @@ from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
-from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager, LookupPhase
 
 from ...deadlines import Deadline
 from .tier_gaps import skip_held, split_prefix
@@ -65,6 +75,9 @@ class TenantLookup(AsyncLookupManager):
         self._tier = tier
         self._above = tiers_above(tier, offloading_spec) if offloading_spec is not None else []
         self._reg: list = getattr(offloading_spec, "__dict__", {}).get(_REGISTRY, [])  # our tiers, in order
+        # (key, tenant) whose cached miss may be stale (stored since, or its failed load's cool-down may end):
+        # asked again at its next lookup. Scheduler thread; only keys with a live request's verdict, so bounded
+        self._recheck: set[tuple[OffloadKey, str]] = set()
         super().__init__(tier_type=tier_type)
 
     def above(self) -> list[KvbmSecondaryTier]:
@@ -97,12 +110,57 @@ class TenantLookup(AsyncLookupManager):
         return self._asked(after or [], req_context)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        """Scheduler thread: the cached verdict of ``key`` for the request's tenant (None: not answered yet)."""
-        return super().lookup(cast(Any, (key, self._tier._tenant_of(req_context))), req_context)
+        """Scheduler thread: the cached verdict of ``key`` for the request's tenant (None: not answered yet). A
+        cached miss :meth:`stored` or :meth:`mark_miss_for` named is asked again for a request not holding it yet
+        (None until answered: :meth:`_ask_again`). The tier
+        calls this only for a chunk not cooling after a failed load (:class:`.failed_blocks.FailedChunks`), so a
+        forced miss is asked again once its cool-down ended, never during it."""
+        pair = cast(Any, (key, self._tier._tenant_of(req_context)))
+        if self._recheck and pair in self._recheck:
+            self._ask_again(pair, req_context)
+        return super().lookup(pair, req_context)
+
+    def _ask_again(self, pair: Any, req_context: ReqContext) -> None:
+        """Post ``pair`` again when its cached verdict is a miss and the asking request is not among those holding
+        it, under a new generation (vLLM discards an answer of the old one). A request holding the verdict keeps
+        it: the one whose load failed would load the same chunk again and fail the same way, forever (the livelock
+        vLLM's ``mark_miss`` guards against, #49176). An answer still in flight may predate the store: asked again
+        once it is in."""
+        self.drain_results()
+        st = self._lookup_state.get(pair)
+        if st is not None and (st.phase is LookupPhase.IN_FLIGHT or req_context.req_id in st.request_ids):
+            return
+        self._recheck.discard(pair)
+        if st is not None and st.phase is LookupPhase.RESOLVED and st.result is False:
+            st.generation, self._next_generation = self._next_generation, self._next_generation + 1
+            st.phase, st.result = LookupPhase.PENDING, None
+            self._lookup_batch.append((pair, req_context, st.generation))
+
+    def stored(self, keys: Collection[OffloadKey], tenant: str) -> None:
+        """Scheduler thread: ``tenant``'s chunks ``keys`` are stored and published (a store job reported finished):
+        a live request's cached miss of one is asked again at its next lookup (:meth:`lookup`)."""
+        for k in keys:
+            pair = cast(Any, (k, tenant))
+            st = self._lookup_state.get(pair)
+            if st is not None and st.request_ids and st.result is not True:
+                self._recheck.add(pair)
 
     def mark_miss_for(self, keys: Collection[OffloadKey], tenant: str) -> None:
-        """Force ``tenant``'s cached verdicts of ``keys`` to a miss (a failed load; other tenants keep theirs)."""
-        self.mark_miss([cast(Any, (k, tenant)) for k in keys])
+        """Force ``tenant``'s cached verdicts of ``keys`` to a miss (a failed load; other tenants keep theirs), asked
+        again once the chunk's cool-down ended (:meth:`lookup`). A verdict not answered yet is left alone (vLLM's
+        ``mark_miss`` on one breaks its own asserts when the answer comes); the cool-down covers it meanwhile."""
+        pairs = [cast(Any, (k, tenant)) for k in keys]
+        self.mark_miss([p for p in pairs if (st := self._lookup_state.get(p)) is not None
+                        and st.phase is LookupPhase.RESOLVED])
+        self.stored(keys, tenant)
+
+    def cleanup(self, req_id: str) -> None:
+        """vLLM's, and forget the keys to ask again whose verdict left with the request."""
+        keys = list(self._req_keys.get(req_id, ())) if self._recheck else []
+        super().cleanup(req_id)
+        for pair in keys:
+            if pair not in self._lookup_state:
+                self._recheck.discard(pair)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         """Background thread: ``keys`` are the ``(OffloadKey, tenant)`` pairs :meth:`lookup` posted for one request
