@@ -466,4 +466,5 @@ class KvbmSecondaryTier(SecondaryTierManager):
         read; G3Tier: the keyring's revocations, :data:`.tier_revoked.COUNTERS`) plus the pool's own ``stats()``."""
         with self._cv:
             tier = dict(self._counters)
+        tier.update(self._lookup.counts())  # lookups_timed_out, lookups_not_asked (.tier_lookup)
         return {"tier": tier, "pool": self.pool.stats()}

@@ -20,6 +20,15 @@ chunks (:meth:`TenantLookup.stored`) and a failed load's chunks once their cool-
 not holding that verdict yet posts it to the pool again (RETRY for one step, then the index's answer); the
 requests holding it keep it (the one whose load failed would otherwise load it again and again).
 
+Bounds (docs/invariants.md #3): vLLM's worker runs a posted batch's requests one after another and posts their
+verdicts after the last. Before 2026-12-01 each request's lookup had its own ``job_timeout_s``, so while the pool
+did not answer (G3's lock held across a journal write on a stalled drive, G4's endpoint hanging) N requests
+posted together waited N x ``job_timeout_s`` in RETRY (6 requests, 2 s: 12 s; 8 at the default 60 s: 8 minutes).
+Now one deadline bounds a posted batch, from when ``flush`` posted it (:class:`_StampedQueue`), and once a lookup
+timed out the tier answers misses without asking the pool until that lookup answered or ``job_timeout_s`` passed
+(a probe then asks again): N requests cost about one ``job_timeout_s``, and the pool is not handed a lookup per
+request to pile up behind the stall. Counted ``lookups_timed_out`` and ``lookups_not_asked`` (``kvbm_stats()``).
+
 Counting (``kvbm_matched_tokens``, the hit rates, the pools' lookup counters): vLLM's tiering manager asks its
 secondary tiers in their configured order and loads a chunk from the first that answers HIT, but each tier's
 lookup runs on its own thread, posted in the same step as the others' (every tier answers RETRY at first), so
@@ -34,7 +43,10 @@ prefix, so chunks one tier served past a gap the other filled loaded uncounted (
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import weakref
+from concurrent.futures import Future
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -68,6 +80,23 @@ def tiers_above(tier: KvbmSecondaryTier, offloading_spec: Any) -> list[weakref.R
     return above
 
 
+class _StampedQueue:
+    """vLLM's scheduler -> worker queue (``AsyncLookupManager._lookup_queue``: ``flush`` puts one batch per step,
+    the worker thread gets them in turn) with each batch's deadline stamped when it is posted; the worker's ``get``
+    makes it the deadline of that batch's lookups (:meth:`TenantLookup._end`)."""
+
+    def __init__(self, owner: TenantLookup, q: queue.SimpleQueue) -> None:
+        self._owner, self._q = owner, q
+
+    def put(self, item: Any) -> None:
+        self._q.put((None if item is None else Deadline(self._owner._tier._job_timeout_s), item))
+
+    def get(self) -> Any:
+        end, item = self._q.get()
+        self._owner._batch_end = end
+        return item
+
+
 class TenantLookup(AsyncLookupManager):
     """vLLM's async lookup machinery over the tier's pool index, verdicts keyed by ``(OffloadKey, tenant)``."""
 
@@ -78,7 +107,54 @@ class TenantLookup(AsyncLookupManager):
         # (key, tenant) whose cached miss may be stale (stored since, or its failed load's cool-down may end):
         # asked again at its next lookup. Scheduler thread; only keys with a live request's verdict, so bounded
         self._recheck: set[tuple[OffloadKey, str]] = set()
+        self._batch_end: Deadline | None = None  # the worker's batch's deadline (_StampedQueue)
+        self._stuck: tuple[Future, Deadline] | None = None  # a lookup that timed out, the end of its back-off
+        self._counts = {"lookups_timed_out": 0, "lookups_not_asked": 0}  # written by the worker thread only
         super().__init__(tier_type=tier_type)
+
+    @property  # type: ignore[override]
+    def _lookup_queue(self) -> Any:
+        return self.__dict__["_kvbm_queue"]
+
+    @_lookup_queue.setter
+    def _lookup_queue(self, q: Any) -> None:
+        """vLLM's ``__init__`` makes the queue before it starts the worker: stamped from the first batch on."""
+        self.__dict__["_kvbm_queue"] = q if isinstance(q, _StampedQueue) else _StampedQueue(self, q)
+
+    def counts(self) -> dict[str, int]:
+        """``lookups_timed_out``: requests' lookups the pool did not answer within their batch's deadline;
+        ``lookups_not_asked``: those answered misses without asking the pool (the batch's deadline had passed, or
+        a lookup had timed out and the pool had not answered it yet)."""
+        return dict(self._counts)
+
+    def _end(self) -> Deadline:
+        """The deadline of a lookup: on vLLM's worker thread its batch's (stamped when posted), else (a direct
+        call) ``job_timeout_s`` from now."""
+        end = self._batch_end
+        if end is None or threading.current_thread() is not getattr(self, "_thread", None):
+            return Deadline(self._tier._job_timeout_s)
+        return end
+
+    def _may_ask(self, end: Deadline) -> bool:
+        """Whether a lookup asks the pool: not once its batch's deadline passed, nor while a lookup that timed out
+        has not been answered, at most ``job_timeout_s`` from its timeout (then one asks again: a probe)."""
+        if end.expired():
+            return False
+        stuck = self._stuck
+        if stuck is not None:
+            if not stuck[0].done() and not stuck[1].expired():
+                return False
+            self._stuck = None
+        return True
+
+    def _wait(self, fut: Future, end: Deadline) -> int:
+        """``fut``'s answer by ``end``; a timeout starts the pool's back-off (:meth:`_may_ask`) and raises."""
+        try:
+            return int(fut.result(timeout=end.left()))
+        except TimeoutError:
+            self._stuck = (fut, Deadline(self._tier._job_timeout_s))
+            self._counts["lookups_timed_out"] += 1
+            raise
 
     def above(self) -> list[KvbmSecondaryTier]:
         """Our tiers built before this one over the same primary buffer (:func:`tiers_above`), still alive."""
@@ -166,8 +242,10 @@ class TenantLookup(AsyncLookupManager):
         """Background thread: ``keys`` are the ``(OffloadKey, tenant)`` pairs :meth:`lookup` posted for one request
         (vLLM's manager calls this once per request and step). A chunk is held when all its copies (one block per
         TP rank it spans) are: the first copies are looked up as a request (``kvbm_matched_tokens``, hit rate; with
-        other tiers of ours, below), the others not, so a chunk counts once at any TP size. One ``job_timeout_s`` bounds the whole batch; a failed
-        or late lookup is a miss.
+        other tiers of ours, below), the others not, so a chunk counts once at any TP size. One ``job_timeout_s`` from
+        when ``flush`` posted it bounds the step's whole batch (:meth:`_end`); a failed or late lookup is a miss, and
+        while the pool has not answered one that timed out the request is answered misses without asking it
+        (:meth:`_may_ask`: counted a miss of every chunk where this tier counts the request).
 
         Prefix runs (:func:`prefix_runs`): the pairs of one tenant and KV group that vLLM posted in ascending
         position order (its full-attention prefix scan) are one ``lookup_prefix`` (G4: HEAD waves that stop at the
@@ -205,19 +283,25 @@ class TenantLookup(AsyncLookupManager):
         refused = {tn for tn in {tn for _, tn in pairs} if not t._serves(tn)}  # revoked: misses, the pool not asked
         if refused:
             runs = [run for run in runs if pairs[run[0]][1] not in refused]  # a run is one tenant's
-        futs = []
+        end = self._end()
+        ask = self._may_ask(end)
+        if runs and not ask:
+            self._counts["lookups_not_asked"] += 1
+        futs: list[tuple[Future, Future | None] | None] = []
         for run in runs:
             bks = [t._block_keys(pairs[i][0], pairs[i][1]) for i in run]
             rest = [bk for b in bks for bk in b[1:]]
             futs.append((t.pool.lookup_prefix([b[0] for b in bks], request=not above and not below),
-                         t.pool.lookup_prefix(rest, request=False) if rest else None))
-        end = Deadline(t._job_timeout_s)
+                         t.pool.lookup_prefix(rest, request=False) if rest else None) if ask else None)
         out = [False] * len(pairs)
-        for run, (f0, f1) in zip(runs, futs):
-            n0 = 0
+        for run, fs in zip(runs, futs):
+            n0, n1 = 0, -1
+            if fs is None and not above and not below:
+                t.pool.count_lookup(len(run), 0)  # not asked: the request's lookup found nothing
             try:
-                n0 = f0.result(timeout=end.left())
-                n1 = f1.result(timeout=end.left()) if f1 is not None else 0
+                if fs is not None:
+                    n0 = self._wait(fs[0], end)
+                    n1 = self._wait(fs[1], end) if fs[1] is not None else 0
             except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
                 log.debug("lookup failed: %s", e)
                 n1 = -1
@@ -254,8 +338,8 @@ class TenantLookup(AsyncLookupManager):
             if s == g or s >= len(pairs):
                 return
             try:
-                n = int(t.pool.lookup_prefix([bk for k, tenant in pairs[s:] for bk in t._block_keys(k, tenant)],
-                                             request=False).result(timeout=end.left()))
+                n = self._wait(t.pool.lookup_prefix([bk for k, tenant in pairs[s:] for bk in t._block_keys(k, tenant)],
+                                                    request=False), end)
             except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
                 log.debug("lookup past a gap failed: %s", e)
                 return
