@@ -67,6 +67,7 @@ DROP_REASONS = {
     "io_error": "the slab write or its fdatasync failed otherwise (EIO, ...)",
     "journal_error": "the journal append or rewrite failed otherwise than for space (tier degraded)",
     "error": "the writer failed on a bug (logged with its traceback)",
+    "lock_busy": "the pool's lock stayed busy g3 put_lock_wait_s (0.5 s; another thread's journal I/O stalled)",
 }
 #: ``kvbm_backend_g3_load_misses{reason}``: blocks asked for and not served (read/host.py, read/reader.py)
 MISS_REASONS = {
@@ -167,6 +168,13 @@ class SlotCatalog:
         """``n`` offloads dropped for ``reason`` (one of :data:`DROP_REASONS`)."""
         self.c["offloads_dropped"] += n
         self.c["dropped:" + reason] += n
+        count_reason(self.metrics.offloads_dropped, DROP_REASONS, reason, n)
+
+    def drop_unlocked(self, reason: str, n: int) -> None:
+        """:meth:`drop` for a caller that does NOT hold :attr:`lock` (a put that could not get it in time)."""
+        with self.side_mu:
+            self.side["offloads_dropped"] += n
+            self.side["dropped:" + reason] += n
         count_reason(self.metrics.offloads_dropped, DROP_REASONS, reason, n)
 
     def miss(self, reason: str, n: int = 1) -> None:

@@ -65,7 +65,7 @@ from ..base import BlockBuffer, GetDestinations, GetResult, PutResult, SlotLease
 from . import journal as jr
 from .admission import make_admission
 from .catalog import REASONS, SlotCatalog
-from .lock_bounded import LOCK_WAIT_S, StatsCache, holds, pool_stats
+from .lock_bounded import LOCK_WAIT_S, PUT_LOCK_WAIT_S, StatsCache, holds, pool_stats
 from .lookup_defer import G3Lookups
 from .read import G3Reader
 from .read.device import DeviceLoader
@@ -114,6 +114,7 @@ class G3Pool:
 
     tier = "G3"
     degrade_s = 5.0  # seconds without admission after ENOSPC
+    put_lock_wait_s = PUT_LOCK_WAIT_S  # a put's wait for the lock, then dropped (lock_bounded.dropped_busy)
     max_batch_bytes = 256 << 20  # queued offloads merged into one write batch
     # A put batch is written in pieces of ~chunk_bytes, chunks_in_flight at once (all batches); a get
     # in chunks of ~read_chunk_bytes (at most chunk_bytes), read_chunks_in_flight at once per get, each

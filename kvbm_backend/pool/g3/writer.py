@@ -25,6 +25,7 @@ from . import journal_sync as js
 from . import writer_close as wc
 from .catalog import _NOSPACE, SlotCatalog
 from .index import valid_key
+from .lock_bounded import dropped_busy, held_within
 from .pieces import PieceFramer, Slot, _Batch, _Job, _Piece, live_blocks
 from ...threads import executor, start_thread
 
@@ -88,12 +89,15 @@ class G3Writer:
             bypass_admission: bool) -> Future[PutResult]:
         """``G3Pool.put`` after its argument checks: skip held / in-flight / not admitted keys, drop what
         the queue bound, the degraded state or a closing pool refuses, and keys no slot can hold (``valid_key``:
-        dropped one by one, ``invalid_key``), queue the rest."""
+        dropped one by one, ``invalid_key``), queue the rest. All dropped (``lock_busy``) if the lock stays busy
+        ``put_lock_wait_s``."""
         cat = self.cat
         res = PutResult()
         fut: Future[PutResult] = Future()
         fut.set_running_or_notify_cancel()
-        with cat.lock:
+        with held_within(cat.lock, self.tuning.put_lock_wait_s) as got:
+            if not got:  # the lock stayed busy (a stalled journal I/O): dropped, not waited for (invariant 3)
+                return dropped_busy(cat, fut, res, len(keys))
             cat.admitting(time.monotonic())
             seen: set[BlockKey] = set()
             ck: list[BlockKey] = []

@@ -150,3 +150,22 @@ def _release_while_held(pool, hold, deleted):
     pool.reader._unpins.submit(lambda: None).result(GUARD_S)  # the unpin thread's queue (FIFO) is through
     assert pool.stats()["pinned_slots"] == 0
     assert pool.slot_accounting()["leaked"] == 0
+
+
+def test_a_put_is_dropped_lock_busy_within_its_bound_while_a_journal_write_holds_the_lock(stalled):
+    """A put (an offload) waits at most ``put_lock_wait_s`` for the lock, then drops every block it was given
+    (``lock_busy``, counted without the lock) and resolves while the write is still held; nothing is published,
+    and the same blocks are stored once the lock is free. Before, ``G3Writer.put`` waited the whole stall (a
+    native ``G3Tier`` store job with it: its I/O thread and vLLM's pin on its chunks; reviewer 2026-12-01)."""
+    pool, keys, hold, deleted = stalled
+    ns_keys = [k._replace(seq_hash=k.seq_hash + 1000) for k in keys]
+    blocks = [np.full(pool.block_bytes, 7, np.uint8) for _ in ns_keys]
+    ok, got = _while_held(hold, lambda: pool.put(ns_keys, blocks).result(GUARD_S))
+    assert ok, "the put waited for the stalled journal write"
+    res = got["value"]
+    assert (res.written, res.skipped, res.dropped) == (0, 0, len(ns_keys))
+    assert deleted.wait(GUARD_S)
+    st = pool.stats()
+    assert st["dropped_by_reason"].get("lock_busy") == len(ns_keys) and st["offloads_dropped"] == len(ns_keys)
+    assert not any(pool.contains(k) for k in ns_keys)
+    assert pool.put(ns_keys, blocks).result(GUARD_S).written == len(ns_keys)  # the lock free: stored
