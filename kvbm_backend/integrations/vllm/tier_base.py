@@ -15,7 +15,6 @@ import hashlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -26,8 +25,8 @@ from vllm.v1.kv_offload.base import (LookupResult, Medium, OffloadingEvent, Offl
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
 from ...config import KvbmBackendConfig
-from ...model.namespace import BlockKey, DigestKey, KvGroup, Namespace
 from ...deadlines import Deadline
+from ...model.namespace import BlockKey, DigestKey, KvGroup, Namespace
 from ... import metrics
 from .. import load_priority
 from ..tiers import announce_tiers
@@ -38,7 +37,8 @@ from .namespaces import namespace_model, namespace_revision
 from .tier_lookup import TenantLookup
 from .tier_options import check_options
 from .tier_removals import HeldChunks, held_now
-from .tier_threads import staging_pool, started_executor
+from .tier_jobs import Job, TierJobs
+from .tier_threads import staging_pool
 
 if TYPE_CHECKING:
     from .tier_revoked import TierRevocation
@@ -50,10 +50,6 @@ __all__ = ["OFFLOAD_KEY_PERSON", "KvbmSecondaryTier", "offload_key_digest", "off
 #: BLAKE2b personalisation of :func:`offload_key_digest`: no connector token digest (``kvbm-digest-root``,
 #: ``kvbm-digest-blk``, keyed) is ever computed under it
 OFFLOAD_KEY_PERSON = b"kvbm-offload-key"
-
-
-class _Queued(TimeoutError):
-    """A job whose ``job_timeout_s`` (from its submission) passed before an I/O thread took it up."""
 
 
 def offload_key_hash(key: bytes) -> int:
@@ -74,8 +70,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
     """A kvbm-backend BlockPool as a vLLM secondary tier. Subclasses set ``pool_tier`` and ``_make_pool``.
 
     All SecondaryTierManager methods are non-blocking except ``drain_jobs`` (by contract) and
-    ``shutdown``. Jobs run on ``io_threads`` threads: gather/convert from the primary, then the pool's
-    put/get futures. Raises ValueError/ConfigError at construction for bad settings (naming the field).
+    ``shutdown``. Jobs run on ``io_threads`` threads for loads and as many for stores (:mod:`.tier_jobs`: loads
+    never wait behind stores; a store's thread is free once its puts are out). Raises ValueError/ConfigError at construction for bad settings (naming the field).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -169,12 +165,13 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._staging = staging_pool(self.geometry.rank_bytes,
                                      min(int(staging_mb * 2**20) // self.geometry.rank_bytes,
                                          self._primary.shape[0] * self.geometry.copies))
-        self._executor = started_executor(io_threads, f"kvbm_{tier_type}")  # no thread starts in submit_*
+        self._tasks = TierJobs(io_threads, f"kvbm_{tier_type}", self._finish, self._failed_job)
+        self._executor = self._tasks.stores  # the store threads (the load threads: self._tasks.loads)
         self._revoked: TierRevocation | None = None  # the keyring's revocations this tier follows (G3Tier)
         try:
             self._lookup = TenantLookup(self, tier_type, offloading_spec)  # counts as vLLM asks
         except BaseException:
-            self._executor.shutdown(wait=False)
+            self._tasks.shutdown()
             raise
         self._counters = {"stores": 0, "stores_failed": 0, "loads": 0, "loads_failed": 0,
                           "chunks_stored": 0, "chunks_skipped": 0, "chunks_loaded": 0, "chunks_load_failed": 0,
@@ -240,23 +237,20 @@ class KvbmSecondaryTier(SecondaryTierManager):
         return LookupResult.HIT if r else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self._submit(job_metadata, self._run_store)
+        self._submit(job_metadata, True, self._run_store)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._submit(job_metadata, self._run_load)
+        self._submit(job_metadata, False, self._run_load)
 
-    def _submit(self, job: TransferJob, fn) -> None:
+    def _submit(self, job: TransferJob, store: bool, fn) -> None:
         keys = list(job.keys)
         if len(keys) != len(job.chunk_ids):
             raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(job.chunk_ids)} chunk_ids")
-        self._jobs[job.job_id] = (keys, fn == self._run_store, self._tenant_of(job.req_context))
+        self._jobs[job.job_id] = (keys, store, self._tenant_of(job.req_context))
         with self._cv:
             self._outstanding += 1
-        deadline = Deadline(self._job_timeout_s)  # from vLLM's submission, not from when an I/O thread is free
-        try:
-            self._executor.submit(self._guard, fn, job, keys, deadline)
-        except RuntimeError:  # executor shut down: report the job failed, never lose it
-            self._finish(JobResult(job_id=job.job_id, success=False))
+        # its deadline runs from vLLM's submission and is enforced while it waits for a thread (tier_jobs)
+        self._tasks.submit(Job(job, keys, store, self._job_timeout_s), fn)
 
     def _finish(self, result: JobResult) -> None:
         self._results.put(result)
@@ -264,62 +258,81 @@ class KvbmSecondaryTier(SecondaryTierManager):
             self._outstanding -= 1
             self._cv.notify_all()
 
-    def _guard(self, fn, job: TransferJob, keys: list[OffloadKey], deadline: Deadline) -> None:
-        t0 = time.perf_counter()
-        try:
-            # queued past its bound behind stuck jobs: fails without asking the pool (before 2026-11-30 the bound
-            # ran from here, so with a hung pool a queued job and drain_jobs waited (jobs / io_threads) bounds)
-            if deadline.expired():
-                raise _Queued(f"job_timeout_s ({self._job_timeout_s:g} s) passed while it was queued behind "
-                              f"other jobs (io_threads busy); the pool was not asked")
-            result = fn(job, keys, deadline)
-        except Exception as e:  # noqa: BLE001 - any failure is a failed job, never a lost one
-            why = (str(e) if isinstance(e, _Queued) else
-                   f"no answer from the pool within job_timeout_s ({self._job_timeout_s:g} s)"
-                   if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}")
-            store = fn == self._run_store
-            log.warning("%s job %s (%s of %d chunks) failed: %s", self.tier_type, job.job_id,
-                        "store" if store else "load", len(keys), why)
-            # counted like a job that ended with failed blocks (before 2026-11-29 a raised job was not counted)
-            if store:
-                self._count("stores", 1)
-                self._count("stores_failed", 1)
-            else:
-                self._count("loads", 1)
-                self._count("loads_failed", 1)
-                self._count("chunks_load_failed", len(keys))
-            result = JobResult(job_id=job.job_id, success=False)
-        result.transfer_time = time.perf_counter() - t0
-        self._finish(result)
+    def _failed_job(self, j: Job, why: str | BaseException) -> JobResult:
+        """Log and count job ``j`` failed (``why``: a message, or what it raised); its result (:mod:`.tier_jobs`)."""
+        if isinstance(why, BaseException):
+            why = (f"no answer from the pool within job_timeout_s ({self._job_timeout_s:g} s)"
+                   if isinstance(why, TimeoutError) else f"{type(why).__name__}: {why}")
+        log.warning("%s job %s (%s of %d chunks) failed: %s", self.tier_type, j.meta.job_id,
+                    "store" if j.store else "load", len(j.keys), why)
+        # counted like a job that ended with failed blocks (before 2026-11-29 a raised job was not counted)
+        if j.store:
+            self._count("stores", 1)
+            self._count("stores_failed", 1)
+        else:
+            self._count("loads", 1)
+            self._count("loads_failed", 1)
+            self._count("chunks_load_failed", len(j.keys))
+        return JobResult(job_id=j.meta.job_id, success=False)
 
     def _pieces(self, n: int) -> list[tuple[int, int]]:
         """``[c0, c1)`` chunk ranges of about :attr:`piece_bytes` each (at least one chunk)."""
         per = max(1, self.piece_bytes // (self.geometry.copies * self.geometry.rank_bytes))
         return [(c0, min(n, c0 + per)) for c0 in range(0, n, per)]
 
-    def _run_store(self, job: TransferJob, keys: list[OffloadKey], deadline: Deadline) -> JobResult:
+    def _give_back(self, bufs: list) -> None:
+        for b in bufs:
+            self._staging.give(b)
+
+    def _give_when_done(self, fut: Any, bufs: list) -> None:
+        """Give ``bufs`` back to staging once the pool is done with them (``fut`` resolved: a pool neither reads
+        nor writes a buffer after that), whether the job waited for it or not (before 2026-12-01 a job past its
+        deadline never gave them back: the pre-faulted arena shrank for good after every stall)."""
+        if fut is None:
+            self._give_back(bufs)
+        else:
+            fut.add_done_callback(lambda _f: self._give_back(bufs))
+
+    def _run_store(self, j: Job) -> JobResult | None:
         """Permute the job's chunks into staging piece by piece, handing each piece to ``pool.put`` as
         soon as it is ready (the pool's writer merges queued puts into one batch, one fdatasync per
         file), so the first bytes are on the wire after one piece, not after the whole job. A piece of a tenant
-        the tier refuses is not put (:meth:`_put`): its chunks count skipped and are not published."""
+        the tier refuses is not put (:meth:`_put`): its chunks count skipped and are not published. Then the
+        thread is free: the job finishes once every put resolved (:meth:`.tier_jobs.TierJobs.wait`), or fails at
+        its deadline."""
+        job, keys = j.meta, j.keys
         g = self.geometry
         tenant = self._tenant_of(job.req_context)
         c = g.copies
         bufs = [self._staging.take(g.rank_bytes) for _ in range(len(keys) * c)]
         if self._removals:  # before the first put: a removal logged once a block is published is after it
             self._store_cursor[job.job_id] = self._held.cursor()
-        futs = []
-        for c0, c1 in self._pieces(len(keys)):
-            bkeys: list[BlockKey] = []
-            for i in range(c0, c1):
-                for r, bk in enumerate(self._block_keys(keys[i], tenant)):
-                    g.engine_to_block(self._slice(job.chunk_ids[i], r), bufs[i * c + r])
-                    bkeys.append(bk)
-            futs.append((c0, c1, len(bkeys), self._put(tenant, bkeys, bufs[c0 * c:c1 * c])))
-        # on an error or timeout the pool may still read the buffers: they are then not reused
-        results = [(c0, c1, n, None if f is None else f.result(timeout=deadline.left())) for c0, c1, n, f in futs]
-        for b in bufs:
-            self._staging.give(b)
+        futs: list[tuple[int, int, int, Any]] = []
+        try:
+            for c0, c1 in self._pieces(len(keys)):
+                bkeys: list[BlockKey] = []
+                for i in range(c0, c1):
+                    for r, bk in enumerate(self._block_keys(keys[i], tenant)):
+                        g.engine_to_block(self._slice(job.chunk_ids[i], r), bufs[i * c + r])
+                        bkeys.append(bk)
+                f = self._put(tenant, bkeys, bufs[c0 * c:c1 * c])
+                futs.append((c0, c1, len(bkeys), f))
+                self._give_when_done(f, bufs[c0 * c:c1 * c])  # the pool reads them until its future resolves
+        finally:  # the pieces never handed to the pool
+            self._give_back(bufs[(futs[-1][1] if futs else 0) * c:])
+
+        def complete() -> JobResult:
+            return self._stored(job, keys, tenant, [(c0, c1, n, None if f is None else f.result())
+                                                    for c0, c1, n, f in futs])
+        pending = [f for _, _, _, f in futs if f is not None]
+        if not pending:
+            return complete()
+        self._tasks.wait(j, pending, complete)
+        return None
+
+    def _stored(self, job: TransferJob, keys: list[OffloadKey], tenant: str, results: list) -> JobResult:
+        """A store job's result once every put resolved (``results``: ``(c0, c1, blocks, PutResult | None)``)."""
+        g = self.geometry
         ok = all(res is None or (res.dropped == 0 and res.written + res.skipped == n) for _, _, n, res in results)
         self._count("stores", 1)
         if ok:
@@ -332,16 +345,16 @@ class KvbmSecondaryTier(SecondaryTierManager):
             self._count("chunks_skipped", len(keys) - len(held))
         else:
             self._count("stores_failed", 1)
-        return JobResult(job_id=job.job_id, success=ok, transfer_bytes=len(keys) * c * g.rank_bytes)
+        return JobResult(job_id=job.job_id, success=ok, transfer_bytes=len(keys) * g.copies * g.rank_bytes)
 
-    def _run_load(self, job: TransferJob, keys: list[OffloadKey], deadline: Deadline) -> JobResult:
+    def _run_load(self, j: Job) -> JobResult:
         """Read every piece of the job at once (one ``pool.get`` each) and copy each piece's verified
         chunks into the primary as soon as that piece lands, overlapping the permutation with the
         later pieces' reads. A chunk reaches the primary only if every rank's block verified. The GIL
         comes back to the reading threads sooner meanwhile (``load_gil_switch_ms``). A tenant the tier refuses
         (revoked: :mod:`.tier_revoked`) reads nothing: the job fails, every chunk a miss the engine recomputes."""
         with load_priority.loading():
-            return self._run_load_held(job, keys, deadline)
+            return self._run_load_held(j.meta, j.keys, j.deadline)
 
     def _run_load_held(self, job: TransferJob, keys: list[OffloadKey], deadline: Deadline) -> JobResult:
         g = self.geometry
@@ -354,25 +367,28 @@ class KvbmSecondaryTier(SecondaryTierManager):
             return JobResult(job_id=job.job_id, success=False)
         bufs = [self._staging.take(g.rank_bytes) for _ in range(len(keys) * c)]
         futs = []
-        for c0, c1 in self._pieces(len(keys)):
-            bkeys = [bk for key in keys[c0:c1] for bk in self._block_keys(key, tenant)]
-            futs.append((c0, c1, self.pool.get(bkeys, bufs[c0 * c:c1 * c])))
         good: list[OffloadKey] = []
         unreadable: list[BlockKey] = []  # blocks of chunks that failed other than by a timeout
-        for c0, c1, fut in futs:
-            # on a timeout the pool may still write the buffers: they are then not reused
-            res = fut.result(timeout=deadline.left())
-            if len(res.ok) != (c1 - c0) * c:
-                raise RuntimeError(f"pool returned {len(res.ok)} results for {(c1 - c0) * c} blocks")
-            for i in range(c0, c1):
-                if all(res.ok[(i - c0) * c:(i - c0 + 1) * c]):
-                    for r in range(c):
-                        g.block_to_engine(bufs[i * c + r], self._slice(job.chunk_ids[i], r))
-                    good.append(keys[i])
-                elif not any(res.timed_out_at(j) for j in range((i - c0) * c, (i - c0 + 1) * c)):
-                    unreadable += self._block_keys(keys[i], tenant)
-        for b in bufs:
-            self._staging.give(b)
+        try:
+            for c0, c1 in self._pieces(len(keys)):
+                bkeys = [bk for key in keys[c0:c1] for bk in self._block_keys(key, tenant)]
+                futs.append((c0, c1, self.pool.get(bkeys, bufs[c0 * c:c1 * c])))
+            for c0, c1, fut in futs:
+                # on a timeout the pool may still write the buffers: they go back once it is done (finally)
+                res = fut.result(timeout=deadline.left())
+                if len(res.ok) != (c1 - c0) * c:
+                    raise RuntimeError(f"pool returned {len(res.ok)} results for {(c1 - c0) * c} blocks")
+                for i in range(c0, c1):
+                    if all(res.ok[(i - c0) * c:(i - c0 + 1) * c]):
+                        for r in range(c):
+                            g.block_to_engine(bufs[i * c + r], self._slice(job.chunk_ids[i], r))
+                        good.append(keys[i])
+                    elif not any(res.timed_out_at(j) for j in range((i - c0) * c, (i - c0 + 1) * c)):
+                        unreadable += self._block_keys(keys[i], tenant)
+        finally:  # every piece back to staging once the pool is done with it; those never asked for now
+            for c0, c1, fut in futs:
+                self._give_when_done(fut, bufs[c0 * c:c1 * c])
+            self._give_back(bufs[(futs[-1][1] if futs else 0) * c:])
         self._count("loads", 1)
         self._count("chunks_loaded", len(good))
         if len(good) == len(keys):
@@ -452,7 +468,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._closed = True
         self._lookup.shutdown()
         self.drain_jobs()
-        self._executor.shutdown(wait=True)
+        self._tasks.shutdown()
         try:
             if self._revoked is not None:
                 self._revoked.close()

@@ -32,9 +32,9 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
   the namespace (``kv_heads``): engines whose settings cut a page into other heads never share blocks.
 * ``kv_cache_layout``: vLLM ``KVCacheLayout`` name; default the engine's resolved one, else LBNHC (CPU: LBHNC).
 * ``enable_kv_events`` (emit ``OffloadingEvent`` for stored chunks and, on G3, for chunks it no longer holds;
-  below), ``locality`` (``LOCAL``/``REMOTE``), ``io_threads`` (jobs in flight), ``job_timeout_s`` (seconds from vLLM's submission of a job: past it the
-  job fails, one still queued behind busy ``io_threads`` without asking the pool; the pool's own timeouts
-  usually fire first), ``staging_mb`` (MiB of block staging buffers, default 256, capped at the primary
+  below), ``locality`` (``LOCAL``/``REMOTE``), ``io_threads`` (threads for loads, as many for stores: :mod:`.tier_jobs`), ``job_timeout_s`` (seconds from
+  vLLM's submission of a job: past it the job fails, at once if it waits for a thread (the pool not asked) or a
+  store for the pool; the pool's own timeouts usually fire first), ``staging_mb`` (MiB of block staging buffers, default 256, capped at the primary
   tier's size, allocated and pre-faulted at construction; jobs beyond it allocate fresh buffers). Each key is
   checked by type and range before anything opens, a bad one refused naming it (:mod:`.tier_options`).
 
