@@ -1,6 +1,9 @@
 """A loopback HTTP proxy in front of a real S3 server that answers object GETs with ``200`` and a wrong
 body: what a broken endpoint, cache or middlebox can do. Everything else (PUT, HEAD, DELETE, listings)
-passes through unchanged, so the server itself keeps the true objects.
+passes through unchanged, so the server itself keeps the true objects. The GETs lied about are those whose answer
+carries the whole object (:func:`whole_object`): a ``200``, or a ranged GET's ``206`` covering all of it (G4 loads
+ask for one frame and a byte more), whose ``Content-Range`` is then rewritten to the wrong body's length; ranged
+GETs of part of an object (header reads) pass honestly.
 
 ``LyingProxy(host, port)``; set ``proxy.mode`` to one of :data:`MODES` (``"pass"`` forwards honestly):
 
@@ -79,6 +82,16 @@ def reply(handler: BaseHTTPRequestHandler, status: int, hdrs: list, data: bytes,
         handler.wfile.write(data)
 
 
+def whole_object(status: int, hdrs: list) -> bool:
+    """An object GET's answer carries the whole object: ``200``, or ``206`` whose ``Content-Range`` covers all of
+    it (``bytes 0-(L-1)/L``: a ranged GET that asked for at least the object, as G4 loads do)."""
+    if status == 200:
+        return True
+    rng = next((v for k, v in hdrs if k.lower() == "content-range"), "")
+    m = re.fullmatch(r"bytes 0-(\d+)/(\d+)", rng.strip())
+    return status == 206 and m is not None and int(m.group(1)) + 1 == int(m.group(2))
+
+
 class LyingProxy:
     def __init__(self, host: str, port: int):
         self.target = (host, port)
@@ -138,8 +151,11 @@ class LyingProxy:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                if obj_get and status == 200 and proxy.mode != "pass":
+                if obj_get and proxy.mode != "pass" and whole_object(status, out_hdrs):
                     data, out_hdrs = proxy._lie(data, out_hdrs)
+                    if status == 206:  # the lie told consistently: an object of the wrong body's length
+                        out_hdrs = [(k, v) for k, v in out_hdrs if k.lower() != "content-range"] + \
+                            [("Content-Range", f"bytes 0-{len(data) - 1}/{len(data)}")]
                 reply(self, status, out_hdrs, data, length)
 
             def _list(self, query: dict[str, list[str]]) -> None:

@@ -8,6 +8,12 @@ read, and only while its name still holds them.
   object to a quarantine name and compares again, :mod:`.fs_quarantine`; S3 sends ``If-Match``), so a good copy
   another worker published under the name after the proof (a third worker deleted the bad one, then a
   create-exclusive write succeeded) stays. Before 2026-12-01 the delete went by name (review finding 4).
+* :func:`drop_longer` -- both for an object the read got only the first bytes of (an S3 GET asks for one frame
+  and a byte more, however large the object): the proof is the store's own size (:meth:`~.store.ObjectStore.stat`,
+  an S3 HEAD) over the limit, since no frame is longer, and the delete is of that very object
+  (:meth:`~.store.ObjectStore.delete_if_listed`: S3 ``If-Match`` its ETag). Before 2026-12-01 such an object was
+  downloaded whole (a planted 160 MiB object cost each load 160 MiB, times ``g4.max_inflight``) and MD5'd.
+* :func:`drop_bad` -- the reader's one call: whichever of the two applies.
 """
 from __future__ import annotations
 
@@ -35,3 +41,32 @@ def drop_if_same(store: ObjectStore, name: str, data: Blob, size: int) -> bool:
         return bool(store.delete_if_matches(name, data, size))
     except OSError:
         return False
+
+
+def drop_longer(store: ObjectStore, name: str, limit: int) -> bool | None:
+    """An object ``name`` a read cut at ``limit + 1`` bytes (so longer than ``limit``, the length of a valid frame):
+    None when the store does not confirm it holds an object longer than ``limit`` (absent, a valid length: the read
+    was not what it holds; any error: kept); True when this call deleted the object the store described; False when
+    the name holds another object by now, or the delete failed (kept, a later load tries again)."""
+    try:
+        info = store.stat(name)
+    except Exception:  # noqa: BLE001 - unconfirmed: keep the object
+        return None
+    if info is None or info.size <= limit:
+        return None
+    try:
+        return bool(store.delete_if_listed(info))
+    except OSError:
+        return False
+
+
+def drop_bad(store: ObjectStore, name: str, data: Blob, size: int, limit: int | None = None) -> bool | None:
+    """Drop the object ``name`` whose bytes read (``data``, of an object of ``size`` bytes) failed verification:
+    None when the store does not confirm it holds them (:func:`stored_is_bad`: kept), else whether this call
+    deleted them (:func:`drop_if_same`). ``limit``: the read was cut at ``limit + 1`` bytes (``size`` is not the
+    object's): :func:`drop_longer` instead."""
+    if limit is not None:
+        return drop_longer(store, name, limit)
+    if not stored_is_bad(store, name, data, size):
+        return None
+    return drop_if_same(store, name, data, size)

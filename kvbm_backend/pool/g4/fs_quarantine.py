@@ -102,19 +102,20 @@ def _swap_out_at(store: FsStore, dfd: int, base: str, same: Callable[[int, str],
     except OSError:  # cannot tell (EIO, ESTALE): kept, back under its name
         matches = False
     if matches:
-        _unlink(q, dfd)
+        unlink_quiet(q, dfd)
         return True
     try:  # a replacement (or not readable now): back under its name, never over a copy published meanwhile
         os.link(q, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
     except (FileExistsError, FileNotFoundError):  # a newer copy holds the name / gc took the quarantined one
         pass
-    _unlink(q, dfd)
+    unlink_quiet(q, dfd)
     if store.fsync:
         os.fsync(dfd)  # the name back for good
     return False
 
 
-def _unlink(name: str, dir_fd: int) -> None:
+def unlink_quiet(name: str, dir_fd: int) -> None:
+    """Unlink ``name`` in directory ``dir_fd``; absent is fine."""
     try:
         os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:

@@ -37,9 +37,9 @@ from ...io.files import open_for_read, refuses_direct
 from ...io.openat2 import Unsupported, clear_nonblock, open_no_symlinks, preadv_clearing
 from ...memory import aligned_empty
 from .fs_confirm import reread_matches
-from .fs_list import is_temp_name as is_temp_name, walk  # is_temp_name: re-exported
+from .fs_list import is_temp_name as is_temp_name, stat_version, walk  # is_temp_name: re-exported
 from .fs_prune import prune_empty_dirs
-from .fs_quarantine import delete_if_listed, delete_if_matches
+from .fs_quarantine import delete_if_listed, delete_if_matches, unlink_quiet
 from .store import ObjectInfo, ObjectStore, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -255,7 +255,7 @@ class FsStore(ObjectStore):
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
-            _unlink(tmp, dfd)
+            unlink_quiet(tmp, dfd)
             raise
         os.close(fd)
         return tmp
@@ -293,7 +293,7 @@ class FsStore(ObjectStore):
                 except FileExistsError:
                     created = False
                 finally:
-                    _unlink(tmp, dfd)
+                    unlink_quiet(tmp, dfd)
                 if created:
                     if self.fsync:
                         os.fsync(dfd)
@@ -313,7 +313,7 @@ class FsStore(ObjectStore):
                 try:
                     os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
                 except BaseException:
-                    _unlink(tmp, dfd)
+                    unlink_quiet(tmp, dfd)
                     raise
                 if self.fsync:
                     os.fsync(dfd)
@@ -449,6 +449,11 @@ class FsStore(ObjectStore):
         return delete_if_listed(self, info)
 
     def head(self, name: str) -> int | None:
+        info = self.stat(name)
+        return None if info is None else info.size
+
+    def stat(self, name: str) -> ObjectInfo | None:
+        """The file's size, mtime and version as :meth:`list` gives them (:func:`.fs_list.stat_version`)."""
         dirs, base = self._split(name)
         try:
             dfd = self._open_dir(dirs, create=False)
@@ -460,7 +465,7 @@ class FsStore(ObjectStore):
                 os.close(dfd)
             if not stat.S_ISREG(st.st_mode):
                 raise self._refused(name, "not a regular file")
-            return st.st_size
+            return ObjectInfo(name, st.st_size, st.st_mtime, stat_version(st))
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -510,9 +515,3 @@ def _address(mv: memoryview) -> int:
         return -1
     return ctypes.addressof(ctypes.c_char.from_buffer(mv)) if len(mv) else 0
 
-
-def _unlink(name: str, dir_fd: int) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass

@@ -13,9 +13,12 @@ buffers file objects are read through); lookups are :mod:`.lookup`.
   A verified frame holding another NONZERO token digest than the key names is another token sequence's good block
   under that name: ``miss_other_digest``, kept (docs/format.md "Token digest"); one holding the zero digest (written
   without one) is ``corrupt_token_digest``.
+  An S3 read asks for one frame and a byte more (a ranged GET; before 2026-12-01 the whole object, however large):
+  an object longer than a frame is ``corrupt_length``, and costs a load no more than a good one.
   Corrupt objects are misses counted under ``corrupt_<reason>`` and deleted when the reason is in :data:`_DELETE_ON`
   *and* the store confirms it holds exactly the bytes read (:mod:`.bad_objects`: an S3 HEAD's length and MD5
-  ETag, a fresh re-read of a file); otherwise (a lying endpoint or proxy, a bad read) the miss
+  ETag, a fresh re-read of a file; for an object read only in part, a HEAD's size over a frame's, then a delete
+  ``If-Match`` its ETag); otherwise (a lying endpoint or proxy, a bad read) the miss
   is ``miss_unconfirmed_corrupt`` (detail ``unconfirmed_<reason>``) and the object stays; so does a
   ``miss_key_mismatch`` (other key material: docs/format.md). The delete is conditional on the name still
   holding those bytes (:func:`.bad_objects.drop_if_same`: a good copy published meanwhile stays).
@@ -48,7 +51,7 @@ from ...model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, NO_DIGE
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey
 from ..base import GetResult, InFlight, completed
-from .bad_objects import drop_if_same, stored_is_bad
+from .bad_objects import drop_bad
 from .breaker import CircuitBreaker
 from .events import G4Counters, OperatorLog
 from .store import ObjectStore, StoreThrottled, StoreUnavailable
@@ -382,8 +385,8 @@ class G4Reader:
         data: Blob | _Split | None
         try:
             if buf is None:
-                data = call_throttled(lambda: self.store.get(name), b.until, lambda: self._throttle.note("get"),
-                                      lambda: b.closed)
+                data = call_throttled(lambda: self.store.get(name, 0, self._frame_bytes + 1), b.until,
+                                      lambda: self._throttle.note("get"), lambda: b.closed)
                 size = None if data is None else len(data)
             elif split:  # staged into a scratch row: the payload is read straight into it (one scatter read)
                 parts = [buf.data[:HEADER_BYTES], dst]
@@ -412,6 +415,8 @@ class G4Reader:
         try:
             if size < HEADER_BYTES:
                 raise FrameError("length", f"object of {size} bytes")
+            if buf is None and size > self._frame_bytes:  # the GET stopped a byte past a frame: longer than any
+                raise FrameError("length", f"object of more than {self._frame_bytes} bytes")
             head, payload = (data.parts() if isinstance(data, _Split) else
                              (memoryview(data)[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:]))
             want = key_digest(key)  # checked once the frame verified: another nonzero one is kept (below)
@@ -479,13 +484,13 @@ class G4Reader:
                 b.on_hit(i)
         except FrameError as e:
             read = data.joined() if isinstance(data, _Split) else data
-            if e.reason in _DELETE_ON and not stored_is_bad(self.store, name, read, size):
-                # the bytes read are bad but the store does not confirm it holds them (a lying endpoint
-                # or proxy, a failed read): a miss, and the object stays
-                self._count(f"unconfirmed_{e.reason}")
+            cut = self._frame_bytes if buf is None and size > self._frame_bytes else None  # only its start read
+            dropped = drop_bad(self.store, name, read, size, cut) if e.reason in _DELETE_ON else False
+            if dropped is None:  # the bytes read are bad but the store does not confirm it holds them (a lying
+                self._count(f"unconfirmed_{e.reason}")  # endpoint or proxy, a failed read): a miss, the object stays
                 return "miss_unconfirmed_corrupt"
             self._count(f"corrupt_{e.reason}")
-            if e.reason in _DELETE_ON and drop_if_same(self.store, name, read, size):
+            if dropped:
                 self._count("deleted_corrupt")
             return "miss_corrupt"
         finally:
@@ -500,11 +505,9 @@ class G4Reader:
         (``deleted_unencrypted``, else ``unconfirmed_unencrypted``), else it held the name against the encrypted
         copy for good under create-exclusive (g4.encrypt switched on: docs/configuration.md). Plaintext pools
         never delete encrypted frames they cannot open. Returns ``"miss_unencrypted_object"``."""
-        if not stored_is_bad(self.store, name, data, size):
-            self._count("unconfirmed_unencrypted")
-            return "miss_unencrypted_object"
-        if drop_if_same(self.store, name, data, size):  # only while it still holds those bytes
-            self._count("deleted_unencrypted")
+        dropped = drop_bad(self.store, name, data, size)  # deleted only while it still holds those bytes
+        if dropped is not False:
+            self._count("unconfirmed_unencrypted" if dropped is None else "deleted_unencrypted")
         return "miss_unencrypted_object"
 
     def _gcm_of(self, dkey: bytes) -> AESGCM:

@@ -228,17 +228,8 @@ class S3Store(ObjectStore):
     def _stored_etag(self, name: str) -> str | None:
         """ETag of the object ``name`` (lower-case, unquoted; "" when the server sends none), None if
         absent. Raises StoreUnavailable, StoreThrottled or OSError as :meth:`head` does."""
-        try:
-            h: dict[str, Any] = self._call("head", name, lambda _r: self.client.head_object(Bucket=self.bucket,
-                                                                                          Key=self._key(name)))
-        except ClientError as e:
-            code, status = _code(e)
-            if code in _MISSING or status == 404:
-                return None
-            raise self._err("head", name, e) from None
-        except BotoCoreError as e:
-            raise self._unavailable("head", name, e) from None
-        return str(h.get("ETag", "")).strip('"').lower()
+        info = self.stat(name)
+        return None if info is None else (info.version or "").strip('"').lower()
 
     def _settle_put(self, name: str, data: DataIn, failure: StoreUnavailable) -> bool:
         """A PUT of ``data`` under ``name`` failed with ``failure`` (no answer, 5xx, RequestTimeout) and
@@ -338,10 +329,12 @@ class S3Store(ObjectStore):
             return False
         return etag == hashlib.md5(want, usedforsecurity=False).hexdigest()
 
-    def head(self, name: str) -> int | None:
+    def stat(self, name: str) -> ObjectInfo | None:
+        """One HEAD (boto3, as the other ETag checks): size, LastModified and the ETag (quoted) that
+        :meth:`delete_if_listed` sends as ``If-Match``. Raises as :meth:`head`."""
         try:
-            return int(self._call("head", name, lambda _r: self.client.head_object(Bucket=self.bucket,
-                                                                                   Key=self._key(name)))["ContentLength"])
+            h: dict[str, Any] = self._call("head", name, lambda _r: self.client.head_object(Bucket=self.bucket,
+                                                                                          Key=self._key(name)))
         except ClientError as e:
             code, status = _code(e)
             if code in _MISSING or status == 404:
@@ -349,6 +342,12 @@ class S3Store(ObjectStore):
             raise self._err("head", name, e) from None
         except BotoCoreError as e:
             raise self._unavailable("head", name, e) from None
+        mtime = h.get("LastModified")
+        return ObjectInfo(name, int(h["ContentLength"]), mtime.timestamp() if mtime else 0.0, h.get("ETag") or None)
+
+    def head(self, name: str) -> int | None:
+        info = self.stat(name)
+        return None if info is None else info.size
 
     def delete(self, name: str) -> None:
         try:

@@ -135,7 +135,8 @@ class ObjectStore(ABC):
     @abstractmethod
     def get(self, name: str, offset: int = 0, length: int | None = None) -> Blob | None:
         """Bytes-like (bytes, bytearray or memoryview) ``[offset, offset+length)`` of ``name`` (to the end when ``length`` is None), or None
-        if absent. May return fewer bytes than asked for when the object is shorter."""
+        if absent. May return fewer bytes than asked for when the object is shorter, never more: a store fetches
+        at most ``length`` bytes however large the object (S3: a ranged GET), so a bounded read stays bounded."""
 
     #: True when :meth:`get_into` reads straight into the caller's buffer (no intermediate copy), so
     #: callers holding reusable buffers should prefer it to :meth:`get`.
@@ -191,7 +192,8 @@ class ObjectStore(ABC):
         return True
 
     def delete_if_listed(self, info: ObjectInfo) -> bool:
-        """Delete ``info.name`` only while it is still the object listed as ``info`` (gc's deletes): a copy
+        """Delete ``info.name`` only while it is still the object listed as ``info`` (gc's deletes; the reader's of an
+        object :meth:`stat` proved too long): a copy
         published under the name since the listing (another process deleted the listed one, a worker wrote the
         block again) is kept. True when this call deleted the listed object; False when the name is absent or
         holds another object (kept). S3 stores send ``If-Match:`` the listed ETag (:mod:`.s3_store`), file stores
@@ -211,6 +213,15 @@ class ObjectStore(ABC):
     @abstractmethod
     def head(self, name: str) -> int | None:
         """Size in bytes, or None if absent."""
+
+    def stat(self, name: str) -> ObjectInfo | None:
+        """What the store holds under ``name`` now, as a listing names it (size, mtime and the
+        :attr:`~ObjectInfo.version` that :meth:`delete_if_listed` deletes only while it still holds), or None if
+        absent: an S3 HEAD (ETag), a file's ``stat`` (inode, mtime, size). The reader proves an object it read
+        only the first bytes of too long with it, then deletes that very object (:mod:`.bad_objects`). Raises as
+        :meth:`head`. This default gives no version (``delete_if_listed`` then deletes by name)."""
+        size = self.head(name)
+        return None if size is None else ObjectInfo(name, size, 0.0)
 
     @abstractmethod
     def delete(self, name: str) -> None:
