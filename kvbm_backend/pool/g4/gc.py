@@ -51,12 +51,28 @@ delete, is counted ``changed_since_listed`` (not ``deleted_*``); a capacity pass
 never deletes more because of it). Writer temp files have unique names: deleted by name. Before 2026-12-01 gc
 deleted by name: that race deleted the good new copy (a block lost, never wrong bytes).
 
-**Revoked tenants.** Every block under a revoked tenant's pseudonym is reclaimed whatever its age or
-mtime (its data keys are gone: it can never be read again). Only when the tenant was re-created since
-(``keys create`` after ``revoke``: the same pseudonym, a new key id) are its blocks told apart, by their frame
-header: gc reads it (4 KiB, ``headers_read``) for each block last modified up to ``revoked_at`` (the keyring
-writer's clock, moved onto the store's by the measured skew ``store_now - now``) + :data:`LATE_WRITE_S` and
-deletes the block when its ``key_id`` is one the revocation recorded (a record from before 2026-11-30 names
+**Revoked tenants.** Every block under a revoked tenant's pseudonym sealed under a revoked key is reclaimed
+whatever its age or mtime (its data keys are gone: it can never be read again). gc tells such blocks apart by
+their frame header, whether or not the keyring it was given shows the tenant re-created (``keys create`` after
+``revoke``: the same pseudonym, a new key id).
+
+*Not re-created* (as far as gc's keyring knows): when the revocation record names key ids, gc reads every block's
+frame header (4 KiB, ``headers_read``) and deletes the block when its ``key_id`` is one of them. A block sealed
+under another key id is kept and counted (``revoked_kept``, plus a ``warnings`` line per pseudonym): only a
+re-created tenant's current key seals such blocks, so the keyring copy gc was given predates the re-creation (a
+CronJob's Secret volume not yet synced, a copy taken between ``revoke`` and ``create``). A frame naming no key
+(plaintext, unparsable) is deleted when modified up to ``revoked_at`` + :data:`LATE_WRITE_S` (moved onto the
+store's clock, below): until then a worker that had not re-read the keyring may have written it for the revoked
+tenant, and it is reclaimed as before; a later one can only be a re-created tenant's (a pool with a keyring,
+plaintext too, writes nothing for a revoked tenant once it re-read the file): kept, counted ``revoked_kept``. A
+block gc could not read is kept (``errors``). Kept blocks are read again on every pass until gc is given a
+keyring that shows the re-creation. A record naming no key ids (written before 2026-11-30) has every block
+deleted unread, as before. Before 2026-12-01 every block under the pseudonym was deleted unread: such a stale
+pass deleted the re-created tenant's current blocks, good blocks every worker serves.
+
+*Re-created* (gc's keyring holds a tenant of that pseudonym again): gc reads the header (``headers_read``) of
+each block last modified up to ``revoked_at`` (the keyring writer's clock, moved onto the store's by the measured
+skew ``store_now - now``) + :data:`LATE_WRITE_S` and deletes the block when its ``key_id`` is one the revocation recorded (a record from before 2026-11-30 names
 none: then any key id but the tenant's current one). A block of the tenant's current key, or one gc could not
 read (``errors``), is kept; an unparsable or plaintext frame (it names no key) is deleted when modified up to
 ``revoked_at`` + 1 s, kept when later. Late writes: a worker seals under the revoked key until it re-reads the
@@ -199,8 +215,10 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         ``deleted_by``; ``remaining_bytes`` (blocks left: ``scanned_bytes`` less the blocks' deleted bytes); ``store_now`` (the
         time base, epoch s), ``time_base`` (``"server"``: the store's clock, stated or probed;
         ``"local"``: this host's) and ``clock_skew_s`` (``store_now - now``); ``headers_read``: frame headers
-        read to tell a re-created tenant's late writes under a revoked key (module doc); ``warnings`` (only when
-        there are: ``tenant`` unknown to ``keyring``); ``unlisted``: one line per
+        read to tell a revoked tenant's blocks under a revoked key from others (module doc); ``revoked_kept``:
+        blocks of a tenant ``keyring`` shows revoked and not re-created kept because their header names no
+        revoked key (module doc, "Revoked tenants"); ``warnings`` (only when there are: ``tenant`` unknown to
+        ``keyring``, a pseudonym with ``revoked_kept`` blocks); ``unlisted``: one line per
         part of the store that could not be listed (a directory of a file store), each counted in ``errors``
         (what was listed is still processed: nothing unlisted is deleted); ``pruned_dirs``: directories of a
         file store removed because the pass's deletions left them empty (module doc, "Directories");
@@ -225,7 +243,9 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     revoked = keyring.revoked() if keyring is not None else {}
     # re-created after revocation (revoked is empty without a keyring): pseudonym -> its current key id
     active = {r["pseudonym"]: int(r["key_id"]) for r in keyring.info()} if keyring is not None and revoked else {}
-    shredded = {ps: keyring.revoked_key_ids(ps) for ps in active if ps in revoked} if keyring is not None else {}
+    # revoked pseudonym -> the key ids its record names (empty: a record from before 2026-11-30)
+    shredded = {ps: keyring.revoked_key_ids(ps) for ps in revoked} if keyring is not None else {}
+    kept: dict[str, int] = {}  # revoked, not re-created pseudonym -> blocks kept (revoked_kept): warned
     base, store_now = ("server", server_now) if server_now is not None else ("local", now)
     skew = store_now - now
     unlisted: list[str] = []  # parts of the store not listed (errors, named)
@@ -233,13 +253,13 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
            "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0, "announce": 0}, "deleted_objects": 0,
            "deleted_bytes": 0, "errors": 0, "unlisted": unlisted, "store_now": store_now, "time_base": base,
            "clock_skew_s": skew, "future_objects": 0, "headers_read": 0, "pruned_dirs": 0, "nested_blocks": 0,
-           "nested_temps": 0, "listed_duplicates": 0, "changed_since_listed": 0}
-    if warning is not None:
-        res["warnings"] = [warning]
+           "nested_temps": 0, "listed_duplicates": 0, "changed_since_listed": 0, "revoked_kept": 0}
+    warnings = res["warnings"] = [warning] if warning is not None else []
 
-    def late_write(name: str, ps: str, early: bool) -> bool:
-        """Whether block ``name`` of re-created pseudonym ``ps`` was sealed under a revoked key (module doc);
-        ``early``: modified up to ``revoked_at`` + 1 s, where a frame naming no key (unparsable, plaintext) goes."""
+    def sealed_revoked(name: str, ps: str, keyless: bool) -> bool:
+        """Whether block ``name`` of revoked pseudonym ``ps`` was sealed under a revoked key, by its frame header
+        (module doc, "Revoked tenants"); ``keyless``: where a frame naming no key (unparsable, plaintext) goes. A
+        block of a pseudonym not re-created (as far as ``keyring`` knows) that is kept counts ``revoked_kept``."""
         try:
             head = call_attempts(lambda: store.get(name, 0, HEADER_BYTES), THROTTLE_ATTEMPTS)
         except OSError:  # StoreUnavailable, StoreThrottled after THROTTLE_ATTEMPTS too: kept, counted (as drop)
@@ -249,13 +269,18 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             return False
         res["headers_read"] += 1
         try:
-            hdr = FrameHeader.unpack(head)
+            hdr: FrameHeader | None = FrameHeader.unpack(head)
         except FrameError:
-            return early
-        if not hdr.flags & FLAG_ENCRYPTED:
-            return early
-        ids = shredded[ps]
-        return hdr.key_id in ids if ids else hdr.key_id != active[ps]
+            hdr = None
+        if hdr is None or not hdr.flags & FLAG_ENCRYPTED:
+            gone = keyless
+        else:
+            ids = shredded[ps]
+            gone = hdr.key_id in ids if ids else hdr.key_id != active[ps]
+        if not gone and ps not in active:
+            res["revoked_kept"] += 1
+            kept[ps] = kept.get(ps, 0) + 1
+        return gone
 
     emptied: set[str] = set()  # directories objects were deleted from (one name each): pruned at the end
 
@@ -307,9 +332,14 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         res["scanned_bytes"] += o.size
         res["future_objects"] += o.mtime > store_now
         ps, t_rev = meta["tenant"], revoked.get(meta["tenant"])
-        why = ("revoked" if t_rev is not None and (
-                   ps not in active or (o.mtime <= t_rev + skew + LATE_WRITE_S
-                                        and late_write(o.name, ps, o.mtime <= t_rev + skew + 1.0)))
+        if t_rev is None:
+            gone = False
+        elif ps in active:  # re-created: a revoked key's blocks, read up to revoked_at + LATE_WRITE_S
+            gone = (o.mtime <= t_rev + skew + LATE_WRITE_S
+                    and sealed_revoked(o.name, ps, o.mtime <= t_rev + skew + 1.0))
+        else:  # not re-created as far as the keyring knows: every block read when the record names key ids
+            gone = not shredded[ps] or sealed_revoked(o.name, ps, o.mtime <= t_rev + skew + LATE_WRITE_S)
+        why = ("revoked" if gone
                else "age" if max_age_s is not None and (max_age_s == 0 or store_now - o.mtime >= max_age_s)
                else None)
         if why is not None:
@@ -339,4 +369,10 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             drop(o.name, o.size, "temp")
     res["errors"] += len(unlisted)
     res["pruned_dirs"] = store.prune_dirs(emptied) if emptied else 0
+    warnings += [f"revoked tenant {ps}: {n} block(s) kept: their frame headers name no key its revocation "
+                 "revoked (or no key, written after revoked_at + 1 h): the tenant was re-created after this "
+                 "keyring copy was taken (`keys create`; a Secret not yet synced?): run gc with the current "
+                 "keyring" for ps, n in sorted(kept.items())]
+    if not warnings:
+        del res["warnings"]
     return res
