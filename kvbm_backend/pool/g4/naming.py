@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import struct
 from typing import Any
 
+from ...model.namespace import Namespace
+
 NAMESPACE_JSON = "namespace.json"
+NAMESPACE_JSON_MAX = 64 << 10  # bytes of a store's namespace.json read at most (a real one is a few KiB)
+MAX_DIR_FANOUT = 4096  # g4.dir_fanout's upper bound
 BLOCK_ID_BYTES = 16  # truncated HMAC-SHA256 in a block name: 128 bits, 32 hex chars
 _MSG = struct.Struct("<8sIQ")
 
@@ -74,6 +79,33 @@ def tenant_prefix(ns_fp: str, pseudonym_hex: str) -> str:
 
 def namespace_name(ns_fp: str) -> str:
     return f"{ns_fp}/{NAMESPACE_JSON}"
+
+
+def namespace_doc(namespace: Namespace, dir_fanout: int) -> bytes:
+    """The bytes of a G4 store's ``{ns_fp}/namespace.json``: the namespace's canonical members (what its fingerprint
+    is computed over) plus ``"g4": {"dir_fanout": N}``, the fan-out every block name under it uses (a property of
+    the store, not of the namespace: not in the fingerprint). Canonical form: sorted keys, no spaces."""
+    return json.dumps({**namespace.to_dict(), "g4": {"dir_fanout": dir_fanout}}, sort_keys=True,
+                      separators=(",", ":")).encode()
+
+
+def recorded_fanout(body: bytes) -> int | None:
+    """The ``dir_fanout`` a store's ``namespace.json`` (``body``) records; None when it records none (written
+    before 2026-12-01, by workers whose ``g4.dir_fanout`` it does not say). Raises ValueError when ``body`` is
+    not a JSON object, or its ``g4.dir_fanout`` not an integer in [1, 4096]."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    g4 = doc.get("g4")
+    if g4 is None:
+        return None
+    fan = g4.get("dir_fanout") if isinstance(g4, dict) else None
+    if type(fan) is not int or not 1 <= fan <= MAX_DIR_FANOUT:
+        raise ValueError(f"g4.dir_fanout: {fan!r} is not an integer in [1, {MAX_DIR_FANOUT}]")
+    return fan
 
 
 def _hex(s: str, n: int) -> bool:

@@ -301,6 +301,8 @@ class G4Pool:
         s.update({"tier": self.tier, "encrypted": self.encrypt, "url": self.store.url,
                   "pseudonym_keyed": kr is not None, "names_keyed": kr is not None,
                   "tenant_cache_entries": self.tenant_cache_size(), "namespace": self._fp,
+                  # block names use the store's recorded dir_fanout, not g4.dir_fanout (tenant_names.follow_store)
+                  "dir_fanout_overridden": self.names.dir_fanout != self.cfg.dir_fanout,
                   "keyring_read_only": bool(kr is not None and kr.read_only),
                   "keyring_ok": bool(kr is None or kr.error is None),
                   **({f"keyring_{k}": v for k, v in kr.stats().items()} if kr is not None else {}),

@@ -15,6 +15,13 @@ every name, header and pseudonym is the new keyring's from then on. Before 2026-
 a running pool kept naming and tagging blocks with the shredded keyring's pseudonyms while sealing them under
 the new keys, so fresh workers never found them and its own offloads of blocks the old generation held were
 ``skipped_exists`` (their loads ``miss_no_key``) until it restarted.
+
+The fan-out directory of every name follows the store too: ``{ns_fp}/namespace.json`` records the
+``g4.dir_fanout`` its blocks are named with (written by the namespace's first worker,
+:meth:`~.writer.G4Writer.write_namespace_json`), and a pool configured otherwise names blocks with the recorded
+value (:meth:`TenantNames.follow_store`, a WARNING naming both values and the fix). Before 2026-12-01 nothing
+recorded or checked it: workers differing only in ``g4.dir_fanout`` found none of each other's blocks and stored
+each block once per value, silently.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
 from ...model.frame import FrameHeader, identity_bytes
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, tenant_bytes
-from .naming import TenantNamer, legacy_block_name
+from .naming import TenantNamer, legacy_block_name, recorded_fanout
 
 __all__ = ["CACHE_TENANT_CHARS", "TENANT_CACHE_ENTRIES", "TenantNames"]
 log = logging.getLogger(__name__)
@@ -47,7 +54,8 @@ class TenantNames:
         namespace: the namespace fingerprint (hex) every name and header carries.
         layout: the namespace's block layout (expected headers).
         world: tensor-parallel world size (expected headers).
-        dir_fanout: ``g4.dir_fanout`` (directories per tenant and rank).
+        dir_fanout: ``g4.dir_fanout`` (directories per tenant and rank), until the store's ``namespace.json``
+            says otherwise (:meth:`follow_store`).
     """
 
     def __init__(self, keyring: Keyring | None, namespace: str, layout: KvLayout, world: int, dir_fanout: int):
@@ -56,10 +64,13 @@ class TenantNames:
         self._ns_bytes = bytes.fromhex(namespace)
         self._layout = layout
         self._world = world
-        self._fanout = dir_fanout
+        self.configured_fanout = dir_fanout  # g4.dir_fanout
+        self._fanout = dir_fanout  # what names use: the store's recorded value once known (follow_store)
+        self._store_said = False  # follow_store logged its finding once
         self._mu = threading.Lock()
         self._gen = self._generation()  # the keyring's naming generation the cached namers are of
-        # (tenant, generation) -> namer: one computed under an older key is never served once a newer is seen
+        # (tenant, generation, fan-out) -> namer: one computed under an older key or fan-out is never served once a
+        # newer is seen (a namer built while follow_store switched is cached under the old fan-out, never hit)
         self._namer = functools.lru_cache(maxsize=TENANT_CACHE_ENTRIES)(self._new_namer)
 
     def _generation(self) -> int:
@@ -72,7 +83,45 @@ class TenantNames:
         gen = self._generation()
         if gen != self._gen:
             self._switch(gen)
-        return self._namer(tenant, gen) if len(tenant) <= CACHE_TENANT_CHARS else self._new_namer(tenant, gen)
+        fan = self._fanout
+        return (self._namer(tenant, gen, fan) if len(tenant) <= CACHE_TENANT_CHARS
+                else self._new_namer(tenant, gen, fan))
+
+    @property
+    def dir_fanout(self) -> int:
+        """The fan-out names use now: ``g4.dir_fanout``, or the store's recorded value (:meth:`follow_store`)."""
+        return self._fanout
+
+    def follow_store(self, body: bytes) -> None:
+        """Name blocks with the ``dir_fanout`` the store's ``namespace.json`` (``body``) records, logging (WARNING)
+        when it is not ``g4.dir_fanout``. A file that records none (written before 2026-12-01) or that does not
+        parse leaves ``g4.dir_fanout`` in use, logged once (INFO; WARNING)."""
+        try:
+            fan = recorded_fanout(body)
+        except ValueError as e:
+            if not self._store_said:
+                self._store_said = True
+                log.warning("G4 (namespace %s): the store's %s/namespace.json does not parse (%s): block names use "
+                            "g4.dir_fanout %d, unchecked", self._fp, self._fp, e, self._fanout)
+            return
+        if fan is None:
+            if not self._store_said:
+                self._store_said = True
+                log.info("G4 (namespace %s): the store's %s/namespace.json (written before 2026-12-01) records no "
+                         "dir_fanout: block names use g4.dir_fanout %d, unchecked; every worker sharing the store "
+                         "must have the same (docs/format.md \"G4 names\")", self._fp, self._fp, self._fanout)
+            return
+        with self._mu:
+            if fan == self._fanout:
+                return
+            self._fanout = fan
+            self._namer.cache_clear()
+        log.warning("G4 (namespace %s): g4.dir_fanout is %d, but the store's %s/namespace.json records %d, the "
+                    "fan-out its blocks are named with: this pool names blocks with %d, as every worker sharing the "
+                    "store (with %d it would find none of their blocks and store each again). To use %d, point the "
+                    "fleet at a new g4.url prefix (gc --max-age-s reclaims the old one); set g4.dir_fanout: %d to "
+                    "silence this", self._fp, self.configured_fanout, self._fp, fan, fan, self.configured_fanout,
+                    self.configured_fanout, fan)
 
     def _switch(self, gen: int) -> None:
         with self._mu:
@@ -84,13 +133,13 @@ class TenantNames:
                     "was replaced): tenant pseudonyms and block names follow the new keyring from now on; blocks "
                     "under the old names are no longer found (gc --max-age-s reclaims them)", self._fp, old, gen)
 
-    def _new_namer(self, tenant: str, gen: int) -> TenantNamer:
+    def _new_namer(self, tenant: str, gen: int, fan: int) -> TenantNamer:
         if self._keyring is not None:
             _gen, ps, key = self._keyring.naming(tenant)  # newer than gen at most: then never looked up again
         else:
             ps = hmac.new(UNKEYED_PSEUDONYM_KEY, tenant_bytes(tenant), hashlib.sha256).digest()[:16]
             key = derive_name_key(UNKEYED_PSEUDONYM_KEY, ps)  # public: such names hide nothing (format.md)
-        return TenantNamer(self._fp, ps, key, self._fanout)
+        return TenantNamer(self._fp, ps, key, fan)
 
     def pseudonym(self, tenant: str) -> bytes:
         """16-byte tenant pseudonym: keyed HMAC under the keyring's (current) pseudonym key (unkeyed HMAC

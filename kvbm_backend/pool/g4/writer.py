@@ -46,7 +46,7 @@ from ..base import InFlight, PutResult, completed
 from ...deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
 from .events import G4Counters, OperatorLog
-from .naming import namespace_name
+from .naming import NAMESPACE_JSON_MAX, namespace_doc, namespace_name
 from .settle import LateSettler
 from .store import ObjectStore, PutUnsettled, StoreThrottled, StoreUnavailable
 from .naming import TenantNamer
@@ -410,14 +410,22 @@ class G4Writer:
 
     def write_namespace_json(self) -> None:
         """Start-up check and ``{ns_fp}/namespace.json`` (once; throttled answers backed off within the load
-        bound; an unavailable store trips the breaker, whose closing writes it again)."""
+        bound; an unavailable store trips the breaker, whose closing writes it again). The file records the
+        ``dir_fanout`` block names use: written with this pool's when absent; when present (or another worker's
+        won the create-exclusive write) the pool names blocks with the fan-out it records
+        (:meth:`~.tenant_names.TenantNames.follow_store`, logged when it differs from ``g4.dir_fanout``)."""
         if self.namespace_written:
             return
 
         def write() -> None:
             self.store.probe()  # start-up check: an unavailable store or missing bucket is logged now
-            if self.store.head(namespace_name(self._fp)) is None:
-                self.store.put_if_absent(namespace_name(self._fp), self.namespace.canonical_json().encode())
+            name = namespace_name(self._fp)
+            body = self.store.get(name, 0, NAMESPACE_JSON_MAX)
+            if body is None and not self.store.put_if_absent(name, namespace_doc(self.namespace,
+                                                                                 self._names.dir_fanout)):
+                body = self.store.get(name, 0, NAMESPACE_JSON_MAX)  # another worker's, written just now
+            if body is not None:  # the store's: its blocks are named with the dir_fanout it records
+                self._names.follow_store(bytes(body))
         try:
             call_throttled(write, time.monotonic() + self._load_bound_s, lambda: self._throttle.note("put"))
             self.namespace_written = True

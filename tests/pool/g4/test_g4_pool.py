@@ -85,8 +85,9 @@ def test_roundtrip_lookup_and_names(target):
         assert hdr.flags == FLAG_ENCRYPTED and len(raw) == HEADER_BYTES + ns.layout.bytes_per_block
         assert hdr.tenant_tag == p.pseudonym("alice") and hdr.key_version == 1
         assert bytes(_blocks([11], "alice")[0][:64]) not in raw  # ciphertext, not plaintext
-        # the namespace's canonical JSON beside the data
-        assert json.loads(bytes(p.store.get(namespace_name(ns.fingerprint)))) == json.loads(ns.canonical_json())
+        # the namespace's canonical JSON beside the data, plus the dir_fanout its block names use (2026-12-01)
+        assert json.loads(bytes(p.store.get(namespace_name(ns.fingerprint)))) == {**json.loads(ns.canonical_json()),
+                                                                                  "g4": {"dir_fanout": 16}}
         assert p.delete(keys[:1]).result(timeout=HANG_S) == 1
         assert p.lookup_prefix(keys).result(timeout=HANG_S) == 0
         st = p.stats()

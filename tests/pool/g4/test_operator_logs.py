@@ -15,7 +15,7 @@ from tests.helpers.g4_writer import namespace, payload
 from kvbm_backend import metrics
 from kvbm_backend.config import G4Config, load_config
 from kvbm_backend.pool.g4.breaker import CircuitBreaker
-from kvbm_backend.pool.g4.naming import namespace_name
+from kvbm_backend.pool.g4.naming import namespace_doc, namespace_name
 from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.integrations.tiers import open_tiers
 
@@ -237,7 +237,8 @@ def test_namespace_json_written_once_the_store_is_back(seaweed_restartable, capl
         assert pool.breaker.state == "closed"
         name = namespace_name(pool.namespace.fingerprint)
         assert _wait(lambda: pool.store.head(name) is not None), "namespace.json not written after recovery"
-        assert bytes(pool.store.get(name)) == ns.canonical_json().encode()
+        # the namespace's canonical members plus the dir_fanout its block names use (2026-12-01)
+        assert bytes(pool.store.get(name)) == namespace_doc(ns, cfg.dir_fanout)
         assert pool.stats()["namespace_json_errors"] == 1  # the write after recovery succeeded at once
         assert len(_lines(caplog, BREAKER_LOG, "unavailable at start", logging.WARNING)) == 1, caplog.text
     finally:
