@@ -29,9 +29,6 @@ connection is closed (a reset link, a proxy that died mid-answer). ``proxy.cut``
 XML error) and never reaches the server: an S3-compatible server without conditional deletes.
 ``proxy.refused_deletes`` counts them.
 
-``proxy.ignore_range = True``: requests reach the server without their ``Range`` header, so a ranged GET is
-answered ``200`` with the whole object: a gateway that ignores ranges.
-
 ``proxy.repeat_list_pages = n``: the next ``n`` ListObjectsV2 pages are each served twice (an S3-compatible
 server repeating a page): the first answer hands out a continuation token of the proxy's own (on the listing's
 last page too, then marked truncated), and the client's request for that token is answered, without reaching the
@@ -59,10 +56,10 @@ NOT_IMPLEMENTED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NotImp
 HTML = b"<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1></body></html>\n"
 
 
-def upstream(handler: BaseHTTPRequestHandler, target: tuple[str, int], body: bytes | None, drop: tuple = ()):
-    """Send ``handler``'s request (method, path, end-to-end headers but those named in ``drop``, lower-case,
-    ``body``) to ``target``; returns the answer's ``(status, end-to-end headers, body, Content-Length header)``."""
-    hdrs = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP and k.lower() not in drop}
+def upstream(handler: BaseHTTPRequestHandler, target: tuple[str, int], body: bytes | None):
+    """Send ``handler``'s request (method, path, end-to-end headers, ``body``) to ``target``; returns the
+    answer's ``(status, end-to-end headers, body, Content-Length header)``."""
+    hdrs = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP}
     c = http.client.HTTPConnection(*target, timeout=30)
     try:
         c.request(handler.command, handler.path, body=body, headers=hdrs)
@@ -107,7 +104,6 @@ class LyingProxy:
         self.cut = 0
         self.no_conditional_delete = False
         self.refused_deletes = 0
-        self.ignore_range = False
         self.repeat_list_pages = 0
         self.repeated = 0
         self._made = 0  # tokens of the proxy's made so far
@@ -139,8 +135,7 @@ class LyingProxy:
                 if self.command == "GET" and query.get("list-type") == ["2"]:
                     self._list(query)
                     return
-                status, out_hdrs, data, length = upstream(self, proxy.target, self.rfile.read(n) if n else None,
-                                                          ("range",) if proxy.ignore_range else ())
+                status, out_hdrs, data, length = upstream(self, proxy.target, self.rfile.read(n) if n else None)
                 obj_get = self.command == "GET" and status in (200, 206) and "?" not in self.path \
                     and self.path.count("/") >= 2
                 if obj_get and proxy.cut_short > 0 and len(data) >= 3:
