@@ -62,12 +62,11 @@ DROP_REASONS = {
     "queue_full": "the write-behind queue held g3.write_queue_blocks already",
     "degraded": "put while the tier was degraded (degrade_s after ENOSPC or a failed journal write)",
     "closed": "the pool was closing: put after close began, or still queued when close's bound ran out",
-    "no_space": "no free slot even after evicting (every slot pinned or reserved)",
+    "no_space": "no free slot even after evicting and waiting for the writes in flight (the rest pinned by loads, or a put larger than the pool)",
     "enospc": "ENOSPC/EDQUOT writing or syncing the slab file or appending to the journal (tier degraded)",
     "io_error": "the slab write or its fdatasync failed otherwise (EIO, ...)",
     "journal_error": "the journal append or rewrite failed otherwise than for space (tier degraded)",
     "error": "the writer failed on a bug (logged with its traceback)",
-    "lock_busy": "the pool's lock stayed busy g3 put_lock_wait_s (0.5 s; another thread's journal I/O stalled)",
 }
 #: ``kvbm_backend_g3_load_misses{reason}``: blocks asked for and not served (read/host.py, read/reader.py)
 MISS_REASONS = {

@@ -12,9 +12,10 @@ thread, every step) waited the whole stall. So the calls those threads make wait
 - :func:`holds` (``G3Pool.holds`` / ``contains``): at most :data:`LOCK_WAIT_S`, then "unknown" (None);
 - :func:`pool_stats` (``G3Pool.stats``): at most :data:`LOCK_WAIT_S`, then the last snapshot read under the lock,
   with ``stats_stale`` True (the counters made without the lock are current);
-- puts (:meth:`~.writer.G3Writer.put`, an offload's admission): at most :data:`PUT_LOCK_WAIT_S`, then every block
-  of the put is dropped, counted ``dropped:lock_busy`` (:func:`dropped_busy`; before 2026-12-01 a put waited the
-  whole stall, and with it a native tier's store job, its I/O thread and vLLM's pin on its chunks);
+- puts (:meth:`~.writer.G3Writer.put`, an offload's admission): at most :data:`PUT_LOCK_WAIT_S`, then the put is
+  handed to the writer's late-put thread, which waits for the lock instead (:mod:`.writer_late`; before 2026-12-01
+  a put waited the whole stall, and with it a native tier's store job, its I/O thread and vLLM's pin on its chunks;
+  on 2026-12-01 it was dropped after 0.5 s instead, ``lock_busy``: load turned into lost offloads);
 - ``G3Pool.removed_since`` takes the removal log's own lock (:meth:`~.catalog.SlotCatalog.removed_since`).
 
 Prefix lookups wait for no lock at all (:mod:`.lookup_defer`).
@@ -26,10 +27,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     from ...model.namespace import BlockKey
-    from ..base import PutResult
     from .catalog import SlotCatalog
     from .pool import G3Pool
 
@@ -37,9 +35,9 @@ if TYPE_CHECKING:
 #: before it answers "unknown" (or the last snapshot): far above an uncontended hold (microseconds; an append's
 #: ``write`` of a few records), far below an engine step's budget
 LOCK_WAIT_S = 0.02
-#: seconds a put (an offload, off the scheduler thread) waits for the pool's lock before its blocks are dropped
-#: (``dropped:lock_busy``): far above any hold but a stalled journal I/O, so a busy host drops nothing
-PUT_LOCK_WAIT_S = 0.5
+#: seconds a put (an offload, off the scheduler thread) waits for the pool's lock on its caller's thread before it
+#: is handed to the late-put thread (:mod:`.writer_late`): above an uncontended hold, so a hand-off is rare
+PUT_LOCK_WAIT_S = 0.05
 
 
 class _Lock(Protocol):
@@ -49,15 +47,6 @@ class _Lock(Protocol):
     def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
 
     def release(self) -> None: ...
-
-
-def dropped_busy(cat: SlotCatalog, fut: Future[PutResult], res: PutResult, n: int) -> Future[PutResult]:
-    """A put of ``n`` blocks that did not get the pool's lock within :data:`PUT_LOCK_WAIT_S`: all dropped (counted
-    ``dropped:lock_busy`` without the lock), ``fut`` resolved with ``res``. Invariant 3: dropped, not waited for."""
-    res.dropped += n
-    cat.drop_unlocked("lock_busy", n)
-    fut.set_result(res)
-    return fut
 
 
 @contextlib.contextmanager
@@ -87,7 +76,7 @@ _COUNTERS = ("offloads_written", "offloads_skipped_present", "offloads_skipped_a
              "hits", "misses", "corrupt", "evictions", "bytes_written", "bytes_read", "enospc", "write_errors",
              "restored_blocks", "restore_dropped", "restored_by_scan", "restore_scanned_slots",
              "restore_header_retries", "deleted", "late_reads", "unreadable_kept", "unreadable_deleted",
-             "device_loads", "device_hits", "sync_groups", "journal_syncs", "journal_compactions")
+             "device_loads", "device_hits", "sync_groups", "journal_syncs", "journal_compactions", "puts_late")
 
 
 def _locked_part(pool: G3Pool) -> tuple[dict[str, Any], dict[str, int]]:

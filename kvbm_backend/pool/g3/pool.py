@@ -114,7 +114,7 @@ class G3Pool:
 
     tier = "G3"
     degrade_s = 5.0  # seconds without admission after ENOSPC
-    put_lock_wait_s = PUT_LOCK_WAIT_S  # a put's wait for the lock, then dropped (lock_bounded.dropped_busy)
+    put_lock_wait_s = PUT_LOCK_WAIT_S  # a put's wait for the lock on its caller's thread, then handed off
     max_batch_bytes = 256 << 20  # queued offloads merged into one write batch
     # A put batch is written in pieces of ~chunk_bytes, chunks_in_flight at once (all batches); a get
     # in chunks of ~read_chunk_bytes (at most chunk_bytes), read_chunks_in_flight at once per get, each

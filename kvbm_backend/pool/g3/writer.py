@@ -25,8 +25,10 @@ from . import journal_sync as js
 from . import writer_close as wc
 from .catalog import _NOSPACE, SlotCatalog
 from .index import valid_key
-from .lock_bounded import dropped_busy, held_within
+from .lock_bounded import held_within
 from .pieces import PieceFramer, Slot, _Batch, _Job, _Piece, live_blocks
+from .writer_late import LatePuts
+from .writer_room import batch_room_slots, reserve_room
 from ...threads import executor, start_thread
 
 if TYPE_CHECKING:
@@ -76,6 +78,7 @@ class G3Writer:
         self._pieces_writing = 0
         self._last_barrier_s = 0.0  # seconds the last group's fdatasyncs took (bounds the next group's wait)
         self._err_gen: dict[int, int] = {}  # file index -> failed fdatasync count
+        self.late = LatePuts(cat, self._admit_locked)
         self._sync_pool = executor(min(16, max(1, len(cat.slabs.files))), "kvbm-g3-sync")
         self._writer = start_thread(self._write_loop, name="kvbm-g3-writer")
         self._syncer = start_thread(self._sync_loop, name="kvbm-g3-syncer")
@@ -89,70 +92,77 @@ class G3Writer:
             bypass_admission: bool) -> Future[PutResult]:
         """``G3Pool.put`` after its argument checks: skip held / in-flight / not admitted keys, drop what
         the queue bound, the degraded state or a closing pool refuses, and keys no slot can hold (``valid_key``:
-        dropped one by one, ``invalid_key``), queue the rest. All dropped (``lock_busy``) if the lock stays busy
-        ``put_lock_wait_s``."""
-        cat = self.cat
+        dropped one by one, ``invalid_key``), queue the rest; handed off if the lock stays busy (:mod:`.writer_late`)."""
         res = PutResult()
         fut: Future[PutResult] = Future()
         fut.set_running_or_notify_cancel()
-        with held_within(cat.lock, self.tuning.put_lock_wait_s) as got:
-            if not got:  # the lock stayed busy (a stalled journal I/O): dropped, not waited for (invariant 3)
-                return dropped_busy(cat, fut, res, len(keys))
-            cat.admitting(time.monotonic())
-            seen: set[BlockKey] = set()
-            ck: list[BlockKey] = []
-            cb: list[BlockBuffer] = []
-            cc: list[int] = []
-            invalid = 0
-            for j, (k, b) in enumerate(zip(keys, blocks)):
-                if not valid_key(k):  # no slot can hold it (frame/journal fields): only it is dropped, as in G4
-                    invalid += 1
-                    continue
-                if k in seen or k in cat.index or (k in self._inflight and k not in self._cancelled):
-                    res.skipped += 1
-                    cat.c["offloads_skipped_present"] += 1
-                    continue
-                seen.add(k)
-                if not bypass_admission and not self.admission.admit(k):
-                    res.skipped += 1
-                    cat.c["offloads_skipped_admission"] += 1
-                    continue
-                ck.append(k)
-                cb.append(b)
-                if checks is not None:
-                    cc.append(checks[j])
-            if invalid:
-                res.dropped += invalid
-                cat.drop("invalid_key", invalid)
-            if cat.closed:
-                reason, room = "closed", 0
-            elif cat.degraded_until:
-                reason, room = "degraded", 0
-            else:
-                reason, room = "queue_full", max(0, self.cfg.write_queue_blocks - self._pending)
-            take_k, take_b = ck[:room], cb[:room]
-            dropped = len(ck) - len(take_k)
-            if dropped:
-                res.dropped += dropped
-                cat.drop(reason, dropped)
-            if take_k:
-                self._pending += len(take_k)
-                job = _Job(take_k, take_b, fut, res, cc[:room] if checks is not None else None)
-                for k in take_k:  # a key deleted while in flight and put again: this job writes it, the old one not
-                    if (old := self._inflight.get(k)) is not None:
-                        old.lost.add(k)
-                        self._cancelled.discard(k)
-                    self._inflight[k] = job
-                self._queue.append(job)
-                cat.cv.notify_all()
-        if not take_k:
+        with held_within(self.cat.lock, self.tuning.put_lock_wait_s) as got:
+            queued = got and self._admit_locked(keys, blocks, checks, bypass_admission, fut, res)
+        if not got:  # the lock stayed busy (a stalled journal I/O, a busy host): invariant 3
+            return self.late.hand_off(keys, blocks, checks, bypass_admission, fut, res,
+                                      self.cfg.write_queue_blocks - self._pending)
+        if not queued:
             fut.set_result(res)
         return fut
+
+    def _admit_locked(self, keys: list[BlockKey], blocks: list[BlockBuffer], checks: list[int] | None,
+                      bypass_admission: bool, fut: Future[PutResult], res: PutResult) -> bool:
+        """:meth:`put` under the lock (or a late put, :mod:`.writer_late`): queued anything? (else resolve ``fut``)"""
+        cat = self.cat
+        cat.admitting(time.monotonic())
+        seen: set[BlockKey] = set()
+        ck: list[BlockKey] = []
+        cb: list[BlockBuffer] = []
+        cc: list[int] = []
+        invalid = 0
+        for j, (k, b) in enumerate(zip(keys, blocks)):
+            if not valid_key(k):  # no slot can hold it (frame/journal fields): only it is dropped, as in G4
+                invalid += 1
+                continue
+            if k in seen or k in cat.index or (k in self._inflight and k not in self._cancelled):
+                res.skipped += 1
+                cat.c["offloads_skipped_present"] += 1
+                continue
+            seen.add(k)
+            if not bypass_admission and not self.admission.admit(k):
+                res.skipped += 1
+                cat.c["offloads_skipped_admission"] += 1
+                continue
+            ck.append(k)
+            cb.append(b)
+            if checks is not None:
+                cc.append(checks[j])
+        if invalid:
+            res.dropped += invalid
+            cat.drop("invalid_key", invalid)
+        if cat.closed:
+            reason, room = "closed", 0
+        elif cat.degraded_until:
+            reason, room = "degraded", 0
+        else:
+            reason, room = "queue_full", max(0, self.cfg.write_queue_blocks - self._pending)
+        take_k, take_b = ck[:room], cb[:room]
+        dropped = len(ck) - len(take_k)
+        if dropped:
+            res.dropped += dropped
+            cat.drop(reason, dropped)
+        if take_k:
+            self._pending += len(take_k)
+            job = _Job(take_k, take_b, fut, res, cc[:room] if checks is not None else None)
+            for k in take_k:  # a key deleted while in flight and put again: this job writes it, the old one not
+                if (old := self._inflight.get(k)) is not None:
+                    old.lost.add(k)
+                    self._cancelled.discard(k)
+                self._inflight[k] = job
+            self._queue.append(job)
+            cat.cv.notify_all()
+        return bool(take_k)
 
     def cancel(self, key: BlockKey) -> None:
         """``key`` was deleted (caller holds the lock): its queued/in-flight offload is not published, a new put is queued."""
         if key in self._inflight:
             self._cancelled.add(key)
+        self.late.cancel(key)
 
     def _release_keys(self, job: _Job, keys: Sequence[BlockKey]) -> None:
         """``job`` is done with ``keys`` (published, cancelled or dropped). Caller holds the lock."""
@@ -187,6 +197,7 @@ class G3Writer:
         wc.finish_writer(self)
 
     def close_sync_pool(self) -> None:
+        self.late.close()
         self._sync_pool.shutdown(wait=True)
 
     # ---- internals: write path ----------------------------------------------------------------
@@ -211,7 +222,7 @@ class G3Writer:
                 if not self._queue:
                     return
                 jobs = [self._queue.popleft()]
-                sb, cap = self.cat.slot_bytes, self.tuning.max_batch_bytes
+                sb, cap = self.cat.slot_bytes, min(self.tuning.max_batch_bytes, batch_room_slots(self.cat) * self.cat.slot_bytes)
                 nbytes = len(jobs[0].keys) * sb
                 while self._queue and nbytes + len(self._queue[0].keys) * sb <= cap:
                     j = self._queue.popleft()
@@ -266,22 +277,12 @@ class G3Writer:
     def _start_batch(self, batch: "_Batch") -> None:
         """Reserve slots for the batch's blocks and submit its pieces (returns once all are submitted)."""
         any_checks = any(job.checks is not None for job in batch.jobs)
-        evicted_recs = 0
         with self.cat.lock:
             lj, lk, lb, lc, gone = live_blocks(batch.jobs, self._cancelled)  # per live block: job, key, ...
             for job, k in gone:
                 self._skip_deleted(job, k)
-            n = len(lk)
-            slots = self.cat.slabs.allocate(n, self._run)
-            if len(slots) < n:
-                ev = self.cat.index.evict(n - len(slots))
-                for _, s in ev:
-                    self.cat.slabs.release([s])
-                self.cat.note_removed(k for k, _ in ev)
-                evicted_recs = len(ev)
-                slots += self.cat.slabs.allocate(n - len(slots), self._run)
-                self.cat.clear_headers(set(s for _, s in ev).difference(slots))  # evicted, not reused: no scan finds it
-            self.cat.reserved += len(slots)
+            n = len(lk)  # free, evicted, or (pool full of writes in flight) left by them once settled
+            slots, evicted_recs = reserve_room(self.cat, n, self._run, lambda: self._abandoned)
             self.cat.c["evictions"] += evicted_recs
             m = len(slots)
             for job, k in zip(lj[m:], lk[m:]):
