@@ -107,6 +107,15 @@ def connector_extra(workdir: Path, g4_url: str | None = None, keyring: Path | No
     return {"kvbm_backend": cfg, "stats_path": str(workdir / "connector-stats.json")}
 
 
+# ``TORCHDYNAMO_DISABLE=1`` in every engine process: the engines run ``enforce_eager`` (no compiled model), but
+# vLLM 0.32 still wraps a few helpers in ``torch.compile``; the one these runs reach is the TP > 1 vocab
+# embedding's ``get_masked_input_and_mask`` (integer masking of token ids), which every TP rank of every TP=2
+# engine traced and compiled with Inductor (a C++ build on the first run: 16 s of the first request of a TP=2
+# engine on the idle 2-core VM, 2 s with Inductor's cache warm; 2026-12-01). With the switch set torch runs it
+# eagerly: the same integer results, so the same KV and the same greedy outputs.
+NO_TORCH_COMPILE = {"TORCHDYNAMO_DISABLE": "1"}
+
+
 def run_engine(tmp: Path, name: str, model_dir: Path, prompt_list: list[list[int]], connector: dict | None,
                max_tokens: int = 4, kvcache_gib: int = 1, timeout: float = 600, env: dict | None = None,
                **spec_kw) -> dict:
@@ -123,7 +132,8 @@ def run_engine(tmp: Path, name: str, model_dir: Path, prompt_list: list[list[int
     spec_path.write_text(json.dumps(spec))
     e = dict(os.environ)
     e.update({"VLLM_CPU_KVCACHE_SPACE": str(int(kvcache_gib)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-              "PYTHONPATH": str(REPO) + os.pathsep + e.get("PYTHONPATH", ""), "VLLM_LOGGING_LEVEL": "WARNING"})
+              "PYTHONPATH": str(REPO) + os.pathsep + e.get("PYTHONPATH", ""), "VLLM_LOGGING_LEVEL": "WARNING",
+              **NO_TORCH_COMPILE})
     if env:
         e.update(env)
     log = tmp / f"{name}.log"
