@@ -182,7 +182,7 @@ class G3Writer:
         """See ``G3Pool.flush``."""
         end = Deadline(timeout)
         with self.cat.cv:
-            while self._pending or self._writing:
+            while self._pending or self._writing or self.late.blocks:  # late puts: handed off, not yet admitted
                 if end.expired():
                     return False
                 self.cat.cv.wait(end.left())

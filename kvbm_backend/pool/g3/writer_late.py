@@ -121,5 +121,6 @@ class LatePuts:
                 keys, blocks = [keys[i] for i in keep], [blocks[i] for i in keep]
                 checks = None if checks is None else [checks[i] for i in keep]
             queued = self._admit(keys, blocks, checks, late.bypass, late.fut, late.res)
+            cat.cv.notify_all()  # a flush waits for late puts too (G3Writer.flush)
         if not queued:
             late.fut.set_result(late.res)
