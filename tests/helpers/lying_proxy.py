@@ -29,14 +29,22 @@ connection is closed (a reset link, a proxy that died mid-answer). ``proxy.cut``
 XML error) and never reaches the server: an S3-compatible server without conditional deletes.
 ``proxy.refused_deletes`` counts them.
 
+``proxy.ignore_range = True``: a gateway that ignores ``Range``. The client's request still reaches the server
+unchanged (its SigV4 signature covers the ``Range`` header: a request stripped of it is refused, 403
+SignatureDoesNotMatch, by a server that checks signatures, as SeaweedFS with the tests' credentials does); an
+object GET the server answers ``206`` is answered ``200`` instead, with the server's headers but ``Content-Range``
+and the WHOLE object, which the proxy fetches with a GET of its own (boto3, credentials from the environment, as
+the tests' clients have them; :meth:`LyingProxy._whole`). ``proxy.ranges_ignored`` counts them. Applied before
+``cut_short`` and ``mode``, which then act on the whole object's ``200``.
+
 ``proxy.repeat_list_pages = n``: the next ``n`` ListObjectsV2 pages are each served twice (an S3-compatible
 server repeating a page): the first answer hands out a continuation token of the proxy's own (on the listing's
 last page too, then marked truncated), and the client's request for that token is answered, without reaching the
 server, with the page again as the server sent it (its true token, or none): the client lists the page's objects
 twice and goes on. ``proxy.repeated`` counts the pages served again.
 
-Used by tests/pool/g4/test_g4_hostile.py, tests/pool/g4/test_g4_drop_race.py, tests/pool/g4/test_g4_gc_repeats.py
-and the ``lyings3`` fault campaign kind.
+Used by tests/pool/g4/test_g4_hostile.py, tests/pool/g4/test_g4_drop_race.py, tests/pool/g4/test_g4_gc_repeats.py,
+tests/pool/g4/test_g4_oversized.py and the ``lyings3`` fault campaign kind.
 """
 from __future__ import annotations
 
@@ -46,7 +54,8 @@ import re
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 MODES = ("short", "garbage", "other", "html")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "expect", "proxy-connection"}
@@ -104,6 +113,9 @@ class LyingProxy:
         self.cut = 0
         self.no_conditional_delete = False
         self.refused_deletes = 0
+        self.ignore_range = False
+        self.ranges_ignored = 0
+        self._s3: Any = None  # the proxy's own boto3 client (ignore_range), made at first use
         self.repeat_list_pages = 0
         self.repeated = 0
         self._made = 0  # tokens of the proxy's made so far
@@ -116,6 +128,12 @@ class LyingProxy:
 
             def log_message(self, *a):  # quiet
                 pass
+
+            def handle(self):
+                try:
+                    super().handle()
+                except (BrokenPipeError, ConnectionResetError):  # a client that read what it wanted and hung up
+                    pass
 
             def _forward(self):
                 n = int(self.headers.get("Content-Length") or 0)
@@ -138,6 +156,10 @@ class LyingProxy:
                 status, out_hdrs, data, length = upstream(self, proxy.target, self.rfile.read(n) if n else None)
                 obj_get = self.command == "GET" and status in (200, 206) and "?" not in self.path \
                     and self.path.count("/") >= 2
+                if obj_get and status == 206 and proxy.ignore_range:
+                    status, data = 200, proxy._whole(self.path)
+                    out_hdrs = [(k, v) for k, v in out_hdrs if k.lower() != "content-range"]
+                    length = str(len(data))
                 if obj_get and proxy.cut_short > 0 and len(data) >= 3:
                     proxy.cut_short -= 1
                     proxy.cut += 1
@@ -190,6 +212,18 @@ class LyingProxy:
         self.port = self._srv.server_address[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+
+    def _whole(self, path: str) -> bytes:
+        """The whole object at the path-style ``path`` (``/bucket/key``), by a correctly signed GET of the proxy's
+        own (``ignore_range``)."""
+        with self._lock:
+            if self._s3 is None:
+                import boto3
+                self._s3 = boto3.client("s3", endpoint_url=f"http://{self.target[0]}:{self.target[1]}",
+                                        region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
+            self.ranges_ignored += 1
+        bucket, key = unquote(urlsplit(path).path).lstrip("/").split("/", 1)
+        return bytes(self._s3.get_object(Bucket=bucket, Key=key)["Body"].read())
 
     def _lie(self, data: bytes, hdrs: list):
         self.lied += 1

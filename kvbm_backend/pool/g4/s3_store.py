@@ -39,6 +39,8 @@ traffic is on obstore with ``g4.s3_client: obstore``, the default (:mod:`.s3_obs
   answers 200 with a wrong body never gets a good object deleted. The DELETE then carries ``If-Match:`` that
   ETag (:meth:`S3Store.delete_if_matches`), so a good copy another writer published after the HEAD is kept
   (SeaweedFS 4.x honours it: 412; a server that ignores the header deletes whatever the name holds).
+* A ranged GET reads no more than it asked for, from a server that ignores ``Range`` too (:func:`_read_body`): a
+  load asks for one frame and a byte more (:mod:`.reader`), so an oversized object never costs more.
 * botocore's region redirector is kept (a wrong ``region``: one redirect to the region the answer names),
   but a HEAD bucket answered with a redirect that names no region is not looked up again
   (:func:`_no_region_lookup_loop`): such an answer (an http endpoint sent to https) raises an OSError.
@@ -85,7 +87,7 @@ from urllib.parse import ParseResult
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from .throttle import call_attempts
@@ -181,7 +183,7 @@ class S3Store(ObjectStore):
 
         A throttled answer raises :class:`StoreThrottled` at once (never retried or slept on here). A
         failure in transit (botocore connection errors and timeouts; a body cut short, which botocore raises as
-        ResponseStreamingError, an HTTPClientError) or a 500/502/503/504 or
+        ResponseStreamingError, an HTTPClientError, or IncompleteReadError) or a 500/502/503/504 or
         ``RequestTimeout`` answer is retried at once while attempts remain; ``retried`` tells ``fn`` that an
         earlier attempt failed so (its request may have reached the server). Anything else, and the last
         transient failure, is raised as botocore raised it (a ClientError carries ``kvbm_retried``)."""
@@ -195,7 +197,7 @@ class S3Store(ObjectStore):
                 if attempt == self.retries or not (status in _TRANSIENT_STATUS or code in _TRANSIENT_CODES):
                     e.kvbm_retried = attempt > 0
                     raise
-            except (BotoConnectionError, HTTPClientError):
+            except (BotoConnectionError, HTTPClientError, IncompleteReadError):  # the last: a bounded read cut short
                 if attempt == self.retries:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
@@ -299,8 +301,8 @@ class S3Store(ObjectStore):
         if offset or length is not None:
             kw["Range"] = f"bytes={offset}-" + (str(offset + length - 1) if length is not None else "")
         try:
-            body: bytes = self._call("get", name, lambda _r: self.client.get_object(Bucket=self.bucket,
-                                                                                    Key=self._key(name), **kw)["Body"].read())
+            body: bytes = self._call("get", name, lambda _r: _read_body(self.client.get_object(
+                Bucket=self.bucket, Key=self._key(name), **kw)["Body"], length))
             return body
         except ClientError as e:
             code, status = _code(e)
@@ -482,6 +484,25 @@ def _no_region_lookup_loop(request_dict: dict[str, Any], response: Any, operatio
     redirect = request_dict.get("context", {}).get("s3_redirect")
     if isinstance(redirect, dict):
         redirect["redirected"] = True  # what the redirector checks before redirecting (once per request)
+
+
+def _read_body(body: Any, length: int | None) -> bytes:
+    """A GET's streaming ``body``, whole, or at most ``length`` bytes of it: a server or gateway that ignores the
+    Range header and sends the whole object is not read past them (the connection is then dropped). Read to the
+    body's end otherwise, where botocore checks its Content-Length: a body cut short raises (IncompleteReadError)."""
+    if length is None:
+        return bytes(body.read())
+    parts, got = [], 0
+    try:
+        while got < length:
+            part = body.read(length - got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
+    finally:
+        body.close()  # a body read to its end went back to the connection pool already; else the connection is dropped
 
 
 def _md5(data: DataIn) -> str:

@@ -121,3 +121,29 @@ def test_stat_names_the_object_as_a_listing_does(where, tmp_path, request):
     finally:
         st.close()
 
+
+@pytest.mark.parametrize("client", ["obstore", "boto3"])
+def test_a_gateway_that_ignores_range_never_hands_over_more_than_asked(seaweed, s3_prefix, client):
+    """A gateway that ignores the ``Range`` header answers a ranged GET ``200`` with the whole object (the proxy
+    passes the signed request on unchanged and swaps the server's ``206`` for the whole object: ``ranges_ignored``
+    counts it): boto3 reads only the bytes asked for and drops the connection (before 2026-12-01 it read the whole
+    body), obstore refuses the answer (an OSError: a miss). Never more than asked for, either way."""
+    from kvbm_backend.pool.g4.factory import open_store
+    proxy = LyingProxy(*_host_port(seaweed.endpoint))
+    url = seaweed.url(s3_prefix)
+    st = open_store(url, G4Config(url=url, endpoint_url=proxy.endpoint, s3_client=client, timeout_s=60.0))
+    data = os.urandom(1 << 20)
+    try:
+        st.put("big", data)
+        proxy.ignore_range = True
+        if client == "boto3":
+            assert bytes(st.get("big", 0, FRAME + 1)) == data[:FRAME + 1]
+        else:
+            with pytest.raises(OSError):
+                st.get("big", 0, FRAME + 1)
+        assert proxy.ranges_ignored >= 1  # the server took the request (signature intact) and the gateway lied
+        proxy.ignore_range = False
+        assert bytes(st.get("big", 0, FRAME + 1)) == data[:FRAME + 1] and bytes(st.get("big")) == data
+    finally:
+        st.close()
+        proxy.close()
