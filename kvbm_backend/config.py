@@ -302,11 +302,17 @@ class G4Config(_M):
     """Client of the S3 block traffic (PUT/GET/HEAD): ``boto3`` or ``obstore`` (Rust ``object_store``;
     about half of boto3's client CPU per GB, issue 25). Both keep create-exclusive PUT, ranged GET,
     per-request timeouts and the throttling backoff; control calls (probe, gc's LIST, DELETE) use boto3.
-    obstore's ``timeout_s`` bounds the whole request (boto3's: each socket wait), so a PUT of a stalled
+    obstore's ``timeout_s`` bounds a GET's or HEAD's whole request, ``put_timeout_s`` a PUT's (boto3's
+    ``timeout_s``: each socket wait), so a PUT of a stalled
     process can time out after it landed; with either client a PUT that got no answer is settled by a
     HEAD before it counts dropped (:meth:`~kvbm_backend.pool.g4.s3_store.S3Store._settle_put`). The
     default since its encrypted PUT and GET both measured under the issue's 1.0 CPU-s/GB (boto3's PUT
     costs 2.2-2.3; figures in docs/configuration.md)."""
+    put_timeout_s: float | None = Field(default=None, gt=0, le=3600)
+    """obstore: the whole-request bound of a PUT (upload included), seconds, at most 3600; None (default):
+    ``max(30, 10 x timeout_s)``. With ``timeout_s`` there a link slower than ``max_inflight x block_bytes /
+    timeout_s`` dropped every offload and opened the breaker (reviewer, 2026-12-01). boto3 bounds each socket
+    wait by ``timeout_s`` instead and ignores this."""
     layout: Literal["per-rank", "canonical"] = "per-rank"
     """How G4 stores a block: ``per-rank`` (one object per TP rank, its KV heads: only engines of the same
     TP size share it) or ``canonical`` (one object per KV head of the model, MLA once: engines of one

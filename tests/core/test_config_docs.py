@@ -85,6 +85,8 @@ FIELD_TESTS: dict[str, list[str]] = {
                    "tests/pool/g4/test_g4_factory.py::test_the_scheme_picks_the_store_and_the_config_its_options"],
     "g4.max_inflight": ["tests/pool/g4/test_g4_fs_reads.py::test_g4_pool_reads_file_objects_through_its_bounce_buffers_and_reports_overflow",
                         "tests/pool/g4/test_g4_factory.py::test_the_scheme_picks_the_store_and_the_config_its_options"],
+    "g4.put_timeout_s": ["tests/pool/g4/test_g4_obstore_s3.py::test_a_slow_uplink_is_not_an_outage_obstore_puts_finish_past_timeout_s",
+                         "tests/pool/g4/test_g4_obstore_s3.py::test_a_put_answered_too_late_counts_landed_and_a_lost_one_unavailable"],
     "g4.write_queue_blocks": ["tests/pool/g4/test_g4_pool.py::test_offload_queue_bound_drops_and_counts"],
     "g4.breaker_failures": ["tests/pool/g4/test_g4_outage.py::test_server_frozen_killed_and_restarted",
                             "tests/pool/g4/test_operator_logs.py::test_outage_later_logs_open_once_and_closed_once"],

@@ -177,3 +177,34 @@ class SlowPutProxy:
     def close(self) -> None:
         self._srv.shutdown()
         self._srv.server_close()
+
+
+class SlowUploadProxy(SlowAnswerProxy):
+    """A TCP proxy whose client-to-server bytes flow at ``rate_bps`` bytes per second per connection (a slow
+    uplink: each upload progresses, just slowly); the server's answers pass at once. ``endpoint`` as
+    :class:`SlowAnswerProxy`."""
+
+    def __init__(self, host: str, port: int, rate_bps: int):
+        self.rate_bps = rate_bps
+        super().__init__(host, port, slow_connections=0)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, conn: int | None, delay_s: float) -> None:
+        if conn is not None:  # server -> client: unpaced
+            return super()._pipe(src, dst, conn, delay_s)
+        step = max(1, self.rate_bps // 20)  # 20 paced sends a second
+        try:
+            while True:
+                data = src.recv(step)
+                if not data:
+                    break
+                dst.sendall(data)
+                time.sleep(len(data) / self.rate_bps)
+        except OSError:
+            pass
+        finally:
+            for x in (src, dst):
+                try:
+                    x.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                x.close()

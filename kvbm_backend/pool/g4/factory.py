@@ -43,6 +43,7 @@ class StoreOptions:
         retries: extra attempts per request (S3).
         fsync: fsync object and directory before publishing (``file://``).
         s3_client: ``"obstore"`` or ``"boto3"``: the client of S3 block traffic (``g4.s3_client``).
+        put_timeout_s: obstore's whole-request bound of a PUT, seconds (``g4.put_timeout_s``); None: the default.
     """
 
     endpoint_url: str | None = None
@@ -52,13 +53,14 @@ class StoreOptions:
     retries: int = 1
     fsync: bool = True
     s3_client: str = S3_CLIENT_DEFAULT
+    put_timeout_s: float | None = None
 
     @classmethod
     def from_config(cls, cfg: G4Config) -> "StoreOptions":
         """The options of a :class:`kvbm_backend.config.G4Config`."""
         return cls(endpoint_url=cfg.endpoint_url, region=cfg.region, timeout_s=cfg.timeout_s,
                    max_inflight=cfg.max_inflight, retries=cfg.retries, fsync=cfg.fsync,
-                   s3_client=getattr(cfg, "s3_client", S3_CLIENT_DEFAULT))
+                   s3_client=getattr(cfg, "s3_client", S3_CLIENT_DEFAULT), put_timeout_s=cfg.put_timeout_s)
 
 
 def register_scheme(scheme: str, target: str) -> None:

@@ -15,7 +15,8 @@ describes the behaviour), kept request by request:
   and raises :class:`~.store.PutUnsettled` when that HEAD fails);
   501 falls back to HEAD-then-PUT;
 * ranged GETs (``get_range``); HEAD for lookups; no LIST on the serving path;
-* per-request bounds: obstore's ``timeout`` (whole request) and ``connect_timeout`` = ``timeout_s``;
+* per-request bounds: obstore's ``connect_timeout`` = ``timeout_s``, its ``timeout`` (whole request) =
+  ``timeout_s`` for GET and HEAD and :func:`put_timeout_s` (``max(30, 10 x timeout_s)``) for PUT;
   obstore's own retries are off (``max_retries`` 0): :meth:`_ocall` makes the ``1 + retries``
   attempts of a request that failed in transit or with 500/502/503/504 / ``RequestTimeout``, at once;
 * a PUT whose last attempt failed so is settled by a HEAD before it counts as failed
@@ -104,13 +105,29 @@ def _unanswered(f: _Failed) -> bool:
     return f.code != "NoSuchBucket" and (f.status is None or f.status >= 500 or f.code in _TRANSIENT_CODES)
 
 
+#: seconds a PUT's whole request may take at least (obstore's ``timeout`` for PUTs: :func:`put_timeout_s`)
+PUT_TIMEOUT_FLOOR_S = 30.0
+
+
+def put_timeout_s(timeout_s: float) -> float:
+    """obstore's whole-request bound for a PUT: ``max(30, 10 x g4.timeout_s)`` seconds. obstore (reqwest) has no
+    per-socket-wait bound for an upload (see the module doc), and with ``timeout_s`` itself a link merely slower
+    than ``max_inflight x block_bytes / timeout_s`` (32 MiB/s for 2 MiB blocks at the defaults) failed every PUT
+    mid-upload, its retry too: every offload dropped (``dropped_unavailable``), each a breaker failure, the
+    breaker open and loads of stored blocks missed (reviewer 2026-12-01: 16 of 24 dropped through a 96 KiB/s link
+    where boto3 wrote 24 of 24). This bound only ends an upload that stalls; a slow link is back-pressure
+    (``g4.write_queue_blocks``), not a failure. ``g4.put_timeout_s`` sets it instead."""
+    return max(PUT_TIMEOUT_FLOOR_S, 10 * timeout_s)
+
+
 class ObstoreS3Store(S3Store):
     """:class:`~.s3_store.S3Store` with its data path on obstore (same arguments; see the module doc)."""
 
     client_name = "obstore"
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, region: str | None = None,
-                 timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, client: Any = None):
+                 timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, client: Any = None,
+                 put_timeout: float | None = None):
         super().__init__(bucket, prefix, endpoint_url=endpoint_url, region=region, timeout_s=timeout_s,
                          max_inflight=max_inflight, retries=retries, client=client)
         from obstore.store import S3Store as _ObsS3
@@ -123,19 +140,25 @@ class ObstoreS3Store(S3Store):
             kw["credential_provider"] = Boto3CredentialProvider(session)
         else:
             kw["skip_signature"] = True
-        self._obs = _ObsS3(bucket, endpoint=endpoint, region=self.client.meta.region_name or "us-east-1",
-                           virtual_hosted_style_request=not endpoint_url,
-                           unsigned_payload=True,
-                           client_options={"allow_http": endpoint.startswith("http://"), "timeout": t,
-                                           "connect_timeout": t, "pool_max_idle_per_host": str(2 * max_inflight)},
-                           retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(0)}, **kw)
+
+        def client(total: str) -> Any:
+            return _ObsS3(bucket, endpoint=endpoint, region=self.client.meta.region_name or "us-east-1",
+                          virtual_hosted_style_request=not endpoint_url,
+                          unsigned_payload=True,
+                          client_options={"allow_http": endpoint.startswith("http://"), "timeout": total,
+                                          "connect_timeout": t, "pool_max_idle_per_host": str(2 * max_inflight)},
+                          retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(0)}, **kw)
+        self._obs = client(t)  # GET / HEAD: the whole request within timeout_s (the pool's deadline bounds them too)
+        self.put_timeout_s = put_timeout if put_timeout is not None else put_timeout_s(timeout_s)
+        self._obs_put = client(f"{max(1, int(self.put_timeout_s * 1000))}ms")  # PUT: the upload's backstop
 
     @classmethod
     def from_url(cls, url: str, parsed: ParseResult, opts: StoreOptions) -> "ObstoreS3Store":
         if not parsed.netloc:
             raise ValueError(f"g4.url {url!r}: s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
         return cls(parsed.netloc, parsed.path.strip("/"), endpoint_url=opts.endpoint_url, region=opts.region,
-                   timeout_s=opts.timeout_s, max_inflight=opts.max_inflight, retries=opts.retries)
+                   timeout_s=opts.timeout_s, max_inflight=opts.max_inflight, retries=opts.retries,
+                   put_timeout=opts.put_timeout_s)
 
     def _ocall(self, op: str, name: str, fn: Callable[[], _T]) -> _T | None:
         """``fn()``: one obstore request, made up to ``1 + retries`` times (see the module doc). Returns
@@ -177,7 +200,7 @@ class ObstoreS3Store(S3Store):
         key, body = self._key(name), byte_view(data)
         if self.supports_conditional_put:
             try:
-                self._ocall("put", name, lambda: obstore.put(self._obs, key, body, mode="create", use_multipart=False))
+                self._ocall("put", name, lambda: obstore.put(self._obs_put, key, body, mode="create", use_multipart=False))
                 return True
             except _Failed as f:
                 if f.status in (409, 412):
@@ -196,7 +219,7 @@ class ObstoreS3Store(S3Store):
     def put(self, name: str, data: DataIn) -> None:
         body = byte_view(data)
         try:
-            self._ocall("put", name, lambda: obstore.put(self._obs, self._key(name), body, use_multipart=False))
+            self._ocall("put", name, lambda: obstore.put(self._obs_put, self._key(name), body, use_multipart=False))
             return
         except _Failed as f:
             if not _unanswered(f):

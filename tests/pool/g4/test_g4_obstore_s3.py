@@ -105,7 +105,8 @@ def test_obstore_store_bounds_each_request_and_a_late_put_counts_as_its_own(seaw
     timeout = 0.5
     proxy = SlowAnswerProxy(u.hostname, u.port, slow_connections=1, delay_s=4 * timeout)
     try:
-        st = ObstoreS3Store(seaweed.bucket, s3_prefix, endpoint_url=proxy.endpoint, timeout_s=timeout, retries=1)
+        st = ObstoreS3Store(seaweed.bucket, s3_prefix, endpoint_url=proxy.endpoint, timeout_s=timeout, retries=1,
+                            put_timeout=timeout)  # g4.put_timeout_s at timeout_s: a late answer times the PUT out
         # the first PUT's answer comes after its timeout; the retry (new connection) meets 412 for the
         # copy the server stored from the first attempt: the ETag matches, so this call created it
         assert st.put_if_absent("a", b"x" * 1000) is True
@@ -146,8 +147,10 @@ def test_g4_pool_round_trips_encrypted_blocks_with_either_client(seaweed, s3_pre
 
 
 def _store(client: str, seaweed, prefix: str, endpoint: str, timeout_s: float):
-    cls = ObstoreS3Store if client == "obstore" else S3Store
-    return cls(seaweed.bucket, prefix, endpoint_url=endpoint, timeout_s=timeout_s, retries=1)
+    if client == "obstore":  # g4.put_timeout_s at timeout_s: a PUT answered late times out, as boto3's does
+        return ObstoreS3Store(seaweed.bucket, prefix, endpoint_url=endpoint, timeout_s=timeout_s, retries=1,
+                              put_timeout=timeout_s)
+    return S3Store(seaweed.bucket, prefix, endpoint_url=endpoint, timeout_s=timeout_s, retries=1)
 
 
 @pytest.mark.parametrize("client", ["obstore", "boto3"])
@@ -196,7 +199,7 @@ def test_g4_pool_on_obstore_counts_late_answered_offloads_written(seaweed, s3_pr
     blocks = [payload(s, "t", bpb) for s in range(1, 5)]
     proxy = SlowPutProxy(u.hostname, u.port, mode=mode, delay_s=4.0)
     cfg = G4Config(url=seaweed.url(s3_prefix), endpoint_url=proxy.endpoint, s3_client="obstore", timeout_s=1.0,
-                   retries=1, keyring={"path": str(tmp_path / "kr.json")})
+                   put_timeout_s=1.0, retries=1, keyring={"path": str(tmp_path / "kr.json")})
     try:
         with G4Pool(cfg, ns) as p:
             res = p.put(keys, blocks).result(timeout=HANG_S)
@@ -263,7 +266,7 @@ def _unsettled_pool(seaweed, s3_prefix, tmp_path, client, proxy, n: int, first: 
     keys = ns.keys(range(first, first + n), tenant="t")
     blocks = [payload(s, "t", ns.layout.bytes_per_block) for s in range(first, first + n)]
     cfg = G4Config(url=seaweed.url(s3_prefix), endpoint_url=proxy.endpoint, s3_client=client, timeout_s=1.0,
-                   retries=1, keyring={"path": str(tmp_path / "kr.json")}, **cfg_kw)
+                   put_timeout_s=1.0, retries=1, keyring={"path": str(tmp_path / "kr.json")}, **cfg_kw)
     p = G4Pool(cfg, ns, registry=registry)
     t0 = time.monotonic()
     while not p.writer.namespace_written and time.monotonic() - t0 < HANG_S:
@@ -390,5 +393,42 @@ def test_g4_pool_close_ends_an_unsettled_put_dropped_at_once(seaweed, s3_prefix,
         assert st["dropped_unsettled"] == 1 and st["pending_put_blocks"] == 0, st
         assert sample_value(reg, "kvbm_backend_g4_offloads_dropped_total", {"reason": "unsettled"}) == 1
         assert sample_value(reg, "kvbm_object_write_failures_total") == 1
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("via", ["store", "pool"])
+def test_a_slow_uplink_is_not_an_outage_obstore_puts_finish_past_timeout_s(seaweed, s3_prefix, tmp_path, via):
+    """``g4.timeout_s`` is not an upload's bound: a 64 KiB PUT through a 32 KiB/s uplink takes ~2 s, four times
+    ``timeout_s`` (0.5 s), and is written; a pool's offloads are written, none dropped, its breaker closed. obstore's
+    whole-request bound for PUTs is ``g4.put_timeout_s`` (default ``max(30, 10 x timeout_s)``). Before, it was
+    ``timeout_s``: every attempt timed out mid-upload, nothing landed, the offload was dropped
+    (``dropped_unavailable``) and counted a breaker failure (reviewer 2026-12-01: 16 of 24 offloads dropped and the
+    breaker open through a 96 KiB/s link where boto3 wrote 24 of 24)."""
+    from tests.helpers.g4_writer import namespace, payload
+    from tests.helpers.slow_proxy import SlowUploadProxy
+    from kvbm_backend.pool.g4.pool import G4Pool
+    u = urlparse(seaweed.endpoint)
+    proxy = SlowUploadProxy(u.hostname, u.port, rate_bps=32 << 10)
+    try:
+        if via == "store":
+            st = ObstoreS3Store(seaweed.bucket, s3_prefix, endpoint_url=proxy.endpoint, timeout_s=0.5, retries=1)
+            assert st.put_timeout_s == 30.0
+            assert st.put_if_absent("slow", b"s" * (64 << 10)) is True
+            assert bytes(st.get("slow")) == b"s" * (64 << 10)
+            st.close()
+            return
+        ns = namespace()
+        bpb = ns.layout.bytes_per_block
+        n = max(1, (96 << 10) // bpb)  # ~3 s of upload in all, in blocks of the test layout
+        keys = ns.keys(range(1, n + 1), tenant="t")
+        blocks = [payload(s, "t", bpb) for s in range(1, n + 1)]
+        cfg = G4Config(url=seaweed.url(s3_prefix), endpoint_url=proxy.endpoint, s3_client="obstore", timeout_s=0.5,
+                       retries=1, max_inflight=2, keyring={"path": str(tmp_path / "kr.json")})
+        with G4Pool(cfg, ns) as p:
+            res = p.put(keys, blocks).result(timeout=HANG_S)
+            st = p.stats()
+            assert (res.written, res.dropped) == (n, 0), st
+            assert st["breaker_state"] == "closed" and st.get("dropped_unavailable", 0) == 0, st
     finally:
         proxy.close()

@@ -235,6 +235,7 @@ def test_slow_answer_to_a_put_then_412_on_the_retry_counts_as_written(seaweed, s
 
     def pool_via(proxy: SlowAnswerProxy, prefix: str) -> G4Pool:
         return G4Pool(G4Config(url=seaweed.url(prefix), endpoint_url=proxy.endpoint, timeout_s=TIMEOUT_S, retries=1,
+                               put_timeout_s=TIMEOUT_S,  # obstore: the late answer times the PUT out (as boto3)
                                keyring={"path": str(tmp_path / "kr.json")}), ns)
 
     # the store alone: the first PUT's answer comes 2 s late (after its 1 s read timeout), the retry gets 412
