@@ -20,6 +20,16 @@ import threading
 import time
 
 
+def end_sockets(*socks: socket.socket) -> None:
+    """Shut down (both ways) and close each socket, ignoring ones already gone."""
+    for x in socks:
+        try:
+            x.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        x.close()
+
+
 class SlowAnswerProxy:
     def __init__(self, host: str, port: int, slow_connections: int = 1, delay_s: float = 2.0):
         self.target = (host, port)
@@ -66,12 +76,7 @@ class SlowAnswerProxy:
         finally:
             # the client's side ending (its timeout closed it) leaves the server's connection to the answering
             # thread: the server answers what it received, and that answer is recorded (close() ends it)
-            for x in ((src,) if conn is None else (src, dst)):
-                try:
-                    x.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                x.close()
+            end_sockets(*((src,) if conn is None else (src, dst)))
 
     def wait_answer(self, conn: int, timeout_s: float = 60.0) -> bytes:
         """The first bytes of the server's first final answer on connection ``conn``, once it came (the
@@ -202,9 +207,4 @@ class SlowUploadProxy(SlowAnswerProxy):
         except OSError:
             pass
         finally:
-            for x in (src, dst):
-                try:
-                    x.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                x.close()
+            end_sockets(src, dst)
