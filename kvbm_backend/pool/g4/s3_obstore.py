@@ -141,16 +141,16 @@ class ObstoreS3Store(S3Store):
         else:
             kw["skip_signature"] = True
 
-        def client(total: str) -> Any:
+        def obs_client(total: str) -> Any:
             return _ObsS3(bucket, endpoint=endpoint, region=self.client.meta.region_name or "us-east-1",
                           virtual_hosted_style_request=not endpoint_url,
                           unsigned_payload=True,
                           client_options={"allow_http": endpoint.startswith("http://"), "timeout": total,
                                           "connect_timeout": t, "pool_max_idle_per_host": str(2 * max_inflight)},
                           retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(0)}, **kw)
-        self._obs = client(t)  # GET / HEAD: the whole request within timeout_s (the pool's deadline bounds them too)
+        self._obs = obs_client(t)  # GET / HEAD: the whole request within timeout_s (the pool's deadline bounds them too)
         self.put_timeout_s = put_timeout if put_timeout is not None else put_timeout_s(timeout_s)
-        self._obs_put = client(f"{max(1, int(self.put_timeout_s * 1000))}ms")  # PUT: the upload's backstop
+        self._obs_put = obs_client(f"{max(1, int(self.put_timeout_s * 1000))}ms")  # PUT: the upload's backstop
 
     @classmethod
     def from_url(cls, url: str, parsed: ParseResult, opts: StoreOptions) -> "ObstoreS3Store":
