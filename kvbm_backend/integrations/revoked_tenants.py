@@ -16,8 +16,11 @@ Its users: the vLLM connector (:mod:`.vllm.wiring`, below) and the tiering form'
   none of its G3 blocks and stores none (:meth:`RevokedTenants.put_g3`).
 * **Purged**: once per tenant and revocation (its ``revoked_at``) in a process, every G3 block of the tenant is
   deleted (``G3Pool.delete``: the slot headers are zeroed, no restart brings them back): its keys under its id, and
-  restored keys under its tag. Puts handed to G3 before the tenant was refused are flushed first, so none is
-  published after the purge. A purge is due when a keyring check finds a new revocation record (tenants known here:
+  restored keys under its tag. Puts handed to G3 before the tenant was refused are cancelled first (their writes not
+  published: ``G3Pool.unpublished_keys``), and G3 is flushed, so none is published after the purge; a flush that
+  does not finish within ``FLUSH_S`` (a stalled drive) leaves the tenant refused and the purge runs again at the next
+  check (``g3_revoked_purges_retried``, a WARNING). Before 2026-12-02 the flush's answer was ignored: a write still
+  queued then was published after the purge and served once the tenant was re-created. A purge is due when a keyring check finds a new revocation record (tenants known here:
   ids in G3's index and ids seen in requests), and when a tenant is first seen in a process and the keyring holds
   a revocation record of its pseudonym (a worker that was down, or restored the blocks by tag only). A tenant
   re-created by ``keys create`` is therefore served again only after its blocks from before the revocation are
@@ -27,7 +30,8 @@ Its users: the vLLM connector (:mod:`.vllm.wiring`, below) and the tiering form'
   nothing here (the last state stays; G4 fails closed on its own).
 
 Counters (``count``, the connector's :func:`~kvbm_backend.integrations.vllm.stats.add`): ``g3_revoked_purges``
-(purges run), ``g3_revoked_deleted_blocks`` (blocks they deleted), ``save_g3_revoked_blocks`` (blocks not stored
+(purges run), ``g3_revoked_deleted_blocks`` (blocks they deleted), ``g3_revoked_purges_retried`` (purges left for
+the next check: G3's flush did not finish), ``save_g3_revoked_blocks`` (blocks not stored
 in G3: their tenant was refused). Each purge logs one INFO line naming the tenant by its pseudonym only (a tenant
 id is a request's ``cache_salt``).
 """
@@ -217,8 +221,11 @@ class RevokedTenants:
                 del self._pending[t]
         if not todo:
             return
-        for p in self.g3:  # puts handed over before the tenant was refused are published first, then deleted
-            p.flush(FLUSH_S)
+        for p in self.g3:  # puts handed over before the tenant was refused: their writes are cancelled
+            queued = [k for k in p.unpublished_keys() if k.tenant in todo and type(k) is not TagKey]
+            for i in range(0, len(queued), DELETE_CHUNK):
+                p.delete(queued[i:i + DELETE_CHUNK]).result()
+        flushed = [p.flush(FLUSH_S) for p in self.g3]  # and any publishing meanwhile is done before the deletes
         tags = {tag_of(t): t for t in todo}
         counts = dict.fromkeys(todo, 0)
         for p in self.g3:
@@ -229,6 +236,11 @@ class RevokedTenants:
                     by_tenant[owner].append(BlockKey(k.namespace, owner, k.rank, k.seq_hash))
             for t, keys in by_tenant.items():
                 counts[t] += sum(p.delete(keys[i:i + DELETE_CHUNK]).result() for i in range(0, len(keys), DELETE_CHUNK))
+        if not all(flushed):  # a write may still publish a block of it: refused until a later check purges again
+            log.warning("kvbm_backend: G3: a purge of %d revoked tenant(s) found offloads still queued after %.0f s; "
+                        "they stay refused and are purged again at the next check", len(todo), FLUSH_S)
+            self._count(g3_revoked_purges_retried=len(todo))
+            return
         with self._mu:
             for t, at in todo.items():
                 self._done.add((t, at))

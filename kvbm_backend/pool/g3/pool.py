@@ -389,6 +389,12 @@ class G3Pool:
             # them back (see get), so the protocol's list[BlockKey] holds them by this cast
             return cast("list[BlockKey]", [k for k, _ in self.cat.index.items()])
 
+    def unpublished_keys(self) -> list[BlockKey]:
+        """Keys of offloads queued, being written or handed to the late-put thread: not published yet (no I/O; waits
+        for the pool's lock as :meth:`keys` does). :meth:`delete` of them cancels those writes (a tenant's purge)."""
+        with self.cat.lock:
+            return self.writer.unpublished()
+
     def removal_cursor(self) -> int:
         """The cursor :meth:`removed_since` would return now (removals logged so far)."""
         return self.cat.removed_n

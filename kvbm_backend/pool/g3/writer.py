@@ -38,8 +38,7 @@ log = logging.getLogger(__name__)
 
 
 class Admission(Protocol):
-    """An admission filter (:mod:`.admission`): ``policy`` names it; ``admit(key)`` says whether an offload
-    of ``key`` is stored now."""
+    """An admission filter (:mod:`.admission`): ``policy`` names it; ``admit(key)``: is an offload of ``key`` stored now."""
 
     policy: str
 
@@ -83,10 +82,11 @@ class G3Writer:
         self._writer = start_thread(self._write_loop, name="kvbm-g3-writer")
         self._syncer = start_thread(self._sync_loop, name="kvbm-g3-syncer")
 
-    @property
-    def pending(self) -> int:
-        """Offload blocks queued or being written."""
-        return self._pending
+    pending = property(lambda self: self._pending, doc="Offload blocks queued or being written.")
+
+    def unpublished(self) -> list[BlockKey]:
+        """Keys queued, being written or handed to the late-put thread (caller holds the lock)."""
+        return [*self._inflight, *self.late.keys()]
 
     def put(self, keys: list[BlockKey], blocks: list[BlockBuffer], checks: list[int] | None,
             bypass_admission: bool) -> Future[PutResult]:

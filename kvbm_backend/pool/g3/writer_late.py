@@ -84,6 +84,11 @@ class LatePuts:
                 if key in late.keys:
                     late.cancelled.add(key)
 
+    def keys(self) -> list[BlockKey]:
+        """Keys handed off and not yet admitted (nor cancelled)."""
+        with self._mu:
+            return [k for late in self._waiting for k in late.keys if k not in late.cancelled]
+
     def close(self) -> None:
         """No more hand-offs; those waiting still run (a closed pool drops them, ``closed``)."""
         self._ex.shutdown(wait=False)

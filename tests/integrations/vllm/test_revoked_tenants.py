@@ -14,6 +14,7 @@ instance on the same file). The keyring checks run on the check thread and are w
 """
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -275,4 +276,56 @@ def test_blocks_restored_by_tag_after_a_restart_are_never_served_and_are_purged_
         assert _held(p.g3, p.ns, ACME) == N and _delta(before, "g3_revoked_purges") == [1]
         assert _ask(p.s, _req("r2", toks, ACME)) == N * p.bs
     finally:
+        p.close()
+
+
+def test_a_save_still_being_written_when_its_tenant_is_purged_is_never_published(tmp_path, kek, monkeypatch):
+    """acme's save is handed to G3 and its write hangs in ``fdatasync`` (a stalled drive) when acme is revoked and
+    re-created; the worker's check purges acme while the write still waits, and its flush runs out (``FLUSH_S``, here
+    0.2 s for the 30 s a drive may stall). The queued write is cancelled, acme stays refused (purge retried, a
+    WARNING) until a later check's purge finishes; once the drive resumes nothing of acme's old KV is in G3, and its
+    new saves are stored and served. Before the fix the purge ignored its flush's answer: the write was published
+    after the purge and the re-created acme was served the KV saved before its revocation (N blocks in G3)."""
+    import kvbm_backend.integrations.revoked_tenants as rt
+    from kvbm_backend.pool.g3.pool import G3Pool
+
+    monkeypatch.setattr(rt, "FLUSH_S", 0.2)
+    kv = _engine("cpu", seed=65)
+    p = _Worker(tmp_path, kv)
+    inside, release = threading.Event(), threading.Event()
+    real = G3Pool._fdatasync
+
+    def held(fd):
+        inside.set()
+        release.wait(HANG_S)
+        real(fd)
+    try:
+        monkeypatch.setattr(G3Pool, "_fdatasync", staticmethod(held))
+        _, hs, dg = _prompt(p.bs, ACME)
+        from kvbm_backend.integrations.vllm.metadata import SaveJob
+        p.w.save([SaveJob("save-acme", [1, 2, 3, 4], hs[:N], ACME, digests=dg[:16 * N])])
+        assert p.w.flush_saves(HANG_S) and inside.wait(HANG_S), "acme's G3 write never reached its fdatasync"
+        before = stats.snapshot()
+        _keys(ACME, "revoke", kr=p.kr)
+        _keys(ACME, "create", kr=p.kr)
+        p.check()  # the purge: its flush runs out while the write still waits
+        assert _delta(before, "g3_revoked_purges", "g3_revoked_purges_retried") == [0, 1]
+        assert p.wg.refused(ACME), "a tenant whose purge did not finish must stay refused"
+        release.set()
+        assert p.g3.flush(HANG_S)
+        assert _held(p.g3, p.ns, ACME) == 0, "acme's write queued before the purge was published after it"
+        p.check()  # the retried purge finishes: acme is served again
+        assert _delta(before, "g3_revoked_purges", "g3_revoked_purges_retried") == [1, 1]
+        assert not p.wg.refused(ACME)
+        _save(p.w, p.g3, p.g4, [5, 6, 7, 8], ACME)  # the re-created tenant's new KV: stored and served
+        assert _held(p.g3, p.ns, ACME) == N
+        toks = _prompt(p.bs, ACME)[0]
+        r = _req("r", toks, ACME)
+        assert _ask(p.s, r) == N * p.bs
+        jobs = _plan(p.s, r, N * p.bs, [14, 15, 16, 17])
+        assert [j.tiers for j in jobs] == [["G3"] * N] and _load(p.w, jobs) == set()
+        assert all(torch.equal(_block_bytes(kv, a), _block_bytes(kv, b)) for a, b in zip([14, 15, 16, 17],
+                                                                                         [5, 6, 7, 8]))
+    finally:
+        release.set()
         p.close()
