@@ -333,11 +333,12 @@ class WorkerSide:
         skipped as held, for good. Deleted, the recompute's save writes it again. G3 deletes only on a proof of
         bad bytes, or once the block stayed unreadable (``G3Pool.drop_unreadable``: a block whose slot re-reads
         and verifies, or cannot be re-read for now, stays). Counted
-        ``load_g3_dropped_blocks``; a failed delete is logged (the block then only cools). Never raises."""
+        ``load_g3_dropped_blocks``; a failed delete is logged (the block then only cools). Never raises. Every key
+        goes to G3, which skips those it does not hold: before 2026-12-02 they were filtered by ``contains``, which
+        answers False for a lock busy over ~20 ms, and a block due for deletion was kept then."""
         g3p = self.g3
-        held = [k for k in missed if g3p is not None and g3p.contains(k)]
-        if held and g3p is not None:
-            stats.add(load_g3_dropped_blocks=drop_blocks(g3p, held, Deadline(self.load_timeout_s), "G3"))
+        if missed and g3p is not None:
+            stats.add(load_g3_dropped_blocks=drop_blocks(g3p, missed, Deadline(self.load_timeout_s), "G3"))
 
     def _report_load_misses(self, missed: list) -> None:
         """G3 blocks a load missed that the pool proved gone (no longer in its index: absent, or dropped as

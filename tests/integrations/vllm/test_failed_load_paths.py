@@ -311,3 +311,52 @@ def test_a_g3_block_whose_read_failed_once_but_re_reads_good_is_kept(tmp_path, m
     finally:
         w.shutdown()
         g3.close()
+
+
+def test_an_unreadable_g3_block_is_deleted_even_while_another_thread_holds_the_pools_lock(tmp_path, monkeypatch):
+    """The third failed load of an unreadable block (the strike that deletes it, as in the test above) ends while
+    another thread holds the G3 pool's lock (a journal append on a slow drive, an eviction; here a thread holding it
+    0.5 s). Before 2026-12-02 the worker first filtered the keys with ``G3Pool.contains``, which answers False
+    rather than wait more than ~20 ms for a busy lock: the block was taken for absent and not deleted, and stayed
+    offered (cooled, re-failed) until a later load happened to find the lock free. Now every missed G3 key goes to
+    ``G3Pool.drop_unreadable``, which waits for the lock: deleted, reported removed."""
+    import threading
+
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.metadata import LoadJob, mirror_id
+
+    kv, ns, g3, w, hs = _worker_with_two_blocks(tmp_path, 52)
+    try:
+        w.worker_meta()
+        bad = ns.key(hs[1], TENANT, 0)
+        now = [1000.0]
+        g3.reader.unreadable.clock = lambda: now[0]
+        stats.reset()
+        real_drop = w.drop_unreadable
+        held = threading.Event()
+
+        def drop_while_locked(missed: list) -> None:
+            def hold() -> None:
+                with g3.cat.lock:
+                    held.set()
+                    time.sleep(0.5)
+            t = threading.Thread(target=hold, name="test-lock-holder")
+            t.start()
+            assert held.wait(HANG_S)
+            real_drop(missed)
+            t.join()
+        with monkeypatch.context() as mp:
+            slot_eio(mp, g3, bad)
+            for t in (0.0, 150.0, 300.0):
+                now[0] = 1000.0 + t
+                if t == 300.0:
+                    mp.setattr(w, "drop_unreadable", drop_while_locked)
+                w.start_loads([LoadJob(f"r{int(t)}", [11], [hs[1]], ["G3"], TENANT)])
+                errs, meta = _finish(w, f"r{int(t)}")
+                assert errs == {11}
+        assert held.is_set()
+        assert not g3.contains(bad) and stats.get("load_g3_dropped_blocks") == 1, "kept: the busy lock hid it"
+        assert meta is not None and mirror_id(bad) in meta.removed
+    finally:
+        w.shutdown()
+        g3.close()
