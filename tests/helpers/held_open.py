@@ -22,12 +22,14 @@ class HeldOpen:
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
             self.fds.append(fd)
 
-    def release(self) -> None:
-        """Give up the leases: the blocked opens finish now."""
+    def release(self, restore_sigio: bool = True) -> None:
+        """Give up the leases: the blocked opens finish now. ``restore_sigio`` False: leave SIGIO's handler as it is
+        (a release from another thread than the main one, whose caller restores it itself)."""
         for fd in self.fds:
             try:
                 fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
             finally:
                 os.close(fd)
         self.fds = []
-        signal.signal(signal.SIGIO, self._old)
+        if restore_sigio:
+            signal.signal(signal.SIGIO, self._old)

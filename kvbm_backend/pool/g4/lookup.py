@@ -3,8 +3,8 @@
 A lookup HEADs its keys in growing parallel waves (8, 16, ... up to ``max_inflight``), stopping at the first
 absent key, and resolves within the load bound (``timeout_s * (1 + retries)`` seconds, a
 :class:`~kvbm_backend.deadlines.Deadline` on the pool's timer thread): an expired lookup answers the
-prefix confirmed so far and counts as one store failure (breaker), unless the store was answering "slow
-down". Throttled HEADs (:class:`~kvbm_backend.pool.g4.store.StoreThrottled`) are retried after a
+prefix confirmed so far and counts as one store failure (breaker) when the store is silent (:mod:`.silence`:
+HEADs queued behind requests that answer are load, not a fault), unless the store was answering "slow down". Throttled HEADs (:class:`~kvbm_backend.pool.g4.store.StoreThrottled`) are retried after a
 full-jitter backoff (:mod:`.throttle`) until the bound: each throttled answer counts ``throttled_head``, a
 HEAD still throttled at the bound ends the lookup there (``lookup_throttled``), never a breaker failure. A HEAD
 answered with an error (an OSError neither outage nor throttle: 403, a link at the name) finds the key absent and
@@ -25,6 +25,7 @@ from ...deadlines import Deadlines
 from ...model.namespace import BlockKey, KeyRun
 from ..base import InFlight, completed
 from .breaker import CircuitBreaker
+from .silence import StoreCalls
 from .events import G4Counters, OperatorLog
 from .reader import tenant_miss
 from .store import ObjectStore, StoreThrottled, StoreUnavailable
@@ -62,11 +63,13 @@ class G4Lookups:
         breaker, throttle, counters, oplog: the pool's shared collaborators.
         executor: the read threads; deadlines: the pool's timer thread.
         load_bound_s: seconds within which a lookup resolves; max_inflight: the widest wave.
+        calls: the pool's :class:`~.silence.StoreCalls` (its HEADs go through it; an expired lookup tells silence).
     """
 
     def __init__(self, *, store: ObjectStore, namespace: str, names: TenantNames, keyring: Keyring | None,
                  breaker: CircuitBreaker, throttle: ThrottleWatch, counters: G4Counters, oplog: OperatorLog,
-                 executor: ThreadPoolExecutor, deadlines: Deadlines, load_bound_s: float, max_inflight: int):
+                 executor: ThreadPoolExecutor, deadlines: Deadlines, load_bound_s: float, max_inflight: int,
+                 calls: StoreCalls):
         self.store = store
         self._fp = namespace
         self._names = names
@@ -80,6 +83,7 @@ class G4Lookups:
         self._deadlines = deadlines
         self._load_bound_s = load_bound_s
         self._max_inflight = max_inflight
+        self._call, self._silent = calls.call, calls.silent
         self._closed = False
         self._open: InFlight[_Lookup] = InFlight()  # lookups not resolved yet (expire_open)
 
@@ -132,7 +136,7 @@ class G4Lookups:
                         and self._breaker.allow()):
                     name = self._names.name(k)
                     try:
-                        present = call_throttled(lambda: self.store.head(name), b.until,
+                        present = call_throttled(lambda: self._call(self.store.head, name), b.until,
                                                  lambda: self._throttle.note("head"), lambda: b.closed) is not None
                         self._breaker.success()
                     except StoreThrottled:
@@ -204,5 +208,6 @@ class G4Lookups:
                 self._count("lookup_throttled")
             else:
                 self._count("lookup_timeout")
-                self._breaker.failure(f"a lookup got no reply within {self._load_bound_s:.2f} s")
+                if self._silent():  # a HEAD unanswered (:mod:`.silence`); one queued behind answering ones: load
+                    self._breaker.failure(f"a lookup got no reply within {self._load_bound_s:.2f} s")
         b.future.set_result(n)

@@ -83,6 +83,7 @@ from .factory import open_store
 from .keyring_view import KeyringView
 from .lookup import G4Lookups
 from .reader import G4Reader, GetBatch
+from .silence import SILENT_FRACTION, StoreCalls
 from .store import ObjectStore
 from ...store_url import redact_url
 from .tenant_names import TENANT_CACHE_ENTRIES as TENANT_CACHE_ENTRIES, TenantNames
@@ -175,17 +176,18 @@ class G4Pool:
                                put_bound_s=cfg.timeout_s * (1 + cfg.retries), load_bound_s=self.load_bound_s,
                                default_tenant=default_tenant,
                                breaker=self.breaker, throttle=self.throttle, counters=self.counters)
+        calls = StoreCalls(cfg.timeout_s * SILENT_FRACTION)  # requests out on the I/O threads: silence vs load
         self.reader = G4Reader(store=self.store, layout=namespace.layout, world=namespace.tp_world_size,
                                namespace=self._fp, names=self.names, keyring=self.keyring, encrypt=self.encrypt,
                                frames=frames, executor=self._io, deadlines=self._deadlines,
-                               load_bound_s=self.load_bound_s, max_inflight=cfg.max_inflight,
+                               load_bound_s=self.load_bound_s, max_inflight=cfg.max_inflight, calls=calls,
                                breaker=self.breaker, throttle=self.throttle, counters=self.counters,
                                oplog=self.oplog)
         self.lookups = G4Lookups(store=self.store, namespace=self._fp, names=self.names,
                                  keyring=self.keyring, executor=self._io,
                                  deadlines=self._deadlines, load_bound_s=self.load_bound_s,
-                                 max_inflight=cfg.max_inflight, breaker=self.breaker, throttle=self.throttle,
-                                 counters=self.counters, oplog=self.oplog)
+                                 max_inflight=cfg.max_inflight, calls=calls, breaker=self.breaker,
+                                 throttle=self.throttle, counters=self.counters, oplog=self.oplog)
         self.writer.start()
         self._registry = registry
         if registry is not None:

@@ -6,7 +6,8 @@ buffers file objects are read through); lookups are :mod:`.lookup`.
   counters are counted once, when it goes idle) and resolves when every block is back or at the load bound (``timeout_s * (1 + retries)`` seconds, a
   :class:`~kvbm_backend.deadlines.Deadline` on the pool's timer thread), whichever is first; a
   block not back by then is a miss (``miss_timeout``, marked ``GetResult.timed_out``) and its late reply
-  never touches the caller's buffer (per-block lock + ``closed`` flag). An expired batch counts as one store failure (breaker).
+  never touches the caller's buffer (per-block lock + ``closed`` flag). An expired batch counts as one store failure
+  (breaker) when the store is silent (:mod:`.silence`); blocks queued behind reads that answer are load, not a fault.
 * A block is a hit only after :func:`kvbm_backend.model.frame.accept` (header identity, layout, exact length) and the
   GCM tag (or xxh3) verified in a staging buffer the pool owns (the bounce buffer, decrypted in place, or a fresh one
   for a store's read-only bytes); only then are the bytes copied into the caller's buffer, so a miss never touches it.
@@ -53,6 +54,7 @@ from ...model.namespace import BlockKey
 from ..base import GetResult, InFlight, completed
 from .bad_objects import drop_bad
 from .breaker import CircuitBreaker
+from .silence import StoreCalls
 from .events import G4Counters, OperatorLog
 from .store import ObjectStore, StoreThrottled, StoreUnavailable
 from .naming import TenantNamer
@@ -162,32 +164,28 @@ class G4Reader:
         store: where objects are read (and corrupt ones deleted).
         layout, world, namespace: what a block must be (``frame.accept``); ``namespace`` is the fingerprint.
         names: object names and expected headers per tenant.
-        keyring: data keys to open encrypted frames (None: plaintext pool without keyring).
-        encrypt: an encrypted pool serves only authenticated blocks.
+        keyring: data keys to open encrypted frames (None: plaintext pool without keyring). encrypt: an encrypted pool
+            serves only authenticated blocks.
         frames: reused staging for read-only bodies (S3), buffers of ``HEADER_BYTES + bytes_per_block``.
         breaker, throttle, counters, oplog: the pool's shared collaborators. executor: the read threads
         (``g4.max_inflight``); deadlines: the pool's timer thread.
         load_bound_s: seconds within which a batch resolves. max_inflight: read threads, bounce buffers kept.
+        calls: the pool's :class:`~.silence.StoreCalls` (its reads go through it; a batch expiring tells silence).
     """
 
     def __init__(self, *, store: ObjectStore, layout: KvLayout, world: int, namespace: str, names: TenantNames,
                  keyring: Keyring | None, encrypt: bool, frames: BufferPool, breaker: CircuitBreaker,
                  throttle: ThrottleWatch, counters: G4Counters, oplog: OperatorLog, executor: ThreadPoolExecutor,
-                 deadlines: Deadlines, load_bound_s: float, max_inflight: int):
-        self.store = store
-        self._layout = layout
-        self._bpb = layout.bytes_per_block
-        self._world = world
-        self._fp = namespace
-        self._names = names
-        self._keyring = keyring
+                 deadlines: Deadlines, load_bound_s: float, max_inflight: int, calls: StoreCalls):
+        self.store, self._layout, self._bpb = store, layout, layout.bytes_per_block
+        self._world, self._fp, self._names, self._keyring = world, namespace, names, keyring
         self._encrypt = encrypt
         self._tenant_keyring = keyring  # what tenant_miss asks: plaintext pools with a keyring honour it too
         self._frames, self._frame_bytes = frames, HEADER_BYTES + self._bpb
         self._breaker = breaker
         self._throttle = throttle
-        self._count, self._oplog = counters.count, oplog
-        self._exec = executor
+        self._count, self._oplog, self._exec = counters.count, oplog, executor
+        self._call, self._silent = calls.call, calls.silent
         self._deadlines, self._load_bound_s = deadlines, load_bound_s
         self._tasks = max_inflight  # tasks per batch at most (one per I/O thread)
         self._closed = False
@@ -318,7 +316,7 @@ class G4Reader:
             self._count("miss_throttled", missed)
         else:
             self._count("miss_timeout", missed)
-            if missed:  # silence is a failure: nothing else reports a read hung in the kernel
+            if missed and self._silent():  # silence is a failure; queueing behind answering reads is load
                 self._breaker.failure(f"{missed} block reads got no reply within {self._load_bound_s:.2f} s")
         timed_out = [False] * len(b.ok)
         if not closing:  # the load bound ran out on these (silent or throttling store): they may be stored
@@ -385,16 +383,16 @@ class G4Reader:
         data: Blob | _Split | None
         try:
             if buf is None:
-                data = call_throttled(lambda: self.store.get(name, 0, self._frame_bytes + 1), b.until,
+                data = call_throttled(lambda: self._call(self.store.get, name, 0, self._frame_bytes + 1), b.until,
                                       lambda: self._throttle.note("get"), lambda: b.closed)
                 size = None if data is None else len(data)
             elif split:  # staged into a scratch row: the payload is read straight into it (one scatter read)
                 parts = [buf.data[:HEADER_BYTES], dst]
-                size = call_throttled(lambda: self.store.get_into(name, parts), b.until,
+                size = call_throttled(lambda: self._call(self.store.get_into, name, parts), b.until,
                                       lambda: self._throttle.note("get"), lambda: b.closed)
                 data = None if size is None else _Split(parts, size)
             else:  # the object's true size, may exceed len(buf)
-                size = call_throttled(lambda: self.store.get_into(name, buf), b.until,
+                size = call_throttled(lambda: self._call(self.store.get_into, name, buf), b.until,
                                       lambda: self._throttle.note("get"), lambda: b.closed)
                 data = None if size is None else buf.data[:min(size, len(buf))]
         except StoreThrottled:
