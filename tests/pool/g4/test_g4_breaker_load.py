@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import numpy as np
 import pytest
