@@ -4,7 +4,7 @@
 Workers look blocks up under keyed names only (a second HEAD/GET per miss under the old name would double
 the store requests of every miss, the common case of a cold prefix): after an upgrade, old-named blocks
 are misses (recomputed, never wrong) until this step renames them. It is safe while workers run and can
-be repeated: each old object is read, its header checked against its name, the whole object read and verified
+be repeated: each old object is read, its header checked against its name, the object read and verified
 (length; GCM tag under the keyring's data key, or xxh3), published under the new name create-exclusive (an
 existing new object is kept: losing the race is success) and only then deleted. Before 2026-11-30 only the
 header was checked: a read that came back damaged with its header intact (an S3 endpoint or proxy answering 200
@@ -17,6 +17,10 @@ block, its payload verifies under a key the keyring holds, sealed where they enc
 the only good copy, stays (``kept_name_taken``): a worker drops a damaged copy on its first load, gc one sealed
 under a revoked key or a plaintext one, and a later run renames it. Before 2026-11-30 it was deleted whatever
 the new name held, and the block was lost once that copy was dropped.
+Reads are bounded: an object (and the copy under its new name) is read up to the frame its header names and one
+byte more (``skipped_invalid`` when longer), and a header naming a payload over :data:`MAX_FRAME_PAYLOAD_BYTES` is
+not read on; before 2026-12-02 each was read whole, so an object grown or planted to gigabytes at a block's name
+took the run's memory with it.
 Objects whose header does not match their name, of revoked or unknown tenants (with a keyring), are not
 renamed and are left for ``kvbm-backend gc``; so are encrypted frames whose data key is not their tenant's now
 (``skipped_revoked``): a tenant revoked and then re-created by ``keys create`` keeps its pseudonym, so renaming
@@ -44,13 +48,18 @@ from .store import ObjectStore, StoreUnavailable, listing
 if TYPE_CHECKING:
     from ...crypto.keyring import Keyring
 
+#: bytes of payload a frame's header may name and still be read (1 GiB: the largest KV block of a published layout
+#: is a few tens of MiB); a larger claim is ``skipped_invalid`` without reading it
+MAX_FRAME_PAYLOAD_BYTES = 1 << 30
+
 
 def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: bool = False,
                 dir_fanout: int = 256, dry_run: bool = False, encrypted: bool | None = None) -> dict[str, Any]:
     """Rename every format 1 block object of ``store`` to its keyed name, under the same prefix.
 
     Two passes: every candidate's header is read and checked first (nothing is written before all passed
-    the checks that refuse the run), then each is read whole, published under its new name and deleted.
+    the checks that refuse the run), then each is read (up to its frame and a byte more), published under its new
+    name and deleted.
 
     Args:
         keyring: the workers' :class:`~kvbm_backend.crypto.keyring.Keyring` (names are keyed by it, also
@@ -140,9 +149,12 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             if encrypted:
                 res["skipped_plaintext"] += 1
                 continue
-        todo.append((o, meta))
+        if hdr.stored_len > MAX_FRAME_PAYLOAD_BYTES:  # no KV block is near it: never read whole
+            res["skipped_invalid"] += 1
+            continue
+        todo.append((o, meta, HEADER_BYTES + hdr.stored_len + 1))
     namers: dict[tuple[str, str], TenantNamer] = {}  # (namespace hex, tenant pseudonym hex)
-    for o, meta in todo:  # pass 2: rename
+    for o, meta, want in todo:  # pass 2: rename; reads ask for the frame its header names and a byte more
         ps = meta["tenant"]
         namer = namers.get((meta["ns"], ps))
         if namer is None:
@@ -153,7 +165,7 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
         parts = o.name.split("/")
         new = "/".join(parts[:-5] + [namer.name(meta["rank"], meta["seq_hash"])])
         try:
-            data = store.get(o.name)
+            data = store.get(o.name, 0, want)
             if data is None:
                 continue
             hdr = _matching_header(memoryview(data)[:HEADER_BYTES], meta)
@@ -168,12 +180,12 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
                 res["skipped_invalid" if store.stored_matches(o.name, data, o.size) else "errors"] += 1
                 continue
             if dry_run:  # what the run would do, writing and deleting nothing
-                there = store.get(new)
+                there = store.get(new, 0, want)
                 res["migrated" if there is None else
                     "already_present" if _serves(there, meta, keyring, encrypted) else "kept_name_taken"] += 1
                 continue
             created = store.put_if_absent(new, data)
-            if not created and not _serves(store.get(new), meta, keyring, encrypted):
+            if not created and not _serves(store.get(new, 0, want), meta, keyring, encrypted):
                 res["kept_name_taken"] += 1  # the old object stays: the only good copy (module doc)
                 continue
             store.delete(o.name)
@@ -199,10 +211,10 @@ def _serves(data: Any, meta: dict[str, Any], keyring: "Keyring | None", encrypte
 
 
 def _unverified(hdr: FrameHeader, data: Any, keyring: "Keyring | None") -> str | None:
-    """None when ``data`` (a whole object read) is exactly the frame ``hdr`` describes and its payload
-    verifies (the GCM tag under the data key the keyring holds for it, or a plaintext frame's xxh3);
-    ``"revoked"`` when the keyring no longer holds that key (or holds other key material under its id);
-    ``"invalid"`` otherwise (a wrong length, a tag or checksum that fails)."""
+    """None when ``data`` (an object read up to the frame its header names and a byte more) is exactly the frame
+    ``hdr`` describes and its payload verifies (the GCM tag under the data key the keyring holds for it, or a
+    plaintext frame's xxh3); ``"revoked"`` when the keyring no longer holds that key (or holds other key material
+    under its id); ``"invalid"`` otherwise (a wrong length, a tag or checksum that fails)."""
     mv = memoryview(data).cast("B")
     if len(mv) != HEADER_BYTES + hdr.stored_len or hdr.stored_len != hdr.payload_len:
         return "invalid"

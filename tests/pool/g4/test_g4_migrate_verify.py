@@ -185,3 +185,46 @@ def test_a_dry_run_reports_what_the_run_does_on_a_mixed_store(tmp_path):
     assert [real[k] for k in keys] == [1, 1, 2, 1, 0], out
     assert (code_dry, [dry[k] for k in keys]) == (code, [real[k] for k in keys])
     assert {k: v for k, v in dry.items() if k != "dry_run"} == {k: v for k, v in real.items() if k != "dry_run"}
+
+
+class _CountingStore:
+    """The real file store of ``inner``, counting the bytes each ``get`` returned (the largest one read)."""
+
+    def __init__(self, inner):
+        self._inner, self.largest = inner, 0
+
+    def get(self, name, offset=0, length=None):
+        data = self._inner.get(name, offset, length)
+        self.largest = max(self.largest, 0 if data is None else len(data))
+        return data
+
+    def __getattr__(self, attr):
+        return getattr(self._inner, attr)
+
+
+def test_migrate_reads_no_more_than_a_frame_of_an_object_grown_past_it(tmp_path):
+    """A format 1 object whose header names its block, followed by 16 MiB appended (a tampered or runaway object
+    at a block's name), beside a good one. Before 2026-12-02 migrate read each object whole (16 MiB into memory for
+    a 36 KiB block; gigabytes for a planted one); now it reads the frame its header names and one byte more: the
+    grown one is ``skipped_invalid`` and left for gc, the good one renamed, and no read returned more than a frame
+    and a byte."""
+    from kvbm_backend.pool.g4.factory import open_store
+    from kvbm_backend.pool.g4.migrate import run_migrate
+
+    ns = namespace()
+    kr = str(tmp_path / "kr.json")
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT)
+    with G4Pool(cfg, ns) as p:
+        assert put_blocks(p, [9300, 9301], "alice").written == 2
+        sources = _to_legacy(p, ns, [9300, 9301], "alice")
+        name, data = next(iter(sources.items()))
+        p.store.delete(name)
+        p.store.put(name, data + bytes(16 << 20))
+        frame = len(data)
+        keyring = p.keyring
+        store = _CountingStore(open_store(cfg.url))
+        res = run_migrate(store, keyring=keyring, dir_fanout=FANOUT)
+        assert (res["migrated"], res["skipped_invalid"], res["errors"]) == (1, 1, 0), res
+        assert store.largest <= frame + 1, f"migrate read {store.largest} bytes of an object whose frame is {frame}"
+        assert p.store.head(name) == frame + (16 << 20)  # left in place, for gc
+        assert read_checked(p, [9301], "alice") == [True]
