@@ -99,6 +99,12 @@ class _Failed(Exception):
         self.op, self.status, self.code, self.retried = op, status, code, retried
 
 
+#: obstore's error for a ranged GET answered 200 (the endpoint or a gateway ignored ``Range``): before 2026-12-02 it
+#: was taken for an unanswered request (no status): retried, counted towards the breaker, which then refused every
+#: G4 load and store of the worker; now an answered error (``miss_error``, logged naming the cause)
+_RANGE_IGNORED = "non-partial response when range requested"
+
+
 def _unanswered(f: _Failed) -> bool:
     """The request got no answer (timeout, connection cut) or a 5xx / transient one: the store is
     unavailable, and a PUT may have landed all the same."""
@@ -176,6 +182,8 @@ class ObstoreS3Store(S3Store):
             except (AlreadyExistsError, PreconditionError) as e:
                 raise _Failed(op, 412, "PreconditionFailed", attempt > 0, str(e)) from None
             except Exception as e:  # noqa: BLE001 - obstore's errors: classified by status and code
+                if _RANGE_IGNORED in str(e):  # answered (200, the whole object): no outage, never retried
+                    raise _Failed(op, 200, "RangeIgnored", attempt > 0, str(e).splitlines()[0]) from None
                 status, code = status_and_code(e)
                 if code in THROTTLE_CODES or status == 429 or (op == "head" and status == 503):
                     raise StoreThrottled(f"{op} {self.url}/{name}: throttled ({code or '-'}, HTTP {status})") from None
@@ -194,6 +202,9 @@ class ObstoreS3Store(S3Store):
             raise self._unavailable_error(f, name) from None
         if f.code == "Redirect":
             raise OSError(f"{f.op} {self.url}/{name}: Redirect (HTTP 3xx, not followed: {f})") from None
+        if f.code == "RangeIgnored":
+            raise OSError(f"{f.op} {self.url}/{name}: the endpoint (or a gateway before it) ignored Range: a ranged "
+                          "GET was answered 200 with the whole object; G4 reads need Range support") from None
         raise OSError(f"{f.op} {self.url}/{name}: {f.code or '-'} (HTTP {f.status})") from None
 
     def put_if_absent(self, name: str, data: DataIn) -> bool:

@@ -21,6 +21,7 @@ from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.pool.g4.s3_store import S3Store
+from kvbm_backend.pool.g4.store import StoreUnavailable
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
 NS = namespace()
@@ -127,7 +128,8 @@ def test_a_gateway_that_ignores_range_never_hands_over_more_than_asked(seaweed, 
     """A gateway that ignores the ``Range`` header answers a ranged GET ``200`` with the whole object (the proxy
     passes the signed request on unchanged and swaps the server's ``206`` for the whole object: ``ranges_ignored``
     counts it): boto3 reads only the bytes asked for and drops the connection (before 2026-12-01 it read the whole
-    body), obstore refuses the answer (an OSError: a miss). Never more than asked for, either way."""
+    body), obstore refuses the answer (an OSError naming the cause: a miss; before 2026-12-02 a StoreUnavailable,
+    retried and counted towards the breaker). Never more than asked for, either way."""
     from kvbm_backend.pool.g4.factory import open_store
     proxy = LyingProxy(*_host_port(seaweed.endpoint))
     url = seaweed.url(s3_prefix)
@@ -139,11 +141,49 @@ def test_a_gateway_that_ignores_range_never_hands_over_more_than_asked(seaweed, 
         if client == "boto3":
             assert bytes(st.get("big", 0, FRAME + 1)) == data[:FRAME + 1]
         else:
-            with pytest.raises(OSError):
+            with pytest.raises(OSError) as ei:
                 st.get("big", 0, FRAME + 1)
+            assert not isinstance(ei.value, StoreUnavailable) and "ignored Range" in str(ei.value), repr(ei.value)
         assert proxy.ranges_ignored >= 1  # the server took the request (signature intact) and the gateway lied
         proxy.ignore_range = False
         assert bytes(st.get("big", 0, FRAME + 1)) == data[:FRAME + 1] and bytes(st.get("big")) == data
     finally:
         st.close()
+        proxy.close()
+
+
+def test_an_obstore_pool_behind_a_gateway_that_ignores_range_keeps_storing_and_names_the_cause(seaweed, s3_prefix,
+                                                                                               tmp_path, caplog):
+    """An obstore G4 pool whose endpoint is a gateway ignoring ``Range`` (every load is a ranged GET): each load is
+    a miss (``miss_error``) and the log names the cause; the breaker stays closed, so stores keep being written and
+    are served once the gateway honours Range again. Before 2026-12-02 the refused answer was taken for an outage:
+    each load retried and counted a breaker failure, the breaker opened (``breaker_failures`` 2 here) and the worker
+    refused every G4 load and store (``dropped_breaker``) for ``breaker_reset_s``."""
+    import logging
+
+    proxy = LyingProxy(*_host_port(seaweed.endpoint))
+    url = seaweed.url(s3_prefix)
+    pool = G4Pool(G4Config(url=url, endpoint_url=proxy.endpoint, s3_client="obstore", timeout_s=60.0, retries=1,
+                           breaker_failures=2, breaker_reset_s=3600.0,
+                           keyring={"path": str(tmp_path / "keys" / "keyring.json")}, dir_fanout=16), NS)
+    try:
+        keys = NS.keys([1, 2, 3, 4], tenant="t")
+        blocks = [payload(s, "t", BPB) for s in (1, 2, 3, 4)]
+        assert pool.put(keys[:2], blocks[:2]).result(timeout=HANG_S).written == 2
+        proxy.ignore_range = True
+        out = [np.zeros(BPB, np.uint8) for _ in range(2)]
+        with caplog.at_level(logging.WARNING):
+            for _ in range(3):
+                assert pool.get(keys[:2], out).result(timeout=HANG_S).ok == [False, False]
+        st = pool.stats()
+        assert st.get("miss_error", 0) == 6 and st.get("miss_unavailable", 0) == 0, st
+        assert pool.breaker.state == "closed", st
+        assert "ignored Range" in caplog.text
+        assert pool.put(keys[2:], blocks[2:]).result(timeout=HANG_S).written == 2  # stores go on
+        proxy.ignore_range = False
+        out = [np.zeros(BPB, np.uint8) for _ in range(4)]
+        assert pool.get(keys, out).result(timeout=HANG_S).ok == [True] * 4
+        assert all(np.array_equal(o, b) for o, b in zip(out, blocks))
+    finally:
+        pool.close()
         proxy.close()
