@@ -302,7 +302,8 @@ class G4Config(_M):
     """Client of the S3 block traffic (PUT/GET/HEAD): ``boto3`` or ``obstore`` (Rust ``object_store``;
     about half of boto3's client CPU per GB, issue 25). Both keep create-exclusive PUT, ranged GET,
     per-request timeouts and the throttling backoff; control calls (probe, gc's LIST, DELETE) use boto3.
-    obstore's ``timeout_s`` bounds a GET's or HEAD's whole request, ``put_timeout_s`` a PUT's (boto3's
+    obstore's ``timeout_s`` bounds a HEAD's whole request, ``timeout_s x (2 + retries)`` a GET's (past the load
+    bound: :mod:`kvbm_backend.pool.g4.s3_obstore`), ``put_timeout_s`` a PUT's (boto3's
     ``timeout_s``: each socket wait), so a PUT of a stalled
     process can time out after it landed; with either client a PUT that got no answer is settled by a
     HEAD before it counts dropped (:meth:`~kvbm_backend.pool.g4.s3_store.S3Store._settle_put`). The

@@ -208,3 +208,29 @@ class SlowUploadProxy(SlowAnswerProxy):
             pass
         finally:
             end_sockets(src, dst)
+
+
+class SlowDownloadProxy(SlowAnswerProxy):
+    """A TCP proxy whose server-to-client bytes flow at ``rate_bps`` bytes per second per connection (a slow
+    downlink: each answer arrives steadily, just slowly); requests pass at once. ``endpoint`` as
+    :class:`SlowAnswerProxy`."""
+
+    def __init__(self, host: str, port: int, rate_bps: int):
+        self.rate_bps = rate_bps
+        super().__init__(host, port, slow_connections=0)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, conn: int | None, delay_s: float) -> None:
+        if conn is None:  # client -> server: unpaced
+            return super()._pipe(src, dst, conn, delay_s)
+        step = max(1, self.rate_bps // 20)  # 20 paced sends a second
+        try:
+            while True:
+                data = src.recv(step)
+                if not data:
+                    break
+                dst.sendall(data)
+                time.sleep(len(data) / self.rate_bps)
+        except OSError:
+            pass
+        finally:
+            end_sockets(src, dst)

@@ -398,7 +398,8 @@ class G4Reader:
         except StoreThrottled:
             return "miss_throttled"  # the store answered: ThrottleWatch.note told the breaker so
         except StoreUnavailable as e:
-            self._breaker.failure(e)
+            if not b.closed:  # one failing after its batch expired was judged then (silence, :mod:`.silence`)
+                self._breaker.failure(e)
             return "miss_unavailable"
         except OSError as e:  # an error answer (denied, no bucket, a link refused): named in the log, rate-limited
             self._breaker.success()

@@ -16,9 +16,16 @@ describes the behaviour), kept request by request:
   501 falls back to HEAD-then-PUT;
 * ranged GETs (``get_range``); HEAD for lookups; no LIST on the serving path;
 * per-request bounds: obstore's ``connect_timeout`` = ``timeout_s``, its ``timeout`` (whole request) =
-  ``timeout_s`` for GET and HEAD and :func:`put_timeout_s` (``max(30, 10 x timeout_s)``) for PUT;
+  ``timeout_s`` for HEAD, ``timeout_s x (2 + retries)`` for GET (``get_timeout_s``: past the pool's load bound,
+  which resolves the load first; a GET still out then is judged by the pool's silence check,
+  :mod:`.silence`) and :func:`put_timeout_s` (``max(30, 10 x timeout_s)``) for PUT. Before 2026-12-02 a GET's
+  whole request was bounded by ``timeout_s``: on a link slower than ``max_inflight x block_bytes / timeout_s``
+  (32 MB/s for 2 MiB blocks) every read of a batch was cut, retried from byte 0, and counted a breaker failure
+  (32 in one batch: the breaker opened, every G4 load and store refused; reviewer 2026-12-02: 0 of 32 1 MiB blocks
+  at 8 MB/s, where boto3, which bounds each socket wait, loaded 32 of 32 at 12 MB/s);
   obstore's own retries are off (``max_retries`` 0): :meth:`_ocall` makes the ``1 + retries``
-  attempts of a request that failed in transit or with 500/502/503/504 / ``RequestTimeout``, at once;
+  attempts of a request that failed in transit or with 500/502/503/504 / ``RequestTimeout``, at once (a GET only
+  when its failed attempt took less than ``timeout_s``: one cut after that is past its load);
 * a PUT whose last attempt failed so is settled by a HEAD before it counts as failed
   (:meth:`~.s3_store.S3Store._settle_put`: these very bytes there = written by this call). This is how
   obstore is safe where boto3's bound differs: boto3's ``read_timeout`` bounds each socket wait, so a
@@ -53,6 +60,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import time
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar
 from urllib.parse import ParseResult
 
@@ -154,7 +162,10 @@ class ObstoreS3Store(S3Store):
                           client_options={"allow_http": endpoint.startswith("http://"), "timeout": total,
                                           "connect_timeout": t, "pool_max_idle_per_host": str(2 * max_inflight)},
                           retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(0)}, **kw)
-        self._obs = obs_client(t)  # GET / HEAD: the whole request within timeout_s (the pool's deadline bounds them too)
+        self.timeout_s = timeout_s
+        self._obs = obs_client(t)  # HEAD: the whole request within timeout_s (the pool's deadline bounds it too)
+        self.get_timeout_s = timeout_s * (2 + retries)  # GET: past the pool's load bound (module doc)
+        self._obs_get = obs_client(f"{max(1, int(self.get_timeout_s * 1000))}ms")
         self.put_timeout_s = put_timeout if put_timeout is not None else put_timeout_s(timeout_s)
         self._obs_put = obs_client(f"{max(1, int(self.put_timeout_s * 1000))}ms")  # PUT: the upload's backstop
 
@@ -171,6 +182,7 @@ class ObstoreS3Store(S3Store):
         its result, or None for 404 (absent; a PUT answered 404 fails). Raises StoreThrottled, or :class:`_Failed` for anything else
         (AlreadyExists / Precondition answers as status 412)."""
         for attempt in range(self.retries + 1):
+            t0 = time.monotonic()
             try:
                 return fn()
             except FileNotFoundError as e:  # obstore's NotFound: 404 (NoSuchKey, or NoSuchBucket)
@@ -188,6 +200,8 @@ class ObstoreS3Store(S3Store):
                 if code in THROTTLE_CODES or status == 429 or (op == "head" and status == 503):
                     raise StoreThrottled(f"{op} {self.url}/{name}: throttled ({code or '-'}, HTTP {status})") from None
                 transient = status is None or status in _TRANSIENT_STATUS or code in _TRANSIENT_CODES
+                if op == "get" and time.monotonic() - t0 >= self.timeout_s:  # its load is over: no second one
+                    transient = False
                 if attempt == self.retries or not transient:
                     raise _Failed(op, status, code, attempt > 0, f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
         raise AssertionError("unreachable")  # pragma: no cover
@@ -252,11 +266,11 @@ class ObstoreS3Store(S3Store):
         fn: Callable[[], Bytes]
         if offset or length is not None:
             if length is None:
-                fn = lambda: obstore.get(self._obs, key, options={"range": {"offset": offset}}).bytes()  # noqa: E731
+                fn = lambda: obstore.get(self._obs_get, key, options={"range": {"offset": offset}}).bytes()  # noqa: E731
             else:
-                fn = lambda: obstore.get_range(self._obs, key, start=offset, length=length)  # noqa: E731
+                fn = lambda: obstore.get_range(self._obs_get, key, start=offset, length=length)  # noqa: E731
         else:
-            fn = lambda: obstore.get(self._obs, key).bytes()  # noqa: E731
+            fn = lambda: obstore.get(self._obs_get, key).bytes()  # noqa: E731
         try:
             return self._ocall("get", name, fn)
         except _Failed as f:

@@ -432,3 +432,39 @@ def test_a_slow_uplink_is_not_an_outage_obstore_puts_finish_past_timeout_s(seawe
             assert st["breaker_state"] == "closed" and st.get("dropped_unavailable", 0) == 0, st
     finally:
         proxy.close()
+
+
+def test_a_slow_downlink_is_not_an_outage_obstore_loads_finish_within_the_load_bound(seaweed, s3_prefix, tmp_path):
+    """Each block's GET through a slow downlink takes ~1.5 s (a frame at ``frame / 1.5`` bytes a second per
+    connection), over ``timeout_s`` (1 s) and well within the load bound (``timeout_s x (1 + retries)``, 3 s): the
+    load gets every block, byte-exact, and the breaker stays closed. obstore's whole-request bound of a GET is now
+    ``timeout_s x (2 + retries)`` (past the load bound, which resolves a load first). Before 2026-12-02 it was
+    ``timeout_s``: every GET was cut mid-answer, retried from byte 0, cut again, and counted a breaker failure: no
+    block loaded, the breaker opened and the worker refused every G4 load and store (reviewer 2026-12-02: 0 of 32
+    1 MiB blocks at 8 MB/s, breaker open; boto3, which bounds each socket wait, loaded 32 of 32 at 12 MB/s)."""
+    from tests.helpers.g4_writer import namespace, payload
+    from tests.helpers.slow_proxy import SlowDownloadProxy
+    from kvbm_backend.model.frame import HEADER_BYTES
+    from kvbm_backend.pool.g4.pool import G4Pool
+    import numpy as np
+
+    ns = namespace()
+    bpb = ns.layout.bytes_per_block
+    keys = ns.keys(range(1, 5), tenant="t")
+    blocks = [payload(s, "t", bpb) for s in range(1, 5)]
+    base = dict(url=seaweed.url(s3_prefix), s3_client="obstore", keyring={"path": str(tmp_path / "kr.json")})
+    with G4Pool(G4Config(**base, endpoint_url=seaweed.endpoint), ns) as w:
+        assert w.put(keys, blocks).result(timeout=HANG_S).written == 4
+    u = urlparse(seaweed.endpoint)
+    proxy = SlowDownloadProxy(u.hostname, u.port, rate_bps=int((HEADER_BYTES + bpb) / 1.5))
+    try:
+        cfg = G4Config(**base, endpoint_url=proxy.endpoint, timeout_s=1.0, retries=2, breaker_failures=2)
+        with G4Pool(cfg, ns) as p:
+            out = [np.zeros(bpb, np.uint8) for _ in keys]
+            res = p.get(keys, out).result(timeout=HANG_S)
+            st = p.stats()
+            assert res.ok == [True] * 4, st
+            assert all(np.array_equal(o, b) for o, b in zip(out, blocks))
+            assert st["breaker_state"] == "closed" and st.get("miss_unavailable", 0) == 0, st
+    finally:
+        proxy.close()
