@@ -134,7 +134,10 @@ class FailedChunks:
     Meanwhile the tier answers the chunk's lookups with a miss and does not report a store of it as held: a chunk
     G3 could not read but not prove bad (a read error, a timeout) stays in its index, and before 2026-11-30 every
     new request was offered it, loaded it in vain and recomputed it, and the recomputed chunk's store (skipped:
-    held already) was reported stored again. Thread-safe (scheduler thread and the tier's I/O threads)."""
+    held already) was reported stored again. A load whose ``job_timeout_s`` passed while it was queued behind other
+    loads (the pool not asked: :class:`.tier_jobs.NotAsked`) adds none: load, not a verdict on its chunks (before
+    2026-12-02 they cooled, and a busy tier made every new request recompute chunks G3 held). Thread-safe (scheduler
+    thread and the tier's I/O threads)."""
 
     def __init__(self, key_hash: Callable[[Any], int], cooldown_s: float = FAILED_BLOCK_COOLDOWN_S,
                  max_entries: int = FAILED_BLOCKS_MAX):

@@ -37,7 +37,7 @@ from .namespaces import namespace_model, namespace_revision
 from .tier_lookup import TenantLookup
 from .tier_options import check_options
 from .tier_removals import HeldChunks, held_now
-from .tier_jobs import Job, TierJobs
+from .tier_jobs import Job, NotAsked, TierJobs
 from .tier_threads import staging_pool
 
 if TYPE_CHECKING:
@@ -156,6 +156,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._store_cursor: dict[JobId, int] = {}  # store job -> the pool's removal cursor before its first put
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[JobId, tuple[list[OffloadKey], bool, str]] = {}  # job -> (keys, is_store, tenant)
+        self._not_asked: set[JobId] = set()  # failed while queued (the pool not asked): its chunks are not cooled
         # store job -> its chunks the pool holds (published when the job is reported finished)
         self._store_held: dict[JobId, list[OffloadKey]] = {}
         self._outstanding = 0
@@ -260,7 +261,10 @@ class KvbmSecondaryTier(SecondaryTierManager):
 
     def _failed_job(self, j: Job, why: str | BaseException) -> JobResult:
         """Log and count job ``j`` failed (``why``: a message, or what it raised); its result (:mod:`.tier_jobs`)."""
-        if isinstance(why, BaseException):
+        if isinstance(why, NotAsked):  # queued past its deadline: load, not a verdict on its chunks (not cooled)
+            self._not_asked.add(j.meta.job_id)
+            why = str(why)
+        elif isinstance(why, BaseException):
             why = (f"no answer from the pool within job_timeout_s ({self._job_timeout_s:g} s)"
                    if isinstance(why, TimeoutError) else f"{type(why).__name__}: {why}")
         log.warning("%s job %s (%s of %d chunks) failed: %s", self.tier_type, j.meta.job_id,
@@ -412,11 +416,14 @@ class KvbmSecondaryTier(SecondaryTierManager):
             out.append(res)
             if res.success and is_store and held:  # a live request's cached miss of them is asked again
                 self._lookup.stored(held, tenant)
+            not_asked = res.job_id in self._not_asked
+            self._not_asked.discard(res.job_id)
             if not res.success and not is_store:
                 # Force the cached verdict of the chunks not loaded to miss, so the scheduler does not
                 # re-issue a doomed promotion (the livelock vLLM's fs tier guards against, #49176).
                 good = set(res.successful_keys or ())
-                self._failed.add(tenant, [k for k in keys if k not in good])  # new requests miss them a while
+                if not not_asked:  # new requests miss them a while; a job the pool never saw says nothing of them
+                    self._failed.add(tenant, [k for k in keys if k not in good])
                 self._lookup.mark_miss_for([k for k in keys if k not in good], tenant)
             elif res.success and is_store and self._events is not None and held:
                 self._events.append(OffloadingEvent(keys=list(held), medium=self.medium, removed=False,

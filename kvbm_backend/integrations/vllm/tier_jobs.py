@@ -34,9 +34,14 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from ...deadlines import Deadline, Deadlines
 from .tier_threads import started_executor
 
-__all__ = ["Job", "TierJobs"]
+__all__ = ["Job", "NotAsked", "TierJobs"]
 
 QUEUED, RUNNING, WAITING, DONE = "queued", "running", "waiting", "done"
+
+
+class NotAsked(TimeoutError):
+    """Why a job failed: its ``job_timeout_s`` passed while it was queued behind other jobs; the pool was not asked.
+    Load, not a verdict on its chunks: the tier does not cool them (:meth:`.tier_base.KvbmSecondaryTier.get_finished_jobs`)."""
 
 
 class Job:
@@ -142,9 +147,9 @@ class TierJobs:
             if job.state not in (QUEUED, WAITING):
                 return
             t = f"job_timeout_s ({job.timeout_s:g} s)"
-            why = (f"{t} passed while it was queued behind other {'stores' if job.store else 'loads'} "
-                   f"(io_threads busy); the pool was not asked" if job.state == QUEUED else
-                   f"no answer from the pool within {t}")
+            why: str | NotAsked = (NotAsked(f"{t} passed while it was queued behind other "
+                                            f"{'stores' if job.store else 'loads'} (io_threads busy); the pool was not asked")
+                                   if job.state == QUEUED else f"no answer from the pool within {t}")
             job.state = DONE
         self.deliver(job, self._fail(job, why))
 

@@ -163,6 +163,12 @@ def test_a_queued_load_fails_at_its_deadline_while_the_job_ahead_is_stuck(tmp_pa
         time.sleep(0.002)
     st = tier.kvbm_stats()["tier"]
     assert st["loads"] == 2 and st["loads_failed"] >= 1, st
+    # 902's chunk was never read: its failure is load, not a verdict on the chunk. A new request (the CPU tier
+    # emptied, so it asks G3) is offered and loads it. Before 2026-12-02 it was cooled for 30 s like an unreadable
+    # chunk: every new request recomputed it though G3 held it (reviewer 2026-12-02)
+    assert not tier._failed.cooling("", keys[1]), "the chunk of a load the pool never saw was cooled"
+    h.reset_primary()
+    assert h.lookup_prefix(keys[1:], ctx=h.context()) == 1
 
 
 def test_a_timed_out_store_gives_its_staging_back_once_the_pool_is_done(tmp_path, harnesses, monkeypatch):  # noqa: F811
