@@ -37,6 +37,10 @@ and the WHOLE object, which the proxy fetches with a GET of its own (boto3, cred
 the tests' clients have them; :meth:`LyingProxy._whole`). ``proxy.ranges_ignored`` counts them. Applied before
 ``cut_short`` and ``mode``, which then act on the whole object's ``200``.
 
+``proxy.pad_lengths = True``: a gateway that lies about lengths only: every object GET answer (200 or 206) gets one
+byte more (``Content-Range`` rewritten to match) and every object HEAD's ``Content-Length`` one more; the ETag is
+the server's. ``proxy.padded`` counts the answers changed.
+
 ``proxy.repeat_list_pages = n``: the next ``n`` ListObjectsV2 pages are each served twice (an S3-compatible
 server repeating a page): the first answer hands out a continuation token of the proxy's own (on the listing's
 last page too, then marked truncated), and the client's request for that token is answered, without reaching the
@@ -116,6 +120,8 @@ class LyingProxy:
         self.ignore_range = False
         self.ranges_ignored = 0
         self._s3: Any = None  # the proxy's own boto3 client (ignore_range), made at first use
+        self.pad_lengths = False
+        self.padded = 0
         self.repeat_list_pages = 0
         self.repeated = 0
         self._made = 0  # tokens of the proxy's made so far
@@ -173,6 +179,17 @@ class LyingProxy:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
+                if proxy.pad_lengths and status in (200, 206) and "?" not in self.path and self.path.count("/") >= 2:
+                    if self.command == "HEAD":
+                        proxy.padded += 1
+                        length = str(int(length) + 1)
+                    elif obj_get:
+                        proxy.padded += 1
+                        data = data + b"\0"
+                        length = str(len(data))
+                        out_hdrs = [(k, v) for k, v in out_hdrs if k.lower() != "content-range"]
+                        if status == 206:
+                            out_hdrs.append(("Content-Range", f"bytes 0-{len(data) - 1}/{len(data)}"))
                 if obj_get and proxy.mode != "pass" and whole_object(status, out_hdrs):
                     data, out_hdrs = proxy._lie(data, out_hdrs)
                     if status == 206:  # the lie told consistently: an object of the wrong body's length

@@ -100,6 +100,37 @@ def test_a_gateway_answering_an_oversized_body_never_gets_the_good_object_delete
         proxy.close()
 
 
+@pytest.mark.parametrize("client", ["obstore", "boto3"])
+def test_a_gateway_lying_about_lengths_only_never_gets_the_good_object_deleted(seaweed, s3_prefix, tmp_path,
+                                                                               client):
+    """The object in the store is a good frame; a gateway adds one byte to every object GET's body and to every
+    HEAD's ``Content-Length`` and leaves the ETag alone. The load's ranged GET gets a frame and a byte (too long:
+    ``corrupt_length``) and the HEAD says the object is longer than a frame, but the ETag is the MD5 of the frame's
+    worth of bytes read: the store holds exactly one frame. A miss, and the object stays, served by an honest path.
+    Before 2026-12-02 the HEAD's size alone was the proof and the delete (``If-Match`` the true ETag) went through
+    at the real server: every good block a worker behind such a gateway loaded was deleted (reviewer 2026-12-02)."""
+    proxy = LyingProxy(*_host_port(seaweed.endpoint))
+    keys = NS.keys([4], tenant="t")
+    try:
+        with _pool(tmp_path, seaweed.url(s3_prefix), seaweed.endpoint, client) as good:
+            assert good.put(keys, [payload(4, "t", BPB)]).result(HANG_S).written == 1
+            name = good.object_name(keys[0])
+            stored = bytes(good.store.get(name))
+            proxy.pad_lengths = True
+            with _pool(tmp_path, seaweed.url(s3_prefix), proxy.endpoint, client) as liar:
+                out = [np.full(BPB, 0xEE, np.uint8)]
+                assert liar.get(keys, out).result(HANG_S).ok == [False]
+                assert (out[0] == 0xEE).all() and proxy.padded >= 2  # the GET and the HEAD
+                st = liar.stats()
+                assert st.get("deleted_corrupt", 0) == 0, st
+            assert bytes(good.store.get(name)) == stored  # kept, byte for byte, and served by a good path
+            out = [np.zeros(BPB, np.uint8)]
+            assert good.get(keys, out).result(HANG_S).ok == [True]
+            assert np.array_equal(out[0], payload(4, "t", BPB))
+    finally:
+        proxy.close()
+
+
 @pytest.mark.parametrize("where", ["fs", "s3"])
 def test_stat_names_the_object_as_a_listing_does(where, tmp_path, request):
     """``ObjectStore.stat`` (what proves an object too long before it is deleted): size and the version
