@@ -123,6 +123,7 @@ def test_a_gateway_lying_about_lengths_only_never_gets_the_good_object_deleted(s
                 assert (out[0] == 0xEE).all() and proxy.padded >= 2  # the GET and the HEAD
                 st = liar.stats()
                 assert st.get("deleted_corrupt", 0) == 0, st
+                assert st.get("unconfirmed_length") == 1 and st.get("miss_unconfirmed_corrupt") == 1, st
             assert bytes(good.store.get(name)) == stored  # kept, byte for byte, and served by a good path
             out = [np.zeros(BPB, np.uint8)]
             assert good.get(keys, out).result(HANG_S).ok == [True]
