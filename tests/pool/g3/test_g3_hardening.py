@@ -249,7 +249,10 @@ def test_real_full_disk_journal_put_delete_reopen(tmpfs):
     pool.degrade_s = 0.2
     with pool:
         st = pool.stats()
-        assert st["degraded"] and st["restored_blocks"] == 3 + len(written)
+        # the open met ENOSPC and degraded the tier (counted: the 0.2 s window itself may be over by now on a busy
+        # host, where this asserted st["degraded"] and failed once, CI 2026-12-02)
+        assert st["enospc"] >= 1, st
+        assert st["restored_blocks"] == 3 + len(written), st
         assert _get(pool, keys) == [False] + [True] * 3  # serves what it has
         assert pool.delete(keys[1:2]).result(timeout=HANG_S) == 1
         _, r = _put(pool, range(500, 510))
