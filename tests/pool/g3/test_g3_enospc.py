@@ -188,7 +188,8 @@ def test_capacity_comes_back_when_space_returns_after_the_degradation_ended(smal
         with open(filler, "r+b") as f:  # leave the journal room to append, not the slab room to grow
             f.truncate(os.path.getsize(filler) - (256 << 10))
         _, r = _put(pool, range(100, 100 + configured))  # needs growth: refused, the tier degrades
-        assert r.dropped > 0 and pool.stats()["degraded"]
+        st = pool.stats()  # the tier degraded (counted: its 0.2 s window may be over on a busy host)
+        assert r.dropped > 0 and st["enospc"] >= 1, st
         time.sleep(0.25)
         _, r = _put(pool, range(2000, 2002))  # the degradation ends here, the disk still short: cap stays low
         assert r.written == 2 and pool.stats()["capacity_blocks"] < configured

@@ -110,7 +110,7 @@ def test_delete_never_raises_on_journal_enospc_and_journal_is_repaired(tmp_path)
         hook.full = True
         assert pool.delete(keys[:3]).result(timeout=HANG_S) == 3  # used to raise ENOSPC
         assert not any(pool.contains(k) for k in keys[:3])  # the index removal stands
-        assert pool.stats()["degraded"]
+        assert pool.stats()["enospc"] >= 1  # the tier degraded (counted: its 0.2 s window may be over on a busy host)
         assert pool.slot_accounting()["leaked"] == 0
         hook.full = False
         time.sleep(0.25)
@@ -225,7 +225,7 @@ def test_real_full_disk_journal_put_delete_reopen(tmpfs):
         _fill(filler)
         keys2, r = _put(pool, range(100, 200))  # 100 journal records: more than a page
         assert r.written + r.dropped == 100 and r.dropped > 0
-        assert pool.stats()["degraded"] and pool.stats()["enospc"] >= 1
+        assert pool.stats()["enospc"] >= 1  # the tier degraded (counted: its 0.2 s window may be over on a busy host)
         assert pool.slot_accounting()["leaked"] == 0
         assert pool.delete(keys[:1]).result(timeout=HANG_S) == 1
         written = [k for k in keys2 if pool.contains(k)]
