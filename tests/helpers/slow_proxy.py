@@ -184,17 +184,18 @@ class SlowPutProxy:
         self._srv.server_close()
 
 
-class SlowUploadProxy(SlowAnswerProxy):
-    """A TCP proxy whose client-to-server bytes flow at ``rate_bps`` bytes per second per connection (a slow
-    uplink: each upload progresses, just slowly); the server's answers pass at once. ``endpoint`` as
-    :class:`SlowAnswerProxy`."""
+class _PacedProxy(SlowAnswerProxy):
+    """A TCP proxy one direction of which flows at ``rate_bps`` bytes per second per connection (``PACE_ANSWERS``:
+    server to client, else client to server); the other passes at once. ``endpoint`` as :class:`SlowAnswerProxy`."""
+
+    PACE_ANSWERS = False
 
     def __init__(self, host: str, port: int, rate_bps: int):
         self.rate_bps = rate_bps
         super().__init__(host, port, slow_connections=0)
 
     def _pipe(self, src: socket.socket, dst: socket.socket, conn: int | None, delay_s: float) -> None:
-        if conn is not None:  # server -> client: unpaced
+        if (conn is not None) != self.PACE_ANSWERS:  # the unpaced direction
             return super()._pipe(src, dst, conn, delay_s)
         step = max(1, self.rate_bps // 20)  # 20 paced sends a second
         try:
@@ -210,27 +211,13 @@ class SlowUploadProxy(SlowAnswerProxy):
             end_sockets(src, dst)
 
 
-class SlowDownloadProxy(SlowAnswerProxy):
-    """A TCP proxy whose server-to-client bytes flow at ``rate_bps`` bytes per second per connection (a slow
-    downlink: each answer arrives steadily, just slowly); requests pass at once. ``endpoint`` as
-    :class:`SlowAnswerProxy`."""
+class SlowUploadProxy(_PacedProxy):
+    """A slow uplink: client-to-server bytes at ``rate_bps`` bytes per second per connection (each upload
+    progresses, just slowly); the server's answers pass at once."""
 
-    def __init__(self, host: str, port: int, rate_bps: int):
-        self.rate_bps = rate_bps
-        super().__init__(host, port, slow_connections=0)
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, conn: int | None, delay_s: float) -> None:
-        if conn is None:  # client -> server: unpaced
-            return super()._pipe(src, dst, conn, delay_s)
-        step = max(1, self.rate_bps // 20)  # 20 paced sends a second
-        try:
-            while True:
-                data = src.recv(step)
-                if not data:
-                    break
-                dst.sendall(data)
-                time.sleep(len(data) / self.rate_bps)
-        except OSError:
-            pass
-        finally:
-            end_sockets(src, dst)
+class SlowDownloadProxy(_PacedProxy):
+    """A slow downlink: server-to-client bytes at ``rate_bps`` bytes per second per connection (each answer arrives
+    steadily, just slowly); requests pass at once."""
+
+    PACE_ANSWERS = True

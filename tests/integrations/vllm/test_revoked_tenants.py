@@ -88,6 +88,16 @@ def _held(g3, ns: Namespace, tenant: str) -> int:
     return sum(g3.contains(k) for k in ns.keys(hs, tenant, 0))
 
 
+def _served_from_g3(p, kv, rid: str, tenant: str) -> None:
+    """A request ``rid`` of ``tenant``'s prompt is offered all ``N`` blocks from G3 and loads, into engine blocks
+    14-17, the bytes the saves of engine blocks 5-8 stored."""
+    r = _req(rid, _prompt(p.bs, tenant)[0], tenant)
+    assert _ask(p.s, r) == N * p.bs
+    jobs = _plan(p.s, r, N * p.bs, [14, 15, 16, 17])
+    assert [j.tiers for j in jobs] == [["G3"] * N] and _load(p.w, jobs) == set()
+    assert all(torch.equal(_block_bytes(kv, a), _block_bytes(kv, b)) for a, b in zip([14, 15, 16, 17], [5, 6, 7, 8]))
+
+
 def _delta(before: dict, *names: str) -> list[float]:
     now = stats.snapshot()
     return [now.get(n, 0) - before.get(n, 0) for n in names]
@@ -203,12 +213,7 @@ def test_a_tenant_revoked_and_recreated_between_checks_gets_only_its_new_blocks(
         assert _held(p.g3, p.ns, ACME) == N and _delta(before, "save_g3_revoked_blocks") == [0]
         p.check()
         assert _held(p.g3, p.ns, ACME) == N and _delta(before, "g3_revoked_purges") == [1]
-        r1 = _req("r1", toks, ACME)
-        assert _ask(p.s, r1) == N * p.bs
-        jobs = _plan(p.s, r1, N * p.bs, [14, 15, 16, 17])
-        assert [j.tiers for j in jobs] == [["G3"] * N] and _load(p.w, jobs) == set()
-        assert all(torch.equal(_block_bytes(kv, a), _block_bytes(kv, b)) for a, b in zip([14, 15, 16, 17],
-                                                                                         [5, 6, 7, 8]))
+        _served_from_g3(p, kv, "r1", ACME)
     finally:
         p.close()
 
@@ -319,13 +324,7 @@ def test_a_save_still_being_written_when_its_tenant_is_purged_is_never_published
         assert not p.wg.refused(ACME)
         _save(p.w, p.g3, p.g4, [5, 6, 7, 8], ACME)  # the re-created tenant's new KV: stored and served
         assert _held(p.g3, p.ns, ACME) == N
-        toks = _prompt(p.bs, ACME)[0]
-        r = _req("r", toks, ACME)
-        assert _ask(p.s, r) == N * p.bs
-        jobs = _plan(p.s, r, N * p.bs, [14, 15, 16, 17])
-        assert [j.tiers for j in jobs] == [["G3"] * N] and _load(p.w, jobs) == set()
-        assert all(torch.equal(_block_bytes(kv, a), _block_bytes(kv, b)) for a, b in zip([14, 15, 16, 17],
-                                                                                         [5, 6, 7, 8]))
+        _served_from_g3(p, kv, "r", ACME)
     finally:
         release.set()
         p.close()
