@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 from urllib.parse import ParseResult
 
@@ -98,6 +99,7 @@ if TYPE_CHECKING:
     from .store import Blob, DataIn
 
 _T = TypeVar("_T")
+COND_DELETE_RECHECK_S = 600.0  # seconds a 501 to a DELETE with If-Match turns them off before one is tried again
 
 _MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchObject"}
 _EXISTS = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
@@ -140,8 +142,7 @@ class S3Store(ObjectStore):
                  timeout_s: float = 2.0, max_inflight: int = 32, retries: int = 1, client: Any = None):
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        self.endpoint_url = endpoint_url
-        self.retries = retries
+        self.endpoint_url, self.retries = endpoint_url, retries
         # one attempt per botocore call: _call retries transient failures and leaves throttles to the pool
         cfg = Config(connect_timeout=timeout_s, read_timeout=timeout_s, max_pool_connections=2 * max_inflight,
                      retries={"total_max_attempts": 1, "mode": "standard"},
@@ -153,7 +154,8 @@ class S3Store(ObjectStore):
         if events is not None:
             events.register_first("needs-retry.s3", _no_region_lookup_loop)
         self.supports_conditional_put = True
-        self.supports_conditional_delete = True  # DELETE with If-Match (False once the server answered 501)
+        self.supports_conditional_delete = True  # DELETE with If-Match (False for a while once answered 501)
+        self._cond_delete_retry_at = 0.0  # time.monotonic() from which a DELETE with If-Match is tried again
         self._mu = threading.Lock()
 
     @classmethod
@@ -379,11 +381,13 @@ class S3Store(ObjectStore):
 
     def _delete_if_etag(self, name: str, etag: str) -> bool | None:
         """DELETE ``name`` with ``If-Match: etag`` (quoted). True: deleted; False: 412/409 (another object, or
-        absent: SeaweedFS 4.x answers 412) or 404; None: the server does not do conditional deletes (501, now or
-        before: :attr:`supports_conditional_delete`), the caller falls back. Raises StoreUnavailable,
+        absent: SeaweedFS 4.x answers 412) or 404; None: the server does not do conditional deletes (501, now or in
+        the last :data:`COND_DELETE_RECHECK_S`), the caller falls back. Raises StoreUnavailable,
         StoreThrottled, OSError."""
-        if not self.supports_conditional_delete:
-            return None
+        if not self.supports_conditional_delete:  # tried again after COND_DELETE_RECHECK_S: before 2026-12-02 one
+            if time.monotonic() < self._cond_delete_retry_at:  # 501 (a flaky gateway) left every later drop racy
+                return None
+            self.supports_conditional_delete = True
         try:
             self._call("delete", name, lambda _r: self.client.delete_object(Bucket=self.bucket, Key=self._key(name),
                                                                             IfMatch=etag))
@@ -395,6 +399,7 @@ class S3Store(ObjectStore):
             if not (status == 501 or code == "NotImplemented"):
                 raise self._err("delete", name, e) from None
             self.supports_conditional_delete = False
+            self._cond_delete_retry_at = time.monotonic() + COND_DELETE_RECHECK_S
             return None
         except BotoCoreError as e:
             raise self._unavailable("delete", name, e) from None
