@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator
 from ...model.namespace import BlockKey
 from ...pool.g3.index import TagKey, tag_of
 from .metadata import mirror_id
-from .tier_removals import Removal, RemovalWatch
+from .tier_removals import Removal, RemovalWatch, index_keys
 
 __all__ = ["ReportedBlocks", "TENANTS_KEPT"]
 
@@ -200,8 +200,11 @@ class ReportedBlocks:
                 if not held and i in ids:
                     ids.discard(i)
                     out.append(i)
-        if read_index:
-            current = {mirror_id(k) for k in self._pool.keys() if k.namespace == self.fp}
+        keys = index_keys(self._pool) if read_index else None
+        if read_index and keys is None:  # the lock busy: the forward thread does not wait; read next report
+            self.watch.owe()
+        elif keys is not None:
+            current = {mirror_id(k) for k in keys if k.namespace == self.fp}
             lost = [i for i in ids if i not in current]
             for i in lost:
                 ids.discard(i)

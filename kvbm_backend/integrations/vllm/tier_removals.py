@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Hashable
 
+from ...pool.g3.lock_bounded import LOCK_WAIT_S
+
 __all__ = ["HeldChunks", "RemovalWatch", "held_now"]
 
 #: one removal of :meth:`RemovalWatch.poll`: (number in the pool's log, seq_hash, rank)
@@ -51,6 +53,11 @@ class RemovalWatch:
     def cursor(self) -> int:
         """The pool's removal cursor now (0 for a pool without a removal log)."""
         return int(self._pool.removal_cursor()) if self._since is not None else 0
+
+    def owe(self) -> None:
+        """The index read :meth:`poll` asked for could not be made now (the pool's lock busy): the next poll asks
+        for it again."""
+        self._owed, self._at = True, 0.0
 
     def poll(self, held: int) -> tuple[list[Removal], bool]:
         """``(removals, read_index)``: the removals logged since the last poll, ``[(number, seq_hash, rank),
@@ -243,7 +250,11 @@ class HeldChunks:
 
     def _scan(self) -> list[Any]:
         """Every published chunk against the pool's index (when :class:`RemovalWatch` says so)."""
-        present = {(k.seq_hash, k.rank) for k in self._pool.keys() if k.namespace == self._fp}
+        keys = index_keys(self._pool)
+        if keys is None:  # the pool's lock busy (journal I/O): the scheduler does not wait; read next call
+            self._watch.owe()
+            return []
+        present = {(k.seq_hash, k.rank) for k in keys if k.namespace == self._fp}
         gone: list[Any] = []
         for k in list(self._held):
             if any((self._hash(k), r) not in present for r in range(self._copies)):
@@ -251,6 +262,13 @@ class HeldChunks:
             elif self._contains is not None:  # some copy: a published tenant's?
                 self._check(k, gone)
         return gone
+
+
+def index_keys(pool: Any) -> list | None:
+    """``pool``'s index (``keys()``), waiting for a G3 pool's lock at most ``LOCK_WAIT_S`` (``keys_within``); None
+    when it stayed busy (:mod:`kvbm_backend.pool.g3.lock_bounded`)."""
+    within = getattr(pool, "keys_within", None)
+    return within(LOCK_WAIT_S) if within is not None else list(pool.keys())
 
 
 def held_now(pool: Any, keys: list, block_keys: Callable[[Any], list]) -> list:

@@ -65,7 +65,7 @@ from ..base import BlockBuffer, GetDestinations, GetResult, PutResult, SlotLease
 from . import journal as jr
 from .admission import make_admission
 from .catalog import REASONS, SlotCatalog
-from .lock_bounded import LOCK_WAIT_S, PUT_LOCK_WAIT_S, StatsCache, holds, pool_stats
+from .lock_bounded import LOCK_WAIT_S, PUT_LOCK_WAIT_S, StatsCache, held_within, holds, pool_stats
 from .lookup_defer import G3Lookups
 from .read import G3Reader
 from .read.device import DeviceLoader
@@ -388,6 +388,13 @@ class G3Pool:
             # namespace / rank / seq_hash fields, ``tenant`` a placeholder naming the tag) and every G3 call takes
             # them back (see get), so the protocol's list[BlockKey] holds them by this cast
             return cast("list[BlockKey]", [k for k, _ in self.cat.index.items()])
+
+    def keys_within(self, wait_s: float) -> list[BlockKey] | None:
+        """:meth:`keys`, waiting at most ``wait_s`` seconds for the pool's lock (held across journal I/O by other
+        threads); None past it (ask again later). For callers on vLLM's scheduler or forward thread (docs/invariants.md
+        #3): before 2026-12-02 their index reads waited a drive's whole stall (reviewer: 1.5 s per step)."""
+        with held_within(self.cat.lock, wait_s) as got:
+            return cast("list[BlockKey]", [k for k, _ in self.cat.index.items()]) if got else None
 
     def unpublished_keys(self) -> list[BlockKey]:
         """Keys of offloads queued, being written or handed to the late-put thread: not published yet (no I/O; waits

@@ -198,8 +198,9 @@ def test_evicted_chunks_are_published_removed_from_the_pools_removal_log(tmp_pat
                   enable_kv_cache_events=True)
     tier = h.tier
     calls = []
-    keys_of_pool = tier.pool.keys
-    tier.pool.keys = lambda: calls.append(1) or keys_of_pool()  # a spy: counts index reads, same answer
+    keys_of_pool, keys_within = tier.pool.keys, tier.pool.keys_within
+    tier.pool.keys = lambda: calls.append(1) or keys_of_pool()  # spies: count index reads, same answers
+    tier.pool.keys_within = lambda wait_s: calls.append(1) or keys_within(wait_s)
     keys = keys_for(120, "e")
     for i in range(0, 120, 10):
         h.store(keys[i:i + 10], payloads(h, 10, seed=i))

@@ -103,3 +103,35 @@ def test_a_published_check_the_busy_pool_cannot_answer_keeps_the_chunk_and_asks_
     assert held.removed() == [] and len(held) == 1  # asked again: held
     assert pool.delete(tier._block_keys(keys[0], "")).result(GUARD_S) == 1
     assert held.removed() == [keys[0]]
+
+
+def test_an_index_read_the_busy_pool_cannot_give_now_is_owed_not_waited_for(tmp_path, harnesses,  # noqa: F811
+                                                                             monkeypatch):
+    """G3's removal log overflowed (more removals than it keeps), so the check must read the whole index, while a
+    journal write holds the pool's lock: ``HeldChunks.removed`` (``take_events`` on the scheduler thread) returns
+    while the write is held, reporting nothing it cannot tell; the next call, the lock free, reads the index it owes
+    and reports every chunk that left. Before 2026-12-02 the index read (``keys()``) waited the whole stall
+    (reviewer: 1.5 s per step)."""
+    h = harnesses([g3_tier(tmp_path / "g3", enable_kv_events=True)], enable_kv_cache_events=True)
+    keys, data = keys_for(6, "o"), payloads(h, 6)
+    h.store(keys, data)
+    h.wait_idle()
+    tier, pool = h.tier, h.tier.pool
+    held = HeldChunks(pool, tier.namespace.fingerprint, 1, offload_key_hash, 0.0, tier._block_keys)
+    held.published(keys, held.cursor())
+    pool.cat.removed = type(pool.cat.removed)(maxlen=2)  # this pool's removal log keeps 2 entries
+    for k in keys[:3]:  # 3 removals: the log overflowed
+        assert pool.delete(tier._block_keys(k, "")).result(GUARD_S) == 1
+    hold, deleter, deleted = _stall_a_delete(monkeypatch, pool, tier._block_keys(keys[5], ""))
+    try:
+        t, done, out = in_background(held.removed)
+        returned = done.wait(GUARD_S)
+        still_held = not hold.released.is_set()
+    finally:
+        hold.release()
+    assert returned and still_held, "removed() waited for the stalled journal write to read the index"
+    assert out.get("value") == [], out
+    assert deleted.wait(GUARD_S)
+    deleter.join(GUARD_S)
+    t.join(GUARD_S)
+    assert sorted(held.removed(), key=keys.index) == keys[:3] + [keys[5]]  # the owed read

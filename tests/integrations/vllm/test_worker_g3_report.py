@@ -21,16 +21,21 @@ CAP = 64  # blocks G3 holds
 
 
 class _Spy:
-    """Counts the calls the worker makes to the real pool's ``keys`` (a whole-index read) and its index lookups
-    (``contains``: one; ``holds``: one per key), passing them through."""
+    """Counts the calls the worker makes to the real pool's ``keys`` / ``keys_within`` (a whole-index read) and its
+    index lookups (``contains``: one; ``holds``: one per key), passing them through."""
 
     def __init__(self, g3):
         self.keys = self.contains = 0
-        real_keys, real_contains, real_holds = g3.keys, g3.contains, g3.holds
+        real_keys, real_within, real_contains, real_holds = g3.keys, g3.keys_within, g3.contains, g3.holds
 
         def keys():
             self.keys += 1
             return real_keys()
+
+        def keys_within(wait_s):
+            got = real_within(wait_s)
+            self.keys += got is not None
+            return got
 
         def contains(k):
             self.contains += 1
@@ -39,7 +44,7 @@ class _Spy:
         def holds(ks, *a, **kw):
             self.contains += len(ks)
             return real_holds(ks, *a, **kw)
-        g3.keys, g3.contains, g3.holds = keys, contains, holds
+        g3.keys, g3.keys_within, g3.contains, g3.holds = keys, keys_within, contains, holds
 
 
 @pytest.fixture
@@ -134,6 +139,42 @@ def test_a_removal_log_that_overflowed_is_read_from_the_index_once_even_when_rat
     assert spy.keys == 2
     _assert_mirror_is_the_index(g3, mirror, every)
     assert catalog.REMOVED_LOG_ENTRIES > 8  # the module value is untouched (only this pool's log was shrunk)
+
+
+STALL_S = 30.0  # the held lock's hang guard: a report waiting for it returns only then, and finds it free
+
+
+def test_an_index_read_the_busy_pool_cannot_give_now_is_owed_not_waited_for(setup):
+    """The removal log overflowed and the report must read the whole index, but another thread holds G3's lock (a
+    journal write on a stalled drive): the report returns while the lock is still held (the forward thread does not
+    wait for it; before 2026-12-02 it waited the whole stall, reviewer: 1.5 s), and the next report, the lock free,
+    reads the index it owes: the mirror is exact."""
+    import threading
+    ns, g3, w, mirror = setup
+    g3.cat.removed = type(g3.cat.removed)(maxlen=8)
+    every = _write(ns, g3, w, range(1, 65))
+    _report(w, mirror)
+    spy = _Spy(g3)
+    every += _write(ns, g3, w, range(100, 132))  # 32 evictions > 8: the log overflowed
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # let go after STALL_S at the latest: a report that waits for it then sees it free
+        with g3.cat.lock:
+            taken.set()
+            release.wait(STALL_S)
+    t = threading.Thread(target=hold, name="test-journal-stall")
+    t.start()
+    try:
+        assert taken.wait(HANG_S)
+        _report(w, mirror)
+        still_held = g3.cat.lock.locked()
+    finally:
+        release.set()
+        t.join(HANG_S)
+    assert still_held and spy.keys == 0, "the report waited for the pool's lock"
+    _report(w, mirror)  # the lock free: the owed read
+    assert spy.keys == 1
+    _assert_mirror_is_the_index(g3, mirror, every)
 
 
 def test_a_block_written_and_evicted_before_the_report_is_not_reported_added(setup):
