@@ -55,6 +55,7 @@ from .g3_report import ReportedBlocks
 from .kv_io import EngineKv, numpy_staging
 from .offloads import Offloads
 from .metadata import FailedLoad, KvbmWorkerMeta, LoadJob, SaveJob, mirror_id
+from .tier_removals import index_keys
 from ...threads import executor
 
 log = logging.getLogger("kvbm_backend.connector")
@@ -426,13 +427,17 @@ class WorkerSide:
         present.poll()  # first (before the index snapshot and the writes are taken): see ReportedBlocks.poll
         snap = not self._snapshot_sent
         if snap:
-            self._snapshot_sent = True
             fp = self.ns.fingerprint
             # restored entries of tenants not seen since the restart are keyed by tag only: the mirror is
-            # keyed by tag, so they are reported too (and hits after a restart)
-            ids = present.ids(k for k in self.g3.keys() if k.namespace == fp)
-            with self._lock:
-                self._added.extend(ids)
+            # keyed by tag, so they are reported too (and hits after a restart). A pool whose lock stays busy
+            # (journal I/O) is not waited for on the forward thread: the snapshot goes with a later report
+            index = index_keys(self.g3)
+            snap = index is not None
+            if index is not None:
+                self._snapshot_sent = True
+                ids = present.ids(k for k in index if k.namespace == fp)
+                with self._lock:
+                    self._added.extend(ids)
         with self._lock:
             added, removed, written = self._added, self._removed, self._written
             self._added, self._removed, self._written = [], [], []

@@ -177,6 +177,43 @@ def test_an_index_read_the_busy_pool_cannot_give_now_is_owed_not_waited_for(setu
     _assert_mirror_is_the_index(g3, mirror, every)
 
 
+def test_a_first_snapshot_the_busy_pool_cannot_give_now_goes_with_a_later_report(tmp_path):
+    """A worker restarted over a G3 pool holding blocks: its first report is the index snapshot, but another thread
+    holds G3's lock (a journal write on a stalled drive). The report returns while the lock is still held, without a
+    snapshot (the forward thread does not wait for it; before 2026-12-02 it waited the whole stall); the next
+    report, the lock free, carries the snapshot and the mirror is the index."""
+    import threading
+    ns = Namespace("m", LAYOUT)
+    with open_g3(tmp_path / "g3", ns, files_per_path=1, admission={"policy": "all"}) as g3:
+        every = ns.keys(list(range(1, 17)), "acme", 0)
+        g3.put(every, [np.zeros(LAYOUT.bytes_per_block, np.uint8)] * len(every)).result(HANG_S)
+        assert g3.flush(HANG_S)
+        w = WorkerSide(ns, 0, g3, None, report_g3=True)
+        mirror = G3Mirror(ns)
+        taken, release = threading.Event(), threading.Event()
+
+        def hold() -> None:  # let go after STALL_S at the latest: a report that waits for it then sees it free
+            with g3.cat.lock:
+                taken.set()
+                release.wait(STALL_S)
+        t = threading.Thread(target=hold, name="test-journal-stall")
+        t.start()
+        try:
+            assert taken.wait(HANG_S)
+            meta = w.worker_meta()
+            still_held = g3.cat.lock.locked()
+        finally:
+            release.set()
+            t.join(HANG_S)
+        try:
+            assert still_held, "the first report waited for the pool's lock"
+            assert meta is None or not meta.snapshot, meta
+            _report(w, mirror)
+            _assert_mirror_is_the_index(g3, mirror, every)
+        finally:
+            w.shutdown()
+
+
 def test_a_block_written_and_evicted_before_the_report_is_not_reported_added(setup):
     """A put's completion reaches the worker's report after G3 already evicted the block (a busy GIL delays the
     callback): the report looks it up, so the scheduler is never told it is present."""
