@@ -5,6 +5,9 @@ the scheduler's mirror (a real :class:`G3Mirror` fed the reports) ends exactly a
 500,000 blocks, every 0.5 s while G3 was full, on vLLM's worker thread or holding the GIL beside it."""
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 import pytest
 
@@ -144,21 +147,12 @@ def test_a_removal_log_that_overflowed_is_read_from_the_index_once_even_when_rat
 STALL_S = 30.0  # the held lock's hang guard: a report waiting for it returns only then, and finds it free
 
 
-def test_an_index_read_the_busy_pool_cannot_give_now_is_owed_not_waited_for(setup):
-    """The removal log overflowed and the report must read the whole index, but another thread holds G3's lock (a
-    journal write on a stalled drive): the report returns while the lock is still held (the forward thread does not
-    wait for it; before 2026-12-02 it waited the whole stall, reviewer: 1.5 s), and the next report, the lock free,
-    reads the index it owes: the mirror is exact."""
-    import threading
-    ns, g3, w, mirror = setup
-    g3.cat.removed = type(g3.cat.removed)(maxlen=8)
-    every = _write(ns, g3, w, range(1, 65))
-    _report(w, mirror)
-    spy = _Spy(g3)
-    every += _write(ns, g3, w, range(100, 132))  # 32 evictions > 8: the log overflowed
+@contextlib.contextmanager
+def _pool_lock_held(g3):
+    """Another thread holds G3's lock (a journal write on a stalled drive) until the block ends, or ``STALL_S``."""
     taken, release = threading.Event(), threading.Event()
 
-    def hold() -> None:  # let go after STALL_S at the latest: a report that waits for it then sees it free
+    def hold() -> None:
         with g3.cat.lock:
             taken.set()
             release.wait(STALL_S)
@@ -166,11 +160,26 @@ def test_an_index_read_the_busy_pool_cannot_give_now_is_owed_not_waited_for(setu
     t.start()
     try:
         assert taken.wait(HANG_S)
-        _report(w, mirror)
-        still_held = g3.cat.lock.locked()
+        yield
     finally:
         release.set()
         t.join(HANG_S)
+
+
+def test_an_index_read_the_busy_pool_cannot_give_now_is_owed_not_waited_for(setup):
+    """The removal log overflowed and the report must read the whole index, but another thread holds G3's lock (a
+    journal write on a stalled drive): the report returns while the lock is still held (the forward thread does not
+    wait for it; before 2026-12-02 it waited the whole stall, reviewer: 1.5 s), and the next report, the lock free,
+    reads the index it owes: the mirror is exact."""
+    ns, g3, w, mirror = setup
+    g3.cat.removed = type(g3.cat.removed)(maxlen=8)
+    every = _write(ns, g3, w, range(1, 65))
+    _report(w, mirror)
+    spy = _Spy(g3)
+    every += _write(ns, g3, w, range(100, 132))  # 32 evictions > 8: the log overflowed
+    with _pool_lock_held(g3):
+        _report(w, mirror)
+        still_held = g3.cat.lock.locked()
     assert still_held and spy.keys == 0, "the report waited for the pool's lock"
     _report(w, mirror)  # the lock free: the owed read
     assert spy.keys == 1
@@ -182,7 +191,6 @@ def test_a_first_snapshot_the_busy_pool_cannot_give_now_goes_with_a_later_report
     holds G3's lock (a journal write on a stalled drive). The report returns while the lock is still held, without a
     snapshot (the forward thread does not wait for it; before 2026-12-02 it waited the whole stall); the next
     report, the lock free, carries the snapshot and the mirror is the index."""
-    import threading
     ns = Namespace("m", LAYOUT)
     with open_g3(tmp_path / "g3", ns, files_per_path=1, admission={"policy": "all"}) as g3:
         every = ns.keys(list(range(1, 17)), "acme", 0)
@@ -190,21 +198,9 @@ def test_a_first_snapshot_the_busy_pool_cannot_give_now_goes_with_a_later_report
         assert g3.flush(HANG_S)
         w = WorkerSide(ns, 0, g3, None, report_g3=True)
         mirror = G3Mirror(ns)
-        taken, release = threading.Event(), threading.Event()
-
-        def hold() -> None:  # let go after STALL_S at the latest: a report that waits for it then sees it free
-            with g3.cat.lock:
-                taken.set()
-                release.wait(STALL_S)
-        t = threading.Thread(target=hold, name="test-journal-stall")
-        t.start()
-        try:
-            assert taken.wait(HANG_S)
+        with _pool_lock_held(g3):
             meta = w.worker_meta()
             still_held = g3.cat.lock.locked()
-        finally:
-            release.set()
-            t.join(HANG_S)
         try:
             assert still_held, "the first report waited for the pool's lock"
             assert meta is None or not meta.snapshot, meta
