@@ -156,7 +156,10 @@ def test_keys_destroy_waits_for_a_workers_change_in_flight_and_deletes_after_it(
             time.sleep(0.01)
         assert path.exists()  # not deleted while the worker's change is in flight
         rep = w.finish()
-        assert rep["result"] == "ok", rep  # the change published over the file it read
+        # the change went through (destroy's count below: it deleted the file the worker wrote); the worker's re-read
+        # right after its publish (reload_every_s 0) finds the keyring already destroyed when destroy's lock wait
+        # ends first, as on a busy host (CI 2026-12-02): then write_key fails closed, "not found"
+        assert rep["paused"] and (rep["result"] == "ok" or rep["result"].endswith("kr.json: not found")), rep
         out, err = d.communicate(timeout=HANG_S)
     finally:
         w.kill()
