@@ -382,18 +382,20 @@ class G3Pool:
         return self.reader.layerwise_load(keys, device, timeout_s=timeout_s, min_read=min_read)
 
     def keys(self) -> list[BlockKey]:
-        """Snapshot of the published keys (index only, no I/O)."""
-        with self.cat.lock:
-            # restored keys are TagKeys (tenant tag, no tenant string): they stand in for BlockKeys here (same
-            # namespace / rank / seq_hash fields, ``tenant`` a placeholder naming the tag) and every G3 call takes
-            # them back (see get), so the protocol's list[BlockKey] holds them by this cast
-            return cast("list[BlockKey]", [k for k, _ in self.cat.index.items()])
+        """Snapshot of the published keys (index only, no I/O; waits for the pool's lock)."""
+        return cast("list[BlockKey]", self._keys(None))  # no bound: never None
 
     def keys_within(self, wait_s: float) -> list[BlockKey] | None:
         """:meth:`keys`, waiting at most ``wait_s`` seconds for the pool's lock (held across journal I/O by other
         threads); None past it (ask again later). For callers on vLLM's scheduler or forward thread (docs/invariants.md
         #3): before 2026-12-02 their index reads waited a drive's whole stall (reviewer: 1.5 s per step)."""
+        return self._keys(wait_s)
+
+    def _keys(self, wait_s: float | None) -> list[BlockKey] | None:
         with held_within(self.cat.lock, wait_s) as got:
+            # restored keys are TagKeys (tenant tag, no tenant string): they stand in for BlockKeys here (same
+            # namespace / rank / seq_hash fields, ``tenant`` a placeholder naming the tag) and every G3 call takes
+            # them back (see get), so the protocol's list[BlockKey] holds them by this cast
             return cast("list[BlockKey]", [k for k, _ in self.cat.index.items()]) if got else None
 
     def unpublished_keys(self) -> list[BlockKey]:

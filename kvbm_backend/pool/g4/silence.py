@@ -14,7 +14,6 @@ expires, also where a busy host's thread hand-off delayed the sending.
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -34,24 +33,20 @@ class StoreCalls:
         if not silent_s > 0:
             raise ValueError(f"silent_s: must be > 0 seconds, got {silent_s}")
         self.silent_s = float(silent_s)
-        self._mu = threading.Lock()
-        self._sent: dict[int, float] = {}  # request number -> time.monotonic() it was sent
-        self._ids = itertools.count()
+        # thread id -> time.monotonic() its request was sent: a thread makes one request at a time; single dict
+        # operations (and list() of its values) are atomic under the GIL, so the hot path takes no lock
+        self._sent: dict[int, float] = {}
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` (one store request), counted out while it runs; its exception propagates."""
-        n = next(self._ids)
-        with self._mu:
-            self._sent[n] = time.monotonic()
+        me = threading.get_ident()
+        self._sent[me] = time.monotonic()
         try:
             return fn(*args)
         finally:
-            with self._mu:
-                del self._sent[n]
+            self._sent.pop(me, None)
 
     def silent(self) -> bool:
         """True when a request has been out for ``silent_s`` seconds or more without a reply."""
         now = time.monotonic()
-        with self._mu:
-            oldest = min(self._sent.values(), default=now)
-        return now - oldest >= self.silent_s
+        return now - min(list(self._sent.values()), default=now) >= self.silent_s
