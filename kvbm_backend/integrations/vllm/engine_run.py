@@ -34,6 +34,9 @@ SPEC (JSON) fields:
   (``{"CPU" | <secondary tier type>: chunks}``, each chunk the engine loaded counted once, by the tier it
   came from: ``CPU`` when it was already in the primary tier, else the secondary tier that promoted it)
   and ``chunk_tokens`` (tokens per chunk).
+* ``logprobs`` (int, optional): vLLM's ``SamplingParams.logprobs``, the top ``logprobs`` tokens of every
+  generated token; ``logprobs`` in the result: per prompt, per generated token, ``[[token id, logprob], ...]``
+  best first (the sampled token is among them, so a list may hold ``logprobs + 1`` entries).
 * ``kv_transfer_params`` (optional list, one dict or null per prompt): the request's
   ``kv_transfer_params`` (e.g. ``{"kvbm_tenant": "a"}`` for our native tiers).
 * ``multiprocessing`` (bool, default false): vLLM's engine core and (on CPU) its worker in their own
@@ -119,7 +122,7 @@ def run(spec: dict) -> dict:
               enable_prefix_caching=True, max_num_batched_tokens=int(spec.get("max_num_batched_tokens", max(max_len, 2048))), **kw)
     init_s = time.perf_counter() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 4)), detokenize=False, seed=0,
-                        ignore_eos=bool(spec.get("ignore_eos", False)))
+                        ignore_eos=bool(spec.get("ignore_eos", False)), logprobs=spec.get("logprobs"))
     ktps = spec.get("kv_transfer_params") or [None] * len(spec["prompts"])
     prompts = spec["prompts"]
     salts = spec.get("cache_salts") or [None] * len(prompts)
@@ -132,7 +135,7 @@ def run(spec: dict) -> dict:
     native_loads = None
     if spec.get("native") is not None and not mp:  # counted from here: the warm-up request is not in them
         native_loads = _count_native_loads(llm, bs * int(spec["native"].get("blocks_per_chunk") or 0) or None)
-    outs, ttft, e2e, cached = [], [], [], []
+    outs, ttft, e2e, cached, lps = [], [], [], [], []
     progress = spec.get("progress_file")
     pause_before = set(spec.get("pause_before") or ())
     for i, (p, salt, ktp) in enumerate(zip(prompts, salts, ktps)):
@@ -148,6 +151,9 @@ def run(spec: dict) -> dict:
         o = llm.generate([tp], sp if ktp is None else _with_params(sp, ktp), use_tqdm=False)[0]
         e2e.append(time.perf_counter() - t)
         outs.append(list(o.outputs[0].token_ids))
+        if spec.get("logprobs") is not None:  # per generated token: [[token id, logprob], ...], best first
+            lps.append([sorted(([int(t), float(lp.logprob)] for t, lp in d.items()), key=lambda x: -x[1])
+                        for d in o.outputs[0].logprobs or []])
         cached.append(int(o.num_cached_tokens or 0))
         m = o.metrics
         ttft.append(float(m.first_token_latency) if m is not None and getattr(m, "first_token_latency", None)
@@ -157,6 +163,8 @@ def run(spec: dict) -> dict:
                 f.write(f"{i + 1}\n")
     result: dict[str, Any] = {"outputs": outs, "ttft_s": ttft, "e2e_s": e2e, "init_s": init_s, "cached_tokens": cached,
               "prompt_tokens": [len(p) for p in prompts]}
+    if spec.get("logprobs") is not None:
+        result["logprobs"] = lps
     if spec.get("native") is not None and not mp:
         result["tier_stats"] = _drain_native(llm)
         result["native_loads"] = native_loads

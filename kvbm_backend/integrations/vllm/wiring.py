@@ -35,6 +35,7 @@ from ...model.namespace import Namespace
 from ..revoked_tenants import RevokedTenants, keyring_of
 from ..tiers import release_tiers, shared_tiers
 from . import layerwise, report_channel, start_failure, stats
+from .cached_context import cached_context_problem
 from .extra_config import config_from_extra
 from .g3_mirror import G3Mirror
 from .geometry import EngineGeometry, total_kv_heads
@@ -277,11 +278,17 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
     dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
     parts.channel_base = (str(ktc.engine_id), dp, ns.fingerprint)
     if scheduler:
+        load = opts["load"]
+        if load and (why := cached_context_problem(vllm_config)):
+            log.warning("kvbm_backend: loads are off for this engine: %s. Blocks are still saved to G3/G4 for "
+                        "engines that can load them (docs/configuration.md, load)", why)
+            stats.set_info(loads_off=why)
+            load = False
         groups = [GroupTiers(tg.ns, tg.g3, tg.g4, (ns.groups[gi].window_blocks if ns.groups else None))
                   for gi, tg in enumerate(parts._groups)]
         parts.sched = SchedulerSide(ns, ns.layout.page_size, groups[0].g3, groups[0].g4, default_tenant=cfg.tenant,
                                     lookup_timeout_s=max(cfg.g4.load_bound_s, 0.5), save=opts["save"],
-                                    load=opts["load"], save_decode=opts["save_decode"], groups=groups,
+                                    load=load, save_decode=opts["save_decode"], groups=groups,
                                     handoff_wait_s=opts["handoff_wait_s"],
                                     layerwise=lw_on, save_to_g4=opts["save_to_g4"])
         parts.sched.revoked = parts.revoked
