@@ -165,3 +165,38 @@ def test_a_baseline_interrupted_in_its_first_o_direct_probe_leaves_nothing(tmp_p
     with pytest.raises(KeyboardInterrupt):
         b.odirect_baseline([str(tmp_path)], 4 << 20, 1 << 20, 2)
     assert list(tmp_path.iterdir()) == []
+
+
+_LOST_INTERRUPT = """
+import os, signal, sys, time
+from kvbm_backend.apps.bench.baseline import Sweep
+from kvbm_backend.apps.signals import sigterm_as_interrupt
+
+class Finalized:
+    def __del__(self):  # the SIGTERM's handler runs in here: its KeyboardInterrupt is printed and dropped
+        os.kill(os.getpid(), signal.SIGTERM)
+        t = time.monotonic()
+        while time.monotonic() - t < 1.0:
+            pass
+
+sigterm_as_interrupt()
+Finalized()
+print("past the finalizer", flush=True)
+done = []
+Sweep("points", [{"n": 1}, {"n": 2}], lambda p: done.append(p["n"]) or {"write_gbps": 1.0, "read_gbps": 1.0}).measure(True)
+print("measured", done, flush=True)
+"""
+
+
+def test_a_sigterm_whose_interrupt_a_finalizer_dropped_still_stops_the_next_baseline_point(tmp_path):
+    """CI 2026-12-01: a ``bench --tier g3`` ran on 120 s after its SIGTERM. One way that happens: the handler's
+    KeyboardInterrupt is raised inside a finalizer (``__del__``, a weakref callback such as a freed
+    ThreadPoolExecutor's), where Python prints "Exception ignored" and drops it, and later SIGTERMs are ignored
+    by design. A real SIGTERM lands in a real finalizer here; the baseline sweep's next point still ends the run
+    (before 2026-12-02 it measured every point)."""
+    p = subprocess.run([sys.executable, "-c", _LOST_INTERRUPT], capture_output=True, text=True, timeout=HANG_S,
+                       env=ENV, cwd=ROOT)
+    assert "Exception ignored" in p.stderr and "KeyboardInterrupt" in p.stderr, p.stderr  # the interrupt was lost
+    assert "past the finalizer" in p.stdout, (p.stdout, p.stderr)
+    assert "measured" not in p.stdout and p.returncode != 0, (p.stdout, p.stderr)
+    assert "its first interrupt was lost" in p.stderr, p.stderr

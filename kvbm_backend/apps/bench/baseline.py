@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..signals import raise_if_terminated
 from kvbm_backend.io.probe import fdatasync, open_file, probe_o_direct
 from kvbm_backend.config import io_size_problem
 from kvbm_backend.memory import aligned_empty
@@ -166,6 +167,7 @@ class Sweep:
             if self._best("read") is not todo[0]:
                 todo.append(self._best("read"))
         for p in todo:
+            raise_if_terminated()  # a SIGTERM whose interrupt was lost ends the run here (apps/signals.py)
             r = self._measure({k: v for k, v in p.items() if not k.endswith("_runs")})
             p["write_gbps_runs"].append(r["write_gbps"])
             p["read_gbps_runs"].append(r["read_gbps"])

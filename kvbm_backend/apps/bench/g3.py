@@ -33,6 +33,7 @@ from kvbm_backend.model.frame import slot_bytes
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.model.presets import load_preset
 from . import BenchOptions, rounds_progress
+from ..signals import raise_if_terminated
 from .baseline import odirect_sweep, random_aligned
 
 ROUNDS = 3
@@ -120,6 +121,7 @@ def run(opts: BenchOptions) -> dict:
     sweep = odirect_sweep(roots, n * sb, sb)
     with rounds_progress(opts.progress, "bench g3", 2 * ROUNDS) as advance:
         for rnd in range(ROUNDS):
+            raise_if_terminated()  # a SIGTERM whose interrupt was lost ends the run here (apps/signals.py)
             dirs = [os.path.join(r, f"kvbm-bench-g3-{uuid.uuid4().hex[:8]}") for r in roots]
             try:
                 pool_runs.append(_pool_round(dirs, ns, opts, src, dst))
