@@ -391,10 +391,13 @@ class G3Mirror:
         # every scheduler step waiting). A lookup between two chunks misses the blocks not applied yet: a
         # recompute, never wrong KV; before the first snapshot's end the mirror is not ready (its lookups wait).
         for i in range(0, len(rem), APPLY_CHUNK):
+            if i:
+                time.sleep(0)  # a waiting lookup gets the lock (a released Lock is not handed over)
             with self._lock:
                 self._set.remove(rem[i:i + APPLY_CHUNK])
-            time.sleep(0)  # a waiting lookup gets the lock (a released Lock is not handed over)
         for i in range(0, len(add), APPLY_CHUNK):
+            if i or len(rem) > APPLY_CHUNK:
+                time.sleep(0)
             part, pr = add[i:i + APPLY_CHUNK], ranks[i:i + APPLY_CHUNK]
             ok = [j for j, r in enumerate(pr) if 0 <= r < self._world] if (
                 min(pr) < 0 or max(pr) >= self._world) else None
@@ -405,7 +408,6 @@ class G3Mirror:
                     self._set.add(part)
                     if ok:
                         self._set.set_bits(part[ok], [pr[j] for j in ok])
-            time.sleep(0)
         with self._lock:
             if meta.snapshot:
                 if rank is not None:

@@ -136,8 +136,12 @@ class G3KvEvents:
         # 0.3-0.7 s on the 2-core VM). Between two chunks a learn() sees the masks of the entries applied so far:
         # a block whose mask a later chunk completes is stored by that chunk (it is learned by then).
         for i in range(0, len(rem), APPLY_CHUNK):
+            if i:
+                time.sleep(0)  # let a waiting take() have the lock (a released Lock is not handed over)
             self._apply_removed(rem[i:i + APPLY_CHUNK])
         for i in range(0, len(add), APPLY_CHUNK):
+            if i or len(rem) > APPLY_CHUNK:
+                time.sleep(0)
             self._apply_added(add[i:i + APPLY_CHUNK])
         if lost:
             self._withdraw(np.concatenate(lost))
@@ -153,7 +157,6 @@ class G3KvEvents:
                     info = pub.pop((tag, seq), None)
                     if info is not None:
                         self._emit_removed(info[0])
-        time.sleep(0)  # let a waiting take() have the lock (a released Lock is not handed over)
 
     def _apply_added(self, add: Sequence) -> None:
         tags, ranks, seqs = report_columns(add)
@@ -176,7 +179,6 @@ class G3KvEvents:
                     if m == self._full and k in info_ and k not in self._published:
                         self._store(k)
             self._ranks.set_bits(*valid)
-        time.sleep(0)
 
     def _withdraw(self, lost: Any) -> None:
         """Withdraw the published blocks of fingerprints ``lost`` (their mask lost a rank) that some rank no
