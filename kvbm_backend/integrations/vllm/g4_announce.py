@@ -118,10 +118,15 @@ class G4Announcer:
         self.events, self.g4, self.ns, self.bs = events, g4, ns, ns.layout.page_size
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self.max_pending, self.max_batch = max_pending, min(max_batch, MAX_BATCH_RECORDS)
-        self.absent_s = max(30.0, 10 * interval_s)  # a learned block not in G4 by then was dropped
+        # A learned block not in G4 is looked for again after as long again as it has waited (at least one
+        # interval: HEADs at about 1, 2, 4, 8 ... intervals), and dropped once it waited ``absent_s``: a write-behind
+        # queue behind a throttled or saturated store can take minutes (before 2026-12-02: every interval, dropped
+        # after 30 s, so such blocks were never announced)
+        self.absent_s = max(600.0, 10 * interval_s)
         self.writer = os.urandom(8).hex()
         self._lock = threading.Lock()
-        self._pending: OrderedDict[tuple[str, int], tuple] = OrderedDict()  # -> (parent_seq, ev_info, t)
+        # -> (parent_seq, ev_info, t learned, t of its next look in G4)
+        self._pending: OrderedDict[tuple[str, int], tuple] = OrderedDict()
         self._known: OrderedDict[tuple[str, int], Any] = OrderedDict()  # announced -> its tenant's _ident (bounded)
         self._idents: dict[str, Any] = {}  # tenant -> its _ident as the last flush found it (the flush thread's)
         self._recheck: OrderedDict[tuple[str, int], tuple] = OrderedDict()  # learned, judged repeats -> pending value
@@ -144,7 +149,8 @@ class G4Announcer:
         a repeat: set aside for the next flush, which announces it again only if they changed since."""
         k = (tenant, int(seq))
         h, ph, toks, extra, lora_id, lora_name = info
-        v = (parent_seq, (h, ph, toks, extra, lora_id, lora_name), time.monotonic())
+        now = time.monotonic()
+        v = (parent_seq, (h, ph, toks, extra, lora_id, lora_name), now, now)
         with self._lock:
             if k in self._pending:
                 return  # waiting for G4
@@ -169,7 +175,8 @@ class G4Announcer:
 
     def flush(self, timeout_s: float = 10.0) -> int:
         """Announce the learned blocks G4 now holds (one object per tenant per ``max_batch``). Returns the
-        blocks announced; blocks not yet in G4 wait (up to ``absent_s``)."""
+        blocks announced; blocks not yet in G4 wait (looked for again after as long as they waited, up to
+        ``absent_s``)."""
         from vllm.v1.core.kv_cache_utils import to_event_extra_keys
         domain = hash_domain()
         if domain is None:
@@ -185,6 +192,11 @@ class G4Announcer:
             # a repeat whose tenant is named or sealed otherwise now is announced again; a block announced
             # meanwhile (learned twice before this flush) is not
             todo = [(k, v) for k, v in dict(again + todo).items() if self._known.get(k) != idents[k[0]]]
+            now = time.monotonic()
+            for k, v in todo:  # not due yet: back to pending without a look
+                if v[3] > now:
+                    self._pending.setdefault(k, v)
+            todo = [(k, v) for k, v in todo if v[3] <= now]
         if not todo:
             return 0
         futs = [[self.g4.lookup_prefix(run, request=False) for run in self.ns.rank_runs([seq], tenant)[1]]
@@ -192,7 +204,7 @@ class G4Announcer:
         by_tenant: dict[str, list] = {}
         keep = []
         now = time.monotonic()
-        for ((tenant, seq), (pseq, info, t)), fs in zip(todo, futs):
+        for ((tenant, seq), (pseq, info, t, _)), fs in zip(todo, futs):
             try:
                 present = all(f.result(timeout_s) >= 1 for f in fs)
             except Exception:  # noqa: BLE001 - unknown: ask again next time
@@ -202,7 +214,7 @@ class G4Announcer:
                 ek = (to_event_extra_keys([extra]) or [None])[0] if extra is not None else None
                 by_tenant.setdefault(tenant, []).append((seq, pseq, (h, ph, list(toks), ek, lora_id, lora_name)))
             elif now - t < self.absent_s:
-                keep.append(((tenant, seq), (pseq, info, t)))
+                keep.append(((tenant, seq), (pseq, info, t, now + max(self.interval_s, now - t))))
             else:
                 stats.add(announce_dropped_absent=1)
         with self._lock:

@@ -257,3 +257,48 @@ def test_a_block_not_announced_the_first_time_is_announced_when_learned_again(tm
         assert a.announcer.flush() == 0  # now a repeat
         with G4Pool(_cfg(tmp_path), ns) as fresh:
             assert _worker(fresh).announcer.poll() == (6, 0)
+
+
+@pytest.mark.slow  # imports vLLM (~20 s on the dev VM); no wall-clock assertion (waits are aged by hand)
+@pytest.mark.side
+def test_a_block_whose_offload_reaches_g4_late_is_still_announced_and_looked_for_less_often(tmp_path, monkeypatch):
+    """Review finding (2026-12-01): a learned block not yet in G4 was looked for at every flush and dropped after
+    30 s (``announce_dropped_absent``), so blocks behind a write-behind queue of a throttled or saturated store,
+    durable a minute later, were never announced: other workers' routers never credited them. Now a block waits
+    up to ``absent_s`` (600 s by default), looked for again after as long as it has waited (at least one
+    interval): HEADs at about 1, 2, 4, 8 ... intervals instead of one per interval."""
+    from kvbm_backend.integrations.vllm import stats
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    ns, bs = namespace(), namespace().layout.page_size
+    with G4Pool(_cfg(tmp_path), ns) as pool:
+        a = _worker(pool)
+        ann = a.announcer
+        _save(pool, a, "tenant-x", list(range(7001, 7001 + bs)), rid="created")  # the tenant has its data key
+        assert ann.flush() == 1
+        looks = []
+        real = ann.g4.lookup_prefix
+        ann.g4.lookup_prefix = lambda keys, **kw: looks.append(1) or real(keys, **kw)  # counts the HEADs asked
+        toks = list(range(8001, 8001 + 2 * bs))
+        hs = list(sequence_hashes(toks, bs))
+        before = stats.snapshot().get("announce_dropped_absent", 0)
+        a.learn("tenant-x", _request("early", toks, bs), hs, 0, len(hs))  # before its blocks reached G4
+        assert ann.flush() == 0 and len(looks) == 2  # looked for once each
+        assert ann.flush() == 0 and len(looks) == 2  # not due again before an interval has passed
+        with ann._lock:  # the blocks have waited 100 s (past the old 30 s bound) and are due
+            ann._pending = type(ann._pending)((k, (v[0], v[1], v[2] - 100, v[3] - 1000)) for k, v in ann._pending.items())
+        assert ann.flush() == 0 and len(looks) == 4  # still not in G4: kept (the old code dropped them here)
+        assert len(ann._pending) == 2 and min(v[3] - v[2] for v in ann._pending.values()) >= 2 * 100 - 1  # next
+        # look after as long again as they waited
+        assert stats.snapshot().get("announce_dropped_absent", 0) == before
+        _save(pool, a, "tenant-x", toks, rid="stored")  # durable in G4 now (learned again: still pending)
+        with ann._lock:
+            ann._pending = type(ann._pending)((k, (v[0], v[1], v[2], v[3] - 1000)) for k, v in ann._pending.items())
+        assert ann.flush() == 2  # the old code: dropped at 30 s, never announced
+        with ann._lock:
+            assert not ann._pending
+        a.learn("tenant-x", _request("never", list(range(9001, 9001 + bs)), bs),
+                list(sequence_hashes(list(range(9001, 9001 + bs)), bs)), 0, 1)  # a dropped offload: never in G4
+        with ann._lock:
+            ann._pending = type(ann._pending)((k, (v[0], v[1], v[2] - ann.absent_s, v[3])) for k, v in ann._pending.items())
+        assert ann.flush() == 0
+        assert stats.snapshot().get("announce_dropped_absent", 0) == before + 1  # given up after absent_s
