@@ -291,7 +291,8 @@ class G3KvEvents:
         for i in range(0, len(held), EMIT_CHUNK):  # the lock for a chunk at a time (before 2026-12-02: all)
             with self._lock:
                 for info in held[i:i + EMIT_CHUNK]:
-                    if info[0] not in seen:
+                    # a hash whose last holder went since the list was taken has had its BlockRemoved: not again
+                    if info[0] not in seen and self._holders.get(info[0], 0):
                         seen.add(info[0])
                         self._emit_stored(info, count=False)
             time.sleep(0)

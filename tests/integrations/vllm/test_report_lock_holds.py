@@ -56,3 +56,50 @@ def test_kv_events_apply_a_snapshot_in_chunks_between_which_take_gets_the_lock()
     assert len(ev._ranks) == n
     partial = [s for s in lock.seen if 0 < s < n]
     assert len(partial) >= 3, lock.seen
+
+
+class _ThenOnce:
+    """A lock that, after its first release, runs ``hook`` once (another thread's work between two holds)."""
+
+    def __init__(self, hook):
+        self._l, self.hook = threading.Lock(), hook
+
+    def __enter__(self):
+        self._l.acquire()
+
+    def __exit__(self, *exc):
+        self._l.release()
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+
+
+def test_a_block_removed_while_republish_runs_ends_removed_for_the_router():
+    """``republish`` (after vLLM's AllBlocksCleared) queues its BlockStored events a chunk at a time; a G3 removal
+    applied between two chunks must not be followed by a BlockStored of the same block (the router would credit
+    a block G3 no longer holds until its next change)."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_events import BlockRemoved
+
+    from kvbm_backend.integrations.vllm.kv_events import EMIT_CHUNK, G3KvEvents
+    n = 2 * EMIT_CHUNK + 3
+    ev = G3KvEvents(1, 4)
+    t = tag_of("")
+    seqs = [(i * 0x9E3779B97F4A7C15 + 7) & (2**64 - 1) for i in range(n)]
+    req = SimpleNamespace(block_hashes=[i.to_bytes(8, "little") for i in range(n)], all_token_ids=list(range(n * 4)),
+                          lora_request=None, cache_salt=None, mm_features=[], prompt_embeds=None,
+                          num_prompt_tokens=n * 4)
+    ev.learn("", req, seqs, 0, n)
+    ev.apply(_snapshot(0, n))
+    assert ev.published() == n
+    ev.take()
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    last = maybe_convert_block_hash(req.block_hashes[-1])  # as the events carry it
+    ev._lock = _ThenOnce(lambda: ev.apply(KvbmWorkerMeta(removed=[(t, 0, seqs[-1])])))
+    ev.republish()
+    final = None
+    for e in ev.take():
+        if last in e.block_hashes:
+            final = type(e)
+    assert final is BlockRemoved, final
+    assert ev.published() == n - 1
