@@ -41,7 +41,7 @@ from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.namespace import BlockKey, Namespace
 from kvbm_backend.model.presets import load_preset
 
-from .signals import sigterm_as_interrupt
+from .signals import raise_if_terminated, sigterm_as_interrupt
 
 TRACE_BLOCK_TOKENS = 512
 VOCAB = 32000
@@ -327,6 +327,7 @@ def run_replay(trace: str, layout: str = "tiny", page_size: int = 16, g3_path: s
             bar.start()
             task = bar.add_task("replay", total=len(reqs), hr="-")
         for ri, r in enumerate(reqs):
+            raise_if_terminated()  # a SIGTERM (real mode) ends the replay here (apps/signals.py)
             keys = [BlockKey(fp, "", 0, h) for h in km.seq_hashes(r["hash_ids"], r["input_length"])]
             lookup_blocks += len(keys)
             if sim is not None:

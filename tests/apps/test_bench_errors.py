@@ -167,36 +167,37 @@ def test_a_baseline_interrupted_in_its_first_o_direct_probe_leaves_nothing(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
-_LOST_INTERRUPT = """
-import os, signal, sys, time
+_HELD_LOCK = """
+import os, signal, threading, time
 from kvbm_backend.apps.bench.baseline import Sweep
 from kvbm_backend.apps.signals import sigterm_as_interrupt
 
-class Finalized:
-    def __del__(self):  # the SIGTERM's handler runs in here: its KeyboardInterrupt is printed and dropped
-        os.kill(os.getpid(), signal.SIGTERM)
-        t = time.monotonic()
-        while time.monotonic() - t < 1.0:
-            pass
-
 sigterm_as_interrupt()
-Finalized()
-print("past the finalizer", flush=True)
+cond = threading.Condition()  # a Python-level lock, as a ThreadPoolExecutor's semaphore uses
+with cond:
+    os.kill(os.getpid(), signal.SIGTERM)  # lands while the lock is held
+    t = time.monotonic()
+    while time.monotonic() - t < 0.5:
+        pass
+    print("the locked block ran to its end", flush=True)
+print("the lock is free:", cond.acquire(blocking=False), flush=True)
 done = []
 Sweep("points", [{"n": 1}, {"n": 2}], lambda p: done.append(p["n"]) or {"write_gbps": 1.0, "read_gbps": 1.0}).measure(True)
 print("measured", done, flush=True)
 """
 
 
-def test_a_sigterm_whose_interrupt_a_finalizer_dropped_still_stops_the_next_baseline_point(tmp_path):
-    """CI 2026-12-01: a ``bench --tier g3`` ran on 120 s after its SIGTERM. One way that happens: the handler's
-    KeyboardInterrupt is raised inside a finalizer (``__del__``, a weakref callback such as a freed
-    ThreadPoolExecutor's), where Python prints "Exception ignored" and drops it, and later SIGTERMs are ignored
-    by design. A real SIGTERM lands in a real finalizer here; the baseline sweep's next point still ends the run
-    (before 2026-12-02 it measured every point)."""
-    p = subprocess.run([sys.executable, "-c", _LOST_INTERRUPT], capture_output=True, text=True, timeout=HANG_S,
+def test_a_sigterm_stops_the_bench_at_its_next_step_never_inside_the_code_it_lands_in(tmp_path):
+    """CI 2026-12-02: ``bench --tier g3`` stopped by SIGTERM deadlocked (stacks from tests/helpers/sigterm.py): the
+    handler raised KeyboardInterrupt inside a ThreadPoolExecutor's ``submit`` while it held its semaphore's lock
+    (raised in a Python-level ``__enter__``, the lock is never released); the main thread then joined a worker
+    waiting for that lock. Now the handler only records the SIGTERM and the command raises KeyboardInterrupt at
+    its next step (here: before the baseline sweep's first point). A real SIGTERM lands inside a locked block:
+    the block runs to its end, the lock is free after it, and the sweep measures nothing (before 2026-12-02 the
+    interrupt was raised inside the block)."""
+    p = subprocess.run([sys.executable, "-c", _HELD_LOCK], capture_output=True, text=True, timeout=HANG_S,
                        env=ENV, cwd=ROOT)
-    assert "Exception ignored" in p.stderr and "KeyboardInterrupt" in p.stderr, p.stderr  # the interrupt was lost
-    assert "past the finalizer" in p.stdout, (p.stdout, p.stderr)
+    assert "the locked block ran to its end" in p.stdout, (p.stdout, p.stderr)
+    assert "the lock is free: True" in p.stdout, (p.stdout, p.stderr)
     assert "measured" not in p.stdout and p.returncode != 0, (p.stdout, p.stderr)
-    assert "its first interrupt was lost" in p.stderr, p.stderr
+    assert "KeyboardInterrupt: SIGTERM" in p.stderr, p.stderr

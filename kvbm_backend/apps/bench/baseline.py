@@ -91,12 +91,14 @@ def odirect_baseline(directory: str | Sequence[str], total_bytes: int, io_size: 
             fds.append(open_file(path, o_direct=probe_o_direct(d), create=False))
 
         def w(i: int) -> None:
+            raise_if_terminated()  # a SIGTERM ends the point at its next I/O (apps/signals.py)
             off, foff = i * io_size, (i // k) * io_size
             # an ndarray is a Buffer at run time; numpy's stubs say so from Python 3.12 (mypy checks 3.11)
             if os.pwrite(fds[i % k], src[off:off + io_size], foff) != io_size:  # type: ignore[arg-type]
                 raise OSError(f"short pwrite at offset {foff}")
 
         def r(i: int) -> None:
+            raise_if_terminated()
             off, foff = i * io_size, (i // k) * io_size
             if os.preadv(fds[i % k], [dst[off:off + io_size]], foff) != io_size:  # type: ignore[list-item]  # as above
                 raise OSError(f"short pread at offset {foff}")
@@ -167,7 +169,7 @@ class Sweep:
             if self._best("read") is not todo[0]:
                 todo.append(self._best("read"))
         for p in todo:
-            raise_if_terminated()  # a SIGTERM whose interrupt was lost ends the run here (apps/signals.py)
+            raise_if_terminated()  # a SIGTERM ends the run here (apps/signals.py)
             r = self._measure({k: v for k, v in p.items() if not k.endswith("_runs")})
             p["write_gbps_runs"].append(r["write_gbps"])
             p["read_gbps_runs"].append(r["read_gbps"])
@@ -232,6 +234,7 @@ def object_files_baseline(directory: str, object_bytes: int, n: int, threads: in
     names = [os.path.join(tmp, f"obj-{i:08d}") for i in range(n)]
 
     def w(i: int) -> None:
+        raise_if_terminated()  # a SIGTERM ends the run at its next object (apps/signals.py)
         fd = open_file(names[i], o_direct=o_direct, create=True)
         try:
             if os.pwrite(fd, src[i * object_bytes:(i + 1) * object_bytes], 0) != object_bytes:  # type: ignore[arg-type]
@@ -243,6 +246,7 @@ def object_files_baseline(directory: str, object_bytes: int, n: int, threads: in
             os.close(fd)
 
     def r(i: int) -> None:
+        raise_if_terminated()
         fd = open_file(names[i], o_direct=o_direct, create=False)
         try:
             if os.preadv(fd, [dst[i * object_bytes:(i + 1) * object_bytes]], 0) != object_bytes:  # type: ignore[list-item]

@@ -121,7 +121,7 @@ def run(opts: BenchOptions) -> dict:
     sweep = odirect_sweep(roots, n * sb, sb)
     with rounds_progress(opts.progress, "bench g3", 2 * ROUNDS) as advance:
         for rnd in range(ROUNDS):
-            raise_if_terminated()  # a SIGTERM whose interrupt was lost ends the run here (apps/signals.py)
+            raise_if_terminated()  # a SIGTERM ends the run here (apps/signals.py)
             dirs = [os.path.join(r, f"kvbm-bench-g3-{uuid.uuid4().hex[:8]}") for r in roots]
             try:
                 pool_runs.append(_pool_round(dirs, ns, opts, src, dst))

@@ -46,6 +46,7 @@ from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.model.presets import load_preset
 from . import BenchOptions, rounds_progress
+from ..signals import raise_if_terminated
 from .baseline import SWEEP_THREADS, Sweep, object_files_sweep, random_aligned
 
 ROUNDS = 2
@@ -220,6 +221,7 @@ def run(opts: BenchOptions) -> dict:
         with rounds_progress(opts.progress, "bench g4", 3 * ROUNDS) as advance:
             for rnd in range(ROUNDS):
                 for enc in (opts.encrypt, not opts.encrypt):
+                    raise_if_terminated()  # a SIGTERM ends the run here (apps/signals.py)
                     runs[enc].append(_pool_round(f"{base}/kvbm-bench-g4-{uuid.uuid4().hex[:8]}", ns, opts, enc,
                                                  keyring, src, dst))
                     advance()

@@ -68,6 +68,7 @@ from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import BlockKey, Namespace, tenant_tag
 from kvbm_backend.pool.g3.compact_index import CompactLruIndex
 from kvbm_backend.pool.g3.index import LruIndex, TagKey
+from ..signals import raise_if_terminated
 from . import BenchOptions
 
 NAMESPACE = Namespace(model="bench/index", layout=KvLayout(num_layers=2, outer_dim=2, page_size=16, inner_dim=64,
@@ -102,6 +103,7 @@ def _prefixes(d, n: int, rng) -> list[tuple[str, array]]:
     """``LOOKUPS`` prefixes as (tenant, sequence hashes as an ``array('Q')``, as the scheduler holds them)."""
     out = []
     for _ in range(LOOKUPS):
+        raise_if_terminated()  # a SIGTERM ends the run here (apps/signals.py)
         run = int(rng.integers(0, max(1, n // PREFIX)))
         a = run * PREFIX
         b = min(n, a + PREFIX)
@@ -176,6 +178,7 @@ def _measure(ix, d, n: int, seed: int, lookup=None) -> dict:
     get_us = (time.perf_counter() - t0) / len(gk) * 1e6
     ev = []
     for _ in range(5):
+        raise_if_terminated()  # a SIGTERM ends the run here (apps/signals.py)
         t0 = time.perf_counter()
         ix.evict(1024)
         ev.append(time.perf_counter() - t0)
@@ -264,6 +267,7 @@ def _mirror(d, n: int) -> dict:
     m = G3Mirror(NAMESPACE)
     apply_s = 0.0
     for a in range(0, n, 1_000_000):
+        raise_if_terminated()  # a SIGTERM ends the run here (apps/signals.py)
         b = min(n, a + 1_000_000)
         meta = KvbmWorkerMeta(added=[(tags[t], 0, s) for t, s in
                                      zip(d["tenant"][a:b].tolist(), d["seqs"][a:b].tolist())], snapshot=a == 0)
@@ -293,6 +297,7 @@ def _hashing(digests: bool = False) -> dict:
     toks = np.random.default_rng(1).integers(0, 128_000, PREFIX * HASH_BLOCK_TOKENS).tolist()
     times = []
     for _ in range(HASH_RUNS):
+        raise_if_terminated()  # a SIGTERM ends the run here (apps/signals.py)
         t0 = time.perf_counter()
         if digests:  # as the scheduler's identity.block_digests: into the request's bytearray, 16 bytes a block
             n = len(token_digests(toks, HASH_BLOCK_TOKENS, salt_bytes("tenant-a"), into=bytearray())) // 16
@@ -315,9 +320,11 @@ def run(opts: BenchOptions) -> dict:
     res["sequence_hashes_ms"] = _hashing()
     res["token_digests_ms"] = _hashing(digests=True)
     for n in sizes:
+        raise_if_terminated()
         res["compact"][str(n)] = _compact(d, n)
         gc.collect()
     for n in sizes:
+        raise_if_terminated()
         res["mirror"][str(n)] = _mirror(d, n)
         gc.collect()
     for n in sizes:

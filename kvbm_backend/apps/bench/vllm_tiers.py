@@ -43,6 +43,7 @@ import numpy as np
 from kvbm_backend.integrations.vllm.tiering_harness import (TieringHarness, offload_key, offloading_config,
                                                             vllm_fs_uses_o_direct)
 
+from ..signals import raise_if_terminated
 from . import BenchOptions
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ def run(opts: BenchOptions, rounds_n: int = ROUNDS) -> dict:
             keys = [_key(i, run_id) for i in range(opts.blocks)]
             order = ("vllm_fs", "ours", "ours_nofsync") if rnd % 2 == 0 else ("ours_nofsync", "ours", "vllm_fs")
             for name in order:
+                raise_if_terminated()  # a SIGTERM ends the run here (apps/signals.py)
                 if name == "vllm_fs":
                     cfg = {"type": "fs", "root_dir": fs_root, "n_read_threads": threads, "n_write_threads": threads}
                     root = fs_root
