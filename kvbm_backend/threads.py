@@ -21,10 +21,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _lock = threading.Lock()
 _cpus: tuple[int, frozenset[int]] | None = None  # (pid, its io_cpus): a forked child computes its own
@@ -116,7 +117,45 @@ def start_thread(target: Callable[..., Any], *, name: str, args: tuple = (), dae
     return t
 
 
+class CountingExecutor(ThreadPoolExecutor):
+    """:func:`executor`'s ``ThreadPoolExecutor`` that knows its backlog: :attr:`backlog` is the tasks submitted and not finished
+    (queued or running), :meth:`saturated` whether every thread has one (a task submitted now waits for one of
+    them: behind reads stuck in the kernel on a hung mount, for as long as they stay stuck)."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=on_io_cpus)
+        self.threads = max_workers
+        self._backlog = 0
+        self._backlog_mu = threading.Lock()
+
+    @property
+    def backlog(self) -> int:
+        """Tasks submitted and not finished (queued or running)."""
+        return self._backlog
+
+    def saturated(self) -> bool:
+        """True when the backlog is at least the thread count (no thread is free for another task)."""
+        return self._backlog >= self.threads
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        with self._backlog_mu:
+            self._backlog += 1
+        try:
+            return super().submit(self._counted, fn, args, kwargs)
+        except BaseException:
+            with self._backlog_mu:
+                self._backlog -= 1
+            raise
+
+    def _counted(self, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with self._backlog_mu:
+                self._backlog -= 1
+
+
 def executor(max_workers: int, name: str) -> ThreadPoolExecutor:
     """A ``ThreadPoolExecutor(max_workers, thread_name_prefix=name)`` whose threads first call
-    :func:`on_io_cpus`."""
+    :func:`on_io_cpus` (:class:`CountingExecutor` for one that counts its backlog)."""
     return ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name, initializer=on_io_cpus)

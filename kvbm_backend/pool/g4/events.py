@@ -58,7 +58,7 @@ DROP_REASONS = {
 MISS_REASONS = {
     "absent": "no such object",
     "closed": "the pool was closing",
-    "breaker": "refused while the circuit breaker was open",
+    "breaker": "refused while the circuit breaker was open, or half-open with every read thread still busy",
     "timeout": "no verified answer within the load bound (timeout_s x (1 + retries))",
     "throttled": "the store kept answering 'slow down' past the load bound",
     "unavailable": "the store did not answer",

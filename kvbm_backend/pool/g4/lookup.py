@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Sequence
 
 from ...crypto.keyring import Keyring
 from ...deadlines import Deadlines
 from ...model.namespace import BlockKey, KeyRun
+from ...threads import CountingExecutor
 from ..base import InFlight, completed
 from .breaker import CircuitBreaker
 from .silence import StoreCalls
@@ -68,7 +69,7 @@ class G4Lookups:
 
     def __init__(self, *, store: ObjectStore, namespace: str, names: TenantNames, keyring: Keyring | None,
                  breaker: CircuitBreaker, throttle: ThrottleWatch, counters: G4Counters, oplog: OperatorLog,
-                 executor: ThreadPoolExecutor, deadlines: Deadlines, load_bound_s: float, max_inflight: int,
+                 executor: CountingExecutor, deadlines: Deadlines, load_bound_s: float, max_inflight: int,
                  calls: StoreCalls):
         self.store = store
         self._fp = namespace
@@ -106,7 +107,7 @@ class G4Lookups:
             self._count("lookups")
         if not keys or self._closed:
             return completed(0)
-        if self._breaker.refuse_if_open():  # answered here: never queued behind stuck I/O threads
+        if self._breaker.refuse_if_open(self._exec.saturated()):  # answered here: not queued behind stuck threads
             if request:
                 self._counters.lookup_result(len(keys), 0)
             return completed(0)

@@ -89,7 +89,7 @@ from ...store_url import redact_url
 from .tenant_names import TENANT_CACHE_ENTRIES as TENANT_CACHE_ENTRIES, TenantNames
 from .throttle import ThrottleWatch
 from .writer import G4Writer
-from ...threads import executor
+from ...threads import CountingExecutor, executor
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class G4Pool:
         self.keyring_view = KeyringView(self.keyring, self.encrypt) if self.keyring is not None else None
         # reads (gets, lookups, deletes) and writes (offloads) on threads of their own: stuck reads (a hung
         # mount, objects whose open blocks) never hold back offloads of other blocks, nor stuck writes loads
-        self._io = executor(cfg.max_inflight, "g4-io")
+        self._io = CountingExecutor(cfg.max_inflight, "g4-io")  # its backlog: refuse_if_open
         self.read_threads = cfg.max_inflight  # blocks read at once: sizes a device load's staging window
         self._io_put = executor(cfg.max_inflight, "g4-put")
         # get() into torch tensors waits on its own host get here (never on an _io thread it needs)

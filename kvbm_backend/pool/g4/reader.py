@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
@@ -51,6 +51,7 @@ from ...model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, NO_DIGE
                             key_digest, payload_checksum)
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey
+from ...threads import CountingExecutor
 from ..base import GetResult, InFlight, completed
 from .bad_objects import drop_bad
 from .breaker import CircuitBreaker
@@ -175,7 +176,7 @@ class G4Reader:
 
     def __init__(self, *, store: ObjectStore, layout: KvLayout, world: int, namespace: str, names: TenantNames,
                  keyring: Keyring | None, encrypt: bool, frames: BufferPool, breaker: CircuitBreaker,
-                 throttle: ThrottleWatch, counters: G4Counters, oplog: OperatorLog, executor: ThreadPoolExecutor,
+                 throttle: ThrottleWatch, counters: G4Counters, oplog: OperatorLog, executor: CountingExecutor,
                  deadlines: Deadlines, load_bound_s: float, max_inflight: int, calls: StoreCalls):
         self.store, self._layout, self._bpb = store, layout, layout.bytes_per_block
         self._world, self._fp, self._names, self._keyring = world, namespace, names, keyring
@@ -222,7 +223,7 @@ class G4Reader:
         if not keys or self._closed:
             self._count("miss_closed", len(keys) if keys else 0)
             return completed(GetResult([False] * len(keys)))
-        if self._breaker.refuse_if_open():
+        if self._breaker.refuse_if_open(self._exec.saturated()):
             self._count("miss_breaker", len(keys))
             return completed(GetResult([False] * len(keys)))
         b = GetBatch(len(keys), time.monotonic() + self._load_bound_s)
@@ -255,7 +256,7 @@ class G4Reader:
         b.staged, b.on_hit = True, on_hit
         self._count("gets", len(keys))
         refuse = ("miss_closed" if (not keys or self._closed) else
-                  "miss_breaker" if self._breaker.refuse_if_open() else None)
+                  "miss_breaker" if self._breaker.refuse_if_open(self._exec.saturated()) else None)
         if refuse:
             self._count(refuse, len(keys))
             b.closed = True
