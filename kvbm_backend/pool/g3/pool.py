@@ -48,8 +48,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Sequence, cast
 
@@ -73,7 +74,7 @@ from .read.layerwise import LayerwiseLoad
 from .restore import restore
 from .staging import shared_staging
 from .writer import Admission, G3Writer
-from ...threads import start_thread
+from ...threads import executor, start_thread
 
 if TYPE_CHECKING:
     import torch
@@ -173,6 +174,8 @@ class G3Pool:
         self.cat.update_gauges()
         self._stats = StatsCache()
         self.stats()  # the snapshot stats() answers from while the lock stays busy
+        self._drop_mu = threading.Lock()
+        self._drops: ThreadPoolExecutor | None = None  # drop_unreadable's thread, made on first use
 
     # ---- the parts' state, as the pool's (tests, the connector, the tiering tier read these) -------------
     @property
@@ -344,9 +347,19 @@ class G3Pool:
         :meth:`delete` removes them. A slot that re-reads good stays (the failed read was transient); one the
         re-read cannot read either (an I/O error: no proof) stays too (``unreadable_kept``) until it has stayed
         unreadable over several failed loads and minutes (``unreadable_deleted``: :mod:`.read.unreadable`,
-        docs/invariants.md #1). Future of how many were deleted (completed at once). Never raises for storage
-        trouble."""
-        return completed(self.reader.drop_unreadable(list(keys)))
+        docs/invariants.md #1). Future of how many were deleted, resolved on a thread of its own
+        (``kvbm-g3-drop``): the re-reads and the pool's lock (held across journal writes: unbounded on a stalled
+        drive) never hold the caller, who waits as long as its own bound allows (before 2026-12-02 the work ran
+        on the caller's thread: a native ``G3Tier`` load that failed reported its job only once a 12 s journal
+        stall ended, its request waiting past ``job_timeout_s``). 0 once the pool is closed. Never raises for
+        storage trouble."""
+        keys = list(keys)
+        with self._drop_mu:
+            if self._closed:
+                return completed(0)
+            if self._drops is None:
+                self._drops = executor(1, "kvbm-g3-drop")
+            return self._drops.submit(lambda: 0 if self._closed else self.reader.drop_unreadable(keys))
 
     def device_reader(self, device: str | torch.device) -> DeviceLoader:
         """The pool's :class:`~kvbm_backend.pool.g3.read.device.DeviceLoader` for ``device`` (created on
@@ -472,6 +485,9 @@ class G3Pool:
         self.reader.close_verifier()  # after the engine: its last callbacks may still queue there
         cat.close()
         self._lookups.join(1.0)  # a deferred lookup has the lock by now (its future resolves)
+        with self._drop_mu:
+            if self._drops is not None:
+                self._drops.shutdown(wait=False)  # a queued drop finds the pool closed: 0
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges. Sizes in bytes; ``*_blocks``/counts in blocks. Never waits for a busy pool lock

@@ -10,6 +10,7 @@ delete's journal ``os.write`` held at the OS boundary on :class:`threading.Event
 asserted; ``GUARD_S`` is a hang guard)."""
 from __future__ import annotations
 
+import os
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from vllm.v1.kv_offload.base import Medium  # noqa: E402
 
 from kvbm_backend.integrations.vllm.tier_removals import HeldChunks  # noqa: E402
 from kvbm_backend.integrations.vllm.tiering import G3Tier, offload_key_hash  # noqa: E402
+from kvbm_backend.model.frame import HEADER_BYTES  # noqa: E402
 from tests.helpers.held_io import held_journal_write, in_background  # noqa: E402
 from tests.integrations.vllm.test_tiering import g3_tier, harnesses, keys_for, payloads  # noqa: E402,F401
 
@@ -135,3 +137,52 @@ def test_an_index_read_the_busy_pool_cannot_give_now_is_owed_not_waited_for(tmp_
     deleter.join(GUARD_S)
     t.join(GUARD_S)
     assert sorted(held.removed(), key=keys.index) == keys[:3] + [keys[5]]  # the owed read
+
+
+def test_a_failed_load_is_reported_while_a_journal_write_holds_the_pool_lock(tmp_path, harnesses, monkeypatch):  # noqa: F811
+    """A chunk whose stored payload is corrupt (bit rot) loads and fails; its read returned, then a delete's
+    journal write holds the pool's lock. The failed load's job is reported to vLLM's manager (a miss, the request
+    recomputes) while the write is still held: the tier's deletion of the blocks that failed
+    (``G3Pool.drop_unreadable``) waits for the lock on a thread of its own. Once the write is through, the
+    recomputed chunk is stored again and served. Review finding 2026-12-02: ``drop_unreadable`` did its work on
+    the caller's thread before returning its future, so the tier's bound on it did nothing: the load thread
+    waited for the lock, the job stayed running and the request waited HIT_PENDING for the whole stall, past
+    ``job_timeout_s`` (12 s with a 2 s ``job_timeout_s``)."""
+    h = harnesses([g3_tier(tmp_path / "g3", job_timeout_s=2.0)])
+    keys, data = keys_for(3, "d"), payloads(h, 3)
+    h.store(keys, data)
+    h.wait_idle()
+    tier, pool = h.tier, h.tier.pool
+    h.reset_primary()
+    fi, si = pool.index.get(tier._block_keys(keys[0], "")[0])
+    off = si * pool.slot_bytes + HEADER_BYTES + 100
+    fd = os.open(pool.slabs.by_index[fi].path, os.O_RDWR)  # the pool's own fd is O_DIRECT
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 0xFF]), off)  # one flipped payload byte
+    finally:
+        os.close(fd)
+    real_get, stall = pool.get, {}
+
+    def get(bkeys, out):  # the drive stalls right after the load's read: a delete's journal write holds the lock
+        fut = real_get(bkeys, out)
+        fut.result(GUARD_S)
+        if not stall:
+            stall["hold"], stall["t"], stall["done"] = _stall_a_delete(monkeypatch, pool, tier._block_keys(keys[2], ""))
+        return fut
+    monkeypatch.setattr(pool, "get", get)
+    ctx = h.context()
+    h.manager.on_new_request(ctx)
+    try:
+        assert h.lookup_prefix(keys[:1], ctx, timeout=GUARD_S) == 0  # the failed load reported: a miss
+        assert stall and not stall["done"].is_set() and pool.cat.lock.locked()  # while the write is still held
+    finally:
+        if stall:
+            stall["hold"].release()
+            stall["t"].join(GUARD_S)
+        h.manager.on_request_finished(ctx)
+    monkeypatch.setattr(pool, "get", real_get)
+    h.wait_idle()
+    h.store(keys[:1], data[:1])  # the recompute's store writes the chunk again
+    h.wait_idle()
+    got = h.load(keys[:1], timeout=GUARD_S)
+    assert len(got) == 1 and np.array_equal(got[0], data[0])
