@@ -249,6 +249,8 @@ class SlotCatalog:
         appends (:attr:`~.journal.Journal.broken`, or not open) is first rewritten here, under the lock."""
         if not recs:
             return True
+        if not self.slabs.dirs:  # the pool closed (its files, directories and journal): nothing is journaled now
+            return False
         try:
             j = self.journal
             if j.broken or j.fd is None:  # nothing to append to: the repair is written here, under the lock
@@ -502,6 +504,6 @@ class SlotCatalog:
                 except (OSError, KeyError) as e:
                     log.warning("G3: fdatasync of slab file %d at close failed (%s)", fi, e)
             self._cleared.clear()
-            self.journal.close()
+            self.journal.shut_down()
             self.slabs.close()
             self.update_gauges(gone=True)

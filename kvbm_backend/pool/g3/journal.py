@@ -47,6 +47,7 @@ import stat
 import struct
 import uuid
 from collections import OrderedDict
+from contextlib import suppress
 from typing import Any, Iterable, Protocol, TypeVar, runtime_checkable
 
 import xxhash
@@ -478,12 +479,17 @@ class Journal:
         fsynced with every record). The caller closes it. Raises OSError (EMFILE)."""
         return None if self.fd is None else os.dup(self.fd)
 
+    def shut_down(self) -> None:
+        """Close for good, with the pool (its directory fd numbers may soon be another pool's): later rewrites fail, EBADF
+        (before 2026-12-02 a closed pool's ``delete`` rewrote its journal over a newer pool's, its blocks lost)."""
+        self.close()
+        self.close_dir()
+        self._dfd = -1
+
     def close(self) -> None:
         if self.fd is not None:
-            try:
+            with suppress(OSError):
                 os.fdatasync(self.fd)
-            except OSError:
-                pass
             os.close(self.fd)
             self.fd = None
 

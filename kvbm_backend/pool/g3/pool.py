@@ -160,7 +160,7 @@ class G3Pool:
                     self.cat.journal_failed(OSError(errno.ENOSPC, "; ".join(self.cat.slabs.metadata_errors)),
                                             dirty=False)
         except BaseException:
-            self.cat.journal.close()
+            self.cat.journal.shut_down()
             self.cat.slabs.close()
             raise
         self.writer = G3Writer(self.cat, cfg, self.engine, self._frames, self._staging, self._io_size,
@@ -442,6 +442,8 @@ class G3Pool:
         recs: list[bytes] = []
         cat = self.cat
         with cat.lock:
+            if not cat.slabs.dirs:  # closed: nothing is held (and no file, nor the journal, is written)
+                return completed(0)
             for k in keys:
                 self.writer.cancel(k)
                 if cat.index.get(k) is None:
