@@ -94,6 +94,8 @@ def test_a_forked_child_that_writes_no_series_does_not_keep_its_parent_live(tmp_
             for lives_on in (False, True):  # a child that ends at once, then a helper that lives on
                 child = os.fork()
                 if child == 0:
+                    if lives_on:  # running: its fork hook closed its copy of P's lock (else P stays live)
+                        os.write(ready_w, b"c")
                     os.close(ready_w)
                     if lives_on:
                         signal.alarm(int(HANG_S) * 2)
@@ -110,7 +112,9 @@ def test_a_forked_child_that_writes_no_series_does_not_keep_its_parent_live(tmp_
     os.close(p_life_r)
     os.close(c_life_r)
     try:
-        assert os.read(ready_r, 1) == b"x"
+        # P is ready, and its helper has run (2026-12-02: on a busy host the helper was not scheduled at all before
+        # P ended, so its copy of P's lock, closed by its fork hook when it first runs, kept P live)
+        assert sorted([os.read(ready_r, 1), os.read(ready_r, 1)]) == [b"c", b"x"]
         assert _page(d) == (5, 1000)  # P lives: its children closed their copies of its lock, one ended
         os.close(p_life_w)
         p_life_w = -1
