@@ -107,6 +107,7 @@ class TenantLookup(AsyncLookupManager):
         # (key, tenant) whose cached miss may be stale (stored since, or its failed load's cool-down may end):
         # asked again at its next lookup. Scheduler thread; only keys with a live request's verdict, so bounded
         self._recheck: set[tuple[OffloadKey, str]] = set()
+        self._orphans: set[Any] = set()  # (key, tenant) pairs of _recheck: their requests ended while in flight
         self._batch_end: Deadline | None = None  # the worker's batch's deadline (_StampedQueue)
         self._stuck: tuple[Future, Deadline] | None = None  # a lookup that timed out, the end of its back-off
         self._counts = {"lookups_timed_out": 0, "lookups_not_asked": 0}  # written by the worker thread only
@@ -231,12 +232,30 @@ class TenantLookup(AsyncLookupManager):
         self.stored(keys, tenant)
 
     def cleanup(self, req_id: str) -> None:
-        """vLLM's, and forget the keys to ask again whose verdict left with the request."""
+        """vLLM's, and forget the keys to ask again whose verdict left with the request. vLLM keeps a verdict
+        still in flight when its last request ends (and drops it when its answer comes in): such a key is
+        forgotten then (:meth:`drain_results`), or kept for a request that took the verdict up meanwhile. Before
+        2026-12-02 it was kept for good (review: one key per store that finished while a lookup of its chunk was
+        in flight for a request that ended before the answer)."""
         keys = list(self._req_keys.get(req_id, ())) if self._recheck else []
         super().cleanup(req_id)
         for pair in keys:
-            if pair not in self._lookup_state:
+            st = self._lookup_state.get(pair)
+            if st is None:
                 self._recheck.discard(pair)
+            elif not st.request_ids and pair in self._recheck:
+                self._orphans.add(pair)
+
+    def drain_results(self) -> None:
+        """vLLM's, then forget the keys to ask again whose in-flight verdict no request holds any more."""
+        super().drain_results()
+        if self._orphans:
+            for pair in list(self._orphans):
+                st = self._lookup_state.get(pair)
+                if st is None or st.request_ids:
+                    self._orphans.discard(pair)
+                    if st is None:
+                        self._recheck.discard(pair)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         """Background thread: ``keys`` are the ``(OffloadKey, tenant)`` pairs :meth:`lookup` posted for one request

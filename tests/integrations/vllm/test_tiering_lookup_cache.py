@@ -99,3 +99,40 @@ def test_a_failed_loads_miss_ends_with_its_cool_down_while_a_request_holding_the
     got = h.load(keys, h.context("after"), timeout=HANG_S)
     assert len(got) == 1 and np.array_equal(got[0], data[0]), "the forced miss outlived the cool-down"
     tier.on_request_finished(live)
+
+
+def test_keys_to_ask_again_of_requests_that_ended_in_flight_are_forgotten(tmp_path, harnesses, monkeypatch):  # noqa: F811
+    """50 times: a request's lookup of a chunk is in flight (the pool answers when the test lets it), a store of
+    that chunk finishes meanwhile (its cached miss is to be asked again), and the request ends before the answer.
+    Once vLLM drops the verdict (its answer came, no request holds it), the tier forgets the key: none is kept
+    (review 2026-12-02: all 50 kept for good, one per such race)."""
+    h = harnesses([g3_tier(tmp_path / "g3")])
+    tier, lk = h.tier, h.tier._lookup
+    gate = threading.Event()
+    real = tier.pool.lookup_prefix
+
+    def gated(keys, request=True):  # the pool answers once the test opens the gate (a busy index)
+        f: Future = Future()
+        inner = real(keys, request=request)
+
+        def answer():
+            gate.wait(HANG_S)
+            f.set_result(inner.result(HANG_S))
+        threading.Thread(target=answer, daemon=True).start()
+        return f
+    monkeypatch.setattr(tier.pool, "lookup_prefix", gated)
+    for i, k in enumerate(keys_for(50, "gone")):
+        gate.clear()
+        ctx = h.context(f"r{i}")
+        tier.on_new_request(ctx)
+        assert tier.lookup(k, ctx) is LookupResult.RETRY  # posted with the next flush
+        lk.flush()  # in flight: the worker waits for the pool
+        lk.stored([k], "")  # a store job of the chunk finished meanwhile
+        tier.on_request_finished(ctx)  # the request ends (aborted) before the answer
+        gate.set()
+        deadline = time.monotonic() + HANG_S  # hang guard: the answer comes, the next flush drops the verdict
+        while (k, "") in lk._lookup_state and time.monotonic() < deadline:
+            time.sleep(0.005)
+            lk.flush()
+        assert (k, "") not in lk._lookup_state
+    assert len(lk._recheck) == 0, f"{len(lk._recheck)} keys kept to ask again for requests long gone"
