@@ -1,9 +1,8 @@
 """Scheduler role of the connector: prefix lookup (G3 then G4), load plans, save plans.
 
-Identity: KVBM sequence hashes (:mod:`kvbm_backend.model.hashing`) over the request's tokens in
-vLLM-``block_size`` blocks, salted by ``salt_hash(salt_bytes(cache_salt, lora_name, lora_path))``; the tenant is
-the request's ``cache_salt`` (else the configured default tenant). So a block written by one worker is
-found by any other worker of the same namespace, and after restarts.
+Identity: KVBM sequence hashes (:mod:`kvbm_backend.model.hashing`) over the request's tokens in vLLM-``block_size``
+blocks, salted by ``salt_hash(salt_bytes(cache_salt, lora_name, lora_path))``; the tenant is the request's
+``cache_salt`` (else the default tenant). A block one worker wrote is found by any worker of the namespace.
 
 Saves cover prompt blocks and, with ``save_decode`` (default), blocks filled by generated tokens too:
 the chain of hashes is extended as the request's ``all_token_ids`` grow, so the next turn of a chat
@@ -398,8 +397,7 @@ class SchedulerSide:
         again = self.unrecomputed.step(scheduler_output, self._reqs, self.bs)  # unloaded blocks read: reported again
         meta = self.promises.step(KvbmConnectorMetadata(loads=self._loads, reinvalidate=again))  # (saves: below)
         self._loads = []
-        if not self.offloads:
-            return meta
+        save = self.offloads  # block ids are tracked even when not saving: contain_failed_sync_load evicts by them
         sched = scheduler_output.num_scheduled_tokens
         for nr in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
@@ -407,6 +405,8 @@ class SchedulerSide:
                 continue
             self._renew_opaque(st)  # a streaming session's next chunk comes as a new request
             st.group_block_ids = [list(b) for b in nr.block_ids]
+            if not save:
+                continue
             if st.saved_upto is None:
                 st.saved_upto = nr.num_computed_tokens // self.bs
                 self._plan_local_save(meta, st)
@@ -425,6 +425,8 @@ class SchedulerSide:
             elif nb is not None:
                 for gl, b in zip(st.group_block_ids, nb):
                     gl.extend(b)
+            if not save:
+                continue
             if st.saved_upto is None:
                 st.saved_upto = cached.num_computed_tokens[i] // self.bs
             self._plan_save(meta, st, cached.num_computed_tokens[i] + sched.get(rid, 0))

@@ -27,15 +27,17 @@ from tests.helpers.lifecycle_sim import BS, HANG_S, Sim, build, hasher, looked_u
 
 pytestmark = [pytest.mark.vllm]
 
-def _shared_failed_load(tmp: Path, leave) -> tuple[list[str], int, int]:
+def _shared_failed_load(tmp: Path, leave, save: bool = True) -> tuple[list[str], int, int]:
     """r0's layer-wise load fails at block 1 while r2 shares its blocks 0..2; ``leave(s)`` takes r0 away before it
-    recomputes. Returns (the wrong reads vLLM kept, how many it discarded, blocks reported again)."""
+    recomputes. ``save`` False: the connector loads only (``kv_connector_extra_config`` ``{"save": false}``; G3 was
+    written while it saved). Returns (the wrong reads vLLM kept, how many it discarded, blocks reported again)."""
     s, w, kvs = build(tmp, 40, 64, extra_g3={"layerwise_load": True})
     sim, h, sd = Sim(s, w, kvs), hasher(), s.connector.sched
     g3, ns = sd.groups[0].g3, sd.groups[0].ns
     prompt = list(range(1000, 1000 + 4 * BS))
     try:
         warm(sim, prompt + [7] * 5, h)
+        sd.save_enabled = save  # what {"save": false} sets at start
         for t in kvs.values():  # an engine block's bytes from before: visible where nothing loaded or computed
             t.fill_(-1.0)
         r0 = mkreq("r0", prompt + [8] * 5, 4, h)
@@ -64,9 +66,13 @@ def _shared_failed_load(tmp: Path, leave) -> tuple[list[str], int, int]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_a_request_sharing_a_failed_layerwise_load_never_reads_unloaded_kv_once_the_failed_one_is_aborted(tmp_path):
+@pytest.mark.parametrize("save", [True, False], ids=["saving", "load_only"])
+def test_a_request_sharing_a_failed_layerwise_load_never_reads_unloaded_kv_once_the_failed_one_is_aborted(tmp_path,
+                                                                                                          save):
+    """Also with saving off (review 2026-12-02: a load-only connector tracked no engine block ids, so nothing was
+    reported again and r2 decoded on block 1's stale bytes)."""
     errors, rolled_back, again = _shared_failed_load(
-        tmp_path, lambda s: s.finish_requests("r0", RequestStatus.FINISHED_ABORTED))  # the client left first
+        tmp_path, lambda s: s.finish_requests("r0", RequestStatus.FINISHED_ABORTED), save)  # the client left first
     assert errors == []  # before: r2 read block 1's stale bytes in every step until it finished
     assert rolled_back >= 1 and again == 2  # r2's one step over blocks 1, 2 discarded, then recomputed
 
@@ -79,6 +85,44 @@ def test_a_request_sharing_a_failed_layerwise_load_never_reads_unloaded_kv_once_
     errors, rolled_back, again = _shared_failed_load(tmp_path, preempt)
     assert errors == []
     assert rolled_back >= 1 and again == 2
+
+
+def test_a_load_only_connector_evicts_a_failed_layerwise_loads_unloaded_blocks(tmp_path):
+    """Saving off (``{"save": false}``): r0's layer-wise load fails at block 1 and r0 is aborted before it
+    recomputes; r3, the same prompt, comes next. It is not served the never-loaded blocks from vLLM's prefix cache
+    (review 2026-12-02: the connector tracked no engine block ids when not saving, so it evicted none and r3 read
+    engine block 6's stale bytes at position 16, no load error ever reported)."""
+    s, w, kvs = build(tmp_path, 40, 64, extra_g3={"layerwise_load": True})
+    sim, h, sd = Sim(s, w, kvs), hasher(), s.connector.sched
+    g3, ns = sd.groups[0].g3, sd.groups[0].ns
+    prompt = list(range(1000, 1000 + 4 * BS))
+    try:
+        warm(sim, prompt + [7] * 5, h)  # G3 holds the prompt's 4 blocks (written while saving)
+        sd.save_enabled = False  # what {"save": false} sets at start
+        for t in kvs.values():
+            t.fill_(-1.0)
+        r0 = mkreq("r0", prompt + [8] * 5, 4, h)
+        looked_up(sd, r0)
+        s.add_request(r0)
+        hs = list(sd._reqs["r0"].hashes)
+
+        def evict_block1(so):
+            assert [j.layerwise for j in so.kv_connector_metadata.loads] == [True]
+            assert g3.delete(ns.keys(hs[1:2])).result(HANG_S) == 1  # G3 lost it between the lookup and the load
+        sim.step(evict_block1)
+        assert s.requests["r0"].num_computed_tokens == BS  # vLLM rolled r0 back to its first failed block
+        s.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
+        s.add_request(mkreq("r3", prompt + [9] * 5, 2, h))
+        for _ in range(30):
+            if not s.requests:
+                break
+            sim.step()
+        assert not s.requests
+        assert sim.errors == []
+    finally:
+        w.shutdown()
+        s.shutdown()
+        shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 def _out(new=(), cached=(), sched=None, resumed=()):
