@@ -39,7 +39,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 from .config_sources import (KVBM_ONLY_ENV, MAX_ERROR_CHARS, MAX_NESTING, ConfigError, _json_loads,  # noqa: F401
-                             _kvbm_only_warned, _merge, _nesting_error, _too_deep, _yaml_load, env_overrides)
+                             _kvbm_only_warned, _merge, _nesting_error, _one_value_per_key, _too_deep, _yaml_load,
+                             env_overrides)
 from .store_url import redact_urls
 
 
@@ -114,6 +115,19 @@ def _check_g3_path(p: str, info: ValidationInfo) -> str:
 
 G3Path = Annotated[str, AfterValidator(_check_g3_path)]
 
+
+def _distinct_g3_paths(paths: list[str]) -> list[str]:
+    """``g3.paths`` name distinct directories (``os.path.realpath``: a trailing ``/``, ``..`` or a symbolic link
+    name the same one). Before 2026-12-02 ``[/a, /a/]`` (or ``DYN_KVBM_DISK_CACHE_DIR=/a:/a``) passed every check,
+    ``doctor`` included, and the pool failed in the engine: its own second lock said another worker held ``/a``."""
+    seen: dict[str, int] = {}
+    for i, p in enumerate(paths):
+        j = seen.setdefault(os.path.realpath(p), i)
+        if j != i:
+            raise PydanticCustomError("g3_paths_repeated", "entry {i} ({p}) is the same directory as entry {j} ({q}): "
+                                      "list each directory once", {"i": i, "p": repr(p), "j": j, "q": repr(paths[j])})
+    return paths
+
 IO_ALIGN = 4096  # bytes: O_DIRECT offsets, lengths and buffers are multiples of this
 MAX_IO_SIZE = 1 << 30  # bytes: the largest g3.io_size_bytes (and bench --io-size)
 
@@ -146,9 +160,10 @@ class AdmissionConfig(_M):
 
 class G3Config(_M):
     enabled: bool = True
-    paths: list[G3Path] = Field(default_factory=lambda: ["./kvbm-g3"], min_length=1)
+    paths: Annotated[list[G3Path], AfterValidator(_distinct_g3_paths)] = Field(default_factory=lambda: ["./kvbm-g3"],
+                                                                               min_length=1)
     """One directory per NVMe drive or mount point; slab files are spread across them. Entries must be
-    non-empty; when G3 is enabled, an existing entry must be a directory this process can write and a
+    non-empty and name distinct directories; when G3 is enabled, an existing entry must be a directory this process can write and a
     missing one must not lie under a file (checked at load: ``g3.paths[i]: ...``)."""
     capacity_gb: float = Field(default=10.0, gt=0, le=MAX_CAPACITY_GB)
     """Upper bound of slot bytes (GB = 1e9 bytes), at most 10 PB (``MAX_CAPACITY_GB``)."""
@@ -481,7 +496,7 @@ def load_config(source: str | Path | dict | None = None, *, environ: dict[str, s
             elif suffix == ".toml":
                 data = tomllib.loads(p.read_text())
             else:
-                data = json.loads(p.read_text())
+                data = json.loads(p.read_text(), object_pairs_hook=_one_value_per_key)
         except RecursionError:
             raise _nesting_error(f"config file {p}") from None
         except Exception as e:  # noqa: BLE001 - any parse error names the file

@@ -47,10 +47,22 @@ def _nesting_error(where: str) -> ConfigError:
     return ConfigError(f"{where}: nested deeper than {MAX_NESTING} levels (a config is at most 4 deep)")
 
 
+def _one_value_per_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all distinct (``json.loads``' ``object_pairs_hook``); ValueError naming a key
+    repeated: the last copy would silently replace the first (a whole ``g3`` section, say)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} appears twice in one object (the second would silently replace the first)")
+        out[k] = v
+    return out
+
+
 def _json_loads(text: str, where: str) -> Any:
-    """``json.loads`` with every failure (syntax, deep nesting) as a one-line ConfigError naming ``where``."""
+    """``json.loads`` with every failure (syntax, deep nesting, a key repeated in one object) as a one-line
+    ConfigError naming ``where``."""
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_one_value_per_key)
     except RecursionError:
         raise _nesting_error(where) from None
     except ValueError as e:
@@ -63,7 +75,9 @@ def _json_loads(text: str, where: str) -> Any:
 def _yaml_load(text: str) -> Any:
     """YAML with the safe loader, minus anchors and aliases (``&a`` / ``*a``, ``<<: *a``): their expansion
     turns a few hundred bytes into gigabytes ("billion laughs"), and a config never needs them. Nesting is
-    bounded by :data:`MAX_NESTING` while composing. Raises ConfigError (without the file name)."""
+    bounded by :data:`MAX_NESTING` while composing; a key repeated in one mapping is refused (the safe loader
+    keeps the last copy: a second ``g3:`` section silently dropped the first's paths and capacity). Raises
+    ConfigError (without the file name)."""
     import yaml
     from yaml.events import AliasEvent, CollectionStartEvent
 
@@ -85,6 +99,18 @@ def _yaml_load(text: str) -> Any:
                 finally:
                     self.depth -= 1
             return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):
+            seen: dict[tuple[str, str], int] = {}  # (tag, text) of each scalar key -> its line
+            for key_node, _ in getattr(node, "value", ()):
+                if not isinstance(key_node, yaml.ScalarNode):
+                    continue  # the safe loader refuses a non-scalar key itself
+                key, line = (key_node.tag, key_node.value), key_node.start_mark.line + 1
+                if key in seen:
+                    raise ConfigError(f"line {line}: key {key[1]!r} appears twice in one mapping (first at line "
+                                      f"{seen[key]}; the second would silently replace the first)")
+                seen[key] = line
+            return super().construct_mapping(node, deep)
 
     loader = _Loader(text)
     try:

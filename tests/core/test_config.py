@@ -548,3 +548,42 @@ def test_config_file_suffix_is_read_in_any_case(tmp_path, name, text):
                        capture_output=True, text=True, env=env, timeout=600)  # a hang guard only
     assert r.returncode == 0, r.stderr
     assert "g3.capacity_gb=3 [file]" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name,text,line", [
+    ("sections.yaml", "g3:\n  paths: [/nvme/kv]\n  capacity_gb: 800\ng4:\n  enabled: false\ng3:\n  fsync: true\n",
+     "line 6: key 'g3' appears twice in one mapping (first at line 1"),
+    ("field.yaml", "g3:\n  capacity_gb: 800\n  capacity_gb: 8\n", "line 3: key 'capacity_gb' appears twice"),
+    ("sections.json", '{"g3": {"capacity_gb": 800}, "g3": {"fsync": true}}', "key 'g3' appears twice in one object"),
+])
+def test_a_key_repeated_in_a_config_file_is_refused_naming_it(tmp_path, name, text, line):
+    """Review finding 2026-12-02: YAML's safe loader and ``json.loads`` keep a repeated key's last copy, so a second
+    ``g3:`` section added at the bottom of a ConfigMap silently dropped the first's paths and capacity (G3 opened
+    ``./kvbm-g3`` with 10 GB; ``doctor`` said OK). TOML refuses repeats by itself."""
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f, use_env=False)
+    assert str(e.value).startswith(f"config file {f}: {line}"), str(e.value)
+    with pytest.raises(ConfigError, match="key 'g3' appears twice in one object"):
+        load_config('{"g3": {"capacity_gb": 800}, "g3": {}}', use_env=False)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("g3:\n  capacity_gb: 800\ng4:\n  enabled: false\n")
+    assert load_config(ok, use_env=False).g3.capacity_gb == 800
+
+
+def test_a_g3_directory_listed_twice_is_refused_naming_the_field(tmp_path):
+    """``g3.paths`` entries name distinct directories (a trailing ``/``, ``..`` or a symbolic link name the same
+    one). Review finding 2026-12-02: ``[/a, /a/]`` passed every check and the pool failed in the engine, its own
+    second directory lock blamed on another worker."""
+    a = tmp_path / "a"
+    a.mkdir()
+    (tmp_path / "link").symlink_to(a)
+    for twice in ([str(a), f"{a}/"], [str(a), str(tmp_path / "link")], [str(a), str(tmp_path / "b" / ".." / "a")]):
+        with pytest.raises(ConfigError) as e:
+            load_config({"g3": {"paths": twice}}, use_env=False)
+        assert str(e.value).startswith(f"g3.paths: entry 1 ({twice[1]!r}) is the same directory as entry 0 "
+                                       f"({str(a)!r}): list each directory once"), str(e.value)
+    with pytest.raises(ConfigError, match=r"^g3.paths \(from DYN_KVBM_DISK_CACHE_DIR\): entry 1 "):
+        load_config(None, environ={"DYN_KVBM_DISK_CACHE_DIR": f"{a}:{a}"})
+    assert load_config({"g3": {"paths": [str(a), str(tmp_path / "c")]}}, use_env=False).g3.paths[1] == str(tmp_path / "c")
