@@ -37,6 +37,12 @@ class TagKey(NamedTuple):
         return f"<tenant tag {self.tag.hex()}>"
 
 
+def key_tag(k: Union[BlockKey, TagKey]) -> bytes:
+    """The 16-byte tenant tag ``k``'s frames carry: a restored :class:`TagKey`'s own ``tag``, else its tenant's
+    (every read path checks frames against this: host gets, device gets, layer-wise loads)."""
+    return k.tag if type(k) is TagKey else tag_of(k.tenant)
+
+
 def valid_key(k: Union[BlockKey, TagKey]) -> bool:
     """A key a G3 slot can hold: seq_hash an integer in [0, 2**64), rank in [0, 2**32), and a str tenant
     (BlockKey) or a 16-byte tag (a restored :class:`TagKey`). Anything else is never looked up (a get misses

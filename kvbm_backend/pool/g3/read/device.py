@@ -62,8 +62,9 @@ import numpy as np
 
 from ....model.frame import HEADER_BYTES
 from ....model.layout import KvLayout
-from ....model.namespace import BlockKey, tenant_tag
+from ....model.namespace import BlockKey
 from ...base import SlotLease, SlotLeaseSource
+from ..index import key_tag
 from ....deadlines import Deadline
 from ....transfer import file_order, group_passes
 from ....gpu.probe import MODES, PROBE_BYTES, ProbeResult, probe_device_path
@@ -97,8 +98,8 @@ class DeviceLoader:
             is asked: then the bounce path itself (separate host rows, one copy into the staging per pass, the
             staging ring; plain host memory, no CUDA stream) runs on the CPU, so tests cover its wiring.
         world: the TP world size frames must name (None: not checked).
-        tenant_tag_fn: expected 16-byte frame tenant tag of a key (default: G3's
-            :func:`~kvbm_backend.model.namespace.tenant_tag` of ``key.tenant``).
+        tenant_tag_fn: expected 16-byte frame tenant tag of a key (default: :func:`~..index.key_tag`: a restored
+            key's tag, else the tenant's).
         staging_bytes: most device staging bytes per pass (``depth`` passes in flight: at most
             ``depth * staging_bytes`` of extra HBM, plus as much pinned host memory in ``pinned-bounce``;
             default 128 MiB).
@@ -137,7 +138,9 @@ class DeviceLoader:
         self.layout = layout
         self.world = world
         self.device = torch.device(device)
-        self.tenant_tag_fn = tenant_tag_fn or (lambda k: tenant_tag(k.tenant))
+        # a restored TagKey names its tag, not its tenant (before 2026-12-02 its tenant placeholder was hashed: every
+        # key G3Pool.keys() gave out missed a device get, counted corrupt_identity, its slot re-read and kept)
+        self.tenant_tag_fn = tenant_tag_fn or key_tag
         self.staging_bytes = staging_bytes
         self.depth = depth
         self.timeout_s = timeout_s

@@ -54,9 +54,10 @@ from ....memory import BufferPool
 from ....model.frame import FLAG_CHECKSUM, FLAG_DEVCHECK, HEADER_BYTES, FrameError, header_dev_checks, \
     header_flags, header_integrity
 from ....model.layout import KvLayout
-from ....model.namespace import BlockKey, tenant_tag
+from ....model.namespace import BlockKey
 from ....transfer.layers import DEFAULT_MIN_READ, GroupReads, layer_aligned, layer_groups, plan_layer_reads
 from ...base import BlockBuffer, SlotLease, SlotLeaseSource
+from ..index import key_tag
 from .stages import HEADER_COPY, HeaderChecks, add_seconds, check_frame, lease_all, release_quietly, report_corrupt
 from ....deadlines import Deadline
 
@@ -68,12 +69,6 @@ log = logging.getLogger(__name__)
 
 #: the owner's read fds (one O_DIRECT open / fallback rule for every reader: :mod:`kvbm_backend.io.files`)
 SlabFiles = ReadFiles
-
-
-def _key_tag(k: BlockKey) -> bytes:
-    """The 16-byte tenant tag a key's frames carry: a restored key's own ``tag``, else its tenant's."""
-    tag = getattr(k, "tag", None)  # a restored TagKey (pool/g3/index.py) has no tenant string
-    return tag if isinstance(tag, bytes) and tag else tenant_tag(k.tenant)
 
 
 class LayerwiseLoad:
@@ -123,7 +118,7 @@ class LayerwiseLoad:
         self.executor, self.files, self.world = executor, files, world
         self.parallel = max(1, int(parallel or getattr(executor, "_max_workers", 0) or 8))
         self.timeout_s = timeout_s
-        self.tenant_tag_fn: Callable[[BlockKey], bytes] = tenant_tag_fn or _key_tag
+        self.tenant_tag_fn: Callable[[BlockKey], bytes] = tenant_tag_fn or key_tag
         self.why: list[str | None] = ["not_found"] * self.n  # None = good so far
         self.counters: Counter[str] = Counter()
         self._staging_pool = staging
