@@ -44,8 +44,10 @@ def test_a_failure_while_half_open_reopens_without_a_probe_out():
     assert b.state == "closed"
 
 
-@pytest.mark.slow
-def test_loads_on_a_hung_mount_are_refused_while_half_open_and_the_pool_recovers(tmp_path):
+def _pool_on_a_hanging_mount(tmp_path):
+    """A G4 pool on ``file://`` (2 read threads, load bound 0.55 s) holding blocks 1-4, whose breaker's clock the
+    test moves (``skew[0]`` seconds ahead), and the mount hung under blocks 1 and 2:
+    ``(pool, keys, blocks, skew, held)``."""
     ns = namespace()
     bpb = ns.layout.bytes_per_block
     cfg = G4Config(url=f"file://{tmp_path / 'mnt'}", timeout_s=0.5, retries=0, breaker_failures=1,
@@ -53,11 +55,16 @@ def test_loads_on_a_hung_mount_are_refused_while_half_open_and_the_pool_recovers
     pool = G4Pool(cfg, ns)
     skew = [0.0]
     pool.breaker._clock = lambda: time.monotonic() + skew[0]  # the reset passes when the test says so
-    seqs = [1, 2, 3, 4]
-    keys = ns.keys(seqs, tenant="t")
-    blocks = [payload(s, "t", bpb) for s in seqs]
+    keys = ns.keys([1, 2, 3, 4], tenant="t")
+    blocks = [payload(s, "t", bpb) for s in [1, 2, 3, 4]]
     assert pool.put(keys, blocks).result(timeout=HANG_S).written == 4
-    held = HeldOpen([pool.store._path(pool.object_name(k)) for k in keys[:2]])  # the mount hangs under these
+    return pool, keys, blocks, skew, HeldOpen([pool.store._path(pool.object_name(k)) for k in keys[:2]])
+
+
+@pytest.mark.slow
+def test_loads_on_a_hung_mount_are_refused_while_half_open_and_the_pool_recovers(tmp_path):
+    pool, keys, blocks, skew, held = _pool_on_a_hanging_mount(tmp_path)
+    bpb, seqs = pool.layout.bytes_per_block, [1, 2, 3, 4]
     try:
         out = [np.zeros(bpb, np.uint8) for _ in range(2)]
         res = pool.get(keys[:2], out).result(timeout=HANG_S)  # both read threads now stuck in open()
@@ -96,16 +103,8 @@ def test_half_open_windows_queue_nothing_behind_a_hung_mount(tmp_path):
     each with a load of two healthy blocks into fresh buffers: every load is refused at once, nothing queues
     behind the stuck reads and no caller buffer stays referenced. Before 2026-12-02 each window's load queued 2
     tasks holding its buffers (80 tasks queued, 80 buffers held) until the mount came back."""
-    ns = namespace()
-    bpb = ns.layout.bytes_per_block
-    cfg = G4Config(url=f"file://{tmp_path / 'mnt'}", timeout_s=0.5, retries=0, breaker_failures=1,
-                   breaker_reset_s=RESET_S, max_inflight=2, keyring={"path": str(tmp_path / "kr.json")})
-    pool = G4Pool(cfg, ns)
-    skew = [0.0]
-    pool.breaker._clock = lambda: time.monotonic() + skew[0]
-    keys = ns.keys([1, 2, 3, 4], tenant="t")
-    assert pool.put(keys, [payload(s, "t", bpb) for s in [1, 2, 3, 4]]).result(timeout=HANG_S).written == 4
-    held = HeldOpen([pool.store._path(pool.object_name(k)) for k in keys[:2]])
+    pool, keys, _, skew, held = _pool_on_a_hanging_mount(tmp_path)
+    bpb = pool.layout.bytes_per_block
     refs: list[weakref.ref] = []
     try:
         res = pool.get(keys[:2], [np.zeros(bpb, np.uint8) for _ in range(2)]).result(timeout=HANG_S)
