@@ -89,7 +89,15 @@ def url_problem(url: str) -> str | None:
         if not slashes.startswith("//"):
             return f"expected s3://BUCKET/PREFIX (two slashes after 's3:'; did you mean s3://{slashes.lstrip('/')}?)"
         why = bucket_problem(u.netloc)
-        return f"s3:// URL: {why}" if why else None
+        if why:
+            return f"s3:// URL: {why}"
+        segs = u.path.strip("/").split("/") if u.path.strip("/") else []
+        bad = next((s for s in segs if s in ("", ".", "..")), None)
+        if bad is not None:  # obstore refuses such keys before sending them; servers may collapse them
+            what = "an empty path segment" if bad == "" else f"a path segment {bad!r}"
+            return (f"s3:// URL: the prefix {u.path!r} has {what} "
+                    f"(did you mean s3://{u.netloc}/{'/'.join(s for s in segs if s not in ('', '.', '..'))}?)")
+        return None
     if u.scheme == "file":
         if u.netloc not in ("", "localhost"):
             return (f"file URLs must be absolute, file:///path (three slashes; file://{u.netloc}{u.path} names host "

@@ -29,6 +29,11 @@ connection is closed (a reset link, a proxy that died mid-answer). ``proxy.cut``
 XML error) and never reaches the server: an S3-compatible server without conditional deletes.
 ``proxy.refused_deletes`` counts them.
 
+``proxy.conflict_puts = n``: the next ``n`` create-exclusive PUTs (``If-None-Match: *``) are answered ``409
+ConditionalRequestConflict`` (an S3 XML error) and never reach the server: what AWS S3 answers when a conflicting
+operation on the name (a DELETE) won against the conditional write ("retry the request"); nothing is stored.
+``proxy.conflicted`` counts them.
+
 ``proxy.ignore_range = True``: a gateway that ignores ``Range``. The client's request still reaches the server
 unchanged (its SigV4 signature covers the ``Range`` header: a request stripped of it is refused, 403
 SignatureDoesNotMatch, by a server that checks signatures, as SeaweedFS with the tests' credentials does); an
@@ -66,6 +71,8 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "expe
 MOVED = b"<html><head><title>301 Moved Permanently</title></head><body><h1>301 Moved Permanently</h1></body></html>\n"
 NOT_IMPLEMENTED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NotImplemented</Code><Message>A header you '
                    b'provided implies functionality that is not implemented</Message></Error>')
+CONFLICT = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ConditionalRequestConflict</Code><Message>A '
+            b'conflicting operation occurred. If using PutObject you can retry the request.</Message></Error>')
 HTML = b"<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1></body></html>\n"
 
 
@@ -117,6 +124,8 @@ class LyingProxy:
         self.cut = 0
         self.no_conditional_delete = False
         self.refused_deletes = 0
+        self.conflict_puts = 0
+        self.conflicted = 0
         self.ignore_range = False
         self.ranges_ignored = 0
         self._s3: Any = None  # the proxy's own boto3 client (ignore_range), made at first use
@@ -154,6 +163,13 @@ class LyingProxy:
                     proxy.refused_deletes += 1
                     err = NOT_IMPLEMENTED
                     reply(self, 501, [("Content-Type", "application/xml")], err, str(len(err)))
+                    return
+                if proxy.conflict_puts > 0 and self.command == "PUT" and self.headers.get("If-None-Match") == "*":
+                    if n:
+                        self.rfile.read(n)
+                    proxy.conflict_puts -= 1
+                    proxy.conflicted += 1
+                    reply(self, 409, [("Content-Type", "application/xml")], CONFLICT, str(len(CONFLICT)))
                     return
                 query = parse_qs(urlsplit(self.path).query)
                 if self.command == "GET" and query.get("list-type") == ["2"]:

@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Callable
 
+from ...store_url import redact_urls
+
 log = logging.getLogger(__name__)
 
 
@@ -172,8 +174,12 @@ class CircuitBreaker:
 
 
 def _describe(err: object) -> str:
+    """``err`` for a log line, every URL in it redacted (a client's error text names the request's URL: with
+    ``g4.endpoint_url`` ``http://USER:SECRET@host`` the secret was logged in the OPEN warning until 2026-12-02)."""
     if err is None:
         return "no detail"
     if isinstance(err, BaseException):
-        return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-    return str(err)
+        text = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    else:
+        text = str(err)
+    return redact_urls(text)

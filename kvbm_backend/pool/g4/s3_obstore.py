@@ -68,6 +68,7 @@ import boto3
 import obstore
 from obstore.exceptions import AlreadyExistsError, PreconditionError
 
+from ...store_url import redact_urls
 from .s3_store import _TRANSIENT_CODES, _TRANSIENT_STATUS, THROTTLE_CODES, S3Store
 from .store import StoreThrottled, StoreUnavailable, byte_view
 
@@ -192,6 +193,9 @@ class ObstoreS3Store(S3Store):
                     raise _Failed(op, 404, status_and_code(e)[1], attempt > 0, str(e)) from None
                 return None
             except (AlreadyExistsError, PreconditionError) as e:
+                status, code = status_and_code(e)
+                if status == 409:  # obstore's AlreadyExists for a 409 too: a conflict, nothing stored (s3_store._EXISTS)
+                    raise _Failed(op, 409, code, attempt > 0, f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
                 raise _Failed(op, 412, "PreconditionFailed", attempt > 0, str(e)) from None
             except Exception as e:  # noqa: BLE001 - obstore's errors: classified by status and code
                 if _RANGE_IGNORED in str(e):  # answered (200, the whole object): no outage, never retried
@@ -207,7 +211,7 @@ class ObstoreS3Store(S3Store):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _unavailable_error(self, f: _Failed, name: str) -> StoreUnavailable:
-        return StoreUnavailable(f"{f.op} {self.url}/{name}: {f}")
+        return StoreUnavailable(redact_urls(f"{f.op} {self.url}/{name}: {f}"))  # obstore's text names the URL
 
     def _raise(self, f: _Failed, name: str) -> NoReturn:
         if f.code == "NoSuchBucket":
@@ -228,7 +232,7 @@ class ObstoreS3Store(S3Store):
                 self._ocall("put", name, lambda: obstore.put(self._obs_put, key, body, mode="create", use_multipart=False))
                 return True
             except _Failed as f:
-                if f.status in (409, 412):
+                if f.status == 412:  # taken (a 409 stores nothing: s3_store._EXISTS)
                     return f.retried and self._holds_these_bytes(name, data)
                 if f.status == 501 or f.code == "NotImplemented":
                     self.supports_conditional_put = False

@@ -44,8 +44,7 @@ traffic is on obstore with ``g4.s3_client: obstore``, the default (:mod:`.s3_obs
 * botocore's region redirector is kept (a wrong ``region``: one redirect to the region the answer names),
   but a HEAD bucket answered with a redirect that names no region is not looked up again
   (:func:`_no_region_lookup_loop`): such an answer (an http endpoint sent to https) raises an OSError.
-* botocore's optional CRC request/response checksums are off (``when_required``): every frame carries
-  its own xxh3 or GCM tag, verified where the bytes land.
+* botocore's optional CRC checksums are off (``when_required``): each frame's xxh3 or GCM tag is verified.
 
 Client choice (issue 3: "pick the S3 client by measurement"): boto3 stayed then. Measured with
 ``python -m kvbm_backend.apps.bench.s3_clients --endpoint-url $KVBM_TEST_S3_ENDPOINT --bucket kvbm-test
@@ -68,8 +67,7 @@ per GB, where obstore costs less: its data path is :class:`~.s3_obstore.ObstoreS
 calls of both. Through the pool (``kvbm-backend bench --tier g4 --json``, 64 encrypted 2 MiB blocks,
 loopback SeaweedFS, 2-core dev VM shared with other jobs at load average 5-7, four invocations each,
 after the PUT settle of :meth:`S3Store._settle_put`), CPU-s/GB: boto3 PUT 2.49 / 2.33 / 2.65 / 2.90,
-GET 1.35 / 1.10 / 1.54 / 1.65; obstore PUT 0.78 / 0.64 / 0.79 / 0.69, GET 1.02 / 0.93 / 1.03 / 0.92
-(before the settle, load ~10: boto3 PUT 2.1, GET 1.3-1.6; obstore PUT 0.7-0.8, GET 1.0-1.2). Again on
+GET 1.35 / 1.10 / 1.54 / 1.65; obstore PUT 0.78 / 0.64 / 0.79 / 0.69, GET 1.02 / 0.93 / 1.03 / 0.92. Again on
 2026-11-26, load 2.5-3, interleaved, a fresh server per pair (benchmarks/results/g4_client_cpu-2026-11-26.json),
 medians of four: obstore PUT 0.66, GET 0.90; boto3 PUT 2.27, GET 1.20. obstore is therefore the default:
 both its directions are under the issue's 1.0 CPU-s/GB, boto3's PUT is not. Its GET margin is small: the
@@ -91,6 +89,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from ...store_url import redact_url, redact_urls
 from .throttle import call_attempts
 from .store import BucketMissing, ObjectInfo, ObjectStore, PutUnsettled, StoreThrottled, StoreUnavailable, byte_view
 
@@ -102,7 +101,8 @@ _T = TypeVar("_T")
 COND_DELETE_RECHECK_S = 600.0  # seconds a 501 to a DELETE with If-Match turns them off before one is tried again
 
 _MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchObject"}
-_EXISTS = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+#: the name is taken; a 409 (a conflicting operation in flight) stores nothing: before 2026-12-02 it was "taken" too
+_EXISTS = {"412", "PreconditionFailed"}
 #: Error codes that mean "slow down" (with HTTP 429 whatever its code): botocore's throttling list
 #: (``botocore.retries.standard.ThrottledRetryableChecker``) and the S3 and S3-compatible ones.
 THROTTLE_CODES = frozenset({
@@ -177,8 +177,8 @@ class S3Store(ObjectStore):
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 
-    def _unavailable(self, op: str, name: str, e: Exception) -> StoreUnavailable:
-        return StoreUnavailable(f"{op} {self.url}/{name}: {type(e).__name__}: {e}")
+    def _unavailable(self, op: str, name: str, e: Exception) -> StoreUnavailable:  # the text names URLs: redacted
+        return StoreUnavailable(redact_urls(f"{op} {self.url}/{name}: {type(e).__name__}: {e}"))
 
     def _call(self, op: str, name: str, fn: Callable[[bool], _T]) -> _T:
         """``fn(retried)``: one S3 request (and the read of its body), made up to ``1 + retries`` times.
@@ -446,7 +446,7 @@ class S3Store(ObjectStore):
             raise self._unavailable("list", prefix, e) from None
 
     def _bucket_missing(self) -> BucketMissing:
-        where = f" at {self.endpoint_url}" if self.endpoint_url else ""
+        where = f" at {redact_url(self.endpoint_url)}" if self.endpoint_url else ""
         return BucketMissing(f"{self.url}: bucket {self.bucket!r} does not exist{where}", self.bucket)
 
     def probe(self) -> None:
