@@ -299,7 +299,9 @@ class G3KvEvents:
         for i in range(0, len(announced), EMIT_CHUNK):  # the lock for a chunk at a time (emit_announced)
             with self._lock:
                 for ev_info in announced[i:i + EMIT_CHUNK]:
-                    if ev_info[0] not in seen:
+                    # as above: an announcement withdrawn since live() was read has had its BlockRemoved (before
+                    # 2026-12-02 it was stored again, and the router credited it until the next reset)
+                    if ev_info[0] not in seen and self._holders.get(ev_info[0], 0):
                         seen.add(ev_info[0])
                         self._emit_stored_event(ev_info, count=False)
             time.sleep(0)

@@ -103,3 +103,36 @@ def test_a_block_removed_while_republish_runs_ends_removed_for_the_router():
             final = type(e)
     assert final is BlockRemoved, final
     assert ev.published() == n - 1
+
+
+def test_an_announced_g4_block_withdrawn_while_republish_runs_ends_removed_for_the_router():
+    """The same for a G4 block another worker announced: its batch withdrawn by the announcer's poll (expired, its
+    tenant revoked) after ``republish`` read the live announcements ends BlockRemoved (review 2026-12-02: it was
+    stored again, and no removal could ever follow: nobody held it any more)."""
+    pytest.importorskip("vllm")
+    from array import array
+
+    from kvbm_backend.integrations.vllm.g4_announce import G4Announcer
+    from kvbm_backend.integrations.vllm.kv_events import G3KvEvents
+    from kvbm_backend.pool.g4.announce import Batch
+    bs = 4
+    ev = G3KvEvents(1, bs, g3=False)
+    ann = G4Announcer.__new__(G4Announcer)  # the poller-side state _credit / _withdraw / live use
+    ann._lock, ann._live, ann._batches, ann.events = threading.Lock(), {}, {}, ev
+    ev.announcer = ann
+    infos = [(bytes([i + 1]) * 8, bytes([i]) * 8 if i else None, array("I", range(i * bs, (i + 1) * bs)),
+              None, None, None) for i in range(3)]
+    # batch A announces blocks 0 and 1, batch B block 2 (what the poll does: _credit, then emit_announced)
+    st = ann._credit(Batch("A", "00" * 16, 1, 0.0), 0.0, None, [(i, None, infos[i]) for i in range(2)], 3600.0)
+    st += ann._credit(Batch("B", "00" * 16, 2, 0.0), 0.0, None, [(2, None, infos[2])], 3600.0)
+    ev.emit_announced(st, [])
+    ev.take()
+    gone = infos[2][0]
+    ev._lock = _ThenOnce(lambda: ev.emit_announced([], ann._withdraw(["B"])))  # the poll, right after live()
+    ev.republish()
+    events = ev.take()
+    kinds = [type(e).__name__ for e in events if gone in e.block_hashes]
+    assert gone not in [e[0] for e in ann.live()] and not ev._holders.get(gone, 0)
+    assert kinds and kinds[-1] == "BlockRemoved", kinds
+    stored = {h for e in events if type(e).__name__ == "BlockStored" for h in e.block_hashes}
+    assert {infos[0][0], infos[1][0]} <= stored  # batch A's blocks, still announced, are published again
