@@ -190,7 +190,9 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._gpu_block_pool = gpu_block_pool
-        self._gpu_cache_map = id(getattr(gpu_block_pool, "cached_block_hash_to_block", None))
+        # the map itself, not its id(): two resets between steps free the first new map, and the second's often
+        # takes its address (review 2026-12-02: 18 of 20 double resets went unseen by id(), nothing republished)
+        self._gpu_cache_map = getattr(gpu_block_pool, "cached_block_hash_to_block", None)
         if self.sched is not None:  # a failed layer-wise load's blocks leave vLLM's prefix cache (loads_failed)
             self.sched.evict_engine_blocks = lambda ids: gpu_block_pool.evict_blocks(set(ids))
 
@@ -210,8 +212,8 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         reset = False
         pool = getattr(self, "_gpu_block_pool", None)
         if pool is not None:
-            m = id(getattr(pool, "cached_block_hash_to_block", None))
-            reset, self._gpu_cache_map = m != self._gpu_cache_map, m
+            m = getattr(pool, "cached_block_hash_to_block", None)
+            reset, self._gpu_cache_map = m is not self._gpu_cache_map, m
         return self.sched.take_events(engine_cache_reset=reset)
 
     @property
