@@ -53,7 +53,7 @@ server, with the page again as the server sent it (its true token, or none): the
 twice and goes on. ``proxy.repeated`` counts the pages served again.
 
 Used by tests/pool/g4/test_g4_hostile.py, tests/pool/g4/test_g4_drop_race.py, tests/pool/g4/test_g4_gc_repeats.py,
-tests/pool/g4/test_g4_oversized.py and the ``lyings3`` fault campaign kind.
+tests/pool/g4/test_g4_oversized.py, tests/pool/g4/test_g4_s3_errors.py and the ``lyings3`` fault campaign kind.
 """
 from __future__ import annotations
 
