@@ -38,6 +38,10 @@ def _group_of(spec: Any, geo: EngineGeometry) -> KvGroup:
     spec for kinds the connector cannot carry."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
     kind = {FullAttentionSpec: "full", MLAAttentionSpec: "mla", SlidingWindowSpec: "sliding"}.get(type(spec))
+    if getattr(spec, "non_causal", False):  # review 2026-12-02: carried as "full" before, saved and loaded
+        raise ValueError(f"kv cache spec {type(spec).__name__} is non-causal (a Prefix-LM's bidirectional prefill): "
+                         "a block's KV depends on the tokens after it, so no other prompt may reuse it (vLLM turns "
+                         "its own prefix caching off for it); KvbmBackendConnector cannot carry it")
     if kind is None:
         raise ValueError(f"kv cache spec {type(spec).__name__}: KvbmBackendConnector carries full attention, "
                          "sliding-window attention and MLA groups only (state/linear-attention, chunked local, "
@@ -189,10 +193,49 @@ def check_kv_version(ns: Namespace, engine_layout: str) -> None:
 
 def engine_revision(cfg: KvbmBackendConfig, vllm_config: "VllmConfig") -> str:
     """The namespace's ``revision`` of a connector engine: :func:`namespace_revision` of vLLM's ``--revision``,
-    ``--quantization`` and ``--hf-overrides`` (``vllm_config.model_config``)."""
+    ``--quantization`` and ``--hf-overrides`` (``vllm_config.model_config``), plus what else makes this engine's KV
+    other KV (review 2026-12-02): ``+qc=<digest>`` for a ``--quantization-config`` (``--quantization online``
+    names only the method; the config says what is quantized) and :func:`kv_length_flags`."""
     mc = vllm_config.model_config
-    return namespace_revision(cfg, getattr(mc, "revision", None), quantization=getattr(mc, "quantization", None),
-                              hf_overrides=getattr(mc, "hf_overrides", None))
+    rev = namespace_revision(cfg, getattr(mc, "revision", None), quantization=getattr(mc, "quantization", None),
+                             hf_overrides=getattr(mc, "hf_overrides", None))
+    have = rev.split("+")[1:]
+    qc = getattr(mc, "quantization_config", None)
+    if qc is not None:
+        blob = json.dumps(qc if isinstance(qc, dict) else vars(qc) if hasattr(qc, "__dict__") else str(qc),
+                          sort_keys=True, default=str, separators=(",", ":")).encode()
+        flag = f"qc={hashlib.sha256(blob).hexdigest()[:16]}"
+        rev += "" if flag in have else "+" + flag
+    for flag in kv_length_flags(mc):
+        rev += "" if flag in have else "+" + flag
+    return rev
+
+
+def kv_length_flags(mc: Any) -> list[str]:
+    """Choices vLLM 0.32 makes from ``--max-model-len`` that change the KV it caches, as revision suffixes: a
+    LongRoPE model (Phi-3/3.5/4-mini 128k: ``rope_type`` ``longrope``) rotates K with its long factors when
+    ``max_model_len`` > ``original_max_position_embeddings`` and its short ones otherwise
+    (``rotary_embedding/phi3_long_rope_scaled_rope.py``): ``rope=long`` / ``rope=short``; Llama 4 tunes its
+    attention temperature when the generation config says so, by default when ``max_model_len`` > 32768
+    (``models/llama4.py``), which changes every later layer's KV: ``attn_t=on`` / ``attn_t=off``. Before
+    2026-12-02 two such engines with other ``--max-model-len`` shared keys and loaded each other's KV."""
+    flags = []
+    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    max_len = int(getattr(mc, "max_model_len", 0) or 0)
+    for rp in (getattr(hf, "rope_parameters", None), getattr(hf, "rope_scaling", None)):
+        if isinstance(rp, dict) and (rp.get("rope_type") or rp.get("type")) == "longrope":
+            orig = rp.get("original_max_position_embeddings") or getattr(hf, "original_max_position_embeddings", 0)
+            flags.append("rope=long" if max_len > int(orig or 0) else "rope=short")
+            break
+    if any("Llama4" in a for a in (getattr(getattr(mc, "hf_config", None), "architectures", None) or [])):
+        gen: dict = {}
+        try:
+            gen = dict(mc.try_get_generation_config() or {})
+        except Exception:  # noqa: BLE001 - no generation config: vLLM's default decides
+            pass
+        gen.update(getattr(mc, "override_generation_config", None) or {})
+        flags.append("attn_t=on" if gen.get("attn_temperature_tuning", max_len > 32768) else "attn_t=off")
+    return flags
 
 
 def namespace_revision(cfg: KvbmBackendConfig, engine_rev: Any = None, *, quantization: Any = None,

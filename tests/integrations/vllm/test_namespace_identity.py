@@ -26,9 +26,9 @@ KCC = S(kv_cache_groups=[KVCacheGroupSpec(layer_names=[f"model.layers.{i}.self_a
                                           kv_cache_spec=SPEC)])
 
 
-def _vllm(revision=None, quantization=None, hf_overrides=None, pp=1, dcp=1, pcp=1):
+def _vllm(revision=None, quantization=None, hf_overrides=None, pp=1, dcp=1, pcp=1, **mc_fields):
     mc = S(model="meta-llama/Llama-3.1-8B", served_model_name="meta-llama/Llama-3.1-8B", revision=revision,
-           quantization=quantization, hf_overrides=hf_overrides or {})
+           quantization=quantization, hf_overrides=hf_overrides or {}, **mc_fields)
     return S(model_config=mc, parallel_config=S(tensor_parallel_size=1, pipeline_parallel_size=pp,
                                                 decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp),
              cache_config=S(cache_dtype="auto"))
@@ -121,3 +121,52 @@ def test_a_config_model_vllm_does_not_serve_is_one_warning_naming_both(caplog):
     local.model_config.model, local.model_config.served_model_name = "/models/llama-8b", "llama"  # an alias
     assert namespace_from_vllm(load_config({"model": "/models/llama-8b"}, use_env=False), local, KCC)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_a_quantization_config_is_part_of_the_namespace():
+    """``--quantization online`` names only the method; ``--quantization-config`` says what is quantized (review
+    2026-12-02: three online configs, fp8 / mxfp4 / nothing quantized, shared one fingerprint)."""
+    fps = [_fp(_vllm(quantization="online", quantization_config=qc)) for qc in
+           ({"linear": "fp8_per_tensor"}, {"linear": "mxfp4"}, {"linear": "fp8_per_tensor", "ignore": ["*"]})]
+    assert len(set(fps)) == 3
+    assert fps[0] == _fp(_vllm(quantization="online", quantization_config={"linear": "fp8_per_tensor"}))
+    assert _fp(_vllm(quantization_config=None)) == _fp(_vllm())  # none: the fingerprint stays
+
+
+def _longrope(max_model_len):
+    rope = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [4.0],
+            "original_max_position_embeddings": 4096}
+    hf = S(rope_parameters=rope, architectures=["Phi3ForCausalLM"])
+    return _vllm(max_model_len=max_model_len, hf_text_config=hf, hf_config=hf)
+
+
+def test_kv_that_max_model_len_chooses_is_part_of_the_namespace():
+    """vLLM rotates a LongRoPE model's K with its long factors when ``--max-model-len`` exceeds
+    ``original_max_position_embeddings``, its short ones otherwise; Llama 4 tunes its attention temperature past
+    32768 tokens (or as its generation config says). Review 2026-12-02: such engines with other lengths shared
+    keys and loaded each other's K (Phi-3.5-mini at 4096 and 32768 tokens: one fingerprint)."""
+    short, long_ = namespace_from_vllm(KvbmBackendConfig(), _longrope(4096), KCC), \
+        namespace_from_vllm(KvbmBackendConfig(), _longrope(32768), KCC)
+    assert (short.revision, long_.revision) == ("main+rope=short", "main+rope=long")
+    assert short.fingerprint != long_.fingerprint
+    assert _fp(_longrope(2048)) == short.fingerprint  # the same choice: the same KV, shared
+
+    def llama4(max_len, gen=None, override=None):
+        hf = S(architectures=["Llama4ForConditionalGeneration"])
+        return _vllm(max_model_len=max_len, hf_text_config=S(), hf_config=hf,
+                     try_get_generation_config=lambda: dict(gen or {}), override_generation_config=override or {})
+    revs = [namespace_from_vllm(KvbmBackendConfig(), v, KCC).revision for v in
+            (llama4(8192), llama4(65536), llama4(8192, gen={"attn_temperature_tuning": True}),
+             llama4(65536, override={"attn_temperature_tuning": False}))]
+    assert revs == ["main+attn_t=off", "main+attn_t=on", "main+attn_t=on", "main+attn_t=off"]
+    assert namespace_from_vllm(KvbmBackendConfig(), _vllm(max_model_len=65536), KCC).revision == "main"  # others
+
+
+def test_a_non_causal_kv_cache_is_refused_naming_it():
+    """A Prefix-LM's bidirectional prefill (``FullAttentionSpec(non_causal=True)``, vLLM's hrm_text) makes a block's
+    KV depend on the tokens after it (vLLM turns its own prefix caching off). Review 2026-12-02: carried as full
+    attention, saved and loaded for other prompts sharing the block."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, non_causal=True)
+    kcc = S(kv_cache_groups=[KVCacheGroupSpec(layer_names=["model.layers.0.self_attn.attn"], kv_cache_spec=spec)])
+    with pytest.raises(ValueError, match="non-causal"):
+        namespace_from_vllm(KvbmBackendConfig(), _vllm(), kcc)
