@@ -70,7 +70,9 @@ def _ask(s: SchedulerSide, req) -> int:
 def _plan(s: SchedulerSide, req, n_tokens: int, block_ids: list[int]) -> list:
     """The scheduler's load jobs for ``req`` after vLLM allocated ``block_ids`` for its ``n_tokens`` hit."""
     s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (block_ids,)), n_tokens)
-    return s.build_connector_meta(None).loads  # save=False: only the planned loads
+    idle = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},  # a step scheduling no request's tokens
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]))
+    return s.build_connector_meta(idle).loads  # save=False: only the planned loads
 
 
 def _finish(w: WorkerSide, rid: str) -> tuple[set[int], KvbmWorkerMeta | None]:
