@@ -87,7 +87,7 @@ class CircuitBreaker:
         with self._mu:
             self._probe_out = False
 
-    def refuse_if_open(self, busy: bool = False) -> bool:
+    def refuse_if_open(self, busy: bool = False, silent: Callable[[], bool] | None = None) -> bool:
         """True (counting a rejection) while ``open``, and while half-open when ``busy`` (the caller's I/O
         threads all have a task: work queued now would wait behind them); False otherwise, so a caller can
         refuse at once, before queueing work, and still let :meth:`allow` pick the half-open probe.
@@ -97,14 +97,20 @@ class CircuitBreaker:
         behind the stuck threads, holding its caller's buffers, until the window's first batch expired and
         re-opened the breaker, so over a long hang the queue and the memory it held grew without bound (a get
         every 10 ms on a hung store with 2 I/O threads: 658 tasks, 82 MiB of caller buffers in 8 s). Now a
-        half-open window queues work only while a thread is free for it; the stuck reads' own batches re-open
-        the breaker as they expire."""
+        half-open window queues work only while a thread is free for it; when ``silent()`` says the busy threads'
+        requests still have no reply (:meth:`~.silence.StoreCalls.silent`), that refusal re-opens the breaker, as
+        the expiry of a batch queued behind them did (else an offload could take the probe and wait on the
+        store)."""
         with self._mu:
             st = self._state()
             if st == "open" or (busy and st == "half_open"):
                 self.rejected += 1
-                return True
-            return False
+                reopen = st == "half_open" and silent is not None
+            else:
+                return False
+        if reopen and silent is not None and silent():
+            self.failure("every I/O thread still waits for the store's reply")
+        return True
 
     def success(self) -> None:
         """One request answered: resets the failure count, closes an open breaker."""

@@ -107,7 +107,7 @@ class G4Lookups:
             self._count("lookups")
         if not keys or self._closed:
             return completed(0)
-        if self._breaker.refuse_if_open(self._exec.saturated()):  # answered here: not queued behind stuck threads
+        if self._breaker.refuse_if_open(self._exec.saturated(), self._silent):  # answered here, never queued
             if request:
                 self._counters.lookup_result(len(keys), 0)
             return completed(0)

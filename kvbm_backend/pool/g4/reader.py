@@ -223,7 +223,7 @@ class G4Reader:
         if not keys or self._closed:
             self._count("miss_closed", len(keys) if keys else 0)
             return completed(GetResult([False] * len(keys)))
-        if self._breaker.refuse_if_open(self._exec.saturated()):
+        if self._breaker.refuse_if_open(self._exec.saturated(), self._silent):
             self._count("miss_breaker", len(keys))
             return completed(GetResult([False] * len(keys)))
         b = GetBatch(len(keys), time.monotonic() + self._load_bound_s)
@@ -256,7 +256,7 @@ class G4Reader:
         b.staged, b.on_hit = True, on_hit
         self._count("gets", len(keys))
         refuse = ("miss_closed" if (not keys or self._closed) else
-                  "miss_breaker" if self._breaker.refuse_if_open(self._exec.saturated()) else None)
+                  "miss_breaker" if self._breaker.refuse_if_open(self._exec.saturated(), self._silent) else None)
         if refuse:
             self._count(refuse, len(keys))
             b.closed = True

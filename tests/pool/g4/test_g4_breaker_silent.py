@@ -78,6 +78,7 @@ def test_loads_on_a_hung_mount_are_refused_while_half_open_and_the_pool_recovers
         assert fut.done() and fut.result().ok == [False, False] and not any(fut.result().timed_out)
         assert pool.lookup_prefix(keys[2:]).done()
         assert pool._io._work_queue.qsize() == 0  # nothing queued behind the stuck reads
+        assert pool.breaker.state == "open"  # their requests still unanswered (silent): re-opened, offloads refused
         st = pool.stats()
         assert st["miss_timeout"] == 2 and st["miss_breaker"] == 2, st
     finally:
