@@ -1,26 +1,23 @@
 """G3 slab files: capacity, lazy growth and slot allocation over the pool's G3 directories.
 
-A pool owns ``files_per_path`` slab files in each configured directory, named
-``g3-<namespace fingerprint>-<k>.slab``; file ``k`` of the directory at position ``d`` of ``g3.paths`` has the
-file index ``d * files_per_path + k`` in this run, and :meth:`SlabSet.file_table` names each directory by
-its real path, so the journal can map an index of an earlier run (another order) to the same file. A slab file is an array of fixed slots of
-``frame.slot_bytes(layout.bytes_per_block)`` bytes (4 KiB header + payload padded to 4 KiB), slot ``i``
-at byte ``i * slot_bytes``. Files grow lazily in chunks (``posix_fallocate``) and each growth first
-re-checks ``statvfs`` so the filesystem keeps ``min_free_fraction`` free (invariant 4). A file's share of
-``capacity_gb`` (:attr:`SlabFile.max_slots`) is fixed by the configuration; the free space only caps it for now
-(:attr:`SlabFile.cap_slots`: at open its part of its filesystem's room, split over the directories there by
-:func:`.slab_room.split_room`; re-read by :meth:`SlabSet.recheck_space`, which splits it over the files).
+A pool owns ``files_per_path`` slab files in each configured directory, named ``g3-<namespace fingerprint>-<k>.slab``;
+file ``k`` of the directory at position ``d`` of ``g3.paths`` has the file index ``d * files_per_path + k`` in this
+run, and :meth:`SlabSet.file_table` names each directory by its real path, so the journal maps an index of an earlier
+run to the same file. A slab file is an array of fixed slots of ``frame.slot_bytes(layout.bytes_per_block)`` bytes (4
+KiB header + payload padded to 4 KiB), slot ``i`` at byte ``i * slot_bytes``. Files grow lazily in chunks
+(``posix_fallocate``), each growth re-checking ``statvfs`` so the filesystem keeps ``min_free_fraction`` free
+(invariant 4). A file's share of ``capacity_gb`` (:attr:`SlabFile.max_slots`) is fixed by the configuration; the free
+space only caps it for now (:attr:`SlabFile.cap_slots`: at open its part of its filesystem's room, split over the
+directories there by :func:`.slab_room.split_room`; re-read by :meth:`SlabSet.recheck_space`, over the files).
 
-Each directory is a :class:`.dirs.G3Dir` (verified fd, lock, namespace files, safe opens: see :mod:`.dirs`); this
-module opens the slab files through it. Slab files of another namespace are never opened: they are listed in
-:attr:`SlabSet.foreign_files` and logged with their bytes (:func:`.slab_room.warn_foreign`). Metadata writes that
-failed at open on a full disk are listed in :attr:`SlabSet.metadata_errors` (the pool opens degraded); the
-namespace files are written again by :meth:`SlabSet.write_pending_namespaces`.
+Each directory is a :class:`.dirs.G3Dir` (verified fd, lock, namespace files, safe opens: see :mod:`.dirs`). Slab
+files of another namespace are never opened: listed in :attr:`SlabSet.foreign_files`, logged with their bytes.
+Metadata writes that failed at open on a full disk are listed in :attr:`SlabSet.metadata_errors` (the pool opens
+degraded); the namespace files are written again by :meth:`SlabSet.write_pending_namespaces`.
 
 Blocks past their file's share after ``g3.paths`` or ``files_per_path`` changed are kept while the pool's total
-capacity holds them (:mod:`.slab_share`). Settings that shrink the pool give disk back at open
-(:meth:`SlabSet.trim`, after the warm restart's journal rewrite): a slab file is truncated past its share and
-its last kept block, and this namespace's slab files ``k >= files_per_path`` are removed.
+capacity holds them (:mod:`.slab_share`). Settings that shrink the pool give disk back at open (:meth:`SlabSet.trim`,
+after the warm restart's journal rewrite): files truncated past their share and last kept block, extra files gone.
 """
 from __future__ import annotations
 
@@ -347,18 +344,22 @@ class SlabSet:
 
     def recheck_space(self, pending: dict[int, int] | None = None) -> None:
         """Re-read statvfs and let files grow again up to their configured share where space returned (the
-        slots parked above a lowered cap are free again once the cap passes them). The room of a filesystem
-        is split over its files that can grow (evenly, what one cannot take going to the others): before, each
-        file was promised the whole room, so a batch striped over several files found the shortfall by ENOSPC
-        (batch dropped, tier degraded) instead of evicting. ``pending``: file index -> slots it must hold for
-        an allocation in progress (its slots past the file's end, not grown yet)."""
+        slots parked above a lowered cap are free again once the cap passes them). The room of a filesystem is
+        split over its files that can grow (evenly, what one cannot take going to the others; before, each file
+        was promised the whole room: ENOSPC instead of evicting). ``pending``: file index -> slots it must hold
+        for an allocation in progress. A failed statvfs (a soft NFS mount's EIO) keeps that filesystem's caps
+        (before 2026-12-02 it raised out of a put's allocation: the slots taken were lost for good)."""
         self._space_checked = time.monotonic()
         pending = pending or {}
         groups: dict[int, list[SlabFile]] = {}
         for f in self.files:
             groups.setdefault(self._dev.get(f.directory, -1), []).append(f)
         for files in groups.values():
-            avail, total = fs_space(files[0].directory)
+            try:
+                avail, total = fs_space(files[0].directory)
+            except OSError as e:
+                log.warning("G3: statvfs of %s failed (%s); its files keep their size caps", files[0].directory, e)
+                continue
             # slots this allocation already took past a file's end take their room first
             base = {f.index: max(f.size_slots, min(pending.get(f.index, 0), f.max_slots)) for f in files}
             room = max(0, (avail - self._keep_free(total)) // self.slot_bytes
@@ -398,9 +399,8 @@ class SlabSet:
         """Reserve up to ``n`` slots, ``run`` adjacent slots per file before moving to the next file
         (round-robin striping). Returns (file index, slot) pairs in order; fewer than ``n`` when full.
         Short while the filesystem had lowered a file's cap: statvfs is re-read (at most every
-        :data:`RECHECK_SPACE_S` seconds) and the rest taken from the room that returned. Before, the cap was
-        raised only when a degradation ended; if space was still short then, the pool stayed shrunk for
-        the life of the process (found 2026-11-29: 119 of 958 slots after the disk had emptied)."""
+        :data:`RECHECK_SPACE_S` seconds) and the rest taken from the room that returned (before 2026-11-29 the
+        pool stayed shrunk for the life of the process: 119 of 958 slots after the disk had emptied)."""
         out = self._allocate(n, run)
         if (len(out) < n and any(f.cap_slots < f.max_slots for f in self.files)
                 and time.monotonic() - self._space_checked >= RECHECK_SPACE_S):
