@@ -262,14 +262,22 @@ class SlotCatalog:
                 if (j.compaction is None or j.compaction.gen != self.dirty_gen) and not self.closed:
                     self.slabs.write_pending_namespaces()
                     self._compact()
-            elif (j.compaction is None and not self.closed
-                  and j.records > max(COMPACT_MIN_RECORDS, 4 * len(self.index))):
+            elif j.compaction is None and not self.closed and j.records > self._compact_at():
                 self._compact()
             j.append(recs)
         except Exception as e:  # noqa: BLE001 - storage trouble (or a bug) must not hang callers
             self.journal_failed(e)
             return False
         return True
+
+    def _compact_at(self) -> int:
+        """Journal records past which it is rewritten: 4 per block held, at least :data:`COMPACT_MIN_RECORDS` but
+        never more than 4 per slot the files may hold now (at least 1024): the metadata reserve slab files leave
+        free (:func:`.slab_room.keep_free_bytes`, 256 B per slot) holds such a journal and its rewrite. Before
+        2026-12-02 a pool of a few hundred slots filling a small filesystem appended up to 65,536 records (2.8 MB)
+        until the journal took the last byte: every append and the repair failed, the tier degraded for good."""
+        slots = sum(f.cap_slots for f in self.slabs.files)
+        return max(4 * len(self.index), min(COMPACT_MIN_RECORDS, max(1024, 4 * slots)))
 
     def _compact(self) -> None:
         """Start a compaction: the journal rewritten from a snapshot of the index (one record per block

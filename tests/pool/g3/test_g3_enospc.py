@@ -341,3 +341,25 @@ def test_a_failed_statvfs_while_allocating_loses_no_slot(small_fs, monkeypatch):
         assert r.written == 16 and acct["leaked"] == 0, (r, acct, pool.stats())
         _, r = _put(pool, range(20_000, 20_004))
         assert r.written == 4 and pool.slot_accounting()["leaked"] == 0
+
+
+def test_churn_on_a_small_full_filesystem_keeps_the_journal_within_the_reserve(small_fs):
+    """A pool of ~300 slots that fills a 4 MiB tmpfs (``min_free_fraction`` 0: only the metadata reserve stays
+    free), then churns: 100 puts of 128 blocks, each evicting the oldest (~13K journal records). The journal is
+    compacted within the reserve slab files leave free, the filesystem never fills up, and the last puts are
+    written whole. Review finding 2026-12-02: the journal was compacted only past 65,536 records (2.8 MB), so it
+    took the reserve and then the last free byte; every append and the repair failed with ENOSPC and the tier
+    stayed degraded, every put dropped, until a restart."""
+    with open_pool(small_fs / "g3", capacity_gb=1.0, files_per_path=1, min_free_fraction=0.0) as pool:
+        pool.degrade_s = 0.0  # a first-fill ENOSPC (journal growth the caps did not foresee) refuses nothing later
+        seq = 1
+        for _ in range(100):
+            _put(pool, range(seq, seq + 128))
+            seq += 128
+        journal = os.path.getsize(pool.journal.path)
+        avail, total = fs_space(str(small_fs))
+        st = pool.stats()
+        assert avail > 0 and journal < (256 << 10) + 256 * pool.slabs.files[0].cap_slots, (avail, journal, st)
+        keys, r = _put(pool, range(seq, seq + 8))
+        assert r.written == 8, (r, pool.stats()["dropped_by_reason"])
+        assert pool.slot_accounting()["leaked"] == 0
