@@ -18,8 +18,10 @@ Now such blocks are kept as long as the pool's total stays within its capacity:
 * At runtime a block past its share is never written again: once evicted or deleted, its slot is not handed
   out, one lent slot goes back to its lender (writes move to the new files over time, as LRU evicts), its bytes
   go back to the filesystem at once (:func:`punch`), and the file is truncated down once its tail past the share
-  is empty (:meth:`.slabs.SlabSet.release`). So the disk the slab files hold stays within the configured bytes
-  too (plus the growth chunk, as always).
+  is empty (:meth:`.slabs.SlabSet.release`). The slots in use stay within the configured bytes; the disk does
+  not, until those blocks go: the lenders' held-back free slots are not punched (any free slot may be the one
+  held back), so the files hold their shares plus the blocks kept past them, up to twice the configured bytes
+  when ``capacity_gb`` was halved (review 2026-12-02; the docstring said the disk stayed within it).
 """
 from __future__ import annotations
 
