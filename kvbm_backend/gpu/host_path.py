@@ -278,6 +278,13 @@ class _Window:
         if not self.staged:
             self.copier.copy_rows(c.host, [i for i in range(c.n) if got[i]], c.start)
             c.copied = got
+        else:  # verified in time but their on_hit is still to come (the batch expired between the pool's ok and it):
+            # copied now (before 2026-12-02 a plain miss, neither ok nor timed out: the block cooled for 30 s)
+            rs = [i for i in range(c.n) if got[i] and not c.copied[i]]
+            if rs:
+                self.copier.copy_rows(c.host, rs, c.start)
+                for i in rs:
+                    c.copied[i] = True
         for i in range(c.n):
             self.ok[c.start + i] = got[i] and c.copied[i]
             self.timed_out[c.start + i] = late[i] and not self.ok[c.start + i]

@@ -5,6 +5,7 @@ file (O_DIRECT scatter reads, and buffered) and S3 stores, encrypted and plain."
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -284,3 +285,37 @@ def test_staged_loads_retake_the_gil_a_few_times_per_block_and_allocate_no_paylo
     assert ok == [True] * n and all(np.array_equal(rows[i], blocks[i]) for i in range(n))
     assert made <= 3 * n + 2, f"{made / n:.1f} GIL-retaking os calls per block"  # +2: a keyring reload check
     assert peak < bpb // 2, f"{peak} bytes allocated at the peak of a load of {n} blocks of {bpb}"
+
+
+class _LateHits:
+    """The G4 pool, each ``on_hit`` delivered ``delay`` s late: an I/O thread preempted between the block's
+    verification (the pool's ``ok``) and its ``on_hit`` call, past the batch's load bound."""
+
+    def __init__(self, pool, delay):
+        self._p, self._d = pool, delay
+
+    def __getattr__(self, name):
+        return getattr(self._p, name)
+
+    def get_staged(self, keys, rows, on_hit=None):
+        def late(i):
+            time.sleep(self._d)
+            on_hit(i)
+        return self._p.get_staged(keys, rows, late)
+
+
+def test_a_block_verified_in_time_whose_hit_comes_after_the_expiry_is_loaded(tmp_path):
+    """The batch expires between the pool's verification of a block and its ``on_hit``: the load answer names it
+    good, so ``load_via_host`` copies it then. Review finding 2026-12-02: reported neither loaded nor timed out (a
+    plain miss: the connector cooled the block for 30 s) though the pool had verified it and counted a hit."""
+    from kvbm_backend.gpu.host_path import load_via_host
+    cfg = G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False, max_inflight=2, timeout_s=0.2, retries=0)
+    with G4Pool(cfg, namespace()) as pool:
+        bpb = pool.layout.bytes_per_block
+        keys = pool.namespace.keys([1], tenant="t")
+        block = payload(1, "t", bpb)
+        assert pool.put(keys, [block]).result(timeout=60).written == 1
+        dst = torch.zeros((1, bpb), dtype=torch.uint8)
+        late: list[bool] = []
+        ok = load_via_host(_LateHits(pool, pool.load_bound_s + 0.5), keys, dst, timeout_s=None, timed_out=late)
+        assert ok == [True] and np.array_equal(dst[0].numpy(), block), (ok, late, pool.stats())
