@@ -99,7 +99,12 @@ class TierJobs:
         with self._mu:
             if job.state != QUEUED:
                 return  # failed at its deadline while queued: the pool is not asked
-            job.state = RUNNING
+            late = job.deadline.expired()
+            if not late:
+                job.state = RUNNING
+        if late:  # its deadline passed while queued and the timer thread has not run yet (a busy host): failed as
+            self._expire(job)  # the timer would fail it, the pool not asked (before 2026-12-02 it asked the pool)
+            return
         try:
             res = run(job)
         except Exception as e:  # noqa: BLE001 - any failure is a failed job, never a lost one

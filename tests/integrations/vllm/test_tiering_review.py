@@ -308,12 +308,15 @@ def test_prefix_lookups_follow_vllms_scan_order(tmp_path, make):
     tier.on_request_finished(bare)
 
 
-def test_a_job_queued_past_its_deadline_fails_without_asking_the_pool(tmp_path, make, monkeypatch, caplog):
+@pytest.mark.parametrize("timer", ["on_time", "late"])
+def test_a_job_queued_past_its_deadline_fails_without_asking_the_pool(tmp_path, make, monkeypatch, caplog, timer):
     """``job_timeout_s`` counts from vLLM's submission of a job. One I/O thread, a G4 ``file://`` store whose
     object opens block in the kernel (a hung mount): load job 901 waits for its object until its deadline; job 902,
     submitted with it and queued behind it past its own deadline, fails without opening its object. Before, its
     bound started when the thread took it up: it opened its object and waited a whole ``job_timeout_s`` more (with
-    n jobs queued, a request and ``drain_jobs`` waited n bounds)."""
+    n jobs queued, a request and ``drain_jobs`` waited n bounds). ``late``: the deadline timer thread has not run
+    when the I/O thread takes job 902 up (a busy host; CI 2026-12-02: job 902 asked the pool): the thread itself
+    finds the deadline passed and fails it, the pool not asked."""
     import logging
     import threading
     import time
@@ -327,6 +330,8 @@ def test_a_job_queued_past_its_deadline_fails_without_asking_the_pool(tmp_path, 
                "g4": {"url": f"file://{tmp_path / 'g4'}", "keyring": {"path": str(tmp_path / "keys" / "kr.json")},
                       "timeout_s": 60.0}}])  # the pool's own bound far beyond the job's
     tier = h.tier
+    if timer == "late":  # deadlines armed from now on never fire on the timer thread
+        monkeypatch.setattr(tier._tasks._timer, "add", lambda at, fn: None)
     keys, data = keys_for(2, "queued"), payloads(h, 2, seed=19)
     h.store(keys, data)
     h.wait_idle(timeout=HANG_S)
