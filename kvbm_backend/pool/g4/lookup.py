@@ -202,7 +202,8 @@ class G4Lookups:
             n = 0
             while n < len(b.ok) and b.done[n] and b.ok[n]:
                 n += 1
-        if b.request:
+        if b.request:  # as _wave_done counts (before 2026-12-02 lookup_hits missed an expired lookup's hits)
+            self._count("lookup_hits", n)
             self._counters.lookup_result(len(b.ok), n)
         if not closing:  # at close nothing timed out
             if b.throttled or self._throttle.throttling():  # waited on "slow down" answers, not on silence

@@ -94,6 +94,9 @@ class LayerwiseLoad:
         verify_on_device: verify ``FLAG_DEVCHECK`` frames with the device checksum where the layers landed,
             from per-group partial sums (:mod:`kvbm_backend.gpu.checksum_partial`). Default: on a CUDA
             device. True on ``cpu``: the same sums in CPU torch ops (tests the wiring; slower than xxh3).
+        on_finish: called once by :meth:`finish` with ``(verified rows, reasons, bytes read, lease timed out)``
+            (the pool's counters: ``G3Reader.count_load``; before 2026-12-02 layer-wise loads moved none of
+            them, nor ``kvbm_onboard_blocks_d2d`` or ``kvbm_backend_g3_load_misses{reason}``).
     Raises:
         TypeError: ``source`` is not a SlotLeaseSource. ValueError: a layout whose block is not whole layers.
     """
@@ -102,7 +105,8 @@ class LayerwiseLoad:
                  device: str | torch.device, *, executor: Executor, files: ReadFiles, timeout_s: float,
                  world: int | None = None, min_read: int = DEFAULT_MIN_READ, staging: BufferPool | None = None,
                  tenant_tag_fn: Callable[[BlockKey], bytes] | None = None, parallel: int | None = None,
-                 verify_on_device: bool | None = None) -> None:
+                 verify_on_device: bool | None = None,
+                 on_finish: Callable[[int, list[str | None], int, bool], None] | None = None) -> None:
         if not isinstance(source, SlotLeaseSource):
             raise TypeError(f"LayerwiseLoad: source {type(source).__name__} is not a SlotLeaseSource (pass the G3 pool)")
         import torch
@@ -118,6 +122,8 @@ class LayerwiseLoad:
         self.executor, self.files, self.world = executor, files, world
         self.parallel = max(1, int(parallel or getattr(executor, "_max_workers", 0) or 8))
         self.timeout_s = timeout_s
+        self.on_finish = on_finish
+        self._lease_timed_out = False
         self.tenant_tag_fn: Callable[[BlockKey], bytes] = tenant_tag_fn or key_tag
         self.why: list[str | None] = ["not_found"] * self.n  # None = good so far
         self.counters: Counter[str] = Counter()
@@ -157,6 +163,7 @@ class LayerwiseLoad:
             leases = lease_all(self.source, self.keys, "LayerwiseLoad", self.deadline.left()) if self.n else []
         except TimeoutError:  # nothing leased: every row a timeout (the pool counted them)
             leases, late = [None] * self.n, self.n
+            self._lease_timed_out = True
             self.why = ["timeout"] * self.n
             self.counters["timeout"] += late
         self._leases = leases
@@ -388,6 +395,12 @@ class LayerwiseLoad:
             report_corrupt(self.source, self.keys, self.why)
         finally:
             self._released = True
+            if self.on_finish is not None:
+                try:
+                    self.on_finish(self.why.count(None), list(self.why), int(self.counters["bytes_read"]),
+                                   self._lease_timed_out)
+                except Exception as e:  # noqa: BLE001 - counting must not mask the load's result
+                    log.warning("LayerwiseLoad: counting the load failed: %s", e)
             release_quietly(self.source, [ls for ls in self._leases if ls is not None])
             if self._staging_pool is not None and all(f.done() for fs in self._futs for _, f in fs):
                 if self._stream is not None:

@@ -348,7 +348,26 @@ class G3Reader:
         return LayerwiseLoad(self, cat.layout, keys, dev, executor=executor, files=files,
                              timeout_s=cfg.load_timeout_s if timeout_s is None else timeout_s,
                              world=cat.namespace.tp_world_size,
-                             min_read=DEFAULT_MIN_READ if min_read is None else min_read, staging=staging).start()
+                             min_read=DEFAULT_MIN_READ if min_read is None else min_read, staging=staging,
+                             on_finish=self.count_load).start()
+
+    def count_load(self, hits: int, why: Sequence[str | None], nread: int, lease_timed_out: bool) -> None:
+        """Count one device get's or layer-wise load's outcome (``hits`` blocks verified of ``len(why)``,
+        ``nread`` bytes read from the slab files): ``stats()`` ``hits`` / ``bytes_read`` / ``device_loads`` /
+        ``device_hits``, ``kvbm_onboard_blocks_d2d``, ``kvbm_backend_g3_bytes_read`` and the misses no one else
+        counted. Absent keys were counted by :meth:`lease` (all of them, as timeouts, when it timed out:
+        ``lease_timed_out``), slots failing a check by :meth:`drop_corrupt`. Without the pool's lock (held
+        across journal I/O): a load's result never waits for it."""
+        cat = self.cat
+        cat.add_unlocked(hits=hits, bytes_read=nread, device_loads=len(why), device_hits=hits)
+        if not lease_timed_out:
+            for r in why:
+                if r in ("io_error", "short", "timeout", "unverifiable"):
+                    cat.miss_unlocked(r)
+                elif r == "length":  # kept (report_corrupt), yet a frame that does not fit: a corrupt miss
+                    cat.miss_unlocked(_MISS_REASON[r])
+        cat.metrics.onboard_blocks.inc(hits)
+        cat.metrics.bytes_read.inc(nread)
 
     def device_paths(self) -> dict[str, dict[str, str]]:
         """``{device: {"mode", "reason"}}`` of the device loaders made so far (``G3Pool.stats``)."""
@@ -356,7 +375,6 @@ class G3Reader:
 
     def _get_tensors(self, keys: list[BlockKey], out: torch.Tensor | list[torch.Tensor]) -> Future[GetResult]:
         """``get`` into torch tensors: the device reader on the device-load thread."""
-        cat = self.cat
         fut: Future[GetResult] = Future()
         fut.set_running_or_notify_cancel()
         try:
@@ -376,18 +394,7 @@ class G3Reader:
             except Exception as e:  # noqa: BLE001 - storage trouble: misses
                 log.warning("G3: device load of %d blocks failed: %s", len(keys), e)
                 ok, why = [False] * len(keys), ["io_error"] * len(keys)
-            hits = sum(ok)
-            nread = io.get("bytes_read", 0)
-            # counted without the pool's lock (held across journal I/O): the future resolves without waiting for it
-            cat.add_unlocked(hits=hits, bytes_read=nread, device_loads=len(keys), device_hits=hits)
-            # absent keys were counted by lease() (and all of them, timeouts, when it timed out), corrupt slots by
-            # drop_corrupt()
-            if not io.get("lease_timeouts"):
-                for r in why:
-                    if r in ("io_error", "short", "timeout", "unverifiable"):
-                        cat.miss_unlocked(r)
-            cat.metrics.onboard_blocks.inc(hits)
-            cat.metrics.bytes_read.inc(nread)
+            self.count_load(sum(ok), why, io.get("bytes_read", 0), bool(io.get("lease_timeouts")))
             fut.set_result(GetResult(ok=list(ok), timed_out=[r == "timeout" and not g for r, g in zip(why, ok)]))
 
         def guarded() -> None:
