@@ -85,6 +85,14 @@ def bound_aad(hdr: FrameHeader, identity: bytes) -> bytes:
     return identity + hdr.token_digest if hdr.version == DIGEST_AAD_VERSION else identity
 
 
+def unbound_digest(hdr: FrameHeader, encrypted_flag: int) -> bool:
+    """Whether encrypted frame ``hdr`` (``hdr.flags & encrypted_flag``) names a nonzero token digest its AEAD does
+    not bind (format version 1 seals none; the writer seals every frame with a digest as version
+    :data:`DIGEST_AAD_VERSION`): only a store that rewrote the digest makes one, to relabel the block for another
+    prompt of the same name. Readers refuse it as ``token_digest`` (review finding 2026-12-02: it was served)."""
+    return bool(hdr.flags & encrypted_flag) and hdr.version != DIGEST_AAD_VERSION and hdr.token_digest != NO_DIGEST
+
+
 def key_digest(key: object) -> bytes | None:
     """The token digest a key names (``key.token_digest``: a :class:`~.namespace.DigestKey`, 16 bytes), or
     None for a key that names none (its frames are not checked for one)."""

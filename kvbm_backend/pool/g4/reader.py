@@ -48,7 +48,7 @@ from ...crypto.keyring import Keyring
 from ...deadlines import Deadlines
 from ...memory import BufferPool
 from ...model.frame import (FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, NO_DIGEST, FrameError, accept, bound_aad,
-                            key_digest, payload_checksum)
+                            key_digest, payload_checksum, unbound_digest)
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey
 from ...threads import CountingExecutor
@@ -422,8 +422,8 @@ class G4Reader:
             want = key_digest(key)  # checked once the frame verified: another nonzero one is kept (below)
             hdr = accept(head, key if want is None else BlockKey(*key), self._layout, tag, world=self._world,
                          stored_len=self._layout.bytes_per_block, frame_bytes=size, exact=True)
-            if want is not None and hdr.token_digest == NO_DIGEST:  # written without one: deleted (re-stored with it)
-                raise FrameError("token_digest", "a frame written without a token digest")
+            if want is not None and hdr.token_digest == NO_DIGEST or unbound_digest(hdr, FLAG_ENCRYPTED):  # deleted
+                raise FrameError("token_digest", "a frame written without a token digest, or one its AEAD does not bind")
             aad = bound_aad(hdr, aad)  # version 2: the token digest (checked below), bound by the GCM tag too
             # stage, verify, then copy: nothing unverified reaches ``out``; get_staged's rows are scratch (verified there)
             if hdr.flags & FLAG_ENCRYPTED:

@@ -40,7 +40,7 @@ from ...crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenan
 from ...crypto.names import MAX_AUTO_TENANT_BYTES
 from ...memory import BufferPool
 from ...model.frame import DIGEST_AAD_VERSION, FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, NO_DIGEST, FrameError, accept, \
-    payload_checksum
+    payload_checksum, unbound_digest
 from ...model.namespace import BlockKey, Namespace, tenant_bytes
 from ..base import InFlight, PutResult, completed
 from ...deadlines import Deadline, Deadlines
@@ -378,6 +378,8 @@ class G4Writer:
             hdr = accept(head, key, self.namespace.layout, namer.pseudonym, world=self.namespace.tp_world_size,
                          stored_len=self._bpb)
         except FrameError:
+            return False
+        if unbound_digest(hdr, FLAG_ENCRYPTED):  # a digest relabelled in the store: the reader refuses it
             return False
         if hdr.flags & FLAG_ENCRYPTED:
             if self._keyring is None:
