@@ -372,47 +372,47 @@ def test_g3_device_loads_count_bytes_read(tmp_path):
         pool.close()
 
 
-def test_g3_layerwise_loads_count_as_onboards(tmp_path):
+@pytest.fixture
+def g3_with_3(tmp_path):
+    """A G3 pool (with its own registry) holding 3 blocks: ``(pool, registry, keys)``."""
+    pytest.importorskip("torch")
+    reg = metrics.new_registry()
+    pool = G3Pool(open_pool.__globals__["config"](tmp_path), NS, registry=reg)
+    try:
+        keys = NS.keys(range(1, 4))
+        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S).written == 3
+        yield pool, reg, keys
+    finally:
+        pool.close()
+
+
+def test_g3_layerwise_loads_count_as_onboards(g3_with_3):
     """A layer-wise G3 load (``g3.layerwise_load``: the connector's G3-only hits) is a G3 onboard like a device
     get: its verified blocks move ``hits``, ``bytes_read``, ``kvbm_onboard_blocks_d2d`` and
     ``kvbm_backend_g3_bytes_read``. Review finding 2026-12-02: ``LayerwiseLoad.finish`` counted only into the
     load's own counters, so an operator with layer-wise loads on saw G3 serve nothing (old code: 0 of 3)."""
-    pytest.importorskip("torch")
-    reg = metrics.new_registry()
-    pool = G3Pool(open_pool.__globals__["config"](tmp_path), NS, registry=reg)
-    try:
-        keys = NS.keys(range(1, 4))
-        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S).written == 3
-        ld = pool.layerwise_load(keys, "cpu", timeout_s=HANG_S)
-        for layer in range(LAYOUT.num_layers):
-            ld.wait_layer(layer)
-        assert ld.finish() == [None] * 3
-        assert ld.finish() == [None] * 3  # idempotent: counted once
-        st = pool.stats()
-        assert (st["hits"], st["device_hits"]) == (3, 3), st
-        assert st["bytes_read"] >= 3 * LAYOUT.bytes_per_block, st
-        assert _val(reg, "kvbm_onboard_blocks_d2d_total") == 3
-        assert _val(reg, "kvbm_backend_g3_bytes_read_total") == st["bytes_read"]
-    finally:
-        pool.close()
+    pool, reg, keys = g3_with_3
+    ld = pool.layerwise_load(keys, "cpu", timeout_s=HANG_S)
+    for layer in range(LAYOUT.num_layers):
+        ld.wait_layer(layer)
+    assert ld.finish() == [None] * 3
+    assert ld.finish() == [None] * 3  # idempotent: counted once
+    st = pool.stats()
+    assert (st["hits"], st["device_hits"]) == (3, 3), st
+    assert st["bytes_read"] >= 3 * LAYOUT.bytes_per_block, st
+    assert _val(reg, "kvbm_onboard_blocks_d2d_total") == 3
+    assert _val(reg, "kvbm_backend_g3_bytes_read_total") == st["bytes_read"]
 
 
-def test_g3_layerwise_load_past_its_deadline_counts_timeout_misses(tmp_path):
+def test_g3_layerwise_load_past_its_deadline_counts_timeout_misses(g3_with_3):
     """Rows of a layer-wise load not read by its deadline are ``kvbm_backend_g3_load_misses{reason="timeout"}``
     (docs/operations.md "Reasons"), each once (old code: 0)."""
-    pytest.importorskip("torch")
-    reg = metrics.new_registry()
-    pool = G3Pool(open_pool.__globals__["config"](tmp_path), NS, registry=reg)
-    try:
-        keys = NS.keys(range(1, 4))
-        assert pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S).written == 3
-        why = pool.layerwise_load(keys, "cpu", timeout_s=1e-9).finish()  # the deadline passes before any read
-        late = why.count("timeout")
-        assert late >= 1 and why.count(None) + late == 3, why
-        assert _val(reg, "kvbm_backend_g3_load_misses_total", reason="timeout") == late
-        assert pool.stats()["misses_by_reason"].get("timeout") == late
-    finally:
-        pool.close()
+    pool, reg, keys = g3_with_3
+    why = pool.layerwise_load(keys, "cpu", timeout_s=1e-9).finish()  # the deadline passes before any read
+    late = why.count("timeout")
+    assert late >= 1 and why.count(None) + late == 3, why
+    assert _val(reg, "kvbm_backend_g3_load_misses_total", reason="timeout") == late
+    assert pool.stats()["misses_by_reason"].get("timeout") == late
 
 
 _PROC = r"""
