@@ -75,12 +75,13 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             the new name and ``migrated`` for sources the run would leave (``skipped_invalid``, errors).
         encrypted: the workers' ``g4.encrypt``: True leaves plaintext objects where they are (an encrypted pool
             never serves them: ``skipped_plaintext``), False renames them; None (not known) refuses the run when
-            a plaintext object is found with ``keyring``. Without a keyring the pool is plaintext.
+            a plaintext object is found with ``keyring``, and a plaintext copy under a sealed source's new name
+            is then not one the workers serve (``kept_name_taken``). Without a keyring the pool is plaintext.
     Returns:
         dict: ``legacy_objects`` found, ``migrated``, ``already_present`` (the new name existed: the old
         object was deleted: it held a copy the workers serve), ``kept_name_taken`` (the new name held an
-        object the workers would not serve: the old object was kept), ``skipped_invalid`` (header does not match the name, or the stored payload does
-        not verify), ``skipped_revoked``,
+        object the workers would not serve: the old object was kept), ``skipped_invalid`` (header does not match
+        the name, the stored payload does not verify, or the object is longer than its frame), ``skipped_revoked``,
         ``skipped_unknown_tenant``, ``skipped_plaintext``, ``errors`` (a read that did not verify, the
         store not confirming it holds those bytes, is one); ``unlisted``: one line per part of the store that could not
         be listed (a directory of a file store), each counted in ``errors``.
@@ -176,8 +177,11 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             if why == "revoked":  # its data key went since pass 1
                 res["skipped_revoked"] += 1
                 continue
-            if why is not None:  # the store holds these very bytes: damaged, left for gc; else a bad read: error
-                res["skipped_invalid" if store.stored_matches(o.name, data, o.size) else "errors"] += 1
+            if why is not None:  # the store holds these very bytes: damaged, left for gc; else a bad read: error.
+                # An object listed longer than its frame, read past it, is one too: an S3 HEAD compares the whole
+                # object (length and MD5), never a prefix, so asking it counted an error on every run (2026-12-02)
+                grown = o.size > HEADER_BYTES + hdr.stored_len and len(data) > HEADER_BYTES + hdr.stored_len
+                res["skipped_invalid" if grown or store.stored_matches(o.name, data, o.size) else "errors"] += 1
                 continue
             if dry_run:  # what the run would do, writing and deleting nothing
                 there = store.get(new, 0, want)
@@ -201,13 +205,17 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
 def _serves(data: Any, meta: dict[str, Any], keyring: "Keyring | None", encrypted: bool | None) -> bool:
     """Whether ``data`` (the object found under a block's keyed name; None: gone since) is a copy of the block
     ``meta`` names that the workers serve: its header names that block, its payload verifies under a key the
-    keyring holds (:func:`_unverified`), and it is sealed where the workers encrypt."""
+    keyring holds (:func:`_unverified`), and it is sealed where the workers encrypt. With a keyring and ``encrypted``
+    None (the run was not told ``g4.encrypt``: its sources were all sealed) a plaintext copy is not known to be served:
+    an encrypting worker refuses it, so it never stands in for a sealed source (before 2026-12-02 it did, and the only
+    copy those workers serve was deleted)."""
     if data is None:
         return False
     hdr = _matching_header(memoryview(data)[:HEADER_BYTES], meta)
     if hdr is None or _unverified(hdr, data, keyring) is not None:
         return False
-    return not (encrypted and not hdr.flags & FLAG_ENCRYPTED)
+    plaintext_refused = encrypted or (encrypted is None and keyring is not None)
+    return not (plaintext_refused and not hdr.flags & FLAG_ENCRYPTED)
 
 
 def _unverified(hdr: FrameHeader, data: Any, keyring: "Keyring | None") -> str | None:
