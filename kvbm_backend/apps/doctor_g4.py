@@ -13,9 +13,16 @@ Checks, in order (a check that cannot run because an earlier one failed is repor
 * ``probe``: a probe object (``kvbm-doctor-probe-HOST-PID-UUID``) is published create-exclusive (the
   conditional put every block write uses), a second create-exclusive put of the same name is refused,
   then it is deleted and is gone (``file://``: a file created with ``link()`` and unlinked).
-* ``keyring`` (``g4.encrypt``): the keyring file loads and every key unwraps with its KEK (read-only:
-  no lock file, nothing written), in a directory and with files the worker would trust (owner, mode, links:
-  :func:`kvbm_backend.fsmodes.open_trusted`); file modes are in doctor's ``modes`` section.
+* ``keyring`` (``g4.encrypt``, or ``g4.keyring.path`` set: a plaintext pool with a keyring opens it too, to
+  name tenants by keyed pseudonyms, open encrypted blocks and refuse revoked tenants, and does not start when it
+  does not open): the keyring file loads and every key unwraps with its KEK (read-only: no lock file, nothing
+  written), in a directory and with files the worker would trust (owner, mode, links:
+  :func:`kvbm_backend.fsmodes.open_trusted`); file modes are in doctor's ``modes`` section. A keyring not there
+  yet (the first worker creates it): the KEK it would be created with (``$kek_env``, else an existing KEK file)
+  must be a valid one. Before 2026-12-03 a keyring with ``g4.encrypt: false`` and a malformed ``$kek_env``
+  beside a keyring not yet made were "OK" (workers failed to start). No keyring at all (``g4.encrypt: false``, no
+  ``g4.keyring.path``): not checked, but ``$kek_env`` set to a value that is no KEK is a problem (the variable is
+  unused here, and unusable by any worker: a mistake, likely a configuration meant to encrypt).
 """
 from __future__ import annotations
 
@@ -131,32 +138,40 @@ def _s3_checks(store, cfg, timeout_s: float, rows: _Checks) -> bool:
     return True
 
 
-def _keyring_check(kc, rows: _Checks) -> None:
+def _keyring_check(kc, rows: _Checks, encrypt: bool) -> None:
     from kvbm_backend.crypto.kek import provider_for, trusted_dir
     from kvbm_backend.crypto.keyring import Keyring, KeyringError
     if not kc.path:
         rows.add("keyring", False, "g4.keyring.path: required when g4.encrypt is true")
         return
     path = os.path.abspath(os.path.expanduser(kc.path))
+    # g4.encrypt false: the pool still opens the keyring, and does not start when it does not open (G4Pool)
+    why = "" if encrypt else (" (g4.encrypt is false, but a G4 pool opens the keyring g4.keyring.path names: it "
+                              "names tenants and opens encrypted blocks with it, and does not start without it)")
     try:  # the worker's rule (kvbm_backend.fsmodes.open_trusted): a directory others can write is refused
         trusted_dir(os.path.dirname(path), "keyring")
     except KeyringError as e:
-        rows.add("keyring", False, str(e))
+        rows.add("keyring", False, f"{e}{why}")
         return
     if not os.path.exists(path):
-        kek = f"${kc.kek_env}" if os.environ.get(kc.kek_env) else (kc.kek_file or f"{path}.kek")
         from kvbm_backend.config import dir_problem
-        if dir_problem(os.path.dirname(path)) is None and kc.read_only is not True:
-            rows.add("keyring", True, f"{path}: absent; the first worker creates it (KEK: {kek})")
-        else:
+        if dir_problem(os.path.dirname(path)) is not None or kc.read_only is True:
             rows.add("keyring", False, f"{path}: not found, and its directory cannot be written here (create it "
                                        "with `kvbm-backend keys create` where it is writable, then mount it)")
+            return
+        try:
+            kek = _new_keyring_kek(kc, path)
+        except KeyringError as e:
+            rows.add("keyring", False, f"{e}: the first worker creates keyring {path} with this KEK and would "
+                                       f"fail to start{why}")
+            return
+        rows.add("keyring", True, f"{path}: absent; the first worker creates it (KEK: {kek})")
         return
     try:
         prov = provider_for(path, kc.kek_env, kc.kek_file, create=False)
         kr = Keyring(path, prov, create=False, read_only=True)
     except KeyringError as e:
-        rows.add("keyring", False, str(e))
+        rows.add("keyring", False, f"{e}{why}")
         return
     try:
         n, revoked = len(kr.info()), len(kr.revoked())
@@ -165,7 +180,38 @@ def _keyring_check(kc, rows: _Checks) -> None:
         if close is not None:
             close()
     rows.add("keyring", True, f"{path}: loads, every key unwraps with the KEK from {getattr(prov, 'source', '?')} "
-                              f"({n} tenants, {revoked} revoked)")
+                              f"({n} tenants, {revoked} revoked)" + ("" if encrypt else "; g4.encrypt is false: "
+                              "blocks are written unencrypted, tenants named under this keyring"))
+
+
+def _new_keyring_kek(kc, path: str) -> str:
+    """Where the KEK of keyring ``path`` (absent: the first worker creates it) comes from, checked as
+    :func:`kvbm_backend.crypto.kek.provider_for` reads it, nothing created: ``$kek_env`` when set (valid base64 of
+    32 bytes), else an existing KEK file (a trusted, private file holding such a key), else a KEK file the worker
+    generates (in a directory it would trust). Raises KeyringError naming the variable or file."""
+    from kvbm_backend.crypto.kek import provider_for, trusted_dir
+    kf = kc.kek_file or f"{path}.kek"
+    if os.environ.get(kc.kek_env) or os.path.lexists(kf):
+        return getattr(provider_for(path, kc.kek_env, kc.kek_file, create=False), "source", "?")
+    trusted_dir(os.path.dirname(os.path.abspath(kf)), "KEK file")
+    return f"{kf}, generated by that worker"
+
+
+def _unused_kek(kc) -> tuple[bool | None, str]:
+    """The ``keyring`` row of a G4 without a keyring (``g4.encrypt`` false, no ``g4.keyring.path``): not checked,
+    unless ``$kek_env`` holds a value that is no KEK (a problem: set for nothing, and usable by nothing)."""
+    from kvbm_backend.crypto.kek import LocalKek
+    from kvbm_backend.crypto.keyring import KeyringError
+    text = "g4.encrypt is false and no g4.keyring.path: blocks are stored unencrypted, tenants named unkeyed"
+    if not os.environ.get(kc.kek_env):
+        return None, text
+    try:
+        LocalKek.from_env(kc.kek_env)
+    except KeyringError as e:
+        return False, (f"{e}: no worker can use it, and this configuration uses none ({text}); unset "
+                       f"${kc.kek_env}, or set it to a base64 32-byte key with g4.encrypt: true and g4.keyring.path "
+                       "if blocks were meant to be encrypted")
+    return None, f"{text}; ${kc.kek_env} is set but unused here"
 
 
 def g4_info(cfg, timeout_s: float = 5.0) -> dict:
@@ -187,10 +233,10 @@ def g4_info(cfg, timeout_s: float = 5.0) -> dict:
         out.update(checks=[], problems=[])
         return out
     _store_checks(g4, timeout_s, rows)
-    if g4.encrypt:
-        _keyring_check(g4.keyring, rows)
+    if g4.encrypt or g4.keyring.path:  # a plaintext pool opens its keyring too (G4Pool): checked the same way
+        _keyring_check(g4.keyring, rows, bool(g4.encrypt))
     else:
-        rows.add("keyring", None, "g4.encrypt is false: blocks are stored unencrypted")
+        rows.add("keyring", *_unused_kek(g4.keyring))
     out["checks"] = rows.rows
     out["problems"] = [f"g4 {r['check']}: {r['detail']}" for r in rows.rows if r["ok"] is False]
     return out

@@ -12,10 +12,13 @@ configuration stops before any engine process exists.
 What is checked, for every ``KvbmBackendConnector`` in ``--kv-transfer-config`` (top level or a
 ``MultiConnector`` child) and every ``G3Tier``/``G4Tier`` of an ``OffloadingConnector``'s ``secondary_tiers``
 (vLLM's native tiering; before 2026-11-30 those went unchecked): the settings parse into the config tree (every
-field rule of :mod:`kvbm_backend.config`, G3 paths included), and with G4 encryption on the keyring and its
-KEK open (:meth:`kvbm_backend.crypto.keyring.Keyring.from_config`, exactly as the pool opens them). A dry run
+field rule of :mod:`kvbm_backend.config`, G3 paths included), and with G4 encryption on or a ``g4.keyring.path``
+set (a plaintext pool opens its keyring too) the keyring and its KEK open
+(:meth:`kvbm_backend.crypto.keyring.Keyring.from_config`, exactly as the pool opens them). A dry run
 (``create=False``: the scripts' ``KVBM_BACKEND_DRY_RUN``) creates nothing: an existing keyring is opened as
-is, a missing one (the engine would create it and its KEK file) is left missing.
+is, a missing one (the engine would create it and its KEK file) is left missing, its KEK (``$kek_env``, else an
+existing KEK file) read. Before 2026-12-03 a keyring with ``g4.encrypt: false`` went unchecked, and so did a dry
+run's KEK of a keyring not yet made.
 With ``--disaggregation-mode prefill`` or ``decode`` (Dynamo's vLLM worker) and our connector as the engine's
 only connector (the handoff through G4, ``examples/dynamo/disagg_*_g4.sh``; beside ``NixlConnector`` in a
 ``MultiConnector`` NIXL carries the KV and ours only caches), the handoff needs a G4 both workers share: G4 off
@@ -223,16 +226,30 @@ def check_tier(tier: dict, *, create: bool = True) -> None:
 
 
 def _check_keyring(cfg, create: bool) -> None:
+    """The keyring a G4 pool of ``cfg`` opens, opened as it opens it: with ``g4.encrypt``, and with
+    ``g4.keyring.path`` set when it is false too (a plaintext pool with a keyring names tenants and opens encrypted
+    blocks with it, and does not start when it does not open: ``G4Pool``; before 2026-12-03 only ``g4.encrypt:
+    true`` was checked). A dry run's missing keyring is left to the engine, but the KEK it would be created with
+    (``$kek_env``, else an existing KEK file) must open. Raises ConfigError naming ``g4.keyring`` and the file or
+    variable at fault."""
     from ..config import ConfigError
-    if cfg.g4.enabled and cfg.g4.encrypt:
-        from ..crypto.keyring import Keyring, KeyringError
-        if not create and cfg.g4.keyring.path and not os.path.exists(cfg.g4.keyring.path):
-            return  # the engine would create it (and a KEK file): a dry run leaves that to it
-        try:
-            Keyring.from_config(cfg.g4.keyring, create=create).close()
-        except (KeyringError, OSError) as e:
-            msg = str(e)
-            raise ConfigError(msg if msg.startswith("g4.") else f"g4.keyring: {msg}") from None
+    g4 = cfg.g4
+    if not (g4.enabled and (g4.encrypt or g4.keyring.path)):
+        return
+    from ..crypto.keyring import Keyring, KeyringError, provider_for
+    kc = g4.keyring
+    try:
+        if not create and kc.path and not os.path.exists(kc.path):
+            # the engine would create it (and a KEK file): a dry run leaves that to it, not the KEK it would use
+            if os.environ.get(kc.kek_env) or os.path.lexists(kc.kek_file or f"{kc.path}.kek"):
+                provider_for(kc.path, kc.kek_env, kc.kek_file, create=False)
+            return
+        Keyring.from_config(kc, create=create).close()
+    except (KeyringError, OSError) as e:
+        msg = str(e)
+        why = "" if g4.encrypt else (" (g4.encrypt is false, but a G4 pool opens the keyring g4.keyring.path names: "
+                                     "it names tenants and opens encrypted blocks with it)")
+        raise ConfigError((msg if msg.startswith("g4.") else f"g4.keyring: {msg}") + why) from None
 
 
 def check_argv(argv: list[str], *, create: bool = True) -> str | None:
