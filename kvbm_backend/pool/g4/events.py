@@ -8,14 +8,15 @@
   pool's circuit breaker is open).
 * :class:`StatsGauges` -- the ``kvbm_g4_*`` gauges of one registry: the ``stats()`` of its open pools, summed.
 * :class:`OperatorLog` -- the pool's operator log lines about the store (a missing bucket, a store that
-  refuses requests, a load or lookup that failed unexpectedly: at most one line per kind per
-  :data:`STORE_ERROR_LOG_S` seconds) and about tenants
+  refuses requests, one that refuses writes for room: full, over quota, read-only; a load or lookup that failed
+  unexpectedly: at most one line per kind per :data:`STORE_ERROR_LOG_S` seconds) and about tenants
   whose offloads are dropped (once per reason and tenant pseudonym, at most :data:`MAX_LOGGED_TENANTS`
   of them). They keep the logger they have always had, ``kvbm_backend.pool.g4.pool`` (operators and
   ``tests/pool/test_operator_logs.py`` filter on that name).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from ...metrics import TierMetrics, count_reason
-from .store import BucketMissing
+from .store import BucketMissing, StoreFull
 from ...store_url import redact_url
 
 # the pool's logger: operator lines are looked up by this name (docstring)
@@ -51,6 +52,8 @@ DROP_REASONS = {
     "keyring": "the keyring failed otherwise (file does not load)",
     "unavailable": "the store did not answer (timeout, connection error, 5xx), or an unsettled PUT was found lost",
     "throttled": "the store kept answering 'slow down' past the offload's bound",
+    "full": "the store refused the write for room: full (ENOSPC), over quota (EDQUOT) or read-only (EROFS); "
+            "never a breaker failure, loads are still served",
     "error": "the store answered with an error (403, a missing bucket), or a bug",
     "unsettled": "a PUT that got no answer could not be settled by a HEAD within its bound or by close",
 }
@@ -89,7 +92,7 @@ CORRUPT_REASONS = {
 REASONS = {"offloads_dropped": DROP_REASONS, "misses": MISS_REASONS, "corrupt": CORRUPT_REASONS}
 # miss reasons that are failed store reads
 _READ_FAILURES = {"unavailable", "error", "timeout", "unconfirmed_corrupt", "throttled"}
-_WRITE_FAILURES = {"unavailable", "error", "throttled", "unsettled"}  # drop reasons that are failed store writes
+_WRITE_FAILURES = {"unavailable", "error", "throttled", "unsettled", "full"}  # drop reasons that are failed store writes
 
 
 _degraded: dict[int, dict[int, int]] = {}  # id(degraded gauge) -> {id(pool): 1 while its breaker is open, else 0}
@@ -244,6 +247,7 @@ class OperatorLog:
         self.read_errors_logged: dict[str, float] = {}  # the same for loads' and lookups' errors (never reset)
         self.logged_tenants: set[tuple[str, str]] = set()  # (reason, tenant pseudonym hex) logged once
         self.unexpected_logged: dict[str, float] = {}  # "what: exception type" -> time.monotonic() when last logged
+        self.full_logged: dict[str, float] = {}  # errno name -> time.monotonic() when last logged (never reset)
 
     def store_error(self, e: OSError, read: bool = False) -> None:
         """The store answered with an error (not an outage): log it, at most once per kind per
@@ -267,6 +271,25 @@ class OperatorLog:
             log.warning("%s: the store refuses requests: %s (offloads dropped as dropped_error, loads miss as "
                         "miss_error; check credentials and permissions); repeated at most every %.0f s",
                         self.where, e, STORE_ERROR_LOG_S)
+
+    def store_full(self, e: StoreFull) -> None:
+        """The store refused a write for room (no space, over quota, read-only: ``dropped_full``): a WARNING naming
+        the errno and the mount, at most once per errno per :data:`STORE_ERROR_LOG_S` seconds (a write that
+        succeeds meanwhile does not reset it: a mount at the brink of full alternates). Never raises."""
+        kind = errno.errorcode.get(e.errno or 0, str(e.errno))
+        now = time.monotonic()
+        with self._mu:
+            last = self.full_logged.get(kind)
+            if last is not None and now - last < STORE_ERROR_LOG_S:
+                return
+            self.full_logged[kind] = now
+        try:
+            log.warning("%s: the store refuses writes (%s, mount %s): %s; offloads are dropped as dropped_full, "
+                        "loads are still served (not an outage: the circuit breaker stays closed); free space "
+                        "(`kvbm-backend gc`), raise the quota or remount read-write; repeated at most every %.0f s",
+                        self.where, kind, e.mount or "?", e, STORE_ERROR_LOG_S)
+        except Exception:  # noqa: BLE001 - logging never fails an offload
+            pass
 
     def unexpected(self, e: BaseException, what: str) -> None:
         """A G4 ``what`` (``"load"``, ``"lookup"``) failed with an exception no store, I/O or frame error explains

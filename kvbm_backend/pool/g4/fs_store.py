@@ -39,8 +39,9 @@ from ...memory import aligned_empty
 from .fs_confirm import reread_matches
 from .fs_list import is_temp_name as is_temp_name, stat_version, walk  # is_temp_name: re-exported
 from .fs_prune import prune_empty_dirs
+from .fs_put import FULL_ERRNOS, link_exclusive, mount_point
 from .fs_quarantine import delete_if_listed, delete_if_matches, unlink_quiet
-from .store import ObjectInfo, ObjectStore, StoreUnavailable
+from .store import ObjectInfo, ObjectStore, StoreFull, StoreUnavailable
 
 if TYPE_CHECKING:
     from .factory import StoreOptions
@@ -50,8 +51,8 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 _HOST = socket.gethostname().replace("/", "_").replace(".", "_")
-_UNAVAILABLE = {errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENOTCONN, errno.EHOSTDOWN, errno.EHOSTUNREACH,
-                errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+# no answer: an outage (the breaker counts it). ENOSPC, EDQUOT, EROFS are answers: StoreFull (fs_put.FULL_ERRNOS)
+_UNAVAILABLE = {errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENOTCONN, errno.EHOSTDOWN, errno.EHOSTUNREACH}
 _DIR_ATTEMPTS = 3  # a put whose directory gc removed meanwhile makes it again (FsStore._open_and_write)
 
 
@@ -77,6 +78,7 @@ class FsStore(ObjectStore):
         self._direct: bool | None = None  # O_DIRECT reads: None = not probed yet
         self._direct_write: bool | None = None  # O_DIRECT writes: None = not tried yet, False = refused
         self._fast_root: bytes | None = None  # reads: one openat2 of root + name (io.openat2); None: walk
+        self._mount: str | None = None  # the root's mount point, found at the first StoreFull
         try:
             makedirs_private(self.root)
         except OSError as e:
@@ -104,8 +106,14 @@ class FsStore(ObjectStore):
         return parts[:-1], parts[-1]
 
     def _wrap(self, op: str, name: str, e: OSError) -> OSError:
+        """``e`` as the store's error: StoreUnavailable (no answer: EIO, ESTALE...), StoreFull (no room: ENOSPC,
+        EDQUOT, EROFS; names the root's mount point), else ``e`` itself."""
         if e.errno in _UNAVAILABLE:
             return StoreUnavailable(f"{op} {self.url}/{name}: {e}")
+        if e.errno in FULL_ERRNOS:
+            if self._mount is None:
+                self._mount = mount_point(self.root)
+            return StoreFull(e, f"{op} {self.url}/{name}", self._mount)
         return e
 
     def _refused(self, rel: str, what: str) -> OSError:
@@ -286,19 +294,10 @@ class FsStore(ObjectStore):
         dirs, base = self._split(name)
         try:
             dfd, tmp = self._open_and_write(dirs, base, data)
-            try:
-                try:
-                    os.link(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-                    created = True
-                except FileExistsError:
-                    created = False
-                finally:
-                    unlink_quiet(tmp, dfd)
-                if created:
-                    if self.fsync:
-                        os.fsync(dfd)
-                elif not stat.S_ISREG(os.stat(base, dir_fd=dfd, follow_symlinks=False).st_mode):
-                    raise self._refused(name, "taken by something that is not a regular file")
+            try:  # link, EEXIST checked; a name deleted meanwhile is linked again (fs_put.link_exclusive)
+                created = link_exclusive(dfd, tmp, base, lambda what: self._refused(name, what))
+                if created and self.fsync:
+                    os.fsync(dfd)
                 return created
             finally:
                 os.close(dfd)

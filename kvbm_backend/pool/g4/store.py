@@ -8,7 +8,8 @@ Implementations: :class:`~kvbm_backend.pool.g4.s3_store.S3Store` (S3-compatible 
 
 Contract: an object is either absent or complete (never torn); ``put_if_absent`` of an existing name
 leaves it untouched and returns False (losing a race is success). Errors that mean "the store is not
-answering" (connection refused, timeouts, 5xx, EIO) raise :class:`StoreUnavailable`; a store that answers
+answering" (connection refused, timeouts, 5xx, EIO) raise :class:`StoreUnavailable`; one that answers "no room"
+(a full, over-quota or read-only mount) raises :class:`StoreFull` (reads go on); a store that answers
 "slow down" (S3 503 SlowDown, 429, ``Throttling``...) raises :class:`StoreThrottled` at once, unretried and
 unslept, so the pool's own bounded backoff (:mod:`kvbm_backend.pool.g4.throttle`) owns that wait; absent
 objects are ``None``/``False`` results, never exceptions.
@@ -62,6 +63,22 @@ class PutUnsettled(StoreUnavailable):
     def __init__(self, msg: str, name: str, md5_hex: str):
         super().__init__(msg)
         self.name, self.md5_hex = name, md5_hex
+
+
+class StoreFull(OSError):
+    """The store answered that it takes no more writes: no space left (``ENOSPC``), over quota (``EDQUOT``) or
+    mounted read-only (``EROFS``). It answers, and reads go on: not an outage, so never a circuit-breaker failure
+    (the offload is dropped, ``dropped_full``; before 2026-12 a file store raised :class:`StoreUnavailable` for
+    these, the breaker opened and every load missed although reads worked). Not a :class:`StoreUnavailable`.
+
+    Args:
+        err: the OS error (its ``errno`` and text are kept). what: the request and object, for log lines.
+        mount: the mount point holding the store's root (a file store), or None.
+    """
+
+    def __init__(self, err: OSError, what: str, mount: str | None = None):
+        super().__init__(err.errno, f"{what}: {err.strerror or err}")
+        self.mount = mount
 
 
 class StoreThrottled(OSError):
@@ -126,7 +143,7 @@ class ObjectStore(ABC):
     @abstractmethod
     def put_if_absent(self, name: str, data: DataIn) -> bool:
         """Publish ``data`` (bytes-like) under ``name`` only if absent. True if this call created it,
-        False if it already existed. Raises StoreUnavailable."""
+        False if it already existed. Raises StoreUnavailable, StoreFull (no space, quota, read-only)."""
 
     @abstractmethod
     def put(self, name: str, data: DataIn) -> None:

@@ -5,7 +5,7 @@ written).
 
 Each queued block runs :meth:`G4Writer._put_one` on an offload thread and ends in exactly one of
 ``written`` / ``skipped`` / ``dropped`` (counted by reason: ``dropped_breaker``, ``dropped_unavailable``,
-``dropped_throttled``, ``dropped_error``, ``dropped_revoked_tenant``, ``dropped_unknown_tenant``, ``dropped_keyring``,
+``dropped_throttled``, ``dropped_full``, ``dropped_error``, ``dropped_revoked_tenant``, ``dropped_unknown_tenant``, ``dropped_keyring``,
 ``dropped_unsettled``, ``skipped_exists``, ``skipped_foreign``, ``skipped_unservable``); it never raises.
 A create-exclusive PUT that finds an object under the name asks, with one ranged GET of its frame header, whether
 this pool would serve it (:meth:`G4Writer._serves_existing`: the reader's header checks, plaintext in an encrypted
@@ -19,7 +19,9 @@ bytes there it asks the same :meth:`G4Writer._serves_existing` (a callback: the 
 writer), so a late-settled block ends ``skipped_exists`` or ``skipped_unservable`` (dropped) as above. A store
 outage counts towards the breaker; a
 store that answers with an error (403, missing bucket) does not, and is logged
-(:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_error`). A throttled PUT
+(:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_error`); nor does one that answers "no room" (a full,
+over-quota or read-only mount: :class:`~.store.StoreFull`): ``dropped_full``, logged
+(:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_full`), loads still served. A throttled PUT
 (:class:`~.store.StoreThrottled`) is retried after a full-jitter backoff (:mod:`.throttle`) until
 ``timeout_s * (1 + retries)`` seconds after its first request, then dropped (``dropped_throttled``); never
 a breaker failure. The backoff holds the I/O thread, so offloads queued behind it wait, and past
@@ -48,7 +50,7 @@ from .breaker import CircuitBreaker
 from .events import G4Counters, OperatorLog
 from .naming import NAMESPACE_JSON_MAX, namespace_doc, namespace_name
 from .settle import LateSettler
-from .store import ObjectStore, PutUnsettled, StoreThrottled, StoreUnavailable
+from .store import ObjectStore, PutUnsettled, StoreFull, StoreThrottled, StoreUnavailable
 from .naming import TenantNamer
 from .tenant_names import TenantNames
 from .throttle import ThrottleWatch, call_throttled
@@ -352,6 +354,10 @@ class G4Writer:
         except StoreUnavailable as e:
             self._breaker.failure(e)
             self._count("dropped_unavailable")
+        except StoreFull as e:  # no space / quota / read-only: the store answered, reads go on (no breaker failure)
+            self._breaker.success()
+            self._count("dropped_full")
+            self._oplog.store_full(e)
         except OSError as e:
             self._breaker.success()  # the store answered (e.g. 403): not an outage
             self._count("dropped_error")
@@ -433,6 +439,9 @@ class G4Writer:
             self.namespace_written = True
         except StoreThrottled:  # still throttled: the next offload that is written tries again
             self._count("namespace_json_errors")
+        except StoreFull as e:  # a full / read-only store at start: an answer, never a trip (reads go on)
+            self._count("namespace_json_errors")
+            self._oplog.store_full(e)
         except StoreUnavailable as e:
             self._count("namespace_json_errors")
             self._breaker.trip(e)  # logs "unavailable at start"; probes every breaker_reset_s from now on
