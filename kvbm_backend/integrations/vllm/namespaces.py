@@ -110,6 +110,33 @@ def warn_model_mismatch(model: str, engine_names: list[Any]) -> bool:
     return True
 
 
+def refuse_parallel_layouts(carrier: str, *, pipeline_parallel_size: Any = 1, decode_context_parallel_size: Any = 1,
+                            prefill_context_parallel_size: Any = 1) -> None:
+    """Refuse the parallel layouts whose blocks neither the connector nor the native tiers can name (both call this:
+    the connector with vLLM's ``ParallelConfig``, a native tier with the ``OffloadingParallelConfig`` vLLM builds from
+    it, ``pp_size``/``dcp_size``/``pcp_size``). ``carrier`` names who refuses, in the message. ``None`` counts as 1.
+
+    A block's identity (namespace: layers, heads and tokens of one rank's block, the rank count; key: rank) says
+    neither which layers a pipeline stage holds nor which of a block's tokens a context-parallel rank holds, so
+    under pipeline parallelism > 1 (vLLM's scheduler sees stage 0's layers only) or decode/prefill context
+    parallelism > 1 (a block's tokens spread over the ranks: ``resolve_dcp_kv_block_size``) engines of other
+    layouts got one fingerprint and loaded each other's blocks as verified hits (review 2026-12-02, native tiers:
+    a PCP=2 engine served a TP=2 engine's chunks). Raises ValueError naming ``parallel_config.<field> <value>``."""
+    pp = int(pipeline_parallel_size or 1)
+    if pp > 1:
+        raise ValueError(f"parallel_config.pipeline_parallel_size {pp} (--pipeline-parallel-size): {carrier}'s block "
+                         "identity describes one stage's layers, not which layers each stage holds, so stages and "
+                         "engines that split the layers otherwise would share keys; run it with pipeline parallelism 1")
+    for fld, value in (("decode_context_parallel_size", decode_context_parallel_size),
+                       ("prefill_context_parallel_size", prefill_context_parallel_size)):
+        cp = int(value or 1)
+        if cp > 1:  # vLLM: a block's tokens spread over the cp ranks (DCP: block_size * cp tokens per block)
+            raise ValueError(f"parallel_config.{fld} {cp}: a block's tokens are then spread over {cp} "
+                             f"context-parallel ranks, which {carrier}'s block identity (every rank's block holds "
+                             "all of the block's tokens) does not describe, so engines of other layouts would share "
+                             "keys; run it with context parallelism 1")
+
+
 def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                         geometries: list[EngineGeometry] | None = None) -> Namespace:
     """The Namespace of this engine's KV: model (``cfg.model``, else vLLM's served model name),
@@ -127,7 +154,8 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
     namespace (unchanged fingerprint).
 
     Raises ValueError for KV caches the connector cannot carry (non-attention or chunked/cross/sink
-    specs, an MLA spec with more than one KV head, groups with different block sizes).
+    specs, an MLA spec with more than one KV head, groups with different block sizes) and for pipeline or
+    context parallelism > 1 (:func:`refuse_parallel_layouts`).
     ``geometries``: :func:`engine_geometries` when the caller has them already."""
     groups = kv_groups(kv_cache_config)
     if not groups:
@@ -144,16 +172,10 @@ def namespace_from_vllm(cfg: KvbmBackendConfig, vllm_config: "VllmConfig", kv_ca
                             (names or vllm_config.model_config.model), vllm_config.model_config.model)
     revision = engine_revision(cfg, vllm_config)
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
-    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
-    if pp > 1:
-        raise ValueError(f"parallel_config.pipeline_parallel_size {pp}: KvbmBackendConnector carries one stage's "
-                         "layers per block key, so stages would share keys; run it with pipeline parallelism 1")
-    for fld in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        cp = int(getattr(vllm_config.parallel_config, fld, 1) or 1)
-        if cp > 1:  # vLLM: one block then spans block_size * cp tokens, spread over the ranks (resolve_dcp_kv_block_size)
-            raise ValueError(f"parallel_config.{fld} {cp}: a block then holds block_size x {cp} tokens spread over "
-                             "the context-parallel ranks, which KvbmBackendConnector's keys (block_size tokens per "
-                             "rank) do not describe; run it with context parallelism 1")
+    pc = vllm_config.parallel_config
+    refuse_parallel_layouts("KvbmBackendConnector", pipeline_parallel_size=getattr(pc, "pipeline_parallel_size", 1),
+                            decode_context_parallel_size=getattr(pc, "decode_context_parallel_size", 1),
+                            prefill_context_parallel_size=getattr(pc, "prefill_context_parallel_size", 1))
     kv_version = engine_kv_version(vllm_config, kgs)
     if len(kgs) == 1 and kgs[0].kind != "sliding":
         return Namespace(model=str(model), layout=kgs[0].layout, revision=revision, tp_world_size=tp,

@@ -33,7 +33,7 @@ from ..tiers import announce_tiers
 from .extra_config import tier_config
 from .failed_blocks import FailedChunks, drop_blocks
 from .geometry import PrimaryGeometry
-from .namespaces import namespace_model, namespace_revision
+from .namespaces import namespace_model, namespace_revision, refuse_parallel_layouts
 from .tier_lookup import TenantLookup
 from .tier_options import check_options
 from .tier_removals import HeldChunks, held_now
@@ -71,7 +71,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
 
     All SecondaryTierManager methods are non-blocking except ``drain_jobs`` (by contract) and
     ``shutdown``. Jobs run on ``io_threads`` threads for loads and as many for stores (:mod:`.tier_jobs`: loads
-    never wait behind stores; a store's thread is free once its puts are out). Raises ValueError/ConfigError at construction for bad settings (naming the field).
+    never wait behind stores; a store's thread is free once its puts are out). Raises ValueError/ConfigError at construction for bad settings (naming the field),
+    and ValueError for pipeline or decode/prefill context parallelism > 1 (:func:`.namespaces.refuse_parallel_layouts`).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -102,6 +103,10 @@ class KvbmSecondaryTier(SecondaryTierManager):
                              staging_mb=staging_mb, config=config, tenant=tenant, revision=revision,
                              num_kv_heads=num_kv_heads, head_dim=head_dim, mla=mla, layout=layout,
                              kv_cache_layout=kv_cache_layout)  # every key by type and range, before anything opens
+        par = offloading_spec.config.parallel  # vLLM's OffloadingParallelConfig (the engine's parallel_config)
+        refuse_parallel_layouts(type(self).__name__, pipeline_parallel_size=getattr(par, "pp_size", 1),
+                                decode_context_parallel_size=getattr(par, "dcp_size", 1),
+                                prefill_context_parallel_size=getattr(par, "pcp_size", 1))  # as the connector does
         self.locality = opts.locality
         self.geometry = PrimaryGeometry.from_spec(offloading_spec, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                                   mla=mla, layout=layout, kv_cache_layout=kv_cache_layout)

@@ -80,6 +80,16 @@ full layers make groups of 8, 9 and 10 layers). The namespace records
 the groups (:class:`~kvbm_backend.model.namespace.KvGroup` ``kind="vllm-offload"`` with each group's
 layer names), so a hybrid model's blocks never meet a one-group namespace.
 
+Parallel layouts: one tier per engine (vLLM builds it on the scheduler side) names rank ``r``'s slice of a chunk by
+``r`` (``OffloadingParallelConfig.rank``: TP x PCP x PP ranks). Pipeline parallelism > 1 and decode/prefill context
+parallelism > 1 are refused at construction, a ValueError naming ``parallel_config.<field>`` and its value, as the
+connector refuses them (:func:`.namespaces.refuse_parallel_layouts`, one check for both): the namespace describes
+one stage's layers (vLLM hands the scheduler stage 0's) and a block's tokens whole on every rank, so engines of
+other layouts got one fingerprint and loaded each other's chunks (a PCP=2 engine a TP=2 engine's). The KV cache
+dtype is in the namespace (the layout's ``dtype``: ``OffloadingModelConfig.dtype``, the ``--kv-cache-dtype`` unless
+``auto``): an FP8 engine never loads a BF16 engine's chunks; dtypes of no known element width (``fp8_inc``,
+``*_per_token_head``, nvfp4, turboquant) are refused naming the dtype.
+
 KV events (``enable_kv_events`` and vLLM's ``--kv-events-config``; add ``"self_describing_kv_events": true`` to
 the connector's extra config so they carry token ids, which Dynamo's KV router needs): a finished store is one
 ``OffloadingEvent(removed=False)`` with the tier's ``medium`` (``STORAGE``) and ``locality``; vLLM's
