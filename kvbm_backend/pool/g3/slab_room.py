@@ -1,10 +1,15 @@
 """G3 slab space: the free space of a filesystem, the part slab files leave free, the room a directory's
-slab files may take at open, and how the room of one filesystem is split over its directories.
+slab files may take at open, and how the room of one filesystem is split over its directories and its slab files.
 
 **Room of a filesystem at open** (:func:`split_room`): several ``g3.paths`` on one filesystem share its free
 space; before 2026-12-01 each was promised all of it at open (35 MiB promised on a 20 MiB tmpfs), so the first
-fill hit ENOSPC, dropped a batch and degraded the tier instead of evicting. The split follows
-:meth:`.slabs.SlabSet.recheck_space` (while the pool runs).
+fill hit ENOSPC, dropped a batch and degraded the tier instead of evicting. The budgets decide which slab files the
+open creates now and whether the pool has room for a slot at all; the files' caps are then :func:`file_caps`
+(:meth:`.slabs.SlabSet.recheck_space`: what each holds plus its part of the FREE space only), at most the budget split
+evenly over the directory's files. Before 2026-12-03 that even split alone was the cap: a file full of blocks kept
+its size (no room), the directory's free space went to its other files plus the full file's bytes they did not hold,
+so a reopen on a filesystem full of the pool's own slabs promised room that was not there (``capacity_blocks`` above
+it) and its first puts hit ENOSPC: a batch dropped and the tier degraded instead of evicting.
 
 **Files of another namespace** (:func:`foreign_in`, :func:`warn_foreign`): a change of model, revision,
 dtype, page size or TP size gives the pool a new namespace fingerprint, and the old namespace's slab files and
@@ -24,7 +29,10 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from .slabs import SlabFile
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +113,18 @@ def split_room(owns: Sequence[int], free: int, share: int) -> list[int]:
         return [max(0, min(share, own + free)) for own in owns]
     parts = water_fill([max(0, share - own) for own in owns], free)
     return [max(0, min(share, own + part)) for own, part in zip(owns, parts)]
+
+
+def file_caps(files: Sequence["SlabFile"], room: int, pending: Mapping[int, int]) -> list[int]:
+    """Caps (slots, :attr:`.slabs.SlabFile.cap_slots`) of the slab files of one filesystem, ``room`` slots free
+    there beyond what slab files leave free (negative below it). Each file keeps what it holds (its size, at most its
+    share; a cap already below its size stays) plus its part of the FREE room only, water-filled over what each
+    lacks to its share (:func:`water_fill`), so the caps past the sizes never exceed ``room``. ``pending``: file
+    index -> slots an allocation in progress must hold; those past a file's end take their room first."""
+    base = [max(f.size_slots, min(pending.get(f.index, 0), f.max_slots)) for f in files]
+    room = max(0, room - sum(b - f.size_slots for b, f in zip(base, files)))
+    parts = water_fill([max(0, f.max_slots - b) for f, b in zip(files, base)], room)
+    return [max(min(f.max_slots, b + p), min(f.cap_slots, f.size_slots)) for f, b, p in zip(files, base, parts)]
 
 
 def foreign_in(dir_fd: int, fingerprint: str) -> list[tuple[str, int]]:

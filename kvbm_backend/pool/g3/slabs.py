@@ -7,8 +7,8 @@ run to the same file. A slab file is an array of fixed slots of ``frame.slot_byt
 KiB header + payload padded to 4 KiB), slot ``i`` at byte ``i * slot_bytes``. Files grow lazily in chunks
 (``posix_fallocate``), each growth re-checking ``statvfs`` so the filesystem keeps ``min_free_fraction`` free
 (invariant 4). A file's share of ``capacity_gb`` (:attr:`SlabFile.max_slots`) is fixed by the configuration; the free
-space only caps it for now (:attr:`SlabFile.cap_slots`: at open its part of its filesystem's room, split over the
-directories there by :func:`.slab_room.split_room`; re-read by :meth:`SlabSet.recheck_space`, over the files).
+space only caps it for now (:attr:`SlabFile.cap_slots`: what it holds plus its part of the FREE space of its filesystem,
+water-filled over the files there by :meth:`SlabSet.recheck_space`, at open and again while the pool runs).
 
 Each directory is a :class:`.dirs.G3Dir` (verified fd, lock, namespace files, safe opens: see :mod:`.dirs`). Slab
 files of another namespace are never opened: listed in :attr:`SlabSet.foreign_files`, logged with their bytes.
@@ -35,8 +35,8 @@ import numpy.typing as npt
 from ...io import probe_o_direct
 from ...model.namespace import Namespace
 from . import slab_share
-from .slab_room import (_SLAB_RE, foreign_in, fs_space, keep_free_bytes, slab_bytes_in, space_budget, split_room,
-                        warn_foreign)
+from .slab_room import (_SLAB_RE, file_caps, foreign_in, fs_space, keep_free_bytes, slab_bytes_in, space_budget,
+                        split_room, warn_foreign)
 from .dirs import LOCK_NAME, NOSPACE as _NOSPACE, G3Dir, G3LockedError, G3PathError
 
 __all__ = ["LOCK_NAME", "G3LockedError", "G3PathError", "SlabFile", "SlabSet", "fs_space", "keep_free_bytes",
@@ -196,13 +196,12 @@ class SlabSet:
             avail, total = fs_space(ds[0])
             free = avail - keep_free_bytes(total, capacity_bytes, self.slot_bytes, self.min_free_fraction)
             got.update(zip(ds, split_room([owns[d] for d in ds], free, capacity_bytes // len(self.paths))))
-        budgets = [got[d] for d in self.paths]
         found = [(os.path.join(d, name), n) for d in self.paths for name, n in foreign_in(self.dirs[d].fd, self.fp)]
         self.foreign_bytes = warn_foreign(found, self.fp)  # slab files and journals of other namespaces (logged)
         cap_slots = capacity_bytes // len(self.paths) // self.slot_bytes  # per path
         later: list[tuple[int, str, int, int]] = []  # files without a budget now: created once the open holds
         for pi, d in enumerate(self.paths):
-            budget_slots = budgets[pi] // self.slot_bytes
+            budget_slots = got[d] // self.slot_bytes
             for k in range(files_per_path):
                 # the path's slots spread over its files, the remainder one each to the first files: the files
                 # hold exactly the budget, never more (2 slots over 4 files were 1 slot each: twice capacity_gb)
@@ -229,6 +228,12 @@ class SlabSet:
                             k, d, e.strerror)
         self.files.sort(key=lambda f: f.index)
         self.by_index = {f.index: f for f in self.files}
+        # caps: what each file holds plus its part of the FREE room (slab_room.file_caps), never above the budget split
+        # (evenly over a directory's files, whatever each held: room that was not there, ENOSPC after a restart)
+        split = {f.index: f.cap_slots for f in self.files}
+        self.recheck_space()
+        for f in self.files:
+            f.cap_slots = min(f.cap_slots, split[f.index])
 
     def sync_dirs(self) -> None:
         """``fsync`` each directory: the slab and namespace files the open created are then durable names (a
@@ -360,16 +365,8 @@ class SlabSet:
             except OSError as e:
                 log.warning("G3: statvfs of %s failed (%s); its files keep their size caps", files[0].directory, e)
                 continue
-            # slots this allocation already took past a file's end take their room first
-            base = {f.index: max(f.size_slots, min(pending.get(f.index, 0), f.max_slots)) for f in files}
-            room = max(0, (avail - self._keep_free(total)) // self.slot_bytes
-                       - sum(base[f.index] - f.size_slots for f in files))
-            left = len(files)
-            for f in sorted(files, key=lambda f: f.max_slots - base[f.index]):  # water-filling
-                growable = min(max(0, f.max_slots - base[f.index]), room // left)
-                room -= growable
-                left -= 1
-                f.cap_slots = max(min(f.max_slots, base[f.index] + growable), min(f.cap_slots, f.size_slots))
+            for f, cap in zip(files, file_caps(files, (avail - self._keep_free(total)) // self.slot_bytes, pending)):
+                f.cap_slots = cap
                 if f.parked:
                     for s in [s for s in f.parked if s < f.cap_slots]:
                         heapq.heappush(f.free, s)
@@ -486,8 +483,7 @@ class SlabSet:
                 f.cap_slots = min(f.cap_slots, f.size_slots)
                 raise OSError(errno.ENOSPC, f"G3: growing {f.path} by {need_min} bytes would cross the "
                                             f"{self.min_free_fraction:.0%} free-space watermark (or the metadata reserve)")
-            want = upto_slot + 1 + max(0, room - need_min) // self.slot_bytes
-            want = min(want, limit)
+            want = min(limit, upto_slot + 1 + max(0, room - need_min) // self.slot_bytes)
             grow = (want - f.size_slots) * self.slot_bytes
         try:
             os.posix_fallocate(f.fd, f.size_slots * self.slot_bytes, grow)
