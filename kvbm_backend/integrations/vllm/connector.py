@@ -47,6 +47,9 @@ are not published for hybrid models. Refused with the reason: KV specs that are 
 prefix, groups of different block sizes (:mod:`.namespaces`). Llama 4's chunked local attention runs with
 vLLM's hybrid manager off by default: one full-attention group.
 
+vLLM's ``reset_prefix_cache(reset_connector=True)`` (an in-place weight update's cache reset) makes this engine
+serve none of the blocks stored before, deleting nothing: :meth:`KvbmBackendConnector.reset_cache`, :mod:`.reset_epoch`.
+
 KV dtypes: bf16, fp16, fp32 and FP8 (``--kv-cache-dtype fp8``: e4m3 / e5m2); the dtype is part of the
 namespace, so an engine never loads blocks of another KV dtype.
 """
@@ -65,7 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from . import start_failure, stats
+from . import reset_epoch, start_failure, stats
 from .extra_config import EXTRA_KEYS, config_from_extra  # noqa: F401 - re-exported
 from .kv_events import caller_publisher
 from .metadata import KvbmConnectorMetadata
@@ -215,6 +218,21 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
             m = getattr(pool, "cached_block_hash_to_block", None)
             reset, self._gpu_cache_map = m is not self._gpu_cache_map, m
         return self.sched.take_events(engine_cache_reset=reset)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (``POST /reset_prefix_cache?reset_external=true``,
+        ``pause_generation(clear_cache=True)``; Dynamo's ``clear_kv_blocks`` and weight-update routes do not ask for
+        it): from now on this engine is served none of the blocks stored before, in G3 or G4, and nothing is deleted
+        (other workers keep using the shared G4 blocks; old G3 blocks age out by eviction). A new random reset epoch
+        is folded into every later request's block identity (:mod:`.reset_epoch`); requests already in the engine
+        are no longer loaded or saved; G3 blocks published as KV events are withdrawn. Returns True (done, nothing
+        can fail), None in the worker role (vLLM asks the scheduler's connector only)."""
+        if self.sched is None:
+            return None
+        pool = getattr(self, "_gpu_block_pool", None)  # vLLM's reset replaced the map: AllBlocksCleared goes out
+        cleared = pool is not None and getattr(pool, "cached_block_hash_to_block", None) is not self._gpu_cache_map
+        reset_epoch.reset(self.sched, engine_cleared=cleared)
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:

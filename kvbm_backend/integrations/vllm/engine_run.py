@@ -52,6 +52,10 @@ SPEC (JSON) fields:
   exists, so a test can act on the tiers of a running engine (e.g. damage G3 under a live pool).
 * ``reset_prefix_cache_before`` (list of prompt indexes): empty the engine's own prefix cache before prompt
   ``i`` (vLLM's ``LLM.reset_prefix_cache``; runs no engine step), so that prompt can only hit G3/G4.
+* ``reset_connector_before`` (list of prompt indexes): ``LLM.reset_prefix_cache(reset_connector=True)`` before
+  prompt ``i`` (the engine's prefix cache and the connector's: :mod:`.reset_epoch`); what each call returned is in
+  the result's ``reset_connector_results``. ``settle_before`` (list of prompt indexes; in-process connector runs):
+  before prompt ``i`` (and before each connector reset) wait, bounded, until the connector's offloads are written.
 * ``out`` (str): where the result JSON goes.
 
 Result JSON: ``outputs`` (greedy token ids per prompt), ``ttft_s`` (vLLM's ``first_token_latency``
@@ -138,12 +142,17 @@ def run(spec: dict) -> dict:
     outs, ttft, e2e, cached, lps = [], [], [], [], []
     progress = spec.get("progress_file")
     pause_before = set(spec.get("pause_before") or ())
+    resets, reset_results = set(spec.get("reset_connector_before") or ()), []
     for i, (p, salt, ktp) in enumerate(zip(prompts, salts, ktps)):
         if i in pause_before:
             _pause(spec["pause_dir"], i, float(spec.get("pause_max_s", 600)))
+        if conn is not None and not mp and i in set(spec.get("settle_before") or ()) | set(resets):
+            _settled_connector_stats()  # saves of the prompts before are written (and in G3's index)
         if i in set(spec.get("reset_prefix_cache_before") or ()):
             if not llm.reset_prefix_cache():
                 raise RuntimeError(f"reset_prefix_cache before prompt {i} failed")
+        if i in resets:
+            reset_results.append(bool(llm.reset_prefix_cache(reset_connector=True)))
         tp = TokensPrompt(prompt_token_ids=list(p))
         if salt:
             tp["cache_salt"] = salt
@@ -165,6 +174,8 @@ def run(spec: dict) -> dict:
               "prompt_tokens": [len(p) for p in prompts]}
     if spec.get("logprobs") is not None:
         result["logprobs"] = lps
+    if resets:
+        result["reset_connector_results"] = reset_results
     if spec.get("native") is not None and not mp:
         result["tier_stats"] = _drain_native(llm)
         result["native_loads"] = native_loads

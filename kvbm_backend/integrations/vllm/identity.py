@@ -15,9 +15,11 @@ never pays for them; each block once per request, about 1-2 us on the 2-core VM)
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol, Sequence
 
 from ...model.hashing import DIGEST_BYTES, salt_bytes, token_digests
+from . import stats
 
 
 def kv_beyond_token_ids(request: Any) -> bool:
@@ -30,23 +32,45 @@ def kv_beyond_token_ids(request: Any) -> bool:
             or getattr(request, "prompt_token_ids", []) is None)
 
 
-def request_salt(request: Any) -> bytes | None:
+def epoch_salt(salt: bytes | None, epoch: str) -> bytes | None:
+    """``salt`` with a reset epoch folded in (:mod:`.reset_epoch`): ``salt`` itself for epoch ``""`` (never reset),
+    else canonical JSON ``{"reset_epoch": epoch, "salt": salt}``, which :func:`~kvbm_backend.model.hashing.salt_bytes`
+    never returns (it has no such key), so a block of one epoch never has another epoch's or an unreset engine's
+    sequence hash or token digest."""
+    if not epoch:
+        return salt
+    return json.dumps({"reset_epoch": epoch, "salt": None if salt is None else salt.decode("latin-1")},
+                      sort_keys=True, separators=(",", ":")).encode()
+
+
+def renew_opaque(st: Any) -> Any:
+    """``st`` (a scheduler request state), ``opaque`` renewed: a streaming session's next chunk (``StreamingUpdate``)
+    may bring images (before 2026-11-30 the first chunk's verdict stayed: the image chunk was saved under token-id
+    hashes); counted ``requests_not_tiered``."""
+    if not st.opaque and kv_beyond_token_ids(st.request):
+        st.opaque = True
+        stats.add(requests_not_tiered=1)
+    return st
+
+
+def request_salt(request: Any, epoch: str = "") -> bytes | None:
     """The salt bytes of a vLLM request: its ``cache_salt`` and LoRA adapter (:func:`~kvbm_backend.model.hashing.
-    salt_bytes`); None when it has none."""
+    salt_bytes`) and the scheduler's reset ``epoch`` (:func:`epoch_salt`); None when it has none of them."""
     lr = getattr(request, "lora_request", None)
-    return salt_bytes(getattr(request, "cache_salt", None), getattr(lr, "lora_name", None),
-                      getattr(lr, "lora_path", None))
+    return epoch_salt(salt_bytes(getattr(request, "cache_salt", None), getattr(lr, "lora_name", None),
+                                 getattr(lr, "lora_path", None)), epoch)
 
 
 class _Digested(Protocol):
     request: Any
     digests: bytearray
+    epoch: str  # the scheduler's reset epoch when its identity was made (.reset_epoch; absent: "")
 
 
 def block_digests(st: _Digested, pos: Sequence[int], block_size: int) -> bytes:
     """The token digests of blocks ``pos`` (block indexes, any order) of request state ``st`` (its vLLM
-    ``request``; ``st.digests`` caches the chain of its first blocks and is extended here): 16 bytes per
-    block, in ``pos`` order.
+    ``request``; ``st.digests`` caches the chain of its first blocks and is extended here; salted with its
+    ``epoch`` as its sequence hashes are): 16 bytes per block, in ``pos`` order.
 
     Raises:
         ValueError: a block in ``pos`` is not full in the request's tokens (a job must never name a block
@@ -64,7 +88,7 @@ def block_digests(st: _Digested, pos: Sequence[int], block_size: int) -> bytes:
         if len(toks) < need * block_size:
             raise ValueError(f"block {need - 1}: the request has {len(toks)} tokens, not {need * block_size}")
         parent = bytes(st.digests[-DIGEST_BYTES:]) if have else None
-        token_digests(list(toks[have * block_size:need * block_size]), block_size, request_salt(req), parent,
-                      into=st.digests)
+        token_digests(list(toks[have * block_size:need * block_size]), block_size,
+                      request_salt(req, getattr(st, "epoch", "")), parent, into=st.digests)
     d = st.digests
     return b"".join(d[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES] for i in pos)

@@ -77,6 +77,7 @@ class G3KvEvents:
         self.g3 = g3  # False: no G3 (G4 announcements only), nothing learned is kept here
         self.announcer: Any = None  # a .g4_announce.G4Announcer (g4.announce), told every learned block
         self._snapped: set[int] = set()  # TP ranks whose snapshot was applied
+        self._for_step = False  # a republish() queued events that only the step's take() may take (take(idle=))
 
     def learn(self, tenant: str, request: Any, seq_hashes: Sequence[int], first: int, end: int) -> None:
         """Blocks ``[first, end)`` of ``request`` (KVBM ``seq_hashes``) are, or are about to be, in G3."""
@@ -283,7 +284,11 @@ class G3KvEvents:
         """Publish every block G3 holds again: vLLM's ``AllBlocksCleared`` (a reset of the engine's prefix
         cache, e.g. Dynamo's ``clear_kv_blocks``) makes Dynamo's router forget the worker's blocks in every
         tier, G3's included (and the announced G4 blocks). Queued after the engine's own events of the step,
-        so they follow the clear."""
+        so they follow the clear: until the step's :meth:`take`, an idle take (:class:`IdlePublisher`) takes
+        nothing (before 2026-12-03 the idle thread took them while this queued them, after an idle spell, and sent
+        them before the step's batch: the router applied the clear after them and credited none of them)."""
+        with self._lock:
+            self._for_step = True
         announced = self.announcer.live() if self.announcer is not None else []
         with self._lock:
             held = list(self._published.values())
@@ -307,9 +312,33 @@ class G3KvEvents:
             time.sleep(0)
         stats.add(kv_events_republished=1)
 
-    def take(self) -> list:
+    def forget(self, withdraw: bool) -> int:
+        """The connector's ``reset_cache`` (:mod:`.reset_epoch`): the G3 blocks learned or published so far are
+        no longer this engine's (another identity), so they are neither published nor re-published again. Each
+        published one gives up its holder; with ``withdraw`` (vLLM's own prefix-cache reset failed: no
+        ``AllBlocksCleared`` goes out) ``BlockRemoved`` is queued for every hash no G4 announcement still holds,
+        without it (the router has just forgotten every tier) nothing is. Returns the published blocks forgotten."""
         with self._lock:
-            ev, self._events = self._events, []
+            pub, self._published = self._published, {}
+            self._info.clear()
+        hs = [info[0] for info in pub.values()]
+        for i in range(0, len(hs), EMIT_CHUNK):  # the lock for a chunk at a time (as republish)
+            with self._lock:
+                for h in hs[i:i + EMIT_CHUNK]:
+                    if withdraw:
+                        self._emit_removed(h)
+                    elif (n := self._holders.pop(h, 0)) > 1:
+                        self._holders[h] = n - 1
+            time.sleep(0)
+        return len(hs)
+
+    def take(self, idle: bool = False) -> list:
+        """The queued events, in order. ``idle``: the idle publisher's take, which gets none while a
+        :meth:`republish` awaits the step's take (the events must follow the step's ``AllBlocksCleared``)."""
+        with self._lock:
+            if idle and self._for_step:
+                return []
+            ev, self._events, self._for_step = self._events, [], False
         if ev:
             stats.add(kv_events_stored_blocks=sum(len(e.block_hashes) for e in ev if type(e).__name__ == "BlockStored"),
                       kv_events_removed_blocks=sum(len(e.block_hashes) for e in ev if type(e).__name__ == "BlockRemoved"))
@@ -344,7 +373,8 @@ class IdlePublisher:
     engine has not taken events for ``idle_s`` seconds. A step's take and this thread's take-and-publish
     hold one lock, so events leave in the order they were taken, except if vLLM's thread stalls longer than
     ``idle_s`` between its take and its publish (the router then sees a stored/removed pair swapped until
-    the next change of that block: a routing preference, never KV).
+    the next change of that block: a routing preference, never KV). Blocks a reset re-publishes
+    (:meth:`G3KvEvents.republish`) are left to the step's take, so they follow its ``AllBlocksCleared``.
     """
 
     def __init__(self, events: G3KvEvents, idle_s: float = 0.5, interval_s: float = 0.1):
@@ -354,6 +384,7 @@ class IdlePublisher:
         self._last_take = time.monotonic()
         self._stop = threading.Event()
         self._t: threading.Thread | None = None
+        self.passes = 0  # passes of the idle thread (tests wait for them)
 
     def capture(self, publisher: Any) -> None:
         """Start publishing idle events through ``publisher`` (an object with ``publish(KVEventBatch)``)."""
@@ -372,9 +403,10 @@ class IdlePublisher:
         from vllm.distributed.kv_events import KVEventBatch
         while not self._stop.wait(self.interval_s):
             with self.lock:
+                self.passes += 1
                 if time.monotonic() - self._last_take < self.idle_s:
                     continue
-                ev = self.events.take()
+                ev = self.events.take(idle=True)  # never a republish's before the step's take (republish)
                 if not ev:
                     continue
                 try:

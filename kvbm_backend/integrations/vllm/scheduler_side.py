@@ -25,8 +25,8 @@ from ...model.hashing import salt_hash, sequence_hashes
 from ...model.namespace import KeyRun, Namespace
 from ...pool.base import BlockPool
 from ..revoked_tenants import RevokedTenants
-from . import handoff, stats
-from .identity import block_digests, kv_beyond_token_ids, request_salt
+from . import handoff, reset_epoch, stats
+from .identity import block_digests, kv_beyond_token_ids, renew_opaque, request_salt
 from .failed_blocks import FailedBlocks, Unrecomputed, contain_failed_sync_load, withhold_tainted
 from .g3_mirror import G3Mirror
 from .kv_events import G3KvEvents, IdlePublisher
@@ -55,11 +55,12 @@ class _Req:
     request: Any = None               # vLLM Request (its all_token_ids grow during decode)
     salt: int = 0
     sync_load: bool = False           # the hit was offered synchronously (g3.layerwise_load: loaded in the step)
-    opaque: bool = False              # KV not a function of token ids (images, prompt embeds): never tiered
+    opaque: bool = False              # never tiered: KV beyond token ids (images, embeds); made before a reset_cache
     handoff_want: int | None = None   # blocks a prefill worker offloaded for it (.handoff), parsed once
     handoff_done: bool = False        # its handoff wait ended: later asks (after a preemption) do not wait again
     handoff_known: tuple[int, int] = (0, 0)  # (G3, G4) leading blocks its wait's looks confirmed: not asked again
     digests: bytearray = field(default_factory=bytearray)  # token digests of its first blocks (.identity)
+    epoch: str = ""                   # the reset epoch its hashes and digests are salted with (.reset_epoch)
 
 
 class SchedulerSide:
@@ -95,6 +96,7 @@ class SchedulerSide:
         self.failed_blocks, self.unrecomputed = FailedBlocks(), Unrecomputed()
         self.evict_engine_blocks: Any = None  # vLLM's BlockPool.evict_blocks (connector.bind_gpu_block_pool)
         self.revoked: RevokedTenants | None = None  # tenants G3 does not serve (.revoked_tenants; set by the wiring)
+        self.epoch = ""  # reset epoch folded into every new request's salt ("": never reset; .reset_epoch)
         handoff.start_keyring_view(g4)  # hand-offs ask G4's keyring through it: no I/O on the scheduler thread
 
     # ---- identity ------------------------------------------------------------------------------
@@ -102,14 +104,14 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             cache_salt = getattr(request, "cache_salt", None)
-            salt = salt_hash(request_salt(request))
+            salt = salt_hash(request_salt(request, self.epoch))
             toks = list(request.prompt_token_ids or [])
             hashes = sequence_hashes(toks, self.bs, salt=salt, into=array("Q"))
             assert isinstance(hashes, array)  # sequence_hashes fills and returns ``into``
             st = _Req(request.request_id, cache_salt or self.default_tenant, hashes,
                       lookup_blocks=max(0, (len(toks) - 1) // self.bs), request=request, salt=salt,
-                      group_block_ids=[[] for _ in self.groups])
-            ours = handoff.identity(self.g4, st.tenant) if self.g4 is not None and handoff.offered(request) else None
+                      group_block_ids=[[] for _ in self.groups], epoch=self.epoch)
+            ours = self._ident(st.tenant) if self.g4 is not None and handoff.offered(request) else None
             want = handoff.expected_blocks(request, self.bs, ours)
             if want is not None and want > st.lookup_blocks:
                 handoff.LOG.warning("promise", "kvbm_backend handoff: request %s promises %d blocks, its prompt has "
@@ -117,16 +119,7 @@ class SchedulerSide:
                 want = None
             st.handoff_want = want
             self._reqs[request.request_id] = st
-        return self._renew_opaque(st)
-
-    @staticmethod
-    def _renew_opaque(st: _Req) -> _Req:
-        """``st``, ``opaque`` renewed: a streaming session's next chunk (``StreamingUpdate``) may bring images (before
-        2026-11-30 the first chunk's verdict stayed: the image chunk was saved under token-id hashes)."""
-        if not st.opaque and kv_beyond_token_ids(st.request):
-            st.opaque = True
-            stats.add(requests_not_tiered=1)
-        return st
+        return renew_opaque(st)
 
     def _extend_hashes(self, st: _Req, upto_blocks: int) -> None:
         """Extend ``st.hashes`` over generated tokens up to ``upto_blocks`` full blocks, using only
@@ -141,6 +134,9 @@ class SchedulerSide:
         parent = st.hashes[-1] if st.hashes else None
         sequence_hashes(list(toks[have * self.bs:upto * self.bs]), self.bs, salt=st.salt, parent=parent,
                         into=st.hashes)
+
+    def _ident(self, tenant: str) -> dict[str, str]:
+        return reset_epoch.handoff_identity(self.g4, tenant, self.epoch)  # names the reset epoch, if any
 
     def _group_keys(self, g: GroupTiers, st: _Req, a: int, n: int) -> list[KeyRun]:
         """Keys of blocks ``[a, n)`` of ``st`` in group ``g``'s namespace, one run per TP rank."""
@@ -403,7 +399,7 @@ class SchedulerSide:
             st = self._reqs.get(nr.req_id)
             if st is None:
                 continue
-            self._renew_opaque(st)  # a streaming session's next chunk comes as a new request
+            renew_opaque(st)  # a streaming session's next chunk comes as a new request
             st.group_block_ids = [list(b) for b in nr.block_ids]
             if not save:
                 continue
@@ -418,7 +414,7 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is None:
                 continue
-            self._renew_opaque(st)
+            renew_opaque(st)
             nb = cached.new_block_ids[i]
             if rid in resumed:
                 st.group_block_ids = [list(b) for b in nb] if nb is not None else [[] for _ in self.groups]
@@ -516,5 +512,5 @@ class SchedulerSide:
             return False, None
         tenant = st.tenant if st is not None else (getattr(request, "cache_salt", None) or self.default_tenant)
         on = self.hands_off  # and then the tenant's G4 writes refused by the keyring, if they are: 0 blocks promised
-        return False, handoff.finished_params(request, self.bs, on, handoff.identity(self.g4, tenant) if on else None,
+        return False, handoff.finished_params(request, self.bs, on, self._ident(tenant) if on else None,
                                               limit, handoff.write_refusal(self.g4, tenant) if on else None)
