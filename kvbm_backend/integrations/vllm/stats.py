@@ -152,7 +152,7 @@ PROM_COUNTERS = (
     ("vllm:kvbm_backend_onboard_failed_blocks", "KV blocks whose load failed (recomputed)", ("load_blocks_failed",)),
     ("vllm:kvbm_backend_onboard_bytes", "bytes loaded from G3/G4 into the engine", ("load_bytes",)),
     ("vllm:kvbm_backend_offload_blocks", "KV blocks gathered from the engine for offload", ("save_blocks",)),
-    ("vllm:kvbm_backend_offload_dropped_blocks", "offloads dropped (staging full, queue full, tier down)",
+    ("vllm:kvbm_backend_offload_dropped_blocks", "offloads dropped, per tier (staging full, queue full, G3 and G4 drops summed: a block both dropped counts twice)",
      ("save_dropped_blocks", "g3_put_dropped_blocks", "g4_put_dropped_blocks")),
     ("vllm:kvbm_backend_g3_written_blocks", "KV blocks published in G3", ("g3_put_written_blocks",)),
     ("vllm:kvbm_backend_g4_written_blocks", "KV blocks published in G4", ("g4_put_written_blocks",)),
