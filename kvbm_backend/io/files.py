@@ -71,19 +71,22 @@ class ReadFiles:
         counters: a Counter that receives ``files_o_direct`` / ``files_buffered`` (files opened each way;
             an O_DIRECT file refused at its first read moves from the one to the other). Default: a new
             one, :attr:`counters`.
+        direct: False: never O_DIRECT, whatever a caller asks (``g3.o_direct: off``: the G3 readers follow the
+            setting as the slab files' own fds do).
     """
 
-    def __init__(self, counters: Counter[str] | None = None):
+    def __init__(self, counters: Counter[str] | None = None, *, direct: bool = True):
+        self.direct = direct
         self._fds: dict[tuple[str, bool], int] = {}
         self._no_direct: set[str] = set()
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter() if counters is None else counters
 
     def fd(self, path: str, direct: bool) -> tuple[int, bool]:
-        """``(fd, is_direct)`` for ``path``: O_DIRECT if ``direct`` and ``path``'s filesystem has not refused
-        it, else buffered. Raises OSError from ``open``."""
+        """``(fd, is_direct)`` for ``path``: O_DIRECT if ``direct``, this object allows it (:attr:`direct`) and
+        ``path``'s filesystem has not refused it, else buffered. Raises OSError from ``open``."""
         with self._lock:
-            direct = direct and path not in self._no_direct
+            direct = direct and self.direct and path not in self._no_direct
             fd = self._fds.get((path, direct))
             if fd is not None:
                 return fd, direct

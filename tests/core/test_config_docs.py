@@ -39,7 +39,9 @@ FIELD_TESTS: dict[str, list[str]] = {
     "g3.io_size_bytes": ["tests/pool/g3/test_g3_pool.py::test_adjacent_slots_and_striping"],
     "g3.engine": ["tests/pool/g3/test_g3_pool.py::test_engine_setting_picks_the_io_engine",
                   "tests/gpu/test_gpu_path.py::test_real_g3_pool_through_device_loader"],
-    "g3.o_direct": ["tests/pool/g3/test_g3_pool.py::test_o_direct_setting_forces_o_direct_off_and_on"],
+    "g3.o_direct": ["tests/pool/g3/test_g3_pool.py::test_o_direct_setting_forces_o_direct_off_and_on",
+                    "tests/pool/g3/test_g3_o_direct_reads.py::"
+                    "test_o_direct_off_makes_device_and_layerwise_loads_read_buffered"],
     "g3.io_threads": ["tests/pool/g3/test_g3_pool.py::test_io_threads_bounds_the_engine_ops_in_flight"],
     "g3.write_queue_blocks": ["tests/pool/g3/test_g3_pool.py::test_queue_overflow_drops_without_blocking"],
     "g3.min_free_fraction": ["tests/pool/g3/test_g3_enospc.py::test_min_free_fraction_zero_fills_its_filesystem_and_keeps_working"],

@@ -108,6 +108,8 @@ class DeviceLoader:
         timeout_s: a call's reads not done by then are misses (their buffers are kept until the I/O
             finishes, never reused early).
         threads: reads in flight (bounce/host path) / kvikio thread pool size.
+        o_direct: False: the bounce/host paths read the slab files buffered (``g3.o_direct: off``); True: with
+            O_DIRECT where the filesystem takes it.
     Raises:
         TypeError: ``source`` is not a SlotLeaseSource. ValueError: bad arguments.
     """
@@ -116,7 +118,7 @@ class DeviceLoader:
                  probe_dir: str | None = None, mode: str = "auto", world: int | None = None,
                  tenant_tag_fn: Callable[[BlockKey], bytes] | None = None,
                  staging_bytes: int = 128 << 20, depth: int = 4, io_bytes: int = 8 << 20, timeout_s: float = 5.0,
-                 threads: int = 8) -> None:
+                 threads: int = 8, o_direct: bool = True) -> None:
         import torch
         if not isinstance(source, SlotLeaseSource):
             missing = [m for m in ("lease", "release", "drop_corrupt") if not callable(getattr(source, m, None))]
@@ -163,7 +165,7 @@ class DeviceLoader:
             log.warning("device path %s requested but probe chose %s: %s", mode, probe.mode, probe.reason)
         self.mode, self.mode_reason, self.kvikio_info = probe.mode, probe.reason, probe.kvikio
         # the parts: reads on the wire (files, staging ring, reader threads or kvikio), checks and copy-out
-        self.reads = PassReader(self.mode, self.device, io_bytes, threads, self.counters)
+        self.reads = PassReader(self.mode, self.device, io_bytes, threads, self.counters, direct=o_direct)
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # unannotated in torch
         self.verifier = PassVerifier(source, layout, self.device, world, self.tenant_tag_fn, self.counters,

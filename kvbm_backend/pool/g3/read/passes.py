@@ -72,16 +72,19 @@ class PassReader:
         device: the torch device staging lives on (``pinned-bounce`` on the CPU: the same bounce path, its
             host rows plain host memory and its per-pass copy a host copy; what the CPU suite runs). io_bytes: bytes per read (at least one slot).
         threads: reads in flight (reader threads / kvikio's thread pool).
+        direct: False: the bounce/host paths read buffered, never O_DIRECT (``g3.o_direct: off``).
         counters: the loader's Counter (``reads`` put on the wire, ``bytes_read``, ``timeout``, ``io_error``, ``short``, ``h2d_submit_s``,
             ``files_o_direct`` / ``files_buffered``).
     """
 
-    def __init__(self, mode: str, device: torch.device, io_bytes: int, threads: int, counters: Counter[str]) -> None:
+    def __init__(self, mode: str, device: torch.device, io_bytes: int, threads: int, counters: Counter[str], *,
+                 direct: bool = True) -> None:
         self.mode, self.device, self.io_bytes, self.counters = mode, device, io_bytes, counters
         # the bounce path's host rows are page-locked for a CUDA device only (one DMA per pass); on the CPU
         # (the bounce path run by the CPU suite) plain host rows: pinning needs an accelerator there
         self.pinned = mode == "pinned-bounce" and device.type == "cuda"
-        self.files = ReadFiles(counters)  # O_DIRECT on the bounce/host paths where taken, buffered for kvikio
+        # O_DIRECT on the bounce/host paths where taken (unless g3.o_direct is off), buffered for kvikio
+        self.files = ReadFiles(counters, direct=direct)
         # (futures, ring entry, pass) of timed-out reads: the entry is kept until the reads are done and the pass
         # (None: already given up) is finished, since its rows that did arrive are checked and copied out later
         self.abandoned: list[tuple[list[Any], _RingEntry | None, _Pass | None]] = []

@@ -53,11 +53,12 @@ LAYERWISE_STAGING_KEEP_BYTES = 2 << 30
 
 class _LayerwiseParts:
     """What layer-wise loads of one pool share: reader threads (``threads``; their queue order is the read
-    order), slab fds (:class:`~kvbm_backend.io.files.ReadFiles`) and host staging (pinned / host)."""
+    order), slab fds (:class:`~kvbm_backend.io.files.ReadFiles`; ``direct`` False: never O_DIRECT, ``g3.o_direct:
+    off``) and host staging (pinned / host)."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, direct: bool = True) -> None:
         self.executor = executor(max(1, threads), "kvbm-g3-layerwise")
-        self.files = ReadFiles()
+        self.files = ReadFiles(direct=direct)
         self._staging: dict[bool, BufferPool] = {}
 
     def staging(self, pinned: bool) -> BufferPool:
@@ -326,7 +327,8 @@ class G3Reader:
                 mode = self.pool.cfg.device_path if dev.type == "cuda" else "auto"
                 rd = DeviceLoader(self, cat.layout, dev, probe_dir=cat.slabs.paths[0], mode=mode,
                                   world=cat.namespace.tp_world_size, timeout_s=self.pool.cfg.load_timeout_s,
-                                  threads=self.pool.cfg.io_threads, io_bytes=max(self.pool._io_size, 16 << 20))
+                                  threads=self.pool.cfg.io_threads, io_bytes=max(self.pool._io_size, 16 << 20),
+                                  o_direct=self.pool.cfg.o_direct != "off")  # off: buffered, as the slab fds
                 self.device_readers[str(dev)] = rd
                 log.info("G3 %s: device loads into %s: %s (%s)", cat.slabs.paths[0], dev, rd.mode, rd.mode_reason)
         return rd
@@ -342,7 +344,7 @@ class G3Reader:
             if self._closed or cat.closed:
                 raise RuntimeError("G3 pool is closed")
             if self._layerwise is None:
-                self._layerwise = _LayerwiseParts(cfg.io_threads)
+                self._layerwise = _LayerwiseParts(cfg.io_threads, cfg.o_direct != "off")  # off: buffered reads
             staging = self._layerwise.staging(dev.type == "cuda")
             executor, files = self._layerwise.executor, self._layerwise.files
         return LayerwiseLoad(self, cat.layout, keys, dev, executor=executor, files=files,
