@@ -10,7 +10,7 @@ Sources, later wins: defaults < file (YAML/TOML/JSON) or the dict inside vLLM's
   ``DYN_KVBM_METRICS_PORT``. KVBM's settings with no meaning here (:data:`KVBM_ONLY_ENV`) are logged
   once as a warning naming what to use instead.
 * Any field: ``KVBM_BACKEND__SECTION__FIELD`` (e.g. ``KVBM_BACKEND__G4__URL=s3://bucket/prefix``); values are
-  parsed as JSON when they parse, else taken as strings.
+  parsed as JSON when they parse, else taken as strings; a text field (``tenant``: ``=42``) takes the text.
 
 Errors are :class:`ConfigError` naming the field path (``g3.capacity_gb: ...``, list items as
 ``g3.paths[1]: ...``), and the environment variable when the value came from one.

@@ -222,9 +222,29 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
                 val = v
             if _too_deep(val):
                 raise _nesting_error(k)
+            if isinstance(val, (int, float)) and _text_field(path):  # bool is an int: TENANT=true is "true"
+                val = v  # a text field takes the text: KVBM_BACKEND__TENANT=42 is the tenant "42", not 42 (refused)
             _set_path(out, path, val, k)
             _record(sources, tuple(path), val, k)
     return out
+
+
+def _text_field(path: list[str]) -> bool:
+    """Whether ``path`` names a text field of the config (``str`` or ``str | None``: ``tenant``, ``revision``,
+    ``g4.region``...). Before 2026-12-03 such a variable's text was parsed as JSON whatever the field, so
+    ``KVBM_BACKEND__TENANT=42`` or ``KVBM_BACKEND__REVISION=2`` was the number 42 / 2 and refused at load."""
+    from pydantic import BaseModel
+
+    from .config import KvbmBackendConfig  # here: kvbm_backend.config imports this module
+    model: Any = KvbmBackendConfig
+    for i, part in enumerate(path):
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return False
+        model = field.annotation
+        if i == len(path) - 1:
+            return model in (str, str | None)
+    return False
 
 
 def _record(sources: dict[tuple, str], path: tuple, value: Any, name: str) -> None:
