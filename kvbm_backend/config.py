@@ -509,7 +509,7 @@ def load_config(source: str | Path | dict | None = None, *, environ: dict[str, s
         raise _nesting_error("config")
     sources: dict[tuple, str] = {}
     if use_env:
-        data = _merge(data, env_overrides(environ, sources))
+        data = _merge(data, env_overrides(environ, sources, KvbmBackendConfig))
     try:
         return KvbmBackendConfig.model_validate(data)
     except ValidationError as e:

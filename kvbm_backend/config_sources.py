@@ -160,11 +160,14 @@ def _kvbm_flag(env: Mapping[str, str], name: str) -> bool | None:
     return raw in KVBM_TRUE
 
 
-def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, str] | None = None) -> dict:
+def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, str] | None = None,
+                  model: Any = None) -> dict:
     """The overrides the environment gives, as a nested dict. ``sources`` (if given) is filled with
     field path tuple -> environment variable name, one entry per field a variable sets (a section variable
     such as ``KVBM_BACKEND__G3='{"capacity_gb": 5}'`` gives ``("g3", "capacity_gb")`` only, not ``("g3",)``;
-    an empty mapping is recorded at its own path), for error messages and ``config effective``.
+    an empty mapping is recorded at its own path), for error messages and ``config effective``. ``model``: the
+    config's pydantic model (``KvbmBackendConfig``, passed in: this module is below it): a variable naming one of
+    its text fields takes its text as it stands, not parsed as JSON (:func:`_text_field`).
 
     Raises ConfigError naming ``DYN_KVBM_DISK_CACHE_DIR`` when it has an empty entry (``/a::/b``, a
     leading or trailing ``:``) or an entry with spaces around it (``/a: /b``: `` /b`` is relative), either of
@@ -222,21 +225,19 @@ def env_overrides(environ: dict[str, str] | None = None, sources: dict[tuple, st
                 val = v
             if _too_deep(val):
                 raise _nesting_error(k)
-            if isinstance(val, (int, float)) and _text_field(path):  # bool is an int: TENANT=true is "true"
+            if isinstance(val, (int, float)) and model is not None and _text_field(path, model):  # bool is an int: TENANT=true is "true"
                 val = v  # a text field takes the text: KVBM_BACKEND__TENANT=42 is the tenant "42", not 42 (refused)
             _set_path(out, path, val, k)
             _record(sources, tuple(path), val, k)
     return out
 
 
-def _text_field(path: list[str]) -> bool:
-    """Whether ``path`` names a text field of the config (``str`` or ``str | None``: ``tenant``, ``revision``,
-    ``g4.region``...). Before 2026-12-03 such a variable's text was parsed as JSON whatever the field, so
-    ``KVBM_BACKEND__TENANT=42`` or ``KVBM_BACKEND__REVISION=2`` was the number 42 / 2 and refused at load."""
+def _text_field(path: list[str], model: Any) -> bool:
+    """Whether ``path`` names a text field of ``model`` (the config's pydantic model; ``str`` or ``str | None``:
+    ``tenant``, ``revision``, ``g4.region``...). Before 2026-12-03 such a variable's text was parsed as JSON whatever
+    the field, so ``KVBM_BACKEND__TENANT=42`` or ``KVBM_BACKEND__REVISION=2`` was the number 42 / 2, refused at load."""
     from pydantic import BaseModel
 
-    from .config import KvbmBackendConfig  # here: kvbm_backend.config imports this module
-    model: Any = KvbmBackendConfig
     for i, part in enumerate(path):
         field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
         if field is None:
