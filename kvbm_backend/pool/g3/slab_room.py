@@ -11,6 +11,14 @@ its size (no room), the directory's free space went to its other files plus the 
 so a reopen on a filesystem full of the pool's own slabs promised room that was not there (``capacity_blocks`` above
 it) and its first puts hit ENOSPC: a batch dropped and the tier degraded instead of evicting.
 
+**The metadata reserve counts the journal already there** (:func:`slab_keep_free`, :func:`journal_bytes_in`): the
+reserve slab files leave free (:func:`keep_free_bytes`) is for the journal, its rewrite and its ``.gen`` markers.
+Before 2026-12-04 the room was the free space less the whole reserve while those files already sat on the
+filesystem, so each journal append took room the caps had promised to the slabs: on every first fill of a
+filesystem smaller than ``capacity_gb`` (an 8 MiB tmpfs) the last growth of a slab file was refused, a batch dropped
+``enospc`` and the tier degraded instead of evicting. Now slab files leave free the reserve less the bytes the
+pool's journal files hold (at least :data:`META_FLOOR`), so the journal's growth no longer moves the slabs' room.
+
 **Files of another namespace** (:func:`foreign_in`, :func:`warn_foreign`): a change of model, revision,
 dtype, page size or TP size gives the pool a new namespace fingerprint, and the old namespace's slab files and
 journal stay in the directory: never opened, never removed, their space not the new pool's (it gets what is
@@ -38,6 +46,11 @@ log = logging.getLogger(__name__)
 
 _SLAB_RE = re.compile(r"^g3-([0-9a-f]{16})-(\d+)\.slab$")
 _JOURNAL_RE = re.compile(r"^journal-([0-9a-f]{16})\.log$")
+# the journal, its generation marker and a rewrite's temp file (journal.py, journal_gen.py): what the reserve is for
+_JOURNAL_FILES_RE = re.compile(r"^(?:journal-([0-9a-f]{16})\.(?:log|gen)|\.journal-([0-9a-f]{16})\.\d+\.[0-9a-f]{32}\.tmp)$")
+# bytes slab files leave free whatever the journal files hold already (they stay within the reserve by design: the
+# journal is rewritten past 4 records per slot, catalog._compact_at; this only keeps a journal grown past it some room)
+META_FLOOR = 128 << 10
 
 
 def fs_space(directory: str) -> tuple[int, int]:
@@ -58,16 +71,52 @@ def space_budget(directory: str, own: int, capacity_bytes: int, n_paths: int, sl
                  min_free_fraction: float) -> tuple[int, int]:
     """``(budget, room)`` in bytes of one of ``n_paths`` G3 directories at open: ``room`` is the space slab
     files may take there (``own``: bytes its slab files already hold, plus the free space, less
-    :func:`keep_free_bytes`; negative when the filesystem is below it), ``budget`` the slot bytes the pool
-    gives the directory (``room`` capped at its share ``capacity_bytes // n_paths``, at least 0). A budget
-    under ``slot_bytes`` in every directory makes the open fail (``g3.capacity_gb: room for no slot``).
+    :func:`slab_keep_free`: the reserve less the journal files there; negative when the filesystem is below it),
+    ``budget`` the slot bytes the pool gives the directory (``room`` capped at its share ``capacity_bytes //
+    n_paths``, at least 0). A budget under ``slot_bytes`` in every directory makes the open fail
+    (``g3.capacity_gb: room for no slot``).
 
     Raises:
         OSError: ``statvfs`` of ``directory`` failed.
     """
+    try:  # every namespace's journal files, as ``own`` is in doctor (it knows no model)
+        journals = journal_bytes_in([directory])
+    except OSError:  # cannot be listed: the whole reserve kept, as before they counted
+        journals = 0
     avail, total = fs_space(directory)
-    room = own + avail - keep_free_bytes(total, capacity_bytes, slot_bytes, min_free_fraction)
+    room = own + avail - slab_keep_free(keep_free_bytes(total, capacity_bytes, slot_bytes, min_free_fraction), journals)
     return max(0, min(capacity_bytes // n_paths, room)), room
+
+
+def journal_bytes_in(dirs: Sequence[int | str], fingerprint: str | None = None) -> int:
+    """Disk bytes (allocated blocks) the journal files of namespace ``fingerprint`` (None: of every namespace) hold
+    in directories ``dirs`` (fds or paths): ``journal-<fp>.log``, ``journal-<fp>.gen`` and a rewrite's temp file
+    ``.journal-<fp>.<pid>.<hex>.tmp``; a file gone meanwhile (a rewrite's rename) counts 0.
+
+    Raises:
+        OSError: a directory cannot be listed, or a file's ``stat`` failed otherwise than ENOENT.
+    """
+    held = 0
+    for d in dirs:
+        for name in os.listdir(d):
+            m = _JOURNAL_FILES_RE.match(name)
+            if not m or (fingerprint is not None and fingerprint not in m.groups()):
+                continue
+            try:
+                st = (os.stat(name, dir_fd=d, follow_symlinks=False) if isinstance(d, int)
+                      else os.stat(os.path.join(d, name), follow_symlinks=False))
+            except FileNotFoundError:
+                continue
+            held += st.st_blocks * 512
+    return held
+
+
+def slab_keep_free(keep: int, journals: int) -> int:
+    """Bytes slab files still leave free on a filesystem whose :func:`keep_free_bytes` is ``keep`` and where the
+    pool's journal files (:func:`journal_bytes_in`) hold ``journals`` bytes: ``keep`` less them (they are what
+    the reserve is for, already taken from the free space), never less than :data:`META_FLOOR` (nor than
+    ``keep`` when that is smaller)."""
+    return max(keep - journals, min(keep, META_FLOOR))
 
 
 def slab_bytes_in(dir_fd: int | str, fingerprint: str | None = None) -> tuple[int, list[str]]:

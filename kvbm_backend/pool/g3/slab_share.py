@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ...memory import aligned_empty
+from .slab_room import _SLAB_RE
 
 if TYPE_CHECKING:
     from .slabs import SlabFile
@@ -167,4 +168,22 @@ def trim_file(f: "SlabFile", slot_bytes: int) -> str | None:
         done = f"{f.path}: {f.size_slots} -> {end} slots" + (f" ({punched} punched out)" if punched else "")
         f.size_slots = end
         f.cap_slots = min(f.cap_slots, f.max_slots)
+    return done
+
+
+def remove_beyond(dir_fd: int, directory: str, fingerprint: str, files_per_path: int) -> list[str]:
+    """Remove this uid's slab files of namespace ``fingerprint`` with ``k >= files_per_path`` from a G3 directory
+    (``dir_fd``: its verified fd; never opened by this run, so no index entry names them). Returns what was removed,
+    one line each; a failure is logged, never raised."""
+    done = []
+    for name in sorted(os.listdir(dir_fd)):
+        m = _SLAB_RE.match(name)
+        if not m or m.group(1) != fingerprint or int(m.group(2)) < files_per_path:
+            continue
+        try:
+            if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_uid == os.geteuid():
+                os.unlink(name, dir_fd=dir_fd)
+                done.append(f"{os.path.join(directory, name)}: removed (files_per_path {files_per_path})")
+        except OSError as e:
+            log.warning("G3: cannot remove %s beyond files_per_path (%s)", os.path.join(directory, name), e)
     return done

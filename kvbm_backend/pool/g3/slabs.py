@@ -35,8 +35,8 @@ import numpy.typing as npt
 from ...io import probe_o_direct
 from ...model.namespace import Namespace
 from . import slab_share
-from .slab_room import (_SLAB_RE, file_caps, foreign_in, fs_space, keep_free_bytes, slab_bytes_in, space_budget,
-                        split_room, warn_foreign)
+from .slab_room import (file_caps, foreign_in, fs_space, journal_bytes_in, keep_free_bytes, slab_bytes_in,
+                        slab_keep_free, space_budget, split_room, warn_foreign)
 from .dirs import LOCK_NAME, NOSPACE as _NOSPACE, G3Dir, G3LockedError, G3PathError
 
 __all__ = ["LOCK_NAME", "G3LockedError", "G3PathError", "SlabFile", "SlabSet", "fs_space", "keep_free_bytes",
@@ -193,8 +193,7 @@ class SlabSet:
             by_dev.setdefault(self._dev[d], []).append(d)
         got: dict[str, int] = {}
         for ds in by_dev.values():
-            avail, total = fs_space(ds[0])
-            free = avail - keep_free_bytes(total, capacity_bytes, self.slot_bytes, self.min_free_fraction)
+            free = self._room(ds[0])
             got.update(zip(ds, split_room([owns[d] for d in ds], free, capacity_bytes // len(self.paths))))
         found = [(os.path.join(d, name), n) for d in self.paths for name, n in foreign_in(self.dirs[d].fd, self.fp)]
         self.foreign_bytes = warn_foreign(found, self.fp)  # slab files and journals of other namespaces (logged)
@@ -309,17 +308,7 @@ class SlabSet:
             if done:
                 self.trimmed.append(done)
         for d in self.paths:
-            dfd = self.dirs[d].fd
-            for name in sorted(os.listdir(dfd)):
-                m = _SLAB_RE.match(name)
-                if not m or m.group(1) != self.fp or int(m.group(2)) < self.files_per_path:
-                    continue
-                try:
-                    if os.stat(name, dir_fd=dfd, follow_symlinks=False).st_uid == os.geteuid():
-                        os.unlink(name, dir_fd=dfd)
-                        self.trimmed.append(f"{os.path.join(d, name)}: removed (files_per_path {self.files_per_path})")
-                except OSError as e:
-                    log.warning("G3: cannot remove %s beyond files_per_path (%s)", os.path.join(d, name), e)
+            self.trimmed += slab_share.remove_beyond(self.dirs[d].fd, d, self.fp, self.files_per_path)
         if self.trimmed:
             log.warning("G3: gave back disk beyond the configured capacity / files_per_path: %s",
                         "; ".join(self.trimmed[:8]))
@@ -361,11 +350,11 @@ class SlabSet:
             groups.setdefault(self._dev.get(f.directory, -1), []).append(f)
         for files in groups.values():
             try:
-                avail, total = fs_space(files[0].directory)
+                room = self._room(files[0].directory)
             except OSError as e:
                 log.warning("G3: statvfs of %s failed (%s); its files keep their size caps", files[0].directory, e)
                 continue
-            for f, cap in zip(files, file_caps(files, (avail - self._keep_free(total)) // self.slot_bytes, pending)):
+            for f, cap in zip(files, file_caps(files, room // self.slot_bytes, pending)):
                 f.cap_slots = cap
                 if f.parked:
                     for s in [s for s in f.parked if s < f.cap_slots]:
@@ -453,11 +442,27 @@ class SlabSet:
                 return
             f.size_slots = end
 
-    def _keep_free(self, total: int) -> int:
-        """Bytes of a filesystem of ``total`` bytes that slab growth leaves free: the
-        ``min_free_fraction`` watermark, and never less than the metadata reserve (256 KiB plus 256
-        bytes per slot the pool can have on that filesystem)."""
-        return keep_free_bytes(total, self._capacity_bytes, self.slot_bytes, self.min_free_fraction)
+    def _keep_free(self, total: int, journals: int | None = None) -> int:
+        """Bytes of a filesystem of ``total`` bytes that slab growth leaves free: the ``min_free_fraction`` watermark,
+        never less than the metadata reserve (256 KiB plus 256 bytes per slot the pool can have on that filesystem),
+        less ``journals``, the bytes the pool's journal files there hold (:func:`.slab_room.slab_keep_free`; None:
+        those of the filesystem of the first of :attr:`paths`). Raises OSError (a directory cannot be listed)."""
+        if journals is None:
+            journals = journal_bytes_in(self._dir_fds(self.paths[0]), self.fp)
+        return slab_keep_free(keep_free_bytes(total, self._capacity_bytes, self.slot_bytes, self.min_free_fraction),
+                              journals)
+
+    def _dir_fds(self, directory: str) -> list[int]:
+        return [g.fd for d, g in self.dirs.items() if self._dev.get(d) == self._dev.get(directory)]
+
+    def _room(self, directory: str) -> int:
+        """Bytes slab files may still take on the filesystem of ``directory``: its free space less what they leave
+        free (:meth:`_keep_free`; negative below it). The journal files are counted before and after statvfs, the
+        larger taken (a rewrite renamed meanwhile must not shrink the room). Raises OSError (statvfs, listing)."""
+        fds = self._dir_fds(directory)
+        journals = journal_bytes_in(fds, self.fp)
+        avail, total = fs_space(directory)
+        return avail - self._keep_free(total, max(journals, journal_bytes_in(fds, self.fp)))
 
     def ensure_size(self, fi: int, upto_slot: int) -> None:
         """Grow file ``fi`` so slot ``upto_slot`` exists (chunked ``posix_fallocate``).
@@ -475,8 +480,7 @@ class SlabSet:
         want = min(max(upto_slot + 1, f.size_slots + chunk), limit)
         want = max(want, upto_slot + 1)
         grow = (want - f.size_slots) * self.slot_bytes
-        avail, total = fs_space(f.directory)
-        room = avail - self._keep_free(total)
+        room = self._room(f.directory)
         if grow > room:
             need_min = (upto_slot + 1 - f.size_slots) * self.slot_bytes
             if need_min > room:
