@@ -215,7 +215,7 @@ def test_a_pool_opened_on_a_filled_disk_grows_to_the_space_that_returns(small_fs
     with open(filler, "r+b") as f:  # another writer holds all but ~1 MiB
         f.truncate(os.path.getsize(filler) - (1 << 20))
     with open_pool(small_fs / "g3", capacity_gb=1.0, files_per_path=2, min_free_fraction=0.0) as pool:
-        pool.degrade_s = 0.0  # the journal's growth may still cost a batch at the very end of the room
+        pool.degrade_s = 600  # an ENOSPC would show as drops (before 2026-12-03 the journal's growth cost a batch)
         at_open = pool.stats()["capacity_blocks"]
         assert 0 < at_open < (1 << 20) // SLOT
         filler.unlink()  # the space returns
@@ -225,6 +225,7 @@ def test_a_pool_opened_on_a_filled_disk_grows_to_the_space_that_returns(small_fs
         avail, total = fs_space(str(small_fs))
         room = avail - pool.slabs._keep_free(total)
         assert st["capacity_blocks"] > 2 * at_open and st["blocks"] == st["capacity_blocks"], (at_open, st)
+        assert st["enospc"] == 0 and st["dropped_by_reason"] == {}, st["dropped_by_reason"]
         assert room < SLOT * len(pool.slabs.files), (room, st)  # the space that came back is the pool's again
         assert acct["leaked"] == 0 and acct["reserved"] == 0, acct
 
@@ -351,7 +352,7 @@ def test_churn_on_a_small_full_filesystem_keeps_the_journal_within_the_reserve(s
     took the reserve and then the last free byte; every append and the repair failed with ENOSPC and the tier
     stayed degraded, every put dropped, until a restart."""
     with open_pool(small_fs / "g3", capacity_gb=1.0, files_per_path=1, min_free_fraction=0.0) as pool:
-        pool.degrade_s = 0.0  # a first-fill ENOSPC (journal growth the caps did not foresee) refuses nothing later
+        pool.degrade_s = 600  # an ENOSPC would show as drops (before 2026-12-03 the journal's growth made one)
         seq = 1
         for _ in range(100):
             _put(pool, range(seq, seq + 128))
@@ -360,6 +361,7 @@ def test_churn_on_a_small_full_filesystem_keeps_the_journal_within_the_reserve(s
         avail, total = fs_space(str(small_fs))
         st = pool.stats()
         assert avail > 0 and journal < (256 << 10) + 256 * pool.slabs.files[0].cap_slots, (avail, journal, st)
+        assert st["enospc"] == 0 and st["dropped_by_reason"] == {}, st["dropped_by_reason"]
         keys, r = _put(pool, range(seq, seq + 8))
         assert r.written == 8, (r, pool.stats()["dropped_by_reason"])
         assert pool.slot_accounting()["leaked"] == 0
