@@ -21,11 +21,11 @@ import numpy as np
 import numpy.typing as npt
 
 from ...config import G3Config
-from ...memory import aligned_empty
+from ...memory import aligned_zeros
 from ...metrics import TierMetrics, count_reason
 from ...model import frame
 from ...model.namespace import BlockKey, Namespace, tenant_tag
-from . import forked, journal as jr
+from . import forked, journal as jr, journal_gen
 from .compact_index import CompactLruIndex, Slot
 from .forked import ForkedLock
 from .index import TagKey
@@ -136,7 +136,7 @@ class SlotCatalog:
         self.dirty_gen = 0  # journal failures that lost records so far (a compaction installs only if unchanged)
         self._ttags: dict[str, bytes] = {}
         self._compactor: threading.Thread | None = None  # the thread writing a journal compaction, if any
-        self._zero: npt.NDArray[np.uint8] | None = None  # one zeroed, aligned header (clear_headers)
+        self._zero: npt.NDArray[np.uint8] = aligned_zeros(HDR)  # one zeroed, aligned header (clear_headers)
         self._cleared: set[int] = set()  # files with headers zeroed since open: fdatasync'ed at close
         self.removed: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=REMOVED_LOG_ENTRIES)
         self.removed_n = 0  # removals noted so far: (number, seq_hash, rank) in ``removed``
@@ -383,7 +383,7 @@ class SlotCatalog:
         held = self.index.get(key)
         if held is None or (slot is not None and tuple(held) != tuple(slot)):
             return
-        self.clear_headers([held])
+        self.clear_headers([held], vacate=False)  # the caller journals the key's DEL
         free = self.index.remove(key, held)
         if free is not None:
             self.slabs.release([free])
@@ -397,16 +397,15 @@ class SlotCatalog:
         holds the lock. A slot past its file's end holds no frame and is not written (a 4 KiB write there would
         allocate space the filesystem may be out of: an ENOSPC-failed write's slots are released here)."""
         ends: dict[int, int] = {}
-        for fi, _ in slots:
-            if fi not in ends:
-                try:
-                    ends[fi] = os.fstat(self.fd_of(fi)).st_size
-                except (OSError, KeyError):
-                    ends[fi] = 1 << 62  # unknown: try the write (clear_headers logs a failure)
+        for fi in {fi for fi, _ in slots}:
+            try:
+                ends[fi] = os.fstat(self.fd_of(fi)).st_size
+            except (OSError, KeyError):
+                ends[fi] = 1 << 62  # unknown: try the write (clear_headers logs a failure)
         self.clear_headers([(fi, si) for fi, si in slots if si * self.slot_bytes < ends[fi]])
         self.slabs.release(slots)
 
-    def clear_headers(self, slots: Iterable[Slot]) -> None:
+    def clear_headers(self, slots: Iterable[Slot], vacate: bool = True) -> None:
         """Zero the frame header of each of ``slots`` (one 4 KiB ``pwrite`` each, no sync: the file is
         ``fdatasync``'ed by the writer's next barrier on it or at :meth:`close`), so that a header scan
         (:mod:`.scan`: a restart without the journal) cannot bring their blocks back. Call holding the lock
@@ -414,21 +413,25 @@ class SlotCatalog:
         meanwhile finds no frame: a miss, never wrong bytes. A failed write is logged, never raised (the
         journal's DEL record still stands). A slot past its file's end holds no frame, and one past its file's
         share whose block left was emptied when it was released (:func:`.slab_share.release_slot`): neither is
-        written (a write would allocate the disk given back), the file is still synced at close."""
+        written (a write would allocate the disk given back), the file is still synced at close. ``vacate`` (False
+        when the caller journals the key's DEL): journaled empty too (:func:`.journal_gen.encode_vacant`; else an
+        evicted block's PUT met the zeroed header at the next open, a false ``restore_dropped``, until 2026-12-03)."""
+        slots = list(slots)
         for fi, si in slots:
             f = self.slabs.by_index.get(fi)
             if f is not None and (si >= f.size_slots or (si >= f.max_slots and si not in f.over)):
                 self._cleared.add(fi)
                 continue
             try:
-                if self._zero is None:
-                    self._zero = aligned_empty(HDR)
-                    self._zero[:] = 0
                 os.pwritev(self.fd_of(fi), [self._zero.data], si * self.slot_bytes)
                 self._cleared.add(fi)
             except (OSError, KeyError) as e:
                 log.warning("G3: cannot clear the header of removed slot %d of file %d (%s): a restart without "
                             "the journal could find that block again", si, fi, e)
+        j = self.journal  # not when a rewrite from the index (none of these) is due: broken, or a repair not begun
+        due = j.broken or j.fd is None or (self.journal_dirty and getattr(j.compaction, "gen", None) != self.dirty_gen)
+        if vacate and slots and not due:
+            self.journal_append(journal_gen.encode_vacant(slots))
 
     def note_removed(self, keys: Iterable[BlockKey | TagKey]) -> None:
         """Log blocks that left the index (:meth:`~.pool.G3Pool.removed_since`). Caller holds the lock."""

@@ -20,6 +20,14 @@ Formats (docs/format.md "Journal", "Generation"):
   can have (rank ``0xFFFFFFFF``, tenant tag ``b"KVBM-journal-gen"``) whose ``seq_hash`` is the generation.
   An earlier version replays it as the delete of a key it never held (a no-op), so journals stay readable
   both ways. Anywhere else such a record means nothing.
+* vacancy records (:func:`encode_vacant`, since 2026-12-03): a PUT of the key no block can have (rank
+  ``0xFFFFFFFF``, tenant tag ``b"KVBM-slot-vacant"``, ``seq_hash`` 0) into each slot whose header the pool zeroed
+  while the journal's last word on it may still be the PUT of a block that left without a DEL record (evicted
+  for a batch whose write then failed, or that did not reuse the slot), then one DEL of that key. Replay (the
+  last record of a key and of a slot wins) empties those slots, in this version and in earlier ones alike. Before,
+  such a slot's stale PUT met the zeroed header at the next open: ``restore_dropped`` (reason ``magic``) counted
+  every such evicted block as lost (~60 after one failed batch on a full tmpfs: reported 2026-12-03).
+  :func:`is_vacancy` finds the key's rows (a crash between the PUTs and the DEL leaves one live: not a block).
 * the marker ``journal-<fp>.gen`` in each directory (0600, ``O_NOFOLLOW``): ``"KVBMJGEN"``, the generation
   (u64), and an xxh3_64 of those 16 bytes; 24 bytes, written in place and fdatasync'ed. A marker that is
   absent, short or fails its check reads as 0.
@@ -31,17 +39,21 @@ import logging
 import os
 import stat
 import struct
+from typing import Any, Iterable
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 log = logging.getLogger(__name__)
 
 GEN_TAG = b"KVBM-journal-gen"  # 16 bytes: no xxh3_128 tenant tag in practice, and the rank below rules it out
 GEN_RANK = 0xFFFFFFFF  # past every TP world: no block key has it
+VACANT_TAG = b"KVBM-slot-vacant"  # the vacancy records' key (with GEN_RANK, seq_hash 0): no block has it
 _REC = struct.Struct("<BHIQI16s")  # the journal's version-2/3 record (journal.py), then its check
 _SUM = struct.Struct("<Q")
 RECORD_BYTES = _REC.size + _SUM.size
-_DEL = 2
+_PUT, _DEL = 1, 2
 _MARK = struct.Struct("<8sQ")
 MARK_MAGIC = b"KVBMJGEN"
 MARK_BYTES = _MARK.size + _SUM.size
@@ -66,6 +78,23 @@ def parse_record(data: bytes | memoryview) -> int | None:
     if _SUM.unpack_from(data, _REC.size)[0] != xxhash.xxh3_64_intdigest(bytes(data[:_REC.size])):
         return None
     return int(gen)
+
+
+def encode_vacant(slots: Iterable[tuple[int, int]]) -> list[bytes]:
+    """The vacancy records of ``slots`` ((file index, slot index) pairs of the journal's file table): a PUT of
+    the vacancy key into each, then one DEL of it (43 bytes each; none for no slots). Appended in one write,
+    they leave every one of ``slots`` empty at replay, whatever PUT named it before."""
+    out = [_REC.pack(_PUT, fi, si, 0, GEN_RANK, VACANT_TAG) for fi, si in slots]
+    if out:
+        out.append(_REC.pack(_DEL, 0, 0, 0, GEN_RANK, VACANT_TAG))
+    return [body + _SUM.pack(xxhash.xxh3_64_intdigest(body)) for body in out]
+
+
+def is_vacancy(tags: npt.NDArray[np.uint8], ranks: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
+    """Which journal entries (``tags`` uint8 ``(n, 16)``, ``ranks`` ``(n,)``) name the vacancy key: never a
+    block (one is live after replay only when a crash cut the journal between a vacancy's PUTs and its DEL)."""
+    out: npt.NDArray[np.bool_] = (np.asarray(ranks) == GEN_RANK) & (tags == np.frombuffer(VACANT_TAG, np.uint8)).all(1)
+    return out
 
 
 def marker_name(fingerprint: str) -> str:

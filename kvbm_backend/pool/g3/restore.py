@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ...model.frame import FrameError
-from . import journal_columns as jc
+from . import journal_columns as jc, journal_gen
 from .index import TagKey
 from .catalog import SlotCatalog
 from .journal import FileTable
@@ -43,6 +43,7 @@ def restore(cat: SlotCatalog, threads: int) -> None:
     no blocks, :mod:`.journal_home`), are scanned: their slot headers not already restored from the journal are indexed (:func:`.scan.scan`, before the journal's blocks in LRU order). ``threads``: header
     reads in flight (the pool's ``g3.io_threads``; :func:`.scan.read_headers`)."""
     cols, info = cat.journal.load_columns()
+    cols = cols.take(~journal_gen.is_vacancy(cols.tags, cols.ranks))  # live only when a crash cut its DEL off
     if info["bad_header"]:
         log.warning("G3: journal %s is not this namespace's; ignored", cat.journal.path)
     if info["torn_bytes"]:
