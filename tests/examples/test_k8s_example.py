@@ -362,3 +362,50 @@ def test_the_worker_model_env_alone_names_the_kv_namespace(tmp_path):
     for served in (env_of(c)["MODEL"], "my-org/llama-3.1-8b-finetune"):  # the manifest's, and an operator's edit
         assert namespace_model(cfg, served) == served, cfg.model
     assert namespace_revision(cfg, None, quantization="fp8") == "main+q=fp8"
+
+
+# The directory kubelet hands the container for each volume kind the docs offer for G3, by its mode:
+# hostPath DirectoryOrCreate makes it 0755 (pkg/volume/hostpath), an emptyDir is 0777 on the node's disk
+# (pkg/volume/emptydir: defaultPerm 0777) and 1777 as a tmpfs (medium: Memory; a new tmpfs's root keeps its 1777).
+VOLUME_MODES = {"hostPath": [0o755], "emptyDir": [0o777, 0o1777]}
+
+
+def _g3_path_for_empty_dir(text: str, where: str) -> str | None:
+    """The ``g3.paths: [P]`` the docs' emptyDir advice names (None: the advice names none)."""
+    flat = " ".join(ln.lstrip("# ").strip() for ln in text.splitlines())
+    found = set(re.findall(r"emptyDir[^.]*?[^.]*?g3\.paths: \[([^\]]+)\]", flat))
+    assert len(found) <= 1, (where, found)
+    return found.pop() if found else None
+
+
+def test_g3_opens_on_each_volume_kind_the_docs_offer(tmp_path):
+    """Review finding (2026-12-03): worker.yaml and examples/k8s/README.md said an emptyDir works for G3 in place
+    of the hostPath, with the ConfigMap as it is (``g3.paths: [/kvbm-g3]``, the mount itself). Kubelet makes an
+    emptyDir's directory 0777 (1777 as a tmpfs), and G3 refuses a directory others can write (G3PathError: "G3
+    directory /kvbm-g3 is writable by group or others (mode 0777)"): the worker could not open G3. The docs now name
+    a directory inside the emptyDir, which G3 creates 0700. Each volume kind is set up here with kubelet's mode
+    (owned by this uid, as the worker runs as root over root's directories) and G3 opens the path the docs give."""
+    from kvbm_backend.config import load_config
+    from kvbm_backend.model.layout import KvLayout
+    from kvbm_backend.model.namespace import Namespace
+    from kvbm_backend.pool.g3 import G3Pool
+    c = pod("vllm-worker-kvbm")["containers"][0]
+    mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["g3"]
+    cm = yaml.safe_load(objects()[("ConfigMap", "kvbm-backend-config")]["data"]["kvbm-backend.yaml"])
+    (configmap_path,) = cm["g3"]["paths"]
+    advice = {where: _g3_path_for_empty_dir((K8S / where).read_text(), where) for where in ("README.md", "worker.yaml")}
+    assert advice["README.md"] == advice["worker.yaml"], advice  # both docs give the same path
+    paths = {"hostPath": configmap_path, "emptyDir": advice["README.md"] or configmap_path}  # none: the ConfigMap's
+    ns = Namespace(model="test/k8s-g3-volume", revision="r1", tp_world_size=1,
+                   layout=KvLayout(num_layers=2, outer_dim=2, page_size=16, inner_dim=64, dtype="bfloat16"))
+    for kind, modes in VOLUME_MODES.items():
+        assert paths[kind] == mount or paths[kind].startswith(mount + "/"), (kind, paths[kind], mount)
+        for mode in modes:
+            vol = tmp_path / f"{kind}-{mode:o}"
+            vol.mkdir()
+            os.chmod(vol, mode)
+            local = str(vol) + paths[kind][len(mount):]
+            cfg = load_config({**cm, "g3": {**cm["g3"], "paths": [local], "capacity_gb": 0.05, "engine": "posix"}},
+                              use_env=False)
+            pool = G3Pool(cfg.g3, ns)  # G3PathError when the directory is one others can write
+            pool.close()
