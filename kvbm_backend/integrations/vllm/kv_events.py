@@ -317,10 +317,16 @@ class G3KvEvents:
         no longer this engine's (another identity), so they are neither published nor re-published again. Each
         published one gives up its holder; with ``withdraw`` (vLLM's own prefix-cache reset failed: no
         ``AllBlocksCleared`` goes out) ``BlockRemoved`` is queued for every hash no G4 announcement still holds,
-        without it (the router has just forgotten every tier) nothing is. Returns the published blocks forgotten."""
+        without it (the router has just forgotten every tier) nothing is, and the events queued so far are dropped:
+        the next step publishes them after its ``AllBlocksCleared``, and what they say of blocks still held is
+        said again by the :meth:`republish` that follows it (before 2026-12-03 a G3 report's ``BlockStored`` still
+        queued at the reset left after the clear: the router credited blocks of the old identity, whose holders
+        were given up here, so no ``BlockRemoved`` ever followed). Returns the published blocks forgotten."""
         with self._lock:
             pub, self._published = self._published, {}
             self._info.clear()
+            if not withdraw:
+                self._events = []
         hs = [info[0] for info in pub.values()]
         for i in range(0, len(hs), EMIT_CHUNK):  # the lock for a chunk at a time (as republish)
             with self._lock:

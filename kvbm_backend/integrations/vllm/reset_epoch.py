@@ -48,11 +48,13 @@ def reset(side: Any, engine_cleared: bool) -> str:
     ``AllBlocksCleared``); else the published G3 blocks are withdrawn with ``BlockRemoved``. Counted
     ``connector_cache_resets`` (requests it stops tiering: ``reset_untiered_requests``), logged at INFO."""
     side.epoch = epoch = secrets.token_hex(8)
+    stopped = 0  # not those already untiered (multimodal, or stopped by an earlier reset): before 2026-12-03 counted
     for st in side._reqs.values():  # old identity: never loaded or saved again (their KV may mix weights)
+        stopped += not st.opaque
         st.no_load, st.opaque, st.g3_local, st.lookup = True, True, None, None
     forgotten = side.events.forget(withdraw=not engine_cleared) if side.events is not None else 0
-    stats.add(connector_cache_resets=1, reset_untiered_requests=len(side._reqs))
-    log.info("kvbm_backend: connector cache reset (reset epoch %s): the %d requests in the engine are no longer "
+    stats.add(connector_cache_resets=1, reset_untiered_requests=stopped)
+    log.info("kvbm_backend: connector cache reset (reset epoch %s): %d requests in the engine are no longer "
              "tiered, blocks stored before are not served by this engine (G3 ages them out, G4 keeps them for other "
-             "workers), %d G3 blocks withdrawn from KV events", epoch, len(side._reqs), forgotten)
+             "workers), %d G3 blocks withdrawn from KV events", epoch, stopped, forgotten)
     return epoch
