@@ -6,6 +6,8 @@
 # Script defaults, used only where neither the YAML nor the environment gives the field: G3 in /mnt/nvme0/kvbm,
 # 800 GB.
 # Launcher: `python -m dynamo.vllm` with kvbm-backend's version-guarded compat shims (see agg_kvbm_backend.sh).
+# One worker per G3 directory (the pool locks it): a prefill and a decode worker on one host each need their own
+# (DYN_KVBM_DISK_CACHE_DIR), else the second stops with G3LockedError naming the holder.
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"

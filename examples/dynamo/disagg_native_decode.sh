@@ -9,6 +9,8 @@
 # Parameters (environment): as agg_native_tiers.sh (MODEL, PYTHON, KVBM_BACKEND_CONFIG_FILE, KVBM_BACKEND_CPU_BYTES,
 # KVBM_BACKEND_NUM_KV_HEADS, DYN_KVBM_DISK_CACHE_DIR / _GB, DYN_SYSTEM_PORT, KVBM_BACKEND_DRY_RUN), plus
 # VLLM_NIXL_SIDE_CHANNEL_PORT (default 20098). Further arguments go to dynamo.vllm.
+# One worker per G3 directory (the pool locks it): a prefill and a decode worker on one host each need their own
+# (DYN_KVBM_DISK_CACHE_DIR), else the second stops with G3LockedError naming the holder.
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"

@@ -13,6 +13,8 @@
 # defaults to /mnt/nvme0/kvbm, 800 GB only where neither gives it), DYN_SYSTEM_PORT, KVBM_BACKEND_DRY_RUN; further
 # arguments go to dynamo.vllm. Launcher: `python -m dynamo.vllm` with kvbm-backend's version-guarded shims,
 # which also register the connector's PD protocol with Dynamo (kvbm_backend/integrations/dynamo/pd_protocol.py).
+# One worker per G3 directory (the pool locks it): a prefill and a decode worker on one host each need their own
+# (DYN_KVBM_DISK_CACHE_DIR), else the second stops with G3LockedError naming the holder.
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
 MODEL="${MODEL:-meta-llama/Llama-3.1-8B-Instruct}"
