@@ -39,8 +39,8 @@ model runs one path: a dense model is one KV cache group (:class:`~.workers.Grou
 
 Hybrid models (vLLM's hybrid KV cache manager: gpt-oss, Gemma 2/3, all-sliding models) are carried: the
 connector implements ``SupportsHMA``, so vLLM keeps its hybrid manager on. Full-attention groups store every
-block; sliding-window groups store and load only the ``ceil((window - 1) / block_size)`` blocks before a
-resume point. A hit of ``n`` blocks counts only when every group has what the engine reads at ``n``. A
+block; sliding-window groups store and load only the ``ceil((window - 1 + retained) / block_size)`` blocks
+before a resume point (``retained``: speculative decoding's extra tokens, :func:`.namespaces.group_window_blocks`). A hit of ``n`` blocks counts only when every group has what the engine reads at ``n``. A
 failed load is reported per block for one full-attention group and per request otherwise (vLLM 0.32 cannot
 map block-level errors back to requests with several groups; the request is recomputed whole); G3 KV events
 are not published for hybrid models. Refused with the reason: KV specs that are not attention KV of a token

@@ -151,8 +151,8 @@ class GroupTiers:
         ns: the group's namespace (:meth:`Namespace.for_group`).
         g3, g4: the group's pools (one pool per group), None when the tier is off.
         window_blocks: None for a full-attention (or MLA) group, whose blocks are needed for the whole
-            prefix; for a sliding-window group the blocks needed before a resume point
-            (:attr:`~kvbm_backend.model.namespace.KvGroup.window_blocks`): only those are saved (at the end
+            prefix; for a sliding-window group the blocks needed before a resume point, speculative decoding's
+            retained tokens included (:func:`.namespaces.group_window_blocks`): only those are saved (at the end
             of each step's computed range) and loaded (vLLM's ``SlidingWindowManager`` null-blocks the rest).
     """
 

@@ -66,6 +66,37 @@ def engine_geometries(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
             for g in kv_groups(kv_cache_config)]
 
 
+def sliding_retained_tokens(vllm_config: Any, spec: Any) -> int:
+    """Tokens vLLM keeps below a sliding window (not attended, but allocated, loaded and cached): vLLM 0.32's
+    ``SlidingWindowSpec.extra_retained_tokens``, which its ``get_kv_cache_configs`` sets to
+    ``VllmConfig.num_prefill_lookahead_tokens - 1`` (multi-module MTP: ``num_speculative_tokens - 1``; 0 without
+    speculative decoding and for EAGLE/ngram), so its ``SlidingWindowManager`` skips only
+    ``n - sliding_window + 1 - extra`` tokens (``get_num_skipped_tokens``). The larger of the spec's value and the
+    one ``vllm_config`` implies (a spec of an older vLLM has none); never negative."""
+    extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+    lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+    return max(0, extra, lookahead - 1)
+
+
+def group_window_blocks(ns: Namespace, vllm_config: Any, kv_cache_config: "KVCacheConfig") -> list[int | None]:
+    """Per KV cache group (index = vLLM's group index): None for a full-attention (or MLA) group, else the blocks
+    before a resume point vLLM allocates for a sliding-window group and the connector therefore stores, probes and
+    loads: ``ceil((sliding_window - 1 + retained) / block_size)`` (``retained``: :func:`sliding_retained_tokens`;
+    :attr:`KvGroup.window_blocks` when 0). A block vLLM allocates but the connector never fills would be computed
+    with, and cached by vLLM's prefix cache for later requests whose window reaches it. ``[None]`` for a namespace
+    without groups."""
+    if not ns.groups:
+        return [None]
+    out: list[int | None] = []
+    for kg, g in zip(ns.groups, kv_groups(kv_cache_config)):
+        if kg.sliding_window is None:
+            out.append(None)
+            continue
+        tokens = kg.sliding_window - 1 + sliding_retained_tokens(vllm_config, g.kv_cache_spec)
+        out.append(max(1, -(-tokens // kg.layout.page_size)))
+    return out
+
+
 def namespace_model(cfg: KvbmBackendConfig, engine_name: Any, *engine_names: Any) -> str:
     """The namespace's ``model``: ``cfg.model`` when the operator set it (not its default ``"unknown"``), else
     the name the engine gives (``engine_name``). The connector and the native tiers both decide it here: two

@@ -294,11 +294,11 @@ class SchedulerSide:
                 tiers = ["G3" if i < p3 else "G4" for i in pos]
             else:
                 start, k3 = wins.get(gi, (end, 0))
-                # vLLM allocated (non-null) what the window at `end` reads; normally end == n and that is
-                # the probed window [start, n). Blocks outside it (vLLM took fewer tokens) were not probed:
-                # tried in G3, and a miss fails the load (recomputed), never wrong KV.
-                lo = max(end - g.window_blocks, first)
-                pos = [i for i in range(lo, end) if i < len(gids) and gids[i] != 0]
+                # every block vLLM allocated (non-null) is filled: it computes with and caches them all. Normally
+                # end == n and that is the probed window [start, n) (window_blocks counts speculative decoding's
+                # retained tokens, namespaces.group_window_blocks); others were not probed: tried in G3, and a
+                # miss fails the load (recomputed), never wrong KV.
+                pos = [i for i in range(first, end) if i < len(gids) and gids[i] != 0]
                 tiers = ["G3" if i < start or i - start < k3 else "G4" for i in pos]
             if not pos:
                 continue

@@ -43,8 +43,8 @@ from .g4_announce import G4Announcer
 from .kv_events import G3KvEvents, IdlePublisher
 from .kv_io import EngineKv
 from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta
-from .namespaces import (check_kv_version, engine_geometries, group_g3_config, kv_groups, namespace_from_vllm,
-                         rank_g3_config)
+from .namespaces import (check_kv_version, engine_geometries, group_g3_config, group_window_blocks, kv_groups,
+                         namespace_from_vllm, rank_g3_config)
 from .scheduler_side import GroupTiers, SchedulerSide
 from .worker_side import WorkerSide
 from .workers import GroupedWorkers, block_level_errors
@@ -73,6 +73,7 @@ class ConnectorParts:
     opts: dict                      # the connector's own options (extra_config.config_from_extra)
     geometries: list[EngineGeometry]
     ns: Namespace                   # the engine's namespace (group 0's blocks; every group's structure)
+    window_blocks: list[int | None]  # per group: blocks before a resume point (namespaces.group_window_blocks)
 
     def __init__(self) -> None:
         self._groups: list[TierGroup] = []
@@ -129,10 +130,10 @@ class ConnectorParts:
                        num_layers=kv.layout.num_layers)
         if self.ns.groups:
             stats.set_info(kv_cache_groups=[
-                {"kind": g.kind, "sliding_window": g.sliding_window, "window_blocks": g.window_blocks,
+                {"kind": g.kind, "sliding_window": g.sliding_window, "window_blocks": wb,
                  "num_layers": k.layout.num_layers, "bytes_per_block": k.layout.bytes_per_block,
                  "namespace": tg.ns.fingerprint}
-                for g, k, tg in zip(self.ns.groups, kvs, self._groups)])
+                for g, k, tg, wb in zip(self.ns.groups, kvs, self._groups, self.window_blocks)])
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         """``(finished_recving, failed_recving)`` of the worker role (empty for the scheduler)."""
@@ -237,6 +238,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
     parts.cfg, parts.opts = cfg, opts
     parts.geometries = engine_geometries(vllm_config, kv_cache_config)
     ns = parts.ns = namespace_from_vllm(cfg, vllm_config, kv_cache_config, parts.geometries)
+    parts.window_blocks = group_window_blocks(ns, vllm_config, kv_cache_config)  # with speculative decoding's extra
     if ns.tp_world_size > 1 and not scheduler:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         parts.rank = int(get_tensor_model_parallel_rank())
@@ -284,8 +286,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
                         "engines that can load them (docs/configuration.md, load)", why)
             stats.set_info(loads_off=why)
             load = False
-        groups = [GroupTiers(tg.ns, tg.g3, tg.g4, (ns.groups[gi].window_blocks if ns.groups else None))
-                  for gi, tg in enumerate(parts._groups)]
+        groups = [GroupTiers(tg.ns, tg.g3, tg.g4, parts.window_blocks[gi]) for gi, tg in enumerate(parts._groups)]
         parts.sched = SchedulerSide(ns, ns.layout.page_size, groups[0].g3, groups[0].g4, default_tenant=cfg.tenant,
                                     lookup_timeout_s=max(cfg.g4.load_bound_s, 0.5), save=opts["save"],
                                     load=load, save_decode=opts["save_decode"], groups=groups,
