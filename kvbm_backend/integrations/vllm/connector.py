@@ -31,6 +31,10 @@ Load it with::
 * ``promote_to_g3`` (bool, default true): blocks loaded from G4 are also written into G3.
 * ``max_pending_save_bytes`` (int bytes, default 1 GiB): host staging bound for offloads (a save's leading
   blocks that fit are staged, the rest dropped and counted: ``save_dropped_blocks``).
+* ``reset_tiers`` (bool, default false): what vLLM's reset of the connector's cache does (:meth:`reset_cache`).
+  False: G3/G4 keep their blocks and keep serving them, as vLLM keeps its persistent secondary tiers across a
+  reset (Dynamo's ``clear_kv_blocks``, sleep and wake reset the connector too). True: this engine is served none of
+  the blocks stored before (a new reset epoch, :mod:`.reset_epoch`): for in-place weight updates.
 
 How it is put together (roles, executors, TP ranks, KV cache groups, stats files): :mod:`.wiring`, which
 builds every part once from vLLM's configs; this class only delegates vLLM's hooks to those parts. Every
@@ -221,14 +225,19 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)`` (``POST /reset_prefix_cache?reset_external=true``,
-        ``pause_generation(clear_cache=True)``; Dynamo's ``clear_kv_blocks`` and weight-update routes do not ask for
-        it): from now on this engine is served none of the blocks stored before, in G3 or G4, and nothing is deleted
-        (other workers keep using the shared G4 blocks; old G3 blocks age out by eviction). A new random reset epoch
-        is folded into every later request's block identity (:mod:`.reset_epoch`); requests already in the engine
-        are no longer loaded or saved; G3 blocks published as KV events are withdrawn. Returns True (done, nothing
-        can fail), None in the worker role (vLLM asks the scheduler's connector only)."""
+        ``pause_generation(clear_cache=True)``, sleep, and Dynamo 1.6.1's ``clear_kv_blocks``). With the option
+        ``reset_tiers`` false (default) G3/G4 keep serving what they hold, as vLLM's own persistent tiers do (logged,
+        counted ``connector_cache_resets_kept``). With it true, from now on this engine is served none of the blocks
+        stored before, in G3 or G4, and nothing is deleted (other workers keep using the shared G4 blocks; old G3
+        blocks age out by eviction): a new random reset epoch is folded into every later request's block identity
+        (:mod:`.reset_epoch`); requests already in the engine are no longer loaded or saved; G3 blocks published as
+        KV events are withdrawn. Returns True (done, nothing can fail), None in the worker role (vLLM asks the
+        scheduler's connector only)."""
         if self.sched is None:
             return None
+        if not self.parts.opts.get("reset_tiers"):
+            reset_epoch.kept()
+            return True
         pool = getattr(self, "_gpu_block_pool", None)  # vLLM's reset replaced the map: AllBlocksCleared goes out
         cleared = pool is not None and getattr(pool, "cached_block_hash_to_block", None) is not self._gpu_cache_map
         reset_epoch.reset(self.sched, engine_cleared=cleared)

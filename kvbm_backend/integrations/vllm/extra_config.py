@@ -9,7 +9,8 @@ from __future__ import annotations
 from ...config import ConfigError, KvbmBackendConfig, _merge, load_config
 
 EXTRA_KEYS = {"kvbm_backend", "config_file", "stats_path", "save", "load", "save_decode", "save_to_g4",
-              "promote_to_g3", "max_pending_save_bytes", "sliding_capacity_weight", "handoff_wait_s"}
+              "promote_to_g3", "max_pending_save_bytes", "sliding_capacity_weight", "handoff_wait_s",
+              "reset_tiers"}
 HANDOFF_WAIT_MAX_S = 600.0  # handoff_wait_s's upper bound (seconds; the scripts' KVBM_BACKEND_HANDOFF_WAIT_S too)
 
 
@@ -43,8 +44,8 @@ def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
             "save_to_g4": extra.get("save_to_g4", True), "promote_to_g3": extra.get("promote_to_g3", True),
             "max_pending_save_bytes": extra.get("max_pending_save_bytes", 1 << 30),
             "sliding_capacity_weight": extra.get("sliding_capacity_weight", 0.25),
-            "handoff_wait_s": extra.get("handoff_wait_s", 5.0)}
-    for k in ("save", "load", "save_decode", "save_to_g4", "promote_to_g3"):
+            "handoff_wait_s": extra.get("handoff_wait_s", 5.0), "reset_tiers": extra.get("reset_tiers", False)}
+    for k in ("save", "load", "save_decode", "save_to_g4", "promote_to_g3", "reset_tiers"):
         if not isinstance(opts[k], bool):
             raise ConfigError(f"kv_connector_extra_config.{k}: expected true/false, got {opts[k]!r}")
     hw = opts["handoff_wait_s"]

@@ -1,7 +1,10 @@
 """The connector's ``reset_cache``: vLLM's ``reset_prefix_cache(reset_connector=True)`` (``LLM.reset_prefix_cache``,
-``POST /reset_prefix_cache?reset_external=true``, ``pause_generation(clear_cache=True)``, RL weight updates in place).
+``POST /reset_prefix_cache?reset_external=true``, ``pause_generation(clear_cache=True)``, sleep, Dynamo 1.6.1's
+``clear_kv_blocks``, RL weight updates in place).
 
-A reset makes this engine see none of the blocks stored before it, in G3 or G4, without deleting anything: the
+With the connector option ``reset_tiers`` false (the default) a reset keeps G3/G4 serving (:func:`kept`), as vLLM
+keeps its persistent secondary tiers: Dynamo's ``clear_kv_blocks`` (which asks for the connector's reset) and
+sleep/wake then leave the tiers warm. With ``reset_tiers`` true (in-place weight updates), a reset makes this engine see none of the blocks stored before it, in G3 or G4, without deleting anything: the
 scheduler draws a random reset epoch (64 bits) and folds it into every request's salt from then on
 (:func:`.identity.epoch_salt`), so the sequence hashes (the blocks' names in G3, G4 and KV events) and the token
 digests (checked in every frame a load serves) of requests made after the reset differ from every block stored
@@ -39,6 +42,15 @@ def handoff_identity(g4: Any, tenant: str, epoch: str) -> dict[str, str]:
     if epoch and "namespace" in ident:
         ident["namespace"] = f"{ident['namespace']}@reset-{epoch}"
     return ident
+
+
+def kept() -> None:
+    """A reset of the connector's cache with ``reset_tiers`` false: G3/G4 keep serving what they hold (vLLM's own
+    persistent tiers are not reset either). Counted ``connector_cache_resets_kept``, logged at INFO."""
+    stats.add(connector_cache_resets_kept=1)
+    log.info("kvbm_backend: connector cache reset: G3/G4 keep their blocks and keep serving them (reset_tiers is "
+             "false); after an in-place weight update set reset_tiers true, or restart with a revision naming the "
+             "new weights")
 
 
 def reset(side: Any, engine_cleared: bool) -> str:
