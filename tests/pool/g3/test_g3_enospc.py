@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import subprocess
 import time
 from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
+from tests.helpers.tmpfs import mounted_tmpfs
 from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.io.posix import PosixEngine
 from kvbm_backend.model import frame
@@ -91,17 +90,9 @@ def test_injected_enospc_releases_reservations_and_degrades(tmp_path):
 
 @pytest.fixture
 def small_fs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("mounting a small tmpfs needs root and mount(8); the injected-ENOSPC test covers the path")
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({p.stderr.strip()}); the injected-ENOSPC test covers the path")
-    try:
+    """A 4 MiB tmpfs (:func:`tests.helpers.tmpfs.mounted_tmpfs`)."""
+    with mounted_tmpfs(tmp_path / "mnt", "4m", why_skip="the injected-ENOSPC test covers the path") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_real_small_filesystem_full(small_fs):

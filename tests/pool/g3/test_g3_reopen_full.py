@@ -9,13 +9,11 @@ at runtime. Real small tmpfs (needs root and mount(8), else skipped saying so).
 """
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
+from tests.helpers.tmpfs import mounted_tmpfs
 from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.model import frame
 from kvbm_backend.pool.g3.slabs import fs_space
@@ -27,17 +25,9 @@ BATCH = 64
 
 @pytest.fixture
 def small_fs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("mounting a small tmpfs needs root and mount(8)")
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({p.stderr.strip()})")
-    try:
+    """An 8 MiB tmpfs (:func:`tests.helpers.tmpfs.mounted_tmpfs`)."""
+    with mounted_tmpfs(tmp_path / "mnt", "8m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _put(pool, seqs):

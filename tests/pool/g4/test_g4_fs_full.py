@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
-import subprocess
 
 import numpy as np
 import pytest
 
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.pool import G4Pool
+from tests.helpers.tmpfs import mounted_tmpfs
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
@@ -25,19 +24,9 @@ POOL_LOG = "kvbm_backend.pool.g4.pool"
 
 @pytest.fixture
 def small_mount(tmp_path):
-    """A fresh 1 MiB tmpfs mounted at ``tmp_path / "mnt"``; unmounted after the test."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True, timeout=HANG_S)
-    if r.returncode != 0:
-        pytest.skip(f"mount -t tmpfs not permitted here: {r.stderr.strip() or r.returncode}")
-    try:
+    """A fresh 1 MiB tmpfs (mode 0700) at ``tmp_path / "mnt"`` (:func:`tests.helpers.tmpfs.mounted_tmpfs`)."""
+    with mounted_tmpfs(tmp_path / "mnt", "1M", "mode=0700") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True, timeout=HANG_S)
 
 
 def _fill(mnt) -> None:
