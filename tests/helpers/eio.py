@@ -5,12 +5,20 @@ what a bad sector, a device reset or an NFS server gone for a moment does. The s
 ``slot_eio(monkeypatch, g3, key, times=None)``: every read that covers ``key``'s slot fails (a read of consecutive
 slots, which the readers merge, fails as a whole, as the disk's would) while the returned :class:`SlotEio` is
 ``on``; ``times``: only the first that many such reads fail (a burst), the later ones read the slot as stored.
-``failed`` counts the reads failed. The pool must use the ``posix`` engine (``g3.engine``)."""
+``failed`` counts the reads failed. The pool must use the ``posix`` engine (``g3.engine``).
+
+:class:`FailingWrites`: the real posix engine whose write batches fail with EIO while ``fail`` is set (a G3 pool
+built with it as its engine): a write lost, or landed and still reported failed (``land``)."""
 from __future__ import annotations
 
 import errno
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass
+
+from kvbm_backend.io.posix import PosixEngine
+
+HANG_S = 600.0  # a hang guard, not a bound
 
 
 @dataclass
@@ -52,3 +60,23 @@ def slot_eio(monkeypatch, g3, key, times: int | None = None) -> SlotEio:
     monkeypatch.setattr(os, "preadv", preadv)
     monkeypatch.setattr(os, "pread", pread)
     return st
+
+
+class FailingWrites(PosixEngine):
+    """The real posix engine; while ``fail`` is set, every write batch fails with EIO, after its bytes were
+    written (``land``) or before any was."""
+
+    def __init__(self) -> None:
+        super().__init__(threads=2)
+        self.fail = False
+        self.land = False
+
+    def submit(self, ops):
+        ops = list(ops)
+        if not (self.fail and ops and ops[0].write):
+            return super().submit(ops)
+        out: Future = Future()
+        if self.land:
+            super().submit(ops).result(timeout=HANG_S)
+        out.set_exception(OSError(errno.EIO, "injected write failure"))
+        return out

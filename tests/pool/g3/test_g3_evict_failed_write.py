@@ -9,39 +9,17 @@ Never wrong bytes: a slot whose payload was torn under an intact old header fail
 failing disk would (before or after the bytes land)."""
 from __future__ import annotations
 
-import errno
 import os
-from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
 from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
-from kvbm_backend.io.posix import PosixEngine
+from tests.helpers.eio import FailingWrites
 from kvbm_backend.memory import aligned_empty
 
 HANG_S = 600.0  # a hang guard, not a bound
 SLOTS = 64
-
-
-class FailingWrites(PosixEngine):
-    """The real posix engine; while ``fail`` is set, every write batch fails with EIO, after its bytes were
-    written (``land``) or before any was."""
-
-    def __init__(self) -> None:
-        super().__init__(threads=2)
-        self.fail = False
-        self.land = False
-
-    def submit(self, ops):
-        ops = list(ops)
-        if not (self.fail and ops and ops[0].write):
-            return super().submit(ops)
-        out: Future = Future()
-        if self.land:
-            super().submit(ops).result(timeout=HANG_S)
-        out.set_exception(OSError(errno.EIO, "injected write failure"))
-        return out
 
 
 def _read(pool, keys):

@@ -13,19 +13,17 @@ header is zeros or damaged is still counted (a torn or lost write). Real posix e
 engine's writes fail as a failing disk's would (after the bytes land, or before)."""
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 import sys
 from collections import OrderedDict
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
-from kvbm_backend.io.posix import PosixEngine
+from tests.helpers.eio import FailingWrites
 from kvbm_backend.memory import aligned_empty
 from kvbm_backend.model import frame
 
@@ -33,26 +31,6 @@ HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; r
 SLOTS = 48
 CFG = dict(capacity_gb=SLOTS * frame.slot_bytes(LAYOUT.bytes_per_block) / 1e9, files_per_path=1)
 REPO = Path(__file__).resolve().parents[3]
-
-
-class FailingWrites(PosixEngine):
-    """The real posix engine; while ``fail`` is set, every write batch fails with EIO, after its bytes were
-    written (``land``) or before any was."""
-
-    def __init__(self) -> None:
-        super().__init__(threads=2)
-        self.fail = False
-        self.land = False
-
-    def submit(self, ops):
-        ops = list(ops)
-        if not (self.fail and ops and ops[0].write):
-            return super().submit(ops)
-        out: Future = Future()
-        if self.land:
-            super().submit(ops).result(timeout=HANG_S)
-        out.set_exception(OSError(errno.EIO, "injected write failure"))
-        return out
 
 
 def _put(pool, keys) -> tuple[int, int]:
