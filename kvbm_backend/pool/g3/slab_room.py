@@ -5,11 +5,12 @@ slab files may take at open, and how the room of one filesystem is split over it
 space; before 2026-12-01 each was promised all of it at open (35 MiB promised on a 20 MiB tmpfs), so the first
 fill hit ENOSPC, dropped a batch and degraded the tier instead of evicting. The budgets decide which slab files the
 open creates now and whether the pool has room for a slot at all; the files' caps are then :func:`file_caps`
-(:meth:`.slabs.SlabSet.recheck_space`: what each holds plus its part of the FREE space only), at most the budget split
-evenly over the directory's files. Before 2026-12-03 that even split alone was the cap: a file full of blocks kept
-its size (no room), the directory's free space went to its other files plus the full file's bytes they did not hold,
-so a reopen on a filesystem full of the pool's own slabs promised room that was not there (``capacity_blocks`` above
-it) and its first puts hit ENOSPC: a batch dropped and the tier degraded instead of evicting.
+(:meth:`.slabs.SlabSet.recheck_space`: what each holds plus its part of the FREE space only). Before 2026-12-03 the
+budget split evenly over the directory's files was the cap: a file full of blocks kept its size (no room), the
+directory's free space went to its other files plus the full file's bytes they did not hold, so a reopen on a
+filesystem full of the pool's own slabs promised room that was not there (``capacity_blocks`` above it) and its first
+puts hit ENOSPC: a batch dropped and the tier degraded instead of evicting. The lower of the two, kept for a day,
+left free room to no file when a directory's files held different sizes (``capacity_blocks`` 626 where 646 fit).
 
 **The metadata reserve counts the journal already there** (:func:`slab_keep_free`, :func:`journal_bytes_in`): the
 reserve slab files leave free (:func:`keep_free_bytes`) is for the journal, its rewrite and its ``.gen`` markers.

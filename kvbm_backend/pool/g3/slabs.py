@@ -227,12 +227,10 @@ class SlabSet:
                             k, d, e.strerror)
         self.files.sort(key=lambda f: f.index)
         self.by_index = {f.index: f for f in self.files}
-        # caps: what each file holds plus its part of the FREE room (slab_room.file_caps), never above the budget split
-        # (evenly over a directory's files, whatever each held: room that was not there, ENOSPC after a restart)
-        split = {f.index: f.cap_slots for f in self.files}
+        # caps: what each file holds plus its part of the FREE room (slab_room.file_caps), as while the pool runs; the
+        # budget split evenly over a directory's files promised room that was not there (ENOSPC after a restart), and
+        # its lower value kept as well left room no file had (files of different sizes; review 2026-12-03)
         self.recheck_space()
-        for f in self.files:
-            f.cap_slots = min(f.cap_slots, split[f.index])
 
     def sync_dirs(self) -> None:
         """``fsync`` each directory: the slab and namespace files the open created are then durable names (a
