@@ -19,7 +19,9 @@ Checks, in order (a check that cannot run because an earlier one failed is repor
   written), in a directory and with files the worker would trust (owner, mode, links:
   :func:`kvbm_backend.fsmodes.open_trusted`); file modes are in doctor's ``modes`` section. A keyring not there
   yet (the first worker creates it): the KEK it would be created with (``$kek_env``, else an existing KEK file)
-  must be a valid one. Before 2026-12-03 a keyring with ``g4.encrypt: false`` and a malformed ``$kek_env``
+  must be a valid one. A ``g4.keyring.kek_env`` other than the default ``KVBM_BACKEND_KEK`` must be set: a worker
+  refuses to start without it (before 2026-12-03 it used a node-local KEK file, making one with a keyring of its
+  own; doctor said "OK", the KEK a new file). Before 2026-12-03 a keyring with ``g4.encrypt: false`` and a malformed ``$kek_env``
   beside a keyring not yet made were "OK" (workers failed to start). No keyring at all (``g4.encrypt: false``, no
   ``g4.keyring.path``): not checked, but ``$kek_env`` set to a value that is no KEK is a problem (the variable is
   unused here, and unusable by any worker: a mistake, likely a configuration meant to encrypt).
@@ -139,7 +141,7 @@ def _s3_checks(store, cfg, timeout_s: float, rows: _Checks) -> bool:
 
 
 def _keyring_check(kc, rows: _Checks, encrypt: bool) -> None:
-    from kvbm_backend.crypto.kek import provider_for, trusted_dir
+    from kvbm_backend.crypto.kek import check_kek_env, provider_for, trusted_dir
     from kvbm_backend.crypto.keyring import Keyring, KeyringError
     if not kc.path:
         rows.add("keyring", False, "g4.keyring.path: required when g4.encrypt is true")
@@ -148,7 +150,9 @@ def _keyring_check(kc, rows: _Checks, encrypt: bool) -> None:
     # g4.encrypt false: the pool still opens the keyring, and does not start when it does not open (G4Pool)
     why = "" if encrypt else (" (g4.encrypt is false, but a G4 pool opens the keyring g4.keyring.path names: it "
                               "names tenants and opens encrypted blocks with it, and does not start without it)")
-    try:  # the worker's rule (kvbm_backend.fsmodes.open_trusted): a directory others can write is refused
+    try:
+        check_kek_env(kc)  # a kek_env the config names must be set: the worker refuses to start otherwise
+        # the worker's rule (kvbm_backend.fsmodes.open_trusted): a directory others can write is refused
         trusted_dir(os.path.dirname(path), "keyring")
     except KeyringError as e:
         rows.add("keyring", False, f"{e}{why}")

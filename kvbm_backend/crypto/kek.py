@@ -20,7 +20,7 @@ import socket
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterator, Protocol, runtime_checkable
+from typing import Callable, Iterator, Mapping, Protocol, runtime_checkable
 
 from ..fsmodes import UnsafePath, check_trusted_dir, makedirs_private, open_trusted
 from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
@@ -254,12 +254,36 @@ def trusted_dir(d: str | os.PathLike[str], what: str) -> None:
         raise KeyringError(f"directory {d} of the {what}: {e.strerror or e}") from None
 
 
-def provider_for(path: str | os.PathLike[str], kek_env: str = "KVBM_BACKEND_KEK", kek_file: str | None = None,
+DEFAULT_KEK_ENV = "KVBM_BACKEND_KEK"  # g4.keyring.kek_env when the operator names none
+
+
+def kek_env_named(kc) -> bool:
+    """Whether ``g4.keyring.kek_env`` (``kc``: a :class:`kvbm_backend.config.KeyringConfig`) names a variable other
+    than the default ``KVBM_BACKEND_KEK``: the operator chose that variable (e.g. a fleet Secret's), so it must be
+    set. The default's name keeps the KEK file as its fallback (the example configs name it, for dev hosts too)."""
+    return kc.kek_env != DEFAULT_KEK_ENV
+
+
+def check_kek_env(kc, environ: Mapping[str, str] | None = None) -> None:
+    """A ``kek_env`` other than the default must be set (non-empty) in ``environ`` (None: this process's). Before 2026-12-03
+    a named variable left unset (a Secret not wired into the pod) fell back to the node-local KEK file, and where
+    the keyring did not exist yet the worker made a keyring and KEK of its own, silently: pods then could not
+    read each other's G4 blocks. The default's name keeps the KEK file as the fallback (:func:`provider_for`).
+    Raises KeyringError naming the field and the variable; reads nothing else, writes nothing."""
+    if kek_env_named(kc) and not (os.environ if environ is None else environ).get(kc.kek_env):
+        raise KeyringError(f"g4.keyring.kek_env: {kc.kek_env} is not set (the KEK variable this config names; "
+                           f"without it a worker would use a node-local KEK file, creating one with a keyring of its "
+                           f"own: set ${kc.kek_env} to the base64 32-byte KEK, e.g. from its Secret, or leave "
+                           f"g4.keyring.kek_env at its default to use the KEK file)")
+
+
+def provider_for(path: str | os.PathLike[str], kek_env: str = DEFAULT_KEK_ENV, kek_file: str | None = None,
                  create: bool = True) -> KeyProvider:
     """The KEK for keyring ``path``: ``$kek_env`` when set, else ``kek_file`` (default ``PATH.kek``).
 
     A missing KEK file is generated (0600) only when the keyring itself does not exist yet and
-    ``create`` is true; otherwise KeyringError names what is missing.
+    ``create`` is true; otherwise KeyringError names what is missing. A caller holding a config checks a
+    non-default ``kek_env`` first (:func:`check_kek_env`: :meth:`~kvbm_backend.crypto.keyring.Keyring.from_config` does).
     """
     if os.environ.get(kek_env):
         return LocalKek.from_env(kek_env)

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, TypeVar, overlo
 from ..fsmodes import makedirs_private
 from ..model.namespace import tenant_bytes
 from .kek import (KEY_BYTES, DataKey, KeyProvider, KeyringError, LocalKek, TenantRevoked, UnknownTenant, _stamp,
-                  dir_is_read_only, generate_kek_b64, locked_file, provider_for)
+                  check_kek_env, dir_is_read_only, generate_kek_b64, locked_file, provider_for)
 from .keyring_file import (FORMAT, FileState, create_tenant, limit_msg, read_keyring, revoke_tenant, revoked_key_ids,
                            rewrap_doc, rotate_tenant, tenant_rows)
 from .keyring_persist import Doc, Stamp, UseCounts
@@ -165,6 +165,7 @@ class Keyring:
         """Open the keyring a :class:`kvbm_backend.config.KeyringConfig` names. Raises KeyringError."""
         if not cfg.path:
             raise KeyringError("g4.keyring.path: required when g4.encrypt is true (a keyring file, created 0600)")
+        check_kek_env(cfg)  # KeyringError: a non-default kek_env is unset (never a node-local KEK file instead)
         ro = getattr(cfg, "read_only", None)
         if ro is None:
             ro = dir_is_read_only(cfg.path)

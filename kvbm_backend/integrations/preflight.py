@@ -230,15 +230,18 @@ def _check_keyring(cfg, create: bool) -> None:
     ``g4.keyring.path`` set when it is false too (a plaintext pool with a keyring names tenants and opens encrypted
     blocks with it, and does not start when it does not open: ``G4Pool``; before 2026-12-03 only ``g4.encrypt:
     true`` was checked). A dry run's missing keyring is left to the engine, but the KEK it would be created with
-    (``$kek_env``, else an existing KEK file) must open. Raises ConfigError naming ``g4.keyring`` and the file or
+    (``$kek_env``, else an existing KEK file) must open; a ``kek_env`` the config names must be set
+    (:func:`kvbm_backend.crypto.kek.check_kek_env`). Raises ConfigError naming ``g4.keyring`` and the file or
     variable at fault."""
     from ..config import ConfigError
     g4 = cfg.g4
     if not (g4.enabled and (g4.encrypt or g4.keyring.path)):
         return
     from ..crypto.keyring import Keyring, KeyringError, provider_for
+    from ..crypto.kek import check_kek_env
     kc = g4.keyring
     try:
+        check_kek_env(kc)  # a non-default kek_env unset: refused, dry run too (before 2026-12-03: a new KEK file)
         if not create and kc.path and not os.path.exists(kc.path):
             # the engine would create it (and a KEK file): a dry run leaves that to it, not the KEK it would use
             if os.environ.get(kc.kek_env) or os.path.lexists(kc.kek_file or f"{kc.path}.kek"):

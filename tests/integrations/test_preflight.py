@@ -33,15 +33,20 @@ def _encrypted_g4(tmp_path):
 
 def test_a_dry_run_creates_no_keyring_and_no_kek_file(tmp_path, monkeypatch):
     """Review finding (2026-11-29): the scripts' dry run ("print, check, do not start") created the keyring and a
-    plaintext KEK file on the host. A dry-run check writes nothing; the real start still creates them."""
-    monkeypatch.delenv("KVBM_TEST_KEK", raising=False)
+    plaintext KEK file on the host. A dry-run check writes nothing; the real start still creates them. ``kek_env`` not
+    named and ``$KVBM_BACKEND_KEK`` unset: the KEK file is the KEK (a non-default variable left unset is refused:
+    tests/crypto/test_kek_env_named.py)."""
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
+    monkeypatch.delenv("KVBM_BACKEND__G4__KEYRING__KEK_ENV", raising=False)
     (tmp_path / "keys").mkdir()
+    g4 = _encrypted_g4(tmp_path)
+    del g4["g4"]["keyring"]["kek_env"]
     ktc = json.dumps({"kv_connector": "KvbmBackendConnector", "kv_role": "kv_both",
-                      "kv_connector_extra_config": {"kvbm_backend": {"g3": {"enabled": False}, **_encrypted_g4(tmp_path)}}})
+                      "kv_connector_extra_config": {"kvbm_backend": {"g3": {"enabled": False}, **g4}}})
     assert check_argv(["serve", "m", "--kv-transfer-config", ktc], create=False) is None
     assert list((tmp_path / "keys").iterdir()) == []
     assert check_argv(["serve", "m", "--kv-transfer-config", ktc]) is None  # the launcher's own check creates it
-    assert (tmp_path / "keys" / "keyring.json").exists()
+    assert (tmp_path / "keys" / "keyring.json").exists() and (tmp_path / "keys" / "keyring.json.kek").exists()
 
 
 def test_native_tiers_are_checked_too(tmp_path, monkeypatch):

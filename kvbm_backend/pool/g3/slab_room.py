@@ -14,7 +14,7 @@ left free room to no file when a directory's files held different sizes (``capac
 
 **The metadata reserve counts the journal already there** (:func:`slab_keep_free`, :func:`journal_bytes_in`): the
 reserve slab files leave free (:func:`keep_free_bytes`) is for the journal, its rewrite and its ``.gen`` markers.
-Before 2026-12-04 the room was the free space less the whole reserve while those files already sat on the
+Before 2026-12-03 the room was the free space less the whole reserve while those files already sat on the
 filesystem, so each journal append took room the caps had promised to the slabs: on every first fill of a
 filesystem smaller than ``capacity_gb`` (an 8 MiB tmpfs) the last growth of a slab file was refused, a batch dropped
 ``enospc`` and the tier degraded instead of evicting. Now slab files leave free the reserve less the bytes the

@@ -1,7 +1,7 @@
 """A fresh G3 pool on a filesystem smaller than ``g3.capacity_gb``, filled for the first time (invariant 4, capacity
 is real): it behaves as a pool of the filesystem's size, evicting (LRU) once its slab files hold the filesystem.
 
-Finding 2026-12-04: the room slab files may take was the free space less the whole metadata reserve
+Finding 2026-12-03: the room slab files may take was the free space less the whole metadata reserve
 (:func:`kvbm_backend.pool.g3.slab_room.keep_free_bytes`), while the journal and its ``.gen`` markers, the files that
 reserve is kept for, already sat on the filesystem: each journal append took free space the caps had already
 promised to the slabs, so the last growth of a slab file was refused ("would cross the ... free-space watermark (or
