@@ -20,7 +20,7 @@ import socket
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, Protocol, runtime_checkable
 
 from ..fsmodes import UnsafePath, check_trusted_dir, makedirs_private, open_trusted
 from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
@@ -257,14 +257,14 @@ def trusted_dir(d: str | os.PathLike[str], what: str) -> None:
 DEFAULT_KEK_ENV = "KVBM_BACKEND_KEK"  # g4.keyring.kek_env when the operator names none
 
 
-def kek_env_named(kc) -> bool:
+def kek_env_named(kc: Any) -> bool:
     """Whether ``g4.keyring.kek_env`` (``kc``: a :class:`kvbm_backend.config.KeyringConfig`) names a variable other
     than the default ``KVBM_BACKEND_KEK``: the operator chose that variable (e.g. a fleet Secret's), so it must be
     set. The default's name keeps the KEK file as its fallback (the example configs name it, for dev hosts too)."""
-    return kc.kek_env != DEFAULT_KEK_ENV
+    return bool(kc.kek_env != DEFAULT_KEK_ENV)
 
 
-def check_kek_env(kc, environ: Mapping[str, str] | None = None) -> None:
+def check_kek_env(kc: Any, environ: Mapping[str, str] | None = None) -> None:
     """A ``kek_env`` other than the default must be set (non-empty) in ``environ`` (None: this process's). Before 2026-12-03
     a named variable left unset (a Secret not wired into the pod) fell back to the node-local KEK file, and where
     the keyring did not exist yet the worker made a keyring and KEK of its own, silently: pods then could not
