@@ -9,7 +9,6 @@ fallback, through a tier's config merge too."""
 from __future__ import annotations
 
 import base64
-import json
 import os
 
 import pytest
@@ -19,6 +18,7 @@ from kvbm_backend.crypto.keyring import KeyringError
 from kvbm_backend.integrations.preflight import check_argv
 from kvbm_backend.integrations.vllm.extra_config import tier_config
 from kvbm_backend.pool.g4.pool import G4Pool
+from tests.integrations.test_preflight_keyring import _argv, _tier_argv
 from tests.apps.test_doctor_g4_keyring import _doctor, _one_problem, _verdict
 from tests.helpers.g4_writer import namespace
 
@@ -75,19 +75,6 @@ def test_kek_env_not_named_still_falls_back_to_the_kek_file(tmp_path):
     (tmp_path / "d").mkdir()  # the default's name given (as the example configs give it): the same fallback
     _open(_g4(tmp_path / "d", kek_env="KVBM_BACKEND_KEK"))
     assert (tmp_path / "d" / "keys" / "keyring.json.kek").exists()
-
-
-def _argv(g4: dict) -> list[str]:
-    return ["serve", "m", "--kv-transfer-config", json.dumps({
-        "kv_connector": "KvbmBackendConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvbm_backend": {"g3": {"enabled": False}, **g4}}})]
-
-
-def _tier_argv(g4: dict) -> list[str]:
-    tier = {"type": "G4Tier", "module_path": "kvbm_backend.integrations.vllm.tiering", "g4": g4["g4"]}
-    return ["serve", "m", "--kv-transfer-config", json.dumps({
-        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [tier]}})]
 
 
 def test_the_preflight_refuses_a_named_kek_env_that_is_unset(tmp_path):
