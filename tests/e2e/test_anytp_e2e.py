@@ -42,7 +42,10 @@ def test_tp1_g4_blocks_load_in_a_tp2_engine(tmp_path):
     assert sa.get("g4_put_written_blocks", 0) >= 2 * FULL - SHARED, sa
     assert sa.get("g3_put_written_blocks", 0) == 0, sa
     objs = [f for _, _, fs in os.walk(tmp_path / "g4") for f in fs if not f.endswith(".json")]
-    assert len(objs) == TINY.num_key_value_heads * sa["g4_put_written_blocks"]  # one object per (block, KV head)
+    # one object per (block, KV head); each block counted written once, though the second prompt re-saves the
+    # shared prefix while the first prompt's puts of it may still be in flight (CI 2026-12: 34 counted, 32 stored)
+    assert len(objs) == TINY.num_key_value_heads * sa["g4_put_written_blocks"], (len(objs), sa, a["pool_stats"])
+    assert a["pool_stats"]["g4"]["written"] == len(objs), a["pool_stats"]  # each part object counted once
 
     ref = run_engine(tmp_path, "tp2-plain", model, ps, None, tensor_parallel_size=2, **kw)
     b = run_engine(tmp_path, "tp2-reader", model, ps, {"extra": _extra(tmp_path, "r", g4, g3=True)},

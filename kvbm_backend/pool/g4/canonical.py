@@ -8,11 +8,19 @@ identity and AEAD tag, by the G4 pool), else the block is a miss and ``out[i]`` 
 counts a block present only when the parts of all the key's heads are. Ranks that hold replicated heads
 (more TP ranks than KV heads, MLA) write only from the first replica (:meth:`HeadMap.writes`); the others'
 offloads count as skipped.
+
+A block put again while an earlier put of it through this pool is still in flight (an engine re-saves a shared
+prefix while the first save is in write-behind) is handed to the G4 pool only once that put ended, so it finds the
+parts stored (skipped) or stores what the first put dropped. Before (CI, 2026-12, 2 busy cores) both puts' parts
+were in flight at once: each part object has exactly one creator, but the two puts could each create some of one
+block's parts, and both counted the block ``written`` (``g4_put_written_blocks`` 34 for 32 blocks stored).
 """
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
@@ -48,6 +56,15 @@ def _all_of(futs: list[Future[_R]], combine: Callable[[list[_R]], _T]) -> Future
     return out
 
 
+def _copy(src: Future[_R], dst: Future[_R]) -> None:
+    """Resolve ``dst`` as the done ``src`` (its result or its exception)."""
+    e = src.exception()
+    if e is not None:
+        dst.set_exception(e)
+    else:
+        dst.set_result(src.result())
+
+
 class CanonicalG4:
     """Per-rank view of canonical G4 parts.
 
@@ -69,6 +86,8 @@ class CanonicalG4:
         self._fp = heads.per_rank.fingerprint
         self._bpb = heads.per_rank.layout.bytes_per_block
         self._per = heads.heads_per_rank
+        self._mu = threading.Lock()
+        self._inflight: dict[BlockKey, Future[PutResult]] = {}  # per-rank key -> its last put issued here
 
     @property
     def layout(self) -> KvLayout:
@@ -103,15 +122,17 @@ class CanonicalG4:
         self.inner.count_lookup(requested, found)
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray]) -> Future[PutResult]:
-        """Store each block as its rank's head parts (copies made now; the caller's buffers are free when
-        this returns). The result counts blocks, each by its parts' outcomes (one inner put per block):
-        dropped if any part was dropped, skipped if every part was already stored (or the rank is a
-        non-writing replica), else written. Raises ValueError for mismatched lengths, a wrong-sized buffer
-        or a key of another namespace (caller bugs, as G4Pool)."""
+        """Store each block as its rank's head parts (split now; the caller keeps ``blocks`` until the future
+        is done: a one-head part is a view of its block). The result counts blocks, each by its parts' outcomes
+        (one inner put per block): dropped if any part was dropped, skipped if every part was already stored
+        (or the rank is a non-writing replica), else written. A block whose earlier put through this pool has
+        not ended yet is handed to the G4 pool when that put ends (module doc): a block is counted written
+        by one put, never by two. Raises ValueError for mismatched lengths, a wrong-sized buffer or a key of
+        another namespace (caller bugs, as G4Pool)."""
         keys, blocks = list(keys), list(blocks)
         if len(keys) != len(blocks):
             raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
-        parts: list[tuple[list[BlockKey], list[np.ndarray]]] = []
+        parts: list[tuple[BlockKey, list[BlockKey], list[np.ndarray]]] = []
         skipped = 0
         for k, b in zip(keys, blocks):
             if k.namespace != self._fp:
@@ -119,7 +140,7 @@ class CanonicalG4:
             if not self.heads.writes(k.rank):
                 skipped += 1
                 continue
-            parts.append((self.heads.part_keys(k), self.heads.split(b)))
+            parts.append((k, self.heads.part_keys(k), self.heads.split(b)))
         if not parts:
             return completed(PutResult(skipped=skipped))
 
@@ -133,7 +154,34 @@ class CanonicalG4:
                 else:
                     out.skipped += 1
             return out
-        return _all_of([self.inner.put(pk, pb) for pk, pb in parts], blocks_of)
+        return _all_of([self._put_block(k, pk, pb) for k, pk, pb in parts], blocks_of)
+
+    def _put_block(self, key: BlockKey, pkeys: list[BlockKey], pblocks: list[np.ndarray]) -> Future[PutResult]:
+        """One block's inner put: now, or when the put of ``key`` issued before through this pool has ended
+        (one at a time per key: the parts of two puts of one block are never in flight together)."""
+        with self._mu:
+            prev = self._inflight.get(key)
+            out: Future[PutResult] = Future()
+            self._inflight[key] = out
+        out.add_done_callback(lambda f: self._ended(key, f))
+
+        def issue(_prev: object = None) -> None:
+            try:
+                fut = self.inner.put(pkeys, pblocks)
+            except Exception as e:  # noqa: BLE001 - handed to the caller (put validated the sizes already)
+                out.set_exception(e)
+                return
+            fut.add_done_callback(lambda f: _copy(f, out))
+        if prev is None:
+            issue()
+        else:
+            prev.add_done_callback(issue)
+        return out
+
+    def _ended(self, key: BlockKey, f: Future[PutResult]) -> None:
+        with self._mu:
+            if self._inflight.get(key) is f:
+                del self._inflight[key]
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[Any] | Any) -> Future[GetResult]:
         """Read the parts of each key's rank heads into host buffers and assemble block ``i`` into
@@ -183,7 +231,14 @@ class CanonicalG4:
         return _all_of([self.inner.delete(parts)], lambda rs: rs[0] // self._per)
 
     def flush(self, timeout: float | None = None) -> bool:
-        return self.inner.flush(timeout)
+        """Wait until every put made so far ended (those waiting for an earlier put of their block too),
+        then for the G4 pool's :meth:`flush` (seconds in all; None: no bound). False if the time ran out."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._mu:
+            pending = list(self._inflight.values())
+        if futures_wait(pending, timeout).not_done:
+            return False
+        return self.inner.flush(None if end is None else max(0.0, end - time.monotonic()))
 
     def stats(self) -> dict[str, Any]:
         """The G4 pool's counters (counted in parts; ``namespace`` is the canonical fingerprint, what the
