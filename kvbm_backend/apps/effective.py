@@ -22,7 +22,10 @@ every kvbm-backend config in it (``KvbmBackendConnector``'s ``config_file`` / in
 
 A missing config file, an invalid field or, with G4 encryption on, no KEK (neither ``$kek_env`` nor the KEK
 file, and no new keyring to create one for) is one ``kvbm-backend: error: ...`` line and exit 2 (an invalid
-script default is named ``(from --default FIELD)``, not by the variable it is exported as).
+script default is named ``(from --default FIELD)``, not by the variable it is exported as); so is a
+``g4.keyring.kek_env`` other than the default ``KVBM_BACKEND_KEK`` that is unset (``g4.keyring.kek_env: NAME is not
+set``), with G4 encryption on or a ``g4.keyring.path`` set, as the worker refuses it (before 2026-12-03 the line said
+``g4.kek=[new file ...]``).
 
 ``--dry-run ARGV...`` (what the scripts exec instead of the engine when ``KVBM_BACKEND_DRY_RUN`` is set):
 print ``kvbm-backend dry run: exec ARGV`` (shell-quoted) and ``kvbm-backend dry run: env K=V ...`` (the
@@ -38,7 +41,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import typer
 
@@ -170,14 +173,29 @@ def effective(source: Source, defaults: dict[str, Any], environ: dict[str, str] 
     return cfg, exports, where
 
 
+def check_kek_env(kr, environ: Mapping[str, str] | None = None) -> None:
+    """:func:`kvbm_backend.crypto.kek.check_kek_env` of keyring config ``kr``: a ``g4.keyring.kek_env`` other than
+    the default ``KVBM_BACKEND_KEK`` must be set in ``environ`` (None: this process's), as the worker requires
+    (:meth:`~kvbm_backend.crypto.keyring.Keyring.from_config`). Raises EffectiveError naming the field and the
+    variable (before 2026-12-03 ``config effective`` reported ``g4.kek=[new file ...]``, the node-local KEK file
+    the worker no longer falls back to)."""
+    from ..crypto.kek import KeyringError, check_kek_env as _check
+    try:
+        _check(kr, os.environ if environ is None else environ)
+    except KeyringError as e:
+        raise EffectiveError(str(e)) from None
+
+
 def kek_source(cfg, environ: dict[str, str] | None = None) -> str:
     """Where the G4 keyring's KEK comes from (``env NAME``, ``file PATH``, ``new file PATH``); raises
-    EffectiveError when there is none, or the KEK file is a symbolic link to nothing (the same rule as
+    EffectiveError when there is none, when a ``g4.keyring.kek_env`` other than the default is unset
+    (:func:`check_kek_env`), or the KEK file is a symbolic link to nothing (the same rule as
     :func:`kvbm_backend.crypto.kek.provider_for`, which takes any name there, a link too, as the KEK file)."""
     env = os.environ if environ is None else environ
     kr = cfg.g4.keyring
     if not kr.path:
         raise EffectiveError("g4.keyring.path: required when g4.encrypt is true (a keyring file, created 0600)")
+    check_kek_env(kr, env)
     if env.get(kr.kek_env):
         return f"env {kr.kek_env}"
     kf = kr.kek_file or f"{kr.path}.kek"
@@ -286,6 +304,8 @@ def resolve(ktc: dict, kind: str, defaults: dict[str, Any], environ: dict[str, s
         if key not in seen:
             cfg, ex, where = effective(src, defaults, env)
             kek = kek_source(cfg, env) if cfg.g4.enabled and cfg.g4.encrypt else None
+            if cfg.g4.enabled and not cfg.g4.encrypt and cfg.g4.keyring.path:  # the pool opens it (names, reads)
+                check_kek_env(cfg.g4.keyring, env)
             seen[key] = cfg
             exports.update(ex)
             lines.append((src, cfg, where, kek))

@@ -92,10 +92,21 @@ def _revoked_rows(kr, tenant: Optional[str] = None) -> list[dict]:
 
 
 def _open(keyring: str, kek_env: str, kek_file: Optional[str], create: bool):
+    """The keyring ``--keyring`` names under the KEK of ``--kek-env`` / ``--kek-file`` (:func:`provider_for`),
+    created with its KEK file when ``create`` and absent. A ``--kek-env`` other than the default
+    ``KVBM_BACKEND_KEK`` that is unset (or empty) is refused before anything is read or created, as the workers
+    refuse such a ``g4.keyring.kek_env`` (before 2026-12-03 it fell back to the KEK file, ``create`` making a
+    new KEK file and keyring). Every refusal is :func:`_fail` (one ``error:`` line, exit 2)."""
+    import os
     from pathlib import Path
 
     from kvbm_backend.config import dir_problem
+    from kvbm_backend.crypto.kek import DEFAULT_KEK_ENV
     from kvbm_backend.crypto.keyring import Keyring, provider_for
+    if kek_env != DEFAULT_KEK_ENV and not os.environ.get(kek_env):
+        _fail(f"--kek-env: ${kek_env} is not set (the KEK variable named; the KEK file {kek_file or keyring + '.kek'} "
+              f"is no fallback for it: set ${kek_env} to the base64 32-byte KEK, or omit --kek-env (default "
+              f"{DEFAULT_KEK_ENV}) to use the KEK file)")
     for name, f in (("--keyring", keyring), ("--kek-file", kek_file)):
         if f and create and not Path(f).exists():
             problem = dir_problem(str(Path(f).absolute().parent))

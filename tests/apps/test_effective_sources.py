@@ -118,6 +118,7 @@ def test_a_tiers_nested_override_merges_field_by_field(tmp_path, monkeypatch):
     cfg_file.write_text(f"g3: {{enabled: false}}\ng4:\n  enabled: true\n  url: file://{tmp_path / 'g4'}\n"
                         f"  keyring: {{path: {kr / 'keyring.json'}, kek_env: MY_KEK, auto_create_tenants: false}}\n")
     monkeypatch.setenv("KVBM_BACKEND__G4__KEYRING__MAX_AUTO_TENANTS", "7")
+    monkeypatch.setenv("MY_KEK", "A" * 43 + "=")  # the named kek_env is set (unset: refused, as the worker does)
     cfg = tier_config(str(cfg_file), g4={"keyring": {"reload_interval_s": 5}})
     k = cfg.g4.keyring
     assert (k.path, k.kek_env, k.auto_create_tenants, k.max_auto_tenants, k.reload_interval_s) == (
@@ -151,7 +152,7 @@ def test_a_tiers_own_keys_win_over_the_environment_as_documented(tmp_path):
     assert line.index("`KVBM_BACKEND__*`") < line.index("its own `g3`/`g4` keys"), line
 
 
-def test_a_dangling_kek_link_is_not_reported_as_a_new_kek(tmp_path):
+def test_a_dangling_kek_link_is_not_reported_as_a_new_kek(tmp_path, monkeypatch):
     """Review finding (2026-11-30): ``kek_source`` looked for the KEK file with Path.exists, the keyring opener
     (``provider_for``) with os.path.lexists. With no keyring yet and ``kr.json.kek`` a symbolic link to nothing,
     ``config effective`` said ``new file`` and exited 0 while the opener refuses the link: the engine failed
@@ -163,11 +164,49 @@ def test_a_dangling_kek_link_is_not_reported_as_a_new_kek(tmp_path):
     kek.symlink_to(kdir / "nowhere")
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text(f"model: m\ng3:\n  enabled: false\ng4:\n  enabled: true\n  url: file://{tmp_path / 'g4'}\n"
-                        f"  keyring:\n    path: {kr}\n    kek_env: KVBM_TEST_NO_SUCH_KEK\n")
+                        f"  keyring:\n    path: {kr}\n")  # the default kek_env (a named one unset: refused first)
+    monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
     with pytest.raises(KeyringError):  # what the engine would meet
-        provider_for(kr, kek_env="KVBM_TEST_NO_SUCH_KEK")
+        provider_for(kr)
     r = _cli({"kv_connector": "KvbmBackendConnector", "kv_connector_extra_config": {"config_file": str(cfg_file)}})
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(f"kvbm-backend: error: g4.keyring: KEK file {kek} is a symbolic link to nothing"), \
         r.stderr
     assert not kr.exists() and os.path.islink(kek)  # nothing created
+
+
+def test_a_named_kek_env_that_is_unset_is_refused_not_reported_as_a_kek_file(tmp_path, monkeypatch):
+    """Review finding (2026-12-03): a config naming ``g4.keyring.kek_env: FLEET_KEK`` (a fleet's Secret) whose
+    variable is unset made ``config effective`` print ``g4.kek=[new file PATH.kek]`` (or ``[file PATH.kek]``)
+    and exit 0, while the worker refuses to start (``Keyring.from_config``: a named kek_env is never replaced by
+    the node-local KEK file). Now one error line naming ``g4.keyring.kek_env`` and the variable, exit 2, nothing
+    created; with the variable set, or the default's name, the KEK's source as before."""
+    var = "KVBM_TEST_FLEET_KEK"
+    monkeypatch.delenv(var, raising=False)
+    kdir = tmp_path / "k"
+    kdir.mkdir(mode=0o700)
+    kr = kdir / "kr.json"
+
+    def ktc(kek_env: str | None, encrypt: bool = True) -> dict:
+        g4 = {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": encrypt,
+              "keyring": {"path": str(kr), **({"kek_env": kek_env} if kek_env else {})}}
+        return {"kv_connector": "KvbmBackendConnector",
+                "kv_connector_extra_config": {"kvbm_backend": {"g3": {"enabled": False}, "g4": g4}}}
+
+    refused = f"kvbm-backend: error: g4.keyring.kek_env: {var} is not set"
+    for encrypt in (True, False):  # a plaintext pool with a keyring opens it too (names tenants, reads blocks)
+        r = _cli(ktc(var, encrypt))
+        assert r.returncode == 2 and r.stderr.startswith(refused), (encrypt, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == "", r.stderr
+    (kdir / "kr.json.kek").write_text("A" * 43 + "=\n")  # an existing KEK file is no fallback for it either
+    (kdir / "kr.json.kek").chmod(0o600)
+    r = _cli(ktc(var))
+    assert r.returncode == 2 and r.stderr.startswith(refused), r.stderr
+    assert sorted(p.name for p in kdir.iterdir()) == ["kr.json.kek"]  # nothing created
+    (kdir / "kr.json.kek").unlink()
+    r = _cli(ktc("KVBM_BACKEND_KEK"))  # the default's name, given: the KEK file the first worker makes
+    assert r.returncode == 0 and f"g4.kek=[new file {kr}.kek]" in r.stderr, r.stderr
+    monkeypatch.setenv(var, "A" * 43 + "=")  # set: the environment's KEK
+    r = _cli(ktc(var))
+    assert r.returncode == 0 and f"g4.kek=[env {var}]" in r.stderr, r.stderr
+    assert list(kdir.iterdir()) == []

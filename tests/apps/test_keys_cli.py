@@ -166,3 +166,40 @@ def test_keys_destroy_waits_for_a_workers_change_in_flight_and_deletes_after_it(
     assert d.returncode == 0, err
     assert json.loads(out)["tenants"] == 2  # it deleted the file the worker wrote: acme and newcomer
     assert not path.exists()
+
+
+def test_a_named_kek_env_that_is_unset_is_refused_and_creates_nothing(tmp_path):
+    """Review finding (2026-12-03): ``keys create|list|revoke ... --kek-env FLEET_KEK`` with that variable unset fell
+    back to the KEK file (``create``: a new KEK file and keyring, the report saying ``created now``), a keyring
+    the fleet's workers (``g4.keyring.kek_env: FLEET_KEK``) cannot open. The operator named the variable: now one
+    ``error:`` line naming ``--kek-env`` and the variable, exit 2, nothing created or changed. The default
+    ``--kek-env KVBM_BACKEND_KEK`` keeps the KEK file."""
+    var = "KVBM_TEST_FLEET_KEK"
+    kdir = tmp_path / "keys"
+    kr = str(kdir / "kr.json")
+    refused = f"error: --kek-env: ${var} is not set"
+    unset = {var: ""}  # set but empty counts as unset (as for g4.keyring.kek_env); _cli's env otherwise lacks it
+    for args in (("create", "--tenant", "alice"), ("list",), ("revoke", "--tenant", "alice")):
+        r = _cli("keys", *args, "--keyring", kr, "--kek-env", var, env=unset)
+        assert r.returncode == 2 and r.stdout == "", (args, r.stdout, r.stderr)
+        assert r.stderr.startswith(refused) and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+    assert not kdir.exists()  # no keyring, no KEK file, no lock, no directory
+    e = {k: v for k, v in os.environ.items() if k != var}  # truly absent, not empty
+    r = subprocess.run([sys.executable, "-m", "kvbm_backend.apps.cli", "keys", "create", "--keyring", kr, "--tenant",
+                        "alice", "--kek-env", var], capture_output=True, text=True, timeout=HANG_S, cwd=str(REPO),
+                       env={**{k: v for k, v in e.items() if not k.startswith("KVBM_BACKEND")},
+                            "PYTHONPATH": str(REPO), "COLUMNS": "200"})
+    assert r.returncode == 2 and r.stderr.startswith(refused), r.stderr
+    assert not kdir.exists()
+    # an existing keyring and KEK file (made with the default): a named variable unset is still refused
+    _ok(_cli("keys", "create", "--keyring", kr, "--tenant", "alice", "--kek-env", "KVBM_BACKEND_KEK"))
+    before = {p.name: p.read_bytes() for p in kdir.iterdir()}
+    for args in (("list",), ("revoke", "--tenant", "alice"), ("create", "--tenant", "bob")):
+        r = _cli("keys", *args, "--keyring", kr, "--kek-env", var, env=unset)
+        assert r.returncode == 2 and r.stderr.startswith(refused), (args, r.stderr)
+    assert {p.name: p.read_bytes() for p in kdir.iterdir()} == before  # nothing revoked or created
+    # the default, given or not, keeps the KEK file; the named variable, set, is used
+    assert [t["tenant"] for t in json.loads(_ok(_cli("keys", "list", "--keyring", kr, "--json")))] == ["alice"]
+    r = _cli("keys", "create", "--keyring", str(tmp_path / "kr2.json"), "--tenant", "t", "--json", "--kek-env", var,
+             env={var: "A" * 43 + "="})
+    assert json.loads(_ok(r))["kek"] == f"from ${var} (the environment)"
