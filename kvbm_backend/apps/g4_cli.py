@@ -36,9 +36,15 @@ def _out(obj, as_json: bool) -> None:
         Console().print_json(json.dumps(obj))
 
 
+#: exit code of a run the store stopped by refusing a write for room (``stopped_full``: full, over quota, read-only)
+EXIT_STORE_FULL = 3
+
+
 def _report(res: dict, as_json: bool, cmd: str) -> None:
     """gc's or migrate's report (:func:`_out`); each part of the store it could not list (``unlisted``) an
-    error line on stderr (the first 20); exit 1 when ``errors`` > 0 (the run went on with the rest)."""
+    error line on stderr (the first 20); a run stopped by a store refusing writes (``stopped_full``) an error
+    line naming the store, its mount and why, then exit :data:`EXIT_STORE_FULL` (3); else exit 1 when ``errors``
+    > 0 (the run went on with the rest)."""
     _out(res, as_json)
     for w in res.get("warnings", []):
         console.print(Text.assemble(("warning:", "yellow"), f" {cmd}: {w}"), soft_wrap=True, highlight=False)
@@ -47,6 +53,14 @@ def _report(res: dict, as_json: bool, cmd: str) -> None:
         error_line(f"{cmd}: {line}: its objects were not examined")
     if len(unlisted) > 20:
         error_line(f"{cmd}: {len(unlisted) - 20} more parts of the store not listed (see unlisted)")
+    full = res.get("stopped_full")
+    if full:
+        mount = f", mount {full['mount']}" if full.get("mount") else ""
+        error_line(f"{cmd}: stopped: {full['url']} refuses writes: {full['reason']} ({full['errno']}{mount}): "
+                   f"{full['error']}; {res.get('migrated', 0)} renamed before it, {full['not_renamed']} left under "
+                   "their old names untouched; free space (kvbm-backend gc), raise the quota or remount read-write, "
+                   "then run it again (it goes on with those left)")
+        raise typer.Exit(EXIT_STORE_FULL)
     if res["errors"]:
         raise typer.Exit(1)
 
@@ -301,7 +315,8 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
     """Rename blocks stored under format 1 names (sequence hash in clear) to keyed names. Safe while
     workers run; repeatable. Until it ran, old-named blocks are misses (recomputed). Exit 1 when an
     object could not be renamed or a directory listed (errors > 0; the rest was), 2 for a refused run
-    (nothing written)."""
+    (nothing written), 3 when the store refused a write for room (full, over quota, read-only): the run
+    stopped there, every object not renamed left in place; run it again once there is room."""
     from kvbm_backend.crypto.keyring import KeyringError
     from kvbm_backend.pool.g4.migrate import run_migrate
     store = _open_store(url, endpoint_url, region)

@@ -34,16 +34,23 @@ names the blocks of plaintext and encrypted pools alike). An encrypted pool neve
 encrypted copy (workers now delete such frames on their first load: one miss each). ``encrypted=True`` leaves them
 (``skipped_plaintext``, for ``gc --max-age-s``), ``False`` renames them; unsaid, a plaintext object refuses the run
 before anything is renamed.
+
+A store that refuses a write for room (:class:`~.store.StoreFull`: no space, over quota, read-only) stops the run at
+that object (``stopped_full`` says where and why; the run exits 3): the refused object and every one after it stay
+under their old names, untouched, and a run after room is made renames them (those renamed are gone from the old
+names). Before 2026-12-03 each refused write was counted as an error and the run went on through every remaining
+object: thousands of failing writes on a full mount, each reported, for nothing renamed.
 """
 from __future__ import annotations
 
+import errno
 from typing import TYPE_CHECKING, Any
 
 from ...crypto.aead import AeadError, key_check_differs, open_into
 from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader, payload_checksum
 from .naming import TenantNamer, fanout_width, parse_block_name
-from .store import ObjectStore, StoreUnavailable, listing
+from .store import ObjectStore, StoreFull, StoreUnavailable, listing
 
 if TYPE_CHECKING:
     from ...crypto.keyring import Keyring
@@ -51,6 +58,8 @@ if TYPE_CHECKING:
 #: bytes of payload a frame's header may name and still be read (1 GiB: the largest KV block of a published layout
 #: is a few tens of MiB); a larger claim is ``skipped_invalid`` without reading it
 MAX_FRAME_PAYLOAD_BYTES = 1 << 30
+#: the reason a run stopped by :class:`~.store.StoreFull` names, by errno (:data:`.fs_put.FULL_ERRNOS`)
+FULL_REASONS = {errno.ENOSPC: "full", errno.EDQUOT: "over quota", errno.EROFS: "read-only"}
 
 
 def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: bool = False,
@@ -84,7 +93,11 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
         the name, the stored payload does not verify, or the object is longer than its frame), ``skipped_revoked``,
         ``skipped_unknown_tenant``, ``skipped_plaintext``, ``errors`` (a read that did not verify, the
         store not confirming it holds those bytes, is one); ``unlisted``: one line per part of the store that could not
-        be listed (a directory of a file store), each counted in ``errors``.
+        be listed (a directory of a file store), each counted in ``errors``. ``stopped_full``: None, or (the store
+        refused a write for room: the run stopped there, renaming and deleting nothing more) a dict: ``url`` (the
+        store), ``mount`` (a file store's mount point, else None), ``errno`` (``ENOSPC``, ``EDQUOT``, ``EROFS``),
+        ``reason`` (``full``, ``over quota``, ``read-only``), ``error`` (the store's message) and ``not_renamed``
+        (objects left under their old names by the stop, the refused one included: none of them touched).
     Raises:
         ValueError before anything is written when neither or both of ``keyring`` / ``unkeyed`` are given,
         ``dir_fanout`` does not match the old names, an encrypted object is found without ``keyring``, a
@@ -112,7 +125,7 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "legacy_objects": len(legacy), "migrated": 0,
            "already_present": 0, "skipped_invalid": 0, "skipped_revoked": 0, "skipped_unknown_tenant": 0,
            "skipped_plaintext": 0, "kept_name_taken": 0,
-           "errors": len(unlisted), "unlisted": unlisted}
+           "errors": len(unlisted), "unlisted": unlisted, "stopped_full": None}
     known: set[str] | None = None
     revoked: set[str] = set()
     if keyring is not None:
@@ -155,7 +168,7 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             continue
         todo.append((o, meta, HEADER_BYTES + hdr.stored_len + 1))
     namers: dict[tuple[str, str], TenantNamer] = {}  # (namespace hex, tenant pseudonym hex)
-    for o, meta, want in todo:  # pass 2: rename; reads ask for the frame its header names and a byte more
+    for i, (o, meta, want) in enumerate(todo):  # pass 2: rename; reads ask for the frame its header names + 1 byte
         ps = meta["tenant"]
         namer = namers.get((meta["ns"], ps))
         if namer is None:
@@ -195,11 +208,20 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             store.delete(o.name)
         except StoreUnavailable:
             raise
+        except StoreFull as e:  # no room: every later write is refused too; this source and the rest stay
+            res["stopped_full"] = _full_stop(store, e, len(todo) - i)
+            break
         except OSError:
             res["errors"] += 1
             continue
         res["migrated" if created else "already_present"] += 1
     return res
+
+
+def _full_stop(store: ObjectStore, e: StoreFull, not_renamed: int) -> dict[str, Any]:
+    """``stopped_full`` of :func:`run_migrate`'s report for the refusal ``e`` of ``store``."""
+    return {"url": store.url, "mount": e.mount, "errno": errno.errorcode.get(e.errno or 0, str(e.errno)),
+            "reason": FULL_REASONS.get(e.errno or 0, "refuses writes"), "error": str(e), "not_renamed": not_renamed}
 
 
 def _serves(data: Any, meta: dict[str, Any], keyring: "Keyring | None", encrypted: bool | None) -> bool:
