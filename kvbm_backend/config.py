@@ -104,10 +104,11 @@ def dir_problem(path: str) -> str | None:
 
 
 def _check_g3_path(p: str, info: ValidationInfo) -> str:
-    """One ``g3.paths`` entry: non-empty always; :func:`dir_problem` when G3 is enabled."""
+    """One ``g3.paths`` entry: non-empty always; :func:`dir_problem` when G3 is enabled (and not in ``skip_dirs``)."""
     if not p.strip():
         raise PydanticCustomError("g3_path_empty", "empty path (G3 would open in the current directory)")
-    problem = dir_problem(p) if info.data.get("enabled", True) else None
+    on = info.data.get("enabled", True) and "g3" not in (info.context or {}).get("skip_dirs", ())
+    problem = dir_problem(p) if on else None
     if problem:
         raise PydanticCustomError("g3_path", "{problem}", {"problem": problem})
     return p
@@ -252,15 +253,16 @@ class KeyringConfig(_M):
 def _check_g4_url(url: str | None, info: ValidationInfo) -> str | None:
     """``g4.url``: required when G4 is enabled; any URL given (G4 enabled or not: a typo is a typo) must
     have a form its store accepts (:func:`kvbm_backend.store_url.url_problem`); an enabled ``file://``
-    store's directory is checked like a G3 path (:func:`dir_problem`)."""
+    store's directory is checked like a G3 path (:func:`dir_problem`; not with ``g4`` in ``skip_dirs``)."""
     enabled = info.data.get("enabled", False)
+    check_dir = enabled and "g4" not in (info.context or {}).get("skip_dirs", ())
     if not url:
         if enabled:
             raise PydanticCustomError("g4_url_required", "required when g4.enabled is true (s3://BUCKET/PREFIX or"
                                       " file:///path)")
         return url
     from .store_url import file_url_path, url_problem
-    problem = url_problem(url) or (dir_problem(file_url_path(url) or "/") if enabled else None)
+    problem = url_problem(url) or (dir_problem(file_url_path(url) or "/") if check_dir else None)
     if problem:
         raise PydanticCustomError("g4_url", "{problem}", {"problem": problem})
     return url
@@ -471,11 +473,12 @@ def _did_you_mean(loc: tuple) -> str:
 
 
 def load_config(source: str | Path | dict | None = None, *, environ: dict[str, str] | None = None,
-                use_env: bool = True) -> KvbmBackendConfig:
+                use_env: bool = True, skip_dirs: tuple[str, ...] = ()) -> KvbmBackendConfig:
     """Build the config from a file path (``.yaml``/``.yml``/``.toml``, any case; anything else is read as
     JSON), a dict (e.g. vLLM's
     ``kv_connector_extra_config["kvbm_backend"]``), a JSON string, or nothing; then apply env.
 
+    ``skip_dirs``: sections (``"g3"``, ``"g4"``) whose directories are not checked (a native tier uses one pool).
     Raises ConfigError naming the field on any invalid value, or the file on a parse error.
     """
     data: dict = {}
@@ -511,6 +514,6 @@ def load_config(source: str | Path | dict | None = None, *, environ: dict[str, s
     if use_env:
         data = _merge(data, env_overrides(environ, sources, KvbmBackendConfig))
     try:
-        return KvbmBackendConfig.model_validate(data)
+        return KvbmBackendConfig.model_validate(data, context={"skip_dirs": skip_dirs})
     except ValidationError as e:
         raise ConfigError(_fmt_error(e, sources)) from None

@@ -78,9 +78,13 @@ def tier_config(config: str | dict | None, *, g3: dict | None = None, g4: dict |
     ``min_sightings`` alone switched the tier to ``frequency``).
 
     ``tier`` (``"G3"`` for a G3Tier, ``"G4"`` for a G4Tier; None: no tier check) also checks that the tier's own
-    section is on (:func:`check_tier_section`); for ``"G4"`` the result has ``g4.enabled`` true. Raises
-    ConfigError naming the field."""
-    cfg = load_config(config)
+    section is on (:func:`check_tier_section`); for ``"G4"`` the result has ``g4.enabled`` true. A tier checks the
+    directories of its own pool only (a G4Tier's ``g4.url`` ``file://`` store, a G3Tier's ``g3.paths``): the other
+    section's are neither checked nor created (its fields are still validated). Before 2026-12-03 a G4Tier-only setup
+    was refused where the default ``g3.paths`` (``./kvbm-g3``) could not be created, e.g. a read-only working
+    directory. Raises ConfigError naming the field."""
+    skip = {"G3": ("g4",), "G4": ("g3",)}.get(tier or "", ())
+    cfg = load_config(config, skip_dirs=skip)
     data = cfg.model_dump()
     for name, override in (("g3", g3), ("g4", g4)):
         if override is not None:
@@ -96,7 +100,7 @@ def tier_config(config: str | dict | None, *, g3: dict | None = None, g4: dict |
                            g4_enabled_set=g4_set, g4_url=data["g4"]["url"])
         if tier == "G4":
             data["g4"]["enabled"] = True
-    return load_config(data, use_env=False)
+    return load_config(data, use_env=False, skip_dirs=skip)
 
 
 def check_tier_section(tier: str, *, g3_enabled: bool, g4_enabled: bool, g4_enabled_set: bool,

@@ -19,9 +19,10 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
   (``keyring``, ``admission``) too (e.g. ``paths``, ``url``). A G3Tier whose config names ``g4.keyring.path``
   follows that keyring's revocations (below). The tier's own section must be on: a G3Tier whose config says
   ``g3.enabled: false``, a G4Tier whose config sets ``g4.enabled: false`` (unset counts as on) raises ConfigError
-  naming the field when vLLM builds it. G3 admits every chunk vLLM's CPU tier hands down (``all``) unless
-  ``g3.admission.policy`` is set (``frequency`` logs a WARNING at start: vLLM hands a chunk down once per residency,
-  so it skips most; :func:`.extra_config.tier_config`, docs/configuration.md).
+  naming the field when vLLM builds it. A tier checks and creates only its own pool's directories (a G4Tier's
+  ``g4.url`` store, not ``g3.paths``; a G3Tier's ``g3.paths``). G3 admits every chunk vLLM's CPU tier hands down
+  (``all``) unless ``g3.admission.policy`` is set (``frequency`` logs a WARNING at start: vLLM hands a chunk down
+  once per residency, so it skips most; :func:`.extra_config.tier_config`, docs/configuration.md).
 * ``tenant``: default tenant; a request's ``kv_transfer_params["kvbm_tenant"]`` overrides it.
 * ``revision``: the namespace's revision (default the config's ``revision``). vLLM hands a tier neither
   ``--revision`` nor ``--quantization`` nor ``--hf-overrides``: engines differing in any of them that share G3
