@@ -150,8 +150,9 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.load_errors() if self.worker is not None else set()
 
     def get_kv_connector_stats(self) -> stats.KvbmConnectorStats | None:
-        """Worker counters since the last call (vLLM aggregates them across workers and logs them as
-        "KV Transfer metrics" every logging interval); None when nothing happened."""
+        """This role's counters since the last call (vLLM aggregates the workers' and the scheduler's and logs them
+        as "KV Transfer metrics" every logging interval): the worker's transfers, the scheduler's failed-load blocks
+        counted once over every TP rank (:mod:`.load_failures`); None when nothing happened."""
         return self.parts.interval_stats()
 
     @classmethod

@@ -27,9 +27,10 @@ from ...pool.base import BlockPool
 from ..revoked_tenants import RevokedTenants
 from . import handoff, reset_epoch, stats
 from .identity import block_digests, kv_beyond_token_ids, renew_opaque, request_salt
-from .failed_blocks import FailedBlocks, Unrecomputed, contain_failed_sync_load, withhold_tainted
+from .failed_blocks import FailedBlocks, Unrecomputed, withhold_tainted
 from .g3_mirror import G3Mirror
 from .kv_events import G3KvEvents, IdlePublisher
+from .load_failures import FailedBlockCount, on_failed_loads, on_failed_recving
 from .lookup import GroupTiers, PrefixLookup
 from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob
 
@@ -94,6 +95,7 @@ class SchedulerSide:
         self.handoff = handoff.HandoffWaits(handoff_wait_s)
         self.promises = handoff.Promises()  # the prefill side's: blocks its hand-off answers must not promise
         self.failed_blocks, self.unrecomputed = FailedBlocks(), Unrecomputed()
+        self.failed_counts = FailedBlockCount()  # failed blocks of its loads, each once at any TP size
         self.evict_engine_blocks: Any = None  # vLLM's BlockPool.evict_blocks (connector.bind_gpu_block_pool)
         self.revoked: RevokedTenants | None = None  # tenants G3 does not serve (.revoked_tenants; set by the wiring)
         self.epoch = ""  # reset epoch folded into every new request's salt ("": never reset; .reset_epoch)
@@ -272,8 +274,10 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.g3 is None and self.g4 is None:
             return
-        self._state(request).lookup = None  # answered: vLLM asks again only after a preemption, to be looked up anew
-        if num_external_tokens <= 0:
+        st = self._state(request)
+        st.lookup = None  # answered: vLLM asks again only after a preemption, to be looked up anew
+        if num_external_tokens <= 0:  # no load of ours (under MultiConnector another member's may run: not ours)
+            st.planned = None
             return
         self._plan_load(request, self._reqs[request.request_id], blocks, num_external_tokens)
 
@@ -305,6 +309,7 @@ class SchedulerSide:
             self._loads.append(LoadJob(request.request_id, [gids[i] for i in pos], [st.hashes[i] for i in pos],
                                        tiers, st.tenant, group=gi, layerwise=st.sync_load,
                                        digests=block_digests(st, pos, self.bs)))
+            self.failed_counts.planned(request.request_id, gi, range(first, end) if g.window_blocks is None else pos)
             planned += len(pos)
             g3n += tiers.count("G3")
         st.planned = (first, end)
@@ -314,34 +319,14 @@ class SchedulerSide:
                   load_planned_g4_blocks=planned - g3n)
 
     def load_failed(self, req_ids) -> None:
-        """vLLM reported these requests' loads failed (``failed_recving``: models without block-level load
-        errors, :func:`.workers.block_level_errors`). vLLM recomputes such a request from its first token and
-        asks for a match again: answer 0 from now on (the same load would fail again: a livelock) and offer
-        its blocks again as they are recomputed."""
-        for rid in req_ids:
-            st = self._reqs.get(rid)
-            if st is None:
-                continue
-            if not st.no_load:  # else counted by loads_failed (the worker's report of the same step)
-                stats.add(load_failed_requests=1)
-            st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
+        """vLLM reported these requests' loads failed (``failed_recving``): :func:`.load_failures.on_failed_recving`
+        (only requests with a load of this connector outstanding are; under ``MultiConnector`` others are not ours)."""
+        on_failed_recving(self._reqs, req_ids)
 
-    def loads_failed(self, failed) -> None:
-        """Worker reports of loads that did not deliver every block (:class:`~.metadata.FailedLoad`): the request is
-        never offered a load again (recomputed from its first failed block on); for a miss (not a timeout) that block
-        ends every prefix offered for ``FAILED_BLOCK_COOLDOWN_S``; a failed synchronous load's blocks leave vLLM's prefix
-        cache, hits on them save nothing from them on (:mod:`.failed_blocks`), hand-offs promise no dropped save."""
-        self.promises.loads_failed(failed, self._reqs)
-        for f in failed:
-            st = self._reqs.get(f.req_id)
-            if st is not None and st.sync_load and st.group_block_ids:
-                contain_failed_sync_load(self._reqs, st, f.first_failed, self.evict_engine_blocks, self.unrecomputed)
-            if st is not None and not st.no_load:  # saved_upto: reset at its next schedule (recomputed: saved again)
-                st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
-                stats.add(load_failed_requests=1)
-            if f.reason == "miss":
-                self.failed_blocks.add_failed_load(f.tenant, st, f.first_failed, self.bs, f.digest)
-                stats.add(load_failed_blocks_cooled=1)
+    def loads_failed(self, failed, group: int = 0) -> None:
+        """Worker reports of loads of KV cache group ``group`` that did not deliver every block (:class:`~.metadata.
+        FailedLoad`): never offered a load again, blocks cooled, counted once: :func:`.load_failures.on_failed_loads`."""
+        on_failed_loads(self, failed, group)
 
     def update_connector_output(self, worker_meta) -> None:
         if not isinstance(worker_meta, KvbmWorkerMeta):
@@ -350,7 +335,7 @@ class SchedulerSide:
             m = worker_meta.for_group(gi)
             if m is not None:
                 if m.failed:
-                    self.loads_failed(m.failed)
+                    self.loads_failed(m.failed, gi)
                 if m.added or m.removed or m.snapshot:
                     self.apply_g3_report(gi, m)
 
@@ -506,6 +491,7 @@ class SchedulerSide:
         vLLM's WAITING_FOR_REMOTE_KVS handling until the worker reports the request in ``finished_recving``."""
         st = self._reqs.pop(request.request_id, None)
         self._hit_source.pop(request.request_id, None)
+        self.failed_counts.forget(request.request_id)
         self.handoff.forget(request.request_id)
         limit = self.promises.limit(request.request_id, st)  # (forgets it, handed off or not)
         if kv_beyond_token_ids(request) or not handoff.requested(request):

@@ -66,6 +66,9 @@ def reset() -> None:
 # counters the worker role adds (what moved between the engine and G3/G4), reported per interval to vLLM
 WORKER_PREFIXES = ("save_", "load_blocks", "load_g3_", "load_g4_", "load_jobs", "load_bytes", "load_errors",
                    "load_timeouts", "load_get_errors", "g3_put_", "g4_put_", "promote_")
+# counters the scheduler role reports per interval to vLLM (it asks the scheduler's connector too): blocks of loads
+# some TP rank failed, each once (.load_failures; every rank's report reaches the scheduler)
+SCHEDULER_PREFIXES = ("load_failed_blocks_any_rank",)
 
 
 def _is_block_count(name: str) -> bool:
@@ -92,14 +95,20 @@ class Interval:
     as that worker saw it (a replicated MLA block goes to G4 from that rank too). Bytes, seconds and the other
     counts are every worker's own, summed.
 
+    The scheduler role reports its own counters (``prefixes``: :data:`SCHEDULER_PREFIXES`), with the same rule: under
+    ``external_launcher`` (a scheduler in every rank's process) the first worker's process only.
+
     Args:
         first: this worker reports block counters (default: :func:`first_worker`, read at the first
             :meth:`delta`, once vLLM's model-parallel state is set up).
+        prefixes: the counters reported (names starting with one of them; default :data:`WORKER_PREFIXES`).
     """
 
-    def __init__(self, first: bool | None = None) -> None:
-        self._last: dict = {}
-        self.first = first
+    def __init__(self, first: bool | None = None, prefixes: tuple[str, ...] = WORKER_PREFIXES) -> None:
+        # from the counts at construction: the counters are the process's, and an engine made after another in the
+        # same process (or a test after another) reported the earlier ones' counts in its first interval
+        self._last: dict = {k: v for k, v in snapshot().items() if k.startswith(prefixes)}
+        self.first, self.prefixes = first, prefixes
 
     def delta(self) -> dict:
         """Counters that changed since the previous call: ``{name: increase}`` (empty if none); without block
@@ -107,7 +116,7 @@ class Interval:
         if self.first is None:
             self.first = first_worker()
         now = {k: v for k, v in snapshot().items()
-               if k.startswith(WORKER_PREFIXES) and (self.first or not _is_block_count(k))}
+               if k.startswith(self.prefixes) and (self.first or not _is_block_count(k))}
         d = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
         self._last = now
         return d
@@ -144,12 +153,13 @@ class KvbmConnectorStats(_StatsBase):
 
 # vLLM Prometheus counters fed from KvbmConnectorStats: (metric name, help, counters summed into it).
 # Named in KVBM's terms (offload = engine -> G3/G4, onboard = G3/G4 -> engine). Block counters come from the
-# engine's first worker only (Interval): each block once at any TP/PP; bytes from every worker
-# (docs/operations.md, Metrics).
+# engine's first worker only (Interval): each block once at any TP/PP; bytes from every worker; failed loads from the
+# scheduler, which hears every rank (docs/operations.md, Metrics).
 PROM_COUNTERS = (
     ("vllm:kvbm_backend_onboard_blocks", "KV blocks loaded from G3/G4 into the engine (verified; each block once, as TP rank 0 counts)",
      ("load_blocks_ok",)),
-    ("vllm:kvbm_backend_onboard_failed_blocks", "KV blocks whose load failed (recomputed)", ("load_blocks_failed",)),
+    ("vllm:kvbm_backend_onboard_failed_blocks", "KV blocks whose load failed on any TP rank (recomputed; each block once)",
+     ("load_failed_blocks_any_rank",)),
     ("vllm:kvbm_backend_onboard_bytes", "bytes loaded from G3/G4 into the engine", ("load_bytes",)),
     ("vllm:kvbm_backend_offload_blocks", "KV blocks gathered from the engine for offload", ("save_blocks",)),
     ("vllm:kvbm_backend_offload_dropped_blocks", "offloads dropped, per tier (staging full, queue full, G3 and G4 drops summed: a block both dropped counts twice)",

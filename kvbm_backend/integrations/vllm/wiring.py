@@ -156,8 +156,8 @@ class ConnectorParts:
         return self.worker.worker_meta()
 
     def interval_stats(self) -> stats.KvbmConnectorStats | None:
-        if self.worker is None:
-            return None
+        """This role's counters since the last call (vLLM asks both roles' connectors): the worker's
+        (:data:`.stats.WORKER_PREFIXES`), the scheduler's (:data:`.stats.SCHEDULER_PREFIXES`); None when none moved."""
         d = self._interval.delta()
         return stats.KvbmConnectorStats(data=d) if d else None
 
@@ -280,6 +280,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
     dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
     parts.channel_base = (str(ktc.engine_id), dp, ns.fingerprint)
     if scheduler:
+        parts._interval = stats.Interval(prefixes=stats.SCHEDULER_PREFIXES)  # failed blocks, every rank's (once)
         load = opts["load"]
         if load and (why := cached_context_problem(vllm_config)):
             log.warning("kvbm_backend: loads are off for this engine: %s. Blocks are still saved to G3/G4 for "

@@ -1,0 +1,102 @@
+"""The scheduler's side of failed loads: vLLM's ``failed_recving`` and the workers' :class:`~.metadata.FailedLoad`
+reports (:meth:`.scheduler_side.SchedulerSide.load_failed` / ``loads_failed`` delegate here), and their counts.
+
+* **Whose failure.** vLLM's ``MultiConnector`` (this connector beside NIXL, LMCache, ...) hands every member the
+  union of every member's ``failed_recving``. A request there is this connector's failure only while it has a load
+  of that request outstanding (``_Req.planned``: set when it planned one, cleared when vLLM allocates the request
+  with no external tokens from it, as for a request another member loads). Before 2026-12-03 a request another
+  connector failed to load was counted ``load_failed_requests`` here and never offered a G3/G4 hit again (vLLM
+  recomputes such a request and asks every member once more: the G3/G4 hit it then had was refused). The
+  block-level report (``get_block_ids_with_load_errors``) was never mixed up: MultiConnector asks each member for
+  its own and unions them itself; this connector's workers report only their own loads' blocks.
+* **Failed blocks, each once** (``load_failed_blocks_any_rank``: ``vllm:kvbm_backend_onboard_failed_blocks``,
+  :class:`FailedBlockCount`). With TP (or PP) > 1 every worker loads its slice of every block and fails alone; vLLM
+  recomputes a load from the first block any rank failed on (it unions the ranks' invalid block ids). The scheduler
+  gets every rank's report (vLLM aggregates the workers' metadata; ranks may report in different steps) and counts
+  each planned load's blocks from the earliest reported first failed one on, once. Before 2026-12-03 the Prometheus
+  counter took the workers' ``load_blocks_failed`` from TP rank 0 only (``stats.Interval``): a load only rank 1
+  failed, recomputed by the engine, read 0.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import stats
+from .failed_blocks import contain_failed_sync_load
+
+if TYPE_CHECKING:
+    from .scheduler_side import SchedulerSide
+
+#: the scheduler's counter of failed blocks (each once at any TP/PP size), reported to vLLM per interval
+FAILED_BLOCKS = "load_failed_blocks_any_rank"
+
+
+class FailedBlockCount:
+    """Per request, the block positions of its outstanding load of each KV cache group and how many of them are
+    counted failed (``load_failed_blocks_any_rank``). Scheduler thread only; an entry lives until its request
+    finishes (:meth:`forget`)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, dict[int, list]] = {}  # request id -> group -> [positions (ascending), first counted]
+
+    def planned(self, req_id: str, group: int, positions: Sequence[int]) -> None:
+        """A load of blocks ``positions`` (indices into the request's sequence hashes, ascending) of ``group``."""
+        self._jobs.setdefault(req_id, {})[group] = [positions, len(positions)]
+
+    def failed(self, req_id: str, group: int, hashes: Any, first_failed: int) -> int:
+        """A worker's report: its load of ``group`` failed from the block whose sequence hash is ``first_failed`` on
+        (``hashes``: the request's sequence hashes). Counts and returns the blocks no earlier report counted (another
+        rank's report of the same load counts only the blocks before those it failed from); 0 for an unknown load."""
+        job = self._jobs.get(req_id, {}).get(group)
+        if job is None:
+            return 0
+        pos, counted = job
+        try:
+            k = bisect_left(pos, hashes.index(first_failed))
+        except (ValueError, OverflowError, TypeError):  # not one of its blocks: the whole load failed
+            k = 0
+        if k >= counted:
+            return 0
+        job[1] = k
+        stats.add(**{FAILED_BLOCKS: counted - k})
+        return counted - k
+
+    def forget(self, req_id: str) -> None:
+        self._jobs.pop(req_id, None)
+
+
+def on_failed_recving(reqs: dict[str, Any], req_ids) -> None:
+    """vLLM reported these requests' loads failed (``failed_recving``: models without block-level load errors,
+    :func:`.workers.block_level_errors`, or another ``MultiConnector`` member's). vLLM recomputes such a request from
+    its first token and asks for a match again: one with a load of ours outstanding is answered 0 from now on (the same
+    load would fail again: a livelock) and its blocks are offered again as they are recomputed; others are not ours."""
+    for rid in req_ids:
+        st = reqs.get(rid)
+        if st is None or st.planned is None:  # no load of ours: another connector's (MultiConnector)
+            continue
+        if not st.no_load:  # else counted by on_failed_loads (the worker's report of the same step)
+            stats.add(load_failed_requests=1)
+        st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
+
+
+def on_failed_loads(sched: SchedulerSide, failed: list, group: int = 0) -> None:
+    """Worker reports of loads of KV cache group ``group`` that did not deliver every block (:class:`~.metadata.
+    FailedLoad`, every TP rank's): the request is never offered a load again (recomputed from its first failed block
+    on); for a miss (not a timeout) that block ends every prefix offered for ``FAILED_BLOCK_COOLDOWN_S``; a failed
+    synchronous load's blocks leave vLLM's prefix cache, hits on them save nothing from them on (:mod:`.failed_blocks`),
+    hand-offs promise no dropped save; the failed blocks are counted once (:class:`FailedBlockCount`)."""
+    sched.promises.loads_failed(failed, sched._reqs)
+    for f in failed:
+        st = sched._reqs.get(f.req_id)
+        if st is not None:
+            sched.failed_counts.failed(f.req_id, group, st.hashes, f.first_failed)
+        if st is not None and st.sync_load and st.group_block_ids:
+            contain_failed_sync_load(sched._reqs, st, f.first_failed, sched.evict_engine_blocks, sched.unrecomputed)
+        if st is not None and not st.no_load:  # saved_upto: reset at its next schedule (recomputed: saved again)
+            st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
+            stats.add(load_failed_requests=1)
+        if f.reason == "miss":
+            sched.failed_blocks.add_failed_load(f.tenant, st, f.first_failed, sched.bs, f.digest)
+            stats.add(load_failed_blocks_cooled=1)
