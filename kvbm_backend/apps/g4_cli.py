@@ -38,13 +38,17 @@ def _out(obj, as_json: bool) -> None:
 
 #: exit code of a run the store stopped by refusing a write for room (``stopped_full``: full, over quota, read-only)
 EXIT_STORE_FULL = 3
+#: exit code of a migrate run the store stopped by becoming unavailable after its first write (``stopped_unavailable``)
+EXIT_STORE_UNAVAILABLE = 4
 
 
 def _report(res: dict, as_json: bool, cmd: str) -> None:
     """gc's or migrate's report (:func:`_out`); each part of the store it could not list (``unlisted``) an
     error line on stderr (the first 20); a run stopped by a store refusing writes (``stopped_full``) an error
-    line naming the store, its mount and why, then exit :data:`EXIT_STORE_FULL` (3); else exit 1 when ``errors``
-    > 0 (the run went on with the rest)."""
+    line naming the store, its mount and why, then exit :data:`EXIT_STORE_FULL` (3); one stopped by the store
+    becoming unavailable part way (``stopped_unavailable``) an error line naming the store, the error and how far
+    it got, then exit :data:`EXIT_STORE_UNAVAILABLE` (4); else exit 1 when ``errors`` > 0 (the run went on with
+    the rest)."""
     _out(res, as_json)
     for w in res.get("warnings", []):
         console.print(Text.assemble(("warning:", "yellow"), f" {cmd}: {w}"), soft_wrap=True, highlight=False)
@@ -61,6 +65,13 @@ def _report(res: dict, as_json: bool, cmd: str) -> None:
                    "their old names untouched; free space (kvbm-backend gc), raise the quota or remount read-write, "
                    "then run it again (it goes on with those left)")
         raise typer.Exit(EXIT_STORE_FULL)
+    down = res.get("stopped_unavailable")
+    if down:
+        error_line(f"{cmd}: stopped: {down['url']} unavailable: {down['error']}; {down['renamed']} renamed before it, "
+                   f"{down['not_renamed']} left under their old names untouched (but the one it stopped at, {down['at']}: "
+                   "its copy or its delete may have landed); run it again once the store is back (it goes on with "
+                   "those left and settles that one)")
+        raise typer.Exit(EXIT_STORE_UNAVAILABLE)
     if res["errors"]:
         raise typer.Exit(1)
 
@@ -315,8 +326,11 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
     """Rename blocks stored under format 1 names (sequence hash in clear) to keyed names. Safe while
     workers run; repeatable. Until it ran, old-named blocks are misses (recomputed). Exit 1 when an
     object could not be renamed or a directory listed (errors > 0; the rest was), 2 for a refused run
-    (nothing written), 3 when the store refused a write for room (full, over quota, read-only): the run
-    stopped there, every object not renamed left in place; run it again once there is room."""
+    (nothing written: a store unavailable before the run's first write included), 3 when the store refused a
+    write for room (full, over quota, read-only): the run stopped there, every object not renamed left in place;
+    run it again once there is room. 4 when the store became unavailable after the run's first write (S3 5xx or
+    no answer after the retries, a file mount gone): the run stopped there, the report's stopped_unavailable says
+    how many were renamed and left under their old names; run it again once the store is back."""
     from kvbm_backend.crypto.keyring import KeyringError
     from kvbm_backend.pool.g4.migrate import run_migrate
     store = _open_store(url, endpoint_url, region)

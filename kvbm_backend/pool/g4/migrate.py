@@ -40,6 +40,14 @@ that object (``stopped_full`` says where and why; the run exits 3): the refused 
 under their old names, untouched, and a run after room is made renames them (those renamed are gone from the old
 names). Before 2026-12-03 each refused write was counted as an error and the run went on through every remaining
 object: thousands of failing writes on a full mount, each reported, for nothing renamed.
+
+A store that stops answering (:class:`~.store.StoreUnavailable`: S3 5xx or no answer after the retries, a file mount
+gone: EIO, ESTALE, ENOTCONN...) once the run has sent its first write stops it too (``stopped_unavailable``; the
+run exits 4): the object it hit and every one after it stay under their old names (the one hit may already have its
+copy under the new name, or its DELETE may have reached the store before the answer was lost: a later run settles
+either), and a run once the store is back renames them. Before the first write (the listing, the header checks,
+a dry run) it refuses the run, nothing written (exit 2). Before 2026-12-03 it refused the run at any point: exit 2
+with no report, though objects had been renamed.
 """
 from __future__ import annotations
 
@@ -98,11 +106,15 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
         store), ``mount`` (a file store's mount point, else None), ``errno`` (``ENOSPC``, ``EDQUOT``, ``EROFS``),
         ``reason`` (``full``, ``over quota``, ``read-only``), ``error`` (the store's message) and ``not_renamed``
         (objects left under their old names by the stop, the refused one included: none of them touched).
+        ``stopped_unavailable``: None, or (the store became unavailable after the run's first write: it stopped
+        there) a dict: ``url``, ``error`` (the store's message), ``at`` (the old name it was renaming),
+        ``renamed`` (``migrated`` before the stop) and ``not_renamed`` (sources left under their old names:
+        the one hit (its copy may have landed, or its delete) and every one after it).
     Raises:
         ValueError before anything is written when neither or both of ``keyring`` / ``unkeyed`` are given,
         ``dir_fanout`` does not match the old names, an encrypted object is found without ``keyring``, a
         plaintext one with ``keyring`` and ``encrypted`` None, or ``encrypted`` is True with ``unkeyed``;
-        StoreUnavailable when the store is down.
+        StoreUnavailable when the store is down before the run's first write (nothing written).
     """
     if not 1 <= dir_fanout <= 4096:
         raise ValueError(f"--dir-fanout: must be in [1, 4096] (got {dir_fanout})")
@@ -125,7 +137,7 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "legacy_objects": len(legacy), "migrated": 0,
            "already_present": 0, "skipped_invalid": 0, "skipped_revoked": 0, "skipped_unknown_tenant": 0,
            "skipped_plaintext": 0, "kept_name_taken": 0,
-           "errors": len(unlisted), "unlisted": unlisted, "stopped_full": None}
+           "errors": len(unlisted), "unlisted": unlisted, "stopped_full": None, "stopped_unavailable": None}
     known: set[str] | None = None
     revoked: set[str] = set()
     if keyring is not None:
@@ -168,6 +180,7 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             continue
         todo.append((o, meta, HEADER_BYTES + hdr.stored_len + 1))
     namers: dict[tuple[str, str], TenantNamer] = {}  # (namespace hex, tenant pseudonym hex)
+    wrote = False  # a PUT or DELETE was sent: a StoreUnavailable from then on stops the run with the report
     for i, (o, meta, want) in enumerate(todo):  # pass 2: rename; reads ask for the frame its header names + 1 byte
         ps = meta["tenant"]
         namer = namers.get((meta["ns"], ps))
@@ -201,13 +214,18 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
                 res["migrated" if there is None else
                     "already_present" if _serves(there, meta, keyring, encrypted) else "kept_name_taken"] += 1
                 continue
+            wrote = True
             created = store.put_if_absent(new, data)
             if not created and not _serves(store.get(new, 0, want), meta, keyring, encrypted):
                 res["kept_name_taken"] += 1  # the old object stays: the only good copy (module doc)
                 continue
             store.delete(o.name)
-        except StoreUnavailable:
-            raise
+        except StoreUnavailable as e:
+            if not wrote:  # nothing written yet: a refused run (exit 2)
+                raise
+            res["stopped_unavailable"] = {"url": store.url, "error": str(e), "at": o.name,
+                                          "renamed": res["migrated"], "not_renamed": len(todo) - i}
+            break
         except StoreFull as e:  # no room: every later write is refused too; this source and the rest stay
             res["stopped_full"] = _full_stop(store, e, len(todo) - i)
             break
