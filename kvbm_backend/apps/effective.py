@@ -111,31 +111,34 @@ class Source:
             return f"config file {self.spec}"
         return "inline settings" if self.spec else "no config file"
 
-    def file_fields(self) -> tuple[dict, str]:
-        """The fields the file (or the script's inline dict) sets, flattened, and their label."""
+    def file_fields(self, skip_dirs: tuple[str, ...] = ()) -> tuple[dict, str]:
+        """The fields the file (or the script's inline dict) sets, flattened, and their label. ``skip_dirs``:
+        :func:`~kvbm_backend.config.load_config`'s."""
         from ..config import ConfigError, load_config
         if isinstance(self.spec, (str, Path)):
             if not Path(self.spec).is_file():
                 raise EffectiveError(f"config file {self.spec}: not found (set {DEFAULT_CONFIG_VAR} to your "
                                      f"kvbm-backend YAML)")
             try:
-                cfg = load_config(str(self.spec), use_env=False)
+                cfg = load_config(str(self.spec), use_env=False, skip_dirs=skip_dirs)
             except ConfigError as e:
                 raise EffectiveError(str(e) if str(self.spec) in str(e) else f"config file {self.spec}: {e}") from None
             return _flatten(cfg.model_dump(exclude_unset=True)), "file"
         return _flatten(self.spec or {}), "script"
 
 
-def effective(source: Source, defaults: dict[str, Any], environ: dict[str, str] | None = None
-              ) -> tuple[Any, dict[str, str], dict[str, str]]:
+def effective(source: Source, defaults: dict[str, Any], environ: dict[str, str] | None = None,
+              skip_dirs: tuple[str, ...] = ()) -> tuple[Any, dict[str, str], dict[str, str]]:
     """Resolve one config. Returns ``(config, exports, where)``: the effective
     :class:`~kvbm_backend.config.KvbmBackendConfig`, the ``KVBM_BACKEND__...`` variables that carry the
-    script defaults the operator left open, and field -> source label for :data:`SHOWN`.
+    script defaults the operator left open, and field -> source label for :data:`SHOWN`. ``skip_dirs``: sections
+    whose directories are not checked (:func:`~kvbm_backend.config.load_config`; a section no user of this config
+    opens, :func:`_skip_dirs`).
 
     Raises EffectiveError (one line naming the field, variable or file)."""
     from ..config import ConfigError, _merge, env_overrides, load_config
     env = dict(os.environ if environ is None else environ)
-    file_fields, file_label = source.file_fields()
+    file_fields, file_label = source.file_fields(skip_dirs)
     env_src: dict[tuple, str] = {}
     try:
         env_overrides(env, env_src)
@@ -148,12 +151,12 @@ def effective(source: Source, defaults: dict[str, Any], environ: dict[str, str] 
             exports[_env_name(field)] = json.dumps(value)
     spec = str(source.spec) if isinstance(source.spec, (str, Path)) else source.spec
     try:
-        cfg = load_config(spec, environ={**env, **exports})
+        cfg = load_config(spec, environ={**env, **exports}, skip_dirs=skip_dirs)
         if source.inline:
             data = cfg.model_dump()
             for sec, over in source.inline.items():  # field by field, as the tiers merge them (tier_config)
                 data[sec] = _merge(data[sec], over)
-            cfg = load_config(data, use_env=False)
+            cfg = load_config(data, use_env=False, skip_dirs=skip_dirs)
     except ConfigError as e:  # a script default is the script's, not a variable the operator set
         msg = str(e)
         for field in (f for f in defaults if _env_name(f) in exports):
@@ -257,6 +260,23 @@ def _sources(ktc: dict, environ: dict) -> list[tuple[dict, Source]]:
     return out
 
 
+def _skip_dirs(found: list[tuple[dict, Source]]) -> dict[str, tuple[str, ...]]:
+    """Per config (:func:`resolve`'s key), the sections whose directories none of its users opens: a G4Tier's config
+    skips ``g3`` (``g3.paths``, the default ``./kvbm-g3`` included), a G3Tier's ``g4``, as the tiers themselves do
+    (:func:`kvbm_backend.integrations.vllm.extra_config.tier_config`); the connector uses both. Before 2026-12-03 a
+    G4Tier-only transfer config was refused (``g3.paths[0]: ...``) where ``./kvbm-g3`` could not be created."""
+    out: dict[str, set[str]] = {}
+    for owner, src in found:
+        own = {"G3Tier": {"g4"}, "G4Tier": {"g3"}}.get(owner.get("type", ""), set()) if "module_path" in owner else set()
+        key = _key(src)
+        out[key] = out[key] & own if key in out else own
+    return {k: tuple(sorted(v)) for k, v in out.items()}
+
+
+def _key(src: Source) -> str:
+    return json.dumps([src.spec, src.inline], sort_keys=True, default=str)
+
+
 def _offloading(ktc: dict) -> dict | None:
     """The ``OffloadingConnector`` entry: ``ktc`` itself or a ``MultiConnector`` child (the first); None."""
     if ktc.get("kv_connector") == "OffloadingConnector":
@@ -298,11 +318,11 @@ def resolve(ktc: dict, kind: str, defaults: dict[str, Any], environ: dict[str, s
                 tier["num_kv_heads"] = int(raw)
         notes.append(f"num_kv_heads={raw} [env {KV_HEADS_VAR}]")
     exports: dict[str, str] = {}
-    lines, seen = [], {}
+    lines, seen, skips = [], {}, _skip_dirs(found)
     for owner, src in found:
-        key = json.dumps([src.spec, src.inline], sort_keys=True, default=str)
+        key = _key(src)
         if key not in seen:
-            cfg, ex, where = effective(src, defaults, env)
+            cfg, ex, where = effective(src, defaults, env, skips[key])
             kek = kek_source(cfg, env) if cfg.g4.enabled and cfg.g4.encrypt else None
             if cfg.g4.enabled and not cfg.g4.encrypt and cfg.g4.keyring.path:  # the pool opens it (names, reads)
                 check_kek_env(cfg.g4.keyring, env)

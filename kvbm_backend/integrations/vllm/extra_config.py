@@ -6,7 +6,9 @@ read the same settings the connector does.
 """
 from __future__ import annotations
 
-from ...config import ConfigError, KvbmBackendConfig, _merge, load_config
+import os
+
+from ...config import ConfigError, KvbmBackendConfig, _merge, dir_problem, load_config
 
 EXTRA_KEYS = {"kvbm_backend", "config_file", "stats_path", "save", "load", "save_decode", "save_to_g4",
               "promote_to_g3", "max_pending_save_bytes", "sliding_capacity_weight", "handoff_wait_s",
@@ -16,6 +18,8 @@ HANDOFF_WAIT_MAX_S = 600.0  # handoff_wait_s's upper bound (seconds; the scripts
 
 def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
     """Split ``kv_connector_extra_config`` into the backend config and the connector options.
+
+    With G3 on, the default ``g3.paths`` (``./kvbm-g3``) is judged as a given path (:func:`check_default_g3_paths`).
 
     Raises:
         ConfigError: an unknown key, both or neither-typed config sources, or an invalid field
@@ -36,6 +40,7 @@ def config_from_extra(extra: dict | None) -> tuple[KvbmBackendConfig, dict]:
                 raise ConfigError(f"kv_connector_extra_config.kvbm_backend: expected a mapping or JSON string, "
                                   f"got {type(src).__name__}")
             cfg = load_config(src)
+        check_default_g3_paths(cfg)  # the connector opens G3 unless g3.enabled is false
     except ConfigError as e:
         which = "config_file" if "config_file" in extra else "kvbm_backend"
         raise ConfigError(f"kv_connector_extra_config.{which}: {e}") from None
@@ -86,6 +91,9 @@ def tier_config(config: str | dict | None, *, g3: dict | None = None, g4: dict |
     skip = {"G3": ("g4",), "G4": ("g3",)}.get(tier or "", ())
     cfg = load_config(config, skip_dirs=skip)
     data = cfg.model_dump()
+    default_paths = "paths" not in cfg.g3.model_fields_set and "paths" not in (g3 if isinstance(g3, dict) else {})
+    if default_paths:  # left to its default here too: judged below, the error saying it is the default
+        del data["g3"]["paths"]
     for name, override in (("g3", g3), ("g4", g4)):
         if override is not None:
             if not isinstance(override, dict):
@@ -100,7 +108,33 @@ def tier_config(config: str | dict | None, *, g3: dict | None = None, g4: dict |
                            g4_enabled_set=g4_set, g4_url=data["g4"]["url"])
         if tier == "G4":
             data["g4"]["enabled"] = True
-    return load_config(data, use_env=False, skip_dirs=skip)
+    out = load_config(data, use_env=False, skip_dirs=skip)
+    check_default_g3_paths(out, skip_dirs=skip)
+    return out
+
+
+def check_default_g3_paths(cfg: KvbmBackendConfig, *, skip_dirs: tuple[str, ...] = ()) -> None:
+    """Judge ``g3.paths`` left to its default (``./kvbm-g3``, relative to the working directory) as a given path
+    is judged at load (:func:`~kvbm_backend.config.dir_problem`), for what opens G3: the connector
+    (:func:`config_from_extra`), a G3Tier (:func:`tier_config`) and the launchers' preflight of both. Nothing when
+    G3 is off, ``"g3"`` is in ``skip_dirs`` or ``g3.paths`` was given (file, environment, tier key). Other callers of
+    :func:`~kvbm_backend.config.load_config` (CLI tools that never open G3) are not refused. Before 2026-12-03 the
+    default was never judged: from a working directory where ``./kvbm-g3`` cannot be created the preflight passed
+    and the engine failed opening the pool (``FileExistsError: ... kvbm-g3``, no field named).
+
+    Raises ConfigError ``g3.paths[i]: <problem> (got '<path>': the default, ...)`` naming how to set it."""
+    if not cfg.g3.enabled or "g3" in skip_dirs or "paths" in cfg.g3.model_fields_set:
+        return
+    for i, p in enumerate(cfg.g3.paths):
+        problem = dir_problem(p)
+        if problem:
+            try:
+                cwd = os.getcwd()
+            except OSError as e:  # removed under this process
+                cwd = f"(unknown: {e.strerror})"
+            raise ConfigError(f"g3.paths[{i}]: {problem} (got {p!r}: the default, relative to the working directory "
+                              f"{cwd}; set g3.paths, or DYN_KVBM_DISK_CACHE_DIR, to a directory this process can "
+                              f"write)")
 
 
 def check_tier_section(tier: str, *, g3_enabled: bool, g4_enabled: bool, g4_enabled_set: bool,

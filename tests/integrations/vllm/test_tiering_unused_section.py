@@ -25,37 +25,12 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 from kvbm_backend.config import ConfigError, load_config  # noqa: E402
 from kvbm_backend.integrations.preflight import check_tier  # noqa: E402
 from kvbm_backend.integrations.vllm.tiering_harness import TieringHarness, offloading_config  # noqa: E402
-from tests.helpers.tmpfs import mounted_tmpfs  # noqa: E402
+from tests.helpers import ro_cwd as _ro_cwd  # noqa: E402
+from tests.helpers.ro_cwd import cannot_mkdir  # noqa: E402
 from tests.integrations.vllm.test_tiering import GEO, MOD, g3_tier, keys_for, payloads  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
-
-
-@pytest.fixture(params=["read-only-mount", "file-in-place"])
-def ro_cwd(request, tmp_path):
-    """The working directory, where ``./kvbm-g3`` cannot be created (checked: ``mkdir`` fails, as root too)."""
-    old = os.getcwd()
-    if request.param == "read-only-mount":
-        with mounted_tmpfs(tmp_path / "ro", "1m", "ro") as mnt:
-            os.chdir(mnt)
-            try:
-                yield mnt
-            finally:
-                os.chdir(old)
-        return
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    (cwd / "kvbm-g3").write_text("not a directory\n")
-    os.chdir(cwd)
-    try:
-        yield cwd
-    finally:
-        os.chdir(old)
-
-
-def _cannot_mkdir(cwd: Path) -> None:
-    with pytest.raises(OSError):
-        os.makedirs(cwd / "kvbm-g3" / "x")
+ro_cwd = _ro_cwd.ro_cwd  # the fixture: a working directory where ./kvbm-g3 cannot be created
 
 
 def _g4_tier(tmp_path: Path) -> dict:
@@ -83,7 +58,7 @@ def _round_trip(tier: dict) -> TieringHarness:
 
 def test_a_g4_tier_alone_starts_where_the_default_g3_paths_cannot_be_made(tmp_path, monkeypatch, ro_cwd):
     """Before: ``ConfigError: g3.paths[0]: ...`` (``./kvbm-g3``) at construction and in the preflight."""
-    _cannot_mkdir(ro_cwd)
+    cannot_mkdir(ro_cwd)
     monkeypatch.setenv("KVBM_BACKEND_KEK", base64.b64encode(os.urandom(32)).decode())
     tier = _g4_tier(tmp_path)
     h = _round_trip(tier)
