@@ -39,6 +39,8 @@ every chunk asked, each below over the chunks not served above. Before 2026-11-3
 lookup: a chunk held by G3 and G4 was matched twice (6 chunks of 16 tokens loaded moved ``kvbm_matched_tokens``
 by 192) and G4's hit rate was over every chunk instead of those G3 lacked; then each counted its own leading
 prefix, so chunks one tier served past a gap the other filled loaded uncounted (G3 chunk 1, G4 0, 2, 3: 1 of 4).
+A request sharing a verdict another live request posted (vLLM posts a key once) is counted when it takes the
+verdict up (:mod:`.tier_pickups`); before 2026-12-03 it was not counted at all.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager, LookupPh
 
 from ...deadlines import Deadline
 from .tier_gaps import skip_held, split_prefix
+from .tier_pickups import Pickups
 
 if TYPE_CHECKING:
     from .tier_base import KvbmSecondaryTier
@@ -111,6 +114,7 @@ class TenantLookup(AsyncLookupManager):
         self._batch_end: Deadline | None = None  # the worker's batch's deadline (_StampedQueue)
         self._stuck: tuple[Future, Deadline] | None = None  # a lookup that timed out, the end of its back-off
         self._counts = {"lookups_timed_out": 0, "lookups_not_asked": 0}  # written by the worker thread only
+        self._pickups = Pickups()  # verdicts requests share without posting them: counted at flush
         super().__init__(tier_type=tier_type)
 
     @property  # type: ignore[override]
@@ -191,11 +195,25 @@ class TenantLookup(AsyncLookupManager):
         cached miss :meth:`stored` or :meth:`mark_miss_for` named is asked again for a request not holding it yet
         (None until answered: :meth:`_ask_again`). The tier
         calls this only for a chunk not cooling after a failed load (:class:`.failed_blocks.FailedChunks`), so a
-        forced miss is asked again once its cool-down ended, never during it."""
+        forced miss is asked again once its cool-down ended, never during it. A verdict the request shares without
+        having posted it (another live request's) is counted once for the request when it is in (:mod:`.tier_pickups`,
+        at :meth:`flush`); one it posted is counted by :meth:`batch_lookup`."""
         pair = cast(Any, (key, self._tier._tenant_of(req_context)))
+        st = self._lookup_state.get(pair)
+        gen, held = (None, False) if st is None else (st.generation, req_context.req_id in st.request_ids)
         if self._recheck and pair in self._recheck:
             self._ask_again(pair, req_context)
-        return super().lookup(pair, req_context)
+        r = super().lookup(pair, req_context)
+        self._pickups.note(pair, held, self._lookup_state[pair].generation != gen, r, req_context)
+        return r
+
+    def flush(self) -> None:
+        """vLLM's (post this step's keys), then count the verdicts requests took up without posting them: one
+        request's lookup per request on this tier's pool (``kvbm_matched_tokens``, hit rate, lookup counters)."""
+        super().flush()
+        for requested, found in self._pickups.take_due():
+            if not self._tier._closed:
+                self._tier.pool.count_lookup(requested, found)
 
     def _ask_again(self, pair: Any, req_context: ReqContext) -> None:
         """Post ``pair`` again when its cached verdict is a miss and the asking request is not among those holding
@@ -239,6 +257,7 @@ class TenantLookup(AsyncLookupManager):
         in flight for a request that ended before the answer)."""
         keys = list(self._req_keys.get(req_id, ())) if self._recheck else []
         super().cleanup(req_id)
+        self._pickups.forget(req_id)
         for pair in keys:
             st = self._lookup_state.get(pair)
             if st is None:
