@@ -38,6 +38,8 @@ describes the behaviour), kept request by request:
 * "slow down" answers (a code in :data:`~.s3_store.THROTTLE_CODES`, HTTP 429, a bodyless 503 to a
   HEAD) raise :class:`~.store.StoreThrottled` at once, unretried and unslept (the pool's backoff owns the
   wait, :mod:`.throttle`).
+* a PUT answered "no room" (HTTP 507, a full or bucket-quota code: :mod:`.s3_full`) raises
+  :class:`~.store.StoreFull` at once, ahead of the 5xx rule: never retried, never a circuit-breaker failure.
 
 * SigV4 with ``UNSIGNED-PAYLOAD`` (the request is signed, its body's SHA-256 is not computed): hashing
   every 2 MiB body was a third of the client's PUT CPU (perf, dev VM). The body is still protected: by
@@ -69,6 +71,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, PreconditionError
 
 from ...store_url import redact_urls
+from .s3_full import full_error, may_have_landed
 from .s3_store import _TRANSIENT_CODES, _TRANSIENT_STATUS, THROTTLE_CODES, S3Store
 from .store import StoreThrottled, StoreUnavailable, byte_view
 
@@ -225,6 +228,19 @@ class ObstoreS3Store(S3Store):
                           "GET was answered 200 with the whole object; G4 reads need Range support") from None
         raise OSError(f"{f.op} {self.url}/{name}: {f.code or '-'} (HTTP {f.status})") from None
 
+    def _put_failure(self, f: _Failed, name: str) -> OSError:
+        """The error of a PUT of ``name`` that failed with ``f`` and may have landed all the same (a HEAD settles it,
+        :meth:`~.s3_store.S3Store._settle_put`): no answer or a 5xx (StoreUnavailable), "no room" to a retry
+        (StoreFull). Raises the others: "no room" to a first attempt (:class:`~.store.StoreFull`, :mod:`.s3_full`: an
+        answer, checked ahead of the 5xx rule, so a 507 is never a breaker failure) and any other answered error."""
+        fail = full_error(f.op, self.url, name, f.status, f.code) or \
+            (self._unavailable_error(f, name) if _unanswered(f) else None)
+        if fail is None:
+            self._raise(f, name)
+        if not may_have_landed(fail, f.retried):
+            raise fail from None
+        return fail
+
     def put_if_absent(self, name: str, data: DataIn) -> bool:
         key, body = self._key(name), byte_view(data)
         if self.supports_conditional_put:
@@ -236,10 +252,8 @@ class ObstoreS3Store(S3Store):
                     return f.retried and self._holds_these_bytes(name, data)
                 if f.status == 501 or f.code == "NotImplemented":
                     self.supports_conditional_put = False
-                elif _unanswered(f):  # it may have landed: the server says
-                    return self._settle_put(name, data, self._unavailable_error(f, name))
-                else:
-                    self._raise(f, name)
+                else:  # it may have landed (no answer, a 5xx): the server says; an answered error is raised
+                    return self._settle_put(name, data, self._put_failure(f, name))
         if self.head(name) is not None:
             return False
         self.put(name, data)
@@ -251,9 +265,7 @@ class ObstoreS3Store(S3Store):
             self._ocall("put", name, lambda: obstore.put(self._obs_put, self._key(name), body, use_multipart=False))
             return
         except _Failed as f:
-            if not _unanswered(f):
-                self._raise(f, name)
-            fail = self._unavailable_error(f, name)
+            fail = self._put_failure(f, name)
         if not self._settle_put(name, data, fail):  # landed only if the server holds these very bytes
             raise fail
 

@@ -19,13 +19,14 @@ traffic is on obstore with ``g4.s3_client: obstore``, the default (:mod:`.s3_obs
   client-wide retry quota (500 tokens, 5-14 per retry), once a throttling burst has spent it, stops the
   retries of connection errors too. Its retry conditions are not settable through ``Config``.
 * Create-exclusive publish: ``PUT`` with ``If-None-Match: *``; 412 PreconditionFailed (or 409
-  ConditionalRequestConflict) means another writer published it first, which is success. A 412 on a
-  *retried* PUT may be this call's own first attempt (the server stored it, its answer came after the
-  read timeout): then a HEAD compares the object's ETag with the MD5 of the bytes sent (S3's ETag of a
-  single-part PUT), and an equal one counts as created by this call, so ``written`` counters stay true
-  on a slow store (a sealed frame has a fresh nonce: another writer's copy never matches). Servers
-  that reject the header (501 NotImplemented) fall back to HEAD-then-PUT (whole-object PUTs are
-  atomic on S3, so even then no reader sees a torn object).
+  ConditionalRequestConflict) means another writer published it first, which is success. A 412 on a *retried* PUT may
+  be this call's own first attempt (the server stored it, its answer came after the read timeout): then a HEAD
+  compares the object's ETag with the MD5 of the bytes sent (S3's ETag of a single-part PUT), and an equal one counts
+  as created by this call, so ``written`` counters stay true on a slow store (a sealed frame has a fresh nonce:
+  another writer's copy never matches). Servers that reject the header (501 NotImplemented) fall back to
+  HEAD-then-PUT (whole-object PUTs are atomic on S3, so even then no reader sees a torn object). A PUT answered "no
+  room" (HTTP 507, a full or bucket-quota code: :mod:`.s3_full`) raises :class:`~.store.StoreFull` at once, unretried
+  (settled first as below after an attempt that got no answer).
 * A PUT whose last attempt got no answer (timeouts, a connection cut) or a 5xx / ``RequestTimeout`` may
   still have landed: before it counts as failed a HEAD settles it (:meth:`S3Store._settle_put`): the
   object holding these very bytes (ETag = MD5) counts as written by this call, another writer's bytes
@@ -91,6 +92,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ...store_url import redact_url, redact_urls
 from .throttle import call_attempts
+from .s3_full import full_error, may_have_landed
 from .store import BucketMissing, ObjectInfo, ObjectStore, PutUnsettled, StoreThrottled, StoreUnavailable, byte_view
 
 if TYPE_CHECKING:
@@ -219,7 +221,7 @@ class S3Store(ObjectStore):
                     self.supports_conditional_put = False
                 else:
                     err = self._err("put", name, e)
-                    if isinstance(err, StoreUnavailable):  # 5xx / RequestTimeout: it may have landed
+                    if may_have_landed(err, _retried(e)):  # 5xx / RequestTimeout, or "no room" to a retry
                         return self._settle_put(name, body, err)
                     raise err from None
             except BotoCoreError as e:  # no answer: it may have landed
@@ -235,9 +237,9 @@ class S3Store(ObjectStore):
         info = self.stat(name)
         return None if info is None else (info.version or "").strip('"').lower()
 
-    def _settle_put(self, name: str, data: DataIn, failure: StoreUnavailable) -> bool:
-        """A PUT of ``data`` under ``name`` failed with ``failure`` (no answer, 5xx, RequestTimeout) and
-        may have landed anyway: ask the server (one HEAD, retried as any request).
+    def _settle_put(self, name: str, data: DataIn, failure: OSError) -> bool:
+        """A PUT of ``data`` under ``name`` failed with ``failure`` (no answer, 5xx, RequestTimeout; "no room" to a
+        retry: StoreFull) and may have landed anyway: ask the server (one HEAD, retried as any request).
 
         Returns True when the object holds these bytes (its ETag is the MD5 of ``data``, S3's single-part
         ETag; a sealed frame has a fresh nonce, so another writer's copy never matches): this call wrote
@@ -274,12 +276,12 @@ class S3Store(ObjectStore):
         etag = self._stored_etag(name)
         return None if etag is None else etag == md5_hex
 
-    def _err(self, op: str, name: str, e: ClientError) -> Exception:
+    def _err(self, op: str, name: str, e: ClientError) -> OSError:
         code, status = _code(e)
         if code == "NoSuchBucket":
             return self._bucket_missing()
-        if status >= 500 or code in _TRANSIENT_CODES:
-            return self._unavailable(op, name, e)
+        if (full := full_error(op, self.url, name, status, code)) or status >= 500 or code in _TRANSIENT_CODES:
+            return full or self._unavailable(op, name, e)  # full: a PUT answered "no room" (:mod:`.s3_full`)
         return OSError(f"{op} {self.url}/{name}: {code} (HTTP {status})")
 
     def put(self, name: str, data: DataIn) -> None:
@@ -287,10 +289,8 @@ class S3Store(ObjectStore):
         try:
             self._call("put", name, lambda _r: self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=body))
         except ClientError as e:
-            err = self._err("put", name, e)
-            if not isinstance(err, StoreUnavailable):
-                raise err from None
-            fail = err
+            if not may_have_landed(fail := self._err("put", name, e), _retried(e)):
+                raise fail from None
         except BotoCoreError as e:
             fail = self._unavailable("put", name, e)
         else:
