@@ -30,3 +30,18 @@ def mounted_tmpfs(mnt: Path, size: str, options: str = "", why_skip: str = "") -
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill_filesystem(mnt: Path) -> None:
+    """Write ``mnt/filler`` until the filesystem answers ENOSPC, then check it is really full: a 4 KiB file more
+    fails with ENOSPC too (not one more page)."""
+    import errno
+    with open(mnt / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\xff" * 65536)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    with pytest.raises(OSError) as e:
+        (mnt / "probe").write_bytes(b"x" * 4096)
+    assert e.value.errno == errno.ENOSPC

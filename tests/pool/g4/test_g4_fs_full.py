@@ -7,7 +7,6 @@ Real full filesystem: a 1 MiB tmpfs mounted for the test (root needed; skipped w
 filled with a plain file."""
 from __future__ import annotations
 
-import errno
 import logging
 
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.pool import G4Pool
-from tests.helpers.tmpfs import mounted_tmpfs
+from tests.helpers.tmpfs import fill_filesystem, mounted_tmpfs
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
@@ -29,18 +28,6 @@ def small_mount(tmp_path):
         yield mnt
 
 
-def _fill(mnt) -> None:
-    """Write a plain file on ``mnt`` until the filesystem answers ENOSPC."""
-    with open(mnt / "filler", "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\xff" * 65536)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
-    with pytest.raises(OSError) as e:  # really full: not even one more page
-        (mnt / "probe").write_bytes(b"x" * 4096)
-    assert e.value.errno == errno.ENOSPC
-
 
 def _pool(mnt) -> G4Pool:
     return G4Pool(G4Config(url=f"file://{mnt}/g4", encrypt=False, breaker_failures=2), namespace())
@@ -52,7 +39,7 @@ def test_a_full_mount_drops_offloads_as_full_and_keeps_serving_loads(small_mount
     try:
         assert put_blocks(pool, [1], "").written == 1  # stored before the mount filled
         assert pool.flush(HANG_S)
-        _fill(small_mount)
+        fill_filesystem(small_mount)
 
         res = put_blocks(pool, list(range(2, 8)), "")  # 6 new blocks, more than breaker_failures
         s = pool.stats()
@@ -76,7 +63,7 @@ def test_a_full_mount_drops_offloads_as_full_and_keeps_serving_loads(small_mount
 def test_a_pool_started_on_a_full_mount_does_not_open_its_breaker(small_mount):
     """``namespace.json`` cannot be written at start: counted and logged, never a breaker trip (before, every load
     of the fresh pool missed ``breaker``)."""
-    _fill(small_mount)
+    fill_filesystem(small_mount)
     pool = _pool(small_mount)
     try:
         assert pool.flush(HANG_S)  # the start-up namespace.json write has run

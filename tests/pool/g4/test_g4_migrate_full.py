@@ -24,7 +24,7 @@ from kvbm_backend.pool.g4.migrate import run_migrate
 from kvbm_backend.pool.g4.naming import parse_block_name
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
-from tests.helpers.tmpfs import mounted_tmpfs
+from tests.helpers.tmpfs import fill_filesystem, mounted_tmpfs
 
 N = 30  # blocks under format 1 names
 FANOUT = 256  # the keyed names' fan-out directories mostly differ from the old names': renames need new ones
@@ -62,18 +62,6 @@ def _temps(root) -> list[str]:
     return [f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
 
 
-def _fill(mnt) -> None:
-    """Write a plain file on ``mnt`` until the filesystem answers ENOSPC (really full: not one more page)."""
-    with open(mnt / "filler", "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\xff" * 65536)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
-    with pytest.raises(OSError) as e:
-        (mnt / "probe").write_bytes(b"x" * 4096)
-    assert e.value.errno == errno.ENOSPC
-
 
 def _remount(mnt, mode: str) -> None:
     p = subprocess.run(["mount", "-o", f"remount,{mode}", str(mnt)], capture_output=True, text=True)
@@ -97,7 +85,7 @@ def test_migrate_into_a_full_store_stops_at_once_and_keeps_every_source(tmp_path
     filler is removed a run renames all 30."""
     with mounted_tmpfs(tmp_path / "mnt", "4M", "mode=0700") as mnt:
         url, objs = _legacy_store(tmp_path, mnt)
-        _fill(mnt)
+        fill_filesystem(mnt)
         code, out, err = _migrate(url)
         res = json.loads(out)
         assert code == 3, (code, out, err)
