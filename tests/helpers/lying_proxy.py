@@ -63,7 +63,7 @@ import re
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 MODES = ("short", "garbage", "other", "html")
@@ -112,6 +112,44 @@ def whole_object(status: int, hdrs: list) -> bool:
     return status == 206 and m is not None and int(m.group(1)) + 1 == int(m.group(2))
 
 
+class QuietHandler(BaseHTTPRequestHandler):
+    """A request handler for the tests' loopback proxies: HTTP/1.1 (keep-alive, as S3 clients expect), no log."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):  # quiet
+        pass
+
+
+def serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, int]:
+    """A ``ThreadingHTTPServer`` on a free loopback port running ``handler`` (daemon threads, served from a daemon
+    thread); returns ``(server, port)``. Stop it with :func:`stop`."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, srv.server_address[1]
+
+
+def start_proxy(handle: Callable[[BaseHTTPRequestHandler, bytes | None], None]) -> tuple[ThreadingHTTPServer, int]:
+    """:func:`serve` a :class:`QuietHandler` that reads each request's body (``Content-Length`` bytes; ``None``
+    when there are none) and calls ``handle(handler, body)`` for any GET, PUT, HEAD, DELETE or POST."""
+
+    class Handler(QuietHandler):
+        def _handle(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            handle(self, self.rfile.read(n) if n else None)
+
+        do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _handle
+
+    return serve(Handler)
+
+
+def stop(srv: ThreadingHTTPServer) -> None:
+    """Stop serving ``srv`` and close its socket."""
+    srv.shutdown()
+    srv.server_close()
+
+
 class LyingProxy:
     def __init__(self, host: str, port: int):
         self.target = (host, port)
@@ -138,12 +176,7 @@ class LyingProxy:
         self._lock = threading.Lock()
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):  # quiet
-                pass
-
+        class Handler(QuietHandler):
             def handle(self):
                 try:
                     super().handle()
@@ -240,11 +273,8 @@ class LyingProxy:
 
             do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
 
-        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._srv.daemon_threads = True
-        self.port = self._srv.server_address[1]
+        self._srv, self.port = serve(Handler)
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
 
     def _whole(self, path: str) -> bytes:
         """The whole object at the path-style ``path`` (``/bucket/key``), by a correctly signed GET of the proxy's
@@ -272,5 +302,4 @@ class LyingProxy:
         raise ValueError(f"LyingProxy.mode {m!r}: one of pass, {', '.join(MODES)}")
 
     def close(self) -> None:
-        self._srv.shutdown()
-        self._srv.server_close()
+        stop(self._srv)

@@ -18,6 +18,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from http.server import BaseHTTPRequestHandler
+
+from tests.helpers.lying_proxy import reply, start_proxy, stop, upstream
 
 
 def end_sockets(*socks: socket.socket) -> None:
@@ -119,9 +122,6 @@ class SlowPutProxy:
 
     def __init__(self, host: str, port: int, mode: str = "late", delay_s: float = 2.0,
                  slow_puts: int | None = None, slow_heads: int = 0):
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        from tests.helpers.lying_proxy import reply, upstream
         if mode not in ("late", "lost"):
             raise ValueError(f"SlowPutProxy mode {mode!r}: 'late' or 'lost'")
         self.target = (host, port)
@@ -129,41 +129,26 @@ class SlowPutProxy:
         self.held = 0
         self.slow_heads, self.held_heads = slow_heads, 0
         self._mu = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):  # quiet
-                pass
-
-            def _handle(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(n) if n else None
-                if self.command == "HEAD" and proxy._hold_head():
-                    time.sleep(proxy.delay_s)  # no answer: the client's timeout fires first
-                    self.close_connection = True
-                    return
-                if not (self.command == "PUT" and proxy._hold()):
-                    return reply(self, *upstream(self, proxy.target, body))
-                if proxy.mode == "late":
-                    answer = upstream(self, proxy.target, body)  # stored now; answered late
-                    time.sleep(proxy.delay_s)
-                    try:
-                        reply(self, *answer)
-                    except OSError:  # the client gave up and closed
-                        self.close_connection = True
-                    return
-                time.sleep(proxy.delay_s)  # lost: never forwarded, never answered
-                self.close_connection = True
-
-            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _handle
-
-        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._srv.daemon_threads = True
-        self.port = self._srv.server_address[1]
+        self._srv, self.port = start_proxy(self._handle)
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+
+    def _handle(self, h: BaseHTTPRequestHandler, body: bytes | None) -> None:
+        if h.command == "HEAD" and self._hold_head():
+            time.sleep(self.delay_s)  # no answer: the client's timeout fires first
+            h.close_connection = True
+            return
+        if not (h.command == "PUT" and self._hold()):
+            return reply(h, *upstream(h, self.target, body))
+        if self.mode == "late":
+            answer = upstream(h, self.target, body)  # stored now; answered late
+            time.sleep(self.delay_s)
+            try:
+                reply(h, *answer)
+            except OSError:  # the client gave up and closed
+                h.close_connection = True
+            return
+        time.sleep(self.delay_s)  # lost: never forwarded, never answered
+        h.close_connection = True
 
     def _hold(self) -> bool:
         with self._mu:
@@ -180,8 +165,7 @@ class SlowPutProxy:
             return True
 
     def close(self) -> None:
-        self._srv.shutdown()
-        self._srv.server_close()
+        stop(self._srv)
 
 
 class _PacedProxy(SlowAnswerProxy):

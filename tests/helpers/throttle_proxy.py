@@ -20,10 +20,10 @@ import collections
 import random
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
-from tests.helpers.lying_proxy import reply, upstream
+from tests.helpers.lying_proxy import reply, start_proxy, stop, upstream
 
 SLOWDOWN_XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
                 '<Message>Please reduce your request rate.</Message><Resource>{path}</Resource>'
@@ -39,6 +39,21 @@ def request_kind(method: str, path: str) -> str:
     return "list" if method == "GET" else "bucket"
 
 
+def _slow_down(h: BaseHTTPRequestHandler) -> None:
+    """Answer ``h``'s client ``503 Slow Down`` as S3 does (an XML error body; none for a HEAD)."""
+    h.send_response(503, "Slow Down")
+    h.send_header("x-amz-request-id", uuid.uuid4().hex[:16].upper())
+    if h.command == "HEAD":
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+        return
+    xml = SLOWDOWN_XML.format(path=urlsplit(h.path).path, rid=uuid.uuid4().hex[:16].upper()).encode()
+    h.send_header("Content-Type", "application/xml")
+    h.send_header("Content-Length", str(len(xml)))
+    h.end_headers()
+    h.wfile.write(xml)
+
+
 class ThrottleProxy:
     def __init__(self, host: str, port: int, *, first_n: int = 0, share: float = 0.0, seed: int = 0):
         self.target = (host, port)
@@ -49,42 +64,13 @@ class ThrottleProxy:
         self._seen: collections.Counter = collections.Counter()
         self._rng = random.Random(seed)
         self._mu = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):  # quiet
-                pass
-
-            def _handle(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(n) if n else None
-                kind = request_kind(self.command, self.path)
-                if proxy._throttle(self.command, self.path, kind):
-                    return self._slow_down()
-                reply(self, *upstream(self, proxy.target, body))
-
-            def _slow_down(self):
-                self.send_response(503, "Slow Down")
-                self.send_header("x-amz-request-id", uuid.uuid4().hex[:16].upper())
-                if self.command == "HEAD":
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                xml = SLOWDOWN_XML.format(path=urlsplit(self.path).path, rid=uuid.uuid4().hex[:16].upper()).encode()
-                self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", str(len(xml)))
-                self.end_headers()
-                self.wfile.write(xml)
-
-            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _handle
-
-        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._srv.daemon_threads = True
-        self.port = self._srv.server_address[1]
+        self._srv, self.port = start_proxy(self._handle)
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+
+    def _handle(self, h: BaseHTTPRequestHandler, body: bytes | None) -> None:
+        if self._throttle(h.command, h.path, request_kind(h.command, h.path)):
+            return _slow_down(h)
+        reply(h, *upstream(h, self.target, body))
 
     def _throttle(self, method: str, path: str, kind: str) -> bool:
         with self._mu:
@@ -103,5 +89,4 @@ class ThrottleProxy:
             return sum(v for (m, k), v in self.requests.items() if k == "list")
 
     def close(self) -> None:
-        self._srv.shutdown()
-        self._srv.server_close()
+        stop(self._srv)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 from typer.testing import CliRunner
@@ -27,7 +27,7 @@ from kvbm_backend.pool.g4.naming import parse_block_name
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.conftest import TEST_BUCKET
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
-from tests.helpers.lying_proxy import reply, upstream
+from tests.helpers.lying_proxy import reply, start_proxy, stop, upstream
 
 pytestmark = [pytest.mark.slow]  # a private SeaweedFS server, killed and restarted twice
 
@@ -47,31 +47,17 @@ class DyingProxy:
         self.seen: dict[str, int] = {}
         self.killed = False
         self._mu = threading.Lock()
-        proxy = self
+        self._srv, port = start_proxy(self._handle)
+        self.endpoint = f"http://127.0.0.1:{port}"
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):  # quiet
-                pass
-
-            def _handle(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(n) if n else None
-                try:
-                    answer = upstream(self, ("127.0.0.1", proxy.server.s3), body)
-                except OSError:  # no server: no answer
-                    self.close_connection = True
-                    return
-                proxy._answered(self.command)
-                reply(self, *answer)
-
-            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _handle
-
-        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._srv.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self._srv.server_address[1]}"
-        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+    def _handle(self, h: BaseHTTPRequestHandler, body: bytes | None) -> None:
+        try:
+            answer = upstream(h, ("127.0.0.1", self.server.s3), body)
+        except OSError:  # no server: no answer
+            h.close_connection = True
+            return
+        self._answered(h.command)
+        reply(h, *answer)
 
     def _answered(self, method: str) -> None:
         with self._mu:
@@ -85,8 +71,7 @@ class DyingProxy:
             self.seen, self.kill_on, self.killed = {}, (method, k), False
 
     def close(self) -> None:
-        self._srv.shutdown()
-        self._srv.server_close()
+        stop(self._srv)
 
 
 def _cli(*args):

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
 import pytest
@@ -26,7 +26,7 @@ from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.pool.g4.store import StoreFull, StoreUnavailable
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
-from tests.helpers.lying_proxy import reply, upstream
+from tests.helpers.lying_proxy import reply, start_proxy, stop, upstream
 from tests.helpers.throttle_proxy import request_kind
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
@@ -41,6 +41,18 @@ ANSWERS = [
     (400, "XMinioAdminBucketQuotaExceeded", "EDQUOT"),  # MinIO bucket quota
     (403, "QuotaExceeded", "EDQUOT"),  # Ceph RGW bucket / user quota
 ]
+
+
+def _error(h: BaseHTTPRequestHandler, status: int, code: str) -> None:
+    """Answer ``h``'s client ``status`` with an S3 XML error body naming ``code`` (an empty body for ``""``)."""
+    path = urlsplit(h.path).path
+    xml = b"" if not code else ERROR_XML.format(code=code, msg="no room", bucket=path.split("/")[1],
+                                                path=path, rid=uuid.uuid4().hex[:16]).encode()
+    h.send_response(status)
+    h.send_header("Content-Type", "application/xml")
+    h.send_header("Content-Length", str(len(xml)))
+    h.end_headers()
+    h.wfile.write(xml)
 
 
 class FullProxy:
@@ -58,42 +70,18 @@ class FullProxy:
         self.refused = self.landed_lost = 0
         self._seen: set[str] = set()
         self._mu = threading.Lock()
-        proxy = self
+        self._srv, port = start_proxy(self._handle)
+        self.endpoint = f"http://127.0.0.1:{port}"
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):  # quiet
-                pass
-
-            def _handle(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(n) if n else None
-                what = proxy._what(self.command, self.path)
-                if what == "pass":
-                    return reply(self, *upstream(self, proxy.target, body))
-                if what == "lost":
-                    upstream(self, proxy.target, body)  # stored; its answer never reaches the client
-                    return self._error(500, "InternalError")
-                status, code = proxy.full
-                self._error(status, code)
-
-            def _error(self, status: int, code: str):
-                path = urlsplit(self.path).path
-                xml = b"" if not code else ERROR_XML.format(code=code, msg="no room", bucket=path.split("/")[1],
-                                                            path=path, rid=uuid.uuid4().hex[:16]).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", str(len(xml)))
-                self.end_headers()
-                self.wfile.write(xml)
-
-            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _handle
-
-        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._srv.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self._srv.server_address[1]}"
-        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+    def _handle(self, h: BaseHTTPRequestHandler, body: bytes | None) -> None:
+        what = self._what(h.command, h.path)
+        if what == "pass":
+            return reply(h, *upstream(h, self.target, body))
+        if what == "lost":
+            upstream(h, self.target, body)  # stored; its answer never reaches the client
+            return _error(h, 500, "InternalError")
+        status, code = self.full
+        _error(h, status, code)
 
     def _what(self, method: str, path: str) -> str:
         """``"pass"`` (forward), ``"lost"`` (forward, answer 500) or ``"full"`` for this request."""
@@ -109,8 +97,7 @@ class FullProxy:
             return "full"
 
     def close(self) -> None:
-        self._srv.shutdown()
-        self._srv.server_close()
+        stop(self._srv)
 
 
 @pytest.fixture
