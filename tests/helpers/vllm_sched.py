@@ -17,13 +17,16 @@ from kvbm_backend.apps.engine_model import TINY, write_model_dir
 
 
 def tiny_scheduler(tmp: Path, extra: dict[str, Any], groups: Callable[[dict[str, Any], list[str]], list[KVCacheGroupSpec]],
-                   *, block_size: int, num_blocks: int, batched_tokens: int) -> Scheduler:
+                   *, block_size: int, num_blocks: int, batched_tokens: int, ktc: KVTransferConfig | None = None,
+                   log_stats: bool = False) -> Scheduler:
     """A ``Scheduler`` of the tiny model written under ``tmp`` (``uni`` executor: the scheduler role uses the pools
     itself), ``kv_load_failure_policy`` ``recompute``, prefix caching and chunked prefill on, ``batched_tokens``
     tokens a step. ``extra``: the ``kv_connector_extra_config``; ``groups(spec_kwargs, layer_names)``: the KV cache
-    groups (``spec_kwargs``: block_size, num_kv_heads, head_size, dtype of the tiny model)."""
+    groups (``spec_kwargs``: block_size, num_kv_heads, head_size, dtype of the tiny model). ``ktc``: another
+    ``KVTransferConfig`` (e.g. a ``MultiConnector`` holding ours; ``extra`` then unused); ``log_stats``: vLLM's, so
+    outputs carry the connectors' stats."""
     model = write_model_dir(tmp / "model", TINY)
-    ktc = KVTransferConfig(
+    ktc = ktc or KVTransferConfig(
         kv_connector="KvbmBackendConnector", kv_connector_module_path="kvbm_backend.integrations.vllm.connector",
         kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     vc = VllmConfig(model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=512,
@@ -39,7 +42,7 @@ def tiny_scheduler(tmp: Path, extra: dict[str, Any], groups: Callable[[dict[str,
               head_size=TINY.hidden_size // TINY.num_attention_heads, dtype=torch.float32)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(TINY.num_hidden_layers)]
     kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups(kw, names))
-    return Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=block_size)
+    return Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=block_size, log_stats=log_stats)
 
 
 def runner_output(s: Scheduler, so: Any, connector: KVConnectorOutput | None = None) -> ModelRunnerOutput:

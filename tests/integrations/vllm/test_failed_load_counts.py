@@ -23,23 +23,21 @@ pytest.importorskip("vllm")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,  # noqa: E402
                                                                SupportsHMA)
 from vllm.utils.hashing import sha256_cbor  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvbm_backend.apps.engine_model import TINY, write_model_dir  # noqa: E402
 from kvbm_backend.integrations.vllm import stats  # noqa: E402
 from kvbm_backend.integrations.vllm.connector import KvbmBackendConnector  # noqa: E402
 from kvbm_backend.integrations.vllm.metadata import FailedLoad, KvbmWorkerMeta  # noqa: E402
-from tests.helpers.vllm_sched import runner_output  # noqa: E402
+from tests.helpers.vllm_sched import runner_output, tiny_scheduler  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -89,7 +87,6 @@ def _scheduler(tmp: Path, multi: bool) -> Scheduler:
     """vLLM's Scheduler of the tiny model (``uni`` executor, ``log_stats`` on: its outputs carry the connector stats
     vLLM's Prometheus logger observes) with our connector over a G3 pool, alone or second in a ``MultiConnector``
     behind :class:`OtherConnector`."""
-    model = write_model_dir(tmp / "model", TINY)
     extra = {"kvbm_backend": {"model": "tiny", "g3": {"paths": [str(tmp / "g3")], "capacity_gb": 0.05,
                                                       "files_per_path": 1, "admission": {"policy": "all"}}}}
     ours = {**OURS, "kv_connector_extra_config": extra}
@@ -99,19 +96,8 @@ def _scheduler(tmp: Path, multi: bool) -> Scheduler:
                                kv_connector_extra_config={"connectors": [other, ours]})
     else:
         ktc = KVTransferConfig(**ours)
-    vc = VllmConfig(model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=512,
-                                             skip_tokenizer_init=True),
-                    cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-                    scheduler_config=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512,
-                                                     enable_chunked_prefill=True, is_encoder_decoder=False),
-                    kv_transfer_config=ktc)
-    vc.cache_config.num_gpu_blocks = NBLK
-    vc.parallel_config.distributed_executor_backend = "uni"
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=TINY.num_key_value_heads,
-                             head_size=TINY.hidden_size // TINY.num_attention_heads, dtype=torch.float32)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(TINY.num_hidden_layers)]
-    kcc = KVCacheConfig(num_blocks=NBLK, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
-    return Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BS, log_stats=True)
+    return tiny_scheduler(tmp, extra, lambda kw, names: [KVCacheGroupSpec(names, FullAttentionSpec(**kw))],
+                          block_size=BS, num_blocks=NBLK, batched_tokens=64, ktc=ktc, log_stats=True)
 
 
 def _ours(s: Scheduler) -> KvbmBackendConnector:
