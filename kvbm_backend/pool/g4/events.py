@@ -284,10 +284,10 @@ class OperatorLog:
                 return
             self.full_logged[kind] = now
         try:
-            log.warning("%s: the store refuses writes (%s, mount %s): %s; offloads are dropped as dropped_full, "
+            log.warning("%s: the store refuses writes (%s%s): %s; offloads are dropped as dropped_full, "
                         "loads are still served (not an outage: the circuit breaker stays closed); free space "
                         "(`kvbm-backend gc`), raise the quota or remount read-write; repeated at most every %.0f s",
-                        self.where, kind, e.mount or "?", e, STORE_ERROR_LOG_S)
+                        self.where, kind, f", mount {e.mount}" if e.mount else "", e, STORE_ERROR_LOG_S)
         except Exception:  # noqa: BLE001 - logging never fails an offload
             pass
 

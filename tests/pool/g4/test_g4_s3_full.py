@@ -141,6 +141,7 @@ def test_a_put_answered_no_room_is_dropped_full_and_loads_go_on(seaweed, s3_pref
         assert len(lines) == 1, lines  # once, not once per dropped block
         want = [eno, f"s3://{seaweed.bucket}/{s3_prefix}/", f"HTTP {status}", code or "-", "dropped_full"]
         assert all(w in lines[0] for w in want), (want, lines[0])
+        assert ", mount " not in lines[0], lines[0]  # an S3 store has no mount (before: "mount ?")
 
         proxy.full = None  # room again: offloads are stored again, no restart
         assert put_blocks(pool, [9], "t").written == 1
