@@ -335,7 +335,7 @@ class FsStore(ObjectStore):
                 opened = self._open_file(name, False)  # not whole 4 KiB blocks, or the read refused
             if opened is None:
                 return None
-            return self._read_buffered(opened[0], offset, length)
+            return self._read_buffered(opened[0], offset, length, opened[2])
         except OSError as e:
             raise self._wrap("get", name, e) from None
 
@@ -364,11 +364,12 @@ class FsStore(ObjectStore):
             os.close(fd)
 
     @staticmethod
-    def _read_buffered(fd: int, offset: int, length: int | None) -> bytearray:
-        """Bytes ``offset`` to ``offset + length`` (default: to the end) of buffered ``fd`` (closed here)."""
+    def _read_buffered(fd: int, offset: int, length: int | None, size: int) -> bytearray:
+        """Bytes ``offset`` to ``offset + length`` (default: to the end) of buffered ``fd`` (closed here), a file of
+        ``size`` bytes when opened: a buffer of what it holds there, not of ``length`` (a cap such as namespace.json's
+        64 KiB or an announce batch's 64 MiB: before 2026-12 a small file's read allocated and zeroed all of it)."""
         try:
-            if length is None:
-                length = max(0, os.fstat(fd).st_size - offset)
+            length = max(0, size - offset) if length is None else min(length, max(0, size - offset))
             buf = bytearray(length)
             mv, got = memoryview(buf), 0
             while got < length:
@@ -376,7 +377,8 @@ class FsStore(ObjectStore):
                 if n == 0:
                     break
                 got += n
-            return buf if got == length else buf[:got]  # bytearray: no extra copy
+            del buf[got:]  # a file cut short meanwhile: shrunk in place, no copy
+            return buf
         finally:
             os.close(fd)
 

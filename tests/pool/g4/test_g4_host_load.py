@@ -238,7 +238,12 @@ def test_staged_loads_retake_the_gil_a_few_times_per_block_and_allocate_no_paylo
     of them (an O_NOFOLLOW open and close per path component, 2 fstat, 2 fcntl, the read). Now at most 3
     per block (fstat, preadv, close; the open is one openat2), the encrypted payload opened from the
     bounce buffer into the row by one GIL-free call, and no payload-sized buffer allocated for any block
-    (tracemalloc sees numpy's buffers). Failed before: 17 calls per block (the allocation check held)."""
+    (tracemalloc sees numpy's buffers). Failed before: 17 calls per block (the allocation check held).
+
+    tracemalloc counts every thread's allocations, so the pool's start-up work (its namespace.json check on an
+    offload thread, queued when it opens) is waited for (``flush``) before tracing: on the busy CI VM it ran
+    during the load and its read (64 KiB, the cap, before fs_store sized reads to the file) made the peak
+    137,470 bytes (2026-12, test_g4_fs_read_sizes.py). The I/O threads still start with the first load."""
     import sys
     import threading
     import tracemalloc
@@ -270,6 +275,7 @@ def test_staged_loads_retake_the_gil_a_few_times_per_block_and_allocate_no_paylo
 
     rows = np.zeros((n, bpb), np.uint8)
     with G4Pool(cfg, ns) as pool:
+        assert pool.flush(HANG_S)  # its start-up check done: what is traced below is the load alone
         threading.setprofile(prof)  # the pool's I/O threads start with its first load
         sys.setprofile(prof)
         tracemalloc.start()
