@@ -407,10 +407,21 @@ def test_g3_layerwise_loads_count_as_onboards(g3_with_3):
 def test_g3_layerwise_load_past_its_deadline_counts_timeout_misses(g3_with_3):
     """Rows of a layer-wise load not read by its deadline are ``kvbm_backend_g3_load_misses{reason="timeout"}``
     (docs/operations.md "Reasons"), each once (old code: 0)."""
+    import threading
     pool, reg, keys = g3_with_3
-    why = pool.layerwise_load(keys, "cpu", timeout_s=1e-9).finish()  # the deadline passes before any read
+    assert pool.layerwise_load(keys[:1], "cpu", timeout_s=HANG_S).finish() == [None]  # the reader threads exist
+    ex = pool.reader._layerwise.executor
+    gate = threading.Event()
+    busy = [ex.submit(gate.wait, HANG_S) for _ in range(ex._max_workers)]  # every reader thread held
+    try:  # the reads queue behind them: none is in by the deadline (before: a 1e-9 s deadline, and on a busy host
+        # the reads sometimes finished before finish() looked: [None, None, None])
+        why = pool.layerwise_load(keys, "cpu", timeout_s=0.05).finish()
+    finally:
+        gate.set()
+        for f in busy:
+            f.result(timeout=HANG_S)
     late = why.count("timeout")
-    assert late >= 1 and why.count(None) + late == 3, why
+    assert late == 3, why
     assert _val(reg, "kvbm_backend_g3_load_misses_total", reason="timeout") == late
     assert pool.stats()["misses_by_reason"].get("timeout") == late
 
