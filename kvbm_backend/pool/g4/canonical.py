@@ -17,9 +17,11 @@ block's parts, and both counted the block ``written`` (``g4_put_written_blocks``
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from concurrent.futures import Future
+from collections import deque
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -57,8 +59,8 @@ def _all_of(futs: list[Future[_R]], combine: Callable[[list[_R]], _T]) -> Future
 
 
 def _copy(src: Future[_R], dst: Future[_R]) -> None:
-    """Resolve ``dst`` as the done ``src`` (its result or its exception)."""
-    e = src.exception()
+    """Resolve ``dst`` as the done ``src`` (its result or its exception; cancelled: CancelledError)."""
+    e = CancelledError() if src.cancelled() else src.exception()
     if e is not None:
         dst.set_exception(e)
     else:
@@ -87,7 +89,8 @@ class CanonicalG4:
         self._bpb = heads.per_rank.layout.bytes_per_block
         self._per = heads.heads_per_rank
         self._mu = threading.Lock()
-        self._inflight: dict[BlockKey, Future[PutResult]] = {}  # per-rank key -> its last put issued here
+        # per-rank key -> its puts not ended, in order: the first is in the G4 pool, at most one waits for it
+        self._inflight: dict[BlockKey, deque[tuple[list[BlockKey], list[np.ndarray], Future[PutResult]]]] = {}
 
     @property
     def layout(self) -> KvLayout:
@@ -157,31 +160,59 @@ class CanonicalG4:
         return _all_of([self._put_block(k, pk, pb) for k, pk, pb in parts], blocks_of)
 
     def _put_block(self, key: BlockKey, pkeys: list[BlockKey], pblocks: list[np.ndarray]) -> Future[PutResult]:
-        """One block's inner put: now, or when the put of ``key`` issued before through this pool has ended
-        (one at a time per key: the parts of two puts of one block are never in flight together)."""
+        """One block's inner put: now, or when the put of ``key`` in flight through this pool has ended (one at a
+        time per key: the parts of two puts of one block are never in flight together). At most one put of a key
+        waits: a put arriving while one waits is skipped at once (the waiting one stores the block, or drops it and
+        a later save tries again), so a hot prefix re-saved during a slow store holds two copies, not one per save."""
+        out: Future[PutResult] = Future()
         with self._mu:
-            prev = self._inflight.get(key)
-            out: Future[PutResult] = Future()
-            self._inflight[key] = out
-        out.add_done_callback(lambda f: self._ended(key, f))
+            queue = self._inflight.get(key)
+            if queue is not None and len(queue) >= 2:  # one in flight and one waiting: that one stores the block
+                out.set_result(PutResult(skipped=len(pkeys)))  # (or drops it, and a later save tries again)
+                return out
+            if queue is not None:  # a put of the block is in flight: this one waits behind it
+                queue.append((pkeys, pblocks, out))
+                return out
+            self._inflight[key] = deque([(pkeys, pblocks, out)])
+        self._issue(key, pkeys, pblocks, out)
+        return out
 
-        def issue(_prev: object = None) -> None:
+    def _issue(self, key: BlockKey, pkeys: list[BlockKey], pblocks: list[np.ndarray], out: Future[PutResult]) -> None:
+        """Hand ``key``'s put to the G4 pool, then each put queued behind it as the one before ends. A put the pool
+        answers at once (closed, breaker open, queue full: a done future) ends here and the next goes in this
+        loop: before 2026-12 each was a nested callback, and a long queue hit the recursion limit part way (the
+        rest never ended, a caller got RecursionError)."""
+        while True:
             try:
                 fut = self.inner.put(pkeys, pblocks)
             except Exception as e:  # noqa: BLE001 - handed to the caller (put validated the sizes already)
-                out.set_exception(e)
+                fut = Future()
+                fut.set_exception(e)
+            if not fut.done():
+                fut.add_done_callback(functools.partial(self._ended_async, key, out=out))
                 return
-            fut.add_done_callback(lambda f: _copy(f, out))
-        if prev is None:
-            issue()
-        else:
-            prev.add_done_callback(issue)
-        return out
+            nxt = self._ended(key, fut, out)
+            if nxt is None:
+                return
+            pkeys, pblocks, out = nxt
 
-    def _ended(self, key: BlockKey, f: Future[PutResult]) -> None:
+    def _ended_async(self, key: BlockKey, f: Future[PutResult], out: Future[PutResult]) -> None:
+        nxt = self._ended(key, f, out)
+        if nxt is not None:
+            self._issue(key, *nxt)
+
+    def _ended(self, key: BlockKey, f: Future[PutResult],
+               out: Future[PutResult]) -> tuple[list[BlockKey], list[np.ndarray], Future[PutResult]] | None:
+        """``key``'s put in flight ended as ``f``: resolve its caller's ``out``, then the next put queued behind it
+        (to issue), or None (the key is no longer in flight)."""
+        _copy(f, out)  # first: flush, seeing the key gone, finds every put of it done
         with self._mu:
-            if self._inflight.get(key) is f:
-                del self._inflight[key]
+            queue = self._inflight[key]
+            queue.popleft()
+            if queue:
+                return queue[0]
+            del self._inflight[key]
+            return None
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[Any] | Any) -> Future[GetResult]:
         """Read the parts of each key's rank heads into host buffers and assemble block ``i`` into
@@ -235,7 +266,7 @@ class CanonicalG4:
         then for the G4 pool's :meth:`flush` (seconds in all; None: no bound). False if the time ran out."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._mu:
-            pending = list(self._inflight.values())
+            pending = [q[-1][2] for q in self._inflight.values()]  # a key's last put ends after its others
         if futures_wait(pending, timeout).not_done:
             return False
         return self.inner.flush(None if end is None else max(0.0, end - time.monotonic()))
