@@ -23,10 +23,12 @@ Formats (docs/format.md "Journal", "Generation"):
 * vacancy records (:func:`encode_vacant`, since 2026-12-03): a PUT of the key no block can have (rank
   ``0xFFFFFFFF``, tenant tag ``b"KVBM-slot-vacant"``, ``seq_hash`` 0) into each slot whose header the pool zeroed
   while the journal's last word on it may still be the PUT of a block that left without a DEL record (evicted
-  for a batch whose write then failed, or that did not reuse the slot), then one DEL of that key. Replay (the
-  last record of a key and of a slot wins) empties those slots, in this version and in earlier ones alike. Before,
-  such a slot's stale PUT met the zeroed header at the next open: ``restore_dropped`` (reason ``magic``) counted
-  every such evicted block as lost (~60 after one failed batch on a full tmpfs: reported 2026-12-03).
+  for a batch whose write then failed, or that did not reuse the slot; since 2026-12-03 also a group withdrawn
+  when the journal's barrier and its repair failed, :func:`.journal_sync.repair_or_withdraw_locked`), then one
+  DEL of that key. Replay (the last record of a key and of a slot wins) empties those slots, in this version and
+  in earlier ones alike. Before, such a slot's stale PUT met the zeroed header at the next open:
+  ``restore_dropped`` (reason ``magic``) counted every such evicted block as lost (~60 after one failed batch on
+  a full tmpfs: reported 2026-12-03).
   :func:`is_vacancy` finds the key's rows (a crash between the PUTs and the DEL leaves one live: not a block).
 * the marker ``journal-<fp>.gen`` in each directory (0600, ``O_NOFOLLOW``): ``"KVBMJGEN"``, the generation
   (u64), and an xxh3_64 of those 16 bytes; 24 bytes, written in place and fdatasync'ed. A marker that is

@@ -9,7 +9,11 @@ never wait for that barrier. Only after it are the round's blocks counted writte
 record is durable: its bytes are (slab ``fdatasync`` first) and every read verifies them, so a power cut then
 costs a hit after restart, never bytes. If the barrier fails, :func:`repair_or_withdraw_locked` rewrites the
 journal from the index (temp file, fsync, rename: every record of the round durable) or, failing that, takes
-the round's blocks out of the index and drops them.
+the round's blocks out of the index, drops them and journals their slots empty (vacancy records, best effort:
+:func:`.journal_gen.encode_vacant`). Before 2026-12-03 it journaled nothing: the round's PUTs stayed the journal's
+last word on those slots until the repair (the next append, or close), so a worker killed meanwhile restarted
+reading zeroed headers where the journal said blocks were, each withdrawn block counted lost again
+(``restore_dropped``, reason ``magic``; never wrong bytes: every entry is checked against its slot header).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import os
 from typing import TYPE_CHECKING, Sequence
 
 from ...model.namespace import BlockKey
+from . import journal_gen
 from .catalog import SlotCatalog
 from .pieces import Slot
 
@@ -56,8 +61,8 @@ def repair_or_withdraw_locked(cat: SlotCatalog, err: BaseException,
     """(Pool lock held) The journal barrier of a round failed with ``err``: the tier degrades
     (``journal_failed``) and the journal is rewritten from the index at once (it holds the round's blocks);
     True when that worked (the round's records are durable). Otherwise the round's blocks still at their slot
-    are removed from the index (header zeroed, slot freed) and each put counts them dropped
-    (``cat.journal_reason``); False."""
+    are removed from the index (header zeroed, slot freed), those slots are journaled empty (:func:`_vacate`)
+    and each put counts them dropped (``cat.journal_reason``); False."""
     cat.journal_failed(err)
     try:
         cat.journal.rewrite(cat.index.items())
@@ -67,8 +72,29 @@ def repair_or_withdraw_locked(cat: SlotCatalog, err: BaseException,
         cat.journal_dirty = False
         log.warning("G3: journal %s: fdatasync failed (%s); rewritten from the index", cat.journal.path, err)
         return True
+    gone: list[tuple[int, int]] = []  # slots this withdrawal empties (a key deleted or moved meanwhile: not its)
     for job, k, slot in pub:
-        cat.remove(k, slot)
+        held = cat.index.get(k)
+        if held is not None and tuple(held) == tuple(slot):
+            gone.append((int(slot[0]), int(slot[1])))
+            cat.remove(k, slot)
         job.result.dropped += 1
     cat.drop(cat.journal_reason, len(pub))
+    _vacate(cat, gone)
     return False
+
+
+def _vacate(cat: SlotCatalog, slots: list[tuple[int, int]]) -> None:
+    """(Pool lock held, before anything can reuse ``slots``) Append vacancy records of ``slots`` (file index,
+    slot index) straight to the open journal, after the round's PUTs: replay then finds them empty. Best effort,
+    never raises: the journal is marked for repair already and the rewrite from the index names none of them, so
+    a failed append (a broken or closed journal: EBADF; EIO, ENOSPC) is logged and leaves only the stale PUTs a
+    kill before that repair would meet (counted ``restore_dropped`` at the restart, as before). Not through
+    :meth:`.catalog.SlotCatalog.journal_append`: that would retry the rewrite that just failed, under the lock."""
+    if not slots:
+        return
+    try:
+        cat.journal.append(journal_gen.encode_vacant(slots))
+    except OSError as e:
+        log.warning("G3: journal %s: cannot journal %d withdrawn slot(s) empty (%s); a restart before the journal "
+                    "is repaired counts their blocks as restore drops", cat.journal.path, len(slots), e)
