@@ -14,6 +14,15 @@ prefix while the first save is in write-behind) is handed to the G4 pool only on
 parts stored (skipped) or stores what the first put dropped. Before (CI, 2026-12, 2 busy cores) both puts' parts
 were in flight at once: each part object has exactly one creator, but the two puts could each create some of one
 block's parts, and both counted the block ``written`` (``g4_put_written_blocks`` 34 for 32 blocks stored).
+
+A put waiting so holds its copy of the block's parts, so it counts against the G4 pool's write queue bound
+(``g4.write_queue_blocks``, in parts) like the parts queued in the pool: this pool admits a block's put (handed to
+the G4 pool now, or waiting) only while its parts fit beside the parts of its puts not ended, else the block is
+dropped at once (``dropped_queue_full``, counted in parts as the pool's writer does; whole blocks, never some of a
+block's parts). Before (review, 2026-12) a waiting put was outside the bound: up to one more block per distinct
+block in flight held beyond it. :meth:`CanonicalG4.close` waits (within its bound) for waiting puts too: before,
+only the G4 pool's queue was waited for, and a put issued from behind its block's put as the pool closed ended
+``dropped_closed``.
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
+from ...deadlines import Deadline
 from ...model.canonical import HeadMap
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, KeyRun
@@ -91,6 +101,9 @@ class CanonicalG4:
         self._mu = threading.Lock()
         # per-rank key -> its puts not ended, in order: the first is in the G4 pool, at most one waits for it
         self._inflight: dict[BlockKey, deque[tuple[list[BlockKey], list[np.ndarray], Future[PutResult]]]] = {}
+        cfg = getattr(inner, "cfg", None)  # a G4Pool's G4Config: its write queue bound, in parts (None: unbounded)
+        self._queue_parts: int | None = getattr(cfg, "write_queue_blocks", None)
+        self._held = 0  # parts of the puts in _inflight (in the G4 pool or waiting), under _mu
 
     @property
     def layout(self) -> KvLayout:
@@ -130,8 +143,9 @@ class CanonicalG4:
         (one inner put per block): dropped if any part was dropped, skipped if every part was already stored
         (or the rank is a non-writing replica), else written. A block whose earlier put through this pool has
         not ended yet is handed to the G4 pool when that put ends (module doc): a block is counted written
-        by one put, never by two. Raises ValueError for mismatched lengths, a wrong-sized buffer or a key of
-        another namespace (caller bugs, as G4Pool)."""
+        by one put, never by two. A block whose parts do not fit in ``g4.write_queue_blocks`` beside the parts of
+        this pool's puts not ended (waiting ones included) is dropped (``dropped_queue_full``). Raises ValueError
+        for mismatched lengths, a wrong-sized buffer or a key of another namespace (caller bugs, as G4Pool)."""
         keys, blocks = list(keys), list(blocks)
         if len(keys) != len(blocks):
             raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
@@ -163,17 +177,29 @@ class CanonicalG4:
         """One block's inner put: now, or when the put of ``key`` in flight through this pool has ended (one at a
         time per key: the parts of two puts of one block are never in flight together). At most one put of a key
         waits: a put arriving while one waits is skipped at once (the waiting one stores the block, or drops it and
-        a later save tries again), so a hot prefix re-saved during a slow store holds two copies, not one per save."""
+        a later save tries again), so a hot prefix re-saved during a slow store holds two copies, not one per save.
+        Either put's parts count against ``g4.write_queue_blocks`` until it ends: past it the block is dropped at
+        once (``dropped_queue_full``, its parts counted in the G4 pool's counters), waiting or not."""
         out: Future[PutResult] = Future()
+        n = len(pkeys)
         with self._mu:
             queue = self._inflight.get(key)
             if queue is not None and len(queue) >= 2:  # one in flight and one waiting: that one stores the block
-                out.set_result(PutResult(skipped=len(pkeys)))  # (or drops it, and a later save tries again)
+                out.set_result(PutResult(skipped=n))  # (or drops it, and a later save tries again)
                 return out
-            if queue is not None:  # a put of the block is in flight: this one waits behind it
-                queue.append((pkeys, pblocks, out))
-                return out
-            self._inflight[key] = deque([(pkeys, pblocks, out)])
+            full = self._queue_parts is not None and self._held + n > self._queue_parts
+            if not full:
+                self._held += n
+                if queue is not None:  # a put of the block is in flight: this one waits behind it
+                    queue.append((pkeys, pblocks, out))
+                    return out
+                self._inflight[key] = deque([(pkeys, pblocks, out)])
+        if full:  # the queue holds g4.write_queue_blocks parts already (the G4 writer's reason and unit)
+            counters = getattr(self.inner, "counters", None)
+            if counters is not None:
+                counters.count("dropped_queue_full", n)
+            out.set_result(PutResult(dropped=n))
+            return out
         self._issue(key, pkeys, pblocks, out)
         return out
 
@@ -204,7 +230,10 @@ class CanonicalG4:
     def _ended(self, key: BlockKey, f: Future[PutResult],
                out: Future[PutResult]) -> tuple[list[BlockKey], list[np.ndarray], Future[PutResult]] | None:
         """``key``'s put in flight ended as ``f``: resolve its caller's ``out``, then the next put queued behind it
-        (to issue), or None (the key is no longer in flight)."""
+        (to issue), or None (the key is no longer in flight). Its parts leave the queue bound before ``out``
+        resolves, so a caller putting again from its callback finds the room (the G4 writer's count is down too)."""
+        with self._mu:
+            self._held -= len(self._inflight[key][0][0])
         _copy(f, out)  # first: flush, seeing the key gone, finds every put of it done
         with self._mu:
             queue = self._inflight[key]
@@ -273,14 +302,33 @@ class CanonicalG4:
 
     def stats(self) -> dict[str, Any]:
         """The G4 pool's counters (counted in parts; ``namespace`` is the canonical fingerprint, what the
-        store holds) plus ``g4_layout`` and ``parts_per_block``."""
+        store holds) plus ``g4_layout`` and ``parts_per_block``; ``pending_put_blocks`` (parts) counts the puts
+        waiting behind an earlier put of their block too (they hold their parts: module doc)."""
         s = dict(self.inner.stats())
+        with self._mu:
+            waiting = sum(len(q[1][0]) for q in self._inflight.values() if len(q) > 1)
+        if "pending_put_blocks" in s:
+            s["pending_put_blocks"] += waiting
         s.update(g4_layout=self.heads.canonical.layout_id, parts_per_block=self._per,
                  per_rank_namespace=self._fp)
         return s
 
-    def close(self, *a: Any, **kw: Any) -> None:
-        self.inner.close(*a, **kw)
+    def close(self, timeout: float | None = None) -> None:
+        """Wait, at most ``timeout`` seconds in all (None: the G4 pool's close bound, ``2 * g4.timeout_s``), for
+        every put made so far (those waiting behind an earlier put of their block too: module doc), then close
+        the G4 pool (it drops what is still queued, ``dropped_closed``; a put still waiting here ends so once
+        the put ahead of it ends)."""
+        if timeout is None:
+            cfg = getattr(self.inner, "cfg", None)
+            timeout = 2 * cfg.timeout_s if cfg is not None else None
+        end = Deadline(timeout)
+        self.flush(timeout)
+        left = end.left()
+        if left is None:  # not a G4Pool (no bound of its own to pass)
+            self.inner.close()
+        else:
+            closer: Callable[..., None] = self.inner.close  # a G4Pool: close(timeout)
+            closer(left)
 
     def __getattr__(self, name: str) -> Any:
         # everything else a caller may read of a G4 pool (breaker, store, where, object_name, ...)
