@@ -40,6 +40,8 @@ def _out(obj, as_json: bool) -> None:
 EXIT_STORE_FULL = 3
 #: exit code of a migrate run the store stopped by becoming unavailable after its first write (``stopped_unavailable``)
 EXIT_STORE_UNAVAILABLE = 4
+#: exit code of a migrate run stopped by a store still answering "slow down" after its retries (``stopped_throttled``)
+EXIT_STORE_THROTTLED = 5
 
 
 def _report(res: dict, as_json: bool, cmd: str) -> None:
@@ -47,8 +49,9 @@ def _report(res: dict, as_json: bool, cmd: str) -> None:
     error line on stderr (the first 20); a run stopped by a store refusing writes (``stopped_full``) an error
     line naming the store, its mount and why, then exit :data:`EXIT_STORE_FULL` (3); one stopped by the store
     becoming unavailable part way (``stopped_unavailable``) an error line naming the store, the error and how far
-    it got, then exit :data:`EXIT_STORE_UNAVAILABLE` (4); else exit 1 when ``errors`` > 0 (the run went on with
-    the rest)."""
+    it got, then exit :data:`EXIT_STORE_UNAVAILABLE` (4); one stopped by a store still answering "slow down" after
+    its backed-off retries (``stopped_throttled``) an error line naming the store, the error and how far it got, then
+    exit :data:`EXIT_STORE_THROTTLED` (5); else exit 1 when ``errors`` > 0 (the run went on with the rest)."""
     _out(res, as_json)
     for w in res.get("warnings", []):
         console.print(Text.assemble(("warning:", "yellow"), f" {cmd}: {w}"), soft_wrap=True, highlight=False)
@@ -72,6 +75,16 @@ def _report(res: dict, as_json: bool, cmd: str) -> None:
                    "its copy or its delete may have landed); run it again once the store is back (it goes on with "
                    "those left and settles that one)")
         raise typer.Exit(EXIT_STORE_UNAVAILABLE)
+    slow = res.get("stopped_throttled")
+    if slow:
+        where = ("while listing: nothing renamed" if slow["phase"] == "list" else
+                 f"at {slow['at']}: {slow['renamed']} renamed before it, {slow['not_renamed']} left under their old "
+                 "names" + (" untouched" if slow["phase"] == "check" else
+                            " (the one it stopped at may have its copy under the new name already)"))
+        error_line(f"{cmd}: stopped: {slow['url']} still throttled (asked to slow down) after {slow['attempts']} "
+                   f"tries with backoff: {slow['error']}; {where}; run it again when the store's load is lower "
+                   "(it goes on with those left)")
+        raise typer.Exit(EXIT_STORE_THROTTLED)
     if res["errors"]:
         raise typer.Exit(1)
 
@@ -322,6 +335,9 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
                    None, "--encrypted/--plaintext",
                    help="the workers' g4.encrypt; with --keyring required once a plaintext object is found "
                         "(--encrypted leaves plaintext objects for gc: an encrypted pool never serves them)"),
+               throttle_attempts: int = typer.Option(
+                   10, help="tries of a request the store answers \"slow down\" (S3 503 SlowDown, 429), a jittered "
+                            "exponential backoff between them (50 ms doubling to 1 s); then the run stops (exit 5)"),
                as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Rename blocks stored under format 1 names (sequence hash in clear) to keyed names. Safe while
     workers run; repeatable. Until it ran, old-named blocks are misses (recomputed). Exit 1 when an
@@ -330,14 +346,17 @@ def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///
     write for room (full, over quota, read-only): the run stopped there, every object not renamed left in place;
     run it again once there is room. 4 when the store became unavailable after the run's first write (S3 5xx or
     no answer after the retries, a file mount gone): the run stopped there, the report's stopped_unavailable says
-    how many were renamed and left under their old names; run it again once the store is back."""
+    how many were renamed and left under their old names; run it again once the store is back. 5 when a request
+    was still answered "slow down" (S3 503 SlowDown, 429) after --throttle-attempts tries, each after a jittered
+    backoff: the run stopped there, stopped_throttled says how far it got; run it again when the store's load is
+    lower."""
     from kvbm_backend.crypto.keyring import KeyringError
     from kvbm_backend.pool.g4.migrate import run_migrate
     store = _open_store(url, endpoint_url, region)
     try:
         kr = _open(keyring, kek_env, kek_file, False) if keyring else None
         res = run_migrate(store, keyring=kr, unkeyed=unkeyed, dir_fanout=dir_fanout, dry_run=dry_run,
-                          encrypted=encrypted)
+                          encrypted=encrypted, throttle_attempts=throttle_attempts)
     except (ValueError, KeyringError, OSError) as e:
         _fail(str(e))
     _report(res, as_json, "g4 migrate")

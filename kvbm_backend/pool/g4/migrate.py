@@ -48,30 +48,47 @@ copy under the new name, or its DELETE may have reached the store before the ans
 either), and a run once the store is back renames them. Before the first write (the listing, the header checks,
 a dry run) it refuses the run, nothing written (exit 2). Before 2026-12-03 it refused the run at any point: exit 2
 with no report, though objects had been renamed.
+
+A store that answers "slow down" (:class:`~.store.StoreThrottled`: S3 ``503 SlowDown``, 429, ``Throttling``...) is
+answered as the G4 pool answers it (:mod:`.throttle`): the same request is sent again after a full-jitter exponential
+backoff (50 ms doubling to 1 s), up to ``throttle_attempts`` tries (:data:`THROTTLE_ATTEMPTS`: ~5 s at most), in every
+part of the run (the listing's pages, the header checks, the renames, a dry run's reads). A request still throttled
+after that stops the run there (``stopped_throttled``, how far it got; the run exits 5): the object it was at and every
+one after it stay under their old names (the one it was at may have its copy under the new name already: a later run
+counts it ``already_present``), and a run once the store has room for the load renames them. Before 2026-12-03 each
+throttled request was one error and the run went on with the next object at once: a store that asked for fewer
+requests got the run's full rate, and the run ended with a partial rename and an error per throttled object.
 """
 from __future__ import annotations
 
 import errno
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ...crypto.aead import AeadError, key_check_differs, open_into
 from ...crypto.names import UNKEYED_PSEUDONYM_KEY, derive_name_key
 from ...model.frame import FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader, payload_checksum
 from .naming import TenantNamer, fanout_width, parse_block_name
-from .store import ObjectStore, StoreFull, StoreUnavailable, listing
+from .store import ObjectStore, StoreFull, StoreThrottled, StoreUnavailable, listing
+from .throttle import call_throttled
 
 if TYPE_CHECKING:
     from ...crypto.keyring import Keyring
+
+T = TypeVar("T")
 
 #: bytes of payload a frame's header may name and still be read (1 GiB: the largest KV block of a published layout
 #: is a few tens of MiB); a larger claim is ``skipped_invalid`` without reading it
 MAX_FRAME_PAYLOAD_BYTES = 1 << 30
 #: the reason a run stopped by :class:`~.store.StoreFull` names, by errno (:data:`.fs_put.FULL_ERRNOS`)
 FULL_REASONS = {errno.ENOSPC: "full", errno.EDQUOT: "over quota", errno.EROFS: "read-only"}
+#: tries of a request the store answers "slow down" before the run stops (``stopped_throttled``); the waits between
+#: them are :func:`.throttle.backoff_s` (full jitter, 50 ms doubling to 1 s: at most ~5 s over 10 tries), as gc's
+THROTTLE_ATTEMPTS = 10
 
 
 def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: bool = False,
-                dir_fanout: int = 256, dry_run: bool = False, encrypted: bool | None = None) -> dict[str, Any]:
+                dir_fanout: int = 256, dry_run: bool = False, encrypted: bool | None = None,
+                throttle_attempts: int = THROTTLE_ATTEMPTS) -> dict[str, Any]:
     """Rename every format 1 block object of ``store`` to its keyed name, under the same prefix.
 
     Two passes: every candidate's header is read and checked first (nothing is written before all passed
@@ -94,6 +111,8 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             never serves them: ``skipped_plaintext``), False renames them; None (not known) refuses the run when
             a plaintext object is found with ``keyring``, and a plaintext copy under a sealed source's new name
             is then not one the workers serve (``kept_name_taken``). Without a keyring the pool is plaintext.
+        throttle_attempts: tries of each store request the store answers "slow down" (>= 1), a full-jitter backoff
+            (:func:`.throttle.backoff_s`, seconds) before each retry; still throttled after that, the run stops.
     Returns:
         dict: ``legacy_objects`` found, ``migrated``, ``already_present`` (the new name existed: the old
         object was deleted: it held a copy the workers serve), ``kept_name_taken`` (the new name held an
@@ -110,11 +129,20 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
         there) a dict: ``url``, ``error`` (the store's message), ``at`` (the old name it was renaming),
         ``renamed`` (``migrated`` before the stop) and ``not_renamed`` (sources left under their old names:
         the one hit (its copy may have landed, or its delete) and every one after it).
+        ``stopped_throttled``: None, or (a request was still answered "slow down" after ``throttle_attempts`` tries:
+        the run stopped there) a dict: ``url``, ``error`` (the store's last answer), ``phase`` (``list``: the listing,
+        ``legacy_objects`` then counts those listed before it; ``check``: the header checks, nothing written yet;
+        ``rename``), ``at`` (the old name it was at; None in ``list``), ``attempts``, ``renamed`` (``migrated``
+        before the stop) and ``not_renamed`` (sources it would still have renamed: the one it was at (in ``rename``
+        its copy may have landed) and every one after it; None in ``list``: not all were listed). ``throttled``:
+        "slow down" answers to the run's object requests (each retried after a backoff, or the last one, which
+        stopped it; the listing's pages are retried by :meth:`~.store.ObjectStore.list_patient`, uncounted).
     Raises:
         ValueError before anything is written when neither or both of ``keyring`` / ``unkeyed`` are given,
         ``dir_fanout`` does not match the old names, an encrypted object is found without ``keyring``, a
         plaintext one with ``keyring`` and ``encrypted`` None, or ``encrypted`` is True with ``unkeyed``;
-        StoreUnavailable when the store is down before the run's first write (nothing written).
+        StoreUnavailable when the store is down before the run's first write (nothing written); ValueError when
+        ``throttle_attempts`` < 1.
     """
     if not 1 <= dir_fanout <= 4096:
         raise ValueError(f"--dir-fanout: must be in [1, 4096] (got {dir_fanout})")
@@ -123,36 +151,57 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
                          "names are keyed by it, even in an unencrypted pool")
     if unkeyed and encrypted:
         raise ValueError("--encrypted: an encrypted pool has a keyring: give it with --keyring, not --unkeyed")
+    if throttle_attempts < 1:
+        raise ValueError(f"--throttle-attempts: must be >= 1 (got {throttle_attempts})")
+    throttled = 0  # "slow down" answers to the run's object requests
+
+    def patient(fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` (one store request), sent again after a backoff while throttled: ``throttle_attempts``
+        tries; then the last StoreThrottled is raised."""
+        tries = 0
+
+        def met() -> None:
+            nonlocal throttled, tries
+            throttled += 1
+            tries += 1
+        return call_throttled(lambda: fn(*args), float("inf"), met, lambda: tries >= throttle_attempts)
     legacy = []
     unlisted: list[str] = []  # parts of the store not listed (errors, named)
-    for o in listing(store.list(""), unlisted):
-        meta = parse_block_name(o.name, nested=True)  # renamed in place: under its own prefix
-        if meta is not None and meta["legacy"]:
-            legacy.append((o, meta))
+    try:
+        for o in listing(store.list_patient("", throttle_attempts), unlisted):
+            meta = parse_block_name(o.name, nested=True)  # renamed in place: under its own prefix
+            if meta is not None and meta["legacy"]:
+                legacy.append((o, meta))
+    except StoreThrottled as e:  # nothing examined: say so, no refusal (exit 5, as a stop later in the run)
+        res = _report(store, dry_run, legacy, unlisted, 0)
+        res["stopped_throttled"] = _throttle_stop(store, e, "list", None, throttle_attempts, 0, None)
+        return res
     w = fanout_width(dir_fanout)
     for o, meta in legacy:
         if meta["fan"] != f"{meta['seq_hash'] % dir_fanout:0{w}x}":
             raise ValueError(f"--dir-fanout {dir_fanout}: {o.name} was written with another g4.dir_fanout "
                              "(give the workers' value)")
-    res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "legacy_objects": len(legacy), "migrated": 0,
-           "already_present": 0, "skipped_invalid": 0, "skipped_revoked": 0, "skipped_unknown_tenant": 0,
-           "skipped_plaintext": 0, "kept_name_taken": 0,
-           "errors": len(unlisted), "unlisted": unlisted, "stopped_full": None, "stopped_unavailable": None}
+    res = _report(store, dry_run, legacy, unlisted, throttled)
     known: set[str] | None = None
     revoked: set[str] = set()
     if keyring is not None:
         revoked = set(keyring.revoked())
         known = {r["pseudonym"] for r in keyring.info()}
-    todo = []
-    for o, meta in legacy:  # pass 1: headers only; refusals happen here
+    todo: list[tuple[Any, dict[str, Any], int]] = []  # (listed object, its name parsed, bytes to read)
+    for j, (o, meta) in enumerate(legacy):  # pass 1: headers only; refusals happen here
         ps = meta["tenant"]
         if known is not None and ps not in known:
             res["skipped_revoked" if ps in revoked else "skipped_unknown_tenant"] += 1
             continue
         try:
-            head = store.get(o.name, 0, HEADER_BYTES)
+            head = patient(store.get, o.name, 0, HEADER_BYTES)
         except StoreUnavailable:
             raise
+        except StoreThrottled as e:  # nothing written yet: this one and the rest (checked or not) stay
+            res["throttled"] = throttled
+            res["stopped_throttled"] = _throttle_stop(store, e, "check", o.name, throttle_attempts, 0,
+                                                      len(todo) + len(legacy) - j)
+            return res
         except OSError:
             res["errors"] += 1
             continue
@@ -192,7 +241,7 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
         parts = o.name.split("/")
         new = "/".join(parts[:-5] + [namer.name(meta["rank"], meta["seq_hash"])])
         try:
-            data = store.get(o.name, 0, want)
+            data = patient(store.get, o.name, 0, want)
             if data is None:
                 continue
             hdr = _matching_header(memoryview(data)[:HEADER_BYTES], meta)
@@ -207,19 +256,20 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
                 # An object listed longer than its frame, read past it, is one too: an S3 HEAD compares the whole
                 # object (length and MD5), never a prefix, so asking it counted an error on every run (2026-12-02)
                 grown = o.size > HEADER_BYTES + hdr.stored_len and len(data) > HEADER_BYTES + hdr.stored_len
-                res["skipped_invalid" if grown or store.stored_matches(o.name, data, o.size) else "errors"] += 1
+                res["skipped_invalid" if grown or patient(store.stored_matches, o.name, data, o.size)
+                    else "errors"] += 1
                 continue
             if dry_run:  # what the run would do, writing and deleting nothing
-                there = store.get(new, 0, want)
+                there = patient(store.get, new, 0, want)
                 res["migrated" if there is None else
                     "already_present" if _serves(there, meta, keyring, encrypted) else "kept_name_taken"] += 1
                 continue
             wrote = True
-            created = store.put_if_absent(new, data)
-            if not created and not _serves(store.get(new, 0, want), meta, keyring, encrypted):
+            created = patient(store.put_if_absent, new, data)
+            if not created and not _serves(patient(store.get, new, 0, want), meta, keyring, encrypted):
                 res["kept_name_taken"] += 1  # the old object stays: the only good copy (module doc)
                 continue
-            store.delete(o.name)
+            patient(store.delete, o.name)
         except StoreUnavailable as e:
             if not wrote:  # nothing written yet: a refused run (exit 2)
                 raise
@@ -229,11 +279,32 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
         except StoreFull as e:  # no room: every later write is refused too; this source and the rest stay
             res["stopped_full"] = _full_stop(store, e, len(todo) - i)
             break
+        except StoreThrottled as e:  # still "slow down" after the backoffs: stop sending; this source and the rest stay
+            res["stopped_throttled"] = _throttle_stop(store, e, "rename", o.name, throttle_attempts, res["migrated"],
+                                                      len(todo) - i)
+            break
         except OSError:
             res["errors"] += 1
             continue
         res["migrated" if created else "already_present"] += 1
+    res["throttled"] = throttled
     return res
+
+
+def _report(store: ObjectStore, dry_run: bool, legacy: list[Any], unlisted: list[str],
+            throttled: int) -> dict[str, Any]:
+    """:func:`run_migrate`'s report before its passes: every count 0 but ``legacy_objects`` and ``errors``."""
+    return {"dry_run": dry_run, "url": store.url, "legacy_objects": len(legacy), "migrated": 0, "already_present": 0,
+            "skipped_invalid": 0, "skipped_revoked": 0, "skipped_unknown_tenant": 0, "skipped_plaintext": 0,
+            "kept_name_taken": 0, "errors": len(unlisted), "unlisted": unlisted, "stopped_full": None,
+            "stopped_unavailable": None, "stopped_throttled": None, "throttled": throttled}
+
+
+def _throttle_stop(store: ObjectStore, e: StoreThrottled, phase: str, at: str | None, attempts: int, renamed: int,
+                   not_renamed: int | None) -> dict[str, Any]:
+    """``stopped_throttled`` of :func:`run_migrate`'s report: the store still throttled after ``attempts`` tries."""
+    return {"url": store.url, "error": str(e), "phase": phase, "at": at, "attempts": attempts, "renamed": renamed,
+            "not_renamed": not_renamed}
 
 
 def _full_stop(store: ObjectStore, e: StoreFull, not_renamed: int) -> dict[str, Any]:
