@@ -70,18 +70,18 @@ def dir_problem(path: str) -> str | None:
     one. An existing path must be a directory this process can write; a missing one is created later,
     so its nearest existing ancestor must be a directory this process can write (before 2026-11-30 only a file
     there was judged: a G3 path under an unwritable parent passed the launchers' preflight and the pool's
-    ``makedirs`` failed inside the engine)."""
+    ``makedirs`` failed inside the engine). A relative path once the working directory was removed is one too."""
     if not path.strip():
         return "empty path (it would mean the current directory)"
+    from .fsmodes import abspath
     from .store_url import file_url_path, path_url_scheme
     scheme = path_url_scheme(path)
     if scheme is not None:  # else "file:/x" is the relative directory "file:" and "x" under the current one
-        local = file_url_path(path) if scheme == "file" else None
-        hint = f"; give the directory {local}" if local and local.startswith("/") else ""
-        return f"a {scheme}: URL, not a directory path{hint}"
+        local = (file_url_path(path) or "") if scheme == "file" else ""
+        return f"a {scheme}: URL, not a directory path" + (f"; give the directory {local}" if local[:1] == "/" else "")
     try:
-        target = Path(os.path.abspath(path))
-    except ValueError as e:  # embedded NUL
+        target = Path(abspath(path))
+    except ValueError as e:  # embedded NUL; relative, the working directory removed (fsmodes.abspath)
         return f"not a usable path: {e}"
     for q in (target, *target.parents):
         try:

@@ -20,6 +20,20 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 
 
+def abspath(path: str | os.PathLike) -> str:
+    """``os.path.abspath(path)``, or ValueError saying why not: a relative ``path`` while this process's working
+    directory has been removed (``os.getcwd()`` fails; nothing can be created there, so there is no directory to
+    name: give an absolute path), or a NUL in ``path``. Before 2026-12-03 the former was a bare
+    ``FileNotFoundError`` from ``os.getcwd()`` naming neither the path nor the field."""
+    p = os.fspath(path)
+    try:
+        return os.path.abspath(p)
+    except FileNotFoundError:
+        raise ValueError(f"{p!r} is relative to the working directory, and this process's working directory has been "
+                         "removed (os.getcwd() fails): give an absolute path, or run from a directory that "
+                         "exists") from None
+
+
 def missing_dirs(path: str | os.PathLike) -> list[str]:
     """``path`` (absolute) and those of its ancestors that are not directories, deepest first: what
     ``os.makedirs(path)`` creates (``replay`` and ``model`` remove them again: :func:`remove_made_dirs`)."""

@@ -18,6 +18,7 @@ every kvbm-backend config in it (``KvbmBackendConnector``'s ``config_file`` / in
   opened G3 at the script's default paths);
 * prints ONE line on stderr with the effective G3/G4 settings and where each came from: ``file`` (the config
   file), ``env NAME``, ``script`` (the script's default or its inline settings), ``default`` (kvbm-backend's);
+  only the sections the config's users open (a G4Tier's config: no ``g3.*``; :func:`summary`);
 * prints on stdout the shell lines the script evaluates (``export ...``, ``KV_TRANSFER_CONFIG=...``).
 
 A missing config file, an invalid field or, with G4 encryption on, no KEK (neither ``$kek_env`` nor the KEK
@@ -214,12 +215,22 @@ def kek_source(cfg, environ: dict[str, str] | None = None) -> str:
                          f"provide {kf}")
 
 
-def summary(kind: str, source: Source, cfg, where: dict[str, str], kek: str | None, notes: list[str]) -> str:
-    """The one printed line: ``kvbm-backend effective (KIND, SOURCE): field=value [source] ...``."""
+def summary(kind: str, source: Source, cfg, where: dict[str, str], kek: str | None, notes: list[str],
+            unused: tuple[str, ...] = ()) -> str:
+    """The one printed line: ``kvbm-backend effective (KIND, SOURCE): field=value [source] ...``.
+
+    ``unused``: the sections no user of this config opens (:func:`_skip_dirs`, the same ones whose directories are
+    not checked), whose fields are left out: a G4Tier-only config prints no ``g3.*`` field, a G3Tier-only one no
+    ``g4.*`` field but ``g4.keyring.path`` when set (the G3Tier follows that keyring's revocations). Before
+    2026-12-03 a G4Tier-only config's line said ``g3.enabled=true [default] g3.paths=./kvbm-g3 ...``, a G3 the
+    engine never opens (and whose paths were not checked)."""
     parts = []
     for field in SHOWN:
         sec, _, rest = field.partition(".")
-        if (sec == "g3" and not cfg.g3.enabled and rest != "enabled") or \
+        if sec in unused:
+            if field != "g4.keyring.path" or not cfg.g4.keyring.path:
+                continue
+        elif (sec == "g3" and not cfg.g3.enabled and rest != "enabled") or \
                 (sec == "g4" and not cfg.g4.enabled and rest != "enabled") or \
                 (field == "g4.keyring.path" and not cfg.g4.encrypt):
             continue
@@ -328,13 +339,13 @@ def resolve(ktc: dict, kind: str, defaults: dict[str, Any], environ: dict[str, s
                 check_kek_env(cfg.g4.keyring, env)
             seen[key] = cfg
             exports.update(ex)
-            lines.append((src, cfg, where, kek))
+            lines.append((src, cfg, where, kek, skips[key]))
         sec = {"G3Tier": "g3", "G4Tier": "g4"}.get(owner.get("type", ""))
         if sec and not getattr(seen[key], sec).enabled:  # the tier would refuse to start (check_tier_section)
             extra["secondary_tiers"] = [t for t in extra["secondary_tiers"] if t is not owner]
             notes.append(f"{owner['type']} left out ({sec}.enabled=false)")
-    return ktc, exports, [summary(kind, s, c, w, k, notes if i == len(lines) - 1 else [])
-                          for i, (s, c, w, k) in enumerate(lines)]
+    return ktc, exports, [summary(kind, s, c, w, k, notes if i == len(lines) - 1 else [], u)
+                          for i, (s, c, w, k, u) in enumerate(lines)]
 
 
 def _default_arg(raw: str) -> tuple[str, Any]:
