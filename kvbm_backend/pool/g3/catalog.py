@@ -25,7 +25,7 @@ from ...memory import aligned_zeros
 from ...metrics import TierMetrics, count_reason
 from ...model import frame
 from ...model.namespace import BlockKey, Namespace, tenant_tag
-from . import forked, journal as jr, journal_gen
+from . import forked, journal as jr, vacancy
 from .compact_index import CompactLruIndex, Slot
 from .forked import ForkedLock
 from .index import TagKey
@@ -414,7 +414,7 @@ class SlotCatalog:
         journal's DEL record still stands). A slot past its file's end holds no frame, and one past its file's
         share whose block left was emptied when it was released (:func:`.slab_share.release_slot`): neither is
         written (a write would allocate the disk given back), the file is still synced at close. ``vacate`` (False
-        when the caller journals the key's DEL): journaled empty too (:func:`.journal_gen.encode_vacant`; else an
+        when the caller journals the key's DEL): journaled empty too (:func:`.vacancy.journal_vacant`; else an
         evicted block's PUT met the zeroed header at the next open, a false ``restore_dropped``, until 2026-12-03)."""
         slots = list(slots)
         for fi, si in slots:
@@ -428,10 +428,8 @@ class SlotCatalog:
             except (OSError, KeyError) as e:
                 log.warning("G3: cannot clear the header of removed slot %d of file %d (%s): a restart without "
                             "the journal could find that block again", si, fi, e)
-        j = self.journal  # not when a rewrite from the index (none of these) is due: broken, or a repair not begun
-        due = j.broken or j.fd is None or (self.journal_dirty and getattr(j.compaction, "gen", None) != self.dirty_gen)
-        if vacate and slots and not due:
-            self.journal_append(journal_gen.encode_vacant(slots))
+        if vacate:  # a repair due too (until 2026-12-03 skipped then: a kill before it, false restore drops)
+            vacancy.journal_vacant(self, slots)
 
     def note_removed(self, keys: Iterable[BlockKey | TagKey]) -> None:
         """Log blocks that left the index (:meth:`~.pool.G3Pool.removed_since`). Caller holds the lock."""

@@ -24,7 +24,8 @@ Formats (docs/format.md "Journal", "Generation"):
   ``0xFFFFFFFF``, tenant tag ``b"KVBM-slot-vacant"``, ``seq_hash`` 0) into each slot whose header the pool zeroed
   while the journal's last word on it may still be the PUT of a block that left without a DEL record (evicted
   for a batch whose write then failed, or that did not reuse the slot; since 2026-12-03 also a group withdrawn
-  when the journal's barrier and its repair failed, :func:`.journal_sync.repair_or_withdraw_locked`), then one
+  when the journal's barrier and its repair failed, :func:`.journal_sync.repair_or_withdraw_locked`; since
+  2026-12-03 also while the journal is marked for repair, :func:`.vacancy.journal_vacant`), then one
   DEL of that key. Replay (the last record of a key and of a slot wins) empties those slots, in this version and
   in earlier ones alike. Before, such a slot's stale PUT met the zeroed header at the next open:
   ``restore_dropped`` (reason ``magic``) counted every such evicted block as lost (~60 after one failed batch on

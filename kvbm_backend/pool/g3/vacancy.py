@@ -1,0 +1,53 @@
+"""Journaling slots empty: the vacancy records of slots whose header the G3 pool zeroed without a DEL of their key.
+
+:meth:`.catalog.SlotCatalog.clear_headers` zeroes the header of a slot a block left without a record of its own
+(evicted for a batch whose write or journal append then failed, evicted and not reused, a write cancelled by a
+delete) and calls :func:`journal_vacant`, so that replay finds the slot empty (:func:`.journal_gen.encode_vacant`)
+rather than the evicted block's stale PUT, which met the zeroed header at the next open and was counted lost
+(``restore_dropped``, reason ``magic``).
+
+While a rewrite of the journal from the index is due (the journal marked for repair after a failed append or
+rewrite, no repair compaction under way yet; or a journal that takes no appends: broken, or not open), the
+records go straight to the journal, best effort, not through :meth:`~.catalog.SlotCatalog.journal_append`:
+that would start the repair (for a broken journal: write it under the pool's lock) from call sites that only
+release slots, right after a failed append among them, so it would retry at once what just failed. The repair
+needs none of them (a rewrite from the index names none of these slots), but it runs only at the next append or
+at close. Before 2026-12-03 nothing was journaled in that window: a worker killed before the repair restarted
+with the evicted blocks' PUTs as the journal's last word on zeroed slots, each counted in ``restore_dropped``
+(``magic``), 8 for a full pool's failed put of 8 (tests/pool/g3/test_g3_vacancy_while_dirty.py). A journal
+that takes no appends gets none (logged): the rewrite it needs before any append comes first. A newer block's PUT
+is never cancelled: the records are appended while the pool's lock is held and before the slots are released, so
+any later PUT of those slots follows them.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Sequence
+
+from . import journal_gen
+
+if TYPE_CHECKING:
+    from .catalog import SlotCatalog
+
+log = logging.getLogger(__name__)
+
+
+def journal_vacant(cat: SlotCatalog, slots: Sequence[tuple[int, int]]) -> None:
+    """(Pool lock held, before ``slots`` are released) Journal ``slots`` ((file index, slot index) pairs) empty.
+    Through :meth:`~.catalog.SlotCatalog.journal_append` when no repair is due (a failure there degrades the tier
+    and marks the journal for repair, as for any append); else straight to the journal, best effort: a failure
+    (EBADF: broken or not open; EIO, ENOSPC) is logged, the journal left as :meth:`~.journal.Journal.append`
+    leaves it (cut back, or broken), and the tier not degraded again (the repair due names none of these slots).
+    Nothing when ``slots`` is empty or the pool closed. Never raises."""
+    if not slots or not cat.slabs.dirs:
+        return
+    j = cat.journal
+    recs = journal_gen.encode_vacant(slots)
+    if not (j.broken or j.fd is None or (cat.journal_dirty and getattr(j.compaction, "gen", None) != cat.dirty_gen)):
+        cat.journal_append(recs)
+        return
+    try:
+        j.append(recs)
+    except OSError as e:
+        log.warning("G3: journal %s: cannot journal %d emptied slot(s) empty (%s); a restart before the journal is "
+                    "repaired counts their blocks as restore drops", j.path, len(slots), e)
