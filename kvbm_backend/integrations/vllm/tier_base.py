@@ -247,6 +247,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, False, self._run_load)
+        self._lookup.loading(job_metadata)  # credited to this tier once loaded (.tier_pickups); results: this thread
 
     def _submit(self, job: TransferJob, store: bool, fn) -> None:
         keys = list(job.keys)
@@ -419,6 +420,8 @@ class KvbmSecondaryTier(SecondaryTierManager):
             keys, is_store, tenant = self._jobs.pop(res.job_id, ([], False, self._tenant))
             held = self._store_held.pop(res.job_id, [])
             out.append(res)
+            if not is_store:
+                self._lookup.loaded(res.job_id, keys if res.success else res.successful_keys or (), tenant)
             if res.success and is_store and held:  # a live request's cached miss of them is asked again
                 self._lookup.stored(held, tenant)
             not_asked = res.job_id in self._not_asked

@@ -40,7 +40,9 @@ lookup: a chunk held by G3 and G4 was matched twice (6 chunks of 16 tokens loade
 by 192) and G4's hit rate was over every chunk instead of those G3 lacked; then each counted its own leading
 prefix, so chunks one tier served past a gap the other filled loaded uncounted (G3 chunk 1, G4 0, 2, 3: 1 of 4).
 A request sharing a verdict another live request posted (vLLM posts a key once) is counted when it takes the
-verdict up (:mod:`.tier_pickups`); before 2026-12-03 it was not counted at all.
+verdict up (:mod:`.tier_pickups`); before 2026-12-03 it was not counted at all. With several of our tiers a HIT it
+takes up, and a chunk it loads that it did not post to the lowest, count on the tier that loads it, when the load
+ends (:meth:`TenantLookup.loading`; before 2026-12-03 G4 was credited for a chunk G3 loaded).
 """
 from __future__ import annotations
 
@@ -204,8 +206,32 @@ class TenantLookup(AsyncLookupManager):
         if self._recheck and pair in self._recheck:
             self._ask_again(pair, req_context)
         r = super().lookup(pair, req_context)
-        self._pickups.note(pair, held, self._lookup_state[pair].generation != gen, r, req_context)
+        self._pickups.note(pair, held, self._lookup_state[pair].generation != gen, r, req_context,
+                           hit_at_load=self._shared(req_context))
         return r
+
+    def _shared(self, req_context: ReqContext) -> bool:
+        """Whether the manager asks another of our tiers for the request (above or below this one): a verdict the
+        request takes up here is then credited where the chunk loads from (:mod:`.tier_pickups`)."""
+        return bool(self._above and self._asked_first(req_context)) or bool(self._reg and self._asked_after(req_context))
+
+    def loading(self, job: Any) -> None:
+        """Scheduler thread: vLLM submitted load job ``job`` (a ``TransferJob``) to this tier. With other tiers of
+        ours in the manager, its chunks the lowest of them did not count for the request (the request did not post
+        them there) are credited to this tier once loaded (:meth:`loaded`; :mod:`.tier_pickups`)."""
+        ctx = job.req_context
+        if ctx is None or not self._shared(ctx):
+            return
+        low = ([*self._asked_after(ctx)] or [self._tier])[-1]
+        lt = low._tenant_of(ctx)
+        counted = low._lookup._pickups.posted
+        tenant = self._tier._tenant_of(ctx)
+        self._pickups.loading(job.job_id, ctx.req_id,
+                              [(k, tenant) for k in job.keys if not counted(ctx.req_id, (k, lt))])
+
+    def loaded(self, job_id: Any, keys: Iterable[OffloadKey], tenant: str) -> None:
+        """Scheduler thread: load job ``job_id`` ended with ``tenant``'s chunks ``keys`` in the primary tier."""
+        self._pickups.loaded(job_id, [(k, tenant) for k in keys])
 
     def flush(self) -> None:
         """vLLM's (post this step's keys), then count the verdicts requests took up without posting them: one

@@ -10,9 +10,20 @@ and step (at ``flush``), over the keys it took up then (requested) and those it 
 the tier whose verdict it took. vLLM's manager asks our tiers in order and takes a chunk from the first that answers
 HIT, so each tier counts the chunks it was asked and those it served: the split ``batch_lookup`` makes
 (:func:`.tier_gaps.split_prefix`: the first tier over every chunk asked, each below over those not served above).
+
+With several of our tiers in one manager (G3 above G4) a HIT is credited to the tier that loads the chunk, when its
+load ends (:meth:`Pickups.loading`, :meth:`Pickups.loaded`), not when the tier answers it: vLLM asks G4 when G3
+answers RETRY (G3 re-asks a cached miss once it stored the chunk, or its answer is in flight), and G4's HIT starts
+no promotion when the primary tier has no free chunk (the manager answers MISS), or its load fails; the request
+asks again and G3 serves the chunk. Before 2026-12-03 G4 was credited at its answer (review: chunk 1 loaded from G3
+counted on G4) and G3's load of a chunk the request had not posted to G4 was never counted (G3 looks up uncounted:
+the lowest of our tiers counts for all, but only what the request posted there). Now each tier credits the chunks
+it loaded for the request that the lowest tier did not count for it (not posted there), each chunk once per
+request; a verdict taken up is credited at its answer only when it is a miss.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.v1.kv_offload.base import ReqContext
@@ -21,20 +32,27 @@ __all__ = ["Pickups"]
 
 
 class Pickups:
-    """Per request, the keys whose cached verdict it shares without having posted it. Scheduler thread only."""
+    """Per request, the keys whose cached verdict it shares without having posted it, those it posted, and the
+    chunks credited to this tier when loaded from it. Scheduler thread only."""
 
     def __init__(self) -> None:
         # req_id -> keys it joined before their verdict was in (counted once it is); bounded by live requests' keys
         self._waiting: dict[str, set[Any]] = {}
         self._due: dict[str, list[int]] = {}  # req_id -> [requested, found]: counted at the next flush
+        self._posted: dict[str, set[Any]] = {}  # req_id -> keys it posted here (batch_lookup counted them)
+        self._credited: dict[str, set[Any]] = {}  # req_id -> keys credited to this tier when loaded from it
+        self._loads: dict[Any, tuple[str, set[Any]]] = {}  # load job -> (req_id, keys to credit once loaded)
 
-    def note(self, key: Any, held_before: bool, posted: bool, verdict: bool | None, req_context: ReqContext) -> None:
+    def note(self, key: Any, held_before: bool, posted: bool, verdict: bool | None, req_context: ReqContext,
+             hit_at_load: bool = False) -> None:
         """After the request's lookup of ``key``: ``held_before`` whether it held the key's verdict before this ask,
         ``posted`` whether this ask posted the key (``batch_lookup`` counts it then), ``verdict`` the answer (None:
         not in yet). A verdict the request took up is due for counting once, when it is in; asked again, never
-        again."""
+        again. ``hit_at_load`` (several of our tiers in the manager): a HIT is not counted here but when the chunk's
+        load from this tier ends (:meth:`loaded`)."""
         rid = req_context.req_id
         if posted:
+            self._posted.setdefault(rid, set()).add(key)
             waiting = self._waiting.get(rid)
             if waiting is not None:
                 waiting.discard(key)  # asked again under a new generation for this request: batch_lookup counts it
@@ -47,9 +65,41 @@ class Pickups:
         elif verdict is None:
             self._waiting.setdefault(rid, set()).add(key)
             return
+        if verdict and hit_at_load:
+            return  # credited to the tier vLLM loads it from (loading / loaded)
         due = self._due.setdefault(rid, [0, 0])
         due[0] += 1
         due[1] += bool(verdict)
+
+    def posted(self, req_id: str, key: Any) -> bool:
+        """Whether request ``req_id`` (alive) posted ``key`` here: this tier's ``batch_lookup`` counted it."""
+        keys = self._posted.get(req_id)
+        return keys is not None and key in keys
+
+    def loading(self, job_id: Any, req_id: str, keys: Iterable[Any]) -> None:
+        """vLLM submitted load job ``job_id`` of request ``req_id`` to this tier: ``keys`` (those no lookup counted for
+        the request) are credited to this tier once the load ends with them (:meth:`loaded`)."""
+        want = set(keys)
+        if want:
+            self._credited.setdefault(req_id, set())
+            self._loads[job_id] = (req_id, want)
+
+    def loaded(self, job_id: Any, keys: Iterable[Any]) -> None:
+        """Load job ``job_id`` ended with ``keys`` in the primary tier: those :meth:`loading` named count as looked up
+        and found here for the request (each once per request; none once the request ended)."""
+        entry = self._loads.pop(job_id, None)
+        if entry is None:
+            return
+        rid, want = entry
+        credited = self._credited.get(rid)
+        if credited is None:
+            return
+        new = [k for k in keys if k in want and k not in credited]
+        if new:
+            credited.update(new)
+            due = self._due.setdefault(rid, [0, 0])
+            due[0] += len(new)
+            due[1] += len(new)
 
     def take_due(self) -> list[tuple[int, int]]:
         """The counts due, one per request: ``(requested, found)`` in chunks; each taken once."""
@@ -57,5 +107,8 @@ class Pickups:
         return [(n, f) for n, f in due.values()]
 
     def forget(self, req_id: str) -> None:
-        """The request ended: forget the keys it was waiting on (what is due is still counted)."""
+        """The request ended: forget the keys it was waiting on, posted and was credited (what is due is still
+        counted; a load of it ending later credits nothing)."""
         self._waiting.pop(req_id, None)
+        self._posted.pop(req_id, None)
+        self._credited.pop(req_id, None)

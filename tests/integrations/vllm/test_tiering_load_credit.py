@@ -1,0 +1,144 @@
+"""Review finding (2026-12-03), fixed in ``integrations/vllm/tier_lookup.py`` / :mod:`.tier_pickups`: with G3Tier
+above G4Tier in one vLLM manager, a request taking up G4's cached HIT verdict (another live request's) was credited
+to G4 (``kvbm_matched_tokens``, G4's ``lookup_hits`` and hit rate) when G4 answered it, though vLLM loaded the chunk
+from G3: vLLM's manager asks G4 because G3 answered RETRY (it re-asks a cached miss once G3 stored the chunk), and
+G4's HIT starts no promotion when the primary tier has no free chunk (the manager answers MISS); the request asks
+again once G3's answer is in and G3 serves the chunk. G3's share was never counted (its lookup was uncounted: the
+lowest of our tiers counts for all, but G4 had not posted the chunk for the request). Now a verdict a request takes
+up is credited to the tier that loads the chunk, when its load ends: each loaded chunk once, on that tier.
+vLLM's real offloading spec and manager, a real G3 directory, a file:// G4 store."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
+
+from kvbm_backend import metrics  # noqa: E402
+from tests.integrations.vllm import test_tiering  # noqa: E402
+from tests.integrations.vllm.test_tiering import GEO, HANG_S, g3_tier, keys_for, payloads  # noqa: E402
+from tests.integrations.vllm.test_tiering_counts import _g4_tier  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+harnesses = test_tiering.harnesses  # the fixture: TieringHarness makers, shut down after the test
+
+
+def _hits(tier) -> int:
+    return tier.pool.stats().get("lookup_hits", 0)
+
+
+def _until(cond, h) -> None:
+    """Step until ``cond()`` (a hang guard, not a bound)."""
+    end = time.monotonic() + HANG_S
+    while not cond():
+        assert time.monotonic() < end, "never came"
+        h.step()
+        time.sleep(0.001)
+
+
+def test_a_chunk_g4_answered_but_g3_loaded_is_credited_to_g3(tmp_path, harnesses):
+    """G4 holds chunks 0-1; request A looks chunk 1 up (G3 empty: A's G3 verdict a cached miss, G4's a HIT) and
+    stays alive; then G3 stores 0-1 too. With the primary full (3 chunks pinned by another request's GPU->primary
+    stores), B asks 0-1: chunk 0 RETRY on both tiers (posted), chunk 1 RETRY on G3 (its cached miss re-asked) and
+    A's cached HIT on G4, which starts no promotion (MISS). Once G3 answered and the primary has room, B's chunks
+    both load from G3. Both count on G3 (2 lookup hits), none on G4, 32 matched tokens. Before the fix G4 counted
+    chunk 1 (G3 1 hit, G4 1) though G4 loaded nothing."""
+    keys = keys_for(2, "credit")
+    only_g4 = harnesses([_g4_tier(tmp_path / "g4")])
+    data = payloads(only_g4, 2, seed=11)
+    only_g4.store(keys, data)
+    only_g4.wait_idle(timeout=HANG_S)
+    only_g4.shutdown()
+
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")], chunks=3)
+    g3, g4 = h.manager.secondary_tiers
+    _, n = h.promote(keys[1:], timeout=HANG_S)  # A: G3 misses chunk 1, G4 serves it; A stays alive
+    assert n == 1 and g4.kvbm_stats()["tier"]["chunks_loaded"] == 1
+    h.wait_idle(timeout=HANG_S)
+    h.reset_primary()
+    h.store(keys, data)  # G3 stores 0-1 (G4 holds them already): A's cached G3 miss of chunk 1 is asked again
+    h.wait_idle(timeout=HANG_S)
+    assert g3.kvbm_stats()["tier"]["chunks_stored"] == 2
+    h.reset_primary()
+
+    pin = h.context()  # the primary full: 3 chunks whose GPU->primary store is in flight (not evictable)
+    h.manager.on_new_request(pin)
+    out = h.manager.prepare_store(keys_for(3, "pin"), pin)
+    assert out is not None and len(out.keys_to_store) == 3
+
+    t0, s3, s4 = metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0, _hits(g3), _hits(g4)
+    l3, l4 = (t.kvbm_stats()["tier"]["chunks_loaded"] for t in (g3, g4))
+    b = h.context()
+    for i, k in enumerate(keys):
+        b.set_offload_key_position(k, i + 1)
+    h.manager.on_new_request(b)
+    # chunk 0: posted to G3 and G4 (RETRY); chunk 1: G3 re-asks its miss (RETRY), G4 answers A's HIT, no room: MISS
+    assert [h.manager.lookup(k, b) for k in keys] == [LookupResult.RETRY, LookupResult.MISS]
+    h.step()
+    _until(lambda: all(g3.lookup(k, b) is LookupResult.HIT for k in keys), h)  # G3's answers in, the primary full
+    h.manager.complete_store(out.keys_to_store, pin, False)  # the pinned stores failed: their chunks are free
+    h.manager.on_request_finished(pin)
+
+    def resolved() -> bool:
+        return [h.manager.lookup(k, b) for k in keys] == [LookupResult.HIT] * 2
+    _until(resolved, h)  # both promoted from G3 (its HIT answers first), then loaded
+    spec = h.manager.prepare_load(keys, b)
+    got = [h.primary[int(c), :h.chunk_bytes].copy() for c in spec.chunk_ids]
+    h.manager.complete_load(keys, b)
+    h.manager.on_request_finished(b)
+    h.step()
+    assert all(np.array_equal(a, d) for a, d in zip(got, data))
+    loaded = tuple(t.kvbm_stats()["tier"]["chunks_loaded"] - n0 for t, n0 in ((g3, l3), (g4, l4)))
+    assert loaded == (2, 0)  # both chunks came from G3
+    moved = (metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0) - t0
+    assert (_hits(g3) - s3, _hits(g4) - s4, moved) == (2, 0, 2 * GEO["tokens_per_block"])
+
+
+def test_a_g3_verdict_taken_up_while_g4_counted_the_request_is_credited_once(tmp_path, harnesses):
+    """Both tiers hold chunks 0-1. In one step request A (its load tier filter: local storage only, so G4 is not
+    asked for it) posts them to G3 and B takes A's pending G3 verdicts up and posts them to G4, the lowest tier,
+    whose lookup counts B's 2 chunks for G3 (G3's index holds them). Once A's answers are in B loads both from G3:
+    counted once (G3: A's 2 hits + B's 2, 64 matched tokens, G4 none). Before the fix G3 also counted B's taken-up
+    HITs at their answer: 6 hits, 96 tokens for 2 chunks loaded once."""
+    from vllm.v1.kv_offload.base import Locality, Medium, ReqContext, TierFilter, TierMatcher
+
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3, g4 = h.manager.secondary_tiers
+    keys, data = keys_for(2, "once"), payloads(h, 2, seed=12)
+    h.store(keys, data)
+    h.wait_idle(timeout=HANG_S)
+    assert [t.kvbm_stats()["tier"]["chunks_stored"] for t in (g3, g4)] == [2, 2]
+    h.reset_primary()
+
+    t0, s3, s4 = metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0, _hits(g3), _hits(g4)
+    l3, l4 = (t.kvbm_stats()["tier"]["chunks_loaded"] for t in (g3, g4))
+    a = ReqContext(req_id="once-a", load_tier_filter=TierFilter((TierMatcher(Medium.STORAGE, Locality.LOCAL),)))
+    b = h.context()
+    for ctx in (a, b):
+        for i, k in enumerate(keys):
+            ctx.set_offload_key_position(k, i + 1)
+        h.manager.on_new_request(ctx)
+    assert [h.manager.lookup(k, a) for k in keys] == [LookupResult.RETRY] * 2  # posted to G3 only
+    assert [h.manager.lookup(k, b) for k in keys] == [LookupResult.RETRY] * 2  # G3: A's, pending; G4: posted
+    h.step()
+    _until(lambda: all(g3.lookup(k, a) is LookupResult.HIT for k in keys)
+           and all(g4.lookup(k, b) is LookupResult.HIT for k in keys), h)  # every answer in (G4's counted B)
+
+    def resolved(ctx) -> bool:
+        return [h.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 2
+    _until(lambda: resolved(b), h)  # B first: promoted from G3 on A's verdicts, loaded
+    assert resolved(a)  # A finds them in the primary tier
+    spec = h.manager.prepare_load(keys, b)
+    got = [h.primary[int(c), :h.chunk_bytes].copy() for c in spec.chunk_ids]
+    h.manager.complete_load(keys, b)
+    for ctx in (b, a):
+        h.manager.on_request_finished(ctx)
+    h.step()
+    assert all(np.array_equal(x, d) for x, d in zip(got, data))
+    loaded = tuple(t.kvbm_stats()["tier"]["chunks_loaded"] - n0 for t, n0 in ((g3, l3), (g4, l4)))
+    assert loaded == (2, 0)
+    moved = (metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0) - t0
+    assert (_hits(g3) - s3, _hits(g4) - s4, moved) == (4, 0, 4 * GEO["tokens_per_block"])
