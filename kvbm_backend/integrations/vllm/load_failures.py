@@ -16,6 +16,16 @@ reports (:meth:`.scheduler_side.SchedulerSide.load_failed` / ``loads_failed`` de
   each planned load's blocks from the earliest reported first failed one on, once. Before 2026-12-03 the Prometheus
   counter took the workers' ``load_blocks_failed`` from TP rank 0 only (``stats.Interval``): a load only rank 1
   failed, recomputed by the engine, read 0.
+* **Loaded blocks, each once** (``load_verified_blocks_every_rank``: ``vllm:kvbm_backend_onboard_blocks``). A load's
+  blocks before the first one any rank failed on (what vLLM keeps), counted once the load is settled, i.e. once every
+  rank's report of it is in: an asynchronous load when vLLM schedules its request again (it does so only after every
+  rank reported the request in ``finished_recving``, each rank's ``FailedLoad`` in the same step output); a
+  synchronous (layer-wise) load at the next step's ``build_connector_meta`` (its step's output is processed before:
+  layer-wise loads run only without async scheduling) or when its request finishes in that step's output (a failed
+  block keeps it from finishing). A request vLLM reports in ``failed_recving`` (recomputed from its first token)
+  loaded none; a load whose request ends (aborted) before it settled is not counted. Before 2026-12-03 the counter was
+  TP rank 0's ``load_blocks_ok``: a block rank 0 loaded but another rank failed counted in ``onboard_blocks`` as
+  well as in ``onboard_failed_blocks``.
 """
 from __future__ import annotations
 
@@ -31,19 +41,29 @@ if TYPE_CHECKING:
 
 #: the scheduler's counter of failed blocks (each once at any TP/PP size), reported to vLLM per interval
 FAILED_BLOCKS = "load_failed_blocks_any_rank"
+#: the scheduler's counter of blocks every rank loaded (each once at any TP/PP size), reported to vLLM per interval
+LOADED_BLOCKS = "load_verified_blocks_every_rank"
 
 
 class FailedBlockCount:
     """Per request, the block positions of its outstanding load of each KV cache group and how many of them are
-    counted failed (``load_failed_blocks_any_rank``). Scheduler thread only; an entry lives until its request
-    finishes (:meth:`forget`)."""
+    counted failed (``load_failed_blocks_any_rank``); once the load is settled (:meth:`step`, :meth:`forget`) the
+    blocks before the first failed one are counted loaded (``load_verified_blocks_every_rank``). Scheduler thread only;
+    an entry lives until its load is settled or its request finishes (:meth:`forget`)."""
 
     def __init__(self) -> None:
         self._jobs: dict[str, dict[int, list]] = {}  # request id -> group -> [positions (ascending), first counted]
+        self._mode: dict[str, str] = {}  # request id -> "async", "sync" (planned, not yet run) or "ran" (sync, run)
+        self._none: set[str] = set()  # requests vLLM recomputes whole (failed_recving): their loads loaded nothing
 
-    def planned(self, req_id: str, group: int, positions: Sequence[int]) -> None:
-        """A load of blocks ``positions`` (indices into the request's sequence hashes, ascending) of ``group``."""
+    def planned(self, req_id: str, group: int, positions: Sequence[int], sync: bool = False) -> None:
+        """A load of blocks ``positions`` (indices into the request's sequence hashes, ascending) of ``group``;
+        ``sync``: a layer-wise load, run in the step that schedules the request."""
+        if self._mode.get(req_id) == "ran":  # a new load (after a preemption) while its last one's step is done
+            self._settle(req_id)
         self._jobs.setdefault(req_id, {})[group] = [positions, len(positions)]
+        self._mode[req_id] = "sync" if sync else "async"
+        self._none.discard(req_id)
 
     def failed(self, req_id: str, group: int, hashes: Any, first_failed: int) -> int:
         """A worker's report: its load of ``group`` failed from the block whose sequence hash is ``first_failed`` on
@@ -63,16 +83,52 @@ class FailedBlockCount:
         stats.add(**{FAILED_BLOCKS: counted - k})
         return counted - k
 
+    def loaded_none(self, req_id: str) -> None:
+        """vLLM recomputes ``req_id`` from its first token (``failed_recving``): its load, when settled, loaded 0."""
+        if req_id in self._jobs:
+            self._none.add(req_id)
+
+    def step(self, scheduled: Any) -> int:
+        """At ``build_connector_meta`` (``scheduled``: the step's scheduled request ids): settles the asynchronous
+        loads of requests vLLM schedules again and the synchronous loads that ran in an earlier step (their output
+        is in); marks this step's synchronous loads as running. Returns the blocks counted loaded."""
+        n = 0
+        for rid, mode in list(self._mode.items()):
+            if mode == "ran" or (mode == "async" and rid in scheduled):
+                n += self._settle(rid)
+            elif mode == "sync":
+                self._mode[rid] = "ran"
+        return n
+
+    def _settle(self, req_id: str) -> int:
+        jobs = self._jobs.pop(req_id, {})
+        self._mode.pop(req_id, None)
+        n = 0 if req_id in self._none else sum(job[1] for job in jobs.values())
+        self._none.discard(req_id)
+        if n:
+            stats.add(**{LOADED_BLOCKS: n})
+        return n
+
     def forget(self, req_id: str) -> None:
+        """``req_id`` finished: a synchronous load that ran in the step whose output finished it is settled (a failed
+        block would have kept it from finishing); any other unsettled load is dropped uncounted."""
+        if self._mode.get(req_id) == "ran":
+            self._settle(req_id)
         self._jobs.pop(req_id, None)
+        self._mode.pop(req_id, None)
+        self._none.discard(req_id)
 
 
-def on_failed_recving(reqs: dict[str, Any], req_ids) -> None:
+def on_failed_recving(reqs: dict[str, Any], req_ids, counts: FailedBlockCount | None = None) -> None:
     """vLLM reported these requests' loads failed (``failed_recving``: models without block-level load errors,
     :func:`.workers.block_level_errors`, or another ``MultiConnector`` member's). vLLM recomputes such a request from
     its first token and asks for a match again: one with a load of ours outstanding is answered 0 from now on (the same
-    load would fail again: a livelock) and its blocks are offered again as they are recomputed; others are not ours."""
+    load would fail again: a livelock) and its blocks are offered again as they are recomputed; others are not ours.
+    ``counts``: the scheduler's :class:`FailedBlockCount`: a load of ours not yet settled loaded no block (vLLM
+    recomputes the request whole, whoever failed; the worker's report of the same step may have cleared ``planned``)."""
     for rid in req_ids:
+        if counts is not None:
+            counts.loaded_none(rid)
         st = reqs.get(rid)
         if st is None or st.planned is None:  # no load of ours: another connector's (MultiConnector)
             continue

@@ -95,7 +95,7 @@ class SchedulerSide:
         self.handoff = handoff.HandoffWaits(handoff_wait_s)
         self.promises = handoff.Promises()  # the prefill side's: blocks its hand-off answers must not promise
         self.failed_blocks, self.unrecomputed = FailedBlocks(), Unrecomputed()
-        self.failed_counts = FailedBlockCount()  # failed blocks of its loads, each once at any TP size
+        self.failed_counts = FailedBlockCount()  # failed and loaded blocks of its loads, each once at any TP size
         self.evict_engine_blocks: Any = None  # vLLM's BlockPool.evict_blocks (connector.bind_gpu_block_pool)
         self.revoked: RevokedTenants | None = None  # tenants G3 does not serve (.revoked_tenants; set by the wiring)
         self.epoch = ""  # reset epoch folded into every new request's salt ("": never reset; .reset_epoch)
@@ -309,7 +309,8 @@ class SchedulerSide:
             self._loads.append(LoadJob(request.request_id, [gids[i] for i in pos], [st.hashes[i] for i in pos],
                                        tiers, st.tenant, group=gi, layerwise=st.sync_load,
                                        digests=block_digests(st, pos, self.bs)))
-            self.failed_counts.planned(request.request_id, gi, range(first, end) if g.window_blocks is None else pos)
+            self.failed_counts.planned(request.request_id, gi, range(first, end) if g.window_blocks is None else pos,
+                                       sync=st.sync_load)
             planned += len(pos)
             g3n += tiers.count("G3")
         st.planned = (first, end)
@@ -321,7 +322,7 @@ class SchedulerSide:
     def load_failed(self, req_ids) -> None:
         """vLLM reported these requests' loads failed (``failed_recving``): :func:`.load_failures.on_failed_recving`
         (only requests with a load of this connector outstanding are; under ``MultiConnector`` others are not ours)."""
-        on_failed_recving(self._reqs, req_ids)
+        on_failed_recving(self._reqs, req_ids, self.failed_counts)
 
     def loads_failed(self, failed, group: int = 0) -> None:
         """Worker reports of loads of KV cache group ``group`` that did not deliver every block (:class:`~.metadata.
@@ -376,6 +377,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         again = self.unrecomputed.step(scheduler_output, self._reqs, self.bs)  # unloaded blocks read: reported again
+        self.failed_counts.step(scheduler_output.num_scheduled_tokens)  # settled loads: their loaded blocks counted
         meta = self.promises.step(KvbmConnectorMetadata(loads=self._loads, reinvalidate=again))  # (saves: below)
         self._loads = []
         save = self.offloads  # block ids are tracked even when not saving: contain_failed_sync_load evicts by them

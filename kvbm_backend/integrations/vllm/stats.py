@@ -67,8 +67,9 @@ def reset() -> None:
 WORKER_PREFIXES = ("save_", "load_blocks", "load_g3_", "load_g4_", "load_jobs", "load_bytes", "load_errors",
                    "load_timeouts", "load_get_errors", "g3_put_", "g4_put_", "promote_")
 # counters the scheduler role reports per interval to vLLM (it asks the scheduler's connector too): blocks of loads
-# some TP rank failed, each once (.load_failures; every rank's report reaches the scheduler)
-SCHEDULER_PREFIXES = ("load_failed_blocks_any_rank",)
+# some TP rank failed, and blocks every TP rank loaded, each once (.load_failures; every rank's report reaches the
+# scheduler). Neither name starts with a WORKER_PREFIXES entry: a process with both roles reports each once.
+SCHEDULER_PREFIXES = ("load_failed_blocks_any_rank", "load_verified_blocks_every_rank")
 
 
 def _is_block_count(name: str) -> bool:
@@ -153,11 +154,12 @@ class KvbmConnectorStats(_StatsBase):
 
 # vLLM Prometheus counters fed from KvbmConnectorStats: (metric name, help, counters summed into it).
 # Named in KVBM's terms (offload = engine -> G3/G4, onboard = G3/G4 -> engine). Block counters come from the
-# engine's first worker only (Interval): each block once at any TP/PP; bytes from every worker; failed loads from the
-# scheduler, which hears every rank (docs/operations.md, Metrics).
+# engine's first worker only (Interval): each block once at any TP/PP; bytes from every worker; loaded and failed loads
+# from the scheduler, which hears every rank (docs/operations.md, Metrics). Before 2026-12-03 onboard_blocks was TP
+# rank 0's load_blocks_ok (a block rank 0 loaded but another rank failed counted as loaded and as failed).
 PROM_COUNTERS = (
-    ("vllm:kvbm_backend_onboard_blocks", "KV blocks loaded from G3/G4 into the engine (verified; each block once, as TP rank 0 counts)",
-     ("load_blocks_ok",)),
+    ("vllm:kvbm_backend_onboard_blocks", "KV blocks loaded from G3/G4 into the engine on every TP rank (verified; "
+     "each block once)", ("load_verified_blocks_every_rank",)),
     ("vllm:kvbm_backend_onboard_failed_blocks", "KV blocks whose load failed on any TP rank (recomputed; each block once)",
      ("load_failed_blocks_any_rank",)),
     ("vllm:kvbm_backend_onboard_bytes", "bytes loaded from G3/G4 into the engine", ("load_bytes",)),

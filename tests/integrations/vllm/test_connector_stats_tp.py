@@ -28,7 +28,7 @@ def _aggregate_like_vllm(per_rank: list[stats.KvbmConnectorStats]):
 
 def test_block_counters_count_each_block_once_when_vllm_sums_the_tp_workers():
     """TP 4: each rank loads and saves its slice of 10 blocks. After vLLM's sum, the Prometheus block counters
-    read 10 (blocks of KV the requests got / offloaded), the byte counter every rank's bytes."""
+    read 10 (blocks of KV offloaded; blocks loaded are the scheduler's count), the byte counter every rank's bytes."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     tp, blocks, rank_bytes = 4, 10, 10 * 65536
@@ -48,7 +48,8 @@ def test_block_counters_count_each_block_once_when_vllm_sums_the_tp_workers():
 
     def val(name):
         return reg.get_sample_value(f"{name}_total", {"model_name": "m", "engine": "0"})
-    assert val("vllm:kvbm_backend_onboard_blocks") == blocks
+    # onboard_blocks: the scheduler's count since 2026-12-03 (test_onboard_blocks_every_rank.py), not the workers'
+    assert val("vllm:kvbm_backend_onboard_blocks") == 0
     assert val("vllm:kvbm_backend_offload_blocks") == blocks
     assert val("vllm:kvbm_backend_g3_written_blocks") == blocks
     assert val("vllm:kvbm_backend_onboard_bytes") == tp * rank_bytes

@@ -448,8 +448,9 @@ def test_prometheus_counters_follow_connector_stats():
                                                    {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
                                                    ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
     try:
-        stats = KvbmBackendConnector.build_kv_connector_stats({"load_blocks_ok": 5, "load_bytes": 5 << 20,
-                                                               "save_dropped_blocks": 1, "g4_put_dropped_blocks": 2})
+        stats = KvbmBackendConnector.build_kv_connector_stats({"load_verified_blocks_every_rank": 5,
+                                                               "load_bytes": 5 << 20, "save_dropped_blocks": 1,
+                                                               "g4_put_dropped_blocks": 2})
         prom.observe(stats.data, engine_idx=1)
         prom.observe(stats, engine_idx=1)  # MultiConnector may hand over the stats object itself
 
