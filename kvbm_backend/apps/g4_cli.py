@@ -377,9 +377,9 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an
        dry_run: bool = typer.Option(False, "--dry-run", help="report, delete nothing"),
        as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Remove G4 blocks by age and/or to a capacity target (oldest first), per tenant too, and every
-    block of revoked tenants. Ages are measured on the store's clock: the time the store states (S3: its
-    Date header), else the mtime of a one-byte probe object written and removed under gc-clock-probe/ (a
-    file store: its server stamps it; a dry run writes none), else this host's clock; the report's
+    block of revoked tenants. Ages are measured on the store's clock: the earlier of the time the store
+    states (S3: its Date header) and the mtime of an empty probe object written and removed under
+    gc-clock-probe/ (a file store: its server stamps it; a dry run writes none), else this host's clock; the report's
     time_base says which. Objects stamped later are new (future_objects). Safe while workers run. Exit 1 when an object could not be
     deleted or a directory listed (errors > 0; the rest was), 2 for a refused run."""
     from kvbm_backend.crypto.keyring import KeyringError

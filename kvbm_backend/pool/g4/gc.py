@@ -13,14 +13,23 @@ Safe while workers run: only published objects are deleted (a concurrent reader 
 wrong bytes: every read verifies), and writer temp files only once older than ``temp_grace_s``.
 
 **Time base.** Ages come from the store (S3 ``LastModified``, POSIX ``mtime``) and are measured against
-the store's own clock, never ours alone: ``store_now`` is the server's time where the store states it
-(S3: the ``Date`` header, :meth:`~.store.ObjectStore.server_time`), else the mtime of a one-byte probe
-object written now and removed (:func:`store_clock`: an NFS server, not this host, stamps a file's mtime),
-else this host's clock. A block is old when ``store_now - mtime >= max_age_s``; 0 means every block.
-Objects stamped later than ``store_now`` (a writer whose clock runs ahead, a restored file) are young, and
-counted (``future_objects``). Before (2026-11-29), ``store_now`` was never earlier than the newest mtime
-of the listing: one object stamped a day ahead made every block a day older, so ``--max-age-s 3600``
-deleted blocks written seconds before and every writer's temp file in flight.
+the store's own clock, never ours alone: ``store_now`` is the earlier of the time the store states (S3: the
+``Date`` header, :meth:`~.store.ObjectStore.server_time`) and the mtime of an empty probe object written now
+and removed (:func:`probe_clock`: the clock that stamps every object; an NFS server, not this host, stamps a
+file's mtime), whichever of the two works, else this host's clock. A block is old when
+``store_now - mtime >= max_age_s``; 0 means every block. Objects stamped later than ``store_now`` (a writer
+whose clock runs ahead, a restored file) are young, and counted (``future_objects``). Before (2026-11-29),
+``store_now`` was never earlier than the newest mtime of the listing: one object stamped a day ahead made every
+block a day older, so ``--max-age-s 3600`` deleted blocks written seconds before and every writer's temp file in
+flight. The stated ``Date`` need not come from the clock that stamps ``LastModified``: a reverse proxy in front of
+the store (nginx by default sends its own ``Date``, not the upstream's) or a load balancer over gateways stamps it
+on its own host's clock. Before 2026-12-03 gc took the stated time alone where there was one: a proxy whose clock
+ran 2 h ahead made ``--max-age-s 3600`` delete blocks written seconds before. Now the probe is written on every
+pass (a dry run writes none: its time base is the stated time alone), the earlier clock wins (the later one can
+only make blocks look older), and a difference of more than :data:`CLOCK_AGREE_S` is a ``warnings`` line. The
+probe is empty (before 2026-12-03 one byte): a full store (ENOSPC, block quota), where the one-byte probe failed
+and gc fell back to this host's clock, takes an empty file (an inode, no data block), so a host clock running ahead
+of the file server no longer ages every block on the full store gc was run to free.
 
 **Throttling.** A LIST page or DELETE the store answers "slow down" (S3 ``503 SlowDown``, 429...) is
 retried after the pool's full-jitter backoff (:mod:`.throttle`), up to :data:`THROTTLE_ATTEMPTS` tries
@@ -125,6 +134,8 @@ ANNOUNCE_TTL_S = 3600.0  # g4.announce_ttl_s's default: the age gc deletes annou
 CLOCK_PROBE_PREFIX = "gc-clock-probe/"  # probe objects of store_clock (never block names)
 THROTTLE_ATTEMPTS = 10  # a LIST page or DELETE the store throttles ("slow down"): tries, backoff between
 LATE_WRITE_S = 3600.0  # a re-created tenant's blocks up to revoked_at + this: frame header read (module doc)
+PROBE_STALE_S = 86400.0  # a probe object this old (a crashed gc's or announce poller's) is removed
+CLOCK_AGREE_S = 30.0  # stated time and probe mtime further apart than this: a warnings line (module doc)
 
 
 def own_temp(name: str) -> bool:
@@ -147,27 +158,50 @@ def _hexn(s: str, n: int) -> bool:
 
 
 def store_clock(store: ObjectStore) -> float | None:
-    """The store's clock now (epoch s): what it states (:meth:`~.store.ObjectStore.server_time`), else the
-    mtime of a one-byte probe object written under :data:`CLOCK_PROBE_PREFIX` and removed (probes a crashed
-    gc left, older than a day, go too); None when neither works (e.g. read-only). Never raises."""
+    """The store's clock now (epoch s): what it states (:meth:`~.store.ObjectStore.server_time`), else
+    :func:`probe_clock`; None when neither works (e.g. read-only). Never raises. (gc itself takes the earlier
+    of both: module doc, "Time base".)"""
     t = store.server_time()
-    if t is not None:
-        return t
+    return t if t is not None else probe_clock(store)
+
+
+def probe_clock(store: ObjectStore) -> float | None:
+    """The mtime (epoch s, the store's clock: what stamps every object) of an empty probe object written under
+    :data:`CLOCK_PROBE_PREFIX` and removed; None when it cannot be written or read back. Empty: a full store takes
+    it (module doc, "Time base"). Read back by :meth:`~.store.ObjectStore.stat` (S3 HEAD, a file's ``stat``) where
+    the store's stat knows the object (a version and an mtime), else from a listing of the prefix, which also
+    removes probes a crashed gc left, older than a day (gc's own pass removes those too: no listing of its own,
+    so a proxy's list page is never spent on it). Never raises."""
     name = f"{CLOCK_PROBE_PREFIX}{uuid.uuid4().hex}"
     try:
-        store.put_if_absent(name, b"\0")
-        probes = list(store.list(CLOCK_PROBE_PREFIX))
-        t = next((o.mtime for o in probes if o.name == name), None)
-        for o in probes:
-            if t is not None and o.name != name and t - o.mtime > 86400:
-                store.delete(o.name)
-    except Exception:  # noqa: BLE001 - no clock from the store: the caller uses this host's
+        store.put_if_absent(name, b"")
+    except OSError:  # refused (read-only...) or unanswered: it may have landed all the same, removed below
+        _delete_quiet(store, name)
+        return None
+    except Exception:  # noqa: BLE001 - a store that cannot write at all: nothing written
+        return None
+    t = None
+    try:
+        info = store.stat(name)
+        if info is not None and info.version is not None and info.mtime > 0:
+            t = info.mtime
+        else:  # a store whose stat gives no mtime (the default: 0.0): its listing does
+            probes = list(store.list(CLOCK_PROBE_PREFIX))
+            t = next((o.mtime for o in probes if o.name == name), None)
+            for o in probes:
+                if t is not None and o.name != name and t - o.mtime > PROBE_STALE_S:
+                    store.delete(o.name)
+    except Exception:  # noqa: BLE001 - no clock from the store: the caller uses another
         t = None
+    _delete_quiet(store, name)
+    return t
+
+
+def _delete_quiet(store: ObjectStore, name: str) -> None:
     try:
         store.delete(name)
     except Exception:  # noqa: BLE001 - never written, or the store went away: nothing to remove
         pass
-    return t
 
 
 def _tenant_pseudonym(tenant: str, keyring: Keyring | None) -> tuple[str, str | None]:
@@ -205,20 +239,21 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         target_bytes: then delete oldest blocks until the (tenant's) blocks total at most this.
         tenant: restrict everything to one tenant: its id (with ``keyring``) or its 32-hex pseudonym; with
             ``keyring``, a tenant id the keyring knows wins over a pseudonym (:func:`_tenant_pseudonym`).
-        now: this host's clock (epoch s; default ``time.time()``), used where the store states no time.
+        now: this host's clock (epoch s, finite; default ``time.time()``), used where the store's clock cannot be
+            measured. Before 2026-12-03 it was not checked: ``inf`` there made every block old (all deleted).
         temp_grace_s: writer temp files older than this are removed (crashed writers).
         announce_ttl_s: announcement batches at least this old (store clock) are deleted (module doc).
-        dry_run: report only (writes nothing: no clock probe either, so a store that states no time is
-            measured on this host's clock, ``time_base: "local"``).
+        dry_run: report only (writes nothing: no clock probe either, so a store that states a time is measured on
+            it alone, and one that states none on this host's clock, ``time_base: "local"``).
     Returns:
         dict of counts and bytes: scanned_* (blocks), deleted_* (blocks and temp files) and per-reason
         ``deleted_by``; ``remaining_bytes`` (blocks left: ``scanned_bytes`` less the blocks' deleted bytes); ``store_now`` (the
         time base, epoch s), ``time_base`` (``"server"``: the store's clock, stated or probed;
-        ``"local"``: this host's) and ``clock_skew_s`` (``store_now - now``); ``headers_read``: frame headers
+        ``"local"``: this host's; module doc, "Time base") and ``clock_skew_s`` (``store_now - now``); ``headers_read``: frame headers
         read to tell a revoked tenant's blocks under a revoked key from others (module doc); ``revoked_kept``:
         blocks of a tenant ``keyring`` shows revoked and not re-created kept because their header names no
         revoked key (module doc, "Revoked tenants"); ``warnings`` (only when there are: ``tenant`` unknown to
-        ``keyring``, a pseudonym with ``revoked_kept`` blocks); ``unlisted``: one line per
+        ``keyring``, a pseudonym with ``revoked_kept`` blocks, a stated time and probe mtime apart); ``unlisted``: one line per
         part of the store that could not be listed (a directory of a file store), each counted in ``errors``
         (what was listed is still processed: nothing unlisted is deleted); ``pruned_dirs``: directories of a
         file store removed because the pass's deletions left them empty (module doc, "Directories");
@@ -229,17 +264,20 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         ``changed_since_listed``: listed objects not deleted because by the delete their name was gone or held
         another object (module doc, "Deleting what was listed").
     Raises:
-        ValueError when ``tenant`` cannot be resolved or a threshold is negative, infinite or NaN
+        ValueError when ``tenant`` cannot be resolved or a threshold or ``now`` is negative, infinite or NaN
         (before anything is listed or deleted); StoreUnavailable when the store is down.
     """
     for name, v in (("max_age_s", max_age_s), ("target_bytes", target_bytes), ("temp_grace_s", temp_grace_s),
-                    ("announce_ttl_s", announce_ttl_s)):
+                    ("announce_ttl_s", announce_ttl_s), ("now", now)):  # now: an infinite one made every block old
         if v is not None and not (math.isfinite(v) and v >= 0):
             raise ValueError(f"{name}: must be a finite number >= 0 (got {v})")
     now = time.time() if now is None else now
     want, warning = _tenant_pseudonym(tenant, keyring) if tenant is not None else (None, None)
-    # a dry run writes nothing, not even the clock probe: the store's stated time, else this host's
-    server_now = store.server_time() if dry_run else store_clock(store)
+    # the earlier of the stated time and a probe's mtime (module doc, "Time base"); a dry run writes nothing, not
+    # even the probe: the store's stated time, else this host's
+    stated = store.server_time()
+    probed = None if dry_run else probe_clock(store)
+    server_now = min((t for t in (stated, probed) if t is not None), default=None)
     revoked = keyring.revoked() if keyring is not None else {}
     # re-created after revocation (revoked is empty without a keyring): pseudonym -> its current key id
     active = {r["pseudonym"]: int(r["key_id"]) for r in keyring.info()} if keyring is not None and revoked else {}
@@ -255,6 +293,10 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
            "clock_skew_s": skew, "future_objects": 0, "headers_read": 0, "pruned_dirs": 0, "nested_blocks": 0,
            "nested_temps": 0, "listed_duplicates": 0, "changed_since_listed": 0, "revoked_kept": 0}
     warnings = res["warnings"] = [warning] if warning is not None else []
+    if stated is not None and probed is not None and abs(stated - probed) > CLOCK_AGREE_S:
+        warnings.append(f"the store's stated time (S3 Date header) is {stated - probed:+.0f} s from the mtime of a "
+                        "probe object written now: a proxy or gateway in front of the store states another clock "
+                        "than the one stamping objects; ages are measured on the earlier")
 
     def sealed_revoked(name: str, ps: str, keyless: bool) -> bool:
         """Whether block ``name`` of revoked pseudonym ``ps`` was sealed under a revoked key, by its frame header
@@ -319,6 +361,10 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         meta = parse_block_name(o.name)
         if meta is None and parse_block_name(o.name, nested=True) is not None:
             res["nested_blocks"] += 1  # another store's block below this one's root: never ours to delete
+            continue
+        if meta is None and o.name.startswith(CLOCK_PROBE_PREFIX):  # a clock probe a crashed gc (or poller) left
+            if base == "server" and not dry_run and o.name.count("/") == 1 and store_now - o.mtime > PROBE_STALE_S:
+                _delete_quiet(store, o.name)
             continue
         if meta is None and batch_prefix(o.name):  # an announcement, or junk under announce/
             ann = parse_batch_name(o.name)
