@@ -20,25 +20,39 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 
 
+class WorkdirRemoved(FileNotFoundError, ValueError):
+    """A relative path while this process's working directory has been removed (``os.getcwd()`` fails): it names
+    nothing, and nothing can be created there. Both a ValueError (a field error: :func:`abspath`'s contract, what
+    :func:`kvbm_backend.config.dir_problem` reports) and a FileNotFoundError (errno ENOENT, what every file operation
+    here raises for a path that is not there, so each caller's handling of a missing path still applies). Its text
+    names the path and the fix (``str(e)``, also ``e.strerror``: no ``[Errno 2]`` prefix)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def abspath(path: str | os.PathLike) -> str:
-    """``os.path.abspath(path)``, or ValueError saying why not: a relative ``path`` while this process's working
-    directory has been removed (``os.getcwd()`` fails; nothing can be created there, so there is no directory to
-    name: give an absolute path), or a NUL in ``path``. Before 2026-12-03 the former was a bare
-    ``FileNotFoundError`` from ``os.getcwd()`` naming neither the path nor the field."""
+    """``os.path.abspath(path)``, or :class:`WorkdirRemoved` (a ValueError) naming ``path``: a relative ``path`` while
+    this process's working directory has been removed (``os.getcwd()`` fails; nothing can be created there, so there
+    is no directory to name: give an absolute path). Before 2026-12-03 that was a bare ``FileNotFoundError`` from
+    ``os.getcwd()`` naming neither the path nor the field; the helpers below (:func:`missing_dirs`,
+    :func:`makedirs_private`, :func:`check_trusted_dir`, :func:`open_trusted`) raised it until 2026-12-03 (a relative
+    ``g4.keyring.path``: ``g4.keyring: [Errno 2] No such file or directory``)."""
     p = os.fspath(path)
     try:
         return os.path.abspath(p)
     except FileNotFoundError:
-        raise ValueError(f"{p!r} is relative to the working directory, and this process's working directory has been "
-                         "removed (os.getcwd() fails): give an absolute path, or run from a directory that "
-                         "exists") from None
+        raise WorkdirRemoved(errno.ENOENT, f"{p!r} is relative to the working directory, and this process's working "
+                                           "directory has been removed (os.getcwd() fails): give an absolute path, or "
+                                           "run from a directory that exists") from None
 
 
 def missing_dirs(path: str | os.PathLike) -> list[str]:
     """``path`` (absolute) and those of its ancestors that are not directories, deepest first: what
-    ``os.makedirs(path)`` creates (``replay`` and ``model`` remove them again: :func:`remove_made_dirs`)."""
+    ``os.makedirs(path)`` creates (``replay`` and ``model`` remove them again: :func:`remove_made_dirs`). A relative
+    ``path`` while the working directory has been removed raises :class:`WorkdirRemoved` (:func:`abspath`)."""
     out: list[str] = []
-    p = os.path.abspath(os.fspath(path))
+    p = abspath(path)
     while not os.path.isdir(p):
         out.append(p)
         parent = os.path.dirname(p)
@@ -62,7 +76,8 @@ def makedirs_private(path: str | os.PathLike) -> None:
     """``os.makedirs(path, exist_ok=True)`` where every directory it creates (parents too) is 0700.
 
     Existing directories are left as they are. Raises OSError like ``os.makedirs`` (FileExistsError when
-    a component exists and is not a directory).
+    a component exists and is not a directory; :class:`WorkdirRemoved` for a relative ``path`` while the working
+    directory has been removed).
     """
     for d in reversed(missing_dirs(path)):
         try:
@@ -143,8 +158,8 @@ def dir_problem(st: os.stat_result, uid: int | None = None, *, root_ok: bool = F
 def check_trusted_dir(d: str | os.PathLike, what: str) -> None:
     """The keyring rule for the directory ``d`` holding ``what`` (followed if a link; its parents are not
     checked): :func:`dir_problem` with ``root_ok`` and ``sticky_ok``. Raises UnsafePath, or OSError
-    (FileNotFoundError when missing)."""
-    d = os.path.abspath(os.fspath(d))
+    (FileNotFoundError when missing; :class:`WorkdirRemoved`, relative while the working directory is removed)."""
+    d = abspath(d)
     problem = dir_problem(os.stat(d), root_ok=True, sticky_ok=True)
     if problem:
         uid = os.geteuid()
@@ -202,8 +217,9 @@ def open_trusted(path: str | os.PathLike, what: str, flags: int = os.O_RDONLY, *
     ``O_NOFOLLOW`` (a symbolic link is refused, its target left untouched), except with
     ``follow_owned_links`` the links :func:`_resolve_owned_links` allows (a Secret volume's); it must be a
     regular file owned by this uid and, when ``private``, give group and others no access (mode 0600/0400).
-    ``flags`` may include ``O_CREAT`` (created 0600). Raises UnsafePath, or OSError (FileNotFoundError)."""
-    p = os.path.abspath(os.fspath(path))
+    ``flags`` may include ``O_CREAT`` (created 0600). Raises UnsafePath, or OSError (FileNotFoundError;
+    :class:`WorkdirRemoved`: a relative ``path`` while the working directory has been removed)."""
+    p = abspath(path)
     d, name = os.path.split(p)
     check_trusted_dir(d, what)
     real = _resolve_owned_links(d, name) if follow_owned_links else p

@@ -98,12 +98,19 @@ def check_path_arg(p: str) -> None:
 def path_info(path: str) -> dict:
     """O_DIRECT (real probe), filesystem type, free/total bytes of one directory; ``dir_problem`` when
     :func:`kvbm_backend.config.dir_problem` refuses it. A missing directory is probed at its nearest existing
-    ancestor (``probed_at``). Never raises."""
+    ancestor (``probed_at``). A relative path while the working directory has been removed names no directory:
+    ``dir_problem`` says so, nothing is probed (before 2026-12-03 ``os.getcwd()``'s bare FileNotFoundError came out).
+    Never raises."""
+    from kvbm_backend.fsmodes import abspath
     from kvbm_backend.io import probe_o_direct
     path = local_dir(path)
-    ap = os.path.abspath(os.path.expanduser(path))
-    out: dict[str, Any] = {"path": path, "exists": os.path.isdir(ap)}
     problem = dir_problem(os.path.expanduser(path))
+    try:
+        ap = abspath(os.path.expanduser(path))
+    except ValueError:  # relative, the working directory removed (dir_problem's text says so)
+        return {"path": path, "exists": False, "dir_problem": problem, "note": problem, "fs_type": "unknown",
+                "free_bytes": None, "o_direct": None}
+    out: dict[str, Any] = {"path": path, "exists": os.path.isdir(ap)}
     if problem:
         out["dir_problem"] = problem
     probe = ap

@@ -26,7 +26,9 @@ file, and no new keyring to create one for) is one ``kvbm-backend: error: ...`` 
 script default is named ``(from --default FIELD)``, not by the variable it is exported as); so is a
 ``g4.keyring.kek_env`` other than the default ``KVBM_BACKEND_KEK`` that is unset (``g4.keyring.kek_env: NAME is not
 set``), with G4 encryption on or a ``g4.keyring.path`` set, as the worker refuses it (before 2026-12-03 the line said
-``g4.kek=[new file ...]``).
+``g4.kek=[new file ...]``); so are the default ``g3.paths`` (``./kvbm-g3``) where it cannot be created, when a user of
+the config opens G3 (``g3.paths[0]: ... the default ...``, as the engine and the dry run say), and a relative
+``g4.keyring.path`` / ``kek_file`` while the working directory has been removed (both since 2026-12-03).
 
 ``--dry-run ARGV...`` (what the scripts exec instead of the engine when ``KVBM_BACKEND_DRY_RUN`` is set):
 print ``kvbm-backend dry run: exec ARGV`` (shell-quoted) and ``kvbm-backend dry run: env K=V ...`` (the
@@ -134,7 +136,10 @@ def effective(source: Source, defaults: dict[str, Any], environ: dict[str, str] 
     :class:`~kvbm_backend.config.KvbmBackendConfig`, the ``KVBM_BACKEND__...`` variables that carry the
     script defaults the operator left open, and field -> source label for :data:`SHOWN`. ``skip_dirs``: sections
     whose directories are not checked (:func:`~kvbm_backend.config.load_config`; a section no user of this config
-    opens, :func:`_skip_dirs`).
+    opens, :func:`_skip_dirs`). ``g3.paths`` left to its default (``./kvbm-g3``) is judged as the engine judges it
+    when a user of the config opens G3 (:func:`~kvbm_backend.integrations.vllm.extra_config.check_default_g3_paths`):
+    before 2026-12-03 only the dry run's preflight did, and ``config effective`` passed (exit 0) a connector config
+    from a read-only or removed working directory that the preflight and the engine refuse.
 
     Raises EffectiveError (one line naming the field, variable or file)."""
     from ..config import ConfigError, _merge, env_overrides, load_config
@@ -151,13 +156,17 @@ def effective(source: Source, defaults: dict[str, Any], environ: dict[str, str] 
         if not _given(field, file_fields) and not _given(field, env_keys):
             exports[_env_name(field)] = json.dumps(value)
     spec = str(source.spec) if isinstance(source.spec, (str, Path)) else source.spec
+    from ..integrations.vllm.extra_config import check_default_g3_paths
     try:
         cfg = load_config(spec, environ={**env, **exports}, skip_dirs=skip_dirs)
         if source.inline:
             data = cfg.model_dump()
+            if "paths" not in cfg.g3.model_fields_set and "paths" not in source.inline.get("g3", {}):
+                del data["g3"]["paths"]  # left to its default: stays so, judged below (as tier_config does)
             for sec, over in source.inline.items():  # field by field, as the tiers merge them (tier_config)
                 data[sec] = _merge(data[sec], over)
             cfg = load_config(data, use_env=False, skip_dirs=skip_dirs)
+        check_default_g3_paths(cfg, skip_dirs=skip_dirs)  # ./kvbm-g3, as the connector, a G3Tier and the preflight
     except ConfigError as e:  # a script default is the script's, not a variable the operator set
         msg = str(e)
         for field in (f for f in defaults if _env_name(f) in exports):
@@ -188,6 +197,20 @@ def check_kek_env(kr, environ: Mapping[str, str] | None = None) -> None:
         _check(kr, os.environ if environ is None else environ)
     except KeyringError as e:
         raise EffectiveError(str(e)) from None
+
+
+def check_keyring_paths(kr) -> None:
+    """``g4.keyring.path`` and ``g4.keyring.kek_file`` of keyring config ``kr`` must name files: a relative one while
+    this process's working directory has been removed names none (:func:`kvbm_backend.fsmodes.abspath`). Raises
+    EffectiveError naming the field (before 2026-12-03 ``config effective`` said ``g4.kek=[new file ...]``, exit 0, and
+    the worker failed ``g4.keyring: [Errno 2] No such file or directory``)."""
+    from ..fsmodes import abspath
+    for field, p in (("g4.keyring.path", kr.path), ("g4.keyring.kek_file", kr.kek_file)):
+        try:
+            if p:
+                abspath(p)
+        except ValueError as e:
+            raise EffectiveError(f"{field}: {e}") from None
 
 
 def kek_source(cfg, environ: dict[str, str] | None = None) -> str:
@@ -334,6 +357,8 @@ def resolve(ktc: dict, kind: str, defaults: dict[str, Any], environ: dict[str, s
         key = _key(src)
         if key not in seen:
             cfg, ex, where = effective(src, defaults, env, skips[key])
+            if cfg.g4.keyring.path and (cfg.g4.enabled or "g4" in skips[key]):  # the G4 pool or a G3Tier opens it
+                check_keyring_paths(cfg.g4.keyring)
             kek = kek_source(cfg, env) if cfg.g4.enabled and cfg.g4.encrypt else None
             if cfg.g4.enabled and not cfg.g4.encrypt and cfg.g4.keyring.path:  # the pool opens it (names, reads)
                 check_kek_env(cfg.g4.keyring, env)
