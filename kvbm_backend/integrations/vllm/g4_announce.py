@@ -38,6 +38,16 @@ SGLang's HiCache / Mooncake). With ``g4.announce`` each worker's scheduler-side 
   its router credit (it stays loadable); a block ``kvbm-backend gc`` deletes before the TTL keeps its credit until then (a routing
   preference, never KV: its load misses and the engine recomputes). Run gc with ``--max-age-s`` >= the TTL.
 
+**Reset epochs** (:mod:`.reset_epoch`, ``reset_tiers``): a batch names the reset epoch its blocks were stored
+under (sealed key ``"e"``, absent for a worker never reset), and a poller credits only the batches of its own
+engine's current epoch: a block of another epoch is never this engine's hit (its identity differs), so crediting
+it would route requests to a worker that misses it. At a reset (:meth:`G4Announcer.set_epoch`) the credits of the
+batches read so far are withdrawn (``BlockRemoved`` queued by the next poll, ``announce_removed_blocks``; gone from
+:meth:`~G4Announcer.live` at once, so the re-publishing after ``AllBlocksCleared`` leaves them out), and blocks
+learned before it are announced under the epoch they were stored under. Other epochs' batches still expire by their
+writer's TTL. Before (2026-12-03) batches named no epoch and every poller credited them all, so after a reset the
+router kept crediting the engine with every G4 block stored before it, none of which it could load.
+
 **Time base** (as :mod:`kvbm_backend.pool.g4.gc`): ages are ``now - mtime`` with ``now`` the store's clock
 where it states one (S3: the ``Date`` header, :meth:`~kvbm_backend.pool.g4.store.ObjectStore.server_time`),
 else this host's clock moved by the skew measured on this worker's own batches (the store mtime of a batch
@@ -111,6 +121,8 @@ class G4Announcer:
         max_batch: records per written object (more: several objects that flush).
     """
 
+    epoch = ""  # the engine's reset epoch (.reset_epoch; set_epoch): only batches of this one are credited
+
     def __init__(self, events: Any, g4: Any, ns: Any, interval_s: float, ttl_s: float, max_pending: int = 1 << 16,
                  max_batch: int = 4096):
         pool = getattr(g4, "inner", g4)
@@ -138,6 +150,7 @@ class G4Announcer:
         self._skew_at: float | None = None  # monotonic time it was last measured (None: never)
         self._capped_logged = False
         self._ahead: dict[str, float] = {}  # listed batches stamped after now -> now when first listed
+        self._gone: list = []  # vLLM hashes set_epoch withdrew, queued as BlockRemoved by the next poll
         self._stop = threading.Event()
         self._t: threading.Thread | None = None
 
@@ -150,8 +163,9 @@ class G4Announcer:
         k = (tenant, int(seq))
         h, ph, toks, extra, lora_id, lora_name = info
         now = time.monotonic()
-        v = (parent_seq, (h, ph, toks, extra, lora_id, lora_name), now, now)
         with self._lock:
+            # (parent, info, t learned, t of its next look, the epoch it was stored under: "" when absent)
+            v = (parent_seq, (h, ph, toks, extra, lora_id, lora_name), now, now, self.epoch)
             if k in self._pending:
                 return  # waiting for G4
             if k in self._known and self._known[k] == self._idents.get(tenant, _UNSEEN):
@@ -201,10 +215,11 @@ class G4Announcer:
             return 0
         futs = [[self.g4.lookup_prefix(run, request=False) for run in self.ns.rank_runs([seq], tenant)[1]]
                 for (tenant, seq), _ in todo]
-        by_tenant: dict[str, list] = {}
+        by_tenant: dict[tuple[str, str], list] = {}  # (tenant, reset epoch) -> blocks
         keep = []
         now = time.monotonic()
-        for ((tenant, seq), (pseq, info, t, _)), fs in zip(todo, futs):
+        for ((tenant, seq), v), fs in zip(todo, futs):
+            pseq, info, t, ep = v[0], v[1], v[2], v[4] if len(v) > 4 else ""
             try:
                 present = all(f.result(timeout_s) >= 1 for f in fs)
             except Exception:  # noqa: BLE001 - unknown: ask again next time
@@ -212,9 +227,9 @@ class G4Announcer:
             if present:
                 h, ph, toks, extra, lora_id, lora_name = info
                 ek = (to_event_extra_keys([extra]) or [None])[0] if extra is not None else None
-                by_tenant.setdefault(tenant, []).append((seq, pseq, (h, ph, list(toks), ek, lora_id, lora_name)))
+                by_tenant.setdefault((tenant, ep), []).append((seq, pseq, (h, ph, list(toks), ek, lora_id, lora_name)))
             elif now - t < self.absent_s:
-                keep.append(((tenant, seq), (pseq, info, t, now + max(self.interval_s, now - t))))
+                keep.append(((tenant, seq), (pseq, info, t, now + max(self.interval_s, now - t), ep)))
             else:
                 stats.add(announce_dropped_absent=1)
         with self._lock:
@@ -222,13 +237,15 @@ class G4Announcer:
                 self._pending.setdefault(k, v)
         n = 0
         t_store = self._clock()[0] if by_tenant else 0.0  # sealed with the records: the age pollers go by
-        for tenant, blocks in by_tenant.items():
+        for (tenant, ep), blocks in by_tenant.items():
             for i in range(0, len(blocks), self.max_batch):
                 part = blocks[i:i + self.max_batch]
                 try:
                     t0 = time.time()
-                    name = self.ann.write(tenant, encode_records(self.writer, domain, self.bs, part, t_store,
-                                                                 self.ttl_s))
+                    recs = encode_records(self.writer, domain, self.bs, part, t_store, self.ttl_s)
+                    if ep:  # the reset epoch its blocks were stored under (module doc, "Reset epochs")
+                        recs["e"] = ep
+                    name = self.ann.write(tenant, recs)
                     ident = self._ident(tenant)  # after the write: a tenant it created has its key id now
                     with self._lock:  # its store mtime measures the store's clock (see _now)
                         self._own[name] = (t0 + time.time()) / 2
@@ -294,27 +311,30 @@ class G4Announcer:
             got = self._read(b, domain)
             if got is None:
                 continue
-            t, blocks, key, ttl = got
+            t, blocks, key, ttl, ep = got
             if measured and now - min(stamp, t) >= ttl:  # its writer's TTL passed, or sealed long ago (a replay)
                 self._bad[b.name] = float("inf")
                 self._expire(b)
                 continue
-            if len(self._live) + len(blocks) > MAX_LIVE_BLOCKS:
+            if ep == self.epoch and len(self._live) + len(blocks) > MAX_LIVE_BLOCKS:  # another epoch's: no credit
                 self._cap(b)
                 continue
-            stored += self._credit(b, t, key, blocks, ttl)
+            stored += self._credit(b, t, key, blocks, ttl, ep)
         removed = self._withdraw(gone)
+        with self._lock:  # withdrawn by a reset (set_epoch): queued after this poll's stored, on this thread only
+            removed, self._gone = removed + self._gone, []
         n_st, n_rm = len(stored), len(removed)
         if stored or removed:
             self.events.emit_announced(stored, removed)
             stats.add(announce_stored_blocks=n_st, announce_removed_blocks=n_rm)
         return n_st, n_rm
 
-    def _credit(self, b: Batch, t: float, key: Any, blocks: list, ttl: float) -> list:
-        """Count ``b``'s blocks live; their ``ev_info`` not live before (to publish)."""
+    def _credit(self, b: Batch, t: float, key: Any, blocks: list, ttl: float, epoch: str = "") -> list:
+        """Count ``b``'s blocks live; their ``ev_info`` not live before (to publish). A batch of another reset
+        ``epoch`` than the engine's is kept (it expires by its TTL) with none of its blocks credited."""
         stored, hs = [], []
         with self._lock:  # one batch (<= MAX_BATCH_RECORDS) at a time: learn() never waits long
-            for _seq, _pseq, ev_info in blocks:
+            for _seq, _pseq, ev_info in blocks if epoch == self.epoch else ():
                 h = ev_info[0]
                 hs.append(h)
                 ent = self._live.get(h)
@@ -323,7 +343,7 @@ class G4Announcer:
                     stored.append(ev_info)
                 else:
                     ent[0] += 1
-            self._batches[b.name] = (hs, t, key, ttl)
+            self._batches[b.name] = (hs, t, key, ttl, epoch)
         time.sleep(0)  # a learn() waiting for the lock gets it between batches
         return stored
 
@@ -341,6 +361,25 @@ class G4Announcer:
                             removed.append(h)
             time.sleep(0)  # a learn() waiting for the lock gets it between batches
         return removed
+
+    def set_epoch(self, epoch: str) -> None:
+        """The engine's reset epoch is ``epoch`` now (:func:`.reset_epoch.reset`, on the scheduler thread): blocks
+        learned from now on are announced under it, only batches of it are credited, and the credits of batches
+        of other epochs are withdrawn (off :meth:`live` at once; ``BlockRemoved`` queued by the next :meth:`poll`,
+        the one thread that queues announced blocks, so a batch it credits meanwhile is withdrawn after it)."""
+        with self._lock:
+            self.epoch = epoch
+            for name, (hs, t, key, ttl, ep) in list(self._batches.items()):
+                if ep == epoch or not hs:
+                    continue
+                self._batches[name] = ([], t, key, ttl, ep)  # kept for its expiry, crediting nothing
+                for h in hs:
+                    ent = self._live.get(h)
+                    if ent is not None:
+                        ent[0] -= 1
+                        if ent[0] <= 0:
+                            del self._live[h]
+                            self._gone.append(h)
 
     def _cap(self, b: Batch) -> None:
         """``b`` would take the live blocks past MAX_LIVE_BLOCKS: not credited, read again later."""
@@ -379,9 +418,9 @@ class G4Announcer:
                     self._skew, self._skew_at = b.mtime - t, time.monotonic()
         return self._clock()
 
-    def _read(self, b: Batch, domain: str) -> tuple[float, list, Any, float] | None:
-        """``(sealed time, blocks, key, its writer's TTL)`` of ``b``, or None (ignored, counted, or a store
-        error)."""
+    def _read(self, b: Batch, domain: str) -> tuple[float, list, Any, float, str] | None:
+        """``(sealed time, blocks, key, its writer's TTL, its reset epoch)`` of ``b``, or None (ignored, counted,
+        or a store error)."""
         try:
             recs, why, key = self.ann.open(b)
         except Exception:  # noqa: BLE001 - store trouble: read it again next time
@@ -393,13 +432,16 @@ class G4Announcer:
             return None
         try:
             got = decode_records(recs, domain, self.bs, lambda salt: self.ann.names_tenant(b, salt))
+            ep = recs.get("e", "")
+            if got is not None and (not isinstance(ep, str) or len(ep) > 64):
+                raise ValueError("batch: reset epoch")
         except (ValueError, TypeError, KeyError, RecursionError, MemoryError):
             self._ignore(b, "corrupt")
             return None
         if got is None:
             self._ignore(b, "domain")
             return None
-        return got[0], got[1], key, sealed_ttl(recs, self.ttl_s)
+        return got[0], got[1], key, sealed_ttl(recs, self.ttl_s), ep
 
     def _ignore(self, b: Batch, why: str) -> None:
         """Count ``b`` ignored; not read again (``foreign``: not for ``FOREIGN_RETRY_S``, the keyring may

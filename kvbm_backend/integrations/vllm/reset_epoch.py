@@ -5,7 +5,8 @@
 With the connector option ``reset_tiers`` false (the default) a reset keeps G3/G4 serving (:func:`kept`), as vLLM
 keeps its persistent secondary tiers: Dynamo's ``clear_kv_blocks`` (which asks for the connector's reset) and
 sleep/wake then leave the tiers warm. With ``reset_tiers`` true (in-place weight updates), a reset makes this engine see none of the blocks stored before it, in G3 or G4, without deleting anything: the
-scheduler draws a random reset epoch (64 bits) and folds it into every request's salt from then on
+scheduler draws a random reset epoch (64 bits; :func:`agreed`: one for every TP rank's scheduler) and folds it
+into every request's salt from then on
 (:func:`.identity.epoch_salt`), so the sequence hashes (the blocks' names in G3, G4 and KV events) and the token
 digests (checked in every frame a load serves) of requests made after the reset differ from every block stored
 before it, by this engine or any other. Keys are made on the scheduler side only (the workers name what the load
@@ -23,7 +24,15 @@ with a ``revision`` (kvbm_backend config, part of the namespace) that names the 
 
 KV events: the G3 blocks published before are withdrawn (:meth:`.kv_events.G3KvEvents.forget`): silently when the
 engine's own prefix cache was reset too (vLLM publishes ``AllBlocksCleared``, after which nothing old is
-re-published), with ``BlockRemoved`` when it was not (vLLM's reset failed: blocks in use).
+re-published), with ``BlockRemoved`` when it was not (vLLM's reset failed: blocks in use). G4 announcements
+(:mod:`.g4_announce`) name the epoch their blocks were stored under: the engine is credited only those of its
+current epoch, and those credited before the reset are withdrawn (:meth:`~.g4_announce.G4Announcer.set_epoch`).
+
+TP > 1 under vLLM's ``external_launcher`` (every TP rank its own process, each with its own scheduler, which plans
+the jobs of its own rank's worker): each rank's scheduler is reset, and every one must fold in the same epoch, or
+rank 0 would store and look up its slices under one identity and rank 1 under another, and a lookup (every rank's
+slices) would never hit again. Rank 0 draws it and broadcasts it over vLLM's TP group (:func:`agreed`). Before
+2026-12-03 each process drew its own.
 """
 from __future__ import annotations
 
@@ -44,6 +53,33 @@ def handoff_identity(g4: Any, tenant: str, epoch: str) -> dict[str, str]:
     return ident
 
 
+def agreed(drawn: str) -> str:
+    """The reset epoch every TP rank's scheduler of this engine starts: ``drawn`` (16 hex characters) as TP rank 0
+    drew it, broadcast over vLLM's TP group (its CPU process group: raw bytes, no pickle) where this process hosts
+    a TP rank of a group of more than one (``external_launcher``: a scheduler in every rank's process, all reset in
+    the same call, as every rank runs the same program); else ``drawn`` (one scheduler: ``uni``, ``mp``, ray, or no
+    model-parallel state in this process). A failed broadcast (a rank gone: the engine's next collective fails too)
+    is logged at ERROR and ``drawn`` is used: the blocks stored before the reset are still never served, though the
+    ranks may then miss each other's new blocks (a miss, never wrong KV: loads check every frame's token digest)."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+        group = get_tp_group()
+    except Exception:  # noqa: BLE001 - no vLLM, or no TP group in this process: this scheduler is the only one
+        return drawn
+    if int(group.world_size) <= 1:
+        return drawn
+    import torch
+    import torch.distributed as dist
+    buf = torch.tensor(list(bytes.fromhex(drawn)), dtype=torch.uint8)
+    try:
+        dist.broadcast(buf, src=group.ranks[0], group=group.cpu_group)
+    except Exception as e:  # noqa: BLE001 - torch.distributed's errors vary by backend
+        log.error("kvbm_backend: connector cache reset: the reset epoch could not be broadcast over the TP group "
+                  "(%s); this rank uses its own, and may miss the other ranks' blocks stored from now on", e)
+        return drawn
+    return bytes(buf.tolist()).hex()
+
+
 def kept() -> None:
     """A reset of the connector's cache with ``reset_tiers`` false: G3/G4 keep serving what they hold (vLLM's own
     persistent tiers are not reset either). Counted ``connector_cache_resets_kept``, logged at INFO."""
@@ -59,7 +95,10 @@ def reset(side: Any, engine_cleared: bool) -> str:
     ``engine_cleared``: the engine's own prefix cache was reset in the same call (vLLM then publishes
     ``AllBlocksCleared``); else the published G3 blocks are withdrawn with ``BlockRemoved``. Counted
     ``connector_cache_resets`` (requests it stops tiering: ``reset_untiered_requests``), logged at INFO."""
-    side.epoch = epoch = secrets.token_hex(8)
+    side.epoch = epoch = agreed(secrets.token_hex(8))
+    set_epoch = getattr(getattr(side.events, "announcer", None), "set_epoch", None)  # a .g4_announce.G4Announcer
+    if set_epoch is not None:  # G4 announcements of another epoch are no longer this engine's hits
+        set_epoch(epoch)
     stopped = 0  # not those already untiered (multimodal, or stopped by an earlier reset): before 2026-12-03 counted
     for st in side._reqs.values():  # old identity: never loaded or saved again (their KV may mix weights)
         stopped += not st.opaque

@@ -88,10 +88,12 @@ def test_blocks_stored_but_not_yet_taken_at_a_reset_are_not_published_after_the_
 
 
 def test_blocks_the_engine_still_holds_are_published_again_after_the_reset():
-    """What the queue loses at the reset is only what the re-publishing after ``AllBlocksCleared`` supersedes: a
-    G4 block announced (``g4.announce``) before the reset is credited again with the step, whether its
+    """What the queue loses at the reset is only what the re-publishing after ``AllBlocksCleared`` supersedes: the
+    G4 blocks the poller still credits (``G4Announcer.live``) are published again with the step, whether their
     ``BlockStored`` had been taken or was still queued; a block the new identity stores after the reset is
-    published as usual."""
+    published as usual. Since 2026-12-03 the poller credits only its engine's current epoch
+    (``G4Announcer.set_epoch``: tests/integrations/vllm/test_g4_announce_reset.py), so the blocks announced before a
+    ``reset_tiers`` reset are not among them; a block announced under the new epoch is."""
     from vllm.distributed.kv_events import AllBlocksCleared
 
     from kvbm_backend.integrations.vllm import reset_epoch
@@ -110,6 +112,9 @@ def test_blocks_the_engine_still_holds_are_published_again_after_the_reset():
         def live(self) -> list:
             return list(self.held)
 
+        def set_epoch(self, epoch: str) -> None:  # as G4Announcer: other epochs' blocks are no longer credited
+            self.held.clear()
+
     ann = sd.events.announcer = _Announcer()
     g4a, g4b = (b"g4a", None, [1, 2, 3, 4], None, None, None), (b"g4b", None, [5, 6, 7, 8], None, None, None)
     ann.held.append(g4a)
@@ -123,9 +128,12 @@ def test_blocks_the_engine_still_holds_are_published_again_after_the_reset():
 
     reset_epoch.reset(sd, engine_cleared=True)
     router.apply([AllBlocksCleared()] + sd.take_events(engine_cache_reset=True))
-    assert router.disk == {b"g4a", b"g4b"}  # before: and h0, h1
+    assert router.disk == set()  # before 2026-12-03: g4a, g4b (old identity, no longer loadable) and h0, h1
+    g4c = (b"g4c", None, [9, 10, 11, 12], None, None, None)  # announced under the new epoch
+    ann.held.append(g4c)
+    sd.events.emit_announced([g4c], [])
     new = [2000, 2001]  # the new identity's blocks of another prompt
     sd.events.learn("", _request(2, first=10), new, 0, 2)
     sd.apply_g3_report(0, KvbmWorkerMeta(added=[(t, 0, s) for s in new]))
     router.apply(sd.take_events())
-    assert router.disk == {b"g4a", b"g4b", _h(10), _h(11)}
+    assert router.disk == {b"g4c", _h(10), _h(11)}
