@@ -20,8 +20,17 @@ So a bad object is never served (readers never open quarantine names, and every 
 good one is never deleted in place of a bad one. Quarantine names have the shape of writer temp files,
 ``.{name}.quarantine.{hostname}.{pid}.{uuid4}.tmp`` (:func:`.fs_list.is_temp_name`): listings, migrate and
 the pool never see them, and gc removes one that a crash (or an error between steps 1 and 3) left behind as
-it does a crashed writer's temp file, once its mtime is ``temp_grace_s`` old (a rename keeps the object's
-mtime: a quarantined old bad object goes at the next gc, a just written good one only after the grace).
+it does a crashed writer's temp file, once its mtime is ``temp_grace_s`` old.
+
+Right before step 1 the file's mtime is set to now (``futimens`` on an fd opened on it, so the very inode that is
+renamed; the server's clock on NFS): a rename keeps the mtime, and gc's temp pass deletes temp-shaped names older
+than ``temp_grace_s`` by name, so a quarantined block written long ago was fair game for a gc running between
+steps 1 and 3: it unlinked the quarantine name, the ``link`` back found nothing, and a good replacement (or a file
+gc itself listed as another) was lost (found 2026-12-03). Now a quarantine name is as young as a writer's temp file
+in flight. Step 2 compares a listing's version with the file's stat from before the touch. A file put back keeps
+the fresh mtime (to gc's age and capacity rules it looks just written: never older than it is). Where the touch is
+not permitted (``EPERM``/``EACCES``: another user's file without write access) the swap goes on untouched, as
+before; if another file took the name between the touch and the rename, that one is touched right after it.
 Before 2026-12-01 the reader deleted by name after the confirmation (review finding 4).
 
 gc deletes what it listed the same way (:func:`delete_if_listed`): step 2 compares the quarantined file's
@@ -30,6 +39,7 @@ inode, mtime (ns) and size with the listing's (:func:`.fs_list.stat_version`) in
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import uuid
@@ -43,6 +53,10 @@ if TYPE_CHECKING:
     from .store import ObjectInfo
 
 _HOST = socket.gethostname().replace("/", "_").replace(".", "_")
+_NOT_PERMITTED = (errno.EPERM, errno.EACCES, errno.ELOOP)  # the touch refused (ELOOP: a link at the name)
+_TOUCH_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: ``same(dir_fd, quarantine name, stat before the touch)``: whether the quarantined file is the one to delete
+Same = Callable[[int, str, os.stat_result], bool]
 
 
 def quarantine_name(base: str) -> str:
@@ -57,8 +71,8 @@ def delete_if_matches(store: FsStore, name: str, want: memoryview, size: int) ->
     StoreUnavailable (EIO, ESTALE...) or OSError when a step fails: the object then stays under its name, or
     under its quarantine name when putting it back failed (gc collects it: module doc)."""
     dirs = store._split(name)[0]
-    return _swap_out(store, name, lambda dfd, q: reread_matches(lambda n, d: store._open_file(n, d),
-                                                                "/".join([*dirs, q]), want, size))
+    return _swap_out(store, name, lambda dfd, q, _st: reread_matches(lambda n, d: store._open_file(n, d),
+                                                                     "/".join([*dirs, q]), want, size))
 
 
 def delete_if_listed(store: FsStore, info: ObjectInfo) -> bool:
@@ -69,13 +83,12 @@ def delete_if_listed(store: FsStore, info: ObjectInfo) -> bool:
     if info.version is None:
         store.delete(info.name)
         return True
-    return _swap_out(store, info.name, lambda dfd, q: stat_version(
-        os.stat(q, dir_fd=dfd, follow_symlinks=False)) == info.version)
+    return _swap_out(store, info.name, lambda _dfd, _q, st: stat_version(st) == info.version)
 
 
-def _swap_out(store: FsStore, name: str, same: Callable[[int, str], bool]) -> bool:
-    """Quarantine ``name``, then unlink it when ``same(dir_fd, quarantine name)``, else put it back (module doc).
-    Raises the store's wrapped OSError."""
+def _swap_out(store: FsStore, name: str, same: Same) -> bool:
+    """Quarantine ``name`` (its mtime set to now first: module doc), then unlink it when ``same(dir_fd, quarantine
+    name, its stat before that)``, else put it back (module doc). Raises the store's wrapped OSError."""
     dirs, base = store._split(name)
     try:
         dfd = store._open_dir(dirs, create=False)
@@ -89,14 +102,21 @@ def _swap_out(store: FsStore, name: str, same: Callable[[int, str], bool]) -> bo
         raise store._wrap("delete", name, e) from None
 
 
-def _swap_out_at(store: FsStore, dfd: int, base: str, same: Callable[[int, str], bool]) -> bool:
+def _swap_out_at(store: FsStore, dfd: int, base: str, same: Same) -> bool:
     q = quarantine_name(base)
     try:
+        before = _touch(base, dfd)  # mtime now: never a stale temp file to gc while quarantined (module doc)
+        if before is None:
+            return False
         os.rename(base, q, src_dir_fd=dfd, dst_dir_fd=dfd)
     except FileNotFoundError:  # gone already (another reader's drop, gc)
         return False
     try:
-        matches = same(dfd, q)
+        st = os.stat(q, dir_fd=dfd, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):  # another file took the name meanwhile
+            before = st
+            _touch_quiet(q, dfd)
+        matches = same(dfd, q, before)
     except FileNotFoundError:  # gc took the quarantined one meanwhile
         return False
     except OSError:  # cannot tell (EIO, ESTALE): kept, back under its name
@@ -120,3 +140,39 @@ def unlink_quiet(name: str, dir_fd: int) -> None:
         os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
+
+
+def _touch(name: str, dir_fd: int) -> os.stat_result | None:
+    """Set the mtime of the file ``name`` in directory ``dir_fd`` to now (``futimens`` on an fd opened on it) and
+    return its stat from before that; None when absent. A touch not permitted (EPERM, EACCES; ELOOP: a link) is
+    skipped (the stat is still returned). Raises other OSErrors (EIO, ESTALE, EROFS)."""
+    try:
+        fd = os.open(name, _TOUCH_OPEN, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno not in _NOT_PERMITTED:
+            raise
+        try:
+            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+    try:
+        st = os.fstat(fd)
+        try:
+            os.utime(fd)
+        except OSError as e:
+            if e.errno not in _NOT_PERMITTED:
+                raise
+        return st
+    finally:
+        os.close(fd)
+
+
+def _touch_quiet(name: str, dir_fd: int) -> None:
+    """Set the mtime of ``name`` (not followed) in ``dir_fd`` to now; not permitted is fine (module doc)."""
+    try:
+        os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as e:
+        if e.errno not in _NOT_PERMITTED:
+            raise

@@ -17,6 +17,12 @@ block, its payload verifies under a key the keyring holds, sealed where they enc
 the only good copy, stays (``kept_name_taken``): a worker drops a damaged copy on its first load, gc one sealed
 under a revoked key or a plaintext one, and a later run renames it. Before 2026-11-30 it was deleted whatever
 the new name held, and the block was lost once that copy was dropped.
+The old object is deleted only while its name still holds the very bytes read and verified
+(:meth:`~.store.ObjectStore.delete_if_matches`: S3 ``If-Match`` their MD5 ETag, a file store a quarantine rename and
+a re-read): one rewritten meanwhile (a worker of the old version, in a rolling upgrade, writing the block again
+under the old name after gc or a load dropped it) stays for the next run, counted ``changed_since_read`` (its copy
+counts ``migrated`` or ``already_present`` as usual). Before 2026-12-03 it was deleted by name: that new object went
+unread.
 Reads are bounded: an object (and the copy under its new name) is read up to the frame its header names and one
 byte more (``skipped_invalid`` when longer), and a header naming a payload over :data:`MAX_FRAME_PAYLOAD_BYTES` is
 not read on; before 2026-12-02 each was read whole, so an object grown or planted to gigabytes at a block's name
@@ -116,7 +122,9 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
     Returns:
         dict: ``legacy_objects`` found, ``migrated``, ``already_present`` (the new name existed: the old
         object was deleted: it held a copy the workers serve), ``kept_name_taken`` (the new name held an
-        object the workers would not serve: the old object was kept), ``skipped_invalid`` (header does not match
+        object the workers would not serve: the old object was kept), ``changed_since_read`` (of those renamed or
+        already present: the old name held other bytes, or none, by the delete: left for the next run; module doc),
+        ``skipped_invalid`` (header does not match
         the name, the stored payload does not verify, or the object is longer than its frame), ``skipped_revoked``,
         ``skipped_unknown_tenant``, ``skipped_plaintext``, ``errors`` (a read that did not verify, the
         store not confirming it holds those bytes, is one); ``unlisted``: one line per part of the store that could not
@@ -269,7 +277,8 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             if not created and not _serves(patient(store.get, new, 0, want), meta, keyring, encrypted):
                 res["kept_name_taken"] += 1  # the old object stays: the only good copy (module doc)
                 continue
-            patient(store.delete, o.name)
+            if not patient(store.delete_if_matches, o.name, data, len(data)):  # only the very bytes read (doc)
+                res["changed_since_read"] += 1
         except StoreUnavailable as e:
             if not wrote:  # nothing written yet: a refused run (exit 2)
                 raise
@@ -296,8 +305,8 @@ def _report(store: ObjectStore, dry_run: bool, legacy: list[Any], unlisted: list
     """:func:`run_migrate`'s report before its passes: every count 0 but ``legacy_objects`` and ``errors``."""
     return {"dry_run": dry_run, "url": store.url, "legacy_objects": len(legacy), "migrated": 0, "already_present": 0,
             "skipped_invalid": 0, "skipped_revoked": 0, "skipped_unknown_tenant": 0, "skipped_plaintext": 0,
-            "kept_name_taken": 0, "errors": len(unlisted), "unlisted": unlisted, "stopped_full": None,
-            "stopped_unavailable": None, "stopped_throttled": None, "throttled": throttled}
+            "kept_name_taken": 0, "changed_since_read": 0, "errors": len(unlisted), "unlisted": unlisted,
+            "stopped_full": None, "stopped_unavailable": None, "stopped_throttled": None, "throttled": throttled}
 
 
 def _throttle_stop(store: ObjectStore, e: StoreThrottled, phase: str, at: str | None, attempts: int, renamed: int,
