@@ -30,7 +30,7 @@ from .identity import block_digests, kv_beyond_token_ids, renew_opaque, request_
 from .failed_blocks import FailedBlocks, Unrecomputed, withhold_tainted
 from .g3_mirror import G3Mirror
 from .kv_events import G3KvEvents, IdlePublisher
-from .load_failures import FailedBlockCount, on_failed_loads, on_failed_recving
+from .load_failures import FailedBlockCount, errored, on_failed_loads, on_failed_recving
 from .lookup import GroupTiers, PrefixLookup
 from .metadata import KvbmConnectorMetadata, KvbmWorkerMeta, LoadJob, SaveJob
 
@@ -493,7 +493,8 @@ class SchedulerSide:
         vLLM's WAITING_FOR_REMOTE_KVS handling until the worker reports the request in ``finished_recving``."""
         st = self._reqs.pop(request.request_id, None)
         self._hit_source.pop(request.request_id, None)
-        self.failed_counts.forget(request.request_id)
+        # an errored request's (kv_load_failure_policy fail) load still counts the failure reports that follow
+        self.failed_counts.forget(request.request_id, st.hashes if st is not None and errored(request) else None)
         self.handoff.forget(request.request_id)
         limit = self.promises.limit(request.request_id, st)  # (forgets it, handed off or not)
         if kv_beyond_token_ids(request) or not handoff.requested(request):
