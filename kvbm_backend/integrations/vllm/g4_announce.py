@@ -48,20 +48,25 @@ learned before it are announced under the epoch they were stored under. Other ep
 writer's TTL. Before (2026-12-03) batches named no epoch and every poller credited them all, so after a reset the
 router kept crediting the engine with every G4 block stored before it, none of which it could load.
 
-**Time base** (as :mod:`kvbm_backend.pool.g4.gc`): ages are ``now - mtime`` with ``now`` the store's clock
-where it states one (S3: the ``Date`` header, :meth:`~kvbm_backend.pool.g4.store.ObjectStore.server_time`),
-else this host's clock moved by the skew measured on this worker's own batches (the store mtime of a batch
-it wrote minus this host's clock at the write: a free probe) or, when none was measured in the last
-``CLOCK_REMEASURE_S``, on a probe object (:func:`~kvbm_backend.pool.g4.gc.store_clock`, gc's). Nothing is
-expired or deleted before the clock is measured: before (2026-11-30) the skew was 0 until the poller listed a
-batch of its own, so a poller whose host clock ran 2 h ahead deleted every fresh batch of the fleet. A store
-that cannot be measured (read-only) expires nothing; batches are then withdrawn when they disappear. ``now`` never follows the listed mtimes: a batch
-stamped later than ``now`` (its writer's clock ahead on a client-stamped filesystem such as CephFS, Lustre
-or some NFS; a restored file) is young, read and credited, and counted (``announce_future_batches``); its age
-runs from when this poller first listed it, so it expires ``announce_ttl_s`` after that (again after a
-restart), not only once its own stamp is that old. Before (2026-11-29), ``now`` was never earlier than the
-newest listed mtime: one batch stamped an hour ahead made every fresh batch an hour old, so with the default
-TTL every poller withdrew and deleted every other batch of the fleet.
+**Time base** (as :mod:`kvbm_backend.pool.g4.gc`): ages are ``now - mtime`` with ``now`` the clock that stamps the
+store's objects: this host's clock moved by the skew measured on this worker's own batches (the store mtime of a
+batch it wrote minus this host's clock at the write: a free probe) or, when none was measured in the last
+``CLOCK_REMEASURE_S``, on an empty probe object (:func:`~kvbm_backend.pool.g4.gc.probe_clock`, gc's); where the
+store states a time (S3: the ``Date`` header, :meth:`~kvbm_backend.pool.g4.store.ObjectStore.server_time`) that one,
+unless it is more than ``CLOCK_AGREE_S`` ahead of the measured clock (then the measured one, and a warning; within
+it the stated time: the skew is measured on whole-second stamps; a probe such a store refuses, a read-only bucket,
+is tried again after ``CLOCK_REMEASURE_S``). Before (2026-12-03) the stated time alone: a reverse proxy in front of
+the store (nginx sends its own ``Date``) whose clock ran 2 h ahead made the poller expire and delete every fresh
+batch of the fleet. Nothing is expired or deleted before the clock is measured: before (2026-11-30) the skew was 0
+until the poller listed a batch of its own, so a poller whose host clock ran 2 h ahead deleted every fresh batch of
+the fleet. A store that states no time and cannot be measured (a read-only file store) expires nothing; batches are
+then withdrawn when they disappear (a read-only S3 store: its stated time alone). ``now`` never follows the listed
+mtimes: a batch stamped later than ``now`` (its writer's clock ahead on a client-stamped filesystem such as CephFS,
+Lustre or some NFS; a restored file) is young, read and credited, and counted (``announce_future_batches``); its age
+runs from when this poller first listed it, so it expires ``announce_ttl_s`` after that (again after a restart), not
+only once its own stamp is that old. Before (2026-11-29), ``now`` was never earlier than the newest listed mtime:
+one batch stamped an hour ahead made every fresh batch an hour old, so with the default TTL every poller withdrew
+and deleted every other batch of the fleet.
 
 Hash domain: the records carry the writer's vLLM block hashes, which every worker computes alike only with
 the same hash function and seed (vLLM's default sha256 with the fixed seed, or one shared ``PYTHONHASHSEED``
@@ -93,7 +98,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ...pool.g4.announce import Announcements, Batch
-from ...pool.g4.gc import store_clock
+from ...pool.g4.gc import CLOCK_AGREE_S, probe_clock
 from . import stats
 from .g4_records import (MAX_BATCH_RECORDS, MAX_TTL_S, RECORD_VERSION, decode_records, encode_records, hash_domain,
                          sealed_ttl)
@@ -146,9 +151,11 @@ class G4Announcer:
         self._bad: OrderedDict[str, float] = OrderedDict()  # names read and ignored -> read again after (monotonic)
         self._live: dict[Any, list] = {}  # vLLM hash -> [live batches announcing it, ev_info]
         self._own: OrderedDict[str, float] = OrderedDict()  # batches written, not yet listed -> local time of write
-        self._skew = 0.0  # store clock - this host's, measured on our own batches or a probe (no server time)
+        self._skew = 0.0  # store clock - this host's, measured on our own batches or a probe
         self._skew_at: float | None = None  # monotonic time it was last measured (None: never)
+        self._probe_failed: float | None = None  # monotonic time a probe object was last refused
         self._capped_logged = False
+        self._clock_warned = False  # a stated time far from the measured clock logged (once)
         self._ahead: dict[str, float] = {}  # listed batches stamped after now -> now when first listed
         self._gone: list = []  # vLLM hashes set_epoch withdrew, queued as BlockRemoved by the next poll
         self._stop = threading.Event()
@@ -392,21 +399,35 @@ class G4Announcer:
                         "are not credited until some expire (announce_ignored_capped)", MAX_LIVE_BLOCKS)
 
     def _clock(self) -> tuple[float, bool]:
-        """``(now, measured)`` on the store's clock (module doc, "Time base"): the store's stated time, else
-        this host's moved by the skew last measured (on this worker's own batches, or a probe object of
-        :func:`~kvbm_backend.pool.g4.gc.store_clock` when none was within CLOCK_REMEASURE_S); ``measured``
-        False when neither worked (a read-only store): nothing then expires nor is deleted."""
-        t = self.ann.store.server_time()
-        if t is not None:
-            return t, True
+        """``(now, measured)`` (epoch s) on the store's clock (module doc, "Time base"): the clock that stamps
+        objects, this host's moved by the skew last measured (on this worker's own batches, or an empty probe object
+        of :func:`~kvbm_backend.pool.g4.gc.probe_clock` when none was within CLOCK_REMEASURE_S), and the store's
+        stated time (S3 ``Date``); the stated one unless it is more than CLOCK_AGREE_S ahead of the measured one (a
+        proxy's own clock: a warning). ``measured`` False when neither worked: nothing then expires nor is deleted."""
+        stated = self.ann.store.server_time()
         mono = time.monotonic()
-        if self._skew_at is None or mono - self._skew_at > CLOCK_REMEASURE_S:
+        # a refused probe (read-only bucket) is tried again each call only where the store states no time
+        if (self._skew_at is None or mono - self._skew_at > CLOCK_REMEASURE_S) and (
+                stated is None or self._probe_failed is None or mono - self._probe_failed > CLOCK_REMEASURE_S):
             t0 = time.time()
-            probed = store_clock(self.ann.store)
-            if probed is not None:
+            probed = probe_clock(self.ann.store)
+            if probed is None:
+                self._probe_failed = mono
+            else:
                 with self._lock:
                     self._skew, self._skew_at = probed - (t0 + time.time()) / 2, mono
-        return time.time() + self._skew, self._skew_at is not None
+        local = time.time()
+        if self._skew_at is None:
+            return (local, False) if stated is None else (stated, True)
+        est = local + self._skew
+        if stated is None:
+            return est, True
+        if abs(stated - est) > CLOCK_AGREE_S and not self._clock_warned:
+            self._clock_warned = True
+            log.warning("g4.announce: the store's stated time (S3 Date header) is %+.0f s from the clock stamping its "
+                        "objects: a proxy or gateway in front of it states another clock; batches are aged on the "
+                        "earlier", stated - est)
+        return (est, True) if stated - est > CLOCK_AGREE_S else (stated, True)
 
     def _now(self, listed: list[Batch]) -> tuple[float, bool]:
         """:meth:`_clock`, after measuring the skew on this worker's own listed batches. Never the listed

@@ -14,7 +14,6 @@ Real SeaweedFS behind a real loopback proxy; a real full tmpfs (root needed, ski
 """
 from __future__ import annotations
 
-import email.utils
 import math
 import os
 import time
@@ -24,7 +23,7 @@ import pytest
 from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.gc import CLOCK_PROBE_PREFIX, run_gc
 from kvbm_backend.pool.g4.s3_store import S3Store
-from tests.helpers.lying_proxy import QuietHandler, reply, serve, stop, upstream
+from tests.helpers.date_proxy import DateProxy
 from tests.helpers.tmpfs import fill_filesystem, mounted_tmpfs
 
 NS, TEN = "0123456789abcdef", "ab" * 16
@@ -36,35 +35,9 @@ def _name(i: int) -> str:
     return f"{NS}/{TEN}/0/00/{i:032x}"
 
 
-class _DateProxy:
-    """A loopback HTTP proxy in front of a real S3 server that passes every request and answer through unchanged,
-    except the answer's ``Date`` header: its own clock, ``ahead_s`` ahead (nginx's default: it does not pass the
-    upstream's ``Date``)."""
-
-    def __init__(self, host: str, port: int, ahead_s: float):
-        target = (host, port)
-
-        class Handler(QuietHandler):
-            def date_time_string(self, timestamp=None):  # what send_response() sends as Date
-                return email.utils.formatdate(time.time() + ahead_s, usegmt=True)
-
-            def _forward(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                status, hdrs, data, length = upstream(self, target, self.rfile.read(n) if n else None)
-                reply(self, status, [(k, v) for k, v in hdrs if k.lower() != "date"], data, length)
-
-            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
-
-        self._srv, port = serve(Handler)
-        self.endpoint = f"http://127.0.0.1:{port}"
-
-    def close(self) -> None:
-        stop(self._srv)
-
-
 def test_a_proxy_stating_a_clock_ahead_of_the_s3_server_deletes_no_fresh_block(seaweed, s3_prefix):
     host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
-    proxy = _DateProxy(host, int(port), AHEAD_S)
+    proxy = DateProxy(host, int(port), AHEAD_S)
     direct = S3Store(seaweed.bucket, s3_prefix, endpoint_url=seaweed.endpoint, timeout_s=30.0)
     st = S3Store(seaweed.bucket, s3_prefix, endpoint_url=proxy.endpoint, timeout_s=30.0)
     try:
