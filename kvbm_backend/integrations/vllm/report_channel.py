@@ -7,12 +7,15 @@ returning after a pause recomputed what G3 held. Here the worker's report pump
 (:class:`ReportPump`) sends its G3 index changes every ``PUMP_INTERVAL_S`` seconds:
 
 * to a scheduler in the same process (vLLM's ``uni`` executor with KV events on) by a direct call;
-* to a scheduler in another process (the ``mp`` executor: ``vllm serve`` on CPU, every TP > 1 engine)
+* to a scheduler in another process (the ``mp`` executor: ``vllm serve`` on CPU, TP > 1 under ``mp`` or ray)
   over a Unix stream socket in a directory only this user can enter (``$XDG_RUNTIME_DIR`` or the system
   temp dir, ``kvbm-backend-<uid>``, mode 0700, refused when another user owns it). Messages are
   length-prefixed binary records (:func:`encode`), never pickles: a peer that can connect can at worst
   announce blocks the worker does not hold, which makes a load miss and recompute (loads verify every
-  block), never wrong KV.
+  block), never wrong KV;
+* under ``external_launcher`` with TP > 1 (every TP rank a process hosting a scheduler and its own rank's worker)
+  to that process's scheduler by a direct call, which holds it until every rank's scheduler exchanges what it holds
+  over vLLM's TP group at the same step (:class:`TpReportExchange`).
 
 Both ends derive the address from the engine's ``kv_transfer_config.engine_id``, data-parallel rank, namespace
 and a random token the scheduler draws at start and sends its workers in every step's connector metadata
@@ -350,3 +353,80 @@ def start_worker_reports(key: str, workers: list, rank: int = 0) -> ReportPump |
             w.report_by_channel = False
     return ReportPump(sender, [w.take_g3_report if w.report_g3 else (lambda: None) for w in workers], rank,
                       on_closed=back_to_steps)
+
+
+class TpReportExchange:
+    """G3 reports under vLLM's ``external_launcher`` with TP > 1, where every TP rank is its own process hosting a
+    scheduler and that rank's worker, and each process's engine sees only its own worker's output (vLLM's
+    ``ExecutorWithExternalLauncher`` runs one worker and aggregates nothing). Before 2026-12-03 each scheduler's
+    :class:`~.g3_mirror.G3Mirror` received its own rank's reports only: a lookup, which needs every rank's slice,
+    never hit (the whole G3 tier silently lost), and the mirror never got every rank's snapshot.
+
+    Here the reports the scheduler's channel receives (its own worker's, from any thread: :meth:`put`) are held,
+    and at :meth:`exchange`, which every rank's scheduler calls at the same point of the same step
+    (``build_connector_meta``; ``external_launcher`` needs deterministic scheduling anyway), every rank's held
+    reports are gathered over vLLM's TP group (its CPU process group: :func:`encode`'s bytes, no pickle) and applied
+    on every rank in rank order by ``apply(group, rank, added, removed, snapshot)``: every rank's mirror holds the
+    same blocks at the same step, so every scheduler decides the same hits (ranks that decided differently would
+    schedule differently and desynchronise the engine's collectives). The mirror's bounded wait for the first
+    snapshots is agreed too: ``on_wait_over()`` is called on every rank at the same step, once any rank has waited
+    ``wait_s`` seconds (the scheduler's own wall-clock wait would end at different steps on different ranks)."""
+
+    def __init__(self, group, apply: Callable[[int, int, list, list, bool], None], wait_s: float,
+                 on_wait_over: Callable[[], None]):
+        self.group, self.apply, self.wait_s, self.on_wait_over = group, apply, float(wait_s), on_wait_over
+        self._held: list[bytes] = []
+        self._lock = threading.Lock()
+        self._t0: float | None = None
+        self._wait_over = False
+
+    def put(self, group: int, rank: int, added: list, removed: list, snapshot: bool) -> None:
+        """Hold one report (TP rank ``rank``'s, of KV cache group ``group``) for the next :meth:`exchange`."""
+        msgs = [encode(group, rank, a, r, s) for a, r, s in pieces(added, removed, snapshot, MAX_ENTRIES)]
+        with self._lock:
+            self._held.extend(msgs)
+
+    def exchange(self) -> int:
+        """Gather every TP rank's held reports and apply them all, in rank order; returns how many were applied.
+        Raises RuntimeError when the TP group's collective fails (a rank is gone): going on would leave this
+        rank's mirror unlike the others', and their schedules would diverge."""
+        import time
+
+        import torch
+        import torch.distributed as dist
+        with self._lock:
+            held, self._held = self._held, []
+        blob = b"".join(held)
+        now = time.monotonic()
+        self._t0 = self._t0 if self._t0 is not None else now
+        expired = int(not self._wait_over and now - self._t0 >= self.wait_s)
+        world, cpu = int(self.group.world_size), self.group.cpu_group
+        try:
+            heads = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(heads, torch.tensor([len(blob), expired], dtype=torch.int64), group=cpu)
+            sizes = [int(h[0]) for h in heads]
+            bufs: list = []
+            if max(sizes):
+                mine = torch.zeros(max(sizes), dtype=torch.uint8)
+                if blob:
+                    mine[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                bufs = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(world)]
+                dist.all_gather(bufs, mine, group=cpu)
+        except Exception as e:  # noqa: BLE001 - torch.distributed's errors vary by backend
+            raise RuntimeError(f"kvbm_backend: the G3 reports of the TP ranks (vLLM external_launcher, TP={world}) "
+                               f"could not be exchanged over the TP group: {e}") from e
+        if not self._wait_over and any(int(h[1]) for h in heads):
+            self._wait_over = True
+            self.on_wait_over()
+        applied = 0
+        for buf, size in zip(bufs, sizes):
+            data, off = bytes(buf[:size].numpy()), 0
+            while off + 4 <= size:
+                (n,) = struct.unpack_from("<I", data, off)
+                try:
+                    self.apply(*decode(data[off + 4:off + 4 + n]))
+                    applied += 1
+                except Exception as e:  # noqa: BLE001 - the same bytes on every rank: dropped on every rank
+                    log.warning("kvbm_backend: G3 report of the TP group not applied: %s", e)
+                off += 4 + n
+        return applied

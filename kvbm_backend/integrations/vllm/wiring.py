@@ -11,7 +11,9 @@ from a :class:`~.g3_mirror.G3Mirror` fed by the worker's reports (:mod:`.report_
 that mode the scheduler writes its counters to ``<stats_path stem>.scheduler<ext>`` and (rank 0's) worker
 merges them into ``stats_path`` (:func:`.stats.merge_snapshots`); rank r > 0 writes
 ``<stats_path stem>.rank<r><ext>``. With ``external_launcher`` and TP > 1 (each process hosts the scheduler and one
-rank's worker) rank r's worker file holds both roles' counters of its process and the scheduler writes none.
+rank's worker) rank r's worker file holds both roles' counters of its process and the scheduler writes none, and
+each process's engine sees only its own worker's reports: every rank's scheduler gathers all ranks' G3 reports
+over vLLM's TP group at each step (:class:`~.report_channel.TpReportExchange`), so all ranks' mirrors agree.
 
 TP = N > 1: every rank stores and loads only its slice of each block (its KV heads; one object per
 (block, rank) in G4) in its own G3 pool (:func:`.namespaces.rank_g3_config`); the scheduler looks a prefix
@@ -88,6 +90,7 @@ class ConnectorParts:
         self.channel_token = ""  # the scheduler's token, sent to the workers in every step's metadata
         self.rank = 0
         self.revoked: RevokedTenants | None = None  # the tenants G3 refuses (with G3 and a G4 keyring)
+        self.exchange: report_channel.TpReportExchange | None = None  # external_launcher, TP > 1 (scheduler role)
         self._interval, self._closed, self._channel_decided = stats.Interval(), False, False
 
     def release_partial(self) -> None:
@@ -165,22 +168,46 @@ class ConnectorParts:
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         """The step's metadata for the workers (:meth:`.SchedulerSide.build_connector_meta`) with this
         scheduler's report channel token."""
+        if self.exchange is not None:  # every TP rank's scheduler is here in the same step: all ranks' reports
+            self.exchange.exchange()
         meta = self.scheduler_role().build_connector_meta(scheduler_output)
         meta.channel = self.channel_token
         return meta
 
     def on_g3_report(self, group: int, rank: int, added: list, removed: list, snapshot: bool) -> None:
+        """A worker's report by the channel: applied at once, or held for the TP group's next exchange."""
+        if self.exchange is not None:
+            self.exchange.put(group, rank, added, removed, snapshot)
+            return
+        self._apply_g3_report(group, rank, added, removed, snapshot)
+
+    def _apply_g3_report(self, group: int, rank: int, added: list, removed: list, snapshot: bool) -> None:
         self.scheduler_role().apply_g3_report(group, KvbmWorkerMeta(added, removed, snapshot), rank=rank)
         stats.add(g3_reports_by_channel=1)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.sched is not None:
-            self.sched.update_connector_output(getattr(connector_output, "kv_connector_worker_meta", None))
+            wm = getattr(connector_output, "kv_connector_worker_meta", None)
+            if self.exchange is not None and isinstance(wm, KvbmWorkerMeta):
+                wm = self._hold_step_g3(wm)
+            self.sched.update_connector_output(wm)
             failed = getattr(connector_output, "failed_recving", None)
             if failed:
                 self.sched.load_failed(failed)
         assert self._writer is not None  # set by wire()
         self._writer.maybe_write()
+
+    def _hold_step_g3(self, wm: KvbmWorkerMeta) -> KvbmWorkerMeta:
+        """``wm`` (this process's worker's step report, under :attr:`exchange`) without its G3 index changes,
+        which are held for the TP group's exchange as this TP rank's (applied alone they would make this rank's
+        mirror unlike the others')."""
+        assert self.exchange is not None
+        for gi in [0, *wm.others]:
+            m = wm.for_group(gi)
+            if m is not None and (m.added or m.removed or m.snapshot):
+                self.exchange.put(gi, self.rank, m.added, m.removed, m.snapshot)
+        others = {g: KvbmWorkerMeta(failed=m.failed) for g, m in wm.others.items()}
+        return KvbmWorkerMeta(failed=wm.failed, others=others)
 
     def pool_stats(self) -> dict:
         out = {}
@@ -239,6 +266,8 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
     parts.geometries = engine_geometries(vllm_config, kv_cache_config)
     ns = parts.ns = namespace_from_vllm(cfg, vllm_config, kv_cache_config, parts.geometries)
     parts.window_blocks = group_window_blocks(ns, vllm_config, kv_cache_config)  # with speculative decoding's extra
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    spmd = backend == "external_launcher" and ns.tp_world_size > 1  # a scheduler in every TP rank's process
     if ns.tp_world_size > 1 and not scheduler:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         parts.rank = int(get_tensor_model_parallel_rank())
@@ -247,7 +276,6 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
                     "load is recomputed instead of failing the request", ktc.kv_load_failure_policy)
     # vLLM's "uni" executor runs the worker inside the engine-core (scheduler) process: both roles share one
     # pool object. Otherwise ("mp", ray) or with TP > 1 the worker owns G3 and the scheduler mirrors it.
-    backend = vllm_config.parallel_config.distributed_executor_backend
     split = backend not in (None, "uni", "external_launcher") or ns.tp_world_size > 1
     blocks = block_level_errors(ns)
     async_sched = layerwise.async_scheduling_on(vllm_config)  # layer-wise loads need it off (layerwise.py doc)
@@ -311,6 +339,8 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
                                               cfg.g4.announce_ttl_s)
                 parts.sched.events.announcer = parts.announcer
                 parts.announcer.start()
+        if spmd and (mirror or kv_events):
+            parts.exchange = _tp_exchange(parts)
         if mirror or kv_events:  # one engine's: its own token, even where another has the same engine_id
             parts.channel_token = report_channel.new_token()
             parts.channel_key = report_channel.channel_key(*parts.channel_base, parts.channel_token)
@@ -327,6 +357,26 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
              ns.fingerprint, json.dumps(ns.to_dict()), parts._groups[0].g3 is not None,
              parts._groups[0].g4 is not None, kv_events)
     return parts
+
+
+def _tp_exchange(parts: ConnectorParts) -> report_channel.TpReportExchange:
+    """The scheduler's exchange of G3 reports with the other TP ranks' schedulers (``external_launcher``, TP > 1:
+    :class:`~.report_channel.TpReportExchange`). The mirror's wait for the first snapshots ends on every rank at
+    the same step (the exchange agrees it), never by this process's clock alone. Raises RuntimeError when this
+    process has no vLLM TP group (the scheduler could see only its own rank's G3 blocks)."""
+    from vllm.distributed.parallel_state import get_tp_group
+    try:
+        group = get_tp_group()
+    except Exception as e:  # noqa: BLE001 - vLLM's assertion when the model-parallel state is not set up
+        raise RuntimeError("kvbm_backend: distributed_executor_backend 'external_launcher' with TP > 1 needs vLLM's "
+                           f"TP group in the scheduler's process (to share the ranks' G3 reports): {e}") from e
+    parts.rank = int(group.rank_in_group)  # this process's TP rank (its worker's reports in the step output)
+    sched = parts.scheduler_role()
+    wait_s, sched.mirror_wait_s = sched.mirror_wait_s, float("inf")
+
+    def wait_over() -> None:
+        sched.mirror_wait_s = 0.0
+    return report_channel.TpReportExchange(group, parts._apply_g3_report, wait_s, wait_over)
 
 
 def revoked_tenants(groups: list[TierGroup], scheduler: bool) -> RevokedTenants | None:
