@@ -97,6 +97,21 @@ revoked key only until its next keyring check (``reload_interval_s`` <= 300 s, p
 and the window is on the block's mtime, so any later pass finds a late write. Loads never delete such a block
 (a reader's keyring may be another fleet's copy: ``miss_no_key``).
 
+**Impossible sizes.** An object at a block name whose size cannot be a block of its namespace (:mod:`.gc_sizes`:
+not the one frame size the namespace's ``namespace.json`` gives; without that file, negative or over 1 GiB), by
+its listing and by a look at the object itself (S3 HEAD, ``stat``), is no block: counted ``invalid_size``, never
+in ``scanned_*`` nor in a capacity total. Where its namespace's size is known it is junk no reader serves, deleted
+on every pass (``deleted_by["invalid_size"]``, a key there only when there are; the bytes it states; a dry run
+deletes nothing); else it is kept (a ``warnings`` line). Sizes are judged only where they count: an object the
+pass deletes anyway (revoked, age) is deleted for that reason, at its listed size, as before. A repeated listing entry of a kept block stating an impossible size is ignored. Before
+2026-12-03 the listed size counted as it came: a block-named file truncated to 1 TiB (sparse: 4 KiB on disk) or an
+S3 listing stating a block at 1 TiB or a negative size made a capacity pass delete every good block. The capacity
+total is of the blocks' sizes (a file's ``st_size``, not the space it takes: a block is written whole, and a
+sparse or compressed file of a block's size is counted as the block it is, a sparse one of another size is junk).
+Keys an S3 listing names outside the store's prefix (a server or proxy that ignores ``Prefix``) are skipped by the
+store and counted ``outside_prefix``; a listing that loops (a continuation token handed out again) ends as an
+``unlisted`` error (:mod:`.s3_list`).
+
 **Announcements** (``{ns}/announce/``, :mod:`.announce`): a batch at least ``announce_ttl_s`` old by its
 mtime on the store's clock is deleted, as an announcing worker would (a batch sealed earlier than its mtime is
 older still for pollers: gc, which does not open batches, deletes it no sooner than they); so is any object
@@ -123,6 +138,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader
 from .announce import ANNOUNCE_DIR, batch_prefix, parse_batch_name
+from .gc_sizes import BlockSizes
 from .naming import parse_block_name
 from .store import ObjectInfo, ObjectStore, listing
 from .throttle import call_attempts
@@ -262,7 +278,10 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         (:func:`own_temp`; never deleted); ``listed_duplicates``: listing entries naming a block a capacity
         target keeps that was listed already (module doc, "Repeated listings"; each block counts once);
         ``changed_since_listed``: listed objects not deleted because by the delete their name was gone or held
-        another object (module doc, "Deleting what was listed").
+        another object (module doc, "Deleting what was listed"); ``invalid_size``: objects at block names whose size
+        cannot be a block's (module doc, "Impossible sizes"; deleted as ``deleted_by["invalid_size"]``, a key
+        there only when there are, where the namespace's block size is known, else kept); ``outside_prefix``: keys an S3 listing named outside the
+        store's prefix, skipped (:mod:`.s3_list`).
     Raises:
         ValueError when ``tenant`` cannot be resolved or a threshold or ``now`` is negative, infinite or NaN
         (before anything is listed or deleted); StoreUnavailable when the store is down.
@@ -288,10 +307,11 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     skew = store_now - now
     unlisted: list[str] = []  # parts of the store not listed (errors, named)
     res: dict[str, Any] = {"dry_run": dry_run, "url": store.url, "scanned_objects": 0, "scanned_bytes": 0,
-           "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0, "announce": 0}, "deleted_objects": 0,
-           "deleted_bytes": 0, "errors": 0, "unlisted": unlisted, "store_now": store_now, "time_base": base,
+           "deleted_by": {"revoked": 0, "age": 0, "capacity": 0, "temp": 0, "announce": 0},
+           "deleted_objects": 0, "deleted_bytes": 0, "errors": 0, "unlisted": unlisted, "store_now": store_now, "time_base": base,
            "clock_skew_s": skew, "future_objects": 0, "headers_read": 0, "pruned_dirs": 0, "nested_blocks": 0,
-           "nested_temps": 0, "listed_duplicates": 0, "changed_since_listed": 0, "revoked_kept": 0}
+           "nested_temps": 0, "listed_duplicates": 0, "changed_since_listed": 0, "revoked_kept": 0,
+           "invalid_size": 0, "outside_prefix": 0}
     warnings = res["warnings"] = [warning] if warning is not None else []
     if stated is not None and probed is not None and abs(stated - probed) > CLOCK_AGREE_S:
         warnings.append(f"the store's stated time (S3 Date header) is {stated - probed:+.0f} s from the mtime of a "
@@ -342,7 +362,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
                 return
             if "/" in name:
                 emptied.add(name.rsplit("/", 1)[0] + "/")
-        res["deleted_by"][why] += 1
+        res["deleted_by"][why] = res["deleted_by"].get(why, 0) + 1  # "invalid_size" only when there are
         res["deleted_objects"] += 1
         res["deleted_bytes"] += size
 
@@ -351,12 +371,15 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     # pass keeps nothing per object.
     keep: dict[str, tuple[float, int, str, str | None]] = {}
     block_bytes = 0  # deleted block bytes (not temp files): remaining_bytes
+    sizes, invalid_kept = BlockSizes(store, THROTTLE_ATTEMPTS), 0  # module doc, "Impossible sizes"
+    outside = getattr(store, "listed_outside_prefix", 0)  # S3 listings: keys outside the prefix, skipped
     for o in listing(store.list_patient("", THROTTLE_ATTEMPTS), unlisted):
         seen = keep.get(o.name)
         if seen is not None:  # listed again (a repeated page): one block, counted once, its latest entry kept
             res["listed_duplicates"] += 1
-            res["scanned_bytes"] += o.size - seen[1]
-            keep[o.name] = (o.mtime, o.size, o.name, o.version)
+            if sizes.possible(o.name[:16], o.size):  # else the earlier entry stands (a lie about a block's size)
+                res["scanned_bytes"] += o.size - seen[1]
+                keep[o.name] = (o.mtime, o.size, o.name, o.version)
             continue
         meta = parse_block_name(o.name)
         if meta is None and parse_block_name(o.name, nested=True) is not None:
@@ -388,12 +411,24 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         why = ("revoked" if gone
                else "age" if max_age_s is not None and (max_age_s == 0 or store_now - o.mtime >= max_age_s)
                else None)
-        if why is not None:
+        if why is not None:  # whatever its size (module doc, "Impossible sizes")
             before = res["deleted_bytes"]
             drop(o.name, o.size, why, o)
             block_bytes += res["deleted_bytes"] - before
-        elif target_bytes is not None:
-            keep[o.name] = (o.mtime, o.size, o.name, o.version)
+            continue
+        verdict, judged = sizes.judge(o, meta["ns"])
+        if verdict != "block":  # no block: out of scanned_*, never in a capacity total
+            res["scanned_objects"] -= 1
+            res["scanned_bytes"] -= o.size
+            res["future_objects"] -= o.mtime > store_now
+            res["invalid_size"] += verdict != "gone"
+            invalid_kept += verdict == "kept"
+            if verdict == "junk":
+                drop(o.name, max(judged.size, 0), "invalid_size", judged)
+            continue
+        res["scanned_bytes"] += judged.size - o.size  # a listing's misstated size: what the object holds
+        if target_bytes is not None:
+            keep[o.name] = (judged.mtime, judged.size, o.name, judged.version)
     if target_bytes is not None:
         oldest = list(keep.values())  # the dict's tuples, not copies
         keep.clear()
@@ -408,6 +443,11 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             total -= size
     # blocks only, as scanned_bytes: before 2026-11-29 the temp files' bytes were subtracted too (negative)
     res["remaining_bytes"] = res["scanned_bytes"] - block_bytes
+    res["outside_prefix"] = getattr(store, "listed_outside_prefix", 0) - outside
+    if invalid_kept:
+        warnings.append(f"{invalid_kept} object(s) at block names of an impossible size (negative, or over 1 GiB) "
+                        "kept: their namespace's namespace.json is missing or unreadable, so gc knows no block "
+                        "size to tell junk by; not counted toward --target-gb (module doc, \"Impossible sizes\")")
     for o in listing(store.list_temps(""), unlisted):
         if not own_temp(o.name):
             res["nested_temps"] += 1  # another store's writer below this one's root: never ours to delete

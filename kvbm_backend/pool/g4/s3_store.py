@@ -91,8 +91,8 @@ from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, Inc
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ...store_url import redact_url, redact_urls
-from .throttle import call_attempts
 from .s3_full import full_error, may_have_landed
+from .s3_list import list_pages
 from .store import BucketMissing, ObjectInfo, ObjectStore, PutUnsettled, StoreThrottled, StoreUnavailable, byte_view
 
 if TYPE_CHECKING:
@@ -158,6 +158,7 @@ class S3Store(ObjectStore):
         self.supports_conditional_put = True
         self.supports_conditional_delete = True  # DELETE with If-Match (False for a while once answered 501)
         self._cond_delete_retry_at = 0.0  # time.monotonic() from which a DELETE with If-Match is tried again
+        self.listed_outside_prefix = 0  # listed keys outside the prefix asked for, skipped (:mod:`.s3_list`)
         self._mu = threading.Lock()
 
     @classmethod
@@ -423,27 +424,9 @@ class S3Store(ObjectStore):
         return self.list_patient(prefix, attempts=1)  # a throttled page: StoreThrottled at once
 
     def list_patient(self, prefix: str = "", attempts: int = 10) -> Iterator[ObjectInfo]:
-        base = f"{self.prefix}/" if self.prefix else ""
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base + prefix}
-
-        def page_once() -> Any:
-            return self._call("list", prefix, lambda _r: self.client.list_objects_v2(**kw))
-        try:
-            while True:  # one LIST page per request (ListObjectsV2 continuation tokens), each retried like any call
-                page = call_attempts(page_once, attempts)  # a throttled page: again after a backoff
-                for o in page.get("Contents", []):
-                    yield ObjectInfo(o["Key"][len(base):], int(o["Size"]), o["LastModified"].timestamp(),
-                                     o.get("ETag") or None)
-                if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
-                    break
-                kw["ContinuationToken"] = page["NextContinuationToken"]
-        except ClientError as e:
-            code, status = _code(e)
-            if code == "NoSuchBucket":
-                raise OSError(f"list {self.url}: bucket {self.bucket!r} does not exist") from None
-            raise self._err("list", prefix, e) from None
-        except BotoCoreError as e:
-            raise self._unavailable("list", prefix, e) from None
+        """ListObjectsV2 pages (:func:`.s3_list.list_pages`: keys outside the prefix skipped, a repeated
+        continuation token :class:`~.store.ListIncomplete`), each throttled page tried ``attempts`` times."""
+        return list_pages(self, prefix, attempts)
 
     def _bucket_missing(self) -> BucketMissing:
         where = f" at {redact_url(self.endpoint_url)}" if self.endpoint_url else ""

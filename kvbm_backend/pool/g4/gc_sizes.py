@@ -1,0 +1,85 @@
+"""Which sizes an object at a G4 block name can have (:func:`.gc.run_gc`): one whose size cannot be a block of its
+namespace is no block. It never counts toward a capacity target, so no good block is deleted because of it.
+
+A G4 block object is one frame, unpadded: ``HEADER_BYTES`` (4096) + the namespace layout's ``bytes_per_block``
+(docs/format.md "Frame"; encrypted frames store the ciphertext without its tag, the tag is in the header), and
+every reader refuses any other length (``exact``). The block name's first component is the namespace fingerprint,
+and ``{ns}/namespace.json`` (written by the namespace's first worker) holds the namespace: when it parses and its
+fingerprint is the name's, that one size is the only one a block there can have (:meth:`BlockSizes.judge`: an
+object of another size is junk, never served: gc deletes it). Without such a file (missing, unreadable,
+another namespace's) gc knows no layout: only a negative size, or one over :data:`MAX_FRAME_BYTES` (the frame of
+the largest payload ``g4 migrate`` reads, 1 GiB: no published layout's KV block is near it), is impossible, and
+such an object is kept (a layout gc does not know might be that large) and left out of the capacity total.
+
+A listed size is checked against the object itself before anything is decided (S3: a HEAD, file stores:
+``stat``): an S3 listing that states a wrong ``Size`` for a good block leaves that block a block, at its true
+size. Before 2026-12-03 the listed size was taken as it came: a block-named file ``truncate``'d to 1 TiB (sparse:
+4 KiB on disk), or an S3 listing stating one block at 1 TiB or at a negative size, made a capacity pass delete
+every good block of the store (a negative one made the total grow as blocks were deleted).
+"""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from ...model.frame import HEADER_BYTES
+from ...model.namespace import Namespace
+from .naming import NAMESPACE_JSON_MAX, namespace_name
+from .store import ObjectInfo, ObjectStore
+from .throttle import call_attempts
+
+MAX_FRAME_BYTES = HEADER_BYTES + (1 << 30)  # larger objects are no block of a layout gc does not know (module doc)
+Verdict = Literal["block", "junk", "kept", "gone"]
+
+
+class BlockSizes:
+    """The block sizes of each namespace of ``store`` (its ``namespace.json``, read once per pass and namespace;
+    a read throttled ``attempts`` times, or failing, counts as no file)."""
+
+    def __init__(self, store: ObjectStore, attempts: int):
+        self._store, self._attempts = store, attempts
+        self._exact: dict[str, int | None] = {}  # namespace fingerprint -> its frame size (None: not known)
+
+    def exact(self, ns: str) -> int | None:
+        """The one size (bytes) a block of namespace ``ns`` (16 hex) has, or None when the store does not say."""
+        if ns not in self._exact:
+            self._exact[ns] = self._read(ns)
+        return self._exact[ns]
+
+    def _read(self, ns: str) -> int | None:
+        try:
+            body = call_attempts(lambda: self._store.get(namespace_name(ns), 0, NAMESPACE_JSON_MAX + 1),
+                                 self._attempts)
+            if body is None or len(body) > NAMESPACE_JSON_MAX:
+                return None
+            doc = json.loads(bytes(body))
+            doc.pop("g4", None)  # the store's fan-out: not in the fingerprint
+            namespace = Namespace.from_dict(doc)
+        except Exception:  # noqa: BLE001 - unreadable, not JSON, not a namespace: no layout known
+            return None
+        return HEADER_BYTES + namespace.layout.bytes_per_block if namespace.fingerprint == ns else None
+
+    def possible(self, ns: str, size: int) -> bool:
+        """Whether an object of ``size`` bytes at a block name of namespace ``ns`` can be a block (module doc)."""
+        exact = self.exact(ns)
+        return size == exact if exact is not None else 0 <= size <= MAX_FRAME_BYTES
+
+    def judge(self, o: ObjectInfo, ns: str) -> tuple[Verdict, ObjectInfo]:
+        """What listed object ``o`` (at a block name of namespace ``ns``) is: ``("block", o)`` when its listed size
+        is possible; else, after a look at the object itself (:meth:`~.store.ObjectStore.stat`, throttled answers
+        tried again): ``("block", what stat says)`` when the listing misstated a possible size, ``("junk", o)`` (its
+        size is impossible in a namespace whose size is known: delete it), ``("kept", o)`` (impossible, layout not
+        known: keep it, it is no block) or ``("gone", o)`` (deleted since listed). A stat that fails: ``kept``."""
+        if self.possible(ns, o.size):
+            return "block", o
+        try:
+            now = call_attempts(lambda: self._store.stat(o.name), self._attempts)
+        except OSError:
+            return "kept", o
+        if now is None:
+            return "gone", o
+        # a store whose stat states no mtime (0.0) or version keeps the listed ones (never an ancient mtime)
+        now = ObjectInfo(o.name, now.size, now.mtime or o.mtime, now.version if now.version is not None else o.version)
+        if self.possible(ns, now.size):
+            return "block", now
+        return ("junk" if self.exact(ns) is not None else "kept"), now

@@ -1,0 +1,81 @@
+"""Listing an S3 store (:meth:`.s3_store.S3Store.list_patient`): ListObjectsV2 pages, one request each, a throttled
+page retried after a backoff (:func:`.throttle.call_attempts`). What a server or proxy that does not keep to the
+protocol answers is never taken as this store's objects:
+
+* A key outside the listed prefix (``{store prefix}/{prefix}``: a server, gateway or proxy that ignores ``Prefix``)
+  is skipped, never cut into a name: each counts in :attr:`.s3_store.S3Store.listed_outside_prefix` (gc's
+  ``outside_prefix``) and one WARNING per listing names how many. Before 2026-12-03 the store's prefix length was
+  cut off any key: another prefix's objects became this store's block names (their bytes counted toward gc's
+  capacity target, so gc deleted this store's good blocks down to it).
+* A continuation token the listing was handed before (a server that answers a token with itself, or a cycle of
+  tokens), and a page marked truncated that hands out no token, end the listing with
+  :class:`~.store.ListIncomplete` once every object listed so far was yielded (gc: an ``unlisted`` line and an
+  error; it acts only on what was listed). Before 2026-12-03 a repeated token listed the same page for ever (gc
+  hung) and a truncated page without a token ended the listing silently.
+
+Sizes are passed on as the server states them (gc judges impossible ones: :mod:`.gc_sizes`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Iterator
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from .store import ListIncomplete, ObjectInfo
+from .throttle import call_attempts
+
+if TYPE_CHECKING:
+    from .s3_store import S3Store
+
+log = logging.getLogger(__name__)
+
+
+def list_pages(store: S3Store, prefix: str, attempts: int) -> Iterator[ObjectInfo]:
+    """The objects of ``store`` whose name starts with ``prefix`` (store-relative names), page by page; a page
+    the store throttles is tried up to ``attempts`` times. Raises StoreUnavailable, StoreThrottled, an OSError
+    naming a missing bucket or the server's answer, and :class:`~.store.ListIncomplete` at the end (module doc)."""
+    from .s3_store import _code  # the store module imports this one
+
+    base = f"{store.prefix}/" if store.prefix else ""
+    want = base + prefix
+    kw: dict[str, Any] = {"Bucket": store.bucket, "Prefix": want}
+    tokens: set[str] = set()  # handed out so far: one seen again is a loop
+    outside = 0
+
+    def page_once() -> Any:
+        return store._call("list", prefix, lambda _r: store.client.list_objects_v2(**kw))
+    try:
+        while True:
+            page = call_attempts(page_once, attempts)
+            for o in page.get("Contents", []):
+                key = str(o["Key"])
+                if not key.startswith(want):  # a server ignoring Prefix: another prefix's object, never ours
+                    outside += 1
+                    continue
+                yield ObjectInfo(key[len(base):], int(o["Size"]), o["LastModified"].timestamp(),
+                                 o.get("ETag") or None)
+            if not page.get("IsTruncated"):
+                break
+            token = page.get("NextContinuationToken")
+            if not token or token in tokens:
+                why = ("a page marked truncated handed out no continuation token" if not token else
+                       f"the server handed out continuation token {str(token)[:40]!r} again (a loop)")
+                raise ListIncomplete(store.url, [f"cannot list {store.url}/{prefix}: {why}; the rest of the "
+                                                 "listing was not read"])
+            tokens.add(token)
+            kw["ContinuationToken"] = token
+    except ClientError as e:
+        code, _status = _code(e)
+        if code == "NoSuchBucket":
+            raise OSError(f"list {store.url}: bucket {store.bucket!r} does not exist") from None
+        raise store._err("list", prefix, e) from None
+    except BotoCoreError as e:
+        raise store._unavailable("list", prefix, e) from None
+    finally:
+        if outside:
+            with store._mu:
+                store.listed_outside_prefix += outside
+            log.warning("list %s/%s: skipped %d key(s) outside the prefix %r the listing asked for: the server or a "
+                        "proxy in front of it ignores Prefix (docs/format.md, \"gc and listings\")", store.url,
+                        prefix, outside, want)

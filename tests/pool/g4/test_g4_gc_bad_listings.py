@@ -1,0 +1,256 @@
+"""gc's capacity pass against objects and listings that lie about sizes and names (review of 2026-12-03: can a bad
+server or a bad object make gc delete good G4 blocks?).
+
+1. An object at a block name of an impossible size: a block-named file ``truncate``'d to 1 TiB (sparse), an S3
+   listing stating a block's ``Size`` as 1 TiB or negative. Before, the listed sizes were summed as they came and
+   the capacity pass deleted the oldest blocks until the total was under the target: every good block went. Now
+   such an object is no block (``invalid_size``): junk deleted where its namespace's block size is known
+   (``namespace.json``), kept and left out of the total where it is not, and a listing that misstated a good
+   block's size is corrected by a HEAD.
+2. An S3 server or proxy that ignores ``Prefix``: another prefix's keys were cut into this store's block names
+   (their bytes counted toward the target). Now they are skipped and counted (``outside_prefix``).
+3. A server that hands out the same continuation token again: the listing looped for ever (gc hung). Now it ends
+   with ``ListIncomplete`` (an ``unlisted`` line and an error); a truncated page without a token too.
+
+Real file stores, real SeaweedFS behind a real loopback proxy that rewrites ListObjectsV2 answers.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from urllib.parse import parse_qs, urlsplit
+
+from kvbm_backend.model.frame import HEADER_BYTES
+from kvbm_backend.pool.g4.fs_store import FsStore
+from kvbm_backend.pool.g4.gc import run_gc
+from kvbm_backend.pool.g4.naming import namespace_doc, namespace_name
+from kvbm_backend.pool.g4.s3_store import S3Store
+from tests.helpers.lying_proxy import QuietHandler, reply, serve, stop, upstream
+from tests.helpers.pools import tiny_ns
+
+FAKE_NS, TEN = "0123456789abcdef", "ab" * 16  # FAKE_NS: no namespace.json (no block size known)
+SIZE = 1000
+T0 = 1_700_000_000.0  # block i's mtime: T0 + i (block 0 oldest)
+TIB = 1 << 40
+HANG_GUARD_S = 120.0  # a pass that has not returned by then is hung (only a guard: passes take seconds)
+
+
+def _name(i: int, ns: str = FAKE_NS) -> str:
+    return f"{ns}/{TEN}/0/00/{i:032x}"  # name order is age order (S3 LastModified ties)
+
+
+def _fill(root, n: int, size: int = SIZE, ns: str = FAKE_NS) -> FsStore:
+    st = FsStore(root, fsync=False)
+    for i in range(n):
+        assert st.put_if_absent(_name(i, ns), b"x" * size)
+        os.utime(root / _name(i, ns), (T0 + i, T0 + i))
+    return st
+
+
+def _left(st) -> list[str]:
+    return sorted(o.name for o in st.list("") if not o.name.endswith("namespace.json"))
+
+
+def test_a_sparse_1_tib_file_at_a_block_name_deletes_no_good_block(tmp_path):
+    """The review's repro: 10 blocks of 1,000 B and one block-named file truncated to 1 TiB (4 KiB on disk), a
+    target of 20,000 B. Before: all 11 deleted. Its namespace has no namespace.json: gc cannot tell its size is
+    wrong for the layout, only that it is over any frame: kept, not counted, a warnings line."""
+    root = tmp_path / "store"
+    st = _fill(root, 10)
+    big = root / _name(99)
+    big.parent.mkdir(parents=True, exist_ok=True)
+    with open(big, "wb") as f:
+        os.truncate(f.fileno(), TIB)
+    os.utime(big, (T0 + 50, T0 + 50))  # the newest object: before, every good block was deleted ahead of it
+    res = run_gc(st, target_bytes=20_000, now=T0 + 100)
+    assert _left(st) == sorted([_name(i) for i in range(10)] + [_name(99)]), res
+    assert res["deleted_objects"] == 0 and res["invalid_size"] == 1, res
+    assert (res["scanned_objects"], res["scanned_bytes"], res["remaining_bytes"]) == (10, 10 * SIZE, 10 * SIZE), res
+    assert any("impossible size" in w for w in res.get("warnings", [])), res
+    res = run_gc(st, target_bytes=8 * SIZE, now=T0 + 100)  # the target still works on the good blocks
+    assert _left(st) == sorted([_name(i) for i in range(2, 10)] + [_name(99)]), res
+    assert res["deleted_by"]["capacity"] == 2 and res["invalid_size"] == 1, res
+
+
+def test_objects_of_another_size_than_the_namespaces_blocks_are_junk(tmp_path):
+    """With the namespace's namespace.json (a real namespace: 8 KiB blocks, frames of 4096 + 8192 B), a block-named
+    object of any other size is junk no reader serves: deleted (``deleted_by["invalid_size"]``), never counted
+    toward the target. Before: the 1 TiB file made the pass delete every good block."""
+    ns = tiny_ns()
+    frame = HEADER_BYTES + ns.layout.bytes_per_block
+    root = tmp_path / "store"
+    st = _fill(root, 10, frame, ns.fingerprint)
+    assert st.put_if_absent(namespace_name(ns.fingerprint), namespace_doc(ns, 256))
+    with open(root / _name(98, ns.fingerprint), "wb") as f:
+        os.truncate(f.fileno(), TIB)
+    assert st.put_if_absent(_name(97, ns.fingerprint), b"y" * (frame - 1))  # a short one: junk too
+    res = run_gc(st, target_bytes=9 * frame, now=T0 + 100)
+    assert _left(st) == sorted(_name(i, ns.fingerprint) for i in range(1, 10)), res
+    assert res["deleted_by"]["invalid_size"] == 2 and res["invalid_size"] == 2, res
+    assert res["deleted_by"]["capacity"] == 1 and res["remaining_bytes"] == 9 * frame, res
+    assert "warnings" not in res, res
+
+
+class _ListProxy:
+    """A loopback HTTP proxy in front of a real S3 server; ListObjectsV2 answers are rewritten, everything else
+    passes unchanged:
+
+    * ``sizes[key] = "..."``: the ``<Size>`` the listing states for that key;
+    * ``inject[prefix_a] = prefix_b``: a listing of ``prefix_a`` also names the objects a listing of ``prefix_b``
+      named through this proxy before (a server that ignores ``Prefix``);
+    * ``loop = True``: every answer is marked truncated with the continuation token ``kvbm-loop``, and a request
+      for that token is answered with the previous page again (never reaching the server);
+    * ``no_token = True``: every answer is marked truncated and hands out no token."""
+
+    def __init__(self, host: str, port: int):
+        target, proxy = (host, port), self
+        self.sizes: dict[str, str] = {}
+        self.inject: dict[str, str] = {}
+        self.loop = self.no_token = False
+        self.looped = 0
+        self._seen: dict[str, list[str]] = {}  # prefix -> <Contents> elements a listing of it named
+        self._last = b""
+
+        class Handler(QuietHandler):
+            def _forward(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                query = parse_qs(urlsplit(self.path).query)
+                if self.command != "GET" or query.get("list-type") != ["2"]:
+                    status, hdrs, data, length = upstream(self, target, self.rfile.read(n) if n else None)
+                    reply(self, status, hdrs, data, length)
+                    return
+                if proxy.loop and query.get("continuation-token") == ["kvbm-loop"]:
+                    proxy.looped += 1
+                    reply(self, 200, [("Content-Type", "application/xml")], proxy._last, str(len(proxy._last)))
+                    return
+                status, hdrs, data, length = upstream(self, target, None)
+                if status == 200:
+                    data = proxy._rewrite((query.get("prefix") or [""])[0], data.decode()).encode()
+                reply(self, status, hdrs, data, str(len(data)))
+
+            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
+
+        self._srv, port = serve(Handler)
+        self.endpoint = f"http://127.0.0.1:{port}"
+
+    def _rewrite(self, prefix: str, xml: str) -> str:
+        contents = re.findall(r"<Contents>.*?</Contents>", xml, re.S)
+        self._seen.setdefault(prefix, []).extend(contents)
+        for c in contents:
+            key = re.search(r"<Key>(.*?)</Key>", c, re.S).group(1)
+            if key in self.sizes:
+                xml = xml.replace(c, re.sub(r"<Size>.*?</Size>", f"<Size>{self.sizes[key]}</Size>", c))
+        if prefix in self.inject:
+            extra = "".join(self._seen.get(self.inject[prefix], []))
+            xml = re.sub(r"(</ListBucketResult>)", lambda m: extra + m.group(1), xml)
+        if self.loop or self.no_token:
+            xml = re.sub(r"<IsTruncated>.*?</IsTruncated>", "<IsTruncated>true</IsTruncated>", xml)
+            xml = re.sub(r"<NextContinuationToken>.*?</NextContinuationToken>", "", xml)
+            if self.loop:
+                xml = xml.replace("</IsTruncated>", "</IsTruncated><NextContinuationToken>kvbm-loop"
+                                  "</NextContinuationToken>")
+        self._last = xml.encode()
+        return xml
+
+    def close(self) -> None:
+        stop(self._srv)
+
+
+def _s3(seaweed, prefix: str):
+    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = _ListProxy(host, int(port))
+    return proxy, S3Store(seaweed.bucket, prefix, endpoint_url=proxy.endpoint, timeout_s=30.0)
+
+
+def _gc_guarded(st, **kw):
+    """run_gc in a thread, joined at most :data:`HANG_GUARD_S` (a hang guard): the result, or None when hung."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(run_gc(st, **kw)), daemon=True)
+    t.start()
+    t.join(HANG_GUARD_S)
+    return out[0] if out else None
+
+
+def test_an_s3_listing_stating_wrong_sizes_deletes_only_down_to_the_target(seaweed, s3_prefix):
+    """SeaweedFS behind a proxy whose listing states the newest good block at 1 TiB and another at -1,000 B, plus a
+    real object of the wrong size in a namespace whose namespace.json is there. The lied-about blocks are HEADed
+    (their true size counts), the wrong-size object is deleted as junk, and exactly the oldest block goes to reach a
+    target of 9 blocks. Before: every block was deleted."""
+    ns = tiny_ns("test/bad-sizes")
+    frame = HEADER_BYTES + ns.layout.bytes_per_block
+    proxy, st = _s3(seaweed, s3_prefix)
+    try:
+        assert st.put_if_absent(namespace_name(ns.fingerprint), namespace_doc(ns, 256))
+        for i in range(10):
+            assert st.put_if_absent(_name(i, ns.fingerprint), b"x" * frame)
+        assert st.put_if_absent(_name(50, ns.fingerprint), b"j" * 5000)  # junk: not a frame of this namespace
+        proxy.sizes[f"{s3_prefix}/{_name(9, ns.fingerprint)}"] = str(TIB)
+        proxy.sizes[f"{s3_prefix}/{_name(5, ns.fingerprint)}"] = "-1000"
+        sizes = {o.name: o.size for o in st.list("")}
+        assert (sizes[_name(9, ns.fingerprint)], sizes[_name(5, ns.fingerprint)]) == (TIB, -1000)  # the lie
+        res = run_gc(st, target_bytes=9 * frame)
+        assert _left(st) == sorted(_name(i, ns.fingerprint) for i in range(1, 10)), res
+        assert res["deleted_by"]["capacity"] == 1 and res["deleted_by"]["invalid_size"] == 1, res
+        assert (res["invalid_size"], res["scanned_objects"], res["remaining_bytes"]) == (1, 10, 9 * frame), res
+        assert res["errors"] == 0, res
+    finally:
+        st.close()
+        proxy.close()
+
+
+def test_an_s3_server_ignoring_prefix_never_turns_another_prefixs_objects_into_blocks(seaweed, s3_prefix):
+    """Two stores on prefixes of one length (``...a``, ``...b``), 10 blocks each (b's newer); the proxy's listing of
+    a names b's objects too (a server ignoring Prefix). Before: b's keys, cut at a's prefix length, were a's block
+    names, the total was twice the target and gc deleted all 10 of a's good blocks. Now: skipped, counted."""
+    proxy, a = _s3(seaweed, s3_prefix + "a")
+    b = S3Store(seaweed.bucket, s3_prefix + "b", endpoint_url=proxy.endpoint, timeout_s=30.0)
+    try:
+        for st, first in ((a, 0), (b, 100)):
+            for i in range(first, first + 10):
+                assert st.put_if_absent(_name(i), b"x" * SIZE)
+        assert len(list(b.list(""))) == 10  # the proxy has seen b's listing
+        proxy.inject[f"{s3_prefix}a/"] = f"{s3_prefix}b/"
+        res = run_gc(a, target_bytes=10 * SIZE)
+        assert _left(a) == sorted(_name(i) for i in range(10)), res
+        assert _left(b) == sorted(_name(i) for i in range(100, 110)), res
+        assert res["outside_prefix"] == 10 and res["deleted_objects"] == 0, res
+        assert (res["scanned_objects"], res["scanned_bytes"]) == (10, 10 * SIZE), res
+    finally:
+        a.close()
+        b.close()
+        proxy.close()
+
+
+def test_an_s3_server_repeating_a_continuation_token_ends_the_listing_as_incomplete(seaweed, s3_prefix):
+    """Every page marked truncated with the token ``kvbm-loop``, which the proxy answers with the page again. Before:
+    gc listed the page for ever (hung). Now: one ``unlisted`` line and an error; what was listed is acted on."""
+    proxy, st = _s3(seaweed, s3_prefix)
+    try:
+        for i in range(10):
+            assert st.put_if_absent(_name(i), b"x" * SIZE)
+        proxy.loop = True
+        res = _gc_guarded(st, target_bytes=8 * SIZE)
+        assert res is not None, f"gc hung: the proxy answered the repeated token {proxy.looped} times"
+        assert res["errors"] == 1 and len(res["unlisted"]) == 1 and "again" in res["unlisted"][0], res
+        assert proxy.looped == 1, proxy.looped  # asked for once, handed out again: not asked for again
+        proxy.loop = False
+        assert _left(st) == sorted(_name(i) for i in range(2, 10)), res  # every block was listed: the target holds
+    finally:
+        st.close()
+        proxy.close()
+
+
+def test_an_s3_page_marked_truncated_without_a_token_is_an_incomplete_listing(seaweed, s3_prefix):
+    """A page marked truncated that hands out no continuation token: before, the listing ended silently (gc reported
+    success over a partial listing). Now: an ``unlisted`` line and an error."""
+    proxy, st = _s3(seaweed, s3_prefix)
+    try:
+        assert st.put_if_absent(_name(0), b"x" * SIZE)
+        proxy.no_token = True
+        res = _gc_guarded(st, max_age_s=10 ** 6)
+        assert res is not None and res["errors"] == 1 and "no continuation token" in res["unlisted"][0], res
+        assert res["deleted_objects"] == 0 and res["scanned_objects"] == 1, res
+    finally:
+        st.close()
+        proxy.close()
