@@ -147,7 +147,7 @@ if TYPE_CHECKING:
     from ...crypto.keyring import Keyring
 
 ANNOUNCE_TTL_S = 3600.0  # g4.announce_ttl_s's default: the age gc deletes announcement batches at
-CLOCK_PROBE_PREFIX = "gc-clock-probe/"  # probe objects of store_clock (never block names)
+CLOCK_PROBE_PREFIX = "gc-clock-probe/"  # probe objects of probe_clock (never block names)
 THROTTLE_ATTEMPTS = 10  # a LIST page or DELETE the store throttles ("slow down"): tries, backoff between
 LATE_WRITE_S = 3600.0  # a re-created tenant's blocks up to revoked_at + this: frame header read (module doc)
 PROBE_STALE_S = 86400.0  # a probe object this old (a crashed gc's or announce poller's) is removed
@@ -158,7 +158,7 @@ def own_temp(name: str) -> bool:
     """Whether the writer temp file ``name`` (store-relative) lies in a directory this store's own writers write
     to: ``{ns}/`` (namespace.json), ``{ns}/announce/{tenant}/`` (announcements), ``{ns}/{tenant}/{rank}/{fan}/``
     (blocks: the five-component rule of :func:`.naming.parse_block_name`) or ``gc-clock-probe/``
-    (:func:`store_clock`). A temp file deeper down, or elsewhere, is another store's (one nested below this
+    (:func:`probe_clock`). A temp file deeper down, or elsewhere, is another store's (one nested below this
     store's root): False."""
     d = name.split("/")[:-1]
     if len(d) == 1:
@@ -171,14 +171,6 @@ def own_temp(name: str) -> bool:
 
 def _hexn(s: str, n: int) -> bool:
     return len(s) == n and all(c in "0123456789abcdef" for c in s)
-
-
-def store_clock(store: ObjectStore) -> float | None:
-    """The store's clock now (epoch s): what it states (:meth:`~.store.ObjectStore.server_time`), else
-    :func:`probe_clock`; None when neither works (e.g. read-only). Never raises. (gc itself takes the earlier
-    of both: module doc, "Time base".)"""
-    t = store.server_time()
-    return t if t is not None else probe_clock(store)
 
 
 def probe_clock(store: ObjectStore) -> float | None:

@@ -266,7 +266,7 @@ class ObjectStore(ABC):
 
     def server_time(self) -> float | None:
         """The store's own clock now (epoch seconds), when it states one (S3: the ``Date`` header of a
-        HEAD bucket); None when it does not or cannot say (then ``gc`` probes it: :func:`.gc.store_clock`).
+        HEAD bucket); None when it does not or cannot say. ``gc`` probes the clock stamping objects too (:func:`.gc.probe_clock`).
         Never raises."""
         return None
 

@@ -124,8 +124,8 @@ def test_gc_remaining_bytes_counts_blocks_only(tmp_path):
 
 def test_gc_help_and_docs_state_the_time_base_the_code_uses():
     """Review finding: ``gc --help`` and docs/configuration.md still said the newest mtime listed sets the
-    time base (true before 2026-11-29); gc uses :func:`~kvbm_backend.pool.g4.gc.store_clock`: the store's
-    stated time, else a probe object's mtime, else this host's clock."""
+    time base (true before 2026-11-29); gc uses the earlier of the store's stated time and a probe object's
+    mtime (:func:`~kvbm_backend.pool.g4.gc.probe_clock`), else this host's clock."""
     from typer.testing import CliRunner
 
     from kvbm_backend.apps.cli import app
