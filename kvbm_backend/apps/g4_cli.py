@@ -50,8 +50,9 @@ def _report(res: dict, as_json: bool, cmd: str) -> None:
     line naming the store, its mount and why, then exit :data:`EXIT_STORE_FULL` (3); one stopped by the store
     becoming unavailable part way (``stopped_unavailable``) an error line naming the store, the error and how far
     it got, then exit :data:`EXIT_STORE_UNAVAILABLE` (4); one stopped by a store still answering "slow down" after
-    its backed-off retries (``stopped_throttled``) an error line naming the store, the error and how far it got, then
-    exit :data:`EXIT_STORE_THROTTLED` (5); else exit 1 when ``errors`` > 0 (the run went on with the rest)."""
+    its backed-off retries (``stopped_throttled``) an error line naming the store, the error and how far it got (a dry
+    run's: that nothing was written), then exit :data:`EXIT_STORE_THROTTLED` (5); else exit 1 when ``errors`` > 0 (the
+    run went on with the rest)."""
     _out(res, as_json)
     for w in res.get("warnings", []):
         console.print(Text.assemble(("warning:", "yellow"), f" {cmd}: {w}"), soft_wrap=True, highlight=False)
@@ -77,13 +78,18 @@ def _report(res: dict, as_json: bool, cmd: str) -> None:
         raise typer.Exit(EXIT_STORE_UNAVAILABLE)
     slow = res.get("stopped_throttled")
     if slow:
-        where = ("while listing: nothing renamed" if slow["phase"] == "list" else
-                 f"at {slow['at']}: {slow['renamed']} renamed before it, {slow['not_renamed']} left under their old "
-                 "names" + (" untouched" if slow["phase"] == "check" else
-                            " (the one it stopped at may have its copy under the new name already)"))
+        if res.get("dry_run"):  # wrote nothing: its counts are what a run would have done
+            where = ("while listing" if slow["phase"] == "list" else
+                     f"at {slow['at']}: {slow['renamed']} would be renamed before it, {slow['not_renamed']} from it "
+                     "on not checked") + " (a dry run: nothing written)"
+        else:
+            where = ("while listing: nothing renamed" if slow["phase"] == "list" else
+                     f"at {slow['at']}: {slow['renamed']} renamed before it, {slow['not_renamed']} left under their "
+                     "old names" + (" untouched" if slow["phase"] == "check" else
+                                    " (the one it stopped at may have its copy under the new name already)"))
         error_line(f"{cmd}: stopped: {slow['url']} still throttled (asked to slow down) after {slow['attempts']} "
-                   f"tries with backoff: {slow['error']}; {where}; run it again when the store's load is lower "
-                   "(it goes on with those left)")
+                   f"tries with backoff: {slow['error']}; {where}; run it again when the store's load is lower"
+                   + ("" if res.get("dry_run") else " (it goes on with those left)"))
         raise typer.Exit(EXIT_STORE_THROTTLED)
     if res["errors"]:
         raise typer.Exit(1)

@@ -22,7 +22,18 @@ The old object is deleted only while its name still holds the very bytes read an
 a re-read): one rewritten meanwhile (a worker of the old version, in a rolling upgrade, writing the block again
 under the old name after gc or a load dropped it) stays for the next run, counted ``changed_since_read`` (its copy
 counts ``migrated`` or ``already_present`` as usual). Before 2026-12-03 it was deleted by name: that new object went
-unread.
+unread. Where that delete fails and the listing gave the object a version (S3 its ETag, a file store its inode, mtime
+and size), it is sent again conditional on that version (:meth:`~.store.ObjectStore.delete_if_listed`); only when both
+fail is the source kept, counted ``changed_since_read``. S3 buckets whose ETags are not the MD5 of the bytes (SSE-KMS
+or SSE-C encryption, multipart uploads: ``"<md5 of the parts' md5s>-<n>"``) answer every ``If-Match`` MD5 with 412:
+before 2026-12-03 every such source stayed, on every run (the migration never completed, the old objects doubled the
+store). Safe: the listing came before the read, so an object written under the old name after it (what the first
+delete guards against) is never the listed one: S3 gives it a new ETag, a file store's writers link a new inode (and
+the failed quarantine swap of the first delete touched the mtime of the file it put back, so on a file store the second
+delete only goes where that touch was not permitted); the listed object still there at the delete is the one read,
+verified and published (or, on S3, a later one with the same ETag: the same bytes), and the new name holds a copy the
+workers serve either way. A store that lists no version (None: that delete would be by name) never gets the second
+delete.
 Reads are bounded: an object (and the copy under its new name) is read up to the frame its header names and one
 byte more (``skipped_invalid`` when longer), and a header naming a payload over :data:`MAX_FRAME_PAYLOAD_BYTES` is
 not read on; before 2026-12-02 each was read whole, so an object grown or planted to gigabytes at a block's name
@@ -123,7 +134,8 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
         dict: ``legacy_objects`` found, ``migrated``, ``already_present`` (the new name existed: the old
         object was deleted: it held a copy the workers serve), ``kept_name_taken`` (the new name held an
         object the workers would not serve: the old object was kept), ``changed_since_read`` (of those renamed or
-        already present: the old name held other bytes, or none, by the delete: left for the next run; module doc),
+        already present: the old name held neither the bytes read nor the object listed, or nothing, by the delete:
+        left for the next run; module doc),
         ``skipped_invalid`` (header does not match
         the name, the stored payload does not verify, or the object is longer than its frame), ``skipped_revoked``,
         ``skipped_unknown_tenant``, ``skipped_plaintext``, ``errors`` (a read that did not verify, the
@@ -277,7 +289,9 @@ def run_migrate(store: ObjectStore, *, keyring: Keyring | None = None, unkeyed: 
             if not created and not _serves(patient(store.get, new, 0, want), meta, keyring, encrypted):
                 res["kept_name_taken"] += 1  # the old object stays: the only good copy (module doc)
                 continue
-            if not patient(store.delete_if_matches, o.name, data, len(data)):  # only the very bytes read (doc)
+            # only the very bytes read; else (an ETag that is no MD5) only the very object listed: module doc
+            if not patient(store.delete_if_matches, o.name, data, len(data)) and not (
+                    o.version is not None and patient(store.delete_if_listed, o)):
                 res["changed_since_read"] += 1
         except StoreUnavailable as e:
             if not wrote:  # nothing written yet: a refused run (exit 2)
