@@ -42,7 +42,8 @@ SGLang's HiCache / Mooncake). With ``g4.announce`` each worker's scheduler-side 
 under (sealed key ``"e"``, absent for a worker never reset), and a poller credits only the batches of its own
 engine's current epoch: a block of another epoch is never this engine's hit (its identity differs), so crediting
 it would route requests to a worker that misses it. At a reset (:meth:`G4Announcer.set_epoch`) the credits of the
-batches read so far are withdrawn (``BlockRemoved`` queued by the next poll, ``announce_removed_blocks``; gone from
+batches read so far are withdrawn (``BlockRemoved`` queued by the next poll, before its credits: the same prompt
+stored again under the new epoch has the same vLLM hashes; ``announce_removed_blocks``; gone from
 :meth:`~G4Announcer.live` at once, so the re-publishing after ``AllBlocksCleared`` leaves them out), and blocks
 learned before it are announced under the epoch they were stored under. Other epochs' batches still expire by their
 writer's TTL. Before (2026-12-03) batches named no epoch and every poller credited them all, so after a reset the
@@ -275,15 +276,23 @@ class G4Announcer:
     def poll(self) -> tuple[int, int]:
         """List the announcements once: queue ``BlockStored`` for blocks of new batches and ``BlockRemoved``
         for blocks no live batch announces any more (expired, deleted, or of a revoked tenant). Returns
-        ``(stored, removed)`` blocks queued."""
+        ``(stored, removed)`` blocks queued. The credits a reset withdrew before this poll (:meth:`set_epoch`) are
+        queued first: the next batches may credit the very same hashes again (vLLM's block hash does not change
+        with the reset epoch). Before 2026-12-03 they followed this poll's credits, so a prompt the engine stored
+        again under its new epoch was credited then withdrawn, and the router lost blocks the engine hits."""
+        with self._lock:  # those set_epoch withdraws during this poll (of its credits, maybe) wait for the next one
+            early, self._gone = self._gone, []
+        if early:
+            self.events.emit_announced([], early)
+            stats.add(announce_removed_blocks=len(early))
         domain = hash_domain()
         if domain is None:
-            return 0, 0
+            return 0, len(early)
         try:
             listed = self.ann.list()
         except Exception:  # noqa: BLE001 - store down: try again next interval
             stats.add(announce_poll_errors=1)
-            return 0, 0
+            return 0, len(early)
         now, measured = self._now(listed)
         names = {b.name for b in listed}
         gone = [n for n in self._batches if n not in names]
@@ -328,13 +337,11 @@ class G4Announcer:
                 continue
             stored += self._credit(b, t, key, blocks, ttl, ep)
         removed = self._withdraw(gone)
-        with self._lock:  # withdrawn by a reset (set_epoch): queued after this poll's stored, on this thread only
-            removed, self._gone = removed + self._gone, []
         n_st, n_rm = len(stored), len(removed)
         if stored or removed:
             self.events.emit_announced(stored, removed)
             stats.add(announce_stored_blocks=n_st, announce_removed_blocks=n_rm)
-        return n_st, n_rm
+        return n_st, n_rm + len(early)
 
     def _credit(self, b: Batch, t: float, key: Any, blocks: list, ttl: float, epoch: str = "") -> list:
         """Count ``b``'s blocks live; their ``ev_info`` not live before (to publish). A batch of another reset
@@ -372,8 +379,9 @@ class G4Announcer:
     def set_epoch(self, epoch: str) -> None:
         """The engine's reset epoch is ``epoch`` now (:func:`.reset_epoch.reset`, on the scheduler thread): blocks
         learned from now on are announced under it, only batches of it are credited, and the credits of batches
-        of other epochs are withdrawn (off :meth:`live` at once; ``BlockRemoved`` queued by the next :meth:`poll`,
-        the one thread that queues announced blocks, so a batch it credits meanwhile is withdrawn after it)."""
+        of other epochs are withdrawn (off :meth:`live` at once; ``BlockRemoved`` queued first thing by the next
+        :meth:`poll`, the one thread that queues announced blocks: after the credits of a poll running meanwhile,
+        before those of the next poll, which may credit the same hashes under the new epoch)."""
         with self._lock:
             self.epoch = epoch
             for name, (hs, t, key, ttl, ep) in list(self._batches.items()):

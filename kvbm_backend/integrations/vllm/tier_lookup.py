@@ -40,7 +40,8 @@ lookup: a chunk held by G3 and G4 was matched twice (6 chunks of 16 tokens loade
 by 192) and G4's hit rate was over every chunk instead of those G3 lacked; then each counted its own leading
 prefix, so chunks one tier served past a gap the other filled loaded uncounted (G3 chunk 1, G4 0, 2, 3: 1 of 4).
 A request sharing a verdict another live request posted (vLLM posts a key once) is counted when it takes the
-verdict up (:mod:`.tier_pickups`); before 2026-12-03 it was not counted at all. With several of our tiers a HIT it
+verdict up (:mod:`.tier_pickups`; a miss not where the lowest of our tiers counted it); before 2026-12-03 it was
+not counted at all. With several of our tiers a HIT it
 takes up, and a chunk it loads that it did not post to the lowest, count on the tier that loads it, when the load
 ends (:meth:`TenantLookup.loading`; before 2026-12-03 G4 was credited for a chunk G3 loaded).
 """
@@ -206,9 +207,20 @@ class TenantLookup(AsyncLookupManager):
         if self._recheck and pair in self._recheck:
             self._ask_again(pair, req_context)
         r = super().lookup(pair, req_context)
-        self._pickups.note(pair, held, self._lookup_state[pair].generation != gen, r, req_context,
-                           hit_at_load=self._shared(req_context))
+        posted = self._lookup_state[pair].generation != gen
+        after = self._asked_after(req_context) if self._reg else []
+        self._pickups.note(pair, held, posted, r, req_context,
+                           hit_at_load=bool(after) or bool(self._above and self._asked_first(req_context)),
+                           counted_below=self._posted_to(after[-1], key, req_context) if after else None)
+        if posted and not after and self._above:  # the lowest of ours: batch_lookup counts the tiers above
+            for u in self._asked_first(req_context):
+                u._lookup._pickups.uncount(req_context.req_id, (key, u._tenant_of(req_context)))
         return r
+
+    @staticmethod
+    def _posted_to(low: KvbmSecondaryTier, key: OffloadKey, req_context: ReqContext) -> bool:
+        """Whether the request posted ``key`` to our tier ``low`` (its ``batch_lookup`` counted it)."""
+        return low._lookup._pickups.posted(req_context.req_id, (key, low._tenant_of(req_context)))
 
     def _shared(self, req_context: ReqContext) -> bool:
         """Whether the manager asks another of our tiers for the request (above or below this one): a verdict the
@@ -220,14 +232,12 @@ class TenantLookup(AsyncLookupManager):
         ours in the manager, its chunks the lowest of them did not count for the request (the request did not post
         them there) are credited to this tier once loaded (:meth:`loaded`; :mod:`.tier_pickups`)."""
         ctx = job.req_context
-        if ctx is None or not self._shared(ctx):
-            return
+        if ctx is None or ctx.req_id not in self._req_keys or not self._shared(ctx):
+            return  # ended (cleanup) before vLLM submitted the load: nothing to credit it, nothing kept for it
         low = ([*self._asked_after(ctx)] or [self._tier])[-1]
-        lt = low._tenant_of(ctx)
-        counted = low._lookup._pickups.posted
         tenant = self._tier._tenant_of(ctx)
         self._pickups.loading(job.job_id, ctx.req_id,
-                              [(k, tenant) for k in job.keys if not counted(ctx.req_id, (k, lt))])
+                              [(k, tenant) for k in job.keys if not self._posted_to(low, k, ctx)])
 
     def loaded(self, job_id: Any, keys: Iterable[OffloadKey], tenant: str) -> None:
         """Scheduler thread: load job ``job_id`` ended with ``tenant``'s chunks ``keys`` in the primary tier."""

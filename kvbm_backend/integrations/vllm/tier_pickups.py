@@ -19,7 +19,14 @@ asks again and G3 serves the chunk. Before 2026-12-03 G4 was credited at its ans
 counted on G4) and G3's load of a chunk the request had not posted to G4 was never counted (G3 looks up uncounted:
 the lowest of our tiers counts for all, but only what the request posted there). Now each tier credits the chunks
 it loaded for the request that the lowest tier did not count for it (not posted there), each chunk once per
-request; a verdict taken up is credited at its answer only when it is a miss.
+request; a verdict taken up is credited at its answer only when it is a miss, and a miss taken up on a tier with
+one of ours below only when the request did not post the chunk to the lowest of them (its ``batch_lookup`` counts
+every tier above over every chunk posted there): decided at ``flush``, after the step's lookups, since vLLM's
+manager asks the tier below right after this one (:meth:`Pickups.uncount`). Before 2026-12-03 such a miss was
+counted twice (a G3 miss taken up, 2 chunks: G3's lookups moved by 4 for the request).
+
+Bounds: a request's entries go at ``forget`` (its loads still in flight then credit nothing), except the counts
+already due; a load is noted only for a request alive on the tier (:meth:`.tier_lookup.TenantLookup.loading`).
 """
 from __future__ import annotations
 
@@ -42,14 +49,17 @@ class Pickups:
         self._posted: dict[str, set[Any]] = {}  # req_id -> keys it posted here (batch_lookup counted them)
         self._credited: dict[str, set[Any]] = {}  # req_id -> keys credited to this tier when loaded from it
         self._loads: dict[Any, tuple[str, set[Any]]] = {}  # load job -> (req_id, keys to credit once loaded)
+        self._misses: dict[str, set[Any]] = {}  # req_id -> misses taken up, due at the next flush unless uncounted
 
     def note(self, key: Any, held_before: bool, posted: bool, verdict: bool | None, req_context: ReqContext,
-             hit_at_load: bool = False) -> None:
+             hit_at_load: bool = False, counted_below: bool | None = None) -> None:
         """After the request's lookup of ``key``: ``held_before`` whether it held the key's verdict before this ask,
         ``posted`` whether this ask posted the key (``batch_lookup`` counts it then), ``verdict`` the answer (None:
         not in yet). A verdict the request took up is due for counting once, when it is in; asked again, never
         again. ``hit_at_load`` (several of our tiers in the manager): a HIT is not counted here but when the chunk's
-        load from this tier ends (:meth:`loaded`)."""
+        load from this tier ends (:meth:`loaded`). ``counted_below`` (None: no tier of ours asked after this one):
+        whether the request posted ``key`` to the lowest of them, which counts it for this tier; a miss is then
+        not counted here, else counted at the next :meth:`take_due` unless :meth:`uncount` comes first."""
         rid = req_context.req_id
         if posted:
             self._posted.setdefault(rid, set()).add(key)
@@ -67,9 +77,20 @@ class Pickups:
             return
         if verdict and hit_at_load:
             return  # credited to the tier vLLM loads it from (loading / loaded)
+        if not verdict and counted_below is not None:
+            if not counted_below:  # the manager asks the tier below next: it may post the key there (uncount)
+                self._misses.setdefault(rid, set()).add(key)
+            return
         due = self._due.setdefault(rid, [0, 0])
         due[0] += 1
         due[1] += bool(verdict)
+
+    def uncount(self, req_id: str, key: Any) -> None:
+        """Request ``req_id`` posted ``key`` to the lowest of our tiers, whose ``batch_lookup`` counts it for this
+        one: a miss of it taken up here is not counted (:meth:`note`)."""
+        misses = self._misses.get(req_id)
+        if misses is not None:
+            misses.discard(key)
 
     def posted(self, req_id: str, key: Any) -> bool:
         """Whether request ``req_id`` (alive) posted ``key`` here: this tier's ``batch_lookup`` counted it."""
@@ -102,13 +123,20 @@ class Pickups:
             due[1] += len(new)
 
     def take_due(self) -> list[tuple[int, int]]:
-        """The counts due, one per request: ``(requested, found)`` in chunks; each taken once."""
+        """The counts due, one per request: ``(requested, found)`` in chunks; each taken once. Called after the
+        step's lookups (``flush``), when the misses taken up are known not to be counted below."""
+        for rid, misses in self._misses.items():
+            if misses:
+                self._due.setdefault(rid, [0, 0])[0] += len(misses)
+        self._misses = {}
         due, self._due = self._due, {}
         return [(n, f) for n, f in due.values()]
 
     def forget(self, req_id: str) -> None:
-        """The request ended: forget the keys it was waiting on, posted and was credited (what is due is still
-        counted; a load of it ending later credits nothing)."""
+        """The request ended: forget the keys it was waiting on, posted and was credited, and its loads in flight
+        (what is due is still counted, its misses taken up included; a load of it ending later credits nothing,
+        and one that never ends, its tier closed, is not kept)."""
         self._waiting.pop(req_id, None)
         self._posted.pop(req_id, None)
-        self._credited.pop(req_id, None)
+        if self._credited.pop(req_id, None) is not None:
+            self._loads = {j: e for j, e in self._loads.items() if e[0] != req_id}

@@ -159,3 +159,45 @@ def test_a_batch_naming_a_malformed_epoch_is_corrupt(tmp_path):
         assert stats.snapshot().get("announce_ignored_corrupt", 0) - before == 2
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("engine_cleared", [False, True])
+def test_a_prompt_stored_again_after_a_reset_stays_credited(tmp_path, engine_cleared):
+    """Review finding (2026-12-03): ``set_epoch`` queues the withdrawal of the old epoch's credits for the next
+    ``poll``, which queued them *after* the blocks it credited. vLLM's block hashes (the announced ``h``) do not
+    change with the reset epoch (it is folded into KVBM's salt), so the same prompt stored again under the new epoch
+    before that poll was credited (``BlockStored``; after ``AllBlocksCleared``: none, its holder still counted) and
+    then withdrawn (``BlockRemoved``): the router forgot blocks the engine holds and hits. Now the withdrawals come
+    first. Without the clear the router keeps them either way (per-hash holder counts)."""
+    from vllm.distributed.kv_events import AllBlocksCleared
+
+    from kvbm_backend.config import G4Config
+    from kvbm_backend.integrations.vllm import reset_epoch
+    from kvbm_backend.pool.g4.pool import G4Pool
+
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", announce=True,
+                   keyring={"path": str(tmp_path / "keys" / "keyring.json")})
+    pool = G4Pool(cfg, namespace())
+    try:
+        b = _Worker(pool)
+        p1 = list(range(7001, 7001 + 4 * b.bs))
+        old = b.save("b1", p1)
+        assert b.ann.flush() == 4
+        assert b.poll() == (4, 0) and b.router.disk == old
+
+        reset_epoch.reset(b.side, engine_cleared=engine_cleared)  # weights updated; the same prompt comes again
+        if engine_cleared:  # vLLM's AllBlocksCleared, then the re-publishing that follows it
+            b.router.apply([AllBlocksCleared()])
+            b.side.events.republish()
+            b.router.apply(b.side.events.take())
+            assert b.router.disk == set()
+        new = b.save("b2", p1)  # stored under the new identity: the same vLLM hashes
+        assert new == old
+        assert b.ann.flush() == 4
+        assert b.poll() == (4, 4)  # the old epoch's credits withdrawn, the new one's credited
+        assert b.finds("b3", p1) == 4  # the engine hits them under its new identity
+        assert {e[0] for e in b.ann.live()} == new  # the announcer itself counts them live
+        assert b.router.disk == new  # ... so the router must credit them
+        assert b.poll() == (0, 0) and b.router.disk == new  # and nothing withdraws them later
+    finally:
+        pool.close()

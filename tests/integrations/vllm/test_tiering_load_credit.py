@@ -30,6 +30,12 @@ def _hits(tier) -> int:
     return tier.pool.stats().get("lookup_hits", 0)
 
 
+def _blocks(tier) -> tuple[int, int]:
+    """The tier's pool lookup counters: ``(lookup_blocks, lookup_hits)`` (the hit rate's denominator, numerator)."""
+    s = tier.pool.stats()
+    return s.get("lookup_blocks", 0), s.get("lookup_hits", 0)
+
+
 def _until(cond, h) -> None:
     """Step until ``cond()`` (a hang guard, not a bound)."""
     end = time.monotonic() + HANG_S
@@ -142,3 +148,83 @@ def test_a_g3_verdict_taken_up_while_g4_counted_the_request_is_credited_once(tmp
     assert loaded == (2, 0)
     moved = (metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0) - t0
     assert (_hits(g3) - s3, _hits(g4) - s4, moved) == (4, 0, 4 * GEO["tokens_per_block"])
+
+
+def test_a_g3_miss_taken_up_while_g4_counted_the_request_is_counted_once(tmp_path, harnesses):
+    """Review finding (2026-12-03): as above with G3 empty. A (local storage only) posts chunks 0-1 to G3; B takes
+    A's pending G3 verdicts up and posts them to G4, which holds them. G4's lookup counts B over every chunk for G3
+    (:func:`.tier_gaps.split_prefix`); G3's miss B took up was counted again at its answer (``Pickups.note``: only a
+    HIT waited for the load), so G3's ``lookup_blocks`` (the hit rate's denominator) grew by 6 for 2 chunks asked
+    by 2 requests. Now a miss taken up is not counted where the lowest of our tiers counted the chunk: 4."""
+    from vllm.v1.kv_offload.base import Locality, Medium, ReqContext, TierFilter, TierMatcher
+
+    keys = keys_for(2, "missonce")
+    only_g4 = harnesses([_g4_tier(tmp_path / "g4")])
+    data = payloads(only_g4, 2, seed=21)
+    only_g4.store(keys, data)
+    only_g4.wait_idle(timeout=HANG_S)
+    only_g4.shutdown()
+
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3, g4 = h.manager.secondary_tiers
+    b3, b4 = _blocks(g3), _blocks(g4)
+    a = ReqContext(req_id="miss-a", load_tier_filter=TierFilter((TierMatcher(Medium.STORAGE, Locality.LOCAL),)))
+    b = h.context()
+    for ctx in (a, b):
+        for i, k in enumerate(keys):
+            ctx.set_offload_key_position(k, i + 1)
+        h.manager.on_new_request(ctx)
+    assert [h.manager.lookup(k, a) for k in keys] == [LookupResult.RETRY] * 2  # posted to G3 only
+    assert [h.manager.lookup(k, b) for k in keys] == [LookupResult.RETRY] * 2  # G3: A's, pending; G4: posted
+    h.step()
+    _until(lambda: all(g3.lookup(k, a) is LookupResult.MISS for k in keys)
+           and all(g4.lookup(k, b) is LookupResult.HIT for k in keys), h)
+
+    def resolved(ctx) -> bool:
+        return [h.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 2
+    _until(lambda: resolved(b), h)  # B: G3's (A's) miss taken up, then loaded from G4
+    spec = h.manager.prepare_load(keys, b)
+    got = [h.primary[int(c), :h.chunk_bytes].copy() for c in spec.chunk_ids]
+    h.manager.complete_load(keys, b)
+    for ctx in (b, a):
+        h.manager.on_request_finished(ctx)
+    h.step()
+    assert all(np.array_equal(x, d) for x, d in zip(got, data))
+    d3 = tuple(x - y for x, y in zip(_blocks(g3), b3))
+    d4 = tuple(x - y for x, y in zip(_blocks(g4), b4))
+    assert (d3, d4[1]) == ((4, 0), 2)  # G3: A's 2 chunks and B's 2, none found; G4 found B's 2
+
+
+def test_a_load_of_a_request_that_ended_credits_nothing_and_is_not_kept(tmp_path, harnesses):
+    """Review finding (2026-12-03): a load vLLM submits for a request whose tier state ended (``cleanup``) was still
+    noted, and its chunks credited to the tier once loaded (2 lookup hits for a request gone, its entry kept for
+    good); a load still in flight when its request ends was kept until it reported (forever, were the tier closed
+    first). Now neither: the chunks still load, nothing is counted or kept for the request."""
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3, _g4 = h.manager.secondary_tiers
+    keys, data = keys_for(2, "ended"), payloads(h, 2, seed=31)
+    h.store(keys, data)
+    h.wait_idle(timeout=HANG_S)
+    h.reset_primary()
+    b3 = _blocks(g3)
+
+    gone = h.context()
+    g3.on_request_finished(gone)  # ended before the load was submitted
+    g3.submit_load(TransferJob(901, keys, np.array([0, 1]), True, gone))
+    g3.drain_jobs()
+    assert [r.success for r in g3.get_finished_jobs()] == [True]
+    assert all(np.array_equal(h.primary[c, :h.chunk_bytes], d) for c, d in zip((0, 1), data))
+    h.step()  # the tiers' flush: what is due is counted
+    assert _blocks(g3) == b3  # before: (2, 2) more
+
+    live = h.context()
+    assert [g3.lookup(k, live) for k in keys] == [LookupResult.RETRY] * 2  # the request asks G3 (not G4)
+    g3.submit_load(TransferJob(902, keys, np.array([0, 1]), True, live))
+    g3.on_request_finished(live)  # ends while its load is in flight
+    assert g3._lookup._pickups._loads == {}  # before: kept until the load reports
+    g3.drain_jobs()
+    assert [r.success for r in g3.get_finished_jobs()] == [True]
+    h.step()
+    assert _blocks(g3) == b3
