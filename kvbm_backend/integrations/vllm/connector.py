@@ -147,7 +147,7 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.load_errors() if self.worker is not None else set()
+        return self.parts.load_errors()  # every TP rank's under external_launcher (tp_agree)
 
     def get_kv_connector_stats(self) -> stats.KvbmConnectorStats | None:
         """This role's counters since the last call (vLLM aggregates the workers' and the scheduler's and logs them
@@ -170,7 +170,7 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler role -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.parts.scheduler_role().get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.parts.get_num_new_matched_tokens(request, num_computed_tokens)  # agreed by the TP ranks (SPMD)
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         return {CacheHitSource.DISK: num_external_tokens} if num_external_tokens else {}

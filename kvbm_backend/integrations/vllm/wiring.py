@@ -13,7 +13,8 @@ merges them into ``stats_path`` (:func:`.stats.merge_snapshots`); rank r > 0 wri
 ``<stats_path stem>.rank<r><ext>``. With ``external_launcher`` and TP > 1 (each process hosts the scheduler and one
 rank's worker) rank r's worker file holds both roles' counters of its process and the scheduler writes none, and
 each process's engine sees only its own worker's reports: every rank's scheduler gathers all ranks' G3 reports
-over vLLM's TP group at each step (:class:`~.report_channel.TpReportExchange`), so all ranks' mirrors agree.
+over vLLM's TP group at each step (:class:`~.report_channel.TpReportExchange`), so all ranks' mirrors agree; the
+ranks' load results and the tokens to load per request are agreed over it too (:mod:`.tp_agree`).
 
 TP = N > 1: every rank stores and loads only its slice of each block (its KV heads; one object per
 (block, rank) in G4) in its own G3 pool (:func:`.namespaces.rank_g3_config`); the scheduler looks a prefix
@@ -36,7 +37,7 @@ from ...config import KvbmBackendConfig
 from ...model.namespace import Namespace
 from ..revoked_tenants import RevokedTenants, keyring_of
 from ..tiers import release_tiers, shared_tiers
-from . import layerwise, report_channel, start_failure, stats
+from . import layerwise, report_channel, start_failure, stats, tp_agree
 from .cached_context import cached_context_problem
 from .extra_config import config_from_extra
 from .g3_mirror import G3Mirror
@@ -91,6 +92,8 @@ class ConnectorParts:
         self.rank = 0
         self.revoked: RevokedTenants | None = None  # the tenants G3 refuses (with G3 and a G4 keyring)
         self.exchange: report_channel.TpReportExchange | None = None  # external_launcher, TP > 1 (scheduler role)
+        self.agree: tp_agree.TpLoadAgree | None = None  # external_launcher, TP > 1 (worker role): load results
+        self.match_agree: tp_agree.TpMatchAgree | None = None  # external_launcher, TP > 1 (scheduler role)
         self._interval, self._closed, self._channel_decided = stats.Interval(), False, False
 
     def release_partial(self) -> None:
@@ -139,11 +142,23 @@ class ConnectorParts:
                 for g, k, tg, wb in zip(self.ns.groups, kvs, self._groups, self.window_blocks)])
 
     def take_finished(self) -> tuple[set[str], set[str]]:
-        """``(finished_recving, failed_recving)`` of the worker role (empty for the scheduler)."""
+        """``(finished_recving, failed_recving)`` of the worker role (empty for the scheduler); under
+        ``external_launcher`` with TP > 1 agreed by every TP rank (:class:`~.tp_agree.TpLoadAgree`, with the failed
+        blocks and loads: :meth:`load_errors`, :meth:`worker_meta`). Raises RuntimeError when that exchange fails."""
         out = self.worker.take_finished() if self.worker is not None else (set(), set())
+        if self.agree is not None and self.worker is not None:
+            loads = [(gi, f) for gi, w in enumerate(self.worker.workers) for f in w.take_failed_loads()]
+            out = self.agree.agree(*out, self.worker.load_errors(), loads)
         assert self._writer is not None  # set by wire()
         self._writer.maybe_write()
         return out
+
+    def load_errors(self) -> set[int]:
+        """``get_block_ids_with_load_errors``: engine block ids whose load failed (every TP rank's under
+        ``external_launcher`` with TP > 1, taken by :meth:`take_finished`); empty for the scheduler role."""
+        if self.agree is not None:
+            return self.agree.take_errors()
+        return self.worker.load_errors() if self.worker is not None else set()
 
     def worker_meta(self, bound: Any = None) -> KvbmWorkerMeta | None:
         """The worker's report for this step. ``bound``: the connector metadata bound for the step; at the first
@@ -156,7 +171,8 @@ class ConnectorParts:
             if token:
                 self.channel_key = report_channel.channel_key(*self.channel_base, token)
                 self._pump = report_channel.start_worker_reports(self.channel_key, self.worker.workers, self.rank)
-        return self.worker.worker_meta()
+        meta = self.worker.worker_meta()
+        return self.agree.with_failed_loads(meta) if self.agree is not None else meta
 
     def interval_stats(self) -> stats.KvbmConnectorStats | None:
         """This role's counters since the last call (vLLM asks both roles' connectors): the worker's
@@ -165,6 +181,13 @@ class ConnectorParts:
         return stats.KvbmConnectorStats(data=d) if d else None
 
     # ---- scheduler role ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """:meth:`.SchedulerSide.get_num_new_matched_tokens`; under ``external_launcher`` with TP > 1 the answer
+        every TP rank's scheduler agrees (:class:`~.tp_agree.TpMatchAgree`: the fewest tokens, None while any rank
+        has none). Raises RuntimeError when that exchange fails."""
+        n, is_async = self.scheduler_role().get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.match_agree.agree(n, is_async) if self.match_agree is not None else (n, is_async)
+
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         """The step's metadata for the workers (:meth:`.SchedulerSide.build_connector_meta`) with this
         scheduler's report channel token."""
@@ -271,6 +294,9 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
     if ns.tp_world_size > 1 and not scheduler:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         parts.rank = int(get_tensor_model_parallel_rank())
+    if spmd and not scheduler:  # every rank's load results, agreed once per step (tp_agree)
+        group = tp_agree.tp_group("in the worker's process, to agree the ranks' load results")
+        parts.agree = tp_agree.TpLoadAgree(group)
     if ktc.kv_load_failure_policy != "recompute":
         log.warning("kvbm_backend: kv_load_failure_policy=%r; set 'recompute' so that a failed or corrupt "
                     "load is recomputed instead of failing the request", ktc.kv_load_failure_policy)
@@ -341,6 +367,9 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
                 parts.announcer.start()
         if spmd and (mirror or kv_events):
             parts.exchange = _tp_exchange(parts)
+        if spmd and load:  # the tokens to load, agreed per request (tp_agree); else every rank answers 0
+            group = tp_agree.tp_group("in the scheduler's process, to agree the tokens to load")
+            parts.match_agree = tp_agree.TpMatchAgree(group)
         if mirror or kv_events:  # one engine's: its own token, even where another has the same engine_id
             parts.channel_token = report_channel.new_token()
             parts.channel_key = report_channel.channel_key(*parts.channel_base, parts.channel_token)
@@ -364,12 +393,7 @@ def _tp_exchange(parts: ConnectorParts) -> report_channel.TpReportExchange:
     :class:`~.report_channel.TpReportExchange`). The mirror's wait for the first snapshots ends on every rank at
     the same step (the exchange agrees it), never by this process's clock alone. Raises RuntimeError when this
     process has no vLLM TP group (the scheduler could see only its own rank's G3 blocks)."""
-    from vllm.distributed.parallel_state import get_tp_group
-    try:
-        group = get_tp_group()
-    except Exception as e:  # noqa: BLE001 - vLLM's assertion when the model-parallel state is not set up
-        raise RuntimeError("kvbm_backend: distributed_executor_backend 'external_launcher' with TP > 1 needs vLLM's "
-                           f"TP group in the scheduler's process (to share the ranks' G3 reports): {e}") from e
+    group = tp_agree.tp_group("in the scheduler's process, to share the ranks' G3 reports")
     parts.rank = int(group.rank_in_group)  # this process's TP rank (its worker's reports in the step output)
     sched = parts.scheduler_role()
     wait_s, sched.mirror_wait_s = sched.mirror_wait_s, float("inf")

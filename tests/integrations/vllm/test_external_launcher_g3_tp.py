@@ -36,13 +36,15 @@ BS, STEPS, TENANT = 16, 3, "acme"
 LATE_STEPS, LATE_SLEEP_S, LATE_WAIT_S = 30, 0.05, 0.2  # steps x sleep > wait: the mirror's wait runs out
 
 
-def _configs(g3_dir: str):
+def _configs(g3_dir: str, kvbm: dict | None = None, **opts):
+    """``(kv_transfer_config, vllm_config, kv_cache_config)`` of a TP=2 ``external_launcher`` engine; ``kvbm``: the
+    ``kvbm_backend`` tree (default: G3 in ``g3_dir``), ``opts``: the connector's other options."""
     import torch
     from vllm.config import KVTransferConfig, SchedulerConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    extra = {"kvbm_backend": {"model": "kvbm-backend/external-launcher-test",
-                              "g3": {"paths": [g3_dir], "capacity_gb": 0.05, "files_per_path": 1}}}
+    extra = {"kvbm_backend": kvbm or {"model": "kvbm-backend/external-launcher-test",
+                                      "g3": {"paths": [g3_dir], "capacity_gb": 0.05, "files_per_path": 1}}, **opts}
     ktc = KVTransferConfig(kv_connector="KvbmBackendConnector",
                            kv_connector_module_path="kvbm_backend.integrations.vllm.connector",
                            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra,
@@ -113,12 +115,14 @@ def _rank(rank: int, port: int, g3_dir: str, out: str, mode: str) -> None:
         parts.close()
 
 
-def _run_ranks(tmp_path: Path, mode: str) -> tuple[dict, dict]:
+def _run_ranks(tmp_path: Path, mode: str, script: str = __file__) -> tuple[dict, dict]:
+    """Runs ``script`` as TP ranks 0 and 1 (argv: rank, port, G3 dir, output JSON, ``mode``) and returns their
+    outputs; both must exit 0."""
     port = _free_port()
     xdg = tempfile.mkdtemp(prefix="kvbm-el-")  # short: a Unix socket path has at most 107 bytes
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_LOGGING_LEVEL="WARNING", XDG_RUNTIME_DIR=xdg)
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tmp_path / "g3"), str(outs[r]), mode],
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(port), str(tmp_path / "g3"), str(outs[r]), mode],
                               cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
     logs = []
