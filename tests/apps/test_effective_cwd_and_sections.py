@@ -2,11 +2,11 @@
 effective`` in a subprocess):
 
 * from a working directory that was removed under the process (a relative ``g3.paths`` entry then names no
-  directory): one ``kvbm-backend: error: g3.paths[0]: ...`` line saying so, exit 2. Before 2026-12-04
+  directory): one ``kvbm-backend: error: g3.paths[0]: ...`` line saying so, exit 2. Before 2026-12-03
   :func:`kvbm_backend.config.dir_problem` let ``os.getcwd()``'s bare ``FileNotFoundError`` out of ``os.path.abspath``
   (a traceback naming neither the field nor the cause, exit 1), in the dry run's preflight too;
 * the summary line shows only the sections the config's users open, as its directory checks do
-  (:func:`kvbm_backend.apps.effective._skip_dirs`): before 2026-12-04 a G4Tier-only transfer config's line said
+  (:func:`kvbm_backend.apps.effective._skip_dirs`): before 2026-12-03 a G4Tier-only transfer config's line said
   ``g3.enabled=true [default] g3.paths=./kvbm-g3 [default] g3.capacity_gb=10 [default]``, a G3 nothing opens."""
 from __future__ import annotations
 

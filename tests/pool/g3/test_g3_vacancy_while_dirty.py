@@ -1,4 +1,4 @@
-"""Slots emptied while the journal's repair is due are journaled empty too (review finding, 2026-12-04).
+"""Slots emptied while the journal's repair is due are journaled empty too (review finding, 2026-12-03).
 
 ``SlotCatalog.clear_headers`` journals the slots whose header it zeroes as vacant (vacancy records,
 :func:`kvbm_backend.pool.g3.journal_gen.encode_vacant`), but skipped them while a rewrite of the journal from the

@@ -1,4 +1,4 @@
-"""A round withdrawn by a failed journal barrier leaves no live PUT in the journal (review finding, 2026-12-04).
+"""A round withdrawn by a failed journal barrier leaves no live PUT in the journal (review finding, 2026-12-03).
 
 When the journal's ``fdatasync`` fails and the repair rewrite fails too, ``journal_sync.repair_or_withdraw_locked``
 takes the round's blocks out of the index (headers zeroed, slots freed) and their puts count them dropped. The

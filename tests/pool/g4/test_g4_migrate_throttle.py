@@ -1,4 +1,4 @@
-"""``kvbm-backend g4 migrate`` against a store that answers "slow down" (S3 ``503 SlowDown``, 2026-12-04).
+"""``kvbm-backend g4 migrate`` against a store that answers "slow down" (S3 ``503 SlowDown``, 2026-12-03).
 
 Before, a :class:`~kvbm_backend.pool.g4.store.StoreThrottled` in either pass (the header checks, the renames) was one
 error per object and the run went on with the next object at once: a store that asked for fewer requests got the
@@ -102,7 +102,7 @@ def _stopped(code, out, err, url, phase: str, renamed: int, left: int | None) ->
     assert "SlowDown" in stop["error"] or "throttled" in stop["error"], stop
     line = " ".join(err.split())
     assert f"{url} still throttled" in line and f"after {ATTEMPTS} tries" in line, err
-    if left is not None:  # a dry run's line says it wrote nothing (before 2026-12-04: a real run's line)
+    if left is not None:  # a dry run's line says it wrote nothing (before 2026-12-03: a real run's line)
         assert (f"{renamed} would be renamed before it, {left} from it on not checked (a dry run: nothing written)"
                 if res["dry_run"] else f"{renamed} renamed before it, {left} left under their old names") in line, err
     assert [ln.startswith("error:") for ln in err.splitlines()] == [True], err  # one line, not one per object
