@@ -392,35 +392,19 @@ class TpReportExchange:
         rank's mirror unlike the others', and their schedules would diverge."""
         import time
 
-        import torch
-        import torch.distributed as dist
+        from .tp_agree import all_gather_bytes
         with self._lock:
             held, self._held = self._held, []
-        blob = b"".join(held)
         now = time.monotonic()
         self._t0 = self._t0 if self._t0 is not None else now
         expired = int(not self._wait_over and now - self._t0 >= self.wait_s)
-        world, cpu = int(self.group.world_size), self.group.cpu_group
-        try:
-            heads = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
-            dist.all_gather(heads, torch.tensor([len(blob), expired], dtype=torch.int64), group=cpu)
-            sizes = [int(h[0]) for h in heads]
-            bufs: list = []
-            if max(sizes):
-                mine = torch.zeros(max(sizes), dtype=torch.uint8)
-                if blob:
-                    mine[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-                bufs = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(world)]
-                dist.all_gather(bufs, mine, group=cpu)
-        except Exception as e:  # noqa: BLE001 - torch.distributed's errors vary by backend
-            raise RuntimeError(f"kvbm_backend: the G3 reports of the TP ranks (vLLM external_launcher, TP={world}) "
-                               f"could not be exchanged over the TP group: {e}") from e
-        if not self._wait_over and any(int(h[1]) for h in heads):
+        blobs = all_gather_bytes(self.group, bytes([expired]) + b"".join(held), "the G3 reports")
+        if not self._wait_over and any(b[:1] == b"\x01" for b in blobs):
             self._wait_over = True
             self.on_wait_over()
         applied = 0
-        for buf, size in zip(bufs, sizes):
-            data, off = bytes(buf[:size].numpy()), 0
+        for data in blobs:
+            off, size = 1, len(data)  # after the rank's wait-over flag
             while off + 4 <= size:
                 (n,) = struct.unpack_from("<I", data, off)
                 try:
