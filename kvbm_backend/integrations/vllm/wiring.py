@@ -198,7 +198,10 @@ class ConnectorParts:
         return meta
 
     def on_g3_report(self, group: int, rank: int, added: list, removed: list, snapshot: bool) -> None:
-        """A worker's report by the channel: applied at once, or held for the TP group's next exchange."""
+        """A worker's report by the channel (counted ``g3_reports_by_channel`` here, once: not the other ranks' nor
+        the step output's, which the TP exchange applies too): applied at once, or held for the TP group's next
+        exchange."""
+        stats.add(g3_reports_by_channel=1)
         if self.exchange is not None:
             self.exchange.put(group, rank, added, removed, snapshot)
             return
@@ -206,7 +209,6 @@ class ConnectorParts:
 
     def _apply_g3_report(self, group: int, rank: int, added: list, removed: list, snapshot: bool) -> None:
         self.scheduler_role().apply_g3_report(group, KvbmWorkerMeta(added, removed, snapshot), rank=rank)
-        stats.add(g3_reports_by_channel=1)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.sched is not None:
