@@ -103,14 +103,20 @@ its listing and by a look at the object itself (S3 HEAD, ``stat``), is no block:
 in ``scanned_*`` nor in a capacity total. Where its namespace's size is known it is junk no reader serves, deleted
 on every pass (``deleted_by["invalid_size"]``, a key there only when there are; the bytes it states; a dry run
 deletes nothing); else it is kept (a ``warnings`` line). Sizes are judged only where they count: an object the
-pass deletes anyway (revoked, age) is deleted for that reason, at its listed size, as before. A repeated listing entry of a kept block stating an impossible size is ignored. Before
-2026-12-03 the listed size counted as it came: a block-named file truncated to 1 TiB (sparse: 4 KiB on disk) or an
-S3 listing stating a block at 1 TiB or a negative size made a capacity pass delete every good block. The capacity
+pass deletes anyway (revoked, age) is deleted for that reason, at its listed size, as before. A repeated listing
+entry of a kept block stating an impossible size is ignored, and one of an object judged no block is skipped: it
+counts (and is deleted) once (before 2026-12-03 each entry counted, a dry run's ``deleted_bytes`` twice). A look
+that fails (the store unavailable, still throttled: :meth:`.gc_sizes.BlockSizes.judge` ``unchecked``) leaves the
+object alone, out of the capacity total, counted ``invalid_size`` (by its listing) and in ``errors``, with a
+``warnings`` line naming the failure (before 2026-12-03: no error, and a warning that the namespace's
+``namespace.json`` was missing). Before 2026-12-03 the listed size counted as it came: a block-named file
+truncated to 1 TiB (sparse: 4 KiB on disk) or an S3 listing stating a block at 1 TiB or a negative size made a
+capacity pass delete every good block. The capacity
 total is of the blocks' sizes (a file's ``st_size``, not the space it takes: a block is written whole, and a
 sparse or compressed file of a block's size is counted as the block it is, a sparse one of another size is junk).
 Keys an S3 listing names outside the store's prefix (a server or proxy that ignores ``Prefix``) are skipped by the
-store and counted ``outside_prefix``; a listing that loops (a continuation token handed out again) ends as an
-``unlisted`` error (:mod:`.s3_list`).
+store and counted ``outside_prefix``; a listing that loops (a continuation token handed out again, pages that
+list nothing new) ends as an ``unlisted`` error (:mod:`.s3_list`).
 
 **Announcements** (``{ns}/announce/``, :mod:`.announce`): a batch at least ``announce_ttl_s`` old by its
 mtime on the store's clock is deleted, as an announcing worker would (a batch sealed earlier than its mtime is
@@ -363,7 +369,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     # pass keeps nothing per object.
     keep: dict[str, tuple[float, int, str, str | None]] = {}
     block_bytes = 0  # deleted block bytes (not temp files): remaining_bytes
-    sizes, invalid_kept = BlockSizes(store, THROTTLE_ATTEMPTS), 0  # module doc, "Impossible sizes"
+    sizes, invalid_kept, unchecked = BlockSizes(store, THROTTLE_ATTEMPTS), 0, 0  # module doc, "Impossible sizes"
+    no_block: set[str] = set()  # names judged no block (invalid_size): a repeated entry is skipped, counted once
     outside = getattr(store, "listed_outside_prefix", 0)  # S3 listings: keys outside the prefix, skipped
     for o in listing(store.list_patient("", THROTTLE_ATTEMPTS), unlisted):
         seen = keep.get(o.name)
@@ -372,6 +379,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             if sizes.possible(o.name[:16], o.size):  # else the earlier entry stands (a lie about a block's size)
                 res["scanned_bytes"] += o.size - seen[1]
                 keep[o.name] = (o.mtime, o.size, o.name, o.version)
+            continue
+        if o.name in no_block:  # an invalid_size object listed again: counted (and deleted) once
             continue
         meta = parse_block_name(o.name)
         if meta is None and parse_block_name(o.name, nested=True) is not None:
@@ -415,6 +424,11 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             res["future_objects"] -= o.mtime > store_now
             res["invalid_size"] += verdict != "gone"
             invalid_kept += verdict == "kept"
+            if verdict != "gone":
+                no_block.add(o.name)
+            if verdict == "unchecked":  # its HEAD / stat failed: left alone, an error (as a failed header read)
+                unchecked += 1
+                res["errors"] += 1
             if verdict == "junk":
                 drop(o.name, max(judged.size, 0), "invalid_size", judged)
             continue
@@ -440,6 +454,10 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         warnings.append(f"{invalid_kept} object(s) at block names of an impossible size (negative, or over 1 GiB) "
                         "kept: their namespace's namespace.json is missing or unreadable, so gc knows no block "
                         "size to tell junk by; not counted toward --target-gb (module doc, \"Impossible sizes\")")
+    if unchecked:
+        warnings.append(f"{unchecked} object(s) at block names listed at a size no block of their namespace has "
+                        f"could not be checked (HEAD / stat failed; first: {sizes.stat_error}): left alone, not "
+                        "counted toward --target-gb, counted in errors; run gc again once the store answers")
     for o in listing(store.list_temps(""), unlisted):
         if not own_temp(o.name):
             res["nested_temps"] += 1  # another store's writer below this one's root: never ours to delete

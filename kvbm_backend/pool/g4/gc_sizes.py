@@ -29,7 +29,7 @@ from .store import ObjectInfo, ObjectStore
 from .throttle import call_attempts
 
 MAX_FRAME_BYTES = HEADER_BYTES + (1 << 30)  # larger objects are no block of a layout gc does not know (module doc)
-Verdict = Literal["block", "junk", "kept", "gone"]
+Verdict = Literal["block", "junk", "kept", "gone", "unchecked"]
 
 
 class BlockSizes:
@@ -39,6 +39,7 @@ class BlockSizes:
     def __init__(self, store: ObjectStore, attempts: int):
         self._store, self._attempts = store, attempts
         self._exact: dict[str, int | None] = {}  # namespace fingerprint -> its frame size (None: not known)
+        self.stat_error: str | None = None  # the first failed look at an object (:meth:`judge`: "unchecked")
 
     def exact(self, ns: str) -> int | None:
         """The one size (bytes) a block of namespace ``ns`` (16 hex) has, or None when the store does not say."""
@@ -69,13 +70,17 @@ class BlockSizes:
         is possible; else, after a look at the object itself (:meth:`~.store.ObjectStore.stat`, throttled answers
         tried again): ``("block", what stat says)`` when the listing misstated a possible size, ``("junk", o)`` (its
         size is impossible in a namespace whose size is known: delete it), ``("kept", o)`` (impossible, layout not
-        known: keep it, it is no block) or ``("gone", o)`` (deleted since listed). A stat that fails: ``kept``."""
+        known: keep it, it is no block) or ``("gone", o)`` (deleted since listed). A stat that raises (the store
+        unavailable, still throttled after ``attempts`` tries; its message kept in :attr:`stat_error`, the first
+        one): ``("unchecked", o)``: its listed size is impossible and its true one unknown; gc leaves it alone and
+        counts an error (before 2026-12-03 ``kept``: reported as a missing ``namespace.json``, no error)."""
         if self.possible(ns, o.size):
             return "block", o
         try:
             now = call_attempts(lambda: self._store.stat(o.name), self._attempts)
-        except OSError:
-            return "kept", o
+        except OSError as e:
+            self.stat_error = self.stat_error or f"{o.name}: {e}"
+            return "unchecked", o
         if now is None:
             return "gone", o
         # a store whose stat states no mtime (0.0) or version keeps the listed ones (never an ancient mtime)

@@ -12,6 +12,13 @@ protocol answers is never taken as this store's objects:
   :class:`~.store.ListIncomplete` once every object listed so far was yielded (gc: an ``unlisted`` line and an
   error; it acts only on what was listed). Before 2026-12-03 a repeated token listed the same page for ever (gc
   hung) and a truncated page without a token ended the listing silently.
+* A listing that does not advance, whatever its tokens: S3 lists keys in ascending (UTF-8 binary) order, each
+  page after the one before, so a page naming no key above the highest listed so far lists nothing new (a page
+  repeated, a cycle of pages, an empty page). A few are passed on (a server repeating a page now and then: gc
+  counts each object once, ``listed_duplicates``; S3 may answer an empty truncated page); more than
+  :data:`STALLED_PAGES_MAX` in a row end the listing with ListIncomplete (that page not yielded). Before
+  2026-12-03 only a token seen before counted as a loop: a server handing out a fresh token with every repeated
+  page made gc list for ever.
 
 Sizes are passed on as the server states them (gc judges impossible ones: :mod:`.gc_sizes`).
 """
@@ -29,6 +36,7 @@ if TYPE_CHECKING:
     from .s3_store import S3Store
 
 log = logging.getLogger(__name__)
+STALLED_PAGES_MAX = 100  # pages in a row naming no key above the highest listed: more is a stuck listing (module doc)
 
 
 def list_pages(store: S3Store, prefix: str, attempts: int) -> Iterator[ObjectInfo]:
@@ -41,14 +49,26 @@ def list_pages(store: S3Store, prefix: str, attempts: int) -> Iterator[ObjectInf
     want = base + prefix
     kw: dict[str, Any] = {"Bucket": store.bucket, "Prefix": want}
     tokens: set[str] = set()  # handed out so far: one seen again is a loop
-    outside = 0
+    outside = stalled = 0
+    high = ""  # the highest key listed so far (every key of a page that advances is above the one before)
 
     def page_once() -> Any:
         return store._call("list", prefix, lambda _r: store.client.list_objects_v2(**kw))
     try:
         while True:
             page = call_attempts(page_once, attempts)
-            for o in page.get("Contents", []):
+            contents = page.get("Contents", [])
+            top = max((str(o["Key"]) for o in contents), default="")
+            if top > high:
+                high, stalled = top, 0
+            else:  # nothing above the highest key listed: a repeated or empty page
+                stalled += 1
+                if stalled > STALLED_PAGES_MAX:
+                    raise ListIncomplete(store.url, [
+                        f"cannot list {store.url}/{prefix}: {stalled} pages in a row named no key after "
+                        f"{high.removeprefix(base)[:80]!r} (pages repeated or empty: the listing does not advance); "
+                        "the rest of the listing was not read"])
+            for o in contents:
                 key = str(o["Key"])
                 if not key.startswith(want):  # a server ignoring Prefix: another prefix's object, never ours
                     outside += 1

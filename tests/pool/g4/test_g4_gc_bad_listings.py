@@ -10,7 +10,13 @@ server or a bad object make gc delete good G4 blocks?).
 2. An S3 server or proxy that ignores ``Prefix``: another prefix's keys were cut into this store's block names
    (their bytes counted toward the target). Now they are skipped and counted (``outside_prefix``).
 3. A server that hands out the same continuation token again: the listing looped for ever (gc hung). Now it ends
-   with ``ListIncomplete`` (an ``unlisted`` line and an error); a truncated page without a token too.
+   with ``ListIncomplete`` (an ``unlisted`` line and an error); a truncated page without a token too, and (review
+   of eec6b07) a server handing out a fresh token with every repeated (or empty) page: before, only a token seen
+   before was a loop, and such a server made gc list for ever; now more than ``STALLED_PAGES_MAX`` pages in a row
+   that name no key after the highest listed end the listing.
+4. Review of eec6b07: an object judged no block (``invalid_size``) that a listing names twice was counted twice
+   (the repeat check looked only at the capacity pass's ``keep``, which such an object never enters); a HEAD /
+   ``stat`` of such an object that failed was reported as a missing ``namespace.json`` and counted no error.
 
 Real file stores, real SeaweedFS behind a real loopback proxy that rewrites ListObjectsV2 answers.
 """
@@ -19,13 +25,16 @@ from __future__ import annotations
 import os
 import re
 import threading
+from typing import Iterator
 from urllib.parse import parse_qs, urlsplit
 
 from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.gc import run_gc
+from kvbm_backend.pool.g4 import s3_list
 from kvbm_backend.pool.g4.naming import namespace_doc, namespace_name
 from kvbm_backend.pool.g4.s3_store import S3Store
+from kvbm_backend.pool.g4.store import ObjectInfo, StoreUnavailable
 from tests.helpers.lying_proxy import QuietHandler, reply, serve, stop, upstream
 from tests.helpers.pools import tiny_ns
 
@@ -101,13 +110,18 @@ class _ListProxy:
       named through this proxy before (a server that ignores ``Prefix``);
     * ``loop = True``: every answer is marked truncated with the continuation token ``kvbm-loop``, and a request
       for that token is answered with the previous page again (never reaching the server);
-    * ``no_token = True``: every answer is marked truncated and hands out no token."""
+    * ``no_token = True``: every answer is marked truncated and hands out no token;
+    * ``fresh = "repeat"`` / ``"empty"``: every answer is marked truncated with a token ``kvbm-fresh-N`` never handed
+      out before, and a request for such a token is answered (never reaching the server) with the previous page
+      again (``"repeat"``) or with that page less its objects (``"empty"``), with a fresh token again; after
+      ``fresh_limit`` such answers the page is marked not truncated (so a lister without a bound ends, late)."""
 
     def __init__(self, host: str, port: int):
         target, proxy = (host, port), self
         self.sizes: dict[str, str] = {}
         self.inject: dict[str, str] = {}
         self.loop = self.no_token = False
+        self.fresh, self.fresh_limit = "", 300
         self.looped = 0
         self._seen: dict[str, list[str]] = {}  # prefix -> <Contents> elements a listing of it named
         self._last = b""
@@ -123,6 +137,11 @@ class _ListProxy:
                 if proxy.loop and query.get("continuation-token") == ["kvbm-loop"]:
                     proxy.looped += 1
                     reply(self, 200, [("Content-Type", "application/xml")], proxy._last, str(len(proxy._last)))
+                    return
+                if proxy.fresh and (query.get("continuation-token") or [""])[0].startswith("kvbm-fresh-"):
+                    proxy.looped += 1
+                    body = proxy._again().encode()
+                    reply(self, 200, [("Content-Type", "application/xml")], body, str(len(body)))
                     return
                 status, hdrs, data, length = upstream(self, target, None)
                 if status == 200:
@@ -144,14 +163,30 @@ class _ListProxy:
         if prefix in self.inject:
             extra = "".join(self._seen.get(self.inject[prefix], []))
             xml = re.sub(r"(</ListBucketResult>)", lambda m: extra + m.group(1), xml)
-        if self.loop or self.no_token:
-            xml = re.sub(r"<IsTruncated>.*?</IsTruncated>", "<IsTruncated>true</IsTruncated>", xml)
-            xml = re.sub(r"<NextContinuationToken>.*?</NextContinuationToken>", "", xml)
-            if self.loop:
-                xml = xml.replace("</IsTruncated>", "</IsTruncated><NextContinuationToken>kvbm-loop"
-                                  "</NextContinuationToken>")
+        if self.loop or self.no_token or self.fresh:
+            token = "kvbm-loop" if self.loop else "kvbm-fresh-0" if self.fresh else None
+            xml = self._page(xml, token)
         self._last = xml.encode()
         return xml
+
+    @staticmethod
+    def _page(xml: str, token: str | None) -> str:
+        """``xml`` marked truncated with continuation ``token`` (None: marked truncated, no token; "": the last
+        page, not truncated)."""
+        xml = re.sub(r"<IsTruncated>.*?</IsTruncated>", f"<IsTruncated>{'false' if token == '' else 'true'}"
+                     "</IsTruncated>", xml)
+        xml = re.sub(r"<NextContinuationToken>.*?</NextContinuationToken>", "", xml)
+        if token:
+            xml = xml.replace("</IsTruncated>", f"</IsTruncated><NextContinuationToken>{token}</NextContinuationToken>")
+        return xml
+
+    def _again(self) -> str:
+        """The answer to a request for a ``kvbm-fresh-N`` token (class doc)."""
+        xml = self._last.decode()
+        if self.fresh == "empty":
+            xml = re.sub(r"<Contents>.*?</Contents>", "", xml, flags=re.S)
+            xml = re.sub(r"<KeyCount>.*?</KeyCount>", "<KeyCount>0</KeyCount>", xml)
+        return self._page(xml, "" if self.looped >= self.fresh_limit else f"kvbm-fresh-{self.looped}")
 
     def close(self) -> None:
         stop(self._srv)
@@ -254,3 +289,129 @@ def test_an_s3_page_marked_truncated_without_a_token_is_an_incomplete_listing(se
     finally:
         st.close()
         proxy.close()
+
+
+def _fresh_token_loop(seaweed, s3_prefix, mode: str):
+    """10 blocks, every page handed out with a fresh token and answered ``mode`` (``_ListProxy.fresh``); a capacity
+    pass with a target of 8 blocks: ``(result, proxy.looped, blocks left)``."""
+    proxy, st = _s3(seaweed, s3_prefix)
+    try:
+        for i in range(10):
+            assert st.put_if_absent(_name(i), b"x" * SIZE)
+        proxy.fresh = mode
+        res = _gc_guarded(st, target_bytes=8 * SIZE)
+        proxy.fresh = ""
+        return res, proxy.looped, _left(st)
+    finally:
+        st.close()
+        proxy.close()
+
+
+def test_an_s3_server_repeating_a_page_with_fresh_tokens_ends_the_listing_as_incomplete(seaweed, s3_prefix):
+    """A server answering every page's fresh continuation token with that page again and another fresh token.
+    Before: no token was seen twice, so the listing went on for ever (here until the proxy's ``fresh_limit``, 300
+    repeats, errors 0). Now: the pages repeated beyond ``STALLED_PAGES_MAX`` in a row end it: one ``unlisted`` line,
+    one error; every block was listed once, so the target holds (the repeats count ``listed_duplicates``)."""
+    res, looped, left = _fresh_token_loop(seaweed, s3_prefix, "repeat")
+    assert res is not None, f"gc hung: the proxy repeated the page {looped} times"
+    assert res["errors"] == 1 and len(res["unlisted"]) == 1 and "does not advance" in res["unlisted"][0], res
+    assert looped == s3_list.STALLED_PAGES_MAX + 1, looped
+    assert res["listed_duplicates"] == 10 * s3_list.STALLED_PAGES_MAX, res
+    assert left == sorted(_name(i) for i in range(2, 10)), res
+
+
+def test_an_s3_server_handing_out_empty_pages_with_fresh_tokens_ends_the_listing_as_incomplete(seaweed, s3_prefix):
+    """A server answering every fresh token with an empty page marked truncated and a fresh token: before, listed for
+    ever (here until the proxy's ``fresh_limit``); now ``STALLED_PAGES_MAX`` such pages in a row are borne (S3 may
+    answer an empty truncated page), the next ends the listing: one ``unlisted`` line, one error."""
+    res, looped, left = _fresh_token_loop(seaweed, s3_prefix, "empty")
+    assert res is not None, f"gc hung: the proxy answered {looped} empty pages"
+    assert res["errors"] == 1 and len(res["unlisted"]) == 1 and "does not advance" in res["unlisted"][0], res
+    assert looped == s3_list.STALLED_PAGES_MAX + 1, looped
+    assert left == sorted(_name(i) for i in range(2, 10)), res
+
+
+class TwiceListingFsStore(FsStore):
+    """A real file store whose listing names every object twice (as a server repeating its only page)."""
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        objs = list(super().list(prefix))
+        yield from objs
+        yield from objs
+
+
+class StatFailsFsStore(FsStore):
+    """A real file store whose ``stat`` of ``self.fail`` raises StoreUnavailable (a HEAD that got no answer)."""
+
+    fail: str = ""
+
+    def stat(self, name: str) -> ObjectInfo | None:
+        if name == self.fail:
+            raise StoreUnavailable(f"stat {name}: no answer (test)")
+        return super().stat(name)
+
+
+def test_a_kept_impossible_object_listed_twice_counts_once(tmp_path):
+    """A block-named 1 TiB sparse file (no namespace.json: kept) in a listing naming every object twice. Before:
+    ``invalid_size`` 2 and a warning of "2 object(s)" for one object."""
+    root = tmp_path / "store"
+    _fill(root, 3)
+    st = TwiceListingFsStore(root, fsync=False)
+    with open(root / _name(99), "wb") as f:
+        os.truncate(f.fileno(), TIB)
+    res = run_gc(st, target_bytes=10_000, now=T0 + 100)
+    assert res["listed_duplicates"] == 3, res  # the good blocks' repeats are recognised ...
+    assert res["invalid_size"] == 1, res  # ... the junk's too (before: 2)
+    assert not any("2 object(s)" in w for w in res.get("warnings", [])), res["warnings"]
+
+
+def test_junk_listed_twice_in_a_dry_run_counts_and_deletes_once(tmp_path):
+    """Junk (a namespace with namespace.json, an object of another size) in a listing naming every object twice, a
+    dry run (nothing deleted, so the second entry is judged junk again). Before: ``invalid_size`` 2,
+    ``deleted_by["invalid_size"]`` 2 and its bytes twice in ``deleted_bytes``."""
+    ns = tiny_ns()
+    frame = HEADER_BYTES + ns.layout.bytes_per_block
+    root = tmp_path / "store"
+    _fill(root, 3, frame, ns.fingerprint)
+    st = TwiceListingFsStore(root, fsync=False)
+    assert st.put_if_absent(namespace_name(ns.fingerprint), namespace_doc(ns, 256))
+    assert st.put_if_absent(_name(50, ns.fingerprint), b"j" * 5000)
+    res = run_gc(st, target_bytes=10 * frame, dry_run=True, now=T0 + 100)
+    assert (res["invalid_size"], res["deleted_by"].get("invalid_size")) == (1, 1), res
+    assert (res["deleted_objects"], res["deleted_bytes"]) == (1, 5000), res
+    assert (res["scanned_objects"], res["listed_duplicates"]) == (3, 3), res
+
+
+def _store_with_unstatable_junk(tmp_path) -> tuple[StatFailsFsStore, int]:
+    ns = tiny_ns()
+    frame = HEADER_BYTES + ns.layout.bytes_per_block
+    root = tmp_path / "store"
+    st = StatFailsFsStore(root, fsync=False)
+    assert st.put_if_absent(namespace_name(ns.fingerprint), namespace_doc(ns, 256))
+    for i in range(3):
+        assert st.put_if_absent(_name(i, ns.fingerprint), b"x" * frame)
+    st.fail = _name(50, ns.fingerprint)
+    assert st.put_if_absent(st.fail, b"j" * 5000)  # not this namespace's frame size: junk, once looked at
+    return st, frame
+
+
+def test_a_failed_stat_is_not_reported_as_a_missing_namespace_json(tmp_path):
+    """The namespace.json is there and parses, 5000 B is neither negative nor over 1 GiB: the warning names the
+    failed check. Before: "... kept: their namespace's namespace.json is missing or unreadable"."""
+    st, _frame = _store_with_unstatable_junk(tmp_path)
+    res = run_gc(st, target_bytes=10 * _frame, now=T0 + 100)
+    assert res["invalid_size"] == 1, res
+    assert not any("namespace.json is missing" in w for w in res.get("warnings", [])), res["warnings"]
+    assert any("could not be checked" in w and "no answer (test)" in w for w in res["warnings"]), res["warnings"]
+
+
+def test_a_failed_stat_counts_as_an_error(tmp_path):
+    """gc could not tell what the object is, nor delete it: as a failed header read or delete, an error (exit 1);
+    it is left alone and out of the capacity total. Before: errors 0 (exit 0, nothing said a check failed)."""
+    st, frame = _store_with_unstatable_junk(tmp_path)
+    res = run_gc(st, target_bytes=3 * frame, now=T0 + 100)
+    assert res["errors"] == 1, res
+    assert (res["deleted_objects"], res["scanned_objects"], res["remaining_bytes"]) == (0, 3, 3 * frame), res
+    assert st.stat(_name(1, tiny_ns().fingerprint)) is not None
+    st.fail = ""
+    assert st.stat(_name(50, tiny_ns().fingerprint)) is not None  # left alone
