@@ -17,22 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-
-class _Router:
-    """What Dynamo's router keeps of one worker's ``DISK`` blocks: one credit per vLLM hash."""
-
-    def __init__(self) -> None:
-        self.disk: set = set()
-
-    def apply(self, events: list) -> None:
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-        for e in events:
-            if isinstance(e, AllBlocksCleared):
-                self.disk.clear()
-            elif isinstance(e, BlockStored):
-                self.disk.update(e.block_hashes)
-            elif isinstance(e, BlockRemoved):
-                self.disk.difference_update(e.block_hashes)
+from tests.helpers.kv_router import DiskRouter  # noqa: E402
 
 
 def _h(i: int):
@@ -71,7 +56,7 @@ def test_blocks_stored_but_not_yet_taken_at_a_reset_are_not_published_after_the_
     from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta
     from kvbm_backend.pool.g3.index import tag_of
 
-    sd, router, t = _scheduler_side(), _Router(), tag_of("")
+    sd, router, t = _scheduler_side(), DiskRouter(), tag_of("")
     seqs = [1000 + i for i in range(5)]
     sd.events.learn("", _request(5), seqs, 0, 5)  # the saves planned by the old identity's request
     sd.apply_g3_report(0, KvbmWorkerMeta(added=[(t, 0, s) for s in seqs[:3]]))
@@ -100,7 +85,7 @@ def test_blocks_the_engine_still_holds_are_published_again_after_the_reset():
     from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta
     from kvbm_backend.pool.g3.index import tag_of
 
-    sd, router, t = _scheduler_side(), _Router(), tag_of("")
+    sd, router, t = _scheduler_side(), DiskRouter(), tag_of("")
 
     class _Announcer:  # the G4 announcements the poller holds now (G4Announcer.live)
         def __init__(self) -> None:

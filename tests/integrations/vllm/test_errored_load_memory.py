@@ -167,16 +167,15 @@ def test_a_request_errored_for_another_reason_keeps_nothing(tmp_path):
 
     from kvbm_backend.integrations.vllm.metadata import FailedLoad, KvbmWorkerMeta
     from tests.helpers.vllm_sched import runner_output
-    from tests.integrations.vllm.test_failed_load_counts import _our_loads, _ours, _request_a_held_in_g3, _step_until
-    from tests.integrations.vllm.test_onboard_failed_recomputed_or_errored import _Prom, _scheduler
+    from tests.helpers.vllm_g3_load import PromCounters, g3_scheduler, our_loads, ours, request_a_held_in_g3, step_until
 
-    s = _scheduler(tmp_path, "fail")
+    s = g3_scheduler(tmp_path, "fail")
     try:
-        a, hs = _request_a_held_in_g3(s)
+        a, hs = request_a_held_in_g3(s)
         s.add_request(a)
-        so = _step_until(s, lambda so: bool(_our_loads(so)))
-        (job,) = _our_loads(so)
-        agg, idle, prom = KVOutputAggregator(expected_finished_count=2), KVConnectorOutput(), _Prom(s)
+        so = step_until(s, lambda so: bool(our_loads(so)))
+        (job,) = our_loads(so)
+        agg, idle, prom = KVOutputAggregator(expected_finished_count=2), KVConnectorOutput(), PromCounters(s)
 
         def step(outs):
             sched_out = s.schedule()
@@ -186,7 +185,7 @@ def test_a_request_errored_for_another_reason_keeps_nothing(tmp_path):
         s.encoder_cache_mismatch_reqs.add("A")  # vLLM errors A in the next step's output
         step([idle, idle])
         assert a.status == RequestStatus.FINISHED_ERROR
-        counts = _ours(s).sched.failed_counts
+        counts = ours(s).sched.failed_counts
         step([idle, idle])
         assert "A" not in counts._ended  # before: kept, with A's hashes
         late = KVConnectorOutput(finished_recving={"A"}, invalid_block_ids=set(job.block_ids[5:]),

@@ -28,18 +28,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers.tp_ranks import join_tp_group, run_tp_ranks
+
 HANG_S = 600.0  # a hang guard, not a bound: waits for what must come; returns as soon as it does
 BS, TENANT, NB = 16, "acme", 32
 WAIT_STEPS, STEP_SLEEP_S, HANDOFF_WAIT_S = 40, 0.05, 0.3  # steps x sleep > the hand-off wait: it runs out
-
-
-def _dist(rank: int, port: int) -> None:
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    init_distributed_environment(world_size=2, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                 local_rank=rank, backend="gloo")
-    with set_current_vllm_config(VllmConfig()):
-        initialize_model_parallel(tensor_model_parallel_size=2)
 
 
 def _hashes(toks: list[int]) -> list[int]:
@@ -150,8 +143,7 @@ def _match_rank(rank: int, root: str, out: str) -> None:
 
 
 def _run(tmp_path: Path, mode: str) -> tuple[dict, dict]:
-    from tests.integrations.vllm.test_external_launcher_g3_tp import _run_ranks
-    return _run_ranks(tmp_path, mode, script=__file__)
+    return run_tp_ranks(__file__, tmp_path, str(tmp_path / "g3"), mode)
 
 
 @pytest.mark.slow  # two processes import vLLM (~10-20 s each on the 2-core VM); no wall-clock assertion
@@ -198,6 +190,6 @@ def test_load_results_records_round_trip_and_refuse_malformed_bytes():
         decode_loads(blob + b"\0")
 
 
-if __name__ == "__main__":  # argv: rank, port, G3 dir (the mode's root), output JSON, mode
-    _dist(int(sys.argv[1]), int(sys.argv[2]))
-    {"loads": _loads_rank, "match": _match_rank}[sys.argv[5]](int(sys.argv[1]), sys.argv[3], sys.argv[4])
+if __name__ == "__main__":  # argv: rank, port, output JSON, G3 dir (the mode's root), mode
+    join_tp_group(int(sys.argv[1]), int(sys.argv[2]))
+    {"loads": _loads_rank, "match": _match_rank}[sys.argv[5]](int(sys.argv[1]), sys.argv[4], sys.argv[3])

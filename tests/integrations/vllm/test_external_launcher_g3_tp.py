@@ -18,20 +18,15 @@ one such rank."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-HANG_S = 600.0  # a hang guard, not a bound: both ranks must finish; returns as soon as they do
-REPO = Path(__file__).resolve().parents[3]
+from tests.helpers.tp_ranks import join_tp_group, run_tp_ranks
+
 BS, STEPS, TENANT = 16, 3, "acme"
 LATE_STEPS, LATE_SLEEP_S, LATE_WAIT_S = 30, 0.05, 0.2  # steps x sleep > wait: the mirror's wait runs out
 
@@ -67,19 +62,14 @@ def _rank(rank: int, port: int, g3_dir: str, out: str, mode: str) -> None:
     and building the step's metadata. ``late``: rank 1's worker has sent nothing yet (its snapshot is late) and
     rank 0's report comes in the first step's output; ``LATE_STEPS`` steps of at least ``LATE_SLEEP_S`` each.
     Writes the answers, the mirror's state and the ranks whose slices it holds."""
-    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from vllm.v1.core.sched.output import SchedulerOutput
 
     from kvbm_backend.integrations.vllm import report_channel
     from kvbm_backend.integrations.vllm.metadata import KvbmWorkerMeta, mirror_id
     from kvbm_backend.integrations.vllm.wiring import ConnectorParts, wire
 
-    init_distributed_environment(world_size=2, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                 local_rank=rank, backend="gloo")
-    with set_current_vllm_config(VllmConfig()):
-        initialize_model_parallel(tensor_model_parallel_size=2)
+    join_tp_group(rank, port)
     ktc, vc, kcc = _configs(g3_dir)
     parts = wire(ConnectorParts(), ktc, vc, KVConnectorRole.SCHEDULER, kcc)
     try:
@@ -115,35 +105,10 @@ def _rank(rank: int, port: int, g3_dir: str, out: str, mode: str) -> None:
         parts.close()
 
 
-def _run_ranks(tmp_path: Path, mode: str, script: str = __file__) -> tuple[dict, dict]:
-    """Runs ``script`` as TP ranks 0 and 1 (argv: rank, port, G3 dir, output JSON, ``mode``) and returns their
+def _run_ranks(tmp_path: Path, mode: str) -> tuple[dict, dict]:
+    """Runs this file as TP ranks 0 and 1 (argv: rank, port, output JSON, G3 dir, ``mode``) and returns their
     outputs; both must exit 0."""
-    port = _free_port()
-    xdg = tempfile.mkdtemp(prefix="kvbm-el-")  # short: a Unix socket path has at most 107 bytes
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_LOGGING_LEVEL="WARNING", XDG_RUNTIME_DIR=xdg)
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, script, str(r), str(port), str(tmp_path / "g3"), str(outs[r]), mode],
-                              cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=HANG_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        shutil.rmtree(xdg, ignore_errors=True)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
-    r0, r1 = (json.loads(o.read_text()) for o in outs)
-    return r0, r1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return run_tp_ranks(__file__, tmp_path, str(tmp_path / "g3"), mode)
 
 
 @pytest.mark.slow  # two processes import vLLM (~10-20 s each on the 2-core VM); no wall-clock assertion
@@ -173,5 +138,5 @@ def test_tp_rank_schedulers_agree_while_a_ranks_snapshot_is_late_under_external_
     assert r0["held_ranks"] == r1["held_ranks"] == [0]  # rank 0's step report reached both mirrors
 
 
-if __name__ == "__main__":
-    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+if __name__ == "__main__":  # argv: rank, port, output JSON, G3 dir, mode
+    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[4], sys.argv[3], sys.argv[5])

@@ -15,27 +15,11 @@ import numpy as np
 import pytest
 
 from tests.helpers.g4_writer import namespace
+from tests.helpers.kv_router import DiskRouter
 
 pytestmark = [pytest.mark.slow, pytest.mark.side]  # imports vLLM (~20 s on the dev VM); no wall-clock assertion
 
 HANG_S = 600.0  # a hang guard, not a bound: pool results that must come; returns as soon as they do
-
-
-class _Router:
-    """What Dynamo's router keeps of one worker's ``DISK`` blocks: one credit per vLLM hash."""
-
-    def __init__(self) -> None:
-        self.disk: set = set()
-
-    def apply(self, events: list) -> None:
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-        for e in events:
-            if isinstance(e, AllBlocksCleared):
-                self.disk.clear()
-            elif isinstance(e, BlockStored):
-                self.disk.update(e.block_hashes)
-            elif isinstance(e, BlockRemoved):
-                self.disk.difference_update(e.block_hashes)
 
 
 def _request(rid, toks, bs):
@@ -59,7 +43,7 @@ class _Worker:
         self.side = SchedulerSide(self.ns, self.bs, None, None)
         self.side.events = ev = G3KvEvents(1, self.bs, g3=False)
         ev.announcer = self.ann = G4Announcer(ev, pool, self.ns, 0.1, 3600)
-        self.router = _Router()
+        self.router = DiskRouter()
 
     def hashes(self, rid, toks):
         """The KVBM sequence hashes of a new request of ``toks`` under the engine's identity now."""

@@ -5,10 +5,8 @@ played by putting the blocks each step's save jobs name into the pools those job
 a hand-off's ``g4_only`` job), as the worker's write-behind does."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,49 +21,21 @@ from vllm.v1.request import Request  # noqa: E402
 
 from kvbm_backend.integrations.vllm import stats  # noqa: E402
 from kvbm_backend.integrations.vllm.handoff import KEY  # noqa: E402
+from tests.helpers.vllm_handoff import handoff_extra, prefill, step_until, store_saves  # noqa: E402
 from tests.helpers.vllm_sched import runner_output, tiny_scheduler  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
-HANG_S = 600.0  # a hang guard, not a bound: steps until a lookup that must end has ended; returns as soon as it has
 BS, NBLK, WINDOW = 16, 64, 32  # the sliding group needs the 2 blocks before a resume point
 
 
 def _scheduler(tmp: Path, name: str) -> Scheduler:
     """vLLM's Scheduler with KvbmBackendConnector over a hybrid KV cache (layers 0, 2 sliding, 1, 3 full), its own G3
     and the shared G4; ``handoff_wait_s`` 0: a decode request's wait ends at its first look, complete or not."""
-    extra = {"handoff_wait_s": 0, "kvbm_backend": {
-        "model": "tiny", "g4": {"enabled": True, "url": f"file://{tmp / 'g4'}", "encrypt": False},
-        "g3": {"paths": [str(tmp / name / "g3")], "capacity_gb": 0.05, "files_per_path": 1,
-               "admission": {"policy": "all"}}}}
+    extra = handoff_extra(tmp, name, "tiny")
     return tiny_scheduler(tmp, extra, lambda kw, names: [
         KVCacheGroupSpec(names[0::2], SlidingWindowSpec(sliding_window=WINDOW, **kw)),
         KVCacheGroupSpec(names[1::2], FullAttentionSpec(**kw))], block_size=BS, num_blocks=NBLK, batched_tokens=512)
-
-
-def _step_until(s: Scheduler, rid: str, loads: bool = False):
-    """Step until ``rid`` is scheduled (``loads``: or a load for it is planned): the connector answers once its
-    lookup (and a hand-off's wait) has ended."""
-    end = time.monotonic() + HANG_S
-    while time.monotonic() < end:
-        so = s.schedule()
-        if rid in so.num_scheduled_tokens or (loads and any(j.req_id == rid for j in so.kv_connector_metadata.loads)):
-            return so
-        s.update_from_output(so, runner_output(s, so))
-        time.sleep(0.01)
-    raise AssertionError(f"{rid} never scheduled")
-
-
-def _store(s: Scheduler, so, g3_only: bool = False) -> None:
-    """The worker's part: the blocks the step's save jobs name, put into the pools they are for."""
-    for j in so.kv_connector_metadata.saves:
-        g = s.connector.sched.groups[j.group]
-        keys = g.ns.keys(j.seq_hashes, j.tenant)
-        blocks = [np.full(g.ns.layout.bytes_per_block, 1 + j.group, np.uint8) for _ in keys]
-        pools = [g.g3] if g3_only else [g.g4] if j.g4_only else [g.g3, g.g4]
-        for p in pools:
-            p.put(keys, blocks).result(HANG_S)
-            assert p.flush(HANG_S)
 
 
 @pytest.mark.parametrize("tokens, cached", [(6 * BS, False), (6 * BS, True), (6 * BS + 5, True)],
@@ -89,22 +59,17 @@ def test_a_hybrid_models_handoff_stores_the_window_the_decode_side_resumes_at(tm
     try:
         if cached:  # an earlier request of the same prompt: in the prefill worker's G3 (G4 missed its writes)
             pre.add_request(Request("p0", prompt, SamplingParams(max_tokens=1), None, 0, block_hasher=hasher))
-            so = _step_until(pre, "p0")
-            _store(pre, so, g3_only=True)
+            so = step_until(pre, "p0")
+            store_saves(pre, so, g3_only=True)
             pre.update_from_output(so, runner_output(pre, so))
-        pre.add_request(Request("p", prompt, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
-            KEY: True}}), None, 0, block_hasher=hasher))
-        so = _step_until(pre, "p")
-        _store(pre, so)
-        outs = pre.update_from_output(so, runner_output(pre, so))
-        (params,) = [o.kv_transfer_params for eco in outs.values() for o in eco.outputs if o.request_id == "p"]
+        params = prefill(pre, prompt, hasher)
         assert params[KEY]["blocks"] == want
 
         dec = _scheduler(tmp_path, "decode")
         done, timeouts = stats.get("handoff_complete_requests"), stats.get("handoff_timeouts")
         dec.add_request(Request("d", prompt, SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}),
                                 None, 0, block_hasher=hasher))
-        so = _step_until(dec, "d", loads=True)
+        so = step_until(dec, "d", loads=True)
         loads = sorted((j.group, len(j.block_ids)) for j in so.kv_connector_metadata.loads if j.req_id == "d")
         assert loads == [(0, WINDOW // BS), (1, want)]  # before: [] (d computed the prompt)
         assert stats.get("handoff_complete_requests") == done + 1

@@ -19,10 +19,8 @@ save jobs name into the pools those jobs are for."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -48,11 +46,10 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from kvbm_backend.apps.engine_model import TINY_MLA  # noqa: E402
 from kvbm_backend.integrations.vllm import stats  # noqa: E402
 from kvbm_backend.integrations.vllm.handoff import KEY  # noqa: E402
-from tests.helpers.vllm_sched import runner_output  # noqa: E402
+from tests.helpers.vllm_handoff import handoff_extra, prefill, step_until  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
-HANG_S = 600.0  # a hang guard, not a bound: steps until a lookup that must end has ended; returns as soon as it has
 BS, NBLK, WINDOW, H, D = 16, 64, 32, 2, 64  # window blocks: 2 at 0 retained tokens, 3 at 1 or 2
 MTP_MODULES = 3
 TARGET = [f"model.layers.{i}.self_attn.attn" for i in range(4)]  # 0, 2 sliding; 1, 3 full
@@ -77,10 +74,7 @@ def _scheduler(tmp: Path, name: str, spec_tokens: int | None) -> Scheduler:
     """vLLM's Scheduler with KvbmBackendConnector, its own G3 and the shared G4; ``spec_tokens``: MTP's
     ``num_speculative_tokens`` (None: no speculative decoding, so no drafter layers). ``handoff_wait_s`` 0: a decode
     request's wait ends at its first look, complete or not."""
-    extra = {"handoff_wait_s": 0, "kvbm_backend": {
-        "model": "tiny-mtp", "g4": {"enabled": True, "url": f"file://{tmp / 'g4'}", "encrypt": False},
-        "g3": {"paths": [str(tmp / name / "g3")], "capacity_gb": 0.05, "files_per_path": 1,
-               "admission": {"policy": "all"}}}}
+    extra = handoff_extra(tmp, name, "tiny-mtp")
     ktc = KVTransferConfig(kv_connector="KvbmBackendConnector",
                            kv_connector_module_path="kvbm_backend.integrations.vllm.connector",
                            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
@@ -111,40 +105,6 @@ def _no_mla(monkeypatch):
     monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
 
 
-def _step_until(s: Scheduler, rid: str, loads: bool = False):
-    """Step until ``rid`` is scheduled (``loads``: or a load for it is planned)."""
-    end = time.monotonic() + HANG_S
-    while time.monotonic() < end:
-        so = s.schedule()
-        if rid in so.num_scheduled_tokens or (loads and any(j.req_id == rid for j in so.kv_connector_metadata.loads)):
-            return so
-        s.update_from_output(so, runner_output(s, so))
-        time.sleep(0.01)
-    raise AssertionError(f"{rid} never scheduled")
-
-
-def _store(s: Scheduler, so) -> None:
-    """The worker's part: the blocks the step's save jobs name, put into the pools they are for."""
-    for j in so.kv_connector_metadata.saves:
-        g = s.connector.sched.groups[j.group]
-        keys = g.ns.keys(j.seq_hashes, j.tenant)
-        blocks = [np.full(g.ns.layout.bytes_per_block, 1 + j.group, np.uint8) for _ in keys]
-        for p in ([g.g4] if j.g4_only else [g.g3, g.g4]):
-            p.put(keys, blocks).result(HANG_S)
-            assert p.flush(HANG_S)
-
-
-def _prefill(pre: Scheduler, prompt: list[int], hasher) -> dict:
-    """The prefill worker computes ``prompt`` for a hand-off; returns its ``kv_transfer_params``."""
-    pre.add_request(Request("p", prompt, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
-        KEY: True}}), None, 0, block_hasher=hasher))
-    so = _step_until(pre, "p")
-    _store(pre, so)
-    outs = pre.update_from_output(so, runner_output(pre, so))
-    (params,) = [o.kv_transfer_params for eco in outs.values() for o in eco.outputs if o.request_id == "p"]
-    return params
-
-
 @pytest.mark.parametrize("pre_spec, dec_spec", [(1, 1), (3, 3), (1, 3), (3, 1)],
                          ids=["both1", "both3", "prefill1-decode3", "prefill3-decode1"])
 def test_mtp_pair_hands_off_with_equal_speculative_tokens_and_never_loads_short(tmp_path, pre_spec, dec_spec):
@@ -162,7 +122,7 @@ def test_mtp_pair_hands_off_with_equal_speculative_tokens_and_never_loads_short(
     want = (len(prompt) - 1) // BS
     pre, dec = _scheduler(tmp_path, "prefill", pre_spec), None
     try:
-        params = _prefill(pre, prompt, hasher)
+        params = prefill(pre, prompt, hasher)
         assert params[KEY]["blocks"] == want
         dec = _scheduler(tmp_path, "decode", dec_spec)
         assert dec.connector.sched.ns == pre.connector.sched.ns  # same drafter layers: one namespace, they pair
@@ -171,7 +131,7 @@ def test_mtp_pair_hands_off_with_equal_speculative_tokens_and_never_loads_short(
         done, timeouts = stats.get("handoff_complete_requests"), stats.get("handoff_timeouts")
         dec.add_request(Request("d", prompt, SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}),
                                 None, 0, block_hasher=hasher))
-        so = _step_until(dec, "d", loads=True)
+        so = step_until(dec, "d", loads=True)
         loads = {j.group: j for j in so.kv_connector_metadata.loads if j.req_id == "d"}
         kinds = [g.window_blocks is None for g in dec.connector.sched.groups]  # True: full attention
         ids = dec.kv_cache_manager.get_blocks("d").get_block_ids()
@@ -203,14 +163,14 @@ def test_a_worker_without_speculative_decoding_never_pairs_with_an_mtp_worker(tm
     prompt = list(range(3000, 3000 + 6 * BS + 5))
     pre, dec = _scheduler(tmp_path, "prefill", pre_spec), None
     try:
-        params = _prefill(pre, prompt, hasher)
+        params = prefill(pre, prompt, hasher)
         assert params[KEY]["blocks"] == (len(prompt) - 1) // BS
         dec = _scheduler(tmp_path, "decode", dec_spec)
         assert params[KEY]["namespace"] != dec.connector.sched.ns.fingerprint
         mism, timeouts = stats.get("handoff_identity_mismatches"), stats.get("handoff_timeouts")
         dec.add_request(Request("d", prompt, SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}),
                                 None, 0, block_hasher=hasher))
-        so = _step_until(dec, "d", loads=True)
+        so = step_until(dec, "d", loads=True)
         assert "d" in so.num_scheduled_tokens and not [j for j in so.kv_connector_metadata.loads if j.req_id == "d"]
         assert so.num_scheduled_tokens["d"] == len(prompt)  # computed whole
         assert stats.get("handoff_identity_mismatches") == mism + 1

@@ -9,25 +9,20 @@ recomputes it) counted in ``onboard_blocks`` and in ``onboard_failed_blocks``.
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvbm_backend.integrations.vllm import stats  # noqa: E402
-from kvbm_backend.integrations.vllm.connector import KvbmBackendConnector  # noqa: E402
 from kvbm_backend.integrations.vllm.metadata import FailedLoad, KvbmWorkerMeta  # noqa: E402
-from tests.helpers.vllm_sched import runner_output, tiny_scheduler  # noqa: E402
-from tests.integrations.vllm.test_failed_load_counts import (BS, _our_loads, _ours, _request_a_held_in_g3,  # noqa: E402
-                                                             _scheduler, _step_until)
+from tests.helpers.vllm_g3_load import (BS, PromCounters, TpSteps, a_loading, g3_scheduler,  # noqa: E402
+                                        interval_data, load_output, our_loads, ours, request_a_held_in_g3,
+                                        step_until)
+from tests.helpers.vllm_sched import runner_output  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -45,45 +40,19 @@ def test_onboard_blocks_counts_what_every_rank_loaded_once(tmp_path, rank0_fails
     not). vLLM keeps the blocks before the first one any rank failed on (``loaded``), and once it schedules A again
     ``vllm:kvbm_backend_onboard_blocks`` reads ``loaded`` (each block once) and ``onboard_failed_blocks`` what the
     ranks' reports failed, so a block never counts in both."""
-    s = _scheduler(tmp_path, multi=False)
+    s = g3_scheduler(tmp_path)
     try:
-        a, hs = _request_a_held_in_g3(s)
-        s.add_request(a)
-        so = _step_until(s, lambda so: bool(_our_loads(so)))
-        (job,) = _our_loads(so)
-        assert job.req_id == "A" and job.seq_hashes == hs and a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-        bpb = _ours(s).sched.groups[0].ns.layout.bytes_per_block
+        a, hs, job = a_loading(s)
+        bpb = ours(s).sched.groups[0].ns.layout.bytes_per_block
 
         def rank_output(first_failed: int | None, rank: int) -> KVConnectorOutput:
-            ok = 8 if first_failed is None else first_failed
-            data = {"load_bytes": ok * bpb, "load_jobs": 1}  # what each rank's stats.Interval reports
-            if rank == 0:  # block counters: the engine's first worker only
-                data.update(load_blocks_ok=ok, load_g3_blocks_ok=ok, load_blocks_failed=8 - ok)
-            failed = first_failed is not None
-            return KVConnectorOutput(
-                finished_recving={"A"}, invalid_block_ids=set() if recv_failed else set(job.block_ids[ok:]),
-                failed_recving={"A"} if failed and recv_failed else set(),
-                kv_connector_stats=stats.KvbmConnectorStats(data=data),
-                kv_connector_worker_meta=KvbmWorkerMeta(failed=[FailedLoad("A", "", hs[ok], "miss")]) if failed
-                else None)
+            return load_output(job, hs, first_failed, recv_failed=recv_failed,
+                               data=interval_data(rank, first_failed, bpb, g3=True))
 
-        agg = KVOutputAggregator(expected_finished_count=2)
+        prom = PromCounters(s)
+        step = TpSteps(s, prom).step
         idle = KVConnectorOutput()
-        reg = CollectorRegistry()
-        prom = KvbmBackendConnector.build_prom_metrics(
-            s.vllm_config, {Counter: functools.partial(Counter, registry=reg), Gauge: Gauge, Histogram: Histogram},
-            ["model_name", "engine"], {0: ["m", "0"]})
-
-        def step(outs: list[KVConnectorOutput]):
-            sched_out = s.schedule()
-            merged = agg.aggregate([runner_output(s, sched_out, o) for o in outs])
-            for eco in s.update_from_output(sched_out, merged).values():
-                if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
-                    prom.observe(eco.scheduler_stats.kv_connector_stats, engine_idx=0)
-            return sched_out
-
-        def val(name: str) -> float | None:
-            return reg.get_sample_value(f"{name}_total", {"model_name": "m", "engine": "0"})
+        val = prom.value
 
         step([rank_output(rank0_fails_from, 0), idle])  # rank 0's load ended; rank 1's still runs
         step([idle, rank_output(rank1_fails_from, 1)])  # rank 1's ended: vLLM has every rank's report
@@ -105,28 +74,21 @@ def test_onboard_blocks_counts_what_every_rank_loaded_once(tmp_path, rank0_fails
 def test_a_load_of_a_request_aborted_while_it_ran_is_not_counted_loaded(tmp_path):
     """A is aborted while its TP 2 load runs: vLLM never uses the blocks (it frees them when every rank is done), so
     ``onboard_blocks`` does not count them, though rank 0 reported all 8 loaded."""
-    s = _scheduler(tmp_path, multi=False)
+    s = g3_scheduler(tmp_path)
     try:
-        a, _ = _request_a_held_in_g3(s)
+        a, _ = request_a_held_in_g3(s)
         s.add_request(a)
-        _step_until(s, lambda so: bool(_our_loads(so)))
-        agg = KVOutputAggregator(expected_finished_count=2)
-        reg = CollectorRegistry()
-        prom = KvbmBackendConnector.build_prom_metrics(
-            s.vllm_config, {Counter: functools.partial(Counter, registry=reg), Gauge: Gauge, Histogram: Histogram},
-            ["model_name", "engine"], {0: ["m", "0"]})
+        step_until(s, lambda so: bool(our_loads(so)))
+        prom = PromCounters(s)
+        steps = TpSteps(s, prom)
         s.finish_requests("A", RequestStatus.FINISHED_ABORTED)
         done = KVConnectorOutput(finished_recving={"A"},
                                  kv_connector_stats=stats.KvbmConnectorStats(data={"load_blocks_ok": 8}))
         for outs in ([done, KVConnectorOutput()], [KVConnectorOutput(), KVConnectorOutput(finished_recving={"A"})],
                      [KVConnectorOutput(), KVConnectorOutput()]):
-            sched_out = s.schedule()
-            merged = agg.aggregate([runner_output(s, sched_out, o) for o in outs])
-            for eco in s.update_from_output(sched_out, merged).values():
-                if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
-                    prom.observe(eco.scheduler_stats.kv_connector_stats, engine_idx=0)
+            steps.step(outs)
         assert "A" not in s.requests
-        assert reg.get_sample_value("vllm:kvbm_backend_onboard_blocks_total", {"model_name": "m", "engine": "0"}) == 0
+        assert prom.value("vllm:kvbm_backend_onboard_blocks") == 0
     finally:
         s.connector.shutdown()
 
@@ -137,28 +99,16 @@ def test_a_layerwise_load_is_counted_after_its_step(tmp_path, fails_from, max_to
     """``g3.layerwise_load`` (one rank, no async scheduling): A's 8-block G3 hit is loaded inside the step that
     schedules it, its failures reported in that step's output. ``onboard_blocks`` counts what vLLM kept once that
     output is in (at the next step), also when the output finishes A (``max_tokens`` 1: its step is its last)."""
-    extra = {"kvbm_backend": {"model": "tiny", "g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.05,
-                                                      "files_per_path": 1, "admission": {"policy": "all"},
-                                                      "layerwise_load": True}}}
-    s = tiny_scheduler(tmp_path, extra, lambda kw, names: [KVCacheGroupSpec(names, FullAttentionSpec(**kw))],
-                       block_size=BS, num_blocks=64, batched_tokens=256, log_stats=True)
+    s = g3_scheduler(tmp_path, layerwise=True)
     try:
-        assert _ours(s).sched.layerwise
-        a, hs = _request_a_held_in_g3(s)
+        assert ours(s).sched.layerwise
+        a, hs = request_a_held_in_g3(s)
         a.max_tokens = max_tokens
         s.add_request(a)
-        reg = CollectorRegistry()
-        prom = KvbmBackendConnector.build_prom_metrics(
-            s.vllm_config, {Counter: functools.partial(Counter, registry=reg), Gauge: Gauge, Histogram: Histogram},
-            ["model_name", "engine"], {0: ["m", "0"]})
-
-        def observe(eco_by_client) -> None:
-            for eco in eco_by_client.values():
-                if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
-                    prom.observe(eco.scheduler_stats.kv_connector_stats, engine_idx=0)
-
-        so = _step_until(s, lambda so: bool(_our_loads(so)))
-        (job,) = _our_loads(so)
+        prom = PromCounters(s)
+        observe = prom.observe
+        so = step_until(s, lambda so: bool(our_loads(so)))
+        (job,) = our_loads(so)
         assert job.layerwise and "A" in so.num_scheduled_tokens  # loaded in this step
         ok = 8 if fails_from is None else fails_from
         out = KVConnectorOutput(
@@ -171,7 +121,7 @@ def test_a_layerwise_load_is_counted_after_its_step(tmp_path, fails_from, max_to
         for _ in range(2):
             so = s.schedule()
             observe(s.update_from_output(so, runner_output(s, so)))
-        onboard = reg.get_sample_value("vllm:kvbm_backend_onboard_blocks_total", {"model_name": "m", "engine": "0"})
+        onboard = prom.value("vllm:kvbm_backend_onboard_blocks")
         assert onboard == loaded
     finally:
         s.connector.shutdown()

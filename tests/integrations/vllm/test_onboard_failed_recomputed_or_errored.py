@@ -12,59 +12,21 @@ view of the stats the scheduler's outputs carry.
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
-from vllm.config import KVTransferConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvbm_backend.integrations.vllm.connector import KvbmBackendConnector  # noqa: E402
 from kvbm_backend.integrations.vllm.metadata import FailedLoad, KvbmWorkerMeta  # noqa: E402
-from tests.helpers.vllm_sched import runner_output, tiny_scheduler  # noqa: E402
-from tests.integrations.vllm.test_failed_load_counts import (BS, NBLK, OURS, _our_loads, _ours,  # noqa: E402
-                                                             _request_a_held_in_g3, _step_until)
+from tests.helpers.vllm_g3_load import (PromCounters, TpSteps, a_loading, g3_scheduler,  # noqa: E402
+                                        load_output, our_loads, ours, request_a_held_in_g3, step_until)
+from tests.helpers.vllm_sched import runner_output  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
-
-def _scheduler(tmp, policy: str, layerwise: bool = False):
-    """vLLM's Scheduler of the tiny model with our connector alone over a G3 pool, ``kv_load_failure_policy``
-    ``policy``; ``layerwise``: ``g3.layerwise_load`` (a G3 hit loaded inside the step that schedules it)."""
-    extra = {"kvbm_backend": {"model": "tiny", "g3": {"paths": [str(tmp / "g3")], "capacity_gb": 0.05,
-                                                      "files_per_path": 1, "admission": {"policy": "all"},
-                                                      "layerwise_load": layerwise}}}
-    ktc = KVTransferConfig(**{**OURS, "kv_load_failure_policy": policy, "kv_connector_extra_config": extra})
-    return tiny_scheduler(tmp, extra, lambda kw, names: [KVCacheGroupSpec(names, FullAttentionSpec(**kw))],
-                          block_size=BS, num_blocks=NBLK, batched_tokens=256 if layerwise else 64, ktc=ktc,
-                          log_stats=True)
-
-
-class _Prom:
-    """vLLM's Prometheus logger of the connector's counters, observing every scheduler output it is given."""
-
-    def __init__(self, s) -> None:
-        self.reg = CollectorRegistry()
-        self.prom = KvbmBackendConnector.build_prom_metrics(
-            s.vllm_config, {Counter: functools.partial(Counter, registry=self.reg), Gauge: Gauge, Histogram: Histogram},
-            ["model_name", "engine"], {0: ["m", "0"]})
-
-    def observe(self, eco_by_client) -> None:
-        for eco in eco_by_client.values():
-            if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
-                self.prom.observe(eco.scheduler_stats.kv_connector_stats, engine_idx=0)
-
-    def counts(self) -> tuple[float | None, float | None]:
-        """``(onboard_blocks, onboard_failed_blocks)``."""
-        return tuple(self.reg.get_sample_value(f"vllm:kvbm_backend_{n}_total", {"model_name": "m", "engine": "0"})
-                     for n in ("onboard_blocks", "onboard_failed_blocks"))
 
 
 @pytest.mark.parametrize(("policy", "recv_failed", "rank0_fails_from", "rank1_fails_from", "failed", "status"), [
@@ -83,30 +45,16 @@ def test_failed_blocks_are_what_vllm_recomputes_or_errors(tmp_path, policy, recv
     ``failed``: every block of a ``failed_recving`` load (vLLM recomputes, or errors, it whole), the blocks from the
     first any rank failed on of a load whose request errored (``kv_load_failure_policy: fail``: vLLM finished A
     before the failure report reached the connector); each block once, none counted loaded when A errored."""
-    s = _scheduler(tmp_path, policy)
+    s = g3_scheduler(tmp_path, policy)
     try:
-        a, hs = _request_a_held_in_g3(s)
-        s.add_request(a)
-        so = _step_until(s, lambda so: bool(_our_loads(so)))
-        (job,) = _our_loads(so)
-        assert job.req_id == "A" and job.seq_hashes == hs and a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        a, hs, job = a_loading(s)
 
         def rank_output(first_failed: int | None) -> KVConnectorOutput:
-            ok = 8 if first_failed is None else first_failed
-            bad = first_failed is not None
-            return KVConnectorOutput(
-                finished_recving={"A"}, invalid_block_ids=set() if recv_failed else set(job.block_ids[ok:]),
-                failed_recving={"A"} if bad and recv_failed else set(),
-                kv_connector_worker_meta=KvbmWorkerMeta(failed=[FailedLoad("A", "", hs[ok], "miss")]) if bad else None)
+            return load_output(job, hs, first_failed, recv_failed=recv_failed)
 
-        agg = KVOutputAggregator(expected_finished_count=2)
+        prom = PromCounters(s)
+        step = TpSteps(s, prom).step
         idle = KVConnectorOutput()
-        prom = _Prom(s)
-
-        def step(outs: list[KVConnectorOutput]):
-            sched_out = s.schedule()
-            prom.observe(s.update_from_output(sched_out, agg.aggregate([runner_output(s, sched_out, o) for o in outs])))
-            return sched_out
 
         step([rank_output(rank0_fails_from), idle])  # rank 0's load ended; rank 1's still runs
         step([idle, rank_output(rank1_fails_from)])  # rank 1's ended: vLLM has every rank's report
@@ -128,14 +76,14 @@ def test_a_layerwise_load_that_errors_its_request_counts_failed_not_loaded(tmp_p
     """``g3.layerwise_load`` with ``kv_load_failure_policy: fail``: A's 8-block G3 load, run in the step that
     schedules A, fails from block 3; vLLM errors A in that step's output before the connector sees the failure report.
     Before, the finished request settled its load as all 8 loaded and the report counted nothing: (8, 0)."""
-    s = _scheduler(tmp_path, "fail", layerwise=True)
+    s = g3_scheduler(tmp_path, "fail", layerwise=True)
     try:
-        assert _ours(s).sched.layerwise
-        a, hs = _request_a_held_in_g3(s)
+        assert ours(s).sched.layerwise
+        a, hs = request_a_held_in_g3(s)
         s.add_request(a)
-        prom = _Prom(s)
-        so = _step_until(s, lambda so: bool(_our_loads(so)))
-        (job,) = _our_loads(so)
+        prom = PromCounters(s)
+        so = step_until(s, lambda so: bool(our_loads(so)))
+        (job,) = our_loads(so)
         assert job.layerwise and "A" in so.num_scheduled_tokens  # loaded in this step
         out = KVConnectorOutput(invalid_block_ids=set(job.block_ids[3:]),
                                 kv_connector_worker_meta=KvbmWorkerMeta(failed=[FailedLoad("A", "", hs[3], "miss")]))

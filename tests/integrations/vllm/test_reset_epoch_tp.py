@@ -10,35 +10,25 @@ file is one such rank."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-HANG_S = 600.0  # a hang guard, not a bound: both ranks must finish; returns as soon as they do
-REPO = Path(__file__).resolve().parents[3]
+from tests.helpers.tp_ranks import join_tp_group, run_tp_ranks
 
 
 def _rank(rank: int, port: int, out: str) -> None:
     """One TP rank's process: vLLM's TP group of 2 on gloo, a scheduler side reset twice; writes, per reset, the
     epoch and the sequence hashes and token digests of one prompt."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-
     from kvbm_backend.integrations.vllm import reset_epoch
     from kvbm_backend.integrations.vllm.identity import block_digests
     from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
     from kvbm_backend.model.layout import KvLayout
     from kvbm_backend.model.namespace import Namespace
 
-    init_distributed_environment(world_size=2, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                 local_rank=rank, backend="gloo")
-    with set_current_vllm_config(VllmConfig()):
-        initialize_model_parallel(tensor_model_parallel_size=2)
+    join_tp_group(rank, port)
     bs = 16
     side = SchedulerSide(Namespace("m", KvLayout(2, 2, bs, 64, "bfloat16"), tp_world_size=2), bs, None, None)
     toks = list(range(100, 100 + 4 * bs))
@@ -53,12 +43,6 @@ def _rank(rank: int, port: int, out: str) -> None:
     Path(out).write_text(json.dumps(res))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_without_a_tp_group_the_drawn_epoch_is_kept():
     """One scheduler (``uni``, ``mp``, ray: no TP group in the scheduler's process): the epoch drawn is used."""
     from kvbm_backend.integrations.vllm.reset_epoch import agreed
@@ -68,22 +52,7 @@ def test_without_a_tp_group_the_drawn_epoch_is_kept():
 @pytest.mark.slow  # two processes import vLLM (~10-20 s each on the 2-core VM); no wall-clock assertion
 def test_every_tp_rank_of_an_external_launcher_engine_resets_to_one_epoch(tmp_path):
     pytest.importorskip("vllm")
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_LOGGING_LEVEL="WARNING")
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(outs[r])], cwd=str(REPO), env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=HANG_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
-    r0, r1 = (json.loads(o.read_text()) for o in outs)
+    r0, r1 = run_tp_ranks(__file__, tmp_path)
     assert [x["epoch"] for x in r0] == [x["epoch"] for x in r1], "the TP ranks reset to different epochs"
     assert r0 == r1  # so the same blocks' names and token digests on every rank
     first, second = r0
@@ -91,5 +60,5 @@ def test_every_tp_rank_of_an_external_launcher_engine_resets_to_one_epoch(tmp_pa
     assert first["hashes"] != second["hashes"] and first["digests"] != second["digests"]
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # argv: rank, port, output JSON
     _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -45,6 +45,48 @@ def _until(cond, h) -> None:
         time.sleep(0.001)
 
 
+def _held_in_g4_only(harnesses, tmp_path, keys, seed: int) -> list:
+    """Store ``keys`` (payloads of ``seed``) through a manager with G4 alone, on ``tmp_path / "g4"``, then shut it
+    down: the chunks' bytes."""
+    only_g4 = harnesses([_g4_tier(tmp_path / "g4")])
+    data = payloads(only_g4, len(keys), seed=seed)
+    only_g4.store(keys, data)
+    only_g4.wait_idle(timeout=HANG_S)
+    only_g4.shutdown()
+    return data
+
+
+def _local_and_any(h, keys, rid: str):
+    """Requests ``a`` (id ``rid``; its load tier filter: local storage only, so G4 is not asked for it) and ``b``
+    (any tier), each with ``keys`` at positions 1.., both started: ``(a, b)``."""
+    from vllm.v1.kv_offload.base import Locality, Medium, ReqContext, TierFilter, TierMatcher
+
+    a = ReqContext(req_id=rid, load_tier_filter=TierFilter((TierMatcher(Medium.STORAGE, Locality.LOCAL),)))
+    b = h.context()
+    for ctx in (a, b):
+        for i, k in enumerate(keys):
+            ctx.set_offload_key_position(k, i + 1)
+        h.manager.on_new_request(ctx)
+    return a, b
+
+
+def _resolved(h, keys, ctx) -> bool:
+    """Every key a HIT for ``ctx`` (in the primary tier)."""
+    return [h.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * len(keys)
+
+
+def _load(h, keys, ctx, *finished) -> list:
+    """Load ``keys`` for ``ctx`` from the primary tier (the chunks' bytes, copied), then end the requests
+    ``finished`` and step once."""
+    spec = h.manager.prepare_load(keys, ctx)
+    got = [h.primary[int(c), :h.chunk_bytes].copy() for c in spec.chunk_ids]
+    h.manager.complete_load(keys, ctx)
+    for done in finished:
+        h.manager.on_request_finished(done)
+    h.step()
+    return got
+
+
 def test_a_chunk_g4_answered_but_g3_loaded_is_credited_to_g3(tmp_path, harnesses):
     """G4 holds chunks 0-1; request A looks chunk 1 up (G3 empty: A's G3 verdict a cached miss, G4's a HIT) and
     stays alive; then G3 stores 0-1 too. With the primary full (3 chunks pinned by another request's GPU->primary
@@ -53,11 +95,7 @@ def test_a_chunk_g4_answered_but_g3_loaded_is_credited_to_g3(tmp_path, harnesses
     both load from G3. Both count on G3 (2 lookup hits), none on G4, 32 matched tokens. Before the fix G4 counted
     chunk 1 (G3 1 hit, G4 1) though G4 loaded nothing."""
     keys = keys_for(2, "credit")
-    only_g4 = harnesses([_g4_tier(tmp_path / "g4")])
-    data = payloads(only_g4, 2, seed=11)
-    only_g4.store(keys, data)
-    only_g4.wait_idle(timeout=HANG_S)
-    only_g4.shutdown()
+    data = _held_in_g4_only(harnesses, tmp_path, keys, 11)
 
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")], chunks=3)
     g3, g4 = h.manager.secondary_tiers
@@ -87,15 +125,8 @@ def test_a_chunk_g4_answered_but_g3_loaded_is_credited_to_g3(tmp_path, harnesses
     _until(lambda: all(g3.lookup(k, b) is LookupResult.HIT for k in keys), h)  # G3's answers in, the primary full
     h.manager.complete_store(out.keys_to_store, pin, False)  # the pinned stores failed: their chunks are free
     h.manager.on_request_finished(pin)
-
-    def resolved() -> bool:
-        return [h.manager.lookup(k, b) for k in keys] == [LookupResult.HIT] * 2
-    _until(resolved, h)  # both promoted from G3 (its HIT answers first), then loaded
-    spec = h.manager.prepare_load(keys, b)
-    got = [h.primary[int(c), :h.chunk_bytes].copy() for c in spec.chunk_ids]
-    h.manager.complete_load(keys, b)
-    h.manager.on_request_finished(b)
-    h.step()
+    _until(lambda: _resolved(h, keys, b), h)  # both promoted from G3 (its HIT answers first), then loaded
+    got = _load(h, keys, b, b)
     assert all(np.array_equal(a, d) for a, d in zip(got, data))
     loaded = tuple(t.kvbm_stats()["tier"]["chunks_loaded"] - n0 for t, n0 in ((g3, l3), (g4, l4)))
     assert loaded == (2, 0)  # both chunks came from G3
@@ -109,8 +140,6 @@ def test_a_g3_verdict_taken_up_while_g4_counted_the_request_is_credited_once(tmp
     whose lookup counts B's 2 chunks for G3 (G3's index holds them). Once A's answers are in B loads both from G3:
     counted once (G3: A's 2 hits + B's 2, 64 matched tokens, G4 none). Before the fix G3 also counted B's taken-up
     HITs at their answer: 6 hits, 96 tokens for 2 chunks loaded once."""
-    from vllm.v1.kv_offload.base import Locality, Medium, ReqContext, TierFilter, TierMatcher
-
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3, g4 = h.manager.secondary_tiers
     keys, data = keys_for(2, "once"), payloads(h, 2, seed=12)
@@ -121,28 +150,15 @@ def test_a_g3_verdict_taken_up_while_g4_counted_the_request_is_credited_once(tmp
 
     t0, s3, s4 = metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0, _hits(g3), _hits(g4)
     l3, l4 = (t.kvbm_stats()["tier"]["chunks_loaded"] for t in (g3, g4))
-    a = ReqContext(req_id="once-a", load_tier_filter=TierFilter((TierMatcher(Medium.STORAGE, Locality.LOCAL),)))
-    b = h.context()
-    for ctx in (a, b):
-        for i, k in enumerate(keys):
-            ctx.set_offload_key_position(k, i + 1)
-        h.manager.on_new_request(ctx)
+    a, b = _local_and_any(h, keys, "once-a")
     assert [h.manager.lookup(k, a) for k in keys] == [LookupResult.RETRY] * 2  # posted to G3 only
     assert [h.manager.lookup(k, b) for k in keys] == [LookupResult.RETRY] * 2  # G3: A's, pending; G4: posted
     h.step()
     _until(lambda: all(g3.lookup(k, a) is LookupResult.HIT for k in keys)
            and all(g4.lookup(k, b) is LookupResult.HIT for k in keys), h)  # every answer in (G4's counted B)
-
-    def resolved(ctx) -> bool:
-        return [h.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 2
-    _until(lambda: resolved(b), h)  # B first: promoted from G3 on A's verdicts, loaded
-    assert resolved(a)  # A finds them in the primary tier
-    spec = h.manager.prepare_load(keys, b)
-    got = [h.primary[int(c), :h.chunk_bytes].copy() for c in spec.chunk_ids]
-    h.manager.complete_load(keys, b)
-    for ctx in (b, a):
-        h.manager.on_request_finished(ctx)
-    h.step()
+    _until(lambda: _resolved(h, keys, b), h)  # B first: promoted from G3 on A's verdicts, loaded
+    assert _resolved(h, keys, a)  # A finds them in the primary tier
+    got = _load(h, keys, b, b, a)
     assert all(np.array_equal(x, d) for x, d in zip(got, data))
     loaded = tuple(t.kvbm_stats()["tier"]["chunks_loaded"] - n0 for t, n0 in ((g3, l3), (g4, l4)))
     assert loaded == (2, 0)
@@ -156,39 +172,20 @@ def test_a_g3_miss_taken_up_while_g4_counted_the_request_is_counted_once(tmp_pat
     (:func:`.tier_gaps.split_prefix`); G3's miss B took up was counted again at its answer (``Pickups.note``: only a
     HIT waited for the load), so G3's ``lookup_blocks`` (the hit rate's denominator) grew by 6 for 2 chunks asked
     by 2 requests. Now a miss taken up is not counted where the lowest of our tiers counted the chunk: 4."""
-    from vllm.v1.kv_offload.base import Locality, Medium, ReqContext, TierFilter, TierMatcher
-
     keys = keys_for(2, "missonce")
-    only_g4 = harnesses([_g4_tier(tmp_path / "g4")])
-    data = payloads(only_g4, 2, seed=21)
-    only_g4.store(keys, data)
-    only_g4.wait_idle(timeout=HANG_S)
-    only_g4.shutdown()
+    data = _held_in_g4_only(harnesses, tmp_path, keys, 21)
 
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3, g4 = h.manager.secondary_tiers
     b3, b4 = _blocks(g3), _blocks(g4)
-    a = ReqContext(req_id="miss-a", load_tier_filter=TierFilter((TierMatcher(Medium.STORAGE, Locality.LOCAL),)))
-    b = h.context()
-    for ctx in (a, b):
-        for i, k in enumerate(keys):
-            ctx.set_offload_key_position(k, i + 1)
-        h.manager.on_new_request(ctx)
+    a, b = _local_and_any(h, keys, "miss-a")
     assert [h.manager.lookup(k, a) for k in keys] == [LookupResult.RETRY] * 2  # posted to G3 only
     assert [h.manager.lookup(k, b) for k in keys] == [LookupResult.RETRY] * 2  # G3: A's, pending; G4: posted
     h.step()
     _until(lambda: all(g3.lookup(k, a) is LookupResult.MISS for k in keys)
            and all(g4.lookup(k, b) is LookupResult.HIT for k in keys), h)
-
-    def resolved(ctx) -> bool:
-        return [h.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 2
-    _until(lambda: resolved(b), h)  # B: G3's (A's) miss taken up, then loaded from G4
-    spec = h.manager.prepare_load(keys, b)
-    got = [h.primary[int(c), :h.chunk_bytes].copy() for c in spec.chunk_ids]
-    h.manager.complete_load(keys, b)
-    for ctx in (b, a):
-        h.manager.on_request_finished(ctx)
-    h.step()
+    _until(lambda: _resolved(h, keys, b), h)  # B: G3's (A's) miss taken up, then loaded from G4
+    got = _load(h, keys, b, b, a)
     assert all(np.array_equal(x, d) for x, d in zip(got, data))
     d3 = tuple(x - y for x, y in zip(_blocks(g3), b3))
     d4 = tuple(x - y for x, y in zip(_blocks(g4), b4))

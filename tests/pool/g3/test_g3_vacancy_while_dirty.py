@@ -21,30 +21,19 @@ at ``os.write`` as a failing disk returns it, the slab write through the real po
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
-from kvbm_backend.memory import aligned_empty
-from kvbm_backend.model import frame
-
-HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
-SLOTS = 48
-CFG = dict(capacity_gb=SLOTS * frame.slot_bytes(LAYOUT.bytes_per_block) / 1e9, files_per_path=1)
-REPO = Path(__file__).resolve().parents[3]
+from tests.helpers.crash_writer import NS, open_pool, payload
+from tests.helpers.g3_restart import CFG, HANG_S, SLOTS, check_refills, check_restored, run_child
 
 _CHILD = """
 import errno, json, os, sys
 from tests.helpers.crash_writer import NS, open_pool, payload
 from tests.helpers.eio import FailingWrites
-from tests.pool.g3.test_g3_vacancy_while_dirty import CFG, SLOTS
+from tests.helpers.g3_restart import CFG, SLOTS
 mode = sys.argv[2]
 eng = FailingWrites()
 pool = open_pool(sys.argv[1], engine=eng, **CFG)
@@ -92,40 +81,17 @@ os._exit(0)  # no close (no repair there): the journal is left as a killed worke
 """
 
 
-def _run_child(path, mode: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", _CHILD, str(path), mode], capture_output=True, text=True,
-                       timeout=HANG_S, env=env, cwd=str(REPO))
-    assert p.returncode == 0, p.stdout + p.stderr
-    return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT "):])
-
-
-def _check_restored(pool, held, gone) -> None:
-    st = pool.stats()
-    assert (st["restore_dropped"], st["restore_dropped_by_reason"]) == (0, {})
-    assert st["restored_blocks"] == len(held) and set(pool.keys()) == set(held), st
-    out = [aligned_empty(LAYOUT.bytes_per_block) for _ in held + gone]
-    ok = pool.get(held + gone, out).result(timeout=HANG_S).ok
-    assert ok == [True] * len(held) + [False] * len(gone)  # an evicted key is a miss, never another's bytes
-    assert all(np.array_equal(o, payload(k.seq_hash)) for o, k in zip(out, held))
-    acc = pool.cat.accounting()
-    assert acc["leaked"] == 0 and acc["used"] == len(held) and acc["free"] == acc["capacity"] - len(held), acc
-
-
 @pytest.mark.parametrize("mode", ["append_failed", "write_failed", "reuse"])
 def test_slots_emptied_while_the_repair_is_due_are_no_restore_drops(tmp_path, mode):
     """Old code: ``restore_dropped`` 8 (``{'magic': 8}``; ``reuse``: 4). Now 0; the held blocks (and those
     written into vacated slots) hit with their own bytes, the evicted and lost keys miss, accounting is exact and
     the vacated slots fill again without evicting a held block."""
-    got = _run_child(tmp_path, mode)
+    got = run_child(_CHILD, tmp_path, mode)
     held, gone = NS.keys(got["held"]), NS.keys(got["gone"])
     assert len(held) == {"append_failed": 40, "write_failed": 32, "reuse": 44}[mode] and len(gone) == 16
     with open_pool(tmp_path, **CFG) as pool:
-        _check_restored(pool, held, gone)
-        fill = NS.keys(range(10_000, 10_000 + SLOTS - len(held)))
-        r = pool.put(fill, [payload(k.seq_hash) for k in fill]).result(timeout=HANG_S)
-        assert (r.written, r.dropped) == (len(fill), 0) and pool.stats()["evictions"] == 0
-        assert all(pool.contains(k) for k in held)
+        check_restored(pool, held, gone)
+        check_refills(pool, held, 10_000)
 
 
 def test_a_broken_journal_takes_no_vacancy_and_close_repairs_it(tmp_path, monkeypatch, caplog):
@@ -160,4 +126,4 @@ def test_a_broken_journal_takes_no_vacancy_and_close_repairs_it(tmp_path, monkey
         assert len(gone) == 8 and pool.cat.accounting()["leaked"] == 0
     held = [k for k in first if k not in gone]
     with open_pool(tmp_path, **CFG) as pool:
-        _check_restored(pool, held, gone + lost)
+        check_restored(pool, held, gone + lost)

@@ -18,28 +18,19 @@ without closing; the journal's barrier and the repair's fsync fail with EIO as a
 from __future__ import annotations
 
 import errno
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
 from kvbm_backend.memory import aligned_empty
-from kvbm_backend.model import frame
-
-HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
-SLOTS = 48
-CFG = dict(capacity_gb=SLOTS * frame.slot_bytes(LAYOUT.bytes_per_block) / 1e9, files_per_path=1)
-REPO = Path(__file__).resolve().parents[3]
+from tests.helpers.crash_writer import LAYOUT, NS, open_pool, payload
+from tests.helpers.g3_restart import CFG, HANG_S, check_refills, check_restored, run_child
 
 _CHILD = """
 import errno, json, os, sys
 from tests.helpers.crash_writer import NS, open_pool, payload
-from tests.pool.g3.test_g3_withdraw_vacancy import CFG
+from tests.helpers.g3_restart import CFG
 reuse = sys.argv[2] == "reuse"
 pool = open_pool(sys.argv[1], **CFG)
 pool.degrade_s = 0.0  # admission comes back at once: the reuse put below is not dropped as degraded
@@ -76,37 +67,18 @@ os._exit(0)  # no close (no repair there): the journal is left as a killed worke
 """
 
 
-def _run_child(path, mode: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", _CHILD, str(path), mode], capture_output=True, text=True,
-                       timeout=HANG_S, env=env, cwd=str(REPO))
-    assert p.returncode == 0, p.stdout + p.stderr
-    return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT "):])
-
-
 @pytest.mark.parametrize("mode", ["killed", "reuse"])
 def test_a_withdrawn_round_is_no_restore_drop_and_never_comes_back(tmp_path, mode):
     """Old code: ``restore_dropped`` 32 (killed right after the withdrawal) or 24 (8 slots written again) under
     ``magic``. Both: the withdrawn keys absent, every other block a hit with its own bytes, accounting exact."""
-    got = _run_child(tmp_path, mode)
+    got = run_child(_CHILD, tmp_path, mode)
     held, gone = NS.keys(got["held"]), NS.keys(got["gone"])
     assert len(held) == (24 if mode == "reuse" else 16) and len(gone) == 32
     with open_pool(tmp_path, **CFG) as pool:
-        st = pool.stats()
-        assert st["restore_dropped"] == 0 and st["restore_dropped_by_reason"] == {}, st
-        assert st["restored_blocks"] == len(held) and set(pool.keys()) == set(held), st
         assert not any(pool.contains(k) for k in gone)
-        out = [aligned_empty(LAYOUT.bytes_per_block) for _ in held + gone]
-        ok = pool.get(held + gone, out).result(timeout=HANG_S).ok
-        assert ok == [True] * len(held) + [False] * len(gone)  # a withdrawn key is a miss, never another's bytes
-        assert all(np.array_equal(o, payload(k.seq_hash)) for o, k in zip(out, held))
-        acc = pool.cat.accounting()
-        assert acc["leaked"] == 0 and acc["used"] == len(held) and acc["free"] == acc["capacity"] - len(held), acc
+        check_restored(pool, held, gone)  # a withdrawn key is a miss, never another's bytes
         # the withdrawn slots are usable again: the pool fills to its capacity with no eviction of the held blocks
-        fill = NS.keys(range(1000, 1000 + SLOTS - len(held)))
-        r = pool.put(fill, [payload(k.seq_hash) for k in fill]).result(timeout=HANG_S)
-        assert (r.written, r.dropped) == (len(fill), 0) and pool.stats()["evictions"] == 0
-        assert all(pool.contains(k) for k in held)
+        check_refills(pool, held, 1000)
 
 
 def test_a_vacancy_append_that_fails_too_loses_nothing(tmp_path, monkeypatch, caplog):

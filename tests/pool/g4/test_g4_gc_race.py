@@ -17,6 +17,7 @@ from kvbm_backend.pool.g4.gc import run_gc
 from kvbm_backend.pool.g4.s3_store import S3Store
 from kvbm_backend.pool.g4.store import ObjectInfo
 from tests.helpers.lying_proxy import LyingProxy
+from tests.helpers.race_store import race_store
 
 NS, TEN = "0123456789abcdef", "ab" * 16
 SIZE = 1000
@@ -28,55 +29,19 @@ def _name(i: int) -> str:
     return f"{NS}/{TEN}/0/00/{i:032x}"  # name order is age order (S3 LastModified ties)
 
 
-class _RewrittenBeforeDelete:
-    """A store where, right before gc's delete of ``target`` (after the listing), worker B deletes it and worker C
-    publishes :data:`NEW` under its name create-exclusive: once. Real store operations, in the order of the race."""
-
-    target: str | None = None
-    raced = 0
-
-    def _race(self, name: str) -> None:
-        if name == self.target:
-            self.target = None
-            super().delete(name)  # type: ignore[misc]  # worker B
-            assert self.put_if_absent(name, NEW)  # type: ignore[attr-defined]  # worker C
-            self.raced += 1
-
-    def delete(self, name: str) -> None:  # gc's delete before 2026-12-01
-        self._race(name)
-        super().delete(name)  # type: ignore[misc]
-
-    def delete_if_listed(self, info: ObjectInfo) -> bool:
-        self._race(info.name)
-        return super().delete_if_listed(info)  # type: ignore[misc,no-any-return]
-
-
-class _RaceFs(_RewrittenBeforeDelete, FsStore):
-    pass
-
-
-class _RaceS3(_RewrittenBeforeDelete, S3Store):
-    pass
-
-
 @pytest.fixture(params=["file", "s3"])
 def racing(request, tmp_path):
-    """A :class:`_RewrittenBeforeDelete` store of kind ``request.param`` holding blocks 0..2 (:data:`OLD`), oldest
+    """A :class:`~tests.helpers.race_store.RewrittenBeforeDelete` store of kind ``request.param`` writing :data:`NEW`
+    in the race (worker B's delete, worker C's create-exclusive write), holding blocks 0..2 (:data:`OLD`), oldest
     first (file: mtimes ``T0 + i``; S3: written in that order, ties broken by name)."""
-    if request.param == "file":
-        root = tmp_path / "g4"
-        st = _RaceFs(root, fsync=False)
-        for i in range(3):
-            assert st.put_if_absent(_name(i), OLD)
-            os.utime(root / _name(i), (T0 + i, T0 + i))
-        yield st
-        return
-    sw, prefix = request.getfixturevalue("seaweed"), request.getfixturevalue("s3_prefix")
-    s3 = _RaceS3(sw.bucket, prefix, endpoint_url=sw.endpoint, timeout_s=30.0)
+    st = race_store(request, tmp_path)
+    st.rewrite = NEW
     for i in range(3):
-        assert s3.put_if_absent(_name(i), OLD)
-    yield s3
-    s3.close()
+        assert st.put_if_absent(_name(i), OLD)
+        if request.param == "file":
+            os.utime(tmp_path / "g4" / _name(i), (T0 + i, T0 + i))
+    yield st
+    st.close()
 
 
 def _held(st: FsStore | S3Store) -> dict[int, bytes]:

@@ -21,12 +21,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbm_backend.apps.cli import app
-from kvbm_backend.config import G4Config
-from kvbm_backend.pool.g4.factory import open_store
-from kvbm_backend.pool.g4.naming import parse_block_name
-from kvbm_backend.pool.g4.pool import G4Pool
 from tests.conftest import TEST_BUCKET
-from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.g4_migrate import legacy_left, legacy_store, readable
 from tests.helpers.lying_proxy import reply, start_proxy, stop, upstream
 
 pytestmark = [pytest.mark.slow]  # a private SeaweedFS server, killed and restarted twice
@@ -84,33 +80,6 @@ def _migrate(url, endpoint):
                 "--json")
 
 
-def _legacy_store(tmp_path, url, endpoint) -> dict[str, bytes]:
-    """Write ``N`` plaintext blocks with a pool on ``tmp_path / "src"`` and copy each under its format 1 name into the
-    S3 store ``url``: ``{old name: bytes}``."""
-    ns, seqs = namespace(), list(range(N))
-    with G4Pool(G4Config(url=f"file://{tmp_path / 'src'}", encrypt=False, dir_fanout=FANOUT), ns) as p:
-        assert put_blocks(p, seqs, "alice").written == N
-        objs = {p.legacy_object_name(k): bytes(p.store.get(p.object_name(k))) for k in ns.keys(seqs, tenant="alice")}
-    dst = open_store(url, endpoint_url=endpoint)
-    for name, data in objs.items():
-        dst.put(name, data)
-    return objs
-
-
-def _left(url, endpoint, objs: dict[str, bytes]) -> list[str]:
-    """The old names still in the store, each checked to hold its bytes as written."""
-    store = open_store(url, endpoint_url=endpoint)
-    left = sorted(o.name for o in store.list("") if (parse_block_name(o.name, nested=True) or {}).get("legacy"))
-    for name in left:
-        assert bytes(store.get(name)) == objs[name], f"{name}: source changed"
-    return left
-
-
-def _readable(url, endpoint) -> list[bool]:
-    with G4Pool(G4Config(url=url, endpoint_url=endpoint, encrypt=False, dir_fanout=FANOUT), namespace()) as p:
-        return read_checked(p, list(range(N)), "alice")
-
-
 def _stopped(code, out, err, url, renamed: int, left: int) -> dict:
     """The report of a run the outage stopped, checked: exit 4, ``renamed`` renamed, ``left`` not renamed, one
     error line saying so."""
@@ -135,7 +104,7 @@ def test_migrate_stopped_by_a_dead_store_reports_how_far_it_got_and_a_rerun_fini
     rest (the landed copy counts ``already_present``) and every block is served."""
     srv = seaweed_restartable
     url = f"s3://{TEST_BUCKET}/{s3_prefix}"
-    objs = _legacy_store(tmp_path, url, srv.endpoint)
+    objs = legacy_store(tmp_path, url, srv.endpoint, N, FANOUT)
     proxy = DyingProxy(srv)
     try:
         proxy.arm("DELETE", 4)
@@ -147,8 +116,8 @@ def test_migrate_stopped_by_a_dead_store_reports_how_far_it_got_and_a_rerun_fini
         assert code == 2 and out == "" and "error:" in err, (code, out, err)
 
         srv.restart(bucket=TEST_BUCKET)
-        assert len(_left(url, srv.endpoint, objs)) == N - 4
-        assert sum(_readable(url, srv.endpoint)) == 4
+        assert len(legacy_left(url, srv.endpoint, objs)) == N - 4
+        assert sum(readable(url, srv.endpoint, N, FANOUT)) == 4
 
         proxy.arm("PUT", 2)
         code, out, err = _migrate(url, proxy.endpoint)
@@ -156,8 +125,8 @@ def test_migrate_stopped_by_a_dead_store_reports_how_far_it_got_and_a_rerun_fini
         _stopped(code, out, err, url, 1, N - 4 - 1)
 
         srv.restart(bucket=TEST_BUCKET)
-        assert len(_left(url, srv.endpoint, objs)) == N - 4 - 1
-        assert sum(_readable(url, srv.endpoint)) == 4 + 2  # the landed copy is served already
+        assert len(legacy_left(url, srv.endpoint, objs)) == N - 4 - 1
+        assert sum(readable(url, srv.endpoint, N, FANOUT)) == 4 + 2  # the landed copy is served already
 
         proxy.arm("GET", 10 ** 9)  # no outage
         code, out, err = _migrate(url, proxy.endpoint)
@@ -165,6 +134,6 @@ def test_migrate_stopped_by_a_dead_store_reports_how_far_it_got_and_a_rerun_fini
         assert code == 0, (code, out, err)
         assert (res["migrated"], res["already_present"], res["errors"], res["stopped_unavailable"]) == (
             N - 4 - 2, 1, 0, None), out
-        assert _left(url, srv.endpoint, objs) == [] and _readable(url, srv.endpoint) == [True] * N
+        assert legacy_left(url, srv.endpoint, objs) == [] and readable(url, srv.endpoint, N, FANOUT) == [True] * N
     finally:
         proxy.close()

@@ -14,47 +14,14 @@ import pytest
 
 from kvbm_backend.config import G4Config
 from kvbm_backend.crypto.keyring import Keyring
-from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.migrate import run_migrate
 from kvbm_backend.pool.g4.naming import parse_block_name
 from kvbm_backend.pool.g4.pool import G4Pool
-from kvbm_backend.pool.g4.s3_store import S3Store
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.race_store import race_store
 
 FANOUT = 16
 SEQ = 9300
-
-
-class _RewrittenBeforeDelete:
-    """A store where, right before migrate's first delete of ``target`` (after it read and published it), another
-    process deletes the object and an old-version worker writes ``rewrite`` under the name create-exclusive: once."""
-
-    target: str | None = None
-    rewrite: bytes = b""
-    raced = 0
-
-    def _race(self, name: str) -> None:
-        if name == self.target:
-            self.target = None
-            super().delete(name)  # type: ignore[misc]  # gc, or a load dropping it
-            assert self.put_if_absent(name, self.rewrite)  # type: ignore[attr-defined]  # the old-version worker
-            self.raced += 1
-
-    def delete(self, name: str) -> None:  # migrate's delete before 2026-12-03
-        self._race(name)
-        super().delete(name)  # type: ignore[misc]
-
-    def delete_if_matches(self, name: str, data, size: int) -> bool:
-        self._race(name)
-        return super().delete_if_matches(name, data, size)  # type: ignore[misc,no-any-return]
-
-
-class _RaceFs(_RewrittenBeforeDelete, FsStore):
-    pass
-
-
-class _RaceS3(_RewrittenBeforeDelete, S3Store):
-    pass
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -80,10 +47,7 @@ def setup(request, tmp_path):
         old_name = p.legacy_object_name(k)
         p.store.put(old_name, sealings[0])
     assert sealings[0] != sealings[1]
-    if request.param == "file":
-        st = _RaceFs(tmp_path / "g4", fsync=False)
-    else:
-        st = _RaceS3(sw.bucket, prefix, endpoint_url=sw.endpoint, timeout_s=30.0)
+    st = race_store(request, tmp_path)
     try:
         yield cfg, st, old_name, sealings[0], sealings[1]
     finally:

@@ -18,11 +18,7 @@ from urllib.parse import urlparse
 from typer.testing import CliRunner
 
 from kvbm_backend.apps.cli import app
-from kvbm_backend.config import G4Config
-from kvbm_backend.pool.g4.factory import open_store
-from kvbm_backend.pool.g4.naming import parse_block_name
-from kvbm_backend.pool.g4.pool import G4Pool
-from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.g4_migrate import legacy_left, legacy_store, readable
 from tests.helpers.throttle_proxy import ThrottleProxy
 
 N = 8  # blocks under format 1 names
@@ -61,34 +57,6 @@ def _migrate(url, endpoint, *extra):
     return r.exit_code, r.stdout, r.stderr
 
 
-def _legacy_store(tmp_path, url, endpoint) -> dict[str, bytes]:
-    """Write ``N`` plaintext blocks with a pool on ``tmp_path / "src"`` and copy each under its format 1 name into the
-    S3 store ``url`` (directly, not through a proxy): ``{old name: bytes}``."""
-    ns, seqs = namespace(), list(range(N))
-    with G4Pool(G4Config(url=f"file://{tmp_path / 'src'}", encrypt=False, dir_fanout=FANOUT), ns) as p:
-        assert put_blocks(p, seqs, "alice").written == N
-        objs = {p.legacy_object_name(k): bytes(p.store.get(p.object_name(k))) for k in ns.keys(seqs, tenant="alice")}
-    dst = open_store(url, endpoint_url=endpoint)
-    for name, data in objs.items():
-        dst.put(name, data)
-    return objs
-
-
-def _left(url, endpoint, objs: dict[str, bytes]) -> list[str]:
-    """The old names still in the store, each checked to hold its bytes as written."""
-    store = open_store(url, endpoint_url=endpoint)
-    left = sorted(o.name for o in store.list("") if (parse_block_name(o.name, nested=True) or {}).get("legacy"))
-    for name in left:
-        assert bytes(store.get(name)) == objs[name], f"{name}: source changed"
-    return left
-
-
-def _readable(url, endpoint) -> list[bool]:
-    """Which of the ``N`` blocks a worker serves (under their keyed names), each checked to hold its bytes."""
-    with G4Pool(G4Config(url=url, endpoint_url=endpoint, encrypt=False, dir_fanout=FANOUT), namespace()) as p:
-        return read_checked(p, list(range(N)), "alice")
-
-
 def _stopped(code, out, err, url, phase: str, renamed: int, left: int | None) -> dict:
     """The report of a run a throttling store stopped, checked: exit 5, ``stopped_throttled`` naming the store, the
     phase, ``renamed`` and ``left``, no error counted, one ``error:`` line saying so."""
@@ -118,7 +86,7 @@ def test_migrate_retries_throttled_requests_after_a_backoff_and_renames_every_bl
     source's DELETE): each is sent again after a backoff and every block is renamed, exit 0, no error, the throttled
     answers counted. Old code: every header read throttled was an error, exit 1, nothing renamed."""
     url = seaweed.url(s3_prefix)
-    objs = _legacy_store(tmp_path, url, seaweed.endpoint)
+    objs = legacy_store(tmp_path, url, seaweed.endpoint, N, FANOUT)
     proxy = _proxy(seaweed, first_n=1)
     proxy.methods = {"GET", "HEAD", "PUT", "DELETE"}
     try:
@@ -129,8 +97,8 @@ def test_migrate_retries_throttled_requests_after_a_backoff_and_renames_every_bl
         assert res["throttled"] == proxy.throttled >= 3 * N, (res["throttled"], proxy.throttled)
     finally:
         proxy.close()
-    assert _left(url, seaweed.endpoint, objs) == []
-    assert _readable(url, seaweed.endpoint) == [True] * N
+    assert legacy_left(url, seaweed.endpoint, objs) == []
+    assert readable(url, seaweed.endpoint, N, FANOUT) == [True] * N
 
 
 def test_migrate_stops_where_the_store_keeps_throttling_and_a_rerun_finishes(seaweed, s3_prefix, tmp_path):
@@ -139,7 +107,7 @@ def test_migrate_stops_where_the_store_keeps_throttling_and_a_rerun_finishes(sea
     byte. A rerun once the store answers renames the rest (the landed copy ``already_present``). Old code: every later
     DELETE throttled was an error (exit 1) and the run went on PUTting copies."""
     url = seaweed.url(s3_prefix)
-    objs = _legacy_store(tmp_path, url, seaweed.endpoint)
+    objs = legacy_store(tmp_path, url, seaweed.endpoint, N, FANOUT)
     proxy = _proxy(seaweed, ThrottleFrom, method="DELETE", after=3)
     try:
         code, out, err = _migrate(url, proxy.endpoint)
@@ -150,15 +118,15 @@ def test_migrate_stops_where_the_store_keeps_throttling_and_a_rerun_finishes(sea
         assert res["throttled"] == proxy.throttled == ATTEMPTS, res
     finally:
         proxy.close()
-    assert len(_left(url, seaweed.endpoint, objs)) == N - 3
-    assert sum(_readable(url, seaweed.endpoint)) == 4  # the one it stopped at has its copy: served already
+    assert len(legacy_left(url, seaweed.endpoint, objs)) == N - 3
+    assert sum(readable(url, seaweed.endpoint, N, FANOUT)) == 4  # the one it stopped at has its copy: served already
 
     code, out, err = _migrate(url, seaweed.endpoint)
     rerun = json.loads(out)
     assert code == 0, (code, out, err)
     assert (rerun["migrated"], rerun["already_present"], rerun["errors"], rerun["stopped_throttled"]) == (
         N - 4, 1, 0, None), out
-    assert _left(url, seaweed.endpoint, objs) == [] and _readable(url, seaweed.endpoint) == [True] * N
+    assert legacy_left(url, seaweed.endpoint, objs) == [] and readable(url, seaweed.endpoint, N, FANOUT) == [True] * N
 
 
 def test_migrate_throttled_before_its_first_write_stops_with_nothing_written(seaweed, s3_prefix, tmp_path):
@@ -167,7 +135,7 @@ def test_migrate_throttled_before_its_first_write_stops_with_nothing_written(sea
     no PUT or DELETE sent, every source in place (old code: an error per object, exit 1). A dry run stops the same
     way. Then a run finishes."""
     url = seaweed.url(s3_prefix)
-    objs = _legacy_store(tmp_path, url, seaweed.endpoint)
+    objs = legacy_store(tmp_path, url, seaweed.endpoint, N, FANOUT)
     proxy = _proxy(seaweed, ThrottleFrom, method="LIST", after=0)
     try:
         code, out, err = _migrate(url, proxy.endpoint)
@@ -186,11 +154,11 @@ def test_migrate_throttled_before_its_first_write_stops_with_nothing_written(sea
             assert _object_requests(proxy, "PUT") == _object_requests(proxy, "DELETE") == 0, proxy.requests
         finally:
             proxy.close()
-    assert _left(url, seaweed.endpoint, objs) == sorted(objs)
+    assert legacy_left(url, seaweed.endpoint, objs) == sorted(objs)
 
     code, out, err = _migrate(url, seaweed.endpoint)
     assert code == 0 and json.loads(out)["migrated"] == N, (code, out, err)
-    assert _left(url, seaweed.endpoint, objs) == [] and _readable(url, seaweed.endpoint) == [True] * N
+    assert legacy_left(url, seaweed.endpoint, objs) == [] and readable(url, seaweed.endpoint, N, FANOUT) == [True] * N
 
 
 def test_throttle_attempts_below_one_is_refused(seaweed, s3_prefix):
