@@ -109,11 +109,13 @@ counts (and is deleted) once (before 2026-12-03 each entry counted, a dry run's 
 that fails (the store unavailable, still throttled: :meth:`.gc_sizes.BlockSizes.judge` ``unchecked``) leaves the
 object alone, out of the capacity total, counted ``invalid_size`` (by its listing) and in ``errors``, with a
 ``warnings`` line naming the failure (before 2026-12-03: no error, and a warning that the namespace's
-``namespace.json`` was missing). Before 2026-12-03 the listed size counted as it came: a block-named file
-truncated to 1 TiB (sparse: 4 KiB on disk) or an S3 listing stating a block at 1 TiB or a negative size made a
-capacity pass delete every good block. The capacity
-total is of the blocks' sizes (a file's ``st_size``, not the space it takes: a block is written whole, and a
-sparse or compressed file of a block's size is counted as the block it is, a sparse one of another size is junk).
+``namespace.json`` was missing); so does one whose size is impossible for any layout where the read of its
+namespace's ``namespace.json`` failed (a get that raised, not a missing file: the warning names that read; before
+2026-12-03 ``kept``, no error). Before 2026-12-03 the listed size counted as it came: a block-named file truncated
+to 1 TiB (sparse: 4 KiB on disk) or an S3 listing stating a block at 1 TiB or a negative size made a capacity pass
+delete every good block. The capacity total is of the blocks' sizes (a file's ``st_size``, not the space it takes:
+a block is written whole, and a sparse or compressed file of a block's size is counted as the block it is, a sparse
+one of another size is junk).
 Keys an S3 listing names outside the store's prefix (a server or proxy that ignores ``Prefix``) are skipped by the
 store and counted ``outside_prefix``; a listing that loops (a continuation token handed out again, pages that
 list nothing new) ends as an ``unlisted`` error (:mod:`.s3_list`).
@@ -426,7 +428,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             invalid_kept += verdict == "kept"
             if verdict != "gone":
                 no_block.add(o.name)
-            if verdict == "unchecked":  # its HEAD / stat failed: left alone, an error (as a failed header read)
+            if verdict == "unchecked":  # its HEAD / stat or namespace.json read failed: left alone, an error
                 unchecked += 1
                 res["errors"] += 1
             if verdict == "junk":
@@ -452,12 +454,18 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     res["outside_prefix"] = getattr(store, "listed_outside_prefix", 0) - outside
     if invalid_kept:
         warnings.append(f"{invalid_kept} object(s) at block names of an impossible size (negative, or over 1 GiB) "
-                        "kept: their namespace's namespace.json is missing or unreadable, so gc knows no block "
-                        "size to tell junk by; not counted toward --target-gb (module doc, \"Impossible sizes\")")
-    if unchecked:
-        warnings.append(f"{unchecked} object(s) at block names listed at a size no block of their namespace has "
-                        f"could not be checked (HEAD / stat failed; first: {sizes.stat_error}): left alone, not "
-                        "counted toward --target-gb, counted in errors; run gc again once the store answers")
+                        "kept: their namespace's namespace.json is missing or is not that namespace's, so gc knows "
+                        "no block size to tell junk by; not counted toward --target-gb (module doc, \"Impossible "
+                        "sizes\")")
+    if unchecked - sizes.unread:
+        warnings.append(f"{unchecked - sizes.unread} object(s) at block names listed at a size no block of their "
+                        f"namespace has could not be checked (HEAD / stat failed; first: {sizes.stat_error}): left "
+                        "alone, not counted toward --target-gb, counted in errors; run gc again once the store answers")
+    if sizes.unread:
+        warnings.append(f"{sizes.unread} object(s) at block names of an impossible size (negative, or over 1 GiB) "
+                        "left alone: the read of their namespace's namespace.json failed (first: "
+                        f"{sizes.read_error}), so gc could not tell junk by its block size; not counted toward "
+                        "--target-gb, counted in errors; run gc again once that file can be read")
     for o in listing(store.list_temps(""), unlisted):
         if not own_temp(o.name):
             res["nested_temps"] += 1  # another store's writer below this one's root: never ours to delete

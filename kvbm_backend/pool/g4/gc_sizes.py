@@ -6,10 +6,14 @@ A G4 block object is one frame, unpadded: ``HEADER_BYTES`` (4096) + the namespac
 every reader refuses any other length (``exact``). The block name's first component is the namespace fingerprint,
 and ``{ns}/namespace.json`` (written by the namespace's first worker) holds the namespace: when it parses and its
 fingerprint is the name's, that one size is the only one a block there can have (:meth:`BlockSizes.judge`: an
-object of another size is junk, never served: gc deletes it). Without such a file (missing, unreadable,
-another namespace's) gc knows no layout: only a negative size, or one over :data:`MAX_FRAME_BYTES` (the frame of
-the largest payload ``g4 migrate`` reads, 1 GiB: no published layout's KV block is near it), is impossible, and
-such an object is kept (a layout gc does not know might be that large) and left out of the capacity total.
+object of another size is junk, never served: gc deletes it). Without such a file (missing, not JSON, not a
+namespace, another namespace's) gc knows no layout: only a negative size, or one over :data:`MAX_FRAME_BYTES` (the
+frame of the largest payload ``g4 migrate`` reads, 1 GiB: no published layout's KV block is near it), is
+impossible, and such an object is kept (a layout gc does not know might be that large) and left out of the
+capacity total. A read of the file that *failed* (the get raised: the store unavailable, still throttled after the
+retries, EIO, a directory or link at that name) says nothing about the layout: such an object is ``unchecked``,
+left alone as when its own HEAD / ``stat`` fails, and gc counts an error (before 2026-12-03 it was ``kept``, the
+warning blaming a missing file, errors 0: junk a readable file would have had deleted stayed, silently).
 
 A listed size is checked against the object itself before anything is decided (S3: a HEAD, file stores:
 ``stat``): an S3 listing that states a wrong ``Size`` for a good block leaves that block a block, at its true
@@ -33,30 +37,39 @@ Verdict = Literal["block", "junk", "kept", "gone", "unchecked"]
 
 
 class BlockSizes:
-    """The block sizes of each namespace of ``store`` (its ``namespace.json``, read once per pass and namespace;
-    a read throttled ``attempts`` times, or failing, counts as no file)."""
+    """The block sizes of each namespace of ``store`` (its ``namespace.json``, read once per pass and namespace,
+    throttled answers tried ``attempts`` times; a read that fails is remembered as failed, not as no file)."""
 
     def __init__(self, store: ObjectStore, attempts: int):
         self._store, self._attempts = store, attempts
         self._exact: dict[str, int | None] = {}  # namespace fingerprint -> its frame size (None: not known)
+        self._failed: set[str] = set()  # namespaces whose namespace.json read failed (not: is missing)
         self.stat_error: str | None = None  # the first failed look at an object (:meth:`judge`: "unchecked")
+        self.read_error: str | None = None  # the first failed read of a namespace.json
+        self.unread = 0  # objects judged "unchecked" because their namespace.json read failed (not their stat)
 
     def exact(self, ns: str) -> int | None:
-        """The one size (bytes) a block of namespace ``ns`` (16 hex) has, or None when the store does not say."""
+        """The one size (bytes) a block of namespace ``ns`` (16 hex) has, or None when the store does not say (no
+        usable ``namespace.json``, or its read failed: then also counted by :meth:`judge` as ``unchecked``)."""
         if ns not in self._exact:
             self._exact[ns] = self._read(ns)
         return self._exact[ns]
 
     def _read(self, ns: str) -> int | None:
+        name = namespace_name(ns)
         try:
-            body = call_attempts(lambda: self._store.get(namespace_name(ns), 0, NAMESPACE_JSON_MAX + 1),
-                                 self._attempts)
-            if body is None or len(body) > NAMESPACE_JSON_MAX:
-                return None
+            body = call_attempts(lambda: self._store.get(name, 0, NAMESPACE_JSON_MAX + 1), self._attempts)
+        except Exception as e:  # noqa: BLE001 - the get failed (unavailable, throttled, EIO, no regular file)
+            self._failed.add(ns)
+            self.read_error = self.read_error or f"{name}: {e}"
+            return None
+        if body is None or len(body) > NAMESPACE_JSON_MAX:
+            return None  # missing (or too large for one): no layout known
+        try:
             doc = json.loads(bytes(body))
             doc.pop("g4", None)  # the store's fan-out: not in the fingerprint
             namespace = Namespace.from_dict(doc)
-        except Exception:  # noqa: BLE001 - unreadable, not JSON, not a namespace: no layout known
+        except Exception:  # noqa: BLE001 - not JSON, not a namespace: no layout known
             return None
         return HEADER_BYTES + namespace.layout.bytes_per_block if namespace.fingerprint == ns else None
 
@@ -73,7 +86,10 @@ class BlockSizes:
         known: keep it, it is no block) or ``("gone", o)`` (deleted since listed). A stat that raises (the store
         unavailable, still throttled after ``attempts`` tries; its message kept in :attr:`stat_error`, the first
         one): ``("unchecked", o)``: its listed size is impossible and its true one unknown; gc leaves it alone and
-        counts an error (before 2026-12-03 ``kept``: reported as a missing ``namespace.json``, no error)."""
+        counts an error (before 2026-12-03 ``kept``: reported as a missing ``namespace.json``, no error). An object
+        of a size impossible for any layout in a namespace whose ``namespace.json`` read failed (its message in
+        :attr:`read_error`, counted in :attr:`unread`): ``("unchecked", what stat says)`` too, as it might be junk
+        a readable file would have said to delete (before 2026-12-03 ``kept``, as if the file were missing)."""
         if self.possible(ns, o.size):
             return "block", o
         try:
@@ -87,4 +103,9 @@ class BlockSizes:
         now = ObjectInfo(o.name, now.size, now.mtime or o.mtime, now.version if now.version is not None else o.version)
         if self.possible(ns, now.size):
             return "block", now
-        return ("junk" if self.exact(ns) is not None else "kept"), now
+        if self.exact(ns) is not None:
+            return "junk", now
+        if ns in self._failed:  # the layout is unknown because the read failed, not because there is none
+            self.unread += 1
+            return "unchecked", now
+        return "kept", now

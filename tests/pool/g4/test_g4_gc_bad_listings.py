@@ -28,13 +28,15 @@ import threading
 from typing import Iterator
 from urllib.parse import parse_qs, urlsplit
 
+import pytest
+
 from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.pool.g4.fs_store import FsStore
-from kvbm_backend.pool.g4.gc import run_gc
+from kvbm_backend.pool.g4.gc import THROTTLE_ATTEMPTS, run_gc
 from kvbm_backend.pool.g4 import s3_list
 from kvbm_backend.pool.g4.naming import namespace_doc, namespace_name
 from kvbm_backend.pool.g4.s3_store import S3Store
-from kvbm_backend.pool.g4.store import ObjectInfo, StoreUnavailable
+from kvbm_backend.pool.g4.store import ObjectInfo, StoreThrottled, StoreUnavailable
 from tests.helpers.lying_proxy import QuietHandler, reply, serve, stop, upstream
 from tests.helpers.pools import tiny_ns
 
@@ -415,3 +417,98 @@ def test_a_failed_stat_counts_as_an_error(tmp_path):
     assert st.stat(_name(1, tiny_ns().fingerprint)) is not None
     st.fail = ""
     assert st.stat(_name(50, tiny_ns().fingerprint)) is not None  # left alone
+
+
+class NsGetFailsFsStore(FsStore):
+    """A real file store whose ``get`` of ``self.fail`` (a namespace.json) raises ``self.error`` (StoreUnavailable:
+    the store gave no answer; StoreThrottled: it said "slow down", every time), counting those gets in ``calls``.
+    Everything else, that file's ``stat`` and the listing included, is the file store's own."""
+
+    fail: str = ""
+    error: type[OSError] = StoreUnavailable
+    calls = 0
+
+    def get(self, name: str, offset: int = 0, length: int | None = None):
+        if name == self.fail:
+            self.calls += 1
+            raise self.error(f"get {name}: no answer (test)")
+        return super().get(name, offset, length)
+
+
+def _store_with_giant_junk(root, cls=FsStore) -> tuple[FsStore, str, int]:
+    """A real namespace (namespace.json written) with 3 good blocks (mtimes T0..T0+2) and two block-named sparse
+    files of 1 TiB and 2 TiB (impossible for any layout: junk once namespace.json is read). ``(store, ns, frame)``."""
+    ns = tiny_ns()
+    frame = HEADER_BYTES + ns.layout.bytes_per_block
+    st = cls(root, fsync=False)
+    assert st.put_if_absent(namespace_name(ns.fingerprint), namespace_doc(ns, 256))
+    for i in range(3):
+        assert st.put_if_absent(_name(i, ns.fingerprint), b"x" * frame)
+        os.utime(root / _name(i, ns.fingerprint), (T0 + i, T0 + i))
+    for i, size in ((98, TIB), (99, 2 * TIB)):
+        with open(root / _name(i, ns.fingerprint), "wb") as f:
+            os.truncate(f.fileno(), size)
+    return st, ns.fingerprint, frame
+
+
+def _assert_left_alone_with_an_error(st, res, fp: str, frame: int, error_text: str) -> None:
+    """Both giant files left alone, counted invalid_size and in errors (one each), out of the capacity total; the
+    good blocks untouched; a warning naming the failed read of namespace.json, none blaming a missing file."""
+    assert _left(st) == sorted(_name(i, fp) for i in (0, 1, 2, 98, 99)), res
+    assert (res["invalid_size"], res["errors"], res["deleted_objects"]) == (2, 2, 0), res
+    assert (res["scanned_objects"], res["remaining_bytes"]) == (3, 3 * frame), res
+    warnings = res.get("warnings", [])
+    assert not any("namespace.json is missing" in w for w in warnings), warnings
+    assert any("2 object(s)" in w and "read of their namespace's namespace.json failed" in w and error_text in w
+               for w in warnings), warnings
+
+
+def test_a_directory_at_namespace_json_is_a_failed_read_not_a_missing_file(tmp_path):
+    """A real failure of the read: ``{ns}/namespace.json`` is a directory (the file store's get refuses what is
+    not a regular file: OSError). gc cannot know the layout, so the two 1 TiB+ files, which a readable file would
+    have made junk to delete, are left alone and are errors (exit 1), the warning naming the failed read. Before:
+    ``kept`` as if the file were missing, errors 0, a warning "namespace.json is missing or unreadable". Once the
+    file is back, the next pass deletes them; the good blocks are never touched."""
+    root = tmp_path / "store"
+    st, fp, frame = _store_with_giant_junk(root)
+    ns_json = root / namespace_name(fp)
+    saved = ns_json.read_bytes()
+    ns_json.unlink()
+    ns_json.mkdir()
+    res = run_gc(st, target_bytes=10 * frame, now=T0 + 100)
+    _assert_left_alone_with_an_error(st, res, fp, frame, "not a regular file")
+    ns_json.rmdir()
+    ns_json.write_bytes(saved)
+    res = run_gc(st, target_bytes=10 * frame, now=T0 + 100)
+    assert _left(st) == sorted(_name(i, fp) for i in range(3)), res
+    assert (res["deleted_by"]["invalid_size"], res["deleted_objects"], res["errors"]) == (2, 2, 0), res
+
+
+@pytest.mark.parametrize("error", [StoreUnavailable, StoreThrottled])
+def test_a_failed_get_of_namespace_json_leaves_giant_objects_alone_as_errors(tmp_path, error):
+    """The store's get of namespace.json fails (unavailable; throttled on each of the THROTTLE_ATTEMPTS tries):
+    the objects of a size impossible for any layout are left alone, one error each, the warning naming that read
+    (its message). Read once per pass (tries included), not once per object. Before: ``kept``, errors 0, the
+    warning blaming a missing file. When the store answers again, the next pass deletes them as junk."""
+    root = tmp_path / "store"
+    st, fp, frame = _store_with_giant_junk(root, NsGetFailsFsStore)
+    st.fail, st.error = namespace_name(fp), error
+    res = run_gc(st, target_bytes=10 * frame, now=T0 + 100)
+    _assert_left_alone_with_an_error(st, res, fp, frame, "no answer (test)")
+    assert st.calls == (THROTTLE_ATTEMPTS if error is StoreThrottled else 1), st.calls
+    st.fail = ""
+    res = run_gc(st, target_bytes=10 * frame, now=T0 + 100)
+    assert _left(st) == sorted(_name(i, fp) for i in range(3)), res
+    assert (res["deleted_by"]["invalid_size"], res["deleted_objects"], res["errors"]) == (2, 2, 0), res
+
+
+def test_a_namespace_json_that_does_not_parse_still_means_no_layout_known(tmp_path):
+    """A namespace.json that was read but is no JSON is genuinely no layout: the giant objects are kept (not
+    errors), the warning says the file is missing or not the namespace's (unchanged by the failed-read fix)."""
+    root = tmp_path / "store"
+    st, fp, frame = _store_with_giant_junk(root)
+    (root / namespace_name(fp)).write_bytes(b"{not json")
+    res = run_gc(st, target_bytes=10 * frame, now=T0 + 100)
+    assert _left(st) == sorted(_name(i, fp) for i in (0, 1, 2, 98, 99)), res
+    assert (res["invalid_size"], res["errors"], res["deleted_objects"], res["remaining_bytes"]) == (2, 0, 0, 3 * frame)
+    assert any("2 object(s)" in w and "kept" in w and "namespace.json is missing" in w for w in res["warnings"]), res
