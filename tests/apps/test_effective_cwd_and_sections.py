@@ -25,7 +25,8 @@ def _cli(*args: str, removed_cwd: Path | None = None) -> subprocess.CompletedPro
     """``python -m kvbm_backend.apps.cli config effective ARGS``; with ``removed_cwd`` the process starts in that
     directory and removes it before exec (``sh``: ``cd DIR && rmdir DIR && exec python ...``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBM_BACKEND", "DYN_KVBM_"))}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    # no empty entry: it names the working directory, which Python cannot make absolute once removed
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     argv = [sys.executable, "-m", "kvbm_backend.apps.cli", "config", "effective", *args]
     if removed_cwd is not None:
         removed_cwd.mkdir()

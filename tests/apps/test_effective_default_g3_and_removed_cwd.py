@@ -37,7 +37,8 @@ def _run(argv: list[str], cwd, env_extra: dict[str, str] | None = None) -> subpr
     """``argv`` in the working directory ``cwd``: a path, or ``(REMOVED, dir)``: the process starts in ``dir`` and
     removes it before exec (``sh``: ``cd DIR && rmdir DIR && exec ...``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBM_BACKEND", "DYN_KVBM_"))}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    # no empty entry: it names the working directory, which Python cannot make absolute once removed
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.update(env_extra or {})
     if isinstance(cwd, tuple):
         gone = cwd[1]
