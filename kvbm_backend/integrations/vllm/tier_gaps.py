@@ -9,7 +9,8 @@ holding k, G3 served k and the chunks after it that G4 held were recomputed (rev
 
 :func:`split_prefix` counts a request's usable prefix among the tiers (the lowest of our tiers counts for all):
 each tier's own leading prefix undercounted chunks the tiers fill between them (G3 holding 1 and G4 0, 2, 3 loaded
-4 chunks and counted 1, review 2026-11-30).
+4 chunks and counted 1, review 2026-11-30). It names the tier of each chunk, so a chunk a tier already counted for
+the request (:mod:`.tier_pickups`) is left out of that tier's count (review 2026-12-03).
 """
 from __future__ import annotations
 
@@ -61,16 +62,17 @@ def _held_from(u: KvbmSecondaryTier, bks: list, end: Deadline) -> int:
 
 
 def split_prefix(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, str]], own: list[bool],
-                 req_context: ReqContext, end: Deadline) -> list[int]:
+                 req_context: ReqContext, end: Deadline) -> list[int | None]:
     """The request's usable prefix of ``pairs`` (a run's chunks, ascending: the leading chunks some tier holds,
     what vLLM loads; the chunk after it no tier holds and the rest are recomputed) split by the tier each chunk
-    loads from, the first in the manager's order that holds it: the chunks each of ``tiers`` (our tiers asked
-    before this one, in order) serves, then this tier's (``own[j]``: its verdict of ``pairs[j]``, all copies).
-    Uncounted index lookups of the tiers above, one per tier and stretch they hold (one per chunk this tier
-    serves); a failed or late one holds nothing. Never raises."""
+    loads from, the first in the manager's order that holds it: per chunk the index of that tier among ``tiers``
+    (our tiers asked before this one, in order), ``len(tiers)`` for this tier (``own[j]``: its verdict of
+    ``pairs[j]``, all copies), None past the usable prefix. Uncounted index lookups of the tiers above, one per
+    tier and stretch they hold (one per chunk this tier serves); a failed or late one holds nothing. Never
+    raises."""
     bks = [[bk for k, _ in pairs for bk in u._block_keys(k, u._tenant_of(req_context))]
            if u._serves(u._tenant_of(req_context)) else [] for u in tiers]  # a refused tenant: nothing held
-    shares = [0] * (len(tiers) + 1)
+    owners: list[int | None] = [None] * len(pairs)
     s = 0
     while s < len(pairs):
         first, n = next(((i, m) for i, (u, b) in enumerate(zip(tiers, bks))
@@ -81,6 +83,7 @@ def split_prefix(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, s
             first, n = len(tiers), 1
         elif first > 0:
             n = 1  # a tier asked before ``first`` may hold the stretch's later chunks
-        shares[first] += n
+        n = min(n, len(pairs) - s)
+        owners[s:s + n] = [first] * n
         s += n
-    return shares
+    return owners

@@ -43,7 +43,10 @@ A request sharing a verdict another live request posted (vLLM posts a key once) 
 verdict up (:mod:`.tier_pickups`; a miss not where the lowest of our tiers counted it); before 2026-12-03 it was
 not counted at all. With several of our tiers a HIT it
 takes up, and a chunk it loads that it did not post to the lowest, count on the tier that loads it, when the load
-ends (:meth:`TenantLookup.loading`; before 2026-12-03 G4 was credited for a chunk G3 loaded).
+ends (:meth:`TenantLookup.loading`; before 2026-12-03 G4 was credited for a chunk G3 loaded). The lowest counts only
+the chunks the request posted to it; one the request posted above and not to the lowest counts on the tier above
+once answered, and one a tier above counted already is left out of that tier's count when the request posts it to
+the lowest later (:mod:`.tier_pickups`; before 2026-12-03 the first was counted nowhere, the second twice).
 """
 from __future__ import annotations
 
@@ -118,6 +121,10 @@ class TenantLookup(AsyncLookupManager):
         self._stuck: tuple[Future, Deadline] | None = None  # a lookup that timed out, the end of its back-off
         self._counts = {"lookups_timed_out": 0, "lookups_not_asked": 0}  # written by the worker thread only
         self._pickups = Pickups()  # verdicts requests share without posting them: counted at flush
+        # req_id -> {pair: our tiers above that counted the chunk for the request already}: the lowest of our tiers
+        # leaves them out of its count (batch_lookup, worker thread; written on the scheduler thread before the post)
+        self._counted_above: dict[str, dict[Any, tuple]] = {}
+        self._above_lock = threading.Lock()
         super().__init__(tier_type=tier_type)
 
     @property  # type: ignore[override]
@@ -213,9 +220,18 @@ class TenantLookup(AsyncLookupManager):
                            hit_at_load=bool(after) or bool(self._above and self._asked_first(req_context)),
                            counted_below=self._posted_to(after[-1], key, req_context) if after else None)
         if posted and not after and self._above:  # the lowest of ours: batch_lookup counts the tiers above
-            for u in self._asked_first(req_context):
-                u._lookup._pickups.uncount(req_context.req_id, (key, u._tenant_of(req_context)))
+            rid = req_context.req_id
+            done = tuple(u for u in self._asked_first(req_context)
+                         if u._lookup._pickups.uncount(rid, (key, u._tenant_of(req_context))))
+            if done:  # counted there for the request already (an earlier step): left out of their count here
+                with self._above_lock:
+                    self._counted_above.setdefault(rid, {})[pair] = done
         return r
+
+    def _verdict(self, pair: Any) -> bool | None:
+        """Scheduler thread: the cached verdict of ``pair`` (None: none, or not answered yet)."""
+        st = self._lookup_state.get(pair)
+        return bool(st.result) if st is not None and st.phase is LookupPhase.RESOLVED else None
 
     @staticmethod
     def _posted_to(low: KvbmSecondaryTier, key: OffloadKey, req_context: ReqContext) -> bool:
@@ -247,7 +263,7 @@ class TenantLookup(AsyncLookupManager):
         """vLLM's (post this step's keys), then count the verdicts requests took up without posting them: one
         request's lookup per request on this tier's pool (``kvbm_matched_tokens``, hit rate, lookup counters)."""
         super().flush()
-        for requested, found in self._pickups.take_due():
+        for requested, found in self._pickups.take_due(self._verdict if self._reg else None):
             if not self._tier._closed:
                 self._tier.pool.count_lookup(requested, found)
 
@@ -292,8 +308,12 @@ class TenantLookup(AsyncLookupManager):
         2026-12-02 it was kept for good (review: one key per store that finished while a lookup of its chunk was
         in flight for a request that ended before the answer)."""
         keys = list(self._req_keys.get(req_id, ())) if self._recheck else []
+        self.drain_results()  # its own verdicts in by now are counted (Pickups.forget)
+        self._pickups.forget(req_id, self._verdict)
         super().cleanup(req_id)
-        self._pickups.forget(req_id)
+        if self._counted_above:
+            with self._above_lock:
+                self._counted_above.pop(req_id, None)
         for pair in keys:
             st = self._lookup_state.get(pair)
             if st is None:
@@ -387,13 +407,22 @@ class TenantLookup(AsyncLookupManager):
                     self._past_gap([pairs[i] for i in run[held:]], run[held:], out, end,
                                    None if t.look_past_gaps else (above, req_context))
             if above and not below:  # the lowest of our tiers counts the request's usable prefix for each
-                shares = split_prefix(above, [pairs[i] for i in run], [out[i] for i in run], req_context, end)
-                served = 0  # the first tier counts over every chunk asked, each below over those not served above
-                for k, (u, n) in enumerate(zip([*above, t], shares)):
-                    if k == 0 or served < len(run):
-                        u.pool.count_lookup(len(run) - served, n)
-                    served += n
+                self._count_run(above, [pairs[i] for i in run], [out[i] for i in run], req_context, end)
         return out
+
+    def _count_run(self, above: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, str]], own: list[bool],
+                   req_context: ReqContext, end: Deadline) -> None:
+        """The lowest of our tiers counts a run the request posted to it, for each tier: the first over every chunk
+        asked, each below over those not served above (:func:`.tier_gaps.split_prefix`), each chunk for the tier it
+        loads from; a chunk a tier above counted for the request already (:meth:`lookup`) left out of its count."""
+        owners = split_prefix(above, pairs, own, req_context, end)
+        with self._above_lock:
+            done = dict(self._counted_above.get(req_context.req_id, {}))
+        for k, u in enumerate([*above, self._tier]):
+            asked = [j for j, o in enumerate(owners) if (k == 0 or o is None or o >= k)
+                     and not any(u is d for d in done.get(pairs[j], ()))]
+            if asked:
+                u.pool.count_lookup(len(asked), sum(owners[j] == k for j in asked))
 
     def _past_gap(self, pairs: list[tuple[OffloadKey, str]], idx: list[int], out: list[bool], end: Deadline,
                   filled_by: tuple[list[KvbmSecondaryTier], ReqContext] | None = None) -> None:

@@ -25,12 +25,23 @@ every tier above over every chunk posted there): decided at ``flush``, after the
 manager asks the tier below right after this one (:meth:`Pickups.uncount`). Before 2026-12-03 such a miss was
 counted twice (a G3 miss taken up, 2 chunks: G3's lookups moved by 4 for the request).
 
+Each lookup of each chunk per request counts once, on one tier (review, 2026-12-03). The lowest of our tiers counts
+a request for every tier only over the chunks the request posted to it; a chunk the request posted to a tier above
+and never to the lowest (the lowest refused the request's tenant, answered a chunk cooling after a failed load
+without asking its pool, or the request took up the lowest's verdict another request posted) is counted by the tier
+above itself once its verdict is in (:meth:`Pickups.take_due`: a miss at the step's end, a HIT when loaded), unless
+the request posts it to the lowest first (:meth:`Pickups.uncount`). Before, neither tier counted it (G4 above a G3
+refusing the tenant: the request's lookup counted nowhere). A chunk a tier above counted for the request (a verdict
+taken up, its own, a load credited) that the request posts to the lowest in a later step is left out of that tier's
+count there (:meth:`Pickups.uncount` says so; :func:`.tier_gaps.split_prefix` names each chunk's tier): before, a
+G3 miss taken up while G4 answered a cooling chunk was counted again once the request posted the chunk to G4.
+
 Bounds: a request's entries go at ``forget`` (its loads still in flight then credit nothing), except the counts
 already due; a load is noted only for a request alive on the tier (:meth:`.tier_lookup.TenantLookup.loading`).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vllm.v1.kv_offload.base import ReqContext
@@ -39,15 +50,18 @@ __all__ = ["Pickups"]
 
 
 class Pickups:
-    """Per request, the keys whose cached verdict it shares without having posted it, those it posted, and the
-    chunks credited to this tier when loaded from it. Scheduler thread only."""
+    """Per request, the keys whose cached verdict it shares without having posted it, those it posted, those it
+    posted here and not to the lowest of our tiers, and the chunks counted on this tier for it. Scheduler thread
+    only."""
 
     def __init__(self) -> None:
         # req_id -> keys it joined before their verdict was in (counted once it is); bounded by live requests' keys
         self._waiting: dict[str, set[Any]] = {}
         self._due: dict[str, list[int]] = {}  # req_id -> [requested, found]: counted at the next flush
         self._posted: dict[str, set[Any]] = {}  # req_id -> keys it posted here (batch_lookup counted them)
-        self._credited: dict[str, set[Any]] = {}  # req_id -> keys credited to this tier when loaded from it
+        self._counted: dict[str, set[Any]] = {}  # req_id -> keys counted here for it (taken up, own, loads credited)
+        # req_id -> keys it posted here and not (yet) to the lowest of our tiers: counted here once their verdict is in
+        self._own: dict[str, set[Any]] = {}
         self._loads: dict[Any, tuple[str, set[Any]]] = {}  # load job -> (req_id, keys to credit once loaded)
         self._misses: dict[str, set[Any]] = {}  # req_id -> misses taken up, due at the next flush unless uncounted
 
@@ -61,11 +75,14 @@ class Pickups:
         whether the request posted ``key`` to the lowest of them, which counts it for this tier; a miss is then
         not counted here, else counted at the next :meth:`take_due` unless :meth:`uncount` comes first."""
         rid = req_context.req_id
+        counted = self._counted.setdefault(rid, set())
         if posted:
             self._posted.setdefault(rid, set()).add(key)
             waiting = self._waiting.get(rid)
             if waiting is not None:
                 waiting.discard(key)  # asked again under a new generation for this request: batch_lookup counts it
+            if counted_below is False and key not in counted:  # the lowest does not count it (yet): this tier does
+                self._own.setdefault(rid, set()).add(key)
             return
         if held_before:
             waiting = self._waiting.get(rid)
@@ -81,16 +98,23 @@ class Pickups:
             if not counted_below:  # the manager asks the tier below next: it may post the key there (uncount)
                 self._misses.setdefault(rid, set()).add(key)
             return
+        if key in counted:
+            return
+        counted.add(key)
         due = self._due.setdefault(rid, [0, 0])
         due[0] += 1
         due[1] += bool(verdict)
 
-    def uncount(self, req_id: str, key: Any) -> None:
+    def uncount(self, req_id: str, key: Any) -> bool:
         """Request ``req_id`` posted ``key`` to the lowest of our tiers, whose ``batch_lookup`` counts it for this
-        one: a miss of it taken up here is not counted (:meth:`note`)."""
-        misses = self._misses.get(req_id)
-        if misses is not None:
-            misses.discard(key)
+        one: a miss of it taken up here, or this tier's own verdict, is not counted here (:meth:`note`). Returns
+        whether this tier counted it for the request already (the lowest then leaves it out of this tier's count)."""
+        for pending in (self._misses, self._own):
+            keys = pending.get(req_id)
+            if keys is not None:
+                keys.discard(key)
+        counted = self._counted.get(req_id)
+        return counted is not None and key in counted
 
     def posted(self, req_id: str, key: Any) -> bool:
         """Whether request ``req_id`` (alive) posted ``key`` here: this tier's ``batch_lookup`` counted it."""
@@ -102,7 +126,7 @@ class Pickups:
         the request) are credited to this tier once the load ends with them (:meth:`loaded`)."""
         want = set(keys)
         if want:
-            self._credited.setdefault(req_id, set())
+            self._counted.setdefault(req_id, set())
             self._loads[job_id] = (req_id, want)
 
     def loaded(self, job_id: Any, keys: Iterable[Any]) -> None:
@@ -112,7 +136,7 @@ class Pickups:
         if entry is None:
             return
         rid, want = entry
-        credited = self._credited.get(rid)
+        credited = self._counted.get(rid)
         if credited is None:
             return
         new = [k for k in keys if k in want and k not in credited]
@@ -122,21 +146,46 @@ class Pickups:
             due[0] += len(new)
             due[1] += len(new)
 
-    def take_due(self) -> list[tuple[int, int]]:
+    def take_due(self, verdict: Callable[[Any], bool | None] | None = None) -> list[tuple[int, int]]:
         """The counts due, one per request: ``(requested, found)`` in chunks; each taken once. Called after the
-        step's lookups (``flush``), when the misses taken up are known not to be counted below."""
+        step's lookups (``flush``), when the misses taken up, and the keys posted here and not to the lowest, are
+        known not to be counted below. ``verdict(key)``: this tier's cached verdict of ``key`` (None: not in yet);
+        a key posted here counts once it is in: a miss now, a HIT when loaded from here (:meth:`loaded`)."""
+        if verdict is not None:
+            for rid, keys in self._own.items():
+                self._settle(rid, keys, verdict)
+            self._own = {rid: keys for rid, keys in self._own.items() if keys}
         for rid, misses in self._misses.items():
+            counted = self._counted.get(rid)
+            if counted is not None:  # alive: a later post to the lowest leaves them out there (uncount)
+                misses -= counted
+                counted.update(misses)
             if misses:
                 self._due.setdefault(rid, [0, 0])[0] += len(misses)
         self._misses = {}
         due, self._due = self._due, {}
         return [(n, f) for n, f in due.values()]
 
-    def forget(self, req_id: str) -> None:
-        """The request ended: forget the keys it was waiting on, posted and was credited, and its loads in flight
-        (what is due is still counted, its misses taken up included; a load of it ending later credits nothing,
-        and one that never ends, its tier closed, is not kept)."""
+    def _settle(self, rid: str, keys: set[Any], verdict: Callable[[Any], bool | None]) -> None:
+        """Of ``keys`` (request ``rid`` posted them here, not to the lowest), those whose verdict is in leave
+        ``keys``: a miss is due (a HIT is credited when loaded)."""
+        for key in list(keys):
+            v = verdict(key)
+            if v is None:
+                continue
+            keys.discard(key)
+            if not v:
+                self._misses.setdefault(rid, set()).add(key)
+
+    def forget(self, req_id: str, verdict: Callable[[Any], bool | None] | None = None) -> None:
+        """The request ended: forget the keys it was waiting on, posted and was counted, and its loads in flight
+        (what is due is still counted, its misses taken up included, and its own verdicts in by now (``verdict``,
+        as :meth:`take_due`); a load of it ending later credits nothing, and one that never ends, its tier closed,
+        is not kept)."""
+        own = self._own.pop(req_id, None)
+        if own and verdict is not None:
+            self._settle(req_id, own, verdict)
         self._waiting.pop(req_id, None)
         self._posted.pop(req_id, None)
-        if self._credited.pop(req_id, None) is not None:
+        if self._counted.pop(req_id, None) is not None:
             self._loads = {j: e for j, e in self._loads.items() if e[0] != req_id}

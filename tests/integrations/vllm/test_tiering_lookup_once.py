@@ -1,0 +1,192 @@
+"""Review findings (2026-12-03), fixed in ``integrations/vllm/tier_lookup.py`` / :mod:`.tier_pickups` /
+:mod:`.tier_gaps`: with two of our native tiers in one vLLM manager, each request's lookup of each chunk counts once
+(``kvbm_matched_tokens``, the pools' lookup counters and hit rates), on the tier that answered.
+
+(a) The lowest of our tiers counted a request's lookup for every tier, but only over the chunks the request posted
+to it. A chunk the request posted to the upper tier and never to the lowest (the lowest refused the request's tenant,
+answered a chunk cooling after a failed load with a miss, or the request took up the lowest's verdict another request
+had posted) was counted by neither: the request's outcome vanished from the metrics.
+(b) A miss of the upper tier a request took up from another request was counted at the step's flush when the
+request had not posted the chunk to the lowest tier, and again by the lowest's lookup when the request posted it
+there in a later step.
+
+vLLM's real offloading spec and manager (:class:`~kvbm_backend.integrations.vllm.tiering_harness.TieringHarness`),
+a real G3 directory, a file:// G4 store, a keyring changed by the ``kvbm-backend keys`` CLI."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
+
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, TierFilter, TierMatcher  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
+
+from kvbm_backend.integrations.vllm.failed_blocks import FailedChunks  # noqa: E402
+from kvbm_backend.integrations.vllm.tier_base import offload_key_hash  # noqa: E402
+from tests.integrations.vllm import test_tiering  # noqa: E402
+from tests.integrations.vllm.test_tiering import GEO, HANG_S, MOD, g3_tier, keys_for, payloads  # noqa: E402
+from tests.integrations.vllm.test_tiering_counts import _g4_tier  # noqa: E402
+from tests.integrations.vllm import test_tiering_revoked  # noqa: E402
+from tests.integrations.vllm.test_tiering_revoked import NEVER_S, _check, _ctx, _keys  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+harnesses = test_tiering.harnesses  # the fixture: TieringHarness makers, shut down after the test
+kek = test_tiering_revoked.kek  # the fixture: the KEK file beside the keyring, as the CLI finds it
+ACME = "acme"
+
+
+def _g3(tier) -> tuple[int, int]:
+    """G3's request lookup counters: ``(lookup_blocks, lookup_hits)`` (its hit rate's denominator, numerator)."""
+    s = tier.pool.stats()
+    return s.get("lookup_blocks", 0), s.get("lookup_hits", 0)
+
+
+class _G4Counts:
+    """G4's request lookups counted since construction: ``(requested, found)`` chunks, summed over its hit-rate
+    window's new entries (one per counted lookup: ``lookups`` moves by one each)."""
+
+    def __init__(self, tier) -> None:
+        self.tier, self.n0 = tier, tier.pool.stats().get("lookups", 0)
+
+    def __call__(self) -> tuple[int, int]:
+        k = self.tier.pool.stats().get("lookups", 0) - self.n0
+        new = list(self.tier.pool.metrics.hit_rate._win)[-k:] if k else []
+        assert len(new) == k
+        return sum(r for r, _ in new), sum(f for _, f in new)
+
+
+def _ask(h, keys, ctx) -> list:
+    return [h.manager.lookup(k, ctx) for k in keys]
+
+
+def _until(cond, h) -> None:
+    """Step until ``cond()`` (a hang guard, not a bound)."""
+    end = time.monotonic() + HANG_S
+    while not cond():
+        assert time.monotonic() < end, "never came"
+        h.step()
+        time.sleep(0.001)
+
+
+def _started(h, keys, ctx):
+    for i, k in enumerate(keys):
+        ctx.set_offload_key_position(k, i + 1)
+    h.manager.on_new_request(ctx)
+    return ctx
+
+
+def _only(h, rid: str, locality: Locality):
+    """A started request whose load tier filter allows storage of ``locality`` only (G3 LOCAL, G4 REMOTE)."""
+    return ReqContext(req_id=rid, load_tier_filter=TierFilter((TierMatcher(Medium.STORAGE, locality),)))
+
+
+def _cool(h, tier, keys, cooldown_s: float) -> None:
+    """Make ``tier`` fail a load of ``keys`` (the default tenant's; the tier does not hold them), so they cool for
+    ``cooldown_s`` seconds: the tier answers their lookups misses without asking its pool meanwhile. The tier's
+    failed-chunk record is a real :class:`FailedChunks` with that cool-down (the default, 30 s, is the connector's)."""
+    tier._failed = FailedChunks(offload_key_hash, cooldown_s=cooldown_s)
+    tier.submit_load(TransferJob(990, keys, np.arange(len(keys)), True, h.context()))
+    end = time.monotonic() + HANG_S
+    while not any(r.job_id == 990 and not r.success for r in tier.get_finished_jobs()):
+        assert time.monotonic() < end, "the load never ended"
+        time.sleep(0.002)
+    assert all(tier._failed.cooling("", k) for k in keys)
+
+
+def test_a_g4_lookup_is_counted_when_the_g3_tier_below_refuses_the_tenant(tmp_path, kek, harnesses):
+    """G4Tier listed above G3Tier; the G3Tier follows G4's keyring, in which acme is revoked. A request of acme posts
+    its 2 chunks to G4 (its lookups uncounted: the lowest of our tiers counts for all), and G3 answers them misses
+    without asking its pool (``lookup_g3_revoked``), so it counts nothing. Before the fix the request's lookup was
+    counted nowhere; now G4 counts its own 2 misses, G3 only the refused request."""
+    kr = str(tmp_path / "keys" / "keyring.json")
+    _keys(ACME, "create", kr=kr)
+    g4 = {"type": "G4Tier", "module_path": MOD, "num_kv_heads": GEO["num_kv_heads"], "io_threads": 2,
+          "g4": {"url": f"file://{tmp_path / 'g4'}", "keyring": {"path": kr, "reload_interval_s": NEVER_S}}}
+    h = harnesses([g4, g3_tier(tmp_path / "g3")])
+    g4t, g3t = h.manager.secondary_tiers
+    _keys(ACME, "revoke", kr=kr)
+    _check(g3t)
+    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    assert h.load(keys_for(2, "refused"), ctx=_ctx(h, ACME), timeout=HANG_S) == []
+    h.step()
+    assert g3t.kvbm_stats()["tier"]["lookup_g3_revoked"] == 1 and _g3(g3t) == b3
+    assert c4() == (2, 0)  # before: (0, 0)
+
+
+def test_a_g3_miss_is_counted_when_g4_answers_a_cooling_chunk_without_asking(tmp_path, harnesses):
+    """G3Tier above G4Tier. G4's load of chunks 0-1 failed (they cool: G4 answers their lookups misses without asking
+    its pool); G3 lacks them. A request posts both to G3 (uncounted: G4, the lowest, counts for all) and never to
+    G4. Before the fix the request's G3 misses were counted nowhere; now G3 counts them (2 of 2 missed). Once G3
+    holds them a new request loads both from G3: 2 hits, counted once."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(2, "cooling")
+    _cool(h, g4t, keys, 600.0)
+    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    assert h.load(keys, timeout=HANG_S) == []
+    h.step()
+    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (2, 0)  # before: (0, 0)
+    assert c4() == (0, 0)
+    data = payloads(h, 2, seed=41)  # G3 stores them now (G4 skips its cooling chunks); a new request loads them
+    h.store(keys, data)
+    h.wait_idle(timeout=HANG_S)
+    h.reset_primary()
+    got = h.load(keys, timeout=HANG_S)
+    assert len(got) == 2 and all(np.array_equal(x, d) for x, d in zip(got, data))
+    h.step()
+    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (4, 2)  # its 2 hits, once (loaded from G3)
+    assert c4() == (0, 0)
+
+
+def test_a_g3_lookup_is_counted_when_the_request_takes_g4s_verdict_up(tmp_path, harnesses):
+    """G3Tier above G4Tier, both empty. A (its load tier filter: remote storage only, so G3 is not asked for it) posts
+    chunks 0-1 to G4; B posts them to G3 and takes up A's pending G4 verdicts (vLLM posts a key once). G4 counts A's
+    2 misses and B's taken up; B's G3 misses were counted nowhere before the fix (G3's lookup uncounted, G4 not posted
+    by B). Now G3 counts them: 2 of 2 missed, G4 4 of 4."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(2, "g4-taken")
+    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    a = _started(h, keys, _only(h, "taken-a", Locality.REMOTE))
+    b = _started(h, keys, h.context())
+    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2  # posted to G4 only
+    assert _ask(h, keys, b) == [LookupResult.RETRY] * 2  # G3: posted; G4: A's, pending
+    h.step()
+    _until(lambda: _ask(h, keys, b)[0] is LookupResult.MISS and _ask(h, keys, a)[0] is LookupResult.MISS, h)
+    for ctx in (a, b):
+        h.manager.on_request_finished(ctx)
+    h.step()
+    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (2, 0)  # before: (0, 0)
+    assert c4() == (4, 0)
+
+
+def test_a_g3_miss_taken_up_is_counted_once_when_the_chunk_reaches_g4_in_a_later_step(tmp_path, harnesses):
+    """G3Tier above G4Tier, both empty. A (local storage only) posts chunks 0-1 to G3: 2 misses, counted by G3 (the
+    lowest tier A asks). G4's loads of them failed, so they cool there. B takes A's G3 misses up (counted for B on
+    G3 at the step's end: G4 answered without asking its pool, B posted nothing there); once the cool-down ended B asks
+    again and posts the chunks to G4, whose lookup counts the request for G3 and G4. Before the fix it counted B's G3
+    misses a second time (G3: 6 chunks for 4 lookups); now G3 counts 4, G4 B's 2."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(2, "later")
+    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    a = _started(h, keys, _only(h, "later-a", Locality.LOCAL))
+    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2
+    h.step()
+    _until(lambda: all(g3t.lookup(k, a) is LookupResult.MISS for k in keys), h)
+    _cool(h, g4t, keys, 600.0)
+    b = _started(h, keys, h.context())
+    assert _ask(h, keys, b) == [LookupResult.MISS] * 2  # G3: A's misses, taken up; G4: cooling, its pool not asked
+    h.step()
+    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (4, 0)  # A's 2 and B's 2
+    g4t._failed = FailedChunks(offload_key_hash)  # the cool-down ended (a fresh record: nothing cooling)
+    _until(lambda: all(g4t.lookup(k, b) is LookupResult.MISS for k in keys)
+           and _ask(h, keys, b) == [LookupResult.MISS] * 2, h)  # B posted them to G4 now; answered
+    for ctx in (a, b):
+        h.manager.on_request_finished(ctx)
+    h.step()
+    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (4, 0)  # before: (6, 0)
+    assert c4() == (2, 0)
