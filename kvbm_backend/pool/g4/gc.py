@@ -40,7 +40,8 @@ every throttled DELETE was an error.
 **Memory.** Revoked and age deletions are decided while the store is listed, so such a pass keeps nothing per
 object; a capacity target (``target_bytes``) keeps one ``(mtime, size, name)`` tuple per block it may still
 delete, by name (repeats: below), to delete oldest first. Before (2026-11-29) every listed block's ObjectInfo and parsed name were kept
-first (~870 B each: ~40 GiB for 50M objects).
+first (~870 B each: ~40 GiB for 50M objects). An S3 listing remembers which keys it named, ~1 byte per key (a Bloom
+filter: :class:`.s3_list.SeenKeys`), to tell a listing that stopped advancing from one in another key order.
 
 **Repeated listings.** A listing may name an object twice: an S3-compatible server that repeats a page (a
 continuation token answered with the previous page again), a file store's directory read while it changes (NFS
@@ -101,9 +102,14 @@ and the window is on the block's mtime, so any later pass finds a late write. Lo
 not the one frame size the namespace's ``namespace.json`` gives; without that file, negative or over 1 GiB), by
 its listing and by a look at the object itself (S3 HEAD, ``stat``), is no block: counted ``invalid_size``, never
 in ``scanned_*`` nor in a capacity total. Where its namespace's size is known it is junk no reader serves, deleted
-on every pass (``deleted_by["invalid_size"]``, a key there only when there are; the bytes it states; a dry run
-deletes nothing); else it is kept (a ``warnings`` line). Sizes are judged only where they count: an object the
-pass deletes anyway (revoked, age) is deleted for that reason, at its listed size, as before. A repeated listing
+on every pass (``deleted_by["invalid_size"]``, a key there only when there are; a dry run deletes nothing); else it
+is kept (a ``warnings`` line). An object the age or revoked pass deletes whatever its size is looked at all the
+same: a block whose listing misstated its size is deleted for that reason at its true size; one that is no block
+counts ``invalid_size`` as above (junk deleted as ``invalid_size``, any other for the pass's reason). Deleted
+objects that are no block count in ``deleted_bytes`` at the size the look found where a block of some layout could
+have it, else 0 (:meth:`.gc_sizes.BlockSizes.freed`; a look that failed: 0). Before 2026-12-03 those passes
+counted such an object at its listed size (an S3 listing stating 1 TiB, a 1 TiB sparse file: "1 TiB freed",
+``invalid_size`` 0), and junk deleted by any pass at the size it stated (1 TiB for a sparse file). A repeated listing
 entry of a kept block stating an impossible size is ignored, and one of an object judged no block is skipped: it
 counts (and is deleted) once (before 2026-12-03 each entry counted, a dry run's ``deleted_bytes`` twice). A look
 that fails (the store unavailable, still throttled: :meth:`.gc_sizes.BlockSizes.judge` ``unchecked``) leaves the
@@ -280,8 +286,9 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         ``changed_since_listed``: listed objects not deleted because by the delete their name was gone or held
         another object (module doc, "Deleting what was listed"); ``invalid_size``: objects at block names whose size
         cannot be a block's (module doc, "Impossible sizes"; deleted as ``deleted_by["invalid_size"]``, a key
-        there only when there are, where the namespace's block size is known, else kept); ``outside_prefix``: keys an S3 listing named outside the
-        store's prefix, skipped (:mod:`.s3_list`).
+        there only when there are, where the namespace's block size is known, else kept, or deleted by an age or
+        revoked pass for its reason; never at an impossible size in ``deleted_bytes``); ``outside_prefix``: keys
+        an S3 listing named outside the store's prefix, skipped (:mod:`.s3_list`).
     Raises:
         ValueError when ``tenant`` cannot be resolved or a threshold or ``now`` is negative, infinite or NaN
         (before anything is listed or deleted); StoreUnavailable when the store is down.
@@ -414,28 +421,29 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         why = ("revoked" if gone
                else "age" if max_age_s is not None and (max_age_s == 0 or store_now - o.mtime >= max_age_s)
                else None)
-        if why is not None:  # whatever its size (module doc, "Impossible sizes")
-            before = res["deleted_bytes"]
-            drop(o.name, o.size, why, o)
-            block_bytes += res["deleted_bytes"] - before
-            continue
-        verdict, judged = sizes.judge(o, meta["ns"])
+        # an impossible listed size is looked at whatever the pass decides (module doc, "Impossible sizes")
+        verdict, judged = sizes.judge(o, meta["ns"], deleting=why is not None)
         if verdict != "block":  # no block: out of scanned_*, never in a capacity total
             res["scanned_objects"] -= 1
             res["scanned_bytes"] -= o.size
             res["future_objects"] -= o.mtime > store_now
             res["invalid_size"] += verdict != "gone"
-            invalid_kept += verdict == "kept"
             if verdict != "gone":
                 no_block.add(o.name)
-            if verdict == "unchecked":  # its HEAD / stat or namespace.json read failed: left alone, an error
+            if verdict == "junk" or (why is not None and verdict != "gone"):  # junk: as the capacity pass's
+                drop(o.name, sizes.freed(verdict, judged), "invalid_size" if verdict == "junk" or why is None else why,
+                     judged)
+            elif verdict == "unchecked":  # its HEAD / stat or namespace.json read failed: left alone, an error
                 unchecked += 1
                 res["errors"] += 1
-            if verdict == "junk":
-                drop(o.name, max(judged.size, 0), "invalid_size", judged)
+            invalid_kept += verdict == "kept" and why is None
             continue
         res["scanned_bytes"] += judged.size - o.size  # a listing's misstated size: what the object holds
-        if target_bytes is not None:
+        if why is not None:
+            before = res["deleted_bytes"]
+            drop(o.name, judged.size, why, judged)
+            block_bytes += res["deleted_bytes"] - before
+        elif target_bytes is not None:
             keep[o.name] = (judged.mtime, judged.size, o.name, judged.version)
     if target_bytes is not None:
         oldest = list(keep.values())  # the dict's tuples, not copies

@@ -20,6 +20,12 @@ A listed size is checked against the object itself before anything is decided (S
 size. Before 2026-12-03 the listed size was taken as it came: a block-named file ``truncate``'d to 1 TiB (sparse:
 4 KiB on disk), or an S3 listing stating one block at 1 TiB or at a negative size, made a capacity pass delete
 every good block of the store (a negative one made the total grow as blocks were deleted).
+
+Every pass looks: an object the age or revoked pass deletes whatever its size is still judged (``deleting``: a
+failed read of ``namespace.json`` does not matter to it), so that a block whose listing misstated its size counts
+at its true size, and anything else counts ``invalid_size`` at the bytes :meth:`BlockSizes.freed` gives. Before
+2026-12-03 those passes counted it at its listed size: an S3 listing stating 1 TiB, or a 1 TiB sparse file, made
+the report say 1 TiB was freed.
 """
 from __future__ import annotations
 
@@ -73,12 +79,20 @@ class BlockSizes:
             return None
         return HEADER_BYTES + namespace.layout.bytes_per_block if namespace.fingerprint == ns else None
 
+    @staticmethod
+    def freed(verdict: Verdict, judged: ObjectInfo) -> int:
+        """The bytes a deleted object gc judged (:meth:`judge`) no block counts in ``deleted_bytes``: its size by the
+        look at it (``judged``) when a block of some layout could have it (0 to :data:`MAX_FRAME_BYTES`), else 0 (a
+        negative size is none, a 1 TiB sparse file takes 4 KiB), and 0 for an ``unchecked`` one (its true size is
+        not known). Before 2026-12-03 a 1 TiB object the age or revoked pass deleted counted 1 TiB freed."""
+        return judged.size if verdict != "unchecked" and 0 <= judged.size <= MAX_FRAME_BYTES else 0
+
     def possible(self, ns: str, size: int) -> bool:
         """Whether an object of ``size`` bytes at a block name of namespace ``ns`` can be a block (module doc)."""
         exact = self.exact(ns)
         return size == exact if exact is not None else 0 <= size <= MAX_FRAME_BYTES
 
-    def judge(self, o: ObjectInfo, ns: str) -> tuple[Verdict, ObjectInfo]:
+    def judge(self, o: ObjectInfo, ns: str, deleting: bool = False) -> tuple[Verdict, ObjectInfo]:
         """What listed object ``o`` (at a block name of namespace ``ns``) is: ``("block", o)`` when its listed size
         is possible; else, after a look at the object itself (:meth:`~.store.ObjectStore.stat`, throttled answers
         tried again): ``("block", what stat says)`` when the listing misstated a possible size, ``("junk", o)`` (its
@@ -89,7 +103,9 @@ class BlockSizes:
         counts an error (before 2026-12-03 ``kept``: reported as a missing ``namespace.json``, no error). An object
         of a size impossible for any layout in a namespace whose ``namespace.json`` read failed (its message in
         :attr:`read_error`, counted in :attr:`unread`): ``("unchecked", what stat says)`` too, as it might be junk
-        a readable file would have said to delete (before 2026-12-03 ``kept``, as if the file were missing)."""
+        a readable file would have said to delete (before 2026-12-03 ``kept``, as if the file were missing), unless
+        ``deleting`` (the pass deletes the object whatever its size: age, revoked): then ``("kept", what stat says)``,
+        not counted in :attr:`unread`."""
         if self.possible(ns, o.size):
             return "block", o
         try:
@@ -105,7 +121,7 @@ class BlockSizes:
             return "block", now
         if self.exact(ns) is not None:
             return "junk", now
-        if ns in self._failed:  # the layout is unknown because the read failed, not because there is none
+        if ns in self._failed and not deleting:  # the layout is unknown because the read failed, not for lack of one
             self.unread += 1
             return "unchecked", now
         return "kept", now

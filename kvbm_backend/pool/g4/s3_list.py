@@ -12,13 +12,19 @@ protocol answers is never taken as this store's objects:
   :class:`~.store.ListIncomplete` once every object listed so far was yielded (gc: an ``unlisted`` line and an
   error; it acts only on what was listed). Before 2026-12-03 a repeated token listed the same page for ever (gc
   hung) and a truncated page without a token ended the listing silently.
-* A listing that does not advance, whatever its tokens: S3 lists keys in ascending (UTF-8 binary) order, each
-  page after the one before, so a page naming no key above the highest listed so far lists nothing new (a page
-  repeated, a cycle of pages, an empty page). A few are passed on (a server repeating a page now and then: gc
-  counts each object once, ``listed_duplicates``; S3 may answer an empty truncated page); more than
-  :data:`STALLED_PAGES_MAX` in a row end the listing with ListIncomplete (that page not yielded). Before
-  2026-12-03 only a token seen before counted as a loop: a server handing out a fresh token with every repeated
-  page made gc list for ever.
+* A listing that does not advance, whatever its tokens: a page naming no key the listing has not named before
+  (a page repeated, a cycle of pages, a listing that starts over, however re-sliced, an empty page). A few are
+  passed on (a server repeating a page now and then: gc counts each object once, ``listed_duplicates``; S3 may
+  answer an empty truncated page); more than :data:`STALLED_PAGES_MAX` in a row end the listing with
+  ListIncomplete (that page not yielded). Before 2026-12-03 only a token seen before counted as a loop: a server
+  handing out a fresh token with every repeated page made gc list for ever.
+* Pages need not come in key order. AWS S3 lists keys in ascending (UTF-8 binary) order, but S3-compatible servers
+  and gateways over other backends (a POSIX tree walked in directory order, some MinIO / Ceph gateways) may not.
+  Which keys were named is remembered by :class:`SeenKeys` (about 1 byte per key listed; a key above every key
+  named so far is new without a look, so an ordered listing never depends on its rare false positives). Before
+  (2026-12-03, the first stall guard) a page naming no key above the highest listed was taken as nothing new: on a
+  server listing in another order more than 100 such pages in a row (every page after the first, listed highest
+  key first) ended every listing as incomplete (gc: an ``unlisted`` error on every pass, the rest never listed).
 
 Sizes are passed on as the server states them (gc judges impossible ones: :mod:`.gc_sizes`).
 """
@@ -36,7 +42,48 @@ if TYPE_CHECKING:
     from .s3_store import S3Store
 
 log = logging.getLogger(__name__)
-STALLED_PAGES_MAX = 100  # pages in a row naming no key above the highest listed: more is a stuck listing (module doc)
+STALLED_PAGES_MAX = 100  # pages in a row naming no key not named before: more is a stuck listing (module doc)
+MASK64 = (1 << 64) - 1
+
+
+class SeenKeys:
+    """The keys a listing named so far, as a Bloom filter tells: :meth:`add` is never wrong about a key added before
+    (no false negatives: a page repeated, a listing come round again, names nothing new) and takes a key never
+    added for one added rarely (a false positive: ~3 % per full layer; a page stalls only when every key of it is
+    one, and :data:`STALLED_PAGES_MAX` + 1 such pages in a row end a listing). 8 bits per key, 3 set per key, in
+    layers each twice the one before: memory follows the listing (~1 byte per key: ~64 MiB for 50M keys)."""
+
+    FIRST = 1 << 14  # keys (and bytes) of the first layer
+    HASHES = 3
+
+    def __init__(self) -> None:
+        self._layers: list[bytearray] = []
+        self._room = 0  # keys the newest layer still takes
+
+    def nbytes(self) -> int:
+        """Bytes the filter holds."""
+        return sum(len(layer) for layer in self._layers)
+
+    def add(self, key: str, new: bool = False) -> bool:
+        """Record ``key``; True when it was not (as far as the filter tells) recorded before. ``new``: the caller
+        knows it was not (a key above every key recorded): recorded without a look."""
+        h = hash(key) & MASK64  # the process's str hash (SipHash): any key, one per process
+        a, b = h, ((h >> 29 | h << 35) & MASK64) | 1
+        if not new:
+            for layer in self._layers:
+                m = len(layer) << 3
+                if all(layer[(i := (a + j * b) % m) >> 3] >> (i & 7) & 1 for j in range(self.HASHES)):
+                    return False
+        if not self._room:
+            self._layers.append(bytearray(self.FIRST << len(self._layers)))
+            self._room = len(self._layers[-1])
+        layer = self._layers[-1]
+        m = len(layer) << 3
+        for j in range(self.HASHES):
+            i = (a + j * b) % m
+            layer[i >> 3] |= 1 << (i & 7)
+        self._room -= 1
+        return True
 
 
 def list_pages(store: S3Store, prefix: str, attempts: int) -> Iterator[ObjectInfo]:
@@ -50,7 +97,8 @@ def list_pages(store: S3Store, prefix: str, attempts: int) -> Iterator[ObjectInf
     kw: dict[str, Any] = {"Bucket": store.bucket, "Prefix": want}
     tokens: set[str] = set()  # handed out so far: one seen again is a loop
     outside = stalled = 0
-    high = ""  # the highest key listed so far (every key of a page that advances is above the one before)
+    seen = SeenKeys()  # the keys named so far (module doc: pages in any order)
+    high = ""  # the highest key named so far: a key above it is new without a look
 
     def page_once() -> Any:
         return store._call("list", prefix, lambda _r: store.client.list_objects_v2(**kw))
@@ -58,16 +106,20 @@ def list_pages(store: S3Store, prefix: str, attempts: int) -> Iterator[ObjectInf
         while True:
             page = call_attempts(page_once, attempts)
             contents = page.get("Contents", [])
-            top = max((str(o["Key"]) for o in contents), default="")
-            if top > high:
-                high, stalled = top, 0
-            else:  # nothing above the highest key listed: a repeated or empty page
+            fresh = False
+            for o in contents:  # every key recorded, also when one before was new
+                key = str(o["Key"])
+                fresh = seen.add(key, key > high) or fresh
+                high = max(high, key)
+            if fresh:
+                stalled = 0
+            else:  # nothing not named before: a repeated or empty page, a listing come round again
                 stalled += 1
                 if stalled > STALLED_PAGES_MAX:
                     raise ListIncomplete(store.url, [
-                        f"cannot list {store.url}/{prefix}: {stalled} pages in a row named no key after "
-                        f"{high.removeprefix(base)[:80]!r} (pages repeated or empty: the listing does not advance); "
-                        "the rest of the listing was not read"])
+                        f"cannot list {store.url}/{prefix}: {stalled} pages in a row named nothing new (no key not "
+                        "listed before: pages repeated, empty or listed again; the listing does not advance); the "
+                        "rest of the listing was not read"])
             for o in contents:
                 key = str(o["Key"])
                 if not key.startswith(want):  # a server ignoring Prefix: another prefix's object, never ours

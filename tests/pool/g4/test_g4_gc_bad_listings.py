@@ -13,7 +13,7 @@ server or a bad object make gc delete good G4 blocks?).
    with ``ListIncomplete`` (an ``unlisted`` line and an error); a truncated page without a token too, and (review
    of eec6b07) a server handing out a fresh token with every repeated (or empty) page: before, only a token seen
    before was a loop, and such a server made gc list for ever; now more than ``STALLED_PAGES_MAX`` pages in a row
-   that name no key after the highest listed end the listing.
+   that name no key not listed before end the listing (pages out of key order: test_g4_gc_unordered_listing.py).
 4. Review of eec6b07: an object judged no block (``invalid_size``) that a listing names twice was counted twice
    (the repeat check looked only at the capacity pass's ``keep``, which such an object never enters); a HEAD /
    ``stat`` of such an object that failed was reported as a missing ``namespace.json`` and counted no error.
