@@ -410,12 +410,13 @@ class SlotCatalog:
         ``fdatasync``'ed by the writer's next barrier on it or at :meth:`close`), so that a header scan
         (:mod:`.scan`: a restart without the journal) cannot bring their blocks back. Call holding the lock
         before the slots are released (a released slot may be written again at once). A reader of such a slot
-        meanwhile finds no frame: a miss, never wrong bytes. A failed write is logged, never raised (the
-        journal's DEL record still stands). A slot past its file's end holds no frame, and one past its file's
-        share whose block left was emptied when it was released (:func:`.slab_share.release_slot`): neither is
-        written (a write would allocate the disk given back), the file is still synced at close. ``vacate`` (False
-        when the caller journals the key's DEL): journaled empty too (:func:`.vacancy.journal_vacant`; else an
-        evicted block's PUT met the zeroed header at the next open, a false ``restore_dropped``, until 2026-12-03)."""
+        meanwhile finds no frame: a miss, never wrong bytes. A failed write is counted and logged
+        (:func:`.vacancy.header_not_cleared`), never raised (the journal's DEL record still stands). A slot past
+        its file's end holds no frame, and one past its file's share whose block left was emptied when it was
+        released (:func:`.slab_share.release_slot`): neither is written (a write would allocate the disk given
+        back), the file is still synced at close. ``vacate`` (False when the caller journals the key's DEL):
+        journaled empty too (:func:`.vacancy.journal_vacant`; else an evicted block's PUT met the zeroed header at
+        the next open, a false ``restore_dropped``, until 2026-12-03)."""
         slots = list(slots)
         for fi, si in slots:
             f = self.slabs.by_index.get(fi)
@@ -425,9 +426,8 @@ class SlotCatalog:
             try:
                 os.pwritev(self.fd_of(fi), [self._zero.data], si * self.slot_bytes)
                 self._cleared.add(fi)
-            except (OSError, KeyError) as e:
-                log.warning("G3: cannot clear the header of removed slot %d of file %d (%s): a restart without "
-                            "the journal could find that block again", si, fi, e)
+            except (OSError, KeyError) as e:  # counted, logged once a minute: a drive gone fails every slot
+                vacancy.header_not_cleared(self, fi, si, e)
         if vacate:  # a repair due too (until 2026-12-03 skipped then: a kill before it, false restore drops)
             vacancy.journal_vacant(self, slots)
 

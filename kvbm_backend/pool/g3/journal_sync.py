@@ -21,8 +21,9 @@ import logging
 import os
 from typing import TYPE_CHECKING, Sequence
 
+from ...log_limits import LimitedLog
 from ...model.namespace import BlockKey
-from . import journal_gen
+from . import journal_gen, vacancy
 from .catalog import SlotCatalog
 from .pieces import Slot
 
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from .pieces import _Job
 
 log = logging.getLogger(__name__)
+#: a barrier failing every round (a failing journal drive): one WARNING per pool per minute; ``journal_errors``
+#: counts every one (:meth:`.catalog.SlotCatalog.journal_failed`)
+LOG = LimitedLog(log)
 
 
 def handle_locked(cat: SlotCatalog) -> int | BaseException | None:
@@ -70,7 +74,8 @@ def repair_or_withdraw_locked(cat: SlotCatalog, err: BaseException,
         cat.journal_failed(e)
     else:
         cat.journal_dirty = False
-        log.warning("G3: journal %s: fdatasync failed (%s); rewritten from the index", cat.journal.path, err)
+        LOG.warning(f"repaired {cat.journal.path}", "G3: journal %s: fdatasync failed (%s); rewritten from the index",
+                    cat.journal.path, err)
         return True
     gone: list[tuple[int, int]] = []  # slots this withdrawal empties (a key deleted or moved meanwhile: not its)
     for job, k, slot in pub:
@@ -88,13 +93,13 @@ def _vacate(cat: SlotCatalog, slots: list[tuple[int, int]]) -> None:
     """(Pool lock held, before anything can reuse ``slots``) Append vacancy records of ``slots`` (file index,
     slot index) straight to the open journal, after the round's PUTs: replay then finds them empty. Best effort,
     never raises: the journal is marked for repair already and the rewrite from the index names none of them, so
-    a failed append (a broken or closed journal: EBADF; EIO, ENOSPC) is logged and leaves only the stale PUTs a
-    kill before that repair would meet (counted ``restore_dropped`` at the restart, as before). Not through
+    a failed append (a broken or closed journal: EBADF; EIO, ENOSPC) is counted and logged
+    (:func:`.vacancy.unjournaled`) and leaves only the stale PUTs a kill before that repair would meet (counted
+    ``restore_dropped`` at the restart, as before). Not through
     :meth:`.catalog.SlotCatalog.journal_append`: that would retry the rewrite that just failed, under the lock."""
     if not slots:
         return
     try:
         cat.journal.append(journal_gen.encode_vacant(slots))
     except OSError as e:
-        log.warning("G3: journal %s: cannot journal %d withdrawn slot(s) empty (%s); a restart before the journal "
-                    "is repaired counts their blocks as restore drops", cat.journal.path, len(slots), e)
+        vacancy.unjournaled(cat, len(slots), e, "withdrawn")

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 import numpy.typing as npt
 
+from ...log_limits import LimitedLog
 from ...memory import aligned_empty
 from .slab_room import _SLAB_RE
 
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from .slabs import SlabFile
 
 log = logging.getLogger(__name__)
+#: what fails per slot released past a share on a failing drive: one WARNING per kind and file per minute
+LOG = LimitedLog(log)
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 _libc: ctypes.CDLL | None = None
@@ -107,11 +110,12 @@ def share(slots: int, files: int, k: int) -> int:
     return slots // files + (1 if k < slots % files else 0)
 
 
-def release_slot(fd: int, slot: int, slot_bytes: int) -> None:
+def release_slot(fd: int, slot: int, slot_bytes: int, path: str = "") -> None:
     """Empty a slot kept past its file's share once its block left (evicted, deleted): punched out
     (:func:`punch`), or where that fails its frame header zeroed (one 4 KiB write, as
     :meth:`.catalog.SlotCatalog.clear_headers` does), so no header scan finds the block again; the catalog's
-    own clear skips such slots. A failed write is logged, never raised."""
+    own clear skips such slots. A failed write is logged (at most once a minute per file ``path``: a drive gone
+    fails every slot), never raised."""
     if punch(fd, slot * slot_bytes, slot_bytes):
         return
     try:
@@ -119,7 +123,8 @@ def release_slot(fd: int, slot: int, slot_bytes: int) -> None:
         zero[:] = 0
         os.pwritev(fd, [zero.data], slot * slot_bytes)
     except OSError as e:
-        log.warning("G3: cannot clear the header of slot %d past its file's share (%s)", slot, e)
+        LOG.warning(f"header {path}", "G3: cannot clear the header of slot %d of %s past its file's share (%s)",
+                    slot, path or f"fd {fd}", e)
 
 
 def punch(fd: int, offset: int, length: int) -> bool:

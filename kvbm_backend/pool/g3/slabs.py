@@ -426,7 +426,7 @@ class SlabSet:
     def _release_over(self, f: SlabFile, s: int) -> None:
         f.over.discard(s)
         self.over_released += 1  # its journal record stays until a rewrite (catalog's close)
-        slab_share.release_slot(f.fd, s, self.slot_bytes)  # its disk back now (or its header zeroed)
+        slab_share.release_slot(f.fd, s, self.slot_bytes, f.path)  # its disk back now (or its header zeroed)
         for lender in sorted(self.files, key=lambda g: -g.lent)[:1]:  # the file lending most (none once closed)
             lender.lent = max(0, lender.lent - 1)
         while f.over_top and -f.over_top[0] not in f.over:
@@ -436,7 +436,7 @@ class SlabSet:
             try:
                 os.ftruncate(f.fd, end * self.slot_bytes)
             except OSError as e:
-                log.warning("G3: cannot truncate %s past its share (%s)", f.path, e)
+                slab_share.LOG.warning(f"truncate {f.path}", "G3: cannot truncate %s past its share (%s)", f.path, e)
                 return
             f.size_slots = end
 

@@ -18,18 +18,28 @@ with the evicted blocks' PUTs as the journal's last word on zeroed slots, each c
 that takes no appends gets none (logged): the rewrite it needs before any append comes first. A newer block's PUT
 is never cancelled: the records are appended while the pool's lock is held and before the slots are released, so
 any later PUT of those slots follows them.
+
+A journal that takes no appends stays so until its rewrite works (a full or failing drive: every put, every
+emptied slot meets it again), and a drive gone fails every header write. Their WARNINGs are one per kind and pool
+(journal path) per minute (:data:`LOG`, :mod:`kvbm_backend.log_limits`; the next line says how many were left out),
+their counters count every slot: ``vacancies_unjournaled`` (:func:`unjournaled`, here and for a withdrawn round,
+:mod:`.journal_sync`), ``header_clear_errors`` (:func:`header_not_cleared`). Before 2026-12-03 each was a
+WARNING per put or per slot (30 one-block puts to a broken journal: 30 lines) and neither was counted.
 """
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Sequence
 
+from ...log_limits import LimitedLog
 from . import journal_gen
 
 if TYPE_CHECKING:
     from .catalog import SlotCatalog
 
 log = logging.getLogger(__name__)
+#: this module's per-slot / per-put WARNINGs: one per kind and pool per minute (the counters count every one)
+LOG = LimitedLog(log)
 
 
 def journal_vacant(cat: SlotCatalog, slots: Sequence[tuple[int, int]]) -> None:
@@ -37,8 +47,8 @@ def journal_vacant(cat: SlotCatalog, slots: Sequence[tuple[int, int]]) -> None:
     Through :meth:`~.catalog.SlotCatalog.journal_append` when no repair is due (a failure there degrades the tier
     and marks the journal for repair, as for any append); else straight to the journal, best effort: a failure
     (EBADF: broken or not open; EIO, ENOSPC) is logged, the journal left as :meth:`~.journal.Journal.append`
-    leaves it (cut back, or broken), and the tier not degraded again (the repair due names none of these slots).
-    Nothing when ``slots`` is empty or the pool closed. Never raises."""
+    leaves it (cut back, or broken), and the tier not degraded again (the repair due names none of these slots);
+    counted and logged by :func:`unjournaled`. Nothing when ``slots`` is empty or the pool closed. Never raises."""
     if not slots or not cat.slabs.dirs:
         return
     j = cat.journal
@@ -49,5 +59,23 @@ def journal_vacant(cat: SlotCatalog, slots: Sequence[tuple[int, int]]) -> None:
     try:
         j.append(recs)
     except OSError as e:
-        log.warning("G3: journal %s: cannot journal %d emptied slot(s) empty (%s); a restart before the journal is "
-                    "repaired counts their blocks as restore drops", j.path, len(slots), e)
+        unjournaled(cat, len(slots), e, "emptied")
+
+
+def unjournaled(cat: SlotCatalog, slots: int, e: BaseException, what: str) -> None:
+    """(Pool lock held) ``slots`` slots (``what``: ``"emptied"``, ``"withdrawn"``) whose vacancy records the
+    journal did not take (``e``): counted in ``vacancies_unjournaled`` (every slot, ``stats()``), a WARNING at most
+    once a minute per pool (:data:`LOG`). Never raises."""
+    cat.c["vacancies_unjournaled"] += slots
+    LOG.warning(f"vacancy {cat.journal.path}", "G3: journal %s: cannot journal %d %s slot(s) empty (%s); a restart "
+                "before the journal is repaired counts their blocks as restore drops (vacancies_unjournaled)",
+                cat.journal.path, slots, what, e)
+
+
+def header_not_cleared(cat: SlotCatalog, file_index: int, slot: int, e: BaseException) -> None:
+    """(Pool lock held) The frame header of ``slot`` of file ``file_index`` could not be zeroed (``e``: EIO, EBADF,
+    the file gone: KeyError): counted in ``header_clear_errors`` (every slot, ``stats()``), a WARNING at most once a
+    minute per pool (:data:`LOG`; a drive gone fails every slot of every put). Never raises."""
+    cat.c["header_clear_errors"] += 1
+    LOG.warning(f"header {cat.journal.path}", "G3: cannot clear the header of removed slot %d of file %d (%s): a "
+                "restart without the journal could find that block again (header_clear_errors)", slot, file_index, e)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Hashable, Protocol, Sequence
 from ...config import G3Config
 from ...deadlines import Deadline
 from ...io import IoEngine
+from ...log_limits import LimitedLog
 from ...memory import BufferPool
 from ...model.frame import ChecksumFrames
 from ...model.namespace import BlockKey
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from .pool import G3Pool
 
 log = logging.getLogger(__name__)
+LOG = LimitedLog(log)  # a failed batch write: one WARNING per pool per minute (a drive gone fails every batch)
 
 
 class Admission(Protocol):
@@ -459,15 +461,13 @@ class G3Writer:
                 else:
                     self.cat.release_unpublished(pc.slots)  # a frame may be whole there: headers zeroed
                     reason = "enospc" if getattr(err, "errno", None) in _NOSPACE else "io_error"
-                    if not pc.batch.counted:
-                        pc.batch.counted = True
-                        self.cat.c["enospc" if reason == "enospc" else "write_errors"] += 1
-                        if reason == "enospc":
+                    if not pc.batch.counted:  # counted every batch, logged once a minute (write_errors, enospc)
+                        pc.batch.counted, nospace = True, reason == "enospc"
+                        self.cat.c["enospc" if nospace else "write_errors"] += 1
+                        if nospace:
                             self.cat.degrade()
-                            log.warning("G3: %s; tier degraded for %.1f s, blocks of the batch dropped", err,
-                                        self.cat.degrade_s())
-                        else:
-                            log.warning("G3: write failed (%s); blocks of the batch dropped", err)
+                        LOG.warning(f"{reason} {self.cat.journal.path}", "G3: write failed (%s); blocks of the batch "
+                                    "dropped%s", err, f", tier degraded for {self.cat.degrade_s():.1f} s" * nospace)
                     for job, k in zip(pc.jobs, pc.keys):
                         job.result.dropped += 1
                         self._release_keys(job, [k])
@@ -504,8 +504,7 @@ class G3Writer:
                 done.extend(self._batch_done_locked(b))
             if recs:
                 n = len(recs)
-                self.cat.c["offloads_written"] += n
-                self.cat.c["bytes_written"] += n * self.cat.slot_bytes
+                self.cat.c.update(offloads_written=n, bytes_written=n * self.cat.slot_bytes)
                 self.cat.metrics.offload_blocks.inc(n)
                 self.cat.metrics.bytes_written.inc(n * self.cat.slot_bytes)
                 self.cat.update_gauges()

@@ -118,6 +118,7 @@ def test_a_vacancy_append_that_fails_too_loses_nothing(tmp_path, monkeypatch, ca
         monkeypatch.undo()
         assert failing["writes"] and not pool.journal.broken
         assert "cannot journal 32 withdrawn slot(s) empty" in caplog.text
+        assert pool.stats()["vacancies_unjournaled"] == 32  # counted, every slot (test_g3_broken_logs.py)
         assert not any(pool.contains(k) for k in gone)
         acc = pool.cat.accounting()
         assert acc["leaked"] == 0 and acc["used"] == 16, acc

@@ -1,0 +1,184 @@
+"""A steady broken state logs once a minute per pool and kind, and counts every occurrence (review, 2026-12-03).
+
+While the G3 journal takes no appends (broken: an append failed and could not be cut back; its rewrite failing too)
+every put's failed journal append releases its slots and :func:`kvbm_backend.pool.g3.vacancy.journal_vacant`
+logged a WARNING ("cannot journal N emptied slot(s) empty") each time: one line per put, per block when puts carry
+one, and nothing counted them. A drive gone did the same with every header write (a delete, a failed write's
+slots: "cannot clear the header of removed slot") and every batch write ("write failed"), a failing journal drive
+with every round's barrier ("fdatasync failed; rewritten from the index"), a failing drive under slots kept past
+a shrunk share with each of those ("cannot clear the header of slot N ... past its file's share"). Now each is a
+:class:`kvbm_backend.log_limits.LimitedLog` line, one per kind and pool per minute (the next says how many were
+left out), and ``stats()`` counts every one: ``vacancies_unjournaled``, ``header_clear_errors``,
+``write_errors``, ``journal_errors``.
+
+Real pools on real files. The journal is broken the way a failing or read-only drive breaks it: its descriptor
+made read-only (``dup2``: every write EBADF, the cut-back ``ftruncate`` EINVAL, so the journal marks itself broken)
+and a directory swapped in at its name (every repair rewrite's rename fails: EISDIR); a drive gone is the slab
+files' descriptors made read-only (every ``pwritev``, ``fallocate`` and ``ftruncate`` fails). The failing journal
+barrier is ``os.fdatasync`` failing with EIO for the journal's file, as tests/pool/g3/test_g3_journal_sync.py
+does. The limiters' clocks are frozen (a test's run time never decides a line), then moved past the minute. Each
+test ends with the drive or journal back and a restart that serves exactly the blocks held: nothing good lost,
+nothing gone served.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pytest
+
+from kvbm_backend.log_limits import LimitedLog
+from kvbm_backend.pool.g3 import journal_sync, slab_share, vacancy, writer
+from tests.helpers.crash_writer import NS, open_pool, payload
+from tests.helpers.g3_restart import CFG, HANG_S, check_restored
+
+N = 30  # occurrences of each kind: many more than the one line a minute that may be logged
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The G3 modules' limited loggers, on one clock that stands still until a test moves it (seconds)."""
+    now = [1000.0]
+    for mod in (vacancy, writer, journal_sync, slab_share):
+        # raising=False: the code before the fix has no LOG; then its WARNINGs go out unlimited
+        monkeypatch.setattr(mod, "LOG", LimitedLog(mod.log, clock=lambda: now[0]), raising=False)
+    return now
+
+
+def _lines(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and text in r.getMessage()]
+
+
+def _put_one(pool, seq: int) -> tuple[int, int]:
+    r = pool.put(NS.keys([seq]), [payload(seq)]).result(timeout=HANG_S)
+    return r.written, r.dropped
+
+
+def _read_only(fd: int, path: str) -> None:
+    """Make ``fd`` a read-only descriptor of ``path`` (same number): writes fail as on a read-only drive."""
+    ro = os.open(path, os.O_RDONLY)
+    try:
+        os.dup2(ro, fd)
+    finally:
+        os.close(ro)
+
+
+def test_a_broken_journal_logs_its_unjournaled_vacancies_once_a_minute_and_counts_every_slot(tmp_path, caplog,
+                                                                                             clock):
+    """Old code: N lines "cannot journal 1 emptied slot(s) empty" for N one-block puts, nothing counted. Now one
+    line; ``vacancies_unjournaled`` N and ``journal_errors`` N; a minute later the next line says N-1 were left out."""
+    caplog.set_level(logging.WARNING, logger="kvbm_backend.pool.g3")
+    held = NS.keys(range(1, 17))
+    with open_pool(tmp_path, **CFG) as pool:
+        r = pool.put(held, [payload(k.seq_hash) for k in held]).result(timeout=HANG_S)
+        assert (r.written, r.dropped) == (16, 0)
+        pool.degrade_s = 0.0  # every put admitted again at once: each meets the broken journal
+        path = os.path.realpath(pool.journal.path)
+        _read_only(pool.journal.fd, path)
+        os.rename(path, path + ".moved")
+        os.mkdir(path)  # the repair's rename over it fails (EISDIR): the journal stays broken
+        for i in range(N):
+            assert _put_one(pool, 1000 + i) == (0, 1)
+        assert pool.journal.broken
+        lines = _lines(caplog, "emptied slot(s) empty")
+        assert len(lines) == 1, f"{len(lines)} lines for {N} puts: {lines[:3]}"
+        st = pool.stats()
+        assert (st["vacancies_unjournaled"], st["journal_errors"]) == (N, N), st
+        assert st["dropped_by_reason"] == {"journal_error": N}, st
+        clock[0] += 61.0
+        assert _put_one(pool, 2000) == (0, 1)
+        lines = _lines(caplog, "emptied slot(s) empty")
+        assert len(lines) == 2 and f"({N - 1} more like it in the last 61 s" in lines[1], lines
+        assert pool.stats()["vacancies_unjournaled"] == N + 1
+        os.rmdir(path)  # the drive back: the clean close repairs the journal from the index
+    with open_pool(tmp_path, **CFG) as pool:
+        check_restored(pool, held, NS.keys([*range(1000, 1000 + N), 2000]))
+
+
+def test_a_drive_gone_logs_its_header_and_write_failures_once_a_minute_and_counts_every_one(tmp_path, caplog,
+                                                                                            clock):
+    """Old code: a "cannot clear the header of removed slot" line per deleted block and a "write failed" line per
+    put; nothing counted the headers. Now one line each; ``header_clear_errors`` counts every slot, ``write_errors``
+    every batch. The deletes stand (journaled), the failed puts store nothing."""
+    caplog.set_level(logging.WARNING, logger="kvbm_backend.pool.g3")
+    held = NS.keys(range(1, 41))
+    gone = held[:N]
+    with open_pool(tmp_path, **CFG) as pool:
+        r = pool.put(held, [payload(k.seq_hash) for k in held]).result(timeout=HANG_S)
+        assert (r.written, r.dropped) == (40, 0)
+        pool.degrade_s = 0.0
+        for f in pool.cat.slabs.files:
+            _read_only(f.fd, f.path)
+        for k in gone:
+            assert pool.delete([k]).result(timeout=HANG_S) == 1
+        lines = _lines(caplog, "cannot clear the header of removed slot")
+        assert len(lines) == 1, f"{len(lines)} lines for {N} deletes: {lines[:3]}"
+        assert pool.stats()["header_clear_errors"] == N
+        failed = NS.keys(range(1000, 1000 + N))
+        for k in failed:
+            assert _put_one(pool, k.seq_hash) == (0, 1)
+        lines = _lines(caplog, "write failed")
+        assert len(lines) == 1, f"{len(lines)} lines for {N} failed puts: {lines[:3]}"
+        st = pool.stats()
+        assert st["write_errors"] == N and st["dropped_by_reason"] == {"io_error": N}, st
+        assert st["header_clear_errors"] >= N, st
+        clock[0] += 61.0
+        assert _put_one(pool, 5000) == (0, 1)
+        lines = _lines(caplog, "write failed")
+        assert len(lines) == 2 and f"({N - 1} more like it" in lines[1], lines
+    with open_pool(tmp_path, **CFG) as pool:  # the deleted blocks' headers are intact: their DELs keep them gone
+        check_restored(pool, held[N:], gone + failed + NS.keys([5000]))
+
+
+def test_a_failing_journal_barrier_logs_its_repairs_once_a_minute_and_counts_every_one(tmp_path, caplog, clock,
+                                                                                       monkeypatch):
+    """The journal's ``fdatasync`` fails every round (EIO) while its rewrite works: every round's records are made
+    durable by the repair (the puts store their blocks). Old code: N lines "fdatasync failed; rewritten from the
+    index"; now one, ``journal_errors`` N."""
+    caplog.set_level(logging.WARNING, logger="kvbm_backend.pool.g3")
+    with open_pool(tmp_path, **CFG) as pool:
+        pool.degrade_s = 0.0
+        journal, real_fdatasync = os.path.realpath(pool.journal.path), os.fdatasync
+
+        def fdatasync(fd):
+            if os.readlink(f"/proc/self/fd/{fd}") == journal:
+                raise OSError(errno.EIO, "journal drive failing (test)")
+            real_fdatasync(fd)
+
+        monkeypatch.setattr(os, "fdatasync", fdatasync)
+        keys = NS.keys(range(1, N + 1))
+        for k in keys:
+            assert _put_one(pool, k.seq_hash) == (1, 0)
+        monkeypatch.undo()
+        lines = _lines(caplog, "fdatasync failed")
+        assert len(lines) == 1, f"{len(lines)} lines for {N} rounds: {lines[:3]}"
+        assert pool.stats()["journal_errors"] == N
+    with open_pool(tmp_path, **CFG) as pool:
+        check_restored(pool, keys, [])
+
+
+def test_slots_past_a_shrunk_share_on_a_drive_gone_log_once_a_minute(tmp_path, caplog, clock):
+    """Blocks kept past their file's share (``files_per_path`` raised at a restart) on a drive gone: each delete's
+    slot release (punch, then header write) failed with a WARNING per slot. Old code: one line per block; now one.
+    The deletes stand: a restart serves exactly the blocks left."""
+    caplog.set_level(logging.WARNING, logger="kvbm_backend.pool.g3")
+    cap = dict(capacity_gb=CFG["capacity_gb"])
+    keys = NS.keys(range(1, 41))
+    with open_pool(tmp_path, files_per_path=1, **cap) as pool:
+        r = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
+        assert (r.written, r.dropped) == (40, 0)
+    with open_pool(tmp_path, files_per_path=2, **cap) as pool:
+        at = {k: tuple(pool.cat.index.get(k)) for k in keys}  # (file index, slot)
+        over = [k for k in keys if at[k][1] >= pool.cat.slabs.by_index[at[k][0]].max_slots]
+        assert len(over) >= 10, len(over)
+        for f in pool.cat.slabs.files:
+            _read_only(f.fd, f.path)
+        for k in over:
+            assert pool.delete([k]).result(timeout=HANG_S) == 1
+        lines = _lines(caplog, "cannot clear the header of slot")
+        assert len(lines) == 1, f"{len(lines)} lines for {len(over)} slots: {lines[:3]}"
+        assert len(_lines(caplog, "cannot clear the header of removed slot")) == 1
+        assert pool.stats()["header_clear_errors"] == len(over)
+    with open_pool(tmp_path, files_per_path=2, **cap) as pool:
+        check_restored(pool, [k for k in keys if k not in over], over)
