@@ -12,6 +12,11 @@ blocks too, counted (``save_dropped_error_blocks``) and logged at most once a mi
 fails the engine's step. Engine block ids out of range are a caller's bug, raised (IndexError) before
 anything is staged.
 
+Under vLLM's ``external_launcher`` with TP > 1 the bound would decide per rank (each rank's earlier puts end at
+their own pace), so one rank could stage a block slice another drops: stored on some ranks only, never a hit. There
+the room is agreed once per step with the load results (:class:`.tp_agree.TpLoadAgree`): every rank stages within
+the least room any rank had (:func:`set_staging_budgets`), so every rank keeps and drops the same blocks.
+
 On a CUDA engine nothing here waits for the GPU. The gather (``index_select`` into a device buffer), the
 device checksums (:func:`~kvbm_backend.gpu.checksum.device_limb_sums`) and both copies into pinned host
 memory are queued on the **current stream**, behind the forward that wrote the KV, and an event is
@@ -93,6 +98,30 @@ def flush_all(timeout: float | None = None) -> bool:
     return all([o.flush(timeout) for o in list(_LIVE)])
 
 
+def staging_rooms() -> dict[str, int]:
+    """This process's save staging room (bytes, ``max_pending_save_bytes`` less what saves not yet written hold) per
+    namespace fingerprint (a KV cache group's; the least of the workers with that fingerprint): what one TP rank
+    offers :func:`set_staging_budgets` of every rank (:class:`.tp_agree.TpLoadAgree`, ``external_launcher``)."""
+    out: dict[str, int] = {}
+    for o in list(_LIVE):
+        with o._lock:
+            room = max(0, o.max_pending_bytes - o.pending_bytes)
+        out[o.ns.fingerprint] = min(out.get(o.ns.fingerprint, room), room)
+    return out
+
+
+def set_staging_budgets(rooms: dict[str, int]) -> None:
+    """Every TP rank's least staging room per namespace fingerprint (bytes; :func:`staging_rooms`, agreed): until
+    the next call, this process's workers of that fingerprint stage at most that many bytes (:attr:`Offloads.budget`).
+    Every rank then stages the same blocks of the same save jobs, whichever rank's earlier puts are still being
+    written; each rank's own bound still holds (its room is at least the budget: only its staging, which the budget
+    counts too, takes room)."""
+    for o in list(_LIVE):
+        if o.ns.fingerprint in rooms:
+            with o._lock:
+                o.budget = max(0, int(rooms[o.ns.fingerprint]))
+
+
 CLOSE_LOOKUP_WAIT_S = 30.0  # close: at most this long (seconds) for G4-only saves' lookups (each has G4's own bound)
 
 
@@ -117,6 +146,7 @@ class Offloads:
         self.max_pending_bytes, self.save_to_g4, self.g3_written = max_pending_bytes, save_to_g4, g3_written
         self.defer = False  # hand-offs on the kvbm-save thread (set by register on a CUDA engine)
         self.pending_bytes = 0
+        self.budget: int | None = None  # bytes this step may stage, as on every TP rank (set_staging_budgets)
         self._lock = threading.Lock()
         self._lookups: set[Future] = set()  # G4-only saves whose put waits for their lookup (_put_missing)
         self._staging = BufferPool("host", self._keep(), name="vllm-save-staging")
@@ -153,10 +183,14 @@ class Offloads:
         bpb = kv.layout.bytes_per_block
         with self._lock:
             room = max(0, self.max_pending_bytes - self.pending_bytes)
+            if self.budget is not None:  # external_launcher TP > 1: the ranks' least room (set_staging_budgets)
+                room = min(room, self.budget)
             # a handoff job's blocks (not computed here; G4 is asked which it lacks only once they are staged)
             # take at most half the room left: the next steps' computed blocks, which G4 lacks, keep the rest
             fit = min(n, (room // 2 if job.g4_only else room) // bpb)
             self.pending_bytes += fit * bpb
+            if self.budget is not None:
+                self.budget -= fit * bpb
         if fit < n:
             if job.g4_only:  # blocks G4 may hold already: not the staging-full drops of computed blocks
                 stats.add(save_dropped_blocks=n - fit, handoff_g4_dropped_blocks=n - fit)

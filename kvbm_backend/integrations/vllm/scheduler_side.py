@@ -25,7 +25,7 @@ from ...model.hashing import salt_hash, sequence_hashes
 from ...model.namespace import KeyRun, Namespace
 from ...pool.base import BlockPool
 from ..revoked_tenants import RevokedTenants
-from . import handoff, reset_epoch, stats
+from . import handoff, reset_epoch, stats, tp_sched
 from .identity import block_digests, kv_beyond_token_ids, renew_opaque, request_salt
 from .failed_blocks import FailedBlocks, Unrecomputed, withhold_tainted
 from .g3_mirror import G3Mirror
@@ -62,6 +62,7 @@ class _Req:
     handoff_known: tuple[int, int] = (0, 0)  # (G3, G4) leading blocks its wait's looks confirmed: not asked again
     digests: bytearray = field(default_factory=bytearray)  # token digests of its first blocks (.identity)
     epoch: str = ""                   # the reset epoch its hashes and digests are salted with (.reset_epoch)
+    count_as: bool | None = None      # its lookup, counted once the TP ranks agree an answer (local?; .tp_sched)
 
 
 class SchedulerSide:
@@ -100,6 +101,8 @@ class SchedulerSide:
         self.revoked: RevokedTenants | None = None  # tenants G3 does not serve (.revoked_tenants; set by the wiring)
         self.epoch = ""  # reset epoch folded into every new request's salt ("": never reset; .reset_epoch)
         handoff.start_keyring_view(g4)  # hand-offs ask G4's keyring through it: no I/O on the scheduler thread
+        tp = tp_sched.scheduler_group(namespace.tp_world_size)  # external_launcher, TP > 1: saves and matches agreed
+        self.tp = tp_sched.SchedAgree(tp) if tp is not None else None
 
     # ---- identity ------------------------------------------------------------------------------
     def _state(self, request: Any) -> _Req:
@@ -146,6 +149,14 @@ class SchedulerSide:
 
     # ---- vLLM scheduler hooks --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """:meth:`_answer`; under ``external_launcher`` with TP > 1 the answer every TP rank agrees, its lookup counted
+        as agreed (:meth:`.tp_sched.SchedAgree.match`; RuntimeError when that collective fails)."""
+        n, is_async = self._answer(request, num_computed_tokens)
+        if self.tp is None or not self.load_enabled or (self.g3 is None and self.g4 is None):
+            return n, is_async
+        return self.tp.match(self, request, n, is_async)
+
+    def _answer(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: ``(tokens loadable beyond num_computed_tokens, async)``, or
         ``(None, False)`` while the answer is not known yet (vLLM asks again next step; never blocks). A request
         handed off by a prefill worker (:func:`.handoff.expected_blocks`) is answered only once the tiers show
@@ -242,21 +253,12 @@ class SchedulerSide:
         return (total - st.n_local) * self.bs, not st.sync_load
 
     def _count_request(self, st: _Req, local: bool = False) -> None:
-        """The connector's counters of the request's lookup (``st.hit``), once per request. ``local``: the
-        engine's own prefix cache had every loadable block (no tier was asked): counted with those blocks as
-        ``local_hit_blocks`` (before 2026-11-30 such a request was not counted at all, so the demo's "engine"
-        tier missed every engine hit); a request with no full block to look up is not counted."""
-        if st.counted or (st.hit is None and not local) or (local and st.lookup_blocks == 0):
+        """The connector's counters of the request's lookup, once (:func:`.tp_sched.count_request`); under
+        ``external_launcher`` with TP > 1 once the TP ranks agree its answer (:meth:`.tp_sched.SchedAgree.match`)."""
+        if self.tp is not None:
+            st.count_as = None if st.counted else local
             return
-        st.counted = True
-        if local:
-            stats.add(lookup_requests=1, lookup_blocks=st.lookup_blocks,
-                      local_hit_blocks=min(st.n_local, st.lookup_blocks))
-            return
-        assert st.hit is not None
-        n, p3 = st.hit[0], st.hit[1]
-        stats.add(lookup_requests=1, lookup_blocks=st.lookup_blocks, local_hit_blocks=st.n_local,
-                  g3_found_blocks=p3, g4_found_blocks=n - p3)
+        tp_sched.count_request(st, local)
 
     def _g3_prefix(self, st: _Req, n: int) -> int | None:
         """Leading blocks of ``st``'s first ``n`` that G3 holds for every rank (an index lookup, no
@@ -413,6 +415,8 @@ class SchedulerSide:
             if st.saved_upto is None:
                 st.saved_upto = cached.num_computed_tokens[i] // self.bs
             self._plan_save(meta, st, cached.num_computed_tokens[i] + sched.get(rid, 0))
+        if self.tp is not None and save:  # every rank reaches here each step: the blocks every rank planned
+            meta.saves = self.tp.saves(meta.saves)
         return meta
 
     def _plan_local_save(self, meta: KvbmConnectorMetadata, st: _Req) -> None:

@@ -16,7 +16,11 @@ the same step, in the same order:
   time, hand-off waits, the revoked tenants' reloads run on each process's clock), and "ask again" (None) when any
   rank has no answer yet. ``update_state_after_alloc`` then plans only that many on every rank (vLLM passes it).
 
-The G3 reports of the ranks are exchanged by :class:`~.report_channel.TpReportExchange`. A failed exchange (a rank
+The same load-result gather carries each rank's save staging room (:func:`.offloads.staging_rooms`): every rank
+stages the next step's saves within the least room any rank had, so every rank keeps and drops the same blocks
+(:func:`.offloads.set_staging_budgets`). The save plans, and the lookup counters of the agreed matches, are agreed
+by the scheduler side itself (:mod:`.tp_sched`). The G3 reports of the ranks are exchanged by
+:class:`~.report_channel.TpReportExchange`. A failed exchange (a rank
 gone) raises RuntimeError naming what was exchanged: going on would let the ranks' decisions differ.
 """
 from __future__ import annotations
@@ -122,6 +126,32 @@ def decode_loads(data: bytes) -> tuple[list[str], list[str], list[int], list[tup
     return done, failed, errors, loads
 
 
+_ROOMS = struct.Struct("<4sI")  # magic, entries (then per entry: namespace fingerprint, room bytes)
+_ROOMS_MAGIC = b"kvR1"
+
+
+def encode_rooms(rooms: dict[str, int]) -> bytes:
+    """One rank's save staging rooms (bytes per namespace fingerprint: :func:`.offloads.staging_rooms`) as bytes,
+    sorted; :func:`split_rooms` reads them back off the front of a blob."""
+    return b"".join([_ROOMS.pack(_ROOMS_MAGIC, len(rooms))]
+                    + [_str(fp) + _Q.pack(max(0, int(r))) for fp, r in sorted(rooms.items())])
+
+
+def split_rooms(data: bytes) -> tuple[dict[str, int], bytes]:
+    """``(rooms, the rest of data)`` of a blob :func:`encode_rooms` starts. Raises ValueError naming what is
+    malformed."""
+    if len(data) < _ROOMS.size or data[:4] != _ROOMS_MAGIC:
+        raise ValueError(f"a TP rank's staging rooms start with {data[:4]!r}, not {_ROOMS_MAGIC!r}")
+    (_, n), off, out = _ROOMS.unpack_from(data), _ROOMS.size, {}
+    for _ in range(n):
+        if off + 4 > len(data) or off + 4 + max(0, _I32.unpack_from(data, off)[0]) + 8 > len(data):
+            raise ValueError(f"a TP rank's staging rooms are truncated at byte {off} of {len(data)}")
+        k = _I32.unpack_from(data, off)[0]
+        out[data[off + 4:off + 4 + k].decode("utf-8")] = _Q.unpack_from(data, off + 4 + k)[0]
+        off += 4 + k + 8
+    return out, data[off:]
+
+
 class TpLoadAgree:
     """The worker's load results agreed by every TP rank (see the module doc), as ``KVOutputAggregator`` combines
     the workers' outputs for vLLM's other executors: a request's load is finished once every rank reported it
@@ -141,14 +171,20 @@ class TpLoadAgree:
         """This rank's step results (``done``: loads it finished since the last call; ``failed``: those of them
         failed as a whole; ``errors``: failed engine block ids; ``loads``: ``(group, FailedLoad)``) exchanged with
         every rank's; returns the agreed ``(finished_recving, failed_recving)``. Raises RuntimeError when the TP
-        group's collective fails or a rank's bytes are malformed."""
-        blobs = all_gather_bytes(self.group, encode_loads(done, failed, errors, loads), "the load results")
+        group's collective fails or a rank's bytes are malformed. The same gather agrees the save staging room
+        (:func:`.offloads.set_staging_budgets`: the least any rank has, per namespace every rank has)."""
+        from . import offloads
+        blob = encode_rooms(offloads.staging_rooms()) + encode_loads(done, failed, errors, loads)
+        blobs = all_gather_bytes(self.group, blob, "the load results")
         out: set[str] = set()
+        rooms: dict[str, int] | None = None
         for rank, blob in enumerate(blobs):
             try:
-                d, f, e, ls = decode_loads(blob)
+                r, rest = split_rooms(blob)
+                d, f, e, ls = decode_loads(rest)
             except ValueError as ex:
                 raise RuntimeError(f"kvbm_backend: TP rank {rank}'s load results: {ex}") from ex
+            rooms = r if rooms is None else {fp: min(v, r[fp]) for fp, v in rooms.items() if fp in r}
             for rid in d:
                 c = self._counts.pop(rid, 0) + 1
                 if c >= self.world:
@@ -161,6 +197,7 @@ class TpLoadAgree:
                 self._loads.setdefault(g, []).append(fl)
         agreed_failed = self._failed & out
         self._failed -= agreed_failed
+        offloads.set_staging_budgets(rooms or {})
         return out, agreed_failed
 
     def take_errors(self) -> set[int]:
@@ -183,9 +220,20 @@ class TpLoadAgree:
         return meta
 
 
+_SETTLED: dict[int, tuple[int | None, bool]] = {}  # id(TP group) -> an answer agreed already (settle)
+_NO_FOUND = 1 << 62  # "no found blocks to agree" in the MIN all-reduce
+
+
+def settle(group: Any, answer: tuple[int | None, bool]) -> None:
+    """``answer`` was just agreed over ``group`` (:class:`.tp_sched.SchedAgree`, inside the scheduler side): the next
+    :meth:`TpMatchAgree.agree` over it (the wiring's, right after) of the same answer returns it without a collective.
+    Every rank settles the same answer at the same call, so every rank skips that collective alike."""
+    _SETTLED[id(group)] = answer
+
+
 class TpMatchAgree:
     """``get_num_new_matched_tokens`` agreed by every TP rank's scheduler (see the module doc): one all-reduce (MIN)
-    of ``[tokens or -1, 0 if async else 1]`` per call."""
+    of ``[tokens or -1, 0 if async else 1, found blocks]`` per call."""
 
     def __init__(self, group: Any):
         self.group = group
@@ -193,16 +241,26 @@ class TpMatchAgree:
     def agree(self, n: int | None, is_async: bool) -> tuple[int | None, bool]:
         """``(tokens, async)`` of this rank's scheduler -> the agreed answer: ``(None, False)`` when any rank has
         none yet, else the fewest tokens any rank found, async when any rank's load is (``(0, False)`` for none).
-        Raises RuntimeError when the TP group's collective fails."""
+        An answer :func:`settle` marked agreed is returned as it is. Raises RuntimeError when the TP group's
+        collective fails."""
+        if _SETTLED.pop(id(self.group), None) == (n, is_async):
+            return n, is_async
+        return self.agree_found(n, is_async, None)[:2]
+
+    def agree_found(self, n: int | None, is_async: bool, found: int | None) -> tuple[int | None, bool, int | None]:
+        """:meth:`agree` with ``found`` (this rank's blocks found, a count; None: none to agree) agreed too: the
+        fewest any rank gave (None when no rank gave one)."""
         import torch
         import torch.distributed as dist
-        t = torch.tensor([-1 if n is None else int(n), 0 if is_async else 1], dtype=torch.int64)
+        f = _NO_FOUND if found is None else int(found)
+        t = torch.tensor([-1 if n is None else int(n), 0 if is_async else 1, f], dtype=torch.int64)
         try:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group.cpu_group)
         except Exception as e:  # noqa: BLE001 - torch.distributed's errors vary by backend
             raise RuntimeError("kvbm_backend: the matched tokens of the TP ranks (vLLM external_launcher) could not "
                                f"be agreed over the TP group: {e}") from e
-        m = int(t[0])
+        m, f = int(t[0]), int(t[2])
+        agreed_found = None if f >= _NO_FOUND else f
         if m < 0:
-            return None, False
-        return m, bool(m) and int(t[1]) == 0
+            return None, False, agreed_found
+        return m, bool(m) and int(t[1]) == 0, agreed_found

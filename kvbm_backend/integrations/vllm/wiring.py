@@ -14,7 +14,8 @@ merges them into ``stats_path`` (:func:`.stats.merge_snapshots`); rank r > 0 wri
 rank's worker) rank r's worker file holds both roles' counters of its process and the scheduler writes none, and
 each process's engine sees only its own worker's reports: every rank's scheduler gathers all ranks' G3 reports
 over vLLM's TP group at each step (:class:`~.report_channel.TpReportExchange`), so all ranks' mirrors agree; the
-ranks' load results and the tokens to load per request are agreed over it too (:mod:`.tp_agree`).
+ranks' load results and the tokens to load per request are agreed over it too (:mod:`.tp_agree`), and the
+schedulers' save plans and lookup counts (:mod:`.tp_sched`).
 
 TP = N > 1: every rank stores and loads only its slice of each block (its KV heads; one object per
 (block, rank) in G4) in its own G3 pool (:func:`.namespaces.rank_g3_config`); the scheduler looks a prefix
