@@ -15,7 +15,8 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from .cli_checks import check_layout as _check_layout, config_error_text as _config_error_text, error_line
-from .cli_checks import DEFAULT_LAYOUT, finite as _finite, int_range, output_file as _output_file, write_whole
+from .cli_checks import DEFAULT_LAYOUT, finite as _finite, int_range, named_paths as _named_paths
+from .cli_checks import output_file as _output_file, write_whole
 
 # Upper bounds of the numeric flags (a value past them is an operator mistake that would otherwise end
 # in a MemoryError or OverflowError traceback minutes later). Capacities: config.MAX_CAPACITY_GB.
@@ -55,8 +56,17 @@ class _OneLineErrorsGroup(TyperGroup):
             return super().make_context(info_name, args, parent=parent, **extra)
 
     def invoke(self, ctx):
+        from kvbm_backend.workdir import guard_native_imports, workdir_removed
+        guard_native_imports()  # torch ends the process in a removed working directory
         with _one_line_usage_errors():
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            except FileNotFoundError as e:  # a relative path no check named (os.getcwd() fails): no traceback
+                if not workdir_removed():
+                    raise
+                _fail(f"{ctx.invoked_subcommand or 'kvbm-backend'}: this process's working directory has been removed "
+                      f"(os.getcwd() fails), so a relative path names nothing ({e}): give absolute paths, or run "
+                      "from a directory that exists")
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=_OneLineErrorsGroup,
@@ -153,6 +163,7 @@ def replay(
 ) -> None:
     """Replay a request trace through the G3 pool and report prefix hits."""
     from .replay import run_replay
+    _named_paths(("--trace", trace))
     _int_at_least("--page-size", page_size, 1, MAX_PAGE_SIZE)
     _finite("--g3-capacity-gb", g3_capacity_gb, gt=0, le=_max_capacity_gb())
     _int_at_least("--limit", limit, 0)
@@ -232,6 +243,7 @@ def plan(
     from .plan_report import plot_plan, print_plan
     if (trace is None) == (not synthetic):
         _fail("--trace: give a trace file or --synthetic (one of them)")
+    _named_paths(("--trace", trace))
     if save_trace and not synthetic:
         _fail(f"--save-trace: only with --synthetic (got {save_trace!r})")
     for name, v, lo in (("--users", users, 1), ("--conversations-per-user", conversations_per_user, 1),
@@ -357,6 +369,7 @@ def demo(
     from .demo import default_trace, demo_requests, run_demo
     # checked here (before minutes of engine start-up) so that only real failures trace back
     _int_at_least("--requests", requests, 2)
+    _named_paths(("--trace", trace))
     if engine not in ("dynamo", "direct"):
         _fail(f"--engine: expected dynamo or direct (got {engine!r})")
     trace_path = Path(trace) if trace else default_trace()
@@ -393,6 +406,7 @@ def doctor(
     with one verdict line, OK or N problems; exit code 1 when there are problems."""
     from kvbm_backend.config import ConfigError
     from .doctor import print_doctor, run_doctor
+    _named_paths(("--config", None if (config or "{").lstrip().startswith("{") else config))  # not inline JSON
     try:
         result = run_doctor(paths=path, config=config)
     except ConfigError as e:
@@ -455,6 +469,7 @@ def plot(files: list[str] = typer.Argument(..., help="benchmark or demo JSON fil
     from pathlib import Path
 
     from .report import plot_results
+    _named_paths(*(("FILES", f) for f in files))
     for f in files:
         try:
             d = json.loads(Path(f).read_text())

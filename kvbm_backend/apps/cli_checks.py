@@ -77,18 +77,37 @@ def existing_dir(name: str, path: str, why: str) -> None:
         fail(f"{name}: {path}: no such directory ({why})")
 
 
+def named_paths(*named: tuple[str, Optional[str]]) -> None:
+    """Each ``(option, path)`` given (None or empty: skipped) must name a file or directory: a relative path while this
+    process's working directory has been removed names none (:func:`kvbm_backend.fsmodes.abspath`), and is
+    :func:`fail` naming the option (before 2026-12-03 a traceback, ``keys: [Errno 2] No such file or directory``, or
+    ``no file`` / ``not found`` with no word of the working directory)."""
+    from kvbm_backend.fsmodes import WorkdirRemoved, abspath
+    for name, path in named:
+        try:
+            if path:
+                abspath(path)
+        except WorkdirRemoved as e:
+            fail(f"{name}: {e}")
+
+
 def output_file(name: str, path: str) -> None:
     """``path`` is a file this command may write when it finishes: its directory exists and this process can
     write it, and ``path`` is not a directory (nor an existing file it cannot write); else :func:`fail`
     naming ``name``. Checked before the work (a plan's simulation, a demo's engines), so a typo does not
-    cost the results; the directory is never created."""
+    cost the results; the directory is never created. A relative ``path`` while the working directory has been
+    removed names no file: refused naming ``name`` (before 2026-12-03 a FileNotFoundError traceback)."""
     import os
     from pathlib import Path
 
     from kvbm_backend.config import dir_problem
+    from kvbm_backend.fsmodes import WorkdirRemoved, abspath
     if not path.strip():
         fail(f"{name}: empty file name")
-    target = Path(path).absolute()
+    try:
+        target = Path(abspath(path))
+    except WorkdirRemoved as e:
+        fail(f"{name}: {e}")
     parent = target.parent
     problem = dir_problem(str(parent))  # a file in the way, a directory this process cannot write
     if problem:

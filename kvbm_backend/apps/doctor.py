@@ -64,7 +64,9 @@ def gpu_info() -> dict:
     """torch / CUDA / driver facts. Never raises."""
     out: dict[str, Any] = {}
     try:
-        import torch
+        from kvbm_backend.workdir import outside_removed_workdir
+        with outside_removed_workdir():  # torch's oneMKL ends the process in a removed working directory
+            import torch
         out["torch"] = torch.__version__
         out["torch_cuda_build"] = torch.version.cuda
         out["cuda_available"] = bool(torch.cuda.is_available())
@@ -171,7 +173,9 @@ def kvikio_info() -> dict:
 def nixl_info() -> dict:
     out: dict[str, Any] = {}
     try:
-        import nixl._api  # noqa: F401 - configures the "nixl" logger on import; quieten it afterwards
+        from kvbm_backend.workdir import outside_removed_workdir
+        with outside_removed_workdir():  # it imports torch (gpu_info)
+            import nixl._api  # noqa: F401 - configures the "nixl" logger on import; quieten it afterwards
     except Exception:  # noqa: BLE001 - reported below
         pass
     nl = logging.getLogger("nixl")
@@ -283,7 +287,7 @@ def modes_info(paths: list[str], keyring_paths: list[str], owners: dict[str, str
     others unless sticky, e.g. a Kubernetes Secret volume's tmpfs root, 1777): a problem when it refuses,
     a note when it accepts a mode wider than 0700. Returns ``{"checked", "problems", "notes"}``; ``owners`` (a
     dict, filled) maps each problem of a keyring path (its directory, file, lock, KEK file) to that path."""
-    from kvbm_backend.fsmodes import UnsafePath, check_trusted_dir, mode_problems
+    from kvbm_backend.fsmodes import UnsafePath, WorkdirRemoved, abspath, check_trusted_dir, mode_problems
 
     from .doctor_paths import local_dir
     checked: list[str] = []
@@ -294,10 +298,17 @@ def modes_info(paths: list[str], keyring_paths: list[str], owners: dict[str, str
         p = local_dir(p)
         if "://" in p:
             continue
+        try:
+            ap = abspath(os.path.expanduser(p))
+        except WorkdirRemoved:  # relative, the working directory removed: names nothing (path_info says so)
+            continue
         checked.append(p)
-        problems += mode_problems(os.path.abspath(os.path.expanduser(p)), notes=notes)
+        problems += mode_problems(ap, notes=notes)
     for k in keyring_paths:
-        k = os.path.abspath(os.path.expanduser(k))
+        try:
+            k = abspath(os.path.expanduser(k))
+        except WorkdirRemoved:  # the G4 keyring check names it (doctor_g4)
+            continue
         d = os.path.dirname(k)
         if d not in checked:
             checked.append(d)

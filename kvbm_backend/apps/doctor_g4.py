@@ -146,10 +146,18 @@ def _keyring_check(kc, rows: _Checks, encrypt: bool) -> None:
     if not kc.path:
         rows.add("keyring", False, "g4.keyring.path: required when g4.encrypt is true")
         return
-    path = os.path.abspath(os.path.expanduser(kc.path))
+    from kvbm_backend.fsmodes import abspath
     # g4.encrypt false: the pool still opens the keyring, and does not start when it does not open (G4Pool)
     why = "" if encrypt else (" (g4.encrypt is false, but a G4 pool opens the keyring g4.keyring.path names: it "
                               "names tenants and opens encrypted blocks with it, and does not start without it)")
+    for field, p in (("g4.keyring.path", kc.path), ("g4.keyring.kek_file", kc.kek_file)):
+        try:  # relative while the working directory is removed: names no file (as `config effective` says)
+            if p:
+                abspath(os.path.expanduser(p))
+        except ValueError as e:
+            rows.add("keyring", False, f"{field}: {e}{why}")
+            return
+    path = os.path.abspath(os.path.expanduser(kc.path))
     try:
         check_kek_env(kc)  # a kek_env the config names must be set: the worker refuses to start otherwise
         # the worker's rule (kvbm_backend.fsmodes.open_trusted): a directory others can write is refused

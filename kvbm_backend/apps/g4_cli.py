@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .cli_checks import error_line, fail as _fail, finite as _finite
+from .cli_checks import error_line, fail as _fail, finite as _finite, named_paths as _named_paths
 
 console = Console(stderr=True)
 
@@ -140,7 +140,9 @@ def _open(keyring: str, kek_env: str, kek_file: Optional[str], create: bool):
     created with its KEK file when ``create`` and absent. A ``--kek-env`` other than the default
     ``KVBM_BACKEND_KEK`` that is unset (or empty) is refused before anything is read or created, as the workers
     refuse such a ``g4.keyring.kek_env`` (before 2026-12-03 it fell back to the KEK file, ``create`` making a
-    new KEK file and keyring). Every refusal is :func:`_fail` (one ``error:`` line, exit 2)."""
+    new KEK file and keyring), as is a relative path while the working directory has been removed
+    (:func:`.cli_checks.named_paths`; before 2026-12-03 ``keys create`` said ``error: keys: [Errno 2] No such file
+    or directory``, ``keys list`` that the keyring was not found, ``gc --keyring`` that it had no KEK). Every refusal is :func:`_fail` (one ``error:`` line, exit 2)."""
     import os
     from pathlib import Path
 
@@ -151,6 +153,7 @@ def _open(keyring: str, kek_env: str, kek_file: Optional[str], create: bool):
         _fail(f"--kek-env: ${kek_env} is not set (the KEK variable named; the KEK file {kek_file or keyring + '.kek'} "
               f"is no fallback for it: set ${kek_env} to the base64 32-byte KEK, or omit --kek-env (default "
               f"{DEFAULT_KEK_ENV}) to use the KEK file)")
+    _named_paths(("--keyring", keyring), ("--kek-file", kek_file))
     for name, f in (("--keyring", keyring), ("--kek-file", kek_file)):
         if f and create and not Path(f).exists():
             problem = dir_problem(str(Path(f).absolute().parent))
@@ -256,6 +259,7 @@ def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
     from kvbm_backend.crypto.keyring import LocalKek
     if bool(new_kek_file) == bool(new_kek_env):
         _fail("keys rewrap: give exactly one of --new-kek-file or --new-kek-env")
+    _named_paths(("--keyring", keyring), ("--kek-file", kek_file), ("--new-kek-file", new_kek_file))
     with _keyring_errors():
         kr = _open(keyring, kek_env, kek_file, False)
         if new_kek_env:
@@ -295,6 +299,7 @@ def keys_destroy(keyring: str = _KR, yes: bool = typer.Option(False, "--yes", he
         _fail(f"keys destroy: deletes every tenant's data keys in {keyring} for good (all their G4 blocks "
               "become unreadable); add --yes to confirm")
     from pathlib import Path
+    _named_paths(("--keyring", keyring))
     if Path(keyring).is_dir():
         _fail(f"--keyring: {keyring}: is a directory, not a file")
     with _keyring_errors():

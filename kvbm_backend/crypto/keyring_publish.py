@@ -94,10 +94,16 @@ def destroy_keyring(path: str | os.PathLike[str]) -> dict[str, object]:
 
     Raises:
         KeyringError: ``path`` is missing, not a regular file, or not a keyring (JSON with ``"format":
-            "kvbm-backend-keyring/1"``): nothing is deleted.
+            "kvbm-backend-keyring/1"``), or relative while this process's working directory has been removed
+            (:func:`kvbm_backend.fsmodes.abspath`; before 2026-12-03 a bare FileNotFoundError from
+            ``os.getcwd()``): nothing is deleted.
         OSError: the unlink or the directory fsync failed.
     """
-    p = Path(path).absolute()
+    from ..fsmodes import WorkdirRemoved, abspath
+    try:
+        p = Path(abspath(path))
+    except WorkdirRemoved as e:
+        raise KeyringError(f"keyring: {e}; nothing deleted") from None
     if not os.path.lexists(p):  # checked again under the lock; no lock file made beside a mistyped path
         raise KeyringError(f"keyring {p}: not found (nothing to destroy)")
     with locked_file(f"{p}.lock"):

@@ -86,7 +86,10 @@ def _vllm_values(argv: list[str]) -> list[str]:
     where :func:`_needs_vllm` says the answer can differ from the plain reading. Raises what vLLM raises
     (``OSError`` for an unreadable file, ``ValueError``, ``AssertionError`` for two ``--config``,
     ``yaml.YAMLError``) and ``ValueError`` for what argparse refuses (``ambiguous option: --kv could match ...``,
-    a missing value)."""
+    a missing value). In a removed working directory vLLM is imported from ``/`` (torch ends the process there:
+    :func:`kvbm_backend.workdir.guard_native_imports`; before 2026-12-03 ``Intel oneMKL FATAL ERROR``, exit 2)."""
+    from ..workdir import guard_native_imports
+    guard_native_imports()
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     class _Seen(FlexibleArgumentParser):
@@ -231,15 +234,24 @@ def _check_keyring(cfg, create: bool) -> None:
     blocks with it, and does not start when it does not open: ``G4Pool``; before 2026-12-03 only ``g4.encrypt:
     true`` was checked). A dry run's missing keyring is left to the engine, but the KEK it would be created with
     (``$kek_env``, else an existing KEK file) must open; a ``kek_env`` the config names must be set
-    (:func:`kvbm_backend.crypto.kek.check_kek_env`). Raises ConfigError naming ``g4.keyring`` and the file or
-    variable at fault."""
+    (:func:`kvbm_backend.crypto.kek.check_kek_env`). A relative ``g4.keyring.path`` / ``kek_file`` while the working
+    directory has been removed names no file: refused naming the field, dry run too, as ``config effective`` refuses
+    it (:func:`kvbm_backend.apps.effective.check_keyring_paths`; before 2026-12-03 a dry run passed it, exit 0).
+    Raises ConfigError naming ``g4.keyring`` and the file or variable at fault."""
     from ..config import ConfigError
     g4 = cfg.g4
     if not (g4.enabled and (g4.encrypt or g4.keyring.path)):
         return
     from ..crypto.keyring import Keyring, KeyringError, provider_for
     from ..crypto.kek import check_kek_env
+    from ..fsmodes import abspath
     kc = g4.keyring
+    for field, p in (("g4.keyring.path", kc.path), ("g4.keyring.kek_file", kc.kek_file)):
+        try:
+            if p:
+                abspath(p)
+        except ValueError as e:
+            raise ConfigError(f"{field}: {e}") from None
     try:
         check_kek_env(kc)  # a non-default kek_env unset: refused, dry run too (before 2026-12-03: a new KEK file)
         if not create and kc.path and not os.path.exists(kc.path):

@@ -114,12 +114,13 @@ def test_config_effective_names_a_relative_keyring_path_in_a_removed_working_dir
 def test_the_launcher_preflight_names_a_relative_keyring_in_a_removed_working_directory(tmp_path, kek):
     """The preflight opens the keyring as the engine does (create): the KEK file's directory (no ``$KVBM_BACKEND_KEK``)
     or the keyring's (with it) is made by :func:`kvbm_backend.fsmodes.makedirs_private`. Before: ``g4.keyring:
-    [Errno 2] No such file or directory``, naming neither the path nor the cause."""
+    [Errno 2] No such file or directory``, naming neither the path nor the cause. Since the dry run's agreement
+    with ``config effective`` (tests/apps/test_cli_removed_cwd.py) the field is named first, as there."""
     env = {"KVBM_BACKEND_KEK": base64.b64encode(os.urandom(32)).decode()} if kek == "env" else {}
     r = _run([sys.executable, "-m", "kvbm_backend.integrations.vllm.cli", "serve", "m", "--kv-transfer-config",
               _g4_keyring("kr/keyring.json", tmp_path / "store")], (REMOVED, tmp_path / "gone"), env)
     line = _one_error(r)
-    assert "g4.keyring: 'kr' is relative to the working directory" in line, line
+    assert "g4.keyring.path: 'kr/keyring.json' is relative to the working directory" in line, line
     assert "working directory has been removed" in line and "[Errno" not in line, line
 
 

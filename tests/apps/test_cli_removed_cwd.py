@@ -1,0 +1,226 @@
+"""``kvbm-backend`` commands in a working directory that has been removed, each through a real subprocess (the process
+starts in a new directory and removes it before exec: :func:`tests.apps.test_effective_default_g3_and_removed_cwd._run`).
+
+Follow-ups to 1530061 / 4c55e7a (``config effective``), for the other commands of docs/cli.md:
+
+* a relative path an option names (``keys ... --keyring``, ``--kek-file``, ``--new-kek-file``, ``gc`` / ``g4 migrate
+  --keyring``, ``plan --out``, ``plot FILES``, ``replay --trace``, ``doctor --config``) is one ``error: OPTION: 'PATH'
+  is relative to the working directory, and this process's working directory has been removed ...`` line, exit 2,
+  nothing created (before 2026-12-03: ``keys: [Errno 2] No such file or directory``, "not found", "no KEK", or a
+  FileNotFoundError traceback);
+* the dry run's preflight refuses a relative ``g4.keyring.path`` / ``kek_file`` there naming the field, as ``config
+  effective`` does (before: the dry run passed it, exit 0);
+* commands that import torch or vLLM (``doctor``, ``model``, ``bench --tier index``, the launcher's preflight of an
+  abbreviated option) run there instead of ending with ``Intel oneMKL FATAL ERROR`` (torch's oneMKL calls
+  ``getcwd()`` as it loads; exit 2, no report) or a FileNotFoundError from ``torch._dynamo.config``;
+* ``doctor`` reports (exit 1, ``problem:`` lines) instead of aborting: the default ``./kvbm-g3`` and a relative
+  keyring are problems naming the path and the cause.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.apps.test_effective_cwd_and_sections import _connector, _one_error, _tiering
+from tests.apps.test_effective_default_g3_and_removed_cwd import MOD, REMOVED, _run
+
+REL = "kr/k.json"
+GONE = "working directory has been removed"
+
+
+def _cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m kvbm_backend.apps.cli ARGS`` in a removed working directory."""
+    return _run([sys.executable, "-m", "kvbm_backend.apps.cli", *args], (REMOVED, tmp_path / "gone"), env)
+
+
+def _error(r: subprocess.CompletedProcess) -> str:
+    """The one ``error:`` line of a refused command (exit 2, no traceback, no oneMKL abort)."""
+    assert "Traceback" not in r.stderr and "FATAL" not in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    lines = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def _assert_names(line: str, option: str, path: str) -> None:
+    assert line.startswith(f"error: {option}: '{path}' is relative to the working directory"), line
+    assert GONE in line and "give an absolute path" in line and "[Errno" not in line, line
+
+
+KEYS = {  # argv after the command name, the option named, the relative path; ABS: an absolute directory
+    "create": (["keys", "create", "--keyring", REL, "--tenant", "t"], "--keyring", REL),
+    "list": (["keys", "list", "--keyring", REL], "--keyring", REL),
+    "rotate": (["keys", "rotate", "--keyring", REL], "--keyring", REL),
+    "revoke": (["keys", "revoke", "--keyring", REL, "--tenant", "t"], "--keyring", REL),
+    "destroy": (["keys", "destroy", "--keyring", REL, "--yes"], "--keyring", REL),
+    "create-kek-file": (["keys", "create", "--keyring", "ABS/k.json", "--kek-file", "k.kek", "--tenant", "t"],
+                        "--kek-file", "k.kek"),
+    "rewrap": (["keys", "rewrap", "--keyring", "ABS/k.json", "--new-kek-file", "new.kek"], "--new-kek-file",
+               "new.kek"),
+    "gc": (["gc", "--url", "file://STORE", "--keyring", REL, "--dry-run"], "--keyring", REL),
+    "migrate": (["g4", "migrate", "--url", "file://STORE", "--keyring", REL, "--dry-run"], "--keyring", REL),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KEYS))
+def test_key_commands_name_a_relative_path_in_a_removed_working_directory(tmp_path, case):
+    """Before: ``error: keys: [Errno 2] No such file or directory`` (create, destroy, rewrap), ``keyring kr/k.json:
+    not found`` (list, rotate, revoke), ``no KEK`` (gc, migrate). Nothing is created beside an absolute keyring."""
+    argv, option, path = KEYS[case]
+    absdir, store = tmp_path / "abs", tmp_path / "store"
+    store.mkdir(mode=0o700)
+    if case == "rewrap":  # an existing keyring: only --new-kek-file is relative
+        kek = {"KVBM_BACKEND_KEK": base64.b64encode(os.urandom(32)).decode()}
+        r = _run([sys.executable, "-m", "kvbm_backend.apps.cli", "keys", "create", "--keyring",
+                  str(absdir / "k.json"), "--tenant", "t"], tmp_path, kek)
+        assert r.returncode == 0, r.stderr
+    else:
+        kek = {}
+    before = sorted(p.name for p in absdir.iterdir()) if absdir.is_dir() else None
+    argv = [a.replace("ABS", str(absdir)).replace("STORE", str(store)) for a in argv]
+    _assert_names(_error(_cli(tmp_path, *argv, env=kek)), option, path)
+    assert (sorted(p.name for p in absdir.iterdir()) if absdir.is_dir() else None) == before
+
+
+def test_destroy_keyring_of_a_relative_path_in_a_removed_working_directory(tmp_path):
+    """keyring_publish.destroy_keyring: a KeyringError naming the path (before: a bare FileNotFoundError from
+    ``Path.absolute()``)."""
+    code = ("from kvbm_backend.crypto.keyring_publish import destroy_keyring\n"
+            "from kvbm_backend.crypto.kek import KeyringError\n"
+            f"try:\n    destroy_keyring({REL!r})\nexcept KeyringError as e:\n    print('KeyringError', e)\n")
+    r = _run([sys.executable, "-c", code], (REMOVED, tmp_path / "gone"))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stdout.startswith(f"KeyringError keyring: '{REL}' is relative to the working directory"), r.stdout
+    assert GONE in r.stdout and "nothing deleted" in r.stdout, r.stdout
+
+
+PLAN = ["plan", "--synthetic", "--layout", "tiny", "--g3-capacity-gb", "1"]
+FILES = {  # argv (GOOD: an existing bench JSON, TMP: the test's directory), the option named, the relative path
+    "plan --out": ([*PLAN, "--out", "rel.json"], "--out", "rel.json"),
+    "plan --plot": ([*PLAN, "--plot", "rel.png"], "--plot", "rel.png"),
+    "plot FILES": (["plot", "rel.json", "--out", "TMP/p.png"], "FILES", "rel.json"),
+    "plot --out": (["plot", "GOOD", "--out", "rel.png"], "--out", "rel.png"),
+    "replay --trace": (["replay", "--trace", "rel.jsonl", "--layout", "tiny", "--g3-capacity-gb", "1", "--simulate"],
+                       "--trace", "rel.jsonl"),
+    "plan --trace": (["plan", "--trace", "rel.jsonl", "--layout", "tiny", "--g3-capacity-gb", "1"], "--trace",
+                     "rel.jsonl"),
+    "doctor --config": (["doctor", "--config", "rel.yaml"], "--config", "rel.yaml"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FILES))
+def test_file_options_name_a_relative_path_in_a_removed_working_directory(tmp_path, case):
+    """Before: a FileNotFoundError traceback (plan --out/--plot, plot --out: ``Path.absolute()``), or ``no file`` /
+    ``not found`` / ``No such file`` with no word of the working directory."""
+    good = tmp_path / "bench.json"
+    good.write_text(json.dumps({"write_gbps": 1.0}))
+    argv, option, path = FILES[case]
+    argv = [a.replace("GOOD", str(good)).replace("TMP", str(tmp_path)) for a in argv]
+    _assert_names(_error(_cli(tmp_path, *argv)), option, path)
+
+
+def test_a_command_without_a_check_says_the_working_directory_was_removed(tmp_path):
+    """``model tiny DIR`` with a relative DIR: one line naming the command and the cause (before: a
+    FileNotFoundError traceback from ``Path.absolute()``)."""
+    line = _error(_cli(tmp_path, "model", "tiny", "reldir"))
+    assert line.startswith("error: model: this process's working directory has been removed"), line
+    assert "give absolute paths" in line, line
+
+
+@pytest.mark.slow
+def test_commands_importing_torch_run_in_a_removed_working_directory(tmp_path):
+    """``model tiny`` at an absolute DIR imports torch (safetensors of a torch model): before, torch's oneMKL ended
+    the process (``Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so``, exit 2, nothing written)."""
+    out = tmp_path / "m"
+    r = _cli(tmp_path, "model", "tiny", str(out))
+    assert r.returncode == 0 and "FATAL" not in r.stderr, r.stderr[-2000:]
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_command_importing_vllm_runs_in_a_removed_working_directory(tmp_path):
+    """``bench --tier index`` imports vLLM (the G3 mirror): before, ``torch._dynamo.config``'s ``os.getcwd()`` made
+    it ``error: bench --tier index: [Errno 2] No such file or directory`` (and torch's oneMKL before that)."""
+    r = _cli(tmp_path, "bench", "--tier", "index", "--blocks", "2000", "--json")
+    assert r.returncode == 0 and "FATAL" not in r.stderr, r.stderr[-2000:]
+    assert json.loads(r.stdout)["tier"] == "index"
+
+
+@pytest.mark.slow
+def test_doctor_reports_in_a_removed_working_directory(tmp_path):
+    """Before: ``Intel oneMKL FATAL ERROR`` (gpu_info's ``import torch``), exit 2, no report; with torch fixed, a
+    FileNotFoundError traceback from modes_info. Now the report: torch found, the default ``./kvbm-g3`` one problem
+    naming the cause, exit 1."""
+    r = _cli(tmp_path, "doctor", "--json")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "FATAL" not in r.stderr, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    assert res["gpu"]["torch"], res["gpu"]
+    assert len(res["problems"]) == 1 and res["problems"][0].startswith("g3 path ./kvbm-g3: "), res["problems"]
+    assert GONE in res["problems"][0], res["problems"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", ["path", "kek_file"])
+def test_doctor_names_a_relative_keyring_in_a_removed_working_directory(tmp_path, field):
+    """The G4 keyring check names the field (before: a FileNotFoundError traceback from ``os.path.abspath``)."""
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    kr = {"path": REL} if field == "path" else {"path": str(tmp_path / "kr" / "k.json"), "kek_file": "k.kek"}
+    cfg = json.dumps({"g3": {"paths": [str(tmp_path / "g3")]},
+                      "g4": {"enabled": True, "url": f"file://{store}", "encrypt": True, "keyring": kr}})
+    r = _cli(tmp_path, "doctor", "--config", cfg)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "FATAL" not in r.stderr, r.stderr[-2000:]
+    problems = [x for x in r.stdout.splitlines() if x.startswith("problem: ")]
+    rel = REL if field == "path" else "k.kek"
+    assert problems == [p for p in problems if p.startswith(f"problem: g4 keyring: g4.keyring.{field}: '{rel}' is "
+                                                            "relative to the working directory")], r.stdout
+    assert len(problems) == 1 and GONE in problems[0], r.stdout
+
+
+def _g4(keyring: dict, store: Path) -> dict:
+    return {"enabled": True, "url": f"file://{store}", "encrypt": True, "keyring": keyring}
+
+
+@pytest.mark.parametrize("form", ["connector", "g4tier-kek-file"])
+def test_dry_run_and_config_effective_agree_on_a_relative_keyring(tmp_path, form):
+    """Both refuse naming the field (before: the dry run's preflight passed it, exit 0, while ``config effective``
+    refused it)."""
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    if form == "connector":
+        ktc, field, rel = _connector({"g3": {"enabled": False}, "g4": _g4({"path": REL}, store)}), "path", REL
+    else:
+        tier = {"type": "G4Tier", "module_path": MOD, "num_kv_heads": 2,
+                "g4": _g4({"path": str(tmp_path / "kr" / "k.json"), "kek_file": "k.kek"}, store)}
+        ktc, field, rel = _tiering(tier), "kek_file", "k.kek"
+    want = f"g4.keyring.{field}: '{rel}' is relative to the working directory"
+    eff = _one_error(_cli(tmp_path, "config", "effective", "--for", "vllm", ktc))
+    dry = _one_error(_cli(tmp_path, "config", "effective", "--dry-run", "vllm", "serve", "m",
+                          "--kv-transfer-config", ktc))
+    assert eff.startswith(f"kvbm-backend: error: {want}"), eff
+    assert want in dry and GONE in dry, dry
+    assert not (tmp_path / "kr").exists()
+
+
+@pytest.mark.slow
+def test_the_launcher_preflight_reads_an_abbreviated_option_in_a_removed_working_directory(tmp_path):
+    """An abbreviated ``--kv-transfer-conf`` is resolved by vLLM's parser (preflight._vllm_values imports vLLM):
+    before, torch's oneMKL ended the process there (``Intel oneMKL FATAL ERROR``); now the keyring is judged."""
+    ktc = _connector({"g3": {"enabled": False}, "g4": _g4({"path": REL}, tmp_path / "store")})
+    r = _run([sys.executable, "-m", "kvbm_backend.integrations.vllm.cli", "serve", "m", "--kv-transfer-conf", ktc],
+             (REMOVED, tmp_path / "gone"))
+    line = _one_error(r)
+    assert f"g4.keyring.path: '{REL}' is relative to the working directory" in line and GONE in line, line
+
+
+def test_guard_native_imports_does_nothing_in_an_existing_working_directory():
+    from kvbm_backend.workdir import guard_native_imports
+    before = list(sys.meta_path)
+    guard_native_imports()
+    assert sys.meta_path == before
