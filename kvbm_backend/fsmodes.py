@@ -47,6 +47,19 @@ def abspath(path: str | os.PathLike) -> str:
                                            "run from a directory that exists") from None
 
 
+def unresolvable(fields) -> str | None:
+    """The first of ``fields`` (``(name, path or None)`` pairs, e.g. ``("g4.keyring.path", kc.path)``) whose path
+    :func:`abspath` refuses, as ``"name: why"`` (a relative path while the working directory has been removed); None
+    when every set one resolves."""
+    for name, p in fields:
+        try:
+            if p:
+                abspath(p)
+        except ValueError as e:
+            return f"{name}: {e}"
+    return None
+
+
 def missing_dirs(path: str | os.PathLike) -> list[str]:
     """``path`` (absolute) and those of its ancestors that are not directories, deepest first: what
     ``os.makedirs(path)`` creates (``replay`` and ``model`` remove them again: :func:`remove_made_dirs`). A relative

@@ -204,13 +204,10 @@ def check_keyring_paths(kr) -> None:
     this process's working directory has been removed names none (:func:`kvbm_backend.fsmodes.abspath`). Raises
     EffectiveError naming the field (before 2026-12-03 ``config effective`` said ``g4.kek=[new file ...]``, exit 0, and
     the worker failed ``g4.keyring: [Errno 2] No such file or directory``)."""
-    from ..fsmodes import abspath
-    for field, p in (("g4.keyring.path", kr.path), ("g4.keyring.kek_file", kr.kek_file)):
-        try:
-            if p:
-                abspath(p)
-        except ValueError as e:
-            raise EffectiveError(f"{field}: {e}") from None
+    from ..fsmodes import unresolvable
+    bad = unresolvable((("g4.keyring.path", kr.path), ("g4.keyring.kek_file", kr.kek_file)))
+    if bad:
+        raise EffectiveError(bad)
 
 
 def kek_source(cfg, environ: dict[str, str] | None = None) -> str:

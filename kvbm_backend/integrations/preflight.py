@@ -244,14 +244,11 @@ def _check_keyring(cfg, create: bool) -> None:
         return
     from ..crypto.keyring import Keyring, KeyringError, provider_for
     from ..crypto.kek import check_kek_env
-    from ..fsmodes import abspath
+    from ..fsmodes import unresolvable
     kc = g4.keyring
-    for field, p in (("g4.keyring.path", kc.path), ("g4.keyring.kek_file", kc.kek_file)):
-        try:
-            if p:
-                abspath(p)
-        except ValueError as e:
-            raise ConfigError(f"{field}: {e}") from None
+    bad = unresolvable((("g4.keyring.path", kc.path), ("g4.keyring.kek_file", kc.kek_file)))
+    if bad:
+        raise ConfigError(bad)
     try:
         check_kek_env(kc)  # a non-default kek_env unset: refused, dry run too (before 2026-12-03: a new KEK file)
         if not create and kc.path and not os.path.exists(kc.path):
