@@ -114,6 +114,20 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
         self.sched, self.worker = self.parts.sched, self.parts.worker
         self.cfg, self.ns = self.parts.cfg, self.parts.ns
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """vLLM asks at config time (``VllmConfig.__post_init__``, before any connector is built) whether FULL CUDA
+        graphs must be lowered to PIECEWISE: True when the config ``extra_config`` gives
+        (:func:`.extra_config.config_from_extra`) has G3 and ``g3.layerwise_load`` on, as LMCache answers for its
+        ``use_layerwise``. A replayed FULL graph calls no ``wait_for_layer_load``, so every layer-wise load in a
+        FULL-graph batch would fail and recompute (:mod:`.layerwise`). A config that does not load answers False
+        (the connector's constructor then raises naming the field)."""
+        try:
+            cfg, _ = config_from_extra(extra_config)
+        except Exception:  # noqa: BLE001 - reported by the constructor, naming the field
+            return False
+        return bool(cfg.g3.enabled and cfg.g3.layerwise_load)
+
     # ---- worker role ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Wrap each KV cache group's per-layer tensors (in vLLM's group order). Raises ValueError when a

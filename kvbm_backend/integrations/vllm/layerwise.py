@@ -10,9 +10,8 @@ the same step and calls ``start_load_kv`` before the forward. :class:`LayerwiseL
 * ``wait_layer`` (``wait_for_layer_load``, called by each attention layer before it runs): waits for that
   layer's reads and scatters the layer of the blocks read so far into vLLM's paged KV
   (:meth:`~.kv_io.EngineKv.scatter_layer`), so layer ``l`` loads while layer ``l - 1`` computes;
-* ``finish`` (``wait_for_save`` / ``get_block_ids_with_load_errors``, after the forward): scatters any layer
-  vLLM did not wait for, verifies every whole payload (:meth:`~kvbm_backend.pool.base.LayerwiseLoading.finish`)
-  and reports every
+* ``finish`` (``wait_for_save`` / ``get_block_ids_with_load_errors``, after the forward): verifies every whole
+  payload (:meth:`~kvbm_backend.pool.base.LayerwiseLoading.finish`) and reports every
   block from the first failed one on through the connector's failed-load path
   (``get_block_ids_with_load_errors`` + :class:`~.metadata.FailedLoad`). vLLM (``kv_load_failure_policy``
   ``recompute``) then resets the request to its valid prefix and throws the step's token away, so a
@@ -30,6 +29,14 @@ the same step and calls ``start_load_kv`` before the forward. :class:`LayerwiseL
   ``get_block_ids_with_load_errors`` ends the loads, the failure is kept until the step's ``wait_for_save``:
   with speculative decoding vLLM defers ``wait_for_save`` until after the draft model
   (``defer_kv_connector_finalize``), so ``get_block_ids_with_load_errors`` comes first there.
+  A load with a layer vLLM never waited for in the forward (its attention ran without the connector's hooks: a
+  FULL CUDA graph replays no Python) fails from its first block, however well its payloads verify: the forward
+  computed that layer's attention, the step's token and the KV of every later position from stale rows of every
+  block (counted ``layerwise_unwaited_jobs``, one WARNING a minute names the layers). Before 2026-12-03 such a
+  layer was scattered after the forward and the load reported good: a wrong token and wrong KV saved. Only when
+  ``get_block_ids_with_load_errors`` ends the load (speculative decoding: the draft model's forward, whose
+  layers follow the target model's, comes after it) are layers after the last one waited for scattered then and
+  not counted against the load.
 
 Layer-wise loads run with one TP rank only (:func:`usable`): a rank cannot stop the other ranks from saving
 their slices of KV computed, through the all-reduce, from its bad rows; with TP > 1 hits load asynchronously.
@@ -39,6 +46,13 @@ processed, so a request of step N + 1 can take the failed, already cached blocks
 compute, sample and save from them; vLLM's recovery (``Scheduler._update_requests_with_invalid_blocks``)
 keeps such a request's in-flight step, and with ``recompute`` it does not evict the blocks. With async
 scheduling hits load asynchronously (vLLM caches them only once verified) and a warning says so at start.
+Nor where vLLM runs prefills as FULL CUDA graphs (``compilation_config.cudagraph_mode`` ``FULL``:
+:func:`full_cudagraph_prefills_on`): a replayed FULL graph never calls ``wait_for_layer_load``, so nearly every
+such load would fail; hits load asynchronously and a warning (:data:`FULL_CUDAGRAPH_PREFILLS_WARNING`) says so at
+start. ``PIECEWISE`` and ``NONE`` (``--enforce-eager``, vLLM's CPU engine) run attention eagerly, hooks included;
+``FULL_AND_PIECEWISE`` (vLLM's GPU default) and ``FULL_DECODE_ONLY`` do too except in a batch of decode-sized
+requests only (``1 + num_speculative_tokens`` tokens each), which a hit leaving that few tokens to compute can
+join: that load fails as above (counted ``layerwise_unwaited_jobs``) and vLLM recomputes it.
 
 Sync loads are never reported in ``finished_recving`` (vLLM only waits for asynchronous ones).
 """
@@ -150,29 +164,45 @@ class LayerwiseLoads:
             self.w.kv.scatter_layer(li, t if whole else t[:a.prefix], a.idx if whole else a.idx[:a.prefix])
         return True
 
-    def finish(self) -> set[str]:
+    def finish(self, *, whole_step: bool = False) -> set[str]:
         """End every active load (see the module doc). Returns the request ids with failed blocks (also kept
-        for the step's :meth:`saves`, which may come later: vLLM's ``defer_kv_connector_finalize``)."""
+        for the step's :meth:`saves`, which may come later: vLLM's ``defer_kv_connector_finalize``).
+
+        ``whole_step``: every forward of the step ran (``wait_for_save``: the draft model's too), so a layer not
+        waited for fails the load; otherwise (``get_block_ids_with_load_errors``, which precedes the draft model's
+        forward under speculative decoding) only layers before the last one waited for, or all of them, do: the
+        ones after it may be the draft model's, loaded now as before (:meth:`_stale`)."""
         failed: set[str] = set()
         active, self._active = self._active, []
         for a in active:
-            failed |= self._finish(a)
+            failed |= self._finish(a, whole_step)
         self._step_failed |= failed
         return failed
 
-    def _finish(self, a: _Active) -> set[str]:
+    def _finish(self, a: _Active, whole_step: bool) -> set[str]:
         try:
-            return self._finish_held(a)
+            return self._finish_held(a, whole_step)
         finally:
             load_priority.release()  # the hold() of _start
 
-    def _finish_held(self, a: _Active) -> set[str]:
+    def _stale(self, a: _Active, unwaited: list[int], whole_step: bool) -> bool:
+        """Whether the forward ran attention on stale rows of ``a``: a layer of the model was not waited for
+        (``wait_for_layer_load`` never called: vLLM skips it when the layer's attention replays in a FULL CUDA
+        graph, ``compilation_config.cudagraph_mode``). Before the step's ``wait_for_save`` (``whole_step`` False:
+        speculative decoding's draft model, whose layers follow the target model's, has not run yet) layers after
+        the last one waited for are not counted against it."""
+        if not unwaited or a.load is None:
+            return False
+        return whole_step or not a.done or min(unwaited) < max(a.done)
+
+    def _finish_held(self, a: _Active, whole_step: bool) -> set[str]:
         job, w = a.job, self.w
         n = len(job.block_ids)
         why: list[str | None] = ["not_started"] * n
+        unwaited = [li for li in range(w.kv.layout.num_layers) if li not in a.done]
+        stale = self._stale(a, unwaited, whole_step)
         if a.load is not None:
-            unwaited = [li for li in range(w.kv.layout.num_layers) if li not in a.done]
-            for li in unwaited:
+            for li in [] if stale else unwaited:  # a stale forward's blocks are all recomputed: not scattered
                 self._layer(a, li)
             try:
                 why = a.load.finish()
@@ -186,18 +216,30 @@ class LayerwiseLoads:
         p = 0
         while p < min(n, a.prefix) and why[p] is None:
             p += 1
+        reason = "timeout" if p < n and why[p] == "timeout" else "miss"
+        if stale:  # every block failed from the first: the forward computed from stale rows of each of them
+            reason = reason if p == 0 else "unwaited"  # the G3 blocks are good: not cooled (FailedLoad.reason)
+            p = 0
+            stats.add(layerwise_unwaited_jobs=1)
+            self.log.warning("unwaited", "kvbm_backend: layer-wise load for %s: vLLM never waited for layers %s of "
+                             "%d (%s) in the forward: their attention ran on KV not loaded yet, most likely replayed "
+                             "in a FULL CUDA graph without the connector's hooks (vLLM's compilation_config."
+                             "cudagraph_mode: use PIECEWISE or NONE with g3.layerwise_load). Its %d blocks are "
+                             "reported failed and vLLM recomputes them", job.req_id, _spans(unwaited),
+                             w.kv.layout.num_layers, self._names(unwaited), n)
         bpb = w.kv.layout.bytes_per_block
         stats.add(load_blocks_ok=p, load_g3_blocks_ok=p, load_blocks_failed=n - p, load_bytes=p * bpb,
                   load_wall_s=time.monotonic() - a.t0)
         if p == n:
             return set()
         reasons = sorted({str(r) for r in why[p:] if r is not None})
-        self.log.warning("failed", "kvbm_backend: layer-wise load for %s: blocks %d..%d failed (%s); vLLM recomputes "
-                         "them", job.req_id, p, n - 1, ",".join(reasons) or "late")
+        if not stale:
+            self.log.warning("failed", "kvbm_backend: layer-wise load for %s: blocks %d..%d failed (%s); vLLM "
+                             "recomputes them", job.req_id, p, n - 1, ",".join(reasons) or "late")
         with w._lock:
             w._load_errors.update(job.block_ids[p:])
-            w._failed_loads.append(FailedLoad(job.req_id, job.tenant, int(job.seq_hashes[p]),
-                                              "timeout" if why[p] == "timeout" else "miss", job.digest_of(p)))
+            w._failed_loads.append(FailedLoad(job.req_id, job.tenant, int(job.seq_hashes[p]), reason,
+                                              job.digest_of(p)))
         if a.load is not None:  # a block read in vain (not late, not unstarted): deleted so its recompute is stored
             w.drop_unreadable([a.keys[i] for i in range(p, n) if why[i] not in (None, "timeout", "not_started")])
         if w.report_g3:  # removed from the mirror only when G3 no longer holds it
@@ -219,7 +261,7 @@ class LayerwiseLoads:
         ``wait_for_save`` once per step in both orders. A step without one (vLLM 0.32, deferred, when
         ``execute_model`` returns its output itself: none of its saves are made) carries its failure to the next
         call: more saves dropped, never wrong KV."""
-        self.finish()
+        self.finish(whole_step=True)
         failed_step, self._step_failed = self._step_failed, set()
         keep = [] if failed_step else [s for s in saves if s.req_id not in self._tainted]
         dropped = sum(len(s.block_ids) for s in saves) - sum(len(s.block_ids) for s in keep)
@@ -230,12 +272,54 @@ class LayerwiseLoads:
     def close(self) -> None:
         self.finish()
 
+    def _names(self, layers: list[int]) -> str:
+        """vLLM's names of ``layers`` (indices), the first three and how many more."""
+        names = {i: n for n, i in self.index.items()}
+        shown = [names.get(li, str(li)) for li in layers[:3]]
+        return ", ".join(shown) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
 
-def usable(cfg: Any, tp_world_size: int, *, async_scheduling: bool) -> bool:
-    """Whether ``g3.layerwise_load`` applies to an engine of ``tp_world_size`` TP ranks: on, one rank and
-    ``async_scheduling`` (vLLM's ``scheduler_config.async_scheduling``, see :func:`async_scheduling_on`) off
-    (see the module doc; the scheduler and the workers both ask, so they agree)."""
-    return bool(cfg.g3.layerwise_load) and tp_world_size == 1 and not async_scheduling
+
+def _spans(idx: list[int]) -> str:
+    """Sorted layer indices as spans: ``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out: list[str] = []
+    for i in idx:
+        if out and int(out[-1].rsplit("-", 1)[-1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)
+
+
+def usable(cfg: Any, tp_world_size: int, *, async_scheduling: bool, full_cudagraph_prefills: bool = False) -> bool:
+    """Whether ``g3.layerwise_load`` applies to an engine of ``tp_world_size`` TP ranks: on, one rank,
+    ``async_scheduling`` (vLLM's ``scheduler_config.async_scheduling``, see :func:`async_scheduling_on`) off and
+    ``full_cudagraph_prefills`` (:func:`full_cudagraph_prefills_on`) off (see the module doc; the scheduler and the
+    workers both ask, so they agree)."""
+    return (bool(cfg.g3.layerwise_load) and tp_world_size == 1 and not async_scheduling
+            and not full_cudagraph_prefills)
+
+
+#: the WARNING at start when ``g3.layerwise_load`` is on but vLLM runs prefills as FULL CUDA graphs
+#: (:func:`full_cudagraph_prefills_on`); ``%s``: the mode
+FULL_CUDAGRAPH_PREFILLS_WARNING = (
+    "kvbm_backend: g3.layerwise_load is on but vLLM's compilation_config.cudagraph_mode is %s (FULL CUDA graphs): "
+    "G3 hits load asynchronously (a FULL graph replays attention without the connector's wait_for_layer_load, "
+    "so the forward would read KV not loaded yet; use cudagraph_mode PIECEWISE or FULL_AND_PIECEWISE, or "
+    "--enforce-eager, for layer-wise loads: docs/configuration.md)")
+
+
+def full_cudagraph_prefills_on(vllm_config: Any) -> bool:
+    """Whether vLLM replays prefill and mixed batches as FULL CUDA graphs (``vllm_config.compilation_config.
+    cudagraph_mode`` ``FULL``; of the two-routine modes, the mixed batches' half: ``FULL_AND_PIECEWISE`` and
+    ``FULL_DECODE_ONLY`` do not): a replayed graph runs no Python, so vLLM's ``wait_for_layer_load`` is never called
+    for its layers. vLLM resolves the mode at start and only lowers it later (an attention backend without FULL
+    graph support). False when the config names no mode (no ``compilation_config``, or its mode unset)."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if mode is None:
+        return False
+    mixed = getattr(mode, "mixed_mode", None)
+    mixed_mode = mixed() if callable(mixed) else mode
+    return str(getattr(mixed_mode, "name", mixed_mode)).upper() == "FULL"
 
 
 def async_scheduling_on(vllm_config: Any) -> bool:
@@ -246,11 +330,13 @@ def async_scheduling_on(vllm_config: Any) -> bool:
     return getattr(sc, "async_scheduling", None) is not False
 
 
-def for_worker(cfg: Any, worker: Any, layer_names: list[str], *, async_scheduling: bool) -> LayerwiseLoads | None:
+def for_worker(cfg: Any, worker: Any, layer_names: list[str], *, async_scheduling: bool,
+               full_cudagraph_prefills: bool = False) -> LayerwiseLoads | None:
     """:class:`LayerwiseLoads` for a connector's worker when layer-wise loads apply (:func:`usable`) and its G3
     pool offers slot leases (:class:`~kvbm_backend.pool.base.G3Extensions`), else None. ``worker``: the
     :class:`~.worker_side.WorkerSide` of a model of one full-attention group (others load asynchronously)."""
-    if (not usable(cfg, worker.ns.tp_world_size, async_scheduling=async_scheduling)
+    if (not usable(cfg, worker.ns.tp_world_size, async_scheduling=async_scheduling,
+                   full_cudagraph_prefills=full_cudagraph_prefills)
             or not isinstance(getattr(worker, "g3", None), G3Extensions)):
         return None
     return LayerwiseLoads(worker, layer_names, timeout_s=cfg.g3.load_timeout_s)

@@ -98,7 +98,9 @@ class FailedLoad:
         tenant: the job's tenant.
         first_failed: KVBM sequence hash of the first block that was not loaded.
         reason: ``"miss"`` (the pool did not serve a verified block: absent, unreadable, corrupt,
-            foreign) or ``"timeout"`` (the load outlived the connector's load timeout).
+            foreign), ``"timeout"`` (the load outlived the connector's load timeout) or ``"unwaited"`` (a
+            layer-wise load some layer of which vLLM never waited for in the forward: the blocks are good and not
+            cooled, the step ran on stale KV and is recomputed; :mod:`.layerwise`).
         digest: the job's token digest of that block (16 bytes; None: the job named none). The scheduler cools
             the block only for requests of this digest (:class:`~.failed_blocks.FailedBlocks`), also when the
             request is gone by then (aborted during its load: before 2026-12-01 the entry then cooled the block

@@ -308,7 +308,8 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
     split = backend not in (None, "uni", "external_launcher") or ns.tp_world_size > 1
     blocks = block_level_errors(ns)
     async_sched = layerwise.async_scheduling_on(vllm_config)  # layer-wise loads need it off (layerwise.py doc)
-    lw_on = layerwise.usable(cfg, ns.tp_world_size, async_scheduling=async_sched)
+    full_cg = layerwise.full_cudagraph_prefills_on(vllm_config)  # FULL graphs call no wait_for_layer_load
+    lw_on = layerwise.usable(cfg, ns.tp_world_size, async_scheduling=async_sched, full_cudagraph_prefills=full_cg)
     kv_events_cfg = getattr(vllm_config, "kv_events_config", None)
     events_on = bool(kv_events_cfg is not None and kv_events_cfg.enable_kv_cache_events)
     announce = events_on and cfg.g4.enabled and cfg.g4.announce
@@ -359,6 +360,8 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
             log.warning("kvbm_backend: g3.layerwise_load is on but vLLM's async scheduling is on: G3 hits load "
                         "asynchronously (a failed layer-wise load could serve a request of the next step; run "
                         "with --no-async-scheduling to use layer-wise loads: docs/configuration.md)")
+        elif cfg.g3.layerwise_load and full_cg:
+            log.warning(layerwise.FULL_CUDAGRAPH_PREFILLS_WARNING, vllm_config.compilation_config.cudagraph_mode)
         if kv_events:
             parts.sched.events = G3KvEvents(ns.tp_world_size, ns.layout.page_size,
                                             kv_cache_config.kv_cache_groups[0].kv_cache_spec, g3=cfg.g3.enabled)
@@ -383,7 +386,8 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
                          max_pending_save_bytes=opts["max_pending_save_bytes"], report_g3=split or kv_events,
                          device_checksum=cfg.g3.device_checksum, revoked=parts.revoked)
               for tg in parts._groups]
-        lw = (lambda w, names: layerwise.for_worker(cfg, w, names, async_scheduling=async_sched)) if blocks else None
+        lw = (lambda w, names: layerwise.for_worker(cfg, w, names, async_scheduling=async_sched,
+                                                    full_cudagraph_prefills=full_cg)) if blocks else None
         parts.worker = GroupedWorkers(ws, block_errors=blocks, layerwise=lw)
     log.info("kvbm_backend connector (%s): namespace %s %s, G3=%s G4=%s, G3 KV events=%s", role.name,
              ns.fingerprint, json.dumps(ns.to_dict()), parts._groups[0].g3 is not None,

@@ -218,6 +218,29 @@ def test_layerwise_loads_are_not_offered_under_async_scheduling(tmp_path, caplog
         s.close()
 
 
+@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
+def test_layerwise_loads_are_not_offered_where_prefills_replay_full_cuda_graphs(tmp_path, caplog, mode):
+    """A FULL ``cudagraph_mode`` seen at wiring (one the connector's ``requires_piecewise_for_cudagraph`` did not get
+    to lower: a wrapper that does not ask) replays prefills without ``wait_for_layer_load``: the scheduler offers no
+    layer-wise load, the workers run none, and one WARNING names the mode; PIECEWISE keeps them."""
+    from vllm.config import CompilationConfig, CUDAGraphMode
+    ktc, vc, kcc = _configs(_extra(tmp_path))
+    vc.compilation_config = CompilationConfig(cudagraph_mode=CUDAGraphMode[mode])
+    with caplog.at_level("WARNING", logger="kvbm_backend"):
+        s = wire(ConnectorParts(), ktc, vc, KVConnectorRole.SCHEDULER, kcc)
+        w = wire(ConnectorParts(), ktc, vc, KVConnectorRole.WORKER, kcc)
+    try:
+        full = mode == "FULL"
+        assert s.sched.layerwise is (not full)
+        warned = [r.getMessage() for r in caplog.records if "cudagraph_mode is" in r.getMessage()]
+        assert len(warned) == full and all("g3.layerwise_load is on" in m and "FULL" in m for m in warned)
+        w.register_kv_caches({n: torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16) for n in NAMES}, kcc)
+        assert (w.worker.layerwise is None) is full
+    finally:
+        w.close()
+        s.close()
+
+
 @pytest.mark.parametrize("announce, events", [(True, True), (False, True), (True, False)],
                          ids=["announce", "announce-off", "no-kv-events"])
 def test_wire_g4_announce_runs_kv_events_without_g3(tmp_path, caplog, announce, events):
