@@ -102,6 +102,18 @@ def reply(handler: BaseHTTPRequestHandler, status: int, hdrs: list, data: bytes,
         handler.wfile.write(data)
 
 
+def list_query(handler: BaseHTTPRequestHandler, target: tuple[str, int]) -> dict | None:
+    """The parsed query of ``handler``'s request when it is an S3 ListObjectsV2 (``GET ?list-type=2``), for the
+    caller to answer; any other request is passed to ``target`` and answered here (None)."""
+    query = parse_qs(urlsplit(handler.path).query)
+    if handler.command == "GET" and query.get("list-type") == ["2"]:
+        return query
+    n = int(handler.headers.get("Content-Length") or 0)
+    status, hdrs, data, length = upstream(handler, target, handler.rfile.read(n) if n else None)
+    reply(handler, status, hdrs, data, length)
+    return None
+
+
 def whole_object(status: int, hdrs: list) -> bool:
     """An object GET's answer carries the whole object: ``200``, or ``206`` whose ``Content-Range`` covers all of
     it (``bytes 0-(L-1)/L``: a ranged GET that asked for at least the object, as G4 loads do)."""

@@ -26,7 +26,6 @@ import os
 import re
 import threading
 from typing import Iterator
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -37,7 +36,7 @@ from kvbm_backend.pool.g4 import s3_list
 from kvbm_backend.pool.g4.naming import namespace_doc, namespace_name
 from kvbm_backend.pool.g4.s3_store import S3Store
 from kvbm_backend.pool.g4.store import ObjectInfo, StoreThrottled, StoreUnavailable
-from tests.helpers.lying_proxy import QuietHandler, reply, serve, stop, upstream
+from tests.helpers.lying_proxy import QuietHandler, list_query, reply, serve, stop, upstream
 from tests.helpers.pools import tiny_ns
 
 FAKE_NS, TEN = "0123456789abcdef", "ab" * 16  # FAKE_NS: no namespace.json (no block size known)
@@ -130,11 +129,8 @@ class _ListProxy:
 
         class Handler(QuietHandler):
             def _forward(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                query = parse_qs(urlsplit(self.path).query)
-                if self.command != "GET" or query.get("list-type") != ["2"]:
-                    status, hdrs, data, length = upstream(self, target, self.rfile.read(n) if n else None)
-                    reply(self, status, hdrs, data, length)
+                query = list_query(self, target)
+                if query is None:
                     return
                 if proxy.loop and query.get("continuation-token") == ["kvbm-loop"]:
                     proxy.looped += 1
@@ -209,6 +205,18 @@ def _gc_guarded(st, **kw):
     return out[0] if out else None
 
 
+def _lie_about_sizes(st, proxy, ns, s3_prefix: str) -> None:
+    """``ns``'s namespace.json and 10 good blocks (0..9) in ``st``, one 5,000 B junk object at a block name of ``ns``
+    (not a frame of it), and ``proxy``'s listing stating block 9 at 1 TiB and block 5 at -1,000 B."""
+    frame = HEADER_BYTES + ns.layout.bytes_per_block
+    assert st.put_if_absent(namespace_name(ns.fingerprint), namespace_doc(ns, 256))
+    for i in range(10):
+        assert st.put_if_absent(_name(i, ns.fingerprint), b"x" * frame)
+    assert st.put_if_absent(_name(50, ns.fingerprint), b"j" * 5000)  # junk: not a frame of this namespace
+    proxy.sizes[f"{s3_prefix}/{_name(9, ns.fingerprint)}"] = str(TIB)
+    proxy.sizes[f"{s3_prefix}/{_name(5, ns.fingerprint)}"] = "-1000"
+
+
 def test_an_s3_listing_stating_wrong_sizes_deletes_only_down_to_the_target(seaweed, s3_prefix):
     """SeaweedFS behind a proxy whose listing states the newest good block at 1 TiB and another at -1,000 B, plus a
     real object of the wrong size in a namespace whose namespace.json is there. The lied-about blocks are HEADed
@@ -218,12 +226,7 @@ def test_an_s3_listing_stating_wrong_sizes_deletes_only_down_to_the_target(seawe
     frame = HEADER_BYTES + ns.layout.bytes_per_block
     proxy, st = _s3(seaweed, s3_prefix)
     try:
-        assert st.put_if_absent(namespace_name(ns.fingerprint), namespace_doc(ns, 256))
-        for i in range(10):
-            assert st.put_if_absent(_name(i, ns.fingerprint), b"x" * frame)
-        assert st.put_if_absent(_name(50, ns.fingerprint), b"j" * 5000)  # junk: not a frame of this namespace
-        proxy.sizes[f"{s3_prefix}/{_name(9, ns.fingerprint)}"] = str(TIB)
-        proxy.sizes[f"{s3_prefix}/{_name(5, ns.fingerprint)}"] = "-1000"
+        _lie_about_sizes(st, proxy, ns, s3_prefix)
         sizes = {o.name: o.size for o in st.list("")}
         assert (sizes[_name(9, ns.fingerprint)], sizes[_name(5, ns.fingerprint)]) == (TIB, -1000)  # the lie
         res = run_gc(st, target_bytes=9 * frame)

@@ -21,7 +21,7 @@ from kvbm_backend.pool.g4.gc import run_gc
 from kvbm_backend.pool.g4.naming import namespace_doc, namespace_name
 from tests.helpers.pools import tiny_ns
 from tests.pool.g4.test_g4_gc_bad_listings import (FAKE_NS, SIZE, T0, TIB, StatFailsFsStore, TwiceListingFsStore,
-                                                   _fill, _left, _name, _s3)
+                                                   _fill, _left, _lie_about_sizes, _name, _s3)
 
 OLD_S = 3600.0  # --max-age-s: every object here is stamped T0 (2023) or minutes before the pass, on the store clock
 
@@ -147,12 +147,7 @@ def test_an_s3_age_pass_counts_blocks_a_listing_misstates_at_their_true_size(sea
     frame = HEADER_BYTES + ns.layout.bytes_per_block
     proxy, st = _s3(seaweed, s3_prefix)
     try:
-        assert st.put_if_absent(namespace_name(ns.fingerprint), namespace_doc(ns, 256))
-        for i in range(10):
-            assert st.put_if_absent(_name(i, ns.fingerprint), b"x" * frame)
-        assert st.put_if_absent(_name(50, ns.fingerprint), b"j" * 5000)
-        proxy.sizes[f"{s3_prefix}/{_name(9, ns.fingerprint)}"] = str(TIB)
-        proxy.sizes[f"{s3_prefix}/{_name(5, ns.fingerprint)}"] = "-1000"
+        _lie_about_sizes(st, proxy, ns, s3_prefix)
         res = run_gc(st, max_age_s=0)
         assert _left(st) == [], res
         assert (res["deleted_by"]["age"], res["deleted_by"].get("invalid_size")) == (10, 1), res

@@ -12,13 +12,12 @@ its own order, with continuation tokens of its own; real ``run_gc``."""
 from __future__ import annotations
 
 import re
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
 from kvbm_backend.pool.g4 import s3_list
 from kvbm_backend.pool.g4.s3_store import S3Store
-from tests.helpers.lying_proxy import QuietHandler, reply, serve, stop, upstream
+from tests.helpers.lying_proxy import QuietHandler, list_query, reply, serve, stop, upstream
 from tests.pool.g4.test_g4_gc_bad_listings import SIZE, _gc_guarded, _left, _ListProxy, _name
 
 TOKEN = "kvbm-order-"
@@ -44,11 +43,8 @@ class _OrderProxy:
 
         class Handler(QuietHandler):
             def _forward(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                query = parse_qs(urlsplit(self.path).query)
-                if self.command != "GET" or query.get("list-type") != ["2"]:
-                    status, hdrs, data, length = upstream(self, target, self.rfile.read(n) if n else None)
-                    reply(self, status, hdrs, data, length)
+                query = list_query(self, target)
+                if query is None:
                     return
                 token = (query.get("continuation-token") or [""])[0]
                 if token.startswith(TOKEN):
