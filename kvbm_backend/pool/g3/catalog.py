@@ -231,8 +231,9 @@ class SlotCatalog:
         return not self.degraded_until
 
     def degrade(self) -> bool:
-        """No admission for ``degrade_s()`` seconds from now; True if it was not degraded before."""
+        """No admission for ``degrade_s()`` s from now; True if it was not degraded before (``degradations``)."""
         first = not self.degraded_until
+        self.c["degradations"] += first
         self.degraded_until = time.monotonic() + self.degrade_s()
         self.update_gauges()
         if self.on_degrade is not None:
@@ -342,16 +343,15 @@ class SlotCatalog:
 
     def journal_failed(self, e: BaseException, dirty: bool = True) -> None:
         """The metadata path failed: degrade like slab ENOSPC (no admission for ``degrade_s()`` s, then
-        statvfs is re-read) and, when ``dirty``, rewrite the journal before the next append."""
+        statvfs is re-read) and, when ``dirty``, rewrite the journal before the next append. Counted
+        (``journal_errors``), logged by :func:`.vacancy.journal_degraded`."""
         nospace = getattr(e, "errno", None) in _NOSPACE
         self.journal_reason = "enospc" if nospace else "journal_error"
         self.journal_dirty = self.journal_dirty or dirty
         self.dirty_gen += dirty  # a compaction snapshot taken before now lacks what was lost: never installed
         self.c["journal_errors"] += 1
         self.c["enospc" if nospace else "write_errors"] += 1
-        if self.degrade() or not isinstance(e, OSError):
-            log.warning("G3: journal %s: %s; tier degraded for %.1f s (no admission), the journal is rewritten "
-                        "once it can be", self.journal.path, e, self.degrade_s(), exc_info=not isinstance(e, OSError))
+        vacancy.journal_degraded(self, e, self.degrade())  # one WARNING per pool per minute (a bug's: each)
 
     # ---- slots -----------------------------------------------------------------------------------------
     def tag(self, tenant: str) -> bytes:

@@ -25,6 +25,11 @@ emptied slot meets it again), and a drive gone fails every header write. Their W
 their counters count every slot: ``vacancies_unjournaled`` (:func:`unjournaled`, here and for a withdrawn round,
 :mod:`.journal_sync`), ``header_clear_errors`` (:func:`header_not_cleared`). Before 2026-12-03 each was a
 WARNING per put or per slot (30 one-block puts to a broken journal: 30 lines) and neither was counted.
+
+The tier's degradation by a failed journal append, rewrite or barrier repair ("tier degraded", :func:`journal_degraded`)
+is limited the same way: while the journal stays broken each put after the window (``degrade_s``, 5 s) degrades it
+again. ``degradations`` counts every one (:meth:`~.catalog.SlotCatalog.degrade`, slab ENOSPC too). Until late
+2026-12-03 that was a WARNING per degradation: one per pool every 5 s (720 an hour), one per put with degrade_s 0.
 """
 from __future__ import annotations
 
@@ -79,3 +84,16 @@ def header_not_cleared(cat: SlotCatalog, file_index: int, slot: int, e: BaseExce
     cat.c["header_clear_errors"] += 1
     LOG.warning(f"header {cat.journal.path}", "G3: cannot clear the header of removed slot %d of file %d (%s): a "
                 "restart without the journal could find that block again (header_clear_errors)", slot, file_index, e)
+
+
+def journal_degraded(cat: SlotCatalog, e: BaseException, fresh: bool) -> None:
+    """(Pool lock held) The journal failed (``e``; :meth:`~.catalog.SlotCatalog.journal_failed` counted it in
+    ``journal_errors``) and degraded the tier for ``cat.degrade_s()`` seconds; ``fresh``: it was admitting before
+    (counted in ``degradations``). A fresh degradation's WARNING is at most one per pool per minute (:data:`LOG`,
+    the next line says how many were left out); one while already degraded is not logged. An ``e`` that is not an
+    OSError (a bug) is logged every time, with its traceback. Never raises."""
+    msg = "G3: journal %s: %s; tier degraded for %.1f s (no admission), the journal is rewritten once it can be"
+    if not isinstance(e, OSError):
+        log.warning(msg, cat.journal.path, e, cat.degrade_s(), exc_info=e)
+    elif fresh:
+        LOG.warning(f"degraded {cat.journal.path}", msg + " (degradations)", cat.journal.path, e, cat.degrade_s())

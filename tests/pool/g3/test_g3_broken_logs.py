@@ -9,7 +9,9 @@ with every round's barrier ("fdatasync failed; rewritten from the index"), a fai
 a shrunk share with each of those ("cannot clear the header of slot N ... past its file's share"). Now each is a
 :class:`kvbm_backend.log_limits.LimitedLog` line, one per kind and pool per minute (the next says how many were
 left out), and ``stats()`` counts every one: ``vacancies_unjournaled``, ``header_clear_errors``,
-``write_errors``, ``journal_errors``.
+``write_errors``, ``journal_errors``. The same holds for the "tier degraded" WARNING of a journal that stays
+broken (one per degradation, i.e. per put once ``degrade_s`` is over, until late 2026-12-03), counted
+``degradations``; a journal failure that is not an OSError (a bug) is still logged every time, with its traceback.
 
 Real pools on real files. The journal is broken the way a failing or read-only drive breaks it: its descriptor
 made read-only (``dup2``: every write EBADF, the cut-back ``ftruncate`` EINVAL, so the journal marks itself broken)
@@ -94,6 +96,74 @@ def test_a_broken_journal_logs_its_unjournaled_vacancies_once_a_minute_and_count
         os.rmdir(path)  # the drive back: the clean close repairs the journal from the index
     with open_pool(tmp_path, **CFG) as pool:
         check_restored(pool, held, NS.keys([*range(1000, 1000 + N), 2000]))
+
+
+def _break_journal(pool) -> str:
+    """Break ``pool``'s journal for good (its fd read-only, a directory at its name: every repair's rename fails);
+    returns its path (``os.rmdir`` it to give the drive back)."""
+    path = os.path.realpath(pool.journal.path)
+    _read_only(pool.journal.fd, path)
+    os.rename(path, path + ".moved")
+    os.mkdir(path)
+    return path
+
+
+def test_a_journal_that_stays_broken_logs_tier_degraded_once_a_minute_and_counts_every_degradation(tmp_path, caplog,
+                                                                                                  clock):
+    """While the journal stays broken every put after the degraded window (``degrade_s``; 0 here, so every put)
+    degrades the tier again. Old code: one "tier degraded" WARNING per degradation (N puts: N lines; 720 an hour
+    per pool at the 5 s default) and no count of degradations. Now one line per pool per minute, ``degradations``
+    N, and a minute later the next line says N-1 were left out. The blocks held before survive a restart."""
+    caplog.set_level(logging.WARNING, logger="kvbm_backend.pool.g3")
+    held = NS.keys(range(1, 17))
+    with open_pool(tmp_path, **CFG) as pool:
+        r = pool.put(held, [payload(k.seq_hash) for k in held]).result(timeout=HANG_S)
+        assert (r.written, r.dropped) == (16, 0)
+        pool.degrade_s = 0.0  # every put admitted again at once: each meets the broken journal, a new degradation
+        path = _break_journal(pool)
+        for i in range(N):
+            assert _put_one(pool, 1000 + i) == (0, 1)
+        assert pool.journal.broken
+        lines = _lines(caplog, "tier degraded")
+        assert len(lines) == 1, f"{len(lines)} lines for {N} degradations: {lines[:3]}"
+        assert path in lines[0] and "(degradations)" in lines[0], lines
+        st = pool.stats()
+        assert (st["degradations"], st["journal_errors"]) == (N, N), st
+        assert st["dropped_by_reason"] == {"journal_error": N}, st
+        clock[0] += 61.0
+        assert _put_one(pool, 2000) == (0, 1)
+        lines = _lines(caplog, "tier degraded")
+        assert len(lines) == 2 and f"({N - 1} more like it in the last 61 s" in lines[1], lines
+        assert pool.stats()["degradations"] == N + 1
+        os.rmdir(path)  # the drive back: the clean close repairs the journal from the index
+    with open_pool(tmp_path, **CFG) as pool:
+        check_restored(pool, held, NS.keys([*range(1000, 1000 + N), 2000]))
+        assert pool.stats()["degradations"] == 0  # counted per pool since open
+
+
+def test_a_journal_failure_that_is_not_an_oserror_is_logged_every_time_with_its_traceback(tmp_path, caplog, clock):
+    """A journal failure that is not an OSError is a bug: never rate-limited, each logged with its traceback (the
+    limiter is for a steady broken drive). Counted in ``journal_errors``; ``degradations`` counts the one change
+    from admitting to degraded (the later failures fall inside its window: 1 h here). A restart keeps the blocks."""
+    caplog.set_level(logging.WARNING, logger="kvbm_backend.pool.g3")
+    held = NS.keys(range(1, 9))
+    n = 5
+    with open_pool(tmp_path, **CFG) as pool:
+        r = pool.put(held, [payload(k.seq_hash) for k in held]).result(timeout=HANG_S)
+        assert (r.written, r.dropped) == (8, 0)
+        pool.degrade_s = 3600.0
+        for i in range(n):
+            try:
+                raise RuntimeError(f"a bug in the journal path ({i})")
+            except RuntimeError as e:
+                with pool.cat.lock:
+                    pool.cat.journal_failed(e)
+        recs = [r for r in caplog.records if "tier degraded" in r.getMessage()]
+        assert len(recs) == n and all(r.exc_info and r.exc_info[0] is RuntimeError for r in recs), recs
+        st = pool.stats()
+        assert (st["degradations"], st["journal_errors"], st["degraded"]) == (1, n, True), st
+    with open_pool(tmp_path, **CFG) as pool:
+        check_restored(pool, held, [])
 
 
 def test_a_drive_gone_logs_its_header_and_write_failures_once_a_minute_and_counts_every_one(tmp_path, caplog,
