@@ -40,7 +40,7 @@ from pydantic_core import PydanticCustomError
 
 from .config_sources import (KVBM_ONLY_ENV, MAX_ERROR_CHARS, MAX_NESTING, ConfigError, _json_loads,  # noqa: F401
                              _kvbm_only_warned, _merge, _nesting_error, _one_value_per_key, _too_deep, _yaml_load,
-                             env_overrides)
+                             config_file, env_overrides)
 from .store_url import redact_urls
 
 
@@ -487,11 +487,7 @@ def load_config(source: str | Path | dict | None = None, *, environ: dict[str, s
     elif isinstance(source, str) and source.lstrip().startswith("{"):
         data = _json_loads(source, "inline JSON config")
     elif source is not None:
-        p = Path(source)
-        if p.is_dir():
-            raise ConfigError(f"config file {p}: is a directory, not a config file")
-        if not p.is_file():
-            raise ConfigError(f"config file {p}: " + ("not a regular file" if p.exists() else "not found"))
+        p = config_file(source)  # a file there, named; a relative one in a removed working directory says so
         try:
             suffix = p.suffix.lower()  # config.YAML / .Yml / .TOML are YAML / TOML too, not JSON
             if suffix in (".yaml", ".yml"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any, Mapping
 
 
@@ -70,6 +71,27 @@ def _json_loads(text: str, where: str) -> Any:
     if _too_deep(data):
         raise _nesting_error(where)
     return data
+
+
+def config_file(source: str | os.PathLike) -> Path:
+    """``source`` as :func:`kvbm_backend.config.load_config` reads it: the path of an existing regular file. Raises
+    ConfigError naming the file: a directory, something that is not a regular file, a path that is not there, or a
+    relative path while this process's working directory has been removed (``config file: 'rel.yaml' is relative to
+    the working directory, and this process's working directory has been removed ...``,
+    :func:`kvbm_backend.fsmodes.abspath`; before 2026-12-03 ``config file rel.yaml: not found``, which sent the
+    operator looking for a file that is there). Callers prefix the field or option that named it
+    (``kv_connector_extra_config.config_file``, ``secondary_tiers G3Tier``)."""
+    from .fsmodes import WorkdirRemoved, abspath
+    p = Path(source)
+    try:
+        abspath(p)
+    except WorkdirRemoved as e:
+        raise ConfigError(f"config file: {e}") from None
+    if p.is_dir():
+        raise ConfigError(f"config file {p}: is a directory, not a config file")
+    if not p.is_file():
+        raise ConfigError(f"config file {p}: " + ("not a regular file" if p.exists() else "not found"))
+    return p
 
 
 def _yaml_load(text: str) -> Any:

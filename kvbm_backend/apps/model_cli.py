@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .cli_checks import fail, int_range
+from .cli_checks import fail, int_range, named_paths
 
 # preset name -> (model attribute of engine_model, what it is)
 PRESETS = {
@@ -34,6 +34,9 @@ def model(preset: str = typer.Argument(..., help=f"one of: {', '.join(PRESETS)}"
     if dtype not in DTYPES:
         fail(f"--dtype: expected {', '.join(DTYPES[:-1])} or {DTYPES[-1]} (got {dtype!r})")
     int_range("--seed", seed, 0, MAX_SEED)
+    # a relative DIR in a removed working directory names nothing: refused naming DIR (before 2026-12-03 the CLI's
+    # catch-all, ``error: model: this process's working directory has been removed ...``, named no argument)
+    named_paths(("DIR", directory))
     d = Path(directory)
     if d.exists() and not d.is_dir():
         fail(f"DIR: {directory}: is a file, not a directory")

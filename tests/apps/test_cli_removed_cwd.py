@@ -10,6 +10,7 @@ Follow-ups to 1530061 / 4c55e7a (``config effective``), for the other commands o
   FileNotFoundError traceback);
 * the dry run's preflight refuses a relative ``g4.keyring.path`` / ``kek_file`` there naming the field, as ``config
   effective`` does (before: the dry run passed it, exit 0);
+* ``model tiny DIR`` names ``DIR`` the same way (before: the CLI's catch-all naming the command only);
 * commands that import torch or vLLM (``doctor``, ``model``, ``bench --tier index``, the launcher's preflight of an
   abbreviated option) run there instead of ending with ``Intel oneMKL FATAL ERROR`` (torch's oneMKL calls
   ``getcwd()`` as it loads; exit 2, no report) or a FileNotFoundError from ``torch._dynamo.config``;
@@ -125,12 +126,11 @@ def test_file_options_name_a_relative_path_in_a_removed_working_directory(tmp_pa
     _assert_names(_error(_cli(tmp_path, *argv)), option, path)
 
 
-def test_a_command_without_a_check_says_the_working_directory_was_removed(tmp_path):
-    """``model tiny DIR`` with a relative DIR: one line naming the command and the cause (before: a
-    FileNotFoundError traceback from ``Path.absolute()``)."""
-    line = _error(_cli(tmp_path, "model", "tiny", "reldir"))
-    assert line.startswith("error: model: this process's working directory has been removed"), line
-    assert "give absolute paths" in line, line
+def test_model_names_a_relative_dir_in_a_removed_working_directory(tmp_path):
+    """``model tiny DIR`` with a relative DIR: one line naming the argument, as the options above (before 2026-12-03
+    only the CLI's catch-all, ``error: model: this process's working directory has been removed ...``, naming the
+    command and not the argument; before that a FileNotFoundError traceback from ``Path.absolute()``)."""
+    _assert_names(_error(_cli(tmp_path, "model", "tiny", "reldir")), "DIR", "reldir")
 
 
 @pytest.mark.slow
@@ -224,3 +224,70 @@ def test_guard_native_imports_does_nothing_in_an_existing_working_directory():
     before = list(sys.meta_path)
     guard_native_imports()
     assert sys.meta_path == before
+
+
+REL_CFG = "rel.yaml"
+CONFIG_FILE = {  # how a relative kvbm-backend config file reaches load_config: argv after python, the prefix named
+    "launcher connector config_file": (["-m", "kvbm_backend.integrations.vllm.cli", "serve", "m", "--kv-transfer-config",
+                                        "CONN"], "kv_connector_extra_config.config_file: "),
+    "dry run connector config_file": (["-m", "kvbm_backend.apps.cli", "config", "effective", "--dry-run", "vllm", "serve",
+                                       "m", "--kv-transfer-config", "CONN"], "kv_connector_extra_config.config_file: "),
+    "launcher G3Tier config": (["-m", "kvbm_backend.integrations.vllm.cli", "serve", "m", "--kv-transfer-config",
+                                "TIER"], "kv_connector_extra_config: secondary_tiers G3Tier: "),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_FILE))
+def test_a_relative_config_file_in_a_removed_working_directory_says_why(tmp_path, case):
+    """``load_config`` of a relative file there (kvbm_backend.config_sources.config_file): the field that named it,
+    then ``config file: 'rel.yaml' is relative to the working directory ... has been removed`` (before 2026-12-03
+    ``config file rel.yaml: not found``: the operator looks for a file that is there)."""
+    argv, prefix = CONFIG_FILE[case]
+    conn = json.dumps({"kv_connector": "KvbmBackendConnector", "kv_role": "kv_both",
+                       "kv_connector_module_path": "kvbm_backend.integrations.vllm.connector",
+                       "kv_connector_extra_config": {"config_file": REL_CFG}})
+    tier = _tiering({"type": "G3Tier", "module_path": MOD, "num_kv_heads": 2, "config": REL_CFG})
+    argv = [{"CONN": conn, "TIER": tier}.get(a, a) for a in argv]
+    r = _run([sys.executable, *argv], (REMOVED, tmp_path / "gone"))
+    line = _one_error(r)
+    assert "FATAL" not in r.stderr, r.stderr[-2000:]
+    want = f"{prefix}config file: '{REL_CFG}' is relative to the working directory"
+    assert line.startswith(f"kvbm-backend: error: {want}"), line
+    assert GONE in line and "give an absolute path" in line and "not found" not in line, line
+
+
+def test_load_config_of_a_relative_file_in_a_removed_working_directory(tmp_path):
+    """The library call, whatever the caller: a ConfigError saying why (before: ``config file rel.yaml: not
+    found``); an absolute file there still loads."""
+    good = tmp_path / "good.yaml"
+    good.write_text(f"g3:\n  paths: [{tmp_path / 'g3'}]\n  capacity_gb: 1\n")
+    code = ("from kvbm_backend.config import ConfigError, load_config\n"
+            f"print(load_config({str(good)!r}, use_env=False).g3.capacity_gb)\n"
+            f"try:\n    load_config({REL_CFG!r})\nexcept ConfigError as e:\n    print('ConfigError', e)\n")
+    r = _run([sys.executable, "-c", code], (REMOVED, tmp_path / "gone"))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    loaded, err = r.stdout.splitlines()
+    assert float(loaded) == 1.0, r.stdout
+    assert err.startswith(f"ConfigError config file: '{REL_CFG}' is relative to the working directory"), err
+    assert GONE in err, err
+
+
+def test_the_vllm_launcher_refuses_to_start_vllm_in_a_removed_working_directory(tmp_path):
+    """``python -m kvbm_backend.integrations.vllm.cli serve`` with absolute paths only: the preflight has nothing to
+    refuse, and vLLM cannot start there (torch's oneMKL calls ``getcwd()`` as it loads; the engine's processes
+    inherit the directory). One line naming the directory, exit 2, and the preflight runs as a dry run: the keyring
+    it would make for the engine is not made. Before 2026-12-03 the preflight made the keyring, then vLLM ended with
+    ``Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so`` (exit 2, no ``error:`` line)."""
+    store, kr = tmp_path / "store", tmp_path / "kr" / "k.json"
+    store.mkdir(mode=0o700)
+    ktc = _connector({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 1},
+                      "g4": _g4({"path": str(kr)}, store)})
+    kek = {"KVBM_BACKEND_KEK": base64.b64encode(os.urandom(32)).decode()}
+    gone = tmp_path / "gone"
+    r = _run([sys.executable, "-m", "kvbm_backend.integrations.vllm.cli", "serve", str(tmp_path / "model"),
+              "--kv-transfer-config", ktc], (REMOVED, gone), kek)
+    line = _one_error(r)
+    assert "FATAL" not in r.stderr, r.stderr[-2000:]
+    assert line == (f"kvbm-backend: error: the working directory {gone} has been removed; vLLM cannot start there: "
+                    "cd to a directory that exists"), line
+    assert not kr.exists() and not (tmp_path / "kr").exists()
