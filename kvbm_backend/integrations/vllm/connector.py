@@ -118,15 +118,17 @@ class KvbmBackendConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """vLLM asks at config time (``VllmConfig.__post_init__``, before any connector is built) whether FULL CUDA
         graphs must be lowered to PIECEWISE: True when the config ``extra_config`` gives
-        (:func:`.extra_config.config_from_extra`) has G3 and ``g3.layerwise_load`` on, as LMCache answers for its
-        ``use_layerwise``. A replayed FULL graph calls no ``wait_for_layer_load``, so every layer-wise load in a
+        (:func:`.extra_config.config_from_extra`) has G3 and ``g3.layerwise_load`` on and loads (``load`` not false),
+        as LMCache answers for its ``use_layerwise``. vLLM asks before it knows the TP size or async scheduling, under
+        which layer-wise loads do not run either (:func:`.layerwise.usable`): there ``g3.layerwise_load`` costs the
+        FULL graphs for nothing, so leave it off. A replayed FULL graph calls no ``wait_for_layer_load``, so every layer-wise load in a
         FULL-graph batch would fail and recompute (:mod:`.layerwise`). A config that does not load answers False
         (the connector's constructor then raises naming the field)."""
         try:
-            cfg, _ = config_from_extra(extra_config)
+            cfg, opts = config_from_extra(extra_config)
         except Exception:  # noqa: BLE001 - reported by the constructor, naming the field
             return False
-        return bool(cfg.g3.enabled and cfg.g3.layerwise_load)
+        return bool(cfg.g3.enabled and cfg.g3.layerwise_load and opts["load"])
 
     # ---- worker role ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

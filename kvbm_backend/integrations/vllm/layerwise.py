@@ -110,6 +110,7 @@ class LayerwiseLoads:
         # vLLM's defer_kv_connector_finalize (speculative decoding) get_block_ids_with_load_errors ends the
         # step's loads before wait_for_save, and saves() must still drop every save of that step
         self._step_failed: set[str] = set()
+        self._closing = False  # close(): loads ended without a forward
 
     def start(self, jobs: list[LoadJob]) -> list[LoadJob]:
         """Start the layer-wise jobs of ``jobs``; returns the others (asynchronous loads)."""
@@ -191,7 +192,7 @@ class LayerwiseLoads:
         graph, ``compilation_config.cudagraph_mode``). Before the step's ``wait_for_save`` (``whole_step`` False:
         speculative decoding's draft model, whose layers follow the target model's, has not run yet) layers after
         the last one waited for are not counted against it."""
-        if not unwaited or a.load is None:
+        if not unwaited or a.load is None or self._closing:  # closing: no forward ran on it
             return False
         return whole_step or not a.done or min(unwaited) < max(a.done)
 
@@ -270,6 +271,9 @@ class LayerwiseLoads:
         return keep
 
     def close(self) -> None:
+        """End every active load at shutdown (no forward is judged: a load started but never forwarded is no
+        unwaited one)."""
+        self._closing = True
         self.finish()
 
     def _names(self, layers: list[int]) -> str:
@@ -304,8 +308,8 @@ def usable(cfg: Any, tp_world_size: int, *, async_scheduling: bool, full_cudagra
 FULL_CUDAGRAPH_PREFILLS_WARNING = (
     "kvbm_backend: g3.layerwise_load is on but vLLM's compilation_config.cudagraph_mode is %s (FULL CUDA graphs): "
     "G3 hits load asynchronously (a FULL graph replays attention without the connector's wait_for_layer_load, "
-    "so the forward would read KV not loaded yet; use cudagraph_mode PIECEWISE or FULL_AND_PIECEWISE, or "
-    "--enforce-eager, for layer-wise loads: docs/configuration.md)")
+    "so the forward would read KV not loaded yet; use cudagraph_mode PIECEWISE, or --enforce-eager, for "
+    "layer-wise loads: docs/configuration.md)")
 
 
 def full_cudagraph_prefills_on(vllm_config: Any) -> bool:

@@ -242,3 +242,43 @@ def test_the_connector_asks_vllm_for_piecewise_cuda_graphs_while_layerwise_loads
               "kv_role": "kv_both", "kv_connector_extra_config": extra}
     assert MultiConnector.requires_piecewise_for_cudagraph({"connectors": [member]}) is want
     assert KvbmBackendConnector.requires_piecewise_for_cudagraph({"no_such_key": 1}) is False
+
+
+def test_no_piecewise_cuda_graphs_are_asked_for_by_a_connector_that_never_loads(tmp_path):
+    """With ``load: false`` no layer-wise load can run: the connector must not make vLLM give up its FULL graphs
+    (review of 2026-12-03: it asked whenever G3 and ``g3.layerwise_load`` were on), directly or through
+    ``MultiConnector``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from kvbm_backend.integrations.vllm.connector import KvbmBackendConnector
+    extra = {"kvbm_backend": {"g3": {"enabled": True, "paths": [str(tmp_path / "g3")], "layerwise_load": True}},
+             "load": False}
+    assert KvbmBackendConnector.requires_piecewise_for_cudagraph({**extra, "load": True}) is True
+    assert KvbmBackendConnector.requires_piecewise_for_cudagraph(extra) is False
+    member = {"kv_connector": "KvbmBackendConnector",
+              "kv_connector_module_path": "kvbm_backend.integrations.vllm.connector",
+              "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    assert MultiConnector.requires_piecewise_for_cudagraph({"connectors": [member]}) is False
+
+
+def test_the_full_mode_warning_advises_only_modes_whose_layerwise_loads_run():
+    """The start WARNING's advice names no mode that replays FULL graphs (``FULL_AND_PIECEWISE`` does for decode-sized
+    batches, where a layer-wise load fails as unwaited)."""
+    from kvbm_backend.integrations.vllm.layerwise import FULL_CUDAGRAPH_PREFILLS_WARNING
+    advice = (FULL_CUDAGRAPH_PREFILLS_WARNING % "FULL").split("; use ", 1)[1]
+    assert "FULL_AND_PIECEWISE" not in advice and "PIECEWISE" in advice, advice
+
+
+def test_a_load_ended_by_close_without_a_forward_is_no_unwaited_load(tmp_path, caplog):
+    """Shutdown mid-step: a load started but never forwarded is ended by ``close()``; no forward ran on stale rows,
+    so no "never waited for" WARNING and no ``layerwise_unwaited_jobs`` (review of 2026-12-03: both were)."""
+    src, dst, ns, g3, w, lw, hashes = _rig(tmp_path, "cpu")
+    before = stats.snapshot()
+    try:
+        lw.start([LoadJob("r", [9, 10], hashes[:2], ["G3"] * 2, "t", layerwise=True)])
+        with caplog.at_level(logging.WARNING):
+            lw.close()
+        assert _delta(before, "layerwise_unwaited_jobs") == 0
+        assert not [r for r in caplog.records if "never waited for" in r.getMessage()]
+    finally:
+        g3.close()
