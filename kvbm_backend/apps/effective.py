@@ -119,6 +119,11 @@ class Source:
         :func:`~kvbm_backend.config.load_config`'s."""
         from ..config import ConfigError, load_config
         if isinstance(self.spec, (str, Path)):
+            from ..fsmodes import WorkdirRemoved, abspath
+            try:  # a relative file while the working directory has been removed: say so, not "not found"
+                abspath(self.spec)
+            except WorkdirRemoved as e:
+                raise EffectiveError(f"config file: {e}") from None
             if not Path(self.spec).is_file():
                 raise EffectiveError(f"config file {self.spec}: not found (set {DEFAULT_CONFIG_VAR} to your "
                                      f"kvbm-backend YAML)")

@@ -291,3 +291,28 @@ def test_the_vllm_launcher_refuses_to_start_vllm_in_a_removed_working_directory(
     assert line == (f"kvbm-backend: error: the working directory {gone} has been removed; vLLM cannot start there: "
                     "cd to a directory that exists"), line
     assert not kr.exists() and not (tmp_path / "kr").exists()
+
+
+def test_the_dynamo_worker_refuses_to_start_in_a_removed_working_directory(tmp_path):
+    """``python -m kvbm_backend.integrations.dynamo.vllm_worker`` imports torch at start (its compat shims): in a
+    removed working directory one line naming the directory, exit 2, before that import. Before 2026-12-03 it ended
+    with ``Intel oneMKL FATAL ERROR`` (exit 2, no ``error:`` line)."""
+    gone = tmp_path / "gone"
+    r = _run([sys.executable, "-m", "kvbm_backend.integrations.dynamo.vllm_worker", "--model", str(tmp_path / "m")],
+             (REMOVED, gone), {})
+    line = _one_error(r)
+    assert "FATAL" not in r.stderr, r.stderr[-2000:]
+    assert line == (f"kvbm-backend: error: the working directory {gone} has been removed; vLLM cannot start there: "
+                    "cd to a directory that exists"), line
+
+
+def test_config_effective_says_why_a_relative_config_file_is_not_read_in_a_removed_working_directory(tmp_path):
+    """``config effective --for vllm`` of a connector's relative ``config_file`` in a removed working directory names
+    the cause, not "not found" (before 2026-12-03: ``config file rel.yaml: not found (set KVBM_BACKEND_CONFIG_FILE
+    ...)``)."""
+    conn = json.dumps({"kv_connector": "KvbmBackendConnector", "kv_role": "kv_both",
+                       "kv_connector_module_path": "kvbm_backend.integrations.vllm.connector",
+                       "kv_connector_extra_config": {"config_file": REL_CFG}})
+    line = _one_error(_cli(tmp_path, "config", "effective", "--for", "vllm", conn))
+    assert f"config file: '{REL_CFG}' is relative to the working directory" in line, line
+    assert "has been removed" in line and "not found" not in line, line

@@ -12,6 +12,9 @@ import os
 from . import compat
 
 os.environ.setdefault("PYTHONHASHSEED", "0")  # as dynamo/vllm/__main__.py does
+if __name__ == "__main__":  # before compat.apply() imports torch, whose oneMKL ends the process in a removed cwd
+    from ..vllm.cli import exit_if_workdir_removed
+    exit_if_workdir_removed()
 APPLIED = compat.apply()
 
 
