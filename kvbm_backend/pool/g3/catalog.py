@@ -133,6 +133,7 @@ class SlotCatalog:
         self.on_degrade: Callable[[float], None] | None = None
         self.journal_dirty = False  # records were lost (failed append/rewrite): rewrite before appending
         self.journal_reason = "enospc"  # drop reason of the last journal failure
+        self.journal_error: BaseException | None = None  # the last journal failure (vacancy.unjournaled names it)
         self.dirty_gen = 0  # journal failures that lost records so far (a compaction installs only if unchanged)
         self._ttags: dict[str, bytes] = {}
         self._compactor: threading.Thread | None = None  # the thread writing a journal compaction, if any
@@ -342,15 +343,15 @@ class SlotCatalog:
         return True
 
     def journal_failed(self, e: BaseException, dirty: bool = True) -> None:
-        """The metadata path failed: degrade like slab ENOSPC (no admission for ``degrade_s()`` s, then
-        statvfs is re-read) and, when ``dirty``, rewrite the journal before the next append. Counted
-        (``journal_errors``), logged by :func:`.vacancy.journal_degraded`."""
+        """The metadata path failed: degrade like slab ENOSPC (no admission for ``degrade_s()`` s, then statvfs is
+        re-read) and, when ``dirty``, rewrite the journal before the next append. Counted (``journal_errors``; ENOSPC
+        in ``enospc`` too, never in the slab writes' ``write_errors``), logged by :func:`.vacancy.journal_degraded`."""
         nospace = getattr(e, "errno", None) in _NOSPACE
         self.journal_reason = "enospc" if nospace else "journal_error"
+        self.journal_error = e
         self.journal_dirty = self.journal_dirty or dirty
         self.dirty_gen += dirty  # a compaction snapshot taken before now lacks what was lost: never installed
-        self.c["journal_errors"] += 1
-        self.c["enospc" if nospace else "write_errors"] += 1
+        self.c.update(journal_errors=1, enospc=nospace)  # no space as for slab files (until 2026-12-03 EIO: write_errors)
         vacancy.journal_degraded(self, e, self.degrade())  # one WARNING per pool per minute (a bug's: each)
 
     # ---- slots -----------------------------------------------------------------------------------------

@@ -52,14 +52,17 @@ def journal_vacant(cat: SlotCatalog, slots: Sequence[tuple[int, int]]) -> None:
     Through :meth:`~.catalog.SlotCatalog.journal_append` when no repair is due (a failure there degrades the tier
     and marks the journal for repair, as for any append); else straight to the journal, best effort: a failure
     (EBADF: broken or not open; EIO, ENOSPC) is logged, the journal left as :meth:`~.journal.Journal.append`
-    leaves it (cut back, or broken), and the tier not degraded again (the repair due names none of these slots);
-    counted and logged by :func:`unjournaled`. Nothing when ``slots`` is empty or the pool closed. Never raises."""
+    leaves it (cut back, or broken), and the tier not degraded again (the repair due names none of these slots).
+    Either failure is counted and logged by :func:`unjournaled` (before 2026-12-03 one through ``journal_append``
+    was not: ``vacancies_unjournaled`` missed its slots). Nothing when ``slots`` is empty or the pool closed.
+    Never raises."""
     if not slots or not cat.slabs.dirs:
         return
     j = cat.journal
     recs = journal_gen.encode_vacant(slots)
     if not (j.broken or j.fd is None or (cat.journal_dirty and getattr(j.compaction, "gen", None) != cat.dirty_gen)):
-        cat.journal_append(recs)
+        if not cat.journal_append(recs):  # failed (journal_errors, tier degraded): these slots are unjournaled too
+            unjournaled(cat, len(slots), cat.journal_error or OSError("journal append failed"), "emptied")
         return
     try:
         j.append(recs)

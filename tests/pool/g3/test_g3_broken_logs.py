@@ -21,6 +21,14 @@ barrier is ``os.fdatasync`` failing with EIO for the journal's file, as tests/po
 does. The limiters' clocks are frozen (a test's run time never decides a line), then moved past the minute. Each
 test ends with the drive or journal back and a restart that serves exactly the blocks held: nothing good lost,
 nothing gone served.
+
+The counters count what their docs/operations.md row says (review, 2026-12-03): a vacancy record lost by a
+failing journal's append (not yet broken: the records went through ``SlotCatalog.journal_append``) is counted in
+``vacancies_unjournaled`` like one a broken journal refused (before: not counted); a journal failure is counted
+in ``journal_errors`` and, when it is for space, in ``enospc``, never in the slab files' ``write_errors`` (before:
+a failing journal barrier with healthy slab files counted ``write_errors`` every round). A slab ENOSPC
+degradation follows the rule of a journal's: its WARNING ("write failed ... tier degraded") one per pool per
+minute, every degradation counted (``degradations``, ``enospc``).
 """
 from __future__ import annotations
 
@@ -33,7 +41,8 @@ import pytest
 from kvbm_backend.log_limits import LimitedLog
 from kvbm_backend.pool.g3 import journal_sync, slab_share, vacancy, writer
 from tests.helpers.crash_writer import NS, open_pool, payload
-from tests.helpers.g3_restart import CFG, HANG_S, check_restored
+from tests.helpers.g3_restart import CFG, HANG_S, SLOTS, check_restored
+from tests.pool.g3.test_g3_enospc import EnospcEngine
 
 N = 30  # occurrences of each kind: many more than the one line a minute that may be logged
 
@@ -64,6 +73,124 @@ def _read_only(fd: int, path: str) -> None:
         os.dup2(ro, fd)
     finally:
         os.close(ro)
+
+
+def _read_write(f) -> None:
+    """Give slab file ``f`` (a :class:`~kvbm_backend.pool.g3.slabs.SlabFile`) its writable descriptor back (same
+    number, O_DIRECT as the pool opened it): the drive back after :func:`_read_only`."""
+    rw = os.open(f.path, os.O_RDWR | (getattr(os, "O_DIRECT", 0) if f.o_direct else 0))
+    try:
+        os.dup2(rw, f.fd)
+    finally:
+        os.close(rw)
+
+
+def test_a_failing_journal_append_counts_and_logs_the_emptied_slots_it_did_not_take(tmp_path, caplog, clock,
+                                                                                   monkeypatch):
+    """The pool full, 8 blocks deleted (free slots inside the slab file); then the slab files fail every write and
+    the journal every append (EIO; its cut-back works: the journal stays open, not broken, so the vacancy records
+    go through ``SlotCatalog.journal_append``). One put: its slab write fails, its slot's header cannot be zeroed,
+    and the slot's vacancy record is lost with the failed append. Old code: ``vacancies_unjournaled`` 0 and no
+    "cannot journal" line (``journal_append`` swallowed the failure). Now 1, the line names the append's error. The
+    drive back, a restart serves exactly the blocks held."""
+    caplog.set_level(logging.WARNING, logger="kvbm_backend.pool.g3")
+    keys = NS.keys(range(1, SLOTS + 1))  # the slab file grown to every slot: a freed slot is inside it
+    with open_pool(tmp_path, **CFG) as pool:
+        pool.degrade_s = 0.0
+        r = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
+        assert (r.written, r.dropped) == (SLOTS, 0)
+        assert pool.delete(keys[:8]).result(timeout=HANG_S) == 8
+        journal, real_write = os.path.realpath(pool.journal.path), os.write
+
+        def write(fd, data):
+            if os.readlink(f"/proc/self/fd/{fd}") == journal:
+                raise OSError(errno.EIO, "journal append failing (test)")
+            return real_write(fd, data)
+
+        for f in pool.cat.slabs.files:
+            _read_only(f.fd, f.path)
+        monkeypatch.setattr(os, "write", write)
+        assert _put_one(pool, 1000) == (0, 1)
+        monkeypatch.undo()
+        assert not pool.journal.broken  # a failing journal, not a broken one: the journal_append path
+        st = pool.stats()
+        assert (st["header_clear_errors"], st["journal_errors"]) == (1, 1), st
+        assert st["vacancies_unjournaled"] == 1, (
+            f"vacancies_unjournaled {st['vacancies_unjournaled']} for the 1 slot whose vacancy record the failed append lost")
+        lines = _lines(caplog, "emptied slot(s) empty")
+        assert len(lines) == 1 and "journal append failing (test)" in lines[0], lines
+        for f in pool.cat.slabs.files:
+            _read_write(f)  # the drive back: the clean close repairs the journal from the index
+    with open_pool(tmp_path, **CFG) as pool:
+        check_restored(pool, keys[8:], keys[:8] + NS.keys([1000]))
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC], ids=["eio", "enospc"])
+def test_a_failing_journal_barrier_counts_journal_errors_not_slab_write_errors(tmp_path, caplog, clock, monkeypatch,
+                                                                              err):
+    """The journal's ``fdatasync`` fails every round while the slab files are healthy (every put stored, through
+    the repair). ``write_errors`` counts slab write failures only (docs/operations.md): it stays 0; every round is
+    in ``journal_errors``, and a journal out of space in ``enospc`` too (a full journal drive is no space, as a
+    full slab drive is). Old code: ``write_errors`` N for the EIO journal."""
+    caplog.set_level(logging.WARNING, logger="kvbm_backend.pool.g3")
+    n = 5
+    with open_pool(tmp_path, **CFG) as pool:
+        pool.degrade_s = 0.0
+        journal, real_fdatasync = os.path.realpath(pool.journal.path), os.fdatasync
+
+        def fdatasync(fd):
+            if os.readlink(f"/proc/self/fd/{fd}") == journal:
+                raise OSError(err, "journal drive failing (test)")
+            real_fdatasync(fd)
+
+        monkeypatch.setattr(os, "fdatasync", fdatasync)
+        keys = NS.keys(range(1, n + 1))
+        for k in keys:
+            assert _put_one(pool, k.seq_hash) == (1, 0)
+        monkeypatch.undo()
+        st = pool.stats()
+        nospace = n if err == errno.ENOSPC else 0
+        got = (st["journal_errors"], st["write_errors"], st["enospc"])
+        assert got == (n, 0, nospace), f"(journal_errors, write_errors, enospc) {got} with no slab write failing"
+        assert st["dropped_by_reason"] == {}, st
+    with open_pool(tmp_path, **CFG) as pool:
+        check_restored(pool, keys, [])
+
+
+def test_slab_enospc_degradations_log_once_a_minute_and_count_every_one(tmp_path, caplog, clock):
+    """Slab writes failing ENOSPC: each put (``degrade_s`` 0: admitted again at once) degrades the tier anew. As
+    for a journal that stays broken, the degradation's WARNING ("write failed ...; tier degraded") is one per pool
+    per minute and every degradation is counted: two within a minute, one line, ``degradations`` and ``enospc``
+    2; a minute later the next line says one was left out. (A review of 113c274 asked for a line per slab ENOSPC
+    degradation; cdfd060's rule, one per pool per minute, supersedes it.) The blocks held survive a restart."""
+    caplog.set_level(logging.WARNING, logger="kvbm_backend.pool.g3")
+    held = NS.keys(range(1, 9))
+    eng = EnospcEngine(threads=2)
+    try:
+        with open_pool(tmp_path, engine=eng, **CFG) as pool:
+            eng.full = False
+            r = pool.put(held, [payload(k.seq_hash) for k in held]).result(timeout=HANG_S)
+            assert (r.written, r.dropped) == (8, 0)
+            eng.full = True
+            pool.degrade_s = 0.0  # each put admitted again at once: each meets ENOSPC, a new degradation
+            for seq in (1000, 1001):
+                assert _put_one(pool, seq) == (0, 1)
+            lines = _lines(caplog, "tier degraded")
+            assert len(lines) == 1 and "write failed" in lines[0] and "No space left" in lines[0], lines
+            st = pool.stats()
+            assert (st["degradations"], st["enospc"], st["write_errors"]) == (2, 2, 0), st
+            assert st["dropped_by_reason"] == {"enospc": 2}, st
+            clock[0] += 61.0
+            assert _put_one(pool, 1002) == (0, 1)
+            lines = _lines(caplog, "tier degraded")
+            assert len(lines) == 2 and "(1 more like it in the last 61 s" in lines[1], lines
+            st = pool.stats()
+            assert (st["degradations"], st["enospc"]) == (3, 3), st
+            eng.full = False
+    finally:
+        eng.close()
+    with open_pool(tmp_path, **CFG) as pool:
+        check_restored(pool, held, NS.keys([1000, 1001, 1002]))
 
 
 def test_a_broken_journal_logs_its_unjournaled_vacancies_once_a_minute_and_counts_every_slot(tmp_path, caplog,
