@@ -231,13 +231,13 @@ class KvbmSecondaryTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT if every rank's block is in the pool index, MISS if not, RETRY while the async index
         lookup (posted at the end of this step) has not answered. MISS without asking the pool for a tenant the
-        tier refuses (revoked: :mod:`.tier_revoked`), whatever verdict was cached before."""
+        tier refuses (revoked: :mod:`.tier_revoked`), whatever verdict was cached before, and for a chunk whose load
+        failed within the cool-down (:class:`.failed_blocks.FailedChunks`; counted: :meth:`.TenantLookup.cooled`)."""
         tenant = self._tenant_of(req_context)
         if self._revoked is not None and self._revoked.lookup_refused(tenant, req_context.req_id):
             return LookupResult.MISS
-        if self._failed.cooling(tenant, key):
-            return LookupResult.MISS  # its load failed within the cool-down (FailedChunks)
-        r = self._lookup.lookup(key, req_context)
+        r = (self._lookup.cooled(key, req_context) if self._failed.cooling(tenant, key)
+             else self._lookup.lookup(key, req_context))
         if r is None:
             return LookupResult.RETRY
         return LookupResult.HIT if r else LookupResult.MISS
@@ -497,5 +497,5 @@ class KvbmSecondaryTier(SecondaryTierManager):
         read; G3Tier: the keyring's revocations, :data:`.tier_revoked.COUNTERS`) plus the pool's own ``stats()``."""
         with self._cv:
             tier = dict(self._counters)
-        tier.update(self._lookup.counts())  # lookups_timed_out, lookups_not_asked (.tier_lookup)
+        tier.update(self._lookup.counts())  # lookups_timed_out, lookups_not_asked, lookup_cooling_chunks
         return {"tier": tier, "pool": self.pool.stats()}

@@ -11,11 +11,17 @@ holding k, G3 served k and the chunks after it that G4 held were recomputed (rev
 each tier's own leading prefix undercounted chunks the tiers fill between them (G3 holding 1 and G4 0, 2, 3 loaded
 4 chunks and counted 1, review 2026-11-30). It names the tier of each chunk, so a chunk a tier already counted for
 the request (:mod:`.tier_pickups`) is left out of that tier's count (review 2026-12-03).
+
+A tier above holds for them only what it answers a HIT: not a chunk whose load from it failed within the cool-down
+(:class:`.failed_blocks.FailedChunks`: it answers a miss without asking its pool), nor a tenant it refuses. Before
+2026-12-03 both read its index alone: G4 credited G3 with a HIT for a chunk G3 answered a miss and G4 served, and did
+not look past its own gap at a chunk G3 cooled (no tier served it: recomputed).
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from bisect import bisect_left
+from typing import TYPE_CHECKING, Callable
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
@@ -26,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["skip_held", "split_prefix"]
+__all__ = ["served_above", "skip_held", "split_prefix"]
 
 
 def skip_held(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, str]], g: int, req_context: ReqContext,
@@ -34,18 +40,33 @@ def skip_held(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, str]
     """Index of the first of ``pairs[g:]`` (a run's chunks, ascending) that none of ``tiers`` (our tiers asked
     before this one, open and allowed for the request) holds every copy of for the request's tenant;
     ``len(pairs)`` when they hold all. Uncounted prefix lookups (``request=False``: G3's index), one per tier
-    and stretch; a failed or late lookup holds nothing. Never raises."""
+    and stretch; a failed or late lookup holds nothing, nor one a tier answers a miss without asking its pool
+    (cooling after a failed load, a tenant it refuses). Never raises."""
+    tns = [u._tenant_of(req_context) for u in tiers]
+    cools = [_cooling(u, pairs, tn) for u, tn in zip(tiers, tns)]
     s = g
     while s < len(pairs):
         m = 0
-        for u in tiers:
-            tenant = u._tenant_of(req_context)
+        for u, tenant, cool in zip(tiers, tns, cools):
             if u._serves(tenant):  # a tenant ``u`` refuses (revoked: .tier_revoked) holds nothing there
-                m = max(m, _held_from(u, [bk for k, _ in pairs[s:] for bk in u._block_keys(k, tenant)], end))
+                e = _answered(cool, s, len(pairs))  # nor a chunk it cools
+                m = max(m, _held_from(u, [bk for k, _ in pairs[s:e] for bk in u._block_keys(k, tenant)], end))
         if m == 0:
             return s
         s += m
     return s
+
+
+def _cooling(u: KvbmSecondaryTier, pairs: list[tuple[OffloadKey, str]], tenant: str) -> list[int]:
+    """Indices (ascending) of ``pairs`` whose load from ``u`` failed within the cool-down for ``tenant``: ``u``
+    answers them misses without asking its pool (:class:`.failed_blocks.FailedChunks`). No I/O."""
+    return [j for j, (k, _) in enumerate(pairs) if u._failed.cooling(tenant, k)] if len(u._failed) else []
+
+
+def _answered(cooling: list[int], s: int, n: int) -> int:
+    """The first of ``cooling`` (:func:`_cooling`) at or after ``s``; ``n`` (the run's length) if none."""
+    i = bisect_left(cooling, s)
+    return cooling[i] if i < len(cooling) else n
 
 
 def _held_from(u: KvbmSecondaryTier, bks: list, end: Deadline) -> int:
@@ -68,15 +89,18 @@ def split_prefix(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, s
     loads from, the first in the manager's order that holds it: per chunk the index of that tier among ``tiers``
     (our tiers asked before this one, in order), ``len(tiers)`` for this tier (``own[j]``: its verdict of
     ``pairs[j]``, all copies), None past the usable prefix. Uncounted index lookups of the tiers above, one per
-    tier and stretch they hold (one per chunk this tier serves); a failed or late one holds nothing. Never
-    raises."""
-    bks = [[bk for k, _ in pairs for bk in u._block_keys(k, u._tenant_of(req_context))]
-           if u._serves(u._tenant_of(req_context)) else [] for u in tiers]  # a refused tenant: nothing held
+    tier and stretch they hold (one per chunk this tier serves); a failed or late one holds nothing, and a tier
+    holds no chunk it answers a miss without asking its pool (cooling after a failed load, a tenant it refuses).
+    Never raises."""
+    tns = [u._tenant_of(req_context) for u in tiers]
+    bks = [[bk for k, _ in pairs for bk in u._block_keys(k, tn)] if u._serves(tn) else []
+           for u, tn in zip(tiers, tns)]  # a refused tenant: nothing held
+    cools = [_cooling(u, pairs, tn) for u, tn in zip(tiers, tns)]
     owners: list[int | None] = [None] * len(pairs)
     s = 0
     while s < len(pairs):
-        first, n = next(((i, m) for i, (u, b) in enumerate(zip(tiers, bks))
-                         if (m := _held_from(u, b[s * u.geometry.copies:], end))), (None, 0))
+        first, n = next(((i, m) for i, (u, b) in enumerate(zip(tiers, bks)) if (m := _held_from(
+            u, b[s * u.geometry.copies:_answered(cools[i], s, len(pairs)) * u.geometry.copies], end))), (None, 0))
         if first is None:
             if not own[s]:
                 break
@@ -87,3 +111,21 @@ def split_prefix(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, s
         owners[s:s + n] = [first] * n
         s += n
     return owners
+
+
+def served_above(key: OffloadKey, req_context: ReqContext, tiers: list[KvbmSecondaryTier]) -> Callable[[], bool | None]:
+    """``served()``: whether one of ``tiers`` (ours asked before this one for the request) answers ``key`` a HIT for
+    the request: its cached verdict; a tenant it refuses or a chunk it cools is a miss. None while one of them has
+    not answered. Scheduler thread (vLLM's verdicts are its own); no I/O."""
+    def served() -> bool | None:
+        unknown = False
+        for u in tiers:
+            tn = u._tenant_of(req_context)
+            if u._closed or not u._serves(tn) or u._failed.cooling(tn, key):
+                continue
+            v = u._lookup._verdict((key, tn))
+            if v:
+                return True
+            unknown = unknown or v is None
+        return None if unknown else False
+    return served

@@ -47,6 +47,10 @@ ends (:meth:`TenantLookup.loading`; before 2026-12-03 G4 was credited for a chun
 the chunks the request posted to it; one the request posted above and not to the lowest counts on the tier above
 once answered, and one a tier above counted already is left out of that tier's count when the request posts it to
 the lowest later (:mod:`.tier_pickups`; before 2026-12-03 the first was counted nowhere, the second twice).
+A tier answering a chunk cooling after a failed load (a miss, its pool not asked: :meth:`TenantLookup.cooled`)
+is credited with that miss, once per request and chunk, and a G3Tier refusing the request's tenant with nothing in
+its pool (``lookup_g3_revoked``, as the connector); before 2026-12-03 the tier below credited a cooling tier above
+with the HIT its index held, no pool counted a cooling miss, and a refused G3 above G4 counted misses too.
 """
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager, LookupPhase
 
 from ...deadlines import Deadline
-from .tier_gaps import skip_held, split_prefix
+from .tier_gaps import served_above, skip_held, split_prefix
 from .tier_pickups import Pickups
 
 if TYPE_CHECKING:
@@ -119,10 +123,11 @@ class TenantLookup(AsyncLookupManager):
         self._orphans: set[Any] = set()  # (key, tenant) pairs of _recheck: their requests ended while in flight
         self._batch_end: Deadline | None = None  # the worker's batch's deadline (_StampedQueue)
         self._stuck: tuple[Future, Deadline] | None = None  # a lookup that timed out, the end of its back-off
-        self._counts = {"lookups_timed_out": 0, "lookups_not_asked": 0}  # written by the worker thread only
+        # the first two written by the worker thread only, lookup_cooling_chunks by the scheduler thread only
+        self._counts = {"lookups_timed_out": 0, "lookups_not_asked": 0, "lookup_cooling_chunks": 0}
         self._pickups = Pickups()  # verdicts requests share without posting them: counted at flush
-        # req_id -> {pair: our tiers above that counted the chunk for the request already}: the lowest of our tiers
-        # leaves them out of its count (batch_lookup, worker thread; written on the scheduler thread before the post)
+        # req_id -> {pair: our tiers (above, or this one) that counted the chunk for the request already}: the lowest
+        # of our tiers leaves them out of its count (batch_lookup, worker thread; written on the scheduler thread before the post)
         self._counted_above: dict[str, dict[Any, tuple]] = {}
         self._above_lock = threading.Lock()
         super().__init__(tier_type=tier_type)
@@ -139,7 +144,9 @@ class TenantLookup(AsyncLookupManager):
     def counts(self) -> dict[str, int]:
         """``lookups_timed_out``: requests' lookups the pool did not answer within their batch's deadline;
         ``lookups_not_asked``: those answered misses without asking the pool (the batch's deadline had passed, or
-        a lookup had timed out and the pool had not answered it yet)."""
+        a lookup had timed out and the pool had not answered it yet); ``lookup_cooling_chunks``: chunks a request
+        asked about that the tier answered misses without asking the pool, their load having failed within the
+        cool-down (:meth:`cooled`; once per request and chunk)."""
         return dict(self._counts)
 
     def _end(self) -> Deadline:
@@ -223,10 +230,27 @@ class TenantLookup(AsyncLookupManager):
             rid = req_context.req_id
             done = tuple(u for u in self._asked_first(req_context)
                          if u._lookup._pickups.uncount(rid, (key, u._tenant_of(req_context))))
+            if self._pickups.uncount(rid, pair):  # this tier counted it for the request already (cooling, taken up)
+                done += (self._tier,)
             if done:  # counted there for the request already (an earlier step): left out of their count here
                 with self._above_lock:
                     self._counted_above.setdefault(rid, {})[pair] = done
         return r
+
+    def cooled(self, key: OffloadKey, req_context: ReqContext) -> bool:
+        """Scheduler thread: the tier answers ``key`` a miss without asking its pool, its load having failed within
+        the cool-down (:class:`.failed_blocks.FailedChunks`). Once per request and chunk: ``lookup_cooling_chunks``,
+        and a miss in the pool where this tier counts the chunk (:meth:`.tier_pickups.Pickups.cooled`): alone at
+        :meth:`flush`; above another of ours by the lowest where the request posts the chunk there
+        (:func:`.tier_gaps.split_prefix`: cooling, held by none), else at :meth:`flush`; the lowest of ours at
+        :meth:`flush` once no tier above serves it for the request. Returns False (the miss)."""
+        after = self._asked_after(req_context) if self._reg else []
+        above = [] if after or not self._above else self._asked_first(req_context)
+        if self._pickups.cooled(cast(Any, (key, self._tier._tenant_of(req_context))), req_context,
+                                counted_below=self._posted_to(after[-1], key, req_context) if after else None,
+                                served_above=served_above(key, req_context, above) if above else None):
+            self._counts["lookup_cooling_chunks"] += 1
+        return False
 
     def _verdict(self, pair: Any) -> bool | None:
         """Scheduler thread: the cached verdict of ``pair`` (None: none, or not answered yet)."""
@@ -414,11 +438,14 @@ class TenantLookup(AsyncLookupManager):
                    req_context: ReqContext, end: Deadline) -> None:
         """The lowest of our tiers counts a run the request posted to it, for each tier: the first over every chunk
         asked, each below over those not served above (:func:`.tier_gaps.split_prefix`), each chunk for the tier it
-        loads from; a chunk a tier above counted for the request already (:meth:`lookup`) left out of its count."""
+        loads from; a chunk a tier counted for the request already (:meth:`lookup`) left out of its count. A tier above
+        refusing the request's tenant counts nothing in its pool (``lookup_g3_revoked``, as the connector's G3)."""
         owners = split_prefix(above, pairs, own, req_context, end)
         with self._above_lock:
             done = dict(self._counted_above.get(req_context.req_id, {}))
         for k, u in enumerate([*above, self._tier]):
+            if u is not self._tier and not u._serves(u._tenant_of(req_context)):
+                continue  # it answered misses without asking its pool (before 2026-12-03: counted there too)
             asked = [j for j, o in enumerate(owners) if (k == 0 or o is None or o >= k)
                      and not any(u is d for d in done.get(pairs[j], ()))]
             if asked:

@@ -36,6 +36,12 @@ taken up, its own, a load credited) that the request posts to the lowest in a la
 count there (:meth:`Pickups.uncount` says so; :func:`.tier_gaps.split_prefix` names each chunk's tier): before, a
 G3 miss taken up while G4 answered a cooling chunk was counted again once the request posted the chunk to G4.
 
+A tier's answer to a chunk cooling after a failed load (a miss without asking its pool, :meth:`Pickups.cooled`)
+counts as a miss once per request and chunk, where that tier counts the chunk: alone, at the step's end; above
+another of ours, as a miss taken up (the lowest counts it where the request posts the chunk there); the lowest of
+ours, at the step's end once no tier above serves the chunk for the request (its verdict a miss, or the request ended
+without a HIT above). Before 2026-12-03 no pool counted it (review).
+
 Bounds: a request's entries go at ``forget`` (its loads still in flight then credit nothing), except the counts
 already due; a load is noted only for a request alive on the tier (:meth:`.tier_lookup.TenantLookup.loading`).
 """
@@ -64,6 +70,10 @@ class Pickups:
         self._own: dict[str, set[Any]] = {}
         self._loads: dict[Any, tuple[str, set[Any]]] = {}  # load job -> (req_id, keys to credit once loaded)
         self._misses: dict[str, set[Any]] = {}  # req_id -> misses taken up, due at the next flush unless uncounted
+        # req_id -> {key: whether a tier above serves it (None: not known yet)}: cooling misses of this tier (the
+        # lowest of ours), due once no tier above serves the key; and req_id -> keys answered so (each counted once)
+        self._cooled: dict[str, dict[Any, Callable[[], bool | None]]] = {}
+        self._cool_asked: dict[str, set[Any]] = {}
 
     def note(self, key: Any, held_before: bool, posted: bool, verdict: bool | None, req_context: ReqContext,
              hit_at_load: bool = False, counted_below: bool | None = None) -> None:
@@ -105,6 +115,39 @@ class Pickups:
         due[0] += 1
         due[1] += bool(verdict)
 
+    def cooled(self, key: Any, req_context: ReqContext, counted_below: bool | None = None,
+               served_above: Callable[[], bool | None] | None = None) -> bool:
+        """This tier answered the request's lookup of ``key`` a miss without asking its pool (cooling after a failed
+        load). Returns whether that is the request's first such answer for ``key`` (counted then). A miss once per
+        request, unless this tier's count has the key for it already (its own lookup posted it, or a verdict taken
+        up or a load counted it): as a miss taken up (:meth:`note`, ``counted_below``) or, with ``served_above``
+        (this tier the lowest of ours, others asked first: whether one of them serves ``key`` for the request, None
+        while not known), due at the first :meth:`take_due` that finds it False (at :meth:`forget`: unless True)."""
+        rid = req_context.req_id
+        asked = self._cool_asked.setdefault(rid, set())
+        if key in asked:
+            return False
+        asked.add(key)
+        counted = self._counted.setdefault(rid, set())  # alive: what take_due counts for it is remembered (uncount)
+        if key in counted or key in self._posted.get(rid, ()):
+            return True
+        if served_above is not None:
+            self._cooled.setdefault(rid, {})[key] = served_above
+        else:
+            self.note(key, False, False, False, req_context, counted_below=counted_below)
+        return True
+
+    def _settle_cooled(self, rid: str, pending: dict[Any, Callable[[], bool | None]], final: bool) -> None:
+        """Of ``pending`` (:meth:`cooled`), the keys no tier above serves become misses due (``final``: the request
+        ended, so not known counts as not served); those served above or settled leave ``pending``."""
+        for key, served in list(pending.items()):
+            s = served()
+            if s is None and not final:
+                continue
+            del pending[key]
+            if not s:
+                self._misses.setdefault(rid, set()).add(key)
+
     def uncount(self, req_id: str, key: Any) -> bool:
         """Request ``req_id`` posted ``key`` to the lowest of our tiers, whose ``batch_lookup`` counts it for this
         one: a miss of it taken up here, or this tier's own verdict, is not counted here (:meth:`note`). Returns
@@ -113,6 +156,7 @@ class Pickups:
             keys = pending.get(req_id)
             if keys is not None:
                 keys.discard(key)
+        self._cooled.get(req_id, {}).pop(key, None)  # the lowest's own cooling miss: its batch_lookup counts the key
         counted = self._counted.get(req_id)
         return counted is not None and key in counted
 
@@ -155,6 +199,10 @@ class Pickups:
             for rid, keys in self._own.items():
                 self._settle(rid, keys, verdict)
             self._own = {rid: keys for rid, keys in self._own.items() if keys}
+        if self._cooled:
+            for rid, pending in self._cooled.items():
+                self._settle_cooled(rid, pending, final=False)
+            self._cooled = {rid: pending for rid, pending in self._cooled.items() if pending}
         for rid, misses in self._misses.items():
             counted = self._counted.get(rid)
             if counted is not None:  # alive: a later post to the lowest leaves them out there (uncount)
@@ -179,12 +227,19 @@ class Pickups:
 
     def forget(self, req_id: str, verdict: Callable[[Any], bool | None] | None = None) -> None:
         """The request ended: forget the keys it was waiting on, posted and was counted, and its loads in flight
-        (what is due is still counted, its misses taken up included, and its own verdicts in by now (``verdict``,
-        as :meth:`take_due`); a load of it ending later credits nothing, and one that never ends, its tier closed,
+        (what is due is still counted, its misses taken up included, its own verdicts in by now (``verdict``,
+        as :meth:`take_due`) and its cooling misses no tier above served (:meth:`cooled`)); a load of it ending later credits nothing, and one that never ends, its tier closed,
         is not kept)."""
         own = self._own.pop(req_id, None)
         if own and verdict is not None:
             self._settle(req_id, own, verdict)
+        cooled = self._cooled.pop(req_id, None)
+        if cooled:
+            self._settle_cooled(req_id, cooled, final=True)
+        self._cool_asked.pop(req_id, None)
+        misses, counted = self._misses.get(req_id), self._counted.get(req_id)
+        if misses and counted:
+            misses -= counted  # counted here for it already (take_due can no longer tell once it is forgotten)
         self._waiting.pop(req_id, None)
         self._posted.pop(req_id, None)
         if self._counted.pop(req_id, None) is not None:

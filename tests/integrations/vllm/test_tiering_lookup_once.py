@@ -120,7 +120,8 @@ def test_a_g3_miss_is_counted_when_g4_answers_a_cooling_chunk_without_asking(tmp
     """G3Tier above G4Tier. G4's load of chunks 0-1 failed (they cool: G4 answers their lookups misses without asking
     its pool); G3 lacks them. A request posts both to G3 (uncounted: G4, the lowest, counts for all) and never to
     G4. Before the fix the request's G3 misses were counted nowhere; now G3 counts them (2 of 2 missed). Once G3
-    holds them a new request loads both from G3: 2 hits, counted once."""
+    holds them a new request loads both from G3: 2 hits, counted once. G4 counts its own cooling misses of the first
+    request (since 2026-12-03: test_tiering_cooling_counts.py), none of the second's (G3 served them)."""
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3t, g4t = h.manager.secondary_tiers
     keys = keys_for(2, "cooling")
@@ -129,7 +130,7 @@ def test_a_g3_miss_is_counted_when_g4_answers_a_cooling_chunk_without_asking(tmp
     assert h.load(keys, timeout=HANG_S) == []
     h.step()
     assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (2, 0)  # before: (0, 0)
-    assert c4() == (0, 0)
+    assert c4() == (2, 0)  # G4's own cooling misses (before 2026-12-03: (0, 0))
     data = payloads(h, 2, seed=41)  # G3 stores them now (G4 skips its cooling chunks); a new request loads them
     h.store(keys, data)
     h.wait_idle(timeout=HANG_S)
@@ -138,7 +139,7 @@ def test_a_g3_miss_is_counted_when_g4_answers_a_cooling_chunk_without_asking(tmp
     assert len(got) == 2 and all(np.array_equal(x, d) for x, d in zip(got, data))
     h.step()
     assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (4, 2)  # its 2 hits, once (loaded from G3)
-    assert c4() == (0, 0)
+    assert c4() == (2, 0)  # the second request's cooling misses not counted on G4: G3 served the chunks
 
 
 def test_a_g3_lookup_is_counted_when_the_request_takes_g4s_verdict_up(tmp_path, harnesses):
@@ -168,7 +169,8 @@ def test_a_g3_miss_taken_up_is_counted_once_when_the_chunk_reaches_g4_in_a_later
     lowest tier A asks). G4's loads of them failed, so they cool there. B takes A's G3 misses up (counted for B on
     G3 at the step's end: G4 answered without asking its pool, B posted nothing there); once the cool-down ended B asks
     again and posts the chunks to G4, whose lookup counts the request for G3 and G4. Before the fix it counted B's G3
-    misses a second time (G3: 6 chunks for 4 lookups); now G3 counts 4, G4 B's 2."""
+    misses a second time (G3: 6 chunks for 4 lookups); now G3 counts 4, G4 B's 2 (since 2026-12-03 its cooling
+    misses, counted at the step's end, and left out of G4's count when B posts the chunks there)."""
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3t, g4t = h.manager.secondary_tiers
     keys = keys_for(2, "later")
