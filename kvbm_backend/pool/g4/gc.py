@@ -40,8 +40,9 @@ every throttled DELETE was an error.
 **Memory.** Revoked and age deletions are decided while the store is listed, so such a pass keeps nothing per
 object; a capacity target (``target_bytes``) keeps one ``(mtime, size, name)`` tuple per block it may still
 delete, by name (repeats: below), to delete oldest first. Before (2026-11-29) every listed block's ObjectInfo and parsed name were kept
-first (~870 B each: ~40 GiB for 50M objects). An S3 listing remembers which keys it named, ~1 byte per key (a Bloom
-filter: :class:`.s3_list.SeenKeys`), to tell a listing that stopped advancing from one in another key order.
+first (~870 B each: ~40 GiB for 50M objects). An S3 listing remembers which keys it named, ~1.5-1.7 bytes per key,
+up to ~3.3 just after its filter grows (~106 MiB at 50M keys: a scalable Bloom filter, :class:`.s3_list.SeenKeys`;
+before 2026-12-03 documented as ~1 byte), to tell a listing that stopped advancing from one in another key order.
 
 **Repeated listings.** A listing may name an object twice: an S3-compatible server that repeats a page (a
 continuation token answered with the previous page again), a file store's directory read while it changes (NFS
@@ -107,8 +108,11 @@ is kept (a ``warnings`` line). An object the age or revoked pass deletes whateve
 same: a block whose listing misstated its size is deleted for that reason at its true size; one that is no block
 counts ``invalid_size`` as above (junk deleted as ``invalid_size``, any other for the pass's reason). Deleted
 objects that are no block count in ``deleted_bytes`` at the size the look found where a block of some layout could
-have it, else 0 (:meth:`.gc_sizes.BlockSizes.freed`; a look that failed: 0). Before 2026-12-03 those passes
-counted such an object at its listed size (an S3 listing stating 1 TiB, a 1 TiB sparse file: "1 TiB freed",
+have it, else 0 (:meth:`.gc_sizes.BlockSizes.freed`). One whose look failed is deleted for the pass's reason at 0
+bytes, not counted ``invalid_size`` (its size was never checked; before, the first version of 2026-12-03 counted it,
+and the "left alone" warning below could name it); one the look finds gone counts ``changed_since_listed``, as the
+delete would (before, in that version: nowhere). Before 2026-12-03 the age and revoked passes counted an object
+that is no block at its listed size (an S3 listing stating 1 TiB, a 1 TiB sparse file: "1 TiB freed",
 ``invalid_size`` 0), and junk deleted by any pass at the size it stated (1 TiB for a sparse file). A repeated listing
 entry of a kept block stating an impossible size is ignored, and one of an object judged no block is skipped: it
 counts (and is deleted) once (before 2026-12-03 each entry counted, a dry run's ``deleted_bytes`` twice). A look
@@ -283,8 +287,9 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         never deleted); ``nested_temps``: writer temp files outside this store's own directories
         (:func:`own_temp`; never deleted); ``listed_duplicates``: listing entries naming a block a capacity
         target keeps that was listed already (module doc, "Repeated listings"; each block counts once);
-        ``changed_since_listed``: listed objects not deleted because by the delete their name was gone or held
-        another object (module doc, "Deleting what was listed"); ``invalid_size``: objects at block names whose size
+        ``changed_since_listed``: listed objects not deleted because by the delete (or the size check before it of
+        one the pass deletes) their name was gone or held another object (module doc, "Deleting what was listed");
+        ``invalid_size``: objects at block names whose size
         cannot be a block's (module doc, "Impossible sizes"; deleted as ``deleted_by["invalid_size"]``, a key
         there only when there are, where the namespace's block size is known, else kept, or deleted by an age or
         revoked pass for its reason; never at an impossible size in ``deleted_bytes``); ``outside_prefix``: keys
@@ -427,10 +432,15 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             res["scanned_objects"] -= 1
             res["scanned_bytes"] -= o.size
             res["future_objects"] -= o.mtime > store_now
-            res["invalid_size"] += verdict != "gone"
-            if verdict != "gone":
-                no_block.add(o.name)
-            if verdict == "junk" or (why is not None and verdict != "gone"):  # junk: as the capacity pass's
+            if verdict == "gone":  # since listed: one this pass deletes is counted as by the delete (drop)
+                res["changed_since_listed"] += why is not None
+                continue
+            no_block.add(o.name)
+            if verdict == "unchecked" and why is not None:  # deleted whatever its size, which was never checked:
+                drop(o.name, 0, why, judged)  # not invalid_size, no bytes, not in the warning of those left alone
+                continue
+            res["invalid_size"] += 1
+            if verdict == "junk" or why is not None:  # junk: as the capacity pass's
                 drop(o.name, sizes.freed(verdict, judged), "invalid_size" if verdict == "junk" or why is None else why,
                      judged)
             elif verdict == "unchecked":  # its HEAD / stat or namespace.json read failed: left alone, an error

@@ -25,7 +25,11 @@ Every pass looks: an object the age or revoked pass deletes whatever its size is
 failed read of ``namespace.json`` does not matter to it), so that a block whose listing misstated its size counts
 at its true size, and anything else counts ``invalid_size`` at the bytes :meth:`BlockSizes.freed` gives. Before
 2026-12-03 those passes counted it at its listed size: an S3 listing stating 1 TiB, or a 1 TiB sparse file, made
-the report say 1 TiB was freed.
+the report say 1 TiB was freed. Such an object whose look failed is deleted for the pass's reason at 0 bytes: no
+``invalid_size`` (its size was never checked), and its failure is not :attr:`BlockSizes.stat_error` (gc's warning
+of objects left alone names that one); one the look finds gone counts ``changed_since_listed``, as the delete would
+have. Before (2026-12-03, the first version) the first counted ``invalid_size`` and could be the object that
+warning named, and the second was counted nowhere.
 """
 from __future__ import annotations
 
@@ -99,8 +103,9 @@ class BlockSizes:
         size is impossible in a namespace whose size is known: delete it), ``("kept", o)`` (impossible, layout not
         known: keep it, it is no block) or ``("gone", o)`` (deleted since listed). A stat that raises (the store
         unavailable, still throttled after ``attempts`` tries; its message kept in :attr:`stat_error`, the first
-        one): ``("unchecked", o)``: its listed size is impossible and its true one unknown; gc leaves it alone and
-        counts an error (before 2026-12-03 ``kept``: reported as a missing ``namespace.json``, no error). An object
+        one, unless ``deleting``): ``("unchecked", o)``: its listed size is impossible and its true one unknown; gc
+        leaves it alone and counts an error (before 2026-12-03 ``kept``: reported as a missing ``namespace.json``, no
+        error), or, ``deleting``, deletes it for the pass's reason at 0 bytes, not as ``invalid_size``. An object
         of a size impossible for any layout in a namespace whose ``namespace.json`` read failed (its message in
         :attr:`read_error`, counted in :attr:`unread`): ``("unchecked", what stat says)`` too, as it might be junk
         a readable file would have said to delete (before 2026-12-03 ``kept``, as if the file were missing), unless
@@ -111,7 +116,8 @@ class BlockSizes:
         try:
             now = call_attempts(lambda: self._store.stat(o.name), self._attempts)
         except OSError as e:
-            self.stat_error = self.stat_error or f"{o.name}: {e}"
+            if not deleting:  # named by gc's warning of objects left alone: one the pass deletes anyway is none
+                self.stat_error = self.stat_error or f"{o.name}: {e}"
             return "unchecked", o
         if now is None:
             return "gone", o

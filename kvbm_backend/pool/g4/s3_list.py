@@ -20,8 +20,12 @@ protocol answers is never taken as this store's objects:
   handing out a fresh token with every repeated page made gc list for ever.
 * Pages need not come in key order. AWS S3 lists keys in ascending (UTF-8 binary) order, but S3-compatible servers
   and gateways over other backends (a POSIX tree walked in directory order, some MinIO / Ceph gateways) may not.
-  Which keys were named is remembered by :class:`SeenKeys` (about 1 byte per key listed; a key above every key
-  named so far is new without a look, so an ordered listing never depends on its rare false positives). Before
+  Which keys were named is remembered by :class:`SeenKeys` (a scalable Bloom filter: a lookup takes a key never
+  named for one named less than 5 % of the time however long the listing; about 1.5-1.7 bytes per key named, up to
+  ~3.3 just after it grows: ~106 MiB at 50M keys). A key above every key named so far is new without a look, so an
+  ordered listing never depends on its false positives; in any order a healthy page is taken for a stalled one only
+  when every key on it is one (at 50M keys under 3.6 % each: a 1,000-key page under 10^-1400, and it takes
+  :data:`STALLED_PAGES_MAX` + 1 such pages in a row to end a listing: ~10^-146 even at one key per page). Before
   (2026-12-03, the first stall guard) a page naming no key above the highest listed was taken as nothing new: on a
   server listing in another order more than 100 such pages in a row (every page after the first, listed highest
   key first) ended every listing as incomplete (gc: an ``unlisted`` error on every pass, the rest never listed).
@@ -31,6 +35,7 @@ Sizes are passed on as the server states them (gc judges impossible ones: :mod:`
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Iterator
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -47,41 +52,63 @@ MASK64 = (1 << 64) - 1
 
 
 class SeenKeys:
-    """The keys a listing named so far, as a Bloom filter tells: :meth:`add` is never wrong about a key added before
-    (no false negatives: a page repeated, a listing come round again, names nothing new) and takes a key never
-    added for one added rarely (a false positive: ~3 % per full layer; a page stalls only when every key of it is
-    one, and :data:`STALLED_PAGES_MAX` + 1 such pages in a row end a listing). 8 bits per key, 3 set per key, in
-    layers each twice the one before: memory follows the listing (~1 byte per key: ~64 MiB for 50M keys)."""
+    """The keys a listing named so far, as a scalable Bloom filter tells (Almeida et al., "Scalable Bloom Filters",
+    2007): :meth:`add` is never wrong about a key added before (no false negatives: a page repeated, a listing come
+    round again, names nothing new) and takes a key never added for one added (a false positive) less than
+    :data:`FPR` (5 %) of the time, however many keys: layer ``i`` holds :data:`FIRST` x 2**i keys and is sized for
+    a rate of ``FPR x (1 - RATIO) x RATIO**i`` (the layers' rates sum to under ``FPR``; 3.6 % at 50M keys): 11 bits
+    and 8 hashes per key in the first layer, 13.4 bits and 9 hashes in the 12th (50M keys), ~15 bits at 10^9.
+    Memory follows the listing: ~1.5-1.7 bytes per key in the layers filled, up to ~3.3 bytes per key just after a
+    layer is added (each twice the one before): ~106 MiB at 50M keys, ~215 MiB at 100M. Before (2026-12-03, the
+    first version) every layer had 8 bits and 3 hashes per key, ~3 % false positives each, and a lookup looks in
+    every layer: ~30 % at 50M keys, growing with each layer (documented as "rarely", and as ~1 byte per key though
+    it took up to 2)."""
 
-    FIRST = 1 << 14  # keys (and bytes) of the first layer
-    HASHES = 3
+    FIRST = 1 << 14  # keys the first layer holds
+    FPR = 0.05  # a lookup's false-positive rate, all layers together, stays under this
+    RATIO = 0.9  # each layer's false-positive rate is this times the one before's (the paper's r)
 
     def __init__(self) -> None:
-        self._layers: list[bytearray] = []
+        self._layers: list[tuple[bytearray, int, int]] = []  # (bits, how many bits, hashes per key)
         self._room = 0  # keys the newest layer still takes
 
     def nbytes(self) -> int:
         """Bytes the filter holds."""
-        return sum(len(layer) for layer in self._layers)
+        return sum(len(layer) for layer, _m, _k in self._layers)
+
+    def _grow(self) -> None:
+        i = len(self._layers)
+        bits = -math.log(self.FPR * (1 - self.RATIO) * self.RATIO ** i) / math.log(2) ** 2  # per key, at best k
+        keys = self.FIRST << i
+        size = math.ceil(keys * bits / 8)
+        self._layers.append((bytearray(size), size << 3, max(1, round(bits * math.log(2)))))
+        self._room = keys
 
     def add(self, key: str, new: bool = False) -> bool:
         """Record ``key``; True when it was not (as far as the filter tells) recorded before. ``new``: the caller
         knows it was not (a key above every key recorded): recorded without a look."""
         h = hash(key) & MASK64  # the process's str hash (SipHash): any key, one per process
-        a, b = h, ((h >> 29 | h << 35) & MASK64) | 1
+        # the probe step: h mixed (a splitmix64-style finalizer); a rotation of h, as before, gave small layers up to
+        # twice the false positives their size is for. Odd: never 0 modulo a layer's bits (a multiple of 8).
+        z = (h * 0x9E3779B97F4A7C15 + 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ z >> 31) * 0x94D049BB133111EB) & MASK64
+        b = (z ^ z >> 29) | 1
         if not new:
-            for layer in self._layers:
-                m = len(layer) << 3
-                if all(layer[(i := (a + j * b) % m) >> 3] >> (i & 7) & 1 for j in range(self.HASHES)):
+            for layer, m, k in self._layers:
+                i, step = h % m, b % m
+                for _ in range(k):
+                    if not layer[i >> 3] >> (i & 7) & 1:
+                        break
+                    i = i + step - m if i + step >= m else i + step
+                else:
                     return False
         if not self._room:
-            self._layers.append(bytearray(self.FIRST << len(self._layers)))
-            self._room = len(self._layers[-1])
-        layer = self._layers[-1]
-        m = len(layer) << 3
-        for j in range(self.HASHES):
-            i = (a + j * b) % m
+            self._grow()
+        layer, m, k = self._layers[-1]
+        i, step = h % m, b % m
+        for _ in range(k):
             layer[i >> 3] |= 1 << (i & 7)
+            i = i + step - m if i + step >= m else i + step
         self._room -= 1
         return True
 

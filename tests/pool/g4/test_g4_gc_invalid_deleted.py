@@ -8,17 +8,25 @@ its size counts at its true size; anything else is no block, counted ``invalid_s
 and out of ``scanned_*``, its deleted bytes those of a size some block could have (else 0), and junk of a namespace
 whose block size is known is deleted as ``deleted_by["invalid_size"]``, as the capacity pass deletes it.
 
+Review of that change (2026-12-03): an object those passes delete whose look fails (the store gave no answer) is
+deleted at 0 bytes for the pass's reason, not counted ``invalid_size`` (its size was never checked) nor named by the
+warning of objects left alone (before: both); one the look finds gone since the listing counts
+``changed_since_listed``, as the conditional delete would have (before: counted nowhere).
+
 Real file stores (a sparse 1 TiB file), real keyring files, real SeaweedFS behind the loopback proxy of
 test_g4_gc_bad_listings.py that rewrites the ``<Size>`` of listed keys; real ``run_gc``."""
 from __future__ import annotations
 
 import os
+import time
+from typing import Iterator
 
 from kvbm_backend.crypto.keyring import Keyring, provider_for
 from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.gc import run_gc
 from kvbm_backend.pool.g4.naming import namespace_doc, namespace_name
+from kvbm_backend.pool.g4.store import ObjectInfo, StoreUnavailable
 from tests.helpers.pools import tiny_ns
 from tests.pool.g4.test_g4_gc_bad_listings import (FAKE_NS, SIZE, T0, TIB, StatFailsFsStore, TwiceListingFsStore,
                                                    _fill, _left, _lie_about_sizes, _name, _s3)
@@ -125,8 +133,8 @@ def test_an_age_dry_run_over_a_listing_naming_1_tib_twice_counts_it_once_at_no_b
 
 def test_an_age_pass_whose_size_check_fails_deletes_the_object_at_no_bytes(tmp_path):
     """The stat of the old 1 TiB file fails (the store gave no answer): the age pass deletes it all the same (its
-    age, not its size, decides), counting no bytes for a size it could not check; ``invalid_size`` 1 by its
-    listing. Before: 1 TiB freed."""
+    age, not its size, decides), counting no bytes for a size it could not check, and not as ``invalid_size`` (its
+    size was never checked: before the review, 1 by its listing). Before: 1 TiB freed."""
     root = tmp_path / "store"
     _fill(root, 2)
     st = StatFailsFsStore(root, fsync=False)
@@ -134,8 +142,74 @@ def test_an_age_pass_whose_size_check_fails_deletes_the_object_at_no_bytes(tmp_p
     _sparse(root, st.fail)
     res = run_gc(st, max_age_s=OLD_S)
     assert _left(st) == [], res
-    assert (res["deleted_objects"], res["deleted_bytes"], res["invalid_size"]) == (3, 2 * SIZE, 1), res
+    assert (res["deleted_objects"], res["deleted_bytes"], res["invalid_size"]) == (3, 2 * SIZE, 0), res
+    assert (res["deleted_by"]["age"], res["deleted_by"].get("invalid_size")) == (3, None), res
     assert (res["scanned_objects"], res["remaining_bytes"], res["errors"]) == (2, 0, 0), res
+    assert "warnings" not in res, res["warnings"]
+
+
+class _SortedStatFails(FsStore):
+    """A real file store listed in name order, whose ``stat`` of any name in ``self.fail`` raises StoreUnavailable
+    (a HEAD that got no answer)."""
+
+    fail: frozenset[str] = frozenset()
+
+    def list_patient(self, prefix: str = "", attempts: int = 10) -> Iterator[ObjectInfo]:
+        return iter(sorted(super().list_patient(prefix, attempts), key=lambda o: o.name))
+
+    def stat(self, name: str) -> ObjectInfo | None:
+        if name in self.fail:
+            raise StoreUnavailable(f"stat {name}: no answer (test)")
+        return super().stat(name)
+
+
+def test_a_failed_size_check_of_an_object_the_age_pass_deletes_is_not_named_left_alone(tmp_path):
+    """Two 1 TiB files whose stat fails: an old one (listed first) the age pass deletes anyway, and a young one it
+    leaves alone (its size unchecked: ``invalid_size``, an error, the warning). The warning names the young one, the
+    only one left alone, and ``invalid_size`` counts it alone. Before: ``invalid_size`` 2 and the warning's "first:"
+    named the old file, deleted by that pass."""
+    root = tmp_path / "store"
+    _fill(root, 2)
+    st = _SortedStatFails(root, fsync=False)
+    old, young = _name(98), _name(99)
+    st.fail = frozenset((old, young))
+    _sparse(root, old)
+    _sparse(root, young, mtime=time.time())  # written now: young
+    res = run_gc(st, max_age_s=OLD_S)
+    assert _left(st) == [young], res
+    assert (res["deleted_by"]["age"], res["deleted_bytes"]) == (3, 2 * SIZE), res
+    [warning] = [w for w in res["warnings"] if "could not be checked" in w]
+    assert old not in warning, f"the warning of objects left alone names one the pass deleted: {warning}"
+    assert warning.startswith("1 object(s)") and f"first: {young}:" in warning, warning
+    assert (res["invalid_size"], res["errors"], res["scanned_objects"]) == (1, 1, 2), res
+
+
+class _GoneAtStat(FsStore):
+    """A real file store where another gc (or a reader's drop) removes ``self.racer`` right after the listing
+    named it, before this gc acts on it."""
+
+    racer = ""
+
+    def list_patient(self, prefix: str = "", attempts: int = 10) -> Iterator[ObjectInfo]:
+        for o in super().list_patient(prefix, attempts):
+            if o.name == self.racer:
+                os.unlink(os.path.join(self.root, o.name))
+            yield o
+
+
+def test_an_old_object_gone_before_its_size_check_counts_changed_since_listed(tmp_path):
+    """An old 1 TiB file removed by another process between the listing and the age pass's stat of its impossible
+    size: counted ``changed_since_listed`` (as the conditional delete counts a listed object gone by then; docs/cli.md,
+    docs/operations.md), not ``invalid_size`` nor ``scanned_*``. Before the review: in no counter at all."""
+    root = tmp_path / "store"
+    _fill(root, 2)
+    st = _GoneAtStat(root, fsync=False)
+    st.racer = _name(99)
+    _sparse(root, st.racer)
+    res = run_gc(st, max_age_s=OLD_S)
+    assert res["deleted_by"]["age"] == 2, res
+    assert res["changed_since_listed"] == 1, f"the listed object gone by the delete is in no counter: {res}"
+    assert (res["invalid_size"], res["scanned_objects"], res["errors"]) == (0, 2, 0), res
 
 
 def test_an_s3_age_pass_counts_blocks_a_listing_misstates_at_their_true_size(seaweed, s3_prefix):

@@ -168,14 +168,39 @@ def test_an_unordered_listing_that_starts_over_still_ends_as_incomplete(seaweed,
 
 
 def test_seen_keys_never_forgets_a_key_and_rarely_takes_a_new_one_for_seen():
-    """The listing's memory of keys named (a layered Bloom filter, ~1 byte per key): every key added is found
-    again (a page repeated, a listing come round, is always seen as nothing new), and keys never added are taken
-    for seen rarely (here under 10 %, across several grown layers)."""
+    """The listing's memory of keys named (a scalable Bloom filter, ~1.5-1.7 bytes per key): every key added is
+    found again (a page repeated, a listing come round, is always seen as nothing new), and keys never added are
+    taken for seen rarely (under 5 %: below)."""
     seen = s3_list.SeenKeys()
     keys = [f"{i:032x}/{i * 7919:x}" for i in range(100_000)]
     assert sum(seen.add(k) for k in keys[::2]) >= 0.95 * len(keys[::2])  # the first add: new, but for a few
     assert not any(seen.add(k) for k in keys[::2])
     fresh = sum(seen.add(k) for k in keys[1::2])
-    assert fresh >= 0.9 * len(keys[1::2]), fresh
+    assert fresh >= 0.95 * len(keys[1::2]), fresh
     assert not any(seen.add(k) for k in keys)
     assert seen.nbytes() <= 4 * len(keys), seen.nbytes()
+
+
+class _SmallFirstLayer(s3_list.SeenKeys):
+    """The real filter with a first layer of 256 keys, not 16,384: ten layers within 261,888 keys, as the real
+    one has at 16.8M (its twelfth layer, 50M keys, would take ~40 s of adds here)."""
+
+    FIRST = 256
+
+
+def test_seen_keys_false_positives_stay_under_5_percent_however_many_layers():
+    """Review of 2026-12-03: every layer had 8 bits and 3 hashes per key (~3 % false positives each) and a lookup
+    looks in every layer, so the rate grew with each layer (~26 % with ten full layers, ~30 % at 50M keys), while
+    the docs said "rarely" and ~1 byte per key (it took up to 2). Now each layer is sized for a rate 0.9 times the
+    one before's, so all layers together stay under 5 % (3.3 % with ten). Memory per key as documented: ~1.5 bytes
+    with the layers full, under 3.5 just after the next one is added (docs/format.md, "gc and listings")."""
+    seen = _SmallFirstLayer()
+    n = 256 * ((1 << 10) - 1)  # ten full layers
+    for i in range(n):
+        seen.add(f"{i:032x}/old", True)  # as an ordered listing records keys: without a look
+    assert seen.nbytes() <= 1.8 * n, seen.nbytes() / n
+    probes = 20_000
+    false = sum(not seen.add(f"{j:032x}/new") for j in range(probes))  # never added: each one seen is false
+    assert false < 0.05 * probes, f"{false / probes:.1%} of keys never added taken for seen"
+    assert seen.nbytes() <= 3.5 * (n + probes), seen.nbytes() / (n + probes)  # an eleventh layer added
+    assert not any(seen.add(f"{i:032x}/old") for i in range(0, n, 97))  # none forgotten
