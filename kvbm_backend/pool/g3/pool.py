@@ -63,7 +63,7 @@ from ...model.frame import ChecksumFrames
 from ...model.layout import KvLayout
 from ...model.namespace import BlockKey, Namespace
 from ..base import BlockBuffer, GetDestinations, GetResult, PutResult, SlotLease, completed
-from . import journal as jr
+from . import journal as jr, vacancy
 from .admission import make_admission
 from .catalog import REASONS, SlotCatalog
 from .lock_bounded import LOCK_WAIT_S, PUT_LOCK_WAIT_S, StatsCache, held_within, holds, pool_stats
@@ -436,8 +436,8 @@ class G3Pool:
         the cancelled write is ``skipped`` in its own put's result, counted ``offloads_skipped_deleted``);
         their slot headers are zeroed first, so no restart brings them back, even one without the journal
         (:meth:`.catalog.SlotCatalog.clear_headers`). Future of how many were held.
-        Never raises for storage trouble: the index removal stands; a DEL record that cannot be
-        journaled degrades the tier and the journal is rewritten from the index once it can be."""
+        Never raises for storage trouble: the index removal stands; a DEL record the journal does not take degrades
+        the tier, is counted (``vacancies_unjournaled``), and the journal is rewritten from the index once it can be."""
         n = 0
         recs: list[bytes] = []
         cat = self.cat
@@ -451,7 +451,7 @@ class G3Pool:
                 n += 1
                 cat.remove(k)  # its header zeroed: a scan without the journal does not find it again
                 recs.append(jr.encode(jr.DEL, k))
-            cat.journal_append(recs)
+            vacancy.journal_dels(cat, recs)  # not taken: counted (vacancies_unjournaled), logged
             cat.c["deleted"] += n
         cat.update_gauges()
         return completed(n)

@@ -22,9 +22,10 @@ any later PUT of those slots follows them.
 A journal that takes no appends stays so until its rewrite works (a full or failing drive: every put, every
 emptied slot meets it again), and a drive gone fails every header write. Their WARNINGs are one per kind and pool
 (journal path) per minute (:data:`LOG`, :mod:`kvbm_backend.log_limits`; the next line says how many were left out),
-their counters count every slot: ``vacancies_unjournaled`` (:func:`unjournaled`, here and for a withdrawn round,
-:mod:`.journal_sync`), ``header_clear_errors`` (:func:`header_not_cleared`). Before 2026-12-03 each was a
-WARNING per put or per slot (30 one-block puts to a broken journal: 30 lines) and neither was counted.
+their counters count every slot: ``vacancies_unjournaled`` (:func:`unjournaled`, here, for a withdrawn round,
+:mod:`.journal_sync`, and for the DEL records of removed blocks, :func:`journal_dels`), ``header_clear_errors``
+(:func:`header_not_cleared`). Before 2026-12-03 each was a WARNING per put or per slot (30 one-block puts to a
+broken journal: 30 lines) and neither was counted.
 
 The tier's degradation by a failed journal append, rewrite or barrier repair ("tier degraded", :func:`journal_degraded`)
 is limited the same way: while the journal stays broken each put after the window (``degrade_s``, 5 s) degrades it
@@ -33,6 +34,7 @@ again. ``degradations`` counts every one (:meth:`~.catalog.SlotCatalog.degrade`,
 """
 from __future__ import annotations
 
+import errno
 import logging
 from typing import TYPE_CHECKING, Sequence
 
@@ -70,9 +72,25 @@ def journal_vacant(cat: SlotCatalog, slots: Sequence[tuple[int, int]]) -> None:
         unjournaled(cat, len(slots), e, "emptied")
 
 
+def journal_dels(cat: SlotCatalog, recs: list[bytes]) -> bool:
+    """(Pool lock held, the blocks already out of the index) Journal ``recs``, the DEL records of blocks removed
+    (deleted, a revoked tenant's purged, proven corrupt or unreadable: each slot emptied), through
+    :meth:`~.catalog.SlotCatalog.journal_append` (a failure there degrades the tier and marks the journal for
+    repair). Records it did not take (that failure, or the pool closed) are counted and logged by
+    :func:`unjournaled` (``"deleted"``, one slot per record): a restart before the repair replays the blocks' PUTs,
+    each dropped on its zeroed header (``restore_dropped``, ``magic``), or, a header not zeroed
+    (``header_clear_errors``), indexed again and verified like any. Before 2026-12-03 none was counted. Returns
+    whether the journal took them. Never raises."""
+    if cat.journal_append(recs):
+        return True
+    e = cat.journal_error if cat.slabs.dirs else None
+    unjournaled(cat, len(recs), e or OSError(errno.EBADF, "the pool is closed"), "deleted")
+    return False
+
+
 def unjournaled(cat: SlotCatalog, slots: int, e: BaseException, what: str) -> None:
-    """(Pool lock held) ``slots`` slots (``what``: ``"emptied"``, ``"withdrawn"``) whose vacancy records the
-    journal did not take (``e``): counted in ``vacancies_unjournaled`` (every slot, ``stats()``), a WARNING at most
+    """(Pool lock held) ``slots`` slots (``what``: ``"emptied"``, ``"withdrawn"``, ``"deleted"``: DEL records,
+    :func:`journal_dels`) whose vacancy records the journal did not take (``e``): counted in ``vacancies_unjournaled`` (every slot, ``stats()``), a WARNING at most
     once a minute per pool (:data:`LOG`). Never raises."""
     cat.c["vacancies_unjournaled"] += slots
     LOG.warning(f"vacancy {cat.journal.path}", "G3: journal %s: cannot journal %d %s slot(s) empty (%s); a restart "

@@ -29,7 +29,7 @@ from ....model.frame import FrameError
 from ....model.namespace import BlockKey
 from ....transfer import Extent, plan_ops, staged_run_extents
 from ...base import BlockBuffer, GetResult
-from .. import journal as jr
+from .. import journal as jr, vacancy
 from ..index import TagKey, valid_key as valid_key  # re-exported (read/__init__, reader)
 from ..catalog import _MISS_REASON, HDR
 from ..pieces import Slot
@@ -370,7 +370,7 @@ class HostGet:
                 cat.remove(cast(BlockKey, k), slot)
                 jrecs.append(jr.encode(jr.DEL, k))
                 cat.count_corrupt(proof)
-            cat.journal_append(jrecs)
+            vacancy.journal_dels(cat, jrecs)  # not taken: counted (vacancies_unjournaled), logged
             cat.c["bytes_read"] += nbytes
             if late:
                 cat.c["late_reads"] += len(self.slots)

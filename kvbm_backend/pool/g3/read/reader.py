@@ -26,7 +26,7 @@ from ....model.namespace import BlockKey
 from ....transfer.layers import DEFAULT_MIN_READ
 from ...base import BlockBuffer, GetDestinations, GetResult, SlotLease, is_tensor_batch
 from ....gpu.rows import is_matrix
-from .. import journal as jr
+from .. import journal as jr, vacancy
 from ..index import TagKey
 from ..catalog import _MISS_REASON, HDR, SlotCatalog
 from ..lock_bounded import LOCK_WAIT_S, held_within
@@ -209,7 +209,7 @@ class G3Reader:
                 return  # its new copy stays, and no DEL record drops it at the next restart
             cat.count_corrupt(reason)
             cat.remove(key, slot)
-            cat.journal_append([jr.encode(jr.DEL, key)])
+            vacancy.journal_dels(cat, [jr.encode(jr.DEL, key)])
             cat.c["deleted"] += 1
             cat.update_gauges()
 
@@ -238,7 +238,7 @@ class G3Reader:
                     if not same_slot(cat.index.get(key), slot):  # deleted (maybe written again) meanwhile
                         continue
                     cat.remove(key, slot)
-                    cat.journal_append([jr.encode(jr.DEL, key)])
+                    vacancy.journal_dels(cat, [jr.encode(jr.DEL, key)])
                     cat.c["deleted"] += 1
                     if why == "unreadable":
                         cat.c["unreadable_deleted"] += 1
