@@ -110,7 +110,6 @@ class LayerwiseLoads:
         # vLLM's defer_kv_connector_finalize (speculative decoding) get_block_ids_with_load_errors ends the
         # step's loads before wait_for_save, and saves() must still drop every save of that step
         self._step_failed: set[str] = set()
-        self._closing = False  # close(): loads ended without a forward
 
     def start(self, jobs: list[LoadJob]) -> list[LoadJob]:
         """Start the layer-wise jobs of ``jobs``; returns the others (asynchronous loads)."""
@@ -192,7 +191,7 @@ class LayerwiseLoads:
         graph, ``compilation_config.cudagraph_mode``). Before the step's ``wait_for_save`` (``whole_step`` False:
         speculative decoding's draft model, whose layers follow the target model's, has not run yet) layers after
         the last one waited for are not counted against it."""
-        if not unwaited or a.load is None or self._closing:  # closing: no forward ran on it
+        if not unwaited or a.load is None:
             return False
         return whole_step or not a.done or min(unwaited) < max(a.done)
 
@@ -271,10 +270,18 @@ class LayerwiseLoads:
         return keep
 
     def close(self) -> None:
-        """End every active load at shutdown (no forward is judged: a load started but never forwarded is no
-        unwaited one)."""
-        self._closing = True
-        self.finish()
+        """Shutdown: end every active load without scattering a layer or counting it (no forward reads it, none was
+        judged: a load started but never forwarded is no unwaited one); its reads are awaited and its slot leases
+        and load priority released. Never raises."""
+        active, self._active = self._active, []
+        for a in active:
+            try:
+                if a.load is not None:
+                    a.load.finish()
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvbm_backend: layer-wise load for %s at shutdown: %s", a.job.req_id, e)
+            finally:
+                load_priority.release()  # the hold() of _start
 
     def _names(self, layers: list[int]) -> str:
         """vLLM's names of ``layers`` (indices), the first three and how many more."""

@@ -360,7 +360,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
             log.warning("kvbm_backend: g3.layerwise_load is on but vLLM's async scheduling is on: G3 hits load "
                         "asynchronously (a failed layer-wise load could serve a request of the next step; run "
                         "with --no-async-scheduling to use layer-wise loads: docs/configuration.md)")
-        elif cfg.g3.layerwise_load and full_cg:
+        elif cfg.g3.layerwise_load and full_cg and load:  # load: false loads nothing: FULL graphs cost nothing
             log.warning(layerwise.FULL_CUDAGRAPH_PREFILLS_WARNING, vllm_config.compilation_config.cudagraph_mode)
         if kv_events:
             parts.sched.events = G3KvEvents(ns.tp_world_size, ns.layout.page_size,

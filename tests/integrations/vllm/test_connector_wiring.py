@@ -241,6 +241,26 @@ def test_layerwise_loads_are_not_offered_where_prefills_replay_full_cuda_graphs(
         s.close()
 
 
+def test_no_full_mode_layerwise_warning_for_a_connector_that_never_loads(tmp_path, caplog):
+    """``load: false``: the connector does not ask vLLM for PIECEWISE graphs (nothing loads), so vLLM keeps a FULL
+    ``cudagraph_mode``; the wiring must not then advise giving the FULL graphs up for layer-wise loads the engine
+    never makes (review of 2026-12-03: it did, at every start)."""
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from kvbm_backend.integrations.vllm.connector import KvbmBackendConnector
+    extra = _extra(tmp_path, load=False)
+    assert KvbmBackendConnector.requires_piecewise_for_cudagraph(extra) is False
+    ktc, vc, kcc = _configs(extra)
+    vc.compilation_config = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL)
+    with caplog.at_level("WARNING", logger="kvbm_backend"):
+        s = wire(ConnectorParts(), ktc, vc, KVConnectorRole.SCHEDULER, kcc)
+    try:
+        warned = [r.getMessage() for r in caplog.records if "cudagraph_mode is" in r.getMessage()]
+        assert not warned, warned
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("announce, events", [(True, True), (False, True), (True, False)],
                          ids=["announce", "announce-off", "no-kv-events"])
 def test_wire_g4_announce_runs_kv_events_without_g3(tmp_path, caplog, announce, events):

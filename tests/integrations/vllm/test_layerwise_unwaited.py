@@ -279,6 +279,8 @@ def test_a_load_ended_by_close_without_a_forward_is_no_unwaited_load(tmp_path, c
         with caplog.at_level(logging.WARNING):
             lw.close()
         assert _delta(before, "layerwise_unwaited_jobs") == 0
+        assert _delta(before, "load_blocks_ok") == 0 and _delta(before, "load_blocks_failed") == 0  # none was used
         assert not [r for r in caplog.records if "never waited for" in r.getMessage()]
+        assert not lw._active
     finally:
         g3.close()
