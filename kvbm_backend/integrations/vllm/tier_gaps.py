@@ -16,12 +16,17 @@ A tier above holds for them only what it answers a HIT: not a chunk whose load f
 (:class:`.failed_blocks.FailedChunks`: it answers a miss without asking its pool), nor a tenant it refuses. Before
 2026-12-03 both read its index alone: G4 credited G3 with a HIT for a chunk G3 answered a miss and G4 served, and did
 not look past its own gap at a chunk G3 cooled (no tier served it: recomputed).
+
+:func:`prefix_runs` groups a request's posted chunks into prefixes (:meth:`.tier_lookup.TenantLookup.batch_lookup`),
+and :func:`prefix_served` says whether a chunk a tier answered alone lies in the request's usable prefix: what a hit
+counted in the tier's pool means (:mod:`.tier_pickups`, found at the step's end as the lowest tier's count finds it).
 """
 from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
@@ -32,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["served_above", "skip_held", "split_prefix"]
+__all__ = ["count_run", "prefix_runs", "prefix_served", "served_above", "skip_held", "split_prefix"]
 
 
 def skip_held(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, str]], g: int, req_context: ReqContext,
@@ -113,6 +118,23 @@ def split_prefix(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, s
     return owners
 
 
+def count_run(tier: KvbmSecondaryTier, above: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, str]],
+              own: list[bool], req_context: ReqContext, end: Deadline, done: dict[Any, tuple]) -> None:
+    """``tier``, the lowest of our tiers, counts a run the request posted to it for each tier (``above``: ours asked
+    before it): the first over every chunk asked, each below over those not served above (:func:`split_prefix`),
+    each chunk for the tier it loads from; a chunk a tier counted for the request already (``done``: pair -> those
+    tiers, :meth:`.tier_lookup.TenantLookup.lookup`) left out of its count. A tier above refusing the request's
+    tenant counts nothing in its pool (``lookup_g3_revoked``, as the connector's G3). Never raises for I/O."""
+    owners = split_prefix(above, pairs, own, req_context, end)
+    for k, u in enumerate([*above, tier]):
+        if u is not tier and not u._serves(u._tenant_of(req_context)):
+            continue  # it answered misses without asking its pool (before 2026-12-03: counted there too)
+        asked = [j for j, o in enumerate(owners) if (k == 0 or o is None or o >= k)
+                 and not any(u is d for d in done.get(pairs[j], ()))]
+        if asked:
+            u.pool.count_lookup(len(asked), sum(owners[j] == k for j in asked))
+
+
 def served_above(key: OffloadKey, req_context: ReqContext, tiers: list[KvbmSecondaryTier]) -> Callable[[], bool | None]:
     """``served()``: whether one of ``tiers`` (ours asked before this one for the request) answers ``key`` a HIT for
     the request: its cached verdict; a tenant it refuses or a chunk it cools is a miss. None while one of them has
@@ -129,3 +151,55 @@ def served_above(key: OffloadKey, req_context: ReqContext, tiers: list[KvbmSecon
             unknown = unknown or v is None
         return None if unknown else False
     return served
+
+
+def prefix_served(asked: Iterable[Any], req_context: ReqContext,
+                  tiers: list[KvbmSecondaryTier]) -> Callable[[Any], bool | None]:
+    """``served(pair)``: whether the request can use ``pair``'s chunk from the tier that answered it a HIT: every
+    chunk of ``asked`` (the ``(OffloadKey, tenant)`` pairs the request asked that tier about) of the same tenant and
+    KV group (the key's last 4 bytes) at an earlier position in the request (``ReqContext.get_offload_key_position``)
+    is served by one of ``tiers`` (ours the manager asks for it, in order: :func:`served_above`); None while a
+    verdict is not in. A chunk without a position is a prefix of its own (True), as :func:`prefix_runs` runs it.
+    The verdicts are read once, here (one pass over ``asked``). Scheduler thread; no I/O, never raises."""
+    got = getattr(req_context, "get_offload_key_position", None)
+    pos: Callable[[Any], Any] | None = got if callable(got) else None
+    lows: dict[tuple[str, bytes], list[float]] = {}  # (tenant, group) -> [first unserved, first not known] position
+    for k, tn in asked if pos is not None else ():
+        q = pos(k) if pos is not None else None
+        if q is not None:
+            s = served_above(k, req_context, tiers)()
+            if not s:
+                low = lows.setdefault((tn, bytes(k[-4:])), [float("inf"), float("inf")])
+                low[s is None] = min(low[s is None], q)
+
+    def served(pair: Any) -> bool | None:
+        key, tn = pair
+        p = pos(key) if pos is not None else None
+        low = lows.get((tn, bytes(key[-4:]))) if p is not None else None
+        if low is None or p is None:
+            return True
+        return False if low[0] < p else None if low[1] < p else True
+    return served
+
+
+def prefix_runs(pairs: list[tuple[OffloadKey, str]], req_context: ReqContext) -> list[list[int]]:
+    """Indices of ``pairs`` in runs to look up as prefixes: per (tenant, KV group: the key's last 4 bytes), the
+    pairs in posted order while their positions in the request (``ReqContext.get_offload_key_position``, the end
+    token vLLM records for every key) ascend; a pair without a position, or out of order, is a run of its own."""
+    pos = getattr(req_context, "get_offload_key_position", None)
+    runs: list[list[int]] = []
+    last: dict[tuple[str, bytes], tuple[int, int]] = {}  # (tenant, group) -> (index in runs, its last position)
+    for i, (k, tenant) in enumerate(pairs):
+        p = pos(k) if callable(pos) else None
+        g = (tenant, bytes(k[-4:]))
+        prev = last.get(g)
+        if p is not None and prev is not None and p > prev[1]:
+            runs[prev[0]].append(i)
+            last[g] = (prev[0], p)
+            continue
+        runs.append([i])
+        if p is not None:
+            last[g] = (len(runs) - 1, p)
+        else:
+            last.pop(g, None)
+    return runs

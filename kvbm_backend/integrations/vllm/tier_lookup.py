@@ -46,7 +46,10 @@ takes up, and a chunk it loads that it did not post to the lowest, count on the 
 ends (:meth:`TenantLookup.loading`; before 2026-12-03 G4 was credited for a chunk G3 loaded). The lowest counts only
 the chunks the request posted to it; one the request posted above and not to the lowest counts on the tier above
 once answered, and one a tier above counted already is left out of that tier's count when the request posts it to
-the lowest later (:mod:`.tier_pickups`; before 2026-12-03 the first was counted nowhere, the second twice).
+the lowest later (:mod:`.tier_pickups`; before 2026-12-03 the first was counted nowhere, the second twice). That
+record goes with the posted batch (:meth:`TenantLookup._take_counted`): before 2026-12-03 a request ending while the
+lowest's lookup was in flight dropped it first (its G3 misses counted again). A lone tier leaves out the same way a
+chunk it answered the request cooling, asked again after the cool-down (before 2026-12-03: counted twice).
 A tier answering a chunk cooling after a failed load (a miss, its pool not asked: :meth:`TenantLookup.cooled`)
 is credited with that miss, once per request and chunk, and a G3Tier refusing the request's tenant with nothing in
 its pool (``lookup_g3_revoked``, as the connector); before 2026-12-03 the tier below credited a cooling tier above
@@ -59,14 +62,14 @@ import queue
 import threading
 import weakref
 from concurrent.futures import Future
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager, LookupPhase
 
 from ...deadlines import Deadline
-from .tier_gaps import served_above, skip_held, split_prefix
+from .tier_gaps import count_run, prefix_runs, prefix_served, served_above, skip_held
 from .tier_pickups import Pickups
 
 if TYPE_CHECKING:
@@ -95,18 +98,20 @@ def tiers_above(tier: KvbmSecondaryTier, offloading_spec: Any) -> list[weakref.R
 
 class _StampedQueue:
     """vLLM's scheduler -> worker queue (``AsyncLookupManager._lookup_queue``: ``flush`` puts one batch per step,
-    the worker thread gets them in turn) with each batch's deadline stamped when it is posted; the worker's ``get``
-    makes it the deadline of that batch's lookups (:meth:`TenantLookup._end`)."""
+    the worker thread gets them in turn) with each batch's deadline stamped when it is posted, and the chunks of it
+    our tiers counted for its requests already (:meth:`TenantLookup._take_counted`); the worker's ``get`` makes them
+    that batch's (:meth:`TenantLookup._end`, :meth:`TenantLookup._done_for`)."""
 
     def __init__(self, owner: TenantLookup, q: queue.SimpleQueue) -> None:
         self._owner, self._q = owner, q
 
     def put(self, item: Any) -> None:
-        self._q.put((None if item is None else Deadline(self._owner._tier._job_timeout_s), item))
+        o = self._owner
+        self._q.put((None, {}, None) if item is None else (Deadline(o._tier._job_timeout_s), o._take_counted(item), item))
 
     def get(self) -> Any:
-        end, item = self._q.get()
-        self._owner._batch_end = end
+        end, done, item = self._q.get()
+        self._owner._batch_end, self._owner._batch_done = end, done
         return item
 
 
@@ -126,10 +131,11 @@ class TenantLookup(AsyncLookupManager):
         # the first two written by the worker thread only, lookup_cooling_chunks by the scheduler thread only
         self._counts = {"lookups_timed_out": 0, "lookups_not_asked": 0, "lookup_cooling_chunks": 0}
         self._pickups = Pickups()  # verdicts requests share without posting them: counted at flush
-        # req_id -> {pair: our tiers (above, or this one) that counted the chunk for the request already}: the lowest
-        # of our tiers leaves them out of its count (batch_lookup, worker thread; written on the scheduler thread before the post)
+        # req_id -> {pair: our tiers (above, or this one) that counted the chunk for the request already}, from
+        # lookup to the step's flush (scheduler thread), then the posted batch's (_batch_done: the worker's): the
+        # lowest of our tiers leaves them out of its count (batch_lookup)
         self._counted_above: dict[str, dict[Any, tuple]] = {}
-        self._above_lock = threading.Lock()
+        self._batch_done: dict[str, dict[Any, tuple]] = {}
         super().__init__(tier_type=tier_type)
 
     @property  # type: ignore[override]
@@ -226,16 +232,35 @@ class TenantLookup(AsyncLookupManager):
         self._pickups.note(pair, held, posted, r, req_context,
                            hit_at_load=bool(after) or bool(self._above and self._asked_first(req_context)),
                            counted_below=self._posted_to(after[-1], key, req_context) if after else None)
-        if posted and not after and self._above:  # the lowest of ours: batch_lookup counts the tiers above
+        if posted and not after:  # the lowest of ours (or alone): batch_lookup counts the tiers above and this one
             rid = req_context.req_id
-            done = tuple(u for u in self._asked_first(req_context)
+            done = tuple(u for u in (self._asked_first(req_context) if self._above else ())
                          if u._lookup._pickups.uncount(rid, (key, u._tenant_of(req_context))))
             if self._pickups.uncount(rid, pair):  # this tier counted it for the request already (cooling, taken up)
                 done += (self._tier,)
             if done:  # counted there for the request already (an earlier step): left out of their count here
-                with self._above_lock:
-                    self._counted_above.setdefault(rid, {})[pair] = done
+                self._counted_above.setdefault(rid, {})[pair] = done
         return r
+
+    def _take_counted(self, batch: list) -> dict[str, dict[Any, tuple]]:
+        """Scheduler thread (``flush`` posting ``batch``): the entries of :attr:`_counted_above` for its
+        ``(pair, req_context, generation)`` items, taken out of it into the batch (its request may end before the
+        worker counts it: before 2026-12-03 ``cleanup`` dropped them first and the tiers above were counted again)."""
+        done: dict[str, dict[Any, tuple]] = {}
+        for pair, ctx, _ in batch if self._counted_above else ():
+            mine = self._counted_above.get(ctx.req_id)
+            d = mine.pop(pair, None) if mine is not None else None
+            if d is not None:
+                done.setdefault(ctx.req_id, {})[pair] = d
+                if not mine:
+                    del self._counted_above[ctx.req_id]
+        return done
+
+    def _done_for(self, req_id: str) -> dict[Any, tuple]:
+        """The chunks our tiers counted for request ``req_id`` already: on vLLM's worker thread its batch's
+        (:meth:`_take_counted`), else (a direct call) those not posted yet."""
+        on_worker = threading.current_thread() is getattr(self, "_thread", None)
+        return (self._batch_done if on_worker else self._counted_above).get(req_id, {})
 
     def cooled(self, key: OffloadKey, req_context: ReqContext) -> bool:
         """Scheduler thread: the tier answers ``key`` a miss without asking its pool, its load having failed within
@@ -251,6 +276,13 @@ class TenantLookup(AsyncLookupManager):
                                 served_above=served_above(key, req_context, above) if above else None):
             self._counts["lookup_cooling_chunks"] += 1
         return False
+
+    def _found(self, req_context: ReqContext) -> Callable[[Any], bool | None]:
+        """Scheduler thread: ``found(pair)``, whether a HIT of ``pair`` this tier counts itself for the request
+        (:mod:`.tier_pickups`) is found: in its usable prefix (:func:`.tier_gaps.prefix_served`; None: not known)."""
+        asked = [*self._req_keys.get(req_context.req_id, ()), *self._pickups.cooled_keys(req_context.req_id)]
+        tiers = [*self._asked_first(req_context), self._tier, *(self._asked_after(req_context) if self._reg else [])]
+        return prefix_served(asked, req_context, tiers)
 
     def _verdict(self, pair: Any) -> bool | None:
         """Scheduler thread: the cached verdict of ``pair`` (None: none, or not answered yet)."""
@@ -287,7 +319,7 @@ class TenantLookup(AsyncLookupManager):
         """vLLM's (post this step's keys), then count the verdicts requests took up without posting them: one
         request's lookup per request on this tier's pool (``kvbm_matched_tokens``, hit rate, lookup counters)."""
         super().flush()
-        for requested, found in self._pickups.take_due(self._verdict if self._reg else None):
+        for requested, found in self._pickups.take_due(self._verdict if self._reg else None, self._found):
             if not self._tier._closed:
                 self._tier.pool.count_lookup(requested, found)
 
@@ -333,11 +365,9 @@ class TenantLookup(AsyncLookupManager):
         in flight for a request that ended before the answer)."""
         keys = list(self._req_keys.get(req_id, ())) if self._recheck else []
         self.drain_results()  # its own verdicts in by now are counted (Pickups.forget)
-        self._pickups.forget(req_id, self._verdict)
+        self._pickups.forget(req_id, self._verdict, self._found)
         super().cleanup(req_id)
-        if self._counted_above:
-            with self._above_lock:
-                self._counted_above.pop(req_id, None)
+        self._counted_above.pop(req_id, None)  # posted since: the batch has them (_take_counted)
         for pair in keys:
             st = self._lookup_state.get(pair)
             if st is None:
@@ -365,7 +395,7 @@ class TenantLookup(AsyncLookupManager):
         while the pool has not answered one that timed out the request is answered misses without asking it
         (:meth:`_may_ask`: counted a miss of every chunk where this tier counts the request).
 
-        Prefix runs (:func:`prefix_runs`): the pairs of one tenant and KV group that vLLM posted in ascending
+        Prefix runs (:func:`.tier_gaps.prefix_runs`): the pairs of one tenant and KV group that vLLM posted in ascending
         position order (its full-attention prefix scan) are one ``lookup_prefix`` (G4: HEAD waves that stop at the
         first absent object), every pair after the run's first miss False: block hashes chain, so the request
         cannot use a chunk after a missing one. Before 2026-11-30 each chunk was its own lookup: vLLM posts every
@@ -384,11 +414,12 @@ class TenantLookup(AsyncLookupManager):
 
         With another of our tiers in the manager (G3 above G4: :func:`tiers_above`) every look is uncounted and
         the lowest of them counts each run for all (:meth:`BlockPool.count_lookup`): the request's usable prefix
-        (the leading chunks some tier holds, :func:`.tier_gaps.split_prefix`), each chunk for the first tier
+        (the leading chunks some tier holds, :func:`.tier_gaps.count_run`), each chunk for the first tier
         holding it, the first tier over every chunk asked and each below over the chunks not served above (none
         left: not counted); a failed or late look of this tier finds none. Before 2026-11-30 each tier counted
         its own leading prefix beyond the tiers above's (G4: ``n0 - pa``), so chunks loaded past a gap another
-        tier filled went uncounted (G3 holding chunk 1 and G4 0, 2, 3: 4 chunks loaded, 1 counted).
+        tier filled went uncounted (G3 holding chunk 1 and G4 0, 2, 3: 4 chunks loaded, 1 counted). Chunks a
+        tier counted for the request already are left out of its count (:meth:`_done_for`), alone too.
 
         A tenant the tier refuses (revoked in the keyring it follows: :mod:`.tier_revoked`) is answered misses without
         asking the pool, and holds nothing for the tiers below (:meth:`KvbmSecondaryTier._serves`)."""
@@ -405,17 +436,18 @@ class TenantLookup(AsyncLookupManager):
         ask = self._may_ask(end)
         if runs and not ask:
             self._counts["lookups_not_asked"] += 1
+        lone = not above and not below  # alone: its pool counts the request's lookup, less chunks counted already
+        done = self._done_for(req_context.req_id) if lone else {}
+        lefts = [[j for j, i in enumerate(run) if pairs[i] not in done] if lone else [] for run in runs]
         futs: list[tuple[Future, Future | None] | None] = []
-        for run in runs:
+        for run, left in zip(runs, lefts):
             bks = [t._block_keys(pairs[i][0], pairs[i][1]) for i in run]
             rest = [bk for b in bks for bk in b[1:]]
-            futs.append((t.pool.lookup_prefix([b[0] for b in bks], request=not above and not below),
+            futs.append((t.pool.lookup_prefix([b[0] for b in bks], request=lone and len(left) == len(run)),
                          t.pool.lookup_prefix(rest, request=False) if rest else None) if ask else None)
         out = [False] * len(pairs)
-        for run, fs in zip(runs, futs):
+        for run, left, fs in zip(runs, lefts, futs):
             n0, n1 = 0, -1
-            if fs is None and not above and not below:
-                t.pool.count_lookup(len(run), 0)  # not asked: the request's lookup found nothing
             try:
                 if fs is not None:
                     n0 = self._wait(fs[0], end)
@@ -423,6 +455,8 @@ class TenantLookup(AsyncLookupManager):
             except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
                 log.debug("lookup failed: %s", e)
                 n1 = -1
+            if left and (fs is None or len(left) < len(run)):  # not asked (found nothing), or some counted already
+                t.pool.count_lookup(len(left), sum(j < n0 for j in left) if n1 >= 0 else 0)
             if n1 >= 0:
                 for j, i in enumerate(run):  # chunk j: its first copy among the n0, its others among the n1
                     out[i] = j < n0 and (j + 1) * (c - 1) <= n1
@@ -431,25 +465,9 @@ class TenantLookup(AsyncLookupManager):
                     self._past_gap([pairs[i] for i in run[held:]], run[held:], out, end,
                                    None if t.look_past_gaps else (above, req_context))
             if above and not below:  # the lowest of our tiers counts the request's usable prefix for each
-                self._count_run(above, [pairs[i] for i in run], [out[i] for i in run], req_context, end)
+                count_run(t, above, [pairs[i] for i in run], [out[i] for i in run], req_context, end,
+                          self._done_for(req_context.req_id))
         return out
-
-    def _count_run(self, above: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, str]], own: list[bool],
-                   req_context: ReqContext, end: Deadline) -> None:
-        """The lowest of our tiers counts a run the request posted to it, for each tier: the first over every chunk
-        asked, each below over those not served above (:func:`.tier_gaps.split_prefix`), each chunk for the tier it
-        loads from; a chunk a tier counted for the request already (:meth:`lookup`) left out of its count. A tier above
-        refusing the request's tenant counts nothing in its pool (``lookup_g3_revoked``, as the connector's G3)."""
-        owners = split_prefix(above, pairs, own, req_context, end)
-        with self._above_lock:
-            done = dict(self._counted_above.get(req_context.req_id, {}))
-        for k, u in enumerate([*above, self._tier]):
-            if u is not self._tier and not u._serves(u._tenant_of(req_context)):
-                continue  # it answered misses without asking its pool (before 2026-12-03: counted there too)
-            asked = [j for j, o in enumerate(owners) if (k == 0 or o is None or o >= k)
-                     and not any(u is d for d in done.get(pairs[j], ()))]
-            if asked:
-                u.pool.count_lookup(len(asked), sum(owners[j] == k for j in asked))
 
     def _past_gap(self, pairs: list[tuple[OffloadKey, str]], idx: list[int], out: list[bool], end: Deadline,
                   filled_by: tuple[list[KvbmSecondaryTier], ReqContext] | None = None) -> None:
@@ -477,25 +495,3 @@ class TenantLookup(AsyncLookupManager):
                 out[idx[j]] = True
             g = s + n // c  # some copy of chunk g absent
 
-
-def prefix_runs(pairs: list[tuple[OffloadKey, str]], req_context: ReqContext) -> list[list[int]]:
-    """Indices of ``pairs`` in runs to look up as prefixes: per (tenant, KV group: the key's last 4 bytes), the
-    pairs in posted order while their positions in the request (``ReqContext.get_offload_key_position``, the end
-    token vLLM records for every key) ascend; a pair without a position, or out of order, is a run of its own."""
-    pos = getattr(req_context, "get_offload_key_position", None)
-    runs: list[list[int]] = []
-    last: dict[tuple[str, bytes], tuple[int, int]] = {}  # (tenant, group) -> (index in runs, its last position)
-    for i, (k, tenant) in enumerate(pairs):
-        p = pos(k) if callable(pos) else None
-        g = (tenant, bytes(k[-4:]))
-        prev = last.get(g)
-        if p is not None and prev is not None and p > prev[1]:
-            runs[prev[0]].append(i)
-            last[g] = (prev[0], p)
-            continue
-        runs.append([i])
-        if p is not None:
-            last[g] = (len(runs) - 1, p)
-        else:
-            last.pop(g, None)
-    return runs

@@ -29,9 +29,13 @@ Each lookup of each chunk per request counts once, on one tier (review, 2026-12-
 a request for every tier only over the chunks the request posted to it; a chunk the request posted to a tier above
 and never to the lowest (the lowest refused the request's tenant, answered a chunk cooling after a failed load
 without asking its pool, or the request took up the lowest's verdict another request posted) is counted by the tier
-above itself once its verdict is in (:meth:`Pickups.take_due`: a miss at the step's end, a HIT when loaded), unless
-the request posts it to the lowest first (:meth:`Pickups.uncount`). Before, neither tier counted it (G4 above a G3
-refusing the tenant: the request's lookup counted nowhere). A chunk a tier above counted for the request (a verdict
+above itself at the step's end once its verdict is in (:meth:`Pickups.take_due`), unless the request posts it to the
+lowest first (:meth:`Pickups.uncount`): requested, and found when it is a HIT in the request's usable prefix (the
+leading chunks some tier of ours serves it: :func:`.tier_gaps.prefix_served`), as the lowest tier's count finds a
+chunk for a tier and a lone tier's pool counts its leading held chunks. Before, neither tier counted it (G4 above a
+G3 refusing the tenant: the request's lookup counted nowhere); in the first version of 2026-12-03 a HIT counted only
+when loaded, so a HIT after a miss (vLLM's prefix scan stops at the miss: never loaded) was counted by no tier (G3
+answering chunk 0 a miss and 1 a HIT while G4 cooled both: 1 chunk requested, where alone 2). A chunk a tier above counted for the request (a verdict
 taken up, its own, a load credited) that the request posts to the lowest in a later step is left out of that tier's
 count there (:meth:`Pickups.uncount` says so; :func:`.tier_gaps.split_prefix` names each chunk's tier): before, a
 G3 miss taken up while G4 answered a cooling chunk was counted again once the request posted the chunk to G4.
@@ -44,15 +48,18 @@ without a HIT above). Before 2026-12-03 no pool counted it (review).
 
 Bounds: a request's entries go at ``forget`` (its loads still in flight then credit nothing), except the counts
 already due; a load is noted only for a request alive on the tier (:meth:`.tier_lookup.TenantLookup.loading`).
+A HIT counted at the step's end is not credited again when loaded.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from vllm.v1.kv_offload.base import ReqContext
 
 __all__ = ["Pickups"]
+
+Found = Callable[[ReqContext], Callable[[Any], "bool | None"]]  # found(req_context)(key): the request can use a HIT
 
 
 class Pickups:
@@ -68,6 +75,7 @@ class Pickups:
         self._counted: dict[str, set[Any]] = {}  # req_id -> keys counted here for it (taken up, own, loads credited)
         # req_id -> keys it posted here and not (yet) to the lowest of our tiers: counted here once their verdict is in
         self._own: dict[str, set[Any]] = {}
+        self._own_ctx: dict[str, ReqContext] = {}  # req_id -> its context, while it has keys in _own
         self._loads: dict[Any, tuple[str, set[Any]]] = {}  # load job -> (req_id, keys to credit once loaded)
         self._misses: dict[str, set[Any]] = {}  # req_id -> misses taken up, due at the next flush unless uncounted
         # req_id -> {key: whether a tier above serves it (None: not known yet)}: cooling misses of this tier (the
@@ -93,6 +101,7 @@ class Pickups:
                 waiting.discard(key)  # asked again under a new generation for this request: batch_lookup counts it
             if counted_below is False and key not in counted:  # the lowest does not count it (yet): this tier does
                 self._own.setdefault(rid, set()).add(key)
+                self._own_ctx[rid] = req_context
             return
         if held_before:
             waiting = self._waiting.get(rid)
@@ -148,6 +157,10 @@ class Pickups:
             if not s:
                 self._misses.setdefault(rid, set()).add(key)
 
+    def cooled_keys(self, req_id: str) -> Collection[Any]:
+        """The keys request ``req_id`` asked this tier about that it answered cooling (:meth:`cooled`)."""
+        return self._cool_asked.get(req_id, ())
+
     def uncount(self, req_id: str, key: Any) -> bool:
         """Request ``req_id`` posted ``key`` to the lowest of our tiers, whose ``batch_lookup`` counts it for this
         one: a miss of it taken up here, or this tier's own verdict, is not counted here (:meth:`note`). Returns
@@ -190,15 +203,18 @@ class Pickups:
             due[0] += len(new)
             due[1] += len(new)
 
-    def take_due(self, verdict: Callable[[Any], bool | None] | None = None) -> list[tuple[int, int]]:
+    def take_due(self, verdict: Callable[[Any], bool | None] | None = None,
+                 found: Found | None = None) -> list[tuple[int, int]]:
         """The counts due, one per request: ``(requested, found)`` in chunks; each taken once. Called after the
         step's lookups (``flush``), when the misses taken up, and the keys posted here and not to the lowest, are
         known not to be counted below. ``verdict(key)``: this tier's cached verdict of ``key`` (None: not in yet);
-        a key posted here counts once it is in: a miss now, a HIT when loaded from here (:meth:`loaded`)."""
+        a key posted here counts once it is in: a miss, or a HIT found when ``found(req_context)(key)`` (whether
+        the request can use it: :func:`.tier_gaps.prefix_served`) is True, counted once that is known."""
         if verdict is not None:
             for rid, keys in self._own.items():
-                self._settle(rid, keys, verdict)
+                self._settle(rid, keys, verdict, found)
             self._own = {rid: keys for rid, keys in self._own.items() if keys}
+            self._own_ctx = {rid: c for rid, c in self._own_ctx.items() if rid in self._own}
         if self._cooled:
             for rid, pending in self._cooled.items():
                 self._settle_cooled(rid, pending, final=False)
@@ -214,25 +230,37 @@ class Pickups:
         due, self._due = self._due, {}
         return [(n, f) for n, f in due.values()]
 
-    def _settle(self, rid: str, keys: set[Any], verdict: Callable[[Any], bool | None]) -> None:
+    def _settle(self, rid: str, keys: set[Any], verdict: Callable[[Any], bool | None], found: Found | None,
+                final: bool = False) -> None:
         """Of ``keys`` (request ``rid`` posted them here, not to the lowest), those whose verdict is in leave
-        ``keys``: a miss is due (a HIT is credited when loaded)."""
+        ``keys``: a miss is due; a HIT is due once ``found`` knows whether the request can use it (``final``: the
+        request ended, so not known is not found); one credited when loaded (:meth:`loaded`) is not counted again."""
+        ctx, counted = self._own_ctx.get(rid), self._counted.get(rid)
+        usable = found(ctx) if found is not None and ctx is not None and any(verdict(k) for k in keys) else None
         for key in list(keys):
             v = verdict(key)
-            if v is None:
+            f = usable(key) if v and usable is not None else False
+            if v is None or (f is None and not final):
                 continue
             keys.discard(key)
             if not v:
                 self._misses.setdefault(rid, set()).add(key)
+            elif counted is not None and key not in counted:
+                counted.add(key)
+                due = self._due.setdefault(rid, [0, 0])
+                due[0] += 1
+                due[1] += bool(f)
 
-    def forget(self, req_id: str, verdict: Callable[[Any], bool | None] | None = None) -> None:
+    def forget(self, req_id: str, verdict: Callable[[Any], bool | None] | None = None,
+               found: Found | None = None) -> None:
         """The request ended: forget the keys it was waiting on, posted and was counted, and its loads in flight
         (what is due is still counted, its misses taken up included, its own verdicts in by now (``verdict``,
         as :meth:`take_due`) and its cooling misses no tier above served (:meth:`cooled`)); a load of it ending later credits nothing, and one that never ends, its tier closed,
         is not kept)."""
         own = self._own.pop(req_id, None)
         if own and verdict is not None:
-            self._settle(req_id, own, verdict)
+            self._settle(req_id, own, verdict, found, final=True)
+        self._own_ctx.pop(req_id, None)
         cooled = self._cooled.pop(req_id, None)
         if cooled:
             self._settle_cooled(req_id, cooled, final=True)

@@ -10,10 +10,17 @@ had posted) was counted by neither: the request's outcome vanished from the metr
 request had not posted the chunk to the lowest tier, and again by the lowest's lookup when the request posted it
 there in a later step.
 
+Review of (a) and (b) (2026-12-03): (c) the upper tier counted a HIT it answered alone only when loaded, so a HIT
+after a miss (vLLM's prefix scan stops at the miss) was counted by no tier; (d) a request ending while the lowest
+tier's lookup of a chunk the upper tier had counted for it was in flight had that chunk counted on the upper tier
+again (its record was dropped at the request's end, before the lookup read it); (e) a lone tier counted a chunk it
+had answered cooling again when the request asked it after the cool-down.
+
 vLLM's real offloading spec and manager (:class:`~kvbm_backend.integrations.vllm.tiering_harness.TieringHarness`),
 a real G3 directory, a file:// G4 store, a keyring changed by the ``kvbm-backend keys`` CLI."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -192,3 +199,111 @@ def test_a_g3_miss_taken_up_is_counted_once_when_the_chunk_reaches_g4_in_a_later
     h.step()
     assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (4, 0)  # before: (6, 0)
     assert c4() == (2, 0)
+
+
+def _own_hit(tmp_path, harnesses, cool: bool) -> tuple[int, int]:
+    """G3Tier above G4Tier; G3 holds chunk 1 of 2, not chunk 0 (G4 neither). ``cool``: G4's loads of both failed,
+    so G4 answers them misses without asking its pool (the request posts them to G3 only). Returns G3's
+    ``(lookup_blocks, lookup_hits)`` moved by one request of chunks 0-1."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(2, "own-hit")
+    _cool(h, g4t, keys, 600.0 if cool else 0.001)
+    h.store(keys[1:], payloads(h, 1, seed=7))  # G3 stores chunk 1 (G4 skips it while it cools)
+    h.wait_idle(timeout=HANG_S)
+    h.reset_primary()
+    if not cool:
+        assert not g4t._failed.cooling("", keys[0])
+    assert sum(g3t.pool.contains(bk) for bk in g3t._block_keys(keys[1], "")) == g3t.geometry.copies
+    b3 = _g3(g3t)
+    assert h.load(keys, timeout=HANG_S) == []  # chunk 0 is nowhere: nothing loads
+    h.step()
+    h.step()
+    return tuple(x - y for x, y in zip(_g3(g3t), b3))
+
+
+def test_g3_counts_every_chunk_asked_when_the_request_asks_g4_too(tmp_path, harnesses):
+    """The control for the next test: the request posts both chunks to G4 too, whose lookup counts G3 over every
+    chunk asked and finds none (chunk 1 lies past the request's usable prefix: chunk 0 is nowhere)."""
+    assert _own_hit(tmp_path, harnesses, cool=False) == (2, 0)
+
+
+def test_a_g3_hit_after_a_miss_is_counted_when_g4_answers_both_cooling(tmp_path, harnesses):
+    """G4 cooling: G3 answered chunk 0 a miss and chunk 1 a HIT for the request, which posted neither to G4; chunk 1
+    is never loaded (vLLM's prefix scan stops at chunk 0). G3 counts both, as when G4 is asked: (2, 0). Before the
+    fix (1, 0): a HIT was counted only when loaded, so chunk 1's lookup was counted by no tier."""
+    assert _own_hit(tmp_path, harnesses, cool=True) == (2, 0)
+
+
+@pytest.mark.parametrize("end_first", [False, True], ids=["ends-after-lookup", "ends-while-in-flight"])
+def test_a_g3_miss_is_counted_once_when_the_request_ends_while_g4s_lookup_is_in_flight(tmp_path, harnesses,
+                                                                                       end_first):
+    """The last scenario above (B's G3 misses taken up and counted on G3; once G4's cool-down ended B posts the
+    chunks to G4, whose lookup leaves G3 out), with B ending while G4's lookup is in flight (a G4 HEAD takes its
+    time; vLLM's worker still runs a posted batch whose request ended): a gate holds G4's real ``batch_lookup``.
+    Before the fix B's end dropped G4's record that G3 had counted the chunks for B before G4's worker read it, so
+    G3 counted B's 2 misses again: (6, 0) for 4 lookups. ``ends-after-lookup``: the control."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(2, "race")
+    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    a = _started(h, keys, _only(h, "race-a", Locality.LOCAL))
+    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2
+    h.step()
+    _until(lambda: all(g3t.lookup(k, a) is LookupResult.MISS for k in keys), h)
+    _cool(h, g4t, keys, 600.0)
+    b = _started(h, keys, h.context())
+    assert _ask(h, keys, b) == [LookupResult.MISS] * 2  # G3: A's misses taken up; G4: cooling
+    h.step()
+    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (4, 0)
+    g4t._failed = FailedChunks(offload_key_hash)  # the cool-down ended
+    gate, done = threading.Event(), threading.Event()
+    real = g4t._lookup.batch_lookup
+
+    def gated(keys_, ctx):  # G4's real lookup, in flight until the gate opens (a slow HEAD)
+        gate.wait(HANG_S)
+        try:
+            return list(real(keys_, ctx))
+        finally:
+            done.set()
+    g4t._lookup.batch_lookup = gated
+    assert _ask(h, keys, b) == [LookupResult.RETRY] * 2  # posted to G4 now
+    h.step()  # flush: G4's worker thread takes the batch
+    if end_first:
+        for ctx in (a, b):
+            h.manager.on_request_finished(ctx)  # B ends while its G4 lookup is in flight
+    gate.set()
+    assert done.wait(HANG_S)
+    h.step()
+    if not end_first:
+        for ctx in (a, b):
+            h.manager.on_request_finished(ctx)
+        h.step()
+    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (4, 0)  # before (ends-while-in-flight): (6, 0)
+    assert c4() == (2, 0)  # B's cooling misses, once
+    assert not g4t._lookup._counted_above and not g3t._lookup._counted_above  # nothing kept for ended requests
+
+
+def test_a_lone_tier_counts_a_chunk_once_when_the_request_asks_it_again_after_its_cool_down(tmp_path, harnesses):
+    """G3Tier alone. Its loads of chunks 0-1 failed, so it answers a request's lookups of them misses without asking
+    its pool (``lookup_cooling_chunks``: 2, counted 2 misses); the cool-down ends while the request still runs, and
+    it asks them again: posted to the pool now. Each chunk counts once for the request: (2, 0). Before the fix the
+    pool's own lookup counted them again: (4, 0)."""
+    h = harnesses([g3_tier(tmp_path / "g3")])
+    (g3t,) = h.manager.secondary_tiers
+    keys = keys_for(2, "lone-cool")
+    _cool(h, g3t, keys, 600.0)
+    b3 = _g3(g3t)
+    r = _started(h, keys, h.context())
+    assert _ask(h, keys, r) == [LookupResult.MISS] * 2  # cooling: the pool not asked
+    h.step()
+    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (2, 0)
+    assert g3t.kvbm_stats()["tier"]["lookup_cooling_chunks"] == 2
+    g3t._failed = FailedChunks(offload_key_hash)  # the cool-down ended (a fresh record: nothing cooling)
+    assert _ask(h, keys, r) == [LookupResult.RETRY] * 2  # posted to the pool now
+    h.step()
+    _until(lambda: _ask(h, keys, r) == [LookupResult.MISS] * 2, h)
+    h.manager.on_request_finished(r)
+    h.step()
+    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (2, 0)  # before: (4, 0)
+    assert not g3t._lookup._counted_above
