@@ -18,7 +18,8 @@ prefill response to the decode request):
   them). A hybrid model's sliding-window groups store the window before block N too, which the decode side's
   hit needs (:meth:`~.scheduler_side.SchedulerSide._group_saves`). N stops at the first block the prefill side
   knows it will not write (:class:`Promises`: a failed layer-wise load's step, whose saves the worker drops; a
-  request that computed on its unloaded blocks). Otherwise N is what the write-behind is asked to store, not a
+  request that computed on its unloaded blocks; under ``external_launcher`` with TP > 1 a block not every rank's
+  scheduler planned, which the ranks' agreement offers nowhere). Otherwise N is what the write-behind is asked to store, not a
   receipt: a put that is dropped (staging room, queue full, store down), or a save of the step in which the request
   finished dropped for a layer-wise load failed in that step (reported after ``request_finished``), ends the decode
   side's wait at ``handoff_wait_s``. F = the fingerprint of the namespace the prefill worker's G4 blocks are stored
@@ -194,7 +195,9 @@ class Promises:
     (a request vLLM rolls back after the failure computes its blocks again, but they are not offered again,
     or are withheld). So each such request loses from the first block its jobs of that step named, and the failed
     one from its first failed block too. A request that computed on the unloaded blocks is cut at its
-    ``save_limit`` (:func:`.failed_blocks.contain_failed_sync_load`), read by :meth:`limit`.
+    ``save_limit`` (:func:`.failed_blocks.contain_failed_sync_load`), read by :meth:`limit`. Under
+    ``external_launcher`` with TP > 1, blocks some rank's scheduler planned and another did not, which the ranks'
+    agreement therefore offers nowhere (:meth:`withheld`): the request loses from the first of them, on every rank.
 
     Not known, the bound of the promise: vLLM calls ``request_finished`` before the step's connector output
     reaches the scheduler (``Scheduler.update_from_output``), so a request that finishes in the very step whose
@@ -228,6 +231,17 @@ class Promises:
                 self._lose(reqs.get(j.req_id), j.seq_hashes[0])
         for f in hit:  # and the failed request's from its first failed block on
             self._lose(reqs.get(f.req_id), f.first_failed)
+
+    def withheld(self, st: Any, seq_hashes: list[int]) -> None:
+        """Blocks ``seq_hashes`` of request state ``st`` (a ``_Req``) planned for saving by some TP rank's scheduler
+        but not offered by any (:meth:`.tp_sched.SchedAgree.saves`, ``external_launcher``): G4 gets not every rank's
+        slice of them, so a hand-off request promises only the blocks before the first of them (a hash not among
+        its blocks: none). No-op for a request that did not ask for a hand-off."""
+        if st is None or not requested(st.request) or not seq_hashes:
+            return
+        want = set(seq_hashes)
+        i = next((i for i, h in enumerate(st.hashes) if h in want), 0)
+        self._lost[st.req_id] = min(i, self._lost.get(st.req_id, i))
 
     def _lose(self, st: Any, seq_hash: int) -> None:
         if st is None or not requested(st.request):

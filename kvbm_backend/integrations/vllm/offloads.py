@@ -15,7 +15,8 @@ anything is staged.
 Under vLLM's ``external_launcher`` with TP > 1 the bound would decide per rank (each rank's earlier puts end at
 their own pace), so one rank could stage a block slice another drops: stored on some ranks only, never a hit. There
 the room is agreed once per step with the load results (:class:`.tp_agree.TpLoadAgree`): every rank stages within
-the least room any rank had (:func:`set_staging_budgets`), so every rank keeps and drops the same blocks.
+the least room any rank had (:func:`set_staging_budgets`), so every rank keeps and drops the same blocks (a G4-only
+job that one rank writes alone, MLA's, is charged on every rank; closed workers offer no room).
 
 On a CUDA engine nothing here waits for the GPU. The gather (``index_select`` into a device buffer), the
 device checksums (:func:`~kvbm_backend.gpu.checksum.device_limb_sums`) and both copies into pinned host
@@ -101,9 +102,13 @@ def flush_all(timeout: float | None = None) -> bool:
 def staging_rooms() -> dict[str, int]:
     """This process's save staging room (bytes, ``max_pending_save_bytes`` less what saves not yet written hold) per
     namespace fingerprint (a KV cache group's; the least of the workers with that fingerprint): what one TP rank
-    offers :func:`set_staging_budgets` of every rank (:class:`.tp_agree.TpLoadAgree`, ``external_launcher``)."""
+    offers :func:`set_staging_budgets` of every rank (:class:`.tp_agree.TpLoadAgree`, ``external_launcher``). A closed
+    worker's is not (before 2026-12-03 one not yet garbage-collected shrank every rank's budget by its bound and the
+    bytes its last puts held)."""
     out: dict[str, int] = {}
     for o in list(_LIVE):
+        if o.closed:
+            continue
         with o._lock:
             room = max(0, o.max_pending_bytes - o.pending_bytes)
         out[o.ns.fingerprint] = min(out.get(o.ns.fingerprint, room), room)
@@ -117,7 +122,7 @@ def set_staging_budgets(rooms: dict[str, int]) -> None:
     written; each rank's own bound still holds (its room is at least the budget: only its staging, which the budget
     counts too, takes room)."""
     for o in list(_LIVE):
-        if o.ns.fingerprint in rooms:
+        if o.ns.fingerprint in rooms and not o.closed:
             with o._lock:
                 o.budget = max(0, int(rooms[o.ns.fingerprint]))
 
@@ -147,6 +152,7 @@ class Offloads:
         self.defer = False  # hand-offs on the kvbm-save thread (set by register on a CUDA engine)
         self.pending_bytes = 0
         self.budget: int | None = None  # bytes this step may stage, as on every TP rank (set_staging_budgets)
+        self.closed = False  # close() ran: no longer one of this process's workers to the TP ranks' staging rooms
         self._lock = threading.Lock()
         self._lookups: set[Future] = set()  # G4-only saves whose put waits for their lookup (_put_missing)
         self._staging = BufferPool("host", self._keep(), name="vllm-save-staging")
@@ -169,7 +175,10 @@ class Offloads:
         blocks that fit under ``max_pending_bytes`` are staged (a ``g4_only`` handoff job: under half the room
         left, :meth:`.worker_side.WorkerSide.save` stages it after the step's computed blocks); the rest, and
         every block of a staging that fails, are dropped and counted (never raised: an offload does not fail
-        the engine's step).
+        the engine's step). A ``g4_only`` job on a rank that does not write G4 (MLA: another rank's key names the
+        block) stages nothing, but its share of the TP ranks' agreed budget (:attr:`budget`) is charged as on the
+        rank that writes it, so every rank enters the step's next job with the same budget (before 2026-12-03 it was
+        not: the next computed job's blocks were staged on one rank and dropped on another).
 
         Raises:
             IndexError: an engine block id outside the engine's blocks (a caller's bug; nothing staged).
@@ -177,9 +186,11 @@ class Offloads:
         n = len(job.block_ids)
         # A replicated block (MLA) goes to G4 once, from the rank whose key names it.
         g4 = self.save_to_g4 and self.ns.shared_rank(self.rank) == self.rank
-        if n == 0 or (job.g4_only and (not g4 or self.g4 is None)):
+        skip = job.g4_only and (not g4 or self.g4 is None)  # not written here (another rank's, or no G4)
+        if n == 0 or (skip and self.budget is None):
             return
-        check_ids(job.block_ids, kv.num_blocks)
+        if not skip:
+            check_ids(job.block_ids, kv.num_blocks)
         bpb = kv.layout.bytes_per_block
         with self._lock:
             room = max(0, self.max_pending_bytes - self.pending_bytes)
@@ -188,9 +199,11 @@ class Offloads:
             # a handoff job's blocks (not computed here; G4 is asked which it lacks only once they are staged)
             # take at most half the room left: the next steps' computed blocks, which G4 lacks, keep the rest
             fit = min(n, (room // 2 if job.g4_only else room) // bpb)
-            self.pending_bytes += fit * bpb
-            if self.budget is not None:
+            if self.budget is not None:  # charged on every rank alike, whether or not this one writes the job
                 self.budget -= fit * bpb
+            if skip:
+                return
+            self.pending_bytes += fit * bpb
         if fit < n:
             if job.g4_only:  # blocks G4 may hold already: not the staging-full drops of computed blocks
                 stats.add(save_dropped_blocks=n - fit, handoff_g4_dropped_blocks=n - fit)
@@ -309,6 +322,7 @@ class Offloads:
 
     def close(self) -> None:
         """Hand off the saves staged so far (G4-only ones past their lookup), then stop the thread. Idempotent."""
+        self.closed = True
         self._thread.shutdown(wait=True)
         with self._lock:
             pending = list(self._lookups)

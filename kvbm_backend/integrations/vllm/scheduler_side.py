@@ -71,7 +71,8 @@ class SchedulerSide:
     def __init__(self, namespace: Namespace, block_size: int, g3: BlockPool | None, g4: BlockPool | None,
                  default_tenant: str = "", lookup_timeout_s: float = 2.0, save: bool = True, load: bool = True,
                  save_decode: bool = True, groups: list[GroupTiers] | None = None,
-                 handoff_wait_s: float = handoff.DEFAULT_WAIT_S, layerwise: bool = False, save_to_g4: bool = True):
+                 handoff_wait_s: float = handoff.DEFAULT_WAIT_S, layerwise: bool = False, save_to_g4: bool = True,
+                 tp_group: Any = None):
         """``groups``: the KV cache groups (:class:`GroupTiers`, index = vLLM's group index); None for one
         full-attention group (``namespace``, ``g3``, ``g4``). A hit counts only when every group has what the
         engine reads (:class:`PrefixLookup`), and loads/saves are planned per group (one :class:`LoadJob` /
@@ -81,7 +82,8 @@ class SchedulerSide:
         inside the step, layer by layer: :mod:`.layerwise`); G4 hits and models of several or windowed groups
         stay asynchronous (layer-wise failures are reported as block ids: :func:`.workers.block_level_errors`).
         ``save_to_g4``: the workers write saves to G4 too (the connector option): a prefill request's handoff
-        promises blocks only then (:attr:`hands_off`)."""
+        promises blocks only then (:attr:`hands_off`). ``tp_group``: vLLM's TP group, given by the wiring under
+        ``external_launcher`` with TP > 1 only: saves and matches are agreed over it (:mod:`.tp_sched`)."""
         self.groups = list(groups) if groups else [GroupTiers(namespace, g3, g4, None)]
         self.ns, self.bs, self.save_decode, self.g3, self.g4 = namespace, block_size, save_decode, g3, g4
         self.default_tenant, self.lookup_timeout_s = default_tenant, lookup_timeout_s
@@ -101,8 +103,7 @@ class SchedulerSide:
         self.revoked: RevokedTenants | None = None  # tenants G3 does not serve (.revoked_tenants; set by the wiring)
         self.epoch = ""  # reset epoch folded into every new request's salt ("": never reset; .reset_epoch)
         handoff.start_keyring_view(g4)  # hand-offs ask G4's keyring through it: no I/O on the scheduler thread
-        tp = tp_sched.scheduler_group(namespace.tp_world_size)  # external_launcher, TP > 1: saves and matches agreed
-        self.tp = tp_sched.SchedAgree(tp) if tp is not None else None
+        self.tp = tp_sched.SchedAgree(tp_group) if tp_group is not None else None
 
     # ---- identity ------------------------------------------------------------------------------
     def _state(self, request: Any) -> _Req:
@@ -415,8 +416,8 @@ class SchedulerSide:
             if st.saved_upto is None:
                 st.saved_upto = cached.num_computed_tokens[i] // self.bs
             self._plan_save(meta, st, cached.num_computed_tokens[i] + sched.get(rid, 0))
-        if self.tp is not None and save:  # every rank reaches here each step: the blocks every rank planned
-            meta.saves = self.tp.saves(meta.saves)
+        if save:  # under external_launcher every rank reaches here each step: the blocks every rank planned
+            meta.saves = tp_sched.offer(self, meta.saves)
         return meta
 
     def _plan_local_save(self, meta: KvbmConnectorMetadata, st: _Req) -> None:
@@ -439,14 +440,14 @@ class SchedulerSide:
         :meth:`_plan_local_save` (``[g3_local, n_local)``) are offered to G4 alone (``SaveJob.g4_only``: the worker puts
         only those G4 lacks), from the engine's blocks, whose KV is final once the request is scheduled; of a
         sliding-window group the window before them, which the decode side's hit needs too (before 2026-11-30 never
-        offered: a prompt the prefill worker's engine or G3 held was no hit on the decode side, which waited)."""
+        offered: a prompt the prefill worker's engine or G3 held was no hit on the decode side, which waited). Counted
+        ``handoff_g4_offered_blocks`` as offered (:func:`.tp_sched.offer`: under ``external_launcher``, agreed)."""
         if not self.hands_off or st.opaque or not handoff.requested(st.request):
             return
         end = min(st.saved_upto or 0, st.lookup_blocks, len(st.hashes), st.save_limit)
         held, n_local = st.g3_local, min(st.n_local, len(st.group_block_ids[0]) if st.group_block_ids else 0)
         local = set(range(held, n_local)) if held is not None else set()  # saved to G3+G4 by _plan_local_save
         g4 = set(range(max(st.hit[1], st.n_local), st.hit[0])) if st.hit is not None else set()  # loaded from G4
-        planned = 0
         for gi, g in enumerate(self.groups):
             gids = st.group_block_ids[gi] if gi < len(st.group_block_ids) and g.g4 is not None else []
             lo, sk = (0, local | g4) if g.window_blocks is None else (max(0, end - g.window_blocks), local)
@@ -454,9 +455,6 @@ class SchedulerSide:
             if pos:
                 meta.saves.append(SaveJob(st.req_id, [gids[i] for i in pos], [st.hashes[i] for i in pos], st.tenant,
                                           group=gi, g4_only=True, digests=block_digests(st, pos, self.bs)))
-                planned += len(pos)
-        if planned:
-            stats.add(handoff_g4_offered_blocks=planned)
 
     def _group_saves(self, meta: KvbmConnectorMetadata, st: _Req, a: int, end: int) -> int:
         """Offer blocks ``[a, end)`` of every full-attention group, and of every sliding-window group only the window a

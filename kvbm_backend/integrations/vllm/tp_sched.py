@@ -4,11 +4,25 @@ hosting a scheduler and that rank's worker; :mod:`.tp_agree` has the others and 
 * **Saves** (:meth:`SchedAgree.saves`, once per step in ``build_connector_meta``, which every rank's scheduler reaches
   in the same step): a block is offered to the pools only when every rank's scheduler planned it, the intersection of
   the ranks' save plans. A plan's inputs that run on each process's clock and pools (the revoked tenants' keyring
-  checks, the G4 lookups a hand-off's G4-only saves skip) can make one rank plan a block slice another rank's plan
-  skips: stored on some ranks only, every later lookup of it misses (a lookup needs every rank's slice), its capacity
-  wasted. The ranks first compare a 62-bit digest of their plans (one all-reduce of two int64s, every step); only when
-  they differ are the plans gathered (:func:`.tp_agree.all_gather_bytes`) and intersected, counted
-  ``tp_save_disagreed_steps`` and ``tp_save_withheld_blocks`` (blocks this rank planned that another did not).
+  checks, a G3 index busy at the look, the G4 lookups a hand-off's G4-only saves skip) can make one rank plan a block
+  slice another rank's plan skips: stored on some ranks only, every later lookup of it misses (a lookup needs every
+  rank's slice), its capacity wasted. The ranks first compare a 62-bit digest of their plans (one all-reduce of two
+  int64s, every step); only when they differ are the plans gathered (:func:`.tp_agree.all_gather_bytes`) and
+  intersected, counted ``tp_save_disagreed_steps`` and ``tp_save_withheld_blocks`` (blocks this rank planned that
+  another did not). The intersection compares a block's identity (request, tenant, KV cache group, engine block,
+  sequence hash, token digest), not the path a rank chose for it: a hand-off's block one rank planned G4-only
+  (``SaveJob.g4_only``: its view of G3 says G3 holds it, or cannot tell) and another as an ordinary G3 + G4 save is
+  planned for G4 by every rank, and is offered **G4-only on every rank** (before 2026-12-03 it was offered nowhere:
+  G4 got none of its slices, the decode worker waited ``handoff_wait_s`` and recomputed). One path on every rank,
+  because a rank's staging decides by it (a G4-only job stages within half the room, :mod:`.offloads`), and the
+  ranks must keep and drop the same blocks; G4-only, because that is the path that writes every rank's slice to G4
+  without putting into G3 a block some rank's scheduler holds there already or must not store there (a revoked
+  tenant), and its put skips the slices G4 holds. The cost: the rank that planned the ordinary save does not put its
+  G3 slice (a later lookup finds the block in G4). The agreed plan is built from rank 0's plan (its jobs, in its
+  order, each cut into runs of one path), so every rank offers the very same jobs. A hand-off request whose blocks
+  the intersection withholds (planned by some ranks only) promises only the blocks before the first of them
+  (:meth:`.handoff.Promises.withheld`, counted ``handoff_promise_cut_blocks`` when it finishes): every rank cuts
+  alike. :func:`offer` applies it and counts ``handoff_g4_offered_blocks`` from the plan offered.
 * **Matches** (:meth:`SchedAgree.match`, at ``get_num_new_matched_tokens``): the answer :class:`.tp_agree.TpMatchAgree`
   agrees (the fewest tokens; None while any rank has none), with the found blocks of the agreed hit, so that the
   lookup counters (``lookup_requests``, ``g3_found_blocks``, ``g4_found_blocks``, ...) count what every rank loads,
@@ -16,15 +30,15 @@ hosting a scheduler and that rank's worker; :mod:`.tp_agree` has the others and 
   its own answer, e.g. 4 blocks found on one rank and 2 on another, while both loaded 2). One all-reduce per call, as
   before: the answer is marked agreed (:func:`.tp_agree.settle`), so the wiring's TpMatchAgree returns it as it is.
 
-A scheduler agrees only where its own process hosts a TP rank of a group of more than one (:func:`scheduler_group`:
-``external_launcher``; under ``uni``, ``mp`` and ray the scheduler's process has no TP group). A failed collective
-(a rank gone) raises RuntimeError naming what was agreed, as :mod:`.tp_agree` does.
+A scheduler agrees only where the wiring gives it vLLM's TP group (``SchedulerSide(tp_group=...)``): under
+``external_launcher`` with TP > 1, the one decision that also turns on the workers' and the G3 reports' agreements
+(before 2026-12-03 the scheduler side asked vLLM for a TP group itself, and agreed wherever the process had one).
+A failed collective (a rank gone) raises RuntimeError naming what was agreed, as :mod:`.tp_agree` does.
 """
 from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import replace
 from typing import Any
 
 from . import stats, tp_agree
@@ -33,20 +47,7 @@ from .metadata import SaveJob
 _JOB = struct.Struct("<IIBI")  # group, tenant bytes, g4_only, blocks (then req id, tenant, per block: id, hash, digest)
 _BLK = struct.Struct("<QQ")
 _MASK = (1 << 62) - 1  # a digest and its negation both fit an int64
-
-
-def scheduler_group(tp_world_size: int) -> Any:
-    """vLLM's TP group of this scheduler's process when it hosts a TP rank of a group of more than one (vLLM's
-    ``external_launcher`` with TP > 1: a scheduler in every rank's process), else None (one scheduler for every
-    rank, or no vLLM model-parallel state here). ``tp_world_size``: the namespace's; 1 never asks vLLM."""
-    if tp_world_size <= 1:
-        return None
-    try:
-        from vllm.distributed.parallel_state import get_tp_group
-        group = get_tp_group()
-    except Exception:  # noqa: BLE001 - no vLLM, or no TP group in this process: this scheduler is the only one
-        return None
-    return group if int(group.world_size) > 1 else None
+_U64 = (1 << 64) - 1
 
 
 def encode_saves(saves: list[SaveJob]) -> bytes:
@@ -59,43 +60,90 @@ def encode_saves(saves: list[SaveJob]) -> bytes:
         out += [_JOB.pack(j.group, len(ten), int(j.g4_only) | (dg << 1), len(j.block_ids)), struct.pack("<I", len(rid)),
                 rid, ten]
         for i, (b, h) in enumerate(zip(j.block_ids, j.seq_hashes)):
-            out += [_BLK.pack(int(b), int(h) & (2**64 - 1)), j.digests[16 * i:16 * i + dg]]
+            out += [_BLK.pack(int(b), int(h) & _U64), j.digests[16 * i:16 * i + dg]]
     return b"".join(out)
 
 
-def block_entries(data: bytes) -> set[tuple]:
-    """The blocks of an encoded plan (:func:`encode_saves`), each ``(request id, tenant, group, g4_only, block id,
-    sequence hash, digest)``. Raises ValueError when the bytes are truncated."""
-    out, off = set(), 0
+def decode_saves(data: bytes) -> list[SaveJob]:
+    """The jobs of an encoded plan (:func:`encode_saves`), in order. Raises ValueError when the bytes are truncated
+    or malformed (naming the byte)."""
+    out, off = [], 0
     try:
         while off < len(data):
             g, nt, flags, n = _JOB.unpack_from(data, off)
             (nr,) = struct.unpack_from("<I", data, off + _JOB.size)
+            if flags >> 1 not in (0, 16):
+                raise struct.error(f"a job's flags {flags} are not a plan's")
             off += _JOB.size + 4
+            if off + nr + nt > len(data):
+                raise struct.error("a job's request id or tenant is cut")
             rid, ten = data[off:off + nr].decode("utf-8"), data[off + nr:off + nr + nt].decode("utf-8")
             off, dg = off + nr + nt, flags >> 1
+            ids, hs, dgs = [], [], []
             for _ in range(n):
                 b, h = _BLK.unpack_from(data, off)
-                out.add((rid, ten, g, bool(flags & 1), b, h, data[off + _BLK.size:off + _BLK.size + dg]))
+                if off + _BLK.size + dg > len(data):
+                    raise struct.error("a block's digest is cut")
+                ids.append(b)
+                hs.append(h)
+                dgs.append(data[off + _BLK.size:off + _BLK.size + dg])
                 off += _BLK.size + dg
-    except struct.error as e:
-        raise ValueError(f"a TP rank's save plan is truncated at byte {off} of {len(data)}: {e}") from e
-    if off != len(data):
-        raise ValueError(f"a TP rank's save plan is truncated at byte {off} of {len(data)}")
+            out.append(SaveJob(rid, ids, hs, ten, group=g, g4_only=bool(flags & 1), digests=b"".join(dgs)))
+    except (struct.error, UnicodeDecodeError) as e:
+        raise ValueError(f"a TP rank's save plan is truncated or malformed at byte {off} of {len(data)}: {e}") from e
     return out
 
 
-def _keep(j: SaveJob, common: set[tuple]) -> SaveJob | None:
-    """``j`` with only its blocks in ``common`` (None: none is)."""
-    idx = [i for i, (b, h) in enumerate(zip(j.block_ids, j.seq_hashes))
-           if (j.req_id, j.tenant, j.group, j.g4_only, int(b), int(h) & (2**64 - 1), j.digests[16 * i:16 * i + 16])
-           in common]
-    if len(idx) == len(j.block_ids):
-        return j
-    if not idx:
-        return None
-    return replace(j, block_ids=[j.block_ids[i] for i in idx], seq_hashes=[j.seq_hashes[i] for i in idx],
-                   digests=b"".join(j.digests[16 * i:16 * i + 16] for i in idx))
+def _keys(j: SaveJob) -> list[tuple]:
+    """The identity of each block of ``j``, without the path (``g4_only``): ``(request id, tenant, group, engine
+    block id, sequence hash, digest)``."""
+    return [(j.req_id, j.tenant, j.group, int(b), int(h) & _U64, j.digests[16 * i:16 * i + 16])
+            for i, (b, h) in enumerate(zip(j.block_ids, j.seq_hashes))]
+
+
+def agree_plans(plans: list[list[SaveJob]]) -> tuple[list[SaveJob], set[tuple]]:
+    """Every TP rank's save plan (in rank order) -> ``(the plan every rank offers, the blocks withheld)``: the blocks
+    every rank planned, G4-only where any rank planned them G4-only, as rank 0's jobs in rank 0's order (each cut
+    into runs of one path); withheld: the identities (:func:`_keys`) of the blocks some rank planned and another
+    did not. The same on every rank, given the same plans."""
+    keys = [[k for j in p for k in _keys(j)] for p in plans]
+    common = set(keys[0]).intersection(*keys[1:]) if keys else set()
+    g4_only = {k for p in plans for j in p if j.g4_only for k in _keys(j)}
+    out: list[SaveJob] = []
+    seen: set[tuple] = set()
+    for j in plans[0] if plans else []:
+        run: list[int] = []
+        path = False
+        for i, k in enumerate(_keys(j)):
+            if k not in common or k in seen:
+                continue
+            seen.add(k)
+            if run and (k in g4_only) != path:
+                out.append(_part(j, run, path))
+                run = []
+            run.append(i)
+            path = k in g4_only
+        if run:
+            out.append(_part(j, run, path))
+    return out, set().union(*keys) - common
+
+
+def _part(j: SaveJob, idx: list[int], g4_only: bool) -> SaveJob:
+    """``j`` with only its blocks ``idx``, on the path ``g4_only``."""
+    return SaveJob(j.req_id, [j.block_ids[i] for i in idx], [j.seq_hashes[i] for i in idx], j.tenant, group=j.group,
+                   g4_only=g4_only, digests=b"".join(j.digests[16 * i:16 * i + 16] for i in idx))
+
+
+def offer(side: Any, saves: list[SaveJob]) -> list[SaveJob]:
+    """The step's save plan of scheduler side ``side`` as offered to the workers: under ``external_launcher`` with
+    TP > 1 (``side.tp``) what every rank planned (:meth:`SchedAgree.saves`), else ``saves``; counts its G4-only
+    blocks ``handoff_g4_offered_blocks`` (only blocks offered). Raises RuntimeError when the TP agreement fails."""
+    if side.tp is not None:
+        saves = side.tp.saves(saves, side.promises, side._reqs)
+    g4 = sum(len(j.block_ids) for j in saves if j.g4_only)
+    if g4:
+        stats.add(handoff_g4_offered_blocks=g4)
+    return saves
 
 
 class SchedAgree:
@@ -105,10 +153,11 @@ class SchedAgree:
         self.group = group
         self._match = tp_agree.TpMatchAgree(group)
 
-    def saves(self, saves: list[SaveJob]) -> list[SaveJob]:
+    def saves(self, saves: list[SaveJob], promises: Any = None, reqs: dict | None = None) -> list[SaveJob]:
         """The step's save plan every TP rank planned: ``saves`` when every rank's plan is the same (one all-reduce),
-        else only the blocks every rank planned (order kept). Raises RuntimeError when a collective fails or a rank's
-        plan is malformed."""
+        else :func:`agree_plans` of every rank's; the hand-off requests among ``reqs`` (request id -> the scheduler's
+        request state) whose blocks are withheld are cut in ``promises`` (:meth:`.handoff.Promises.withheld`). Raises
+        RuntimeError when a collective fails or a rank's plan is malformed."""
         import torch
         import torch.distributed as dist
         blob = encode_saves(saves)
@@ -121,16 +170,22 @@ class SchedAgree:
                                f"compared over the TP group: {e}") from e
         if int(t[0]) == -int(t[1]):  # the smallest digest is the largest: every rank planned the same
             return saves
-        common: set[tuple] | None = None
+        plans = []
         for rank, b in enumerate(tp_agree.all_gather_bytes(self.group, blob, "the save plans")):
             try:
-                entries = block_entries(b)
+                plans.append(decode_saves(b))
             except ValueError as ex:
                 raise RuntimeError(f"kvbm_backend: TP rank {rank}'s save plan: {ex}") from ex
-            common = entries if common is None else common & entries
-        kept = [k for k in (_keep(j, common or set()) for j in saves) if k is not None]
-        withheld = sum(len(j.block_ids) for j in saves) - sum(len(j.block_ids) for j in kept)
-        stats.add(tp_save_disagreed_steps=1, tp_save_withheld_blocks=withheld)
+        kept, withheld = agree_plans(plans)
+        mine = sum(1 for j in saves for k in _keys(j) if k in withheld)
+        stats.add(tp_save_disagreed_steps=1, tp_save_withheld_blocks=mine)
+        if promises is not None and reqs:
+            lost: dict[str, list[int]] = {}
+            for k in withheld:
+                lost.setdefault(k[0], []).append(k[4])
+            for rid, hs in lost.items():
+                if rid in reqs:
+                    promises.withheld(reqs[rid], hs)
         return kept
 
     def match(self, side: Any, request: Any, n: int | None, is_async: bool) -> tuple[int | None, bool]:

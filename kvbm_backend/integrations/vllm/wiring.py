@@ -346,11 +346,13 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
             stats.set_info(loads_off=why)
             load = False
         groups = [GroupTiers(tg.ns, tg.g3, tg.g4, parts.window_blocks[gi]) for gi, tg in enumerate(parts._groups)]
+        # the one decision (spmd) for every TP agreement, the scheduler side's saves and matches too (.tp_sched)
+        tp = tp_agree.tp_group("in the scheduler's process, to agree the ranks' plans") if spmd else None
         parts.sched = SchedulerSide(ns, ns.layout.page_size, groups[0].g3, groups[0].g4, default_tenant=cfg.tenant,
                                     lookup_timeout_s=max(cfg.g4.load_bound_s, 0.5), save=opts["save"],
                                     load=load, save_decode=opts["save_decode"], groups=groups,
                                     handoff_wait_s=opts["handoff_wait_s"],
-                                    layerwise=lw_on, save_to_g4=opts["save_to_g4"])
+                                    layerwise=lw_on, save_to_g4=opts["save_to_g4"], tp_group=tp)
         parts.sched.revoked = parts.revoked
         if cfg.g3.layerwise_load and ns.tp_world_size > 1:
             log.warning("kvbm_backend: g3.layerwise_load is on but the engine has %d TP ranks: G3 hits load "
@@ -374,8 +376,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
         if spmd and (mirror or kv_events):
             parts.exchange = _tp_exchange(parts)
         if spmd and load:  # the tokens to load, agreed per request (tp_agree); else every rank answers 0
-            group = tp_agree.tp_group("in the scheduler's process, to agree the tokens to load")
-            parts.match_agree = tp_agree.TpMatchAgree(group)
+            parts.match_agree = tp_agree.TpMatchAgree(tp)
         if mirror or kv_events:  # one engine's: its own token, even where another has the same engine_id
             parts.channel_token = report_channel.new_token()
             parts.channel_key = report_channel.channel_key(*parts.channel_base, parts.channel_token)

@@ -11,6 +11,16 @@ that rank's slice of the blocks its own scheduler planned. Review findings (2026
 * the lookup counters (``g3_found_blocks``, ``g4_found_blocks``, ...) counted each rank's own answer, not the one the
   ranks agreed and loaded: summed over the ranks they disagreed with the loads.
 
+Review findings on that agreement (2026-12-03):
+
+* the plans were intersected with each block's path (``SaveJob.g4_only``): a hand-off's block one rank planned G4-only
+  and another as an ordinary save was offered nowhere (G4 got no slice, the decode worker waited and recomputed),
+  ``handoff_g4_offered_blocks`` counted it anyway, and a hand-off's promise still counted blocks the agreement
+  withheld;
+* on an MLA model a G4-only job staged on rank 0 only left rank 1 more of the agreed staging budget for the next job;
+* a closed worker not yet garbage-collected shrank the staging room every rank agreed, and the scheduler side agreed
+  wherever its process had a TP group, not only under ``external_launcher`` as the wiring decides.
+
 Two real processes, each with vLLM's model-parallel state on gloo (``tests/helpers/tp_ranks.py``); run as a script,
 this file is one rank."""
 from __future__ import annotations
@@ -61,7 +71,7 @@ def _saves_rank(rank: int, root: str, out: str) -> None:
                               "admission": {"policy": "all"}}}, use_env=False)
     g3, _ = open_tiers(cfg, ns)
     try:
-        side = SchedulerSide(ns, BS, g3, None)
+        side = SchedulerSide(ns, BS, g3, None, tp_group=_tp_group())
         a = SimpleNamespace(request_id="a", prompt_token_ids=list(range(100, 100 + 6 * BS + 1)), cache_salt=TENANT,
                             lora_request=None, kv_transfer_params=None)
         hs = [int(h) for h in side._state(a).hashes]
@@ -141,6 +151,136 @@ def _staging_rank(rank: int, root: str, out: str) -> None:
         parts.close()
 
 
+def _tp_group():
+    """vLLM's TP group of this rank's process, as the wiring hands it to the scheduler side under external_launcher."""
+    from vllm.distributed.parallel_state import get_tp_group
+    return get_tp_group()
+
+
+def _tiers(rank: int, root: str, name: str, g4: bool = True):
+    """``(namespace, g3, g4)`` of TP rank ``rank``: its own G3 pool under ``root``, the shared file:// G4 store."""
+    from kvbm_backend.config import load_config
+    from kvbm_backend.integrations.tiers import open_tiers
+    from kvbm_backend.model.layout import KvLayout
+    from kvbm_backend.model.namespace import Namespace
+
+    ns = Namespace(f"kvbm-backend/{name}", KvLayout(2, 2, BS, 64, "bfloat16"), tp_world_size=2)
+    tree = {"g3": {"paths": [f"{root}/g3-rank{rank}"], "capacity_gb": 0.05, "files_per_path": 1,
+                   "admission": {"policy": "all"}}}
+    if g4:
+        tree["g4"] = {"enabled": True, "encrypt": False, "url": f"file://{root}/g4"}
+    return (ns, *open_tiers(load_config(tree, use_env=False), ns))
+
+
+def _fill(pool, ns, hashes: list[int], ranks=(0, 1)) -> None:
+    """``pool`` holds ``hashes``' blocks of TP ranks ``ranks`` (every rank's slice: the scheduler looks for all)."""
+    import numpy as np
+    bpb = ns.layout.bytes_per_block
+    for r in ranks:
+        res = pool.put(ns.keys(hashes, TENANT, r), [np.full(bpb, i, np.uint8) for i in range(len(hashes))])
+        assert res.result(HANG_S).written == len(hashes)
+    assert pool.flush(HANG_S)
+
+
+def _handoff_request(rid: str, blocks: int):
+    """A prefill request that hands off (``kv_transfer_params[KEY] is True``), ``blocks`` full prompt blocks + 1."""
+    from kvbm_backend.integrations.vllm.handoff import KEY
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(100, 100 + blocks * BS + 1)),
+                           cache_salt=TENANT, lora_request=None, kv_transfer_params={KEY: True})
+
+
+def _handoff_paths_rank(rank: int, root: str, out: str) -> None:
+    """A hand-off prefill request served by the engine's prefix cache (all 6 blocks), each rank's scheduler over its
+    own G3 view: rank 0's shows blocks 0-3 held, rank 1's block 0. Rank 0 plans blocks 0-3 G4-only and 4-5 ordinary,
+    rank 1 block 0 G4-only and 1-5 ordinary: every rank plans every block for G4. Writes the step's offered jobs,
+    the counters, and the hand-off's promise N."""
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.handoff import KEY
+    from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+
+    ns, g3, g4 = _tiers(rank, root, "el-saves-handoff")
+    try:
+        side = SchedulerSide(ns, BS, g3, g4, tp_group=_tp_group())
+        assert side.hands_off
+        a = _handoff_request("a", 6)
+        hs = [int(h) for h in side._state(a).hashes]
+        _fill(g3, ns, hs[:HELD[rank]])
+        assert side.get_num_new_matched_tokens(a, 6 * BS) == (0, False)  # the engine's prefix cache has it all
+        side.update_state_after_alloc(a, None, 0)
+        meta = side.build_connector_meta(_step([("a", list(range(10, 17)), 6 * BS)], {"a": 1}))
+        params = side.request_finished(a, [])[1]
+        Path(out).write_text(json.dumps({
+            "jobs": [[j.block_ids, [str(h) for h in j.seq_hashes], j.g4_only] for j in meta.saves],
+            "hashes": [str(h) for h in hs[:6]], "promised": params[KEY]["blocks"],
+            "counters": {k: stats.get(k) for k in ("handoff_g4_offered_blocks", "tp_save_disagreed_steps",
+                                                   "tp_save_withheld_blocks", "handoff_promise_cut_blocks")}}))
+    finally:
+        g3.close()
+        g4.close()
+
+
+P3 = {0: 4, 1: 2}  # leading prompt blocks each rank's scheduler finds in G3 (G4 holds all 6)
+
+
+def _handoff_promise_rank(rank: int, root: str, out: str) -> None:
+    """A hand-off prefill request whose 6 prompt blocks G4 holds (every rank's slice) and each rank's G3 view the
+    first ``P3[rank]``: both ranks agree to load all 6, rank 0 blocks 0-3 from G3 and 4-5 from G4, rank 1 blocks 0-1
+    from G3 and 2-5 from G4. Each rank offers G4 alone the blocks it did not load from G4: rank 0 plans 0-3, rank 1
+    0-1, so the agreement withholds blocks 2-3 (rank 0's G4 slices of them are not written by this worker). Writes
+    the offered jobs, the counters and the hand-off's promise N."""
+    import torch.distributed as dist
+
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.handoff import KEY
+    from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+
+    ns, g3, g4 = _tiers(rank, root, "el-saves-promise")
+    try:
+        group = _tp_group()
+        side = SchedulerSide(ns, BS, g3, g4, tp_group=group)
+        a = _handoff_request("a", 6)
+        hs = [int(h) for h in side._state(a).hashes]
+        _fill(g3, ns, hs[:P3[rank]])
+        _fill(g4, ns, hs[:6], ranks=(rank,))  # each rank its own slice in the shared store
+        dist.barrier(group=group.cpu_group)  # both slices are there before either rank looks
+        end = time.monotonic() + HANG_S
+        while (ans := side.get_num_new_matched_tokens(a, 0))[0] is None:  # agreed: both ranks loop alike
+            assert time.monotonic() < end, "a's lookup never ended"
+            time.sleep(0.01)
+        ids = list(range(10, 17))
+        side.update_state_after_alloc(a, SimpleNamespace(get_block_ids=lambda: (ids,)), ans[0])
+        meta = side.build_connector_meta(_step([("a", ids, 6 * BS)], {"a": 1}))
+        params = side.request_finished(a, [])[1]
+        Path(out).write_text(json.dumps({
+            "answer": list(ans), "jobs": [[j.block_ids, j.g4_only] for j in meta.saves],
+            "promised": params[KEY]["blocks"],
+            "counters": {k: stats.get(k) for k in ("handoff_g4_offered_blocks", "tp_save_withheld_blocks",
+                                                   "handoff_promise_cut_blocks")}}))
+    finally:
+        g3.close()
+        g4.close()
+
+
+def _backend_rank(rank: int, root: str, out: str) -> None:
+    """The scheduler role wired in a process with vLLM's TP group of 2, under ``mp`` and under
+    ``external_launcher``: whether its scheduler side agrees saves and matches over the TP group."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvbm_backend.integrations.vllm.wiring import ConnectorParts, wire
+    from tests.integrations.vllm.test_external_launcher_g3_tp import _configs
+
+    agrees = {}
+    for backend in ("mp", "external_launcher"):
+        ktc, vc, kcc = _configs(f"{root}/g3-{backend}-rank{rank}")
+        vc.parallel_config.distributed_executor_backend = backend
+        parts = wire(ConnectorParts(), ktc, vc, KVConnectorRole.SCHEDULER, kcc)
+        try:
+            agrees[backend] = [parts.scheduler_role().tp is not None, parts.match_agree is not None]
+        finally:
+            parts.close()
+    Path(out).write_text(json.dumps(agrees))
+
+
 def _hashes(toks: list[int]) -> list[int]:
     from kvbm_backend.model.hashing import sequence_hashes
     return [int(h) for h in sequence_hashes(toks, BS)]
@@ -197,19 +337,167 @@ def test_tp_ranks_stage_the_same_saves_under_external_launcher(tmp_path):
     assert r0 == {"save_blocks": 4, "save_dropped_full_blocks": 2, "g3_blocks": 8}
 
 
-def test_save_plan_records_round_trip_and_refuse_truncated_bytes():
-    """The save plans the ranks compare (binary records, no pickles): every block's identity round-trips, a plan
-    without digests too; truncated bytes are a ValueError naming what is wrong."""
+@pytest.mark.slow  # two processes import vLLM (~10-20 s each on the 2-core VM); no wall-clock assertion
+def test_handoff_blocks_every_rank_plans_for_g4_are_offered_g4_only_on_every_rank(tmp_path):
+    """Every rank plans all 6 blocks of the hand-off for G4, on different paths (rank 0: 0-3 G4-only, 4-5 ordinary;
+    rank 1: 0 G4-only, 1-5 ordinary). On the old code the intersection compared the path too: blocks 1-3 were
+    offered nowhere (rank 0 offered [4, 5] and [0], G4 got no slice of 1-3), rank 0 counted 4 blocks offered to G4
+    alone and rank 1 one. Now both offer the same jobs, rank 0's: 4-5 ordinary, 0-3 G4-only (G4-only where any rank
+    planned it so), each rank counts the 4 G4-only blocks offered, nothing is withheld, and N promises all 6."""
+    pytest.importorskip("vllm")
+    r0, r1 = run_tp_ranks(__file__, tmp_path, str(tmp_path), "handoff_paths")
+    assert r0["jobs"] == r1["jobs"], "the TP ranks offered different save jobs"
+    hs = r0["hashes"]
+    assert r0["jobs"] == [[[14, 15], hs[4:6], False], [[10, 11, 12, 13], hs[:4], True]], r0["jobs"]
+    for r in (r0, r1):
+        assert r["counters"] == {"handoff_g4_offered_blocks": 4, "tp_save_disagreed_steps": 1,
+                                 "tp_save_withheld_blocks": 0, "handoff_promise_cut_blocks": 0}
+        assert r["promised"] == 6
+
+
+@pytest.mark.slow  # two processes import vLLM (~10-20 s each on the 2-core VM); no wall-clock assertion
+def test_handoff_promise_stops_at_blocks_the_ranks_agreement_withholds(tmp_path):
+    """Rank 0 plans blocks 0-3 of the hand-off for G4 alone, rank 1 blocks 0-1 (it loaded 2-5 from G4): blocks 2-3
+    are withheld, so G4 may lack rank 0's slices of them. On the old code each rank promised N = 6 and the decode
+    worker waited ``handoff_wait_s`` for blocks that may never come (and rank 0 counted 4 blocks offered to G4 alone,
+    2 of them withheld). Now N = 2 on both ranks (4 blocks cut, counted), and 2 blocks are counted offered."""
+    pytest.importorskip("vllm")
+    r0, r1 = run_tp_ranks(__file__, tmp_path, str(tmp_path), "handoff_promise")
+    assert r0["answer"] == r1["answer"] == [6 * BS, True]
+    assert r0["jobs"] == r1["jobs"] == [[[10, 11], True]]
+    assert (r0["promised"], r1["promised"]) == (2, 2), "a hand-off promised blocks the TP agreement withheld"
+    assert r0["counters"] == {"handoff_g4_offered_blocks": 2, "tp_save_withheld_blocks": 2,
+                              "handoff_promise_cut_blocks": 4}
+    assert r1["counters"] == {"handoff_g4_offered_blocks": 2, "tp_save_withheld_blocks": 0,
+                              "handoff_promise_cut_blocks": 4}
+
+
+@pytest.mark.slow  # two processes import vLLM (~10-20 s each on the 2-core VM); no wall-clock assertion
+def test_scheduler_side_agrees_only_under_external_launcher(tmp_path):
+    """One decision for every TP agreement: in a process with vLLM's TP group of 2, the scheduler side agrees saves
+    and matches under ``external_launcher`` only, as the wiring's own agreements do. On the old code it asked vLLM
+    for a TP group itself and agreed under ``mp`` too (its collectives then run where no other rank joins them)."""
+    pytest.importorskip("vllm")
+    r0, r1 = run_tp_ranks(__file__, tmp_path, str(tmp_path), "backend")
+    assert r0 == r1 == {"mp": [False, False], "external_launcher": [True, True]}
+
+
+def test_agreed_save_plan_is_rank0s_jobs_with_one_path_per_block():
+    """The agreement of gathered plans, as every rank computes it: the blocks every rank planned, whatever path each
+    chose, G4-only where any rank planned them G4-only, as rank 0's jobs in rank 0's order (cut where the path
+    changes); the blocks some rank planned and another did not are withheld. Every rank gets the same plan."""
     from kvbm_backend.integrations.vllm.metadata import SaveJob
-    from kvbm_backend.integrations.vllm.tp_sched import block_entries, encode_saves
+    from kvbm_backend.integrations.vllm.tp_sched import agree_plans
+    d = bytes(range(16)) * 6
+    r0 = [SaveJob("a", [14, 15], [4, 5], "t", digests=d[:32]), SaveJob("a", [10, 11, 12, 13], [0, 1, 2, 3], "t",
+                                                                       g4_only=True, digests=d[:64]),
+          SaveJob("b", [20, 21], [8, 9], "t")]
+    r1 = [SaveJob("a", [11, 12, 13, 14, 15], [1, 2, 3, 4, 5], "t", digests=d[:80]),
+          SaveJob("a", [10], [0], "t", g4_only=True, digests=d[:16]), SaveJob("b", [20], [8], "t")]
+    kept, withheld = agree_plans([r0, r1])
+    assert kept == [SaveJob("a", [14, 15], [4, 5], "t", digests=d[:32]),
+                    SaveJob("a", [10, 11, 12, 13], [0, 1, 2, 3], "t", g4_only=True, digests=d[:64]),
+                    SaveJob("b", [20], [8], "t")]
+    assert withheld == {("b", "t", 0, 21, 9, b"")}
+    # rank 1's plan first (as rank 0): its ordinary job is cut where the path changes
+    kept, _ = agree_plans([r1, r0])
+    assert kept == [SaveJob("a", [11, 12, 13], [1, 2, 3], "t", g4_only=True, digests=d[:48]),
+                    SaveJob("a", [14, 15], [4, 5], "t", digests=d[:32]),
+                    SaveJob("a", [10], [0], "t", g4_only=True, digests=d[:16]), SaveJob("b", [20], [8], "t")]
+    # another digest is another block: withheld, never offered under the other's identity
+    kept, withheld = agree_plans([[SaveJob("c", [1], [7], "t", digests=b"\x01" * 16)],
+                                  [SaveJob("c", [1], [7], "t", digests=b"\x02" * 16)]])
+    assert kept == [] and len(withheld) == 2
+
+
+def test_save_plan_records_round_trip_and_refuse_truncated_bytes():
+    """The save plans the ranks compare (binary records, no pickles): every job round-trips, a plan without digests
+    too; truncated or malformed bytes are a ValueError naming what is wrong."""
+    from kvbm_backend.integrations.vllm.metadata import SaveJob
+    from kvbm_backend.integrations.vllm.tp_sched import decode_saves, encode_saves
     jobs = [SaveJob("r1", [3, 4], [2**64 - 1, 5], "t", group=1, digests=b"\x01" * 32),
             SaveJob("rü", [9], [7], "", g4_only=True)]
-    assert block_entries(encode_saves(jobs)) == {("r1", "t", 1, False, 3, 2**64 - 1, b"\x01" * 16),
-                                                 ("r1", "t", 1, False, 4, 5, b"\x01" * 16),
-                                                 ("rü", "", 0, True, 9, 7, b"")}
-    assert block_entries(b"") == set()
-    with pytest.raises(ValueError, match="truncated"):
-        block_entries(encode_saves(jobs)[:-3])
+    assert decode_saves(encode_saves(jobs)) == jobs
+    assert decode_saves(b"") == []
+    for cut in (3, 20, len(encode_saves(jobs[1:])) - 1):
+        with pytest.raises(ValueError, match="truncated or malformed"):
+            decode_saves(encode_saves(jobs)[:-cut])
+    with pytest.raises(ValueError, match="malformed at byte 0"):
+        decode_saves(b"\x00" * 8 + b"\x07" + b"\x00" * 12)  # flags: a digest size no plan has
+
+
+def test_mla_ranks_stage_the_same_blocks_after_a_g4_only_handoff_job(tmp_path):
+    """An MLA model's replicated block goes to G4 from rank 0 only: a hand-off's G4-only job is staged on rank 0 and
+    not on rank 1. On the old code rank 1 skipped it before touching the agreed staging budget, so it entered the
+    step's next (computed) job with 4 more blocks of budget: it staged 6 blocks of it, rank 0 4 (blocks 5-6 in rank
+    1's G3 only, never a hit). Now every rank charges the G4-only job's share: both stage 4.
+
+    Two Offloads of one MLA namespace, one per TP rank as each rank's worker holds them, with the budget every rank
+    agreed (8 blocks); real G3 pools (one per rank) and one file:// G4 store; the engine KV a CPU stand-in."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from kvbm_backend.config import load_config
+    from kvbm_backend.integrations.tiers import open_tiers
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.metadata import SaveJob
+    from kvbm_backend.integrations.vllm.offloads import Offloads, set_staging_budgets
+    from kvbm_backend.model.hashing import sequence_hashes
+    from kvbm_backend.model.layout import KvLayout
+    from kvbm_backend.model.namespace import Namespace
+
+    ns = Namespace("kvbm-backend/el-saves-mla", KvLayout(2, 1, BS, 64, "bfloat16"), tp_world_size=2)  # MLA
+    bpb = ns.layout.bytes_per_block
+    pools, offs = [], []
+    for r in range(2):
+        cfg = load_config({"g3": {"paths": [f"{tmp_path}/g3-rank{r}"], "capacity_gb": 0.05, "files_per_path": 1,
+                                  "admission": {"policy": "all"}},
+                           "g4": {"enabled": True, "encrypt": False, "url": f"file://{tmp_path}/g4"}}, use_env=False)
+        g3, g4 = open_tiers(cfg, ns)
+        pools += [g3, g4]
+        offs.append(Offloads(ns, r, g3, g4, max_pending_bytes=8 * bpb))
+    kv = SimpleNamespace(num_blocks=32, layout=ns.layout, device=torch.device("cpu"),
+                         gather=lambda ids, out: out.copy_(torch.zeros(len(ids) * bpb, dtype=torch.uint8)))
+    try:
+        hs = [int(h) for h in sequence_hashes(list(range(100, 100 + 10 * BS)), BS)]
+        handoff = SaveJob("h", [0, 1, 2, 3], hs[:4], TENANT, g4_only=True)  # blocks from the prefix cache
+        computed = SaveJob("h", [4, 5, 6, 7, 8, 9], hs[4:10], TENANT)
+        set_staging_budgets({ns.fingerprint: 8 * bpb})  # the step's agreement: every rank's least room
+        staged = []
+        for o in offs:  # each rank's worker, the same step's jobs in the same order
+            o.save(handoff, kv, False)  # rank 0 stages it (G4's writer), rank 1 does not
+            b = stats.get("save_blocks") or 0
+            o.save(computed, kv, False)  # G3 on every rank: the ranks must keep the same blocks
+            staged.append((stats.get("save_blocks") or 0) - b)
+        assert staged == [4, 4], f"of the computed job rank 0 staged {staged[0]} blocks, rank 1 {staged[1]}"
+    finally:
+        for o in offs:
+            o.flush(HANG_S)
+            o.close()
+        for p in pools:
+            p.close()
+
+
+def test_closed_offloads_offer_no_staging_room():
+    """A closed worker still referenced (not garbage-collected yet) is not one of this process's workers to the TP
+    ranks' staging agreement. On the old code its smaller bound (2 blocks) was this rank's room for the namespace, so
+    every rank staged within 2 blocks though the live worker had 8; and it took the agreed budget too."""
+    pytest.importorskip("torch")
+    from kvbm_backend.integrations.vllm.offloads import Offloads, set_staging_budgets, staging_rooms
+    from kvbm_backend.model.layout import KvLayout
+    from kvbm_backend.model.namespace import Namespace
+
+    ns = Namespace("kvbm-backend/el-saves-closed", KvLayout(2, 2, BS, 64, "bfloat16"), tp_world_size=2)
+    bpb = ns.layout.bytes_per_block
+    old = Offloads(ns, 0, None, None, max_pending_bytes=2 * bpb)
+    old.close()
+    live = Offloads(ns, 0, None, None, max_pending_bytes=8 * bpb)
+    try:
+        assert staging_rooms()[ns.fingerprint] == 8 * bpb
+        set_staging_budgets({ns.fingerprint: 5 * bpb})
+        assert (live.budget, old.budget) == (5 * bpb, None)
+    finally:
+        live.close()
 
 
 
@@ -228,4 +516,6 @@ def test_staging_rooms_records_round_trip_and_refuse_malformed_bytes():
 
 if __name__ == "__main__":  # argv: rank, port, output JSON, root, mode
     join_tp_group(int(sys.argv[1]), int(sys.argv[2]))
-    {"saves": _saves_rank, "counts": _counts_rank, "staging": _staging_rank}[sys.argv[5]](int(sys.argv[1]), sys.argv[4], sys.argv[3])
+    {"saves": _saves_rank, "counts": _counts_rank, "staging": _staging_rank, "handoff_paths": _handoff_paths_rank,
+     "handoff_promise": _handoff_promise_rank, "backend": _backend_rank}[sys.argv[5]](int(sys.argv[1]), sys.argv[4],
+                                                                                      sys.argv[3])
