@@ -90,11 +90,13 @@ def journal_dels(cat: SlotCatalog, recs: list[bytes]) -> bool:
 
 def unjournaled(cat: SlotCatalog, slots: int, e: BaseException, what: str) -> None:
     """(Pool lock held) ``slots`` slots (``what``: ``"emptied"``, ``"withdrawn"``, ``"deleted"``: DEL records,
-    :func:`journal_dels`) whose vacancy records the journal did not take (``e``): counted in ``vacancies_unjournaled`` (every slot, ``stats()``), a WARNING at most
-    once a minute per pool (:data:`LOG`). Never raises."""
+    :func:`journal_dels`) whose vacancy records the journal did not take (``e``): counted in
+    ``vacancies_unjournaled`` (every slot, ``stats()``), a WARNING at most once a minute per kind (``what``) and pool
+    (:data:`LOG`). Never raises."""
     cat.c["vacancies_unjournaled"] += slots
-    LOG.warning(f"vacancy {cat.journal.path}", "G3: journal %s: cannot journal %d %s slot(s) empty (%s); a restart "
-                "before the journal is repaired counts their blocks as restore drops (vacancies_unjournaled)",
+    LOG.warning(f"vacancy {what} {cat.journal.path}", "G3: journal %s: cannot journal %d %s slot(s) empty (%s); a "
+                "restart before the journal is repaired replays their blocks' PUTs: each dropped on its zeroed header "
+                "(restore_dropped, magic) or, a header not zeroed, verified again (vacancies_unjournaled)",
                 cat.journal.path, slots, what, e)
 
 
