@@ -34,6 +34,7 @@ from .extra_config import tier_config
 from .failed_blocks import FailedChunks, drop_blocks
 from .geometry import PrimaryGeometry
 from .namespaces import namespace_model, namespace_revision, refuse_parallel_layouts
+from .tier_gaps import failed_load
 from .tier_lookup import TenantLookup
 from .tier_options import check_options
 from .tier_removals import HeldChunks, held_now
@@ -160,7 +161,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
                                 self.reconcile_interval_s, self._block_keys)
         self._store_cursor: dict[JobId, int] = {}  # store job -> the pool's removal cursor before its first put
         self._results: queue.SimpleQueue = queue.SimpleQueue()
-        self._jobs: dict[JobId, tuple[list[OffloadKey], bool, str]] = {}  # job -> (keys, is_store, tenant)
+        self._jobs: dict[JobId, tuple[list[OffloadKey], bool, str, Any]] = {}  # job -> (keys, store, tenant, ctx)
         self._not_asked: set[JobId] = set()  # failed while queued (the pool not asked): its chunks are not cooled
         # store job -> its chunks the pool holds (published when the job is reported finished)
         self._store_held: dict[JobId, list[OffloadKey]] = {}
@@ -253,7 +254,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         keys = list(job.keys)
         if len(keys) != len(job.chunk_ids):
             raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(job.chunk_ids)} chunk_ids")
-        self._jobs[job.job_id] = (keys, store, self._tenant_of(job.req_context))
+        self._jobs[job.job_id] = (keys, store, self._tenant_of(job.req_context), job.req_context)
         with self._cv:
             self._outstanding += 1
         # its deadline runs from vLLM's submission and is enforced while it waits for a thread (tier_jobs)
@@ -417,7 +418,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
                 res: JobResult = self._results.get_nowait()
             except queue.Empty:
                 break
-            keys, is_store, tenant = self._jobs.pop(res.job_id, ([], False, self._tenant))
+            keys, is_store, tenant, ctx = self._jobs.pop(res.job_id, ([], False, self._tenant, None))
             held = self._store_held.pop(res.job_id, [])
             out.append(res)
             if not is_store:
@@ -426,13 +427,9 @@ class KvbmSecondaryTier(SecondaryTierManager):
                 self._lookup.stored(held, tenant)
             not_asked = res.job_id in self._not_asked
             self._not_asked.discard(res.job_id)
-            if not res.success and not is_store:
-                # Force the cached verdict of the chunks not loaded to miss, so the scheduler does not
-                # re-issue a doomed promotion (the livelock vLLM's fs tier guards against, #49176).
+            if not res.success and not is_store:  # a miss now; cooling, unless the pool never saw the job
                 good = set(res.successful_keys or ())
-                if not not_asked:  # new requests miss them a while; a job the pool never saw says nothing of them
-                    self._failed.add(tenant, [k for k in keys if k not in good])
-                self._lookup.mark_miss_for([k for k in keys if k not in good], tenant)
+                failed_load(self, [k for k in keys if k not in good], tenant, ctx, cool=not not_asked)
             elif res.success and is_store and self._events is not None and held:
                 self._events.append(OffloadingEvent(keys=list(held), medium=self.medium, removed=False,
                                                     locality=self.locality, removal_expected=self._removals))

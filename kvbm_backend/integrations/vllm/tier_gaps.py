@@ -17,6 +17,15 @@ A tier above holds for them only what it answers a HIT: not a chunk whose load f
 2026-12-03 both read its index alone: G4 credited G3 with a HIT for a chunk G3 answered a miss and G4 served, and did
 not look past its own gap at a chunk G3 cooled (no tier served it: recomputed).
 
+That decision is taken when the tier below looks a chunk up; its verdict stays cached while a live request holds it.
+A chunk an earlier request's lookup found held above (G4 answered it a miss without asking its store) and whose
+load from above then failed (cooling; a block gone or unreadable, dropped or not) was answered from that stale miss
+to every new request while the earlier one lived: recomputed although G4 held it (review, 2026-12-03). Now a failed
+load that starts a cool-down has the tiers below ask their cached misses of those chunks again
+(:func:`failed_load`), as a store does for its own tier's: a request not holding the verdict yet posts it again
+(counted once for it, where it posts it). A chunk the tier above drops otherwise (evicted, deleted) keeps its cached
+HIT there, so a new request's load from above fails and takes the same path.
+
 :func:`prefix_runs` groups a request's posted chunks into prefixes (:meth:`.tier_lookup.TenantLookup.batch_lookup`),
 and :func:`prefix_served` says whether a chunk a tier answered alone lies in the request's usable prefix: what a hit
 counted in the tier's pool means (:mod:`.tier_pickups`, found at the step's end as the lowest tier's count finds it).
@@ -37,7 +46,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["count_run", "prefix_runs", "prefix_served", "served_above", "skip_held", "split_prefix"]
+__all__ = ["count_run", "failed_load", "prefix_runs", "prefix_served", "served_above", "skip_held", "split_prefix"]
+
+
+def failed_load(tier: KvbmSecondaryTier, keys: list[OffloadKey], tenant: str, req_context: ReqContext | None,
+                cool: bool) -> None:
+    """Scheduler thread: ``tier``'s load of ``tenant``'s chunks ``keys`` failed (``req_context``: the job's request).
+    The cached verdicts of ``keys`` are forced to a miss (vLLM's fs tier's guard against re-issuing a doomed
+    promotion, #49176) and asked again once the cool-down ended; ``cool`` (the pool was asked: its answer says
+    something of them): they cool, and the tiers below that look past a gap only where a tier above fills it (G4)
+    ask their cached misses of them again (the request's tenant there): "held above" may be no longer true. No I/O,
+    never raises."""
+    if cool:
+        tier._failed.add(tenant, keys)
+    tier._lookup.mark_miss_for(keys, tenant)
+    if cool and keys and tier._lookup._reg and not tier._closed:  # closed: its primary buffer is gone
+        for u in tier._lookup.below():
+            if u is not None and not u._closed and not u.look_past_gaps:  # G3 below looked at each chunk itself
+                u._lookup.stored(keys, u._tenant_of(req_context))
 
 
 def skip_held(tiers: list[KvbmSecondaryTier], pairs: list[tuple[OffloadKey, str]], g: int, req_context: ReqContext,

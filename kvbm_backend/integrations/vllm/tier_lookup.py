@@ -199,9 +199,8 @@ class TenantLookup(AsyncLookupManager):
         """Our tiers the manager asks before this one for the request (open, allowed by its load tier filter)."""
         return self._asked((r() for r in self._above), req_context)
 
-    def _asked_after(self, req_context: ReqContext) -> list[KvbmSecondaryTier]:
-        """Our tiers the manager asks after this one for the request (registered later over the same primary
-        buffer, open, allowed): the lowest of them counts the request's lookup for this one."""
+    def below(self) -> list[KvbmSecondaryTier | None]:
+        """Our tiers built after this one over the same primary buffer (the manager asks them after it; None: gone)."""
         t = self._tier
         addr = t._primary.ctypes.data
         after: list[KvbmSecondaryTier | None] | None = None  # set once past this tier's entry
@@ -211,7 +210,12 @@ class TenantLookup(AsyncLookupManager):
                 after = []
             elif after is not None and a == addr:
                 after.append(u)
-        return self._asked(after or [], req_context)
+        return after or []
+
+    def _asked_after(self, req_context: ReqContext) -> list[KvbmSecondaryTier]:
+        """Our tiers the manager asks after this one for the request (:meth:`below`, open, allowed): the lowest of
+        them counts the request's lookup for this one."""
+        return self._asked(self.below(), req_context)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """Scheduler thread: the cached verdict of ``key`` for the request's tenant (None: not answered yet). A

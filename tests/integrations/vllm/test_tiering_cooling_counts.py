@@ -10,10 +10,15 @@ said why the tier answered a miss: now ``lookup_cooling_chunks`` (``kvbm_stats()
 chunk, and the miss once in the tier's pool where that tier counts the chunk.
 (3) A G3Tier refusing a revoked tenant listed above G4: G4 counted the request's chunks as G3 misses in G3's pool on
 top of ``lookup_g3_revoked`` (the connector counts only the latter).
+(4) G4's cached miss of a chunk it skipped because G3 above held it stayed cached after G3's load of the chunk failed
+and G3 cooled it: while the request that posted it lived, new requests took the stale miss up and recomputed the chunk
+G4 held (:func:`.tier_gaps.failed_load` now has the tiers below ask their misses of those chunks again).
 
 vLLM's real offloading spec and manager (:class:`~kvbm_backend.integrations.vllm.tiering_harness.TieringHarness`),
 a real G3 directory, a file:// G4 store, a keyring changed by the ``kvbm-backend keys`` CLI."""
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -189,3 +194,78 @@ def test_the_request_whose_load_failed_is_not_counted_again_for_the_cooling_miss
     h.step()
     assert _delta(_g3(g3t), b3) == (2, 2)  # its own lookup's; the cooling miss not counted again
     assert _cooling(g3t) == 1
+
+
+def _a_holds_verdicts(h, g3t, g4t, keys):
+    """Request A (alive) asks ``keys``: G3 answers RETRY, so vLLM's manager asks G4 too; until both tiers' verdicts
+    are in (not taken: no promotion starts). Returns A's context."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    a = h.context("req-a")
+    h.manager.on_new_request(a)
+    for i, k in enumerate(keys):
+        a.set_offload_key_position(k, i + 1)
+    assert [h.manager.lookup(k, a) for k in keys] == [LookupResult.RETRY] * len(keys)  # posted to G3 and G4
+    end = time.monotonic() + HANG_S
+    while not all(t._lookup._verdict((k, "")) is not None for t in (g3t, g4t) for k in keys):
+        assert time.monotonic() < end, "verdicts never came"  # a hang guard
+        h.step()
+        g3t._lookup.drain_results()
+        g4t._lookup.drain_results()
+        time.sleep(0.001)
+    return a
+
+
+def _fail_load_keeping_the_block(h, g3t, a, key) -> None:
+    """A's load of ``key`` from G3 fails while G3 keeps the block (the job raises: a primary chunk id past the
+    buffer, as a read error would), reported through the tier's ``get_finished_jobs``: the chunk cools."""
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    g3t.submit_load(TransferJob(991, [key], np.array([h.primary.shape[0]]), True, a))
+    end = time.monotonic() + HANG_S
+    while not any(r.job_id == 991 and not r.success for r in g3t.get_finished_jobs()):
+        assert time.monotonic() < end, "the load never ended"  # a hang guard
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("how", ["kept", "gone", "dropped"])
+@pytest.mark.parametrize("a_alive", [False, True], ids=["a-ended", "a-alive"])
+def test_g4_serves_a_chunk_g3_cools_while_an_earlier_request_holds_g4s_cached_miss(tmp_path, harnesses, how,
+                                                                                   a_alive):
+    """G3Tier above G4Tier. G3 holds chunks 0-1, G4 chunk 1 only. Request A asks both: G3 answers RETRY, so vLLM's
+    manager asks G4 too, which caches a miss for chunk 1 without asking its store (G3 held it). Then chunk 1's load
+    from G3 fails and G3 cools it: A's load with G3 keeping the block (``kept``), A's load through the manager after
+    G3's block went (``gone``: evicted between lookup and load), or B's own load after G3 dropped the block while A
+    waited (``dropped``: B took up A's cached G3 HIT). A stays alive (``a-alive``; ``a-ended``: the control, passing
+    before). A new request B with the same prefix loads chunk 0 from G3 (or the primary) and chunk 1 from G4. Before
+    the fix B took up G4's cached miss (A's) and recomputed chunk 1 although G4 held it (1 chunk loaded). Counted once
+    for B: chunk 1 a G3 miss and a G4 hit; chunk 0 a G3 hit unless the primary served it."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(2, f"stale-g4-verdict-{how}")
+    data = payloads(h, 2, seed=12)
+    h.store(keys, data)
+    h.wait_idle(timeout=HANG_S)
+    assert g4t.pool.delete(g4t._block_keys(keys[0], "")).result(timeout=HANG_S) == 1  # G4 lacks chunk 0
+    h.reset_primary()
+    a = _a_holds_verdicts(h, g3t, g4t, keys)
+    assert g4t._lookup._verdict((keys[1], "")) is False  # G3 held chunk 1: G4 did not look at it
+    if how == "kept":
+        _fail_load_keeping_the_block(h, g3t, a, keys[1])
+        assert g3t.pool.contains(g3t._block_keys(keys[1], "")[0])
+    else:
+        assert g3t.pool.delete(g3t._block_keys(keys[1], "")).result(timeout=HANG_S) == 1
+    if how == "gone":  # A's lookups start the promotion of both from G3: chunk 1's fails, A keeps G4's miss
+        assert h.lookup_prefix(keys, a, timeout=HANG_S) == 1
+    if how != "dropped":
+        assert g3t._failed.cooling("", keys[1])
+    if not a_alive:
+        h.manager.on_request_finished(a)
+        h.step()
+    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    got = h.load(keys, ctx=h.context("req-b"), timeout=HANG_S)
+    assert len(got) == 2, f"{len(got)} chunk(s) loaded: chunk 1 recomputed although G4 holds it (G4's stale miss)"
+    assert all(np.array_equal(x, d) for x, d in zip(got, data))
+    h.step()
+    assert _delta(_g3(g3t), b3) == ((1, 0) if how == "gone" else (2, 1))  # gone: chunk 0 in the primary (A's)
+    assert c4() == (1, 1)
