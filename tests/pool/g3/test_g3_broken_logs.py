@@ -193,6 +193,29 @@ def test_slab_enospc_degradations_log_once_a_minute_and_count_every_one(tmp_path
         check_restored(pool, held, NS.keys([1000, 1001, 1002]))
 
 
+def _flood_broken_journal(pool, caplog, clock, text: str, counter: str) -> str:
+    """Break ``pool``'s journal for good (:func:`_break_journal`; ``degrade_s`` 0: every put meets it), put N one-block
+    batches (each dropped, ``journal_error``), and check the WARNINGs containing ``text``: one line, ``counter`` and
+    ``journal_errors`` N; a minute later the next put's line says N - 1 were left out, ``counter`` N + 1. Returns the
+    journal's path (``os.rmdir`` it to give the drive back)."""
+    pool.degrade_s = 0.0
+    path = _break_journal(pool)
+    for i in range(N):
+        assert _put_one(pool, 1000 + i) == (0, 1)
+    assert pool.journal.broken
+    lines = _lines(caplog, text)
+    assert len(lines) == 1, f"{len(lines)} lines for {N} puts: {lines[:3]}"
+    st = pool.stats()
+    assert (st[counter], st["journal_errors"]) == (N, N), st
+    assert st["dropped_by_reason"] == {"journal_error": N}, st
+    clock[0] += 61.0
+    assert _put_one(pool, 2000) == (0, 1)
+    lines = _lines(caplog, text)
+    assert len(lines) == 2 and f"({N - 1} more like it in the last 61 s" in lines[1], lines
+    assert pool.stats()[counter] == N + 1
+    return path
+
+
 def test_a_broken_journal_logs_its_unjournaled_vacancies_once_a_minute_and_counts_every_slot(tmp_path, caplog,
                                                                                              clock):
     """Old code: N lines "cannot journal 1 emptied slot(s) empty" for N one-block puts, nothing counted. Now one
@@ -202,24 +225,7 @@ def test_a_broken_journal_logs_its_unjournaled_vacancies_once_a_minute_and_count
     with open_pool(tmp_path, **CFG) as pool:
         r = pool.put(held, [payload(k.seq_hash) for k in held]).result(timeout=HANG_S)
         assert (r.written, r.dropped) == (16, 0)
-        pool.degrade_s = 0.0  # every put admitted again at once: each meets the broken journal
-        path = os.path.realpath(pool.journal.path)
-        _read_only(pool.journal.fd, path)
-        os.rename(path, path + ".moved")
-        os.mkdir(path)  # the repair's rename over it fails (EISDIR): the journal stays broken
-        for i in range(N):
-            assert _put_one(pool, 1000 + i) == (0, 1)
-        assert pool.journal.broken
-        lines = _lines(caplog, "emptied slot(s) empty")
-        assert len(lines) == 1, f"{len(lines)} lines for {N} puts: {lines[:3]}"
-        st = pool.stats()
-        assert (st["vacancies_unjournaled"], st["journal_errors"]) == (N, N), st
-        assert st["dropped_by_reason"] == {"journal_error": N}, st
-        clock[0] += 61.0
-        assert _put_one(pool, 2000) == (0, 1)
-        lines = _lines(caplog, "emptied slot(s) empty")
-        assert len(lines) == 2 and f"({N - 1} more like it in the last 61 s" in lines[1], lines
-        assert pool.stats()["vacancies_unjournaled"] == N + 1
+        path = _flood_broken_journal(pool, caplog, clock, "emptied slot(s) empty", "vacancies_unjournaled")
         os.rmdir(path)  # the drive back: the clean close repairs the journal from the index
     with open_pool(tmp_path, **CFG) as pool:
         check_restored(pool, held, NS.keys([*range(1000, 1000 + N), 2000]))
@@ -246,22 +252,8 @@ def test_a_journal_that_stays_broken_logs_tier_degraded_once_a_minute_and_counts
     with open_pool(tmp_path, **CFG) as pool:
         r = pool.put(held, [payload(k.seq_hash) for k in held]).result(timeout=HANG_S)
         assert (r.written, r.dropped) == (16, 0)
-        pool.degrade_s = 0.0  # every put admitted again at once: each meets the broken journal, a new degradation
-        path = _break_journal(pool)
-        for i in range(N):
-            assert _put_one(pool, 1000 + i) == (0, 1)
-        assert pool.journal.broken
-        lines = _lines(caplog, "tier degraded")
-        assert len(lines) == 1, f"{len(lines)} lines for {N} degradations: {lines[:3]}"
-        assert path in lines[0] and "(degradations)" in lines[0], lines
-        st = pool.stats()
-        assert (st["degradations"], st["journal_errors"]) == (N, N), st
-        assert st["dropped_by_reason"] == {"journal_error": N}, st
-        clock[0] += 61.0
-        assert _put_one(pool, 2000) == (0, 1)
-        lines = _lines(caplog, "tier degraded")
-        assert len(lines) == 2 and f"({N - 1} more like it in the last 61 s" in lines[1], lines
-        assert pool.stats()["degradations"] == N + 1
+        path = _flood_broken_journal(pool, caplog, clock, "tier degraded", "degradations")
+        assert path in _lines(caplog, "tier degraded")[0] and "(degradations)" in _lines(caplog, "tier degraded")[0]
         os.rmdir(path)  # the drive back: the clean close repairs the journal from the index
     with open_pool(tmp_path, **CFG) as pool:
         check_restored(pool, held, NS.keys([*range(1000, 1000 + N), 2000]))
