@@ -10,32 +10,40 @@ prefill response to the decode request):
 * the prefill request carries ``{"kvbm_backend_handoff": true}`` (set by Dynamo's PD protocol for our
   connector, :mod:`kvbm_backend.integrations.dynamo.pd_protocol`, or by any router);
 * when it finishes, the prefill connector answers ``{"kvbm_backend_handoff": {"blocks": N, "block_size": B,
-  "namespace": F, "tenant": T}}``: N = the prompt's full blocks another engine can load, ``(prompt tokens - 1)
-  // B``, when this worker writes them to G4 (G4 open, ``save`` and ``save_to_g4`` on, and its G4 keyring does not
-  refuse the request's tenant: :func:`write_refusal`), else 0 (nothing to wait for). Blocks this worker did not
-  compute for the request (loaded from its own G3 or G4, or served by its engine's prefix cache) are written to G4 too, where G4 lacks them (``SaveJob.g4_only``: checked
-  with one ``lookup_prefix``, then only the missing ones are put; of a sliding-window group the window before
-  them). A hybrid model's sliding-window groups store the window before block N too, which the decode side's
-  hit needs (:meth:`~.scheduler_side.SchedulerSide._group_saves`). N stops at the first block the prefill side
-  knows it will not write (:class:`Promises`: a failed layer-wise load's step, whose saves the worker drops; a
+  "namespace": F, "tenant": T, "salt": S}}``: N = the prompt's full blocks another engine can load,
+  ``(prompt tokens - 1) // B``, when this worker writes them to G4 (G4 open, ``save`` and ``save_to_g4`` on, and
+  its G4 keyring does not refuse the request's tenant: :func:`write_refusal`), else 0 (nothing to wait for).
+  Blocks this worker did not compute for the request (loaded from its own G3 or G4, or served by its engine's
+  prefix cache) are written to G4 too, where G4 lacks them (``SaveJob.g4_only``: checked with one
+  ``lookup_prefix``, then only the missing ones are put; of a sliding-window group the window before them). A
+  hybrid model's sliding-window groups store the window before block N too, which the decode side's hit needs
+  (:meth:`~.scheduler_side.SchedulerSide._group_saves`). N stops at the first block the prefill side knows it will
+  not write (:class:`Promises`: a failed layer-wise load's step, whose saves the worker drops; a
   request that computed on its unloaded blocks; under ``external_launcher`` with TP > 1 a block not every rank's
-  scheduler planned, which the ranks' agreement offers nowhere). Otherwise N is what the write-behind is asked to store, not a
+  scheduler planned, which the ranks' agreement offers nowhere; after a connector reset, ``reset_tiers``, the blocks
+  not offered before it). Otherwise N is what the write-behind is asked to store, not a
   receipt: a put that is dropped (staging room, queue full, store down), or a save of the step in which the request
   finished dropped for a layer-wise load failed in that step (reported after ``request_finished``), ends the decode
   side's wait at ``handoff_wait_s``. F = the fingerprint of the namespace the prefill worker's G4 blocks are stored
   under (:func:`g4_fingerprint`: model, revision, dtype, layout, TP world size, or the canonical namespace with
   ``g4.layout: canonical``), T = the first 8 bytes (hex) of the request's tenant pseudonym in G4 (a keyed
-  HMAC with an encrypted pool's keyring: the tenant id is not in the clear). The scheduler thread asks the keyring
-  only through the pool's :class:`~kvbm_backend.pool.g4.keyring_view.KeyringView` (no file I/O, no keyring lock);
+  HMAC with an encrypted pool's keyring: the tenant id is not in the clear), S = the request's salt hash (16 hex
+  characters: the seed of its blocks' names, from its cache_salt, LoRA adapter name and path and the reset epoch:
+  :func:`~.identity.request_salt`). F and S name the reset epoch of the request (one in the engine at a reset keeps
+  the epoch before it: :mod:`.reset_epoch`). The scheduler thread asks the keyring only through the pool's
+  :class:`~kvbm_backend.pool.g4.keyring_view.KeyringView` (no file I/O, no keyring lock);
 * the decode connector, seeing that, waits (without blocking the scheduler: vLLM's "ask me again" ``None``
   from ``get_num_new_matched_tokens``) until its tiers show those N blocks, at most ``wait_s`` from the first
   look; past it, it takes what is there and the engine computes the rest (counted ``handoff_timeouts`` and
   logged once per request at WARNING, with the request id and the blocks found). It does not wait at all
-  when F or T differ from its own (the blocks are under names it never reads: a prefill worker of another
-  TP size, dtype or revision, or with another default tenant): served at once, counted
-  ``handoff_identity_mismatches``, one WARNING per pair of values. Params without F and T (older prefill
-  workers) are waited for as before; T is sent only by a pool with a keyring (an unkeyed pseudonym would let a
-  client confirm a guessed tenant id).
+  when F, T or S differ from its own (the blocks are under names it never reads: a prefill worker of another
+  TP size, dtype, revision or reset epoch, with another default tenant, or a decode request naming another
+  cache_salt or LoRA adapter than its prefill request): served at once, counted ``handoff_identity_mismatches``,
+  one WARNING per pair of values. T is sent only by a pool with a keyring (an unkeyed pseudonym would let a
+  client confirm a guessed tenant id), so F without T is a prefill worker whose G4 has none: its blocks are
+  under unkeyed names, which a decode worker with a keyring never reads, a tenant mismatch there (before
+  2026-12-03 waited ``handoff_wait_s``); two workers without a keyring compare no T. Params without F, T or S
+  (older prefill workers; S since 2026-12-03) are not compared on the fields they lack: waited for as before.
   A decode request that also carries NIXL's ``do_remote_prefill`` (:func:`remote_prefill`; a ``MultiConnector``
   merges both connectors' params) is not waited for: NIXL brings its KV.
 
@@ -128,9 +136,12 @@ def tenant_tag(g4: Any, tenant: str) -> str | None:
     return bytes(view.pseudonym(tenant))[:8].hex() if view is not None else None
 
 
-def identity(g4: Any, tenant: str) -> dict[str, str]:
-    """``{"namespace": F, "tenant": T}`` of this engine's G4 for ``tenant`` (keys left out when unknown)."""
-    out = {"namespace": g4_fingerprint(g4), "tenant": tenant_tag(g4, tenant)}
+def identity(g4: Any, tenant: str, salt: int | None = None) -> dict[str, str]:
+    """``{"namespace": F, "tenant": T, "salt": S}`` of this engine's G4 for ``tenant`` and a request's salt hash
+    ``salt`` (the 64-bit seed of its sequence hashes: cache_salt, LoRA adapter, reset epoch; S is it as 16 hex
+    characters); keys left out when unknown (no G4, no keyring, ``salt`` None)."""
+    out = {"namespace": g4_fingerprint(g4), "tenant": tenant_tag(g4, tenant),
+           "salt": None if salt is None else f"{salt:016x}"}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -198,6 +209,8 @@ class Promises:
     ``save_limit`` (:func:`.failed_blocks.contain_failed_sync_load`), read by :meth:`limit`. Under
     ``external_launcher`` with TP > 1, blocks some rank's scheduler planned and another did not, which the ranks'
     agreement therefore offers nowhere (:meth:`withheld`): the request loses from the first of them, on every rank.
+    A connector reset (``reset_tiers``) makes the requests in the engine opaque, never saved again (:meth:`stop`): a
+    hand-off request promises only the blocks offered before it (before 2026-12-03, every block).
 
     Not known, the bound of the promise: vLLM calls ``request_finished`` before the step's connector output
     reaches the scheduler (``Scheduler.update_from_output``), so a request that finishes in the very step whose
@@ -240,8 +253,15 @@ class Promises:
         if st is None or not requested(st.request) or not seq_hashes:
             return
         want = set(seq_hashes)
-        i = next((i for i, h in enumerate(st.hashes) if h in want), 0)
-        self._lost[st.req_id] = min(i, self._lost.get(st.req_id, i))
+        self.stop(st, next((i for i, h in enumerate(st.hashes) if h in want), 0))
+
+    def stop(self, st: Any, upto: int) -> None:
+        """Request state ``st`` (a ``_Req``) writes no block from index ``upto`` on (a connector reset made it opaque
+        after it offered its first ``upto`` blocks: :func:`.reset_epoch.reset`): a hand-off request promises at most
+        those. No-op for a request that did not ask for a hand-off."""
+        if st is not None and requested(st.request):
+            i = max(0, upto)
+            self._lost[st.req_id] = min(i, self._lost.get(st.req_id, i))
 
     def _lose(self, st: Any, seq_hash: int) -> None:
         if st is None or not requested(st.request):
@@ -250,7 +270,7 @@ class Promises:
             i = st.hashes.index(seq_hash)
         except (ValueError, OverflowError, TypeError):  # not one of its blocks: promise none
             i = 0
-        self._lost[st.req_id] = min(i, self._lost.get(st.req_id, i))
+        self.stop(st, i)
 
     def limit(self, request_id: str, st: Any = None) -> int | None:
         """The first block of ``request_id`` (``st``: its ``_Req``, or None) its worker is known not to write to G4,
@@ -276,31 +296,42 @@ def _count(x: Any) -> int | None:
     return x if type(x) is int else None
 
 
-_IDENT_FIELDS = ("namespace", "tenant")
+_IDENT_FIELDS = ("namespace", "tenant", "salt")
 _MAX_WARNED_PAIRS = 256
 _warned_pairs: set[tuple[str, str, str]] = set()  # (field, theirs, ours) already logged (bounded)
+_WHAT = {"namespace": "G4 namespace (model, revision, dtype, KV layout, TP size: both workers need the same, "
+                      "or g4.layout: canonical)",
+         "tenant": "tenant (pseudonym prefix; the request's cache_salt, else each worker's default tenant)",
+         "salt": "request salt (hash of cache_salt and LoRA adapter: the decode request must name the same as its "
+                 "prefill request)"}
+
+
+def _differs(f: str, v: dict, mine: str | None) -> bool:
+    """Whether identity field ``f`` of the handoff ``v`` rules out this engine's (``mine``) finding its blocks. A field
+    the prefill worker did not send is not compared (older prefill workers: neither F nor T nor S), except T after an F:
+    that prefill worker's G4 has no keyring, so its blocks are under unkeyed names, which a G4 with a keyring (``mine``
+    not None) never reads. S is compared only where this engine knows its own (``mine`` not None)."""
+    theirs = v.get(f)
+    if theirs is None:
+        return f == "tenant" and mine is not None and v.get("namespace") is not None
+    return theirs != mine and (f != "salt" or mine is not None)
 
 
 def _mismatch(request: Any, v: dict, ours: dict[str, str] | None) -> bool:
-    """The handoff's identity fields name another namespace or tenant than ``ours`` (:func:`identity` of
-    this engine; None or no G4: it can load nothing a prefill worker wrote, so any identity mismatches).
-    Params without the fields (older prefill workers) never mismatch. Logged at WARNING once per pair
-    of values (the first :data:`_MAX_WARNED_PAIRS` pairs; later ones by the ``identity`` rate limit)."""
+    """The handoff's identity fields name another namespace, tenant or request salt than ``ours`` (:func:`identity`
+    of this engine with the request's ``salt``; None or no G4: it can load nothing a prefill worker wrote, so any
+    identity mismatches), as :func:`_differs` judges them. Logged at WARNING once per pair of values (the first
+    :data:`_MAX_WARNED_PAIRS` pairs; later ones by the ``identity`` rate limit)."""
     for f in _IDENT_FIELDS:
-        theirs = v.get(f)
-        if theirs is None:
-            continue
         mine = (ours or {}).get(f)
-        if theirs == mine:
+        if not _differs(f, v, mine):
             continue
         stats.add(handoff_identity_mismatches=1)
-        pair = (f, reprlib.repr(theirs), str(mine))
-        what = {"namespace": "G4 namespace (model, revision, dtype, KV layout, TP size: both workers need the same, "
-                             "or g4.layout: canonical)",
-                "tenant": "tenant (pseudonym prefix; the request's cache_salt, else each worker's default tenant)"}[f]
+        theirs = v.get(f)
+        pair = (f, reprlib.repr(theirs) if theirs is not None else "none (its G4 has no keyring)", str(mine))
         text = ("kvbm_backend handoff: request %s was prefilled under %s %s, this engine's is %s: the prefill "
                 "worker's blocks are not ones this worker reads; served without waiting")
-        args = (getattr(request, "request_id", "?"), what, pair[1], mine if mine is not None else "none (no G4)")
+        args = (getattr(request, "request_id", "?"), _WHAT[f], pair[1], mine if mine is not None else "none (no G4)")
         if pair not in _warned_pairs and len(_warned_pairs) < _MAX_WARNED_PAIRS:
             _warned_pairs.add(pair)
             log.warning(text, *args)

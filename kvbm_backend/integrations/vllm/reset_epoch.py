@@ -17,7 +17,10 @@ G3's LRU eviction; G4 blocks stay for other workers (``kvbm-backend gc`` removes
 Requests the scheduler knows at the reset (running, preempted, waiting) keep their old identity, so they are
 never loaded or saved again (``opaque`` and ``no_load``: their KV may mix both weights). A hand-off's identity
 names the epoch (``namespace`` ``<fingerprint>@reset-<epoch>``): a prefill and a decode worker of different epochs
-serve without waiting. The epoch is random, never a count, so two engines reset for different reasons (one with
+serve without waiting. A hand-off request in the engine at the reset answers the identity its blocks have (the epoch
+before the reset) and promises only the blocks it offered before the reset (:meth:`.handoff.Promises.stop`; before
+2026-12-03 every block, under the new epoch's name: a decode request of that epoch, as in one engine doing both roles,
+waited ``handoff_wait_s`` for blocks never written under a name it reads). The epoch is random, never a count, so two engines reset for different reasons (one with
 new weights, one without) never share an identity; engines of one fleet therefore stop sharing G4 blocks after a
 reset until they restart. A restart begins at epoch ``""`` again: after an in-place weight update, start workers
 with a ``revision`` (kvbm_backend config, part of the namespace) that names the new weights, or reset again.
@@ -45,9 +48,11 @@ from . import handoff, stats
 log = logging.getLogger(__name__)
 
 
-def handoff_identity(g4: Any, tenant: str, epoch: str) -> dict[str, str]:
-    """:func:`.handoff.identity` with the reset ``epoch`` in its ``namespace`` (a worker never reset: as it is)."""
-    ident = handoff.identity(g4, tenant)
+def handoff_identity(g4: Any, tenant: str, epoch: str, salt: int | None = None) -> dict[str, str]:
+    """:func:`.handoff.identity` (of ``tenant`` and a request's salt hash ``salt``) with the reset ``epoch`` in its
+    ``namespace`` (a worker never reset: as it is). A request's ``epoch`` and ``salt`` are those its blocks are named
+    with: a request in the engine at a reset keeps the epoch before it."""
+    ident = handoff.identity(g4, tenant, salt)
     if epoch and "namespace" in ident:
         ident["namespace"] = f"{ident['namespace']}@reset-{epoch}"
     return ident
@@ -101,6 +106,8 @@ def reset(side: Any, engine_cleared: bool) -> str:
         set_epoch(epoch)
     stopped = 0  # not those already untiered (multimodal, or stopped by an earlier reset): before 2026-12-03 counted
     for st in side._reqs.values():  # old identity: never loaded or saved again (their KV may mix weights)
+        if not st.opaque:  # a hand-off promises only the blocks offered before (its F names its own epoch)
+            side.promises.stop(st, st.saved_upto or 0)
         stopped += not st.opaque
         st.no_load, st.opaque, st.g3_local, st.lookup = True, True, None, None
     forgotten = side.events.forget(withdraw=not engine_cleared) if side.events is not None else 0

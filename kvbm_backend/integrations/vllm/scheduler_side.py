@@ -117,7 +117,7 @@ class SchedulerSide:
             st = _Req(request.request_id, cache_salt or self.default_tenant, hashes,
                       lookup_blocks=max(0, (len(toks) - 1) // self.bs), request=request, salt=salt,
                       group_block_ids=[[] for _ in self.groups], epoch=self.epoch)
-            ours = self._ident(st.tenant) if self.g4 is not None and handoff.offered(request) else None
+            ours = self._ident(st.tenant, st) if self.g4 is not None and handoff.offered(request) else None
             want = handoff.expected_blocks(request, self.bs, ours)
             if want is not None and want > st.lookup_blocks:
                 handoff.LOG.warning("promise", "kvbm_backend handoff: request %s promises %d blocks, its prompt has "
@@ -141,8 +141,8 @@ class SchedulerSide:
         sequence_hashes(list(toks[have * self.bs:upto * self.bs]), self.bs, salt=st.salt, parent=parent,
                         into=st.hashes)
 
-    def _ident(self, tenant: str) -> dict[str, str]:
-        return reset_epoch.handoff_identity(self.g4, tenant, self.epoch)  # names the reset epoch, if any
+    def _ident(self, tenant: str, st: _Req | None) -> dict[str, str]:  # the reset epoch and salt st's blocks have
+        return reset_epoch.handoff_identity(self.g4, tenant, *((st.epoch, st.salt) if st else (self.epoch, None)))
 
     def _group_keys(self, g: GroupTiers, st: _Req, a: int, n: int) -> list[KeyRun]:
         """Keys of blocks ``[a, n)`` of ``st`` in group ``g``'s namespace, one run per TP rank."""
@@ -503,5 +503,5 @@ class SchedulerSide:
             return False, None
         tenant = st.tenant if st is not None else (getattr(request, "cache_salt", None) or self.default_tenant)
         on = self.hands_off  # and then the tenant's G4 writes refused by the keyring, if they are: 0 blocks promised
-        return False, handoff.finished_params(request, self.bs, on, self._ident(tenant) if on else None,
+        return False, handoff.finished_params(request, self.bs, on, self._ident(tenant, st) if on else None,
                                               limit, handoff.write_refusal(self.g4, tenant) if on else None)

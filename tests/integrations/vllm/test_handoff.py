@@ -504,3 +504,90 @@ def test_a_promise_of_no_blocks_is_not_counted_a_completed_handoff(tiers):
     (n, _), _, _ = _ask(s, _req("z1", {KEY: {"blocks": 0, "block_size": BS}}))
     assert n == 3 * BS
     assert {k: stats.get(k) - before[k] for k in keys} == {"handoff_complete_requests": 0, "handoff_timeouts": 0}
+
+
+def _unkeyed_g4(tmp_path, name="g4"):
+    cfg = load_config({"g3": {"enabled": False},
+                       "g4": {"enabled": True, "url": f"file://{tmp_path / name}", "encrypt": False}}, use_env=False)
+    return open_tiers(cfg, Namespace("m", KvLayout(2, 2, BS, 64, "bfloat16")))[1]
+
+
+def test_a_keyed_decode_worker_does_not_wait_for_an_unkeyed_prefill_workers_blocks(tiers, tmp_path, caplog):
+    """Hunt finding (2026-12-03): a prefill worker whose G4 has no keyring stores the prompt under unkeyed names and
+    sends F but no T (:func:`handoff.tenant_tag`: T only with a keyring); a decode worker whose G4 has a keyring reads
+    keyed names only, so it never finds those blocks, yet it waited the whole ``handoff_wait_s`` for them on every
+    such request (``handoff_timeouts``), while the mirror-image pair (T sent, none here) was a mismatch served at once.
+    Now F without T, against a decode worker with a T, is a tenant mismatch (one WARNING per pair). Params with
+    neither F nor T (older prefill workers) and two unkeyed workers (neither has a T) still wait."""
+    ns, g3, g4, hs, blocks = tiers  # the decode worker's: G4 with a keyring (keyed names)
+    pg4 = _unkeyed_g4(tmp_path)  # the prefill worker's: the same store, no keyring
+    try:
+        params = SchedulerSide(ns, BS, None, pg4).request_finished(_req("p", {KEY: True}), [])[1]
+        assert params[KEY]["blocks"] == 6 and params[KEY]["namespace"] == ns.fingerprint
+        assert "tenant" not in params[KEY]
+        assert pg4.put(ns.keys(hs[:6]), blocks).result(HANG_S).written == 6 and pg4.flush(HANG_S)
+        # the promise is kept in G4, under names the keyed decode worker never reads
+        assert pg4.lookup_prefix(ns.keys(hs[:6]), request=False).result(HANG_S) == 6
+        assert g4.lookup_prefix(ns.keys(hs[:6]), request=False).result(HANG_S) == 0
+        handoff._warned_pairs.clear()
+        dec = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=600.0)
+        mism, timeouts = stats.get("handoff_identity_mismatches"), stats.get("handoff_timeouts")
+        with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
+            for rid in ("d1", "d2"):
+                req = _req(rid, params)
+                dec.get_num_new_matched_tokens(req, 0)
+                assert dec._reqs[rid].handoff_want is None  # before: 6, then handoff_wait_s of "not yet"
+                (n, _), _, _ = _ask(dec, req)
+                assert n == 0
+        assert stats.get("handoff_identity_mismatches") == mism + 2 and stats.get("handoff_timeouts") == timeouts
+        msgs = [r.getMessage() for r in caplog.records if "prefilled under" in r.getMessage()]
+        assert len(msgs) == 1 and "tenant" in msgs[0] and "no keyring" in msgs[0], msgs
+        assert g4.pseudonym("")[:8].hex() in msgs[0] and "d1" in msgs[0], msgs
+        # neither F nor T (an older prefill worker): waited for, as before
+        assert expected_blocks(_req("d3", {KEY: {"blocks": 6, "block_size": BS}}), BS, handoff.identity(g4, "")) == 6
+        # two workers without a keyring: no T on either side, nothing to compare: waited for
+        unkeyed_dec = SchedulerSide(ns, BS, None, pg4, handoff_wait_s=600.0)
+        (n, _), _, _ = _ask(unkeyed_dec, _req("d4", params))
+        assert unkeyed_dec._reqs["d4"].handoff_want == 6 and n == 6 * BS
+    finally:
+        pg4.close()
+
+
+def test_a_decode_request_with_another_lora_or_cache_salt_than_its_prefill_is_not_waited_for(tiers, caplog):
+    """Hunt finding (2026-12-03): the request's salt (its cache_salt and LoRA adapter, :func:`identity.request_salt`:
+    the seed of its blocks' names) was not part of the hand-off's identity, so a decode request naming another LoRA
+    adapter than its prefill request waited the whole ``handoff_wait_s`` for blocks under names it never reads. The
+    answer now carries S, the request's salt hash; a decode request of another salt is served at once
+    (``handoff_identity_mismatches``), one of the same is waited for and loads the blocks, and params without S (older
+    prefill workers) are waited for as before."""
+    ns, g3, g4, hs, blocks = tiers
+    from kvbm_backend.model.hashing import salt_bytes, salt_hash
+
+    def lora(rid, params, name):
+        return SimpleNamespace(**{**vars(_req(rid, params)),
+                                  "lora_request": SimpleNamespace(lora_name=name, lora_path=f"/adapters/{name}")})
+
+    salt = salt_hash(salt_bytes(None, "sql", "/adapters/sql"))
+    prefill, p = SchedulerSide(ns, BS, g3, g4), lora("p", {KEY: True}, "sql")
+    assert _ask(prefill, p)[0][0] == 0  # (the worker's blocks are computed and written: put below)
+    pre = prefill.request_finished(p, [])[1]
+    assert g4.put(ns.keys(sequence_hashes(TOKS, BS, salt=salt)[:6]), blocks).result(HANG_S).written == 6
+    handoff._warned_pairs.clear()
+    dec = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=600.0)
+    mism = stats.get("handoff_identity_mismatches")
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
+        for rid, other in (("d1", lora("d1", pre, "chat")), ("d2", _req("d2", pre)),
+                           ("d3", SimpleNamespace(**{**vars(lora("d3", pre, "sql")), "cache_salt": "acme"}))):
+            dec.get_num_new_matched_tokens(other, 0)
+            assert dec._reqs[rid].handoff_want is None, rid  # before: 6, then handoff_wait_s of "not yet"
+    assert stats.get("handoff_identity_mismatches") == mism + 3 and pre[KEY]["salt"] == f"{salt:016x}"
+    msgs = [r.getMessage() for r in caplog.records if "prefilled under" in r.getMessage()]
+    # (another cache_salt is another tenant too: with a keyring, T tells it first; without one, S does)
+    assert [m.split(" was prefilled under ")[1].split(" (")[0] for m in msgs] == ["request salt"] * 2 + ["tenant"]
+    # the same adapter: waited for and loaded
+    same = lora("d4", pre, "sql")
+    (n, _), _, _ = _ask(dec, same)
+    assert dec._reqs["d4"].handoff_want == 6 and n == 6 * BS
+    # params without S (an older prefill worker): not compared, waited for
+    older = {KEY: {k: v for k, v in pre[KEY].items() if k != "salt"}}
+    assert expected_blocks(lora("d5", older, "chat"), BS, handoff.identity(g4, "", 1)) == 6
