@@ -24,10 +24,11 @@ Bounds (docs/invariants.md #3): vLLM's worker runs a posted batch's requests one
 verdicts after the last. Before 2026-12-01 each request's lookup had its own ``job_timeout_s``, so while the pool
 did not answer (G3's lock held across a journal write on a stalled drive, G4's endpoint hanging) N requests
 posted together waited N x ``job_timeout_s`` in RETRY (6 requests, 2 s: 12 s; 8 at the default 60 s: 8 minutes).
-Now one deadline bounds a posted batch, from when ``flush`` posted it (:class:`_StampedQueue`), and once a lookup
-timed out the tier answers misses without asking the pool until that lookup answered or ``job_timeout_s`` passed
-(a probe then asks again): N requests cost about one ``job_timeout_s``, and the pool is not handed a lookup per
-request to pile up behind the stall. Counted ``lookups_timed_out`` and ``lookups_not_asked`` (``kvbm_stats()``).
+Now one deadline bounds a posted batch, from when ``flush`` posted it (:class:`.tier_queues.StampedQueue`), and
+once a lookup timed out the tier answers misses without asking the pool until that lookup answered or
+``job_timeout_s`` passed (a probe then asks again): N requests cost about one ``job_timeout_s``, and the pool is not
+handed a lookup per request to pile up behind the stall. Counted ``lookups_timed_out`` and ``lookups_not_asked``
+(``kvbm_stats()``).
 
 Counting (``kvbm_matched_tokens``, the hit rates, the pools' lookup counters): vLLM's tiering manager asks its
 secondary tiers in their configured order and loads a chunk from the first that answers HIT, but each tier's
@@ -40,8 +41,9 @@ lookup: a chunk held by G3 and G4 was matched twice (6 chunks of 16 tokens loade
 by 192) and G4's hit rate was over every chunk instead of those G3 lacked; then each counted its own leading
 prefix, so chunks one tier served past a gap the other filled loaded uncounted (G3 chunk 1, G4 0, 2, 3: 1 of 4).
 A request sharing a verdict another live request posted (vLLM posts a key once) is counted when it takes the
-verdict up (:mod:`.tier_pickups`; a miss not where the lowest of our tiers counted it); before 2026-12-03 it was
-not counted at all. With several of our tiers a HIT it
+verdict up (:mod:`.tier_pickups`; a miss not where the lowest of our tiers counted it), one still pending once its
+answer is in, asked again or not; before 2026-12-03 it was not counted at all, then one still pending only when
+asked again (a chunk past the request's first miss: counted nowhere). With several of our tiers a HIT it
 takes up, and a chunk it loads that it did not post to the lowest, count on the tier that loads it, when the load
 ends (:meth:`TenantLookup.loading`; before 2026-12-03 G4 was credited for a chunk G3 loaded). The lowest counts only
 the chunks the request posted to it; one the request posted above and not to the lowest counts on the tier above
@@ -58,7 +60,6 @@ with the HIT its index held, no pool counted a cooling miss, and a refused G3 ab
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import weakref
 from concurrent.futures import Future
@@ -71,6 +72,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager, LookupPh
 from ...deadlines import Deadline
 from .tier_gaps import count_run, prefix_runs, prefix_served, served_above, skip_held
 from .tier_pickups import Pickups
+from .tier_queues import FoundMemo, ResultsQueue, StampedQueue, Wrapped
 
 if TYPE_CHECKING:
     from .tier_base import KvbmSecondaryTier
@@ -96,25 +98,6 @@ def tiers_above(tier: KvbmSecondaryTier, offloading_spec: Any) -> list[weakref.R
     return above
 
 
-class _StampedQueue:
-    """vLLM's scheduler -> worker queue (``AsyncLookupManager._lookup_queue``: ``flush`` puts one batch per step,
-    the worker thread gets them in turn) with each batch's deadline stamped when it is posted, and the chunks of it
-    our tiers counted for its requests already (:meth:`TenantLookup._take_counted`); the worker's ``get`` makes them
-    that batch's (:meth:`TenantLookup._end`, :meth:`TenantLookup._done_for`)."""
-
-    def __init__(self, owner: TenantLookup, q: queue.SimpleQueue) -> None:
-        self._owner, self._q = owner, q
-
-    def put(self, item: Any) -> None:
-        o = self._owner
-        self._q.put((None, {}, None) if item is None else (Deadline(o._tier._job_timeout_s), o._take_counted(item), item))
-
-    def get(self) -> Any:
-        end, done, item = self._q.get()
-        self._owner._batch_end, self._owner._batch_done = end, done
-        return item
-
-
 class TenantLookup(AsyncLookupManager):
     """vLLM's async lookup machinery over the tier's pool index, verdicts keyed by ``(OffloadKey, tenant)``."""
 
@@ -126,11 +109,12 @@ class TenantLookup(AsyncLookupManager):
         # asked again at its next lookup. Scheduler thread; only keys with a live request's verdict, so bounded
         self._recheck: set[tuple[OffloadKey, str]] = set()
         self._orphans: set[Any] = set()  # (key, tenant) pairs of _recheck: their requests ended while in flight
-        self._batch_end: Deadline | None = None  # the worker's batch's deadline (_StampedQueue)
+        self._batch_end: Deadline | None = None  # the worker's batch's deadline (StampedQueue)
         self._stuck: tuple[Future, Deadline] | None = None  # a lookup that timed out, the end of its back-off
         # the first two written by the worker thread only, lookup_cooling_chunks by the scheduler thread only
         self._counts = {"lookups_timed_out": 0, "lookups_not_asked": 0, "lookup_cooling_chunks": 0}
         self._pickups = Pickups()  # verdicts requests share without posting them: counted at flush
+        self._memo = FoundMemo()  # per request: its found judgement (_found), and when its verdicts here changed
         # req_id -> {pair: our tiers (above, or this one) that counted the chunk for the request already}, from
         # lookup to the step's flush (scheduler thread), then the posted batch's (_batch_done: the worker's): the
         # lowest of our tiers leaves them out of its count (batch_lookup)
@@ -138,14 +122,8 @@ class TenantLookup(AsyncLookupManager):
         self._batch_done: dict[str, dict[Any, tuple]] = {}
         super().__init__(tier_type=tier_type)
 
-    @property  # type: ignore[override]
-    def _lookup_queue(self) -> Any:
-        return self.__dict__["_kvbm_queue"]
-
-    @_lookup_queue.setter
-    def _lookup_queue(self, q: Any) -> None:
-        """vLLM's ``__init__`` makes the queue before it starts the worker: stamped from the first batch on."""
-        self.__dict__["_kvbm_queue"] = q if isinstance(q, _StampedQueue) else _StampedQueue(self, q)
+    _lookup_queue = Wrapped(StampedQueue)  # vLLM's, each batch stamped with its deadline
+    _pending_results = Wrapped(ResultsQueue)  # vLLM's: the answers it takes in mark their requests' verdicts changed
 
     def counts(self) -> dict[str, int]:
         """``lookups_timed_out``: requests' lookups the pool did not answer within their batch's deadline;
@@ -233,13 +211,13 @@ class TenantLookup(AsyncLookupManager):
         r = super().lookup(pair, req_context)
         posted = self._lookup_state[pair].generation != gen
         after = self._asked_after(req_context) if self._reg else []
-        self._pickups.note(pair, held, posted, r, req_context,
-                           hit_at_load=bool(after) or bool(self._above and self._asked_first(req_context)),
-                           counted_below=self._posted_to(after[-1], key, req_context) if after else None)
+        first = [] if after or not self._above else self._asked_first(req_context)  # the lowest of ours: tiers above
+        self._pickups.note(pair, held, posted, r, req_context, hit_at_load=bool(after or first),
+                           counted_below=self._posted_to(after[-1], key, req_context) if after else None,
+                           served_above=served_above(key, req_context, first) if first and r is None else None)
         if posted and not after:  # the lowest of ours (or alone): batch_lookup counts the tiers above and this one
             rid = req_context.req_id
-            done = tuple(u for u in (self._asked_first(req_context) if self._above else ())
-                         if u._lookup._pickups.uncount(rid, (key, u._tenant_of(req_context))))
+            done = tuple(u for u in first if u._lookup._pickups.uncount(rid, (key, u._tenant_of(req_context))))
             if self._pickups.uncount(rid, pair):  # this tier counted it for the request already (cooling, taken up)
                 done += (self._tier,)
             if done:  # counted there for the request already (an earlier step): left out of their count here
@@ -284,9 +262,11 @@ class TenantLookup(AsyncLookupManager):
     def _found(self, req_context: ReqContext) -> Callable[[Any], bool | None]:
         """Scheduler thread: ``found(pair)``, whether a HIT of ``pair`` this tier counts itself for the request
         (:mod:`.tier_pickups`) is found: in its usable prefix (:func:`.tier_gaps.prefix_served`; None: not known)."""
-        asked = [*self._req_keys.get(req_context.req_id, ()), *self._pickups.cooled_keys(req_context.req_id)]
+        rid = req_context.req_id
+        asked, cooled = self._req_keys.get(rid, ()), self._pickups.cooled_keys(rid)
         tiers = [*self._asked_first(req_context), self._tier, *(self._asked_after(req_context) if self._reg else [])]
-        return prefix_served(asked, req_context, tiers)
+        stamp = (len(asked), len(cooled), *((id(u), u._lookup._memo.changes(rid)) for u in tiers))  # keys only grow
+        return self._memo.get(rid, stamp, lambda: prefix_served([*asked, *cooled], req_context, tiers))
 
     def _verdict(self, pair: Any) -> bool | None:
         """Scheduler thread: the cached verdict of ``pair`` (None: none, or not answered yet)."""
@@ -323,7 +303,7 @@ class TenantLookup(AsyncLookupManager):
         """vLLM's (post this step's keys), then count the verdicts requests took up without posting them: one
         request's lookup per request on this tier's pool (``kvbm_matched_tokens``, hit rate, lookup counters)."""
         super().flush()
-        for requested, found in self._pickups.take_due(self._verdict if self._reg else None, self._found):
+        for requested, found in self._pickups.take_due(self._verdict, self._found):
             if not self._tier._closed:
                 self._tier.pool.count_lookup(requested, found)
 
@@ -342,6 +322,7 @@ class TenantLookup(AsyncLookupManager):
             st.generation, self._next_generation = self._next_generation, self._next_generation + 1
             st.phase, st.result = LookupPhase.PENDING, None
             self._lookup_batch.append((pair, req_context, st.generation))
+            self._memo.changed(st.request_ids)
 
     def stored(self, keys: Collection[OffloadKey], tenant: str) -> None:
         """Scheduler thread: ``tenant``'s chunks ``keys`` are stored and published (a store job reported finished):
@@ -356,9 +337,10 @@ class TenantLookup(AsyncLookupManager):
         """Force ``tenant``'s cached verdicts of ``keys`` to a miss (a failed load; other tenants keep theirs), asked
         again once the chunk's cool-down ended (:meth:`lookup`). A verdict not answered yet is left alone (vLLM's
         ``mark_miss`` on one breaks its own asserts when the answer comes); the cool-down covers it meanwhile."""
-        pairs = [cast(Any, (k, tenant)) for k in keys]
-        self.mark_miss([p for p in pairs if (st := self._lookup_state.get(p)) is not None
-                        and st.phase is LookupPhase.RESOLVED])
+        states = [(p, st) for p in (cast(Any, (k, tenant)) for k in keys) if (st := self._lookup_state.get(p))]
+        for _, st in states:  # forced, or cooling (.tier_gaps.served_above): the judgement of its requests changes
+            self._memo.changed(st.request_ids)
+        self.mark_miss([p for p, st in states if st.phase is LookupPhase.RESOLVED])
         self.stored(keys, tenant)
 
     def cleanup(self, req_id: str) -> None:
@@ -369,7 +351,9 @@ class TenantLookup(AsyncLookupManager):
         in flight for a request that ended before the answer)."""
         keys = list(self._req_keys.get(req_id, ())) if self._recheck else []
         self.drain_results()  # its own verdicts in by now are counted (Pickups.forget)
+        self._memo.forget(req_id)  # found judged afresh at the end (a cool-down may have ended since)
         self._pickups.forget(req_id, self._verdict, self._found)
+        self._memo.forget(req_id)
         super().cleanup(req_id)
         self._counted_above.pop(req_id, None)  # posted since: the batch has them (_take_counted)
         for pair in keys:

@@ -35,10 +35,20 @@ leading chunks some tier of ours serves it: :func:`.tier_gaps.prefix_served`), a
 chunk for a tier and a lone tier's pool counts its leading held chunks. Before, neither tier counted it (G4 above a
 G3 refusing the tenant: the request's lookup counted nowhere); in the first version of 2026-12-03 a HIT counted only
 when loaded, so a HIT after a miss (vLLM's prefix scan stops at the miss: never loaded) was counted by no tier (G3
-answering chunk 0 a miss and 1 a HIT while G4 cooled both: 1 chunk requested, where alone 2). A chunk a tier above counted for the request (a verdict
-taken up, its own, a load credited) that the request posts to the lowest in a later step is left out of that tier's
-count there (:meth:`Pickups.uncount` says so; :func:`.tier_gaps.split_prefix` names each chunk's tier): before, a
-G3 miss taken up while G4 answered a cooling chunk was counted again once the request posted the chunk to G4.
+answering chunk 0 a miss and 1 a HIT while G4 cooled both: 1 chunk requested, where alone 2). A chunk a tier above
+counted for the request (a verdict taken up, its own, a load credited) that the request posts to the lowest in a
+later step is left out of that tier's count there (:meth:`Pickups.uncount` says so; :func:`.tier_gaps.split_prefix`
+names each chunk's tier): before, a G3 miss taken up while G4 answered a cooling chunk was counted again once the
+request posted the chunk to G4.
+
+A verdict a request takes up while still pending (another live request posted it in this step or the last: the
+usual case for concurrent requests sharing a prefix) is settled like a chunk the request posted itself, at the first
+``flush`` with its answer in, whether or not the request asks the chunk again (:meth:`Pickups._settle`): on a tier
+above the lowest as that tier's own verdict (unless the request posts the chunk to the lowest first), alone as the
+pool counts a prefix, on the lowest below tiers of ours as its ``batch_lookup`` counts a run (not when a tier above
+serves the chunk in the request's usable prefix). Before 2026-12-03 it was counted only when the request asked the
+chunk again once the answer was in, and vLLM's prefix scan stops at the first MISS: a chunk after it was counted by
+no tier (two requests sharing 2 chunks G3 lacked: 3 chunks requested for 4 lookups).
 
 A tier's answer to a chunk cooling after a failed load (a miss without asking its pool, :meth:`Pickups.cooled`)
 counts as a miss once per request and chunk, where that tier counts the chunk: alone, at the step's end; above
@@ -48,7 +58,8 @@ without a HIT above). Before 2026-12-03 no pool counted it (review).
 
 Bounds: a request's entries go at ``forget`` (its loads still in flight then credit nothing), except the counts
 already due; a load is noted only for a request alive on the tier (:meth:`.tier_lookup.TenantLookup.loading`).
-A HIT counted at the step's end is not credited again when loaded.
+A HIT counted at the step's end is not credited again when loaded. Whether a HIT is found is judged at most once per
+request and step, and again only once one of the request's verdicts changed (:class:`.tier_queues.FoundMemo`).
 """
 from __future__ import annotations
 
@@ -68,14 +79,15 @@ class Pickups:
     only."""
 
     def __init__(self) -> None:
-        # req_id -> keys it joined before their verdict was in (counted once it is); bounded by live requests' keys
-        self._waiting: dict[str, set[Any]] = {}
+        # req_id -> {key it took up before its verdict was in: whether a tier above serves it (None: no tier of ours
+        # above, or not this tier's to judge)}: settled at take_due once the verdict is in; bounded by live requests
+        self._waiting: dict[str, dict[Any, Callable[[], bool | None] | None]] = {}
         self._due: dict[str, list[int]] = {}  # req_id -> [requested, found]: counted at the next flush
         self._posted: dict[str, set[Any]] = {}  # req_id -> keys it posted here (batch_lookup counted them)
         self._counted: dict[str, set[Any]] = {}  # req_id -> keys counted here for it (taken up, own, loads credited)
         # req_id -> keys it posted here and not (yet) to the lowest of our tiers: counted here once their verdict is in
         self._own: dict[str, set[Any]] = {}
-        self._own_ctx: dict[str, ReqContext] = {}  # req_id -> its context, while it has keys in _own
+        self._ctx: dict[str, ReqContext] = {}  # req_id -> its context, while it has keys in _own or _waiting
         self._loads: dict[Any, tuple[str, set[Any]]] = {}  # load job -> (req_id, keys to credit once loaded)
         self._misses: dict[str, set[Any]] = {}  # req_id -> misses taken up, due at the next flush unless uncounted
         # req_id -> {key: whether a tier above serves it (None: not known yet)}: cooling misses of this tier (the
@@ -84,45 +96,53 @@ class Pickups:
         self._cool_asked: dict[str, set[Any]] = {}
 
     def note(self, key: Any, held_before: bool, posted: bool, verdict: bool | None, req_context: ReqContext,
-             hit_at_load: bool = False, counted_below: bool | None = None) -> None:
+             hit_at_load: bool = False, counted_below: bool | None = None,
+             served_above: Callable[[], bool | None] | None = None) -> None:
         """After the request's lookup of ``key``: ``held_before`` whether it held the key's verdict before this ask,
         ``posted`` whether this ask posted the key (``batch_lookup`` counts it then), ``verdict`` the answer (None:
-        not in yet). A verdict the request took up is due for counting once, when it is in; asked again, never
-        again. ``hit_at_load`` (several of our tiers in the manager): a HIT is not counted here but when the chunk's
-        load from this tier ends (:meth:`loaded`). ``counted_below`` (None: no tier of ours asked after this one):
-        whether the request posted ``key`` to the lowest of them, which counts it for this tier; a miss is then
-        not counted here, else counted at the next :meth:`take_due` unless :meth:`uncount` comes first."""
+        not in yet). A verdict the request took up is counted once for it; asked again, never again. One taken up
+        while still pending is counted at the first :meth:`take_due` with its answer in (:meth:`_settle`), whether
+        or not the request asks it again: vLLM's prefix scan stops at the first MISS, so it may never ask a later
+        chunk again (before 2026-12-03 such a chunk was counted by no tier). ``hit_at_load`` (several of our tiers in
+        the manager): a HIT taken up with its answer in is not counted here but when the chunk's load from this tier
+        ends (:meth:`loaded`). ``counted_below`` (None: no tier of ours asked after this one): whether the request
+        posted ``key`` to the lowest of them, which counts it for this tier; a miss is then not counted here, else
+        counted at the next :meth:`take_due` unless :meth:`uncount` comes first. ``served_above`` (this tier the
+        lowest of ours, others asked first; for a pending verdict taken up): whether one of them serves ``key`` for
+        the request (:func:`.tier_gaps.served_above`)."""
         rid = req_context.req_id
         counted = self._counted.setdefault(rid, set())
         if posted:
             self._posted.setdefault(rid, set()).add(key)
             waiting = self._waiting.get(rid)
             if waiting is not None:
-                waiting.discard(key)  # asked again under a new generation for this request: batch_lookup counts it
+                waiting.pop(key, None)  # asked again under a new generation for this request: batch_lookup counts it
             if counted_below is False and key not in counted:  # the lowest does not count it (yet): this tier does
                 self._own.setdefault(rid, set()).add(key)
-                self._own_ctx[rid] = req_context
+                self._ctx[rid] = req_context
             return
-        if held_before:
-            waiting = self._waiting.get(rid)
-            if waiting is None or key not in waiting or verdict is None:
-                return
-            waiting.discard(key)
-        elif verdict is None:
-            self._waiting.setdefault(rid, set()).add(key)
+        if held_before or counted_below:  # asked before (counted, or waiting: take_due); or counted by the lowest
+            return
+        if verdict is None:
+            if key not in counted:
+                self._waiting.setdefault(rid, {})[key] = served_above
+                self._ctx[rid] = req_context
             return
         if verdict and hit_at_load:
             return  # credited to the tier vLLM loads it from (loading / loaded)
-        if not verdict and counted_below is not None:
-            if not counted_below:  # the manager asks the tier below next: it may post the key there (uncount)
-                self._misses.setdefault(rid, set()).add(key)
+        if not verdict and counted_below is not None:  # the manager asks the tier below next: it may post the key
+            self._misses.setdefault(rid, set()).add(key)  # there (uncount)
             return
         if key in counted:
             return
+        self._add(rid, counted, key, bool(verdict))
+
+    def _add(self, rid: str, counted: set[Any], key: Any, found: bool) -> None:
+        """Count ``key`` here for request ``rid`` (alive: ``counted`` its record), once: requested, and ``found``."""
         counted.add(key)
         due = self._due.setdefault(rid, [0, 0])
         due[0] += 1
-        due[1] += bool(verdict)
+        due[1] += found
 
     def cooled(self, key: Any, req_context: ReqContext, counted_below: bool | None = None,
                served_above: Callable[[], bool | None] | None = None) -> bool:
@@ -140,6 +160,7 @@ class Pickups:
         counted = self._counted.setdefault(rid, set())  # alive: what take_due counts for it is remembered (uncount)
         if key in counted or key in self._posted.get(rid, ()):
             return True
+        self._waiting.get(rid, {}).pop(key, None)  # a verdict it took up pending: this answer counts instead
         if served_above is not None:
             self._cooled.setdefault(rid, {})[key] = served_above
         else:
@@ -163,12 +184,14 @@ class Pickups:
 
     def uncount(self, req_id: str, key: Any) -> bool:
         """Request ``req_id`` posted ``key`` to the lowest of our tiers, whose ``batch_lookup`` counts it for this
-        one: a miss of it taken up here, or this tier's own verdict, is not counted here (:meth:`note`). Returns
-        whether this tier counted it for the request already (the lowest then leaves it out of this tier's count)."""
+        one: a miss of it taken up here, a verdict taken up pending, or this tier's own verdict, is not counted here
+        (:meth:`note`). Returns whether this tier counted it for the request already (the lowest then leaves it out
+        of this tier's count)."""
         for pending in (self._misses, self._own):
             keys = pending.get(req_id)
             if keys is not None:
                 keys.discard(key)
+        self._waiting.get(req_id, {}).pop(key, None)  # a verdict it took up here pending
         self._cooled.get(req_id, {}).pop(key, None)  # the lowest's own cooling miss: its batch_lookup counts the key
         counted = self._counted.get(req_id)
         return counted is not None and key in counted
@@ -208,13 +231,16 @@ class Pickups:
         """The counts due, one per request: ``(requested, found)`` in chunks; each taken once. Called after the
         step's lookups (``flush``), when the misses taken up, and the keys posted here and not to the lowest, are
         known not to be counted below. ``verdict(key)``: this tier's cached verdict of ``key`` (None: not in yet);
-        a key posted here counts once it is in: a miss, or a HIT found when ``found(req_context)(key)`` (whether
-        the request can use it: :func:`.tier_gaps.prefix_served`) is True, counted once that is known."""
-        if verdict is not None:
-            for rid, keys in self._own.items():
-                self._settle(rid, keys, verdict, found)
+        a key posted here and not to the lowest, or taken up while pending, counts once it is in (:meth:`_settle`),
+        a HIT found when ``found(req_context)(key)`` (whether the request can use it:
+        :func:`.tier_gaps.prefix_served`) is True, counted once that is known."""
+        if verdict is not None and (self._own or self._waiting):
+            for by_req in (self._own, self._waiting):
+                for rid, keys in by_req.items():
+                    self._settle(rid, keys, verdict, found)
             self._own = {rid: keys for rid, keys in self._own.items() if keys}
-            self._own_ctx = {rid: c for rid, c in self._own_ctx.items() if rid in self._own}
+            self._waiting = {rid: keys for rid, keys in self._waiting.items() if keys}
+            self._ctx = {rid: c for rid, c in self._ctx.items() if rid in self._own or rid in self._waiting}
         if self._cooled:
             for rid, pending in self._cooled.items():
                 self._settle_cooled(rid, pending, final=False)
@@ -230,37 +256,59 @@ class Pickups:
         due, self._due = self._due, {}
         return [(n, f) for n, f in due.values()]
 
-    def _settle(self, rid: str, keys: set[Any], verdict: Callable[[Any], bool | None], found: Found | None,
-                final: bool = False) -> None:
-        """Of ``keys`` (request ``rid`` posted them here, not to the lowest), those whose verdict is in leave
-        ``keys``: a miss is due; a HIT is due once ``found`` knows whether the request can use it (``final``: the
-        request ended, so not known is not found); one credited when loaded (:meth:`loaded`) is not counted again."""
-        ctx, counted = self._own_ctx.get(rid), self._counted.get(rid)
-        usable = found(ctx) if found is not None and ctx is not None and any(verdict(k) for k in keys) else None
+    def _settle(self, rid: str, keys: set[Any] | dict[Any, Callable[[], bool | None] | None],
+                verdict: Callable[[Any], bool | None], found: Found | None, final: bool = False) -> None:
+        """Of ``keys`` (request ``rid`` posted them here and not to the lowest, or took them up while pending:
+        :meth:`note`), those whose verdict is in leave ``keys``: a miss is due; a HIT is due once ``found`` knows
+        whether the request can use it (``final``: the request ended, so not known is not found). A key taken up
+        on the lowest of ours with a ``served_above`` judge (the tiers above) counts as the lowest's count finds it
+        (:func:`.tier_gaps.count_run`): not here when a tier above serves it in the request's usable prefix, else
+        requested, and found when a HIT in that prefix no tier above serves; due once both are known. A key
+        counted here already (a load credited, a cooling miss) is not counted again, nor credited when loaded. The
+        ``found`` judgement is made at most once per call, and only when some key needs it."""
+        ctx, counted = self._ctx.get(rid), self._counted.get(rid)
+        judged: list[Callable[[Any], bool | None] | None] = []
+
+        def usable(key: Any) -> bool | None:
+            if not judged:
+                judged.append(found(ctx) if found is not None and ctx is not None else None)
+            u = judged[0]
+            return u(key) if u is not None else False
+
         for key in list(keys):
             v = verdict(key)
-            f = usable(key) if v and usable is not None else False
-            if v is None or (f is None and not final):
+            if v is None:
                 continue
-            keys.discard(key)
-            if not v:
-                self._misses.setdefault(rid, set()).add(key)
-            elif counted is not None and key not in counted:
-                counted.add(key)
-                due = self._due.setdefault(rid, [0, 0])
-                due[0] += 1
-                due[1] += bool(f)
+            above = keys.get(key) if isinstance(keys, dict) else None
+            if above is None:
+                f = usable(key) if v else False
+                if f is None and not final:
+                    continue
+                _del_key(keys, key)
+                if not v:
+                    self._misses.setdefault(rid, set()).add(key)
+                elif counted is not None and key not in counted:
+                    self._add(rid, counted, key, bool(f))
+                continue
+            s = above()
+            u = usable(key) if s or v else False  # whether a tier above serves it in the prefix; found
+            if (s is None or u is None) and not final:
+                continue
+            _del_key(keys, key)
+            if not (s and u) and counted is not None and key not in counted:
+                self._add(rid, counted, key, bool(v and u and not s))
 
     def forget(self, req_id: str, verdict: Callable[[Any], bool | None] | None = None,
                found: Found | None = None) -> None:
         """The request ended: forget the keys it was waiting on, posted and was counted, and its loads in flight
-        (what is due is still counted, its misses taken up included, its own verdicts in by now (``verdict``,
-        as :meth:`take_due`) and its cooling misses no tier above served (:meth:`cooled`)); a load of it ending later credits nothing, and one that never ends, its tier closed,
-        is not kept)."""
-        own = self._own.pop(req_id, None)
-        if own and verdict is not None:
-            self._settle(req_id, own, verdict, found, final=True)
-        self._own_ctx.pop(req_id, None)
+        (what is due is still counted, its misses taken up included, its own verdicts and those it took up pending
+        in by now (``verdict``, as :meth:`take_due`) and its cooling misses no tier above served (:meth:`cooled`));
+        a load of it ending later credits nothing, and one that never ends, its tier closed, is not kept)."""
+        for by_req in (self._own, self._waiting):
+            keys = by_req.pop(req_id, None)
+            if keys and verdict is not None:
+                self._settle(req_id, keys, verdict, found, final=True)
+        self._ctx.pop(req_id, None)
         cooled = self._cooled.pop(req_id, None)
         if cooled:
             self._settle_cooled(req_id, cooled, final=True)
@@ -268,7 +316,14 @@ class Pickups:
         misses, counted = self._misses.get(req_id), self._counted.get(req_id)
         if misses and counted:
             misses -= counted  # counted here for it already (take_due can no longer tell once it is forgotten)
-        self._waiting.pop(req_id, None)
         self._posted.pop(req_id, None)
         if self._counted.pop(req_id, None) is not None:
             self._loads = {j: e for j, e in self._loads.items() if e[0] != req_id}
+
+
+def _del_key(keys: set[Any] | dict[Any, Any], key: Any) -> None:
+    """Remove ``key`` from ``keys`` (a set or a dict's keys)."""
+    if isinstance(keys, dict):
+        del keys[key]
+    else:
+        keys.discard(key)

@@ -16,6 +16,13 @@ tier's lookup of a chunk the upper tier had counted for it was in flight had tha
 again (its record was dropped at the request's end, before the lookup read it); (e) a lone tier counted a chunk it
 had answered cooling again when the request asked it after the cool-down.
 
+(f) A verdict a request took up while still pending (another live request posted it in the same or the previous
+step: the usual case for concurrent requests sharing a prefix) was counted only if the request asked the chunk again
+once the answer was in; vLLM's prefix scan stops at the first MISS, so a chunk after it was never asked again and
+was counted by no tier (a lone tier, G3 above G4, G4 below G3). Now it is settled at the step's end once its answer
+is in, as a chunk the request posted itself. (g) While an earlier chunk's verdict was not in, every step rebuilt the
+request's usable prefix (every key it asked x every tier) to judge its HIT; now only when one of its verdicts changed.
+
 vLLM's real offloading spec and manager (:class:`~kvbm_backend.integrations.vllm.tiering_harness.TieringHarness`),
 a real G3 directory, a file:// G4 store, a keyring changed by the ``kvbm-backend keys`` CLI."""
 from __future__ import annotations
@@ -31,6 +38,7 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, TierFilter, TierMatcher  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 
+from kvbm_backend.integrations.vllm import tier_lookup  # noqa: E402
 from kvbm_backend.integrations.vllm.failed_blocks import FailedChunks  # noqa: E402
 from kvbm_backend.integrations.vllm.tier_base import offload_key_hash  # noqa: E402
 from tests.integrations.vllm import test_tiering  # noqa: E402
@@ -307,3 +315,145 @@ def test_a_lone_tier_counts_a_chunk_once_when_the_request_asks_it_again_after_it
     h.step()
     assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (2, 0)  # before: (4, 0)
     assert not g3t._lookup._counted_above
+
+
+def _moved(tier, before) -> tuple[int, int]:
+    return tuple(x - y for x, y in zip(_g3(tier), before))
+
+
+@pytest.mark.parametrize("g3_holds_chunk_1", [False, True], ids=["both-miss", "hit-after-miss"])
+def test_g3_counts_every_chunk_a_request_took_up_pending_when_its_scan_stops_at_the_first_miss(tmp_path, harnesses,
+                                                                                            g3_holds_chunk_1):
+    """G3Tier above G4Tier; G4 cools chunks 0-1 (its loads failed: it answers misses without asking its store, so B
+    never posts them to G4). A (G3 only) posts both to G3; B takes A's G3 verdicts up while pending, then scans as
+    vLLM does, stopping at chunk 0's MISS (chunk 1 is not asked again). A's G3 lookup counts (2, 0); B asked G3 about
+    both chunks: (2, 0) as when it posts them itself (chunk 1 a HIT past the usable prefix: not found), (4, 0) in
+    all. Before the fix (3, 0): chunk 1 stayed among B's verdicts waiting to be asked again, counted by no tier."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(2, "pending-pickup")
+    _cool(h, g4t, keys, 600.0)
+    if g3_holds_chunk_1:
+        h.store(keys[1:], payloads(h, 1, seed=5))
+        h.wait_idle(timeout=HANG_S)
+        h.reset_primary()
+    b3 = _g3(g3t)
+    a = _started(h, keys, _only(h, "pend-a", Locality.LOCAL))
+    b = _started(h, keys, h.context())
+    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2  # posted to G3
+    assert _ask(h, keys, b) == [LookupResult.RETRY] * 2  # B takes A's G3 verdicts up while pending
+    h.step()
+    assert h.lookup_prefix(keys, b, timeout=HANG_S) == 0  # stops at chunk 0's MISS
+    assert h.lookup_prefix(keys, a, timeout=HANG_S) == 0
+    for ctx in (a, b):
+        h.manager.on_request_finished(ctx)
+    h.step()
+    h.step()
+    assert _moved(g3t, b3) == (4, 0)  # before: (3, 0)
+    assert not g3t._lookup._pickups._waiting and not g3t._lookup._pickups._ctx  # nothing kept for ended requests
+
+
+def test_a_lone_tier_counts_every_chunk_a_request_took_up_pending(tmp_path, harnesses):
+    """G3Tier alone, empty. A posts chunks 0-1; B takes A's verdicts up while pending, then scans as vLLM does,
+    stopping at chunk 0's MISS. Posting them itself B would move G3 by (2, 0); A and B: (4, 0). Before the fix
+    (3, 0): B's chunk 1 was dropped uncounted at the request's end."""
+    h = harnesses([g3_tier(tmp_path / "g3")])
+    (g3t,) = h.manager.secondary_tiers
+    keys = keys_for(2, "lone-pending")
+    b3 = _g3(g3t)
+    a = _started(h, keys, h.context())
+    b = _started(h, keys, h.context())
+    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2
+    assert _ask(h, keys, b) == [LookupResult.RETRY] * 2
+    h.step()
+    assert h.lookup_prefix(keys, b, timeout=HANG_S) == 0
+    assert h.lookup_prefix(keys, a, timeout=HANG_S) == 0
+    for ctx in (a, b):
+        h.manager.on_request_finished(ctx)
+    h.step()
+    h.step()
+    assert _moved(g3t, b3) == (4, 0)  # before: (3, 0)
+
+
+@pytest.mark.parametrize("g4_holds_chunk_1", [False, True], ids=["both-miss", "hit-after-miss"])
+def test_g4_counts_every_chunk_a_request_took_up_pending_below_g3(tmp_path, harnesses, g4_holds_chunk_1):
+    """G3Tier above G4Tier, G3 empty. A (remote storage only: G4 alone for it) posts chunks 0-1 to G4: (2, 0) there.
+    B posts them to G3 (its misses: counted on G3, B posted nothing to G4) and takes A's G4 verdicts up while
+    pending; its scan stops at chunk 0's MISS. G4 counts B's chunks G3 does not serve in B's usable prefix: both
+    (chunk 1, held by G4 or not, lies past chunk 0, which no tier holds: not found), so G4 moves by (4, 0). Before
+    the fix (3, 0): B's chunk 1 waited for an ask that never came."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(2, "pending-g4")
+    if g4_holds_chunk_1:
+        h.store(keys[1:], payloads(h, 1, seed=9))
+        h.wait_idle(timeout=HANG_S)
+        h.reset_primary()
+        assert g3t.pool.delete(g3t._block_keys(keys[1], "")).result(timeout=HANG_S)  # G4 only holds it now
+        assert g4t.pool.lookup_prefix(g4t._block_keys(keys[1], ""), request=False).result(HANG_S) == 1
+    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    a = _started(h, keys, _only(h, "pend-g4-a", Locality.REMOTE))
+    b = _started(h, keys, h.context())
+    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2  # posted to G4
+    assert _ask(h, keys, b) == [LookupResult.RETRY] * 2  # G3: posted; G4: A's, pending
+    h.step()
+    assert h.lookup_prefix(keys, b, timeout=HANG_S) == 0
+    assert h.lookup_prefix(keys, a, timeout=HANG_S) == 0
+    for ctx in (a, b):
+        h.manager.on_request_finished(ctx)
+    h.step()
+    h.step()
+    assert _moved(g3t, b3) == (2, 0)
+    assert c4() == (4, 0)  # before: (3, 0)
+
+
+def test_a_pending_hit_is_judged_once_while_no_verdict_of_the_request_changes(tmp_path, harnesses, monkeypatch):
+    """G3Tier above G4Tier; G3 holds chunk 1, not chunk 0. A (remote storage only) posts chunks 0-1 to G4, whose
+    lookup is held in flight (a gate around G4's real ``batch_lookup``: a slow HEAD); B posts them to G3 and takes
+    A's G4 verdicts up. G3 counts B's HIT of chunk 1 itself, found only if chunk 0 is served, which G4's pending
+    answer decides: while it is not in, each step's flush judged B's usable prefix again (every key x every tier:
+    30 steps, 30 judgements). Now once, until a verdict B holds changes; G4's answer settles it: not found, (2, 0)."""
+    calls = []
+
+    def spy(*args):  # the real judgement, counted
+        calls.append(1)
+        return prefix_served(*args)
+    prefix_served = tier_lookup.prefix_served
+    monkeypatch.setattr(tier_lookup, "prefix_served", spy)
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(2, "judged-once")
+    h.store(keys[1:], payloads(h, 1, seed=11))
+    h.wait_idle(timeout=HANG_S)
+    h.reset_primary()
+    assert g4t.pool.delete(g4t._block_keys(keys[1], "")).result(timeout=HANG_S)  # G3 only holds chunk 1
+    gate, done = threading.Event(), threading.Event()
+    real = g4t._lookup.batch_lookup
+
+    def gated(keys_, ctx):  # G4's real lookup, in flight until the gate opens
+        gate.wait(HANG_S)
+        try:
+            return list(real(keys_, ctx))
+        finally:
+            done.set()
+    g4t._lookup.batch_lookup = gated
+    b3 = _g3(g3t)
+    a = _started(h, keys, _only(h, "judged-a", Locality.REMOTE))
+    b = _started(h, keys, h.context())
+    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2
+    assert _ask(h, keys, b) == [LookupResult.RETRY] * 2  # G3: posted; G4: A's, pending
+    h.step()
+    _until(lambda: all(g3t._lookup._verdict((k, "")) is not None for k in keys), h)  # G3 answered B
+    try:
+        for _ in range(30):
+            h.step()
+        assert g3t._lookup._pickups._own  # B's chunk 1 HIT still waits for chunk 0's G4 verdict
+        assert len(calls) <= 2, f"B's usable prefix judged {len(calls)} times in 30 steps"  # before: 30+
+    finally:
+        gate.set()
+    assert done.wait(HANG_S)
+    _until(lambda: not g3t._lookup._pickups._own, h)  # G4's answer in: B's HIT settled
+    for ctx in (a, b):
+        h.manager.on_request_finished(ctx)
+    h.step()
+    assert _moved(g3t, b3) == (2, 0)
