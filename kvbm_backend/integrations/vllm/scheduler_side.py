@@ -429,7 +429,7 @@ class SchedulerSide:
         if held is None or held >= n_local:
             return
         n_local = max(held, self._group_saves(meta, st, held, n_local))
-        stats.add(save_local_hit_blocks=n_local - held)
+        tp_sched.planned_local(self, st, held, n_local)  # counted save_local_hit_blocks once offered
         if self.events is not None:
             self.events.learn(st.tenant, st.request, st.hashes, held, n_local)
 

@@ -21,7 +21,8 @@ stages the next step's saves within the least room any rank had, so every rank k
 (:func:`.offloads.set_staging_budgets`). The save plans, and the lookup counters of the agreed matches, are agreed
 by the scheduler side itself (:mod:`.tp_sched`). The G3 reports of the ranks are exchanged by
 :class:`~.report_channel.TpReportExchange`. A failed exchange (a rank
-gone) raises RuntimeError naming what was exchanged: going on would let the ranks' decisions differ.
+gone), or results this rank cannot encode, raises RuntimeError naming what was exchanged: going on would let the
+ranks' decisions differ.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from .metadata import FailedLoad, KvbmWorkerMeta
 _MAGIC = b"kvL1"
 _HEAD = struct.Struct("<4sIIII")  # magic, finished ids, failed ids, failed block ids, failed loads
 _U32, _I32, _Q, _LOAD = struct.Struct("<I"), struct.Struct("<i"), struct.Struct("<Q"), struct.Struct("<IQ")
+_U64 = 2**64 - 1
 
 
 def tp_group(why: str) -> Any:
@@ -82,7 +84,7 @@ def encode_loads(done: set[str], failed: set[str], errors: set[int], loads: list
     out += [_str(r) for r in sorted(done)] + [_str(r) for r in sorted(failed)]
     out += [_Q.pack(int(b)) for b in sorted(errors)]
     for g, f in loads:
-        out += [_LOAD.pack(int(g), int(f.first_failed) & (2**64 - 1)), _str(f.req_id), _str(f.tenant), _str(f.reason),
+        out += [_LOAD.pack(int(g), int(f.first_failed) & _U64), _str(f.req_id), _str(f.tenant), _str(f.reason),
                 _str(f.digest)]
     return b"".join(out)
 
@@ -132,9 +134,11 @@ _ROOMS_MAGIC = b"kvR1"
 
 def encode_rooms(rooms: dict[str, int]) -> bytes:
     """One rank's save staging rooms (bytes per namespace fingerprint: :func:`.offloads.staging_rooms`) as bytes,
-    sorted; :func:`split_rooms` reads them back off the front of a blob."""
+    sorted, each clamped to ``[0, 2**64 - 1]`` (a ``max_pending_save_bytes`` of 2**64 or more, "no bound", is sent as
+    2**64 - 1 bytes: before 2026-12-03 it raised ``struct.error`` at every step); :func:`split_rooms` reads them back
+    off the front of a blob."""
     return b"".join([_ROOMS.pack(_ROOMS_MAGIC, len(rooms))]
-                    + [_str(fp) + _Q.pack(max(0, int(r))) for fp, r in sorted(rooms.items())])
+                    + [_str(fp) + _Q.pack(min(_U64, max(0, int(r)))) for fp, r in sorted(rooms.items())])
 
 
 def split_rooms(data: bytes) -> tuple[dict[str, int], bytes]:
@@ -171,10 +175,15 @@ class TpLoadAgree:
         """This rank's step results (``done``: loads it finished since the last call; ``failed``: those of them
         failed as a whole; ``errors``: failed engine block ids; ``loads``: ``(group, FailedLoad)``) exchanged with
         every rank's; returns the agreed ``(finished_recving, failed_recving)``. Raises RuntimeError when the TP
-        group's collective fails or a rank's bytes are malformed. The same gather agrees the save staging room
-        (:func:`.offloads.set_staging_budgets`: the least any rank has, per namespace every rank has)."""
+        group's collective fails, this rank's results cannot be encoded (a block id or group out of range) or a
+        rank's bytes are malformed. The same gather agrees the save staging room (:func:`.offloads.set_staging_budgets`:
+        the least any rank has, per namespace every rank has)."""
         from . import offloads
-        blob = encode_rooms(offloads.staging_rooms()) + encode_loads(done, failed, errors, loads)
+        try:
+            blob = encode_rooms(offloads.staging_rooms()) + encode_loads(done, failed, errors, loads)
+        except (struct.error, ValueError, OverflowError, TypeError, UnicodeError) as exc:
+            raise RuntimeError(f"kvbm_backend: this TP rank's load results (vLLM external_launcher, TP={self.world}) "
+                               f"could not be encoded for the TP group: {exc}") from exc
         blobs = all_gather_bytes(self.group, blob, "the load results")
         out: set[str] = set()
         rooms: dict[str, int] | None = None

@@ -3,13 +3,13 @@ hosting a scheduler and that rank's worker; :mod:`.tp_agree` has the others and 
 
 * **Saves** (:meth:`SchedAgree.saves`, once per step in ``build_connector_meta``, which every rank's scheduler reaches
   in the same step): a block is offered to the pools only when every rank's scheduler planned it, the intersection of
-  the ranks' save plans. A plan's inputs that run on each process's clock and pools (the revoked tenants' keyring
+  the ranks' save plans (and a hand-off's G4-only blocks, below). A plan's inputs that run on each process's clock and pools (the revoked tenants' keyring
   checks, a G3 index busy at the look, the G4 lookups a hand-off's G4-only saves skip) can make one rank plan a block
   slice another rank's plan skips: stored on some ranks only, every later lookup of it misses (a lookup needs every
   rank's slice), its capacity wasted. The ranks first compare a 62-bit digest of their plans (one all-reduce of two
   int64s, every step); only when they differ are the plans gathered (:func:`.tp_agree.all_gather_bytes`) and
-  intersected, counted ``tp_save_disagreed_steps`` and ``tp_save_withheld_blocks`` (blocks this rank planned that
-  another did not). The intersection compares a block's identity (request, tenant, KV cache group, engine block,
+  intersected, counted ``tp_save_disagreed_steps`` (the blocks planned differ, or only a path) and
+  ``tp_save_withheld_blocks`` (blocks this rank planned that no rank offers). The intersection compares a block's identity (request, tenant, KV cache group, engine block,
   sequence hash, token digest), not the path a rank chose for it: a hand-off's block one rank planned G4-only
   (``SaveJob.g4_only``: its view of G3 says G3 holds it, or cannot tell) and another as an ordinary G3 + G4 save is
   planned for G4 by every rank, and is offered **G4-only on every rank** (before 2026-12-03 it was offered nowhere:
@@ -19,10 +19,17 @@ hosting a scheduler and that rank's worker; :mod:`.tp_agree` has the others and 
   without putting into G3 a block some rank's scheduler holds there already or must not store there (a revoked
   tenant), and its put skips the slices G4 holds. The cost: the rank that planned the ordinary save does not put its
   G3 slice (a later lookup finds the block in G4). The agreed plan is built from rank 0's plan (its jobs, in its
-  order, each cut into runs of one path), so every rank offers the very same jobs. A hand-off request whose blocks
-  the intersection withholds (planned by some ranks only) promises only the blocks before the first of them
-  (:meth:`.handoff.Promises.withheld`, counted ``handoff_promise_cut_blocks`` when it finishes): every rank cuts
-  alike. :func:`offer` applies it and counts ``handoff_g4_offered_blocks`` from the plan offered.
+  order, each cut into runs of one path; then the blocks only later ranks planned, in rank order), so every rank
+  offers the very same jobs. A block some rank planned
+  G4-only and another did not plan at all (a hand-off's block that rank loaded from G4, which proves every rank's
+  slice is in G4: a G4 hit needs every rank's key run) is offered G4-only on every rank too, the union of the ranks'
+  G4-only blocks (the put skips the slices G4 holds; every rank stages it alike): before 2026-12-03 the intersection
+  withheld it and the hand-off's promise N was cut there, also dropping from N the blocks the prefill computed in
+  that step and every rank wrote to G4, so the decode worker recomputed them. Withheld (offered by no rank) are only
+  ordinary G3 + G4 saves some ranks planned; a hand-off request with one of them promises only the blocks before the
+  first (:func:`cut_promises`, :meth:`.handoff.Promises.withheld`, counted ``handoff_promise_cut_blocks`` when it
+  finishes): every rank cuts alike. :func:`offer` applies it and counts ``handoff_g4_offered_blocks`` and
+  ``save_local_hit_blocks`` from the plan offered.
 * **Matches** (:meth:`SchedAgree.match`, at ``get_num_new_matched_tokens``): the answer :class:`.tp_agree.TpMatchAgree`
   agrees (the fewest tokens; None while any rank has none), with the found blocks of the agreed hit, so that the
   lookup counters (``lookup_requests``, ``g3_found_blocks``, ``g4_found_blocks``, ...) count what every rank loads,
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import weakref
 from typing import Any
 
 from . import stats, tp_agree
@@ -102,20 +110,24 @@ def _keys(j: SaveJob) -> list[tuple]:
 
 
 def agree_plans(plans: list[list[SaveJob]]) -> tuple[list[SaveJob], set[tuple]]:
-    """Every TP rank's save plan (in rank order) -> ``(the plan every rank offers, the blocks withheld)``: the blocks
-    every rank planned, G4-only where any rank planned them G4-only, as rank 0's jobs in rank 0's order (each cut
-    into runs of one path); withheld: the identities (:func:`_keys`) of the blocks some rank planned and another
-    did not. The same on every rank, given the same plans."""
+    """Every TP rank's save plan (in rank order) -> ``(the plan every rank offers, the blocks withheld)``. Offered: the
+    blocks every rank planned, whatever path each chose, and the blocks any rank planned G4-only (another rank skips
+    those it loaded from G4, which proves every rank's slice is there; the G4-only put skips the slices G4 holds), each
+    G4-only where any rank planned it so; as rank 0's jobs in rank 0's order, then the blocks only later ranks planned
+    in their order (each job cut into runs of one path). Withheld: the identities (:func:`_keys`) of the blocks some
+    rank planned and none offers (ordinary G3 + G4 saves not every rank planned). The same on every rank, given the
+    same plans."""
     keys = [[k for j in p for k in _keys(j)] for p in plans]
     common = set(keys[0]).intersection(*keys[1:]) if keys else set()
     g4_only = {k for p in plans for j in p if j.g4_only for k in _keys(j)}
+    offered = common | g4_only
     out: list[SaveJob] = []
     seen: set[tuple] = set()
-    for j in plans[0] if plans else []:
+    for j in (j for p in plans for j in p):
         run: list[int] = []
         path = False
         for i, k in enumerate(_keys(j)):
-            if k not in common or k in seen:
+            if k not in offered or k in seen:
                 continue
             seen.add(k)
             if run and (k in g4_only) != path:
@@ -125,7 +137,7 @@ def agree_plans(plans: list[list[SaveJob]]) -> tuple[list[SaveJob], set[tuple]]:
             path = k in g4_only
         if run:
             out.append(_part(j, run, path))
-    return out, set().union(*keys) - common
+    return out, set().union(*keys) - offered
 
 
 def _part(j: SaveJob, idx: list[int], g4_only: bool) -> SaveJob:
@@ -134,16 +146,50 @@ def _part(j: SaveJob, idx: list[int], g4_only: bool) -> SaveJob:
                    g4_only=g4_only, digests=b"".join(j.digests[16 * i:16 * i + 16] for i in idx))
 
 
+_LOCAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler side -> the step's [(req id, hashes)]
+
+
+def planned_local(side: Any, st: Any, a: int, end: int) -> None:
+    """Scheduler side ``side`` planned blocks ``[a, end)`` of request state ``st`` (a ``_Req``) as ordinary saves from
+    its engine's prefix cache (``_plan_local_save``): :func:`offer` counts them ``save_local_hit_blocks`` once
+    offered (before 2026-12-03 counted when planned: under ``external_launcher`` with TP > 1 withheld blocks too)."""
+    if end > a:
+        _LOCAL.setdefault(side, []).append((st.req_id, [int(h) & _U64 for h in st.hashes[a:end]]))
+
+
 def offer(side: Any, saves: list[SaveJob]) -> list[SaveJob]:
     """The step's save plan of scheduler side ``side`` as offered to the workers: under ``external_launcher`` with
-    TP > 1 (``side.tp``) what every rank planned (:meth:`SchedAgree.saves`), else ``saves``; counts its G4-only
-    blocks ``handoff_g4_offered_blocks`` (only blocks offered). Raises RuntimeError when the TP agreement fails."""
+    TP > 1 (``side.tp``) what the ranks agreed (:meth:`SchedAgree.saves`), else ``saves``; counts its G4-only
+    blocks ``handoff_g4_offered_blocks`` and the prefix-cache blocks :func:`planned_local` named that are offered as
+    ordinary saves ``save_local_hit_blocks`` (only blocks offered). Raises RuntimeError when the TP agreement fails."""
+    local, planned = _LOCAL.pop(side, []), saves
     if side.tp is not None:
         saves = side.tp.saves(saves, side.promises, side._reqs)
     g4 = sum(len(j.block_ids) for j in saves if j.g4_only)
     if g4:
         stats.add(handoff_g4_offered_blocks=g4)
+    if local:  # a block planned as an ordinary save and not offered so (withheld, or G4-only) is not counted
+        lost = _ordinary(planned) - _ordinary(saves) if saves is not planned else set()
+        n = sum(1 for rid, hs in local for h in hs if (rid, h) not in lost)
+        if n:
+            stats.add(save_local_hit_blocks=n)
     return saves
+
+
+def _ordinary(saves: list[SaveJob]) -> set[tuple[str, int]]:
+    return {(j.req_id, int(h) & _U64) for j in saves if not j.g4_only for h in j.seq_hashes}
+
+
+def cut_promises(promises: Any, reqs: dict, withheld: set[tuple]) -> None:
+    """The hand-off requests among ``reqs`` (request id -> the scheduler's request state) with blocks in ``withheld``
+    (:func:`agree_plans`' identities: offered by no rank) promise only the blocks before the first of them
+    (:meth:`.handoff.Promises.withheld` of ``promises``); blocks offered G4-only on every rank never cut a promise."""
+    lost: dict[str, list[int]] = {}
+    for k in withheld:
+        lost.setdefault(k[0], []).append(k[4])
+    for rid, hs in lost.items():
+        if rid in reqs:
+            promises.withheld(reqs[rid], hs)
 
 
 class SchedAgree:
@@ -180,12 +226,7 @@ class SchedAgree:
         mine = sum(1 for j in saves for k in _keys(j) if k in withheld)
         stats.add(tp_save_disagreed_steps=1, tp_save_withheld_blocks=mine)
         if promises is not None and reqs:
-            lost: dict[str, list[int]] = {}
-            for k in withheld:
-                lost.setdefault(k[0], []).append(k[4])
-            for rid, hs in lost.items():
-                if rid in reqs:
-                    promises.withheld(reqs[rid], hs)
+            cut_promises(promises, reqs, withheld)
         return kept
 
     def match(self, side: Any, request: Any, n: int | None, is_async: bool) -> tuple[int | None, bool]:

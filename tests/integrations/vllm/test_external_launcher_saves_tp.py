@@ -21,6 +21,16 @@ Review findings on that agreement (2026-12-03):
 * a closed worker not yet garbage-collected shrank the staging room every rank agreed, and the scheduler side agreed
   wherever its process had a TP group, not only under ``external_launcher`` as the wiring decides.
 
+Second review (2026-12-03):
+
+* a hand-off's block one rank planned G4-only and another skipped because it loaded it from G4 (so every rank's
+  slice is in G4) was withheld, and the promise N was cut there, dropping the blocks the prefill computed in that
+  step too: now the ranks' G4-only blocks are offered on every rank (their union) and only withheld ordinary saves
+  cut N;
+* a ``max_pending_save_bytes`` of 2**64 or more (accepted as "no bound") broke the load-result gather at every step
+  with ``struct.error``: the room is clamped, and a rank's results that cannot be encoded are a named RuntimeError;
+* ``save_local_hit_blocks`` counted blocks when planned, withheld ones too: now when offered.
+
 Two real processes, each with vLLM's model-parallel state on gloo (``tests/helpers/tp_ranks.py``); run as a script,
 this file is one rank."""
 from __future__ import annotations
@@ -85,6 +95,7 @@ def _saves_rank(rank: int, root: str, out: str) -> None:
         side.update_state_after_alloc(a, None, 0)
         meta = side.build_connector_meta(_step([("a", list(range(10, 17)), 6 * BS)], {"a": 1}))
         plans.append([[j.req_id, j.block_ids, [str(h) for h in j.seq_hashes]] for j in meta.saves])
+        local_saved = stats.get("save_local_hit_blocks")
         b = SimpleNamespace(request_id="b", prompt_token_ids=list(range(900, 900 + 2 * BS + 1)), cache_salt=TENANT,
                             lora_request=None, kv_transfer_params=None)
         end = time.monotonic() + HANG_S
@@ -96,6 +107,7 @@ def _saves_rank(rank: int, root: str, out: str) -> None:
         plans.append([[j.req_id, j.block_ids, [str(h) for h in j.seq_hashes]] for j in meta.saves])
         Path(out).write_text(json.dumps({"plans": plans, "hashes": [str(h) for h in hs],
                                          "disagreed": stats.get("tp_save_disagreed_steps"),
+                                         "local_saved": local_saved,
                                          "withheld": stats.get("tp_save_withheld_blocks")}))
     finally:
         g3.close()
@@ -219,15 +231,15 @@ def _handoff_paths_rank(rank: int, root: str, out: str) -> None:
         g4.close()
 
 
-P3 = {0: 4, 1: 2}  # leading prompt blocks each rank's scheduler finds in G3 (G4 holds all 6)
+P3 = {0: 4, 1: 2}  # leading prompt blocks each rank's scheduler finds in G3 (G4 holds the first 6)
 
 
 def _handoff_promise_rank(rank: int, root: str, out: str) -> None:
-    """A hand-off prefill request whose 6 prompt blocks G4 holds (every rank's slice) and each rank's G3 view the
-    first ``P3[rank]``: both ranks agree to load all 6, rank 0 blocks 0-3 from G3 and 4-5 from G4, rank 1 blocks 0-1
-    from G3 and 2-5 from G4. Each rank offers G4 alone the blocks it did not load from G4: rank 0 plans 0-3, rank 1
-    0-1, so the agreement withholds blocks 2-3 (rank 0's G4 slices of them are not written by this worker). Writes
-    the offered jobs, the counters and the hand-off's promise N."""
+    """A 10-block hand-off prefill request whose first 6 prompt blocks G4 holds (every rank's slice) and each rank's
+    G3 view the first ``P3[rank]``: both ranks agree to load 6, rank 0 blocks 0-3 from G3 and 4-5 from G4, rank 1
+    blocks 0-1 from G3 and 2-5 from G4. Each rank plans G4-only the blocks it did not load from G4 (rank 0: 0-3,
+    rank 1: 0-1), and the step computes blocks 6-9 (ordinary saves on every rank). Writes the offered jobs, the
+    counters, the hand-off's promise N, and how many of blocks 2-3 G4 holds with every rank's slice."""
     import torch.distributed as dist
 
     from kvbm_backend.integrations.vllm import stats
@@ -238,7 +250,7 @@ def _handoff_promise_rank(rank: int, root: str, out: str) -> None:
     try:
         group = _tp_group()
         side = SchedulerSide(ns, BS, g3, g4, tp_group=group)
-        a = _handoff_request("a", 6)
+        a = _handoff_request("a", 10)
         hs = [int(h) for h in side._state(a).hashes]
         _fill(g3, ns, hs[:P3[rank]])
         _fill(g4, ns, hs[:6], ranks=(rank,))  # each rank its own slice in the shared store
@@ -247,15 +259,18 @@ def _handoff_promise_rank(rank: int, root: str, out: str) -> None:
         while (ans := side.get_num_new_matched_tokens(a, 0))[0] is None:  # agreed: both ranks loop alike
             assert time.monotonic() < end, "a's lookup never ended"
             time.sleep(0.01)
-        ids = list(range(10, 17))
+        ids = list(range(10, 21))
         side.update_state_after_alloc(a, SimpleNamespace(get_block_ids=lambda: (ids,)), ans[0])
-        meta = side.build_connector_meta(_step([("a", ids, 6 * BS)], {"a": 1}))
+        # the step computes blocks 6-9 (and the prompt's last token)
+        meta = side.build_connector_meta(_step([("a", ids, 6 * BS)], {"a": 4 * BS + 1}))
         params = side.request_finished(a, [])[1]
+        runs = ns.rank_runs(hs[2:4], TENANT)[1]
+        in_g4 = min(g4.lookup_prefix(r, request=False).result(HANG_S) for r in runs)
         Path(out).write_text(json.dumps({
             "answer": list(ans), "jobs": [[j.block_ids, j.g4_only] for j in meta.saves],
-            "promised": params[KEY]["blocks"],
-            "counters": {k: stats.get(k) for k in ("handoff_g4_offered_blocks", "tp_save_withheld_blocks",
-                                                   "handoff_promise_cut_blocks")}}))
+            "promised": params[KEY]["blocks"], "blocks_2_3_in_g4": in_g4,
+            "counters": {k: stats.get(k) for k in ("handoff_g4_offered_blocks", "tp_save_disagreed_steps",
+                                                   "tp_save_withheld_blocks", "handoff_promise_cut_blocks")}}))
     finally:
         g3.close()
         g4.close()
@@ -303,7 +318,8 @@ def _counts_rank(rank: int, root: str, out: str) -> None:
 def test_tp_ranks_offer_the_same_saves_under_external_launcher(tmp_path):
     """On the old code rank 0 offered blocks 4-5 of ``a`` (its view: G3 holds 0-3) and rank 1 blocks 1-5: blocks 1-3
     were stored on rank 1 only, never a hit. Now every rank offers only the blocks every rank planned (4-5), counted
-    once each (one step disagreed; rank 1 withheld 3 blocks); ``b``'s step, planned alike, is kept whole."""
+    once each (one step disagreed; rank 1 withheld 3 blocks), and each counts 2 ``save_local_hit_blocks``, the blocks
+    offered (before 2026-12-03 rank 1 counted the 5 it planned); ``b``'s step, planned alike, is kept whole."""
     pytest.importorskip("vllm")
     r0, r1 = run_tp_ranks(__file__, tmp_path, str(tmp_path), "saves")
     assert r0["plans"] == r1["plans"], "the TP ranks' schedulers planned different saves"
@@ -311,6 +327,8 @@ def test_tp_ranks_offer_the_same_saves_under_external_launcher(tmp_path):
     assert step1 == [["a", [14, 15], hs[4:6]]]
     assert [(j[0], j[1]) for j in step2] == [("b", [20, 21])]
     assert (r0["disagreed"], r0["withheld"], r1["disagreed"], r1["withheld"]) == (1, 0, 1, 3)
+    # prefix-cache blocks G3 lacked, counted as offered (on the old code as planned: rank 1 counted 5, 3 withheld)
+    assert (r0["local_saved"], r1["local_saved"]) == (2, 2)
 
 
 @pytest.mark.slow  # two processes import vLLM (~10-20 s each on the 2-core VM); no wall-clock assertion
@@ -356,20 +374,24 @@ def test_handoff_blocks_every_rank_plans_for_g4_are_offered_g4_only_on_every_ran
 
 
 @pytest.mark.slow  # two processes import vLLM (~10-20 s each on the 2-core VM); no wall-clock assertion
-def test_handoff_promise_stops_at_blocks_the_ranks_agreement_withholds(tmp_path):
-    """Rank 0 plans blocks 0-3 of the hand-off for G4 alone, rank 1 blocks 0-1 (it loaded 2-5 from G4): blocks 2-3
-    are withheld, so G4 may lack rank 0's slices of them. On the old code each rank promised N = 6 and the decode
-    worker waited ``handoff_wait_s`` for blocks that may never come (and rank 0 counted 4 blocks offered to G4 alone,
-    2 of them withheld). Now N = 2 on both ranks (4 blocks cut, counted), and 2 blocks are counted offered."""
+def test_handoff_blocks_a_rank_loaded_from_g4_are_offered_g4_only_on_every_rank_and_keep_the_promise(tmp_path):
+    """Rank 0 plans blocks 0-3 of the hand-off G4-only, rank 1 blocks 0-1: it loaded 2-5 from G4, which proves G4
+    holds every rank's slice of them. On the old code blocks 2-3 were withheld and N cut to 2 on both ranks (8 blocks
+    counted cut), so the decode worker recomputed blocks 2-9, blocks 6-9 too, which every rank computed and wrote to
+    G4 in that very step. Now the ranks' G4-only blocks (0-3) are offered G4-only on every rank, nothing is withheld,
+    and N promises all 10 blocks."""
     pytest.importorskip("vllm")
     r0, r1 = run_tp_ranks(__file__, tmp_path, str(tmp_path), "handoff_promise")
     assert r0["answer"] == r1["answer"] == [6 * BS, True]
-    assert r0["jobs"] == r1["jobs"] == [[[10, 11], True]]
-    assert (r0["promised"], r1["promised"]) == (2, 2), "a hand-off promised blocks the TP agreement withheld"
-    assert r0["counters"] == {"handoff_g4_offered_blocks": 2, "tp_save_withheld_blocks": 2,
-                              "handoff_promise_cut_blocks": 4}
-    assert r1["counters"] == {"handoff_g4_offered_blocks": 2, "tp_save_withheld_blocks": 0,
-                              "handoff_promise_cut_blocks": 4}
+    assert r0["blocks_2_3_in_g4"] == r1["blocks_2_3_in_g4"] == 2  # every rank's slice of blocks 2-3 is in G4
+    assert r0["jobs"] == r1["jobs"], "the TP ranks offered different save jobs"
+    assert r0["jobs"] == [[[10, 11, 12, 13], True], [[16, 17, 18, 19], False]], r0["jobs"]
+    assert (r0["promised"], r1["promised"]) == (10, 10), (
+        f"promise cut to {r0['promised']}, {r1['promised']} (cut {r0['counters']['handoff_promise_cut_blocks']}) "
+        f"at blocks G4 holds with every slice; jobs {r0['jobs']}")
+    for r in (r0, r1):
+        assert r["counters"] == {"handoff_g4_offered_blocks": 4, "tp_save_disagreed_steps": 1,
+                                 "tp_save_withheld_blocks": 0, "handoff_promise_cut_blocks": 0}
 
 
 @pytest.mark.slow  # two processes import vLLM (~10-20 s each on the 2-core VM); no wall-clock assertion
@@ -408,6 +430,94 @@ def test_agreed_save_plan_is_rank0s_jobs_with_one_path_per_block():
     kept, withheld = agree_plans([[SaveJob("c", [1], [7], "t", digests=b"\x01" * 16)],
                                   [SaveJob("c", [1], [7], "t", digests=b"\x02" * 16)]])
     assert kept == [] and len(withheld) == 2
+
+
+def test_agreed_save_plan_offers_every_ranks_g4_only_blocks_and_withholds_only_ordinary_saves():
+    """A hand-off's block one rank planned G4-only and another did not plan (it loaded it from G4: every slice is
+    there) is offered G4-only on every rank, the union of the ranks' G4-only blocks, after rank 0's jobs where only a
+    later rank planned it; an ordinary save not every rank planned is withheld. On the old code the G4-only blocks 2-3
+    were withheld too."""
+    from kvbm_backend.integrations.vllm.metadata import SaveJob
+    from kvbm_backend.integrations.vllm.tp_sched import agree_plans
+    r0 = [SaveJob("a", [10, 11, 12, 13], [0, 1, 2, 3], "t", g4_only=True), SaveJob("a", [16, 17], [6, 7], "t")]
+    r1 = [SaveJob("a", [10, 11], [0, 1], "t", g4_only=True), SaveJob("a", [16], [6], "t"),
+          SaveJob("b", [30, 31], [20, 21], "t", g4_only=True)]
+    for plans in ([r0, r1], [r0, r1, r1]):
+        kept, withheld = agree_plans(plans)
+        assert kept == [SaveJob("a", [10, 11, 12, 13], [0, 1, 2, 3], "t", g4_only=True), SaveJob("a", [16], [6], "t"),
+                        SaveJob("b", [30, 31], [20, 21], "t", g4_only=True)], kept
+        assert withheld == {("a", "t", 0, 17, 7, b"")}, withheld
+    # rank 1's plan first: its jobs first, rank 0's G4-only blocks 2-3 after them
+    kept, _ = agree_plans([r1, r0])
+    assert kept == [SaveJob("a", [10, 11], [0, 1], "t", g4_only=True), SaveJob("a", [16], [6], "t"),
+                    SaveJob("b", [30, 31], [20, 21], "t", g4_only=True),
+                    SaveJob("a", [12, 13], [2, 3], "t", g4_only=True)]
+
+
+def test_handoff_promise_is_cut_only_at_withheld_ordinary_saves(tmp_path):
+    """The promise cut every rank applies after the agreement (:func:`tp_sched.cut_promises`), on a real scheduler
+    side (G3 and a file:// G4; no TP group needed for the cut itself): blocks 2-3 offered G4-only on every rank (only
+    rank 0 planned them) cut nothing, N = 10; an ordinary save of block 7 only rank 0 planned, withheld, cuts N to 7
+    (counted). Rank 1's request without a hand-off is never cut."""
+    pytest.importorskip("vllm")
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.handoff import KEY
+    from kvbm_backend.integrations.vllm.metadata import SaveJob
+    from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+    from kvbm_backend.integrations.vllm.tp_sched import agree_plans, cut_promises
+
+    ns, g3, g4 = _tiers(0, str(tmp_path), "el-saves-cut")
+    try:
+        side = SchedulerSide(ns, BS, g3, g4)
+        assert side.hands_off
+        promised = []
+        for rid, ordinary in (("a", 2), ("b", 1)):  # rank 1 planned blocks 6-7 ordinary for a, block 6 for b
+            req = _handoff_request(rid, 10)
+            hs = [int(h) for h in side._state(req).hashes]
+            r0 = [SaveJob(rid, [10, 11, 12, 13], hs[:4], TENANT, g4_only=True),
+                  SaveJob(rid, [16, 17], hs[6:8], TENANT)]
+            r1 = [SaveJob(rid, [10, 11], hs[:2], TENANT, g4_only=True),
+                  SaveJob(rid, [16, 17][:ordinary], hs[6:6 + ordinary], TENANT)]
+            _, withheld = agree_plans([r0, r1])
+            before = stats.get("handoff_promise_cut_blocks") or 0
+            cut_promises(side.promises, side._reqs, withheld)
+            promised.append((side.request_finished(req, [])[1][KEY]["blocks"],
+                             (stats.get("handoff_promise_cut_blocks") or 0) - before))
+        assert promised == [(10, 0), (7, 3)], promised
+        plain = SimpleNamespace(request_id="c", prompt_token_ids=list(range(10 * BS + 1)), cache_salt=TENANT,
+                                lora_request=None, kv_transfer_params=None)
+        side._state(plain)
+        cut_promises(side.promises, side._reqs, {("c", TENANT, 0, 10, 1, b"")})
+        assert side.request_finished(plain, []) == (False, None)
+    finally:
+        g3.close()
+        g4.close()
+
+
+def test_local_hit_saves_are_counted_as_offered_without_tp(tmp_path):
+    """Without a TP group the offered plan is the planned one: the engine's prefix-cache blocks G3 lacks (5 of 6:
+    G3 holds block 0) are counted ``save_local_hit_blocks`` at the step that offers them, as before the count moved
+    to :func:`tp_sched.offer`; a later step offers none of them again and counts none."""
+    pytest.importorskip("vllm")
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+
+    ns, g3, _ = _tiers(0, str(tmp_path), "el-saves-local", g4=False)
+    try:
+        side = SchedulerSide(ns, BS, g3, None)
+        a = SimpleNamespace(request_id="a", prompt_token_ids=list(range(100, 100 + 6 * BS + 1)), cache_salt=TENANT,
+                            lora_request=None, kv_transfer_params=None)
+        _fill(g3, ns, [int(h) for h in side._state(a).hashes][:1])
+        assert side.get_num_new_matched_tokens(a, 6 * BS) == (0, False)
+        side.update_state_after_alloc(a, None, 0)
+        before = stats.get("save_local_hit_blocks") or 0
+        meta = side.build_connector_meta(_step([("a", list(range(10, 17)), 6 * BS)], {"a": 1}))
+        assert [j.block_ids for j in meta.saves] == [[11, 12, 13, 14, 15]]
+        assert (stats.get("save_local_hit_blocks") or 0) - before == 5
+        side.build_connector_meta(_step([], {}))
+        assert (stats.get("save_local_hit_blocks") or 0) - before == 5
+    finally:
+        g3.close()
 
 
 def test_save_plan_records_round_trip_and_refuse_truncated_bytes():
@@ -512,6 +622,65 @@ def test_staging_rooms_records_round_trip_and_refuse_malformed_bytes():
         split_rooms(b"kvL1" + blob[4:])
     with pytest.raises(ValueError, match="truncated"):
         split_rooms(encode_rooms({"fp": 1})[:-3])
+    # a room past 8 bytes (a max_pending_save_bytes meant as "no bound") is sent as the most 8 bytes carry
+    assert split_rooms(encode_rooms({"fp": 10**20}))[0] == {"fp": 2**64 - 1}
+
+
+def _one_rank_group():
+    """``(vLLM-shaped TP group of one rank over gloo, whether this call initialised torch.distributed)``."""
+    torch = pytest.importorskip("torch")
+    from tests.helpers.prom import free_port
+    dist = torch.distributed
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    return SimpleNamespace(world_size=1, cpu_group=dist.group.WORLD, rank_in_group=0), own
+
+
+def test_a_staging_bound_past_64_bits_goes_through_the_load_result_gather():
+    """A ``max_pending_save_bytes`` the config accepts of 2**64 bytes or more (a huge number meant as "no bound"): on
+    the old code ``encode_rooms`` raised ``struct.error: argument out of range`` from every ``get_finished`` of every
+    rank (outside the agreement's try), so the engine died at its first step. Now the room is clamped to what 8 bytes
+    carry and the agreed budget is set. A TP group of one over gloo (the gather is the same collective)."""
+    pytest.importorskip("vllm")  # tp_agree imports the connector's metadata (vLLM)
+    import torch.distributed as dist
+
+    from kvbm_backend.integrations.vllm.extra_config import config_from_extra
+    from kvbm_backend.integrations.vllm.offloads import Offloads
+    from kvbm_backend.integrations.vllm.tp_agree import TpLoadAgree
+    from kvbm_backend.model.layout import KvLayout
+    from kvbm_backend.model.namespace import Namespace
+
+    huge = config_from_extra({"max_pending_save_bytes": 10**20})[1]["max_pending_save_bytes"]
+    assert huge == 10**20  # accepted
+    ns = Namespace("kvbm-backend/el-saves-huge-room", KvLayout(2, 2, BS, 64, "bfloat16"), tp_world_size=2)
+    group, own = _one_rank_group()
+    o = Offloads(ns, 0, None, None, max_pending_bytes=huge)
+    try:
+        assert TpLoadAgree(group).agree(set(), set(), set(), []) == (set(), set())
+        assert o.budget == 2**64 - 1
+    finally:
+        o.close()
+        if own:
+            dist.destroy_process_group()
+
+
+def test_load_results_that_cannot_be_encoded_are_a_named_runtime_error():
+    """A rank's load results that do not fit their records (here a negative engine block id) are a RuntimeError
+    naming what could not be encoded, as the agreement's other failures are (on the old code the raw
+    ``struct.error`` escaped), and nothing is exchanged."""
+    pytest.importorskip("vllm")
+    import torch.distributed as dist
+
+    from kvbm_backend.integrations.vllm.tp_agree import TpLoadAgree
+
+    group, own = _one_rank_group()
+    try:
+        with pytest.raises(RuntimeError, match="load results .* could not be encoded"):
+            TpLoadAgree(group).agree(set(), set(), {-1}, [])
+    finally:
+        if own:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # argv: rank, port, output JSON, root, mode
