@@ -39,11 +39,12 @@ prefill response to the decode request):
   when F, T or S differ from its own (the blocks are under names it never reads: a prefill worker of another
   TP size, dtype, revision or reset epoch, with another default tenant, or a decode request naming another
   cache_salt or LoRA adapter than its prefill request): served at once, counted ``handoff_identity_mismatches``,
-  one WARNING per pair of values. T is sent only by a pool with a keyring (an unkeyed pseudonym would let a
-  client confirm a guessed tenant id), so F without T is a prefill worker whose G4 has none: its blocks are
-  under unkeyed names, which a decode worker with a keyring never reads, a tenant mismatch there (before
-  2026-12-03 waited ``handoff_wait_s``); two workers without a keyring compare no T. Params without F, T or S
-  (older prefill workers; S since 2026-12-03) are not compared on the fields they lack: waited for as before.
+  one WARNING per pair of values (each field its own budget: :func:`_mismatch`). T is sent only by a pool with a
+  keyring (an unkeyed pseudonym would let a client confirm a guessed tenant id), so F without T is a prefill
+  worker whose G4 has none: its blocks are under unkeyed names, which a decode worker with a keyring never reads,
+  a tenant mismatch there (before 2026-12-03 waited ``handoff_wait_s``); two workers without a keyring compare no T.
+  Params without F, T or S (older prefill workers; S since 2026-12-03) are not compared on the fields they lack:
+  waited for as before.
   A decode request that also carries NIXL's ``do_remote_prefill`` (:func:`remote_prefill`; a ``MultiConnector``
   merges both connectors' params) is not waited for: NIXL brings its KV.
 
@@ -297,8 +298,10 @@ def _count(x: Any) -> int | None:
 
 
 _IDENT_FIELDS = ("namespace", "tenant", "salt")
+#: pairs of values logged at first sight, per field (F, T, S each its own: S pairs vary per request, a flood of them
+#: never hides a namespace or tenant misconfiguration); later pairs of a field by the ``identity_<field>`` rate limit
 _MAX_WARNED_PAIRS = 256
-_warned_pairs: set[tuple[str, str, str]] = set()  # (field, theirs, ours) already logged (bounded)
+_warned_pairs: dict[str, set[tuple[str, str]]] = {}  # field -> (theirs, ours) already logged (bounded per field)
 _WHAT = {"namespace": "G4 namespace (model, revision, dtype, KV layout, TP size: both workers need the same, "
                       "or g4.layout: canonical)",
          "tenant": "tenant (pseudonym prefix; the request's cache_salt, else each worker's default tenant)",
@@ -320,34 +323,40 @@ def _differs(f: str, v: dict, mine: str | None) -> bool:
 def _mismatch(request: Any, v: dict, ours: dict[str, str] | None) -> bool:
     """The handoff's identity fields name another namespace, tenant or request salt than ``ours`` (:func:`identity`
     of this engine with the request's ``salt``; None or no G4: it can load nothing a prefill worker wrote, so any
-    identity mismatches), as :func:`_differs` judges them. Logged at WARNING once per pair of values (the first
-    :data:`_MAX_WARNED_PAIRS` pairs; later ones by the ``identity`` rate limit)."""
+    identity mismatches), as :func:`_differs` judges them; counted ``handoff_identity_mismatches``. Logged at
+    WARNING once per pair of values, per field (F, T, S: the first :data:`_MAX_WARNED_PAIRS` pairs of each; later
+    ones of a field by its own ``identity_<field>`` rate limit, one a minute), so per-request salt pairs never use up
+    the lines of a namespace or tenant mismatch."""
     for f in _IDENT_FIELDS:
         mine = (ours or {}).get(f)
         if not _differs(f, v, mine):
             continue
         stats.add(handoff_identity_mismatches=1)
         theirs = v.get(f)
-        pair = (f, reprlib.repr(theirs) if theirs is not None else "none (its G4 has no keyring)", str(mine))
+        pair = (reprlib.repr(theirs) if theirs is not None else "none (its G4 has no keyring)", str(mine))
+        if mine is None:  # no G4 (no F, no T), or a G4 without a keyring (no T); S is never compared to None
+            mine = "none (its G4 has no keyring)" if (ours or {}).get("namespace") is not None else "none (no G4)"
         text = ("kvbm_backend handoff: request %s was prefilled under %s %s, this engine's is %s: the prefill "
                 "worker's blocks are not ones this worker reads; served without waiting")
-        args = (getattr(request, "request_id", "?"), _WHAT[f], pair[1], mine if mine is not None else "none (no G4)")
-        if pair not in _warned_pairs and len(_warned_pairs) < _MAX_WARNED_PAIRS:
-            _warned_pairs.add(pair)
+        args = (getattr(request, "request_id", "?"), _WHAT[f], pair[0], mine)
+        seen = _warned_pairs.setdefault(f, set())
+        if pair not in seen and len(seen) < _MAX_WARNED_PAIRS:
+            seen.add(pair)
             log.warning(text, *args)
-        elif pair not in _warned_pairs:
-            LOG.warning("identity", text, *args)
+        elif pair not in seen:
+            LOG.warning(f"identity_{f}", text, *args)
         return True
     return False
 
 
 def expected_blocks(request: Any, block_size: int, ours: dict[str, str] | None = None) -> int | None:
     """The decode side: how many leading blocks the prefill worker offloaded for this request, or None when
-    the request carries no handoff (or one for another block size, or for another G4 namespace or tenant than
-    ``ours``, :func:`identity` of this engine: those cannot be matched, so the request is served like any
-    other, no wait). Values come from the client's request: anything but a plain int >= 0 (and >= 1 for
-    ``block_size``), or an identity field that is not a string, is malformed, served without waiting and
-    logged with a bounded description. Called once per request (the scheduler keeps the answer)."""
+    the request carries no handoff (or one for another block size, or for another G4 namespace, tenant or request
+    salt than ``ours``, :func:`identity` of this engine with the request's salt S: those cannot be matched, so the
+    request is served like any other, no wait, counted ``handoff_identity_mismatches``: :func:`_mismatch`). Values
+    come from the client's request: anything but a plain int >= 0 (and >= 1 for ``block_size``), or an identity field
+    that is not a string, is malformed, served without waiting and logged with a bounded description. Called once
+    per request (the scheduler keeps the answer)."""
     v = _params(request).get(KEY)
     if not isinstance(v, dict):
         return None

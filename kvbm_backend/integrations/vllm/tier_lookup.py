@@ -325,8 +325,11 @@ class TenantLookup(AsyncLookupManager):
             self._memo.changed(st.request_ids)
 
     def stored(self, keys: Collection[OffloadKey], tenant: str) -> None:
-        """Scheduler thread: ``tenant``'s chunks ``keys`` are stored and published (a store job reported finished):
-        a live request's cached miss of one is asked again at its next lookup (:meth:`lookup`)."""
+        """Scheduler thread: what this tier holds of ``tenant``'s chunks ``keys`` may have changed, so a live request's
+        cached miss of one is asked again at its next lookup (:meth:`lookup`). Called when a store job of them reported
+        finished (stored and published), when this tier's own load of them failed (:meth:`mark_miss_for`), and for a
+        tier below one whose load of them failed (:func:`.tier_gaps.failed_load`: a miss judged "held above" may be
+        one no longer). No I/O, never raises."""
         for k in keys:
             pair = cast(Any, (k, tenant))
             st = self._lookup_state.get(pair)

@@ -591,3 +591,74 @@ def test_a_decode_request_with_another_lora_or_cache_salt_than_its_prefill_is_no
     # params without S (an older prefill worker): not compared, waited for
     older = {KEY: {k: v for k, v in pre[KEY].items() if k != "salt"}}
     assert expected_blocks(lora("d5", older, "chat"), BS, handoff.identity(g4, "", 1)) == 6
+
+
+def test_a_flood_of_salt_mismatches_never_hides_a_namespace_mismatchs_warning(tiers, tmp_path, caplog):
+    """Review finding (2026-12-03, H20): the mismatch WARNINGs were one per pair of values with one budget for every
+    field (the first 256 pairs, later ones once a minute under one ``identity`` key). S pairs vary per request (any
+    decode request naming another cache_salt or LoRA adapter than its prefill), so they filled it, and a namespace
+    (F) misconfiguration found later got no WARNING of its own. Now F, T and S each have their own; every mismatch is
+    still counted."""
+    ns, g3, g4, hs, blocks = tiers
+    handoff._warned_pairs.clear()
+
+    def lora(rid, params, name):
+        return SimpleNamespace(**{**vars(_req(rid, params)),
+                                  "lora_request": SimpleNamespace(lora_name=name, lora_path=f"/adapters/{name}")})
+
+    prefill, p = SchedulerSide(ns, BS, None, g4), lora("p", {KEY: True}, "sql")
+    prefill.get_num_new_matched_tokens(p, len(TOKS))  # (the request's state, and so its salt, is made at its lookup)
+    pre = prefill.request_finished(p, [])[1]
+    assert "salt" in pre[KEY]
+    dec = SchedulerSide(ns, BS, None, g4, handoff_wait_s=600.0)
+    mism = stats.get("handoff_identity_mismatches")
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
+        for i in range(300):  # 300 decode requests, each naming another adapter than the prefill's: 300 S pairs
+            dec.get_num_new_matched_tokens(lora(f"s{i}", pre, f"a{i}"), len(TOKS))
+            assert dec._reqs[f"s{i}"].handoff_want is None
+        salt_msgs = [r.getMessage() for r in caplog.records if "request salt" in r.getMessage()]
+        assert 256 <= len(salt_msgs) < 300  # the first 256 pairs, then S's own once-a-minute line
+        # then a prefill worker of another TP size (per-rank layout: another namespace) over the same store
+        tp2 = Namespace("m", ns.layout, tp_world_size=2)
+        cfg = load_config({"g3": {"enabled": False},
+                           "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False,
+                                  "keyring": {"path": str(tmp_path / "keys" / "kr.json")}}}, use_env=False)
+        _, g4_tp2 = open_tiers(cfg, tp2)
+        try:
+            other = SchedulerSide(tp2, BS, None, g4_tp2).request_finished(lora("p2", {KEY: True}, "sql"), [])[1]
+        finally:
+            g4_tp2.close()
+        dec.get_num_new_matched_tokens(lora("n1", other, "sql"), len(TOKS))
+        assert dec._reqs["n1"].handoff_want is None
+    ns_msgs = [r.getMessage() for r in caplog.records if "G4 namespace" in r.getMessage()]
+    # before: the namespace pair found the 256 slots full and the shared once-a-minute key just used by S: not logged
+    assert len(ns_msgs) == 1 and tp2.fingerprint in ns_msgs[0] and ns.fingerprint in ns_msgs[0], ns_msgs
+    assert "n1" in ns_msgs[0]
+    assert stats.get("handoff_identity_mismatches") == mism + 301  # every one counted
+
+
+def test_a_tenant_mismatch_names_a_decode_g4_without_a_keyring_as_such(tiers, tmp_path, caplog):
+    """Review finding (2026-12-03, H20): a prefill worker with a keyring sends T; a decode worker whose G4 has none
+    has no T, and its WARNING said "this engine's is none (no G4)", sending the operator to look for a G4 that is
+    there. It now says "none (its G4 has no keyring)"; a decode worker without G4 still says "none (no G4)"."""
+    ns, g3, g4, hs, blocks = tiers
+    handoff._warned_pairs.clear()
+    pre = SchedulerSide(ns, BS, None, g4).request_finished(_req("p", {KEY: True}), [])[1]
+    assert "tenant" in pre[KEY]
+    dg4 = _unkeyed_g4(tmp_path, "g4-decode")
+    try:
+        dec = SchedulerSide(ns, BS, None, dg4, handoff_wait_s=600.0)
+        with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
+            dec.get_num_new_matched_tokens(_req("d1", pre), len(TOKS))
+        assert dec._reqs["d1"].handoff_want is None
+    finally:
+        dg4.close()
+    msgs = [r.getMessage() for r in caplog.records if "prefilled under" in r.getMessage()]
+    assert len(msgs) == 1 and "tenant" in msgs[0] and pre[KEY]["tenant"] in msgs[0], msgs
+    assert "this engine's is none (its G4 has no keyring)" in msgs[0], msgs  # before: "none (no G4)"
+    # no G4 at all (the identity of an engine without one): still "none (no G4)"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
+        assert expected_blocks(_req("d2", pre), BS, handoff.identity(None, "")) is None
+    msgs = [r.getMessage() for r in caplog.records if "prefilled under" in r.getMessage()]
+    assert len(msgs) == 1 and "this engine's is none (no G4)" in msgs[0], msgs
