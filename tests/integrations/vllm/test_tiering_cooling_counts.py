@@ -25,12 +25,12 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
+from tests.helpers.tier_counts import G4Counts, cool_keys, counted  # noqa: E402
 from tests.integrations.vllm import test_tiering  # noqa: E402
 from tests.integrations.vllm.test_tiering import GEO, HANG_S, MOD, g3_tier, keys_for, payloads  # noqa: E402
 from tests.integrations.vllm.test_tiering_counts import _g4_tier  # noqa: E402
 from tests.integrations.vllm import test_tiering_revoked  # noqa: E402
 from tests.integrations.vllm.test_tiering_revoked import NEVER_S, _check, _ctx, _keys  # noqa: E402
-from tests.integrations.vllm.test_tiering_lookup_once import _G4Counts, _cool, _g3  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 harnesses = test_tiering.harnesses  # the fixture: TieringHarness makers, shut down after the test
@@ -52,17 +52,17 @@ def test_a_chunk_g3_cools_and_g4_serves_counts_a_g3_miss_and_a_g4_hit(tmp_path, 
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3t, g4t = h.manager.secondary_tiers
     keys = keys_for(2, "g3-cooling")
-    _cool(h, g3t, keys, 600.0)
+    cool_keys(h, g3t, keys, 600.0)
     data = payloads(h, 2, seed=7)
     h.store(keys, data)  # both put them (G3 does not publish its cooling chunks)
     h.wait_idle(timeout=HANG_S)
     assert all(g3t.pool.contains(bk) for k in keys for bk in g3t._block_keys(k, ""))
     h.reset_primary()
-    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    b3, c4 = counted(g3t), G4Counts(g4t)
     got = h.load(keys, timeout=HANG_S)
     assert len(got) == 2 and all(np.array_equal(x, d) for x, d in zip(got, data))  # from G4
     h.step()
-    assert _delta(_g3(g3t), b3) == (2, 0)  # before: (2, 2)
+    assert _delta(counted(g3t), b3) == (2, 0)  # before: (2, 2)
     assert c4() == (2, 2)  # before: (0, 0)
     assert _cooling(g3t) == 2
 
@@ -75,18 +75,18 @@ def test_g4_looks_past_its_gap_at_a_chunk_g3_holds_but_cools(tmp_path, harnesses
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3t, g4t = h.manager.secondary_tiers
     keys = keys_for(2, "g3-past-gap")
-    _cool(h, g3t, keys[1:], 600.0)
+    cool_keys(h, g3t, keys[1:], 600.0)
     data = payloads(h, 2, seed=8)
     h.store(keys, data)
     h.wait_idle(timeout=HANG_S)
     assert g4t.pool.delete(g4t._block_keys(keys[0], "")).result(timeout=HANG_S) == 1  # G4 lacks chunk 0
     h.reset_primary()
-    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    b3, c4 = counted(g3t), G4Counts(g4t)
     got = h.load(keys, timeout=HANG_S)
     assert len(got) == 2  # before: 1 (chunk 1 recomputed)
     assert all(np.array_equal(x, d) for x, d in zip(got, data))
     h.step()
-    assert _delta(_g3(g3t), b3) == (2, 1)
+    assert _delta(counted(g3t), b3) == (2, 1)
     assert c4() == (1, 1)
     assert _cooling(g3t) == 1
 
@@ -98,8 +98,8 @@ def test_a_lone_tier_counts_its_cooling_miss_once_per_request(tmp_path, harnesse
     h = harnesses([g3_tier(tmp_path / "g3")])
     g3t = h.tier
     keys = keys_for(2, "alone")
-    _cool(h, g3t, keys, 600.0)
-    b3 = _g3(g3t)
+    cool_keys(h, g3t, keys, 600.0)
+    b3 = counted(g3t)
     ctx = h.context()
     h.manager.on_new_request(ctx)
     assert h.lookup_prefix(keys, ctx, timeout=HANG_S) == 0
@@ -107,7 +107,7 @@ def test_a_lone_tier_counts_its_cooling_miss_once_per_request(tmp_path, harnesse
     assert h.lookup_prefix(keys, ctx, timeout=HANG_S) == 0  # asked again: not counted again
     h.manager.on_request_finished(ctx)
     h.step()
-    assert _delta(_g3(g3t), b3) == (1, 0)  # before: (0, 0)
+    assert _delta(counted(g3t), b3) == (1, 0)  # before: (0, 0)
     assert _cooling(g3t) == 1  # before: no such counter
 
 
@@ -119,11 +119,11 @@ def test_g4_counts_its_cooling_miss_unless_g3_above_served_the_chunk(tmp_path, h
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3t, g4t = h.manager.secondary_tiers
     keys = keys_for(2, "g4-cooling")
-    _cool(h, g4t, keys, 600.0)
-    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    cool_keys(h, g4t, keys, 600.0)
+    b3, c4 = counted(g3t), G4Counts(g4t)
     assert h.load(keys, timeout=HANG_S) == []
     h.step()
-    assert _delta(_g3(g3t), b3) == (2, 0)
+    assert _delta(counted(g3t), b3) == (2, 0)
     assert c4() == (2, 0)  # before: (0, 0)
     assert _cooling(g4t) == 2
     data = payloads(h, 2, seed=9)
@@ -133,7 +133,7 @@ def test_g4_counts_its_cooling_miss_unless_g3_above_served_the_chunk(tmp_path, h
     got = h.load(keys, timeout=HANG_S)
     assert len(got) == 2 and all(np.array_equal(x, d) for x, d in zip(got, data))
     h.step()
-    assert _delta(_g3(g3t), b3) == (4, 2)
+    assert _delta(counted(g3t), b3) == (4, 2)
     assert c4() == (2, 0)
     assert _cooling(g4t) == 4
 
@@ -151,11 +151,11 @@ def test_a_g3_tier_above_refusing_a_revoked_tenant_is_not_counted_in_its_pool(tm
     assert g3t._revoked is not None  # G3 follows G4's keyring
     _keys("acme", "revoke", kr=kr)
     _check(g3t)
-    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    b3, c4 = counted(g3t), G4Counts(g4t)
     assert h.load(keys_for(2, "refused-above"), ctx=_ctx(h, "acme"), timeout=HANG_S) == []
     h.step()
     assert g3t.kvbm_stats()["tier"]["lookup_g3_revoked"] == 1
-    assert _g3(g3t) == b3  # before: (2, 0) more
+    assert counted(g3t) == b3  # before: (2, 0) more
     assert c4() == (2, 0)
 
 
@@ -171,7 +171,7 @@ def test_the_request_whose_load_failed_is_not_counted_again_for_the_cooling_miss
     h.store(keys, payloads(h, 2, seed=10))
     h.wait_idle(timeout=HANG_S)
     h.reset_primary()
-    b3 = _g3(g3t)
+    b3 = counted(g3t)
     ctx = h.context()
     h.manager.on_new_request(ctx)
     for i, k in enumerate(keys):
@@ -192,7 +192,7 @@ def test_the_request_whose_load_failed_is_not_counted_again_for_the_cooling_miss
     assert h.lookup_prefix(keys, ctx, timeout=HANG_S) == 0
     h.manager.on_request_finished(ctx)
     h.step()
-    assert _delta(_g3(g3t), b3) == (2, 2)  # its own lookup's; the cooling miss not counted again
+    assert _delta(counted(g3t), b3) == (2, 2)  # its own lookup's; the cooling miss not counted again
     assert _cooling(g3t) == 1
 
 
@@ -262,10 +262,10 @@ def test_g4_serves_a_chunk_g3_cools_while_an_earlier_request_holds_g4s_cached_mi
     if not a_alive:
         h.manager.on_request_finished(a)
         h.step()
-    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    b3, c4 = counted(g3t), G4Counts(g4t)
     got = h.load(keys, ctx=h.context("req-b"), timeout=HANG_S)
     assert len(got) == 2, f"{len(got)} chunk(s) loaded: chunk 1 recomputed although G4 holds it (G4's stale miss)"
     assert all(np.array_equal(x, d) for x, d in zip(got, data))
     h.step()
-    assert _delta(_g3(g3t), b3) == ((1, 0) if how == "gone" else (2, 1))  # gone: chunk 0 in the primary (A's)
+    assert _delta(counted(g3t), b3) == ((1, 0) if how == "gone" else (2, 1))  # gone: chunk 0 in the primary (A's)
     assert c4() == (1, 1)

@@ -9,14 +9,13 @@ up is credited to the tier that loads the chunk, when its load ends: each loaded
 vLLM's real offloading spec and manager, a real G3 directory, a file:// G4 store."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
 from kvbm_backend import metrics  # noqa: E402
+from tests.helpers.tier_counts import counted, step_until  # noqa: E402
 from tests.integrations.vllm import test_tiering  # noqa: E402
 from tests.integrations.vllm.test_tiering import GEO, HANG_S, g3_tier, keys_for, payloads  # noqa: E402
 from tests.integrations.vllm.test_tiering_counts import _g4_tier  # noqa: E402
@@ -28,21 +27,6 @@ harnesses = test_tiering.harnesses  # the fixture: TieringHarness makers, shut d
 
 def _hits(tier) -> int:
     return tier.pool.stats().get("lookup_hits", 0)
-
-
-def _blocks(tier) -> tuple[int, int]:
-    """The tier's pool lookup counters: ``(lookup_blocks, lookup_hits)`` (the hit rate's denominator, numerator)."""
-    s = tier.pool.stats()
-    return s.get("lookup_blocks", 0), s.get("lookup_hits", 0)
-
-
-def _until(cond, h) -> None:
-    """Step until ``cond()`` (a hang guard, not a bound)."""
-    end = time.monotonic() + HANG_S
-    while not cond():
-        assert time.monotonic() < end, "never came"
-        h.step()
-        time.sleep(0.001)
 
 
 def _held_in_g4_only(harnesses, tmp_path, keys, seed: int) -> list:
@@ -122,10 +106,10 @@ def test_a_chunk_g4_answered_but_g3_loaded_is_credited_to_g3(tmp_path, harnesses
     # chunk 0: posted to G3 and G4 (RETRY); chunk 1: G3 re-asks its miss (RETRY), G4 answers A's HIT, no room: MISS
     assert [h.manager.lookup(k, b) for k in keys] == [LookupResult.RETRY, LookupResult.MISS]
     h.step()
-    _until(lambda: all(g3.lookup(k, b) is LookupResult.HIT for k in keys), h)  # G3's answers in, the primary full
+    step_until(lambda: all(g3.lookup(k, b) is LookupResult.HIT for k in keys), h)  # G3's answers in, the primary full
     h.manager.complete_store(out.keys_to_store, pin, False)  # the pinned stores failed: their chunks are free
     h.manager.on_request_finished(pin)
-    _until(lambda: _resolved(h, keys, b), h)  # both promoted from G3 (its HIT answers first), then loaded
+    step_until(lambda: _resolved(h, keys, b), h)  # both promoted from G3 (its HIT answers first), then loaded
     got = _load(h, keys, b, b)
     assert all(np.array_equal(a, d) for a, d in zip(got, data))
     loaded = tuple(t.kvbm_stats()["tier"]["chunks_loaded"] - n0 for t, n0 in ((g3, l3), (g4, l4)))
@@ -154,9 +138,9 @@ def test_a_g3_verdict_taken_up_while_g4_counted_the_request_is_credited_once(tmp
     assert [h.manager.lookup(k, a) for k in keys] == [LookupResult.RETRY] * 2  # posted to G3 only
     assert [h.manager.lookup(k, b) for k in keys] == [LookupResult.RETRY] * 2  # G3: A's, pending; G4: posted
     h.step()
-    _until(lambda: all(g3.lookup(k, a) is LookupResult.HIT for k in keys)
-           and all(g4.lookup(k, b) is LookupResult.HIT for k in keys), h)  # every answer in (G4's counted B)
-    _until(lambda: _resolved(h, keys, b), h)  # B first: promoted from G3 on A's verdicts, loaded
+    step_until(lambda: all(g3.lookup(k, a) is LookupResult.HIT for k in keys)
+               and all(g4.lookup(k, b) is LookupResult.HIT for k in keys), h)  # every answer in (G4's counted B)
+    step_until(lambda: _resolved(h, keys, b), h)  # B first: promoted from G3 on A's verdicts, loaded
     assert _resolved(h, keys, a)  # A finds them in the primary tier
     got = _load(h, keys, b, b, a)
     assert all(np.array_equal(x, d) for x, d in zip(got, data))
@@ -177,18 +161,18 @@ def test_a_g3_miss_taken_up_while_g4_counted_the_request_is_counted_once(tmp_pat
 
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3, g4 = h.manager.secondary_tiers
-    b3, b4 = _blocks(g3), _blocks(g4)
+    b3, b4 = counted(g3), counted(g4)
     a, b = _local_and_any(h, keys, "miss-a")
     assert [h.manager.lookup(k, a) for k in keys] == [LookupResult.RETRY] * 2  # posted to G3 only
     assert [h.manager.lookup(k, b) for k in keys] == [LookupResult.RETRY] * 2  # G3: A's, pending; G4: posted
     h.step()
-    _until(lambda: all(g3.lookup(k, a) is LookupResult.MISS for k in keys)
-           and all(g4.lookup(k, b) is LookupResult.HIT for k in keys), h)
-    _until(lambda: _resolved(h, keys, b), h)  # B: G3's (A's) miss taken up, then loaded from G4
+    step_until(lambda: all(g3.lookup(k, a) is LookupResult.MISS for k in keys)
+               and all(g4.lookup(k, b) is LookupResult.HIT for k in keys), h)
+    step_until(lambda: _resolved(h, keys, b), h)  # B: G3's (A's) miss taken up, then loaded from G4
     got = _load(h, keys, b, b, a)
     assert all(np.array_equal(x, d) for x, d in zip(got, data))
-    d3 = tuple(x - y for x, y in zip(_blocks(g3), b3))
-    d4 = tuple(x - y for x, y in zip(_blocks(g4), b4))
+    d3 = tuple(x - y for x, y in zip(counted(g3), b3))
+    d4 = tuple(x - y for x, y in zip(counted(g4), b4))
     assert (d3, d4[1]) == ((4, 0), 2)  # G3: A's 2 chunks and B's 2, none found; G4 found B's 2
 
 
@@ -205,7 +189,7 @@ def test_a_load_of_a_request_that_ended_credits_nothing_and_is_not_kept(tmp_path
     h.store(keys, data)
     h.wait_idle(timeout=HANG_S)
     h.reset_primary()
-    b3 = _blocks(g3)
+    b3 = counted(g3)
 
     gone = h.context()
     g3.on_request_finished(gone)  # ended before the load was submitted
@@ -214,7 +198,7 @@ def test_a_load_of_a_request_that_ended_credits_nothing_and_is_not_kept(tmp_path
     assert [r.success for r in g3.get_finished_jobs()] == [True]
     assert all(np.array_equal(h.primary[c, :h.chunk_bytes], d) for c, d in zip((0, 1), data))
     h.step()  # the tiers' flush: what is due is counted
-    assert _blocks(g3) == b3  # before: (2, 2) more
+    assert counted(g3) == b3  # before: (2, 2) more
 
     live = h.context()
     assert [g3.lookup(k, live) for k in keys] == [LookupResult.RETRY] * 2  # the request asks G3 (not G4)
@@ -224,4 +208,4 @@ def test_a_load_of_a_request_that_ended_credits_nothing_and_is_not_kept(tmp_path
     g3.drain_jobs()
     assert [r.success for r in g3.get_finished_jobs()] == [True]
     h.step()
-    assert _blocks(g3) == b3
+    assert counted(g3) == b3

@@ -28,7 +28,6 @@ a real G3 directory, a file:// G4 store, a keyring changed by the ``kvbm-backend
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -36,11 +35,11 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, TierFilter, TierMatcher  # noqa: E402
-from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 
 from kvbm_backend.integrations.vllm import tier_lookup  # noqa: E402
 from kvbm_backend.integrations.vllm.failed_blocks import FailedChunks  # noqa: E402
 from kvbm_backend.integrations.vllm.tier_base import offload_key_hash  # noqa: E402
+from tests.helpers.tier_counts import G4Counts, ask, cool_keys, counted, step_until  # noqa: E402
 from tests.integrations.vllm import test_tiering  # noqa: E402
 from tests.integrations.vllm.test_tiering import GEO, HANG_S, MOD, g3_tier, keys_for, payloads  # noqa: E402
 from tests.integrations.vllm.test_tiering_counts import _g4_tier  # noqa: E402
@@ -53,39 +52,6 @@ kek = test_tiering_revoked.kek  # the fixture: the KEK file beside the keyring, 
 ACME = "acme"
 
 
-def _g3(tier) -> tuple[int, int]:
-    """G3's request lookup counters: ``(lookup_blocks, lookup_hits)`` (its hit rate's denominator, numerator)."""
-    s = tier.pool.stats()
-    return s.get("lookup_blocks", 0), s.get("lookup_hits", 0)
-
-
-class _G4Counts:
-    """G4's request lookups counted since construction: ``(requested, found)`` chunks, summed over its hit-rate
-    window's new entries (one per counted lookup: ``lookups`` moves by one each)."""
-
-    def __init__(self, tier) -> None:
-        self.tier, self.n0 = tier, tier.pool.stats().get("lookups", 0)
-
-    def __call__(self) -> tuple[int, int]:
-        k = self.tier.pool.stats().get("lookups", 0) - self.n0
-        new = list(self.tier.pool.metrics.hit_rate._win)[-k:] if k else []
-        assert len(new) == k
-        return sum(r for r, _ in new), sum(f for _, f in new)
-
-
-def _ask(h, keys, ctx) -> list:
-    return [h.manager.lookup(k, ctx) for k in keys]
-
-
-def _until(cond, h) -> None:
-    """Step until ``cond()`` (a hang guard, not a bound)."""
-    end = time.monotonic() + HANG_S
-    while not cond():
-        assert time.monotonic() < end, "never came"
-        h.step()
-        time.sleep(0.001)
-
-
 def _started(h, keys, ctx):
     for i, k in enumerate(keys):
         ctx.set_offload_key_position(k, i + 1)
@@ -96,19 +62,6 @@ def _started(h, keys, ctx):
 def _only(h, rid: str, locality: Locality):
     """A started request whose load tier filter allows storage of ``locality`` only (G3 LOCAL, G4 REMOTE)."""
     return ReqContext(req_id=rid, load_tier_filter=TierFilter((TierMatcher(Medium.STORAGE, locality),)))
-
-
-def _cool(h, tier, keys, cooldown_s: float) -> None:
-    """Make ``tier`` fail a load of ``keys`` (the default tenant's; the tier does not hold them), so they cool for
-    ``cooldown_s`` seconds: the tier answers their lookups misses without asking its pool meanwhile. The tier's
-    failed-chunk record is a real :class:`FailedChunks` with that cool-down (the default, 30 s, is the connector's)."""
-    tier._failed = FailedChunks(offload_key_hash, cooldown_s=cooldown_s)
-    tier.submit_load(TransferJob(990, keys, np.arange(len(keys)), True, h.context()))
-    end = time.monotonic() + HANG_S
-    while not any(r.job_id == 990 and not r.success for r in tier.get_finished_jobs()):
-        assert time.monotonic() < end, "the load never ended"
-        time.sleep(0.002)
-    assert all(tier._failed.cooling("", k) for k in keys)
 
 
 def test_a_g4_lookup_is_counted_when_the_g3_tier_below_refuses_the_tenant(tmp_path, kek, harnesses):
@@ -124,10 +77,10 @@ def test_a_g4_lookup_is_counted_when_the_g3_tier_below_refuses_the_tenant(tmp_pa
     g4t, g3t = h.manager.secondary_tiers
     _keys(ACME, "revoke", kr=kr)
     _check(g3t)
-    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    b3, c4 = counted(g3t), G4Counts(g4t)
     assert h.load(keys_for(2, "refused"), ctx=_ctx(h, ACME), timeout=HANG_S) == []
     h.step()
-    assert g3t.kvbm_stats()["tier"]["lookup_g3_revoked"] == 1 and _g3(g3t) == b3
+    assert g3t.kvbm_stats()["tier"]["lookup_g3_revoked"] == 1 and counted(g3t) == b3
     assert c4() == (2, 0)  # before: (0, 0)
 
 
@@ -140,11 +93,11 @@ def test_a_g3_miss_is_counted_when_g4_answers_a_cooling_chunk_without_asking(tmp
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3t, g4t = h.manager.secondary_tiers
     keys = keys_for(2, "cooling")
-    _cool(h, g4t, keys, 600.0)
-    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    cool_keys(h, g4t, keys, 600.0)
+    b3, c4 = counted(g3t), G4Counts(g4t)
     assert h.load(keys, timeout=HANG_S) == []
     h.step()
-    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (2, 0)  # before: (0, 0)
+    assert tuple(x - y for x, y in zip(counted(g3t), b3)) == (2, 0)  # before: (0, 0)
     assert c4() == (2, 0)  # G4's own cooling misses (before 2026-12-03: (0, 0))
     data = payloads(h, 2, seed=41)  # G3 stores them now (G4 skips its cooling chunks); a new request loads them
     h.store(keys, data)
@@ -153,7 +106,7 @@ def test_a_g3_miss_is_counted_when_g4_answers_a_cooling_chunk_without_asking(tmp
     got = h.load(keys, timeout=HANG_S)
     assert len(got) == 2 and all(np.array_equal(x, d) for x, d in zip(got, data))
     h.step()
-    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (4, 2)  # its 2 hits, once (loaded from G3)
+    assert tuple(x - y for x, y in zip(counted(g3t), b3)) == (4, 2)  # its 2 hits, once (loaded from G3)
     assert c4() == (2, 0)  # the second request's cooling misses not counted on G4: G3 served the chunks
 
 
@@ -165,18 +118,41 @@ def test_a_g3_lookup_is_counted_when_the_request_takes_g4s_verdict_up(tmp_path, 
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3t, g4t = h.manager.secondary_tiers
     keys = keys_for(2, "g4-taken")
-    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    b3, c4 = counted(g3t), G4Counts(g4t)
     a = _started(h, keys, _only(h, "taken-a", Locality.REMOTE))
     b = _started(h, keys, h.context())
-    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2  # posted to G4 only
-    assert _ask(h, keys, b) == [LookupResult.RETRY] * 2  # G3: posted; G4: A's, pending
+    assert ask(h, keys, a) == [LookupResult.RETRY] * 2  # posted to G4 only
+    assert ask(h, keys, b) == [LookupResult.RETRY] * 2  # G3: posted; G4: A's, pending
     h.step()
-    _until(lambda: _ask(h, keys, b)[0] is LookupResult.MISS and _ask(h, keys, a)[0] is LookupResult.MISS, h)
+    step_until(lambda: ask(h, keys, b)[0] is LookupResult.MISS and ask(h, keys, a)[0] is LookupResult.MISS, h)
     for ctx in (a, b):
         h.manager.on_request_finished(ctx)
     h.step()
-    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (2, 0)  # before: (0, 0)
+    assert tuple(x - y for x, y in zip(counted(g3t), b3)) == (2, 0)  # before: (0, 0)
     assert c4() == (4, 0)
+
+
+def _b_took_up_a_g3_misses(tmp_path, harnesses, tag: str):
+    """G3Tier above G4Tier, both empty. A (local storage only) posts chunks 0-1 (``keys_for(2, tag)``) to G3: 2
+    misses, counted by G3 (the lowest tier A asks). G4's loads of them fail, so they cool there. B takes A's G3
+    misses up (G4 answers cooling misses, its pool not asked), counted for B on G3 at the step's end: (4, 0) in all.
+    Then G4's cool-down ends (a fresh record: nothing cooling). Returns ``(h, keys, a, b, b3, c4)``: the harness,
+    the keys, A's and B's contexts, G3's :func:`counted` before A, and G4's :class:`G4Counts` since then."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(2, tag)
+    b3, c4 = counted(g3t), G4Counts(g4t)
+    a = _started(h, keys, _only(h, f"{tag}-a", Locality.LOCAL))
+    assert ask(h, keys, a) == [LookupResult.RETRY] * 2
+    h.step()
+    step_until(lambda: all(g3t.lookup(k, a) is LookupResult.MISS for k in keys), h)
+    cool_keys(h, g4t, keys, 600.0)
+    b = _started(h, keys, h.context())
+    assert ask(h, keys, b) == [LookupResult.MISS] * 2  # G3: A's misses, taken up; G4: cooling, its pool not asked
+    h.step()
+    assert tuple(x - y for x, y in zip(counted(g3t), b3)) == (4, 0)  # A's 2 and B's 2
+    g4t._failed = FailedChunks(offload_key_hash)  # the cool-down ended (a fresh record: nothing cooling)
+    return h, keys, a, b, b3, c4
 
 
 def test_a_g3_miss_taken_up_is_counted_once_when_the_chunk_reaches_g4_in_a_later_step(tmp_path, harnesses):
@@ -186,26 +162,14 @@ def test_a_g3_miss_taken_up_is_counted_once_when_the_chunk_reaches_g4_in_a_later
     again and posts the chunks to G4, whose lookup counts the request for G3 and G4. Before the fix it counted B's G3
     misses a second time (G3: 6 chunks for 4 lookups); now G3 counts 4, G4 B's 2 (since 2026-12-03 its cooling
     misses, counted at the step's end, and left out of G4's count when B posts the chunks there)."""
-    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    h, keys, a, b, b3, c4 = _b_took_up_a_g3_misses(tmp_path, harnesses, "later")
     g3t, g4t = h.manager.secondary_tiers
-    keys = keys_for(2, "later")
-    b3, c4 = _g3(g3t), _G4Counts(g4t)
-    a = _started(h, keys, _only(h, "later-a", Locality.LOCAL))
-    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2
-    h.step()
-    _until(lambda: all(g3t.lookup(k, a) is LookupResult.MISS for k in keys), h)
-    _cool(h, g4t, keys, 600.0)
-    b = _started(h, keys, h.context())
-    assert _ask(h, keys, b) == [LookupResult.MISS] * 2  # G3: A's misses, taken up; G4: cooling, its pool not asked
-    h.step()
-    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (4, 0)  # A's 2 and B's 2
-    g4t._failed = FailedChunks(offload_key_hash)  # the cool-down ended (a fresh record: nothing cooling)
-    _until(lambda: all(g4t.lookup(k, b) is LookupResult.MISS for k in keys)
-           and _ask(h, keys, b) == [LookupResult.MISS] * 2, h)  # B posted them to G4 now; answered
+    step_until(lambda: all(g4t.lookup(k, b) is LookupResult.MISS for k in keys)
+               and ask(h, keys, b) == [LookupResult.MISS] * 2, h)  # B posted them to G4 now; answered
     for ctx in (a, b):
         h.manager.on_request_finished(ctx)
     h.step()
-    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (4, 0)  # before: (6, 0)
+    assert tuple(x - y for x, y in zip(counted(g3t), b3)) == (4, 0)  # before: (6, 0)
     assert c4() == (2, 0)
 
 
@@ -216,18 +180,18 @@ def _own_hit(tmp_path, harnesses, cool: bool) -> tuple[int, int]:
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3t, g4t = h.manager.secondary_tiers
     keys = keys_for(2, "own-hit")
-    _cool(h, g4t, keys, 600.0 if cool else 0.001)
+    cool_keys(h, g4t, keys, 600.0 if cool else 0.001)
     h.store(keys[1:], payloads(h, 1, seed=7))  # G3 stores chunk 1 (G4 skips it while it cools)
     h.wait_idle(timeout=HANG_S)
     h.reset_primary()
     if not cool:
         assert not g4t._failed.cooling("", keys[0])
     assert sum(g3t.pool.contains(bk) for bk in g3t._block_keys(keys[1], "")) == g3t.geometry.copies
-    b3 = _g3(g3t)
+    b3 = counted(g3t)
     assert h.load(keys, timeout=HANG_S) == []  # chunk 0 is nowhere: nothing loads
     h.step()
     h.step()
-    return tuple(x - y for x, y in zip(_g3(g3t), b3))
+    return tuple(x - y for x, y in zip(counted(g3t), b3))
 
 
 def test_g3_counts_every_chunk_asked_when_the_request_asks_g4_too(tmp_path, harnesses):
@@ -243,6 +207,22 @@ def test_a_g3_hit_after_a_miss_is_counted_when_g4_answers_both_cooling(tmp_path,
     assert _own_hit(tmp_path, harnesses, cool=True) == (2, 0)
 
 
+def _gated(tier) -> tuple[threading.Event, threading.Event]:
+    """Hold ``tier``'s real ``batch_lookup`` (its worker thread's) until the returned ``gate`` is set (a slow HEAD,
+    at most ``HANG_S`` s); ``done`` is set once a held lookup returned. Returns ``(gate, done)``."""
+    gate, done = threading.Event(), threading.Event()
+    real = tier._lookup.batch_lookup
+
+    def gated(keys_, ctx):
+        gate.wait(HANG_S)
+        try:
+            return list(real(keys_, ctx))
+        finally:
+            done.set()
+    tier._lookup.batch_lookup = gated
+    return gate, done
+
+
 @pytest.mark.parametrize("end_first", [False, True], ids=["ends-after-lookup", "ends-while-in-flight"])
 def test_a_g3_miss_is_counted_once_when_the_request_ends_while_g4s_lookup_is_in_flight(tmp_path, harnesses,
                                                                                        end_first):
@@ -251,31 +231,10 @@ def test_a_g3_miss_is_counted_once_when_the_request_ends_while_g4s_lookup_is_in_
     time; vLLM's worker still runs a posted batch whose request ended): a gate holds G4's real ``batch_lookup``.
     Before the fix B's end dropped G4's record that G3 had counted the chunks for B before G4's worker read it, so
     G3 counted B's 2 misses again: (6, 0) for 4 lookups. ``ends-after-lookup``: the control."""
-    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    h, keys, a, b, b3, c4 = _b_took_up_a_g3_misses(tmp_path, harnesses, "race")
     g3t, g4t = h.manager.secondary_tiers
-    keys = keys_for(2, "race")
-    b3, c4 = _g3(g3t), _G4Counts(g4t)
-    a = _started(h, keys, _only(h, "race-a", Locality.LOCAL))
-    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2
-    h.step()
-    _until(lambda: all(g3t.lookup(k, a) is LookupResult.MISS for k in keys), h)
-    _cool(h, g4t, keys, 600.0)
-    b = _started(h, keys, h.context())
-    assert _ask(h, keys, b) == [LookupResult.MISS] * 2  # G3: A's misses taken up; G4: cooling
-    h.step()
-    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (4, 0)
-    g4t._failed = FailedChunks(offload_key_hash)  # the cool-down ended
-    gate, done = threading.Event(), threading.Event()
-    real = g4t._lookup.batch_lookup
-
-    def gated(keys_, ctx):  # G4's real lookup, in flight until the gate opens (a slow HEAD)
-        gate.wait(HANG_S)
-        try:
-            return list(real(keys_, ctx))
-        finally:
-            done.set()
-    g4t._lookup.batch_lookup = gated
-    assert _ask(h, keys, b) == [LookupResult.RETRY] * 2  # posted to G4 now
+    gate, done = _gated(g4t)  # G4's real lookup, in flight until the gate opens (a slow HEAD)
+    assert ask(h, keys, b) == [LookupResult.RETRY] * 2  # posted to G4 now
     h.step()  # flush: G4's worker thread takes the batch
     if end_first:
         for ctx in (a, b):
@@ -287,7 +246,7 @@ def test_a_g3_miss_is_counted_once_when_the_request_ends_while_g4s_lookup_is_in_
         for ctx in (a, b):
             h.manager.on_request_finished(ctx)
         h.step()
-    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (4, 0)  # before (ends-while-in-flight): (6, 0)
+    assert tuple(x - y for x, y in zip(counted(g3t), b3)) == (4, 0)  # before (ends-while-in-flight): (6, 0)
     assert c4() == (2, 0)  # B's cooling misses, once
     assert not g4t._lookup._counted_above and not g3t._lookup._counted_above  # nothing kept for ended requests
 
@@ -300,25 +259,40 @@ def test_a_lone_tier_counts_a_chunk_once_when_the_request_asks_it_again_after_it
     h = harnesses([g3_tier(tmp_path / "g3")])
     (g3t,) = h.manager.secondary_tiers
     keys = keys_for(2, "lone-cool")
-    _cool(h, g3t, keys, 600.0)
-    b3 = _g3(g3t)
+    cool_keys(h, g3t, keys, 600.0)
+    b3 = counted(g3t)
     r = _started(h, keys, h.context())
-    assert _ask(h, keys, r) == [LookupResult.MISS] * 2  # cooling: the pool not asked
+    assert ask(h, keys, r) == [LookupResult.MISS] * 2  # cooling: the pool not asked
     h.step()
-    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (2, 0)
+    assert tuple(x - y for x, y in zip(counted(g3t), b3)) == (2, 0)
     assert g3t.kvbm_stats()["tier"]["lookup_cooling_chunks"] == 2
     g3t._failed = FailedChunks(offload_key_hash)  # the cool-down ended (a fresh record: nothing cooling)
-    assert _ask(h, keys, r) == [LookupResult.RETRY] * 2  # posted to the pool now
+    assert ask(h, keys, r) == [LookupResult.RETRY] * 2  # posted to the pool now
     h.step()
-    _until(lambda: _ask(h, keys, r) == [LookupResult.MISS] * 2, h)
+    step_until(lambda: ask(h, keys, r) == [LookupResult.MISS] * 2, h)
     h.manager.on_request_finished(r)
     h.step()
-    assert tuple(x - y for x, y in zip(_g3(g3t), b3)) == (2, 0)  # before: (4, 0)
+    assert tuple(x - y for x, y in zip(counted(g3t), b3)) == (2, 0)  # before: (4, 0)
     assert not g3t._lookup._counted_above
 
 
 def _moved(tier, before) -> tuple[int, int]:
-    return tuple(x - y for x, y in zip(_g3(tier), before))
+    return tuple(x - y for x, y in zip(counted(tier), before))
+
+
+def _both_scan_and_end(h, keys, a, b) -> None:
+    """A and B (started) ask ``keys``: RETRY for each (A's posted; B's posted or A's verdicts taken up while
+    pending). After a step each scans as vLLM does, stopping at chunk 0's MISS (no usable prefix); then both end
+    and two steps flush what is due."""
+    assert ask(h, keys, a) == [LookupResult.RETRY] * 2
+    assert ask(h, keys, b) == [LookupResult.RETRY] * 2
+    h.step()
+    assert h.lookup_prefix(keys, b, timeout=HANG_S) == 0  # stops at chunk 0's MISS
+    assert h.lookup_prefix(keys, a, timeout=HANG_S) == 0
+    for ctx in (a, b):
+        h.manager.on_request_finished(ctx)
+    h.step()
+    h.step()
 
 
 @pytest.mark.parametrize("g3_holds_chunk_1", [False, True], ids=["both-miss", "hit-after-miss"])
@@ -332,23 +306,15 @@ def test_g3_counts_every_chunk_a_request_took_up_pending_when_its_scan_stops_at_
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3t, g4t = h.manager.secondary_tiers
     keys = keys_for(2, "pending-pickup")
-    _cool(h, g4t, keys, 600.0)
+    cool_keys(h, g4t, keys, 600.0)
     if g3_holds_chunk_1:
         h.store(keys[1:], payloads(h, 1, seed=5))
         h.wait_idle(timeout=HANG_S)
         h.reset_primary()
-    b3 = _g3(g3t)
+    b3 = counted(g3t)
     a = _started(h, keys, _only(h, "pend-a", Locality.LOCAL))
     b = _started(h, keys, h.context())
-    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2  # posted to G3
-    assert _ask(h, keys, b) == [LookupResult.RETRY] * 2  # B takes A's G3 verdicts up while pending
-    h.step()
-    assert h.lookup_prefix(keys, b, timeout=HANG_S) == 0  # stops at chunk 0's MISS
-    assert h.lookup_prefix(keys, a, timeout=HANG_S) == 0
-    for ctx in (a, b):
-        h.manager.on_request_finished(ctx)
-    h.step()
-    h.step()
+    _both_scan_and_end(h, keys, a, b)  # A posts to G3; B takes A's G3 verdicts up while pending
     assert _moved(g3t, b3) == (4, 0)  # before: (3, 0)
     assert not g3t._lookup._pickups._waiting and not g3t._lookup._pickups._ctx  # nothing kept for ended requests
 
@@ -360,18 +326,10 @@ def test_a_lone_tier_counts_every_chunk_a_request_took_up_pending(tmp_path, harn
     h = harnesses([g3_tier(tmp_path / "g3")])
     (g3t,) = h.manager.secondary_tiers
     keys = keys_for(2, "lone-pending")
-    b3 = _g3(g3t)
+    b3 = counted(g3t)
     a = _started(h, keys, h.context())
     b = _started(h, keys, h.context())
-    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2
-    assert _ask(h, keys, b) == [LookupResult.RETRY] * 2
-    h.step()
-    assert h.lookup_prefix(keys, b, timeout=HANG_S) == 0
-    assert h.lookup_prefix(keys, a, timeout=HANG_S) == 0
-    for ctx in (a, b):
-        h.manager.on_request_finished(ctx)
-    h.step()
-    h.step()
+    _both_scan_and_end(h, keys, a, b)
     assert _moved(g3t, b3) == (4, 0)  # before: (3, 0)
 
 
@@ -391,18 +349,10 @@ def test_g4_counts_every_chunk_a_request_took_up_pending_below_g3(tmp_path, harn
         h.reset_primary()
         assert g3t.pool.delete(g3t._block_keys(keys[1], "")).result(timeout=HANG_S)  # G4 only holds it now
         assert g4t.pool.lookup_prefix(g4t._block_keys(keys[1], ""), request=False).result(HANG_S) == 1
-    b3, c4 = _g3(g3t), _G4Counts(g4t)
+    b3, c4 = counted(g3t), G4Counts(g4t)
     a = _started(h, keys, _only(h, "pend-g4-a", Locality.REMOTE))
     b = _started(h, keys, h.context())
-    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2  # posted to G4
-    assert _ask(h, keys, b) == [LookupResult.RETRY] * 2  # G3: posted; G4: A's, pending
-    h.step()
-    assert h.lookup_prefix(keys, b, timeout=HANG_S) == 0
-    assert h.lookup_prefix(keys, a, timeout=HANG_S) == 0
-    for ctx in (a, b):
-        h.manager.on_request_finished(ctx)
-    h.step()
-    h.step()
+    _both_scan_and_end(h, keys, a, b)  # A posts to G4; B to G3, A's G4 verdicts pending
     assert _moved(g3t, b3) == (2, 0)
     assert c4() == (4, 0)  # before: (3, 0)
 
@@ -427,23 +377,14 @@ def test_a_pending_hit_is_judged_once_while_no_verdict_of_the_request_changes(tm
     h.wait_idle(timeout=HANG_S)
     h.reset_primary()
     assert g4t.pool.delete(g4t._block_keys(keys[1], "")).result(timeout=HANG_S)  # G3 only holds chunk 1
-    gate, done = threading.Event(), threading.Event()
-    real = g4t._lookup.batch_lookup
-
-    def gated(keys_, ctx):  # G4's real lookup, in flight until the gate opens
-        gate.wait(HANG_S)
-        try:
-            return list(real(keys_, ctx))
-        finally:
-            done.set()
-    g4t._lookup.batch_lookup = gated
-    b3 = _g3(g3t)
+    gate, done = _gated(g4t)  # G4's real lookup, in flight until the gate opens (a slow HEAD)
+    b3 = counted(g3t)
     a = _started(h, keys, _only(h, "judged-a", Locality.REMOTE))
     b = _started(h, keys, h.context())
-    assert _ask(h, keys, a) == [LookupResult.RETRY] * 2
-    assert _ask(h, keys, b) == [LookupResult.RETRY] * 2  # G3: posted; G4: A's, pending
+    assert ask(h, keys, a) == [LookupResult.RETRY] * 2
+    assert ask(h, keys, b) == [LookupResult.RETRY] * 2  # G3: posted; G4: A's, pending
     h.step()
-    _until(lambda: all(g3t._lookup._verdict((k, "")) is not None for k in keys), h)  # G3 answered B
+    step_until(lambda: all(g3t._lookup._verdict((k, "")) is not None for k in keys), h)  # G3 answered B
     try:
         for _ in range(30):
             h.step()
@@ -452,7 +393,7 @@ def test_a_pending_hit_is_judged_once_while_no_verdict_of_the_request_changes(tm
     finally:
         gate.set()
     assert done.wait(HANG_S)
-    _until(lambda: not g3t._lookup._pickups._own, h)  # G4's answer in: B's HIT settled
+    step_until(lambda: not g3t._lookup._pickups._own, h)  # G4's answer in: B's HIT settled
     for ctx in (a, b):
         h.manager.on_request_finished(ctx)
     h.step()
