@@ -8,7 +8,7 @@ emptied slot meets it again). Each used to log one WARNING per occurrence, so a 
 a broken G3 journal grew the log at the request (or block) rate. With :class:`LimitedLog` the first of a kind is
 logged, later ones within :data:`LOG_EVERY_S` are counted, and the next line logged says how many were left out;
 the callers' counters count every one. Below every layer (no ``kvbm_backend`` import): the pools and the
-integrations use it alike (``integrations/vllm/log_limits.py`` re-exports it).
+integrations use it alike.
 """
 from __future__ import annotations
 

@@ -55,3 +55,16 @@ def run_tp_ranks(script: str, tmp_path: Path, *args: str) -> tuple:
     assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
     r0, r1 = (json.loads(o.read_text()) for o in outs)
     return r0, r1
+
+
+def one_rank_group():
+    """``(vLLM-shaped TP group of one rank over gloo in this process, whether this call initialised
+    torch.distributed)``: the caller destroys the process group when it initialised it. Skips without torch."""
+    import pytest
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+    dist = torch.distributed
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    return SimpleNamespace(world_size=1, cpu_group=dist.group.WORLD, rank_in_group=0), own

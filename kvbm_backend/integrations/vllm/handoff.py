@@ -61,12 +61,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import stats
-from .log_limits import LimitedLog
+from ...log_limits import LimitedLog
 
 KEY = "kvbm_backend_handoff"
 DEFAULT_WAIT_S = 5.0
 log = logging.getLogger("kvbm_backend.handoff")
-#: the hand-off's per-request WARNINGs, one per kind per minute (:mod:`.log_limits`)
+#: the hand-off's per-request WARNINGs, one per kind per minute (:mod:`kvbm_backend.log_limits`)
 LOG = LimitedLog(log)
 
 

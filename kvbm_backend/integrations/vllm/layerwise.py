@@ -70,7 +70,7 @@ from ...transfer.layers import DEFAULT_MIN_READ
 from .. import load_priority
 from . import stats
 from .metadata import FailedLoad, LoadJob, SaveJob
-from .log_limits import LimitedLog
+from ...log_limits import LimitedLog
 
 log = logging.getLogger("kvbm_backend.connector")
 
@@ -105,7 +105,7 @@ class LayerwiseLoads:
         self.timeout_s, self.min_read = timeout_s, min_read
         self._active: list[_Active] = []
         self._tainted: OrderedDict = OrderedDict()
-        self.log = LimitedLog(log)  # a failed load's WARNING: one per minute, not one per request (.log_limits)
+        self.log = LimitedLog(log)  # a failed load's WARNING: one per minute, not one per request (kvbm_backend.log_limits)
         # requests whose layer-wise load failed since the last saves(), by whichever finish() ended it: with
         # vLLM's defer_kv_connector_finalize (speculative decoding) get_block_ids_with_load_errors ends the
         # step's loads before wait_for_save, and saves() must still drop every save of that step

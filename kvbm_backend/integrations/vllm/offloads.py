@@ -56,12 +56,12 @@ from ...pool.base import BlockPool, PutResult
 from ..revoked_tenants import RevokedTenants
 from . import stats
 from .kv_io import EngineKv, numpy_staging, split_blocks
-from .log_limits import LimitedLog
+from ...log_limits import LimitedLog
 from .metadata import SaveJob
 from ...threads import executor
 
 log = logging.getLogger("kvbm_backend.connector")
-#: failed stagings / hand-offs: one WARNING per kind per minute, not one per step (:mod:`.log_limits`)
+#: failed stagings / hand-offs: one WARNING per kind per minute, not one per step (:mod:`kvbm_backend.log_limits`)
 LOG = LimitedLog(log)
 
 #: bytes of free save staging buffers kept for reuse (at most ``max_pending_save_bytes``). Reuse skips the

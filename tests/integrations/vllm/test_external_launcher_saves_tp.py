@@ -43,7 +43,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers.tp_ranks import join_tp_group, run_tp_ranks
+from tests.helpers.tp_ranks import join_tp_group, one_rank_group, run_tp_ranks
 
 pytestmark = [pytest.mark.vllm]
 
@@ -626,17 +626,6 @@ def test_staging_rooms_records_round_trip_and_refuse_malformed_bytes():
     assert split_rooms(encode_rooms({"fp": 10**20}))[0] == {"fp": 2**64 - 1}
 
 
-def _one_rank_group():
-    """``(vLLM-shaped TP group of one rank over gloo, whether this call initialised torch.distributed)``."""
-    torch = pytest.importorskip("torch")
-    from tests.helpers.prom import free_port
-    dist = torch.distributed
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    return SimpleNamespace(world_size=1, cpu_group=dist.group.WORLD, rank_in_group=0), own
-
-
 def test_a_staging_bound_past_64_bits_goes_through_the_load_result_gather():
     """A ``max_pending_save_bytes`` the config accepts of 2**64 bytes or more (a huge number meant as "no bound"): on
     the old code ``encode_rooms`` raised ``struct.error: argument out of range`` from every ``get_finished`` of every
@@ -654,7 +643,7 @@ def test_a_staging_bound_past_64_bits_goes_through_the_load_result_gather():
     huge = config_from_extra({"max_pending_save_bytes": 10**20})[1]["max_pending_save_bytes"]
     assert huge == 10**20  # accepted
     ns = Namespace("kvbm-backend/el-saves-huge-room", KvLayout(2, 2, BS, 64, "bfloat16"), tp_world_size=2)
-    group, own = _one_rank_group()
+    group, own = one_rank_group()
     o = Offloads(ns, 0, None, None, max_pending_bytes=huge)
     try:
         assert TpLoadAgree(group).agree(set(), set(), set(), []) == (set(), set())
@@ -674,7 +663,7 @@ def test_load_results_that_cannot_be_encoded_are_a_named_runtime_error():
 
     from kvbm_backend.integrations.vllm.tp_agree import TpLoadAgree
 
-    group, own = _one_rank_group()
+    group, own = one_rank_group()
     try:
         with pytest.raises(RuntimeError, match="load results .* could not be encoded"):
             TpLoadAgree(group).agree(set(), set(), {-1}, [])

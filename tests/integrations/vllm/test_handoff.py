@@ -17,7 +17,7 @@ from kvbm_backend.integrations.vllm import stats
 from kvbm_backend.integrations.vllm.extra_config import config_from_extra
 from kvbm_backend.integrations.vllm import handoff
 from kvbm_backend.integrations.vllm.handoff import KEY, HandoffWaits, expected_blocks
-from kvbm_backend.integrations.vllm.log_limits import LimitedLog
+from kvbm_backend.log_limits import LimitedLog
 from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
 from kvbm_backend.model.hashing import sequence_hashes, token_digests
 from kvbm_backend.model.layout import KvLayout

@@ -145,7 +145,7 @@ def test_a_failed_staging_is_a_dropped_save_counted_and_logged_once_not_raised(t
     a failed gather never reaches vLLM's ``wait_for_save``: the blocks are dropped, counted, their bytes given
     back, and a WARNING logged at most once a minute."""
     from kvbm_backend.integrations.vllm import offloads
-    from kvbm_backend.integrations.vllm.log_limits import LimitedLog
+    from kvbm_backend.log_limits import LimitedLog
     from kvbm_backend.integrations.vllm.workers import GroupedWorkers
     bpb = _engine("cpu").layout.bytes_per_block
     with _worker(tmp_path, 20, defer=False, max_pending_save_bytes=4 * bpb) as (kv, g3, w):

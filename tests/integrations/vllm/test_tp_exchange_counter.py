@@ -6,18 +6,13 @@ that came in the step output (``_hold_step_g3``) and the other ranks' reports. T
 (one gloo process here, as external_launcher sets vLLM's CPU group up), must not count as a channel report."""
 from __future__ import annotations
 
-import socket
 from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers.tp_ranks import one_rank_group
+
 pytestmark = [pytest.mark.vllm]  # imports the connector's wiring (vLLM)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_step_output_g3_report_exchanged_over_tp_group_is_not_counted_as_by_channel():
@@ -27,9 +22,7 @@ def test_step_output_g3_report_exchanged_over_tp_group_is_not_counted_as_by_chan
     from kvbm_backend.integrations.vllm.metadata import KvbmConnectorMetadata, KvbmWorkerMeta
     from kvbm_backend.integrations.vllm.wiring import ConnectorParts
 
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    group, own = one_rank_group()
     try:
         applied = []
 
@@ -47,7 +40,6 @@ def test_step_output_g3_report_exchanged_over_tp_group_is_not_counted_as_by_chan
         parts.sched = _Sched()
         parts.scheduler_role = lambda: parts.sched
         parts._writer = SimpleNamespace(maybe_write=lambda: None)
-        group = SimpleNamespace(world_size=1, cpu_group=dist.group.WORLD, rank_in_group=0)
         parts.exchange = report_channel.TpReportExchange(group, parts._apply_g3_report, 10.0, lambda: None)
 
         before = stats.get("g3_reports_by_channel") or 0
