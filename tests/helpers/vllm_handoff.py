@@ -19,12 +19,17 @@ from tests.helpers.vllm_sched import runner_output
 HANG_S = 600.0  # a hang guard, not a bound: steps until a lookup that must end has ended; returns as soon as it has
 
 
-def handoff_extra(tmp: Path, name: str, model: str) -> dict[str, Any]:
+def handoff_extra(tmp: Path, name: str, model: str, keyring: bool = False, tenant: str = "") -> dict[str, Any]:
     """The connector's ``kv_connector_extra_config`` of worker ``name`` of ``model``: its own G3 in
     ``tmp / name / "g3"`` (50 MB, every block admitted), the G4 ``file://`` store in ``tmp / "g4"`` all workers share
-    (unencrypted), ``handoff_wait_s`` 0: a decode request's wait ends at its first look, complete or not."""
+    (unencrypted; ``keyring``: with the keyring file ``tmp / "keys" / "kr.json"`` all workers share, so keyed names),
+    ``handoff_wait_s`` 0: a decode request's wait ends at its first look, complete or not; ``tenant``: the worker's
+    default tenant."""
+    g4: dict[str, Any] = {"enabled": True, "url": f"file://{tmp / 'g4'}", "encrypt": False}
+    if keyring:
+        g4["keyring"] = {"path": str(tmp / "keys" / "kr.json")}
     return {"handoff_wait_s": 0, "kvbm_backend": {
-        "model": model, "g4": {"enabled": True, "url": f"file://{tmp / 'g4'}", "encrypt": False},
+        "model": model, "tenant": tenant, "g4": g4,
         "g3": {"paths": [str(tmp / name / "g3")], "capacity_gb": 0.05, "files_per_path": 1,
                "admission": {"policy": "all"}}}}
 
@@ -57,13 +62,13 @@ def store_saves(s: Scheduler, so, g3_only: bool = False) -> None:
             assert p.flush(HANG_S)
 
 
-def prefill(pre: Scheduler, prompt: list[int], hasher) -> dict:
-    """The prefill worker ``pre`` computes ``prompt`` for a hand-off (request ``p``, one token); returns its
-    ``kv_transfer_params``."""
-    pre.add_request(Request("p", prompt, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
-        KEY: True}}), None, 0, block_hasher=hasher))
-    so = step_until(pre, "p")
+def prefill(pre: Scheduler, prompt: list[int], hasher, rid: str = "p", **req: Any) -> dict:
+    """The prefill worker ``pre`` computes ``prompt`` for a hand-off (request ``rid``, one token; ``req``: more of
+    ``Request``'s arguments, e.g. ``lora_request``, ``cache_salt``); returns its ``kv_transfer_params``."""
+    pre.add_request(Request(rid, prompt, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
+        KEY: True}}), None, 0, block_hasher=hasher, **req))
+    so = step_until(pre, rid)
     store_saves(pre, so)
     outs = pre.update_from_output(so, runner_output(pre, so))
-    (params,) = [o.kv_transfer_params for eco in outs.values() for o in eco.outputs if o.request_id == "p"]
+    (params,) = [o.kv_transfer_params for eco in outs.values() for o in eco.outputs if o.request_id == rid]
     return params

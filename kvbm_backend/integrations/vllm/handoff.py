@@ -27,9 +27,11 @@ prefill response to the decode request):
   side's wait at ``handoff_wait_s``. F = the fingerprint of the namespace the prefill worker's G4 blocks are stored
   under (:func:`g4_fingerprint`: model, revision, dtype, layout, TP world size, or the canonical namespace with
   ``g4.layout: canonical``), T = the first 8 bytes (hex) of the request's tenant pseudonym in G4 (a keyed
-  HMAC with an encrypted pool's keyring: the tenant id is not in the clear), S = the request's salt hash (16 hex
-  characters: the seed of its blocks' names, from its cache_salt, LoRA adapter name and path and the reset epoch:
-  :func:`~.identity.request_salt`). F and S name the reset epoch of the request (one in the engine at a reset keeps
+  HMAC with an encrypted pool's keyring: the tenant id is not in the clear), S = 16 hex characters of the
+  request's salt hash (the seed of its blocks' names, from its cache_salt, LoRA adapter name and path and the reset
+  epoch: :func:`~.identity.request_salt`), keyed with the tenant's G4 naming key where G4 has a keyring (so a reader of
+  the params cannot confirm a guessed cache_salt or LoRA adapter), the hash itself without one
+  (:func:`~.handoff_ident.salt_tag`). F and S name the reset epoch of the request (one in the engine at a reset keeps
   the epoch before it: :mod:`.reset_epoch`). The scheduler thread asks the keyring only through the pool's
   :class:`~kvbm_backend.pool.g4.keyring_view.KeyringView` (no file I/O, no keyring lock);
 * the decode connector, seeing that, waits (without blocking the scheduler: vLLM's "ask me again" ``None``
@@ -39,7 +41,8 @@ prefill response to the decode request):
   when F, T or S differ from its own (the blocks are under names it never reads: a prefill worker of another
   TP size, dtype, revision or reset epoch, with another default tenant, or a decode request naming another
   cache_salt or LoRA adapter than its prefill request): served at once, counted ``handoff_identity_mismatches``,
-  one WARNING per pair of values (each field its own budget: :func:`_mismatch`). T is sent only by a pool with a
+  one WARNING per pair of values (each field its own budget, a flood of forged values counted and the pairs that
+  recur named once a minute: :func:`~.handoff_ident.mismatch`). T is sent only by a pool with a
   keyring (an unkeyed pseudonym would let a client confirm a guessed tenant id), so F without T is a prefill
   worker whose G4 has none: its blocks are under unkeyed names, which a decode worker with a keyring never reads,
   a tenant mismatch there (before 2026-12-03 waited ``handoff_wait_s``); two workers without a keyring compare no T.
@@ -62,6 +65,8 @@ from typing import Any
 
 from . import stats
 from ...log_limits import LimitedLog
+from .handoff_ident import IDENT_FIELDS, keyring_view, mismatch
+from .handoff_ident import _warned_pairs, g4_fingerprint, identity, salt_tag, tenant_tag  # noqa: F401 - re-exported
 
 KEY = "kvbm_backend_handoff"
 DEFAULT_WAIT_S = 5.0
@@ -81,25 +86,6 @@ def requested(request: Any) -> bool:
 
 
 _warned_nothing_shared = False
-
-
-def g4_fingerprint(g4: Any) -> str | None:
-    """The fingerprint of the namespace ``g4``'s blocks are stored under (the canonical namespace with
-    ``g4.layout: canonical``, which every TP size shares; else the engine's per-rank namespace), or None
-    without G4."""
-    if g4 is None:
-        return None
-    heads = getattr(g4, "heads", None)  # CanonicalG4
-    ns = heads.canonical if heads is not None else getattr(g4, "namespace", None)
-    return getattr(ns, "fingerprint", None)
-
-
-def keyring_view(g4: Any) -> Any:
-    """The :class:`~kvbm_backend.pool.g4.keyring_view.KeyringView` of a G4 pool (or of the pool a canonical view
-    wraps): what the scheduler thread may ask its keyring without I/O or its lock; None without G4 or a keyring."""
-    while g4 is not None and getattr(g4, "keyring_view", None) is None and hasattr(g4, "inner"):
-        g4 = g4.inner
-    return getattr(g4, "keyring_view", None) if g4 is not None else None
 
 
 def start_keyring_view(g4: Any) -> None:
@@ -123,27 +109,6 @@ def write_refusal(g4: Any, tenant: str) -> str | None:
     keyring's view knows (:meth:`~kvbm_backend.pool.g4.keyring_view.KeyringView.write_refusal`). No I/O, no lock."""
     view = keyring_view(g4)
     return view.write_refusal(tenant) if view is not None else None
-
-
-def tenant_tag(g4: Any, tenant: str) -> str | None:
-    """The first 8 bytes (16 hex characters) of ``tenant``'s pseudonym in ``g4`` (a keyed HMAC under the pool's
-    keyring), or None without G4 or without a keyring. Without a keyring the pseudonym is an HMAC under a public
-    key: a client reading ``kv_transfer_params`` could confirm a guessed tenant id with it, so it is left out
-    (those workers then match tenants by waiting, as before). Under the pseudonym key the keyring holds now, never
-    re-reading its file: vLLM's scheduler thread calls this (before 2026-12-01 it ran the keyring's reload, 82-176
-    ms with 4,096 tenants, whenever the file had changed); a key replaced meanwhile gives a stale tag until the
-    keyring's next reload elsewhere, at worst a miss (:mod:`~kvbm_backend.pool.g4.keyring_view`)."""
-    view = keyring_view(g4)
-    return bytes(view.pseudonym(tenant))[:8].hex() if view is not None else None
-
-
-def identity(g4: Any, tenant: str, salt: int | None = None) -> dict[str, str]:
-    """``{"namespace": F, "tenant": T, "salt": S}`` of this engine's G4 for ``tenant`` and a request's salt hash
-    ``salt`` (the 64-bit seed of its sequence hashes: cache_salt, LoRA adapter, reset epoch; S is it as 16 hex
-    characters); keys left out when unknown (no G4, no keyring, ``salt`` None)."""
-    out = {"namespace": g4_fingerprint(g4), "tenant": tenant_tag(g4, tenant),
-           "salt": None if salt is None else f"{salt:016x}"}
-    return {k: v for k, v in out.items() if v is not None}
 
 
 #: what the prefill worker's log says of each :meth:`~kvbm_backend.pool.g4.keyring_view.KeyringView.write_refusal`
@@ -297,63 +262,11 @@ def _count(x: Any) -> int | None:
     return x if type(x) is int else None
 
 
-_IDENT_FIELDS = ("namespace", "tenant", "salt")
-#: pairs of values logged at first sight, per field (F, T, S each its own: S pairs vary per request, a flood of them
-#: never hides a namespace or tenant misconfiguration); later pairs of a field by the ``identity_<field>`` rate limit
-_MAX_WARNED_PAIRS = 256
-_warned_pairs: dict[str, set[tuple[str, str]]] = {}  # field -> (theirs, ours) already logged (bounded per field)
-_WHAT = {"namespace": "G4 namespace (model, revision, dtype, KV layout, TP size: both workers need the same, "
-                      "or g4.layout: canonical)",
-         "tenant": "tenant (pseudonym prefix; the request's cache_salt, else each worker's default tenant)",
-         "salt": "request salt (hash of cache_salt and LoRA adapter: the decode request must name the same as its "
-                 "prefill request)"}
-
-
-def _differs(f: str, v: dict, mine: str | None) -> bool:
-    """Whether identity field ``f`` of the handoff ``v`` rules out this engine's (``mine``) finding its blocks. A field
-    the prefill worker did not send is not compared (older prefill workers: neither F nor T nor S), except T after an F:
-    that prefill worker's G4 has no keyring, so its blocks are under unkeyed names, which a G4 with a keyring (``mine``
-    not None) never reads. S is compared only where this engine knows its own (``mine`` not None)."""
-    theirs = v.get(f)
-    if theirs is None:
-        return f == "tenant" and mine is not None and v.get("namespace") is not None
-    return theirs != mine and (f != "salt" or mine is not None)
-
-
-def _mismatch(request: Any, v: dict, ours: dict[str, str] | None) -> bool:
-    """The handoff's identity fields name another namespace, tenant or request salt than ``ours`` (:func:`identity`
-    of this engine with the request's ``salt``; None or no G4: it can load nothing a prefill worker wrote, so any
-    identity mismatches), as :func:`_differs` judges them; counted ``handoff_identity_mismatches``. Logged at
-    WARNING once per pair of values, per field (F, T, S: the first :data:`_MAX_WARNED_PAIRS` pairs of each; later
-    ones of a field by its own ``identity_<field>`` rate limit, one a minute), so per-request salt pairs never use up
-    the lines of a namespace or tenant mismatch."""
-    for f in _IDENT_FIELDS:
-        mine = (ours or {}).get(f)
-        if not _differs(f, v, mine):
-            continue
-        stats.add(handoff_identity_mismatches=1)
-        theirs = v.get(f)
-        pair = (reprlib.repr(theirs) if theirs is not None else "none (its G4 has no keyring)", str(mine))
-        if mine is None:  # no G4 (no F, no T), or a G4 without a keyring (no T); S is never compared to None
-            mine = "none (its G4 has no keyring)" if (ours or {}).get("namespace") is not None else "none (no G4)"
-        text = ("kvbm_backend handoff: request %s was prefilled under %s %s, this engine's is %s: the prefill "
-                "worker's blocks are not ones this worker reads; served without waiting")
-        args = (getattr(request, "request_id", "?"), _WHAT[f], pair[0], mine)
-        seen = _warned_pairs.setdefault(f, set())
-        if pair not in seen and len(seen) < _MAX_WARNED_PAIRS:
-            seen.add(pair)
-            log.warning(text, *args)
-        elif pair not in seen:
-            LOG.warning(f"identity_{f}", text, *args)
-        return True
-    return False
-
-
 def expected_blocks(request: Any, block_size: int, ours: dict[str, str] | None = None) -> int | None:
     """The decode side: how many leading blocks the prefill worker offloaded for this request, or None when
     the request carries no handoff (or one for another block size, or for another G4 namespace, tenant or request
     salt than ``ours``, :func:`identity` of this engine with the request's salt S: those cannot be matched, so the
-    request is served like any other, no wait, counted ``handoff_identity_mismatches``: :func:`_mismatch`). Values
+    request is served like any other, no wait, counted ``handoff_identity_mismatches``: :func:`~.handoff_ident.mismatch`). Values
     come from the client's request: anything but a plain int >= 0 (and >= 1 for ``block_size``), or an identity field
     that is not a string, is malformed, served without waiting and logged with a bounded description. Called once
     per request (the scheduler keeps the answer)."""
@@ -362,7 +275,7 @@ def expected_blocks(request: Any, block_size: int, ours: dict[str, str] | None =
         return None
     n, bs = _count(v.get("blocks")), _count(v.get("block_size"))
     if (n is None or bs is None or n < 0 or bs < 1
-            or any(not isinstance(v.get(f), (str, type(None))) for f in _IDENT_FIELDS)):
+            or any(not isinstance(v.get(f), (str, type(None))) for f in IDENT_FIELDS)):
         LOG.warning("malformed", "kvbm_backend handoff: malformed %s %s in request %s; served without waiting", KEY,
                     reprlib.repr(v), getattr(request, "request_id", "?"))
         return None
@@ -370,7 +283,7 @@ def expected_blocks(request: Any, block_size: int, ours: dict[str, str] | None =
         LOG.warning("block_size", "kvbm_backend handoff: request %s was prefilled with %d-token blocks, this "
                     "engine uses %d; served without waiting", getattr(request, "request_id", "?"), bs, block_size)
         return None
-    if _mismatch(request, v, ours):
+    if mismatch(request, v, ours, LOG):
         return None
     return n
 

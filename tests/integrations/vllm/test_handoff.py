@@ -580,7 +580,8 @@ def test_a_decode_request_with_another_lora_or_cache_salt_than_its_prefill_is_no
                            ("d3", SimpleNamespace(**{**vars(lora("d3", pre, "sql")), "cache_salt": "acme"}))):
             dec.get_num_new_matched_tokens(other, 0)
             assert dec._reqs[rid].handoff_want is None, rid  # before: 6, then handoff_wait_s of "not yet"
-    assert stats.get("handoff_identity_mismatches") == mism + 3 and pre[KEY]["salt"] == f"{salt:016x}"
+    assert stats.get("handoff_identity_mismatches") == mism + 3
+    assert pre[KEY]["salt"] == handoff.salt_tag(g4, "", salt) != f"{salt:016x}"  # keyed: G4 has a keyring
     msgs = [r.getMessage() for r in caplog.records if "prefilled under" in r.getMessage()]
     # (another cache_salt is another tenant too: with a keyring, T tells it first; without one, S does)
     assert [m.split(" was prefilled under ")[1].split(" (")[0] for m in msgs] == ["request salt"] * 2 + ["tenant"]
