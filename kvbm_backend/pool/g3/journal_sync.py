@@ -62,17 +62,19 @@ def sync(cat: SlotCatalog, handle: int | BaseException | None) -> BaseException 
 
 def repair_or_withdraw_locked(cat: SlotCatalog, err: BaseException,
                               pub: Sequence[tuple["_Job", BlockKey, Slot]]) -> bool:
-    """(Pool lock held) The journal barrier of a round failed with ``err``: the tier degrades
-    (``journal_failed``) and the journal is rewritten from the index at once (it holds the round's blocks);
-    True when that worked (the round's records are durable). Otherwise the round's blocks still at their slot
-    are removed from the index (header zeroed, slot freed), those slots are journaled empty (:func:`_vacate`)
-    and each put counts them dropped (``cat.journal_reason``); False."""
-    cat.journal_failed(err)
+    """(Pool lock held) The journal barrier of a round failed with ``err``: the journal is rewritten from the index
+    at once (it holds the round's blocks) and the tier degrades (``journal_failed``, once: ``journal_errors`` counts
+    the failure, the barrier's ``err`` or, when the rewrite failed too, the rewrite's error, which also names the
+    drop reason); True when the rewrite worked (the round's records are durable). Otherwise the round's blocks still
+    at their slot are removed from the index (header zeroed, slot freed), those slots are journaled empty
+    (:func:`_vacate`) and each put counts them dropped (``cat.journal_reason``); False. Before 2026-12-03 a failed
+    rewrite counted the one failure twice in ``journal_errors`` (and ``enospc``: both errors' each)."""
     try:
         cat.journal.rewrite(cat.index.items())
     except Exception as e:  # noqa: BLE001 - storage trouble (or a bug): withdraw, never report unjournaled blocks
-        cat.journal_failed(e)
+        cat.journal_failed(_both(err, e))  # one failure, counted once (before 2026-12-03: twice, err's and e's)
     else:
+        cat.journal_failed(err)
         cat.journal_dirty = False
         LOG.warning(f"repaired {cat.journal.path}", "G3: journal %s: fdatasync failed (%s); rewritten from the index",
                     cat.journal.path, err)
@@ -87,6 +89,16 @@ def repair_or_withdraw_locked(cat: SlotCatalog, err: BaseException,
     cat.drop(cat.journal_reason, len(pub))
     _vacate(cat, gone)
     return False
+
+
+def _both(err: BaseException, e: BaseException) -> BaseException:
+    """The failure a barrier (``err``) whose repair rewrite failed too (``e``) is counted and logged as: an OSError of
+    ``e``'s errno (its drop reason: ``enospc`` or ``journal_error``) naming both; ``e`` itself when it is no OSError (a
+    bug: logged with its traceback)."""
+    if not isinstance(e, OSError):
+        return e
+    msg = f"rewriting it failed ({e.strerror or e}) after its fdatasync failed ({err})"
+    return OSError(msg) if e.errno is None else OSError(e.errno, msg)
 
 
 def _vacate(cat: SlotCatalog, slots: list[tuple[int, int]]) -> None:

@@ -58,6 +58,7 @@ import numpy as np
 
 from ...config import G3Config
 from ...io import IoEngine, fdatasync, make_engine
+from ...log_limits import forget as forget_logged
 from ...metrics import TierMetrics
 from ...model.frame import ChecksumFrames
 from ...model.layout import KvLayout
@@ -79,7 +80,6 @@ from ...threads import executor, start_thread
 if TYPE_CHECKING:
     import torch
     from prometheus_client import CollectorRegistry
-
     from .compact_index import CompactLruIndex
     from .journal import Journal
     from .slabs import SlabSet
@@ -149,6 +149,8 @@ class G3Pool:
                                        + (self.read_chunks_in_flight + 2) * self.read_chunk_bytes)
         # the parts: the slot catalog (the only owner of slot state), the writer, the reader
         self.cat = SlotCatalog(cfg, namespace, self.metrics, lambda: self.degrade_s)
+        self._log_subjects = (self.cat.journal.path, *(f.path for f in self.cat.slabs.files))  # its WARNINGs' kinds
+        forget_logged(*self._log_subjects)  # name these: their budgets are this pool's alone (a closed one's: not)
         self._lookups = G3Lookups(self.cat, self.fp, self._count_metrics)
         self.block_bytes, self.slot_bytes = self.cat.block_bytes, self.cat.slot_bytes
         self._own_engine = engine is None
@@ -486,6 +488,7 @@ class G3Pool:
             self.engine.close()
         self.reader.close_verifier()  # after the engine: its last callbacks may still queue there
         cat.close()
+        forget_logged(*self._log_subjects)  # a closed pool keeps no budget (nor leaves one to the next at its paths)
         self._lookups.join(1.0)  # a deferred lookup has the lock by now (its future resolves)
         with self._drop_mu:
             if self._drops is not None:

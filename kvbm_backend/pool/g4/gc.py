@@ -37,8 +37,9 @@ retried after the pool's full-jitter backoff (:mod:`.throttle`), up to :data:`TH
 pages before it decided stays done). Before (2026-11-29) one "slow down" on any LIST page aborted the pass and
 every throttled DELETE was an error.
 
-**Memory.** Revoked and age deletions are decided while the store is listed, so such a pass keeps nothing per
-object; a capacity target (``target_bytes``) keeps one ``(mtime, size, name)`` tuple per block it may still
+**Memory.** Revoked and age deletions are decided while the store is listed, so such a pass keeps ~16 bytes per
+block it deletes, to count each once (:class:`.gc_once.NameSet`: repeats, below), and nothing per other object; a
+capacity target (``target_bytes``) keeps one ``(mtime, size, name)`` tuple per block it may still
 delete, by name (repeats: below), to delete oldest first. Before (2026-11-29) every listed block's ObjectInfo and parsed name were kept
 first (~870 B each: ~40 GiB for 50M objects). An S3 listing remembers which keys it named, ~1.5-1.7 bytes per key,
 up to ~3.3 just after its filter grows (~106 MiB at 50M keys: a scalable Bloom filter, :class:`.s3_list.SeenKeys`;
@@ -49,10 +50,13 @@ continuation token answered with the previous page again), a file store's direct
 ``readdir``). A capacity pass keeps one entry per name (the latest listed), so its total is each block once and
 it deletes oldest blocks only down to ``target_bytes``; every further entry of a kept name is counted
 ``listed_duplicates`` (not in ``scanned_*``). Before 2026-12-01 each entry counted: a listing naming every
-object twice made a pass with a target of 8 of 10 blocks delete 6 good blocks, not 2. An age or revoked pass keeps
-nothing per object (above), so it does not see repeats: a repeated entry of a block it deleted is found gone
-(counted ``changed_since_listed``, below; on a store that lists no versions, deleted again: a no-op, counted
-again in ``deleted_*``); ``listed_duplicates`` counts only the repeats of blocks a capacity target kept.
+object twice made a pass with a target of 8 of 10 blocks delete 6 good blocks, not 2. A block an age or revoked
+pass deletes is remembered (:mod:`.gc_once`): a further entry of it is counted ``listed_duplicates`` too, never
+again in ``scanned_*`` or ``deleted_*``, dry run or not. Before 2026-12-03 such a pass kept nothing per object: a dry
+run counted a repeated block twice (objects and bytes), a real run found it gone (``changed_since_listed``, its
+bytes twice in ``scanned_bytes`` and ``remaining_bytes``; on a store that lists no versions deleted again, a no-op
+counted again in ``deleted_*``). A block no pass deletes or keeps (young, without a capacity target) is not
+remembered (memory: a pass keeps nothing per such object): each entry of it counts in ``scanned_*``.
 
 **Deleting what was listed.** Every block and announcement is deleted only while its name still holds the object
 listed (:meth:`~.store.ObjectStore.delete_if_listed`: S3 ``If-Match:`` the listed ETag, file stores a quarantine
@@ -156,6 +160,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...model.frame import FLAG_ENCRYPTED, HEADER_BYTES, FrameError, FrameHeader
 from .announce import ANNOUNCE_DIR, batch_prefix, parse_batch_name
+from .gc_once import NameSet
 from .gc_sizes import BlockSizes
 from .naming import parse_block_name
 from .store import ObjectInfo, ObjectStore, listing
@@ -286,7 +291,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         ``nested_blocks``: block names deeper below the store's root (another store nested in this one:
         never deleted); ``nested_temps``: writer temp files outside this store's own directories
         (:func:`own_temp`; never deleted); ``listed_duplicates``: listing entries naming a block a capacity
-        target keeps that was listed already (module doc, "Repeated listings"; each block counts once);
+        target keeps, or the age or revoked pass deletes, that was listed already (module doc, "Repeated listings";
+        each such block counts once);
         ``changed_since_listed``: listed objects not deleted because by the delete (or the size check before it of
         one the pass deletes) their name was gone or held another object (module doc, "Deleting what was listed");
         ``invalid_size``: objects at block names whose size
@@ -385,6 +391,7 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
     block_bytes = 0  # deleted block bytes (not temp files): remaining_bytes
     sizes, invalid_kept, unchecked = BlockSizes(store, THROTTLE_ATTEMPTS), 0, 0  # module doc, "Impossible sizes"
     no_block: set[str] = set()  # names judged no block (invalid_size): a repeated entry is skipped, counted once
+    counted = NameSet()  # blocks the age or revoked pass deletes: a repeated entry is counted (and deleted) once
     outside = getattr(store, "listed_outside_prefix", 0)  # S3 listings: keys outside the prefix, skipped
     for o in listing(store.list_patient("", THROTTLE_ATTEMPTS), unlisted):
         seen = keep.get(o.name)
@@ -412,6 +419,9 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
             continue
         if meta is None or (want is not None and meta["tenant"] != want):
             continue
+        if o.name in counted:  # listed again, deleted (or to be: a dry run) by age or revocation: counted once
+            res["listed_duplicates"] += 1
+            continue
         res["scanned_objects"] += 1
         res["scanned_bytes"] += o.size
         res["future_objects"] += o.mtime > store_now
@@ -426,6 +436,8 @@ def run_gc(store: ObjectStore, *, keyring: Keyring | None = None, max_age_s: flo
         why = ("revoked" if gone
                else "age" if max_age_s is not None and (max_age_s == 0 or store_now - o.mtime >= max_age_s)
                else None)
+        if why is not None:
+            counted.add(o.name)
         # an impossible listed size is looked at whatever the pass decides (module doc, "Impossible sizes")
         verdict, judged = sizes.judge(o, meta["ns"], deleting=why is not None)
         if verdict != "block":  # no block: out of scanned_*, never in a capacity total

@@ -387,3 +387,62 @@ def test_each_kind_of_unjournaled_slot_has_its_own_line_a_minute(tmp_path, caplo
             ["emptied", "withdrawn", "deleted"], lines
         assert all("verified again" in ln for ln in lines), lines
         assert pool.stats()["vacancies_unjournaled"] == 8
+
+
+def _fail_barrier(monkeypatch, pool) -> None:
+    """Make ``pool``'s journal barrier (``os.fdatasync`` of its journal) fail with EIO; its repair rewrite works."""
+    journal, real_fdatasync = os.path.realpath(pool.journal.path), os.fdatasync
+
+    def fdatasync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}") == journal:
+            raise OSError(errno.EIO, "journal drive failing (test)")
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+
+
+def _kinds(lg: LimitedLog) -> list[str]:
+    """The kinds ``lg`` holds a budget for (the code before 2026-12-03 has no ``kinds()``: its dict)."""
+    return lg.kinds() if hasattr(lg, "kinds") else list(lg._last)
+
+
+def test_a_pool_reopened_at_the_same_path_has_its_own_degraded_warning_budget(tmp_path, caplog, clock, monkeypatch):
+    """A pool closed and opened again at the same paths in one process (a warm restart in place, tests) gets its own
+    "tier degraded" budget: its first degradation is logged though the closed pool's line was logged a moment
+    before (the limiters' clock stands still). Old code: the limiter's kind, ``"degraded {journal path}"``, was the
+    closed pool's budget: the new pool's first line was left out (1 line, not 2). And a closed pool leaves no kind
+    behind in any limiter (each kind naming its journal or a slab file was kept for the process's life)."""
+    caplog.set_level(logging.WARNING, logger="kvbm_backend.pool.g3")
+    limiters = (vacancy.LOG, writer.LOG, journal_sync.LOG, slab_share.LOG)
+    held: list[str] = []  # kinds of closed pools still held by a limiter (asserted last: the log lines first)
+    for round_ in range(2):
+        with open_pool(tmp_path, **CFG) as pool:
+            path = pool.journal.path
+            subjects = (path, *(f.path for f in pool.cat.slabs.files))
+            with monkeypatch.context() as m:  # not undo(): that would put back the limiters the clock fixture froze
+                _fail_barrier(m, pool)
+                assert _put_one(pool, 1 + round_) == (1, 0)  # stored through the repair, the tier degraded
+            assert pool.stats()["degradations"] == 1
+            lines = _lines(caplog, "tier degraded")
+            assert len(lines) == round_ + 1, f"pool {round_ + 1}'s first degradation not logged: {lines}"
+            assert path in lines[-1] and "(degradations)" in lines[-1], lines
+            assert any(k.endswith(path) for lg in limiters for k in _kinds(lg))
+        held += [k for lg in limiters for k in _kinds(lg) if k.endswith(subjects)]
+    assert not held, f"kinds of closed pools kept: {held}"
+    with open_pool(tmp_path, **CFG) as pool:
+        check_restored(pool, NS.keys([1, 2]), [])
+
+
+def test_forget_drops_only_the_kinds_naming_its_subjects(clock):
+    """:func:`kvbm_backend.log_limits.forget` drops, in every limiter, the kinds that are or end with a subject
+    (after a space), whatever else a kind holds (a path with spaces), and no other kind: "/a/j.log" is not
+    "/a/j.log2" nor "x/a/j.log"."""
+    from kvbm_backend import log_limits
+    lg = LimitedLog(logging.getLogger("test.forget"), clock=lambda: clock[0])
+    kinds = ["degraded /a/j.log", "/a/j.log", "vacancy emptied /a/j.log", "degraded /a/j.log2", "degraded x/a/j.log",
+             "header /b c/s.slab", "other"]
+    for k in kinds:
+        assert lg.warning(k, "line %s", k)
+    assert log_limits.forget("/a/j.log", "/b c/s.slab") >= 4
+    assert sorted(lg.kinds()) == sorted(["degraded /a/j.log2", "degraded x/a/j.log", "other"])
+    assert log_limits.forget() == 0 and lg.warning("degraded /a/j.log", "logged again") and not lg.warning("other", "")

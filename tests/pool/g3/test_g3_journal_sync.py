@@ -151,3 +151,35 @@ def test_failed_journal_fdatasync_and_failed_repair_withdraw_the_round(tmp_path,
         assert not any(pool.contains(k) for k in keys)
         assert pool.cat.accounting()["leaked"] == 0
         monkeypatch.undo()
+
+
+def test_a_failed_barrier_whose_repair_fails_too_counts_one_journal_error(tmp_path, monkeypatch):
+    """The journal's barrier fails (EIO) and so does the repair rewrite (its fsync: EIO, or ENOSPC): one failure of
+    the journal, counted once in ``journal_errors`` (old code: 2, the barrier's error and the rewrite's each), the
+    round dropped for the rewrite's reason, ``enospc`` only for the rewrite's ENOSPC. Nothing is stored, nothing
+    leaks, and a restart serves none of the round's blocks."""
+    for seqs, rewrite_err, reason in ((range(1, 9), errno.EIO, "journal_error"),
+                                      (range(101, 109), errno.ENOSPC, "enospc")):
+        keys = NS.keys(seqs)
+        with open_pool(tmp_path) as pool:
+            spy = SyncSpy(monkeypatch, pool.journal.path)
+            spy.fail_journal = 1
+            real_fsync = os.fsync
+
+            def failing_fsync(fd, rewrite_err=rewrite_err, real_fsync=real_fsync):
+                if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".journal-"):
+                    raise OSError(rewrite_err, "injected journal rewrite fsync failure")
+                real_fsync(fd)
+
+            monkeypatch.setattr(os, "fsync", failing_fsync)
+            res = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
+            monkeypatch.undo()
+            st = pool.stats()
+            assert (res.written, res.dropped) == (0, 8)
+            assert st["journal_errors"] == 1, f"journal_errors {st['journal_errors']} for one failed barrier + repair"
+            assert st["enospc"] == (reason == "enospc"), st
+            assert st["dropped_by_reason"] == {reason: 8}, st
+            assert pool.cat.accounting()["leaked"] == 0
+        with open_pool(tmp_path) as pool:
+            out = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
+            assert not any(pool.get(keys, out).result(timeout=HANG_S).ok)

@@ -6,6 +6,7 @@ file stores and real SeaweedFS behind a real loopback proxy that repeats pages."
 from __future__ import annotations
 
 import os
+import time
 from typing import Iterator
 
 from kvbm_backend.config import G4Config
@@ -87,6 +88,57 @@ def test_an_s3_server_repeating_a_list_page_deletes_only_down_to_the_target(seaw
         assert left == sorted(_name(i) for i in range(2, 10)), (left, res)
         assert res["deleted_by"]["capacity"] == 2 and res["listed_duplicates"] == 10, res
         assert (res["scanned_objects"], res["remaining_bytes"], res["errors"]) == (10, 8 * SIZE, 0), res
+    finally:
+        st.close()
+        proxy.close()
+
+
+def test_an_age_pass_counts_a_repeated_block_once_dry_run_or_not(tmp_path):
+    """The age pass (``max_age_s`` a day: the 6 blocks written 10 days ago, not the 4 written 10 s ago; on the store's
+    clock, a probe's mtime, in the run) under a file store listing every page twice. Each block it deletes counts
+    once, in the dry run's report as in the run's: 6 objects and 6 x SIZE bytes deleted (or to be), their 6 repeats
+    ``listed_duplicates``, none ``changed_since_listed``. Old code: the dry run reported 12 objects and 12 x SIZE bytes
+    (an age pass kept nothing per object, so it never saw a repeat); the run counted the 6 repeats
+    ``changed_since_listed``. The run deletes exactly the 6 oldest blocks. (The young blocks' repeats still count in
+    ``scanned_*``: such a pass keeps nothing per block it leaves, gc module doc "Repeated listings".)"""
+    root = tmp_path / "store"
+    _fill(FsStore(root, fsync=False), root, 10)
+    now = time.time()
+    for i in range(10):
+        os.utime(root / _name(i), (now - (864000 if i < 6 else 10),) * 2)
+    st = RepeatingFsStore(root, page=3)
+    for dry in (True, False):
+        res = run_gc(st, max_age_s=86400.0, dry_run=dry)
+        got = {k: res[k] for k in ("deleted_objects", "deleted_bytes", "listed_duplicates", "changed_since_listed",
+                                   "errors")}
+        assert got == {"deleted_objects": 6, "deleted_bytes": 6 * SIZE, "listed_duplicates": 6,
+                       "changed_since_listed": 0, "errors": 0}, (dry, res)
+        assert res["deleted_by"]["age"] == 6, (dry, res)
+        left = sorted(o.name for o in FsStore(root, fsync=False).list(""))
+        assert left == sorted(_name(i) for i in range(0 if dry else 6, 10)), (dry, left)
+
+
+def test_an_s3_server_repeating_a_list_page_counts_each_block_once_in_a_dry_run(seaweed, s3_prefix):
+    """SeaweedFS behind a proxy that serves the ListObjectsV2 page twice: a dry run of the age pass (``max_age_s``
+    0: every block) reports each of the 10 blocks once, deleted and scanned (old code: 20 objects, 20 x SIZE bytes,
+    20 scanned), and deletes nothing; the real pass under the same lie deletes the 10 blocks, each counted once (old
+    code: 20 scanned, the 10 repeats ``changed_since_listed``)."""
+    from kvbm_backend.pool.g4.factory import open_store
+    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = LyingProxy(host, int(port))
+    url = seaweed.url(s3_prefix)
+    st = open_store(url, G4Config(url=url, endpoint_url=proxy.endpoint, timeout_s=30.0))
+    try:
+        for i in range(10):
+            assert st.put_if_absent(_name(i), b"x" * SIZE)
+        for dry in (True, False):
+            proxy.repeat_list_pages, before = 1, proxy.repeated
+            res = run_gc(st, max_age_s=0.0, dry_run=dry)
+            assert proxy.repeated == before + 1, proxy.repeated
+            got = (res["deleted_objects"], res["deleted_bytes"], res["scanned_objects"], res["remaining_bytes"])
+            assert got == (10, 10 * SIZE, 10, 0), (dry, res)
+            assert (res["listed_duplicates"], res["changed_since_listed"], res["errors"]) == (10, 0, 0), (dry, res)
+            assert len(list(st.list(""))) == (10 if dry else 0), dry
     finally:
         st.close()
         proxy.close()
