@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 
 from .cli_checks import check_layout as _check_layout, config_error_text as _config_error_text, error_line
 from .cli_checks import DEFAULT_LAYOUT, finite as _finite, int_range, named_paths as _named_paths
-from .cli_checks import output_file as _output_file, write_whole
+from .cli_checks import output_file as _output_file, removed_workdir_text, write_whole
 
 # Upper bounds of the numeric flags (a value past them is an operator mistake that would otherwise end
 # in a MemoryError or OverflowError traceback minutes later). Capacities: config.MAX_CAPACITY_GB.
@@ -61,12 +61,10 @@ class _OneLineErrorsGroup(TyperGroup):
         with _one_line_usage_errors():
             try:
                 return super().invoke(ctx)
-            except FileNotFoundError as e:  # a relative path no check named (os.getcwd() fails): no traceback
+            except FileNotFoundError as e:  # a path no check named, the working directory removed: no traceback
                 if not workdir_removed():
                     raise
-                _fail(f"{ctx.invoked_subcommand or 'kvbm-backend'}: this process's working directory has been removed "
-                      f"(os.getcwd() fails), so a relative path names nothing ({e}): give absolute paths, or run "
-                      "from a directory that exists")
+                _fail(f"{ctx.invoked_subcommand or 'kvbm-backend'}: {removed_workdir_text(e)}")
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=_OneLineErrorsGroup,

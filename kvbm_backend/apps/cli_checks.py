@@ -91,6 +91,20 @@ def named_paths(*named: tuple[str, Optional[str]]) -> None:
             fail(f"{name}: {e}")
 
 
+def removed_workdir_text(e: FileNotFoundError) -> str:
+    """What a FileNotFoundError no check caught means while this process's working directory has been removed (the
+    CLI's catch-all, ``error: COMMAND: TEXT``): an absolute file (or two, a rename's) is missing itself and is named, as
+    the OS says it (before 2026-12-03 the working directory was blamed for it); a relative one, or none named
+    (``os.getcwd()``), names nothing there: the working directory is the cause."""
+    import os
+    names = [os.fsdecode(f) for f in (e.filename, e.filename2) if isinstance(f, (str, bytes, os.PathLike))]
+    rel = [f for f in names if not os.path.isabs(f)]
+    if names and not rel:
+        return f"{' -> '.join(names)}: {e.strerror or 'No such file or directory'}"
+    return ("this process's working directory has been removed (os.getcwd() fails), so a relative path names nothing"
+            f" ({repr(rel[0]) if rel else e}): give absolute paths, or run from a directory that exists")
+
+
 def output_file(name: str, path: str) -> None:
     """``path`` is a file this command may write when it finishes: its directory exists and this process can
     write it, and ``path`` is not a directory (nor an existing file it cannot write); else :func:`fail`

@@ -157,7 +157,11 @@ def _keyring_check(kc, rows: _Checks, encrypt: bool) -> None:
         except ValueError as e:
             rows.add("keyring", False, f"{field}: {e}{why}")
             return
-    path = os.path.abspath(os.path.expanduser(kc.path))
+    # `~` is the home directory, in the KEK file's name too, as the workers read both (Keyring.from_config; before
+    # 2026-12-03 doctor checked ~/k.json while workers made a keyring ./~/k.json of their own)
+    kf = kc.kek_file and os.path.expanduser(kc.kek_file)
+    kc = kc.model_copy(update={"path": os.path.expanduser(kc.path), "kek_file": kf})
+    path = os.path.abspath(kc.path)
     try:
         check_kek_env(kc)  # a kek_env the config names must be set: the worker refuses to start otherwise
         # the worker's rule (kvbm_backend.fsmodes.open_trusted): a directory others can write is refused

@@ -210,9 +210,14 @@ def check_keyring_paths(kr) -> None:
     EffectiveError naming the field (before 2026-12-03 ``config effective`` said ``g4.kek=[new file ...]``, exit 0, and
     the worker failed ``g4.keyring: [Errno 2] No such file or directory``)."""
     from ..fsmodes import unresolvable
-    bad = unresolvable((("g4.keyring.path", kr.path), ("g4.keyring.kek_file", kr.kek_file)))
+    bad = unresolvable((("g4.keyring.path", _home(kr.path)), ("g4.keyring.kek_file", _home(kr.kek_file))))
     if bad:
         raise EffectiveError(bad)
+
+
+def _home(path: str | None) -> str | None:
+    """``path`` with a leading ``~`` expanded, as the workers read keyring paths (Keyring.from_config)."""
+    return path and os.path.expanduser(path)
 
 
 def kek_source(cfg, environ: dict[str, str] | None = None) -> str:
@@ -227,16 +232,17 @@ def kek_source(cfg, environ: dict[str, str] | None = None) -> str:
     check_kek_env(kr, env)
     if env.get(kr.kek_env):
         return f"env {kr.kek_env}"
-    kf = kr.kek_file or f"{kr.path}.kek"
+    path = os.path.expanduser(kr.path)  # `~`: the home directory, as the workers read it (before 2026-12-03: "new file ~/...")
+    kf = _home(kr.kek_file) or f"{path}.kek"
     if os.path.lexists(kf):  # as provider_for: a symbolic link there is the KEK file, never "create one"
         if not Path(kf).exists():
             raise EffectiveError(f"g4.keyring: KEK file {kf} is a symbolic link to nothing "
                                  f"({os.readlink(kf)!r}): the keyring opener reads it and fails; replace it by "
                                  f"the file or set ${kr.kek_env}")
         return f"file {kf}"
-    if not Path(kr.path).exists():
+    if not Path(path).exists():
         return f"new file {kf}"
-    raise EffectiveError(f"g4.keyring: keyring {kr.path} has no KEK: set ${kr.kek_env} (base64 32-byte key) or "
+    raise EffectiveError(f"g4.keyring: keyring {path} has no KEK: set ${kr.kek_env} (base64 32-byte key) or "
                          f"provide {kf}")
 
 

@@ -165,9 +165,16 @@ def _open(keyring: str, kek_env: str, kek_file: Optional[str], create: bool):
     return Keyring(keyring, prov, create=create)
 
 
-_KR = typer.Option(..., "--keyring", help="keyring file (JSON, mode 0600)")
+def _home(path: Optional[str]) -> Optional[str]:
+    """A keyring or KEK file option with a leading ``~`` expanded (the home directory), as the workers and ``doctor``
+    read ``g4.keyring.path`` / ``kek_file``: a ``--keyring=~/k.json`` no shell expanded names the same file."""
+    import os
+    return os.path.expanduser(path) if path else path
+
+
+_KR = typer.Option(..., "--keyring", help="keyring file (JSON, mode 0600)", callback=_home)
 _ENV = typer.Option("KVBM_BACKEND_KEK", "--kek-env", help="env var holding the base64 KEK")
-_KF = typer.Option(None, "--kek-file", help="KEK file (default KEYRING.kek) when the env var is unset")
+_KF = typer.Option(None, "--kek-file", help="KEK file (default KEYRING.kek) when the env var is unset", callback=_home)
 
 
 @keys_app.command("create")
@@ -248,7 +255,7 @@ def keys_list(keyring: str = _KR, tenant: Optional[str] = typer.Option(None, "--
 
 @keys_app.command("rewrap")
 def keys_rewrap(keyring: str = _KR, new_kek_file: Optional[str] = typer.Option(
-                    None, help="new KEK file (created 0600 if absent)"),
+                    None, help="new KEK file (created 0600 if absent)", callback=_home),
                 new_kek_env: Optional[str] = typer.Option(None, help="env var with the new base64 KEK"),
                 kek_env: str = _ENV, kek_file: Optional[str] = _KF,
                 as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
@@ -336,7 +343,7 @@ def _open_store(url: str, endpoint_url: Optional[str], region: Optional[str]):
 def g4_migrate(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path"),
                endpoint_url: Optional[str] = typer.Option(None, help="S3 endpoint URL"),
                region: Optional[str] = typer.Option(None, help="S3 region (default: from the AWS environment)"),
-               keyring: Optional[str] = typer.Option(None, help="the workers' keyring (or --unkeyed)"),
+               keyring: Optional[str] = typer.Option(None, help="the workers' keyring (or --unkeyed)", callback=_home),
                unkeyed: bool = typer.Option(False, "--unkeyed", help="the workers have no keyring (or --keyring)"),
                kek_env: str = _ENV, kek_file: Optional[str] = _KF,
                dir_fanout: int = typer.Option(256, help="the workers' g4.dir_fanout"),
@@ -380,7 +387,8 @@ def gc(url: str = typer.Option(..., help="s3://BUCKET/PREFIX or file:///path (an
            None, help="delete blocks at least this old on the store's clock (seconds, >= 0; 0: all)"),
        target_gb: Optional[float] = typer.Option(None, help="then delete oldest until at most this (GB = 1e9 B, 0 to 10,000,000)"),
        tenant: Optional[str] = typer.Option(None, help="only this tenant: its id (with --keyring) or its 32-hex pseudonym (as keys list shows)"),
-       keyring: Optional[str] = typer.Option(None, help="keyring: revoked tenants are reclaimed, --tenant mapped"),
+       keyring: Optional[str] = typer.Option(None, help="keyring: revoked tenants are reclaimed, --tenant mapped",
+                                             callback=_home),
        kek_env: str = _ENV, kek_file: Optional[str] = _KF,
        temp_grace_s: float = typer.Option(3600.0, help="writer temp files younger than this are never touched"),
        announce_ttl_s: float = typer.Option(

@@ -29,6 +29,10 @@ def model(preset: str = typer.Argument(..., help=f"one of: {', '.join(PRESETS)}"
     """Write a small random-weight Llama model directory (config, safetensors weights, tokenizer) that
     vLLM and Dynamo serve like a Hugging Face checkpoint."""
     from . import engine_model
+    for name, value in (("PRESET", preset), ("DIR", directory)):  # before 2026-12-03 an empty DIR wrote into the
+        if not value.strip():  # working directory (Path("") is "."), an empty PRESET read "expected tiny or demo"
+            fail(f"{name}: the argument is empty (got {value!r}): give "
+                 + (f"one of {', '.join(PRESETS)}" if name == "PRESET" else "the directory to write the model to"))
     if preset not in PRESETS:
         fail(f"PRESET: expected {' or '.join(PRESETS)} (got {preset!r})")
     if dtype not in DTYPES:

@@ -162,15 +162,15 @@ class Keyring:
 
     @classmethod
     def from_config(cls, cfg: KeyringConfig, *, create: bool = True) -> "Keyring":
-        """Open the keyring a :class:`kvbm_backend.config.KeyringConfig` names. Raises KeyringError."""
+        """Open the keyring a :class:`kvbm_backend.config.KeyringConfig` names (a leading ``~`` of ``path`` and
+        ``kek_file`` is the home directory, as ``doctor`` reads them: docs/configuration.md). Raises KeyringError."""
         if not cfg.path:
             raise KeyringError("g4.keyring.path: required when g4.encrypt is true (a keyring file, created 0600)")
         check_kek_env(cfg)  # KeyringError: a non-default kek_env is unset (never a node-local KEK file instead)
-        ro = getattr(cfg, "read_only", None)
-        if ro is None:
-            ro = dir_is_read_only(cfg.path)
-        prov = provider_for(cfg.path, cfg.kek_env, getattr(cfg, "kek_file", None), create=create and not ro)
-        return cls(cfg.path, prov, create=create,
+        path, kf = os.path.expanduser(cfg.path), getattr(cfg, "kek_file", None)  # before 2026-12-03: ./~/... made
+        ro = dir_is_read_only(path) if (ro := getattr(cfg, "read_only", None)) is None else ro
+        prov = provider_for(path, cfg.kek_env, kf and os.path.expanduser(kf), create=create and not ro)
+        return cls(path, prov, create=create,
                    rotate_after_uses=getattr(cfg, "rotate_after_uses", DEFAULT_ROTATE_AFTER),
                    reload_every_s=getattr(cfg, "reload_interval_s", 2.0), read_only=ro,
                    auto_create_tenants=getattr(cfg, "auto_create_tenants", True),

@@ -245,7 +245,9 @@ def _check_keyring(cfg, create: bool) -> None:
     from ..crypto.keyring import Keyring, KeyringError, provider_for
     from ..crypto.kek import check_kek_env
     from ..fsmodes import unresolvable
-    kc = g4.keyring
+    kc = g4.keyring  # '~' is $HOME, as Keyring.from_config reads it (docs/configuration.md g4.keyring.path)
+    kc = kc.model_copy(update={"path": kc.path and os.path.expanduser(kc.path),
+                               "kek_file": kc.kek_file and os.path.expanduser(kc.kek_file)})
     bad = unresolvable((("g4.keyring.path", kc.path), ("g4.keyring.kek_file", kc.kek_file)))
     if bad:
         raise ConfigError(bad)

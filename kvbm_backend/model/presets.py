@@ -26,8 +26,11 @@ from .layout import KvLayout, dtype_bytes
 def layouts_dir() -> Path:
     """Directory holding the presets: ``$KVBM_BACKEND_LAYOUTS`` or the repo's ``layouts/``. Raises
     ValueError (``layout: ...``, one line) when it is not a directory, saying where the name came from:
-    otherwise a typo in the variable, or a package installed without the repo, reads as "no presets"."""
+    otherwise a typo in the variable, or a package installed without the repo, reads as "no presets". A relative
+    ``$KVBM_BACKEND_LAYOUTS`` while this process's working directory has been removed names no directory: the
+    ValueError names the variable and the cause (before 2026-12-03 ``no such directory``, as if it were absent)."""
     env = os.environ.get("KVBM_BACKEND_LAYOUTS")
+    _resolvable("KVBM_BACKEND_LAYOUTS", env)
     d = Path(env) if env else Path(__file__).resolve().parents[2] / "layouts"
     if not d.is_dir():
         why = "no such directory" if not d.exists() else "not a directory"
@@ -35,6 +38,17 @@ def layouts_dir() -> Path:
                "the repository's layouts/; set KVBM_BACKEND_LAYOUTS to the directory of preset .toml files")
         raise ValueError(f"layout: presets directory {d}: {why} ({src})")
     return d
+
+
+def _resolvable(name: str | None, path: str | None) -> None:
+    """ValueError ``layout: NAME: why`` (``name`` None: ``layout: why``, which names ``path``) when ``path`` is
+    relative while this process's working directory has been removed (:func:`kvbm_backend.fsmodes.abspath`)."""
+    from ..fsmodes import WorkdirRemoved, abspath
+    try:
+        if path:
+            abspath(path)
+    except WorkdirRemoved as e:
+        raise ValueError(f"layout: {f'{name}: ' if name else ''}{e}") from None
 
 
 @dataclass(frozen=True)
@@ -164,7 +178,11 @@ def load_preset(name: str) -> ModelPreset:
         p = load_preset(base)
         p = replace(p, name=f"{p.name}:{kv_dtype}", dtype=kv_dtype)
         return replace(p, bytes_per_token=p.computed_bytes_per_token())
-    path = Path(name) if name.lower().endswith(".toml") else layouts_dir() / f"{name}.toml"  # .TOML too
+    if name.lower().endswith(".toml"):  # a preset file's path (.TOML too)
+        _resolvable(None, name)
+        path = Path(name)
+    else:
+        path = layouts_dir() / f"{name}.toml"
     if not path.is_file():
         raise ValueError(f"layout: no preset {name!r}; known: {', '.join(list_presets())}")
     with open(path, "rb") as f:
