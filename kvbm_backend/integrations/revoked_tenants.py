@@ -20,11 +20,20 @@ Its users: the vLLM connector (:mod:`.vllm.wiring`, below) and the tiering form'
   published: ``G3Pool.unpublished_keys``), and G3 is flushed, so none is published after the purge; a flush that
   does not finish within ``FLUSH_S`` (a stalled drive) leaves the tenant refused and the purge runs again at the next
   check (``g3_revoked_purges_retried``, a WARNING). Before 2026-12-02 the flush's answer was ignored: a write still
-  queued then was published after the purge and served once the tenant was re-created. A purge is due when a keyring check finds a new revocation record (tenants known here:
-  ids in G3's index and ids seen in requests), and when a tenant is first seen in a process and the keyring holds
-  a revocation record of its pseudonym (a worker that was down, or restored the blocks by tag only). A tenant
-  re-created by ``keys create`` is therefore served again only after its blocks from before the revocation are
-  gone; after a restart its G3 blocks are deleted once more (G3 does not know when a block was written).
+  queued then was published after the purge and served once the tenant was re-created. A purge is due when a
+  keyring check finds a new revocation record (tenants known here: ids in G3's index, ids seen in requests, ids the
+  keyring holds (a re-created tenant's), and tags G3's tenant labels name), and when a tenant is first seen in a
+  process and the keyring holds a revocation record of its pseudonym not purged here yet. A tenant re-created by
+  ``keys create`` is therefore served again only after its blocks from before the revocation are gone; after a
+  restart its G3 blocks are deleted once more (G3 does not know when a block was written).
+* **Restarts.** G3 restores blocks by tag only (no tenant id in its journal). The worker's gate records the keyring
+  pseudonym of every tenant it sees in G3's tenant labels (:mod:`kvbm_backend.pool.g3.tenant_labels`, written on
+  the ``kvbm-revoke`` thread and at :meth:`RevokedTenants.close`), and its first purge runs in its constructor,
+  before the worker serves anything: a tenant revoked while the worker was down is purged by its label without a
+  request of it (before 2026-12 its restored blocks stayed, refused and unservable, until its next request or their
+  eviction), and a re-created one by its id in the keyring, so the scheduler (whose gate purges nothing) is never
+  left offering restored blocks that the worker refuses at the tenant's first sighting (before 2026-12 it offered
+  them: every planned block failed). Labels of tags G3 no longer holds are forgotten then.
 * Everything that reads the keyring or G3's index runs on the ``kvbm-revoke`` thread: a check every
   ``interval_s`` (the keyring's ``reload_every_s``), and the purges. A keyring file that does not load changes
   nothing here (the last state stays; G4 fails closed on its own).
@@ -44,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..model.namespace import BlockKey
 from ..pool.g3.index import TagKey, tag_of
+from ..pool.g3.tenant_labels import labels_of
 from ..threads import executor, start_thread
 
 if TYPE_CHECKING:
@@ -76,7 +86,8 @@ class RevokedTenants:
         count: adds to counters (``count(name=n)``); None: not counted.
         start: run the checks on the ``kvbm-revoke`` thread (False: only :meth:`check_now` checks, for tests).
 
-    The keyring is read once here, on the caller's thread; a purge due then runs on the ``kvbm-revoke`` thread.
+    The keyring is read once here, on the caller's thread, and with ``g3`` the first purge runs here too (module doc,
+    "Restarts": G3 deletes the blocks it restored of tenants the keyring records revoked before this returns).
     Raises ValueError for ``interval_s`` <= 0.
     """
 
@@ -93,12 +104,15 @@ class RevokedTenants:
         self._records: dict[str, float] = {}  # pseudonym hex -> revoked_at: the keyring's revocation records
         self._revoked: frozenset[str] = frozenset()  # pseudonyms refused: revoked and not re-created
         self._pending: dict[str, float] = {}  # tenant id -> revoked_at: refused until its purge ran
-        self._done: set[tuple[str, float]] = set()  # (tenant id, revoked_at) purged in this process
+        self._tag_pending: dict[bytes, float] = {}  # tenant tag -> revoked_at: restored blocks of a labelled tenant
+        self._done: set[tuple[bytes, float]] = set()  # (tenant tag, revoked_at) purged in this process
+        self._labels = [lb for lb in map(labels_of, self.g3) if lb is not None]  # G3's tenant labels (restarts)
         self._stop = threading.Event()
-        self._queued = False
+        self._queued = self._labelling = False
         self._work = executor(1, "kvbm-revoke")
-        if self._refresh() and self.g3:
-            self._work.submit(self._run, self._purge_known)
+        changed = self._refresh()
+        if self.g3:  # before the worker serves anything: no block restored for a tenant refused here is offered
+            self._run(lambda: self._start(changed))
         self._ticker = start_thread(self._tick, name="kvbm-revoke-tick") if start else None
 
     # ---- the hot path (any thread) -------------------------------------------------------------
@@ -125,23 +139,49 @@ class RevokedTenants:
         """A tenant id not seen since its cache entry: its pseudonym, cached; a purge is due when the keyring
         holds a revocation record of it that was not purged here (a worker that was down, keys restored by tag)."""
         ps = self.keyring.pseudonym(tenant).hex()
+        noted = False
+        for lb in self._labels:  # G3 keeps it: after a restart its restored blocks are found by it (.tenant_labels)
+            noted |= lb.note(tag_of(tenant), bytes.fromhex(ps))
         with self._mu:
             if len(self._ps) >= MAX_SEEN:
                 self._ps.clear()
             self._ps[tenant] = ps
             due = self._due(tenant, ps)
+            label = noted and not self._labelling
+            self._labelling |= label
         if due:
             self._submit(self._purge_pending)
+        if label:
+            self._submit(self._persist_labels)
         return ps
 
     def _due(self, tenant: str, ps: str) -> bool:
         """Mark ``tenant`` pending when a revocation record of ``ps`` was not purged here; True if newly so.
         Caller holds ``_mu``."""
         at = self._records.get(ps)
-        if not self.g3 or at is None or (tenant, at) in self._done or tenant in self._pending:
+        if not self.g3 or at is None or tenant in self._pending or (tag_of(tenant), at) in self._done:
             return False
         self._pending[tenant] = at
         return True
+
+    def _start(self, changed: bool) -> None:
+        """The first purge (of the tenants known here that a revocation record names: :meth:`_purge_known`, restored
+        blocks by their labels too), then G3's labels of tenants it holds no block of are forgotten. Caller's thread."""
+        if changed:
+            self._purge_known()
+        for lb, p in zip(self._labels, self.g3):
+            if not lb.labels():
+                continue
+            held = {k.tag if type(k) is TagKey else tag_of(k.tenant) for k in p.keys()}
+            with self._mu:
+                held.update(tag_of(t) for t in self._ps)
+            lb.compact(held.__contains__)
+
+    def _persist_labels(self) -> None:
+        with self._mu:
+            self._labelling = False
+        for lb in self._labels:
+            lb.persist()
 
     # ---- the kvbm-revoke thread ----------------------------------------------------------------
     def _submit(self, fn: Callable[[], None]) -> None:
@@ -169,7 +209,7 @@ class RevokedTenants:
             self._queued = False
         if self._refresh() and self.g3:
             self._purge_known()
-        elif self._pending:
+        elif self._pending or self._tag_pending:
             self._purge_pending()  # a purge that failed before
 
     def check_now(self, timeout: float | None = None) -> None:
@@ -202,56 +242,81 @@ class RevokedTenants:
         return changed
 
     def _purge_known(self) -> None:
-        """Purge the tenants known here (seen in requests, or ids in G3's index) that a revocation record names."""
+        """Purge the tenants known here that a revocation record names: seen in requests, ids in G3's index, ids
+        the keyring holds (re-created tenants), and tags G3's labels name (restored blocks of a revoked tenant)."""
         with self._mu:
-            names = set(self._ps)
+            names, records = set(self._ps), dict(self._records)
         for p in self.g3:
             names.update(k.tenant for k in p.keys() if type(k) is not TagKey)
+        if records:
+            names.update(r["tenant"] for r in self.keyring.info() if r.get("pseudonym") in records)
         pk = {t: self.keyring.pseudonym(t).hex() for t in names}
+        tags = {tag: lb.hex() for x in self._labels for tag, lb in x.labels().items() if lb.hex() in records}
         with self._mu:
             for t, ps in pk.items():
                 self._due(t, ps)
+            for tag, ps in tags.items():
+                at = self._records.get(ps)
+                if at is not None and (tag, at) not in self._done:
+                    self._tag_pending[tag] = at
         self._purge_pending()
 
     def _purge_pending(self) -> None:
         """Delete the G3 blocks of every pending tenant, then serve it again unless it is revoked."""
         with self._mu:
-            todo = {t: at for t, at in self._pending.items() if (t, at) not in self._done}
+            todo = {t: at for t, at in self._pending.items() if (tag_of(t), at) not in self._done}
             for t in set(self._pending) - set(todo):
                 del self._pending[t]
-        if not todo:
+            tags = {tag_of(t): t for t in todo}
+            by_tag = {g: at for g, at in self._tag_pending.items() if (g, at) not in self._done and g not in tags}
+            self._tag_pending = dict(by_tag)
+        if not todo and not by_tag:
             return
         for p in self.g3:  # puts handed over before the tenant was refused: their writes are cancelled
             queued = [k for k in p.unpublished_keys() if k.tenant in todo and type(k) is not TagKey]
             for i in range(0, len(queued), DELETE_CHUNK):
                 p.delete(queued[i:i + DELETE_CHUNK]).result()
         flushed = [p.flush(FLUSH_S) for p in self.g3]  # and any publishing meanwhile is done before the deletes
-        tags = {tag_of(t): t for t in todo}
-        counts = dict.fromkeys(todo, 0)
+        counts: dict[str | bytes, int] = {**dict.fromkeys(todo, 0), **dict.fromkeys(by_tag, 0)}
         for p in self.g3:
-            by_tenant: dict[str, list] = {t: [] for t in todo}
+            by_owner: dict[str | bytes, list] = {}
             for k in p.keys():
-                owner = tags.get(k.tag) if type(k) is TagKey else (k.tenant if k.tenant in todo else None)
-                if owner is not None:  # by its id: a key restored by tag may be adopted under its id meanwhile
-                    by_tenant[owner].append(BlockKey(k.namespace, owner, k.rank, k.seq_hash))
-            for t, keys in by_tenant.items():
-                counts[t] += sum(p.delete(keys[i:i + DELETE_CHUNK]).result() for i in range(0, len(keys), DELETE_CHUNK))
+                if type(k) is TagKey:  # by its id where known: it may be adopted under its id meanwhile
+                    owner: str | bytes | None = tags.get(k.tag)
+                    key = BlockKey(k.namespace, owner, k.rank, k.seq_hash) if type(owner) is str else k
+                    owner = owner if owner is not None else (k.tag if k.tag in by_tag else None)
+                else:  # a restored key adopted under its id was looked up by its tenant: pending by id then
+                    owner, key = (k.tenant, k) if k.tenant in todo else (None, k)
+                if owner is not None:
+                    by_owner.setdefault(owner, []).append(key)
+            for o, keys in by_owner.items():
+                counts[o] += sum(p.delete(keys[i:i + DELETE_CHUNK]).result() for i in range(0, len(keys), DELETE_CHUNK))
+        n = len(todo) + len(by_tag)
         if not all(flushed):  # a write may still publish a block of it: refused until a later check purges again
             log.warning("kvbm_backend: G3: a purge of %d revoked tenant(s) found offloads still queued after %.0f s; "
-                        "they stay refused and are purged again at the next check", len(todo), FLUSH_S)
-            self._count(g3_revoked_purges_retried=len(todo))
+                        "they stay refused and are purged again at the next check", n, FLUSH_S)
+            self._count(g3_revoked_purges_retried=n)
             return
         with self._mu:
             for t, at in todo.items():
-                self._done.add((t, at))
+                self._done.add((tag_of(t), at))
                 if self._pending.get(t) == at:
                     del self._pending[t]
-            pseudonyms = {t: self._ps.get(t) for t in todo}
-        for t, at in todo.items():
+            for g, at in by_tag.items():
+                self._done.add((g, at))
+                if self._tag_pending.get(g) == at:
+                    del self._tag_pending[g]
+            pseudonyms: dict[str | bytes, str | None] = {t: self._ps.get(t) for t in todo}
+        shown = {g: at for g, at in by_tag.items() if counts[g]}  # by label, none held: no purge was due
+        for lb in self._labels:
+            ps_of = lb.labels()
+            pseudonyms.update({g: ps_of[g].hex() for g in shown if g in ps_of})
+        purged: list[tuple[str | bytes, float]] = [*todo.items(), *shown.items()]
+        for who, at in purged:
             log.info("kvbm_backend: G3: deleted %d blocks of revoked tenant pseudonym %s (revoked at %.0f, Unix "
-                     "time; keyring %s)", counts[t], pseudonyms[t] or self.keyring.pseudonym(t).hex(), at,
-                     self.keyring.path)
-        self._count(g3_revoked_purges=len(todo), g3_revoked_deleted_blocks=sum(counts.values()))
+                     "time; keyring %s)", counts[who], pseudonyms.get(who) or (
+                         self.keyring.pseudonym(who).hex() if isinstance(who, str) else "?"), at, self.keyring.path)
+        self._count(g3_revoked_purges=len(todo) + len(shown), g3_revoked_deleted_blocks=sum(counts.values()))
 
     def close(self) -> None:
         """Stop the checks; a purge running finishes first. Idempotent."""
@@ -259,3 +324,5 @@ class RevokedTenants:
         if self._ticker is not None and self._ticker is not threading.current_thread():
             self._ticker.join()  # it only waits on _stop and queues checks: it ends at once
         self._work.shutdown(wait=True, cancel_futures=True)
+        for lb in self._labels:  # the labels noted since the last write (a queued write may have been cancelled)
+            lb.persist()

@@ -28,7 +28,8 @@ Namespace files: ``namespace.json`` and ``namespace-<fingerprint>.json`` (the ow
 
 Stale temp files: journal rewrites and namespace-file writes go through uniquely named temp files
 (``.journal-<fingerprint>.<pid>.<hex>.tmp``, ``.namespace.json.<pid>.<hex>.tmp``,
-``.namespace-<fingerprint>.json.<pid>.<hex>.tmp``), removed when a write fails but left behind by a process
+``.namespace-<fingerprint>.json.<pid>.<hex>.tmp``; the tenant labels' ``.tenants-<fingerprint>.<pid>.<hex>.tmp``,
+:mod:`.tenant_labels`), removed when a write fails but left behind by a process
 killed in the middle of one. Once the lock is taken (no other writer can be live in the directory) the ones of
 this namespace are removed (:attr:`G3Dir.stale_temps_removed`, logged), and so are the 4 KiB files of an
 O_DIRECT or device-path probe (``.kvbm-odirect-probe-<pid>-<random>``, ``.kvbm-gpu-probe-<pid>-<random>``;
@@ -308,7 +309,7 @@ class G3Dir:
         left (journal rewrites, namespace files) and stale probe files (see the module docstring). Only regular
         files and links with exactly those names are removed; a failure to remove one is logged, never raised."""
         fp = re.escape(self.namespace.fingerprint)
-        pat = re.compile(rf"^\.(?:journal-{fp}|namespace\.json|namespace-{fp}\.json)\.\d+\.[0-9a-f]{{32}}\.tmp$")
+        pat = re.compile(rf"^\.(?:journal-{fp}|tenants-{fp}|namespace\.json|namespace-{fp}\.json)\.\d+\.[0-9a-f]{{32}}\.tmp$")
         for name in os.listdir(self.fd):
             probe = _PROBE.match(name)
             if not probe and not pat.match(name):

@@ -5,7 +5,7 @@ Before 2026-12 a revoked tenant's G3 blocks (plaintext, local) were neither chec
 deleted: the same prompt was still offered from G3 and loaded, and new saves were stored, until eviction and across
 restarts. Now, once the worker's keyring check sees the revocation: the scheduler's lookup does not ask G3 for the
 tenant, the worker loads none of its G3 blocks and stores none, and its G3 blocks are deleted (those restored by tag
-after a restart too, at the tenant's first request); other tenants' blocks stay; after ``keys create`` the
+after a restart too: as the worker starts, found by G3's tenant labels or the keyring's ids); other tenants' blocks stay; after ``keys create`` the
 re-created tenant's new saves are stored and served, and nothing saved before the revocation is.
 
 Real parts: the CPU engine's tensors, the connector's scheduler and worker roles, real G3 files, a ``file://`` G4
@@ -241,12 +241,15 @@ def test_a_revoked_tenant_never_seen_by_the_check_is_found_in_g3s_index_and_purg
         p.close()
 
 
-def test_blocks_restored_by_tag_after_a_restart_are_never_served_and_are_purged_at_the_first_request(tmp_path, kek):
-    """acme and globex saved; the worker stops; acme is revoked while it is down; the worker starts again: G3 restores
-    both tenants' blocks by tag only (no tenant id in its journal), so no keyring check can tell acme's. acme's next
-    request is offered nothing (before the fix: a G3 hit of N blocks), a load of its G3 blocks reads none, and that
-    first sighting of acme deletes its restored blocks; globex's stay and are served. ``keys create`` of acme then
-    serves its new saves."""
+def test_blocks_restored_by_tag_of_a_tenant_revoked_while_down_are_purged_at_the_restart(tmp_path, kek):
+    """acme and globex saved; the worker stops; acme is revoked while it is down and never sends another request; the
+    worker starts again: G3 restores both tenants' blocks by tag only (no tenant id in its journal), and its tenant
+    labels (the keyring pseudonym of each tenant seen, kept beside the journal: :mod:`kvbm_backend.pool.g3.tenant_labels`)
+    name acme's tag, so the worker deletes acme's restored blocks as it starts, before any request of acme: counted, the
+    space reclaimed (a second restart restores globex's alone). acme's later request is offered nothing and a load of
+    its G3 blocks reads none; globex is served. ``keys create`` of acme then serves its new saves.
+    Before the fix acme's restored blocks stayed (refused, unservable) until acme's next request or their eviction:
+    the restart's check deleted nothing (0 purges) and G3 held 2 N blocks."""
     kv = _engine("cpu", seed=64)
     p = _Worker(tmp_path, kv)
     try:
@@ -256,20 +259,25 @@ def test_blocks_restored_by_tag_after_a_restart_are_never_served_and_are_purged_
         p.close()
     _keys(ACME, "revoke", kr=p.kr)  # while the worker is down
     before = stats.snapshot()
-    p = _Worker(tmp_path, kv)  # the restart
+    p = _Worker(tmp_path, kv)  # the restart: no request, no check run yet
     try:
-        restored = p.g3.keys()
-        assert restored and all(type(k) is TagKey for k in restored)  # known by tag only
-        p.check()  # the keyring's record names a pseudonym, which no id G3 holds has: nothing to delete yet
-        assert _delta(before, "g3_revoked_purges") == [0]
+        assert p.g3.stats()["restored_blocks"] == 2 * N
+        assert _delta(before, "g3_revoked_purges", "g3_revoked_deleted_blocks") == [1, N], \
+            "the restart kept the restored blocks of a tenant revoked while the worker was down"
+        assert not any(type(k) is TagKey and k.tag == tag_of(ACME) for k in p.g3.keys())
+        assert p.g3.stats()["blocks"] == N and _held(p.g3, p.ns, GLOBEX) == N
+    finally:
+        p.close()
+    p = _Worker(tmp_path, kv)  # gone for good: a second restart restores globex's blocks alone
+    try:
+        assert p.g3.stats()["restored_blocks"] == N and _delta(before, "g3_revoked_purges") == [1]
+        p.check()
         toks, hs, dg = _prompt(p.bs, ACME)
         assert _ask(p.s, _req("r0", toks, ACME)) == 0
         jobs = [LoadJob("r1", [10, 11, 12, 13], hs[:N], ["G3"] * N, ACME, digests=dg)]  # e.g. planned by a peer
-        assert _load(p.w, jobs) == {10, 11, 12, 13}  # the worker's first sighting of acme: refused, purge due
-        p.wg.drain(HANG_S)
-        assert _delta(before, "g3_revoked_purges", "g3_revoked_deleted_blocks", "load_g3_revoked_blocks") == [1, N, N]
-        assert not any(type(k) is TagKey and k.tag == tag_of(ACME) for k in p.g3.keys())
-        assert _held(p.g3, p.ns, GLOBEX) == N
+        assert _load(p.w, jobs) == {10, 11, 12, 13}
+        p.wg.drain(HANG_S)  # its first sighting in this process purges it once more: nothing left to delete
+        assert _delta(before, "g3_revoked_purges", "g3_revoked_deleted_blocks", "load_g3_revoked_blocks") == [2, N, N]
         g = _req("g", toks, GLOBEX)
         assert _ask(p.s, g) == N * p.bs
         gjobs = _plan(p.s, g, N * p.bs, [14, 15, 16, 17])
@@ -278,8 +286,50 @@ def test_blocks_restored_by_tag_after_a_restart_are_never_served_and_are_purged_
         _keys(ACME, "create", kr=p.kr)
         p.check()
         _save(p.w, p.g3, p.g4, [1, 2, 3, 4], ACME)
-        assert _held(p.g3, p.ns, ACME) == N and _delta(before, "g3_revoked_purges") == [1]
+        assert _held(p.g3, p.ns, ACME) == N and _delta(before, "g3_revoked_purges") == [2]
         assert _ask(p.s, _req("r2", toks, ACME)) == N * p.bs
+    finally:
+        p.close()
+
+
+def test_a_tenant_recreated_while_down_is_never_offered_restored_blocks_the_worker_refuses(tmp_path, kek):
+    """acme saved; the worker stops; acme is revoked and re-created (``keys create``: a new key id, the same name)
+    while it is down, and G4's shredded objects are gone (``gc``); the worker starts again. Its G3 restores acme's old
+    blocks by tag. The scheduler's lookup must not offer what the worker then refuses: the worker deletes acme's
+    restored blocks as it starts (the keyring names the re-created tenant's id), so the scheduler offers acme's prompt
+    nothing and the worker does not refuse acme; acme's new saves are stored and served from G3 with no further
+    purge. Before the fix the scheduler offered the N restored blocks from G3 and the worker, seeing acme first,
+    refused them: every planned block failed (a promised hit became a miss, the request rescheduled)."""
+    import shutil
+
+    kv = _engine("cpu", seed=66)
+    p = _Worker(tmp_path, kv)
+    try:
+        _save(p.w, p.g3, p.g4, [1, 2, 3, 4], ACME)
+    finally:
+        p.close()
+    _keys(ACME, "revoke", kr=p.kr)
+    _keys(ACME, "create", kr=p.kr)
+    shutil.rmtree(tmp_path / "g4")  # G4's gc: the revoked key's objects gone (no G4 offer to muddle the G3 one)
+    before = stats.snapshot()
+    p = _Worker(tmp_path, kv)  # the restart
+    try:
+        assert p.g3.stats()["restored_blocks"] == N
+        toks, _, _ = _prompt(p.bs, ACME)
+        r0 = _req("r0", toks, ACME)
+        offered = _ask(p.s, r0)
+        if offered:  # the old code: a G3 hit of restored blocks ...
+            jobs = _plan(p.s, r0, offered, [10, 11, 12, 13])
+            failed = _load(p.w, jobs)  # ... that the worker refuses
+            assert not failed, f"the scheduler offered {offered // p.bs} G3 blocks the worker refused ({failed})"
+        assert offered == 0 and _held(p.g3, p.ns, ACME) == 0
+        assert not p.wg.refused(ACME) and not p.sg.refused(ACME)
+        assert _delta(before, "g3_revoked_purges", "g3_revoked_deleted_blocks", "load_g3_revoked_blocks") == [1, N, 0]
+        _save(p.w, p.g3, p.g4, [5, 6, 7, 8], ACME)  # the re-created tenant's new KV: stored and served
+        assert _held(p.g3, p.ns, ACME) == N and _delta(before, "save_g3_revoked_blocks") == [0]
+        p.check()
+        _served_from_g3(p, kv, "r1", ACME)
+        assert _delta(before, "g3_revoked_purges") == [1]
     finally:
         p.close()
 

@@ -6,8 +6,8 @@ Before 2026-12 a G3Tier opened no keyring: a revoked tenant's G3 chunks (local p
 loaded and stored, until evicted and across restarts. Now a G3Tier follows the keyring its config names
 (``g4.keyring.path``), else the one of a G4Tier beside it in the same tiering manager: once its keyring check sees
 the revocation, the tenant's lookups miss without asking G3, its loads read nothing, its stores are not put, and its
-G3 blocks are deleted (those restored by tag after a restart at the tenant's first request); other tenants' chunks
-stay and are served; after ``keys create`` the re-created tenant's new chunks are stored and served.
+G3 blocks are deleted (those restored by tag after a restart as the tier starts, by G3's tenant labels); other
+tenants' chunks stay and are served; after ``keys create`` the re-created tenant's new chunks are stored and served.
 
 Real parts: vLLM's TieringOffloadingSpec and manager building our tiers from ``module_path`` (CPU primary tier, no
 engine: :class:`~kvbm_backend.integrations.vllm.tiering_harness.TieringHarness`), real G3 files, a keyring file
@@ -149,12 +149,13 @@ def test_a_revoked_tenant_is_neither_looked_up_nor_loaded_nor_stored_nor_kept_by
     assert tag_of(ACME) not in tags and tag_of(GLOBEX) in tags
 
 
-def test_blocks_restored_by_tag_after_a_restart_are_never_served_and_are_purged_at_the_first_request(
+def test_blocks_restored_by_tag_of_a_tenant_revoked_while_down_are_purged_when_the_tier_starts(
         tmp_path, kek, harnesses):
     """acme and globex stored; the engine stops; acme is revoked meanwhile; a new engine's G3 tier restores both
-    tenants' blocks by tag only (no tenant id in its journal), so its keyring check finds nothing to delete. acme's
-    first request misses (before the fix: N chunks loaded from G3), and that first sighting deletes its restored
-    blocks; globex's stay and are served. ``keys create`` of acme then stores and serves its new chunks."""
+    tenants' blocks by tag only (no tenant id in its journal), and G3's tenant labels (:mod:`kvbm_backend.pool.g3.
+    tenant_labels`) name acme's tag: the tier deletes acme's restored blocks as it starts, before any request of acme
+    (before the fix they stayed until acme's first request or their eviction). acme's request misses; globex's chunks
+    stay and are served. ``keys create`` of acme then stores and serves its new chunks."""
     kr = str(tmp_path / "keys" / "keyring.json")
     for t in (ACME, GLOBEX):
         _keys(t, "create", kr=kr)
@@ -169,15 +170,15 @@ def test_blocks_restored_by_tag_after_a_restart_are_never_served_and_are_purged_
     h = harnesses(_tiers(tmp_path, kr))
     tier = h.tier
     restored = tier.pool.keys()
-    assert len(restored) == 2 * N and all(type(k) is TagKey for k in restored)  # known by tag only
-    _check(tier)  # the revocation record names a pseudonym no id G3 holds has: nothing to delete yet
-    assert _counts(tier)[0] == 0
+    assert tier.pool.stats()["restored_blocks"] == 2 * N
+    assert len(restored) == N and all(type(k) is TagKey and k.tag != tag_of(ACME) for k in restored)
+    assert _counts(tier)[:2] == (1, N)
+    _check(tier)
     assert h.load(ka, ctx=_ctx(h, ACME), timeout=HANG_S) == [], "the revoked tenant's restored chunks were served"
     rev = getattr(tier, "_revoked", None)
     assert rev is not None
-    rev.gate.drain(HANG_S)  # the purge the first sighting queued
-    assert _counts(tier)[:3] == (1, N, 1)
-    assert not any(type(k) is TagKey and k.tag == tag_of(ACME) for k in tier.pool.keys())
+    rev.gate.drain(HANG_S)
+    assert _counts(tier)[:3] == (1, N, 1)  # purged once in this process: acme's first sighting finds it done
     got = h.load(kg, ctx=_ctx(h, GLOBEX), timeout=HANG_S)
     assert len(got) == N and all(np.array_equal(a, b) for a, b in zip(got, dg))
     _keys(ACME, "create", kr=kr)  # re-created: a new key, the same pseudonym
