@@ -51,12 +51,18 @@ class FailedBlocks:
     def __len__(self) -> int:
         return len(self._until)
 
-    def add(self, tenant: str, seq_hash: int, digest: bytes | None = None) -> None:
+    def add(self, tenant: str, seq_hash: int, digest: bytes | None = None) -> bool:
         """``tenant``'s load of the block ``seq_hash`` failed now; ``digest``: the failed request's token digest
-        of that block (16 bytes), None: unknown (every request of the tenant cools on it)."""
+        of that block (16 bytes), None: unknown (every request of the tenant cools on it). Returns True when the
+        block starts a cool-down (it was not cooling), False when it was cooling already (another TP rank's report
+        of the same load, another failed load of it within the cool-down): its cool-down is renewed."""
         k = (tenant, int(seq_hash))
-        held = self._until.pop(k, None) is not None
-        self._until[k] = time.monotonic() + self.cooldown_s
+        now = time.monotonic()
+        until = self._until.pop(k, None)
+        held = until is not None and until > now  # an expired entry left until the next lookup is not cooling
+        if until is not None and not held:
+            self._digests.pop(k, None)
+        self._until[k] = now + self.cooldown_s
         ds = self._digests.pop(k, None)
         if digest is not None and (ds is not None or not held):  # a digest-less entry stays digest-less
             ds = {} if ds is None else ds
@@ -68,6 +74,7 @@ class FailedBlocks:
         while len(self._until) > self.max_entries:
             old, _ = self._until.popitem(last=False)
             self._digests.pop(old, None)
+        return not held
 
     def first_in(self, tenant: str, hashes, start: int, end: int,
                  digest_of: Callable[[int], bytes | None] | None = None) -> int:
@@ -93,12 +100,12 @@ class FailedBlocks:
         return end
 
     def add_failed_load(self, tenant: str, st: Any, first_failed: int, block_size: int,
-                        digest: bytes | None = None) -> None:
+                        digest: bytes | None = None) -> bool:
         """:meth:`add` for a load of ``tenant`` that failed at block ``first_failed`` (a sequence hash), with the
         failed request's digest of that block where it can be computed (:func:`request_digest_of`) from its
         scheduler state ``st`` (``_Req``: ``tenant``, ``hashes``, ``request``, ``digests``; None: the request is
         gone), else ``digest`` (the worker's report's, :class:`~.metadata.FailedLoad`); neither: the block cools
-        for every request of the tenant."""
+        for every request of the tenant. Returns :meth:`add`'s answer (True: the block starts a cool-down)."""
         i = None
         if st is not None and st.tenant == tenant:
             try:
@@ -106,7 +113,7 @@ class FailedBlocks:
             except ValueError:
                 pass
         d = None if i is None else request_digest_of(st, block_size)(i)
-        self.add(tenant, first_failed, d if d is not None else digest)
+        return self.add(tenant, first_failed, d if d is not None else digest)
 
     def first_for(self, st: Any, end: int, block_size: int) -> int:
         """:meth:`first_in` of request state ``st`` (``_Req``) from its local blocks (``n_local``) to ``end``,

@@ -292,6 +292,7 @@ def on_failed_loads(sched: SchedulerSide, failed: list, group: int = 0) -> None:
         if st is not None and not st.no_load:  # saved_upto: reset at its next schedule (recomputed: saved again)
             st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
             stats.add(load_failed_requests=1)
-        if f.reason == "miss":
-            sched.failed_blocks.add_failed_load(f.tenant, st, f.first_failed, sched.bs, f.digest)
+        # counted once per block that starts cooling: every TP rank reports the same failed block (before
+        # 2026-12-03 each report counted, N per block at TP N)
+        if f.reason == "miss" and sched.failed_blocks.add_failed_load(f.tenant, st, f.first_failed, sched.bs, f.digest):
             stats.add(load_failed_blocks_cooled=1)

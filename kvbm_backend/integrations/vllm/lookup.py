@@ -174,6 +174,13 @@ class PrefixLookup:
     resolves to ``(n, g3_full, {})`` without windows, and to ``(0, 0, {})`` with them (their G3 share at
     ``n_local`` was not probed).
 
+    Cool-down: no hit reaches a block of ``[n_local, n)`` whose load failed within the cool-down
+    (``sched.failed_blocks``, :meth:`.failed_blocks.FailedBlocks.first_for`): the candidate is cut before it (counted
+    ``lookup_failed_block_cuts``) and, with windows, they are probed at the cut point, as at any candidate. A result
+    is checked again each time it is polled (a block may start cooling after it resolved): cut, its windows probed
+    anew (within a lookup timeout of their own). Before 2026-12-03 a hit with windows was never cut: every request
+    of a hybrid model's prompt was offered the block whose load had just failed, loaded it in vain and recomputed it.
+
     ``known``: the full-attention prefix an earlier look of this request confirmed (:attr:`confirmed`; a hand-off's
     wait looks again from there, :class:`TierLookup`). ``count`` False: the pools do not count this look as the
     request's (``full.count_request()`` can, later). A tenant G3 refuses (``sched.revoked``: revoked in G4's keyring)
@@ -222,20 +229,40 @@ class PrefixLookup:
             self.win[gi] = TierLookup([(k, None if self.g3_off else g.g3) for k in by_rank], [(k, g.g4) for k in g4],
                                       self.deadline, count=False)
 
+    def _cooling(self, n: int) -> bool:
+        """Whether a block of ``[n_local, n)`` cools after a failed load for this request."""
+        return self.sched.failed_blocks.first_for(self.st, n, self.sched.bs) < n
+
+    def _begin(self, n: int) -> bool:
+        """Probe candidate ``n`` cut before its first cooling block (counted ``lookup_failed_block_cuts``); True when
+        the result is known at once (no hit beyond ``n_local``: see the class doc)."""
+        cut = self.sched.failed_blocks.first_for(self.st, n, self.sched.bs)
+        if cut < n:
+            stats.add(lookup_failed_block_cuts=1)
+        assert self.p3 is not None  # the full-attention prefix is known before any candidate
+        if cut <= self.st.n_local:
+            self.result = (0, 0, {}) if self.windowed else (cut, min(self.p3, cut), {})
+            return True
+        self._start(cut)
+        return False
+
     def poll(self) -> tuple[int, int, dict[int, tuple[int, int]]] | None:
         """The result once known (see the class doc); None while still running (before the deadline)."""
         if self.result is not None:
-            return self.result
-        if self.p3 is None:
+            n = self.result[0]
+            if not self._cooling(n):
+                return self.result
+            self.result = None  # a block cooled since it resolved: cut, its windows probed again at the cut,
+            self.deadline = Deadline(self.sched.lookup_timeout_s)  # within a deadline of their own
+            if self._begin(n):
+                return self.result
+        elif self.p3 is None:
             r = self.full.poll()
             if r is None:
                 return None
             self.p3 = r[0]
-            n = r[0] + r[1] if self.full.n else self.st.lookup_blocks
-            if n <= self.st.n_local:
-                self.result = (0, 0, {}) if self.windowed else (n, min(self.p3, n), {})
+            if self._begin(r[0] + r[1] if self.full.n else self.st.lookup_blocks):
                 return self.result
-            self._start(n)
         while True:
             polled = {gi: lk.poll() for gi, lk in self.win.items()}
             if any(v is None for v in polled.values()):
@@ -245,10 +272,14 @@ class PrefixLookup:
                 self.result = (0, 0, {})
                 return self.result
             res = {gi: v for gi, v in polled.items() if v is not None}  # all of them (checked above)
-            assert self.cand is not None  # set by _start
+            assert self.cand is not None and self.p3 is not None  # set by _start / before it
             n = self.cand
             bad = [self.win[gi].n - (v[0] + v[1]) for gi, v in res.items()]
             if not any(bad):
+                if self._cooling(n):  # a block started cooling while the windows were probed
+                    if self._begin(n):
+                        return self.result
+                    continue
                 wins = {gi: (n - self.win[gi].n, v[0]) for gi, v in res.items()}
                 self.result = (n, min(self.p3, n), wins)
                 return self.result
@@ -258,4 +289,5 @@ class PrefixLookup:
                 stats.add(lookup_window_misses=1)
                 self.result = (0, 0, {})
                 return self.result
-            self._start(nxt)
+            if self._begin(nxt):
+                return self.result

@@ -234,12 +234,7 @@ class SchedulerSide:
         res = st.lookup.poll()
         if res is None:
             return None, False
-        n, p3, wins = res
-        if not wins:  # (a hit with windows was probed at n: not cut here)
-            cut = self.failed_blocks.first_for(st, n, self.bs)
-            if cut < n:
-                stats.add(lookup_failed_block_cuts=1)
-                n, p3 = cut, min(p3, cut)
+        n, p3, wins = res  # cut before any block cooling after a failed load, windows probed there (PrefixLookup)
         st.hit = (n, p3, wins)
         p4 = n - p3
         st.g3_local = min(p3, st.n_local)
