@@ -236,6 +236,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         failed within the cool-down (:class:`.failed_blocks.FailedChunks`; counted: :meth:`.TenantLookup.cooled`)."""
         tenant = self._tenant_of(req_context)
         if self._revoked is not None and self._revoked.lookup_refused(tenant, req_context.req_id):
+            self._lookup.refused(key, req_context)  # counted in no pool (.tier_ledger)
             return LookupResult.MISS
         r = (self._lookup.cooled(key, req_context) if self._failed.cooling(tenant, key)
              else self._lookup.lookup(key, req_context))
@@ -248,7 +249,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, False, self._run_load)
-        self._lookup.loading(job_metadata)  # credited to this tier once loaded (.tier_pickups); results: this thread
+        self._lookup.loading(job_metadata)  # its chunks' counts wait for the load (.tier_ledger)
 
     def _submit(self, job: TransferJob, store: bool, fn) -> None:
         keys = list(job.keys)
@@ -422,7 +423,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
             held = self._store_held.pop(res.job_id, [])
             out.append(res)
             if not is_store:
-                self._lookup.loaded(res.job_id, keys if res.success else res.successful_keys or (), tenant)
+                self._lookup.loaded(res.job_id, keys if res.success else res.successful_keys or ())
             if res.success and is_store and held:  # a live request's cached miss of them is asked again
                 self._lookup.stored(held, tenant)
             not_asked = res.job_id in self._not_asked

@@ -30,32 +30,12 @@ once a lookup timed out the tier answers misses without asking the pool until th
 handed a lookup per request to pile up behind the stall. Counted ``lookups_timed_out`` and ``lookups_not_asked``
 (``kvbm_stats()``).
 
-Counting (``kvbm_matched_tokens``, the hit rates, the pools' lookup counters): vLLM's tiering manager asks its
-secondary tiers in their configured order and loads a chunk from the first that answers HIT, but each tier's
-lookup runs on its own thread, posted in the same step as the others' (every tier answers RETRY at first), so
-every tier is asked about every chunk. With several of ours in the same manager (G3 above G4) each looks up
-uncounted and the lowest counts the request once for all, as the connector does (:class:`.lookup.TierLookup`):
-the usable prefix (leading chunks some tier holds), each chunk for the first tier holding it; the first tier over
-every chunk asked, each below over the chunks not served above. Before 2026-11-30 each tier counted its whole
-lookup: a chunk held by G3 and G4 was matched twice (6 chunks of 16 tokens loaded moved ``kvbm_matched_tokens``
-by 192) and G4's hit rate was over every chunk instead of those G3 lacked; then each counted its own leading
-prefix, so chunks one tier served past a gap the other filled loaded uncounted (G3 chunk 1, G4 0, 2, 3: 1 of 4).
-A request sharing a verdict another live request posted (vLLM posts a key once) is counted when it takes the
-verdict up (:mod:`.tier_pickups`; a miss not where the lowest of our tiers counted it), one still pending once its
-answer is in, asked again or not; before 2026-12-03 it was not counted at all, then one still pending only when
-asked again (a chunk past the request's first miss: counted nowhere). With several of our tiers a HIT it
-takes up, and a chunk it loads that it did not post to the lowest, count on the tier that loads it, when the load
-ends (:meth:`TenantLookup.loading`; before 2026-12-03 G4 was credited for a chunk G3 loaded). The lowest counts only
-the chunks the request posted to it; one the request posted above and not to the lowest counts on the tier above
-once answered, and one a tier above counted already is left out of that tier's count when the request posts it to
-the lowest later (:mod:`.tier_pickups`; before 2026-12-03 the first was counted nowhere, the second twice). That
-record goes with the posted batch (:meth:`TenantLookup._take_counted`): before 2026-12-03 a request ending while the
-lowest's lookup was in flight dropped it first (its G3 misses counted again). A lone tier leaves out the same way a
-chunk it answered the request cooling, asked again after the cool-down (before 2026-12-03: counted twice).
-A tier answering a chunk cooling after a failed load (a miss, its pool not asked: :meth:`TenantLookup.cooled`)
-is credited with that miss, once per request and chunk, and a G3Tier refusing the request's tenant with nothing in
-its pool (``lookup_g3_revoked``, as the connector); before 2026-12-03 the tier below credited a cooling tier above
-with the HIT its index held, no pool counted a cooling miss, and a refused G3 above G4 counted misses too.
+Counting (``kvbm_matched_tokens``, the hit rates, the pools' lookup counters): every look here is uncounted; the
+answers each request gets are recorded as they arrive and counted once per request and chunk, on the tier that
+answered it, by the manager's :class:`.tier_ledger.Ledger` (shared by our tiers over one primary buffer): a request
+posting a key, one taking up another request's verdict (vLLM posts a key once), pending or answered, one answered
+cooling or refused, all alike. Before 2026-12-03 the lowest of our tiers counted the request for all in its
+``batch_lookup`` and a web of per-request records (:mod:`.tier_ledger` names the defects) covered the rest.
 """
 from __future__ import annotations
 
@@ -63,16 +43,16 @@ import logging
 import threading
 import weakref
 from concurrent.futures import Future
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager, LookupPhase
 
 from ...deadlines import Deadline
-from .tier_gaps import count_run, prefix_runs, prefix_served, served_above, skip_held
-from .tier_pickups import Pickups
-from .tier_queues import FoundMemo, ResultsQueue, StampedQueue, Wrapped
+from .tier_gaps import prefix_runs, skip_held
+from .tier_ledger import COOL, REFUSED, shared_ledger
+from .tier_queues import ResultsQueue, StampedQueue, Wrapped
 
 if TYPE_CHECKING:
     from .tier_base import KvbmSecondaryTier
@@ -113,17 +93,11 @@ class TenantLookup(AsyncLookupManager):
         self._stuck: tuple[Future, Deadline] | None = None  # a lookup that timed out, the end of its back-off
         # the first two written by the worker thread only, lookup_cooling_chunks by the scheduler thread only
         self._counts = {"lookups_timed_out": 0, "lookups_not_asked": 0, "lookup_cooling_chunks": 0}
-        self._pickups = Pickups()  # verdicts requests share without posting them: counted at flush
-        self._memo = FoundMemo()  # per request: its found judgement (_found), and when its verdicts here changed
-        # req_id -> {pair: our tiers (above, or this one) that counted the chunk for the request already}, from
-        # lookup to the step's flush (scheduler thread), then the posted batch's (_batch_done: the worker's): the
-        # lowest of our tiers leaves them out of its count (batch_lookup)
-        self._counted_above: dict[str, dict[Any, tuple]] = {}
-        self._batch_done: dict[str, dict[Any, tuple]] = {}
+        self._ledger, self._index = shared_ledger(tier, offloading_spec)  # each request's answers: its counts
         super().__init__(tier_type=tier_type)
 
     _lookup_queue = Wrapped(StampedQueue)  # vLLM's, each batch stamped with its deadline
-    _pending_results = Wrapped(ResultsQueue)  # vLLM's: the answers it takes in mark their requests' verdicts changed
+    _pending_results = Wrapped(ResultsQueue)  # vLLM's: the answers it takes in go to the ledger
 
     def counts(self) -> dict[str, int]:
         """``lookups_timed_out``: requests' lookups the pool did not answer within their batch's deadline;
@@ -190,122 +164,51 @@ class TenantLookup(AsyncLookupManager):
                 after.append(u)
         return after or []
 
-    def _asked_after(self, req_context: ReqContext) -> list[KvbmSecondaryTier]:
-        """Our tiers the manager asks after this one for the request (:meth:`below`, open, allowed): the lowest of
-        them counts the request's lookup for this one."""
-        return self._asked(self.below(), req_context)
-
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """Scheduler thread: the cached verdict of ``key`` for the request's tenant (None: not answered yet). A
         cached miss :meth:`stored` or :meth:`mark_miss_for` named is asked again for a request not holding it yet
-        (None until answered: :meth:`_ask_again`). The tier
-        calls this only for a chunk not cooling after a failed load (:class:`.failed_blocks.FailedChunks`), so a
-        forced miss is asked again once its cool-down ended, never during it. A verdict the request shares without
-        having posted it (another live request's) is counted once for the request when it is in (:mod:`.tier_pickups`,
-        at :meth:`flush`); one it posted is counted by :meth:`batch_lookup`."""
+        (None until answered: :meth:`_ask_again`). The tier calls this only for a chunk not cooling after a failed
+        load (:class:`.failed_blocks.FailedChunks`), so a forced miss is asked again once its cool-down ended, never
+        during it. The answer is the request's in the ledger (counted: :mod:`.tier_ledger`)."""
         pair = cast(Any, (key, self._tier._tenant_of(req_context)))
-        st = self._lookup_state.get(pair)
-        gen, held = (None, False) if st is None else (st.generation, req_context.req_id in st.request_ids)
         if self._recheck and pair in self._recheck:
             self._ask_again(pair, req_context)
         r = super().lookup(pair, req_context)
-        posted = self._lookup_state[pair].generation != gen
-        after = self._asked_after(req_context) if self._reg else []
-        first = [] if after or not self._above else self._asked_first(req_context)  # the lowest of ours: tiers above
-        self._pickups.note(pair, held, posted, r, req_context, hit_at_load=bool(after or first),
-                           counted_below=self._posted_to(after[-1], key, req_context) if after else None,
-                           served_above=served_above(key, req_context, first) if first and r is None else None)
-        if posted and not after:  # the lowest of ours (or alone): batch_lookup counts the tiers above and this one
-            rid = req_context.req_id
-            done = tuple(u for u in first if u._lookup._pickups.uncount(rid, (key, u._tenant_of(req_context))))
-            if self._pickups.uncount(rid, pair):  # this tier counted it for the request already (cooling, taken up)
-                done += (self._tier,)
-            if done:  # counted there for the request already (an earlier step): left out of their count here
-                self._counted_above.setdefault(rid, {})[pair] = done
+        self._ledger.answer(self._index, key, req_context, r)
         return r
-
-    def _take_counted(self, batch: list) -> dict[str, dict[Any, tuple]]:
-        """Scheduler thread (``flush`` posting ``batch``): the entries of :attr:`_counted_above` for its
-        ``(pair, req_context, generation)`` items, taken out of it into the batch (its request may end before the
-        worker counts it: before 2026-12-03 ``cleanup`` dropped them first and the tiers above were counted again)."""
-        done: dict[str, dict[Any, tuple]] = {}
-        for pair, ctx, _ in batch if self._counted_above else ():
-            mine = self._counted_above.get(ctx.req_id)
-            d = mine.pop(pair, None) if mine is not None else None
-            if d is not None:
-                done.setdefault(ctx.req_id, {})[pair] = d
-                if not mine:
-                    del self._counted_above[ctx.req_id]
-        return done
-
-    def _done_for(self, req_id: str) -> dict[Any, tuple]:
-        """The chunks our tiers counted for request ``req_id`` already: on vLLM's worker thread its batch's
-        (:meth:`_take_counted`), else (a direct call) those not posted yet."""
-        on_worker = threading.current_thread() is getattr(self, "_thread", None)
-        return (self._batch_done if on_worker else self._counted_above).get(req_id, {})
 
     def cooled(self, key: OffloadKey, req_context: ReqContext) -> bool:
         """Scheduler thread: the tier answers ``key`` a miss without asking its pool, its load having failed within
-        the cool-down (:class:`.failed_blocks.FailedChunks`). Once per request and chunk: ``lookup_cooling_chunks``,
-        and a miss in the pool where this tier counts the chunk (:meth:`.tier_pickups.Pickups.cooled`): alone at
-        :meth:`flush`; above another of ours by the lowest where the request posts the chunk there
-        (:func:`.tier_gaps.split_prefix`: cooling, held by none), else at :meth:`flush`; the lowest of ours at
-        :meth:`flush` once no tier above serves it for the request. Returns False (the miss)."""
-        after = self._asked_after(req_context) if self._reg else []
-        above = [] if after or not self._above else self._asked_first(req_context)
-        if self._pickups.cooled(cast(Any, (key, self._tier._tenant_of(req_context))), req_context,
-                                counted_below=self._posted_to(after[-1], key, req_context) if after else None,
-                                served_above=served_above(key, req_context, above) if above else None):
+        the cool-down (:class:`.failed_blocks.FailedChunks`): ``lookup_cooling_chunks`` once per request and chunk,
+        and a miss of this tier in the ledger (:mod:`.tier_ledger`). Returns False (the miss)."""
+        if self._ledger.answer(self._index, key, req_context, COOL):
             self._counts["lookup_cooling_chunks"] += 1
         return False
 
-    def _found(self, req_context: ReqContext) -> Callable[[Any], bool | None]:
-        """Scheduler thread: ``found(pair)``, whether a HIT of ``pair`` this tier counts itself for the request
-        (:mod:`.tier_pickups`) is found: in its usable prefix (:func:`.tier_gaps.prefix_served`; None: not known)."""
-        rid = req_context.req_id
-        asked, cooled = self._req_keys.get(rid, ()), self._pickups.cooled_keys(rid)
-        tiers = [*self._asked_first(req_context), self._tier, *(self._asked_after(req_context) if self._reg else [])]
-        stamp = (len(asked), len(cooled), *((id(u), u._lookup._memo.changes(rid)) for u in tiers))  # keys only grow
-        return self._memo.get(rid, stamp, lambda: prefix_served([*asked, *cooled], req_context, tiers))
+    def refused(self, key: OffloadKey, req_context: ReqContext) -> None:
+        """Scheduler thread: the tier answered ``key`` a miss without asking its pool, refusing the request's tenant
+        (:mod:`.tier_revoked`): counted in no pool (:mod:`.tier_ledger`)."""
+        self._ledger.answer(self._index, key, req_context, REFUSED)
+
+    def loading(self, job: Any) -> None:
+        """Scheduler thread: vLLM submitted load job ``job`` (a ``TransferJob``) to this tier (:mod:`.tier_ledger`:
+        its chunks are counted once it ended)."""
+        if job.req_context is not None:
+            self._ledger.loading(self._index, job.job_id, job.req_context.req_id, job.keys)
+
+    def loaded(self, job_id: Any, keys: Iterable[OffloadKey]) -> None:
+        """Scheduler thread: load job ``job_id`` ended with ``keys`` in the primary tier (the others failed)."""
+        self._ledger.loaded(self._index, job_id, keys)
 
     def _verdict(self, pair: Any) -> bool | None:
         """Scheduler thread: the cached verdict of ``pair`` (None: none, or not answered yet)."""
         st = self._lookup_state.get(pair)
         return bool(st.result) if st is not None and st.phase is LookupPhase.RESOLVED else None
 
-    @staticmethod
-    def _posted_to(low: KvbmSecondaryTier, key: OffloadKey, req_context: ReqContext) -> bool:
-        """Whether the request posted ``key`` to our tier ``low`` (its ``batch_lookup`` counted it)."""
-        return low._lookup._pickups.posted(req_context.req_id, (key, low._tenant_of(req_context)))
-
-    def _shared(self, req_context: ReqContext) -> bool:
-        """Whether the manager asks another of our tiers for the request (above or below this one): a verdict the
-        request takes up here is then credited where the chunk loads from (:mod:`.tier_pickups`)."""
-        return bool(self._above and self._asked_first(req_context)) or bool(self._reg and self._asked_after(req_context))
-
-    def loading(self, job: Any) -> None:
-        """Scheduler thread: vLLM submitted load job ``job`` (a ``TransferJob``) to this tier. With other tiers of
-        ours in the manager, its chunks the lowest of them did not count for the request (the request did not post
-        them there) are credited to this tier once loaded (:meth:`loaded`; :mod:`.tier_pickups`)."""
-        ctx = job.req_context
-        if ctx is None or ctx.req_id not in self._req_keys or not self._shared(ctx):
-            return  # ended (cleanup) before vLLM submitted the load: nothing to credit it, nothing kept for it
-        low = ([*self._asked_after(ctx)] or [self._tier])[-1]
-        tenant = self._tier._tenant_of(ctx)
-        self._pickups.loading(job.job_id, ctx.req_id,
-                              [(k, tenant) for k in job.keys if not self._posted_to(low, k, ctx)])
-
-    def loaded(self, job_id: Any, keys: Iterable[OffloadKey], tenant: str) -> None:
-        """Scheduler thread: load job ``job_id`` ended with ``tenant``'s chunks ``keys`` in the primary tier."""
-        self._pickups.loaded(job_id, [(k, tenant) for k in keys])
-
     def flush(self) -> None:
-        """vLLM's (post this step's keys), then count the verdicts requests took up without posting them: one
-        request's lookup per request on this tier's pool (``kvbm_matched_tokens``, hit rate, lookup counters)."""
+        """vLLM's (post this step's keys), then count the requests whose answers settled (:mod:`.tier_ledger`)."""
         super().flush()
-        for requested, found in self._pickups.take_due(self._verdict, self._found):
-            if not self._tier._closed:
-                self._tier.pool.count_lookup(requested, found)
+        self._ledger.settle()
 
     def _ask_again(self, pair: Any, req_context: ReqContext) -> None:
         """Post ``pair`` again when its cached verdict is a miss and the asking request is not among those holding
@@ -322,7 +225,6 @@ class TenantLookup(AsyncLookupManager):
             st.generation, self._next_generation = self._next_generation, self._next_generation + 1
             st.phase, st.result = LookupPhase.PENDING, None
             self._lookup_batch.append((pair, req_context, st.generation))
-            self._memo.changed(st.request_ids)
 
     def stored(self, keys: Collection[OffloadKey], tenant: str) -> None:
         """Scheduler thread: what this tier holds of ``tenant``'s chunks ``keys`` may have changed, so a live request's
@@ -341,8 +243,6 @@ class TenantLookup(AsyncLookupManager):
         again once the chunk's cool-down ended (:meth:`lookup`). A verdict not answered yet is left alone (vLLM's
         ``mark_miss`` on one breaks its own asserts when the answer comes); the cool-down covers it meanwhile."""
         states = [(p, st) for p in (cast(Any, (k, tenant)) for k in keys) if (st := self._lookup_state.get(p))]
-        for _, st in states:  # forced, or cooling (.tier_gaps.served_above): the judgement of its requests changes
-            self._memo.changed(st.request_ids)
         self.mark_miss([p for p, st in states if st.phase is LookupPhase.RESOLVED])
         self.stored(keys, tenant)
 
@@ -353,12 +253,9 @@ class TenantLookup(AsyncLookupManager):
         2026-12-02 it was kept for good (review: one key per store that finished while a lookup of its chunk was
         in flight for a request that ended before the answer)."""
         keys = list(self._req_keys.get(req_id, ())) if self._recheck else []
-        self.drain_results()  # its own verdicts in by now are counted (Pickups.forget)
-        self._memo.forget(req_id)  # found judged afresh at the end (a cool-down may have ended since)
-        self._pickups.forget(req_id, self._verdict, self._found)
-        self._memo.forget(req_id)
+        self._ledger.finish(req_id)  # counted with every tier's answers in by now (the first tier's cleanup)
+        self.drain_results()
         super().cleanup(req_id)
-        self._counted_above.pop(req_id, None)  # posted since: the batch has them (_take_counted)
         for pair in keys:
             st = self._lookup_state.get(pair)
             if st is None:
@@ -380,11 +277,11 @@ class TenantLookup(AsyncLookupManager):
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         """Background thread: ``keys`` are the ``(OffloadKey, tenant)`` pairs :meth:`lookup` posted for one request
         (vLLM's manager calls this once per request and step). A chunk is held when all its copies (one block per
-        TP rank it spans) are: the first copies are looked up as a request (``kvbm_matched_tokens``, hit rate; with
-        other tiers of ours, below), the others not, so a chunk counts once at any TP size. One ``job_timeout_s`` from
+        TP rank it spans) are. Every look is uncounted: the request's answers are counted once, by chunk, in the
+        ledger (:mod:`.tier_ledger`), so a chunk counts once at any TP size. One ``job_timeout_s`` from
         when ``flush`` posted it bounds the step's whole batch (:meth:`_end`); a failed or late lookup is a miss, and
         while the pool has not answered one that timed out the request is answered misses without asking it
-        (:meth:`_may_ask`: counted a miss of every chunk where this tier counts the request).
+        (:meth:`_may_ask`).
 
         Prefix runs (:func:`.tier_gaps.prefix_runs`): the pairs of one tenant and KV group that vLLM posted in ascending
         position order (its full-attention prefix scan) are one ``lookup_prefix`` (G4: HEAD waves that stop at the
@@ -395,7 +292,7 @@ class TenantLookup(AsyncLookupManager):
         one.
 
         Past a gap (G3, :attr:`KvbmSecondaryTier.look_past_gaps`: index lookups, no I/O) the chunks after the
-        run's first missing one are looked up too, uncounted (:meth:`_past_gap`): the request cannot use a chunk
+        run's first missing one are looked up too (:meth:`_past_gap`): the request cannot use a chunk
         after one no tier holds, but vLLM's manager takes each chunk from the first tier holding it, so G3's chunks
         after one only G4 holds are G3 hits. Before 2026-11-30 they were misses and read from G4 instead (S3 for
         what is on local disk), or recomputed when the tier below lacked them too. G4 (HEADs) looks past a gap
@@ -403,14 +300,6 @@ class TenantLookup(AsyncLookupManager):
         before 2026-11-30 a G4 lacking chunk k answered k+1.. misses though G3 above served k, so the chunks
         after k that G3 lacked and G4 held were recomputed.
 
-        With another of our tiers in the manager (G3 above G4: :func:`tiers_above`) every look is uncounted and
-        the lowest of them counts each run for all (:meth:`BlockPool.count_lookup`): the request's usable prefix
-        (the leading chunks some tier holds, :func:`.tier_gaps.count_run`), each chunk for the first tier
-        holding it, the first tier over every chunk asked and each below over the chunks not served above (none
-        left: not counted); a failed or late look of this tier finds none. Before 2026-11-30 each tier counted
-        its own leading prefix beyond the tiers above's (G4: ``n0 - pa``), so chunks loaded past a gap another
-        tier filled went uncounted (G3 holding chunk 1 and G4 0, 2, 3: 4 chunks loaded, 1 counted). Chunks a
-        tier counted for the request already are left out of its count (:meth:`_done_for`), alone too.
 
         A tenant the tier refuses (revoked in the keyring it follows: :mod:`.tier_revoked`) is answered misses without
         asking the pool, and holds nothing for the tiers below (:meth:`KvbmSecondaryTier._serves`)."""
@@ -418,7 +307,6 @@ class TenantLookup(AsyncLookupManager):
         pairs = cast("list[tuple[OffloadKey, str]]", keys)
         c = t.geometry.copies
         above = self._asked_first(req_context) if self._above else []
-        below = bool(self._asked_after(req_context)) if self._reg else False
         runs = prefix_runs(pairs, req_context)
         refused = {tn for tn in {tn for _, tn in pairs} if not t._serves(tn)}  # revoked: misses, the pool not asked
         if refused:
@@ -427,17 +315,14 @@ class TenantLookup(AsyncLookupManager):
         ask = self._may_ask(end)
         if runs and not ask:
             self._counts["lookups_not_asked"] += 1
-        lone = not above and not below  # alone: its pool counts the request's lookup, less chunks counted already
-        done = self._done_for(req_context.req_id) if lone else {}
-        lefts = [[j for j, i in enumerate(run) if pairs[i] not in done] if lone else [] for run in runs]
         futs: list[tuple[Future, Future | None] | None] = []
-        for run, left in zip(runs, lefts):
+        for run in runs:
             bks = [t._block_keys(pairs[i][0], pairs[i][1]) for i in run]
             rest = [bk for b in bks for bk in b[1:]]
-            futs.append((t.pool.lookup_prefix([b[0] for b in bks], request=lone and len(left) == len(run)),
+            futs.append((t.pool.lookup_prefix([b[0] for b in bks], request=False),
                          t.pool.lookup_prefix(rest, request=False) if rest else None) if ask else None)
         out = [False] * len(pairs)
-        for run, left, fs in zip(runs, lefts, futs):
+        for run, fs in zip(runs, futs):
             n0, n1 = 0, -1
             try:
                 if fs is not None:
@@ -446,8 +331,6 @@ class TenantLookup(AsyncLookupManager):
             except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
                 log.debug("lookup failed: %s", e)
                 n1 = -1
-            if left and (fs is None or len(left) < len(run)):  # not asked (found nothing), or some counted already
-                t.pool.count_lookup(len(left), sum(j < n0 for j in left) if n1 >= 0 else 0)
             if n1 >= 0:
                 for j, i in enumerate(run):  # chunk j: its first copy among the n0, its others among the n1
                     out[i] = j < n0 and (j + 1) * (c - 1) <= n1
@@ -455,16 +338,12 @@ class TenantLookup(AsyncLookupManager):
                 if (t.look_past_gaps or above) and held + 1 < len(run):
                     self._past_gap([pairs[i] for i in run[held:]], run[held:], out, end,
                                    None if t.look_past_gaps else (above, req_context))
-            if above and not below:  # the lowest of our tiers counts the request's usable prefix for each
-                count_run(t, above, [pairs[i] for i in run], [out[i] for i in run], req_context, end,
-                          self._done_for(req_context.req_id))
         return out
 
     def _past_gap(self, pairs: list[tuple[OffloadKey, str]], idx: list[int], out: list[bool], end: Deadline,
                   filled_by: tuple[list[KvbmSecondaryTier], ReqContext] | None = None) -> None:
         """Set ``out[idx[j]]`` for the chunks ``pairs[1:]`` after a run's first chunk the tier lacks
-        (``pairs[0]``): held when every copy is, each gap skipped (uncounted: the run's lookup counted the
-        request's prefix). Another tier may hold the gap (vLLM's manager promotes each chunk from the first tier
+        (``pairs[0]``): held when every copy is, each gap skipped. Another tier may hold the gap (vLLM's manager promotes each chunk from the first tier
         that answers HIT), so a chunk this tier holds after it is a hit. One uncounted prefix lookup per gap; a
         failed or late one leaves misses. ``filled_by`` (G4 below our tiers, whose lookups are HEADs): past a gap
         only where those tiers hold it, and from the next chunk they lack (:func:`.tier_gaps.skip_held`, index

@@ -204,7 +204,7 @@ def test_a_load_of_a_request_that_ended_credits_nothing_and_is_not_kept(tmp_path
     assert [g3.lookup(k, live) for k in keys] == [LookupResult.RETRY] * 2  # the request asks G3 (not G4)
     g3.submit_load(TransferJob(902, keys, np.array([0, 1]), True, live))
     g3.on_request_finished(live)  # ends while its load is in flight
-    assert g3._lookup._pickups._loads == {}  # before: kept until the load reports
+    assert len(g3._lookup._ledger) == 0  # nothing kept for it (before: its load, until the load reports)
     g3.drain_jobs()
     assert [r.success for r in g3.get_finished_jobs()] == [True]
     h.step()

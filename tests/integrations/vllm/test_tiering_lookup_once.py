@@ -36,7 +36,7 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, TierFilter, TierMatcher  # noqa: E402
 
-from kvbm_backend.integrations.vllm import tier_lookup  # noqa: E402
+from kvbm_backend.integrations.vllm import tier_ledger  # noqa: E402
 from kvbm_backend.integrations.vllm.failed_blocks import FailedChunks  # noqa: E402
 from kvbm_backend.integrations.vllm.tier_base import offload_key_hash  # noqa: E402
 from tests.helpers.tier_counts import G4Counts, ask, cool_keys, counted, step_until  # noqa: E402
@@ -248,7 +248,7 @@ def test_a_g3_miss_is_counted_once_when_the_request_ends_while_g4s_lookup_is_in_
         h.step()
     assert tuple(x - y for x, y in zip(counted(g3t), b3)) == (4, 0)  # before (ends-while-in-flight): (6, 0)
     assert c4() == (2, 0)  # B's cooling misses, once
-    assert not g4t._lookup._counted_above and not g3t._lookup._counted_above  # nothing kept for ended requests
+    assert len(g4t._lookup._ledger) == 0 and len(g3t._lookup._ledger) == 0  # nothing kept for ended requests
 
 
 def test_a_lone_tier_counts_a_chunk_once_when_the_request_asks_it_again_after_its_cool_down(tmp_path, harnesses):
@@ -273,7 +273,7 @@ def test_a_lone_tier_counts_a_chunk_once_when_the_request_asks_it_again_after_it
     h.manager.on_request_finished(r)
     h.step()
     assert tuple(x - y for x, y in zip(counted(g3t), b3)) == (2, 0)  # before: (4, 0)
-    assert not g3t._lookup._counted_above
+    assert len(g3t._lookup._ledger) == 0
 
 
 def _moved(tier, before) -> tuple[int, int]:
@@ -316,7 +316,7 @@ def test_g3_counts_every_chunk_a_request_took_up_pending_when_its_scan_stops_at_
     b = _started(h, keys, h.context())
     _both_scan_and_end(h, keys, a, b)  # A posts to G3; B takes A's G3 verdicts up while pending
     assert _moved(g3t, b3) == (4, 0)  # before: (3, 0)
-    assert not g3t._lookup._pickups._waiting and not g3t._lookup._pickups._ctx  # nothing kept for ended requests
+    assert len(g3t._lookup._ledger) == 0  # nothing kept for ended requests
 
 
 def test_a_lone_tier_counts_every_chunk_a_request_took_up_pending(tmp_path, harnesses):
@@ -357,19 +357,26 @@ def test_g4_counts_every_chunk_a_request_took_up_pending_below_g3(tmp_path, harn
     assert c4() == (4, 0)  # before: (3, 0)
 
 
+def _uncounted(tier, ctx) -> bool:
+    """Whether a chunk the request asked about is not counted yet (its ledger record: :mod:`.tier_ledger`)."""
+    r = tier._lookup._ledger._reqs.get(ctx.req_id)
+    return r is not None and any(k not in r.done for k in r.ans)
+
+
 def test_a_pending_hit_is_judged_once_while_no_verdict_of_the_request_changes(tmp_path, harnesses, monkeypatch):
     """G3Tier above G4Tier; G3 holds chunk 1, not chunk 0. A (remote storage only) posts chunks 0-1 to G4, whose
     lookup is held in flight (a gate around G4's real ``batch_lookup``: a slow HEAD); B posts them to G3 and takes
     A's G4 verdicts up. G3 counts B's HIT of chunk 1 itself, found only if chunk 0 is served, which G4's pending
     answer decides: while it is not in, each step's flush judged B's usable prefix again (every key x every tier:
-    30 steps, 30 judgements). Now once, until a verdict B holds changes; G4's answer settles it: not found, (2, 0)."""
+    30 steps, 30 judgements). Now a request is judged only when one of its answers changed (at most the step after
+    G3's answers came in); G4's answer settles it: not found, (2, 0)."""
     calls = []
+    real = tier_ledger.Ledger._count
 
-    def spy(*args):  # the real judgement, counted
-        calls.append(1)
-        return prefix_served(*args)
-    prefix_served = tier_lookup.prefix_served
-    monkeypatch.setattr(tier_lookup, "prefix_served", spy)
+    def spy(self, r, final):  # the real judgement, counted
+        calls.append(r.ctx.req_id)
+        return real(self, r, final)
+    monkeypatch.setattr(tier_ledger.Ledger, "_count", spy)
     h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
     g3t, g4t = h.manager.secondary_tiers
     keys = keys_for(2, "judged-once")
@@ -386,14 +393,15 @@ def test_a_pending_hit_is_judged_once_while_no_verdict_of_the_request_changes(tm
     h.step()
     step_until(lambda: all(g3t._lookup._verdict((k, "")) is not None for k in keys), h)  # G3 answered B
     try:
+        calls.clear()
         for _ in range(30):
             h.step()
-        assert g3t._lookup._pickups._own  # B's chunk 1 HIT still waits for chunk 0's G4 verdict
+        assert _uncounted(g3t, b)  # B's chunk 1 HIT still waits for chunk 0's G4 verdict
         assert len(calls) <= 2, f"B's usable prefix judged {len(calls)} times in 30 steps"  # before: 30+
     finally:
         gate.set()
     assert done.wait(HANG_S)
-    step_until(lambda: not g3t._lookup._pickups._own, h)  # G4's answer in: B's HIT settled
+    step_until(lambda: not _uncounted(g3t, b), h)  # G4's answer in: B's HIT settled
     for ctx in (a, b):
         h.manager.on_request_finished(ctx)
     h.step()
