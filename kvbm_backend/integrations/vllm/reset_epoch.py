@@ -58,20 +58,18 @@ def handoff_identity(g4: Any, tenant: str, epoch: str, salt: int | None = None) 
     return ident
 
 
-def agreed(drawn: str) -> str:
+def agreed(drawn: str, group: Any = None) -> str:
     """The reset epoch every TP rank's scheduler of this engine starts: ``drawn`` (16 hex characters) as TP rank 0
-    drew it, broadcast over vLLM's TP group (its CPU process group: raw bytes, no pickle) where this process hosts
-    a TP rank of a group of more than one (``external_launcher``: a scheduler in every rank's process, all reset in
-    the same call, as every rank runs the same program); else ``drawn`` (one scheduler: ``uni``, ``mp``, ray, or no
-    model-parallel state in this process). A failed broadcast (a rank gone: the engine's next collective fails too)
-    is logged at ERROR and ``drawn`` is used: the blocks stored before the reset are still never served, though the
-    ranks may then miss each other's new blocks (a miss, never wrong KV: loads check every frame's token digest)."""
-    try:
-        from vllm.distributed.parallel_state import get_tp_group
-        group = get_tp_group()
-    except Exception:  # noqa: BLE001 - no vLLM, or no TP group in this process: this scheduler is the only one
-        return drawn
-    if int(group.world_size) <= 1:
+    drew it, broadcast over ``group`` (its CPU process group: raw bytes, no pickle), the TP group the wiring gave the
+    scheduler side (``SchedulerSide.tp``: under ``external_launcher`` with TP > 1 only, a scheduler in every rank's
+    process, all reset in the same call, as every rank runs the same program); with no group (one scheduler:
+    ``uni``, ``mp``, ray) or a group of one, ``drawn``. The wiring's decision is the only one (before 2026-12-03
+    this asked vLLM for a TP group itself and broadcast wherever the process had one of more than one rank, whatever
+    the executor the wiring saw, beside the wiring's own decision for every other agreement). A failed broadcast
+    (a rank gone: the engine's next collective fails too) is logged at ERROR and ``drawn`` is used: the blocks
+    stored before the reset are still never served, though the ranks may then miss each other's new blocks (a miss,
+    never wrong KV: loads check every frame's token digest)."""
+    if group is None or int(group.world_size) <= 1:
         return drawn
     import torch
     import torch.distributed as dist
@@ -100,7 +98,8 @@ def reset(side: Any, engine_cleared: bool) -> str:
     ``engine_cleared``: the engine's own prefix cache was reset in the same call (vLLM then publishes
     ``AllBlocksCleared``); else the published G3 blocks are withdrawn with ``BlockRemoved``. Counted
     ``connector_cache_resets`` (requests it stops tiering: ``reset_untiered_requests``), logged at INFO."""
-    side.epoch = epoch = agreed(secrets.token_hex(8))
+    tp = getattr(side, "tp", None)  # the wiring's TP agreement (.tp_sched.SchedAgree): external_launcher, TP > 1
+    side.epoch = epoch = agreed(secrets.token_hex(8), tp.group if tp is not None else None)
     set_epoch = getattr(getattr(side.events, "announcer", None), "set_epoch", None)  # a .g4_announce.G4Announcer
     if set_epoch is not None:  # G4 announcements of another epoch are no longer this engine's hits
         set_epoch(epoch)

@@ -229,36 +229,46 @@ class TpLoadAgree:
         return meta
 
 
-_SETTLED: dict[int, tuple[int | None, bool]] = {}  # id(TP group) -> an answer agreed already (settle)
 _NO_FOUND = 1 << 62  # "no found blocks to agree" in the MIN all-reduce
-
-
-def settle(group: Any, answer: tuple[int | None, bool]) -> None:
-    """``answer`` was just agreed over ``group`` (:class:`.tp_sched.SchedAgree`, inside the scheduler side): the next
-    :meth:`TpMatchAgree.agree` over it (the wiring's, right after) of the same answer returns it without a collective.
-    Every rank settles the same answer at the same call, so every rank skips that collective alike."""
-    _SETTLED[id(group)] = answer
 
 
 class TpMatchAgree:
     """``get_num_new_matched_tokens`` agreed by every TP rank's scheduler (see the module doc): one all-reduce (MIN)
-    of ``[tokens or -1, 0 if async else 1, found blocks]`` per call."""
+    of ``[tokens or -1, 0 if async else 1, found blocks]`` per call.
+
+    One instance per scheduler side, shared by :class:`.tp_sched.SchedAgree` (which agrees inside the scheduler side
+    and settles the answer, :meth:`settle`) and the wiring (whose :meth:`agree` right after returns it without a second
+    collective). Before 2026-12-03 the settled answer lived in a module-level dict keyed by ``id(group)``: an answer
+    settled and not taken (a scheduler side driven without the wiring's agreement) stayed there, and any later
+    agreement over that group, or over a new group object given the same id, returned it without a collective: on a
+    dead group, or while the other ranks entered the all-reduce (their answers then paired with this rank's next
+    collective)."""
 
     def __init__(self, group: Any):
         self.group = group
+        self._settled: tuple[int | None, bool] | None = None  # the answer agreed by the last agree_found, not taken
+
+    def settle(self, answer: tuple[int | None, bool]) -> None:
+        """``answer`` was just agreed over the group (:meth:`agree_found`, by :class:`.tp_sched.SchedAgree`): the next
+        :meth:`agree` of this instance (the wiring's, right after) of the same answer returns it without a collective.
+        Every rank settles the same answer at the same call, so every rank skips that collective alike. Only the next
+        call can take it: any later agreement drops it."""
+        self._settled = answer
 
     def agree(self, n: int | None, is_async: bool) -> tuple[int | None, bool]:
         """``(tokens, async)`` of this rank's scheduler -> the agreed answer: ``(None, False)`` when any rank has
         none yet, else the fewest tokens any rank found, async when any rank's load is (``(0, False)`` for none).
-        An answer :func:`settle` marked agreed is returned as it is. Raises RuntimeError when the TP group's
-        collective fails."""
-        if _SETTLED.pop(id(self.group), None) == (n, is_async):
+        The answer :meth:`settle` marked agreed right before is returned as it is. Raises RuntimeError when the TP
+        group's collective fails."""
+        settled, self._settled = self._settled, None
+        if settled is not None and settled == (n, is_async):
             return n, is_async
         return self.agree_found(n, is_async, None)[:2]
 
     def agree_found(self, n: int | None, is_async: bool, found: int | None) -> tuple[int | None, bool, int | None]:
         """:meth:`agree` with ``found`` (this rank's blocks found, a count; None: none to agree) agreed too: the
         fewest any rank gave (None when no rank gave one)."""
+        self._settled = None  # an answer settled before and never taken is not this one's
         import torch
         import torch.distributed as dist
         f = _NO_FOUND if found is None else int(found)

@@ -35,7 +35,8 @@ hosting a scheduler and that rank's worker; :mod:`.tp_agree` has the others and 
   lookup counters (``lookup_requests``, ``g3_found_blocks``, ``g4_found_blocks``, ...) count what every rank loads,
   once the ranks agree an answer: summed over the ranks they match the loads (before 2026-12-03 each rank counted
   its own answer, e.g. 4 blocks found on one rank and 2 on another, while both loaded 2). One all-reduce per call, as
-  before: the answer is marked agreed (:func:`.tp_agree.settle`), so the wiring's TpMatchAgree returns it as it is.
+  before: the answer is marked agreed (:meth:`.tp_agree.TpMatchAgree.settle`) on the one TpMatchAgree the wiring
+  also uses (:attr:`SchedAgree.match_agree`), which returns it as it is.
 
 A scheduler agrees only where the wiring gives it vLLM's TP group (``SchedulerSide(tp_group=...)``): under
 ``external_launcher`` with TP > 1, the one decision that also turns on the workers' and the G3 reports' agreements
@@ -197,7 +198,8 @@ class SchedAgree:
 
     def __init__(self, group: Any):
         self.group = group
-        self._match = tp_agree.TpMatchAgree(group)
+        # the wiring's agreement of the connector's answer is this one (its settled answer is taken right after)
+        self.match_agree = tp_agree.TpMatchAgree(group)
 
     def saves(self, saves: list[SaveJob], promises: Any = None, reqs: dict | None = None) -> list[SaveJob]:
         """The step's save plan every TP rank planned: ``saves`` when every rank's plan is the same (one all-reduce),
@@ -236,11 +238,11 @@ class SchedAgree:
         found, G3's first). Raises RuntimeError when the collective fails."""
         st = side._reqs.get(request.request_id)
         mine = st.hit[0] if st is not None and st.count_as is False and st.hit is not None else None
-        out = self._match.agree_found(n, is_async, mine)
+        out = self.match_agree.agree_found(n, is_async, mine)
         if out[0] is not None and st is not None and st.count_as is not None:
             local, st.count_as = st.count_as, None
             count_request(st, local, out[2])
-        tp_agree.settle(self.group, out[:2])
+        self.match_agree.settle(out[:2])
         return out[:2]
 
 

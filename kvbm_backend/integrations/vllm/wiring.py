@@ -375,8 +375,8 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
                 parts.announcer.start()
         if spmd and (mirror or kv_events):
             parts.exchange = _tp_exchange(parts)
-        if spmd and load:  # the tokens to load, agreed per request (tp_agree); else every rank answers 0
-            parts.match_agree = tp_agree.TpMatchAgree(tp)
+        if spmd and load and parts.sched.tp is not None:  # the tokens to load, agreed per request; else all answer 0
+            parts.match_agree = parts.sched.tp.match_agree  # the side's own: it settles what it agreed
         if mirror or kv_events:  # one engine's: its own token, even where another has the same engine_id
             parts.channel_token = report_channel.new_token()
             parts.channel_key = report_channel.channel_key(*parts.channel_base, parts.channel_token)

@@ -22,6 +22,8 @@ from tests.helpers.tp_ranks import join_tp_group, run_tp_ranks
 def _rank(rank: int, port: int, out: str) -> None:
     """One TP rank's process: vLLM's TP group of 2 on gloo, a scheduler side reset twice; writes, per reset, the
     epoch and the sequence hashes and token digests of one prompt."""
+    from vllm.distributed.parallel_state import get_tp_group
+
     from kvbm_backend.integrations.vllm import reset_epoch
     from kvbm_backend.integrations.vllm.identity import block_digests
     from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
@@ -30,7 +32,9 @@ def _rank(rank: int, port: int, out: str) -> None:
 
     join_tp_group(rank, port)
     bs = 16
-    side = SchedulerSide(Namespace("m", KvLayout(2, 2, bs, 64, "bfloat16"), tp_world_size=2), bs, None, None)
+    # the TP group as the wiring hands it to the scheduler side under external_launcher (its one decision)
+    side = SchedulerSide(Namespace("m", KvLayout(2, 2, bs, 64, "bfloat16"), tp_world_size=2), bs, None, None,
+                         tp_group=get_tp_group())
     toks = list(range(100, 100 + 4 * bs))
     res = []
     for i in range(2):
