@@ -79,8 +79,10 @@ class G3KvEvents:
         self._snapped: set[int] = set()  # TP ranks whose snapshot was applied
         self._for_step = False  # a republish() queued events that only the step's take() may take (take(idle=))
 
-    def learn(self, tenant: str, request: Any, seq_hashes: Sequence[int], first: int, end: int) -> None:
-        """Blocks ``[first, end)`` of ``request`` (KVBM ``seq_hashes``) are, or are about to be, in G3."""
+    def learn(self, tenant: str, request: Any, seq_hashes: Sequence[int], first: int, end: int,
+              announce: bool = True) -> None:
+        """Blocks ``[first, end)`` of ``request`` (KVBM ``seq_hashes``) are, or are about to be, in G3. ``announce``
+        False: not told to the G4 announcer (under ``external_launcher`` with TP > 1 only TP rank 0's is: .tp_events)."""
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash
         from ...pool.g3.index import tag_of
         vh = list(getattr(request, "block_hashes", None) or [])
@@ -88,7 +90,7 @@ class G3KvEvents:
         lora = getattr(request, "lora_request", None)
         tag = tag_of(tenant)
         end = min(end, len(seq_hashes), len(vh), len(toks) // self.bs)
-        ann = self.announcer
+        ann = self.announcer if announce else None
         new: list[tuple[bytes, int]] = []
         with self._lock:
             for i in range(max(first, 0), end):

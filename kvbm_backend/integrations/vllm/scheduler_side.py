@@ -25,7 +25,7 @@ from ...model.hashing import salt_hash, sequence_hashes
 from ...model.namespace import KeyRun, Namespace
 from ...pool.base import BlockPool
 from ..revoked_tenants import RevokedTenants
-from . import handoff, reset_epoch, stats, tp_sched
+from . import handoff, reset_epoch, stats, tp_events, tp_sched
 from .identity import block_digests, kv_beyond_token_ids, renew_opaque, request_salt
 from .failed_blocks import FailedBlocks, Unrecomputed, withhold_tainted
 from .g3_mirror import G3Mirror
@@ -104,6 +104,7 @@ class SchedulerSide:
         self.epoch = ""  # reset epoch folded into every new request's salt ("": never reset; .reset_epoch)
         handoff.start_keyring_view(g4)  # hand-offs ask G4's keyring through it: no I/O on the scheduler thread
         self.tp = tp_sched.SchedAgree(tp_group) if tp_group is not None else None
+        self._learns: list = []  # this step's planned blocks for the KV events, until the plan is agreed (.tp_events)
 
     # ---- identity ------------------------------------------------------------------------------
     def _state(self, request: Any) -> _Req:
@@ -224,8 +225,8 @@ class SchedulerSide:
             # served by the engine's own prefix cache: remember how much of it G3 holds, so blocks seen
             # again only in the engine's cache still reach G3 (saved from the engine's blocks this step)
             st.g3_local = self._g3_prefix(st, st.n_local)
-            if self.events is not None and st.g3_local:
-                self.events.learn(st.tenant, request, st.hashes, 0, st.g3_local)
+            if st.g3_local:
+                tp_events.learn(self, st, 0, st.g3_local, request=request)
             if count:
                 self._count_request(st, local=True)
             return 0, False
@@ -238,8 +239,8 @@ class SchedulerSide:
         st.hit = (n, p3, wins)
         p4 = n - p3
         st.g3_local = min(p3, st.n_local)
-        if self.events is not None and p3:
-            self.events.learn(st.tenant, request, st.hashes, 0, p3)  # e.g. found again after a restart
+        if p3:
+            tp_events.learn(self, st, 0, p3, request=request)  # e.g. found again after a restart
         if count:
             self._count_request(st)
         total = p3 + p4
@@ -412,7 +413,8 @@ class SchedulerSide:
                 st.saved_upto = cached.num_computed_tokens[i] // self.bs
             self._plan_save(meta, st, cached.num_computed_tokens[i] + sched.get(rid, 0))
         if save:  # under external_launcher every rank reaches here each step: the blocks every rank planned
-            meta.saves = tp_sched.offer(self, meta.saves)
+            planned, meta.saves = meta.saves, tp_sched.offer(self, meta.saves)
+            tp_events.offered(self, planned, meta.saves)  # the KV events learn the blocks offered
         return meta
 
     def _plan_local_save(self, meta: KvbmConnectorMetadata, st: _Req) -> None:
@@ -425,8 +427,7 @@ class SchedulerSide:
             return
         n_local = max(held, self._group_saves(meta, st, held, n_local))
         tp_sched.planned_local(self, st, held, n_local)  # counted save_local_hit_blocks once offered
-        if self.events is not None:
-            self.events.learn(st.tenant, st.request, st.hashes, held, n_local)
+        tp_events.learn(self, st, held, n_local, planned=True)
 
     def _plan_handoff_g4(self, meta: KvbmConnectorMetadata, st: _Req) -> None:
         """A prefill request that asked for a handoff (:mod:`.handoff`) promises every loadable prompt block in
@@ -481,8 +482,7 @@ class SchedulerSide:
             return
         a, st.saved_upto = st.saved_upto, full
         full = self._group_saves(meta, st, a, full)
-        if self.events is not None and full > a:
-            self.events.learn(st.tenant, st.request, st.hashes, a, full)
+        tp_events.learn(self, st, a, full, planned=True)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Saves are gathered into host staging inside the step that computed them (the worker's ``wait_for_save``), so
