@@ -40,29 +40,48 @@ class FailedBlocks:
     requests whose own digest for the block is one of those (:meth:`first_in` ``digest_of``): the sequence hash is
     forgeable (docs/format.md "Token digest"), and before 2026-12-01 a tenant-mate's forged prompt, failing on the
     victim's stored block, cooled that block for every request of the tenant. An entry added without one (the
-    job named no digests, or the request is gone) cools every request, as before."""
+    job named no digests, or the request is gone) cools every request, as before.
 
-    def __init__(self, cooldown_s: float = FAILED_BLOCK_COOLDOWN_S, max_entries: int = FAILED_BLOCKS_MAX):
+    An entry added with the KV cache group whose load failed (:meth:`add` ``group``) cools, for a sliding-window
+    group (``windows[group]`` not None: the blocks before a resume point that group loads), only hits whose window
+    of that group contains the block: before 2026-12-03 a failed block of a window cut every later hit at it, though
+    a longer prompt's window never reads it, and such prompts recomputed everything for the cool-down. A failure of a
+    full-attention group, of a group ``windows`` does not name, or without a group cuts every hit at the block.
+
+    ``windows``: per KV cache group index, its window in blocks (None: full attention); None: every failure cuts
+    every hit at its block (one full-attention group)."""
+
+    def __init__(self, cooldown_s: float = FAILED_BLOCK_COOLDOWN_S, max_entries: int = FAILED_BLOCKS_MAX,
+                 windows: list[int | None] | None = None):
         self.cooldown_s, self.max_entries = cooldown_s, max_entries
+        self.windows = list(windows) if windows is not None else None
         self._until: OrderedDict[tuple[str, int], float] = OrderedDict()
         # (tenant, seq hash) -> the failed requests' digests (insertion-ordered); absent: every request cools
         self._digests: dict[tuple[str, int], dict[bytes, None]] = {}
+        # (tenant, seq hash) -> the KV cache groups whose load of it failed; absent: unknown (every group's hit cut)
+        self._groups: dict[tuple[str, int], set[int]] = {}
 
     def __len__(self) -> int:
         return len(self._until)
 
-    def add(self, tenant: str, seq_hash: int, digest: bytes | None = None) -> bool:
+    def add(self, tenant: str, seq_hash: int, digest: bytes | None = None, group: int | None = None) -> bool:
         """``tenant``'s load of the block ``seq_hash`` failed now; ``digest``: the failed request's token digest
-        of that block (16 bytes), None: unknown (every request of the tenant cools on it). Returns True when the
-        block starts a cool-down (it was not cooling), False when it was cooling already (another TP rank's report
-        of the same load, another failed load of it within the cool-down): its cool-down is renewed."""
+        of that block (16 bytes), None: unknown (every request of the tenant cools on it); ``group``: the KV cache
+        group whose load failed (see the class doc), None: unknown (every hit at the block is cut; an entry once
+        without a group stays so). Returns True when the block starts a cool-down (it was not cooling), False when it
+        was cooling already (another TP rank's report of the same load, another failed load of it within the
+        cool-down, in any group): its cool-down is renewed."""
         k = (tenant, int(seq_hash))
         now = time.monotonic()
         until = self._until.pop(k, None)
         held = until is not None and until > now  # an expired entry left until the next lookup is not cooling
         if until is not None and not held:
             self._digests.pop(k, None)
+            self._groups.pop(k, None)
         self._until[k] = now + self.cooldown_s
+        gs = self._groups.pop(k, None)
+        if group is not None and (gs is not None or not held):  # a group-less entry stays group-less
+            self._groups[k] = (gs or set()) | {int(group)}
         ds = self._digests.pop(k, None)
         if digest is not None and (ds is not None or not held):  # a digest-less entry stays digest-less
             ds = {} if ds is None else ds
@@ -74,13 +93,17 @@ class FailedBlocks:
         while len(self._until) > self.max_entries:
             old, _ = self._until.popitem(last=False)
             self._digests.pop(old, None)
+            self._groups.pop(old, None)
         return not held
 
     def first_in(self, tenant: str, hashes, start: int, end: int,
                  digest_of: Callable[[int], bytes | None] | None = None) -> int:
-        """Index of the first of ``hashes[start:end]`` that failed within the cool-down for this request, else
-        ``end``. ``digest_of(i)``: the asking request's token digest of block ``i`` (asked only for blocks whose
-        entry names digests, computed lazily); None, or a None answer: the block cools whatever the digests."""
+        """End (a block index in ``[start, end]``) of the longest hit ending at most at ``end`` that reads no block
+        of ``hashes[start:end]`` that failed within the cool-down for this request: the index of the first such
+        block, else ``end``; with :attr:`windows`, a block that failed only in sliding-window groups cuts only hits
+        whose window of one of those groups contains it (the class doc). ``digest_of(i)``: the asking request's
+        token digest of block ``i`` (asked only for blocks whose entry names digests, computed lazily); None, or a
+        None answer: the block cools whatever the digests."""
         if not self._until or start >= end:
             return end
         now = time.monotonic()
@@ -90,22 +113,49 @@ class FailedBlocks:
                 break
             del self._until[k]
             self._digests.pop(k, None)
+            self._groups.pop(k, None)
+        cooling: list[tuple[int, int | None]] = []  # (block index, the smallest window reading it; None: any hit)
         for i in range(start, end):
             k = (tenant, int(hashes[i]))
             if k in self._until:
                 ds = self._digests.get(k)
                 d = None if ds is None or digest_of is None else digest_of(i)
                 if d is None or d in ds:  # type: ignore[operator]
-                    return i
-        return end
+                    w = self._window(k)
+                    if w is None:
+                        return self._cut(cooling, i)
+                    cooling.append((i, w))
+        return self._cut(cooling, end)
+
+    def _window(self, k: tuple[str, int]) -> int | None:
+        """The window (blocks) of the groups whose load of ``k`` failed, when all of them are sliding-window groups
+        (the largest: a hit reads the block when any of them does); None: every hit at the block reads it."""
+        gs, ws = self._groups.get(k), self.windows
+        if gs is None or ws is None or any(g >= len(ws) or ws[g] is None for g in gs):
+            return None
+        return max(ws[g] or 0 for g in gs)
+
+    @staticmethod
+    def _cut(cooling: list[tuple[int, int | None]], end: int) -> int:
+        """The longest hit ending at most at ``end`` whose windows read none of ``cooling`` (block ``i`` with window
+        ``w`` is read by a hit ending at ``m`` when ``m - w <= i < m``). A hit ending before ``m`` past a block read
+        at ``m`` ends before that block too (its window ends before ``m``, so before ``i + w``), so the cut moves
+        down to the first block read until none is."""
+        m = end
+        while True:
+            read = [i for i, w in cooling if i < m and (w is None or i >= m - w)]
+            if not read:
+                return m
+            m = min(read)
 
     def add_failed_load(self, tenant: str, st: Any, first_failed: int, block_size: int,
-                        digest: bytes | None = None) -> bool:
-        """:meth:`add` for a load of ``tenant`` that failed at block ``first_failed`` (a sequence hash), with the
-        failed request's digest of that block where it can be computed (:func:`request_digest_of`) from its
-        scheduler state ``st`` (``_Req``: ``tenant``, ``hashes``, ``request``, ``digests``; None: the request is
-        gone), else ``digest`` (the worker's report's, :class:`~.metadata.FailedLoad`); neither: the block cools
-        for every request of the tenant. Returns :meth:`add`'s answer (True: the block starts a cool-down)."""
+                        digest: bytes | None = None, group: int | None = None) -> bool:
+        """:meth:`add` for a load of KV cache group ``group`` (None: unknown) of ``tenant`` that failed at block
+        ``first_failed`` (a sequence hash), with the failed request's digest of that block where it can be computed
+        (:func:`request_digest_of`) from its scheduler state ``st`` (``_Req``: ``tenant``, ``hashes``, ``request``,
+        ``digests``; None: the request is gone), else ``digest`` (the worker's report's, :class:`~.metadata.
+        FailedLoad`); neither: the block cools for every request of the tenant. Returns :meth:`add`'s answer (True:
+        the block starts a cool-down)."""
         i = None
         if st is not None and st.tenant == tenant:
             try:
@@ -113,11 +163,12 @@ class FailedBlocks:
             except ValueError:
                 pass
         d = None if i is None else request_digest_of(st, block_size)(i)
-        return self.add(tenant, first_failed, d if d is not None else digest)
+        return self.add(tenant, first_failed, d if d is not None else digest, group)
 
     def first_for(self, st: Any, end: int, block_size: int) -> int:
         """:meth:`first_in` of request state ``st`` (``_Req``) from its local blocks (``n_local``) to ``end``,
-        with its own token digests (:func:`request_digest_of`)."""
+        with its own token digests (:func:`request_digest_of`): the end of its longest hit up to ``end`` that
+        reads no cooling block."""
         if not self._until:
             return end
         return self.first_in(st.tenant, st.hashes, st.n_local, end, request_digest_of(st, block_size))

@@ -320,8 +320,10 @@ class HandoffWaits:
     ``handoff_breaker_timeouts``, the engine computes the rest, so a G4 outage costs no hand-off ``wait_s``. So too
     when this worker's keyring serves no key of the request's tenant (revoked, or its file does not load: its G4 loads
     none of the blocks): ``handoff_timeouts`` and ``handoff_keyring_timeouts``. So too
-    once a look has every block before a promised one that cools after a failed load (no hit goes past it for
-    ``FAILED_BLOCK_COOLDOWN_S``, :mod:`.failed_blocks`): ``handoff_timeouts`` and ``handoff_cooled_timeouts``.
+    once a look's full-attention prefix reaches a promised block that cools after a failed load (no hit goes past it
+    for ``FAILED_BLOCK_COOLDOWN_S``, :mod:`.failed_blocks`): ``handoff_timeouts`` and ``handoff_cooled_timeouts``;
+    a hybrid model's hit cut there may find fewer blocks (its windows probed at the cut, 0 when none is stored
+    there), which no later look changes (before 2026-12-03 such a request waited the whole ``wait_s``).
     The request's lookup counts once, from the look that ended its wait (:meth:`~.lookup.TierLookup.count_request`).
 
     Args:
@@ -342,14 +344,17 @@ class HandoffWaits:
         return w is None or self._clock() >= w.next_at
 
     def should_wait(self, request_id: str, found_blocks: int, expected: int, refused: bool = False,
-                    reachable: int | None = None, tenant_state: str | None = None) -> bool:
+                    reachable: int | None = None, tenant_state: str | None = None,
+                    reached: int | None = None) -> bool:
         """A look at ``request_id`` found ``found_blocks`` leading blocks: True while fewer than ``expected`` are
         found, ``wait_s`` has not passed since its first look and ``refused`` is False (then the next look waits
         :data:`RETRY_S`); False once they are all there (counted ``handoff_complete_requests``; a promise of 0 blocks,
         ``expected`` <= 0, is no hand-off: False, nothing counted), when ``refused``
-        (G4's breakers open: ``handoff_timeouts`` and ``handoff_breaker_timeouts``), when ``found_blocks`` reaches
-        ``reachable`` (the index of a promised block cooling after a failed load, :mod:`.failed_blocks`: no load
-        goes past it, whatever the tiers hold; ``handoff_timeouts`` and ``handoff_cooled_timeouts``), when
+        (G4's breakers open: ``handoff_timeouts`` and ``handoff_breaker_timeouts``), when ``found_blocks`` or
+        ``reached`` (blocks the look's hit could have reached but for the cool-down: :attr:`.lookup.PrefixLookup.
+        reach`, None: ``found_blocks``) reaches ``reachable`` (the end of the longest hit of the promised blocks that
+        reads no block cooling after a failed load, :mod:`.failed_blocks`: no load goes past it, whatever the tiers
+        hold; ``handoff_timeouts`` and ``handoff_cooled_timeouts``), when
         ``tenant_state`` (the request's tenant in this worker's G4 keyring, :meth:`~kvbm_backend.pool.g4.keyring_view.
         KeyringView.state`) is ``"revoked"`` or ``"unavailable"``: this worker loads none of its blocks
         (``handoff_timeouts`` and ``handoff_keyring_timeouts``), or the wait is over (``handoff_timeouts``; its
@@ -379,13 +384,13 @@ class HandoffWaits:
                         "the rest at once instead of waiting handoff_wait_s", request_id, found_blocks, expected,
                         "the tenant was revoked" if tenant_state == "revoked" else "the keyring file does not load")
             return False
-        if reachable is not None and found_blocks >= reachable:
+        if reachable is not None and max(found_blocks, reached or 0) >= reachable:
             self._w.pop(request_id, None)
             stats.add(handoff_timeouts=1, handoff_cooled_timeouts=1, handoff_wait_s=now - w.first)
-            LOG.warning("cooled", "kvbm_backend handoff: request %s found the %d blocks before block %d of the %d its "
-                        "prefill worker offloaded; a load of that block failed lately (cooling down), so the engine "
-                        "computes from it at once instead of waiting handoff_wait_s", request_id, found_blocks,
-                        reachable, expected)
+            LOG.warning("cooled", "kvbm_backend handoff: request %s found %d of the %d blocks its prefill worker "
+                        "offloaded and no load goes past block %d: a load of that block failed lately (cooling down), "
+                        "so the engine computes the rest at once instead of waiting handoff_wait_s", request_id,
+                        found_blocks, expected, reachable)
             return False
         if now - w.first < self.wait_s:
             w.idle = 0 if found_blocks > w.found else w.idle + 1

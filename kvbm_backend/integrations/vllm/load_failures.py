@@ -280,9 +280,11 @@ def on_failed_recving(reqs: dict[str, Any], req_ids, counts: FailedBlockCount | 
 def on_failed_loads(sched: SchedulerSide, failed: list, group: int = 0) -> None:
     """Worker reports of loads of KV cache group ``group`` that did not deliver every block (:class:`~.metadata.
     FailedLoad`, every TP rank's): the request is never offered a load again (recomputed from its first failed block
-    on); for a miss (not a timeout) that block ends every prefix offered for ``FAILED_BLOCK_COOLDOWN_S``; a failed
-    synchronous load's blocks leave vLLM's prefix cache, hits on them save nothing from them on (:mod:`.failed_blocks`),
-    hand-offs promise no dropped save; the failed blocks are counted once (:class:`FailedBlockCount`)."""
+    on); for a miss (not a timeout) that block ends every prefix offered for ``FAILED_BLOCK_COOLDOWN_S`` (of a
+    sliding-window group: every prefix whose window of that group reads it, :class:`.failed_blocks.FailedBlocks`); a
+    failed synchronous load's blocks leave vLLM's prefix cache, hits on them save nothing from them on
+    (:mod:`.failed_blocks`), hand-offs promise no dropped save; the failed blocks are counted once
+    (:class:`FailedBlockCount`)."""
     sched.promises.loads_failed(failed, sched._reqs)
     for f in failed:
         st = sched._reqs.get(f.req_id)  # None: finished (errored: FailedBlockCount kept its hashes)
@@ -293,6 +295,8 @@ def on_failed_loads(sched: SchedulerSide, failed: list, group: int = 0) -> None:
             st.no_load, st.lookup, st.hit, st.saved_upto, st.planned = True, None, None, None, None
             stats.add(load_failed_requests=1)
         # counted once per block that starts cooling: every TP rank reports the same failed block (before
-        # 2026-12-03 each report counted, N per block at TP N)
-        if f.reason == "miss" and sched.failed_blocks.add_failed_load(f.tenant, st, f.first_failed, sched.bs, f.digest):
+        # 2026-12-03 each report counted, N per block at TP N); the group: a sliding window's failed block cuts
+        # only hits whose window reads it
+        fb = sched.failed_blocks
+        if f.reason == "miss" and fb.add_failed_load(f.tenant, st, f.first_failed, sched.bs, f.digest, group):
             stats.add(load_failed_blocks_cooled=1)

@@ -175,11 +175,16 @@ class PrefixLookup:
     ``n_local`` was not probed).
 
     Cool-down: no hit reaches a block of ``[n_local, n)`` whose load failed within the cool-down
-    (``sched.failed_blocks``, :meth:`.failed_blocks.FailedBlocks.first_for`): the candidate is cut before it (counted
-    ``lookup_failed_block_cuts``) and, with windows, they are probed at the cut point, as at any candidate. A result
-    is checked again each time it is polled (a block may start cooling after it resolved): cut, its windows probed
-    anew (within a lookup timeout of their own). Before 2026-12-03 a hit with windows was never cut: every request
-    of a hybrid model's prompt was offered the block whose load had just failed, loaded it in vain and recomputed it.
+    (``sched.failed_blocks``, :meth:`.failed_blocks.FailedBlocks.first_for`; a block that failed in a sliding-window
+    group only where that group's window reads it): the candidate is cut before it and, with windows, they are probed
+    at the cut point, as at any candidate. A result is checked again each time it is polled (a block may start
+    cooling after it resolved): cut, its windows probed anew (within a lookup timeout and ``max_probes`` of their
+    own). Before 2026-12-03 a hit with windows was never cut: every request of a hybrid model's prompt was offered
+    the block whose load had just failed, loaded it in vain and recomputed it. A look that was cut counts
+    ``lookup_failed_block_cuts`` once, when it counts as the request's (``count``, else :meth:`count_request`):
+    a hand-off's wait counts the look that ended it only. :attr:`reach`: how far the hit could have gone but for
+    the cool-down (the full-attention prefix found), which a hand-off's wait compares with its promise's first
+    cooling block (a hybrid hit cut there may find less than that: its windows are probed at the cut).
 
     ``known``: the full-attention prefix an earlier look of this request confirmed (:attr:`confirmed`; a hand-off's
     wait looks again from there, :class:`TierLookup`). ``count`` False: the pools do not count this look as the
@@ -202,8 +207,11 @@ class PrefixLookup:
                 e3 += [(k, None if self.g3_off else g.g3) for k in by_rank]
                 e4 += [(k, g.g4) for k in g4]
         self.windowed = any(g.window_blocks is not None for g in sched.groups)
-        self.full = TierLookup(e3, e4, self.deadline, count=count and not st.counted, known=known)
+        self.count = count and not st.counted
+        self.full = TierLookup(e3, e4, self.deadline, count=self.count, known=known)
         self.p3: int | None = None
+        self.reach: int | None = None  # the first candidate: the full-attention prefix found (None: not yet known)
+        self.cut = False  # a cooling block cut a candidate of this look (counted once: _cut_at, count_request)
         self.cand: int | None = None
         self.probes = 0
         self.win: dict[int, TierLookup] = {}
@@ -229,16 +237,26 @@ class PrefixLookup:
             self.win[gi] = TierLookup([(k, None if self.g3_off else g.g3) for k in by_rank], [(k, g.g4) for k in g4],
                                       self.deadline, count=False)
 
+    def count_request(self) -> None:
+        """Count this look, once known, as the request's lookup (a hand-off wait's look that ended it): the pools'
+        lookup counters (:meth:`TierLookup.count_request`) and ``lookup_failed_block_cuts`` when it was cut."""
+        self.full.count_request()
+        if self.cut and not self.count:
+            stats.add(lookup_failed_block_cuts=1)
+
     def _cooling(self, n: int) -> bool:
-        """Whether a block of ``[n_local, n)`` cools after a failed load for this request."""
+        """Whether a hit ending at ``n`` reads a block of ``[n_local, n)`` cooling after a failed load."""
         return self.sched.failed_blocks.first_for(self.st, n, self.sched.bs) < n
 
     def _begin(self, n: int) -> bool:
-        """Probe candidate ``n`` cut before its first cooling block (counted ``lookup_failed_block_cuts``); True when
-        the result is known at once (no hit beyond ``n_local``: see the class doc)."""
+        """Probe candidate ``n`` cut before the cooling blocks it reads (the look's first cut counts
+        ``lookup_failed_block_cuts`` when the look is counted); True when the result is known at once (no hit beyond
+        ``n_local``: see the class doc)."""
         cut = self.sched.failed_blocks.first_for(self.st, n, self.sched.bs)
-        if cut < n:
-            stats.add(lookup_failed_block_cuts=1)
+        if cut < n and not self.cut:
+            self.cut = True
+            if self.count:
+                stats.add(lookup_failed_block_cuts=1)
         assert self.p3 is not None  # the full-attention prefix is known before any candidate
         if cut <= self.st.n_local:
             self.result = (0, 0, {}) if self.windowed else (cut, min(self.p3, cut), {})
@@ -253,7 +271,8 @@ class PrefixLookup:
             if not self._cooling(n):
                 return self.result
             self.result = None  # a block cooled since it resolved: cut, its windows probed again at the cut,
-            self.deadline = Deadline(self.sched.lookup_timeout_s)  # within a deadline of their own
+            self.deadline = Deadline(self.sched.lookup_timeout_s)  # within a deadline and probes of their own
+            self.probes = 0
             if self._begin(n):
                 return self.result
         elif self.p3 is None:
@@ -261,7 +280,8 @@ class PrefixLookup:
             if r is None:
                 return None
             self.p3 = r[0]
-            if self._begin(r[0] + r[1] if self.full.n else self.st.lookup_blocks):
+            self.reach = r[0] + r[1] if self.full.n else self.st.lookup_blocks
+            if self._begin(self.reach):
                 return self.result
         while True:
             polled = {gi: lk.poll() for gi, lk in self.win.items()}

@@ -97,7 +97,8 @@ class SchedulerSide:
         self.idle_events: IdlePublisher | None = None  # publishes them while the engine does not step
         self.handoff = handoff.HandoffWaits(handoff_wait_s)
         self.promises = handoff.Promises()  # the prefill side's: blocks its hand-off answers must not promise
-        self.failed_blocks, self.unrecomputed = FailedBlocks(), Unrecomputed()
+        self.failed_blocks = FailedBlocks(windows=[g.window_blocks for g in self.groups])  # per group's window
+        self.unrecomputed = Unrecomputed()
         self.failed_counts = FailedBlockCount()  # failed and loaded blocks of its loads, each once at any TP size
         self.evict_engine_blocks: Any = None  # vLLM's BlockPool.evict_blocks (connector.bind_gpu_block_pool)
         self.revoked: RevokedTenants | None = None  # tenants G3 does not serve (.revoked_tenants; set by the wiring)
@@ -189,7 +190,7 @@ class SchedulerSide:
         refused = look is not None and look.full.g4_refused()
         cool = self.failed_blocks.first_for(st, want, self.bs)  # no hit goes past it
         if self.handoff.should_wait(rid, (num_computed_tokens + n) // self.bs, want, refused=refused,
-                                    reachable=cool if cool < want else None,
+                                    reachable=cool if cool < want else None, reached=look.reach if look else None,
                                     tenant_state=handoff.tenant_state(self.g4, st.tenant)):
             if look is not None:
                 st.handoff_known = look.confirmed  # the next look asks G3/G4 only beyond what this one found
@@ -197,7 +198,7 @@ class SchedulerSide:
             return None, False
         st.handoff_done = True  # at most handoff_wait_s per request, even when vLLM asks anew (preemption)
         if look is not None and st.hit is not None and not st.counted:
-            look.full.count_request()  # the look that ended the wait is the request's (pools' lookup counters)
+            look.count_request()  # the look that ended the wait is the request's (pools' lookup counters, its cut)
             self._count_request(st)
         elif look is None and st.lookup_blocks <= st.n_local:  # the engine's prefix cache had it all
             self._count_request(st, local=True)
