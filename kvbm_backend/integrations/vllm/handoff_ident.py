@@ -14,11 +14,16 @@ the unkeyed hex (its block names are unkeyed too: they hide nothing), as does an
 (theirs, ours) each get a WARNING at first sight. Until 2026-12-03 later pairs of a field shared one line a minute, so a
 flood of distinct forged values (a client's ``kv_transfer_params``) took that line every minute and a real
 misconfiguration found later (its pair recurring on every request it touches) was never named. Now the field's later
-pairs are held in a bounded sample (:class:`PairBudget`: :data:`HELD_PAIRS` pairs, a reservoir sample of the pairs new
-to it since its last line, a pair seen again never evicted), and the field's once-a-minute line names, besides the
-mismatch at hand, the pairs seen more than once since (the likely misconfigurations, at most :data:`NAMED_PER_LINE`,
-most frequent first) and how many mismatches and new pairs had no line of their own. A flood of distinct values is
-counted there; a pair that recurs is named within a few lines of it.
+pairs are counted, between two of its lines, in a heavy-hitters summary (:class:`PairBudget`: Space-Saving with
+:data:`HELD_PAIRS` counters, bounded entries), and the field's once-a-minute line names, besides the mismatch at hand,
+the pairs seen most since its last line (by count - error, each seen more than once, at most :data:`NAMED_PER_LINE`,
+none named within :data:`NAMED_QUIET_S`) and how many mismatches and distinct pairs had no line of their own (the
+pairs exact up to :data:`DISTINCT_EXACT`, beyond that "about"). A pair that is more than 1/:data:`HELD_PAIRS` of the
+field's mismatches between two lines is held whatever else is sent and how often, its count - error at least its
+excess over that share, so it is named unless :data:`NAMED_PER_LINE` other pairs were seen more (a forger must outsend
+it with new values every minute: named ones are quiet for the hour). From b51c685 to 2026-12-03 the summary was a 1,024-pair reservoir whose pairs seen twice were never evicted, so forged values each
+sent twice filled it for good and a misconfiguration starting after that was never named; its "pairs new to it"
+counted a pair the reservoir turned away again at each repeat.
 """
 from __future__ import annotations
 
@@ -26,9 +31,10 @@ import hashlib
 import heapq
 import hmac
 import logging
-import random
+import os
 import reprlib
-from typing import Any
+import time
+from typing import Any, Callable
 
 from . import stats
 
@@ -93,9 +99,12 @@ def identity(g4: Any, tenant: str, salt: int | None = None) -> dict[str, str]:
 
 IDENT_FIELDS = ("namespace", "tenant", "salt")
 FIRST_PAIRS = 256  # pairs of values of a field logged at first sight, each its own line
-HELD_PAIRS = 1024  # later pairs of a field held (a sample) for its once-a-minute line
-NAMED_PER_LINE = 4  # recurring pairs a field's once-a-minute line names at most
-_LOGGED_MAX = FIRST_PAIRS + 4096  # pairs a field remembers as logged (first sight and named)
+HELD_PAIRS = 1024  # k: the counters of a field's heavy-hitters summary (pairs held between two of its lines)
+NAMED_PER_LINE = 4  # pairs a field's once-a-minute line names at most besides the one at hand
+NAMED_QUIET_S = 3600.0  # seconds a pair a minute line named is left out of the field's later lines
+DISTINCT_EXACT = 4096  # distinct pairs a field counts exactly between two lines (beyond: an estimate, "about")
+SHOWN_MAX, RID_MAX = 80, 64  # characters of each value and of the last request id a held pair keeps
+_NAMED_MAX = 4096  # pairs a field remembers as named within NAMED_QUIET_S (a bound for any clock)
 _WHAT = {"namespace": "G4 namespace (model, revision, dtype, KV layout, TP size: both workers need the same, "
                       "or g4.layout: canonical)",
          "tenant": "tenant (pseudonym prefix; the request's cache_salt, else each worker's default tenant)",
@@ -104,74 +113,174 @@ _WHAT = {"namespace": "G4 namespace (model, revision, dtype, KV layout, TP size:
 _NONE = "none (its G4 has no keyring)"
 
 
-class PairBudget:
-    """What one identity field's mismatch WARNINGs have said (module doc). Pairs are keyed by a digest of their
-    values (a forged value of any size costs 16 bytes here) and shown bounded (:func:`reprlib.repr`). Scheduler thread
-    only. ``rng``: the sample's random choices (tests pass a seeded one)."""
+def _cut(text: str, n: int) -> str:
+    """``text`` in at most ``n`` characters (its head and ``...``)."""
+    return text if len(text) <= n else text[:n - 3] + "..."
 
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self.logged: set[bytes] = set()  # pairs that had a line of their own
-        self.first = 0  # first-sight lines given (<= FIRST_PAIRS)
-        self.held: dict[bytes, list[Any]] = {}  # pair -> [mismatches, theirs shown, ours shown, last request id]
-        self.slots: list[bytes] = []  # the held pairs, in sample slots
-        self.again: set[bytes] = set()  # the held pairs seen more than once (never evicted)
-        self.arrivals = 0  # pairs new to ``held`` since the last line (the sample's denominator)
+
+class Distinct:
+    """How many distinct pairs (16-byte keys) were seen: exact up to :data:`DISTINCT_EXACT`, then a k-minimum-values
+    estimate (Bar-Yossef et al. 2002; relative error about 1/sqrt(k), 1.6 %) from the k smallest of a keyed 64-bit
+    hash of each key (keyed by a per-instance random key, so chosen values cannot skew it). At most k ints held."""
+
+    def __init__(self, k: int = DISTINCT_EXACT) -> None:
+        self.k, self._key = k, os.urandom(16)
+        self._heap: list[int] = []  # the k smallest hashes, negated (a max-heap)
+        self._held: set[int] = set()
+        self.exact = True  # False once more than k distinct keys were seen
+
+    def add(self, key: bytes) -> None:
+        """Count ``key`` (a repeat changes nothing)."""
+        h = int.from_bytes(hashlib.blake2b(key, digest_size=8, key=self._key).digest(), "little")
+        if h in self._held:
+            return
+        if len(self._heap) < self.k:
+            self._held.add(h)
+            heapq.heappush(self._heap, -h)
+            return
+        self.exact = False
+        if h < -self._heap[0]:
+            self._held.discard(-heapq.heapreplace(self._heap, -h))
+            self._held.add(h)
+
+    def count(self) -> int:
+        """The distinct keys added since :meth:`clear`: exact while :attr:`exact`, else the estimate."""
+        if self.exact:
+            return len(self._heap)
+        return round((self.k - 1) * 2.0 ** 64 / (-self._heap[0] + 1))
+
+    def clear(self) -> None:
+        """Start anew."""
+        self._heap.clear()
+        self._held.clear()
+        self.exact = True
+
+
+class PairBudget:
+    """What one identity field's mismatch WARNINGs have said (module doc). Pairs are keyed by a 16-byte digest of their
+    values; a held pair keeps its count, its error bound, both values shown in at most :data:`SHOWN_MAX` characters
+    and its last request id in at most :data:`RID_MAX`, so a forged value of any size costs a bounded entry. The
+    pairs without a line of their own are counted in a Space-Saving summary (Metwally, Agrawal, El Abbadi, "Efficient
+    computation of frequent and top-k elements in data streams", ICDT 2005) of :data:`HELD_PAIRS` (k) counters: a pair
+    not held takes the place of a least-counted one (the longest at that count), starting at that count + 1 with that
+    count as its error, so any pair seen more than N/k times of the N mismatches since the field's last line is held,
+    its count - error (the requests since it was held: a lower bound of its own) at least its share less N/k, and no
+    sequence of values evicts it. Deterministic (no random choice). Scheduler thread only. ``clock``: seconds,
+    monotonic (for :data:`NAMED_QUIET_S`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.logged: set[bytes] = set()  # pairs that had a first-sight line (<= FIRST_PAIRS)
+        self.named: dict[bytes, float] = {}  # pairs a minute line named -> when (oldest first)
+        self.held: dict[bytes, list[Any]] = {}  # pair -> [count, error, theirs shown, ours shown, last request id]
+        self._at: dict[int, dict[bytes, None]] = {}  # count -> the held pairs at it (an ordered set: longest first)
+        self._low = 0  # the least count held (when ``held`` is full)
+        self._top: list[tuple[int, int, bytes]] = []  # (-(count - error), push order, pair): a lazy max-heap
+        self._pushes = 0
         self.unlogged = 0  # mismatches of pairs without a line of their own since the last line
-        self.rng = rng or random.Random()
+        self.distinct = Distinct()  # those pairs, distinct
 
     def note(self, key: bytes, theirs: str, ours: str, rid: str) -> str | None:
-        """One mismatch of pair ``key``: ``"first"`` (log it now: a first-sight line), ``"held"`` (no line of its own
-        yet: the field's once-a-minute line may come, :meth:`summary`) or None (its line was logged before)."""
+        """One mismatch of pair ``key`` (``theirs``, ``ours``: the values as shown; ``rid``: its request id):
+        ``"first"`` (log it now: a first-sight line), ``"held"`` (no line of its own: the field's once-a-minute line
+        may come, :meth:`summary`) or None (it had its line: at first sight, or named within :data:`NAMED_QUIET_S`)."""
         if key in self.logged:
             return None
-        if self.first < FIRST_PAIRS:
-            self.first += 1
+        when = self.named.get(key)
+        if when is not None:
+            if self.clock() - when < NAMED_QUIET_S:
+                return None
+            del self.named[key]
+        if len(self.logged) < FIRST_PAIRS:
             self.logged.add(key)
             return "first"
         self.unlogged += 1
+        self.distinct.add(key)
+        rid = _cut(str(rid), RID_MAX)
         e = self.held.get(key)
         if e is not None:
+            self._move(key, e[0], e[0] + 1)
             e[0] += 1
-            e[3] = rid
-            self.again.add(key)
-            return "held"
-        self.arrivals += 1
-        if len(self.slots) < HELD_PAIRS:
-            self.slots.append(key)
-        else:  # reservoir sample of this line's new pairs; a pair seen again is never evicted
-            j = self.rng.randrange(self.arrivals)
-            if j >= HELD_PAIRS or self.held[self.slots[j]][0] > 1:
-                return "held"
-            del self.held[self.slots[j]]
-            self.slots[j] = key
-        self.held[key] = [1, theirs, ours, rid]
+            e[4] = rid
+        else:
+            err = 0
+            if len(self.held) >= HELD_PAIRS:  # the longest-held of the least counted gives its place
+                err = self._low
+                del self.held[self._move(next(iter(self._at[err])), err, None)]
+            self.held[key] = e = [err + 1, err, _cut(theirs, SHOWN_MAX), _cut(ours, SHOWN_MAX), rid]
+            self._move(key, None, err + 1)
+        if e[0] - e[1] >= 2:  # seen more than once since held: a candidate for the line
+            self._pushes += 1
+            heapq.heappush(self._top, (e[1] - e[0], self._pushes, key))
+            if len(self._top) > 4 * HELD_PAIRS:  # drop the stale entries
+                self._top = [(v[1] - v[0], i, k) for i, (k, v) in enumerate(self.held.items()) if v[0] - v[1] >= 2]
+                heapq.heapify(self._top)
         return "held"
 
+    def _move(self, key: bytes, old: int | None, new: int | None) -> bytes:
+        """Move held pair ``key`` from count ``old`` to count ``new`` (None: not held: an eviction from the least count,
+        which the caller fills at ``old`` + 1 at once); returns ``key``."""
+        if old is not None:
+            at = self._at[old]
+            del at[key]
+            if not at:
+                del self._at[old]
+                if old == self._low:  # evicted (new None): its successor comes in at old + 1
+                    self._low = old + 1
+        if new is not None:
+            self._at.setdefault(new, {})[key] = None
+            if len(self.held) <= 1 or new < self._low:
+                self._low = new
+        return key
+
     def recurring(self, key: bytes) -> list[bytes]:
-        """The held pairs other than ``key`` seen more than once since they were held, most mismatches first (at most
-        :data:`NAMED_PER_LINE`)."""
-        return heapq.nlargest(NAMED_PER_LINE, (k for k in self.again if k != key), key=lambda k: self.held[k][0])
+        """The held pairs other than ``key`` seen more than once since they were held, most first by count - error
+        (ties: the first to reach it), at most :data:`NAMED_PER_LINE`."""
+        out: list[bytes] = []
+        back: list[tuple[int, int, bytes]] = []
+        while self._top and len(out) < NAMED_PER_LINE:
+            item = heapq.heappop(self._top)
+            e = self.held.get(item[2])
+            if e is None or e[1] - e[0] != item[0] or any(b[2] == item[2] for b in back):
+                continue  # stale: evicted, counted again since, or a duplicate
+            back.append(item)
+            if item[2] != key:
+                out.append(item[2])
+        for item in back:
+            heapq.heappush(self._top, item)
+        return out
 
     def summary(self, key: bytes) -> tuple[str, tuple[Any, ...], list[bytes]]:
         """The once-a-minute line's addition (text, its args) and the pairs it names (``key`` first)."""
         named = self.recurring(key)
-        pairs = "; ".join(f"prefilled under {e[1]}, this engine's {e[2]} ({e[0]} requests, last {e[3]})"
+        pairs = "; ".join(f"prefilled under {e[2]}, this engine's {e[3]} ({_requests(e)}, last {e[4]})"
                           for e in (self.held[k] for k in named))
+        n = self.distinct.count()
         text = (" [the first %d pairs of values of this field each had a line; since its last line %d mismatches of "
-                "%d pairs new to it had none (forged kv_transfer_params? each is counted in "
+                "%s pairs new to it had none (forged kv_transfer_params? each is counted in "
                 "handoff_identity_mismatches)%s]")
-        return text, (FIRST_PAIRS, self.unlogged, self.arrivals,
+        return text, (FIRST_PAIRS, self.unlogged, str(n) if self.distinct.exact else f"about {n}",
                       "; seen more than once, likely a misconfiguration: " + pairs if pairs else ""), [key, *named]
 
     def said(self, keys: list[bytes]) -> None:
-        """The field's line was logged naming ``keys``: they are logged pairs now; the counts start anew."""
+        """The field's line was logged naming ``keys``: none of them is named again for :data:`NAMED_QUIET_S`; the
+        summary and the counts start anew."""
+        now = self.clock()
         for k in keys:
-            self.held.pop(k, None)
-            self.again.discard(k)
-            if len(self.logged) < _LOGGED_MAX:
-                self.logged.add(k)
-        self.slots = [k for k in self.slots if k in self.held]
-        self.unlogged = self.arrivals = 0
+            self.named.pop(k, None)
+            self.named[k] = now
+        while self.named and (len(self.named) > _NAMED_MAX or now - next(iter(self.named.values())) >= NAMED_QUIET_S):
+            del self.named[next(iter(self.named))]  # oldest first: named longer ago than NAMED_QUIET_S (or too many)
+        self.held.clear()
+        self._at.clear()
+        self._top.clear()
+        self._low = self.unlogged = 0
+        self.distinct.clear()
+
+
+def _requests(e: list[Any]) -> str:
+    """A held pair's requests since it was held: exact without an error bound, else the range."""
+    return f"{e[0]} requests" if e[1] == 0 else f"{e[0] - e[1]} to {e[0]} requests"
 
 
 _warned_pairs: dict[str, PairBudget] = {}  # field -> its budget (``.clear()``: every field's anew)
@@ -194,7 +303,7 @@ def mismatch(request: Any, v: dict, ours: dict[str, str] | None, limited: Any) -
     identity mismatches), as :func:`differs` judges them; counted ``handoff_identity_mismatches``. Logged at
     WARNING per field (F, T, S: each its own :class:`PairBudget`): the first :data:`FIRST_PAIRS` pairs of values at
     first sight, later ones by the field's ``identity_<field>`` line of ``limited`` (a
-    :class:`~kvbm_backend.log_limits.LimitedLog`: one a minute), which names the pairs seen again meanwhile."""
+    :class:`~kvbm_backend.log_limits.LimitedLog`: one a minute), which names the pairs seen most meanwhile."""
     for f in IDENT_FIELDS:
         mine = (ours or {}).get(f)
         if not differs(f, v, mine):
@@ -209,7 +318,9 @@ def mismatch(request: Any, v: dict, ours: dict[str, str] | None, limited: Any) -
         text = ("kvbm_backend handoff: request %s was prefilled under %s %s, this engine's is %s: the prefill "
                 "worker's blocks are not ones this worker reads; served without waiting")
         args = (rid, _WHAT[f], shown, mine)
-        budget = _warned_pairs.setdefault(f, PairBudget())
+        budget = _warned_pairs.get(f)
+        if budget is None:  # built once per field
+            budget = _warned_pairs[f] = PairBudget()
         how = budget.note(key, shown, mine, rid)
         if how == "first":
             log.warning(text, *args)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 from ...log_limits import LimitedLog
 from ...model.namespace import BlockKey
 from . import journal_gen, vacancy
-from .catalog import SlotCatalog
+from .catalog import _NOSPACE, SlotCatalog  # no space: counted ``enospc`` (SlotCatalog.journal_failed)
 from .pieces import Slot
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def repair_or_withdraw_locked(cat: SlotCatalog, err: BaseException,
                               pub: Sequence[tuple["_Job", BlockKey, Slot]]) -> bool:
     """(Pool lock held) The journal barrier of a round failed with ``err``: the journal is rewritten from the index
     at once (it holds the round's blocks) and the tier degrades (``journal_failed``, once: ``journal_errors`` counts
-    the failure, the barrier's ``err`` or, when the rewrite failed too, the rewrite's error, which also names the
+    the failure, the barrier's ``err`` or, when the rewrite failed too, both (:func:`_both`), which also names the
     drop reason); True when the rewrite worked (the round's records are durable). Otherwise the round's blocks still
     at their slot are removed from the index (header zeroed, slot freed), those slots are journaled empty
     (:func:`_vacate`) and each put counts them dropped (``cat.journal_reason``); False. Before 2026-12-03 a failed
@@ -92,13 +92,18 @@ def repair_or_withdraw_locked(cat: SlotCatalog, err: BaseException,
 
 
 def _both(err: BaseException, e: BaseException) -> BaseException:
-    """The failure a barrier (``err``) whose repair rewrite failed too (``e``) is counted and logged as: an OSError of
-    ``e``'s errno (its drop reason: ``enospc`` or ``journal_error``) naming both; ``e`` itself when it is no OSError (a
-    bug: logged with its traceback)."""
+    """The failure a barrier (``err``) whose repair rewrite failed too (``e``) is counted and logged as: an OSError
+    naming both, of ``e``'s errno unless only ``err``'s is ENOSPC or EDQUOT, then ``err``'s (no space, either way: the
+    drop reason ``enospc``, counted ``enospc``; else ``journal_error``); ``e`` itself when it is no OSError (a bug:
+    logged with its traceback). From 0686707 to 2026-12-03 it was always ``e``'s errno, so a barrier's ENOSPC whose
+    rewrite then met EIO counted no ``enospc`` at all."""
     if not isinstance(e, OSError):
         return e
     msg = f"rewriting it failed ({e.strerror or e}) after its fdatasync failed ({err})"
-    return OSError(msg) if e.errno is None else OSError(e.errno, msg)
+    no = e.errno
+    if no not in _NOSPACE and getattr(err, "errno", None) in _NOSPACE:
+        no = err.errno  # type: ignore[attr-defined]
+    return OSError(msg) if no is None else OSError(no, msg)
 
 
 def _vacate(cat: SlotCatalog, slots: list[tuple[int, int]]) -> None:

@@ -6,7 +6,6 @@ jobs name into the pools those jobs are for."""
 from __future__ import annotations
 
 import logging
-import random
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -152,15 +151,15 @@ def test_a_flood_of_forged_tenant_values_never_hides_a_real_tenant_misconfigurat
 
 
 def test_a_real_pair_is_named_within_minutes_of_a_flood_far_larger_than_the_sample(monkeypatch, caplog):
-    """The held sample (:data:`~kvbm_backend.integrations.vllm.handoff_ident.HELD_PAIRS` pairs, a reservoir of the
-    pairs new since the field's last line) under a flood of 10,000 distinct forged values a minute, ten times its
-    size, the real pair 1 in 1,000 of the mismatches: the field's minute line names it within 3 minutes (a seeded
-    sample; the first-sight lines go to the first 256 forged pairs)."""
+    """The field's heavy-hitters summary (:data:`~kvbm_backend.integrations.vllm.handoff_ident.HELD_PAIRS` counters,
+    Space-Saving over the mismatches since the field's last line) under a flood of 10,000 distinct forged values a
+    minute, ten times its size, the real pair 1 in 1,000 of the mismatches: the field's minute line names it within 3
+    minutes, once (then quiet for the hour; the first-sight lines go to the first 256 forged pairs)."""
     from kvbm_backend.integrations.vllm import handoff_ident
     now = [0.0]
     monkeypatch.setattr(handoff, "LOG", LimitedLog(handoff.log, clock=lambda: now[0]))
     handoff._warned_pairs.clear()
-    handoff._warned_pairs["tenant"] = handoff_ident.PairBudget(random.Random(7))
+    handoff._warned_pairs["tenant"] = handoff_ident.PairBudget()
     ours = {"namespace": "ns", "tenant": "b" * 16}
 
     def ask(rid: str, tenant: str) -> None:

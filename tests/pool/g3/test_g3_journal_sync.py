@@ -27,7 +27,8 @@ HANG_S = 600.0  # a hang guard, not a bound
 
 class SyncSpy:
     """Wraps ``os.fdatasync``: records (order, path, file size when the call started) of each successful call;
-    ``fail_journal`` > 0 makes that many calls on the journal fail with EIO (not calling the real one)."""
+    ``fail_journal`` > 0 makes that many calls on the journal fail with ``fail_errno`` (EIO unless set; not calling
+    the real one)."""
 
     def __init__(self, monkeypatch, journal_path: str):
         self.real = os.fdatasync
@@ -36,6 +37,7 @@ class SyncSpy:
         self.lock = threading.Lock()
         self.calls: list[tuple[int, str, int]] = []
         self.fail_journal = 0
+        self.fail_errno = errno.EIO
         monkeypatch.setattr(os, "fdatasync", self)
 
     def __call__(self, fd: int) -> None:
@@ -43,7 +45,7 @@ class SyncSpy:
         size = os.fstat(fd).st_size
         if path == self.journal and self.fail_journal > 0:
             self.fail_journal -= 1
-            raise OSError(errno.EIO, "injected journal fdatasync failure")
+            raise OSError(self.fail_errno, "injected journal fdatasync failure")
         self.real(fd)
         with self.lock:
             self.calls.append((next(self.seq), path, size))
@@ -179,6 +181,37 @@ def test_a_failed_barrier_whose_repair_fails_too_counts_one_journal_error(tmp_pa
             assert st["journal_errors"] == 1, f"journal_errors {st['journal_errors']} for one failed barrier + repair"
             assert st["enospc"] == (reason == "enospc"), st
             assert st["dropped_by_reason"] == {reason: 8}, st
+            assert pool.cat.accounting()["leaked"] == 0
+        with open_pool(tmp_path) as pool:
+            out = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
+            assert not any(pool.get(keys, out).result(timeout=HANG_S).ok)
+
+
+def test_a_barrier_out_of_space_whose_repair_meets_eio_still_counts_enospc(tmp_path, monkeypatch):
+    """The journal's barrier fails for space (ENOSPC, then EDQUOT) and the repair rewrite's fsync with EIO: one
+    journal failure (``journal_errors`` 1), counted ``enospc`` and its round dropped for ``enospc`` (the drive is full,
+    whatever the rewrite met after). Code from 0686707 kept only the rewrite's errno: ``enospc`` 0, reason
+    ``journal_error``, the no-space condition not counted at all."""
+    for seqs, barrier_err in ((range(201, 209), errno.ENOSPC), (range(301, 309), errno.EDQUOT)):
+        keys = NS.keys(seqs)
+        with open_pool(tmp_path) as pool:
+            spy = SyncSpy(monkeypatch, pool.journal.path)
+            spy.fail_journal, spy.fail_errno = 1, barrier_err
+            real_fsync = os.fsync
+
+            def failing_fsync(fd, real_fsync=real_fsync):
+                if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".journal-"):
+                    raise OSError(errno.EIO, "injected journal rewrite fsync failure")
+                real_fsync(fd)
+
+            monkeypatch.setattr(os, "fsync", failing_fsync)
+            res = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
+            monkeypatch.undo()
+            st = pool.stats()
+            assert (res.written, res.dropped) == (0, 8)
+            assert st["journal_errors"] == 1, st
+            assert st["enospc"] == 1, f"enospc {st['enospc']} after a barrier's {errno.errorcode[barrier_err]}"
+            assert st["dropped_by_reason"] == {"enospc": 8}, st
             assert pool.cat.accounting()["leaked"] == 0
         with open_pool(tmp_path) as pool:
             out = [aligned_empty(LAYOUT.bytes_per_block) for _ in keys]
