@@ -28,12 +28,19 @@ Its users: the vLLM connector (:mod:`.vllm.wiring`, below) and the tiering form'
   restart its G3 blocks are deleted once more (G3 does not know when a block was written).
 * **Restarts.** G3 restores blocks by tag only (no tenant id in its journal). The worker's gate records the keyring
   pseudonym of every tenant it sees in G3's tenant labels (:mod:`kvbm_backend.pool.g3.tenant_labels`, written on
-  the ``kvbm-revoke`` thread and at :meth:`RevokedTenants.close`), and its first purge runs in its constructor,
+  the ``kvbm-revoke`` thread, by :meth:`RevokedTenants.put_g3` before it hands the tenant's first blocks to G3
+  (so a label is in its file before the blocks it names are journaled, also after :meth:`RevokedTenants.close`:
+  before 2026-12-03 the saves the worker's shutdown handed over after the gate closed were stored unlabelled), and
+  at :meth:`RevokedTenants.close`; labels a write failed to record are written again at each check, their failures
+  counted and logged at most once per minute), and its first purge runs in its constructor,
   before the worker serves anything: a tenant revoked while the worker was down is purged by its label without a
   request of it (before 2026-12 its restored blocks stayed, refused and unservable, until its next request or their
   eviction), and a re-created one by its id in the keyring, so the scheduler (whose gate purges nothing) is never
   left offering restored blocks that the worker refuses at the tenant's first sighting (before 2026-12 it offered
-  them: every planned block failed). Labels of tags G3 no longer holds are forgotten then.
+  them: every planned block failed). Labels of tags G3 no longer holds are forgotten then, and whenever the labels
+  are full (:data:`~kvbm_backend.pool.g3.tenant_labels.MAX_LABELS`; at most once per ``interval_s`` past the first,
+  and at the checks): their number stays bounded by the tenants G3 holds blocks of (before 2026-12-03 a worker that
+  saw that many ``cache_salt`` values labelled no new tenant again).
 * Everything that reads the keyring or G3's index runs on the ``kvbm-revoke`` thread: a check every
   ``interval_s`` (the keyring's ``reload_every_s``), and the purges. A keyring file that does not load changes
   nothing here (the last state stays; G4 fails closed on its own).
@@ -41,13 +48,14 @@ Its users: the vLLM connector (:mod:`.vllm.wiring`, below) and the tiering form'
 Counters (``count``, the connector's :func:`~kvbm_backend.integrations.vllm.stats.add`): ``g3_revoked_purges``
 (purges run), ``g3_revoked_deleted_blocks`` (blocks they deleted), ``g3_revoked_purges_retried`` (purges left for
 the next check: G3's flush did not finish), ``save_g3_revoked_blocks`` (blocks not stored
-in G3: their tenant was refused). Each purge logs one INFO line naming the tenant by its pseudonym only (a tenant
-id is a request's ``cache_salt``).
+in G3: their tenant was refused), ``g3_tenant_label_errors`` (failed reads and writes of G3's tenant labels). Each
+purge logs one INFO line naming the tenant by its pseudonym only (a tenant id is a request's ``cache_salt``).
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -106,13 +114,16 @@ class RevokedTenants:
         self._pending: dict[str, float] = {}  # tenant id -> revoked_at: refused until its purge ran
         self._tag_pending: dict[bytes, float] = {}  # tenant tag -> revoked_at: restored blocks of a labelled tenant
         self._done: set[tuple[bytes, float]] = set()  # (tenant tag, revoked_at) purged in this process
-        self._labels = [lb for lb in map(labels_of, self.g3) if lb is not None]  # G3's tenant labels (restarts)
+        self._labelled = [(lb, p) for lb, p in zip(map(labels_of, self.g3), self.g3) if lb is not None]
+        self._labels = [lb for lb, _ in self._labelled]  # G3's tenant labels (restarts)
         self._stop = threading.Event()
-        self._queued = self._labelling = False
+        self._queued = self._labelling = self._compacting = False
+        self._compacted_at = -float("inf")  # monotonic seconds of the last compaction of full labels
         self._work = executor(1, "kvbm-revoke")
         changed = self._refresh()
         if self.g3:  # before the worker serves anything: no block restored for a tenant refused here is offered
             self._run(lambda: self._start(changed))
+        self._count_label_errors()
         self._ticker = start_thread(self._tick, name="kvbm-revoke-tick") if start else None
 
     # ---- the hot path (any thread) -------------------------------------------------------------
@@ -128,6 +139,7 @@ class RevokedTenants:
         then None, counted ``save_g3_revoked_blocks``. A purge that refuses the tenant meanwhile waits for a put
         begun here (the check and the hand-over are one step), so no block of it is published after its purge."""
         if not self.refused(tenant):  # sees the tenant (outside _mu: a first sighting takes it)
+            self._label_before_put(tag_of(tenant))
             with self._mu:
                 ps = self._ps.get(tenant)
                 if ps is not None and ps not in self._revoked and tenant not in self._pending:
@@ -135,24 +147,47 @@ class RevokedTenants:
         self._count(save_g3_revoked_blocks=n)
         return None
 
+    def _label_before_put(self, tag: bytes) -> None:
+        """Write the labels noted and not written yet when ``tag``'s is one of them (a tenant's first put: one small
+        append), so a label is in its file before the blocks it names are journaled; not while the last write
+        failed (the checks retry it)."""
+        wrote = False
+        for lb in self._labels:
+            if not lb.failing and lb.unsynced(tag):
+                lb.persist()
+                wrote = True
+        if wrote:
+            self._count_label_errors()
+
+    def _count_label_errors(self) -> None:
+        n = sum(lb.take_errors() for lb in self._labels)
+        if n:
+            self._count(g3_tenant_label_errors=n)
+
     def _sight(self, tenant: str) -> str:
         """A tenant id not seen since its cache entry: its pseudonym, cached; a purge is due when the keyring
         holds a revocation record of it that was not purged here (a worker that was down, keys restored by tag)."""
         ps = self.keyring.pseudonym(tenant).hex()
-        noted = False
-        for lb in self._labels:  # G3 keeps it: after a restart its restored blocks are found by it (.tenant_labels)
-            noted |= lb.note(tag_of(tenant), bytes.fromhex(ps))
-        with self._mu:
+        with self._mu:  # before its label is noted: a compaction of the labels keeps the tags of _ps
             if len(self._ps) >= MAX_SEEN:
                 self._ps.clear()
             self._ps[tenant] = ps
             due = self._due(tenant, ps)
+        noted = full = False
+        for lb in self._labels:  # G3 keeps it: after a restart its restored blocks are found by it (.tenant_labels)
+            noted |= lb.note(tag_of(tenant), bytes.fromhex(ps))
+            full |= lb.full
+        with self._mu:
             label = noted and not self._labelling
             self._labelling |= label
+            compact = full and not self._compacting and time.monotonic() - self._compacted_at >= self.interval_s
+            self._compacting |= compact
         if due:
             self._submit(self._purge_pending)
         if label:
             self._submit(self._persist_labels)
+        if compact:
+            self._submit(self._compact_full)
         return ps
 
     def _due(self, tenant: str, ps: str) -> bool:
@@ -169,19 +204,39 @@ class RevokedTenants:
         blocks by their labels too), then G3's labels of tenants it holds no block of are forgotten. Caller's thread."""
         if changed:
             self._purge_known()
-        for lb, p in zip(self._labels, self.g3):
-            if not lb.labels():
+        self._compact_labels(lambda lb: bool(lb.labels()))
+
+    def _compact_labels(self, due: Callable[[Any], bool]) -> None:
+        """Forget the labels ``due`` picks of tags G3 holds no block of and no tenant seen here has (noted
+        meanwhile: kept), then note again the tenants seen here whose labels a full map refused."""
+        for lb, p in self._labelled:
+            if not due(lb):
                 continue
+            lb.mark()
             held = {k.tag if type(k) is TagKey else tag_of(k.tenant) for k in p.keys()}
             with self._mu:
-                held.update(tag_of(t) for t in self._ps)
+                seen = dict(self._ps)
+            held.update(tag_of(t) for t in seen)
+            full = lb.full
             lb.compact(held.__contains__)
+            if full:
+                for t, ps in seen.items():
+                    lb.note(tag_of(t), bytes.fromhex(ps))
+                lb.persist()
+        self._count_label_errors()
+
+    def _compact_full(self) -> None:
+        with self._mu:
+            self._compacting = False
+            self._compacted_at = time.monotonic()
+        self._compact_labels(lambda lb: lb.full)
 
     def _persist_labels(self) -> None:
         with self._mu:
             self._labelling = False
         for lb in self._labels:
             lb.persist()
+        self._count_label_errors()
 
     # ---- the kvbm-revoke thread ----------------------------------------------------------------
     def _submit(self, fn: Callable[[], None]) -> None:
@@ -211,6 +266,10 @@ class RevokedTenants:
             self._purge_known()
         elif self._pending or self._tag_pending:
             self._purge_pending()  # a purge that failed before
+        if any(lb.full for lb in self._labels):
+            self._compact_full()
+        if any(lb.pending() for lb in self._labels):
+            self._persist_labels()  # labels a failed write kept
 
     def check_now(self, timeout: float | None = None) -> None:
         """Check the keyring now and run the purges due, on the ``kvbm-revoke`` thread; wait for them
@@ -326,3 +385,4 @@ class RevokedTenants:
         self._work.shutdown(wait=True, cancel_futures=True)
         for lb in self._labels:  # the labels noted since the last write (a queued write may have been cancelled)
             lb.persist()
+        self._count_label_errors()

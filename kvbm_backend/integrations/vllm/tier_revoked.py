@@ -45,7 +45,7 @@ __all__ = ["COUNTERS", "TierRevocation", "own_keyring", "share_keyrings"]
 
 #: a G3Tier's revocation counters (``kvbm_stats()["tier"]``), 0 while it follows no keyring
 COUNTERS = ("lookup_g3_revoked", "load_g3_revoked_blocks", "save_g3_revoked_blocks", "g3_revoked_purges",
-            "g3_revoked_deleted_blocks", "g3_revoked_purges_retried")
+            "g3_revoked_deleted_blocks", "g3_revoked_purges_retried", "g3_tenant_label_errors")
 MAX_LOOKUPS = 65536  # live requests remembered as counted ``lookup_g3_revoked`` (more: counted again)
 
 

@@ -249,10 +249,10 @@ class ConnectorParts:
         if self._closed:
             return
         self._closed = True
+        if self.worker is not None:
+            self.worker.shutdown()  # hands off the saves staged so far: through the gate, labelled (revoked_tenants)
         if self.revoked is not None:
             self.revoked.close()
-        if self.worker is not None:
-            self.worker.shutdown()
         if self._pump is not None:
             self._pump.stop()
         if self.announcer is not None:

@@ -198,7 +198,7 @@ def warn_foreign(found: Sequence[tuple[str, int]], fingerprint: str) -> int:
     if found:
         log.warning("G3: %d file(s) of another namespace (not %s) hold %d bytes in g3.paths, space this pool cannot "
                     "use (a change of model, revision, dtype, page size or TP size leaves them): %s. Remove them "
-                    "(with their namespace-<fingerprint>.json) once no worker of that namespace will open these "
-                    "directories again", len(found), fingerprint, held,
+                    "(with their namespace-<fingerprint>.json and tenants-<fingerprint>) once no worker of that "
+                    "namespace will open these directories again", len(found), fingerprint, held,
                     ", ".join(f"{p} ({n} bytes)" for p, n in found[:8]) + (", ..." if len(found) > 8 else ""))
     return held
