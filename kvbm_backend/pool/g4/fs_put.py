@@ -29,7 +29,9 @@ def link_exclusive(dfd: int, tmp: str, base: str, refused: Callable[[str], OSErr
 
     Returns True when this call created ``base``; False when a regular file held it (another writer's copy), or
     when a file held it at each of :data:`LINK_ATTEMPTS` links and was deleted each time before it could be
-    checked (a create-exclusive PUT that met an object each time: what a store answers then). Raises
+    checked (a create-exclusive PUT that met an object each time: what a store answers then; the name may be empty
+    by now: the G4 writer's check finds nothing and publishes again, never counting the block stored,
+    :meth:`~.writer.G4Writer._publish_found`). Raises
     ``refused(what)`` when something other than a regular file holds the name, OSError when a step fails."""
     try:
         for _ in range(LINK_ATTEMPTS):

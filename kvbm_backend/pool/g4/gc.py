@@ -114,10 +114,12 @@ counts ``invalid_size`` as above (junk deleted as ``invalid_size``, any other fo
 objects that are no block count in ``deleted_bytes`` at the size the look found where a block of some layout could
 have it, else 0 (:meth:`.gc_sizes.BlockSizes.freed`). One whose look failed is deleted for the pass's reason at 0
 bytes, not counted ``invalid_size`` (its size was never checked; before, the first version of 2026-12-03 counted it,
-and the "left alone" warning below could name it); one the look finds gone counts ``changed_since_listed``, as the
-delete would (before, in that version: nowhere). Before 2026-12-03 the age and revoked passes counted an object
-that is no block at its listed size (an S3 listing stating 1 TiB, a 1 TiB sparse file: "1 TiB freed",
-``invalid_size`` 0), and junk deleted by any pass at the size it stated (1 TiB for a sparse file). A repeated listing
+and the "left alone" warning below could name it); one the look finds gone, or its name holding another object
+(:func:`.gc_sizes.same_version`: written again since), counts ``changed_since_listed``, as the delete would, and is
+kept (before, in that version: gone, counted nowhere; written again, deleted for the pass's reason although its own
+mtime may be young: the age pass deleted a block written seconds before). Before 2026-12-03 the age and revoked
+passes counted an object that is no block at its listed size (an S3 listing stating 1 TiB, a 1 TiB sparse file:
+"1 TiB freed", ``invalid_size`` 0), and junk deleted by any pass at the size it stated (1 TiB for a sparse file). A repeated listing
 entry of a kept block stating an impossible size is ignored, and one of an object judged no block is skipped: it
 counts (and is deleted) once (before 2026-12-03 each entry counted, a dry run's ``deleted_bytes`` twice). A look
 that fails (the store unavailable, still throttled: :meth:`.gc_sizes.BlockSizes.judge` ``unchecked``) leaves the

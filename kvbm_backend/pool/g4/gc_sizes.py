@@ -30,6 +30,13 @@ the report say 1 TiB was freed. Such an object whose look failed is deleted for 
 of objects left alone names that one); one the look finds gone counts ``changed_since_listed``, as the delete would
 have. Before (2026-12-03, the first version) the first counted ``invalid_size`` and could be the object that
 warning named, and the second was counted nowhere.
+
+The look judges the object listed, never another: where the name holds another object by then (its version, S3
+ETag or file inode/mtime/size, is not the listed one: the listed copy was dropped by a worker's load and the block
+offloaded again) the listed object is ``gone`` (``changed_since_listed`` for a pass that deletes it), and the object
+there now is left to the next pass, which lists it and judges it by its own mtime and size. In the first version
+of 2026-12-03 the pass went on with the new object: an age pass, which had found the listed copy old by its listed
+mtime, deleted the block written seconds before (conditioned on the new object's version) as ``age``.
 """
 from __future__ import annotations
 
@@ -44,6 +51,16 @@ from .throttle import call_attempts
 
 MAX_FRAME_BYTES = HEADER_BYTES + (1 << 30)  # larger objects are no block of a layout gc does not know (module doc)
 Verdict = Literal["block", "junk", "kept", "gone", "unchecked"]
+
+
+def same_version(listed: str | None, now: str | None) -> bool:
+    """Whether the object a look (:meth:`~.store.ObjectStore.stat`) found is the one listed, by their
+    :attr:`~.store.ObjectInfo.version` (S3: the ETag, quotes and case aside; file stores: inode, mtime and size).
+    True where either gives none (it cannot be told: what a :meth:`~.store.ObjectStore.delete_if_listed` by name
+    assumes too)."""
+    if listed is None or now is None:
+        return True
+    return listed.strip().strip('"').lower() == now.strip().strip('"').lower()
 
 
 class BlockSizes:
@@ -101,7 +118,8 @@ class BlockSizes:
         is possible; else, after a look at the object itself (:meth:`~.store.ObjectStore.stat`, throttled answers
         tried again): ``("block", what stat says)`` when the listing misstated a possible size, ``("junk", o)`` (its
         size is impossible in a namespace whose size is known: delete it), ``("kept", o)`` (impossible, layout not
-        known: keep it, it is no block) or ``("gone", o)`` (deleted since listed). A stat that raises (the store
+        known: keep it, it is no block) or ``("gone", o)`` (deleted since listed, or the name holds another object
+        since: its version is not the listed one, :func:`same_version`; module doc). A stat that raises (the store
         unavailable, still throttled after ``attempts`` tries; its message kept in :attr:`stat_error`, the first
         one, unless ``deleting``): ``("unchecked", o)``: its listed size is impossible and its true one unknown; gc
         leaves it alone and counts an error (before 2026-12-03 ``kept``: reported as a missing ``namespace.json``, no
@@ -119,7 +137,7 @@ class BlockSizes:
             if not deleting:  # named by gc's warning of objects left alone: one the pass deletes anyway is none
                 self.stat_error = self.stat_error or f"{o.name}: {e}"
             return "unchecked", o
-        if now is None:
+        if now is None or not same_version(o.version, now.version):  # gone, or the name changed hands since
             return "gone", o
         # a store whose stat states no mtime (0.0) or version keeps the listed ones (never an ancient mtime)
         now = ObjectInfo(o.name, now.size, now.mtime or o.mtime, now.version if now.version is not None else o.version)

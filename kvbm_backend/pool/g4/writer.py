@@ -8,15 +8,18 @@ Each queued block runs :meth:`G4Writer._put_one` on an offload thread and ends i
 ``dropped_throttled``, ``dropped_full``, ``dropped_error``, ``dropped_revoked_tenant``, ``dropped_unknown_tenant``, ``dropped_keyring``,
 ``dropped_unsettled``, ``skipped_exists``, ``skipped_foreign``, ``skipped_unservable``); it never raises.
 A create-exclusive PUT that finds an object under the name asks, with one ranged GET of its frame header, whether
-this pool would serve it (:meth:`G4Writer._serves_existing`: the reader's header checks, plaintext in an encrypted
+this pool would serve it (:meth:`G4Writer._found_serves`: the reader's header checks, plaintext in an encrypted
 pool, a data key this keyring no longer holds for the tenant): if so the block is ``skipped_exists`` (skipped);
 if not, ``skipped_unservable`` and reported to the caller as ``dropped`` (not stored: the tier neither counts
 nor publishes it); a failed GET counts ``skipped_exists`` as before. The object stays (the reader deletes what it
-can confirm bad on load; ``kvbm-backend gc`` a revoked key's blocks). A PUT the store could not
-settle (no answer, and the HEAD asking whether it landed failed too: :class:`~.store.PutUnsettled`) stays
+can confirm bad on load; ``kvbm-backend gc`` a revoked key's blocks). A GET that finds nothing (the object was
+deleted between the PUT and it: gc, a load dropping a bad copy) has the block published again, up to
+:data:`PUBLISH_ATTEMPTS` PUTs, then dropped (``dropped_error``): nothing there is never counted stored (before
+2026-12-03 it was ``skipped_exists``, the block reported stored and, by the tier, to the router). A PUT the store
+could not settle (no answer, and the HEAD asking whether it landed failed too: :class:`~.store.PutUnsettled`) stays
 pending and is settled later by :class:`~.settle.LateSettler`, off the offload threads' time; when it finds other
-bytes there it asks the same :meth:`G4Writer._serves_existing` (a callback: the settler does not import the
-writer), so a late-settled block ends ``skipped_exists`` or ``skipped_unservable`` (dropped) as above. A store
+bytes there it asks :meth:`G4Writer._serves_existing` (a callback: the settler does not import the
+writer; an object gone by its GET counts as served there, as a failed GET), so a late-settled block ends ``skipped_exists`` or ``skipped_unservable`` (dropped) as above. A store
 outage counts towards the breaker; a
 store that answers with an error (403, missing bucket) does not, and is logged
 (:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_error`); nor does one that answers "no room" (a full,
@@ -59,6 +62,9 @@ __all__ = ["G4Writer", "SETTLE_BOUNDS"]
 
 #: An unsettled PUT (:mod:`.settle`) ends ``dropped_unsettled`` this many put bounds after it became so.
 SETTLE_BOUNDS = 4
+#: Create-exclusive PUTs of one block while each finds the name taken and the check after it finds it gone
+#: (:meth:`G4Writer._publish_found`); then the block is dropped (``dropped_error``), never counted stored.
+PUBLISH_ATTEMPTS = 3
 
 
 class G4Writer:
@@ -305,7 +311,7 @@ class G4Writer:
                     self._oplog.tenant_once(reason, self._names.tag(key.tenant), self._drop_text(reason, key.tenant))
                     return
                 try:
-                    created = self._publish(name, buf)
+                    created, found = self._publish_found(key, name, namer, buf)
                 except PutUnsettled as e:  # may have landed; the store could not say: settle it later
                     handed_off = True
 
@@ -317,15 +323,13 @@ class G4Writer:
                     return
             if created is None:
                 return
-            self._breaker.success()
-            self._oplog.store_ok()
-            if not self.namespace_written:  # namespace.json stayed throttled at start: the store takes writes now
-                self.write_namespace_json()
             if created:
                 kind = "written"
                 self._count("written")
                 self._count("bytes_written", len(buf))
-            elif self._serves_existing(key, name, namer):
+            elif found is None:  # taken at each PUT, gone by each check (PUBLISH_ATTEMPTS): nothing stored
+                self._count("dropped_error")
+            elif found:
                 kind = "skipped"
                 self._count("skipped_exists")
             else:  # an object this pool will not serve holds the name: not stored (the caller must not count it)
@@ -364,7 +368,38 @@ class G4Writer:
             self._oplog.store_error(e)
         return None
 
+    def _publish_found(self, key: BlockKey, name: str, namer: TenantNamer,
+                       buf: memoryview) -> tuple[bool | None, bool | None]:
+        """Publish ``buf`` as ``name`` (:meth:`_publish`) and, when another object held the name, ask whether this
+        pool serves it (:meth:`_found_serves`). Returns ``(created, found)``: ``created`` as :meth:`_publish` (None:
+        dropped, counted there); ``found`` only matters when ``created`` is False: True (served, or cannot tell),
+        False (unservable), None (the name was taken at each of :data:`PUBLISH_ATTEMPTS` PUTs and gone by each
+        check: nothing stored). A name found gone is published again: it was deleted between the PUT and the check
+        (gc, a load dropping a bad copy), and the create-exclusive PUT never tears a copy written meanwhile.
+        Before 2026-12-03 the block then counted ``skipped_exists`` (stored) although nothing was. Raises
+        :class:`~.store.PutUnsettled` as :meth:`_publish`."""
+        found: bool | None = None
+        for _ in range(PUBLISH_ATTEMPTS):
+            created = self._publish(name, buf)
+            if created is None:
+                return None, None
+            self._breaker.success()
+            self._oplog.store_ok()
+            if not self.namespace_written:  # namespace.json stayed throttled at start: the store takes writes now
+                self.write_namespace_json()
+            if created:
+                return True, None
+            found = self._found_serves(key, name, namer)
+            if found is not None:
+                break
+        return False, found
+
     def _serves_existing(self, key: BlockKey, name: str, namer: TenantNamer) -> bool:
+        """:meth:`_found_serves` for the late settle (:mod:`.settle`): an object gone by the check counts as served
+        (True), as a GET that failed."""
+        return self._found_serves(key, name, namer) is not False
+
+    def _found_serves(self, key: BlockKey, name: str, namer: TenantNamer) -> bool | None:
         """Whether this pool would serve the object a create-exclusive PUT of ``key`` found under ``name`` (or
         that a late settle, :mod:`.settle`, found holding other bytes than the unsettled PUT's), as
         far as its frame header (one ranged GET of ``HEADER_BYTES``) tells: the reader's header checks
@@ -372,14 +407,14 @@ class G4Writer:
         TP world, length), an encrypted frame's data key still held by the keyring for this tenant (and, where the
         frame names it, the same key material: its ``key_check``), a plaintext
         frame only in a plaintext pool. Payload integrity is not checked (that needs the whole object). True
-        too when it cannot tell (the GET failed or the object is gone since): today's ``skipped_exists``.
-        Never raises."""
+        too when it cannot tell (the GET failed): today's ``skipped_exists``. None when the object is gone since
+        (nothing there: never counted as stored, :meth:`_publish_found`). Never raises."""
         try:
             head = self.store.get(name, 0, HEADER_BYTES)
         except Exception:  # noqa: BLE001 - unknown: counted as before (skipped_exists)
             return True
         if head is None:
-            return True
+            return None
         try:
             hdr = accept(head, key, self.namespace.layout, namer.pseudonym, world=self.namespace.tp_world_size,
                          stored_len=self._bpb)
