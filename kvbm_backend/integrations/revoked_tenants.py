@@ -139,7 +139,7 @@ class RevokedTenants:
         then None, counted ``save_g3_revoked_blocks``. A purge that refuses the tenant meanwhile waits for a put
         begun here (the check and the hand-over are one step), so no block of it is published after its purge."""
         if not self.refused(tenant):  # sees the tenant (outside _mu: a first sighting takes it)
-            self._label_before_put(tag_of(tenant))
+            self._label_before_put(tenant)
             with self._mu:
                 ps = self._ps.get(tenant)
                 if ps is not None and ps not in self._revoked and tenant not in self._pending:
@@ -147,12 +147,18 @@ class RevokedTenants:
         self._count(save_g3_revoked_blocks=n)
         return None
 
-    def _label_before_put(self, tag: bytes) -> None:
-        """Write the labels noted and not written yet when ``tag``'s is one of them (a tenant's first put: one small
-        append), so a label is in its file before the blocks it names are journaled; not while the last write
-        failed (the checks retry it)."""
+    def _label_before_put(self, tenant: str) -> None:
+        """Write the labels noted and not written yet when ``tenant``'s is one of them (a tenant's first put: one
+        small append), so a label is in its file before the blocks it names are journaled; not while the last write
+        failed (the checks retry it). Notes the label itself first (idempotent): a first sighting on another thread
+        (another KV group's save, a load) may have cached the tenant and not noted its label yet."""
+        tag = tag_of(tenant)
+        with self._mu:
+            ps = self._ps.get(tenant)
         wrote = False
         for lb in self._labels:
+            if ps is not None:
+                lb.note(tag, bytes.fromhex(ps))
             if not lb.failing and lb.unsynced(tag):
                 lb.persist()
                 wrote = True

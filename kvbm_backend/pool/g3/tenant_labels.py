@@ -318,4 +318,6 @@ def labels_of(pool: Any) -> TenantLabels | None:
         if lb is None:
             lb = TenantLabels(cat.slabs, home.directory, cat.fp, sync=bool(getattr(pool.cfg, "fsync", True)))
             setattr(pool, _ATTR, lb)
+            # the pool's close forgets its WARNING kinds (log_limits.forget): these labels' too
+            pool._log_subjects = (*getattr(pool, "_log_subjects", ()), lb.path)
     return lb
