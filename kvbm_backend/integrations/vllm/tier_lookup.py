@@ -34,8 +34,9 @@ Counting (``kvbm_matched_tokens``, the hit rates, the pools' lookup counters): e
 answers each request gets are recorded as they arrive and counted once per request and chunk, on the tier that
 answered it, by the manager's :class:`.tier_ledger.Ledger` (shared by our tiers over one primary buffer): a request
 posting a key, one taking up another request's verdict (vLLM posts a key once), pending or answered, one answered
-cooling or refused, all alike. Before 2026-12-03 the lowest of our tiers counted the request for all in its
-``batch_lookup`` and a web of per-request records (:mod:`.tier_ledger` names the defects) covered the rest.
+cooling or refused, all alike; a chunk is found on the tier its load for the request came from. Before 2026-12-03
+the lowest of our tiers counted the request for all in its ``batch_lookup`` and a web of per-request records
+(:mod:`.tier_ledger` names the defects) covered the rest.
 """
 from __future__ import annotations
 
@@ -288,8 +289,9 @@ class TenantLookup(AsyncLookupManager):
         first absent object), every pair after the run's first miss False: block hashes chain, so the request
         cannot use a chunk after a missing one. Before 2026-11-30 each chunk was its own lookup: vLLM posts every
         chunk of a prompt in its first step, so G4 sent one HEAD per chunk even when chunk 0 was absent (256 for
-        256 chunks). Other pairs (a sliding-window group, scanned from its end; no positions) are looked up one by
-        one.
+        256 chunks). Other pairs are looked up one by one: a sliding-window group's (vLLM records their positions
+        too, ``update_offload_keys``, but scans the group from its end, ``_sliding_window_lookup``: descending, each
+        pair a run of its own), and those without a position.
 
         Past a gap (G3, :attr:`KvbmSecondaryTier.look_past_gaps`: index lookups, no I/O) the chunks after the
         run's first missing one are looked up too (:meth:`_past_gap`): the request cannot use a chunk
@@ -342,13 +344,14 @@ class TenantLookup(AsyncLookupManager):
 
     def _past_gap(self, pairs: list[tuple[OffloadKey, str]], idx: list[int], out: list[bool], end: Deadline,
                   filled_by: tuple[list[KvbmSecondaryTier], ReqContext] | None = None) -> None:
-        """Set ``out[idx[j]]`` for the chunks ``pairs[1:]`` after a run's first chunk the tier lacks
-        (``pairs[0]``): held when every copy is, each gap skipped. Another tier may hold the gap (vLLM's manager promotes each chunk from the first tier
-        that answers HIT), so a chunk this tier holds after it is a hit. One uncounted prefix lookup per gap; a
-        failed or late one leaves misses. ``filled_by`` (G4 below our tiers, whose lookups are HEADs): past a gap
-        only where those tiers hold it, and from the next chunk they lack (:func:`.tier_gaps.skip_held`, index
-        lookups; the chunks they hold stay misses here, vLLM loads them from above). So G4 HEADs only from a chunk
-        the request can use and no tier above holds; past a chunk no tier holds, none."""
+        """Set ``out[idx[j]]`` for the chunks ``pairs[1:]`` after a run's first chunk the tier lacks (``pairs[0]``):
+        held when every copy is, each gap skipped. Another tier may hold the gap (vLLM's manager promotes each chunk
+        from the first tier that answers HIT), so a chunk this tier holds after it is a hit. One uncounted prefix
+        lookup per gap; a failed or late one leaves misses. ``filled_by`` (G4 below our tiers, whose lookups are
+        HEADs): past a gap only where those tiers hold it, and from the next chunk they lack
+        (:func:`.tier_gaps.skip_held`, index lookups; the chunks they hold stay misses here, vLLM loads them from
+        above). So G4 HEADs only from a chunk the request can use and no tier above holds; past a chunk no tier
+        holds, none."""
         t, c = self._tier, self._tier.geometry.copies
         g = 0  # pairs[g]: a chunk this tier lacks
         while True:

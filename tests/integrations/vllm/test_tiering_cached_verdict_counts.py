@@ -1,9 +1,9 @@
-"""Found in review (2026-12-03), fixed in ``integrations/vllm/tier_lookup.py`` (:mod:`.tier_pickups`): the native
-tiers counted a request's lookup (``kvbm_matched_tokens``, the pools' ``lookup_hits``, the hit rate) only in
-``TenantLookup.batch_lookup``, which vLLM's ``AsyncLookupManager`` calls for the keys a request posts. A key whose
-verdict is cached (another live request asked it first) is answered from the cache and never posted, so a request
-served from G3 on such verdicts was not counted at all. Now a request counts the verdicts it takes up once, each
-on the tier whose verdict it took."""
+"""Found in review (2026-12-03), fixed in ``integrations/vllm/tier_lookup.py`` (``tier_pickups.py``, removed: since
+2026-12-03 counted by ``tier_ledger.py``): the native tiers counted a request's lookup (``kvbm_matched_tokens``, the
+pools' ``lookup_hits``, the hit rate) only in ``TenantLookup.batch_lookup``, which vLLM's ``AsyncLookupManager``
+calls for the keys a request posts. A key whose verdict is cached (another live request asked it first) is answered
+from the cache and never posted, so a request served from G3 on such verdicts was not counted at all. Now a request
+counts the verdicts it takes up once, each on the tier whose verdict it took."""
 from __future__ import annotations
 
 import time

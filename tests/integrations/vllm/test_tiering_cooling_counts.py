@@ -1,10 +1,11 @@
-"""Review findings (2026-12-03), fixed in ``integrations/vllm/tier_lookup.py`` / :mod:`.tier_pickups` /
-:mod:`.tier_gaps`: the hit or miss a native tier is credited with is the answer it gave.
+"""Review findings (2026-12-03), fixed in ``integrations/vllm/tier_lookup.py`` / ``tier_pickups.py`` (removed) /
+:mod:`.tier_gaps` (since 2026-12-03 counted by ``tier_ledger.py``): the hit or miss a native tier is credited with
+is the answer it gave.
 
-(1) A tier cooling a chunk after a failed load (:class:`FailedChunks`: it answers MISS without asking its pool) still
-held it for the tier below's bookkeeping: G4 under G3 credited G3 with a HIT for a chunk G3 answered MISS and G4
-served (:func:`split_prefix` read G3's index), and G4 did not look past its own gap at a chunk G3 held but cooled
-(:func:`skip_held`): nobody served it, recomputed.
+(1) A tier cooling a chunk after a failed load (:class:`FailedChunks`: it answers MISS without asking its pool)
+still held it for the tier below's bookkeeping: G4 under G3 credited G3 with a HIT for a chunk G3 answered MISS and
+G4 served (``split_prefix``, since removed, read G3's index), and G4 did not look past its own gap at a chunk G3
+held but cooled (:func:`skip_held`): nobody served it, recomputed.
 (2) A cooling miss was counted in no pool's lookup counters (the tier alone, or the lowest of ours), and no counter
 said why the tier answered a miss: now ``lookup_cooling_chunks`` (``kvbm_stats()["tier"]``), once per request and
 chunk, and the miss once in the tier's pool where that tier counts the chunk.

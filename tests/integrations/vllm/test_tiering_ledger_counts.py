@@ -11,25 +11,37 @@ the usable-prefix memo), each pinned here:
 (c) whether a chunk a tier answered lay in the request's usable prefix was judged from the tiers' live state (a
     tenant revoked after the tier answered HIT made its answers count as misses) instead of the answers given.
 
+Defects of the ledger itself (review of 35463e0, fixed 2026-12-04), pinned below:
+(d) a chunk's owner was the first tier in the manager's order that eventually answered HIT, though vLLM's manager
+    passes a tier still answering over (RETRY) and loads the chunk from the next tier down that answered HIT, and
+    loads from below a HIT another request's failed load forced to a miss: the find went to the tier not read;
+(e) a sliding-window group's chunks were judged as a leading prefix, though vLLM scans a window group from its end
+    and loads the window it finds there: a window served after an earlier miss counted not found;
+(f) every lookup marked the request changed, so a deferred request asked again every step was judged every step
+    (test_tiering_lookup_once.py::test_a_pending_hit_is_judged_once_while_no_verdict_of_the_request_changes).
+
 vLLM's real offloading spec and manager (:class:`~kvbm_backend.integrations.vllm.tiering_harness.TieringHarness`),
 real G3 directories, a file:// G4 store, a keyring changed by the ``kvbm-backend keys`` CLI."""
 from __future__ import annotations
 
+import hashlib
+import threading
 import time
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
-from vllm.v1.kv_offload.base import Locality, LookupResult  # noqa: E402
+from vllm.v1.kv_offload.base import Locality, LookupResult, make_offload_key  # noqa: E402
 
 from kvbm_backend import metrics  # noqa: E402
 from tests.helpers.tier_counts import G4Counts, ask, cool_keys, counted, step_until  # noqa: E402
 from tests.integrations.vllm import test_tiering, test_tiering_revoked  # noqa: E402
 from tests.integrations.vllm.test_tiering import GEO, HANG_S, MOD, g3_tier, keys_for, payloads  # noqa: E402
 from tests.integrations.vllm.test_tiering_counts import _g4_tier  # noqa: E402
-from tests.integrations.vllm.test_tiering_lookup_once import _only, _started  # noqa: E402
+from tests.integrations.vllm.test_tiering_lookup_once import _gated, _only, _started  # noqa: E402
 from tests.integrations.vllm.test_tiering_revoked import NEVER_S, _check, _ctx, _keys  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
@@ -138,3 +150,154 @@ def test_answers_count_as_given_when_the_tenant_is_revoked_before_the_step_ends(
     h.manager.on_request_finished(r)
     h.step()
     assert _moved(g3t, b3) == (2, 2)  # before: (2, 1)
+
+
+def _gated_index(tier, monkeypatch) -> threading.Event:
+    """Hold ``tier``'s index answers (its pool's ``lookup_prefix``) until the returned gate is set (at most
+    :data:`HANG_S` s): the tier answers RETRY meanwhile, as a slow index does."""
+    gate = threading.Event()
+    real = tier.pool.lookup_prefix
+
+    def gated(keys, request=True):
+        f: Future = Future()
+        inner = real(keys, request=request)
+
+        def answer():
+            gate.wait(HANG_S)
+            f.set_result(inner.result(HANG_S))
+        threading.Thread(target=answer, daemon=True).start()
+        return f
+    monkeypatch.setattr(tier.pool, "lookup_prefix", gated)
+    return gate
+
+
+def test_a_chunk_loaded_from_g4_while_g3_was_still_answering_is_g4s_find(tmp_path, harnesses, monkeypatch):
+    """(d) G3Tier above G4Tier, both holding chunks 0-1. G3's index is slow to answer (held until the test lets it);
+    G4 answers first. vLLM's manager asks G3 (RETRY), then G4 (HIT) and promotes both chunks from G4: G4 loads 2, G3
+    none. G3 then answers HIT. The chunks were found on G4: G4 (2, 2); G3 was asked about both and served neither:
+    (2, 0), counted when its answers came. Before: G3 (2, 2) and G4 (0, 0), the find credited to the tier not read."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(2, "late-g3")
+    h.store(keys, payloads(h, 2, seed=7))
+    h.wait_idle(timeout=HANG_S)
+    h.reset_primary()
+    gate = _gated_index(g3t, monkeypatch)
+    b3, c4 = counted(g3t), G4Counts(g4t)
+    r = _started(h, keys, h.context())
+    assert ask(h, keys, r) == [LookupResult.RETRY] * 2  # both tiers posted
+    h.step()
+    end = time.monotonic() + HANG_S
+    while not all(g4t._lookup._verdict((k, "")) for k in keys):  # G4's answers in; G3's held back
+        assert time.monotonic() < end, "G4 never answered"  # a hang guard
+        time.sleep(0.002)
+        g4t._lookup.drain_results()
+    assert ask(h, keys, r) == [LookupResult.HIT_PENDING] * 2  # G3 still RETRY: promoted from G4
+    step_until(lambda: g4t.kvbm_stats()["tier"]["chunks_loaded"] == 2 and not h.manager.has_pending_work(), h)
+    assert ask(h, keys, r) == [LookupResult.HIT] * 2
+    assert [t.kvbm_stats()["tier"]["chunks_loaded"] for t in (g3t, g4t)] == [0, 2]
+    assert c4() == (2, 2)  # counted when loaded: no wait for G3's answers
+    gate.set()  # G3 answers HIT, HIT (late)
+    step_until(lambda: all(g3t._lookup._verdict((k, "")) is not None for k in keys), h)
+    h.manager.on_request_finished(r)
+    h.step()
+    got = (_moved(g3t, b3), c4())
+    assert got == ((2, 0), (2, 2)), f"(G3, G4) counted {got}: the find went to G3, the chunks were loaded from G4"
+
+
+def test_a_chunk_loaded_from_g4_after_g3s_hit_was_forced_to_a_miss_is_g4s_find(tmp_path, harnesses):
+    """(d) G3Tier above G4Tier, both holding chunk 0; G4's lookup is held in flight (a slow HEAD). R posts the chunk
+    to both; G3 answers it HIT. A (local storage only) takes G3's HIT up and loads the chunk from G3, whose block was
+    deleted meanwhile: the load fails, G3's verdict is forced to a miss and the chunk cools there. G4 answers R HIT
+    and vLLM promotes the chunk from G4 for R. R's find is G4's: G4 (1, 1), G3 asked and not read: R (1, 0), plus A's
+    failed load (1, 1, its own HIT owned as answered): G3 (2, 1). Before: R counted on G3 as soon as G3 answered (the
+    first HIT in order): G3 (2, 2), G4 (0, 0)."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(1, "forced-g3")
+    h.store(keys, payloads(h, 1, seed=12))
+    h.wait_idle(timeout=HANG_S)
+    h.reset_primary()
+    gate, done = _gated(g4t)
+    b3, c4 = counted(g3t), G4Counts(g4t)
+    r = _started(h, keys, h.context())
+    try:
+        assert ask(h, keys, r) == [LookupResult.RETRY]  # posted to G3 and G4
+        h.step()
+        step_until(lambda: g3t._lookup._verdict((keys[0], "")) is True, h)  # G3: HIT; G4 still in flight
+        assert g3t.pool.delete(g3t._block_keys(keys[0], "")).result(timeout=HANG_S)
+        a = _started(h, keys, _only(h, "forced-a", Locality.LOCAL))
+        assert ask(h, keys, a) == [LookupResult.HIT_PENDING]  # G3's cached HIT: promoted from G3
+        step_until(lambda: g3t.kvbm_stats()["tier"]["chunks_load_failed"] == 1, h)
+    finally:
+        gate.set()
+    assert done.wait(HANG_S)
+    step_until(lambda: g4t._lookup._verdict((keys[0], "")) is True, h)
+    assert ask(h, keys, r) == [LookupResult.HIT_PENDING]  # G3 cooling (a miss): promoted from G4
+    step_until(lambda: g4t.kvbm_stats()["tier"]["chunks_loaded"] == 1 and not h.manager.has_pending_work(), h)
+    assert ask(h, keys, r) == [LookupResult.HIT]
+    for ctx in (a, r):
+        h.manager.on_request_finished(ctx)
+    h.step()
+    got = (_moved(g3t, b3), c4())
+    assert got == ((2, 1), (1, 1)), f"(G3, G4) counted {got}: R's chunk was loaded from G4"
+
+
+def test_a_sliding_window_run_loaded_after_an_earlier_miss_counts_found(tmp_path, harnesses):
+    """(e) One G3Tier; a hybrid model's sliding-window group (group 1: vLLM records every group's key positions,
+    ``update_offload_keys``, and scans a window group from its end, ``_sliding_window_lookup``). The request's
+    window group has chunks 0-3 (positions 16..64), G3 holds 2-3 (0-1 evicted), the window is 2 chunks. Step 1
+    posts all four (RETRY); step 2 finds 3 and 2 on G3, promotes them and stops (the window is complete): vLLM loads
+    and uses chunks 2-3. G3 found 2 of the 4 asked. Before: (4, 0), the usable prefix (per group in position order)
+    ended at chunk 0, so the two chunks loaded from G3 counted as not found (kvbm_matched_tokens +0)."""
+    h = harnesses([g3_tier(tmp_path / "g3")])
+    g3t = h.tier
+    keys = [make_offload_key(hashlib.sha256(f"sw:{i}".encode()).digest(), 1) for i in range(4)]
+    h.store(keys[2:], payloads(h, 2, seed=9))
+    h.wait_idle(timeout=HANG_S)
+    h.reset_primary()
+    b3 = counted(g3t)
+    r = h.context()
+    for i, k in enumerate(keys):
+        r.set_offload_key_position(k, 16 * (i + 1))
+    h.manager.on_new_request(r)
+    assert ask(h, keys[::-1], r) == [LookupResult.RETRY] * 4  # the window scan, from the end
+    h.step()
+    step_until(lambda: all(g3t._lookup._verdict((k, "")) is not None for k in keys), h)
+    assert ask(h, keys[:1:-1], r) == [LookupResult.HIT_PENDING] * 2  # chunks 3, 2: the window, promoted
+    step_until(lambda: g3t.kvbm_stats()["tier"]["chunks_loaded"] == 2 and not h.manager.has_pending_work(), h)
+    assert ask(h, keys[:1:-1], r) == [LookupResult.HIT] * 2
+    h.manager.on_request_finished(r)
+    h.step()
+    got = _moved(g3t, b3)
+    assert got == (4, 2), f"G3 counted {got} for a window of 2 chunks it served"
+
+
+def test_a_window_group_counts_found_only_the_window_vllm_loads(tmp_path, harnesses):
+    """(e) One G3Tier holding all 4 chunks of a window group (group 1, positions 16..64), the window 2 chunks. Step 1
+    posts all four (RETRY); step 2 finds 3 and 2, promotes them and stops: vLLM loads chunks 2-3 and never needs
+    0-1 (below the window). G3: 4 asked, 2 found (the 2 loaded), and a full-attention group's count is unchanged:
+    the same chunks of group 0 asked in ascending order (a prefix) count 4 found."""
+    h = harnesses([g3_tier(tmp_path / "g3")])
+    g3t = h.tier
+    win = [make_offload_key(hashlib.sha256(f"sw-all:{i}".encode()).digest(), 1) for i in range(4)]
+    full = [make_offload_key(hashlib.sha256(f"sw-all:{i}".encode()).digest(), 0) for i in range(4)]
+    h.store(full + win, payloads(h, 8, seed=10))
+    h.wait_idle(timeout=HANG_S)
+    h.reset_primary()
+    b3 = counted(g3t)
+    r = h.context()
+    for i in range(4):
+        r.set_offload_key_position(full[i], 16 * (i + 1))
+        r.set_offload_key_position(win[i], 16 * (i + 1))
+    h.manager.on_new_request(r)
+    assert ask(h, full + win[::-1], r) == [LookupResult.RETRY] * 8  # the prefix scan, then the window's
+    h.step()
+    step_until(lambda: all(g3t._lookup._verdict((k, "")) is not None for k in full + win), h)
+    assert ask(h, full + win[:1:-1], r) == [LookupResult.HIT_PENDING] * 6  # group 0: 4; window: chunks 3, 2
+    step_until(lambda: g3t.kvbm_stats()["tier"]["chunks_loaded"] == 6 and not h.manager.has_pending_work(), h)
+    h.manager.on_request_finished(r)
+    h.step()
+    got = _moved(g3t, b3)
+    assert got == (8, 6), f"G3 counted {got}: group 0's 4 chunks and the window's 2 loaded"
+

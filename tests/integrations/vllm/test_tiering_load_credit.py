@@ -1,11 +1,12 @@
-"""Review finding (2026-12-03), fixed in ``integrations/vllm/tier_lookup.py`` / :mod:`.tier_pickups`: with G3Tier
-above G4Tier in one vLLM manager, a request taking up G4's cached HIT verdict (another live request's) was credited
-to G4 (``kvbm_matched_tokens``, G4's ``lookup_hits`` and hit rate) when G4 answered it, though vLLM loaded the chunk
-from G3: vLLM's manager asks G4 because G3 answered RETRY (it re-asks a cached miss once G3 stored the chunk), and
-G4's HIT starts no promotion when the primary tier has no free chunk (the manager answers MISS); the request asks
-again once G3's answer is in and G3 serves the chunk. G3's share was never counted (its lookup was uncounted: the
-lowest of our tiers counts for all, but G4 had not posted the chunk for the request). Now a verdict a request takes
-up is credited to the tier that loads the chunk, when its load ends: each loaded chunk once, on that tier.
+"""Review finding (2026-12-03), fixed in ``integrations/vllm/tier_lookup.py`` / ``tier_pickups.py`` (removed: since
+2026-12-03 counted by ``tier_ledger.py``): with G3Tier above G4Tier in one vLLM manager, a request taking up G4's
+cached HIT verdict (another live request's) was credited to G4 (``kvbm_matched_tokens``, G4's ``lookup_hits`` and
+hit rate) when G4 answered it, though vLLM loaded the chunk from G3: vLLM's manager asks G4 because G3 answered
+RETRY (it re-asks a cached miss once G3 stored the chunk), and G4's HIT starts no promotion when the primary tier
+has no free chunk (the manager answers MISS); the request asks again once G3's answer is in and G3 serves the chunk.
+G3's share was never counted (its lookup was uncounted: the lowest of our tiers counts for all, but G4 had not
+posted the chunk for the request). Now a verdict a request takes up is credited to the tier that loads the chunk,
+when its load ends: each loaded chunk once, on that tier.
 vLLM's real offloading spec and manager, a real G3 directory, a file:// G4 store."""
 from __future__ import annotations
 
@@ -151,11 +152,12 @@ def test_a_g3_verdict_taken_up_while_g4_counted_the_request_is_credited_once(tmp
 
 
 def test_a_g3_miss_taken_up_while_g4_counted_the_request_is_counted_once(tmp_path, harnesses):
-    """Review finding (2026-12-03): as above with G3 empty. A (local storage only) posts chunks 0-1 to G3; B takes
-    A's pending G3 verdicts up and posts them to G4, which holds them. G4's lookup counts B over every chunk for G3
-    (:func:`.tier_gaps.split_prefix`); G3's miss B took up was counted again at its answer (``Pickups.note``: only a
-    HIT waited for the load), so G3's ``lookup_blocks`` (the hit rate's denominator) grew by 6 for 2 chunks asked
-    by 2 requests. Now a miss taken up is not counted where the lowest of our tiers counted the chunk: 4."""
+    """Review finding (2026-12-03): as above with G3 empty. A (local storage only) posts chunks 0-1 to G3; B takes A's
+    pending G3 verdicts up and posts them to G4, which holds them. G4's lookup counts B over every chunk for G3
+    (``tier_gaps.split_prefix``, since removed); G3's miss B took up was counted again at its answer
+    (``Pickups.note``, since removed: only a HIT waited for the load), so G3's ``lookup_blocks`` (the hit rate's
+    denominator) grew by 6 for 2 chunks asked by 2 requests. Now a miss taken up is not counted where the lowest of
+    our tiers counted the chunk: 4."""
     keys = keys_for(2, "missonce")
     data = _held_in_g4_only(harnesses, tmp_path, keys, 21)
 

@@ -1,6 +1,7 @@
-"""Review findings (2026-12-03), fixed in ``integrations/vllm/tier_lookup.py`` / :mod:`.tier_pickups` /
-:mod:`.tier_gaps`: with two of our native tiers in one vLLM manager, each request's lookup of each chunk counts once
-(``kvbm_matched_tokens``, the pools' lookup counters and hit rates), on the tier that answered.
+"""Review findings (2026-12-03), fixed in ``integrations/vllm/tier_lookup.py`` / ``tier_pickups.py`` (removed) /
+:mod:`.tier_gaps` (since 2026-12-03 counted by ``tier_ledger.py``): with two of our native tiers in one vLLM
+manager, each request's lookup of each chunk counts once (``kvbm_matched_tokens``, the pools' lookup counters and
+hit rates), on the tier that answered.
 
 (a) The lowest of our tiers counted a request's lookup for every tier, but only over the chunks the request posted
 to it. A chunk the request posted to the upper tier and never to the lowest (the lowest refused the request's tenant,
@@ -369,7 +370,9 @@ def test_a_pending_hit_is_judged_once_while_no_verdict_of_the_request_changes(tm
     A's G4 verdicts up. G3 counts B's HIT of chunk 1 itself, found only if chunk 0 is served, which G4's pending
     answer decides: while it is not in, each step's flush judged B's usable prefix again (every key x every tier:
     30 steps, 30 judgements). Now a request is judged only when one of its answers changed (at most the step after
-    G3's answers came in); G4's answer settles it: not found, (2, 0)."""
+    G3's answers came in); G4's answer settles it: not found, (2, 0). B's scan is deferred meanwhile, so vLLM asks
+    its chunks again every step, each answer as before: until 2026-12-04 (review of the ledger) each such answer
+    marked B changed, and B was judged every step all the same."""
     calls = []
     real = tier_ledger.Ledger._count
 
@@ -395,6 +398,7 @@ def test_a_pending_hit_is_judged_once_while_no_verdict_of_the_request_changes(tm
     try:
         calls.clear()
         for _ in range(30):
+            assert ask(h, keys[:1], b) == [LookupResult.RETRY]  # B waiting: chunk 0 asked again, still pending
             h.step()
         assert _uncounted(g3t, b)  # B's chunk 1 HIT still waits for chunk 0's G4 verdict
         assert len(calls) <= 2, f"B's usable prefix judged {len(calls)} times in 30 steps"  # before: 30+
