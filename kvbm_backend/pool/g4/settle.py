@@ -13,12 +13,17 @@ threads, after ``first_delay_s`` doubling to at most ``bound_s / 2`` (no thread 
 fails, until ``bound_s`` seconds after it became unsettled. Outcome, exactly one per block:
 
 * the object holds these bytes: ``written`` (and ``settled_late``, ``bytes_written``);
-* other bytes: the writer's check of a found object (the ``serves`` callback given to :meth:`LateSettler.start`:
-  one ranged GET of its frame header, :meth:`~.writer.G4Writer._serves_existing`): an object this pool serves
+* other bytes: the writer's check of a found object (the ``found`` callback given to :meth:`LateSettler.start`:
+  one ranged GET of its frame header, :meth:`~.writer.G4Writer._settle_found`): an object this pool serves
   is ``skipped_exists`` (another writer's copy; the block ends skipped, stored); one it will not serve
   (plaintext in an encrypted pool, a revoked or foreign data key, another block's or a damaged header) is
   ``skipped_unservable`` and the block ends ``dropped`` for the caller (not stored), as on the direct path.
-  A header GET that fails keeps ``skipped_exists`` (before 2026-11-30 this path never checked);
+  A header GET that fails keeps ``skipped_exists`` (before 2026-11-30 this path never checked). An object gone
+  by that GET (deleted since: gc, a load dropping a bad copy) is no copy: the writer seals the block again from
+  the caller's buffer (the pool reads it until the put's future resolves) and publishes it create-exclusive as a
+  direct offload (up to 3 PUTs): ``written``, or dropped for the reason that PUT met (``dropped_error`` when each
+  met a copy gone by its check); a new PUT the store cannot settle either is settled here in turn (its MD5),
+  within the same ``bound_s``. Before 2026-12-03 that block counted ``skipped_exists``, stored with nothing there;
 * absent: ``dropped_unavailable`` (the PUT was lost);
 * still unknown past ``bound_s``, or the pool closing: ``dropped_unsettled``.
 """
@@ -31,17 +36,17 @@ from typing import Callable
 
 from ...deadlines import Deadlines
 from .breaker import CircuitBreaker
-from .store import ObjectStore, StoreUnavailable
+from .store import ObjectStore, PutUnsettled, StoreUnavailable
 
 __all__ = ["LateSettler"]
 
 
 class _Unsettled:
-    __slots__ = ("name", "md5_hex", "nbytes", "end", "serves", "give_up_at", "delay_s", "ended")
+    __slots__ = ("name", "md5_hex", "nbytes", "end", "found", "give_up_at", "delay_s", "ended")
 
     def __init__(self, name: str, md5_hex: str, nbytes: int, end: Callable[[str], None],
-                 serves: Callable[[], bool] | None, give_up_at: float, delay_s: float):
-        self.name, self.md5_hex, self.nbytes, self.end, self.serves = name, md5_hex, nbytes, end, serves
+                 found: Callable[[], str] | None, give_up_at: float, delay_s: float):
+        self.name, self.md5_hex, self.nbytes, self.end, self.found = name, md5_hex, nbytes, end, found
         self.give_up_at, self.delay_s = give_up_at, delay_s
         self.ended = False
 
@@ -74,15 +79,18 @@ class LateSettler:
             return len(self._pending)
 
     def start(self, name: str, md5_hex: str, nbytes: int, end: Callable[[str], None],
-              serves: Callable[[], bool] | None = None) -> None:
+              found: Callable[[], str] | None = None) -> None:
         """Settle the block published as ``name`` (``nbytes`` bytes whose MD5 is ``md5_hex``) later;
         ``end(kind)`` (``"written"``, ``"skipped"`` or ``"dropped"``) is called exactly once, after its
         counter is counted, from a timer or offload thread (or from here when already closed).
-        ``serves()`` is asked, on an offload thread, once the object is found holding other bytes: True
-        (this pool serves it, or cannot tell) ends the block ``skipped_exists`` (kind ``"skipped"``), False
-        ``skipped_unservable`` (kind ``"dropped"``: not stored); it should not raise (one that does counts as
-        True). None: every such block is ``skipped_exists``."""
-        u = _Unsettled(name, md5_hex, nbytes, end, serves, time.monotonic() + self._bound_s, self._first_delay_s)
+        ``found()`` is asked, on an offload thread, once the object is found holding other bytes, and returns the
+        counter the block ends with: ``"skipped_exists"`` (kind ``"skipped"``), ``"skipped_unservable"`` (kind
+        ``"dropped"``: not stored), ``"written"`` (the object was gone and the block is published again; counted
+        ``written`` and ``bytes_written``, not ``settled_late``) or a ``"dropped_<reason>"``. It raises
+        :class:`~.store.PutUnsettled` when that new PUT cannot be settled either: the block is then settled by
+        the error's name and MD5, within the same bound. Any other exception (a bug) ends it ``dropped_error``,
+        never stored. None: every such block is ``skipped_exists``."""
+        u = _Unsettled(name, md5_hex, nbytes, end, found, time.monotonic() + self._bound_s, self._first_delay_s)
         self._count("unsettled_puts")  # every outcome below is one of these (dropped_unsettled <= unsettled_puts)
         with self._mu:
             closed = self._closed
@@ -132,26 +140,39 @@ class LateSettler:
             except Exception:  # noqa: BLE001 - never let a check raise: the block must still end
                 self._finish(u, "dropped_error")
                 return
-        if settled:
-            self._finish(u, "written" if outcome else "dropped_unavailable" if outcome is None else
-                         "skipped_exists" if self._serves(u) else "skipped_unservable")
+        if settled and outcome is False:  # other bytes: the writer judges them (or publishes again: gone)
+            self._found(u)
+        elif settled:
+            self._finish(u, "written" if outcome else "dropped_unavailable")
         elif time.monotonic() >= u.give_up_at:
             self._finish(u, "dropped_unsettled")
         else:
-            u.delay_s = min(2 * u.delay_s, self._bound_s / 2)
-            self._schedule(u)
+            self._again(u)
 
-    @staticmethod
-    def _serves(u: _Unsettled) -> bool:
-        """Whether the pool serves the other bytes found under ``u.name`` (True when it cannot tell)."""
-        if u.serves is None:
-            return True
+    def _again(self, u: _Unsettled) -> None:
+        u.delay_s = min(2 * u.delay_s, self._bound_s / 2)
+        self._schedule(u)
+
+    def _found(self, u: _Unsettled) -> None:
+        """Other bytes under ``u.name``: end the block with the counter ``u.found()`` answers (see :meth:`start`);
+        a new PUT of it that is unsettled too is settled in turn (past the bound: ``dropped_unsettled``)."""
+        if u.found is None:
+            self._finish(u, "skipped_exists")
+            return
         try:
-            return bool(u.serves())
-        except Exception:  # noqa: BLE001 - unknown: counted as before (skipped_exists)
-            return True
+            counter = u.found()
+        except PutUnsettled as e:  # published again (the object was gone), and that PUT's answer was lost too
+            u.name, u.md5_hex = e.name, e.md5_hex
+            if time.monotonic() >= u.give_up_at:
+                self._finish(u, "dropped_unsettled")
+            else:
+                self._again(u)
+            return
+        except Exception:  # noqa: BLE001 - a bug (the writer's check answers every store error): not stored
+            counter = "dropped_error"
+        self._finish(u, counter, late=False)
 
-    def _finish(self, u: _Unsettled, counter: str, force: bool = False) -> None:
+    def _finish(self, u: _Unsettled, counter: str, force: bool = False, late: bool = True) -> None:
         with self._mu:
             if u.ended or (u not in self._pending and not force):
                 return
@@ -159,7 +180,8 @@ class LateSettler:
             self._pending.discard(u)
         if counter == "written":
             self._count("written")
-            self._count("settled_late")
+            if late:  # found landed by a settle (not published again after the object found there was gone)
+                self._count("settled_late")
             self._count("bytes_written", u.nbytes)
         else:
             self._count(counter)

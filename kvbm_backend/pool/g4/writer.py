@@ -18,9 +18,10 @@ deleted between the PUT and it: gc, a load dropping a bad copy) has the block pu
 2026-12-03 it was ``skipped_exists``, the block reported stored and, by the tier, to the router). A PUT the store
 could not settle (no answer, and the HEAD asking whether it landed failed too: :class:`~.store.PutUnsettled`) stays
 pending and is settled later by :class:`~.settle.LateSettler`, off the offload threads' time; when it finds other
-bytes there it asks :meth:`G4Writer._serves_existing` (a callback: the settler does not import the
-writer; an object gone by its GET counts as served there, as a failed GET), so a late-settled block ends ``skipped_exists`` or ``skipped_unservable`` (dropped) as above. A store
-outage counts towards the breaker; a
+bytes there it asks :meth:`G4Writer._settle_found` (a callback: the settler does not import the writer), so a
+late-settled block ends ``skipped_exists`` or ``skipped_unservable`` (dropped) as above, and one whose found object
+is gone by the check is sealed again from the caller's buffer and published as above (before 2026-12-03 it counted
+``skipped_exists``, nothing there). A store outage counts towards the breaker; a
 store that answers with an error (403, missing bucket) does not, and is logged
 (:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_error`); nor does one that answers "no room" (a full,
 over-quota or read-only mount: :class:`~.store.StoreFull`): ``dropped_full``, logged
@@ -303,12 +304,7 @@ class G4Writer:
                     buf, name, namer = self._seal(key, block, fbuf)
                 except KeyringError as e:
                     self._breaker.release()  # nothing went to the store: a probe it held goes back
-                    reason = ("dropped_revoked_tenant" if isinstance(e, TenantRevoked) else
-                              "dropped_unknown_tenant" if isinstance(e, UnknownTenant) else "dropped_keyring")
-                    self._count(reason)
-                    # the operator log names the tenant by its pseudonym only, with a fixed text per reason (never
-                    # the keyring's message: a tenant id replaced in it showed where it occurred, e.g. "7")
-                    self._oplog.tenant_once(reason, self._names.tag(key.tenant), self._drop_text(reason, key.tenant))
+                    self._count(self._keyring_drop(key, e))
                     return
                 try:
                     created, found = self._publish_found(key, name, namer, buf)
@@ -319,7 +315,7 @@ class G4Writer:
                         self._counters.offload_ended(time.monotonic() - queued)
                         done(kind)
                     self._settler.start(name, e.md5_hex, len(buf), end,
-                                        lambda: self._serves_existing(key, name, namer))
+                                        lambda: self._settle_found(key, block, name, namer))
                     return
             if created is None:
                 return
@@ -342,45 +338,56 @@ class G4Writer:
                 self._counters.offload_ended(time.monotonic() - queued)
                 done(kind)
 
-    def _publish(self, name: str, buf: memoryview) -> bool | None:
+    def _keyring_drop(self, key: BlockKey, e: KeyringError) -> str:
+        """The ``dropped_*`` reason (not counted here) of ``key``'s offload refused by the keyring (``e``), logged."""
+        reason = ("dropped_revoked_tenant" if isinstance(e, TenantRevoked) else
+                  "dropped_unknown_tenant" if isinstance(e, UnknownTenant) else "dropped_keyring")
+        # the operator log names the tenant by its pseudonym only, with a fixed text per reason (never
+        # the keyring's message: a tenant id replaced in it showed where it occurred, e.g. "7")
+        self._oplog.tenant_once(reason, self._names.tag(key.tenant), self._drop_text(reason, key.tenant))
+        return reason
+
+    def _publish(self, name: str, buf: memoryview, count: Callable[[str], None] | None = None) -> bool | None:
         """Create-exclusive PUT of one frame (throttles backed off within the offload bound). True:
-        written; False: another writer's copy was there; None: dropped (counted here). Raises
-        :class:`~.store.PutUnsettled` (counted as a breaker failure here) when the store cannot say."""
+        written; False: another writer's copy was there; None: dropped (its ``dropped_*`` reason given to
+        ``count``, default the pool's counters). Raises :class:`~.store.PutUnsettled` (counted as a breaker
+        failure here) when the store cannot say."""
+        count = count or self._count
         try:
             return call_throttled(lambda: self.store.put_if_absent(name, buf),
                                   time.monotonic() + self._put_bound_s,
                                   lambda: self._throttle.note("put"), lambda: self._closed)
         except StoreThrottled:
-            self._count("dropped_throttled")  # the store answered: ThrottleWatch.note told the breaker so
+            count("dropped_throttled")  # the store answered: ThrottleWatch.note told the breaker so
         except PutUnsettled as e:  # no answer: an outage; the caller settles the block later
             self._breaker.failure(e)
             raise
         except StoreUnavailable as e:
             self._breaker.failure(e)
-            self._count("dropped_unavailable")
+            count("dropped_unavailable")
         except StoreFull as e:  # no space / quota / read-only: the store answered, reads go on (no breaker failure)
             self._breaker.success()
-            self._count("dropped_full")
+            count("dropped_full")
             self._oplog.store_full(e)
         except OSError as e:
             self._breaker.success()  # the store answered (e.g. 403): not an outage
-            self._count("dropped_error")
+            count("dropped_error")
             self._oplog.store_error(e)
         return None
 
-    def _publish_found(self, key: BlockKey, name: str, namer: TenantNamer,
-                       buf: memoryview) -> tuple[bool | None, bool | None]:
+    def _publish_found(self, key: BlockKey, name: str, namer: TenantNamer, buf: memoryview,
+                       count: Callable[[str], None] | None = None) -> tuple[bool | None, bool | None]:
         """Publish ``buf`` as ``name`` (:meth:`_publish`) and, when another object held the name, ask whether this
         pool serves it (:meth:`_found_serves`). Returns ``(created, found)``: ``created`` as :meth:`_publish` (None:
         dropped, counted there); ``found`` only matters when ``created`` is False: True (served, or cannot tell),
         False (unservable), None (the name was taken at each of :data:`PUBLISH_ATTEMPTS` PUTs and gone by each
         check: nothing stored). A name found gone is published again: it was deleted between the PUT and the check
         (gc, a load dropping a bad copy), and the create-exclusive PUT never tears a copy written meanwhile.
-        Before 2026-12-03 the block then counted ``skipped_exists`` (stored) although nothing was. Raises
-        :class:`~.store.PutUnsettled` as :meth:`_publish`."""
+        Before 2026-12-03 the block then counted ``skipped_exists`` (stored) although nothing was. ``count`` and
+        raises (:class:`~.store.PutUnsettled`) as :meth:`_publish`."""
         found: bool | None = None
         for _ in range(PUBLISH_ATTEMPTS):
-            created = self._publish(name, buf)
+            created = self._publish(name, buf, count)
             if created is None:
                 return None, None
             self._breaker.success()
@@ -394,10 +401,28 @@ class G4Writer:
                 break
         return False, found
 
-    def _serves_existing(self, key: BlockKey, name: str, namer: TenantNamer) -> bool:
-        """:meth:`_found_serves` for the late settle (:mod:`.settle`): an object gone by the check counts as served
-        (True), as a GET that failed."""
-        return self._found_serves(key, name, namer) is not False
+    def _settle_found(self, key: BlockKey, block: npt.NDArray[np.uint8], name: str, namer: TenantNamer) -> str:
+        """A late settle (:mod:`.settle`) found other bytes under ``name``: the counter ``key``'s block ends with (not
+        counted here): ``skipped_exists`` / ``skipped_unservable`` as :meth:`_found_serves` judges them; gone by its
+        GET (deleted since), the block sealed again from ``block`` (the caller's: read until the put's future
+        resolves) and published as a direct offload: ``written`` or a ``dropped_*`` reason (before 2026-12-03:
+        ``skipped_exists``, nothing there). Raises :class:`~.store.PutUnsettled` when that PUT cannot be settled."""
+        found = self._found_serves(key, name, namer)
+        if found is not None:
+            return "skipped_exists" if found else "skipped_unservable"
+        if self._closed:  # the settler ended the block already (dropped_unsettled): no more I/O
+            return "dropped_closed"
+        dropped: list[str] = []
+        with self._frames.lend(self._frame_bytes) as fbuf:
+            try:
+                buf, name, namer = self._seal(key, block, fbuf)
+            except KeyringError as e:
+                return self._keyring_drop(key, e)
+            created, found = self._publish_found(key, name, namer, buf, dropped.append)
+        if created is None:
+            return dropped[0] if dropped else "dropped_error"
+        return ("written" if created else "dropped_error" if found is None else
+                "skipped_exists" if found else "skipped_unservable")
 
     def _found_serves(self, key: BlockKey, name: str, namer: TenantNamer) -> bool | None:
         """Whether this pool would serve the object a create-exclusive PUT of ``key`` found under ``name`` (or
@@ -456,21 +481,28 @@ class G4Writer:
         bound; an unavailable store trips the breaker, whose closing writes it again). The file records the
         ``dir_fanout`` block names use: written with this pool's when absent; when present (or another worker's
         won the create-exclusive write) the pool names blocks with the fan-out it records
-        (:meth:`~.tenant_names.TenantNames.follow_store`, logged when it differs from ``g4.dir_fanout``)."""
+        (:meth:`~.tenant_names.TenantNames.follow_store`, logged when it differs from ``g4.dir_fanout``). Taken at
+        each of :data:`PUBLISH_ATTEMPTS` PUTs and gone by the GET after it: ``namespace_json_errors``, not written
+        (the next offload written tries again; before 2026-12-03 counted written with nothing there)."""
         if self.namespace_written:
             return
 
-        def write() -> None:
+        def write() -> bool:
             self.store.probe()  # start-up check: an unavailable store or missing bucket is logged now
-            name = namespace_name(self._fp)
+            name, written = namespace_name(self._fp), False
             body = self.store.get(name, 0, NAMESPACE_JSON_MAX)
-            if body is None and not self.store.put_if_absent(name, namespace_doc(self.namespace,
-                                                                                 self._names.dir_fanout)):
-                body = self.store.get(name, 0, NAMESPACE_JSON_MAX)  # another worker's, written just now
+            for _ in range(PUBLISH_ATTEMPTS):
+                if body is not None or (written := self.store.put_if_absent(
+                        name, namespace_doc(self.namespace, self._names.dir_fanout))):
+                    break
+                body = self.store.get(name, 0, NAMESPACE_JSON_MAX)  # another worker's, written just now; or gone
             if body is not None:  # the store's: its blocks are named with the dir_fanout it records
                 self._names.follow_store(bytes(body))
+            return written or body is not None
         try:
-            call_throttled(write, time.monotonic() + self._load_bound_s, lambda: self._throttle.note("put"))
+            if not call_throttled(write, time.monotonic() + self._load_bound_s, lambda: self._throttle.note("put")):
+                self._count("namespace_json_errors")  # taken and gone at each PUT: not there, tried again later
+                return
             self.namespace_written = True
         except StoreThrottled:  # still throttled: the next offload that is written tries again
             self._count("namespace_json_errors")
