@@ -20,7 +20,8 @@ SGLang's HiCache / Mooncake). With ``g4.announce`` each worker's scheduler-side 
   yet in G4 (``announce_dropped_absent``) or whose batch failed (``announce_write_errors``) is announced when
   learned again. Before (2026-12-01) the scheduler thread asked the keyring (reloading it whenever the file
   had changed) and such blocks counted as announced for good. Under ``external_launcher`` with TP > 1 only TP
-  rank 0's scheduler tells its announcer, and only blocks the ranks' agreed plan offers (:mod:`.tp_events`);
+  rank 0's scheduler tells its announcer where every rank has one hash domain (else each rank its own), and only
+  blocks the ranks' agreed plan offers (:mod:`.tp_events`);
 * **polls**: on the same background thread lists the namespace's announcement objects (a LIST, never on the
   serving path), opens the new ones (foreign, corrupt, other hash domain: ignored and counted) and queues
   ``BlockStored`` (``medium="DISK"``, Dynamo's ``disk_blocks``) for their blocks, the worker's own included,

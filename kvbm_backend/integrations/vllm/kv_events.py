@@ -80,9 +80,11 @@ class G3KvEvents:
         self._for_step = False  # a republish() queued events that only the step's take() may take (take(idle=))
 
     def learn(self, tenant: str, request: Any, seq_hashes: Sequence[int], first: int, end: int,
-              announce: bool = True) -> None:
+              announce: bool = True, to_g3: bool = True) -> None:
         """Blocks ``[first, end)`` of ``request`` (KVBM ``seq_hashes``) are, or are about to be, in G3. ``announce``
-        False: not told to the G4 announcer (under ``external_launcher`` with TP > 1 only TP rank 0's is: .tp_events)."""
+        False: not told to the G4 announcer (under ``external_launcher`` with TP > 1 and one hash domain only TP
+        rank 0's is: .tp_events). ``to_g3`` False: told to the announcer only, not learned for G3 (blocks offered
+        to G4 alone)."""
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash
         from ...pool.g3.index import tag_of
         vh = list(getattr(request, "block_hashes", None) or [])
@@ -91,11 +93,12 @@ class G3KvEvents:
         tag = tag_of(tenant)
         end = min(end, len(seq_hashes), len(vh), len(toks) // self.bs)
         ann = self.announcer if announce else None
+        g3 = self.g3 and to_g3
         new: list[tuple[bytes, int]] = []
         with self._lock:
             for i in range(max(first, 0), end):
                 k = (tag, seq_hashes[i])
-                if ann is None and (not self.g3 or k in self._published or k in self._info):
+                if ann is None and (not g3 or k in self._published or k in self._info):
                     continue
                 extra, _ = generate_block_hash_extra_keys(request, i * self.bs, (i + 1) * self.bs, 0)
                 info = (maybe_convert_block_hash(vh[i]), maybe_convert_block_hash(vh[i - 1]) if i else None,
@@ -103,7 +106,7 @@ class G3KvEvents:
                         getattr(lora, "adapter_id", None), getattr(lora, "name", None))
                 if ann is not None:
                     ann.learn(tenant, seq_hashes[i], seq_hashes[i - 1] if i else None, info)
-                if not self.g3 or k in self._published or k in self._info:
+                if not g3 or k in self._published or k in self._info:
                     continue
                 self._info[k] = info
                 new.append(k)

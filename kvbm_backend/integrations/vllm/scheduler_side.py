@@ -154,6 +154,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """:meth:`_answer`; under ``external_launcher`` with TP > 1 the answer every TP rank agrees, its lookup counted
         as agreed (:meth:`.tp_sched.SchedAgree.match`; RuntimeError when that collective fails)."""
+        tp_events.agree_domain(self)  # (once) whether TP rank 0 alone announces to G4
         n, is_async = self._answer(request, num_computed_tokens)
         if self.tp is None or not self.load_enabled or (self.g3 is None and self.g4 is None):
             return n, is_async
@@ -414,8 +415,7 @@ class SchedulerSide:
                 st.saved_upto = cached.num_computed_tokens[i] // self.bs
             self._plan_save(meta, st, cached.num_computed_tokens[i] + sched.get(rid, 0))
         if save:  # under external_launcher every rank reaches here each step: the blocks every rank planned
-            planned, meta.saves = meta.saves, tp_sched.offer(self, meta.saves)
-            tp_events.offered(self, planned, meta.saves)  # the KV events learn the blocks offered
+            meta.saves = tp_events.offer(self, meta.saves)  # (.tp_sched.offer) the KV events learn those offered
         return meta
 
     def _plan_local_save(self, meta: KvbmConnectorMetadata, st: _Req) -> None:

@@ -44,7 +44,7 @@ Before 2026-12-03 the counts were built up as requests asked (posted, taken up, 
 the usable-prefix memo): a HIT taken up already answered counted only when loaded (never, if not loaded), with
 three of our tiers a HIT of the middle one counted found though the first served it, and the usable prefix was
 judged from live cool-downs and revocations (an answer given cooling counted as served once the cool-down ended).
-Until 2026-12-04 (review of the ledger) the owner was the first tier in order that eventually answered HIT, so a
+Until 2026-12-03 (review of the ledger) the owner was the first tier in order that eventually answered HIT, so a
 chunk vLLM loaded from G4 while G3 was still answering (or after another request's failed load forced G3's HIT to a
 miss) counted as G3's find and not G4's; a window group's chunks counted as a leading prefix (a window served after
 an earlier miss: not found); and every lookup marked the request changed, so a deferred request asked again every

@@ -200,6 +200,7 @@ class SchedAgree:
         self.group = group
         # the wiring's agreement of the connector's answer is this one (its settled answer is taken right after)
         self.match_agree = tp_agree.TpMatchAgree(group)
+        self.one_announcer: bool | None = None  # TP rank 0 alone announces to G4 (None: not agreed yet; .tp_events)
 
     def saves(self, saves: list[SaveJob], promises: Any = None, reqs: dict | None = None) -> list[SaveJob]:
         """The step's save plan every TP rank planned: ``saves`` when every rank's plan is the same (one all-reduce),

@@ -11,6 +11,17 @@ Review (2026-12-03):
   withheld (planned by some rank, offered by none) sat in the events' learned table and the announcer's pending
   list, HEADed with backoff for 600 s, then counted ``announce_dropped_absent``. Now only the blocks offered are.
 
+Review of c457237 (2026-12-03):
+
+* rank 0 announced alone whatever the ranks' hash domains: vLLM draws ``NONE_HASH`` at random per process for a
+  non-cryptographic prefix-caching hash when ``PYTHONHASHSEED`` is unset (torchrun does not set it), a poller ignores
+  batches of another domain (``announce_ignored_domain``), so rank 1's KV events never carried a G4 block. Now the
+  ranks agree once whether they share one domain; if not every rank announces for itself, with one WARNING.
+* a block this rank planned as an ordinary save that the agreement offers G4-only was learned for G3 (the events'
+  learned table) though no rank writes its G3 slice; now it is only told to the announcer.
+* a step whose save agreement failed kept its planned blocks, learned by the next step's offer though never
+  offered; now they are dropped.
+
 Two real processes forming vLLM's TP group of 2 on gloo (``tests/helpers/tp_ranks.py``), one real G4 file store
 shared by both (its HEADs counted at the store), real scheduler sides, KV events and announcers driven directly (no
 background thread); run as a script, this file is one rank."""
@@ -81,6 +92,19 @@ def _put_slices(pool, ns, hs, rank: int) -> None:
     assert pool.flush(HANG_S)
 
 
+def _warnings() -> list:
+    """The WARNINGs the connector's logger emits from now on (a list filled as they come)."""
+    import logging
+    got: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                got.append(record.getMessage())
+    logging.getLogger("kvbm_backend.connector").addHandler(Keep())
+    return got
+
+
 def _credited(router, request, n: int) -> list[int]:
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
     return [i for i in range(n) if maybe_convert_block_hash(request.block_hashes[i]) in router.disk]
@@ -106,6 +130,7 @@ def _announce_rank(rank: int, root: str, out: str) -> None:
     pool = _counting_pool(root, ns)
     group = get_tp_group()
     cpu = group.cpu_group
+    warned = _warnings()
     try:
         side = SchedulerSide(ns, BS, None, pool, load=False, tp_group=group)
         side.events = G3KvEvents(2, BS, g3=False)
@@ -152,7 +177,7 @@ def _announce_rank(rank: int, root: str, out: str) -> None:
         Path(out).write_text(json.dumps({
             "announced": announced, "heads": heads, "batches": batches, "credited_a": credited_a,
             "b_early": early, "b_late": late, "credited_b": _credited(router, b, 2),
-            "batches_after": len(ann.ann.list())}))
+            "batches_after": len(ann.ann.list()), "warnings": warned}))
     finally:
         pool.close()
 
@@ -240,6 +265,7 @@ def test_one_rank_announces_for_every_rank(tmp_path):
     assert r1["b_early"] == r1["b_late"] == 0
     assert r0["credited_b"] == r1["credited_b"] == [0, 1]
     assert r0["batches_after"] == r1["batches_after"] == 2
+    assert r0["warnings"] == r1["warnings"] == []  # one hash domain (sha256): nothing to warn of
 
 
 @pytest.mark.slow  # two processes import vLLM (~10-20 s each on the 2-core VM); no wall-clock assertion
@@ -260,6 +286,168 @@ def test_withheld_blocks_are_neither_learned_nor_looked_for_in_g4(tmp_path):
     assert r0["credited"] == r1["credited"] == [0, 4, 5]
 
 
+def _domain_rank(rank: int, root: str, out: str) -> None:
+    """vLLM's NONE_HASH drawn at random per process (``--prefix-caching-hash-algo xxhash``, ``PYTHONHASHSEED`` unset
+    as under torchrun): each rank's process its own hash domain. Both ranks' scheduler sides plan and offer the same
+    4-block save, each rank's worker writes its slice, each announcer flushes once (HEADs counted) and polls. Writes
+    the rank's domain, blocks announced and HEADs, the WARNINGs logged, and the blocks its KV events credit."""
+    import os
+
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+    from vllm.utils.hashing import xxhash
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    from kvbm_backend.integrations.vllm import stats
+    from kvbm_backend.integrations.vllm.g4_announce import G4Announcer
+    from kvbm_backend.integrations.vllm.g4_records import hash_domain
+    from kvbm_backend.integrations.vllm.kv_events import G3KvEvents
+    from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+    from kvbm_backend.model.layout import KvLayout
+    from kvbm_backend.model.namespace import Namespace
+    from tests.helpers.kv_router import DiskRouter
+    from tests.integrations.vllm.test_external_launcher_saves_tp import _step
+
+    os.environ.pop("PYTHONHASHSEED", None)  # as under torchrun
+    init_none_hash(xxhash)  # --prefix-caching-hash-algo xxhash: a random NONE_HASH per process
+    ns = Namespace("kvbm-backend/el-domain", KvLayout(2, 2, BS, 64, "bfloat16"), tp_world_size=2)
+    pool = _counting_pool(root, ns)
+    group = get_tp_group()
+    cpu = group.cpu_group
+    warned = _warnings()
+    try:
+        side = SchedulerSide(ns, BS, None, pool, load=False, tp_group=group)
+        side.events = G3KvEvents(2, BS, g3=False)
+        ann = G4Announcer(side.events, pool, ns, 0.05, 3600)
+        side.events.announcer = ann
+        router = DiskRouter()
+        a = _request("a", 4, 100)
+        assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+        side.update_state_after_alloc(a, None, 0)
+        side.build_connector_meta(_step([("a", list(range(10, 14)), 0)], {"a": 4 * BS}))
+        side.build_connector_meta(_step([], {}))  # agreed once: no collective of it in later steps
+        _put_slices(pool, ns, [int(h) for h in side._reqs["a"].hashes], rank)
+        dist.barrier(group=cpu)  # every rank's slice is in G4
+        h0 = pool.store.heads
+        announced = ann.flush()
+        heads = pool.store.heads - h0
+        dist.barrier(group=cpu)  # every rank flushed
+        ann.poll()
+        router.apply(side.events.take())
+        Path(out).write_text(json.dumps({
+            "domain": hash_domain(), "announced": announced, "heads": heads, "warnings": warned,
+            "credited": _credited(router, a, 4), "ignored": stats.get("announce_ignored_domain")}))
+    finally:
+        pool.close()
+
+
+def _g4_only_rank(rank: int, root: str, out: str) -> None:
+    """A hand-off prefill request served by the engine's prefix cache (6 blocks), each rank's scheduler over its own
+    G3 view (rank 0's shows block 0 held, rank 1's blocks 0-3) with G4 (announcing, one hash domain): rank 0 plans
+    blocks 1-5 as ordinary saves and 0 G4-only, rank 1 plans 4-5 ordinary and 0-3 G4-only; the ranks offer 1-3 and 0
+    G4-only, 4-5 ordinary. Writes the offered jobs (block indexes, G4-only), the blocks the KV events hold learned for
+    G3 and those the announcer has pending."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from kvbm_backend.integrations.vllm.handoff import KEY
+    from kvbm_backend.integrations.vllm.kv_events import G3KvEvents
+    from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+    from kvbm_backend.pool.g3.index import tag_of
+    from tests.integrations.vllm.test_external_launcher_saves_tp import _fill, _step, _tiers
+
+    ns, g3, _ = _tiers(rank, root, "el-g4-only", g4=False)
+    pool = _counting_pool(root, ns)
+    try:
+        side = SchedulerSide(ns, BS, g3, pool, tp_group=get_tp_group())
+        side.events = G3KvEvents(2, BS)
+        ann = _wire(side, pool, ns)
+        assert side.hands_off
+        a = _request("a", 6, 100)
+        a.kv_transfer_params = {KEY: True}
+        hs = [int(h) for h in side._state(a).hashes]
+        _fill(g3, ns, hs[:{0: 1, 1: 4}[rank]])
+        assert side.get_num_new_matched_tokens(a, 6 * BS) == (0, False)  # the engine's prefix cache has it all
+        side.update_state_after_alloc(a, None, 0)
+        meta = side.build_connector_meta(_step([("a", list(range(10, 17)), 6 * BS)], {"a": 1}))
+        t = tag_of(TENANT)
+        Path(out).write_text(json.dumps({
+            "jobs": [[[hs.index(int(h)) for h in j.seq_hashes], j.g4_only] for j in meta.saves],
+            "learned": sorted(i for i in range(6) if (t, hs[i]) in side.events._info),
+            "pending": sorted(hs.index(seq) for _, seq in ann._pending)}))
+    finally:
+        pool.close()
+        g3.close()
+
+
+@pytest.mark.slow  # two processes import vLLM (~10-20 s each on the 2-core VM); no wall-clock assertion
+def test_every_rank_announces_for_itself_when_the_ranks_hash_domains_differ(tmp_path):
+    """Per-process NONE_HASH: each rank's poller credits only its own domain's batches. On the code of c457237 rank 0
+    announced alone and rank 1's KV events credited no G4 block ([] != [0, 1, 2, 3], its batch ignored as another
+    domain's). Now the ranks find their domains differ (one all-gather at first use): each announces the 4 blocks
+    itself (HEADing every rank's slice), each credits them, and TP rank 0 logs one WARNING naming the remedy."""
+    pytest.importorskip("vllm")
+    r0, r1 = run_tp_ranks(__file__, tmp_path, str(tmp_path), "domain")
+    assert r0["domain"] != r1["domain"]  # the precondition: per-process NONE_HASH
+    assert r0["credited"] == [0, 1, 2, 3]
+    assert r1["credited"] == [0, 1, 2, 3], f"rank 1's KV events credit {r1['credited']} (ignored batches: " \
+                                           f"{r1['ignored']})"
+    assert (r0["announced"], r1["announced"]) == (4, 4), "every rank announces for itself"
+    assert (r0["heads"], r1["heads"]) == (8, 8)
+    assert len(r0["warnings"]) == 1 and r1["warnings"] == [], r0["warnings"] + r1["warnings"]
+    assert "PYTHONHASHSEED" in r0["warnings"][0] and "sha256" in r0["warnings"][0]
+
+
+@pytest.mark.slow  # two processes import vLLM (~10-20 s each on the 2-core VM); no wall-clock assertion
+def test_blocks_the_agreement_offers_g4_only_are_announced_but_not_learned_for_g3(tmp_path):
+    """Rank 0 planned blocks 1-3 of the hand-off as ordinary G3 + G4 saves, rank 1 G4-only: they are offered G4-only
+    on every rank, so no rank writes their G3 slice. On the old code rank 0 learned them for G3 anyway (learned
+    [0, 1, 2, 3, 4, 5] != [0, 4, 5]: they sat in the events' learned table until max_pending pushed them out). Now
+    rank 0 (the one announcer) tells its announcer blocks 0-5 (all reach G4) and learns for G3 block 0 (its lookup)
+    and 4-5 (offered ordinary); rank 1 learned 0-3 from its lookup (its view: G3 holds them) and 4-5, announces
+    nothing."""
+    pytest.importorskip("vllm")
+    r0, r1 = run_tp_ranks(__file__, tmp_path, str(tmp_path), "g4_only")
+    assert r0["jobs"] == r1["jobs"] == [[[1, 2, 3], True], [[4, 5], False], [[0], True]], r0["jobs"]
+    assert r0["learned"] == [0, 4, 5], "blocks offered G4-only are not learned for G3"
+    assert r0["pending"] == [0, 1, 2, 3, 4, 5], "every block reaching G4 is told to the announcer"
+    assert (r1["learned"], r1["pending"]) == ([0, 1, 2, 3, 4, 5], [])
+
+
+def test_a_failed_save_agreement_learns_nothing_of_its_plan_later(tmp_path):
+    """The step's save agreement fails (its TP group's CPU process group is no process group: the collective raises,
+    RuntimeError). On the old code the blocks that step planned stayed kept for the KV events and the next step's
+    offer learned them ([0, 1, 2, 3] learned though never offered); now they are dropped with the failed step."""
+    pytest.importorskip("vllm")
+    import torch.distributed as dist
+
+    from kvbm_backend.integrations.vllm.kv_events import G3KvEvents
+    from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
+    from kvbm_backend.pool.g3.index import tag_of
+    from tests.helpers.tp_ranks import one_rank_group
+    from tests.integrations.vllm.test_external_launcher_saves_tp import _step, _tiers
+
+    group, own = one_rank_group()
+    ns, g3, _ = _tiers(0, str(tmp_path), "el-failed-offer", g4=False)
+    try:
+        side = SchedulerSide(ns, BS, g3, None, tp_group=group)
+        side.events = G3KvEvents(1, BS)
+        a = _request("a", 4, 100)
+        assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+        side.update_state_after_alloc(a, None, 0)
+        side.tp.group = type(group)(world_size=1, cpu_group=object(), rank_in_group=0)  # a rank gone, say
+        with pytest.raises(RuntimeError, match="save plans"):
+            side.build_connector_meta(_step([("a", list(range(10, 14)), 0)], {"a": 4 * BS}))
+        side.tp.group = group  # the group works again: the next step agrees
+        side.build_connector_meta(_step([], {}))
+        t, hs = tag_of(TENANT), [int(h) for h in side._reqs["a"].hashes]
+        assert [i for i in range(4) if (t, hs[i]) in side.events._info] == []
+    finally:
+        g3.close()
+        if own:
+            dist.destroy_process_group()
+
+
 if __name__ == "__main__":  # argv: rank, port, output JSON, root, mode
     join_tp_group(int(sys.argv[1]), int(sys.argv[2]))
-    {"announce": _announce_rank, "withheld": _withheld_rank}[sys.argv[5]](int(sys.argv[1]), sys.argv[4], sys.argv[3])
+    {"announce": _announce_rank, "withheld": _withheld_rank, "domain": _domain_rank,
+     "g4_only": _g4_only_rank}[sys.argv[5]](int(sys.argv[1]), sys.argv[4], sys.argv[3])

@@ -371,7 +371,7 @@ def test_a_pending_hit_is_judged_once_while_no_verdict_of_the_request_changes(tm
     answer decides: while it is not in, each step's flush judged B's usable prefix again (every key x every tier:
     30 steps, 30 judgements). Now a request is judged only when one of its answers changed (at most the step after
     G3's answers came in); G4's answer settles it: not found, (2, 0). B's scan is deferred meanwhile, so vLLM asks
-    its chunks again every step, each answer as before: until 2026-12-04 (review of the ledger) each such answer
+    its chunks again every step, each answer as before: until 2026-12-03 (review of the ledger) each such answer
     marked B changed, and B was judged every step all the same."""
     calls = []
     real = tier_ledger.Ledger._count
