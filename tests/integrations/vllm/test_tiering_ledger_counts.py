@@ -11,7 +11,7 @@ the usable-prefix memo), each pinned here:
 (c) whether a chunk a tier answered lay in the request's usable prefix was judged from the tiers' live state (a
     tenant revoked after the tier answered HIT made its answers count as misses) instead of the answers given.
 
-Defects of the ledger itself (review of 35463e0, fixed 2026-12-04), pinned below:
+Defects of the ledger itself (review of 35463e0, fixed 2026-12-03), pinned below:
 (d) a chunk's owner was the first tier in the manager's order that eventually answered HIT, though vLLM's manager
     passes a tier still answering over (RETRY) and loads the chunk from the next tier down that answered HIT, and
     loads from below a HIT another request's failed load forced to a miss: the find went to the tier not read;
@@ -57,18 +57,26 @@ def _matched() -> float:
     return metrics.sample_value(None, "kvbm_matched_tokens_total") or 0.0
 
 
+def _g3_over_g4(tmp_path, harnesses, name: str, n: int, seed: int, **kw):
+    """``(h, g3t, g4t, keys)``: a harness (``harnesses(tiers, **kw)``) with a G3Tier (``tmp_path / "g3"``) above a
+    G4Tier (``tmp_path / "g4"``), both holding the ``n`` chunks ``keys_for(n, name)`` (payloads of ``seed``), their
+    stores done (hang guard :data:`HANG_S` s) and the primary tier emptied."""
+    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")], **kw)
+    g3t, g4t = h.manager.secondary_tiers
+    keys = keys_for(n, name)
+    h.store(keys, payloads(h, n, seed=seed))
+    h.wait_idle(timeout=HANG_S)
+    h.reset_primary()
+    return h, g3t, g4t, keys
+
+
 def test_a_hit_taken_up_counts_when_answered_though_the_full_primary_starts_no_load(tmp_path, harnesses):
     """(a) G3Tier above G4Tier, G3 holding chunks 0-1. A (local storage only) looks them up on G3 (its answers in,
     no promotion) and stays alive. With the primary tier full (3 chunks pinned by stores in flight) B asks both:
     G3 answers A's cached HITs, vLLM has no room to promote them (MISS) and asks G4 nothing. B's lookup counts on
     G3 as answered: 2 of 2, as A's. Before: (2, 2) in all, B counted nowhere (its HITs waited for a load that never
     came)."""
-    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")], chunks=3)
-    g3t, g4t = h.manager.secondary_tiers
-    keys = keys_for(2, "taken-hit")
-    h.store(keys, payloads(h, 2, seed=3))
-    h.wait_idle(timeout=HANG_S)
-    h.reset_primary()
+    h, g3t, g4t, keys = _g3_over_g4(tmp_path, harnesses, "taken-hit", 2, seed=3, chunks=3)
     b3, c4, t0 = counted(g3t), G4Counts(g4t), _matched()
     a = _started(h, keys, _only(h, "taken-hit-a", Locality.LOCAL))
     assert ask(h, keys, a) == [LookupResult.RETRY] * 2
@@ -176,12 +184,7 @@ def test_a_chunk_loaded_from_g4_while_g3_was_still_answering_is_g4s_find(tmp_pat
     G4 answers first. vLLM's manager asks G3 (RETRY), then G4 (HIT) and promotes both chunks from G4: G4 loads 2, G3
     none. G3 then answers HIT. The chunks were found on G4: G4 (2, 2); G3 was asked about both and served neither:
     (2, 0), counted when its answers came. Before: G3 (2, 2) and G4 (0, 0), the find credited to the tier not read."""
-    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
-    g3t, g4t = h.manager.secondary_tiers
-    keys = keys_for(2, "late-g3")
-    h.store(keys, payloads(h, 2, seed=7))
-    h.wait_idle(timeout=HANG_S)
-    h.reset_primary()
+    h, g3t, g4t, keys = _g3_over_g4(tmp_path, harnesses, "late-g3", 2, seed=7)
     gate = _gated_index(g3t, monkeypatch)
     b3, c4 = counted(g3t), G4Counts(g4t)
     r = _started(h, keys, h.context())
@@ -212,12 +215,7 @@ def test_a_chunk_loaded_from_g4_after_g3s_hit_was_forced_to_a_miss_is_g4s_find(t
     and vLLM promotes the chunk from G4 for R. R's find is G4's: G4 (1, 1), G3 asked and not read: R (1, 0), plus A's
     failed load (1, 1, its own HIT owned as answered): G3 (2, 1). Before: R counted on G3 as soon as G3 answered (the
     first HIT in order): G3 (2, 2), G4 (0, 0)."""
-    h = harnesses([g3_tier(tmp_path / "g3"), _g4_tier(tmp_path / "g4")])
-    g3t, g4t = h.manager.secondary_tiers
-    keys = keys_for(1, "forced-g3")
-    h.store(keys, payloads(h, 1, seed=12))
-    h.wait_idle(timeout=HANG_S)
-    h.reset_primary()
+    h, g3t, g4t, keys = _g3_over_g4(tmp_path, harnesses, "forced-g3", 1, seed=12)
     gate, done = _gated(g4t)
     b3, c4 = counted(g3t), G4Counts(g4t)
     r = _started(h, keys, h.context())

@@ -320,6 +320,18 @@ def test_a_drive_gone_logs_its_header_and_write_failures_once_a_minute_and_count
         check_restored(pool, held[N:], gone + failed + NS.keys([5000]))
 
 
+def _fail_barrier(monkeypatch, pool) -> None:
+    """Make ``pool``'s journal barrier (``os.fdatasync`` of its journal) fail with EIO; its repair rewrite works."""
+    journal, real_fdatasync = os.path.realpath(pool.journal.path), os.fdatasync
+
+    def fdatasync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}") == journal:
+            raise OSError(errno.EIO, "journal drive failing (test)")
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+
+
 def test_a_failing_journal_barrier_logs_its_repairs_once_a_minute_and_counts_every_one(tmp_path, caplog, clock,
                                                                                        monkeypatch):
     """The journal's ``fdatasync`` fails every round (EIO) while its rewrite works: every round's records are made
@@ -328,14 +340,7 @@ def test_a_failing_journal_barrier_logs_its_repairs_once_a_minute_and_counts_eve
     caplog.set_level(logging.WARNING, logger="kvbm_backend.pool.g3")
     with open_pool(tmp_path, **CFG) as pool:
         pool.degrade_s = 0.0
-        journal, real_fdatasync = os.path.realpath(pool.journal.path), os.fdatasync
-
-        def fdatasync(fd):
-            if os.readlink(f"/proc/self/fd/{fd}") == journal:
-                raise OSError(errno.EIO, "journal drive failing (test)")
-            real_fdatasync(fd)
-
-        monkeypatch.setattr(os, "fdatasync", fdatasync)
+        _fail_barrier(monkeypatch, pool)
         keys = NS.keys(range(1, N + 1))
         for k in keys:
             assert _put_one(pool, k.seq_hash) == (1, 0)
@@ -387,18 +392,6 @@ def test_each_kind_of_unjournaled_slot_has_its_own_line_a_minute(tmp_path, caplo
             ["emptied", "withdrawn", "deleted"], lines
         assert all("verified again" in ln for ln in lines), lines
         assert pool.stats()["vacancies_unjournaled"] == 8
-
-
-def _fail_barrier(monkeypatch, pool) -> None:
-    """Make ``pool``'s journal barrier (``os.fdatasync`` of its journal) fail with EIO; its repair rewrite works."""
-    journal, real_fdatasync = os.path.realpath(pool.journal.path), os.fdatasync
-
-    def fdatasync(fd):
-        if os.readlink(f"/proc/self/fd/{fd}") == journal:
-            raise OSError(errno.EIO, "journal drive failing (test)")
-        real_fdatasync(fd)
-
-    monkeypatch.setattr(os, "fdatasync", fdatasync)
 
 
 def _kinds(lg: LimitedLog) -> list[str]:

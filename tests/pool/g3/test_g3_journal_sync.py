@@ -132,21 +132,39 @@ def test_failed_journal_fdatasync_is_repaired_by_a_rewrite_before_the_put_resolv
         assert all(pool.get(keys, out).result(timeout=HANG_S).ok)
 
 
+def _fail_barrier_and_repair(monkeypatch, pool, barrier_err: int = errno.EIO, rewrite_err: int = errno.EIO) -> SyncSpy:
+    """Make ``pool``'s next journal barrier (``os.fdatasync`` of its journal) fail with ``barrier_err`` and every
+    fsync of a repair rewrite (a ``.journal-*`` file) fail with ``rewrite_err``, until ``monkeypatch.undo()``. The
+    :class:`SyncSpy` watching the barrier."""
+    spy = SyncSpy(monkeypatch, pool.journal.path)
+    spy.fail_journal, spy.fail_errno = 1, barrier_err
+    real_fsync = os.fsync
+
+    def failing_fsync(fd):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".journal-"):
+            raise OSError(rewrite_err, "injected journal rewrite fsync failure")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    return spy
+
+
+def _put_failed_round(monkeypatch, pool, keys, **errs: int):
+    """Put ``keys`` (their :func:`payload`) into ``pool`` while its journal's barrier and repair fail
+    (:func:`_fail_barrier_and_repair` with ``errs``), then ``monkeypatch.undo()``: the PutResult (hang guard
+    :data:`HANG_S` s) and ``pool.stats()`` after."""
+    _fail_barrier_and_repair(monkeypatch, pool, **errs)
+    res = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
+    monkeypatch.undo()
+    return res, pool.stats()
+
+
 def test_failed_journal_fdatasync_and_failed_repair_withdraw_the_round(tmp_path, monkeypatch):
     """The journal's barrier fails and so does the repair rewrite (its fsync): the round's blocks are taken out
     of the index and the put counts them dropped (``journal_error``), never stored."""
     keys = NS.keys(range(1, 33))
     with open_pool(tmp_path) as pool:
-        spy = SyncSpy(monkeypatch, pool.journal.path)
-        spy.fail_journal = 1
-        real_fsync = os.fsync
-
-        def failing_fsync(fd):
-            if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".journal-"):
-                raise OSError(errno.EIO, "injected journal rewrite fsync failure")
-            real_fsync(fd)
-
-        monkeypatch.setattr(os, "fsync", failing_fsync)
+        _fail_barrier_and_repair(monkeypatch, pool)
         res = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
         assert (res.written, res.dropped) == (0, 32)
         assert pool.stats()["dropped_by_reason"].get("journal_error") == 32
@@ -164,19 +182,7 @@ def test_a_failed_barrier_whose_repair_fails_too_counts_one_journal_error(tmp_pa
                                       (range(101, 109), errno.ENOSPC, "enospc")):
         keys = NS.keys(seqs)
         with open_pool(tmp_path) as pool:
-            spy = SyncSpy(monkeypatch, pool.journal.path)
-            spy.fail_journal = 1
-            real_fsync = os.fsync
-
-            def failing_fsync(fd, rewrite_err=rewrite_err, real_fsync=real_fsync):
-                if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".journal-"):
-                    raise OSError(rewrite_err, "injected journal rewrite fsync failure")
-                real_fsync(fd)
-
-            monkeypatch.setattr(os, "fsync", failing_fsync)
-            res = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
-            monkeypatch.undo()
-            st = pool.stats()
+            res, st = _put_failed_round(monkeypatch, pool, keys, rewrite_err=rewrite_err)
             assert (res.written, res.dropped) == (0, 8)
             assert st["journal_errors"] == 1, f"journal_errors {st['journal_errors']} for one failed barrier + repair"
             assert st["enospc"] == (reason == "enospc"), st
@@ -195,19 +201,7 @@ def test_a_barrier_out_of_space_whose_repair_meets_eio_still_counts_enospc(tmp_p
     for seqs, barrier_err in ((range(201, 209), errno.ENOSPC), (range(301, 309), errno.EDQUOT)):
         keys = NS.keys(seqs)
         with open_pool(tmp_path) as pool:
-            spy = SyncSpy(monkeypatch, pool.journal.path)
-            spy.fail_journal, spy.fail_errno = 1, barrier_err
-            real_fsync = os.fsync
-
-            def failing_fsync(fd, real_fsync=real_fsync):
-                if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".journal-"):
-                    raise OSError(errno.EIO, "injected journal rewrite fsync failure")
-                real_fsync(fd)
-
-            monkeypatch.setattr(os, "fsync", failing_fsync)
-            res = pool.put(keys, [payload(k.seq_hash) for k in keys]).result(timeout=HANG_S)
-            monkeypatch.undo()
-            st = pool.stats()
+            res, st = _put_failed_round(monkeypatch, pool, keys, barrier_err=barrier_err)
             assert (res.written, res.dropped) == (0, 8)
             assert st["journal_errors"] == 1, st
             assert st["enospc"] == 1, f"enospc {st['enospc']} after a barrier's {errno.errorcode[barrier_err]}"

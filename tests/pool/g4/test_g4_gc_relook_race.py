@@ -24,6 +24,7 @@ from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.gc import run_gc
 from kvbm_backend.pool.g4.naming import parse_block_name
+from kvbm_backend.pool.g4.s3_store import S3Store
 from tests.helpers.paths import HELPERS
 
 WRITER = str(HELPERS / "g4_writer.py")
@@ -38,9 +39,9 @@ def _worker(spec: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-class _LookRaced(FsStore):
-    """gc's store: right before its first ``stat`` of ``target`` (the look at an impossible listed size), worker
-    B loads the block (finds the truncated copy bad and drops it) and worker C offloads it again."""
+class _RaceAtLook:
+    """A store mixin: right before its first ``stat`` of ``target`` (gc's look at an impossible listed size: a file's
+    ``stat``, an S3 HEAD), ``run_race`` runs (the other workers' load and re-offload); counted in ``raced``."""
 
     target: str | None = None
     run_race = None
@@ -51,7 +52,12 @@ class _LookRaced(FsStore):
             self.target = None
             self.run_race()
             self.raced += 1
-        return super().stat(name)
+        return super().stat(name)  # type: ignore[misc]
+
+
+class _LookRaced(_RaceAtLook, FsStore):
+    """gc's store: right before its first ``stat`` of ``target`` (the look at an impossible listed size), worker
+    B loads the block (finds the truncated copy bad and drops it) and worker C offloads it again."""
 
 
 def test_gc_age_pass_keeps_a_block_written_again_after_the_listing(tmp_path):
@@ -116,22 +122,8 @@ def test_gc_age_pass_keeps_an_object_of_no_known_size_written_after_the_listing(
     assert (res["deleted_by"]["age"], res["deleted_objects"], res["changed_since_listed"]) == (0, 0, 1), res
 
 
-from kvbm_backend.pool.g4.s3_store import S3Store  # noqa: E402
-
-
-class _LookRacedS3(S3Store):
+class _LookRacedS3(_RaceAtLook, S3Store):
     """As :class:`_LookRaced`, on SeaweedFS: the HEAD gc sends to look at the listed name comes after the race."""
-
-    target: str | None = None
-    run_race = None
-    raced = 0
-
-    def stat(self, name):
-        if name == self.target:
-            self.target = None
-            self.run_race()
-            self.raced += 1
-        return super().stat(name)
 
 
 def test_gc_age_pass_keeps_a_block_written_again_after_the_listing_s3(tmp_path, seaweed, s3_prefix):

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from typing import Iterator
 
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.gc import run_gc
-from kvbm_backend.pool.g4.store import ObjectInfo
+from kvbm_backend.pool.g4.store import ObjectInfo, ObjectStore
 from tests.helpers.lying_proxy import LyingProxy
 
 NS, TEN = "0123456789abcdef", "ab" * 16
@@ -50,6 +51,24 @@ def _fill(st: FsStore, root, n: int) -> None:
         os.utime(root / _name(i), (T0 + i, T0 + i))
 
 
+@contextmanager
+def _lying_seaweed(seaweed, s3_prefix) -> Iterator[tuple[ObjectStore, LyingProxy]]:
+    """``(store, proxy)``: the S3 store of ``seaweed`` under ``s3_prefix`` reached through a :class:`LyingProxy`
+    (timeout 30 s), holding the 10 blocks ``_name(0..9)`` of SIZE bytes, written in that order; both closed after."""
+    from kvbm_backend.pool.g4.factory import open_store
+    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = LyingProxy(host, int(port))
+    url = seaweed.url(s3_prefix)
+    st = open_store(url, G4Config(url=url, endpoint_url=proxy.endpoint, timeout_s=30.0))
+    try:
+        for i in range(10):
+            assert st.put_if_absent(_name(i), b"x" * SIZE)
+        yield st, proxy
+    finally:
+        st.close()
+        proxy.close()
+
+
 def test_a_file_store_listing_every_page_twice_deletes_only_down_to_the_target(tmp_path):
     root = tmp_path / "store"
     _fill(FsStore(root, fsync=False), root, 10)
@@ -71,14 +90,7 @@ def test_an_s3_server_repeating_a_list_page_deletes_only_down_to_the_target(seaw
     """SeaweedFS behind a proxy that serves a ListObjectsV2 page twice (a continuation token of its own, answered
     with the page again): boto3's paging lists the 10 objects twice. The capacity pass still deletes exactly the
     2 oldest blocks (LastModified ties broken by name: the blocks are written oldest first, in name order)."""
-    from kvbm_backend.pool.g4.factory import open_store
-    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
-    proxy = LyingProxy(host, int(port))
-    url = seaweed.url(s3_prefix)
-    st = open_store(url, G4Config(url=url, endpoint_url=proxy.endpoint, timeout_s=30.0))
-    try:
-        for i in range(10):
-            assert st.put_if_absent(_name(i), b"x" * SIZE)
+    with _lying_seaweed(seaweed, s3_prefix) as (st, proxy):
         proxy.repeat_list_pages = 1
         assert len(list(st.list(""))) == 20 and proxy.repeated == 1  # the lie, as boto3's paging sees it
         proxy.repeat_list_pages = 1
@@ -88,9 +100,6 @@ def test_an_s3_server_repeating_a_list_page_deletes_only_down_to_the_target(seaw
         assert left == sorted(_name(i) for i in range(2, 10)), (left, res)
         assert res["deleted_by"]["capacity"] == 2 and res["listed_duplicates"] == 10, res
         assert (res["scanned_objects"], res["remaining_bytes"], res["errors"]) == (10, 8 * SIZE, 0), res
-    finally:
-        st.close()
-        proxy.close()
 
 
 def test_an_age_pass_counts_a_repeated_block_once_dry_run_or_not(tmp_path):
@@ -123,14 +132,7 @@ def test_an_s3_server_repeating_a_list_page_counts_each_block_once_in_a_dry_run(
     0: every block) reports each of the 10 blocks once, deleted and scanned (old code: 20 objects, 20 x SIZE bytes,
     20 scanned), and deletes nothing; the real pass under the same lie deletes the 10 blocks, each counted once (old
     code: 20 scanned, the 10 repeats ``changed_since_listed``)."""
-    from kvbm_backend.pool.g4.factory import open_store
-    host, port = seaweed.endpoint.rsplit("//", 1)[1].rsplit(":", 1)
-    proxy = LyingProxy(host, int(port))
-    url = seaweed.url(s3_prefix)
-    st = open_store(url, G4Config(url=url, endpoint_url=proxy.endpoint, timeout_s=30.0))
-    try:
-        for i in range(10):
-            assert st.put_if_absent(_name(i), b"x" * SIZE)
+    with _lying_seaweed(seaweed, s3_prefix) as (st, proxy):
         for dry in (True, False):
             proxy.repeat_list_pages, before = 1, proxy.repeated
             res = run_gc(st, max_age_s=0.0, dry_run=dry)
@@ -139,6 +141,3 @@ def test_an_s3_server_repeating_a_list_page_counts_each_block_once_in_a_dry_run(
             assert got == (10, 10 * SIZE, 10, 0), (dry, res)
             assert (res["listed_duplicates"], res["changed_since_listed"], res["errors"]) == (10, 0, 0), (dry, res)
             assert len(list(st.list(""))) == (10 if dry else 0), dry
-    finally:
-        st.close()
-        proxy.close()

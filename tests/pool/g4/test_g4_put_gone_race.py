@@ -11,70 +11,26 @@ up to ``PUBLISH_ATTEMPTS`` PUTs; a block whose every PUT met a copy deleted befo
 (``dropped_error``), never counted stored.
 
 Real stores (file, SeaweedFS S3) and a real G4Pool; the only hook orders the race: B's publish right before this
-pool's PUT, the delete right after it (as tests/helpers/race_store.py orders gc's), no sleeps."""
+pool's PUT, the delete right after it (tests/helpers/g4_put_race.py; as tests/helpers/race_store.py orders gc's),
+no sleeps."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from kvbm_backend.config import G4Config
-from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.pool.g4 import writer as g4_writer
-from kvbm_backend.pool.g4.s3_obstore import ObstoreS3Store
-from tests.helpers.g4_writer import namespace, payload
-
-HANG_S = 600.0  # a hang guard only
-NS = namespace()
-BPB = NS.layout.bytes_per_block
-
-
-class _TakenThenDeleted:
-    """A store where each of the next ``rounds`` create-exclusive PUTs of ``target`` meets worker B's copy
-    (published by B right before it) and a deleter removes that copy right after the PUT answered (before the
-    writer's check): real store operations, in the order of the race; counted in ``raced``."""
-
-    target: str | None = None
-    rounds = 0
-    raced = 0
-
-    def put_if_absent(self, name, data):
-        if name != self.target or self.rounds <= 0:
-            return super().put_if_absent(name, data)  # type: ignore[misc]
-        self.rounds -= 1
-        assert super().put_if_absent(name, b"worker B's copy" * 64)  # type: ignore[misc]
-        created = super().put_if_absent(name, data)  # type: ignore[misc]  # this pool's PUT: the name is taken
-        self.delete(name)  # type: ignore[attr-defined]  # gc, or another worker's load dropping it
-        self.raced += 1
-        return created
-
-
-class _RaceFs(_TakenThenDeleted, FsStore):
-    pass
-
-
-class _RaceS3(_TakenThenDeleted, ObstoreS3Store):
-    pass
+from tests.helpers import g4_put_race
+from tests.helpers.g4_put_race import BPB, HANG_S, NS, read_hit as _read
+from tests.helpers.g4_writer import payload
 
 
 @pytest.fixture
 def racing(request, tmp_path):
-    """``(store, G4Config kwargs)`` of a :class:`_TakenThenDeleted` store of kind ``request.param``."""
-    kr = {"keyring": {"path": str(tmp_path / "keys" / "kr.json")}, "timeout_s": 30.0}
-    if request.param == "file":
-        yield _RaceFs(tmp_path / "g4", fsync=False), {"url": f"file://{tmp_path / 'g4'}", "fsync": False, **kr}
-        return
-    sw, prefix = request.getfixturevalue("seaweed"), request.getfixturevalue("s3_prefix")
-    st = _RaceS3(sw.bucket, prefix, endpoint_url=sw.endpoint, timeout_s=30.0)
-    yield st, {"url": sw.url(prefix), "endpoint_url": sw.endpoint, **kr}
-    st.close()
-
-
-def _read(p: G4Pool, seq: int) -> bool:
-    out = [np.full(BPB, 0xEE, np.uint8)]
-    ok = p.get(NS.keys([seq], tenant="t"), out).result(timeout=HANG_S).ok[0]
-    assert not ok or np.array_equal(out[0], payload(seq, "t", BPB)), "a hit with wrong bytes"
-    return ok
+    """``(store, G4Config kwargs)`` of a :class:`~tests.helpers.g4_put_race.TakenThenGone` store of kind
+    ``request.param``, whose next ``gone`` create-exclusive PUTs of ``target`` each meet worker B's copy (published
+    by B right before it) and a deleter removes that copy right after the PUT answered (before the writer's check)."""
+    yield from g4_put_race.racing(request, tmp_path, timeout_s=30.0)
 
 
 @pytest.mark.parametrize("racing", ["file", "s3"], indirect=True)
@@ -84,7 +40,7 @@ def test_a_copy_deleted_before_the_check_has_the_block_published_again(racing):
     store, cfg = racing
     with G4Pool(G4Config(**cfg), NS, store=store) as p:
         key = NS.key(7, tenant="t")
-        store.target, store.rounds = p.object_name(key), 1
+        store.target, store.gone = p.object_name(key), 1
         res = p.put([key], [payload(7, "t", BPB)]).result(timeout=HANG_S)
         st = p.stats()
         assert store.raced == 1, st
@@ -100,7 +56,7 @@ def test_a_block_whose_every_put_met_a_copy_deleted_before_the_check_is_dropped(
     store, cfg = racing
     with G4Pool(G4Config(**cfg), NS, store=store) as p:
         key = NS.key(8, tenant="t")
-        store.target, store.rounds = p.object_name(key), 100  # every PUT of this offload races
+        store.target, store.gone = p.object_name(key), 100  # every PUT of this offload races
         res = p.put([key], [payload(8, "t", BPB)]).result(timeout=HANG_S)
         st = p.stats()
         assert store.head(store.target) is None, st
@@ -108,6 +64,6 @@ def test_a_block_whose_every_put_met_a_copy_deleted_before_the_check_is_dropped(
         assert (res.written, res.skipped, res.dropped) == (0, 0, 1) and st["dropped_error"] == 1, (res, st)
         assert store.raced == g4_writer.PUBLISH_ATTEMPTS, st
         assert not _read(p, 8)
-        store.rounds = 0
+        store.gone = 0
         assert p.put([key], [payload(8, "t", BPB)]).result(timeout=HANG_S).written == 1
         assert _read(p, 8)

@@ -14,108 +14,33 @@
    (``namespace_json_errors``), and the next offload written writes it.
 
 Real stores (file, SeaweedFS S3) and a real G4Pool; the only hooks order the race in the store (B's publish right
-before this pool's PUT, the delete right after the settle's look or the PUT), as tests/pool/g4/test_g4_put_gone_race.py
-does; no sleeps. A file store never leaves a PUT unsettled: its test subclass raises PutUnsettled after the real PUT
-and settles by the MD5 of the file, as an S3 store does by the ETag."""
+before this pool's PUT, the delete right after the settle's look or the PUT: tests/helpers/g4_put_race.py, shared
+with tests/pool/g4/test_g4_put_gone_race.py); no sleeps. A file store never leaves a PUT unsettled: its test subclass
+raises PutUnsettled after the real PUT and settles by the MD5 of the file, as an S3 store does by the ETag."""
 from __future__ import annotations
 
-import hashlib
 import json
 
-import numpy as np
 import pytest
 
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4 import writer as g4_writer
-from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.naming import namespace_name
 from kvbm_backend.pool.g4.pool import G4Pool
-from kvbm_backend.pool.g4.s3_obstore import ObstoreS3Store
-from kvbm_backend.pool.g4.store import PutUnsettled
-from tests.helpers.g4_writer import namespace, payload
-
-HANG_S = 600.0  # a hang guard only
-NS = namespace()
-BPB = NS.layout.bytes_per_block
-B_COPY = b"worker B's copy" * 64
-
-
-class _Race:
-    """Store operations on ``target``, in the order of the race (each kind counted down, each race in ``raced``):
-
-    * ``unsettled``: B publishes its copy, this pool's real PUT meets it (False), and its answer is lost
-      (raises PutUnsettled with the MD5 of the bytes sent);
-    * ``lost_answers``: this pool's real PUT lands (True), its answer is lost (PutUnsettled);
-    * ``gone``: B publishes its copy, this pool's PUT meets it, a deleter removes it right after the answer;
-    * ``delete_at_settle``: a settle that found other bytes under ``target`` has them deleted right after it."""
-
-    target: str | None = None
-    unsettled = lost_answers = gone = delete_at_settle = 0
-    raced = 0
-
-    def put_if_absent(self, name, data):
-        if name != self.target or not (self.unsettled or self.lost_answers or self.gone):
-            return super().put_if_absent(name, data)  # type: ignore[misc]
-        self.raced += 1
-        if self.lost_answers and not self.unsettled:
-            self.lost_answers -= 1
-            assert super().put_if_absent(name, data)  # type: ignore[misc]  # landed; the answer never came
-            raise PutUnsettled("no answer (test)", name, hashlib.md5(bytes(data)).hexdigest())
-        assert super().put_if_absent(name, B_COPY)  # type: ignore[misc]  # worker B publishes first
-        created = super().put_if_absent(name, data)  # type: ignore[misc]  # this pool's PUT: the name is taken
-        if self.unsettled:
-            self.unsettled -= 1
-            raise PutUnsettled("no answer (test)", name, hashlib.md5(bytes(data)).hexdigest())
-        self.gone -= 1
-        self.delete(name)  # type: ignore[attr-defined]  # gc, or another worker's load dropping it
-        return created
-
-    def settle(self, name, md5_hex):
-        landed = super().settle(name, md5_hex)  # type: ignore[misc]
-        if landed is False and name == self.target and self.delete_at_settle:
-            self.delete_at_settle -= 1
-            self.delete(name)  # type: ignore[attr-defined]  # the deleter, before the writer's header GET
-        return landed
-
-
-class _FsSettles(FsStore):
-    """A file store that settles as an S3 store does (the MD5 of what the name holds against the PUT's)."""
-
-    def settle(self, name, md5_hex):
-        body = self.get(name)
-        return None if body is None else hashlib.md5(bytes(body)).hexdigest() == md5_hex
-
-
-class _RaceFs(_Race, _FsSettles):
-    pass
-
-
-class _RaceS3(_Race, ObstoreS3Store):
-    pass
+from tests.helpers import g4_put_race
+from tests.helpers.g4_put_race import BPB, HANG_S, NS, TakenThenGone, read_hit as _read
+from tests.helpers.g4_writer import payload
 
 
 @pytest.fixture
 def racing(request, tmp_path):
-    """``(store, G4Config kwargs)`` of a :class:`_Race` store of kind ``request.param``. ``timeout_s`` 2, no
-    retries: an unsettled PUT is re-checked from 0.5 s on, for up to 8 s (SETTLE_BOUNDS puts' bounds)."""
-    kr = {"keyring": {"path": str(tmp_path / "keys" / "kr.json")}, "timeout_s": 2.0, "retries": 0}
-    if request.param == "file":
-        yield _RaceFs(tmp_path / "g4", fsync=False), {"url": f"file://{tmp_path / 'g4'}", "fsync": False, **kr}
-        return
-    sw, prefix = request.getfixturevalue("seaweed"), request.getfixturevalue("s3_prefix")
-    st = _RaceS3(sw.bucket, prefix, endpoint_url=sw.endpoint, timeout_s=30.0)
-    yield st, {"url": sw.url(prefix), "endpoint_url": sw.endpoint, **kr}
-    st.close()
+    """``(store, G4Config kwargs)`` of a :class:`~tests.helpers.g4_put_race.TakenThenGone` store of kind
+    ``request.param``. ``timeout_s`` 2, no retries: an unsettled PUT is re-checked from 0.5 s on, for up to 8 s
+    (SETTLE_BOUNDS puts' bounds)."""
+    yield from g4_put_race.racing(request, tmp_path, timeout_s=2.0, retries=0)
 
 
-def _read(p: G4Pool, seq: int) -> bool:
-    out = [np.full(BPB, 0xEE, np.uint8)]
-    ok = p.get(NS.keys([seq], tenant="t"), out).result(timeout=HANG_S).ok[0]
-    assert not ok or np.array_equal(out[0], payload(seq, "t", BPB)), "a hit with wrong bytes"
-    return ok
-
-
-def _put(p: G4Pool, store: _Race, seq: int, **race: int):
+def _put(p: G4Pool, store: TakenThenGone, seq: int, **race: int):
     key = NS.key(seq, tenant="t")
     store.target = p.object_name(key)
     for k, v in race.items():
