@@ -23,7 +23,11 @@ fails, until ``bound_s`` seconds after it became unsettled. Outcome, exactly one
   the caller's buffer (the pool reads it until the put's future resolves) and publishes it create-exclusive as a
   direct offload (up to 3 PUTs): ``written``, or dropped for the reason that PUT met (``dropped_error`` when each
   met a copy gone by its check); a new PUT the store cannot settle either is settled here in turn (its MD5),
-  within the same ``bound_s``. Before 2026-12-03 that block counted ``skipped_exists``, stored with nothing there;
+  within the same ``bound_s``. Before 2026-12-03 that block counted ``skipped_exists``, stored with nothing there.
+  The writer reads the caller's buffer only while the settler holds the block (:meth:`LateSettler._hold`): not
+  after it ended, nor past ``bound_s``; :meth:`LateSettler.close` waits for such a read before it ends the block
+  (before 2026-12-04 it resolved the put's future under the read: the caller reused its buffer and the writer
+  published those bytes, validly sealed, under the block's name: wrong KV served);
 * absent: ``dropped_unavailable`` (the PUT was lost);
 * still unknown past ``bound_s``, or the pool closing: ``dropped_unsettled``.
 """
@@ -32,7 +36,8 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Executor
-from typing import Callable
+from contextlib import AbstractContextManager, contextmanager
+from typing import Callable, Iterator
 
 from ...deadlines import Deadlines
 from .breaker import CircuitBreaker
@@ -40,15 +45,18 @@ from .store import ObjectStore, PutUnsettled, StoreUnavailable
 
 __all__ = ["LateSettler"]
 
+Hold = Callable[[], AbstractContextManager[bool]]
+Found = Callable[[Hold], str]
+
 
 class _Unsettled:
-    __slots__ = ("name", "md5_hex", "nbytes", "end", "found", "give_up_at", "delay_s", "ended")
+    __slots__ = ("name", "md5_hex", "nbytes", "end", "found", "give_up_at", "delay_s", "ended", "reading")
 
     def __init__(self, name: str, md5_hex: str, nbytes: int, end: Callable[[str], None],
-                 found: Callable[[], str] | None, give_up_at: float, delay_s: float):
+                 found: Found | None, give_up_at: float, delay_s: float):
         self.name, self.md5_hex, self.nbytes, self.end, self.found = name, md5_hex, nbytes, end, found
         self.give_up_at, self.delay_s = give_up_at, delay_s
-        self.ended = False
+        self.ended = self.reading = False  # reading: the writer reads the caller's buffer (close waits for it)
 
 
 class LateSettler:
@@ -70,6 +78,7 @@ class LateSettler:
         self._count = count
         self._first_delay_s, self._bound_s = max(0.01, first_delay_s), bound_s
         self._mu = threading.Lock()
+        self._cv = threading.Condition(self._mu)  # a read of a caller's buffer ended (close waits for them)
         self._pending: set[_Unsettled] = set()
         self._closed = False
 
@@ -79,17 +88,19 @@ class LateSettler:
             return len(self._pending)
 
     def start(self, name: str, md5_hex: str, nbytes: int, end: Callable[[str], None],
-              found: Callable[[], str] | None = None) -> None:
+              found: Found | None = None) -> None:
         """Settle the block published as ``name`` (``nbytes`` bytes whose MD5 is ``md5_hex``) later;
         ``end(kind)`` (``"written"``, ``"skipped"`` or ``"dropped"``) is called exactly once, after its
         counter is counted, from a timer or offload thread (or from here when already closed).
-        ``found()`` is asked, on an offload thread, once the object is found holding other bytes, and returns the
+        ``found(hold)`` is asked, on an offload thread, once the object is found holding other bytes, and returns the
         counter the block ends with: ``"skipped_exists"`` (kind ``"skipped"``), ``"skipped_unservable"`` (kind
         ``"dropped"``: not stored), ``"written"`` (the object was gone and the block is published again; counted
         ``written`` and ``bytes_written``, not ``settled_late``) or a ``"dropped_<reason>"``. It raises
         :class:`~.store.PutUnsettled` when that new PUT cannot be settled either: the block is then settled by
         the error's name and MD5, within the same bound. Any other exception (a bug) ends it ``dropped_error``,
-        never stored. None: every such block is ``skipped_exists``."""
+        never stored. None: every such block is ``skipped_exists``. ``found`` reads the caller's buffer only inside
+        ``with hold() as live:`` and only when ``live`` is True; False (the block ended: the pool closed; or
+        ``bound_s`` passed) means it must not, and returns ``"dropped_unsettled"``."""
         u = _Unsettled(name, md5_hex, nbytes, end, found, time.monotonic() + self._bound_s, self._first_delay_s)
         self._count("unsettled_puts")  # every outcome below is one of these (dropped_unsettled <= unsettled_puts)
         with self._mu:
@@ -103,10 +114,15 @@ class LateSettler:
 
     def close(self) -> None:
         """End every block still unsettled as ``dropped_unsettled`` now (a check in flight is ignored
-        when it returns); later :meth:`start` calls end so at once. Never waits."""
+        when it returns); later :meth:`start` calls end so at once. Waits only for a writer reading a block's
+        buffer (:meth:`_hold`: its future must not resolve under the read), at most until that block's bound;
+        one still read then ends when its check returns."""
         with self._mu:
             self._closed = True
-            left = list(self._pending)
+            while (wait_s := max((u.give_up_at for u in self._pending if u.reading), default=0.0)
+                   - time.monotonic()) > 0:
+                self._cv.wait(wait_s)
+            left = [u for u in self._pending if not u.reading]
         for u in left:
             self._finish(u, "dropped_unsettled")
 
@@ -153,6 +169,19 @@ class LateSettler:
         u.delay_s = min(2 * u.delay_s, self._bound_s / 2)
         self._schedule(u)
 
+    @contextmanager
+    def _hold(self, u: _Unsettled) -> Iterator[bool]:
+        """While held (True), :meth:`close` does not end ``u``: the writer may read its caller's buffer. False:
+        ``u`` ended (or the settler closed), or its bound passed: the buffer must not be read."""
+        with self._mu:
+            u.reading = live = not (u.ended or self._closed) and time.monotonic() < u.give_up_at
+        try:
+            yield live
+        finally:
+            with self._mu:
+                u.reading = False
+                self._cv.notify_all()
+
     def _found(self, u: _Unsettled) -> None:
         """Other bytes under ``u.name``: end the block with the counter ``u.found()`` answers (see :meth:`start`);
         a new PUT of it that is unsettled too is settled in turn (past the bound: ``dropped_unsettled``)."""
@@ -160,10 +189,10 @@ class LateSettler:
             self._finish(u, "skipped_exists")
             return
         try:
-            counter = u.found()
+            counter = u.found(lambda: self._hold(u))
         except PutUnsettled as e:  # published again (the object was gone), and that PUT's answer was lost too
             u.name, u.md5_hex = e.name, e.md5_hex
-            if time.monotonic() >= u.give_up_at:
+            if self._closed or time.monotonic() >= u.give_up_at:
                 self._finish(u, "dropped_unsettled")
             else:
                 self._again(u)

@@ -20,10 +20,10 @@ could not settle (no answer, and the HEAD asking whether it landed failed too: :
 pending and is settled later by :class:`~.settle.LateSettler`, off the offload threads' time; when it finds other
 bytes there it asks :meth:`G4Writer._settle_found` (a callback: the settler does not import the writer), so a
 late-settled block ends ``skipped_exists`` or ``skipped_unservable`` (dropped) as above, and one whose found object
-is gone by the check is sealed again from the caller's buffer and published as above (before 2026-12-03 it counted
-``skipped_exists``, nothing there). A store outage counts towards the breaker; a
-store that answers with an error (403, missing bucket) does not, and is logged
-(:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_error`); nor does one that answers "no room" (a full,
+is gone by the check is sealed again from the caller's buffer (only while the settler holds the block: never after
+its future resolved) and published as above (before 2026-12-03 it counted ``skipped_exists``, nothing there). A
+store outage counts towards the breaker; a store that answers with an error (403, missing bucket) does not, and is
+logged (:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_error`); nor does one that answers "no room" (a full,
 over-quota or read-only mount: :class:`~.store.StoreFull`): ``dropped_full``, logged
 (:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_full`), loads still served. A throttled PUT
 (:class:`~.store.StoreThrottled`) is retried after a full-jitter backoff (:mod:`.throttle`) until
@@ -52,10 +52,9 @@ from ..base import InFlight, PutResult, completed
 from ...deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
 from .events import G4Counters, OperatorLog
-from .naming import NAMESPACE_JSON_MAX, namespace_doc, namespace_name
-from .settle import LateSettler
+from .naming import NAMESPACE_JSON_MAX, TenantNamer, namespace_doc, namespace_name
+from .settle import Hold, LateSettler
 from .store import ObjectStore, PutUnsettled, StoreFull, StoreThrottled, StoreUnavailable
-from .naming import TenantNamer
 from .tenant_names import TenantNames
 from .throttle import ThrottleWatch, call_throttled
 
@@ -315,7 +314,7 @@ class G4Writer:
                         self._counters.offload_ended(time.monotonic() - queued)
                         done(kind)
                     self._settler.start(name, e.md5_hex, len(buf), end,
-                                        lambda: self._settle_found(key, block, name, namer))
+                                        lambda hold: self._settle_found(key, block, name, namer, hold))
                     return
             if created is None:
                 return
@@ -401,23 +400,27 @@ class G4Writer:
                 break
         return False, found
 
-    def _settle_found(self, key: BlockKey, block: npt.NDArray[np.uint8], name: str, namer: TenantNamer) -> str:
+    def _settle_found(self, key: BlockKey, block: npt.NDArray[np.uint8], name: str, namer: TenantNamer,
+                      hold: Hold) -> str:
         """A late settle (:mod:`.settle`) found other bytes under ``name``: the counter ``key``'s block ends with (not
         counted here): ``skipped_exists`` / ``skipped_unservable`` as :meth:`_found_serves` judges them; gone by its
-        GET (deleted since), the block sealed again from ``block`` (the caller's: read until the put's future
-        resolves) and published as a direct offload: ``written`` or a ``dropped_*`` reason (before 2026-12-03:
-        ``skipped_exists``, nothing there). Raises :class:`~.store.PutUnsettled` when that PUT cannot be settled."""
+        GET (deleted since), ``block`` (the caller's: read only inside ``hold()``; ended or past the settle bound:
+        ``dropped_unsettled``, unread) sealed again and published as a direct offload: ``written`` or a ``dropped_*``
+        reason (before 2026-12-03: ``skipped_exists``). Raises :class:`~.store.PutUnsettled` as :meth:`_publish`."""
         found = self._found_serves(key, name, namer)
         if found is not None:
             return "skipped_exists" if found else "skipped_unservable"
-        if self._closed:  # the settler ended the block already (dropped_unsettled): no more I/O
-            return "dropped_closed"
         dropped: list[str] = []
         with self._frames.lend(self._frame_bytes) as fbuf:
-            try:
-                buf, name, namer = self._seal(key, block, fbuf)
-            except KeyringError as e:
-                return self._keyring_drop(key, e)
+            with hold() as live:  # before 2026-12-04 a close resolved the future under this read: wrong KV published
+                if not live:
+                    return "dropped_unsettled"
+                try:
+                    buf, name, namer = self._seal(key, block, fbuf)
+                except KeyringError as e:
+                    return self._keyring_drop(key, e)
+            if self._closed:  # closed while sealing: no more I/O; ends as close() ends it (whichever comes first)
+                return "dropped_unsettled"
             created, found = self._publish_found(key, name, namer, buf, dropped.append)
         if created is None:
             return dropped[0] if dropped else "dropped_error"
