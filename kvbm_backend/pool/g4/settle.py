@@ -26,7 +26,7 @@ fails, until ``bound_s`` seconds after it became unsettled. Outcome, exactly one
   within the same ``bound_s``. Before 2026-12-03 that block counted ``skipped_exists``, stored with nothing there.
   The writer reads the caller's buffer only while the settler holds the block (:meth:`LateSettler._hold`): not
   after it ended, nor past ``bound_s``; :meth:`LateSettler.close` waits for such a read before it ends the block
-  (before 2026-12-04 it resolved the put's future under the read: the caller reused its buffer and the writer
+  (before 2026-12-03 it resolved the put's future under the read: the caller reused its buffer and the writer
   published those bytes, validly sealed, under the block's name: wrong KV served);
 * absent: ``dropped_unavailable`` (the PUT was lost);
 * still unknown past ``bound_s``, or the pool closing: ``dropped_unsettled``.

@@ -87,8 +87,7 @@ class G4Writer:
             PUT is re-checked after ``put_bound_s / 4`` (doubling) for up to ``SETTLE_BOUNDS * put_bound_s``.
         load_bound_s: seconds within which the start-up ``namespace.json`` write retries throttles.
         default_tenant: the configured default tenant (the ``tenant`` setting: the tenant of every request that
-            names none of its own); only compared with, never logged (see :meth:`_drop_text`).
-    """
+            names none of its own); only compared with, never logged (see :meth:`_drop_text`)."""
 
     def __init__(self, *, store: ObjectStore, namespace: Namespace, names: TenantNames, keyring: Keyring | None,
                  encrypt: bool, frames: BufferPool, breaker: CircuitBreaker, throttle: ThrottleWatch,
@@ -204,7 +203,8 @@ class G4Writer:
     def close(self) -> None:
         """From now on offloads are dropped (``dropped_closed``), those still queued too when their turn comes
         (without I/O: their futures resolve), and ``namespace.json`` is not retried; blocks still unsettled
-        end now (``dropped_unsettled``)."""
+        end now (``dropped_unsettled``), but for one a late settle is re-sealing and publishing again (waited for,
+        at most until its settle bound: :meth:`.settle.LateSettler.close`)."""
         self._closed = True
         self._settler.close()
 
@@ -412,16 +412,16 @@ class G4Writer:
             return "skipped_exists" if found else "skipped_unservable"
         dropped: list[str] = []
         with self._frames.lend(self._frame_bytes) as fbuf:
-            with hold() as live:  # before 2026-12-04 a close resolved the future under this read: wrong KV published
+            with hold() as live:  # before 2026-12-03 a close resolved the future under this read: wrong KV published
                 if not live:
                     return "dropped_unsettled"
                 try:
                     buf, name, namer = self._seal(key, block, fbuf)
                 except KeyringError as e:
                     return self._keyring_drop(key, e)
-            if self._closed:  # closed while sealing: no more I/O; ends as close() ends it (whichever comes first)
-                return "dropped_unsettled"
-            created, found = self._publish_found(key, name, namer, buf, dropped.append)
+                if self._closed:  # closed while sealing: nothing published (close() waits for the hold, then ends it)
+                    return "dropped_unsettled"
+                created, found = self._publish_found(key, name, namer, buf, dropped.append)  # held: close() waits
         if created is None:
             return dropped[0] if dropped else "dropped_error"
         return ("written" if created else "dropped_error" if found is None else

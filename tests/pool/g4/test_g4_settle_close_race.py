@@ -1,5 +1,5 @@
 """The G4 late settle's republish (a27f8d1) reads the caller's buffer only while the put's future is open, and only
-within the settle bound (review of a27f8d1, 2026-12-04).
+within the settle bound (review of a27f8d1, 2026-12-03).
 
 A create-exclusive PUT met worker B's copy and its answer was lost (PutUnsettled); the settle later finds B's bytes,
 a deleter removes them before the writer's header GET, and ``G4Writer._settle_found`` seals the block again from the
@@ -147,3 +147,49 @@ def test_a_settle_check_at_the_bound_never_republishes(tmp_path):
         c = p.stats()
         assert (c.get("dropped_unsettled"), c.get("written", 0)) == (1, 0), c
         assert store.head(store.target) is None  # no republish started past the bound
+
+
+def test_a_close_during_the_republish_waits_for_it_and_the_block_counts_written(tmp_path):
+    """The close lands after the re-seal, while the settle publishes the block again (review of 1ddf0ce): before, the
+    writer had checked ``closed`` once before that PUT and held nothing during it, so close ended the block
+    ``dropped_unsettled`` at once, ``G4Pool.close`` returned, and the PUT landed afterwards: an object written after
+    close, reported dropped, counted nowhere as written. Now the PUT runs inside the settler's hold: close waits for it
+    (at most until the block's settle bound) and the block ends as the PUT ended it, ``written``, its bytes right."""
+    cfg = _config(tmp_path, 2.0)
+    store = _RaceFs(tmp_path / "g4", fsync=False)
+    key = NS.key(13, tenant="t")
+    good = payload(13, "t", BPB)
+    p = G4Pool(cfg, NS, store=store)
+    store.target, store.unsettled, store.delete_at_settle = p.object_name(key), 1, 1
+    real_publish_found, calls, published = p.writer._publish_found, [], threading.Event()
+    closed_after: list[bool] = []
+
+    def close_pool():
+        p.close(timeout=0)
+        closed_after.append(published.is_set())
+    closer = threading.Thread(target=close_pool)
+
+    def publish_found(*a, **kw):
+        calls.append(a[1])
+        if len(calls) == 2:  # the settle's republish: the pool closes on another thread now
+            closer.start()
+            guard = time.monotonic() + HANG_S
+            while not (closed_after or _waits_in_settler_close(closer)):
+                assert time.monotonic() < guard, "hang guard"
+                time.sleep(0.001)
+        out = real_publish_found(*a, **kw)
+        if len(calls) == 2:
+            published.set()
+        return out
+
+    p.writer._publish_found = publish_found
+    res = p.put([key], [good.copy()]).result(timeout=HANG_S)
+    closer.join(HANG_S)
+    assert not closer.is_alive(), "close hung"
+    assert len(calls) == 2, calls
+    assert closed_after == [True], "G4Pool.close() returned before the settle's republish PUT ended"
+    assert (res.written, res.skipped, res.dropped) == (1, 0, 0), res
+    c = p.stats()
+    assert c.get("written") == 1 and c.get("dropped_unsettled", 0) == 0, c
+    ok, got = _served(cfg, key)
+    assert ok and np.array_equal(got, good)
