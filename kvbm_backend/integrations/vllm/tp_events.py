@@ -39,6 +39,9 @@ from .metadata import SaveJob
 log = logging.getLogger("kvbm_backend.connector")
 
 _U64 = (1 << 64) - 1
+_OFF = "(g4.announce off)"  # what a rank without an announcer sends to agree_domain
+MIXED_WARNING = ("kvbm_backend: g4.announce under external_launcher is on for TP ranks %s only: each of those "
+                 "announces the engine's G4 blocks itself; give every rank of the engine the same g4.announce")
 PER_RANK_WARNING = (
     "kvbm_backend: g4.announce under external_launcher: the TP ranks' vLLM block hashes differ (hash domains %s), "
     "so every rank announces the engine's G4 blocks itself (a poller credits only batches of its own domain): "
@@ -53,15 +56,23 @@ def agree_domain(side: Any) -> None:
     TP group, at the first call; later calls return at once. Every rank must call it at the same point (the scheduler
     side's ``get_num_new_matched_tokens`` and :func:`offer`). The same domain: only TP rank 0 announces
     (:func:`announces`); else every rank does, and TP rank 0 logs :data:`PER_RANK_WARNING` once. Raises RuntimeError
-    when the collective fails (a rank gone)."""
+    when the collective fails (a rank gone). Every rank under ``external_launcher`` with TP > 1 joins, with an
+    announcer or not (a rank without one sends :data:`_OFF`): before 2026-12-03's fix a rank whose ``g4.announce``
+    was off skipped the all-gather while the others waited in it, and every rank hung. Ranks whose ``g4.announce``
+    differs each announce for themselves, TP rank 0 logs :data:`MIXED_WARNING` once."""
     tp = side.tp
-    if tp is None or tp.one_announcer is not None or getattr(side.events, "announcer", None) is None:
+    if tp is None or tp.one_announcer is not None:
         return
     from .g4_records import hash_domain
+    mine = (hash_domain() or "") if getattr(side.events, "announcer", None) is not None else _OFF
     doms = [d.decode("utf-8", "replace") for d in
-            tp_agree.all_gather_bytes(tp.group, (hash_domain() or "").encode(), "the block hash domains")]
-    tp.one_announcer = all(doms) and len(set(doms)) == 1
-    if not tp.one_announcer and _rank(tp) == 0:  # (no domain yet: vLLM's NONE_HASH unset; not seen in vLLM)
+            tp_agree.all_gather_bytes(tp.group, mine.encode(), "the block hash domains")]
+    tp.one_announcer = _OFF not in doms and all(doms) and len(set(doms)) == 1
+    if tp.one_announcer or _rank(tp) != 0 or all(d == _OFF for d in doms):
+        return
+    if _OFF in doms:
+        log.warning(MIXED_WARNING, ", ".join(str(r) for r, d in enumerate(doms) if d != _OFF))
+    else:  # (no domain yet: vLLM's NONE_HASH unset; not seen in vLLM)
         log.warning(PER_RANK_WARNING, ", ".join(d or "none" for d in doms))
 
 
