@@ -56,7 +56,7 @@ class _Unsettled:
                  found: Found | None, give_up_at: float, delay_s: float):
         self.name, self.md5_hex, self.nbytes, self.end, self.found = name, md5_hex, nbytes, end, found
         self.give_up_at, self.delay_s = give_up_at, delay_s
-        self.ended = self.reading = False  # reading: the writer reads the caller's buffer (close waits for it)
+        self.ended = self.reading = False  # reading: held by the writer (_hold; close waits for it)
 
 
 class LateSettler:
@@ -114,9 +114,10 @@ class LateSettler:
 
     def close(self) -> None:
         """End every block still unsettled as ``dropped_unsettled`` now (a check in flight is ignored
-        when it returns); later :meth:`start` calls end so at once. Waits only for a writer reading a block's
-        buffer (:meth:`_hold`: its future must not resolve under the read), at most until that block's bound;
-        one still read then ends when its check returns."""
+        when it returns); later :meth:`start` calls end so at once. Waits only for a block the writer holds
+        (:meth:`_hold`: re-sealing its caller's buffer, whose future must not resolve under the read, and publishing
+        it again) until its outcome is recorded, at most until that block's bound; one still held then ends when its
+        check returns."""
         with self._mu:
             self._closed = True
             while (wait_s := max((u.give_up_at for u in self._pending if u.reading), default=0.0)
@@ -171,16 +172,13 @@ class LateSettler:
 
     @contextmanager
     def _hold(self, u: _Unsettled) -> Iterator[bool]:
-        """While held (True), :meth:`close` does not end ``u``: the writer may read its caller's buffer. False:
-        ``u`` ended (or the settler closed), or its bound passed: the buffer must not be read."""
+        """While held (True), :meth:`close` does not end ``u``: the writer may read its caller's buffer and publish
+        it again. False: ``u`` ended (or the settler closed), or its bound passed: the buffer must not be read. The
+        hold lasts until :meth:`_found` has recorded ``u``'s outcome (not only until the writer leaves it: before
+        2026-12-03's fix a close waking between the two ended a block its PUT had stored ``dropped_unsettled``)."""
         with self._mu:
             u.reading = live = not (u.ended or self._closed) and time.monotonic() < u.give_up_at
-        try:
-            yield live
-        finally:
-            with self._mu:
-                u.reading = False
-                self._cv.notify_all()
+        yield live
 
     def _found(self, u: _Unsettled) -> None:
         """Other bytes under ``u.name``: end the block with the counter ``u.found()`` answers (see :meth:`start`);
@@ -189,17 +187,22 @@ class LateSettler:
             self._finish(u, "skipped_exists")
             return
         try:
-            counter = u.found(lambda: self._hold(u))
-        except PutUnsettled as e:  # published again (the object was gone), and that PUT's answer was lost too
-            u.name, u.md5_hex = e.name, e.md5_hex
-            if self._closed or time.monotonic() >= u.give_up_at:
-                self._finish(u, "dropped_unsettled")
-            else:
-                self._again(u)
-            return
-        except Exception:  # noqa: BLE001 - a bug (the writer's check answers every store error): not stored
-            counter = "dropped_error"
-        self._finish(u, counter, late=False)
+            try:
+                counter = u.found(lambda: self._hold(u))
+            except PutUnsettled as e:  # published again (the object was gone), and that PUT's answer was lost too
+                u.name, u.md5_hex = e.name, e.md5_hex
+                if self._closed or time.monotonic() >= u.give_up_at:
+                    self._finish(u, "dropped_unsettled")
+                else:
+                    self._again(u)
+                return
+            except Exception:  # noqa: BLE001 - a bug (the writer's check answers every store error): not stored
+                counter = "dropped_error"
+            self._finish(u, counter, late=False)
+        finally:  # the hold (:meth:`_hold`) ends once the outcome is recorded: close() waits for it
+            with self._mu:
+                u.reading = False
+                self._cv.notify_all()
 
     def _finish(self, u: _Unsettled, counter: str, force: bool = False, late: bool = True) -> None:
         with self._mu:

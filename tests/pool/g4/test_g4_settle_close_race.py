@@ -19,6 +19,8 @@ Real file store and G4Pool; the hooks only order the race (B's publish before th
 the settle's look, the close landing during the re-seal, the store answering "cannot tell" until the bound)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import hashlib
 import os
 import sys
@@ -193,3 +195,50 @@ def test_a_close_during_the_republish_waits_for_it_and_the_block_counts_written(
     assert c.get("written") == 1 and c.get("dropped_unsettled", 0) == 0, c
     ok, got = _served(cfg, key)
     assert ok and np.array_equal(got, good)
+
+
+def test_a_close_waking_after_the_republish_hold_still_counts_the_block_written(tmp_path):
+    """The hold lasts until the settler records the outcome (review of 390a739): before, the hold ended as the writer
+    left it, a close woken by that ended the block ``dropped_unsettled`` before the settler's ``_finish(u, "written")``
+    ran, and a block the republish PUT had stored was reported dropped. The pause after the hold stands in for the
+    offload thread being preempted there (an ordering aid; nothing is timed)."""
+    cfg = _config(tmp_path, 2.0)
+    store = _RaceFs(tmp_path / "g4", fsync=False)
+    key = NS.key(14, tenant="t")
+    good = payload(14, "t", BPB)
+    p = G4Pool(cfg, NS, store=store)
+    store.target, store.unsettled, store.delete_at_settle = p.object_name(key), 1, 1
+    real_publish_found, calls = p.writer._publish_found, []
+    closer = threading.Thread(target=lambda: p.close(timeout=0))
+
+    def publish_found(*a, **kw):
+        calls.append(a[1])
+        if len(calls) == 2:  # the settle's republish (inside the hold): the pool closes on another thread now
+            closer.start()
+            guard = time.monotonic() + HANG_S
+            while not _waits_in_settler_close(closer):
+                assert closer.is_alive() and time.monotonic() < guard, "close did not wait in LateSettler.close"
+                time.sleep(0.001)
+        return real_publish_found(*a, **kw)
+
+    settler = p.writer._settler
+    real_hold = settler._hold
+
+    @contextmanager
+    def hold_then_preempted(u):
+        with real_hold(u) as live:
+            yield live
+        time.sleep(0.3)  # the offload thread is preempted after the hold ended, before the settler's _finish
+
+    settler._hold = hold_then_preempted
+    p.writer._publish_found = publish_found
+    res = p.put([key], [good.copy()]).result(timeout=HANG_S)
+    closer.join(HANG_S)
+    assert not closer.is_alive(), "close hung"
+    assert len(calls) == 2, calls
+    ok, got = _served(cfg, key)
+    assert ok and np.array_equal(got, good)  # the republish PUT stored the block (close waited for it)
+    c = p.stats()
+    assert (res.written, res.skipped, res.dropped) == (1, 0, 0), (
+        f"the block is stored but the caller heard {res}; counters {c}")
+    assert c.get("written") == 1 and c.get("dropped_unsettled", 0) == 0, c
