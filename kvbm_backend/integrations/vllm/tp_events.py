@@ -14,7 +14,7 @@ scheduler side tells its events every block as before.
   every rank's slice of it (the flush HEADs the G4 key of every rank,
   :meth:`~kvbm_backend.model.namespace.Namespace.rank_runs`), so one rank's announcement speaks for the whole
   engine. When the domains differ (or a rank has none yet), every rank announces for itself, as before 2026-12-03,
-  with one WARNING at start saying why (:data:`PER_RANK_WARNING`): its batches are the only ones its poller credits.
+  with one WARNING at the first lookup or save plan saying why (:data:`PER_RANK_WARNING`): its batches are the only ones its poller credits.
   Before 2026-12-03 every rank's announcer always HEADed every rank's slices and wrote its own batch of the same
   blocks (TP-fold HEADs and announcement objects); from 2026-12-03 to 2026-12-03 rank 0 announced alone whatever
   the domains, so with per-process domains no other rank's KV events ever carried a G4 block.
@@ -51,7 +51,7 @@ PER_RANK_WARNING = (
 
 
 def agree_domain(side: Any) -> None:
-    """Under ``external_launcher`` with TP > 1 (``side.tp``) and ``g4.announce`` (``side.events.announcer``), agree
+    """Under ``external_launcher`` with TP > 1 (``side.tp``; ``g4.announce`` on or off on this rank), agree
     once whether every TP rank has the same hash domain (:func:`~.g4_records.hash_domain`): one all-gather over the
     TP group, at the first call; later calls return at once. Every rank must call it at the same point (the scheduler
     side's ``get_num_new_matched_tokens`` and :func:`offer`). The same domain: only TP rank 0 announces
