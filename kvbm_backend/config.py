@@ -131,6 +131,7 @@ def _distinct_g3_paths(paths: list[str]) -> list[str]:
 
 IO_ALIGN = 4096  # bytes: O_DIRECT offsets, lengths and buffers are multiples of this
 MAX_IO_SIZE = 1 << 30  # bytes: the largest g3.io_size_bytes (and bench --io-size)
+LOAD_TIMEOUT_MAX_S = 120.0  # seconds: the largest g3.load_timeout_s (what bench and replay run with)
 
 
 def io_size_problem(v: int) -> str | None:
@@ -193,7 +194,7 @@ class G3Config(_M):
     (bounds the blocks one barrier, or one failed ``fdatasync``, covers), at most 1 TiB. 0: no byte
     bound."""
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
-    load_timeout_s: float = Field(default=5.0, gt=0, le=120)
+    load_timeout_s: float = Field(default=5.0, gt=0, le=LOAD_TIMEOUT_MAX_S)
     """A load not back within this many seconds is a miss (the engine recomputes). At most 120 s: a
     load that waits longer is slower than recomputing any prefill, and decode must never stall."""
     device_path: Literal["auto", "gds", "kvikio-compat", "pinned-bounce"] = "auto"
