@@ -55,7 +55,8 @@ DROP_REASONS = {
     "full": "the store refused the write for room: full (ENOSPC), over quota (EDQUOT) or read-only (EROFS); "
             "never a breaker failure, loads are still served",
     "error": "the store answered with an error (403, a missing bucket), or a bug",
-    "unsettled": "a PUT that got no answer could not be settled by a HEAD within its bound or by close",
+    "unsettled": "a PUT that got no answer could not be settled by a HEAD within its bound or by close; also a late "
+                 "settle's republish cut short by that bound or by close (nothing stored)",
 }
 #: ``kvbm_backend_g4_load_misses{reason}``: blocks asked for and not served
 MISS_REASONS = {

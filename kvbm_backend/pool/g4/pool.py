@@ -324,7 +324,9 @@ class G4Pool:
     def close(self, timeout: float | None = None) -> None:
         """Wait (bounded: ``timeout``, default ``2 * timeout_s``) for queued offloads, then drop the
         rest, persist keyring use counts, and stop threads. A late settle re-publishing a block is waited for
-        too, at most until that block's settle bound (:meth:`.settle.LateSettler.close`)."""
+        too, whatever ``timeout``: only for its PUT in flight (no further PUT starts once closing; returning before
+        its answer would report a block it may store dropped), at most until that block's settle bound
+        (:meth:`.settle.LateSettler.close`)."""
         if self._closed:
             return
         self.flush(2 * self.cfg.timeout_s if timeout is None else timeout)

@@ -27,7 +27,11 @@ fails, until ``bound_s`` seconds after it became unsettled. Outcome, exactly one
   The writer reads the caller's buffer only while the settler holds the block (:meth:`LateSettler._hold`): not
   after it ended, nor past ``bound_s``; :meth:`LateSettler.close` waits for such a read before it ends the block
   (before 2026-12-03 it resolved the put's future under the read: the caller reused its buffer and the writer
-  published those bytes, validly sealed, under the block's name: wrong KV served);
+  published those bytes, validly sealed, under the block's name: wrong KV served). The republish starts only while
+  the breaker allows it (else ``dropped_breaker``: nothing sent), and each of its PUTs only while one PUT's bound
+  (the writer's ``put_bound_s``, ``bound_s / 4``) is left of ``bound_s`` and, but the first, while the pool is open
+  (else ``dropped_unsettled``, nothing stored): before 2026-12-04 its PUTs ran past the bound, went out with the
+  breaker open, and a close waited for all of them;
 * absent: ``dropped_unavailable`` (the PUT was lost);
 * still unknown past ``bound_s``, or the pool closing: ``dropped_unsettled``.
 """
@@ -45,7 +49,7 @@ from .store import ObjectStore, PutUnsettled, StoreUnavailable
 
 __all__ = ["LateSettler"]
 
-Hold = Callable[[], AbstractContextManager[bool]]
+Hold = Callable[[], AbstractContextManager[float | None]]  # the block's bound (time.monotonic()) or None
 Found = Callable[[Hold], str]
 
 
@@ -99,8 +103,9 @@ class LateSettler:
         :class:`~.store.PutUnsettled` when that new PUT cannot be settled either: the block is then settled by
         the error's name and MD5, within the same bound. Any other exception (a bug) ends it ``dropped_error``,
         never stored. None: every such block is ``skipped_exists``. ``found`` reads the caller's buffer only inside
-        ``with hold() as live:`` and only when ``live`` is True; False (the block ended: the pool closed; or
-        ``bound_s`` passed) means it must not, and returns ``"dropped_unsettled"``."""
+        ``with hold() as until:`` and only when ``until`` is not None: the block's bound (a ``time.monotonic()``),
+        which its PUTs keep to; None (the block ended: the pool closed; or ``bound_s`` passed) means it must not, and
+        returns ``"dropped_unsettled"``."""
         u = _Unsettled(name, md5_hex, nbytes, end, found, time.monotonic() + self._bound_s, self._first_delay_s)
         self._count("unsettled_puts")  # every outcome below is one of these (dropped_unsettled <= unsettled_puts)
         with self._mu:
@@ -117,7 +122,9 @@ class LateSettler:
         when it returns); later :meth:`start` calls end so at once. Waits only for a block the writer holds
         (:meth:`_hold`: re-sealing its caller's buffer, whose future must not resolve under the read, and publishing
         it again) until its outcome is recorded, at most until that block's bound; one still held then ends when its
-        check returns."""
+        check returns. The writer starts no further PUT of a held block once closed, so this waits at most for the
+        PUT in flight (its answer says whether the block is stored) and the check of a copy it met, whatever the
+        pool's close timeout."""
         with self._mu:
             self._closed = True
             while (wait_s := max((u.give_up_at for u in self._pending if u.reading), default=0.0)
@@ -171,14 +178,15 @@ class LateSettler:
         self._schedule(u)
 
     @contextmanager
-    def _hold(self, u: _Unsettled) -> Iterator[bool]:
-        """While held (True), :meth:`close` does not end ``u``: the writer may read its caller's buffer and publish
-        it again. False: ``u`` ended (or the settler closed), or its bound passed: the buffer must not be read. The
-        hold lasts until :meth:`_found` has recorded ``u``'s outcome (not only until the writer leaves it: before
-        2026-12-03's fix a close waking between the two ended a block its PUT had stored ``dropped_unsettled``)."""
+    def _hold(self, u: _Unsettled) -> Iterator[float | None]:
+        """While held (yields ``u``'s bound), :meth:`close` does not end ``u``: the writer may read its caller's buffer
+        and publish it again, within that bound. None: ``u`` ended (or the settler closed), or its bound passed: the
+        buffer must not be read. The hold lasts until :meth:`_found` has recorded ``u``'s outcome (not only until the
+        writer leaves it: before 2026-12-03's fix a close waking between the two ended a block its PUT had stored
+        ``dropped_unsettled``)."""
         with self._mu:
             u.reading = live = not (u.ended or self._closed) and time.monotonic() < u.give_up_at
-        yield live
+        yield u.give_up_at if live else None
 
     def _found(self, u: _Unsettled) -> None:
         """Other bytes under ``u.name``: end the block with the counter ``u.found()`` answers (see :meth:`start`);

@@ -21,7 +21,8 @@ pending and is settled later by :class:`~.settle.LateSettler`, off the offload t
 bytes there it asks :meth:`G4Writer._settle_found` (a callback: the settler does not import the writer), so a
 late-settled block ends ``skipped_exists`` or ``skipped_unservable`` (dropped) as above, and one whose found object
 is gone by the check is sealed again from the caller's buffer (only while the settler holds the block: never after
-its future resolved) and published as above (before 2026-12-03 it counted ``skipped_exists``, nothing there). A
+its future resolved) and published as above (before 2026-12-03 it counted ``skipped_exists``, nothing there), if the
+breaker allows it and each PUT within the settle bound (:meth:`G4Writer._settle_found`). A
 store outage counts towards the breaker; a store that answers with an error (403, missing bucket) does not, and is
 logged (:meth:`~kvbm_backend.pool.g4.events.OperatorLog.store_error`); nor does one that answers "no room" (a full,
 over-quota or read-only mount: :class:`~.store.StoreFull`): ``dropped_full``, logged
@@ -43,14 +44,14 @@ import numpy.typing as npt
 
 from ...crypto.aead import key_check, key_check_differs, new_nonce, seal_into
 from ...crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenant
-from ...crypto.names import MAX_AUTO_TENANT_BYTES
 from ...memory import BufferPool
 from ...model.frame import DIGEST_AAD_VERSION, FLAG_CHECKSUM, FLAG_ENCRYPTED, HEADER_BYTES, NO_DIGEST, FrameError, accept, \
     payload_checksum, unbound_digest
-from ...model.namespace import BlockKey, Namespace, tenant_bytes
+from ...model.namespace import BlockKey, Namespace
 from ..base import InFlight, PutResult, completed
 from ...deadlines import Deadline, Deadlines
 from .breaker import CircuitBreaker
+from .drop_text import keyring_drop_text
 from .events import G4Counters, OperatorLog
 from .naming import NAMESPACE_JSON_MAX, TenantNamer, namespace_doc, namespace_name
 from .settle import Hold, LateSettler
@@ -204,7 +205,7 @@ class G4Writer:
         """From now on offloads are dropped (``dropped_closed``), those still queued too when their turn comes
         (without I/O: their futures resolve), and ``namespace.json`` is not retried; blocks still unsettled
         end now (``dropped_unsettled``), but for one a late settle is re-sealing and publishing again (waited for,
-        at most until its settle bound: :meth:`.settle.LateSettler.close`)."""
+        at most until its settle bound: :meth:`.settle.LateSettler.close`; it starts no PUT but the one in flight)."""
         self._closed = True
         self._settler.close()
 
@@ -246,39 +247,9 @@ class G4Writer:
         return frame, self._names.name(key, namer), namer
 
     def _drop_text(self, reason: str, tenant: str | None = None) -> str:
-        """What the operator log says about a tenant's offload dropped for ``reason`` (a keyring refusal): a
-        fixed text with the keyring's settings, nothing of the tenant (its pseudonym is logged beside it).
-
-        The rule: a log line never holds a tenant id, not even the configured default one (a request's tenant is
-        its client's cache_salt; the configured value may be one too, and logs travel further than the config).
-        Two tenants are named all the same, without their id: the configured default (``default_tenant``, the
-        ``tenant`` setting) as "the default tenant (`tenant`)", with a ``keys create`` command that takes the
-        value from the config; and the empty tenant ``""`` (it has no id to hide), with ``--tenant ''``.
-        """
-        kr = self._keyring
-        where = f"keyring {getattr(kr, 'path', '?')}"
-        if reason == "dropped_revoked_tenant":
-            return f"{where}: the tenant was revoked; only `kvbm-backend keys create` brings it back"
-        if reason == "dropped_unknown_tenant":
-            why = ("it is read-only" if getattr(kr, "read_only", False) else
-                   "g4.keyring.auto_create_tenants is off" if not getattr(kr, "auto_create_tenants", True) else
-                   f"the tenant id is over {MAX_AUTO_TENANT_BYTES} bytes (never created implicitly)"
-                   if tenant is not None and len(tenant_bytes(tenant)) > MAX_AUTO_TENANT_BYTES else
-                   f"it holds g4.keyring.max_auto_tenants={getattr(kr, 'max_auto_tenants', '?')} tenants")
-            create = f"kvbm-backend keys create --keyring {getattr(kr, 'path', 'KEYRING')} --tenant"
-            default = "every request without a cache_salt has it"
-            if tenant == self._default_tenant == "":
-                return (f"{where}: no data key for the empty tenant \"\" (the default `tenant`: {default}) and "
-                        f"{why}; create it with `{create} ''`, or set `tenant:` in the config")
-            if tenant == self._default_tenant:
-                return (f"{where}: no data key for the configured default tenant (the value of `tenant`, not "
-                        f"logged: {default}) and {why}; create it with `{create} <the configured tenant>`")
-            if tenant == "":
-                return (f"{where}: no data key for the empty tenant \"\" (not the default `tenant`: a request "
-                        f"named it) and {why}; create it with `{create} ''`")
-            return f"{where}: no data key for the tenant and {why}; create it with `kvbm-backend keys create`"
-        return (f"{where}: no data key served (the file does not load or cannot be written, or a read-only key "
-                "version reached its use limit): see the keyring's own log line, `kvbm-backend doctor`")
+        """What the operator log says about a tenant's offload dropped for ``reason`` (a keyring refusal): a fixed
+        text with the keyring's settings, never the tenant id (the rule: :func:`.drop_text.keyring_drop_text`)."""
+        return keyring_drop_text(self._keyring, self._default_tenant, reason, tenant)
 
     def _put_one(self, key: BlockKey, block: npt.NDArray[np.uint8], done: Callable[[str], None],
                  queued: float) -> None:
@@ -375,7 +346,8 @@ class G4Writer:
         return None
 
     def _publish_found(self, key: BlockKey, name: str, namer: TenantNamer, buf: memoryview,
-                       count: Callable[[str], None] | None = None) -> tuple[bool | None, bool | None]:
+                       count: Callable[[str], None] | None = None,
+                       until: float | None = None) -> tuple[bool | None, bool | None]:
         """Publish ``buf`` as ``name`` (:meth:`_publish`) and, when another object held the name, ask whether this
         pool serves it (:meth:`_found_serves`). Returns ``(created, found)``: ``created`` as :meth:`_publish` (None:
         dropped, counted there); ``found`` only matters when ``created`` is False: True (served, or cannot tell),
@@ -383,9 +355,14 @@ class G4Writer:
         check: nothing stored). A name found gone is published again: it was deleted between the PUT and the check
         (gc, a load dropping a bad copy), and the create-exclusive PUT never tears a copy written meanwhile.
         Before 2026-12-03 the block then counted ``skipped_exists`` (stored) although nothing was. ``count`` and
-        raises (:class:`~.store.PutUnsettled`) as :meth:`_publish`."""
+        raises (:class:`~.store.PutUnsettled`) as :meth:`_publish`. ``until``: a late settle's bound
+        (:meth:`_settle_found`): a PUT after the first starts only while ``put_bound_s`` is left of it and the pool is
+        open, else ``(None, None)``, ``dropped_unsettled`` given to ``count`` (nothing stored)."""
         found: bool | None = None
-        for _ in range(PUBLISH_ATTEMPTS):
+        for attempt in range(PUBLISH_ATTEMPTS):
+            if until is not None and attempt and (self._closed or until - time.monotonic() < self._put_bound_s):
+                (count or self._count)("dropped_unsettled")
+                return None, None
             created = self._publish(name, buf, count)
             if created is None:
                 return None, None
@@ -406,22 +383,30 @@ class G4Writer:
         counted here): ``skipped_exists`` / ``skipped_unservable`` as :meth:`_found_serves` judges them; gone by its
         GET (deleted since), ``block`` (the caller's: read only inside ``hold()``; ended or past the settle bound:
         ``dropped_unsettled``, unread) sealed again and published as a direct offload: ``written`` or a ``dropped_*``
-        reason (before 2026-12-03: ``skipped_exists``). Raises :class:`~.store.PutUnsettled` as :meth:`_publish`."""
+        reason (before 2026-12-03: ``skipped_exists``). Its PUTs keep to the settle bound: each starts only while one
+        PUT's bound (``put_bound_s``) is left of it, none but the first once the pool closes (else
+        ``dropped_unsettled``); and to the breaker, as a direct offload (``dropped_breaker``, nothing sent). Before
+        2026-12-04 a republish started with any time left (its PUTs ran past the bound, a close waiting for them) and
+        never asked the breaker. Raises :class:`~.store.PutUnsettled` as :meth:`_publish`."""
         found = self._found_serves(key, name, namer)
         if found is not None:
             return "skipped_exists" if found else "skipped_unservable"
         dropped: list[str] = []
         with self._frames.lend(self._frame_bytes) as fbuf:
-            with hold() as live:  # before 2026-12-03 a close resolved the future under this read: wrong KV published
-                if not live:
-                    return "dropped_unsettled"
+            with hold() as until:  # before 2026-12-03 a close resolved the future under this read: wrong KV published
+                if until is None or until - time.monotonic() < self._put_bound_s:
+                    return "dropped_unsettled"  # ended, or too little of the bound left for a PUT: unread
+                if not self._breaker.allow():  # opened since the settle's HEAD (other offloads failing)
+                    return "dropped_breaker"
                 try:
                     buf, name, namer = self._seal(key, block, fbuf)
                 except KeyringError as e:
+                    self._breaker.release()  # nothing went to the store: a probe it held goes back
                     return self._keyring_drop(key, e)
                 if self._closed:  # closed while sealing: nothing published (close() waits for the hold, then ends it)
+                    self._breaker.release()
                     return "dropped_unsettled"
-                created, found = self._publish_found(key, name, namer, buf, dropped.append)  # held: close() waits
+                created, found = self._publish_found(key, name, namer, buf, dropped.append, until)  # held: close waits
         if created is None:
             return dropped[0] if dropped else "dropped_error"
         return ("written" if created else "dropped_error" if found is None else
