@@ -77,7 +77,7 @@ _COUNTERS = ("offloads_written", "offloads_skipped_present", "offloads_skipped_a
              "restored_blocks", "restore_dropped", "restored_by_scan", "restore_scanned_slots",
              "restore_header_retries", "deleted", "late_reads", "unreadable_kept", "unreadable_deleted",
              "device_loads", "device_hits", "sync_groups", "journal_syncs", "journal_compactions", "puts_late",
-             "journal_errors", "vacancies_unjournaled", "header_clear_errors", "degradations")
+             "journal_errors", "vacancies_unjournaled", "header_clear_errors", "degradations", "duplicate_keys")
 
 
 def _locked_part(pool: G3Pool) -> tuple[dict[str, Any], dict[str, int]]:
