@@ -1,11 +1,16 @@
 """Every counter the pools count is in docs/operations.md: on ``/metrics`` (a series of its own, or a reason of
 the ``offloads_dropped`` / ``load_misses`` / ``corrupt_blocks`` series: tests/core/test_metric_reasons.py), else a
 row of the table "Counters in `stats()` / `stats_path` / gc output, not on `/metrics`" that names its tier
-(``G4 `stats()``` / ``G3 `stats()```); and every G3 counter counted is reported by ``stats()``.
+(``G4 `stats()``` / ``G3 `stats()```); and every G3 counter counted is reported by ``stats()``. Every counter of the
+vLLM connector (the top level of ``stats_path``: names given to ``stats.add``) is in a row whose "where" says
+``stats_path`` (top level), and every name such a row gives is counted.
 
 The names are read from the code (its syntax tree), so a counter added without its row fails here: before
 2026-12-04 ``namespace_json_errors``, ``unsettled_puts``, ``lookup_timeout`` and a dozen more were counted and
-named nowhere in the table, and G3 counted ``duplicate_keys`` that no ``stats()`` reported."""
+named nowhere in the table, and G3 counted ``duplicate_keys`` that no ``stats()`` reported; of the connector's 103
+counter names (an f-string's family once) 83 were in no row, 49 of them (``save_blocks``, ``load_jobs``,
+``lookup_timeouts``, the ``g3_put_*`` / ``g4_put_*`` and ``kv_events_*`` counters, most ``announce_*``, ...) named
+nowhere in docs/operations.md."""
 from __future__ import annotations
 
 import ast
@@ -32,12 +37,17 @@ G4_REASON_PREFIXES = ("dropped_", "miss_", "corrupt_")
 G3_ON_METRICS = {"offloads_written", "hits", "bytes_written", "bytes_read", "evictions", "offloads_dropped",
                  "misses", "corrupt"}
 G3_REASON_PREFIXES = ("dropped:", "miss:", "corrupt:", "restore:")  # restore: restore_dropped_by_reason
+# the connector's rows: their "where" starts so (the top level of the stats_path JSON)
+CONNECTOR_WHERE = "`stats_path` (top level"
+# the values of a connector counter's leading variable part: offloads.put_all's f"{tier}_put_..." (its puts' tiers)
+CONNECTOR_PREFIXES = ("g3", "g4")
 
 
 def _table() -> dict[str, str]:
     """The counters table of docs/operations.md: counter name (each backticked name of a row's first column;
-    ``unconfirmed_<reason>`` as ``unconfirmed_<...>``) -> the "where" columns of its rows (a name both tiers count,
-    ``deleted``, has a row for each)."""
+    ``unconfirmed_<reason>`` as ``unconfirmed_<...>``; not the values listed in parentheses after a name, as
+    ``(`magic`, `integrity`, ...)``) -> the "where" columns of its rows (a name both tiers count, ``deleted``, has a
+    row for each)."""
     text = (REPO / "docs" / "operations.md").read_text()
     start = text.index("**Counters in `stats()`")
     lines = text[start:].splitlines()
@@ -48,7 +58,7 @@ def _table() -> dict[str, str]:
             break
         m = re.match(r"^\| (.+?) \| (.+?) \| (.+) \|$", ln)
         assert m, ln
-        for name in re.findall(r"`([\w<>]+)`", m.group(1)):
+        for name in re.findall(r"`([\w<>]+)`", re.sub(r"\([^)]*\)", "", m.group(1))):
             name = re.sub(r"<\w+>$", FAMILY, name)
             rows[name] = f"{rows[name]} / {m.group(2)}" if name in rows else m.group(2)
     return rows
@@ -122,6 +132,58 @@ def _g3_counted() -> set[str]:
     return found
 
 
+def _connector_counted() -> tuple[set[str], list[str]]:
+    """Every name the vLLM connector gives its counters (:func:`kvbm_backend.integrations.vllm.stats.add`), and the
+    calls whose names cannot be read here (a ``**`` of a variable: each must be written out, else a counter could
+    hide). Forms: ``stats.add(x=n)``; ``stats.add(**{"x": n, NAME: n, f"x_{v}": n})`` (``NAME`` a module-level
+    string, an f-string's variable parts :data:`FAMILY`); and :class:`~kvbm_backend.integrations.revoked_tenants.
+    RevokedTenants`' ``self._count(x=n)``, its ``count``, which the connector's wiring gives ``stats.add``."""
+    found: set[str] = set()
+    unread: list[str] = []
+    for p in sorted((REPO / "kvbm_backend" / "integrations").rglob("*.py")):
+        tree = ast.parse(p.read_text(), str(p))
+        consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                  and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                  for t in n.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = ast.unparse(node.func)
+            if f != "stats.add" and not (f == "self._count" and p.name == "revoked_tenants.py"):
+                continue
+            for k in node.keywords:
+                if k.arg is not None:
+                    found.add(k.arg)
+                    continue
+                if not isinstance(k.value, ast.Dict) or None in k.value.keys:
+                    unread.append(f"{p.name}:{node.lineno}")
+                    continue
+                for key in k.value.keys:
+                    if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                        found.add(key.value)
+                    elif isinstance(key, ast.Name) and key.id in consts:
+                        found.add(consts[key.id])
+                    elif isinstance(key, ast.JoinedStr):
+                        found.add("".join(v.value if isinstance(v, ast.Constant) else FAMILY for v in key.values))
+                    else:
+                        unread.append(f"{p.name}:{node.lineno}")
+    return found, unread
+
+
+def _connector_rows() -> set[str]:
+    """The names the connector's rows of the counters table give (a "where" of :data:`CONNECTOR_WHERE`)."""
+    return {n for n, where in _table().items() if CONNECTOR_WHERE in where}
+
+
+def _expand(name: str) -> set[str]:
+    """The table names that document counter ``name``: itself (a trailing variable part too: the row names
+    ``announce_ignored_<why>``, its values in parentheses); a leading one (``<...>_put_errors``) as each of
+    :data:`CONNECTOR_PREFIXES`, all of which the table must name."""
+    if name.startswith(FAMILY):
+        return {v + name[len(FAMILY):] for v in CONNECTOR_PREFIXES}
+    return {name}
+
+
 def _undocumented(counted: set[str], tier: str, on_metrics: set[str], reason_prefixes: tuple[str, ...]):
     table = _table()
     where = f"{tier} `stats()`"
@@ -141,6 +203,13 @@ def test_the_patterns_find_the_counters():
     table = _table()
     assert "G4 `stats()`" in table["skipped_exists"] and "G3 `stats()`" in table["puts_late"]
     assert "kvbm-backend gc" in table["deleted_by"]
+    conn, unread = _connector_counted()
+    assert {"save_blocks", "load_jobs", "announce_poll_errors", "g3_revoked_purges", "save_g3_revoked_blocks",
+            "load_failed_blocks_any_rank", "announce_ignored_" + FAMILY, FAMILY + "_put_written_blocks",
+            "handoff_wait_s", "kv_events_idle_batches"} <= conn, conn
+    assert not unread, f"connector counters passed in a form this test cannot read: {unread}"
+    wiring = (REPO / "kvbm_backend" / "integrations" / "vllm" / "wiring.py").read_text()
+    assert "count=stats.add)" in wiring  # RevokedTenants' self._count is the connector's stats.add
 
 
 def test_every_g4_counter_counted_is_documented():
@@ -150,6 +219,24 @@ def test_every_g4_counter_counted_is_documented():
     for name in _g4_counted():
         if name.startswith(G4_REASON_PREFIXES) and not name.endswith(FAMILY):
             assert name.partition("_")[2] in listed, name
+
+
+def test_every_connector_counter_counted_is_documented():
+    """Each counter of the connector's ``stats_path`` (top level) is in a row that says so (before 2026-12-04 83 of
+    its 103 names were in no row, 49 named nowhere in docs/operations.md)."""
+    rows = _connector_rows()
+    counted, _ = _connector_counted()
+    missing = sorted(n for n in counted if not _expand(n) <= rows)
+    assert not missing, ("connector counters counted but in no `stats_path` (top level) row of docs/operations.md's "
+                         f"counters table: {missing}")
+
+
+def test_every_connector_counter_documented_is_counted():
+    """No connector row names a counter the connector never counts (a renamed or removed one)."""
+    counted, _ = _connector_counted()
+    names = set().union(*(_expand(n) for n in counted))
+    stale = sorted(n for n in _connector_rows() if n not in names)
+    assert not stale, f"`stats_path` (top level) rows of docs/operations.md name counters nothing counts: {stale}"
 
 
 def test_g4_counters_said_to_be_on_metrics_move_a_series():

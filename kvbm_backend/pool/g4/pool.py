@@ -266,7 +266,9 @@ class G4Pool:
         return fut
 
     def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
-        """Remove blocks; the future gives how many were present (HEAD then DELETE each)."""
+        """Remove blocks; the future gives how many were present and deleted (HEAD then DELETE each), as counted
+        ``deleted``. A key whose HEAD or DELETE failed counts ``delete_errors`` only (before 2026-12-04 one whose
+        DELETE failed counted in both, and in the result)."""
         keys = list(keys)
         if not keys:
             return completed(0)
@@ -279,8 +281,8 @@ class G4Pool:
                 name = self.names.name(k)
                 try:
                     if self.store.head(name) is not None:
-                        n += 1
                         self.store.delete(name)
+                        n += 1
                 except OSError:
                     self.counters.count("delete_errors")
             self.counters.count("deleted", n)
