@@ -25,7 +25,7 @@ from ...memory import aligned_zeros
 from ...metrics import TierMetrics, count_reason
 from ...model import frame
 from ...model.namespace import BlockKey, Namespace, tenant_tag
-from . import forked, journal as jr, vacancy
+from . import forked, gauges, journal as jr, vacancy
 from .compact_index import CompactLruIndex, Slot
 from .forked import ForkedLock
 from .index import TagKey
@@ -45,10 +45,6 @@ COMPACT_MIN_RECORDS = 65536
 # tuple each; a reader further behind than this re-reads the index instead.
 REMOVED_LOG_ENTRIES = 1 << 18
 
-# The tier's gauges are one series per process, and a process may hold several G3 pools (a hybrid model: one
-# per KV cache group): each pool's share, summed (degraded: any), so the last pool to update no longer wins.
-_gauge_parts: dict[int, dict[int, tuple[int, int, int, int]]] = {}  # id(blocks gauge) -> {id(pool): values}
-_gauge_lock = threading.Lock()
 # FrameError.reason -> miss reason (any other: "corrupt")
 _MISS_REASON = {"magic": "corrupt", "version": "corrupt", "header_check": "corrupt", "integrity": "corrupt",
                 "length": "corrupt", "identity": "identity", "layout": "identity", "token_digest": "token_digest"}
@@ -203,23 +199,10 @@ class SlotCatalog:
         count_reason(self.metrics.corrupt, CORRUPT_REASONS, reason)
 
     def update_gauges(self, gone: bool = False) -> None:
-        """Set the tier's gauges to the sum over this process's G3 pools (``gone``: this one closed)."""
-        m = self.metrics
-        assert m.blocks is not None and m.used_bytes is not None and m.capacity_bytes is not None  # tier g3's
+        """Set the tier's gauges to the sum over this process's G3 pools (``gone``: this one closed; :mod:`.gauges`)."""
         n = len(self.index)
-        mine = (n, n * self.slot_bytes, self.slabs.capacity_slots * self.slot_bytes, int(bool(self.degraded_until)))
-        with _gauge_lock:
-            parts = _gauge_parts.setdefault(id(m.blocks), {})
-            if gone:
-                parts.pop(id(self), None)
-            else:
-                parts[id(self)] = mine
-            blocks, used, cap = (sum(v[i] for v in parts.values()) for i in range(3))
-            degraded = max((v[3] for v in parts.values()), default=0)
-            m.blocks.set(blocks)
-            m.used_bytes.set(used)
-            m.capacity_bytes.set(cap)
-            m.degraded.set(degraded)
+        gauges.publish(self.metrics, self, None if gone else (n, n * self.slot_bytes, self.slabs.capacity_slots
+                                                              * self.slot_bytes, int(bool(self.degraded_until))))
 
     # ---- degraded state ------------------------------------------------------------------------------
     def admitting(self, now: float) -> bool:

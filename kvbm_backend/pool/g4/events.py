@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
 import weakref
@@ -112,6 +113,18 @@ def set_degraded(gauge: Gauge, pool: object, value: int | None) -> None:
         gauge.set(max(parts.values(), default=0))
         if not parts:
             del _degraded[id(gauge)]
+
+
+def _after_fork_in_child() -> None:
+    """A child forked without exec starts with no pool's part (its parent's pools are not its own) and a new lock
+    (another thread of the parent may have held it at the fork). Before 2026-12-04 a child that opened a G4 pool of
+    its own kept its parent's part: its ``degraded`` stayed 1 for good when the parent's breaker was open then."""
+    global _degraded_lock
+    _degraded_lock = threading.Lock()
+    _degraded.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class StatsGauges:
