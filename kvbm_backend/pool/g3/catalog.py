@@ -474,23 +474,23 @@ class SlotCatalog:
         self.slabs.close_files()  # (the directories' fds: .dirs closes them at the fork, without unlocking)
 
     def close(self) -> None:
-        """Repair a journal that lost records (or holds those of blocks past their share that left) if it can,
-        close the journal and the slab files (their directory locks). A compaction in progress is cancelled (the
-        old journal holds everything) and its thread waited for. Takes the lock."""
+        """Rewrite the journal from the index if it lost records, holds those of blocks past their share that left
+        or lacks the LRU order of hits since the open; close it and the slab files (their directory locks). A
+        compaction in progress is cancelled (the old journal holds everything) and waited for. Takes the lock."""
         with self.lock:
             self.closed = True
             self.journal.cancel_compaction()
         self.wait_compaction()
         with self.lock:
-            # last chance to persist removals a failed append lost; and blocks past their file's share evicted
-            # (slab_share: no later PUT supersedes their records, whose slots are punched or truncated away)
-            if self.journal_dirty or self.slabs.over_released:
+            # last chance to persist removals a failed append lost, blocks past their share evicted (no later PUT
+            # supersedes their records) and the LRU order (hits have no record: until 2026-12-04 lost at a restart)
+            if self.journal_dirty or self.slabs.over_released or self.index.touches:
                 try:
                     self.journal.rewrite(self.index.items())
                     self.journal_dirty = False
                 except OSError as e:
-                    log.warning("G3: journal %s could not be repaired at close (%s); a restart may find "
-                                "deleted blocks again (each is re-verified before use)", self.journal.path, e)
+                    log.warning("G3: journal %s not rewritten at close (%s): a restart may find deleted blocks again "
+                                "(each re-verified before use) and an older LRU order", self.journal.path, e)
             for fi in sorted(self._cleared):  # headers zeroed since open: durable before the files close
                 try:
                     os.fdatasync(self.fd_of(fi))

@@ -158,6 +158,9 @@ class CompactLruIndex:
         self._table = HashTable(self._ent, _MIN_TAB_BITS)
         self._lru = LruLog(self._ent, max(32, 2 * int(capacity)))
         self._pins = SlotPins()
+        # hits that moved held entries to the most recently used end (a get with touch, a prefix lookup's hits, an
+        # adoption): the journal records none of them, so the pool's close rewrites it in LRU order when this moved
+        self.touches = 0
 
     def reserve(self, n: int) -> None:
         """Size the hash table for ``n`` entries now (at most ``RESERVE_MAX``), so that no ``put`` up to
@@ -260,6 +263,7 @@ class CompactLruIndex:
         if vflag[e]:
             vflag[e] = 0
             self._lru.touch(e)
+            self.touches += 1
         return e, p
 
     # ---- the LruIndex API ---------------------------------------------------------------------
@@ -276,6 +280,7 @@ class CompactLruIndex:
             return None
         if touch:
             self._lru.touch(e)
+            self.touches += 1
         return self._slot_of(e)
 
     def put(self, key: BlockKey, slot: Slot) -> None:
@@ -419,6 +424,7 @@ class CompactLruIndex:
             es = res[:m]
             self._ent.flag[es] = 0  # adopted (their owners learned the tenant in _owner_of)
             self._lru.touch_many(es)
+            self.touches += 1
         return m
 
     def items(self) -> _Items:

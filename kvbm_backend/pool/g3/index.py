@@ -135,6 +135,7 @@ class LruIndex:
         self._map: "OrderedDict[BlockKey | TagKey, Slot]" = OrderedDict()
         self._pins = SlotPins()
         self._tagged = 0  # entries still keyed by TagKey (restored, tenant not seen yet)
+        self.touches = 0  # hits that moved a held entry to the most recently used end (no journal record has them)
 
     def pin(self, slot: Slot) -> None:
         """A reader holds ``slot``: no eviction picks it, and its free waits for the last :meth:`unpin`."""
@@ -165,6 +166,7 @@ class LruIndex:
             return None
         self._map[key] = s
         self._tagged -= 1
+        self.touches += 1
         return s
 
     def __contains__(self, key: BlockKey) -> bool:
@@ -176,6 +178,7 @@ class LruIndex:
             s = self._adopt(key)
         if s is not None and touch:
             self._map.move_to_end(key)
+            self.touches += 1
         return s
 
     def put(self, key: BlockKey, slot: Slot) -> None:
