@@ -206,6 +206,14 @@ class EngineGeometry:
 _LAYER_MAJOR = {"LBHNC": "HNC", "LBNHC": "NHC"}
 _BLOCK_MAJOR = {"BLHNC": "HNC", "BLNHC": "NHC"}
 _FC_AXES = ("L", "O", "J", "N", "H", "D")
+#: vLLM's legacy names of two layouts (``config/cache.py`` ``_LAYOUT_COMPAT_ALIASES``)
+_LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+
+
+def _layout_name(name: Any) -> str:
+    """A ``KVCacheLayout`` name as the tiers compare it: upper case, vLLM's legacy aliases resolved."""
+    n = str(name).upper()
+    return _LAYOUT_ALIASES.get(n, n)
 
 
 @dataclass(frozen=True)
@@ -301,6 +309,12 @@ class PrimaryGeometry(EngineGeometry):
         False only for :class:`~.native_cpu.CpuTieringOffloadingSpec` on vLLM's CPU platform (its
         ``kv_cache_layout`` defaults to LBHNC then, the CPU backend's only one; else LBNHC).
 
+        ``kv_cache_layout`` (the tier's key) may only name the layout vLLM resolved for the engine
+        (``spec.config.kv_cache_layout``, the bytes the primary tier holds) where it resolved one: the namespace
+        does not record the layout (a chunk described right is the same block in any layout), so a key naming
+        another one stored scrambled blocks that the engine restarted without it, or any engine sharing the pools,
+        was served as verified hits (before 2026-12-04). Refused with a ValueError naming both layouts.
+
         Raises ValueError naming the missing or inconsistent setting.
         """
         cfg = spec.config
@@ -349,9 +363,16 @@ class PrimaryGeometry(EngineGeometry):
                                  f"{num_layers} layers x {num_kv_heads} heads; set 'head_dim'")
             head_dim = rank_bytes // denom
         packed = engine_kv_packed(spec_device_type(spec))
-        kvl = kv_cache_layout or getattr(cfg, "kv_cache_layout", None) or ("LBNHC" if packed else "LBHNC")
+        engine_kvl = getattr(cfg, "kv_cache_layout", None)
+        if kv_cache_layout and engine_kvl and _layout_name(kv_cache_layout) != _layout_name(engine_kvl):
+            raise ValueError(
+                f"kv_cache_layout: {kv_cache_layout!r}, but the engine's KV cache layout is {engine_kvl!r} (what vLLM "
+                "resolved, the bytes of every primary chunk); remove the key (the tier takes the engine's): blocks "
+                "permuted as another layout are served scrambled to this engine without the key and to every engine "
+                "sharing these pools")
+        kvl = kv_cache_layout or engine_kvl or ("LBNHC" if packed else "LBHNC")
         return cls(num_layers, int(num_kv_heads), int(head_dim), outer, dtype, tpb,
-                   blocks_per_chunk=bpc, copies=copies, rank_bytes=rank_bytes, kv_cache_layout=str(kvl).upper(),
+                   blocks_per_chunk=bpc, copies=copies, rank_bytes=rank_bytes, kv_cache_layout=_layout_name(kvl),
                    packed=packed, tp_world_size=tp)
 
 

@@ -26,6 +26,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 
 from ...config import KvbmBackendConfig
 from ...deadlines import Deadline
+from ...log_limits import LimitedLog
 from ...model.namespace import BlockKey, DigestKey, KvGroup, Namespace
 from ... import metrics
 from .. import load_priority
@@ -172,6 +173,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._staging = staging_pool(self.geometry.rank_bytes,
                                      min(int(staging_mb * 2**20) // self.geometry.rank_bytes,
                                          self._primary.shape[0] * self.geometry.copies))
+        self._warn = LimitedLog(log)  # a failed job's WARNING: one per kind (op, reason) a minute, every job counted
         self._tasks = TierJobs(io_threads, f"kvbm_{tier_type}", self._finish, self._failed_job)
         self._executor = self._tasks.stores  # the store threads (the load threads: self._tasks.loads)
         self._revoked: TierRevocation | None = None  # the keyring's revocations this tier follows (G3Tier)
@@ -268,15 +270,17 @@ class KvbmSecondaryTier(SecondaryTierManager):
             self._cv.notify_all()
 
     def _failed_job(self, j: Job, why: str | BaseException) -> JobResult:
-        """Log and count job ``j`` failed (``why``: a message, or what it raised); its result (:mod:`.tier_jobs`)."""
+        """Log and count job ``j`` failed (``why``: a message, or what it raised); its result (:mod:`.tier_jobs`). Logged
+        at most once a minute per op and reason (before 2026-12-04 once per job: a stall grew the log at the job rate)."""
+        kind = "queued" if isinstance(why, NotAsked) else type(why).__name__ if isinstance(why, BaseException) else why
         if isinstance(why, NotAsked):  # queued past its deadline: load, not a verdict on its chunks (not cooled)
             self._not_asked.add(j.meta.job_id)
             why = str(why)
         elif isinstance(why, BaseException):
             why = (f"no answer from the pool within job_timeout_s ({self._job_timeout_s:g} s)"
                    if isinstance(why, TimeoutError) else f"{type(why).__name__}: {why}")
-        log.warning("%s job %s (%s of %d chunks) failed: %s", self.tier_type, j.meta.job_id,
-                    "store" if j.store else "load", len(j.keys), why)
+        self._warn.warning(f"{'store' if j.store else 'load'} {kind}", "%s job %s (%s of %d chunks) failed: %s",
+                           self.tier_type, j.meta.job_id, "store" if j.store else "load", len(j.keys), why)
         # counted like a job that ended with failed blocks (before 2026-11-29 a raised job was not counted)
         if j.store:
             self._count("stores", 1)
@@ -381,13 +385,17 @@ class KvbmSecondaryTier(SecondaryTierManager):
         futs = []
         good: list[OffloadKey] = []
         unreadable: list[BlockKey] = []  # blocks of chunks that failed other than by a timeout
+        late = 0  # chunks of pieces the pool had not answered by the job's deadline
         try:
             for c0, c1 in self._pieces(len(keys)):
                 bkeys = [bk for key in keys[c0:c1] for bk in self._block_keys(key, tenant)]
                 futs.append((c0, c1, self.pool.get(bkeys, bufs[c0 * c:c1 * c])))
             for c0, c1, fut in futs:
-                # on a timeout the pool may still write the buffers: they go back once it is done (finally)
-                res = fut.result(timeout=deadline.left())
+                try:  # on a timeout the pool may still write the buffers: they go back once it is done (finally)
+                    res = fut.result(timeout=deadline.left())
+                except TimeoutError:  # late chunks fail (cooled, not dropped); those verified before stay loaded
+                    late += c1 - c0  # (before 2026-12-04 the job failed whole: they were dropped and cooled)
+                    continue
                 if len(res.ok) != (c1 - c0) * c:
                     raise RuntimeError(f"pool returned {len(res.ok)} results for {(c1 - c0) * c} blocks")
                 for i in range(c0, c1):
@@ -401,6 +409,10 @@ class KvbmSecondaryTier(SecondaryTierManager):
             for c0, c1, fut in futs:
                 self._give_when_done(fut, bufs[c0 * c:c1 * c])
             self._give_back(bufs[(futs[-1][1] if futs else 0) * c:])
+        if late:
+            self._warn.warning("load late", "%s job %s (load of %d chunks) failed: no answer from the pool within "
+                               "job_timeout_s (%g s) for %d of them", self.tier_type, job.job_id, len(keys),
+                               self._job_timeout_s, late)
         self._count("loads", 1)
         self._count("chunks_loaded", len(good))
         if len(good) == len(keys):

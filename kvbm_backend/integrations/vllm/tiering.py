@@ -32,10 +32,13 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
   defaults from the byte sizes when ``num_kv_heads`` is given, ``mla`` to false. The head split is part of
   the namespace (``kv_heads``): engines whose settings cut a page into other heads never share blocks.
 * ``kv_cache_layout``: vLLM ``KVCacheLayout`` name; default the engine's resolved one, else LBNHC (CPU: LBHNC).
+  Where vLLM resolved one, a key naming another is refused (ValueError naming both): the namespace does not
+  record the layout, so such a tier stored scrambled blocks that were served as hits (before 2026-12-04).
 * ``enable_kv_events`` (emit ``OffloadingEvent`` for stored chunks and, on G3, for chunks it no longer holds;
   below), ``locality`` (``LOCAL``/``REMOTE``), ``io_threads`` (threads for loads, as many for stores: :mod:`.tier_jobs`), ``job_timeout_s`` (seconds from
   vLLM's submission of a job: past it the job fails, at once if it waits for a thread (the pool not asked) or a
-  store for the pool; the pool's own timeouts usually fire first), ``staging_mb`` (MiB of block staging buffers, default 256, capped at the primary
+  store for the pool; a running load keeps the chunks verified by then: ``successful_keys``; the pool's own
+  timeouts usually fire first), ``staging_mb`` (MiB of block staging buffers, default 256, capped at the primary
   tier's size, allocated and pre-faulted at construction; jobs beyond it allocate fresh buffers). Each key is
   checked by type and range before anything opens, a bad one refused naming it (:mod:`.tier_options`).
 
