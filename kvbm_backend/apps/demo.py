@@ -63,8 +63,8 @@ from typing import Any
 
 import numpy as np
 
-from .demo_native import (BLOCKS_PER_CHUNK, NATIVE_CONFIGS, cpu_budget_env, disk_bytes, native_extra, native_g4_url,
-                          native_tier_summary, tier_dirs)
+from .demo_native import (BLOCKS_PER_CHUNK, NATIVE_CONFIGS, connector_extra, cpu_budget_env, disk_bytes, native_extra,
+                          native_g4_url, native_tier_summary, tier_dirs)
 from .demo_engines import _run_engines
 from .cli_checks import write_whole
 from ..fsmodes import makedirs_private
@@ -339,13 +339,8 @@ def run_demo(json_path: str | None = "kvbm-demo.json", plot: str | None = "kvbm-
         cpu_bytes = 2 * num_blocks * BLOCK_SIZE * model.kv_bytes_per_token * (2 if DTYPE == "float32" else 1)
 
         def extra(g3_dir: str) -> dict:
-            g4cfg = {"enabled": True, "url": g4_url, "encrypt": True, "keyring": {"path": keyring}, "timeout_s": 5.0}
-            if endpoint_url:
-                g4cfg["endpoint_url"] = endpoint_url
-            cfg = {"model": model.name, "g3": {"paths": [str(wd / g3_dir)], "capacity_gb": g3_gb, "files_per_path": 2,
-                                               "admission": {"policy": "all"}},
-                   "g4": g4cfg}
-            return {"kvbm_backend": cfg, "stats_path": str(wd / f"{g3_dir}-stats.json")}
+            return connector_extra(g3_dir, wd, model, g3_capacity_gb=g3_gb, g4_url=g4_url, keyring=keyring,
+                                   endpoint_url=endpoint_url)
 
         base_spec: dict[str, Any] = {"model_dir": str(model_dir), "prompts": prompts, "max_tokens": 4, "block_size": BLOCK_SIZE,
                      "num_gpu_blocks": num_blocks, "max_model_len": max_len, "dtype": DTYPE}

@@ -10,6 +10,11 @@ budget every engine of the demo gets.
 
 Both run as in-process engines (``engine_run``'s ``native`` field), also under ``--engine dynamo``: the
 demo has no Dynamo worker script for the native path (the JSON's ``serving`` per config says so).
+
+Every tier of the demo (these, :func:`native_extra`, and the connector's, :func:`connector_extra`) loads with
+:data:`G3_LOAD_S` and :data:`G4_TIMEOUT_S`, not the serving 5 s: the demo measures the trace's hits, as ``replay``
+and ``bench`` do, and a read a busy machine slowed past 5 s was a miss the engine recomputed (the native tiers'
+``job_timeout_s``, 60 s, still ends a load that hangs).
 """
 from __future__ import annotations
 
@@ -17,10 +22,14 @@ import os
 from typing import Any
 from pathlib import Path
 
+from kvbm_backend.config import LOAD_TIMEOUT_MAX_S
+
 NATIVE_CONFIGS = ("vllm_fs", "native_tiers")
 BLOCKS_PER_CHUNK = 2  # 64-token offload chunks over 32-token engine blocks: one demo trace block each
 TIERING_MODULE = "kvbm_backend.integrations.vllm.tiering"
 _TIER_NAMES = {"G3Tier": "G3", "G4Tier": "G4", "fs": "fs", "CPU": "CPU"}
+G3_LOAD_S = LOAD_TIMEOUT_MAX_S  # the demo's g3.load_timeout_s: the largest (120 s), not the serving 5 s
+G4_TIMEOUT_S = 60.0  # the demo's g4.timeout_s (was 5): a load bound of 120.05 s with g4.retries 1
 
 
 def cpu_budget_env(ncpu: int | None = None) -> dict:
@@ -46,6 +55,21 @@ def native_g4_url(g4_url: str) -> str:
     return g4_url.rstrip("/") + "-native"
 
 
+def connector_extra(g3_dir: str, wd: Path, model, *, g3_capacity_gb: float, g4_url: str, keyring: str,
+                    endpoint_url: str | None = None) -> dict:
+    """``kv_connector_extra_config`` of the demo's ``KvbmBackendConnector`` configs (``kvbm_backend``, ``restart``):
+    G3 in ``wd / g3_dir`` (``g3_capacity_gb`` GB, every block admitted), the encrypted G4 at ``g4_url`` (keyring file
+    ``keyring``), stats in ``wd / <g3_dir>-stats.json``; loads bounded by :data:`G3_LOAD_S` / :data:`G4_TIMEOUT_S`."""
+    g4: dict[str, Any] = {"enabled": True, "url": g4_url, "encrypt": True, "keyring": {"path": keyring},
+                          "timeout_s": G4_TIMEOUT_S}
+    if endpoint_url:
+        g4["endpoint_url"] = endpoint_url
+    cfg = {"model": model.name, "g3": {"paths": [str(wd / g3_dir)], "capacity_gb": g3_capacity_gb, "files_per_path": 2,
+                                       "admission": {"policy": "all"}, "load_timeout_s": G3_LOAD_S},
+           "g4": g4}
+    return {"kvbm_backend": cfg, "stats_path": str(wd / f"{g3_dir}-stats.json")}
+
+
 def native_extra(kind: str, wd: Path, model, *, cpu_bytes: int, g3_capacity_gb: float, g4_url: str,
                  keyring: str, endpoint_url: str | None = None) -> dict:
     """``kv_connector_extra_config`` of vLLM's ``OffloadingConnector`` for ``kind`` (one of
@@ -57,13 +81,13 @@ def native_extra(kind: str, wd: Path, model, *, cpu_bytes: int, g3_capacity_gb: 
         tiers: list[dict[str, Any]] = [{"type": "fs", "root_dir": str(wd / "vllm-fs")}]
     elif kind == "native_tiers":
         base = {"model": model.name}
-        g4 = {"url": native_g4_url(g4_url), "encrypt": True, "keyring": {"path": keyring}, "timeout_s": 5.0}
+        g4 = {"url": native_g4_url(g4_url), "encrypt": True, "keyring": {"path": keyring}, "timeout_s": G4_TIMEOUT_S}
         if endpoint_url:
             g4["endpoint_url"] = endpoint_url
         common: dict[str, Any] = {"module_path": TIERING_MODULE, "config": base, "num_kv_heads": model.num_key_value_heads,
                   "io_threads": 2}
         tiers = [{**common, "type": "G3Tier", "g3": {"paths": [str(wd / "g3-native")], "capacity_gb": g3_capacity_gb,
-                                                     "files_per_path": 2}},
+                                                     "files_per_path": 2, "load_timeout_s": G3_LOAD_S}},
                  {**common, "type": "G4Tier", "g4": g4}]
     else:
         raise ValueError(f"native config: expected one of {NATIVE_CONFIGS}, got {kind!r}")

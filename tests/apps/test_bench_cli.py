@@ -45,4 +45,7 @@ def test_bench_vllm_tiers_json(tmp_path):
     # the same-durability ratio compares like with like: no flush on either side, same O_DIRECT choice
     assert d["same_durability"] and d["vllm_fs_o_direct"] == d["ours_nofsync_o_direct"] == d["ours_o_direct"]
     assert d["write_ratio_same_durability"] > 0
+    # every chunk read back and compared, ours included: its loads' deadline is not the 5 s serving default, which a
+    # busy machine turned into failed loads (ours_read_verified false)
+    assert d["vllm_fs_read_verified"] and d["ours_read_verified"] and d["ours_nofsync_read_verified"], d
     assert "no fsync" in d["durability"]["vllm_fs"] and "fdatasync" in d["durability"]["ours"]

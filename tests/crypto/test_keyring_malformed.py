@@ -25,6 +25,7 @@ from kvbm_backend.config import G4Config
 from kvbm_backend.crypto.keyring import Keyring, KeyringError, provider_for
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
 
 TENANT = "tenant-q7"  # an id no message may show (tenant ids stay inside the keyring)
 NEVER_S = 3600.0
@@ -182,7 +183,7 @@ def test_a_g4_worker_whose_keyring_loses_a_tenants_current_drops_offloads_and_mi
     and its loads miss (``miss_keyring_unavailable``), none raises; the file fixed, it serves its block again."""
     monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
     kp = tmp_path / "keys" / "kr.json"
-    cfg = {"url": f"file://{tmp_path / 'store'}", "timeout_s": 5.0, "dir_fanout": 16,
+    cfg = {"url": f"file://{tmp_path / 'store'}", "timeout_s": G4_TIMEOUT_S, "dir_fanout": 16,
            "keyring": {"path": str(kp), "reload_interval_s": 300.0}}
     with G4Pool(G4Config(**cfg), namespace()) as w:
         assert put_blocks(w, [1], "alice").written == 1

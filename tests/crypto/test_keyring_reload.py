@@ -18,6 +18,7 @@ import pytest
 
 import kvbm_backend.crypto.keyring as keyring_mod
 from tests.helpers.g4_writer import namespace, payload, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
 from kvbm_backend.config import G4Config
 from kvbm_backend.crypto.aead import new_nonce, seal_into
 from kvbm_backend.crypto.keyring import Keyring, KeyringError, TenantRevoked, UnknownTenant, provider_for
@@ -31,7 +32,7 @@ POOL_RELOAD_S = 300.0  # the same for pools (g4.keyring.reload_interval_s allows
 @pytest.fixture
 def cfg(tmp_path, monkeypatch):
     monkeypatch.delenv("KVBM_BACKEND_KEK", raising=False)
-    return {"url": f"file://{tmp_path / 'store'}", "timeout_s": 5.0, "dir_fanout": 16,
+    return {"url": f"file://{tmp_path / 'store'}", "timeout_s": G4_TIMEOUT_S, "dir_fanout": 16,
             "keyring": {"path": str(tmp_path / "keys" / "keyring.json"), "reload_interval_s": POOL_RELOAD_S}}
 
 

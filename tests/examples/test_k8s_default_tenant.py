@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
 from kvbm_backend.config import load_config
 from kvbm_backend.pool.g4.pool import G4Pool
 
@@ -37,7 +38,9 @@ def _configmap_config(tmp_path: Path, keyring: Path):
     docs = list(yaml.safe_load_all((K8S / "worker.yaml").read_text()))
     cm = yaml.safe_load(next(d for d in docs if d and d["kind"] == "ConfigMap")["data"]["kvbm-backend.yaml"])
     assert cm["g4"]["keyring"]["auto_create_tenants"] is False  # the premise: tenants only from `keys create`
-    cm["g4"].update(url=f"file://{tmp_path / 'store'}", endpoint_url=None)
+    # a local store; its load bound no subject here (the ConfigMap's serving one, the 2 s default, turned a read the
+    # busy CI VM froze into a miss)
+    cm["g4"].update(url=f"file://{tmp_path / 'store'}", endpoint_url=None, timeout_s=G4_TIMEOUT_S)
     cm["g4"]["keyring"].update(path=str(keyring), read_only=True)  # the Secret volume is read-only
     return load_config(cm, use_env=False)
 

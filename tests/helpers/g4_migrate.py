@@ -8,6 +8,7 @@ from kvbm_backend.pool.g4.factory import open_store
 from kvbm_backend.pool.g4.naming import parse_block_name
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
 
 
 def legacy_store(tmp_path, url: str, endpoint: str, n: int, fanout: int) -> dict[str, bytes]:
@@ -15,7 +16,8 @@ def legacy_store(tmp_path, url: str, endpoint: str, n: int, fanout: int) -> dict
     fan-out ``fanout``) and copy each under its format 1 name into the S3 store ``url`` at ``endpoint`` (directly,
     not through a proxy): ``{old name: bytes}``."""
     ns, seqs = namespace(), list(range(n))
-    with G4Pool(G4Config(url=f"file://{tmp_path / 'src'}", encrypt=False, dir_fanout=fanout), ns) as p:
+    cfg = G4Config(url=f"file://{tmp_path / 'src'}", encrypt=False, dir_fanout=fanout, timeout_s=G4_TIMEOUT_S)
+    with G4Pool(cfg, ns) as p:
         assert put_blocks(p, seqs, "alice").written == n
         objs = {p.legacy_object_name(k): bytes(p.store.get(p.object_name(k))) for k in ns.keys(seqs, tenant="alice")}
     dst = open_store(url, endpoint_url=endpoint)
@@ -36,6 +38,7 @@ def legacy_left(url: str, endpoint: str, objs: dict[str, bytes]) -> list[str]:
 
 def readable(url: str, endpoint: str, n: int, fanout: int) -> list[bool]:
     """Which of the ``n`` blocks a worker (unencrypted pool, fan-out ``fanout``) serves under their keyed names, each
-    checked to hold its bytes."""
-    with G4Pool(G4Config(url=url, endpoint_url=endpoint, encrypt=False, dir_fanout=fanout), namespace()) as p:
+    checked to hold its bytes (load bound :data:`~tests.helpers.pools.G4_TIMEOUT_S` x 2, not a bound under test)."""
+    cfg = G4Config(url=url, endpoint_url=endpoint, encrypt=False, dir_fanout=fanout, timeout_s=G4_TIMEOUT_S)
+    with G4Pool(cfg, namespace()) as p:
         return read_checked(p, list(range(n)), "alice")

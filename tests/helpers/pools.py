@@ -4,16 +4,25 @@
 values a token, bfloat16 (8 KiB blocks; the same as ``tests.helpers.crash_writer.LAYOUT``).
 ``tiny_ns(model)`` is a namespace on it. ``g3_config(path, **kw)`` is a small G3 configuration on one
 directory (50 MB, one slab file, every block admitted) and ``open_g3(path, ns, **kw)`` an open pool on it;
-keyword arguments override any :class:`~kvbm_backend.config.G3Config` field."""
+keyword arguments override any :class:`~kvbm_backend.config.G3Config` field.
+
+``G3_LOAD_S``, ``G4_TIMEOUT_S`` and ``LOOKUP_S``: the load and lookup deadlines of a test that checks bytes, hits or
+counts, not a bound (``g3.load_timeout_s``, ``g4.timeout_s``, the scheduler side's ``lookup_timeout_s``; the serving
+defaults are 5 s, 2 s (a G4 load bound of 4.05 s) and 2 s): at ``nice 19`` beside the engine lanes on the busy 2-core
+CI VM a read can be frozen for 13-31 s (2026-11-29), and a correct hit then turns into a ``timeout`` miss. Only a
+real hang misses these; tests of a bound pass their own."""
 from __future__ import annotations
 
 from typing import Any
 
-from kvbm_backend.config import G3Config
+from kvbm_backend.config import LOAD_TIMEOUT_MAX_S, G3Config
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 
 TINY_LAYOUT = KvLayout(2, 2, 16, 64, "bfloat16")
+G3_LOAD_S = LOAD_TIMEOUT_MAX_S  # g3.load_timeout_s (120 s, its largest) of a test that is not about the bound
+G4_TIMEOUT_S = 60.0  # g4.timeout_s of such a test: a load bound of 60 x (1 + retries) s (120.05 s at retries 1)
+LOOKUP_S = 120.0  # SchedulerSide(lookup_timeout_s=) of such a test (the class default: 2 s; the wiring's: the G4 bound)
 
 
 def tiny_ns(model: str = "test/tiny", **kw: Any) -> Namespace:
@@ -26,7 +35,7 @@ def g3_config(path, **kw: Any) -> G3Config:
     overrides. The load bound is the maximum (the default is 5 s): tests that check bytes must not see a read the
     busy CI VM froze for 13-31 s (2026-11-29) as a timeout; tests of the bound pass their own."""
     base: dict[str, Any] = dict(paths=[str(path)], capacity_gb=0.05, files_per_path=1, admission={"policy": "all"},
-                                load_timeout_s=120.0)
+                                load_timeout_s=G3_LOAD_S)
     base.update(kw)
     return G3Config(**base)
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.helpers.pools import G3_LOAD_S, G4_TIMEOUT_S
+
 REPO = Path(__file__).resolve().parents[2]
 IMPORT_CACHE = Path(tempfile.gettempdir()) / "kvbm-backend-test-imports"
 
@@ -96,11 +98,15 @@ def connector_extra(workdir: Path, g4_url: str | None = None, keyring: Path | No
     """``kv_connector_extra_config`` for a G3 dir (admit every block) and optionally a G4 URL.
 
     The G4 keyring (tenant data keys) defaults to ``workdir/../g4-keyring.json``: engines that are to
-    read each other's G4 blocks must share it, as the workers of one fleet do."""
+    read each other's G4 blocks must share it, as the workers of one fleet do. The loads' bounds are
+    :data:`~tests.helpers.pools.G3_LOAD_S` and :data:`~tests.helpers.pools.G4_TIMEOUT_S` (``g4_kw`` may name another
+    ``timeout_s``): the engine tests count loads and hits, and with the serving 5 s / 2 s a read the busy CI VM froze
+    (side lane at ``nice 10``) was a miss the engine recomputed."""
     cfg = {"model": "kvbm-backend/tiny-llama", "g3": {"paths": [str(workdir / "g3")], "capacity_gb": 0.5,
-                                                      "files_per_path": 2, "admission": {"policy": "all"}}}
+                                                      "files_per_path": 2, "admission": {"policy": "all"},
+                                                      "load_timeout_s": G3_LOAD_S}}
     if g4_url:
-        g4 = {"enabled": True, "url": g4_url, "encrypt": True,
+        g4 = {"enabled": True, "url": g4_url, "encrypt": True, "timeout_s": G4_TIMEOUT_S,
               "keyring": {"path": str(keyring or (workdir.parent / "g4-keyring.json"))}}
         g4.update(g4_kw)
         cfg["g4"] = g4
@@ -271,13 +277,15 @@ def native_extra(workdir: Path, g4_url: str | None = None, keyring: Path | None 
     primary tier, ``blocks_per_chunk`` engine blocks per offloaded chunk, and as secondary tiers our G3
     (``workdir/g3``), our G4 when ``g4_url`` is given (keyring as in :func:`connector_extra`), then
     ``extra_tiers`` (tier dicts, e.g. vLLM's ``{"type": "fs", "root_dir": ...}``). ``num_kv_heads``: KV heads
-    per rank (the tiny Llama has 2: 1 at TP=2); ``model``: the kvbm-backend config's model name."""
+    per rank (the tiny Llama has 2: 1 at TP=2); ``model``: the kvbm-backend config's model name. The tiers' load
+    bounds are G3_LOAD_S and G4_TIMEOUT_S, as :func:`connector_extra`'s (``g4_kw`` may name another ``timeout_s``)."""
     base = {"model": model}
     tiers = [{"type": "G3Tier", "module_path": TIERING_MODULE, "config": base, "num_kv_heads": num_kv_heads,
               "io_threads": 2,
-              "g3": {"paths": [str(workdir / "g3")], "capacity_gb": g3_capacity_gb, "files_per_path": 2}}]
+              "g3": {"paths": [str(workdir / "g3")], "capacity_gb": g3_capacity_gb, "files_per_path": 2,
+                     "load_timeout_s": G3_LOAD_S}}]
     if g4_url:
-        g4 = {"url": g4_url, "encrypt": True,
+        g4 = {"url": g4_url, "encrypt": True, "timeout_s": G4_TIMEOUT_S,
               "keyring": {"path": str(keyring or (workdir.parent / "g4-keyring.json"))}, **g4_kw}
         tiers.append({"type": "G4Tier", "module_path": TIERING_MODULE, "config": base, "num_kv_heads": num_kv_heads,
                       "io_threads": 2, "g4": g4})

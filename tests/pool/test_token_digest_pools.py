@@ -18,7 +18,7 @@ from kvbm_backend.config import KvbmBackendConfig  # noqa: E402
 from kvbm_backend.integrations.tiers import open_tiers  # noqa: E402
 from kvbm_backend.model.layout import KvLayout  # noqa: E402
 from kvbm_backend.model.namespace import Namespace  # noqa: E402
-from tests.helpers.pools import open_g3  # noqa: E402
+from tests.helpers.pools import G4_TIMEOUT_S, open_g3  # noqa: E402
 
 HANG_S = 600.0  # a hang guard, not a bound
 LAYOUT = KvLayout(num_layers=4, outer_dim=2, page_size=16, inner_dim=128, dtype="bfloat16")  # 8 KiB layers
@@ -114,10 +114,11 @@ def test_g3_drop_unreadable_keeps_another_digests_block(tmp_path):
 
 
 def _g4(tmp_path, **kw):
-    """A G4 pool on a ``file://`` store under ``tmp_path`` with its keyring (``kw``: more ``g4`` settings)."""
+    """A G4 pool on a ``file://`` store under ``tmp_path`` with its keyring (``kw``: more ``g4`` settings), its
+    load bound :data:`~tests.helpers.pools.G4_TIMEOUT_S` x 2 (the 2 s default turned a frozen read into a miss)."""
     cfg = KvbmBackendConfig(model="m", g3={"enabled": False}, g4={
         "enabled": True, "url": f"file://{tmp_path / 'store'}", "keyring": {"path": str(tmp_path / "keyring.json")},
-        **kw})
+        "timeout_s": G4_TIMEOUT_S, **kw})
     _, g4 = open_tiers(cfg, NS, 1)
     assert g4 is not None
     return g4

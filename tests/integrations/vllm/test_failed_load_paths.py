@@ -32,7 +32,7 @@ from kvbm_backend.model.namespace import Namespace  # noqa: E402
 from kvbm_backend.pool.g4.pool import G4Pool  # noqa: E402
 from kvbm_backend.pool.g3 import G3Pool  # noqa: E402
 from tests.helpers.eio import slot_eio  # noqa: E402
-from tests.helpers.pools import g3_config  # noqa: E402
+from tests.helpers.pools import G4_TIMEOUT_S, LOOKUP_S, g3_config  # noqa: E402
 from tests.integrations.vllm.test_worker_device_path import LOAD_S, _engine, _save  # noqa: E402
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for what must come (a lookup's answer, a load's end)
@@ -101,14 +101,14 @@ def test_a_g4_block_found_at_lookup_that_fails_at_load_is_not_offered_again(tmp_
     kv = _engine("cpu", seed=31)
     bs = kv.layout.page_size
     ns = Namespace(model="test/failed-load-paths", revision="r1", layout=kv.layout, tp_world_size=1)
-    g4 = G4Pool(G4Config(enabled=True, url=f"file://{tmp_path / 'g4'}", keyring={"path": str(tmp_path / "kr.json")}),
-                ns)
+    g4 = G4Pool(G4Config(enabled=True, url=f"file://{tmp_path / 'g4'}", keyring={"path": str(tmp_path / "kr.json")},
+                         timeout_s=G4_TIMEOUT_S), ns)  # the load bound is no subject: the faults are
     w = WorkerSide(ns, 0, None, g4, load_timeout_s=LOAD_S)
     try:
         w.register(kv)
         toks, hs = _prompt(bs)
         _save(w, g4, list(range(1, N + 1)), hs[:N], tenant=TENANT, digests=_digests(bs, list(range(N))))
-        s = SchedulerSide(ns, bs, None, g4, save=False)
+        s = SchedulerSide(ns, bs, None, g4, save=False, lookup_timeout_s=LOOKUP_S)
         r1 = _req("r1", toks)
         assert _ask(s, r1) == N * bs  # every block found (an existence check)
         jobs = _plan(s, r1, N * bs, list(range(10, 10 + N)))
@@ -158,7 +158,7 @@ def test_a_block_that_fails_on_one_tp_rank_is_withdrawn_for_every_rank(tmp_path,
         for i in range(N):  # one block at a time, rank by rank: no two slots of a rank are adjacent, so the bad
             for w in ws:    # sector fails only rank 1's block 1 (the reader merges reads of adjacent slots)
                 _save(w, g3, [i + 1], [hs[i]], tenant=TENANT, digests=_digests(bs, [i]))
-        s = SchedulerSide(ns, bs, g3, None, save=False)
+        s = SchedulerSide(ns, bs, g3, None, save=False, lookup_timeout_s=LOOKUP_S)
         r1 = _req("r1", toks)
         assert _ask(s, r1) == N * bs  # both ranks hold every block
         jobs = _plan(s, r1, N * bs, list(range(10, 10 + N)))

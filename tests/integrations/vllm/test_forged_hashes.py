@@ -26,7 +26,7 @@ from kvbm_backend.model.hashing import sequence_hashes, token_digests  # noqa: E
 from kvbm_backend.model.namespace import Namespace  # noqa: E402
 from kvbm_backend.pool.g3 import G3Pool  # noqa: E402
 from kvbm_backend.pool.g4.pool import G4Pool  # noqa: E402
-from tests.helpers.pools import g3_config  # noqa: E402
+from tests.helpers.pools import G4_TIMEOUT_S, LOOKUP_S, g3_config  # noqa: E402
 from tests.integrations.vllm.test_connector_units import _Blocks, _step  # noqa: E402
 from tests.integrations.vllm.test_failed_load_paths import HANG_S, _ask, _finish  # noqa: E402
 from tests.integrations.vllm.test_worker_device_path import LOAD_S, _block_bytes, _engine  # noqa: E402
@@ -73,14 +73,14 @@ def test_a_prompt_with_another_prompts_sequence_hashes_never_loads_its_kv(tmp_pa
     assert hs == sequence_hashes(b, bs) and len(hs) == N
     ns = Namespace(model="test/forged-hashes", revision="r1", layout=kv.layout, tp_world_size=1)
     g3 = G3Pool(g3_config(tmp_path / "g3", load_timeout_s=LOAD_S), ns) if tier == "G3" else None
-    g4 = (G4Pool(G4Config(enabled=True, url=f"file://{tmp_path / 'g4'}", keyring={"path": str(tmp_path / "kr.json")}),
-                 ns) if tier == "G4" else None)
+    g4 = (G4Pool(G4Config(enabled=True, url=f"file://{tmp_path / 'g4'}", keyring={"path": str(tmp_path / "kr.json")},
+                          timeout_s=G4_TIMEOUT_S), ns) if tier == "G4" else None)
     pool = g3 if g3 is not None else g4
     assert pool is not None
     w = WorkerSide(ns, 0, g3, g4, load_timeout_s=LOAD_S)
     try:
         w.register(kv)
-        s = SchedulerSide(ns, bs, g3, g4)
+        s = SchedulerSide(ns, bs, g3, g4, lookup_timeout_s=LOOKUP_S)
         src = list(range(1, N + 2))
         ra = _req("A", a)
         assert _ask(s, ra) == 0
@@ -129,7 +129,8 @@ def test_a_prompt_with_another_prompts_sequence_hashes_never_loads_its_kv(tmp_pa
 
         # A's next request is offered A's blocks and loads them byte for byte, on this scheduler (the cool-down
         # was B's) and on a fresh one (another worker's, or after the cool-down)
-        for sched, rid, dst in ((s, "A3", list(range(8, 8 + N))), (SchedulerSide(ns, bs, g3, g4), "A4", src[:N])):
+        fresh = SchedulerSide(ns, bs, g3, g4, lookup_timeout_s=LOOKUP_S)
+        for sched, rid, dst in ((s, "A3", list(range(8, 8 + N))), (fresh, "A4", src[:N])):
             for i in dst:
                 kv.scatter(torch.zeros(kv.layout.bytes_per_block, dtype=torch.uint8), [i])
             offered, errs, _ = _load(sched, w, _req(rid, a), dst)

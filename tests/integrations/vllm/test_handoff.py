@@ -22,11 +22,20 @@ from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
 from kvbm_backend.model.hashing import sequence_hashes, token_digests
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
+from tests.helpers.pools import G3_LOAD_S, G4_TIMEOUT_S, LOOKUP_S
 
 HANG_S = 600.0  # a hang guard, not a bound: polls for an answer (or a result) that must come; returns as soon as it does
 
 BS = 32
 TOKS = list(range(100, 100 + BS * 6 + 5))  # 6 full blocks + 5 tokens
+
+
+def _side(*a, **kw) -> SchedulerSide:
+    """A :class:`SchedulerSide` whose lookups resolve within :data:`~tests.helpers.pools.LOOKUP_S`, not the class's 2 s:
+    what these tests count (blocks found, waits, completions) is not a lookup bound, and a lookup the busy CI VM froze
+    for longer answered 0 blocks (the pools' bounds are G3_LOAD_S and G4_TIMEOUT_S x 2 alike)."""
+    kw.setdefault("lookup_timeout_s", LOOKUP_S)
+    return SchedulerSide(*a, **kw)
 
 
 @pytest.fixture(autouse=True)
@@ -41,8 +50,9 @@ def tiers(tmp_path):
     lay = KvLayout(2, 2, BS, 64, "bfloat16")
     ns = Namespace("m", lay)
     cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1,
-                              "admission": {"policy": "all"}},
-                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False,
+                              "admission": {"policy": "all"}, "load_timeout_s": G3_LOAD_S},
+                       "g4": {"enabled": True, "timeout_s": G4_TIMEOUT_S,
+                              "url": f"file://{tmp_path / 'g4'}", "encrypt": False,
                               "keyring": {"path": str(tmp_path / "keys" / "kr.json")}}}, use_env=False)  # keyed names
     g3, g4 = open_tiers(cfg, ns)
     hs = sequence_hashes(TOKS, BS)
@@ -72,7 +82,7 @@ def _ask(s, req, until_s=HANG_S, computed=0):
 
 def test_prefill_side_answers_the_blocks_it_offloaded(tiers):
     ns, g3, g4, hs, blocks = tiers
-    s = SchedulerSide(ns, BS, g3, g4)
+    s = _side(ns, BS, g3, g4)
     before = stats.get("handoff_offered_requests")
     ident = {"namespace": ns.fingerprint, "tenant": g4.pseudonym("")[:8].hex()}  # the default tenant's
     assert s.request_finished(_req("p1", {KEY: True}), []) == (False, {KEY: {"blocks": 6, "block_size": BS, **ident}})
@@ -89,9 +99,9 @@ def test_a_prefill_worker_that_offloads_nothing_promises_no_blocks(tiers, caplog
     whole ``handoff_wait_s`` and counted a handoff timeout."""
     ns, g3, g4, hs, blocks = tiers
     caplog.set_level(logging.WARNING, logger="kvbm_backend.handoff")
-    for side in (SchedulerSide(ns, BS, g3, g4, save=False), SchedulerSide(ns, BS, None, None)):
+    for side in (_side(ns, BS, g3, g4, save=False), _side(ns, BS, None, None)):
         assert side.request_finished(_req("p", {KEY: True}), []) == (False, {KEY: {"blocks": 0, "block_size": BS}})
-    answer = SchedulerSide(ns, BS, g3, g4, save=False).request_finished(_req("p2", {KEY: True}), [])[1]
+    answer = _side(ns, BS, g3, g4, save=False).request_finished(_req("p2", {KEY: True}), [])[1]
     assert expected_blocks(_req("d", answer), BS) == 0  # the decode side expects nothing: no wait
     waits = HandoffWaits(wait_s=600)
     assert waits.should_wait("d", found_blocks=0, expected=0) is False
@@ -105,7 +115,7 @@ def test_decode_side_waits_for_the_promised_blocks_then_loads_them(tiers):
     # handoff_wait_s 600 (the maximum; was 10): the "not yet" answers below must not run into the bound when the busy
     # CI VM freezes the test for 13-31 s (2026-11-29); the bound itself is the next test's subject
     _, opts = config_from_extra({"kvbm_backend": {"model": "m"}, "handoff_wait_s": 600.0})
-    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=opts["handoff_wait_s"])
+    s = _side(ns, BS, g3, g4, handoff_wait_s=opts["handoff_wait_s"])
     req = _req("d1", {KEY: {"blocks": 6, "block_size": BS}})
     done = stats.get("handoff_complete_requests")
     for _ in range(20):  # vLLM keeps asking; the answer stays "not yet" while 3 of 6 blocks are there
@@ -121,7 +131,7 @@ def test_decode_side_wait_is_bounded_by_handoff_wait_s_and_logged_once(tiers, ca
     ns, g3, g4, hs, blocks = tiers
     assert g4.put(ns.keys(hs[:3]), blocks[:3]).result(HANG_S).written == 3
     _, opts = config_from_extra({"kvbm_backend": {"model": "m"}, "handoff_wait_s": 0.3})
-    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=opts["handoff_wait_s"])
+    s = _side(ns, BS, g3, g4, handoff_wait_s=opts["handoff_wait_s"])
     now = [0.0]
     s.handoff._clock = lambda: now[0]  # the wait's clock: no wall-clock margin on a busy runner
     timeouts = stats.get("handoff_timeouts")
@@ -137,7 +147,7 @@ def test_decode_side_wait_is_bounded_by_handoff_wait_s_and_logged_once(tiers, ca
     msgs = [r.getMessage() for r in caplog.records if "handoff" in r.getMessage()]
     assert len(msgs) == 1 and "d2" in msgs[0] and "found 3 of the 6" in msgs[0], msgs
     # the same engine with handoff_wait_s 0 answers at once
-    s0 = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=0.0)
+    s0 = _side(ns, BS, g3, g4, handoff_wait_s=0.0)
     (n0, _), _, _ = _ask(s0, _req("d3", {KEY: {"blocks": 6, "block_size": BS}}))
     assert n0 == 3 * BS
 
@@ -150,7 +160,7 @@ def test_a_handed_off_request_whose_load_failed_is_recomputed_without_waiting_ag
     from kvbm_backend.integrations.vllm.metadata import FailedLoad
     ns, g3, g4, hs, blocks = tiers
     assert g4.put(ns.keys(hs[:6]), blocks).result(HANG_S).written == 6
-    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=10.0)
+    s = _side(ns, BS, g3, g4, handoff_wait_s=10.0)
     req = _req("d4", {KEY: {"blocks": 6, "block_size": BS}})
     (n, is_async), _, _ = _ask(s, req)
     assert (n, is_async) == (6 * BS, True)
@@ -162,11 +172,11 @@ def test_a_handed_off_request_whose_load_failed_is_recomputed_without_waiting_ag
 
 def test_no_wait_without_a_usable_handoff(tiers):
     ns, g3, g4, hs, blocks = tiers
-    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=30.0)
+    s = _side(ns, BS, g3, g4, handoff_wait_s=30.0)
     for params in (None, {KEY: {"blocks": 6, "block_size": 16}}, {KEY: {"blocks": "x"}}, {KEY: True}):
         (n, _), took, _ = _ask(s, _req(f"r{id(params)}", params))
         assert n == 0 and took < 20.0  # nothing stored, nothing awaited (a wait would take handoff_wait_s, 30 s)
-    off = SchedulerSide(ns, BS, g3, g4, load=False, handoff_wait_s=30.0)  # loads off: nothing to wait for
+    off = _side(ns, BS, g3, g4, load=False, handoff_wait_s=30.0)  # loads off: nothing to wait for
     assert off.get_num_new_matched_tokens(_req("r9", {KEY: {"blocks": 6, "block_size": BS}}), 0) == (0, False)
 
 
@@ -186,7 +196,7 @@ def test_hostile_handoff_params_are_a_miss_served_at_once_and_logged_once_bounde
     import json
     ns, g3, g4, hs, blocks = tiers
     assert g4.put(ns.keys(hs[:6]), blocks).result(HANG_S).written == 6
-    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=30.0)
+    s = _side(ns, BS, g3, g4, handoff_wait_s=30.0)
     inf = json.loads('{"blocks": 1e999, "block_size": 32}')
     hostile = [inf, {"blocks": 6, "block_size": float("-inf")}, {"blocks": float("nan"), "block_size": BS},
                {"blocks": True, "block_size": BS}, {"blocks": 6.0, "block_size": BS}, {"blocks": -1, "block_size": BS},
@@ -209,7 +219,7 @@ def test_the_wait_is_once_per_request_even_when_vllm_asks_again(tiers):
     wait started over each time: 1 s more per ask, a new handoff_timeouts and WARNING each."""
     ns, g3, g4, hs, blocks = tiers
     assert g4.put(ns.keys(hs[:3]), blocks[:3]).result(HANG_S).written == 3
-    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=1.0)
+    s = _side(ns, BS, g3, g4, handoff_wait_s=1.0)
     req = _req("d5", {KEY: {"blocks": 6, "block_size": BS}})
     timeouts = stats.get("handoff_timeouts")
     (n, _), took, _ = _ask(s, req)
@@ -229,7 +239,7 @@ def test_a_request_another_connector_prefills_is_not_looked_up(tiers):
     preemption) the tiers are looked up as for any request."""
     ns, g3, g4, hs, blocks = tiers
     assert g4.put(ns.keys(hs[:6]), blocks).result(HANG_S).written == 6
-    s = SchedulerSide(ns, BS, g3, g4)
+    s = _side(ns, BS, g3, g4)
     params = {"do_remote_prefill": True, "remote_engine_id": "p0"}
     req = _req("n1", params)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -245,7 +255,7 @@ def test_per_request_warnings_are_one_line_per_kind_per_minute(tiers, caplog, mo
     ns, g3, g4, hs, blocks = tiers
     now = [1000.0]
     monkeypatch.setattr(handoff, "LOG", LimitedLog(handoff.log, clock=lambda: now[0]))
-    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=0.0)
+    s = _side(ns, BS, g3, g4, handoff_wait_s=0.0)
     timeouts = stats.get("handoff_timeouts")
     with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
         for i in range(50):
@@ -267,14 +277,14 @@ def test_a_prefill_worker_without_a_shared_g4_promises_no_blocks(tiers, tmp_path
     0.69 s) for blocks no tier it reads would ever hold. Only a worker that writes to G4 promises blocks now."""
     ns, g3, g4, hs, blocks = tiers
     _, opts = config_from_extra({"kvbm_backend": {"model": "m"}, "save_to_g4": False})
-    for side in (SchedulerSide(ns, BS, g3, None),  # G3 alone
-                 SchedulerSide(ns, BS, g3, g4, save_to_g4=opts["save_to_g4"]),  # G4 open, never written
-                 SchedulerSide(ns, BS, None, g4, save=False)):
+    for side in (_side(ns, BS, g3, None),  # G3 alone
+                 _side(ns, BS, g3, g4, save_to_g4=opts["save_to_g4"]),  # G4 open, never written
+                 _side(ns, BS, None, g4, save=False)):
         assert side.hands_off is False
         answer = side.request_finished(_req("p", {KEY: True}), [])[1]
         assert answer == {KEY: {"blocks": 0, "block_size": BS}}, answer
         assert expected_blocks(_req("d", answer), BS, handoff.identity(g4, "")) == 0  # the decode side: no wait
-    assert SchedulerSide(ns, BS, None, g4).request_finished(_req("p", {KEY: True}), [])[1][KEY]["blocks"] == 6
+    assert _side(ns, BS, None, g4).request_finished(_req("p", {KEY: True}), [])[1][KEY]["blocks"] == 6
 
 
 def test_a_handoff_names_its_g4_namespace_and_tenant_and_a_mismatch_is_not_waited_for(tiers, tmp_path, caplog):
@@ -286,18 +296,19 @@ def test_a_handoff_names_its_g4_namespace_and_tenant_and_a_mismatch_is_not_waite
     ns, g3, g4, hs, blocks = tiers
     assert g4.put(ns.keys(hs[:6]), blocks).result(HANG_S).written == 6  # the prefill worker's blocks, stored
     handoff._warned_pairs.clear()
-    pre = SchedulerSide(ns, BS, g3, g4).request_finished(_req("p", {KEY: True}), [])[1]
+    pre = _side(ns, BS, g3, g4).request_finished(_req("p", {KEY: True}), [])[1]
     assert pre[KEY]["namespace"] == ns.fingerprint and pre[KEY]["tenant"] == g4.pseudonym("")[:8].hex()
     assert "" not in pre[KEY].values() and len(pre[KEY]["tenant"]) == 16
     # a decode worker of another TP size (per-rank G4 layout: another namespace) over the same store
     tp2 = Namespace("m", ns.layout, tp_world_size=2)
     cfg = load_config({"g3": {"enabled": False},
-                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False,
+                       "g4": {"enabled": True, "timeout_s": G4_TIMEOUT_S,
+                              "url": f"file://{tmp_path / 'g4'}", "encrypt": False,
                               "keyring": {"path": str(tmp_path / "keys" / "kr.json")}}}, use_env=False)
     _, g4_tp2 = open_tiers(cfg, tp2)
     mism = stats.get("handoff_identity_mismatches")
     try:
-        dec = SchedulerSide(tp2, BS, None, g4_tp2, handoff_wait_s=600.0)
+        dec = _side(tp2, BS, None, g4_tp2, handoff_wait_s=600.0)
         with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
             for rid in ("d1", "d2"):
                 req = _req(rid, pre)
@@ -312,7 +323,7 @@ def test_a_handoff_names_its_g4_namespace_and_tenant_and_a_mismatch_is_not_waite
         g4_tp2.close()
     # the same namespace, another default tenant: no wait either, named by pseudonym prefixes only
     caplog.clear()
-    other = SchedulerSide(ns, BS, g3, g4, default_tenant="bob", handoff_wait_s=600.0)
+    other = _side(ns, BS, g3, g4, default_tenant="bob", handoff_wait_s=600.0)
     with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
         other.get_num_new_matched_tokens(_req("d3", pre), 0)
     assert other._reqs["d3"].handoff_want is None
@@ -320,9 +331,9 @@ def test_a_handoff_names_its_g4_namespace_and_tenant_and_a_mismatch_is_not_waite
     assert len(msgs) == 1 and pre[KEY]["tenant"] in msgs[0] and g4.pseudonym("bob")[:8].hex() in msgs[0], msgs
     assert "bob" not in msgs[0].replace(g4.pseudonym("bob")[:8].hex(), "")
     # the same namespace and tenant (a request's cache_salt counts on both sides): waited for and loaded
-    same = SchedulerSide(ns, BS, g3, g4, default_tenant="bob", handoff_wait_s=600.0)
+    same = _side(ns, BS, g3, g4, default_tenant="bob", handoff_wait_s=600.0)
     salted = SimpleNamespace(**{**vars(_req("p4", {KEY: True})), "cache_salt": "alice"})
-    answer = SchedulerSide(ns, BS, g3, g4).request_finished(salted, [])[1]
+    answer = _side(ns, BS, g3, g4).request_finished(salted, [])[1]
     assert answer[KEY]["tenant"] == g4.pseudonym("alice")[:8].hex()
     from kvbm_backend.model.hashing import salt_bytes, salt_hash
     salted_hs = sequence_hashes(TOKS, BS, salt=salt_hash(salt_bytes("alice", None, None)))
@@ -336,7 +347,8 @@ def test_a_handoff_names_its_g4_namespace_and_tenant_and_a_mismatch_is_not_waite
     # a pool without a keyring sends no tenant: its pseudonym is an HMAC under a public key, so a client reading
     # kv_transfer_params could confirm a guessed tenant id with it (review finding, 2026-11-30)
     cfg = load_config({"g3": {"enabled": False},
-                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4-unkeyed'}", "encrypt": False}},
+                       "g4": {"enabled": True, "timeout_s": G4_TIMEOUT_S,
+                              "url": f"file://{tmp_path / 'g4-unkeyed'}", "encrypt": False}},
                       use_env=False)
     _, unkeyed = open_tiers(cfg, ns)
     try:
@@ -365,8 +377,9 @@ def test_prompt_blocks_a_prefill_worker_loaded_from_its_g3_are_written_to_g4_for
 
     def cfg(g3_dir):
         return load_config({"g3": {"paths": [str(tmp_path / g3_dir)], "capacity_gb": 0.1, "files_per_path": 1,
-                                   "admission": {"policy": "all"}},
-                            "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+                                   "admission": {"policy": "all"}, "load_timeout_s": G3_LOAD_S},
+                            "g4": {"enabled": True, "timeout_s": G4_TIMEOUT_S,
+                                   "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
     g3, g4 = open_tiers(cfg("prefill-g3"), ns)
     d3, d4 = open_tiers(cfg("decode-g3"), ns)
     w = WorkerSide(ns, 0, g3, g4, load_timeout_s=HANG_S)
@@ -379,7 +392,7 @@ def test_prompt_blocks_a_prefill_worker_loaded_from_its_g3_are_written_to_g4_for
         assert g4.lookup_prefix(ns.keys(hs[:6])).result(HANG_S) == 0  # ... G3 only (G4 down then, or another worker)
         req = SimpleNamespace(request_id="p", prompt_token_ids=toks, cache_salt=None, lora_request=None,
                               kv_transfer_params={KEY: True})
-        pre = SchedulerSide(ns, EBS, g3, g4)
+        pre = _side(ns, EBS, g3, g4)
         (n, is_async), _, _ = _ask(pre, req)
         assert (n, is_async) == (6 * EBS, True)  # a G3 hit: loaded, not computed
         dst = [10, 11, 12, 13, 14, 15, 16]
@@ -399,7 +412,7 @@ def test_prompt_blocks_a_prefill_worker_loaded_from_its_g3_are_written_to_g4_for
         answer = pre.request_finished(req, [])[1]
         assert answer[KEY]["blocks"] == 6
         # the decode worker: its own G3 (empty), the shared G4; waited for and found all 6, no timeout
-        dec = SchedulerSide(ns, EBS, d3, d4, handoff_wait_s=600.0)
+        dec = _side(ns, EBS, d3, d4, handoff_wait_s=600.0)
         done, timeouts = stats.get("handoff_complete_requests"), stats.get("handoff_timeouts")
         dreq = SimpleNamespace(**{**vars(req), "request_id": "d", "kv_transfer_params": answer})
         (n, _), _, _ = _ask(dec, dreq)
@@ -440,8 +453,9 @@ def test_a_handoff_job_of_cached_blocks_never_crowds_out_the_steps_computed_bloc
     toks = list(range(500, 500 + EBS * (cached + new) + 5))
     hs = sequence_hashes(toks, EBS)
     cfg = load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1,
-                              "admission": {"policy": "all"}},
-                       "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+                              "admission": {"policy": "all"}, "load_timeout_s": G3_LOAD_S},
+                       "g4": {"enabled": True, "timeout_s": G4_TIMEOUT_S,
+                              "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
     g3, g4 = open_tiers(cfg, ns)
     w = WorkerSide(ns, 0, g3, g4, load_timeout_s=HANG_S, max_pending_save_bytes=8 * kv.layout.bytes_per_block)
     try:
@@ -451,7 +465,7 @@ def test_a_handoff_job_of_cached_blocks_never_crowds_out_the_steps_computed_bloc
         for pool in (g3, g4):  # an earlier request's, in both tiers
             assert pool.put(ns.keys(hs[:cached]), blocks).result(HANG_S).written == cached
             assert pool.flush(HANG_S)
-        pre = SchedulerSide(ns, EBS, g3, g4)
+        pre = _side(ns, EBS, g3, g4)
         req = SimpleNamespace(request_id="p", prompt_token_ids=toks, cache_salt=None, lora_request=None,
                               kv_transfer_params={KEY: True})
         (n, _), _, _ = _ask(pre, req, computed=cached * EBS)  # the engine's prefix cache holds the 19
@@ -480,7 +494,7 @@ def test_a_request_nixl_prefills_is_not_waited_for_even_with_our_handoff_params(
     without a hand-off wait (3 of the 6 promised blocks there: those 3, at once)."""
     ns, g3, g4, hs, blocks = tiers
     assert g4.put(ns.keys(hs[:3]), blocks[:3]).result(HANG_S).written == 3
-    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=600.0)
+    s = _side(ns, BS, g3, g4, handoff_wait_s=600.0)
     params = {"do_remote_prefill": True, "remote_engine_id": "p0", KEY: {"blocks": 6, "block_size": BS}}
     req = _req("nh1", params)
     timeouts, done = stats.get("handoff_timeouts"), stats.get("handoff_complete_requests")
@@ -498,7 +512,7 @@ def test_a_promise_of_no_blocks_is_not_counted_a_completed_handoff(tiers):
     request (3 blocks in G4 from earlier traffic: loaded)."""
     ns, g3, g4, hs, blocks = tiers
     assert g4.put(ns.keys(hs[:3]), blocks[:3]).result(HANG_S).written == 3
-    s = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=600.0)
+    s = _side(ns, BS, g3, g4, handoff_wait_s=600.0)
     keys = ("handoff_complete_requests", "handoff_timeouts")
     before = {k: stats.get(k) for k in keys}
     (n, _), _, _ = _ask(s, _req("z1", {KEY: {"blocks": 0, "block_size": BS}}))
@@ -508,7 +522,8 @@ def test_a_promise_of_no_blocks_is_not_counted_a_completed_handoff(tiers):
 
 def _unkeyed_g4(tmp_path, name="g4"):
     cfg = load_config({"g3": {"enabled": False},
-                       "g4": {"enabled": True, "url": f"file://{tmp_path / name}", "encrypt": False}}, use_env=False)
+                       "g4": {"enabled": True, "timeout_s": G4_TIMEOUT_S,
+                              "url": f"file://{tmp_path / name}", "encrypt": False}}, use_env=False)
     return open_tiers(cfg, Namespace("m", KvLayout(2, 2, BS, 64, "bfloat16")))[1]
 
 
@@ -522,7 +537,7 @@ def test_a_keyed_decode_worker_does_not_wait_for_an_unkeyed_prefill_workers_bloc
     ns, g3, g4, hs, blocks = tiers  # the decode worker's: G4 with a keyring (keyed names)
     pg4 = _unkeyed_g4(tmp_path)  # the prefill worker's: the same store, no keyring
     try:
-        params = SchedulerSide(ns, BS, None, pg4).request_finished(_req("p", {KEY: True}), [])[1]
+        params = _side(ns, BS, None, pg4).request_finished(_req("p", {KEY: True}), [])[1]
         assert params[KEY]["blocks"] == 6 and params[KEY]["namespace"] == ns.fingerprint
         assert "tenant" not in params[KEY]
         assert pg4.put(ns.keys(hs[:6]), blocks).result(HANG_S).written == 6 and pg4.flush(HANG_S)
@@ -530,7 +545,7 @@ def test_a_keyed_decode_worker_does_not_wait_for_an_unkeyed_prefill_workers_bloc
         assert pg4.lookup_prefix(ns.keys(hs[:6]), request=False).result(HANG_S) == 6
         assert g4.lookup_prefix(ns.keys(hs[:6]), request=False).result(HANG_S) == 0
         handoff._warned_pairs.clear()
-        dec = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=600.0)
+        dec = _side(ns, BS, g3, g4, handoff_wait_s=600.0)
         mism, timeouts = stats.get("handoff_identity_mismatches"), stats.get("handoff_timeouts")
         with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
             for rid in ("d1", "d2"):
@@ -546,7 +561,7 @@ def test_a_keyed_decode_worker_does_not_wait_for_an_unkeyed_prefill_workers_bloc
         # neither F nor T (an older prefill worker): waited for, as before
         assert expected_blocks(_req("d3", {KEY: {"blocks": 6, "block_size": BS}}), BS, handoff.identity(g4, "")) == 6
         # two workers without a keyring: no T on either side, nothing to compare: waited for
-        unkeyed_dec = SchedulerSide(ns, BS, None, pg4, handoff_wait_s=600.0)
+        unkeyed_dec = _side(ns, BS, None, pg4, handoff_wait_s=600.0)
         (n, _), _, _ = _ask(unkeyed_dec, _req("d4", params))
         assert unkeyed_dec._reqs["d4"].handoff_want == 6 and n == 6 * BS
     finally:
@@ -568,12 +583,12 @@ def test_a_decode_request_with_another_lora_or_cache_salt_than_its_prefill_is_no
                                   "lora_request": SimpleNamespace(lora_name=name, lora_path=f"/adapters/{name}")})
 
     salt = salt_hash(salt_bytes(None, "sql", "/adapters/sql"))
-    prefill, p = SchedulerSide(ns, BS, g3, g4), lora("p", {KEY: True}, "sql")
+    prefill, p = _side(ns, BS, g3, g4), lora("p", {KEY: True}, "sql")
     assert _ask(prefill, p)[0][0] == 0  # (the worker's blocks are computed and written: put below)
     pre = prefill.request_finished(p, [])[1]
     assert g4.put(ns.keys(sequence_hashes(TOKS, BS, salt=salt)[:6]), blocks).result(HANG_S).written == 6
     handoff._warned_pairs.clear()
-    dec = SchedulerSide(ns, BS, g3, g4, handoff_wait_s=600.0)
+    dec = _side(ns, BS, g3, g4, handoff_wait_s=600.0)
     mism = stats.get("handoff_identity_mismatches")
     with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
         for rid, other in (("d1", lora("d1", pre, "chat")), ("d2", _req("d2", pre)),
@@ -607,11 +622,11 @@ def test_a_flood_of_salt_mismatches_never_hides_a_namespace_mismatchs_warning(ti
         return SimpleNamespace(**{**vars(_req(rid, params)),
                                   "lora_request": SimpleNamespace(lora_name=name, lora_path=f"/adapters/{name}")})
 
-    prefill, p = SchedulerSide(ns, BS, None, g4), lora("p", {KEY: True}, "sql")
+    prefill, p = _side(ns, BS, None, g4), lora("p", {KEY: True}, "sql")
     prefill.get_num_new_matched_tokens(p, len(TOKS))  # (the request's state, and so its salt, is made at its lookup)
     pre = prefill.request_finished(p, [])[1]
     assert "salt" in pre[KEY]
-    dec = SchedulerSide(ns, BS, None, g4, handoff_wait_s=600.0)
+    dec = _side(ns, BS, None, g4, handoff_wait_s=600.0)
     mism = stats.get("handoff_identity_mismatches")
     with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
         for i in range(300):  # 300 decode requests, each naming another adapter than the prefill's: 300 S pairs
@@ -622,11 +637,12 @@ def test_a_flood_of_salt_mismatches_never_hides_a_namespace_mismatchs_warning(ti
         # then a prefill worker of another TP size (per-rank layout: another namespace) over the same store
         tp2 = Namespace("m", ns.layout, tp_world_size=2)
         cfg = load_config({"g3": {"enabled": False},
-                           "g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False,
+                           "g4": {"enabled": True, "timeout_s": G4_TIMEOUT_S,
+                                  "url": f"file://{tmp_path / 'g4'}", "encrypt": False,
                                   "keyring": {"path": str(tmp_path / "keys" / "kr.json")}}}, use_env=False)
         _, g4_tp2 = open_tiers(cfg, tp2)
         try:
-            other = SchedulerSide(tp2, BS, None, g4_tp2).request_finished(lora("p2", {KEY: True}, "sql"), [])[1]
+            other = _side(tp2, BS, None, g4_tp2).request_finished(lora("p2", {KEY: True}, "sql"), [])[1]
         finally:
             g4_tp2.close()
         dec.get_num_new_matched_tokens(lora("n1", other, "sql"), len(TOKS))
@@ -644,11 +660,11 @@ def test_a_tenant_mismatch_names_a_decode_g4_without_a_keyring_as_such(tiers, tm
     there. It now says "none (its G4 has no keyring)"; a decode worker without G4 still says "none (no G4)"."""
     ns, g3, g4, hs, blocks = tiers
     handoff._warned_pairs.clear()
-    pre = SchedulerSide(ns, BS, None, g4).request_finished(_req("p", {KEY: True}), [])[1]
+    pre = _side(ns, BS, None, g4).request_finished(_req("p", {KEY: True}), [])[1]
     assert "tenant" in pre[KEY]
     dg4 = _unkeyed_g4(tmp_path, "g4-decode")
     try:
-        dec = SchedulerSide(ns, BS, None, dg4, handoff_wait_s=600.0)
+        dec = _side(ns, BS, None, dg4, handoff_wait_s=600.0)
         with caplog.at_level(logging.WARNING, logger="kvbm_backend.handoff"):
             dec.get_num_new_matched_tokens(_req("d1", pre), len(TOKS))
         assert dec._reqs["d1"].handoff_want is None

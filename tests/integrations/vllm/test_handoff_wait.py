@@ -24,6 +24,7 @@ from kvbm_backend.integrations.vllm.scheduler_side import SchedulerSide
 from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
+from tests.helpers.pools import G3_LOAD_S, G4_TIMEOUT_S, LOOKUP_S
 from tests.helpers.seaweed import ANON_ENV
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for answers that must come; returns as soon as they do
@@ -41,9 +42,18 @@ def _fresh_handoff_log():
 
 
 def _cfg(tmp_path, g4: dict):
+    """G3 in ``tmp_path / "g3"`` and G4 (``g4``: its settings), their load bounds no subject (G3_LOAD_S, G4_TIMEOUT_S;
+    ``g4`` may name another ``timeout_s``)."""
     return load_config({"g3": {"paths": [str(tmp_path / "g3")], "capacity_gb": 0.1, "files_per_path": 1,
-                               "admission": {"policy": "all"}},
-                        "g4": {"enabled": True, "encrypt": False, **g4}}, use_env=False)
+                               "admission": {"policy": "all"}, "load_timeout_s": G3_LOAD_S},
+                        "g4": {"enabled": True, "encrypt": False, "timeout_s": G4_TIMEOUT_S, **g4}}, use_env=False)
+
+
+def _side(*a, **kw) -> SchedulerSide:
+    """A :class:`SchedulerSide` whose lookups resolve within LOOKUP_S, not the class's 2 s (no subject here: a lookup
+    the busy CI VM froze for longer answered 0 blocks and ended a wait these tests count)."""
+    kw.setdefault("lookup_timeout_s", LOOKUP_S)
+    return SchedulerSide(*a, **kw)
 
 
 @pytest.fixture()
@@ -85,7 +95,7 @@ class _Recorder:
 
 def _on_clock(g3, g4, wait_s: float):
     """A scheduler side over ``g3``/``g4`` whose hand-off waits run on the returned clock (``now[0]`` seconds)."""
-    s = SchedulerSide(NS, BS, g3, g4, handoff_wait_s=wait_s)
+    s = _side(NS, BS, g3, g4, handoff_wait_s=wait_s)
     now = [0.0]
     s.handoff._clock = lambda: now[0]
     return s, now
@@ -178,7 +188,7 @@ def test_a_handed_off_request_the_engines_prefix_cache_covers_counts_its_local_h
     """Review finding 2026-11-30: a handed-off request whose every block the engine's prefix cache held (no look
     needed) ended its wait uncounted (``local_hit_blocks`` missed it). It counts once, with its local blocks."""
     g3, g4 = tiers
-    s = SchedulerSide(NS, BS, g3, g4, handoff_wait_s=600.0)
+    s = _side(NS, BS, g3, g4, handoff_wait_s=600.0)
     keys = ("lookup_requests", "lookup_blocks", "local_hit_blocks", "g3_found_blocks", "g4_found_blocks")
     before = {k: stats.get(k) for k in keys}
     assert s.get_num_new_matched_tokens(_req("cov"), NB * BS) == (0, False)
@@ -203,7 +213,7 @@ def test_the_wait_ends_at_once_when_g4s_breaker_is_open(tmp_path, caplog, monkey
         while g4.breaker.state != "open":  # the start-up probe finds nothing listening and opens it
             assert time.monotonic() - t0 < HANG_S, g4.breaker.state
             time.sleep(0.01)
-        s = SchedulerSide(NS, BS, g3, g4, handoff_wait_s=600.0)
+        s = _side(NS, BS, g3, g4, handoff_wait_s=600.0)
         s.handoff._clock = lambda: 0.0
         before = {k: stats.get(k) for k in ("handoff_timeouts", "handoff_breaker_timeouts", "lookup_requests")}
         rejected = g4.breaker.rejected

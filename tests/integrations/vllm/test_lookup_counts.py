@@ -19,8 +19,10 @@ from kvbm_backend.model.hashing import sequence_hashes
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g4.pool import G4Pool
+from tests.helpers.pools import G4_TIMEOUT_S, LOOKUP_S
 
 BS = 32
+HANG_S = 600.0  # a hang guard, not a bound
 
 
 def _ask(s: SchedulerSide, req, computed: int) -> int:
@@ -40,14 +42,15 @@ def test_tp2_hit_counts_each_block_once_and_local_hits_count_nothing(tmp_path):
     hs = sequence_hashes(toks, BS)
     mirror = G3Mirror(ns, registry=reg)  # G3 (the worker's, as reported to the scheduler): blocks 0-1, both ranks
     mirror.apply(KvbmWorkerMeta([mirror_id(k) for r in range(2) for k in ns.keys(hs[:2], rank=r)], [], True))
-    cfg = load_config({"g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+    cfg = load_config({"g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False,
+                              "timeout_s": G4_TIMEOUT_S}}, use_env=False)  # counts, not the load bound
     g4 = G4Pool(cfg.g4, ns, registry=reg)  # G4: blocks 2-3, both ranks
     try:
         bpb = ns.layout.bytes_per_block
         for r in range(2):
             keys = ns.keys(hs[2:4], rank=r)
-            assert g4.put(keys, [np.full(bpb, 7, np.uint8)] * 2).result(60).written == 2
-        s = SchedulerSide(ns, BS, mirror, g4)
+            assert g4.put(keys, [np.full(bpb, 7, np.uint8)] * 2).result(HANG_S).written == 2
+        s = SchedulerSide(ns, BS, mirror, g4, lookup_timeout_s=LOOKUP_S)
         req = SimpleNamespace(request_id="r1", prompt_token_ids=toks, cache_salt=None, lora_request=None)
         assert _ask(s, req, 0) == 4 * BS
         assert metrics.sample_value(reg, "kvbm_matched_tokens_total") == 4 * BS  # not 8 * BS (two ranks)
@@ -78,13 +81,14 @@ def test_tp2_ranks_that_disagree_count_the_prefix_every_rank_holds(tmp_path):
     mirror = G3Mirror(ns, registry=reg)  # G3: rank 0 holds blocks 0-3, rank 1 only 0-1
     mirror.apply(KvbmWorkerMeta([mirror_id(k) for k in ns.keys(hs[:4], rank=0)]
                                 + [mirror_id(k) for k in ns.keys(hs[:2], rank=1)], [], True))
-    cfg = load_config({"g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False}}, use_env=False)
+    cfg = load_config({"g4": {"enabled": True, "url": f"file://{tmp_path / 'g4'}", "encrypt": False,
+                              "timeout_s": G4_TIMEOUT_S}}, use_env=False)  # counts, not the load bound
     g4 = G4Pool(cfg.g4, ns, registry=reg)  # G4: blocks 2-3, both ranks
     try:
         bpb = ns.layout.bytes_per_block
         for r in range(2):
-            assert g4.put(ns.keys(hs[2:4], rank=r), [np.full(bpb, 7, np.uint8)] * 2).result(60).written == 2
-        s = SchedulerSide(ns, BS, mirror, g4)
+            assert g4.put(ns.keys(hs[2:4], rank=r), [np.full(bpb, 7, np.uint8)] * 2).result(HANG_S).written == 2
+        s = SchedulerSide(ns, BS, mirror, g4, lookup_timeout_s=LOOKUP_S)
         req = SimpleNamespace(request_id="r1", prompt_token_ids=toks, cache_salt=None, lora_request=None)
         assert _ask(s, req, 0) == 4 * BS
         assert metrics.sample_value(reg, "kvbm_matched_tokens_total") == 4 * BS  # was 6 * BS

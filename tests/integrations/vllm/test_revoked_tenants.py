@@ -35,7 +35,7 @@ from kvbm_backend.model.hashing import salt_bytes, salt_hash, sequence_hashes, t
 from kvbm_backend.model.namespace import Namespace  # noqa: E402
 from kvbm_backend.pool.g3.index import TagKey, tag_of  # noqa: E402
 from kvbm_backend.pool.g4.pool import G4Pool  # noqa: E402
-from tests.helpers.pools import open_g3  # noqa: E402
+from tests.helpers.pools import G4_TIMEOUT_S, LOOKUP_S, open_g3  # noqa: E402
 from tests.integrations.vllm.test_failed_load_paths import _ask, _plan  # noqa: E402
 from tests.integrations.vllm.test_worker_device_path import LOAD_S, _block_bytes, _engine  # noqa: E402
 
@@ -111,7 +111,8 @@ class _Worker:
         self.kv, self.bs = kv, kv.layout.page_size
         self.ns = Namespace(model="test/revoked-tenants", revision="r1", layout=kv.layout, tp_world_size=1)
         self.kr = str(tmp_path / "keys" / "keyring.json")
-        self.g4 = G4Pool(G4Config(enabled=True, url=f"file://{tmp_path / 'g4'}", keyring={"path": self.kr}), self.ns)
+        self.g4 = G4Pool(G4Config(enabled=True, url=f"file://{tmp_path / 'g4'}", keyring={"path": self.kr},
+                                  timeout_s=G4_TIMEOUT_S), self.ns)
         assert self.g4.keyring is not None
         self.g4.keyring.reload_every_s = 0  # the CLI's change is read at the next check (the bound: keyring tests)
         self.g3 = open_g3(tmp_path / "g3", self.ns, files_per_path=1, load_timeout_s=LOAD_S)
@@ -120,7 +121,7 @@ class _Worker:
         self.sg = RevokedTenants(kr, (), interval_s=NEVER_S, count=stats.add) if gates else None
         self.w = WorkerSide(self.ns, 0, self.g3, self.g4, load_timeout_s=LOAD_S, revoked=self.wg)
         self.w.register(kv)
-        self.s = SchedulerSide(self.ns, self.bs, self.g3, self.g4, save=False)
+        self.s = SchedulerSide(self.ns, self.bs, self.g3, self.g4, save=False, lookup_timeout_s=LOOKUP_S)
         self.s.revoked = self.sg
 
     def check(self) -> None:

@@ -19,7 +19,7 @@ from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g3 import G3Pool
 from tests.helpers.held_io import HeldIO, in_background
-from tests.helpers.pools import g3_config
+from tests.helpers.pools import LOOKUP_S, g3_config
 
 GUARD_S = 60.0  # hang guard: what must happen at once (the fix) gets this long; the old code waited forever
 BS = 16
@@ -48,7 +48,7 @@ def test_scheduler_lookup_returns_while_a_journal_append_holds_the_pool_lock(tmp
     with "not yet" (None), counted ``lookups_deferred``, and finds the prefix once the lock is free."""
     g3, ns, toks, keys, extra = _pool(tmp_path)
     try:
-        s = SchedulerSide(ns, BS, g3, None)
+        s = SchedulerSide(ns, BS, g3, None, lookup_timeout_s=LOOKUP_S)  # its answer waits for the held write
         s.mirror_wait_s = 0
         hold = HeldIO(monkeypatch, "write", lambda fd: fd == g3.cat.journal.fd, GUARD_S)
         deleter, deleted, _ = in_background(lambda: g3.delete([extra[0]]).result(GUARD_S))

@@ -453,6 +453,7 @@ def test_cpu_engine_load_staging_a_late_read_may_land_in_is_never_handed_out_aga
                 pool = w._load_staging
                 assert pool.allocated == 1 and pool.stats()["kept_bytes"] == 0  # taken, never given back
                 _clear(kv, [13, 14, 15])
+                w.load_timeout_s = LOAD_S  # the bound was the late load's; this one must load (busy CI VM: 1 s is not)
                 w.start_loads([LoadJob("again", [13, 14, 15], seqs, ["G4"] * 3, "acme")])
                 assert _wait(w, "again") == set()
                 assert (pool.allocated, pool.reused) == (2, 0)  # a buffer of its own, not the abandoned one

@@ -19,9 +19,11 @@ from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g3 import G3Pool
 from tests.helpers.held_io import held_journal_write, in_background
-from tests.helpers.pools import g3_config
+from tests.helpers.pools import G3_LOAD_S, g3_config
 
-GUARD_S = 20.0  # hang guard: what must happen while the write is held gets this long
+# hang guard: what must happen while the write is held gets this long (was 20 s: at nice 19 the busy CI VM froze
+# processes for 13-31 s, 2026-11-29); the old code's waits last as long as the write is held (3 x this)
+GUARD_S = 120.0
 LOAD_S = 0.3  # the loads' bound here (g3.load_timeout_s)
 
 
@@ -81,10 +83,10 @@ def test_a_host_get_is_a_timeout_miss_within_its_bound_while_a_journal_write_hol
     st = pool.stats()
     assert st["misses_by_reason"].get("timeout") == len(keys)
     assert st["pinned_slots"] == 0  # nothing pinned
-    # the lock free again: hits. The delete is through first, and the get's bound is the hang guard, not LOAD_S: on a
-    # busy host a 0.3 s bound made this closing read a timeout miss (CI, 2026-12-02), a load turned into an error.
+    # the lock free again: hits. The delete is through first, and the get's bound is G3_LOAD_S (120 s), not LOAD_S: on
+    # a busy host a 0.3 s bound made this closing read a timeout miss (CI, 2026-12-02), a load turned into an error.
     assert deleted.wait(GUARD_S)
-    pool.cfg = pool.cfg.model_copy(update={"load_timeout_s": GUARD_S})
+    pool.cfg = pool.cfg.model_copy(update={"load_timeout_s": G3_LOAD_S})
     assert pool.get(keys, out).result(GUARD_S).ok == [True] * len(keys)
 
 

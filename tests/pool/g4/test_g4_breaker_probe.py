@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from tests.helpers.g4_writer import namespace, payload
+from tests.helpers.pools import G4_TIMEOUT_S
 from kvbm_backend.config import G4Config
 from kvbm_backend.crypto.keyring import Keyring, provider_for
 from kvbm_backend.pool.g4.breaker import CircuitBreaker
@@ -75,7 +76,7 @@ def test_a_revoked_tenants_offload_does_not_keep_the_breaker_half_open(tmp_path)
 
     store = _FlakyFs(str(tmp_path / "store"))
     cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": str(krp)}, breaker_failures=1,
-                   breaker_reset_s=0.2)
+                   breaker_reset_s=0.2, timeout_s=G4_TIMEOUT_S)
     with G4Pool(cfg, ns, store=store) as p:
         assert put(1, "alice").written == 1
         store.down = True

@@ -18,18 +18,21 @@ from kvbm_backend.integrations.tiers import open_tiers
 from kvbm_backend.model.layout import KvLayout
 from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.pool.g4.canonical import CanonicalG4
+from tests.helpers.pools import G4_TIMEOUT_S
 
 HEADS, D, LAYERS, PAGE = 4, 16, 2, 8
-T = 60  # hang guard only
+T = 600  # hang guard only (was 60)
 
 
 def _canonical(tmp_path, **g4: object) -> tuple[Namespace, CanonicalG4]:
     """A canonical G4 pool (4 KV heads on one TP rank: 4 parts per block) over a ``file://`` store, one put
-    thread, the start-up check done (the put thread is idle)."""
+    thread, the start-up check done (the put thread is idle); its load bound (``timeout_s``: G4_TIMEOUT_S, was the
+    2 s default) is no subject here."""
     ns = Namespace(model="m", layout=KvLayout(LAYERS, 2, PAGE, HEADS * D, "bfloat16"), tp_world_size=1)
     cfg = KvbmBackendConfig(model="m", g3={"enabled": False},
                             g4={"enabled": True, "layout": "canonical", "url": f"file://{tmp_path / 'store'}",
-                                "keyring": {"path": str(tmp_path / "keyring.json")}, "max_inflight": 1, **g4})
+                                "keyring": {"path": str(tmp_path / "keyring.json")}, "max_inflight": 1,
+                                "timeout_s": G4_TIMEOUT_S, **g4})
     _, pool = open_tiers(cfg, ns, HEADS)
     assert isinstance(pool, CanonicalG4)
     assert pool.flush(T)

@@ -17,6 +17,7 @@ import pytest
 
 from tests.helpers.g4_writer import namespace, payload
 from tests.helpers.lying_proxy import LyingProxy
+from tests.helpers.pools import G4_TIMEOUT_S
 from kvbm_backend.config import G4Config
 from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.pool.g4.fs_quarantine import quarantine_name
@@ -120,11 +121,11 @@ def test_the_encrypted_copy_replacing_a_plaintext_one_after_the_proof_is_kept(tm
     url = f"file://{tmp_path / 'g4'}"
     store = _SwapFs(tmp_path / "g4")
     key = NS.key(3, tenant="t")
-    with G4Pool(G4Config(url=url, keyring=kr, encrypt=False), NS, store=store) as plain:
+    with G4Pool(G4Config(url=url, keyring=kr, encrypt=False, timeout_s=G4_TIMEOUT_S), NS, store=store) as plain:
         assert plain.put([key], [payload(3, "t", BPB)]).result(timeout=HANG_S).written == 1
         name = plain.object_name(key)
         plaintext = bytes(store.get(name))
-    with G4Pool(G4Config(url=url, keyring=kr), NS, store=store) as enc:
+    with G4Pool(G4Config(url=url, keyring=kr, timeout_s=G4_TIMEOUT_S), NS, store=store) as enc:
         store.delete(name)
         assert enc.put([key], [payload(3, "t", BPB)]).result(timeout=HANG_S).written == 1
         sealed = bytes(store.get(name))

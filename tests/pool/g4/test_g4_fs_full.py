@@ -16,6 +16,7 @@ from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.tmpfs import fill_filesystem, mounted_tmpfs
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
 POOL_LOG = "kvbm_backend.pool.g4.pool"
@@ -30,7 +31,8 @@ def small_mount(tmp_path):
 
 
 def _pool(mnt) -> G4Pool:
-    return G4Pool(G4Config(url=f"file://{mnt}/g4", encrypt=False, breaker_failures=2), namespace())
+    cfg = G4Config(url=f"file://{mnt}/g4", encrypt=False, breaker_failures=2, timeout_s=G4_TIMEOUT_S)  # no bound here
+    return G4Pool(cfg, namespace())
 
 
 def test_a_full_mount_drops_offloads_as_full_and_keeps_serving_loads(small_mount, caplog):

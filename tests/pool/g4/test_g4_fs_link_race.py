@@ -15,6 +15,7 @@ from kvbm_backend.pool.g4.fs_put import LINK_ATTEMPTS
 from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for results that must come; returns as soon as they do
 
@@ -51,7 +52,7 @@ def test_put_if_absent_links_again_when_the_name_is_deleted_before_its_check(tmp
 
 
 def test_a_g4_offload_racing_a_delete_is_stored_not_an_error(tmp_path, monkeypatch):
-    pool = G4Pool(G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False), namespace())
+    pool = G4Pool(G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False, timeout_s=G4_TIMEOUT_S), namespace())
     try:
         assert put_blocks(pool, [1], "").written == 1
         assert pool.flush(HANG_S)

@@ -16,7 +16,7 @@ from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.reader import bounce_buffers, bounce_slot_bytes
 from kvbm_backend.pool.g4.store import ObjectStore
 from kvbm_backend.memory import aligned_empty
-from tests.helpers.pools import tiny_ns
+from tests.helpers.pools import G4_TIMEOUT_S, tiny_ns
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for a process that must end; returns as soon as it does
 
@@ -133,10 +133,11 @@ def test_g4_pool_reads_file_objects_through_its_bounce_buffers_and_reports_overf
     layout = ns.layout
     keys = ns.keys(list(range(1, 4)))
     data = [np.full(layout.bytes_per_block, i + 1, np.uint8) for i in range(3)]
-    with G4Pool(G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False, max_inflight=2), ns) as p:
-        assert p.put(keys, data).result(10).written == 3
+    cfg = G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False, max_inflight=2, timeout_s=G4_TIMEOUT_S)
+    with G4Pool(cfg, ns) as p:
+        assert p.put(keys, data).result(HANG_S).written == 3
         out = [np.zeros(layout.bytes_per_block, np.uint8) for _ in range(3)]
-        assert p.get(keys, out).result(10).ok == [True] * 3
+        assert p.get(keys, out).result(HANG_S).ok == [True] * 3
         assert all(np.array_equal(a, b) for a, b in zip(out, data))
         st = p.stats()
         assert st["bounce_overflow"] == p.reader.bounce.stats()["allocated"] >= 0
@@ -297,11 +298,12 @@ def test_each_io_thread_keeps_one_bounce_buffer_instead_of_lending_one_per_block
     bpb = ns.layout.bytes_per_block
     keys = ns.keys(list(range(1, 13)))
     data = [np.full(bpb, i + 1, np.uint8) for i in range(12)]
-    with G4Pool(G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False, max_inflight=2), ns) as p:
-        assert p.put(keys, data).result(10).written == 12
+    cfg = G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False, max_inflight=2, timeout_s=G4_TIMEOUT_S)
+    with G4Pool(cfg, ns) as p:
+        assert p.put(keys, data).result(HANG_S).written == 12
         out = [np.zeros(bpb, np.uint8) for _ in range(12)]
-        assert p.get(keys, out).result(10).ok == [True] * 12
-        assert p.get_staged(keys, out).future.result(10).ok == [True] * 12
+        assert p.get(keys, out).result(HANG_S).ok == [True] * 12
+        assert p.get_staged(keys, out).future.result(HANG_S).ok == [True] * 12
         assert all(np.array_equal(a, b) for a, b in zip(out, data))
         st = p.reader.bounce.stats()
         assert st["reused"] + st["allocated"] <= 2, st  # at most one per I/O thread

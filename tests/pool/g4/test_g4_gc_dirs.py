@@ -18,6 +18,7 @@ from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.gc import run_gc
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
 
 HANG_S = 600.0  # a hang guard, not a bound
 
@@ -50,7 +51,7 @@ def test_gc_cli_leaves_no_empty_directories_and_keeps_root_and_namespace(tmp_pat
     and the clock probe's directory; ``pruned_dirs`` counts what went, a dry run removes nothing."""
     root, kr = tmp_path / "store", str(tmp_path / "kr.json")
     url, ns = f"file://{root}", namespace()
-    with G4Pool(G4Config(url=url, keyring={"path": kr}), ns) as p:
+    with G4Pool(G4Config(url=url, keyring={"path": kr}, timeout_s=G4_TIMEOUT_S), ns) as p:  # reads: no bound here
         assert put_blocks(p, range(1, 25), "alice").written == 24
         assert put_blocks(p, range(1, 9), "bob").written == 8
         _age(root, p, range(1, 17), "alice")
@@ -111,7 +112,7 @@ def test_concurrent_puts_into_the_fanout_dirs_gc_prunes_lose_nothing(tmp_path):
     root and namespace directory stay."""
     root, kr = tmp_path / "store", str(tmp_path / "kr.json")
     ns = namespace()
-    cfg = G4Config(url=f"file://{root}", keyring={"path": kr}, dir_fanout=4)
+    cfg = G4Config(url=f"file://{root}", keyring={"path": kr}, dir_fanout=4, timeout_s=G4_TIMEOUT_S)
     stop, errors, pruned, rounds = threading.Event(), [], [0], 150
     with G4Pool(cfg, ns) as p:
         ps = p.pseudonym("t").hex()
@@ -164,10 +165,11 @@ def test_a_closed_pool_writes_nothing_more_into_its_store(tmp_path):
     removed right after close (``kvbm-backend bench`` removes its file store) got it back, directories made
     again by the put (fresh-clone CI, 2026-11-30: test_bench_baselines found ``{ns}/namespace.json`` in an
     emptied store). close() (its flush) now waits for that write too: once it returns, the file is there, and a
-    store removed then stays empty."""
+    store removed then stays empty. close() waits ``2 x timeout_s``: G4_TIMEOUT_S, not the 2 s default, whose 4 s a
+    write the busy CI VM froze outlasted (close returned with the write still under way)."""
     for i in range(20):
         root = tmp_path / f"store{i}"
-        pool = G4Pool(G4Config(enabled=True, url=f"file://{root}", encrypt=False), namespace())
+        pool = G4Pool(G4Config(enabled=True, url=f"file://{root}", encrypt=False, timeout_s=G4_TIMEOUT_S), namespace())
         pool.close()
         names = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs]
         assert any(n.endswith("namespace.json") for n in names), (i, names)

@@ -9,6 +9,7 @@ import os
 from typer.testing import CliRunner
 
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
 from kvbm_backend.apps.cli import app
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.naming import parse_block_name
@@ -39,7 +40,7 @@ def test_migrate_from_a_url_above_the_pool_keeps_its_blocks_in_the_pool(tmp_path
     reported migrated)."""
     ns, seqs = namespace(), [1000 + i for i in range(6)]
     cfg = G4Config(url=f"file://{tmp_path / 'parent' / 'clusterA'}", keyring={"path": str(tmp_path / 'kr.json')},
-                   dir_fanout=FANOUT)
+                   dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
     with G4Pool(cfg, ns) as p:
         assert put_blocks(p, seqs, "alice").written == 6
         _to_legacy(p, ns, seqs, "alice")
@@ -58,7 +59,8 @@ def test_migrate_needs_keyring_or_unkeyed_and_refuses_before_writing_anything(tm
     renamed 15 of 25 objects when it stopped)."""
     ns, seqs = namespace(), [2000 + i for i in range(5)]
     kr = str(tmp_path / "kr.json")
-    plain = G4Config(url=f"file://{tmp_path / 'store'}", encrypt=False, keyring={"path": kr}, dir_fanout=FANOUT)
+    plain = G4Config(url=f"file://{tmp_path / 'store'}", encrypt=False, keyring={"path": kr}, dir_fanout=FANOUT,
+                     timeout_s=G4_TIMEOUT_S)
     with G4Pool(plain, ns) as p:
         assert put_blocks(p, seqs, "alice").written == 5
         _to_legacy(p, ns, seqs, "alice")
@@ -67,7 +69,8 @@ def test_migrate_needs_keyring_or_unkeyed_and_refuses_before_writing_anything(tm
     assert code == 2 and "--unkeyed" in out and "--keyring" in out, out
     code, out = _cli(*base, "--keyring", kr, "--unkeyed")
     assert code == 2, out
-    enc = G4Config(url=plain.url, keyring={"path": kr}, dir_fanout=FANOUT)  # one encrypted block beside them
+    # one encrypted block beside them
+    enc = G4Config(url=plain.url, keyring={"path": kr}, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
     with G4Pool(enc, ns) as p:
         assert put_blocks(p, [3000], "alice").written == 1
         _to_legacy(p, ns, [3000], "alice")
@@ -94,8 +97,9 @@ def test_migrate_asks_the_workers_encrypt_setting_before_renaming_plaintext_bloc
     --encrypted (they are left for gc: skipped_plaintext; encrypted ones are renamed) or --plaintext (renamed)."""
     ns, seqs = namespace(), [4000 + i for i in range(4)]
     kr = str(tmp_path / "kr.json")
-    plain = G4Config(url=f"file://{tmp_path / 'store'}", encrypt=False, keyring={"path": kr}, dir_fanout=FANOUT)
-    enc = G4Config(url=plain.url, keyring={"path": kr}, dir_fanout=FANOUT)
+    plain = G4Config(url=f"file://{tmp_path / 'store'}", encrypt=False, keyring={"path": kr}, dir_fanout=FANOUT,
+                     timeout_s=G4_TIMEOUT_S)
+    enc = G4Config(url=plain.url, keyring={"path": kr}, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
     with G4Pool(plain, ns) as p:
         assert put_blocks(p, seqs, "alice").written == 4
         _to_legacy(p, ns, seqs, "alice")
@@ -125,7 +129,7 @@ def test_migrate_asks_the_workers_encrypt_setting_before_renaming_plaintext_bloc
 def test_a_dry_run_counts_blocks_whose_new_name_exists_as_already_present(tmp_path):
     ns = namespace()
     kr = str(tmp_path / "kr.json")
-    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT)
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
     with G4Pool(cfg, ns) as p:
         assert put_blocks(p, [7, 8], "alice").written == 2
         k = ns.key(7, tenant="alice")  # block 7 under both names
@@ -141,7 +145,7 @@ def test_migrate_and_gc_exit_1_when_an_object_failed(tmp_path, monkeypatch):
     """Review finding: both printed errors: 1 and exited 0, so a cron job saw success."""
     ns = namespace()
     kr = str(tmp_path / "kr.json")
-    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT)
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
     with G4Pool(cfg, ns) as p:
         assert put_blocks(p, [11, 12], "alice").written == 2
         k = ns.key(11, tenant="alice")
@@ -180,7 +184,8 @@ def test_migrate_and_gc_exit_1_when_an_object_failed(tmp_path, monkeypatch):
 def test_gc_dry_run_writes_nothing_to_the_store(tmp_path):
     """Review finding: gc --dry-run wrote (and deleted) a clock probe object, leaving gc-clock-probe/ behind."""
     ns = namespace()
-    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": str(tmp_path / 'kr.json')}, dir_fanout=FANOUT)
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": str(tmp_path / 'kr.json')}, dir_fanout=FANOUT,
+                   timeout_s=G4_TIMEOUT_S)
     with G4Pool(cfg, ns) as p:
         assert put_blocks(p, [1, 2], "alice").written == 2
     before = sorted(os.listdir(tmp_path / "store"))

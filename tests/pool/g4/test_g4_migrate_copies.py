@@ -13,6 +13,7 @@ from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.naming import parse_block_name
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
 
 FANOUT = 16
 
@@ -44,8 +45,8 @@ def test_a_plaintext_copy_does_not_replace_the_encrypted_source_unless_told_the_
     with ``--plaintext`` the copy is one the workers serve, and the source goes."""
     ns = namespace()
     kr = str(tmp_path / "kr.json")
-    enc = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT)
-    plain = G4Config(url=enc.url, encrypt=False, keyring={"path": kr}, dir_fanout=FANOUT)
+    enc = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
+    plain = G4Config(url=enc.url, encrypt=False, keyring={"path": kr}, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
     with G4Pool(enc, ns) as p:
         assert put_blocks(p, [9500], "alice").written == 1
         src, data = _to_legacy(p, ns, 9500, "alice")

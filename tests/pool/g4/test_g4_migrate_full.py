@@ -24,6 +24,7 @@ from kvbm_backend.pool.g4.migrate import run_migrate
 from kvbm_backend.pool.g4.naming import parse_block_name
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
 from tests.helpers.tmpfs import fill_filesystem, mounted_tmpfs
 
 N = 30  # blocks under format 1 names
@@ -39,7 +40,8 @@ def _legacy_store(tmp_path, mnt) -> tuple[str, dict[str, bytes]]:
     """Write ``N`` plaintext blocks (no keyring) with a pool on ``tmp_path / "src"`` and copy each under its format 1
     name into a store at ``mnt / "g4"``: ``(that store's URL, {old name: bytes})``."""
     ns, seqs = namespace(), list(range(N))
-    with G4Pool(G4Config(url=f"file://{tmp_path / 'src'}", encrypt=False, dir_fanout=FANOUT), ns) as p:
+    with G4Pool(G4Config(url=f"file://{tmp_path / 'src'}", encrypt=False, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S),
+                ns) as p:
         assert put_blocks(p, seqs, "alice").written == N
         objs = {p.legacy_object_name(k): bytes(p.store.get(p.object_name(k))) for k in ns.keys(seqs, tenant="alice")}
     url = f"file://{mnt / 'g4'}"
@@ -74,7 +76,7 @@ def _migrate(url):
 
 
 def _readable(url) -> list[bool]:
-    with G4Pool(G4Config(url=url, encrypt=False, dir_fanout=FANOUT), namespace()) as p:
+    with G4Pool(G4Config(url=url, encrypt=False, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S), namespace()) as p:
         return read_checked(p, list(range(N)), "alice")
 
 

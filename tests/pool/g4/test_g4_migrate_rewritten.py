@@ -18,6 +18,7 @@ from kvbm_backend.pool.g4.migrate import run_migrate
 from kvbm_backend.pool.g4.naming import parse_block_name
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
 from tests.helpers.race_store import race_store
 
 FANOUT = 16
@@ -31,7 +32,7 @@ def setup(request, tmp_path):
     nonce), what the old-version worker writes."""
     kr = str(tmp_path / "kr.json")
     if request.param == "file":
-        cfg = G4Config(url=f"file://{tmp_path / 'g4'}", keyring={"path": kr}, dir_fanout=FANOUT)
+        cfg = G4Config(url=f"file://{tmp_path / 'g4'}", keyring={"path": kr}, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
     else:
         sw, prefix = request.getfixturevalue("seaweed"), request.getfixturevalue("s3_prefix")
         cfg = G4Config(url=sw.url(prefix), endpoint_url=sw.endpoint, keyring={"path": kr}, dir_fanout=FANOUT,

@@ -15,6 +15,7 @@ from kvbm_backend.model.frame import HEADER_BYTES
 from kvbm_backend.pool.g4.naming import parse_block_name
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
 from tests.helpers.lying_proxy import LyingProxy
 
 FANOUT = 16
@@ -84,8 +85,8 @@ def test_migrate_leaves_a_stored_object_whose_payload_fails_verification(tmp_pat
     it holds those bytes, so it is no bad read; gc reclaims them) and a good one beside them is renamed."""
     ns = namespace()
     kr = str(tmp_path / "kr.json")
-    enc = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT)
-    plain = G4Config(url=enc.url, encrypt=False, keyring={"path": kr}, dir_fanout=FANOUT)
+    enc = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
+    plain = G4Config(url=enc.url, encrypt=False, keyring={"path": kr}, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
     damaged = []
     for cfg, seqs in ((enc, [9200, 9201]), (plain, [9202])):
         with G4Pool(cfg, ns) as p:
@@ -115,7 +116,7 @@ def test_migrate_keeps_the_source_when_the_new_name_holds_a_damaged_object(tmp_p
     (``kept_name_taken``), and once the damaged copy is gone a second run renames it: served again."""
     ns = namespace()
     kr = str(tmp_path / "kr.json")
-    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT)
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
     with G4Pool(cfg, ns) as p:
         assert put_blocks(p, [9300], "alice").written == 1
         k = ns.key(9300, tenant="alice")
@@ -152,7 +153,7 @@ def test_a_dry_run_reports_what_the_run_does_on_a_mixed_store(tmp_path):
     ns = namespace()
     kr = str(tmp_path / "kr.json")
     root = tmp_path / "store"
-    cfg = G4Config(url=f"file://{root}", keyring={"path": kr}, dir_fanout=FANOUT)
+    cfg = G4Config(url=f"file://{root}", keyring={"path": kr}, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
     good, damaged, foreign, absent, bad_src = 9400, 9401, 9402, 9403, 9404
     with G4Pool(cfg, ns) as p:
         assert put_blocks(p, [good, damaged, foreign, absent, bad_src, 9499], "alice").written == 6
@@ -213,7 +214,7 @@ def test_migrate_reads_no_more_than_a_frame_of_an_object_grown_past_it(tmp_path)
 
     ns = namespace()
     kr = str(tmp_path / "kr.json")
-    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT)
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", keyring={"path": kr}, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
     with G4Pool(cfg, ns) as p:
         assert put_blocks(p, [9300, 9301], "alice").written == 2
         sources = _to_legacy(p, ns, [9300, 9301], "alice")

@@ -28,6 +28,7 @@ from kvbm_backend.pool.g4.pool import TENANT_CACHE_ENTRIES, G4Pool
 from kvbm_backend.pool.g4.tenant_names import CACHE_TENANT_CHARS
 from tests.helpers.paths import HELPERS
 from tests.helpers.g4_target import g4_target
+from tests.helpers.pools import G4_TIMEOUT_S
 
 HANG_S = 600.0  # a hang guard, not a bound: waits for results and processes that must come; returns as soon as they do
 
@@ -37,7 +38,7 @@ FANOUT = 16
 
 @pytest.fixture(params=["fs", "s3"])
 def target(request, tmp_path, s3_prefix):
-    return g4_target(request, tmp_path, s3_prefix, timeout_s=5.0, dir_fanout=FANOUT)
+    return g4_target(request, tmp_path, s3_prefix, timeout_s=G4_TIMEOUT_S, dir_fanout=FANOUT)  # was 5: no bound here
 
 
 def _put(pool, ns, seqs, tenant):
@@ -187,7 +188,7 @@ def test_unkeyed_pool_names_hide_nothing_from_who_knows_the_tenant(tmp_path):
     public constant: anyone knowing the tenant id computes them (docs/format.md says so). Migrating such a
     pool needs no keyring, only ``--unkeyed`` to say so."""
     ns = namespace()
-    cfg = G4Config(url=f"file://{tmp_path / 'store'}", encrypt=False, dir_fanout=FANOUT)
+    cfg = G4Config(url=f"file://{tmp_path / 'store'}", encrypt=False, dir_fanout=FANOUT, timeout_s=G4_TIMEOUT_S)
     with G4Pool(cfg, ns) as p:
         assert p.stats()["names_keyed"] is False
         assert _put(p, ns, [5, 6], "t").written == 2
@@ -235,7 +236,7 @@ def test_tenant_cache_keeps_no_long_tenant_ids(tmp_path):
     pool with a keyring hold no memory once done (before 2026-11-30 each stayed in the LRU: 4096 salts of 1 MB
     were 4 GB per worker). A long tenant is named the same every time, and its blocks still round-trip."""
     ns = namespace()
-    cfg = G4Config(url=f"file://{tmp_path / 'g4'}", keyring={"path": str(tmp_path / "kr.json")})
+    cfg = G4Config(url=f"file://{tmp_path / 'g4'}", keyring={"path": str(tmp_path / "kr.json")}, timeout_s=G4_TIMEOUT_S)
     long_t = "L" * 100_000  # over the keyring's bound for implicit creation: created explicitly
     Keyring(tmp_path / "kr.json", provider_for(tmp_path / "kr.json")).create(long_t)
     with G4Pool(cfg, ns) as p:

@@ -14,6 +14,12 @@ from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.gc import run_gc
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace, put_blocks, read_checked
+from tests.helpers.pools import G4_TIMEOUT_S
+
+
+def _cfg(root, keyring) -> G4Config:
+    """A ``file://`` store at ``root`` with its keyring; its load bound is no subject here (G4_TIMEOUT_S x 2)."""
+    return G4Config(url=f"file://{root}", keyring={"path": str(keyring)}, timeout_s=G4_TIMEOUT_S)
 
 
 def test_gc_of_the_outer_store_keeps_the_inner_fleets_blocks(tmp_path):
@@ -23,8 +29,7 @@ def test_gc_of_the_outer_store_keeps_the_inner_fleets_blocks(tmp_path):
     reads back all 16."""
     outer, inner = tmp_path / "g4", tmp_path / "g4" / "team-b"
     ns = namespace()
-    with G4Pool(G4Config(url=f"file://{inner}", keyring={"path": str(tmp_path / "b.json")}), ns) as b, \
-            G4Pool(G4Config(url=f"file://{outer}", keyring={"path": str(tmp_path / "a.json")}), ns) as a:
+    with G4Pool(_cfg(inner, tmp_path / "b.json"), ns) as b, G4Pool(_cfg(outer, tmp_path / "a.json"), ns) as a:
         assert put_blocks(b, range(1, 17), "bob").written == 16
         assert put_blocks(a, range(1, 9), "alice").written == 8
         for kw in ({"max_age_s": 0.0}, {"target_bytes": 0}):
@@ -54,8 +59,7 @@ def test_gc_of_the_outer_store_keeps_the_inner_fleets_temp_files(tmp_path):
     counted ``nested_temps`` and left for the inner fleet's own gc, which removes them."""
     outer, inner = tmp_path / "g4", tmp_path / "g4" / "team-b"
     ns = namespace()
-    with G4Pool(G4Config(url=f"file://{inner}", keyring={"path": str(tmp_path / "b.json")}), ns) as b, \
-            G4Pool(G4Config(url=f"file://{outer}", keyring={"path": str(tmp_path / "a.json")}), ns) as a:
+    with G4Pool(_cfg(inner, tmp_path / "b.json"), ns) as b, G4Pool(_cfg(outer, tmp_path / "a.json"), ns) as a:
         assert put_blocks(b, range(1, 5), "bob").written == 4
         assert put_blocks(a, range(1, 5), "alice").written == 4
     mine = sorted(o.name for o in FsStore(outer, fsync=False).list("") if "/" in o.name and "team-b" not in o.name)

@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from tests.helpers.g4_writer import namespace, put_blocks
+from tests.helpers.pools import G4_TIMEOUT_S
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.pool import G4Pool
 
@@ -42,7 +43,9 @@ def endpoint(monkeypatch):
 @pytest.mark.parametrize("client", ["obstore", "boto3"])
 def test_a_put_answered_404_is_dropped_not_written(endpoint, client):
     ns = namespace()
-    cfg = G4Config(url="s3://bucket/pfx", endpoint_url=endpoint, encrypt=False, timeout_s=2, retries=0,
+    # the server (a thread of this process) answers at once: G4_TIMEOUT_S, not 2 s, so that an answer the busy CI VM
+    # froze is no timeout (the PUT then ended unsettled and the breaker opened: no dropped_error)
+    cfg = G4Config(url="s3://bucket/pfx", endpoint_url=endpoint, encrypt=False, timeout_s=G4_TIMEOUT_S, retries=0,
                    s3_client=client)
     with G4Pool(cfg, ns) as p:
         r = put_blocks(p, [1, 2, 3], "t")

@@ -10,6 +10,7 @@ import logging
 import numpy as np
 
 from tests.helpers.g4_writer import namespace, payload
+from tests.helpers.pools import G4_TIMEOUT_S
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.pool import G4Pool
@@ -43,7 +44,7 @@ def _unexpected(caplog) -> list[logging.LogRecord]:
 
 def _pool(tmp_path):
     store = _BuggyStore(tmp_path / "store")
-    cfg = G4Config(url=store.url, keyring={"path": str(tmp_path / "kr.json")})
+    cfg = G4Config(url=store.url, keyring={"path": str(tmp_path / "kr.json")}, timeout_s=G4_TIMEOUT_S)
     return store, G4Pool(cfg, NS, store=store)
 
 
