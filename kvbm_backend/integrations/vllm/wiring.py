@@ -10,7 +10,7 @@ from a :class:`~.g3_mirror.G3Mirror` fed by the worker's reports (:mod:`.report_
 :class:`~.metadata.KvbmWorkerMeta` in the step output); G4, shared storage by design, is opened by both. In
 that mode the scheduler writes its counters to ``<stats_path stem>.scheduler<ext>`` and (rank 0's) worker
 merges them into ``stats_path`` (:func:`.stats.merge_snapshots`); rank r > 0 writes
-``<stats_path stem>.rank<r><ext>``. With ``external_launcher`` and TP > 1 (each process hosts the scheduler and one
+``<stats_path stem>.rank<r><ext>``; with vLLM data parallelism DP engine d > 0 adds ``.dp<d>`` to the stem. With ``external_launcher`` and TP > 1 (each process hosts the scheduler and one
 rank's worker) rank r's worker file holds both roles' counters of its process and the scheduler writes none, and
 each process's engine sees only its own worker's reports: every rank's scheduler gathers all ranks' G3 reports
 over vLLM's TP group at each step (:class:`~.report_channel.TpReportExchange`), so all ranks' mirrors agree; the
@@ -333,7 +333,7 @@ def wire(parts: ConnectorParts, ktc: Any, vllm_config: "VllmConfig", role: Any, 
         g3, g4 = tiers(gcfg, gns, total_kv_heads(vllm_config))
         parts._groups.append(TierGroup(gns, gcfg, G3Mirror(gns) if mirror else g3, g4))
     parts._writer = _stats_writer(parts, opts["stats_path"], split, scheduler,
-                                  same_process=backend in (None, "uni", "external_launcher"))
+                                  same_process=backend in (None, "uni", "external_launcher"), dp=dp_index(vllm_config))
     parts.revoked = revoked_tenants(parts._groups, scheduler)
     dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
     parts.channel_base = (str(ktc.engine_id), dp, ns.fingerprint)
@@ -422,15 +422,32 @@ def revoked_tenants(groups: list[TierGroup], scheduler: bool) -> RevokedTenants 
                           count=stats.add)
 
 
+def dp_index(vllm_config: Any) -> int:
+    """This engine's vLLM data-parallel rank: ``parallel_config.data_parallel_index``, which vLLM's engine core sets
+    to the DP rank in every DP engine (its workers get the same config). Not ``data_parallel_rank``: a dense
+    model's DP ranks run as independent engines, each with ``data_parallel_rank`` 0 and ``data_parallel_size`` 1
+    (vLLM's ``ParallelConfig.reconfigure_for_independent_dp_rank``); that field is the fallback for a config
+    without the index. 0 without DP."""
+    pc = vllm_config.parallel_config
+    idx = getattr(pc, "data_parallel_index", None)
+    return int((getattr(pc, "data_parallel_rank", 0) if idx is None else idx) or 0)
+
+
 def _stats_writer(parts: ConnectorParts, stats_path: str | None, split: bool, scheduler: bool,
-                  same_process: bool = False) -> stats.StatsWriter:
+                  same_process: bool = False, dp: int = 0) -> stats.StatsWriter:
     """The counters' writer of this role (see the module doc for the file names). ``same_process``: both roles
     run in this process (``uni``, ``external_launcher``); the counters are per process, so with TP > 1
     (``external_launcher``: every process hosts the scheduler and one rank's worker) the worker's file holds
-    both roles' counters and the scheduler writes none (merging its file would count everything twice)."""
+    both roles' counters and the scheduler writes none (merging its file would count everything twice).
+    ``dp``: the engine's DP rank (:func:`dp_index`); DP engine d > 0 adds ``.dp<d>`` to the stem of every name
+    (every DP engine has the deployment's one ``stats_path``: before 2026-12-04 they all wrote it, each write
+    replacing the other engines' counters)."""
     merge = stats_path
     if stats_path:
         root, ext = os.path.splitext(stats_path)
+        if dp > 0:
+            root = f"{root}.dp{dp}"
+            stats_path = f"{root}{ext}"
         merge = f"{root}.scheduler{ext}" if split and not same_process else None  # rank 0's worker merges it
         if split and scheduler:
             stats_path, merge = (None if same_process else merge), None
