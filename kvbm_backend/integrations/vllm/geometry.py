@@ -216,6 +216,18 @@ def _layout_name(name: Any) -> str:
     return _LAYOUT_ALIASES.get(n, n)
 
 
+def _same_bytes(a: str, b: str, sizes: dict[str, int]) -> bool:
+    """Whether layouts ``a`` and ``b`` (:func:`_layout_name` forms) place every byte of a primary chunk alike:
+    a ``KVCacheLayout`` name is its axes' memory order (``L`` layers, ``B`` blocks of the chunk, ``H`` heads, ``N``
+    tokens, ``C`` a head's bytes), and an axis of one element (``sizes``) moves nothing: MLA's one latent "head",
+    one KV head per rank, one block per chunk."""
+    if a == b:
+        return True
+    if sorted(a) != sorted(b) or sorted(a) != sorted("LBHNC"):
+        return False
+    return [x for x in a if sizes.get(x, 2) > 1] == [x for x in b if sizes.get(x, 2) > 1]
+
+
 @dataclass(frozen=True)
 class PrimaryGeometry(EngineGeometry):
     """How one rank's slice of a vLLM primary chunk maps to one KVBM FullyContiguous block (see
@@ -313,7 +325,9 @@ class PrimaryGeometry(EngineGeometry):
         (``spec.config.kv_cache_layout``, the bytes the primary tier holds) where it resolved one: the namespace
         does not record the layout (a chunk described right is the same block in any layout), so a key naming
         another one stored scrambled blocks that the engine restarted without it, or any engine sharing the pools,
-        was served as verified hits (before 2026-12-04). Refused with a ValueError naming both layouts.
+        was served as verified hits (before 2026-12-04). Refused with a ValueError naming both layouts, unless the
+        two place every byte alike (:func:`_same_bytes`: MLA, or one KV head per rank, where ``*HNC`` is ``*NHC``;
+        one block per chunk, where ``LB*`` is ``BL*``): such a key stores the same blocks and is taken as before.
 
         Raises ValueError naming the missing or inconsistent setting.
         """
@@ -364,7 +378,9 @@ class PrimaryGeometry(EngineGeometry):
             head_dim = rank_bytes // denom
         packed = engine_kv_packed(spec_device_type(spec))
         engine_kvl = getattr(cfg, "kv_cache_layout", None)
-        if kv_cache_layout and engine_kvl and _layout_name(kv_cache_layout) != _layout_name(engine_kvl):
+        if kv_cache_layout and engine_kvl and not _same_bytes(  # a name for the same bytes is no other layout
+                _layout_name(kv_cache_layout), _layout_name(engine_kvl),
+                {"L": num_layers, "B": bpc, "H": int(num_kv_heads), "N": tpb}):
             raise ValueError(
                 f"kv_cache_layout: {kv_cache_layout!r}, but the engine's KV cache layout is {engine_kvl!r} (what vLLM "
                 "resolved, the bytes of every primary chunk); remove the key (the tier takes the engine's): blocks "

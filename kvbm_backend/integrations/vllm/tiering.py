@@ -33,7 +33,8 @@ Tier keyword arguments (every other key of the tier's dict reaches ``__init__``,
   the namespace (``kv_heads``): engines whose settings cut a page into other heads never share blocks.
 * ``kv_cache_layout``: vLLM ``KVCacheLayout`` name; default the engine's resolved one, else LBNHC (CPU: LBHNC).
   Where vLLM resolved one, a key naming another is refused (ValueError naming both): the namespace does not
-  record the layout, so such a tier stored scrambled blocks that were served as hits (before 2026-12-04).
+  record the layout, so such a tier stored scrambled blocks that were served as hits (before 2026-12-04). A name
+  that places every byte alike is not another (MLA or one KV head per rank: ``*HNC`` = ``*NHC``).
 * ``enable_kv_events`` (emit ``OffloadingEvent`` for stored chunks and, on G3, for chunks it no longer holds;
   below), ``locality`` (``LOCAL``/``REMOTE``), ``io_threads`` (threads for loads, as many for stores: :mod:`.tier_jobs`), ``job_timeout_s`` (seconds from
   vLLM's submission of a job: past it the job fails, at once if it waits for a thread (the pool not asked) or a

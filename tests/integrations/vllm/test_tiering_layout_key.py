@@ -65,3 +65,29 @@ def test_the_key_still_names_the_layout_where_vllm_resolved_none(tmp_path):
         assert len(got) == 2 and all(np.array_equal(a, b) for a, b in zip(got, data))
     finally:
         h.shutdown()
+
+
+@pytest.mark.parametrize("tier_keys, engine, key", [
+    ({"mla": True}, "LBNHC", "LBHNC"),  # MLA: one latent per token, no head axis to order
+    ({"mla": True}, "BLHNC", "BLNHC"),  # (DeepSeek-V4's indexer makes vLLM resolve a block-major layout)
+    ({"num_kv_heads": 1}, "LBNHC", "LBHNC"),  # one KV head per rank (8 KV heads at TP 8)
+    ({"num_kv_heads": 1}, "LBNHC", "hnd"),  # vLLM's legacy name of LBHNC, any case
+])
+def test_a_layout_key_placing_every_byte_as_the_engines_is_taken(tmp_path, harnesses, tier_keys, engine, key):  # noqa: F811
+    """Where the engine has one head (MLA's latent, or one KV head per rank) ``*HNC`` and ``*NHC`` are the same
+    bytes: a key naming the other is no other layout. It is taken, and its blocks are the ones the engine restarted
+    without the key reads (same namespace, same bytes). Before, such a tier was refused ("blocks permuted as
+    another layout are served scrambled"), though it stored exactly what the engine's own layout stores: a working
+    MLA config stopped starting."""
+    path = tmp_path / "g3"
+    keys = keys_for(2, f"same-bytes-{engine}-{key}")
+    keyed = harnesses([g3_tier(path, kv_cache_layout=key, **tier_keys)], kv_cache_layout=engine, num_kv_heads=1)
+    data = payloads(keyed, 2, seed=13)
+    fp = keyed.tier.namespace.fingerprint
+    keyed.store(keys, data)
+    keyed.wait_idle()
+    keyed.shutdown()
+    fresh = harnesses([g3_tier(path, **tier_keys)], kv_cache_layout=engine, num_kv_heads=1)
+    assert fresh.tier.namespace.fingerprint == fp
+    got = fresh.load(keys)
+    assert len(got) == 2 and all(np.array_equal(a, b) for a, b in zip(got, data))
