@@ -65,6 +65,7 @@ from .compact_lru import LruLog
 from .compact_owners import KNOWN, OWNER_SLACK, Owners  # noqa: F401  (OWNER_SLACK: re-exported)
 from .compact_restore import restore_columns, restore_pairs
 from .compact_table import _LOAD, _MIN_TAB_BITS, _U, U64, HashTable
+from .entry import SCALAR_LOOKUP_KEYS
 from .index import SlotPins, TagKey, tag_of
 from .journal_columns import JournalColumns
 
@@ -369,7 +370,7 @@ class CompactLruIndex:
 
             def batch(a: int, b: int) -> int:  # hashes [a, b) converted only now (a partial hit stops early)
                 return self._take(self._table.find_run(o, keys.rank, keys.hash_array(b)[a:]))
-        elif n <= 8:
+        elif n <= SCALAR_LOOKUP_KEYS:  # key by key (the pool made their fields ints: .entry)
             i = 0
             for k in keys:
                 if (namespace is not None and k.namespace != namespace) or self.get(k, touch=True) is None:

@@ -54,8 +54,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Sequence, cast
 
-import numpy as np
-
 from ...config import G3Config
 from ...io import IoEngine, fdatasync, make_engine
 from ...log_limits import forget as forget_logged
@@ -67,6 +65,7 @@ from ..base import BlockBuffer, GetDestinations, GetResult, PutResult, SlotLease
 from . import journal as jr, vacancy
 from .admission import make_admission
 from .catalog import REASONS, SlotCatalog
+from .entry import check_buffers, int_keys, lookup_keys
 from .lock_bounded import LOCK_WAIT_S, PUT_LOCK_WAIT_S, StatsCache, held_within, holds, pool_stats
 from .lookup_defer import G3Lookups
 from .read import G3Reader
@@ -109,6 +108,11 @@ class G3Pool:
             non-file.
         ValueError: no room for a single slot (capacity or free space).
         OSError: a directory cannot be created or written.
+
+    Keys: every call takes a key's ``rank`` and ``seq_hash`` as any integral type (a numpy integer too: made ints at
+    its entry, :mod:`.entry`, before any effect); one no slot can hold (out of range, not an integer) is a miss, not
+    held, or an ``invalid_key`` drop of that key alone; an item that is no key, or a key whose tenant is not a str,
+    raises TypeError before any effect.
 
     In a child forked without exec from the process that opened it every call raises G3ForkedError (:mod:`.forked`).
     """
@@ -222,27 +226,11 @@ class G3Pool:
             if not self.cat.closed:
                 self.cat.admitting(time.monotonic())
 
-    def _check_keys(self, keys: Sequence[BlockKey], bufs: Sequence[object] | None, what: str,
-                    writable: bool = False) -> None:
-        if bufs is not None and len(keys) != len(bufs):
-            raise ValueError(f"{what}: {len(keys)} keys but {len(bufs)} buffers")
-        if bufs is None:
-            return
-        for i, b in enumerate(bufs):
-            if not isinstance(b, np.ndarray) or b.dtype != np.uint8 or b.ndim != 1 or not b.flags.c_contiguous:
-                raise ValueError(f"{what}: buffer {i} must be a contiguous 1-D uint8 numpy array "
-                                 f"(got {type(b).__name__} {getattr(b, 'dtype', '')} {getattr(b, 'shape', '')})")
-            if b.nbytes != self.block_bytes:
-                raise ValueError(f"{what}: buffer {i} holds {b.nbytes} bytes; this namespace's block is "
-                                 f"{self.block_bytes} bytes")
-            if writable and not b.flags.writeable:
-                raise ValueError(f"{what}: buffer {i} is read-only")
-
     def contains(self, key: BlockKey) -> bool:
         """True if ``key`` is known published in the index (no I/O; the payload is verified only by get). Waits at
         most :data:`~.lock_bounded.LOCK_WAIT_S` for the pool's lock and answers False past it (not known held:
         a caller that takes False for "gone" asks :meth:`holds`, which tells "unknown" apart)."""
-        got = holds(self.cat, [key])
+        got = holds(self.cat, int_keys([key], "contains"))
         return bool(got and got[0])
 
     def holds(self, keys: Sequence[BlockKey], timeout_s: float | None = LOCK_WAIT_S) -> list[bool] | None:
@@ -250,7 +238,7 @@ class G3Pool:
         ``timeout_s`` seconds (held by another thread across journal I/O: unknown, ask again later). vLLM's
         scheduler thread asks this (the native ``G3Tier``'s removal checks), so it waits a bound, never the
         journal's stall (docs/invariants.md #3; :mod:`.lock_bounded`)."""
-        return holds(self.cat, keys, timeout_s)
+        return holds(self.cat, int_keys(keys, "holds"), timeout_s)
 
     def lookup_prefix(self, keys: Sequence[BlockKey], *, request: bool = True) -> Future[int]:
         """Future of the number of leading ``keys`` held (index only). Found entries become most
@@ -259,7 +247,7 @@ class G3Pool:
         (``lookup_blocks`` / ``lookup_hits``, ``kvbm_matched_tokens``, the hit rate; see :class:`BlockPool`).
         Never waits for the pool's lock: while another thread holds it the future resolves later
         (:mod:`.lookup_defer`, counted ``lookups_deferred``)."""
-        return self._lookups.lookup_prefix(keys, request)
+        return self._lookups.lookup_prefix(lookup_keys(keys), request)
 
     def count_lookup(self, requested: int, found: int) -> None:
         """Count a request's lookup settled elsewhere (:meth:`BlockPool.count_lookup`); never waits for the lock."""
@@ -288,9 +276,9 @@ class G3Pool:
         Raises:
             ValueError: mismatched lengths, a wrong-sized buffer, or a key of another namespace.
         """
-        keys = list(keys)
+        keys = int_keys(keys, "put", tenants=False)
         blocks = list(blocks)
-        self._check_keys(keys, blocks, "put")
+        check_buffers(keys, blocks, "put", self.block_bytes)
         checks = None if dev_checks is None else [int(c) for c in dev_checks]
         if checks is not None and len(checks) != len(keys):
             raise ValueError(f"put: {len(keys)} keys but {len(checks)} dev_checks")
@@ -319,7 +307,7 @@ class G3Pool:
             ValueError: mismatched lengths or a wrong-sized / read-only buffer (numpy); for tensors the
                 future raises ValueError for a tensor of the wrong size, device or layout.
         """
-        return self.reader.get(list(keys), out)
+        return self.reader.get(int_keys(keys, "get", tenants=False), out)
 
     # ---- SlotLeaseSource: in-place reads by the device and layer-wise loaders (pool/g3/read) -------
     def lease(self, keys: Sequence[BlockKey], timeout_s: float | None = None) -> list[SlotLease | None]:
@@ -330,7 +318,7 @@ class G3Pool:
         Raises TimeoutError when the pool's lock stays busy ``timeout_s`` seconds (default ``g3.load_timeout_s``),
         held by another thread across journal I/O: nothing leased, the keys counted ``timeout`` misses
         (docs/invariants.md #3)."""
-        return self.reader.lease(keys, self.cfg.load_timeout_s if timeout_s is None else timeout_s)
+        return self.reader.lease(int_keys(keys, "lease"), self.cfg.load_timeout_s if timeout_s is None else timeout_s)
 
     def release(self, leases: Sequence[SlotLease]) -> None:
         """Unpin leases from :meth:`lease` (a slot evicted meanwhile is freed now)."""
@@ -341,7 +329,7 @@ class G3Pool:
         remove it from the index and journal (the slot is freed once its last lease is released) once
         the stored bytes are proven bad (re-read and checked, the slot pinned meanwhile; dropped only if ``key``
         still maps to it): a slot whose frame re-reads and verifies, or cannot be read, stays (a miss)."""
-        self.reader.drop_corrupt(key, reason)
+        self.reader.drop_corrupt(int_keys([key], "drop_corrupt")[0], reason)
 
     def drop_unreadable(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Delete the blocks of ``keys`` whose load failed other than by a timeout once a fresh synchronous
@@ -355,7 +343,7 @@ class G3Pool:
         on the caller's thread: a native ``G3Tier`` load that failed reported its job only once a 12 s journal
         stall ended, its request waiting past ``job_timeout_s``). 0 once the pool is closed. Never raises for
         storage trouble."""
-        keys = list(keys)
+        keys = int_keys(keys, "drop_unreadable")
         with self._drop_mu:
             if self._closed:
                 return completed(0)
@@ -394,7 +382,8 @@ class G3Pool:
             RuntimeError: the pool is closed. ImportError: torch is not installed. ValueError: the layout's
             block is not whole layers. TypeError: a wiring bug in the leases (nothing stays leased).
         """
-        return self.reader.layerwise_load(keys, device, timeout_s=timeout_s, min_read=min_read)
+        return self.reader.layerwise_load(int_keys(keys, "layerwise_load"), device, timeout_s=timeout_s,
+                                          min_read=min_read)
 
     def keys(self) -> list[BlockKey]:
         """Snapshot of the published keys (index only, no I/O; waits for the pool's lock)."""
@@ -443,6 +432,7 @@ class G3Pool:
         n = 0
         recs: list[bytes] = []
         cat = self.cat
+        keys = int_keys(keys, "delete")  # before any effect (:mod:`.entry`)
         with cat.lock:
             if not cat.slabs.dirs:  # closed: nothing is held (and no file, nor the journal, is written)
                 return completed(0)

@@ -61,6 +61,7 @@ operator log lines (the ``kvbm_backend.pool.g4.pool`` logger). Stores are opened
 from __future__ import annotations
 
 import logging
+import struct
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
@@ -268,17 +269,24 @@ class G4Pool:
     def delete(self, keys: Sequence[BlockKey]) -> Future[int]:
         """Remove blocks; the future gives how many were present and deleted (HEAD then DELETE each), as counted
         ``deleted``. A key whose HEAD or DELETE failed counts ``delete_errors`` only (before 2026-12-04 one whose
-        DELETE failed counted in both, and in the result)."""
+        DELETE failed counted in both, and in the result). Every key is named before anything is deleted: a key no
+        object name can hold (rank outside [0, 2**32), seq_hash outside [0, 2**64) or not an integer) is not
+        present, and a naming error fails the future with nothing deleted (before 2026-12-04 such a key failed it
+        with ``struct.error`` after the keys before it were deleted, uncounted)."""
         keys = list(keys)
         if not keys:
             return completed(0)
 
         def run() -> int:
-            n = 0
+            n, names = 0, []
             for k in keys:
                 if k.namespace != self._fp:
                     continue
-                name = self.names.name(k)
+                try:
+                    names.append(self.names.name(k))
+                except struct.error:  # a rank or seq_hash out of range or not an integer: no block has such a name
+                    continue
+            for name in names:
                 try:
                     if self.store.head(name) is not None:
                         self.store.delete(name)

@@ -29,6 +29,7 @@ from ....gpu.rows import is_matrix
 from .. import journal as jr, vacancy
 from ..index import TagKey
 from ..catalog import _MISS_REASON, HDR, SlotCatalog
+from ..entry import check_buffers
 from ..lock_bounded import LOCK_WAIT_S, held_within
 from ..pieces import Slot
 from .host import HostGet, same_slot, valid_key
@@ -83,7 +84,7 @@ class G3Reader:
     Args:
         cat: the pool's :class:`~kvbm_backend.pool.g3.catalog.SlotCatalog` (slot state, counters, its lock).
         pool: the pool facade, for what the parts share read-only: ``cfg``, ``engine``, ``_frames`` (checksum
-            frames), ``_staging``, ``_io_size``, ``_check_keys`` and the read tuning (``read_chunk_bytes``,
+            frames), ``_staging``, ``_io_size``, ``block_bytes`` and the read tuning (``read_chunk_bytes``,
             ``chunk_bytes``, ``min_chunk_blocks``, ``read_chunks_in_flight``), read at each get.
     """
 
@@ -112,8 +113,8 @@ class G3Reader:
             # a [n, bytes] matrix stays one tensor (copied out by runs of rows, kvbm_backend.gpu.rows)
             return self._get_tensors(keys, cast("torch.Tensor", out) if is_matrix(out)
                                      else cast("list[torch.Tensor]", list(out)))
-        self.pool._check_keys(keys, cast("Sequence[BlockBuffer]", out), "get", writable=True)
-        # _check_keys let only contiguous 1-D uint8 numpy buffers through
+        check_buffers(keys, cast("Sequence[BlockBuffer]", out), "get", self.pool.block_bytes, writable=True)
+        # check_buffers let only contiguous 1-D uint8 numpy buffers through
         return HostGet(self, keys, cast("list[BlockBuffer]", list(out))).start()
 
     # ---- SlotLeaseSource: in-place reads by the device and layer-wise loaders ---------------------
