@@ -11,8 +11,10 @@ carry prometheus_client's ``_total`` suffix, which KVBM's Rust exporter does not
 * ``kvbm_offload_blocks_d2o`` / ``kvbm_onboard_blocks_o2d``: the same for object storage (G4).
 * ``kvbm_matched_tokens``: tokens matched by requests' prefix lookups (G3's share and G4's), each request
   once, as the prefix every TP rank holds (the hit the request gets): its other TP ranks, KV cache groups, repeated asks and prompts the engine's own cache serves are not
-  counted (``lookup_prefix(..., request=False)``, :class:`kvbm_backend.pool.base.BlockPool`). With vLLM's
-  native tiers (``G3Tier`` above ``G4Tier`` in one offloading manager, which asks both about every chunk and
+  counted (``lookup_prefix(..., request=False)``, :class:`kvbm_backend.pool.base.BlockPool`). Under vLLM's
+  ``external_launcher`` with TP > 1 every rank's process runs a scheduler: TP rank 0's alone counts, the hit the
+  ranks agreed (:mod:`kvbm_backend.integrations.vllm.tp_sched`), so the pod's sum is still each request once. With
+  vLLM's native tiers (``G3Tier`` above ``G4Tier`` in one offloading manager, which asks both about every chunk and
   loads each from the first tier holding it) the lower tier counts the request's usable prefix (the leading
   chunks some tier holds, however the tiers interleave) once, each chunk as the share of the tier it loads from
   (:mod:`kvbm_backend.integrations.vllm.tier_lookup`): a chunk both tiers hold counts once, a chunk after one no

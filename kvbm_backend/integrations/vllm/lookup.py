@@ -38,7 +38,9 @@ class TierLookup:
     ``timeout_s``: seconds, or a :class:`Deadline` shared with the caller.
     ``count``: once the result is known, it counts as the request's lookup (:meth:`count_request`:
     ``kvbm_matched_tokens``, the hit rate, the pools' lookup counters), once whatever the TP size and over the
-    prefix every key list holds (the pools are asked with ``request=False``). Before 2026-11-30 each tier's
+    prefix every key list holds (the pools are asked with ``request=False``; under ``external_launcher`` with TP > 1
+    every rank's scheduler looks up: there TP rank 0 alone counts, the agreed hit, :meth:`.tp_sched.SchedAgree.match`).
+    Before 2026-11-30 each tier's
     first key list (TP rank 0) counted its own pool lookup, so blocks rank 0 held beyond another rank's prefix
     counted as G3 hits, and again as G4 hits when G4 supplied them. False: nothing counts (a window probe, a
     request already counted, a hand-off wait's looks: :meth:`count_request` counts the one that ended it).
@@ -78,15 +80,18 @@ class TierLookup:
             return
         self._g4f = [p.lookup_prefix(k[a:], request=False) for k, p in self.e4]
 
-    def count_request(self) -> None:
+    def count_request(self, found: int | None = None) -> None:
         """Count the result (once known) as the request's lookup, as ``count`` True does when it resolves: one
         pool of each tier that was asked (the first key list's), over the blocks that tier is asked for (G3 all,
-        G4 those G3 lacks), finding the prefix every key list holds (``p3`` / ``p4``)."""
+        G4 those G3 lacks), finding the prefix every key list holds (``p3`` / ``p4``). ``found``: the hit counts at
+        most that many leading blocks (the hit the TP ranks agreed under ``external_launcher``, :mod:`.tp_sched`),
+        G3's first."""
         assert self.p3 is not None and self.p4 is not None
+        f = self.n if found is None else max(0, found)
         if self.e3:
-            self.e3[0][1].count_lookup(self.n, self.p3)
+            self.e3[0][1].count_lookup(self.n, min(self.p3, f))
         if self.e4 and self.p3 < self.n:
-            self.e4[0][1].count_lookup(self.n - self.p3, self.p4)
+            self.e4[0][1].count_lookup(self.n - self.p3, min(self.p4, max(0, f - self.p3)))
 
     def g4_refused(self) -> bool:
         """True when G4 could supply blocks this lookup lacks but every G4 pool asked (each key list's) has its
@@ -188,8 +193,9 @@ class PrefixLookup:
 
     ``known``: the full-attention prefix an earlier look of this request confirmed (:attr:`confirmed`; a hand-off's
     wait looks again from there, :class:`TierLookup`). ``count`` False: the pools do not count this look as the
-    request's (``full.count_request()`` can, later). A tenant G3 refuses (``sched.revoked``: revoked in G4's keyring)
-    is looked up in G4 alone (counted ``lookup_g3_revoked``)."""
+    request's (:meth:`count_request` can, later: a hand-off wait's look, and every look under ``external_launcher``
+    with TP > 1, counted by TP rank 0 alone once the ranks agree the answer). A tenant G3 refuses (``sched.revoked``:
+    revoked in G4's keyring) is looked up in G4 alone (counted ``lookup_g3_revoked``)."""
 
     max_probes = 8
 
@@ -237,10 +243,13 @@ class PrefixLookup:
             self.win[gi] = TierLookup([(k, None if self.g3_off else g.g3) for k in by_rank], [(k, g.g4) for k in g4],
                                       self.deadline, count=False)
 
-    def count_request(self) -> None:
-        """Count this look, once known, as the request's lookup (a hand-off wait's look that ended it): the pools'
-        lookup counters (:meth:`TierLookup.count_request`) and ``lookup_failed_block_cuts`` when it was cut."""
-        self.full.count_request()
+    def count_request(self, found: int | None = None, pools: bool = True) -> None:
+        """Count this look, once known, as the request's lookup (a hand-off wait's look that ended it, or any under
+        ``external_launcher`` with TP > 1 once the ranks agreed: :meth:`.tp_sched.SchedAgree.match`): the pools'
+        lookup counters (:meth:`TierLookup.count_request`, at most ``found`` blocks; none with ``pools`` False: a TP
+        rank other than 0) and ``lookup_failed_block_cuts`` when it was cut."""
+        if pools:
+            self.full.count_request(found)
         if self.cut and not self.count:
             stats.add(lookup_failed_block_cuts=1)
 

@@ -63,6 +63,7 @@ class _Req:
     digests: bytearray = field(default_factory=bytearray)  # token digests of its first blocks (.identity)
     epoch: str = ""                   # the reset epoch its hashes and digests are salted with (.reset_epoch)
     count_as: bool | None = None      # its lookup, counted once the TP ranks agree an answer (local?; .tp_sched)
+    count_look: PrefixLookup | None = None  # the look whose pools' counters wait for that agreement too (.tp_sched)
 
 
 class SchedulerSide:
@@ -199,8 +200,7 @@ class SchedulerSide:
             return None, False
         st.handoff_done = True  # at most handoff_wait_s per request, even when vLLM asks anew (preemption)
         if look is not None and st.hit is not None and not st.counted:
-            look.count_request()  # the look that ended the wait is the request's (pools' lookup counters, its cut)
-            self._count_request(st)
+            self._count_request(st, look=look)  # the look that ended the wait is the request's (pools' counters, cut)
         elif look is None and st.lookup_blocks <= st.n_local:  # the engine's prefix cache had it all
             self._count_request(st, local=True)
         return n, is_async
@@ -233,7 +233,8 @@ class SchedulerSide:
                 self._count_request(st, local=True)
             return 0, False
         if st.lookup is None:
-            st.lookup = PrefixLookup(self, st, known=st.handoff_known, count=count and not st.counted)
+            st.lookup = PrefixLookup(self, st, known=st.handoff_known,  # TP > 1 here: counted once agreed (.tp_sched)
+                                     count=count and not st.counted and self.tp is None)
         res = st.lookup.poll()
         if res is None:
             return None, False
@@ -244,19 +245,25 @@ class SchedulerSide:
         if p3:
             tp_events.learn(self, st, 0, p3, request=request)  # e.g. found again after a restart
         if count:
-            self._count_request(st)
+            self._count_request(st, look=None if st.lookup.count else st.lookup)
         total = p3 + p4
         if total <= st.n_local:
             return 0, False
         st.sync_load = self.layerwise and p4 == 0
         return (total - st.n_local) * self.bs, not st.sync_load
 
-    def _count_request(self, st: _Req, local: bool = False) -> None:
-        """The connector's counters of the request's lookup, once (:func:`.tp_sched.count_request`); under
-        ``external_launcher`` with TP > 1 once the TP ranks agree its answer (:meth:`.tp_sched.SchedAgree.match`)."""
-        if self.tp is not None:
-            st.count_as = None if st.counted else local
+    def _count_request(self, st: _Req, local: bool = False, look: PrefixLookup | None = None) -> None:
+        """The connector's counters of the request's lookup, once (:func:`.tp_sched.count_request`), with ``look``'s
+        pool counters (a look that did not count itself: :meth:`.PrefixLookup.count_request`); under
+        ``external_launcher`` with TP > 1 once the TP ranks agree its answer (:meth:`.tp_sched.SchedAgree.match`: the
+        pools' by TP rank 0 alone)."""
+        if st.counted:
             return
+        if self.tp is not None:
+            st.count_as, st.count_look = local, look
+            return
+        if look is not None:
+            look.count_request()
         tp_sched.count_request(st, local)
 
     def _g3_prefix(self, st: _Req, n: int) -> int | None:

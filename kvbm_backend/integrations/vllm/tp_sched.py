@@ -34,7 +34,11 @@ hosting a scheduler and that rank's worker; :mod:`.tp_agree` has the others and 
   agrees (the fewest tokens; None while any rank has none), with the found blocks of the agreed hit, so that the
   lookup counters (``lookup_requests``, ``g3_found_blocks``, ``g4_found_blocks``, ...) count what every rank loads,
   once the ranks agree an answer: summed over the ranks they match the loads (before 2026-12-03 each rank counted
-  its own answer, e.g. 4 blocks found on one rank and 2 on another, while both loaded 2). One all-reduce per call, as
+  its own answer, e.g. 4 blocks found on one rank and 2 on another, while both loaded 2). The pools' lookup counters
+  (``kvbm_matched_tokens``, the hit rates, ``lookup_blocks`` / ``lookups`` in a pool's ``stats()``), which describe
+  the engine's requests on the pod's endpoint (every process's series summed), count the agreed hit on TP rank 0 alone
+  (before 2026-12-04 every rank's lookup counted its own answer as it resolved: about TP x on the endpoint, each
+  rank's answer rather than the hit loaded). One all-reduce per call, as
   before: the answer is marked agreed (:meth:`.tp_agree.TpMatchAgree.settle`) on the one TpMatchAgree the wiring
   also uses (:attr:`SchedAgree.match_agree`), which returns it as it is.
 
@@ -200,6 +204,7 @@ class SchedAgree:
         self.group = group
         # the wiring's agreement of the connector's answer is this one (its settled answer is taken right after)
         self.match_agree = tp_agree.TpMatchAgree(group)
+        self.rank = int(getattr(group, "rank_in_group", 0) or 0)  # TP rank 0 alone counts the pools' lookups
         self.one_announcer: bool | None = None  # TP rank 0 alone announces to G4 (None: not agreed yet; .tp_events)
 
     def saves(self, saves: list[SaveJob], promises: Any = None, reqs: dict | None = None) -> list[SaveJob]:
@@ -236,13 +241,17 @@ class SchedAgree:
         """``(n, is_async)``, the answer of scheduler side ``side`` for ``request``, agreed by every rank
         (:meth:`.tp_agree.TpMatchAgree.agree`); once the ranks agree an answer, a request whose lookup waits to be
         counted (``count_as``) is counted as that answer (:func:`count_request`: the fewest blocks any rank's tiers
-        found, G3's first). Raises RuntimeError when the collective fails."""
+        found, G3's first), and its look (``count_look``) in the pools' lookup counters (``kvbm_matched_tokens``, the
+        hit rates) by TP rank 0 alone, as that hit (:meth:`.lookup.PrefixLookup.count_request`). Raises RuntimeError
+        when the collective fails."""
         st = side._reqs.get(request.request_id)
         mine = st.hit[0] if st is not None and st.count_as is False and st.hit is not None else None
         out = self.match_agree.agree_found(n, is_async, mine)
         if out[0] is not None and st is not None and st.count_as is not None:
-            local, st.count_as = st.count_as, None
+            (local, st.count_as), (look, st.count_look) = (st.count_as, None), (st.count_look, None)
             count_request(st, local, out[2])
+            if look is not None:  # each request once on the pod's endpoint: the pools' series of TP rank 0 only
+                look.count_request(out[2], pools=self.rank == 0)
         self.match_agree.settle(out[:2])
         return out[:2]
 
