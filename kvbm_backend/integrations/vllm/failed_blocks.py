@@ -224,22 +224,36 @@ class FailedChunks:
         return [k for k in keys if not self.cooling(tenant, k)] if len(self._blocks) else keys
 
 
-def drop_blocks(pool: Any, keys: list[Any], deadline: Any, tier_type: str) -> int:
+def drop_blocks(pool: Any, keys: list[Any], deadline: Any, tier_type: str, count: Callable[[int], None]) -> None:
     """Delete ``keys`` (the blocks of chunks a tier failed to read, not by a timeout) from ``pool`` (a G3 pool:
     ``G3Pool.drop_unreadable``), so the recomputed chunks' stores write them again instead of skipping them as
-    held; how many it deleted. A block whose slot re-reads and verifies stays: the failed read was transient
-    (before 2026-11-30 it was deleted too: good blocks lost to one bad read); so does one a re-read cannot read
-    either until it stayed unreadable (docs/invariants.md #1). Never raises (logged): a block left in place only
-    stays cooling (:class:`FailedChunks`)."""
+    held; ``count(n)`` with how many it deleted once the deletion is done. A block whose slot re-reads and verifies
+    stays: the failed read was transient (before 2026-11-30 it was deleted too: good blocks lost to one bad read);
+    so does one a re-read cannot read either until it stayed unreadable (docs/invariants.md #1). Waits for the
+    deletion until ``deadline`` (the caller's bound: a recompute's store then comes after it); one still running
+    then (a stalled journal, or a load whose deadline had passed) is counted and logged when it ends, on the pool's
+    thread (before 2026-12-04 it was logged ``could not delete`` and counted 0 while the pool went on deleting).
+    Never raises (logged): a block left in place only stays cooling (:class:`FailedChunks`)."""
+    def done(fut: Any) -> None:
+        try:
+            n = int(fut.result())
+        except Exception as e:  # noqa: BLE001 - the failed load is reported either way
+            log.warning("%s: could not delete %d unreadable blocks: %s", tier_type, len(keys), e)
+            return
+        if n:
+            log.warning("%s: deleted %d blocks that failed to load (read error); a later store writes them again",
+                        tier_type, n)
+        count(n)
     try:
-        n = int(pool.drop_unreadable(keys).result(timeout=deadline.left()))
-    except Exception as e:  # noqa: BLE001 - the failed load is reported either way
+        fut = pool.drop_unreadable(keys)
+    except Exception as e:  # noqa: BLE001
         log.warning("%s: could not delete %d unreadable blocks: %s", tier_type, len(keys), e)
-        return 0
-    if n:
-        log.warning("%s: deleted %d blocks that failed to load (read error); a later store writes them again",
-                    tier_type, n)
-    return n
+        return
+    try:
+        fut.result(timeout=deadline.left())
+    except Exception:  # noqa: BLE001 - still deleting (not a failure: counted when it ends) or failed (done logs it)
+        pass
+    fut.add_done_callback(done)  # here when it ended; else on the pool's thread when it does
 
 
 def unloaded_engine_blocks(hashes: Any, block_ids: list[int], start: int, first_failed: int) -> list[int]:

@@ -420,7 +420,7 @@ class KvbmSecondaryTier(SecondaryTierManager):
         self._count("loads_failed", 1)
         self._count("chunks_load_failed", len(keys) - len(good))
         if unreadable and self.drop_unreadable:
-            self._count("blocks_dropped", drop_blocks(self.pool, unreadable, deadline, self.tier_type))
+            drop_blocks(self.pool, unreadable, deadline, self.tier_type, lambda n: self._count("blocks_dropped", n))
         return JobResult(job_id=job.job_id, success=False, successful_keys=tuple(good) if good else None,
                          transfer_bytes=len(good) * c * g.rank_bytes)
 

@@ -339,7 +339,7 @@ class WorkerSide:
         answers False for a lock busy over ~20 ms, and a block due for deletion was kept then."""
         g3p = self.g3
         if missed and g3p is not None:
-            stats.add(load_g3_dropped_blocks=drop_blocks(g3p, missed, Deadline(self.load_timeout_s), "G3"))
+            drop_blocks(g3p, missed, Deadline(self.load_timeout_s), "G3", lambda n: stats.add(load_g3_dropped_blocks=n))
 
     def _report_load_misses(self, missed: list) -> None:
         """G3 blocks a load missed that the pool proved gone (no longer in its index: absent, or dropped as
