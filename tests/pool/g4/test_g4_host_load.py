@@ -5,7 +5,7 @@ file (O_DIRECT scatter reads, and buffered) and S3 stores, encrypted and plain."
 from __future__ import annotations
 
 import os
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -294,18 +294,22 @@ def test_staged_loads_retake_the_gil_a_few_times_per_block_and_allocate_no_paylo
 
 
 class _LateHits:
-    """The G4 pool, each ``on_hit`` delivered ``delay`` s late: an I/O thread preempted between the block's
-    verification (the pool's ``ok``) and its ``on_hit`` call, past the batch's load bound."""
+    """The G4 pool, each ``on_hit`` delivered only once ``load_via_host`` returned: an I/O thread preempted between
+    the block's verification (the pool's ``ok``) and its ``on_hit`` call, past the batch's load bound and the load's
+    answer. The pool's timer is held (``timer``, tests/helpers/held_timer.py) until that verification: the bound fires
+    after it however long the read took, and before the hit."""
 
-    def __init__(self, pool, delay):
-        self._p, self._d = pool, delay
+    def __init__(self, pool, timer):
+        self._p, self._timer = pool, timer
+        self.returned = threading.Event()  # set by the test once load_via_host returned
 
     def __getattr__(self, name):
         return getattr(self._p, name)
 
     def get_staged(self, keys, rows, on_hit=None):
         def late(i):
-            time.sleep(self._d)
+            self._timer.release()  # block i verified: the bound may fire now (the load answers at it)
+            assert self.returned.wait(HANG_S), "hang guard: load_via_host waited for a hit past the expiry"
             on_hit(i)
         return self._p.get_staged(keys, rows, late)
 
@@ -313,8 +317,13 @@ class _LateHits:
 def test_a_block_verified_in_time_whose_hit_comes_after_the_expiry_is_loaded(tmp_path):
     """The batch expires between the pool's verification of a block and its ``on_hit``: the load answer names it
     good, so ``load_via_host`` copies it then. Review finding 2026-12-02: reported neither loaded nor timed out (a
-    plain miss: the connector cooled the block for 30 s) though the pool had verified it and counted a hit."""
+    plain miss: the connector cooled the block for 30 s) though the pool had verified it and counted a hit.
+
+    The 0.2 s bound fires only once the block verified (before 2026-12 its read raced the bound, and a read the busy
+    CI VM froze past it made the block a timed-out miss), and the hit comes once the load returned (was: after a
+    sleep of the bound + 0.5 s)."""
     from kvbm_backend.gpu.host_path import load_via_host
+    from tests.helpers.held_timer import HeldTimer
     cfg = G4Config(url=f"file://{tmp_path / 'g4'}", encrypt=False, max_inflight=2, timeout_s=0.2, retries=0)
     with G4Pool(cfg, namespace()) as pool:
         bpb = pool.layout.bytes_per_block
@@ -323,5 +332,10 @@ def test_a_block_verified_in_time_whose_hit_comes_after_the_expiry_is_loaded(tmp
         assert pool.put(keys, [block]).result(timeout=60).written == 1
         dst = torch.zeros((1, bpb), dtype=torch.uint8)
         late: list[bool] = []
-        ok = load_via_host(_LateHits(pool, pool.load_bound_s + 0.5), keys, dst, timeout_s=None, timed_out=late)
+        with HeldTimer(pool._deadlines) as timer:
+            hits = _LateHits(pool, timer)
+            try:
+                ok = load_via_host(hits, keys, dst, timeout_s=None, timed_out=late)
+            finally:
+                hits.returned.set()
         assert ok == [True] and np.array_equal(dst[0].numpy(), block), (ok, late, pool.stats())

@@ -3,7 +3,11 @@ it confirmed and the caller takes them as the hit: ``kvbm_matched_tokens`` and t
 but the pool's ``stats()["lookup_hits"]`` (what ``stats_path`` ``pools.g4`` shows the operator) does not, so the
 two surfaces disagreed on the same lookups (G4Pool.lookup_prefix's doc: a counted lookup moves ``lookups``,
 ``lookup_hits``, matched tokens and the hit rate alike). Review finding 2026-12-02 (old code: lookup_hits absent,
-matched tokens 128)."""
+matched tokens 128).
+
+The 0.3 s bound fires only once the first wave's 8 HEADs were answered (the pool's timer is held until the hung HEAD
+is out: tests/helpers/held_timer.py): before (2026-12) they raced the bound, and a HEAD the busy CI VM froze past it
+ended the lookup with fewer than 8."""
 from __future__ import annotations
 
 import threading
@@ -13,6 +17,7 @@ from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.pool import G4Pool
 from tests.helpers.g4_writer import namespace, payload
+from tests.helpers.held_timer import HeldTimer
 
 HANG_S = 600.0  # a hang guard, not a bound
 
@@ -23,10 +28,11 @@ class _HungHeadFs(FsStore):
     hang_name: str | None = None
     def __init__(self, root):
         super().__init__(root)
-        self.release = threading.Event()
+        self.release, self.reached = threading.Event(), threading.Event()
 
     def head(self, name):
         if name == self.hang_name:
+            self.reached.set()
             self.release.wait(HANG_S)
         return super().head(name)
 
@@ -44,7 +50,12 @@ def test_an_expired_lookups_confirmed_prefix_counts_in_lookup_hits_as_in_matched
         assert p.flush(HANG_S)
         store.hang_name = p.names.name(keys[8])  # the 9th block: the first HEAD of the lookup's second wave
         try:
-            n = p.lookup_prefix(keys).result(timeout=HANG_S)
+            with HeldTimer(p._deadlines) as timer:
+                fut = p.lookup_prefix(keys)
+                # the second wave is out only once the first wave's 8 HEADs were answered
+                assert store.reached.wait(HANG_S), "hang guard: the lookup's 9th HEAD never went out"
+                timer.release()  # now the bound may fire: the 9th HEAD is the one it cuts short
+                n = fut.result(timeout=HANG_S)
         finally:
             store.release.set()
         st = p.stats()

@@ -19,8 +19,10 @@ caller's buffer and publishes it (up to ``PUBLISH_ATTEMPTS`` PUTs while each mee
 
 Real file store and G4Pool (tests/helpers/g4_put_race.py's racing store); the hooks only order the race: B's publish
 and the deleter, a settle HEAD that answers once less than a PUT's bound is left, a PUT that lasts until a point of the
-bound, the close landing during a PUT. Every wait is for a state; what is left to timing is the slack below
-(:data:`PUT_BOUND_S`)."""
+bound (test 2: the clock moved there, :class:`_Clock`), the close landing during a PUT. Every wait is for a state.
+Tests 2-4 need the republish to start with a PUT's bound left: their pools settle within 80 s
+(:data:`~tests.helpers.g4_put_race.WIDE_SETTLE_BOUNDS`), so the first check may run 77.5 s late; test 1 waits for a
+point of the bound and keeps the product's 8 s (its outcome does not depend on when the check runs)."""
 from __future__ import annotations
 
 import os
@@ -31,12 +33,13 @@ import time
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4 import writer as g4_writer
 from kvbm_backend.pool.g4.pool import G4Pool
-from tests.helpers.g4_put_race import BPB, HANG_S, NS, RaceFs, read_hit
+from tests.helpers.g4_put_race import BPB, HANG_S, NS, RaceFs, read_hit, wide_settle_bound
 from tests.helpers.g4_writer import payload
 
-#: timeout_s x (1 + retries): the settle bound is 8 s, its first check due after 0.5 s. Tests 2-4 need the republish
-#: to start with a PUT's bound left: the first check may run up to 5.5 s late. This file runs in CI's unit lane (nice 19
-#: beside two engine lanes on 2 cores: ci/test.sh); with 1 s (2.75 s of slack) a first check 3 s late failed all three.
+#: timeout_s x (1 + retries): the settle bound is 8 s (tests 2-4: 80 s, WIDE_SETTLE_BOUNDS), its first check due after
+#: 0.5 s. This file runs in CI's unit lane (nice 19 beside two engine lanes on 2 cores: ci/test.sh); with 1 s and the
+#: product's bound (2.75 s of slack) a first check 3 s late failed tests 2-4, and a thread there can be frozen 13-31 s
+#: (2026-11-29): with 8 s (5.5 s of slack) they still depended on it, hence the 80 s.
 PUT_BOUND_S = 2.0
 
 
@@ -82,6 +85,18 @@ class _Stalls(RaceFs):
         if name == self.target and self.on_get is not None:
             self.on_get()
         return super().get(name, *a, **kw)
+
+
+class _Clock:
+    """``time.monotonic`` as every thread of this process reads it, moved forward when the test says so (restored
+    after the test): a PUT that lasts until a point of an 80 s settle bound without the test waiting for it."""
+
+    def __init__(self, monkeypatch):
+        self._real, self._ahead = time.monotonic, 0.0
+        monkeypatch.setattr(time, "monotonic", lambda: self._real() + self._ahead)
+
+    def advance(self, s: float) -> None:
+        self._ahead += max(0.0, s)
 
 
 def _pool(tmp_path, **cfg) -> tuple[G4Pool, _Stalls]:
@@ -137,17 +152,23 @@ def test_a_republish_with_less_than_a_put_bound_left_is_not_started(tmp_path):
         assert store.head(store.target) is None and not read_hit(p, 21)
 
 
-def test_a_republish_attempt_with_less_than_a_put_bound_left_is_not_started(tmp_path):
+def test_a_republish_attempt_with_less_than_a_put_bound_left_is_not_started(tmp_path, monkeypatch):
     """The republish starts early (its first PUT with most of the bound left), meets a copy gone by its check, and
     that PUT lasted until less than a PUT's bound was left: the next attempt would run past the bound (its PUT lasts
-    until the bound passed). Before: it went out (and the one after it), past the bound."""
+    until the bound passed). Before: it went out (and the one after it), past the bound.
+
+    The PUTs "last" by moving the process's clock (:class:`_Clock`), not by waiting: the bound is 80 s here, so the
+    republish's start does not race it (before 2026-12: the product's 8 s, and a first check the busy CI VM froze for
+    5.5 s started no republish at all)."""
+    wide_settle_bound(monkeypatch)
+    clock = _Clock(monkeypatch)
     p, store = _pool(tmp_path)
 
     def on_put(n: int) -> None:
         if n == 2:  # the republish's first PUT: slow, it ends with less than a PUT's bound left
-            _until(lambda: store.left_s() < PUT_BOUND_S, "a PUT lasting until less than its bound is left")
+            clock.advance(store.left_s() - PUT_BOUND_S / 2)
         else:  # a further attempt would last past the bound
-            _until(lambda: store.left_s() < 0, "a PUT lasting past the bound")
+            clock.advance(store.left_s() + 1.0)
     with p:
         store.on_put = on_put
         res = _put(p, store, 22, unsettled=1, delete_at_settle=1, gone=100)
@@ -160,11 +181,12 @@ def test_a_republish_attempt_with_less_than_a_put_bound_left_is_not_started(tmp_
         assert store.head(store.target) is None and not read_hit(p, 22)
 
 
-def test_a_republish_is_refused_while_the_breaker_is_open(tmp_path):
+def test_a_republish_is_refused_while_the_breaker_is_open(tmp_path, monkeypatch):
     """The breaker opens between the settle's HEAD (a success: it closed the breaker) and the republish (other
     offloads failing meanwhile, here two ``failure`` calls after the header GET; the offload's own lost PUT was one,
     before the HEAD's success). Before: the PUT went out anyway and the block counted written on a store the breaker
     held down."""
+    wide_settle_bound(monkeypatch)
     p, store = _pool(tmp_path, breaker_failures=2, breaker_reset_s=600.0)
     with p:
         opened = []
@@ -184,10 +206,11 @@ def test_a_republish_is_refused_while_the_breaker_is_open(tmp_path):
         assert p.breaker.state == "open" and store.head(store.target) is None
 
 
-def test_a_close_during_a_republish_waits_for_its_put_in_flight_only(tmp_path):
+def test_a_close_during_a_republish_waits_for_its_put_in_flight_only(tmp_path, monkeypatch):
     """``G4Pool.close(timeout=0)`` lands during the republish's first PUT, which meets a copy gone by its check. Before:
     close waited while the republish sent its remaining ``PUBLISH_ATTEMPTS - 1`` PUTs (each as slow as the store, up to
     the settle bound). Now none starts once closing; the block ends ``dropped_unsettled``, nothing stored."""
+    wide_settle_bound(monkeypatch)
     p, store = _pool(tmp_path)
     closer = threading.Thread(target=lambda: p.close(timeout=0))
     after_close: list[int] = []
