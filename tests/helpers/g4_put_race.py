@@ -6,6 +6,9 @@ does by the ETag."""
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
+import threading
 
 import numpy as np
 
@@ -111,3 +114,13 @@ def read_hit(p: G4Pool, seq: int) -> bool:
     ok = p.get(NS.keys([seq], tenant="t"), out).result(timeout=HANG_S).ok[0]
     assert not ok or np.array_equal(out[0], payload(seq, "t", BPB)), "a hit with wrong bytes"
     return ok
+
+
+def waits_in_settler_close(t: threading.Thread) -> bool:
+    """Whether ``t`` is blocked in a condition wait inside ``LateSettler.close``."""
+    f = sys._current_frames().get(t.ident or -1)
+    frames = []
+    while f is not None:
+        frames.append((f.f_code.co_name, os.path.basename(f.f_code.co_filename)))
+        f = f.f_back
+    return bool(frames) and frames[0] == ("wait", "threading.py") and ("close", "settle.py") in frames

@@ -25,15 +25,14 @@ Tests 2-4 need the republish to start with a PUT's bound left: their pools settl
 point of the bound and keeps the product's 8 s (its outcome does not depend on when the check runs)."""
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 
 from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4 import writer as g4_writer
 from kvbm_backend.pool.g4.pool import G4Pool
-from tests.helpers.g4_put_race import BPB, HANG_S, NS, RaceFs, read_hit, wide_settle_bound
+from tests.helpers.g4_put_race import BPB, HANG_S, NS, RaceFs, read_hit, waits_in_settler_close, \
+    wide_settle_bound
 from tests.helpers.g4_writer import payload
 
 #: timeout_s x (1 + retries): the settle bound is 8 s (tests 2-4: 80 s, WIDE_SETTLE_BOUNDS), its first check due after
@@ -113,16 +112,6 @@ def _until(cond, what: str) -> None:
     while not cond():
         assert time.monotonic() < guard, f"hang guard: {what}"
         time.sleep(0.005)
-
-
-def _waits_in_settler_close(t: threading.Thread) -> bool:
-    """Whether ``t`` is blocked in a condition wait inside ``LateSettler.close``."""
-    f = sys._current_frames().get(t.ident or -1)
-    frames = []
-    while f is not None:
-        frames.append((f.f_code.co_name, os.path.basename(f.f_code.co_filename)))
-        f = f.f_back
-    return bool(frames) and frames[0] == ("wait", "threading.py") and ("close", "settle.py") in frames
 
 
 def _put(p: G4Pool, store: _Stalls, seq: int, **race: int):
@@ -219,7 +208,7 @@ def test_a_close_during_a_republish_waits_for_its_put_in_flight_only(tmp_path, m
         if n == 2:  # the republish's first PUT: the pool closes on another thread now, and waits for it
             closer.start()
             # close may also have returned (the bound passed first): no PUT may start after it either
-            _until(lambda: not closer.is_alive() or _waits_in_settler_close(closer), "close in LateSettler.close")
+            _until(lambda: not closer.is_alive() or waits_in_settler_close(closer), "close in LateSettler.close")
         else:
             after_close.append(n)
     store.on_put = on_put

@@ -25,8 +25,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import hashlib
-import os
-import sys
 import threading
 import time
 
@@ -36,7 +34,7 @@ from kvbm_backend.config import G4Config
 from kvbm_backend.pool.g4.fs_store import FsStore
 from kvbm_backend.pool.g4.pool import G4Pool
 from kvbm_backend.pool.g4.store import PutUnsettled
-from tests.helpers.g4_put_race import wide_settle_bound
+from tests.helpers.g4_put_race import waits_in_settler_close, wide_settle_bound
 from tests.helpers.g4_writer import namespace, payload
 
 HANG_S = 600.0  # hang guards only
@@ -83,16 +81,6 @@ def _config(tmp_path, timeout_s: float) -> G4Config:
                     keyring={"path": str(tmp_path / "keys" / "kr.json")})
 
 
-def _waits_in_settler_close(t: threading.Thread) -> bool:
-    """Whether ``t`` is blocked in a condition wait inside ``LateSettler.close``."""
-    f = sys._current_frames().get(t.ident or -1)
-    frames = []
-    while f is not None:
-        frames.append((f.f_code.co_name, os.path.basename(f.f_code.co_filename)))
-        f = f.f_back
-    return bool(frames) and frames[0] == ("wait", "threading.py") and ("close", "settle.py") in frames
-
-
 def _served(cfg: G4Config, key) -> tuple[bool, np.ndarray]:
     with G4Pool(cfg, NS, store=_RaceFs(cfg.url.removeprefix("file://"), fsync=False)) as q:
         out = [np.full(BPB, 0xEE, np.uint8)]
@@ -116,7 +104,7 @@ def test_a_close_during_the_resettle_never_publishes_the_reused_buffer(tmp_path,
             if len(seals) == 2:  # the settle's re-seal: the pool closes on another thread now
                 closer.start()
                 guard = time.monotonic() + HANG_S
-                while not (reused.is_set() or _waits_in_settler_close(closer)):
+                while not (reused.is_set() or waits_in_settler_close(closer)):
                     assert time.monotonic() < guard, "hang guard"
                     time.sleep(0.001)
             return real_seal(k, blk, buf)
@@ -184,7 +172,7 @@ def test_a_close_during_the_republish_waits_for_it_and_the_block_counts_written(
         if len(calls) == 2:  # the settle's republish: the pool closes on another thread now
             closer.start()
             guard = time.monotonic() + HANG_S
-            while not (closed_after or _waits_in_settler_close(closer)):
+            while not (closed_after or waits_in_settler_close(closer)):
                 assert time.monotonic() < guard, "hang guard"
                 time.sleep(0.001)
         out = real_publish_found(*a, **kw)
@@ -225,7 +213,7 @@ def test_a_close_waking_after_the_republish_hold_still_counts_the_block_written(
         if len(calls) == 2:  # the settle's republish (inside the hold): the pool closes on another thread now
             closer.start()
             guard = time.monotonic() + HANG_S
-            while not _waits_in_settler_close(closer):
+            while not waits_in_settler_close(closer):
                 assert closer.is_alive() and time.monotonic() < guard, "close did not wait in LateSettler.close"
                 time.sleep(0.001)
         return real_publish_found(*a, **kw)
