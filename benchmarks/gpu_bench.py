@@ -44,6 +44,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipeline_baseline import best_pipeline  # noqa: E402 - the storage limit (issue 24 item 1)
+from loader_profile import profile_load  # noqa: E402 - where the loader's thread spends a load
 from layerwise_bench import bench_layerwise  # noqa: E402 - layer-wise overlap (issue 24 item 5)
 
 GIB = 1 << 30
@@ -238,7 +239,7 @@ def _load_through_worker(worker, ids, seqs, tiers, tenant="bench", timeout=600):
 
 
 def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: str = "cuda",
-                         g4_fraction: float = 0.25, sweep: bool = False, io_threads: int = 8,
+                         g4_fraction: float = 0.25, sweep: bool = False, io_threads: int | None = None,
                          device_checksum: str = "on", engine_busy: float = 0.0) -> None:
     """The connector's worker role (:class:`WorkerSide`: what vLLM calls from ``start_load_kv``) loading
     Llama-3.1-8B blocks into vLLM's CUDA KV layout (per layer ``[2, num_blocks, 16, 8, 128]`` bf16) from a
@@ -291,7 +292,7 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
     ns = Namespace(model="bench/llama-3.1-8b", revision="random", layout=layout, tp_world_size=1, kv_version=2)
     ids, seqs = list(range(n)), list(range(1, n + 1))
     h2d = res.get("h2d", {}).get("pinned_GBps")
-    out: dict = {"io_threads": io_threads, "blocks": n, "bytes_per_block": bpb, "payload_bytes": n * bpb, "tokens": n * layout.page_size,
+    out: dict = {"device_io_threads": io_threads or G3Config().device_io_threads, "blocks": n, "bytes_per_block": bpb, "payload_bytes": n * bpb, "tokens": n * layout.page_size,
                  "engine_layout": "packed LBNHC [num_blocks, 8, 16, 2 x 128] bf16 x 32 layers (vLLM 0.32 GPU default)",
                  "storages": {}}
 
@@ -323,7 +324,8 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
         modes = ["auto", "pinned-bounce", "kvikio-compat"] if device != "cpu" else ["auto"]
         for i, mode in enumerate(modes):
             cfg = G3Config(paths=[g3dir], capacity_gb=n * (bpb + 8192) / 1e9 * 1.1 + 0.1, files_per_path=4,
-                           admission={"policy": "all"}, load_timeout_s=120, device_path=mode, io_threads=io_threads)
+                           admission={"policy": "all"}, load_timeout_s=120, device_path=mode,
+                           **({"device_io_threads": io_threads} if io_threads else {}))
             g3 = G3Pool(cfg, ns)
             w = WorkerSide(ns, 0, g3, None, load_timeout_s=600, device_checksum=device_checksum)
             try:
@@ -378,6 +380,9 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
                     best = max(best, r["GBps_payload"])
                 if sweep and storage > 5 and mode != "auto":
                     so.setdefault("sweep", []).extend(_sweep_reader(w, g3, rd, ids, seqs, n * bpb, clear, same))
+                    pdst = torch.empty((n, bpb), dtype=torch.uint8, device=device)
+                    so.setdefault("loader_profile", {})[rd.mode] = profile_load(rd, ns.keys(seqs, "bench", 0), pdst)
+                    del pdst
                 if i == len(modes) - 1:  # a corrupted block is a miss and its engine block stays untouched
                     bad = n // 2
                     ls = g3.lease(ns.keys([seqs[bad]], "bench", 0))[0]
@@ -524,18 +529,28 @@ def _engine_busy_loads(w, ids, seqs, bpb: int, clear, same, fraction: float) -> 
 
 def _sweep_reader(w, g3, rd, ids, seqs, nbytes: int, clear, same) -> list[dict]:
     """Loads through the worker with the device reader's pipeline knobs varied in place (the reader of
-    ``g3``; its ring is dropped between settings so buffers are re-sized): reader threads (where the
-    loader owns them: bounce/host; kvikio's pool is sized at start), passes in flight, staging bytes per
-    pass, bytes per read."""
+    ``g3``; its ring is dropped between settings so buffers are re-sized): reader threads (bounce/host: the
+    loader's pool; kvikio: its process-wide pool, ``KvikioEngine.resize``), passes in flight, staging bytes
+    per pass, bytes per read (kvikio: up to a whole pass's run, which kvikio cuts into ``task_size`` pieces
+    itself) and, on the kvikio paths, kvikio's ``task_size`` (default 4 MiB)."""
     out = []
     saved = dict(threads=rd.threads, depth=rd.depth, staging_bytes=rd.staging_bytes, io_bytes=rd.io_bytes)
-    thread_counts = (8, 16) if rd.reads.pool is not None else (rd.threads,)
-    settings = [(t, d, s, i) for t in thread_counts for d in (2, 4) for s in (128 << 20, 256 << 20)
-                for i in (4 << 20, 16 << 20)]
+    kv = rd.reads.engine is not None
+    if kv:
+        import kvikio.defaults
+        task0 = kvikio.defaults.get("task_size")
+        settings = [(t, d, s, i, None) for t in (8, 16) for d in (2, 4, 8) for s in (128 << 20, 512 << 20)
+                    for i in (16 << 20, 1 << 30)]
+        settings += [(16, 4, 512 << 20, 1 << 30, task) for task in (1 << 20, 16 << 20)]
+    else:
+        settings = [(t, d, s, i, None) for t in (8, 16) for d in (2, 4) for s in (128 << 20, 256 << 20)
+                    for i in (4 << 20, 16 << 20)]
     try:
-        for threads, depth, staging, io in settings:
+        for threads, depth, staging, io, task in settings:
             # re-sized for this setting (the ring's host buffers go back to the pool)
             rd.reconfigure(threads=threads, depth=depth, staging_bytes=staging, io_bytes=io)
+            if kv:
+                kvikio.defaults.set("task_size", task or task0)
             before = rd.stats()
             clear(ids)
             c0 = _cpu_s()
@@ -543,13 +558,18 @@ def _sweep_reader(w, g3, rd, ids, seqs, nbytes: int, clear, same) -> list[dict]:
             cpu = _cpu_s() - c0
             st = rd.stats()
             out.append({"mode": rd.mode, "io_threads": threads, "depth": depth, "staging_MiB": staging >> 20,
-                        "io_MiB": io >> 20, "GBps_payload": round(nbytes / dt / 1e9, 2),
+                        "io_MiB": io >> 20, "kvikio_task_MiB": (task or task0) >> 20 if kv else None,
+                        "GBps_payload": round(nbytes / dt / 1e9, 2),
                         "cpu_cores": round(cpu / dt, 2), "bytes_ok": same(ids) and not errs,
+                        "passes": st.get("passes", 0) - before.get("passes", 0),
+                        "reads": st.get("reads", 0) - before.get("reads", 0),
                         **{k: round(st.get(k, 0) - before.get(k, 0), 4)
                            for k in ("read_wait_s", "verify_s", "load_s", "verify_headers_s", "verify_payload_s",
                                      "verify_copy_s", "h2d_submit_s", "ring_wait_s", "submit_s")}})
     finally:
         rd.reconfigure(**saved)
+        if kv:
+            kvikio.defaults.set("task_size", task0)
     return out
 
 
@@ -667,8 +687,9 @@ def main(argv=None) -> int:
                     help="no GPU: run only the connector load section on the CPU device (checks this script)")
     ap.add_argument("--sweep", action="store_true", help="also sweep the device reader's pipeline knobs on fast "
                     "storages (connector section)")
-    ap.add_argument("--io-threads", type=int, default=8, help="g3.io_threads of the connector section's pools "
-                    "(reads in flight / kvikio threads)")
+    ap.add_argument("--io-threads", type=int, default=None, help="g3.device_io_threads of the connector "
+                    "section's pools (reads in flight of a CUDA load: kvikio threads / bounce readers; default: "
+                    "the config's)")
     ap.add_argument("--device-checksum", default="on", choices=("on", "auto", "off"),
                     help="the worker's device_checksum in the connector section (on: what auto does on a CUDA "
                     "engine; auto with --smoke-cpu: what a CPU engine runs, frames checked with xxh3 on the host)")

@@ -136,9 +136,15 @@ def kvikio_read(path: str, dst, threads: int) -> dict:
 
 
 def best_pipeline(path: str, nbytes: int, device: str = "cuda", threads=THREADS, pieces=PIECES,
-                  kvikio_threads=KVIKIO_THREADS) -> dict:
+                  kvikio_threads=KVIKIO_THREADS, repeats: int = 2) -> dict:
     """Sweep :func:`pipeline_read` over ``threads`` x ``pieces`` on a fresh ``nbytes`` file at ``path``
     (removed afterwards); the bytes of the best run are compared with the file's on the device.
+
+    Each point is the best of ``repeats`` reads, and each kvikio pool size first reads the file once untimed:
+    a point's first read pays one-time costs (kvikio's pool and pinned bounce buffers, the pipeline's pinned
+    buffers) that no load through a long-lived pool pays. On the H200 of 2026-12-04 (tmpfs, 4 GiB) one cold
+    read per point gave kvikio 20.8 GB/s at 16 threads while the connector's own kvikio loads reached 36.5
+    (``--sweep``): the limit was not the limit.
 
     Returns ``{"best": {threads, piece_MiB, GBps, cpu_cores, cpu_s_per_gb, how}, "runs": [...],
     "bytes_ok": bool}``: ``best["GBps"]`` is the storage limit.
@@ -150,14 +156,19 @@ def best_pipeline(path: str, nbytes: int, device: str = "cuda", threads=THREADS,
     try:
         dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
         runs = []
+        def best_of(read, *args) -> dict:
+            return max((read(*args) for _ in range(max(1, repeats))), key=lambda r: r["GBps"])
+
         for t in threads:
             for p in pieces:
-                r = pipeline_read(path, dst, t, p)
+                r = best_of(pipeline_read, path, dst, t, p)
                 runs.append({"threads": t, "piece_MiB": p >> 20, **r})
         if device != "cpu":
             for t in kvikio_threads:
                 try:
-                    runs.append({"threads": t, "piece_MiB": None, "kvikio": True, **kvikio_read(path, dst, t)})
+                    kvikio_read(path, dst, t)  # untimed: the pool and its bounce buffers exist from here on
+                    runs.append({"threads": t, "piece_MiB": None, "kvikio": True,
+                                 **best_of(kvikio_read, path, dst, t)})
                 except Exception as e:  # noqa: BLE001 - no kvikio here: the Python pipeline is the limit
                     runs.append({"threads": t, "kvikio": True, "error": f"{type(e).__name__}: {e}"})
                     break

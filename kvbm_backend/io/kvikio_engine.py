@@ -201,6 +201,20 @@ class KvikioEngine:
         self._dispatch = executor(threads, "kvbm-kvikio")
         self._closed = False
 
+    def resize(self, threads: int) -> None:
+        """Set kvikio's thread-pool size (``kvikio.defaults`` ``num_threads``: process-wide; kvikio
+        rebuilds its pool) between loads, e.g. ``benchmarks/gpu_bench.py --sweep``. Raises ValueError:
+        ``threads < 1``."""
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        if threads == self.threads:
+            return
+        try:
+            self._kvikio.defaults.set("num_threads", threads)
+        except Exception:  # noqa: BLE001 - older kvikio: keep its pool
+            return
+        self.threads = threads
+
     # -- handles -------------------------------------------------------------------------------
     def _handle(self, fd: int) -> _CuFile:
         st = os.fstat(fd)

@@ -307,6 +307,34 @@ def test_real_g3_pool_through_device_loader(tmp_path):
         pool.close()
 
 
+@needs_gpu
+def test_device_io_threads_size_the_kvikio_pool_of_a_cuda_load(tmp_path):
+    """``g3.device_io_threads`` sizes a CUDA load's reads in flight: kvikio's (process-wide) thread pool on the
+    kvikio paths, whose passes are read run by run whole (kvikio cuts them into its task_size pieces), or the
+    bounce path's reader threads; ``g3.io_threads`` does not. The load is byte-exact."""
+    import kvikio.defaults
+    pool = _g3(tmp_path, io_threads=3, device_io_threads=12, load_timeout_s=LOAD_S)
+    try:
+        keys = NS.keys(range(300, 308), tenant="x")
+        pays = [aligned_empty(BPB) for _ in range(8)]
+        for p, q in zip(pays, _blocks(8, seed=13)):
+            p[:] = q
+        assert pool.put(keys, pays).result(timeout=30).written == 8
+        pool.flush(timeout=30)
+        rd = pool.device_reader("cuda")
+        assert rd.threads == 12
+        if rd.mode in ("gds", "kvikio-compat"):
+            assert kvikio.defaults.get("num_threads") == 12 and rd.io_bytes >= rd.staging_bytes
+        else:
+            assert rd.reads.pool is not None and rd.reads.pool._max_workers == 12
+        dst = torch.full((8, BPB), 0xAB, dtype=torch.uint8, device="cuda")
+        assert pool.get(keys, dst).result(timeout=LOAD_S).ok == [True] * 8
+        got = dst.cpu().numpy()
+        assert all(np.array_equal(got[i], pays[i]) for i in range(8))
+    finally:
+        pool.close()
+
+
 # ---- truthfulness where there is no driver ----------------------------------------------------
 
 @pytest.mark.skipif(_libcuda_status()[0], reason="the NVIDIA driver is present: the no-driver refusal cannot be seen")
@@ -581,6 +609,29 @@ def test_gpu_bench_connector_section_runs_on_cpu(tmp_path):
     assert all(so["corrupt_check"].values()), so["corrupt_check"]
     assert so["g4_plain"]["bytes_ok"] and so["g4_encrypted"]["bytes_ok"]
     assert so["raw_read_GBps"] > 0 and res["best_GBps_payload"] > 0
+
+
+def test_loader_profile_ranks_the_loaders_own_calls(tmp_path):
+    """``benchmarks/loader_profile.profile_load`` (gpu_bench --sweep's ``loader_profile``): one real load on the
+    calling thread under cProfile; the blocks load, and the ranking names the loader's functions."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "benchmarks"))
+    try:
+        from loader_profile import profile_load
+    finally:
+        sys.path.pop(0)
+    keys = NS.keys(range(12), tenant="x")
+    src = FileSlots(tmp_path / "slab", keys, _blocks(12, seed=3))
+    ld = DeviceLoader(src, LAYOUT, "cpu", timeout_s=LOAD_S)
+    try:
+        prof = profile_load(ld, keys, torch.zeros((12, BPB), dtype=torch.uint8))
+    finally:
+        ld.close()
+    assert prof["loaded"] == 12 and prof["seconds"] > 0 and 0 < len(prof["top"]) <= 20
+    assert prof["top"] == sorted(prof["top"], key=lambda r: -r["tottime_s"])
+    assert any("device.py" in r["func"] or "verify.py" in r["func"] or "passes.py" in r["func"]
+               for r in prof["top"]), prof["top"]
 
 
 @pytest.mark.skipif(CUDA_OK, reason="a CUDA device is present: the no-GPU refusal cannot be seen")

@@ -301,6 +301,33 @@ def test_device_path_setting_reaches_the_reader(tmp_path):
     assert probe_device_path(str(tmp_path), "cuda", prefer="pinned-bounce").mode == "pinned-bounce"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_io_threads_size_a_cuda_load_and_io_threads_a_cpu_load(tmp_path, device, caplog):
+    """``g3.device_io_threads`` is the reads in flight of a load into a CUDA device (here the forced bounce
+    path: its reader threads; kvikio's pool: tests/gpu/test_gpu_path.py), ``g3.io_threads`` those of a load
+    into a CPU device; the start-up line names the number, and a load through the worker runs with it."""
+    caplog.set_level("INFO", logger="kvbm_backend.pool.g3.read.reader")  # the reader may be made at register
+    kv = _engine(device)
+    ns = _ns(kv)
+    g3 = _g3(tmp_path, ns, io_threads=3, device_io_threads=5, device_path="pinned-bounce")
+    w = WorkerSide(ns, 0, g3, None, load_timeout_s=LOAD_S)
+    try:
+        w.register(kv)
+        _save(w, g3, [1, 2, 3], [11, 12, 13])
+        want = [_block_bytes(kv, b) for b in (1, 2, 3)]
+        _clear(kv, [4, 5, 6])
+        w.start_loads([LoadJob("r", [4, 5, 6], [11, 12, 13], ["G3"] * 3, "acme")])
+        assert _wait(w, "r") == set()
+        rd = g3.device_reader(device)
+        threads = 5 if device == "cuda" else 3
+        assert rd.threads == threads and rd.reads.pool is not None and rd.reads.pool._max_workers == threads
+        assert f"{threads} reads in flight" in caplog.text
+        assert all(torch.equal(_block_bytes(kv, b), x) for b, x in zip((4, 5, 6), want))
+    finally:
+        w.shutdown()
+        g3.close()
+
+
 def test_restored_salted_tenant_blocks_reach_the_scheduler_mirror(tmp_path):
     """The G3 journal keeps tenant tags, not names: after a restart the worker's first report (the
     split-process scheduler's view of G3) must still let a salted tenant's prefix hit."""

@@ -99,8 +99,10 @@ class PassReader:
             self.set_threads(threads)
 
     def set_threads(self, threads: int) -> None:
-        """Reader threads of the bounce/host paths (between loads; kvikio's pool is sized at start)."""
+        """Reader threads of the bounce/host paths, or kvikio's (process-wide) thread pool on the kvikio
+        paths (:meth:`~kvbm_backend.io.kvikio_engine.KvikioEngine.resize`); between loads."""
         if self.engine is not None:
+            self.engine.resize(threads)
             return
         old, self.pool = self.pool, executor(threads, "kvbm-dev-read")
         if old is not None:

@@ -325,13 +325,18 @@ class G3Reader:
             rd = self.device_readers.get(str(dev))
             if rd is None:
                 # g3.device_path is how slots reach a CUDA device: a CPU device always loads in ``host`` mode
-                mode = self.pool.cfg.device_path if dev.type == "cuda" else "auto"
+                cfg = self.pool.cfg
+                if dev.type == "cuda":  # reads in flight: kvikio's pool or the bounce path's reader threads
+                    mode, threads = cfg.device_path, cfg.device_io_threads
+                else:
+                    mode, threads = "auto", cfg.io_threads
                 rd = DeviceLoader(self, cat.layout, dev, probe_dir=cat.slabs.paths[0], mode=mode,
-                                  world=cat.namespace.tp_world_size, timeout_s=self.pool.cfg.load_timeout_s,
-                                  threads=self.pool.cfg.io_threads, io_bytes=max(self.pool._io_size, 16 << 20),
-                                  o_direct=self.pool.cfg.o_direct != "off")  # off: buffered, as the slab fds
+                                  world=cat.namespace.tp_world_size, timeout_s=cfg.load_timeout_s,
+                                  threads=threads, io_bytes=max(self.pool._io_size, 16 << 20),
+                                  o_direct=cfg.o_direct != "off")  # off: buffered, as the slab fds
                 self.device_readers[str(dev)] = rd
-                log.info("G3 %s: device loads into %s: %s (%s)", cat.slabs.paths[0], dev, rd.mode, rd.mode_reason)
+                log.info("G3 %s: device loads into %s: %s (%s), %d reads in flight", cat.slabs.paths[0], dev,
+                         rd.mode, rd.mode_reason, threads)
         return rd
 
     def layerwise_load(self, keys: Sequence[BlockKey], device: str | torch.device, *, timeout_s: float | None = None,
