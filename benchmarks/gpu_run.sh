@@ -17,7 +17,7 @@ export PYTHONPATH=$D:.
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 python3 -m kvbm_backend.apps.cli doctor --path /var/tmp --json > "$OUT/doctor.json" 2>&1 || true
 timeout "${TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/integrations/vllm/test_worker_device_path.py \
-  tests/pool/g3/test_g3_layerwise.py -rs > "$OUT/gpu_tests.log" 2>&1
+  tests/pool/g3/test_g3_layerwise.py -rs --timeout 60 --durations 15 > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -12 "$OUT/gpu_tests.log"
 timeout "${G4_S:-60}" python3 -m kvbm_backend.apps.bench.g4_load --threads 4,8,16 --blocks 512 --rounds 2 --json \
   > "$OUT/g4_load.json" 2> "$OUT/g4_load.err"
