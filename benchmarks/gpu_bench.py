@@ -502,7 +502,7 @@ def _engine_busy_loads(w, ids, seqs, bpb: int, clear, same, fraction: float) -> 
                 g, ok = loads()
             # each GIL hand-off of a load waits up to one interval beside the loop: the time added per block,
             # in intervals, estimates the hand-offs (benchmarks/gil_handoffs.py counts them exactly)
-            est = (nbytes / g - nbytes / alone) / ((ms or 5) / 1e3) / len(ids)
+            est = (nbytes / (g * 1e9) - nbytes / (alone * 1e9)) / ((ms or 5) / 1e3) / len(ids)  # g, alone: GB/s
             out["by_switch_ms"][f"{ms or 5:g}"] = {"GBps_payload": round(g, 2), "ratio_vs_alone": round(g / alone, 3),
                                                   "bytes_ok": ok, "handoffs_per_block_est": round(est, 2),
                                                   **{k: v for k, v in eng.report().items() if k.startswith("step_ms_p")}}

@@ -593,7 +593,9 @@ def test_gpu_bench_connector_section_runs_on_cpu(tmp_path):
     assert busy["alone_bytes_ok"] and busy["alone_GBps_payload"] > 0 and 0 < busy["blocks"] <= res["blocks"]
     for b in busy["by_switch_ms"].values():
         assert b["bytes_ok"] and b["GBps_payload"] > 0 and b["ratio_vs_alone"] > 0 and b["step_ms_p50"] > 0
-        assert isinstance(b["handoffs_per_block_est"], float)
+        # hand-offs per block: added seconds per block over the switch interval (a GB/s taken for B/s made it
+        # ~1e9 times too large: 1.5e9 "hand-offs" per 2 MiB block on the H200 of 2026-12-04)
+        assert isinstance(b["handoffs_per_block_est"], float) and abs(b["handoffs_per_block_est"]) < 1e4
     g3 = so["g3_auto"]  # through the connector's worker role, G3's device seam in host mode
     assert g3["mode"] == "host" and g3["bytes_ok"] and g3["load_errors"] == 0
     loads = len(g3["loads_s"])  # the first load, then the timed ones (median reported)
