@@ -35,9 +35,13 @@ try:  # optional: torch's CUDA wheels bring triton; without it the torch ops are
         idx = (offs + 1).to(tl.int64)
         lo = (x & 0xFFFF).to(tl.int64)  # unsigned 16-bit halves of the little-endian u32 word
         hi = ((x >> 16) & 0xFFFF).to(tl.int64)
-        base = (row.to(tl.int64) * chunks + c) * 2
-        tl.store(out + base, tl.sum(lo * idx, axis=0))
-        tl.store(out + base + 1, tl.sum(hi * idx, axis=0))
+        slo = tl.sum(lo * idx, axis=0)  # < 2**59: non-negative, so >> and & split it into exact 32-bit limbs
+        shi = tl.sum(hi * idx, axis=0)
+        base = (row.to(tl.int64) * chunks + c) * 4
+        tl.store(out + base, slo & 0xFFFFFFFF)
+        tl.store(out + base + 1, slo >> 32)
+        tl.store(out + base + 2, shi & 0xFFFFFFFF)
+        tl.store(out + base + 3, shi >> 32)
 
     IMPORT_ERROR = None
 except Exception as e:  # noqa: BLE001 - no triton, or a broken one
@@ -56,11 +60,12 @@ def limb_sums(words):
     if words.stride(1) != 1:
         raise ValueError("limb_sums: words must be contiguous along the last dimension")
     chunks = triton.cdiv(nw, BLOCK_WORDS)
-    part = torch.empty((n, chunks, 2), dtype=torch.int64, device=words.device)
+    # each program stores its sums already split into 32-bit limbs, so one sum over the chunks finishes them
+    # (three launches: empty, the kernel, the sum; it was the kernel plus eight elementwise/sum ops and a stack,
+    # ~0.2 ms of the loader's thread per pass on an H200 host, benchmarks/loader_profile.py 2026-12-04)
+    part = torch.empty((n, chunks, 4), dtype=torch.int64, device=words.device)
     _partial_sums[(n, chunks)](words, part, words.stride(0), nw, chunks, BLOCK=BLOCK_WORDS)
-    m = 0xFFFFFFFF
-    lo, hi = part[..., 0], part[..., 1]
-    return torch.stack([(lo & m).sum(1), (lo >> 32).sum(1), (hi & m).sum(1), (hi >> 32).sum(1)], dim=1)
+    return part.sum(1)  # each limb < 2**32, at most 2**19 chunks (8 GiB payloads): no int64 overflow
 
 
 def usable(device, reference) -> tuple[bool, str]:
