@@ -206,7 +206,7 @@ class G3Config(_M):
     ``host`` mode, whatever is set here."""
     device_io_threads: int = Field(default=16, ge=1, le=256)
     """Reads in flight of a load into a CUDA device: kvikio's (process-wide) pool or ``pinned-bounce``'s reader
-    threads; a CPU device uses ``io_threads``. 16: H200 host, tmpfs, ``gpu_bench.py --sweep`` (2026-12-04):
+    threads (layer-wise loads: their reader threads); a CPU device uses ``io_threads``. 16: H200 host, tmpfs, ``gpu_bench.py --sweep`` (2026-12-04):
     kvikio-compat 23.0 GB/s with 8 threads, 34.6 with 16; pinned-bounce 19.9 and 23.3."""
     device_checksum: Literal["auto", "on", "off"] = "auto"
     """Frames carry the device-verifiable checksum (``FLAG_DEVCHECK``, docs/format.md): ``auto``

@@ -57,7 +57,8 @@ FIELD_TESTS: dict[str, list[str]] = {
     "g3.device_path": ["tests/integrations/vllm/test_worker_device_path.py::test_device_path_setting_reaches_the_reader"],
     "g3.device_io_threads": ["tests/integrations/vllm/test_worker_device_path.py::"
                              "test_device_io_threads_size_a_cuda_load_and_io_threads_a_cpu_load",
-                             "tests/gpu/test_gpu_path.py::test_device_io_threads_size_the_kvikio_pool_of_a_cuda_load"],
+                             "tests/gpu/test_gpu_path.py::test_device_io_threads_size_the_kvikio_pool_of_a_cuda_load",
+                             "tests/pool/g3/test_g3_layerwise.py::test_layerwise_reader_threads_are_the_devices_setting"],
     "g3.device_checksum": ["tests/integrations/vllm/test_worker_device_path.py::test_device_checksum_setting_decides_the_frame_flags"],
     "g3.layerwise_load": ["tests/integrations/vllm/test_layerwise_units.py::test_layerwise_load_setting_makes_g3_hits_sync",
                           "tests/e2e/test_layerwise_e2e.py::test_layerwise_on_off_and_no_connector_agree",

@@ -261,6 +261,27 @@ def test_the_pool_facade_is_the_one_entry_point_of_layerwise_loads(tmp_path):
         pool.layerwise_load(keys, "cpu")
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_layerwise_reader_threads_are_the_devices_setting(tmp_path, device):
+    """Layer-wise loads into a CUDA device read with ``g3.device_io_threads`` threads, into a CPU device with
+    ``g3.io_threads`` (as whole-request loads); the load is byte-identical either way."""
+    layout = ALIGNED
+    ns = Namespace(model="test/layerwise-threads", revision="r1", layout=layout, tp_world_size=1)
+    pool = open_g3(tmp_path / "g3", ns, io_threads=3, device_io_threads=5, load_timeout_s=LOAD_S)
+    try:
+        keys = ns.keys(list(range(300, 304)), "t", 0)
+        blocks = _store_dev_checked(pool, keys, layout, seed=17)
+        ld = pool.layerwise_load(keys, device, min_read=8192)
+        for layer in range(layout.num_layers):
+            good, t = ld.wait_layer(layer)
+            assert good == list(range(len(keys)))
+            assert all(np.array_equal(t[i].cpu().numpy(), _layer(b, layout, layer)) for i, b in enumerate(blocks))
+        assert ld.finish() == [None] * len(keys)
+        assert pool.reader._layerwise.executor._max_workers == (5 if device == "cuda" else 3)
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("rig", [UNALIGNED], indirect=True)
 def test_unaligned_layers_fall_back_to_whole_blocks(rig):
     pool, ns, keys, blocks, ex, files = rig

@@ -349,8 +349,9 @@ class G3Reader:
         with self._device_lock:
             if self._closed or cat.closed:
                 raise RuntimeError("G3 pool is closed")
-            if self._layerwise is None:
-                self._layerwise = _LayerwiseParts(cfg.io_threads, cfg.o_direct != "off")  # off: buffered reads
+            if self._layerwise is None:  # reader threads: as whole-request loads into that kind of device
+                threads = cfg.device_io_threads if dev.type == "cuda" else cfg.io_threads
+                self._layerwise = _LayerwiseParts(threads, cfg.o_direct != "off")  # off: buffered reads
             staging = self._layerwise.staging(dev.type == "cuda")
             executor, files = self._layerwise.executor, self._layerwise.files
         return LayerwiseLoad(self, cat.layout, keys, dev, executor=executor, files=files,
