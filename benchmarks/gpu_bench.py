@@ -44,7 +44,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipeline_baseline import best_pipeline  # noqa: E402 - the storage limit (issue 24 item 1)
-from loader_profile import profile_load  # noqa: E402 - where the loader's thread spends a load
+from loader_profile import profile_load, worker_phases  # noqa: E402 - where a load's time goes
 from layerwise_bench import bench_layerwise  # noqa: E402 - layer-wise overlap (issue 24 item 5)
 
 GIB = 1 << 30
@@ -383,6 +383,7 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
                     pdst = torch.empty((n, bpb), dtype=torch.uint8, device=device)
                     so.setdefault("loader_profile", {})[rd.mode] = profile_load(rd, ns.keys(seqs, "bench", 0), pdst)
                     del pdst
+                    so.setdefault("worker_phases", {})[rd.mode] = worker_phases(g3, rd, kv, ns, seqs, ids)
                 if i == len(modes) - 1:  # a corrupted block is a miss and its engine block stays untouched
                     bad = n // 2
                     ls = g3.lease(ns.keys([seqs[bad]], "bench", 0))[0]

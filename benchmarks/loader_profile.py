@@ -34,3 +34,44 @@ def profile_load(rd: Any, keys: list, dst: Any, top: int = 20) -> dict:
         rows.append({"func": where, "ncalls": nc, "tottime_s": round(tt, 5), "cumtime_s": round(ct, 5)})
     rows.sort(key=lambda r: -r["tottime_s"])
     return {"seconds": round(dt, 4), "loaded": sum(ok), "top": rows[:top]}
+
+
+def worker_phases(g3: Any, rd: Any, kv: Any, ns: Any, seqs: list, ids: list, tenant: str = "bench",
+                  repeats: int = 3) -> dict:
+    """The steps a connector load takes through :class:`WorkerSide` beside the loader's own, each timed on the
+    calling thread (median of ``repeats``, seconds): ``keys`` (the namespace's block keys of the sequence
+    hashes), ``lease_release`` (G3's lease of every slot and its release), ``staging`` (the ``[n, bytes]``
+    destination on the engine's device), ``load`` (:meth:`DeviceLoader.load` into it, which leases too),
+    ``scatter`` (into the engine's paged KV, waited for on its device). The gap between a load through the
+    worker and the loader's ``load_s`` is the sum of the others (and the worker's thread hand-offs)."""
+    import statistics
+
+    import torch
+
+    def timed(fn: Any, *args: Any, **kw: Any) -> tuple[float, Any]:
+        if kv.device.type == "cuda":
+            torch.cuda.synchronize(kv.device)
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        if kv.device.type == "cuda":
+            torch.cuda.synchronize(kv.device)
+        return time.perf_counter() - t0, out
+
+    def lease_release(keys: list) -> None:
+        g3.release([x for x in g3.lease(keys) if x is not None])
+
+    bpb = kv.layout.bytes_per_block
+    steps: dict[str, list[float]] = {k: [] for k in ("keys", "lease_release", "staging", "load", "scatter")}
+    loaded = 0
+    for _ in range(repeats):
+        t, keys = timed(ns.keys, seqs, tenant, 0)
+        steps["keys"].append(t)
+        steps["lease_release"].append(timed(lease_release, keys)[0])
+        t, dst = timed(torch.empty, (len(keys), bpb), dtype=torch.uint8, device=kv.device)
+        steps["staging"].append(t)
+        t, ok = timed(rd.load, keys, dst)
+        steps["load"].append(t)
+        loaded = sum(ok)
+        steps["scatter"].append(timed(kv.scatter, dst, ids)[0])
+        del dst
+    return {"loaded": loaded, **{k: round(statistics.median(v), 5) for k, v in steps.items()}}

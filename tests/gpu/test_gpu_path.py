@@ -636,6 +636,43 @@ def test_loader_profile_ranks_the_loaders_own_calls(tmp_path):
                for r in prof["top"]), prof["top"]
 
 
+def test_worker_phases_time_each_step_of_a_load_and_the_load_lands(tmp_path):
+    """``benchmarks/loader_profile.worker_phases`` (gpu_bench --sweep's ``worker_phases``): keys, leases, staging,
+    the loader's load and the scatter, each timed; the saved blocks land in the engine blocks named."""
+    import sys
+
+    from kvbm_backend.integrations.vllm.kv_io import EngineKv
+    from kvbm_backend.integrations.vllm.metadata import SaveJob
+    from kvbm_backend.integrations.vllm.worker_side import WorkerSide
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "benchmarks"))
+    try:
+        from loader_profile import worker_phases
+    finally:
+        sys.path.pop(0)
+    g = torch.Generator().manual_seed(3)
+    kv = EngineKv.from_tensors([torch.randn(2, 8, 4, 2, 16, generator=g).to(torch.bfloat16) for _ in range(2)],
+                               8, 4, 2, 16)
+    ns = Namespace(model="test/worker-phases", revision="r1", layout=kv.layout, tp_world_size=1)
+    pool = open_g3(tmp_path / "g3", ns, load_timeout_s=LOAD_S)
+    w = WorkerSide(ns, 0, pool, None, load_timeout_s=LOAD_S, device_checksum="on")
+    try:
+        w.register(kv)
+        w.save([SaveJob("s", [0, 1, 2, 3], [11, 12, 13, 14], "bench")])
+        assert w.flush_saves(LOAD_S) and pool.flush(timeout=LOAD_S)
+        want = torch.empty((4, kv.layout.bytes_per_block), dtype=torch.uint8)
+        kv.gather([0, 1, 2, 3], want)
+        ph = worker_phases(pool, pool.device_reader("cpu"), kv, ns, [11, 12, 13, 14], [4, 5, 6, 7], repeats=2)
+        assert ph["loaded"] == 4
+        assert all(ph[k] >= 0 for k in ("keys", "lease_release", "staging", "load", "scatter")), ph
+        got = torch.empty_like(want)
+        kv.gather([4, 5, 6, 7], got)
+        assert torch.equal(got, want)
+    finally:
+        w.shutdown()
+        pool.close()
+
+
 @pytest.mark.skipif(CUDA_OK, reason="a CUDA device is present: the no-GPU refusal cannot be seen")
 def test_gpu_bench_refuses_without_gpu(tmp_path):
     r = _bench(tmp_path=tmp_path)
