@@ -148,20 +148,30 @@ def device_limb_sums(blocks, payload_offset: int, payload_len: int,
 
 def limb_sums_torch(w):
     """int64 ``[r, 4]`` limb sums of ``sum((j + 1) * w[:, j])`` for int64 words ``w`` ``[r, nw]`` (values in
-    ``[0, 2**32)``), in torch ops on ``w``'s device: chunks of :data:`CHUNK_WORDS` words, each chunk sum
-    below 2**62, split into 32-bit limbs and summed again (the never-overflowing scheme of the module doc)."""
+    ``[0, 2**32)``), in torch ops on ``w``'s device: chunks of :data:`CHUNK_WORDS` words (the last one shorter),
+    each chunk sum below 2**62, split into 32-bit limbs and summed again (the never-overflowing scheme of the
+    module doc).
+
+    The tail is its own shorter chunk: padding it to a whole chunk (before 2026-12-04) made a row of 512 words
+    (a 2 KiB payload) cost 32,768, and the CPU check of a 2,048-block load of such blocks took 1.09 s of
+    1.24 (2-core VM, ``benchmarks/loader_profile.py``)."""
     torch = _torch()
     m = 0xFFFFFFFF
     r, nw = w.shape
-    pad = (-nw) % CHUNK_WORDS
     idx = torch.arange(1, nw + 1, dtype=torch.int64, device=w.device)
-    if pad:
-        w = torch.cat([w, torch.zeros(r, pad, dtype=torch.int64, device=w.device)], dim=1)
-        idx = torch.cat([idx, torch.zeros(pad, dtype=torch.int64, device=w.device)])
-    w = w.view(r, -1, CHUNK_WORDS)
-    idx = idx.view(1, -1, CHUNK_WORDS)
-    lo = ((w & 0xFFFF) * idx).sum(dim=2)  # [r, chunks]
-    hi = ((w >> 16) * idx).sum(dim=2)
+    full = nw - nw % CHUNK_WORDS
+    los, his = [], []
+    if full:
+        wf = w[:, :full].reshape(r, -1, CHUNK_WORDS)
+        i = idx[:full].view(1, -1, CHUNK_WORDS)
+        los.append(((wf & 0xFFFF) * i).sum(dim=2))  # [r, chunks]
+        his.append(((wf >> 16) * i).sum(dim=2))
+    if full < nw:  # the tail: fewer than CHUNK_WORDS words, so its sums stay below 2**62 as well
+        wt, it = w[:, full:], idx[full:]
+        los.append(((wt & 0xFFFF) * it).sum(dim=1, keepdim=True))
+        his.append(((wt >> 16) * it).sum(dim=1, keepdim=True))
+    lo = los[0] if len(los) == 1 else torch.cat(los, dim=1)
+    hi = his[0] if len(his) == 1 else torch.cat(his, dim=1)
     return torch.stack([(lo & m).sum(1), (lo >> 32).sum(1), (hi & m).sum(1), (hi >> 32).sum(1)], dim=1)
 
 

@@ -24,9 +24,11 @@ def test_equals_reference_random(device, n):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_equals_reference_worst_case_overflow(device):
-    # all-ones words times large indices: every intermediate a naive int64 version would overflow
-    b = np.full(8 << 20, 0xFF, dtype=np.uint8)
+@pytest.mark.parametrize("nbytes", [8 << 20, (2 * CHUNK_WORDS + 777) * 4, 777 * 4], ids=["chunks", "tail", "short"])
+def test_equals_reference_worst_case_overflow(device, nbytes):
+    # all-ones words times large indices: every intermediate a naive int64 version would overflow; with a tail
+    # shorter than a chunk (its own chunk) and a payload shorter than one chunk
+    b = np.full(nbytes, 0xFF, dtype=np.uint8)
     ref = device_checksum(b.tobytes())
     assert ref != 0
     assert device_checksum_torch(torch.from_numpy(b).to(device)) == ref
