@@ -264,15 +264,21 @@ def _g3(tmp_path, **kw):
     return open_g3(tmp_path / "g3", NS, **kw)
 
 
+def _stored(pool, keys, seed):
+    """Random payloads (4 KiB aligned) put under ``keys`` in ``pool`` and flushed; returns them."""
+    pays = [aligned_empty(BPB) for _ in keys]
+    for p, q in zip(pays, _blocks(len(keys), seed=seed)):
+        p[:] = q
+    assert pool.put(keys, pays).result(timeout=30).written == len(keys)
+    pool.flush(timeout=30)
+    return pays
+
+
 def test_real_g3_pool_through_device_loader(tmp_path):
     pool = _g3(tmp_path)
     try:
         keys = NS.keys(range(200, 206), tenant="x")
-        pays = [aligned_empty(BPB) for _ in range(6)]
-        for p, q in zip(pays, _blocks(6, seed=11)):
-            p[:] = q
-        assert pool.put(keys, pays).result(timeout=30).written == 6
-        pool.flush(timeout=30)
+        pays = _stored(pool, keys, seed=11)
         ld = DeviceLoader(pool, LAYOUT, "cpu")
         dst = _dst(6)
         assert ld.load(keys, dst) == [True] * 6
@@ -316,11 +322,7 @@ def test_device_io_threads_size_the_kvikio_pool_of_a_cuda_load(tmp_path):
     pool = _g3(tmp_path, io_threads=3, device_io_threads=12, load_timeout_s=LOAD_S)
     try:
         keys = NS.keys(range(300, 308), tenant="x")
-        pays = [aligned_empty(BPB) for _ in range(8)]
-        for p, q in zip(pays, _blocks(8, seed=13)):
-            p[:] = q
-        assert pool.put(keys, pays).result(timeout=30).written == 8
-        pool.flush(timeout=30)
+        pays = _stored(pool, keys, seed=13)
         rd = pool.device_reader("cuda")
         assert rd.threads == 12
         if rd.mode in ("gds", "kvikio-compat"):
