@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on a lent GPU (benchmarks/README.md, "Running it on a lent GPU"): installs the wheels carried
 # in .whl/gpu into a scratch directory, then runs, each bounded so a slow part cannot eat the others' time:
-#   doctor (JSON), the GPU tests (tests/gpu, the worker's device path, layer-wise loads, G4 host path),
-#   the G4 host-side load bench (g4_load.json) and benchmarks/gpu_bench.py (gpu_bench-<device>.json).
+#   doctor (JSON), benchmarks/gpu_bench.py (gpu_bench-<device>.json; first, so a call cut short keeps it), the
+#   G4 host-side load bench (g4_load.json) and the GPU tests (tests/gpu, the worker's device path, layer-wise loads).
 # Everything lands in $OUT. Usage (repository root): bash benchmarks/gpu_run.sh [extra gpu_bench.py options]
 # Environment: TEST_S / G4_S / BENCH_S bound the parts (seconds; defaults 120 / 60 / 300; G4_S bounds each G4 run).
 set -u
@@ -16,9 +16,17 @@ python3 -m pip install -q --no-index --find-links $W --target $D xxhash pydantic
 export PYTHONPATH=$D:.
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 python3 -m kvbm_backend.apps.cli doctor --path /var/tmp --json > "$OUT/doctor.json" 2>&1 || true
-timeout "${TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/integrations/vllm/test_worker_device_path.py \
-  tests/pool/g3/test_g3_layerwise.py -rs --timeout 60 --durations 15 > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests rc=$?"; tail -12 "$OUT/gpu_tests.log"
+# the bench first: a call that runs out of device time still brings its JSON back
+timeout "${BENCH_S:-300}" python3 benchmarks/gpu_bench.py --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
+echo "gpu_bench rc=$?"; grep -E '^\[' "$OUT/bench.log" | tail -8
+python3 - "$OUT" <<'EOF'
+import glob, json, sys
+for f in glob.glob(sys.argv[1] + "/gpu_bench-*.json"):
+    d = json.load(open(f))
+    for k, v in sorted(d.get("goals", {}).items()):
+        print(f"{k}: {v}")
+    print("errors:", d.get("errors"))
+EOF
 timeout "${G4_S:-60}" python3 -m kvbm_backend.apps.bench.g4_load --threads 4,8,16 --blocks 512 --rounds 2 --json \
   > "$OUT/g4_load.json" 2> "$OUT/g4_load.err"
 echo "g4_load rc=$?"
@@ -36,13 +44,6 @@ if command -v perf > /dev/null; then
 else
   echo "gil_handoffs: perf not installed here"
 fi
-timeout "${BENCH_S:-300}" python3 benchmarks/gpu_bench.py --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
-echo "gpu_bench rc=$?"; grep -E '^\[' "$OUT/bench.log" | tail -8
-python3 - "$OUT" <<'EOF'
-import glob, json, sys
-for f in glob.glob(sys.argv[1] + "/gpu_bench-*.json"):
-    d = json.load(open(f))
-    for k, v in sorted(d.get("goals", {}).items()):
-        print(f"{k}: {v}")
-    print("errors:", d.get("errors"))
-EOF
+timeout "${TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/integrations/vllm/test_worker_device_path.py \
+  tests/pool/g3/test_g3_layerwise.py -rs --timeout 60 --durations 15 > "$OUT/gpu_tests.log" 2>&1
+echo "gpu tests rc=$?"; tail -12 "$OUT/gpu_tests.log"
