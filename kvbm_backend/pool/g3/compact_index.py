@@ -44,7 +44,7 @@ with :meth:`~.compact_table.HashTable.find_many`.
 Modules: this one holds the API over parts the index owns, each owning its state: :mod:`.compact_entries`
 the entry arrays, :mod:`.compact_table` the hash table, :mod:`.compact_lru` the LRU log,
 :mod:`.compact_owners` the owners, :class:`.index.SlotPins` the read pins; :mod:`.compact_restore` the bulk
-warm-restart builds (functions of those parts).
+warm-restart builds (functions of those parts); :mod:`.compact_items` the snapshot :meth:`items` returns.
 
 Not thread-safe: the pool holds its lock around every call. A table grow rebuilds the table in one
 call (seconds at 10M entries: ``table_grow_s`` of the bench); the pool avoids it with :meth:`reserve`
@@ -53,26 +53,27 @@ at open. Entry capacity growth copies the arrays (a memcpy).
 from __future__ import annotations
 
 from array import array
-from typing import Any, Iterable, Iterator, Mapping, Sequence, cast
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from ...model.mix64 import M64 as _M64
-from ...model.namespace import BlockKey, KeyRun, key_columns
+from ...model.namespace import BlockKey, DigestKey, KeyRun, key_columns
 from .compact_entries import I64, Entries
+from .compact_items import Items, live_owners
 from .compact_lru import LruLog
 from .compact_owners import KNOWN, OWNER_SLACK, Owners  # noqa: F401  (OWNER_SLACK: re-exported)
 from .compact_restore import restore_columns, restore_pairs
-from .compact_table import _LOAD, _MIN_TAB_BITS, _U, U64, HashTable
+from .compact_table import _LOAD, _MIN_TAB_BITS, _U, HashTable
 from .entry import SCALAR_LOOKUP_KEYS
 from .index import SlotPins, TagKey, tag_of
-from .journal_columns import JournalColumns
 
 Slot = tuple[int, int]
 
 RESERVE_MAX = 1 << 26  # reserve() sizes the table for at most 64M entries (1 GiB of address space)
 FIRST_CHUNK = 512  # lookup_prefix: keys read and probed first (a miss among them ends the lookup there)
+_RUN_TYPES = frozenset({BlockKey, DigestKey})  # get_many: key types probed in one batch (a TagKey: key by key)
 
 
 def _prefix(code: str, col: Sequence[int], dtype: type) -> npt.NDArray[Any]:
@@ -100,49 +101,6 @@ def _check(key: "BlockKey | TagKey", slot: Slot) -> None:
         raise ValueError(f"index: rank {key.rank}, seq_hash {key.seq_hash}, slot {slot} outside the journal's field "
                          f"widths (rank, slot < 2**32; file < 2**16; seq_hash < 2**64)")
 
-
-def _live_owners(owners: Owners) -> tuple[list[tuple[str, bytes]], list[str]]:
-    """``owners.pairs`` and ``owners.tenants`` as read for live entries: a live entry's owner id is never
-    collected (its pair is not None: :meth:`CompactLruIndex._gc_owners` counts live entries), and an entry
-    not flagged as a tag entry has its tenant known (put or adopted by a BlockKey, or the known ``""``).
-    Typed so once per batch instead of a check per entry (millions at a journal rewrite)."""
-    return cast(list[tuple[str, bytes]], owners.pairs), cast(list[str], owners.tenants)
-
-
-class _Items:
-    """Snapshot of (key, slot) pairs, oldest first (arrays copied at creation; keys made lazily)."""
-
-    def __init__(self, owners: list[tuple[str, bytes]], tenants: list[str], own: npt.NDArray[np.int32],
-                 rank: npt.NDArray[np.uint32], seq: U64, file: npt.NDArray[np.uint16], slot: npt.NDArray[np.uint32],
-                 flag: npt.NDArray[np.uint8]) -> None:
-        self._owners, self._tenants = owners, tenants
-        self._a: tuple[npt.NDArray[Any], ...] = (own, rank, seq, file, slot, flag)
-
-    def __len__(self) -> int:
-        return len(self._a[0])
-
-    def __iter__(self) -> Iterator[tuple["BlockKey | TagKey", Slot]]:
-        owners, tenants = self._owners, self._tenants
-        n = len(self)
-        for c0 in range(0, n, 65536):
-            cols = [a[c0:c0 + 65536].tolist() for a in self._a]
-            for o, r, s, f, sl, fl in zip(*cols):
-                ns, tag = owners[o]
-                if fl:
-                    yield TagKey(ns, tag, r, s), (f, sl)
-                else:
-                    yield BlockKey(ns, tenants[o], r, s), (f, sl)
-
-    def __getitem__(self, i: int) -> tuple["BlockKey | TagKey", Slot]:
-        return list(self)[i]
-
-    def columns(self) -> JournalColumns:
-        """The snapshot as journal columns (tenant tags, ranks, sequence hashes, files, slots), oldest first:
-        what a journal rewrite encodes, without a key object per entry."""
-        own, rank, seq, file, slot, _flag = self._a
-        otags = np.frombuffer(b"".join(p[1] if p is not None else bytes(16) for p in self._owners), np.uint8)
-        return JournalColumns(otags.reshape(-1, 16)[own], rank.astype(np.uint32), seq.astype(np.uint64),
-                              file.astype(np.uint16), slot.astype(np.uint32))
 
 
 class CompactLruIndex:
@@ -192,6 +150,10 @@ class CompactLruIndex:
     def pin(self, slot: Slot) -> None:
         """A reader holds ``slot``: no eviction picks it, and its free waits for the last :meth:`unpin`."""
         self._pins.pin(slot)
+
+    def pin_many(self, slots: Iterable[Slot]) -> None:
+        """:meth:`pin` of each slot (a repeated slot is pinned as often)."""
+        self._pins.pin_many(slots)
 
     def unpin(self, slot: Slot) -> Slot | None:
         """Returns the slot if it must be freed now (it was removed while pinned)."""
@@ -428,12 +390,64 @@ class CompactLruIndex:
             self.touches += 1
         return m
 
-    def items(self) -> _Items:
+    def get_many(self, keys: Sequence[BlockKey], namespace: str | None = None) -> list[Slot | None]:
+        """``[get(k, touch=True) for k in keys]`` (None, not looked up, for a key of another ``namespace`` when
+        given) with exactly that loop's effects: found entries become most recently used in key order (a repeated
+        key at its last place), tag entries are adopted, :attr:`touches` grows as much. More than
+        ``SCALAR_LOOKUP_KEYS`` BlockKeys of one namespace, tenant and rank with int seq hashes (a load's keys)
+        are probed in one :meth:`~.compact_table.HashTable.find_run`; other lists go key by key (raising what
+        ``get`` raises for a non-key). Returns one (file, slot) or None (absent, foreign) per key, in order."""
+        if len(keys) > SCALAR_LOOKUP_KEYS:
+            got = self._get_run(keys, namespace)
+            if got is not None:
+                return got
+        get = self.get
+        return [get(k, touch=True) if namespace is None or k.namespace == namespace else None for k in keys]
+
+    def _get_run(self, keys: Sequence[BlockKey], namespace: str | None) -> list[Slot | None] | None:
+        """:meth:`get_many` of keys of one (namespace, tenant, rank) in one batch, or None (nothing done) for
+        other keys: a TagKey, mixed columns, a rank or seq hash that is no int in the journal's range."""
+        n = len(keys)
+        if not set(map(type, keys)) <= _RUN_TYPES:
+            return None
+        ns_col, ten_col, rank_col, seq_col = key_columns(keys)
+        ns0, t0, r0 = ns_col[0], ten_col[0], rank_col[0]
+        if (ns_col.count(ns0) != n or ten_col.count(t0) != n or rank_col.count(r0) != n or type(t0) is not str
+                or set(map(type, rank_col)) != {int} or set(map(type, seq_col)) != {int} or not 0 <= r0 <= _M64 >> 32):
+            return None
+        seq = _prefix("Q", seq_col, _U)
+        if len(seq) < n:  # a seq hash outside [0, 2**64): key by key (no entry has it)
+            return None
+        if namespace is not None and ns0 != namespace:
+            return [None] * n
+        res = self._table.find_run(self._owner_of(keys[0])[0], r0, seq)  # owner -1 (unknown): all absent
+        hit = np.flatnonzero(res >= 0)
+        m = len(hit)
+        if not m:
+            return [None] * n
+        es = res if m == n else res[hit]
+        ent = self._ent
+        fl = ent.flag[es]
+        adopted = 0
+        if fl.any():  # tag entries adopted (the loop's first get of each; their owner learned the tenant above)
+            adopted = len(np.unique(es[fl != 0]))
+            ent.flag[es] = 0
+        self._lru.touch_many(es)  # in key order: the loop's touches leave the same live order
+        self.touches += m + adopted
+        slots: list[Slot | None] = list(zip(ent.file[es].tolist(), ent.slot[es].tolist()))
+        if m == n:
+            return slots
+        out: list[Slot | None] = [None] * n
+        for i, sl in zip(hit.tolist(), slots):
+            out[i] = sl
+        return out
+
+    def items(self) -> Items:
         """Snapshot of (key, slot) oldest first (an iterable with ``len``); restored keys whose tenant was
         not seen yet are :class:`TagKey`."""
         es, ent = self._lru.live(), self._ent
-        pairs, tenants = _live_owners(self._owners)
-        return _Items(list(pairs), list(tenants), ent.own[es], ent.rank[es],
+        pairs, tenants = live_owners(self._owners)
+        return Items(list(pairs), list(tenants), ent.own[es], ent.rank[es],
                       ent.seq[es], ent.file[es], ent.slot[es], ent.flag[es])
 
     def identity(self, key: "BlockKey | TagKey", slot: Slot | None = None) -> tuple[bytes, int, int] | None:
@@ -490,7 +504,7 @@ class CompactLruIndex:
                 self._free_entry(e, self._table.cell_of(e))
                 out.append((key, s))
         else:  # many: keys made from column lists, table cells emptied in one vectorised pass
-            owners, tenants = _live_owners(self._owners)
+            owners, tenants = live_owners(self._owners)
             for o, r, q, fl, f, sl in zip(ent.own[vs].tolist(), ent.rank[vs].tolist(), ent.seq[vs].tolist(),
                                           ent.flag[vs].tolist(), ent.file[vs].tolist(), ent.slot[vs].tolist()):
                 ns, tag = owners[o]

@@ -98,6 +98,13 @@ class SlotPins:
     def pin(self, slot: Slot) -> None:
         self._pins[slot] = self._pins.get(slot, 0) + 1
 
+    def pin_many(self, slots: Iterable[Slot]) -> None:
+        """:meth:`pin` of each slot (a repeated slot is pinned as often)."""
+        pins = self._pins
+        get = pins.get
+        for slot in slots:
+            pins[slot] = get(slot, 0) + 1
+
     def unpin(self, slot: Slot) -> Slot | None:
         """Returns the slot if it must be freed now (it was removed while pinned)."""
         n = self._pins.get(slot, 0) - 1
@@ -141,6 +148,10 @@ class LruIndex:
         """A reader holds ``slot``: no eviction picks it, and its free waits for the last :meth:`unpin`."""
         self._pins.pin(slot)
 
+    def pin_many(self, slots: Iterable[Slot]) -> None:
+        """:meth:`pin` of each slot (a repeated slot is pinned as often)."""
+        self._pins.pin_many(slots)
+
     def unpin(self, slot: Slot) -> Slot | None:
         """Returns the slot if it must be freed now (it was removed while pinned)."""
         return self._pins.unpin(slot)
@@ -180,6 +191,11 @@ class LruIndex:
             self._map.move_to_end(key)
             self.touches += 1
         return s
+
+    def get_many(self, keys: Iterable[BlockKey], namespace: str | None = None) -> list[Slot | None]:
+        """``[get(k, touch=True) for k in keys]``, None (not looked up) for a key of another ``namespace`` when
+        given (the compact index's batch, key by key)."""
+        return [self.get(k, touch=True) if namespace is None or k.namespace == namespace else None for k in keys]
 
     def put(self, key: BlockKey, slot: Slot) -> None:
         if self._tagged > 0 and self._map.pop(TagKey(key.namespace, tag_of(key.tenant), key.rank, key.seq_hash),

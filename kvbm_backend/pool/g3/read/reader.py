@@ -119,25 +119,22 @@ class G3Reader:
 
     # ---- SlotLeaseSource: in-place reads by the device and layer-wise loaders ---------------------
     def lease(self, keys: Sequence[BlockKey], timeout_s: float | None = None) -> list[SlotLease | None]:
-        """See ``G3Pool.lease`` (TimeoutError: the lock stayed busy ``timeout_s`` s; nothing pinned, counted)."""
+        """See ``G3Pool.lease`` (TimeoutError: the lock stayed busy ``timeout_s`` s; nothing pinned, counted).
+
+        The slots are found (and made most recently used, tag entries adopted) by one
+        :meth:`~..compact_index.CompactLruIndex.get_many`: a load's keys (one namespace, tenant and rank) in one
+        vectorised probe, other lists key by key; a key of another namespace is absent."""
         cat = self.cat
-        out: list[SlotLease | None] = []
-        absent = 0
         if not cat.lock.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
             cat.miss_unlocked("timeout", len(keys))
             raise TimeoutError(f"G3: lease of {len(keys)} slots: the pool's lock stayed busy {timeout_s:.3g} s "
                                "(another thread's journal I/O)")
         try:
-            get, pin, files = cat.index.get, cat.index.pin, cat.slabs.by_index
-            sb = cat.slot_bytes
-            for k in keys:
-                slot = get(k, touch=True) if k.namespace == cat.fp else None
-                if slot is None:
-                    out.append(None)
-                    absent += 1
-                    continue
-                pin(slot)
-                out.append(SlotLease(k, files[slot[0]].path, slot[1] * sb, sb, slot))
+            slots = cat.index.get_many(keys, cat.fp)
+            absent = slots.count(None)
+            cat.index.pin_many(cast("list[Slot]", slots) if not absent else [s for s in slots if s is not None])
+            files, sb = cat.slabs.by_index, cat.slot_bytes
+            out = [None if s is None else SlotLease(k, files[s[0]].path, s[1] * sb, sb, s) for k, s in zip(keys, slots)]
             if absent:
                 cat.miss("absent", absent)
         finally:
