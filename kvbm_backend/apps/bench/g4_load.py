@@ -13,8 +13,9 @@ host-to-device copies) and ``get`` (``G4Pool.get``: bounce buffer, verify, copy;
 way before). Every block is verified by the pool and
 compared with what was written. Reports, per mode and N: ``gbps`` (payload GB/s, GB = 1e9 bytes),
 ``cpu_s_per_gb`` (this process's user+system CPU, all threads, per GB loaded), ``cores_busy``
-(CPU seconds per wall second) and ``minflt_per_block`` (minor page faults per block loaded: a
-payload-sized buffer allocated per block would show as ~512 per 2 MiB block) under ``results[path][mode][N]``, and ``encrypted_over_plain[path][N]``. The page cache of a tmpfs store is
+(CPU seconds per wall second), ``minflt_per_block`` (minor page faults per block loaded: a
+payload-sized buffer allocated per block would show as ~512 per 2 MiB block) and ``vcsw_per_block`` (voluntary
+context switches per block: a thread that sleeps waiting for the GIL, a lock or a queue counts one) under ``results[path][mode][N]``, and ``encrypted_over_plain[path][N]``. The page cache of a tmpfs store is
 the store itself, so nothing is dropped between rounds.
 
 ``--engine-busy F`` (0 < F <= 1) also measures the ``staged`` loads with an engine's step loop stepping in
@@ -42,10 +43,10 @@ from kvbm_backend.model.namespace import Namespace
 from kvbm_backend.model.presets import load_preset
 
 
-def _cpu() -> tuple[float, int]:
-    """(user + system CPU seconds, minor page faults) of this process so far."""
+def _cpu() -> tuple[float, int, int]:
+    """(user + system CPU seconds, minor page faults, voluntary context switches) of this process so far."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime, r.ru_minflt
+    return r.ru_utime + r.ru_stime, r.ru_minflt, r.ru_nvcsw
 
 
 def run(directory: str = "/dev/shm", blocks: int = 256, layout: str = "llama-3.1-8b", threads=(1, 2, 4, 8),
@@ -136,24 +137,24 @@ def _busy(out: dict, fraction: float, switch_ms, mode: str, base, ns, threads, k
 def _measure(pool, path: str, keys, rows, staging, src, rounds: int) -> dict:
     """Best of ``rounds`` loads of every key into ``rows`` through ``path``; closes ``pool``."""
     blocks = len(keys)
-    best: tuple[float, float, int] | None = None
+    best: tuple[float, float, int, int] | None = None
     with pool as p:
         for _ in range(rounds):
             staging[:] = 0
-            (c0, f0), t0 = _cpu(), time.perf_counter()
+            (c0, f0, v0), t0 = _cpu(), time.perf_counter()
             if path == "staged":
                 ok = p.get_staged(list(keys), rows).future.result().ok
             else:
                 ok = p.get(list(keys), rows).result().ok
-            wall, (c1, f1) = time.perf_counter() - t0, _cpu()
+            wall, (c1, f1, v1) = time.perf_counter() - t0, _cpu()
             if not all(ok) or not np.array_equal(staging, src):
                 raise RuntimeError(f"g4_load: {path}: {sum(ok)} of {blocks} verified; {p.stats()}")
             if best is None or wall < best[0]:
-                best = (wall, c1 - c0, f1 - f0)
+                best = (wall, c1 - c0, f1 - f0, v1 - v0)
     gb = staging.nbytes / 1e9
     assert best is not None  # rounds >= 1 (run checks it)
     return {"gbps": gb / best[0], "cpu_s_per_gb": best[1] / gb, "cores_busy": best[1] / best[0],
-            "minflt_per_block": best[2] / blocks}
+            "minflt_per_block": best[2] / blocks, "vcsw_per_block": best[3] / blocks}
 
 
 def main(argv=None) -> int:
@@ -198,7 +199,8 @@ def main(argv=None) -> int:
             for mode, res in modes.items():
                 for n, r in res.items():
                     print(f"{path:6s} {mode:9s} N={n:>2s}  {r['gbps']:6.2f} GB/s  {r['cpu_s_per_gb']:5.2f} CPU-s/GB  "
-                          f"{r['cores_busy']:4.1f} cores  {r['minflt_per_block']:5.1f} faults/block")
+                          f"{r['cores_busy']:4.1f} cores  {r['minflt_per_block']:5.1f} faults/block  "
+                          f"{r['vcsw_per_block']:4.2f} sleeps/block")
             print(f"{path}: encrypted / plain", {n: round(v, 2) for n, v in d["encrypted_over_plain"][path].items()})
         eb = d.get("engine_busy")
         if eb:

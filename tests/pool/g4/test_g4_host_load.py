@@ -190,6 +190,7 @@ def test_g4_load_bench_reports_both_modes_paths_and_thread_counts(tmp_path, caps
             for n in ("1", "2"):
                 r = d["results"][path][mode][n]
                 assert r["gbps"] > 0 and r["cpu_s_per_gb"] > 0 and r["cores_busy"] > 0 and r["minflt_per_block"] >= 0
+                assert r["vcsw_per_block"] >= 0  # voluntary context switches per block (sleeps on the GIL, locks)
         assert set(d["encrypted_over_plain"][path]) == {"1", "2"}
     assert d["blocks"] == 6 and os.listdir(tmp_path) == []  # its store is removed afterwards
     assert g4_load.main(["--dir", str(tmp_path / "nope"), "--blocks", "2"]) == 2
