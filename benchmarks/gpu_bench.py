@@ -251,7 +251,10 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
 
     ``sweep``: on storages faster than 5 GB/s, also load through the worker with the device reader's
     pipeline knobs varied (passes in flight, staging bytes per pass, bytes per read), to
-    choose the defaults; recorded under ``sweep``.
+    choose the defaults; recorded under ``sweep``. With ``sweep`` on such storages (and on the CPU smoke run), G4 is
+    also loaded at each ``g4.max_inflight`` of :data:`G4_INFLIGHT_SWEEP` (``g4_inflight_sweep``); the headline G4
+    loads run at the config's default (64 before 2026-12-04 evening: more I/O threads than a 16-core host's GIL-bound
+    per-block Python gains from, ``g4_load`` reached 10.2 GB/s at 8 threads, 7.5 at 16).
 
     ``device_checksum``: the worker's setting for the saved frames (``"on"``: what ``auto`` does on a CUDA
     engine; ``"auto"`` on the CPU: what a CPU engine runs, xxh3 checked on the host). Each load's minor page
@@ -268,7 +271,6 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
 
     import torch
     from kvbm_backend.config import G3Config, G4Config
-    from kvbm_backend.pool.g4.pool import G4Pool
     from kvbm_backend.integrations.vllm.kv_io import EngineKv
     from kvbm_backend.integrations.vllm.metadata import SaveJob
     from kvbm_backend.integrations.vllm.worker_side import WorkerSide
@@ -410,46 +412,22 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
                 w.shutdown()
                 g3.close()
         shutil.rmtree(g3dir, ignore_errors=True)
-        # G4 on the same storage: encrypted vs not, through the worker (host decrypt + one H2D copy)
+        # G4 on the same storage: encrypted vs not, through the worker (host decrypt + one H2D copy), at the
+        # config's g4.max_inflight (what users run); --sweep on fast storage (or the CPU smoke): other values too
         m = max(4, int(n * g4_fraction))
+        g4_sweep = G4_INFLIGHT_SWEEP if sweep and (storage > 5 or device == "cpu") else ()
         for enc in (False, True):
             g4dir = os.path.join(wd, "kvbm-g4")
             shutil.rmtree(g4dir, ignore_errors=True)
-            cfg4 = G4Config(enabled=True, url=f"file://{g4dir}", encrypt=enc, timeout_s=120, max_inflight=64,
-                            keyring={"path": os.path.join(wd, "kvbm-keys", "keyring.json")})
-            g4 = G4Pool(cfg4, ns)
-            w = WorkerSide(ns, 0, None, g4, load_timeout_s=600)
             try:
-                w.register(kv)
-                for a in range(0, m, SAVE_JOB_BLOCKS):
-                    w.save([SaveJob("save", ids[a:min(m, a + SAVE_JOB_BLOCKS)], seqs[a:min(m, a + SAVE_JOB_BLOCKS)],
-                                    "bench")])
-                    w.flush_saves(600)
-                    g4.flush(600)
-                # as for G3: the first load also allocates the pinned staging and starts the pool's read
-                # threads (reported on its own); the rate is the median of the loads after it
-                times, cpus, faults, errs_all, ok_all = [], [], [], 0, True
-                for _ in range(1 + LOAD_REPEATS):
-                    clear(ids[:m])
-                    _drop_dir_cache(g4dir)
-                    c0, f0 = _cpu_s(), _minflt()
-                    dt, errs = _load_through_worker(w, ids[:m], seqs[:m], ["G4"] * m)
-                    cpus.append(_cpu_s() - c0)
-                    faults.append(_minflt() - f0)
-                    times.append(dt)
-                    errs_all += len(errs)
-                    ok_all = ok_all and same(ids[:m]) and not errs
-                dt = statistics.median(times[1:])
-                so[f"g4_{'encrypted' if enc else 'plain'}"] = {
-                    "blocks": m, "seconds": round(dt, 4), "GBps_payload": round(m * bpb / dt / 1e9, 2),
-                    "first_load_s": round(times[0], 4), "first_load_GBps": round(m * bpb / times[0] / 1e9, 2),
-                    "loads_s": [round(t, 4) for t in times], "page_faults_per_load": faults,
-                    "cpu_cores": round(statistics.median(cpus[1:]) / dt, 2),
-                    "cpu_s_per_gb": round(statistics.median(cpus[1:]) / (m * bpb / 1e9), 3),
-                    "load_errors": errs_all, "bytes_ok": ok_all, "g4_stats": _g4_load_stats(g4)}
+                name = f"g4_{'encrypted' if enc else 'plain'}"
+                so[name] = _g4_loads(ns, kv, g4dir, os.path.join(wd, "kvbm-keys", "keyring.json"), enc,
+                                     G4Config().max_inflight, ids[:m], seqs[:m], bpb, clear, same, save=True)
+                for inflight in g4_sweep:
+                    so.setdefault("g4_inflight_sweep", {}).setdefault(name, []).append(_g4_loads(
+                        ns, kv, g4dir, os.path.join(wd, "kvbm-keys", "keyring.json"), enc, inflight, ids[:m],
+                        seqs[:m], bpb, clear, same, save=False))
             finally:
-                w.shutdown()
-                g4.close()
                 shutil.rmtree(g4dir, ignore_errors=True)
         shutil.rmtree(os.path.join(wd, "kvbm-keys"), ignore_errors=True)
         pe, pp = so["g4_encrypted"]["GBps_payload"], so["g4_plain"]["GBps_payload"]
@@ -459,6 +437,55 @@ def bench_connector_load(res: dict, workdirs: list[str], nbytes: int, device: st
     if h2d:
         out["ratio_best_vs_pinned_h2d"] = round(best / h2d, 3)
     res["connector_load"] = out
+
+
+G4_INFLIGHT_SWEEP = (4, 8, 16, 32, 64)  # g4.max_inflight values --sweep loads G4 with (fast storage, CPU smoke)
+
+
+def _g4_loads(ns, kv, g4dir: str, keyring: str, enc: bool, max_inflight: int, ids, seqs, bpb: int, clear, same,
+              save: bool) -> dict:
+    """G4 loads of ``ids``/``seqs`` through the worker (:class:`WorkerSide`, G4 only) from a file store at ``g4dir``
+    with ``g4.max_inflight`` = ``max_inflight``; ``save``: the blocks are saved through the worker first (else
+    the store holds them from an earlier call). The first load also allocates the pinned staging and starts the
+    pool's read threads (reported on its own); the rate is the median of the :data:`LOAD_REPEATS` loads after it.
+    Returns the measurement's dict (``GBps_payload``, ``cpu_cores``, ``bytes_ok``, ...)."""
+    from kvbm_backend.config import G4Config
+    from kvbm_backend.integrations.vllm.metadata import SaveJob
+    from kvbm_backend.integrations.vllm.worker_side import WorkerSide
+    from kvbm_backend.pool.g4.pool import G4Pool
+    m = len(ids)
+    cfg4 = G4Config(enabled=True, url=f"file://{g4dir}", encrypt=enc, timeout_s=120, max_inflight=max_inflight,
+                    keyring={"path": keyring})
+    g4 = G4Pool(cfg4, ns)
+    w = WorkerSide(ns, 0, None, g4, load_timeout_s=600)
+    try:
+        w.register(kv)
+        for a in range(0, m if save else 0, SAVE_JOB_BLOCKS):
+            w.save([SaveJob("save", ids[a:a + SAVE_JOB_BLOCKS], seqs[a:a + SAVE_JOB_BLOCKS], "bench")])
+            w.flush_saves(600)
+            g4.flush(600)
+        times, cpus, faults, errs_all, ok_all = [], [], [], 0, True
+        for _ in range(1 + LOAD_REPEATS):
+            clear(ids)
+            _drop_dir_cache(g4dir)
+            c0, f0 = _cpu_s(), _minflt()
+            dt, errs = _load_through_worker(w, ids, seqs, ["G4"] * m)
+            cpus.append(_cpu_s() - c0)
+            faults.append(_minflt() - f0)
+            times.append(dt)
+            errs_all += len(errs)
+            ok_all = ok_all and same(ids) and not errs
+        dt = statistics.median(times[1:])
+        return {"blocks": m, "max_inflight": max_inflight, "seconds": round(dt, 4),
+                "GBps_payload": round(m * bpb / dt / 1e9, 2),
+                "first_load_s": round(times[0], 4), "first_load_GBps": round(m * bpb / times[0] / 1e9, 2),
+                "loads_s": [round(t, 4) for t in times], "page_faults_per_load": faults,
+                "cpu_cores": round(statistics.median(cpus[1:]) / dt, 2),
+                "cpu_s_per_gb": round(statistics.median(cpus[1:]) / (m * bpb / 1e9), 3),
+                "load_errors": errs_all, "bytes_ok": ok_all, "g4_stats": _g4_load_stats(g4)}
+    finally:
+        w.shutdown()
+        g4.close()
 
 
 ENGINE_BUSY_BLOCKS = 256  # blocks per load beside the busy engine (at 5 ms a 4 GiB load took 70 s on an H100)
@@ -704,7 +731,7 @@ def main(argv=None) -> int:
         res: dict = {"device": "cpu (smoke)", "errors": {}}
         wd = a.workdir or tempfile.mkdtemp(prefix="kvbm-gpu-bench-")
         bench_connector_load(res, [wd], int(a.file_gib * GIB), device="cpu", device_checksum=a.device_checksum,
-                             engine_busy=a.engine_busy)
+                             engine_busy=a.engine_busy, sweep=a.sweep)
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "gpu_bench-smoke-cpu.json"), "w") as fh:
             json.dump(res, fh, indent=2, sort_keys=True)

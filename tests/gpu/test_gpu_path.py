@@ -585,7 +585,7 @@ def _bench(*args, tmp_path):
 
 def test_gpu_bench_connector_section_runs_on_cpu(tmp_path):
     import json
-    r = _bench("--smoke-cpu", "--file-gib", "0.02", "--workdir", str(tmp_path), "--engine-busy", "1.0",
+    r = _bench("--smoke-cpu", "--file-gib", "0.02", "--workdir", str(tmp_path), "--engine-busy", "1.0", "--sweep",
                tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "gpu_bench-smoke-cpu.json").read_text())["connector_load"]
@@ -612,6 +612,13 @@ def test_gpu_bench_connector_section_runs_on_cpu(tmp_path):
         assert g4["g4_stats"]["hits"] == 4 * m and g4["g4_stats"]["misses"] == 0 and g4["cpu_s_per_gb"] > 0
     assert all(so["corrupt_check"].values()), so["corrupt_check"]
     assert so["g4_plain"]["bytes_ok"] and so["g4_encrypted"]["bytes_ok"]
+    from kvbm_backend.config import G4Config  # the headline G4 loads run at what users run: the config's default
+    assert so["g4_plain"]["max_inflight"] == so["g4_encrypted"]["max_inflight"] == G4Config().max_inflight
+    for name in ("g4_plain", "g4_encrypted"):  # --sweep: G4 loaded again at each g4.max_inflight of the sweep
+        sw = so["g4_inflight_sweep"][name]
+        assert [x["max_inflight"] for x in sw] == [4, 8, 16, 32, 64]
+        assert all(x["bytes_ok"] and x["load_errors"] == 0 and x["GBps_payload"] > 0 for x in sw)
+        assert all(x["g4_stats"]["hits"] == 4 * x["blocks"] and x["g4_stats"]["misses"] == 0 for x in sw)
     assert so["raw_read_GBps"] > 0 and res["best_GBps_payload"] > 0
 
 
